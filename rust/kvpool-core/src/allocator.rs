@@ -1,0 +1,364 @@
+//! The allocator state and its mutating operations (open, extend, truncate,
+//! close, reset). Queries live in `queries.rs`, invariants in `check.rs`.
+
+use crate::error::{HandleProblem, PoolError, Result};
+use crate::handle::{handle_generation, handle_row, make_handle, next_generation};
+
+/// `owner` value of a page on the free stack.
+pub(crate) const FREE: u32 = u32::MAX;
+/// `owner` value of page 0, the padding sink that is never handed out.
+pub(crate) const RESERVED: u32 = u32::MAX - 1;
+
+/// Per-row request state. A closed row keeps its page Vec's capacity so the
+/// next request on that row does not reallocate (bounded by max_context_len).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Request {
+    pub(crate) generation: u32,
+    pub(crate) open: bool,
+    pub(crate) len: usize,
+    pub(crate) pages: Vec<u32>,
+}
+
+/// Per-request token counts (or target lengths) of a batch call: one value
+/// broadcast to every handle, or one value per handle.
+#[derive(Debug, Clone, Copy)]
+pub enum Counts<'a> {
+    Each(i64),
+    PerRequest(&'a [i64]),
+}
+
+impl Counts<'_> {
+    #[inline]
+    pub fn get(&self, i: usize) -> i64 {
+        match self {
+            Counts::Each(c) => *c,
+            Counts::PerRequest(v) => v[i],
+        }
+    }
+
+    fn check_len(&self, what: &str, n: usize) -> Result<()> {
+        match self {
+            Counts::PerRequest(v) if v.len() != n => Err(PoolError::InvalidArgument(format!(
+                "{what} has {} entries but there are {n} handles; pass one per handle or a single int",
+                v.len()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SlotAllocator {
+    pub(crate) page_size: usize,
+    pub(crate) num_pages: usize,
+    pub(crate) max_requests: usize,
+    pub(crate) max_context_len: usize,
+    /// Owner row of every page, or FREE / RESERVED.
+    pub(crate) owner: Vec<u32>,
+    /// Free pages; the top (end) is handed out next.
+    pub(crate) free_pages: Vec<u32>,
+    pub(crate) requests: Vec<Request>,
+    /// Closed rows; the top (end) is opened next.
+    pub(crate) free_rows: Vec<u32>,
+    /// Per-row stamp of the batch that last named it: finds duplicate handles
+    /// in a batch in O(batch) without clearing a set each call.
+    pub(crate) stamp: Vec<u32>,
+    pub(crate) epoch: u32,
+    pub(crate) open_count: usize,
+}
+
+impl SlotAllocator {
+    /// `num_pages` includes the reserved page 0, so `num_pages - 1` pages are usable.
+    pub fn new(
+        num_pages: usize,
+        page_size: usize,
+        max_requests: usize,
+        max_context_len: usize,
+    ) -> Result<Self> {
+        let bad = |m: String| Err(PoolError::InvalidArgument(m));
+        if page_size == 0 {
+            return bad("page_size must be >= 1".into());
+        }
+        if num_pages == 0 || num_pages > i32::MAX as usize {
+            return bad(format!(
+                "num_pages must be in [1, {}] (it includes the reserved page 0), got {num_pages}",
+                i32::MAX
+            ));
+        }
+        match num_pages.checked_mul(page_size) {
+            Some(s) if s <= i64::MAX as usize => {}
+            _ => return bad(format!("num_pages * page_size = {num_pages} * {page_size} overflows")),
+        }
+        if max_requests == 0 || max_requests > i32::MAX as usize {
+            return bad(format!(
+                "max_requests must be in [1, {}], got {max_requests}",
+                i32::MAX
+            ));
+        }
+        if max_context_len == 0 || max_context_len > i32::MAX as usize {
+            return bad(format!(
+                "max_context_len must be in [1, {}], got {max_context_len}",
+                i32::MAX
+            ));
+        }
+        let mut owner = vec![FREE; num_pages];
+        owner[0] = RESERVED;
+        // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
+        let free_pages: Vec<u32> = (1..num_pages as u32).rev().collect();
+        let free_rows: Vec<u32> = (0..max_requests as u32).rev().collect();
+        Ok(Self {
+            page_size,
+            num_pages,
+            max_requests,
+            max_context_len,
+            owner,
+            free_pages,
+            requests: vec![Request::default(); max_requests],
+            free_rows,
+            stamp: vec![0; max_requests],
+            epoch: 0,
+            open_count: 0,
+        })
+    }
+
+    /// Pages needed to hold `len` tokens.
+    #[inline]
+    pub(crate) fn pages_for(&self, len: usize) -> usize {
+        len.div_ceil(self.page_size)
+    }
+
+    /// Row of an open request, or why `handle` does not name one.
+    #[inline]
+    pub(crate) fn resolve(&self, handle: i64) -> Result<usize> {
+        let row = handle_row(handle) as usize;
+        let generation = handle_generation(handle);
+        if handle < 0 || row >= self.max_requests || generation == 0 {
+            return Err(PoolError::InvalidHandle { handle, problem: HandleProblem::Unknown });
+        }
+        let req = &self.requests[row];
+        if req.generation != generation {
+            // A generation the row has not reached yet was never issued.
+            let problem = if generation < req.generation {
+                HandleProblem::Stale
+            } else {
+                HandleProblem::Unknown
+            };
+            return Err(PoolError::InvalidHandle { handle, problem });
+        }
+        if !req.open {
+            return Err(PoolError::InvalidHandle { handle, problem: HandleProblem::Closed });
+        }
+        Ok(row)
+    }
+
+    /// Starts a batch for duplicate detection with [`Self::resolve_unique`].
+    pub(crate) fn begin_batch(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            // Stamps from 2^32 batches ago could collide: clear once per wrap.
+            self.stamp.iter_mut().for_each(|s| *s = 0);
+            self.epoch = 1;
+        }
+    }
+
+    /// Like `resolve`, and rejects a handle named twice in the same batch.
+    #[inline]
+    pub(crate) fn resolve_unique(&mut self, handle: i64, i: usize) -> Result<usize> {
+        let row = self.resolve(handle)?;
+        if self.stamp[row] == self.epoch {
+            return Err(PoolError::InvalidArgument(format!(
+                "handle {handle} appears more than once in the batch (again at index {i}); \
+                 pass each request once with its total count"
+            )));
+        }
+        self.stamp[row] = self.epoch;
+        Ok(row)
+    }
+
+    /// Opens `n` requests and appends their handles to `out`.
+    pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
+        if n > self.free_rows.len() {
+            return Err(PoolError::TooManyRequests {
+                requested: n,
+                open: self.open_count,
+                max: self.max_requests,
+            });
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let Some(row) = self.free_rows.pop() else {
+                return Err(PoolError::Invariant("free row stack ran out early".into()));
+            };
+            let req = &mut self.requests[row as usize];
+            req.generation = next_generation(req.generation);
+            req.open = true;
+            req.len = 0;
+            req.pages.clear();
+            out.push(make_handle(req.generation, row));
+        }
+        self.open_count += n;
+        Ok(())
+    }
+
+    pub fn open(&mut self, n: usize) -> Result<Vec<i64>> {
+        let mut out = Vec::with_capacity(n);
+        self.open_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// Appends `counts[i]` tokens to request `handles[i]` and returns the new
+    /// slot ids, flattened in request order. All-or-nothing.
+    pub fn extend(&mut self, handles: &[i64], counts: Counts<'_>) -> Result<Vec<i64>> {
+        self.extend_impl(handles, counts, None)
+    }
+
+    /// Like [`Self::extend`], also returning each request's length before the call.
+    pub fn extend_with_starts(
+        &mut self,
+        handles: &[i64],
+        counts: Counts<'_>,
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
+        let mut starts = Vec::with_capacity(handles.len());
+        let slots = self.extend_impl(handles, counts, Some(&mut starts))?;
+        Ok((slots, starts))
+    }
+
+    fn extend_impl(
+        &mut self,
+        handles: &[i64],
+        counts: Counts<'_>,
+        mut starts: Option<&mut Vec<i64>>,
+    ) -> Result<Vec<i64>> {
+        counts.check_len("counts", handles.len())?;
+        // Validate everything before changing anything.
+        self.begin_batch();
+        let mut needed_pages = 0usize;
+        let mut total_tokens = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let row = self.resolve_unique(h, i)?;
+            let c = counts.get(i);
+            if c < 0 {
+                return Err(PoolError::InvalidArgument(format!(
+                    "counts[{i}] = {c} is negative; counts must be >= 0"
+                )));
+            }
+            let req = &self.requests[row];
+            let new_len = req.len as u64 + c as u64;
+            if new_len > self.max_context_len as u64 {
+                return Err(PoolError::ContextTooLong {
+                    handle: h,
+                    length: new_len,
+                    max: self.max_context_len,
+                });
+            }
+            needed_pages += self.pages_for(new_len as usize) - req.pages.len();
+            total_tokens += c as usize;
+        }
+        if needed_pages > self.free_pages.len() {
+            return Err(PoolError::Exhausted {
+                needed_pages,
+                free_pages: self.free_pages.len(),
+                page_size: self.page_size,
+                free_slots: self.free_pages.len() * self.page_size,
+            });
+        }
+        // Commit: cannot fail from here on.
+        let ps = self.page_size;
+        let mut out = Vec::with_capacity(total_tokens);
+        for (i, &h) in handles.iter().enumerate() {
+            let row = handle_row(h) as usize;
+            let c = counts.get(i) as usize;
+            let req = &mut self.requests[row];
+            if let Some(s) = starts.as_deref_mut() {
+                s.push(req.len as i64);
+            }
+            let mut t = req.len;
+            let end = t + c;
+            while t < end {
+                let off = t % ps;
+                if off == 0 {
+                    // The last page is full (or there is none): take the top free page.
+                    let Some(p) = self.free_pages.pop() else {
+                        return Err(PoolError::Invariant("free stack ran out after validation".into()));
+                    };
+                    self.owner[p as usize] = row as u32;
+                    req.pages.push(p);
+                }
+                let base = *req.pages.last().unwrap_or(&0) as usize * ps;
+                let n = (ps - off).min(end - t);
+                out.extend((base + off..base + off + n).map(|s| s as i64));
+                t += n;
+            }
+            req.len = end;
+        }
+        Ok(out)
+    }
+
+    /// Shortens each request to `lengths[i]` tokens (<= its current length),
+    /// freeing pages past the new end. All-or-nothing.
+    pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        lengths.check_len("lengths", handles.len())?;
+        self.begin_batch();
+        for (i, &h) in handles.iter().enumerate() {
+            let row = self.resolve_unique(h, i)?;
+            let l = lengths.get(i);
+            let cur = self.requests[row].len;
+            if l < 0 || l as u64 > cur as u64 {
+                return Err(PoolError::InvalidArgument(format!(
+                    "lengths[{i}] = {l} for handle {h} must be in [0, {cur}] (its current length); \
+                     truncate only shortens"
+                )));
+            }
+        }
+        for (i, &h) in handles.iter().enumerate() {
+            let row = handle_row(h) as usize;
+            self.shrink_row(row, lengths.get(i) as usize);
+        }
+        Ok(())
+    }
+
+    /// Frees every page of each request; the handles become invalid. All-or-nothing.
+    pub fn close(&mut self, handles: &[i64]) -> Result<()> {
+        self.begin_batch();
+        for (i, &h) in handles.iter().enumerate() {
+            self.resolve_unique(h, i)?;
+        }
+        for &h in handles {
+            self.close_row(handle_row(h) as usize);
+        }
+        Ok(())
+    }
+
+    /// Closes every open request. Costs O(max_requests + pages held).
+    pub fn reset(&mut self) {
+        for row in 0..self.max_requests {
+            if self.requests[row].open {
+                self.close_row(row);
+            }
+        }
+        // Same row order as a fresh allocator: rows 0, 1, 2, ... open next.
+        self.free_rows.clear();
+        self.free_rows.extend((0..self.max_requests as u32).rev());
+    }
+
+    fn close_row(&mut self, row: usize) {
+        self.shrink_row(row, 0);
+        self.requests[row].open = false;
+        self.free_rows.push(row as u32);
+        self.open_count -= 1;
+    }
+
+    /// Drops tokens past `new_len`, pushing freed pages last-first so that the
+    /// next extend takes them back in their original order.
+    fn shrink_row(&mut self, row: usize, new_len: usize) {
+        let keep = self.pages_for(new_len);
+        let req = &mut self.requests[row];
+        while req.pages.len() > keep {
+            if let Some(p) = req.pages.pop() {
+                self.owner[p as usize] = FREE;
+                self.free_pages.push(p);
+            }
+        }
+        req.len = new_len;
+    }
+}

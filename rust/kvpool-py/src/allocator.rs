@@ -1,0 +1,275 @@
+//! The `SlotAllocator` Python class: converts arguments, releases the GIL
+//! around batch work, and returns numpy arrays built from Vecs (no per-element
+//! Python objects). One Mutex guards the core, so the object can be shared by
+//! threads; code holding the Mutex never needs the GIL, so no deadlock.
+
+use std::sync::{Mutex, MutexGuard};
+
+use kvpool_core::{handle_row, Counts, PoolError, SlotAllocator as Core};
+use numpy::{PyArray1, PyUntypedArray};
+use pyo3::prelude::*;
+
+use crate::convert::{int_arg, int_scalar, IntArg};
+use crate::errors::{invalid_argument, to_pyerr};
+use crate::table::Table;
+
+type Arr<'py, T> = Bound<'py, PyArray1<T>>;
+
+#[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
+pub struct SlotAllocator {
+    inner: Mutex<Core>,
+}
+
+impl SlotAllocator {
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        // The core never panics on caller input; if a bug ever poisoned the
+        // lock, keep serving so that check() can report what is wrong.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stat(&self, f: impl FnOnce(&Core) -> usize) -> usize {
+        f(&self.lock())
+    }
+}
+
+fn counts_of(arg: &IntArg) -> Counts<'_> {
+    match arg {
+        IntArg::Scalar(c) => Counts::Each(*c),
+        IntArg::Many(v) => Counts::PerRequest(v),
+    }
+}
+
+fn usize_arg(py: Python<'_>, v: i64, what: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
+}
+
+#[pymethods]
+impl SlotAllocator {
+    #[new]
+    #[pyo3(signature = (num_pages, page_size=1, max_requests=256, max_context_len=4096))]
+    fn new(
+        py: Python<'_>,
+        num_pages: i64,
+        page_size: i64,
+        max_requests: i64,
+        max_context_len: i64,
+    ) -> PyResult<Self> {
+        let num_pages = usize_arg(py, num_pages, "num_pages")?;
+        let page_size = usize_arg(py, page_size, "page_size")?;
+        let max_requests = usize_arg(py, max_requests, "max_requests")?;
+        let max_context_len = usize_arg(py, max_context_len, "max_context_len")?;
+        let core = py
+            .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(Self { inner: Mutex::new(core) })
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.stat(Core::page_size)
+    }
+    #[getter]
+    fn num_pages(&self) -> usize {
+        self.stat(Core::num_pages)
+    }
+    #[getter]
+    fn num_slots(&self) -> usize {
+        self.stat(Core::num_slots)
+    }
+    #[getter]
+    fn max_requests(&self) -> usize {
+        self.stat(Core::max_requests)
+    }
+    #[getter]
+    fn max_context_len(&self) -> usize {
+        self.stat(Core::max_context_len)
+    }
+    #[getter]
+    fn free_pages(&self) -> usize {
+        self.stat(Core::free_pages)
+    }
+    #[getter]
+    fn used_pages(&self) -> usize {
+        self.stat(Core::used_pages)
+    }
+    #[getter]
+    fn capacity_pages(&self) -> usize {
+        self.stat(Core::capacity_pages)
+    }
+    #[getter]
+    fn free_slots(&self) -> usize {
+        self.stat(Core::free_slots)
+    }
+    #[getter]
+    fn used_slots(&self) -> usize {
+        self.stat(Core::used_slots)
+    }
+    #[getter]
+    fn capacity_slots(&self) -> usize {
+        self.stat(Core::capacity_slots)
+    }
+    #[getter]
+    fn open_requests(&self) -> usize {
+        self.stat(Core::open_requests)
+    }
+    #[getter]
+    fn admissible_tokens(&self) -> usize {
+        self.stat(Core::admissible_tokens)
+    }
+    #[getter]
+    fn metadata_bytes(&self) -> usize {
+        self.stat(Core::metadata_bytes)
+    }
+
+    #[pyo3(signature = (n=1))]
+    fn open<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Arr<'py, i64>> {
+        let n = usize_arg(py, n, "n")?;
+        let v = py.detach(|| self.lock().open(n)).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    #[pyo3(signature = (handles, counts, table=None))]
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        table: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let Some(table) = table else {
+            let v = py
+                .detach(|| self.lock().extend(&h, counts_of(&c)))
+                .map_err(|e| to_pyerr(py, e))?;
+            return Ok(PyArray1::from_vec(py, v));
+        };
+        // Validate the table fully before any change; keep `table` alive
+        // (it is borrowed from the caller) while its buffer is written.
+        let arr = table.cast::<PyUntypedArray>().map_err(|_| {
+            invalid_argument(py, "table must be a numpy int32 2-D array (e.g. tensor.numpy())")
+        })?;
+        let t = {
+            let a = self.lock();
+            Table::validate(py, arr, a.max_requests(), a.max_context_len(), a.num_slots())?
+        };
+        let v = py
+            .detach(|| {
+                let mut a = self.lock();
+                let (slots, starts) = a.extend_with_starts(&h, counts_of(&c))?;
+                // SAFETY: validated above (int32, C-contiguous, writeable, big
+                // enough); the caller's array object is referenced by `table`
+                // for the whole call, so its buffer stays alive.
+                unsafe { t.write(&h, counts_of(&c), &starts, &slots) };
+                Ok::<_, PoolError>(slots)
+            })
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn extend_with_starts<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> PyResult<(Arr<'py, i64>, Arr<'py, i64>)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let (s, st) = py
+            .detach(|| self.lock().extend_with_starts(&h, counts_of(&c)))
+            .map_err(|e| to_pyerr(py, e))?;
+        Ok((PyArray1::from_vec(py, s), PyArray1::from_vec(py, st)))
+    }
+
+    fn truncate(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let l = int_arg(py, lengths, "lengths")?;
+        py.detach(|| self.lock().truncate(&h, counts_of(&l)))
+            .map_err(|e| to_pyerr(py, e))
+    }
+
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        py.detach(|| self.lock().close(&h)).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = int_scalar(py, handle, "handle")?;
+        self.lock().length(h).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let v = py.detach(|| self.lock().lengths(&h)).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let v = py.detach(|| self.lock().slots(h)).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let v = py.detach(|| self.lock().pages(h)).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn page_table<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+    ) -> PyResult<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let t = py.detach(|| self.lock().page_table(&h)).map_err(|e| to_pyerr(py, e))?;
+        Ok((
+            PyArray1::from_vec(py, t.indptr),
+            PyArray1::from_vec(py, t.indices),
+            PyArray1::from_vec(py, t.last_page_len),
+        ))
+    }
+
+    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let v = py.detach(|| self.lock().rows(&h)).map_err(|e| to_pyerr(py, e))?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let h = int_scalar(py, handle, "handle")?;
+        Ok(self.lock().is_open(h))
+    }
+
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().check()).map_err(|e| to_pyerr(py, e))
+    }
+
+    fn reset(&self, py: Python<'_>) {
+        py.detach(|| self.lock().reset())
+    }
+
+    fn __repr__(&self) -> String {
+        let a = self.lock();
+        format!(
+            "SlotAllocator(num_pages={}, page_size={}, max_requests={}, max_context_len={}; \
+             free_pages={}, open_requests={})",
+            a.num_pages(),
+            a.page_size(),
+            a.max_requests(),
+            a.max_context_len(),
+            a.free_pages(),
+            a.open_requests()
+        )
+    }
+}
+
+/// Row of `handle` (its low 32 bits), as in `kvpool.handle_row`.
+pub fn row_of(h: i64) -> usize {
+    handle_row(h) as usize
+}

@@ -1,0 +1,98 @@
+//! Python exception classes and the exhaustive PoolError -> exception mapping.
+
+use kvpool_core::PoolError;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+create_exception!(kvpool, KVPoolError, PyException, "Base class of every kvpool error.");
+create_exception!(
+    kvpool,
+    PoolExhaustedError,
+    KVPoolError,
+    "Not enough free pages for the call; the message says needed vs free."
+);
+create_exception!(
+    kvpool,
+    InvalidHandleError,
+    KVPoolError,
+    "Unknown, closed or stale request handle."
+);
+create_exception!(
+    kvpool,
+    TooManyRequestsError,
+    KVPoolError,
+    "open() would exceed max_requests open requests."
+);
+create_exception!(
+    kvpool,
+    ContextTooLongError,
+    KVPoolError,
+    "A request would grow past max_context_len tokens."
+);
+create_exception!(
+    kvpool,
+    InvariantError,
+    KVPoolError,
+    "check() found a violated invariant (a bug in kvpool)."
+);
+
+/// InvalidArgumentError subclasses both KVPoolError and ValueError; a class
+/// with two exception bases cannot be declared with create_exception!, so it
+/// is built with builtins.type at module init and kept here.
+static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KVPoolError", py.get_type::<KVPoolError>())?;
+    m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
+    m.add("InvalidHandleError", py.get_type::<InvalidHandleError>())?;
+    m.add("TooManyRequestsError", py.get_type::<TooManyRequestsError>())?;
+    m.add("ContextTooLongError", py.get_type::<ContextTooLongError>())?;
+    m.add("InvariantError", py.get_type::<InvariantError>())?;
+    let cls = INVALID_ARGUMENT.get_or_try_init(py, || -> PyResult<Py<PyType>> {
+        let bases = PyTuple::new(
+            py,
+            [py.get_type::<KVPoolError>(), py.get_type::<PyValueError>()],
+        )?;
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "kvpool")?;
+        ns.set_item(
+            "__doc__",
+            "Bad argument: negative count, mismatched lengths, wrong dtype or \
+             dimensionality, duplicate handle, ... Also a ValueError.",
+        )?;
+        let t = py
+            .import("builtins")?
+            .getattr("type")?
+            .call1(("InvalidArgumentError", bases, ns))?;
+        Ok(t.cast_into::<PyType>()?.unbind())
+    })?;
+    m.add("InvalidArgumentError", cls.bind(py))?;
+    Ok(())
+}
+
+/// An InvalidArgumentError with `msg`.
+pub fn invalid_argument(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    match INVALID_ARGUMENT.get(py) {
+        Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
+        None => PyValueError::new_err(msg),
+    }
+}
+
+/// Maps every PoolError variant to its own exception class (exhaustive match:
+/// a new variant fails to compile until it is mapped).
+pub fn to_pyerr(py: Python<'_>, e: PoolError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        PoolError::Exhausted { .. } => PoolExhaustedError::new_err(msg),
+        PoolError::InvalidHandle { .. } => InvalidHandleError::new_err(msg),
+        PoolError::TooManyRequests { .. } => TooManyRequestsError::new_err(msg),
+        PoolError::ContextTooLong { .. } => ContextTooLongError::new_err(msg),
+        PoolError::InvalidArgument(m) => invalid_argument(py, m),
+        PoolError::Invariant(_) => InvariantError::new_err(msg),
+    }
+}

@@ -1,0 +1,18 @@
+//! `kvpool._core`: thin PyO3 bindings of kvpool-core. Argument conversion,
+//! GIL release around batch work, and error mapping live here; all allocator
+//! logic lives in the core crate.
+
+use pyo3::prelude::*;
+
+mod allocator;
+mod convert;
+mod errors;
+mod table;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<allocator::SlotAllocator>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! `extend(..., table=)`: writing new slots straight into a caller's int32
+//! request-to-token table (numpy array, e.g. `tensor.numpy()`), validated
+//! completely before the allocator changes so that the write cannot fail.
+
+use numpy::{PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use kvpool_core::Counts;
+
+use crate::allocator::row_of;
+use crate::errors::invalid_argument;
+
+/// A validated raw view of the table. Sent into the GIL-free section.
+pub struct Table {
+    ptr: *mut i32,
+    cols: usize,
+}
+
+// SAFETY: the pointer targets a numpy buffer kept alive by the caller's
+// reference for the whole call; it is only written under the allocator lock,
+// at rows owned by the requests being extended.
+unsafe impl Send for Table {}
+// SAFETY: as above; the GIL-free closure only reads the pointer value.
+unsafe impl Sync for Table {}
+
+impl Table {
+    pub fn validate(
+        py: Python<'_>,
+        arr: &Bound<'_, PyUntypedArray>,
+        max_requests: usize,
+        max_context_len: usize,
+        num_slots: usize,
+    ) -> PyResult<Self> {
+        let bad = |m: String| Err(invalid_argument(py, m));
+        let Ok(a) = arr.cast::<PyArray2<i32>>() else {
+            return bad(format!(
+                "table must be a 2-D int32 array, got a {}-D array of dtype {}",
+                arr.ndim(),
+                arr.dtype()
+            ));
+        };
+        let shape = a.shape();
+        if shape[0] < max_requests || shape[1] < max_context_len {
+            return bad(format!(
+                "table shape {:?} is too small: needs at least [{max_requests}, {max_context_len}] \
+                 (max_requests, max_context_len)",
+                shape
+            ));
+        }
+        if !a.is_c_contiguous() {
+            return bad("table must be C-contiguous".into());
+        }
+        if num_slots > i32::MAX as usize + 1 {
+            return bad(format!("num_slots = {num_slots} does not fit an int32 table"));
+        }
+        // try_readwrite checks the WRITEABLE flag and that no Rust borrow is
+        // live; the borrow is dropped again at once (see Table's SAFETY note).
+        if let Err(e) = a.try_readwrite() {
+            return bad(format!("table is not writable: {e}"));
+        }
+        Ok(Self { ptr: a.data(), cols: shape[1] })
+    }
+
+    /// Writes `slots` (flattened per request) to table[row, start..start+count].
+    ///
+    /// # Safety
+    /// `self` must come from `validate` on an array still alive, and the
+    /// arguments must be those of a successful extend (so every
+    /// start + count <= max_context_len <= cols and every row < max_requests).
+    pub unsafe fn write(&self, handles: &[i64], counts: Counts<'_>, starts: &[i64], slots: &[i64]) {
+        let mut k = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let n = counts.get(i) as usize;
+            let dst = self.ptr.add(row_of(h) * self.cols + starts[i] as usize);
+            for (j, &s) in slots[k..k + n].iter().enumerate() {
+                *dst.add(j) = s as i32;
+            }
+            k += n;
+        }
+    }
+}
