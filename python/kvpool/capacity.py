@@ -1,0 +1,100 @@
+"""How many pages a pool gets: from pages, slots, bytes or a fraction of free memory.
+
+Pure arithmetic (no tensors are created here), so budgets can be planned and
+tested without the memory. Page 0 is reserved by the allocator and counted in
+``num_pages``, exactly as in ``SlotAllocator``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvpool._core import InvalidArgumentError
+
+__all__ = ["bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_bytes"]
+
+
+def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, mla: bool) -> int:
+    """K/V bytes one token slot takes across all layers (MLA: one latent row)."""
+    per_row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return num_layers * per_row * (1 if mla else 2)
+
+
+def table_bytes(max_requests: int, max_context_len: int) -> int:
+    """Bytes of ``req_to_token`` (int32, one extra null row)."""
+    return (max_requests + 1) * max_context_len * 4
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Free bytes on ``device``: CUDA's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    raise InvalidArgumentError(
+        f"memory_fraction needs a cuda or cpu device to measure free memory, got {device}; pass memory_bytes"
+    )
+
+
+def resolve_num_pages(
+    *,
+    page_size: int,
+    slot_bytes: int,
+    fixed_bytes: int,
+    num_pages: int | None,
+    num_slots: int | None,
+    memory_bytes: int | None,
+    memory_fraction: float | None,
+    device: torch.device,
+) -> int:
+    """Total pages (reserved page 0 included) from exactly one capacity argument.
+
+    ``memory_bytes`` / ``memory_fraction`` budget everything the pool puts on
+    the device: K/V pages plus ``fixed_bytes`` (tables and scales).
+    """
+    given = {
+        k: v
+        for k, v in (
+            ("num_pages", num_pages),
+            ("num_slots", num_slots),
+            ("memory_bytes", memory_bytes),
+            ("memory_fraction", memory_fraction),
+        )
+        if v is not None
+    }
+    if len(given) != 1:
+        raise InvalidArgumentError(
+            "give exactly one of num_pages, num_slots, memory_bytes, memory_fraction; "
+            f"got {sorted(given) or 'none'}"
+        )
+    if num_pages is not None:
+        pages = int(num_pages)
+    elif num_slots is not None:
+        if num_slots % page_size:
+            raise InvalidArgumentError(
+                f"num_slots={num_slots} is not a multiple of page_size={page_size}; "
+                f"use {num_slots // page_size * page_size} or {-(-num_slots // page_size) * page_size}"
+            )
+        pages = int(num_slots) // page_size
+    else:
+        if memory_fraction is not None:
+            if not 0.0 < memory_fraction <= 1.0:
+                raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+            budget = int(free_device_memory(device) * memory_fraction)
+        else:
+            assert memory_bytes is not None
+            budget = int(memory_bytes)
+        page_bytes = slot_bytes * page_size
+        pages = (budget - fixed_bytes) // page_bytes if budget > fixed_bytes else 0
+        if pages < 2:
+            raise InvalidArgumentError(
+                f"a budget of {budget} bytes holds {max(pages, 0)} pages of {page_bytes} bytes after "
+                f"{fixed_bytes} bytes of tables; need >= {fixed_bytes + 2 * page_bytes} bytes "
+                "(page 0 is reserved, so at least two pages)"
+            )
+    if pages < 2:
+        raise InvalidArgumentError(f"a pool needs >= 2 pages (page 0 is reserved), got {pages}")
+    return pages

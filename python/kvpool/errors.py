@@ -1,0 +1,43 @@
+"""Typed errors of the torch layer.
+
+All derive from ``InvalidArgumentError`` (itself a ``KVPoolError`` and a
+``ValueError``), so engines can catch one base class; they are raised before
+anything is written, so a failed call leaves the pool exactly as it was.
+"""
+
+from __future__ import annotations
+
+from kvpool._core import InvalidArgumentError
+
+__all__ = [
+    "LayerIndexError",
+    "ReservedSlotError",
+    "SlotRangeError",
+    "TensorDeviceError",
+    "TensorDtypeError",
+    "TensorShapeError",
+]
+
+
+class TensorShapeError(InvalidArgumentError):
+    """A tensor argument has the wrong shape (or the wrong number of rows)."""
+
+
+class TensorDtypeError(InvalidArgumentError):
+    """A tensor argument has the wrong dtype."""
+
+
+class TensorDeviceError(InvalidArgumentError):
+    """A tensor argument lives on a different device than the pool."""
+
+
+class SlotRangeError(InvalidArgumentError):
+    """A slot id is >= num_slots (negative ids are padding and are skipped)."""
+
+
+class ReservedSlotError(SlotRangeError):
+    """A slot in the reserved page 0 was given to a strict write (no padding expected)."""
+
+
+class LayerIndexError(InvalidArgumentError):
+    """A layer index is outside ``[0, num_layers)``."""

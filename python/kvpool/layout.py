@@ -1,0 +1,67 @@
+"""K/V storage of a pool and its per-layer views (token-major and paged).
+
+One allocation per cache kind, ``[num_layers, num_slots, H, D]``, so each
+layer's block is contiguous and both layouts are views of the same memory:
+token-major ``[num_slots, H, D]`` (SGLang) and paged ``[num_pages, P, H, D]``
+(vLLM / FlashInfer NHD) differ only in how the first dimension is split.
+Every tensor and view here is made under ``persistent()``, so none of them is
+an inference tensor whatever mode the pool was built in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.modes import persistent
+
+__all__ = ["LAYOUTS", "FP8_DTYPES", "KVStorage"]
+
+LAYOUTS = ("token", "paged")
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+class KVStorage:
+    """The caches of one pool plus cached per-layer views (no copies).
+
+    ``caches`` is ``[k, v]`` or ``[latent]`` (MLA). For each cache and layer it
+    keeps: ``flat`` (token-major, what writes index), ``shaped`` (the pool's
+    layout, what engines get) and, for fp8, ``raw`` (a uint8 view, because CPU
+    index ops are not implemented for fp8 dtypes; writing the bytes of an
+    already-quantized row is exactly the same store).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: str,
+        mla: bool,
+    ) -> None:
+        self.num_slots = num_pages * page_size
+        shape = (num_layers, self.num_slots, heads, dim)
+        self.fp8 = dtype in FP8_DTYPES
+        with persistent():
+            # Zeros, not empty: padded entries of a batch read slot 0 (the null
+            # row of req_to_token), and garbage there can be NaN/inf that leaks
+            # through masked attention arithmetic.
+            self.caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(1 if mla else 2)]
+            self.flat = [[c[i] for i in range(num_layers)] for c in self.caches]
+            if layout == "paged":
+                self.shaped = [[f.view(num_pages, page_size, heads, dim) for f in fl] for fl in self.flat]
+            else:
+                self.shaped = self.flat
+            self.raw = [[f.view(torch.uint8) for f in fl] for fl in self.flat] if self.fp8 else self.flat
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.caches)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        names = ["kv_cache"] if len(self.caches) == 1 else ["k_cache", "v_cache"]
+        return list(zip(names, self.caches))

@@ -1,0 +1,340 @@
+"""KVPool: K/V tensors and a request-to-token table bound to a SlotAllocator.
+
+The allocator (Rust) decides which slots each request owns; this layer owns
+every torch tensor. It never keeps its own copy of ownership state and never
+reads a device tensor back: ``req_to_token`` is a write-only mirror updated
+with one batched write per ``extend``. Every tensor it keeps is created under
+``persistent()`` (``inference_mode(False)`` then ``no_grad()``), so the pool
+works the same whether it was built or is used under inference mode, no_grad,
+grad mode, torch.compile or from another thread; it never changes the
+caller's grad mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
+from kvpool.errors import TensorShapeError
+from kvpool.layout import FP8_DTYPES, LAYOUTS, KVStorage
+from kvpool.modes import persistent
+from kvpool.transfer import PageTable, find_kernel, page_table_tensors, update_req_to_token
+from kvpool.validate import check_layer, check_rows, slots_tensor
+
+__all__ = ["ExtendResult", "KVPool", "PageTable"]
+
+
+class ExtendResult(NamedTuple):
+    """New slots of an ``extend``, flattened in request order.
+
+    ``slots`` is the host int64 array; ``out_cache_loc`` the same values as an
+    int64 tensor on the pool's device (zero copy on CPU), ready to be a step's
+    ``out_cache_loc`` / ``slot_mapping``. It is a per-step value made in the
+    caller's grad mode, not pool state.
+    """
+
+    slots: np.ndarray
+    out_cache_loc: torch.Tensor
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _device(device: Any) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        # Compare devices exactly later ("cuda" != "cuda:0" in torch).
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class KVPool:
+    """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
+
+    Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
+    page 0 included, as in ``SlotAllocator``), ``memory_bytes`` or
+    ``memory_fraction`` (of the device's free memory; budgets cover the K/V
+    pages plus the tables). ``layout`` picks what ``k_buffer(layer)`` returns:
+    ``"token"`` ``[num_slots, H, D]`` or ``"paged"`` ``[num_pages, P, H, D]``
+    (same memory either way). MLA: give ``kv_lora_rank`` and
+    ``qk_rope_head_dim``, ``num_kv_heads=1`` and ``head_dim`` = their sum.
+    FP8 (``dtype=torch.float8_e4m3fn``): writes take ``compute_dtype`` rows
+    (default bfloat16) and store ``clamp(x / scale)``; ``read`` multiplies back;
+    scales are per layer in ``k_scale`` / ``v_scale`` (float32, initially 1).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device: Any = "cpu",
+        page_size: int = 1,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        memory_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        max_requests: int = 256,
+        max_context_len: int = 4096,
+        layout: str = "token",
+        kv_lora_rank: int | None = None,
+        qk_rope_head_dim: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_layers = _positive("num_layers", num_layers)
+        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
+        self.head_dim = _positive("head_dim", head_dim)
+        self.page_size = _positive("page_size", page_size)
+        self.max_requests = _positive("max_requests", max_requests)
+        self.max_context_len = _positive("max_context_len", max_context_len)
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.layout, self.dtype, self.device = layout, dtype, _device(device)
+        self.fp8 = dtype in FP8_DTYPES
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if self.fp8 else dtype
+        elif not self.fp8 and compute_dtype != dtype:
+            raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
+        self.compute_dtype = compute_dtype
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.mla = self._check_mla(kv_lora_rank, qk_rope_head_dim)
+
+        self.bytes_per_slot = bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype, mla=self.mla)
+        scale_bytes = 0 if not self.fp8 else 4 * num_layers * (1 if self.mla else 2)
+        self.table_bytes = table_bytes(max_requests, max_context_len)
+        pages = resolve_num_pages(
+            page_size=self.page_size, slot_bytes=self.bytes_per_slot, fixed_bytes=self.table_bytes + scale_bytes,
+            num_pages=num_pages, num_slots=num_slots, memory_bytes=memory_bytes,
+            memory_fraction=memory_fraction, device=self.device,
+        )
+        # The allocator validates its own arguments; make it before any tensor
+        # so a bad config fails without allocating device memory.
+        self.allocator = SlotAllocator(pages, self.page_size, self.max_requests, self.max_context_len)
+        self.num_pages, self.num_slots = pages, pages * self.page_size
+        self.null_row = self.max_requests
+
+        self._storage = KVStorage(
+            num_layers=self.num_layers, num_pages=pages, page_size=self.page_size, heads=self.num_kv_heads,
+            dim=self.head_dim, dtype=dtype, device=self.device, layout=layout, mla=self.mla,
+        )
+        with persistent():
+            # Last row = null row: padded batch entries read it; nothing writes it.
+            self.req_to_token = torch.zeros(
+                (self.max_requests + 1, self.max_context_len), dtype=torch.int32, device=self.device
+            )
+            self.k_scale: torch.Tensor | None = None
+            self.v_scale: torch.Tensor | None = None
+            if self.fp8:
+                self.k_scale = torch.ones(self.num_layers, dtype=torch.float32, device=self.device)
+                # MLA has one latent cache, hence one scale (v_scale is the same tensor).
+                self.v_scale = self.k_scale if self.mla else torch.ones_like(self.k_scale)
+            self._scales = [
+                [s[i : i + 1] for i in range(self.num_layers)] for s in (self.k_scale, self.v_scale) if s is not None
+            ]
+        if self.device.type == "cpu":
+            # A numpy view of the table: the Rust core writes new slots straight
+            # into it inside extend (zero copy, no torch op on the hot path).
+            self._table_np: np.ndarray | None = self.req_to_token.numpy()
+            self._store_kernel = self._table_kernel = None
+        else:
+            self._table_np = None
+            self._store_kernel = find_kernel("store_kv")
+            self._table_kernel = find_kernel("write_req_to_token")
+
+    def _check_mla(self, rank: int | None, rope: int | None) -> bool:
+        if rank is None and rope is None:
+            return False
+        if rank is None or rope is None:
+            raise InvalidArgumentError("MLA needs both kv_lora_rank and qk_rope_head_dim (or neither)")
+        width = _positive("kv_lora_rank", rank) + _positive("qk_rope_head_dim", rope)
+        if self.num_kv_heads != 1 or self.head_dim != width:
+            raise InvalidArgumentError(
+                f"an MLA pool stores one latent head per slot: pass num_kv_heads=1 and "
+                f"head_dim=kv_lora_rank+qk_rope_head_dim={width} "
+                f"(got num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+            )
+        return True
+
+    # ----- memory figures -------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V (or latent) caches."""
+        return self._storage.nbytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Memory the pool uses beyond the K/V bytes: tables, scales, allocator metadata."""
+        scales = sum(s.nbytes for s in {id(s): s for s in (self.k_scale, self.v_scale) if s is not None}.values())
+        return self.req_to_token.nbytes + scales + int(self.allocator.metadata_bytes)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every persistent tensor the pool owns (``audit`` walks these)."""
+        out = self._storage.tensors() + [("req_to_token", self.req_to_token)]
+        if self.k_scale is not None:
+            out.append(("k_scale", self.k_scale))
+        if self.v_scale is not None and self.v_scale is not self.k_scale:
+            out.append(("v_scale", self.v_scale))
+        return out
+
+    # ----- request operations (mirror the allocator) ----------------------
+
+    def open(self, n: int = 1) -> np.ndarray:
+        return self.allocator.open(n)
+
+    def extend(self, handles: Any, counts: Any) -> ExtendResult:
+        """Grow requests by ``counts`` tokens; update ``req_to_token``; return the new slots.
+
+        Atomic: on any error (stale handle, pool exhausted, context too long)
+        neither the allocator nor the table changes.
+        """
+        if self._table_np is not None:
+            slots = self.allocator.extend(handles, counts, table=self._table_np)
+            return ExtendResult(slots, torch.from_numpy(slots))
+        slots, starts = self.allocator.extend_with_starts(handles, counts)
+        rows = self.allocator.rows(handles)
+        counts_arr = np.broadcast_to(np.asarray(counts, dtype=np.int64), rows.shape)
+        dev = update_req_to_token(self.req_to_token, rows, starts, counts_arr, slots, self._table_kernel)
+        return ExtendResult(slots, dev)
+
+    def truncate(self, handles: Any, lengths: Any) -> None:
+        """Shorten requests. Table entries past the new length are left stale:
+        they are never read (readers stop at the sequence length) and the next
+        ``extend`` overwrites them."""
+        self.allocator.truncate(handles, lengths)
+
+    def close(self, handles: Any) -> None:
+        self.allocator.close(handles)
+
+    def reset(self) -> None:
+        self.allocator.reset()
+
+    def rows(self, handles: Any) -> np.ndarray:
+        return self.allocator.rows(handles)
+
+    def page_table(self, handles: Any) -> PageTable:
+        return page_table_tensors(*self.allocator.page_table(handles), self.device)
+
+    # ----- views ----------------------------------------------------------
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy."""
+        return self._storage.shaped[0][check_layer(layer, self.num_layers)]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's V cache (MLA: the first kv_lora_rank features of the latent cache)."""
+        layer = check_layer(layer, self.num_layers)
+        if self.mla:
+            return self._storage.shaped[0][layer][..., : self.kv_lora_rank]
+        return self._storage.shaped[1][layer]
+
+    def kv_buffer(self, layer: int) -> torch.Tensor:
+        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages)."""
+        if not self.mla:
+            raise InvalidArgumentError("kv_buffer() is for MLA pools; use k_buffer()/v_buffer()")
+        return self._storage.shaped[0][check_layer(layer, self.num_layers)]
+
+    @property
+    def k_buffers(self) -> list[torch.Tensor]:
+        return list(self._storage.shaped[0])
+
+    @property
+    def v_buffers(self) -> list[torch.Tensor]:
+        return [self.v_buffer(i) for i in range(self.num_layers)] if self.mla else list(self._storage.shaped[1])
+
+    # ----- writes and reads -----------------------------------------------
+
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *, strict: bool = False) -> None:
+        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer``, in place.
+
+        Everything is validated before anything is written (typed errors, pool
+        unchanged). Negative slots are padding and skipped. Slots in page 0
+        (``[0, page_size)``) are the padding sink and accepted, since the
+        allocator never gives them to a request; ``strict=True`` rejects them
+        (and negatives) with ``ReservedSlotError``, for batches known to hold
+        only real tokens. MLA pools: ``write(layer, slots, kv)``.
+        """
+        layer = check_layer(layer, self.num_layers)
+        names = ("kv",) if self.mla else ("k", "v")
+        rows = (k,) if self.mla else (k, v)
+        if self.mla and v is not None:
+            raise TensorShapeError("an MLA pool takes one latent tensor: write(layer, slots, kv), without v")
+        if not self.mla and v is None:
+            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
+        n = idx.shape[0]
+        for name, x in zip(names, rows):
+            check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
+        if idx.device != self.device:
+            idx = idx.to(self.device, non_blocking=True)
+        # detach(): a source that requires grad must not drag the cache into
+        # autograd (in grad mode, index_copy_ would make the cache require grad).
+        rows = tuple(x.detach() for x in rows)
+        if self._store_kernel is not None:
+            caches = [c[layer] for c in self._storage.flat]
+            scales = [s[layer] for s in self._scales] or [None, None]
+            self._store_kernel(
+                caches[0], caches[1] if len(caches) > 1 else None, idx, rows[0],
+                rows[1] if len(rows) > 1 else None, scales[0], scales[1] if len(rows) > 1 else None,
+            )
+            return
+        if idx.device.type != "cpu":
+            # Torch fallback on a device: dropping negatives would need a sync,
+            # so they go to slot 0, the padding sink of page 0.
+            idx = idx.clamp(min=0)
+        elif has_negative:
+            keep = idx >= 0
+            idx = idx[keep]
+            rows = tuple(x[keep] for x in rows)
+        idx = idx.long()
+        for ci, x in enumerate(rows):
+            if self.fp8:
+                q = self._quantize(x, self._scales[ci][layer])
+                self._storage.raw[ci][layer].index_copy_(0, idx, q.view(torch.uint8))
+            else:
+                self._storage.flat[ci][layer].index_copy_(0, idx, x)
+
+    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        fmax = torch.finfo(self.dtype).max
+        return (x.float() / scale).clamp_(-fmax, fmax).to(self.dtype)
+
+    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
+
+        A helper for tests and debugging, not the attention path. MLA:
+        returns ``(latent, latent[..., :kv_lora_rank])``.
+        """
+        layer = check_layer(layer, self.num_layers)
+        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
+        idx = idx.to(self.device)
+        safe = idx.clamp(min=0).long()
+        out = []
+        for ci in range(len(self._storage.caches)):
+            g = self._storage.raw[ci][layer].index_select(0, safe)
+            if self.fp8:
+                g = (g.view(self.dtype).float() * self._scales[ci][layer]).to(self.compute_dtype)
+            if has_negative:
+                g = torch.where((idx < 0).view(-1, 1, 1), torch.zeros((), dtype=g.dtype, device=g.device), g)
+            out.append(g)
+        if self.mla:
+            return out[0], out[0][..., : self.kv_lora_rank]
+        return out[0], out[1]
+
+    def __repr__(self) -> str:
+        kind = f"mla(rank={self.kv_lora_rank}, rope={self.qk_rope_head_dim})" if self.mla else "mha"
+        return (
+            f"KVPool({kind}, layers={self.num_layers}, heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, device={self.device}, layout={self.layout}, page_size={self.page_size}, "
+            f"num_slots={self.num_slots}, nbytes={self.nbytes}, overhead_bytes={self.overhead_bytes})"
+        )

@@ -1,0 +1,106 @@
+"""Argument checks for the pool's writes and reads, all done before any store.
+
+Each check raises a typed error naming what was wrong and what would be
+right. Slot values are checked on the host only: for slots already on a CUDA
+device, reading them back would sync the device on the hot path, so there only
+dtype, shape and device are checked (the store kernel skips negative slots, and
+slots from ``KVPool.extend`` are valid by construction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.errors import (
+    LayerIndexError,
+    ReservedSlotError,
+    SlotRangeError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+)
+
+__all__ = ["check_layer", "check_rows", "slots_tensor"]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_layer(layer: Any, num_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise LayerIndexError(f"layer must be an int in [0, {num_layers}), got {type(layer).__name__}")
+    if not 0 <= layer < num_layers:
+        raise LayerIndexError(f"layer {layer} is out of range: the pool has layers [0, {num_layers})")
+    return int(layer)
+
+
+def check_rows(name: str, x: Any, n: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """``x`` must be a ``dtype`` tensor of shape ``[n, heads, dim]`` on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise TensorDtypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TensorDtypeError(f"{name} has dtype {x.dtype}; this pool takes {dtype} (no silent casts)")
+    if tuple(x.shape) != (n, heads, dim):
+        raise TensorShapeError(
+            f"{name} has shape {list(x.shape)}; expected [{n}, {heads}, {dim}] "
+            "(one row per slot, [num_kv_heads, head_dim] each)"
+        )
+    if x.device != device:
+        raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {device}")
+
+
+def _as_tensor(slots: Any) -> torch.Tensor:
+    if isinstance(slots, torch.Tensor):
+        return slots
+    arr = np.asarray(slots)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        else:
+            raise TensorDtypeError(f"slots must be integers (int32/int64), got dtype {arr.dtype}")
+    if arr.dtype not in (np.int32, np.int64):
+        arr = arr.astype(np.int64)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+# Host-side value checks: under torch.compile they run eagerly (one clean
+# graph break) instead of tracing data-dependent branches.
+@torch.compiler.disable
+def slots_tensor(
+    slots: Any, device: torch.device, num_slots: int, page_size: int, *, strict: bool
+) -> tuple[torch.Tensor, bool]:
+    """Slots as an int32/int64 tensor usable on ``device``, and whether any is negative.
+
+    Host slots are range-checked: ``slot < num_slots`` always; with ``strict``
+    also ``slot >= page_size`` (page 0 is the padding sink, never a real token)
+    and no negatives. Device slots are returned unchecked (see module doc) and
+    ``has_negative`` is then reported as True (unknown without a read-back).
+    """
+    t = _as_tensor(slots)
+    if t.dtype not in INDEX_DTYPES:
+        raise TensorDtypeError(f"slots have dtype {t.dtype}; expected torch.int32 or torch.int64")
+    if t.dim() != 1:
+        raise TensorShapeError(f"slots must be 1-D [n], got shape {list(t.shape)}")
+    if t.device.type != "cpu":
+        if t.device != device:
+            raise TensorDeviceError(f"slots are on {t.device}; the pool is on {device} (host slots are also fine)")
+        return t, True
+    if t.numel() == 0:
+        return t, False
+    lo, hi = (int(x) for x in torch.aminmax(t))
+    if hi >= num_slots:
+        bad = int(torch.nonzero(t >= num_slots)[0, 0])
+        raise SlotRangeError(
+            f"slots[{bad}] = {int(t[bad])} is out of range: valid slots are [0, {num_slots}) "
+            "(negative slots are padding and are skipped)"
+        )
+    if strict and lo < page_size:
+        bad = int(torch.nonzero(t < page_size)[0, 0])
+        raise ReservedSlotError(
+            f"slots[{bad}] = {int(t[bad])} is padding (negative) or in the reserved page 0 "
+            f"(slots [0, {page_size})), but strict=True says every row is a real token; "
+            "slots from KVPool.extend are always >= page_size"
+        )
+    return t, lo < 0
