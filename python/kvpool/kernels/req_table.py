@@ -1,0 +1,97 @@
+"""write_req_to_token: req_to_token[rows[i], starts[i] : starts[i] + counts[i]] =
+slots[offsets[i] : offsets[i] + counts[i]] for every request i, in one launch.
+
+`slots` holds the new slots of all requests back to back, in request order (what
+SlotAllocator.extend returns). offsets is the exclusive prefix sum of counts;
+pass it if you have it (e.g. computed on the host with the counts), otherwise
+each program sums the counts before its own on device — O(B) per program, which
+for decode/prefill batch sizes is far cheaper than a separate scan launch, and
+needs no host sync. Requests with a negative row or a count <= 0 are skipped
+(their count, if positive, still occupies its span of `slots`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpool.kernels import _common as c
+from kvpool.kernels._ref import write_req_to_token_ref
+
+
+@triton.jit
+def _write_req_to_token_kernel(
+    table_ptr, rows_ptr, starts_ptr, counts_ptr, offsets_ptr, slots_ptr,
+    B, stride_row,
+    HAS_OFFSETS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if HAS_OFFSETS:
+        offset = tl.load(offsets_ptr + i).to(tl.int64)
+    else:
+        acc = tl.zeros([BLOCK_B], dtype=tl.int64)
+        for j in range(0, B, BLOCK_B):
+            idx = j + tl.arange(0, BLOCK_B)
+            cnt = tl.load(counts_ptr + idx, mask=idx < i, other=0).to(tl.int64)
+            acc += tl.maximum(cnt, 0)
+        offset = tl.sum(acc, axis=0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    # int32 loop bound: counts fit, and it keeps the loop induction variable 32-bit.
+    count = tl.load(counts_ptr + i).to(tl.int32)
+    count = tl.where(row >= 0, count, 0)
+    dst = table_ptr + row * stride_row + start
+    src = slots_ptr + offset
+    for k in range(0, count, BLOCK):
+        idx = k + tl.arange(0, BLOCK)
+        m = idx < count
+        s = tl.load(src + idx, mask=m)
+        tl.store(dst + idx, s.to(table_ptr.dtype.element_ty), mask=m)
+
+
+def write_req_to_token(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: Optional[torch.Tensor] = None,
+) -> None:
+    """Scatter each request's new slots into its row of the request-to-token table.
+
+    req_to_token: int32/int64 [R, max_context_len] with unit column stride.
+    rows, starts, counts (and offsets if given): int32/int64 [B]. slots: int32/int64
+    with sum(counts) entries (not checked: that would read counts on the host).
+    Values are trusted (start + count <= max_context_len): the pool validates them
+    on the host with the allocator before calling."""
+    dev = req_to_token.device
+    if (
+        not isinstance(req_to_token, torch.Tensor)
+        or req_to_token.dim() != 2
+        or req_to_token.dtype not in c.INDEX_DTYPES
+        or req_to_token.stride(1) != 1
+    ):
+        raise c.KernelArgumentError(
+            "req_to_token must be a 2-D int32/int64 tensor with contiguous rows"
+        )
+    c.check_index(rows, "rows", dev)
+    b = rows.shape[0]
+    c.check_index(starts, "starts", dev, b)
+    c.check_index(counts, "counts", dev, b)
+    c.check_index(slots, "slots", dev)
+    if offsets is not None:
+        c.check_index(offsets, "offsets", dev, b)
+    if b == 0 or slots.shape[0] == 0:
+        return
+    if not c.use_triton(req_to_token):
+        write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
+        return
+    block_b = min(max(triton.next_power_of_2(b), 16), 1024)
+    _write_req_to_token_kernel[(b,)](
+        req_to_token, rows, starts, counts, offsets if offsets is not None else counts, slots,
+        b, req_to_token.stride(0),
+        HAS_OFFSETS=offsets is not None, BLOCK_B=block_b, BLOCK=1024, num_warps=4,
+    )

@@ -1,0 +1,154 @@
+"""store_kv: write a step's K and V rows into a layer's caches at given slots.
+
+One launch writes K and V together. The grid is (token groups, head blocks);
+each program handles ROWS tokens and a [BLOCK_H, BLOCK_D] tile of heads x
+head_dim, masked past H and D so head_dim need not be a power of two. Slot ids
+are read on device; a negative slot masks the whole row (vLLM's -1 padding),
+slot 0 is an ordinary slot (page 0 is the pool's padding sink).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpool.kernels import _common as c
+from kvpool.kernels._ref import store_kv_ref
+
+
+@triton.jit
+def _store_row(
+    cache_ptr, x_ptr, cache_off, x_off, hd_cache, hd_x, mask,
+    scale, SCALE_IS_PTR: tl.constexpr, HAS_SCALE: tl.constexpr,
+    IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    x = tl.load(x_ptr + x_off + hd_x, mask=mask, other=0.0)
+    if HAS_SCALE:
+        if SCALE_IS_PTR:
+            s = tl.load(scale).to(tl.float32)
+        else:
+            s = scale
+        y = x.to(tl.float32) / s
+        if IS_FP8:
+            y = tl.clamp(y, -FP8_MAX, FP8_MAX)
+        tl.store(cache_ptr + cache_off + hd_cache, y.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Same dtype: a pure copy (also the only bf16 path the interpreter supports).
+        tl.store(cache_ptr + cache_off + hd_cache, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_cache, v_cache, slots_ptr, k_ptr, v_ptr, k_scale, v_scale,
+    n, H, D, PAGE,
+    c_sp, c_so, c_sh, c_sd,          # K cache strides (page, offset-in-page, head, dim)
+    vc_sp, vc_so, vc_sh, vc_sd,      # V cache strides
+    k_sn, k_sh, k_sd, v_sn, v_sh, v_sd,
+    HAS_V: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
+    K_HAS_SCALE: tl.constexpr, V_HAS_SCALE: tl.constexpr,
+    K_FP8: tl.constexpr, V_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, V_FP8_MAX: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    for r in tl.static_range(ROWS):
+        t = pid_t * ROWS + r
+        # int64 so slot * stride cannot overflow on multi-GiB caches.
+        slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+        slot = tl.where(t < n, slot, -1)
+        # A skipped row shrinks the dim limit to 0 rather than and-ing a scalar
+        # condition into the mask: the interpreter mistypes (tensor & scalar) bools.
+        lim = tl.where(slot >= 0, D, 0)
+        mask = (h < H) & (d < lim)
+        page = slot // PAGE
+        off = slot - page * PAGE
+        t64 = t.to(tl.int64)
+        _store_row(k_cache, k_ptr, page * c_sp + off * c_so, t64 * k_sn,
+                   h * c_sh + d * c_sd, h * k_sh + d * k_sd, mask,
+                   k_scale, K_SCALE_PTR, K_HAS_SCALE, K_FP8, K_FP8_MAX)
+        if HAS_V:
+            _store_row(v_cache, v_ptr, page * vc_sp + off * vc_so, t64 * v_sn,
+                       h * vc_sh + d * vc_sd, h * v_sh + d * v_sd, mask,
+                       v_scale, V_SCALE_PTR, V_HAS_SCALE, V_FP8, V_FP8_MAX)
+
+
+def rows_per_program(n: int) -> int:
+    # Prefill-sized batches: several tokens per program keeps more loads in
+    # flight and cuts block scheduling; decode batches: one token per program.
+    return 4 if n >= 2048 else 1
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor] = None,
+    k_scale: c.Scale = None,
+    v_scale: c.Scale = None,
+) -> None:
+    """Write k[i] (and v[i]) into the caches at slots[i], in place, one launch.
+
+    Caches: token-major [num_slots, H, D] or paged [num_pages, P, H, D] (any
+    strides). k, v: [n, H, D]. slots: int32/int64 [n]; negative entries are
+    skipped. fp8 caches store clamp(x / scale); other dtypes store x (divided by
+    the scale when one is given). v_cache=None with v=None writes K only
+    (single-cache / MLA latent mode). Slot values are not range-checked here
+    (that would need a device read); the pool hands out only valid slots.
+    """
+    kg = c.cache_geom(k_cache, "k_cache")
+    dev = k_cache.device
+    c.check_rows(k, "k", kg, dev)
+    n = k.shape[0]
+    c.check_index(slots, "slots", dev, n)
+    c.check_scale(k_scale, "k_scale", dev)
+    has_v = v_cache is not None
+    if has_v != (v is not None):
+        raise c.KernelArgumentError("v_cache and v must both be given or both be None")
+    if has_v:
+        vg = c.cache_geom(v_cache, "v_cache")
+        if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
+            raise c.KernelArgumentError(
+                f"v_cache has {vg.num_slots} slots / page size {vg.page_size}, "
+                f"k_cache has {kg.num_slots} / {kg.page_size}"
+            )
+        if (vg.heads, vg.head_dim) != (kg.heads, kg.head_dim):
+            raise c.KernelArgumentError(
+                f"v_cache rows are [{vg.heads}, {vg.head_dim}], k_cache rows "
+                f"[{kg.heads}, {kg.head_dim}]; use separate store_kv calls"
+            )
+        c.check_rows(v, "v", vg, dev)
+        if v.shape[0] != n:
+            raise c.KernelArgumentError(f"v has {v.shape[0]} rows, k has {n}")
+        c.check_scale(v_scale, "v_scale", dev)
+    if n == 0:
+        return
+    if not c.use_triton(k_cache):
+        store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
+        return
+    vc, vv, vgeo = (v_cache, v, vg) if has_v else (k_cache, k, kg)
+    ks, ks_ptr = c.scale_args(k_scale, k)
+    vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
+    k_fp8 = k_cache.dtype in c.FP8_DTYPES
+    v_fp8 = vc.dtype in c.FP8_DTYPES
+    block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
+    rows = rows_per_program(n)
+    grid = (triton.cdiv(n, rows), triton.cdiv(kg.heads, block_h))
+    _store_kv_kernel[grid](
+        k_cache, vc, slots, k, vv, ks, vs,
+        n, kg.heads, kg.head_dim, kg.page_size,
+        kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d,
+        vgeo.stride_page, vgeo.stride_off, vgeo.stride_h, vgeo.stride_d,
+        k.stride(0), k.stride(1), k.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+        HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
+        K_HAS_SCALE=k_fp8 or k_scale is not None, V_HAS_SCALE=has_v and (v_fp8 or v_scale is not None),
+        K_FP8=k_fp8, V_FP8=v_fp8,
+        K_FP8_MAX=c.fp8_max(k_cache.dtype) if k_fp8 else 0.0,
+        V_FP8_MAX=c.fp8_max(vc.dtype) if v_fp8 else 0.0,
+        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,
+    )

@@ -1,0 +1,200 @@
+"""Triton kernels vs the torch reference, run on CPU through the Triton interpreter.
+
+Not collected by the normal session (the file name does not match test_*.py):
+tests/test_kernels_interp.py runs this module in a child pytest with
+TRITON_INTERPRET=1 set before anything imports kvpool.kernels (the variable is
+read when @triton.jit runs), and reports each test here as its own result.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guard against mis-collection
+    pytest.skip("run by tests/test_kernels_interp.py with TRITON_INTERPRET=1", allow_module_level=True)
+
+import kvpool.kernels as K  # noqa: E402
+from kvpool.kernels import _ref  # noqa: E402
+
+from _kernel_data import (  # noqa: E402
+    CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, make_caches, same, store_cases,
+    untouched_equal,
+)
+
+# The interpreter runs each program in Python: keep examples few and shapes small.
+SETTINGS = settings(max_examples=int(os.environ.get("KVPOOL_INTERP_EXAMPLES", "25")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+def test_interpreter_is_active():
+    assert K.INTERPRET, "kvpool.kernels was imported without TRITON_INTERPRET=1"
+    from kvpool.kernels import _common
+    assert _common.use_triton(torch.zeros(1)), "CPU tensors must go through Triton here"
+
+
+@SETTINGS
+@given(case=store_cases(), seed=st.integers(0, 2**31 - 1))
+def test_store_matches_reference(case, seed):
+    kc, vc, slots, k, v, ks, vs = build_store(case, seed)
+    kc0, vc0 = kc.clone(), clone_opt(vc)
+    rk, rv = kc.clone(), clone_opt(vc)
+    _ref.store_kv_ref(rk, rv, slots, k, v, ks, vs)
+    K.store_kv(kc, vc, slots, k, v, ks, vs)
+    assert same(kc, rk)
+    assert untouched_equal(kc0, kc, case.slots)
+    if vc is not None:
+        assert same(vc, rv)
+        assert untouched_equal(vc0, vc, case.slots)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_all_padding_and_empty(dtype, layout):
+    gen = torch.Generator().manual_seed(1)
+    kc, vc = make_caches(layout, 8, 4, 2, 24, dtype, gen)
+    before = (kc.clone(), vc.clone())
+    in_dt = torch.float16 if dtype == FP8 else dtype
+    for n in (0, 5):
+        slots = torch.full((n,), -1, dtype=torch.int64)
+        x = torch.randn((n, 2, 24)).to(in_dt)
+        K.store_kv(kc, vc, slots, x, x, 1.0 if dtype == FP8 else None, 1.0 if dtype == FP8 else None)
+        assert same(kc, before[0]) and same(vc, before[1])
+
+
+def test_store_fp8_clamps_and_scales():
+    kc = torch.zeros((4, 1, 4), dtype=FP8)
+    k = torch.tensor([[[1000.0, -1000.0, 3.0, -0.5]]])
+    K.store_kv(kc, None, torch.tensor([2]), k, None, k_scale=torch.tensor([0.5]))
+    assert kc[2, 0].float().tolist() == [448.0, -448.0, 6.0, -1.0]
+    assert (kc[[0, 1, 3]].float() == 0).all()
+
+
+def test_store_slot_zero_is_a_normal_slot():
+    kc = torch.zeros((4, 1, 3))
+    K.store_kv(kc, None, torch.tensor([0, -1]), torch.ones((2, 1, 3)), None)
+    assert kc[0].eq(1).all() and kc[1:].eq(0).all()
+
+
+@SETTINGS
+@given(case=store_cases(), seed=st.integers(0, 2**31 - 1), dup=st.booleans())
+def test_gather_matches_reference(case, seed, dup):
+    kc, vc, slots, _, _, _, _ = build_store(case, seed)
+    if dup and len(case.slots) > 0:  # gathering the same slot twice is fine
+        slots = torch.cat([slots, slots[:1]])
+    k, v = K.gather_kv(kc, vc, slots)
+    rk, rv = _ref.gather_kv_ref(kc, vc, slots)
+    assert same(k, rk) and k.is_contiguous()
+    assert (v is None) == (vc is None)
+    if vc is not None:
+        assert same(v, rv)
+
+
+@SETTINGS
+@given(case=store_cases(dtypes=[torch.float16, torch.float32, FP8]), seed=st.integers(0, 2**31 - 1),
+       out_dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_gather_dequantizes(case, seed, out_dtype):
+    kc, vc, slots, _, _, _, _ = build_store(case, seed)
+    # Replace garbage with finite values so x * scale is exact and comparable.
+    kc.copy_(torch.randn(kc.shape).to(kc.dtype))
+    if vc is not None:
+        vc.copy_(torch.randn(vc.shape).to(vc.dtype))
+    ks, vs = torch.tensor([0.25]), 2.0
+    k, v = K.gather_kv(kc, vc, slots, out_dtype=out_dtype, k_scale=ks, v_scale=vs)
+    rk, rv = _ref.gather_kv_ref(kc, vc, slots, out_dtype, ks, vs)
+    assert k.dtype == out_dtype and same(k, rk)
+    if vc is not None:
+        assert same(v, rv)
+
+
+@SETTINGS
+@given(layout=st.sampled_from(["token", "paged"]), layers=st.integers(1, 3),
+       dtype=st.sampled_from(CACHE_DTYPES), heads=st.sampled_from([1, 2, 3]),
+       dim=st.sampled_from([5, 32, 48]), data=st.data(), mixed=st.booleans())
+def test_copy_matches_reference(layout, layers, dtype, heads, dim, data, mixed):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    page = 4 if layout == "paged" else 1
+    num_slots = 16
+    caches = []
+    for _ in range(layers):
+        caches.extend(make_caches(layout, num_slots, page, heads, dim, dtype, gen))
+    if mixed:  # a cache of another dtype/shape: a second group (second launch)
+        caches.append(make_caches("token", num_slots, 1, 1, 3, torch.float32, gen)[0])
+    n = data.draw(st.integers(0, 6))
+    perm = torch.randperm(num_slots, generator=gen).tolist()
+    src, dst = perm[:n], perm[n:2 * n]  # disjoint
+    pad = data.draw(st.lists(st.sampled_from(["none", "src", "dst"]), min_size=n, max_size=n))
+    src = [-1 if p == "src" else s for s, p in zip(src, pad)]
+    dst = [-1 if p == "dst" else s for s, p in zip(dst, pad)]
+    sd = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    src_t, dst_t = torch.tensor(src, dtype=sd), torch.tensor(dst, dtype=sd)
+    init = [t.clone() for t in caches]
+    ref = [t.clone() for t in caches]
+    _ref.copy_slots_ref(ref, src_t, dst_t)
+    K.copy_slots(caches, src_t, dst_t)
+    written = [d for s, d in zip(src, dst) if s >= 0 and d >= 0]
+    for got, want in zip(caches, ref):
+        assert same(got, want)
+    for before, after in zip(init, caches):
+        assert untouched_equal(before, after, written)
+
+
+def test_copy_offsets_table_is_cached():
+    from kvpool.kernels import copy as copy_mod
+    caches = [torch.zeros((8, 1, 4)) for _ in range(3)]
+    caches[0][1] = 7.0
+    K.copy_slots(caches, torch.tensor([1]), torch.tensor([2]))
+    n_cached = len(copy_mod._deltas_cache)
+    K.copy_slots(caches, torch.tensor([1]), torch.tensor([3]))
+    assert len(copy_mod._deltas_cache) == n_cached
+    assert caches[0][2].eq(7).all() and caches[0][3].eq(7).all() and caches[1].eq(0).all()
+
+
+@SETTINGS
+@given(data=st.data(), table_dtype=st.sampled_from([torch.int32, torch.int64]),
+       idx_dtype=st.sampled_from([torch.int32, torch.int64]), pass_offsets=st.booleans())
+def test_write_req_to_token_matches_reference(data, table_dtype, idx_dtype, pass_offsets):
+    rows_total, ctx = 9, 40
+    b = data.draw(st.integers(0, 8))
+    rows = data.draw(st.lists(st.integers(0, rows_total - 1), min_size=b, max_size=b, unique=True))
+    rows = [r if data.draw(st.integers(0, 5)) else -1 for r in rows]  # some padded requests
+    counts = [data.draw(st.integers(0, 30)) for _ in range(b)]
+    starts = [data.draw(st.integers(0, ctx - c)) for c in counts]
+    total = sum(counts)
+    slots = torch.randint(1, 10**6, (total,), dtype=idx_dtype)
+    table = torch.randint(-5, 5, (rows_total, ctx), dtype=table_dtype)
+    t = lambda xs: torch.tensor(xs, dtype=idx_dtype)  # noqa: E731
+    offsets = None
+    if pass_offsets:
+        offsets = t([sum(counts[:i]) for i in range(b)])
+    ref = table.clone()
+    _ref.write_req_to_token_ref(ref, t(rows), t(starts), t(counts), slots)
+    K.write_req_to_token(table, t(rows), t(starts), t(counts), slots, offsets=offsets)
+    assert torch.equal(table, ref)
+
+
+def test_write_req_to_token_long_request_loops():
+    table = torch.zeros((2, 3000), dtype=torch.int32)
+    slots = torch.arange(1, 2501, dtype=torch.int64)
+    K.write_req_to_token(table, torch.tensor([1]), torch.tensor([100]), torch.tensor([2500]), slots)
+    assert torch.equal(table[1, 100:2600], slots.int())
+    assert table[0].eq(0).all() and table[1, :100].eq(0).all() and table[1, 2600:].eq(0).all()
+
+
+def test_prefill_rows_per_program():
+    # n >= 2048 switches to several tokens per program; check the tail masking.
+    from kvpool.kernels.store import rows_per_program
+    n = 2051
+    assert rows_per_program(n) > 1
+    kc = torch.zeros((4096, 1, 2), dtype=torch.float16)
+    slots = torch.randperm(4096)[:n]
+    slots[::7] = -1
+    k = torch.randn((n, 1, 2)).half()
+    ref = kc.clone()
+    _ref.store_kv_ref(ref, None, slots, k, None)
+    K.store_kv(kc, None, slots, k, None)
+    assert torch.equal(bits(kc), bits(ref))
