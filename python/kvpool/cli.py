@@ -1,0 +1,24 @@
+"""The ``kvpool`` command: ``kvpool demo [...]`` runs the demo engine."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = """usage: kvpool demo [options]   (kvpool demo --help for the options)
+
+commands:
+  demo    serve synthetic requests with continuous batching on a KVPool"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] == "demo":
+        from kvpool.demo.cli import main as demo_main
+
+        return demo_main(args[1:])
+    print(f"kvpool: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
+    return 2

@@ -1,0 +1,162 @@
+"""``python -m kvpool demo``: serve synthetic requests with continuous batching on a KVPool."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any, Iterator, Sequence
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GRAD_MODES = ("inference", "no_grad", "none")
+
+
+def grad_mode(name: str) -> contextlib.AbstractContextManager[Any]:
+    """The caller-side grad mode the whole demo (construction included) runs under."""
+    if name == "inference":
+        return torch.inference_mode()
+    if name == "no_grad":
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX (e.g. 32:256), got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return pair
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpool demo",
+        description="Serve seeded synthetic requests with continuous batching on a kvpool.KVPool "
+                    "and a small random-weight transformer; print throughput, pool occupancy, "
+                    "kvpool's share of step time and kvpool.audit's findings.")
+    g = p.add_argument_group("workload")
+    g.add_argument("--requests", type=_positive, default=64, help="number of requests (64)")
+    g.add_argument("--prompt-len", type=_range, default=(16, 192), metavar="MIN:MAX",
+                   help="prompt length range, uniform (16:192)")
+    g.add_argument("--output-len", type=_range, default=(16, 128), metavar="MIN:MAX",
+                   help="generated tokens per request, uniform (16:128)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the requests (0)")
+    g = p.add_argument_group("pool and scheduler")
+    g.add_argument("--pool-tokens", type=_positive, default=4096,
+                   help="KV capacity in tokens, rounded up to whole pages (4096)")
+    g.add_argument("--page-size", type=_positive, default=16, help="tokens per page (16)")
+    g.add_argument("--layout", choices=("token", "paged"), default="token",
+                   help="K/V buffer layout: [slots,H,D] or [pages,P,H,D] (token)")
+    g.add_argument("--max-running", type=_positive, default=32,
+                   help="most requests decoding at once (32)")
+    g.add_argument("--admission", choices=("reserve", "optimistic"), default="reserve",
+                   help="reserve: admit only if the request's final length fits (never preempts); "
+                        "optimistic: admit if the prompt fits, preempt when the pool runs out")
+    g = p.add_argument_group("model")
+    g.add_argument("--layers", type=_positive, default=4)
+    g.add_argument("--hidden", type=_positive, default=256)
+    g.add_argument("--heads", type=_positive, default=8)
+    g.add_argument("--kv-heads", type=_positive, default=2)
+    g.add_argument("--vocab", type=_positive, default=2048)
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (cpu)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="weights and K/V dtype (float32 on cpu, bfloat16 on cuda)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="run decode steps through kvpool.DecodeGraphRunner (captured on CUDA)")
+    g.add_argument("--grad-mode", choices=GRAD_MODES, default="inference",
+                   help="grad mode the demo runs under (inference)")
+    g.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+    with tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True) as bar:
+        yield bar
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
+    """Build model, pool and requests under the chosen grad mode, serve them, audit."""
+    import kvpool
+    from kvpool.demo.engine import Engine
+    from kvpool.demo.model import ModelConfig, build_model
+    from kvpool.demo.report import figures
+    from kvpool.demo.requests import synthetic_requests
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kvpool demo: --device cuda asked for, but torch sees no CUDA device")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    page = args.page_size
+    # The longest request's K/V, rounded up to whole pages, bounds the context length.
+    max_ctx = -(-(args.prompt_len[1] + args.output_len[1]) // page) * page
+    pool_pages = -(-args.pool_tokens // page)
+
+    with grad_mode(args.grad_mode):
+        cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
+                          heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
+                          seed=args.seed)
+        model = build_model(cfg, device=device, dtype=dtype)
+        pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
+                             page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
+                             max_requests=args.max_running, max_context_len=max_ctx,
+                             layout=args.layout)
+        requests = synthetic_requests(args.requests, vocab_size=cfg.vocab_size,
+                                      prompt_len=args.prompt_len, output_len=args.output_len,
+                                      seed=args.seed)
+        engine = Engine(model, pool, max_running=args.max_running,
+                        use_cuda_graph=args.cuda_graph, admission=args.admission)
+        total = sum(r.max_new_tokens for r in requests)
+        with _progress(total, not args.no_progress) as bar:
+            stats = engine.run(requests, progress=bar)
+        # Every request closed, so every page must be back: verify the allocator agrees.
+        pool.allocator.check()
+        audit = kvpool.audit(model, pool)
+
+    settings = {
+        "requests": args.requests, "prompt_len": list(args.prompt_len),
+        "output_len": list(args.output_len), "seed": args.seed,
+        "pool_tokens": pool_pages * page, "page_size": page, "layout": args.layout,
+        "max_running": args.max_running, "admission": args.admission,
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "cuda_graph": args.cuda_graph, "grad_mode": args.grad_mode, "model": cfg.to_dict(),
+        "pages_in_use_at_end": int(pool.allocator.used_pages),
+        "open_requests_at_end": int(pool.allocator.open_requests),
+    }
+    return figures(stats, settings=settings, audit=audit), stats.occupancy
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvpool.demo.report import render
+
+    fig, occupancy = run(args)
+    print(render(fig, occupancy))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(fig, f, indent=2)
+        print(f"  figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
