@@ -50,6 +50,9 @@ impl Counts<'_> {
 #[derive(Debug, Clone)]
 pub struct SlotAllocator {
     pub(crate) page_size: usize,
+    /// log2(page_size) when it is a power of two: a shift instead of a
+    /// 20-80 cycle integer division on the per-token path.
+    pub(crate) page_shift: Option<u32>,
     pub(crate) num_pages: usize,
     pub(crate) max_requests: usize,
     pub(crate) max_context_len: usize,
@@ -108,6 +111,7 @@ impl SlotAllocator {
         let free_rows: Vec<u32> = (0..max_requests as u32).rev().collect();
         Ok(Self {
             page_size,
+            page_shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
             num_pages,
             max_requests,
             max_context_len,
@@ -124,7 +128,10 @@ impl SlotAllocator {
     /// Pages needed to hold `len` tokens.
     #[inline]
     pub(crate) fn pages_for(&self, len: usize) -> usize {
-        len.div_ceil(self.page_size)
+        match self.page_shift {
+            Some(s) => (len + self.page_size - 1) >> s,
+            None => len.div_ceil(self.page_size),
+        }
     }
 
     /// Row of an open request, or why `handle` does not name one.
@@ -272,24 +279,27 @@ impl SlotAllocator {
             if let Some(s) = starts.as_deref_mut() {
                 s.push(req.len as i64);
             }
-            let mut t = req.len;
-            let end = t + c;
-            while t < end {
-                let off = t % ps;
-                if off == 0 {
+            // Free slots left in the last page (0 when it is full or absent).
+            let mut room = req.pages.len() * ps - req.len;
+            let mut left = c;
+            while left > 0 {
+                if room == 0 {
                     // The last page is full (or there is none): take the top free page.
                     let Some(p) = self.free_pages.pop() else {
                         return Err(PoolError::Invariant("free stack ran out after validation".into()));
                     };
                     self.owner[p as usize] = row as u32;
                     req.pages.push(p);
+                    room = ps;
                 }
-                let base = *req.pages.last().unwrap_or(&0) as usize * ps;
-                let n = (ps - off).min(end - t);
-                out.extend((base + off..base + off + n).map(|s| s as i64));
-                t += n;
+                let last = *req.pages.last().unwrap_or(&0) as usize;
+                let first = last * ps + (ps - room);
+                let n = room.min(left);
+                out.extend((first..first + n).map(|s| s as i64));
+                room -= n;
+                left -= n;
             }
-            req.len = end;
+            req.len += c;
         }
         Ok(out)
     }

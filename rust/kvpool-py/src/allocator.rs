@@ -32,6 +32,13 @@ impl SlotAllocator {
     }
 }
 
+/// A numpy array owning a copy of `v`. Copying (a memcpy) beats handing the
+/// Vec over (`from_vec`): that wraps it in a GC-tracked container object,
+/// and the extra GC traffic costs more than the copy on the hot path.
+fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
+    PyArray1::from_slice(py, v)
+}
+
 fn counts_of(arg: &IntArg) -> Counts<'_> {
     match arg {
         IntArg::Scalar(c) => Counts::Each(*c),
@@ -125,7 +132,7 @@ impl SlotAllocator {
     fn open<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Arr<'py, i64>> {
         let n = usize_arg(py, n, "n")?;
         let v = py.detach(|| self.lock().open(n)).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     #[pyo3(signature = (handles, counts, table=None))]
@@ -142,7 +149,7 @@ impl SlotAllocator {
             let v = py
                 .detach(|| self.lock().extend(&h, counts_of(&c)))
                 .map_err(|e| to_pyerr(py, e))?;
-            return Ok(PyArray1::from_vec(py, v));
+            return Ok(to_numpy(py, &v));
         };
         // Validate the table fully before any change; keep `table` alive
         // (it is borrowed from the caller) while its buffer is written.
@@ -164,7 +171,7 @@ impl SlotAllocator {
                 Ok::<_, PoolError>(slots)
             })
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     fn extend_with_starts<'py>(
@@ -178,7 +185,7 @@ impl SlotAllocator {
         let (s, st) = py
             .detach(|| self.lock().extend_with_starts(&h, counts_of(&c)))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok((PyArray1::from_vec(py, s), PyArray1::from_vec(py, st)))
+        Ok((to_numpy(py, &s), to_numpy(py, &st)))
     }
 
     fn truncate(
@@ -206,19 +213,19 @@ impl SlotAllocator {
     fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let v = py.detach(|| self.lock().lengths(&h)).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().slots(h)).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().pages(h)).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     fn page_table<'py>(
@@ -229,16 +236,16 @@ impl SlotAllocator {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let t = py.detach(|| self.lock().page_table(&h)).map_err(|e| to_pyerr(py, e))?;
         Ok((
-            PyArray1::from_vec(py, t.indptr),
-            PyArray1::from_vec(py, t.indices),
-            PyArray1::from_vec(py, t.last_page_len),
+            to_numpy(py, &t.indptr),
+            to_numpy(py, &t.indices),
+            to_numpy(py, &t.last_page_len),
         ))
     }
 
     fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let v = py.detach(|| self.lock().rows(&h)).map_err(|e| to_pyerr(py, e))?;
-        Ok(PyArray1::from_vec(py, v))
+        Ok(to_numpy(py, &v))
     }
 
     fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
