@@ -86,7 +86,7 @@ class Engine:
         self.step_fn = DecodeStep(model, self.pool, width=None if use_cuda_graph else 0)
         self.runner: Callable[..., torch.Tensor] = self.step_fn
         if use_cuda_graph:
-            from kvpool import DecodeGraphRunner  # only needed on this path
+            from kvpool.cuda_graph import DecodeGraphRunner  # only needed on this path
             # The runner owns the static input buffers and the captured graphs; on CPU
             # it calls the step eagerly with the same padded inputs.
             self.runner = DecodeGraphRunner(pool, self.step_fn, max_running)
@@ -189,13 +189,18 @@ class Engine:
                 if not batch:
                     return 0
         lengths = np.fromiter((r.length + 1 for r in batch), dtype=np.int64, count=len(batch))
-        # One host->device copy for all per-step inputs.
-        host = np.stack([np.fromiter((r.output[-1] for r in batch), dtype=np.int64, count=len(batch)),
-                         lengths - 1, handles & ROW_MASK, lengths])
-        dev = torch.from_numpy(host).to(self.device)
-        if self.step_fn.width is not None:
+        last = np.fromiter((r.output[-1] for r in batch), dtype=np.int64, count=len(batch))
+        # input_ids, positions, req_rows, out_cache_loc, seq_lens: built on the host, where
+        # the scheduler already knows them, so nothing is read back from the device.
+        host = np.stack([last, lengths - 1, handles & ROW_MASK, ext.slots, lengths])
+        if self.runner is self.step_fn:
             self.step_fn.width = int(lengths.max())
-        logits = self.runner(dev[0], dev[1], dev[2], ext.out_cache_loc, dev[3])
+            dev = torch.from_numpy(host).to(self.device)  # one host->device copy
+            logits = self.step_fn(dev[0], dev[1], dev[2], dev[3], dev[4])
+        else:
+            # The runner stages host inputs in pinned memory and copies them into its
+            # static buffers with one DMA, then pads and replays.
+            logits = self.runner(*host)
         next_tokens = logits.argmax(-1).tolist()
         for i, (r, tok) in enumerate(zip(batch, next_tokens)):
             r.length += 1
