@@ -1,0 +1,202 @@
+"""DecodeGraphRunner on CPU (eager path): padding, results, grad modes, errors.
+
+The CUDA capture/replay path is tested in test_graph_runner_cuda.py (skips
+without a GPU) and benchmarks/gpu_check.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.cuda_graph import DecodeGraphRunner, default_buckets, grad_mode
+
+from _toy_step import ToyDecode
+
+MODES = {
+    "inference_mode": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "grad": torch.enable_grad,
+}
+
+
+def make_pool(layout="token", page_size=2, device="cpu", dtype=torch.float32, seed=0):
+    pool = kvpool.KVPool(2, 2, 8, dtype=dtype, device=device, num_pages=48, page_size=page_size,
+                         max_requests=8, max_context_len=16, layout=layout)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # garbage everywhere, so any stray write shows
+        for bufs in (pool.k_buffers, pool.v_buffers):
+            for t in bufs:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return pool
+
+
+def start_requests(pool, lens):
+    handles = pool.open(len(lens))
+    pool.extend(handles, np.asarray(lens, dtype=np.int64))
+    return handles
+
+
+def decode_inputs(pool, handles, seed=1):
+    res = pool.extend(handles, 1)
+    lens = pool.allocator.lengths(handles)
+    gen = np.random.default_rng(seed)
+    ids = gen.integers(0, 64, size=len(handles))
+    return (ids, lens - 1, pool.rows(handles), res.slots, lens)
+
+
+def snapshot(pool):
+    return [t.clone() for t in pool.k_buffers + pool.v_buffers]
+
+
+def as_tensors(inputs, device="cpu"):
+    return tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=device) for a in inputs)
+
+
+@pytest.mark.parametrize("layout,page_size", [("token", 1), ("token", 4), ("paged", 4)])
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_eager_runner_matches_direct_step(layout, page_size, n):
+    lens = [2 + (3 * i) % 7 for i in range(n)]
+    pools = [make_pool(layout, page_size) for _ in range(2)]
+    handles = [start_requests(p, lens) for p in pools]
+    inputs = [decode_inputs(p, h) for p, h in zip(pools, handles)]
+    assert all(np.array_equal(a, b) for a, b in zip(*inputs))
+    before = snapshot(pools[0])
+
+    runner = DecodeGraphRunner(pools[0], ToyDecode(pools[0]), max_batch_size=8)
+    with torch.inference_mode():
+        got = runner.run(*inputs[0])
+        want = ToyDecode(pools[1])(*as_tensors(inputs[1]))
+    assert got.shape == want.shape == (n, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    page0 = set(range(page_size))
+    written = set(int(s) for s in inputs[0][3])
+    for t_run, t_ref, t_before in zip(snapshot(pools[0]), snapshot(pools[1]), before):
+        rows_run, rows_ref, rows_before = (x.reshape(-1, 2, 8) for x in (t_run, t_ref, t_before))
+        for s in range(rows_run.shape[0]):
+            if s in page0:
+                continue  # the padding sink: padded tokens may land here
+            if s in written:
+                torch.testing.assert_close(rows_run[s], rows_ref[s], rtol=1e-5, atol=1e-5)
+                assert not torch.equal(rows_run[s], rows_before[s])
+            else:
+                assert torch.equal(rows_run[s], rows_before[s]), f"slot {s} changed"
+
+
+def test_padding_values_seen_by_step():
+    pool = make_pool()
+    seen = {}
+
+    def step(*args):
+        seen.update(zip(("ids", "pos", "rows", "loc", "lens"), (a.clone() for a in args)))
+        return torch.zeros((args[0].shape[0], 3))
+
+    runner = DecodeGraphRunner(pool, step, max_batch_size=16, pad_seq_len=1)
+    out = runner.run([5, 6, 7], [1, 2, 3], [0, 1, 2], [10, 11, 12], [2, 3, 4])
+    assert out.shape == (3, 3)
+    assert seen["ids"].tolist() == [5, 6, 7, 0]  # padded to bucket 4
+    assert seen["pos"].tolist() == [1, 2, 3, 0]
+    assert seen["rows"].tolist() == [0, 1, 2, pool.null_row]
+    assert seen["loc"].tolist() == [10, 11, 12, 0]  # slot 0: page 0, the padding sink
+    assert seen["lens"].tolist() == [2, 3, 4, 1]
+    assert pool.req_to_token[pool.null_row].eq(0).all()
+    runner.run(torch.tensor([1] * 9), torch.zeros(9, dtype=torch.int32), np.zeros(9, dtype=np.int16), [1] * 9, [1] * 9)
+    assert len(seen["ids"]) == 16
+
+
+def test_default_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(8) == [1, 2, 4, 8]
+    assert default_buckets(9) == [1, 2, 4, 8, 16]
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 24]
+    assert default_buckets(256)[-3:] == [240, 248, 256]
+    assert all(b % 8 == 0 for b in default_buckets(256)[3:])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_runs_in_callers_grad_mode(mode):
+    pool = make_pool()
+    handles = start_requests(pool, [3, 4])
+    inputs = decode_inputs(pool, handles)
+    modes_seen = []
+
+    def step(*args):
+        modes_seen.append(grad_mode())
+        return ToyDecode(pool)(*args)
+
+    runner = DecodeGraphRunner(pool, step, max_batch_size=4)
+    assert not runner._static.is_inference() and not runner._static.requires_grad
+    with MODES[mode]():
+        out = runner.run(*inputs)
+    assert modes_seen == [mode]
+    assert out.is_inference() == (mode == "inference_mode")
+    assert not any(t.is_inference() for t in pool.k_buffers)
+
+
+def test_static_buffers_normal_when_built_in_inference_mode():
+    pool = make_pool()
+    with torch.inference_mode():
+        runner = DecodeGraphRunner(pool, ToyDecode(pool), max_batch_size=4)
+    assert not runner._static.is_inference()
+    with torch.no_grad():  # in-place writes outside inference mode must work
+        runner.run([1], [0], [pool.null_row], [0], [1])
+
+
+def test_graphs_disabled_equals_enabled_on_cpu():
+    pool_a, pool_b = make_pool(), make_pool()
+    ha, hb = start_requests(pool_a, [2, 5, 1]), start_requests(pool_b, [2, 5, 1])
+    ia, ib = decode_inputs(pool_a, ha), decode_inputs(pool_b, hb)
+    ra = DecodeGraphRunner(pool_a, ToyDecode(pool_a), 8, enable_graphs=True, debug=True)
+    rb = DecodeGraphRunner(pool_b, ToyDecode(pool_b), 8, enable_graphs=False)
+    assert not ra.use_graphs and ra.captured == []
+    ra.capture()  # no-op on CPU
+    with torch.no_grad():
+        assert torch.equal(ra.run(*ia), rb.run(*ib))
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(pool_a), snapshot(pool_b)))
+
+
+def test_tuple_outputs_are_sliced():
+    pool = make_pool()
+    runner = DecodeGraphRunner(pool, lambda *a: (a[0] * 2, [a[4]]), max_batch_size=8)
+    out = runner.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [5, 6, 7], [1, 1, 1])
+    assert out[0].tolist() == [2, 4, 6] and out[1][0].tolist() == [1, 1, 1]
+
+
+def test_errors_leave_runner_usable():
+    pool = make_pool()
+    runner = DecodeGraphRunner(pool, lambda *a: a[0].clone(), max_batch_size=4)
+    with pytest.raises(kvpool.InvalidArgumentError, match="exceeds max_batch_size 4"):
+        runner.run([1] * 5, [0] * 5, [0] * 5, [0] * 5, [1] * 5)
+    with pytest.raises(kvpool.TensorShapeError, match="equal lengths"):
+        runner.run([1, 2], [0], [0, 0], [0, 0], [1, 1])
+    with pytest.raises(kvpool.InvalidArgumentError, match="empty batch"):
+        runner.run([], [], [], [], [])
+    with pytest.raises(kvpool.TensorShapeError, match="1-D"):
+        runner.run(torch.zeros((1, 1), dtype=torch.int64), [0], [0], [0], [1])
+    with pytest.raises(kvpool.TensorDtypeError, match="must be integers"):
+        runner.run(torch.zeros(1), [0], [0], [0], [1])
+    with pytest.raises(kvpool.TensorDtypeError, match="must be integers"):
+        runner.run([1], [0], [0.5], [0], [1])
+    assert runner.run([7], [0], [0], [0], [1]).tolist() == [7]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_batch_size=0), "max_batch_size must be a positive int"),
+        (dict(max_batch_size=16, buckets=[1, 8]), "largest bucket 8 < max_batch_size 16"),
+        (dict(max_batch_size=4, buckets=[0, 4]), "buckets must be positive"),
+        (dict(max_batch_size=4, pad_seq_len=-1), "pad_seq_len"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(kvpool.InvalidArgumentError, match=match):
+        DecodeGraphRunner(make_pool(), lambda *a: None, **kwargs)
+
+
+def test_custom_buckets_pick_smallest_fit():
+    runner = DecodeGraphRunner(make_pool(), lambda *a: a[0].clone(), max_batch_size=10, buckets=[10, 3])
+    assert runner.buckets == [3, 10]
+    assert [runner.bucket_for(n) for n in (1, 3, 4, 10)] == [3, 3, 10, 10]
