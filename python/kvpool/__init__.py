@@ -47,3 +47,9 @@ __all__ += [
     "TensorDeviceError", "TensorDtypeError", "TensorShapeError", "audit", "mutable", "persistent",
 ]
 # --- end issue 3 ---
+
+# --- kernels and CUDA-graph decode runner (issue 4) ---
+from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
+
+__all__ += ["DecodeGraphRunner"]
+# --- end issue 4 ---
