@@ -1,8 +1,14 @@
-//! Unit tests of the core; the property test against a model is in tests/.
+//! Unit tests of the core; the property test against a model is in tests/model.rs.
 use crate::*;
 
 fn alloc(pages: usize, ps: usize) -> SlotAllocator {
     SlotAllocator::new(pages, ps, 4, 64).expect("valid config")
+}
+
+/// Observable state, to assert that a failing call changed nothing.
+fn snapshot(a: &SlotAllocator, hs: &[i64]) -> (usize, usize, Vec<Option<Vec<i64>>>) {
+    let slots = hs.iter().map(|&h| a.slots(h).ok()).collect();
+    (a.free_pages(), a.open_requests(), slots)
 }
 
 #[test]
@@ -12,4 +18,172 @@ fn fresh_pool_hands_out_pages_in_order_and_skips_page_0() {
     assert_eq!(a.extend(&h, Counts::Each(3)).unwrap(), vec![1, 2, 3]);
     assert_eq!(a.free_pages(), 4);
     a.check().unwrap();
+}
+
+#[test]
+fn new_page_only_when_last_page_is_full() {
+    let mut a = alloc(8, 4);
+    let h = a.open(2).unwrap();
+    assert_eq!(a.extend(&h[..1], Counts::Each(3)).unwrap(), vec![4, 5, 6]);
+    assert_eq!(a.used_pages(), 1);
+    // One more token fits in page 1; the next starts page 2.
+    assert_eq!(a.extend(&h[..1], Counts::Each(2)).unwrap(), vec![7, 8]);
+    assert_eq!(a.pages(h[0]).unwrap(), vec![1, 2]);
+    assert_eq!(a.extend(&h, Counts::PerRequest(&[0, 1])).unwrap(), vec![12]);
+    assert_eq!(a.slots(h[0]).unwrap(), vec![4, 5, 6, 7, 8]);
+    a.check().unwrap();
+}
+
+#[test]
+fn non_power_of_two_page_size() {
+    let mut a = alloc(6, 3);
+    let h = a.open(1).unwrap();
+    assert_eq!(a.extend(&h, Counts::Each(4)).unwrap(), vec![3, 4, 5, 6]);
+    a.truncate(&h, Counts::Each(3)).unwrap();
+    assert_eq!(a.pages(h[0]).unwrap(), vec![1]);
+    let t = a.page_table(&h).unwrap();
+    assert_eq!((t.indptr, t.indices, t.last_page_len), (vec![0, 1], vec![1], vec![3]));
+    a.check().unwrap();
+}
+
+#[test]
+fn freed_pages_are_reused_first_in_their_old_order() {
+    let mut a = alloc(16, 1);
+    let h = a.open(2).unwrap();
+    a.extend(&h, Counts::PerRequest(&[3, 2])).unwrap(); // 1,2,3 | 4,5
+    a.close(&h[..1]).unwrap();
+    let h2 = a.open(1).unwrap();
+    assert_eq!(a.extend(&h2, Counts::Each(4)).unwrap(), vec![1, 2, 3, 6]);
+    a.check().unwrap();
+}
+
+#[test]
+fn handles_carry_row_and_generation() {
+    let mut a = alloc(8, 1);
+    let h = a.open(2).unwrap();
+    assert_eq!(h, vec![make_handle(1, 0), make_handle(1, 1)]);
+    a.close(&h[..1]).unwrap();
+    let h2 = a.open(1).unwrap();
+    assert_eq!(h2[0], make_handle(2, 0), "row 0 is reused with a new generation");
+    assert_eq!(a.rows(&[h2[0], h[1]]).unwrap(), vec![0, 1]);
+    let err = a.length(h[0]).unwrap_err();
+    assert_eq!(err, PoolError::InvalidHandle { handle: h[0], problem: HandleProblem::Stale });
+    a.close(&h2).unwrap();
+    let err = a.length(h2[0]).unwrap_err();
+    assert!(matches!(err, PoolError::InvalidHandle { problem: HandleProblem::Closed, .. }));
+    for bad in [-1, make_handle(1, 4), make_handle(0, 1), make_handle(9, 1)] {
+        let err = a.length(bad).unwrap_err();
+        assert!(matches!(err, PoolError::InvalidHandle { problem: HandleProblem::Unknown, .. }), "{bad}");
+        assert!(!a.is_open(bad));
+    }
+}
+
+#[test]
+fn failed_batches_change_nothing() {
+    let mut a = alloc(6, 2); // 5 usable pages = 10 slots
+    let h = a.open(3).unwrap();
+    a.extend(&h, Counts::PerRequest(&[3, 1, 0])).unwrap();
+    let before = snapshot(&a, &h);
+    let stale = make_handle(7, 2);
+    let cases: Vec<(Vec<i64>, Vec<i64>)> = vec![
+        (h.clone(), vec![4, 4, 4]),               // exhausted: needs 2+2+2 pages, 2 free
+        (h.clone(), vec![1, -1, 1]),              // negative
+        (vec![h[0], h[1], h[0]], vec![1, 1, 1]),  // duplicate
+        (vec![h[0], stale], vec![1, 1]),          // stale handle
+        (h.clone(), vec![1, 1]),                  // length mismatch
+        (h.clone(), vec![1, 62, 1]),              // context too long on the 2nd
+    ];
+    for (hs, cs) in &cases {
+        let err = a.extend(hs, Counts::PerRequest(cs)).unwrap_err();
+        assert_eq!(snapshot(&a, &h), before, "{err}");
+        a.check().unwrap();
+    }
+    assert!(matches!(
+        a.extend(&h, Counts::Each(4)).unwrap_err(),
+        PoolError::Exhausted { needed_pages: 6, free_pages: 2, .. }
+    ));
+    assert!(a.truncate(&h, Counts::PerRequest(&[1, 2, 0])).is_err()); // 2 > length 1
+    assert!(a.truncate(&h, Counts::Each(-1)).is_err());
+    assert!(a.close(&[h[0], h[0]]).is_err());
+    assert!(a.close(&[h[0], stale]).is_err());
+    assert!(matches!(a.open(2).unwrap_err(), PoolError::TooManyRequests { requested: 2, open: 3, max: 4 }));
+    assert_eq!(snapshot(&a, &h), before);
+    a.check().unwrap();
+}
+
+#[test]
+fn truncate_frees_pages_past_the_end_only() {
+    let mut a = alloc(8, 2);
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(5)).unwrap(); // pages 1,2,3
+    a.truncate(&h, Counts::Each(3)).unwrap(); // keeps pages 1,2 (2nd half full)
+    assert_eq!((a.length(h[0]).unwrap(), a.used_pages()), (3, 2));
+    a.truncate(&h, Counts::Each(3)).unwrap(); // no-op
+    assert_eq!(a.extend(&h, Counts::Each(2)).unwrap(), vec![5, 6]); // refills page 2, retakes page 3
+    a.truncate(&h, Counts::Each(0)).unwrap();
+    assert_eq!((a.used_pages(), a.free_pages()), (0, 7));
+    a.check().unwrap();
+}
+
+#[test]
+fn page_table_is_flashinfer_csr() {
+    let mut a = alloc(16, 4);
+    let h = a.open(3).unwrap();
+    a.extend(&h, Counts::PerRequest(&[5, 0, 4])).unwrap();
+    let t = a.page_table(&[h[2], h[1], h[0]]).unwrap();
+    assert_eq!(t.indptr, vec![0, 1, 1, 3]);
+    assert_eq!(t.indices, vec![3, 1, 2]);
+    assert_eq!(t.last_page_len, vec![4, 0, 1]);
+}
+
+#[test]
+fn reset_closes_everything() {
+    let mut a = alloc(16, 1);
+    let h = a.open(4).unwrap();
+    a.extend(&h, Counts::Each(3)).unwrap();
+    a.reset();
+    assert_eq!((a.open_requests(), a.free_pages()), (0, 15));
+    assert!(!a.is_open(h[0]));
+    assert_eq!(a.open(1).unwrap(), vec![make_handle(2, 0)]);
+    a.check().unwrap();
+}
+
+#[test]
+fn check_detects_corruption() {
+    let mut a = alloc(8, 1);
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(2)).unwrap();
+    let good = a.clone();
+    a.free_pages.push(1); // page 1 both free and held
+    assert!(matches!(a.check(), Err(PoolError::Invariant(_))));
+    let mut b = good.clone();
+    b.requests[0].len = 3; // length disagrees with pages held
+    assert!(b.check().is_err());
+    let mut c = good.clone();
+    c.owner[0] = 0; // page 0 owned
+    assert!(c.check().is_err());
+    let mut d = good;
+    d.free_pages.pop(); // a page lost
+    assert!(d.check().is_err());
+}
+
+#[test]
+fn bad_configs_are_rejected() {
+    for (p, ps, r, c) in [(0, 1, 1, 1), (2, 0, 1, 1), (2, 1, 0, 1), (2, 1, 1, 0), (1 << 31, 1, 1, 1)] {
+        assert!(matches!(SlotAllocator::new(p, ps, r, c), Err(PoolError::InvalidArgument(_))));
+    }
+    let a = SlotAllocator::new(1, 1, 1, 1).unwrap(); // only the reserved page
+    assert_eq!(a.capacity_pages(), 0);
+}
+
+#[test]
+fn metadata_stays_under_16_bytes_per_page() {
+    let pages = 1 << 16;
+    let mut a = SlotAllocator::new(pages, 1, 64, 1 << 12).unwrap();
+    let h = a.open(64).unwrap();
+    for _ in 0..1023 {
+        a.extend(&h, Counts::Each(1)).unwrap(); // grows page lists one by one
+    }
+    let per_page = a.metadata_bytes() as f64 / pages as f64;
+    assert!(per_page <= 16.0, "{per_page} bytes per page");
 }
