@@ -48,15 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "and a small random-weight transformer; print throughput, pool occupancy, "
                     "kvpool's share of step time and kvpool.audit's findings.")
     g = p.add_argument_group("workload")
-    g.add_argument("--requests", type=_positive, default=64, help="number of requests (64)")
-    g.add_argument("--prompt-len", type=_range, default=(16, 192), metavar="MIN:MAX",
-                   help="prompt length range, uniform (16:192)")
-    g.add_argument("--output-len", type=_range, default=(16, 128), metavar="MIN:MAX",
-                   help="generated tokens per request, uniform (16:128)")
+    g.add_argument("--requests", type=_positive, default=128, help="number of requests (128)")
+    g.add_argument("--prompt-len", type=_range, default=(16, 256), metavar="MIN:MAX",
+                   help="prompt length range, uniform (16:256)")
+    g.add_argument("--output-len", type=_range, default=(16, 192), metavar="MIN:MAX",
+                   help="generated tokens per request, uniform (16:192)")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the requests (0)")
     g = p.add_argument_group("pool and scheduler")
-    g.add_argument("--pool-tokens", type=_positive, default=4096,
-                   help="KV capacity in tokens, rounded up to whole pages (4096)")
+    g.add_argument("--pool-tokens", type=_positive, default=6144,
+                   help="KV capacity in tokens, rounded up to whole pages (6144)")
     g.add_argument("--page-size", type=_positive, default=16, help="tokens per page (16)")
     g.add_argument("--layout", choices=("token", "paged"), default="token",
                    help="K/V buffer layout: [slots,H,D] or [pages,P,H,D] (token)")

@@ -123,8 +123,9 @@ class Engine:
             produced = self._admit_and_prefill(waiting, running)
             if running:
                 produced += self._decode(waiting, running)
-            running[:] = self._release(running)
+            # Sampled before release: the pages this step actually used.
             self._sample(running)
+            running[:] = self._release(running)
             self.stats.step_s += time.perf_counter() - t0
             self.stats.steps += 1
             if progress is not None:

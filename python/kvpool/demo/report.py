@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -98,8 +97,17 @@ def figures(stats: RunStats, *, settings: dict[str, Any], audit: Any) -> dict[st
             "seconds_by_call": stats.pool_seconds,
             "calls": stats.pool_calls,
         },
-        "audit": {"clean": audit_is_clean(audit), "result": audit_to_jsonable(audit)},
+        "audit": {"clean": audit_is_clean(audit), "result": audit_to_jsonable(audit),
+                  "lines": [str(f) for f in audit] if isinstance(audit, (list, tuple)) else [str(audit)]},
     }
+
+
+def _graph_note(s: dict[str, Any]) -> str:
+    if not s["cuda_graph"]:
+        return ""
+    if s["device"].startswith("cuda"):
+        return " + CUDA graphs (DecodeGraphRunner)"
+    return " + DecodeGraphRunner (eager on CPU, padded buckets)"
 
 
 def render(fig: dict[str, Any], occupancy: list[float]) -> str:
@@ -109,7 +117,7 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         f"  model    {s['model']['layers']} layers, hidden {s['model']['hidden']}, "
         f"{s['model']['heads']} heads / {s['model']['kv_heads']} kv heads, "
         f"vocab {s['model']['vocab_size']}, {s['dtype']} on {s['device']}"
-        f"{' + CUDA graphs' if s['cuda_graph'] else ''}, grad mode {s['grad_mode']}",
+        f"{_graph_note(s)}, grad mode {s['grad_mode']}",
         f"  pool     {s['pool_tokens']} tokens in pages of {s['page_size']} ({s['layout']} layout), "
         f"max {s['max_running']} running",
         f"  requests {fig['requests_done']}/{s['requests']} done in {fig['steps']} steps, "
@@ -122,10 +130,16 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         f"{fig['preemptions']} preemptions",
         f"  occupancy pages used min/mean/max {occ['min']:.0%}/{occ['mean']:.0%}/{occ['max']:.0%}"
         f"  |{sparkline(occupancy)}|",
+        f"           tokens stored mean {fig['token_occupancy']['mean']:.0%} of capacity "
+        f"(the gap to pages used: partly filled last pages)",
         f"  kvpool host calls {host['share']:.1%} of step time: bookkeeping "
         f"(open/extend/close) {host['bookkeeping_share']:.2%} "
         f"({host['bookkeeping_us_per_step']:.0f} µs/step), K/V writes {host['write_share']:.1%}",
-        f"  audit    {'clean' if fig['audit']['clean'] else 'FINDINGS'}: "
-        f"{json.dumps(fig['audit']['result'])}",
     ]
+    if fig["audit"]["clean"]:
+        lines.append("  audit    kvpool.audit(model, pool): clean — no inference or requires-grad "
+                     "tensors among the weights, buffers and pool tensors")
+    else:
+        lines.append("  audit    kvpool.audit(model, pool) FINDINGS:")
+        lines.extend(f"    - {f}" for f in fig["audit"]["lines"])
     return "\n".join(lines)
