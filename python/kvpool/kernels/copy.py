@@ -91,7 +91,7 @@ def copy_slots(
     geoms = [c.cache_geom(t, f"caches[{i}]") for i, t in enumerate(caches)]
     for i, t in enumerate(caches):
         if t.device != dev:
-            raise c.KernelArgumentError(f"caches[{i}] is on {t.device}, caches[0] on {dev}")
+            raise c.TensorDeviceError(f"caches[{i}] is on {t.device}, caches[0] on {dev}")
         if geoms[i].num_slots != geoms[0].num_slots:
             raise c.KernelArgumentError(
                 f"caches[{i}] has {geoms[i].num_slots} slots, caches[0] has {geoms[0].num_slots}"

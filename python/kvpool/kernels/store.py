@@ -124,7 +124,7 @@ def store_kv(
             )
         c.check_rows(v, "v", vg, dev)
         if v.shape[0] != n:
-            raise c.KernelArgumentError(f"v has {v.shape[0]} rows, k has {n}")
+            raise c.TensorShapeError(f"v has {v.shape[0]} rows, k has {n}")
         c.check_scale(v_scale, "v_scale", dev)
     if n == 0:
         return

@@ -1,0 +1,122 @@
+"""kvpool.kernels in the normal session: the torch reference (the interpreter tests'
+oracle) against naive per-row loops, the CPU path of the wrappers, and argument
+validation (typed errors, nothing written). The Triton kernels themselves run in
+test_kernels_interp.py (interpreter) and test_kernels_cuda.py (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpool
+import kvpool.kernels as K
+from kvpool.kernels import _ref
+
+from _kernel_data import FP8, build_store, same, store_cases
+
+
+def naive_slot_view(cache: torch.Tensor, s: int) -> torch.Tensor:
+    if cache.dim() == 3:
+        return cache[s]
+    p = cache.shape[1]
+    return cache[s // p, s % p]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=store_cases(), seed=st.integers(0, 2**31 - 1))
+def test_reference_store_is_a_per_row_write(case, seed):
+    kc, vc, slots, k, v, ks, vs = build_store(case, seed)
+    expect_k = kc.clone()
+    for i, s in enumerate(case.slots):
+        if s < 0:
+            continue
+        x = k[i].float() / (float(ks) if ks is not None else 1.0)
+        if case.cache_dtype == FP8:
+            x = x.clamp(-448.0, 448.0)
+        naive_slot_view(expect_k, s).copy_(x.to(case.cache_dtype))
+    _ref.store_kv_ref(kc, vc, slots, k, v, ks, vs)
+    assert same(kc, expect_k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=store_cases(), seed=st.integers(0, 2**31 - 1))
+def test_reference_gather_and_cpu_wrapper(case, seed):
+    kc, vc, slots, _, _, _, _ = build_store(case, seed)
+    k, v = K.gather_kv(kc, vc, slots)
+    for i, s in enumerate(case.slots):
+        want = naive_slot_view(kc, s) if s >= 0 else torch.zeros_like(k[i])
+        assert same(k[i], want)
+
+
+def test_reference_copy_and_table():
+    caches = [torch.arange(24.0).reshape(6, 1, 4) + 100 * i for i in range(3)]
+    K.copy_slots(caches, torch.tensor([1, -1, 2]), torch.tensor([4, 5, -1]))
+    for i, c in enumerate(caches):
+        assert c[4].tolist() == (torch.arange(4.0, 8.0) + 100 * i).view(1, 4).tolist()
+        assert c[5].tolist() == (torch.arange(20.0, 24.0) + 100 * i).view(1, 4).tolist()
+    table = torch.zeros((4, 8), dtype=torch.int32)
+    K.write_req_to_token(table, torch.tensor([3, -1, 1]), torch.tensor([1, 0, 6]),
+                         torch.tensor([2, 1, 2]), torch.tensor([7, 8, 9, 10, 11]))
+    assert table[3].tolist() == [0, 7, 8, 0, 0, 0, 0, 0]
+    assert table[1].tolist() == [0, 0, 0, 0, 0, 0, 10, 11]  # request 1 (row -1) skipped its slot 9
+    assert table[[0, 2]].eq(0).all()
+
+
+def test_empty_calls_are_noops():
+    kc = torch.randn(4, 2, 3)
+    before = kc.clone()
+    K.store_kv(kc, None, torch.empty(0, dtype=torch.int64), torch.empty(0, 2, 3), None)
+    K.copy_slots([kc], torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    k, v = K.gather_kv(kc, None, torch.empty(0, dtype=torch.int32))
+    assert k.shape == (0, 2, 3) and v is None and torch.equal(kc, before)
+
+
+def _cache():
+    return torch.randn(8, 2, 4), torch.randn(8, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "call,err,match",
+    [
+        (lambda kc, vc: K.store_kv(kc, vc, torch.tensor([1]), torch.ones(1, 2, 5), torch.ones(1, 2, 5)),
+         kvpool.TensorShapeError, r"k must have shape \[n, 2, 4\]"),
+        (lambda kc, vc: K.store_kv(kc, vc, torch.tensor([1.0]), torch.ones(1, 2, 4), torch.ones(1, 2, 4)),
+         kvpool.TensorDtypeError, "slots must be int32 or int64"),
+        (lambda kc, vc: K.store_kv(kc, vc, torch.tensor([1, 2]), torch.ones(1, 2, 4), torch.ones(1, 2, 4)),
+         kvpool.TensorShapeError, "slots has 2 entries, expected 1"),
+        (lambda kc, vc: K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), torch.ones(1, 2, 4)),
+         K.KernelArgumentError, "both be given or both be None"),
+        (lambda kc, vc: K.store_kv(kc, vc, torch.tensor([1]), torch.ones(1, 2, 4), torch.ones(2, 2, 4)),
+         kvpool.TensorShapeError, "v has 2 rows, k has 1"),
+        (lambda kc, vc: K.store_kv(kc.view(8, 8), vc, torch.tensor([1]), torch.ones(1, 2, 4), None),
+         kvpool.TensorShapeError, r"k_cache must be \[num_slots, H, D\]"),
+        (lambda kc, vc: K.store_kv(kc.int(), None, torch.tensor([1]), torch.ones(1, 2, 4), None),
+         kvpool.TensorDtypeError, "k_cache has dtype torch.int32"),
+        (lambda kc, vc: K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), None, k_scale=0.0),
+         K.KernelArgumentError, "k_scale must be > 0"),
+        (lambda kc, vc: K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), None,
+                                   k_scale=torch.ones(2)),
+         K.KernelArgumentError, "1-element tensor"),
+        (lambda kc, vc: K.copy_slots([], torch.tensor([1]), torch.tensor([2])),
+         K.KernelArgumentError, "non-empty list"),
+        (lambda kc, vc: K.copy_slots([kc, torch.zeros(9, 2, 4)], torch.tensor([1]), torch.tensor([2])),
+         K.KernelArgumentError, "caches\\[1\\] has 9 slots"),
+        (lambda kc, vc: K.gather_kv(kc, vc, torch.tensor([1]), out=(torch.empty(2, 2, 4), None)),
+         K.KernelArgumentError, "out\\[0\\] must be"),
+        (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32).t(), torch.tensor([0]),
+                                             torch.tensor([0]), torch.tensor([1]), torch.tensor([5])),
+         K.KernelArgumentError, "contiguous rows"),
+        (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([0, 1]),
+                                             torch.tensor([0]), torch.tensor([1, 1]), torch.tensor([5, 6])),
+         kvpool.TensorShapeError, "starts has 1 entries, expected 2"),
+    ],
+)
+def test_bad_arguments_raise_typed_errors_and_write_nothing(call, err, match):
+    kc, vc = _cache()
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(err, match=match):
+        call(kc, vc)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert issubclass(err, kvpool.InvalidArgumentError) and issubclass(err, ValueError)
