@@ -162,3 +162,17 @@ def test_mutable_copies_tensor_and_parameter(outer: str) -> None:
 def test_mutable_rejects_other_types() -> None:
     with pytest.raises(TypeError, match="torch.Tensor or nn.Module"):
         kvpool.mutable([1, 2])
+
+
+def test_module_built_in_inference_mode_is_fixed_by_mutable() -> None:
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    names = {f.name for f in kvpool.audit(model=model)}
+    assert names == {"model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"}
+    kvpool.mutable(model)
+    assert kvpool.audit(model=model) == []
+    for p in model.parameters():
+        assert isinstance(p, torch.nn.Parameter) and p.requires_grad
+    with torch.no_grad():
+        model[0].weight.zero_()  # the in-place write that used to raise
+    assert not model[0].weight.any()

@@ -184,8 +184,8 @@ def _normal_copy(t: torch.Tensor) -> torch.Tensor:
         # clone() outside inference mode yields a normal tensor even when the
         # source is an inference tensor (out-of-place ops on them are allowed).
         copy = t.detach().clone()
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
     return copy
 
 
@@ -203,7 +203,7 @@ def mutable(obj: Any) -> Any:
         for mod in obj.modules():
             for pname, p in list(mod._parameters.items()):
                 if p is not None and p.is_inference():
-                    mod._parameters[pname] = _normal_copy(p)
+                    mod._parameters[pname] = _normal_copy(p)  # type: ignore[assignment]
             for bname, b in list(mod._buffers.items()):
                 if b is not None and b.is_inference():
                     mod._buffers[bname] = _normal_copy(b)

@@ -266,12 +266,12 @@ class KVPool:
         only real tokens. MLA pools: ``write(layer, slots, kv)``.
         """
         layer = check_layer(layer, self.num_layers)
-        names = ("kv",) if self.mla else ("k", "v")
-        rows = (k,) if self.mla else (k, v)
         if self.mla and v is not None:
             raise TensorShapeError("an MLA pool takes one latent tensor: write(layer, slots, kv), without v")
         if not self.mla and v is None:
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        names = ("kv",) if self.mla else ("k", "v")
+        rows: list[torch.Tensor] = [k] if v is None else [k, v]
         idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
         n = idx.shape[0]
         for name, x in zip(names, rows):
@@ -280,13 +280,14 @@ class KVPool:
             idx = idx.to(self.device, non_blocking=True)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, index_copy_ would make the cache require grad).
-        rows = tuple(x.detach() for x in rows)
+        rows = [x.detach() for x in rows]
         if self._store_kernel is not None:
             caches = [c[layer] for c in self._storage.flat]
-            scales = [s[layer] for s in self._scales] or [None, None]
+            scales: list[torch.Tensor | None] = [s[layer] for s in self._scales] or [None, None]
+            two = len(rows) > 1
             self._store_kernel(
-                caches[0], caches[1] if len(caches) > 1 else None, idx, rows[0],
-                rows[1] if len(rows) > 1 else None, scales[0], scales[1] if len(rows) > 1 else None,
+                caches[0], caches[1] if two else None, idx, rows[0], rows[1] if two else None,
+                scales[0], scales[1] if two else None,
             )
             return
         if idx.device.type != "cpu":
@@ -296,7 +297,7 @@ class KVPool:
         elif has_negative:
             keep = idx >= 0
             idx = idx[keep]
-            rows = tuple(x[keep] for x in rows)
+            rows = [x[keep] for x in rows]
         idx = idx.long()
         for ci, x in enumerate(rows):
             if self.fp8:
