@@ -115,6 +115,11 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def run(self, requests: list[Request], progress: Any = None) -> RunStats:
         self.check_fits(requests)
+        capture = getattr(self.runner, "capture", None)
+        if capture is not None:
+            # Capture every bucket's graph now (a no-op on CPU) so that no step pays
+            # for compilation or capture, and so capture sees the caller's grad mode.
+            capture()
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []
         t_start = time.perf_counter()
