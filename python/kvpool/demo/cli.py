@@ -89,7 +89,7 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
     with tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True) as bar:
         yield bar
 

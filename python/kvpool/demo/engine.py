@@ -166,6 +166,7 @@ class Engine:
         return produced
 
     def _prefill(self, req: Request, out_cache_loc: torch.Tensor) -> int:
+        assert req.handle is not None  # admitted before prefill
         n = len(req.prompt)
         ids = torch.from_numpy(req.prompt).to(self.device)[None]
         positions = torch.arange(n, device=self.device)[None]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator, cast
 
 import torch
 from torch import nn
@@ -82,6 +82,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotate-half rotary embeddings from a precomputed cos/sin table."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -100,6 +103,8 @@ class Rotary(nn.Module):
 
 
 class Block(nn.Module):
+    layer: int
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -138,13 +143,16 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
 
+    def layers(self) -> Iterator[Block]:
+        return (cast(Block, b) for b in self.blocks)
+
     # -- reference path: no cache at all -------------------------------------------------
     def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] for a 1-D token sequence, recomputing everything (the oracle)."""
         positions = torch.arange(tokens.shape[0], device=tokens.device)
         x = self.embed(tokens)
         mask = causal_mask(positions, positions)
-        for block in self.blocks:
+        for block in self.layers():
             q, k, v = block.qkv(x, positions, self.rotary)
             x = block.finish(x, attend(q[None], k[None], v[None], mask[None])[0])
         return self.lm_head(self.norm(x)).float()
@@ -170,7 +178,7 @@ class TinyLM(nn.Module):
         # depend on the batch, not on the layer).
         slot_idx = pool.req_to_token[req_rows, :width].long()
         mask = pool_mask(positions, width)
-        for block in self.blocks:
+        for block in self.layers():
             q, k, v = block.qkv(x, positions, self.rotary)
             pool.write(block.layer, out_cache_loc, k.reshape(-1, *k.shape[-2:]),
                        v.reshape(-1, *v.shape[-2:]))
