@@ -24,10 +24,14 @@ from kvpool.transfer import update_req_to_token
 MAX_REQ, MAX_LEN = 4, 24
 
 
-def write_req_to_token_ref(table: torch.Tensor, rows: Any, starts: Any, counts: Any, slots: Any) -> None:
+def write_req_to_token_ref(
+    table: torch.Tensor, rows: Any, starts: Any, counts: Any, slots: Any, offsets: Any = None
+) -> None:
     """Stand-in for kvpool.kernels.write_req_to_token (same signature), row by row."""
     offset = 0
-    for r, s, c in zip(rows.tolist(), starts.tolist(), counts.tolist()):
+    for i, (r, s, c) in enumerate(zip(rows.tolist(), starts.tolist(), counts.tolist())):
+        if offsets is not None:
+            assert int(offsets[i]) == offset
         table[r, s : s + c] = slots[offset : offset + c].to(table.dtype)
         offset += c
 

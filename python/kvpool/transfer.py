@@ -52,15 +52,17 @@ def update_req_to_token(
     ``index_put_`` with flat indices built on the host). Returns the slots as a
     device int64 tensor (a view of the copied buffer) for ``out_cache_loc``.
     """
-    n = slots.shape[0]
+    n, b = slots.shape[0], rows.shape[0]
+    offsets = np.cumsum(counts) - counts  # first index of each request's slots in `slots`
     if kernel is not None:
-        packed = np.concatenate([slots, rows, starts, counts])
+        # Host-computed offsets ride along in the same copy, sparing the kernel
+        # its on-device prefix sum.
+        packed = np.concatenate([slots, rows, starts, counts, offsets])
         dev = _to_device(packed, req_to_token.device)
-        b = rows.shape[0]
-        kernel(req_to_token, dev[n : n + b], dev[n + b : n + 2 * b], dev[n + 2 * b :], dev[:n])
+        rows_d, starts_d, counts_d, offsets_d = (dev[n + i * b : n + (i + 1) * b] for i in range(4))
+        kernel(req_to_token, rows_d, starts_d, counts_d, dev[:n], offsets=offsets_d)
         return dev[:n]
     width = req_to_token.shape[1]
-    offsets = np.cumsum(counts) - counts  # first output index of each request
     flat = np.repeat(rows * width + starts - offsets, counts) + np.arange(n, dtype=np.int64)
     dev = _to_device(np.concatenate([slots, flat]), req_to_token.device)
     if n:
