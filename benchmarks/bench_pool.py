@@ -125,6 +125,8 @@ def memory_report() -> dict[str, Any]:
         "req_to_token_bytes": pool.req_to_token.nbytes,
         "allocator_metadata_bytes": int(pool.allocator.metadata_bytes),
         "overhead_bytes": overhead,
+        # K/V bytes per slot at which the overhead reaches exactly 1% at this slot count.
+        "min_bytes_per_slot_for_1pct": -(-overhead * 100 // SLOTS),
         "by_model": rows,
     }
 
@@ -156,7 +158,8 @@ def main() -> None:
           f"bare index_copy_ {w['bare_index_copy_us']:.1f} us")
     m = result["memory"]
     print(f"memory at {SLOTS} slots: overhead {m['overhead_bytes']} bytes "
-          f"(req_to_token {m['req_to_token_bytes']}, allocator {m['allocator_metadata_bytes']})")
+          f"(req_to_token {m['req_to_token_bytes']}, allocator {m['allocator_metadata_bytes']}); "
+          f"<= 1% for any model with >= {m['min_bytes_per_slot_for_1pct']} K/V bytes per slot")
     for name, row in m["by_model"].items():
         print(f"  {name}: K/V {row['kv_bytes'] / 2**30:.3f} GiB, overhead {row['overhead_pct']:.4f}% (target <= 1%)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
