@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from kvpool.modes import ERR_INPLACE_INFERENCE, ERR_LEAF_REQUIRES_GRAD, ERR_VERS
 
 class ToyModel(torch.nn.Module):
     """A model whose rotary cache is built the way SGLang once built it: inside inference_mode."""
+
+    cos_cache: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,12 +32,13 @@ def modes() -> tuple[bool, bool]:
 
 @pytest.mark.parametrize("outer", ["default", "no_grad", "inference_mode", "both"])
 def test_persistent_makes_normal_grad_free_tensors_and_restores_modes(outer: str) -> None:
-    ctx = {
+    options: dict[str, list[Any]] = {
         "default": [],
         "no_grad": [torch.no_grad()],
         "inference_mode": [torch.inference_mode()],
         "both": [torch.no_grad(), torch.inference_mode()],
-    }[outer]
+    }
+    ctx = options[outer]
     for c in ctx:
         c.__enter__()
     try:
@@ -174,5 +178,5 @@ def test_module_built_in_inference_mode_is_fixed_by_mutable() -> None:
     for p in model.parameters():
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
     with torch.no_grad():
-        model[0].weight.zero_()  # the in-place write that used to raise
-    assert not model[0].weight.any()
+        model[0].weight.zero_()  # type: ignore[operator]  # the in-place write that used to raise
+    assert not model[0].weight.any()  # type: ignore[operator]

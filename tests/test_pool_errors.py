@@ -67,11 +67,13 @@ def good(n: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     return torch.ones(n, H, D, dtype=dtype)
 
 
+NOT_A_TENSOR: Any = np.ones((1, H, D))
+
 # (name, expected error, call) — every call must fail before touching anything.
 CASES: list[tuple[str, type[Exception], Callable[[kvpool.KVPool, np.ndarray, np.ndarray], Any]]] = [
     ("k wrong dtype", TensorDtypeError, lambda p, h, c: p.write(0, [4, 5], good(2, torch.float32), good(2))),
     ("v wrong dtype", TensorDtypeError, lambda p, h, c: p.write(0, [4, 5], good(2), good(2, torch.bfloat16))),
-    ("k not a tensor", TensorDtypeError, lambda p, h, c: p.write(0, [4], np.ones((1, H, D)), good(1))),
+    ("k not a tensor", TensorDtypeError, lambda p, h, c: p.write(0, [4], NOT_A_TENSOR, good(1))),
     ("k wrong head_dim", TensorShapeError, lambda p, h, c: p.write(0, [4, 5], torch.ones(2, H, D + 1).half(), good(2))),
     ("k wrong heads", TensorShapeError, lambda p, h, c: p.write(0, [4, 5], torch.ones(2, H + 1, D).half(), good(2))),
     ("rows != slots", TensorShapeError, lambda p, h, c: p.write(0, [4, 5, 6], good(2), good(2))),

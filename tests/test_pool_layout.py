@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ def open_and_extend(pool: kvpool.KVPool, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_token_and_paged_views_are_the_same_memory(page_size: int) -> None:
-    kw = dict(dtype=torch.float16, page_size=page_size, num_pages=8, max_requests=2, max_context_len=16)
+    kw: dict[str, Any] = dict(dtype=torch.float16, page_size=page_size, num_pages=8, max_requests=2,
+                              max_context_len=16)
     tok = kvpool.KVPool(3, 2, 8, layout="token", **kw)
     pag = kvpool.KVPool(3, 2, 8, layout="paged", **kw)
     assert tok.k_buffer(1).shape == (8 * page_size, 2, 8)
@@ -95,7 +98,7 @@ def test_fp8_writes_quantize_with_per_layer_scale_and_read_dequantizes(layout: s
 
 
 def test_capacity_from_pages_slots_bytes_and_fraction() -> None:
-    kw = dict(page_size=4, max_requests=8, max_context_len=64)
+    kw: dict[str, Any] = dict(page_size=4, max_requests=8, max_context_len=64)
     base = kvpool.KVPool(2, 2, 8, num_pages=10, **kw)
     assert base.bytes_per_slot == 2 * 2 * 2 * 8 * 2  # layers x (K,V) x heads x dim x fp16
     assert base.num_slots == 40 and base.nbytes == 40 * base.bytes_per_slot

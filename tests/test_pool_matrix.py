@@ -55,7 +55,7 @@ def build(mode: str) -> kvpool.KVPool:
                 return make()
 
         return in_thread(worker)
-    ctx = {"default": contextlib.nullcontext(), "no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}
+    ctx: dict[str, Any] = {"default": contextlib.nullcontext(), "no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}
     with ctx[mode]:
         return make()
 
