@@ -130,13 +130,14 @@ class _Walker:
                 self.tensor(f"{name}.{sub}", p, is_parameter=True)
             for sub, b in obj.named_buffers():
                 self.tensor(f"{name}.{sub}", b)
-            # Plain tensor attributes (caches kept outside register_buffer)
-            # are invisible to named_buffers() yet fail the same way.
+            # Plain tensor attributes (caches kept outside register_buffer,
+            # or in lists/dicts) are invisible to named_buffers() yet fail
+            # the same way.
             for mod_name, mod in obj.named_modules():
+                prefix = f"{name}.{mod_name}" if mod_name else name
                 for attr, value in vars(mod).items():
-                    if isinstance(value, torch.Tensor) and not attr.startswith("_"):
-                        prefix = f"{name}.{mod_name}" if mod_name else name
-                        self.tensor(f"{prefix}.{attr}", value)
+                    if not attr.startswith("_") and isinstance(value, (torch.Tensor, Mapping, list, tuple)):
+                        self.walk(f"{prefix}.{attr}", value, depth + 1)
         elif callable(named_tensors) and hasattr(obj, "allocator"):
             for sub, t in named_tensors():  # a KVPool
                 self.tensor(f"{name}.{sub}", t)
