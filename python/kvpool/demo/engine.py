@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from kvpool import PoolExhaustedError
+from kvpool import PoolExhaustedError, TooManyRequestsError
 from kvpool.demo.requests import Request
 from kvpool.demo.timing import TimedPool
 
@@ -151,7 +151,11 @@ class Engine:
             if self.alloc.free_pages - self._reserved_pages(running) < need:
                 self.stats.steps_blocked_by_pool += 1
                 break
-            handle = int(self.pool.open(1)[0])
+            try:
+                handle = int(self.pool.open(1)[0])
+            except TooManyRequestsError:
+                # Only if something else holds rows of this pool: wait for one to close.
+                break
             try:
                 ext = self.pool.extend([handle], len(req.prompt))
             except PoolExhaustedError:
