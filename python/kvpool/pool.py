@@ -280,7 +280,7 @@ class KVPool:
             idx = idx.to(self.device, non_blocking=True)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, index_copy_ would make the cache require grad).
-        rows = [x.detach() for x in rows]
+        rows = [x.detach() if x.requires_grad else x for x in rows]
         if self._store_kernel is not None:
             caches = [c[layer] for c in self._storage.flat]
             scales: list[torch.Tensor | None] = [s[layer] for s in self._scales] or [None, None]
