@@ -1,0 +1,155 @@
+"""SlotAllocator bindings: API behaviour and argument conversion."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool import InvalidArgumentError, SlotAllocator
+
+
+def test_fresh_pool_order_page0_reserved_and_properties():
+    a = SlotAllocator(9, page_size=4, max_requests=3, max_context_len=32)
+    assert (a.num_pages, a.page_size, a.num_slots) == (9, 4, 36)
+    assert (a.capacity_pages, a.capacity_slots, a.free_pages, a.used_pages) == (8, 32, 8, 0)
+    h = a.open(2)
+    assert h.dtype == np.int64 and h.shape == (2,)
+    assert [kvpool.handle_row(x) for x in h] == [0, 1]
+    slots = a.extend(h, [5, 1])
+    assert slots.dtype == np.int64
+    assert slots.tolist() == [4, 5, 6, 7, 8, 12]  # page 0 (slots 0..3) never handed out
+    assert (a.used_pages, a.free_pages, a.free_slots, a.used_slots) == (3, 5, 20, 12)
+    assert (a.open_requests, a.admissible_tokens) == (2, 20)
+    assert a.metadata_bytes > 0
+    a.check()
+
+
+def test_queries_and_page_table():
+    a = SlotAllocator(32, page_size=4, max_requests=4, max_context_len=64)
+    h = a.open(3)
+    a.extend(h, np.array([5, 0, 8]))
+    assert a.lengths(h).tolist() == [5, 0, 8]
+    assert a.length(h[0]) == 5 and isinstance(a.length(h[0]), int)
+    assert a.slots(h[0]).tolist() == [4, 5, 6, 7, 8]
+    assert a.pages(h[2]).dtype == np.int32 and a.pages(h[2]).tolist() == [3, 4]
+    indptr, indices, last = a.page_table(h)
+    assert [x.dtype for x in (indptr, indices, last)] == [np.int32] * 3
+    assert indptr.tolist() == [0, 2, 2, 4]
+    assert indices.tolist() == [1, 2, 3, 4]
+    assert last.tolist() == [1, 0, 4]
+    assert a.rows(h).tolist() == [0, 1, 2]
+    assert a.is_open(h[1]) and not a.is_open(12345)
+
+
+def test_extend_with_starts_truncate_close_reuse_lifo():
+    a = SlotAllocator(64, page_size=1, max_requests=4, max_context_len=64)
+    h = a.open(2)
+    slots, starts = a.extend_with_starts(h, [3, 2])
+    assert starts.tolist() == [0, 0] and slots.tolist() == [1, 2, 3, 4, 5]
+    slots, starts = a.extend_with_starts(h, 1)
+    assert starts.tolist() == [3, 2] and slots.tolist() == [6, 7]
+    a.truncate(h, [1, 2])  # frees 2, 3, 6 (request 0), then 7 (request 1)
+    assert a.lengths(h).tolist() == [1, 2]
+    # LIFO: the page freed last (7) comes back first, then request 0's in their old order.
+    assert a.extend(h[:1], 4).tolist() == [7, 2, 3, 6]
+    a.close(h)
+    assert a.open_requests == 0 and a.free_pages == 63
+    h2 = a.open(1)
+    assert kvpool.handle_row(h2[0]) == 1 and h2[0] != h[1]  # last closed row first, new generation
+    a.reset()
+    assert a.open_requests == 0 and not a.is_open(h2[0])
+    a.check()
+
+
+COUNT_FORMS = {
+    "list": lambda v: v,
+    "tuple": tuple,
+    "i64": lambda v: np.array(v, dtype=np.int64),
+    "i32": lambda v: np.array(v, dtype=np.int32),
+    "u16": lambda v: np.array(v, dtype=np.uint16),
+    "i8": lambda v: np.array(v, dtype=np.int8),
+    "be-i8": lambda v: np.array(v, dtype=">i8"),  # non-native byte order
+    "strided": lambda v: np.repeat(np.array(v, dtype=np.int64), 2)[::2],  # non-contiguous
+    "torch-i64": torch.tensor,
+    "torch-i32": lambda v: torch.tensor(v, dtype=torch.int32),
+}
+# Handles need 64 bits, so only the int64-capable forms apply to them.
+HANDLE_FORMS = ["list", "tuple", "i64", "be-i8", "strided", "torch-i64"]
+
+
+@pytest.mark.parametrize("form", COUNT_FORMS)
+def test_counts_and_lengths_accept_ints_lists_arrays_tensors(form):
+    make = COUNT_FORMS[form]
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(3)
+    assert a.extend(h, make([2, 0, 3])).tolist() == [1, 2, 3, 4, 5]
+    a.truncate(h, make([1, 0, 1]))
+    assert a.lengths(h).tolist() == [1, 0, 1]
+    a.check()
+
+
+@pytest.mark.parametrize("form", HANDLE_FORMS)
+def test_handles_accept_lists_arrays_tensors(form):
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = COUNT_FORMS[form](a.open(3).tolist())
+    assert a.extend(h, [1, 2, 0]).tolist() == [1, 2, 3]
+    assert a.lengths(h).tolist() == [1, 2, 0]
+    assert a.rows(h).tolist() == [0, 1, 2]
+    a.truncate(h, 0)
+    a.close(h)
+    assert a.open_requests == 0 and a.free_pages == 63
+
+
+def test_scalars_numpy_scalars_and_zero_d():
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(1)
+    assert a.extend(int(h[0]), 2).tolist() == [1, 2]  # Python int handle
+    assert a.extend(h[0], np.int32(1)).tolist() == [3]  # numpy scalars
+    assert a.extend(h, np.array(1)).tolist() == [4]  # 0-d array broadcasts
+    assert a.length(torch.tensor(int(h[0]))) == 4
+    assert a.extend(np.array([], np.int64), 5).tolist() == []  # empty batch is fine
+
+
+def test_table_argument_writes_rows_in_place():
+    a = SlotAllocator(64, page_size=2, max_requests=3, max_context_len=8)
+    table_t = torch.zeros(4, 8, dtype=torch.int32)  # a CPU req_to_token with a spare null row
+    table = table_t.numpy()
+    h = a.open(2)
+    s = a.extend(h, [3, 1], table=table)
+    s2 = a.extend(h, [1, 2], table=table)
+    assert table_t[0, :4].tolist() == a.slots(h[0]).tolist() == [s[0], s[1], s[2], s2[0]]
+    assert table_t[1, :3].tolist() == a.slots(h[1]).tolist()
+    assert int(table_t[2:].abs().sum()) == 0 and int(table_t[0, 4:].abs().sum()) == 0
+
+
+def test_repr_mentions_configuration():
+    r = repr(SlotAllocator(10, page_size=2, max_requests=3, max_context_len=7))
+    assert "SlotAllocator(num_pages=10, page_size=2, max_requests=3, max_context_len=7" in r
+
+
+def test_exception_hierarchy():
+    for name in [
+        "PoolExhaustedError",
+        "InvalidHandleError",
+        "TooManyRequestsError",
+        "ContextTooLongError",
+        "InvalidArgumentError",
+        "InvariantError",
+    ]:
+        cls = getattr(kvpool, name)
+        assert issubclass(cls, kvpool.KVPoolError) and cls is getattr(kvpool._core, name)
+    assert issubclass(kvpool.KVPoolError, Exception)
+    assert issubclass(InvalidArgumentError, ValueError)
+    assert not issubclass(kvpool.PoolExhaustedError, ValueError)
+
+
+def test_construction_arguments_are_validated():
+    for kwargs in [
+        dict(num_pages=0),
+        dict(num_pages=8, page_size=0),
+        dict(num_pages=8, max_requests=0),
+        dict(num_pages=8, max_context_len=-1),
+        dict(num_pages=2**31),
+    ]:
+        with pytest.raises(InvalidArgumentError):
+            SlotAllocator(**kwargs)

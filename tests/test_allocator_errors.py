@@ -1,0 +1,159 @@
+"""One test per error kind: the exception type, and that the allocator state
+(free counts, open requests, lengths, slots, a table passed in) is unchanged."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool import (
+    ContextTooLongError,
+    InvalidArgumentError,
+    InvalidHandleError,
+    KVPoolError,
+    PoolExhaustedError,
+    SlotAllocator,
+    TooManyRequestsError,
+)
+
+
+@pytest.fixture
+def busy():
+    """An allocator with 3 of 4 rows open, a closed handle, and 3 free pages."""
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8)  # 8 usable pages
+    h = a.open(4)
+    a.extend(h, [3, 1, 4, 0])  # 2 + 1 + 2 pages = 5 used, 3 free
+    a.close(h[3:])
+    return a, h[:3], int(h[3])
+
+
+def state(a, h):
+    return (
+        a.free_pages,
+        a.used_pages,
+        a.open_requests,
+        a.lengths(h).tolist(),
+        [a.slots(x).tolist() for x in h],
+        [a.pages(x).tolist() for x in h],
+    )
+
+
+def assert_fails_unchanged(a, h, exc, call, match=None):
+    before = state(a, h)
+    with pytest.raises(exc, match=match) as info:
+        call()
+    assert isinstance(info.value, KVPoolError)
+    assert state(a, h) == before
+    a.check()
+    return info.value
+
+
+def test_pool_exhausted_says_needed_vs_free(busy):
+    a, h, _ = busy
+    # Request 0 has a free half page; 4 tokens each need 2 + 2 + 2 pages > 3 free.
+    err = assert_fails_unchanged(a, h, PoolExhaustedError, lambda: a.extend(h, 4))
+    assert "needs 6 free pages" in str(err) and "only 3 are free" in str(err)
+    assert not isinstance(err, ValueError)
+    assert a.extend(h, [1, 1, 1]).size == 3  # a batch that fits still works afterwards
+
+
+def test_exhausted_with_table_leaves_table_untouched(busy):
+    a, h, _ = busy
+    table = np.full((4, 8), -7, dtype=np.int32)
+    assert_fails_unchanged(a, h, PoolExhaustedError, lambda: a.extend(h, 4, table=table))
+    assert (table == -7).all()
+
+
+@pytest.mark.parametrize("kind", ["closed", "stale", "unknown-row", "negative", "generation-0"])
+def test_invalid_handle(busy, kind):
+    a, h, closed = busy
+    if kind == "stale":
+        reopened = a.open(1)  # reuses the closed row with a new generation
+        bad = closed
+        assert int(reopened[0]) & 0xFFFFFFFF == closed & 0xFFFFFFFF
+        h = np.concatenate([h, reopened])
+    else:
+        bad = {"closed": closed, "unknown-row": (1 << 32) | 4, "negative": -1, "generation-0": 1}[kind]
+    batch = np.array([h[0], bad], dtype=np.int64)
+    for call in [
+        lambda: a.extend(batch, 1),
+        lambda: a.extend_with_starts(batch, 1),
+        lambda: a.truncate(batch, 0),
+        lambda: a.close(batch),
+        lambda: a.length(bad),
+        lambda: a.lengths(batch),
+        lambda: a.slots(bad),
+        lambda: a.pages(bad),
+        lambda: a.page_table(batch),
+        lambda: a.rows(batch),
+    ]:
+        err = assert_fails_unchanged(a, h, InvalidHandleError, call)
+        assert str(bad) in str(err)
+    assert not a.is_open(bad)
+
+
+def test_too_many_requests(busy):
+    a, h, _ = busy
+    err = assert_fails_unchanged(a, h, TooManyRequestsError, lambda: a.open(2))
+    assert "max_requests=4" in str(err)
+    assert a.open(1).size == 1
+
+
+def test_context_too_long(busy):
+    a, h, _ = busy
+    # Request 2 holds 4 tokens; 4 more reach max_context_len=8 exactly, 5 do not.
+    err = assert_fails_unchanged(a, h, ContextTooLongError, lambda: a.extend(h, [0, 0, 5]))
+    assert "max_context_len=8" in str(err)
+    assert a.extend(h[2:], 4).size == 4
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, h: a.extend(h, [1, -1, 1]),  # negative count
+        lambda a, h: a.extend(h, [1, 1]),  # length mismatch
+        lambda a, h: a.extend([h[0], h[1], h[0]], 1),  # duplicate handle
+        lambda a, h: a.extend(h, 1.0),  # float
+        lambda a, h: a.extend(h, np.ones(3)),  # float array
+        lambda a, h: a.extend(h, np.ones(3, dtype=bool)),  # bool array
+        lambda a, h: a.extend(h, True),  # bool
+        lambda a, h: a.extend(h, [1, True, 1]),  # bool in a list
+        lambda a, h: a.extend(h, np.ones((3, 1), dtype=np.int64)),  # 2-D
+        lambda a, h: a.extend(h, torch.ones(3)),  # float tensor
+        lambda a, h: a.extend(h, "123"),  # not numbers
+        lambda a, h: a.extend(h, [1, 2**64, 1]),  # out of int64 range
+        lambda a, h: a.extend(h.astype(np.float64), 1),  # float handles
+        lambda a, h: a.extend(h, 1, table=np.zeros((4, 8), dtype=np.int64)),  # table dtype
+        lambda a, h: a.extend(h, 1, table=np.zeros(32, dtype=np.int32)),  # table ndim
+        lambda a, h: a.extend(h, 1, table=np.zeros((3, 8), dtype=np.int32)),  # too few rows
+        lambda a, h: a.extend(h, 1, table=np.zeros((4, 7), dtype=np.int32)),  # too few columns
+        lambda a, h: a.extend(h, 1, table=np.zeros((8, 16), dtype=np.int32)[::2, ::2]),  # strided
+        lambda a, h: a.extend(h, 1, table=[[0] * 8] * 4),  # not an array
+        lambda a, h: a.truncate(h, [1, 2, 0]),  # longer than current length
+        lambda a, h: a.truncate(h, -1),  # negative length
+        lambda a, h: a.close([h[1], h[1]]),  # duplicate close
+        lambda a, h: a.open(-1),  # negative n
+        lambda a, h: a.length(h),  # array where one handle is expected
+    ],
+)
+def test_invalid_argument(busy, call):
+    a, h, _ = busy
+    err = assert_fails_unchanged(a, h, InvalidArgumentError, lambda: call(a, h))
+    assert isinstance(err, ValueError)
+
+
+def test_read_only_table_is_rejected_before_any_change(busy):
+    a, h, _ = busy
+    table = np.zeros((4, 8), dtype=np.int32)
+    table.flags.writeable = False
+    assert_fails_unchanged(a, h, InvalidArgumentError, lambda: a.extend(h, 1, table=table), "writ")
+    assert not table.any()
+
+
+def test_dtype_and_ndim_are_named_in_messages(busy):
+    a, h, _ = busy
+    with pytest.raises(InvalidArgumentError, match="float64"):
+        a.extend(h, np.ones(3))
+    with pytest.raises(InvalidArgumentError, match="2-D"):
+        a.extend(h, np.ones((3, 1), dtype=np.int32))
+    with pytest.raises(InvalidArgumentError, match="more than once"):
+        a.close([h[0], h[0]])
