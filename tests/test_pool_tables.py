@@ -137,3 +137,25 @@ def test_truncate_then_extend_overwrites_stale_entries() -> None:
     pool.truncate(h, 3)
     pool.extend(h, 4)
     check_tables(pool, h.tolist())
+
+
+@pytest.mark.parametrize("path", ["cpu", "fallback"])
+def test_concurrent_extends_from_threads_keep_tables_exact(path: str) -> None:
+    # The allocator is internally locked; each thread owns its requests, so
+    # their req_to_token rows must come out exactly as the allocator says.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = make_pool(1, path)
+
+    def worker(seed: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        with torch.inference_mode() if seed % 2 else torch.no_grad():
+            h = pool.open(1)
+            for _ in range(6):
+                pool.extend(h, int(rng.integers(0, 3)))
+        return h.tolist()
+
+    with ThreadPoolExecutor(4) as ex:
+        handles = [h for hs in ex.map(worker, range(4)) for h in hs]
+    check_tables(pool, handles)
+    assert not pool.req_to_token.is_inference()
