@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvpool
-from kvpool.modes import ERR_INPLACE_INFERENCE, ERR_LEAF_REQUIRES_GRAD, ERR_VERSION_COUNTER
+from kvpool.modes import ERR_INPLACE_INFERENCE, ERR_LEAF_REQUIRES_GRAD, ERR_SAVED_FOR_BACKWARD, ERR_VERSION_COUNTER
 
 
 class ToyModel(torch.nn.Module):
@@ -85,7 +85,8 @@ def test_audit_names_the_inference_buffer_and_predicts_the_error() -> None:
     (f,) = findings
     assert f.kind == "inference tensor"
     assert f.error == ERR_INPLACE_INFERENCE
-    assert f.compile_error == ERR_VERSION_COUNTER
+    assert f.version_error == ERR_VERSION_COUNTER
+    assert f.autograd_error == ERR_SAVED_FOR_BACKWARD
     assert f.shape == (8, 4) and f.dtype == torch.float32
     assert "cos_cache" in str(f)
 
@@ -94,8 +95,12 @@ def test_audit_names_the_inference_buffer_and_predicts_the_error() -> None:
         model.cos_cache.mul_(2)
     # ...and it raises *after* writing: the data has already changed.
     assert torch.equal(model.cos_cache, torch.full((8, 4), 2.0))
-    with pytest.raises(RuntimeError, match=re.escape(f.compile_error)):
+    assert f.version_error is not None and f.autograd_error is not None
+    with pytest.raises(RuntimeError, match=re.escape(f.version_error)):
         _ = model.cos_cache._version
+    x = torch.ones(8, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=re.escape(f.autograd_error)):
+        (x * model.cos_cache).sum().backward()
 
     # After mutable() the same write works, in every mode, and audit is clean.
     assert kvpool.mutable(model) is model

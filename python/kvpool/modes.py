@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "ERR_INPLACE_INFERENCE",
     "ERR_LEAF_REQUIRES_GRAD",
+    "ERR_SAVED_FOR_BACKWARD",
     "ERR_VERSION_COUNTER",
     "Finding",
     "audit",
@@ -32,6 +33,7 @@ __all__ = [
 # the first sentence of the in-place one, so match on the prefix).
 ERR_INPLACE_INFERENCE = "Inplace update to inference tensor outside InferenceMode is not allowed."
 ERR_VERSION_COUNTER = "Inference tensors do not track version counter."
+ERR_SAVED_FOR_BACKWARD = "Inference tensors cannot be saved for backward."
 ERR_LEAF_REQUIRES_GRAD = "a leaf Variable that requires grad is being used in an in-place operation."
 
 KIND_INFERENCE = "inference tensor"
@@ -56,9 +58,15 @@ def persistent() -> Iterator[None]:
 class Finding:
     """One tensor that will fail when used as a long-lived, mutable buffer.
 
-    ``error`` is the message (prefix) an in-place write will raise;
-    ``compile_error`` what ``torch.compile`` / version-counter use raises, if
-    anything; ``fix`` says what to do about it.
+    ``error``: the message (prefix) an eager in-place write outside inference
+    mode raises (after the data has already changed). For inference tensors
+    also ``version_error``: what anything reading the version counter raises
+    (``t._version``; torch.compile's guards and mutation tracking in the torch
+    versions that read it), and ``autograd_error``: what using it in a
+    grad-recording computation raises. Inductor-compiled code may write an
+    inference tensor with no error at all (torch 2.15), which is why audit
+    looks at ``is_inference()`` rather than waiting for an exception.
+    ``fix`` says what to do about it.
     """
 
     name: str
@@ -66,13 +74,16 @@ class Finding:
     shape: tuple[int, ...]
     dtype: torch.dtype
     error: str
-    compile_error: str | None
+    version_error: str | None
+    autograd_error: str | None
     fix: str
 
     def __str__(self) -> str:
         text = f"{self.name} {list(self.shape)} {self.dtype}: {self.kind}; in-place write raises {self.error!r}"
-        if self.compile_error:
-            text += f"; torch.compile raises {self.compile_error!r}"
+        if self.version_error:
+            text += f"; version-counter use (torch.compile) raises {self.version_error!r}"
+        if self.autograd_error:
+            text += f"; autograd raises {self.autograd_error!r}"
         return f"{text}. Fix: {self.fix}"
 
 
@@ -82,7 +93,7 @@ def _findings_for(name: str, t: torch.Tensor, *, is_parameter: bool) -> list[Fin
     if t.is_inference():
         out.append(
             Finding(
-                name, KIND_INFERENCE, shape, dtype, ERR_INPLACE_INFERENCE, ERR_VERSION_COUNTER,
+                name, KIND_INFERENCE, shape, dtype, ERR_INPLACE_INFERENCE, ERR_VERSION_COUNTER, ERR_SAVED_FOR_BACKWARD,
                 "create it under kvpool.persistent(), or replace it with kvpool.mutable(t)",
             )
         )
@@ -94,6 +105,7 @@ def _findings_for(name: str, t: torch.Tensor, *, is_parameter: bool) -> list[Fin
             Finding(
                 name, KIND_REQUIRES_GRAD, shape, dtype,
                 ERR_LEAF_REQUIRES_GRAD if t.is_leaf else "(no error: the write is recorded by autograd)",
+                None,
                 None,
                 "create it under kvpool.persistent() or call .requires_grad_(False)",
             )
