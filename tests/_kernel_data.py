@@ -22,7 +22,8 @@ LAYOUTS = ["token", "paged", "interleaved"]  # interleaved: K/V views of one [S,
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Bitwise view for exact comparison (NaN-safe, works for fp8)."""
-    return t.contiguous().view(torch.uint8)
+    # reshape(-1) first: a contiguous tensor may still carry stride 0 on a size-1 dim.
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -115,6 +115,8 @@ class DecodeGraphRunner:
         self.pool, self.step = pool, step
         self.max_batch_size, self.buckets = max_batch_size, list(buckets)
         self.device = torch.device(pool.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" != "cuda:0"
         self.use_graphs = bool(enable_graphs) and self.device.type == "cuda"
         self.debug, self.warmup_iters = bool(debug), int(warmup_iters)
         width = self.buckets[-1]

@@ -34,6 +34,16 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tenso
     return (x.float() * _scale_value(scale)).to(dtype)
 
 
+def _flat(cache: torch.Tensor) -> Optional[torch.Tensor]:
+    """[num_slots, H, D] view of a cache, or None when its strides don't allow one."""
+    if cache.dim() == 3:
+        return cache
+    try:
+        return cache.view(-1, *cache.shape[-2:])
+    except RuntimeError:
+        return None
+
+
 def _index(cache: torch.Tensor, slots: torch.Tensor):
     """Index tuple addressing `slots` in a token-major or paged cache."""
     slots = slots.long()
@@ -41,6 +51,34 @@ def _index(cache: torch.Tensor, slots: torch.Tensor):
         return (slots,)
     p = cache.shape[1]
     return (torch.div(slots, p, rounding_mode="floor"), slots % p)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ has no fp8 kernels on CPU; a same-size integer view copies the bits.
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    flat = _flat(cache)
+    if flat is not None:  # index_copy_: far cheaper on CPU than advanced-index assignment
+        _bytes(flat).index_copy_(0, slots.long(), _bytes(rows))
+    else:
+        cache[_index(cache, slots)] = rows
+
+
+def _read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    flat = _flat(cache)
+    if flat is not None:
+        return _bytes(flat).index_select(0, slots.long()).view(cache.dtype)
+    return cache[_index(cache, slots)]
+
+
+def _kept(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """Indices where mask holds, or None when it holds everywhere (the common case).
+    nonzero + index_select rather than boolean indexing, which is slow on CPU."""
+    if bool(mask.all()):
+        return None
+    return mask.nonzero().squeeze(1)
 
 
 def store_kv_ref(
@@ -52,11 +90,12 @@ def store_kv_ref(
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> None:
-    keep = slots >= 0
-    s = slots[keep]
-    k_cache[_index(k_cache, s)] = quantize(k[keep], k_cache.dtype, k_scale)
+    keep = _kept(slots >= 0)
+    pick = (lambda t: t) if keep is None else (lambda t: t.index_select(0, keep))
+    s = pick(slots)
+    _write_rows(k_cache, s, quantize(pick(k), k_cache.dtype, k_scale))
     if v_cache is not None and v is not None:
-        v_cache[_index(v_cache, s)] = quantize(v[keep], v_cache.dtype, v_scale)
+        _write_rows(v_cache, s, quantize(pick(v), v_cache.dtype, v_scale))
 
 
 def gather_kv_ref(
@@ -68,15 +107,18 @@ def gather_kv_ref(
     v_scale: Scale = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Rows at `slots` as contiguous [n, H, D]; rows of negative slots are zero."""
+    neg = slots < 0
 
     def one(cache: torch.Tensor, scale: Scale) -> torch.Tensor:
         dt = out_dtype or cache.dtype
-        h, d = cache.shape[-2:]
-        out = torch.zeros((slots.shape[0], h, d), dtype=dt, device=cache.device)
-        keep = slots >= 0
-        rows = cache[_index(cache, slots[keep])]
-        out[keep] = dequantize(rows, dt, scale) if (scale is not None or dt != cache.dtype) else rows
-        return out
+        rows = _read_rows(cache, slots.clamp(min=0))
+        if scale is not None or dt != cache.dtype:
+            rows = dequantize(rows, dt, scale)
+        if bool(neg.any()):
+            zero = torch.zeros((), dtype=torch.uint8, device=rows.device)
+            rows = torch.where(neg.view(-1, 1, 1), zero, _bytes(rows)).view(dt) if rows.element_size() == 1 \
+                else torch.where(neg.view(-1, 1, 1), torch.zeros((), dtype=dt, device=rows.device), rows)
+        return rows.contiguous()
 
     k = one(k_cache, k_scale)
     v = one(v_cache, v_scale) if v_cache is not None else None
@@ -86,10 +128,11 @@ def gather_kv_ref(
 def copy_slots_ref(
     caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
-    keep = (src_slots >= 0) & (dst_slots >= 0)
-    src, dst = src_slots[keep], dst_slots[keep]
+    keep = _kept((src_slots >= 0) & (dst_slots >= 0))
+    src = src_slots if keep is None else src_slots.index_select(0, keep)
+    dst = dst_slots if keep is None else dst_slots.index_select(0, keep)
     for cache in caches:
-        cache[_index(cache, dst)] = cache[_index(cache, src)]
+        _write_rows(cache, dst, _read_rows(cache, src))
 
 
 def write_req_to_token_ref(

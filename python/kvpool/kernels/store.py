@@ -33,7 +33,7 @@ def _store_row(
             s = scale
         y = x.to(tl.float32) / s
         if IS_FP8:
-            y = tl.clamp(y, -FP8_MAX, FP8_MAX)
+            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate, as fp8 has no inf
         tl.store(cache_ptr + cache_off + hd_cache, y.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         # Same dtype: a pure copy (also the only bf16 path the interpreter supports).
