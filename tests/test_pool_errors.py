@@ -186,8 +186,15 @@ def test_fp8_and_mla_pools_reject_bad_writes_unchanged() -> None:
         (dict(num_slots=16, kv_lora_rank=2, qk_rope_head_dim=2), "num_kv_heads=1"),
         (dict(num_slots=16, compute_dtype=torch.float32), "only fp8"),
         (dict(num_slots=16, max_requests=0), "max_requests"),
+        (dict(num_slots=16, device="gpu0"), "not a torch device"),
     ],
 )
 def test_bad_config_raises_invalid_argument(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         kvpool.KVPool(2, H, D, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error only occurs on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_typed_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="is_available"):
+        kvpool.KVPool(2, H, D, num_slots=16, device="cuda")

@@ -48,7 +48,12 @@ def _positive(name: str, value: Any) -> int:
 
 
 def _device(device: Any) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")
     if dev.type == "cuda" and dev.index is None:
         # Compare devices exactly later ("cuda" != "cuda:0" in torch).
         dev = torch.device("cuda", torch.cuda.current_device())
