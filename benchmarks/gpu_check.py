@@ -261,7 +261,7 @@ def section_bandwidth(peak: float | None) -> Dict[str, Any]:
         if n >= 2048:  # diagnostic: one token per program instead of several
             orig = store_mod.rows_per_program
             try:
-                store_mod.rows_per_program = lambda _n: 1
+                store_mod.rows_per_program = lambda *_: 1
                 r = bench(ops["store_kv"])
                 entry["store_kv_rows1"] = {"us": r["us"], "GBps": moved / (r["us"] * 1e-6) / 1e9}
             finally:

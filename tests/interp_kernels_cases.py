@@ -189,7 +189,7 @@ def test_prefill_rows_per_program():
     # n >= 2048 switches to several tokens per program; check the tail masking.
     from kvpool.kernels.store import rows_per_program
     n = 2051
-    assert rows_per_program(n) > 1
+    assert rows_per_program(n, 2) > 1
     kc = torch.zeros((4096, 1, 2), dtype=torch.float16)
     slots = torch.randperm(4096)[:n]
     slots[::7] = -1

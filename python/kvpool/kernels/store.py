@@ -52,35 +52,37 @@ def _store_kv_kernel(
     K_FP8: tl.constexpr, V_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, V_FP8_MAX: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    for r in tl.static_range(ROWS):
-        t = pid_t * ROWS + r
-        # int64 so slot * stride cannot overflow on multi-GiB caches.
-        slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
-        slot = tl.where(t < n, slot, -1)
-        # A skipped row shrinks the dim limit to 0 rather than and-ing a scalar
-        # condition into the mask: the interpreter mistypes (tensor & scalar) bools.
-        lim = tl.where(slot >= 0, D, 0)
-        mask = (h < H) & (d < lim)
-        page = slot // PAGE
-        off = slot - page * PAGE
-        t64 = t.to(tl.int64)
-        _store_row(k_cache, k_ptr, page * c_sp + off * c_so, t64 * k_sn,
-                   h * c_sh + d * c_sd, h * k_sh + d * k_sd, mask,
-                   k_scale, K_SCALE_PTR, K_HAS_SCALE, K_FP8, K_FP8_MAX)
-        if HAS_V:
-            _store_row(v_cache, v_ptr, page * vc_sp + off * vc_so, t64 * v_sn,
-                       h * vc_sh + d * vc_sd, h * v_sh + d * v_sd, mask,
-                       v_scale, V_SCALE_PTR, V_HAS_SCALE, V_FP8, V_FP8_MAX)
+    # Tile [ROWS tokens, BLOCK_H heads, BLOCK_D dims]: one wide load and one wide
+    # store per tensor, so all of a program's rows are in flight at once.
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
+    d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
+    # int64 so slot * stride cannot overflow on multi-GiB caches.
+    slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    slot = tl.where(t < n, slot, -1)
+    # A skipped row shrinks its dim limit to 0 (rather than and-ing a per-row bool
+    # into the mask: the interpreter mistypes mixed-rank bool ands).
+    lim = tl.where(slot >= 0, D, 0)[:, None, None]                    # [R, 1, 1]
+    mask = (h < H) & (d < lim)
+    page = slot // PAGE
+    off = slot - page * PAGE
+    t64 = t.to(tl.int64)[:, None, None]
+    _store_row(k_cache, k_ptr, (page * c_sp + off * c_so)[:, None, None], t64 * k_sn,
+               h * c_sh + d * c_sd, h * k_sh + d * k_sd, mask,
+               k_scale, K_SCALE_PTR, K_HAS_SCALE, K_FP8, K_FP8_MAX)
+    if HAS_V:
+        _store_row(v_cache, v_ptr, (page * vc_sp + off * vc_so)[:, None, None], t64 * v_sn,
+                   h * vc_sh + d * vc_sd, h * v_sh + d * v_sd, mask,
+                   v_scale, V_SCALE_PTR, V_HAS_SCALE, V_FP8, V_FP8_MAX)
 
 
-def rows_per_program(n: int) -> int:
-    # Prefill-sized batches: several tokens per program keeps more loads in
-    # flight and cuts block scheduling; decode batches: one token per program.
-    return 4 if n >= 2048 else 1
+def rows_per_program(n: int, tile_elems: int = 1024) -> int:
+    """Tokens per program. Prefill-sized batches: enough rows for a ~4096-element
+    tile (more bytes in flight per program, fewer blocks to schedule); decode
+    batches: one token per program, so that n programs spread over the SMs."""
+    if n < 2048:
+        return 1
+    return max(1, min(8, c.MAX_TILE // tile_elems))
 
 
 def store_kv(
@@ -137,7 +139,9 @@ def store_kv(
     k_fp8 = k_cache.dtype in c.FP8_DTYPES
     v_fp8 = vc.dtype in c.FP8_DTYPES
     block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
-    rows = rows_per_program(n)
+    rows = rows_per_program(n, block_h * block_d)
+    if rows > 1:
+        warps = 8
     grid = (triton.cdiv(n, rows), triton.cdiv(kg.heads, block_h))
     _store_kv_kernel[grid](
         k_cache, vc, slots, k, vv, ks, vs,
