@@ -27,6 +27,8 @@ from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
 
+_ROW_MASK = 0xFFFFFFFF  # handle = (generation << 32) | row
+
 
 class ExtendResult(NamedTuple):
     """New slots of an ``extend``, flattened in request order.
@@ -208,8 +210,14 @@ class KVPool:
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
         slots, starts = self.allocator.extend_with_starts(handles, counts)
-        rows = self.allocator.rows(handles)
-        counts_arr = np.broadcast_to(np.asarray(counts, dtype=np.int64), rows.shape)
+        if isinstance(handles, np.ndarray) and handles.dtype == np.int64 and handles.ndim == 1:
+            rows = handles & _ROW_MASK  # extend just validated them: row = low 32 bits
+        else:
+            rows = self.allocator.rows(handles)
+        if np.ndim(counts) == 0:
+            counts_arr = np.full(rows.shape[0], int(counts), dtype=np.int64)
+        else:
+            counts_arr = np.asarray(counts, dtype=np.int64)
         dev = update_req_to_token(self.req_to_token, rows, starts, counts_arr, slots, self._table_kernel)
         return ExtendResult(slots, dev)
 
