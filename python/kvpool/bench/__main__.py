@@ -1,0 +1,35 @@
+"""``python -m kvpool.bench {churn,ops} [...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpool.bench", description=__doc__)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
+                             "small shared host, more threads make them slower and noisier)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from kvpool.bench import churn, ops
+
+    p = sub.add_parser("churn", help="continuous-batching slot churn, kvpool vs SGLang and vLLM")
+    churn.add_arguments(p)
+    p.set_defaults(func=churn.main)
+    p = sub.add_parser("ops", help="single SlotAllocator operations at several batch sizes")
+    ops.add_arguments(p)
+    p.set_defaults(func=ops.main)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from kvpool.bench.report import machine_info
+
+    torch.set_num_threads(args.torch_threads)
+    return int(args.func(args, machine_info()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""kvpool's SlotAllocator, driven the way kvpool.KVPool drives it on the host.
+
+Per step: ``close`` the finished requests, ``open`` + one batched ``extend``
+(prompt lengths) for the admitted ones, one batched ``extend(handles, 1)`` for
+the decode batch. Every ``extend`` also fills the CPU ``req_to_token`` table in
+place (``table=``), the same update SGLang's engine makes, so the work matches.
+Opening and closing request rows is timed here although the baselines get
+their rows from the trace for free: that only counts against kvpool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kvpool
+from kvpool.bench.drivers.base import Driver
+from kvpool.bench.trace import Step, TraceConfig
+
+
+class KVPoolDriver(Driver):
+    name = "kvpool"
+    label = "kvpool SlotAllocator"
+
+    def __init__(self, cfg: TraceConfig, max_step_tokens: int = 8192) -> None:
+        super().__init__(cfg, max_step_tokens)
+        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
+        # The engine's CPU req_to_token (KVPool mirrors it to the device).
+        self.table = np.zeros((cfg.concurrency, cfg.max_context_len), dtype=np.int32)
+        # np.zeros maps pages lazily; torch.zeros (the baselines' tables) writes them. Touch them
+        # here so first-write page faults are not timed for kvpool only.
+        self.table.fill(0)
+        # Engine batch state: the handle of the request in each lane.
+        self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
+
+    def prepare(self, step: Step) -> Any:
+        return (
+            self.handles[step.release_lanes],
+            step.admit_lanes,
+            step.admit_counts,
+            self.handles[step.decode_lanes],
+        )
+
+    def run(self, prep: Any) -> int:
+        finished, admit_lanes, admit_counts, decoding = prep
+        a, n = self.alloc, 0
+        if len(finished):
+            a.close(finished)
+        if len(admit_lanes):
+            h = a.open(len(admit_lanes))
+            self.handles[admit_lanes] = h
+            n += len(a.extend(h, admit_counts, table=self.table))
+        if len(decoding):
+            n += len(a.extend(decoding, 1, table=self.table))
+        return n
+
+    def free_slots(self) -> int:
+        return int(self.alloc.free_slots)
+
+    def native_bytes(self) -> int:
+        return int(self.alloc.metadata_bytes)
+
+    def version(self) -> str:
+        return getattr(kvpool, "__version__", "") or _dist_version("kvpool")
+
+
+def _dist_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return ""

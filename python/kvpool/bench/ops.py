@@ -1,0 +1,146 @@
+"""``python -m kvpool.bench ops``: single SlotAllocator operations at several batch sizes.
+
+Each operation is a (prepare, run) pair for the same ``runner.time_loop`` the
+churn replay uses: ``prepare`` puts the allocator in the state the operation
+needs (untimed), ``run`` is the one call being measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from kvpool.bench import report
+from kvpool.bench.churn import _list, parse_size
+from kvpool.bench.runner import time_loop
+
+OPS = ["open", "close", "extend-decode", "extend-prefill", "truncate"]
+PREFILL = 512  # tokens per request for extend-prefill
+BASE_LEN = 64  # length requests have before extend-decode / truncate / close
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", type=_list(str), default=list(OPS), help=f"subset of {','.join(OPS)}")
+    p.add_argument("--batch-sizes", type=_list(int), default=[1, 16, 256, 1024])
+    p.add_argument("--page-sizes", type=_list(int), default=[1, 16])
+    p.add_argument("--pool-size", type=parse_size, default=1 << 20, help="slots (default 1M)")
+    p.add_argument("--iters", type=int, default=1000, help="timed calls per (op, page, batch)")
+    p.add_argument("--quick", action="store_true", help="few iterations: runs in seconds")
+    p.add_argument("--json", default="benchmarks/results/ops.json", help="JSON output path ('' for none)")
+
+
+class _OpBench:
+    """Allocator, CPU req_to_token and the prepare/run pair for one (op, page, batch)."""
+
+    def __init__(self, op: str, page_size: int, batch: int, num_slots: int) -> None:
+        import kvpool
+
+        self.max_ctx = 4096
+        self.a = kvpool.SlotAllocator(num_slots // page_size, page_size, batch, self.max_ctx)
+        self.table = np.zeros((batch, self.max_ctx), dtype=np.int32)
+        self.table.fill(0)  # fault the pages in now, not inside a timed call
+        self.batch, self.h = batch, np.zeros(0, dtype=np.int64)
+        self.prepare: Callable[[int], Any]
+        self.run: Callable[[Any], int]
+        self.prepare, self.run = getattr(self, "_" + op.replace("-", "_"))()
+
+    def _fresh(self, length: int) -> np.ndarray:
+        if len(self.h):
+            self.a.close(self.h)
+        self.h = self.a.open(self.batch)
+        if length:
+            self.a.extend(self.h, length, table=self.table)
+        return self.h
+
+    def _open(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
+        def prepare(i: int) -> int:
+            if len(self.h):
+                self.a.close(self.h)
+                self.h = self.h[:0]
+            return self.batch
+
+        def run(n: int) -> int:
+            self.h = self.a.open(n)
+            return n
+
+        return prepare, run
+
+    def _close(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
+        def prepare(i: int) -> np.ndarray:
+            h = self._fresh(BASE_LEN)
+            self.h = self.h[:0]  # run() closes it
+            return h
+
+        def run(h: np.ndarray) -> int:
+            self.a.close(h)
+            return len(h)
+
+        return prepare, run
+
+    def _extend_decode(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
+        def prepare(i: int) -> np.ndarray:
+            if not len(self.h) or self.a.length(int(self.h[0])) >= self.max_ctx:
+                self._fresh(BASE_LEN)
+            return self.h
+
+        def run(h: np.ndarray) -> int:
+            return len(self.a.extend(h, 1, table=self.table))
+
+        return prepare, run
+
+    def _extend_prefill(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
+        def prepare(i: int) -> np.ndarray:
+            return self._fresh(0)
+
+        def run(h: np.ndarray) -> int:
+            return len(self.a.extend(h, PREFILL, table=self.table))
+
+        return prepare, run
+
+    def _truncate(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
+        def prepare(i: int) -> np.ndarray:
+            if not len(self.h):
+                self._fresh(BASE_LEN)
+            self.a.extend(self.h, 32, table=self.table)  # run() cuts these 32 tokens off again
+            return self.h
+
+        def run(h: np.ndarray) -> int:
+            self.a.truncate(h, BASE_LEN)
+            return len(h)
+
+        return prepare, run
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.quick:
+        args.iters = 20
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        raise SystemExit(f"unknown op(s) {unknown}; choose from {OPS}")
+    plan = [(op, ps, b) for op in args.ops for ps in args.page_sizes for b in args.batch_sizes]
+    rows = []
+    for op, ps, b in tqdm(plan, desc="ops", unit="run", file=sys.stderr):
+        bench = _OpBench(op, ps, b, args.pool_size)
+        time_loop(bench.prepare, bench.run, min(20, args.iters))  # warm caches and code paths
+        s = time_loop(bench.prepare, bench.run, args.iters).summary()
+        bench.a.check()
+        unit = "slot" if op.startswith("extend") else "request"
+        rows.append({"op": op, "page_size": ps, "batch": b, "iters": args.iters, "item": unit,
+                     "mean_us": s["mean_us"], "p50_us": s["p50_us"], "p99_us": s["p99_us"],
+                     "ns_per_item": s["ns_per_item"]})
+    return rows
+
+
+def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
+    rows = run(args)
+    print(report.ops_table(rows))
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "func"}
+        report.write_json(args.json, {"benchmark": "ops", "settings": settings, "machine": machine,
+                                      "results": rows})
+        print(f"wrote {args.json}")
+    return 0

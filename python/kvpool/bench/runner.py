@@ -1,0 +1,155 @@
+"""The one timing loop every benchmark here uses, and the churn replay built on it.
+
+Only ``run`` is timed (``time.perf_counter_ns`` around it); ``prepare`` builds
+the step's inputs outside the timed region. Garbage collection stays enabled,
+as in engines; a full collection runs before each allocator is built and again
+before its timed steps, so no run pays for the garbage of the one before.
+The CLI freezes the import-time heap once (vLLM's engine freezes its start-up
+heap too), which keeps those collections cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+import tracemalloc
+from typing import Any, Callable
+
+import numpy as np
+
+from kvpool.bench.drivers.base import Driver
+from kvpool.bench.trace import Trace
+
+
+@dataclasses.dataclass
+class Timing:
+    ns: np.ndarray  # one sample per timed call
+    items: int  # work units (slots, handles) the timed calls handled
+
+    def summary(self) -> dict[str, float]:
+        ns = self.ns.astype(np.float64)
+        if len(ns) == 0:
+            return {"mean_us": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "ns_per_item": 0.0}
+        return {
+            "mean_us": float(ns.mean() / 1e3),
+            "p50_us": float(np.percentile(ns, 50) / 1e3),
+            "p99_us": float(np.percentile(ns, 99) / 1e3),
+            "max_us": float(ns.max() / 1e3),
+            "ns_per_item": float(ns.sum() / self.items) if self.items else 0.0,
+        }
+
+
+def time_loop(prepare: Callable[[int], Any], run: Callable[[Any], int], n: int) -> Timing:
+    """Call ``run(prepare(i))`` for i in 0..n-1, timing only ``run``."""
+    samples = np.empty(n, dtype=np.int64)
+    items = 0
+    clock = time.perf_counter_ns
+    for i in range(n):
+        prep = prepare(i)
+        t0 = clock()
+        k = run(prep)
+        samples[i] = clock() - t0
+        items += k
+        del prep
+    return Timing(samples, items)
+
+
+@dataclasses.dataclass
+class ChurnResult:
+    allocator: str
+    label: str
+    version: str
+    page_size: int
+    num_slots: int
+    concurrency: int
+    steps: int
+    mean_batch: float
+    mean_us: float
+    p50_us: float
+    p99_us: float
+    max_us: float
+    ns_per_slot: float
+    timed_slots: int
+    meta_bytes: int  # peak (sampled at step boundaries) of python_bytes + native_bytes
+    python_bytes: int  # tracemalloc: Python objects and numpy arrays the allocator side holds
+    native_bytes: int  # torch storages / Rust memory at that peak
+    handed_slots: int  # every slot handed out over the whole replay
+    expected_slots: int  # what the trace asked for
+    end_free_slots: int  # after the drain step
+    capacity_slots: int  # usable slots (page 0 excluded)
+
+    @property
+    def consistent(self) -> bool:
+        return self.handed_slots == self.expected_slots and self.end_free_slots == self.capacity_slots
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["consistent"] = self.consistent
+        return d
+
+
+def freeze_import_heap() -> None:
+    """Move every object alive now (modules, torch, vLLM's import graph) out of the collector's
+    reach, so the full collections ``replay`` makes walk only the benchmark's own objects."""
+    gc.collect()
+    gc.freeze()
+
+
+def max_step_tokens(trace: Trace) -> int:
+    return max([s.slots for s in trace.steps] + [1])
+
+
+def replay(driver_cls: type[Driver], trace: Trace) -> ChurnResult:
+    """Replay ``trace`` on a fresh allocator: warmup (memory sampled), measured steps (timed), drain."""
+    cfg = trace.config
+    gc.collect()
+    tracemalloc.start()
+    try:
+        driver = driver_cls(cfg, max_step_tokens(trace))
+        peak = (0, 0)
+
+        def sample() -> None:
+            nonlocal peak
+            py, native = tracemalloc.get_traced_memory()[0], driver.native_bytes()
+            if py + native > sum(peak):
+                peak = (py, native)
+
+        sample()
+        handed = 0
+        for step in trace.steps[: cfg.warmup]:
+            handed += driver.run(driver.prepare(step))
+            sample()
+    finally:
+        tracemalloc.stop()
+    measured = trace.measured
+    gc.collect()
+    timing = time_loop(lambda i: driver.prepare(measured[i]), driver.run, len(measured))
+    handed += timing.items + driver.run(driver.prepare(trace.drain))
+    # Native memory only (tracemalloc is off now): the Rust/torch side at the end of the run.
+    if driver.native_bytes() > peak[1]:
+        peak = (peak[0], driver.native_bytes())
+    s = timing.summary()
+    return ChurnResult(
+        allocator=driver.name,
+        label=driver.label,
+        version=driver.version(),
+        page_size=cfg.page_size,
+        num_slots=cfg.num_slots,
+        concurrency=cfg.concurrency,
+        steps=len(measured),
+        mean_batch=trace.mean_batch(),
+        mean_us=s["mean_us"],
+        p50_us=s["p50_us"],
+        p99_us=s["p99_us"],
+        max_us=s["max_us"],
+        ns_per_slot=s["ns_per_item"],
+        timed_slots=timing.items,
+        meta_bytes=sum(peak),
+        python_bytes=peak[0],
+        native_bytes=peak[1],
+        handed_slots=handed,
+        expected_slots=trace.total_slots,
+        end_free_slots=driver.free_slots(),
+        capacity_slots=cfg.usable_pages * cfg.page_size,
+    )
