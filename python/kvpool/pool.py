@@ -74,7 +74,9 @@ class KVPool:
     ``qk_rope_head_dim``, ``num_kv_heads=1`` and ``head_dim`` = their sum.
     FP8 (``dtype=torch.float8_e4m3fn``): writes take ``compute_dtype`` rows
     (default bfloat16) and store ``clamp(x / scale)``; ``read`` multiplies back;
-    scales are per layer in ``k_scale`` / ``v_scale`` (float32, initially 1).
+    scales are per layer in ``k_scale`` / ``v_scale`` (float32, initially 1);
+    set them in place (``pool.k_scale[layer] = s`` or ``.copy_``), never by
+    rebinding the attribute: writes and captured graphs read these tensors.
     """
 
     def __init__(
@@ -113,6 +115,10 @@ class KVPool:
             compute_dtype = torch.bfloat16 if self.fp8 else dtype
         elif not self.fp8 and compute_dtype != dtype:
             raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
+        elif not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point or (
+            compute_dtype in FP8_DTYPES
+        ):
+            raise InvalidArgumentError(f"compute_dtype must be a non-fp8 floating dtype, got {compute_dtype!r}")
         self.compute_dtype = compute_dtype
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.mla = self._check_mla(kv_lora_rank, qk_rope_head_dim)
