@@ -132,7 +132,7 @@ class DecodeGraphRunner:
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copy_pending = False
         self._graphs: Dict[Tuple[str, int], Tuple[Any, Any]] = {}
-        self._mempool = None
+        self._mempool: Any = None
         self._ptrs: Optional[List[int]] = None
 
     # ----- public API ------------------------------------------------------
@@ -226,6 +226,7 @@ class DecodeGraphRunner:
                 static[i, :n].copy_(t)
                 static[i, n:bucket].fill_(int(self._pad[i]))
             return
+        assert self._copy_done is not None  # set whenever _staging is (CUDA pools)
         if self._copy_pending:
             # The previous async copy may still be reading the staging buffer.
             self._copy_done.synchronize()

@@ -20,7 +20,7 @@ from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 try:  # Triton ships with CUDA builds of torch on Linux; CPU-only installs may lack it.
-    import triton  # noqa: F401
+    import triton  # type: ignore[import-untyped]  # noqa: F401
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - depends on the install

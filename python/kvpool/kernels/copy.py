@@ -19,8 +19,8 @@ from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels._ref import copy_slots_ref

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels._ref import gather_kv_ref
@@ -57,7 +57,7 @@ def _gather_kv_kernel(
                     h * D + d, load_mask, hd_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
 
 
-def _check_out(out: torch.Tensor, name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
+def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
     if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (n, g.heads, g.head_dim)
@@ -89,15 +89,17 @@ def gather_kv(
     dev = k_cache.device
     c.check_index(slots, "slots", dev)
     n = slots.shape[0]
-    has_v = v_cache is not None
-    if has_v:
-        vg = c.cache_geom(v_cache, "v_cache")
+    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
+    vc, vg = k_cache, kg
+    if v_cache is not None:
+        vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
         if (vg.heads, vg.head_dim, vg.num_slots) != (kg.heads, kg.head_dim, kg.num_slots):
             raise c.KernelArgumentError("k_cache and v_cache must have the same slots and [H, D]")
+    has_v = v_cache is not None
     for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
         c.check_scale(s, nm, dev)
     k_dt = out_dtype or k_cache.dtype
-    v_dt = out_dtype or (v_cache.dtype if has_v else k_dt)
+    v_dt = out_dtype or vc.dtype
     if out is None:
         k_out = torch.empty((n, kg.heads, kg.head_dim), dtype=k_dt, device=dev)
         v_out = torch.empty((n, kg.heads, kg.head_dim), dtype=v_dt, device=dev) if has_v else None
@@ -106,15 +108,15 @@ def gather_kv(
         _check_out(k_out, "out[0]", n, kg, k_dt, dev)
         if has_v:
             _check_out(v_out, "out[1]", n, kg, v_dt, dev)
+    vo = v_out if v_out is not None else k_out
     if n == 0:
         return k_out, v_out
     if not c.use_triton(k_cache):
         k_ref, v_ref = gather_kv_ref(k_cache, v_cache, slots, out_dtype, k_scale, v_scale)
         k_out.copy_(k_ref)
-        if has_v:
+        if v_out is not None and v_ref is not None:
             v_out.copy_(v_ref)
         return k_out, v_out
-    vc, vo, vgeo = (v_cache, v_out, vg) if has_v else (k_cache, k_out, kg)
     ks, ks_ptr = c.scale_args(k_scale, k_out)
     vs, vs_ptr = c.scale_args(v_scale, vo)
     block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
@@ -122,7 +124,7 @@ def gather_kv(
         k_cache, vc, slots, k_out, vo, ks, vs,
         n, kg.heads, kg.head_dim, kg.page_size,
         kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d,
-        vgeo.stride_page, vgeo.stride_off, vgeo.stride_h, vgeo.stride_d,
+        vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d,
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_scale is not None, V_HAS_SCALE=has_v and v_scale is not None,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,

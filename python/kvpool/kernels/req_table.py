@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels._ref import write_req_to_token_ref

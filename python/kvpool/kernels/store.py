@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels._ref import store_kv_ref
@@ -109,10 +109,13 @@ def store_kv(
     n = k.shape[0]
     c.check_index(slots, "slots", dev, n)
     c.check_scale(k_scale, "k_scale", dev)
-    has_v = v_cache is not None
-    if has_v != (v is not None):
+    if (v_cache is None) != (v is None):
         raise c.KernelArgumentError("v_cache and v must both be given or both be None")
-    if has_v:
+    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
+    vc, vv, vg = k_cache, k, kg
+    has_v = v_cache is not None and v is not None
+    if v_cache is not None and v is not None:
+        vc, vv = v_cache, v
         vg = c.cache_geom(v_cache, "v_cache")
         if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
             raise c.KernelArgumentError(
@@ -133,7 +136,6 @@ def store_kv(
     if not c.use_triton(k_cache):
         store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
-    vc, vv, vgeo = (v_cache, v, vg) if has_v else (k_cache, k, kg)
     ks, ks_ptr = c.scale_args(k_scale, k)
     vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
     k_fp8 = k_cache.dtype in c.FP8_DTYPES
@@ -147,7 +149,7 @@ def store_kv(
         k_cache, vc, slots, k, vv, ks, vs,
         n, kg.heads, kg.head_dim, kg.page_size,
         kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d,
-        vgeo.stride_page, vgeo.stride_off, vgeo.stride_h, vgeo.stride_d,
+        vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d,
         k.stride(0), k.stride(1), k.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_fp8 or k_scale is not None, V_HAS_SCALE=has_v and (v_fp8 or v_scale is not None),
