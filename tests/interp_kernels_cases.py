@@ -198,3 +198,48 @@ def test_prefill_rows_per_program():
     _ref.store_kv_ref(ref, None, slots, k, None)
     K.store_kv(kc, None, slots, k, None)
     assert torch.equal(bits(kc), bits(ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
+@pytest.mark.parametrize("layout,page_size,mla", [("token", 1, False), ("paged", 4, False), ("token", 2, True)])
+def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
+    """KVPool routes writes and table updates through these kernels on CUDA; here a
+    CPU pool is pointed at them (as on CUDA) and must end up identical to the
+    torch path of a twin pool."""
+    import numpy as np
+    import kvpool
+
+    kw = dict(kv_lora_rank=12, qk_rope_head_dim=4) if mla else {}
+    heads, dim = (1, 16) if mla else (2, 24)
+
+    def make():
+        return kvpool.KVPool(2, heads, dim, dtype=dtype, num_pages=16, page_size=page_size, max_requests=4,
+                             max_context_len=32, layout=layout, **kw)
+
+    fast, slow = make(), make()
+    assert hasattr(fast, "_store_kernel") and hasattr(fast, "_table_kernel") and hasattr(fast, "_table_np")
+    fast._store_kernel, fast._table_kernel, fast._table_np = K.store_kv, K.write_req_to_token, None
+    gen = torch.Generator().manual_seed(0)
+    for pool in (fast, slow):
+        if pool.k_scale is not None:
+            pool.v_scale.fill_(2.0)
+            pool.k_scale.fill_(0.5)  # MLA: v_scale is k_scale (one latent cache)
+    hs = [p.open(3) for p in (fast, slow)]
+    for counts in ([3, 0, 5], [1, 1, 1]):
+        res = [p.extend(h, np.asarray(counts)) for p, h in zip((fast, slow), hs)]
+        assert np.array_equal(res[0].slots, res[1].slots)
+        n = len(res[0].slots)
+        cd = fast.compute_dtype
+        # fp16 values times a power of two: exact in fp8 after the scale, so both paths agree bitwise.
+        k = (torch.randn((n, heads, dim), generator=gen).to(dtype).to(torch.float32) * 0.5).to(cd)
+        v = (torch.randn((n, heads, dim), generator=gen).to(dtype).to(torch.float32) * 2.0).to(cd)
+        slots = torch.from_numpy(res[0].slots)
+        for layer in range(2):
+            for p in (fast, slow):
+                if mla:
+                    p.write(layer, slots, k)
+                else:
+                    p.write(layer, slots, k, v)
+    assert torch.equal(fast.req_to_token, slow.req_to_token)
+    for a, b in zip(fast.k_buffers + fast.v_buffers, slow.k_buffers + slow.v_buffers):
+        assert same(a, b)
