@@ -1,0 +1,45 @@
+"""Keeps python/kvpool/_core.pyi true to the compiled module with mypy.stubtest.
+
+stubtest runs on a scratch copy of just the extension and its stub (under an
+empty `kvpool` package): checking it in place would make mypy analyse
+kvpool/__init__ and with it all of torch, which takes a minute."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+import kvpool._core
+
+STUB = Path(__file__).resolve().parents[1] / "python" / "kvpool" / "_core.pyi"
+
+
+def stubtest(tmp_path: Path, stub_text: str) -> subprocess.CompletedProcess:
+    pkg = tmp_path / "kvpool"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_core.pyi").write_text(stub_text)
+    shutil.copy(kvpool._core.__file__, pkg / Path(kvpool._core.__file__).name)
+    (tmp_path / "mypy.ini").write_text(f"[mypy]\ncache_dir = {tmp_path / 'cache'}\n")
+    return subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "--mypy-config-file", "mypy.ini", "kvpool._core"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_stub_matches_runtime(tmp_path):
+    r = stubtest(tmp_path, STUB.read_text())
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_stubtest_catches_a_wrong_stub(tmp_path):
+    """Guards the guard: a stub with a renamed parameter must fail."""
+    text = STUB.read_text()
+    assert "def close(self, handles: " in text
+    r = stubtest(tmp_path, text.replace("def close(self, handles: ", "def close(self, requests: "))
+    assert r.returncode != 0 and "close" in r.stdout, r.stdout + r.stderr
