@@ -9,6 +9,7 @@ BlockPool). Results go to the terminal, a JSON file and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> tuple[list[ChurnResult], list[str]]:
                 bar.update(1)
     finally:
         bar.close()
+        gc.unfreeze()  # hand the heap back, so interpreter exit frees it as usual
     return results, skipped
 
 

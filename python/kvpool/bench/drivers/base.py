@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpool.bench.trace import Step, TraceConfig
@@ -44,6 +45,10 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def free_slots(self) -> int:
         """Slots the allocator can still hand out (usable pages * page size when idle)."""
+
+    @abc.abstractmethod
+    def held_slots(self, lane: int, length: int) -> np.ndarray:
+        """The slots the engine's table lists for the request in ``lane`` (for checks, untimed)."""
 
     def native_bytes(self) -> int:
         """Metadata bytes tracemalloc cannot see (torch storages, Rust memory)."""

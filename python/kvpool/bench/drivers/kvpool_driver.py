@@ -55,6 +55,10 @@ class KVPoolDriver(Driver):
             n += len(a.extend(decoding, 1, table=self.table))
         return n
 
+    def held_slots(self, lane: int, length: int) -> np.ndarray:
+        row = int(self.alloc.rows(self.handles[lane : lane + 1])[0])
+        return self.table[row, :length].astype(np.int64)
+
     def free_slots(self) -> int:
         return int(self.alloc.free_slots)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from kvpool.bench.drivers.base import Driver, storage_bytes
@@ -111,6 +112,9 @@ class _SGLangDriver(Driver):
 
     def _alloc_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def held_slots(self, lane: int, length: int) -> np.ndarray:
+        return self.req_to_token[lane + 1, :length].numpy().astype(np.int64)
 
     def free_slots(self) -> int:
         return int(self.alloc.available_size())

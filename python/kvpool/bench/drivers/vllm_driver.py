@@ -117,6 +117,11 @@ class VLLMBlockPoolDriver(Driver):
         np.add(block_numbers * P, pos % P, out=self.slot_mapping[:total])
         return total
 
+    def held_slots(self, lane: int, length: int) -> np.ndarray:
+        P = self.cfg.page_size
+        pos = np.arange(length, dtype=np.int64)
+        return self.block_table.block_table.np[lane, pos // P].astype(np.int64) * P + pos % P
+
     def free_slots(self) -> int:
         return int(self.pool.get_num_free_blocks()) * self.cfg.page_size
 

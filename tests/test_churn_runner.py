@@ -1,0 +1,101 @@
+"""One short churn replay per installed allocator: same work, tables right, everything freed.
+
+kvpool always runs; SGLang's and vLLM's allocators run when their packages are
+installed (``drivers.load`` reports the ones that are not, tested below with a
+simulated import failure).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvpool.bench import drivers
+from kvpool.bench.drivers import sglang_driver
+from kvpool.bench.runner import max_step_tokens, replay
+from kvpool.bench.trace import Dist, TraceConfig, generate
+
+
+def _trace(page_size):
+    return generate(TraceConfig(num_slots=1 << 16, concurrency=24, page_size=page_size, steps=40, warmup=6,
+                                prompt=Dist(16, 700), output=Dist(4, 60), seed=3))
+
+
+def _classes(page_size):
+    classes, skipped = drivers.load(drivers.ALL)
+    names = [c.name for c in classes]
+    assert names[0] == "kvpool"
+    for line in skipped:
+        print(line)  # shown with -s / -ra output: which baselines this run compared against
+    return [c for c in classes if c.supports(page_size)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_every_allocator_hands_out_the_same_slots_and_ends_free(page_size):
+    trace = _trace(page_size)
+    results = [replay(cls, trace) for cls in _classes(page_size)]
+    assert results[0].allocator == "kvpool"
+    for r in results:
+        assert r.handed_slots == trace.total_slots, r.allocator
+        assert r.timed_slots == sum(s.slots for s in trace.measured), r.allocator
+        assert r.end_free_slots == r.capacity_slots == (trace.config.num_pages - 1) * page_size, r.allocator
+        assert r.consistent
+        assert r.steps == trace.config.steps and r.mean_us > 0 and r.p99_us >= r.p50_us > 0
+        assert r.meta_bytes > 0
+    assert len({r.handed_slots for r in results}) == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tables_list_distinct_live_slots_for_every_running_request(page_size):
+    """Mid-trace, each driver's engine table maps every running request to slots nobody else holds."""
+    trace = _trace(page_size)
+    cfg = trace.config
+    lanes, lens = trace.drain.release_lanes, trace.drain.release_lens  # running at the end
+    assert len(lanes) > 0
+    for cls in _classes(page_size):
+        d = cls(cfg, max_step_tokens(trace))
+        for step in trace.steps:
+            d.run(d.prepare(step))
+        held = [d.held_slots(int(lane), int(n)) for lane, n in zip(lanes, lens)]
+        flat = np.concatenate(held)
+        assert len(np.unique(flat)) == len(flat) == int(lens.sum()), cls.name
+        assert flat.min() >= page_size and flat.max() < cfg.num_slots, cls.name  # page 0 never handed out
+        for slots in held:  # pages are whole: a request's slot k sits at offset k % P of its page
+            assert np.array_equal(slots % page_size, np.arange(len(slots)) % page_size), cls.name
+        assert d.free_slots() == (cfg.usable_pages - int(((lens + page_size - 1) // page_size).sum())) * page_size
+
+
+def test_missing_baseline_is_skipped_with_one_line(monkeypatch):
+    monkeypatch.setattr(sglang_driver, "_IMPORT_ERROR", "ModuleNotFoundError: No module named 'sglang'")
+    classes, skipped = drivers.load(["kvpool", "sglang-token"])
+    assert [c.name for c in classes] == ["kvpool"]
+    assert len(skipped) == 1 and "\n" not in skipped[0] and skipped[0].startswith("skipping sglang-token")
+    with pytest.raises(ValueError, match="unknown allocator"):
+        drivers.load(["kvpool", "tcmalloc"])
+
+
+def test_cli_quick_writes_table_json_and_plot(tmp_path, capsys):
+    from kvpool.bench.__main__ import main
+
+    out_json, out_png = tmp_path / "churn.json", tmp_path / "churn.png"
+    rc = main(["churn", "--quick", "--allocators", "kvpool", "--page-sizes", "16",
+               "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    assert {r["allocator"] for r in doc["results"]} == {"kvpool"}
+    assert all(r["consistent"] for r in doc["results"])
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| page | pool |" in capsys.readouterr().out
+
+
+def test_cli_ops_quick(tmp_path):
+    from kvpool.bench.__main__ import main
+
+    out = tmp_path / "ops.json"
+    assert main(["ops", "--quick", "--batch-sizes", "1,8", "--page-sizes", "1,16", "--pool-size", "64K",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["op"] for r in rows} == {"open", "close", "extend-decode", "extend-prefill", "truncate"}
+    assert len(rows) == 5 * 2 * 2 and all(r["mean_us"] > 0 for r in rows)
