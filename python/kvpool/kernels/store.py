@@ -31,7 +31,9 @@ def _store_row(
             s = tl.load(scale).to(tl.float32)
         else:
             s = scale
-        y = x.to(tl.float32) / s
+        # div_rn: IEEE division like torch's x / scale (plain `/` is div.full.f32 on
+        # NVIDIA, up to 2 ulp off, which can flip an fp8/bf16 rounding).
+        y = tl.div_rn(x.to(tl.float32), s)
         if IS_FP8:
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate, as fp8 has no inf
         tl.store(cache_ptr + cache_off + hd_cache, y.to(cache_ptr.dtype.element_ty), mask=mask)
