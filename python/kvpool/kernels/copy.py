@@ -33,7 +33,9 @@ def _copy_slots_kernel(
     ALIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
-    cache_ptr = base_ptr + tl.multiple_of(tl.load(deltas_ptr + tl.program_id(1)), ALIGN)
+    # Offsets are stored in units of ALIGN elements: multiplying by the constexpr
+    # tells the compiler the 16-byte alignment (for vector loads) without a hint.
+    cache_ptr = base_ptr + tl.load(deltas_ptr + tl.program_id(1)) * ALIGN
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     src = tl.load(src_ptr + t).to(tl.int64)
@@ -52,7 +54,7 @@ _deltas_cache: "OrderedDict[Tuple, Tuple[torch.Tensor, int]]" = OrderedDict()
 
 
 def _deltas(group: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
-    """(device int64 element offsets from group[0], alignment in elements), cached."""
+    """(device int64 offsets from group[0] in units of `align` elements, align), cached."""
     key = (group[0].device, group[0].dtype) + tuple(t.data_ptr() for t in group)
     hit = _deltas_cache.get(key)
     if hit is not None:
@@ -70,7 +72,8 @@ def _deltas(group: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
         raise c.KernelArgumentError("copy_slots: cache addresses are not element-aligned")
     align = 16 // esize if all(dlt % 16 == 0 for dlt in diffs) and esize <= 16 else 1
     with torch.inference_mode(False), torch.no_grad():  # a persistent tensor
-        table = torch.tensor([dlt // esize for dlt in diffs], dtype=torch.int64, device=group[0].device)
+        table = torch.tensor([dlt // esize // align for dlt in diffs], dtype=torch.int64,
+                             device=group[0].device)
     _deltas_cache[key] = (table, align)
     if len(_deltas_cache) > _MAX_CACHED:
         _deltas_cache.popitem(last=False)
