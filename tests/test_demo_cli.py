@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvpool.cli import main
 
@@ -18,7 +19,12 @@ TINY = ["--requests", "12", "--prompt-len", "4:24", "--output-len", "2:12", "--p
 @pytest.mark.parametrize("mode", ["inference", "no_grad", "none"])
 def test_demo_runs_under_each_grad_mode(tmp_path, capsys, mode):
     out = tmp_path / "demo.json"
+    threads = torch.get_num_threads()
+    grad_on, inference_on = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     assert main(["demo", *TINY, "--grad-mode", mode, "--json", str(out)]) == 0
+    # The demo's process-wide and thread-local settings do not leak into the caller.
+    assert torch.get_num_threads() == threads
+    assert (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) == (grad_on, inference_on)
     fig = json.loads(out.read_text())
     assert fig["settings"]["grad_mode"] == mode
     assert fig["requests_done"] == 12

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run decode steps through kvpool.DecodeGraphRunner (captured on CUDA)")
     g.add_argument("--grad-mode", choices=GRAD_MODES, default="inference",
                    help="grad mode the demo runs under (inference)")
+    g.add_argument("--threads", type=_positive, default=1,
+                   help="torch CPU threads (1): this model's small matmuls gain little from more, "
+                        "and lose badly when the cores are shared with other work")
     g.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         "output_len": list(args.output_len), "seed": args.seed,
         "pool_tokens": pool_pages * page, "page_size": page, "layout": args.layout,
         "max_running": args.max_running, "admission": args.admission,
-        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": args.threads,
         "cuda_graph": args.cuda_graph, "grad_mode": args.grad_mode, "model": cfg.to_dict(),
         "pages_in_use_at_end": int(pool.allocator.used_pages),
         "open_requests_at_end": int(pool.allocator.open_requests),
@@ -149,7 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kvpool.demo.report import render
 
-    fig, occupancy = run(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        fig, occupancy = run(args)
+    finally:
+        torch.set_num_threads(threads)  # process-wide: give the caller its setting back
     print(render(fig, occupancy))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
