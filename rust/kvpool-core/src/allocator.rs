@@ -104,10 +104,21 @@ impl SlotAllocator {
                 i32::MAX
             ));
         }
-        let mut owner = vec![FREE; num_pages];
+        // Fallible reservations: a pool too big for memory is an error for the
+        // caller, not an abort of the whole process.
+        let (mut owner, mut free_pages) = (Vec::new(), Vec::new());
+        if owner.try_reserve_exact(num_pages).is_err()
+            || free_pages.try_reserve_exact(num_pages - 1).is_err()
+        {
+            return bad(format!(
+                "cannot allocate allocator metadata for {num_pages} pages ({} bytes)",
+                num_pages * 8
+            ));
+        }
+        owner.resize(num_pages, FREE);
         owner[0] = RESERVED;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
-        let free_pages: Vec<u32> = (1..num_pages as u32).rev().collect();
+        free_pages.extend((1..num_pages as u32).rev());
         let free_rows: Vec<u32> = (0..max_requests as u32).rev().collect();
         Ok(Self {
             page_size,

@@ -2,7 +2,7 @@
 //! never someone else's data) and costs O(handles + pages returned).
 
 use crate::allocator::{Request, SlotAllocator};
-use crate::error::Result;
+use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
 
 /// FlashInfer's CSR page table of a batch.
@@ -115,6 +115,12 @@ impl SlotAllocator {
         let mut total = 0usize;
         for &h in handles {
             total += self.requests[self.resolve(h)?].pages.len();
+        }
+        if total > i32::MAX as usize {
+            // Only reachable by naming the same requests over and over.
+            return Err(PoolError::InvalidArgument(format!(
+                "page table would hold {total} entries, past int32 indptr range"
+            )));
         }
         let mut t = PageTable {
             indptr: Vec::with_capacity(handles.len() + 1),
