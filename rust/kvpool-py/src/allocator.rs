@@ -3,7 +3,7 @@
 //! Python objects). One Mutex guards the core, so the object can be shared by
 //! threads; code holding the Mutex never needs the GIL, so no deadlock.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{handle_row, Counts, PoolError, SlotAllocator as Core};
 use numpy::{PyArray1, PyUntypedArray};
@@ -27,8 +27,19 @@ impl SlotAllocator {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn stat(&self, f: impl FnOnce(&Core) -> usize) -> usize {
-        f(&self.lock())
+    /// Runs a short query. Uncontended, it takes the lock with the GIL held
+    /// (cheapest); if another thread holds the lock (maybe for a long batch),
+    /// it waits with the GIL released so other Python threads keep running.
+    fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
+        match self.inner.try_lock() {
+            Ok(guard) => f(&guard),
+            Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
+            Err(TryLockError::WouldBlock) => py.detach(|| f(&self.lock())),
+        }
+    }
+
+    fn stat(&self, py: Python<'_>, f: fn(&Core) -> usize) -> usize {
+        self.query(py, f)
     }
 }
 
@@ -72,60 +83,60 @@ impl SlotAllocator {
     }
 
     #[getter]
-    fn page_size(&self) -> usize {
-        self.stat(Core::page_size)
+    fn page_size(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::page_size)
     }
     #[getter]
-    fn num_pages(&self) -> usize {
-        self.stat(Core::num_pages)
+    fn num_pages(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::num_pages)
     }
     #[getter]
-    fn num_slots(&self) -> usize {
-        self.stat(Core::num_slots)
+    fn num_slots(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::num_slots)
     }
     #[getter]
-    fn max_requests(&self) -> usize {
-        self.stat(Core::max_requests)
+    fn max_requests(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::max_requests)
     }
     #[getter]
-    fn max_context_len(&self) -> usize {
-        self.stat(Core::max_context_len)
+    fn max_context_len(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::max_context_len)
     }
     #[getter]
-    fn free_pages(&self) -> usize {
-        self.stat(Core::free_pages)
+    fn free_pages(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::free_pages)
     }
     #[getter]
-    fn used_pages(&self) -> usize {
-        self.stat(Core::used_pages)
+    fn used_pages(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::used_pages)
     }
     #[getter]
-    fn capacity_pages(&self) -> usize {
-        self.stat(Core::capacity_pages)
+    fn capacity_pages(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::capacity_pages)
     }
     #[getter]
-    fn free_slots(&self) -> usize {
-        self.stat(Core::free_slots)
+    fn free_slots(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::free_slots)
     }
     #[getter]
-    fn used_slots(&self) -> usize {
-        self.stat(Core::used_slots)
+    fn used_slots(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::used_slots)
     }
     #[getter]
-    fn capacity_slots(&self) -> usize {
-        self.stat(Core::capacity_slots)
+    fn capacity_slots(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::capacity_slots)
     }
     #[getter]
-    fn open_requests(&self) -> usize {
-        self.stat(Core::open_requests)
+    fn open_requests(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::open_requests)
     }
     #[getter]
-    fn admissible_tokens(&self) -> usize {
-        self.stat(Core::admissible_tokens)
+    fn admissible_tokens(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::admissible_tokens)
     }
     #[getter]
-    fn metadata_bytes(&self) -> usize {
-        self.stat(Core::metadata_bytes)
+    fn metadata_bytes(&self, py: Python<'_>) -> usize {
+        self.stat(py, Core::metadata_bytes)
     }
 
     #[pyo3(signature = (n=1))]
@@ -156,10 +167,9 @@ impl SlotAllocator {
         let arr = table.cast::<PyUntypedArray>().map_err(|_| {
             invalid_argument(py, "table must be a numpy int32 2-D array (e.g. tensor.numpy())")
         })?;
-        let t = {
-            let a = self.lock();
-            Table::validate(py, arr, a.max_requests(), a.max_context_len(), a.num_slots())?
-        };
+        let (rows, cols, slots) =
+            self.query(py, |a| (a.max_requests(), a.max_context_len(), a.num_slots()));
+        let t = Table::validate(py, arr, rows, cols, slots)?;
         let v = py
             .detach(|| {
                 let mut a = self.lock();
@@ -207,7 +217,7 @@ impl SlotAllocator {
 
     fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
         let h = int_scalar(py, handle, "handle")?;
-        self.lock().length(h).map_err(|e| to_pyerr(py, e))
+        self.query(py, |a| a.length(h)).map_err(|e| to_pyerr(py, e))
     }
 
     fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
@@ -250,7 +260,7 @@ impl SlotAllocator {
 
     fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
         let h = int_scalar(py, handle, "handle")?;
-        Ok(self.lock().is_open(h))
+        Ok(self.query(py, |a| a.is_open(h)))
     }
 
     fn check(&self, py: Python<'_>) -> PyResult<()> {
@@ -261,9 +271,8 @@ impl SlotAllocator {
         py.detach(|| self.lock().reset())
     }
 
-    fn __repr__(&self) -> String {
-        let a = self.lock();
-        format!(
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.query(py, |a| format!(
             "SlotAllocator(num_pages={}, page_size={}, max_requests={}, max_context_len={}; \
              free_pages={}, open_requests={})",
             a.num_pages(),
@@ -272,7 +281,7 @@ impl SlotAllocator {
             a.max_context_len(),
             a.free_pages(),
             a.open_requests()
-        )
+        ))
     }
 }
 
