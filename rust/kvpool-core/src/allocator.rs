@@ -90,7 +90,11 @@ impl SlotAllocator {
         }
         match num_pages.checked_mul(page_size) {
             Some(s) if s <= i64::MAX as usize => {}
-            _ => return bad(format!("num_pages * page_size = {num_pages} * {page_size} overflows")),
+            _ => {
+                return bad(format!(
+                    "num_pages * page_size = {num_pages} * {page_size} overflows"
+                ))
+            }
         }
         if max_requests == 0 || max_requests > i32::MAX as usize {
             return bad(format!(
@@ -122,7 +126,9 @@ impl SlotAllocator {
         let free_rows: Vec<u32> = (0..max_requests as u32).rev().collect();
         Ok(Self {
             page_size,
-            page_shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
+            page_shift: page_size
+                .is_power_of_two()
+                .then(|| page_size.trailing_zeros()),
             num_pages,
             max_requests,
             max_context_len,
@@ -151,7 +157,10 @@ impl SlotAllocator {
         let row = handle_row(handle) as usize;
         let generation = handle_generation(handle);
         if handle < 0 || row >= self.max_requests || generation == 0 {
-            return Err(PoolError::InvalidHandle { handle, problem: HandleProblem::Unknown });
+            return Err(PoolError::InvalidHandle {
+                handle,
+                problem: HandleProblem::Unknown,
+            });
         }
         let req = &self.requests[row];
         if req.generation != generation {
@@ -164,7 +173,10 @@ impl SlotAllocator {
             return Err(PoolError::InvalidHandle { handle, problem });
         }
         if !req.open {
-            return Err(PoolError::InvalidHandle { handle, problem: HandleProblem::Closed });
+            return Err(PoolError::InvalidHandle {
+                handle,
+                problem: HandleProblem::Closed,
+            });
         }
         Ok(row)
     }
@@ -297,7 +309,9 @@ impl SlotAllocator {
                 if room == 0 {
                     // The last page is full (or there is none): take the top free page.
                     let Some(p) = self.free_pages.pop() else {
-                        return Err(PoolError::Invariant("free stack ran out after validation".into()));
+                        return Err(PoolError::Invariant(
+                            "free stack ran out after validation".into(),
+                        ));
                     };
                     self.owner[p as usize] = row as u32;
                     req.pages.push(p);

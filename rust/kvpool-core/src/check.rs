@@ -8,7 +8,11 @@ impl SlotAllocator {
     pub fn check(&self) -> Result<()> {
         let fail = |m: String| Err(PoolError::Invariant(m));
         if self.owner.len() != self.num_pages {
-            return fail(format!("owner has {} entries for {} pages", self.owner.len(), self.num_pages));
+            return fail(format!(
+                "owner has {} entries for {} pages",
+                self.owner.len(),
+                self.num_pages
+            ));
         }
         if self.owner[0] != RESERVED {
             return fail(format!("page 0 is not reserved (owner {})", self.owner[0]));
@@ -61,7 +65,10 @@ impl SlotAllocator {
                     return fail(format!("page {p} held by row {row} is also elsewhere"));
                 }
                 if self.owner[p] as usize != row {
-                    return fail(format!("page {p} held by row {row} has owner {}", self.owner[p]));
+                    return fail(format!(
+                        "page {p} held by row {row} has owner {}",
+                        self.owner[p]
+                    ));
                 }
                 seen[p] = true;
             }
@@ -75,7 +82,10 @@ impl SlotAllocator {
             ));
         }
         if open != self.open_count {
-            return fail(format!("{open} rows are open but open_count is {}", self.open_count));
+            return fail(format!(
+                "{open} rows are open but open_count is {}",
+                self.open_count
+            ));
         }
         let mut row_seen = vec![false; self.max_requests];
         for &r in &self.free_rows {

@@ -40,9 +40,7 @@ pub enum PoolError {
     #[error("invalid handle {handle}: {problem}")]
     InvalidHandle { handle: i64, problem: HandleProblem },
 
-    #[error(
-        "too many requests: open({requested}) with {open} of max_requests={max} already open"
-    )]
+    #[error("too many requests: open({requested}) with {open} of max_requests={max} already open")]
     TooManyRequests {
         requested: usize,
         open: usize,
@@ -53,7 +51,11 @@ pub enum PoolError {
         "context too long: request {handle} would reach {length} tokens, \
          more than max_context_len={max}"
     )]
-    ContextTooLong { handle: i64, length: u64, max: usize },
+    ContextTooLong {
+        handle: i64,
+        length: u64,
+        max: usize,
+    },
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -1,9 +1,9 @@
 //! kvpool-core: the KV-cache slot allocator behind `kvpool._core`.
 //!
-//! The pool is `num_pages` pages of `page_size` slots; slot = page * page_size
-//! + offset. Page 0 is reserved (a padding sink) and never handed out. Each
-//! open request owns an ordered list of pages; it grows token by token and
-//! takes a new page only when its last page is full.
+//! The pool is `num_pages` pages of `page_size` slots, and
+//! `slot = page * page_size + offset`. Page 0 is reserved (a padding sink) and
+//! never handed out. Each open request owns an ordered list of pages; it grows
+//! token by token and takes a new page only when its last page is full.
 //!
 //! Free pages form a LIFO stack: the pages freed last are reused first (warm
 //! in cache), and a fresh pool hands out pages 1, 2, 3, ... in order. Every

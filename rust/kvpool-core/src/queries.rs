@@ -66,7 +66,11 @@ impl SlotAllocator {
             + self.free_pages.capacity()
             + self.free_rows.capacity()
             + self.stamp.capacity()
-            + self.requests.iter().map(|r| r.pages.capacity()).sum::<usize>();
+            + self
+                .requests
+                .iter()
+                .map(|r| r.pages.capacity())
+                .sum::<usize>();
         u32s * 4 + self.requests.capacity() * std::mem::size_of::<Request>()
     }
 
@@ -132,7 +136,11 @@ impl SlotAllocator {
             let req = &self.requests[handle_row(h) as usize];
             t.indices.extend(req.pages.iter().map(|&p| p as i32));
             t.indptr.push(t.indices.len() as i32);
-            let last = if req.len == 0 { 0 } else { (req.len - 1) % self.page_size + 1 };
+            let last = if req.len == 0 {
+                0
+            } else {
+                (req.len - 1) % self.page_size + 1
+            };
             t.last_page_len.push(last as i32);
         }
         Ok(t)

@@ -42,7 +42,10 @@ fn non_power_of_two_page_size() {
     a.truncate(&h, Counts::Each(3)).unwrap();
     assert_eq!(a.pages(h[0]).unwrap(), vec![1]);
     let t = a.page_table(&h).unwrap();
-    assert_eq!((t.indptr, t.indices, t.last_page_len), (vec![0, 1], vec![1], vec![3]));
+    assert_eq!(
+        (t.indptr, t.indices, t.last_page_len),
+        (vec![0, 1], vec![1], vec![3])
+    );
     a.check().unwrap();
 }
 
@@ -64,16 +67,41 @@ fn handles_carry_row_and_generation() {
     assert_eq!(h, vec![make_handle(1, 0), make_handle(1, 1)]);
     a.close(&h[..1]).unwrap();
     let h2 = a.open(1).unwrap();
-    assert_eq!(h2[0], make_handle(2, 0), "row 0 is reused with a new generation");
+    assert_eq!(
+        h2[0],
+        make_handle(2, 0),
+        "row 0 is reused with a new generation"
+    );
     assert_eq!(a.rows(&[h2[0], h[1]]).unwrap(), vec![0, 1]);
     let err = a.length(h[0]).unwrap_err();
-    assert_eq!(err, PoolError::InvalidHandle { handle: h[0], problem: HandleProblem::Stale });
+    assert_eq!(
+        err,
+        PoolError::InvalidHandle {
+            handle: h[0],
+            problem: HandleProblem::Stale
+        }
+    );
     a.close(&h2).unwrap();
     let err = a.length(h2[0]).unwrap_err();
-    assert!(matches!(err, PoolError::InvalidHandle { problem: HandleProblem::Closed, .. }));
+    assert!(matches!(
+        err,
+        PoolError::InvalidHandle {
+            problem: HandleProblem::Closed,
+            ..
+        }
+    ));
     for bad in [-1, make_handle(1, 4), make_handle(0, 1), make_handle(9, 1)] {
         let err = a.length(bad).unwrap_err();
-        assert!(matches!(err, PoolError::InvalidHandle { problem: HandleProblem::Unknown, .. }), "{bad}");
+        assert!(
+            matches!(
+                err,
+                PoolError::InvalidHandle {
+                    problem: HandleProblem::Unknown,
+                    ..
+                }
+            ),
+            "{bad}"
+        );
         assert!(!a.is_open(bad));
     }
 }
@@ -86,12 +114,12 @@ fn failed_batches_change_nothing() {
     let before = snapshot(&a, &h);
     let stale = make_handle(7, 2);
     let cases: Vec<(Vec<i64>, Vec<i64>)> = vec![
-        (h.clone(), vec![4, 4, 4]),               // exhausted: needs 2+2+2 pages, 2 free
-        (h.clone(), vec![1, -1, 1]),              // negative
-        (vec![h[0], h[1], h[0]], vec![1, 1, 1]),  // duplicate
-        (vec![h[0], stale], vec![1, 1]),          // stale handle
-        (h.clone(), vec![1, 1]),                  // length mismatch
-        (h.clone(), vec![1, 62, 1]),              // context too long on the 2nd
+        (h.clone(), vec![4, 4, 4]),  // exhausted: needs 2+2+2 pages, 2 free
+        (h.clone(), vec![1, -1, 1]), // negative
+        (vec![h[0], h[1], h[0]], vec![1, 1, 1]), // duplicate
+        (vec![h[0], stale], vec![1, 1]), // stale handle
+        (h.clone(), vec![1, 1]),     // length mismatch
+        (h.clone(), vec![1, 62, 1]), // context too long on the 2nd
     ];
     for (hs, cs) in &cases {
         let err = a.extend(hs, Counts::PerRequest(cs)).unwrap_err();
@@ -100,13 +128,24 @@ fn failed_batches_change_nothing() {
     }
     assert!(matches!(
         a.extend(&h, Counts::Each(4)).unwrap_err(),
-        PoolError::Exhausted { needed_pages: 6, free_pages: 2, .. }
+        PoolError::Exhausted {
+            needed_pages: 6,
+            free_pages: 2,
+            ..
+        }
     ));
     assert!(a.truncate(&h, Counts::PerRequest(&[1, 2, 0])).is_err()); // 2 > length 1
     assert!(a.truncate(&h, Counts::Each(-1)).is_err());
     assert!(a.close(&[h[0], h[0]]).is_err());
     assert!(a.close(&[h[0], stale]).is_err());
-    assert!(matches!(a.open(2).unwrap_err(), PoolError::TooManyRequests { requested: 2, open: 3, max: 4 }));
+    assert!(matches!(
+        a.open(2).unwrap_err(),
+        PoolError::TooManyRequests {
+            requested: 2,
+            open: 3,
+            max: 4
+        }
+    ));
     assert_eq!(snapshot(&a, &h), before);
     a.check().unwrap();
 }
@@ -169,8 +208,17 @@ fn check_detects_corruption() {
 
 #[test]
 fn bad_configs_are_rejected() {
-    for (p, ps, r, c) in [(0, 1, 1, 1), (2, 0, 1, 1), (2, 1, 0, 1), (2, 1, 1, 0), (1 << 31, 1, 1, 1)] {
-        assert!(matches!(SlotAllocator::new(p, ps, r, c), Err(PoolError::InvalidArgument(_))));
+    for (p, ps, r, c) in [
+        (0, 1, 1, 1),
+        (2, 0, 1, 1),
+        (2, 1, 0, 1),
+        (2, 1, 1, 0),
+        (1 << 31, 1, 1, 1),
+    ] {
+        assert!(matches!(
+            SlotAllocator::new(p, ps, r, c),
+            Err(PoolError::InvalidArgument(_))
+        ));
     }
     let a = SlotAllocator::new(1, 1, 1, 1).unwrap(); // only the reserved page
     assert_eq!(a.capacity_pages(), 0);

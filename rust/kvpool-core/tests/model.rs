@@ -14,9 +14,9 @@ const MAX_CTX: usize = 12;
 /// Naive model: same policies (LIFO pages and rows), written the obvious way.
 struct Model {
     ps: usize,
-    free: Vec<usize>,          // free pages, top = end
-    free_rows: Vec<usize>,     // top = end
-    generation: Vec<u32>,      // per row
+    free: Vec<usize>,                // free pages, top = end
+    free_rows: Vec<usize>,           // top = end
+    generation: Vec<u32>,            // per row
     reqs: BTreeMap<usize, Vec<i64>>, // open row -> slot of every token
 }
 
@@ -119,7 +119,11 @@ impl Model {
         for (i, &r) in rows.iter().enumerate() {
             for _ in 0..cs[i] {
                 let t = self.reqs[&r].len();
-                let page = if t % self.ps == 0 { self.free.pop().unwrap() } else { *self.pages_of(r).last().unwrap() };
+                let page = if t % self.ps == 0 {
+                    self.free.pop().unwrap()
+                } else {
+                    *self.pages_of(r).last().unwrap()
+                };
                 let slot = (page * self.ps + t % self.ps) as i64;
                 self.reqs.get_mut(&r).unwrap().push(slot);
                 out.push(slot);
@@ -183,7 +187,10 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// Asserts agreement; returns whether the call succeeded.
-fn same<T: PartialEq + std::fmt::Debug>(real: Result<T, PoolError>, model: Result<T, Kind>) -> bool {
+fn same<T: PartialEq + std::fmt::Debug>(
+    real: Result<T, PoolError>,
+    model: Result<T, Kind>,
+) -> bool {
     match (real, model) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b);
@@ -254,5 +261,8 @@ proptest! {
 fn generated_sequences_mostly_succeed() {
     allocator_matches_model();
     let oks = OK_CALLS.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(oks > 1000 * 20, "only {oks} successful calls in 1000 sequences");
+    assert!(
+        oks > 1000 * 20,
+        "only {oks} successful calls in 1000 sequences"
+    );
 }

@@ -79,7 +79,9 @@ impl SlotAllocator {
         let core = py
             .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
             .map_err(|e| to_pyerr(py, e))?;
-        Ok(Self { inner: Mutex::new(core) })
+        Ok(Self {
+            inner: Mutex::new(core),
+        })
     }
 
     #[getter]
@@ -142,7 +144,9 @@ impl SlotAllocator {
     #[pyo3(signature = (n=1))]
     fn open<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Arr<'py, i64>> {
         let n = usize_arg(py, n, "n")?;
-        let v = py.detach(|| self.lock().open(n)).map_err(|e| to_pyerr(py, e))?;
+        let v = py
+            .detach(|| self.lock().open(n))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -165,10 +169,14 @@ impl SlotAllocator {
         // Validate the table fully before any change; keep `table` alive
         // (it is borrowed from the caller) while its buffer is written.
         let arr = table.cast::<PyUntypedArray>().map_err(|_| {
-            invalid_argument(py, "table must be a numpy int32 2-D array (e.g. tensor.numpy())")
+            invalid_argument(
+                py,
+                "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
+            )
         })?;
-        let (rows, cols, slots) =
-            self.query(py, |a| (a.max_requests(), a.max_context_len(), a.num_slots()));
+        let (rows, cols, slots) = self.query(py, |a| {
+            (a.max_requests(), a.max_context_len(), a.num_slots())
+        });
         let t = Table::validate(py, arr, rows, cols, slots)?;
         let v = py
             .detach(|| {
@@ -212,7 +220,8 @@ impl SlotAllocator {
 
     fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        py.detach(|| self.lock().close(&h)).map_err(|e| to_pyerr(py, e))
+        py.detach(|| self.lock().close(&h))
+            .map_err(|e| to_pyerr(py, e))
     }
 
     fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -220,21 +229,31 @@ impl SlotAllocator {
         self.query(py, |a| a.length(h)).map_err(|e| to_pyerr(py, e))
     }
 
-    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    fn lengths<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+    ) -> PyResult<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py.detach(|| self.lock().lengths(&h)).map_err(|e| to_pyerr(py, e))?;
+        let v = py
+            .detach(|| self.lock().lengths(&h))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok(to_numpy(py, &v))
     }
 
     fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py.detach(|| self.lock().slots(h)).map_err(|e| to_pyerr(py, e))?;
+        let v = py
+            .detach(|| self.lock().slots(h))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok(to_numpy(py, &v))
     }
 
     fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py.detach(|| self.lock().pages(h)).map_err(|e| to_pyerr(py, e))?;
+        let v = py
+            .detach(|| self.lock().pages(h))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -244,7 +263,9 @@ impl SlotAllocator {
         handles: &Bound<'py, PyAny>,
     ) -> PyResult<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let t = py.detach(|| self.lock().page_table(&h)).map_err(|e| to_pyerr(py, e))?;
+        let t = py
+            .detach(|| self.lock().page_table(&h))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok((
             to_numpy(py, &t.indptr),
             to_numpy(py, &t.indices),
@@ -254,7 +275,9 @@ impl SlotAllocator {
 
     fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py.detach(|| self.lock().rows(&h)).map_err(|e| to_pyerr(py, e))?;
+        let v = py
+            .detach(|| self.lock().rows(&h))
+            .map_err(|e| to_pyerr(py, e))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -264,7 +287,8 @@ impl SlotAllocator {
     }
 
     fn check(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().check()).map_err(|e| to_pyerr(py, e))
+        py.detach(|| self.lock().check())
+            .map_err(|e| to_pyerr(py, e))
     }
 
     fn reset(&self, py: Python<'_>) {
@@ -272,16 +296,18 @@ impl SlotAllocator {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        self.query(py, |a| format!(
-            "SlotAllocator(num_pages={}, page_size={}, max_requests={}, max_context_len={}; \
+        self.query(py, |a| {
+            format!(
+                "SlotAllocator(num_pages={}, page_size={}, max_requests={}, max_context_len={}; \
              free_pages={}, open_requests={})",
-            a.num_pages(),
-            a.page_size(),
-            a.max_requests(),
-            a.max_context_len(),
-            a.free_pages(),
-            a.open_requests()
-        ))
+                a.num_pages(),
+                a.page_size(),
+                a.max_requests(),
+                a.max_context_len(),
+                a.free_pages(),
+                a.open_requests()
+            )
+        })
     }
 }
 

@@ -5,7 +5,7 @@
 //! with InvalidArgumentError naming what was wrong.
 
 use crate::errors::invalid_argument;
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods, PyArrayDescrMethods};
+use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
@@ -35,12 +35,19 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 
 fn scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     if obj.is_instance_of::<PyBool>() {
-        return Err(invalid_argument(py, format!("{what} must be integers, got bool")));
+        return Err(invalid_argument(
+            py,
+            format!("{what} must be integers, got bool"),
+        ));
     }
     obj.extract::<i64>().map_err(|_| {
         invalid_argument(
             py,
-            format!("{what} must be integers in the int64 range, got {} {}", type_name(obj), obj),
+            format!(
+                "{what} must be integers in the int64 range, got {} {}",
+                type_name(obj),
+                obj
+            ),
         )
     })
 }
@@ -63,7 +70,11 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
         ));
     }
     match arr.ndim() {
-        0 => Ok(IntArg::Scalar(scalar(py, &arr.call_method0("item")?, what)?)),
+        0 => Ok(IntArg::Scalar(scalar(
+            py,
+            &arr.call_method0("item")?,
+            what,
+        )?)),
         1 => {
             if kind == b'u' && dtype.itemsize() >= 8 {
                 // uint64 values past int64 range would wrap on cast: refuse them.
@@ -72,7 +83,10 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
                     .and_then(|m| m.gt(i64::MAX))
                     .unwrap_or(false);
                 if arr.len() > 0 && too_big {
-                    return Err(invalid_argument(py, format!("{what} has values past int64 range")));
+                    return Err(invalid_argument(
+                        py,
+                        format!("{what} has values past int64 range"),
+                    ));
                 }
             }
             let cast = arr.call_method1("astype", ("int64",))?;
@@ -95,10 +109,18 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
         return Ok(IntArg::Scalar(scalar(py, obj, what)?));
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| scalar(py, &x, what)).collect::<PyResult<_>>().map(IntArg::Many);
+        return list
+            .iter()
+            .map(|x| scalar(py, &x, what))
+            .collect::<PyResult<_>>()
+            .map(IntArg::Many);
     }
     if let Ok(t) = obj.cast::<PyTuple>() {
-        return t.iter().map(|x| scalar(py, &x, what)).collect::<PyResult<_>>().map(IntArg::Many);
+        return t
+            .iter()
+            .map(|x| scalar(py, &x, what))
+            .collect::<PyResult<_>>()
+            .map(IntArg::Many);
     }
     // numpy scalars, torch tensors, anything with __array__ / the buffer protocol.
     let asarray = ASARRAY.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
@@ -116,7 +138,10 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
     })?;
     match converted.cast::<PyUntypedArray>() {
         Ok(arr) => from_ndarray(py, arr, what),
-        Err(_) => Err(invalid_argument(py, format!("{what}: cannot read {}", type_name(obj)))),
+        Err(_) => Err(invalid_argument(
+            py,
+            format!("{what}: cannot read {}", type_name(obj)),
+        )),
     }
 }
 

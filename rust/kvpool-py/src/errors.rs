@@ -7,7 +7,12 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
-create_exception!(kvpool, KVPoolError, PyException, "Base class of every kvpool error.");
+create_exception!(
+    kvpool,
+    KVPoolError,
+    PyException,
+    "Base class of every kvpool error."
+);
 create_exception!(
     kvpool,
     PoolExhaustedError,
@@ -49,7 +54,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KVPoolError", py.get_type::<KVPoolError>())?;
     m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
     m.add("InvalidHandleError", py.get_type::<InvalidHandleError>())?;
-    m.add("TooManyRequestsError", py.get_type::<TooManyRequestsError>())?;
+    m.add(
+        "TooManyRequestsError",
+        py.get_type::<TooManyRequestsError>(),
+    )?;
     m.add("ContextTooLongError", py.get_type::<ContextTooLongError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
     let cls = INVALID_ARGUMENT.get_or_try_init(py, || -> PyResult<Py<PyType>> {
@@ -64,10 +72,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "Bad argument: negative count, mismatched lengths, wrong dtype or \
              dimensionality, duplicate handle, ... Also a ValueError.",
         )?;
-        let t = py
-            .import("builtins")?
-            .getattr("type")?
-            .call1(("InvalidArgumentError", bases, ns))?;
+        let t =
+            py.import("builtins")?
+                .getattr("type")?
+                .call1(("InvalidArgumentError", bases, ns))?;
         Ok(t.cast_into::<PyType>()?.unbind())
     })?;
     m.add("InvalidArgumentError", cls.bind(py))?;

@@ -51,14 +51,19 @@ impl Table {
             return bad("table must be C-contiguous".into());
         }
         if num_slots > i32::MAX as usize + 1 {
-            return bad(format!("num_slots = {num_slots} does not fit an int32 table"));
+            return bad(format!(
+                "num_slots = {num_slots} does not fit an int32 table"
+            ));
         }
         // try_readwrite checks the WRITEABLE flag and that no Rust borrow is
         // live; the borrow is dropped again at once (see Table's SAFETY note).
         if let Err(e) = a.try_readwrite() {
             return bad(format!("table is not writable: {e}"));
         }
-        Ok(Self { ptr: a.data(), cols: shape[1] })
+        Ok(Self {
+            ptr: a.data(),
+            cols: shape[1],
+        })
     }
 
     /// Writes `slots` (flattened per request) to table[row, start..start+count].
