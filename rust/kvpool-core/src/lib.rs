@@ -19,6 +19,7 @@ mod check;
 mod error;
 mod handle;
 mod queries;
+mod release;
 pub use queries::PageTable;
 
 pub use allocator::{Counts, SlotAllocator};
