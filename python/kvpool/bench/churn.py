@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "concurrencies at --ref-pool (what the plot shows)")
     p.add_argument("--ref-pool", type=parse_size, default=1 << 20, help="reference pool for ratios (1M)")
     p.add_argument("--ref-concurrency", type=int, default=256, help="reference concurrency for ratios (256)")
-    p.add_argument("--steps", type=int, default=600, help="measured decode steps per run")
+    p.add_argument("--steps", type=int, default=1500, help="measured decode steps per run")
     p.add_argument("--warmup", type=int, default=32, help="untimed steps first (memory is sampled there)")
     p.add_argument("--prompt", type=Dist.parse, default=Dist(64, 4096), help="prompt lengths LO:HI or N")
     p.add_argument("--output", type=Dist.parse, default=Dist(16, 1024), help="output lengths LO:HI or N")

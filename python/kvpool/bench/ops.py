@@ -83,7 +83,8 @@ class _OpBench:
 
     def _extend_decode(self) -> tuple[Callable[[int], Any], Callable[[Any], int]]:
         def prepare(i: int) -> np.ndarray:
-            if not len(self.h) or self.a.length(int(self.h[0])) >= self.max_ctx:
+            full = not len(self.h) or self.a.length(int(self.h[0])) >= self.max_ctx
+            if full or self.a.free_pages < self.batch:  # start over before the pool or a context fills
                 self._fresh(BASE_LEN)
             return self.h
 

@@ -36,14 +36,16 @@ def churn_table(results: list[ChurnResult]) -> str:
     rows = []
     for r in results:
         base = kv.get(_key(r))
-        x = f"{r.mean_us / base.mean_us:.1f}x" if base and base.mean_us and r is not base else ""
+        other = base is not None and r is not base
+        x = f"{r.mean_us / base.mean_us:.1f}x" if other and base.mean_us else ""
+        xc = f"{r.cpu_mean_us / base.cpu_mean_us:.1f}x" if other and base.cpu_mean_us else ""
         rows.append([
             str(r.page_size), size(r.num_slots), str(r.concurrency), f"{r.mean_batch:.0f}", r.allocator,
-            f"{r.mean_us:.1f}", f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.ns_per_slot:.1f}",
-            f"{r.meta_bytes / 2**20:.1f}", x,
+            f"{r.mean_us:.1f}", f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.cpu_mean_us:.1f}",
+            f"{r.ns_per_slot:.1f}", f"{r.meta_bytes / 2**20:.1f}", x, xc,
         ])
-    header = ["page", "pool", "conc", "batch", "allocator", "µs/step mean", "p50", "p99", "ns/slot",
-              "meta MiB", "÷ kvpool"]
+    header = ["page", "pool", "conc", "batch", "allocator", "µs/step mean", "p50", "p99", "cpu µs mean",
+              "ns/slot", "meta MiB", "÷ kvpool", "÷ kvpool (cpu)"]
     return _md(header, rows)
 
 
@@ -58,17 +60,19 @@ def churn_ratios(results: list[ChurnResult], ref_pool: int, ref_conc: int) -> di
         kv = by.get((key, "kvpool"))
         if name == "kvpool" or kv is None or (pool, conc) != (ref_pool, ref_conc):
             continue
-        mean, p50 = r.mean_us / kv.mean_us, r.p50_us / kv.p50_us
+        mean, p50, cpu = r.mean_us / kv.mean_us, r.p50_us / kv.p50_us, r.cpu_mean_us / kv.cpu_mean_us
         out["baseline_over_kvpool"][f"{name} page {ps}"] = {
-            "mean": round(mean, 2), "p50": round(p50, 2), "meets_target": mean >= SPEEDUP_TARGET}
+            "mean": round(mean, 2), "p50": round(p50, 2), "cpu_mean": round(cpu, 2),
+            "meets_target": mean >= SPEEDUP_TARGET}
     for ps in sorted({r.page_size for r in results}):
         kvs = sorted((r for r in results if r.allocator == "kvpool" and r.page_size == ps
                       and r.concurrency == ref_conc), key=lambda r: r.num_slots)
         if len(kvs) >= 2:
             lo, hi = kvs[0], kvs[-1]
-            mean, p50 = hi.mean_us / lo.mean_us, hi.p50_us / lo.p50_us
+            mean, p50, cpu = hi.mean_us / lo.mean_us, hi.p50_us / lo.p50_us, hi.cpu_mean_us / lo.cpu_mean_us
             out["kvpool_scaling"][f"page {ps} {size(hi.num_slots)}/{size(lo.num_slots)}"] = {
-                "mean": round(mean, 3), "p50": round(p50, 3), "meets_target": mean <= SCALING_TARGET}
+                "mean": round(mean, 3), "p50": round(p50, 3), "cpu_mean": round(cpu, 3),
+                "meets_target": mean <= SCALING_TARGET}
     return out
 
 
@@ -79,11 +83,13 @@ def ratio_lines(ratios: dict[str, Any]) -> str:
     lines = [f"\nBaseline µs/step ÷ kvpool µs/step at {at} (target >= {SPEEDUP_TARGET:g}x):"]
     for name, v in ratios["baseline_over_kvpool"].items():
         ok = "meets" if v["meets_target"] else "MISSES"
-        lines.append(f"  {name:28s} mean {v['mean']:7.1f}x   p50 {v['p50']:7.1f}x   {ok} target")
+        lines.append(f"  {name:28s} mean {v['mean']:7.1f}x   p50 {v['p50']:7.1f}x   "
+                     f"cpu mean {v['cpu_mean']:7.1f}x   {ok} target")
     lines.append(f"kvpool µs/step, largest pool ÷ smallest (target <= {SCALING_TARGET:g}):")
     for name, v in ratios["kvpool_scaling"].items():
         ok = "meets" if v["meets_target"] else "MISSES"
-        lines.append(f"  {name:28s} mean {v['mean']:7.3f}    p50 {v['p50']:7.3f}    {ok} target")
+        lines.append(f"  {name:28s} mean {v['mean']:7.3f}    p50 {v['p50']:7.3f}    "
+                     f"cpu mean {v['cpu_mean']:7.3f}    {ok} target")
     return "\n".join(lines)
 
 
