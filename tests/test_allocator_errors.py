@@ -16,6 +16,13 @@ from kvpool import (
 )
 
 
+class Unreadable:
+    """Stands in for a CUDA tensor: numpy cannot read it."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+
 @pytest.fixture
 def busy():
     """An allocator with 3 of 4 rows open, a closed handle, and 3 free pages."""
@@ -120,6 +127,8 @@ def test_context_too_long(busy):
         lambda a, h: a.extend(h, np.ones((3, 1), dtype=np.int64)),  # 2-D
         lambda a, h: a.extend(h, torch.ones(3)),  # float tensor
         lambda a, h: a.extend(h, "123"),  # not numbers
+        lambda a, h: a.extend(h, Unreadable()),  # e.g. a CUDA tensor
+        lambda a, h: a.close(Unreadable()),
         lambda a, h: a.extend(h, [1, 2**64, 1]),  # out of int64 range
         lambda a, h: a.extend(h.astype(np.float64), 1),  # float handles
         lambda a, h: a.extend(h, 1, table=np.zeros((4, 8), dtype=np.int64)),  # table dtype

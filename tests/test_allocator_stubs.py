@@ -4,6 +4,7 @@ stubtest runs on a scratch copy of just the extension and its stub (under an
 empty `kvpool` package): checking it in place would make mypy analyse
 kvpool/__init__ and with it all of torch, which takes a minute."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def stubtest(tmp_path: Path, stub_text: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "--mypy-config-file", "mypy.ini", "kvpool._core"],
         cwd=tmp_path,
-        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=300,
