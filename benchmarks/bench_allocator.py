@@ -5,8 +5,9 @@ pool (page_size 1). Prints a table and writes JSON; it asserts nothing.
 Each pool is first half filled by background requests (so the free stack is
 deep and page ids are large), then every operation is timed in loops of calls
 (perf_counter_ns around the loop; the untimed set-up and clean-up between
-loops keeps the state steady). The figure is the median over repeats. The
-garbage collector is paused while timing, as timeit does.
+loops keeps the state steady). Repeats alternate between the pools, so load
+from other processes hits both alike; the figure is the median over repeats.
+The garbage collector is paused while timing, as timeit does.
 
     python benchmarks/bench_allocator.py [--out bench_out/allocator.json] [--quick]
 """
@@ -30,18 +31,8 @@ MAX_REQUESTS = BG_REQUESTS + 512
 TARGETS_NS = {"extend 256x1": 5000, "open 1": 1000, "close 1": 1000}
 
 
-def timed(fn, repeats: int) -> float:
-    """Median over `repeats` of fn(), which returns (elapsed_ns, calls)."""
-    per_call = []
-    for _ in range(repeats):
-        ns, calls = fn()
-        per_call.append(ns / calls)
-    return statistics.median(per_call)
-
-
 class Bench:
-    def __init__(self, num_slots: int, repeats: int):
-        self.repeats = repeats
+    def __init__(self, num_slots: int):
         bg_len = num_slots // 2 // BG_REQUESTS
         self.a = SlotAllocator(num_slots, 1, MAX_REQUESTS, max(bg_len, 1 << 16))
         bg = self.a.open(BG_REQUESTS)
@@ -90,28 +81,43 @@ class Bench:
         self.a.close(hs)
         return t1 - t0, steps
 
-    def run(self) -> dict:
-        r = self.repeats
-        rows = {
-            "open 1": (lambda: self.open_1(), 0),
-            "close 1": (lambda: self.close_1(), 32),
+    def ops(self) -> dict:
+        """name -> (timed loop returning (ns, calls), slots per call)."""
+        return {
+            "open 1": (self.open_1, 0),
+            "close 1": (self.close_1, 32),
             "extend 1x1": (lambda: self.extend(1, 1, 1000), 1),
             "extend 256x1": (lambda: self.extend(256, 1, 64), 256),
             "extend 8x2048": (lambda: self.extend(8, 2048, 1), 8 * 2048),
-            "truncate 256x1": (lambda: self.truncate_256x1(), 256),
+            "truncate 256x1": (self.truncate_256x1, 256),
         }
-        out = {}
-        for name, (fn, slots) in rows.items():
-            fn()  # warm up
-            ns = timed(fn, r)
-            out[name] = {
+
+
+def measure(benches: dict, repeats: int) -> dict:
+    """Times every op on every pool, alternating pools within each repeat so
+    that load from other processes on the machine hits all pools alike."""
+    results = {label: {} for label in benches}
+    names = list(next(iter(benches.values())).ops())
+    for name in names:
+        per_call = {label: [] for label in benches}
+        for label, b in benches.items():
+            b.ops()[name][0]()  # warm up
+        for _ in range(repeats):
+            for label, b in benches.items():
+                ns, calls = b.ops()[name][0]()
+                per_call[label].append(ns / calls)
+        for label, b in benches.items():
+            ns = statistics.median(per_call[label])
+            slots = b.ops()[name][1]
+            results[label][name] = {
                 "ns_per_call": round(ns, 1),
                 "slots_per_call": slots,
                 "ns_per_slot": round(ns / slots, 2) if slots else None,
             }
-        self.a.check()
-        out["metadata_bytes_per_page"] = round(self.a.metadata_bytes / self.a.num_pages, 2)
-        return out
+    for label, b in benches.items():
+        b.a.check()
+        results[label]["metadata_bytes_per_page"] = round(b.a.metadata_bytes / b.a.num_pages, 2)
+    return results
 
 
 def main() -> None:
@@ -123,13 +129,12 @@ def main() -> None:
     repeats = 5 if args.quick else 51
     sizes = {s: int(s[:-1]) << 20 if s.endswith("M") else int(s) for s in args.sizes.split(",")}
 
-    results = {}
+    t = time.perf_counter()
+    benches = {label: Bench(n) for label, n in sizes.items()}
+    print(f"[pools built and half filled in {time.perf_counter() - t:.1f} s]")
     gc.disable()
     try:
-        for label, n in sizes.items():
-            t = time.perf_counter()
-            results[label] = Bench(n, repeats).run()
-            print(f"[{label}-slot pool measured in {time.perf_counter() - t:.1f} s]")
+        results = measure(benches, repeats)
     finally:
         gc.enable()
 
