@@ -72,9 +72,19 @@ COUNT_FORMS = {
     "strided": lambda v: np.repeat(np.array(v, dtype=np.int64), 2)[::2],  # non-contiguous
     "torch-i64": torch.tensor,
     "torch-i32": lambda v: torch.tensor(v, dtype=torch.int32),
+    "misaligned": lambda v: misaligned_int64(v),
 }
 # Handles need 64 bits, so only the int64-capable forms apply to them.
-HANDLE_FORMS = ["list", "tuple", "i64", "be-i8", "strided", "torch-i64"]
+HANDLE_FORMS = ["list", "tuple", "i64", "be-i8", "strided", "torch-i64", "misaligned"]
+
+
+def misaligned_int64(v):
+    """An int64 view starting one byte into a buffer (numpy flags it unaligned)."""
+    raw = np.zeros(len(v) * 8 + 1, dtype=np.uint8)
+    a = raw[1:].view(np.int64)
+    a[:] = v
+    assert not a.flags.aligned
+    return a
 
 
 @pytest.mark.parametrize("form", COUNT_FORMS)

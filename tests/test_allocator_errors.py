@@ -137,6 +137,7 @@ def test_context_too_long(busy):
         lambda a, h: a.extend(h, 1, table=np.zeros((4, 7), dtype=np.int32)),  # too few columns
         lambda a, h: a.extend(h, 1, table=np.zeros((8, 16), dtype=np.int32)[::2, ::2]),  # strided
         lambda a, h: a.extend(h, 1, table=[[0] * 8] * 4),  # not an array
+        lambda a, h: a.extend(h, 1, table=np.zeros(129, np.uint8)[1:].view(np.int32).reshape(4, 8)),
         lambda a, h: a.truncate(h, [1, 2, 0]),  # longer than current length
         lambda a, h: a.truncate(h, -1),  # negative length
         lambda a, h: a.close([h[1], h[1]]),  # duplicate close

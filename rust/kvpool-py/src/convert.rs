@@ -53,8 +53,10 @@ fn scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
 }
 
 fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<IntArg> {
-    // Fast path: a 1-D int64 array is copied straight out.
-    if let Ok(a) = arr.cast::<PyArray1<i64>>() {
+    // Fast path: an aligned 1-D int64 array is copied straight out (a
+    // misaligned one, e.g. a view at an odd byte offset, goes through astype,
+    // which makes an aligned copy; reading it in place would be UB in Rust).
+    if let (true, Ok(a)) = (arr.is_aligned(), arr.cast::<PyArray1<i64>>()) {
         let ro = a.readonly();
         return Ok(IntArg::Many(match ro.as_slice() {
             Ok(s) => s.to_vec(),

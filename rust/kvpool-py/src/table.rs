@@ -47,8 +47,8 @@ impl Table {
                 shape
             ));
         }
-        if !a.is_c_contiguous() {
-            return bad("table must be C-contiguous".into());
+        if !a.is_c_contiguous() || !a.is_aligned() {
+            return bad("table must be C-contiguous and aligned (e.g. tensor.numpy())".into());
         }
         if num_slots > i32::MAX as usize + 1 {
             return bad(format!(
