@@ -13,13 +13,14 @@ import gc
 import sys
 from typing import Any
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
 from kvpool.bench import drivers, report
 from kvpool.bench.runner import ChurnResult, freeze_import_heap, replay
 from kvpool.bench.trace import Dist, TraceConfig, generate
 
-QUICK = {"pools": [1 << 16, 1 << 18], "concurrency": [16, 64], "steps": 40, "warmup": 8}
+# --quick: tiny pools, few steps (tests and CI smoke runs; seconds, not minutes).
+QUICK_POOLS, QUICK_CONCURRENCY, QUICK_STEPS, QUICK_WARMUP = [1 << 16, 1 << 18], [16, 64], 40, 8
 
 
 def parse_size(text: str) -> int:
@@ -69,9 +70,9 @@ def configs(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 
 def run(args: argparse.Namespace) -> tuple[list[ChurnResult], list[str]]:
     if args.quick:
-        args.pool_sizes, args.concurrency = QUICK["pools"], QUICK["concurrency"]
-        args.steps, args.warmup = QUICK["steps"], QUICK["warmup"]
-        args.ref_pool, args.ref_concurrency = QUICK["pools"][0], QUICK["concurrency"][-1]
+        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
+        args.steps, args.warmup = QUICK_STEPS, QUICK_WARMUP
+        args.ref_pool, args.ref_concurrency = QUICK_POOLS[0], QUICK_CONCURRENCY[-1]
     classes, skipped = drivers.load(args.allocators)
     freeze_import_heap()
     for line in skipped:
@@ -115,10 +116,13 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
         report.write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot:
-        from kvpool.bench import plot
+        try:
+            from kvpool.bench import plot
 
-        plot.churn_plot(results, args.plot, ref_pool=args.ref_pool, ref_concurrency=args.ref_concurrency)
-        print(f"wrote {args.plot}")
+            plot.churn_plot(results, args.plot, ref_pool=args.ref_pool, ref_concurrency=args.ref_concurrency)
+            print(f"wrote {args.plot}")
+        except ImportError as exc:
+            print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
 from kvpool.bench import report
 from kvpool.bench.churn import _list, parse_size

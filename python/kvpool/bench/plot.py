@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from kvpool.bench.report import size
 from kvpool.bench.runner import ChurnResult
 
-_STYLE = {
+_STYLE: dict[str, dict[str, Any]] = {
     "kvpool": dict(color="#d62728", marker="o", linewidth=2.2),
     "sglang-token": dict(color="#1f77b4", marker="s"),
     "sglang-paged": dict(color="#17becf", marker="D"),

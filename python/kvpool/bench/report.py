@@ -6,7 +6,7 @@ import json
 import os
 import platform
 from importlib import metadata
-from typing import Any
+from typing import Any, Optional
 
 from kvpool.bench.runner import ChurnResult
 
@@ -36,9 +36,10 @@ def churn_table(results: list[ChurnResult]) -> str:
     rows = []
     for r in results:
         base = kv.get(_key(r))
-        other = base is not None and r is not base
-        x = f"{r.mean_us / base.mean_us:.1f}x" if other and base.mean_us else ""
-        xc = f"{r.cpu_mean_us / base.cpu_mean_us:.1f}x" if other and base.cpu_mean_us else ""
+        x = xc = ""
+        if base is not None and r is not base:
+            x = f"{r.mean_us / base.mean_us:.1f}x" if base.mean_us else ""
+            xc = f"{r.cpu_mean_us / base.cpu_mean_us:.1f}x" if base.cpu_mean_us else ""
         rows.append([
             str(r.page_size), size(r.num_slots), str(r.concurrency), f"{r.mean_batch:.0f}", r.allocator,
             f"{r.mean_us:.1f}", f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.cpu_mean_us:.1f}",
@@ -121,7 +122,7 @@ def _cpu_model() -> str:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    versions = {}
+    versions: dict[str, Optional[str]] = {}
     for pkg in ("kvpool", "numpy", "torch", "sglang", "vllm"):
         try:
             versions[pkg] = metadata.version(pkg)

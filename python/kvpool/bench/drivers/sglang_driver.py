@@ -34,7 +34,10 @@ from kvpool.bench.trace import Step, TraceConfig
 
 _IMPORT_ERROR: Optional[str] = None
 try:
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator import (  # type: ignore[import-untyped,unused-ignore]
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
 except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
