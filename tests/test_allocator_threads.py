@@ -12,7 +12,7 @@ from kvpool import PoolExhaustedError, SlotAllocator
 THREADS, ROUNDS = 4, 300
 
 
-def worker(a, seed, owned, errors, barrier):
+def worker(a, table, seed, owned, errors, barrier):
     rng = np.random.default_rng(seed)
     mine = {}  # handle -> slots in token order, as this thread saw them handed out
     barrier.wait()
@@ -24,7 +24,7 @@ def worker(a, seed, owned, errors, barrier):
             hs = np.array(list(mine), dtype=np.int64)
             counts = rng.integers(0, 6, size=len(hs))
             try:
-                slots = a.extend(hs, counts)
+                slots = a.extend(hs, counts, table=table)  # one shared req_to_token
             except PoolExhaustedError:
                 slots = None  # another thread holds the pages; atomic failure, retry later
             if slots is not None:
@@ -50,9 +50,10 @@ def worker(a, seed, owned, errors, barrier):
 
 def test_threads_share_one_allocator_without_losing_or_doubling_slots():
     a = SlotAllocator(2048, page_size=2, max_requests=THREADS * 6, max_context_len=512)
+    table = np.full((a.max_requests, a.max_context_len), -1, dtype=np.int32)
     owned, errors = {}, []
     barrier = threading.Barrier(THREADS)
-    threads = [threading.Thread(target=worker, args=(a, s, owned, errors, barrier)) for s in range(THREADS)]
+    threads = [threading.Thread(target=worker, args=(a, table, s, owned, errors, barrier)) for s in range(THREADS)]
     for t in threads:
         t.start()
     for t in threads:
@@ -65,6 +66,9 @@ def test_threads_share_one_allocator_without_losing_or_doubling_slots():
     pages = {s // a.page_size for s in held}
     assert a.used_pages == len(pages) and a.free_pages + len(pages) == a.capacity_pages
     assert a.open_requests == sum(len(m) for m in owned.values())
+    for mine in owned.values():  # every thread's table writes landed in its own rows
+        for h, slots in mine.items():
+            assert table[h & 0xFFFFFFFF, : len(slots)].tolist() == slots
     a.reset()
     assert a.free_pages == a.capacity_pages
     a.check()
