@@ -304,6 +304,7 @@ impl SlotAllocator {
             }
             // Free slots left in the last page (0 when it is full or absent).
             let mut room = req.pages.len() * ps - req.len;
+            let mut last = req.pages.last().copied().unwrap_or(0) as usize;
             let mut left = c;
             while left > 0 {
                 if room == 0 {
@@ -315,12 +316,16 @@ impl SlotAllocator {
                     };
                     self.owner[p as usize] = row as u32;
                     req.pages.push(p);
+                    last = p as usize;
                     room = ps;
                 }
-                let last = *req.pages.last().unwrap_or(&0) as usize;
                 let first = last * ps + (ps - room);
                 let n = room.min(left);
-                out.extend((first..first + n).map(|s| s as i64));
+                if n == 1 {
+                    out.push(first as i64); // the decode step's case
+                } else {
+                    out.extend((first..first + n).map(|s| s as i64));
+                }
                 room -= n;
                 left -= n;
             }
