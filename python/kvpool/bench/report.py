@@ -129,4 +129,17 @@ def machine_info() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[pkg] = None
     return {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "os": platform.platform(), "torch_threads": torch.get_num_threads(), "versions": versions}
+            "os": platform.platform(), "torch_threads": torch.get_num_threads(), "versions": versions,
+            "git_commit": _git_commit()}
+
+
+def _git_commit() -> Optional[str]:
+    """The checkout's commit when run from one (which kvpool the figures belong to)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
