@@ -104,6 +104,8 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     ratios = report.churn_ratios(results, args.ref_pool, args.ref_concurrency)
     print(report.churn_table(results))
     print(report.ratio_lines(ratios))
+    if args.quick:
+        print("(quick run: tiny pools and few steps, a smoke test; the targets are for the full run)")
     bad = [r for r in results if not r.consistent]
     for r in bad:
         print(f"INCONSISTENT {r.allocator} page={r.page_size} pool={r.num_slots} conc={r.concurrency}: "
