@@ -27,8 +27,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from kvpool.bench.report import machine_info
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.torch_threads)
-    return int(args.func(args, machine_info()))
+    try:
+        return int(args.func(args, machine_info()))
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process (tests) keep their setting
 
 
 if __name__ == "__main__":
