@@ -127,7 +127,10 @@ class VLLMBlockPoolDriver(Driver):
 
     def native_bytes(self) -> int:
         # Host copies only: the ".gpu" halves of vLLM's CpuGpuBuffers live on the device in a real run.
-        return storage_bytes(self.block_table.block_table.cpu, self.block_table.slot_mapping.cpu)
+        # The slot-mapping buffer is left out: here it must hold the trace's largest step (the whole
+        # first batch's prompts), where vLLM sizes it to max_num_batched_tokens and chunks prefill;
+        # the other drivers' per-step outputs are not counted either.
+        return storage_bytes(self.block_table.block_table.cpu)
 
     def version(self) -> str:
         return _version()
