@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvpool.bench import report
+from kvpool.bench.churn import median_run
 from kvpool.bench.runner import ChurnResult
 
 
@@ -45,3 +46,12 @@ def test_table_has_one_row_per_result_and_ratio_columns_for_baselines():
     assert lines[2].endswith("|  |  |")  # kvpool row: no ratio against itself
     assert "| 50.0x | 50.0x |" in lines[3]
     assert report.size(M) == "1M" and report.size(64 << 10) == "64K" and report.size(1000) == "1000"
+
+
+def test_median_run_keeps_the_middle_repeat_and_every_mean():
+    runs = [_r("kvpool", 1, M, 256, m) for m in (9.0, 3.0, 5.0)]
+    chosen = median_run(runs)
+    assert chosen.mean_us == 5.0 and chosen.repeat_means_us == [9.0, 3.0, 5.0] and chosen.consistent
+    runs = [_r("kvpool", 1, M, 256, m) for m in (1.0, 2.0)]
+    runs[1].end_free_slots -= 1  # one repeat leaked a slot: the reported run must say so
+    assert median_run(runs).mean_us == 1.0 and not median_run(runs).consistent

@@ -93,10 +93,13 @@ class ChurnResult:
     expected_slots: int  # what the trace asked for
     end_free_slots: int  # after the drain step
     capacity_slots: int  # usable slots (page 0 excluded)
+    repeat_means_us: list[float] = dataclasses.field(default_factory=list)  # when replayed several times
+    consistent_all: bool = True  # every repeat (not only the one reported) ended consistent
 
     @property
     def consistent(self) -> bool:
-        return self.handed_slots == self.expected_slots and self.end_free_slots == self.capacity_slots
+        ok = self.handed_slots == self.expected_slots and self.end_free_slots == self.capacity_slots
+        return ok and self.consistent_all
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
