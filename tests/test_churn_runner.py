@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kvpool.bench import drivers
-from kvpool.bench.drivers import sglang_driver
 from kvpool.bench.runner import max_step_tokens, replay
 from kvpool.bench.trace import Dist, TraceConfig, generate
 
@@ -68,6 +67,8 @@ def test_tables_list_distinct_live_slots_for_every_running_request(page_size):
 
 
 def test_missing_baseline_is_skipped_with_one_line(monkeypatch):
+    from kvpool.bench.drivers import sglang_driver  # here, not at collection: it imports sglang
+
     monkeypatch.setattr(sglang_driver, "_IMPORT_ERROR", "ModuleNotFoundError: No module named 'sglang'")
     classes, skipped = drivers.load(["kvpool", "sglang-token"])
     assert [c.name for c in classes] == ["kvpool"]
