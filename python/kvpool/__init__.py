@@ -1,4 +1,11 @@
-"""kvpool: a Rust-accelerated KV-cache memory pool for LLM inference engines."""
+"""kvpool: a Rust-accelerated KV-cache memory pool for LLM inference engines.
+
+Layers, each calling only the one below it: ``KVPool`` (torch tensors, tables,
+grad-mode safety) and ``DecodeGraphRunner`` -> ``kvpool.kernels`` (Triton) ->
+``kvpool._core`` (the Rust ``SlotAllocator``: ownership and free lists).
+"""
+
+from importlib import metadata as _metadata
 
 from kvpool._core import (
     ContextTooLongError,
@@ -10,28 +17,8 @@ from kvpool._core import (
     SlotAllocator,
     TooManyRequestsError,
 )
-
-__all__ = [
-    "ContextTooLongError",
-    "InvalidArgumentError",
-    "InvalidHandleError",
-    "InvariantError",
-    "KVPoolError",
-    "PoolExhaustedError",
-    "SlotAllocator",
-    "TooManyRequestsError",
-    "handle_row",
-]
-
-ROW_MASK = 0xFFFFFFFF
-
-
-def handle_row(handle: int) -> int:
-    """Row of ``handle`` in a request-to-token table (its low 32 bits)."""
-    return int(handle) & ROW_MASK
-
-# --- torch layer: KVPool, grad-mode helpers, typed tensor errors (issue 3) ---
-from kvpool.errors import (  # noqa: E402
+from kvpool.cuda_graph import DecodeGraphRunner
+from kvpool.errors import (
     LayerIndexError,
     ReservedSlotError,
     SlotRangeError,
@@ -39,17 +26,43 @@ from kvpool.errors import (  # noqa: E402
     TensorDtypeError,
     TensorShapeError,
 )
-from kvpool.modes import Finding, audit, mutable, persistent  # noqa: E402
-from kvpool.pool import ExtendResult, KVPool, PageTable  # noqa: E402
+from kvpool.handles import ROW_MASK, handle_row
+from kvpool.modes import Finding, audit, mutable, persistent
+from kvpool.pool import ExtendResult, KVPool, PageTable
 
-__all__ += [
-    "ExtendResult", "Finding", "KVPool", "LayerIndexError", "PageTable", "ReservedSlotError", "SlotRangeError",
-    "TensorDeviceError", "TensorDtypeError", "TensorShapeError", "audit", "mutable", "persistent",
+try:
+    __version__ = _metadata.version("kvpool")
+except _metadata.PackageNotFoundError:  # imported from a source tree without an install
+    __version__ = "0+unknown"
+
+__all__ = [
+    # allocator (Rust core) and its errors
+    "ContextTooLongError",
+    "InvalidArgumentError",
+    "InvalidHandleError",
+    "InvariantError",
+    "KVPoolError",
+    "PoolExhaustedError",
+    "ROW_MASK",
+    "SlotAllocator",
+    "TooManyRequestsError",
+    "handle_row",
+    # torch layer
+    "ExtendResult",
+    "KVPool",
+    "PageTable",
+    "LayerIndexError",
+    "ReservedSlotError",
+    "SlotRangeError",
+    "TensorDeviceError",
+    "TensorDtypeError",
+    "TensorShapeError",
+    # grad-mode safety
+    "Finding",
+    "audit",
+    "mutable",
+    "persistent",
+    # CUDA-graph decode
+    "DecodeGraphRunner",
+    "__version__",
 ]
-# --- end issue 3 ---
-
-# --- kernels and CUDA-graph decode runner (issue 4) ---
-from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
-
-__all__ += ["DecodeGraphRunner"]
-# --- end issue 4 ---

@@ -20,15 +20,13 @@ import torch
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
+from kvpool.handles import ROW_MASK
 from kvpool.layout import FP8_DTYPES, LAYOUTS, KVStorage
 from kvpool.modes import persistent
 from kvpool.transfer import PageTable, find_kernel, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
-
-_ROW_MASK = 0xFFFFFFFF  # handle = (generation << 32) | row
-
 
 class ExtendResult(NamedTuple):
     """New slots of an ``extend``, flattened in request order.
@@ -217,7 +215,7 @@ class KVPool:
             return ExtendResult(slots, torch.from_numpy(slots))
         slots, starts = self.allocator.extend_with_starts(handles, counts)
         if isinstance(handles, np.ndarray) and handles.dtype == np.int64 and handles.ndim == 1:
-            rows = handles & _ROW_MASK  # extend just validated them: row = low 32 bits
+            rows = handles & ROW_MASK  # extend just validated them: row = low 32 bits
         else:
             rows = self.allocator.rows(handles)
         if np.ndim(counts) == 0:

@@ -23,11 +23,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from kvpool import PoolExhaustedError, TooManyRequestsError
+from kvpool import ROW_MASK, PoolExhaustedError, TooManyRequestsError
 from kvpool.demo.requests import Request
 from kvpool.demo.timing import TimedPool
-
-ROW_MASK = 0xFFFFFFFF
 
 
 class DecodeStep:
