@@ -1,5 +1,6 @@
-//! The allocator state and its growing operations (open, extend). Freeing
-//! lives in `release.rs`, queries in `queries.rs`, invariants in `check.rs`.
+//! The allocator state, handle resolution and open. Extending lives in
+//! `extend.rs`, freeing in `release.rs`, queries in `queries.rs`, invariants
+//! in `check.rs`.
 
 use crate::error::{HandleProblem, PoolError, Result};
 use crate::handle::{handle_generation, handle_row, make_handle, next_generation};
@@ -233,104 +234,6 @@ impl SlotAllocator {
     pub fn open(&mut self, n: usize) -> Result<Vec<i64>> {
         let mut out = Vec::with_capacity(n);
         self.open_into(n, &mut out)?;
-        Ok(out)
-    }
-
-    /// Appends `counts[i]` tokens to request `handles[i]` and returns the new
-    /// slot ids, flattened in request order. All-or-nothing.
-    pub fn extend(&mut self, handles: &[i64], counts: Counts<'_>) -> Result<Vec<i64>> {
-        self.extend_impl(handles, counts, None)
-    }
-
-    /// Like [`Self::extend`], also returning each request's length before the call.
-    pub fn extend_with_starts(
-        &mut self,
-        handles: &[i64],
-        counts: Counts<'_>,
-    ) -> Result<(Vec<i64>, Vec<i64>)> {
-        let mut starts = Vec::with_capacity(handles.len());
-        let slots = self.extend_impl(handles, counts, Some(&mut starts))?;
-        Ok((slots, starts))
-    }
-
-    fn extend_impl(
-        &mut self,
-        handles: &[i64],
-        counts: Counts<'_>,
-        mut starts: Option<&mut Vec<i64>>,
-    ) -> Result<Vec<i64>> {
-        counts.check_len("counts", handles.len())?;
-        // Validate everything before changing anything.
-        self.begin_batch();
-        let mut needed_pages = 0usize;
-        let mut total_tokens = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
-            let row = self.resolve_unique(h, i)?;
-            let c = counts.get(i);
-            if c < 0 {
-                return Err(PoolError::InvalidArgument(format!(
-                    "counts[{i}] = {c} is negative; counts must be >= 0"
-                )));
-            }
-            let req = &self.requests[row];
-            let new_len = req.len as u64 + c as u64;
-            if new_len > self.max_context_len as u64 {
-                return Err(PoolError::ContextTooLong {
-                    handle: h,
-                    length: new_len,
-                    max: self.max_context_len,
-                });
-            }
-            needed_pages += self.pages_for(new_len as usize) - req.pages.len();
-            total_tokens += c as usize;
-        }
-        if needed_pages > self.free_pages.len() {
-            return Err(PoolError::Exhausted {
-                needed_pages,
-                free_pages: self.free_pages.len(),
-                page_size: self.page_size,
-                free_slots: self.free_pages.len() * self.page_size,
-            });
-        }
-        // Commit: cannot fail from here on.
-        let ps = self.page_size;
-        let mut out = Vec::with_capacity(total_tokens);
-        for (i, &h) in handles.iter().enumerate() {
-            let row = handle_row(h) as usize;
-            let c = counts.get(i) as usize;
-            let req = &mut self.requests[row];
-            if let Some(s) = starts.as_deref_mut() {
-                s.push(req.len as i64);
-            }
-            // Free slots left in the last page (0 when it is full or absent).
-            let mut room = req.pages.len() * ps - req.len;
-            let mut last = req.pages.last().copied().unwrap_or(0) as usize;
-            let mut left = c;
-            while left > 0 {
-                if room == 0 {
-                    // The last page is full (or there is none): take the top free page.
-                    let Some(p) = self.free_pages.pop() else {
-                        return Err(PoolError::Invariant(
-                            "free stack ran out after validation".into(),
-                        ));
-                    };
-                    self.owner[p as usize] = row as u32;
-                    req.pages.push(p);
-                    last = p as usize;
-                    room = ps;
-                }
-                let first = last * ps + (ps - room);
-                let n = room.min(left);
-                if n == 1 {
-                    out.push(first as i64); // the decode step's case
-                } else {
-                    out.extend((first..first + n).map(|s| s as i64));
-                }
-                room -= n;
-                left -= n;
-            }
-            req.len += c;
-        }
         Ok(out)
     }
 }

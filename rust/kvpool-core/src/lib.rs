@@ -17,6 +17,7 @@
 mod allocator;
 mod check;
 mod error;
+mod extend;
 mod handle;
 mod queries;
 mod release;

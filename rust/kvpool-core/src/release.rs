@@ -66,11 +66,14 @@ impl SlotAllocator {
     fn shrink_row(&mut self, row: usize, new_len: usize) {
         let keep = self.pages_for(new_len);
         let req = &mut self.requests[row];
-        while req.pages.len() > keep {
-            if let Some(p) = req.pages.pop() {
+        if let Some(freed) = req.pages.get(keep..) {
+            for &p in freed {
                 self.owner[p as usize] = FREE;
-                self.free_pages.push(p);
             }
+            // One extend over the reversed tail: the same order as popping
+            // the request's pages one by one onto the stack.
+            self.free_pages.extend(freed.iter().rev());
+            req.pages.truncate(keep);
         }
         req.len = new_len;
     }

@@ -235,3 +235,30 @@ fn metadata_stays_under_16_bytes_per_page() {
     let per_page = a.metadata_bytes() as f64 / pages as f64;
     assert!(per_page <= 16.0, "{per_page} bytes per page");
 }
+
+#[test]
+fn extend_into_checks_the_output_length_before_any_change() {
+    let mut a = alloc(8, 2);
+    let h = a.open(2).unwrap();
+    let before = snapshot(&a, &h);
+    let mut short = vec![0; 4];
+    let err = a
+        .extend_into(&h, Counts::PerRequest(&[3, 2]), &mut short, |_, _, _, _| {
+            panic!("called on a failing batch")
+        })
+        .unwrap_err();
+    assert!(matches!(err, PoolError::InvalidArgument(_)));
+    assert_eq!(snapshot(&a, &h), before);
+    let mut out = vec![0; 5];
+    let mut rows = Vec::new();
+    a.extend_into(
+        &h,
+        Counts::PerRequest(&[3, 2]),
+        &mut out,
+        |i, row, start, s| rows.push((i, row, start, s.to_vec())),
+    )
+    .unwrap();
+    assert_eq!(out, vec![2, 3, 4, 6, 7]);
+    assert_eq!(rows, vec![(0, 0, 0, vec![2, 3, 4]), (1, 1, 0, vec![6, 7])]);
+    a.check().unwrap();
+}

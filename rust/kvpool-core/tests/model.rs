@@ -229,7 +229,30 @@ proptest! {
                 }
                 Op::Extend(v) => {
                     let (hs, cs): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, c)| (h(i), c)).unzip();
-                    oks += same(a.extend(&hs, Counts::PerRequest(&cs)), m.extend(&hs, &cs)) as usize;
+                    let before: Vec<usize> = hs.iter().map(|&x| m.row(x).map_or(0, |r| m.reqs[&r].len())).collect();
+                    let mr = m.extend(&hs, &cs);
+                    let r = if hs.len() % 2 == 0 {
+                        a.extend(&hs, Counts::PerRequest(&cs))
+                    } else {
+                        // extend_into must agree, and report each request's row,
+                        // old length and new slots in batch order.
+                        let mut out = vec![-1; cs.iter().filter(|&&c| c > 0).sum::<i64>() as usize];
+                        let mut seen = Vec::new();
+                        let r = a.extend_into(&hs, Counts::PerRequest(&cs), &mut out, |i, row, start, s| {
+                            seen.push((i, row as i64, start, s.to_vec()))
+                        });
+                        r.map(|()| {
+                            let mut k = 0;
+                            let want: Vec<_> = (0..hs.len()).map(|i| {
+                                let n = cs[i] as usize;
+                                k += n;
+                                (i, hs[i] & 0xFFFF_FFFF, before[i], out[k - n..k].to_vec())
+                            }).collect();
+                            assert_eq!(seen, want);
+                            out
+                        })
+                    };
+                    oks += same(r, mr) as usize;
                 }
                 Op::Truncate(v) => {
                     let (hs, ls): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, l)| (h(i), l)).unzip();
