@@ -113,6 +113,15 @@ def test_context_too_long(busy):
     assert a.extend(h[2:], 4).size == 4
 
 
+@pytest.mark.parametrize("counts", [2**62, [2**62, 2**62, 2**62], [0, 0, 10**12]])
+def test_huge_counts_are_refused_before_sizing_the_result(busy, counts):
+    """extend sizes its result array from the counts before the core runs; an
+    absurd count must still be a ContextTooLongError, never a MemoryError."""
+    a, h, _ = busy
+    assert_fails_unchanged(a, h, ContextTooLongError, lambda: a.extend(h, counts))
+    assert_fails_unchanged(a, h, ContextTooLongError, lambda: a.extend_with_starts(h, counts))
+
+
 @pytest.mark.parametrize(
     "call",
     [

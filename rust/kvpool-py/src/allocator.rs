@@ -5,12 +5,13 @@
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use kvpool_core::{handle_row, Counts, PoolError, SlotAllocator as Core};
+use kvpool_core::{Counts, SlotAllocator as Core};
 use numpy::{PyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, to_pyerr};
+use crate::output::{extend_total, new_i64};
 use crate::table::Table;
 
 type Arr<'py, T> = Bound<'py, PyArray1<T>>;
@@ -18,6 +19,9 @@ type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
 pub struct SlotAllocator {
     inner: Mutex<Core>,
+    /// (max_requests, max_context_len, num_slots): fixed at construction, so
+    /// extend reads them without taking the lock.
+    dims: (usize, usize, usize),
 }
 
 impl SlotAllocator {
@@ -79,8 +83,14 @@ impl SlotAllocator {
         let core = py
             .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
             .map_err(|e| to_pyerr(py, e))?;
+        let dims = (
+            core.max_requests(),
+            core.max_context_len(),
+            core.num_slots(),
+        );
         Ok(Self {
             inner: Mutex::new(core),
+            dims,
         })
     }
 
@@ -160,36 +170,37 @@ impl SlotAllocator {
     ) -> PyResult<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let Some(table) = table else {
-            let v = py
-                .detach(|| self.lock().extend(&h, counts_of(&c)))
-                .map_err(|e| to_pyerr(py, e))?;
-            return Ok(to_numpy(py, &v));
-        };
+        let (rows, cols, num_slots) = self.dims;
         // Validate the table fully before any change; keep `table` alive
         // (it is borrowed from the caller) while its buffer is written.
-        let arr = table.cast::<PyUntypedArray>().map_err(|_| {
-            invalid_argument(
-                py,
-                "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
-            )
-        })?;
-        let (rows, cols, slots) = self.query(py, |a| {
-            (a.max_requests(), a.max_context_len(), a.num_slots())
-        });
-        let t = Table::validate(py, arr, rows, cols, slots)?;
-        let v = py
-            .detach(|| {
-                let mut a = self.lock();
-                let (slots, starts) = a.extend_with_starts(&h, counts_of(&c))?;
-                // SAFETY: validated above (int32, C-contiguous, writeable, big
-                // enough); the caller's array object is referenced by `table`
-                // for the whole call, so its buffer stays alive.
-                unsafe { t.write(&h, counts_of(&c), &starts, &slots) };
-                Ok::<_, PoolError>(slots)
-            })
-            .map_err(|e| to_pyerr(py, e))?;
-        Ok(to_numpy(py, &v))
+        let t = match table {
+            None => None,
+            Some(table) => {
+                let arr = table.cast::<PyUntypedArray>().map_err(|_| {
+                    invalid_argument(
+                        py,
+                        "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
+                    )
+                })?;
+                Some(Table::validate(py, arr, rows, cols, num_slots)?)
+            }
+        };
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots))?;
+        py.detach(|| {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let dst = unsafe { out.slice() };
+            self.lock()
+                .extend_into(&h, counts_of(&c), dst, |_, row, start, slots| {
+                    if let Some(t) = &t {
+                        // SAFETY: validated above (int32, C-contiguous, writeable,
+                        // big enough); the caller's array object is referenced by
+                        // `table` for the whole call, so its buffer stays alive.
+                        unsafe { t.write_row(row, start, slots) }
+                    }
+                })
+        })
+        .map_err(|e| to_pyerr(py, e))?;
+        Ok(arr)
     }
 
     fn extend_with_starts<'py>(
@@ -200,10 +211,21 @@ impl SlotAllocator {
     ) -> PyResult<(Arr<'py, i64>, Arr<'py, i64>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (s, st) = py
-            .detach(|| self.lock().extend_with_starts(&h, counts_of(&c)))
-            .map_err(|e| to_pyerr(py, e))?;
-        Ok((to_numpy(py, &s), to_numpy(py, &st)))
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.dims.2))?;
+        let (starts_arr, mut starts) = new_i64(py, h.len())?;
+        py.detach(|| {
+            // SAFETY: both arrays are alive and not yet shared (see OutBuf).
+            let (dst, st) = unsafe { (out.slice(), starts.slice()) };
+            self.lock()
+                .extend_into(&h, counts_of(&c), dst, |i, _, start, _| {
+                    // i < handles.len() == st.len(); get_mut keeps it panic-free.
+                    if let Some(s) = st.get_mut(i) {
+                        *s = start as i64;
+                    }
+                })
+        })
+        .map_err(|e| to_pyerr(py, e))?;
+        Ok((arr, starts_arr))
     }
 
     fn truncate(
@@ -309,9 +331,4 @@ impl SlotAllocator {
             )
         })
     }
-}
-
-/// Row of `handle` (its low 32 bits), as in `kvpool.handle_row`.
-pub fn row_of(h: i64) -> usize {
-    handle_row(h) as usize
 }

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 mod allocator;
 mod convert;
 mod errors;
+mod output;
 mod table;
 
 #[pymodule]

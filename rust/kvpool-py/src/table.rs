@@ -5,9 +5,6 @@
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use kvpool_core::Counts;
-
-use crate::allocator::row_of;
 use crate::errors::invalid_argument;
 
 /// A validated raw view of the table. Sent into the GIL-free section.
@@ -66,21 +63,18 @@ impl Table {
         })
     }
 
-    /// Writes `slots` (flattened per request) to table[row, start..start+count].
+    /// Writes one request's new `slots` to table[row, start..start+len]: a
+    /// tight copy (slots of one request are contiguous in extend's output),
+    /// done right after the core wrote them, while they are still in cache.
     ///
     /// # Safety
     /// `self` must come from `validate` on an array still alive, and the
-    /// arguments must be those of a successful extend (so every
-    /// start + count <= max_context_len <= cols and every row < max_requests).
-    pub unsafe fn write(&self, handles: &[i64], counts: Counts<'_>, starts: &[i64], slots: &[i64]) {
-        let mut k = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
-            let n = counts.get(i) as usize;
-            let dst = self.ptr.add(row_of(h) * self.cols + starts[i] as usize);
-            for (j, &s) in slots[k..k + n].iter().enumerate() {
-                *dst.add(j) = s as i32;
-            }
-            k += n;
+    /// arguments must be those extend reported for a request (so
+    /// start + len <= max_context_len <= cols and row < max_requests).
+    pub unsafe fn write_row(&self, row: usize, start: usize, slots: &[i64]) {
+        let dst = self.ptr.add(row * self.cols + start);
+        for (j, &s) in slots.iter().enumerate() {
+            *dst.add(j) = s as i32;
         }
     }
 }
