@@ -14,6 +14,11 @@ use crate::handle::handle_row;
 /// Writes `first, first + 1, ...` into `dst` (the slots of one page run).
 #[inline]
 fn fill_run(dst: &mut [i64], first: usize) {
+    if let [d] = dst {
+        // The decode step's single slot: skip the vector loop's set-up.
+        *d = first as i64;
+        return;
+    }
     for (j, d) in dst.iter_mut().enumerate() {
         *d = (first + j) as i64;
     }
