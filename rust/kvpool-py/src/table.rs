@@ -77,6 +77,11 @@ impl Table {
     /// start + len <= max_context_len <= cols and row < max_requests).
     pub unsafe fn write_row(&self, row: usize, start: usize, slots: &[i64]) {
         let dst = self.ptr.add(row * self.cols + start);
+        if let [s] = slots {
+            // A decode step's one slot: skip the vector loop's set-up.
+            *dst = *s as i32;
+            return;
+        }
         for (j, &s) in slots.iter().enumerate() {
             *dst.add(j) = s as i32;
         }
