@@ -89,23 +89,29 @@ def run(args: argparse.Namespace) -> tuple[list[ChurnResult], list[str]]:
         cls = [c for c in classes if c.supports(ps)]
         if cls:
             plan.append((ps, pool, conc, cls, max(1, args.target_repeats) if (pool, conc) in targets else 1))
-    results: list[ChurnResult] = []
+    runs: dict[tuple[int, int], list[ChurnResult]] = {}
+    traces: dict[int, Any] = {}
     bar = tqdm(total=sum(len(p[3]) * p[4] for p in plan), desc="churn", unit="run", file=sys.stderr)
     try:
-        for ps, pool, conc, cls, repeats in plan:
-            cfg = TraceConfig(num_slots=pool, concurrency=conc, page_size=ps, steps=args.steps,
-                              warmup=args.warmup, prompt=args.prompt, output=args.output, seed=args.seed)
-            trace = generate(cfg)
-            for c in cls:
-                bar.set_postfix_str(f"{c.name} page={ps} pool={report.size(pool)} conc={conc}")
-                runs = []
-                for _ in range(repeats):
-                    runs.append(replay(c, trace))
+        # Pass r replays every run that still wants an r-th repeat, so the repeats of the
+        # target runs (1M and 16M, say) alternate instead of running back to back: drift on a
+        # shared host (other jobs, frequency) then lands on both sides of a ratio alike.
+        for rep in range(max((p[4] for p in plan), default=0)):
+            for i, (ps, pool, conc, cls, repeats) in enumerate(plan):
+                if rep >= repeats:
+                    continue
+                if i not in traces:
+                    traces[i] = generate(TraceConfig(
+                        num_slots=pool, concurrency=conc, page_size=ps, steps=args.steps,
+                        warmup=args.warmup, prompt=args.prompt, output=args.output, seed=args.seed))
+                for j, c in enumerate(cls):
+                    bar.set_postfix_str(f"{c.name} page={ps} pool={report.size(pool)} conc={conc}")
+                    runs.setdefault((i, j), []).append(replay(c, traces[i]))
                     bar.update(1)
-                results.append(median_run(runs))
     finally:
         bar.close()
         gc.unfreeze()  # hand the heap back, so interpreter exit frees it as usual
+    results = [median_run(runs[key]) for key in sorted(runs)]
     return results, skipped
 
 
