@@ -93,8 +93,14 @@ def gather_kv(
     vc, vg = k_cache, kg
     if v_cache is not None:
         vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
-        if (vg.heads, vg.head_dim, vg.num_slots) != (kg.heads, kg.head_dim, kg.num_slots):
-            raise c.KernelArgumentError("k_cache and v_cache must have the same slots and [H, D]")
+        # One PAGE for both caches in the kernel: a token-major V next to a paged K
+        # (or different page sizes) would be addressed with K's page split.
+        if (vg.heads, vg.head_dim, vg.num_slots, vg.page_size) != (
+            kg.heads, kg.head_dim, kg.num_slots, kg.page_size
+        ):
+            raise c.KernelArgumentError(
+                "k_cache and v_cache must have the same slots, page size and [H, D]"
+            )
     has_v = v_cache is not None
     for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
         c.check_scale(s, nm, dev)
