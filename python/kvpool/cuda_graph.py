@@ -120,8 +120,8 @@ class DecodeGraphRunner:
         self.use_graphs = bool(enable_graphs) and self.device.type == "cuda"
         self.debug, self.warmup_iters = bool(debug), int(warmup_iters)
         width = self.buckets[-1]
-        self._pad = torch.tensor([0, 0, int(pool.null_row), 0, int(pad_seq_len)], dtype=torch.int64)
         with persistent():
+            self._pad = torch.tensor([0, 0, int(pool.null_row), 0, int(pad_seq_len)], dtype=torch.int64)
             self._pad_dev = self._pad.to(self.device)
             self._static = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, device=self.device)
             self._static.copy_(self._pad_dev.view(-1, 1).expand(-1, width))
