@@ -120,8 +120,11 @@ class DecodeGraphRunner:
         self.use_graphs = bool(enable_graphs) and self.device.type == "cuda"
         self.debug, self.warmup_iters = bool(debug), int(warmup_iters)
         width = self.buckets[-1]
+        # Python ints for the per-step fill_() calls (indexing the tensor and
+        # converting with int() cost a tensor op and .item() per row every run()).
+        self._pad_vals = (0, 0, int(pool.null_row), 0, int(pad_seq_len))
         with persistent():
-            self._pad = torch.tensor([0, 0, int(pool.null_row), 0, int(pad_seq_len)], dtype=torch.int64)
+            self._pad = torch.tensor(self._pad_vals, dtype=torch.int64)
             self._pad_dev = self._pad.to(self.device)
             self._static = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, device=self.device)
             self._static.copy_(self._pad_dev.view(-1, 1).expand(-1, width))
@@ -216,7 +219,7 @@ class DecodeGraphRunner:
         for i, a in enumerate(args):
             if a.device.type != "cpu":
                 static[i, :n].copy_(a)
-                static[i, n:bucket].fill_(int(self._pad[i]))
+                static[i, n:bucket].fill_(self._pad_vals[i])
             else:
                 host_rows.append((i, a))
         if not host_rows:
@@ -224,7 +227,7 @@ class DecodeGraphRunner:
         if self._staging is None:  # CPU pool: write straight into the static buffer
             for i, t in host_rows:
                 static[i, :n].copy_(t)
-                static[i, n:bucket].fill_(int(self._pad[i]))
+                static[i, n:bucket].fill_(self._pad_vals[i])
             return
         assert self._copy_done is not None  # set whenever _staging is (CUDA pools)
         if self._copy_pending:
@@ -233,7 +236,7 @@ class DecodeGraphRunner:
         staging = self._staging
         for i, t in host_rows:
             staging[i, :n].copy_(t)
-            staging[i, n:bucket].fill_(int(self._pad[i]))
+            staging[i, n:bucket].fill_(self._pad_vals[i])
         if len(host_rows) == len(INPUT_NAMES):
             static.copy_(staging, non_blocking=True)  # one DMA for all inputs
         else:
