@@ -24,6 +24,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels._ref import copy_slots_ref
+from kvpool.modes import persistent
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _deltas(group: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     if any(dlt % esize for dlt in diffs):
         raise c.KernelArgumentError("copy_slots: cache addresses are not element-aligned")
     align = 16 // esize if all(dlt % 16 == 0 for dlt in diffs) and esize <= 16 else 1
-    with torch.inference_mode(False), torch.no_grad():  # a persistent tensor
+    with persistent():  # a long-lived tensor, reused by later calls and captured graphs
         table = torch.tensor([dlt // esize // align for dlt in diffs], dtype=torch.int64,
                              device=group[0].device)
     _deltas_cache[key] = (table, align)
