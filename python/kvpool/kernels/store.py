@@ -35,7 +35,10 @@ def _store_row(
         # NVIDIA, up to 2 ulp off, which can flip an fp8/bf16 rounding).
         y = tl.div_rn(x.to(tl.float32), s)
         if IS_FP8:
-            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate, as fp8 has no inf
+            # Saturate, as fp8 has no inf. NaN must stay NaN (torch's clamp keeps it);
+            # the default min/max return the non-NaN operand, turning NaN into -FP8_MAX.
+            y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                           propagate_nan=tl.PropagateNan.ALL)
         tl.store(cache_ptr + cache_off + hd_cache, y.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         # Same dtype: a pure copy (also the only bf16 path the interpreter supports).
