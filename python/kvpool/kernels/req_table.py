@@ -89,7 +89,9 @@ def write_req_to_token(
     if not c.use_triton(req_to_token):
         write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
         return
-    block_b = min(max(triton.next_power_of_2(b), 16), 1024)
+    # BLOCK_B only sizes the on-device prefix sum; with host offsets it is unused,
+    # so keep it fixed rather than compiling a new variant per power-of-two batch size.
+    block_b = min(max(triton.next_power_of_2(b), 16), 1024) if offsets is None else 16
     _write_req_to_token_kernel[(b,)](
         req_to_token, rows, starts, counts, offsets if offsets is not None else counts, slots,
         b, req_to_token.stride(0),
