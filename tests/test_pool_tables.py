@@ -159,3 +159,30 @@ def test_concurrent_extends_from_threads_keep_tables_exact(path: str) -> None:
         handles = [h for hs in ex.map(worker, range(4)) for h in hs]
     check_tables(pool, handles)
     assert not pool.req_to_token.is_inference()
+
+
+@pytest.mark.parametrize("counts", [[1], [1, 2], [3, 0, 5], [2, 2, 2, 1, 7]])
+def test_device_table_update_passes_16_byte_aligned_segments(counts):
+    """Triton specializes pointers on 16-byte alignment: every segment of the packed
+    H2D buffer must stay aligned whatever the batch shape, or a new batch size would
+    compile a new kernel variant while serving."""
+    seen = []
+
+    def fake_kernel(table, rows, starts, counts_d, slots, offsets):
+        seen.append([x.data_ptr() % 16 for x in (rows, starts, counts_d, slots, offsets)])
+        write_ref = table.view(-1)
+        for r, s, c, o in zip(rows.tolist(), starts.tolist(), counts_d.tolist(), offsets.tolist()):
+            write_ref[r * table.shape[1] + s : r * table.shape[1] + s + c] = slots[o : o + c].to(table.dtype)
+
+    c = np.array(counts, dtype=np.int64)
+    rows = np.arange(len(c), dtype=np.int64)
+    starts = np.arange(len(c), dtype=np.int64)
+    slots = np.arange(100, 100 + int(c.sum()), dtype=np.int64)
+    table = torch.zeros((len(c) + 1, 16), dtype=torch.int32)
+    out = update_req_to_token(table, rows, starts, c, slots, fake_kernel)
+    assert seen == [[0] * 5]
+    assert out.tolist() == slots.tolist()
+    o = 0
+    for r, (s, n) in enumerate(zip(starts, c)):
+        assert table[r, s : s + n].tolist() == slots[o : o + n].tolist()
+        o += n

@@ -57,11 +57,18 @@ def update_req_to_token(
     if kernel is not None:
         # Host-computed offsets ride along in the same copy, sparing the kernel
         # its on-device prefix sum.
-        packed = np.concatenate([slots, rows, starts, counts, offsets])
+        # Each segment starts on a 16-byte boundary: Triton specializes pointer
+        # arguments on 16-byte alignment, so segments at odd offsets would compile
+        # new kernel variants mid-serving whenever a batch size changes parity.
+        parts = (slots, rows, starts, counts, offsets)
+        at = np.cumsum([0] + [(p.shape[0] + 1) & ~1 for p in parts])
+        packed = np.empty(int(at[-1]), dtype=np.int64)
+        for p, lo in zip(parts, at):
+            packed[lo : lo + p.shape[0]] = p
         dev = _to_device(packed, req_to_token.device)
-        rows_d, starts_d, counts_d, offsets_d = (dev[n + i * b : n + (i + 1) * b] for i in range(4))
-        kernel(req_to_token, rows_d, starts_d, counts_d, dev[:n], offsets=offsets_d)
-        return dev[:n]
+        slots_d, rows_d, starts_d, counts_d, offsets_d = (dev[lo : lo + p.shape[0]] for p, lo in zip(parts, at))
+        kernel(req_to_token, rows_d, starts_d, counts_d, slots_d, offsets=offsets_d)
+        return slots_d
     width = req_to_token.shape[1]
     flat = np.repeat(rows * width + starts - offsets, counts) + np.arange(n, dtype=np.int64)
     dev = _to_device(np.concatenate([slots, flat]), req_to_token.device)
