@@ -18,7 +18,7 @@ __all__ = ["bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_b
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, mla: bool) -> int:
     """K/V bytes one token slot takes across all layers (MLA: one latent row)."""
-    per_row = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_row = num_kv_heads * head_dim * dtype.itemsize
     return num_layers * per_row * (1 if mla else 2)
 
 
