@@ -48,7 +48,11 @@ def serve(model: Any, pool: Any, n: int = 6) -> list[dict[str, Any]]:
     return [{"rid": r.rid, "logits": torch.cat(r.logits), "output": list(r.output)} for r in reqs]
 
 
-def tp_logits(rank: int, world: int, page_size: int) -> dict[str, Any]:
+def tp_logits(rank: int, world: int, page_sizes: tuple[int, ...]) -> dict[int, Any]:
+    return {P: _tp_logits(rank, world, P) for P in page_sizes}
+
+
+def _tp_logits(rank: int, world: int, page_size: int) -> dict[str, Any]:
     from kvpool.demo.tp import shard_model
 
     model = shard_model(build_model(CFG), rank, world)
@@ -144,6 +148,7 @@ def transfer_decode(rank: int, world: int, page_sizes: tuple[int, ...]) -> dict[
                 pool.close(filler)
             result[P] = {"logits": logits, "stats": stats, "pages": pages, "snapshot": snapshot(pool)}
         result["raw"] = _raw_cases(rank)
+    result["failures"] = failures(rank, world)
     return result
 
 
@@ -156,6 +161,8 @@ def _raw_cases(rank: int) -> dict[str, Any]:
         "mla": dict(dtype=torch.bfloat16, kv_heads=1, head_dim=24, kv_lora_rank=16, qk_rope_head_dim=8),
     }
     for name, kw in cases.items():
+        # The MLA case packs with index ops (as for fragmented requests), the others by page runs.
+        kv_transfer.MAX_RUNS = 0 if name == "mla" else 32
         pool = make_pool(4, 40, layout="paged", **kw)
         if pool.fp8:
             pool.k_scale.copy_(torch.tensor([2.0, 0.25]))
@@ -254,22 +261,31 @@ def _die_on(what: str, nth: int) -> None:
     kv_transfer._Link.post_recv = post_recv  # type: ignore[method-assign]
 
 
-def dead_peer(rank: int, world: int, victim: int, peer_timeout_s: float) -> dict[str, Any]:
-    """``victim`` dies after the handshake, mid-way through the K/V chunks."""
-    model = build_model(CFG)
-    pool = make_pool(1, 200)
-    with torch.inference_mode():
-        h = prefill(model, pool, PROMPTS[3])[0] if rank == 0 else None
-    before = snapshot(pool)
-    if rank == victim:
-        _die_on("K/V chunk", 3)
+def _error(fn: Any, pool: Any, before: tuple[int, ...]) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
-        if rank == 0:
-            pool.send_request(h, 1, chunk_bytes=4096, timeout_s=peer_timeout_s)
-        else:
-            pool.recv_request(0, timeout_s=peer_timeout_s)
+        fn()
         return {"error": None}
     except TransferError as e:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
                 "unchanged": snapshot(pool) == before}
+
+
+def dead_peers(rank: int, world: int, peer_timeout_s: float) -> dict[str, Any]:
+    """Three ranks: rank 2 dies while sending to rank 0, then rank 1 dies while receiving
+    from rank 0, each after the handshake and part of the K/V chunks. Rank 0 reports both."""
+    model = build_model(CFG)
+    pool = make_pool(1, 200)
+    with torch.inference_mode():
+        h = prefill(model, pool, PROMPTS[3])[0] if rank != 1 else None
+    before = snapshot(pool)
+    if rank == 2:
+        _die_on("K/V chunk", 3)
+        pool.send_request(h, 0, chunk_bytes=4096, timeout_s=peer_timeout_s)
+    if rank == 1:
+        _die_on("K/V chunk", 3)
+        pool.recv_request(0, timeout_s=peer_timeout_s)
+    out = {"sender_died": _error(lambda: pool.recv_request(2, timeout_s=peer_timeout_s), pool, before)}
+    out["receiver_died"] = _error(
+        lambda: pool.send_request(h, 1, chunk_bytes=4096, timeout_s=peer_timeout_s), pool, before)
+    return out

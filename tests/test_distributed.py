@@ -24,9 +24,24 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 ATOL, RTOL = 1e-5, 1e-4
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_tensor_parallel_demo_matches_one_process(page_size):
-    ranks = _dist.run_ranks(W.tp_logits, world=2, timeout_s=150, page_size=page_size)
+PAGE_SIZES = (1, 16)
+
+
+# One spawn per scenario serves several tests: process start-up (importing torch) is
+# most of a multi-process test's time.
+@pytest.fixture(scope="module")
+def tp_run():
+    return _dist.run_ranks(W.tp_logits, world=2, timeout_s=240, page_sizes=PAGE_SIZES)
+
+
+@pytest.fixture(scope="module")
+def transfer_run():
+    return _dist.run_ranks(W.transfer_decode, world=2, timeout_s=240, page_sizes=PAGE_SIZES)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_tensor_parallel_demo_matches_one_process(tp_run, page_size):
+    ranks = [r[page_size] for r in tp_run]
     one = W.serve(W.build_model(W.CFG), W.make_pool(page_size, -(-48 // page_size) + 1))
     for res in ranks:
         assert res["shape"][-2] == W.CFG.kv_heads // 2  # each rank holds half the KV heads
@@ -43,9 +58,9 @@ def test_tensor_parallel_demo_matches_one_process(page_size):
         assert rank == 1 and bad == (1,) and "rank 1" in msg
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_prefill_send_decode_matches_one_process(page_size):
-    src, dst = _dist.run_ranks(W.transfer_decode, world=2, timeout_s=150, page_sizes=(page_size,))
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_prefill_send_decode_matches_one_process(transfer_run, page_size):
+    src, dst = transfer_run
     ref = W.single_process(page_size)
     got = dst[page_size]
     assert len(got["logits"]) == len(W.PROMPTS)
@@ -60,6 +75,10 @@ def test_prefill_send_decode_matches_one_process(page_size):
     assert any(d != s for d, s in zip(got["pages"], src[page_size]["pages"])), "pages never differed"
     for side in (src, dst):  # every request closed again: all pages back
         assert side[page_size]["snapshot"][1:3] == (0, 0)
+
+
+def test_fp8_and_mla_pages_arrive_intact(transfer_run):
+    src, dst = transfer_run
     raw_src, raw_dst = src["raw"], dst["raw"]
     for name in ("fp8_same", "mla"):  # same storage, same scales: bit-identical pages
         for a, b in zip(raw_src[name]["raw"], raw_dst[name]["raw"]):
@@ -70,8 +89,8 @@ def test_prefill_send_decode_matches_one_process(page_size):
             torch.testing.assert_close(y, x, atol=0.3, rtol=0.15)
 
 
-def test_refusals_leave_both_pools_unchanged():
-    src, dst = _dist.run_ranks(W.failures, world=2, timeout_s=150)
+def test_refusals_leave_both_pools_unchanged(transfer_run):
+    src, dst = (r["failures"] for r in transfer_run)
     assert src["exhausted"][:2] == ("TransferRejectedError", "exhausted")
     assert "needs 9 free pages" in src["exhausted"][2] and "has 5" in src["exhausted"][2]
     assert dst["exhausted"][0] == "PoolExhaustedError" and dst["exhausted_unchanged"]
@@ -84,15 +103,14 @@ def test_refusals_leave_both_pools_unchanged():
     assert src["unchanged"][1:3] == dst["unchanged"][1:3] == (0, 0)
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["sender-dies", "receiver-dies"])
-def test_dead_peer_is_an_error_not_a_hang(victim):
-    survivor = 1 - victim
-    results = _dist.run_ranks(W.dead_peer, world=2, timeout_s=120, expect_dead=(victim,),
-                              victim=victim, peer_timeout_s=15.0)
-    res = results[survivor]
-    assert res["error"] in ("TransferError", "TransferTimeoutError"), res
-    assert res["seconds"] < 30
-    assert res["unchanged"], "the survivor's pool changed"
+def test_dead_peer_is_an_error_not_a_hang():
+    # Rank 2 dies while sending to rank 0, rank 1 while receiving from it (tests/_dist_workers.py).
+    results = _dist.run_ranks(W.dead_peers, world=3, timeout_s=240, expect_dead=(1, 2), peer_timeout_s=15.0)
+    for case in ("sender_died", "receiver_died"):
+        res = results[0][case]
+        assert res["error"] in ("TransferError", "TransferTimeoutError"), (case, res)
+        assert res["seconds"] < 30, (case, res)
+        assert res["unchanged"], f"{case}: the survivor's pool changed"
 
 
 # ----- single-process pieces ------------------------------------------------------------

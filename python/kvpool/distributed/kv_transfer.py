@@ -23,6 +23,7 @@ anything when it has no room, and closes the half-received request otherwise.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,15 +33,16 @@ import torch.distributed as dist
 from kvpool._core import ContextTooLongError, KVPoolError, PoolExhaustedError, TooManyRequestsError
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
-from kvpool.distributed.pages import cache_pages, page_bytes
+from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
 from kvpool.layout import FP8_DTYPES
+from kvpool.modes import persistent
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
 MAGIC, VERSION = 0x6B76706F6F6C, 1
 TAG = 0x4B56
 HEADER_LEN, REPLY_LEN = 16, 6
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20  # staging per buffer; big enough to amortize a message, small enough to pipeline
 OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE = range(5)
 REASONS = {EXHAUSTED: "exhausted", TOO_MANY: "too_many_requests", CONTEXT: "context_too_long",
            INCOMPATIBLE: "incompatible"}
@@ -115,15 +117,61 @@ class _Link:
         return t.cpu().numpy()
 
 
+_STAGING: "weakref.WeakKeyDictionary[Any, list[torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 def _staging(link: _Link, pool: Any, per_chunk: int) -> list[torch.Tensor]:
+    """Two staging buffers (one being sent while the other is packed), kept per pool so
+    repeated transfers do not pay for fresh allocations and page faults."""
     caches = 1 if pool.mla else 2
     n = caches * pool.num_layers * per_chunk * page_bytes(pool)
-    return [torch.empty(n, dtype=torch.uint8, device=link.device) for _ in range(2)]
+    owner = getattr(pool, "inner", pool)
+    bufs = _STAGING.get(owner)
+    if bufs is None or bufs[0].numel() < n or bufs[0].device != link.device:
+        with persistent():
+            bufs = [torch.empty(n, dtype=torch.uint8, device=link.device) for _ in range(2)]
+        _STAGING[owner] = bufs
+    return bufs
+
+
+#: Above this many contiguous page runs per request, pages are packed with one
+#: index op per cache kind instead of one copy per run.
+MAX_RUNS = 32
+
+
+def _pack(views: list[torch.Tensor], chunk: torch.Tensor, pages: np.ndarray, idx: torch.Tensor) -> None:
+    """Copy pages (all layers) of every cache into ``chunk`` ``[caches, layers, k, words]``."""
+    starts, lengths = contiguous_runs(pages)
+    for c, cache in enumerate(views):
+        if len(starts) <= MAX_RUNS:
+            off = 0
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                chunk[c, :, off : off + n].copy_(cache[:, s : s + n])
+                off += n
+        elif cache.device == chunk.device:
+            torch.index_select(cache, 1, idx, out=chunk[c])
+        else:
+            chunk[c].copy_(cache.index_select(1, idx))
+
+
+def _unpack(views: list[torch.Tensor], chunk: torch.Tensor, pages: np.ndarray, idx: torch.Tensor) -> None:
+    """The inverse of ``_pack``: store ``chunk``'s pages into the caches."""
+    starts, lengths = contiguous_runs(pages)
+    for c, cache in enumerate(views):
+        if len(starts) <= MAX_RUNS:
+            off = 0
+            for s, n in zip(starts.tolist(), lengths.tolist()):
+                cache[:, s : s + n].copy_(chunk[c, :, off : off + n])
+                off += n
+        else:
+            cache.index_copy_(1, idx, chunk[c].to(cache.device))
 
 
 def _chunk_view(buf: torch.Tensor, pool: Any, k: int) -> torch.Tensor:
+    """``[caches, layers, k, page_words]`` at the start of a staging buffer (contiguous)."""
     caches = 1 if pool.mla else 2
-    return buf[: caches * pool.num_layers * k * page_bytes(pool)].view(caches, pool.num_layers, k, -1)
+    word = word_dtype(page_bytes(pool))
+    return buf[: caches * pool.num_layers * k * page_bytes(pool)].view(word).view(caches, pool.num_layers, k, -1)
 
 
 def _chain_hashes(pool: Any, handle: int) -> np.ndarray:
@@ -194,13 +242,8 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
         if in_flight[slot] is not None:
             link.wait(in_flight[slot], "K/V chunk")
         view = _chunk_view(bufs[slot], pool, k)
-        idx = idx_all[start : start + k]
-        for c, cache in enumerate(views):
-            if cache.device == view.device:
-                torch.index_select(cache, 1, idx, out=view[c])
-            else:
-                view[c].copy_(cache.index_select(1, idx))
-        in_flight[slot] = link.send(bufs[slot][: view.numel()], "K/V chunk")
+        _pack(views, view, todo[start : start + k], idx_all[start : start + k])
+        in_flight[slot] = link.send(view.reshape(-1), "K/V chunk")
     for w in in_flight:
         if w is not None:
             link.wait(w, "K/V chunk")
@@ -330,7 +373,7 @@ def _rescale(pool: Any, view: torch.Tensor, src_scales: np.ndarray) -> None:
                 continue
             rows = view[c, layer].view(pool.dtype)
             q = (rows.float() * ratio).clamp_(-fmax, fmax).to(pool.dtype)
-            view[c, layer].copy_(q.view(torch.uint8))
+            view[c, layer].copy_(q.view(view.dtype))
 
 
 def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int, src_scales: np.ndarray) -> None:
@@ -350,6 +393,4 @@ def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int
         if i + 1 < len(starts):  # the next chunk lands in the other buffer while this one is stored
             pending = link.post_recv(_chunk_view(bufs[(i + 1) % 2], pool, sizes[i + 1]).view(-1), "K/V chunk")
         _rescale(pool, view, src_scales)
-        idx = idx_all[start : start + k]
-        for c, cache in enumerate(views):
-            cache.index_copy_(1, idx, view[c].to(cache.device, non_blocking=False))
+        _unpack(views, view, dst_pages[start : start + k], idx_all[start : start + k])

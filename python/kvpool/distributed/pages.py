@@ -16,15 +16,25 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["cache_pages", "contiguous_runs", "page_bytes", "page_descriptors"]
+__all__ = ["cache_pages", "contiguous_runs", "page_bytes", "page_descriptors", "word_dtype"]
+
+
+def word_dtype(nbytes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides ``nbytes``: CPU index_copy_ moves
+    8-byte words ~20x faster than single bytes."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if nbytes % dt.itemsize == 0:
+            return dt
+    return torch.uint8
 
 
 def cache_pages(pool: Any) -> list[torch.Tensor]:
-    """One uint8 view ``[num_layers, num_pages, page_bytes]`` per cache kind (K, V or the MLA latent)."""
+    """One view ``[num_layers, num_pages, page_words]`` per cache kind (K, V or the MLA
+    latent), of ``word_dtype(page_bytes(pool))`` words: the raw bytes, whatever the dtype."""
+    word = word_dtype(page_bytes(pool))
     out = []
-    for name, cache in pool._storage.tensors():
-        num_layers = cache.shape[0]
-        out.append(cache.view(torch.uint8).view(num_layers, pool.num_pages, -1))
+    for _name, cache in pool._storage.tensors():
+        out.append(cache.view(torch.uint8).view(word).view(cache.shape[0], pool.num_pages, -1))
     return out
 
 
