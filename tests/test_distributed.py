@@ -123,6 +123,11 @@ def test_shard_kv_heads():
         shard_kv_heads(6, 0, 4)
     with pytest.raises(kvpool.InvalidArgumentError, match="tp_rank"):
         kvpool.KVPool(2, 4, 8, tp_rank=2, tp_size=2, num_pages=4)
+    mla = kvpool.KVPool(2, 1, 24, kv_lora_rank=16, qk_rope_head_dim=8, tp_rank=1, tp_size=4, num_pages=4)
+    assert mla.kv_buffer(0).shape == (4, 1, 24)  # the latent cache is replicated, not split
+    gqa = kvpool.KVPool(2, 8, 16, tp_rank=3, tp_size=4, num_pages=4)
+    assert (gqa.num_kv_heads, gqa.kv_head_start, gqa.total_kv_heads) == (2, 6, 8)
+    assert gqa.k_buffer(0).shape == (4, 2, 16)
 
 
 def test_page_descriptors_address_the_pages():

@@ -46,12 +46,13 @@ def _rows(linear: nn.Linear, start: int, stop: int) -> nn.Linear:
 def shard_model(model: TinyLM, tp_rank: int, tp_size: int, group: Any = None) -> TinyLM:
     """This rank's shard of ``model`` (embeddings, norms and LM head replicated)."""
     cfg = model.cfg
-    if cfg.heads % tp_size or model.blocks[0].gate_proj.out_features % tp_size:
+    first = next(model.layers())
+    if cfg.heads % tp_size or first.gate_proj.out_features % tp_size:
         raise ValueError(f"heads ({cfg.heads}) and the MLP width must be divisible by tp_size={tp_size}")
     kv = shard_kv_heads(cfg.kv_heads, tp_rank, tp_size)
     hq, d = cfg.heads // tp_size, cfg.head_dim
     q0 = tp_rank * hq
-    if kv.count * (cfg.heads // cfg.kv_heads) < hq or q0 // (cfg.heads // cfg.kv_heads) < kv.start:
+    if kv.heads * (cfg.heads // cfg.kv_heads) < hq or q0 // (cfg.heads // cfg.kv_heads) < kv.start:
         raise ValueError("each rank's query heads must read only its own KV heads")
     with persistent():
         out = copy.deepcopy(model)
@@ -59,11 +60,12 @@ def shard_model(model: TinyLM, tp_rank: int, tp_size: int, group: Any = None) ->
             ffn = block.gate_proj.out_features // tp_size
             f0 = tp_rank * ffn
             block.q_proj = _rows(block.q_proj, q0 * d, (q0 + hq) * d)
-            block.k_proj = _rows(block.k_proj, kv.start * d, (kv.start + kv.count) * d)
-            block.v_proj = _rows(block.v_proj, kv.start * d, (kv.start + kv.count) * d)
-            block.o_proj = RowParallelLinear(block.o_proj.weight[:, q0 * d : (q0 + hq) * d].clone(), group)
+            block.k_proj = _rows(block.k_proj, kv.start * d, (kv.start + kv.heads) * d)
+            block.v_proj = _rows(block.v_proj, kv.start * d, (kv.start + kv.heads) * d)
+            o = block.o_proj.weight[:, q0 * d : (q0 + hq) * d].clone()
+            setattr(block, "o_proj", RowParallelLinear(o, group))  # a Linear-compatible module
             block.gate_proj = _rows(block.gate_proj, f0, f0 + ffn)
             block.up_proj = _rows(block.up_proj, f0, f0 + ffn)
-            block.down_proj = RowParallelLinear(block.down_proj.weight[:, f0 : f0 + ffn].clone(), group)
-            block.heads, block.kv_heads = hq, kv.count
+            setattr(block, "down_proj", RowParallelLinear(block.down_proj.weight[:, f0 : f0 + ffn].clone(), group))
+            block.heads, block.kv_heads = hq, kv.heads
     return out

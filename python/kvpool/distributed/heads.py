@@ -10,10 +10,10 @@ __all__ = ["HeadShard", "shard_kv_heads"]
 
 
 class HeadShard(NamedTuple):
-    """KV heads ``[start, start + count)`` of ``total`` live on this rank."""
+    """KV heads ``[start, start + heads)`` of ``total`` live on this rank."""
 
     start: int
-    count: int
+    heads: int
     total: int
 
 
