@@ -289,3 +289,13 @@ def dead_peers(rank: int, world: int, peer_timeout_s: float) -> dict[str, Any]:
     out["receiver_died"] = _error(
         lambda: pool.send_request(h, 1, chunk_bytes=4096, timeout_s=peer_timeout_s), pool, before)
     return out
+
+
+def silent_peer(rank: int, world: int, peer_timeout_s: float) -> Any:
+    """Rank 1 stays alive but never answers; rank 0's receive must time out, not hang."""
+    pool = make_pool(1, 50)
+    if rank == 1:
+        time.sleep(peer_timeout_s + 3)
+        return None
+    before = snapshot(pool)
+    return _error(lambda: pool.recv_request(1, timeout_s=peer_timeout_s), pool, before)

@@ -113,6 +113,13 @@ def test_dead_peer_is_an_error_not_a_hang():
         assert res["unchanged"], f"{case}: the survivor's pool changed"
 
 
+def test_silent_peer_times_out():
+    res = _dist.run_ranks(W.silent_peer, world=2, timeout_s=120, peer_timeout_s=2.0)[0]
+    assert res["error"] == "TransferTimeoutError", res
+    assert 1.5 < res["seconds"] < 15, res
+    assert res["unchanged"]
+
+
 # ----- single-process pieces ------------------------------------------------------------
 
 def test_shard_kv_heads():

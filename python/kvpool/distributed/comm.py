@@ -32,7 +32,8 @@ def wait(work: Any, timeout_s: float, what: str, peer: int) -> None:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         text = str(e)
-        cls = TransferTimeoutError if "imeout" in text or "timed out" in text else TransferError
+        low = text.lower()
+        cls = TransferTimeoutError if "timed out" in low or "timeout" in low else TransferError
         raise cls(f"{what} with rank {peer} failed: {text.splitlines()[0][:300]}") from e
     if ok is False:
         raise TransferTimeoutError(f"{what}: rank {peer} did not answer within {timeout_s:g} s")
