@@ -15,6 +15,8 @@ recorded in the JSON and the next section still runs):
                 launches captured in one CUDA graph, median of reps)
   layer_store   per-layer store time inside a captured 32-layer graph, 256 tokens
   replay        replay time of a captured decode step vs the same step run eagerly
+  nccl_transfer KVPool.send_request/recv_request between two GPUs over NCCL, GB/s
+                and ms per request vs prompt length (NEEDS >= 2 GPUs; else skipped)
 """
 
 from __future__ import annotations
@@ -354,6 +356,24 @@ def section_replay(bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     return out
 
 
+def section_nccl_transfer() -> Dict[str, Any]:
+    """Request transfer between two pools on two GPUs over NCCL (benchmarks/bench_transfer.py).
+    NEEDS >= 2 GPUs: on a one-GPU machine it records why it was skipped."""
+    import subprocess
+    n = torch.cuda.device_count() if not DRY else 0
+    if n < 2:
+        log(f"[nccl_transfer] skipped: needs >= 2 GPUs, found {n}")
+        return {"skipped": f"needs >= 2 GPUs, found {n}"}
+    out = Path(os.environ.get("OUT", ".")) / "transfer_nccl.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--backend", "nccl",
+           "--layers", "32", "--lengths", "512,2048,8192,32768", "--out", str(out), "--timeout-s", "120"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    log(proc.stdout[-3000:] + proc.stderr[-2000:])
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-2000:]}
+    return json.loads(out.read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
@@ -390,6 +410,7 @@ def main() -> int:
         "layer_store": (lambda: section_layer_store(2, 16)) if DRY else section_layer_store,
         "replay": (lambda: section_replay(4, 2)) if DRY else section_replay,
         "copy_reference": section_copy_reference,
+        "nccl_transfer": section_nccl_transfer,  # needs >= 2 GPUs
     }
     for key, fn in sections.items():
         t0 = time.perf_counter()

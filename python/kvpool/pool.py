@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool.distributed.heads import shard_kv_heads
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
 from kvpool.facade import AllocatorFacade
@@ -73,6 +74,11 @@ class KVPool(AllocatorFacade):
         InvalidArgumentError: a bad size, dtype, layout, device or capacity
             (nothing is allocated).
         TritonUnavailableError: a CUDA device and no usable Triton.
+
+    Tensor parallelism: ``tp_rank``/``tp_size`` with ``num_kv_heads`` the model's
+    total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
+    then this rank's count, ``kv_head_start`` its first head; MLA replicates the
+    latent cache). See ``kvpool.distributed`` and docs/distributed.md.
     """
 
     def __init__(
@@ -94,9 +100,16 @@ class KVPool(AllocatorFacade):
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
-        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
+        # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.
+        shard = shard_kv_heads(_positive("num_kv_heads", num_kv_heads), tp_rank, tp_size,
+                               mla=kv_lora_rank is not None or qk_rope_head_dim is not None)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.total_kv_heads, self.kv_head_start, num_kv_heads = shard.total, shard.start, shard.heads
+        self.num_kv_heads = num_kv_heads
         self.head_dim = _positive("head_dim", head_dim)
         self.page_size = _positive("page_size", page_size)
         self.max_requests = _positive("max_requests", max_requests)
@@ -382,3 +395,17 @@ class KVPool(AllocatorFacade):
             f"dtype={self.dtype}, device={self.device}, layout={self.layout}, page_size={self.page_size}, "
             f"num_slots={self.num_slots}, nbytes={self.nbytes}, overhead_bytes={self.overhead_bytes})"
         )
+
+    # ----- moving requests between pools (kvpool.distributed) ---------------
+
+    def send_request(self, handle: int, dst_rank: int, group: Any = None, **kwargs: Any) -> Any:
+        """Send request ``handle``'s K/V to the pool on ``dst_rank``; see
+        ``kvpool.distributed.send_request`` (returns ``TransferStats``)."""
+        from kvpool.distributed.kv_transfer import send_request
+        return send_request(self, handle, dst_rank, group, **kwargs)
+
+    def recv_request(self, src_rank: int, group: Any = None, **kwargs: Any) -> int:
+        """Receive a request from ``src_rank`` into this pool and return its handle;
+        see ``kvpool.distributed.recv_request``."""
+        from kvpool.distributed.kv_transfer import recv_request
+        return recv_request(self, src_rank, group, **kwargs)

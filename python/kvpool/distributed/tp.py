@@ -1,0 +1,178 @@
+"""Tensor-parallel pools that agree: deterministic allocators plus a cheap divergence check.
+
+Mode: every rank runs the *same* pool calls with the same arguments, and the
+allocator is deterministic, so every rank hands out the same handles and slots
+(LIFO free stack, row reuse order and handle generations are pure functions of
+the call sequence; hashes too, given the same ``hash_seed``). Nothing is
+broadcast on the step path. ``TPPool`` proves it cheaply: it folds every
+mutating call (its arguments and its result) and a snapshot of the allocator's
+counters into a running 16-byte digest, and every ``check_every`` steps compares
+the digests of all ranks with one ``all_gather``, raising
+``RankDivergenceError`` that names the first rank that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import secrets
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kvpool.distributed.comm import comm_device, group_ranks
+from kvpool.distributed.errors import RankDivergenceError
+
+__all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
+
+#: Pool calls that change allocator state (the ones the digest records). The
+#: shared-page calls are wrapped too once the pool has them.
+MUTATING_CALLS = ("open", "extend", "truncate", "close", "reset",
+                  "open_with_prefix", "cache", "fork", "recv_request")
+#: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
+SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
+
+
+def _bytes(x: Any) -> bytes:
+    if x is None:
+        return b"-"
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    if hasattr(x, "slots") and isinstance(getattr(x, "slots"), np.ndarray):  # ExtendResult
+        x = x.slots
+    if isinstance(x, (tuple, list)) and any(isinstance(v, (np.ndarray, torch.Tensor, tuple, list)) for v in x):
+        return b"(" + b",".join(_bytes(v) for v in x) + b")"
+    try:
+        arr = np.asarray(x)
+    except Exception:  # noqa: BLE001 - anything unusual still goes into the digest
+        return repr(x).encode()
+    if arr.dtype.kind in "iub":
+        return arr.astype(np.int64, copy=False).tobytes()
+    return repr(x).encode()
+
+
+def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
+    """A random 63-bit seed drawn on the group's first rank and broadcast to all (one collective)."""
+    dev = device or comm_device(group, torch.device("cpu"))
+    t = torch.tensor([secrets.randbits(63)], dtype=torch.int64, device=dev)
+    dist.broadcast(t, src=group_ranks(group)[0], group=group)
+    return int(t.item())
+
+
+class TPPool:
+    """A KVPool proxy for one tensor-parallel rank that records and checks agreement.
+
+    Use it exactly like the pool (attributes and non-mutating calls pass
+    through). Args: ``pool`` (this rank's ``KVPool``), ``group`` (the TP
+    process group; None = world), ``check_every`` (compare digests every N
+    ``extend`` calls, i.e. steps; 0 = only when ``verify()`` is called). Every
+    rank must make the same calls, so the automatic check runs at the same
+    point on every rank.
+    """
+
+    def __init__(self, pool: Any, group: Any = None, check_every: int = 0) -> None:
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            from kvpool._core import InvalidArgumentError
+            raise InvalidArgumentError(f"check_every must be an int >= 0, got {check_every!r}")
+        self.inner, self.group, self.check_every = pool, group, check_every
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.calls = 0
+        self._steps = 0
+        self._device = comm_device(group, torch.device(pool.device))
+        for name in MUTATING_CALLS:
+            fn = getattr(pool, name, None)
+            if fn is not None:
+                setattr(self, name, self._recorded(name, fn))
+
+    def _recorded(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = fn(*args, **kwargs)
+            except Exception as e:
+                # A failure is a decision too: every rank must fail the same way.
+                self._fold(name, args, kwargs, type(e).__name__)
+                raise
+            self._fold(name, args, kwargs, out)
+            if name == "extend":
+                self._steps += 1
+                if self.check_every and self._steps % self.check_every == 0:
+                    self.verify()
+            return out
+        call.__name__ = name
+        call.__doc__ = getattr(fn, "__doc__", None)
+        return call
+
+    def _fold(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        h = self._hash
+        h.update(name.encode())
+        for a in args:
+            h.update(_bytes(a))
+        for k in sorted(kwargs):
+            h.update(k.encode())
+            h.update(_bytes(kwargs[k]))
+        h.update(b"=")
+        h.update(_bytes(out))
+        self.calls += 1
+
+    def digest(self) -> bytes:
+        """16 bytes: every recorded call and result, plus the allocator's current counters."""
+        a = self.inner.allocator
+        h = self._hash.copy()
+        h.update(np.array([a.free_pages, a.used_pages, a.open_requests, a.used_slots, self.calls],
+                          dtype=np.int64).tobytes())
+        return h.digest()
+
+    def verify(self) -> None:
+        """Compare this rank's digest with every other rank's (one all_gather of 3 int64s).
+
+        Raises ``RankDivergenceError`` on every rank when any rank differs from the
+        group's first rank, naming the first differing global rank. A collective:
+        every rank of the group must call it at the same point.
+        """
+        d = np.frombuffer(self.digest(), dtype=np.int64)
+        mine = torch.tensor([d[0], d[1], self.calls], dtype=torch.int64, device=self._device)
+        ranks = group_ranks(self.group)
+        out = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(out, mine, group=self.group)
+        rows = [tuple(int(v) for v in t.cpu()) for t in out]
+        bad = tuple(r for r, row in zip(ranks, rows) if row != rows[0])
+        if bad:
+            first = bad[0]
+            raise RankDivergenceError(
+                f"tensor-parallel ranks diverged: rank {first}'s allocator digest differs from rank "
+                f"{ranks[0]}'s after {rows[ranks.index(first)][2]} vs {rows[0][2]} recorded pool calls "
+                f"(differing ranks: {list(bad)}). Every rank must make the same pool calls with the same "
+                f"arguments in the same order, on pools built with the same shape and seeds.",
+                rank=first, ranks=bad,
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"TPPool({self.inner!r}, calls={self.calls}, check_every={self.check_every})"
+
+
+def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | None = None, **kwargs: Any) -> TPPool:
+    """Build this rank's ``KVPool`` of a tensor-parallel group and wrap it in ``TPPool``.
+
+    ``args``/``kwargs`` are ``KVPool``'s, with ``num_kv_heads`` the model's total;
+    ``tp_rank``/``tp_size`` come from ``group``. One seed, drawn on the group's
+    first rank and broadcast (or ``seed=`` given identically on every rank), is
+    passed to every seed keyword the installed ``KVPool`` accepts
+    (``hash_seed``, ``handle_seed``, ``seed``), so randomized hashes and handle
+    offsets are still identical across ranks.
+    """
+    from kvpool.pool import KVPool
+
+    params = inspect.signature(KVPool.__init__).parameters
+    wanted = [k for k in SEED_KWARGS if k in params and k not in kwargs]
+    if wanted:
+        s = agree_seed(group) if seed is None else int(seed)
+        kwargs.update({k: s for k in wanted})
+    ranks = group_ranks(group)
+    kwargs.setdefault("tp_rank", ranks.index(dist.get_rank()))
+    kwargs.setdefault("tp_size", len(ranks))
+    return TPPool(KVPool(*args, **kwargs), group=group, check_every=check_every)
