@@ -52,6 +52,7 @@ class BatchRequests:
         self._rows: torch.Tensor | None = None
         self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step
         self.new_slots: torch.Tensor | None = None  # [B*T] this step's slots, row-major
+        self._bhl = torch.empty(0, dtype=torch.long)   # [B*H*length] gather index, this step
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -126,6 +127,11 @@ class BatchRequests:
         self.length += tokens
         self.new_slots = ext.out_cache_loc
         self.slot_idx = self.pool.req_to_token[self._rows, : self.length].long()
+        # Index of (row, head, token) into the buffers seen as [num_slots * H, D], so one
+        # index_select lands K/V directly in attention's contiguous [B, H, L, D] layout.
+        h = self.pool.num_kv_heads
+        heads = torch.arange(h, device=self.device).view(1, h, 1)
+        self._bhl = (self.slot_idx.unsqueeze(1) * h + heads).view(-1)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, t, d = key_states.shape
@@ -142,14 +148,15 @@ class BatchRequests:
         if pool.fp8:
             k, v = pool.read(layer, idx.reshape(-1))
             k, v = k.view(*idx.shape, h, d), v.view(*idx.shape, h, d)
-        else:
-            # Token layout is [num_slots, H, D]; paged [num_pages, P, H, D] is the same
-            # memory, so slot-major is a view either way. index_select on the flat
-            # index is ~3x faster on CPU than advanced indexing with the 2-D one.
-            flat = idx.view(-1)
-            k = pool.k_buffer(layer).view(-1, h, d).index_select(0, flat).view(*idx.shape, h, d)
-            v = pool.v_buffer(layer).view(-1, h, d).index_select(0, flat).view(*idx.shape, h, d)
-        return k.transpose(1, 2), v.transpose(1, 2)
+            return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        # Token layout is [num_slots, H, D]; paged [num_pages, P, H, D] is the same
+        # memory, so [num_slots * H, D] is a view either way. One index_select per
+        # buffer (~3x faster on CPU than 2-D advanced indexing) gives a contiguous
+        # [B, H, L, D]; a transposed view made attention ~15% slower at batch 1.
+        b, n = idx.shape
+        k = pool.k_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
+        v = pool.v_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
+        return k, v
 
     # -- whole-batch edits --------------------------------------------------------------
     def truncate(self, length: int) -> None:

@@ -84,8 +84,10 @@ class KVPoolLayer(CacheLayerMixin):
         anything is stored.
         """
         req = self.requests
-        req.check_kv(key_states, value_states)
         if not self.is_initialized:
+            # A layer's heads, head_dim, dtype and device never change between steps, so
+            # the model-level check runs once; pool.write still validates every call.
+            req.check_kv(key_states, value_states)
             self.lazy_initialization(key_states, value_states)
         req.ensure_open(key_states.shape[0])
         tokens = key_states.shape[2]
