@@ -242,3 +242,34 @@ def test_core_package_imports_without_transformers():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.parametrize("layout", ["token", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_update_returns_every_row_in_token_order(layout, dtype):
+    """Direct update calls (no model): each layer gets back exactly what it stored, per row,
+    in token order, on both layouts; an fp8 pool returns the dequantized round trip."""
+    pool = KVPool(2, 2, 8, dtype=dtype, compute_dtype=torch.float32 if dtype != torch.float32 else None,
+                  page_size=4, num_slots=128, max_context_len=32, layout=layout)
+    g = torch.Generator().manual_seed(0)
+    stored = {layer: ([], []) for layer in range(2)}
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        for t in (5, 1, 1, 3):  # a prefill, two decode steps, a 3-token chunk
+            for layer in range(2):
+                k, v = (torch.randn(3, 2, t, 8, generator=g) for _ in range(2))
+                stored[layer][0].append(k)
+                stored[layer][1].append(v)
+                got_k, got_v = cache.update(k, v, layer)
+                want_k, want_v = (torch.cat(x, dim=2) for x in stored[layer])
+                if dtype != torch.float32:
+                    want_k, want_v = (x.to(dtype).float() for x in (want_k, want_v))  # scale 1
+                assert got_k.shape == (3, 2, sum(x.shape[2] for x in stored[layer][0]), 8)
+                assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            assert cache.get_seq_length() == cache.get_seq_length(1) == got_k.shape[2]
+        cache.update(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8), 1)  # any layer may start a step
+        with pytest.raises(RuntimeError, match="same tokens"):
+            cache.update(torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8), 0)  # but all must match it
+        with pytest.raises(TensorShapeError, match="rows"):
+            cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)  # batch changed
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
