@@ -130,7 +130,7 @@ def load_hf_model(path: str, *, device: torch.device | str = "cpu", dtype: torch
     with torch.inference_mode(False), torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         hf.requires_grad_(False)
-        hf.to(device)
+        hf.to(device)  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
         hf.eval()
     c = hf.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

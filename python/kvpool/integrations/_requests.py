@@ -193,6 +193,7 @@ class BatchRequests:
                 if self.length == 0:
                     new = [int(h) for h in self.pool.open(n)]  # nothing to share yet
                 else:
+                    assert fork is not None  # checked above: extra copies with tokens need fork
                     new = [int(h) for h in fork(int(self.handles[s]), n)]
                 made.extend(new)
                 copies[s] = new

@@ -144,7 +144,8 @@ class KVPoolCache(Cache):
 
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
         self.requests = BatchRequests(pool)
-        super().__init__(layers=[KVPoolLayer(self.requests, i) for i in range(pool.num_layers)])
+        self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
+        super().__init__(layers=list(self._pool_layers))
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
             self._set_seen(self.requests.length)
@@ -168,11 +169,11 @@ class KVPoolCache(Cache):
         return self.requests.cached_lens
 
     def _set_seen(self, n: int) -> None:
-        for layer in self.layers:
+        for layer in self._pool_layers:
             layer.seen = n
 
     def _check_between_steps(self, what: str) -> None:
-        if any(layer.seen != self.requests.length for layer in self.layers):
+        if any(layer.seen != self.requests.length for layer in self._pool_layers):
             raise RuntimeError(f"{what} in the middle of a forward (some layers have not stored this step)")
 
     # -- transformers' cache operations ---------------------------------------------------
