@@ -273,3 +273,20 @@ def test_update_returns_every_row_in_token_order(layout, dtype):
             cache.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8), 0)  # batch changed
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
+
+
+def test_cache_continuation_across_generate_calls(models):
+    """A second generate on prompt + output + a new turn reuses the cache (only the new
+    tokens are computed), as with DynamicCache."""
+    model = models["qwen2"]
+    ids, _ = left_padded([10], seed=9)
+    pool = pool_for_model(model, max_tokens=256, page_size=16, max_context_len=96)
+    results = []
+    with KVPoolCache(pool) as cache:
+        for c in (DynamicCache(config=model.config), cache):
+            first = greedy(model, ids, None, 8, cache=c)
+            turn = torch.cat([first.sequences, torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(1))], 1)
+            results.append(greedy(model, turn, None, NEW_TOKENS, cache=c))
+        assert pool.allocator.lengths(cache.handles).tolist() == [10 + 8 + 6 + NEW_TOKENS - 1]
+    assert_same_generation(*results)
+    pool.allocator.check()
