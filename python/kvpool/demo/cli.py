@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reserve: admit only if the request's final length fits (never preempts); "
                         "optimistic: admit if the prompt fits, preempt when the pool runs out")
     g = p.add_argument_group("model")
+    g.add_argument("--hf", metavar="PATH",
+                   help="run a transformers Llama-architecture checkpoint (llama, mistral, qwen2) saved "
+                        "with save_pretrained in PATH instead of the random model (needs kvpool[hf]; "
+                        "the size options below are then ignored)")
     g.add_argument("--layers", type=_positive, default=4)
     g.add_argument("--hidden", type=_positive, default=256)
     g.add_argument("--heads", type=_positive, default=8)
@@ -116,10 +120,15 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     pool_pages = -(-args.pool_tokens // page)
 
     with grad_mode(args.grad_mode):
-        cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
-                          heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
-                          seed=args.seed)
-        model = build_model(cfg, device=device, dtype=dtype)
+        if args.hf:
+            from kvpool.demo.hf import load_hf_model
+            model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
+            cfg = model.cfg
+        else:
+            cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
+                              heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
+                              seed=args.seed)
+            model = build_model(cfg, device=device, dtype=dtype)
         pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
                              page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
                              max_requests=args.max_running, max_context_len=max_ctx,

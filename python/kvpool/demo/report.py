@@ -116,7 +116,9 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         "kvpool demo — continuous batching on a KVPool",
         f"  model    {s['model']['layers']} layers, hidden {s['model']['hidden']}, "
         f"{s['model']['heads']} heads / {s['model']['kv_heads']} kv heads, "
-        f"vocab {s['model']['vocab_size']}, {s['dtype']} on {s['device']} "
+        f"vocab {s['model']['vocab_size']}"
+        + (f", {s['model']['architecture']} checkpoint {s['model']['hf_path']}" if "hf_path" in s["model"] else "")
+        + f", {s['dtype']} on {s['device']} "
         f"({s['threads']} CPU thread{'s' if s['threads'] > 1 else ''})"
         f"{_graph_note(s)}, grad mode {s['grad_mode']}",
         f"  pool     {s['pool_tokens']} tokens in pages of {s['page_size']} ({s['layout']} layout), "

@@ -1,0 +1,226 @@
+"""The pool side of ``KVPoolCache``: one pool request per batch row, and the step's slots.
+
+Kept apart from the transformers adapter so that it imports no transformers: this is
+plain KVPool bookkeeping (open, extend, gather, truncate, fork, close) for a batch
+whose rows all hold the same number of tokens, which is how a transformers cache
+sees a batch (left padding included: pad tokens are ordinary, masked positions).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvpool._core import InvalidArgumentError
+from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+
+BEAM_NEEDS_FORK = (
+    "reordering the cache so that one row continues in several rows (beam search, "
+    "num_return_sequences with a filled cache) needs shared pages: KVPool.fork(handle, n), "
+    "which this KVPool does not have (it lands with the shared-pages core). "
+    "Greedy and sampling generate, batch_select_indices and permutations work without it."
+)
+PREFIX_NEEDS_CORE = (
+    "prefix reuse (prefix_ids=) needs shared pages: KVPool.open_with_prefix, which this KVPool "
+    "does not have (it lands with the shared-pages core); build the cache without prefix_ids"
+)
+
+
+class BatchRequests:
+    """Pool requests of a batch: ``handles[i]`` holds row i's K/V, ``length`` tokens each.
+
+    A step (one forward) is started by the first layer that sees it: ``begin_step(T)``
+    extends every row by T tokens with ONE ``pool.extend``, and the table columns of
+    every row are gathered once into ``slot_idx`` [B, length], which every layer then
+    reuses to read its K/V back.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        if getattr(pool, "mla", False):
+            raise InvalidArgumentError(
+                "KVPoolCache stores per-head K and V; this pool is an MLA (latent) pool. "
+                "Build a KVPool without kv_lora_rank/qk_rope_head_dim")
+        self.pool = pool
+        self.device = torch.device(pool.device)
+        self.handles: np.ndarray | None = None  # int64 [B]
+        self.length = 0
+        self.prefix_mode = False
+        self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
+        self._rows: torch.Tensor | None = None
+        self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step
+        self.new_slots: torch.Tensor | None = None  # [B*T] this step's slots, row-major
+        self._bhl = torch.empty(0, dtype=torch.long)   # [B*H*length] gather index, this step
+
+    # -- opening ------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        if self.handles is None:
+            raise AttributeError("no rows yet: the batch size is learned at the first update")
+        return int(self.handles.shape[0])
+
+    def _set_handles(self, handles: np.ndarray) -> None:
+        self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
+        self.slot_idx = None
+
+    def ensure_open(self, batch: int) -> None:
+        if self.handles is None:
+            self._set_handles(self.pool.open(batch))
+        elif batch != self.handles.shape[0]:
+            raise TensorShapeError(
+                f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
+                "use one KVPoolCache per batch (or reorder/select it first)")
+
+    def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
+        """Open one request per row of ``prefix_ids`` [B, T] on the longest cached prefix.
+
+        Rows share one length in a transformers cache, so every row keeps only the
+        shortest hit (the others are truncated to it; truncating into a shared page is
+        copy-on-write in the core).
+        """
+        if not hasattr(self.pool, "open_with_prefix"):
+            raise NotImplementedError(PREFIX_NEEDS_CORE)
+        if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
+            raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        b, t = prefix_ids.shape
+        tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
+        cached = np.asarray(cached, dtype=np.int64)
+        common = int(cached.min())
+        if int(cached.max()) > common:
+            self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
+        self._set_handles(handles)
+        self.length, self.prefix_mode, self.cached_lens = common, True, cached
+
+    # -- a step -------------------------------------------------------------------------
+    def check_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pool = self.pool
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4:
+                raise TensorShapeError(f"{name} must be a [batch, kv_heads, tokens, head_dim] tensor")
+            if x.shape[1] != pool.num_kv_heads or x.shape[3] != pool.head_dim:
+                raise TensorShapeError(
+                    f"{name} has {x.shape[1]} kv heads of dim {x.shape[3]}; the pool was built for "
+                    f"num_kv_heads={pool.num_kv_heads}, head_dim={pool.head_dim} "
+                    "(use pool_for_model(model) to size it from the model's config)")
+            if x.dtype != pool.compute_dtype:
+                raise TensorDtypeError(
+                    f"{name} is {x.dtype}; the pool stores {pool.compute_dtype} rows "
+                    "(build the pool with the model's dtype)")
+            if x.device != self.device:
+                raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {self.device}")
+        if key_states.shape != value_states.shape:
+            raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
+                                   f"{list(value_states.shape)} differ")
+
+    def begin_step(self, tokens: int) -> None:
+        """Extend every row by ``tokens`` slots (all-or-nothing) and refresh the gather index."""
+        assert self.handles is not None and self._rows is not None
+        if self.prefix_mode and self.length > 0:
+            # The previous step has run, so its pages hold valid K/V: publish the
+            # prompt's full pages for the next request that shares them.
+            self.pool.cache(self.handles)
+        ext = self.pool.extend(self.handles, tokens)
+        self.length += tokens
+        self.new_slots = ext.out_cache_loc
+        self.slot_idx = self.pool.req_to_token[self._rows, : self.length].long()
+        # Index of (row, head, token) into the buffers seen as [num_slots * H, D], so one
+        # index_select lands K/V directly in attention's contiguous [B, H, L, D] layout.
+        h = self.pool.num_kv_heads
+        heads = torch.arange(h, device=self.device).view(1, h, 1)
+        self._bhl = (self.slot_idx.unsqueeze(1) * h + heads).view(-1)
+
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, t, d = key_states.shape
+        # [B, H, T, D] -> [B*T, H, D], row-major like the extend's slots.
+        k = key_states.transpose(1, 2).reshape(b * t, h, d)
+        v = value_states.transpose(1, 2).reshape(b * t, h, d)
+        self.pool.write(layer, self.new_slots, k, v)
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V of ``layer`` in token order, as [B, kv_heads, length, head_dim]."""
+        pool, idx = self.pool, self.slot_idx
+        assert idx is not None
+        h, d = pool.num_kv_heads, pool.head_dim
+        if pool.fp8:
+            k, v = pool.read(layer, idx.reshape(-1))
+            k, v = k.view(*idx.shape, h, d), v.view(*idx.shape, h, d)
+            return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        # Token layout is [num_slots, H, D]; paged [num_pages, P, H, D] is the same
+        # memory, so [num_slots * H, D] is a view either way. One index_select per
+        # buffer (~3x faster on CPU than 2-D advanced indexing) gives a contiguous
+        # [B, H, L, D]; a transposed view made attention ~15% slower at batch 1.
+        b, n = idx.shape
+        k = pool.k_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
+        v = pool.v_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
+        return k, v
+
+    # -- whole-batch edits --------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        if self.handles is None or length == self.length:
+            return
+        if not 0 <= length < self.length:
+            raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
+        self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
+        self.length = length
+        self.slot_idx = None
+
+    def reorder(self, sources: Sequence[int]) -> None:
+        """Row j continues row ``sources[j]``. Rows nobody continues are closed.
+
+        A row continued once keeps its request; each further copy is a ``pool.fork``
+        (shares every page). All forks are made before anything is closed, so a
+        failing fork leaves the batch as it was.
+        """
+        if self.handles is None:
+            return  # nothing opened yet: the first update opens as many rows as it sees
+        b = self.handles.shape[0]
+        bad = [s for s in sources if not 0 <= s < b]
+        if bad:
+            raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+        counts = Counter(sources)
+        extra = {s: c - 1 for s, c in counts.items() if c > 1}
+        fork = getattr(self.pool, "fork", None)
+        if extra and self.length > 0 and fork is None:
+            raise NotImplementedError(BEAM_NEEDS_FORK)
+        made: list[int] = []
+        copies: dict[int, list[int]] = {}
+        try:
+            for s, n in extra.items():
+                if self.length == 0:
+                    new = [int(h) for h in self.pool.open(n)]  # nothing to share yet
+                else:
+                    assert fork is not None  # checked above: extra copies with tokens need fork
+                    new = [int(h) for h in fork(int(self.handles[s]), n)]
+                made.extend(new)
+                copies[s] = new
+        except Exception:
+            if made:
+                self.pool.close(np.asarray(made, dtype=np.int64))
+            raise
+        out = np.empty(len(sources), dtype=np.int64)
+        used: set[int] = set()
+        for j, s in enumerate(sources):
+            if s in used:
+                out[j] = copies[s].pop()
+            else:
+                out[j] = self.handles[s]
+                used.add(s)
+        dropped = [int(self.handles[s]) for s in range(b) if s not in used]
+        if dropped:
+            self.pool.close(np.asarray(dropped, dtype=np.int64))
+        self._set_handles(out)
+
+    def close(self) -> None:
+        """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
+        if self.handles is not None:
+            handles, self.handles, self._rows, self.slot_idx = self.handles, None, None, None
+            if self.prefix_mode and self.length > 0:
+                self.pool.close(handles, cache=True)
+            else:
+                self.pool.close(handles)
+        self.length = 0
+        self.prefix_mode, self.cached_lens = False, None

@@ -1,0 +1,267 @@
+"""A Hugging Face transformers (5.x) ``Cache`` whose keys and values live in a ``KVPool``.
+
+```python
+pool = pool_for_model(model, max_tokens=8192, page_size=16)       # built outside inference mode
+with KVPoolCache(pool) as cache:
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+```
+
+How it maps onto the pool:
+
+- one pool request per batch row, opened at the first ``update`` (the batch size is
+  learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
+- each forward extends every row once (one ``pool.extend`` for the batch, done by the
+  first layer that sees the step), every layer stores its new K/V with
+  ``pool.write`` into those slots, and returns the rows' full K/V gathered from the
+  pool's buffers through ``req_to_token`` as ``[batch, kv_heads, tokens, head_dim]``,
+  the shape attention expects (a gather, not a view: rows live in scattered pages);
+- left padding: pad tokens are stored like any other token and masked by the model's
+  attention mask, exactly as ``DynamicCache`` does, so every row has the same length
+  and the returned K/V line up with the 2-D attention mask. The price is one slot per
+  pad token (at most the spread of prompt lengths per row);
+- ``crop`` truncates every row (``pool.truncate``); beam search's ``reorder_cache``
+  keeps a row that continues once and ``pool.fork``s one that continues several times
+  (shared pages), or raises ``NotImplementedError`` on a pool without ``fork``;
+- ``prefix_ids=`` (with a pool that has ``open_with_prefix``) opens the rows on their
+  longest cached prefix; ``generate`` then computes only the remaining prompt tokens,
+  and ``close()`` publishes the prompt's pages for the next request.
+
+Grad modes: the pool's tensors are made outside inference mode by ``KVPool``, so
+``generate`` (which runs under ``no_grad``) works equally under
+``torch.inference_mode()``; the cache itself keeps no tensors beyond the step's index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "kvpool.integrations.transformers needs transformers>=5,<6: pip install 'kvpool[hf]'") from e
+
+if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
+    raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
+                      f"found transformers {transformers.__version__}")
+
+from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
+from kvpool.pool import KVPool
+
+__all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
+
+
+class KVPoolLayer(CacheLayerMixin):
+    """One model layer's view of the shared pool requests.
+
+    ``seen`` counts the tokens this layer has stored. The first layer whose ``seen``
+    equals the batch's length starts a new step (extends every row); the others find
+    the step already started and write into its slots.
+    """
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, requests: BatchRequests, layer_idx: int) -> None:
+        super().__init__()
+        self.requests, self.layer_idx, self.seen = requests, layer_idx, 0
+        self.device = requests.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # The storage is the pool's; nothing to allocate. ``keys``/``values`` stay None.
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V.
+
+        Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
+        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``) before
+        anything is stored.
+        """
+        req = self.requests
+        if not self.is_initialized:
+            # A layer's heads, head_dim, dtype and device never change between steps, so
+            # the model-level check runs once; pool.write still validates every call.
+            req.check_kv(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+        req.ensure_open(key_states.shape[0])
+        tokens = key_states.shape[2]
+        if self.seen == req.length:
+            req.begin_step(tokens)
+        elif self.seen + tokens != req.length:
+            raise RuntimeError(
+                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
+                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        req.write(self.layer_idx, key_states, value_states)
+        self.seen += tokens
+        return req.gather(self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return int(self.requests.pool.max_context_len)
+
+    @property
+    def batch_size(self) -> int:
+        return self.requests.batch_size
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop the whole KVPoolCache (cache.crop), not one layer: rows are shared")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
+
+
+class KVPoolCache(Cache):
+    """A transformers ``Cache`` backed by a ``KVPool``: pass it as ``past_key_values=``.
+
+    Args:
+        pool: a ``KVPool`` with one layer per model layer, the model's ``num_key_value_heads``
+            and ``head_dim``, and the model's dtype (``pool_for_model`` builds one).
+        prefix_ids: optional ``[batch, prompt_len]`` prompt token ids (no padding). With a
+            pool that has ``open_with_prefix``, rows open on their longest cached prefix
+            and ``generate`` computes only the rest; raises ``NotImplementedError`` otherwise.
+        salt: optional int64 mixed into the prefix hash (tenant, LoRA id), with ``prefix_ids``.
+
+    Use each cache for one batch and close it (``with`` block, ``close()``) to give the
+    pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
+    """
+
+    def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
+        self.requests = BatchRequests(pool)
+        self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
+        super().__init__(layers=list(self._pool_layers))
+        if prefix_ids is not None:
+            self.requests.open_with_prefix(prefix_ids, salt)
+            self._set_seen(self.requests.length)
+        elif salt is not None:
+            raise TypeError("salt= only applies with prefix_ids=")
+
+    # -- what the pool holds ------------------------------------------------------------
+    @property
+    def pool(self) -> KVPool:
+        return self.requests.pool
+
+    @property
+    def handles(self) -> Any:
+        """Pool handles of the rows (int64 array), or None before the first update."""
+        h = self.requests.handles
+        return None if h is None else h.copy()
+
+    @property
+    def cached_lens(self) -> Any:
+        """Per row, how many prompt tokens came from the prefix cache (prefix mode), else None."""
+        return self.requests.cached_lens
+
+    def _set_seen(self, n: int) -> None:
+        for layer in self._pool_layers:
+            layer.seen = n
+
+    def _check_between_steps(self, what: str) -> None:
+        if any(layer.seen != self.requests.length for layer in self._pool_layers):
+            raise RuntimeError(f"{what} in the middle of a forward (some layers have not stored this step)")
+
+    # -- transformers' cache operations ---------------------------------------------------
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return int(self.pool.max_context_len)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every row (``pool.truncate``).
+
+        Same convention as ``DynamicCache`` in 5.x: a non-positive count.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, "
+                             "as DynamicCache.crop does")
+        if tokens_to_remove == 0:
+            return
+        self._check_between_steps("crop")
+        self.requests.truncate(max(0, self.requests.length + tokens_to_remove))
+        self._set_seen(self.requests.length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
+        continues more than once; raises ``NotImplementedError`` on a pool without it."""
+        self._check_between_steps("reorder_cache")
+        self.requests.reorder([int(i) for i in beam_idx.reshape(-1).tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (an index or boolean tensor); the others are closed."""
+        self._check_between_steps("batch_select_indices")
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().reshape(-1)
+        self.requests.reorder([int(i) for i in idx.reshape(-1).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` consecutive rows (forks when the rows hold tokens)."""
+        self._check_between_steps("batch_repeat_interleave")
+        if self.requests.handles is not None:
+            b = self.requests.handles.shape[0]
+            self.requests.reorder([i for i in range(b) for _ in range(repeats)])
+
+    def reset(self) -> None:
+        """Close every row's request; the cache can then serve a new batch."""
+        self.requests.close()
+        self._set_seen(0)
+
+    def close(self) -> None:
+        """Give the rows' pages back to the pool (idempotent)."""
+        self.reset()
+
+    def __enter__(self) -> KVPoolCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        h = self.requests.handles
+        rows = 0 if h is None else h.shape[0]
+        return f"KVPoolCache(rows={rows}, length={self.requests.length}, pool={self.pool!r})"
+
+
+def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requests: int = 64,
+                   max_context_len: int | None = None, device: Any = None, dtype: torch.dtype | None = None,
+                   **pool_kwargs: Any) -> KVPool:
+    """A ``KVPool`` shaped for ``model`` (a transformers model or its config).
+
+    Args:
+        model: ``PreTrainedModel`` or ``PretrainedConfig`` (the decoder's text config is used).
+        max_tokens: K/V capacity in tokens (rounded up to whole pages; the reserved page 0 is added).
+        page_size, max_requests, **pool_kwargs: passed to ``KVPool``.
+        max_context_len: longest request; default the config's ``max_position_embeddings``.
+        device, dtype: default the model's (float32 / cpu for a bare config).
+
+    The pool's tensors are created under ``kvpool.persistent()``, so calling this inside
+    ``torch.inference_mode()`` is fine.
+    """
+    config = getattr(model, "config", model)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if device is None:
+        device = getattr(model, "device", "cpu")
+    if dtype is None:
+        dtype = getattr(model, "dtype", torch.float32)
+    ctx = max_context_len or getattr(text, "max_position_embeddings", None) or 4096
+    ctx = -(-int(ctx) // page_size) * page_size
+    pages = -(-int(max_tokens) // page_size) + 1
+    return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
+                  num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
