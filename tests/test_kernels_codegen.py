@@ -28,6 +28,7 @@ import _codegen as cg
 REASON = cg.cuda_target_unavailable(90)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
+import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import copy as copy_mod  # noqa: E402
 from kvpool.kernels import gather as gather_mod  # noqa: E402
 from kvpool.kernels import store as store_mod  # noqa: E402
@@ -85,7 +86,7 @@ def test_store_kv_codegen(dtype, layout, n, slot_dtype):
     slots = torch.arange(n, dtype=slot_dtype)
     scale = torch.ones(1) if cache_dt == FP8 else None
     fn, launch = _record(store_mod, "_store_kv_kernel",
-                         lambda: store_mod.store_kv(kc, vc, slots, k, v, scale, scale))
+                         lambda: K.store_kv(kc, vc, slots, k, v, scale, scale))
     ptx, params = cg.compile_launch(fn, launch)
     _check_vectorised(ptx, loads={16: 2}, stores={_min_bytes(cache_dt): 2})
     _check_64bit(ptx, params, "slots_ptr")
@@ -97,7 +98,7 @@ def test_gather_kv_codegen(dtype):
     kc, vc = torch.zeros((512, 16, H, D), dtype=cache_dt), torch.zeros((512, 16, H, D), dtype=cache_dt)
     slots = torch.arange(5)
     kw = {"out_dtype": torch.bfloat16, "k_scale": torch.ones(1), "v_scale": torch.ones(1)} if cache_dt == FP8 else {}
-    fn, launch = _record(gather_mod, "_gather_kv_kernel", lambda: gather_mod.gather_kv(kc, vc, slots, **kw))
+    fn, launch = _record(gather_mod, "_gather_kv_kernel", lambda: K.gather_kv(kc, vc, slots, **kw))
     ptx, params = cg.compile_launch(fn, launch)
     _check_vectorised(ptx, loads={_min_bytes(cache_dt): 2}, stores={16: 2})
     _check_64bit(ptx, params, "slots_ptr")
@@ -107,7 +108,7 @@ def test_gather_kv_codegen(dtype):
 def test_copy_slots_codegen(dtype):
     caches = [torch.zeros((512, 16, H, D), dtype=DTYPES[dtype]) for _ in range(4)]
     src, dst = torch.arange(3), torch.arange(3) + 100
-    fn, launch = _record(copy_mod, "_copy_slots_kernel", lambda: copy_mod.copy_slots(caches, src, dst))
+    fn, launch = _record(copy_mod, "_copy_slots_kernel", lambda: K.copy_slots(caches, src, dst))
     ptx, params = cg.compile_launch(fn, launch)
     _check_vectorised(ptx, loads={_min_bytes(DTYPES[dtype]): 1}, stores={_min_bytes(DTYPES[dtype]): 1})
     _check_64bit(ptx, params, "src_ptr")
