@@ -248,3 +248,34 @@ def test_copy_outputs_copies_every_tensor_of_a_tuple():
     statics = runner._static.untyped_storage().data_ptr()
     assert a.tolist() == [3.0, 4.0] and b.tolist() == [1.0, 2.0]
     assert a.untyped_storage().data_ptr() != statics and b.untyped_storage().data_ptr() != statics
+
+
+def test_run_and_capture_happen_on_the_pools_device(monkeypatch):
+    """Every run() (copies, step, replay) is inside on_device(pool.device), so a pool on
+    cuda:1 never launches on the current cuda:0 (the guard itself: test_device_guard.py)."""
+    import contextlib
+
+    import kvpool.cuda_graph as cg
+
+    entered, inside = [], []
+
+    @contextlib.contextmanager
+    def guard(dev):
+        entered.append(dev)
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(cg, "on_device", guard)
+    pool = make_pool()
+
+    def step(*args):
+        assert inside, "step ran outside the device guard"
+        return args[0].float()
+
+    runner = DecodeGraphRunner(pool, step, 4)
+    with torch.no_grad():
+        runner.run([1, 2], [0, 0], [pool.null_row] * 2, [0, 0], [1, 1])
+    assert entered == [pool.device]

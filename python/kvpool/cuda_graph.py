@@ -43,6 +43,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
@@ -166,10 +167,13 @@ class DecodeGraphRunner:
         No-op on CPU / with graphs disabled."""
         if not self.use_graphs:
             return
-        for b in sorted(buckets or self.buckets, reverse=True):
+        todo = sorted(buckets or self.buckets, reverse=True)
+        for b in todo:
             if b not in self.buckets:
                 raise InvalidArgumentError(f"{b} is not one of the buckets {self.buckets}")
-            self._capture(grad_mode(), b)
+        with on_device(self.device):  # capture on the pool's device, whichever is current
+            for b in todo:
+                self._capture(grad_mode(), b)
 
     def run(self, input_ids: Any, positions: Any, req_rows: Any, out_cache_loc: Any, seq_lens: Any) -> Any:
         """Run one decode step for a real batch of n = len(input_ids) requests.
@@ -180,6 +184,14 @@ class DecodeGraphRunner:
         runner was made with copy_outputs=True."""
         n, args = self._check_inputs((input_ids, positions, req_rows, out_cache_loc, seq_lens))
         bucket = self.bucket_for(n)
+        # Copies, the step's launches and the replay all go to the pool's device's
+        # current stream, even when another device is current.
+        with on_device(self.device):
+            return self._run(args, n, bucket)
+
+    __call__ = run
+
+    def _run(self, args: List[torch.Tensor], n: int, bucket: int) -> Any:
         self._load_inputs(args, n, bucket)
         if not self.use_graphs:
             return _slice_rows(self.step(*self._views(bucket)), n, self.copy_outputs)
@@ -192,8 +204,6 @@ class DecodeGraphRunner:
         graph, out = self._graphs[key]
         graph.replay()
         return _slice_rows(out, n, self.copy_outputs)
-
-    __call__ = run
 
     # ----- internals -------------------------------------------------------
 
@@ -253,7 +263,7 @@ class DecodeGraphRunner:
         else:
             for i, _ in host_rows:
                 static[i].copy_(staging[i], non_blocking=True)
-        self._copy_done.record()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
         self._copy_pending = True
 
     def _reset_static(self) -> None:
