@@ -22,6 +22,7 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
+from kvpool.kernels._guard import on_device
 
 __all__ = ["check_layer", "check_rows", "slots_tensor"]
 
@@ -70,8 +71,9 @@ def slots_tensor(
 ) -> tuple[torch.Tensor, bool]:
     """Slots as an int32/int64 tensor usable on ``device``, and whether any is negative.
 
-    Host slots are range-checked: ``slot < num_slots`` always; with ``strict``
-    also ``slot >= page_size`` (page 0 is the padding sink, never a real token)
+    Host slots are rejected while a CUDA graph is being captured on ``device``
+    (their copy cannot be captured); otherwise they are range-checked:
+    ``slot < num_slots`` always; with ``strict`` also ``slot >= page_size`` (page 0 is the padding sink, never a real token)
     and no negatives. Device slots are returned unchecked (see module doc) and
     ``has_negative`` is then reported as True (unknown without a read-back).
     """
@@ -95,6 +97,13 @@ def _slots_tensor(
         if t.device != device:
             raise TensorDeviceError(f"slots are on {t.device}; the pool is on {device} (host slots are also fine)")
         return t, True
+    if device.type == "cuda" and _capturing(device):
+        raise TensorDeviceError(
+            f"slots are on the host while a CUDA graph is being captured on {device}: the "
+            "host -> device copy they need cannot be captured (and a replay would reuse stale "
+            "values). Pass the slots as a device tensor, e.g. ExtendResult.out_cache_loc or "
+            "the runner's static out_cache_loc; host slots are fine outside capture"
+        )
     if t.numel() == 0:
         return t, False
     lo, hi = (int(x) for x in torch.aminmax(t))
@@ -112,6 +121,12 @@ def _slots_tensor(
             "slots from KVPool.extend are always >= page_size"
         )
     return t, lo < 0
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    with on_device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _slots_tensor_eager = torch.compiler.disable(_slots_tensor)
