@@ -23,10 +23,9 @@ from kvpool.errors import (
     TensorShapeError,
 )
 from kvpool.kernels._guard import on_device
+from kvpool.torch_types import INDEX_DTYPES
 
 __all__ = ["check_layer", "check_rows", "slots_tensor"]
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_layer(layer: Any, num_layers: int) -> int:

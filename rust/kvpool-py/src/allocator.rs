@@ -10,18 +10,75 @@ use numpy::{PyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 
 use crate::convert::{int_arg, int_scalar, IntArg};
-use crate::errors::{invalid_argument, to_pyerr};
+use crate::errors::{invalid_argument, Result};
 use crate::output::{extend_total, new_i64};
 use crate::table::Table;
 
 type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
+/// Geometry fixed at construction: read without taking the lock (extend's
+/// checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
 pub struct SlotAllocator {
     inner: Mutex<Core>,
-    /// (max_requests, max_context_len, num_slots): fixed at construction, so
-    /// extend reads them without taking the lock.
-    dims: (usize, usize, usize),
+    #[pyo3(get)]
+    page_size: usize,
+    #[pyo3(get)]
+    num_pages: usize,
+    #[pyo3(get)]
+    num_slots: usize,
+    #[pyo3(get)]
+    max_requests: usize,
+    #[pyo3(get)]
+    max_context_len: usize,
+    #[pyo3(get)]
+    capacity_pages: usize,
+    #[pyo3(get)]
+    capacity_slots: usize,
+}
+
+/// The pool's changing counters, read together under one lock (so they agree
+/// with each other, unlike separate property reads while other threads run).
+#[pyclass(name = "PoolStats", module = "kvpool._core", frozen, get_all)]
+pub struct PoolStats {
+    free_pages: usize,
+    used_pages: usize,
+    free_slots: usize,
+    used_slots: usize,
+    open_requests: usize,
+    admissible_tokens: usize,
+    metadata_bytes: usize,
+}
+
+impl PoolStats {
+    fn of(a: &Core) -> Self {
+        Self {
+            free_pages: a.free_pages(),
+            used_pages: a.used_pages(),
+            free_slots: a.free_slots(),
+            used_slots: a.used_slots(),
+            open_requests: a.open_requests(),
+            admissible_tokens: a.admissible_tokens(),
+            metadata_bytes: a.metadata_bytes(),
+        }
+    }
+}
+
+#[pymethods]
+impl PoolStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
+             open_requests={}, admissible_tokens={}, metadata_bytes={})",
+            self.free_pages,
+            self.used_pages,
+            self.free_slots,
+            self.used_slots,
+            self.open_requests,
+            self.admissible_tokens,
+            self.metadata_bytes
+        )
+    }
 }
 
 impl SlotAllocator {
@@ -40,10 +97,6 @@ impl SlotAllocator {
             Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
             Err(TryLockError::WouldBlock) => py.detach(|| f(&self.lock())),
         }
-    }
-
-    fn stat(&self, py: Python<'_>, f: fn(&Core) -> usize) -> usize {
-        self.query(py, f)
     }
 }
 
@@ -75,88 +128,61 @@ impl SlotAllocator {
         page_size: i64,
         max_requests: i64,
         max_context_len: i64,
-    ) -> PyResult<Self> {
+    ) -> Result<Self> {
         let num_pages = usize_arg(py, num_pages, "num_pages")?;
         let page_size = usize_arg(py, page_size, "page_size")?;
         let max_requests = usize_arg(py, max_requests, "max_requests")?;
         let max_context_len = usize_arg(py, max_context_len, "max_context_len")?;
-        let core = py
-            .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
-            .map_err(|e| to_pyerr(py, e))?;
-        let dims = (
-            core.max_requests(),
-            core.max_context_len(),
-            core.num_slots(),
-        );
+        let core = py.detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))?;
         Ok(Self {
+            page_size: core.page_size(),
+            num_pages: core.num_pages(),
+            num_slots: core.num_slots(),
+            max_requests: core.max_requests(),
+            max_context_len: core.max_context_len(),
+            capacity_pages: core.capacity_pages(),
+            capacity_slots: core.capacity_slots(),
             inner: Mutex::new(core),
-            dims,
         })
     }
 
-    #[getter]
-    fn page_size(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::page_size)
-    }
-    #[getter]
-    fn num_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_pages)
-    }
-    #[getter]
-    fn num_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_slots)
-    }
-    #[getter]
-    fn max_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_requests)
-    }
-    #[getter]
-    fn max_context_len(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_context_len)
+    /// The changing counters, one consistent snapshot.
+    fn stats(&self, py: Python<'_>) -> PoolStats {
+        self.query(py, PoolStats::of)
     }
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_pages)
+        self.query(py, Core::free_pages)
     }
     #[getter]
     fn used_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_pages)
-    }
-    #[getter]
-    fn capacity_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_pages)
+        self.query(py, Core::used_pages)
     }
     #[getter]
     fn free_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_slots)
+        self.query(py, Core::free_slots)
     }
     #[getter]
     fn used_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_slots)
-    }
-    #[getter]
-    fn capacity_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_slots)
+        self.query(py, Core::used_slots)
     }
     #[getter]
     fn open_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::open_requests)
+        self.query(py, Core::open_requests)
     }
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::admissible_tokens)
+        self.query(py, Core::admissible_tokens)
     }
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::metadata_bytes)
+        self.query(py, Core::metadata_bytes)
     }
 
     #[pyo3(signature = (n=1))]
-    fn open<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Arr<'py, i64>> {
+    fn open<'py>(&self, py: Python<'py>, n: i64) -> Result<Arr<'py, i64>> {
         let n = usize_arg(py, n, "n")?;
-        let v = py
-            .detach(|| self.lock().open(n))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().open(n))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -167,10 +193,10 @@ impl SlotAllocator {
         handles: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
         table: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Arr<'py, i64>> {
+    ) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (rows, cols, num_slots) = self.dims;
+        let (rows, cols, num_slots) = (self.max_requests, self.max_context_len, self.num_slots);
         // Validate the table fully before any change; keep `table` alive
         // (it is borrowed from the caller) while its buffer is written.
         let t = match table {
@@ -198,8 +224,7 @@ impl SlotAllocator {
                         unsafe { t.write_row(row, start, slots) }
                     }
                 })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
+        })?;
         Ok(arr)
     }
 
@@ -208,10 +233,10 @@ impl SlotAllocator {
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i64>, Arr<'py, i64>)> {
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.dims.2))?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots))?;
         let (starts_arr, mut starts) = new_i64(py, h.len())?;
         py.detach(|| {
             // SAFETY: both arrays are alive and not yet shared (see OutBuf).
@@ -223,9 +248,55 @@ impl SlotAllocator {
                         *s = start as i64;
                     }
                 })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
+        })?;
         Ok((arr, starts_arr))
+    }
+
+    /// `extend` plus everything a device copy of the request-to-token table
+    /// needs, in one crossing and one int64 array, so that one host-to-device
+    /// copy ships it: `(packed, b)` with b = the number of requests and
+    /// s = b rounded up to even, packed = [rows | starts | counts | offsets]
+    /// (each s long, the padding zero) followed by the new slots. Every
+    /// segment starts 16-byte aligned (Triton specializes pointers on it).
+    fn extend_packed<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> Result<(Arr<'py, i64>, usize)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let b = h.len();
+        let stride = b + (b & 1);
+        let head = 4 * stride;
+        let total = extend_total(b, &c, self.num_slots);
+        let (arr, mut out) = new_i64(py, head + total)?;
+        py.detach(|| {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let all = unsafe { out.slice() };
+            let (meta, dst) = all.split_at_mut(head);
+            let (rows, rest) = meta.split_at_mut(stride);
+            let (starts, rest) = rest.split_at_mut(stride);
+            let (cnts, offsets) = rest.split_at_mut(stride);
+            let mut at = 0i64;
+            self.lock()
+                .extend_into(&h, counts_of(&c), dst, |i, row, start, slots| {
+                    // i < b <= stride; get_mut keeps it panic-free.
+                    let n = slots.len() as i64;
+                    for (seg, v) in [
+                        (&mut *rows, row as i64),
+                        (&mut *starts, start as i64),
+                        (&mut *cnts, n),
+                        (&mut *offsets, at),
+                    ] {
+                        if let Some(x) = seg.get_mut(i) {
+                            *x = v;
+                        }
+                    }
+                    at += n;
+                })
+        })?;
+        Ok((arr, b))
     }
 
     fn truncate(
@@ -233,49 +304,37 @@ impl SlotAllocator {
         py: Python<'_>,
         handles: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let l = int_arg(py, lengths, "lengths")?;
-        py.detach(|| self.lock().truncate(&h, counts_of(&l)))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        py.detach(|| self.lock().close(&h))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().close(&h))?)
     }
 
-    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
         let h = int_scalar(py, handle, "handle")?;
-        self.query(py, |a| a.length(h)).map_err(|e| to_pyerr(py, e))
+        Ok(self.query(py, |a| a.length(h))?)
     }
 
-    fn lengths<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-    ) -> PyResult<Arr<'py, i64>> {
+    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().lengths(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().lengths(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().slots(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().slots(h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
+    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().pages(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().pages(h))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -283,11 +342,9 @@ impl SlotAllocator {
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
+    ) -> Result<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let t = py
-            .detach(|| self.lock().page_table(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let t = py.detach(|| self.lock().page_table(&h))?;
         Ok((
             to_numpy(py, &t.indptr),
             to_numpy(py, &t.indices),
@@ -295,22 +352,19 @@ impl SlotAllocator {
         ))
     }
 
-    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().rows(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().rows(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
         let h = int_scalar(py, handle, "handle")?;
         Ok(self.query(py, |a| a.is_open(h)))
     }
 
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().check())
-            .map_err(|e| to_pyerr(py, e))
+    fn check(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.lock().check())?)
     }
 
     fn reset(&self, py: Python<'_>) {
