@@ -47,7 +47,6 @@ import torch
 
 from gpu_common import RUN, log, sync
 
-ROOT = Path(__file__).resolve().parent.parent
 PEAKS_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
 BUILD_HINT = ("build it on a machine with Rust (bash benchmarks/build_core.sh), carry "
               "python/kvpool/_core.abi3.so here, and run from the checkout root with PYTHONPATH=python")
@@ -76,8 +75,7 @@ def _preflight() -> Dict[str, Any]:
 
 
 def _toy_decode():
-    sys.path.insert(0, str(ROOT / "tests"))  # TEMP until the shared builders move out of tests/
-    from _toy_step import ToyDecode
+    from kvpool.demo.toy_step import ToyDecode
 
     return ToyDecode
 

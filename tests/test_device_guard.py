@@ -50,3 +50,42 @@ def test_no_switch_when_current_or_not_cuda(cuda):
         with _guard.on_device(dev):
             assert cuda.current == 0
     assert cuda.switches == []
+
+
+def test_every_kernel_launch_runs_inside_the_guard_of_its_tensors_device(monkeypatch):
+    """Wiring: each of the four kernel functions launches inside on_device(<its tensors'
+    device>). The launches are replaced by recorders and the Triton branch forced."""
+    import contextlib
+
+    import kvpool.kernels as K
+    from kvpool.kernels import _common, copy, gather, ops, req_table, store
+
+    stack, launched = [], []
+
+    @contextlib.contextmanager
+    def guard(dev):
+        stack.append(dev)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def recorder(name):
+        def launch(*args, **kwargs):
+            launched.append((name, list(stack)))
+        return launch
+
+    monkeypatch.setattr(ops, "on_device", guard)
+    monkeypatch.setattr(_common, "use_triton", lambda t: True)
+    for mod, fn in ((store, "launch_store_kv"), (gather, "launch_gather_kv"),
+                    (copy, "launch_copy_slots"), (req_table, "launch_write_req_to_token")):
+        monkeypatch.setattr(mod, fn, recorder(fn))
+    cache = torch.zeros((16, 2, 8))
+    idx = torch.tensor([1, 2])
+    K.store_kv(cache, cache.clone(), idx, torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+    K.gather_kv(cache, None, idx)
+    K.copy_slots([cache], idx, idx + 4)
+    K.write_req_to_token(torch.zeros((2, 8), dtype=torch.int32), idx[:1], idx[:1], idx[:1], idx)
+    cpu = torch.device("cpu")
+    assert launched == [("launch_store_kv", [cpu]), ("launch_gather_kv", [cpu]),
+                        ("launch_copy_slots", [cpu]), ("launch_write_req_to_token", [cpu])]

@@ -91,3 +91,56 @@ def test_buffer_grows_for_a_larger_update(ring_parts):
     got = ring.to_device(big)
     assert ring.depth == 1 and allocs == [64, 8192]
     assert np.array_equal(got.numpy(), big)
+
+
+def test_pool_device_copies_go_through_its_staging(ring_parts):
+    """Wiring: a pool's extend (device branch) and device page tables ship their host
+    arrays through pool._to_device, which a CUDA pool sets to its PinnedRing."""
+    import kvpool
+
+    _, _, _, make_event, alloc = ring_parts
+    pool = kvpool.KVPool(1, 2, 8, num_pages=16, page_size=4, max_requests=4, max_context_len=32)
+    assert pool._to_device is None  # CPU pool: zero-copy table, nothing to stage
+    ring = PinnedRing(torch.device("cpu"), alloc=alloc, make_event=make_event)
+    staged = []
+
+    def to_device(a):
+        staged.append(a.copy())
+        return ring.to_device(a)
+
+    pool._table_np, pool._to_device = None, to_device  # what a CUDA pool runs
+    h = pool.open(2)
+    res = pool.extend(h, [5, 3])
+    assert len(staged) == 1 and res.out_cache_loc.tolist() == res.slots.tolist()
+    for hh, n in zip(h, (5, 3)):
+        row = int(pool.rows([hh])[0])
+        assert pool.req_to_token[row, :n].tolist() == pool.allocator.slots(hh).tolist()
+    # page_table: zero copy on a CPU pool; any other device ships through to_device.
+    from kvpool.transfer import page_table_tensors
+
+    pt = page_table_tensors(*pool.allocator.page_table(h), torch.device("meta"), to_device)
+    assert len(staged) == 2 and pt.kv_indptr.tolist() == [0, 2, 3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_extend_and_write_do_not_wait_for_queued_gpu_work():
+    """An event recorded before ~0.5 s of queued GPU work must still be pending when
+    extend / page_table / write(host slots) return: none of them waited for the stream."""
+    import kvpool
+
+    pool = kvpool.KVPool(1, 2, 64, dtype=torch.float16, device="cuda", page_size=16, num_pages=64,
+                         max_requests=8, max_context_len=256)
+    h = pool.open(4)
+    pool.extend(h, 20)
+    k = torch.ones((4, 2, 64), dtype=torch.float16, device="cuda")
+    calls = [lambda: pool.extend(h, 1), lambda: pool.page_table(h),
+             lambda: pool.write(0, np.array([16, 17, 18, 19]), k, k)]
+    for call in calls:
+        call()  # warm up (kernel compiles, ring buffers)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(10**9)
+        marker = torch.cuda.Event()
+        marker.record()
+        call()
+        assert not marker.query(), "the call waited for the GPU"
+        torch.cuda.synchronize()

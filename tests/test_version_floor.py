@@ -33,3 +33,25 @@ def test_installed_versions_have_the_apis_the_floor_promises():
     import triton.language as tl
 
     assert hasattr(tl, "div_rn") and hasattr(tl, "PropagateNan"), triton.__version__
+
+
+@pytest.mark.parametrize("version,ok", [("2.3.1", False), ("3.0.0", True), ("3.6.0+git1a2b", True),
+                                        ("3.10.0", True)])
+def test_too_old_triton_is_a_clear_error(monkeypatch, version, ok):
+    """A CUDA pool with Triton < 3.0 fails at construction with TritonUnavailableError
+    naming the version, not with an AttributeError deep inside a kernel compile."""
+    import types
+
+    import torch
+
+    from kvpool.kernels import _common
+
+    monkeypatch.setattr(_common, "_triton_checked", False)
+    monkeypatch.setattr(_common, "_triton_error", None)
+    monkeypatch.setattr(_common.importlib, "import_module",
+                        lambda name: types.SimpleNamespace(__version__=version))
+    if ok:
+        _common.require_triton(torch.device("cuda", 0))
+    else:
+        with pytest.raises(_common.TritonUnavailableError, match=f"triton {version} is older than 3.0"):
+            _common.require_triton(torch.device("cuda", 0))

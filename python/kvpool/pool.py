@@ -23,6 +23,7 @@ from kvpool.errors import TensorShapeError
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
+from kvpool.staging import PinnedRing
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -147,6 +148,10 @@ class KVPool:
         # op on the hot path). Elsewhere extend ships the core's packed result
         # with one copy to kvpool.kernels.write_req_to_token.
         self._table_np: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
+        # CUDA: every host -> device copy (extend's packed update, page tables, host
+        # slots given to write) goes through pinned buffers guarded by events: from
+        # pageable memory the driver may synchronise with the stream to stage it.
+        self._to_device = PinnedRing(self.device).to_device if self.device.type == "cuda" else None
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -199,7 +204,7 @@ class KVPool:
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
         packed, num_requests = self.allocator.extend_packed(handles, counts)
-        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests)
+        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
         return ExtendResult(slots, dev)
 
     def truncate(self, handles: Any, lengths: Any) -> None:
@@ -218,7 +223,7 @@ class KVPool:
         return self.allocator.rows(handles)
 
     def page_table(self, handles: Any) -> PageTable:
-        return page_table_tensors(*self.allocator.page_table(handles), self.device)
+        return page_table_tensors(*self.allocator.page_table(handles), self.device, self._to_device)
 
     # ----- views ----------------------------------------------------------
 
@@ -256,8 +261,12 @@ class KVPool:
         unchanged). Negative slots are padding and skipped. Slots in page 0
         (``[0, page_size)``) are the padding sink and accepted, since the
         allocator never gives them to a request; ``strict=True`` rejects them
-        (and negatives) with ``ReservedSlotError``, for batches known to hold
-        only real tokens. MLA pools: ``write(layer, slots, kv)``.
+        (and negatives) with ``ReservedSlotError``, and host slots that repeat
+        with ``DuplicateSlotError``, for batches known to hold only real tokens
+        (a repeated slot gets one of its rows, which one is unspecified and may
+        differ between CPU and GPU). Host slots are rejected while a CUDA graph
+        is being captured (``TensorDeviceError``: pass device slots such as
+        ``ExtendResult.out_cache_loc``). MLA pools: ``write(layer, slots, kv)``.
         """
         layer = check_layer(layer, self.num_layers)
         if self.mla and v is not None:
@@ -271,7 +280,8 @@ class KVPool:
         for name, x in zip(names, rows):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
-            idx = idx.to(self.device, non_blocking=True)
+            # Host slots, eager only (rejected while capturing): staged like extend's copy.
+            idx = self._to_device(idx.numpy()) if self._to_device is not None else idx.to(self.device)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvpool.errors import (
+    DuplicateSlotError,
     LayerIndexError,
     ReservedSlotError,
     SlotRangeError,
@@ -72,8 +73,9 @@ def slots_tensor(
 
     Host slots are rejected while a CUDA graph is being captured on ``device``
     (their copy cannot be captured); otherwise they are range-checked:
-    ``slot < num_slots`` always; with ``strict`` also ``slot >= page_size`` (page 0 is the padding sink, never a real token)
-    and no negatives. Device slots are returned unchecked (see module doc) and
+    ``slot < num_slots`` always; with ``strict`` also ``slot >= page_size``
+    (page 0 is the padding sink, never a real token), no negatives and no
+    repeats. Device slots are returned unchecked (see module doc) and
     ``has_negative`` is then reported as True (unknown without a read-back).
     """
     if torch.compiler.is_compiling():
@@ -119,6 +121,14 @@ def _slots_tensor(
             f"(slots [0, {page_size})), but strict=True says every row is a real token; "
             "slots from KVPool.extend are always >= page_size"
         )
+    if strict and t.numel() > 1:
+        uniq, counts = torch.unique(t, return_counts=True)
+        if bool((counts > 1).any()):
+            raise DuplicateSlotError(
+                f"slot {int(uniq[counts > 1][0])} appears more than once, but strict=True says "
+                "every row is a distinct real token (a repeated slot keeps one of its rows, "
+                "which one is unspecified); slots from KVPool.extend never repeat"
+            )
     return t, lo < 0
 
 
