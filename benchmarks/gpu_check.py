@@ -75,7 +75,7 @@ def _preflight() -> Dict[str, Any]:
 
 
 def _toy_decode():
-    from kvpool.demo.toy_step import ToyDecode
+    from kvpool.testing.toy_step import ToyDecode
 
     return ToyDecode
 

@@ -151,8 +151,7 @@ def _runner_pool(seed: int):
 
 
 def _lengths(pool, handles) -> np.ndarray:
-    fn = getattr(pool, "lengths", None) or pool.allocator.lengths
-    return np.asarray(fn(handles))
+    return np.asarray(pool.lengths(handles))
 
 
 def section_runner(toy_decode) -> Dict[str, Any]:

@@ -119,7 +119,7 @@ def section_replay(toy_decode, bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     h = pool.open(bs)
     pool.extend(h, 64)
     res = pool.extend(h, 1)
-    ln = np.asarray((pool.lengths if hasattr(pool, "lengths") else pool.allocator.lengths)(h))
+    ln = pool.lengths(h)
     host = (np.zeros(bs, dtype=np.int64), ln - 1, pool.rows(h), res.slots, ln)
     dev = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=RUN.dev) for a in host)
     runner = DecodeGraphRunner(pool, step, max_batch_size=bs, buckets=[bs])

@@ -16,23 +16,43 @@ use crate::table::Table;
 
 type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
-/// Geometry fixed at construction: read without taking the lock (extend's
-/// checks, and the Python properties of the same names).
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+///
+/// Owns which slots each request holds: free pages, per-request page lists,
+/// page owners. Thread-safe (one internal lock; batch calls release the GIL).
+///
+/// Args:
+///     num_pages: total pages, reserved page 0 included (>= 2).
+///     page_size: slots per page (>= 1).
+///     max_requests: most requests open at once.
+///     max_context_len: most tokens per request.
+///
+/// Raises:
+///     InvalidArgumentError: a size is zero, negative or too large.
+// Geometry is fixed at construction: fields read without taking the lock
+// (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
 pub struct SlotAllocator {
     inner: Mutex<Core>,
+    /// Slots per page (P): slot = page * P + offset.
     #[pyo3(get)]
     page_size: usize,
+    /// Total pages, the reserved page 0 included.
     #[pyo3(get)]
     num_pages: usize,
+    /// num_pages * page_size: slot ids are in [0, num_slots).
     #[pyo3(get)]
     num_slots: usize,
+    /// Most requests open at once (rows of a request-to-token table).
     #[pyo3(get)]
     max_requests: usize,
+    /// Most tokens one request may hold.
     #[pyo3(get)]
     max_context_len: usize,
+    /// Pages requests can ever hold: num_pages - 1 (page 0 is reserved).
     #[pyo3(get)]
     capacity_pages: usize,
+    /// capacity_pages * page_size.
     #[pyo3(get)]
     capacity_slots: usize,
 }
@@ -146,39 +166,60 @@ impl SlotAllocator {
         })
     }
 
-    /// The changing counters, one consistent snapshot.
+    /// stats() -> PoolStats
+    ///
+    /// The changing counters (free_pages, used_pages, free_slots, used_slots,
+    /// open_requests, admissible_tokens, metadata_bytes) read under one lock,
+    /// so they agree with each other even while other threads work.
     fn stats(&self, py: Python<'_>) -> PoolStats {
         self.query(py, PoolStats::of)
     }
+    /// Pages on the free list.
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
         self.query(py, Core::free_pages)
     }
+    /// Pages held by open requests.
     #[getter]
     fn used_pages(&self, py: Python<'_>) -> usize {
         self.query(py, Core::used_pages)
     }
+    /// free_pages * page_size.
     #[getter]
     fn free_slots(&self, py: Python<'_>) -> usize {
         self.query(py, Core::free_slots)
     }
+    /// Slots in held pages (including the unfilled tail of each last page).
     #[getter]
     fn used_slots(&self, py: Python<'_>) -> usize {
         self.query(py, Core::used_slots)
     }
+    /// Requests opened and not yet closed.
     #[getter]
     fn open_requests(&self, py: Python<'_>) -> usize {
         self.query(py, Core::open_requests)
     }
+    /// Tokens that can surely still be appended (a lower bound).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
         self.query(py, Core::admissible_tokens)
     }
+    /// Heap bytes of the allocator's bookkeeping.
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {
         self.query(py, Core::metadata_bytes)
     }
 
+    /// open(n=1) -> ndarray[int64]
+    ///
+    /// Opens n empty requests (no pages until they grow).
+    ///
+    /// Returns:
+    ///     int64 array of n handles ((generation << 32) | row).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: more than max_requests would be open.
+    ///     InvalidArgumentError: n is negative.
     #[pyo3(signature = (n=1))]
     fn open<'py>(&self, py: Python<'py>, n: i64) -> Result<Arr<'py, i64>> {
         let n = usize_arg(py, n, "n")?;
@@ -186,6 +227,27 @@ impl SlotAllocator {
         Ok(to_numpy(py, &v))
     }
 
+    /// extend(handles, counts, table=None) -> ndarray[int64]
+    ///
+    /// Grows each request by counts[i] tokens (or `counts` for all); a new page
+    /// is taken only when a request's last page is full. Atomic.
+    ///
+    /// Args:
+    ///     handles: int, sequence or 1-D integer array of open handles (no duplicates).
+    ///     counts: int (for all) or one int per handle, >= 0.
+    ///     table: optional int32 2-D numpy array [>= max_requests, >= max_context_len]
+    ///         (e.g. req_to_token.numpy()): table[row, start:start+count] gets each
+    ///         request's new slots in the same call.
+    ///
+    /// Returns:
+    ///     the new slots, flattened in request order (int64).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     PoolExhaustedError: not enough free pages (needed vs free in the message).
+    ///     ContextTooLongError: a request would pass max_context_len.
+    ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
+    ///         handle, bad table. Nothing changes on any error.
     #[pyo3(signature = (handles, counts, table=None))]
     fn extend<'py>(
         &self,
@@ -228,6 +290,12 @@ impl SlotAllocator {
         Ok(arr)
     }
 
+    /// extend_with_starts(handles, counts) -> (slots, starts)
+    ///
+    /// extend, also returning each request's length before the call (int64).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
     fn extend_with_starts<'py>(
         &self,
         py: Python<'py>,
@@ -252,12 +320,17 @@ impl SlotAllocator {
         Ok((arr, starts_arr))
     }
 
+    /// extend_packed(handles, counts) -> (packed, b)
+    ///
     /// `extend` plus everything a device copy of the request-to-token table
     /// needs, in one crossing and one int64 array, so that one host-to-device
     /// copy ships it: `(packed, b)` with b = the number of requests and
     /// s = b rounded up to even, packed = [rows | starts | counts | offsets]
     /// (each s long, the padding zero) followed by the new slots. Every
     /// segment starts 16-byte aligned (Triton specializes pointers on it).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
     fn extend_packed<'py>(
         &self,
         py: Python<'py>,
@@ -299,6 +372,15 @@ impl SlotAllocator {
         Ok((arr, b))
     }
 
+    /// truncate(handles, lengths) -> None
+    ///
+    /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
+    /// pages no longer needed. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: a length is negative or past the request's
+    ///         length, mismatched lengths, duplicate handle.
     fn truncate(
         &self,
         py: Python<'_>,
@@ -310,34 +392,73 @@ impl SlotAllocator {
         Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
+    /// close(handles) -> None
+    ///
+    /// Closes requests and frees their pages; their handles become stale. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, already closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
     fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         Ok(py.detach(|| self.lock().close(&h))?)
     }
 
+    /// length(handle) -> int
+    ///
+    /// Tokens the request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
     fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
         let h = int_scalar(py, handle, "handle")?;
         Ok(self.query(py, |a| a.length(h))?)
     }
 
+    /// lengths(handles) -> ndarray[int64]
+    ///
+    /// Tokens each request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let v = py.detach(|| self.lock().lengths(&h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// slots(handle) -> ndarray[int64]
+    ///
+    /// Every slot of the request, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
     fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().slots(h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// pages(handle) -> ndarray[int32]
+    ///
+    /// The pages the request holds, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
     fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().pages(h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// page_table(handles) -> (indptr, indices, last_page_len)
+    ///
+    /// FlashInfer's CSR page table of a batch (int32 arrays): request i's pages
+    /// are indices[indptr[i]:indptr[i+1]]; last_page_len[i] in [1, page_size]
+    /// (0 for an empty request).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn page_table<'py>(
         &self,
         py: Python<'py>,
@@ -352,21 +473,43 @@ impl SlotAllocator {
         ))
     }
 
+    /// rows(handles) -> ndarray[int64]
+    ///
+    /// Each request's row of a request-to-token table (fixed while it is open).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let v = py.detach(|| self.lock().rows(&h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// is_open(handle) -> bool
+    ///
+    /// Whether the handle is an open request (False for closed or stale ones).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: handle is not an int.
     fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
         let h = int_scalar(py, handle, "handle")?;
         Ok(self.query(py, |a| a.is_open(h)))
     }
 
+    /// check() -> None
+    ///
+    /// Verifies every invariant: free + held = capacity, no page in two places,
+    /// owners match holders, page 0 never handed out.
+    ///
+    /// Raises:
+    ///     InvariantError: an invariant is broken (a bug in kvpool).
     fn check(&self, py: Python<'_>) -> Result<()> {
         Ok(py.detach(|| self.lock().check())?)
     }
 
+    /// reset() -> None
+    ///
+    /// Closes every request and frees every page; all handles become stale.
     fn reset(&self, py: Python<'_>) {
         py.detach(|| self.lock().reset())
     }

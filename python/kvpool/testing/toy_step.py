@@ -2,8 +2,7 @@
 writes each token's K/V through ``pool.write`` at ``out_cache_loc`` and attends
 over its request's tokens found through ``pool.req_to_token[req_rows]`` up to
 ``seq_lens``. Device ops only (no host reads), so it is capturable in a CUDA
-graph. Shared by the runner tests and benchmarks/gpu_check.py (which runs from a
-checkout on a bare GPU box, so it lives in the package rather than in tests/)."""
+graph. Shared by the runner tests and benchmarks/gpu_check.py."""
 
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ from kvpool.modes import persistent
 
 
 class ToyDecode:
-    """``step(input_ids, positions, req_rows, out_cache_loc, seq_lens) -> logits`` over ``pool``."""
-
     def __init__(self, pool, vocab: int = 64, seed: int = 0) -> None:
         self.pool = pool
         self.h, self.d = pool.num_kv_heads, pool.head_dim
