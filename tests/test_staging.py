@@ -114,7 +114,7 @@ def test_pool_device_copies_go_through_its_staging(ring_parts):
     assert len(staged) == 1 and res.out_cache_loc.tolist() == res.slots.tolist()
     for hh, n in zip(h, (5, 3)):
         row = int(pool.rows([hh])[0])
-        assert pool.req_to_token[row, :n].tolist() == pool.allocator.slots(hh).tolist()
+        assert pool.req_to_token[row, :n].tolist() == pool.slots(hh).tolist()
     # page_table: zero copy on a CPU pool; any other device ships through to_device.
     from kvpool.transfer import page_table_tensors
 
