@@ -144,13 +144,13 @@ def test_copy_matches_reference(layout, layers, dtype, heads, dim, data, mixed):
 
 
 def test_copy_offsets_table_is_cached():
-    from kvpool.kernels import copy as copy_mod
+    from kvpool.kernels.copy_tables import TABLES
     caches = [torch.zeros((8, 1, 4)) for _ in range(3)]
     caches[0][1] = 7.0
     K.copy_slots(caches, torch.tensor([1]), torch.tensor([2]))
-    n_cached = len(copy_mod._deltas_cache)
+    n_cached = len(TABLES)
     K.copy_slots(caches, torch.tensor([1]), torch.tensor([3]))
-    assert len(copy_mod._deltas_cache) == n_cached
+    assert len(TABLES) == n_cached
     assert caches[0][2].eq(7).all() and caches[0][3].eq(7).all() and caches[1].eq(0).all()
 
 

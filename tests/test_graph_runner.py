@@ -200,3 +200,82 @@ def test_custom_buckets_pick_smallest_fit():
     runner = DecodeGraphRunner(make_pool(), lambda *a: a[0].clone(), max_batch_size=10, buckets=[10, 3])
     assert runner.buckets == [3, 10]
     assert [runner.bucket_for(n) for n in (1, 3, 4, 10)] == [3, 3, 10, 10]
+
+
+class _StaticOutputStep:
+    """A step whose output lives in one buffer it owns, as a captured graph's output does:
+    every call overwrites it. Shows what the runner hands back in each output mode."""
+
+    def __init__(self, width):
+        with kvpool.modes.persistent():
+            self.buf = torch.zeros((width, 3))
+
+    def __call__(self, input_ids, positions, req_rows, out_cache_loc, seq_lens):
+        b = input_ids.shape[0]
+        self.buf[:b] = input_ids[:, None].float()
+        return self.buf[:b]
+
+
+@pytest.mark.parametrize("copy_outputs", [False, True])
+def test_outputs_valid_until_next_run_unless_copied(copy_outputs):
+    pool = make_pool()
+    step = _StaticOutputStep(8)
+    runner = DecodeGraphRunner(pool, step, 8, buckets=[2, 8], copy_outputs=copy_outputs)
+    row = pool.null_row
+    with torch.inference_mode():
+        small = runner.run([5], [0], [row], [0], [1])        # bucket 2
+        assert small.tolist() == [[5.0] * 3]                   # valid right after run()
+        big = runner.run([7] * 6, [0] * 6, [row] * 6, [0] * 6, [1] * 6)  # bucket 8
+    assert big.tolist() == [[7.0] * 3] * 6
+    shares = small.untyped_storage().data_ptr() == step.buf.untyped_storage().data_ptr()
+    if copy_outputs:
+        assert not shares and small.tolist() == [[5.0] * 3]   # kept across other buckets' runs
+        assert small.is_inference()                            # made in the caller's mode
+    else:
+        # The documented contract: a view of memory the next run() (any bucket) reuses.
+        assert shares and small.tolist() == [[7.0] * 3]
+
+
+def test_copy_outputs_copies_every_tensor_of_a_tuple():
+    pool = make_pool()
+
+    def step(*args):
+        return (args[0].float(), [args[1].float() + 1])
+
+    runner = DecodeGraphRunner(pool, step, 4, copy_outputs=True)
+    with torch.no_grad():
+        a, (b,) = runner.run([3, 4], [0, 1], [pool.null_row] * 2, [0, 0], [1, 1])
+    statics = runner._static.untyped_storage().data_ptr()
+    assert a.tolist() == [3.0, 4.0] and b.tolist() == [1.0, 2.0]
+    assert a.untyped_storage().data_ptr() != statics and b.untyped_storage().data_ptr() != statics
+
+
+def test_run_and_capture_happen_on_the_pools_device(monkeypatch):
+    """Every run() (copies, step, replay) is inside on_device(pool.device), so a pool on
+    cuda:1 never launches on the current cuda:0 (the guard itself: test_device_guard.py)."""
+    import contextlib
+
+    import kvpool.cuda_graph as cg
+
+    entered, inside = [], []
+
+    @contextlib.contextmanager
+    def guard(dev):
+        entered.append(dev)
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(cg, "on_device", guard)
+    pool = make_pool()
+
+    def step(*args):
+        assert inside, "step ran outside the device guard"
+        return args[0].float()
+
+    runner = DecodeGraphRunner(pool, step, 4)
+    with torch.no_grad():
+        runner.run([1, 2], [0, 0], [pool.null_row] * 2, [0, 0], [1, 1])
+    assert entered == [pool.device]

@@ -42,3 +42,26 @@ def test_debug_detects_moved_buffers():
         runner._static = runner._static.clone()  # simulate a buffer that moved
         with pytest.raises(InvariantError, match="moved"):
             runner.run([1], [0], [pool.null_row], [0], [1])
+
+
+@pytest.mark.parametrize("copy_outputs", [False, True])
+def test_outputs_across_buckets(copy_outputs):
+    """Buckets share one graph memory pool: an output is valid until the next run() of
+    any bucket; with copy_outputs=True it stays valid for good."""
+    pool = make_pool(device="cuda", dtype=torch.float16)
+    twin = make_pool(device="cuda", dtype=torch.float16)
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), 8, buckets=[2, 8], copy_outputs=copy_outputs)
+    eager = DecodeGraphRunner(twin, ToyDecode(twin), 8, buckets=[2, 8], enable_graphs=False, copy_outputs=True)
+    with torch.inference_mode():
+        runner.capture()
+        h, th = start_requests(pool, [3]), start_requests(twin, [3])
+        small = runner.run(*decode_inputs(pool, h))
+        want = eager.run(*decode_inputs(twin, th))
+        torch.testing.assert_close(small, want, rtol=1e-3, atol=1e-3)  # valid right after run()
+        kept = small.clone()
+        h8, th8 = start_requests(pool, [2] * 6), start_requests(twin, [2] * 6)
+        runner.run(*decode_inputs(pool, h8))
+        eager.run(*decode_inputs(twin, th8))
+        torch.cuda.synchronize()
+    if copy_outputs:
+        assert torch.equal(small, kept)

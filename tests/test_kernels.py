@@ -122,6 +122,41 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(call, err, match):
     assert issubclass(err, kvpool.InvalidArgumentError) and issubclass(err, ValueError)
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+def test_reference_quantize_is_ieee_float32_division(dtype, as_tensor):
+    """The kernel computes div_rn(x, float32(scale)); the reference must too, for a Python
+    float scale as much as a tensor one (torch on CUDA would multiply by 1/scale)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((4096,), generator=gen) * 50
+    for s in (0.37, 0.1, 1 / 3, 3.0, 7e-3):
+        s32 = float(torch.tensor(s, dtype=torch.float32))
+        exact = (x.double() / s32).float()  # correctly rounded: double rounding is safe for /
+        if dtype == FP8:
+            exact = exact.clamp(-448.0, 448.0)
+        scale = torch.tensor([s]) if as_tensor else s
+        got = _ref.quantize(x, dtype, scale)
+        assert same(got, exact.to(dtype)), f"scale {s}"
+        assert got.device == x.device
+
+
+def test_reference_divides_by_a_device_tensor_not_a_host_scalar(monkeypatch):
+    """What makes the CUDA reference exact: the divisor reaching torch is a float32 tensor
+    on x's device, never a Python float (a host scalar takes torch's reciprocal path)."""
+    seen = []
+    real = torch.Tensor.__truediv__
+
+    def spy(a, b):
+        seen.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__truediv__", spy)
+    _ref.quantize(torch.ones(3, 2), FP8, 0.37)
+    _ref.quantize(torch.ones(3, 2), torch.bfloat16, 0.37)
+    assert len(seen) == 2
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 and b.dim() == 1 for b in seen)
+
+
 def test_kernels_and_cpu_pool_work_without_triton():
     """kvpool.kernels imports Triton only inside CUDA launches: with `import triton`
     failing, the package imports and a CPU pool extends, writes and reads."""

@@ -63,3 +63,17 @@ def test_gather_copy_req_table_cuda():
     K.write_req_to_token(table, t([2, 5]), t([0, 10]), t([3, 2]), t([11, 12, 13, 14, 15]))
     assert table[2, :3].tolist() == [11, 12, 13] and table[5, 10:12].tolist() == [14, 15]
     assert int(table.ne(0).sum()) == 5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("scale", [0.37, 0.1, 1 / 3, 7e-3])
+def test_store_float_scale_matches_reference(cache_dtype, scale):
+    """A Python-float scale: the reference must divide like the kernel's div_rn (torch
+    would multiply by 1/scale for a host scalar on CUDA, 1 ulp off)."""
+    kc = torch.zeros((4096, 4, 96), dtype=cache_dtype, device="cuda")
+    k = torch.randn((4000, 4, 96), device="cuda") * 40
+    slots = torch.randperm(4096, device="cuda")[:4000]
+    ref = kc.clone()
+    _ref.store_kv_ref(ref, None, slots, k, None, scale)
+    K.store_kv(kc, None, slots, k, None, scale)
+    assert same(kc.cpu(), ref.cpu())

@@ -20,6 +20,7 @@ from kvpool._core import (
 )
 from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
+    DuplicateSlotError,
     LayerIndexError,
     ReservedSlotError,
     SlotRangeError,
@@ -54,6 +55,7 @@ __all__ = [
     "ExtendResult",
     "KVPool",
     "PageTable",
+    "DuplicateSlotError",
     "LayerIndexError",
     "ReservedSlotError",
     "SlotRangeError",

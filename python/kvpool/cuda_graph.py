@@ -21,9 +21,15 @@ tensor the eager step would return. Static buffers are created in persistent
 mode (inference_mode(False) then no_grad()), so they are normal tensors that
 accept in-place copies in every mode.
 
-Returned outputs of a replay are views into the graph's static output: valid
-until the next run() of the same bucket; clone them to keep them. The runner
-uses the current CUDA stream and is not thread-safe (one runner per thread).
+Outputs: a replay returns views into its graph's output tensors, and every
+bucket's graph allocates from one shared private memory pool (so that the
+buckets together cost about as much memory as the largest). Replaying another
+bucket may therefore reuse, and overwrite, the memory of this bucket's outputs:
+a returned output is valid until the next run() of ANY bucket (the SGLang /
+vLLM convention). Consume it (sample, copy to host) before the next step, clone
+it to keep it, or pass copy_outputs=True to get fresh tensors from every run()
+at the cost of one device copy per output. The runner uses the current CUDA
+stream and is not thread-safe (one runner per thread).
 On CPU, or with enable_graphs=False, the same padding and buffers are used and
 the step runs eagerly, so results are identical to the graph path.
 """
@@ -37,6 +43,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.torch_types import as_device
 
@@ -64,11 +71,11 @@ def grad_mode() -> str:
     return "grad" if torch.is_grad_enabled() else "no_grad"
 
 
-def _slice_rows(out: Any, n: int) -> Any:
+def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
-        return out[:n]
+        return out[:n].clone() if copy else out[:n]
     if isinstance(out, (tuple, list)):
-        return type(out)(_slice_rows(o, n) for o in out)
+        return type(out)(_slice_rows(o, n, copy) for o in out)
     return out
 
 
@@ -80,7 +87,8 @@ class DecodeGraphRunner:
     buffers: never keep references expecting their contents to stay) and must
     write K/V through the pool with device-side ops only (no .item(), no
     allocation-dependent host logic) to be capturable. Its output (a tensor, or a
-    tuple/list of tensors) is sliced to the real batch along dim 0.
+    tuple/list of tensors) is sliced to the real batch along dim 0; it stays valid
+    until the next ``run()`` of any bucket unless ``copy_outputs=True``.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class DecodeGraphRunner:
         *,
         pad_seq_len: int = 1,
         warmup_iters: int = 2,
+        copy_outputs: bool = False,
     ) -> None:
         if not callable(step):
             raise InvalidArgumentError(f"step must be callable, got {type(step).__name__}")
@@ -118,6 +127,7 @@ class DecodeGraphRunner:
         self.device = as_device(pool.device)
         self.use_graphs = bool(enable_graphs) and self.device.type == "cuda"
         self.debug, self.warmup_iters = bool(debug), int(warmup_iters)
+        self.copy_outputs = bool(copy_outputs)
         width = self.buckets[-1]
         # Python ints for the per-step fill_() calls (indexing the tensor and
         # converting with int() cost a tensor op and .item() per row every run()).
@@ -156,21 +166,34 @@ class DecodeGraphRunner:
         No-op on CPU / with graphs disabled."""
         if not self.use_graphs:
             return
-        for b in sorted(buckets or self.buckets, reverse=True):
+        todo = sorted(buckets or self.buckets, reverse=True)
+        for b in todo:
             if b not in self.buckets:
                 raise InvalidArgumentError(f"{b} is not one of the buckets {self.buckets}")
-            self._capture(grad_mode(), b)
+        with on_device(self.device):  # capture on the pool's device, whichever is current
+            for b in todo:
+                self._capture(grad_mode(), b)
 
     def run(self, input_ids: Any, positions: Any, req_rows: Any, out_cache_loc: Any, seq_lens: Any) -> Any:
         """Run one decode step for a real batch of n = len(input_ids) requests.
 
         Inputs: 1-D integer tensors (any device), numpy arrays or lists of length n.
-        Returns the step's output sliced to the first n rows."""
+        Returns the step's output sliced to the first n rows: views into graph memory
+        that the next run() of any bucket may overwrite, or fresh tensors when the
+        runner was made with copy_outputs=True."""
         n, args = self._check_inputs((input_ids, positions, req_rows, out_cache_loc, seq_lens))
         bucket = self.bucket_for(n)
+        # Copies, the step's launches and the replay all go to the pool's device's
+        # current stream, even when another device is current.
+        with on_device(self.device):
+            return self._run(args, n, bucket)
+
+    __call__ = run
+
+    def _run(self, args: List[torch.Tensor], n: int, bucket: int) -> Any:
         self._load_inputs(args, n, bucket)
         if not self.use_graphs:
-            return _slice_rows(self.step(*self._views(bucket)), n)
+            return _slice_rows(self.step(*self._views(bucket)), n, self.copy_outputs)
         key = (grad_mode(), bucket)
         if key not in self._graphs:
             self._capture(*key)  # lazily; call capture() up front to keep this off the serving path
@@ -179,9 +202,7 @@ class DecodeGraphRunner:
             self._check_addresses()
         graph, out = self._graphs[key]
         graph.replay()
-        return _slice_rows(out, n)
-
-    __call__ = run
+        return _slice_rows(out, n, self.copy_outputs)
 
     # ----- internals -------------------------------------------------------
 
@@ -241,7 +262,7 @@ class DecodeGraphRunner:
         else:
             for i, _ in host_rows:
                 static[i].copy_(staging[i], non_blocking=True)
-        self._copy_done.record()
+        self._copy_done.record(torch.cuda.current_stream(self.device))
         self._copy_pending = True
 
     def _reset_static(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvpool._core import InvalidArgumentError, KVPoolError
 
 __all__ = [
+    "DuplicateSlotError",
     "LayerIndexError",
     "ReservedSlotError",
     "SlotRangeError",
@@ -40,6 +41,12 @@ class SlotRangeError(InvalidArgumentError):
 
 class ReservedSlotError(SlotRangeError):
     """A slot in the reserved page 0 was given to a strict write (no padding expected)."""
+
+
+class DuplicateSlotError(InvalidArgumentError):
+    """One call names the same slot twice where the rows would race on a GPU: a
+    strict write of one slot twice, or a copy whose destinations repeat or are
+    also its sources (which row wins would depend on scheduling)."""
 
 
 class LayerIndexError(InvalidArgumentError):

@@ -25,6 +25,7 @@ from kvpool.facade import AllocatorFacade
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
+from kvpool.staging import PinnedRing
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -170,6 +171,10 @@ class KVPool(AllocatorFacade):
         # op on the hot path). Elsewhere extend ships the core's packed result
         # with one copy to kvpool.kernels.write_req_to_token.
         self._table_np: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
+        # CUDA: every host -> device copy (extend's packed update, page tables, host
+        # slots given to write) goes through pinned buffers guarded by events: from
+        # pageable memory the driver may synchronise with the stream to stage it.
+        self._to_device = PinnedRing(self.device).to_device if self.device.type == "cuda" else None
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -238,7 +243,7 @@ class KVPool(AllocatorFacade):
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
         packed, num_requests = self.allocator.extend_packed(handles, counts)
-        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests)
+        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
         return ExtendResult(slots, dev)
 
     def page_table(self, handles: Any) -> PageTable:
@@ -249,12 +254,12 @@ class KVPool(AllocatorFacade):
 
         Returns:
             ``PageTable(kv_indptr [B+1], kv_indices, kv_last_page_len [B])``
-            (zero copy on CPU, one H2D copy on CUDA).
+            (zero copy on CPU; on CUDA one H2D copy from pinned staging).
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
         """
-        return page_table_tensors(*self.allocator.page_table(handles), self.device)
+        return page_table_tensors(*self.allocator.page_table(handles), self.device, self._to_device)
 
     # ----- views ----------------------------------------------------------
 
@@ -311,8 +316,10 @@ class KVPool(AllocatorFacade):
         unchanged). Negative slots are padding and skipped. Slots in page 0
         (``[0, page_size)``) are the padding sink and accepted, since the
         allocator never gives them to a request; ``strict=True`` rejects them
-        (and negatives) with ``ReservedSlotError``, for batches known to hold
-        only real tokens. Runs ``kvpool.kernels.store_kv`` (Triton on CUDA,
+        (and negatives) with ``ReservedSlotError``, and repeated host slots with
+        ``DuplicateSlotError``, for batches known to hold only real tokens (a
+        repeated slot gets one of its rows, which one is unspecified and may
+        differ between CPU and GPU). Runs ``kvpool.kernels.store_kv`` (Triton on CUDA,
         capture-safe; torch on CPU).
 
         Args:
@@ -320,13 +327,17 @@ class KVPool(AllocatorFacade):
             slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
                 device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
                 Host slots are range-checked; device slots are not (no sync).
+                On a CUDA pool host slots are staged through pinned memory, and
+                rejected while a CUDA graph is being captured (their copy cannot
+                be captured): pass device slots there.
             k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
                 pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
-            strict: reject padding and page-0 slots.
+            strict: reject padding, page-0 and repeated slots.
 
         Raises:
-            LayerIndexError, SlotRangeError, ReservedSlotError, TensorShapeError,
-            TensorDtypeError, TensorDeviceError: a bad argument (nothing written).
+            LayerIndexError, SlotRangeError, ReservedSlotError, DuplicateSlotError,
+            TensorShapeError, TensorDtypeError, TensorDeviceError: a bad argument
+            (nothing written).
         """
         layer = check_layer(layer, self.num_layers)
         if self.mla and v is not None:
@@ -340,7 +351,8 @@ class KVPool(AllocatorFacade):
         for name, x in zip(names, rows):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
-            idx = idx.to(self.device, non_blocking=True)
+            # Host slots, eager only (rejected while capturing): staged like extend's copy.
+            idx = self._to_device(idx.numpy()) if self._to_device is not None else idx.to(self.device)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]

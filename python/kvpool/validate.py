@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvpool.errors import (
+    DuplicateSlotError,
     LayerIndexError,
     ReservedSlotError,
     SlotRangeError,
@@ -22,6 +23,7 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
+from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
 __all__ = ["check_layer", "check_rows", "slots_tensor"]
@@ -69,9 +71,11 @@ def slots_tensor(
 ) -> tuple[torch.Tensor, bool]:
     """Slots as an int32/int64 tensor usable on ``device``, and whether any is negative.
 
-    Host slots are range-checked: ``slot < num_slots`` always; with ``strict``
-    also ``slot >= page_size`` (page 0 is the padding sink, never a real token)
-    and no negatives. Device slots are returned unchecked (see module doc) and
+    Host slots are rejected while a CUDA graph is being captured on ``device``
+    (their copy cannot be captured); otherwise they are range-checked:
+    ``slot < num_slots`` always; with ``strict`` also ``slot >= page_size``
+    (page 0 is the padding sink, never a real token), no negatives and no
+    repeats. Device slots are returned unchecked (see module doc) and
     ``has_negative`` is then reported as True (unknown without a read-back).
     """
     if torch.compiler.is_compiling():
@@ -94,6 +98,13 @@ def _slots_tensor(
         if t.device != device:
             raise TensorDeviceError(f"slots are on {t.device}; the pool is on {device} (host slots are also fine)")
         return t, True
+    if device.type == "cuda" and _capturing(device):
+        raise TensorDeviceError(
+            f"slots are on the host while a CUDA graph is being captured on {device}: the "
+            "host -> device copy they need cannot be captured (and a replay would reuse stale "
+            "values). Pass the slots as a device tensor, e.g. ExtendResult.out_cache_loc or "
+            "the runner's static out_cache_loc; host slots are fine outside capture"
+        )
     if t.numel() == 0:
         return t, False
     lo, hi = (int(x) for x in torch.aminmax(t))
@@ -110,7 +121,21 @@ def _slots_tensor(
             f"(slots [0, {page_size})), but strict=True says every row is a real token; "
             "slots from KVPool.extend are always >= page_size"
         )
+    if strict and t.numel() > 1:
+        uniq, counts = torch.unique(t, return_counts=True)
+        if bool((counts > 1).any()):
+            raise DuplicateSlotError(
+                f"slot {int(uniq[counts > 1][0])} appears more than once, but strict=True says "
+                "every row is a distinct real token (a repeated slot keeps one of its rows, "
+                "which one is unspecified); slots from KVPool.extend never repeat"
+            )
     return t, lo < 0
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    with on_device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _slots_tensor_eager = torch.compiler.disable(_slots_tensor)

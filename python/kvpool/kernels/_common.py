@@ -43,12 +43,31 @@ _triton_error: Optional[BaseException] = None
 _triton_checked = False
 
 
+# The kernels use tl.div_rn and propagate_nan, new in Triton 3.0 (shipped with torch 2.4).
+MIN_TRITON = (3, 0)
+
+
+def _version_tuple(v: str) -> tuple:
+    parts = []
+    for p in v.split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def _triton_importable() -> bool:
-    """Whether ``import triton`` works; tried once, the failure kept for the message."""
+    """Whether ``import triton`` works and is new enough; tried once, the failure
+    kept for the message."""
     global _triton_checked, _triton_error
     if not _triton_checked:
         try:
-            importlib.import_module("triton")
+            triton = importlib.import_module("triton")
+            version = str(getattr(triton, "__version__", "0"))
+            if _version_tuple(version) < MIN_TRITON:
+                raise ImportError(
+                    f"triton {version} is older than {'.'.join(map(str, MIN_TRITON))}, which the "
+                    "kernels need (tl.div_rn, propagate_nan); torch>=2.4 ships a new enough one"
+                )
         except Exception as e:  # an ImportError, or a broken install failing at import
             _triton_error = e
         _triton_checked = True

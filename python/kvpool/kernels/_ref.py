@@ -19,13 +19,24 @@ def _scale_value(scale: Scale) -> torch.Tensor | float:
     return 1.0 if scale is None else float(scale)
 
 
+def _divisor(scale: Scale, like: torch.Tensor) -> torch.Tensor:
+    """The scale as the store kernel divides by it: a float32 value, as a tensor on x's
+    device. Never a Python float: on CUDA, torch divides by a host scalar as
+    x * (1 / s), up to 1 ulp away from the kernel's IEEE division (tl.div_rn by the
+    scale rounded to float32), which can flip an fp8/bf16 rounding."""
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(1).float()
+    return torch.full((1,), 1.0 if scale is None else float(scale), dtype=torch.float32, device=like.device)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tensor:
-    """What the store kernel writes for x into a cache of `dtype`."""
+    """What the store kernel writes for x into a cache of `dtype`: x / scale with IEEE
+    float32 division (fp8: clamped to the format's finite range; NaN stays NaN)."""
     if dtype in FP8_DTYPES:
         m = fp8_max(dtype)
-        return (x.float() / _scale_value(scale)).clamp(-m, m).to(dtype)
+        return (x.float() / _divisor(scale, x)).clamp(-m, m).to(dtype)
     if scale is not None:
-        return (x.float() / _scale_value(scale)).to(dtype)
+        return (x.float() / _divisor(scale, x)).to(dtype)
     return x.to(dtype)
 
 

@@ -10,13 +10,13 @@ from a small device tensor. Offsets are plain integers, which both the compiler
 and the interpreter accept. This needs all caches in one launch to share dtype
 and row geometry (true for a pool's K/V buffers); caches that differ are
 grouped and each group gets its own launch. The offsets tensor is built once
-per set of caches and cached, so steady-state calls (and graph capture after a
-warm-up call) allocate nothing.
+per set of caches and cached (copy_tables.py: tables a captured graph reads are
+never freed), so steady-state calls (and graph capture after a warm-up call)
+allocate nothing.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -24,7 +24,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.modes import persistent
+from kvpool.kernels.copy_tables import TABLES
 
 
 @triton.jit
@@ -50,37 +50,6 @@ def _copy_slots_kernel(
     tl.store(cache_ptr + dp * c_sp + (dst - dp * PAGE) * c_so + hd, x, mask=mask)
 
 
-_MAX_CACHED = 16
-_deltas_cache: "OrderedDict[Tuple, Tuple[torch.Tensor, int]]" = OrderedDict()
-
-
-def _deltas(group: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
-    """(device int64 offsets from group[0] in units of `align` elements, align), cached."""
-    key = (group[0].device, group[0].dtype) + tuple(t.data_ptr() for t in group)
-    hit = _deltas_cache.get(key)
-    if hit is not None:
-        _deltas_cache.move_to_end(key)
-        return hit
-    if group[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        raise c.KernelArgumentError(
-            "copy_slots: first call with this set of caches happened inside CUDA graph "
-            "capture; call it once before capturing (warm-up) so its offsets table exists"
-        )
-    esize = group[0].element_size()
-    base = group[0].data_ptr()
-    diffs = [t.data_ptr() - base for t in group]
-    if any(dlt % esize for dlt in diffs):
-        raise c.KernelArgumentError("copy_slots: cache addresses are not element-aligned")
-    align = 16 // esize if all(dlt % 16 == 0 for dlt in diffs) and esize <= 16 else 1
-    with persistent():  # a long-lived tensor, reused by later calls and captured graphs
-        table = torch.tensor([dlt // esize // align for dlt in diffs], dtype=torch.int64,
-                             device=group[0].device)
-    _deltas_cache[key] = (table, align)
-    if len(_deltas_cache) > _MAX_CACHED:
-        _deltas_cache.popitem(last=False)
-    return table, align
-
-
 def launch_copy_slots(
     caches: Sequence[torch.Tensor], geoms: Sequence[c.CacheGeom], src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
@@ -93,7 +62,7 @@ def launch_copy_slots(
         groups.setdefault((t.dtype,) + tuple(g), []).append(t)
     for group in groups.values():  # one launch for the usual uniform pool
         g = c.cache_geom(group[0], "caches")
-        table, align = _deltas(group)
+        table, align = TABLES.get(group)
         block_h, block_d, warps = c.tile(g.heads, g.head_dim)
         grid = (n, len(group), triton.cdiv(g.heads, block_h))
         _copy_slots_kernel[grid](

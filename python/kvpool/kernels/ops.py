@@ -16,6 +16,8 @@ import torch
 
 from kvpool.kernels import _common as c
 from kvpool.kernels import _ref
+from kvpool.errors import DuplicateSlotError
+from kvpool.kernels._guard import on_device
 
 __all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
 
@@ -37,7 +39,10 @@ def store_kv(
             (single-cache / MLA latent mode).
         slots: int32/int64 [n] on the caches' device; negative entries are skipped.
             Values are not range-checked (that would need a device read); the pool
-            hands out only valid slots.
+            hands out only valid slots. A slot repeated within one call is written
+            by several rows in parallel and which one lands is unspecified (it may
+            differ between CPU and GPU): repeat only padding sinks (page 0, whose
+            content is meaningless). The allocator never repeats a real slot.
         k, v: [n, H, D] rows.
         k_scale, v_scale: None, a float or a 1-element tensor (read at launch, so a
             captured graph sees later updates). fp8 caches store clamp(x / scale);
@@ -83,7 +88,8 @@ def store_kv(
         return
     from kvpool.kernels.store import launch_store_kv
 
-    launch_store_kv(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale)
+    with on_device(dev):
+        launch_store_kv(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale)
 
 
 def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
@@ -169,7 +175,8 @@ def gather_kv(
         return k_out, v_out
     from kvpool.kernels.gather import launch_gather_kv
 
-    launch_gather_kv(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
+    with on_device(dev):
+        launch_gather_kv(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
     return k_out, v_out
 
 
@@ -183,12 +190,17 @@ def copy_slots(
         caches: non-empty list of token-major or paged caches on one device, all
             with the same number of slots (slot = page * P + offset).
         src_slots, dst_slots: int32/int64 [n]; pairs with a negative src or dst are
-            skipped. dst slots must not also appear as src slots in the same call
-            (rows are copied in parallel).
+            skipped. Among the other pairs, no dst may repeat and no dst may also be a
+            src: rows are copied in parallel, so on a GPU the result would depend on
+            scheduling. Host (CPU) slots are checked and rejected with
+            ``DuplicateSlotError``; device slots are not (that would need a read-back)
+            and their result is then unspecified. The allocator's copy-on-write
+            copies always go from shared pages to fresh ones, so they never overlap.
 
     Raises:
         TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
             a bad argument (nothing copied).
+        DuplicateSlotError: host slots whose pairs overlap (see above; nothing copied).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     if not isinstance(caches, (list, tuple)) or len(caches) == 0:
@@ -207,12 +219,33 @@ def copy_slots(
     c.check_index(dst_slots, "dst_slots", dev, n)
     if n == 0:
         return
+    if dev.type == "cpu":
+        _check_disjoint(src_slots, dst_slots)
     if not c.use_triton(caches[0]):
         _ref.copy_slots_ref(caches, src_slots, dst_slots)
         return
     from kvpool.kernels.copy import launch_copy_slots
 
-    launch_copy_slots(caches, geoms, src_slots, dst_slots)
+    with on_device(dev):
+        launch_copy_slots(caches, geoms, src_slots, dst_slots)
+
+
+def _check_disjoint(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Host slots of one copy_slots call: destinations distinct and not also sources."""
+    keep = (src >= 0) & (dst >= 0)
+    s, d = src[keep].long(), dst[keep].long()
+    uniq, counts = torch.unique(d, return_counts=True)
+    if bool((counts > 1).any()):
+        raise DuplicateSlotError(
+            f"copy_slots: destination slot {int(uniq[counts > 1][0])} appears more than once; "
+            "each destination may be written by one pair only"
+        )
+    both = d[torch.isin(d, s)]
+    if both.numel():
+        raise DuplicateSlotError(
+            f"copy_slots: slot {int(both[0])} is both a destination and a source; rows are "
+            "copied in parallel, so split the call (copy into fresh slots first)"
+        )
 
 
 def write_req_to_token(
@@ -269,4 +302,5 @@ def write_req_to_token(
         return
     from kvpool.kernels.req_table import launch_write_req_to_token
 
-    launch_write_req_to_token(req_to_token, rows, starts, counts, slots, offsets)
+    with on_device(dev):
+        launch_write_req_to_token(req_to_token, rows, starts, counts, slots, offsets)

@@ -64,9 +64,12 @@ def _store_kv_kernel(
     # int64 so slot * stride cannot overflow on multi-GiB caches.
     slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
     slot = tl.where(t < n, slot, -1)
-    # A skipped row shrinks its dim limit to 0 (rather than and-ing a per-row bool
-    # into the mask: the interpreter mistypes mixed-rank bool ands).
-    lim = tl.where(slot >= 0, D, 0)[:, None, None]                    # [R, 1, 1]
+    # A skipped row shrinks its dim limit to 0. Arithmetic, not tl.where(slot >= 0, D, 0)
+    # nor a per-row bool and-ed into the mask: D * {0, 1} keeps D's divisibility, so the
+    # compiler still sees the mask as uniform over 8-element runs of d and emits 16-byte
+    # vector loads/stores (Triton 3.9 falls back to one element per access with the
+    # where-form); and the interpreter mistypes mixed-rank bool ands.
+    lim = (D * (slot >= 0).to(tl.int32))[:, None, None]               # [R, 1, 1]
     mask = (h < H) & (d < lim)
     page = slot // PAGE
     off = slot - page * PAGE

@@ -1,0 +1,29 @@
+"""Make a tensor's CUDA device current around a launch.
+
+Triton launches on the current device's current stream, and torch's
+``torch.cuda.graph`` / ``current_stream()`` default to the current device too:
+a pool on ``cuda:1`` called while ``cuda:0`` is current would otherwise launch
+its kernels on the wrong device. The check costs one ``current_device()`` call;
+the switch happens only when the device differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+
+__all__ = ["on_device"]
+
+_NULL = contextlib.nullcontext()
+
+
+def on_device(device: torch.device) -> ContextManager:
+    """``torch.cuda.device(device)`` when ``device`` is a CUDA device other than the
+    current one; a no-op context otherwise (CPU, or already current)."""
+    if device.type != "cuda" or device.index is None:
+        return _NULL
+    if device.index == torch.cuda.current_device():
+        return _NULL
+    return torch.cuda.device(device.index)

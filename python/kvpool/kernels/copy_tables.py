@@ -1,0 +1,96 @@
+"""The per-cache-set offsets tables of copy_slots, and how long they live.
+
+copy_slots addresses every cache of a launch as the first cache's base pointer
+plus an offset read from a small device table. A CUDA graph that captured such
+a launch keeps the table's raw device address but holds no reference to the
+tensor: if the table were freed (an LRU eviction), every replay would read
+offsets out of freed memory and copy through whatever lands there.
+
+So a table that was used while its stream was capturing is pinned: kept for
+the life of the process (a few bytes per distinct set of caches a graph copies;
+a pool's K/V buffers are one set). Tables used only eagerly live in a bounded
+LRU. A table is a pure function of its key (the caches' addresses and dtype),
+so reusing one after its caches were freed and others allocated at the same
+addresses is still correct.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+import torch
+
+from kvpool.kernels._common import KernelArgumentError
+from kvpool.modes import persistent
+
+Key = Tuple
+Table = Tuple[torch.Tensor, int]  # (device int64 offsets in units of `align` elements, align)
+
+
+def is_capturing(t: torch.Tensor) -> bool:
+    """Whether t's device's current stream is capturing a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class OffsetTables:
+    """Offsets tables keyed by (device, dtype, data_ptrs of the caches)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._eager: "OrderedDict[Key, Table]" = OrderedDict()
+        self._pinned: Dict[Key, Table] = {}
+
+    def __len__(self) -> int:
+        return len(self._eager) + len(self._pinned)
+
+    @property
+    def pinned(self) -> int:
+        """How many tables are kept for captured graphs."""
+        return len(self._pinned)
+
+    def get(self, group: List[torch.Tensor]) -> Table:
+        """The table for `group` (built on the first eager call, pinned once used in capture).
+
+        Raises KernelArgumentError inside capture when no table exists: building one
+        there would copy from the host, which capture forbids."""
+        key = (group[0].device, group[0].dtype) + tuple(t.data_ptr() for t in group)
+        capturing = is_capturing(group[0])
+        hit = self._pinned.get(key)
+        if hit is not None:
+            return hit
+        hit = self._eager.get(key)
+        if hit is not None:
+            if capturing:
+                del self._eager[key]
+                self._pinned[key] = hit
+            else:
+                self._eager.move_to_end(key)
+            return hit
+        if capturing:
+            raise KernelArgumentError(
+                "copy_slots: no offsets table for this set of caches inside CUDA graph capture. "
+                "Call copy_slots once with the same caches before capturing (a warm-up), and "
+                f"capture before more than {self.capacity} other cache sets are used eagerly"
+            )
+        table = _build(group)
+        self._eager[key] = table
+        if len(self._eager) > self.capacity:
+            self._eager.popitem(last=False)  # never a pinned table: graphs may still read those
+        return table
+
+
+def _build(group: List[torch.Tensor]) -> Table:
+    esize = group[0].element_size()
+    base = group[0].data_ptr()
+    diffs = [t.data_ptr() - base for t in group]
+    if any(dlt % esize for dlt in diffs):
+        raise KernelArgumentError("copy_slots: cache addresses are not element-aligned")
+    align = 16 // esize if all(dlt % 16 == 0 for dlt in diffs) and esize <= 16 else 1
+    with persistent():  # a long-lived tensor, reused by later calls and captured graphs
+        table = torch.tensor([dlt // esize // align for dlt in diffs], dtype=torch.int64,
+                             device=group[0].device)
+    return table, align
+
+
+TABLES = OffsetTables()

@@ -1,0 +1,113 @@
+"""Pinned host staging for the pool's host -> device copies.
+
+A non-blocking copy from pageable host memory is not truly asynchronous: the
+CUDA driver first stages the bytes into its own pinned buffer and may
+synchronise with the stream to do so, which breaks "no pool call syncs the
+device". From pinned memory the copy is a plain DMA queued on the stream.
+
+The pool therefore packs each update into a ring of pinned buffers. A buffer
+may be refilled only once the copy that read it has run: an event recorded
+after that copy says so. When the next buffer is still in use (the host runs
+ahead of the GPU), the ring grows by one buffer instead of waiting; only past
+``max_depth`` buffers does it wait for the oldest copy (back-pressure on a
+host that is hundreds of copies ahead). Each buffer grows to the largest
+update it has carried, in powers of two, so steady state allocates nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import torch
+
+from kvpool.modes import persistent
+
+__all__ = ["PinnedRing"]
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    with persistent():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class _Slot:
+    __slots__ = ("buf", "event", "busy")
+
+    def __init__(self, buf: torch.Tensor, event: Any) -> None:
+        self.buf, self.event, self.busy = buf, event, False
+
+
+class PinnedRing:
+    """Host arrays -> device tensors through pinned buffers, without device syncs.
+
+    Args:
+        device: the CUDA device the copies go to.
+        min_bytes: initial size of each buffer.
+        max_depth: most buffers in flight before ``to_device`` waits for the oldest.
+        alloc, make_event: pinned-buffer and event factories (tests inject fakes).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        min_bytes: int = 1 << 14,
+        max_depth: int = 64,
+        alloc: Callable[[int], torch.Tensor] = _pinned,
+        make_event: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        self.device = device
+        self.min_bytes, self.max_depth = int(min_bytes), int(max_depth)
+        self._alloc = alloc
+        self._make_event = make_event or torch.cuda.Event
+        self._slots: List[_Slot] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    @property
+    def depth(self) -> int:
+        """Buffers the ring holds (grows while the host runs ahead of the GPU)."""
+        return len(self._slots)
+
+    def _free_slot(self, nbytes: int) -> _Slot:
+        n = len(self._slots)
+        for i in range(n):  # oldest first, starting after the last one used
+            s = self._slots[(self._next + i) % n]
+            if not s.busy or s.event.query():
+                self._next = (self._next + i + 1) % n
+                break
+        else:
+            if n < self.max_depth:
+                s = _Slot(self._alloc(self._size(nbytes)), self._make_event())
+                self._slots.insert(self._next, s)
+                self._next = (self._next + 1) % len(self._slots)
+                return s
+            s = self._slots[self._next]
+            s.event.synchronize()  # max_depth copies in flight: the host must wait
+            self._next = (self._next + 1) % n
+        if s.buf.numel() < nbytes:
+            # Safe to drop: its last copy has run (torch's host allocator also keeps a
+            # pinned block alive until the copies recorded on it complete).
+            s.buf = self._alloc(self._size(nbytes))
+        return s
+
+    def _size(self, nbytes: int) -> int:
+        return max(self.min_bytes, 1 << max(0, int(nbytes) - 1).bit_length())
+
+    def to_device(self, host: np.ndarray) -> torch.Tensor:
+        """A device copy of the contiguous array ``host`` (same dtype and shape), queued on
+        the device's current stream; ``host`` may be reused as soon as this returns."""
+        host = np.ascontiguousarray(host)
+        src = torch.from_numpy(host)
+        nbytes = host.nbytes
+        with self._lock:
+            s = self._free_slot(nbytes)
+            staged = s.buf[:nbytes].view(src.dtype).view(src.shape)
+            staged.copy_(src)
+            dev = staged.to(self.device, non_blocking=True)
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            s.event.record(stream) if stream is not None else s.event.record()
+            s.busy = True
+        return dev

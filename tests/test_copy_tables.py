@@ -1,0 +1,94 @@
+"""Lifetime of copy_slots' offsets tables (kernels/copy_tables.py).
+
+A CUDA graph that captured a copy_slots launch reads its table by raw address and
+holds no reference to it, so a table used during capture must never be freed; and
+per-layer calls over many cache sets must not evict a table before the capture that
+needs it. Stream capture is mocked here (is_capturing), so this runs on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.kernels import copy_tables
+from kvpool.kernels._common import KernelArgumentError
+from kvpool.kernels.copy_tables import OffsetTables
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    state = {"on": False}
+    monkeypatch.setattr(copy_tables, "is_capturing", lambda t: state["on"])
+    return state
+
+
+def _sets(n, caches_per_set=2):
+    return [[torch.zeros((16, 2, 8), dtype=torch.float16) for _ in range(caches_per_set)] for _ in range(n)]
+
+
+def test_table_holds_the_cache_offsets():
+    block = torch.zeros((4, 16, 2, 8), dtype=torch.float16)
+    group = [block[0], block[2], block[1]]
+    table, align = OffsetTables().get(group)
+    assert align == 8  # 16 bytes of fp16
+    want = [(t.data_ptr() - group[0].data_ptr()) // 2 for t in group]
+    assert [x * align for x in table.tolist()] == want
+    assert table.dtype == torch.int64 and table.device == group[0].device
+
+
+def test_captured_table_outlives_any_number_of_later_sets(capturing):
+    tables = OffsetTables(capacity=4)
+    layer0 = _sets(1)[0]
+    eager = tables.get(layer0)                 # warm-up
+    capturing["on"] = True
+    captured = tables.get(layer0)              # the launch a graph records
+    capturing["on"] = False
+    assert captured[0] is eager[0] and tables.pinned == 1
+    ptr = captured[0].data_ptr()
+    for group in _sets(20):                    # more sets than the LRU holds
+        tables.get(group)
+    again = tables.get(layer0)
+    assert again[0] is captured[0] and again[0].data_ptr() == ptr
+    assert len(tables) == 4 + 1                # eager LRU full, the pinned table kept
+
+
+def test_eager_tables_stay_bounded(capturing):
+    tables = OffsetTables(capacity=3)
+    for group in _sets(10):
+        tables.get(group)
+    assert len(tables) == 3 and tables.pinned == 0
+
+
+def test_per_layer_warmup_over_many_sets_then_capture(capturing):
+    """The reported failure: 32 layers' caches warmed up one set per layer, then captured
+    in the same order. With the old 16-entry LRU layer 0's table was gone by then."""
+    tables = OffsetTables()
+    layers = _sets(32)
+    warm = [tables.get(g)[0] for g in layers]
+    capturing["on"] = True
+    got = [tables.get(g)[0] for g in layers]
+    capturing["on"] = False
+    assert all(a is b for a, b in zip(warm, got)) and tables.pinned == 32
+
+
+def test_capture_without_warmup_is_a_clear_error(capturing):
+    tables = OffsetTables(capacity=2)
+    first, *others = _sets(4)
+    tables.get(first)
+    for g in others:                           # evicts `first` (never captured)
+        tables.get(g)
+    capturing["on"] = True
+    with pytest.raises(KernelArgumentError, match="warm-up"):
+        tables.get(first)
+    with pytest.raises(KernelArgumentError, match="before capturing"):
+        tables.get(_sets(1)[0])
+    assert tables.pinned == 0
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_table_is_a_normal_tensor_in_every_grad_mode(mode):
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad,
+           "grad": torch.enable_grad}[mode]
+    with ctx():
+        table, _ = OffsetTables().get(_sets(1)[0])
+    assert not table.is_inference() and not table.requires_grad

@@ -1,0 +1,158 @@
+"""What the Triton kernels compile to on a real GPU target, checked on a CPU machine.
+
+Each kernel is compiled for Hopper (GPUTarget("cuda", 90, 32)) with Triton's own
+compiler and the exact arguments its wrapper would launch with (tests/_codegen.py),
+for fp16, bf16 and fp8 caches. The PTX must show
+- 16-byte vector global loads/stores (ld/st.global.v4.b32) of 16-bit K/V rows, and
+  no access narrower than 4 bytes anywhere: a mask the compiler cannot prove
+  uniform over a thread's 8 consecutive elements makes it emit one ld/st.global.b16
+  (b8 for fp8) per element, which is what Triton 3.9 did with store_kv's
+  `tl.where(slot >= 0, D, 0)` row limit;
+- 64-bit slot-offset arithmetic: slot ids are multiplied by strides in 64 bits and
+  never truncated to 32, so caches past 2^31 elements are addressed correctly.
+
+In these tiles every thread holds 8 consecutive elements of a row (BLOCK_D = 128,
+1024 elements over 4 warps; prefill tiles hold 16). So a 16-bit tensor moves 16
+bytes per access, and an fp8 tensor at least 8 (16 where a thread holds 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+import _codegen as cg
+
+REASON = cg.cuda_target_unavailable(90)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+import kvpool.kernels as K  # noqa: E402
+from kvpool.kernels import copy as copy_mod  # noqa: E402
+from kvpool.kernels import gather as gather_mod  # noqa: E402
+from kvpool.kernels import store as store_mod  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+H, D = 8, 128
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": FP8}
+
+
+def _min_bytes(dtype: torch.dtype) -> int:
+    return 16 if dtype.itemsize >= 2 else 8
+
+
+def _check_vectorised(ptx: str, loads: dict, stores: dict) -> None:
+    """loads/stores: {min bytes per access: how many such data accesses at least}."""
+    acc = cg.global_accesses(ptx)
+    narrow = {op: k for op, k in acc.items() if cg.access_bytes(op) < 4}
+    assert not narrow, f"element-wise global accesses (the mask defeats vectorisation): {narrow}; all: {dict(acc)}"
+    for kind, want in (("ld", loads), ("st", stores)):
+        vec = [cg.access_bytes(op) for op, k in acc.items() for _ in range(k)
+               if op.startswith(f"{kind}.global.v")]
+        for width, count in want.items():
+            got = sum(1 for b in vec if b >= width)
+            assert got >= count, f"{kind}: want {count} accesses of >= {width} bytes, got {dict(acc)}"
+    scalar_stores = {op: k for op, k in acc.items() if op.startswith("st.global.") and ".v" not in op}
+    assert not scalar_stores, f"scalar global stores of K/V data: {dict(acc)}"
+
+
+def _check_64bit(ptx: str, runtime_params: list, name: str) -> None:
+    i = runtime_params.index(name)
+    assert cg.wide_slot_products(ptx, i), f"no 64-bit multiply of {name} values in the PTX"
+    bad = cg.narrowed_slot_uses(ptx, i)
+    assert not bad, f"{name} values narrowed to 32 bits: {bad}"
+
+
+def _record(module, kernel_name, call):
+    with cg.recording(module, kernel_name) as rec:
+        call()
+    assert len(rec.calls) == 1, f"expected one launch, got {len(rec.calls)}"
+    return rec.fn, rec.calls[0]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize(
+    "layout,n,slot_dtype",
+    [("token", 1, torch.int64), ("paged", 7, torch.int32), ("token", 4096, torch.int64)],
+    ids=["decode-token-i64", "decode-paged-i32", "prefill-token-i64"],
+)
+def test_store_kv_codegen(dtype, layout, n, slot_dtype):
+    cache_dt = DTYPES[dtype]
+    in_dt = torch.bfloat16 if cache_dt == FP8 else cache_dt
+    shape = (8192, H, D) if layout == "token" else (512, 16, H, D)
+    kc, vc = torch.zeros(shape, dtype=cache_dt), torch.zeros(shape, dtype=cache_dt)
+    k, v = torch.zeros((n, H, D), dtype=in_dt), torch.zeros((n, H, D), dtype=in_dt)
+    slots = torch.arange(n, dtype=slot_dtype)
+    scale = torch.ones(1) if cache_dt == FP8 else None
+    fn, launch = _record(store_mod, "_store_kv_kernel",
+                         lambda: K.store_kv(kc, vc, slots, k, v, scale, scale))
+    ptx, params = cg.compile_launch(fn, launch)
+    _check_vectorised(ptx, loads={16: 2}, stores={_min_bytes(cache_dt): 2})
+    _check_64bit(ptx, params, "slots_ptr")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_gather_kv_codegen(dtype):
+    cache_dt = DTYPES[dtype]
+    kc, vc = torch.zeros((512, 16, H, D), dtype=cache_dt), torch.zeros((512, 16, H, D), dtype=cache_dt)
+    slots = torch.arange(5)
+    kw = {"out_dtype": torch.bfloat16, "k_scale": torch.ones(1), "v_scale": torch.ones(1)} if cache_dt == FP8 else {}
+    fn, launch = _record(gather_mod, "_gather_kv_kernel", lambda: K.gather_kv(kc, vc, slots, **kw))
+    ptx, params = cg.compile_launch(fn, launch)
+    _check_vectorised(ptx, loads={_min_bytes(cache_dt): 2}, stores={16: 2})
+    _check_64bit(ptx, params, "slots_ptr")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_copy_slots_codegen(dtype):
+    caches = [torch.zeros((512, 16, H, D), dtype=DTYPES[dtype]) for _ in range(4)]
+    src, dst = torch.arange(3), torch.arange(3) + 100
+    fn, launch = _record(copy_mod, "_copy_slots_kernel", lambda: K.copy_slots(caches, src, dst))
+    ptx, params = cg.compile_launch(fn, launch)
+    _check_vectorised(ptx, loads={_min_bytes(DTYPES[dtype]): 1}, stores={_min_bytes(DTYPES[dtype]): 1})
+    _check_64bit(ptx, params, "src_ptr")
+    _check_64bit(ptx, params, "dst_ptr")
+
+
+# ----- the checks themselves can fail ---------------------------------------------------
+
+@triton.jit
+def _offset_kernel(cache, slots, x, stride, WIDE: tl.constexpr):
+    s = tl.load(slots + tl.program_id(0))  # int32 slot ids
+    if WIDE:
+        s = s.to(tl.int64)
+    d = tl.arange(0, 128)
+    tl.store(cache + s * stride + d, tl.load(x + d))
+
+
+@triton.jit
+def _where_mask_kernel(cache, slots, x, D):
+    t = tl.program_id(0) * 4 + tl.arange(0, 4)
+    s = tl.load(slots + t).to(tl.int64)
+    d = tl.arange(0, 128)[None, :]
+    lim = tl.where(s >= 0, D, 0)[:, None]  # the old store_kv row limit
+    tl.store(cache + s[:, None] * 128 + d, tl.load(x + t[:, None] * 128 + d), mask=d < lim)
+
+
+def test_analysis_flags_32bit_slot_offsets():
+    args = (torch.zeros(4096, dtype=torch.float16), torch.arange(4, dtype=torch.int32),
+            torch.zeros(128, dtype=torch.float16), 128)
+    narrow_ptx, params = cg.compile_launch(_offset_kernel, ((4,), args, {"WIDE": False}))
+    assert cg.narrowed_slot_uses(narrow_ptx, params.index("slots")), "int32 slot * stride not flagged"
+    wide_ptx, params = cg.compile_launch(_offset_kernel, ((4,), args, {"WIDE": True}))
+    assert not cg.narrowed_slot_uses(wide_ptx, params.index("slots"))
+    assert cg.wide_slot_products(wide_ptx, params.index("slots"))
+
+
+def test_analysis_flags_elementwise_access():
+    """A per-row tl.where row limit: Triton 3.9 emits b16 accesses (the defect the store
+    tests guard against). Older Triton vectorises it; then there is nothing to flag."""
+    args = (torch.zeros(4096 * 128, dtype=torch.bfloat16), torch.arange(16),
+            torch.zeros(16 * 128, dtype=torch.bfloat16), 128)
+    ptx, _ = cg.compile_launch(_where_mask_kernel, ((4,), args, {"num_warps": 4}))
+    acc = cg.global_accesses(ptx)
+    if all(cg.access_bytes(op) >= 4 for op in acc):
+        pytest.skip(f"triton {triton.__version__} vectorises the where-form mask: {dict(acc)}")
+    with pytest.raises(AssertionError, match="element-wise"):
+        _check_vectorised(ptx, loads={16: 1}, stores={16: 1})
