@@ -92,7 +92,7 @@ def decode(model: Any, pool: Any, h: int, first: int, steps: int) -> torch.Tenso
     tok, out = first, []
     for _ in range(steps):
         ext = pool.extend([h], 1)
-        n = int(pool.allocator.length(h))
+        n = int(pool.length(h))
         logits = model.forward_pool(pool, torch.tensor([[tok]]), torch.tensor([[n - 1]]),
                                     torch.tensor([pool.rows([h])[0]]), ext.out_cache_loc, n)[0, -1]
         out.append(logits)
@@ -133,17 +133,17 @@ def transfer_decode(rank: int, world: int, page_sizes: tuple[int, ...]) -> dict[
                     st = pool.send_request(h, 1)
                     dist.send(torch.tensor([int(pre[-1].argmax())]), 1)
                     stats.append((st.pages, st.cached_pages, st.bytes, st.messages))
-                    pages.append(pool.allocator.pages(h).tolist())
+                    pages.append(pool.pages(h).tolist())
                     pool.close([h])
                 else:
                     h = pool.recv_request(0)
                     first = torch.zeros(1, dtype=torch.int64)
                     dist.recv(first, 0)
-                    pages.append(pool.allocator.pages(h).tolist())
-                    assert pool.allocator.length(h) == len(prompt)
+                    pages.append(pool.pages(h).tolist())
+                    assert pool.length(h) == len(prompt)
                     logits.append(decode(model, pool, h, int(first), STEPS))
                     pool.close([h])
-                pool.allocator.check()
+                pool.check()
             if rank == 1:
                 pool.close(filler)
             result[P] = {"logits": logits, "stats": stats, "pages": pages, "snapshot": snapshot(pool)}
@@ -181,12 +181,12 @@ def _raw_cases(rank: int) -> dict[str, Any]:
             pool.send_request(h, 1, chunk_bytes=1)  # one page per chunk: many chunks
         else:
             h = pool.recv_request(0)
-            slots = pool.allocator.slots(h)
+            slots = pool.slots(h)
         out[name] = {"read": [pool.read(layer, slots) for layer in range(pool.num_layers)],
                      "raw": [c[:, torch.from_numpy(slots).long()].contiguous().view(torch.uint8)
                              for _, c in pool._storage.tensors()] if name != "fp8_rescaled" else None}
         pool.close([h])
-        pool.allocator.check()
+        pool.check()
     return out
 
 
@@ -232,7 +232,7 @@ def failures(rank: int, world: int) -> dict[str, Any]:
         except TransferError as e:
             res["stale"] = (type(e).__name__, str(e), time.monotonic() - t0)
         h = big.recv_request(0)
-        res["after"] = len(big.allocator.pages(h))
+        res["after"] = len(big.pages(h))
         big.close([h])
         res["unchanged"] = snapshot(big)
     return res

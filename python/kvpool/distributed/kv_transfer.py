@@ -34,7 +34,7 @@ from kvpool._core import ContextTooLongError, KVPoolError, PoolExhaustedError, T
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
-from kvpool.layout import FP8_DTYPES
+from kvpool.torch_types import FP8_DTYPES
 from kvpool.modes import persistent
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
@@ -201,8 +201,8 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     header = np.zeros(HEADER_LEN, np.int64)
     header[H_MAGIC], header[H_VERSION] = MAGIC, VERSION
     try:
-        length = int(pool.allocator.length(handle))
-        pages = np.asarray(pool.allocator.pages(handle), dtype=np.int64)
+        length = int(pool.length(handle))
+        pages = np.asarray(pool.pages(handle), dtype=np.int64)
         hashes = _chain_hashes(pool, handle)
     except KVPoolError:
         header[H_ABORT] = 1  # let the receiver fail now instead of at its timeout
@@ -315,7 +315,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     n_hashes, n_scales, per_chunk = int(header[H_HASHES]), int(header[H_SCALES]), int(header[H_PER_CHUNK])
     meta = link.recv_ints(n_hashes + n_scales, "chain hashes and scales") if n_hashes + n_scales else np.zeros(0, np.int64)
     hashes, src_scales = meta[:n_hashes], meta[n_hashes:].view(np.float64)
-    alloc = pool.allocator
+    alloc = pool  # the KVPool facade: counters, pages, max_context_len
     P = pool.page_size
 
     def refuse(status: int, error: Exception, need: int = 0, extra: int = 0) -> Exception:

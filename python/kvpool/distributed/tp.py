@@ -118,7 +118,7 @@ class TPPool:
 
     def digest(self) -> bytes:
         """16 bytes: every recorded call and result, plus the allocator's current counters."""
-        a = self.inner.allocator
+        a = self.inner
         h = self._hash.copy()
         h.update(np.array([a.free_pages, a.used_pages, a.open_requests, a.used_slots, self.calls],
                           dtype=np.int64).tobytes())
