@@ -88,3 +88,16 @@ def test_epoch_wrap_clears_batch_stamps():
     with pytest.raises(InvalidArgumentError, match="more than once"):
         a.extend(np.array([h[0], h[0]]), 1)  # real duplicates are still found
     a.check()
+
+
+def test_reopened_row_reports_old_handle_as_stale():
+    a = SlotAllocator(8, page_size=1, max_requests=1, max_context_len=4)
+    old = int(a.open(1)[0])
+    a.close([old])
+    new = int(a.open(1)[0])
+    assert new & 0xFFFFFFFF == old & 0xFFFFFFFF  # same row, newer generation
+    with pytest.raises(InvalidHandleError, match="stale"):
+        a.extend([old], 1)
+    a.close([new])
+    with pytest.raises(InvalidHandleError, match="closed"):
+        a.length(new)

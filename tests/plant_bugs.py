@@ -1,0 +1,181 @@
+"""Mutation check: plant known bugs one at a time and show the suite catches each.
+
+Each mutant is a text substitution in one file of a temporary copy of the
+repository (the tracked files; this checkout is never touched). Mutants in
+Rust rebuild the extension in the copy (the quick FAST profile, with a shared
+target directory so only the changed crates recompile); Python mutants reuse
+the unmutated module built once at the start. Then the mutant's test files
+run; the mutant is CAUGHT when pytest fails.
+
+A mutant whose target text is absent (the code it plants a bug in was
+rewritten, e.g. by the shared-pages core) is reported NOT APPLICABLE, never as
+caught; one that needs a test-only hook the build lacks is reported NEEDS HOOK.
+Exit status 1 if any applicable mutant survives or the unmutated copy fails
+its own tests.
+
+Usage: python tests/plant_bugs.py [--only NAME ...] [--keep]
+Takes several minutes (one Rust build per Rust mutant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = Path(tempfile.gettempdir()) / "kvpool-mutants-target"
+HOOK = "_set_counters_for_tests"
+
+
+@dataclass
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+    needs_hook: bool = False
+
+    @property
+    def rust(self) -> bool:
+        return self.path.endswith(".rs")
+
+
+MUTANTS = [
+    # The 8 planted bugs that survived the red team's run (issue 15).
+    Mutant("exhausted-free-slots-without-page-size", "rust/kvpool-core/src/extend.rs",
+           "free_slots: self.free_pages.len() * self.page_size,", "free_slots: self.free_pages.len(),",
+           ["tests/test_allocator_counters.py"]),
+    Mutant("generation-wraps-to-0", "rust/kvpool-core/src/handle.rs",
+           "if g >= MAX_GENERATION {\n        1", "if g >= MAX_GENERATION {\n        0",
+           ["tests/test_allocator_counters.py"], needs_hook=True),
+    Mutant("metadata-bytes-ignores-page-lists", "rust/kvpool-core/src/queries.rs",
+           ".map(|r| r.pages.capacity())", ".map(|_r| 0usize)",
+           ["tests/test_allocator_counters.py"]),
+    Mutant("epoch-wrap-keeps-stamps", "rust/kvpool-core/src/allocator.rs",
+           "self.stamp.iter_mut().for_each(|s| *s = 0);", "",
+           ["tests/test_allocator_counters.py"], needs_hook=True),
+    Mutant("truncate-holds-gil", "rust/kvpool-py/src/allocator.rs",
+           "py.detach(|| self.lock().truncate(&h, counts_of(&l)))",
+           "(|| self.lock().truncate(&h, counts_of(&l)))()",
+           ["tests/test_allocator_threads.py"]),
+    Mutant("check-holds-gil", "rust/kvpool-py/src/allocator.rs",
+           "py.detach(|| self.lock().check())", "(|| self.lock().check())()",
+           ["tests/test_allocator_threads.py"]),
+    Mutant("overhead-bytes-without-fp8-scales", "python/kvpool/pool.py",
+           "return self.req_to_token.nbytes + scales + int(self.allocator.metadata_bytes)",
+           "return self.req_to_token.nbytes + int(self.allocator.metadata_bytes)",
+           ["tests/test_memory_figures.py"]),
+    Mutant("gather-kv-ignores-out-on-cpu", "python/kvpool/kernels/gather.py",
+           "        k_out.copy_(k_ref)\n        if v_out is not None and v_ref is not None:\n"
+           "            v_out.copy_(v_ref)\n        return k_out, v_out",
+           "        return k_ref, v_ref",
+           ["tests/test_kernels.py"]),
+    Mutant("memory-fraction-ignored-on-cpu", "python/kvpool/capacity.py",
+           "budget = int(free_device_memory(device) * fraction)",
+           "budget = int(free_device_memory(device) * (fraction if device.type != 'cpu' else 1.0))",
+           ["tests/test_memory_figures.py"]),
+    # Caught before only by a Rust test or test_modes; kept to prove the Python suite sees them too.
+    Mutant("stale-reported-as-unknown", "rust/kvpool-core/src/allocator.rs",
+           "                HandleProblem::Stale\n            } else",
+           "                HandleProblem::Unknown\n            } else",
+           ["tests/test_allocator_counters.py"]),
+    Mutant("persistent-nested-the-wrong-way", "python/kvpool/modes.py",
+           "    with torch.inference_mode(False), torch.no_grad():",
+           "    with torch.no_grad(), torch.inference_mode(False):",
+           ["tests/test_modes.py"]),
+]
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, quiet: bool = True) -> int:
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=out).returncode
+
+
+def build(copy: Path) -> bool:
+    """FAST build of the extension in `copy`, installed into its python/kvpool."""
+    env = {**os.environ, "PYO3_PYTHON": sys.executable, "CARGO_TARGET_DIR": str(TARGET),
+           "CARGO_PROFILE_RELEASE_LTO": "off", "CARGO_PROFILE_RELEASE_CODEGEN_UNITS": "16",
+           "CARGO_PROFILE_RELEASE_OPT_LEVEL": "2"}
+    if run(["cargo", "build", "--release", "-p", "kvpool-py"], copy, env) != 0:
+        return False
+    shutil.copyfile(TARGET / "release" / "lib_core.so", copy / "python/kvpool/_core.abi3.so")
+    return True
+
+
+def pytest(copy: Path, tests: list[str]) -> int:
+    env = {**os.environ, "PYTHONPATH": str(copy / "python")}
+    return run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], copy, env)
+
+
+def has_hook(copy: Path) -> bool:
+    env = {**os.environ, "PYTHONPATH": str(copy / "python")}
+    code = f"import sys, kvpool; sys.exit(0 if hasattr(kvpool.SlotAllocator, {HOOK!r}) else 1)"
+    return run([sys.executable, "-c", code], copy, env) == 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    args = ap.parse_args()
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-mutants-"))
+    copy = tmp / "repo"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    copy.mkdir()
+    for rel in filter(None, files.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    print(f"copy: {copy}; building the unmutated extension ...", flush=True)
+    if not build(copy):
+        print("the unmutated copy does not build", file=sys.stderr)
+        return 1
+    clean_so = (copy / "python/kvpool/_core.abi3.so").read_bytes()
+    hook = has_hook(copy)
+    baseline = sorted({t for m in mutants for t in m.tests})
+    if pytest(copy, baseline) != 0:
+        print(f"the unmutated copy fails {baseline}; fix that first", file=sys.stderr)
+        return 1
+
+    results: list[tuple[str, str]] = []
+    for m in mutants:
+        path = copy / m.path
+        text = path.read_text()
+        if text.count(m.old) != 1:
+            results.append((m.name, "NOT APPLICABLE (target code absent)"))
+        elif m.needs_hook and not hook:
+            results.append((m.name, f"NEEDS HOOK (SlotAllocator.{HOOK} not in this build)"))
+        else:
+            path.write_text(text.replace(m.old, m.new))
+            try:
+                if m.rust and not build(copy):
+                    verdict = "CAUGHT (does not compile)"
+                else:
+                    rc = pytest(copy, m.tests)
+                    verdict = f"CAUGHT by {' '.join(m.tests)}" if rc != 0 else "SURVIVED"
+            finally:
+                path.write_text(text)
+                if m.rust:  # the next Python mutant runs against the unmutated build
+                    (copy / "python/kvpool/_core.abi3.so").write_bytes(clean_so)
+            results.append((m.name, verdict))
+        print(f"{m.name:40s} {results[-1][1]}", flush=True)
+
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    survived = [n for n, v in results if v == "SURVIVED"]
+    print(f"\n{sum(v.startswith('CAUGHT') for _, v in results)} caught, {len(survived)} survived, "
+          f"{sum(not v.startswith(('CAUGHT', 'SURVIVED')) for _, v in results)} not run here")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
