@@ -163,3 +163,15 @@ def test_construction_arguments_are_validated():
     ]:
         with pytest.raises(InvalidArgumentError):
             SlotAllocator(**kwargs)
+
+
+def test_allocator_is_weak_referenceable():
+    import gc
+    import weakref
+
+    a = SlotAllocator(4)
+    ref = weakref.ref(a)
+    assert ref() is a
+    del a
+    gc.collect()
+    assert ref() is None
