@@ -25,6 +25,7 @@ from kvpool.errors import (
     TensorDeviceError,
     TensorDtypeError,
     TensorShapeError,
+    TritonUnavailableError,
 )
 from kvpool.handles import ROW_MASK, handle_row
 from kvpool.modes import Finding, audit, mutable, persistent
@@ -57,6 +58,7 @@ __all__ = [
     "TensorDeviceError",
     "TensorDtypeError",
     "TensorShapeError",
+    "TritonUnavailableError",
     # grad-mode safety
     "Finding",
     "audit",

@@ -20,10 +20,11 @@ import torch
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
-from kvpool.handles import ROW_MASK
-from kvpool.layout import FP8_DTYPES, LAYOUTS, KVStorage
+from kvpool.kernels import gather_kv, require_triton, store_kv
+from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
-from kvpool.transfer import PageTable, find_kernel, page_table_tensors, update_req_to_token
+from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
@@ -45,19 +46,6 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
     return int(value)
-
-
-def _device(device: Any) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidArgumentError(f"device {device!r} is not a torch device: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")
-    if dev.type == "cuda" and dev.index is None:
-        # Compare devices exactly later ("cuda" != "cuda:0" in torch).
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 class KVPool:
@@ -107,7 +95,8 @@ class KVPool:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.layout, self.dtype, self.device = layout, dtype, _device(device)
+        self.layout, self.dtype, self.device = layout, dtype, as_device(device)
+        require_triton(self.device)  # before any allocation: CUDA pools move K/V with Triton only
         self.fp8 = dtype in FP8_DTYPES
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if self.fp8 else dtype
@@ -153,15 +142,11 @@ class KVPool:
             self._scales = [
                 [s[i : i + 1] for i in range(self.num_layers)] for s in (self.k_scale, self.v_scale) if s is not None
             ]
-        if self.device.type == "cpu":
-            # A numpy view of the table: the Rust core writes new slots straight
-            # into it inside extend (zero copy, no torch op on the hot path).
-            self._table_np: np.ndarray | None = self.req_to_token.numpy()
-            self._store_kernel = self._table_kernel = None
-        else:
-            self._table_np = None
-            self._store_kernel = find_kernel("store_kv")
-            self._table_kernel = find_kernel("write_req_to_token")
+        # On CPU the table is host memory: the core writes new slots straight into
+        # this numpy view of it inside extend's one crossing (zero copy, no torch
+        # op on the hot path). Elsewhere extend ships the core's packed result
+        # with one copy to kvpool.kernels.write_req_to_token.
+        self._table_np: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -213,16 +198,8 @@ class KVPool:
         if self._table_np is not None:
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
-        slots, starts = self.allocator.extend_with_starts(handles, counts)
-        if isinstance(handles, np.ndarray) and handles.dtype == np.int64 and handles.ndim == 1:
-            rows = handles & ROW_MASK  # extend just validated them: row = low 32 bits
-        else:
-            rows = self.allocator.rows(handles)
-        if np.ndim(counts) == 0:
-            counts_arr = np.full(rows.shape[0], int(counts), dtype=np.int64)
-        else:
-            counts_arr = np.asarray(counts, dtype=np.int64)
-        dev = update_req_to_token(self.req_to_token, rows, starts, counts_arr, slots, self._table_kernel)
+        packed, num_requests = self.allocator.extend_packed(handles, counts)
+        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests)
         return ExtendResult(slots, dev)
 
     def truncate(self, handles: Any, lengths: Any) -> None:
@@ -289,43 +266,27 @@ class KVPool:
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
         names = ("kv",) if self.mla else ("k", "v")
         rows: list[torch.Tensor] = [k] if v is None else [k, v]
-        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
+        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
         n = idx.shape[0]
         for name, x in zip(names, rows):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
             idx = idx.to(self.device, non_blocking=True)
         # detach(): a source that requires grad must not drag the cache into
-        # autograd (in grad mode, index_copy_ would make the cache require grad).
+        # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]
-        if self._store_kernel is not None:
-            caches = [c[layer] for c in self._storage.flat]
-            scales: list[torch.Tensor | None] = [s[layer] for s in self._scales] or [None, None]
-            two = len(rows) > 1
-            self._store_kernel(
-                caches[0], caches[1] if two else None, idx, rows[0], rows[1] if two else None,
-                scales[0], scales[1] if two else None,
-            )
-            return
-        if idx.device.type != "cpu":
-            # Torch fallback on a device: dropping negatives would need a sync,
-            # so they go to slot 0, the padding sink of page 0.
-            idx = idx.clamp(min=0)
-        elif has_negative:
-            keep = idx >= 0
-            idx = idx[keep]
-            rows = [x[keep] for x in rows]
-        idx = idx.long()
-        for ci, x in enumerate(rows):
-            if self.fp8:
-                q = self._quantize(x, self._scales[ci][layer])
-                self._storage.raw[ci][layer].index_copy_(0, idx, q.view(torch.uint8))
-            else:
-                self._storage.flat[ci][layer].index_copy_(0, idx, x)
+        caches, scales = self._layer(layer)
+        if len(rows) == 1:
+            store_kv(caches[0], None, idx, rows[0], None, scales[0])
+        else:
+            store_kv(caches[0], caches[1], idx, rows[0], rows[1], scales[0], scales[1])
 
-    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        fmax = torch.finfo(self.dtype).max
-        return (x.float() / scale).clamp_(-fmax, fmax).to(self.dtype)
+    def _layer(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Token-major caches of ``layer`` and their fp8 scales (None when not fp8)."""
+        caches = [c[layer] for c in self._storage.flat]
+        if not self._scales:
+            return caches, [None] * len(caches)
+        return caches, [s[layer] for s in self._scales]
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
@@ -334,20 +295,17 @@ class KVPool:
         returns ``(latent, latent[..., :kv_lora_rank])``.
         """
         layer = check_layer(layer, self.num_layers)
-        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
+        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
         idx = idx.to(self.device)
-        safe = idx.clamp(min=0).long()
-        out = []
-        for ci in range(len(self._storage.caches)):
-            g = self._storage.raw[ci][layer].index_select(0, safe)
-            if self.fp8:
-                g = (g.view(self.dtype).float() * self._scales[ci][layer]).to(self.compute_dtype)
-            if has_negative:
-                g = torch.where((idx < 0).view(-1, 1, 1), torch.zeros((), dtype=g.dtype, device=g.device), g)
-            out.append(g)
-        if self.mla:
-            return out[0], out[0][..., : self.kv_lora_rank]
-        return out[0], out[1]
+        caches, scales = self._layer(layer)
+        two = len(caches) > 1
+        k, v = gather_kv(
+            caches[0], caches[1] if two else None, idx,
+            out_dtype=self.compute_dtype, k_scale=scales[0], v_scale=scales[1] if two else None,
+        )
+        if v is None:
+            return k, k[..., : self.kv_lora_rank]
+        return k, v
 
     def __repr__(self) -> str:
         kind = f"mla(rank={self.kv_lora_rank}, rope={self.qk_rope_head_dim})" if self.mla else "mha"

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from kvpool import ROW_MASK, PoolExhaustedError, TooManyRequestsError
+from kvpool import PoolExhaustedError, TooManyRequestsError
 from kvpool.demo.requests import Request
 from kvpool.demo.timing import TimedPool
 
@@ -163,6 +163,7 @@ class Engine:
                 break
             waiting.popleft()
             req.handle, req.length = handle, len(req.prompt)
+            req.row = int(self.pool.rows(handle)[0])
             produced += self._prefill(req, ext.out_cache_loc)
             running.append(req)
         return produced
@@ -172,7 +173,7 @@ class Engine:
         n = len(req.prompt)
         ids = torch.from_numpy(req.prompt).to(self.device)[None]
         positions = torch.arange(n, device=self.device)[None]
-        rows = torch.tensor([req.handle & ROW_MASK], device=self.device)
+        rows = torch.tensor([req.row], device=self.device)
         logits = self.model.forward_pool(self.pool, ids, positions, rows, out_cache_loc, n,
                                          last_only=not self.record)[0]
         req.output.append(int(logits[-1].argmax()))
@@ -201,7 +202,8 @@ class Engine:
         last = np.fromiter((r.output[-1] for r in batch), dtype=np.int64, count=len(batch))
         # input_ids, positions, req_rows, out_cache_loc, seq_lens: built on the host, where
         # the scheduler already knows them, so nothing is read back from the device.
-        host = np.stack([last, lengths - 1, handles & ROW_MASK, ext.slots, lengths])
+        rows = np.fromiter((r.row for r in batch), dtype=np.int64, count=len(batch))
+        host = np.stack([last, lengths - 1, rows, ext.slots, lengths])
         if self.runner is self.step_fn:
             self.step_fn.width = int(lengths.max())
             dev = torch.from_numpy(host).to(self.device)  # one host->device copy
@@ -237,7 +239,7 @@ class Engine:
         if finished:
             self.pool.close(np.array([r.handle for r in finished], dtype=np.int64))
             for r in finished:
-                r.handle = None
+                r.handle, r.row = None, -1
             self.stats.requests_done += len(finished)
         return [r for r in running if not r.done]
 

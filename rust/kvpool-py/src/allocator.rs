@@ -245,6 +245,54 @@ impl SlotAllocator {
         Ok((arr, starts_arr))
     }
 
+    /// `extend` plus everything a device copy of the request-to-token table
+    /// needs, in one crossing and one int64 array, so that one host-to-device
+    /// copy ships it: `(packed, b)` with b = the number of requests and
+    /// s = b rounded up to even, packed = [rows | starts | counts | offsets]
+    /// (each s long, the padding zero) followed by the new slots. Every
+    /// segment starts 16-byte aligned (Triton specializes pointers on it).
+    fn extend_packed<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> PyResult<(Arr<'py, i64>, usize)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let b = h.len();
+        let stride = b + (b & 1);
+        let head = 4 * stride;
+        let total = extend_total(b, &c, self.dims.2);
+        let (arr, mut out) = new_i64(py, head + total)?;
+        py.detach(|| {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let all = unsafe { out.slice() };
+            let (meta, dst) = all.split_at_mut(head);
+            let (rows, rest) = meta.split_at_mut(stride);
+            let (starts, rest) = rest.split_at_mut(stride);
+            let (cnts, offsets) = rest.split_at_mut(stride);
+            let mut at = 0i64;
+            self.lock()
+                .extend_into(&h, counts_of(&c), dst, |i, row, start, slots| {
+                    // i < b <= stride; get_mut keeps it panic-free.
+                    let n = slots.len() as i64;
+                    for (seg, v) in [
+                        (&mut *rows, row as i64),
+                        (&mut *starts, start as i64),
+                        (&mut *cnts, n),
+                        (&mut *offsets, at),
+                    ] {
+                        if let Some(x) = seg.get_mut(i) {
+                            *x = v;
+                        }
+                    }
+                    at += n;
+                })
+        })
+        .map_err(|e| to_pyerr(py, e))?;
+        Ok((arr, b))
+    }
+
     fn truncate(
         &self,
         py: Python<'_>,
