@@ -262,7 +262,7 @@ impl SlotAllocator {
         let b = h.len();
         let stride = b + (b & 1);
         let head = 4 * stride;
-        let total = extend_total(b, &c, self.dims.2);
+        let total = extend_total(b, &c, self.dims.2, self.dims.1);
         let (arr, mut out) = new_i64(py, head + total)?;
         py.detach(|| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
