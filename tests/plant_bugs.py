@@ -13,7 +13,7 @@ caught; one that needs a test-only hook the build lacks is reported NEEDS HOOK.
 Exit status 1 if any applicable mutant survives or the unmutated copy fails
 its own tests.
 
-Usage: python tests/plant_bugs.py [--only NAME ...] [--keep]
+Usage: python tests/plant_bugs.py [--group planted|fixes|all] [--only NAME ...] [--keep]
 Takes several minutes (one Rust build per Rust mutant).
 """
 
@@ -41,6 +41,7 @@ class Mutant:
     new: str
     tests: list[str]
     needs_hook: bool = False
+    group: str = "planted"
 
     @property
     def rust(self) -> bool:
@@ -72,7 +73,7 @@ MUTANTS = [
            "return self.req_to_token.nbytes + scales + int(self.allocator.metadata_bytes)",
            "return self.req_to_token.nbytes + int(self.allocator.metadata_bytes)",
            ["tests/test_memory_figures.py"]),
-    Mutant("gather-kv-ignores-out-on-cpu", "python/kvpool/kernels/gather.py",
+    Mutant("gather-kv-ignores-out-on-cpu", "python/kvpool/kernels/ops.py",
            "        k_out.copy_(k_ref)\n        if v_out is not None and v_ref is not None:\n"
            "            v_out.copy_(v_ref)\n        return k_out, v_out",
            "        return k_ref, v_ref",
@@ -90,6 +91,38 @@ MUTANTS = [
            "    with torch.inference_mode(False), torch.no_grad():",
            "    with torch.no_grad(), torch.inference_mode(False):",
            ["tests/test_modes.py"]),
+    # Issue 15's fixes, each undone: shows every regression test fails without its fix.
+    Mutant("fix3-slot-limit-unchecked", "python/kvpool/capacity.py",
+           "if pages * page_size > MAX_SLOTS:", "if False:",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix4-uint64-slots-wrap", "python/kvpool/validate.py",
+           'if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:', "if False:",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix5-extend-not-rolled-back", "python/kvpool/pool.py",
+           "self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())", "pass",
+           ["tests/test_pool_extend_rollback.py"], group="fixes"),
+    Mutant("fix5-rollback-in-batch-order", "python/kvpool/pool.py",
+           "self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())",
+           "self.allocator.truncate(hs.copy(), starts.copy())",
+           ["tests/test_pool_extend_rollback.py"], group="fixes"),
+    Mutant("fix5-meta-device-accepted", "python/kvpool/pool.py",
+           'if self.device.type not in ("cpu", "cuda"):', "if False:",
+           ["tests/test_pool_extend_rollback.py"], group="fixes"),
+    Mutant("fix8-float-num-pages-truncated", "python/kvpool/capacity.py",
+           'pages = _count("num_pages", num_pages)', "pages = int(num_pages)",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix8-memory-bytes-unchecked", "python/kvpool/capacity.py",
+           'budget = int(_real("memory_bytes", memory_bytes))', "budget = int(memory_bytes)",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix8-bool-accepted-as-int", "rust/kvpool-py/src/convert.rs",
+           "if obj.is_instance_of::<PyBool>() {", "if false {",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix8-result-sized-past-max-context-len", "rust/kvpool-py/src/output.rs",
+           ".filter(|&c| c <= max_context_len)", "",
+           ["tests/test_bad_input_catalogue.py"], group="fixes"),
+    Mutant("fix10-not-weak-referenceable", "rust/kvpool-py/src/allocator.rs",
+           "frozen, weakref)]", "frozen)]",
+           ["tests/test_allocator.py"], group="fixes"),
 ]
 
 
@@ -122,10 +155,12 @@ def has_hook(copy: Path) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    ap.add_argument("--only", nargs="*", help="mutant names to run (default: the --group)")
+    ap.add_argument("--group", choices=["planted", "fixes", "all"], default="planted",
+                    help="planted: the known bugs; fixes: issue 15's fixes undone one at a time")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = ap.parse_args()
-    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    mutants = [m for m in MUTANTS if (m.name in args.only if args.only else args.group in ("all", m.group))]
 
     tmp = Path(tempfile.mkdtemp(prefix="kvpool-mutants-"))
     copy = tmp / "repo"
