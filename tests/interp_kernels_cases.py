@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guard agains
 import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
 
-from _kernel_data import (  # noqa: E402
+from kvpool.testing.kernel_cases import (  # noqa: E402
     CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, make_caches, same, store_cases,
     untouched_equal,
 )

@@ -14,7 +14,7 @@ import kvpool
 import kvpool.kernels as K
 from kvpool.kernels import _ref
 
-from _kernel_data import FP8, build_store, same, store_cases
+from kvpool.testing.kernel_cases import FP8, build_store, same, store_cases
 
 
 def naive_slot_view(cache: torch.Tensor, s: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from kvpool._core import (
     InvariantError,
     KVPoolError,
     PoolExhaustedError,
+    PoolStats,
     SlotAllocator,
     TooManyRequestsError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "InvariantError",
     "KVPoolError",
     "PoolExhaustedError",
+    "PoolStats",
     "ROW_MASK",
     "SlotAllocator",
     "TooManyRequestsError",

@@ -20,6 +20,7 @@ import torch
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
+from kvpool.facade import AllocatorFacade
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
@@ -48,7 +49,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool:
+class KVPool(AllocatorFacade):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -63,6 +64,15 @@ class KVPool:
     scales are per layer in ``k_scale`` / ``v_scale`` (float32, initially 1);
     set them in place (``pool.k_scale[layer] = s`` or ``.copy_``), never by
     rebinding the attribute: writes and captured graphs read these tensors.
+
+    Request operations, queries and counters (``open``, ``close``, ``lengths``,
+    ``free_pages``, ``check``, ...) are the allocator's, forwarded (see
+    ``AllocatorFacade``); ``pool.allocator`` is never needed for ordinary work.
+
+    Raises (constructor):
+        InvalidArgumentError: a bad size, dtype, layout, device or capacity
+            (nothing is allocated).
+        TritonUnavailableError: a CUDA device and no usable Triton.
     """
 
     def __init__(
@@ -188,16 +198,32 @@ class KVPool:
             out.append(("v_scale", self.v_scale))
         return out
 
-    # ----- request operations (mirror the allocator) ----------------------
-
-    def open(self, n: int = 1) -> np.ndarray:
-        return self.allocator.open(n)
+    # ----- request operations that touch the tables ------------------------
+    # (open, truncate, close, reset and the allocator's queries and counters
+    # come from AllocatorFacade)
 
     def extend(self, handles: Any, counts: Any) -> ExtendResult:
-        """Grow requests by ``counts`` tokens; update ``req_to_token``; return the new slots.
+        """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
 
-        Atomic: on any error (stale handle, pool exhausted, context too long)
-        neither the allocator nor the table changes.
+        One crossing into the core. On CPU the core writes the table in place
+        (it is host memory); on CUDA one H2D copy and one table-kernel launch,
+        no device sync. A new page is taken only when a request's last one is full.
+
+        Args:
+            handles: the requests (no duplicates).
+            counts: new tokens per request, or one int for all (>= 0).
+
+        Returns:
+            ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
+            request order, as a host int64 array and as an int64 tensor on the
+            pool's device.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            PoolExhaustedError: not enough free pages (the message says needed vs free).
+            ContextTooLongError: a request would pass ``max_context_len``.
+            InvalidArgumentError: a negative count, mismatched sizes, a duplicate handle.
+            Atomic: on any error neither the allocator nor the table changes.
         """
         if self._table_np is not None:
             slots = self.allocator.extend(handles, counts, table=self._table_np)
@@ -218,49 +244,65 @@ class KVPool:
             raise
         return ExtendResult(slots, dev)
 
-    def truncate(self, handles: Any, lengths: Any) -> None:
-        """Shorten requests. Table entries past the new length are left stale:
-        they are never read (readers stop at the sequence length) and the next
-        ``extend`` overwrites them."""
-        self.allocator.truncate(handles, lengths)
-
-    def close(self, handles: Any) -> None:
-        self.allocator.close(handles)
-
-    def reset(self) -> None:
-        self.allocator.reset()
-
-    def rows(self, handles: Any) -> np.ndarray:
-        return self.allocator.rows(handles)
-
     def page_table(self, handles: Any) -> PageTable:
+        """FlashInfer's CSR page table of a batch, int32 tensors on the pool's device.
+
+        Args:
+            handles: the batch's requests, in batch order.
+
+        Returns:
+            ``PageTable(kv_indptr [B+1], kv_indices, kv_last_page_len [B])``
+            (zero copy on CPU, one H2D copy on CUDA).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
         return page_table_tensors(*self.allocator.page_table(handles), self.device)
 
     # ----- views ----------------------------------------------------------
 
     def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy."""
+        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy.
+
+        Returns:
+            ``[num_slots, H, D]`` (layout ``"token"``) or ``[num_pages, P, H, D]`` (``"paged"``).
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         return self._storage.shaped[0][check_layer(layer, self.num_layers)]
 
     def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's V cache (MLA: the first kv_lora_rank features of the latent cache)."""
+        """Layer's V cache in the pool's layout (MLA: the first ``kv_lora_rank`` features
+        of the latent cache). A view, no copy.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         layer = check_layer(layer, self.num_layers)
         if self.mla:
             return self._storage.shaped[0][layer][..., : self.kv_lora_rank]
         return self._storage.shaped[1][layer]
 
     def kv_buffer(self, layer: int) -> torch.Tensor:
-        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages)."""
+        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages).
+
+        Raises:
+            InvalidArgumentError: the pool is not MLA.
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         if not self.mla:
             raise InvalidArgumentError("kv_buffer() is for MLA pools; use k_buffer()/v_buffer()")
         return self._storage.shaped[0][check_layer(layer, self.num_layers)]
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
+        """``k_buffer(layer)`` of every layer (SGLang's ``k_buffer`` list)."""
         return list(self._storage.shaped[0])
 
     @property
     def v_buffers(self) -> list[torch.Tensor]:
+        """``v_buffer(layer)`` of every layer."""
         return [self.v_buffer(i) for i in range(self.num_layers)] if self.mla else list(self._storage.shaped[1])
 
     # ----- writes and reads -----------------------------------------------
@@ -273,7 +315,21 @@ class KVPool:
         (``[0, page_size)``) are the padding sink and accepted, since the
         allocator never gives them to a request; ``strict=True`` rejects them
         (and negatives) with ``ReservedSlotError``, for batches known to hold
-        only real tokens. MLA pools: ``write(layer, slots, kv)``.
+        only real tokens. Runs ``kvpool.kernels.store_kv`` (Triton on CUDA,
+        capture-safe; torch on CPU).
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
+                device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
+                Host slots are range-checked; device slots are not (no sync).
+            k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
+                pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
+            strict: reject padding and page-0 slots.
+
+        Raises:
+            LayerIndexError, SlotRangeError, ReservedSlotError, TensorShapeError,
+            TensorDtypeError, TensorDeviceError: a bad argument (nothing written).
         """
         layer = check_layer(layer, self.num_layers)
         if self.mla and v is not None:
@@ -307,8 +363,20 @@ class KVPool:
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
 
-        A helper for tests and debugging, not the attention path. MLA:
-        returns ``(latent, latent[..., :kv_lora_rank])``.
+        A helper for tests and debugging, not the attention path (runs
+        ``kvpool.kernels.gather_kv``; allocates its outputs).
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` slots, as for ``write``.
+
+        Returns:
+            ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` new tensors. MLA:
+            ``(latent, latent[..., :kv_lora_rank])``.
+
+        Raises:
+            LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
+            TensorDeviceError: a bad argument.
         """
         layer = check_layer(layer, self.num_layers)
         idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)

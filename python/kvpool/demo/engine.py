@@ -72,12 +72,11 @@ class Engine:
                  admission: str = "reserve", record: bool = False) -> None:
         if admission not in ("reserve", "optimistic"):
             raise ValueError(f"admission must be 'reserve' or 'optimistic', got {admission!r}")
-        if not 1 <= max_running <= pool.allocator.max_requests:
-            raise ValueError(f"max_running must be in 1..{pool.allocator.max_requests} "
+        if not 1 <= max_running <= pool.max_requests:
+            raise ValueError(f"max_running must be in 1..{pool.max_requests} "
                              f"(the pool's max_requests), got {max_running}")
         self.model, self.raw_pool = model, pool
         self.pool = TimedPool(pool)
-        self.alloc = pool.allocator
         self.page_size = int(pool.page_size)
         self.max_running, self.admission, self.record = max_running, admission, record
         self.device = torch.device(pool.device)
@@ -96,7 +95,7 @@ class Engine:
 
     def check_fits(self, requests: Iterable[Request]) -> None:
         """Every request must fit in an empty pool, else it could never be admitted."""
-        cap_pages, max_ctx = self.alloc.capacity_pages, self.alloc.max_context_len
+        cap_pages, max_ctx = self.raw_pool.capacity_pages, self.raw_pool.max_context_len
         for r in requests:
             if r.final_length > max_ctx or self.pages_for(r.final_length) > cap_pages:
                 raise ValueError(
@@ -146,7 +145,7 @@ class Engine:
             req = waiting[0]
             need = self.pages_for(req.final_length if self.admission == "reserve"
                                   else len(req.prompt))
-            if self.alloc.free_pages - self._reserved_pages(running) < need:
+            if self.raw_pool.free_pages - self._reserved_pages(running) < need:
                 self.stats.steps_blocked_by_pool += 1
                 break
             try:
@@ -181,7 +180,7 @@ class Engine:
         self.stats.generated_tokens += 1
         if self.record:
             req.logits.append(logits.cpu())
-            req.slots_seen.update(int(s) for s in self.alloc.slots(req.handle))
+            req.slots_seen.update(int(s) for s in self.raw_pool.slots(req.handle))
         return 1
 
     def _decode(self, waiting: deque[Request], running: list[Request]) -> int:
@@ -244,6 +243,6 @@ class Engine:
         return [r for r in running if not r.done]
 
     def _sample(self, running: list[Request]) -> None:
-        a = self.alloc
+        a = self.raw_pool
         self.stats.occupancy.append(a.used_pages / a.capacity_pages)
         self.stats.token_occupancy.append(sum(r.length for r in running) / a.capacity_slots)

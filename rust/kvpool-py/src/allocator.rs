@@ -10,18 +10,95 @@ use numpy::{PyArray1, PyUntypedArray};
 use pyo3::prelude::*;
 
 use crate::convert::{int_arg, int_scalar, IntArg};
-use crate::errors::{invalid_argument, to_pyerr};
+use crate::errors::{invalid_argument, Result};
 use crate::output::{extend_total, new_i64};
 use crate::table::Table;
 
 type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+///
+/// Owns which slots each request holds: free pages, per-request page lists,
+/// page owners. Thread-safe (one internal lock; batch calls release the GIL).
+///
+/// Args:
+///     num_pages: total pages, reserved page 0 included (>= 2).
+///     page_size: slots per page (>= 1).
+///     max_requests: most requests open at once.
+///     max_context_len: most tokens per request.
+///
+/// Raises:
+///     InvalidArgumentError: a size is zero, negative or too large.
+// Geometry is fixed at construction: fields read without taking the lock
+// (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct SlotAllocator {
     inner: Mutex<Core>,
-    /// (max_requests, max_context_len, num_slots): fixed at construction, so
-    /// extend reads them without taking the lock.
-    dims: (usize, usize, usize),
+    /// Slots per page (P): slot = page * P + offset.
+    #[pyo3(get)]
+    page_size: usize,
+    /// Total pages, the reserved page 0 included.
+    #[pyo3(get)]
+    num_pages: usize,
+    /// num_pages * page_size: slot ids are in [0, num_slots).
+    #[pyo3(get)]
+    num_slots: usize,
+    /// Most requests open at once (rows of a request-to-token table).
+    #[pyo3(get)]
+    max_requests: usize,
+    /// Most tokens one request may hold.
+    #[pyo3(get)]
+    max_context_len: usize,
+    /// Pages requests can ever hold: num_pages - 1 (page 0 is reserved).
+    #[pyo3(get)]
+    capacity_pages: usize,
+    /// capacity_pages * page_size.
+    #[pyo3(get)]
+    capacity_slots: usize,
+}
+
+/// The pool's changing counters, read together under one lock (so they agree
+/// with each other, unlike separate property reads while other threads run).
+#[pyclass(name = "PoolStats", module = "kvpool._core", frozen, get_all)]
+pub struct PoolStats {
+    free_pages: usize,
+    used_pages: usize,
+    free_slots: usize,
+    used_slots: usize,
+    open_requests: usize,
+    admissible_tokens: usize,
+    metadata_bytes: usize,
+}
+
+impl PoolStats {
+    fn of(a: &Core) -> Self {
+        Self {
+            free_pages: a.free_pages(),
+            used_pages: a.used_pages(),
+            free_slots: a.free_slots(),
+            used_slots: a.used_slots(),
+            open_requests: a.open_requests(),
+            admissible_tokens: a.admissible_tokens(),
+            metadata_bytes: a.metadata_bytes(),
+        }
+    }
+}
+
+#[pymethods]
+impl PoolStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
+             open_requests={}, admissible_tokens={}, metadata_bytes={})",
+            self.free_pages,
+            self.used_pages,
+            self.free_slots,
+            self.used_slots,
+            self.open_requests,
+            self.admissible_tokens,
+            self.metadata_bytes
+        )
+    }
 }
 
 impl SlotAllocator {
@@ -40,10 +117,6 @@ impl SlotAllocator {
             Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
             Err(TryLockError::WouldBlock) => py.detach(|| f(&self.lock())),
         }
-    }
-
-    fn stat(&self, py: Python<'_>, f: fn(&Core) -> usize) -> usize {
-        self.query(py, f)
     }
 }
 
@@ -83,7 +156,7 @@ impl SlotAllocator {
         page_size: Option<&Bound<'_, PyAny>>,
         max_requests: Option<&Bound<'_, PyAny>>,
         max_context_len: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
+    ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
             Some(v) => usize_arg(py, v, what),
@@ -92,79 +165,75 @@ impl SlotAllocator {
         let page_size = or(page_size, "page_size", 1)?;
         let max_requests = or(max_requests, "max_requests", 256)?;
         let max_context_len = or(max_context_len, "max_context_len", 4096)?;
-        let core = py
-            .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
-            .map_err(|e| to_pyerr(py, e))?;
-        let dims = (
-            core.max_requests(),
-            core.max_context_len(),
-            core.num_slots(),
-        );
+        let core = py.detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))?;
         Ok(Self {
+            page_size: core.page_size(),
+            num_pages: core.num_pages(),
+            num_slots: core.num_slots(),
+            max_requests: core.max_requests(),
+            max_context_len: core.max_context_len(),
+            capacity_pages: core.capacity_pages(),
+            capacity_slots: core.capacity_slots(),
             inner: Mutex::new(core),
-            dims,
         })
     }
 
-    #[getter]
-    fn page_size(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::page_size)
+    /// stats() -> PoolStats
+    ///
+    /// The changing counters (free_pages, used_pages, free_slots, used_slots,
+    /// open_requests, admissible_tokens, metadata_bytes) read under one lock,
+    /// so they agree with each other even while other threads work.
+    fn stats(&self, py: Python<'_>) -> PoolStats {
+        self.query(py, PoolStats::of)
     }
-    #[getter]
-    fn num_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_pages)
-    }
-    #[getter]
-    fn num_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_slots)
-    }
-    #[getter]
-    fn max_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_requests)
-    }
-    #[getter]
-    fn max_context_len(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_context_len)
-    }
+    /// Pages on the free list.
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_pages)
+        self.query(py, Core::free_pages)
     }
+    /// Pages held by open requests.
     #[getter]
     fn used_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_pages)
+        self.query(py, Core::used_pages)
     }
-    #[getter]
-    fn capacity_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_pages)
-    }
+    /// free_pages * page_size.
     #[getter]
     fn free_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_slots)
+        self.query(py, Core::free_slots)
     }
+    /// Slots in held pages (including the unfilled tail of each last page).
     #[getter]
     fn used_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_slots)
+        self.query(py, Core::used_slots)
     }
-    #[getter]
-    fn capacity_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_slots)
-    }
+    /// Requests opened and not yet closed.
     #[getter]
     fn open_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::open_requests)
+        self.query(py, Core::open_requests)
     }
+    /// Tokens that can surely still be appended (a lower bound).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::admissible_tokens)
+        self.query(py, Core::admissible_tokens)
     }
+    /// Heap bytes of the allocator's bookkeeping.
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::metadata_bytes)
+        self.query(py, Core::metadata_bytes)
     }
 
+    /// open(n=1) -> ndarray[int64]
+    ///
+    /// Opens n empty requests (no pages until they grow).
+    ///
+    /// Returns:
+    ///     int64 array of n handles ((generation << 32) | row).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: more than max_requests would be open.
+    ///     InvalidArgumentError: n is negative.
     #[pyo3(signature = (n=None), text_signature = "($self, n=1)")]
-    fn open<'py>(&self, py: Python<'py>, n: Option<&Bound<'py, PyAny>>) -> PyResult<Arr<'py, i64>> {
+    fn open<'py>(&self, py: Python<'py>, n: Option<&Bound<'py, PyAny>>) -> Result<Arr<'py, i64>> {
         let n = match n {
             None => 1,
             Some(n) => usize_arg(py, n, "n")?,
@@ -172,11 +241,31 @@ impl SlotAllocator {
         // open_into checks n against the free rows before it reserves the
         // output, so a huge n is TooManyRequests, never an allocation abort.
         let mut v = Vec::new();
-        py.detach(|| self.lock().open_into(n, &mut v))
-            .map_err(|e| to_pyerr(py, e))?;
+        py.detach(|| self.lock().open_into(n, &mut v))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// extend(handles, counts, table=None) -> ndarray[int64]
+    ///
+    /// Grows each request by counts[i] tokens (or `counts` for all); a new page
+    /// is taken only when a request's last page is full. Atomic.
+    ///
+    /// Args:
+    ///     handles: int, sequence or 1-D integer array of open handles (no duplicates).
+    ///     counts: int (for all) or one int per handle, >= 0.
+    ///     table: optional int32 2-D numpy array [>= max_requests, >= max_context_len]
+    ///         (e.g. req_to_token.numpy()): table[row, start:start+count] gets each
+    ///         request's new slots in the same call.
+    ///
+    /// Returns:
+    ///     the new slots, flattened in request order (int64).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     PoolExhaustedError: not enough free pages (needed vs free in the message).
+    ///     ContextTooLongError: a request would pass max_context_len.
+    ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
+    ///         handle, bad table. Nothing changes on any error.
     #[pyo3(signature = (handles, counts, table=None))]
     fn extend<'py>(
         &self,
@@ -184,10 +273,10 @@ impl SlotAllocator {
         handles: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
         table: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Arr<'py, i64>> {
+    ) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (rows, cols, num_slots) = self.dims;
+        let (rows, cols, num_slots) = (self.max_requests, self.max_context_len, self.num_slots);
         // Validate the table fully before any change; keep `table` alive
         // (it is borrowed from the caller) while its buffer is written.
         let t = match table {
@@ -202,7 +291,7 @@ impl SlotAllocator {
                 Some(Table::validate(py, arr, rows, cols, num_slots)?)
             }
         };
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots, cols))?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots, self.max_context_len))?;
         py.detach(|| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let dst = unsafe { out.slice() };
@@ -215,20 +304,25 @@ impl SlotAllocator {
                         unsafe { t.write_row(row, start, slots) }
                     }
                 })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
+        })?;
         Ok(arr)
     }
 
+    /// extend_with_starts(handles, counts) -> (slots, starts)
+    ///
+    /// extend, also returning each request's length before the call (int64).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
     fn extend_with_starts<'py>(
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i64>, Arr<'py, i64>)> {
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.dims.2, self.dims.1))?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots, self.max_context_len))?;
         let (starts_arr, mut starts) = new_i64(py, h.len())?;
         py.detach(|| {
             // SAFETY: both arrays are alive and not yet shared (see OutBuf).
@@ -240,29 +334,33 @@ impl SlotAllocator {
                         *s = start as i64;
                     }
                 })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
+        })?;
         Ok((arr, starts_arr))
     }
 
+    /// extend_packed(handles, counts) -> (packed, b)
+    ///
     /// `extend` plus everything a device copy of the request-to-token table
     /// needs, in one crossing and one int64 array, so that one host-to-device
     /// copy ships it: `(packed, b)` with b = the number of requests and
     /// s = b rounded up to even, packed = [rows | starts | counts | offsets]
     /// (each s long, the padding zero) followed by the new slots. Every
     /// segment starts 16-byte aligned (Triton specializes pointers on it).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
     fn extend_packed<'py>(
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
         counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i64>, usize)> {
+    ) -> Result<(Arr<'py, i64>, usize)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
         let b = h.len();
         let stride = b + (b & 1);
         let head = 4 * stride;
-        let total = extend_total(b, &c, self.dims.2, self.dims.1);
+        let total = extend_total(b, &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, head + total)?;
         py.detach(|| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
@@ -288,71 +386,104 @@ impl SlotAllocator {
                     }
                     at += n;
                 })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
+        })?;
         Ok((arr, b))
     }
 
+    /// truncate(handles, lengths) -> None
+    ///
+    /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
+    /// pages no longer needed. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: a length is negative or past the request's
+    ///         length, mismatched lengths, duplicate handle.
     fn truncate(
         &self,
         py: Python<'_>,
         handles: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let l = int_arg(py, lengths, "lengths")?;
-        py.detach(|| self.lock().truncate(&h, counts_of(&l)))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// close(handles) -> None
+    ///
+    /// Closes requests and frees their pages; their handles become stale. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, already closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        py.detach(|| self.lock().close(&h))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().close(&h))?)
     }
 
-    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+    /// length(handle) -> int
+    ///
+    /// Tokens the request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
         let h = int_scalar(py, handle, "handle")?;
-        self.query(py, |a| a.length(h)).map_err(|e| to_pyerr(py, e))
+        Ok(self.query(py, |a| a.length(h))?)
     }
 
-    fn lengths<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-    ) -> PyResult<Arr<'py, i64>> {
+    /// lengths(handles) -> ndarray[int64]
+    ///
+    /// Tokens each request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().lengths(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().lengths(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    /// slots(handle) -> ndarray[int64]
+    ///
+    /// Every slot of the request, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().slots(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().slots(h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
+    /// pages(handle) -> ndarray[int32]
+    ///
+    /// The pages the request holds, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().pages(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().pages(h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// page_table(handles) -> (indptr, indices, last_page_len)
+    ///
+    /// FlashInfer's CSR page table of a batch (int32 arrays): request i's pages
+    /// are indices[indptr[i]:indptr[i+1]]; last_page_len[i] in [1, page_size]
+    /// (0 for an empty request).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn page_table<'py>(
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
+    ) -> Result<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let t = py
-            .detach(|| self.lock().page_table(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let t = py.detach(|| self.lock().page_table(&h))?;
         Ok((
             to_numpy(py, &t.indptr),
             to_numpy(py, &t.indices),
@@ -360,24 +491,43 @@ impl SlotAllocator {
         ))
     }
 
-    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    /// rows(handles) -> ndarray[int64]
+    ///
+    /// Each request's row of a request-to-token table (fixed while it is open).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().rows(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().rows(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// is_open(handle) -> bool
+    ///
+    /// Whether the handle is an open request (False for closed or stale ones).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: handle is not an int.
+    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
         let h = int_scalar(py, handle, "handle")?;
         Ok(self.query(py, |a| a.is_open(h)))
     }
 
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().check())
-            .map_err(|e| to_pyerr(py, e))
+    /// check() -> None
+    ///
+    /// Verifies every invariant: free + held = capacity, no page in two places,
+    /// owners match holders, page 0 never handed out.
+    ///
+    /// Raises:
+    ///     InvariantError: an invariant is broken (a bug in kvpool).
+    fn check(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.lock().check())?)
     }
 
+    /// reset() -> None
+    ///
+    /// Closes every request and frees every page; all handles become stale.
     fn reset(&self, py: Python<'_>) {
         py.detach(|| self.lock().reset())
     }

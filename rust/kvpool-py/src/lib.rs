@@ -14,6 +14,7 @@ mod table;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<allocator::SlotAllocator>()?;
+    m.add_class::<allocator::PoolStats>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
