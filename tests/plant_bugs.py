@@ -142,9 +142,13 @@ def build(copy: Path) -> bool:
     return True
 
 
-def pytest(copy: Path, tests: list[str]) -> int:
+def pytest(copy: Path, tests: list[str], show: bool = False) -> int:
     env = {**os.environ, "PYTHONPATH": str(copy / "python")}
-    return run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], copy, env)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+    if show and r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
+    return r.returncode
 
 
 def has_hook(copy: Path) -> bool:
@@ -177,7 +181,7 @@ def main() -> int:
     clean_so = (copy / "python/kvpool/_core.abi3.so").read_bytes()
     hook = has_hook(copy)
     baseline = sorted({t for m in mutants for t in m.tests})
-    if pytest(copy, baseline) != 0:
+    if pytest(copy, baseline, show=True) != 0:
         print(f"the unmutated copy fails {baseline}; fix that first", file=sys.stderr)
         return 1
 

@@ -16,7 +16,7 @@ import kvpool
 import kvpool.transfer as transfer
 from kvpool.cuda_graph import DecodeGraphRunner
 
-from _toy_step import ToyDecode
+from kvpool.testing.toy_step import ToyDecode
 
 
 def fresh_slots(counts, page_size):
