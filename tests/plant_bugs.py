@@ -173,7 +173,9 @@ def main() -> int:
     for rel in filter(None, files.decode().split("\0")):
         if (ROOT / rel).is_file():
             (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, copy / rel)
+            # copy, not copy2: fresh mtimes, so cargo never trusts a build of a
+            # mutated file left in the shared target directory by an earlier run.
+            shutil.copy(ROOT / rel, copy / rel)
     print(f"copy: {copy}; building the unmutated extension ...", flush=True)
     if not build(copy):
         print("the unmutated copy does not build", file=sys.stderr)
