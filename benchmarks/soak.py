@@ -6,9 +6,9 @@ Each worker thread opens requests, grows them by random prompt/decode counts
 that its own view of every request's slots agrees with the allocator. The
 main thread samples every ``--sample-s`` seconds and runs ``check()``.
 
-Warm-up first drives every request row once to ``max_context_len`` (so each
-row's page list has reached its largest capacity), then churns for the first
-``--warmup-frac`` of the time. After warm-up:
+Warm-up first drives every request row's page list to the largest capacity
+any growth history can give it (see ``saturate_rows``), then churns for the
+first ``--warmup-frac`` of the time. After warm-up:
 
 * ``metadata_bytes`` must not grow at all;
 * RSS must not grow by more than ``max(--rss-slack-mib, 2 %)`` (the median of
@@ -49,12 +49,24 @@ def make_pool(threads: int) -> kvpool.KVPool:
 
 
 def saturate_rows(pool: kvpool.KVPool) -> None:
-    """Every row once at max_context_len: page-list capacities reach their bound."""
-    per_batch = max(1, (pool.num_slots - pool.page_size) // pool.max_context_len)
-    for _ in range(-(-pool.max_requests // per_batch) + 1):
-        h = pool.open(min(per_batch, pool.max_requests - pool.allocator.open_requests))
-        pool.extend(h, pool.max_context_len)
-        pool.close(h)
+    """Drive every row's page list to the largest capacity any history can give it.
+
+    A row's page Vec never shrinks, and its capacity depends on how it grew
+    (one call to 127 pages reserves exactly 127; one more page then doubles
+    it). So each row grows to one page short of max_context_len in a single
+    call and then by one more page: the worst case. All rows are held open at
+    once (a closed row is reopened first, so open/close cycles would keep
+    reusing the same few rows), a chunk at a time as free pages allow.
+    """
+    ps, ctx = pool.page_size, pool.max_context_len
+    handles = pool.open(pool.max_requests)
+    per_chunk = max(1, pool.allocator.free_pages // -(-ctx // ps))
+    for i in range(0, len(handles), per_chunk):
+        chunk = handles[i : i + per_chunk]
+        pool.extend(chunk, max(ctx - ps, 0))
+        pool.extend(chunk, ctx - max(ctx - ps, 0))
+        pool.truncate(chunk, 0)
+    pool.close(handles)
     pool.reset()
 
 
