@@ -165,6 +165,18 @@ def test_construction_arguments_are_validated():
             SlotAllocator(**kwargs)
 
 
+def test_allocator_is_weak_referenceable():
+    import gc
+    import weakref
+
+    a = SlotAllocator(4)
+    ref = weakref.ref(a)
+    assert ref() is a
+    del a
+    gc.collect()
+    assert ref() is None
+
+
 def test_stats_snapshot_matches_properties():
     a = kvpool.SlotAllocator(10, 4, 3, 64)
     h = a.open(2)

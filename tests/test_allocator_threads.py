@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from kvpool import PoolExhaustedError, SlotAllocator
 
@@ -74,15 +75,13 @@ def test_threads_share_one_allocator_without_losing_or_doubling_slots():
     a.check()
 
 
-def test_gil_is_released_during_batch_work():
-    """A Python thread makes progress *during* one batch call.
+def _progress_during(call, setup, attempts=20):
+    """Whether a ticking Python thread advanced during one ``call()``.
 
     With a 10 s switch interval the interpreter never forces a GIL hand-over
     within this test, and the ticker gives the GIL up itself (sleep(0)) after
     each tick; so its count can only move between the two reads below if the
-    call itself released the GIL."""
-    a = SlotAllocator((1 << 20) + 1, max_requests=256, max_context_len=4096)
-    h = a.open(256)
+    call itself released the GIL. ``setup()`` runs before each attempt."""
     ticks = [0]
     stop = threading.Event()
 
@@ -96,18 +95,31 @@ def test_gil_is_released_during_batch_work():
     t = threading.Thread(target=ticker)
     try:
         t.start()
-        progressed = False
-        for _ in range(20):  # an attempt can miss if the OS does not schedule the ticker
+        for _ in range(attempts):  # an attempt can miss if the OS does not schedule the ticker
+            setup()
             before = ticks[0]
-            a.extend(h, 4096)  # 1M slots: milliseconds of work in one call
-            after = ticks[0]
-            a.truncate(h, 0)
-            if after > before:
-                progressed = True
-                break
+            call()
+            if ticks[0] > before:
+                return True
+        return False
     finally:
         stop.set()
         t.join()
         sys.setswitchinterval(old)
-    assert progressed
+
+
+@pytest.mark.parametrize("op", ["extend", "truncate", "check"])
+def test_gil_is_released_during_batch_work(op):
+    """extend, truncate and check() each do milliseconds of work on 1M slots
+    in one call; another Python thread must run meanwhile."""
+    a = SlotAllocator((1 << 20) + 1, max_requests=256, max_context_len=4096)
+    h = a.open(256)
+    if op == "extend":
+        setup, call = (lambda: a.truncate(h, 0)), (lambda: a.extend(h, 4096))
+    elif op == "truncate":
+        setup, call = (lambda: a.extend(h, 4096 - a.lengths(h))), (lambda: a.truncate(h, 0))
+    else:
+        a.extend(h, 4096)
+        setup, call = (lambda: None), a.check
+    assert _progress_during(call, setup)
     a.check()

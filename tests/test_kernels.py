@@ -157,6 +157,27 @@ def test_reference_divides_by_a_device_tensor_not_a_host_scalar(monkeypatch):
     assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 and b.dim() == 1 for b in seen)
 
 
+@pytest.mark.parametrize("with_v", [True, False])
+def test_gather_kv_fills_and_returns_out_on_cpu(with_v):
+    """out= is the capture-safe form: the rows land in the caller's tensors,
+    and those very tensors come back (no fresh allocation)."""
+    from kvpool.kernels import gather_kv
+
+    k_cache = torch.arange(6 * 2 * 3, dtype=torch.float32).view(6, 2, 3)
+    v_cache = -k_cache if with_v else None
+    slots = torch.tensor([4, -1, 1])
+    k_out = torch.full((3, 2, 3), 99.0)
+    v_out = torch.full((3, 2, 3), 99.0) if with_v else None
+    k, v = gather_kv(k_cache, v_cache, slots, out=(k_out, v_out))
+    assert k is k_out
+    expect = torch.stack([k_cache[4], torch.zeros(2, 3), k_cache[1]])
+    assert torch.equal(k_out, expect)
+    if with_v:
+        assert v is v_out and torch.equal(v_out, -expect + 0.0)
+    else:
+        assert v is None
+
+
 def test_kernels_and_cpu_pool_work_without_triton():
     """kvpool.kernels imports Triton only inside CUDA launches: with `import triton`
     failing, the package imports and a CPU pool extends, writes and reads."""

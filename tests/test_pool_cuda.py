@@ -27,7 +27,9 @@ def test_cuda_extend_write_read(layout: str, built: str) -> None:
     handles = pool.open(4)
     res = pool.extend(handles, [17, 1, 40, 3])
     assert res.out_cache_loc.is_cuda and res.out_cache_loc.dtype == torch.int64
-    assert res.out_cache_loc.cpu().tolist() == res.slots.tolist()
+    # A fresh pool hands out pages 1, 2, 3, ... in request order (page 0 reserved).
+    expect = list(range(16, 33)) + [48] + list(range(64, 104)) + list(range(112, 115))
+    assert res.out_cache_loc.cpu().tolist() == expect and res.slots.tolist() == expect
     table = pool.req_to_token.cpu()
     for h in handles:
         n = pool.allocator.length(h)
@@ -44,7 +46,10 @@ def test_cuda_extend_write_read(layout: str, built: str) -> None:
     for _, t in pool.named_tensors():
         assert not t.is_inference() and not t.requires_grad and t.is_cuda
     pt = pool.page_table(handles)
-    assert pt.kv_indptr.is_cuda and pt.kv_indptr.cpu().tolist() == pool.allocator.page_table(handles)[0].tolist()
+    assert all(t.is_cuda and t.dtype == torch.int32 for t in pt)
+    assert pt.kv_indptr.cpu().tolist() == [0, 2, 3, 6, 7]
+    assert pt.kv_indices.cpu().tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert pt.kv_last_page_len.cpu().tolist() == [1, 1, 8, 3]
 
 
 def test_cuda_fp8_roundtrip() -> None:

@@ -7,13 +7,43 @@ tested without the memory. Page 0 is reserved by the allocator and counted in
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+from typing import Any
 
 import torch
 
 from kvpool._core import InvalidArgumentError
 
-__all__ = ["bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_bytes"]
+__all__ = ["MAX_SLOTS", "bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_bytes"]
+
+#: Most slots a pool may have: ``req_to_token`` and the page tables are int32,
+#: so every slot id must be below 2**31 (a bigger pool would wrap to negative
+#: ids, which kernels treat as padding).
+MAX_SLOTS = 2**31
+
+
+def _count(name: str, value: Any) -> int:
+    """A non-negative int capacity argument (numpy ints too; no bools, floats or strings)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        hint = ""
+        if isinstance(value, float) and math.isfinite(value):
+            hint = f"; use {math.floor(value)} or {math.ceil(value)}"
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}{hint}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: Any) -> float:
+    """A finite real number (int or float; no bools or strings)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+    return v
 
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, mla: bool) -> int:
@@ -71,8 +101,9 @@ def resolve_num_pages(
             f"got {sorted(given) or 'none'}"
         )
     if num_pages is not None:
-        pages = int(num_pages)
+        pages = _count("num_pages", num_pages)
     elif num_slots is not None:
+        num_slots = _count("num_slots", num_slots)
         if num_slots % page_size:
             raise InvalidArgumentError(
                 f"num_slots={num_slots} is not a multiple of page_size={page_size}; "
@@ -81,12 +112,14 @@ def resolve_num_pages(
         pages = int(num_slots) // page_size
     else:
         if memory_fraction is not None:
-            if not 0.0 < memory_fraction <= 1.0:
+            fraction = _real("memory_fraction", memory_fraction)
+            if not 0.0 < fraction <= 1.0:
                 raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            budget = int(free_device_memory(device) * memory_fraction)
+            budget = int(free_device_memory(device) * fraction)
         else:
-            assert memory_bytes is not None
-            budget = int(memory_bytes)
+            budget = int(_real("memory_bytes", memory_bytes))
+            if budget < 0:
+                raise InvalidArgumentError(f"memory_bytes must be >= 0, got {memory_bytes}")
         page_bytes = slot_bytes * page_size
         pages = (budget - fixed_bytes) // page_bytes if budget > fixed_bytes else 0
         if pages < 2:
@@ -97,4 +130,10 @@ def resolve_num_pages(
             )
     if pages < 2:
         raise InvalidArgumentError(f"a pool needs >= 2 pages (page 0 is reserved), got {pages}")
+    if pages * page_size > MAX_SLOTS:
+        raise InvalidArgumentError(
+            f"{pages} pages of {page_size} slots = {pages * page_size} slots, more than the "
+            f"{MAX_SLOTS} (2**31) that int32 req_to_token and page tables can address; "
+            f"use at most num_pages={MAX_SLOTS // page_size}"
+        )
     return pages

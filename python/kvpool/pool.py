@@ -120,6 +120,10 @@ class KVPool(AllocatorFacade):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.layout, self.dtype, self.device = layout, dtype, as_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            # e.g. "meta" holds no data: every table update would fail after
+            # the allocator committed.
+            raise InvalidArgumentError(f"a KVPool lives on a 'cpu' or 'cuda' device, got {self.device}")
         require_triton(self.device)  # before any allocation: CUDA pools move K/V with Triton only
         self.fp8 = dtype in FP8_DTYPES
         if compute_dtype is None:
@@ -243,7 +247,19 @@ class KVPool(AllocatorFacade):
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
         packed, num_requests = self.allocator.extend_packed(handles, counts)
-        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+        try:
+            slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+        except BaseException:
+            # The allocator has committed; a failed copy or launch (CUDA OOM, a
+            # launch error) must not leave pages held behind a stale table.
+            # Truncating to the old lengths (packed's `starts` segment), last
+            # request first, pushes back exactly the pages taken, restoring
+            # the free stack's order (extend popped them first request first).
+            stride = num_requests + (num_requests & 1)
+            starts = packed[stride : stride + num_requests]
+            hs = np.asarray(handles, dtype=np.int64).reshape(-1)
+            self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())
+            raise
         return ExtendResult(slots, dev)
 
     def page_table(self, handles: Any) -> PageTable:

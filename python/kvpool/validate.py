@@ -52,15 +52,31 @@ def check_rows(name: str, x: Any, n: int, heads: int, dim: int, dtype: torch.dty
         raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {device}")
 
 
-def _as_tensor(slots: Any) -> torch.Tensor:
+def _out_of_range(bad: int, value: int, num_slots: int) -> SlotRangeError:
+    return SlotRangeError(
+        f"slots[{bad}] = {value} is out of range: valid slots are [0, {num_slots}) "
+        "(negative slots are padding and are skipped)"
+    )
+
+
+def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
     if isinstance(slots, torch.Tensor):
         return slots
     arr = np.asarray(slots)
+    if arr.dtype.kind in "fO" and isinstance(slots, (list, tuple)):
+        # Python ints past int64 make numpy pick float64 / object: name the slot.
+        for i, x in enumerate(slots):
+            if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
+                raise _out_of_range(i, x, num_slots)
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             arr = arr.astype(np.int64)
         else:
             raise TensorDtypeError(f"slots must be integers (int32/int64), got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        # astype(int64) would wrap these to negative ids, which mean padding.
+        bad = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise _out_of_range(bad, int(arr.reshape(-1)[bad]), num_slots)
     if arr.dtype not in (np.int32, np.int64):
         arr = arr.astype(np.int64)
     return torch.from_numpy(np.ascontiguousarray(arr))
@@ -89,7 +105,7 @@ def slots_tensor(
 def _slots_tensor(
     slots: Any, device: torch.device, num_slots: int, page_size: int, *, strict: bool
 ) -> tuple[torch.Tensor, bool]:
-    t = _as_tensor(slots)
+    t = _as_tensor(slots, num_slots)
     if t.dtype not in INDEX_DTYPES:
         raise TensorDtypeError(f"slots have dtype {t.dtype}; expected torch.int32 or torch.int64")
     if t.dim() != 1:
@@ -110,10 +126,7 @@ def _slots_tensor(
     lo, hi = (int(x) for x in torch.aminmax(t))
     if hi >= num_slots:
         bad = int(torch.nonzero(t >= num_slots)[0, 0])
-        raise SlotRangeError(
-            f"slots[{bad}] = {int(t[bad])} is out of range: valid slots are [0, {num_slots}) "
-            "(negative slots are padding and are skipped)"
-        )
+        raise _out_of_range(bad, int(t[bad]), num_slots)
     if strict and lo < page_size:
         bad = int(torch.nonzero(t < page_size)[0, 0])
         raise ReservedSlotError(

@@ -31,7 +31,7 @@ type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 ///     InvalidArgumentError: a size is zero, negative or too large.
 // Geometry is fixed at construction: fields read without taking the lock
 // (extend's checks, and the Python properties of the same names).
-#[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
+#[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct SlotAllocator {
     inner: Mutex<Core>,
     /// Slots per page (P): slot = page * P + offset.
@@ -134,25 +134,37 @@ fn counts_of(arg: &IntArg) -> Counts<'_> {
     }
 }
 
-fn usize_arg(py: Python<'_>, v: i64, what: &str) -> PyResult<usize> {
+/// A non-negative int argument: bools, floats, strings and ints outside
+/// int64 are InvalidArgumentError (not TypeError / OverflowError).
+fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    let v = int_scalar(py, obj, what)?;
     usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
 }
 
 #[pymethods]
 impl SlotAllocator {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=1, max_requests=256, max_context_len=4096))]
+    // Arguments arrive as objects (None = default) so that a bool, float or
+    // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
+    #[pyo3(
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096)"
+    )]
     fn new(
         py: Python<'_>,
-        num_pages: i64,
-        page_size: i64,
-        max_requests: i64,
-        max_context_len: i64,
+        num_pages: &Bound<'_, PyAny>,
+        page_size: Option<&Bound<'_, PyAny>>,
+        max_requests: Option<&Bound<'_, PyAny>>,
+        max_context_len: Option<&Bound<'_, PyAny>>,
     ) -> Result<Self> {
+        let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
+            None => Ok(default),
+            Some(v) => usize_arg(py, v, what),
+        };
         let num_pages = usize_arg(py, num_pages, "num_pages")?;
-        let page_size = usize_arg(py, page_size, "page_size")?;
-        let max_requests = usize_arg(py, max_requests, "max_requests")?;
-        let max_context_len = usize_arg(py, max_context_len, "max_context_len")?;
+        let page_size = or(page_size, "page_size", 1)?;
+        let max_requests = or(max_requests, "max_requests", 256)?;
+        let max_context_len = or(max_context_len, "max_context_len", 4096)?;
         let core = py.detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))?;
         Ok(Self {
             page_size: core.page_size(),
@@ -220,10 +232,16 @@ impl SlotAllocator {
     /// Raises:
     ///     TooManyRequestsError: more than max_requests would be open.
     ///     InvalidArgumentError: n is negative.
-    #[pyo3(signature = (n=1))]
-    fn open<'py>(&self, py: Python<'py>, n: i64) -> Result<Arr<'py, i64>> {
-        let n = usize_arg(py, n, "n")?;
-        let v = py.detach(|| self.lock().open(n))?;
+    #[pyo3(signature = (n=None), text_signature = "($self, n=1)")]
+    fn open<'py>(&self, py: Python<'py>, n: Option<&Bound<'py, PyAny>>) -> Result<Arr<'py, i64>> {
+        let n = match n {
+            None => 1,
+            Some(n) => usize_arg(py, n, "n")?,
+        };
+        // open_into checks n against the free rows before it reserves the
+        // output, so a huge n is TooManyRequests, never an allocation abort.
+        let mut v = Vec::new();
+        py.detach(|| self.lock().open_into(n, &mut v))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -273,7 +291,7 @@ impl SlotAllocator {
                 Some(Table::validate(py, arr, rows, cols, num_slots)?)
             }
         };
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots))?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots, self.max_context_len))?;
         py.detach(|| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let dst = unsafe { out.slice() };
@@ -304,7 +322,7 @@ impl SlotAllocator {
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots))?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots, self.max_context_len))?;
         let (starts_arr, mut starts) = new_i64(py, h.len())?;
         py.detach(|| {
             // SAFETY: both arrays are alive and not yet shared (see OutBuf).
@@ -342,7 +360,7 @@ impl SlotAllocator {
         let b = h.len();
         let stride = b + (b & 1);
         let head = 4 * stride;
-        let total = extend_total(b, &c, self.num_slots);
+        let total = extend_total(b, &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, head + total)?;
         py.detach(|| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).

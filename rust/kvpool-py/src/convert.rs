@@ -8,7 +8,7 @@ use crate::errors::invalid_argument;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 pub enum IntArg {
     Scalar(i64),
@@ -37,14 +37,14 @@ fn scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     if obj.is_instance_of::<PyBool>() {
         return Err(invalid_argument(
             py,
-            format!("{what} must be integers, got bool"),
+            format!("{what} must be an int or ints, got bool {obj}: pass 0 or 1 if that is meant"),
         ));
     }
     obj.extract::<i64>().map_err(|_| {
         invalid_argument(
             py,
             format!(
-                "{what} must be integers in the int64 range, got {} {}",
+                "{what} must be ints in the int64 range [-2**63, 2**63), got {} {}",
                 type_name(obj),
                 obj
             ),
@@ -109,6 +109,13 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
 
 /// Converts an int / sequence / array argument. `what` names it in errors.
 pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<IntArg> {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        // numpy would read "12" as a 0-D string array; name the real problem.
+        return Err(invalid_argument(
+            py,
+            format!("{what} must be an int or ints, got {} {}", type_name(obj), obj.repr()?),
+        ));
+    }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         return from_ndarray(py, arr, what);
     }

@@ -7,10 +7,10 @@ use std::ptr::NonNull;
 
 use numpy::npyffi::{npy_intp, PY_ARRAY_API};
 use numpy::{Element, PyArray1, PyArrayDescrMethods, PyArrayMethods};
-use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
 
 use crate::convert::IntArg;
+use crate::errors::invalid_argument;
 
 /// A fresh numpy array's buffer, to be filled with the GIL released.
 pub struct OutBuf {
@@ -37,10 +37,19 @@ impl OutBuf {
 /// A zero-filled int64 array of `len` entries and its buffer. Zeroed, not
 /// uninitialized, so that no Rust slice ever covers uninitialized memory
 /// (numpy's calloc makes that nearly free). Fallible: an array too big for
-/// memory is a MemoryError, not a panic.
+/// memory is an InvalidArgumentError (a KVPoolError), never a panic or abort.
 pub fn new_i64(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyArray1<i64>>, OutBuf)> {
-    let mut dims = [npy_intp::try_from(len)
-        .map_err(|_| PyMemoryError::new_err(format!("cannot allocate {len} slots")))?];
+    let too_big = |py: Python<'_>| {
+        invalid_argument(
+            py,
+            format!(
+                "cannot allocate the int64 result for {len} slots ({} bytes); \
+                 extend in smaller batches",
+                len.saturating_mul(8)
+            ),
+        )
+    };
+    let mut dims = [npy_intp::try_from(len).map_err(|_| too_big(py))?];
     // SAFETY: PyArray_Zeros steals the dtype reference that into_dtype_ptr
     // hands over, and returns a new reference or null with an exception set.
     let arr = unsafe {
@@ -51,30 +60,37 @@ pub fn new_i64(py: Python<'_>, len: usize) -> PyResult<(Bound<'_, PyArray1<i64>>
             i64::get_dtype(py).into_dtype_ptr(),
             0,
         );
-        Bound::from_owned_ptr_or_err(py, ptr)?.cast_into::<PyArray1<i64>>()?
+        Bound::from_owned_ptr_or_err(py, ptr)
+            .map_err(|_| too_big(py))?
+            .cast_into::<PyArray1<i64>>()?
     };
     // A 0-length array may carry any data pointer; the slice needs a non-null
     // aligned one.
     let ptr = match (len, NonNull::new(arr.data())) {
         (0, _) => NonNull::dangling(),
         (_, Some(p)) => p,
-        (_, None) => return Err(PyMemoryError::new_err("numpy returned no buffer")),
+        (_, None) => return Err(too_big(py)),
     };
     Ok((arr, OutBuf { ptr, len }))
 }
 
 /// The number of slots an extend with these arguments adds if it succeeds,
-/// or 0 when it cannot succeed (a negative count, or more slots than the
-/// pool has: the core's validation then reports why before anything is
-/// written, so a huge count never allocates a huge array).
-pub fn extend_total(n_handles: usize, counts: &IntArg, num_slots: usize) -> usize {
+/// or 0 when it cannot succeed (a negative count, a count past
+/// `max_context_len`, or more slots than the pool has: the core's validation
+/// then reports why before anything is written, so a huge count never
+/// allocates a huge array, even in a pool with a huge page size).
+pub fn extend_total(
+    n_handles: usize,
+    counts: &IntArg,
+    num_slots: usize,
+    max_context_len: usize,
+) -> usize {
+    let one = |c: i64| usize::try_from(c).ok().filter(|&c| c <= max_context_len);
     let total = match counts {
-        IntArg::Scalar(c) => usize::try_from(*c)
-            .ok()
-            .and_then(|c| c.checked_mul(n_handles)),
-        IntArg::Many(v) => v.iter().try_fold(0usize, |acc, &c| {
-            usize::try_from(c).ok().and_then(|c| acc.checked_add(c))
-        }),
+        IntArg::Scalar(c) => one(*c).and_then(|c| c.checked_mul(n_handles)),
+        IntArg::Many(v) => v
+            .iter()
+            .try_fold(0usize, |acc, &c| one(c).and_then(|c| acc.checked_add(c))),
     };
     total.filter(|&t| t <= num_slots).unwrap_or(0)
 }

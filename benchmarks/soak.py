@@ -1,0 +1,209 @@
+"""Soak: churn one KVPool from several threads for N minutes while sampling
+the process RSS and the allocator's ``metadata_bytes``.
+
+Each worker thread opens requests, grows them by random prompt/decode counts
+(writing K/V rows for every new slot), truncates and closes them, and checks
+that its own view of every request's slots agrees with the allocator. The
+main thread samples every ``--sample-s`` seconds and runs ``check()``.
+
+Warm-up first drives every request row's page list to the largest capacity
+any growth history can give it (see ``saturate_rows``), then churns for the
+first ``--warmup-frac`` of the time. After warm-up:
+
+* ``metadata_bytes`` must not grow at all;
+* RSS must not grow by more than ``max(--rss-slack-mib, 2 %)`` (the median of
+  the last three samples against the median of the first three after warm-up);
+* ``check()`` must pass every time, and no worker may see a lost or doubled slot.
+
+Exit status 1 on any failure. Figures go to stdout and, with ``--json``, to a file.
+
+Usage: python benchmarks/soak.py --minutes 1 [--threads 4] [--json bench_out/soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvpool
+from kvpool import PoolExhaustedError, TooManyRequestsError
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_pool(threads: int) -> kvpool.KVPool:
+    return kvpool.KVPool(2, 2, 16, dtype=torch.float16, page_size=4, num_pages=4096,
+                         max_requests=16 * threads, max_context_len=512)
+
+
+def saturate_rows(pool: kvpool.KVPool) -> None:
+    """Drive every row's page list to the largest capacity any history can give it.
+
+    A row's page Vec never shrinks, and its capacity depends on how it grew
+    (one call to 127 pages reserves exactly 127; one more page then doubles
+    it). So each row grows to one page short of max_context_len in a single
+    call and then by one more page: the worst case. All rows are held open at
+    once (a closed row is reopened first, so open/close cycles would keep
+    reusing the same few rows), a chunk at a time as free pages allow.
+    """
+    ps, ctx = pool.page_size, pool.max_context_len
+    handles = pool.open(pool.max_requests)
+    per_chunk = max(1, pool.allocator.free_pages // -(-ctx // ps))
+    for i in range(0, len(handles), per_chunk):
+        chunk = handles[i : i + per_chunk]
+        pool.extend(chunk, max(ctx - ps, 0))
+        pool.extend(chunk, ctx - max(ctx - ps, 0))
+        pool.truncate(chunk, 0)
+    pool.close(handles)
+    pool.reset()
+
+
+class Worker(threading.Thread):
+    def __init__(self, pool: kvpool.KVPool, seed: int, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.pool, self.rng, self.stop = pool, np.random.default_rng(seed), stop
+        self.mine: dict[int, list[int]] = {}
+        self.ops = 0
+        self.error: BaseException | None = None
+        # Enough rows for the largest batch: up to 10 requests x 128 new tokens.
+        self.rows = torch.ones(16 * 128, pool.num_kv_heads, pool.head_dim, dtype=pool.dtype)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.step()
+        except BaseException as e:  # reported by the main thread
+            self.error = e
+        finally:
+            if self.mine:
+                self.pool.close(np.fromiter(self.mine, dtype=np.int64))
+
+    def step(self) -> None:
+        pool, rng, mine = self.pool, self.rng, self.mine
+        if len(mine) < 8:
+            try:
+                for h in pool.open(int(rng.integers(1, 4))):
+                    mine[int(h)] = []
+            except TooManyRequestsError:
+                pass
+        if not mine:
+            return
+        hs = np.fromiter(mine, dtype=np.int64)
+        room = pool.max_context_len - np.array([len(mine[int(h)]) for h in hs])
+        prefill = rng.random() < 0.2
+        counts = np.minimum(room, rng.integers(1, 129, size=len(hs)) if prefill else 1)
+        try:
+            res = pool.extend(hs, counts)
+        except PoolExhaustedError:
+            res = None
+        if res is not None:
+            k = 0
+            for h, c in zip(hs.tolist(), counts.tolist()):
+                mine[h] += res.slots[k : k + c].tolist()
+                k += c
+            n = len(res.slots)
+            pool.write(int(rng.integers(0, pool.num_layers)), res.slots, self.rows[:n], self.rows[:n])
+        h = int(rng.choice(hs))
+        r = rng.random()
+        if r < 0.1 or len(mine[h]) >= pool.max_context_len:
+            pool.close([h])
+            del mine[h]
+        elif r < 0.2:
+            keep = int(rng.integers(0, len(mine[h]) + 1))
+            pool.truncate([h], keep)
+            del mine[h][keep:]
+        elif r < 0.25 and pool.allocator.slots(h).tolist() != mine[h]:
+            raise AssertionError(f"request {h}: the allocator's slots differ from what was handed out")
+        self.ops += 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, required=True)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--sample-s", type=float, default=2.0)
+    ap.add_argument("--warmup-frac", type=float, default=0.25)
+    ap.add_argument("--rss-slack-mib", type=float, default=4.0)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(1)
+    pool = make_pool(args.threads)
+    saturate_rows(pool)
+    stop = threading.Event()
+    workers = [Worker(pool, seed, stop) for seed in range(args.threads)]
+    t0 = time.monotonic()
+    total = args.minutes * 60
+    warm_end = t0 + total * args.warmup_frac
+    samples: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for w in workers:
+        w.start()
+    try:
+        while (now := time.monotonic()) - t0 < total:
+            time.sleep(min(args.sample_s, max(0.0, total - (now - t0))))
+            try:
+                pool.allocator.check()
+            except kvpool.KVPoolError as e:
+                failures.append(f"check() failed: {e}")
+                break
+            s = {"t": round(time.monotonic() - t0, 1), "rss": rss_bytes(),
+                 "metadata": pool.allocator.metadata_bytes, "ops": sum(w.ops for w in workers),
+                 "warm": time.monotonic() >= warm_end}
+            samples.append(s)
+            print(f"t={s['t']:7.1f}s ops={s['ops']:>10} rss={s['rss'] / 2**20:8.1f} MiB "
+                  f"metadata={s['metadata']} B{'' if s['warm'] else ' (warm-up)'}", flush=True)
+            if any(w.error for w in workers):
+                break
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=60)
+    failures += [f"worker {i}: {w.error!r}" for i, w in enumerate(workers) if w.error]
+    pool.allocator.check()
+    if pool.allocator.open_requests != 0 or pool.allocator.free_pages != pool.allocator.capacity_pages:
+        failures.append("pages or rows leaked after every worker closed its requests")
+
+    warm = [s for s in samples if s["warm"]]
+    result: dict[str, Any] = {"minutes": args.minutes, "threads": args.threads,
+                              "ops": sum(w.ops for w in workers), "samples": samples}
+    if len(warm) >= 6:
+        rss0 = statistics.median(s["rss"] for s in warm[:3])
+        rss1 = statistics.median(s["rss"] for s in warm[-3:])
+        md0, md1 = warm[0]["metadata"], max(s["metadata"] for s in warm)
+        slack = max(args.rss_slack_mib * 2**20, 0.02 * rss0)
+        result.update(rss_start=rss0, rss_end=rss1, metadata_start=md0, metadata_end=warm[-1]["metadata"])
+        if rss1 - rss0 > slack:
+            failures.append(f"RSS grew after warm-up: {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
+        if md1 > md0:
+            failures.append(f"metadata_bytes grew after warm-up: {md0} -> {md1}")
+        print(f"after warm-up: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
+              f"metadata_bytes {md0} -> {warm[-1]['metadata']}; "
+              f"{result['ops']} ops ({result['ops'] / (samples[-1]['t'] or 1):.0f}/s)")
+    else:
+        failures.append(f"only {len(warm)} samples after warm-up; run longer or sample more often")
+    result["failures"] = failures
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    for msg in failures:
+        print("SOAK FAILED:", msg, file=sys.stderr)
+    print("soak:", "FAILED" if failures else "ok")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The red team's bad-input table (issue 15), one parametrised case each.
+
+Every case asserts the exact exception class (a KVPoolError subclass, never
+TypeError / OverflowError / MemoryError / a panic) and, for calls on a live
+object, that its state is unchanged byte for byte: the allocator's counters,
+every request's slots and pages, the CSR page table, ``metadata_bytes``, and
+the raw bytes of every tensor the pool owns.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool import (
+    ContextTooLongError,
+    InvalidArgumentError,
+    KVPoolError,
+    SlotAllocator,
+    SlotRangeError,
+    TooManyRequestsError,
+)
+
+
+def allocator_state(a: SlotAllocator, handles: np.ndarray) -> tuple:
+    return (
+        a.free_pages, a.used_pages, a.open_requests, a.metadata_bytes,
+        a.lengths(handles).tobytes(),
+        tuple(a.slots(h).tobytes() for h in handles),
+        tuple(a.pages(h).tobytes() for h in handles),
+        tuple(x.tobytes() for x in a.page_table(handles)),
+    )
+
+
+def pool_state(pool: kvpool.KVPool, handles: np.ndarray) -> tuple:
+    raw = tuple((name, t.detach().contiguous().view(torch.uint8).clone().numpy().tobytes())
+                for name, t in pool.named_tensors())
+    return allocator_state(pool.allocator, handles) + raw
+
+
+@pytest.fixture
+def alloc() -> tuple[SlotAllocator, np.ndarray]:
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8)
+    h = a.open(3)
+    a.extend(h, [3, 1, 4])
+    return a, h
+
+
+@pytest.fixture
+def pool() -> tuple[kvpool.KVPool, np.ndarray]:
+    p = kvpool.KVPool(2, 2, 4, dtype=torch.float16, num_pages=8, page_size=2, max_requests=3, max_context_len=8)
+    h = p.open(2)
+    res = p.extend(h, [3, 2])
+    k = torch.randn(5, 2, 4).half()
+    for layer in range(2):
+        p.write(layer, res.slots, k, -k)
+    return p, h
+
+
+ALLOCATOR_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray], Any]]] = [
+    ("open(True)", InvalidArgumentError, lambda a, h: a.open(True)),
+    ("open(1.5)", InvalidArgumentError, lambda a, h: a.open(1.5)),
+    ("open(2**64)", InvalidArgumentError, lambda a, h: a.open(2**64)),
+    ("open('1')", InvalidArgumentError, lambda a, h: a.open("1")),
+    ("open(np.float32(1))", InvalidArgumentError, lambda a, h: a.open(np.float32(1))),
+    ("open(-1)", InvalidArgumentError, lambda a, h: a.open(-1)),
+    ("open(2**62)", TooManyRequestsError, lambda a, h: a.open(2**62)),
+    ("open(2**33)", TooManyRequestsError, lambda a, h: a.open(2**33)),
+    ("extend(h, True)", InvalidArgumentError, lambda a, h: a.extend(h, True)),
+    ("extend(h, 2**34)", ContextTooLongError, lambda a, h: a.extend(h, 2**34)),
+    ("extend(h, 2**64)", InvalidArgumentError, lambda a, h: a.extend(h, 2**64)),
+    ("extend(h, [1, 2**63, 1])", InvalidArgumentError, lambda a, h: a.extend(h, [1, 2**63, 1])),
+    ("extend(h, uint64 2**63)", InvalidArgumentError,
+     lambda a, h: a.extend(h, np.array([1, 2**63, 1], dtype=np.uint64))),
+    ("truncate(h, 1.5)", InvalidArgumentError, lambda a, h: a.truncate(h, 1.5)),
+    ("close(True)", InvalidArgumentError, lambda a, h: a.close(True)),
+    ("length('x')", InvalidArgumentError, lambda a, h: a.length("x")),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", ALLOCATOR_CASES, ids=[c[0] for c in ALLOCATOR_CASES])
+def test_allocator_bad_input(alloc, name, exc, call):
+    a, h = alloc
+    before = allocator_state(a, h)
+    with pytest.raises(KVPoolError) as info:
+        call(a, h)
+    assert type(info.value) is exc, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert allocator_state(a, h) == before
+    a.check()
+
+
+def test_huge_count_in_a_huge_page_pool_is_context_too_long():
+    """With a page size of 2**40 the pool 'has' 2**40 slots, so the result
+    array can no longer be bounded by num_slots: a count past max_context_len
+    must be refused before anything is allocated (was a MemoryError)."""
+    a = SlotAllocator(2, page_size=2**40, max_requests=2, max_context_len=16)
+    h = a.open(1)
+    before = allocator_state(a, h)
+    with pytest.raises(ContextTooLongError, match="max_context_len=16"):
+        a.extend(h, 2**34)
+    with pytest.raises(ContextTooLongError):
+        a.extend_with_starts(h, [2**34])
+    assert allocator_state(a, h) == before
+
+
+CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
+    ("SlotAllocator('4')", lambda: SlotAllocator("4")),
+    ("SlotAllocator(4.0)", lambda: SlotAllocator(4.0)),
+    ("SlotAllocator(4, True)", lambda: SlotAllocator(4, True)),
+    ("SlotAllocator(4, 1.5)", lambda: SlotAllocator(4, 1.5)),
+    ("SlotAllocator(4, 1, 2**64)", lambda: SlotAllocator(4, 1, 2**64)),
+    ("SlotAllocator(4, 1, 4, '16')", lambda: SlotAllocator(4, 1, 4, "16")),
+    ("SlotAllocator(-4)", lambda: SlotAllocator(-4)),
+    ("KVPool(num_pages=2.9)", lambda: kvpool.KVPool(1, 1, 4, num_pages=2.9)),
+    ("KVPool(num_pages=True)", lambda: kvpool.KVPool(1, 1, 4, num_pages=True)),
+    ("KVPool(num_slots='8')", lambda: kvpool.KVPool(1, 1, 4, num_slots="8")),
+    ("KVPool(num_layers=2.0)", lambda: kvpool.KVPool(2.0, 1, 4, num_pages=4)),
+    ("KVPool(page_size='1')", lambda: kvpool.KVPool(1, 1, 4, num_pages=4, page_size="1")),
+    ("KVPool(device='meta')", lambda: kvpool.KVPool(1, 1, 4, num_pages=4, device="meta")),
+    ("KVPool(device=3.5)", lambda: kvpool.KVPool(1, 1, 4, num_pages=4, device=3.5)),
+    ("KVPool(memory_fraction='0.5')", lambda: kvpool.KVPool(1, 1, 4, memory_fraction="0.5")),
+    ("KVPool(memory_fraction=1.5)", lambda: kvpool.KVPool(1, 1, 4, memory_fraction=1.5)),
+    ("KVPool(memory_fraction=nan)", lambda: kvpool.KVPool(1, 1, 4, memory_fraction=float("nan"))),
+    ("KVPool(memory_bytes=inf)", lambda: kvpool.KVPool(1, 1, 4, memory_bytes=float("inf"))),
+    ("KVPool(memory_bytes='1e9')", lambda: kvpool.KVPool(1, 1, 4, memory_bytes="1e9")),
+    ("KVPool(memory_bytes=-1)", lambda: kvpool.KVPool(1, 1, 4, memory_bytes=-1)),
+    # 2**15 + 1 pages of 2**16 slots: past the int32 req_to_token (refused
+    # before any tensor is made, so this costs nothing).
+    ("KVPool(> 2**31 slots)", lambda: kvpool.KVPool(1, 1, 1, num_pages=2**15 + 1, page_size=2**16)),
+]
+
+
+@pytest.mark.parametrize("name,call", CONSTRUCTOR_CASES, ids=[c[0] for c in CONSTRUCTOR_CASES])
+def test_constructor_bad_input(name, call):
+    with pytest.raises(KVPoolError) as info:
+        call()
+    assert type(info.value) is InvalidArgumentError, f"{name}: {type(info.value).__name__}: {info.value}"
+
+
+def test_slot_limit_is_named_and_the_largest_pool_is_allowed():
+    with pytest.raises(InvalidArgumentError, match=r"2\*\*31.*num_pages=32768"):
+        kvpool.KVPool(1, 1, 1, num_pages=2**15 + 1, page_size=2**16)
+    from kvpool.capacity import MAX_SLOTS, resolve_num_pages
+
+    pages = resolve_num_pages(page_size=2**16, slot_bytes=4, fixed_bytes=0, num_pages=2**15, num_slots=None,
+                              memory_bytes=None, memory_fraction=None, device=torch.device("cpu"))
+    assert pages * 2**16 == MAX_SLOTS
+
+
+POOL_CASES: list[tuple[str, type, Callable[[kvpool.KVPool, np.ndarray], Any]]] = [
+    ("write uint64 2**63", SlotRangeError,
+     lambda p, h: p.write(0, np.array([2, 2**63], dtype=np.uint64), *_rows(2))),
+    ("write uint64 2**64-1", SlotRangeError,
+     lambda p, h: p.write(0, np.array([2**64 - 1, 3], dtype=np.uint64), *_rows(2))),
+    ("write [2**63]", SlotRangeError, lambda p, h: p.write(0, [2, 2**63], *_rows(2))),
+    ("write [num_slots]", SlotRangeError, lambda p, h: p.write(0, [2, 16], *_rows(2))),
+    ("open(True)", InvalidArgumentError, lambda p, h: p.open(True)),
+    ("open(1.5)", InvalidArgumentError, lambda p, h: p.open(1.5)),
+    ("open(2**64)", InvalidArgumentError, lambda p, h: p.open(2**64)),
+    ("extend(h, 2**34)", ContextTooLongError, lambda p, h: p.extend(h, 2**34)),
+    ("extend(h, True)", InvalidArgumentError, lambda p, h: p.extend(h, True)),
+    ("extend(h, 1.0)", InvalidArgumentError, lambda p, h: p.extend(h, 1.0)),
+    ("truncate(h, 1.5)", InvalidArgumentError, lambda p, h: p.truncate(h, 1.5)),
+]
+
+
+def _rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n, 2, 4).half(), torch.ones(n, 2, 4).half()
+
+
+@pytest.mark.parametrize("name,exc,call", POOL_CASES, ids=[c[0] for c in POOL_CASES])
+def test_pool_bad_input(pool, name, exc, call):
+    p, h = pool
+    before = pool_state(p, h)
+    with pytest.raises(KVPoolError) as info:
+        call(p, h)
+    assert type(info.value) is exc, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert pool_state(p, h) == before
+    p.allocator.check()
+
+
+# The core branch's test-only hook doubles as the marker that its fixes of
+# issue 15 #1/#2 (every reservation a caller sizes is fallible) are built in.
+CORE_FIXED = hasattr(SlotAllocator, "_set_counters_for_tests")
+CORE_CASES = [
+    pytest.param(
+        "from kvpool import SlotAllocator; SlotAllocator(4, 1, 2**31 - 1, 16)",
+        marks=pytest.mark.xfail(not CORE_FIXED, strict=True, reason="aborts until the core branch lands (#2)"),
+    ),
+    "from kvpool import SlotAllocator; SlotAllocator(4, 1, 4, 2**31 - 1).open(4)",
+]
+
+
+@pytest.mark.parametrize("code", CORE_CASES)
+def test_no_abort_on_huge_metadata(code):
+    """Run in a child process: before the fix these abort the interpreter."""
+    wrapped = (
+        "import kvpool\n"
+        f"try:\n    {code}\n    print('ok')\n"
+        "except kvpool.KVPoolError as e:\n    print('typed', type(e).__name__)\n"
+    )
+    env = {**os.environ, "RUST_BACKTRACE": "0"}
+    r = subprocess.run([sys.executable, "-c", wrapped], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, f"rc={r.returncode}: {r.stderr[-500:]}"
+    assert r.stdout.startswith(("ok", "typed")), r.stdout

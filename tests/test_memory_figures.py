@@ -1,0 +1,75 @@
+"""Memory figures and capacity sizing, checked against numbers computed by hand.
+
+``memory_fraction`` sizing is host arithmetic over a free-memory query; the
+query is mocked here so both the CPU and the CUDA branch are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kvpool
+import kvpool.capacity as capacity
+from kvpool.capacity import free_device_memory, resolve_num_pages
+
+L, H, D = 3, 2, 8
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_overhead_bytes_is_table_plus_scales_plus_metadata(dtype, mla):
+    kw = dict(kv_lora_rank=6, qk_rope_head_dim=2) if mla else {}
+    pool = kvpool.KVPool(L, 1 if mla else H, D, dtype=dtype, num_pages=10, page_size=2,
+                         max_requests=5, max_context_len=12, **kw)
+    table = (5 + 1) * 12 * 4  # int32 req_to_token with its null row
+    fp8 = dtype == torch.float8_e4m3fn
+    scales = 0 if not fp8 else 4 * L * (1 if mla else 2)  # float32 per layer; MLA shares one
+    assert pool.overhead_bytes == table + scales + pool.allocator.metadata_bytes
+    if fp8:
+        assert pool.k_scale.nbytes == 4 * L
+
+
+def test_free_device_memory_cpu_reads_available_pages(monkeypatch):
+    values = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: values[name])
+    assert free_device_memory(torch.device("cpu")) == 1000 * 4096
+
+
+def test_free_device_memory_cuda_uses_mem_get_info(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: seen.append(dev) or (7 * MB, 80 * MB))
+    assert free_device_memory(torch.device("cuda", 0)) == 7 * MB
+    assert seen == [torch.device("cuda", 0)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_memory_fraction_sizes_from_the_free_memory_query(monkeypatch, device, fraction):
+    monkeypatch.setattr(capacity, "free_device_memory", lambda dev: 64 * MB)
+    slot_bytes, page_size, fixed = 2 * L * H * D * 2, 4, 12345
+    pages = resolve_num_pages(page_size=page_size, slot_bytes=slot_bytes, fixed_bytes=fixed, num_pages=None,
+                              num_slots=None, memory_bytes=None, memory_fraction=fraction,
+                              device=torch.device(device))
+    assert pages == (int(64 * MB * fraction) - fixed) // (slot_bytes * page_size)
+
+
+@pytest.mark.parametrize("fraction", [0.125, 0.5])
+def test_cpu_pool_honours_memory_fraction(monkeypatch, fraction):
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 4096, "SC_PAGE_SIZE": 4096}[name])
+    pool = kvpool.KVPool(L, H, D, dtype=torch.float16, memory_fraction=fraction, page_size=4,
+                         max_requests=4, max_context_len=64)
+    budget = int(4096 * 4096 * fraction)
+    fixed = 5 * 64 * 4
+    page_bytes = 2 * L * H * D * 2 * 4
+    assert pool.num_pages == (budget - fixed) // page_bytes
+    assert pool.nbytes + (5 * 64 * 4) <= budget
+
+
+def test_memory_bytes_budget_is_exact():
+    pool = kvpool.KVPool(L, H, D, dtype=torch.float16, memory_bytes=100_000, page_size=4,
+                         max_requests=4, max_context_len=64)
+    assert pool.num_pages == (100_000 - 5 * 64 * 4) // (2 * L * H * D * 2 * 4)

@@ -1,0 +1,68 @@
+"""extend off CPU is atomic: when the req_to_token update fails after the
+allocator committed (a CUDA OOM or launch error; injected here), the pool
+rolls the allocator back and is exactly as before the call.
+
+The device path runs on CPU by clearing ``_table_np`` (the CPU shortcut that
+lets the core write the table itself); the update is then the same
+``extend_packed`` + ``update_req_to_token`` sequence a CUDA pool runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+import kvpool.pool as pool_module
+
+
+def device_path_pool() -> kvpool.KVPool:
+    pool = kvpool.KVPool(1, 1, 4, num_pages=20, page_size=2, max_requests=4, max_context_len=16)
+    pool._table_np = None  # take the off-CPU branch of extend
+    return pool
+
+
+def state(pool: kvpool.KVPool, h: np.ndarray) -> tuple:
+    a = pool.allocator
+    return (a.free_pages, a.open_requests, a.lengths(h).tolist(), [a.slots(x).tolist() for x in h],
+            pool.req_to_token.clone().numpy().tobytes())
+
+
+def test_device_path_writes_the_table():
+    pool = device_path_pool()
+    h = pool.open(2)
+    res = pool.extend(h, [3, 2])
+    assert res.slots.tolist() == [2, 3, 4, 6, 7] and res.out_cache_loc.tolist() == [2, 3, 4, 6, 7]
+    rows = pool.rows(h)
+    assert pool.req_to_token[rows[0], :3].tolist() == [2, 3, 4]
+    assert pool.req_to_token[rows[1], :2].tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("counts", [[3, 2], 5, [0, 9]])
+def test_failed_table_update_rolls_the_allocator_back(monkeypatch, counts):
+    pool, twin = device_path_pool(), device_path_pool()
+    h, ht = pool.open(3), twin.open(3)
+    for p, hh in ((pool, h), (twin, ht)):
+        p.extend(hh, [1, 4, 0])
+        p.close(hh[2:])
+    h, ht = h[:2], ht[:2]
+    before = state(pool, h)
+
+    def failing_update(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    monkeypatch.setattr(pool_module, "update_req_to_token", failing_update)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, counts)
+    assert state(pool, h) == before
+    pool.allocator.check()
+    monkeypatch.undo()
+    # The free stack is back in its old order: the retried call hands out the
+    # same slots as a twin pool that never failed.
+    assert pool.extend(h, counts).slots.tolist() == twin.extend(ht, counts).slots.tolist()
+    assert torch.equal(pool.req_to_token, twin.req_to_token)
+
+
+def test_meta_device_is_refused_before_anything_is_made():
+    with pytest.raises(kvpool.InvalidArgumentError, match="'cpu' or 'cuda'"):
+        kvpool.KVPool(1, 1, 4, num_pages=4, device="meta")
