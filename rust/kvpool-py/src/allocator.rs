@@ -190,12 +190,12 @@ impl SlotAllocator {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let dst = unsafe { out.slice() };
             self.lock()
-                .extend_into(&h, counts_of(&c), dst, |_, row, start, slots| {
+                .extend_into(&h, counts_of(&c), None, dst, |g| {
                     if let Some(t) = &t {
                         // SAFETY: validated above (int32, C-contiguous, writeable,
                         // big enough); the caller's array object is referenced by
                         // `table` for the whole call, so its buffer stays alive.
-                        unsafe { t.write_row(row, start, slots) }
+                        unsafe { t.write_grown(g) }
                     }
                 })
         })
@@ -217,10 +217,10 @@ impl SlotAllocator {
             // SAFETY: both arrays are alive and not yet shared (see OutBuf).
             let (dst, st) = unsafe { (out.slice(), starts.slice()) };
             self.lock()
-                .extend_into(&h, counts_of(&c), dst, |i, _, start, _| {
+                .extend_into(&h, counts_of(&c), None, dst, |g| {
                     // i < handles.len() == st.len(); get_mut keeps it panic-free.
-                    if let Some(s) = st.get_mut(i) {
-                        *s = start as i64;
+                    if let Some(s) = st.get_mut(g.index) {
+                        *s = g.start as i64;
                     }
                 })
         })
@@ -242,7 +242,7 @@ impl SlotAllocator {
 
     fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        py.detach(|| self.lock().close(&h))
+        py.detach(|| self.lock().close(&h, false))
             .map_err(|e| to_pyerr(py, e))
     }
 
