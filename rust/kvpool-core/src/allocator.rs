@@ -57,6 +57,10 @@ pub struct Options {
     /// Test only: generation of each row's first request (random otherwise).
     #[doc(hidden)]
     pub generation_base: Option<u32>,
+    /// Test only: generation of each row's first request when it should
+    /// differ from the base (to reach a row's retirement quickly).
+    #[doc(hidden)]
+    pub generation_start: Option<u32>,
     /// Test only: starting value of the batch-stamp epoch.
     #[doc(hidden)]
     pub epoch_start: u32,
@@ -107,6 +111,8 @@ pub struct SlotAllocator {
     /// Rows retired because their generation would wrap to its base.
     pub(crate) retired_rows: usize,
     pub(crate) generation_base: u32,
+    /// Generation of each row's first request (the base, except in tests).
+    pub(crate) generation_start: u32,
     /// Stamp of the current batch (see `begin_batch`).
     pub(crate) epoch: u32,
     pub(crate) open_count: usize,
@@ -201,6 +207,11 @@ impl SlotAllocator {
             Some(g) => return bad(format!("generation_base must be in [1, {MAX_GENERATION}], got {g}")),
             None => 1 + (random_u64() % (MAX_GENERATION as u64 - 1)) as u32,
         };
+        let generation_start = match opts.generation_start {
+            Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
+            Some(g) => return bad(format!("generation_start must be in [1, {MAX_GENERATION}], got {g}")),
+            None => generation_base,
+        };
         Ok(Self {
             page_size,
             page_shift: page_size
@@ -224,6 +235,7 @@ impl SlotAllocator {
             free_rows,
             retired_rows: 0,
             generation_base,
+            generation_start,
             epoch: opts.epoch_start,
             open_count: 0,
         })
@@ -342,7 +354,7 @@ impl SlotAllocator {
         let r = &mut self.rows[row];
         let cur = r.generation & !OPEN;
         let g = if cur == 0 {
-            self.generation_base
+            self.generation_start
         } else {
             next_generation(cur)
         };
