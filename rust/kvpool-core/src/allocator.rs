@@ -4,7 +4,7 @@
 //! in `queries.rs`, invariants in `check.rs`.
 
 use crate::error::{HandleProblem, PoolError, Result};
-use crate::events::Events;
+use crate::events::EventLog;
 use crate::handle::{
     handle_generation, handle_row, make_handle, next_generation, random_u64, steps_from,
     MAX_GENERATION,
@@ -61,6 +61,11 @@ pub struct Options {
     /// differ from the base (to reach a row's retirement quickly).
     #[doc(hidden)]
     pub generation_start: Option<u32>,
+    /// Benchmark only: accept prefix hits on the hash alone (no token,
+    /// salt or parent check), to measure what verification costs. Unsafe
+    /// against collisions; not public API.
+    #[doc(hidden)]
+    pub skip_hit_verification: bool,
     /// Test only: starting value of the batch-stamp epoch.
     #[doc(hidden)]
     pub epoch_start: u32,
@@ -103,7 +108,7 @@ pub struct SlotAllocator {
     /// Queued copy-on-write copies: slot `copy_src[i]` -> `copy_dst[i]`.
     pub(crate) copy_src: Vec<i64>,
     pub(crate) copy_dst: Vec<i64>,
-    pub(crate) events: Events,
+    pub(crate) events: EventLog,
     pub(crate) hit_tokens: u64,
     pub(crate) miss_tokens: u64,
     /// Closed rows; the top (end) is opened next.
@@ -116,6 +121,9 @@ pub struct SlotAllocator {
     /// Stamp of the current batch (see `begin_batch`).
     pub(crate) epoch: u32,
     pub(crate) open_count: usize,
+    /// extend's list of slow-path requests; capacity max_requests, reserved
+    /// at construction (a valid batch names each open request at most once).
+    pub(crate) slow_scratch: Vec<u32>,
 }
 
 impl SlotAllocator {
@@ -200,8 +208,11 @@ impl SlotAllocator {
         let mut free_rows = Vec::new();
         reserve(&mut free_rows, max_requests, "free row stack")?;
         free_rows.extend((0..max_requests as u32).rev());
+        let mut slow_scratch = Vec::new();
+        reserve(&mut slow_scratch, max_requests, "extend scratch")?;
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
-        let index = PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
+        let mut index = PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
+        index.skip_verify = opts.skip_hit_verification;
         let generation_base = match opts.generation_base {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
             Some(g) => return bad(format!("generation_base must be in [1, {MAX_GENERATION}], got {g}")),
@@ -229,7 +240,7 @@ impl SlotAllocator {
             index,
             copy_src: Vec::new(),
             copy_dst: Vec::new(),
-            events: Events::new(opts.kv_events),
+            events: EventLog::new(opts.kv_events),
             hit_tokens: 0,
             miss_tokens: 0,
             free_rows,
@@ -238,6 +249,7 @@ impl SlotAllocator {
             generation_start,
             epoch: opts.epoch_start,
             open_count: 0,
+            slow_scratch,
         })
     }
 
@@ -279,7 +291,7 @@ impl SlotAllocator {
 
     /// Classifies a handle that `resolve` rejected (off the hot path).
     #[cold]
-    fn why_invalid(&self, handle: i64) -> PoolError {
+    pub(crate) fn why_invalid(&self, handle: i64) -> PoolError {
         let row = handle_row(handle) as usize;
         let g = handle_generation(handle);
         let problem = match self.rows.get(row) {

@@ -31,18 +31,9 @@ pub struct Events {
     pub salt: Vec<i64>,
     /// Token ids of the Stored events, concatenated (num_tokens each).
     pub token_ids: Vec<i32>,
-    /// Whether events are recorded at all (not drained by `take`).
-    pub(crate) enabled: bool,
 }
 
 impl Events {
-    pub(crate) fn new(enabled: bool) -> Self {
-        Events {
-            enabled,
-            ..Default::default()
-        }
-    }
-
     pub fn len(&self) -> usize {
         self.kind.len()
     }
@@ -50,45 +41,87 @@ impl Events {
     pub fn is_empty(&self) -> bool {
         self.kind.is_empty()
     }
+}
 
-    fn push(&mut self, kind: u8, hash: u128, parent: u128, page: u32, salt: i64, tokens: &[i32]) {
-        self.kind.push(kind);
-        self.hash_hi.push((hash >> 64) as u64);
-        self.hash_lo.push(hash as u64);
-        self.parent_hi.push((parent >> 64) as u64);
-        self.parent_lo.push(parent as u64);
-        self.page.push(page as i32);
-        self.num_tokens.push(tokens.len() as i32);
-        self.salt.push(salt);
-        self.token_ids.extend_from_slice(tokens);
+/// One recorded event (one push on the hot path; split into arrays on take).
+#[derive(Debug, Clone, Copy)]
+struct Raw {
+    hash: u128,
+    parent: u128,
+    salt: i64,
+    page: u32,
+    num_tokens: u32,
+    kind: u8,
+}
+
+/// The recorder inside the allocator.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EventLog {
+    raw: Vec<Raw>,
+    token_ids: Vec<i32>,
+    pub(crate) enabled: bool,
+}
+
+impl EventLog {
+    pub(crate) fn new(enabled: bool) -> Self {
+        EventLog {
+            enabled,
+            ..Default::default()
+        }
+    }
+
+    /// Room for `n` more Stored events of `page_size` tokens, or an error.
+    pub(crate) fn reserve(&mut self, n: usize, page_size: usize) -> crate::error::Result<()> {
+        if self.enabled {
+            crate::memory::reserve(&mut self.raw, n, "events")?;
+            crate::memory::reserve(&mut self.token_ids, n.saturating_mul(page_size), "events")?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.raw.capacity() * std::mem::size_of::<Raw>() + self.token_ids.capacity() * 4
     }
 
     #[inline]
     pub(crate) fn stored(&mut self, hash: u128, parent: u128, page: u32, salt: i64, tokens: &[i32]) {
         if self.enabled {
-            self.push(EVENT_STORED, hash, parent, page, salt, tokens);
+            let num_tokens = tokens.len() as u32;
+            self.raw.push(Raw { hash, parent, salt, page, num_tokens, kind: EVENT_STORED });
+            self.token_ids.extend_from_slice(tokens);
         }
     }
 
     #[inline]
     pub(crate) fn removed(&mut self, hash: u128, page: u32, salt: i64) {
         if self.enabled {
-            self.push(EVENT_REMOVED, hash, 0, page, salt, &[]);
+            self.raw.push(Raw { hash, parent: 0, salt, page, num_tokens: 0, kind: EVENT_REMOVED });
         }
     }
 
     pub(crate) fn cleared(&mut self) {
         if self.enabled {
-            self.push(EVENT_CLEARED, 0, 0, 0, 0, &[]);
+            self.raw.push(Raw { hash: 0, parent: 0, salt: 0, page: 0, num_tokens: 0, kind: EVENT_CLEARED });
         }
     }
 
-    /// Moves the recorded events out, leaving this empty (still enabled).
+    /// Moves the recorded events out as arrays, leaving the log empty.
     pub(crate) fn take(&mut self) -> Events {
-        let enabled = self.enabled;
-        let mut out = std::mem::take(self);
-        out.enabled = enabled;
-        self.enabled = enabled;
-        out
+        let raw = std::mem::take(&mut self.raw);
+        let mut e = Events {
+            token_ids: std::mem::take(&mut self.token_ids),
+            ..Default::default()
+        };
+        for r in raw {
+            e.kind.push(r.kind);
+            e.hash_hi.push((r.hash >> 64) as u64);
+            e.hash_lo.push(r.hash as u64);
+            e.parent_hi.push((r.parent >> 64) as u64);
+            e.parent_lo.push(r.parent as u64);
+            e.page.push(r.page as i32);
+            e.num_tokens.push(r.num_tokens as i32);
+            e.salt.push(r.salt);
+        }
+        e
     }
 }

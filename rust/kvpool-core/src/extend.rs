@@ -8,9 +8,10 @@
 
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
-use crate::handle::handle_row;
+use crate::grow::fill_run;
+use crate::handle::{handle_generation, handle_row};
 use crate::memory::reserve;
-use crate::rows::SLOW;
+use crate::rows::{OPEN, SLOW};
 
 /// What an extend did to one request, passed to `extend_into`'s callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,19 +28,6 @@ pub struct Grown<'a> {
     /// copy-on-write; their slots are now `slots[0] - moved .. slots[0]`
     /// (the same page as the first new slot). 0 almost always.
     pub moved: usize,
-}
-
-/// Writes `first, first + 1, ...` into `dst` (the slots of one page run).
-#[inline]
-fn fill_run(dst: &mut [i64], first: usize) {
-    if let [d] = dst {
-        // The decode step's single slot: skip the vector loop's set-up.
-        *d = first as i64;
-        return;
-    }
-    for (j, d) in dst.iter_mut().enumerate() {
-        *d = (first + j) as i64;
-    }
 }
 
 impl SlotAllocator {
@@ -64,11 +52,9 @@ impl SlotAllocator {
         counts: Counts<'_>,
         tokens: Option<&[i64]>,
     ) -> Result<Vec<i64>> {
-        let total = self.prepare_extend(handles, counts, tokens)?;
-        let mut out = Vec::new();
-        reserve(&mut out, total, "extend output")?;
-        out.resize(total, 0);
-        self.commit_extend(handles, counts, tokens, &mut out, |_| {})?;
+        let total = self.batch_total(handles, counts)?;
+        let mut out = self.output_for(handles, counts, tokens, total)?;
+        self.extend_into(handles, counts, tokens, &mut out, |_| {})?;
         Ok(out)
     }
 
@@ -79,12 +65,11 @@ impl SlotAllocator {
         handles: &[i64],
         counts: Counts<'_>,
     ) -> Result<(Vec<i64>, Vec<i64>)> {
-        let total = self.prepare_extend(handles, counts, None)?;
-        let (mut out, mut starts) = (Vec::new(), Vec::new());
-        reserve(&mut out, total, "extend output")?;
+        let total = self.batch_total(handles, counts)?;
+        let mut out = self.output_for(handles, counts, None, total)?;
+        let mut starts = Vec::new();
         reserve(&mut starts, handles.len(), "extend output")?;
-        out.resize(total, 0);
-        self.commit_extend(handles, counts, None, &mut out, |g| {
+        self.extend_into(handles, counts, None, &mut out, |g| {
             starts.push(g.start as i64)
         })?;
         Ok((out, starts))
@@ -108,88 +93,52 @@ impl SlotAllocator {
     where
         F: FnMut(&Grown<'_>),
     {
-        let total = self.prepare_extend(handles, counts, tokens)?;
-        if total != out.len() {
-            return Err(PoolError::InvalidArgument(format!(
-                "output has {} entries but the batch adds {total} slots",
-                out.len()
-            )));
+        counts.check_len("counts", handles.len())?;
+        // One monomorphized loop per count form: no match per request.
+        match counts {
+            Counts::Each(c) => self.extend_fused(handles, |_| c, tokens, out, on_request),
+            Counts::PerRequest(v) => self.extend_fused(handles, |i| v[i], tokens, out, on_request),
         }
-        self.commit_extend(handles, counts, tokens, out, on_request)
     }
 
-    /// Pages a request's next extend needs beyond its length's own: 1 when
-    /// its partly filled last page has other holders (copy-on-write).
-    #[inline]
-    fn cow_pages(&self, row: usize) -> usize {
-        let r = self.rows[row];
-        if self.offset_in_page(r.len as usize) == 0 {
-            return 0;
+    /// Slots a batch would add if valid (negative counts count 0; an
+    /// invalid batch fails in `extend_into` whatever this says).
+    fn batch_total(&self, handles: &[i64], counts: Counts<'_>) -> Result<usize> {
+        counts.check_len("counts", handles.len())?;
+        let mut total = 0u64;
+        for i in 0..handles.len() {
+            total = total.saturating_add(counts.get(i).max(0) as u64);
         }
-        (self.refcount[(r.last & !SLOW) as usize] > 1) as usize
+        Ok(total.min(self.num_slots() as u64 + 1) as usize)
     }
 
-    /// Validates a whole extend batch without changing the pool (beyond the
-    /// batch stamps); returns the number of slots it adds.
-    fn prepare_extend(
+    /// A Vec for `total` slots; a total past the pool's size cannot succeed,
+    /// so the batch's own error is returned instead of allocating for it.
+    fn output_for(
         &mut self,
         handles: &[i64],
         counts: Counts<'_>,
         tokens: Option<&[i64]>,
-    ) -> Result<usize> {
-        counts.check_len("counts", handles.len())?;
-        self.begin_batch();
-        let mut needed_pages = 0usize;
-        let mut total = 0usize;
-        let mut any_slow = false;
-        for (i, &h) in handles.iter().enumerate() {
-            let row = self.resolve_unique(h, i)?;
-            let c = counts.get(i);
-            if c < 0 {
-                return Err(PoolError::InvalidArgument(format!(
-                    "counts[{i}] = {c} is negative; counts must be >= 0"
-                )));
-            }
-            let r = self.rows[row];
-            let new_len = r.len as u64 + c as u64;
-            if new_len > self.max_context_len as u64 {
-                return Err(PoolError::ContextTooLong {
-                    handle: h,
-                    length: new_len,
-                    max: self.max_context_len,
-                });
-            }
-            needed_pages += self.pages_for(new_len as usize) - self.pages_for(r.len as usize);
-            if r.last & SLOW != 0 && c > 0 {
-                any_slow = true;
-                needed_pages += self.cow_pages(row);
-            }
-            total += c as usize;
+        total: usize,
+    ) -> Result<Vec<i64>> {
+        if total > self.num_slots() {
+            self.extend_into(handles, counts, tokens, &mut [], |_| {})?;
         }
-        if let Some(t) = tokens {
-            self.check_tokens(handles, counts, t, total, any_slow)?;
-        }
-        let available = self.available_pages();
-        if needed_pages > available {
-            return Err(PoolError::Exhausted {
-                needed_pages,
-                free_pages: available,
-                page_size: self.page_size,
-                free_slots: available * self.page_size,
-            });
-        }
-        Ok(total)
+        let mut out = Vec::new();
+        reserve(&mut out, total, "extend output")?;
+        out.resize(total, 0);
+        Ok(out)
     }
 
     /// Token ids must be one per new position, in range, and agree with
     /// the prompt where the prompt covers the position.
-    fn check_tokens(
+    fn check_tokens<G: Fn(usize) -> i64>(
         &self,
         handles: &[i64],
-        counts: Counts<'_>,
+        get: &G,
+        slow: &[u32],
         t: &[i64],
         total: usize,
-        any_slow: bool,
     ) -> Result<()> {
         if t.len() != total {
             return Err(PoolError::InvalidArgument(format!(
@@ -205,13 +154,21 @@ impl SlotAllocator {
                 i32::MAX
             )));
         }
-        if !any_slow {
+        if slow.is_empty() {
             return Ok(());
         }
+        // Only listed (slow-path) requests can have prompt tokens ahead;
+        // they are not applied yet, so their length is their start.
+        let mut s = slow.iter().peekable();
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
+            let c = get(i) as usize;
+            if s.peek() != Some(&&(i as u32)) {
+                k += c;
+                continue;
+            }
+            s.next();
             let row = handle_row(h) as usize;
-            let c = counts.get(i) as usize;
             let start = self.rows[row].len as usize;
             let prompt = &self.cold[row].prompt;
             if prompt.len() > start {
@@ -233,48 +190,128 @@ impl SlotAllocator {
         Ok(())
     }
 
-    /// Grows every request of a batch that `prepare_extend` accepted; `out`
-    /// holds exactly its slots.
-    fn commit_extend<F>(
+    /// extend's single validating pass: a request that stays in its own last
+    /// page is applied right away (its 16-byte row is in hand); the others
+    /// are listed and only counted. If anything in the batch is wrong, the
+    /// applied lengths are undone, so the call changes nothing. Then a
+    /// second pass grows the listed requests and reports every request.
+    fn extend_fused<G, F>(
         &mut self,
         handles: &[i64],
-        counts: Counts<'_>,
+        get: G,
         tokens: Option<&[i64]>,
         out: &mut [i64],
         mut on_request: F,
     ) -> Result<()>
     where
+        G: Fn(usize) -> i64,
         F: FnMut(&Grown<'_>),
     {
+        self.begin_batch();
         let ps = self.page_size;
+        let (epoch, max_len) = (self.epoch, self.max_context_len as u64);
+        let mut slow = std::mem::take(&mut self.slow_scratch);
+        slow.clear();
+        let mut needed_pages = 0usize;
+        let mut k = 0usize;
+        let mut error = None;
+        let mut done = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let row = handle_row(h) as usize;
+            let Some(r) = self.rows.get_mut(row) else {
+                error = Some(self.why_invalid(h));
+                break;
+            };
+            if h < 0 || r.generation != handle_generation(h) | OPEN {
+                error = Some(self.why_invalid(h));
+                break;
+            }
+            if r.stamp == epoch {
+                error = Some(PoolError::InvalidArgument(format!(
+                    "handle {h} appears more than once in the batch (again at index {i}); \
+                     pass each request once with its total count"
+                )));
+                break;
+            }
+            r.stamp = epoch;
+            let c = get(i);
+            if c < 0 {
+                error = Some(PoolError::InvalidArgument(format!(
+                    "counts[{i}] = {c} is negative; counts must be >= 0"
+                )));
+                break;
+            }
+            let len = r.len as usize;
+            let new_len = len as u64 + c as u64;
+            if new_len > max_len {
+                error = Some(PoolError::ContextTooLong {
+                    handle: h,
+                    length: new_len,
+                    max: self.max_context_len,
+                });
+                break;
+            }
+            let c = c as usize;
+            let off = match self.page_shift {
+                Some(_) => len & (ps - 1),
+                None => len % ps,
+            };
+            let last = r.last;
+            if last & SLOW == 0 && off != 0 && c <= ps - off && k + c <= out.len() {
+                // Stays in its own last page: apply now (undone on error).
+                r.len = new_len as u32;
+                fill_run(&mut out[k..k + c], last as usize * ps + off);
+            } else {
+                needed_pages += self.pages_for(new_len as usize) - self.pages_for(len);
+                if last & SLOW != 0 && c > 0 {
+                    needed_pages += self.cow_pages(row);
+                }
+                slow.push(i as u32);
+            }
+            k += c;
+            done = i + 1;
+        }
+        if error.is_none() {
+            error = self.check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len()).err();
+        }
+        if let Some(e) = error {
+            // Undo the applied requests: those before `done` not listed slow.
+            let mut s = slow.iter().peekable();
+            for (i, &h) in handles.iter().enumerate().take(done) {
+                if s.peek() == Some(&&(i as u32)) {
+                    s.next();
+                    continue;
+                }
+                self.rows[handle_row(h) as usize].len -= get(i) as u32;
+            }
+            self.slow_scratch = slow;
+            return Err(e);
+        }
+        // Second pass: grow the listed requests, report everyone in order.
+        let mut s = slow.iter().peekable();
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
             let row = handle_row(h) as usize;
-            let c = counts.get(i) as usize;
-            let Some(dst) = out.get_mut(k..k + c) else {
-                return Err(PoolError::Invariant(
-                    "extend output shorter than validated".into(),
-                ));
-            };
-            let toks = tokens.and_then(|t| t.get(k..k + c));
+            let c = get(i) as usize;
+            let dst = &mut out[k..k + c];
+            let toks = tokens.map(|t| &t[k..k + c]);
             k += c;
-            let r = self.rows[row];
-            let start = r.len as usize;
-            let off = self.offset_in_page(start);
             let mut moved = 0;
-            if c == 0 {
-            } else if r.last & SLOW == 0 && off != 0 && c <= ps - off {
-                // Stays in the request's own last page: no page changes hands.
-                fill_run(dst, r.last as usize * ps + off);
-                self.rows[row].len = (start + c) as u32;
-                if let Some(t) = toks {
-                    self.record_tokens(row, start, dst, Some(t));
+            let start;
+            if s.peek() == Some(&&(i as u32)) {
+                s.next();
+                start = self.rows[row].len as usize;
+                if c > 0 {
+                    moved = self.grow_row(row, start, dst);
+                    self.record_tokens(row, start, dst, toks);
+                    let last = self.rows[row].last;
+                    self.rows[row].last = last | self.slow_bit(row, start + c, last);
                 }
             } else {
-                moved = self.grow_row(row, start, dst);
-                self.record_tokens(row, start, dst, toks);
-                let (len, last) = (start + c, self.rows[row].last);
-                self.rows[row].last = last | self.slow_bit(row, len, last);
+                start = self.rows[row].len as usize - c;
+                if toks.is_some() {
+                    self.record_tokens(row, start, dst, toks);
+                }
             }
             on_request(&Grown {
                 index: i,
@@ -284,106 +321,40 @@ impl SlotAllocator {
                 moved,
             });
         }
+        self.slow_scratch = slow;
         Ok(())
     }
 
-    /// Appends `dst.len()` tokens to `row`, taking pages as needed and
-    /// copying (or unregistering) a last page it must not write in place.
-    /// Returns how many positions moved to a copied page. Leaves `SLOW` clear.
-    fn grow_row(&mut self, row: usize, start: usize, dst: &mut [i64]) -> usize {
-        let ps = self.page_size;
-        let c = dst.len();
-        let base = row * self.row_pages;
-        let np = self.pages_for(start);
-        let off = self.offset_in_page(start);
-        let mut last = self.rows[row].last & !SLOW;
-        let mut moved = 0;
-        if off != 0 {
-            if self.refcount[last as usize] > 1 {
-                // Shared: the others keep the page, this request gets a copy.
-                let q = self.take_page();
-                let (src, dstp) = (last as usize * ps, q as usize * ps);
-                self.index.tokens.copy_within(src..src + off, dstp);
-                self.copy_src.extend((src..src + off).map(|s| s as i64));
-                self.copy_dst.extend((dstp..dstp + off).map(|s| s as i64));
-                self.refcount[last as usize] -= 1;
-                self.page_lists[base + np - 1] = q;
-                last = q;
-                moved = off;
-            } else if self.index.is_registered(last) {
-                // Only the cache shares it: drop the entry, then write in place.
-                self.unregister_page(last);
-            }
+    /// The batch-wide checks after the per-request ones: token ids, pages
+    /// available (copy-on-write and evictable pages counted), output size.
+    #[allow(clippy::too_many_arguments)]
+    fn check_batch<G: Fn(usize) -> i64>(
+        &self,
+        handles: &[i64],
+        get: &G,
+        tokens: Option<&[i64]>,
+        slow: &[u32],
+        total: usize,
+        needed_pages: usize,
+        out_len: usize,
+    ) -> Result<()> {
+        if let Some(t) = tokens {
+            self.check_tokens(handles, get, slow, t, total)?;
         }
-        let room = if off == 0 { 0 } else { ps - off };
-        let (head, rest) = dst.split_at_mut(room.min(c));
-        if !head.is_empty() {
-            fill_run(head, last as usize * ps + off);
+        let available = self.available_pages();
+        if needed_pages > available {
+            return Err(PoolError::Exhausted {
+                needed_pages,
+                free_pages: available,
+                page_size: self.page_size,
+                free_slots: available * self.page_size,
+            });
         }
-        for (j, run) in rest.chunks_mut(ps).enumerate() {
-            let p = self.take_page();
-            self.page_lists[base + np + j] = p;
-            fill_run(run, p as usize * ps);
-            last = p;
+        if total != out_len {
+            return Err(PoolError::InvalidArgument(format!(
+                "output has {out_len} entries but the batch adds {total} slots"
+            )));
         }
-        self.rows[row].len = (start + c) as u32;
-        self.rows[row].last = last;
-        moved
-    }
-
-    /// Stores the token ids of the new positions `start..` whose slots are
-    /// `slots` (given ids, else the prompt's) and advances the known prefix.
-    fn record_tokens(&mut self, row: usize, start: usize, slots: &[i64], toks: Option<&[i64]>) {
-        let cold = &mut self.cold[row];
-        let tokens = &mut self.index.tokens;
-        let known = match toks {
-            Some(t) => {
-                for (&s, &x) in slots.iter().zip(t) {
-                    tokens[s as usize] = x as i32;
-                }
-                slots.len()
-            }
-            None => {
-                let n = slots.len().min(cold.prompt.len().saturating_sub(start));
-                for (j, &s) in slots[..n].iter().enumerate() {
-                    tokens[s as usize] = cold.prompt[start + j];
-                }
-                n
-            }
-        };
-        if cold.known_len as usize == start {
-            cold.known_len = (start + known) as u32;
-        }
-    }
-
-    /// `SLOW` if `row` (length `len`, last page `last`) must take the slow
-    /// path next: prompt positions still ahead, or a partly filled last page
-    /// that others hold or the cache has registered.
-    pub(crate) fn slow_bit(&self, row: usize, len: usize, last: u32) -> u32 {
-        let last = last & !SLOW;
-        let pending = self.cold[row].prompt.len() > len;
-        let shared = self.offset_in_page(len) != 0
-            && (self.refcount[last as usize] > 1 || self.index.is_registered(last));
-        if pending || shared {
-            SLOW
-        } else {
-            0
-        }
-    }
-
-    /// Drains the queued copy-on-write copies: `(src_slots, dst_slots)`.
-    /// Run them (every layer's K and V, slot `src[i]` to `dst[i]`) before
-    /// the next write to the destination pages and before any call that
-    /// could free the source pages; `KVPool.extend` does this itself.
-    pub fn take_copies(&mut self) -> (Vec<i64>, Vec<i64>) {
-        (
-            std::mem::take(&mut self.copy_src),
-            std::mem::take(&mut self.copy_dst),
-        )
-    }
-
-    /// Queued copy-on-write copies not yet taken.
-    pub fn pending_copies(&self) -> usize {
-        self.copy_src.len()
+        Ok(())
     }
 }

@@ -28,6 +28,7 @@ mod error;
 mod events;
 mod extend;
 mod fork;
+mod grow;
 mod handle;
 mod hashing;
 mod index;

@@ -162,11 +162,7 @@ impl SlotAllocator {
             todo += self.registrable_pages(row).saturating_sub(self.cold[row].hashed_pages as usize);
         }
         self.index.reserve(todo)?;
-        if self.events.enabled {
-            let ps = self.page_size;
-            reserve(&mut self.events.kind, todo, "events")?;
-            reserve(&mut self.events.token_ids, todo * ps, "events")?;
-        }
+        self.events.reserve(todo, self.page_size)?;
         for &h in handles {
             self.register_row(handle_row(h) as usize);
         }

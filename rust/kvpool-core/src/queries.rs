@@ -106,6 +106,7 @@ impl SlotAllocator {
             + self.cold.capacity() * std::mem::size_of::<RowCold>()
             + prompts
             + (self.copy_src.capacity() + self.copy_dst.capacity()) * 8
+            + self.events.capacity_bytes()
             + self.index.metadata_bytes()
     }
 
