@@ -15,7 +15,11 @@ use std::time::Instant;
 use kvpool_core::{Counts, Options, SlotAllocator};
 
 fn pool(slots: usize, ps: usize, verify: bool) -> SlotAllocator {
-    let opts = Options { hash_seed: Some(1), skip_hit_verification: !verify, ..Options::new() };
+    let opts = Options {
+        hash_seed: Some(1),
+        skip_hit_verification: !verify,
+        ..Options::new()
+    };
     SlotAllocator::with_options(slots / ps, ps, 512, 8192, opts).unwrap()
 }
 
@@ -57,7 +61,14 @@ fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
                 f.flush();
             }
             let t0 = Instant::now();
-            a.extend_into(&h, Counts::Each(1), tokens.then_some(&toks[..]), &mut out, |_| {}).unwrap();
+            a.extend_into(
+                &h,
+                Counts::Each(1),
+                tokens.then_some(&toks[..]),
+                &mut out,
+                |_| {},
+            )
+            .unwrap();
             t += t0.elapsed().as_nanos() as f64;
             black_box(&out);
         }
@@ -68,8 +79,11 @@ fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
 }
 
 fn serve_prompt(a: &mut SlotAllocator, prompt: &[i64]) {
-    let (h, c) = a.open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(0)).unwrap();
-    a.extend(&h, Counts::Each(prompt.len() as i64 - c[0]), None).unwrap();
+    let (h, c) = a
+        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(0))
+        .unwrap();
+    a.extend(&h, Counts::Each(prompt.len() as i64 - c[0]), None)
+        .unwrap();
     a.close(&h, true).unwrap();
 }
 
@@ -81,7 +95,9 @@ fn prefix_hit(verify: bool, reps: usize) -> f64 {
     let mut samples = Vec::new();
     for _ in 0..reps {
         let t0 = Instant::now();
-        let (h, c) = a.open_with_prefix(&prompt, &[4096], Counts::Each(0)).unwrap();
+        let (h, c) = a
+            .open_with_prefix(&prompt, &[4096], Counts::Each(0))
+            .unwrap();
         samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
         assert_eq!(c[0], 4080);
         a.close(&h, false).unwrap();
@@ -125,6 +141,7 @@ fn evict_256(reps: usize) -> f64 {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    let decode_only = std::env::args().any(|a| a == "--decode");
     let reps = if quick { 50 } else { 400 };
     let mut json = Vec::new();
     let mut report = |name: &str, unit: &str, v: f64| {
@@ -132,12 +149,31 @@ fn main() {
         json.push(format!("\"{name}\": {v:.3}"));
     };
     for (label, slots) in [("1M", 1usize << 20), ("16M", 1 << 24)] {
-        report(&format!("decode_extend_ns_per_req_{label}_warm"), "ns", decode(slots, false, false, reps));
-        report(&format!("decode_extend_ns_per_req_{label}_flushed"), "ns", decode(slots, true, false, reps));
-        report(&format!("decode_extend_tokens_ns_per_req_{label}_warm"), "ns", decode(slots, false, true, reps));
+        report(
+            &format!("decode_extend_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, false, reps),
+        );
+        report(
+            &format!("decode_extend_ns_per_req_{label}_flushed"),
+            "ns",
+            decode(slots, true, false, reps),
+        );
+        report(
+            &format!("decode_extend_tokens_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, true, reps),
+        );
+    }
+    if decode_only {
+        return;
     }
     report("open_with_prefix_4096_us", "us", prefix_hit(true, reps));
-    report("open_with_prefix_4096_unverified_us", "us", prefix_hit(false, reps));
+    report(
+        "open_with_prefix_4096_unverified_us",
+        "us",
+        prefix_hit(false, reps),
+    );
     report("cache_4096_us", "us", cache_4096(reps));
     report("evict_256_us", "us", evict_256(reps));
     println!("{{{}}}", json.join(", "));

@@ -148,11 +148,14 @@ impl SlotAllocator {
     ///
     /// Errors: `InvalidArgument` for a size out of range (`max_requests` <=
     /// 2^20, `max_context_len` <= 2^28, `num_pages` <= 2^31 - 1) or metadata
-    /// that cannot be allocated. Metadata worst case, all reserved here:
-    /// 12 bytes per page (refcount, free stack, index link) + 8 per page for
-    /// the LRU links + 4 per slot (token ids) + per row 16 (hot) + ~72 (cold)
-    /// + 4 * ceil(max_context_len / page_size) (its page list); plus 56 per
-    /// registered page and the prompts of open requests (4 per token).
+    /// that cannot be allocated.
+    ///
+    /// Metadata, all reserved here (the exact worst case, see `metadata_bytes`):
+    /// 20 bytes per page (refcount, free stack entry, registration, two LRU
+    /// links), 4 per slot (token ids), and per row 16 (hot) + 72 (cold) + 4
+    /// (free row stack) + 4 * ceil(max_context_len / page_size) (its page
+    /// list). On top, while in use: ~90 bytes per registered page (index
+    /// entry and map slot) and 4 per prompt token of each open request.
     pub fn with_options(
         num_pages: usize,
         page_size: usize,
@@ -211,16 +214,25 @@ impl SlotAllocator {
         let mut slow_scratch = Vec::new();
         reserve(&mut slow_scratch, max_requests, "extend scratch")?;
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
-        let mut index = PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
+        let mut index =
+            PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
         index.skip_verify = opts.skip_hit_verification;
         let generation_base = match opts.generation_base {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
-            Some(g) => return bad(format!("generation_base must be in [1, {MAX_GENERATION}], got {g}")),
+            Some(g) => {
+                return bad(format!(
+                    "generation_base must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
             None => 1 + (random_u64() % (MAX_GENERATION as u64 - 1)) as u32,
         };
         let generation_start = match opts.generation_start {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
-            Some(g) => return bad(format!("generation_start must be in [1, {MAX_GENERATION}], got {g}")),
+            Some(g) => {
+                return bad(format!(
+                    "generation_start must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
             None => generation_base,
         };
         Ok(Self {

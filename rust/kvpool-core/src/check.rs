@@ -53,7 +53,9 @@ impl SlotAllocator {
         let mut prev = 0usize;
         while p != 0 {
             if p >= n || listed[p] != 0 || walked >= n {
-                return fail(format!("LRU list entry {p} is out of range, repeated or on the free stack"));
+                return fail(format!(
+                    "LRU list entry {p} is out of range, repeated or on the free stack"
+                ));
             }
             if self.index.lru_prev[p] as usize != prev {
                 return fail(format!("LRU list back link of page {p} is broken"));
@@ -74,7 +76,10 @@ impl SlotAllocator {
             let rc = self.refcount[p];
             let reg = self.index.page_entry[p] != 0;
             if rc != holders[p] {
-                return fail(format!("page {p} has refcount {rc} but {} holders", holders[p]));
+                return fail(format!(
+                    "page {p} has refcount {rc} but {} holders",
+                    holders[p]
+                ));
             }
             match (rc, reg, listed[p]) {
                 (0, false, 1) => free += 1,
@@ -92,7 +97,10 @@ impl SlotAllocator {
             return fail("page 0 is held or registered".into());
         }
         if free + held + cached != n - 1 {
-            return fail(format!("FREE {free} + HELD {held} + CACHED {cached} != capacity {}", n - 1));
+            return fail(format!(
+                "FREE {free} + HELD {held} + CACHED {cached} != capacity {}",
+                n - 1
+            ));
         }
         Ok(())
     }
@@ -105,7 +113,10 @@ impl SlotAllocator {
                 return fail(format!("index entry {i} is out of range"));
             };
             if e.hash != h || ix.page_entry.get(e.page as usize) != Some(&(i + 1)) {
-                return fail(format!("index entry {i} (page {}) disagrees with its page", e.page));
+                return fail(format!(
+                    "index entry {i} (page {}) disagrees with its page",
+                    e.page
+                ));
             }
         }
         let registered = ix.page_entry.iter().filter(|&&e| e != 0).count();
@@ -163,7 +174,10 @@ impl SlotAllocator {
             let pages = self.row_pages_of(row);
             let last = pages.last().copied().unwrap_or(0);
             if r.last & !SLOW != last {
-                return fail(format!("row {row} last page {} but holds {last} last", r.last & !SLOW));
+                return fail(format!(
+                    "row {row} last page {} but holds {last} last",
+                    r.last & !SLOW
+                ));
             }
             if self.slow_bit(row, len, last) != 0 && r.last & SLOW == 0 {
                 return fail(format!("row {row} needs the slow path but SLOW is clear"));

@@ -84,10 +84,24 @@ impl EventLog {
     }
 
     #[inline]
-    pub(crate) fn stored(&mut self, hash: u128, parent: u128, page: u32, salt: i64, tokens: &[i32]) {
+    pub(crate) fn stored(
+        &mut self,
+        hash: u128,
+        parent: u128,
+        page: u32,
+        salt: i64,
+        tokens: &[i32],
+    ) {
         if self.enabled {
             let num_tokens = tokens.len() as u32;
-            self.raw.push(Raw { hash, parent, salt, page, num_tokens, kind: EVENT_STORED });
+            self.raw.push(Raw {
+                hash,
+                parent,
+                salt,
+                page,
+                num_tokens,
+                kind: EVENT_STORED,
+            });
             self.token_ids.extend_from_slice(tokens);
         }
     }
@@ -95,13 +109,27 @@ impl EventLog {
     #[inline]
     pub(crate) fn removed(&mut self, hash: u128, page: u32, salt: i64) {
         if self.enabled {
-            self.raw.push(Raw { hash, parent: 0, salt, page, num_tokens: 0, kind: EVENT_REMOVED });
+            self.raw.push(Raw {
+                hash,
+                parent: 0,
+                salt,
+                page,
+                num_tokens: 0,
+                kind: EVENT_REMOVED,
+            });
         }
     }
 
     pub(crate) fn cleared(&mut self) {
         if self.enabled {
-            self.raw.push(Raw { hash: 0, parent: 0, salt: 0, page: 0, num_tokens: 0, kind: EVENT_CLEARED });
+            self.raw.push(Raw {
+                hash: 0,
+                parent: 0,
+                salt: 0,
+                page: 0,
+                num_tokens: 0,
+                kind: EVENT_CLEARED,
+            });
         }
     }
 

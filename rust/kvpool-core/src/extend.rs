@@ -272,7 +272,9 @@ impl SlotAllocator {
             done = i + 1;
         }
         if error.is_none() {
-            error = self.check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len()).err();
+            error = self
+                .check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len())
+                .err();
         }
         if let Some(e) = error {
             // Undo the applied requests: those before `done` not listed slow.

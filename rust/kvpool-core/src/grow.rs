@@ -76,7 +76,13 @@ impl SlotAllocator {
 
     /// Stores the token ids of the new positions `start..` whose slots are
     /// `slots` (given ids, else the prompt's) and advances the known prefix.
-    pub(crate) fn record_tokens(&mut self, row: usize, start: usize, slots: &[i64], toks: Option<&[i64]>) {
+    pub(crate) fn record_tokens(
+        &mut self,
+        row: usize,
+        start: usize,
+        slots: &[i64],
+        toks: Option<&[i64]>,
+    ) {
         let cold = &mut self.cold[row];
         let tokens = &mut self.index.tokens;
         let known = match toks {

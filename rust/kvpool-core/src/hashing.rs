@@ -36,11 +36,7 @@ impl ChainHasher {
         } else {
             (1u128 << weak_bits) - 1
         };
-        ChainHasher {
-            seed,
-            mask,
-            buf,
-        }
+        ChainHasher { seed, mask, buf }
     }
 
     pub(crate) fn seed(&self) -> u64 {
@@ -52,6 +48,7 @@ impl ChainHasher {
     pub(crate) fn page(&mut self, parent: u128, tokens: &[i32]) -> u128 {
         self.buf.clear();
         self.buf.extend_from_slice(&parent.to_le_bytes());
+        #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
         self.buf.extend_from_slice(&le_bytes(tokens));
         xxh3_128_with_seed(&self.buf, self.seed) & self.mask
     }
@@ -64,10 +61,16 @@ impl ChainHasher {
 fn le_bytes(tokens: &[i32]) -> &[u8] {
     // SAFETY: i32 has no padding and every byte pattern is a valid u8; the
     // new slice covers exactly the same memory and borrows `tokens`.
-    unsafe { std::slice::from_raw_parts(tokens.as_ptr() as *const u8, std::mem::size_of_val(tokens)) }
+    unsafe {
+        std::slice::from_raw_parts(tokens.as_ptr() as *const u8, std::mem::size_of_val(tokens))
+    }
 }
 
 #[cfg(not(target_endian = "little"))]
 fn le_bytes(tokens: &[i32]) -> std::borrow::Cow<'_, [u8]> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>().into()
+    tokens
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect::<Vec<u8>>()
+        .into()
 }

@@ -125,7 +125,9 @@ impl PrefixIndex {
 
     #[inline]
     pub(crate) fn lookup(&self, hash: u128) -> Option<&Entry> {
-        self.map.get(&hash).and_then(|&e| self.entries.get(e as usize))
+        self.map
+            .get(&hash)
+            .and_then(|&e| self.entries.get(e as usize))
     }
 
     #[inline]
@@ -145,17 +147,28 @@ impl PrefixIndex {
     /// Room for `n` more registrations, or a typed error (nothing changed).
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         let spare = self.free_entries.len();
-        reserve(&mut self.entries, n.saturating_sub(spare), "prefix index entries")?;
-        self.map
-            .try_reserve(n)
-            .map_err(|_| crate::error::PoolError::InvalidArgument(format!(
+        reserve(
+            &mut self.entries,
+            n.saturating_sub(spare),
+            "prefix index entries",
+        )?;
+        self.map.try_reserve(n).map_err(|_| {
+            crate::error::PoolError::InvalidArgument(format!(
                 "cannot allocate the prefix index for {n} more pages"
-            )))
+            ))
+        })
     }
 
     /// Registers `page` under `hash`; returns the registration id. The
     /// caller reserved room, checked that `hash` is absent and `page` unregistered.
-    pub(crate) fn register(&mut self, page: u32, hash: u128, parent_hash: u128, parent_reg: u64, salt: i64) -> u64 {
+    pub(crate) fn register(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent_hash: u128,
+        parent_reg: u64,
+        salt: i64,
+    ) -> u64 {
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {

@@ -59,7 +59,10 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        if let Some(j) = tokens.iter().position(|&x| !(0..=i32::MAX as i64).contains(&x)) {
+        if let Some(j) = tokens
+            .iter()
+            .position(|&x| !(0..=i32::MAX as i64).contains(&x))
+        {
             return Err(PoolError::InvalidArgument(format!(
                 "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
                 tokens[j],
@@ -110,7 +113,11 @@ impl SlotAllocator {
             cold.hashed_pages = m.pages as u32;
             cold.chain = m.chain;
             cold.chain_reg = m.chain_reg;
-            let last = if m.pages == 0 { 0 } else { self.page_lists[base + m.pages - 1] };
+            let last = if m.pages == 0 {
+                0
+            } else {
+                self.page_lists[base + m.pages - 1]
+            };
             self.rows[row].len = len as u32;
             self.rows[row].last = last | self.slow_bit(row, len, last);
             handles.push(handle);
@@ -159,7 +166,9 @@ impl SlotAllocator {
         let mut todo = 0usize;
         for &h in handles {
             let row = handle_row(h) as usize;
-            todo += self.registrable_pages(row).saturating_sub(self.cold[row].hashed_pages as usize);
+            todo += self
+                .registrable_pages(row)
+                .saturating_sub(self.cold[row].hashed_pages as usize);
         }
         self.index.reserve(todo)?;
         self.events.reserve(todo, self.page_size)?;
@@ -211,7 +220,11 @@ impl SlotAllocator {
                     }
                     Some(e.reg)
                 }
-                Some(e) if self.index.verify(&e, self.index.page_tokens(p), salt, parent_reg) => {
+                Some(e)
+                    if self
+                        .index
+                        .verify(&e, self.index.page_tokens(p), salt, parent_reg) =>
+                {
                     Some(e.reg) // a duplicate: keep the existing copy
                 }
                 _ => None,

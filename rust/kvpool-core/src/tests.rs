@@ -31,12 +31,21 @@ fn fresh_pool_hands_out_pages_in_order_and_skips_page_0() {
 fn new_page_only_when_last_page_is_full() {
     let mut a = alloc(8, 4);
     let h = a.open(2).unwrap();
-    assert_eq!(a.extend(&h[..1], Counts::Each(3), None).unwrap(), vec![4, 5, 6]);
+    assert_eq!(
+        a.extend(&h[..1], Counts::Each(3), None).unwrap(),
+        vec![4, 5, 6]
+    );
     assert_eq!(a.used_pages(), 1);
     // One more token fits in page 1; the next starts page 2.
-    assert_eq!(a.extend(&h[..1], Counts::Each(2), None).unwrap(), vec![7, 8]);
+    assert_eq!(
+        a.extend(&h[..1], Counts::Each(2), None).unwrap(),
+        vec![7, 8]
+    );
     assert_eq!(a.pages(h[0]).unwrap(), vec![1, 2]);
-    assert_eq!(a.extend(&h, Counts::PerRequest(&[0, 1]), None).unwrap(), vec![12]);
+    assert_eq!(
+        a.extend(&h, Counts::PerRequest(&[0, 1]), None).unwrap(),
+        vec![12]
+    );
     assert_eq!(a.slots(h[0]).unwrap(), vec![4, 5, 6, 7, 8]);
     a.check().unwrap();
 }
@@ -45,7 +54,10 @@ fn new_page_only_when_last_page_is_full() {
 fn non_power_of_two_page_size() {
     let mut a = alloc(6, 3);
     let h = a.open(1).unwrap();
-    assert_eq!(a.extend(&h, Counts::Each(4), None).unwrap(), vec![3, 4, 5, 6]);
+    assert_eq!(
+        a.extend(&h, Counts::Each(4), None).unwrap(),
+        vec![3, 4, 5, 6]
+    );
     a.truncate(&h, Counts::Each(3)).unwrap();
     assert_eq!(a.pages(h[0]).unwrap(), vec![1]);
     let t = a.page_table(&h).unwrap();
@@ -63,7 +75,10 @@ fn freed_pages_are_reused_first_in_their_old_order() {
     a.extend(&h, Counts::PerRequest(&[3, 2]), None).unwrap(); // 1,2,3 | 4,5
     a.close(&h[..1], false).unwrap();
     let h2 = a.open(1).unwrap();
-    assert_eq!(a.extend(&h2, Counts::Each(4), None).unwrap(), vec![1, 2, 3, 6]);
+    assert_eq!(
+        a.extend(&h2, Counts::Each(4), None).unwrap(),
+        vec![1, 2, 3, 6]
+    );
     a.check().unwrap();
 }
 
@@ -139,18 +154,29 @@ fn failed_batches_change_nothing() {
     for ((hs, cs), want) in cases.iter().zip(kinds) {
         let err = a.extend(hs, Counts::PerRequest(cs), None).unwrap_err();
         let got = format!("{err:?}");
-        assert!(got.starts_with(want), "{hs:?} {cs:?}: wanted {want}, got {got}");
+        assert!(
+            got.starts_with(want),
+            "{hs:?} {cs:?}: wanted {want}, got {got}"
+        );
         assert_eq!(snapshot(&a, &h), before, "{err}");
         a.check().unwrap();
     }
     // Stale, not merely unknown.
     assert!(matches!(
         a.extend(&[stale], Counts::Each(1), None).unwrap_err(),
-        PoolError::InvalidHandle { problem: HandleProblem::Unknown, .. }
+        PoolError::InvalidHandle {
+            problem: HandleProblem::Unknown,
+            ..
+        }
     ));
     assert!(matches!(
-        a.extend(&h, Counts::PerRequest(&[1, 64, 1]), None).unwrap_err(),
-        PoolError::ContextTooLong { length: 65, max: 64, .. }
+        a.extend(&h, Counts::PerRequest(&[1, 64, 1]), None)
+            .unwrap_err(),
+        PoolError::ContextTooLong {
+            length: 65,
+            max: 64,
+            ..
+        }
     ));
     assert!(matches!(
         a.extend(&h, Counts::Each(4), None).unwrap_err(),
@@ -162,7 +188,9 @@ fn failed_batches_change_nothing() {
     ));
     let arg = |e: PoolError| matches!(e, PoolError::InvalidArgument(_));
     let bad_handle = |e: PoolError| matches!(e, PoolError::InvalidHandle { .. });
-    assert!(arg(a.truncate(&h, Counts::PerRequest(&[1, 2, 0])).unwrap_err())); // 2 > length 1
+    assert!(arg(a
+        .truncate(&h, Counts::PerRequest(&[1, 2, 0]))
+        .unwrap_err())); // 2 > length 1
     assert!(arg(a.truncate(&h, Counts::Each(-1)).unwrap_err()));
     assert!(arg(a.close(&[h[0], h[0]], false).unwrap_err()));
     assert!(bad_handle(a.close(&[h[0], stale], false).unwrap_err()));
@@ -222,27 +250,31 @@ fn check_detects_corruption() {
     let h = a.open(1).unwrap();
     a.extend(&h, Counts::Each(2), None).unwrap();
     let good = a.clone();
-    let corruptions: Vec<Box<dyn Fn(&mut SlotAllocator)>> = vec![
-        Box::new(|a| a.free_pages.push(1)),          // page 1 both free and held
-        Box::new(|a| a.rows[0].len = 3),            // length disagrees with pages held
-        Box::new(|a| a.refcount[0] = 1),            // page 0 held
+    type Corrupt = Box<dyn Fn(&mut SlotAllocator)>;
+    let corruptions: Vec<Corrupt> = vec![
+        Box::new(|a| a.free_pages.push(1)), // page 1 both free and held
+        Box::new(|a| a.rows[0].len = 3),    // length disagrees with pages held
+        Box::new(|a| a.refcount[0] = 1),    // page 0 held
         Box::new(|a| {
-            a.free_pages.pop();                      // a page lost
+            a.free_pages.pop(); // a page lost
         }),
-        Box::new(|a| a.refcount[1] = 2),            // refcount != holders
-        Box::new(|a| a.index.lru_push(5)),          // a FREE page on the LRU list
-        Box::new(|a| a.rows[0].last = 1),           // wrong last page
+        Box::new(|a| a.refcount[1] = 2),   // refcount != holders
+        Box::new(|a| a.index.lru_push(5)), // a FREE page on the LRU list
+        Box::new(|a| a.rows[0].last = 1),  // wrong last page
         Box::new(|a| a.open_count = 0),
         Box::new(|a| {
             a.index.reserve(1).unwrap();
-            a.index.register(2, 7, 0, 0, 0);        // registered page 2 held: fine...
-            a.index.page_entry[2] = 0;              // ...until its link is lost
+            a.index.register(2, 7, 0, 0, 0); // registered page 2 held: fine...
+            a.index.page_entry[2] = 0; // ...until its link is lost
         }),
     ];
     for (i, corrupt) in corruptions.iter().enumerate() {
         let mut b = good.clone();
         corrupt(&mut b);
-        assert!(matches!(b.check(), Err(PoolError::Invariant(_))), "corruption {i}");
+        assert!(
+            matches!(b.check(), Err(PoolError::Invariant(_))),
+            "corruption {i}"
+        );
     }
     good.check().unwrap();
 }
@@ -293,14 +325,27 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
 fn fallible_reservations_fail_typed() {
     // 2^20 rows * 2^28 / 1 pages per row: far past memory, must not abort.
     let e = SlotAllocator::new(2, 1, MAX_REQUESTS, MAX_CONTEXT_LEN).unwrap_err();
-    assert!(matches!(e, PoolError::InvalidArgument(ref m) if m.contains("cannot allocate")), "{e}");
-    for (r, c) in [(MAX_REQUESTS + 1, 1), (1, MAX_CONTEXT_LEN + 1), ((1 << 31) - 1, 16)] {
+    assert!(
+        matches!(e, PoolError::InvalidArgument(ref m) if m.contains("cannot allocate")),
+        "{e}"
+    );
+    for (r, c) in [
+        (MAX_REQUESTS + 1, 1),
+        (1, MAX_CONTEXT_LEN + 1),
+        ((1 << 31) - 1, 16),
+    ] {
         let e = SlotAllocator::new(4, 1, r, c).unwrap_err();
-        assert!(matches!(e, PoolError::InvalidArgument(ref m) if m.contains("must be in")), "{e}");
+        assert!(
+            matches!(e, PoolError::InvalidArgument(ref m) if m.contains("must be in")),
+            "{e}"
+        );
     }
     let mut a = alloc(4, 1);
     for n in [5usize, 1 << 33, 1 << 62, usize::MAX] {
-        assert!(matches!(a.open(n).unwrap_err(), PoolError::TooManyRequests { .. }));
+        assert!(matches!(
+            a.open(n).unwrap_err(),
+            PoolError::TooManyRequests { .. }
+        ));
     }
     a.check().unwrap();
 }

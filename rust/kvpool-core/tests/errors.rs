@@ -8,7 +8,10 @@ use kvpool_core::{
 
 /// Everything observable, to assert that a failing call changed nothing.
 fn snapshot(a: &mut SlotAllocator, hs: &[i64]) -> String {
-    let per: Vec<_> = hs.iter().map(|&h| (a.slots(h).ok(), a.known_tokens(h).ok())).collect();
+    let per: Vec<_> = hs
+        .iter()
+        .map(|&h| (a.slots(h).ok(), a.known_tokens(h).ok()))
+        .collect();
     let ev = a.take_events();
     assert!(ev.is_empty(), "a failing call emitted events");
     format!(
@@ -25,7 +28,9 @@ fn snapshot(a: &mut SlotAllocator, hs: &[i64]) -> String {
 
 fn setup() -> (SlotAllocator, Vec<i64>) {
     let mut a = SlotAllocator::new(32, 4, 4, 32).unwrap();
-    let (h, _) = a.open_with_prefix(&[1, 2, 3, 4, 5, 6], &[6], Counts::Each(0)).unwrap();
+    let (h, _) = a
+        .open_with_prefix(&[1, 2, 3, 4, 5, 6], &[6], Counts::Each(0))
+        .unwrap();
     a.extend(&h, Counts::Each(6), None).unwrap();
     a.cache(&h).unwrap();
     let h2 = a.fork(h[0], 1).unwrap();
@@ -44,27 +49,61 @@ fn arg(r: Result<impl std::fmt::Debug, PoolError>, words: &str) {
 fn sharing_calls_fail_typed_and_change_nothing() {
     let (mut a, h) = setup();
     let before = snapshot(&mut a, &h);
-    arg(a.open_with_prefix(&[1, 2, 3], &[2, 2], Counts::Each(0)), "lengths add up to 4 tokens but tokens has 3");
-    arg(a.open_with_prefix(&[1, 2, 3], &[3, -1], Counts::Each(0)), "negative");
-    arg(a.open_with_prefix(&[1, -2, 3], &[3], Counts::Each(0)), "not a token id");
-    arg(a.open_with_prefix(&[1, 2, 3], &[3], Counts::PerRequest(&[0, 1])), "salt has 2 entries");
+    arg(
+        a.open_with_prefix(&[1, 2, 3], &[2, 2], Counts::Each(0)),
+        "lengths add up to 4 tokens but tokens has 3",
+    );
+    arg(
+        a.open_with_prefix(&[1, 2, 3], &[3, -1], Counts::Each(0)),
+        "negative",
+    );
+    arg(
+        a.open_with_prefix(&[1, -2, 3], &[3], Counts::Each(0)),
+        "not a token id",
+    );
+    arg(
+        a.open_with_prefix(&[1, 2, 3], &[3], Counts::PerRequest(&[0, 1])),
+        "salt has 2 entries",
+    );
     assert!(matches!(
         a.open_with_prefix(&[0; 33], &[33], Counts::Each(0)),
-        Err(PoolError::ContextTooLong { length: 33, max: 32, .. })
+        Err(PoolError::ContextTooLong {
+            length: 33,
+            max: 32,
+            ..
+        })
     ));
     assert!(matches!(
         a.open_with_prefix(&[0; 9], &[3, 3, 3], Counts::Each(0)),
-        Err(PoolError::TooManyRequests { requested: 3, open: 2, .. })
+        Err(PoolError::TooManyRequests {
+            requested: 3,
+            open: 2,
+            ..
+        })
     ));
-    arg(a.extend(&h, Counts::Each(1), Some(&[5])), "tokens has 1 entries but the batch adds 2");
-    arg(a.extend(&h[..1], Counts::Each(1), Some(&[1 << 40])), "not a token id");
-    assert!(matches!(a.fork(h[0], 3), Err(PoolError::TooManyRequests { requested: 3, .. })));
+    arg(
+        a.extend(&h, Counts::Each(1), Some(&[5])),
+        "tokens has 1 entries but the batch adds 2",
+    );
+    arg(
+        a.extend(&h[..1], Counts::Each(1), Some(&[1 << 40])),
+        "not a token id",
+    );
+    assert!(matches!(
+        a.fork(h[0], 3),
+        Err(PoolError::TooManyRequests { requested: 3, .. })
+    ));
     assert_eq!(snapshot(&mut a, &h), before);
 
     // A prompt token disagreeing with the remembered prompt.
-    let (p, _) = a.open_with_prefix(&[1, 2, 3, 4, 5, 6, 7], &[7], Counts::Each(0)).unwrap();
+    let (p, _) = a
+        .open_with_prefix(&[1, 2, 3, 4, 5, 6, 7], &[7], Counts::Each(0))
+        .unwrap();
     let before = snapshot(&mut a, &[h.clone(), p.clone()].concat());
-    arg(a.extend(&p, Counts::Each(3), Some(&[5, 6, 8])), "disagrees with its prompt");
+    arg(
+        a.extend(&p, Counts::Each(3), Some(&[5, 6, 8])),
+        "disagrees with its prompt",
+    );
     assert_eq!(snapshot(&mut a, &[h.clone(), p.clone()].concat()), before);
 
     // Closed and stale handles.
@@ -102,7 +141,10 @@ fn handles_of_another_allocator_are_rejected() {
 }
 
 fn with_base(base: u32, rows: usize) -> SlotAllocator {
-    let opts = Options { generation_base: Some(base), ..Options::new() };
+    let opts = Options {
+        generation_base: Some(base),
+        ..Options::new()
+    };
     SlotAllocator::with_options(8, 1, rows, 8, opts).unwrap()
 }
 
@@ -116,20 +158,33 @@ fn generations_wrap_past_the_maximum_and_stay_stale() {
         a.close(&h, false).unwrap();
     }
     let gens: Vec<u32> = old.iter().map(|&h| handle_generation(h)).collect();
-    assert_eq!(gens, vec![MAX_GENERATION - 1, MAX_GENERATION, 1, 2], "wraps to 1, never 0");
+    assert_eq!(
+        gens,
+        vec![MAX_GENERATION - 1, MAX_GENERATION, 1, 2],
+        "wraps to 1, never 0"
+    );
     let cur = a.open(1).unwrap()[0];
     assert_eq!(handle_generation(cur), 3);
     for &h in &old {
         // Issued before the wrap or after, every old handle is stale.
-        assert!(matches!(
-            a.length(h),
-            Err(PoolError::InvalidHandle { problem: HandleProblem::Stale, .. })
-        ), "{h:x}");
+        assert!(
+            matches!(
+                a.length(h),
+                Err(PoolError::InvalidHandle {
+                    problem: HandleProblem::Stale,
+                    ..
+                })
+            ),
+            "{h:x}"
+        );
     }
     // Generations this row has not reached are unknown, not stale.
     assert!(matches!(
         a.length(make_handle(4, 0)),
-        Err(PoolError::InvalidHandle { problem: HandleProblem::Unknown, .. })
+        Err(PoolError::InvalidHandle {
+            problem: HandleProblem::Unknown,
+            ..
+        })
     ));
     a.check().unwrap();
 }
@@ -138,7 +193,11 @@ fn generations_wrap_past_the_maximum_and_stay_stale() {
 fn a_row_whose_generation_would_return_to_its_base_is_retired() {
     // Base 5, first generation 3: a row issues 3, 4 and then retires rather
     // than issue 5 again (in real use: after 2^31 - 1 requests on the row).
-    let opts = Options { generation_base: Some(5), generation_start: Some(3), ..Options::new() };
+    let opts = Options {
+        generation_base: Some(5),
+        generation_start: Some(3),
+        ..Options::new()
+    };
     let mut a = SlotAllocator::with_options(8, 1, 2, 8, opts).unwrap();
     let mut issued = Vec::new();
     for _ in 0..2 {
@@ -148,20 +207,35 @@ fn a_row_whose_generation_would_return_to_its_base_is_retired() {
         a.close(&h, false).unwrap();
         a.check().unwrap();
     }
-    assert_eq!(issued.iter().map(|&h| handle_generation(h)).collect::<Vec<_>>(), vec![3, 4]);
+    assert_eq!(
+        issued
+            .iter()
+            .map(|&h| handle_generation(h))
+            .collect::<Vec<_>>(),
+        vec![3, 4]
+    );
     // Row 0 is retired: the next request gets row 1, and only one fits now.
     let h = a.open(1).unwrap();
     assert_eq!(handle_row(h[0]), 1);
-    assert!(matches!(a.open(1), Err(PoolError::TooManyRequests { max: 1, .. })));
+    assert!(matches!(
+        a.open(1),
+        Err(PoolError::TooManyRequests { max: 1, .. })
+    ));
     for &old in &issued {
         assert!(matches!(
             a.length(old),
-            Err(PoolError::InvalidHandle { problem: HandleProblem::Stale | HandleProblem::Closed, .. })
+            Err(PoolError::InvalidHandle {
+                problem: HandleProblem::Stale | HandleProblem::Closed,
+                ..
+            })
         ));
     }
     assert!(matches!(
         a.length(issued[0]),
-        Err(PoolError::InvalidHandle { problem: HandleProblem::Stale, .. })
+        Err(PoolError::InvalidHandle {
+            problem: HandleProblem::Stale,
+            ..
+        })
     ));
     a.reset();
     a.check().unwrap();
@@ -171,7 +245,10 @@ fn a_row_whose_generation_would_return_to_its_base_is_retired() {
 
 #[test]
 fn epoch_wrap_clears_stamps() {
-    let opts = Options { epoch_start: u32::MAX - 2, ..Options::new() };
+    let opts = Options {
+        epoch_start: u32::MAX - 2,
+        ..Options::new()
+    };
     let mut a = SlotAllocator::with_options(16, 1, 4, 16, opts).unwrap();
     let h = a.open(2).unwrap();
     for _ in 0..6 {

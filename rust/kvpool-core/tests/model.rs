@@ -68,7 +68,10 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// Asserts agreement; returns whether the call succeeded.
-fn same<T: PartialEq + std::fmt::Debug>(real: Result<T, PoolError>, model: Result<T, Kind>) -> bool {
+fn same<T: PartialEq + std::fmt::Debug>(
+    real: Result<T, PoolError>,
+    model: Result<T, Kind>,
+) -> bool {
     match (real, model) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b);
@@ -110,7 +113,10 @@ static HIT_TOKENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
-    let opts = Options { generation_base: Some(1), ..Options::new() };
+    let opts = Options {
+        generation_base: Some(1),
+        ..Options::new()
+    };
     SlotAllocator::with_options(pages, ps, MAX_REQ, MAX_CTX, opts).unwrap()
 }
 
@@ -236,8 +242,15 @@ fn generated_sequences_exercise_sharing() {
     allocator_matches_model();
     let load = |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed);
     let oks = load(&OK_CALLS);
-    assert!(oks > CASES as usize * 10, "only {oks} successful calls in {CASES} sequences");
+    assert!(
+        oks > CASES as usize * 10,
+        "only {oks} successful calls in {CASES} sequences"
+    );
     let hits = HIT_TOKENS.load(std::sync::atomic::Ordering::Relaxed);
     assert!(hits > CASES as u64 / 2, "only {hits} prefix-hit tokens");
-    assert!(load(&COPIES) > CASES as usize / 20, "only {} copy-on-write slots", load(&COPIES));
+    assert!(
+        load(&COPIES) > CASES as usize / 20,
+        "only {} copy-on-write slots",
+        load(&COPIES)
+    );
 }

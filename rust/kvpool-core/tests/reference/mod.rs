@@ -100,16 +100,24 @@ impl Model {
     }
 
     pub fn holders(&self, p: usize) -> usize {
-        self.reqs.values().map(|r| r.pages.iter().filter(|&&q| q == p).count()).sum()
+        self.reqs
+            .values()
+            .map(|r| r.pages.iter().filter(|&&q| q == p).count())
+            .sum()
     }
 
     pub fn slots(&self, row: usize) -> Vec<i64> {
         let r = &self.reqs[&row];
-        (0..r.len()).map(|t| (r.pages[t / self.ps] * self.ps + t % self.ps) as i64).collect()
+        (0..r.len())
+            .map(|t| (r.pages[t / self.ps] * self.ps + t % self.ps) as i64)
+            .collect()
     }
 
     fn find(&self, key: &(i64, Vec<i32>)) -> Option<(usize, Entry)> {
-        self.reg.iter().find(|(_, e)| &e.key == key).map(|(&p, e)| (p, e.clone()))
+        self.reg
+            .iter()
+            .find(|(_, e)| &e.key == key)
+            .map(|(&p, e)| (p, e.clone()))
     }
 
     /// Rows of a batch, or the error kind of its first bad handle/duplicate.
@@ -151,7 +159,13 @@ impl Model {
     fn new_row(&mut self, salt: i64) -> (usize, i64) {
         let row = self.free_rows.pop().unwrap();
         self.generation[row] += 1;
-        self.reqs.insert(row, Req { salt, ..Default::default() });
+        self.reqs.insert(
+            row,
+            Req {
+                salt,
+                ..Default::default()
+            },
+        );
         (row, make_handle(self.generation[row], row as u32))
     }
 
@@ -162,7 +176,11 @@ impl Model {
         Ok((0..n).map(|_| self.new_row(0).1).collect())
     }
 
-    pub fn open_with_prefix(&mut self, prompts: &[Vec<i32>], salts: &[i64]) -> Result<(Vec<i64>, Vec<i64>), Kind> {
+    pub fn open_with_prefix(
+        &mut self,
+        prompts: &[Vec<i32>],
+        salts: &[i64],
+    ) -> Result<(Vec<i64>, Vec<i64>), Kind> {
         if prompts.iter().any(|p| p.len() > MAX_CTX) {
             return Err(Kind::TooLong);
         }
@@ -207,7 +225,12 @@ impl Model {
     }
 
     /// `tokens`: per request, the ids given for its new positions (or None).
-    pub fn extend(&mut self, hs: &[i64], cs: &[i64], tokens: Option<&[i64]>) -> Result<Vec<i64>, Kind> {
+    pub fn extend(
+        &mut self,
+        hs: &[i64],
+        cs: &[i64],
+        tokens: Option<&[i64]>,
+    ) -> Result<Vec<i64>, Kind> {
         let mut rows = Vec::new();
         let mut need = 0;
         for (i, &h) in hs.iter().enumerate() {
@@ -315,7 +338,9 @@ impl Model {
         let full = l / self.ps;
         let req = &self.reqs[&r];
         if req.hashed > full {
-            let entry = (full > 0).then(|| self.reg.get(&req.pages[full - 1]).cloned()).flatten();
+            let entry = (full > 0)
+                .then(|| self.reg.get(&req.pages[full - 1]).cloned())
+                .flatten();
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
             match entry {
@@ -355,7 +380,14 @@ impl Model {
                 None if !self.reg.contains_key(&p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
-                    self.reg.insert(p, Entry { key, reg, parent_reg: chain_reg });
+                    self.reg.insert(
+                        p,
+                        Entry {
+                            key,
+                            reg,
+                            parent_reg: chain_reg,
+                        },
+                    );
                     Some(reg)
                 }
                 Some((q, e)) if q == p => {
