@@ -213,10 +213,10 @@ impl SlotAllocator {
         let mut slow = std::mem::take(&mut self.slow_scratch);
         slow.clear();
         let mut needed_pages = 0usize;
-        let mut k = 0usize;
+        let (first, mut k) = self.extend_decode_run(handles, &get, out);
         let mut error = None;
-        let mut done = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
+        let mut done = first;
+        for (i, &h) in handles.iter().enumerate().skip(first) {
             let row = handle_row(h) as usize;
             let Some(r) = self.rows.get_mut(row) else {
                 error = Some(self.why_invalid(h));
@@ -289,6 +289,25 @@ impl SlotAllocator {
             self.slow_scratch = slow;
             return Err(e);
         }
+        if slow.is_empty() && tokens.is_none() {
+            // Every request was applied in the first pass: only report.
+            let mut k = 0usize;
+            for (i, &h) in handles.iter().enumerate() {
+                let row = handle_row(h) as usize;
+                let c = get(i) as usize;
+                let start = self.rows[row].len as usize - c;
+                on_request(&Grown {
+                    index: i,
+                    row,
+                    start,
+                    slots: &out[k..k + c],
+                    moved: 0,
+                });
+                k += c;
+            }
+            self.slow_scratch = slow;
+            return Ok(());
+        }
         // Second pass: grow the listed requests, report everyone in order.
         let mut s = slow.iter().peekable();
         let mut k = 0usize;
@@ -325,6 +344,50 @@ impl SlotAllocator {
         }
         self.slow_scratch = slow;
         Ok(())
+    }
+
+    /// The decode step's loop, kept tight (few live values, no error
+    /// plumbing): applies the leading requests that are valid and stay in
+    /// their own last page, and stops at the first that is not (the general
+    /// loop takes over there and validates it). Power-of-two page sizes
+    /// only. Returns (requests applied, slots written).
+    #[inline]
+    fn extend_decode_run<G: Fn(usize) -> i64>(
+        &mut self,
+        handles: &[i64],
+        get: &G,
+        out: &mut [i64],
+    ) -> (usize, usize) {
+        if self.page_shift.is_none() {
+            return (0, 0);
+        }
+        let (ps, epoch, max_len) = (self.page_size, self.epoch, self.max_context_len);
+        let rows = &mut self.rows[..];
+        let mut k = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let Some(r) = rows.get_mut(handle_row(h) as usize) else {
+                return (i, k);
+            };
+            let c = get(i);
+            let len = r.len as usize;
+            let off = len & (ps - 1);
+            let fits = off != 0 && (c as u64) <= (ps - off) as u64 && len + ps - off <= max_len;
+            if h < 0
+                || r.generation != handle_generation(h) | OPEN
+                || r.stamp == epoch
+                || r.last & SLOW != 0
+                || !fits
+                || k + c as usize > out.len()
+            {
+                return (i, k);
+            }
+            let c = c as usize;
+            r.stamp = epoch;
+            r.len = (len + c) as u32;
+            fill_run(&mut out[k..k + c], r.last as usize * ps + off);
+            k += c;
+        }
+        (handles.len(), k)
     }
 
     /// The batch-wide checks after the per-request ones: token ids, pages
