@@ -148,7 +148,11 @@ fn main() {
         println!("{name:<48} {v:>8.2} {unit}");
         json.push(format!("\"{name}\": {v:.3}"));
     };
+    let prefix_only = std::env::args().any(|a| a == "--prefix");
     for (label, slots) in [("1M", 1usize << 20), ("16M", 1 << 24)] {
+        if prefix_only {
+            break;
+        }
         report(
             &format!("decode_extend_ns_per_req_{label}_warm"),
             "ns",
