@@ -131,6 +131,13 @@ impl SlotAllocator {
         )
     }
 
+    /// Drains the queued copies from index `from` on (those a caller saw
+    /// being queued), leaving earlier ones queued.
+    pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
+        let from = from.min(self.copy_src.len());
+        (self.copy_src.split_off(from), self.copy_dst.split_off(from))
+    }
+
     /// Queued copy-on-write copies not yet taken.
     pub fn pending_copies(&self) -> usize {
         self.copy_src.len()
