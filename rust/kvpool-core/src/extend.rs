@@ -323,10 +323,17 @@ impl SlotAllocator {
                 s.next();
                 start = self.rows[row].len as usize;
                 if c > 0 {
+                    // Without SLOW there is no prompt ahead and the new last
+                    // page is the request's own: skip the cold row.
+                    let was_slow = self.rows[row].last & SLOW != 0;
                     moved = self.grow_row(row, start, dst);
-                    self.record_tokens(row, start, dst, toks);
-                    let last = self.rows[row].last;
-                    self.rows[row].last = last | self.slow_bit(row, start + c, last);
+                    if was_slow || toks.is_some() {
+                        self.record_tokens(row, start, dst, toks);
+                    }
+                    if was_slow {
+                        let last = self.rows[row].last;
+                        self.rows[row].last = last | self.slow_bit(row, start + c, last);
+                    }
                 }
             } else {
                 start = self.rows[row].len as usize - c;

@@ -98,9 +98,20 @@ impl SlotAllocator {
         let keep = self.pages_for(new_len);
         let np = self.pages_for(self.rows[row].len as usize);
         let base = row * self.row_pages;
-        for k in (keep..np).rev() {
-            let p = self.page_lists[base + k];
-            self.release_page(p);
+        if self.index.map.is_empty() {
+            // Nothing is registered: a last holder frees the page outright.
+            for k in (keep..np).rev() {
+                let p = self.page_lists[base + k] as usize;
+                self.refcount[p] -= 1;
+                if self.refcount[p] == 0 {
+                    self.free_pages.push(p as u32);
+                }
+            }
+        } else {
+            for k in (keep..np).rev() {
+                let p = self.page_lists[base + k];
+                self.release_page(p);
+            }
         }
         let last = if keep == 0 {
             0
