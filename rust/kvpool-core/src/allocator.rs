@@ -206,7 +206,10 @@ impl SlotAllocator {
         let page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
-        let refcount = zeroed_vec::<u32>(num_pages, "page refcounts")?;
+        // Written here (not lazily mapped like the other zeroed arrays): every
+        // page taken writes its refcount, and first-touch page faults during
+        // serving cost more than one memset now.
+        let refcount = filled_vec(num_pages, 0u32, "page refcounts")?;
         let mut free_pages = Vec::new();
         reserve(&mut free_pages, num_pages - 1, "free page stack")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
