@@ -98,7 +98,15 @@ impl SlotAllocator {
         let keep = self.pages_for(new_len);
         let np = self.pages_for(self.rows[row].len as usize);
         let base = row * self.row_pages;
-        if self.index.map.is_empty() {
+        if self.cold[row].exclusive {
+            // Sole holder of unregistered pages: free them without reading
+            // their refcounts (a random read per page otherwise).
+            for k in (keep..np).rev() {
+                let p = self.page_lists[base + k];
+                self.refcount[p as usize] = 0;
+                self.free_pages.push(p);
+            }
+        } else if self.index.map.is_empty() {
             // Nothing is registered: a last holder frees the page outright.
             for k in (keep..np).rev() {
                 let p = self.page_lists[base + k] as usize;
