@@ -39,6 +39,18 @@ impl SlotAllocator {
         let base = row * self.row_pages;
         let np = self.pages_for(start);
         let off = self.offset_in_page(start);
+        if off == 0 && c <= ps {
+            // One new page from the free stack (a decode step at a page
+            // boundary; every step at page size 1): the short way.
+            if let Some(p) = self.free_pages.pop() {
+                self.refcount[p as usize] = 1;
+                self.page_lists[base + np] = p;
+                fill_run(dst, p as usize * ps);
+                self.rows[row].len = (start + c) as u32;
+                self.rows[row].last = p;
+                return 0;
+            }
+        }
         let mut last = self.rows[row].last & !SLOW;
         let mut moved = 0;
         if off != 0 {

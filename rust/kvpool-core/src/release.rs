@@ -101,11 +101,11 @@ impl SlotAllocator {
         if self.cold[row].exclusive {
             // Sole holder of unregistered pages: free them without reading
             // their refcounts (a random read per page otherwise).
-            for k in (keep..np).rev() {
-                let p = self.page_lists[base + k];
+            let freed = &self.page_lists[base + keep..base + np];
+            for &p in freed {
                 self.refcount[p as usize] = 0;
-                self.free_pages.push(p);
             }
+            self.free_pages.extend(freed.iter().rev());
         } else if self.index.map.is_empty() {
             // Nothing is registered: a last holder frees the page outright.
             for k in (keep..np).rev() {
