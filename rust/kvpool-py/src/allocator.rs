@@ -6,26 +6,27 @@
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{Counts, SlotAllocator as Core};
-use numpy::{PyArray1, PyUntypedArray};
+use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, Result};
-use crate::output::{extend_total, new_i64};
-use crate::table::Table;
 
-type Arr<'py, T> = Bound<'py, PyArray1<T>>;
+pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
-/// page owners. Thread-safe (one internal lock; batch calls release the GIL).
+/// shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
+/// Thread-safe (one internal lock; batch calls release the GIL).
 ///
 /// Args:
 ///     num_pages: total pages, reserved page 0 included (>= 2).
 ///     page_size: slots per page (>= 1).
-///     max_requests: most requests open at once.
-///     max_context_len: most tokens per request.
+///     max_requests: most requests open at once (<= 2**20).
+///     max_context_len: most tokens per request (<= 2**28).
+///     hash_seed: seed of the prefix-cache page hash (random when None).
+///     kv_events: record KV events for take_events().
 ///
 /// Raises:
 ///     InvalidArgumentError: a size is zero, negative or too large.
@@ -33,28 +34,28 @@ type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 // (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct SlotAllocator {
-    inner: Mutex<Core>,
+    pub(crate) inner: Mutex<Core>,
     /// Slots per page (P): slot = page * P + offset.
     #[pyo3(get)]
-    page_size: usize,
+    pub(crate) page_size: usize,
     /// Total pages, the reserved page 0 included.
     #[pyo3(get)]
-    num_pages: usize,
+    pub(crate) num_pages: usize,
     /// num_pages * page_size: slot ids are in [0, num_slots).
     #[pyo3(get)]
-    num_slots: usize,
+    pub(crate) num_slots: usize,
     /// Most requests open at once (rows of a request-to-token table).
     #[pyo3(get)]
-    max_requests: usize,
+    pub(crate) max_requests: usize,
     /// Most tokens one request may hold.
     #[pyo3(get)]
-    max_context_len: usize,
+    pub(crate) max_context_len: usize,
     /// Pages requests can ever hold: num_pages - 1 (page 0 is reserved).
     #[pyo3(get)]
-    capacity_pages: usize,
+    pub(crate) capacity_pages: usize,
     /// capacity_pages * page_size.
     #[pyo3(get)]
-    capacity_slots: usize,
+    pub(crate) capacity_slots: usize,
 }
 
 /// The pool's changing counters, read together under one lock (so they agree
@@ -68,6 +69,10 @@ pub struct PoolStats {
     open_requests: usize,
     admissible_tokens: usize,
     metadata_bytes: usize,
+    cached_pages: usize,
+    evictable_pages: usize,
+    hit_tokens: u64,
+    miss_tokens: u64,
 }
 
 impl PoolStats {
@@ -80,6 +85,10 @@ impl PoolStats {
             open_requests: a.open_requests(),
             admissible_tokens: a.admissible_tokens(),
             metadata_bytes: a.metadata_bytes(),
+            cached_pages: a.cached_pages(),
+            evictable_pages: a.evictable_pages(),
+            hit_tokens: a.hit_tokens(),
+            miss_tokens: a.miss_tokens(),
         }
     }
 }
@@ -89,20 +98,25 @@ impl PoolStats {
     fn __repr__(&self) -> String {
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
-             open_requests={}, admissible_tokens={}, metadata_bytes={})",
+             open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
+             evictable_pages={}, hit_tokens={}, miss_tokens={})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
             self.used_slots,
             self.open_requests,
             self.admissible_tokens,
-            self.metadata_bytes
+            self.metadata_bytes,
+            self.cached_pages,
+            self.evictable_pages,
+            self.hit_tokens,
+            self.miss_tokens
         )
     }
 }
 
 impl SlotAllocator {
-    fn lock(&self) -> MutexGuard<'_, Core> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
         // The core never panics on caller input; if a bug ever poisoned the
         // lock, keep serving so that check() can report what is wrong.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -111,7 +125,7 @@ impl SlotAllocator {
     /// Runs a short query. Uncontended, it takes the lock with the GIL held
     /// (cheapest); if another thread holds the lock (maybe for a long batch),
     /// it waits with the GIL released so other Python threads keep running.
-    fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
+    pub(crate) fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
         match self.inner.try_lock() {
             Ok(guard) => f(&guard),
             Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
@@ -123,11 +137,11 @@ impl SlotAllocator {
 /// A numpy array owning a copy of `v`. Copying (a memcpy) beats handing the
 /// Vec over (`from_vec`): that wraps it in a GC-tracked container object,
 /// and the extra GC traffic costs more than the copy on the hot path.
-fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
+pub(crate) fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
     PyArray1::from_slice(py, v)
 }
 
-fn counts_of(arg: &IntArg) -> Counts<'_> {
+pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
     match arg {
         IntArg::Scalar(c) => Counts::Each(*c),
         IntArg::Many(v) => Counts::PerRequest(v),
@@ -136,19 +150,32 @@ fn counts_of(arg: &IntArg) -> Counts<'_> {
 
 /// A non-negative int argument: bools, floats, strings and ints outside
 /// int64 are InvalidArgumentError (not TypeError / OverflowError).
-fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+pub(crate) fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     let v = int_scalar(py, obj, what)?;
     usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
 }
 
 #[pymethods]
 impl SlotAllocator {
+    /// Test only (not public API): move every closed row's generation and/or
+    /// the batch epoch next to their wrap points.
+    #[pyo3(signature = (*, generation=None, epoch=None))]
+    fn _set_counters_for_tests(
+        &self,
+        py: Python<'_>,
+        generation: Option<u32>,
+        epoch: Option<u32>,
+    ) -> Result<()> {
+        py.detach(|| self.lock().set_counters_for_tests(generation, epoch))?;
+        Ok(())
+    }
+
     #[new]
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None),
-        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096)"
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, kv_events=true),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)"
     )]
     fn new(
         py: Python<'_>,
@@ -156,6 +183,8 @@ impl SlotAllocator {
         page_size: Option<&Bound<'_, PyAny>>,
         max_requests: Option<&Bound<'_, PyAny>>,
         max_context_len: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        kv_events: bool,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
@@ -165,7 +194,18 @@ impl SlotAllocator {
         let page_size = or(page_size, "page_size", 1)?;
         let max_requests = or(max_requests, "max_requests", 256)?;
         let max_context_len = or(max_context_len, "max_context_len", 4096)?;
-        let core = py.detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))?;
+        let hash_seed = match hash_seed {
+            None => None,
+            Some(seed) => Some(crate::sharing::seed_arg(py, seed)?),
+        };
+        let opts = kvpool_core::Options {
+            hash_seed,
+            kv_events,
+            ..kvpool_core::Options::new()
+        };
+        let core = py.detach(|| {
+            Core::with_options(num_pages, page_size, max_requests, max_context_len, opts)
+        })?;
         Ok(Self {
             page_size: core.page_size(),
             num_pages: core.num_pages(),
@@ -186,7 +226,7 @@ impl SlotAllocator {
     fn stats(&self, py: Python<'_>) -> PoolStats {
         self.query(py, PoolStats::of)
     }
-    /// Pages on the free list.
+    /// Pages an extend can take now: FREE + CACHED (evictable).
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
         self.query(py, Core::free_pages)
@@ -245,151 +285,6 @@ impl SlotAllocator {
         Ok(to_numpy(py, &v))
     }
 
-    /// extend(handles, counts, table=None) -> ndarray[int64]
-    ///
-    /// Grows each request by counts[i] tokens (or `counts` for all); a new page
-    /// is taken only when a request's last page is full. Atomic.
-    ///
-    /// Args:
-    ///     handles: int, sequence or 1-D integer array of open handles (no duplicates).
-    ///     counts: int (for all) or one int per handle, >= 0.
-    ///     table: optional int32 2-D numpy array [>= max_requests, >= max_context_len]
-    ///         (e.g. req_to_token.numpy()): table[row, start:start+count] gets each
-    ///         request's new slots in the same call.
-    ///
-    /// Returns:
-    ///     the new slots, flattened in request order (int64).
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    ///     PoolExhaustedError: not enough free pages (needed vs free in the message).
-    ///     ContextTooLongError: a request would pass max_context_len.
-    ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
-    ///         handle, bad table. Nothing changes on any error.
-    #[pyo3(signature = (handles, counts, table=None))]
-    fn extend<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-        counts: &Bound<'py, PyAny>,
-        table: Option<&Bound<'py, PyAny>>,
-    ) -> Result<Arr<'py, i64>> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let c = int_arg(py, counts, "counts")?;
-        let (rows, cols, num_slots) = (self.max_requests, self.max_context_len, self.num_slots);
-        // Validate the table fully before any change; keep `table` alive
-        // (it is borrowed from the caller) while its buffer is written.
-        let t = match table {
-            None => None,
-            Some(table) => {
-                let arr = table.cast::<PyUntypedArray>().map_err(|_| {
-                    invalid_argument(
-                        py,
-                        "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
-                    )
-                })?;
-                Some(Table::validate(py, arr, rows, cols, num_slots)?)
-            }
-        };
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots, self.max_context_len))?;
-        py.detach(|| {
-            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-            let dst = unsafe { out.slice() };
-            self.lock()
-                .extend_into(&h, counts_of(&c), dst, |_, row, start, slots| {
-                    if let Some(t) = &t {
-                        // SAFETY: validated above (int32, C-contiguous, writeable,
-                        // big enough); the caller's array object is referenced by
-                        // `table` for the whole call, so its buffer stays alive.
-                        unsafe { t.write_row(row, start, slots) }
-                    }
-                })
-        })?;
-        Ok(arr)
-    }
-
-    /// extend_with_starts(handles, counts) -> (slots, starts)
-    ///
-    /// extend, also returning each request's length before the call (int64).
-    ///
-    /// Raises:
-    ///     the same errors as extend; nothing changes on any error.
-    fn extend_with_starts<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-        counts: &Bound<'py, PyAny>,
-    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots, self.max_context_len))?;
-        let (starts_arr, mut starts) = new_i64(py, h.len())?;
-        py.detach(|| {
-            // SAFETY: both arrays are alive and not yet shared (see OutBuf).
-            let (dst, st) = unsafe { (out.slice(), starts.slice()) };
-            self.lock()
-                .extend_into(&h, counts_of(&c), dst, |i, _, start, _| {
-                    // i < handles.len() == st.len(); get_mut keeps it panic-free.
-                    if let Some(s) = st.get_mut(i) {
-                        *s = start as i64;
-                    }
-                })
-        })?;
-        Ok((arr, starts_arr))
-    }
-
-    /// extend_packed(handles, counts) -> (packed, b)
-    ///
-    /// `extend` plus everything a device copy of the request-to-token table
-    /// needs, in one crossing and one int64 array, so that one host-to-device
-    /// copy ships it: `(packed, b)` with b = the number of requests and
-    /// s = b rounded up to even, packed = [rows | starts | counts | offsets]
-    /// (each s long, the padding zero) followed by the new slots. Every
-    /// segment starts 16-byte aligned (Triton specializes pointers on it).
-    ///
-    /// Raises:
-    ///     the same errors as extend; nothing changes on any error.
-    fn extend_packed<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-        counts: &Bound<'py, PyAny>,
-    ) -> Result<(Arr<'py, i64>, usize)> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let c = int_arg(py, counts, "counts")?;
-        let b = h.len();
-        let stride = b + (b & 1);
-        let head = 4 * stride;
-        let total = extend_total(b, &c, self.num_slots, self.max_context_len);
-        let (arr, mut out) = new_i64(py, head + total)?;
-        py.detach(|| {
-            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-            let all = unsafe { out.slice() };
-            let (meta, dst) = all.split_at_mut(head);
-            let (rows, rest) = meta.split_at_mut(stride);
-            let (starts, rest) = rest.split_at_mut(stride);
-            let (cnts, offsets) = rest.split_at_mut(stride);
-            let mut at = 0i64;
-            self.lock()
-                .extend_into(&h, counts_of(&c), dst, |i, row, start, slots| {
-                    // i < b <= stride; get_mut keeps it panic-free.
-                    let n = slots.len() as i64;
-                    for (seg, v) in [
-                        (&mut *rows, row as i64),
-                        (&mut *starts, start as i64),
-                        (&mut *cnts, n),
-                        (&mut *offsets, at),
-                    ] {
-                        if let Some(x) = seg.get_mut(i) {
-                            *x = v;
-                        }
-                    }
-                    at += n;
-                })
-        })?;
-        Ok((arr, b))
-    }
-
     /// truncate(handles, lengths) -> None
     ///
     /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
@@ -410,16 +305,19 @@ impl SlotAllocator {
         Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
-    /// close(handles) -> None
+    /// close(handles, cache=False) -> None
     ///
-    /// Closes requests and frees their pages; their handles become stale. Atomic.
+    /// Closes requests and releases their pages; their handles become stale.
+    /// With cache=True, first registers each request's full pages of known
+    /// tokens in the prefix cache (as cache()), so they stay reusable. Atomic.
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, already closed or stale.
     ///     InvalidArgumentError: a duplicate handle.
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
+    #[pyo3(signature = (handles, cache=false))]
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: bool) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        Ok(py.detach(|| self.lock().close(&h))?)
+        Ok(py.detach(|| self.lock().close(&h, cache))?)
     }
 
     /// length(handle) -> int

@@ -7,7 +7,9 @@ use pyo3::prelude::*;
 mod allocator;
 mod convert;
 mod errors;
+mod extend;
 mod output;
+mod sharing;
 mod table;
 
 #[pymodule]
