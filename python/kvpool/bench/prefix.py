@@ -99,7 +99,7 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     for r in bad:
         print(f"INCONSISTENT {r.allocator} {r.scenario} page={r.page_size} pool={r.num_slots}: "
               f"{r.held_pages_end} pages still held after the drain, wrote {r.handed_slots} slots, "
-              f"expected {r.expected_slots - r.hit_tokens}", file=sys.stderr)
+              f"expected {r.expected_slots - r.total_hit_tokens}", file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     doc = {"benchmark": "prefix", "settings": settings, "machine": machine, "skipped": skipped,
            "ratios": ratios, "results": [r.to_json() for r in results]}

@@ -29,8 +29,10 @@ class PrefixResult:
     p50_us: float
     p99_us: float
     max_us: float
-    prompt_tokens: int  # every admitted sequence's prompt, whole trace (warmup included)
+    prompt_tokens: int  # prompts of the sequences admitted in the measured steps (n per parallel group)
     hit_tokens: int  # of those, served by the prefix cache (not prefilled)
+    total_prompt_tokens: int  # the same over the whole trace, cold start included
+    total_hit_tokens: int
     evicted_pages: int
     cached_pages_end: int  # kept by the cache after the drain
     held_pages_end: int  # held by requests after the drain: must be 0
@@ -47,7 +49,7 @@ class PrefixResult:
 
     @property
     def consistent(self) -> bool:
-        return self.held_pages_end == 0 and self.handed_slots == self.expected_slots - self.hit_tokens
+        return self.held_pages_end == 0 and self.handed_slots == self.expected_slots - self.total_hit_tokens
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -84,7 +86,10 @@ def replay(driver_cls: type[PrefixDriver], trace: PrefixTrace) -> PrefixResult:
         tracemalloc.stop()
     measured = trace.measured
     gc.collect()
+    # Hits are reported over the measured steps: the cache's steady state, not its cold start.
+    p0, h0 = driver.prompt_tokens, driver.hit_tokens()
     timing = time_loop(lambda i: driver.prepare(measured[i]), driver.run, len(measured))
+    p1, h1 = driver.prompt_tokens, driver.hit_tokens()
     handed += timing.items + driver.run(driver.prepare(trace.drain))
     if driver.native_bytes() > peak[1]:
         peak = (peak[0], driver.native_bytes())
@@ -94,7 +99,8 @@ def replay(driver_cls: type[PrefixDriver], trace: PrefixTrace) -> PrefixResult:
         scenario=cfg.scenario, page_size=cfg.page_size, num_slots=cfg.num_slots, concurrency=cfg.concurrency,
         steps=len(measured), mean_batch=trace.mean_batch(),
         mean_us=s["mean_us"], cpu_mean_us=s["cpu_mean_us"], p50_us=s["p50_us"], p99_us=s["p99_us"],
-        max_us=s["max_us"], prompt_tokens=driver.prompt_tokens, hit_tokens=driver.hit_tokens(),
+        max_us=s["max_us"], prompt_tokens=p1 - p0, hit_tokens=h1 - h0,
+        total_prompt_tokens=driver.prompt_tokens, total_hit_tokens=driver.hit_tokens(),
         evicted_pages=driver.evicted_pages(), cached_pages_end=driver.cached_pages(),
         held_pages_end=driver.held_pages(), meta_bytes=sum(peak), python_bytes=peak[0], native_bytes=peak[1],
         handed_slots=handed, expected_slots=trace.total_slots,
