@@ -14,6 +14,7 @@ _STYLE: dict[str, dict[str, Any]] = {
     "sglang-paged": dict(color="#17becf", marker="D"),
     "vllm-blockpool": dict(color="#2ca02c", marker="^"),
     "sglang": dict(color="#1f77b4", marker="s"),
+    "sglang-unified": dict(color="#9467bd", marker="P"),
     "vllm": dict(color="#2ca02c", marker="^"),
 }
 

@@ -14,6 +14,7 @@ from kvpool.bench.prefix_drivers.base import PrefixDriver
 _REGISTRY: dict[str, tuple[str, str]] = {
     "kvpool": ("kvpool.bench.prefix_drivers.kvpool_prefix", "KVPoolPrefixDriver"),
     "sglang": ("kvpool.bench.prefix_drivers.sglang_prefix", "SGLangPrefixDriver"),
+    "sglang-unified": ("kvpool.bench.prefix_drivers.sglang_prefix", "SGLangUnifiedPrefixDriver"),
     "vllm": ("kvpool.bench.prefix_drivers.vllm_prefix", "VLLMPrefixDriver"),
 }
 ALL = list(_REGISTRY)

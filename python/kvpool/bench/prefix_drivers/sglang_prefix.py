@@ -24,10 +24,12 @@ following ``managers/schedule_policy.py``, ``mem_cache/allocation.py``,
 - decode: ``alloc_token_slots`` / ``alloc_paged_token_slots_decode`` (evicting
   when short), then ``req_to_token[(rows, seq_lens)] = out_cache_loc``.
 
-Which tree runs: ``RadixCache`` is a Python tree. SGLang's scheduler builds
-``UnifiedRadixCache`` by default, whose TreeCore is Rust
-(``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=rust``) only where its extension loads
-(torch 2.11-2.14); ``tree_core_backend()`` reports what it resolves to here.
+Which tree runs: ``SGLangPrefixDriver`` drives ``RadixCache``, a Python tree.
+``SGLangUnifiedPrefixDriver`` makes the same calls on ``UnifiedRadixCache`` (the
+cache SGLang's scheduler builds by default), whose TreeCore is Rust
+(``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=rust``, the default) only where its
+extension loads (torch 2.11-2.14) and Python otherwise; each row reports the
+TreeCore it got, and ``tree_core_backend()`` what the selection resolves to here.
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ class _Kv:
 
 
 class _Req:
-    """The request fields RadixCache.checkpoint / free_kv_row / prefix_device_indices read."""
+    """The request fields the caches' checkpoint / free_kv_row / prefix_device_indices read."""
 
     __slots__ = ("kv", "origin_input_ids", "full_untruncated_fill_ids", "extra_key", "cache_salt", "priority",
-                 "lock", "last_node", "prefix_len", "seq_len")
+                 "lock", "last_node", "prefix_len", "seq_len", "session", "session_id", "kv_rotation_base",
+                 "to_finish", "done")
 
     def __init__(self, row: int, prompt: array, full: array) -> None:
         self.kv = _Kv(row)
@@ -120,6 +123,14 @@ class _Req:
         self.last_node: Any = None
         self.prefix_len = 0
         self.seq_len = len(prompt)
+        self.session = None  # no streaming session
+        self.session_id = None
+        self.kv_rotation_base = None  # no logical-page KV sharding
+        self.to_finish = None
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
 
 
 class SGLangPrefixDriver(PrefixDriver):
@@ -140,8 +151,8 @@ class SGLangPrefixDriver(PrefixDriver):
         self.pool = ReqToTokenPool(cfg.concurrency + 1, cfg.max_context_len, "cpu", False)
         self.rtt = self.pool.req_to_token
         self.warm_row = cfg.concurrency + 1
-        self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.pool,
-                                               token_to_kv_pool_allocator=self.alloc, page_size=P))
+        self.tree = self._make_tree(CacheInitParams(disable=False, req_to_token_pool=self.pool,
+                                                    token_to_kv_pool_allocator=self.alloc, page_size=P))
         self.reqs: list[Any] = [None] * cfg.concurrency
         self._evicted_tokens = 0
         evict = self.tree.evict
@@ -153,9 +164,8 @@ class SGLangPrefixDriver(PrefixDriver):
 
         self.tree.evict = counting_evict
 
-    @classmethod
-    def supports(cls, page_size: int) -> bool:
-        return True
+    def _make_tree(self, params: Any) -> Any:
+        return RadixCache(params)
 
     def prepare(self, step: PrefixStep) -> Any:
         release = [self.reqs[lane] for lane in step.release_lanes.tolist()]
@@ -196,6 +206,7 @@ class SGLangPrefixDriver(PrefixDriver):
 
     def _release(self, req: Any, length: int) -> None:
         tree = self.tree
+        req.done = True  # release_kv_cache(checkpoint=True) runs on a finished request
         tree.checkpoint(req, up_to=length)
         tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, length)])
         tree.unlock(req.lock)
@@ -270,3 +281,23 @@ class SGLangPrefixDriver(PrefixDriver):
 
     def version(self) -> str:
         return dist_version("sglang")
+
+
+class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
+    """The same scheduler calls on ``UnifiedRadixCache`` (full-attention component only), the
+    cache SGLang's scheduler builds by default; its TreeCore is Rust where that extension loads."""
+
+    name = "sglang-unified"
+    label = "SGLang UnifiedRadixCache + TokenToKVPoolAllocator"
+
+    def _make_tree(self, params: Any) -> Any:
+        from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[import-untyped,unused-ignore]
+            ComponentType,
+        )
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # type: ignore[import-untyped,unused-ignore]
+
+        params.tree_components = (ComponentType.FULL,)
+        return UnifiedRadixCache(params)
+
+    def backend(self) -> str:
+        return f"UnifiedRadixCache, {self.tree._tree_core_backend} TreeCore"
