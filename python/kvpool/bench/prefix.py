@@ -10,6 +10,7 @@ the terminal, a JSON file and a PNG plot, as for ``churn``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 from typing import Any
@@ -38,11 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-sizes", type=_list(int), default=[1, 16], help="default 1,16")
     p.add_argument("--allocators", type=_list(str), default=list(prefix_drivers.ALL),
                    help=f"subset of {','.join(prefix_drivers.ALL)}")
-    p.add_argument("--steps", type=int, default=600, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=300, help="untimed steps first (the cache fills there)")
+    p.add_argument("--steps", type=int, default=300, help="measured steps per run (300)")
+    p.add_argument("--warmup", type=int, default=200, help="untimed steps first; the cache fills there (200)")
     p.add_argument("--repeats", type=int, default=1,
                    help="replays of each kvpool run; the one with the median mean is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reuse", default="",
+                   help="a previous prefix JSON: its rows for allocators not run now join the report "
+                        "(same seeded traces when the trace settings agree, which is checked)")
     p.add_argument("--quick", action="store_true", help="tiny pool and few steps: runs in seconds (tests, CI)")
     p.add_argument("--json", default="benchmarks/results/prefix.json", help="JSON output path ('' for none)")
     p.add_argument("--plot", default="benchmarks/results/prefix.png", help="PNG output path ('' for none)")
@@ -82,8 +86,32 @@ def run(args: argparse.Namespace) -> tuple[list[PrefixResult], list[str]]:
     return results, skipped
 
 
+TRACE_SETTINGS = ("concurrency", "steps", "warmup", "seed", "quick")
+
+
+def reused(path: str, args: argparse.Namespace, running: set[str]) -> list[PrefixResult]:
+    """Rows of an earlier run (same trace settings) for allocators this run does not replay."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    theirs = doc["settings"]
+    diff = [k for k in TRACE_SETTINGS if theirs.get(k) != getattr(args, k)]
+    if diff:
+        raise SystemExit(f"--reuse {path}: its traces differ ({', '.join(diff)}); rerun with the same settings")
+    fields = {f.name for f in dataclasses.fields(PrefixResult)}
+    keep = {(sc, ps, pool) for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes}
+    return [PrefixResult(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]
+            if r["allocator"] not in running and (r["scenario"], r["page_size"], r["num_slots"]) in keep]
+
+
 def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     results, skipped = run(args)
+    if args.reuse:
+        order = {n: i for i, n in enumerate(prefix_drivers.ALL)}
+        results = sorted(results + reused(args.reuse, args, {r.allocator for r in results}),
+                         key=lambda r: (SCENARIOS.index(r.scenario), r.page_size, r.num_slots,
+                                        order.get(r.allocator, 99)))
     from kvpool.bench.prefix_drivers import sglang_prefix
 
     machine = dict(machine, sglang_tree_core=sglang_prefix.tree_core_backend() if sglang_prefix.available()[0] else None)
@@ -91,8 +119,9 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     print(prefix_report.prefix_table(results))
     print(prefix_report.parity_lines(ratios))
     if machine.get("sglang_tree_core"):
-        print(f"SGLang's default UnifiedRadixCache TreeCore here: {machine['sglang_tree_core']}; "
-              "the rows above use RadixCache (see README for the torch 2.14 recipe that loads the Rust core)")
+        print(f"SGLang's default UnifiedRadixCache TreeCore here: {machine['sglang_tree_core']}. 'sglang' rows "
+              "use RadixCache (a Python tree), 'sglang-unified' rows UnifiedRadixCache with the TreeCore named "
+              "under 'cache' (README: the torch 2.14 environment where the Rust TreeCore loads)")
     if args.quick:
         print("(quick run: tiny pool and few steps, a smoke test; the targets are for the full run)")
     bad = [r for r in results if not r.consistent]
