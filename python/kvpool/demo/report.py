@@ -137,6 +137,12 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         f"(open/extend/close) {host['bookkeeping_share']:.2%} "
         f"({host['bookkeeping_us_per_step']:.0f} µs/step), K/V writes {host['write_share']:.1%}",
     ]
+    if "prefix" in fig:
+        px = fig["prefix"]
+        lines.append(f"  prefix   {px['hit_rate']:.1%} of prompt tokens hit the prefix cache "
+                     f"({px['hit_tokens']} of {px['prompt_tokens']}); {px['forks']} forked continuations "
+                     f"shared {px['forked_tokens']}; prefill tokens saved {px['prefill_tokens_saved']} "
+                     f"({px['prefill_saved_share']:.1%} of prompt tokens)")
     if fig["audit"]["clean"]:
         lines.append("  audit    kvpool.audit(model, pool): clean — no inference or requires-grad "
                      "tensors among the weights, buffers and pool tensors")
