@@ -100,9 +100,8 @@ def reused(path: str, args: argparse.Namespace, running: set[str]) -> list[Prefi
     if diff:
         raise SystemExit(f"--reuse {path}: its traces differ ({', '.join(diff)}); rerun with the same settings")
     fields = {f.name for f in dataclasses.fields(PrefixResult)}
-    keep = {(sc, ps, pool) for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes}
     return [PrefixResult(**{k: v for k, v in r.items() if k in fields}) for r in doc["results"]
-            if r["allocator"] not in running and (r["scenario"], r["page_size"], r["num_slots"]) in keep]
+            if r["allocator"] not in running]
 
 
 def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
