@@ -56,9 +56,9 @@ def decode_bench(page_size: int, steps: int, rounds: int, seed: int) -> dict[str
     bare = kvpool.SlotAllocator(SLOTS // page_size, page_size, BATCH, MAX_CONTEXT)
     bare_t = kvpool.SlotAllocator(SLOTS // page_size, page_size, BATCH, MAX_CONTEXT)
     table = np.zeros((BATCH + 1, MAX_CONTEXT), dtype=np.int32)
-    # The CUDA branch of extend (extend_with_starts, host packing of
-    # rows/starts/counts/offsets, one copy, one table write) run on CPU
-    # tensors: an indication of its host cost, the copy being a CPU memcpy.
+    # The CUDA branch of extend (extend_packed, one copy, one
+    # write_req_to_token) run on CPU tensors: an indication of its host cost,
+    # the copy being a CPU memcpy and the table write the kernels' torch backend.
     dev_branch = kvpool.KVPool(1, 1, 8, dtype=torch.float16, page_size=page_size, num_slots=SLOTS,
                                max_requests=BATCH, max_context_len=MAX_CONTEXT)
     dev_branch._table_np = None
@@ -132,7 +132,7 @@ def memory_report() -> dict[str, Any]:
         "max_requests": BATCH,
         "max_context_len": MAX_CONTEXT,
         "req_to_token_bytes": pool.req_to_token.nbytes,
-        "allocator_metadata_bytes": int(pool.allocator.metadata_bytes),
+        "allocator_metadata_bytes": int(pool.metadata_bytes),
         "overhead_bytes": overhead,
         # K/V bytes per slot at which the overhead reaches exactly 1% at this slot count.
         "min_bytes_per_slot_for_1pct": -(-overhead * 100 // SLOTS),

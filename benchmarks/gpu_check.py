@@ -1,6 +1,7 @@
 """One-shot GPU check for kvpool's kernels and DecodeGraphRunner (< 5 min on an H200).
 
     python benchmarks/gpu_check.py [--out PATH] [--peak-gbps X]
+    PYTHONPATH=python python benchmarks/gpu_check.py   # a checkout with _core built in place
 
 Writes JSON to --out, else $OUT/gpu_check.json when $OUT is set, else
 ./gpu_check.json, and prints every figure. Sections (each isolated: an error is
@@ -31,10 +32,6 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # _toy_step, _kernel_data
-if any((ROOT / "python" / "kvpool").glob("_core*.so")):
-    sys.path.insert(0, str(ROOT / "python"))  # this checkout's kvpool, built in place; else the installed one
 
 DEV = "cuda"   # --device cpu: a dry run of the script's logic (figures meaningless)
 DRY = False
@@ -93,7 +90,7 @@ def bench(fn: Callable[[int], Any], inner: int = 50, reps: int = 7) -> Dict[str,
 def section_correctness() -> Dict[str, Any]:
     import kvpool.kernels as K
     from kvpool.kernels import _ref
-    from _kernel_data import StoreCase, build_store, clone_opt, same, untouched_equal
+    from kvpool.testing.kernel_cases import StoreCase, build_store, clone_opt, same, untouched_equal
 
     fp8 = torch.float8_e4m3fn
     results: List[Dict[str, Any]] = []
@@ -163,7 +160,7 @@ def _runner_pool(seed: int):
 def section_runner() -> Dict[str, Any]:
     import numpy as np
     from kvpool.cuda_graph import DecodeGraphRunner
-    from _toy_step import ToyDecode
+    from kvpool.testing.toy_step import ToyDecode
 
     out: Dict[str, Any] = {}
     for mode_name, ctx in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
@@ -183,7 +180,7 @@ def section_runner() -> Dict[str, Any]:
                 p.extend(h, lens)
             for it in range(2):
                 res = [p.extend(h, 1) for p, h in zip((pool, twin), hs)]
-                ln = pool.allocator.lengths(hs[0])
+                ln = pool.lengths(hs[0])
                 ids = rng.integers(0, 64, size=bs)
                 args = [(ids, ln - 1, p.rows(h), r.slots, ln) for p, h, r in zip((pool, twin), hs, res)]
                 before = [t.clone() for t in pool.k_buffers + pool.v_buffers]
@@ -319,7 +316,7 @@ def section_replay(bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     import numpy as np
     import kvpool
     from kvpool.cuda_graph import DecodeGraphRunner
-    from _toy_step import ToyDecode
+    from kvpool.testing.toy_step import ToyDecode
 
     pool = kvpool.KVPool(2 if DRY else 16, 8, 128, dtype=torch.bfloat16, device=DEV, page_size=16, num_pages=1024,
                          max_requests=64, max_context_len=128)
@@ -327,7 +324,7 @@ def section_replay(bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     h = pool.open(bs)
     pool.extend(h, 64)
     res = pool.extend(h, 1)
-    ln = pool.allocator.lengths(h)
+    ln = pool.lengths(h)
     host = (np.zeros(bs, dtype=np.int64), ln - 1, pool.rows(h), res.slots, ln)
     dev = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=DEV) for a in host)
     runner = DecodeGraphRunner(pool, step, max_batch_size=bs, buckets=[bs])

@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guard agains
 import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
 
-from _kernel_data import (  # noqa: E402
+from kvpool.testing.kernel_cases import (  # noqa: E402
     CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, make_caches, same, store_cases,
     untouched_equal,
 )
@@ -203,11 +203,15 @@ def test_prefill_rows_per_program():
 @pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
 @pytest.mark.parametrize("layout,page_size,mla", [("token", 1, False), ("paged", 4, False), ("token", 2, True)])
 def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
-    """KVPool routes writes and table updates through these kernels on CUDA; here a
-    CPU pool is pointed at them (as on CUDA) and must end up identical to the
-    torch path of a twin pool."""
+    """KVPool moves K/V and table entries only through kvpool.kernels. Under the
+    interpreter a CPU pool's writes run the Triton kernels, and with its host-table
+    shortcut off its extends take the CUDA path (extend_packed, one copy, the table
+    kernel); it must end up identical to a twin pool run on the torch backend."""
+    import contextlib
+
     import numpy as np
     import kvpool
+    from kvpool.kernels import _common
 
     kw = dict(kv_lora_rank=12, qk_rope_head_dim=4) if mla else {}
     heads, dim = (1, 16) if mla else (2, 24)
@@ -217,8 +221,20 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
                              max_context_len=32, layout=layout, **kw)
 
     fast, slow = make(), make()
-    assert hasattr(fast, "_store_kernel") and hasattr(fast, "_table_kernel") and hasattr(fast, "_table_np")
-    fast._store_kernel, fast._table_kernel, fast._table_np = K.store_kv, K.write_req_to_token, None
+    assert fast._table_np is not None
+    fast._table_np = None
+
+    @contextlib.contextmanager
+    def backend(pool):
+        """The torch backend for the twin (the kernels read INTERPRET at each call)."""
+        if pool is fast:
+            yield
+            return
+        _common.INTERPRET = False
+        try:
+            yield
+        finally:
+            _common.INTERPRET = True
     gen = torch.Generator().manual_seed(0)
     for pool in (fast, slow):
         if pool.k_scale is not None:
@@ -226,7 +242,10 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
             pool.k_scale.fill_(0.5)  # MLA: v_scale is k_scale (one latent cache)
     hs = [p.open(3) for p in (fast, slow)]
     for counts in ([3, 0, 5], [1, 1, 1]):
-        res = [p.extend(h, np.asarray(counts)) for p, h in zip((fast, slow), hs)]
+        res = []
+        for p, h in zip((fast, slow), hs):
+            with backend(p):
+                res.append(p.extend(h, np.asarray(counts)))
         assert np.array_equal(res[0].slots, res[1].slots)
         n = len(res[0].slots)
         cd = fast.compute_dtype
@@ -236,10 +255,19 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
         slots = torch.from_numpy(res[0].slots)
         for layer in range(2):
             for p in (fast, slow):
-                if mla:
-                    p.write(layer, slots, k)
-                else:
-                    p.write(layer, slots, k, v)
+                with backend(p):
+                    if mla:
+                        p.write(layer, slots, k)
+                    else:
+                        p.write(layer, slots, k, v)
     assert torch.equal(fast.req_to_token, slow.req_to_token)
     for a, b in zip(fast.k_buffers + fast.v_buffers, slow.k_buffers + slow.v_buffers):
         assert same(a, b)
+    probe = torch.cat([slots, torch.tensor([-1, 0])])  # padding reads zeros, slot 0 reads the sink
+    for layer in range(2):
+        got = []
+        for p in (fast, slow):
+            with backend(p):
+                got.append(p.read(layer, probe))
+        for a, b in zip(*got):
+            assert a.dtype == fast.compute_dtype and same(a, b)

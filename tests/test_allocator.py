@@ -163,3 +163,20 @@ def test_construction_arguments_are_validated():
     ]:
         with pytest.raises(InvalidArgumentError):
             SlotAllocator(**kwargs)
+
+
+def test_stats_snapshot_matches_properties():
+    a = kvpool.SlotAllocator(10, 4, 3, 64)
+    h = a.open(2)
+    a.extend(h, [5, 2])
+    s = a.stats()
+    names = ["free_pages", "used_pages", "free_slots", "used_slots", "open_requests", "admissible_tokens",
+             "metadata_bytes"]
+    assert {n: getattr(s, n) for n in names} == {n: getattr(a, n) for n in names}
+    assert (s.free_pages, s.used_pages, s.used_slots, s.open_requests) == (6, 3, 12, 2)
+    assert "free_pages=6" in repr(s)
+    # Geometry is fixed at construction and read without the lock.
+    assert (a.page_size, a.num_pages, a.num_slots, a.max_requests, a.max_context_len,
+            a.capacity_pages, a.capacity_slots) == (4, 10, 40, 3, 64, 9, 36)
+    with pytest.raises(AttributeError):
+        a.page_size = 8  # type: ignore[misc]

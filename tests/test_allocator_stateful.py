@@ -1,10 +1,13 @@
-"""Hypothesis state machine: the Rust allocator against a pure-Python model.
-
-The model is independent and naive (a list of slots per request, a free page
-stack, LIFO rows); after every step the two must agree on every query, and
-check() must pass. Errors must agree in type and leave both unchanged."""
+"""Hypothesis state machine: the Rust allocator against a pure-Python model
+(tests/allocator_model.py), shared pages included: open_with_prefix,
+extend(tokens=), cache, close(cache=), fork with copy-on-write, truncate into
+shared pages, evict, clear_cache and eviction under pressure. After every
+step the two must agree on every query (slots, pages, known tokens, counters,
+queued copies, hit counts), and check() must pass. Errors must agree in type
+and leave both unchanged."""
 
 import numpy as np
+from allocator_model import MAX_CTX, MAX_REQ, Model
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -12,86 +15,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import kvpool
 from kvpool import SlotAllocator
 
-MAX_REQ, MAX_CTX = 5, 20
-
-
-class Model:
-    def __init__(self, num_pages, ps):
-        self.ps = ps
-        self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
-        self.free_rows = list(range(MAX_REQ - 1, -1, -1))
-        self.gen = [0] * MAX_REQ
-        self.reqs = {}  # row -> slots
-
-    def row(self, h):
-        r = h & 0xFFFFFFFF
-        if h >= 0 and r < MAX_REQ and r in self.reqs and h >> 32 == self.gen[r]:
-            return r
-        return None
-
-    def pages(self, r):
-        return [s // self.ps for t, s in enumerate(self.reqs[r]) if t % self.ps == 0]
-
-    def batch_rows(self, hs):
-        rows = []
-        for h in hs:
-            r = self.row(h)
-            if r is None:
-                raise kvpool.InvalidHandleError
-            if r in rows:
-                raise kvpool.InvalidArgumentError
-            rows.append(r)
-        return rows
-
-    def open(self, n):
-        if n > len(self.free_rows):
-            raise kvpool.TooManyRequestsError
-        out = []
-        for _ in range(n):
-            r = self.free_rows.pop()
-            self.gen[r] += 1
-            self.reqs[r] = []
-            out.append((self.gen[r] << 32) | r)
-        return out
-
-    def extend(self, hs, cs):
-        need = 0
-        for i in range(len(hs)):
-            r = self.batch_rows(hs[: i + 1])[i]
-            n = len(self.reqs[r])
-            if cs[i] < 0:
-                raise kvpool.InvalidArgumentError
-            if n + cs[i] > MAX_CTX:
-                raise kvpool.ContextTooLongError
-            need += -(-(n + cs[i]) // self.ps) - (-(-n // self.ps))
-        if need > len(self.free):
-            raise kvpool.PoolExhaustedError
-        out = []
-        for h, c in zip(hs, cs):
-            r = self.row(h)
-            for _ in range(c):
-                t = len(self.reqs[r])
-                page = self.free.pop() if t % self.ps == 0 else self.pages(r)[-1]
-                self.reqs[r].append(page * self.ps + t % self.ps)
-                out.append(self.reqs[r][-1])
-        return out
-
-    def truncate(self, hs, ls):
-        for i in range(len(hs)):
-            r = self.batch_rows(hs[: i + 1])[i]
-            if not 0 <= ls[i] <= len(self.reqs[r]):
-                raise kvpool.InvalidArgumentError
-        for h, n in zip(hs, ls):
-            r = self.row(h)
-            keep = -(-n // self.ps)
-            self.free.extend(reversed(self.pages(r)[keep:]))
-            del self.reqs[r][n:]
-
-    def close(self, hs):
-        for r in self.batch_rows(hs):
-            self.free.extend(reversed(self.pages(r)))
-            del self.reqs[r]
-            self.free_rows.append(r)
+#: Two prompt bases sharing their first 4 tokens, over a 3-letter alphabet so
+#: that decode tokens often repeat a cached prefix.
+BASES = [[1, 2, 1, 0, 2, 2, 1, 0, 0, 1, 2, 0, 1, 1, 2, 0, 1, 2, 2, 1, 0],
+         [1, 2, 1, 0, 0, 0, 2, 1, 2, 2, 0, 1, 0, 2, 1, 1, 0, 0, 2, 1, 1]]
 
 
 def run_both(real, model):
@@ -109,43 +36,96 @@ def run_both(real, model):
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(1, 48), ps=st.sampled_from([1, 2, 3, 4]))
+    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]))
     def setup(self, num_pages, ps):
         self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX)
-        self.m = Model(num_pages, ps)
-        self.issued = [-3, (7 << 32) | 2]  # never-issued handles ride along
+        # Generations start at a random per-allocator base: learn it from a
+        # throwaway request (row 0 goes back on top of the row stack).
+        h = int(self.a.open(1)[0])
+        self.a.close([h])
+        self.m = Model(num_pages, ps, gen_base=h >> 32)
+        self.m.gen[0] = h >> 32
+        self.issued = [-3, (7 << 32) | 2, h]  # never-issued and closed handles ride along
+
+    def open_handles(self):
+        return [h for h in self.issued if self.m.row(h) is not None]
 
     def pick(self, data, n):
         """Distinct open handles, and now and then one more from every handle
         ever issued (stale, closed, bogus or a duplicate) so errors get tested."""
-        open_ = [h for h in self.issued if self.m.row(h) is not None]
+        open_ = self.open_handles()
         hs = data.draw(st.lists(st.sampled_from(open_), unique=True, min_size=1, max_size=n)) if open_ else []
         if data.draw(st.integers(0, 4)) == 0:
             hs.insert(data.draw(st.integers(0, len(hs))), data.draw(st.sampled_from(self.issued)))
         return hs
 
-    @rule(n=st.integers(1, 3))
+    @rule(n=st.integers(1, 2))
     def open(self, n):
         r = run_both(lambda: self.a.open(n), lambda: self.m.open(n))
         if r:
             assert r[0].tolist() == r[1]
             self.issued += r[1]
 
-    @rule(data=st.data(), as_array=st.booleans())
-    def extend(self, data, as_array):
+    @rule(data=st.data(), salt=st.integers(0, 1))
+    def open_with_prefix(self, data, salt):
+        prompts = []
+        for _ in range(data.draw(st.integers(1, 2))):
+            p = list(BASES[data.draw(st.integers(0, 1))][: data.draw(st.integers(0, MAX_CTX + 1))])
+            if p and data.draw(st.integers(0, 4)) == 0:
+                p[-1] = (p[-1] + 1) % 3
+            prompts.append(p)
+        flat = [t for p in prompts for t in p]
+        lens = [len(p) for p in prompts]
+        r = run_both(lambda: self.a.open_with_prefix(flat, lens, salt),
+                     lambda: self.m.open_with_prefix(prompts, salt))
+        if r:
+            (hs, cached), (mhs, mcached) = r
+            assert hs.tolist() == mhs and cached.tolist() == mcached
+            self.issued += mhs
+
+    def tokens_for(self, data, hs, cs):
+        out, x = [], data.draw(st.integers(0, 10))
+        for h, c in zip(hs, cs):
+            r = self.m.row(h)
+            q = self.m.reqs[r] if r is not None else None
+            for j in range(max(c, 0)):
+                x = (x * 7 + 3) % 11
+                pos = len(q.tokens) + j if q else 0
+                out.append(q.prompt[pos] if q and pos < len(q.prompt) else x % 3)
+        if out and data.draw(st.integers(0, 19)) == 0:
+            out[-1] = -1 if data.draw(st.booleans()) else out[-1] + 1  # a bad id
+        return out
+
+    @rule(data=st.data(), as_array=st.booleans(), with_tokens=st.booleans())
+    def extend(self, data, as_array, with_tokens):
         hs = self.pick(data, 4)
         grow = st.integers(1, 6)  # hypothesis favours 0 and [] heavily; make most steps do work
         count = st.one_of(grow, grow, grow, st.integers(0, 6), st.just(-1))
         cs = data.draw(st.lists(count, min_size=len(hs), max_size=len(hs)))
+        toks = self.tokens_for(data, hs, cs) if with_tokens else None
         arg = np.array(hs, dtype=np.int64) if as_array else hs
-        r = run_both(lambda: self.a.extend(arg, cs), lambda: self.m.extend(hs, cs))
+        r = run_both(lambda: self.a.extend(arg, cs, tokens=toks), lambda: self.m.extend(hs, cs, toks))
+        if r:
+            assert r[0].tolist() == r[1]
+
+    @rule(data=st.data())
+    def prefill(self, data):
+        """Extends a request by the rest of its prompt (the ids come from it)."""
+        open_ = self.open_handles()
+        if not open_:
+            return
+        h = data.draw(st.sampled_from(open_))
+        q = self.m.reqs[self.m.row(h)]
+        c = max(len(q.prompt) - len(q.tokens), 0)
+        r = run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c]))
         if r:
             assert r[0].tolist() == r[1]
 
     @rule(data=st.data())
     def grow_every_open_request(self, data):
-        """Long requests make truncate/close free several pages at once."""
-        hs = [h for h in self.issued if self.m.row(h) is not None]
+        """Long requests make truncate/close free several pages at once; under
+        pressure extend evicts cached pages."""
+        hs = self.open_handles()
         cs = data.draw(st.lists(st.integers(1, 8), min_size=len(hs), max_size=len(hs)))
         r = run_both(lambda: self.a.extend(np.array(hs, dtype=np.int64), cs), lambda: self.m.extend(hs, cs))
         if r:
@@ -157,29 +137,59 @@ class AllocatorMachine(RuleBasedStateMachine):
         ls = []
         for h in hs:  # mostly valid new lengths (so pages really get freed), sometimes not
             r = self.m.row(h)
-            cur = len(self.m.reqs[r]) if r is not None else 0
+            cur = len(self.m.reqs[r].tokens) if r is not None else 0
             ok = st.integers(0, cur)
             ls.append(data.draw(st.one_of(ok, ok, ok, st.sampled_from([-1, cur + 1]))))
         run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls))
 
-    @rule(data=st.data())
-    def close(self, data):
+    @rule(data=st.data(), cache=st.booleans())
+    def close(self, data, cache):
         hs = self.pick(data, 2)
-        run_both(lambda: self.a.close(hs), lambda: self.m.close(hs))
+        run_both(lambda: self.a.close(hs, cache=cache), lambda: self.m.close(hs, cache))
+
+    @rule(data=st.data())
+    def cache(self, data):
+        hs = self.pick(data, 2)
+        run_both(lambda: self.a.cache(hs), lambda: self.m.cache(hs))
+
+    @rule(data=st.data(), n=st.integers(1, 2))
+    def fork(self, data, n):
+        hs = self.pick(data, 1)
+        if not hs:
+            return
+        r = run_both(lambda: self.a.fork(hs[0], n), lambda: self.m.fork(hs[0], n))
+        if r:
+            assert r[0].tolist() == r[1]
+            self.issued += r[1]
+
+    @rule(n=st.integers(0, 3))
+    def evict(self, n):
+        assert self.a.evict(n) == self.m.evict(n)
+
+    @rule()
+    def clear_cache(self):
+        self.a.clear_cache()
+        self.m.clear_cache()
 
     @invariant()
     def agrees_with_model(self):
         if not hasattr(self, "a"):
             return
         self.a.check()
-        assert self.a.free_pages == len(self.m.free)
+        src, dst = self.a.take_copies()
+        assert (src.tolist(), dst.tolist()) == self.m.copies
+        self.m.copies = ([], [])
+        assert self.a.free_pages == len(self.m.free) + len(self.m.lru)
+        s = self.a.stats()
+        assert (s.evictable_pages, s.cached_pages) == (len(self.m.lru), len(self.m.reg))
+        assert (s.hit_tokens, s.miss_tokens) == (self.m.hit, self.m.miss)
         assert self.a.open_requests == len(self.m.reqs)
         for h in self.issued:
             r = self.m.row(h)
             assert self.a.is_open(h) == (r is not None)
             if r is not None:
-                assert self.a.slots(h).tolist() == self.m.reqs[r]
-                assert self.a.pages(h).tolist() == self.m.pages(r)
+                assert self.a.slots(h).tolist() == self.m.slots(r)
+                assert self.a.known_tokens(h).tolist() == self.m.reqs[r].known()
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

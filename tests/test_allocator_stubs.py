@@ -44,3 +44,31 @@ def test_stubtest_catches_a_wrong_stub(tmp_path):
     assert "def close(self, handles: " in text
     r = stubtest(tmp_path, text.replace("def close(self, handles: ", "def close(self, requests: "))
     assert r.returncode != 0 and "close" in r.stdout, r.stdout + r.stderr
+
+
+def _runtime_doc(obj) -> str:
+    """A member's runtime docstring without its leading ``name(args) -> ...`` line."""
+    import inspect
+    import re
+
+    doc = inspect.getdoc(obj) or ""
+    first, _, rest = doc.partition("\n\n")
+    return (rest if re.match(r"^\w+\(.*\)", first) and "\n" not in first else doc).strip()
+
+
+def test_stub_docstrings_match_runtime_docstrings():
+    """The stub's docstrings are the Rust doc comments (what help() shows), word for word."""
+    import ast
+    import inspect
+
+    tree = ast.parse(STUB.read_text())
+    checked = 0
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SlotAllocator"):
+        runtime_cls = getattr(kvpool._core, cls.name)
+        assert inspect.cleandoc(ast.get_docstring(cls) or "") == (inspect.getdoc(runtime_cls) or "").strip()
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")):
+            stub_doc = ast.get_docstring(fn)
+            assert stub_doc, f"SlotAllocator.{fn.name} has no docstring in the stub"
+            assert stub_doc.strip() == _runtime_doc(getattr(runtime_cls, fn.name)), fn.name
+            checked += 1
+    assert checked >= 25

@@ -100,3 +100,32 @@ def test_cli_ops_quick(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {r["op"] for r in rows} == {"open", "close", "extend-decode", "extend-prefill", "truncate"}
     assert len(rows) == 5 * 2 * 2 and all(r["mean_us"] > 0 for r in rows)
+
+
+def test_cli_writes_under_cwd_or_out_never_into_the_package(tmp_path, monkeypatch):
+    from kvpool.bench.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["ops", "--quick", "--ops", "open", "--batch-sizes", "1", "--page-sizes", "1", "--pool-size", "64K"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "ops.json").read_text())["results"][0]["op"] == "open"
+    assert main([*args, "--out", "sub/dir"]) == 0
+    assert (tmp_path / "sub" / "dir" / "ops.json").exists()
+
+
+def test_progress_bars_work_without_tqdm():
+    """tqdm is optional: with `import tqdm` failing, the bench and demo bars are silent no-ops."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['tqdm'] = None\n"
+        "from kvpool.progress import progress\n"
+        "assert list(progress([1, 2], desc='x')) == [1, 2]\n"
+        "with progress(total=3, desc='y') as bar:\n"
+        "    bar.update(1); bar.set_postfix_str('z')\n"
+        "import kvpool.bench.churn, kvpool.bench.ops, kvpool.demo.cli\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,8 +1,9 @@
 """The demo on the pool's device path (the one --device cuda takes), checked on CPU.
 
-A CUDA pool updates req_to_token through ``kernels.write_req_to_token`` and stores
-K/V through ``kernels.store_kv``. Here a CPU pool is switched onto that path (as
-tests/test_pool_kernels.py does) and the demo engine must still produce exactly
+A CUDA pool updates req_to_token through ``extend_packed`` and
+``kernels.write_req_to_token`` (a CPU pool's core writes its table itself), and
+every pool stores K/V through ``kernels.store_kv``. Here a CPU pool is switched
+onto the device table path (as tests/test_pool_kernels.py does) and the demo engine must still produce exactly
 the cache-free logits. In-process the kernel wrappers run their CPU path; the
 second test reruns this file as a script with ``TRITON_INTERPRET=1`` so the real
 Triton kernels run (through the interpreter) under the engine.
@@ -25,15 +26,11 @@ CFG = ModelConfig(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, max_p
 
 
 def run_engine_on_kernel_path(page_size: int) -> int:
-    from kvpool import kernels
-
     model = build_model(CFG)
     pool = kvpool.KVPool(CFG.layers, CFG.kv_heads, CFG.head_dim, dtype=torch.float32,
                          page_size=page_size, num_pages=48 // page_size + 1, max_requests=4,
                          max_context_len=32)
     pool._table_np = None  # take extend()'s device branch
-    pool._table_kernel = kernels.write_req_to_token
-    pool._store_kernel = kernels.store_kv
     reqs = synthetic_requests(6, vocab_size=CFG.vocab_size, prompt_len=(2, 12), output_len=(2, 10),
                               seed=2)
     engine = Engine(model, pool, max_running=4, record=True)
@@ -42,7 +39,7 @@ def run_engine_on_kernel_path(page_size: int) -> int:
         for r in reqs:
             ref = model.forward_full(r.all_tokens())
             torch.testing.assert_close(torch.cat(r.logits), ref, atol=1e-5, rtol=1e-4)
-    assert stats.requests_done == len(reqs) and pool.allocator.used_pages == 0
+    assert stats.requests_done == len(reqs) and pool.used_pages == 0
     return stats.requests_done
 
 

@@ -12,7 +12,7 @@ import torch
 import kvpool
 from kvpool.cuda_graph import DecodeGraphRunner, default_buckets, grad_mode
 
-from _toy_step import ToyDecode
+from kvpool.testing.toy_step import ToyDecode
 
 MODES = {
     "inference_mode": torch.inference_mode,

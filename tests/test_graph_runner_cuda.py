@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
 
-from _toy_step import ToyDecode  # noqa: E402
+from kvpool.testing.toy_step import ToyDecode  # noqa: E402
 from test_graph_runner import decode_inputs, make_pool, snapshot, start_requests  # noqa: E402
 
 

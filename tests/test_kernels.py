@@ -14,7 +14,7 @@ import kvpool
 import kvpool.kernels as K
 from kvpool.kernels import _ref
 
-from _kernel_data import FP8, build_store, same, store_cases
+from kvpool.testing.kernel_cases import FP8, build_store, same, store_cases
 
 
 def naive_slot_view(cache: torch.Tensor, s: int) -> torch.Tensor:
@@ -120,3 +120,39 @@ def test_bad_arguments_raise_typed_errors_and_write_nothing(call, err, match):
         call(kc, vc)
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     assert issubclass(err, kvpool.InvalidArgumentError) and issubclass(err, ValueError)
+
+
+def test_kernels_and_cpu_pool_work_without_triton():
+    """kvpool.kernels imports Triton only inside CUDA launches: with `import triton`
+    failing, the package imports and a CPU pool extends, writes and reads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kvpool, kvpool.kernels\n"
+        "p = kvpool.KVPool(1, 2, 8, num_pages=8, max_requests=2, max_context_len=8)\n"
+        "h = p.open(2); r = p.extend(h, [2, 1])\n"
+        "k = torch.ones(3, 2, 8, dtype=torch.float16)\n"
+        "p.write(0, r.out_cache_loc, k, 2 * k)\n"
+        "a, b = p.read(0, r.out_cache_loc)\n"
+        "assert torch.equal(a, k) and torch.equal(b, 2 * k)\n"
+        "assert not [m for m in sys.modules if m.startswith('triton') and sys.modules[m] is not None]\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_cuda_without_triton_is_a_clear_error(monkeypatch):
+    """No silent torch fallback on CUDA (it would write padding slots into slot 0):
+    a missing Triton is a TritonUnavailableError that says what to install."""
+    from kvpool.kernels import _common
+
+    monkeypatch.setattr(_common, "_triton_checked", True)
+    monkeypatch.setattr(_common, "_triton_error", ImportError("No module named 'triton'"))
+    with pytest.raises(kvpool.TritonUnavailableError, match="pip install triton") as e:
+        K.require_triton(torch.device("cuda", 0))
+    assert isinstance(e.value, kvpool.KVPoolError) and isinstance(e.value, RuntimeError)
+    K.require_triton(torch.device("cpu"))  # CPU never needs it
+    assert not _common.use_triton(torch.zeros(1))

@@ -1,19 +1,22 @@
-"""The pool's device path wired to kvpool.kernels, checked on CPU.
+"""The pool's device path through kvpool.kernels, checked on CPU.
 
-A CUDA pool calls ``kernels.store_kv`` and ``kernels.write_req_to_token``. Here
-a CPU pool is switched onto that path and compared with a plain CPU pool fed
-the same operations. In-process the wrappers run their torch reference (this
-checks argument order, dtypes, offsets, scales, padding); the last test reruns
-this file in a subprocess with ``TRITON_INTERPRET=1`` so the real Triton kernels
-run through the interpreter.
+A CUDA pool updates ``req_to_token`` with ``extend_packed`` + one copy +
+``kernels.write_req_to_token``. Here a CPU pool is switched onto that path
+("wired") and compared with a plain CPU pool (the core writes its table) fed the
+same operations. In-process both pools' writes run the kernels' torch backend
+(this checks argument order, dtypes, offsets, scales, padding); the last test
+reruns this file in a subprocess with ``TRITON_INTERPRET=1``, where the wired
+pool runs the real Triton kernels through the interpreter and the plain pool
+stays on the torch backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -21,7 +24,8 @@ import torch
 
 import kvpool
 
-kernels = pytest.importorskip("kvpool.kernels", reason="kvpool.kernels needs triton")
+from kvpool import kernels
+from kvpool.kernels import _common
 
 H, D = 2, 8
 CONFIGS = {
@@ -40,9 +44,18 @@ def pair(cfg: dict[str, Any]) -> tuple[kvpool.KVPool, kvpool.KVPool]:
 
     plain, wired = make(), make()
     wired._table_np = None  # take the device branch of extend()
-    wired._table_kernel = kernels.write_req_to_token
-    wired._store_kernel = kernels.store_kv
     return plain, wired
+
+
+@contextlib.contextmanager
+def backend(pool: kvpool.KVPool, wired: kvpool.KVPool) -> Iterator[None]:
+    """The plain pool always runs the kernels' torch backend (they read INTERPRET per call)."""
+    old = _common.INTERPRET
+    _common.INTERPRET = old and pool is wired
+    try:
+        yield
+    finally:
+        _common.INTERPRET = old
 
 
 def test_interpreter_flag_matches_env() -> None:
@@ -62,7 +75,10 @@ def test_kernel_hooks_match_the_torch_path(name: str) -> None:
     assert (handles[0] == handles[1]).all()
     h = handles[0]
     for step, counts in enumerate(([5, 1, 9], [1, 1, 1], [0, 4, 1])):
-        results = [p.extend(h, counts) for p in (plain, wired)]
+        results = []
+        for p in (plain, wired):
+            with backend(p, wired):
+                results.append(p.extend(h, counts))
         assert results[0].slots.tolist() == results[1].slots.tolist()
         assert torch.equal(results[0].out_cache_loc, results[1].out_cache_loc)
         n = len(results[0].slots)
@@ -72,13 +88,18 @@ def test_kernel_hooks_match_the_torch_path(name: str) -> None:
             k = (k * 3).to(plain.compute_dtype)
             v = None if plain.mla else -k
             for p in (plain, wired):
-                p.write(layer, slots, k, v)
+                with backend(p, wired):
+                    p.write(layer, slots, k, v)
     assert torch.equal(plain.req_to_token, wired.req_to_token)
     for (name_a, a), (name_b, b) in zip(plain.named_tensors(), wired.named_tensors()):
         assert name_a == name_b
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name_a
     for layer in range(2):
-        for x, y in zip(plain.read(layer, results[0].slots), wired.read(layer, results[0].slots)):
+        got = []
+        for p in (plain, wired):
+            with backend(p, wired):
+                got.append(p.read(layer, results[0].slots))
+        for x, y in zip(*got):
             assert torch.equal(x, y)
 
 

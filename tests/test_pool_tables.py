@@ -1,10 +1,9 @@
 """req_to_token and page tables stay equal to the allocator through any operation sequence.
 
 The CPU pool has the Rust core write req_to_token in place (numpy view). The
-device path (extend_with_starts + one H2D copy + one batched write) is run here
-on CPU tensors too, with both the Triton-kernel hook (a row-by-row stand-in
-with its signature) and the index_put_ fallback, so its host logic is covered without a
-GPU.
+device path (extend_packed + one H2D copy + kvpool.kernels.write_req_to_token)
+is run here on CPU tensors too (the kernels' torch backend does the write), so
+its host logic is covered without a GPU.
 """
 
 from __future__ import annotations
@@ -24,25 +23,12 @@ from kvpool.transfer import update_req_to_token
 MAX_REQ, MAX_LEN = 4, 24
 
 
-def write_req_to_token_ref(
-    table: torch.Tensor, rows: Any, starts: Any, counts: Any, slots: Any, offsets: Any = None
-) -> None:
-    """Stand-in for kvpool.kernels.write_req_to_token (same signature), row by row."""
-    offset = 0
-    for i, (r, s, c) in enumerate(zip(rows.tolist(), starts.tolist(), counts.tolist())):
-        if offsets is not None:
-            assert int(offsets[i]) == offset
-        table[r, s : s + c] = slots[offset : offset + c].to(table.dtype)
-        offset += c
-
-
 def make_pool(page_size: int, path: str) -> kvpool.KVPool:
     pool = kvpool.KVPool(1, 1, 2, page_size=page_size, num_pages=64 // page_size + 1,
                          max_requests=MAX_REQ, max_context_len=MAX_LEN)
-    if path != "cpu":
+    if path == "device":
         # Take the device branch of extend() on CPU tensors.
         pool._table_np = None
-        pool._table_kernel = write_req_to_token_ref if path == "kernel" else None
     return pool
 
 
@@ -73,7 +59,7 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("path", ["cpu", "kernel", "fallback"])
+@pytest.mark.parametrize("path", ["cpu", "device"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, page_size=st.sampled_from([1, 4]))
 def test_req_to_token_matches_allocator_after_random_ops(ops: list[Any], page_size: int, path: str) -> None:
@@ -105,19 +91,58 @@ def test_req_to_token_matches_allocator_after_random_ops(ops: list[Any], page_si
         check_tables(pool, handles)
 
 
-@pytest.mark.parametrize("kernel", [None, write_req_to_token_ref], ids=["index_put", "kernel"])
-def test_update_req_to_token_writes_exactly_the_given_ranges(kernel: Any) -> None:
-    table = torch.full((5, 8), -7, dtype=torch.int32)
-    rows = np.array([3, 0, 2], dtype=np.int64)
-    starts = np.array([2, 0, 7], dtype=np.int64)
-    counts = np.array([3, 0, 1], dtype=np.int64)
-    slots = np.array([11, 12, 13, 14], dtype=np.int64)
-    out = update_req_to_token(table, rows, starts, counts, slots, kernel)
-    expected = torch.full((5, 8), -7, dtype=torch.int32)
-    expected[3, 2:5] = torch.tensor([11, 12, 13], dtype=torch.int32)
-    expected[2, 7] = 14
+def packed_extend(counts: list[int], lengths: list[int] | None = None) -> tuple[Any, np.ndarray, int, list[int]]:
+    """An allocator whose requests have ``lengths`` tokens, then one extend_packed by ``counts``."""
+    a = kvpool.SlotAllocator(64, 1, 8, 64)
+    h = a.open(len(counts))
+    if lengths is not None:
+        a.extend(h, lengths)
+    packed, b = a.extend_packed(h, counts)
+    return a, packed, b, h.tolist()
+
+
+@pytest.mark.parametrize("counts", [[1], [1, 2], [3, 0, 5], [0], [2, 2, 2, 1, 7]])
+def test_extend_packed_layout(counts: list[int]) -> None:
+    lengths = [i + 1 for i in range(len(counts))]
+    a, packed, b, handles = packed_extend(counts, lengths)
+    s = b + (b & 1)
+    assert b == len(counts) and packed.dtype == np.int64 and packed.shape == (4 * s + sum(counts),)
+    rows, starts, cnts, offsets = packed[: 4 * s].reshape(4, s)[:, :b]
+    assert rows.tolist() == a.rows(handles).tolist()
+    assert starts.tolist() == lengths
+    assert cnts.tolist() == counts
+    assert offsets.tolist() == (np.cumsum(counts) - counts).tolist()
+    assert not packed[: 4 * s].reshape(4, s)[:, b:].any(), "padding columns are zero"
+    slots = packed[4 * s :]
+    for h, st, c, o in zip(handles, starts, cnts, offsets):
+        assert a.slots(h)[st : st + c].tolist() == slots[o : o + c].tolist()
+
+
+def test_extend_packed_scalar_count_and_errors_leave_pool_unchanged() -> None:
+    a = kvpool.SlotAllocator(8, 1, 4, 16)
+    h = a.open(3)
+    packed, b = a.extend_packed(h, 2)
+    assert b == 3 and packed[8:12].tolist() == [2, 2, 2, 0]
+    free = a.free_pages
+    with pytest.raises(kvpool.PoolExhaustedError):
+        a.extend_packed(h, 5)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        a.extend_packed(h, [1, -1, 1])
+    assert a.free_pages == free and a.lengths(h).tolist() == [2, 2, 2]
+    a.check()
+
+
+def test_update_req_to_token_writes_exactly_the_given_ranges() -> None:
+    _, packed, b, _ = packed_extend([3, 0, 1], [2, 0, 7])
+    table = torch.full((9, 64), -7, dtype=torch.int32)
+    expected = table.clone()
+    host, out = update_req_to_token(table, packed, b)
+    s = b + (b & 1)
+    rows, starts, counts, offsets = packed[: 4 * s].reshape(4, s)[:, :b]
+    for r, st, c, o in zip(rows, starts, counts, offsets):
+        expected[r, st : st + c] = torch.from_numpy(host[o : o + c]).int()
     assert torch.equal(table, expected)
-    assert out.dtype == torch.int64 and out.tolist() == slots.tolist()
+    assert out.dtype == torch.int64 and out.tolist() == host.tolist() == packed[4 * s :].tolist()
 
 
 def test_cpu_extend_is_zero_copy_into_req_to_token() -> None:
@@ -139,7 +164,7 @@ def test_truncate_then_extend_overwrites_stale_entries() -> None:
     check_tables(pool, h.tolist())
 
 
-@pytest.mark.parametrize("path", ["cpu", "fallback"])
+@pytest.mark.parametrize("path", ["cpu", "device"])
 def test_concurrent_extends_from_threads_keep_tables_exact(path: str) -> None:
     # The allocator is internally locked; each thread owns its requests, so
     # their req_to_token rows must come out exactly as the allocator says.
@@ -162,27 +187,22 @@ def test_concurrent_extends_from_threads_keep_tables_exact(path: str) -> None:
 
 
 @pytest.mark.parametrize("counts", [[1], [1, 2], [3, 0, 5], [2, 2, 2, 1, 7]])
-def test_device_table_update_passes_16_byte_aligned_segments(counts):
+def test_device_table_update_passes_16_byte_aligned_segments(counts, monkeypatch):
     """Triton specializes pointers on 16-byte alignment: every segment of the packed
     H2D buffer must stay aligned whatever the batch shape, or a new batch size would
     compile a new kernel variant while serving."""
+    import kvpool.transfer as transfer
+
     seen = []
+    real = transfer.write_req_to_token
 
-    def fake_kernel(table, rows, starts, counts_d, slots, offsets):
+    def spy(table, rows, starts, counts_d, slots, offsets):
         seen.append([x.data_ptr() % 16 for x in (rows, starts, counts_d, slots, offsets)])
-        write_ref = table.view(-1)
-        for r, s, c, o in zip(rows.tolist(), starts.tolist(), counts_d.tolist(), offsets.tolist()):
-            write_ref[r * table.shape[1] + s : r * table.shape[1] + s + c] = slots[o : o + c].to(table.dtype)
+        real(table, rows, starts, counts_d, slots, offsets=offsets)
 
-    c = np.array(counts, dtype=np.int64)
-    rows = np.arange(len(c), dtype=np.int64)
-    starts = np.arange(len(c), dtype=np.int64)
-    slots = np.arange(100, 100 + int(c.sum()), dtype=np.int64)
-    table = torch.zeros((len(c) + 1, 16), dtype=torch.int32)
-    out = update_req_to_token(table, rows, starts, c, slots, fake_kernel)
+    monkeypatch.setattr(transfer, "write_req_to_token", spy)
+    _, packed, b, _ = packed_extend(counts)
+    table = torch.zeros((9, 64), dtype=torch.int32)
+    host, out = update_req_to_token(table, packed, b)
     assert seen == [[0] * 5]
-    assert out.tolist() == slots.tolist()
-    o = 0
-    for r, (s, n) in enumerate(zip(starts, c)):
-        assert table[r, s : s + n].tolist() == slots[o : o + n].tolist()
-        o += n
+    assert out.tolist() == host.tolist()

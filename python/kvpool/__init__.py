@@ -14,6 +14,7 @@ from kvpool._core import (
     InvariantError,
     KVPoolError,
     PoolExhaustedError,
+    PoolStats,
     SlotAllocator,
     TooManyRequestsError,
 )
@@ -25,6 +26,7 @@ from kvpool.errors import (
     TensorDeviceError,
     TensorDtypeError,
     TensorShapeError,
+    TritonUnavailableError,
 )
 from kvpool.handles import ROW_MASK, handle_row
 from kvpool.modes import Finding, audit, mutable, persistent
@@ -43,6 +45,7 @@ __all__ = [
     "InvariantError",
     "KVPoolError",
     "PoolExhaustedError",
+    "PoolStats",
     "ROW_MASK",
     "SlotAllocator",
     "TooManyRequestsError",
@@ -57,6 +60,7 @@ __all__ = [
     "TensorDeviceError",
     "TensorDtypeError",
     "TensorShapeError",
+    "TritonUnavailableError",
     # grad-mode safety
     "Finding",
     "audit",

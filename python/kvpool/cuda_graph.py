@@ -38,6 +38,7 @@ import torch
 from kvpool._core import InvalidArgumentError, InvariantError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.modes import persistent
+from kvpool.torch_types import as_device
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
@@ -114,9 +115,7 @@ class DecodeGraphRunner:
             raise InvalidArgumentError("pad_seq_len must be >= 0 and warmup_iters >= 1")
         self.pool, self.step = pool, step
         self.max_batch_size, self.buckets = max_batch_size, list(buckets)
-        self.device = torch.device(pool.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" != "cuda:0"
+        self.device = as_device(pool.device)
         self.use_graphs = bool(enable_graphs) and self.device.type == "cuda"
         self.debug, self.warmup_iters = bool(debug), int(warmup_iters)
         width = self.buckets[-1]

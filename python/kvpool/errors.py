@@ -1,13 +1,15 @@
 """Typed errors of the torch layer.
 
-All derive from ``InvalidArgumentError`` (itself a ``KVPoolError`` and a
-``ValueError``), so engines can catch one base class; they are raised before
-anything is written, so a failed call leaves the pool exactly as it was.
+Argument errors derive from ``InvalidArgumentError`` (itself a ``KVPoolError``
+and a ``ValueError``); ``TritonUnavailableError`` (an install problem, not a bad
+argument) is a ``KVPoolError`` and a ``RuntimeError``. So engines can catch one
+base class. All are raised before anything is written, so a failed call leaves
+the pool exactly as it was.
 """
 
 from __future__ import annotations
 
-from kvpool._core import InvalidArgumentError
+from kvpool._core import InvalidArgumentError, KVPoolError
 
 __all__ = [
     "LayerIndexError",
@@ -16,6 +18,7 @@ __all__ = [
     "TensorDeviceError",
     "TensorDtypeError",
     "TensorShapeError",
+    "TritonUnavailableError",
 ]
 
 
@@ -41,3 +44,7 @@ class ReservedSlotError(SlotRangeError):
 
 class LayerIndexError(InvalidArgumentError):
     """A layer index is outside ``[0, num_layers)``."""
+
+
+class TritonUnavailableError(KVPoolError, RuntimeError):
+    """K/V must move on a CUDA device but Triton cannot be imported; the message says what to install."""

@@ -14,20 +14,17 @@ import torch
 
 from kvpool.modes import persistent
 
-__all__ = ["LAYOUTS", "FP8_DTYPES", "KVStorage"]
+__all__ = ["LAYOUTS", "KVStorage"]
 
 LAYOUTS = ("token", "paged")
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 class KVStorage:
     """The caches of one pool plus cached per-layer views (no copies).
 
     ``caches`` is ``[k, v]`` or ``[latent]`` (MLA). For each cache and layer it
-    keeps: ``flat`` (token-major, what writes index), ``shaped`` (the pool's
-    layout, what engines get) and, for fp8, ``raw`` (a uint8 view, because CPU
-    index ops are not implemented for fp8 dtypes; writing the bytes of an
-    already-quantized row is exactly the same store).
+    keeps: ``flat`` (token-major, what the kernels are given) and ``shaped``
+    (the pool's layout, what engines get).
     """
 
     def __init__(
@@ -45,7 +42,6 @@ class KVStorage:
     ) -> None:
         self.num_slots = num_pages * page_size
         shape = (num_layers, self.num_slots, heads, dim)
-        self.fp8 = dtype in FP8_DTYPES
         with persistent():
             # Zeros, not empty: padded entries of a batch read slot 0 (the null
             # row of req_to_token), and garbage there can be NaN/inf that leaks
@@ -56,7 +52,6 @@ class KVStorage:
                 self.shaped = [[f.view(num_pages, page_size, heads, dim) for f in fl] for fl in self.flat]
             else:
                 self.shaped = self.flat
-            self.raw = [[f.view(torch.uint8) for f in fl] for fl in self.flat] if self.fp8 else self.flat
 
     @property
     def nbytes(self) -> int:

@@ -20,10 +20,12 @@ import torch
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
-from kvpool.handles import ROW_MASK
-from kvpool.layout import FP8_DTYPES, LAYOUTS, KVStorage
+from kvpool.facade import AllocatorFacade
+from kvpool.kernels import gather_kv, require_triton, store_kv
+from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
-from kvpool.transfer import PageTable, find_kernel, page_table_tensors, update_req_to_token
+from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
@@ -47,20 +49,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-def _device(device: Any) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidArgumentError(f"device {device!r} is not a torch device: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")
-    if dev.type == "cuda" and dev.index is None:
-        # Compare devices exactly later ("cuda" != "cuda:0" in torch).
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-class KVPool:
+class KVPool(AllocatorFacade):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -75,6 +64,15 @@ class KVPool:
     scales are per layer in ``k_scale`` / ``v_scale`` (float32, initially 1);
     set them in place (``pool.k_scale[layer] = s`` or ``.copy_``), never by
     rebinding the attribute: writes and captured graphs read these tensors.
+
+    Request operations, queries and counters (``open``, ``close``, ``lengths``,
+    ``free_pages``, ``check``, ...) are the allocator's, forwarded (see
+    ``AllocatorFacade``); ``pool.allocator`` is never needed for ordinary work.
+
+    Raises (constructor):
+        InvalidArgumentError: a bad size, dtype, layout, device or capacity
+            (nothing is allocated).
+        TritonUnavailableError: a CUDA device and no usable Triton.
     """
 
     def __init__(
@@ -107,7 +105,8 @@ class KVPool:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.layout, self.dtype, self.device = layout, dtype, _device(device)
+        self.layout, self.dtype, self.device = layout, dtype, as_device(device)
+        require_triton(self.device)  # before any allocation: CUDA pools move K/V with Triton only
         self.fp8 = dtype in FP8_DTYPES
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if self.fp8 else dtype
@@ -153,15 +152,11 @@ class KVPool:
             self._scales = [
                 [s[i : i + 1] for i in range(self.num_layers)] for s in (self.k_scale, self.v_scale) if s is not None
             ]
-        if self.device.type == "cpu":
-            # A numpy view of the table: the Rust core writes new slots straight
-            # into it inside extend (zero copy, no torch op on the hot path).
-            self._table_np: np.ndarray | None = self.req_to_token.numpy()
-            self._store_kernel = self._table_kernel = None
-        else:
-            self._table_np = None
-            self._store_kernel = find_kernel("store_kv")
-            self._table_kernel = find_kernel("write_req_to_token")
+        # On CPU the table is host memory: the core writes new slots straight into
+        # this numpy view of it inside extend's one crossing (zero copy, no torch
+        # op on the hot path). Elsewhere extend ships the core's packed result
+        # with one copy to kvpool.kernels.write_req_to_token.
+        self._table_np: np.ndarray | None = self.req_to_token.numpy() if self.device.type == "cpu" else None
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -199,75 +194,99 @@ class KVPool:
             out.append(("v_scale", self.v_scale))
         return out
 
-    # ----- request operations (mirror the allocator) ----------------------
-
-    def open(self, n: int = 1) -> np.ndarray:
-        return self.allocator.open(n)
+    # ----- request operations that touch the tables ------------------------
+    # (open, truncate, close, reset and the allocator's queries and counters
+    # come from AllocatorFacade)
 
     def extend(self, handles: Any, counts: Any) -> ExtendResult:
-        """Grow requests by ``counts`` tokens; update ``req_to_token``; return the new slots.
+        """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
 
-        Atomic: on any error (stale handle, pool exhausted, context too long)
-        neither the allocator nor the table changes.
+        One crossing into the core. On CPU the core writes the table in place
+        (it is host memory); on CUDA one H2D copy and one table-kernel launch,
+        no device sync. A new page is taken only when a request's last one is full.
+
+        Args:
+            handles: the requests (no duplicates).
+            counts: new tokens per request, or one int for all (>= 0).
+
+        Returns:
+            ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
+            request order, as a host int64 array and as an int64 tensor on the
+            pool's device.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            PoolExhaustedError: not enough free pages (the message says needed vs free).
+            ContextTooLongError: a request would pass ``max_context_len``.
+            InvalidArgumentError: a negative count, mismatched sizes, a duplicate handle.
+            Atomic: on any error neither the allocator nor the table changes.
         """
         if self._table_np is not None:
             slots = self.allocator.extend(handles, counts, table=self._table_np)
             return ExtendResult(slots, torch.from_numpy(slots))
-        slots, starts = self.allocator.extend_with_starts(handles, counts)
-        if isinstance(handles, np.ndarray) and handles.dtype == np.int64 and handles.ndim == 1:
-            rows = handles & ROW_MASK  # extend just validated them: row = low 32 bits
-        else:
-            rows = self.allocator.rows(handles)
-        if np.ndim(counts) == 0:
-            counts_arr = np.full(rows.shape[0], int(counts), dtype=np.int64)
-        else:
-            counts_arr = np.asarray(counts, dtype=np.int64)
-        dev = update_req_to_token(self.req_to_token, rows, starts, counts_arr, slots, self._table_kernel)
+        packed, num_requests = self.allocator.extend_packed(handles, counts)
+        slots, dev = update_req_to_token(self.req_to_token, packed, num_requests)
         return ExtendResult(slots, dev)
 
-    def truncate(self, handles: Any, lengths: Any) -> None:
-        """Shorten requests. Table entries past the new length are left stale:
-        they are never read (readers stop at the sequence length) and the next
-        ``extend`` overwrites them."""
-        self.allocator.truncate(handles, lengths)
-
-    def close(self, handles: Any) -> None:
-        self.allocator.close(handles)
-
-    def reset(self) -> None:
-        self.allocator.reset()
-
-    def rows(self, handles: Any) -> np.ndarray:
-        return self.allocator.rows(handles)
-
     def page_table(self, handles: Any) -> PageTable:
+        """FlashInfer's CSR page table of a batch, int32 tensors on the pool's device.
+
+        Args:
+            handles: the batch's requests, in batch order.
+
+        Returns:
+            ``PageTable(kv_indptr [B+1], kv_indices, kv_last_page_len [B])``
+            (zero copy on CPU, one H2D copy on CUDA).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
         return page_table_tensors(*self.allocator.page_table(handles), self.device)
 
     # ----- views ----------------------------------------------------------
 
     def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy."""
+        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy.
+
+        Returns:
+            ``[num_slots, H, D]`` (layout ``"token"``) or ``[num_pages, P, H, D]`` (``"paged"``).
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         return self._storage.shaped[0][check_layer(layer, self.num_layers)]
 
     def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's V cache (MLA: the first kv_lora_rank features of the latent cache)."""
+        """Layer's V cache in the pool's layout (MLA: the first ``kv_lora_rank`` features
+        of the latent cache). A view, no copy.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         layer = check_layer(layer, self.num_layers)
         if self.mla:
             return self._storage.shaped[0][layer][..., : self.kv_lora_rank]
         return self._storage.shaped[1][layer]
 
     def kv_buffer(self, layer: int) -> torch.Tensor:
-        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages)."""
+        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages).
+
+        Raises:
+            InvalidArgumentError: the pool is not MLA.
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
         if not self.mla:
             raise InvalidArgumentError("kv_buffer() is for MLA pools; use k_buffer()/v_buffer()")
         return self._storage.shaped[0][check_layer(layer, self.num_layers)]
 
     @property
     def k_buffers(self) -> list[torch.Tensor]:
+        """``k_buffer(layer)`` of every layer (SGLang's ``k_buffer`` list)."""
         return list(self._storage.shaped[0])
 
     @property
     def v_buffers(self) -> list[torch.Tensor]:
+        """``v_buffer(layer)`` of every layer."""
         return [self.v_buffer(i) for i in range(self.num_layers)] if self.mla else list(self._storage.shaped[1])
 
     # ----- writes and reads -----------------------------------------------
@@ -280,7 +299,21 @@ class KVPool:
         (``[0, page_size)``) are the padding sink and accepted, since the
         allocator never gives them to a request; ``strict=True`` rejects them
         (and negatives) with ``ReservedSlotError``, for batches known to hold
-        only real tokens. MLA pools: ``write(layer, slots, kv)``.
+        only real tokens. Runs ``kvpool.kernels.store_kv`` (Triton on CUDA,
+        capture-safe; torch on CPU).
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
+                device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
+                Host slots are range-checked; device slots are not (no sync).
+            k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
+                pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
+            strict: reject padding and page-0 slots.
+
+        Raises:
+            LayerIndexError, SlotRangeError, ReservedSlotError, TensorShapeError,
+            TensorDtypeError, TensorDeviceError: a bad argument (nothing written).
         """
         layer = check_layer(layer, self.num_layers)
         if self.mla and v is not None:
@@ -289,65 +322,58 @@ class KVPool:
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
         names = ("kv",) if self.mla else ("k", "v")
         rows: list[torch.Tensor] = [k] if v is None else [k, v]
-        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
+        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
         n = idx.shape[0]
         for name, x in zip(names, rows):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
             idx = idx.to(self.device, non_blocking=True)
         # detach(): a source that requires grad must not drag the cache into
-        # autograd (in grad mode, index_copy_ would make the cache require grad).
+        # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]
-        if self._store_kernel is not None:
-            caches = [c[layer] for c in self._storage.flat]
-            scales: list[torch.Tensor | None] = [s[layer] for s in self._scales] or [None, None]
-            two = len(rows) > 1
-            self._store_kernel(
-                caches[0], caches[1] if two else None, idx, rows[0], rows[1] if two else None,
-                scales[0], scales[1] if two else None,
-            )
-            return
-        if idx.device.type != "cpu":
-            # Torch fallback on a device: dropping negatives would need a sync,
-            # so they go to slot 0, the padding sink of page 0.
-            idx = idx.clamp(min=0)
-        elif has_negative:
-            keep = idx >= 0
-            idx = idx[keep]
-            rows = [x[keep] for x in rows]
-        idx = idx.long()
-        for ci, x in enumerate(rows):
-            if self.fp8:
-                q = self._quantize(x, self._scales[ci][layer])
-                self._storage.raw[ci][layer].index_copy_(0, idx, q.view(torch.uint8))
-            else:
-                self._storage.flat[ci][layer].index_copy_(0, idx, x)
+        caches, scales = self._layer(layer)
+        if len(rows) == 1:
+            store_kv(caches[0], None, idx, rows[0], None, scales[0])
+        else:
+            store_kv(caches[0], caches[1], idx, rows[0], rows[1], scales[0], scales[1])
 
-    def _quantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        fmax = torch.finfo(self.dtype).max
-        return (x.float() / scale).clamp_(-fmax, fmax).to(self.dtype)
+    def _layer(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Token-major caches of ``layer`` and their fp8 scales (None when not fp8)."""
+        caches = [c[layer] for c in self._storage.flat]
+        if not self._scales:
+            return caches, [None] * len(caches)
+        return caches, [s[layer] for s in self._scales]
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
 
-        A helper for tests and debugging, not the attention path. MLA:
-        returns ``(latent, latent[..., :kv_lora_rank])``.
+        A helper for tests and debugging, not the attention path (runs
+        ``kvpool.kernels.gather_kv``; allocates its outputs).
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` slots, as for ``write``.
+
+        Returns:
+            ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` new tensors. MLA:
+            ``(latent, latent[..., :kv_lora_rank])``.
+
+        Raises:
+            LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
+            TensorDeviceError: a bad argument.
         """
         layer = check_layer(layer, self.num_layers)
-        idx, has_negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
+        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
         idx = idx.to(self.device)
-        safe = idx.clamp(min=0).long()
-        out = []
-        for ci in range(len(self._storage.caches)):
-            g = self._storage.raw[ci][layer].index_select(0, safe)
-            if self.fp8:
-                g = (g.view(self.dtype).float() * self._scales[ci][layer]).to(self.compute_dtype)
-            if has_negative:
-                g = torch.where((idx < 0).view(-1, 1, 1), torch.zeros((), dtype=g.dtype, device=g.device), g)
-            out.append(g)
-        if self.mla:
-            return out[0], out[0][..., : self.kv_lora_rank]
-        return out[0], out[1]
+        caches, scales = self._layer(layer)
+        two = len(caches) > 1
+        k, v = gather_kv(
+            caches[0], caches[1] if two else None, idx,
+            out_dtype=self.compute_dtype, k_scale=scales[0], v_scale=scales[1] if two else None,
+        )
+        if v is None:
+            return k, k[..., : self.kv_lora_rank]
+        return k, v
 
     def __repr__(self) -> str:
         kind = f"mla(rank={self.kv_lora_rank}, rope={self.qk_rope_head_dim})" if self.mla else "mha"

@@ -22,10 +22,9 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
+from kvpool.torch_types import INDEX_DTYPES
 
 __all__ = ["check_layer", "check_rows", "slots_tensor"]
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_layer(layer: Any, num_layers: int) -> int:

@@ -7,8 +7,9 @@ every installed allocator (per-step time, ns per slot, peak metadata memory).
 multi-turn chat, parallel sampling, a mix under memory pressure) on kvpool's
 prefix cache, SGLang's RadixCache and vLLM's KVCacheManager (hit rate, µs/step).
 
-The baselines are optional (see the README, "Benchmarks: kvpool vs SGLang and
-vLLM"); missing ones are skipped with a one-line message.
+Outputs go under the current directory or ``--out DIR``. The baselines are
+optional (docs/benchmarks.md, "Installing the baselines"); missing ones are
+skipped with a one-line message.
 """
 
 from kvpool.bench.trace import Dist, Step, Trace, TraceConfig, generate

@@ -1,4 +1,4 @@
-"""``python -m kvpool.bench {churn,ops,prefix} [...]``."""
+"""``python -m kvpool.bench {churn,ops,prefix} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
 
 from __future__ import annotations
 

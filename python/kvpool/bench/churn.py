@@ -13,11 +13,10 @@ import gc
 import sys
 from typing import Any
 
-from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
-
 from kvpool.bench import drivers, report
 from kvpool.bench.runner import ChurnResult, freeze_import_heap, replay
 from kvpool.bench.trace import Dist, TraceConfig, generate
+from kvpool.progress import progress
 
 # --quick: tiny pools, few steps (tests and CI smoke runs; seconds, not minutes).
 QUICK_POOLS, QUICK_CONCURRENCY, QUICK_STEPS, QUICK_WARMUP = [1 << 16, 1 << 18], [16, 64], 40, 8
@@ -59,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Dist.parse, default=Dist(16, 1024), help="output lengths LO:HI or N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny pools and few steps: runs in seconds (tests, CI)")
-    p.add_argument("--json", default="benchmarks/results/churn.json", help="JSON output path ('' for none)")
-    p.add_argument("--plot", default="benchmarks/results/churn.png", help="PNG output path ('' for none)")
+    report.add_out_argument(p)
+    p.add_argument("--json", default="churn.json", help="JSON output file, under --out ('' for none)")
+    p.add_argument("--plot", default="churn.png", help="PNG output file, under --out ('' for none)")
 
 
 def configs(args: argparse.Namespace) -> list[tuple[int, int, int]]:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> tuple[list[ChurnResult], list[str]]:
             plan.append((ps, pool, conc, cls, max(1, args.target_repeats) if (pool, conc) in targets else 1))
     runs: dict[tuple[int, int], list[ChurnResult]] = {}
     traces: dict[int, Any] = {}
-    bar = tqdm(total=sum(len(p[3]) * p[4] for p in plan), desc="churn", unit="run", file=sys.stderr)
+    bar = progress(total=sum(len(p[3]) * p[4] for p in plan), desc="churn", unit="run", file=sys.stderr)
     try:
         # Pass r replays every run that still wants an r-th repeat, so the repeats of the
         # target runs (1M and 16M, say) alternate instead of running back to back: drift on a
@@ -139,14 +139,16 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     doc = {"benchmark": "churn", "settings": settings, "machine": machine, "skipped": skipped,
            "ratios": ratios, "results": [r.to_json() for r in results]}
     if args.json:
-        report.write_json(args.json, doc)
-        print(f"wrote {args.json}")
+        path = report.output_path(args.out, args.json)
+        report.write_json(path, doc)
+        print(f"wrote {path}")
     if args.plot:
         try:
             from kvpool.bench import plot
 
-            plot.churn_plot(results, args.plot, ref_pool=args.ref_pool, ref_concurrency=args.ref_concurrency)
-            print(f"wrote {args.plot}")
+            path = report.output_path(args.out, args.plot)
+            plot.churn_plot(results, path, ref_pool=args.ref_pool, ref_concurrency=args.ref_concurrency)
+            print(f"wrote {path}")
         except ImportError as exc:
             print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
     return 1 if bad else 0

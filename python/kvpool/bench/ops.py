@@ -12,11 +12,11 @@ import sys
 from typing import Any, Callable
 
 import numpy as np
-from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
 from kvpool.bench import report
 from kvpool.bench.churn import _list, parse_size
 from kvpool.bench.runner import time_loop
+from kvpool.progress import progress
 
 OPS = ["open", "close", "extend-decode", "extend-prefill", "truncate"]
 PREFILL = 512  # tokens per request for extend-prefill
@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-size", type=parse_size, default=1 << 20, help="slots (default 1M)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per (op, page, batch)")
     p.add_argument("--quick", action="store_true", help="few iterations: runs in seconds")
-    p.add_argument("--json", default="benchmarks/results/ops.json", help="JSON output path ('' for none)")
+    report.add_out_argument(p)
+    p.add_argument("--json", default="ops.json", help="JSON output file, under --out ('' for none)")
 
 
 class _OpBench:
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"unknown op(s) {unknown}; choose from {OPS}")
     plan = [(op, ps, b) for op in args.ops for ps in args.page_sizes for b in args.batch_sizes]
     rows = []
-    for op, ps, b in tqdm(plan, desc="ops", unit="run", file=sys.stderr):
+    for op, ps, b in progress(plan, desc="ops", unit="run", file=sys.stderr):
         bench = _OpBench(op, ps, b, args.pool_size)
         time_loop(bench.prepare, bench.run, min(20, args.iters))  # warm caches and code paths
         s = time_loop(bench.prepare, bench.run, args.iters).summary()
@@ -141,7 +142,8 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     print(report.ops_table(rows))
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "func"}
-        report.write_json(args.json, {"benchmark": "ops", "settings": settings, "machine": machine,
-                                      "results": rows})
-        print(f"wrote {args.json}")
+        path = report.output_path(args.out, args.json)
+        report.write_json(path, {"benchmark": "ops", "settings": settings, "machine": machine,
+                                 "results": rows})
+        print(f"wrote {path}")
     return 0

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
 
-from kvpool.bench import prefix_drivers, prefix_report
+from kvpool.bench import prefix_drivers, prefix_report, report
 from kvpool.bench.churn import _list, parse_size
 from kvpool.bench.prefix_runner import PrefixResult, replay
 from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a previous prefix JSON: its rows for allocators not run now join the report "
                         "(same seeded traces when the trace settings agree, which is checked)")
     p.add_argument("--quick", action="store_true", help="tiny pool and few steps: runs in seconds (tests, CI)")
-    p.add_argument("--json", default="benchmarks/results/prefix.json", help="JSON output path ('' for none)")
-    p.add_argument("--plot", default="benchmarks/results/prefix.png", help="PNG output path ('' for none)")
+    p.add_argument("--json", default="prefix.json", help="JSON output file, under --out ('' for none)")
+    p.add_argument("--plot", default="prefix.png", help="PNG output file, under --out ('' for none)")
+    report.add_out_argument(p)
 
 
 def run(args: argparse.Namespace) -> tuple[list[PrefixResult], list[str]]:
@@ -93,7 +94,7 @@ def reused(path: str, args: argparse.Namespace, running: set[str]) -> list[Prefi
     """Rows of an earlier run (same trace settings) for allocators this run does not replay."""
     import json
 
-    with open(path) as f:
+    with open(report.output_path(args.out, path)) as f:
         doc = json.load(f)
     theirs = doc["settings"]
     diff = [k for k in TRACE_SETTINGS if theirs.get(k) != getattr(args, k)]
@@ -132,14 +133,16 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     doc = {"benchmark": "prefix", "settings": settings, "machine": machine, "skipped": skipped,
            "ratios": ratios, "results": [r.to_json() for r in results]}
     if args.json:
-        prefix_report.write_json(args.json, doc)
-        print(f"wrote {args.json}")
+        path = report.output_path(args.out, args.json)
+        prefix_report.write_json(path, doc)
+        print(f"wrote {path}")
     if args.plot:
         try:
             from kvpool.bench import plot
 
-            plot.prefix_plot(results, args.plot)
-            print(f"wrote {args.plot}")
+            path = report.output_path(args.out, args.plot)
+            plot.prefix_plot(results, path)
+            print(f"wrote {path}")
         except ImportError as exc:
             print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
     return 1 if bad else 0

@@ -1,4 +1,4 @@
-"""Tables (markdown, so the same text reads in a terminal and in the README), ratios, JSON."""
+"""Tables (markdown, so the same text reads in a terminal and in benchmarks/results/README.md), ratios, JSON."""
 
 from __future__ import annotations
 
@@ -99,6 +99,20 @@ def ops_table(rows: list[dict[str, Any]]) -> str:
     body = [[r["op"], str(r["page_size"]), str(r["batch"]), f"{r['mean_us']:.2f}", f"{r['p50_us']:.2f}",
              f"{r['p99_us']:.2f}", f"{r['ns_per_item']:.1f}"] for r in rows]
     return _md(header, body)
+
+
+def add_out_argument(p: Any) -> None:
+    """``--out DIR``: where a benchmark writes its files (never a path inside the package)."""
+    p.add_argument("--out", default=".", metavar="DIR",
+                   help="directory for the JSON / PNG outputs (default: the current directory; created "
+                        "if missing); absolute --json / --plot paths are used as given")
+
+
+def output_path(out_dir: str, name: str) -> str:
+    """``name`` under ``out_dir`` (an absolute ``name`` stays as it is); its folder is created."""
+    path = os.path.join(out_dir, name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:

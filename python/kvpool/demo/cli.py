@@ -103,8 +103,9 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
-    from tqdm import tqdm  # type: ignore[import-untyped]
-    with tqdm(total=total, unit="tok", desc="generating", dynamic_ncols=True) as bar:
+    from kvpool.progress import progress
+
+    with progress(total=total, unit="tok", desc="generating", dynamic_ncols=True) as bar:
         yield bar
 
 
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         with _progress(total, not args.no_progress) as bar:
             stats = engine.run(requests, progress=bar)
         # Every request closed, so every page must be back: verify the allocator agrees.
-        pool.allocator.check()
+        pool.check()
         audit = kvpool.audit(model, pool)
 
     settings = {
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         "max_running": args.max_running, "admission": args.admission,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": args.threads,
         "cuda_graph": args.cuda_graph, "grad_mode": args.grad_mode, "model": cfg.to_dict(),
-        "pages_in_use_at_end": int(pool.allocator.used_pages),
-        "open_requests_at_end": int(pool.allocator.open_requests),
+        "pages_in_use_at_end": int(pool.used_pages),
+        "open_requests_at_end": int(pool.open_requests),
     }
     fig = figures(stats, settings=settings, audit=audit)
     if shared:

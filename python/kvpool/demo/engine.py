@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from kvpool import ROW_MASK, PoolExhaustedError, TooManyRequestsError
+from kvpool import PoolExhaustedError, TooManyRequestsError
 from kvpool.demo.requests import Request
 from kvpool.demo.timing import TimedPool
 
@@ -72,12 +72,11 @@ class Engine:
                  admission: str = "reserve", record: bool = False) -> None:
         if admission not in ("reserve", "optimistic"):
             raise ValueError(f"admission must be 'reserve' or 'optimistic', got {admission!r}")
-        if not 1 <= max_running <= pool.allocator.max_requests:
-            raise ValueError(f"max_running must be in 1..{pool.allocator.max_requests} "
+        if not 1 <= max_running <= pool.max_requests:
+            raise ValueError(f"max_running must be in 1..{pool.max_requests} "
                              f"(the pool's max_requests), got {max_running}")
         self.model, self.raw_pool = model, pool
         self.pool = TimedPool(pool)
-        self.alloc = pool.allocator
         self.page_size = int(pool.page_size)
         self.max_running, self.admission, self.record = max_running, admission, record
         self.device = torch.device(pool.device)
@@ -96,7 +95,7 @@ class Engine:
 
     def check_fits(self, requests: Iterable[Request]) -> None:
         """Every request must fit in an empty pool, else it could never be admitted."""
-        cap_pages, max_ctx = self.alloc.capacity_pages, self.alloc.max_context_len
+        cap_pages, max_ctx = self.raw_pool.capacity_pages, self.raw_pool.max_context_len
         for r in requests:
             if r.final_length > max_ctx or self.pages_for(r.final_length) > cap_pages:
                 raise ValueError(
@@ -146,7 +145,7 @@ class Engine:
             req = waiting[0]
             need = self.pages_for(req.final_length if self.admission == "reserve"
                                   else len(req.prompt))
-            if self.alloc.free_pages - self._reserved_pages(running) < need:
+            if self.raw_pool.free_pages - self._reserved_pages(running) < need:
                 self.stats.steps_blocked_by_pool += 1
                 break
             try:
@@ -163,6 +162,7 @@ class Engine:
                 break
             waiting.popleft()
             req.handle, req.length = handle, len(req.prompt)
+            req.row = int(self.pool.rows(handle)[0])
             produced += self._prefill(req, ext.out_cache_loc)
             running.append(req)
         return produced
@@ -172,7 +172,7 @@ class Engine:
         n = len(req.prompt)
         ids = torch.from_numpy(req.prompt).to(self.device)[None]
         positions = torch.arange(n, device=self.device)[None]
-        rows = torch.tensor([req.handle & ROW_MASK], device=self.device)
+        rows = torch.tensor([req.row], device=self.device)
         logits = self.model.forward_pool(self.pool, ids, positions, rows, out_cache_loc, n,
                                          last_only=not self.record)[0]
         req.output.append(int(logits[-1].argmax()))
@@ -180,7 +180,7 @@ class Engine:
         self.stats.generated_tokens += 1
         if self.record:
             req.logits.append(logits.cpu())
-            req.slots_seen.update(int(s) for s in self.alloc.slots(req.handle))
+            req.slots_seen.update(int(s) for s in self.raw_pool.slots(req.handle))
         return 1
 
     def _decode(self, waiting: deque[Request], running: list[Request]) -> int:
@@ -201,7 +201,8 @@ class Engine:
         last = np.fromiter((r.output[-1] for r in batch), dtype=np.int64, count=len(batch))
         # input_ids, positions, req_rows, out_cache_loc, seq_lens: built on the host, where
         # the scheduler already knows them, so nothing is read back from the device.
-        host = np.stack([last, lengths - 1, handles & ROW_MASK, ext.slots, lengths])
+        rows = np.fromiter((r.row for r in batch), dtype=np.int64, count=len(batch))
+        host = np.stack([last, lengths - 1, rows, ext.slots, lengths])
         if self.runner is self.step_fn:
             self.step_fn.width = int(lengths.max())
             dev = torch.from_numpy(host).to(self.device)  # one host->device copy
@@ -237,11 +238,11 @@ class Engine:
         if finished:
             self.pool.close(np.array([r.handle for r in finished], dtype=np.int64))
             for r in finished:
-                r.handle = None
+                r.handle, r.row = None, -1
             self.stats.requests_done += len(finished)
         return [r for r in running if not r.done]
 
     def _sample(self, running: list[Request]) -> None:
-        a = self.alloc
+        a = self.raw_pool
         self.stats.occupancy.append(a.used_pages / a.capacity_pages)
         self.stats.token_occupancy.append(sum(r.length for r in running) / a.capacity_slots)

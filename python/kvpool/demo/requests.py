@@ -15,6 +15,7 @@ class Request:
     max_new_tokens: int         # tokens to generate (the first comes from the prefill)
     output: list[int] = field(default_factory=list)
     handle: int | None = None   # kvpool handle while admitted
+    row: int = -1               # its req_to_token row while admitted (pool.rows at admission)
     length: int = 0             # tokens whose K/V are in the pool (host-side mirror)
     # Filled only when the engine records (tests): logits of every position, and
     # every slot the request ever held.
@@ -35,6 +36,7 @@ class Request:
         self.output.clear()
         self.logits.clear()
         self.handle = None
+        self.row = -1
         self.length = 0
 
     def all_tokens(self) -> torch.Tensor:

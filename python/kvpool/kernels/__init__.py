@@ -1,26 +1,31 @@
-"""Triton kernels that move K/V in place by slot id, with torch-facing wrappers.
+"""kvpool.kernels: the one owner of every K/V and table movement, on every device.
 
-Every wrapper is one kernel launch on CUDA tensors, and capture-safe: it reads
-only tensor metadata on the host (no .item(), no allocation except gather_kv
-without `out=`), never autotunes, and compiles one specialization per distinct
-(dtype, shape class, n) — warm up before CUDA-graph capture. On CPU tensors the
-wrappers run the same semantics with torch ops, so callers need no branch;
-with TRITON_INTERPRET=1 set before this package is imported, CPU tensors go
-through the Triton kernels via the interpreter instead (that is how the
-kernels are tested without a GPU).
+``store_kv``, ``gather_kv``, ``copy_slots`` and ``write_req_to_token`` run the
+Triton kernels on CUDA tensors and the torch implementations (``_ref``, also
+the reference the kernels are tested against) on CPU tensors, with the same
+semantics, so callers need no branch. Triton is imported on the first CUDA
+launch only, so this package imports without it; on CUDA without a usable
+Triton a call raises ``TritonUnavailableError`` naming what to install.
+
+On CUDA every call is one launch (``copy_slots``: one per group of like caches)
+and capture-safe: it reads only tensor metadata on the host (no .item(), no
+allocation except gather_kv without ``out=``), never autotunes, and compiles
+one specialization per distinct (dtype, shape class, n) — warm up before
+CUDA-graph capture. With TRITON_INTERPRET=1 set before this package is
+imported, CPU tensors go through the Triton kernels via the interpreter
+instead (that is how the kernels are tested without a GPU).
 """
 
-from kvpool.kernels._common import INTERPRET, KernelArgumentError
-from kvpool.kernels.copy import copy_slots
-from kvpool.kernels.gather import gather_kv
-from kvpool.kernels.req_table import write_req_to_token
-from kvpool.kernels.store import store_kv
+from kvpool.kernels._common import INTERPRET, KernelArgumentError, TritonUnavailableError, require_triton
+from kvpool.kernels.ops import copy_slots, gather_kv, store_kv, write_req_to_token
 
 __all__ = [
     "INTERPRET",
     "KernelArgumentError",
+    "TritonUnavailableError",
     "copy_slots",
     "gather_kv",
+    "require_triton",
     "store_kv",
     "write_req_to_token",
 ]

@@ -1,38 +1,33 @@
-"""Shared helpers for the kernel wrappers: dispatch, validation, cache geometry.
+"""Shared helpers for the kernel wrappers: backend choice, validation, cache geometry.
 
 Everything here is host-side Python that only reads tensor metadata (shape,
 stride, dtype, device) — never tensor values — so the wrappers stay
 capture-safe: no allocation, no device sync, no data-dependent branching.
+Triton is imported only when a launch needs it, so CPU-only installs never
+load it.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import NamedTuple, Optional, Union
 
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError, TritonUnavailableError
+from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
+
+__all__ = [
+    "CACHE_DTYPES", "FP8_DTYPES", "INDEX_DTYPES", "INTERPRET", "KernelArgumentError", "Scale",
+    "TritonUnavailableError", "require_triton", "use_triton",
+]
 
 # TRITON_INTERPRET is read by @triton.jit when the kernel modules are imported,
 # so the dispatch decision must be taken from the same snapshot of the env.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-try:  # Triton ships with CUDA builds of torch on Linux; CPU-only installs may lack it.
-    import triton  # type: ignore[import-untyped]  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    HAS_TRITON = False
-
-FP8_DTYPES = tuple(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2")
-    if hasattr(torch, name)
-)
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
-INDEX_DTYPES = (torch.int32, torch.int64)
 # Largest tile (elements per tensor) one program moves; keeps registers bounded.
 MAX_TILE = 4096
 
@@ -44,15 +39,46 @@ class KernelArgumentError(InvalidArgumentError):
     shape / dtype / device errors of kvpool.errors (all share the base class)."""
 
 
+_triton_error: Optional[BaseException] = None
+_triton_checked = False
+
+
+def _triton_importable() -> bool:
+    """Whether ``import triton`` works; tried once, the failure kept for the message."""
+    global _triton_checked, _triton_error
+    if not _triton_checked:
+        try:
+            importlib.import_module("triton")
+        except Exception as e:  # an ImportError, or a broken install failing at import
+            _triton_error = e
+        _triton_checked = True
+    return _triton_error is None
+
+
+def require_triton(device: torch.device) -> None:
+    """Raise ``TritonUnavailableError`` unless Triton can run kernels on ``device``.
+
+    Called by ``KVPool`` at construction, so a CUDA pool without Triton fails
+    before it allocates anything instead of at its first write.
+    """
+    if device.type == "cuda" and not _triton_importable():
+        raise TritonUnavailableError(
+            f"kvpool moves K/V on {device} with Triton kernels, but `import triton` failed "
+            f"({type(_triton_error).__name__}: {_triton_error}). Install the Triton that matches "
+            f"torch {torch.__version__} (`pip install triton`; CUDA wheels of torch ship it as a "
+            "dependency), or build the pool on 'cpu'. There is no torch fallback on CUDA: it "
+            "could not skip negative (padding) slots without a device sync."
+        )
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, and on CPU tensors under the interpreter; torch otherwise."""
+    """Which backend moves ``t``'s data: Triton on CUDA (required: raises
+    ``TritonUnavailableError`` without it) and on CPU under TRITON_INTERPRET=1;
+    the torch implementations in ``_ref`` everywhere else."""
     if t.is_cuda:
-        if not HAS_TRITON:
-            raise KernelArgumentError(
-                "kvpool.kernels needs triton for CUDA tensors; install triton"
-            )
+        require_triton(t.device)
         return True
-    return INTERPRET and HAS_TRITON
+    return INTERPRET and _triton_importable()
 
 
 def fp8_max(dtype: torch.dtype) -> float:

@@ -5,11 +5,12 @@ format's finite range."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from kvpool.kernels._common import FP8_DTYPES, Scale, fp8_max
+from kvpool.kernels._common import Scale, fp8_max
+from kvpool.torch_types import FP8_DTYPES
 
 
 def _scale_value(scale: Scale) -> torch.Tensor | float:
@@ -142,11 +143,19 @@ def write_req_to_token_ref(
     counts: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    offsets: List[int] = [0]
-    for c in counts.tolist():
-        offsets.append(offsets[-1] + max(int(c), 0))
-    for i, (r, st, c) in enumerate(zip(rows.tolist(), starts.tolist(), counts.tolist())):
-        if r < 0 or c <= 0:
-            continue
-        o = offsets[i]
-        req_to_token[r, st : st + c] = slots[o : o + c].to(req_to_token.dtype)
+    """One batched index_put_; requests with a negative row or a count <= 0 are skipped
+    (a positive count of a skipped request still occupies its span of `slots`)."""
+    counts = counts.long().clamp(min=0)
+    total = int(counts.sum())
+    if total == 0:
+        return
+    offsets = torch.cumsum(counts, 0) - counts
+    # Per slot: its request's row, and its column = start + position within the request.
+    row = torch.repeat_interleave(rows.long(), counts, output_size=total)
+    col = torch.repeat_interleave(starts.long() - offsets, counts, output_size=total)
+    col += torch.arange(total, device=col.device)
+    vals = slots[:total].to(req_to_token.dtype)
+    keep = _kept(row >= 0)
+    if keep is not None:
+        row, col, vals = row.index_select(0, keep), col.index_select(0, keep), vals.index_select(0, keep)
+    req_to_token.index_put_((row, col), vals)

@@ -1,4 +1,5 @@
-"""copy_slots: copy rows src_slots[i] -> dst_slots[i] in every cache (all layers,
+"""Triton kernel of ``kvpool.kernels.copy_slots`` (imported on the first launch only):
+copy rows src_slots[i] -> dst_slots[i] in every cache (all layers,
 K and V) in one launch — copy-on-write of a shared page, compaction.
 
 Design (works compiled and under the Triton interpreter): the interpreter cannot
@@ -23,7 +24,6 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels._ref import copy_slots_ref
 from kvpool.modes import persistent
 
 
@@ -81,33 +81,13 @@ def _deltas(group: List[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     return table, align
 
 
-def copy_slots(
-    caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor
+def launch_copy_slots(
+    caches: Sequence[torch.Tensor], geoms: Sequence[c.CacheGeom], src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
 ) -> None:
-    """For every cache, cache[dst_slots[i]] = cache[src_slots[i]] (rows of H x D).
-
-    Caches may be token-major or paged (slot = page * P + offset); pairs with a
-    negative src or dst are skipped. dst slots must not also appear as src slots
-    in the same call (rows are copied in parallel)."""
-    if not isinstance(caches, (list, tuple)) or len(caches) == 0:
-        raise c.KernelArgumentError("caches must be a non-empty list of cache tensors")
-    dev = caches[0].device
-    geoms = [c.cache_geom(t, f"caches[{i}]") for i, t in enumerate(caches)]
-    for i, t in enumerate(caches):
-        if t.device != dev:
-            raise c.TensorDeviceError(f"caches[{i}] is on {t.device}, caches[0] on {dev}")
-        if geoms[i].num_slots != geoms[0].num_slots:
-            raise c.KernelArgumentError(
-                f"caches[{i}] has {geoms[i].num_slots} slots, caches[0] has {geoms[0].num_slots}"
-            )
-    c.check_index(src_slots, "src_slots", dev)
+    """Launches of the copy kernel, one per group of like caches; arguments validated
+    by ``kvpool.kernels.copy_slots``."""
     n = src_slots.shape[0]
-    c.check_index(dst_slots, "dst_slots", dev, n)
-    if n == 0:
-        return
-    if not c.use_triton(caches[0]):
-        copy_slots_ref(caches, src_slots, dst_slots)
-        return
     groups: Dict[Tuple, List[torch.Tensor]] = {}
     for t, g in zip(caches, geoms):
         groups.setdefault((t.dtype,) + tuple(g), []).append(t)

@@ -1,17 +1,15 @@
-"""gather_kv: read the K/V rows of given slots into contiguous [n, H, D] tensors
-(reference attention, export, offload). Rows of negative slots come back zero.
-Optionally dequantizes (x * scale, cast to out_dtype) in the same launch."""
+"""Triton kernel of ``kvpool.kernels.gather_kv``: the K/V rows of given slots into
+contiguous [n, H, D] tensors. Rows of negative slots come back zero. Optionally
+dequantizes (x * scale, cast to out_dtype) in the same launch. Imported on the
+first launch only."""
 
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels._ref import gather_kv_ref
 
 
 @triton.jit
@@ -57,72 +55,13 @@ def _gather_kv_kernel(
                     h * D + d, load_mask, hd_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
 
 
-def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
-    if (
-        not isinstance(out, torch.Tensor)
-        or tuple(out.shape) != (n, g.heads, g.head_dim)
-        or out.dtype != dtype
-        or out.device != dev
-        or not out.is_contiguous()
-    ):
-        raise c.KernelArgumentError(
-            f"{name} must be a contiguous {dtype} tensor of shape [{n}, {g.heads}, {g.head_dim}] "
-            f"on {dev}"
-        )
-
-
-def gather_kv(
-    k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
-    slots: torch.Tensor,
-    *,
-    out_dtype: Optional[torch.dtype] = None,
-    k_scale: c.Scale = None,
-    v_scale: c.Scale = None,
-    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Return (k, v): contiguous [n, H, D] copies of the rows at `slots` (v is None when
-    v_cache is None). With a scale, rows are dequantized as x * scale into out_dtype
-    (default: the cache dtype). Pass `out=(k_out, v_out)` to avoid allocating (e.g. in
-    a captured graph)."""
-    kg = c.cache_geom(k_cache, "k_cache")
-    dev = k_cache.device
-    c.check_index(slots, "slots", dev)
+def launch_gather_kv(
+    k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k_out: torch.Tensor, vo: torch.Tensor,
+    kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
+) -> None:
+    """One launch of the gather kernel; arguments validated by ``kvpool.kernels.gather_kv``
+    (without V, ``vc``/``vo``/``vg`` are K's, never touched)."""
     n = slots.shape[0]
-    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
-    vc, vg = k_cache, kg
-    if v_cache is not None:
-        vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
-        # One PAGE for both caches in the kernel: a token-major V next to a paged K
-        # (or different page sizes) would be addressed with K's page split.
-        if (vg.heads, vg.head_dim, vg.num_slots, vg.page_size) != (
-            kg.heads, kg.head_dim, kg.num_slots, kg.page_size
-        ):
-            raise c.KernelArgumentError(
-                "k_cache and v_cache must have the same slots, page size and [H, D]"
-            )
-    has_v = v_cache is not None
-    for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        c.check_scale(s, nm, dev)
-    k_dt = out_dtype or k_cache.dtype
-    v_dt = out_dtype or vc.dtype
-    if out is None:
-        k_out = torch.empty((n, kg.heads, kg.head_dim), dtype=k_dt, device=dev)
-        v_out = torch.empty((n, kg.heads, kg.head_dim), dtype=v_dt, device=dev) if has_v else None
-    else:
-        k_out, v_out = out
-        _check_out(k_out, "out[0]", n, kg, k_dt, dev)
-        if has_v:
-            _check_out(v_out, "out[1]", n, kg, v_dt, dev)
-    vo = v_out if v_out is not None else k_out
-    if n == 0:
-        return k_out, v_out
-    if not c.use_triton(k_cache):
-        k_ref, v_ref = gather_kv_ref(k_cache, v_cache, slots, out_dtype, k_scale, v_scale)
-        k_out.copy_(k_ref)
-        if v_out is not None and v_ref is not None:
-            v_out.copy_(v_ref)
-        return k_out, v_out
     ks, ks_ptr = c.scale_args(k_scale, k_out)
     vs, vs_ptr = c.scale_args(v_scale, vo)
     block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
@@ -135,4 +74,3 @@ def gather_kv(
         K_HAS_SCALE=k_scale is not None, V_HAS_SCALE=has_v and v_scale is not None,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,
     )
-    return k_out, v_out

@@ -1,4 +1,5 @@
-"""write_req_to_token: req_to_token[rows[i], starts[i] : starts[i] + counts[i]] =
+"""Triton kernel of ``kvpool.kernels.write_req_to_token`` (imported on the first launch only):
+req_to_token[rows[i], starts[i] : starts[i] + counts[i]] =
 slots[offsets[i] : offsets[i] + counts[i]] for every request i, in one launch.
 
 `slots` holds the new slots of all requests back to back, in request order (what
@@ -19,7 +20,6 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels._ref import write_req_to_token_ref
 
 
 @triton.jit
@@ -52,43 +52,13 @@ def _write_req_to_token_kernel(
         tl.store(dst + idx, s.to(table_ptr.dtype.element_ty), mask=m)
 
 
-def write_req_to_token(
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    starts: torch.Tensor,
-    counts: torch.Tensor,
-    slots: torch.Tensor,
-    offsets: Optional[torch.Tensor] = None,
+def launch_write_req_to_token(
+    req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+    slots: torch.Tensor, offsets: Optional[torch.Tensor],
 ) -> None:
-    """Scatter each request's new slots into its row of the request-to-token table.
-
-    req_to_token: int32/int64 [R, max_context_len] with unit column stride.
-    rows, starts, counts (and offsets if given): int32/int64 [B]. slots: int32/int64
-    with sum(counts) entries (not checked: that would read counts on the host).
-    Values are trusted (start + count <= max_context_len): the pool validates them
-    on the host with the allocator before calling."""
-    dev = req_to_token.device
-    if (
-        not isinstance(req_to_token, torch.Tensor)
-        or req_to_token.dim() != 2
-        or req_to_token.dtype not in c.INDEX_DTYPES
-        or req_to_token.stride(1) != 1
-    ):
-        raise c.KernelArgumentError(
-            "req_to_token must be a 2-D int32/int64 tensor with contiguous rows"
-        )
-    c.check_index(rows, "rows", dev)
+    """One launch of the table kernel; arguments validated by
+    ``kvpool.kernels.write_req_to_token``."""
     b = rows.shape[0]
-    c.check_index(starts, "starts", dev, b)
-    c.check_index(counts, "counts", dev, b)
-    c.check_index(slots, "slots", dev)
-    if offsets is not None:
-        c.check_index(offsets, "offsets", dev, b)
-    if b == 0 or slots.shape[0] == 0:
-        return
-    if not c.use_triton(req_to_token):
-        write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
-        return
     # BLOCK_B only sizes the on-device prefix sum; with host offsets it is unused,
     # so keep it fixed rather than compiling a new variant per power-of-two batch size.
     block_b = min(max(triton.next_power_of_2(b), 16), 1024) if offsets is None else 16

@@ -1,4 +1,6 @@
-"""store_kv: write a step's K and V rows into a layer's caches at given slots.
+"""Triton kernel of ``kvpool.kernels.store_kv``: a step's K and V rows into a layer's caches.
+
+Imported on the first launch only (CPU pools never load Triton).
 
 One launch writes K and V together. The grid is (token groups, head blocks);
 each program handles ROWS tokens and a [BLOCK_H, BLOCK_D] tile of heads x
@@ -9,14 +11,11 @@ slot 0 is an ordinary slot (page 0 is the pool's padding sink).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels._ref import store_kv_ref
 
 
 @triton.jit
@@ -90,57 +89,13 @@ def rows_per_program(n: int, tile_elems: int = 1024) -> int:
     return max(1, min(8, c.MAX_TILE // tile_elems))
 
 
-def store_kv(
-    k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: Optional[torch.Tensor] = None,
-    k_scale: c.Scale = None,
-    v_scale: c.Scale = None,
+def launch_store_kv(
+    k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, vv: torch.Tensor,
+    kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
 ) -> None:
-    """Write k[i] (and v[i]) into the caches at slots[i], in place, one launch.
-
-    Caches: token-major [num_slots, H, D] or paged [num_pages, P, H, D] (any
-    strides). k, v: [n, H, D]. slots: int32/int64 [n]; negative entries are
-    skipped. fp8 caches store clamp(x / scale); other dtypes store x (divided by
-    the scale when one is given). v_cache=None with v=None writes K only
-    (single-cache / MLA latent mode). Slot values are not range-checked here
-    (that would need a device read); the pool hands out only valid slots.
-    """
-    kg = c.cache_geom(k_cache, "k_cache")
-    dev = k_cache.device
-    c.check_rows(k, "k", kg, dev)
+    """One launch of the store kernel; arguments validated by ``kvpool.kernels.store_kv``
+    (without V, ``vc``/``vv``/``vg`` are K's, never touched)."""
     n = k.shape[0]
-    c.check_index(slots, "slots", dev, n)
-    c.check_scale(k_scale, "k_scale", dev)
-    if (v_cache is None) != (v is None):
-        raise c.KernelArgumentError("v_cache and v must both be given or both be None")
-    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
-    vc, vv, vg = k_cache, k, kg
-    has_v = v_cache is not None and v is not None
-    if v_cache is not None and v is not None:
-        vc, vv = v_cache, v
-        vg = c.cache_geom(v_cache, "v_cache")
-        if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
-            raise c.KernelArgumentError(
-                f"v_cache has {vg.num_slots} slots / page size {vg.page_size}, "
-                f"k_cache has {kg.num_slots} / {kg.page_size}"
-            )
-        if (vg.heads, vg.head_dim) != (kg.heads, kg.head_dim):
-            raise c.KernelArgumentError(
-                f"v_cache rows are [{vg.heads}, {vg.head_dim}], k_cache rows "
-                f"[{kg.heads}, {kg.head_dim}]; use separate store_kv calls"
-            )
-        c.check_rows(v, "v", vg, dev)
-        if v.shape[0] != n:
-            raise c.TensorShapeError(f"v has {v.shape[0]} rows, k has {n}")
-        c.check_scale(v_scale, "v_scale", dev)
-    if n == 0:
-        return
-    if not c.use_triton(k_cache):
-        store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
-        return
     ks, ks_ptr = c.scale_args(k_scale, k)
     vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
     k_fp8 = k_cache.dtype in c.FP8_DTYPES

@@ -1,27 +1,20 @@
-//! The allocator state, handle resolution and open. Extending lives in
-//! `extend.rs`, freeing in `release.rs`, queries in `queries.rs`, invariants
-//! in `check.rs`.
+//! The allocator state, construction, handle resolution and open. Extending
+//! lives in `extend.rs`, freeing in `release.rs`, page states in `pages.rs`,
+//! the prefix cache in `prefix.rs` / `index.rs`, fork in `fork.rs`, queries
+//! in `queries.rs`, invariants in `check.rs`.
 
 use crate::error::{HandleProblem, PoolError, Result};
-use crate::handle::{handle_generation, handle_row, make_handle, next_generation};
+use crate::events::EventLog;
+use crate::handle::{
+    handle_generation, handle_row, make_handle, next_generation, random_u64, steps_from,
+    MAX_GENERATION,
+};
+use crate::index::PrefixIndex;
+use crate::memory::{filled_vec, reserve, zeroed_vec, MAX_CONTEXT_LEN, MAX_REQUESTS};
+use crate::rows::{Row, RowCold, OPEN};
 
-/// `owner` value of a page on the free stack.
-pub(crate) const FREE: u32 = u32::MAX;
-/// `owner` value of page 0, the padding sink that is never handed out.
-pub(crate) const RESERVED: u32 = u32::MAX - 1;
-
-/// Per-row request state. A closed row keeps its page Vec's capacity so the
-/// next request on that row does not reallocate (bounded by max_context_len).
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Request {
-    pub(crate) generation: u32,
-    pub(crate) open: bool,
-    pub(crate) len: usize,
-    pub(crate) pages: Vec<u32>,
-}
-
-/// Per-request token counts (or target lengths) of a batch call: one value
-/// broadcast to every handle, or one value per handle.
+/// Per-request token counts (or target lengths, or salts) of a batch call:
+/// one value broadcast to every handle, or one value per handle.
 #[derive(Debug, Clone, Copy)]
 pub enum Counts<'a> {
     Each(i64),
@@ -40,10 +33,50 @@ impl Counts<'_> {
     pub(crate) fn check_len(&self, what: &str, n: usize) -> Result<()> {
         match self {
             Counts::PerRequest(v) if v.len() != n => Err(PoolError::InvalidArgument(format!(
-                "{what} has {} entries but there are {n} handles; pass one per handle or a single int",
+                "{what} has {} entries but there are {n} requests; pass one per request or a single int",
                 v.len()
             ))),
             _ => Ok(()),
+        }
+    }
+}
+
+/// Construction options beyond the four sizes.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Seed of the prefix hash. Random per pool when None; ranks and routers
+    /// that must agree on page hashes pass the same seed.
+    pub hash_seed: Option<u64>,
+    /// Record Stored/Removed/Cleared events for `take_events`. The caller
+    /// must drain them (they accumulate otherwise).
+    pub kv_events: bool,
+    /// Test only: keep just this many low bits of every page hash (0 = all
+    /// 128), to force collisions. Not public API.
+    #[doc(hidden)]
+    pub weak_hash_bits: u32,
+    /// Test only: generation of each row's first request (random otherwise).
+    #[doc(hidden)]
+    pub generation_base: Option<u32>,
+    /// Test only: generation of each row's first request when it should
+    /// differ from the base (to reach a row's retirement quickly).
+    #[doc(hidden)]
+    pub generation_start: Option<u32>,
+    /// Benchmark only: accept prefix hits on the hash alone (no token,
+    /// salt or parent check), to measure what verification costs. Unsafe
+    /// against collisions; not public API.
+    #[doc(hidden)]
+    pub skip_hit_verification: bool,
+    /// Test only: starting value of the batch-stamp epoch.
+    #[doc(hidden)]
+    pub epoch_start: u32,
+}
+
+impl Options {
+    /// Defaults: random hash seed, events on.
+    pub fn new() -> Self {
+        Options {
+            kv_events: true,
+            ..Default::default()
         }
     }
 }
@@ -57,27 +90,78 @@ pub struct SlotAllocator {
     pub(crate) num_pages: usize,
     pub(crate) max_requests: usize,
     pub(crate) max_context_len: usize,
-    /// Owner row of every page, or FREE / RESERVED.
-    pub(crate) owner: Vec<u32>,
-    /// Free pages; the top (end) is handed out next.
+    /// Pages a request of max_context_len tokens holds: each row's page-list
+    /// stride in `page_lists`.
+    pub(crate) row_pages: usize,
+    /// Hot per-row state, 16 bytes: what a decode step reads and writes.
+    pub(crate) rows: Vec<Row>,
+    /// Cold per-row state: prompt tokens and prefix-chain progress.
+    pub(crate) cold: Vec<RowCold>,
+    /// Page lists of all rows, `[max_requests, row_pages]`, row-major.
+    pub(crate) page_lists: Vec<u32>,
+    /// Holders of every page (open requests whose page list names it).
+    pub(crate) refcount: Vec<u32>,
+    /// FREE pages; the top (end) is handed out next.
     pub(crate) free_pages: Vec<u32>,
-    pub(crate) requests: Vec<Request>,
+    /// The prefix index, the CACHED pages' LRU list and per-slot token ids.
+    pub(crate) index: PrefixIndex,
+    /// Queued copy-on-write copies: slot `copy_src[i]` -> `copy_dst[i]`.
+    pub(crate) copy_src: Vec<i64>,
+    pub(crate) copy_dst: Vec<i64>,
+    pub(crate) events: EventLog,
+    pub(crate) hit_tokens: u64,
+    pub(crate) miss_tokens: u64,
     /// Closed rows; the top (end) is opened next.
     pub(crate) free_rows: Vec<u32>,
-    /// Per-row stamp of the batch that last named it: finds duplicate handles
-    /// in a batch in O(batch) without clearing a set each call.
-    pub(crate) stamp: Vec<u32>,
+    /// Rows retired because their generation would wrap to its base.
+    pub(crate) retired_rows: usize,
+    pub(crate) generation_base: u32,
+    /// Generation of each row's first request (the base, except in tests).
+    pub(crate) generation_start: u32,
+    /// Stamp of the current batch (see `begin_batch`).
     pub(crate) epoch: u32,
     pub(crate) open_count: usize,
+    /// extend's list of slow-path requests; capacity max_requests, reserved
+    /// at construction (a valid batch names each open request at most once).
+    pub(crate) slow_scratch: Vec<u32>,
 }
 
 impl SlotAllocator {
-    /// `num_pages` includes the reserved page 0, so `num_pages - 1` pages are usable.
+    /// `num_pages` includes the reserved page 0, so `num_pages - 1` pages are
+    /// usable. Defaults for everything else (see [`Options::new`]).
     pub fn new(
         num_pages: usize,
         page_size: usize,
         max_requests: usize,
         max_context_len: usize,
+    ) -> Result<Self> {
+        Self::with_options(
+            num_pages,
+            page_size,
+            max_requests,
+            max_context_len,
+            Options::new(),
+        )
+    }
+
+    /// Like [`Self::new`] with explicit [`Options`].
+    ///
+    /// Errors: `InvalidArgument` for a size out of range (`max_requests` <=
+    /// 2^20, `max_context_len` <= 2^28, `num_pages` <= 2^31 - 1) or metadata
+    /// that cannot be allocated.
+    ///
+    /// Metadata, all reserved here (the exact worst case, see `metadata_bytes`):
+    /// 20 bytes per page (refcount, free stack entry, registration, two LRU
+    /// links), 4 per slot (token ids), and per row 16 (hot) + 72 (cold) + 4
+    /// (free row stack) + 4 * ceil(max_context_len / page_size) (its page
+    /// list). On top, while in use: ~90 bytes per registered page (index
+    /// entry and map slot) and 4 per prompt token of each open request.
+    pub fn with_options(
+        num_pages: usize,
+        page_size: usize,
+        max_requests: usize,
+        max_context_len: usize,
+        opts: Options,
     ) -> Result<Self> {
         let bad = |m: String| Err(PoolError::InvalidArgument(m));
         if page_size == 0 {
@@ -89,42 +173,68 @@ impl SlotAllocator {
                 i32::MAX
             ));
         }
-        match num_pages.checked_mul(page_size) {
-            Some(s) if s <= i64::MAX as usize => {}
+        let num_slots = match num_pages.checked_mul(page_size) {
+            Some(s) if s <= i64::MAX as usize => s,
             _ => {
                 return bad(format!(
                     "num_pages * page_size = {num_pages} * {page_size} overflows"
                 ))
             }
-        }
-        if max_requests == 0 || max_requests > i32::MAX as usize {
+        };
+        if max_requests == 0 || max_requests > MAX_REQUESTS {
             return bad(format!(
-                "max_requests must be in [1, {}], got {max_requests}",
-                i32::MAX
+                "max_requests must be in [1, {MAX_REQUESTS}], got {max_requests}"
             ));
         }
-        if max_context_len == 0 || max_context_len > i32::MAX as usize {
+        if max_context_len == 0 || max_context_len > MAX_CONTEXT_LEN {
             return bad(format!(
-                "max_context_len must be in [1, {}], got {max_context_len}",
-                i32::MAX
+                "max_context_len must be in [1, {MAX_CONTEXT_LEN}], got {max_context_len}"
             ));
         }
-        // Fallible reservations: a pool too big for memory is an error for the
-        // caller, not an abort of the whole process.
-        let (mut owner, mut free_pages) = (Vec::new(), Vec::new());
-        if owner.try_reserve_exact(num_pages).is_err()
-            || free_pages.try_reserve_exact(num_pages - 1).is_err()
-        {
-            return bad(format!(
-                "cannot allocate allocator metadata for {num_pages} pages ({} bytes)",
-                num_pages * 8
-            ));
+        if opts.weak_hash_bits > 128 {
+            return bad("weak_hash_bits must be in [0, 128]".into());
         }
-        owner.resize(num_pages, FREE);
-        owner[0] = RESERVED;
+        let row_pages = max_context_len.div_ceil(page_size);
+        let Some(list_len) = max_requests.checked_mul(row_pages) else {
+            return bad(format!(
+                "max_requests * pages per request = {max_requests} * {row_pages} overflows"
+            ));
+        };
+        let page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
+        let rows = filled_vec(max_requests, Row::default(), "request rows")?;
+        let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
+        let refcount = zeroed_vec::<u32>(num_pages, "page refcounts")?;
+        let mut free_pages = Vec::new();
+        reserve(&mut free_pages, num_pages - 1, "free page stack")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
         free_pages.extend((1..num_pages as u32).rev());
-        let free_rows: Vec<u32> = (0..max_requests as u32).rev().collect();
+        let mut free_rows = Vec::new();
+        reserve(&mut free_rows, max_requests, "free row stack")?;
+        free_rows.extend((0..max_requests as u32).rev());
+        let mut slow_scratch = Vec::new();
+        reserve(&mut slow_scratch, max_requests, "extend scratch")?;
+        let seed = opts.hash_seed.unwrap_or_else(random_u64);
+        let mut index =
+            PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
+        index.skip_verify = opts.skip_hit_verification;
+        let generation_base = match opts.generation_base {
+            Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
+            Some(g) => {
+                return bad(format!(
+                    "generation_base must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
+            None => 1 + (random_u64() % (MAX_GENERATION as u64 - 1)) as u32,
+        };
+        let generation_start = match opts.generation_start {
+            Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
+            Some(g) => {
+                return bad(format!(
+                    "generation_start must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
+            None => generation_base,
+        };
         Ok(Self {
             page_size,
             page_shift: page_size
@@ -133,13 +243,25 @@ impl SlotAllocator {
             num_pages,
             max_requests,
             max_context_len,
-            owner,
+            row_pages,
+            rows,
+            cold,
+            page_lists,
+            refcount,
             free_pages,
-            requests: vec![Request::default(); max_requests],
+            index,
+            copy_src: Vec::new(),
+            copy_dst: Vec::new(),
+            events: EventLog::new(opts.kv_events),
+            hit_tokens: 0,
+            miss_tokens: 0,
             free_rows,
-            stamp: vec![0; max_requests],
-            epoch: 0,
+            retired_rows: 0,
+            generation_base,
+            generation_start,
+            epoch: opts.epoch_start,
             open_count: 0,
+            slow_scratch,
         })
     }
 
@@ -152,34 +274,56 @@ impl SlotAllocator {
         }
     }
 
+    /// Position of token `len` inside its page (0 when it starts a page).
+    #[inline]
+    pub(crate) fn offset_in_page(&self, len: usize) -> usize {
+        match self.page_shift {
+            Some(_) => len & (self.page_size - 1),
+            None => len % self.page_size,
+        }
+    }
+
+    /// The pages of row `row`, in token order.
+    #[inline]
+    pub(crate) fn row_pages_of(&self, row: usize) -> &[u32] {
+        let n = self.pages_for(self.rows[row].len as usize);
+        let base = row * self.row_pages;
+        &self.page_lists[base..base + n]
+    }
+
     /// Row of an open request, or why `handle` does not name one.
     #[inline]
     pub(crate) fn resolve(&self, handle: i64) -> Result<usize> {
         let row = handle_row(handle) as usize;
-        let generation = handle_generation(handle);
-        if handle < 0 || row >= self.max_requests || generation == 0 {
-            return Err(PoolError::InvalidHandle {
-                handle,
-                problem: HandleProblem::Unknown,
-            });
+        match self.rows.get(row) {
+            Some(r) if handle >= 0 && r.generation == handle_generation(handle) | OPEN => Ok(row),
+            _ => Err(self.why_invalid(handle)),
         }
-        let req = &self.requests[row];
-        if req.generation != generation {
-            // A generation the row has not reached yet was never issued.
-            let problem = if generation < req.generation {
-                HandleProblem::Stale
-            } else {
-                HandleProblem::Unknown
-            };
-            return Err(PoolError::InvalidHandle { handle, problem });
-        }
-        if !req.open {
-            return Err(PoolError::InvalidHandle {
-                handle,
-                problem: HandleProblem::Closed,
-            });
-        }
-        Ok(row)
+    }
+
+    /// Classifies a handle that `resolve` rejected (off the hot path).
+    #[cold]
+    pub(crate) fn why_invalid(&self, handle: i64) -> PoolError {
+        let row = handle_row(handle) as usize;
+        let g = handle_generation(handle);
+        let problem = match self.rows.get(row) {
+            Some(r) if handle >= 0 && g != 0 => {
+                let cur = r.generation & !OPEN;
+                let base = self.generation_base;
+                if cur == 0 {
+                    HandleProblem::Unknown // the row never held a request
+                } else if g == cur {
+                    HandleProblem::Closed
+                } else if steps_from(base, g) < steps_from(base, cur) {
+                    // Issued on this row before: the row was reused since.
+                    HandleProblem::Stale
+                } else {
+                    HandleProblem::Unknown
+                }
+            }
+            _ => HandleProblem::Unknown,
+        };
+        PoolError::InvalidHandle { handle, problem }
     }
 
     /// Starts a batch for duplicate detection with [`Self::resolve_unique`].
@@ -187,7 +331,7 @@ impl SlotAllocator {
         self.epoch = self.epoch.wrapping_add(1);
         if self.epoch == 0 {
             // Stamps from 2^32 batches ago could collide: clear once per wrap.
-            self.stamp.iter_mut().for_each(|s| *s = 0);
+            self.rows.iter_mut().for_each(|r| r.stamp = 0);
             self.epoch = 1;
         }
     }
@@ -196,43 +340,73 @@ impl SlotAllocator {
     #[inline]
     pub(crate) fn resolve_unique(&mut self, handle: i64, i: usize) -> Result<usize> {
         let row = self.resolve(handle)?;
-        if self.stamp[row] == self.epoch {
+        let r = &mut self.rows[row];
+        if r.stamp == self.epoch {
             return Err(PoolError::InvalidArgument(format!(
                 "handle {handle} appears more than once in the batch (again at index {i}); \
                  pass each request once with its total count"
             )));
         }
-        self.stamp[row] = self.epoch;
+        r.stamp = self.epoch;
         Ok(row)
     }
 
-    /// Opens `n` requests and appends their handles to `out`.
-    pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
+    /// Validates and stamps every handle of a batch (no duplicates).
+    pub(crate) fn resolve_batch(&mut self, handles: &[i64]) -> Result<()> {
+        self.begin_batch();
+        for (i, &h) in handles.iter().enumerate() {
+            self.resolve_unique(h, i)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_rows_available(&self, n: usize) -> Result<()> {
         if n > self.free_rows.len() {
             return Err(PoolError::TooManyRequests {
                 requested: n,
                 open: self.open_count,
-                max: self.max_requests,
+                max: self.max_requests - self.retired_rows,
             });
         }
-        out.reserve(n);
-        for _ in 0..n {
-            let Some(row) = self.free_rows.pop() else {
-                return Err(PoolError::Invariant("free row stack ran out early".into()));
-            };
-            let req = &mut self.requests[row as usize];
-            req.generation = next_generation(req.generation);
-            req.open = true;
-            req.len = 0;
-            req.pages.clear();
-            out.push(make_handle(req.generation, row));
-        }
-        self.open_count += n;
         Ok(())
     }
 
+    /// Takes a free row for a new, empty request and returns its handle.
+    /// The caller checked `check_rows_available`.
+    pub(crate) fn take_row(&mut self) -> (usize, i64) {
+        let row = self.free_rows.pop().unwrap_or(0) as usize;
+        let r = &mut self.rows[row];
+        let cur = r.generation & !OPEN;
+        let g = if cur == 0 {
+            self.generation_start
+        } else {
+            next_generation(cur)
+        };
+        *r = Row {
+            generation: g | OPEN,
+            len: 0,
+            last: 0,
+            stamp: r.stamp,
+        };
+        self.cold[row].reset(0);
+        self.open_count += 1;
+        (row, make_handle(g, row as u32))
+    }
+
+    /// Opens `n` requests and appends their handles to `out`.
+    pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
+        self.check_rows_available(n)?;
+        reserve(out, n, "handles")?;
+        for _ in 0..n {
+            out.push(self.take_row().1);
+        }
+        Ok(())
+    }
+
+    /// Opens `n` empty requests. Errors: `TooManyRequests` if fewer than `n`
+    /// rows are free (checked before anything is allocated).
     pub fn open(&mut self, n: usize) -> Result<Vec<i64>> {
-        let mut out = Vec::with_capacity(n);
+        let mut out = Vec::new();
         self.open_into(n, &mut out)?;
         Ok(out)
     }

@@ -1,103 +1,204 @@
 //! `check()`: walks the whole pool and verifies every invariant. O(pool size)
 //! by nature; meant for tests and debugging, cheap enough to run after every op.
+//!
+//! - every page is in exactly one state: FREE (free stack), HELD
+//!   (refcount >= 1) or CACHED (refcount 0, registered, on the LRU list);
+//!   FREE + HELD + CACHED = capacity; page 0 is in none;
+//! - each refcount equals the number of open requests whose page list names it;
+//! - the index and the page registrations agree both ways;
+//! - the LRU list is well linked and is exactly the CACHED set;
+//! - rows: lengths, last pages, the SLOW bit wherever it is needed, row stacks.
 
-use crate::allocator::{SlotAllocator, FREE, RESERVED};
+use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
+use crate::rows::{OPEN, SLOW};
 
 impl SlotAllocator {
     pub fn check(&self) -> Result<()> {
+        self.check_pages()?;
+        self.check_index()?;
+        self.check_rows()
+    }
+
+    fn check_pages(&self) -> Result<()> {
         let fail = |m: String| Err(PoolError::Invariant(m));
-        if self.owner.len() != self.num_pages {
-            return fail(format!(
-                "owner has {} entries for {} pages",
-                self.owner.len(),
-                self.num_pages
-            ));
+        let n = self.num_pages;
+        if self.refcount.len() != n || self.index.page_entry.len() != n {
+            return fail("per-page arrays have the wrong length".into());
         }
-        if self.owner[0] != RESERVED {
-            return fail(format!("page 0 is not reserved (owner {})", self.owner[0]));
+        // Holders counted from the open requests' page lists.
+        let mut holders = vec![0u32; n];
+        for row in 0..self.max_requests {
+            if self.rows[row].generation & OPEN == 0 {
+                continue;
+            }
+            for &p in self.row_pages_of(row) {
+                if p == 0 || p as usize >= n {
+                    return fail(format!("row {row} holds out-of-range page {p}"));
+                }
+                holders[p as usize] += 1;
+            }
         }
-        // Each usable page must be seen exactly once: on the free stack or in one request.
-        let mut seen = vec![false; self.num_pages];
+        // 0 unseen, 1 free stack, 2 LRU.
+        let mut listed = vec![0u8; n];
         for &p in &self.free_pages {
             let p = p as usize;
-            if p == 0 || p >= self.num_pages {
-                return fail(format!("page {p} on the free stack is out of range"));
+            if p == 0 || p >= n || listed[p] != 0 {
+                return fail(format!("free stack entry {p} is out of range or repeated"));
             }
-            if seen[p] {
-                return fail(format!("page {p} is on the free stack twice"));
-            }
-            if self.owner[p] != FREE {
-                return fail(format!("free page {p} has owner {}", self.owner[p]));
-            }
-            seen[p] = true;
+            listed[p] = 1;
         }
+        let mut walked = 0usize;
+        let mut p = self.index.lru_next[0] as usize;
+        let mut prev = 0usize;
+        while p != 0 {
+            if p >= n || listed[p] != 0 || walked >= n {
+                return fail(format!(
+                    "LRU list entry {p} is out of range, repeated or on the free stack"
+                ));
+            }
+            if self.index.lru_prev[p] as usize != prev {
+                return fail(format!("LRU list back link of page {p} is broken"));
+            }
+            listed[p] = 2;
+            walked += 1;
+            prev = p;
+            p = self.index.lru_next[p] as usize;
+        }
+        if self.index.lru_prev[0] as usize != prev || walked != self.index.lru_len {
+            return fail(format!(
+                "LRU list walks {walked} pages but counts {}",
+                self.index.lru_len
+            ));
+        }
+        let (mut free, mut held, mut cached) = (0usize, 0usize, 0usize);
+        for p in 1..n {
+            let rc = self.refcount[p];
+            let reg = self.index.page_entry[p] != 0;
+            if rc != holders[p] {
+                return fail(format!(
+                    "page {p} has refcount {rc} but {} holders",
+                    holders[p]
+                ));
+            }
+            match (rc, reg, listed[p]) {
+                (0, false, 1) => free += 1,
+                (0, true, 2) => cached += 1,
+                (r, _, 0) if r > 0 => held += 1,
+                _ => {
+                    return fail(format!(
+                        "page {p} is in no single state (refcount {rc}, registered {reg}, list {})",
+                        listed[p]
+                    ))
+                }
+            }
+        }
+        if self.refcount[0] != 0 || self.index.page_entry[0] != 0 || holders[0] != 0 {
+            return fail("page 0 is held or registered".into());
+        }
+        if free + held + cached != n - 1 {
+            return fail(format!(
+                "FREE {free} + HELD {held} + CACHED {cached} != capacity {}",
+                n - 1
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_index(&self) -> Result<()> {
+        let fail = |m: String| Err(PoolError::Invariant(m));
+        let ix = &self.index;
+        for (&h, &i) in &ix.map {
+            let Some(e) = ix.entries.get(i as usize) else {
+                return fail(format!("index entry {i} is out of range"));
+            };
+            if e.hash != h || ix.page_entry.get(e.page as usize) != Some(&(i + 1)) {
+                return fail(format!(
+                    "index entry {i} (page {}) disagrees with its page",
+                    e.page
+                ));
+            }
+        }
+        let registered = ix.page_entry.iter().filter(|&&e| e != 0).count();
+        if registered != ix.map.len() {
+            return fail(format!(
+                "{registered} pages are registered but the index has {} entries",
+                ix.map.len()
+            ));
+        }
+        for (p, &e) in ix.page_entry.iter().enumerate() {
+            if e == 0 {
+                continue;
+            }
+            match ix.entries.get(e as usize - 1) {
+                Some(en) if en.page as usize == p && ix.map.get(&en.hash) == Some(&(e - 1)) => {}
+                _ => return fail(format!("registration of page {p} is not in the index")),
+            }
+        }
+        if ix.entries.len() != ix.map.len() + ix.free_entries.len() {
+            return fail("index entry slab leaks entries".into());
+        }
+        Ok(())
+    }
+
+    fn check_rows(&self) -> Result<()> {
+        let fail = |m: String| Err(PoolError::Invariant(m));
         let mut open = 0usize;
-        let mut held = 0usize;
-        for (row, req) in self.requests.iter().enumerate() {
-            if !req.open {
-                if req.len != 0 || !req.pages.is_empty() {
-                    return fail(format!("closed row {row} holds {} pages", req.pages.len()));
+        let mut retired = 0usize;
+        let mut row_free = vec![false; self.max_requests];
+        for &r in &self.free_rows {
+            let r = r as usize;
+            if r >= self.max_requests || row_free[r] || self.rows[r].generation & OPEN != 0 {
+                return fail(format!("free row stack entry {r} is invalid or repeated"));
+            }
+            row_free[r] = true;
+        }
+        for (row, r) in self.rows.iter().enumerate() {
+            let len = r.len as usize;
+            if r.generation & OPEN == 0 {
+                if len != 0 || r.last != 0 {
+                    return fail(format!("closed row {row} has length {len}"));
+                }
+                if !row_free[row] {
+                    if !Self::row_retired(self.generation_base, r.generation) {
+                        return fail(format!("closed row {row} is neither free nor retired"));
+                    }
+                    retired += 1;
                 }
                 continue;
             }
             open += 1;
-            if req.generation == 0 {
-                return fail(format!("open row {row} has generation 0"));
+            if r.generation & !OPEN == 0 || len > self.max_context_len {
+                return fail(format!("open row {row} has generation 0 or length {len}"));
             }
-            if req.len > self.max_context_len {
-                return fail(format!("row {row} length {} > max_context_len", req.len));
-            }
-            if req.pages.len() != self.pages_for(req.len) {
+            let pages = self.row_pages_of(row);
+            let last = pages.last().copied().unwrap_or(0);
+            if r.last & !SLOW != last {
                 return fail(format!(
-                    "row {row} has length {} but holds {} pages of {}",
-                    req.len,
-                    req.pages.len(),
-                    self.page_size
+                    "row {row} last page {} but holds {last} last",
+                    r.last & !SLOW
                 ));
             }
-            for &p in &req.pages {
-                let p = p as usize;
-                if p == 0 || p >= self.num_pages {
-                    return fail(format!("row {row} holds out-of-range page {p}"));
-                }
-                if seen[p] {
-                    return fail(format!("page {p} held by row {row} is also elsewhere"));
-                }
-                if self.owner[p] as usize != row {
-                    return fail(format!(
-                        "page {p} held by row {row} has owner {}",
-                        self.owner[p]
-                    ));
-                }
-                seen[p] = true;
+            if self.slow_bit(row, len, last) != 0 && r.last & SLOW == 0 {
+                return fail(format!("row {row} needs the slow path but SLOW is clear"));
             }
-            held += req.pages.len();
+            let c = &self.cold[row];
+            if c.known_len as usize > len || c.hashed_pages as usize > len / self.page_size {
+                return fail(format!(
+                    "row {row} knows {} tokens / hashed {} pages of length {len}",
+                    c.known_len, c.hashed_pages
+                ));
+            }
         }
-        if self.free_pages.len() + held != self.num_pages - 1 {
+        if open != self.open_count || retired != self.retired_rows {
             return fail(format!(
-                "free {} + held {held} != capacity {}",
-                self.free_pages.len(),
-                self.num_pages - 1
+                "{open} rows open / {retired} retired, counters say {} / {}",
+                self.open_count, self.retired_rows
             ));
         }
-        if open != self.open_count {
+        if self.free_rows.len() + open + retired != self.max_requests {
             return fail(format!(
-                "{open} rows are open but open_count is {}",
-                self.open_count
-            ));
-        }
-        let mut row_seen = vec![false; self.max_requests];
-        for &r in &self.free_rows {
-            let r = r as usize;
-            if r >= self.max_requests || row_seen[r] || self.requests[r].open {
-                return fail(format!("free row stack entry {r} is invalid or repeated"));
-            }
-            row_seen[r] = true;
-        }
-        if self.free_rows.len() + open != self.max_requests {
-            return fail(format!(
-                "{} free rows + {open} open != max_requests {}",
+                "{} free rows + {open} open + {retired} retired != max_requests {}",
                 self.free_rows.len(),
                 self.max_requests
             ));

@@ -1,192 +1,424 @@
-//! The growing side: extend. The whole batch is validated first
-//! (`prepare_extend`); the commit pass after it cannot fail on caller input.
+//! The growing side: extend. A batch is validated whole first
+//! (`prepare_extend`, which counts copy-on-write pages and the CACHED pages
+//! it may evict); the commit pass after it cannot fail on caller input.
 //!
-//! A request's new pages are the top entries of the free stack, taken in pop
-//! order (top first) with one truncate of the stack instead of a pop per page,
-//! and its slots are written as whole-page runs: the per-slot work is a tight
-//! loop that the compiler vectorizes, and the page size 1 case (one page per
-//! token) is one pass over the taken pages.
+//! The decode step's common case (one token into the request's own last
+//! page) touches only the request's 16-byte hot row: no page changes hands,
+//! so no refcount is read or written. Anything else takes `grow_row`.
 
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
-use crate::handle::handle_row;
+use crate::grow::fill_run;
+use crate::handle::{handle_generation, handle_row};
+use crate::memory::reserve;
+use crate::rows::{OPEN, SLOW};
 
-/// Writes `first, first + 1, ...` into `dst` (the slots of one page run).
-#[inline]
-fn fill_run(dst: &mut [i64], first: usize) {
-    if let [d] = dst {
-        // The decode step's single slot: skip the vector loop's set-up.
-        *d = first as i64;
-        return;
-    }
-    for (j, d) in dst.iter_mut().enumerate() {
-        *d = (first + j) as i64;
-    }
+/// What an extend did to one request, passed to `extend_into`'s callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grown<'a> {
+    /// Index of the request in the batch.
+    pub index: usize,
+    /// Its row (request-to-token table index).
+    pub row: usize,
+    /// Its length before the call.
+    pub start: usize,
+    /// Its new slots (positions `start..start + slots.len()`).
+    pub slots: &'a [i64],
+    /// Positions `start - moved .. start` moved to a new page by
+    /// copy-on-write; their slots are now `slots[0] - moved .. slots[0]`
+    /// (the same page as the first new slot). 0 almost always.
+    pub moved: usize,
 }
 
 impl SlotAllocator {
     /// Appends `counts[i]` tokens to request `handles[i]` and returns the new
     /// slot ids, flattened in request order. All-or-nothing.
-    pub fn extend(&mut self, handles: &[i64], counts: Counts<'_>) -> Result<Vec<i64>> {
-        let total = self.prepare_extend(handles, counts)?;
-        let mut out = vec![0; total];
-        self.commit_extend(handles, counts, &mut out, |_, _, _, _| {})?;
+    ///
+    /// `tokens`, when given, holds the token ids of the new positions,
+    /// flattened like the slots (one per new position, each in
+    /// [0, 2^31)). Positions covered by the request's prompt
+    /// (`open_with_prefix`) take their ids from it (given ids must agree);
+    /// other positions without ids are unknown and make their pages
+    /// uncacheable. Extending into a page that another request (or the
+    /// prefix cache) still needs copies it first: see [`Self::take_copies`].
+    ///
+    /// Errors (nothing changed): `InvalidHandle`, `InvalidArgument` (negative
+    /// count, a handle twice, counts/tokens of the wrong length, a token id
+    /// out of range or disagreeing with the prompt), `ContextTooLong`,
+    /// `Exhausted` (counting FREE + CACHED pages, copy-on-write included).
+    pub fn extend(
+        &mut self,
+        handles: &[i64],
+        counts: Counts<'_>,
+        tokens: Option<&[i64]>,
+    ) -> Result<Vec<i64>> {
+        let total = self.batch_total(handles, counts)?;
+        let mut out = self.output_for(handles, counts, tokens, total)?;
+        self.extend_into(handles, counts, tokens, &mut out, |_| {})?;
         Ok(out)
     }
 
-    /// Like [`Self::extend`], also returning each request's length before the call.
+    /// Like [`Self::extend`] (no token ids), also returning each request's
+    /// length before the call.
     pub fn extend_with_starts(
         &mut self,
         handles: &[i64],
         counts: Counts<'_>,
     ) -> Result<(Vec<i64>, Vec<i64>)> {
-        let total = self.prepare_extend(handles, counts)?;
-        let mut out = vec![0; total];
-        let mut starts = Vec::with_capacity(handles.len());
-        self.commit_extend(handles, counts, &mut out, |_, _, start, _| {
-            starts.push(start as i64)
+        let total = self.batch_total(handles, counts)?;
+        let mut out = self.output_for(handles, counts, None, total)?;
+        let mut starts = Vec::new();
+        reserve(&mut starts, handles.len(), "extend output")?;
+        self.extend_into(handles, counts, None, &mut out, |g| {
+            starts.push(g.start as i64)
         })?;
         Ok((out, starts))
     }
 
     /// Like [`Self::extend`], writing the new slots into `out`, which must
-    /// have exactly as many entries as the batch adds (the sum of the counts;
-    /// otherwise `InvalidArgument`, after the batch's own checks, with nothing
-    /// changed). Lets a caller write straight into a buffer it allocated once.
+    /// have exactly as many entries as the batch adds (otherwise
+    /// `InvalidArgument`, after the batch's own checks, nothing changed).
     ///
-    /// `on_request(i, row, start, slots)` runs once per request, in batch
-    /// order, right after request `i` grew: `row` is its row, `start` its
-    /// length before the call and `slots` its new slots (the part of `out`
-    /// just written, still in cache), e.g. to copy into a request-to-token
-    /// table at `[row, start..]`.
+    /// `on_request` runs once per request, in batch order, right after it
+    /// grew (see [`Grown`]), e.g. to write a request-to-token table row
+    /// while the slots are in cache.
     pub fn extend_into<F>(
         &mut self,
         handles: &[i64],
         counts: Counts<'_>,
+        tokens: Option<&[i64]>,
         out: &mut [i64],
         on_request: F,
     ) -> Result<()>
     where
-        F: FnMut(usize, usize, usize, &[i64]),
+        F: FnMut(&Grown<'_>),
     {
-        let total = self.prepare_extend(handles, counts)?;
-        if total != out.len() {
-            return Err(PoolError::InvalidArgument(format!(
-                "output has {} entries but the batch adds {total} slots",
-                out.len()
-            )));
-        }
-        self.commit_extend(handles, counts, out, on_request)
-    }
-
-    /// Validates a whole extend batch without changing the pool; returns the
-    /// number of slots it adds.
-    fn prepare_extend(&mut self, handles: &[i64], counts: Counts<'_>) -> Result<usize> {
         counts.check_len("counts", handles.len())?;
-        self.begin_batch();
-        let mut needed_pages = 0usize;
-        let mut total_tokens = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
-            let row = self.resolve_unique(h, i)?;
-            let c = counts.get(i);
-            if c < 0 {
-                return Err(PoolError::InvalidArgument(format!(
-                    "counts[{i}] = {c} is negative; counts must be >= 0"
-                )));
-            }
-            let req = &self.requests[row];
-            let new_len = req.len as u64 + c as u64;
-            if new_len > self.max_context_len as u64 {
-                return Err(PoolError::ContextTooLong {
-                    handle: h,
-                    length: new_len,
-                    max: self.max_context_len,
-                });
-            }
-            needed_pages += self.pages_for(new_len as usize) - req.pages.len();
-            total_tokens += c as usize;
+        // One monomorphized loop per count form: no match per request.
+        match counts {
+            Counts::Each(c) => self.extend_fused(handles, |_| c, tokens, out, on_request),
+            Counts::PerRequest(v) => self.extend_fused(handles, |i| v[i], tokens, out, on_request),
         }
-        if needed_pages > self.free_pages.len() {
-            return Err(PoolError::Exhausted {
-                needed_pages,
-                free_pages: self.free_pages.len(),
-                page_size: self.page_size,
-                free_slots: self.free_pages.len() * self.page_size,
-            });
-        }
-        Ok(total_tokens)
     }
 
-    /// Grows every request of a batch that `prepare_extend` accepted; `out`
-    /// holds exactly its slots.
-    fn commit_extend<F>(
+    /// Slots a batch would add if valid (negative counts count 0; an
+    /// invalid batch fails in `extend_into` whatever this says).
+    fn batch_total(&self, handles: &[i64], counts: Counts<'_>) -> Result<usize> {
+        counts.check_len("counts", handles.len())?;
+        let mut total = 0u64;
+        for i in 0..handles.len() {
+            total = total.saturating_add(counts.get(i).max(0) as u64);
+        }
+        Ok(total.min(self.num_slots() as u64 + 1) as usize)
+    }
+
+    /// A Vec for `total` slots; a total past the pool's size cannot succeed,
+    /// so the batch's own error is returned instead of allocating for it.
+    fn output_for(
         &mut self,
         handles: &[i64],
         counts: Counts<'_>,
+        tokens: Option<&[i64]>,
+        total: usize,
+    ) -> Result<Vec<i64>> {
+        if total > self.num_slots() {
+            self.extend_into(handles, counts, tokens, &mut [], |_| {})?;
+        }
+        let mut out = Vec::new();
+        reserve(&mut out, total, "extend output")?;
+        out.resize(total, 0);
+        Ok(out)
+    }
+
+    /// Token ids must be one per new position, in range, and agree with
+    /// the prompt where the prompt covers the position.
+    fn check_tokens<G: Fn(usize) -> i64>(
+        &self,
+        handles: &[i64],
+        get: &G,
+        slow: &[u32],
+        t: &[i64],
+        total: usize,
+    ) -> Result<()> {
+        if t.len() != total {
+            return Err(PoolError::InvalidArgument(format!(
+                "tokens has {} entries but the batch adds {total} positions; pass one token id \
+                 per new position, flattened like the slots",
+                t.len()
+            )));
+        }
+        if let Some(j) = t.iter().position(|&x| !(0..=i32::MAX as i64).contains(&x)) {
+            return Err(PoolError::InvalidArgument(format!(
+                "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
+                t[j],
+                i32::MAX
+            )));
+        }
+        if slow.is_empty() {
+            return Ok(());
+        }
+        // Only listed (slow-path) requests can have prompt tokens ahead;
+        // they are not applied yet, so their length is their start.
+        let mut s = slow.iter().peekable();
+        let mut k = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let c = get(i) as usize;
+            if s.peek() != Some(&&(i as u32)) {
+                k += c;
+                continue;
+            }
+            s.next();
+            let row = handle_row(h) as usize;
+            let start = self.rows[row].len as usize;
+            let prompt = &self.cold[row].prompt;
+            if prompt.len() > start {
+                let n = c.min(prompt.len() - start);
+                let given = &t[k..k + n];
+                if let Some(j) = (0..n).find(|&j| given[j] != prompt[start + j] as i64) {
+                    return Err(PoolError::InvalidArgument(format!(
+                        "tokens[{}] = {} for handle {h} disagrees with its prompt's token {} \
+                         at position {}",
+                        k + j,
+                        given[j],
+                        prompt[start + j],
+                        start + j
+                    )));
+                }
+            }
+            k += c;
+        }
+        Ok(())
+    }
+
+    /// extend's single validating pass: a request that stays in its own last
+    /// page is applied right away (its 16-byte row is in hand); the others
+    /// are listed and only counted. If anything in the batch is wrong, the
+    /// applied lengths are undone, so the call changes nothing. Then a
+    /// second pass grows the listed requests and reports every request.
+    fn extend_fused<G, F>(
+        &mut self,
+        handles: &[i64],
+        get: G,
+        tokens: Option<&[i64]>,
         out: &mut [i64],
         mut on_request: F,
     ) -> Result<()>
     where
-        F: FnMut(usize, usize, usize, &[i64]),
+        G: Fn(usize) -> i64,
+        F: FnMut(&Grown<'_>),
     {
-        let (ps, shift) = (self.page_size, self.page_shift);
+        self.begin_batch();
+        let ps = self.page_size;
+        let (epoch, max_len) = (self.epoch, self.max_context_len as u64);
+        let mut slow = std::mem::take(&mut self.slow_scratch);
+        slow.clear();
+        let mut needed_pages = 0usize;
+        let (first, mut k) = self.extend_decode_run(handles, &get, out);
+        let mut error = None;
+        let mut done = first;
+        for (i, &h) in handles.iter().enumerate().skip(first) {
+            let row = handle_row(h) as usize;
+            let Some(r) = self.rows.get_mut(row) else {
+                error = Some(self.why_invalid(h));
+                break;
+            };
+            if h < 0 || r.generation != handle_generation(h) | OPEN {
+                error = Some(self.why_invalid(h));
+                break;
+            }
+            if r.stamp == epoch {
+                error = Some(PoolError::InvalidArgument(format!(
+                    "handle {h} appears more than once in the batch (again at index {i}); \
+                     pass each request once with its total count"
+                )));
+                break;
+            }
+            r.stamp = epoch;
+            let c = get(i);
+            if c < 0 {
+                error = Some(PoolError::InvalidArgument(format!(
+                    "counts[{i}] = {c} is negative; counts must be >= 0"
+                )));
+                break;
+            }
+            let len = r.len as usize;
+            let new_len = len as u64 + c as u64;
+            if new_len > max_len {
+                error = Some(PoolError::ContextTooLong {
+                    handle: h,
+                    length: new_len,
+                    max: self.max_context_len,
+                });
+                break;
+            }
+            let c = c as usize;
+            let off = match self.page_shift {
+                Some(_) => len & (ps - 1),
+                None => len % ps,
+            };
+            let last = r.last;
+            if last & SLOW == 0 && off != 0 && c <= ps - off && k + c <= out.len() {
+                // Stays in its own last page: apply now (undone on error).
+                r.len = new_len as u32;
+                fill_run(&mut out[k..k + c], last as usize * ps + off);
+            } else {
+                needed_pages += self.pages_for(new_len as usize) - self.pages_for(len);
+                if last & SLOW != 0 && c > 0 {
+                    needed_pages += self.cow_pages(row);
+                }
+                slow.push(i as u32);
+            }
+            k += c;
+            done = i + 1;
+        }
+        if error.is_none() {
+            error = self
+                .check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len())
+                .err();
+        }
+        if let Some(e) = error {
+            // Undo the applied requests: those before `done` not listed slow.
+            let mut s = slow.iter().peekable();
+            for (i, &h) in handles.iter().enumerate().take(done) {
+                if s.peek() == Some(&&(i as u32)) {
+                    s.next();
+                    continue;
+                }
+                self.rows[handle_row(h) as usize].len -= get(i) as u32;
+            }
+            self.slow_scratch = slow;
+            return Err(e);
+        }
+        if slow.is_empty() && tokens.is_none() {
+            // Every request was applied in the first pass: only report.
+            let mut k = 0usize;
+            for (i, &h) in handles.iter().enumerate() {
+                let row = handle_row(h) as usize;
+                let c = get(i) as usize;
+                let start = self.rows[row].len as usize - c;
+                on_request(&Grown {
+                    index: i,
+                    row,
+                    start,
+                    slots: &out[k..k + c],
+                    moved: 0,
+                });
+                k += c;
+            }
+            self.slow_scratch = slow;
+            return Ok(());
+        }
+        // Second pass: grow the listed requests, report everyone in order.
+        let mut s = slow.iter().peekable();
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
             let row = handle_row(h) as usize;
-            let c = counts.get(i) as usize;
-            let Some(dst) = out.get_mut(k..k + c) else {
-                return Err(PoolError::Invariant(
-                    "extend output shorter than validated".into(),
-                ));
-            };
+            let c = get(i) as usize;
+            let dst = &mut out[k..k + c];
+            let toks = tokens.map(|t| &t[k..k + c]);
             k += c;
-            let req = &mut self.requests[row];
-            let start = req.len;
-            // Slots left in the last page (0 when it is full or absent) come first.
-            let room = req.pages.len() * ps - start;
-            let (head, rest) = dst.split_at_mut(room.min(c));
-            if let (Some(&last), false) = (req.pages.last(), head.is_empty()) {
-                fill_run(head, last as usize * ps + (ps - room));
-            }
-            let new_pages = match shift {
-                Some(s) => (rest.len() + ps - 1) >> s,
-                None => rest.len().div_ceil(ps),
-            };
-            if new_pages == 1 {
-                // The decode step's case: a plain pop is cheaper than slicing.
-                let Some(p) = self.free_pages.pop() else {
-                    return Err(PoolError::Invariant(
-                        "free stack ran out after validation".into(),
-                    ));
-                };
-                self.owner[p as usize] = row as u32;
-                req.pages.push(p);
-                fill_run(rest, p as usize * ps);
-            } else if new_pages > 1 {
-                let Some(base) = self.free_pages.len().checked_sub(new_pages) else {
-                    return Err(PoolError::Invariant(
-                        "free stack ran out after validation".into(),
-                    ));
-                };
-                // The stack's top is handed out first, so walk the taken part
-                // top-down: the same order as popping one page at a time.
-                let taken = &self.free_pages[base..];
-                if ps == 1 {
-                    for (d, &p) in rest.iter_mut().zip(taken.iter().rev()) {
-                        *d = p as i64;
-                        self.owner[p as usize] = row as u32;
-                    }
-                } else {
-                    for (run, &p) in rest.chunks_mut(ps).zip(taken.iter().rev()) {
-                        self.owner[p as usize] = row as u32;
-                        fill_run(run, p as usize * ps);
-                    }
+            let mut moved = 0;
+            let start;
+            if s.peek() == Some(&&(i as u32)) {
+                s.next();
+                start = self.rows[row].len as usize;
+                if c > 0 {
+                    moved = self.grow_row(row, start, dst);
+                    self.record_tokens(row, start, dst, toks);
+                    let last = self.rows[row].last;
+                    self.rows[row].last = last | self.slow_bit(row, start + c, last);
                 }
-                req.pages.extend(taken.iter().rev());
-                self.free_pages.truncate(base);
+            } else {
+                start = self.rows[row].len as usize - c;
+                if toks.is_some() {
+                    self.record_tokens(row, start, dst, toks);
+                }
             }
-            req.len = start + c;
-            on_request(i, row, start, dst);
+            on_request(&Grown {
+                index: i,
+                row,
+                start,
+                slots: dst,
+                moved,
+            });
+        }
+        self.slow_scratch = slow;
+        Ok(())
+    }
+
+    /// The decode step's loop, kept tight (few live values, no error
+    /// plumbing): applies the leading requests that are valid and stay in
+    /// their own last page, and stops at the first that is not (the general
+    /// loop takes over there and validates it). Power-of-two page sizes
+    /// only. Returns (requests applied, slots written).
+    #[inline]
+    fn extend_decode_run<G: Fn(usize) -> i64>(
+        &mut self,
+        handles: &[i64],
+        get: &G,
+        out: &mut [i64],
+    ) -> (usize, usize) {
+        if self.page_shift.is_none() {
+            return (0, 0);
+        }
+        let (ps, epoch, max_len) = (self.page_size, self.epoch, self.max_context_len);
+        let rows = &mut self.rows[..];
+        let mut k = 0usize;
+        for (i, &h) in handles.iter().enumerate() {
+            let Some(r) = rows.get_mut(handle_row(h) as usize) else {
+                return (i, k);
+            };
+            let c = get(i);
+            let len = r.len as usize;
+            let off = len & (ps - 1);
+            let fits = off != 0 && (c as u64) <= (ps - off) as u64 && len + ps - off <= max_len;
+            if h < 0
+                || r.generation != handle_generation(h) | OPEN
+                || r.stamp == epoch
+                || r.last & SLOW != 0
+                || !fits
+                || k + c as usize > out.len()
+            {
+                return (i, k);
+            }
+            let c = c as usize;
+            r.stamp = epoch;
+            r.len = (len + c) as u32;
+            fill_run(&mut out[k..k + c], r.last as usize * ps + off);
+            k += c;
+        }
+        (handles.len(), k)
+    }
+
+    /// The batch-wide checks after the per-request ones: token ids, pages
+    /// available (copy-on-write and evictable pages counted), output size.
+    #[allow(clippy::too_many_arguments)]
+    fn check_batch<G: Fn(usize) -> i64>(
+        &self,
+        handles: &[i64],
+        get: &G,
+        tokens: Option<&[i64]>,
+        slow: &[u32],
+        total: usize,
+        needed_pages: usize,
+        out_len: usize,
+    ) -> Result<()> {
+        if let Some(t) = tokens {
+            self.check_tokens(handles, get, slow, t, total)?;
+        }
+        let available = self.available_pages();
+        if needed_pages > available {
+            return Err(PoolError::Exhausted {
+                needed_pages,
+                free_pages: available,
+                page_size: self.page_size,
+                free_slots: available * self.page_size,
+            });
+        }
+        if total != out_len {
+            return Err(PoolError::InvalidArgument(format!(
+                "output has {out_len} entries but the batch adds {total} slots"
+            )));
         }
         Ok(())
     }

@@ -3,6 +3,20 @@
 //! The row indexes a request-to-token table directly; the generation (31 bits,
 //! never 0) makes a handle kept past `close` detectable instead of silently
 //! naming the next request that reuses the row.
+//!
+//! Handles identify their allocator: each allocator draws a random
+//! generation base in [1, 2^31 - 1), and every row's first request gets that
+//! generation. A handle of another allocator carries that allocator's
+//! generations, so it names an open request here only if its generation
+//! equals the row's current one: probability about 1 in 2^31 per handle for
+//! two independently seeded allocators. (The row bits stay a plain row, so
+//! `handle & 0xFFFFFFFF` keeps indexing req_to_token.)
+//!
+//! Wraparound: a row's generation advances base, base+1, ..., 2^31-1, 1, 2, ...
+//! A row whose next generation would come back to the base (after 2^31 - 1
+//! requests on that one row) is retired instead of reopened, so no handle
+//! ever becomes valid again. The pool loses that row's capacity, which takes
+//! at least 2^31 - 1 opens per row to happen.
 
 /// Largest generation; generations wrap from here back to 1.
 pub const MAX_GENERATION: u32 = 0x7FFF_FFFF;
@@ -30,4 +44,22 @@ pub(crate) fn next_generation(g: u32) -> u32 {
     } else {
         g + 1
     }
+}
+
+/// Steps from `base` to `g` along the generation ring 1..=MAX_GENERATION.
+#[inline]
+pub(crate) fn steps_from(base: u32, g: u32) -> u32 {
+    (g + MAX_GENERATION - base) % MAX_GENERATION
+}
+
+/// A random generation base in [1, MAX_GENERATION - 1] from the std hasher's
+/// per-process random keys (no extra dependency; not for cryptography).
+pub(crate) fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    // The address of a local makes two allocators built in the same
+    // RandomState key window differ as well.
+    let marker = 0u8;
+    h.write_usize(&marker as *const u8 as usize);
+    h.finish()
 }

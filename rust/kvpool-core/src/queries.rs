@@ -1,9 +1,13 @@
-//! Read-only queries. Each validates its handles (a stale handle is an error,
-//! never someone else's data) and costs O(handles + pages returned).
+//! Read-only queries and counters. Each validates its handles (a stale
+//! handle is an error, never someone else's data) and costs
+//! O(handles + pages returned).
 
-use crate::allocator::{Request, SlotAllocator};
+use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
+use crate::events::Events;
 use crate::handle::handle_row;
+use crate::memory::reserve;
+use crate::rows::{Row, RowCold};
 
 /// FlashInfer's CSR page table of a batch.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -37,41 +41,73 @@ impl SlotAllocator {
     pub fn capacity_slots(&self) -> usize {
         self.capacity_pages() * self.page_size
     }
+    /// Pages an extend can take now: FREE + CACHED (evictable).
     pub fn free_pages(&self) -> usize {
-        self.free_pages.len()
+        self.available_pages()
     }
+    /// HELD pages (held by at least one open request).
     pub fn used_pages(&self) -> usize {
-        self.capacity_pages() - self.free_pages.len()
+        self.capacity_pages() - self.available_pages()
     }
     pub fn free_slots(&self) -> usize {
-        self.free_pages.len() * self.page_size
+        self.available_pages() * self.page_size
     }
     /// Slots in held pages (including the unfilled tail of each last page).
     pub fn used_slots(&self) -> usize {
         self.used_pages() * self.page_size
     }
+    /// Registered pages (HELD or CACHED).
+    pub fn cached_pages(&self) -> usize {
+        self.index.map.len()
+    }
+    /// CACHED pages: registered, held by nobody, evicted when needed.
+    pub fn evictable_pages(&self) -> usize {
+        self.index.lru_len
+    }
+    /// Prompt tokens served from the cache by `open_with_prefix`, cumulative.
+    pub fn hit_tokens(&self) -> u64 {
+        self.hit_tokens
+    }
+    /// Prompt tokens `open_with_prefix` found no cached page for, cumulative.
+    pub fn miss_tokens(&self) -> u64 {
+        self.miss_tokens
+    }
     pub fn open_requests(&self) -> usize {
         self.open_count
     }
     /// Tokens that could still be appended if every new token started a page
-    /// (a lower bound: partly filled last pages take a few more).
+    /// (a lower bound: partly filled last pages take a few more). Counts
+    /// evictable pages.
     pub fn admissible_tokens(&self) -> usize {
         self.free_slots()
     }
+    /// The hash seed (pass it as `hash_seed` to agree with this pool's hashes).
+    pub fn hash_seed(&self) -> u64 {
+        self.index.hasher.seed()
+    }
 
-    /// Heap bytes of all bookkeeping: 8 per page (owner + free stack entry),
-    /// plus each row's page list (4 per held page, with Vec growth slack).
+    /// Drains the KV events recorded since the last call (see [`Events`]).
+    pub fn take_events(&mut self) -> Events {
+        self.events.take()
+    }
+
+    /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
+    /// per page refcount, free stack, registration and LRU links (20 bytes),
+    /// 4 per slot of token ids, per row the hot and cold structs, the page
+    /// list and the prompt, and the prefix index entries.
     pub fn metadata_bytes(&self) -> usize {
-        let u32s = self.owner.capacity()
+        let u32s = self.refcount.capacity()
             + self.free_pages.capacity()
             + self.free_rows.capacity()
-            + self.stamp.capacity()
-            + self
-                .requests
-                .iter()
-                .map(|r| r.pages.capacity())
-                .sum::<usize>();
-        u32s * 4 + self.requests.capacity() * std::mem::size_of::<Request>()
+            + self.page_lists.capacity();
+        let prompts: usize = self.cold.iter().map(|c| c.prompt.capacity() * 4).sum();
+        u32s * 4
+            + self.rows.capacity() * std::mem::size_of::<Row>()
+            + self.cold.capacity() * std::mem::size_of::<RowCold>()
+            + prompts
+            + (self.copy_src.capacity() + self.copy_dst.capacity()) * 8
+            + self.events.capacity_bytes()
+            + self.index.metadata_bytes()
     }
 
     pub fn is_open(&self, handle: i64) -> bool {
@@ -79,31 +115,37 @@ impl SlotAllocator {
     }
 
     pub fn length(&self, handle: i64) -> Result<usize> {
-        Ok(self.requests[self.resolve(handle)?].len)
+        Ok(self.rows[self.resolve(handle)?].len as usize)
     }
 
     pub fn lengths(&self, handles: &[i64]) -> Result<Vec<i64>> {
-        handles
-            .iter()
-            .map(|&h| Ok(self.requests[self.resolve(h)?].len as i64))
-            .collect()
+        let mut out = Vec::new();
+        reserve(&mut out, handles.len(), "lengths")?;
+        for &h in handles {
+            out.push(self.rows[self.resolve(h)?].len as i64);
+        }
+        Ok(out)
     }
 
     /// Rows (request-to-token table indices) of open handles.
     pub fn rows(&self, handles: &[i64]) -> Result<Vec<i64>> {
-        handles
-            .iter()
-            .map(|&h| self.resolve(h).map(|r| r as i64))
-            .collect()
+        let mut out = Vec::new();
+        reserve(&mut out, handles.len(), "rows")?;
+        for &h in handles {
+            out.push(self.resolve(h)? as i64);
+        }
+        Ok(out)
     }
 
     /// Every slot of the request, in token order.
     pub fn slots(&self, handle: i64) -> Result<Vec<i64>> {
-        let req = &self.requests[self.resolve(handle)?];
+        let row = self.resolve(handle)?;
+        let len = self.rows[row].len as usize;
         let ps = self.page_size;
-        let mut out = Vec::with_capacity(req.len);
-        for (k, &p) in req.pages.iter().enumerate() {
-            let n = ps.min(req.len - k * ps);
+        let mut out = Vec::new();
+        reserve(&mut out, len, "slots")?;
+        for (k, &p) in self.row_pages_of(row).iter().enumerate() {
+            let n = ps.min(len - k * ps);
             let base = p as usize * ps;
             out.extend((base..base + n).map(|s| s as i64));
         }
@@ -111,14 +153,28 @@ impl SlotAllocator {
     }
 
     pub fn pages(&self, handle: i64) -> Result<Vec<i32>> {
-        let req = &self.requests[self.resolve(handle)?];
-        Ok(req.pages.iter().map(|&p| p as i32).collect())
+        let row = self.resolve(handle)?;
+        Ok(self.row_pages_of(row).iter().map(|&p| p as i32).collect())
+    }
+
+    /// Known token ids of the request (positions `0..n` for its known prefix).
+    pub fn known_tokens(&self, handle: i64) -> Result<Vec<i32>> {
+        let row = self.resolve(handle)?;
+        let n = self.cold[row].known_len as usize;
+        let ps = self.page_size;
+        let mut out = Vec::new();
+        reserve(&mut out, n, "tokens")?;
+        for (k, &p) in self.row_pages_of(row).iter().enumerate() {
+            let m = ps.min(n.saturating_sub(k * ps));
+            out.extend_from_slice(&self.index.tokens[p as usize * ps..p as usize * ps + m]);
+        }
+        Ok(out)
     }
 
     pub fn page_table(&self, handles: &[i64]) -> Result<PageTable> {
         let mut total = 0usize;
         for &h in handles {
-            total += self.requests[self.resolve(h)?].pages.len();
+            total += self.row_pages_of(self.resolve(h)?).len();
         }
         if total > i32::MAX as usize {
             // Only reachable by naming the same requests over and over.
@@ -126,20 +182,21 @@ impl SlotAllocator {
                 "page table would hold {total} entries, past int32 indptr range"
             )));
         }
-        let mut t = PageTable {
-            indptr: Vec::with_capacity(handles.len() + 1),
-            indices: Vec::with_capacity(total),
-            last_page_len: Vec::with_capacity(handles.len()),
-        };
+        let mut t = PageTable::default();
+        reserve(&mut t.indptr, handles.len() + 1, "page table")?;
+        reserve(&mut t.indices, total, "page table")?;
+        reserve(&mut t.last_page_len, handles.len(), "page table")?;
         t.indptr.push(0);
         for &h in handles {
-            let req = &self.requests[handle_row(h) as usize];
-            t.indices.extend(req.pages.iter().map(|&p| p as i32));
+            let row = handle_row(h) as usize;
+            let len = self.rows[row].len as usize;
+            t.indices
+                .extend(self.row_pages_of(row).iter().map(|&p| p as i32));
             t.indptr.push(t.indices.len() as i32);
-            let last = if req.len == 0 {
+            let last = if len == 0 {
                 0
             } else {
-                (req.len - 1) % self.page_size + 1
+                (len - 1) % self.page_size + 1
             };
             t.last_page_len.push(last as i32);
         }

@@ -1,8 +1,15 @@
 //! Unit tests of the core; the property test against a model is in tests/model.rs.
 use crate::*;
 
+fn opts() -> Options {
+    Options {
+        generation_base: Some(1),
+        ..Options::new()
+    }
+}
+
 fn alloc(pages: usize, ps: usize) -> SlotAllocator {
-    SlotAllocator::new(pages, ps, 4, 64).expect("valid config")
+    SlotAllocator::with_options(pages, ps, 4, 64, opts()).expect("valid config")
 }
 
 /// Observable state, to assert that a failing call changed nothing.
@@ -15,7 +22,7 @@ fn snapshot(a: &SlotAllocator, hs: &[i64]) -> (usize, usize, Vec<Option<Vec<i64>
 fn fresh_pool_hands_out_pages_in_order_and_skips_page_0() {
     let mut a = alloc(8, 1);
     let h = a.open(1).unwrap();
-    assert_eq!(a.extend(&h, Counts::Each(3)).unwrap(), vec![1, 2, 3]);
+    assert_eq!(a.extend(&h, Counts::Each(3), None).unwrap(), vec![1, 2, 3]);
     assert_eq!(a.free_pages(), 4);
     a.check().unwrap();
 }
@@ -24,12 +31,21 @@ fn fresh_pool_hands_out_pages_in_order_and_skips_page_0() {
 fn new_page_only_when_last_page_is_full() {
     let mut a = alloc(8, 4);
     let h = a.open(2).unwrap();
-    assert_eq!(a.extend(&h[..1], Counts::Each(3)).unwrap(), vec![4, 5, 6]);
+    assert_eq!(
+        a.extend(&h[..1], Counts::Each(3), None).unwrap(),
+        vec![4, 5, 6]
+    );
     assert_eq!(a.used_pages(), 1);
     // One more token fits in page 1; the next starts page 2.
-    assert_eq!(a.extend(&h[..1], Counts::Each(2)).unwrap(), vec![7, 8]);
+    assert_eq!(
+        a.extend(&h[..1], Counts::Each(2), None).unwrap(),
+        vec![7, 8]
+    );
     assert_eq!(a.pages(h[0]).unwrap(), vec![1, 2]);
-    assert_eq!(a.extend(&h, Counts::PerRequest(&[0, 1])).unwrap(), vec![12]);
+    assert_eq!(
+        a.extend(&h, Counts::PerRequest(&[0, 1]), None).unwrap(),
+        vec![12]
+    );
     assert_eq!(a.slots(h[0]).unwrap(), vec![4, 5, 6, 7, 8]);
     a.check().unwrap();
 }
@@ -38,7 +54,10 @@ fn new_page_only_when_last_page_is_full() {
 fn non_power_of_two_page_size() {
     let mut a = alloc(6, 3);
     let h = a.open(1).unwrap();
-    assert_eq!(a.extend(&h, Counts::Each(4)).unwrap(), vec![3, 4, 5, 6]);
+    assert_eq!(
+        a.extend(&h, Counts::Each(4), None).unwrap(),
+        vec![3, 4, 5, 6]
+    );
     a.truncate(&h, Counts::Each(3)).unwrap();
     assert_eq!(a.pages(h[0]).unwrap(), vec![1]);
     let t = a.page_table(&h).unwrap();
@@ -53,10 +72,13 @@ fn non_power_of_two_page_size() {
 fn freed_pages_are_reused_first_in_their_old_order() {
     let mut a = alloc(16, 1);
     let h = a.open(2).unwrap();
-    a.extend(&h, Counts::PerRequest(&[3, 2])).unwrap(); // 1,2,3 | 4,5
-    a.close(&h[..1]).unwrap();
+    a.extend(&h, Counts::PerRequest(&[3, 2]), None).unwrap(); // 1,2,3 | 4,5
+    a.close(&h[..1], false).unwrap();
     let h2 = a.open(1).unwrap();
-    assert_eq!(a.extend(&h2, Counts::Each(4)).unwrap(), vec![1, 2, 3, 6]);
+    assert_eq!(
+        a.extend(&h2, Counts::Each(4), None).unwrap(),
+        vec![1, 2, 3, 6]
+    );
     a.check().unwrap();
 }
 
@@ -65,7 +87,7 @@ fn handles_carry_row_and_generation() {
     let mut a = alloc(8, 1);
     let h = a.open(2).unwrap();
     assert_eq!(h, vec![make_handle(1, 0), make_handle(1, 1)]);
-    a.close(&h[..1]).unwrap();
+    a.close(&h[..1], false).unwrap();
     let h2 = a.open(1).unwrap();
     assert_eq!(
         h2[0],
@@ -81,7 +103,7 @@ fn handles_carry_row_and_generation() {
             problem: HandleProblem::Stale
         }
     );
-    a.close(&h2).unwrap();
+    a.close(&h2, false).unwrap();
     let err = a.length(h2[0]).unwrap_err();
     assert!(matches!(
         err,
@@ -110,7 +132,7 @@ fn handles_carry_row_and_generation() {
 fn failed_batches_change_nothing() {
     let mut a = alloc(6, 2); // 5 usable pages = 10 slots
     let h = a.open(3).unwrap();
-    a.extend(&h, Counts::PerRequest(&[3, 1, 0])).unwrap();
+    a.extend(&h, Counts::PerRequest(&[3, 1, 0]), None).unwrap();
     let before = snapshot(&a, &h);
     let stale = make_handle(7, 2);
     let cases: Vec<(Vec<i64>, Vec<i64>)> = vec![
@@ -119,25 +141,60 @@ fn failed_batches_change_nothing() {
         (vec![h[0], h[1], h[0]], vec![1, 1, 1]), // duplicate
         (vec![h[0], stale], vec![1, 1]), // stale handle
         (h.clone(), vec![1, 1]),     // length mismatch
-        (h.clone(), vec![1, 62, 1]), // context too long on the 2nd
+        (h.clone(), vec![1, 64, 1]), // context too long on the 2nd (1 + 64 > 64)
     ];
-    for (hs, cs) in &cases {
-        let err = a.extend(hs, Counts::PerRequest(cs)).unwrap_err();
+    let kinds = [
+        "Exhausted",
+        "InvalidArgument",
+        "InvalidArgument",
+        "InvalidHandle",
+        "InvalidArgument",
+        "ContextTooLong",
+    ];
+    for ((hs, cs), want) in cases.iter().zip(kinds) {
+        let err = a.extend(hs, Counts::PerRequest(cs), None).unwrap_err();
+        let got = format!("{err:?}");
+        assert!(
+            got.starts_with(want),
+            "{hs:?} {cs:?}: wanted {want}, got {got}"
+        );
         assert_eq!(snapshot(&a, &h), before, "{err}");
         a.check().unwrap();
     }
+    // Stale, not merely unknown.
     assert!(matches!(
-        a.extend(&h, Counts::Each(4)).unwrap_err(),
+        a.extend(&[stale], Counts::Each(1), None).unwrap_err(),
+        PoolError::InvalidHandle {
+            problem: HandleProblem::Unknown,
+            ..
+        }
+    ));
+    assert!(matches!(
+        a.extend(&h, Counts::PerRequest(&[1, 64, 1]), None)
+            .unwrap_err(),
+        PoolError::ContextTooLong {
+            length: 65,
+            max: 64,
+            ..
+        }
+    ));
+    assert!(matches!(
+        a.extend(&h, Counts::Each(4), None).unwrap_err(),
         PoolError::Exhausted {
             needed_pages: 6,
             free_pages: 2,
             ..
         }
     ));
-    assert!(a.truncate(&h, Counts::PerRequest(&[1, 2, 0])).is_err()); // 2 > length 1
-    assert!(a.truncate(&h, Counts::Each(-1)).is_err());
-    assert!(a.close(&[h[0], h[0]]).is_err());
-    assert!(a.close(&[h[0], stale]).is_err());
+    let arg = |e: PoolError| matches!(e, PoolError::InvalidArgument(_));
+    let bad_handle = |e: PoolError| matches!(e, PoolError::InvalidHandle { .. });
+    assert!(arg(a
+        .truncate(&h, Counts::PerRequest(&[1, 2, 0]))
+        .unwrap_err())); // 2 > length 1
+    assert!(arg(a.truncate(&h, Counts::Each(-1)).unwrap_err()));
+    assert!(arg(a.close(&[h[0], h[0]], false).unwrap_err()));
+    assert!(bad_handle(a.close(&[h[0], stale], false).unwrap_err()));
+    assert!(bad_handle(a.cache(&[h[0], stale]).unwrap_err()));
     assert!(matches!(
         a.open(2).unwrap_err(),
         PoolError::TooManyRequests {
@@ -154,11 +211,11 @@ fn failed_batches_change_nothing() {
 fn truncate_frees_pages_past_the_end_only() {
     let mut a = alloc(8, 2);
     let h = a.open(1).unwrap();
-    a.extend(&h, Counts::Each(5)).unwrap(); // pages 1,2,3
+    a.extend(&h, Counts::Each(5), None).unwrap(); // pages 1,2,3
     a.truncate(&h, Counts::Each(3)).unwrap(); // keeps pages 1,2 (2nd half full)
     assert_eq!((a.length(h[0]).unwrap(), a.used_pages()), (3, 2));
     a.truncate(&h, Counts::Each(3)).unwrap(); // no-op
-    assert_eq!(a.extend(&h, Counts::Each(2)).unwrap(), vec![5, 6]); // refills page 2, retakes page 3
+    assert_eq!(a.extend(&h, Counts::Each(2), None).unwrap(), vec![5, 6]); // refills page 2, retakes page 3
     a.truncate(&h, Counts::Each(0)).unwrap();
     assert_eq!((a.used_pages(), a.free_pages()), (0, 7));
     a.check().unwrap();
@@ -168,7 +225,7 @@ fn truncate_frees_pages_past_the_end_only() {
 fn page_table_is_flashinfer_csr() {
     let mut a = alloc(16, 4);
     let h = a.open(3).unwrap();
-    a.extend(&h, Counts::PerRequest(&[5, 0, 4])).unwrap();
+    a.extend(&h, Counts::PerRequest(&[5, 0, 4]), None).unwrap();
     let t = a.page_table(&[h[2], h[1], h[0]]).unwrap();
     assert_eq!(t.indptr, vec![0, 1, 1, 3]);
     assert_eq!(t.indices, vec![3, 1, 2]);
@@ -179,7 +236,7 @@ fn page_table_is_flashinfer_csr() {
 fn reset_closes_everything() {
     let mut a = alloc(16, 1);
     let h = a.open(4).unwrap();
-    a.extend(&h, Counts::Each(3)).unwrap();
+    a.extend(&h, Counts::Each(3), None).unwrap();
     a.reset();
     assert_eq!((a.open_requests(), a.free_pages()), (0, 15));
     assert!(!a.is_open(h[0]));
@@ -191,19 +248,35 @@ fn reset_closes_everything() {
 fn check_detects_corruption() {
     let mut a = alloc(8, 1);
     let h = a.open(1).unwrap();
-    a.extend(&h, Counts::Each(2)).unwrap();
+    a.extend(&h, Counts::Each(2), None).unwrap();
     let good = a.clone();
-    a.free_pages.push(1); // page 1 both free and held
-    assert!(matches!(a.check(), Err(PoolError::Invariant(_))));
-    let mut b = good.clone();
-    b.requests[0].len = 3; // length disagrees with pages held
-    assert!(b.check().is_err());
-    let mut c = good.clone();
-    c.owner[0] = 0; // page 0 owned
-    assert!(c.check().is_err());
-    let mut d = good;
-    d.free_pages.pop(); // a page lost
-    assert!(d.check().is_err());
+    type Corrupt = Box<dyn Fn(&mut SlotAllocator)>;
+    let corruptions: Vec<Corrupt> = vec![
+        Box::new(|a| a.free_pages.push(1)), // page 1 both free and held
+        Box::new(|a| a.rows[0].len = 3),    // length disagrees with pages held
+        Box::new(|a| a.refcount[0] = 1),    // page 0 held
+        Box::new(|a| {
+            a.free_pages.pop(); // a page lost
+        }),
+        Box::new(|a| a.refcount[1] = 2),   // refcount != holders
+        Box::new(|a| a.index.lru_push(5)), // a FREE page on the LRU list
+        Box::new(|a| a.rows[0].last = 1),  // wrong last page
+        Box::new(|a| a.open_count = 0),
+        Box::new(|a| {
+            a.index.reserve(1).unwrap();
+            a.index.register(2, 7, 0, 0, 0); // registered page 2 held: fine...
+            a.index.page_entry[2] = 0; // ...until its link is lost
+        }),
+    ];
+    for (i, corrupt) in corruptions.iter().enumerate() {
+        let mut b = good.clone();
+        corrupt(&mut b);
+        assert!(
+            matches!(b.check(), Err(PoolError::Invariant(_))),
+            "corruption {i}"
+        );
+    }
+    good.check().unwrap();
 }
 
 #[test]
@@ -225,15 +298,56 @@ fn bad_configs_are_rejected() {
 }
 
 #[test]
-fn metadata_stays_under_16_bytes_per_page() {
-    let pages = 1 << 16;
-    let mut a = SlotAllocator::new(pages, 1, 64, 1 << 12).unwrap();
+fn metadata_is_the_documented_worst_case_and_does_not_grow() {
+    // Page lists are one flat [max_requests, pages per request] array: a
+    // row grown token by token never reallocates, and a 3000-token bound
+    // costs ceil(3000 / 16) = 188 entries per row, not a Vec's growth slack.
+    let (pages, ps, rows, ctx) = (1 << 12, 16, 64, 3000);
+    let mut a = SlotAllocator::new(pages, ps, rows, ctx).unwrap();
+    let before = a.metadata_bytes();
     let h = a.open(64).unwrap();
-    for _ in 0..1023 {
-        a.extend(&h, Counts::Each(1)).unwrap(); // grows page lists one by one
+    for _ in 0..40 {
+        a.extend(&h, Counts::Each(1), None).unwrap();
     }
-    let per_page = a.metadata_bytes() as f64 / pages as f64;
-    assert!(per_page <= 16.0, "{per_page} bytes per page");
+    a.close(&h, false).unwrap();
+    assert_eq!(a.metadata_bytes(), before, "metadata grew with use");
+    let per_page = 4 * 3 + 4 * 2; // refcount, free stack, registration; LRU links
+    let want = pages * per_page - 4 // the free stack has no entry for page 0
+        + pages * ps * 4 // token id per slot
+        + rows * 4 // free row stack
+        + rows * 188 * 4 // page lists
+        + rows * (16 + std::mem::size_of::<crate::rows::RowCold>())
+        + (16 + 4 * ps); // hash buffer
+    assert_eq!(before, want);
+}
+
+#[test]
+fn fallible_reservations_fail_typed() {
+    // 2^20 rows * 2^28 / 1 pages per row: far past memory, must not abort.
+    let e = SlotAllocator::new(2, 1, MAX_REQUESTS, MAX_CONTEXT_LEN).unwrap_err();
+    assert!(
+        matches!(e, PoolError::InvalidArgument(ref m) if m.contains("cannot allocate")),
+        "{e}"
+    );
+    for (r, c) in [
+        (MAX_REQUESTS + 1, 1),
+        (1, MAX_CONTEXT_LEN + 1),
+        ((1 << 31) - 1, 16),
+    ] {
+        let e = SlotAllocator::new(4, 1, r, c).unwrap_err();
+        assert!(
+            matches!(e, PoolError::InvalidArgument(ref m) if m.contains("must be in")),
+            "{e}"
+        );
+    }
+    let mut a = alloc(4, 1);
+    for n in [5usize, 1 << 33, 1 << 62, usize::MAX] {
+        assert!(matches!(
+            a.open(n).unwrap_err(),
+            PoolError::TooManyRequests { .. }
+        ));
+    }
+    a.check().unwrap();
 }
 
 #[test]
@@ -243,7 +357,7 @@ fn extend_into_checks_the_output_length_before_any_change() {
     let before = snapshot(&a, &h);
     let mut short = vec![0; 4];
     let err = a
-        .extend_into(&h, Counts::PerRequest(&[3, 2]), &mut short, |_, _, _, _| {
+        .extend_into(&h, Counts::PerRequest(&[3, 2]), None, &mut short, |_| {
             panic!("called on a failing batch")
         })
         .unwrap_err();
@@ -251,12 +365,9 @@ fn extend_into_checks_the_output_length_before_any_change() {
     assert_eq!(snapshot(&a, &h), before);
     let mut out = vec![0; 5];
     let mut rows = Vec::new();
-    a.extend_into(
-        &h,
-        Counts::PerRequest(&[3, 2]),
-        &mut out,
-        |i, row, start, s| rows.push((i, row, start, s.to_vec())),
-    )
+    a.extend_into(&h, Counts::PerRequest(&[3, 2]), None, &mut out, |g| {
+        rows.push((g.index, g.row, g.start, g.slots.to_vec()))
+    })
     .unwrap();
     assert_eq!(out, vec![2, 3, 4, 6, 7]);
     assert_eq!(rows, vec![(0, 0, 0, vec![2, 3, 4]), (1, 1, 0, vec![6, 7])]);

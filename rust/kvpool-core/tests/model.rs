@@ -1,174 +1,47 @@
-//! Property test: random operation sequences run against the allocator and
-//! against a deliberately naive reference model (one slot list per request,
-//! everything recomputed from scratch); results, errors and observable state
-//! must agree, and check() must pass after every operation.
+//! Property test: random operation sequences, shared pages included, run
+//! against the allocator and against the naive reference model in
+//! `reference/`; results, errors and observable state (slots, known tokens,
+//! page-state counters, queued copies, hit counts) must agree, and check()
+//! must pass after every operation.
 
-use std::collections::BTreeMap;
+mod reference;
 
-use kvpool_core::{make_handle, Counts, PoolError, SlotAllocator};
+use kvpool_core::{make_handle, Counts, Options, PoolError, SlotAllocator};
 use proptest::prelude::*;
-
-const MAX_REQ: usize = 4;
-const MAX_CTX: usize = 12;
-
-/// Naive model: same policies (LIFO pages and rows), written the obvious way.
-struct Model {
-    ps: usize,
-    free: Vec<usize>,                // free pages, top = end
-    free_rows: Vec<usize>,           // top = end
-    generation: Vec<u32>,            // per row
-    reqs: BTreeMap<usize, Vec<i64>>, // open row -> slot of every token
-}
-
-#[derive(Debug, PartialEq)]
-enum Kind {
-    Exhausted,
-    Handle,
-    TooMany,
-    TooLong,
-    Arg,
-}
-
-fn kind(e: &PoolError) -> Kind {
-    match e {
-        PoolError::Exhausted { .. } => Kind::Exhausted,
-        PoolError::InvalidHandle { .. } => Kind::Handle,
-        PoolError::TooManyRequests { .. } => Kind::TooMany,
-        PoolError::ContextTooLong { .. } => Kind::TooLong,
-        PoolError::InvalidArgument(_) => Kind::Arg,
-        PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
-    }
-}
-
-impl Model {
-    fn new(pages: usize, ps: usize) -> Self {
-        Model {
-            ps,
-            free: (1..pages).rev().collect(),
-            free_rows: (0..MAX_REQ).rev().collect(),
-            generation: vec![0; MAX_REQ],
-            reqs: BTreeMap::new(),
-        }
-    }
-
-    fn row(&self, h: i64) -> Option<usize> {
-        let row = (h & 0xFFFF_FFFF) as usize;
-        let open = h >= 0 && row < MAX_REQ && self.reqs.contains_key(&row);
-        (open && (h >> 32) as u32 == self.generation[row]).then_some(row)
-    }
-
-    fn pages_of(&self, row: usize) -> Vec<usize> {
-        let mut pages: Vec<usize> = Vec::new();
-        for (t, &s) in self.reqs[&row].iter().enumerate() {
-            if t % self.ps == 0 {
-                pages.push(s as usize / self.ps);
-            }
-        }
-        pages
-    }
-
-    /// Rows of a batch, or the error kind of its first bad handle/duplicate.
-    fn rows(&self, hs: &[i64]) -> Result<Vec<usize>, Kind> {
-        let mut rows: Vec<usize> = Vec::new();
-        for &h in hs {
-            let r = self.row(h).ok_or(Kind::Handle)?;
-            if rows.contains(&r) {
-                return Err(Kind::Arg);
-            }
-            rows.push(r);
-        }
-        Ok(rows)
-    }
-
-    fn open(&mut self, n: usize) -> Result<Vec<i64>, Kind> {
-        if n > self.free_rows.len() {
-            return Err(Kind::TooMany);
-        }
-        let mut out = Vec::new();
-        for _ in 0..n {
-            let row = self.free_rows.pop().unwrap();
-            self.generation[row] += 1;
-            self.reqs.insert(row, Vec::new());
-            out.push(make_handle(self.generation[row], row as u32));
-        }
-        Ok(out)
-    }
-
-    fn extend(&mut self, hs: &[i64], cs: &[i64]) -> Result<Vec<i64>, Kind> {
-        let mut rows = Vec::new();
-        let mut need = 0;
-        for (i, &h) in hs.iter().enumerate() {
-            let r = self.row(h).ok_or(Kind::Handle)?;
-            if rows.contains(&r) {
-                return Err(Kind::Arg);
-            }
-            rows.push(r);
-            if cs[i] < 0 {
-                return Err(Kind::Arg);
-            }
-            let (len, c) = (self.reqs[&r].len(), cs[i] as usize);
-            if len + c > MAX_CTX {
-                return Err(Kind::TooLong);
-            }
-            need += (len + c).div_ceil(self.ps) - len.div_ceil(self.ps);
-        }
-        if need > self.free.len() {
-            return Err(Kind::Exhausted);
-        }
-        let mut out = Vec::new();
-        for (i, &r) in rows.iter().enumerate() {
-            for _ in 0..cs[i] {
-                let t = self.reqs[&r].len();
-                let page = if t % self.ps == 0 {
-                    self.free.pop().unwrap()
-                } else {
-                    *self.pages_of(r).last().unwrap()
-                };
-                let slot = (page * self.ps + t % self.ps) as i64;
-                self.reqs.get_mut(&r).unwrap().push(slot);
-                out.push(slot);
-            }
-        }
-        Ok(out)
-    }
-
-    fn truncate(&mut self, hs: &[i64], ls: &[i64]) -> Result<(), Kind> {
-        // Entries are validated in order, each completely (handle, then value).
-        for i in 0..hs.len() {
-            let r = self.rows(&hs[..=i])?[i];
-            if ls[i] < 0 || ls[i] as usize > self.reqs[&r].len() {
-                return Err(Kind::Arg);
-            }
-        }
-        let rows = self.rows(hs)?;
-        for (&r, &l) in rows.iter().zip(ls) {
-            let pages = self.pages_of(r);
-            let keep = (l as usize).div_ceil(self.ps);
-            self.free.extend(pages[keep..].iter().rev());
-            self.reqs.get_mut(&r).unwrap().truncate(l as usize);
-        }
-        Ok(())
-    }
-
-    fn close(&mut self, hs: &[i64]) -> Result<(), Kind> {
-        let rows = self.rows(hs)?;
-        for r in rows {
-            let pages = self.pages_of(r);
-            self.free.extend(pages.iter().rev());
-            self.reqs.remove(&r);
-            self.free_rows.push(r);
-        }
-        Ok(())
-    }
-}
+use reference::{kind, Kind, Model, MAX_CTX, MAX_REQ};
 
 #[derive(Debug, Clone)]
 enum Op {
     Open(usize),
-    /// (index into issued handles, count)
-    Extend(Vec<(usize, i64)>),
+    /// Prompts as (base sequence, length, last token changed), one salt for all.
+    OpenPrefix(Vec<(usize, usize, bool)>, i64),
+    /// (handle pick, count); token ids: None, or Some(seed, corrupt).
+    Extend(Vec<(usize, i64)>, Option<(u8, bool)>),
     Truncate(Vec<(usize, i64)>),
-    Close(Vec<usize>),
+    Close(Vec<usize>, bool),
+    Cache(Vec<usize>),
+    Fork(usize, usize),
+    /// Extends a request by the rest of its prompt (no token ids passed).
+    Prefill(usize),
+    Evict(usize),
+    ClearCache,
+}
+
+/// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
+/// so that generated decode tokens often repeat a cached prefix.
+const BASES: [[i32; 14]; 2] = [
+    [1, 2, 1, 0, 2, 2, 1, 0, 0, 1, 2, 0, 1, 1],
+    [1, 2, 1, 0, 0, 0, 2, 1, 2, 2, 0, 1, 0, 2],
+];
+
+fn prompt(base: usize, len: usize, changed: bool) -> Vec<i32> {
+    let mut p = BASES[base][..len].to_vec();
+    if changed {
+        if let Some(t) = p.last_mut() {
+            *t = (*t + 1) % 3;
+        }
+    }
+    p
 }
 
 /// Handle picks below OPEN_PICKS name an open request (if any); the rest name
@@ -178,11 +51,19 @@ const OPEN_PICKS: usize = 14;
 fn op() -> impl Strategy<Value = Op> {
     let pick = 0usize..16;
     let value = prop_oneof![1 => Just(-1i64), 12 => 0i64..7];
+    let prompt = (0usize..2, 0usize..14, prop::bool::weighted(0.2));
+    let toks = prop::option::of((any::<u8>(), prop::bool::weighted(0.05)));
     prop_oneof![
-        2 => (0usize..4).prop_map(Op::Open),
-        4 => prop::collection::vec((pick.clone(), value.clone()), 0..4).prop_map(Op::Extend),
+        2 => (0usize..3).prop_map(Op::Open),
+        4 => (prop::collection::vec(prompt, 0..3), 0i64..2).prop_map(|(p, s)| Op::OpenPrefix(p, s)),
+        5 => (prop::collection::vec((pick.clone(), value.clone()), 0..4), toks).prop_map(|(v, t)| Op::Extend(v, t)),
         2 => prop::collection::vec((pick.clone(), value), 0..3).prop_map(Op::Truncate),
-        1 => prop::collection::vec(pick, 0..3).prop_map(Op::Close),
+        4 => (prop::collection::vec(pick.clone(), 1..3), prop::bool::weighted(0.75)).prop_map(|(v, c)| Op::Close(v, c)),
+        3 => prop::collection::vec(pick.clone(), 0..3).prop_map(Op::Cache),
+        3 => pick.clone().prop_map(Op::Prefill),
+        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
+        1 => (0usize..4).prop_map(Op::Evict),
+        1 => Just(Op::ClearCache),
     ]
 }
 
@@ -202,18 +83,50 @@ fn same<T: PartialEq + std::fmt::Debug>(
     false
 }
 
+/// Token ids for an extend batch: the prompt's where it covers a position
+/// (one wrong id when `corrupt`), else pseudo-random ids in 0..3.
+fn batch_tokens(m: &Model, hs: &[i64], cs: &[i64], seed: u8, corrupt: bool) -> Vec<i64> {
+    let mut out = Vec::new();
+    let mut x = seed as i64;
+    for (&h, &c) in hs.iter().zip(cs) {
+        let (start, prompt) = match m.row(h) {
+            Some(r) => (m.reqs[&r].len(), m.reqs[&r].prompt.clone()),
+            None => (0, Vec::new()),
+        };
+        for j in 0..c.max(0) as usize {
+            x = (x * 7 + 3) % 11;
+            out.push(prompt.get(start + j).map_or(x % 3, |&t| t as i64));
+        }
+    }
+    if corrupt {
+        if let Some(t) = out.last_mut() {
+            *t = if seed % 2 == 0 { -1 } else { *t + 1 };
+        }
+    }
+    out
+}
+
 const CASES: u32 = 3000;
 
 static OK_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static HIT_TOKENS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
+    let opts = Options {
+        generation_base: Some(1),
+        ..Options::new()
+    };
+    SlotAllocator::with_options(pages, ps, MAX_REQ, MAX_CTX, opts).unwrap()
+}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in 1usize..14, ops in prop::collection::vec(op(), 1..60)) {
-        let mut a = SlotAllocator::new(pages, ps, MAX_REQ, MAX_CTX).unwrap();
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], ops in prop::collection::vec(op(), 1..60)) {
+        let mut a = new_allocator(pages, ps);
         let mut m = Model::new(pages, ps);
-        // Every handle ever issued, plus two that never were: stale and
-        // closed handles get picked as often as live ones.
+        // Every handle ever issued, plus two that never were.
         let mut issued: Vec<i64> = vec![-5, make_handle(3, 1)];
         let mut oks = 0usize;
         for op in ops {
@@ -227,19 +140,33 @@ proptest! {
                     if let Ok(hs) = &mr { issued.extend(hs); }
                     oks += same(r, mr) as usize;
                 }
-                Op::Extend(v) => {
+                Op::OpenPrefix(ps_, salt) => {
+                    let prompts: Vec<Vec<i32>> = ps_.iter().map(|&(b, l, c)| prompt(b, l, c)).collect();
+                    let flat: Vec<i64> = prompts.iter().flatten().map(|&t| t as i64).collect();
+                    let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+                    let salts = vec![salt; prompts.len()];
+                    let r = a.open_with_prefix(&flat, &lens, Counts::Each(salt));
+                    let mr = m.open_with_prefix(&prompts, &salts);
+                    if let Ok((hs, cached)) = &mr {
+                        issued.extend(hs);
+                        HIT_TOKENS.fetch_add(cached.iter().sum::<i64>() as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    oks += same(r, mr) as usize;
+                }
+                Op::Extend(v, toks) => {
                     let (hs, cs): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, c)| (h(i), c)).unzip();
+                    let tokens = toks.map(|(seed, corrupt)| batch_tokens(&m, &hs, &cs, seed, corrupt));
                     let before: Vec<usize> = hs.iter().map(|&x| m.row(x).map_or(0, |r| m.reqs[&r].len())).collect();
-                    let mr = m.extend(&hs, &cs);
+                    let mr = m.extend(&hs, &cs, tokens.as_deref());
                     let r = if hs.len() % 2 == 0 {
-                        a.extend(&hs, Counts::PerRequest(&cs))
+                        a.extend(&hs, Counts::PerRequest(&cs), tokens.as_deref())
                     } else {
                         // extend_into must agree, and report each request's row,
                         // old length and new slots in batch order.
                         let mut out = vec![-1; cs.iter().filter(|&&c| c > 0).sum::<i64>() as usize];
                         let mut seen = Vec::new();
-                        let r = a.extend_into(&hs, Counts::PerRequest(&cs), &mut out, |i, row, start, s| {
-                            seen.push((i, row as i64, start, s.to_vec()))
+                        let r = a.extend_into(&hs, Counts::PerRequest(&cs), tokens.as_deref(), &mut out, |g| {
+                            seen.push((g.index, g.row as i64, g.start, g.slots.to_vec()))
                         });
                         r.map(|()| {
                             let mut k = 0;
@@ -258,19 +185,47 @@ proptest! {
                     let (hs, ls): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, l)| (h(i), l)).unzip();
                     oks += same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls)) as usize;
                 }
-                Op::Close(v) => {
+                Op::Close(v, cache) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
-                    oks += same(a.close(&hs), m.close(&hs)) as usize;
+                    oks += same(a.close(&hs, cache), m.close(&hs, cache)) as usize;
+                }
+                Op::Cache(v) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    oks += same(a.cache(&hs), m.cache(&hs)) as usize;
+                }
+                Op::Fork(i, n) => {
+                    let (r, mr) = (a.fork(h(i), n), m.fork(h(i), n));
+                    if let Ok(hs) = &mr { issued.extend(hs); }
+                    oks += same(r, mr) as usize;
+                }
+                Op::Prefill(i) => {
+                    let hs = [h(i)];
+                    let c = m.row(hs[0]).map_or(1, |r| (m.reqs[&r].prompt.len() as i64 - m.reqs[&r].len() as i64).max(0));
+                    oks += same(a.extend(&hs, Counts::Each(c), None), m.extend(&hs, &[c], None)) as usize;
+                }
+                Op::Evict(n) => {
+                    prop_assert_eq!(a.evict(n), m.evict(n));
+                }
+                Op::ClearCache => {
+                    a.clear_cache();
+                    m.clear_cache();
                 }
             }
             a.check().unwrap();
-            prop_assert_eq!(a.free_pages(), m.free.len());
+            let copies = a.take_copies();
+            COPIES.fetch_add(copies.0.len(), std::sync::atomic::Ordering::Relaxed);
+            prop_assert_eq!(copies, std::mem::take(&mut m.copies));
+            prop_assert_eq!(a.free_pages(), m.free.len() + m.lru.len());
+            prop_assert_eq!(a.evictable_pages(), m.lru.len());
+            prop_assert_eq!(a.cached_pages(), m.reg.len());
+            prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
             prop_assert_eq!(a.open_requests(), m.reqs.len());
             for &hh in &issued {
                 match m.row(hh) {
                     Some(r) => {
-                        prop_assert_eq!(a.slots(hh).unwrap(), m.reqs[&r].clone());
+                        prop_assert_eq!(a.slots(hh).unwrap(), m.slots(r));
                         prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
+                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
                     }
                     None => prop_assert!(!a.is_open(hh)),
                 }
@@ -280,14 +235,22 @@ proptest! {
     }
 }
 
-/// Guards the generator itself: most calls must succeed, or the model
-/// comparison only ever exercises error paths.
+/// Guards the generator itself: most calls must succeed, prefixes must hit
+/// and copies must happen, or the comparison only exercises easy paths.
 #[test]
-fn generated_sequences_mostly_succeed() {
+fn generated_sequences_exercise_sharing() {
     allocator_matches_model();
-    let oks = OK_CALLS.load(std::sync::atomic::Ordering::Relaxed);
+    let load = |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed);
+    let oks = load(&OK_CALLS);
     assert!(
         oks > CASES as usize * 10,
         "only {oks} successful calls in {CASES} sequences"
+    );
+    let hits = HIT_TOKENS.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(hits > CASES as u64 / 2, "only {hits} prefix-hit tokens");
+    assert!(
+        load(&COPIES) > CASES as usize / 20,
+        "only {} copy-on-write slots",
+        load(&COPIES)
     );
 }

@@ -6,26 +6,114 @@
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{Counts, SlotAllocator as Core};
-use numpy::{PyArray1, PyUntypedArray};
+use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use crate::convert::{int_arg, int_scalar, IntArg};
-use crate::errors::{invalid_argument, to_pyerr};
-use crate::output::{extend_total, new_i64};
-use crate::table::Table;
+use crate::errors::{invalid_argument, Result};
 
-type Arr<'py, T> = Bound<'py, PyArray1<T>>;
+pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+///
+/// Owns which slots each request holds: free pages, per-request page lists,
+/// page owners. Thread-safe (one internal lock; batch calls release the GIL).
+///
+/// Args:
+///     num_pages: total pages, reserved page 0 included (>= 2).
+///     page_size: slots per page (>= 1).
+///     max_requests: most requests open at once.
+///     max_context_len: most tokens per request.
+///
+/// Raises:
+///     InvalidArgumentError: a size is zero, negative or too large.
+// Geometry is fixed at construction: fields read without taking the lock
+// (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen)]
 pub struct SlotAllocator {
-    inner: Mutex<Core>,
-    /// (max_requests, max_context_len, num_slots): fixed at construction, so
-    /// extend reads them without taking the lock.
-    dims: (usize, usize, usize),
+    pub(crate) inner: Mutex<Core>,
+    /// Slots per page (P): slot = page * P + offset.
+    #[pyo3(get)]
+    pub(crate) page_size: usize,
+    /// Total pages, the reserved page 0 included.
+    #[pyo3(get)]
+    pub(crate) num_pages: usize,
+    /// num_pages * page_size: slot ids are in [0, num_slots).
+    #[pyo3(get)]
+    pub(crate) num_slots: usize,
+    /// Most requests open at once (rows of a request-to-token table).
+    #[pyo3(get)]
+    pub(crate) max_requests: usize,
+    /// Most tokens one request may hold.
+    #[pyo3(get)]
+    pub(crate) max_context_len: usize,
+    /// Pages requests can ever hold: num_pages - 1 (page 0 is reserved).
+    #[pyo3(get)]
+    pub(crate) capacity_pages: usize,
+    /// capacity_pages * page_size.
+    #[pyo3(get)]
+    pub(crate) capacity_slots: usize,
+}
+
+/// The pool's changing counters, read together under one lock (so they agree
+/// with each other, unlike separate property reads while other threads run).
+#[pyclass(name = "PoolStats", module = "kvpool._core", frozen, get_all)]
+pub struct PoolStats {
+    free_pages: usize,
+    used_pages: usize,
+    free_slots: usize,
+    used_slots: usize,
+    open_requests: usize,
+    admissible_tokens: usize,
+    metadata_bytes: usize,
+    cached_pages: usize,
+    evictable_pages: usize,
+    hit_tokens: u64,
+    miss_tokens: u64,
+}
+
+impl PoolStats {
+    fn of(a: &Core) -> Self {
+        Self {
+            free_pages: a.free_pages(),
+            used_pages: a.used_pages(),
+            free_slots: a.free_slots(),
+            used_slots: a.used_slots(),
+            open_requests: a.open_requests(),
+            admissible_tokens: a.admissible_tokens(),
+            metadata_bytes: a.metadata_bytes(),
+            cached_pages: a.cached_pages(),
+            evictable_pages: a.evictable_pages(),
+            hit_tokens: a.hit_tokens(),
+            miss_tokens: a.miss_tokens(),
+        }
+    }
+}
+
+#[pymethods]
+impl PoolStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
+             open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
+             evictable_pages={}, hit_tokens={}, miss_tokens={})",
+            self.free_pages,
+            self.used_pages,
+            self.free_slots,
+            self.used_slots,
+            self.open_requests,
+            self.admissible_tokens,
+            self.metadata_bytes,
+            self.cached_pages,
+            self.evictable_pages,
+            self.hit_tokens,
+            self.miss_tokens
+        )
+    }
 }
 
 impl SlotAllocator {
-    fn lock(&self) -> MutexGuard<'_, Core> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
         // The core never panics on caller input; if a bug ever poisoned the
         // lock, keep serving so that check() can report what is wrong.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -34,260 +122,232 @@ impl SlotAllocator {
     /// Runs a short query. Uncontended, it takes the lock with the GIL held
     /// (cheapest); if another thread holds the lock (maybe for a long batch),
     /// it waits with the GIL released so other Python threads keep running.
-    fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
+    pub(crate) fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
         match self.inner.try_lock() {
             Ok(guard) => f(&guard),
             Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
             Err(TryLockError::WouldBlock) => py.detach(|| f(&self.lock())),
         }
     }
-
-    fn stat(&self, py: Python<'_>, f: fn(&Core) -> usize) -> usize {
-        self.query(py, f)
-    }
 }
 
 /// A numpy array owning a copy of `v`. Copying (a memcpy) beats handing the
 /// Vec over (`from_vec`): that wraps it in a GC-tracked container object,
 /// and the extra GC traffic costs more than the copy on the hot path.
-fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
+pub(crate) fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
     PyArray1::from_slice(py, v)
 }
 
-fn counts_of(arg: &IntArg) -> Counts<'_> {
+pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
     match arg {
         IntArg::Scalar(c) => Counts::Each(*c),
         IntArg::Many(v) => Counts::PerRequest(v),
     }
 }
 
-fn usize_arg(py: Python<'_>, v: i64, what: &str) -> PyResult<usize> {
+pub(crate) fn usize_arg(py: Python<'_>, v: i64, what: &str) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
 }
 
 #[pymethods]
 impl SlotAllocator {
     #[new]
-    #[pyo3(signature = (num_pages, page_size=1, max_requests=256, max_context_len=4096))]
+    #[pyo3(signature = (num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=true))]
     fn new(
         py: Python<'_>,
         num_pages: i64,
         page_size: i64,
         max_requests: i64,
         max_context_len: i64,
-    ) -> PyResult<Self> {
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        kv_events: bool,
+    ) -> Result<Self> {
         let num_pages = usize_arg(py, num_pages, "num_pages")?;
         let page_size = usize_arg(py, page_size, "page_size")?;
         let max_requests = usize_arg(py, max_requests, "max_requests")?;
         let max_context_len = usize_arg(py, max_context_len, "max_context_len")?;
-        let core = py
-            .detach(|| Core::new(num_pages, page_size, max_requests, max_context_len))
-            .map_err(|e| to_pyerr(py, e))?;
-        let dims = (
-            core.max_requests(),
-            core.max_context_len(),
-            core.num_slots(),
-        );
+        let hash_seed = match hash_seed {
+            None => None,
+            Some(seed) => Some(crate::sharing::seed_arg(py, seed)?),
+        };
+        let opts = kvpool_core::Options {
+            hash_seed,
+            kv_events,
+            ..kvpool_core::Options::new()
+        };
+        let core = py.detach(|| {
+            Core::with_options(num_pages, page_size, max_requests, max_context_len, opts)
+        })?;
         Ok(Self {
+            page_size: core.page_size(),
+            num_pages: core.num_pages(),
+            num_slots: core.num_slots(),
+            max_requests: core.max_requests(),
+            max_context_len: core.max_context_len(),
+            capacity_pages: core.capacity_pages(),
+            capacity_slots: core.capacity_slots(),
             inner: Mutex::new(core),
-            dims,
         })
     }
 
-    #[getter]
-    fn page_size(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::page_size)
+    /// stats() -> PoolStats
+    ///
+    /// The changing counters (free_pages, used_pages, free_slots, used_slots,
+    /// open_requests, admissible_tokens, metadata_bytes) read under one lock,
+    /// so they agree with each other even while other threads work.
+    fn stats(&self, py: Python<'_>) -> PoolStats {
+        self.query(py, PoolStats::of)
     }
-    #[getter]
-    fn num_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_pages)
-    }
-    #[getter]
-    fn num_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::num_slots)
-    }
-    #[getter]
-    fn max_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_requests)
-    }
-    #[getter]
-    fn max_context_len(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::max_context_len)
-    }
+    /// Pages an extend can take now: FREE + CACHED (evictable).
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_pages)
+        self.query(py, Core::free_pages)
     }
+    /// Pages held by open requests.
     #[getter]
     fn used_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_pages)
+        self.query(py, Core::used_pages)
     }
-    #[getter]
-    fn capacity_pages(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_pages)
-    }
+    /// free_pages * page_size.
     #[getter]
     fn free_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::free_slots)
+        self.query(py, Core::free_slots)
     }
+    /// Slots in held pages (including the unfilled tail of each last page).
     #[getter]
     fn used_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::used_slots)
+        self.query(py, Core::used_slots)
     }
-    #[getter]
-    fn capacity_slots(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::capacity_slots)
-    }
+    /// Requests opened and not yet closed.
     #[getter]
     fn open_requests(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::open_requests)
+        self.query(py, Core::open_requests)
     }
+    /// Tokens that can surely still be appended (a lower bound).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::admissible_tokens)
+        self.query(py, Core::admissible_tokens)
     }
+    /// Heap bytes of the allocator's bookkeeping.
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {
-        self.stat(py, Core::metadata_bytes)
+        self.query(py, Core::metadata_bytes)
     }
 
+    /// open(n=1) -> ndarray[int64]
+    ///
+    /// Opens n empty requests (no pages until they grow).
+    ///
+    /// Returns:
+    ///     int64 array of n handles ((generation << 32) | row).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: more than max_requests would be open.
+    ///     InvalidArgumentError: n is negative.
     #[pyo3(signature = (n=1))]
-    fn open<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Arr<'py, i64>> {
+    fn open<'py>(&self, py: Python<'py>, n: i64) -> Result<Arr<'py, i64>> {
         let n = usize_arg(py, n, "n")?;
-        let v = py
-            .detach(|| self.lock().open(n))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().open(n))?;
         Ok(to_numpy(py, &v))
     }
 
-    #[pyo3(signature = (handles, counts, table=None))]
-    fn extend<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-        counts: &Bound<'py, PyAny>,
-        table: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Arr<'py, i64>> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let c = int_arg(py, counts, "counts")?;
-        let (rows, cols, num_slots) = self.dims;
-        // Validate the table fully before any change; keep `table` alive
-        // (it is borrowed from the caller) while its buffer is written.
-        let t = match table {
-            None => None,
-            Some(table) => {
-                let arr = table.cast::<PyUntypedArray>().map_err(|_| {
-                    invalid_argument(
-                        py,
-                        "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
-                    )
-                })?;
-                Some(Table::validate(py, arr, rows, cols, num_slots)?)
-            }
-        };
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots))?;
-        py.detach(|| {
-            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-            let dst = unsafe { out.slice() };
-            self.lock()
-                .extend_into(&h, counts_of(&c), dst, |_, row, start, slots| {
-                    if let Some(t) = &t {
-                        // SAFETY: validated above (int32, C-contiguous, writeable,
-                        // big enough); the caller's array object is referenced by
-                        // `table` for the whole call, so its buffer stays alive.
-                        unsafe { t.write_row(row, start, slots) }
-                    }
-                })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
-        Ok(arr)
-    }
-
-    fn extend_with_starts<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-        counts: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i64>, Arr<'py, i64>)> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.dims.2))?;
-        let (starts_arr, mut starts) = new_i64(py, h.len())?;
-        py.detach(|| {
-            // SAFETY: both arrays are alive and not yet shared (see OutBuf).
-            let (dst, st) = unsafe { (out.slice(), starts.slice()) };
-            self.lock()
-                .extend_into(&h, counts_of(&c), dst, |i, _, start, _| {
-                    // i < handles.len() == st.len(); get_mut keeps it panic-free.
-                    if let Some(s) = st.get_mut(i) {
-                        *s = start as i64;
-                    }
-                })
-        })
-        .map_err(|e| to_pyerr(py, e))?;
-        Ok((arr, starts_arr))
-    }
-
+    /// truncate(handles, lengths) -> None
+    ///
+    /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
+    /// pages no longer needed. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: a length is negative or past the request's
+    ///         length, mismatched lengths, duplicate handle.
     fn truncate(
         &self,
         py: Python<'_>,
         handles: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let l = int_arg(py, lengths, "lengths")?;
-        py.detach(|| self.lock().truncate(&h, counts_of(&l)))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// close(handles, cache=False) -> None
+    ///
+    /// Closes requests and releases their pages; their handles become stale.
+    /// With cache=True, first registers each request's full pages of known
+    /// tokens in the prefix cache (as cache()), so they stay reusable. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, already closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
+    #[pyo3(signature = (handles, cache=false))]
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: bool) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        py.detach(|| self.lock().close(&h))
-            .map_err(|e| to_pyerr(py, e))
+        Ok(py.detach(|| self.lock().close(&h, cache))?)
     }
 
-    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+    /// length(handle) -> int
+    ///
+    /// Tokens the request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
         let h = int_scalar(py, handle, "handle")?;
-        self.query(py, |a| a.length(h)).map_err(|e| to_pyerr(py, e))
+        Ok(self.query(py, |a| a.length(h))?)
     }
 
-    fn lengths<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-    ) -> PyResult<Arr<'py, i64>> {
+    /// lengths(handles) -> ndarray[int64]
+    ///
+    /// Tokens each request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().lengths(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().lengths(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    /// slots(handle) -> ndarray[int64]
+    ///
+    /// Every slot of the request, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().slots(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().slots(h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i32>> {
+    /// pages(handle) -> ndarray[int32]
+    ///
+    /// The pages the request holds, in token order.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
-        let v = py
-            .detach(|| self.lock().pages(h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().pages(h))?;
         Ok(to_numpy(py, &v))
     }
 
+    /// page_table(handles) -> (indptr, indices, last_page_len)
+    ///
+    /// FlashInfer's CSR page table of a batch (int32 arrays): request i's pages
+    /// are indices[indptr[i]:indptr[i+1]]; last_page_len[i] in [1, page_size]
+    /// (0 for an empty request).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn page_table<'py>(
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
-    ) -> PyResult<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
+    ) -> Result<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let t = py
-            .detach(|| self.lock().page_table(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let t = py.detach(|| self.lock().page_table(&h))?;
         Ok((
             to_numpy(py, &t.indptr),
             to_numpy(py, &t.indices),
@@ -295,24 +355,43 @@ impl SlotAllocator {
         ))
     }
 
-    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> PyResult<Arr<'py, i64>> {
+    /// rows(handles) -> ndarray[int64]
+    ///
+    /// Each request's row of a request-to-token table (fixed while it is open).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py
-            .detach(|| self.lock().rows(&h))
-            .map_err(|e| to_pyerr(py, e))?;
+        let v = py.detach(|| self.lock().rows(&h))?;
         Ok(to_numpy(py, &v))
     }
 
-    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// is_open(handle) -> bool
+    ///
+    /// Whether the handle is an open request (False for closed or stale ones).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: handle is not an int.
+    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
         let h = int_scalar(py, handle, "handle")?;
         Ok(self.query(py, |a| a.is_open(h)))
     }
 
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().check())
-            .map_err(|e| to_pyerr(py, e))
+    /// check() -> None
+    ///
+    /// Verifies every invariant: free + held = capacity, no page in two places,
+    /// owners match holders, page 0 never handed out.
+    ///
+    /// Raises:
+    ///     InvariantError: an invariant is broken (a bug in kvpool).
+    fn check(&self, py: Python<'_>) -> Result<()> {
+        Ok(py.detach(|| self.lock().check())?)
     }
 
+    /// reset() -> None
+    ///
+    /// Closes every request and frees every page; all handles become stale.
     fn reset(&self, py: Python<'_>) {
         py.detach(|| self.lock().reset())
     }

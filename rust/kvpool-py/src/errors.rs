@@ -1,8 +1,9 @@
-//! Python exception classes and the exhaustive PoolError -> exception mapping.
+//! Python exception classes, the exhaustive PoolError -> exception mapping,
+//! and the `Error` type binding methods return so that `?` converts both.
 
 use kvpool_core::PoolError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PySystemError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -82,12 +83,49 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// An InvalidArgumentError with `msg`.
+/// An InvalidArgumentError with `msg`. The class is made at module init, so
+/// it is always there; if it ever is not, that is a bug worth a loud
+/// SystemError, not a quiet ValueError that `except InvalidArgumentError` misses.
 pub fn invalid_argument(py: Python<'_>, msg: impl Into<String>) -> PyErr {
     let msg = msg.into();
     match INVALID_ARGUMENT.get(py) {
         Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
-        None => PyValueError::new_err(msg),
+        None => PySystemError::new_err(format!(
+            "kvpool._core.InvalidArgumentError is missing (module init did not run); \
+             the InvalidArgumentError was: {msg}"
+        )),
+    }
+}
+
+/// What a binding method can fail with: a core error, mapped to its own
+/// exception class on the way out, or a Python exception raised while
+/// converting arguments. `?` converts either.
+pub enum Error {
+    Core(PoolError),
+    Py(PyErr),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<PoolError> for Error {
+    fn from(e: PoolError) -> Self {
+        Error::Core(e)
+    }
+}
+
+impl From<PyErr> for Error {
+    fn from(e: PyErr) -> Self {
+        Error::Py(e)
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Py(e) => e,
+            // Called by PyO3 with the GIL held: attach only fetches the token.
+            Error::Core(e) => Python::attach(|py| to_pyerr(py, e)),
+        }
     }
 }
 

@@ -7,13 +7,16 @@ use pyo3::prelude::*;
 mod allocator;
 mod convert;
 mod errors;
+mod extend;
 mod output;
+mod sharing;
 mod table;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<allocator::SlotAllocator>()?;
+    m.add_class::<allocator::PoolStats>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

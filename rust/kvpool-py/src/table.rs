@@ -86,4 +86,21 @@ impl Table {
             *dst.add(j) = s as i32;
         }
     }
+
+    /// Writes what extend reported for one request: its new slots, and the
+    /// slots of positions a copy-on-write moved to a new page.
+    ///
+    /// # Safety
+    /// As [`Self::write_row`], with `g` as reported by the core.
+    pub unsafe fn write_grown(&self, g: &kvpool_core::Grown<'_>) {
+        self.write_row(g.row, g.start, g.slots);
+        if g.moved > 0 {
+            if let Some(&first) = g.slots.first() {
+                let dst = self.ptr.add(g.row * self.cols + g.start - g.moved);
+                for j in 0..g.moved {
+                    *dst.add(j) = (first - (g.moved - j) as i64) as i32;
+                }
+            }
+        }
+    }
 }

@@ -45,7 +45,7 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "not install
 def available() -> tuple[bool, str]:
     if _IMPORT_ERROR is None:
         return True, ""
-    return False, f"sglang allocators not importable ({_IMPORT_ERROR}); install: see README 'Benchmarks'"
+    return False, f"sglang allocators not importable ({_IMPORT_ERROR}); install: see docs/benchmarks.md 'Installing the baselines'"
 
 
 def _version() -> str:

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-try:  # benchmarks/gpu_check.py uses the builders below on machines that may lack hypothesis
+try:  # optional: only the strategies need it (gpu_check runs where hypothesis may be missing)
     from hypothesis import strategies as st
 except ImportError:  # pragma: no cover
     st = None

@@ -1,0 +1,168 @@
+"""The allocator's request operations, queries and counters, forwarded by ``KVPool``.
+
+Engines talk to the pool only; ``pool.allocator`` stays reachable for tests and
+tools but is never needed for ordinary work. Everything here is a direct call
+into the Rust ``SlotAllocator`` (one crossing, no torch), so the pool adds
+nothing to its cost. Handles are the ints ``open`` returns; batch arguments
+take a Python int, a sequence of ints, a 1-D integer numpy array or a CPU
+tensor. Every call that fails raises a ``KVPoolError`` subclass and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvpool._core import PoolStats, SlotAllocator
+
+__all__ = ["AllocatorFacade"]
+
+
+def _counter(name: str, doc: str) -> property:
+    def get(self: AllocatorFacade) -> int:
+        return getattr(self.allocator, name)
+
+    get.__name__ = name
+    return property(get, doc=doc)
+
+
+class AllocatorFacade:
+    """Mixin: the allocator-only part of ``KVPool``'s API (no tensors involved)."""
+
+    allocator: SlotAllocator
+
+    # ----- counters (each one read under the allocator's lock) ----------------
+
+    free_pages = _counter("free_pages", "Pages on the free list, ready for new tokens.")
+    used_pages = _counter("used_pages", "Pages held by open requests (``capacity_pages - free_pages``).")
+    free_slots = _counter("free_slots", "``free_pages * page_size``.")
+    used_slots = _counter("used_slots", "Slots in held pages, the unfilled tail of each last page included.")
+    capacity_pages = _counter("capacity_pages", "Pages requests can ever hold: ``num_pages - 1`` (page 0 is reserved).")
+    capacity_slots = _counter("capacity_slots", "``capacity_pages * page_size``.")
+    open_requests = _counter("open_requests", "Requests opened and not yet closed.")
+    admissible_tokens = _counter(
+        "admissible_tokens",
+        "Tokens that can surely still be appended (a lower bound: partly filled last pages take a few more).",
+    )
+    metadata_bytes = _counter("metadata_bytes", "Host bytes of the allocator's bookkeeping.")
+
+    def stats(self) -> PoolStats:
+        """All the changing counters as one consistent snapshot (one lock), for logs and metrics.
+
+        Returns:
+            ``PoolStats`` with ``free_pages``, ``used_pages``, ``free_slots``,
+            ``used_slots``, ``open_requests``, ``admissible_tokens``, ``metadata_bytes``.
+        """
+        return self.allocator.stats()
+
+    # ----- request lifecycle --------------------------------------------------
+
+    def open(self, n: int = 1) -> np.ndarray:
+        """Open ``n`` empty requests (no pages are taken until they grow).
+
+        Args:
+            n: how many requests (>= 0).
+
+        Returns:
+            int64 array of ``n`` handles.
+
+        Raises:
+            TooManyRequestsError: more than ``max_requests`` would be open.
+            InvalidArgumentError: ``n`` is negative or not an int.
+        """
+        return self.allocator.open(n)
+
+    def truncate(self, handles: Any, lengths: Any) -> None:
+        """Shorten requests to ``lengths`` tokens, freeing pages no longer needed.
+
+        Table entries past the new length are left stale: readers stop at the
+        sequence length and the next ``extend`` overwrites them.
+
+        Args:
+            handles: the requests (no duplicates).
+            lengths: new length per request, or one int for all; each at most
+                the request's current length.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a length is negative or longer than the
+                request, mismatched sizes, a duplicate handle.
+        """
+        self.allocator.truncate(handles, lengths)
+
+    def close(self, handles: Any) -> None:
+        """Close requests and free all their pages; their handles become stale.
+
+        Args:
+            handles: the requests (no duplicates).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, already closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+        self.allocator.close(handles)
+
+    def reset(self) -> None:
+        """Close every request and free every page (all handles become stale).
+
+        ``req_to_token`` is not cleared: no handle can read it any more, and
+        each new request's ``extend`` writes its own entries.
+        """
+        self.allocator.reset()
+
+    # ----- queries --------------------------------------------------------------
+
+    def is_open(self, handle: Any) -> bool:
+        """Whether ``handle`` is an open request (never raises for a bad handle)."""
+        return self.allocator.is_open(handle)
+
+    def length(self, handle: Any) -> int:
+        """Tokens request ``handle`` holds.
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+        return self.allocator.length(handle)
+
+    def lengths(self, handles: Any) -> np.ndarray:
+        """Tokens each request holds, as an int64 array (the engine's ``seq_lens``).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
+        return self.allocator.lengths(handles)
+
+    def rows(self, handles: Any) -> np.ndarray:
+        """Each request's row of ``req_to_token`` (int64; fixed while the request is open).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
+        return self.allocator.rows(handles)
+
+    def slots(self, handle: Any) -> np.ndarray:
+        """Every slot of request ``handle`` in token order (int64), as ``req_to_token`` holds them.
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+        return self.allocator.slots(handle)
+
+    def pages(self, handle: Any) -> np.ndarray:
+        """The pages request ``handle`` holds, in token order (int32).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+        return self.allocator.pages(handle)
+
+    def check(self) -> None:
+        """Verify every allocator invariant (free + held = capacity, no page in two
+        places, owners match holders). Cheap enough to call after every step in tests.
+
+        Raises:
+            InvariantError: an invariant is broken (a bug in kvpool); the message says which.
+        """
+        self.allocator.check()

@@ -1,0 +1,272 @@
+"""The four ways kvpool moves K/V and table entries, on every device.
+
+Each function validates its arguments (typed errors, nothing written on
+failure), then runs one backend: the Triton kernel on CUDA tensors (and on CPU
+under TRITON_INTERPRET=1), the torch implementation in ``_ref`` on CPU. The
+Triton modules are imported inside the launch branch, so this module (and
+``KVPool`` on CPU) imports without Triton; on CUDA without a usable Triton the
+call raises ``TritonUnavailableError`` instead of falling back to torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from kvpool.kernels import _common as c
+from kvpool.kernels import _ref
+
+__all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor] = None,
+    k_scale: c.Scale = None,
+    v_scale: c.Scale = None,
+) -> None:
+    """Write k[i] (and v[i]) into the caches at slots[i], in place, one launch.
+
+    Args:
+        k_cache, v_cache: token-major [num_slots, H, D] or paged [num_pages, P, H, D]
+            caches (any strides). ``v_cache=None`` with ``v=None`` writes K only
+            (single-cache / MLA latent mode).
+        slots: int32/int64 [n] on the caches' device; negative entries are skipped.
+            Values are not range-checked (that would need a device read); the pool
+            hands out only valid slots.
+        k, v: [n, H, D] rows.
+        k_scale, v_scale: None, a float or a 1-element tensor (read at launch, so a
+            captured graph sees later updates). fp8 caches store clamp(x / scale);
+            other dtypes store x (divided by the scale when one is given).
+
+    Raises:
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
+            a bad argument (nothing written).
+        TritonUnavailableError: CUDA tensors and no usable Triton.
+    """
+    kg = c.cache_geom(k_cache, "k_cache")
+    dev = k_cache.device
+    c.check_rows(k, "k", kg, dev)
+    n = k.shape[0]
+    c.check_index(slots, "slots", dev, n)
+    c.check_scale(k_scale, "k_scale", dev)
+    if (v_cache is None) != (v is None):
+        raise c.KernelArgumentError("v_cache and v must both be given or both be None")
+    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
+    vc, vv, vg = k_cache, k, kg
+    has_v = v_cache is not None and v is not None
+    if v_cache is not None and v is not None:
+        vc, vv = v_cache, v
+        vg = c.cache_geom(v_cache, "v_cache")
+        if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
+            raise c.KernelArgumentError(
+                f"v_cache has {vg.num_slots} slots / page size {vg.page_size}, "
+                f"k_cache has {kg.num_slots} / {kg.page_size}"
+            )
+        if (vg.heads, vg.head_dim) != (kg.heads, kg.head_dim):
+            raise c.KernelArgumentError(
+                f"v_cache rows are [{vg.heads}, {vg.head_dim}], k_cache rows "
+                f"[{kg.heads}, {kg.head_dim}]; use separate store_kv calls"
+            )
+        c.check_rows(v, "v", vg, dev)
+        if v.shape[0] != n:
+            raise c.TensorShapeError(f"v has {v.shape[0]} rows, k has {n}")
+        c.check_scale(v_scale, "v_scale", dev)
+    if n == 0:
+        return
+    if not c.use_triton(k_cache):
+        _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
+        return
+    from kvpool.kernels.store import launch_store_kv
+
+    launch_store_kv(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale)
+
+
+def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
+    if (
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != (n, g.heads, g.head_dim)
+        or out.dtype != dtype
+        or out.device != dev
+        or not out.is_contiguous()
+    ):
+        raise c.KernelArgumentError(
+            f"{name} must be a contiguous {dtype} tensor of shape [{n}, {g.heads}, {g.head_dim}] "
+            f"on {dev}"
+        )
+
+
+def gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    k_scale: c.Scale = None,
+    v_scale: c.Scale = None,
+    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Read the rows at ``slots`` into contiguous [n, H, D] tensors (reference
+    attention, export, offload).
+
+    Args:
+        k_cache, v_cache: caches as for ``store_kv`` (``v_cache`` may be None).
+        slots: int32/int64 [n]; rows of negative slots come back zero.
+        out_dtype: dtype of the result (default: the cache dtype).
+        k_scale, v_scale: with a scale, rows are dequantized as x * scale.
+        out: ``(k_out, v_out)`` to write into instead of allocating (e.g. in a
+            captured graph).
+
+    Returns:
+        ``(k, v)``; ``v`` is None when ``v_cache`` is None.
+
+    Raises:
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
+            a bad argument.
+        TritonUnavailableError: CUDA tensors and no usable Triton.
+    """
+    kg = c.cache_geom(k_cache, "k_cache")
+    dev = k_cache.device
+    c.check_index(slots, "slots", dev)
+    n = slots.shape[0]
+    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
+    vc, vg = k_cache, kg
+    if v_cache is not None:
+        vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
+        # One PAGE for both caches in the kernel: a token-major V next to a paged K
+        # (or different page sizes) would be addressed with K's page split.
+        if (vg.heads, vg.head_dim, vg.num_slots, vg.page_size) != (
+            kg.heads, kg.head_dim, kg.num_slots, kg.page_size
+        ):
+            raise c.KernelArgumentError(
+                "k_cache and v_cache must have the same slots, page size and [H, D]"
+            )
+    has_v = v_cache is not None
+    for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        c.check_scale(s, nm, dev)
+    k_dt = out_dtype or k_cache.dtype
+    v_dt = out_dtype or vc.dtype
+    if out is None:
+        k_out = torch.empty((n, kg.heads, kg.head_dim), dtype=k_dt, device=dev)
+        v_out = torch.empty((n, kg.heads, kg.head_dim), dtype=v_dt, device=dev) if has_v else None
+    else:
+        k_out, v_out = out
+        _check_out(k_out, "out[0]", n, kg, k_dt, dev)
+        if has_v:
+            _check_out(v_out, "out[1]", n, kg, v_dt, dev)
+    vo = v_out if v_out is not None else k_out
+    if n == 0:
+        return k_out, v_out
+    if not c.use_triton(k_cache):
+        k_ref, v_ref = _ref.gather_kv_ref(k_cache, v_cache, slots, out_dtype, k_scale, v_scale)
+        k_out.copy_(k_ref)
+        if v_out is not None and v_ref is not None:
+            v_out.copy_(v_ref)
+        return k_out, v_out
+    from kvpool.kernels.gather import launch_gather_kv
+
+    launch_gather_kv(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
+    return k_out, v_out
+
+
+def copy_slots(
+    caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """For every cache, ``cache[dst_slots[i]] = cache[src_slots[i]]`` (rows of H x D),
+    in one launch per group of like caches: copy-on-write of a shared page, compaction.
+
+    Args:
+        caches: non-empty list of token-major or paged caches on one device, all
+            with the same number of slots (slot = page * P + offset).
+        src_slots, dst_slots: int32/int64 [n]; pairs with a negative src or dst are
+            skipped. dst slots must not also appear as src slots in the same call
+            (rows are copied in parallel).
+
+    Raises:
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
+            a bad argument (nothing copied).
+        TritonUnavailableError: CUDA tensors and no usable Triton.
+    """
+    if not isinstance(caches, (list, tuple)) or len(caches) == 0:
+        raise c.KernelArgumentError("caches must be a non-empty list of cache tensors")
+    dev = caches[0].device
+    geoms = [c.cache_geom(t, f"caches[{i}]") for i, t in enumerate(caches)]
+    for i, t in enumerate(caches):
+        if t.device != dev:
+            raise c.TensorDeviceError(f"caches[{i}] is on {t.device}, caches[0] on {dev}")
+        if geoms[i].num_slots != geoms[0].num_slots:
+            raise c.KernelArgumentError(
+                f"caches[{i}] has {geoms[i].num_slots} slots, caches[0] has {geoms[0].num_slots}"
+            )
+    c.check_index(src_slots, "src_slots", dev)
+    n = src_slots.shape[0]
+    c.check_index(dst_slots, "dst_slots", dev, n)
+    if n == 0:
+        return
+    if not c.use_triton(caches[0]):
+        _ref.copy_slots_ref(caches, src_slots, dst_slots)
+        return
+    from kvpool.kernels.copy import launch_copy_slots
+
+    launch_copy_slots(caches, geoms, src_slots, dst_slots)
+
+
+def write_req_to_token(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: Optional[torch.Tensor] = None,
+) -> None:
+    """Scatter each request's new slots into its row of the request-to-token table:
+    ``req_to_token[rows[i], starts[i] : starts[i] + counts[i]] =
+    slots[offsets[i] : offsets[i] + counts[i]]``, one launch for the batch.
+
+    Args:
+        req_to_token: int32/int64 [R, max_context_len] with unit column stride.
+        rows, starts, counts: int32/int64 [B]. Requests with a negative row or a
+            count <= 0 are skipped (a positive count still occupies its span of
+            ``slots``).
+        slots: int32/int64, the new slots of all requests back to back in request
+            order (what ``SlotAllocator.extend`` returns), sum(counts) entries (not
+            checked: that would read counts on the host).
+        offsets: the exclusive prefix sum of counts, if the caller has it (saves
+            the kernel summing counts on device).
+        Values are trusted (start + count <= max_context_len): the pool validates
+        them on the host with the allocator before calling.
+
+    Raises:
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
+            a bad argument (nothing written).
+        TritonUnavailableError: CUDA tensors and no usable Triton.
+    """
+    dev = req_to_token.device
+    if (
+        not isinstance(req_to_token, torch.Tensor)
+        or req_to_token.dim() != 2
+        or req_to_token.dtype not in c.INDEX_DTYPES
+        or req_to_token.stride(1) != 1
+    ):
+        raise c.KernelArgumentError(
+            "req_to_token must be a 2-D int32/int64 tensor with contiguous rows"
+        )
+    c.check_index(rows, "rows", dev)
+    b = rows.shape[0]
+    c.check_index(starts, "starts", dev, b)
+    c.check_index(counts, "counts", dev, b)
+    c.check_index(slots, "slots", dev)
+    if offsets is not None:
+        c.check_index(offsets, "offsets", dev, b)
+    if b == 0 or slots.shape[0] == 0:
+        return
+    if not c.use_triton(req_to_token):
+        _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
+        return
+    from kvpool.kernels.req_table import launch_write_req_to_token
+
+    launch_write_req_to_token(req_to_token, rows, starts, counts, slots, offsets)

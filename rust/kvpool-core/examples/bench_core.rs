@@ -1,0 +1,184 @@
+//! Core-only timings for the shared-pages issue (no Python):
+//!   cargo run --release -p kvpool-core --example bench_core [-- --quick]
+//! Prints one line per figure and a JSON object on the last line.
+//!
+//! - decode extend: 256 requests at page 16, one token each into their own
+//!   last page (no page changes hands), per request; warm, and with L1/L2
+//!   flushed between calls (a 4 MiB buffer touched, untimed); 1M and 16M slots.
+//! - open_with_prefix of one fully cached 4096-token prompt (page 16),
+//!   hashing included; with and without hit verification.
+//! - cache() of a 4096-token request; evict(256).
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use kvpool_core::{Counts, Options, SlotAllocator};
+
+fn pool(slots: usize, ps: usize, verify: bool) -> SlotAllocator {
+    let opts = Options {
+        hash_seed: Some(1),
+        skip_hit_verification: !verify,
+        ..Options::new()
+    };
+    SlotAllocator::with_options(slots / ps, ps, 512, 8192, opts).unwrap()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+struct Flusher(Vec<u64>);
+impl Flusher {
+    fn flush(&mut self) {
+        for x in self.0.iter_mut().step_by(8) {
+            *x = x.wrapping_add(1);
+        }
+        black_box(&self.0);
+    }
+}
+
+/// ns per request of a decode extend (one token, no new page) of 256 requests.
+fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
+    let ps = 16;
+    let mut a = pool(slots, ps, true);
+    // Spread the requests over the pool like a long-running server: each
+    // request's pages are scattered (other requests' pages in between).
+    let h = a.open(512).unwrap();
+    for _ in 0..8 {
+        a.extend(&h, Counts::Each(ps as i64), None).unwrap();
+    }
+    let h: Vec<i64> = h.iter().step_by(2).copied().collect();
+    a.extend(&h, Counts::Each(1), None).unwrap();
+    let mut out = vec![0i64; h.len()];
+    let toks = vec![7i64; h.len()];
+    let mut f = Flusher(vec![0; 1 << 19]);
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        let mut t = 0f64;
+        for _ in 0..(ps - 2) {
+            if flush {
+                f.flush();
+            }
+            let t0 = Instant::now();
+            a.extend_into(
+                &h,
+                Counts::Each(1),
+                tokens.then_some(&toks[..]),
+                &mut out,
+                |_| {},
+            )
+            .unwrap();
+            t += t0.elapsed().as_nanos() as f64;
+            black_box(&out);
+        }
+        samples.push(t / ((ps - 2) * h.len()) as f64);
+        a.truncate(&h, Counts::Each(8 * ps as i64 + 1)).unwrap();
+    }
+    median(samples)
+}
+
+fn serve_prompt(a: &mut SlotAllocator, prompt: &[i64]) {
+    let (h, c) = a
+        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(0))
+        .unwrap();
+    a.extend(&h, Counts::Each(prompt.len() as i64 - c[0]), None)
+        .unwrap();
+    a.close(&h, true).unwrap();
+}
+
+/// us of open_with_prefix of a fully cached 4096-token prompt at page 16.
+fn prefix_hit(verify: bool, reps: usize) -> f64 {
+    let mut a = pool(1 << 20, 16, verify);
+    let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
+    serve_prompt(&mut a, &prompt);
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        let (h, c) = a
+            .open_with_prefix(&prompt, &[4096], Counts::Each(0))
+            .unwrap();
+        samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
+        assert_eq!(c[0], 4080);
+        a.close(&h, false).unwrap();
+    }
+    median(samples)
+}
+
+/// us of cache() of a 4096-token request at page 16 (256 new registrations).
+fn cache_4096(reps: usize) -> f64 {
+    let mut a = pool(1 << 20, 16, true);
+    let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        let h = a.open(1).unwrap();
+        a.extend(&h, Counts::Each(4096), Some(&prompt)).unwrap();
+        let t0 = Instant::now();
+        a.cache(&h).unwrap();
+        samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
+        a.close(&h, false).unwrap();
+        a.clear_cache();
+        a.take_events();
+    }
+    median(samples)
+}
+
+/// us of evict(256) with 256 CACHED pages.
+fn evict_256(reps: usize) -> f64 {
+    let mut a = pool(1 << 20, 16, true);
+    let prompt: Vec<i64> = (0..4097).map(|i| (i * 7919) % 32000).collect();
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        serve_prompt(&mut a, &prompt);
+        a.take_events();
+        let t0 = Instant::now();
+        let n = a.evict(256);
+        samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
+        assert_eq!(n, 256);
+    }
+    median(samples)
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let decode_only = std::env::args().any(|a| a == "--decode");
+    let reps = if quick { 50 } else { 400 };
+    let mut json = Vec::new();
+    let mut report = |name: &str, unit: &str, v: f64| {
+        println!("{name:<48} {v:>8.2} {unit}");
+        json.push(format!("\"{name}\": {v:.3}"));
+    };
+    let prefix_only = std::env::args().any(|a| a == "--prefix");
+    for (label, slots) in [("1M", 1usize << 20), ("16M", 1 << 24)] {
+        if prefix_only {
+            break;
+        }
+        report(
+            &format!("decode_extend_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, false, reps),
+        );
+        report(
+            &format!("decode_extend_ns_per_req_{label}_flushed"),
+            "ns",
+            decode(slots, true, false, reps),
+        );
+        report(
+            &format!("decode_extend_tokens_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, true, reps),
+        );
+    }
+    if decode_only {
+        return;
+    }
+    report("open_with_prefix_4096_us", "us", prefix_hit(true, reps));
+    report(
+        "open_with_prefix_4096_unverified_us",
+        "us",
+        prefix_hit(false, reps),
+    );
+    report("cache_4096_us", "us", cache_4096(reps));
+    report("evict_256_us", "us", evict_256(reps));
+    println!("{{{}}}", json.join(", "));
+}

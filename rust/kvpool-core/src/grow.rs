@@ -1,0 +1,145 @@
+//! The slow side of extend: requests that take pages, copy a shared last
+//! page (copy-on-write) or unregister a cached one before writing into it,
+//! or take token ids from their prompt; plus the copy queue.
+
+use crate::allocator::SlotAllocator;
+use crate::rows::SLOW;
+
+/// Writes `first, first + 1, ...` into `dst` (the slots of one page run).
+#[inline]
+pub(crate) fn fill_run(dst: &mut [i64], first: usize) {
+    if let [d] = dst {
+        // The decode step's single slot: skip the vector loop's set-up.
+        *d = first as i64;
+        return;
+    }
+    for (j, d) in dst.iter_mut().enumerate() {
+        *d = (first + j) as i64;
+    }
+}
+
+impl SlotAllocator {
+    /// Pages a request's next extend needs beyond its length's own: 1 when
+    /// its partly filled last page has other holders (copy-on-write).
+    #[inline]
+    pub(crate) fn cow_pages(&self, row: usize) -> usize {
+        let r = self.rows[row];
+        if self.offset_in_page(r.len as usize) == 0 {
+            return 0;
+        }
+        (self.refcount[(r.last & !SLOW) as usize] > 1) as usize
+    }
+
+    /// Appends `dst.len()` tokens to `row`, taking pages as needed and
+    /// copying (or unregistering) a last page it must not write in place.
+    /// Returns how many positions moved to a copied page. Leaves `SLOW` clear.
+    pub(crate) fn grow_row(&mut self, row: usize, start: usize, dst: &mut [i64]) -> usize {
+        let ps = self.page_size;
+        let c = dst.len();
+        let base = row * self.row_pages;
+        let np = self.pages_for(start);
+        let off = self.offset_in_page(start);
+        let mut last = self.rows[row].last & !SLOW;
+        let mut moved = 0;
+        if off != 0 {
+            if self.refcount[last as usize] > 1 {
+                // Shared: the others keep the page, this request gets a copy.
+                let q = self.take_page();
+                let (src, dstp) = (last as usize * ps, q as usize * ps);
+                self.index.tokens.copy_within(src..src + off, dstp);
+                self.copy_src.extend((src..src + off).map(|s| s as i64));
+                self.copy_dst.extend((dstp..dstp + off).map(|s| s as i64));
+                self.refcount[last as usize] -= 1;
+                self.page_lists[base + np - 1] = q;
+                last = q;
+                moved = off;
+            } else if self.index.is_registered(last) {
+                // Only the cache shares it: drop the entry, then write in place.
+                self.unregister_page(last);
+            }
+        }
+        let room = if off == 0 { 0 } else { ps - off };
+        let (head, rest) = dst.split_at_mut(room.min(c));
+        if !head.is_empty() {
+            fill_run(head, last as usize * ps + off);
+        }
+        for (j, run) in rest.chunks_mut(ps).enumerate() {
+            let p = self.take_page();
+            self.page_lists[base + np + j] = p;
+            fill_run(run, p as usize * ps);
+            last = p;
+        }
+        self.rows[row].len = (start + c) as u32;
+        self.rows[row].last = last;
+        moved
+    }
+
+    /// Stores the token ids of the new positions `start..` whose slots are
+    /// `slots` (given ids, else the prompt's) and advances the known prefix.
+    pub(crate) fn record_tokens(
+        &mut self,
+        row: usize,
+        start: usize,
+        slots: &[i64],
+        toks: Option<&[i64]>,
+    ) {
+        let cold = &mut self.cold[row];
+        let tokens = &mut self.index.tokens;
+        let known = match toks {
+            Some(t) => {
+                for (&s, &x) in slots.iter().zip(t) {
+                    tokens[s as usize] = x as i32;
+                }
+                slots.len()
+            }
+            None => {
+                let n = slots.len().min(cold.prompt.len().saturating_sub(start));
+                for (j, &s) in slots[..n].iter().enumerate() {
+                    tokens[s as usize] = cold.prompt[start + j];
+                }
+                n
+            }
+        };
+        if cold.known_len as usize == start {
+            cold.known_len = (start + known) as u32;
+        }
+    }
+
+    /// `SLOW` if `row` (length `len`, last page `last`) must take the slow
+    /// path next: prompt positions still ahead, or a partly filled last page
+    /// that others hold or the cache has registered.
+    pub(crate) fn slow_bit(&self, row: usize, len: usize, last: u32) -> u32 {
+        let last = last & !SLOW;
+        let pending = self.cold[row].prompt.len() > len;
+        let shared = self.offset_in_page(len) != 0
+            && (self.refcount[last as usize] > 1 || self.index.is_registered(last));
+        if pending || shared {
+            SLOW
+        } else {
+            0
+        }
+    }
+
+    /// Drains the queued copy-on-write copies: `(src_slots, dst_slots)`.
+    /// Run them (every layer's K and V, slot `src[i]` to `dst[i]`) before
+    /// the next write to the destination pages and before any call that
+    /// could free the source pages; `KVPool.extend` does this itself.
+    pub fn take_copies(&mut self) -> (Vec<i64>, Vec<i64>) {
+        (
+            std::mem::take(&mut self.copy_src),
+            std::mem::take(&mut self.copy_dst),
+        )
+    }
+
+    /// Drains the queued copies from index `from` on (those a caller saw
+    /// being queued), leaving earlier ones queued.
+    pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
+        let from = from.min(self.copy_src.len());
+        (self.copy_src.split_off(from), self.copy_dst.split_off(from))
+    }
+
+    /// Queued copy-on-write copies not yet taken.
+    pub fn pending_copies(&self) -> usize {
+        self.copy_src.len()
+    }
+}

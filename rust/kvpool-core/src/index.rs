@@ -1,0 +1,263 @@
+//! The prefix index: chain hash -> registered page, the registration of each
+//! page, the LRU list of CACHED pages and the token ids of every slot.
+//!
+//! Verification. Every registration gets a unique id, and records its salt
+//! and the id of its parent's registration (0 for a chain's first page). A
+//! lookup accepts entry `e` for page `k` of a prompt only if
+//! - `e`'s page holds exactly the prompt's tokens of page `k`,
+//! - `e.salt` is the request's salt, and
+//! - `e.parent_reg` is the id of the entry accepted for page `k - 1` (0 for k = 0).
+//!
+//! By induction the accepted pages hold KV computed for exactly the prompt's
+//! tokens and salt, whatever the hash does: a collision (or an evicted and
+//! re-registered parent) fails a check and ends the match, so it costs a
+//! miss, never wrong KV. The cost is one compare of page_size token ids per
+//! matched page (the cache line the hit reads anyway), measured in
+//! examples/bench_core.rs. The token ids live in a flat per-slot array,
+//! 4 bytes per slot, allocated fallibly with lazily mapped zero pages.
+//!
+//! Duplicates: when `cache()` finds the hash already registered for another
+//! page with the same content (verified as above), the existing entry is
+//! kept and the new page stays unregistered (freed when its holders leave).
+//! Keeping the first copy keeps its registration id, so the entries already
+//! registered below it (its chain's children) stay reachable; routers have
+//! already seen its Stored event; and requests holding it keep sharing it.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::error::Result;
+use crate::hashing::ChainHasher;
+use crate::memory::{reserve, zeroed_vec};
+
+/// The keys are hash values already: use their bits directly.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = v as u64 ^ (v >> 64) as u64;
+    }
+}
+
+/// One registered page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) hash: u128,
+    /// Unique id of this registration (never reused; 0 means none).
+    pub(crate) reg: u64,
+    /// `reg` of the parent page's entry when this page was registered.
+    pub(crate) parent_reg: u64,
+    pub(crate) parent_hash: u128,
+    pub(crate) salt: i64,
+    pub(crate) page: u32,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct PrefixIndex {
+    pub(crate) map: HashMap<u128, u32, BuildHasherDefault<IdentityHasher>>,
+    /// Entry slab; `free_entries` lists unused indices.
+    pub(crate) entries: Vec<Entry>,
+    pub(crate) free_entries: Vec<u32>,
+    /// Per page: 0 when unregistered, else entry index + 1.
+    pub(crate) page_entry: Vec<u32>,
+    /// Intrusive doubly linked LRU list of the CACHED pages. Page 0 (never
+    /// handed out) is the sentinel: `lru_next[0]` is the oldest page,
+    /// `lru_prev[0]` the newest.
+    pub(crate) lru_prev: Vec<u32>,
+    pub(crate) lru_next: Vec<u32>,
+    pub(crate) lru_len: usize,
+    /// Token id at every slot (meaningful where a request or entry says so).
+    pub(crate) tokens: Vec<i32>,
+    pub(crate) hasher: ChainHasher,
+    pub(crate) next_reg: u64,
+    pub(crate) page_size: usize,
+    /// Benchmark only (see `Options::skip_hit_verification`).
+    pub(crate) skip_verify: bool,
+}
+
+impl PrefixIndex {
+    pub(crate) fn new(
+        num_pages: usize,
+        num_slots: usize,
+        page_size: usize,
+        seed: u64,
+        weak_bits: u32,
+    ) -> Result<Self> {
+        let mut buf = Vec::new();
+        reserve(&mut buf, 16 + 4 * page_size, "hash buffer")?;
+        Ok(PrefixIndex {
+            map: HashMap::default(),
+            entries: Vec::new(),
+            free_entries: Vec::new(),
+            page_entry: zeroed_vec(num_pages, "page registrations")?,
+            lru_prev: zeroed_vec(num_pages, "LRU links")?,
+            lru_next: zeroed_vec(num_pages, "LRU links")?,
+            lru_len: 0,
+            tokens: zeroed_vec(num_slots, "slot token ids")?,
+            hasher: ChainHasher::new(seed, weak_bits, buf),
+            next_reg: 1,
+            page_size,
+            skip_verify: false,
+        })
+    }
+
+    #[inline]
+    pub(crate) fn is_registered(&self, page: u32) -> bool {
+        self.page_entry[page as usize] != 0
+    }
+
+    #[inline]
+    pub(crate) fn entry_of(&self, page: u32) -> Option<&Entry> {
+        match self.page_entry[page as usize] {
+            0 => None,
+            e => self.entries.get(e as usize - 1),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn lookup(&self, hash: u128) -> Option<&Entry> {
+        self.map
+            .get(&hash)
+            .and_then(|&e| self.entries.get(e as usize))
+    }
+
+    #[inline]
+    pub(crate) fn page_tokens(&self, page: u32) -> &[i32] {
+        let ps = self.page_size;
+        &self.tokens[page as usize * ps..(page as usize + 1) * ps]
+    }
+
+    /// Whether `e` may stand for a page with `tokens` under a parent
+    /// registration `parent_reg` and `salt` (see the module docs).
+    #[inline]
+    pub(crate) fn verify(&self, e: &Entry, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
+        self.skip_verify
+            || e.parent_reg == parent_reg && e.salt == salt && self.page_tokens(e.page) == tokens
+    }
+
+    /// Room for `n` more registrations, or a typed error (nothing changed).
+    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
+        let spare = self.free_entries.len();
+        reserve(
+            &mut self.entries,
+            n.saturating_sub(spare),
+            "prefix index entries",
+        )?;
+        self.map.try_reserve(n).map_err(|_| {
+            crate::error::PoolError::InvalidArgument(format!(
+                "cannot allocate the prefix index for {n} more pages"
+            ))
+        })
+    }
+
+    /// Registers `page` under `hash`; returns the registration id. The
+    /// caller reserved room, checked that `hash` is absent and `page` unregistered.
+    pub(crate) fn register(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent_hash: u128,
+        parent_reg: u64,
+        salt: i64,
+    ) -> u64 {
+        let reg = self.next_reg;
+        self.next_reg += 1;
+        let e = Entry {
+            hash,
+            reg,
+            parent_reg,
+            parent_hash,
+            salt,
+            page,
+        };
+        let idx = match self.free_entries.pop() {
+            Some(i) => {
+                self.entries[i as usize] = e;
+                i
+            }
+            None => {
+                self.entries.push(e);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.map.insert(hash, idx);
+        self.page_entry[page as usize] = idx + 1;
+        reg
+    }
+
+    /// Removes `page`'s registration (the caller handles LRU membership).
+    pub(crate) fn unregister(&mut self, page: u32) -> Option<Entry> {
+        let idx = std::mem::replace(&mut self.page_entry[page as usize], 0);
+        if idx == 0 {
+            return None;
+        }
+        let e = self.entries[idx as usize - 1];
+        self.map.remove(&e.hash);
+        self.free_entries.push(idx - 1);
+        Some(e)
+    }
+
+    /// Drops every registration (the LRU list must be empty already).
+    pub(crate) fn clear(&mut self) {
+        for &i in self.map.values() {
+            self.page_entry[self.entries[i as usize].page as usize] = 0;
+        }
+        self.map.clear();
+        self.entries.clear();
+        self.free_entries.clear();
+    }
+
+    /// Appends `p` as the newest CACHED page.
+    #[inline]
+    pub(crate) fn lru_push(&mut self, p: u32) {
+        let newest = self.lru_prev[0];
+        self.lru_next[newest as usize] = p;
+        self.lru_prev[p as usize] = newest;
+        self.lru_next[p as usize] = 0;
+        self.lru_prev[0] = p;
+        self.lru_len += 1;
+    }
+
+    #[inline]
+    pub(crate) fn lru_remove(&mut self, p: u32) {
+        let (prev, next) = (self.lru_prev[p as usize], self.lru_next[p as usize]);
+        self.lru_next[prev as usize] = next;
+        self.lru_prev[next as usize] = prev;
+        self.lru_prev[p as usize] = 0;
+        self.lru_next[p as usize] = 0;
+        self.lru_len -= 1;
+    }
+
+    /// Removes and returns the least recently used CACHED page.
+    #[inline]
+    pub(crate) fn lru_pop_oldest(&mut self) -> Option<u32> {
+        let p = self.lru_next[0];
+        if p == 0 {
+            return None;
+        }
+        self.lru_remove(p);
+        Some(p)
+    }
+
+    pub(crate) fn metadata_bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.free_entries.capacity() * 4
+            + self.map.capacity() * (std::mem::size_of::<(u128, u32)>() + 1)
+            + (self.page_entry.capacity() + self.lru_prev.capacity() + self.lru_next.capacity()) * 4
+            + self.tokens.capacity() * 4
+            + self.hasher_capacity()
+    }
+
+    fn hasher_capacity(&self) -> usize {
+        16 + 4 * self.page_size
+    }
+}

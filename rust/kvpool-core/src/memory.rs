@@ -1,0 +1,66 @@
+//! Fallible allocation of the metadata arrays. Every array whose size a caller
+//! controls (pool size, max_requests, max_context_len, batch sizes) is reserved
+//! through here, so a request for too much memory is a typed error instead of
+//! an abort of the whole process.
+
+use crate::error::{PoolError, Result};
+
+/// Largest `max_requests`: rows are indexed by u32 and the per-row metadata
+/// (16-byte hot row + ~64-byte cold row + page list) must stay allocatable.
+pub const MAX_REQUESTS: usize = 1 << 20;
+/// Largest `max_context_len`: lengths live in u32 fields with the top bits free.
+pub const MAX_CONTEXT_LEN: usize = 1 << 28;
+
+/// Types for which an all-zero bit pattern is a valid value.
+///
+/// # Safety
+/// Implement only for plain integer types or structs made of them.
+pub(crate) unsafe trait Zeroable: Copy {}
+unsafe impl Zeroable for u32 {}
+unsafe impl Zeroable for i32 {}
+
+fn too_big(what: &str, n: usize, size: usize) -> PoolError {
+    PoolError::InvalidArgument(format!(
+        "cannot allocate {what}: {n} entries of {size} bytes ({} bytes); use a smaller pool, \
+         max_requests or max_context_len",
+        n.saturating_mul(size)
+    ))
+}
+
+/// A zero-filled Vec of `n` entries, or an error if the memory is not there.
+/// Zeroed memory comes from `alloc_zeroed` (calloc): the OS maps it lazily,
+/// so the part of a large array never touched (rows never used, the tokens of
+/// pages never written) costs address space, not resident memory.
+pub(crate) fn zeroed_vec<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
+    let size = std::mem::size_of::<T>();
+    if n == 0 || size == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| too_big(what, n, size))?;
+    // SAFETY: the layout has non-zero size; a null result is handled; the
+    // pointer comes from the global allocator with exactly this layout, holds
+    // n zeroed Ts (valid values by `Zeroable`), so from_raw_parts(ptr, n, n)
+    // gives a Vec that frees it with the same layout.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
+        if ptr.is_null() {
+            return Err(too_big(what, n, size));
+        }
+        Ok(Vec::from_raw_parts(ptr, n, n))
+    }
+}
+
+/// Reserves room for `additional` more entries in `v`, or a typed error.
+pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    v.try_reserve(additional)
+        .map_err(|_| too_big(what, additional, std::mem::size_of::<T>()))
+}
+
+/// A Vec holding `n` clones of `x`, allocated fallibly.
+pub(crate) fn filled_vec<T: Clone>(n: usize, x: T, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| too_big(what, n, std::mem::size_of::<T>()))?;
+    v.resize(n, x);
+    Ok(v)
+}

@@ -1,0 +1,83 @@
+//! Per-request state, split by temperature. A decode step touches only the
+//! 16-byte hot [`Row`]; the prompt and prefix-chain progress in [`RowCold`]
+//! are read when a request takes the slow path (a pending prompt, a page to
+//! copy on write) or when it is cached, forked or truncated.
+
+/// `Row::generation` bit: the row holds an open request.
+pub(crate) const OPEN: u32 = 1 << 31;
+/// `Row::last` bit: the next extend must take the slow path, because the
+/// request has prompt tokens at positions not yet extended, or its last page
+/// may be shared or registered (so writing into it needs copy-on-write or an
+/// unregister). Set conservatively; the slow path clears it.
+pub(crate) const SLOW: u32 = 1 << 31;
+
+/// Hot per-row state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
+pub(crate) struct Row {
+    /// Current generation, with `OPEN` while a request holds the row.
+    pub(crate) generation: u32,
+    /// Tokens in the request.
+    pub(crate) len: u32,
+    /// Last page held (0 when none), with the `SLOW` bit.
+    pub(crate) last: u32,
+    /// Batch stamp for duplicate detection.
+    pub(crate) stamp: u32,
+}
+
+/// Root of every prefix chain: `h_{-1}` for a request with `salt`.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RowCold {
+    /// The prompt given to `open_with_prefix` (token ids of positions
+    /// `0..prompt.len()`); extends past the request's length take their ids
+    /// from here.
+    pub(crate) prompt: Vec<i32>,
+    /// Positions `0..known_len` have known token ids (in the slot token array).
+    pub(crate) known_len: u32,
+    /// Leading full pages whose chain hash is computed (registered, or a
+    /// verified duplicate of a registered page).
+    pub(crate) hashed_pages: u32,
+    /// The chain stopped at `hashed_pages` (a hash collision with a
+    /// different page); nothing past it is registered.
+    pub(crate) chain_broken: bool,
+    /// Chain hash of page `hashed_pages - 1` (root value when 0).
+    pub(crate) chain: u128,
+    /// Registration id of the index entry page `hashed_pages - 1` matched (0 = none).
+    pub(crate) chain_reg: u64,
+    pub(crate) salt: i64,
+}
+
+impl RowCold {
+    pub(crate) fn reset(&mut self, salt: i64) {
+        self.prompt.clear();
+        self.known_len = 0;
+        self.hashed_pages = 0;
+        self.chain_broken = false;
+        self.chain = crate::hashing::root(salt);
+        self.chain_reg = 0;
+        self.salt = salt;
+    }
+
+    /// Forgets the chain (it is recomputed from page 0 by the next `cache`).
+    pub(crate) fn restart_chain(&mut self) {
+        self.hashed_pages = 0;
+        self.chain_broken = false;
+        self.chain = crate::hashing::root(self.salt);
+        self.chain_reg = 0;
+    }
+}
+
+impl RowCold {
+    /// Everything but the prompt (which the caller copies fallibly).
+    pub(crate) fn clone_without_prompt(&self) -> RowCold {
+        RowCold {
+            prompt: Vec::new(),
+            known_len: self.known_len,
+            hashed_pages: self.hashed_pages,
+            chain_broken: self.chain_broken,
+            chain: self.chain,
+            chain_reg: self.chain_reg,
+            salt: self.salt,
+        }
+    }
+}

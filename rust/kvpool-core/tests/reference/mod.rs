@@ -1,0 +1,468 @@
+//! A deliberately naive reference model of the allocator: one page list and
+//! one token list per request, holders counted by scanning every request,
+//! the prefix index keyed by the exact content (salt, every token up to the
+//! end of the page) instead of a hash, the LRU list a plain Vec. Same
+//! policies as the allocator, written the obvious way.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use kvpool_core::{make_handle, PoolError};
+
+pub const MAX_REQ: usize = 6;
+pub const MAX_CTX: usize = 12;
+
+#[derive(Debug, PartialEq, Clone, Copy)]
+pub enum Kind {
+    Exhausted,
+    Handle,
+    TooMany,
+    TooLong,
+    Arg,
+}
+
+pub fn kind(e: &PoolError) -> Kind {
+    match e {
+        PoolError::Exhausted { .. } => Kind::Exhausted,
+        PoolError::InvalidHandle { .. } => Kind::Handle,
+        PoolError::TooManyRequests { .. } => Kind::TooMany,
+        PoolError::ContextTooLong { .. } => Kind::TooLong,
+        PoolError::InvalidArgument(_) => Kind::Arg,
+        PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Req {
+    pub pages: Vec<usize>,
+    /// Token id of every position, None when unknown.
+    pub tokens: Vec<Option<i32>>,
+    pub prompt: Vec<i32>,
+    pub salt: i64,
+    pub hashed: usize,
+    pub chain_reg: u64,
+    pub broken: bool,
+}
+
+impl Req {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn known(&self) -> Vec<i32> {
+        self.tokens.iter().map_while(|t| *t).collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub key: (i64, Vec<i32>),
+    pub reg: u64,
+    pub parent_reg: u64,
+}
+
+pub struct Model {
+    pub ps: usize,
+    pub free: Vec<usize>,
+    /// CACHED pages, oldest first.
+    pub lru: Vec<usize>,
+    pub reg: BTreeMap<usize, Entry>,
+    pub next_reg: u64,
+    pub free_rows: Vec<usize>,
+    pub generation: Vec<u32>,
+    pub reqs: BTreeMap<usize, Req>,
+    pub copies: (Vec<i64>, Vec<i64>),
+    pub hit: u64,
+    pub miss: u64,
+}
+
+impl Model {
+    pub fn new(pages: usize, ps: usize) -> Self {
+        Model {
+            ps,
+            free: (1..pages).rev().collect(),
+            lru: Vec::new(),
+            reg: BTreeMap::new(),
+            next_reg: 1,
+            free_rows: (0..MAX_REQ).rev().collect(),
+            generation: vec![0; MAX_REQ],
+            reqs: BTreeMap::new(),
+            copies: (Vec::new(), Vec::new()),
+            hit: 0,
+            miss: 0,
+        }
+    }
+
+    pub fn row(&self, h: i64) -> Option<usize> {
+        let row = (h & 0xFFFF_FFFF) as usize;
+        let open = h >= 0 && row < MAX_REQ && self.reqs.contains_key(&row);
+        (open && (h >> 32) as u32 == self.generation[row]).then_some(row)
+    }
+
+    pub fn holders(&self, p: usize) -> usize {
+        self.reqs
+            .values()
+            .map(|r| r.pages.iter().filter(|&&q| q == p).count())
+            .sum()
+    }
+
+    pub fn slots(&self, row: usize) -> Vec<i64> {
+        let r = &self.reqs[&row];
+        (0..r.len())
+            .map(|t| (r.pages[t / self.ps] * self.ps + t % self.ps) as i64)
+            .collect()
+    }
+
+    fn find(&self, key: &(i64, Vec<i32>)) -> Option<(usize, Entry)> {
+        self.reg
+            .iter()
+            .find(|(_, e)| &e.key == key)
+            .map(|(&p, e)| (p, e.clone()))
+    }
+
+    /// Rows of a batch, or the error kind of its first bad handle/duplicate.
+    pub fn rows(&self, hs: &[i64]) -> Result<Vec<usize>, Kind> {
+        let mut rows: Vec<usize> = Vec::new();
+        for &h in hs {
+            let r = self.row(h).ok_or(Kind::Handle)?;
+            if rows.contains(&r) {
+                return Err(Kind::Arg);
+            }
+            rows.push(r);
+        }
+        Ok(rows)
+    }
+
+    fn take_page(&mut self) -> usize {
+        if let Some(p) = self.free.pop() {
+            return p;
+        }
+        let p = self.lru.remove(0);
+        self.reg.remove(&p);
+        p
+    }
+
+    fn release(&mut self, p: usize) {
+        if self.holders(p) == 0 {
+            if self.reg.contains_key(&p) {
+                self.lru.push(p);
+            } else {
+                self.free.push(p);
+            }
+        }
+    }
+
+    fn hold(&mut self, p: usize) {
+        self.lru.retain(|&q| q != p);
+    }
+
+    fn new_row(&mut self, salt: i64) -> (usize, i64) {
+        let row = self.free_rows.pop().unwrap();
+        self.generation[row] += 1;
+        self.reqs.insert(
+            row,
+            Req {
+                salt,
+                ..Default::default()
+            },
+        );
+        (row, make_handle(self.generation[row], row as u32))
+    }
+
+    pub fn open(&mut self, n: usize) -> Result<Vec<i64>, Kind> {
+        if n > self.free_rows.len() {
+            return Err(Kind::TooMany);
+        }
+        Ok((0..n).map(|_| self.new_row(0).1).collect())
+    }
+
+    pub fn open_with_prefix(
+        &mut self,
+        prompts: &[Vec<i32>],
+        salts: &[i64],
+    ) -> Result<(Vec<i64>, Vec<i64>), Kind> {
+        if prompts.iter().any(|p| p.len() > MAX_CTX) {
+            return Err(Kind::TooLong);
+        }
+        if prompts.len() > self.free_rows.len() {
+            return Err(Kind::TooMany);
+        }
+        // Matches first (nothing changes), then hits.
+        let mut found = Vec::new();
+        for (p, &salt) in prompts.iter().zip(salts) {
+            let max = p.len().saturating_sub(1) / self.ps;
+            let (mut pages, mut prev) = (Vec::new(), 0u64);
+            for k in 0..max {
+                match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
+                    Some((page, e)) if e.parent_reg == prev => {
+                        pages.push(page);
+                        prev = e.reg;
+                    }
+                    _ => break,
+                }
+            }
+            found.push((pages, prev));
+        }
+        let (mut hs, mut cached) = (Vec::new(), Vec::new());
+        for ((p, &salt), (pages, prev)) in prompts.iter().zip(salts).zip(found) {
+            let (row, h) = self.new_row(salt);
+            for &q in &pages {
+                self.hold(q);
+            }
+            let len = pages.len() * self.ps;
+            let r = self.reqs.get_mut(&row).unwrap();
+            r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
+            r.pages = pages.clone();
+            r.prompt = p.clone();
+            r.hashed = pages.len();
+            r.chain_reg = prev;
+            self.hit += len as u64;
+            self.miss += (p.len() - len) as u64;
+            hs.push(h);
+            cached.push(len as i64);
+        }
+        Ok((hs, cached))
+    }
+
+    /// `tokens`: per request, the ids given for its new positions (or None).
+    pub fn extend(
+        &mut self,
+        hs: &[i64],
+        cs: &[i64],
+        tokens: Option<&[i64]>,
+    ) -> Result<Vec<i64>, Kind> {
+        let mut rows = Vec::new();
+        let mut need = 0;
+        for (i, &h) in hs.iter().enumerate() {
+            let r = self.row(h).ok_or(Kind::Handle)?;
+            if rows.contains(&r) {
+                return Err(Kind::Arg);
+            }
+            rows.push(r);
+            if cs[i] < 0 {
+                return Err(Kind::Arg);
+            }
+            let req = &self.reqs[&r];
+            let (len, c) = (req.len(), cs[i] as usize);
+            if len + c > MAX_CTX {
+                return Err(Kind::TooLong);
+            }
+            need += (len + c).div_ceil(self.ps) - len.div_ceil(self.ps);
+            if c > 0 && len % self.ps != 0 && self.holders(*req.pages.last().unwrap()) > 1 {
+                need += 1;
+            }
+        }
+        if let Some(t) = tokens {
+            let total: i64 = cs.iter().sum();
+            if t.len() as i64 != total || t.iter().any(|&x| x < 0 || x > i32::MAX as i64) {
+                return Err(Kind::Arg);
+            }
+            let mut k = 0;
+            for (i, &r) in rows.iter().enumerate() {
+                let req = &self.reqs[&r];
+                for j in 0..cs[i] as usize {
+                    let pos = req.len() + j;
+                    if pos < req.prompt.len() && req.prompt[pos] as i64 != t[k + j] {
+                        return Err(Kind::Arg);
+                    }
+                }
+                k += cs[i] as usize;
+            }
+        }
+        if need > self.free.len() + self.lru.len() {
+            return Err(Kind::Exhausted);
+        }
+        let mut out = Vec::new();
+        let mut k = 0;
+        for (i, &r) in rows.iter().enumerate() {
+            let c = cs[i] as usize;
+            let len = self.reqs[&r].len();
+            if c > 0 && len % self.ps != 0 {
+                let last = *self.reqs[&r].pages.last().unwrap();
+                if self.holders(last) > 1 {
+                    let q = self.take_page();
+                    let off = len % self.ps;
+                    for j in 0..off {
+                        self.copies.0.push((last * self.ps + j) as i64);
+                        self.copies.1.push((q * self.ps + j) as i64);
+                    }
+                    *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
+                } else if self.reg.contains_key(&last) {
+                    self.reg.remove(&last);
+                }
+            }
+            for j in 0..c {
+                let t = len + j;
+                let page = if t % self.ps == 0 {
+                    let p = self.take_page();
+                    self.reqs.get_mut(&r).unwrap().pages.push(p);
+                    p
+                } else {
+                    *self.reqs[&r].pages.last().unwrap()
+                };
+                let req = self.reqs.get_mut(&r).unwrap();
+                let id = match tokens {
+                    Some(tk) => Some(tk[k + j] as i32),
+                    None => req.prompt.get(t).copied(),
+                };
+                req.tokens.push(id);
+                out.push((page * self.ps + t % self.ps) as i64);
+            }
+            k += c;
+        }
+        Ok(out)
+    }
+
+    pub fn truncate(&mut self, hs: &[i64], ls: &[i64]) -> Result<(), Kind> {
+        for i in 0..hs.len() {
+            let r = self.rows(&hs[..=i])?[i];
+            if ls[i] < 0 || ls[i] as usize > self.reqs[&r].len() {
+                return Err(Kind::Arg);
+            }
+        }
+        let rows = self.rows(hs)?;
+        for (&r, &l) in rows.iter().zip(ls) {
+            self.shrink(r, l as usize);
+        }
+        Ok(())
+    }
+
+    fn shrink(&mut self, r: usize, l: usize) {
+        let keep = l.div_ceil(self.ps);
+        let req = self.reqs.get_mut(&r).unwrap();
+        let dropped: Vec<usize> = req.pages.drain(keep..).collect();
+        req.tokens.truncate(l);
+        for &p in dropped.iter().rev() {
+            self.release(p);
+        }
+        let full = l / self.ps;
+        let req = &self.reqs[&r];
+        if req.hashed > full {
+            let entry = (full > 0)
+                .then(|| self.reg.get(&req.pages[full - 1]).cloned())
+                .flatten();
+            let req = self.reqs.get_mut(&r).unwrap();
+            req.broken = false;
+            match entry {
+                Some(e) => {
+                    req.hashed = full;
+                    req.chain_reg = e.reg;
+                }
+                None => {
+                    req.hashed = 0;
+                    req.chain_reg = 0;
+                }
+            }
+        }
+    }
+
+    pub fn cache(&mut self, hs: &[i64]) -> Result<(), Kind> {
+        let rows = self.rows(hs)?;
+        for r in rows {
+            self.register(r);
+        }
+        Ok(())
+    }
+
+    fn register(&mut self, r: usize) {
+        let req = self.reqs[&r].clone();
+        if req.broken {
+            return;
+        }
+        let known = req.known().len().min(req.len());
+        let mut chain_reg = req.chain_reg;
+        let mut k = req.hashed;
+        let mut broken = false;
+        while k < known / self.ps {
+            let p = req.pages[k];
+            let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
+            let reg = match self.find(&key) {
+                None if !self.reg.contains_key(&p) => {
+                    let reg = self.next_reg;
+                    self.next_reg += 1;
+                    self.reg.insert(
+                        p,
+                        Entry {
+                            key,
+                            reg,
+                            parent_reg: chain_reg,
+                        },
+                    );
+                    Some(reg)
+                }
+                Some((q, e)) if q == p => {
+                    self.reg.get_mut(&p).unwrap().parent_reg = chain_reg;
+                    Some(e.reg)
+                }
+                Some((_, e)) if e.parent_reg == chain_reg => Some(e.reg),
+                _ => None,
+            };
+            match reg {
+                Some(reg) => {
+                    chain_reg = reg;
+                    k += 1;
+                }
+                None => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let req = self.reqs.get_mut(&r).unwrap();
+        req.hashed = k;
+        req.chain_reg = chain_reg;
+        req.broken = broken;
+    }
+
+    pub fn close(&mut self, hs: &[i64], cache: bool) -> Result<(), Kind> {
+        let rows = self.rows(hs)?;
+        if cache {
+            for &r in &rows {
+                self.register(r);
+            }
+        }
+        for r in rows {
+            self.shrink(r, 0);
+            self.reqs.remove(&r);
+            self.free_rows.push(r);
+        }
+        Ok(())
+    }
+
+    pub fn fork(&mut self, h: i64, n: usize) -> Result<Vec<i64>, Kind> {
+        let parent = self.row(h).ok_or(Kind::Handle)?;
+        if n > self.free_rows.len() {
+            return Err(Kind::TooMany);
+        }
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let copy = self.reqs[&parent].clone();
+            let (row, h) = self.new_row(copy.salt);
+            self.reqs.insert(row, copy);
+            out.push(h);
+        }
+        Ok(out)
+    }
+
+    pub fn evict(&mut self, n: usize) -> usize {
+        let k = n.min(self.lru.len());
+        for _ in 0..k {
+            let p = self.lru.remove(0);
+            self.reg.remove(&p);
+            self.free.push(p);
+        }
+        k
+    }
+
+    pub fn clear_cache(&mut self) {
+        for p in std::mem::take(&mut self.lru) {
+            self.free.push(p);
+        }
+        self.reg.clear();
+        for r in self.reqs.values_mut() {
+            r.hashed = 0;
+            r.chain_reg = 0;
+            r.broken = false;
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Shared pages: prefix hits, fork and copy-on-write, eviction order, events.
+
+use kvpool_core::{Counts, Options, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+
+fn pool(pages: usize, ps: usize) -> SlotAllocator {
+    let opts = Options {
+        hash_seed: Some(7),
+        ..Options::new()
+    };
+    SlotAllocator::with_options(pages, ps, 8, 64, opts).unwrap()
+}
+
+fn seq(n: usize, from: i64) -> Vec<i64> {
+    (from..from + n as i64).collect()
+}
+
+/// Opens `prompt`, prefills it, registers it and closes it.
+fn serve(a: &mut SlotAllocator, prompt: &[i64], salt: i64) -> Vec<i64> {
+    let (h, cached) = a
+        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(salt))
+        .unwrap();
+    a.extend(&h, Counts::Each(prompt.len() as i64 - cached[0]), None)
+        .unwrap();
+    let slots = a.slots(h[0]).unwrap();
+    a.close(&h, true).unwrap();
+    a.check().unwrap();
+    slots
+}
+
+#[test]
+fn a_shared_system_prompt_is_computed_once() {
+    let mut a = pool(32, 4);
+    let system = seq(8, 100);
+    let p1 = [system.clone(), vec![1, 2, 3]].concat();
+    let p2 = [system.clone(), vec![4, 5]].concat();
+    let s1 = serve(&mut a, &p1, 0);
+    assert_eq!((a.cached_pages(), a.evictable_pages()), (2, 2)); // 8 of 11 tokens in full pages
+    let (h, cached) = a.open_with_prefix(&p2, &[10], Counts::Each(0)).unwrap();
+    assert_eq!(cached, vec![8]);
+    assert_eq!(
+        a.slots(h[0]).unwrap(),
+        s1[..8].to_vec(),
+        "the same slots, not a copy"
+    );
+    assert_eq!((a.hit_tokens(), a.miss_tokens()), (8, 11 + 2));
+    assert_eq!(a.evictable_pages(), 0, "hit pages are HELD again");
+    // A different salt never shares; a prompt of exactly the cached length
+    // keeps its last page to compute.
+    let (_, c) = a.open_with_prefix(&p2, &[10], Counts::Each(1)).unwrap();
+    assert_eq!(c, vec![0]);
+    let (_, c) = a.open_with_prefix(&system, &[8], Counts::Each(0)).unwrap();
+    assert_eq!(c, vec![4]);
+    a.check().unwrap();
+}
+
+#[test]
+fn extends_take_prompt_tokens_and_decode_tokens() {
+    let mut a = pool(32, 4);
+    let prompt = seq(6, 10);
+    let (h, _) = a.open_with_prefix(&prompt, &[6], Counts::Each(0)).unwrap();
+    a.extend(&h, Counts::Each(6), None).unwrap();
+    a.extend(&h, Counts::Each(2), Some(&[7, 8])).unwrap();
+    assert_eq!(
+        a.known_tokens(h[0]).unwrap(),
+        vec![10, 11, 12, 13, 14, 15, 7, 8]
+    );
+    a.extend(&h, Counts::Each(1), None).unwrap(); // unknown: page 3 uncacheable
+    a.extend(&h, Counts::Each(3), Some(&[1, 2, 3])).unwrap();
+    a.cache(&h).unwrap();
+    assert_eq!(a.cached_pages(), 2);
+    assert_eq!(a.known_tokens(h[0]).unwrap().len(), 8);
+}
+
+#[test]
+fn fork_shares_pages_and_copies_the_partial_page_on_write() {
+    let mut a = pool(32, 4);
+    let h = a.open(1).unwrap();
+    let s = a.extend(&h, Counts::Each(6), Some(&seq(6, 0))).unwrap(); // pages 1, 2 (half)
+    let kids = a.fork(h[0], 2).unwrap();
+    assert_eq!(a.used_pages(), 2);
+    for &k in &kids {
+        assert_eq!(a.slots(k).unwrap(), s);
+        assert_eq!(
+            a.known_tokens(k).unwrap(),
+            seq(6, 0).iter().map(|&t| t as i32).collect::<Vec<_>>()
+        );
+    }
+    // First writer into the shared half page gets a copy of its valid part.
+    let mut grown = Vec::new();
+    let mut out = vec![0; 1];
+    a.extend_into(&kids[..1], Counts::Each(1), None, &mut out, |g| {
+        grown.push((g.start, g.moved, g.slots.to_vec()))
+    })
+    .unwrap();
+    assert_eq!(grown, vec![(6, 2, vec![14])]); // new page 3: slots 12, 13 copied, 14 new
+    assert_eq!(a.take_copies(), (vec![8, 9], vec![12, 13]));
+    assert_eq!(a.slots(kids[0]).unwrap(), vec![4, 5, 6, 7, 12, 13, 14]);
+    // The parent and the other child still share page 2; then the last
+    // holders write: one copies, the other (now alone) writes in place.
+    a.extend(&[h[0], kids[1]], Counts::Each(1), None).unwrap();
+    let (src, dst) = a.take_copies();
+    assert_eq!((src.len(), dst.len()), (2, 2));
+    assert_eq!(a.slots(kids[1]).unwrap(), vec![4, 5, 6, 7, 8, 9, 10]);
+    a.check().unwrap();
+}
+
+#[test]
+fn truncate_into_a_shared_page_copies_on_the_next_write() {
+    let mut a = pool(32, 4);
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(8), Some(&seq(8, 0))).unwrap();
+    let k = a.fork(h[0], 1).unwrap();
+    a.truncate(&k, Counts::Each(5)).unwrap(); // into page 2, still held by h
+    let s = a.extend(&k, Counts::Each(1), Some(&[99])).unwrap();
+    assert_eq!(a.take_copies(), (vec![8], vec![12]));
+    assert_eq!(s, vec![13]);
+    assert_eq!(
+        a.slots(h[0]).unwrap(),
+        (4..12).collect::<Vec<i64>>(),
+        "the parent's page is untouched"
+    );
+    a.check().unwrap();
+}
+
+#[test]
+fn a_registered_page_is_never_written_in_place() {
+    let mut a = pool(32, 4);
+    let prompt = seq(8, 50);
+    let h = a.open(1).unwrap();
+    a.extend(
+        &h,
+        Counts::Each(9),
+        Some(&[prompt.clone(), vec![1]].concat()),
+    )
+    .unwrap();
+    a.cache(&h).unwrap();
+    assert_eq!(a.cached_pages(), 2);
+    // Alone with its registered page 2: truncating into it and writing
+    // other tokens unregisters it first, so no later prompt hits stale KV.
+    a.truncate(&h, Counts::Each(6)).unwrap();
+    a.take_events();
+    a.extend(&h, Counts::Each(1), Some(&[7])).unwrap();
+    let ev = a.take_events();
+    assert_eq!(
+        (ev.kind.clone(), ev.page.clone()),
+        (vec![EVENT_REMOVED], vec![2])
+    );
+    assert_eq!(a.cached_pages(), 1);
+    let (_, c) = a
+        .open_with_prefix(&[prompt.clone(), vec![3]].concat(), &[9], Counts::Each(0))
+        .unwrap();
+    assert_eq!(c, vec![4], "only the untouched first page hits");
+    // Shared with another request instead: the writer copies.
+    let mut b = pool(32, 4);
+    let h = b.open(1).unwrap();
+    b.extend(&h, Counts::Each(8), Some(&prompt)).unwrap();
+    b.close(&h, true).unwrap();
+    let (h2, c) = b
+        .open_with_prefix(&[prompt.clone(), vec![1]].concat(), &[9], Counts::Each(0))
+        .unwrap();
+    assert_eq!(c, vec![8]);
+    let kid = b.fork(h2[0], 1).unwrap();
+    b.truncate(&kid, Counts::Each(6)).unwrap();
+    b.extend(&kid, Counts::Each(1), None).unwrap(); // the prompt's token 56 again
+    assert_eq!(b.cached_pages(), 2, "the cached copy stays registered");
+    assert_eq!(b.take_copies().0, vec![8, 9]);
+    b.check().unwrap();
+}
+
+#[test]
+fn eviction_takes_least_recent_chains_tail_first() {
+    let mut a = pool(9, 2); // 8 usable pages
+    serve(&mut a, &seq(7, 0), 0); // pages 1,2,3 registered, 4 (partial) freed
+    serve(&mut a, &seq(5, 100), 0); // FREE pages first: 4,5 registered, 6 freed
+    assert_eq!(a.evictable_pages(), 5);
+    a.take_events();
+    assert_eq!(a.evict(2), 2);
+    let ev = a.take_events();
+    assert_eq!(ev.kind, vec![EVENT_REMOVED; 2]);
+    // The older chain goes first, its last page before its first.
+    let first_chain = {
+        let (h, _) = a
+            .open_with_prefix(&seq(7, 0), &[7], Counts::Each(0))
+            .unwrap();
+        let c = a.length(h[0]).unwrap();
+        a.close(&h, false).unwrap();
+        c
+    };
+    assert_eq!(
+        first_chain, 2,
+        "pages 2 and 3 of the first chain were evicted, page 1 kept"
+    );
+    assert_eq!(a.evict(100), 3); // pages 5, 4 of the second chain, then page 1
+    a.check().unwrap();
+}
+
+#[test]
+fn extend_under_pressure_evicts_instead_of_failing() {
+    let mut a = pool(5, 2); // 4 usable pages
+    serve(&mut a, &seq(8, 0), 0);
+    assert_eq!((a.free_pages(), a.evictable_pages()), (4, 4));
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(7), None).unwrap();
+    assert_eq!((a.free_pages(), a.cached_pages()), (0, 0));
+    let e = a.extend(&h, Counts::Each(2), None).unwrap_err();
+    assert!(matches!(
+        e,
+        kvpool_core::PoolError::Exhausted {
+            needed_pages: 1,
+            free_pages: 0,
+            ..
+        }
+    ));
+    a.check().unwrap();
+}
+
+#[test]
+fn events_carry_hash_chain_page_and_tokens() {
+    let mut a = pool(16, 2);
+    serve(&mut a, &seq(5, 10), 3);
+    let ev = a.take_events();
+    assert_eq!(ev.kind, vec![EVENT_STORED, EVENT_STORED]);
+    assert_eq!(ev.page, vec![1, 2]);
+    assert_eq!(ev.num_tokens, vec![2, 2]);
+    assert_eq!(ev.token_ids, vec![10, 11, 12, 13]);
+    assert_eq!(ev.salt, vec![3, 3]);
+    assert_eq!(
+        (ev.parent_hi[0], ev.parent_lo[0]),
+        (0, 0),
+        "first page has no parent"
+    );
+    assert_eq!(
+        (ev.parent_hi[1], ev.parent_lo[1]),
+        (ev.hash_hi[0], ev.hash_lo[0])
+    );
+    // Same seed, same hashes: routers and ranks agree.
+    let mut b = pool(16, 2);
+    serve(&mut b, &seq(5, 10), 3);
+    assert_eq!(b.take_events(), ev);
+    a.clear_cache();
+    let ev = a.take_events();
+    assert_eq!(ev.kind, vec![EVENT_CLEARED]);
+    assert_eq!((a.cached_pages(), a.free_pages()), (0, 15));
+    assert!(a.take_events().is_empty());
+    a.check().unwrap();
+}
+
+#[test]
+fn duplicate_registration_keeps_the_first_copy() {
+    let mut a = pool(32, 2);
+    let p = seq(4, 0);
+    let (h, _) = a.open_with_prefix(&p, &[4], Counts::Each(0)).unwrap();
+    let (h2, _) = a.open_with_prefix(&p, &[4], Counts::Each(0)).unwrap();
+    a.extend(&[h[0], h2[0]], Counts::Each(4), None).unwrap();
+    let first = a.pages(h[0]).unwrap();
+    a.cache(&h).unwrap();
+    a.take_events();
+    a.cache(&h2).unwrap();
+    assert!(
+        a.take_events().is_empty(),
+        "a duplicate is not stored again"
+    );
+    a.close(&[h[0], h2[0]], true).unwrap();
+    assert_eq!(a.cached_pages(), 2);
+    let (h3, c) = a
+        .open_with_prefix(&[p.clone(), vec![9]].concat(), &[5], Counts::Each(0))
+        .unwrap();
+    assert_eq!(c, vec![4]);
+    assert_eq!(a.pages(h3[0]).unwrap(), first);
+    a.check().unwrap();
+}

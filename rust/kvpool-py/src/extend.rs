@@ -1,0 +1,237 @@
+//! The extend family of `SlotAllocator`: extend (optionally writing a
+//! caller's int32 table), extend_with_starts, and extend_packed (everything a
+//! device request-to-token table needs, in one array). Each takes optional
+//! token ids and can report copy-on-write work in one `cow` array:
+//! `[rows | positions | src_slots | dst_slots]` (m each, one entry per moved
+//! position), so the torch layer can copy the K/V and fix its table.
+
+use kvpool_core::{Grown, SlotAllocator as Core};
+use numpy::PyUntypedArray;
+use pyo3::prelude::*;
+
+use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
+use crate::convert::{int_arg, IntArg};
+use crate::errors::{invalid_argument, Result};
+use crate::output::{extend_total, new_i64};
+use crate::table::Table;
+
+/// Rows and positions of the positions copy-on-write moved, in queue order.
+#[derive(Default)]
+struct Moved {
+    rows: Vec<i64>,
+    positions: Vec<i64>,
+}
+
+impl Moved {
+    fn note(&mut self, g: &Grown<'_>) {
+        for j in 0..g.moved {
+            self.rows.push(g.row as i64);
+            self.positions.push((g.start - g.moved + j) as i64);
+        }
+    }
+
+    /// `[rows | positions | src | dst]`, or None when nothing moved.
+    fn finish(self, core: &mut Core, queued_before: usize) -> Option<Vec<i64>> {
+        if self.rows.is_empty() {
+            return None;
+        }
+        let (src, dst) = core.take_copies_from(queued_before);
+        Some([self.rows, self.positions, src, dst].concat())
+    }
+}
+
+fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<i64>>> {
+    Ok(match tokens {
+        None => None,
+        Some(t) => Some(match int_arg(py, t, "tokens")? {
+            IntArg::Scalar(v) => vec![v],
+            IntArg::Many(v) => v,
+        }),
+    })
+}
+
+#[pymethods]
+impl SlotAllocator {
+    /// extend(handles, counts, table=None, tokens=None, cow=False) -> slots | (slots, cow)
+    ///
+    /// Grows each request by counts[i] tokens (or `counts` for all); a new page
+    /// is taken only when a request's last page is full (FREE pages first,
+    /// then the least recently used cached page). Atomic.
+    ///
+    /// Args:
+    ///     handles: int, sequence or 1-D integer array of open handles (no duplicates).
+    ///     counts: int (for all) or one int per handle, >= 0.
+    ///     table: optional int32 2-D numpy array [>= max_requests, >= max_context_len]
+    ///         (e.g. req_to_token.numpy()): table[row, start:start+count] gets each
+    ///         request's new slots in the same call (and the new slots of
+    ///         positions a copy-on-write moved).
+    ///     tokens: optional token ids of the new positions, flattened like the
+    ///         slots (one per new position, in [0, 2^31)). Positions covered by
+    ///         the prompt given to open_with_prefix take its ids (given ids must
+    ///         agree); positions without ids make their pages uncacheable.
+    ///     cow: also return the copy-on-write work of this call: None, or an
+    ///         int64 array [rows | positions | src_slots | dst_slots] (m each).
+    ///         Without cow=True the copies stay queued for take_copies().
+    ///
+    /// Returns:
+    ///     the new slots, flattened in request order (int64); with cow=True,
+    ///     (slots, cow).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     PoolExhaustedError: not enough free or evictable pages (needed vs free).
+    ///     ContextTooLongError: a request would pass max_context_len.
+    ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
+    ///         handle, bad table, tokens of the wrong length or range, or
+    ///         disagreeing with the prompt. Nothing changes on any error.
+    #[pyo3(signature = (handles, counts, table=None, tokens=None, cow=false))]
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        table: Option<&Bound<'py, PyAny>>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        cow: bool,
+    ) -> Result<Py<PyAny>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let toks = tokens_arg(py, tokens)?;
+        let (rows, cols, num_slots) = (self.max_requests, self.max_context_len, self.num_slots);
+        // Validate the table fully before any change; keep `table` alive
+        // (it is borrowed from the caller) while its buffer is written.
+        let t = match table {
+            None => None,
+            Some(table) => {
+                let arr = table.cast::<PyUntypedArray>().map_err(|_| {
+                    invalid_argument(
+                        py,
+                        "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
+                    )
+                })?;
+                Some(Table::validate(py, arr, rows, cols, num_slots)?)
+            }
+        };
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots))?;
+        let moved = py.detach(|| -> kvpool_core::Result<Option<Vec<i64>>> {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let dst = unsafe { out.slice() };
+            let mut core = self.lock();
+            let before = core.pending_copies();
+            let mut moved = Moved::default();
+            core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
+                if let Some(t) = &t {
+                    // SAFETY: validated above (int32, C-contiguous, writeable,
+                    // big enough); the caller's array object is referenced by
+                    // `table` for the whole call, so its buffer stays alive.
+                    unsafe { t.write_grown(g) }
+                }
+                if cow && g.moved > 0 {
+                    moved.note(g);
+                }
+            })?;
+            Ok(if cow {
+                moved.finish(&mut core, before)
+            } else {
+                None
+            })
+        })?;
+        if !cow {
+            return Ok(arr.into_any().unbind());
+        }
+        let cow_arr = moved.map(|v| to_numpy(py, &v));
+        Ok((arr, cow_arr).into_pyobject(py)?.into_any().unbind())
+    }
+
+    /// extend_with_starts(handles, counts) -> (slots, starts)
+    ///
+    /// extend, also returning each request's length before the call (int64).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
+    fn extend_with_starts<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots))?;
+        let (starts_arr, mut starts) = new_i64(py, h.len())?;
+        py.detach(|| {
+            // SAFETY: both arrays are alive and not yet shared (see OutBuf).
+            let (dst, st) = unsafe { (out.slice(), starts.slice()) };
+            self.lock().extend_into(&h, counts_of(&c), None, dst, |g| {
+                // index < handles.len() == st.len(); get_mut keeps it panic-free.
+                if let Some(s) = st.get_mut(g.index) {
+                    *s = g.start as i64;
+                }
+            })
+        })?;
+        Ok((arr, starts_arr))
+    }
+
+    /// extend_packed(handles, counts, tokens=None) -> (packed, b, cow)
+    ///
+    /// `extend` plus everything a device copy of the request-to-token table
+    /// needs, in one crossing and one int64 array, so that one host-to-device
+    /// copy ships it: b = the number of requests and s = b rounded up to
+    /// even, packed = [rows | starts | counts | offsets] (each s long, the
+    /// padding zero) followed by the new slots. Every segment starts 16-byte
+    /// aligned (Triton specializes pointers on it). `cow` is None, or the
+    /// copy-on-write work as in extend(cow=True) (the table entries of the
+    /// moved positions are not in `packed`: write them from `cow`).
+    ///
+    /// Raises:
+    ///     the same errors as extend; nothing changes on any error.
+    #[pyo3(signature = (handles, counts, tokens=None))]
+    fn extend_packed<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        tokens: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Arr<'py, i64>, usize, Option<Arr<'py, i64>>)> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let c = int_arg(py, counts, "counts")?;
+        let toks = tokens_arg(py, tokens)?;
+        let b = h.len();
+        let stride = b + (b & 1);
+        let head = 4 * stride;
+        let total = extend_total(b, &c, self.num_slots);
+        let (arr, mut out) = new_i64(py, head + total)?;
+        let moved = py.detach(|| -> kvpool_core::Result<Option<Vec<i64>>> {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let all = unsafe { out.slice() };
+            let (meta, dst) = all.split_at_mut(head);
+            let (rows, rest) = meta.split_at_mut(stride);
+            let (starts, rest) = rest.split_at_mut(stride);
+            let (cnts, offsets) = rest.split_at_mut(stride);
+            let mut at = 0i64;
+            let mut core = self.lock();
+            let before = core.pending_copies();
+            let mut moved = Moved::default();
+            core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
+                // index < b <= stride; get_mut keeps it panic-free.
+                let n = g.slots.len() as i64;
+                for (seg, v) in [
+                    (&mut *rows, g.row as i64),
+                    (&mut *starts, g.start as i64),
+                    (&mut *cnts, n),
+                    (&mut *offsets, at),
+                ] {
+                    if let Some(x) = seg.get_mut(g.index) {
+                        *x = v;
+                    }
+                }
+                at += n;
+                if g.moved > 0 {
+                    moved.note(g);
+                }
+            })?;
+            Ok(moved.finish(&mut core, before))
+        })?;
+        Ok((arr, b, moved.map(|v| to_numpy(py, &v))))
+    }
+}

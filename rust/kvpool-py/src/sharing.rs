@@ -1,0 +1,219 @@
+//! The shared-pages API of `SlotAllocator`: prefix caching
+//! (open_with_prefix, cache, evict, clear_cache, take_events), fork and the
+//! copy-on-write queue, and the cache counters. Arguments become plain Rust
+//! values first; the work runs with the GIL released.
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
+use crate::convert::{int_arg, int_scalar, IntArg};
+use crate::errors::{invalid_argument, Result};
+
+/// A hash seed: a Python int in [0, 2^64).
+pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(invalid_argument(
+            py,
+            "hash_seed must be an int in [0, 2**64), got bool",
+        ));
+    }
+    obj.extract::<u64>().map_err(|_| {
+        invalid_argument(
+            py,
+            format!("hash_seed must be an int in [0, 2**64), got {obj}"),
+        )
+    })
+}
+
+#[pymethods]
+impl SlotAllocator {
+    /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)
+    ///
+    /// Opens one request per prompt, each starting on the longest cached
+    /// prefix of full pages of its prompt, capped so that at least one token
+    /// is left to compute (cached_len <= length - 1, rounded down to a page).
+    /// Each request's length is its cached_len; its slots, pages and page
+    /// table show the shared pages. The prompt's token ids are remembered:
+    /// later extends take them. Atomic.
+    ///
+    /// Args:
+    ///     tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
+    ///     lengths: each prompt's length.
+    ///     salt: None (0), an int for all, or one int per prompt (LoRA id,
+    ///         tenant, cache salt): different salts never share pages.
+    ///
+    /// Returns:
+    ///     (handles int64, cached_lens int64).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: tokens and lengths disagree, a negative length,
+    ///         a token id out of range, a salt of the wrong type or count.
+    ///     ContextTooLongError: a prompt longer than max_context_len.
+    ///     TooManyRequestsError: not enough free rows.
+    #[pyo3(signature = (tokens, lengths, salt=None))]
+    fn open_with_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        lengths: &Bound<'py, PyAny>,
+        salt: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
+        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let l = int_arg(py, lengths, "lengths")?.into_vec();
+        let s = match salt {
+            None => IntArg::Scalar(0),
+            Some(s) => int_arg(py, s, "salt")?,
+        };
+        let (h, c) = py.detach(|| self.lock().open_with_prefix(&t, &l, counts_of(&s)))?;
+        Ok((to_numpy(py, &h), to_numpy(py, &c)))
+    }
+
+    /// cache(handles) -> None
+    ///
+    /// Registers every full page of each request whose token ids are all
+    /// known and that is not registered yet, so later prompts can hit it.
+    /// Call it once the step that wrote those pages has run. If the same
+    /// content is registered already, the existing copy is kept. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
+    fn cache(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        Ok(py.detach(|| self.lock().cache(&h))?)
+    }
+
+    /// fork(handle, n=1) -> ndarray[int64]
+    ///
+    /// Opens n requests that share all of `handle`'s pages and known tokens
+    /// (same length, prompt and salt). A shared, partly filled last page is
+    /// copy-on-write: the first holder to extend into it gets a copy.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: `handle` is unknown, closed or stale.
+    ///     TooManyRequestsError: not enough free rows.
+    ///     InvalidArgumentError: n is negative or not an int.
+    #[pyo3(signature = (handle, n=None))]
+    fn fork<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+        n: Option<&Bound<'py, PyAny>>,
+    ) -> Result<Arr<'py, i64>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let n = match n {
+            None => 1,
+            Some(n) => int_scalar(py, n, "n")?,
+        };
+        let n = usize::try_from(n)
+            .map_err(|_| invalid_argument(py, format!("n must be >= 0, got {n}")))?;
+        let v = py.detach(|| self.lock().fork(h, n))?;
+        Ok(to_numpy(py, &v))
+    }
+
+    /// take_copies() -> (src_slots, dst_slots)
+    ///
+    /// Drains the queued copy-on-write copies (int64 slot pairs). Copy every
+    /// layer's K and V from src[i] to dst[i] before the next write into the
+    /// destination pages and before any call that could free the source
+    /// pages. KVPool does this inside extend.
+    fn take_copies<'py>(&self, py: Python<'py>) -> (Arr<'py, i64>, Arr<'py, i64>) {
+        let (s, d) = py.detach(|| self.lock().take_copies());
+        (to_numpy(py, &s), to_numpy(py, &d))
+    }
+
+    /// evict(n_pages) -> int
+    ///
+    /// Evicts up to n_pages cached pages nobody holds, least recently used
+    /// first (a chain's tail before its parents); they become free. Returns
+    /// how many were evicted.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: n_pages is negative or not an int.
+    fn evict(&self, py: Python<'_>, n_pages: &Bound<'_, PyAny>) -> Result<usize> {
+        let n = int_scalar(py, n_pages, "n_pages")?;
+        let n = usize::try_from(n)
+            .map_err(|_| invalid_argument(py, format!("n_pages must be >= 0, got {n}")))?;
+        Ok(py.detach(|| self.lock().evict(n)))
+    }
+
+    /// clear_cache() -> None
+    ///
+    /// Drops every prefix-index entry: cached pages become free, held pages
+    /// stay with their requests. Records one Cleared event.
+    fn clear_cache(&self, py: Python<'_>) {
+        py.detach(|| self.lock().clear_cache())
+    }
+
+    /// take_events() -> dict[str, ndarray]
+    ///
+    /// Drains the KV events (what vLLM's KVEventBatch carries), oldest
+    /// first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
+    /// 2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
+    /// hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
+    /// first page), page (int32), num_tokens (int32), salt (int64), and
+    /// token_ids (int32, the Stored events' tokens concatenated).
+    fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
+        let e = py.detach(|| self.lock().take_events());
+        let d = PyDict::new(py);
+        d.set_item("kind", PyArray1::from_slice(py, &e.kind))?;
+        d.set_item("hash_hi", to_numpy(py, &e.hash_hi))?;
+        d.set_item("hash_lo", to_numpy(py, &e.hash_lo))?;
+        d.set_item("parent_hi", to_numpy(py, &e.parent_hi))?;
+        d.set_item("parent_lo", to_numpy(py, &e.parent_lo))?;
+        d.set_item("page", to_numpy(py, &e.page))?;
+        d.set_item("num_tokens", to_numpy(py, &e.num_tokens))?;
+        d.set_item("salt", to_numpy(py, &e.salt))?;
+        d.set_item("token_ids", to_numpy(py, &e.token_ids))?;
+        Ok(d)
+    }
+
+    /// known_tokens(handle) -> ndarray[int32]
+    ///
+    /// The request's token ids of its leading known positions.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn known_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+    ) -> Result<Arr<'py, i32>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let v = py.detach(|| self.lock().known_tokens(h))?;
+        Ok(to_numpy(py, &v))
+    }
+
+    /// The prefix hash seed (pass it as hash_seed= to agree on page hashes).
+    #[getter]
+    fn hash_seed(&self, py: Python<'_>) -> u64 {
+        self.query(py, |a| a.hash_seed())
+    }
+    /// Registered pages (held or cached).
+    #[getter]
+    fn cached_pages(&self, py: Python<'_>) -> usize {
+        self.query(py, |a| a.cached_pages())
+    }
+    /// Cached pages nobody holds: evicted when pages run out.
+    #[getter]
+    fn evictable_pages(&self, py: Python<'_>) -> usize {
+        self.query(py, |a| a.evictable_pages())
+    }
+    /// Prompt tokens served from the cache by open_with_prefix (cumulative).
+    #[getter]
+    fn hit_tokens(&self, py: Python<'_>) -> u64 {
+        self.query(py, |a| a.hit_tokens())
+    }
+    /// Prompt tokens open_with_prefix found no cached page for (cumulative).
+    #[getter]
+    fn miss_tokens(&self, py: Python<'_>) -> u64 {
+        self.query(py, |a| a.miss_tokens())
+    }
+    /// Copy-on-write copies queued and not yet taken.
+    #[getter]
+    fn pending_copies(&self, py: Python<'_>) -> usize {
+        self.query(py, |a| a.pending_copies())
+    }
+}

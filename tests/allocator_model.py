@@ -1,0 +1,278 @@
+"""A naive pure-Python model of SlotAllocator, shared pages included, for the
+hypothesis state machine: one page list and one token list per request,
+holders counted by scanning, the prefix index keyed by exact content
+(salt, every token up to the end of the page) with registration ids, the LRU
+list a plain list (oldest first). Same policies as the allocator, written the
+obvious way."""
+
+import kvpool
+
+MAX_REQ, MAX_CTX = 5, 20
+MAX_GEN = 0x7FFFFFFF
+
+
+class Req:
+    def __init__(self, salt=0):
+        self.pages, self.tokens, self.prompt = [], [], []
+        self.salt, self.hashed, self.chain_reg, self.broken = salt, 0, 0, False
+
+    def copy(self):
+        r = Req(self.salt)
+        r.pages, r.tokens, r.prompt = list(self.pages), list(self.tokens), list(self.prompt)
+        r.hashed, r.chain_reg, r.broken = self.hashed, self.chain_reg, self.broken
+        return r
+
+    def known(self):
+        out = []
+        for t in self.tokens:
+            if t is None:
+                break
+            out.append(t)
+        return out
+
+
+class Model:
+    def __init__(self, num_pages, ps, gen_base):
+        self.ps = ps
+        self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
+        self.lru = []  # cached pages, oldest first
+        self.reg = {}  # page -> (key, reg, parent_reg)
+        self.next_reg = 1
+        self.free_rows = list(range(MAX_REQ - 1, -1, -1))
+        self.gen = [None] * MAX_REQ
+        self.base = gen_base
+        self.reqs = {}  # row -> Req
+        self.copies = ([], [])
+        self.hit = self.miss = 0
+
+    # ----- helpers
+    def row(self, h):
+        r = h & 0xFFFFFFFF
+        if h >= 0 and r < MAX_REQ and r in self.reqs and h >> 32 == self.gen[r]:
+            return r
+        return None
+
+    def holders(self, p):
+        return sum(r.pages.count(p) for r in self.reqs.values())
+
+    def slots(self, r):
+        q = self.reqs[r]
+        return [q.pages[t // self.ps] * self.ps + t % self.ps for t in range(len(q.tokens))]
+
+    def find(self, key):
+        for p, (k, reg, parent) in self.reg.items():
+            if k == key:
+                return p, reg, parent
+        return None
+
+    def batch_rows(self, hs):
+        rows = []
+        for h in hs:
+            r = self.row(h)
+            if r is None:
+                raise kvpool.InvalidHandleError
+            if r in rows:
+                raise kvpool.InvalidArgumentError
+            rows.append(r)
+        return rows
+
+    def take_page(self):
+        if self.free:
+            return self.free.pop()
+        p = self.lru.pop(0)
+        del self.reg[p]
+        return p
+
+    def release(self, p):
+        if self.holders(p) == 0:
+            (self.lru if p in self.reg else self.free).append(p)
+
+    def new_row(self, salt=0):
+        r = self.free_rows.pop()
+        g = self.gen[r]
+        self.gen[r] = self.base if g is None else (1 if g >= MAX_GEN else g + 1)
+        self.reqs[r] = Req(salt)
+        return r, (self.gen[r] << 32) | r
+
+    # ----- operations
+    def open(self, n):
+        if n > len(self.free_rows):
+            raise kvpool.TooManyRequestsError
+        return [self.new_row()[1] for _ in range(n)]
+
+    def open_with_prefix(self, prompts, salt):
+        if any(len(p) > MAX_CTX for p in prompts):
+            raise kvpool.ContextTooLongError
+        if len(prompts) > len(self.free_rows):
+            raise kvpool.TooManyRequestsError
+        found = []
+        for p in prompts:
+            pages, prev = [], 0
+            for k in range(max(len(p) - 1, 0) // self.ps):
+                f = self.find((salt, tuple(p[: (k + 1) * self.ps])))
+                if f is None or f[2] != prev:
+                    break
+                pages.append(f[0])
+                prev = f[1]
+            found.append((pages, prev))
+        hs, cached = [], []
+        for p, (pages, prev) in zip(prompts, found):
+            r, h = self.new_row(salt)
+            for q in pages:
+                if q in self.lru:
+                    self.lru.remove(q)
+            n = len(pages) * self.ps
+            req = self.reqs[r]
+            req.pages, req.tokens, req.prompt = list(pages), list(p[:n]), list(p)
+            req.hashed, req.chain_reg = len(pages), prev
+            self.hit += n
+            self.miss += len(p) - n
+            hs.append(h)
+            cached.append(n)
+        return hs, cached
+
+    def extend(self, hs, cs, tokens=None):
+        need = 0
+        rows = []
+        for i in range(len(hs)):
+            r = self.batch_rows(hs[: i + 1])[i]
+            rows.append(r)
+            q = self.reqs[r]
+            n = len(q.tokens)
+            if cs[i] < 0:
+                raise kvpool.InvalidArgumentError
+            if n + cs[i] > MAX_CTX:
+                raise kvpool.ContextTooLongError
+            need += -(-(n + cs[i]) // self.ps) - (-(-n // self.ps))
+            if cs[i] > 0 and n % self.ps and self.holders(q.pages[-1]) > 1:
+                need += 1
+        if tokens is not None:
+            if len(tokens) != sum(cs) or any(not 0 <= t < 2**31 for t in tokens):
+                raise kvpool.InvalidArgumentError
+            k = 0
+            for r, c in zip(rows, cs):
+                q = self.reqs[r]
+                for j in range(c):
+                    pos = len(q.tokens) + j
+                    if pos < len(q.prompt) and q.prompt[pos] != tokens[k + j]:
+                        raise kvpool.InvalidArgumentError
+                k += c
+        if need > len(self.free) + len(self.lru):
+            raise kvpool.PoolExhaustedError
+        out, k = [], 0
+        for r, c in zip(rows, cs):
+            q = self.reqs[r]
+            n = len(q.tokens)
+            if c > 0 and n % self.ps:
+                last = q.pages[-1]
+                if self.holders(last) > 1:
+                    new = self.take_page()
+                    for j in range(n % self.ps):
+                        self.copies[0].append(last * self.ps + j)
+                        self.copies[1].append(new * self.ps + j)
+                    q.pages[-1] = new
+                elif last in self.reg:
+                    del self.reg[last]
+            for j in range(c):
+                t = n + j
+                if t % self.ps == 0:
+                    q.pages.append(self.take_page())
+                if tokens is not None:
+                    q.tokens.append(tokens[k + j])
+                else:
+                    q.tokens.append(q.prompt[t] if t < len(q.prompt) else None)
+                out.append(q.pages[-1] * self.ps + t % self.ps)
+            k += c
+        return out
+
+    def shrink(self, r, n):
+        q = self.reqs[r]
+        keep = -(-n // self.ps)
+        dropped = q.pages[keep:]
+        del q.pages[keep:]
+        del q.tokens[n:]
+        for p in reversed(dropped):
+            self.release(p)
+        full = n // self.ps
+        if q.hashed > full:
+            q.broken = False
+            e = self.reg.get(q.pages[full - 1]) if full > 0 else None
+            q.hashed, q.chain_reg = (full, e[1]) if e else (0, 0)
+
+    def truncate(self, hs, ls):
+        for i in range(len(hs)):
+            r = self.batch_rows(hs[: i + 1])[i]
+            if not 0 <= ls[i] <= len(self.reqs[r].tokens):
+                raise kvpool.InvalidArgumentError
+        for h, n in zip(hs, ls):
+            self.shrink(self.row(h), n)
+
+    def register(self, r):
+        q = self.reqs[r]
+        if q.broken:
+            return
+        known = q.known()
+        k, chain = q.hashed, q.chain_reg
+        while k < len(known) // self.ps:
+            p = q.pages[k]
+            key = (q.salt, tuple(known[: (k + 1) * self.ps]))
+            f = self.find(key)
+            if f is None and p not in self.reg:
+                self.reg[p] = (key, self.next_reg, chain)
+                reg = self.next_reg
+                self.next_reg += 1
+            elif f is not None and f[0] == p:
+                self.reg[p] = (key, f[1], chain)
+                reg = f[1]
+            elif f is not None and f[2] == chain:
+                reg = f[1]
+            else:
+                q.broken = True
+                break
+            chain, k = reg, k + 1
+        q.hashed, q.chain_reg = k, chain
+
+    def cache(self, hs):
+        for r in self.batch_rows(hs):
+            self.register(r)
+
+    def close(self, hs, cache=False):
+        rows = self.batch_rows(hs)
+        if cache:
+            for r in rows:
+                self.register(r)
+        for r in rows:
+            self.shrink(r, 0)
+            del self.reqs[r]
+            g = self.gen[r]
+            if (1 if g >= MAX_GEN else g + 1) != self.base:
+                self.free_rows.append(r)
+
+    def fork(self, h, n):
+        parent = self.row(h)
+        if parent is None:
+            raise kvpool.InvalidHandleError
+        if n > len(self.free_rows):
+            raise kvpool.TooManyRequestsError
+        out = []
+        for _ in range(n):
+            copy = self.reqs[parent].copy()
+            r, child = self.new_row()
+            self.reqs[r] = copy
+            out.append(child)
+        return out
+
+    def evict(self, n):
+        k = min(n, len(self.lru))
+        for _ in range(k):
+            p = self.lru.pop(0)
+            del self.reg[p]
+            self.free.append(p)
+        return k
+
+    def clear_cache(self):
+        self.free.extend(self.lru)
+        self.lru = []
+        self.reg = {}
+        for q in self.reqs.values():
+            q.hashed, q.chain_reg, q.broken = 0, 0, False
