@@ -24,8 +24,12 @@ from typing import Any
 import numpy as np
 
 import kvpool
+from kvpool.handles import ROW_MASK
 from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
 from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
+
+
+EVENT_REMOVED = 1  # take_events()["kind"]: 0 Stored, 1 Removed, 2 Cleared
 
 
 def available() -> tuple[bool, str]:
@@ -64,17 +68,19 @@ class KVPoolPrefixDriver(PrefixDriver):
             a.close(finished, cache=True)
         for prompt, length, lanes, k in groups:
             h, cached = a.open_with_prefix(prompt, length)
-            todo = int(length[0] - cached[0])
-            n += len(a.extend(h, todo, table=table))
+            h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
+            row = h0 & ROW_MASK
+            if hit:
+                table[row, :hit] = a.slots(h0)
+            n += len(a.extend(h, total - hit, table=table))
             a.cache(h)
-            self.prompt_tokens += k * int(length[0])
-            self.computed_tokens += todo
+            self.prompt_tokens += k * total
+            self.computed_tokens += total - hit
+            self.handles[lanes[0]] = h0
             if k > 1:
-                kids = a.fork(int(h[0]), k - 1)
-                self.handles[lanes[0]] = h[0]
+                kids = a.fork(h0, k - 1)
+                table[kids & ROW_MASK, :total] = table[row, :total]
                 self.handles[lanes[1:]] = kids
-            else:
-                self.handles[lanes[0]] = h[0]
         if len(decoding):
             n += len(a.extend(decoding, 1, tokens=fed, table=table))
             src, _ = a.take_copies()
@@ -82,13 +88,11 @@ class KVPoolPrefixDriver(PrefixDriver):
         return n
 
     def _count_events(self) -> None:
-        ev = self.alloc.take_events()
-        kinds = ev[0] if isinstance(ev, tuple) else ev["kind"]
-        self._evicted += int(np.count_nonzero(np.asarray(kinds) == 1))
+        kinds = self.alloc.take_events()["kind"]
+        self._evicted += int(np.count_nonzero(kinds == EVENT_REMOVED))
 
     def held_pages(self) -> int:
-        a = self.alloc
-        return int(a.capacity_pages - a.free_pages)
+        return int(self.alloc.used_pages)
 
     def cached_pages(self) -> int:
         return int(self.alloc.cached_pages)
