@@ -271,3 +271,46 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
                 got.append(p.read(layer, probe))
         for a, b in zip(*got):
             assert a.dtype == fast.compute_dtype and same(a, b)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pool_copy_on_write_through_kernels(page_size):
+    """Shared pages on the kernel path: a CPU pool with its host-table shortcut
+    off takes the CUDA path (extend_packed, the table kernel, copy_slots for
+    copy-on-write, the moved positions' table entries) under the interpreter,
+    and must end up bitwise identical to a twin run on the torch backend; each
+    forked request reads back its own K/V."""
+    import kvpool
+    from kvpool.kernels import _common
+
+    def make():
+        return kvpool.KVPool(2, 2, 8, dtype=torch.float16, num_pages=24, page_size=page_size, max_requests=6,
+                             max_context_len=32)
+
+    fast, slow = make(), make()
+    fast._table_np = None
+    seqs = {}
+    for pool in (fast, slow):
+        _common.INTERPRET = pool is fast
+        try:
+            h = pool.open(1)
+            pool.extend(h, 6, tokens=list(range(6)))
+            kids = pool.fork(h[0], 2)
+            hs = [int(h[0])] + [int(x) for x in kids]
+            for step in range(3):
+                r = pool.extend(hs, 1, tokens=[10 * i + step for i in range(3)])
+                k = torch.randn((3, 2, 8), generator=torch.Generator().manual_seed(step)).half()
+                for layer in range(2):
+                    pool.write(layer, r.out_cache_loc, k + layer, -k)
+            if page_size > 1:
+                assert len(pool.allocator.take_copies()[0]) == 0, "extend ran its copies itself"
+            seqs[id(pool)] = [pool.slots(x).tolist() for x in hs]
+            rows = pool.rows(hs)
+            for x, row in zip(hs, rows):
+                n = pool.length(x)
+                assert pool.req_to_token[row, :n].tolist() == pool.slots(x).tolist()
+        finally:
+            _common.INTERPRET = True
+    assert seqs[id(fast)] == seqs[id(slow)]
+    for a, b in zip(fast.named_tensors(), slow.named_tensors()):
+        assert torch.equal(a[1], b[1]), a[0]

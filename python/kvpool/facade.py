@@ -35,7 +35,7 @@ class AllocatorFacade:
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
-    free_pages = _counter("free_pages", "Pages on the free list, ready for new tokens.")
+    free_pages = _counter("free_pages", "Pages an extend can take now: free plus evictable cached pages.")
     used_pages = _counter("used_pages", "Pages held by open requests (``capacity_pages - free_pages``).")
     free_slots = _counter("free_slots", "``free_pages * page_size``.")
     used_slots = _counter("used_slots", "Slots in held pages, the unfilled tail of each last page included.")
@@ -47,13 +47,18 @@ class AllocatorFacade:
         "Tokens that can surely still be appended (a lower bound: partly filled last pages take a few more).",
     )
     metadata_bytes = _counter("metadata_bytes", "Host bytes of the allocator's bookkeeping.")
+    cached_pages = _counter("cached_pages", "Pages registered in the prefix cache (held or not).")
+    evictable_pages = _counter("evictable_pages", "Cached pages nobody holds: evicted (LRU) when pages run out.")
+    hit_tokens = _counter("hit_tokens", "Prompt tokens ``open_with_prefix`` served from the cache (cumulative).")
+    miss_tokens = _counter("miss_tokens", "Prompt tokens ``open_with_prefix`` found no cached page for (cumulative).")
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot (one lock), for logs and metrics.
 
         Returns:
             ``PoolStats`` with ``free_pages``, ``used_pages``, ``free_slots``,
-            ``used_slots``, ``open_requests``, ``admissible_tokens``, ``metadata_bytes``.
+            ``used_slots``, ``open_requests``, ``admissible_tokens``, ``metadata_bytes``,
+            ``cached_pages``, ``evictable_pages``, ``hit_tokens``, ``miss_tokens``.
         """
         return self.allocator.stats()
 
@@ -92,17 +97,66 @@ class AllocatorFacade:
         """
         self.allocator.truncate(handles, lengths)
 
-    def close(self, handles: Any) -> None:
-        """Close requests and free all their pages; their handles become stale.
+    def close(self, handles: Any, cache: bool = False) -> None:
+        """Close requests and release all their pages; their handles become stale.
 
         Args:
             handles: the requests (no duplicates).
+            cache: first register each request's full pages of known tokens in
+                the prefix cache (as ``cache``), so later prompts can reuse them.
 
         Raises:
             InvalidHandleError: a handle is unknown, already closed or stale.
             InvalidArgumentError: a duplicate handle.
         """
-        self.allocator.close(handles)
+        self.allocator.close(handles, cache=cache)
+
+    def cache(self, handles: Any) -> None:
+        """Register every full page of each request whose token ids are all known
+        and that is not registered yet, so that later prompts can hit it.
+
+        Call it once the step that wrote those pages has run (every step, or
+        only at close with ``close(cache=True)``). When the same content is
+        registered already, the existing copy is kept.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+        self.allocator.cache(handles)
+
+    def evict(self, n_pages: int) -> int:
+        """Evict up to ``n_pages`` cached pages nobody holds, least recently used
+        first (a chain's tail before its parents). Extends evict by themselves
+        when free pages run out; this is for engines that keep headroom.
+
+        Returns:
+            How many pages were evicted.
+
+        Raises:
+            InvalidArgumentError: ``n_pages`` is negative or not an int.
+        """
+        return self.allocator.evict(n_pages)
+
+    def clear_cache(self) -> None:
+        """Drop every prefix-cache entry: cached pages become free; pages held by
+        open requests stay with them. Records one Cleared event."""
+        self.allocator.clear_cache()
+
+    def take_events(self) -> dict[str, np.ndarray]:
+        """Drain the KV cache events (Stored / Removed / Cleared, what vLLM's
+        ``KVEventBatch`` carries) as one numpy array per field; see
+        ``SlotAllocator.take_events``. Events accumulate until drained (or pass
+        ``kv_events=False`` to the pool)."""
+        return self.allocator.take_events()
+
+    def known_tokens(self, handle: Any) -> np.ndarray:
+        """Token ids of request ``handle``'s leading known positions (int32).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+        return self.allocator.known_tokens(handle)
 
     def reset(self) -> None:
         """Close every request and free every page (all handles become stale).

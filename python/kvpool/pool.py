@@ -24,6 +24,7 @@ from kvpool.facade import AllocatorFacade
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage
 from kvpool.modes import persistent
+from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -49,7 +50,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(AllocatorFacade):
+class KVPool(AllocatorFacade, SharingMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -68,6 +69,13 @@ class KVPool(AllocatorFacade):
     Request operations, queries and counters (``open``, ``close``, ``lengths``,
     ``free_pages``, ``check``, ...) are the allocator's, forwarded (see
     ``AllocatorFacade``); ``pool.allocator`` is never needed for ordinary work.
+
+    Shared pages: ``open_with_prefix`` starts requests on cached pages of a
+    common prefix, ``cache`` / ``close(cache=True)`` publish pages, ``fork``
+    shares a request's pages, and ``extend`` runs copy-on-write copies on the
+    device (see ``kvpool.sharing``). ``hash_seed`` fixes the prefix hash (ranks
+    and routers that must agree); ``kv_events=False`` stops recording events
+    for ``take_events``.
 
     Raises (constructor):
         InvalidArgumentError: a bad size, dtype, layout, device or capacity
@@ -94,6 +102,8 @@ class KVPool(AllocatorFacade):
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        hash_seed: int | None = None,
+        kv_events: bool = True,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
         self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
@@ -130,7 +140,12 @@ class KVPool(AllocatorFacade):
         )
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.
-        self.allocator = SlotAllocator(pages, self.page_size, self.max_requests, self.max_context_len)
+        self.allocator = SlotAllocator(
+            pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed, kv_events=kv_events
+        )
+        # Set once a page can have two holders (fork, a prefix hit): from then
+        # on extend asks the core for copy-on-write work.
+        self._sharing = False
         self.num_pages, self.num_slots = pages, pages * self.page_size
         self.null_row = self.max_requests
 
@@ -198,16 +213,25 @@ class KVPool(AllocatorFacade):
     # (open, truncate, close, reset and the allocator's queries and counters
     # come from AllocatorFacade)
 
-    def extend(self, handles: Any, counts: Any) -> ExtendResult:
+    def extend(self, handles: Any, counts: Any, tokens: Any = None) -> ExtendResult:
         """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
 
         One crossing into the core. On CPU the core writes the table in place
         (it is host memory); on CUDA one H2D copy and one table-kernel launch,
-        no device sync. A new page is taken only when a request's last one is full.
+        no device sync. A new page is taken only when a request's last one is
+        full (free pages first, then the least recently used cached page).
+        When a request writes into a page it shares (after ``fork``, or a
+        ``truncate`` into a shared or cached page), the valid part is first
+        copied to a private page: the copy runs here with ``copy_slots`` over
+        every layer, and the table is updated, before this returns.
 
         Args:
             handles: the requests (no duplicates).
             counts: new tokens per request, or one int for all (>= 0).
+            tokens: optional token ids of the new positions, flattened like the
+                slots (decode steps pass the sampled tokens). Positions of a
+                prompt given to ``open_with_prefix`` take its ids; positions
+                without ids make their pages uncacheable.
 
         Returns:
             ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
@@ -216,16 +240,22 @@ class KVPool(AllocatorFacade):
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
-            PoolExhaustedError: not enough free pages (the message says needed vs free).
+            PoolExhaustedError: not enough free or evictable pages (the message says needed vs free).
             ContextTooLongError: a request would pass ``max_context_len``.
-            InvalidArgumentError: a negative count, mismatched sizes, a duplicate handle.
+            InvalidArgumentError: a negative count, mismatched sizes, a duplicate
+                handle, token ids of the wrong length or disagreeing with the prompt.
             Atomic: on any error neither the allocator nor the table changes.
         """
         if self._table_np is not None:
-            slots = self.allocator.extend(handles, counts, table=self._table_np)
+            if tokens is None and not self._sharing:
+                slots = self.allocator.extend(handles, counts, table=self._table_np)
+            else:
+                slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens, cow=True)
+                apply_cow(self, cow, table_written=True)
             return ExtendResult(slots, torch.from_numpy(slots))
-        packed, num_requests = self.allocator.extend_packed(handles, counts)
+        packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
         slots, dev = update_req_to_token(self.req_to_token, packed, num_requests)
+        apply_cow(self, cow, table_written=False)
         return ExtendResult(slots, dev)
 
     def page_table(self, handles: Any) -> PageTable:
