@@ -45,6 +45,9 @@ def serve(model, pool, n=24, seed=2):
 
 def check_logits(model, req):
     tokens = req.all_tokens()
+    if len(tokens) == req.cached_len:  # a continuation whose only token came from its parent's prefill
+        assert not req.logits
+        return
     got = torch.cat(req.logits)  # computed positions only: cached_len .. len(tokens) - 1
     assert got.shape == (len(tokens) - req.cached_len, CFG.vocab_size), req.rid
     with torch.inference_mode():
@@ -55,8 +58,8 @@ def check_logits(model, req):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("layout", ["token", "paged"])
 def test_prefix_hits_forks_and_cow_match_full_forward_under_eviction(model, page_size, layout):
-    # 160 tokens hold about two running requests and little cache: prefixes get evicted and recomputed.
-    pool = make_pool(page_size, 160, layout)
+    # 224 tokens hold a few running requests and little cache: prefixes get evicted and recomputed.
+    pool = make_pool(page_size, 224, layout)
     reqs, engine = serve(model, pool)
     every = [r for q in reqs for r in [q, *q.forks]]
     for r in every:
@@ -65,14 +68,12 @@ def test_prefix_hits_forks_and_cow_match_full_forward_under_eviction(model, page
     p = engine.prefix
     assert p.hit_tokens > 0, "no prefix hit: reuse untested"
     assert p.forks > 0
-    kinds = pool.allocator.take_events()
-    kinds = kinds[0] if isinstance(kinds, tuple) else kinds["kind"]
-    assert int(np.count_nonzero(np.asarray(kinds) == 1)) > 0 or engine.evicted_pages > 0, \
-        "nothing was evicted: pressure untested"
+    kinds = pool.allocator.take_events()["kind"]
+    assert int(np.count_nonzero(kinds == 1)) > 0, "nothing was evicted (no Removed event): pressure untested"
     # A request whose system prompt was evicted recomputed it: some prompt longer than a page missed.
     assert any(q.cached_len == 0 and len(q.prompt) > 2 * page_size for q in reqs)
     if page_size > 1:
         assert any(len(q.prompt) % page_size and q.forks for q in reqs), "no fork shared a partial page"
     assert pool.allocator.open_requests == 0
-    assert pool.allocator.free_pages == pool.allocator.capacity_pages  # cached pages count as free
+    assert pool.allocator.used_pages == 0  # nothing held; cached pages stay for later hits
     pool.allocator.check()

@@ -16,7 +16,8 @@ from kvpool.bench.prefix_runner import replay
 from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
-SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 4),
+SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), pressure_output=Dist(4, 24),
+             turns=Dist(2, 4),
              think_steps=Dist(1, 4), parallel_prompt=Dist(64, 512))
 
 

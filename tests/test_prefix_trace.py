@@ -8,7 +8,8 @@ import pytest
 from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
-SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 4),
+SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), pressure_output=Dist(4, 24),
+             turns=Dist(2, 4),
              think_steps=Dist(1, 4), parallel_prompt=Dist(64, 512))
 
 
@@ -60,7 +61,7 @@ def test_replay_bookkeeping_tokens_and_capacity(scenario, page_size):
             for lane, q in zip(g.lanes.tolist(), g.seqs):
                 assert length[lane] == -1
                 assert len(q.tokens) == q.prompt_len + q.out_len + 1
-                assert cfg.output.lo <= q.out_len <= cfg.output.hi
+                assert cfg.output_dist.lo <= q.out_len <= cfg.output_dist.hi
                 seqs[lane], length[lane], decoded[lane] = q, q.prompt_len, 0
         admitted = np.concatenate([g.lanes for g in s.admit]) if s.admit else np.zeros(0, dtype=np.int64)
         expect = np.setdiff1d(np.flatnonzero(length >= 0), admitted)

@@ -27,7 +27,8 @@ from kvpool.bench.trace import Dist
 # --quick: a small pool, few lanes and steps (tests and CI smoke runs; seconds).
 QUICK_POOLS, QUICK_CONCURRENCY, QUICK_STEPS, QUICK_WARMUP = [1 << 16], 16, 24, 16
 # ... and short prompts and outputs, so turns finish and prefixes repeat within those steps.
-QUICK_LENGTHS = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 4),
+QUICK_LENGTHS = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24),
+                     pressure_output=Dist(4, 24), turns=Dist(2, 4),
                      think_steps=Dist(1, 4), parallel_prompt=Dist(64, 512))
 
 

@@ -17,7 +17,8 @@ Scenarios (``SCENARIOS``):
 - ``pressure``: a mix of the three (half system-prompt requests, a quarter chat
   turns, a quarter parallel groups) whose system prompts come from a large set,
   Zipf-popular, sized so the pool holds about 30% of the distinct prefixes
-  (``cache_fraction``): eviction decides the hit rate.
+  (``cache_fraction``): eviction decides the hit rate. Outputs are shorter
+  (16-128), so requests turn over faster and the pool fills within the run.
 
 Model of one sequence: admitted at step t (prefill of its prompt), it decodes
 one token at steps t+1 .. t+O, feeding the token sampled the step before, and is
@@ -56,6 +57,7 @@ class PrefixTraceConfig:
     system_len: Dist = Dist(1024, 4096)
     user_len: Dist = Dist(50, 500)
     output: Dist = Dist(16, 512)
+    pressure_output: Dist = Dist(16, 128)  # pressure: shorter outputs, faster turnover
     turns: Dist = Dist(2, 8)
     think_steps: Dist = Dist(1, 32)  # steps between a chat turn's end and the next turn's arrival
     parallel_prompt: Dist = Dist(256, 4096)
@@ -86,12 +88,17 @@ class PrefixTraceConfig:
     @property
     def max_prompt_len(self) -> int:
         one = max(self.system_len.hi + self.user_len.hi, self.parallel_prompt.hi)
-        chat = self.turns.hi * (self.user_len.hi + self.output.hi + 1)
+        chat = self.turns.hi * (self.user_len.hi + self.output_dist.hi + 1)
         return max(one, chat) if self.scenario in ("chat", "pressure") else one
 
     @property
+    def output_dist(self) -> Dist:
+        """Output lengths of this scenario's sequences."""
+        return self.pressure_output if self.scenario == "pressure" else self.output
+
+    @property
     def max_context_len(self) -> int:
-        return self.max_prompt_len + self.output.hi
+        return self.max_prompt_len + self.output_dist.hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +213,7 @@ class _Source:
         return self.system[k]
 
     def _seq(self, prompt: np.ndarray, kind: str) -> Seq:
-        out = int(self.cfg.output.sample(self.rng, 1)[0])
+        out = int(self.cfg.output_dist.sample(self.rng, 1)[0])
         return Seq(np.concatenate([prompt, self._tokens(out + 1)]), len(prompt), out, kind)
 
     def _new_group(self) -> list[Seq]:

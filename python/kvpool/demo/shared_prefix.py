@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool import ROW_MASK, TooManyRequestsError
+from kvpool import TooManyRequestsError
 from kvpool.demo.engine import Engine
 from kvpool.demo.requests import Request
 
@@ -92,9 +92,18 @@ class PrefixEngine(Engine):
         super().__init__(*args, **kwargs)
         self.prefix = PrefixStats()
 
-    def _reserved_pages(self, running: list[Request]) -> int:
-        # Every continuation may end up on pages of its own (copy-on-write, no later sharing).
-        return super()._reserved_pages(running)
+    def check_fits(self, requests: Any) -> None:
+        """Each request with all its continuations on pages of their own must fit an empty pool."""
+        super().check_fits(requests)
+        cap = self.raw_pool.capacity_pages
+        for r in requests:
+            n = getattr(r, "n", 1)
+            if n > self.max_running or n * self.pages_for(r.final_length) > cap:
+                raise ValueError(
+                    f"request {r.rid} asks for {n} continuations of up to {r.final_length} tokens "
+                    f"({n * self.pages_for(r.final_length)} pages of {self.page_size}) but the pool holds "
+                    f"{cap} pages and {self.max_running} requests run at once; enlarge the pool or "
+                    "lower --fork-n")
 
     def _admit_and_prefill(self, waiting: deque[Request], running: list[Request]) -> int:
         produced = 0
@@ -104,7 +113,7 @@ class PrefixEngine(Engine):
             if len(running) + req.n > self.max_running:
                 break
             need = req.n * self.pages_for(req.final_length)
-            if self.alloc.free_pages - self._reserved_pages(running) < need:
+            if self.raw_pool.free_pages - self._reserved_pages(running) < need:
                 self.stats.steps_blocked_by_pool += 1
                 break
             try:
@@ -116,6 +125,7 @@ class PrefixEngine(Engine):
             ext = self.pool.extend([handle], len(req.prompt) - cached_len)
             waiting.popleft()
             req.handle, req.length = handle, len(req.prompt)
+            req.row = int(self.pool.rows(handle)[0])
             produced += self._prefill_suffix(req, cached_len, ext.out_cache_loc)
             self.pool.cache([handle])
             self.prefix.prompt_tokens += req.n * len(req.prompt)
@@ -130,7 +140,7 @@ class PrefixEngine(Engine):
         n = len(req.prompt)
         ids = torch.from_numpy(req.prompt[start:]).to(self.device)[None]
         positions = torch.arange(start, n, device=self.device)[None]
-        rows = torch.tensor([req.handle & ROW_MASK], device=self.device)
+        rows = torch.tensor([req.row], device=self.device)
         logits = self.model.forward_pool(self.pool, ids, positions, rows, out_cache_loc, n,
                                          last_only=not self.record)[0]
         req.last_logits = logits[-1]
@@ -143,11 +153,12 @@ class PrefixEngine(Engine):
 
     def _fork(self, parent: ForkRequest, running: list[Request]) -> int:
         kids = self.pool.fork(parent.handle, parent.n - 1)
+        rows = self.pool.rows(kids)
         order = torch.argsort(parent.last_logits, descending=True).tolist()
-        for rank, h in enumerate(np.asarray(kids).tolist(), start=1):
+        for rank, (h, row) in enumerate(zip(kids.tolist(), rows.tolist()), start=1):
             kid = ForkRequest(rid=parent.rid, prompt=parent.prompt, max_new_tokens=parent.max_new_tokens,
                               n=1, rank=rank)
-            kid.handle, kid.length, kid.cached_len = int(h), parent.length, len(parent.prompt)
+            kid.handle, kid.row, kid.length, kid.cached_len = int(h), int(row), parent.length, len(parent.prompt)
             kid.output.append(int(order[rank % len(order)]))
             parent.forks.append(kid)
             running.append(kid)
@@ -161,6 +172,6 @@ class PrefixEngine(Engine):
         if finished:
             self.pool.close(np.array([r.handle for r in finished], dtype=np.int64), cache=True)
             for r in finished:
-                r.handle = None
+                r.handle, r.row = None, -1
             self.stats.requests_done += sum(1 for r in finished if getattr(r, "rank", 0) == 0)
         return [r for r in running if not r.done]
