@@ -155,14 +155,18 @@ class SGLangPrefixDriver(PrefixDriver):
                                                     token_to_kv_pool_allocator=self.alloc, page_size=P))
         self.reqs: list[Any] = [None] * cfg.concurrency
         self._evicted_tokens = 0
-        evict = self.tree.evict
+        # Count what eviction frees: wrap the method every eviction path of this cache goes through.
+        name = self._evict_method
+        evict = getattr(self.tree, name)
 
-        def counting_evict(params: Any) -> Any:
-            result = evict(params)
+        def counting_evict(*args: Any, **kwargs: Any) -> Any:
+            result = evict(*args, **kwargs)
             self._evicted_tokens += result.num_tokens_evicted
             return result
 
-        self.tree.evict = counting_evict
+        setattr(self.tree, name, counting_evict)
+
+    _evict_method = "evict"  # RadixCache: evict_for_alloc and evict_to_free_tokens end in evict
 
     def _make_tree(self, params: Any) -> Any:
         return RadixCache(params)
@@ -289,6 +293,7 @@ class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
 
     name = "sglang-unified"
     label = "SGLang UnifiedRadixCache + TokenToKVPoolAllocator"
+    _evict_method = "_evict"  # its evict and evict_for_alloc both end in _evict
 
     def _make_tree(self, params: Any) -> Any:
         from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[import-untyped,unused-ignore]
