@@ -173,7 +173,8 @@ class SGLangPrefixDriver(PrefixDriver):
 
     def prepare(self, step: PrefixStep) -> Any:
         release = [self.reqs[lane] for lane in step.release_lanes.tolist()]
-        batch, samples = [], []  # (req, lane or -1, counts toward prompt tokens)
+        batch: list[tuple[_Req, int]] = []  # (request, lane; -1 for an n > 1 warm-up)
+        samples: list[tuple[_Req, int]] = []
         for g in step.admit:
             prompt = array("q", g.prompt.tolist())
             if g.n > 1:

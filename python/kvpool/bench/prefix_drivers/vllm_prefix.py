@@ -100,7 +100,7 @@ class VLLMPrefixDriver(PrefixDriver):
                 self._evicted += 1
             return hit
 
-        pool._maybe_evict_cached_block = counting_evict
+        pool._maybe_evict_cached_block = counting_evict  # type: ignore[method-assign]
 
     def prepare(self, step: PrefixStep) -> Any:
         finished = [self.reqs[lane] for lane in step.release_lanes.tolist()]
