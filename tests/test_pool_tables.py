@@ -97,7 +97,8 @@ def packed_extend(counts: list[int], lengths: list[int] | None = None) -> tuple[
     h = a.open(len(counts))
     if lengths is not None:
         a.extend(h, lengths)
-    packed, b = a.extend_packed(h, counts)
+    packed, b, cow = a.extend_packed(h, counts)
+    assert cow is None  # nothing shared, nothing copied
     return a, packed, b, h.tolist()
 
 
@@ -121,7 +122,7 @@ def test_extend_packed_layout(counts: list[int]) -> None:
 def test_extend_packed_scalar_count_and_errors_leave_pool_unchanged() -> None:
     a = kvpool.SlotAllocator(8, 1, 4, 16)
     h = a.open(3)
-    packed, b = a.extend_packed(h, 2)
+    packed, b, _ = a.extend_packed(h, 2)
     assert b == 3 and packed[8:12].tolist() == [2, 2, 2, 0]
     free = a.free_pages
     with pytest.raises(kvpool.PoolExhaustedError):

@@ -1,6 +1,6 @@
 """Type stubs of kvpool._core, the Rust extension (kept true by tests/test_allocator_stubs.py)."""
 
-from typing import Any, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -50,19 +50,30 @@ class PoolStats:
     def admissible_tokens(self) -> int: ...
     @property
     def metadata_bytes(self) -> int: ...
+    @property
+    def cached_pages(self) -> int: ...
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def hit_tokens(self) -> int: ...
+    @property
+    def miss_tokens(self) -> int: ...
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
 
     Owns which slots each request holds: free pages, per-request page lists,
-    page owners. Thread-safe (one internal lock; batch calls release the GIL).
+    shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
+    Thread-safe (one internal lock; batch calls release the GIL).
 
     Args:
         num_pages: total pages, reserved page 0 included (>= 2).
         page_size: slots per page (>= 1).
-        max_requests: most requests open at once.
-        max_context_len: most tokens per request.
+        max_requests: most requests open at once (<= 2**20).
+        max_context_len: most tokens per request (<= 2**28).
+        hash_seed: seed of the prefix-cache page hash (random when None).
+        kv_events: record KV events for take_events().
 
     Raises:
         InvalidArgumentError: a size is zero, negative or too large.
@@ -74,6 +85,9 @@ class SlotAllocator:
         page_size: int = 1,
         max_requests: int = 256,
         max_context_len: int = 4096,
+        *,
+        hash_seed: Optional[int] = None,
+        kv_events: bool = True,
     ) -> SlotAllocator: ...
     @property
     def page_size(self) -> int:
@@ -92,7 +106,7 @@ class SlotAllocator:
         """Most tokens one request may hold."""
     @property
     def free_pages(self) -> int:
-        """Pages on the free list."""
+        """Pages an extend can take now: FREE + CACHED (evictable)."""
     @property
     def used_pages(self) -> int:
         """Pages held by open requests."""
@@ -137,26 +151,39 @@ class SlotAllocator:
         handles: _IntArray,
         counts: _IntArray,
         table: Optional[npt.NDArray[np.int32]] = None,
-    ) -> npt.NDArray[np.int64]:
+        tokens: Optional[_IntArray] = None,
+        cow: bool = False,
+    ) -> Any:
         """Grows each request by counts[i] tokens (or `counts` for all); a new page
-        is taken only when a request's last page is full. Atomic.
+        is taken only when a request's last page is full (FREE pages first,
+        then the least recently used cached page). Atomic.
 
         Args:
             handles: int, sequence or 1-D integer array of open handles (no duplicates).
             counts: int (for all) or one int per handle, >= 0.
             table: optional int32 2-D numpy array [>= max_requests, >= max_context_len]
                 (e.g. req_to_token.numpy()): table[row, start:start+count] gets each
-                request's new slots in the same call.
+                request's new slots in the same call (and the new slots of
+                positions a copy-on-write moved).
+            tokens: optional token ids of the new positions, flattened like the
+                slots (one per new position, in [0, 2^31)). Positions covered by
+                the prompt given to open_with_prefix take its ids (given ids must
+                agree); positions without ids make their pages uncacheable.
+            cow: also return the copy-on-write work of this call: None, or an
+                int64 array [rows | positions | src_slots | dst_slots] (m each).
+                Without cow=True the copies stay queued for take_copies().
 
         Returns:
-            the new slots, flattened in request order (int64).
+            the new slots, flattened in request order (int64); with cow=True,
+            (slots, cow).
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
-            PoolExhaustedError: not enough free pages (needed vs free in the message).
+            PoolExhaustedError: not enough free or evictable pages (needed vs free).
             ContextTooLongError: a request would pass max_context_len.
             InvalidArgumentError: negative count, mismatched lengths, duplicate
-                handle, bad table. Nothing changes on any error.
+                handle, bad table, tokens of the wrong length or range, or
+                disagreeing with the prompt. Nothing changes on any error.
         """
     def extend_with_starts(
         self, handles: _IntArray, counts: _IntArray
@@ -167,14 +194,16 @@ class SlotAllocator:
             the same errors as extend; nothing changes on any error.
         """
     def extend_packed(
-        self, handles: _IntArray, counts: _IntArray
-    ) -> Tuple[npt.NDArray[np.int64], int]:
+        self, handles: _IntArray, counts: _IntArray, tokens: Optional[_IntArray] = None
+    ) -> Tuple[npt.NDArray[np.int64], int, Optional[npt.NDArray[np.int64]]]:
         """`extend` plus everything a device copy of the request-to-token table
         needs, in one crossing and one int64 array, so that one host-to-device
-        copy ships it: `(packed, b)` with b = the number of requests and
-        s = b rounded up to even, packed = [rows | starts | counts | offsets]
-        (each s long, the padding zero) followed by the new slots. Every
-        segment starts 16-byte aligned (Triton specializes pointers on it).
+        copy ships it: b = the number of requests and s = b rounded up to
+        even, packed = [rows | starts | counts | offsets] (each s long, the
+        padding zero) followed by the new slots. Every segment starts 16-byte
+        aligned (Triton specializes pointers on it). `cow` is None, or the
+        copy-on-write work as in extend(cow=True) (the table entries of the
+        moved positions are not in `packed`: write them from `cow`).
 
         Raises:
             the same errors as extend; nothing changes on any error.
@@ -188,8 +217,10 @@ class SlotAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
-    def close(self, handles: _IntArray) -> None:
-        """Closes requests and frees their pages; their handles become stale. Atomic.
+    def close(self, handles: _IntArray, cache: bool = False) -> None:
+        """Closes requests and releases their pages; their handles become stale.
+        With cache=True, first registers each request's full pages of known
+        tokens in the prefix cache (as cache()), so they stay reusable. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, already closed or stale.
@@ -250,3 +281,98 @@ class SlotAllocator:
         """
     def reset(self) -> None:
         """Closes every request and frees every page; all handles become stale."""
+    def open_with_prefix(
+        self, tokens: _IntArray, lengths: _IntArray, salt: Optional[_IntArray] = None
+    ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Opens one request per prompt, each starting on the longest cached
+        prefix of full pages of its prompt, capped so that at least one token
+        is left to compute (cached_len <= length - 1, rounded down to a page).
+        Each request's length is its cached_len; its slots, pages and page
+        table show the shared pages. The prompt's token ids are remembered:
+        later extends take them. Atomic.
+
+        Args:
+            tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
+            lengths: each prompt's length.
+            salt: None (0), an int for all, or one int per prompt (LoRA id,
+                tenant, cache salt): different salts never share pages.
+
+        Returns:
+            (handles int64, cached_lens int64).
+
+        Raises:
+            InvalidArgumentError: tokens and lengths disagree, a negative length,
+                a token id out of range, a salt of the wrong type or count.
+            ContextTooLongError: a prompt longer than max_context_len.
+            TooManyRequestsError: not enough free rows.
+        """
+    def cache(self, handles: _IntArray) -> None:
+        """Registers every full page of each request whose token ids are all
+        known and that is not registered yet, so later prompts can hit it.
+        Call it once the step that wrote those pages has run. If the same
+        content is registered already, the existing copy is kept. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+    def fork(self, handle: _Handle, n: Optional[int] = None) -> npt.NDArray[np.int64]:
+        """Opens n requests that share all of `handle`'s pages and known tokens
+        (same length, prompt and salt). A shared, partly filled last page is
+        copy-on-write: the first holder to extend into it gets a copy.
+
+        Raises:
+            InvalidHandleError: `handle` is unknown, closed or stale.
+            TooManyRequestsError: not enough free rows.
+            InvalidArgumentError: n is negative or not an int.
+        """
+    def take_copies(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Drains the queued copy-on-write copies (int64 slot pairs). Copy every
+        layer's K and V from src[i] to dst[i] before the next write into the
+        destination pages and before any call that could free the source
+        pages. KVPool does this inside extend.
+        """
+    def evict(self, n_pages: int) -> int:
+        """Evicts up to n_pages cached pages nobody holds, least recently used
+        first (a chain's tail before its parents); they become free. Returns
+        how many were evicted.
+
+        Raises:
+            InvalidArgumentError: n_pages is negative or not an int.
+        """
+    def clear_cache(self) -> None:
+        """Drops every prefix-index entry: cached pages become free, held pages
+        stay with their requests. Records one Cleared event.
+        """
+    def take_events(self) -> Dict[str, npt.NDArray[Any]]:
+        """Drains the KV events (what vLLM's KVEventBatch carries), oldest
+        first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
+        2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
+        hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
+        first page), page (int32), num_tokens (int32), salt (int64), and
+        token_ids (int32, the Stored events' tokens concatenated).
+        """
+    def known_tokens(self, handle: _Handle) -> npt.NDArray[np.int32]:
+        """The request's token ids of its leading known positions.
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+    @property
+    def hash_seed(self) -> int:
+        """The prefix hash seed (pass it as hash_seed= to agree on page hashes)."""
+    @property
+    def cached_pages(self) -> int:
+        """Registered pages (held or cached)."""
+    @property
+    def evictable_pages(self) -> int:
+        """Cached pages nobody holds: evicted when pages run out."""
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens served from the cache by open_with_prefix (cumulative)."""
+    @property
+    def miss_tokens(self) -> int:
+        """Prompt tokens open_with_prefix found no cached page for (cumulative)."""
+    @property
+    def pending_copies(self) -> int:
+        """Copy-on-write copies queued and not yet taken."""

@@ -183,6 +183,13 @@ impl SlotAllocator {
                 return fail(format!("row {row} needs the slow path but SLOW is clear"));
             }
             let c = &self.cold[row];
+            if c.exclusive
+                && pages
+                    .iter()
+                    .any(|&p| self.refcount[p as usize] != 1 || self.index.is_registered(p))
+            {
+                return fail(format!("row {row} is marked exclusive but shares a page"));
+            }
             if c.known_len as usize > len || c.hashed_pages as usize > len / self.page_size {
                 return fail(format!(
                     "row {row} knows {} tokens / hashed {} pages of length {len}",

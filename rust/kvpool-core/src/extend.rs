@@ -277,15 +277,7 @@ impl SlotAllocator {
                 .err();
         }
         if let Some(e) = error {
-            // Undo the applied requests: those before `done` not listed slow.
-            let mut s = slow.iter().peekable();
-            for (i, &h) in handles.iter().enumerate().take(done) {
-                if s.peek() == Some(&&(i as u32)) {
-                    s.next();
-                    continue;
-                }
-                self.rows[handle_row(h) as usize].len -= get(i) as u32;
-            }
+            self.undo_applied(handles, &get, &slow, done);
             self.slow_scratch = slow;
             return Err(e);
         }
@@ -323,10 +315,17 @@ impl SlotAllocator {
                 s.next();
                 start = self.rows[row].len as usize;
                 if c > 0 {
+                    // Without SLOW there is no prompt ahead and the new last
+                    // page is the request's own: skip the cold row.
+                    let was_slow = self.rows[row].last & SLOW != 0;
                     moved = self.grow_row(row, start, dst);
-                    self.record_tokens(row, start, dst, toks);
-                    let last = self.rows[row].last;
-                    self.rows[row].last = last | self.slow_bit(row, start + c, last);
+                    if was_slow || toks.is_some() {
+                        self.record_tokens(row, start, dst, toks);
+                    }
+                    if was_slow {
+                        let last = self.rows[row].last;
+                        self.rows[row].last = last | self.slow_bit(row, start + c, last);
+                    }
                 }
             } else {
                 start = self.rows[row].len as usize - c;
@@ -361,17 +360,29 @@ impl SlotAllocator {
         if self.page_shift.is_none() {
             return (0, 0);
         }
-        let (ps, epoch, max_len) = (self.page_size, self.epoch, self.max_context_len);
+        let (ps, epoch, max_len, stride) = (
+            self.page_size,
+            self.epoch,
+            self.max_context_len,
+            self.row_pages,
+        );
         let rows = &mut self.rows[..];
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
-            let Some(r) = rows.get_mut(handle_row(h) as usize) else {
+            let row = handle_row(h) as usize;
+            let Some(r) = rows.get_mut(row) else {
                 return (i, k);
             };
             let c = get(i);
             let len = r.len as usize;
             let off = len & (ps - 1);
-            let fits = off != 0 && (c as u64) <= (ps - off) as u64 && len + ps - off <= max_len;
+            // Stays in its own last page, or starts exactly one new page
+            // taken from the free stack (a decode step at a page boundary).
+            let room = if off == 0 { ps } else { ps - off };
+            let new_page = off == 0 && c > 0;
+            let fits = (c as u64) <= room as u64
+                && len + room <= max_len
+                && (off != 0 || (c > 0 && !self.free_pages.is_empty()));
             if h < 0
                 || r.generation != handle_generation(h) | OPEN
                 || r.stamp == epoch
@@ -384,10 +395,52 @@ impl SlotAllocator {
             let c = c as usize;
             r.stamp = epoch;
             r.len = (len + c) as u32;
+            if new_page {
+                // Undone by `undo_applied` if the batch fails later.
+                let p = self.free_pages.pop().unwrap_or(0);
+                self.refcount[p as usize] = 1;
+                self.page_lists[row * stride + (len >> self.page_shift.unwrap_or(0))] = p;
+                r.last = p;
+            }
             fill_run(&mut out[k..k + c], r.last as usize * ps + off);
             k += c;
         }
         (handles.len(), k)
+    }
+
+    /// Undoes the requests a failing batch applied in its first pass (those
+    /// before `done` not listed slow), last first, so that pages taken come
+    /// back onto the free stack in their old order.
+    fn undo_applied<G: Fn(usize) -> i64>(
+        &mut self,
+        handles: &[i64],
+        get: &G,
+        slow: &[u32],
+        done: usize,
+    ) {
+        let mut s = slow.iter().rev().peekable();
+        for i in (0..done).rev() {
+            if s.peek() == Some(&&(i as u32)) {
+                s.next();
+                continue;
+            }
+            let row = handle_row(handles[i]) as usize;
+            let c = get(i) as usize;
+            let old = self.rows[row].len as usize - c;
+            self.rows[row].len = old as u32;
+            if c > 0 && self.offset_in_page(old) == 0 {
+                let base = row * self.row_pages;
+                let np = self.pages_for(old);
+                let p = self.page_lists[base + np];
+                self.refcount[p as usize] = 0;
+                self.free_pages.push(p);
+                self.rows[row].last = if np == 0 {
+                    0
+                } else {
+                    self.page_lists[base + np - 1]
+                };
+            }
+        }
     }
 
     /// The batch-wide checks after the per-request ones: token ids, pages

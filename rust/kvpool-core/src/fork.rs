@@ -48,6 +48,9 @@ impl SlotAllocator {
             self.rows[row].last = last | self.slow_bit(row, len, last);
             out.push(h);
         }
+        if n > 0 {
+            self.cold[parent].exclusive = false;
+        }
         if shares_partial_page && n > 0 {
             self.rows[parent].last |= SLOW;
         }

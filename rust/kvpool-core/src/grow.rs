@@ -39,6 +39,18 @@ impl SlotAllocator {
         let base = row * self.row_pages;
         let np = self.pages_for(start);
         let off = self.offset_in_page(start);
+        if off == 0 && c <= ps {
+            // One new page from the free stack (a decode step at a page
+            // boundary; every step at page size 1): the short way.
+            if let Some(p) = self.free_pages.pop() {
+                self.refcount[p as usize] = 1;
+                self.page_lists[base + np] = p;
+                fill_run(dst, p as usize * ps);
+                self.rows[row].len = (start + c) as u32;
+                self.rows[row].last = p;
+                return 0;
+            }
+        }
         let mut last = self.rows[row].last & !SLOW;
         let mut moved = 0;
         if off != 0 {
@@ -63,11 +75,34 @@ impl SlotAllocator {
         if !head.is_empty() {
             fill_run(head, last as usize * ps + off);
         }
-        for (j, run) in rest.chunks_mut(ps).enumerate() {
+        // New pages: the top of the free stack in one go (pop order), then
+        // evicted cached pages if the stack runs out.
+        let new_pages = rest.len().div_ceil(ps);
+        let from_stack = new_pages.min(self.free_pages.len());
+        let top = self.free_pages.len() - from_stack;
+        let list = &mut self.page_lists[base + np..base + np + new_pages];
+        let taken = self.free_pages[top..].iter().rev();
+        if ps == 1 {
+            for ((d, slot), &p) in list.iter_mut().zip(rest.iter_mut()).zip(taken) {
+                self.refcount[p as usize] = 1;
+                *d = p;
+                *slot = p as i64;
+            }
+        } else {
+            for ((d, run), &p) in list.iter_mut().zip(rest.chunks_mut(ps)).zip(taken) {
+                self.refcount[p as usize] = 1;
+                *d = p;
+                fill_run(run, p as usize * ps);
+            }
+        }
+        self.free_pages.truncate(top);
+        for (j, run) in rest.chunks_mut(ps).enumerate().skip(from_stack) {
             let p = self.take_page();
             self.page_lists[base + np + j] = p;
             fill_run(run, p as usize * ps);
-            last = p;
+        }
+        if new_pages > 0 {
+            last = self.page_lists[base + np + new_pages - 1];
         }
         self.rows[row].len = (start + c) as u32;
         self.rows[row].last = last;

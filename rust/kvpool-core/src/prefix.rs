@@ -113,6 +113,7 @@ impl SlotAllocator {
             cold.hashed_pages = m.pages as u32;
             cold.chain = m.chain;
             cold.chain_reg = m.chain_reg;
+            cold.exclusive = m.pages == 0;
             let last = if m.pages == 0 {
                 0
             } else {
@@ -193,6 +194,9 @@ impl SlotAllocator {
     /// mismatch (a collision) stops the row's chain for good.
     fn register_row(&mut self, row: usize) {
         let upto = self.registrable_pages(row);
+        if upto > self.cold[row].hashed_pages as usize {
+            self.cold[row].exclusive = false;
+        }
         let base = row * self.row_pages;
         let mut k = self.cold[row].hashed_pages as usize;
         while k < upto {

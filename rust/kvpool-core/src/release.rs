@@ -98,9 +98,28 @@ impl SlotAllocator {
         let keep = self.pages_for(new_len);
         let np = self.pages_for(self.rows[row].len as usize);
         let base = row * self.row_pages;
-        for k in (keep..np).rev() {
-            let p = self.page_lists[base + k];
-            self.release_page(p);
+        if self.cold[row].exclusive {
+            // Sole holder of unregistered pages: free them without reading
+            // their refcounts (a random read per page otherwise).
+            let freed = &self.page_lists[base + keep..base + np];
+            for &p in freed {
+                self.refcount[p as usize] = 0;
+            }
+            self.free_pages.extend(freed.iter().rev());
+        } else if self.index.map.is_empty() {
+            // Nothing is registered: a last holder frees the page outright.
+            for k in (keep..np).rev() {
+                let p = self.page_lists[base + k] as usize;
+                self.refcount[p] -= 1;
+                if self.refcount[p] == 0 {
+                    self.free_pages.push(p as u32);
+                }
+            }
+        } else {
+            for k in (keep..np).rev() {
+                let p = self.page_lists[base + k];
+                self.release_page(p);
+            }
         }
         let last = if keep == 0 {
             0

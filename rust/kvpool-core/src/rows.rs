@@ -45,6 +45,10 @@ pub(crate) struct RowCold {
     /// Registration id of the index entry page `hashed_pages - 1` matched (0 = none).
     pub(crate) chain_reg: u64,
     pub(crate) salt: i64,
+    /// No other request (and no cache entry) can hold any of this request's
+    /// pages: it never forked or was forked, hit no cached page and
+    /// registered none. Its pages are then freed without reading refcounts.
+    pub(crate) exclusive: bool,
 }
 
 impl RowCold {
@@ -56,6 +60,7 @@ impl RowCold {
         self.chain = crate::hashing::root(salt);
         self.chain_reg = 0;
         self.salt = salt;
+        self.exclusive = true;
     }
 
     /// Forgets the chain (it is recomputed from page 0 by the next `cache`).
@@ -78,6 +83,7 @@ impl RowCold {
             chain: self.chain,
             chain_reg: self.chain_reg,
             salt: self.salt,
+            exclusive: false,
         }
     }
 }

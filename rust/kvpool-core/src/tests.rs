@@ -301,7 +301,8 @@ fn bad_configs_are_rejected() {
 fn metadata_is_the_documented_worst_case_and_does_not_grow() {
     // Page lists are one flat [max_requests, pages per request] array: a
     // row grown token by token never reallocates, and a 3000-token bound
-    // costs ceil(3000 / 16) = 188 entries per row, not a Vec's growth slack.
+    // costs ceil(3000 / 16) = 188 entries per row (padded to 208 to stagger
+    // rows across cache sets), not a Vec's growth slack.
     let (pages, ps, rows, ctx) = (1 << 12, 16, 64, 3000);
     let mut a = SlotAllocator::new(pages, ps, rows, ctx).unwrap();
     let before = a.metadata_bytes();
@@ -315,7 +316,7 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
     let want = pages * per_page - 4 // the free stack has no entry for page 0
         + pages * ps * 4 // token id per slot
         + rows * 4 // free row stack
-        + rows * 188 * 4 // page lists
+        + rows * (192 + 16) * 4 // page lists: 188 rounded to a cache line, plus one
         + rows * (16 + std::mem::size_of::<crate::rows::RowCold>())
         + (16 + 4 * ps); // hash buffer
     assert_eq!(before, want);

@@ -14,16 +14,19 @@ use crate::errors::{invalid_argument, Result};
 
 pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096)
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
-/// page owners. Thread-safe (one internal lock; batch calls release the GIL).
+/// shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
+/// Thread-safe (one internal lock; batch calls release the GIL).
 ///
 /// Args:
 ///     num_pages: total pages, reserved page 0 included (>= 2).
 ///     page_size: slots per page (>= 1).
-///     max_requests: most requests open at once.
-///     max_context_len: most tokens per request.
+///     max_requests: most requests open at once (<= 2**20).
+///     max_context_len: most tokens per request (<= 2**28).
+///     hash_seed: seed of the prefix-cache page hash (random when None).
+///     kv_events: record KV events for take_events().
 ///
 /// Raises:
 ///     InvalidArgumentError: a size is zero, negative or too large.
