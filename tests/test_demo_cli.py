@@ -60,3 +60,21 @@ def test_python_dash_m_kvpool_help():
 def test_unknown_command_is_an_error(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_demo_shared_prefix_workload_reports_hits_and_saved_prefill(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    args = ["demo", *TINY, "--workload", "shared-prefix", "--system-prompts", "2", "--system-len", "24:40",
+            "--prompt-len", "2:8", "--pool-tokens", "256", "--fork-share", "0.5", "--json", str(out)]
+    assert main(args) == 0
+    fig = json.loads(out.read_text())
+    px = fig["prefix"]
+    assert fig["settings"]["workload"] == "shared-prefix" and fig["requests_done"] == 12
+    assert 0 < px["hit_tokens"] < px["prompt_tokens"] and px["forks"] > 0
+    assert px["prefill_tokens_saved"] == px["hit_tokens"] + px["forked_tokens"]
+    # What was saved was not prefilled.
+    assert fig["prefill_tokens"] == px["prompt_tokens"] - px["prefill_tokens_saved"]
+    assert fig["settings"]["open_requests_at_end"] == 0
+    assert fig["pool_host"]["calls"]["open_with_prefix"] == 12 and fig["pool_host"]["calls"]["fork"] > 0
+    text = capsys.readouterr().out
+    assert "prefix cache" in text and "prefill tokens saved" in text and "12/12 done" in text

@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-len", type=_range, default=(16, 192), metavar="MIN:MAX",
                    help="generated tokens per request, uniform (16:192)")
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the requests (0)")
+    g.add_argument("--workload", choices=("default", "shared-prefix"), default="default",
+                   help="default: independent random prompts; shared-prefix: prompts are one of "
+                        "--system-prompts system prompts plus a user turn, a --fork-share of them fork "
+                        "into --fork-n continuations, served with kvpool's prefix cache and fork")
+    g.add_argument("--system-prompts", type=_positive, default=4, help="shared-prefix: system prompts (4)")
+    g.add_argument("--system-len", type=_range, default=(64, 192), metavar="MIN:MAX",
+                   help="shared-prefix: system prompt length range (64:192)")
+    g.add_argument("--fork-share", type=float, default=0.25,
+                   help="shared-prefix: share of requests that fork (0.25)")
+    g.add_argument("--fork-n", type=_range, default=(2, 4), metavar="MIN:MAX",
+                   help="shared-prefix: continuations of a forking request (2:4)")
     g = p.add_argument_group("pool and scheduler")
     g.add_argument("--pool-tokens", type=_positive, default=6144,
                    help="KV capacity in tokens, rounded up to whole pages (6144)")
@@ -115,8 +126,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         raise SystemExit("kvpool demo: --device cuda asked for, but torch sees no CUDA device")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     page = args.page_size
+    shared = args.workload == "shared-prefix"
     # The longest request's K/V, rounded up to whole pages, bounds the context length.
-    max_ctx = -(-(args.prompt_len[1] + args.output_len[1]) // page) * page
+    longest_prompt = args.system_len[1] + args.prompt_len[1] if shared else args.prompt_len[1]
+    max_ctx = -(-(longest_prompt + args.output_len[1]) // page) * page
     pool_pages = -(-args.pool_tokens // page)
 
     with grad_mode(args.grad_mode):
@@ -133,12 +146,22 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
                              page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
                              max_requests=args.max_running, max_context_len=max_ctx,
                              layout=args.layout)
-        requests = synthetic_requests(args.requests, vocab_size=cfg.vocab_size,
-                                      prompt_len=args.prompt_len, output_len=args.output_len,
-                                      seed=args.seed)
-        engine = Engine(model, pool, max_running=args.max_running,
-                        use_cuda_graph=args.cuda_graph, admission=args.admission)
-        total = sum(r.max_new_tokens for r in requests)
+        if shared:
+            from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
+
+            requests = shared_prefix_requests(
+                args.requests, vocab_size=cfg.vocab_size, system_prompts=args.system_prompts,
+                system_len=args.system_len, user_len=args.prompt_len, output_len=args.output_len,
+                fork_share=args.fork_share, fork_n=args.fork_n, seed=args.seed)
+            engine = PrefixEngine(model, pool, max_running=args.max_running,
+                                  use_cuda_graph=args.cuda_graph, admission=args.admission)
+        else:
+            requests = synthetic_requests(args.requests, vocab_size=cfg.vocab_size,
+                                          prompt_len=args.prompt_len, output_len=args.output_len,
+                                          seed=args.seed)
+            engine = Engine(model, pool, max_running=args.max_running,
+                            use_cuda_graph=args.cuda_graph, admission=args.admission)
+        total = sum(r.max_new_tokens * getattr(r, "n", 1) for r in requests)
         with _progress(total, not args.no_progress) as bar:
             stats = engine.run(requests, progress=bar)
         # Every request closed, so every page must be back: verify the allocator agrees.
@@ -146,7 +169,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         audit = kvpool.audit(model, pool)
 
     settings = {
-        "requests": args.requests, "prompt_len": list(args.prompt_len),
+        "requests": args.requests, "workload": args.workload, "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len), "seed": args.seed,
         "pool_tokens": pool_pages * page, "page_size": page, "layout": args.layout,
         "max_running": args.max_running, "admission": args.admission,
@@ -155,7 +178,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         "pages_in_use_at_end": int(pool.used_pages),
         "open_requests_at_end": int(pool.open_requests),
     }
-    return figures(stats, settings=settings, audit=audit), stats.occupancy
+    fig = figures(stats, settings=settings, audit=audit)
+    if shared:
+        fig["prefix"] = engine.prefix.to_dict()
+        settings.update(system_prompts=args.system_prompts, system_len=list(args.system_len),
+                        fork_share=args.fork_share, fork_n=list(args.fork_n))
+    return fig, stats.occupancy
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,12 +133,20 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         f"{fig['preemptions']} preemptions",
         f"  occupancy pages used min/mean/max {occ['min']:.0%}/{occ['mean']:.0%}/{occ['max']:.0%}"
         f"  |{sparkline(occupancy)}|",
-        f"           tokens stored mean {fig['token_occupancy']['mean']:.0%} of capacity "
-        f"(the gap to pages used: partly filled last pages)",
+        (f"           tokens stored mean {fig['token_occupancy']['mean']:.0%} of capacity "
+         f"(the gap to pages used: partly filled last pages)" if "prefix" not in fig else
+         f"           request lengths sum to {fig['token_occupancy']['mean']:.0%} of capacity on average "
+         f"(a shared page counts once per request holding it)"),
         f"  kvpool host calls {host['share']:.1%} of step time: bookkeeping "
         f"(open/extend/close) {host['bookkeeping_share']:.2%} "
         f"({host['bookkeeping_us_per_step']:.0f} µs/step), K/V writes {host['write_share']:.1%}",
     ]
+    if "prefix" in fig:
+        px = fig["prefix"]
+        lines.append(f"  prefix   {px['hit_rate']:.1%} of prompt tokens hit the prefix cache "
+                     f"({px['hit_tokens']} of {px['prompt_tokens']}); {px['forks']} forked continuations "
+                     f"shared {px['forked_tokens']}; prefill tokens saved {px['prefill_tokens_saved']} "
+                     f"({px['prefill_saved_share']:.1%} of prompt tokens)")
     if fig["audit"]["clean"]:
         lines.append("  audit    kvpool.audit(model, pool): clean — no inference or requires-grad "
                      "tensors among the weights, buffers and pool tensors")

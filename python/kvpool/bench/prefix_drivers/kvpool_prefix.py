@@ -1,0 +1,111 @@
+"""kvpool's SlotAllocator with its prefix cache, driven the way kvpool.KVPool drives it on the host.
+
+Per step:
+- release: ``close(finished, cache=True)``: every full page whose tokens are known
+  (prompt and fed output tokens) is registered, then released (HELD -> CACHED).
+- admission, group by group (as vLLM's scheduler admits request by request, so a
+  later request in the same step hits the pages an earlier one registered):
+  ``open_with_prefix(prompt, [len])`` (longest registered full-page prefix, capped
+  at ``len - 1``), ``extend`` by the rest of the prompt with ``table=`` (the
+  engine's CPU ``req_to_token``), ``cache`` (its full pages become hittable as
+  soon as they are scheduled, like vLLM's ``allocate_slots``), and for n > 1
+  ``fork(handle, n - 1)``: the continuations share every page, the partial last
+  one copy-on-write.
+- decode: one ``extend(handles, 1, tokens=fed, table=)`` for the batch, then
+  ``take_copies()`` (the copy-on-write copies KVPool runs on the device before
+  the step's writes).
+Eviction happens inside ``extend`` when no FREE page is left (LRU, tail first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kvpool
+from kvpool.handles import ROW_MASK
+from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
+from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
+
+
+EVENT_REMOVED = 1  # take_events()["kind"]: 0 Stored, 1 Removed, 2 Cleared
+
+
+def available() -> tuple[bool, str]:
+    missing = [m for m in ("open_with_prefix", "fork", "cache", "take_copies") if not hasattr(kvpool.SlotAllocator, m)]
+    if missing:
+        return False, f"this kvpool build has no shared pages yet (missing SlotAllocator.{', .'.join(missing)})"
+    return True, ""
+
+
+class KVPoolPrefixDriver(PrefixDriver):
+    name = "kvpool"
+    label = "kvpool SlotAllocator (prefix cache)"
+
+    def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
+        super().__init__(cfg, max_step_tokens)
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(why)
+        # Rows: one per lane plus the forks of a group, which may briefly exceed the lanes in use.
+        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
+        self.table = np.zeros((cfg.concurrency, cfg.max_context_len), dtype=np.int32)
+        self.table.fill(0)  # fault the pages in now, as torch.zeros does for the baselines' tables
+        self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
+        self._evicted = 0
+        self._copies = 0
+
+    def prepare(self, step: PrefixStep) -> Any:
+        self._count_events()  # untimed: drain the event queue the timed calls filled
+        groups = [(g.prompt, np.array([len(g.prompt)], dtype=np.int64), g.lanes, g.n) for g in step.admit]
+        return self.handles[step.release_lanes], groups, self.handles[step.decode_lanes], step.decode_tokens
+
+    def run(self, prep: Any) -> int:
+        finished, groups, decoding, fed = prep
+        a, table, n = self.alloc, self.table, 0
+        if len(finished):
+            a.close(finished, cache=True)
+        for prompt, length, lanes, k in groups:
+            h, cached = a.open_with_prefix(prompt, length)
+            h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
+            row = h0 & ROW_MASK
+            if hit:
+                table[row, :hit] = a.slots(h0)
+            n += len(a.extend(h, total - hit, table=table))
+            a.cache(h)
+            self.prompt_tokens += k * total
+            self.computed_tokens += total - hit
+            self.handles[lanes[0]] = h0
+            if k > 1:
+                kids = a.fork(h0, k - 1)
+                table[kids & ROW_MASK, :total] = table[row, :total]
+                self.handles[lanes[1:]] = kids
+        if len(decoding):
+            n += len(a.extend(decoding, 1, tokens=fed, table=table))
+            src, _ = a.take_copies()
+            self._copies += len(src)
+        return n
+
+    def _count_events(self) -> None:
+        kinds = self.alloc.take_events()["kind"]
+        self._evicted += int(np.count_nonzero(kinds == EVENT_REMOVED))
+
+    def held_pages(self) -> int:
+        return int(self.alloc.used_pages)
+
+    def cached_pages(self) -> int:
+        return int(self.alloc.cached_pages)
+
+    def evicted_pages(self) -> int:
+        self._count_events()
+        return self._evicted
+
+    def native_bytes(self) -> int:
+        return int(self.alloc.metadata_bytes)
+
+    def backend(self) -> str:
+        return "Rust core, hashed full pages"
+
+    def version(self) -> str:
+        return getattr(kvpool, "__version__", "") or dist_version("kvpool")

@@ -1,0 +1,309 @@
+"""SGLang's RadixCache over its real allocators, driven the way SGLang's scheduler drives it.
+
+Imported from the installed ``sglang`` package; nothing here re-implements it.
+The tree, the allocators, ``ReqToTokenPool`` and the allocation helpers are
+SGLang's own; the request record handed to them (``_Req``) carries only the
+fields those calls read (SGLang's ``Req`` needs a running scheduler). Per step,
+following ``managers/schedule_policy.py``, ``mem_cache/allocation.py``,
+``mem_cache/common.py`` and the batch result processor:
+
+- release (``release_kv_cache(checkpoint=True)``), inside ``free_group_begin/end``:
+  ``tree.checkpoint(req, up_to=len)`` (insert the whole sequence, free the
+  duplicates, repoint the row to the tree's copy, move the lock), then
+  ``tree.free_kv_row(req.kv, [(cache_protected_len, len)])`` and ``tree.unlock(req.lock)``.
+- admission: ``match_prefix`` with the key capped at ``len - 1``
+  (``Req._compute_max_prefix_len``), ``tree.lock(last_node)``; one
+  allocation for the batch, ``alloc_token_slots`` / ``alloc_paged_token_slots_extend``
+  (they evict from the tree when the allocator runs short, then ``alloc`` /
+  ``alloc_extend``); the rows of ``req_to_token`` get the prefix indices
+  (``prefix_device_indices``) and the new slots (``write_cache_indices``'s CPU path).
+  After the prefill ``checkpoint_kv_cache`` inserts each prompt (``cache_unfinished_req``).
+- parallel sampling (n > 1): SGLang's tokenizer manager first sends the prompt
+  with ``max_new_tokens=0`` to cache it, then the n samples, which match it;
+  both batches run within the step here.
+- decode: ``alloc_token_slots`` / ``alloc_paged_token_slots_decode`` (evicting
+  when short), then ``req_to_token[(rows, seq_lens)] = out_cache_loc``.
+
+Which tree runs: ``SGLangPrefixDriver`` drives ``RadixCache``, a Python tree.
+``SGLangUnifiedPrefixDriver`` makes the same calls on ``UnifiedRadixCache`` (the
+cache SGLang's scheduler builds by default), whose TreeCore is Rust
+(``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=rust``, the default) only where its
+extension loads (torch 2.11-2.14) and Python otherwise; each row reports the
+TreeCore it got, and ``tree_core_backend()`` what the selection resolves to here.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Optional
+
+import torch
+
+from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
+from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
+
+_IMPORT_ERROR: Optional[str] = None
+try:
+    from sglang.srt.mem_cache.allocation import (  # type: ignore[import-untyped,unused-ignore]
+        alloc_paged_token_slots_decode,
+        alloc_paged_token_slots_extend,
+        alloc_token_slots,
+    )
+    from sglang.srt.mem_cache.allocator import (  # type: ignore[import-untyped,unused-ignore]
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # type: ignore[import-untyped,unused-ignore]
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped,unused-ignore]
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # type: ignore[import-untyped,unused-ignore]
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # type: ignore[import-untyped,unused-ignore]
+except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def available() -> tuple[bool, str]:
+    if _IMPORT_ERROR is None:
+        return True, ""
+    return False, f"sglang RadixCache not importable ({_IMPORT_ERROR}); install: see README 'Benchmarks'"
+
+
+def tree_core_backend(page_size: int = 1) -> str:
+    """The TreeCore SGLang's default ``UnifiedRadixCache`` resolves to in this environment, and why."""
+    try:
+        import logging
+
+        from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # type: ignore[import-untyped,unused-ignore]
+            _rust_fallback_reason,
+            select_tree_core_backend,
+        )
+
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
+                                 page_size=page_size)
+        logging.getLogger("sglang.srt.mem_cache.unified_cache.tree_core_registry").setLevel(logging.WARNING)
+        name = select_tree_core_backend(params)
+        why = _rust_fallback_reason(params) if name != "rust" else None
+        return f"{name}" + (f" ({why})" if why else "")
+    except Exception as exc:  # noqa: BLE001
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+class _Kv:
+    """The ``req.kv`` record fields RadixCache reads (no sliding window here)."""
+
+    __slots__ = ("req_pool_idx", "cache_protected_len", "cache_inserted_len", "swa_evict_floor")
+
+    def __init__(self, row: int) -> None:
+        self.req_pool_idx = row
+        self.cache_protected_len = 0
+        self.cache_inserted_len = 0
+        self.swa_evict_floor = 0
+
+    def get_evicted_seqlen(self, component_type: Any) -> int:
+        return 0
+
+    def swa_dead_lo(self, page_size: int) -> int:
+        return 0
+
+
+class _Req:
+    """The request fields the caches' checkpoint / free_kv_row / prefix_device_indices read."""
+
+    __slots__ = ("kv", "origin_input_ids", "full_untruncated_fill_ids", "extra_key", "cache_salt", "priority",
+                 "lock", "last_node", "prefix_len", "seq_len", "session", "session_id", "kv_rotation_base",
+                 "to_finish", "done")
+
+    def __init__(self, row: int, prompt: array, full: array) -> None:
+        self.kv = _Kv(row)
+        self.origin_input_ids = prompt
+        self.full_untruncated_fill_ids = full
+        self.extra_key = None
+        self.cache_salt = None
+        self.priority = 0
+        self.lock: Any = None
+        self.last_node: Any = None
+        self.prefix_len = 0
+        self.seq_len = len(prompt)
+        self.session = None  # no streaming session
+        self.session_id = None
+        self.kv_rotation_base = None  # no logical-page KV sharding
+        self.to_finish = None
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+class SGLangPrefixDriver(PrefixDriver):
+    name = "sglang"
+    label = "SGLang RadixCache + TokenToKVPoolAllocator"
+
+    def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
+        super().__init__(cfg, max_step_tokens)
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(why)
+        P = cfg.page_size
+        if P == 1:
+            self.alloc: Any = TokenToKVPoolAllocator(cfg.num_slots - 1, torch.float16, "cpu", None, need_sort=False)
+        else:
+            self.alloc = PagedTokenToKVPoolAllocator(cfg.num_slots - P, P, torch.float16, "cpu", None, need_sort=False)
+        # Rows 1..C are the lanes; row C+1 serves the n > 1 warm-up requests.
+        self.pool = ReqToTokenPool(cfg.concurrency + 1, cfg.max_context_len, "cpu", False)
+        self.rtt = self.pool.req_to_token
+        self.warm_row = cfg.concurrency + 1
+        self.tree = self._make_tree(CacheInitParams(disable=False, req_to_token_pool=self.pool,
+                                                    token_to_kv_pool_allocator=self.alloc, page_size=P))
+        self.reqs: list[Any] = [None] * cfg.concurrency
+        self._evicted_tokens = 0
+        # Count what eviction frees: wrap the method every eviction path of this cache goes through.
+        name = self._evict_method
+        evict = getattr(self.tree, name)
+
+        def counting_evict(*args: Any, **kwargs: Any) -> Any:
+            result = evict(*args, **kwargs)
+            self._evicted_tokens += result.num_tokens_evicted
+            return result
+
+        setattr(self.tree, name, counting_evict)
+
+    _evict_method = "evict"  # RadixCache: evict_for_alloc and evict_to_free_tokens end in evict
+
+    def _make_tree(self, params: Any) -> Any:
+        return RadixCache(params)
+
+    def prepare(self, step: PrefixStep) -> Any:
+        release = [self.reqs[lane] for lane in step.release_lanes.tolist()]
+        batch: list[tuple[_Req, int]] = []  # (request, lane; -1 for an n > 1 warm-up)
+        samples: list[tuple[_Req, int]] = []
+        for g in step.admit:
+            prompt = array("q", g.prompt.tolist())
+            if g.n > 1:
+                batch.append((_Req(self.warm_row, prompt, prompt), -1))
+            for lane, seq in zip(g.lanes.tolist(), g.seqs):
+                req = _Req(lane + 1, prompt, array("q", seq.tokens.tolist()))
+                (samples if g.n > 1 else batch).append((req, lane))
+        rows = torch.from_numpy(step.decode_lanes + 1)
+        seq_lens = torch.from_numpy(step.decode_lens)
+        return release, batch, samples, rows, seq_lens, step.decode_lanes.tolist()
+
+    def run(self, prep: Any) -> int:
+        release, batch, samples, rows, seq_lens, dec_lanes = prep
+        alloc, n = self.alloc, 0
+        if release:
+            alloc.free_group_begin()
+            for req in release:
+                self._release(req, req.seq_len)
+            alloc.free_group_end()
+        if batch:
+            n += self._prefill(batch)
+            for req, lane in batch:
+                if lane < 0:  # the n > 1 warm-up: max_new_tokens=0, finished after its prefill
+                    self._release(req, req.seq_len)
+        if samples:
+            n += self._prefill(samples)
+        bs = rows.shape[0]
+        if bs:
+            n += self._decode(rows, seq_lens)
+            reqs = self.reqs
+            for lane in dec_lanes:
+                reqs[lane].seq_len += 1
+        return n
+
+    def _release(self, req: Any, length: int) -> None:
+        tree = self.tree
+        req.done = True  # release_kv_cache(checkpoint=True) runs on a finished request
+        tree.checkpoint(req, up_to=length)
+        tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, length)])
+        tree.unlock(req.lock)
+        req.lock = None
+
+    def _prefill(self, batch: list) -> int:
+        tree, P = self.tree, self.cfg.page_size
+        prefixes = []
+        for req, _ in batch:
+            ids = req.origin_input_ids
+            m = tree.match_prefix(MatchPrefixParams(key=RadixKey(ids, None, limit=len(ids) - 1)))
+            req.prefix_len = req.kv.cache_protected_len = m.device_prefix_len
+            req.last_node = m.last_device_node
+            req.lock = tree.lock(req.last_node)
+            prefixes.append(tree.prefix_device_indices(req) if req.prefix_len else None)
+        prefix_lens = [req.prefix_len for req, _ in batch]
+        seq_lens = [len(req.origin_input_ids) for req, _ in batch]
+        extend = sum(seq_lens) - sum(prefix_lens)
+        if P == 1:
+            out = alloc_token_slots(tree, extend)
+        else:
+            pl = torch.tensor(prefix_lens, dtype=torch.int64)
+            sl = torch.tensor(seq_lens, dtype=torch.int64)
+            last = torch.cat([p[-1:] if p is not None else torch.full((1,), -1, dtype=torch.int64) for p in prefixes])
+            out = alloc_paged_token_slots_extend(tree, pl, pl, sl, sl, last, extend)
+        rtt, pt = self.rtt, 0
+        for (req, lane), prefix, plen, slen in zip(batch, prefixes, prefix_lens, seq_lens):
+            row = req.kv.req_pool_idx
+            if prefix is not None:
+                rtt[row, :plen] = prefix
+            rtt[row, plen:slen] = out[pt : pt + slen - plen]
+            pt += slen - plen
+            self.computed_tokens += slen - plen
+            if lane >= 0:
+                self.prompt_tokens += slen
+                self.reqs[lane] = req
+        for req, lane in batch:  # after the forward: cache_unfinished_req
+            if lane >= 0:
+                tree.checkpoint(req, up_to=req.seq_len)
+        return pt
+
+    def _decode(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> int:
+        bs = rows.shape[0]
+        if self.cfg.page_size == 1:
+            out = alloc_token_slots(self.tree, bs)
+        else:
+            last_loc = self.rtt[rows, seq_lens - 1]
+            out = alloc_paged_token_slots_decode(self.tree, seq_lens + 1, seq_lens + 1, last_loc)
+        self.pool.write((rows, seq_lens.clone()), out.to(torch.int32))
+        return bs
+
+    def held_pages(self) -> int:
+        P = self.cfg.page_size
+        usable = (self.cfg.num_pages - 1) * P
+        return (usable - int(self.alloc.available_size()) - int(self.tree.evictable_size())) // P
+
+    def cached_pages(self) -> int:
+        return int(self.tree.evictable_size() + self.tree.protected_size()) // self.cfg.page_size
+
+    def evicted_pages(self) -> int:
+        return self._evicted_tokens // self.cfg.page_size
+
+    def backend(self) -> str:
+        return "RadixCache (Python tree)"
+
+    def native_bytes(self) -> int:
+        from kvpool.bench.drivers.base import storage_bytes
+
+        a = self.alloc
+        extra = list(getattr(a, "staged_pages", []) or [])
+        return storage_bytes(a.free_pages, a.release_pages, *extra) + storage_bytes(self.rtt)
+
+    def version(self) -> str:
+        return dist_version("sglang")
+
+
+class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
+    """The same scheduler calls on ``UnifiedRadixCache`` (full-attention component only), the
+    cache SGLang's scheduler builds by default; its TreeCore is Rust where that extension loads."""
+
+    name = "sglang-unified"
+    label = "SGLang UnifiedRadixCache + TokenToKVPoolAllocator"
+    _evict_method = "_evict"  # its evict and evict_for_alloc both end in _evict
+
+    def _make_tree(self, params: Any) -> Any:
+        from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[import-untyped,unused-ignore]
+            ComponentType,
+        )
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # type: ignore[import-untyped,unused-ignore]
+
+        params.tree_components = (ComponentType.FULL,)
+        return UnifiedRadixCache(params)
+
+    def backend(self) -> str:
+        return f"UnifiedRadixCache, {self.tree._tree_core_backend} TreeCore"
