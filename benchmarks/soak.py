@@ -3,14 +3,22 @@ the process RSS and the allocator's ``metadata_bytes``.
 
 Each worker thread opens requests, grows them by random prompt/decode counts
 (writing K/V rows for every new slot), truncates and closes them, and checks
-that its own view of every request's slots agrees with the allocator. The
-main thread samples every ``--sample-s`` seconds and runs ``check()``.
+that its own view of every request's slots agrees with the allocator. Every
+other worker also shares pages: it opens requests on one of a few shared
+system prompts with ``open_with_prefix`` (prompt tokens known, decode tokens
+passed as ``tokens=``), publishes pages with ``cache``, forks requests (so
+extends copy-on-write shared last pages), and closes with ``cache=True``, so
+the prefix index, LRU eviction under pressure and the copy queue churn too.
+The main thread samples every ``--sample-s`` seconds, runs ``check()`` and
+drains the KV events.
 
 Warm-up first drives every request row's page list to the largest capacity
 any growth history can give it (see ``saturate_rows``), then churns for the
 first ``--warmup-frac`` of the time. After warm-up:
 
-* ``metadata_bytes`` must not grow at all;
+* ``metadata_bytes`` must end no higher than its peak in the first third after
+  warm-up (event buffers are handed out on drain and regrow, so it moves a
+  little both ways; a leak climbs past that peak);
 * RSS must not grow by more than ``max(--rss-slack-mib, 2 %)`` (the median of
   the last three samples against the median of the first three after warm-up);
 * ``check()`` must pass every time, and no worker may see a lost or doubled slot.
@@ -68,13 +76,38 @@ def saturate_rows(pool: kvpool.KVPool) -> None:
         pool.truncate(chunk, 0)
     pool.close(handles)
     pool.reset()
+    # The same for the sharing side: every row remembers a max_context_len
+    # prompt once, and the prefix index and event buffer grow to hold every
+    # page of the pool (registering distinct prompts evicts the oldest).
+    rng = np.random.default_rng(7)
+    for _ in range(2):
+        for i in range(0, pool.max_requests, per_chunk):
+            n = min(per_chunk, pool.max_requests - i)
+            hs, cached = pool.open_with_prefix(rng.integers(0, 10**6, size=n * ctx), [ctx] * n)
+            pool.extend(hs, ctx - cached)
+            pool.close(hs, cache=True)
+    pool.take_events()
+    pool.clear_cache()
+    pool.take_events()
+
+
+#: Shared system prompts of the sharing workers (token ids; 2-4 pages and a bit).
+PROMPTS = [np.random.default_rng(100 + i).integers(0, 1000, size=n) for i, n in enumerate((37, 70, 110, 150))]
 
 
 class Worker(threading.Thread):
     def __init__(self, pool: kvpool.KVPool, seed: int, stop: threading.Event) -> None:
         super().__init__(daemon=True)
         self.pool, self.rng, self.stop = pool, np.random.default_rng(seed), stop
+        self.sharing = seed % 2 == 1
         self.mine: dict[int, list[int]] = {}
+        # Requests whose pages may be shared: copy-on-write can move their last
+        # page, so their slots are re-read from the pool after each extend.
+        self.shared: set[int] = set()
+        # Sharing requests' known token ids (prompt, or everything a fork
+        # inherited): truncating below them and extending with other ids is a
+        # typed error by design, so truncates stop at this floor.
+        self.floor: dict[int, int] = {}
         self.ops = 0
         self.error: BaseException | None = None
         # Enough rows for the largest batch: up to 10 requests x 128 new tokens.
@@ -90,38 +123,91 @@ class Worker(threading.Thread):
             if self.mine:
                 self.pool.close(np.fromiter(self.mine, dtype=np.int64))
 
+    def open_some(self) -> None:
+        pool, rng, mine = self.pool, self.rng, self.mine
+        try:
+            if not self.sharing or rng.random() < 0.3:
+                for h in pool.open(int(rng.integers(1, 4))):
+                    mine[int(h)] = []
+                return
+            picks = rng.integers(0, len(PROMPTS), size=int(rng.integers(1, 3)))
+            prompts = [np.concatenate([PROMPTS[i], rng.integers(0, 1000, size=int(rng.integers(1, 20)))])
+                       for i in picks]
+            hs, cached = pool.open_with_prefix(np.concatenate(prompts), [len(p) for p in prompts])
+        except (TooManyRequestsError, PoolExhaustedError):
+            return
+        for h, c, p in zip(hs.tolist(), cached.tolist(), prompts):
+            slots = pool.slots(h).tolist()
+            if len(slots) != c:
+                raise AssertionError(f"request {h}: {len(slots)} slots after a {c}-token prefix hit")
+            mine[h] = slots
+            self.shared.add(h)
+            try:  # the rest of the prompt (tokens known from open_with_prefix)
+                pool.extend([h], len(p) - c)
+            except PoolExhaustedError:
+                # Later extends would pass random tokens where the prompt's are known.
+                pool.close([h])
+                del mine[h]
+                self.shared.discard(h)
+                self.floor.pop(h, None)
+                continue
+            mine[h] = pool.slots(h).tolist()
+            self.floor[h] = len(p)
+        live = [h for h in hs.tolist() if h in mine]
+        if live:
+            pool.cache(live)
+
     def step(self) -> None:
         pool, rng, mine = self.pool, self.rng, self.mine
         if len(mine) < 8:
-            try:
-                for h in pool.open(int(rng.integers(1, 4))):
-                    mine[int(h)] = []
-            except TooManyRequestsError:
-                pass
+            self.open_some()
         if not mine:
             return
         hs = np.fromiter(mine, dtype=np.int64)
         room = pool.max_context_len - np.array([len(mine[int(h)]) for h in hs])
         prefill = rng.random() < 0.2
         counts = np.minimum(room, rng.integers(1, 129, size=len(hs)) if prefill else 1)
+        tokens = rng.integers(0, 1000, size=int(counts.sum())) if self.sharing else None
         try:
-            res = pool.extend(hs, counts)
+            res = pool.extend(hs, counts, tokens=tokens)
         except PoolExhaustedError:
             res = None
         if res is not None:
             k = 0
             for h, c in zip(hs.tolist(), counts.tolist()):
-                mine[h] += res.slots[k : k + c].tolist()
+                new = res.slots[k : k + c].tolist()
+                if h in self.shared:
+                    now = pool.slots(h).tolist()
+                    if now[len(now) - c :] != new or len(now) != len(mine[h]) + c:
+                        raise AssertionError(f"request {h}: extend's slots are not its new tail")
+                    mine[h] = now
+                else:
+                    mine[h] += new
                 k += c
             n = len(res.slots)
             pool.write(int(rng.integers(0, pool.num_layers)), res.slots, self.rows[:n], self.rows[:n])
+        if self.sharing:
+            pool.cache(hs)
+            pool.take_events()  # a router would consume these; undrained they pile up
         h = int(rng.choice(hs))
         r = rng.random()
         if r < 0.1 or len(mine[h]) >= pool.max_context_len:
-            pool.close([h])
+            pool.close([h], cache=self.sharing)
             del mine[h]
+            self.shared.discard(h)
+            self.floor.pop(h, None)
+        elif self.sharing and r < 0.13 and len(mine) < 10:
+            try:
+                kids = pool.fork(h, int(rng.integers(1, 3)))
+            except TooManyRequestsError:
+                kids = []
+            for kid in kids.tolist() if len(kids) else []:
+                mine[kid] = list(mine[h])
+                self.shared.add(kid)
+                self.floor[kid] = len(mine[h])
+            self.shared.add(h)
         elif r < 0.2:
-            keep = int(rng.integers(0, len(mine[h]) + 1))
+            keep = int(rng.integers(min(self.floor.get(h, 0), len(mine[h])), len(mine[h]) + 1))
             pool.truncate([h], keep)
             del mine[h][keep:]
         elif r < 0.25 and pool.allocator.slots(h).tolist() != mine[h]:
@@ -154,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while (now := time.monotonic()) - t0 < total:
             time.sleep(min(args.sample_s, max(0.0, total - (now - t0))))
+            pool.take_events()  # a router would consume these; undrained they pile up
             try:
                 pool.allocator.check()
             except kvpool.KVPoolError as e:
@@ -173,22 +260,30 @@ def main(argv: list[str] | None = None) -> int:
             w.join(timeout=60)
     failures += [f"worker {i}: {w.error!r}" for i, w in enumerate(workers) if w.error]
     pool.allocator.check()
+    result_cached = pool.cached_pages
+    pool.clear_cache()
+    pool.allocator.check()
     if pool.allocator.open_requests != 0 or pool.allocator.free_pages != pool.allocator.capacity_pages:
         failures.append("pages or rows leaked after every worker closed its requests")
 
     warm = [s for s in samples if s["warm"]]
     result: dict[str, Any] = {"minutes": args.minutes, "threads": args.threads,
-                              "ops": sum(w.ops for w in workers), "samples": samples}
+                              "ops": sum(w.ops for w in workers), "samples": samples,
+                              "cached_pages_at_end": result_cached, "hit_tokens": pool.hit_tokens,
+                              "miss_tokens": pool.miss_tokens}
     if len(warm) >= 6:
         rss0 = statistics.median(s["rss"] for s in warm[:3])
         rss1 = statistics.median(s["rss"] for s in warm[-3:])
-        md0, md1 = warm[0]["metadata"], max(s["metadata"] for s in warm)
+        # Event buffers are handed out on drain and regrow, so metadata moves a
+        # little both ways: a leak is the end sitting above the early peak.
+        md0 = max(s["metadata"] for s in warm[: max(3, len(warm) // 3)])
+        md1 = statistics.median(s["metadata"] for s in warm[-3:])
         slack = max(args.rss_slack_mib * 2**20, 0.02 * rss0)
         result.update(rss_start=rss0, rss_end=rss1, metadata_start=md0, metadata_end=warm[-1]["metadata"])
         if rss1 - rss0 > slack:
             failures.append(f"RSS grew after warm-up: {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
         if md1 > md0:
-            failures.append(f"metadata_bytes grew after warm-up: {md0} -> {md1}")
+            failures.append(f"metadata_bytes grew after warm-up: early peak {md0} -> end {md1}")
         print(f"after warm-up: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
               f"metadata_bytes {md0} -> {warm[-1]['metadata']}; "
               f"{result['ops']} ops ({result['ops'] / (samples[-1]['t'] or 1):.0f}/s)")
