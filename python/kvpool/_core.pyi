@@ -61,7 +61,7 @@ class PoolStats:
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
 
     Owns which slots each request holds: free pages, per-request page lists,
     shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
@@ -73,10 +73,14 @@ class SlotAllocator:
         max_requests: most requests open at once (<= 2**20).
         max_context_len: most tokens per request (<= 2**28).
         hash_seed: seed of the prefix-cache page hash (random when None).
+        handle_seed: seed of the handle generations (random when None): pools
+            built with the same seed and making the same calls hand out the
+            same handles (tensor-parallel ranks).
         kv_events: record KV events for take_events().
 
     Raises:
-        InvalidArgumentError: a size is zero, negative or too large.
+        InvalidArgumentError: a size is zero, negative or too large, or a
+            seed is not an int in [0, 2**64).
     """
 
     def __new__(
@@ -87,6 +91,7 @@ class SlotAllocator:
         max_context_len: int = 4096,
         *,
         hash_seed: Optional[int] = None,
+        handle_seed: Optional[int] = None,
         kv_events: bool = True,
     ) -> SlotAllocator: ...
     @property

@@ -129,6 +129,31 @@ fn handles_carry_row_and_generation() {
 }
 
 #[test]
+fn handle_seed_makes_handles_a_function_of_the_seed() {
+    let seeded = |seed: u64| {
+        let o = Options {
+            handle_seed: Some(seed),
+            ..Options::new()
+        };
+        SlotAllocator::with_options(8, 1, 4, 64, o).expect("valid config")
+    };
+    let (mut a, mut b, mut c) = (seeded(7), seeded(7), seeded(8));
+    let (ha, hb, hc) = (a.open(3).unwrap(), b.open(3).unwrap(), c.open(3).unwrap());
+    assert_eq!(ha, hb, "same seed, same calls -> same handles");
+    assert_ne!(ha, hc, "nearby seeds give unrelated generation bases");
+    for h in &ha {
+        let g = handle_generation(*h);
+        assert!((1..MAX_GENERATION).contains(&g), "{g}");
+        assert!(!c.is_open(*h), "another seed's handle is not valid here");
+    }
+    // Seeds at the extremes still land in the valid range.
+    for seed in [0, u64::MAX] {
+        let g = handle_generation(seeded(seed).open(1).unwrap()[0]);
+        assert!((1..MAX_GENERATION).contains(&g), "{seed}: {g}");
+    }
+}
+
+#[test]
 fn failed_batches_change_nothing() {
     let mut a = alloc(6, 2); // 5 usable pages = 10 slots
     let h = a.open(3).unwrap();

@@ -11,18 +11,18 @@ use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, Result};
 
-/// A hash seed: a Python int in [0, 2^64).
-pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+/// A seed (`what`: hash_seed, handle_seed): a Python int in [0, 2^64).
+pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(invalid_argument(
             py,
-            "hash_seed must be an int in [0, 2**64), got bool",
+            format!("{what} must be an int in [0, 2**64), got bool"),
         ));
     }
     obj.extract::<u64>().map_err(|_| {
         invalid_argument(
             py,
-            format!("hash_seed must be an int in [0, 2**64), got {obj}"),
+            format!("{what} must be an int in [0, 2**64), got {obj}"),
         )
     })
 }
