@@ -103,7 +103,11 @@ impl SlotAllocator {
         let mut m = self.walk_chain(hashes, &prompt, salt, Some(&mut pages));
         if m.pages > max_pages {
             m.pages = max_pages;
-            m.chain = if max_pages == 0 { root(salt) } else { hashes[max_pages - 1] };
+            m.chain = if max_pages == 0 {
+                root(salt)
+            } else {
+                hashes[max_pages - 1]
+            };
             m.chain_reg = match max_pages {
                 0 => 0,
                 k => self.index.entry_of(pages[k - 1]).map_or(0, |e| e.reg),

@@ -419,14 +419,24 @@ fn chain_transfer_matches_only_verified_pages() {
     let h = src.open(1).unwrap(); // unknown tokens: an empty chain
     src.extend(&h, Counts::Each(8), None).unwrap();
     assert!(src.prefix_chain(h[0]).unwrap().hashes.is_empty());
-    let (hs, _) = src.open_with_prefix(&prompt, &[10], Counts::Each(7)).unwrap();
+    let (hs, _) = src
+        .open_with_prefix(&prompt, &[10], Counts::Each(7))
+        .unwrap();
     src.extend(&hs, Counts::Each(10), None).unwrap();
     let c = src.prefix_chain(hs[0]).unwrap();
     assert_eq!((c.hashes.len(), c.tokens.len(), c.salt), (2, 8, 7));
     let toks: Vec<i64> = c.tokens.iter().map(|&t| t as i64).collect();
     assert_eq!(dst.match_chain(&c.hashes, &toks, 7).unwrap(), 2);
-    assert_eq!(other.match_chain(&c.hashes, &toks, 7).unwrap(), 0, "another seed misses");
-    assert_eq!(dst.match_chain(&c.hashes, &toks, 8).unwrap(), 0, "another salt misses");
+    assert_eq!(
+        other.match_chain(&c.hashes, &toks, 7).unwrap(),
+        0,
+        "another seed misses"
+    );
+    assert_eq!(
+        dst.match_chain(&c.hashes, &toks, 8).unwrap(),
+        0,
+        "another salt misses"
+    );
     let mut forged = toks.clone();
     forged[5] += 1; // right hashes, other tokens: page 1 must not match
     assert_eq!(dst.match_chain(&c.hashes, &forged, 7).unwrap(), 1);

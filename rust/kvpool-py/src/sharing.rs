@@ -44,7 +44,10 @@ fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
     if words.len() % 2 != 0 {
         return Err(invalid_argument(
             py,
-            format!("hashes has {} words; each 128-bit hash is two (hi, lo)", words.len()),
+            format!(
+                "hashes has {} words; each 128-bit hash is two (hi, lo)",
+                words.len()
+            ),
         ));
     }
     Ok(words
