@@ -181,6 +181,8 @@ impl SlotAllocator {
         signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=true),
         text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)"
     )]
+    // One parameter per Python keyword: the signature is the API.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
