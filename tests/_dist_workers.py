@@ -147,9 +147,57 @@ def transfer_decode(rank: int, world: int, page_sizes: tuple[int, ...]) -> dict[
             if rank == 1:
                 pool.close(filler)
             result[P] = {"logits": logits, "stats": stats, "pages": pages, "snapshot": snapshot(pool)}
+            result[("prefix", P)] = _prefix_transfer(model, rank, P)
         result["raw"] = _raw_cases(rank)
     result["failures"] = failures(rank, world)
     return result
+
+
+SYSTEM = np.random.default_rng(99).integers(0, CFG.vocab_size, size=32)
+PREFIX_PROMPT = np.concatenate([SYSTEM, np.random.default_rng(98).integers(0, CFG.vocab_size, size=14)])
+
+
+def prefill_with_prefix(model: Any, pool: Any, prompt: np.ndarray) -> tuple[int, torch.Tensor]:
+    """Prefill through the prefix cache: only the positions past the cached prefix run."""
+    hs, cl = pool.open_with_prefix(prompt, [len(prompt)])
+    h, c = int(hs[0]), int(cl[0])
+    ext = pool.extend([h], len(prompt) - c)
+    ids = torch.from_numpy(prompt[c:])[None]
+    pos = torch.arange(c, len(prompt))[None]
+    rows = torch.tensor([pool.rows([h])[0]])
+    logits = model.forward_pool(pool, ids, pos, rows, ext.out_cache_loc, len(prompt))[0]
+    return h, logits
+
+
+def _prefix_transfer(model: Any, rank: int, P: int) -> dict[str, Any]:
+    """dst caches SYSTEM; src prefills SYSTEM + more and sends: the cached pages stay put."""
+    pool = make_pool(P, -(-200 // P) + 1, hash_seed=1234)
+    out: dict[str, Any] = {}
+    if rank == 1:
+        h, _ = prefill_with_prefix(model, pool, SYSTEM)
+        pool.close([h], cache=True)
+        out["cached_before"] = int(pool.cached_pages)
+    dist.barrier()
+    if rank == 0:
+        h, pre = prefill_with_prefix(model, pool, PREFIX_PROMPT)
+        st = pool.send_request(h, 1)
+        dist.send(torch.tensor([int(pre[-1].argmax())]), 1)
+        out["stats"] = (st.pages, st.cached_pages, st.bytes, st.messages)
+        pool.close([h])
+    else:
+        st = kv_transfer.recv_request_stats(pool, 0)
+        h = st.handle
+        out["stats"] = (st.pages, st.cached_pages, st.bytes, st.messages)
+        out["length"] = int(pool.length(h))
+        out["known"] = pool.known_tokens(h).tolist()
+        out["row_ok"] = bool((pool.req_to_token[pool.rows([h])[0], : len(PREFIX_PROMPT)]
+                              == torch.from_numpy(pool.slots(h)).to(torch.int32)).all())
+        first = torch.zeros(1, dtype=torch.int64)
+        dist.recv(first, 0)
+        out["logits"] = decode(model, pool, h, int(first), STEPS)
+        pool.close([h])
+    out["snapshot"] = snapshot(pool)  # check() inside
+    return out
 
 
 def _raw_cases(rank: int) -> dict[str, Any]:

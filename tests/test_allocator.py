@@ -165,6 +165,27 @@ def test_construction_arguments_are_validated():
             SlotAllocator(**kwargs)
 
 
+def test_handle_seed_makes_handles_agree():
+    """Same handle_seed + same calls -> same handles (TP ranks); unseeded pools differ."""
+    def run(**kw):
+        a = SlotAllocator(16, 2, 4, 32, **kw)
+        h = a.open(3)
+        a.extend(h, [3, 1, 2])
+        a.close(h[:1])
+        return np.concatenate([h, a.open(1)]), a
+    (h1, _), (h2, _) = run(handle_seed=11), run(handle_seed=11)
+    assert h1.tolist() == h2.tolist()
+    h3, a3 = run(handle_seed=12)
+    assert h3.tolist() != h1.tolist() and (h3 & 0xFFFFFFFF).tolist() == (h1 & 0xFFFFFFFF).tolist()
+    assert not any(a3.is_open(int(h)) for h in h1), "another seed's handles are not valid here"
+    assert run()[0].tolist() != run()[0].tolist()  # random bases: equal with p ~ 2^-31
+    p1, p2 = (kvpool.KVPool(1, 1, 4, num_pages=8, handle_seed=7) for _ in range(2))
+    assert p1.open(2).tolist() == p2.open(2).tolist()
+    for bad in [True, -1, 2**64, 1.5, "7"]:
+        with pytest.raises(InvalidArgumentError, match="handle_seed"):
+            SlotAllocator(8, handle_seed=bad)
+
+
 def test_allocator_is_weak_referenceable():
     import gc
     import weakref

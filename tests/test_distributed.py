@@ -77,6 +77,28 @@ def test_prefill_send_decode_matches_one_process(transfer_run, page_size):
         assert side[page_size]["snapshot"][1:3] == (0, 0)
 
 
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_prefix_pages_cached_at_the_destination_are_not_sent(transfer_run, page_size):
+    src, dst = (r[("prefix", page_size)] for r in transfer_run)
+    n_sys = len(W.SYSTEM) // page_size
+    assert dst["cached_before"] == n_sys
+    pages = -(-len(W.PREFIX_PROMPT) // page_size)
+    per_page = page_size * 2 * W.CFG.layers * W.CFG.kv_heads * W.CFG.head_dim * 4
+    for pages_, cached, nbytes, _ in (src["stats"], dst["stats"]):
+        assert (pages_, cached) == (pages, n_sys), "the system prompt's pages must not be sent"
+        assert nbytes == (pages - n_sys) * per_page
+    assert dst["length"] == len(W.PREFIX_PROMPT) and dst["row_ok"]
+    full = len(W.PREFIX_PROMPT) // page_size * page_size  # the chain carries the full pages' token ids
+    assert dst["known"][:full] == W.PREFIX_PROMPT[:full].tolist(), "received full pages are cacheable at dst"
+    # Reference: one process, no prefix cache, plain prefill + decode.
+    model, pool = W.build_model(W.CFG), W.make_pool(page_size, -(-200 // page_size) + 1)
+    with torch.inference_mode():
+        h, logits = W.prefill(model, pool, W.PREFIX_PROMPT)
+        ref = W.decode(model, pool, h, int(logits[-1].argmax()), W.STEPS)
+    torch.testing.assert_close(dst["logits"], ref, atol=ATOL, rtol=RTOL)
+    assert src["snapshot"][1:3] == (0, 0) and dst["snapshot"][1:3] == (0, 0)
+
+
 def test_fp8_and_mla_pages_arrive_intact(transfer_run):
     src, dst = transfer_run
     raw_src, raw_dst = src["raw"], dst["raw"]

@@ -188,3 +188,41 @@ def test_events_and_counters_reach_the_pool():
     assert pool.take_events()["kind"].tolist() == [1, 1]
     pool.clear_cache()
     assert pool.take_events()["kind"].tolist() == [2]
+
+
+def test_chain_hashes_match_only_verified_pages_across_pools():
+    """The prefix-aware transfer hooks: a receiver with the same hash_seed shares the
+    cached pages; another seed, another salt or other tokens under the right hashes
+    miss; bad input is a typed error that changes nothing."""
+    system = list(range(100, 112))  # 3 pages of 4
+    src, dst, other = make(hash_seed=9), make(hash_seed=9), make(hash_seed=10)
+    for p in (dst, other):
+        h, _ = serve(p, system + [1])
+        p.close(h, cache=True)
+    hs, _ = serve(src, system + [5, 6, 7, 8, 9])
+    hashes, tokens, salt = src.chain_hashes(int(hs[0]))
+    assert hashes.dtype == np.uint64 and len(hashes) == 2 * 4 and tokens.tolist() == system + [5, 6, 7, 8]
+    assert dst.match_chain_hashes(hashes, tokens, salt) == 3
+    assert other.match_chain_hashes(hashes, tokens, salt) == 0, "another hash_seed misses"
+    assert dst.match_chain_hashes(hashes, tokens, 1) == 0, "another salt misses"
+    forged = tokens.copy()
+    forged[5] += 1  # the right hashes, other tokens in page 1: only page 0 matches
+    assert dst.match_chain_hashes(hashes, forged, salt) == 1
+    before = (dst.free_pages, dst.open_requests, dst.cached_pages)
+    for bad in [(hashes[:3], tokens), (hashes, tokens[:-1]), (hashes.astype(np.float64), tokens),
+                (hashes, tokens * 0 - 1)]:
+        with pytest.raises(kvpool.InvalidArgumentError):
+            dst.open_with_chain_hashes(*bad, salt)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        dst.open_with_chain_hashes(hashes, tokens, salt, max_pages=-1)
+    assert (dst.free_pages, dst.open_requests, dst.cached_pages) == before
+    d = dst.open_with_chain_hashes(hashes, tokens, salt, max_pages=2)
+    assert dst.length(d) == 8
+    r = dst.extend([d], 9)  # the rest of the request: its token ids come from the chain
+    write(dst, r.slots, system + [5, 6, 7, 8, 9], 8)
+    assert_reads(dst, d, system + [5, 6, 7, 8, 9])
+    assert dst.known_tokens(d).tolist()[:16] == system + [5, 6, 7, 8]
+    dst.cache([d])  # received pages join dst's index
+    assert dst.cached_pages == 4
+    dst.close([d])
+    dst.check()

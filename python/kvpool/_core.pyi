@@ -61,7 +61,7 @@ class PoolStats:
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
 
     Owns which slots each request holds: free pages, per-request page lists,
     shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
@@ -73,10 +73,14 @@ class SlotAllocator:
         max_requests: most requests open at once (<= 2**20).
         max_context_len: most tokens per request (<= 2**28).
         hash_seed: seed of the prefix-cache page hash (random when None).
+        handle_seed: seed of the handle generations (random when None): pools
+            built with the same seed and making the same calls hand out the
+            same handles (tensor-parallel ranks).
         kv_events: record KV events for take_events().
 
     Raises:
-        InvalidArgumentError: a size is zero, negative or too large.
+        InvalidArgumentError: a size is zero, negative or too large, or a
+            seed is not an int in [0, 2**64).
     """
 
     def __new__(
@@ -87,6 +91,7 @@ class SlotAllocator:
         max_context_len: int = 4096,
         *,
         hash_seed: Optional[int] = None,
+        handle_seed: Optional[int] = None,
         kv_events: bool = True,
     ) -> SlotAllocator: ...
     @property
@@ -357,6 +362,51 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: unknown, closed or stale handle.
+        """
+    def chain_hashes(
+        self, handle: _Handle
+    ) -> Tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], int]:
+        """The request's leading full pages of known token ids, for a prefix-aware
+        transfer to another pool: their chain hashes (this pool's hash_seed),
+        their token ids and the request's salt. The receiver matches them with
+        match_chain_hashes / open_with_chain_hashes.
+
+        Returns:
+            (hashes uint64 [2n]: (hi, lo) of each page's 128-bit hash,
+             tokens int32 [n * page_size], salt int).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+    def match_chain_hashes(
+        self, hashes: npt.NDArray[np.integer[Any]], tokens: _IntArray, salt: Optional[int] = None
+    ) -> int:
+        """How many leading pages of a chain (from another pool's chain_hashes)
+        this pool caches. A page matches only if the entry under its hash holds
+        exactly the given tokens, the same salt and the matched parent, so a
+        different hash_seed or a collision is a miss, never wrong KV. Read-only.
+
+        Raises:
+            InvalidArgumentError: hashes not (hi, lo) uint64 words, tokens not
+                page_size per hash or out of range, a bad salt.
+        """
+    def open_with_chain_hashes(
+        self,
+        hashes: npt.NDArray[np.integer[Any]],
+        tokens: _IntArray,
+        salt: Optional[int] = None,
+        max_pages: Optional[int] = None,
+    ) -> Tuple[int, int]:
+        """Opens one request holding the leading pages of the chain this pool
+        caches (at most max_pages; refcount + 1 each). Its length is
+        cached_len = pages * page_size; the chain's tokens become its known
+        prompt, so extending it records their ids and cache() can register
+        them later. Atomic.
+
+        Raises:
+            InvalidArgumentError: as match_chain_hashes; a negative max_pages.
+            ContextTooLongError: more tokens than max_context_len.
+            TooManyRequestsError: no free row.
         """
     @property
     def hash_seed(self) -> int:

@@ -76,8 +76,11 @@ class KVPool(AllocatorFacade, SharingMixin):
     common prefix, ``cache`` / ``close(cache=True)`` publish pages, ``fork``
     shares a request's pages, and ``extend`` runs copy-on-write copies on the
     device (see ``kvpool.sharing``). ``hash_seed`` fixes the prefix hash (ranks
-    and routers that must agree); ``kv_events=False`` stops recording events
-    for ``take_events``.
+    and routers that must agree); ``handle_seed`` fixes the handle generations
+    (random otherwise), so pools built with the same seed that make the same
+    calls hand out the same handles (tensor-parallel ranks; ``tp_pool`` passes
+    one agreed seed to both); ``kv_events=False`` stops recording events for
+    ``take_events``.
 
     Raises (constructor):
         InvalidArgumentError: a bad size, dtype, layout, device or capacity
@@ -112,6 +115,7 @@ class KVPool(AllocatorFacade, SharingMixin):
         tp_rank: int = 0,
         tp_size: int = 1,
         hash_seed: int | None = None,
+        handle_seed: int | None = None,
         kv_events: bool = True,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
@@ -159,7 +163,8 @@ class KVPool(AllocatorFacade, SharingMixin):
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.
         self.allocator = SlotAllocator(
-            pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed, kv_events=kv_events
+            pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed,
+            handle_seed=handle_seed, kv_events=kv_events,
         )
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.

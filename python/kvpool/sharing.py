@@ -132,3 +132,52 @@ class SharingMixin:
             length = self.allocator.length(handle)
             self._write_prefixes(kids, np.full(len(kids), length, dtype=np.int64))
         return kids
+
+    # Prefix-aware transfer between pools (kvpool.distributed.kv_transfer).
+
+    def chain_hashes(self, handle: Any) -> tuple[np.ndarray, np.ndarray, int]:
+        """The request's leading full pages of known tokens, for a prefix-aware transfer.
+
+        Returns:
+            ``(hashes, tokens, salt)``: uint64 ``[2n]`` (hi, lo) words of each
+            page's 128-bit chain hash under this pool's ``hash_seed``, int32
+            ``[n * page_size]`` token ids of those pages, the request's salt.
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+        return self.allocator.chain_hashes(handle)
+
+    def match_chain_hashes(self, hashes: Any, tokens: Any, salt: Any = None) -> int:
+        """How many leading pages of another pool's chain (``chain_hashes``) this pool caches.
+
+        Each page is verified by its token ids, salt and parent, so a different
+        ``hash_seed`` or a hash collision is a miss, never wrong KV. Read-only.
+
+        Raises:
+            InvalidArgumentError: malformed hashes or tokens, a bad salt.
+        """
+        return int(self.allocator.match_chain_hashes(hashes, tokens, salt))
+
+    def open_with_chain_hashes(self, hashes: Any, tokens: Any, salt: Any = None,
+                               max_pages: int | None = None) -> int:
+        """Open a request holding the leading pages of a chain that this pool caches.
+
+        At most ``max_pages`` pages (each refcount + 1); the request's length is
+        ``pages * page_size`` and its ``req_to_token`` row shows them. The chain's
+        tokens become its known prompt: extend it by the rest of the length and
+        ``cache()`` can register the new pages later.
+
+        Returns:
+            The new handle (``length(handle)`` says how many tokens it shares).
+
+        Raises:
+            InvalidArgumentError: malformed hashes or tokens, a bad salt or max_pages.
+            ContextTooLongError: more tokens than ``max_context_len``.
+            TooManyRequestsError: no free row. Nothing changes on any error.
+        """
+        handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+        if cached:
+            self._sharing = True
+        self._write_prefixes(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
+        return int(handle)

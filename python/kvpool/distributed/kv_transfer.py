@@ -4,7 +4,9 @@ Protocol (src = the pool that has the request, dst = the pool that takes it):
 
   1. src -> dst  header   int64[16]: shape of the pool, request length and page
                           count, how many chain hashes and fp8 scales follow
-  2. src -> dst  meta     int64[n_hashes + n_scales] (only if non-empty)
+  2. src -> dst  meta     int64 (only if non-empty): for n chain pages, 2n hash
+                          words (hi, lo), the salt and n * page_size token ids;
+                          then the fp8 scales
   3. dst -> src  reply    int64[6]: status, leading pages dst already has cached,
                           its free pages, pages it needs. dst has opened the
                           request and taken its pages only if status is OK
@@ -39,7 +41,7 @@ from kvpool.modes import persistent
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
-MAGIC, VERSION = 0x6B76706F6F6C, 1
+MAGIC, VERSION = 0x6B76706F6F6C, 2
 TAG = 0x4B56
 HEADER_LEN, REPLY_LEN = 16, 6
 DEFAULT_CHUNK_BYTES = 16 << 20  # staging per buffer; big enough to amortize a message, small enough to pipeline
@@ -174,12 +176,30 @@ def _chunk_view(buf: torch.Tensor, pool: Any, k: int) -> torch.Tensor:
     return buf[: caches * pool.num_layers * k * page_bytes(pool)].view(word).view(caches, pool.num_layers, k, -1)
 
 
-def _chain_hashes(pool: Any, handle: int) -> np.ndarray:
-    """Prefix hook (shared-pages core): chain hashes of the request's leading full pages."""
+def _chain_hashes(pool: Any, handle: int) -> tuple[int, np.ndarray]:
+    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
+    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
     fn = getattr(pool, "chain_hashes", None)
     if fn is None:
-        return np.zeros(0, np.int64)
-    return np.asarray(fn(handle)).astype(np.uint64, copy=False).view(np.int64)
+        return 0, np.zeros(0, np.int64)
+    hashes, tokens, salt = fn(handle)
+    n = len(hashes) // 2
+    if not n:
+        return 0, np.zeros(0, np.int64)
+    words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
+                            np.asarray(tokens, np.int64)])
+    return n, words
+
+
+def _split_chain(words: np.ndarray, n: int, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The inverse of ``_chain_hashes``'s packing: ``(hash words uint64, tokens, salt)``."""
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), 0
+    return words[: 2 * n].view(np.uint64), words[2 * n + 1 :], int(words[2 * n])
+
+
+def _chain_words(n: int, page_size: int) -> int:
+    return 0 if n == 0 else 2 * n + 1 + n * page_size
 
 
 def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
@@ -203,7 +223,7 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     try:
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
-        hashes = _chain_hashes(pool, handle)
+        n_chain, chain = _chain_hashes(pool, handle)
     except KVPoolError:
         header[H_ABORT] = 1  # let the receiver fail now instead of at its timeout
         link.send_ints(header, "abort header")
@@ -213,11 +233,11 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     per_chunk = max(1, min(len(pages), chunk_bytes // per_row)) if len(pages) else 1
     for k, v in _shape_fields(pool).items():
         header[k] = v
-    header[H_LENGTH], header[H_PAGES], header[H_HASHES] = length, len(pages), len(hashes)
+    header[H_LENGTH], header[H_PAGES], header[H_HASHES] = length, len(pages), n_chain
     header[H_SCALES], header[H_PER_CHUNK] = len(scales), per_chunk
     link.send_ints(header, "header")
-    if len(hashes) + len(scales):
-        link.send_ints(np.concatenate([hashes, scales.view(np.int64)]), "chain hashes and scales")
+    if len(chain) + len(scales):
+        link.send_ints(np.concatenate([chain, scales.view(np.int64)]), "chain hashes and scales")
     reply = link.recv_ints(REPLY_LEN, "reply")
     status, cached, free, need = (int(x) for x in reply[:4])
     if status != OK:
@@ -262,18 +282,26 @@ def _incompatible(pool: Any, header: np.ndarray) -> str:
     return "; ".join(diffs)
 
 
-def _prefix_match(pool: Any, hashes: np.ndarray, max_pages: int) -> int:
-    """Prefix hook (shared-pages core): how many leading pages this pool already caches."""
+def _prefix_match(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], max_pages: int) -> int:
+    """Prefix hook: how many leading pages of the sender's chain this pool already caches
+    (verified by their tokens and salt in the core, so a hash alone never matches)."""
     fn = getattr(pool, "match_chain_hashes", None)
+    hashes, tokens, salt = chain
     if fn is None or not len(hashes) or not hasattr(pool, "open_with_chain_hashes"):
         return 0
-    return max(0, min(int(fn(hashes.view(np.uint64))), max_pages, len(hashes)))
+    return max(0, min(int(fn(hashes, tokens, salt)), max_pages, len(hashes) // 2))
 
 
-def _open(pool: Any, hashes: np.ndarray, cached: int, length: int) -> int:
-    """Open the destination request: the cached leading pages shared, the rest fresh."""
-    if cached:
-        handle = int(pool.open_with_chain_hashes(hashes[:cached].view(np.uint64)))
+def _open(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], cached: int, length: int) -> int:
+    """Open the destination request: the cached leading pages shared, the rest fresh.
+    With a chain, its tokens become the request's known prompt (so ``cache()`` can
+    register the received pages later)."""
+    hashes, tokens, salt = chain
+    if len(hashes) and hasattr(pool, "open_with_chain_hashes"):
+        handle = int(pool.open_with_chain_hashes(hashes, tokens, salt, max_pages=cached))
+        if int(pool.length(handle)) != cached * pool.page_size:  # pragma: no cover - nothing ran in between
+            pool.close([handle])
+            raise TransferError("the prefix cache changed between the match and the open")
     else:
         handle = int(pool.open(1)[0])
     try:
@@ -313,8 +341,10 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
         raise TransferError(f"rank {src_rank} aborted the transfer before sending (its handle was invalid)")
     length, n_pages = int(header[H_LENGTH]), int(header[H_PAGES])
     n_hashes, n_scales, per_chunk = int(header[H_HASHES]), int(header[H_SCALES]), int(header[H_PER_CHUNK])
-    meta = link.recv_ints(n_hashes + n_scales, "chain hashes and scales") if n_hashes + n_scales else np.zeros(0, np.int64)
-    hashes, src_scales = meta[:n_hashes], meta[n_hashes:].view(np.float64)
+    n_chain = _chain_words(n_hashes, int(header[H_PAGE]))
+    meta = link.recv_ints(n_chain + n_scales, "chain hashes and scales") if n_chain + n_scales else np.zeros(0, np.int64)
+    chain = _split_chain(meta[:n_chain], n_hashes, int(header[H_PAGE]))
+    src_scales = meta[n_chain:].view(np.float64)
     alloc = pool  # the KVPool facade: counters, pages, max_context_len
     P = pool.page_size
 
@@ -331,14 +361,14 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
         raise refuse(CONTEXT, ContextTooLongError(
             f"received request of {length} tokens exceeds max_context_len {alloc.max_context_len}"),
             extra=int(alloc.max_context_len))
-    cached = _prefix_match(pool, hashes, min(n_pages, length // P))
+    cached = _prefix_match(pool, chain, min(n_pages, length // P))
     need = -(-length // P) - cached
     if need > alloc.free_pages:
         raise refuse(EXHAUSTED, PoolExhaustedError(
             f"cannot receive a request of {length} tokens from rank {src_rank}: needs {need} pages "
             f"({need * P} slots) but only {alloc.free_pages} pages ({alloc.free_slots} slots) are free"), need=need)
     try:
-        handle = _open(pool, hashes, cached, length)
+        handle = _open(pool, chain, cached, length)
     except PoolExhaustedError as e:
         raise refuse(EXHAUSTED, e, need=need) from None
     except TooManyRequestsError as e:

@@ -6,7 +6,7 @@
 use crate::error::{HandleProblem, PoolError, Result};
 use crate::events::EventLog;
 use crate::handle::{
-    handle_generation, handle_row, make_handle, next_generation, random_u64, steps_from,
+    handle_generation, handle_row, make_handle, mix64, next_generation, random_u64, steps_from,
     MAX_GENERATION,
 };
 use crate::index::PrefixIndex;
@@ -47,6 +47,12 @@ pub struct Options {
     /// Seed of the prefix hash. Random per pool when None; ranks and routers
     /// that must agree on page hashes pass the same seed.
     pub hash_seed: Option<u64>,
+    /// Seed of the handle generations. Random per pool when None; a seed makes
+    /// the handles a pure function of the seed and the call sequence, so
+    /// tensor-parallel ranks that make the same calls get the same handles.
+    /// Pools with different seeds still tell each other's handles apart
+    /// (about 1 in 2^31), as with random bases.
+    pub handle_seed: Option<u64>,
     /// Record Stored/Removed/Cleared events for `take_events`. The caller
     /// must drain them (they accumulate otherwise).
     pub kv_events: bool,
@@ -230,7 +236,10 @@ impl SlotAllocator {
                     "generation_base must be in [1, {MAX_GENERATION}], got {g}"
                 ))
             }
-            None => 1 + (random_u64() % (MAX_GENERATION as u64 - 1)) as u32,
+            None => {
+                let r = opts.handle_seed.map_or_else(random_u64, mix64);
+                1 + (r % (MAX_GENERATION as u64 - 1)) as u32
+            }
         };
         let generation_start = match opts.generation_start {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,

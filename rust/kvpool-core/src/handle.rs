@@ -5,8 +5,9 @@
 //! naming the next request that reuses the row.
 //!
 //! Handles identify their allocator: each allocator draws a random
-//! generation base in [1, 2^31 - 1), and every row's first request gets that
-//! generation. A handle of another allocator carries that allocator's
+//! generation base in [1, 2^31 - 1) (derived from `Options::handle_seed`
+//! when given, so tensor-parallel ranks agree), and every row's first
+//! request gets that generation. A handle of another allocator carries that allocator's
 //! generations, so it names an open request here only if its generation
 //! equals the row's current one: probability about 1 in 2^31 per handle for
 //! two independently seeded allocators. (The row bits stay a plain row, so
@@ -62,4 +63,13 @@ pub(crate) fn random_u64() -> u64 {
     let marker = 0u8;
     h.write_usize(&marker as *const u8 as usize);
     h.finish()
+}
+
+/// SplitMix64's finalizer: spreads a handle seed over all 64 bits, so that
+/// nearby seeds (0, 1, 2, ...) give unrelated generation bases.
+pub(crate) fn mix64(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

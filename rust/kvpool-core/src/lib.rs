@@ -23,6 +23,7 @@
 //! is fallible (`memory.rs`).
 
 mod allocator;
+mod chain;
 mod check;
 mod error;
 mod events;
@@ -41,6 +42,7 @@ mod rows;
 mod test_hooks;
 
 pub use allocator::{Counts, Options, SlotAllocator};
+pub use chain::PrefixChain;
 pub use error::{HandleProblem, PoolError, Result};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
 pub use extend::Grown;

@@ -8,10 +8,10 @@ use crate::hashing::root;
 use crate::memory::reserve;
 
 /// A prompt's longest verified cached prefix, found before anything changes.
-struct Match {
-    pages: usize,
-    chain: u128,
-    chain_reg: u64,
+pub(crate) struct Match {
+    pub(crate) pages: usize,
+    pub(crate) chain: u128,
+    pub(crate) chain_reg: u64,
 }
 
 impl SlotAllocator {
@@ -92,39 +92,50 @@ impl SlotAllocator {
             matches.push(self.match_prefix(p, salt.get(i), &mut hit_pages));
         }
         // Apply: nothing below can fail.
-        let ps = self.page_size;
         let mut hp = 0usize;
         for (i, (prompt, m)) in prompts.into_iter().zip(matches).enumerate() {
-            let (row, handle) = self.take_row();
-            let base = row * self.row_pages;
-            let len = m.pages * ps;
-            for k in 0..m.pages {
-                let p = hit_pages[hp + k];
-                self.hold_page(p);
-                self.page_lists[base + k] = p;
-            }
+            let (handle, len) = self.open_matched(prompt, salt.get(i), &m, &hit_pages[hp..]);
             hp += m.pages;
-            self.hit_tokens += len as u64;
-            self.miss_tokens += (prompt.len() - len) as u64;
-            let cold = &mut self.cold[row];
-            cold.reset(salt.get(i));
-            cold.prompt = prompt;
-            cold.known_len = len as u32;
-            cold.hashed_pages = m.pages as u32;
-            cold.chain = m.chain;
-            cold.chain_reg = m.chain_reg;
-            cold.exclusive = m.pages == 0;
-            let last = if m.pages == 0 {
-                0
-            } else {
-                self.page_lists[base + m.pages - 1]
-            };
-            self.rows[row].len = len as u32;
-            self.rows[row].last = last | self.slow_bit(row, len, last);
             handles.push(handle);
             cached.push(len as i64);
         }
         Ok((handles, cached))
+    }
+
+    /// Opens one request on the matched pages `hit_pages[..m.pages]` (a
+    /// row is free: the caller checked). Returns `(handle, cached_len)`.
+    pub(crate) fn open_matched(
+        &mut self,
+        prompt: Vec<i32>,
+        salt: i64,
+        m: &Match,
+        hit_pages: &[u32],
+    ) -> (i64, usize) {
+        let (row, handle) = self.take_row();
+        let base = row * self.row_pages;
+        let len = m.pages * self.page_size;
+        for (k, &p) in hit_pages[..m.pages].iter().enumerate() {
+            self.hold_page(p);
+            self.page_lists[base + k] = p;
+        }
+        self.hit_tokens += len as u64;
+        self.miss_tokens += prompt.len().saturating_sub(len) as u64;
+        let cold = &mut self.cold[row];
+        cold.reset(salt);
+        cold.prompt = prompt;
+        cold.known_len = len as u32;
+        cold.hashed_pages = m.pages as u32;
+        cold.chain = m.chain;
+        cold.chain_reg = m.chain_reg;
+        cold.exclusive = m.pages == 0;
+        let last = if m.pages == 0 {
+            0
+        } else {
+            self.page_lists[base + m.pages - 1]
+        };
+        self.rows[row].len = len as u32;
+        self.rows[row].last = last | self.slow_bit(row, len, last);
+        (handle, len)
     }
 
     /// Walks `prompt`'s pages through the index while each hit verifies;

@@ -129,6 +129,31 @@ fn handles_carry_row_and_generation() {
 }
 
 #[test]
+fn handle_seed_makes_handles_a_function_of_the_seed() {
+    let seeded = |seed: u64| {
+        let o = Options {
+            handle_seed: Some(seed),
+            ..Options::new()
+        };
+        SlotAllocator::with_options(8, 1, 4, 64, o).expect("valid config")
+    };
+    let (mut a, mut b, mut c) = (seeded(7), seeded(7), seeded(8));
+    let (ha, hb, hc) = (a.open(3).unwrap(), b.open(3).unwrap(), c.open(3).unwrap());
+    assert_eq!(ha, hb, "same seed, same calls -> same handles");
+    assert_ne!(ha, hc, "nearby seeds give unrelated generation bases");
+    for h in &ha {
+        let g = handle_generation(*h);
+        assert!((1..MAX_GENERATION).contains(&g), "{g}");
+        assert!(!c.is_open(*h), "another seed's handle is not valid here");
+    }
+    // Seeds at the extremes still land in the valid range.
+    for seed in [0, u64::MAX] {
+        let g = handle_generation(seeded(seed).open(1).unwrap()[0]);
+        assert!((1..MAX_GENERATION).contains(&g), "{seed}: {g}");
+    }
+}
+
+#[test]
 fn failed_batches_change_nothing() {
     let mut a = alloc(6, 2); // 5 usable pages = 10 slots
     let h = a.open(3).unwrap();
@@ -373,4 +398,56 @@ fn extend_into_checks_the_output_length_before_any_change() {
     assert_eq!(out, vec![2, 3, 4, 6, 7]);
     assert_eq!(rows, vec![(0, 0, 0, vec![2, 3, 4]), (1, 1, 0, vec![6, 7])]);
     a.check().unwrap();
+}
+
+#[test]
+fn chain_transfer_matches_only_verified_pages() {
+    let seeded = |seed: u64| {
+        let o = Options {
+            hash_seed: Some(seed),
+            ..opts()
+        };
+        SlotAllocator::with_options(16, 4, 4, 64, o).expect("valid config")
+    };
+    let prompt: Vec<i64> = (0..10).collect();
+    let (mut src, mut dst, mut other) = (seeded(3), seeded(3), seeded(4));
+    for a in [&mut dst, &mut other] {
+        let (h, _) = a.open_with_prefix(&prompt, &[10], Counts::Each(7)).unwrap();
+        a.extend(&h, Counts::Each(10), None).unwrap();
+        a.close(&h, true).unwrap(); // 2 pages cached
+    }
+    let h = src.open(1).unwrap(); // unknown tokens: an empty chain
+    src.extend(&h, Counts::Each(8), None).unwrap();
+    assert!(src.prefix_chain(h[0]).unwrap().hashes.is_empty());
+    let (hs, _) = src
+        .open_with_prefix(&prompt, &[10], Counts::Each(7))
+        .unwrap();
+    src.extend(&hs, Counts::Each(10), None).unwrap();
+    let c = src.prefix_chain(hs[0]).unwrap();
+    assert_eq!((c.hashes.len(), c.tokens.len(), c.salt), (2, 8, 7));
+    let toks: Vec<i64> = c.tokens.iter().map(|&t| t as i64).collect();
+    assert_eq!(dst.match_chain(&c.hashes, &toks, 7).unwrap(), 2);
+    assert_eq!(
+        other.match_chain(&c.hashes, &toks, 7).unwrap(),
+        0,
+        "another seed misses"
+    );
+    assert_eq!(
+        dst.match_chain(&c.hashes, &toks, 8).unwrap(),
+        0,
+        "another salt misses"
+    );
+    let mut forged = toks.clone();
+    forged[5] += 1; // right hashes, other tokens: page 1 must not match
+    assert_eq!(dst.match_chain(&c.hashes, &forged, 7).unwrap(), 1);
+    assert!(dst.match_chain(&c.hashes, &toks[..7], 7).is_err());
+    let free = dst.free_pages();
+    let (d, len) = dst.open_with_chain(&c.hashes, &toks, 7, 1).unwrap();
+    assert_eq!((len, dst.length(d).unwrap()), (4, 4));
+    assert_eq!(dst.free_pages(), free - 1, "the cached page is held now");
+    dst.check().unwrap();
+    dst.extend(&[d], Counts::Each(6), None).unwrap();
+    assert_eq!(dst.known_tokens(d).unwrap(), (0..8).collect::<Vec<i32>>());
+    dst.close(&[d], false).unwrap();
+    dst.check().unwrap();
 }

@@ -14,7 +14,7 @@ use crate::errors::{invalid_argument, Result};
 
 pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
 /// shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
@@ -26,10 +26,14 @@ pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 ///     max_requests: most requests open at once (<= 2**20).
 ///     max_context_len: most tokens per request (<= 2**28).
 ///     hash_seed: seed of the prefix-cache page hash (random when None).
+///     handle_seed: seed of the handle generations (random when None): pools
+///         built with the same seed and making the same calls hand out the
+///         same handles (tensor-parallel ranks).
 ///     kv_events: record KV events for take_events().
 ///
 /// Raises:
-///     InvalidArgumentError: a size is zero, negative or too large.
+///     InvalidArgumentError: a size is zero, negative or too large, or a
+///         seed is not an int in [0, 2**64).
 // Geometry is fixed at construction: fields read without taking the lock
 // (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
@@ -174,9 +178,11 @@ impl SlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, kv_events=true),
-        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, kv_events=True)"
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=true),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)"
     )]
+    // One parameter per Python keyword: the signature is the API.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_pages: &Bound<'_, PyAny>,
@@ -184,6 +190,7 @@ impl SlotAllocator {
         max_requests: Option<&Bound<'_, PyAny>>,
         max_context_len: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
+        handle_seed: Option<&Bound<'_, PyAny>>,
         kv_events: bool,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
@@ -194,12 +201,13 @@ impl SlotAllocator {
         let page_size = or(page_size, "page_size", 1)?;
         let max_requests = or(max_requests, "max_requests", 256)?;
         let max_context_len = or(max_context_len, "max_context_len", 4096)?;
-        let hash_seed = match hash_seed {
-            None => None,
-            Some(seed) => Some(crate::sharing::seed_arg(py, seed)?),
+        let seed = |arg: Option<&Bound<'_, PyAny>>, what: &str| {
+            arg.map(|s| crate::sharing::seed_arg(py, s, what))
+                .transpose()
         };
         let opts = kvpool_core::Options {
-            hash_seed,
+            hash_seed: seed(hash_seed, "hash_seed")?,
+            handle_seed: seed(handle_seed, "handle_seed")?,
             kv_events,
             ..kvpool_core::Options::new()
         };

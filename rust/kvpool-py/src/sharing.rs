@@ -11,24 +11,141 @@ use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, Result};
 
-/// A hash seed: a Python int in [0, 2^64).
-pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+/// A seed (`what`: hash_seed, handle_seed): a Python int in [0, 2^64).
+pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Err(invalid_argument(
             py,
-            "hash_seed must be an int in [0, 2**64), got bool",
+            format!("{what} must be an int in [0, 2**64), got bool"),
         ));
     }
     obj.extract::<u64>().map_err(|_| {
         invalid_argument(
             py,
-            format!("hash_seed must be an int in [0, 2**64), got {obj}"),
+            format!("{what} must be an int in [0, 2**64), got {obj}"),
         )
     })
 }
 
+/// Chain hashes as the uint64 words `chain_hashes` returns: (hi, lo) of each
+/// 128-bit hash, interleaved. An int64 array of the same bits is accepted too
+/// (what a torch.distributed message carries).
+fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+    let words: Vec<u64> = if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, u64>>() {
+        a.as_array().iter().copied().collect()
+    } else if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, i64>>() {
+        a.as_array().iter().map(|&w| w as u64).collect()
+    } else {
+        return Err(invalid_argument(
+            py,
+            "hashes must be a 1-D uint64 (or int64) numpy array of (hi, lo) words, as chain_hashes returns",
+        ));
+    };
+    if words.len() % 2 != 0 {
+        return Err(invalid_argument(
+            py,
+            format!(
+                "hashes has {} words; each 128-bit hash is two (hi, lo)",
+                words.len()
+            ),
+        ));
+    }
+    Ok(words
+        .chunks_exact(2)
+        .map(|w| ((w[0] as u128) << 64) | w[1] as u128)
+        .collect())
+}
+
+/// A salt argument: None is 0.
+fn salt_arg(py: Python<'_>, salt: Option<&Bound<'_, PyAny>>) -> PyResult<i64> {
+    salt.map_or(Ok(0), |s| int_scalar(py, s, "salt"))
+}
+
 #[pymethods]
 impl SlotAllocator {
+    /// chain_hashes(handle) -> (hashes, tokens, salt)
+    ///
+    /// The request's leading full pages of known token ids, for a prefix-aware
+    /// transfer to another pool: their chain hashes (this pool's hash_seed),
+    /// their token ids and the request's salt. The receiver matches them with
+    /// match_chain_hashes / open_with_chain_hashes.
+    ///
+    /// Returns:
+    ///     (hashes uint64 [2n]: (hi, lo) of each page's 128-bit hash,
+    ///      tokens int32 [n * page_size], salt int).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn chain_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+    ) -> Result<(Arr<'py, u64>, Arr<'py, i32>, i64)> {
+        let h = int_scalar(py, handle, "handle")?;
+        let c = py.detach(|| self.lock().prefix_chain(h))?;
+        let words: Vec<u64> = c
+            .hashes
+            .iter()
+            .flat_map(|&x| [(x >> 64) as u64, x as u64])
+            .collect();
+        Ok((to_numpy(py, &words), to_numpy(py, &c.tokens), c.salt))
+    }
+
+    /// match_chain_hashes(hashes, tokens, salt=None) -> int
+    ///
+    /// How many leading pages of a chain (from another pool's chain_hashes)
+    /// this pool caches. A page matches only if the entry under its hash holds
+    /// exactly the given tokens, the same salt and the matched parent, so a
+    /// different hash_seed or a collision is a miss, never wrong KV. Read-only.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: hashes not (hi, lo) uint64 words, tokens not
+    ///         page_size per hash or out of range, a bad salt.
+    #[pyo3(signature = (hashes, tokens, salt=None))]
+    fn match_chain_hashes(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+    ) -> Result<usize> {
+        let hs = hashes_arg(py, hashes)?;
+        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let s = salt_arg(py, salt)?;
+        Ok(py.detach(|| self.lock().match_chain(&hs, &t, s))?)
+    }
+
+    /// open_with_chain_hashes(hashes, tokens, salt=None, max_pages=None) -> (handle, cached_len)
+    ///
+    /// Opens one request holding the leading pages of the chain this pool
+    /// caches (at most max_pages; refcount + 1 each). Its length is
+    /// cached_len = pages * page_size; the chain's tokens become its known
+    /// prompt, so extending it records their ids and cache() can register
+    /// them later. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: as match_chain_hashes; a negative max_pages.
+    ///     ContextTooLongError: more tokens than max_context_len.
+    ///     TooManyRequestsError: no free row.
+    #[pyo3(signature = (hashes, tokens, salt=None, max_pages=None))]
+    fn open_with_chain_hashes(
+        &self,
+        py: Python<'_>,
+        hashes: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<&Bound<'_, PyAny>>,
+        max_pages: Option<&Bound<'_, PyAny>>,
+    ) -> Result<(i64, usize)> {
+        let hs = hashes_arg(py, hashes)?;
+        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let s = salt_arg(py, salt)?;
+        let m = match max_pages {
+            None => usize::MAX,
+            Some(m) => crate::allocator::usize_arg(py, m, "max_pages")?,
+        };
+        Ok(py.detach(|| self.lock().open_with_chain(&hs, &t, s, m))?)
+    }
+
     /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)
     ///
     /// Opens one request per prompt, each starting on the longest cached
