@@ -1,0 +1,251 @@
+//! The harness's own record of what every open request and every slot
+//! holds, and the checks run against the allocator after each operation.
+//!
+//! Each write into a slot gets a fresh id, and the slot remembers it along
+//! with the writer's salt and the writer's full token context (positions
+//! `0..=i`, when all are known). A request remembers the write ids at its
+//! positions. So if the core ever lets a request write into a page another
+//! request (or the cache) still needs, or serves a prefix hit from a page
+//! computed for other tokens, another salt or another parent chain, the
+//! slot's cell no longer matches what a request believes it holds.
+
+use kvpool_core::{Events, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+use std::collections::{HashMap, HashSet};
+
+/// What a slot holds: the write that filled it, and the KV identity it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cell {
+    pub write: u64,
+    pub salt: i64,
+    /// The writer's token ids at positions `0..=i` (None if any is unknown).
+    pub ctx: Option<Vec<i32>>,
+}
+
+/// One open request as the harness sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Req {
+    pub salt: i64,
+    pub prompt: Vec<i32>,
+    /// Token id at each position (None: unknown).
+    pub tokens: Vec<Option<i32>>,
+    /// Write id each position's slot must hold.
+    pub writes: Vec<u64>,
+}
+
+impl Req {
+    /// Leading known token ids (what `known_tokens` must return).
+    pub fn known(&self) -> Vec<i32> {
+        self.tokens.iter().map_while(|t| *t).collect()
+    }
+}
+
+pub struct Model {
+    pub reqs: HashMap<i64, Req>,
+    content: Vec<Option<Cell>>,
+    next_write: u64,
+    /// Registered pages, replayed from the Stored/Removed/Cleared events.
+    pub registered: HashSet<i32>,
+    /// Token sequences seen (prompts, closed requests' tokens), for new
+    /// prompts to reuse so that prefixes repeat.
+    pub texts: Vec<Vec<i32>>,
+}
+
+impl Model {
+    pub fn new(num_slots: usize) -> Self {
+        Model {
+            reqs: HashMap::new(),
+            content: vec![None; num_slots],
+            next_write: 1,
+            registered: HashSet::new(),
+            texts: Vec::new(),
+        }
+    }
+
+    pub fn cell(&self, slot: i64) -> Option<&Cell> {
+        self.content[slot as usize].as_ref()
+    }
+
+    /// Request `h` writes position `pos` (already pushed to its tokens) to `slot`.
+    pub fn write(&mut self, h: i64, pos: usize, slot: i64) {
+        let r = self.reqs.get_mut(&h).expect("model request");
+        let ctx: Option<Vec<i32>> = r.tokens[..=pos].iter().copied().collect();
+        let write = self.next_write;
+        self.next_write += 1;
+        if r.writes.len() <= pos {
+            r.writes.resize(pos + 1, 0);
+        }
+        r.writes[pos] = write;
+        self.content[slot as usize] = Some(Cell { write, salt: r.salt, ctx });
+    }
+
+    /// Forgets a closed request, remembering its known tokens.
+    pub fn close(&mut self, h: i64) {
+        if let Some(r) = self.reqs.remove(&h) {
+            let t = r.known();
+            if !t.is_empty() && self.texts.len() < 64 {
+                self.texts.push(t);
+            }
+        }
+    }
+
+    /// Runs copy-on-write copies as the device would (all sources read first).
+    pub fn copy(&mut self, src: &[i64], dst: &[i64]) {
+        assert_eq!(src.len(), dst.len(), "take_copies: src and dst differ in length");
+        let cells: Vec<Option<Cell>> = src.iter().map(|&s| self.content[s as usize].clone()).collect();
+        for (&d, c) in dst.iter().zip(cells) {
+            assert!(c.is_some(), "copy-on-write from a slot nobody wrote");
+            self.content[d as usize] = c;
+        }
+    }
+
+    /// Replays drained events into `registered`, checking each Stored page
+    /// holds exactly the full known context and salt the event claims.
+    pub fn apply_events(&mut self, e: &Events, ps: usize) {
+        let mut tok = 0usize;
+        for i in 0..e.len() {
+            let p = e.page[i];
+            match e.kind[i] {
+                EVENT_STORED => {
+                    assert_eq!(e.num_tokens[i] as usize, ps, "Stored a partial page");
+                    assert!(self.registered.insert(p), "page {p} Stored twice");
+                    let ids = &e.token_ids[tok..tok + ps];
+                    tok += ps;
+                    for (j, &id) in ids.iter().enumerate() {
+                        let slot = p as i64 * ps as i64 + j as i64;
+                        let c = self.cell(slot).expect("Stored a page never written");
+                        let ctx = c.ctx.as_ref().expect("Stored a page with unknown tokens");
+                        assert_eq!(ctx.last(), Some(&id), "Stored token ids differ from the page's");
+                        assert_eq!(c.salt, e.salt[i], "Stored salt differs from the writer's");
+                    }
+                }
+                EVENT_REMOVED => {
+                    assert!(self.registered.remove(&p), "Removed page {p} was not registered");
+                }
+                EVENT_CLEARED => self.registered.clear(),
+                k => panic!("unknown event kind {k}"),
+            }
+        }
+        assert_eq!(tok, e.token_ids.len(), "Stored token ids left over");
+    }
+
+    /// Holders of every held page, from the public page lists.
+    pub fn holders(&self, a: &SlotAllocator) -> HashMap<i32, usize> {
+        let mut m = HashMap::new();
+        for &h in self.reqs.keys() {
+            for p in a.pages(h).expect("open") {
+                *m.entry(p).or_insert(0) += 1;
+            }
+        }
+        m
+    }
+
+    /// Everything checked after every operation.
+    pub fn verify(&self, a: &SlotAllocator) {
+        if let Err(e) = a.check() {
+            panic!("check() failed: {e}");
+        }
+        let ps = a.page_size() as i64;
+        assert_eq!(a.open_requests(), self.reqs.len(), "open request count");
+        assert_eq!(a.pending_copies(), 0, "copies queued after take_copies");
+        // Page -> (holder, index in its page list).
+        let mut seen: HashMap<i32, Vec<(i64, usize)>> = HashMap::new();
+        for (&h, r) in &self.reqs {
+            assert_eq!(a.length(h), Ok(r.tokens.len()), "length of {h}");
+            let slots = a.slots(h).expect("open");
+            let pages = a.pages(h).expect("open");
+            assert_eq!(pages.len() as i64, (r.tokens.len() as i64 + ps - 1) / ps);
+            for (k, &p) in pages.iter().enumerate() {
+                assert!(p > 0 && (p as usize) < a.num_pages(), "page {p} out of range");
+                seen.entry(p).or_default().push((h, k));
+            }
+            for (i, &s) in slots.iter().enumerate() {
+                assert_eq!(s / ps, pages[i / ps as usize] as i64, "slot {s} outside its page");
+                assert_eq!(s % ps, i as i64 % ps, "slot {s} at the wrong offset");
+                let c = self.cell(s).map(|c| c.write);
+                assert_eq!(c, Some(r.writes[i]), "request {h} position {i} (slot {s}) was overwritten or never written");
+            }
+            assert_eq!(a.known_tokens(h).expect("open"), r.known(), "known tokens of {h}");
+        }
+        // A page shared by several requests (or twice by one) sits at the
+        // same position of each list: shared prefixes and forks only.
+        for (p, hs) in &seen {
+            let mut owners = HashSet::new();
+            for &(h, k) in hs {
+                assert!(owners.insert(h), "request {h} holds page {p} twice");
+                assert_eq!(k, hs[0].1, "page {p} shared at different positions");
+            }
+        }
+        let held = seen.len();
+        assert_eq!(a.used_pages(), held, "used_pages vs pages held");
+        assert_eq!(a.free_pages() + held, a.capacity_pages(), "free + held != capacity");
+        assert_eq!(a.cached_pages(), self.registered.len(), "cached_pages vs Stored - Removed");
+        let evictable = self.registered.iter().filter(|p| !seen.contains_key(p)).count();
+        assert_eq!(a.evictable_pages(), evictable, "evictable vs registered and unheld");
+    }
+}
+
+/// Everything a caller can observe, for the all-or-nothing check.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    counters: [u64; 9],
+    requests: Vec<(i64, Option<(Vec<i64>, Vec<i32>, Vec<i32>)>)>,
+    /// What a fixed probe sees on a clone (free-stack and LRU order).
+    probe: Vec<i64>,
+}
+
+impl Snapshot {
+    pub fn of(a: &SlotAllocator, issued: &[i64]) -> Self {
+        let requests = issued
+            .iter()
+            .map(|&h| {
+                let detail = a.is_open(h).then(|| {
+                    let open = "is_open";
+                    let s = a.slots(h).expect(open);
+                    (s, a.pages(h).expect(open), a.known_tokens(h).expect(open))
+                });
+                (h, detail)
+            })
+            .collect();
+        Snapshot {
+            counters: [
+                a.free_pages() as u64,
+                a.used_pages() as u64,
+                a.open_requests() as u64,
+                a.cached_pages() as u64,
+                a.evictable_pages() as u64,
+                a.hit_tokens(),
+                a.miss_tokens(),
+                a.pending_copies() as u64,
+                a.admissible_tokens() as u64,
+            ],
+            requests,
+            probe: probe(a),
+        }
+    }
+}
+
+/// Runs a fixed sequence on a clone: evict everything (LRU order shows in
+/// the Removed events), close everything, then fill fresh requests page by
+/// page (free-stack order shows in the slots).
+fn probe(a: &SlotAllocator) -> Vec<i64> {
+    let mut b = a.clone();
+    let mut out = Vec::new();
+    b.take_events();
+    b.evict(usize::MAX);
+    out.extend(b.take_events().page.iter().map(|&p| p as i64));
+    out.push(-1);
+    b.reset();
+    let (ps, mcl) = (b.page_size(), b.max_context_len());
+    while let Ok(h) = b.open(1) {
+        let mut len = 0;
+        while len < mcl {
+            let c = ps.min(mcl - len) as i64;
+            match b.extend(&h, kvpool_core::Counts::Each(c), None) {
+                Ok(s) => out.push(s[0]),
+                Err(_) => return out,
+            }
+            len += c as usize;
+        }
+    }
+    out
+}
