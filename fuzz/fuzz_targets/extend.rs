@@ -90,7 +90,7 @@ pub fn extend_need(a: &SlotAllocator, m: &Model, hs: &[i64], cs: &[i64]) -> Opti
 /// takes and only the rest of the batch's need. The batch is still refused
 /// and rolled back correctly. Set to false once the core reports the whole
 /// batch's need against the pages free before the call.
-const EXHAUSTED_COUNTS_BUG: bool = true;
+const EXHAUSTED_COUNTS_BUG: bool = false;
 
 pub fn extend(
     a: &mut SlotAllocator,

@@ -213,7 +213,12 @@ impl SlotAllocator {
         let mut slow = std::mem::take(&mut self.slow_scratch);
         slow.clear();
         let mut needed_pages = 0usize;
+        // The decode run may already take pages (undone on error): an
+        // Exhausted error must still report the batch's need against what
+        // was available before the call.
+        let available_before = self.available_pages();
         let (first, mut k) = self.extend_decode_run(handles, &get, out);
+        let taken_early = available_before.saturating_sub(self.available_pages());
         let mut error = None;
         let mut done = first;
         for (i, &h) in handles.iter().enumerate().skip(first) {
@@ -273,7 +278,7 @@ impl SlotAllocator {
         }
         if error.is_none() {
             error = self
-                .check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len())
+                .check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len(), taken_early)
                 .err();
         }
         if let Some(e) = error {
@@ -455,12 +460,16 @@ impl SlotAllocator {
         total: usize,
         needed_pages: usize,
         out_len: usize,
+        taken_early: usize,
     ) -> Result<()> {
         if let Some(t) = tokens {
             self.check_tokens(handles, get, slow, t, total)?;
         }
         let available = self.available_pages();
         if needed_pages > available {
+            // Counted from before the call: the pages this batch already took
+            // in its first pass are part of both sides.
+            let (needed_pages, available) = (needed_pages + taken_early, available + taken_early);
             return Err(PoolError::Exhausted {
                 needed_pages,
                 free_pages: available,

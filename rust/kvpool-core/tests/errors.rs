@@ -262,3 +262,27 @@ fn epoch_wrap_clears_stamps() {
     assert_eq!(a.length(h[0]).unwrap(), 6);
     a.check().unwrap();
 }
+
+/// Found by the fuzzer: the decode run takes pages at a page boundary before
+/// the batch is found too big; the error must still count from before the
+/// call (3 pages needed, 2 free), and the batch must be undone.
+#[test]
+fn exhausted_counts_pages_taken_by_the_decode_run() {
+    let mut a = SlotAllocator::new(3, 4, 8, 8).unwrap();
+    let hs = a.open(3).unwrap();
+    let before = snapshot(&mut a, &hs);
+    let err = a.extend(&hs, Counts::Each(1), Some(&[1, 1, 1])).unwrap_err();
+    assert_eq!(
+        err,
+        PoolError::Exhausted {
+            needed_pages: 3,
+            free_pages: 2,
+            page_size: 4,
+            free_slots: 8
+        }
+    );
+    assert_eq!(snapshot(&mut a, &hs), before);
+    a.check().unwrap();
+    let err = a.extend(&hs, Counts::Each(1), None).unwrap_err();
+    assert!(matches!(err, PoolError::Exhausted { needed_pages: 3, free_pages: 2, .. }), "{err:?}");
+}
