@@ -63,7 +63,11 @@ pub fn extend_need(a: &SlotAllocator, m: &Model, hs: &[i64], cs: &[i64]) -> Opti
     let ps = a.page_size();
     let before = m.holders(a);
     let mut holders = before.clone();
-    let mut n = Need { exact: 0, upper: 0, copies: 0 };
+    let mut n = Need {
+        exact: 0,
+        upper: 0,
+        copies: 0,
+    };
     for (&h, &c) in hs.iter().zip(cs) {
         let len = a.length(h).ok()?;
         let c = usize::try_from(c).ok()?;
@@ -109,12 +113,20 @@ pub fn extend(
     };
     let slots = match a.extend(hs, counts, toks) {
         Ok(s) => s,
-        Err(PoolError::Exhausted { needed_pages, free_pages, .. }) => {
+        Err(PoolError::Exhausted {
+            needed_pages,
+            free_pages,
+            ..
+        }) => {
             // Only a batch valid in every other way gets this far. The core
             // counts a copy for every holder of a shared last page in the
             // batch, so it may ask for more than the exact need, never less.
             let need = need.expect("Exhausted on an invalid batch");
-            assert!(need.upper > free, "Exhausted, but {} pages needed of {free} free", need.upper);
+            assert!(
+                need.upper > free,
+                "Exhausted, but {} pages needed of {free} free",
+                need.upper
+            );
             if !EXHAUSTED_COUNTS_BUG {
                 assert_eq!(free_pages, free, "Exhausted reports the wrong free pages");
                 assert!(needed_pages >= need.exact && needed_pages <= need.upper);
@@ -124,7 +136,11 @@ pub fn extend(
         Err(_) => return false,
     };
     let need = need.expect("an invalid batch succeeded");
-    assert!(need.upper <= free, "extend took {} pages of {free} free", need.upper);
+    assert!(
+        need.upper <= free,
+        "extend took {} pages of {free} free",
+        need.upper
+    );
     assert_eq!(a.free_pages(), free - need.exact, "pages taken by extend");
     let copied = record_extend(a, m, hs, cs, toks, &slots);
     assert_eq!(copied, need.copies, "copy-on-write slots");
@@ -148,7 +164,10 @@ pub fn record_extend(
     let mut k = 0usize;
     for (&h, &c) in hs.iter().zip(cs) {
         let c = c as usize;
-        let r = m.reqs.get_mut(&h).expect("extended a request the model lacks");
+        let r = m
+            .reqs
+            .get_mut(&h)
+            .expect("extended a request the model lacks");
         let start = r.tokens.len();
         for j in 0..c {
             let pos = start + j;

@@ -75,7 +75,11 @@ impl Model {
             r.writes.resize(pos + 1, 0);
         }
         r.writes[pos] = write;
-        self.content[slot as usize] = Some(Cell { write, salt: r.salt, ctx });
+        self.content[slot as usize] = Some(Cell {
+            write,
+            salt: r.salt,
+            ctx,
+        });
     }
 
     /// Forgets a closed request, remembering its known tokens.
@@ -90,8 +94,15 @@ impl Model {
 
     /// Runs copy-on-write copies as the device would (all sources read first).
     pub fn copy(&mut self, src: &[i64], dst: &[i64]) {
-        assert_eq!(src.len(), dst.len(), "take_copies: src and dst differ in length");
-        let cells: Vec<Option<Cell>> = src.iter().map(|&s| self.content[s as usize].clone()).collect();
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "take_copies: src and dst differ in length"
+        );
+        let cells: Vec<Option<Cell>> = src
+            .iter()
+            .map(|&s| self.content[s as usize].clone())
+            .collect();
         for (&d, c) in dst.iter().zip(cells) {
             assert!(c.is_some(), "copy-on-write from a slot nobody wrote");
             self.content[d as usize] = c;
@@ -114,12 +125,19 @@ impl Model {
                         let slot = p as i64 * ps as i64 + j as i64;
                         let c = self.cell(slot).expect("Stored a page never written");
                         let ctx = c.ctx.as_ref().expect("Stored a page with unknown tokens");
-                        assert_eq!(ctx.last(), Some(&id), "Stored token ids differ from the page's");
+                        assert_eq!(
+                            ctx.last(),
+                            Some(&id),
+                            "Stored token ids differ from the page's"
+                        );
                         assert_eq!(c.salt, e.salt[i], "Stored salt differs from the writer's");
                     }
                 }
                 EVENT_REMOVED => {
-                    assert!(self.registered.remove(&p), "Removed page {p} was not registered");
+                    assert!(
+                        self.registered.remove(&p),
+                        "Removed page {p} was not registered"
+                    );
                 }
                 EVENT_CLEARED => self.registered.clear(),
                 k => panic!("unknown event kind {k}"),
@@ -155,16 +173,31 @@ impl Model {
             let pages = a.pages(h).expect("open");
             assert_eq!(pages.len() as i64, (r.tokens.len() as i64 + ps - 1) / ps);
             for (k, &p) in pages.iter().enumerate() {
-                assert!(p > 0 && (p as usize) < a.num_pages(), "page {p} out of range");
+                assert!(
+                    p > 0 && (p as usize) < a.num_pages(),
+                    "page {p} out of range"
+                );
                 seen.entry(p).or_default().push((h, k));
             }
             for (i, &s) in slots.iter().enumerate() {
-                assert_eq!(s / ps, pages[i / ps as usize] as i64, "slot {s} outside its page");
+                assert_eq!(
+                    s / ps,
+                    pages[i / ps as usize] as i64,
+                    "slot {s} outside its page"
+                );
                 assert_eq!(s % ps, i as i64 % ps, "slot {s} at the wrong offset");
                 let c = self.cell(s).map(|c| c.write);
-                assert_eq!(c, Some(r.writes[i]), "request {h} position {i} (slot {s}) was overwritten or never written");
+                assert_eq!(
+                    c,
+                    Some(r.writes[i]),
+                    "request {h} position {i} (slot {s}) was overwritten or never written"
+                );
             }
-            assert_eq!(a.known_tokens(h).expect("open"), r.known(), "known tokens of {h}");
+            assert_eq!(
+                a.known_tokens(h).expect("open"),
+                r.known(),
+                "known tokens of {h}"
+            );
         }
         // A page shared by several requests (or twice by one) sits at the
         // same position of each list: shared prefixes and forks only.
@@ -177,10 +210,26 @@ impl Model {
         }
         let held = seen.len();
         assert_eq!(a.used_pages(), held, "used_pages vs pages held");
-        assert_eq!(a.free_pages() + held, a.capacity_pages(), "free + held != capacity");
-        assert_eq!(a.cached_pages(), self.registered.len(), "cached_pages vs Stored - Removed");
-        let evictable = self.registered.iter().filter(|p| !seen.contains_key(p)).count();
-        assert_eq!(a.evictable_pages(), evictable, "evictable vs registered and unheld");
+        assert_eq!(
+            a.free_pages() + held,
+            a.capacity_pages(),
+            "free + held != capacity"
+        );
+        assert_eq!(
+            a.cached_pages(),
+            self.registered.len(),
+            "cached_pages vs Stored - Removed"
+        );
+        let evictable = self
+            .registered
+            .iter()
+            .filter(|p| !seen.contains_key(p))
+            .count();
+        assert_eq!(
+            a.evictable_pages(),
+            evictable,
+            "evictable vs registered and unheld"
+        );
     }
 }
 

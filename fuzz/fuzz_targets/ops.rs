@@ -14,9 +14,9 @@ mod extend;
 mod model;
 
 use arbitrary::Arbitrary;
+use extend::{extend, extend_need, extend_tokens, record_extend, tok, Toks};
 use kvpool_core::{Counts, Options, SlotAllocator};
 use libfuzzer_sys::fuzz_target;
-use extend::{extend, extend_need, extend_tokens, record_extend, tok, Toks};
 use model::{Model, Req, Snapshot};
 
 #[derive(Arbitrary, Debug)]
@@ -102,7 +102,11 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
     let (cfg, ops) = input;
     let opts = Options {
         hash_seed: Some(7),
-        weak_hash_bits: if cfg.hash % 4 == 0 { 1 + (cfg.hash / 4) as u32 % 3 } else { 0 },
+        weak_hash_bits: if cfg.hash % 4 == 0 {
+            1 + (cfg.hash / 4) as u32 % 3
+        } else {
+            0
+        },
         ..Options::new()
     };
     let Ok(mut a) = SlotAllocator::with_options(
@@ -127,7 +131,11 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
             m.apply_events(&events, a.page_size());
         } else {
             assert!(events.is_empty(), "failed {op:?} emitted events");
-            assert_eq!(before, Snapshot::of(&a, &issued), "failed {op:?} changed the allocator");
+            assert_eq!(
+                before,
+                Snapshot::of(&a, &issued),
+                "failed {op:?} changed the allocator"
+            );
         }
         m.verify(&a);
     }
@@ -156,11 +164,17 @@ fn resolve(issued: &[i64], m: &Model, a: &SlotAllocator, h: H) -> i64 {
 }
 
 fn handles(issued: &[i64], m: &Model, a: &SlotAllocator, v: &[H]) -> Vec<i64> {
-    v.iter().take(8).map(|&h| resolve(issued, m, a, h)).collect()
+    v.iter()
+        .take(8)
+        .map(|&h| resolve(issued, m, a, h))
+        .collect()
 }
 
 fn split(issued: &[i64], m: &Model, a: &SlotAllocator, v: &[(H, N)]) -> (Vec<i64>, Vec<i64>) {
-    v.iter().take(8).map(|&(h, c)| (resolve(issued, m, a, h), c.get())).unzip()
+    v.iter()
+        .take(8)
+        .map(|&(h, c)| (resolve(issued, m, a, h), c.get()))
+        .unzip()
 }
 
 /// Runs one op and updates the model; returns whether it succeeded. Every
@@ -168,7 +182,9 @@ fn split(issued: &[i64], m: &Model, a: &SlotAllocator, v: &[(H, N)]) -> (Vec<i64
 fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -> bool {
     match op {
         Op::Open(n) => {
-            let Ok(hs) = a.open(*n as usize % 4) else { return false };
+            let Ok(hs) = a.open(*n as usize % 4) else {
+                return false;
+            };
             for &h in &hs {
                 m.reqs.insert(h, Req::default());
             }
@@ -188,7 +204,10 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
         }
         Op::ExtendWithStarts(v) => {
             let (hs, cs) = split(issued, m, a, v);
-            let old: Vec<i64> = hs.iter().map(|&h| a.length(h).unwrap_or(0) as i64).collect();
+            let old: Vec<i64> = hs
+                .iter()
+                .map(|&h| a.length(h).unwrap_or(0) as i64)
+                .collect();
             let mut b = a.clone();
             let pre = extend_need(a, m, &hs, &cs);
             let Ok((slots, starts)) = a.extend_with_starts(&hs, Counts::PerRequest(&cs)) else {
@@ -196,7 +215,10 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
             };
             assert_eq!(starts, old);
             // Same slots as a plain extend of the same batch on a clone.
-            assert_eq!(b.extend(&hs, Counts::PerRequest(&cs), None), Ok(slots.clone()));
+            assert_eq!(
+                b.extend(&hs, Counts::PerRequest(&cs), None),
+                Ok(slots.clone())
+            );
             let copies = pre.expect("an invalid batch succeeded").copies;
             assert_eq!(record_extend(a, m, &hs, &cs, None, &slots), copies);
             true
@@ -210,11 +232,20 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
         }
         Op::Prefill(h, cache) => {
             let h = resolve(issued, m, a, *h);
-            let Some(r) = m.reqs.get(&h) else { return false };
+            let Some(r) = m.reqs.get(&h) else {
+                return false;
+            };
             let c = (r.prompt.len().max(r.tokens.len()) - r.tokens.len()) as i64;
             let (hs, cs) = (vec![h], vec![c]);
             let t = extend_tokens(m, &hs, &cs, &Toks::Follow(vec![1, 2]));
-            if !extend(a, m, &hs, &cs, if *cache { t.as_deref() } else { None }, false) {
+            if !extend(
+                a,
+                m,
+                &hs,
+                &cs,
+                if *cache { t.as_deref() } else { None },
+                false,
+            ) {
                 return false;
             }
             if *cache {
@@ -233,7 +264,8 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
             if apply(a, m, issued, &Op::Prefill(H::Raw(h), true)) {
                 for step in 0..decode % 6 {
                     let hs = [h];
-                    let t = extend_tokens(m, &hs, &[1], &Toks::Follow(vec![decode.wrapping_add(step)]));
+                    let t =
+                        extend_tokens(m, &hs, &[1], &Toks::Follow(vec![decode.wrapping_add(step)]));
                     if !extend(a, m, &hs, &[1], t.as_deref(), false) {
                         break;
                     }
@@ -268,7 +300,10 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
                 return false;
             }
             for (&h, &l) in hs.iter().zip(&ls) {
-                let r = m.reqs.get_mut(&h).expect("truncated a request the model lacks");
+                let r = m
+                    .reqs
+                    .get_mut(&h)
+                    .expect("truncated a request the model lacks");
                 r.tokens.truncate(l as usize);
                 r.writes.truncate(l as usize);
             }
@@ -288,11 +323,17 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
         Op::Cache(v) => a.cache(&handles(issued, m, a, v)).is_ok(),
         Op::Fork(h, n) => {
             let h = resolve(issued, m, a, *h);
-            let Ok(kids) = a.fork(h, *n as usize % 4) else { return false };
+            let Ok(kids) = a.fork(h, *n as usize % 4) else {
+                return false;
+            };
             assert_eq!(kids.len(), *n as usize % 4);
             let parent = m.reqs[&h].clone();
             for &k in &kids {
-                assert_eq!(a.pages(k), a.pages(h), "a fork does not share its parent's pages");
+                assert_eq!(
+                    a.pages(k),
+                    a.pages(h),
+                    "a fork does not share its parent's pages"
+                );
                 m.reqs.insert(k, parent.clone());
             }
             issued.extend(kids);
@@ -300,7 +341,11 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
         }
         Op::Evict(n) => {
             // 255 stands for "everything" (usize::MAX).
-            let n = if *n == 255 { usize::MAX } else { *n as usize % 8 };
+            let n = if *n == 255 {
+                usize::MAX
+            } else {
+                *n as usize % 8
+            };
             let want = n.min(a.evictable_pages());
             assert_eq!(a.evict(n), want);
             true
@@ -358,16 +403,30 @@ fn open_with_prefix(
     let mut hit = 0u64;
     for ((&h, &c), (t, &s)) in hs.iter().zip(&cached).zip(texts.iter().zip(&salts)) {
         let cap = ((t.len() as i64 - 1).max(0) / ps) * ps;
-        assert!(c >= 0 && c <= cap && c % ps == 0, "cached_len {c} for a {}-token prompt", t.len());
+        assert!(
+            c >= 0 && c <= cap && c % ps == 0,
+            "cached_len {c} for a {}-token prompt",
+            t.len()
+        );
         assert_eq!(a.length(h), Ok(c as usize));
         let slots = a.slots(h).expect("open");
-        let mut r = Req { salt: s, prompt: t.clone(), ..Req::default() };
+        let mut r = Req {
+            salt: s,
+            prompt: t.clone(),
+            ..Req::default()
+        };
         for (i, &slot) in slots.iter().enumerate() {
             // The hit page must hold KV computed for this salt and exactly
             // this prompt's tokens at positions 0..=i.
-            let cell = m.cell(slot).unwrap_or_else(|| panic!("hit slot {slot} was never written"));
+            let cell = m
+                .cell(slot)
+                .unwrap_or_else(|| panic!("hit slot {slot} was never written"));
             assert_eq!(cell.salt, s, "prefix hit served another salt's page");
-            assert_eq!(cell.ctx.as_deref(), Some(&t[..=i]), "prefix hit served another prompt's KV");
+            assert_eq!(
+                cell.ctx.as_deref(),
+                Some(&t[..=i]),
+                "prefix hit served another prompt's KV"
+            );
             r.tokens.push(Some(t[i]));
             r.writes.push(cell.write);
         }
@@ -395,7 +454,11 @@ fn queries(a: &SlotAllocator, hs: &[i64]) -> bool {
             let (lo, hi) = (pt.indptr[i] as usize, pt.indptr[i + 1] as usize);
             assert_eq!(&pt.indices[lo..hi], &pages[..]);
             let ps = a.page_size();
-            let want = if lens[i] == 0 { 0 } else { (lens[i] as usize - 1) % ps + 1 };
+            let want = if lens[i] == 0 {
+                0
+            } else {
+                (lens[i] as usize - 1) % ps + 1
+            };
             assert_eq!(pt.last_page_len[i] as usize, want);
         }
     }

@@ -278,7 +278,16 @@ impl SlotAllocator {
         }
         if error.is_none() {
             error = self
-                .check_batch(handles, &get, tokens, &slow, k, needed_pages, out.len(), taken_early)
+                .check_batch(
+                    handles,
+                    &get,
+                    tokens,
+                    &slow,
+                    k,
+                    needed_pages,
+                    out.len(),
+                    taken_early,
+                )
                 .err();
         }
         if let Some(e) = error {

@@ -271,7 +271,9 @@ fn exhausted_counts_pages_taken_by_the_decode_run() {
     let mut a = SlotAllocator::new(3, 4, 8, 8).unwrap();
     let hs = a.open(3).unwrap();
     let before = snapshot(&mut a, &hs);
-    let err = a.extend(&hs, Counts::Each(1), Some(&[1, 1, 1])).unwrap_err();
+    let err = a
+        .extend(&hs, Counts::Each(1), Some(&[1, 1, 1]))
+        .unwrap_err();
     assert_eq!(
         err,
         PoolError::Exhausted {
@@ -284,5 +286,15 @@ fn exhausted_counts_pages_taken_by_the_decode_run() {
     assert_eq!(snapshot(&mut a, &hs), before);
     a.check().unwrap();
     let err = a.extend(&hs, Counts::Each(1), None).unwrap_err();
-    assert!(matches!(err, PoolError::Exhausted { needed_pages: 3, free_pages: 2, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            PoolError::Exhausted {
+                needed_pages: 3,
+                free_pages: 2,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }

@@ -113,7 +113,11 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
         // numpy would read "12" as a 0-D string array; name the real problem.
         return Err(invalid_argument(
             py,
-            format!("{what} must be an int or ints, got {} {}", type_name(obj), obj.repr()?),
+            format!(
+                "{what} must be an int or ints, got {} {}",
+                type_name(obj),
+                obj.repr()?
+            ),
         ));
     }
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {

@@ -112,7 +112,10 @@ impl SlotAllocator {
                 Some(Table::validate(py, arr, rows, cols, num_slots)?)
             }
         };
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, num_slots, self.max_context_len))?;
+        let (arr, mut out) = new_i64(
+            py,
+            extend_total(h.len(), &c, num_slots, self.max_context_len),
+        )?;
         let moved = py.detach(|| -> kvpool_core::Result<Option<Vec<i64>>> {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let dst = unsafe { out.slice() };
@@ -157,7 +160,10 @@ impl SlotAllocator {
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
-        let (arr, mut out) = new_i64(py, extend_total(h.len(), &c, self.num_slots, self.max_context_len))?;
+        let (arr, mut out) = new_i64(
+            py,
+            extend_total(h.len(), &c, self.num_slots, self.max_context_len),
+        )?;
         let (starts_arr, mut starts) = new_i64(py, h.len())?;
         py.detach(|| {
             // SAFETY: both arrays are alive and not yet shared (see OutBuf).
