@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import tracemalloc
 from typing import Any
 
 from kvpool.bench.prefix_drivers.base import PrefixDriver
 from kvpool.bench.prefix_trace import PrefixTrace
-from kvpool.bench.runner import time_loop
+from kvpool.bench.runner import time_loop, warm_up
 
 
 @dataclasses.dataclass
@@ -58,32 +57,10 @@ class PrefixResult:
         return d
 
 
-def max_step_tokens(trace: PrefixTrace) -> int:
-    return max([s.slots for s in trace.steps] + [1])
-
-
 def replay(driver_cls: type[PrefixDriver], trace: PrefixTrace) -> PrefixResult:
     """Warmup (memory sampled), measured steps (timed), drain; then the counters."""
     cfg = trace.config
-    gc.collect()
-    tracemalloc.start()
-    try:
-        driver = driver_cls(cfg, max_step_tokens(trace))
-        peak = (0, 0)
-
-        def sample() -> None:
-            nonlocal peak
-            py, native = tracemalloc.get_traced_memory()[0], driver.native_bytes()
-            if py + native > sum(peak):
-                peak = (py, native)
-
-        sample()
-        handed = 0
-        for step in trace.steps[: cfg.warmup]:
-            handed += driver.run(driver.prepare(step))
-            sample()
-    finally:
-        tracemalloc.stop()
+    driver, peak, handed = warm_up(driver_cls, trace)
     measured = trace.measured
     gc.collect()
     # Hits are reported over the measured steps: the cache's steady state, not its cold start.

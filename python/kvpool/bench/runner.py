@@ -118,13 +118,15 @@ def max_step_tokens(trace: Trace) -> int:
     return max([s.slots for s in trace.steps] + [1])
 
 
-def replay(driver_cls: type[Driver], trace: Trace) -> ChurnResult:
-    """Replay ``trace`` on a fresh allocator: warmup (memory sampled), measured steps (timed), drain."""
-    cfg = trace.config
+def warm_up(driver_cls: Any, trace: Any) -> tuple[Any, tuple[int, int], int]:
+    """Build the driver and run the trace's warmup steps with memory sampled.
+
+    Returns the driver, the peak (Python heap, native) bytes seen and the
+    slots handed out. Shared by the churn and prefix replays."""
     gc.collect()
     tracemalloc.start()
     try:
-        driver = driver_cls(cfg, max_step_tokens(trace))
+        driver = driver_cls(trace.config, max_step_tokens(trace))
         peak = (0, 0)
 
         def sample() -> None:
@@ -135,11 +137,18 @@ def replay(driver_cls: type[Driver], trace: Trace) -> ChurnResult:
 
         sample()
         handed = 0
-        for step in trace.steps[: cfg.warmup]:
+        for step in trace.steps[: trace.config.warmup]:
             handed += driver.run(driver.prepare(step))
             sample()
     finally:
         tracemalloc.stop()
+    return driver, peak, handed
+
+
+def replay(driver_cls: type[Driver], trace: Trace) -> ChurnResult:
+    """Replay ``trace`` on a fresh allocator: warmup (memory sampled), measured steps (timed), drain."""
+    cfg = trace.config
+    driver, peak, handed = warm_up(driver_cls, trace)
     measured = trace.measured
     gc.collect()
     timing = time_loop(lambda i: driver.prepare(measured[i]), driver.run, len(measured))

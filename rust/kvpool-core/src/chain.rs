@@ -128,16 +128,7 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        if let Some(j) = tokens
-            .iter()
-            .position(|&x| !(0..=i32::MAX as i64).contains(&x))
-        {
-            return Err(PoolError::InvalidArgument(format!(
-                "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
-                tokens[j],
-                i32::MAX
-            )));
-        }
+        crate::hashing::check_token_ids(tokens)?;
         let mut out = Vec::new();
         reserve(&mut out, tokens.len(), "chain tokens")?;
         out.extend(tokens.iter().map(|&x| x as i32));

@@ -147,13 +147,7 @@ impl SlotAllocator {
                 t.len()
             )));
         }
-        if let Some(j) = t.iter().position(|&x| !(0..=i32::MAX as i64).contains(&x)) {
-            return Err(PoolError::InvalidArgument(format!(
-                "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
-                t[j],
-                i32::MAX
-            )));
-        }
+        crate::hashing::check_token_ids(t)?;
         if slow.is_empty() {
             return Ok(());
         }

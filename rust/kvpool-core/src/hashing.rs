@@ -74,3 +74,18 @@ fn le_bytes(tokens: &[i32]) -> std::borrow::Cow<'_, [u8]> {
         .collect::<Vec<u8>>()
         .into()
 }
+
+/// Token ids must be in [0, 2^31): they are stored and hashed as i32.
+pub(crate) fn check_token_ids(tokens: &[i64]) -> crate::error::Result<()> {
+    match tokens
+        .iter()
+        .position(|&x| !(0..=i32::MAX as i64).contains(&x))
+    {
+        None => Ok(()),
+        Some(j) => Err(crate::error::PoolError::InvalidArgument(format!(
+            "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
+            tokens[j],
+            i32::MAX
+        ))),
+    }
+}

@@ -59,16 +59,7 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        if let Some(j) = tokens
-            .iter()
-            .position(|&x| !(0..=i32::MAX as i64).contains(&x))
-        {
-            return Err(PoolError::InvalidArgument(format!(
-                "tokens[{j}] = {} is not a token id; ids must be in [0, {}]",
-                tokens[j],
-                i32::MAX
-            )));
-        }
+        crate::hashing::check_token_ids(tokens)?;
         self.check_rows_available(n)?;
         // Everything that allocates happens before the first change.
         let mut prompts: Vec<Vec<i32>> = Vec::new();
