@@ -96,8 +96,15 @@ impl SlotAllocator {
         counts.check_len("counts", handles.len())?;
         // One monomorphized loop per count form: no match per request.
         match counts {
-            Counts::Each(c) => self.extend_fused(handles, |_| c, tokens, out, on_request),
-            Counts::PerRequest(v) => self.extend_fused(handles, |i| v[i], tokens, out, on_request),
+            Counts::Each(1) => {
+                self.extend_fused::<_, _, true>(handles, |_| 1, tokens, out, on_request)
+            }
+            Counts::Each(c) => {
+                self.extend_fused::<_, _, false>(handles, |_| c, tokens, out, on_request)
+            }
+            Counts::PerRequest(v) => {
+                self.extend_fused::<_, _, false>(handles, |i| v[i], tokens, out, on_request)
+            }
         }
     }
 
@@ -189,7 +196,7 @@ impl SlotAllocator {
     /// are listed and only counted. If anything in the batch is wrong, the
     /// applied lengths are undone, so the call changes nothing. Then a
     /// second pass grows the listed requests and reports every request.
-    fn extend_fused<G, F>(
+    fn extend_fused<G, F, const ONE_EACH: bool>(
         &mut self,
         handles: &[i64],
         get: G,
@@ -211,7 +218,12 @@ impl SlotAllocator {
         // Exhausted error must still report the batch's need against what
         // was available before the call.
         let available_before = self.available_pages();
-        let (first, mut k) = self.extend_decode_run(handles, &get, out);
+        let (first, mut k) = if ONE_EACH {
+            let n = self.extend_decode_one(handles, out);
+            (n, n)
+        } else {
+            self.extend_decode_run(handles, &get, out)
+        };
         let taken_early = available_before.saturating_sub(self.available_pages());
         let mut error = None;
         let mut done = first;
@@ -414,6 +426,53 @@ impl SlotAllocator {
             k += c;
         }
         (handles.len(), k)
+    }
+
+    /// `extend_decode_run` for a count of 1 per request, the decode step
+    /// itself: request `i` writes `out[i]`, and the few values the loop
+    /// keeps live stay in registers. Returns the requests applied.
+    #[inline]
+    fn extend_decode_one(&mut self, handles: &[i64], out: &mut [i64]) -> usize {
+        let Some(shift) = self.page_shift else {
+            return 0;
+        };
+        let (mask, epoch, max_len) = (
+            (1usize << shift) - 1,
+            self.epoch,
+            self.max_context_len as usize,
+        );
+        let n = handles.len().min(out.len());
+        for i in 0..n {
+            let h = handles[i];
+            let row = handle_row(h) as usize;
+            let Some(r) = self.rows.get(row) else {
+                return i;
+            };
+            let len = r.len as usize;
+            if (h < 0)
+                | (r.generation != handle_generation(h) | OPEN)
+                | (r.stamp == epoch)
+                | (r.last & SLOW != 0)
+                | (len >= max_len)
+            {
+                return i;
+            }
+            if len & mask == 0 {
+                // A page boundary: one page off the free stack (undone by
+                // `undo_applied` if the batch fails later).
+                let Some(p) = self.free_pages.pop() else {
+                    return i;
+                };
+                self.refcount[p as usize] = 1;
+                self.page_lists[row * self.row_pages + (len >> shift)] = p;
+                self.rows[row].last = p;
+            }
+            let r = &mut self.rows[row];
+            r.stamp = epoch;
+            r.len = len as u32 + 1;
+            out[i] = (((r.last as usize) << shift) | (len & mask)) as i64;
+        }
+        n
     }
 
     /// Undoes the requests a failing batch applied in its first pass (those

@@ -17,6 +17,8 @@ enum Op {
     OpenPrefix(Vec<(usize, usize, bool)>, i64),
     /// (handle pick, count); token ids: None, or Some(seed, corrupt).
     Extend(Vec<(usize, i64)>, Option<(u8, bool)>),
+    /// One token each (`Counts::Each(1)`, the decode step's own loop).
+    Decode(Vec<usize>),
     Truncate(Vec<(usize, i64)>),
     Close(Vec<usize>, bool),
     Cache(Vec<usize>),
@@ -61,6 +63,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (prop::collection::vec(pick.clone(), 1..3), prop::bool::weighted(0.75)).prop_map(|(v, c)| Op::Close(v, c)),
         3 => prop::collection::vec(pick.clone(), 0..3).prop_map(Op::Cache),
         3 => pick.clone().prop_map(Op::Prefill),
+        3 => prop::collection::vec(pick.clone(), 1..5).prop_map(Op::Decode),
         3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
         1 => (0usize..4).prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
@@ -203,6 +206,11 @@ proptest! {
                     let hs = [h(i)];
                     let c = m.row(hs[0]).map_or(1, |r| (m.reqs[&r].prompt.len() as i64 - m.reqs[&r].len() as i64).max(0));
                     oks += same(a.extend(&hs, Counts::Each(c), None), m.extend(&hs, &[c], None)) as usize;
+                }
+                Op::Decode(v) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    let ones = vec![1i64; hs.len()];
+                    oks += same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) as usize;
                 }
                 Op::Evict(n) => {
                     prop_assert_eq!(a.evict(n), m.evict(n));
