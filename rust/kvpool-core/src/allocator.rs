@@ -106,6 +106,10 @@ pub struct SlotAllocator {
     pub(crate) rows: Vec<Row>,
     /// Cold per-row state: prompt tokens and prefix-chain progress.
     pub(crate) cold: Vec<RowCold>,
+    /// Per row: positions `0..known_len` have known token ids (in the slot
+    /// token array). Apart from the cold rows because a decode step with
+    /// token ids updates it for every request: 4 bytes a row stay in L1.
+    pub(crate) known_len: Vec<u32>,
     /// Page lists of all rows, `[max_requests, row_pages]`, row-major.
     pub(crate) page_lists: Vec<u32>,
     /// Holders of every page (open requests whose page list names it).
@@ -212,6 +216,7 @@ impl SlotAllocator {
         let page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
+        let known_len = zeroed_vec(max_requests, "request rows")?;
         // Written here (not lazily mapped like the other zeroed arrays): every
         // page taken writes its refcount, and first-touch page faults during
         // serving cost more than one memset now.
@@ -261,6 +266,7 @@ impl SlotAllocator {
             row_pages,
             rows,
             cold,
+            known_len,
             page_lists,
             refcount,
             free_pages,
@@ -404,6 +410,7 @@ impl SlotAllocator {
             stamp: r.stamp,
         };
         self.cold[row].reset(0);
+        self.known_len[row] = 0;
         self.open_count += 1;
         (row, make_handle(g, row as u32))
     }

@@ -39,7 +39,7 @@ impl SlotAllocator {
         let row = self.resolve(handle)?;
         let ps = self.page_size;
         let c = &self.cold[row];
-        let n = (c.known_len.min(self.rows[row].len) as usize) / ps;
+        let n = (self.known_len[row].min(self.rows[row].len) as usize) / ps;
         let salt = c.salt;
         let mut tokens = Vec::new();
         reserve(&mut tokens, n * ps, "chain tokens")?;
@@ -102,15 +102,18 @@ impl SlotAllocator {
         reserve(&mut pages, hashes.len(), "matched pages")?;
         let mut m = self.walk_chain(hashes, &prompt, salt, Some(&mut pages));
         if m.pages > max_pages {
-            m.pages = max_pages;
-            m.chain = if max_pages == 0 {
-                root(salt)
-            } else {
-                hashes[max_pages - 1]
-            };
-            m.chain_reg = match max_pages {
-                0 => 0,
-                k => self.index.entry_of(pages[k - 1]).map_or(0, |e| e.reg),
+            m = match max_pages {
+                0 => Match::root(salt),
+                k => {
+                    // A matched page is registered: its entry holds the chain.
+                    let e = self.index.entry_of(pages[k - 1]);
+                    Match {
+                        pages: k,
+                        chain: hashes[k - 1],
+                        key: e.map_or(0, |e| e.key),
+                        chain_reg: e.map_or(0, |e| e.reg),
+                    }
+                }
             };
         }
         Ok(self.open_matched(prompt, salt, &m, &pages))
@@ -143,18 +146,18 @@ impl SlotAllocator {
         salt: i64,
         mut out: Option<&mut Vec<u32>>,
     ) -> Match {
-        let mut m = Match {
-            pages: 0,
-            chain: root(salt),
-            chain_reg: 0,
-        };
+        let mut m = Match::root(salt);
         for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
-            match self.index.lookup(h) {
-                Some(e) if self.index.verify(e, t, salt, m.chain_reg) => {
+            // Filed under the key of the sent tokens; the sent hash must
+            // also be the entry's (a sender with another seed misses).
+            let key = self.index.keys.page(m.key, t);
+            match self.index.lookup(key) {
+                Some(e) if e.hash == h && self.index.verify(e, t, salt, m.chain_reg) => {
                     if let Some(o) = out.as_deref_mut() {
                         o.push(e.page);
                     }
                     m.chain = e.hash;
+                    m.key = key;
                     m.chain_reg = e.reg;
                     m.pages += 1;
                 }

@@ -108,22 +108,24 @@ impl SlotAllocator {
     fn check_index(&self) -> Result<()> {
         let fail = |m: String| Err(PoolError::Invariant(m));
         let ix = &self.index;
-        for (&h, &i) in &ix.map {
+        let mut listed = 0usize;
+        for i in ix.table.entries() {
             let Some(e) = ix.entries.get(i as usize) else {
                 return fail(format!("index entry {i} is out of range"));
             };
-            if e.hash != h || ix.page_entry.get(e.page as usize) != Some(&(i + 1)) {
+            if ix.find(e.key) != Some(i) || ix.page_entry.get(e.page as usize) != Some(&(i + 1)) {
                 return fail(format!(
-                    "index entry {i} (page {}) disagrees with its page",
+                    "index entry {i} (page {}) disagrees with its page or key",
                     e.page
                 ));
             }
+            listed += 1;
         }
         let registered = ix.page_entry.iter().filter(|&&e| e != 0).count();
-        if registered != ix.map.len() {
+        if registered != ix.len() || listed != ix.len() {
             return fail(format!(
-                "{registered} pages are registered but the index has {} entries",
-                ix.map.len()
+                "{registered} pages are registered but the index has {} entries ({listed} listed)",
+                ix.len()
             ));
         }
         for (p, &e) in ix.page_entry.iter().enumerate() {
@@ -131,11 +133,11 @@ impl SlotAllocator {
                 continue;
             }
             match ix.entries.get(e as usize - 1) {
-                Some(en) if en.page as usize == p && ix.map.get(&en.hash) == Some(&(e - 1)) => {}
+                Some(en) if en.page as usize == p && ix.find(en.key) == Some(e - 1) => {}
                 _ => return fail(format!("registration of page {p} is not in the index")),
             }
         }
-        if ix.entries.len() != ix.map.len() + ix.free_entries.len() {
+        if ix.entries.len() != ix.len() + ix.free_entries.len() {
             return fail("index entry slab leaks entries".into());
         }
         Ok(())
@@ -190,10 +192,11 @@ impl SlotAllocator {
             {
                 return fail(format!("row {row} is marked exclusive but shares a page"));
             }
-            if c.known_len as usize > len || c.hashed_pages as usize > len / self.page_size {
+            let known = self.known_len[row];
+            if known as usize > len || c.hashed_pages as usize > len / self.page_size {
                 return fail(format!(
-                    "row {row} knows {} tokens / hashed {} pages of length {len}",
-                    c.known_len, c.hashed_pages
+                    "row {row} knows {known} tokens / hashed {} pages of length {len}",
+                    c.hashed_pages
                 ));
             }
         }

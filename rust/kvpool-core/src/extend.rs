@@ -219,10 +219,19 @@ impl SlotAllocator {
         // was available before the call.
         let available_before = self.available_pages();
         let (first, mut k) = if ONE_EACH {
-            let n = self.extend_decode_one(handles, out);
+            let n = match tokens {
+                Some(t) => self.extend_decode_one::<true>(handles, t, out),
+                None => self.extend_decode_one::<false>(handles, &[], out),
+            };
             (n, n)
         } else {
             self.extend_decode_run(handles, &get, out)
+        };
+        // The one-token loop stores the token ids of the requests it applied.
+        let recorded = if ONE_EACH && tokens.is_some() {
+            first
+        } else {
+            0
         };
         let taken_early = available_before.saturating_sub(self.available_pages());
         let mut error = None;
@@ -301,7 +310,7 @@ impl SlotAllocator {
             self.slow_scratch = slow;
             return Err(e);
         }
-        if slow.is_empty() && tokens.is_none() {
+        if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
             // Every request was applied in the first pass: only report.
             let mut k = 0usize;
             for (i, &h) in handles.iter().enumerate() {
@@ -349,7 +358,7 @@ impl SlotAllocator {
                 }
             } else {
                 start = self.rows[row].len as usize - c;
-                if toks.is_some() {
+                if toks.is_some() && i >= recorded {
                     self.record_tokens(row, start, dst, toks);
                 }
             }
@@ -429,18 +438,23 @@ impl SlotAllocator {
     }
 
     /// `extend_decode_run` for a count of 1 per request, the decode step
-    /// itself: request `i` writes `out[i]`, and the few values the loop
+    /// itself: request `i` writes `out[i]` (and, with `tokens`, stores
+    /// `tokens[i]` while the row is in hand), and the few values the loop
     /// keeps live stay in registers. Returns the requests applied.
     #[inline]
-    fn extend_decode_one(&mut self, handles: &[i64], out: &mut [i64]) -> usize {
+    fn extend_decode_one<const TOKENS: bool>(
+        &mut self,
+        handles: &[i64],
+        tokens: &[i64],
+        out: &mut [i64],
+    ) -> usize {
         let Some(shift) = self.page_shift else {
             return 0;
         };
-        let (mask, epoch, max_len) = (
-            (1usize << shift) - 1,
-            self.epoch,
-            self.max_context_len as usize,
-        );
+        if TOKENS && tokens.len() != handles.len() {
+            return 0; // the general path reports the length
+        }
+        let (mask, epoch, max_len) = ((1usize << shift) - 1, self.epoch, self.max_context_len);
         let n = handles.len().min(out.len());
         for i in 0..n {
             let h = handles[i];
@@ -454,6 +468,7 @@ impl SlotAllocator {
                 | (r.stamp == epoch)
                 | (r.last & SLOW != 0)
                 | (len >= max_len)
+                | (TOKENS && !(0..=i32::MAX as i64).contains(&tokens[i]))
             {
                 return i;
             }
@@ -470,7 +485,17 @@ impl SlotAllocator {
             let r = &mut self.rows[row];
             r.stamp = epoch;
             r.len = len as u32 + 1;
-            out[i] = (((r.last as usize) << shift) | (len & mask)) as i64;
+            let slot = ((r.last as usize) << shift) | (len & mask);
+            out[i] = slot as i64;
+            if TOKENS {
+                // Not SLOW: no prompt ahead to agree with. Undone (the
+                // known count) by `undo_applied` if the batch fails.
+                self.index.tokens[slot] = tokens[i] as i32;
+                let known = &mut self.known_len[row];
+                if *known as usize == len {
+                    *known += 1;
+                }
+            }
         }
         n
     }
@@ -495,6 +520,7 @@ impl SlotAllocator {
             let c = get(i) as usize;
             let old = self.rows[row].len as usize - c;
             self.rows[row].len = old as u32;
+            self.known_len[row] = self.known_len[row].min(old as u32);
             if c > 0 && self.offset_in_page(old) == 0 {
                 let base = row * self.row_pages;
                 let np = self.pages_for(old);

@@ -43,6 +43,7 @@ impl SlotAllocator {
             let mut cold = self.cold[parent].clone_without_prompt();
             cold.prompt = prompt;
             self.cold[row] = cold;
+            self.known_len[row] = self.known_len[parent];
             let last = self.rows[parent].last & !SLOW;
             self.rows[row].len = len as u32;
             self.rows[row].last = last | self.slow_bit(row, len, last);

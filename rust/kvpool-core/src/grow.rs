@@ -135,8 +135,9 @@ impl SlotAllocator {
                 n
             }
         };
-        if cold.known_len as usize == start {
-            cold.known_len = (start + known) as u32;
+        let known_len = &mut self.known_len[row];
+        if *known_len as usize == start {
+            *known_len = (start + known) as u32;
         }
     }
 

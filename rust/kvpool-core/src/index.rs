@@ -1,5 +1,6 @@
-//! The prefix index: chain hash -> registered page, the registration of each
-//! page, the LRU list of CACHED pages and the token ids of every slot.
+//! The prefix index: lookup key -> registered page (`key_table.rs`), the
+//! registration of each page (its chain hash, key, salt and parent), the LRU
+//! list of CACHED pages and the token ids of every slot.
 //!
 //! Verification. Every registration gets a unique id, and records its salt
 //! and the id of its parent's registration (0 for a chain's first page). A
@@ -16,54 +17,46 @@
 //! examples/bench_core.rs. The token ids live in a flat per-slot array,
 //! 4 bytes per slot, allocated fallibly with lazily mapped zero pages.
 //!
-//! Duplicates: when `cache()` finds the hash already registered for another
+//! Lookup keys (`keys.rs`) and chain hashes are both functions of the salt
+//! and the token sequence, so either identifies the same pages; lookups use
+//! the cheaper key, events and transfers the 128-bit hash.
+//!
+//! Duplicates: when `cache()` finds the key already registered for another
 //! page with the same content (verified as above), the existing entry is
 //! kept and the new page stays unregistered (freed when its holders leave).
 //! Keeping the first copy keeps its registration id, so the entries already
 //! registered below it (its chain's children) stay reachable; routers have
 //! already seen its Stored event; and requests holding it keep sharing it.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use crate::error::Result;
 use crate::hashing::ChainHasher;
+use crate::key_table::KeyTable;
+use crate::keys::KeyHasher;
 use crate::memory::{reserve, zeroed_vec};
 
-/// The keys are hash values already: use their bits directly.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ b as u64;
-        }
-    }
-    fn write_u128(&mut self, v: u128) {
-        self.0 = v as u64 ^ (v >> 64) as u64;
-    }
-}
+/// Pages a prefix lookup keys (and prefetches) ahead of its probes: enough
+/// to overlap the probes' cache misses, few enough that a miss early in a
+/// long prompt wastes little hashing.
+pub(crate) const LOOKAHEAD: usize = 32;
 
 /// One registered page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
+    /// Chain hash (the page's identity in events and transfers).
     pub(crate) hash: u128,
+    /// Lookup key (`keys.rs`).
+    pub(crate) key: u64,
     /// Unique id of this registration (never reused; 0 means none).
     pub(crate) reg: u64,
     /// `reg` of the parent page's entry when this page was registered.
     pub(crate) parent_reg: u64,
-    pub(crate) parent_hash: u128,
     pub(crate) salt: i64,
     pub(crate) page: u32,
 }
 
 #[derive(Debug, Clone)]
 pub(crate) struct PrefixIndex {
-    pub(crate) map: HashMap<u128, u32, BuildHasherDefault<IdentityHasher>>,
+    pub(crate) table: KeyTable,
     /// Entry slab; `free_entries` lists unused indices.
     pub(crate) entries: Vec<Entry>,
     pub(crate) free_entries: Vec<u32>,
@@ -78,6 +71,9 @@ pub(crate) struct PrefixIndex {
     /// Token id at every slot (meaningful where a request or entry says so).
     pub(crate) tokens: Vec<i32>,
     pub(crate) hasher: ChainHasher,
+    pub(crate) keys: KeyHasher,
+    /// A lookup's keys of the next `LOOKAHEAD` pages.
+    pub(crate) key_scratch: Vec<u64>,
     pub(crate) next_reg: u64,
     pub(crate) page_size: usize,
     /// Benchmark only (see `Options::skip_hit_verification`).
@@ -94,8 +90,15 @@ impl PrefixIndex {
     ) -> Result<Self> {
         let mut buf = Vec::new();
         reserve(&mut buf, 16 + 4 * page_size, "hash buffer")?;
+        let mut key_scratch = Vec::new();
+        reserve(&mut key_scratch, LOOKAHEAD, "lookup keys")?;
+        let hasher = ChainHasher::new(seed, weak_bits, buf);
+        let keys = KeyHasher {
+            seed,
+            mask: hasher.mask() as u64,
+        };
         Ok(PrefixIndex {
-            map: HashMap::default(),
+            table: KeyTable::default(),
             entries: Vec::new(),
             free_entries: Vec::new(),
             page_entry: zeroed_vec(num_pages, "page registrations")?,
@@ -103,7 +106,9 @@ impl PrefixIndex {
             lru_next: zeroed_vec(num_pages, "LRU links")?,
             lru_len: 0,
             tokens: zeroed_vec(num_slots, "slot token ids")?,
-            hasher: ChainHasher::new(seed, weak_bits, buf),
+            hasher,
+            keys,
+            key_scratch,
             next_reg: 1,
             page_size,
             skip_verify: false,
@@ -123,11 +128,23 @@ impl PrefixIndex {
         }
     }
 
+    /// Index of the entry filed under `key`.
     #[inline]
-    pub(crate) fn lookup(&self, hash: u128) -> Option<&Entry> {
-        self.map
-            .get(&hash)
-            .and_then(|&e| self.entries.get(e as usize))
+    pub(crate) fn find(&self, key: u64) -> Option<u32> {
+        self.table.find(key, |e| {
+            self.entries.get(e as usize).map(|x| x.key) == Some(key)
+        })
+    }
+
+    #[inline]
+    pub(crate) fn lookup(&self, key: u64) -> Option<&Entry> {
+        self.find(key).and_then(|e| self.entries.get(e as usize))
+    }
+
+    /// Number of registered pages.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
     }
 
     #[inline]
@@ -141,7 +158,9 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn verify(&self, e: &Entry, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
         self.skip_verify
-            || e.parent_reg == parent_reg && e.salt == salt && self.page_tokens(e.page) == tokens
+            || e.parent_reg == parent_reg
+                && e.salt == salt
+                && same_tokens(self.page_tokens(e.page), tokens)
     }
 
     /// Room for `n` more registrations, or a typed error (nothing changed).
@@ -152,11 +171,8 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
-        self.map.try_reserve(n).map_err(|_| {
-            crate::error::PoolError::InvalidArgument(format!(
-                "cannot allocate the prefix index for {n} more pages"
-            ))
-        })
+        let entries = &self.entries;
+        self.table.reserve(n, |e| entries[e as usize].key)
     }
 
     /// Registers `page` under `hash`; returns the registration id. The
@@ -165,7 +181,7 @@ impl PrefixIndex {
         &mut self,
         page: u32,
         hash: u128,
-        parent_hash: u128,
+        key: u64,
         parent_reg: u64,
         salt: i64,
     ) -> u64 {
@@ -173,9 +189,9 @@ impl PrefixIndex {
         self.next_reg += 1;
         let e = Entry {
             hash,
+            key,
             reg,
             parent_reg,
-            parent_hash,
             salt,
             page,
         };
@@ -189,7 +205,7 @@ impl PrefixIndex {
                 (self.entries.len() - 1) as u32
             }
         };
-        self.map.insert(hash, idx);
+        self.table.insert(key, idx);
         self.page_entry[page as usize] = idx + 1;
         reg
     }
@@ -201,17 +217,19 @@ impl PrefixIndex {
             return None;
         }
         let e = self.entries[idx as usize - 1];
-        self.map.remove(&e.hash);
+        let entries = &self.entries;
+        self.table
+            .remove(e.key, idx - 1, |i| entries[i as usize].key);
         self.free_entries.push(idx - 1);
         Some(e)
     }
 
     /// Drops every registration (the LRU list must be empty already).
     pub(crate) fn clear(&mut self) {
-        for &i in self.map.values() {
+        for i in self.table.entries() {
             self.page_entry[self.entries[i as usize].page as usize] = 0;
         }
-        self.map.clear();
+        self.table.clear();
         self.entries.clear();
         self.free_entries.clear();
     }
@@ -251,7 +269,8 @@ impl PrefixIndex {
     pub(crate) fn metadata_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.free_entries.capacity() * 4
-            + self.map.capacity() * (std::mem::size_of::<(u128, u32)>() + 1)
+            + self.table.capacity_bytes()
+            + self.key_scratch.capacity() * 8
             + (self.page_entry.capacity() + self.lru_prev.capacity() + self.lru_next.capacity()) * 4
             + self.tokens.capacity() * 4
             + self.hasher_capacity()
@@ -260,4 +279,11 @@ impl PrefixIndex {
     fn hasher_capacity(&self) -> usize {
         16 + 4 * self.page_size
     }
+}
+
+/// Page contents equal. XOR-folding the whole page vectorizes and stays
+/// inline, where `==` calls memcmp (a third of a hit's cost at page 16).
+#[inline]
+fn same_tokens(a: &[i32], b: &[i32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
 }

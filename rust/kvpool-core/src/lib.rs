@@ -33,6 +33,8 @@ mod grow;
 mod handle;
 mod hashing;
 mod index;
+mod key_table;
+mod keys;
 mod memory;
 mod pages;
 mod prefix;

@@ -5,13 +5,28 @@ use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
 use crate::hashing::root;
+use crate::index::LOOKAHEAD;
+use crate::keys::root_key;
 use crate::memory::reserve;
 
 /// A prompt's longest verified cached prefix, found before anything changes.
 pub(crate) struct Match {
     pub(crate) pages: usize,
     pub(crate) chain: u128,
+    pub(crate) key: u64,
     pub(crate) chain_reg: u64,
+}
+
+impl Match {
+    /// No page matched yet.
+    pub(crate) fn root(salt: i64) -> Self {
+        Match {
+            pages: 0,
+            chain: root(salt),
+            key: root_key(salt),
+            chain_reg: 0,
+        }
+    }
 }
 
 impl SlotAllocator {
@@ -114,11 +129,12 @@ impl SlotAllocator {
         let cold = &mut self.cold[row];
         cold.reset(salt);
         cold.prompt = prompt;
-        cold.known_len = len as u32;
         cold.hashed_pages = m.pages as u32;
         cold.chain = m.chain;
+        cold.chain_key = m.key;
         cold.chain_reg = m.chain_reg;
         cold.exclusive = m.pages == 0;
+        self.known_len[row] = len as u32;
         let last = if m.pages == 0 {
             0
         } else {
@@ -130,27 +146,39 @@ impl SlotAllocator {
     }
 
     /// Walks `prompt`'s pages through the index while each hit verifies;
-    /// appends the hit pages to `out`. Read-only.
+    /// appends the hit pages to `out`. Read-only (the key scratch aside).
+    ///
+    /// Keys are computed `LOOKAHEAD` pages at a time and their buckets
+    /// prefetched before the first probe, so the probes' cache misses
+    /// overlap. No chain hash is computed: a verified hit's entry holds it.
     fn match_prefix(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
         let ps = self.page_size;
         let max_pages = prompt.len().saturating_sub(1) / ps;
-        let mut m = Match {
-            pages: 0,
-            chain: root(salt),
-            chain_reg: 0,
-        };
-        for page_tokens in prompt.chunks_exact(ps).take(max_pages) {
-            let h = self.index.hasher.page(m.chain, page_tokens);
-            match self.index.lookup(h) {
-                Some(e) if self.index.verify(e, page_tokens, salt, m.chain_reg) => {
-                    out.push(e.page);
-                    m.chain_reg = e.reg;
-                }
-                _ => break,
+        let mut m = Match::root(salt);
+        let mut keys = std::mem::take(&mut self.index.key_scratch);
+        let ix = &self.index;
+        'chunks: for chunk in prompt[..max_pages * ps].chunks(LOOKAHEAD * ps) {
+            keys.clear();
+            let mut key = m.key;
+            for page_tokens in chunk.chunks_exact(ps) {
+                key = ix.keys.page(key, page_tokens);
+                ix.table.prefetch(key);
+                keys.push(key);
             }
-            m.chain = h;
-            m.pages += 1;
+            for (&key, page_tokens) in keys.iter().zip(chunk.chunks_exact(ps)) {
+                match ix.lookup(key) {
+                    Some(e) if ix.verify(e, page_tokens, salt, m.chain_reg) => {
+                        out.push(e.page);
+                        m.chain = e.hash;
+                        m.key = key;
+                        m.chain_reg = e.reg;
+                        m.pages += 1;
+                    }
+                    _ => break 'chunks,
+                }
+            }
         }
+        self.index.key_scratch = keys;
         m
     }
 
@@ -187,7 +215,7 @@ impl SlotAllocator {
         if c.chain_broken {
             return 0;
         }
-        (c.known_len.min(self.rows[row].len) as usize) / self.page_size
+        (self.known_len[row].min(self.rows[row].len) as usize) / self.page_size
     }
 
     /// Continues `row`'s chain over its registrable pages. A page whose hash
@@ -203,30 +231,30 @@ impl SlotAllocator {
         let mut k = self.cold[row].hashed_pages as usize;
         while k < upto {
             let p = self.page_lists[base + k];
-            let (chain, parent_reg, salt) = {
+            let (chain, chain_key, parent_reg, salt) = {
                 let c = &self.cold[row];
-                (c.chain, c.chain_reg, c.salt)
+                (c.chain, c.chain_key, c.chain_reg, c.salt)
             };
             let ps = self.page_size;
             let ptoks = &self.index.tokens[p as usize * ps..(p as usize + 1) * ps];
+            let key = self.index.keys.page(chain_key, ptoks);
             let h = self.index.hasher.page(chain, ptoks);
-            let reg = match self.index.lookup(h).copied() {
+            let found = self.index.find(key);
+            let reg = match found.map(|i| (i, self.index.entries[i as usize])) {
                 None if !self.index.is_registered(p) => {
                     let parent_hash = if k == 0 { 0 } else { chain };
-                    let reg = self.index.register(p, h, parent_hash, parent_reg, salt);
+                    let reg = self.index.register(p, h, key, parent_reg, salt);
                     let toks = self.index.page_tokens(p);
                     self.events.stored(h, parent_hash, p, salt, toks);
                     Some(reg)
                 }
-                Some(e) if e.page == p && e.salt == salt => {
+                Some((i, e)) if e.page == p && e.salt == salt => {
                     // This very page: its content was computed on this
                     // request's prefix, so (re)link it to the current parent.
-                    if let Some(&i) = self.index.map.get(&h) {
-                        self.index.entries[i as usize].parent_reg = parent_reg;
-                    }
+                    self.index.entries[i as usize].parent_reg = parent_reg;
                     Some(e.reg)
                 }
-                Some(e)
+                Some((_, e))
                     if self
                         .index
                         .verify(&e, self.index.page_tokens(p), salt, parent_reg) =>
@@ -239,6 +267,7 @@ impl SlotAllocator {
             match reg {
                 Some(reg) => {
                     c.chain = h;
+                    c.chain_key = key;
                     c.chain_reg = reg;
                     k += 1;
                     c.hashed_pages = k as u32;

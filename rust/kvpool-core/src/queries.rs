@@ -58,7 +58,7 @@ impl SlotAllocator {
     }
     /// Registered pages (HELD or CACHED).
     pub fn cached_pages(&self) -> usize {
-        self.index.map.len()
+        self.index.len()
     }
     /// CACHED pages: registered, held by nobody, evicted when needed.
     pub fn evictable_pages(&self) -> usize {
@@ -99,6 +99,7 @@ impl SlotAllocator {
         let u32s = self.refcount.capacity()
             + self.free_pages.capacity()
             + self.free_rows.capacity()
+            + self.known_len.capacity()
             + self.page_lists.capacity();
         let prompts: usize = self.cold.iter().map(|c| c.prompt.capacity() * 4).sum();
         u32s * 4
@@ -160,7 +161,7 @@ impl SlotAllocator {
     /// Known token ids of the request (positions `0..n` for its known prefix).
     pub fn known_tokens(&self, handle: i64) -> Result<Vec<i32>> {
         let row = self.resolve(handle)?;
-        let n = self.cold[row].known_len as usize;
+        let n = self.known_len[row] as usize;
         let ps = self.page_size;
         let mut out = Vec::new();
         reserve(&mut out, n, "tokens")?;

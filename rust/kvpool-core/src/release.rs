@@ -106,7 +106,7 @@ impl SlotAllocator {
                 self.refcount[p as usize] = 0;
             }
             self.free_pages.extend(freed.iter().rev());
-        } else if self.index.map.is_empty() {
+        } else if self.index.len() == 0 {
             // Nothing is registered: a last holder frees the page outright.
             for k in (keep..np).rev() {
                 let p = self.page_lists[base + k] as usize;
@@ -131,7 +131,7 @@ impl SlotAllocator {
         self.rows[row].last = last | self.slow_bit(row, new_len, last);
         let full = new_len / self.page_size;
         let cold = &mut self.cold[row];
-        cold.known_len = cold.known_len.min(new_len as u32);
+        self.known_len[row] = self.known_len[row].min(new_len as u32);
         if cold.hashed_pages as usize > full {
             // Resume the chain at the last full page kept when its entry is
             // at hand (a registered page's hash is its chain hash here);
@@ -145,6 +145,7 @@ impl SlotAllocator {
                 Some(e) if e.salt == cold.salt => {
                     cold.hashed_pages = full as u32;
                     cold.chain = e.hash;
+                    cold.chain_key = e.key;
                     cold.chain_reg = e.reg;
                     cold.chain_broken = false;
                 }

@@ -32,8 +32,6 @@ pub(crate) struct RowCold {
     /// `0..prompt.len()`); extends past the request's length take their ids
     /// from here.
     pub(crate) prompt: Vec<i32>,
-    /// Positions `0..known_len` have known token ids (in the slot token array).
-    pub(crate) known_len: u32,
     /// Leading full pages whose chain hash is computed (registered, or a
     /// verified duplicate of a registered page).
     pub(crate) hashed_pages: u32,
@@ -42,6 +40,8 @@ pub(crate) struct RowCold {
     pub(crate) chain_broken: bool,
     /// Chain hash of page `hashed_pages - 1` (root value when 0).
     pub(crate) chain: u128,
+    /// Lookup key of page `hashed_pages - 1` (root key when 0; `keys.rs`).
+    pub(crate) chain_key: u64,
     /// Registration id of the index entry page `hashed_pages - 1` matched (0 = none).
     pub(crate) chain_reg: u64,
     pub(crate) salt: i64,
@@ -54,10 +54,10 @@ pub(crate) struct RowCold {
 impl RowCold {
     pub(crate) fn reset(&mut self, salt: i64) {
         self.prompt.clear();
-        self.known_len = 0;
         self.hashed_pages = 0;
         self.chain_broken = false;
         self.chain = crate::hashing::root(salt);
+        self.chain_key = crate::keys::root_key(salt);
         self.chain_reg = 0;
         self.salt = salt;
         self.exclusive = true;
@@ -68,6 +68,7 @@ impl RowCold {
         self.hashed_pages = 0;
         self.chain_broken = false;
         self.chain = crate::hashing::root(self.salt);
+        self.chain_key = crate::keys::root_key(self.salt);
         self.chain_reg = 0;
     }
 }
@@ -77,10 +78,10 @@ impl RowCold {
     pub(crate) fn clone_without_prompt(&self) -> RowCold {
         RowCold {
             prompt: Vec::new(),
-            known_len: self.known_len,
             hashed_pages: self.hashed_pages,
             chain_broken: self.chain_broken,
             chain: self.chain,
+            chain_key: self.chain_key,
             chain_reg: self.chain_reg,
             salt: self.salt,
             exclusive: false,

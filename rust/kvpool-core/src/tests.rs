@@ -289,7 +289,7 @@ fn check_detects_corruption() {
         Box::new(|a| a.open_count = 0),
         Box::new(|a| {
             a.index.reserve(1).unwrap();
-            a.index.register(2, 7, 0, 0, 0); // registered page 2 held: fine...
+            a.index.register(2, 7, 7, 0, 0); // registered page 2 held: fine...
             a.index.page_entry[2] = 0; // ...until its link is lost
         }),
     ];
@@ -340,10 +340,11 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
     let per_page = 4 * 3 + 4 * 2; // refcount, free stack, registration; LRU links
     let want = pages * per_page - 4 // the free stack has no entry for page 0
         + pages * ps * 4 // token id per slot
-        + rows * 4 // free row stack
+        + rows * 4 * 2 // free row stack, known token counts
         + rows * (192 + 16) * 4 // page lists: 188 rounded to a cache line, plus one
         + rows * (16 + std::mem::size_of::<crate::rows::RowCold>())
-        + (16 + 4 * ps); // hash buffer
+        + (16 + 4 * ps) // hash buffer
+        + crate::index::LOOKAHEAD * 8; // lookup keys
     assert_eq!(before, want);
 }
 

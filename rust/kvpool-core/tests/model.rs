@@ -18,7 +18,7 @@ enum Op {
     /// (handle pick, count); token ids: None, or Some(seed, corrupt).
     Extend(Vec<(usize, i64)>, Option<(u8, bool)>),
     /// One token each (`Counts::Each(1)`, the decode step's own loop).
-    Decode(Vec<usize>),
+    Decode(Vec<usize>, Option<(u8, bool)>),
     Truncate(Vec<(usize, i64)>),
     Close(Vec<usize>, bool),
     Cache(Vec<usize>),
@@ -58,12 +58,12 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => (0usize..3).prop_map(Op::Open),
         4 => (prop::collection::vec(prompt, 0..3), 0i64..2).prop_map(|(p, s)| Op::OpenPrefix(p, s)),
-        5 => (prop::collection::vec((pick.clone(), value.clone()), 0..4), toks).prop_map(|(v, t)| Op::Extend(v, t)),
+        5 => (prop::collection::vec((pick.clone(), value.clone()), 0..4), toks.clone()).prop_map(|(v, t)| Op::Extend(v, t)),
         2 => prop::collection::vec((pick.clone(), value), 0..3).prop_map(Op::Truncate),
         4 => (prop::collection::vec(pick.clone(), 1..3), prop::bool::weighted(0.75)).prop_map(|(v, c)| Op::Close(v, c)),
         3 => prop::collection::vec(pick.clone(), 0..3).prop_map(Op::Cache),
         3 => pick.clone().prop_map(Op::Prefill),
-        3 => prop::collection::vec(pick.clone(), 1..5).prop_map(Op::Decode),
+        3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
         3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
         1 => (0usize..4).prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
@@ -207,10 +207,12 @@ proptest! {
                     let c = m.row(hs[0]).map_or(1, |r| (m.reqs[&r].prompt.len() as i64 - m.reqs[&r].len() as i64).max(0));
                     oks += same(a.extend(&hs, Counts::Each(c), None), m.extend(&hs, &[c], None)) as usize;
                 }
-                Op::Decode(v) => {
+                Op::Decode(v, toks) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
                     let ones = vec![1i64; hs.len()];
-                    oks += same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) as usize;
+                    let tokens = toks.map(|(seed, corrupt)| batch_tokens(&m, &hs, &ones, seed, corrupt));
+                    let mr = m.extend(&hs, &ones, tokens.as_deref());
+                    oks += same(a.extend(&hs, Counts::Each(1), tokens.as_deref()), mr) as usize;
                 }
                 Op::Evict(n) => {
                     prop_assert_eq!(a.evict(n), m.evict(n));
