@@ -306,4 +306,8 @@ class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
         return UnifiedRadixCache(params)
 
     def backend(self) -> str:
-        return f"UnifiedRadixCache, {self.tree._tree_core_backend} TreeCore"
+        # The TreeCore actually built (RustUnifiedTreeCore / UnifiedTreeCore), not only the name
+        # the selection resolved to, so a row proves which tree it timed.
+        core = type(self.tree.tree_core)
+        kind = "rust" if core.__module__.startswith("sglang.srt.mem_cache.rust_tree_core") else "python"
+        return f"UnifiedRadixCache, {kind} TreeCore ({core.__name__})"
