@@ -17,7 +17,9 @@ following ``managers/schedule_policy.py``, ``mem_cache/allocation.py``,
   (they evict from the tree when the allocator runs short, then ``alloc`` /
   ``alloc_extend``); the rows of ``req_to_token`` get the prefix indices
   (``prefix_device_indices``) and the new slots (``write_cache_indices``'s CPU path).
-  After the prefill ``checkpoint_kv_cache`` inserts each prompt (``cache_unfinished_req``).
+  After the prefill, inside one free group as ``process_batch_result_prefill`` does,
+  ``checkpoint_kv_cache`` inserts each prompt (``cache_unfinished_req``) and the requests
+  the prefill finished are released.
 - parallel sampling (n > 1): SGLang's tokenizer manager first sends the prompt
   with ``max_new_tokens=0`` to cache it, then the n samples, which match it;
   both batches run within the step here.
@@ -196,11 +198,10 @@ class SGLangPrefixDriver(PrefixDriver):
             alloc.free_group_end()
         if batch:
             n += self._prefill(batch)
-            for req, lane in batch:
-                if lane < 0:  # the n > 1 warm-up: max_new_tokens=0, finished after its prefill
-                    self._release(req, req.seq_len)
+            self._prefill_result(batch)
         if samples:
             n += self._prefill(samples)
+            self._prefill_result(samples)
         bs = rows.shape[0]
         if bs:
             n += self._decode(rows, seq_lens)
@@ -248,10 +249,21 @@ class SGLangPrefixDriver(PrefixDriver):
             if lane >= 0:
                 self.prompt_tokens += slen
                 self.reqs[lane] = req
-        for req, lane in batch:  # after the forward: cache_unfinished_req
-            if lane >= 0:
-                tree.checkpoint(req, up_to=req.seq_len)
         return pt
+
+    def _prefill_result(self, batch: list) -> None:
+        """``process_batch_result_prefill``: inside one free group, release the requests their
+        prefill finished (the n > 1 warm-ups, ``max_new_tokens=0``) and checkpoint the others
+        (``cache_unfinished_req``). The group matters: outside one, every free of the page-1
+        allocator (``need_sort=False``) concatenates its whole free list."""
+        tree, alloc = self.tree, self.alloc
+        alloc.free_group_begin()
+        for req, lane in batch:
+            if lane < 0:
+                self._release(req, req.seq_len)
+            else:
+                tree.checkpoint(req, up_to=req.seq_len)
+        alloc.free_group_end()
 
     def _decode(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> int:
         bs = rows.shape[0]
@@ -306,4 +318,8 @@ class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
         return UnifiedRadixCache(params)
 
     def backend(self) -> str:
-        return f"UnifiedRadixCache, {self.tree._tree_core_backend} TreeCore"
+        # The TreeCore actually built (RustUnifiedTreeCore / UnifiedTreeCore), not only the name
+        # the selection resolved to, so a row proves which tree it timed.
+        core = type(self.tree.tree_core)
+        kind = "rust" if core.__module__.startswith("sglang.srt.mem_cache.rust_tree_core") else "python"
+        return f"UnifiedRadixCache, {kind} TreeCore ({core.__name__})"
