@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvpool
+from kvpool.layout import padded_row_stride
 import kvpool.capacity as capacity
 from kvpool.capacity import free_device_memory, resolve_num_pages
 
@@ -25,7 +26,10 @@ def test_overhead_bytes_is_table_plus_scales_plus_metadata(dtype, mla):
     kw = dict(kv_lora_rank=6, qk_rope_head_dim=2) if mla else {}
     pool = kvpool.KVPool(L, 1 if mla else H, D, dtype=dtype, num_pages=10, page_size=2,
                          max_requests=5, max_context_len=12, **kw)
-    table = (5 + 1) * 12 * 4  # int32 req_to_token with its null row
+    # int32 req_to_token with its null row; rows padded to an odd number of
+    # 64-byte lines (12 ints -> one line of 16)
+    table = (5 + 1) * padded_row_stride(12) * 4
+    assert padded_row_stride(12) == 16
     fp8 = dtype == torch.float8_e4m3fn
     scales = 0 if not fp8 else 4 * L * (1 if mla else 2)  # float32 per layer; MLA shares one
     assert pool.overhead_bytes == table + scales + pool.allocator.metadata_bytes

@@ -116,9 +116,12 @@ def test_capacity_from_pages_slots_bytes_and_fraction() -> None:
 def test_memory_figures_and_overhead_is_small_at_scale() -> None:
     pool = kvpool.KVPool(1, 1, 8, dtype=torch.float16, num_slots=1 << 16, max_requests=8, max_context_len=128)
     assert pool.nbytes == (1 << 16) * pool.bytes_per_slot
-    expected = pool.req_to_token.nbytes + pool.allocator.metadata_bytes
+    # req_to_token is a [9, 128] view of rows padded to 144 ints (9 lines,
+    # odd): the padding is counted.
+    expected = 9 * 144 * 4 + pool.allocator.metadata_bytes
     assert pool.overhead_bytes == expected
     assert pool.req_to_token.shape == (9, 128) and pool.null_row == 8
+    assert pool.req_to_token.stride() == (144, 1)
     assert "overhead_bytes" in repr(pool)
 
 

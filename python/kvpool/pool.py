@@ -23,7 +23,7 @@ from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
 from kvpool.facade import AllocatorFacade
 from kvpool.kernels import gather_kv, require_triton, store_kv
-from kvpool.layout import LAYOUTS, KVStorage
+from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing
 from kvpool.sharing import SharingMixin, apply_cow
@@ -178,9 +178,13 @@ class KVPool(AllocatorFacade, SharingMixin):
         )
         with persistent():
             # Last row = null row: padded batch entries read it; nothing writes it.
+            # A column slice of a wider table: rows sit an odd number of cache
+            # lines apart (layout.padded_row_stride), not max_context_len * 4
+            # bytes, which is a multiple of 4 KiB for power-of-two lengths.
             self.req_to_token = torch.zeros(
-                (self.max_requests + 1, self.max_context_len), dtype=torch.int32, device=self.device
-            )
+                (self.max_requests + 1, padded_row_stride(self.max_context_len)),
+                dtype=torch.int32, device=self.device,
+            )[:, : self.max_context_len]
             self.k_scale: torch.Tensor | None = None
             self.v_scale: torch.Tensor | None = None
             if self.fp8:
@@ -225,7 +229,8 @@ class KVPool(AllocatorFacade, SharingMixin):
     def overhead_bytes(self) -> int:
         """Memory the pool uses beyond the K/V bytes: tables, scales, allocator metadata."""
         scales = sum(s.nbytes for s in {id(s): s for s in (self.k_scale, self.v_scale) if s is not None}.values())
-        return self.req_to_token.nbytes + scales + int(self.allocator.metadata_bytes)
+        table = self.req_to_token.untyped_storage().nbytes()  # with the row padding
+        return table + scales + int(self.allocator.metadata_bytes)
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every persistent tensor the pool owns (``audit`` walks these)."""

@@ -138,6 +138,33 @@ impl SlotAllocator {
     }
 }
 
+/// Work below this many handles or slots runs with the GIL held: releasing
+/// and retaking it costs more than such a call's whole core work (a decode
+/// step of 256 requests takes ~1 us in the core).
+pub(crate) const SMALL_WORK: usize = 4096;
+
+impl SlotAllocator {
+    /// Runs `f` on the core. Small work (see [`SMALL_WORK`]) takes an
+    /// uncontended lock with the GIL held; large work, or a lock another
+    /// thread holds, runs with the GIL released so other Python threads
+    /// keep running meanwhile.
+    pub(crate) fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        work: usize,
+        f: impl FnOnce(&mut Core) -> R + Send,
+    ) -> R {
+        if work <= SMALL_WORK {
+            match self.inner.try_lock() {
+                Ok(mut guard) => return f(&mut guard),
+                Err(TryLockError::Poisoned(e)) => return f(&mut e.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        py.detach(|| f(&mut self.lock()))
+    }
+}
+
 /// A numpy array owning a copy of `v`. Copying (a memcpy) beats handing the
 /// Vec over (`from_vec`): that wraps it in a GC-tracked container object,
 /// and the extra GC traffic costs more than the copy on the hot path.

@@ -112,14 +112,12 @@ impl SlotAllocator {
                 Some(Table::validate(py, arr, rows, cols, num_slots)?)
             }
         };
-        let (arr, mut out) = new_i64(
-            py,
-            extend_total(h.len(), &c, num_slots, self.max_context_len),
-        )?;
-        let moved = py.detach(|| -> kvpool_core::Result<Option<Vec<i64>>> {
+        let total = extend_total(h.len(), &c, num_slots, self.max_context_len);
+        let (arr, mut out) = new_i64(py, total)?;
+        let work = h.len().max(total);
+        let moved = self.run(py, work, |core| -> kvpool_core::Result<Option<Vec<i64>>> {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let dst = unsafe { out.slice() };
-            let mut core = self.lock();
             let before = core.pending_copies();
             let mut moved = Moved::default();
             core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
@@ -134,7 +132,7 @@ impl SlotAllocator {
                 }
             })?;
             Ok(if cow {
-                moved.finish(&mut core, before)
+                moved.finish(core, before)
             } else {
                 None
             })

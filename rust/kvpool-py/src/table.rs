@@ -3,15 +3,18 @@
 //! completely before the allocator changes so that the write cannot fail.
 
 use numpy::npyffi::{objects::_PyArray_GET_ITEM_DATA, NPY_ARRAY_WRITEABLE};
-use numpy::{PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{Element, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use crate::errors::invalid_argument;
 
 /// A validated raw view of the table. Sent into the GIL-free section.
 pub struct Table {
     ptr: *mut i32,
-    cols: usize,
+    /// Elements from one row to the next: the column count, or more for a
+    /// view of a wider array (a padded row stride, see `KVPool`).
+    row_stride: usize,
 }
 
 // SAFETY: the pointer targets a numpy buffer kept alive by the caller's
@@ -30,13 +33,20 @@ impl Table {
         num_slots: usize,
     ) -> PyResult<Self> {
         let bad = |m: String| Err(invalid_argument(py, m));
-        let Ok(a) = arr.cast::<PyArray2<i32>>() else {
+        // The dtype by its type number (cached), not through the typed cast:
+        // that builds and compares a descriptor on every call, ~0.4 us of a
+        // decode step's extend.
+        static INT32: PyOnceLock<i32> = PyOnceLock::new();
+        let int32 = *INT32.get_or_init(py, || i32::get_dtype(py).num());
+        let dtype = arr.dtype();
+        if arr.ndim() != 2 || dtype.num() != int32 || !dtype.is_native_byteorder().unwrap_or(true) {
             return bad(format!(
                 "table must be a 2-D int32 array, got a {}-D array of dtype {}",
                 arr.ndim(),
-                arr.dtype()
+                dtype
             ));
-        };
+        }
+        let a = arr;
         let shape = a.shape();
         if shape[0] < max_requests || shape[1] < max_context_len {
             return bad(format!(
@@ -45,8 +55,16 @@ impl Table {
                 shape
             ));
         }
-        if !a.is_c_contiguous() || !a.is_aligned() {
-            return bad("table must be C-contiguous and aligned (e.g. tensor.numpy())".into());
+        // Rows must be contiguous; the row stride may exceed the row (a
+        // column slice of a wider array, which KVPool uses to keep rows off
+        // a power-of-two stride: see `KVPool.req_to_token`).
+        let strides = a.strides();
+        let item = std::mem::size_of::<i32>() as isize;
+        let row_ok = strides[0] >= shape[1] as isize * item && strides[0] % item == 0;
+        if (strides[1] != item && shape[1] > 1) || !row_ok || !a.is_aligned() {
+            return bad(format!(
+                "table must have contiguous rows, a row stride of at least its width and                  int32 alignment (e.g. tensor.numpy()); got strides {strides:?} for shape {shape:?}"
+            ));
         }
         if num_slots > i32::MAX as usize + 1 {
             return bad(format!(
@@ -61,9 +79,11 @@ impl Table {
         if flags & NPY_ARRAY_WRITEABLE == 0 {
             return bad("table is not writable: The given array is not writeable".into());
         }
+        // SAFETY: `a` is a live numpy array, so its object struct is valid.
+        let data = unsafe { (*_PyArray_GET_ITEM_DATA(a.as_array_ptr())).data } as *mut i32;
         Ok(Self {
-            ptr: a.data(),
-            cols: shape[1],
+            ptr: data,
+            row_stride: (strides[0] / item) as usize,
         })
     }
 
@@ -74,9 +94,9 @@ impl Table {
     /// # Safety
     /// `self` must come from `validate` on an array still alive, and the
     /// arguments must be those extend reported for a request (so
-    /// start + len <= max_context_len <= cols and row < max_requests).
+    /// start + len <= max_context_len <= columns and row < max_requests).
     pub unsafe fn write_row(&self, row: usize, start: usize, slots: &[i64]) {
-        let dst = self.ptr.add(row * self.cols + start);
+        let dst = self.ptr.add(row * self.row_stride + start);
         if let [s] = slots {
             // A decode step's one slot: skip the vector loop's set-up.
             *dst = *s as i32;
@@ -96,7 +116,7 @@ impl Table {
         self.write_row(g.row, g.start, g.slots);
         if g.moved > 0 {
             if let Some(&first) = g.slots.first() {
-                let dst = self.ptr.add(g.row * self.cols + g.start - g.moved);
+                let dst = self.ptr.add(g.row * self.row_stride + g.start - g.moved);
                 for j in 0..g.moved {
                     *dst.add(j) = (first - (g.moved - j) as i64) as i32;
                 }
