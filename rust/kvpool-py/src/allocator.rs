@@ -138,9 +138,10 @@ impl SlotAllocator {
     }
 }
 
-/// Work below this many handles or slots runs with the GIL held: releasing
-/// and retaking it costs more than such a call's whole core work (a decode
-/// step of 256 requests takes ~1 us in the core).
+/// Work below this many handles or slots (extend, open) runs with the GIL
+/// held: releasing and retaking it costs more than such a call's whole core
+/// work (a decode step of 256 requests takes ~1 us in the core). Calls whose
+/// work the arguments do not bound (close, truncate, check) always release it.
 pub(crate) const SMALL_WORK: usize = 4096;
 
 impl SlotAllocator {
@@ -316,7 +317,7 @@ impl SlotAllocator {
         // open_into checks n against the free rows before it reserves the
         // output, so a huge n is TooManyRequests, never an allocation abort.
         let mut v = Vec::new();
-        py.detach(|| self.lock().open_into(n, &mut v))?;
+        self.run(py, n, |c| c.open_into(n, &mut v))?;
         Ok(to_numpy(py, &v))
     }
 
@@ -337,6 +338,8 @@ impl SlotAllocator {
     ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let l = int_arg(py, lengths, "lengths")?;
+        // Frees up to every page of every request: work the handle count does
+        // not bound, so always with the GIL released.
         Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
@@ -352,6 +355,8 @@ impl SlotAllocator {
     #[pyo3(signature = (handles, cache=false))]
     fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: bool) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
+        // As truncate: each request may hold many pages (and cache=True
+        // hashes them all).
         Ok(py.detach(|| self.lock().close(&h, cache))?)
     }
 

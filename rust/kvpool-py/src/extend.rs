@@ -205,37 +205,40 @@ impl SlotAllocator {
         let head = 4 * stride;
         let total = extend_total(b, &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, head + total)?;
-        let moved = py.detach(|| -> kvpool_core::Result<Option<Vec<i64>>> {
-            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-            let all = unsafe { out.slice() };
-            let (meta, dst) = all.split_at_mut(head);
-            let (rows, rest) = meta.split_at_mut(stride);
-            let (starts, rest) = rest.split_at_mut(stride);
-            let (cnts, offsets) = rest.split_at_mut(stride);
-            let mut at = 0i64;
-            let mut core = self.lock();
-            let before = core.pending_copies();
-            let mut moved = Moved::default();
-            core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
-                // index < b <= stride; get_mut keeps it panic-free.
-                let n = g.slots.len() as i64;
-                for (seg, v) in [
-                    (&mut *rows, g.row as i64),
-                    (&mut *starts, g.start as i64),
-                    (&mut *cnts, n),
-                    (&mut *offsets, at),
-                ] {
-                    if let Some(x) = seg.get_mut(g.index) {
-                        *x = v;
+        let moved = self.run(
+            py,
+            b.max(total),
+            |core| -> kvpool_core::Result<Option<Vec<i64>>> {
+                // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+                let all = unsafe { out.slice() };
+                let (meta, dst) = all.split_at_mut(head);
+                let (rows, rest) = meta.split_at_mut(stride);
+                let (starts, rest) = rest.split_at_mut(stride);
+                let (cnts, offsets) = rest.split_at_mut(stride);
+                let mut at = 0i64;
+                let before = core.pending_copies();
+                let mut moved = Moved::default();
+                core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
+                    // index < b <= stride; get_mut keeps it panic-free.
+                    let n = g.slots.len() as i64;
+                    for (seg, v) in [
+                        (&mut *rows, g.row as i64),
+                        (&mut *starts, g.start as i64),
+                        (&mut *cnts, n),
+                        (&mut *offsets, at),
+                    ] {
+                        if let Some(x) = seg.get_mut(g.index) {
+                            *x = v;
+                        }
                     }
-                }
-                at += n;
-                if g.moved > 0 {
-                    moved.note(g);
-                }
-            })?;
-            Ok(moved.finish(&mut core, before))
-        })?;
+                    at += n;
+                    if g.moved > 0 {
+                        moved.note(g);
+                    }
+                })?;
+                Ok(moved.finish(core, before))
+            },
+        )?;
         Ok((arr, b, moved.map(|v| to_numpy(py, &v))))
     }
 }
