@@ -133,14 +133,29 @@ impl EventLog {
         }
     }
 
-    /// Moves the recorded events out as arrays, leaving the log empty.
+    /// Moves the recorded events out as arrays, leaving the log empty. The
+    /// log keeps its capacity: a router drains every step, and a log that
+    /// restarted empty would regrow (copying) on the hot path each time.
     pub(crate) fn take(&mut self) -> Events {
-        let raw = std::mem::take(&mut self.raw);
+        let n = self.raw.len();
+        let ids_cap = self.token_ids.capacity();
         let mut e = Events {
-            token_ids: std::mem::take(&mut self.token_ids),
+            token_ids: std::mem::replace(&mut self.token_ids, Vec::with_capacity(ids_cap)),
             ..Default::default()
         };
-        for r in raw {
+        e.kind.reserve_exact(n);
+        for v in [
+            &mut e.hash_hi,
+            &mut e.hash_lo,
+            &mut e.parent_hi,
+            &mut e.parent_lo,
+        ] {
+            v.reserve_exact(n);
+        }
+        e.page.reserve_exact(n);
+        e.num_tokens.reserve_exact(n);
+        e.salt.reserve_exact(n);
+        for r in self.raw.drain(..) {
             e.kind.push(r.kind);
             e.hash_hi.push((r.hash >> 64) as u64);
             e.hash_lo.push(r.hash as u64);

@@ -171,8 +171,7 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
-        let entries = &self.entries;
-        self.table.reserve(n, |e| entries[e as usize].key)
+        self.table.reserve(n)
     }
 
     /// Registers `page` under `hash`; returns the registration id. The
@@ -217,9 +216,7 @@ impl PrefixIndex {
             return None;
         }
         let e = self.entries[idx as usize - 1];
-        let entries = &self.entries;
-        self.table
-            .remove(e.key, idx - 1, |i| entries[i as usize].key);
+        self.table.remove(e.key, idx - 1);
         self.free_entries.push(idx - 1);
         Some(e)
     }

@@ -9,9 +9,12 @@
 //! backward-shift deletion leaves no tombstones, so eviction-heavy
 //! workloads do not degrade it.
 //!
-//! A bucket holds the key's high 32 bits as a tag and the entry index + 1
-//! (0 = empty). The full key lives in the entry: callers confirm a tag
-//! match there, which they read anyway to verify the hit.
+//! A bucket holds the key's low 32 bits as a tag and the entry index + 1
+//! (0 = empty). The home bucket is the tag's low bits (tables stay below
+//! 2^32 buckets), so growing and backward shifts never read an entry; the
+//! tag's remaining bits filter probes. The full key lives in the entry:
+//! callers confirm a tag match there, which they read anyway to verify the
+//! hit.
 
 use crate::error::{PoolError, Result};
 
@@ -34,7 +37,7 @@ pub(crate) struct KeyTable {
 
 #[inline]
 fn tag(key: u64) -> u32 {
-    (key >> 32) as u32
+    key as u32
 }
 
 impl KeyTable {
@@ -43,9 +46,10 @@ impl KeyTable {
         self.buckets.len().wrapping_sub(1)
     }
 
+    /// Home bucket of a key with tag `t`.
     #[inline]
-    fn home(&self, key: u64) -> usize {
-        key as usize & self.mask()
+    fn home(&self, t: u32) -> usize {
+        t as usize & self.mask()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -57,25 +61,28 @@ impl KeyTable {
     }
 
     /// Room for `additional` more keys at load <= 1/2, or a typed error with
-    /// nothing changed. Growing rehashes, reading each entry's key through
-    /// `key_of(entry index)`.
-    pub(crate) fn reserve(&mut self, additional: usize, key_of: impl Fn(u32) -> u64) -> Result<()> {
+    /// nothing changed.
+    pub(crate) fn reserve(&mut self, additional: usize) -> Result<()> {
         let need = self.len.saturating_add(additional).saturating_mul(2);
         if need <= self.buckets.len() {
             return Ok(());
         }
-        let cap = need.max(16).checked_next_power_of_two().ok_or_else(|| {
-            PoolError::InvalidArgument(format!(
-                "cannot size the prefix index for {} pages",
-                self.len.saturating_add(additional)
-            ))
-        })?;
+        let cap = need
+            .max(16)
+            .checked_next_power_of_two()
+            .filter(|&c| c <= 1 << 32)
+            .ok_or_else(|| {
+                PoolError::InvalidArgument(format!(
+                    "cannot size the prefix index for {} pages",
+                    self.len.saturating_add(additional)
+                ))
+            })?;
         let mut grown = KeyTable {
             buckets: crate::memory::zeroed_vec(cap, "prefix index table")?,
             len: 0,
         };
-        for b in self.buckets.iter().filter(|b| b.entry != 0) {
-            grown.insert(key_of(b.entry - 1), b.entry - 1);
+        for &b in self.buckets.iter().filter(|b| b.entry != 0) {
+            grown.insert_bucket(b);
         }
         *self = grown;
         Ok(())
@@ -91,7 +98,7 @@ impl KeyTable {
             // prefetch never faults and reads nothing architecturally.
             unsafe {
                 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                let p = self.buckets.as_ptr().add(self.home(key));
+                let p = self.buckets.as_ptr().add(self.home(tag(key)));
                 _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
             }
         }
@@ -107,7 +114,7 @@ impl KeyTable {
             return None;
         }
         let (mask, t) = (self.mask(), tag(key));
-        let mut i = self.home(key);
+        let mut i = self.home(t);
         loop {
             let b = self.buckets[i];
             if b.entry == 0 {
@@ -124,26 +131,31 @@ impl KeyTable {
     /// `key` is absent.
     #[inline]
     pub(crate) fn insert(&mut self, key: u64, entry: u32) {
+        self.insert_bucket(Bucket {
+            tag: tag(key),
+            entry: entry + 1,
+        });
+    }
+
+    #[inline]
+    fn insert_bucket(&mut self, b: Bucket) {
         let mask = self.mask();
-        let mut i = self.home(key);
+        let mut i = self.home(b.tag);
         while self.buckets[i].entry != 0 {
             i = (i + 1) & mask;
         }
-        self.buckets[i] = Bucket {
-            tag: tag(key),
-            entry: entry + 1,
-        };
+        self.buckets[i] = b;
         self.len += 1;
     }
 
     /// Removes `entry`, stored under `key`; backward-shifts the rest of its
     /// probe run so no tombstone is left. Returns whether it was there.
-    pub(crate) fn remove(&mut self, key: u64, entry: u32, key_of: impl Fn(u32) -> u64) -> bool {
+    pub(crate) fn remove(&mut self, key: u64, entry: u32) -> bool {
         if self.len == 0 {
             return false;
         }
         let mask = self.mask();
-        let mut i = self.home(key);
+        let mut i = self.home(tag(key));
         loop {
             match self.buckets[i].entry {
                 0 => return false,
@@ -160,7 +172,7 @@ impl KeyTable {
             }
             // `b` may fill the hole at `i` unless its home lies cyclically
             // in (i, j]: moving it before its home would hide it.
-            let home = key_of(b.entry - 1) as usize & mask;
+            let home = self.home(b.tag);
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(i) & mask) {
                 self.buckets[i] = b;
                 i = j;
@@ -201,15 +213,15 @@ mod tests {
             let mut t = KeyTable::default();
             let mut m: HashMap<u64, u32> = HashMap::new();
             for (add, k, hi) in ops {
-                let key = (hi << 32) | k | (k << 40);
+                let key = (hi << 40) | k | (k << 32);
                 if add && !m.contains_key(&key) {
                     let e = keys.len() as u32;
                     keys.push(key);
-                    t.reserve(1, |e| keys[e as usize]).unwrap();
+                    t.reserve(1).unwrap();
                     t.insert(key, e);
                     m.insert(key, e);
                 } else if let Some(e) = m.remove(&key) {
-                    prop_assert!(t.remove(key, e, |e| keys[e as usize]));
+                    prop_assert!(t.remove(key, e));
                 }
                 prop_assert_eq!(t.len(), m.len());
                 for (&key, &e) in &m {
