@@ -92,18 +92,7 @@ impl KeyTable {
     /// targets without a prefetch instruction).
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
-        if !self.buckets.is_empty() {
-            // SAFETY: the pointer is inside `buckets` (home <= mask); a
-            // prefetch never faults and reads nothing architecturally.
-            unsafe {
-                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                let p = self.buckets.as_ptr().add(self.home(tag(key)));
-                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
+        crate::memory::prefetch(&self.buckets, self.home(tag(key)));
     }
 
     /// The entry stored under `key`: the first whose tag matches and for

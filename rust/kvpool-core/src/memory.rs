@@ -64,3 +64,20 @@ pub(crate) fn filled_vec<T: Clone>(n: usize, x: T, what: &str) -> Result<Vec<T>>
     v.resize(n, x);
     Ok(v)
 }
+
+/// Starts loading `v[i]` into cache (a hint; nothing on targets without a
+/// prefetch instruction, and nothing when `i` is out of range).
+#[inline]
+pub(crate) fn prefetch<T>(v: &[T], i: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if i < v.len() {
+        // SAFETY: the pointer is inside `v` (checked); a prefetch never
+        // faults and reads nothing architecturally.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(v.as_ptr().add(i) as *const i8);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (v, i);
+}

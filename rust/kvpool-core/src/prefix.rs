@@ -227,56 +227,81 @@ impl SlotAllocator {
         if upto > self.cold[row].hashed_pages as usize {
             self.cold[row].exclusive = false;
         }
-        let base = row * self.row_pages;
+        let (base, ps) = (row * self.row_pages, self.page_size);
+        let mut keys = std::mem::take(&mut self.index.key_scratch);
         let mut k = self.cold[row].hashed_pages as usize;
-        while k < upto {
-            let p = self.page_lists[base + k];
-            let (chain, chain_key, parent_reg, salt) = {
-                let c = &self.cold[row];
-                (c.chain, c.chain_key, c.chain_reg, c.salt)
-            };
-            let ps = self.page_size;
-            let ptoks = &self.index.tokens[p as usize * ps..(p as usize + 1) * ps];
-            let key = self.index.keys.page(chain_key, ptoks);
-            let h = self.index.hasher.page(chain, ptoks);
-            let found = self.index.find(key);
-            let reg = match found.map(|i| (i, self.index.entries[i as usize])) {
-                None if !self.index.is_registered(p) => {
-                    let parent_hash = if k == 0 { 0 } else { chain };
-                    let reg = self.index.register(p, h, key, parent_reg, salt);
-                    let toks = self.index.page_tokens(p);
-                    self.events.stored(h, parent_hash, p, salt, toks);
-                    Some(reg)
-                }
-                Some((i, e)) if e.page == p && e.salt == salt => {
-                    // This very page: its content was computed on this
-                    // request's prefix, so (re)link it to the current parent.
-                    self.index.entries[i as usize].parent_reg = parent_reg;
-                    Some(e.reg)
-                }
-                Some((_, e))
-                    if self
-                        .index
-                        .verify(&e, self.index.page_tokens(p), salt, parent_reg) =>
-                {
-                    Some(e.reg) // a duplicate: keep the existing copy
-                }
-                _ => None,
-            };
-            let c = &mut self.cold[row];
-            match reg {
-                Some(reg) => {
-                    c.chain = h;
-                    c.chain_key = key;
-                    c.chain_reg = reg;
-                    k += 1;
-                    c.hashed_pages = k as u32;
-                }
-                None => {
-                    c.chain_broken = true;
-                    break;
-                }
+        'chunks: while k < upto {
+            // The chunk's keys first, with their buckets and registrations
+            // prefetched: a big index misses cache on each, and the misses
+            // then overlap instead of queueing (as in `match_prefix`).
+            keys.clear();
+            let mut key = self.cold[row].chain_key;
+            for &p in &self.page_lists[base + k..base + upto.min(k + LOOKAHEAD)] {
+                let p = p as usize;
+                key = self
+                    .index
+                    .keys
+                    .page(key, &self.index.tokens[p * ps..(p + 1) * ps]);
+                self.index.table.prefetch(key);
+                crate::memory::prefetch(&self.index.page_entry, p);
+                keys.push(key);
             }
+            for &key in &keys {
+                if !self.register_page(row, base, k, key) {
+                    self.cold[row].chain_broken = true;
+                    break 'chunks;
+                }
+                k += 1;
+            }
+        }
+        self.index.key_scratch = keys;
+    }
+
+    /// Registers page `k` of `row` (lookup key `key`), continuing its chain;
+    /// false when the chain must stop there (a collision).
+    fn register_page(&mut self, row: usize, base: usize, k: usize, key: u64) -> bool {
+        let p = self.page_lists[base + k];
+        let (chain, parent_reg, salt) = {
+            let c = &self.cold[row];
+            (c.chain, c.chain_reg, c.salt)
+        };
+        let ps = self.page_size;
+        let ptoks = &self.index.tokens[p as usize * ps..(p as usize + 1) * ps];
+        let h = self.index.hasher.page(chain, ptoks);
+        let found = self.index.find(key);
+        let reg = match found.map(|i| (i, self.index.entries[i as usize])) {
+            None if !self.index.is_registered(p) => {
+                let parent_hash = if k == 0 { 0 } else { chain };
+                let reg = self.index.register(p, h, key, parent_reg, salt);
+                let toks = self.index.page_tokens(p);
+                self.events.stored(h, parent_hash, p, salt, toks);
+                Some(reg)
+            }
+            Some((i, e)) if e.page == p && e.salt == salt => {
+                // This very page: its content was computed on this
+                // request's prefix, so (re)link it to the current parent.
+                self.index.entries[i as usize].parent_reg = parent_reg;
+                Some(e.reg)
+            }
+            Some((_, e))
+                if self
+                    .index
+                    .verify(&e, self.index.page_tokens(p), salt, parent_reg) =>
+            {
+                Some(e.reg) // a duplicate: keep the existing copy
+            }
+            _ => None,
+        };
+        let c = &mut self.cold[row];
+        match reg {
+            Some(reg) => {
+                c.chain = h;
+                c.chain_key = key;
+                c.chain_reg = reg;
+                c.hashed_pages = k as u32 + 1;
+                true
+            }
+            None => false,
         }
     }
 }
