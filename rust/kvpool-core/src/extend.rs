@@ -1,10 +1,12 @@
-//! The growing side: extend. A batch is validated whole first
-//! (`prepare_extend`, which counts copy-on-write pages and the CACHED pages
-//! it may evict); the commit pass after it cannot fail on caller input.
+//! The growing side: extend. One pass validates the whole batch (counting
+//! copy-on-write pages and the CACHED pages it may evict) while applying
+//! requests that stay in their own last page; if anything is wrong those are
+//! undone. The second pass, which cannot fail on caller input, grows the rest.
 //!
 //! The decode step's common case (one token into the request's own last
 //! page) touches only the request's 16-byte hot row: no page changes hands,
-//! so no refcount is read or written. Anything else takes `grow_row`.
+//! so no refcount is read or written. Its loops are in `decode.rs`; anything
+//! else takes `grow_row`.
 
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
@@ -372,168 +374,6 @@ impl SlotAllocator {
         }
         self.slow_scratch = slow;
         Ok(())
-    }
-
-    /// The decode step's loop, kept tight (few live values, no error
-    /// plumbing): applies the leading requests that are valid and stay in
-    /// their own last page, and stops at the first that is not (the general
-    /// loop takes over there and validates it). Power-of-two page sizes
-    /// only. Returns (requests applied, slots written).
-    #[inline]
-    fn extend_decode_run<G: Fn(usize) -> i64>(
-        &mut self,
-        handles: &[i64],
-        get: &G,
-        out: &mut [i64],
-    ) -> (usize, usize) {
-        if self.page_shift.is_none() {
-            return (0, 0);
-        }
-        let (ps, epoch, max_len, stride) = (
-            self.page_size,
-            self.epoch,
-            self.max_context_len,
-            self.row_pages,
-        );
-        let rows = &mut self.rows[..];
-        let mut k = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
-            let row = handle_row(h) as usize;
-            let Some(r) = rows.get_mut(row) else {
-                return (i, k);
-            };
-            let c = get(i);
-            let len = r.len as usize;
-            let off = len & (ps - 1);
-            // Stays in its own last page, or starts exactly one new page
-            // taken from the free stack (a decode step at a page boundary).
-            let room = if off == 0 { ps } else { ps - off };
-            let new_page = off == 0 && c > 0;
-            let fits = (c as u64) <= room as u64
-                && len + room <= max_len
-                && (off != 0 || (c > 0 && !self.free_pages.is_empty()));
-            if h < 0
-                || r.generation != handle_generation(h) | OPEN
-                || r.stamp == epoch
-                || r.last & SLOW != 0
-                || !fits
-                || k + c as usize > out.len()
-            {
-                return (i, k);
-            }
-            let c = c as usize;
-            r.stamp = epoch;
-            r.len = (len + c) as u32;
-            if new_page {
-                // Undone by `undo_applied` if the batch fails later.
-                let p = self.free_pages.pop().unwrap_or(0);
-                self.refcount[p as usize] = 1;
-                self.page_lists[row * stride + (len >> self.page_shift.unwrap_or(0))] = p;
-                r.last = p;
-            }
-            fill_run(&mut out[k..k + c], r.last as usize * ps + off);
-            k += c;
-        }
-        (handles.len(), k)
-    }
-
-    /// `extend_decode_run` for a count of 1 per request, the decode step
-    /// itself: request `i` writes `out[i]` (and, with `tokens`, stores
-    /// `tokens[i]` while the row is in hand), and the few values the loop
-    /// keeps live stay in registers. Returns the requests applied.
-    #[inline]
-    fn extend_decode_one<const TOKENS: bool>(
-        &mut self,
-        handles: &[i64],
-        tokens: &[i64],
-        out: &mut [i64],
-    ) -> usize {
-        let Some(shift) = self.page_shift else {
-            return 0;
-        };
-        if TOKENS && tokens.len() != handles.len() {
-            return 0; // the general path reports the length
-        }
-        let (mask, epoch, max_len) = ((1usize << shift) - 1, self.epoch, self.max_context_len);
-        let n = handles.len().min(out.len());
-        for i in 0..n {
-            let h = handles[i];
-            let row = handle_row(h) as usize;
-            let Some(r) = self.rows.get(row) else {
-                return i;
-            };
-            let len = r.len as usize;
-            if (h < 0)
-                | (r.generation != handle_generation(h) | OPEN)
-                | (r.stamp == epoch)
-                | (r.last & SLOW != 0)
-                | (len >= max_len)
-                | (TOKENS && !(0..=i32::MAX as i64).contains(&tokens[i]))
-            {
-                return i;
-            }
-            if len & mask == 0 {
-                // A page boundary: one page off the free stack (undone by
-                // `undo_applied` if the batch fails later).
-                let Some(p) = self.free_pages.pop() else {
-                    return i;
-                };
-                self.refcount[p as usize] = 1;
-                self.page_lists[row * self.row_pages + (len >> shift)] = p;
-                self.rows[row].last = p;
-            }
-            let r = &mut self.rows[row];
-            r.stamp = epoch;
-            r.len = len as u32 + 1;
-            let slot = ((r.last as usize) << shift) | (len & mask);
-            out[i] = slot as i64;
-            if TOKENS {
-                // Not SLOW: no prompt ahead to agree with. Undone (the
-                // known count) by `undo_applied` if the batch fails.
-                self.index.tokens[slot] = tokens[i] as i32;
-                let known = &mut self.known_len[row];
-                if *known as usize == len {
-                    *known += 1;
-                }
-            }
-        }
-        n
-    }
-
-    /// Undoes the requests a failing batch applied in its first pass (those
-    /// before `done` not listed slow), last first, so that pages taken come
-    /// back onto the free stack in their old order.
-    fn undo_applied<G: Fn(usize) -> i64>(
-        &mut self,
-        handles: &[i64],
-        get: &G,
-        slow: &[u32],
-        done: usize,
-    ) {
-        let mut s = slow.iter().rev().peekable();
-        for i in (0..done).rev() {
-            if s.peek() == Some(&&(i as u32)) {
-                s.next();
-                continue;
-            }
-            let row = handle_row(handles[i]) as usize;
-            let c = get(i) as usize;
-            let old = self.rows[row].len as usize - c;
-            self.rows[row].len = old as u32;
-            self.known_len[row] = self.known_len[row].min(old as u32);
-            if c > 0 && self.offset_in_page(old) == 0 {
-                let base = row * self.row_pages;
-                let np = self.pages_for(old);
-                let p = self.page_lists[base + np];
-                self.refcount[p as usize] = 0;
-                self.free_pages.push(p);
-                self.rows[row].last = if np == 0 {
-                    0
-                } else {
-                    self.page_lists[base + np - 1]
-                };
-            }
-        }
     }
 
     /// The batch-wide checks after the per-request ones: token ids, pages

@@ -25,6 +25,7 @@
 mod allocator;
 mod chain;
 mod check;
+mod decode;
 mod error;
 mod events;
 mod extend;
