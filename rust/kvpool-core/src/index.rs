@@ -141,6 +141,24 @@ impl PrefixIndex {
         self.find(key).and_then(|e| self.entries.get(e as usize))
     }
 
+    /// The keys of consecutive pages (their token ids, in order) chained on
+    /// from `key`, into `out`; each one's table bucket is prefetched as soon
+    /// as the key is known, so the probes that follow overlap their misses.
+    #[inline]
+    pub(crate) fn keys_ahead<'t>(
+        &self,
+        mut key: u64,
+        pages: impl Iterator<Item = &'t [i32]>,
+        out: &mut Vec<u64>,
+    ) {
+        out.clear();
+        for tokens in pages {
+            key = self.keys.page(key, tokens);
+            self.table.prefetch(key);
+            out.push(key);
+        }
+    }
+
     /// Number of registered pages.
     #[inline]
     pub(crate) fn len(&self) -> usize {

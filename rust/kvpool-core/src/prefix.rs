@@ -158,13 +158,7 @@ impl SlotAllocator {
         let mut keys = std::mem::take(&mut self.index.key_scratch);
         let ix = &self.index;
         'chunks: for chunk in prompt[..max_pages * ps].chunks(LOOKAHEAD * ps) {
-            keys.clear();
-            let mut key = m.key;
-            for page_tokens in chunk.chunks_exact(ps) {
-                key = ix.keys.page(key, page_tokens);
-                ix.table.prefetch(key);
-                keys.push(key);
-            }
+            ix.keys_ahead(m.key, chunk.chunks_exact(ps), &mut keys);
             for (&key, page_tokens) in keys.iter().zip(chunk.chunks_exact(ps)) {
                 match ix.lookup(key) {
                     Some(e) if ix.verify(e, page_tokens, salt, m.chain_reg) => {
@@ -234,17 +228,14 @@ impl SlotAllocator {
             // The chunk's keys first, with their buckets and registrations
             // prefetched: a big index misses cache on each, and the misses
             // then overlap instead of queueing (as in `match_prefix`).
-            keys.clear();
-            let mut key = self.cold[row].chain_key;
-            for &p in &self.page_lists[base + k..base + upto.min(k + LOOKAHEAD)] {
-                let p = p as usize;
-                key = self
-                    .index
-                    .keys
-                    .page(key, &self.index.tokens[p * ps..(p + 1) * ps]);
-                self.index.table.prefetch(key);
-                crate::memory::prefetch(&self.index.page_entry, p);
-                keys.push(key);
+            let pages = &self.page_lists[base + k..base + upto.min(k + LOOKAHEAD)];
+            let ix = &self.index;
+            let tokens = pages
+                .iter()
+                .map(|&p| &ix.tokens[p as usize * ps..(p as usize + 1) * ps]);
+            ix.keys_ahead(self.cold[row].chain_key, tokens, &mut keys);
+            for &p in pages {
+                crate::memory::prefetch(&ix.page_entry, p as usize);
             }
             for &key in &keys {
                 if !self.register_page(row, base, k, key) {

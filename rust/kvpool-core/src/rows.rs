@@ -54,12 +54,8 @@ pub(crate) struct RowCold {
 impl RowCold {
     pub(crate) fn reset(&mut self, salt: i64) {
         self.prompt.clear();
-        self.hashed_pages = 0;
-        self.chain_broken = false;
-        self.chain = crate::hashing::root(salt);
-        self.chain_key = crate::keys::root_key(salt);
-        self.chain_reg = 0;
         self.salt = salt;
+        self.restart_chain();
         self.exclusive = true;
     }
 
