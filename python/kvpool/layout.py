@@ -10,11 +10,12 @@ an inference tensor whatever mode the pool was built in.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvpool.modes import persistent
 
-__all__ = ["LAYOUTS", "KVStorage", "padded_row_stride"]
+__all__ = ["LAYOUTS", "KVStorage", "padded_row_stride", "padded_table"]
 
 LAYOUTS = ("token", "paged")
 
@@ -33,6 +34,13 @@ def padded_row_stride(width: int, itemsize: int = 4) -> int:
     per_line = max(1, 64 // itemsize)
     lines = -(-max(width, 1) // per_line)
     return (lines | 1) * per_line
+
+
+def padded_table(rows: int, width: int) -> np.ndarray:
+    """A zeroed int32 ``[rows, width]`` host table laid out as ``KVPool.req_to_token``
+    (a column slice of rows ``padded_row_stride(width)`` apart): what an engine
+    that keeps its own CPU table passes as ``extend(table=)``."""
+    return np.zeros((rows, padded_row_stride(width)), dtype=np.int32)[:, :width]
 
 
 class KVStorage:

@@ -126,15 +126,10 @@ impl SlotAllocator {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs a short query. Uncontended, it takes the lock with the GIL held
-    /// (cheapest); if another thread holds the lock (maybe for a long batch),
-    /// it waits with the GIL released so other Python threads keep running.
+    /// Runs a short query: like [`Self::run`] for small work (uncontended,
+    /// with the GIL held; waiting on another thread's lock without it).
     pub(crate) fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
-        match self.inner.try_lock() {
-            Ok(guard) => f(&guard),
-            Err(TryLockError::Poisoned(e)) => f(&e.into_inner()),
-            Err(TryLockError::WouldBlock) => py.detach(|| f(&self.lock())),
-        }
+        self.run(py, 0, |core| f(core))
     }
 }
 

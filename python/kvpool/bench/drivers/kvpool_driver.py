@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import kvpool
-from kvpool.layout import padded_row_stride
+from kvpool.layout import padded_table
 from kvpool.bench.drivers.base import Driver
 from kvpool.bench.trace import Step, TraceConfig
 
@@ -29,8 +29,7 @@ class KVPoolDriver(Driver):
         self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
         # The engine's CPU req_to_token (KVPool mirrors it to the device), with
         # KVPool's padded row stride.
-        self.table = np.zeros((cfg.concurrency, padded_row_stride(cfg.max_context_len)),
-                              dtype=np.int32)[:, : cfg.max_context_len]
+        self.table = padded_table(cfg.concurrency, cfg.max_context_len)
         # np.zeros maps pages lazily; torch.zeros (the baselines' tables) writes them. Touch them
         # here so first-write page faults are not timed for kvpool only.
         self.table.fill(0)

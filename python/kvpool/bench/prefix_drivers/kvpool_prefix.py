@@ -25,7 +25,7 @@ import numpy as np
 
 import kvpool
 from kvpool.handles import ROW_MASK
-from kvpool.layout import padded_row_stride
+from kvpool.layout import padded_table
 from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
 from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
 
@@ -52,8 +52,7 @@ class KVPoolPrefixDriver(PrefixDriver):
         # Rows: one per lane plus the forks of a group, which may briefly exceed the lanes in use.
         self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
         # KVPool's req_to_token layout: rows padded off a power-of-two stride.
-        self.table = np.zeros((cfg.concurrency, padded_row_stride(cfg.max_context_len)),
-                              dtype=np.int32)[:, : cfg.max_context_len]
+        self.table = padded_table(cfg.concurrency, cfg.max_context_len)
         self.table.fill(0)  # fault the pages in now, as torch.zeros does for the baselines' tables
         self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
         self._evicted = 0
