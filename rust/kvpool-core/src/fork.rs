@@ -41,7 +41,8 @@ impl SlotAllocator {
                 self.refcount[p as usize] += 1;
             }
             let mut cold = self.cold[parent].clone_without_prompt();
-            cold.prompt = prompt;
+            cold.prompt = std::mem::take(&mut self.cold[row].prompt);
+            cold.set_prompt(prompt);
             self.cold[row] = cold;
             self.known_len[row] = self.known_len[parent];
             let last = self.rows[parent].last & !SLOW;

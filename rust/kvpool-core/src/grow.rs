@@ -160,11 +160,13 @@ impl SlotAllocator {
     /// Run them (every layer's K and V, slot `src[i]` to `dst[i]`) before
     /// the next write to the destination pages and before any call that
     /// could free the source pages; `KVPool.extend` does this itself.
+    /// The queue keeps its capacity (like the event log), so draining it
+    /// every step does not regrow it.
     pub fn take_copies(&mut self) -> (Vec<i64>, Vec<i64>) {
-        (
-            std::mem::take(&mut self.copy_src),
-            std::mem::take(&mut self.copy_dst),
-        )
+        let out = (self.copy_src.clone(), self.copy_dst.clone());
+        self.copy_src.clear();
+        self.copy_dst.clear();
+        out
     }
 
     /// Drains the queued copies from index `from` on (those a caller saw

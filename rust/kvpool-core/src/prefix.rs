@@ -128,7 +128,7 @@ impl SlotAllocator {
         self.miss_tokens += prompt.len().saturating_sub(len) as u64;
         let cold = &mut self.cold[row];
         cold.reset(salt);
-        cold.prompt = prompt;
+        cold.set_prompt(prompt);
         cold.hashed_pages = m.pages as u32;
         cold.chain = m.chain;
         cold.chain_key = m.key;

@@ -59,6 +59,20 @@ impl RowCold {
         self.exclusive = true;
     }
 
+    /// Makes `prompt` the row's prompt, keeping whichever buffer is larger.
+    /// A row's prompt capacity then only grows (until `close_row` returns a
+    /// buffer past 4096 tokens), so `metadata_bytes` settles once every row
+    /// has held its longest prompt instead of following which row last took
+    /// which prompt; a leak check can then trust it.
+    pub(crate) fn set_prompt(&mut self, prompt: Vec<i32>) {
+        if self.prompt.capacity() >= prompt.len() {
+            self.prompt.clear();
+            self.prompt.extend_from_slice(&prompt);
+        } else {
+            self.prompt = prompt;
+        }
+    }
+
     /// Forgets the chain (it is recomputed from page 0 by the next `cache`).
     pub(crate) fn restart_chain(&mut self) {
         self.hashed_pages = 0;

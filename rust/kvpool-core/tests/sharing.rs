@@ -269,3 +269,57 @@ fn duplicate_registration_keeps_the_first_copy() {
     assert_eq!(a.pages(h3[0]).unwrap(), first);
     a.check().unwrap();
 }
+
+#[test]
+fn metadata_settles_once_every_row_held_its_longest_prompt() {
+    // A leak check (benchmarks/soak.py) reads metadata_bytes under churn: it
+    // must not follow which row last took which prompt, or which call last
+    // drained the copy queue.
+    let mut a = pool(64, 4);
+    let long = seq(40, 1000);
+    let rows = 8;
+    let (h, _) = a
+        .open_with_prefix(&long.repeat(rows), &[40; 8], Counts::Each(0))
+        .unwrap();
+    a.close(&h, false).unwrap();
+    // The index holds every page of the pool once (16 prompts of 16 pages
+    // through a 63-page pool: registering evicts the oldest).
+    for i in 0..16 {
+        serve(&mut a, &seq(64, 10_000 * (i + 1)), 0);
+    }
+    a.clear_cache();
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(7), None).unwrap();
+    let kids = a.fork(h[0], 6).unwrap();
+    // The most copies one call below queues: six kids copy 3 slots each.
+    a.extend(&kids, Counts::Each(1), None).unwrap();
+    assert_eq!(a.pending_copies(), 18);
+    let _ = a.take_copies();
+    a.close(&h, false).unwrap();
+    a.close(&kids, false).unwrap();
+    let _ = a.take_events(); // a router drains them; undrained they pile up
+    let settled = a.metadata_bytes();
+    for round in 0..20usize {
+        let short = seq(3 + round % 5, 7 * round as i64);
+        let (p, _) = a
+            .open_with_prefix(&short, &[short.len() as i64], Counts::Each(0))
+            .unwrap();
+        a.extend(&p, Counts::Each(short.len() as i64), None)
+            .unwrap();
+        let kids = a.fork(p[0], 1 + round % 6).unwrap();
+        a.extend(&kids, Counts::Each(1), None).unwrap();
+        let queued = a.metadata_bytes();
+        let (src, _) = a.take_copies();
+        assert_eq!(src.len(), kids.len() * (short.len() % 4));
+        assert_eq!(
+            a.metadata_bytes(),
+            queued,
+            "draining keeps the queue's memory"
+        );
+        a.close(&kids, true).unwrap();
+        a.close(&p, true).unwrap();
+        a.check().unwrap();
+        let _ = a.take_events();
+        assert_eq!(a.metadata_bytes(), settled, "round {round}");
+    }
+}
