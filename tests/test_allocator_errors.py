@@ -70,6 +70,22 @@ def test_exhausted_with_table_leaves_table_untouched(busy):
     assert (table == -7).all()
 
 
+@pytest.mark.parametrize("bad", ["closed", "duplicate"])
+def test_decode_step_with_table_puts_back_what_it_wrote(busy, bad):
+    # A decode step (one token each) writes the table in its own loop before
+    # it reaches the bad handle at the end; the entries it wrote go back.
+    a, h, closed = busy
+    table = np.full((4, 8), -7, dtype=np.int32)
+    batch = np.append(h, closed if bad == "closed" else h[0])
+    exc = InvalidHandleError if bad == "closed" else InvalidArgumentError
+    assert_fails_unchanged(a, h, exc, lambda: a.extend(batch, 1, table=table))
+    assert (table == -7).all()
+    a.extend(h, 1, table=table)  # and the same step without the bad handle writes them
+    for x in h:
+        row, n = int(a.rows([x])[0]), int(a.length(x))
+        assert table[row, n - 1] == a.slots(x)[-1]
+
+
 @pytest.mark.parametrize("kind", ["closed", "stale", "unknown-row", "negative", "generation-0"])
 def test_invalid_handle(busy, kind):
     a, h, closed = busy

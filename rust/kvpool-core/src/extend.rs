@@ -14,6 +14,7 @@ use crate::grow::fill_run;
 use crate::handle::{handle_generation, handle_row};
 use crate::memory::reserve;
 use crate::rows::{OPEN, SLOW};
+use crate::table::SlotTable;
 
 /// What an extend did to one request, passed to `extend_into`'s callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,17 +96,40 @@ impl SlotAllocator {
     where
         F: FnMut(&Grown<'_>),
     {
+        self.extend_into_table(handles, counts, tokens, out, None, on_request)
+    }
+
+    /// [`Self::extend_into`] that also writes each request's new slots into
+    /// `table[row, start..]` (and the entries of positions a copy-on-write
+    /// moved), in the same pass. The table must hold `[max_requests,
+    /// max_context_len]` (otherwise `InvalidArgument`, nothing changed); on
+    /// any error it is left as it was.
+    pub fn extend_into_table<F>(
+        &mut self,
+        handles: &[i64],
+        counts: Counts<'_>,
+        tokens: Option<&[i64]>,
+        out: &mut [i64],
+        table: Option<&mut SlotTable<'_>>,
+        on_request: F,
+    ) -> Result<()>
+    where
+        F: FnMut(&Grown<'_>),
+    {
         counts.check_len("counts", handles.len())?;
+        if let Some(t) = &table {
+            t.check_extent(self.max_requests, self.max_context_len)?;
+        }
         // One monomorphized loop per count form: no match per request.
         match counts {
             Counts::Each(1) => {
-                self.extend_fused::<_, _, true>(handles, |_| 1, tokens, out, on_request)
+                self.extend_fused::<_, _, true>(handles, |_| 1, tokens, out, table, on_request)
             }
             Counts::Each(c) => {
-                self.extend_fused::<_, _, false>(handles, |_| c, tokens, out, on_request)
+                self.extend_fused::<_, _, false>(handles, |_| c, tokens, out, table, on_request)
             }
             Counts::PerRequest(v) => {
-                self.extend_fused::<_, _, false>(handles, |i| v[i], tokens, out, on_request)
+                self.extend_fused::<_, _, false>(handles, |i| v[i], tokens, out, table, on_request)
             }
         }
     }
@@ -204,6 +228,7 @@ impl SlotAllocator {
         get: G,
         tokens: Option<&[i64]>,
         out: &mut [i64],
+        table: Option<&mut SlotTable<'_>>,
         mut on_request: F,
     ) -> Result<()>
     where
@@ -211,6 +236,10 @@ impl SlotAllocator {
         F: FnMut(&Grown<'_>),
     {
         self.begin_batch();
+        let has_table = table.is_some();
+        let mut no_table = SlotTable::new(&mut [], 0);
+        let table = table.unwrap_or(&mut no_table);
+        let mut saved = std::mem::take(&mut self.table_saved);
         let ps = self.page_size;
         let (epoch, max_len) = (self.epoch, self.max_context_len as u64);
         let mut slow = std::mem::take(&mut self.slow_scratch);
@@ -221,14 +250,19 @@ impl SlotAllocator {
         // was available before the call.
         let available_before = self.available_pages();
         let (first, mut k) = if ONE_EACH {
-            let n = match tokens {
-                Some(t) => self.extend_decode_one::<true>(handles, t, out),
-                None => self.extend_decode_one::<false>(handles, &[], out),
+            let (t, s) = (&mut *table, &mut saved);
+            let n = match (tokens, has_table) {
+                (Some(x), true) => self.extend_decode_one::<true, true>(handles, x, out, t, s),
+                (Some(x), false) => self.extend_decode_one::<true, false>(handles, x, out, t, s),
+                (None, true) => self.extend_decode_one::<false, true>(handles, &[], out, t, s),
+                (None, false) => self.extend_decode_one::<false, false>(handles, &[], out, t, s),
             };
             (n, n)
         } else {
             self.extend_decode_run(handles, &get, out)
         };
+        // Requests whose table entry the decode loop wrote already.
+        let table_written = if ONE_EACH && has_table { first } else { 0 };
         // The one-token loop stores the token ids of the requests it applied.
         let recorded = if ONE_EACH && tokens.is_some() {
             first
@@ -308,8 +342,13 @@ impl SlotAllocator {
                 .err();
         }
         if let Some(e) = error {
+            for (i, &h) in handles[..table_written].iter().enumerate() {
+                let row = handle_row(h) as usize;
+                table.restore(row, self.rows[row].len as usize - 1, saved[i]);
+            }
             self.undo_applied(handles, &get, &slow, done);
             self.slow_scratch = slow;
+            self.table_saved = saved;
             return Err(e);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
@@ -319,16 +358,21 @@ impl SlotAllocator {
                 let row = handle_row(h) as usize;
                 let c = get(i) as usize;
                 let start = self.rows[row].len as usize - c;
+                let slots = &out[k..k + c];
+                if has_table && i >= table_written {
+                    table.write(row, start, slots, 0);
+                }
                 on_request(&Grown {
                     index: i,
                     row,
                     start,
-                    slots: &out[k..k + c],
+                    slots,
                     moved: 0,
                 });
                 k += c;
             }
             self.slow_scratch = slow;
+            self.table_saved = saved;
             return Ok(());
         }
         // Second pass: grow the listed requests, report everyone in order.
@@ -364,6 +408,9 @@ impl SlotAllocator {
                     self.record_tokens(row, start, dst, toks);
                 }
             }
+            if has_table && i >= table_written {
+                table.write(row, start, dst, moved);
+            }
             on_request(&Grown {
                 index: i,
                 row,
@@ -373,6 +420,7 @@ impl SlotAllocator {
             });
         }
         self.slow_scratch = slow;
+        self.table_saved = saved;
         Ok(())
     }
 

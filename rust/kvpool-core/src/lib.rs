@@ -42,6 +42,7 @@ mod prefix;
 mod queries;
 mod release;
 mod rows;
+mod table;
 mod test_hooks;
 
 pub use allocator::{Counts, Options, SlotAllocator};
@@ -52,6 +53,7 @@ pub use extend::Grown;
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 pub use queries::PageTable;
+pub use table::SlotTable;
 
 #[cfg(test)]
 mod tests;

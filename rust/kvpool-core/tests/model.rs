@@ -6,7 +6,7 @@
 
 mod reference;
 
-use kvpool_core::{make_handle, Counts, Options, PoolError, SlotAllocator};
+use kvpool_core::{make_handle, Counts, Grown, Options, PoolError, SlotAllocator, SlotTable};
 use proptest::prelude::*;
 use reference::{kind, Kind, Model, MAX_CTX, MAX_REQ};
 
@@ -109,6 +109,34 @@ fn batch_tokens(m: &Model, hs: &[i64], cs: &[i64], seed: u8, corrupt: bool) -> V
     out
 }
 
+/// Row stride of the test's slot table: wider than MAX_CTX, as KVPool pads.
+const STRIDE: usize = MAX_CTX + 3;
+
+/// What extend reported for one request: (row, start, moved, slots).
+type Report = (usize, usize, usize, Vec<i64>);
+
+fn report(g: &Grown<'_>) -> Report {
+    (g.row, g.start, g.moved, g.slots.to_vec())
+}
+
+/// The slot table `before` with what a successful extend reported written
+/// in: each request's new slots at its new positions, and the positions
+/// copy-on-write moved onto the new page (the slots just before the first
+/// new one).
+fn table_after(before: &[i32], reports: &[Report]) -> Vec<i32> {
+    let mut t = before.to_vec();
+    for (row, start, moved, slots) in reports {
+        let at = row * STRIDE + start;
+        for (j, &s) in slots.iter().enumerate() {
+            t[at + j] = s as i32;
+        }
+        for j in 0..*moved {
+            t[at - moved + j] = (slots[0] - (moved - j) as i64) as i32;
+        }
+    }
+    t
+}
+
 // Miri interprets every step (~1000x slower): a handful of cases there.
 const CASES: u32 = if cfg!(miri) { 6 } else { 3000 };
 
@@ -133,6 +161,9 @@ proptest! {
         // Every handle ever issued, plus two that never were.
         let mut issued: Vec<i64> = vec![-5, make_handle(3, 1)];
         let mut oks = 0usize;
+        // A caller's request-to-token table, written by extend_into_table:
+        // exactly the reported slots on success, untouched on any error.
+        let mut table = vec![-7i32; MAX_REQ * STRIDE];
         for op in ops {
             let open: Vec<i64> = issued.iter().copied().filter(|&x| m.row(x).is_some()).collect();
             let h = |i: usize| {
@@ -169,9 +200,14 @@ proptest! {
                         // old length and new slots in batch order.
                         let mut out = vec![-1; cs.iter().filter(|&&c| c > 0).sum::<i64>() as usize];
                         let mut seen = Vec::new();
-                        let r = a.extend_into(&hs, Counts::PerRequest(&cs), tokens.as_deref(), &mut out, |g| {
-                            seen.push((g.index, g.row as i64, g.start, g.slots.to_vec()))
+                        let (before_table, mut reports) = (table.clone(), Vec::new());
+                        let mut view = SlotTable::new(&mut table, STRIDE);
+                        let r = a.extend_into_table(&hs, Counts::PerRequest(&cs), tokens.as_deref(), &mut out, Some(&mut view), |g| {
+                            seen.push((g.index, g.row as i64, g.start, g.slots.to_vec()));
+                            reports.push(report(g));
                         });
+                        let want_table = if r.is_ok() { table_after(&before_table, &reports) } else { before_table };
+                        prop_assert!(table == want_table, "slot table after {:?}", r);
                         r.map(|()| {
                             let mut k = 0;
                             let want: Vec<_> = (0..hs.len()).map(|i| {
@@ -212,7 +248,19 @@ proptest! {
                     let ones = vec![1i64; hs.len()];
                     let tokens = toks.map(|(seed, corrupt)| batch_tokens(&m, &hs, &ones, seed, corrupt));
                     let mr = m.extend(&hs, &ones, tokens.as_deref());
-                    oks += same(a.extend(&hs, Counts::Each(1), tokens.as_deref()), mr) as usize;
+                    // Half the decode steps write a slot table in the loop itself.
+                    let r = if hs.len() % 2 == 1 {
+                        let mut out = vec![-1; hs.len()];
+                        let (before_table, mut reports) = (table.clone(), Vec::new());
+                        let mut view = SlotTable::new(&mut table, STRIDE);
+                        let r = a.extend_into_table(&hs, Counts::Each(1), tokens.as_deref(), &mut out, Some(&mut view), |g| reports.push(report(g)));
+                        let want_table = if r.is_ok() { table_after(&before_table, &reports) } else { before_table };
+                        prop_assert!(table == want_table, "slot table after {:?}", r);
+                        r.map(|()| out)
+                    } else {
+                        a.extend(&hs, Counts::Each(1), tokens.as_deref())
+                    };
+                    oks += same(r, mr) as usize;
                 }
                 Op::Evict(n) => {
                     prop_assert_eq!(a.evict(n), m.evict(n));

@@ -120,17 +120,23 @@ impl SlotAllocator {
             let dst = unsafe { out.slice() };
             let before = core.pending_copies();
             let mut moved = Moved::default();
-            core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
-                if let Some(t) = &t {
-                    // SAFETY: validated above (int32, C-contiguous, writeable,
-                    // big enough); the caller's array object is referenced by
-                    // `table` for the whole call, so its buffer stays alive.
-                    unsafe { t.write_grown(g) }
-                }
-                if cow && g.moved > 0 {
-                    moved.note(g);
-                }
-            })?;
+            // SAFETY: validated above (int32, rows contiguous, writeable,
+            // at least [max_requests, max_context_len]); the caller's array
+            // object is referenced by `table` for the whole call, so its
+            // buffer stays alive.
+            let mut view = t.as_ref().map(|t| unsafe { t.view() });
+            core.extend_into_table(
+                &h,
+                counts_of(&c),
+                toks.as_deref(),
+                dst,
+                view.as_mut(),
+                |g| {
+                    if cow && g.moved > 0 {
+                        moved.note(g);
+                    }
+                },
+            )?;
             Ok(if cow {
                 moved.finish(core, before)
             } else {

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use crate::errors::invalid_argument;
+use kvpool_core::SlotTable;
 
 /// A validated raw view of the table. Sent into the GIL-free section.
 pub struct Table {
@@ -15,6 +16,8 @@ pub struct Table {
     /// Elements from one row to the next: the column count, or more for a
     /// view of a wider array (a padded row stride, see `KVPool`).
     row_stride: usize,
+    /// Elements from the first to one past the last of the table's extent.
+    len: usize,
 }
 
 // SAFETY: the pointer targets a numpy buffer kept alive by the caller's
@@ -81,46 +84,27 @@ impl Table {
         }
         // SAFETY: `a` is a live numpy array, so its object struct is valid.
         let data = unsafe { (*_PyArray_GET_ITEM_DATA(a.as_array_ptr())).data } as *mut i32;
+        let row_stride = (strides[0] / item) as usize;
         Ok(Self {
             ptr: data,
-            row_stride: (strides[0] / item) as usize,
+            row_stride,
+            len: shape[0].saturating_sub(1) * row_stride + shape[1],
         })
     }
 
-    /// Writes one request's new `slots` to table[row, start..start+len]: a
-    /// tight copy (slots of one request are contiguous in extend's output),
-    /// done right after the core wrote them, while they are still in cache.
+    /// The table as the core's [`SlotTable`], which extend fills in the
+    /// same pass that takes the slots (bounds-checked against the extent
+    /// given here).
     ///
     /// # Safety
-    /// `self` must come from `validate` on an array still alive, and the
-    /// arguments must be those extend reported for a request (so
-    /// start + len <= max_context_len <= columns and row < max_requests).
-    pub unsafe fn write_row(&self, row: usize, start: usize, slots: &[i64]) {
-        let dst = self.ptr.add(row * self.row_stride + start);
-        if let [s] = slots {
-            // A decode step's one slot: skip the vector loop's set-up.
-            *dst = *s as i32;
-            return;
-        }
-        for (j, &s) in slots.iter().enumerate() {
-            *dst.add(j) = s as i32;
-        }
-    }
-
-    /// Writes what extend reported for one request: its new slots, and the
-    /// slots of positions a copy-on-write moved to a new page.
-    ///
-    /// # Safety
-    /// As [`Self::write_row`], with `g` as reported by the core.
-    pub unsafe fn write_grown(&self, g: &kvpool_core::Grown<'_>) {
-        self.write_row(g.row, g.start, g.slots);
-        if g.moved > 0 {
-            if let Some(&first) = g.slots.first() {
-                let dst = self.ptr.add(g.row * self.row_stride + g.start - g.moved);
-                for j in 0..g.moved {
-                    *dst.add(j) = (first - (g.moved - j) as i64) as i32;
-                }
-            }
-        }
+    /// `self` must come from `validate` on an array still alive (the caller
+    /// holds a reference to it) for as long as the view is used, and
+    /// nothing else may access the buffer meanwhile (it is only written
+    /// under the allocator lock, at rows of the requests being extended).
+    pub unsafe fn view(&self) -> SlotTable<'_> {
+        SlotTable::new(
+            std::slice::from_raw_parts_mut(self.ptr, self.len),
+            self.row_stride,
+        )
     }
 }
