@@ -112,7 +112,9 @@ pub struct SlotAllocator {
     pub(crate) known_len: Vec<u32>,
     /// Page lists of all rows, `[max_requests, row_pages]`, row-major.
     pub(crate) page_lists: Vec<u32>,
-    /// Holders of every page (open requests whose page list names it).
+    /// Holders of every HELD or CACHED page (open requests whose page list
+    /// names it). Not kept for FREE pages: taking a page sets it to 1, so a
+    /// request that frees pages no one shares skips a write per page.
     pub(crate) refcount: Vec<u32>,
     /// FREE pages; the top (end) is handed out next.
     pub(crate) free_pages: Vec<u32>,

@@ -73,7 +73,9 @@ impl SlotAllocator {
         }
         let (mut free, mut held, mut cached) = (0usize, 0usize, 0usize);
         for p in 1..n {
-            let rc = self.refcount[p];
+            // A FREE page's stored refcount is stale (freeing skips it, taking
+            // sets it): its count is 0 by its state.
+            let rc = if listed[p] == 1 { 0 } else { self.refcount[p] };
             let reg = self.index.page_entry[p] != 0;
             if rc != holders[p] {
                 return fail(format!(

@@ -99,12 +99,11 @@ impl SlotAllocator {
         let np = self.pages_for(self.rows[row].len as usize);
         let base = row * self.row_pages;
         if self.cold[row].exclusive {
-            // Sole holder of unregistered pages: free them without reading
-            // their refcounts (a random read per page otherwise).
+            // Sole holder of unregistered pages: free them without touching
+            // their refcounts (a FREE page's refcount is not kept; taking a
+            // page sets it), so freeing reads and writes nothing per page
+            // but the free stack.
             let freed = &self.page_lists[base + keep..base + np];
-            for &p in freed {
-                self.refcount[p as usize] = 0;
-            }
             self.free_pages.extend(freed.iter().rev());
         } else if self.index.len() == 0 {
             // Nothing is registered: a last holder frees the page outright.
