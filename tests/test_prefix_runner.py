@@ -112,3 +112,25 @@ def test_cli_quick_writes_table_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out
     assert "| scenario | page | pool |" in out and "Hit-rate parity" in out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("scenario", ["system", "parallel"])
+def test_kvpool_driver_keeps_its_table_rows_equal_to_the_slots(page_size, scenario):
+    """The driver never reads slots back: open_with_prefix(table=), fork(table=) and
+    extend(table=) must leave every open request's row complete, hits, forks and
+    copy-on-write included."""
+    from kvpool.bench.prefix_drivers.kvpool_prefix import KVPoolPrefixDriver
+
+    trace = _trace(scenario, page_size)
+    d = KVPoolPrefixDriver(trace.config)
+    a, checked = d.alloc, 0
+    for step in trace.steps:
+        d.run(d.prepare(step))
+        for h in {int(x) for x in d.handles if a.is_open(int(x))}:
+            row, n = int(a.rows([h])[0]), int(a.length(h))
+            assert d.table[row, :n].tolist() == a.slots(h).tolist(), (h, n)
+            checked += 1
+    assert checked > 0
+    forks = sum(g.n - 1 for step in trace.steps for g in step.admit)
+    assert a.hit_tokens > 0 if scenario == "system" else forks > 0

@@ -287,7 +287,11 @@ class SlotAllocator:
     def reset(self) -> None:
         """Closes every request and frees every page; all handles become stale."""
     def open_with_prefix(
-        self, tokens: _IntArray, lengths: _IntArray, salt: Optional[_IntArray] = None
+        self,
+        tokens: _IntArray,
+        lengths: _IntArray,
+        salt: Optional[_IntArray] = None,
+        table: Optional[npt.NDArray[np.int32]] = None,
     ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Opens one request per prompt, each starting on the longest cached
         prefix of full pages of its prompt, capped so that at least one token
@@ -301,13 +305,17 @@ class SlotAllocator:
             lengths: each prompt's length.
             salt: None (0), an int for all, or one int per prompt (LoRA id,
                 tenant, cache salt): different salts never share pages.
+            table: optional int32 request-to-token table, as for extend: each
+                new request's row gets the slots of its cached prefix
+                (table[row, :cached_len]), so it need not read them back.
 
         Returns:
             (handles int64, cached_lens int64).
 
         Raises:
             InvalidArgumentError: tokens and lengths disagree, a negative length,
-                a token id out of range, a salt of the wrong type or count.
+                a token id out of range, a salt of the wrong type or count, a
+                bad table.
             ContextTooLongError: a prompt longer than max_context_len.
             TooManyRequestsError: not enough free rows.
         """
@@ -321,15 +329,19 @@ class SlotAllocator:
             InvalidHandleError: a handle is unknown, closed or stale.
             InvalidArgumentError: a duplicate handle.
         """
-    def fork(self, handle: _Handle, n: Optional[int] = None) -> npt.NDArray[np.int64]:
+    def fork(
+        self, handle: _Handle, n: Optional[int] = None, table: Optional[npt.NDArray[np.int32]] = None
+    ) -> npt.NDArray[np.int64]:
         """Opens n requests that share all of `handle`'s pages and known tokens
         (same length, prompt and salt). A shared, partly filled last page is
         copy-on-write: the first holder to extend into it gets a copy.
+        With `table` (an int32 request-to-token table, as for extend), each
+        new request's row gets its slots (the parent's, table[row, :length]).
 
         Raises:
             InvalidHandleError: `handle` is unknown, closed or stale.
             TooManyRequestsError: not enough free rows.
-            InvalidArgumentError: n is negative or not an int.
+            InvalidArgumentError: n is negative or not an int, a bad table.
         """
     def take_copies(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued copy-on-write copies (int64 slot pairs). Copy every

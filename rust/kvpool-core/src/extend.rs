@@ -5,8 +5,10 @@
 //!
 //! The decode step's common case (one token into the request's own last
 //! page) touches only the request's 16-byte hot row: no page changes hands,
-//! so no refcount is read or written. Its loops are in `decode.rs`; anything
-//! else takes `grow_row`.
+//! so no refcount is read or written. Its loops are in `decode.rs`, the
+//! batch-wide checks in `extend_checks.rs`; anything else takes `grow_row`.
+//! With a [`SlotTable`] the new slots also go into the caller's
+//! request-to-token table in the same pass (`table.rs`).
 
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
@@ -118,7 +120,7 @@ impl SlotAllocator {
     {
         counts.check_len("counts", handles.len())?;
         if let Some(t) = &table {
-            t.check_extent(self.max_requests, self.max_context_len)?;
+            self.check_table(t)?;
         }
         // One monomorphized loop per count form: no match per request.
         match counts {
@@ -161,60 +163,6 @@ impl SlotAllocator {
         reserve(&mut out, total, "extend output")?;
         out.resize(total, 0);
         Ok(out)
-    }
-
-    /// Token ids must be one per new position, in range, and agree with
-    /// the prompt where the prompt covers the position.
-    fn check_tokens<G: Fn(usize) -> i64>(
-        &self,
-        handles: &[i64],
-        get: &G,
-        slow: &[u32],
-        t: &[i64],
-        total: usize,
-    ) -> Result<()> {
-        if t.len() != total {
-            return Err(PoolError::InvalidArgument(format!(
-                "tokens has {} entries but the batch adds {total} positions; pass one token id \
-                 per new position, flattened like the slots",
-                t.len()
-            )));
-        }
-        crate::hashing::check_token_ids(t)?;
-        if slow.is_empty() {
-            return Ok(());
-        }
-        // Only listed (slow-path) requests can have prompt tokens ahead;
-        // they are not applied yet, so their length is their start.
-        let mut s = slow.iter().peekable();
-        let mut k = 0usize;
-        for (i, &h) in handles.iter().enumerate() {
-            let c = get(i) as usize;
-            if s.peek() != Some(&&(i as u32)) {
-                k += c;
-                continue;
-            }
-            s.next();
-            let row = handle_row(h) as usize;
-            let start = self.rows[row].len as usize;
-            let prompt = &self.cold[row].prompt;
-            if prompt.len() > start {
-                let n = c.min(prompt.len() - start);
-                let given = &t[k..k + n];
-                if let Some(j) = (0..n).find(|&j| given[j] != prompt[start + j] as i64) {
-                    return Err(PoolError::InvalidArgument(format!(
-                        "tokens[{}] = {} for handle {h} disagrees with its prompt's token {} \
-                         at position {}",
-                        k + j,
-                        given[j],
-                        prompt[start + j],
-                        start + j
-                    )));
-                }
-            }
-            k += c;
-        }
-        Ok(())
     }
 
     /// extend's single validating pass: a request that stays in its own last
@@ -421,43 +369,6 @@ impl SlotAllocator {
         }
         self.slow_scratch = slow;
         self.table_saved = saved;
-        Ok(())
-    }
-
-    /// The batch-wide checks after the per-request ones: token ids, pages
-    /// available (copy-on-write and evictable pages counted), output size.
-    #[allow(clippy::too_many_arguments)]
-    fn check_batch<G: Fn(usize) -> i64>(
-        &self,
-        handles: &[i64],
-        get: &G,
-        tokens: Option<&[i64]>,
-        slow: &[u32],
-        total: usize,
-        needed_pages: usize,
-        out_len: usize,
-        taken_early: usize,
-    ) -> Result<()> {
-        if let Some(t) = tokens {
-            self.check_tokens(handles, get, slow, t, total)?;
-        }
-        let available = self.available_pages();
-        if needed_pages > available {
-            // Counted from before the call: the pages this batch already took
-            // in its first pass are part of both sides.
-            let (needed_pages, available) = (needed_pages + taken_early, available + taken_early);
-            return Err(PoolError::Exhausted {
-                needed_pages,
-                free_pages: available,
-                page_size: self.page_size,
-                free_slots: available * self.page_size,
-            });
-        }
-        if total != out_len {
-            return Err(PoolError::InvalidArgument(format!(
-                "output has {out_len} entries but the batch adds {total} slots"
-            )));
-        }
         Ok(())
     }
 }

@@ -29,6 +29,7 @@ mod decode;
 mod error;
 mod events;
 mod extend;
+mod extend_checks;
 mod fork;
 mod grow;
 mod handle;

@@ -8,6 +8,7 @@ use crate::events::Events;
 use crate::handle::handle_row;
 use crate::memory::reserve;
 use crate::rows::{Row, RowCold};
+use crate::table::SlotTable;
 
 /// FlashInfer's CSR page table of a batch.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -151,6 +152,27 @@ impl SlotAllocator {
             out.extend((base..base + n).map(|s| s as i64));
         }
         Ok(out)
+    }
+
+    /// Writes each request's slots into its row of a caller's
+    /// request-to-token table: `table[row, 0..len]`. For the calls that give
+    /// a request slots it did not extend into (a prefix hit, a fork), so an
+    /// engine's table is complete without reading `slots` back. Checks every
+    /// handle and the table's extent before writing anything.
+    pub fn fill_table(&self, handles: &[i64], table: &mut SlotTable<'_>) -> Result<()> {
+        self.check_table(table)?;
+        for &h in handles {
+            self.resolve(h)?;
+        }
+        let ps = self.page_size;
+        for &h in handles {
+            let row = handle_row(h) as usize;
+            let len = self.rows[row].len as usize;
+            for (k, &p) in self.row_pages_of(row).iter().enumerate() {
+                table.write_page(row, k * ps, p as usize * ps, ps.min(len - k * ps));
+            }
+        }
+        Ok(())
     }
 
     pub fn pages(&self, handle: i64) -> Result<Vec<i32>> {

@@ -9,6 +9,7 @@
 //! `SlotAllocator::table_saved`, so a failing extend leaves the table as
 //! it was.
 
+use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
 
 /// A mutable view of a `[rows, cols]` int32 table whose rows start
@@ -60,6 +61,18 @@ impl<'a> SlotTable<'a> {
         }
     }
 
+    /// Writes table[row, start..start + n] = first_slot, first_slot + 1, ...
+    /// (`n` positions of one page).
+    #[inline]
+    pub(crate) fn write_page(&mut self, row: usize, start: usize, first_slot: usize, n: usize) {
+        let at = row * self.row_stride + start;
+        if let Some(dst) = self.data.get_mut(at..at + n) {
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = (first_slot + j) as i32;
+            }
+        }
+    }
+
     /// Writes table[row, start..start + slots.len()] = slots, and the
     /// entries of the `moved` positions before `start` that copy-on-write
     /// moved onto the page of `slots[0]`.
@@ -83,5 +96,18 @@ impl<'a> SlotTable<'a> {
                 }
             }
         }
+    }
+}
+
+impl SlotAllocator {
+    /// `table` can take any slot of this pool at any request position.
+    pub(crate) fn check_table(&self, table: &SlotTable<'_>) -> Result<()> {
+        if self.num_slots() > i32::MAX as usize + 1 {
+            return Err(PoolError::InvalidArgument(format!(
+                "num_slots = {} does not fit an int32 slot table",
+                self.num_slots()
+            )));
+        }
+        table.check_extent(self.max_requests, self.max_context_len)
     }
 }

@@ -1,6 +1,8 @@
 //! Shared pages: prefix hits, fork and copy-on-write, eviction order, events.
 
-use kvpool_core::{Counts, Options, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+use kvpool_core::{
+    Counts, Options, PoolError, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED,
+};
 
 fn pool(pages: usize, ps: usize) -> SlotAllocator {
     let opts = Options {
@@ -322,4 +324,43 @@ fn metadata_settles_once_every_row_held_its_longest_prompt() {
         let _ = a.take_events();
         assert_eq!(a.metadata_bytes(), settled, "round {round}");
     }
+}
+
+#[test]
+fn fill_table_writes_the_slots_a_hit_or_a_fork_gave() {
+    use kvpool_core::SlotTable;
+    let mut a = pool(64, 4);
+    let stride = 64 + 5; // max_context_len 64, a padded row
+    let mut table = vec![-1i32; 8 * stride];
+    let prompt = seq(13, 300);
+    serve(&mut a, &prompt, 0);
+    let (h, cached) = a.open_with_prefix(&prompt, &[13], Counts::Each(0)).unwrap();
+    assert_eq!(cached, vec![12]);
+    a.extend(&h, Counts::Each(1), None).unwrap();
+    let kids = a.fork(h[0], 2).unwrap();
+    let mut all = h.clone();
+    all.extend(&kids);
+    a.fill_table(&all, &mut SlotTable::new(&mut table, stride))
+        .unwrap();
+    for &x in &all {
+        let row = kvpool_core::handle_row(x) as usize;
+        let slots: Vec<i32> = a.slots(x).unwrap().iter().map(|&s| s as i32).collect();
+        assert_eq!(&table[row * stride..row * stride + 13], &slots[..]);
+        assert!(table[row * stride + 13..(row + 1) * stride]
+            .iter()
+            .all(|&t| t == -1));
+    }
+    // A closed handle anywhere, or a table too small, writes nothing.
+    let before = table.clone();
+    a.close(&kids[1..], false).unwrap();
+    let err = a.fill_table(&all, &mut SlotTable::new(&mut table, stride));
+    assert!(
+        matches!(err, Err(PoolError::InvalidHandle { .. })),
+        "{err:?}"
+    );
+    let mut small = vec![-1i32; 7 * stride + 63];
+    let err = a.fill_table(&h, &mut SlotTable::new(&mut small, stride));
+    assert!(matches!(err, Err(PoolError::InvalidArgument(_))), "{err:?}");
+    assert_eq!(table, before);
+    assert!(small.iter().all(|&t| t == -1));
 }

@@ -6,14 +6,12 @@
 //! position), so the torch layer can copy the K/V and fix its table.
 
 use kvpool_core::{Grown, SlotAllocator as Core};
-use numpy::PyUntypedArray;
 use pyo3::prelude::*;
 
 use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
-use crate::errors::{invalid_argument, Result};
+use crate::errors::Result;
 use crate::output::{extend_total, new_i64};
-use crate::table::Table;
 
 /// Rows and positions of the positions copy-on-write moved, in queue order.
 #[derive(Default)]
@@ -97,22 +95,10 @@ impl SlotAllocator {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
-        let (rows, cols, num_slots) = (self.max_requests, self.max_context_len, self.num_slots);
-        // Validate the table fully before any change; keep `table` alive
-        // (it is borrowed from the caller) while its buffer is written.
-        let t = match table {
-            None => None,
-            Some(table) => {
-                let arr = table.cast::<PyUntypedArray>().map_err(|_| {
-                    invalid_argument(
-                        py,
-                        "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
-                    )
-                })?;
-                Some(Table::validate(py, arr, rows, cols, num_slots)?)
-            }
-        };
-        let total = extend_total(h.len(), &c, num_slots, self.max_context_len);
+        // Validated fully before any change; `table` (borrowed from the
+        // caller) keeps the array alive while its buffer is written.
+        let t = self.table_arg(py, table)?;
+        let total = extend_total(h.len(), &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, total)?;
         let work = h.len().max(total);
         let moved = self.run(py, work, |core| -> kvpool_core::Result<Option<Vec<i64>>> {

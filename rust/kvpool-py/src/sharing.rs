@@ -10,6 +10,23 @@ use pyo3::types::PyDict;
 use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, Result};
+use crate::table::Table;
+
+/// Writes the rows of requests just opened into a validated `table`. It
+/// cannot fail: the handles are fresh and `table_arg` checked the shape.
+fn fill(
+    core: &kvpool_core::SlotAllocator,
+    handles: &[i64],
+    table: Option<&Table>,
+) -> kvpool_core::Result<()> {
+    match table {
+        // SAFETY: validated by table_arg; the caller's array is referenced
+        // by the call's `table` argument until it returns, and the buffer is
+        // only written under the allocator lock held by `core`.
+        Some(t) => core.fill_table(handles, &mut unsafe { t.view() }),
+        None => Ok(()),
+    }
+}
 
 /// A seed (`what`: hash_seed, handle_seed): a Python int in [0, 2^64).
 pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
@@ -160,22 +177,27 @@ impl SlotAllocator {
     ///     lengths: each prompt's length.
     ///     salt: None (0), an int for all, or one int per prompt (LoRA id,
     ///         tenant, cache salt): different salts never share pages.
+    ///     table: optional int32 request-to-token table, as for extend: each
+    ///         new request's row gets the slots of its cached prefix
+    ///         (table[row, :cached_len]), so it need not read them back.
     ///
     /// Returns:
     ///     (handles int64, cached_lens int64).
     ///
     /// Raises:
     ///     InvalidArgumentError: tokens and lengths disagree, a negative length,
-    ///         a token id out of range, a salt of the wrong type or count.
+    ///         a token id out of range, a salt of the wrong type or count, a
+    ///         bad table.
     ///     ContextTooLongError: a prompt longer than max_context_len.
     ///     TooManyRequestsError: not enough free rows.
-    #[pyo3(signature = (tokens, lengths, salt=None))]
+    #[pyo3(signature = (tokens, lengths, salt=None, table=None))]
     fn open_with_prefix<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
         lengths: &Bound<'py, PyAny>,
         salt: Option<&Bound<'py, PyAny>>,
+        table: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let t = int_arg(py, tokens, "tokens")?.into_vec();
         let l = int_arg(py, lengths, "lengths")?.into_vec();
@@ -183,7 +205,13 @@ impl SlotAllocator {
             None => IntArg::Scalar(0),
             Some(s) => int_arg(py, s, "salt")?,
         };
-        let (h, c) = py.detach(|| self.lock().open_with_prefix(&t, &l, counts_of(&s)))?;
+        let tab = self.table_arg(py, table)?;
+        let (h, c) = py.detach(|| {
+            let mut core = self.lock();
+            let (h, c) = core.open_with_prefix(&t, &l, counts_of(&s))?;
+            fill(&core, &h, tab.as_ref())?;
+            Ok::<_, kvpool_core::PoolError>((h, c))
+        })?;
         Ok((to_numpy(py, &h), to_numpy(py, &c)))
     }
 
@@ -207,17 +235,20 @@ impl SlotAllocator {
     /// Opens n requests that share all of `handle`'s pages and known tokens
     /// (same length, prompt and salt). A shared, partly filled last page is
     /// copy-on-write: the first holder to extend into it gets a copy.
+    /// With `table` (an int32 request-to-token table, as for extend), each
+    /// new request's row gets its slots (the parent's, table[row, :length]).
     ///
     /// Raises:
     ///     InvalidHandleError: `handle` is unknown, closed or stale.
     ///     TooManyRequestsError: not enough free rows.
-    ///     InvalidArgumentError: n is negative or not an int.
-    #[pyo3(signature = (handle, n=None))]
+    ///     InvalidArgumentError: n is negative or not an int, a bad table.
+    #[pyo3(signature = (handle, n=None, table=None))]
     fn fork<'py>(
         &self,
         py: Python<'py>,
         handle: &Bound<'py, PyAny>,
         n: Option<&Bound<'py, PyAny>>,
+        table: Option<&Bound<'py, PyAny>>,
     ) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
         let n = match n {
@@ -226,7 +257,13 @@ impl SlotAllocator {
         };
         let n = usize::try_from(n)
             .map_err(|_| invalid_argument(py, format!("n must be >= 0, got {n}")))?;
-        let v = py.detach(|| self.lock().fork(h, n))?;
+        let tab = self.table_arg(py, table)?;
+        let v = py.detach(|| {
+            let mut core = self.lock();
+            let v = core.fork(h, n)?;
+            fill(&core, &v, tab.as_ref())?;
+            Ok::<_, kvpool_core::PoolError>(v)
+        })?;
         Ok(to_numpy(py, &v))
     }
 

@@ -5,12 +5,13 @@ Per step:
   (prompt and fed output tokens) is registered, then released (HELD -> CACHED).
 - admission, group by group (as vLLM's scheduler admits request by request, so a
   later request in the same step hits the pages an earlier one registered):
-  ``open_with_prefix(prompt, [len])`` (longest registered full-page prefix, capped
-  at ``len - 1``), ``extend`` by the rest of the prompt with ``table=`` (the
-  engine's CPU ``req_to_token``), ``cache`` (its full pages become hittable as
-  soon as they are scheduled, like vLLM's ``allocate_slots``), and for n > 1
-  ``fork(handle, n - 1)``: the continuations share every page, the partial last
-  one copy-on-write.
+  ``open_with_prefix(prompt, [len], table=)`` (longest registered full-page
+  prefix, capped at ``len - 1``; its slots go straight into the engine's CPU
+  ``req_to_token``), ``extend`` by the rest of the prompt with ``table=``,
+  ``cache`` (its full pages become hittable as soon as they are scheduled, like
+  vLLM's ``allocate_slots``), and for n > 1 ``fork(handle, n - 1, table=)``:
+  the continuations share every page (and get the parent's table row), the
+  partial last one copy-on-write.
 - decode: one ``extend(handles, 1, tokens=fed, table=)`` for the batch, then
   ``take_copies()`` (the copy-on-write copies KVPool runs on the device before
   the step's writes).
@@ -24,7 +25,6 @@ from typing import Any
 import numpy as np
 
 import kvpool
-from kvpool.handles import ROW_MASK
 from kvpool.layout import padded_table
 from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
 from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
@@ -69,20 +69,15 @@ class KVPoolPrefixDriver(PrefixDriver):
         if len(finished):
             a.close(finished, cache=True)
         for prompt, length, lanes, k in groups:
-            h, cached = a.open_with_prefix(prompt, length)
+            h, cached = a.open_with_prefix(prompt, length, table=table)
             h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
-            row = h0 & ROW_MASK
-            if hit:
-                table[row, :hit] = a.slots(h0)
             n += len(a.extend(h, total - hit, table=table))
             a.cache(h)
             self.prompt_tokens += k * total
             self.computed_tokens += total - hit
             self.handles[lanes[0]] = h0
             if k > 1:
-                kids = a.fork(h0, k - 1)
-                table[kids & ROW_MASK, :total] = table[row, :total]
-                self.handles[lanes[1:]] = kids
+                self.handles[lanes[1:]] = a.fork(h0, k - 1, table=table)
         if len(decoding):
             n += len(a.extend(decoding, 1, tokens=fed, table=table))
             src, _ = a.take_copies()
