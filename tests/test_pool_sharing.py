@@ -12,9 +12,15 @@ import kvpool
 H, D, LAYERS = 2, 4, 2
 
 
-def make(page_size=4, **kw):
-    return kvpool.KVPool(LAYERS, H, D, dtype=torch.float32, num_pages=32, page_size=page_size, max_requests=8,
+def make(page_size=4, table_path="host", **kw):
+    """A CPU pool. ``table_path="device"`` makes it update req_to_token the way a
+    device pool does (extend_packed, and rows written from slots() after hits and
+    forks) instead of having the core write the numpy view of a CPU table."""
+    pool = kvpool.KVPool(LAYERS, H, D, dtype=torch.float32, num_pages=32, page_size=page_size, max_requests=8,
                          max_context_len=64, **kw)
+    if table_path == "device":
+        pool._table_np = None
+    return pool
 
 
 def kv_for(tokens, layer):
@@ -51,8 +57,9 @@ def serve(pool, prompt, salt=None):
     return h, int(cached[0])
 
 
-def test_shared_system_prompt_hits_and_fills_the_table():
-    pool = make()
+@pytest.mark.parametrize("table_path", ["host", "device"])
+def test_shared_system_prompt_hits_and_fills_the_table(table_path):
+    pool = make(table_path=table_path)
     system = list(range(100, 112))
     h1, c1 = serve(pool, system + [1, 2, 3])
     assert c1 == 0
@@ -67,9 +74,10 @@ def test_shared_system_prompt_hits_and_fills_the_table():
     pool.check()
 
 
+@pytest.mark.parametrize("table_path", ["host", "device"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_fork_then_diverge_reads_back_own_kv(page_size):
-    pool = make(page_size)
+def test_fork_then_diverge_reads_back_own_kv(page_size, table_path):
+    pool = make(page_size, table_path)
     prompt = [5, 6, 7, 8, 9, 10]
     h, _ = serve(pool, prompt)
     kids = pool.fork(h[0], 2)

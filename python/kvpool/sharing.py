@@ -69,6 +69,7 @@ class SharingMixin:
     allocator: Any
     req_to_token: torch.Tensor
     _sharing: bool
+    _table_np: np.ndarray | None  # the CPU req_to_token as numpy; None on a device
 
     def _write_prefixes(self, handles: np.ndarray, lengths: np.ndarray) -> None:
         """Write the slots of each request's first ``lengths[i]`` positions into its row."""
@@ -106,9 +107,12 @@ class SharingMixin:
             ContextTooLongError: a prompt longer than ``max_context_len``.
             TooManyRequestsError: not enough free rows. Nothing changes on any error.
         """
-        handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
+        if self._table_np is not None:  # a CPU table: the core writes the rows
+            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
+        else:
+            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
+            self._write_prefixes(handles, cached)
         self._sharing = True
-        self._write_prefixes(handles, cached)
         return handles, cached
 
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
@@ -126,6 +130,10 @@ class SharingMixin:
             TooManyRequestsError: not enough free rows.
             InvalidArgumentError: ``n`` is negative or not an int.
         """
+        if self._table_np is not None:  # a CPU table: the core writes the rows
+            kids = self.allocator.fork(handle, n, table=self._table_np)
+            self._sharing = True
+            return kids
         kids = self.allocator.fork(handle, n)
         self._sharing = True
         if len(kids):
