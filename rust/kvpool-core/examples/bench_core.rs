@@ -4,7 +4,8 @@
 //!
 //! - decode extend: 256 requests at page 16, one token each into their own
 //!   last page (no page changes hands), per request; warm, and with L1/L2
-//!   flushed between calls (a 4 MiB buffer touched, untimed); 1M and 16M slots.
+//!   flushed between calls (a 4 MiB buffer touched, untimed); with token ids;
+//!   writing a request-to-token table; 1M and 16M slots.
 //! - open_with_prefix of one fully cached 4096-token prompt (page 16),
 //!   hashing included; with and without hit verification.
 //! - cache() of a 4096-token request; evict(256).
@@ -12,7 +13,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvpool_core::{Counts, Options, SlotAllocator};
+use kvpool_core::{Counts, Options, SlotAllocator, SlotTable};
 
 fn pool(slots: usize, ps: usize, verify: bool) -> SlotAllocator {
     let opts = Options {
@@ -38,8 +39,10 @@ impl Flusher {
     }
 }
 
-/// ns per request of a decode extend (one token, no new page) of 256 requests.
-fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
+/// ns per request of a decode extend (one token, no new page) of 256 requests;
+/// with `table`, also writing a `[512, 8192]` request-to-token table (rows
+/// padded to an odd number of cache lines, as KVPool allocates it).
+fn decode(slots: usize, flush: bool, tokens: bool, table: bool, reps: usize) -> f64 {
     let ps = 16;
     let mut a = pool(slots, ps, true);
     // Spread the requests over the pool like a long-running server: each
@@ -52,6 +55,8 @@ fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
     a.extend(&h, Counts::Each(1), None).unwrap();
     let mut out = vec![0i64; h.len()];
     let toks = vec![7i64; h.len()];
+    let stride = 8192 + 16;
+    let mut rows = vec![0i32; 512 * stride];
     let mut f = Flusher(vec![0; 1 << 19]);
     let mut samples = Vec::new();
     for _ in 0..reps {
@@ -61,11 +66,13 @@ fn decode(slots: usize, flush: bool, tokens: bool, reps: usize) -> f64 {
                 f.flush();
             }
             let t0 = Instant::now();
-            a.extend_into(
+            let mut view = SlotTable::new(&mut rows, stride);
+            a.extend_into_table(
                 &h,
                 Counts::Each(1),
                 tokens.then_some(&toks[..]),
                 &mut out,
+                table.then_some(&mut view),
                 |_| {},
             )
             .unwrap();
@@ -156,17 +163,22 @@ fn main() {
         report(
             &format!("decode_extend_ns_per_req_{label}_warm"),
             "ns",
-            decode(slots, false, false, reps),
+            decode(slots, false, false, false, reps),
         );
         report(
             &format!("decode_extend_ns_per_req_{label}_flushed"),
             "ns",
-            decode(slots, true, false, reps),
+            decode(slots, true, false, false, reps),
         );
         report(
             &format!("decode_extend_tokens_ns_per_req_{label}_warm"),
             "ns",
-            decode(slots, false, true, reps),
+            decode(slots, false, true, false, reps),
+        );
+        report(
+            &format!("decode_extend_table_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, false, true, reps),
         );
     }
     if decode_only {

@@ -300,21 +300,32 @@ impl SlotAllocator {
             return Err(e);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
-            // Every request was applied in the first pass: only report.
+            // Every request was applied in the first pass: only report (and
+            // fill the table where the decode loop did not). Two loops: with
+            // a no-op callback the report loop compiles away, as it must for
+            // a plain decode step.
+            if has_table && table_written < handles.len() {
+                let mut k = 0usize;
+                for (i, &h) in handles.iter().enumerate() {
+                    let c = get(i) as usize;
+                    if i >= table_written {
+                        let row = handle_row(h) as usize;
+                        let start = self.rows[row].len as usize - c;
+                        table.write(row, start, &out[k..k + c], 0);
+                    }
+                    k += c;
+                }
+            }
             let mut k = 0usize;
             for (i, &h) in handles.iter().enumerate() {
                 let row = handle_row(h) as usize;
                 let c = get(i) as usize;
                 let start = self.rows[row].len as usize - c;
-                let slots = &out[k..k + c];
-                if has_table && i >= table_written {
-                    table.write(row, start, slots, 0);
-                }
                 on_request(&Grown {
                     index: i,
                     row,
                     start,
-                    slots,
+                    slots: &out[k..k + c],
                     moved: 0,
                 });
                 k += c;
