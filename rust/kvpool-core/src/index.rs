@@ -181,14 +181,20 @@ impl PrefixIndex {
                 && same_tokens(self.page_tokens(e.page), tokens)
     }
 
+    /// Registrations still possible: the pool's pages not registered yet
+    /// (`page_entry` has one element per page, page 0 included, which is
+    /// never registered).
+    pub(crate) fn room(&self) -> usize {
+        self.page_entry.len().saturating_sub(1 + self.table.len())
+    }
+
     /// Room for `n` more registrations, or a typed error (nothing changed).
     /// `n` is an upper bound (forked requests count their shared pages once
     /// each); a page is registered at most once, so no more than the pool's
     /// unregistered pages are reserved and the index's memory stays bounded
     /// by the pool's size however requests share.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
-        // page_entry has one element per page, page 0 (never registered) included.
-        let n = n.min(self.page_entry.len().saturating_sub(1 + self.table.len()));
+        let n = n.min(self.room());
         let spare = self.free_entries.len();
         reserve(
             &mut self.entries,

@@ -195,6 +195,9 @@ impl SlotAllocator {
                 .registrable_pages(row)
                 .saturating_sub(self.cold[row].hashed_pages as usize);
         }
+        // `todo` counts a page shared by forked requests once per holder;
+        // no call registers more pages than the pool has unregistered.
+        let todo = todo.min(self.index.room());
         self.index.reserve(todo)?;
         self.events.reserve(todo, self.page_size)?;
         for &h in handles {

@@ -101,7 +101,10 @@ impl<'a> SlotTable<'a> {
 
 impl SlotAllocator {
     /// `table` can take any slot of this pool at any request position.
-    pub(crate) fn check_table(&self, table: &SlotTable<'_>) -> Result<()> {
+    /// `extend_into_table` and `fill_table` check this themselves; a caller
+    /// that opens requests (`open_with_prefix`, `fork`) and then fills their
+    /// rows checks first, so that a bad table fails before anything opens.
+    pub fn check_table(&self, table: &SlotTable<'_>) -> Result<()> {
         if self.num_slots() > i32::MAX as usize + 1 {
             return Err(PoolError::InvalidArgument(format!(
                 "num_slots = {} does not fit an int32 slot table",

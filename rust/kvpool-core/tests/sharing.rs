@@ -364,3 +364,34 @@ fn fill_table_writes_the_slots_a_hit_or_a_fork_gave() {
     assert_eq!(table, before);
     assert!(small.iter().all(|&t| t == -1));
 }
+
+#[test]
+fn caching_a_prompt_and_its_forks_reserves_as_much_as_caching_the_prompt() {
+    // cache() counts a page shared by n forked requests n times; what it
+    // reserves (index entries, and event records that the log keeps) must
+    // still be bounded by the pages that can be registered.
+    let grown = |forks: usize| {
+        let opts = Options {
+            hash_seed: Some(7),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(300, 1, 256, 256, opts).unwrap();
+        let (h, _) = a
+            .open_with_prefix(&seq(200, 0), &[200], Counts::Each(0))
+            .unwrap();
+        a.extend(&h, Counts::Each(200), None).unwrap();
+        let mut all = h.clone();
+        all.extend(a.fork(h[0], forks).unwrap());
+        let before = a.metadata_bytes();
+        a.cache(&all).unwrap();
+        assert_eq!(a.cached_pages(), 200);
+        a.metadata_bytes() - before
+    };
+    // Reservations are capped at the pool's 299 unregistered pages, so 200
+    // forks may cost up to 299/200 of the prompt alone, never 201x.
+    let (alone, with_forks) = (grown(0), grown(200));
+    assert!(
+        with_forks <= 2 * alone,
+        "200 forks grew metadata by {with_forks} bytes, the prompt alone by {alone}"
+    );
+}
