@@ -320,6 +320,22 @@ impl SlotAllocator {
         &self.page_lists[base..base + n]
     }
 
+    /// The slots of `row`'s first `n` positions (`n` <= its length) as one
+    /// run per page, `(first slot, count)`; run `k` starts at position
+    /// `k * page_size`.
+    pub(crate) fn slot_runs(
+        &self,
+        row: usize,
+        n: usize,
+    ) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let ps = self.page_size;
+        self.row_pages_of(row)
+            .iter()
+            .enumerate()
+            .map(move |(k, &p)| (p as usize * ps, ps.min(n.saturating_sub(k * ps))))
+            .take_while(|&(_, m)| m > 0)
+    }
+
     /// Row of an open request, or why `handle` does not name one.
     #[inline]
     pub(crate) fn resolve(&self, handle: i64) -> Result<usize> {

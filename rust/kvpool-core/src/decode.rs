@@ -178,9 +178,8 @@ impl SlotAllocator {
             if c > 0 && self.offset_in_page(old) == 0 {
                 let base = row * self.row_pages;
                 let np = self.pages_for(old);
-                let p = self.page_lists[base + np];
-                self.refcount[p as usize] = 0;
-                self.free_pages.push(p);
+                // Back on the free stack; a FREE page's refcount is not kept.
+                self.free_pages.push(self.page_lists[base + np]);
                 self.rows[row].last = if np == 0 {
                     0
                 } else {

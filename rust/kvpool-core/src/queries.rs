@@ -143,13 +143,10 @@ impl SlotAllocator {
     pub fn slots(&self, handle: i64) -> Result<Vec<i64>> {
         let row = self.resolve(handle)?;
         let len = self.rows[row].len as usize;
-        let ps = self.page_size;
         let mut out = Vec::new();
         reserve(&mut out, len, "slots")?;
-        for (k, &p) in self.row_pages_of(row).iter().enumerate() {
-            let n = ps.min(len - k * ps);
-            let base = p as usize * ps;
-            out.extend((base..base + n).map(|s| s as i64));
+        for (s, m) in self.slot_runs(row, len) {
+            out.extend((s..s + m).map(|x| x as i64));
         }
         Ok(out)
     }
@@ -168,8 +165,8 @@ impl SlotAllocator {
         for &h in handles {
             let row = handle_row(h) as usize;
             let len = self.rows[row].len as usize;
-            for (k, &p) in self.row_pages_of(row).iter().enumerate() {
-                table.write_page(row, k * ps, p as usize * ps, ps.min(len - k * ps));
+            for (k, (s, m)) in self.slot_runs(row, len).enumerate() {
+                table.write_page(row, k * ps, s, m);
             }
         }
         Ok(())
@@ -184,12 +181,10 @@ impl SlotAllocator {
     pub fn known_tokens(&self, handle: i64) -> Result<Vec<i32>> {
         let row = self.resolve(handle)?;
         let n = self.known_len[row] as usize;
-        let ps = self.page_size;
         let mut out = Vec::new();
         reserve(&mut out, n, "tokens")?;
-        for (k, &p) in self.row_pages_of(row).iter().enumerate() {
-            let m = ps.min(n.saturating_sub(k * ps));
-            out.extend_from_slice(&self.index.tokens[p as usize * ps..p as usize * ps + m]);
+        for (s, m) in self.slot_runs(row, n) {
+            out.extend_from_slice(&self.index.tokens[s..s + m]);
         }
         Ok(out)
     }
