@@ -416,6 +416,12 @@ impl SlotAllocator {
         Ok(())
     }
 
+    /// The row the `i`-th next `take_row` takes (`i < free_rows.len()`).
+    #[inline]
+    pub(crate) fn nth_free_row(&self, i: usize) -> usize {
+        self.free_rows[self.free_rows.len() - 1 - i] as usize
+    }
+
     /// Takes a free row for a new, empty request and returns its handle.
     /// The caller checked `check_rows_available`.
     pub(crate) fn take_row(&mut self) -> (usize, i64) {

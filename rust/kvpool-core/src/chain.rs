@@ -14,9 +14,8 @@
 //! the K/V) and let the received request be cached at the receiver later.
 
 use crate::error::{PoolError, Result};
-use crate::hashing::root;
+use crate::lookup::{ChainTip, Match};
 use crate::memory::reserve;
-use crate::prefix::Match;
 use crate::SlotAllocator;
 
 /// A request's leading full pages of known tokens, as `chain_hashes` gives
@@ -49,7 +48,7 @@ impl SlotAllocator {
         }
         let mut hashes = Vec::new();
         reserve(&mut hashes, n, "chain hashes")?;
-        let mut chain = root(salt);
+        let mut chain = crate::hashing::root(salt);
         for t in tokens.chunks_exact(ps) {
             chain = self.index.hasher.page(chain, t);
             hashes.push(chain);
@@ -102,21 +101,22 @@ impl SlotAllocator {
         reserve(&mut pages, hashes.len(), "matched pages")?;
         let mut m = self.walk_chain(hashes, &prompt, salt, Some(&mut pages));
         if m.pages > max_pages {
-            m = match max_pages {
-                0 => Match::root(salt),
-                k => {
-                    // A matched page is registered: its entry holds the chain.
-                    let e = self.index.entry_of(pages[k - 1]);
-                    Match {
-                        pages: k,
-                        chain: hashes[k - 1],
-                        key: e.map_or(0, |e| e.key),
-                        chain_reg: e.map_or(0, |e| e.reg),
-                    }
-                }
+            // A matched page is registered: its entry is the chain's tip.
+            m = match max_pages
+                .checked_sub(1)
+                .map(|k| self.index.tip_of(pages[k]))
+            {
+                Some(Some((tip, _))) => Match {
+                    pages: max_pages,
+                    tip,
+                },
+                _ => Match::root(salt),
             };
         }
-        Ok(self.open_matched(prompt, salt, &m, &pages))
+        // Apply: nothing below can fail.
+        let row = self.nth_free_row(0);
+        self.cold[row].set_prompt(prompt);
+        Ok(self.open_matched(salt, &m, &pages))
     }
 
     /// The tokens of a chain as i32, checked against its hashes.
@@ -150,15 +150,13 @@ impl SlotAllocator {
         for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
             // Filed under the key of the sent tokens; the sent hash must
             // also be the entry's (a sender with another seed misses).
-            let key = self.index.keys.page(m.key, t);
+            let key = self.index.keys.page(m.tip.key, t);
             match self.index.lookup(key) {
-                Some(e) if e.hash == h && self.index.verify(e, t, salt, m.chain_reg) => {
+                Some((i, e)) if e.hash == h && self.index.verify(e, t, salt, m.tip.reg) => {
                     if let Some(o) = out.as_deref_mut() {
                         o.push(e.page);
                     }
-                    m.chain = e.hash;
-                    m.key = key;
-                    m.chain_reg = e.reg;
+                    m.tip = ChainTip::at(i, e);
                     m.pages += 1;
                 }
                 _ => break,

@@ -32,6 +32,7 @@ use crate::error::Result;
 use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
 use crate::keys::KeyHasher;
+use crate::lookup::ChainTip;
 use crate::memory::{reserve, zeroed_vec};
 
 /// Pages a prefix lookup keys (and prefetches) ahead of its probes: enough
@@ -52,7 +53,15 @@ pub(crate) struct Entry {
     pub(crate) parent_reg: u64,
     pub(crate) salt: i64,
     pub(crate) page: u32,
+    /// Entry index + 1 of the latest child registered or re-verified under
+    /// this entry (0 = none): a hint for the next lookup (`lookup.rs`),
+    /// never trusted.
+    pub(crate) child: u32,
 }
+
+/// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
+/// hint to the slot never verifies.
+const DEAD: u64 = u64::MAX;
 
 #[derive(Debug, Clone)]
 pub(crate) struct PrefixIndex {
@@ -120,14 +129,6 @@ impl PrefixIndex {
         self.page_entry[page as usize] != 0
     }
 
-    #[inline]
-    pub(crate) fn entry_of(&self, page: u32) -> Option<&Entry> {
-        match self.page_entry[page as usize] {
-            0 => None,
-            e => self.entries.get(e as usize - 1),
-        }
-    }
-
     /// Index of the entry filed under `key`.
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<u32> {
@@ -136,9 +137,19 @@ impl PrefixIndex {
         })
     }
 
+    /// The entry filed under `key`, with its index.
     #[inline]
-    pub(crate) fn lookup(&self, key: u64) -> Option<&Entry> {
-        self.find(key).and_then(|e| self.entries.get(e as usize))
+    pub(crate) fn lookup(&self, key: u64) -> Option<(u32, &Entry)> {
+        let i = self.find(key)?;
+        Some((i, self.entries.get(i as usize)?))
+    }
+
+    /// The chain tip at `page`'s registration, if it has one.
+    #[inline]
+    pub(crate) fn tip_of(&self, page: u32) -> Option<(ChainTip, &Entry)> {
+        let i = self.page_entry[page as usize].checked_sub(1)?;
+        let e = self.entries.get(i as usize)?;
+        Some((ChainTip::at(i, e), e))
     }
 
     /// The keys of consecutive pages (their token ids, in order) chained on
@@ -204,25 +215,27 @@ impl PrefixIndex {
         self.table.reserve(n)
     }
 
-    /// Registers `page` under `hash`; returns the registration id. The
-    /// caller reserved room, checked that `hash` is absent and `page` unregistered.
+    /// Registers `page` under `key` (chain hash `hash`) as the child of
+    /// `parent`; returns its tip. The caller reserved room, checked that
+    /// `key` is absent and `page` unregistered.
     pub(crate) fn register(
         &mut self,
         page: u32,
         hash: u128,
         key: u64,
-        parent_reg: u64,
+        parent: &ChainTip,
         salt: i64,
-    ) -> u64 {
+    ) -> ChainTip {
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
             hash,
             key,
             reg,
-            parent_reg,
+            parent_reg: parent.reg,
             salt,
             page,
+            child: 0,
         };
         let idx = match self.free_entries.pop() {
             Some(i) => {
@@ -236,7 +249,8 @@ impl PrefixIndex {
         };
         self.table.insert(key, idx);
         self.page_entry[page as usize] = idx + 1;
-        reg
+        self.set_hint(parent, idx);
+        ChainTip::at(idx, &e)
     }
 
     /// Removes `page`'s registration (the caller handles LRU membership).
@@ -247,6 +261,7 @@ impl PrefixIndex {
         }
         let e = self.entries[idx as usize - 1];
         self.table.remove(e.key, idx - 1);
+        self.entries[idx as usize - 1].parent_reg = DEAD;
         self.free_entries.push(idx - 1);
         Some(e)
     }
@@ -311,6 +326,6 @@ impl PrefixIndex {
 /// Page contents equal. XOR-folding the whole page vectorizes and stays
 /// inline, where `==` calls memcmp (a third of a hit's cost at page 16).
 #[inline]
-fn same_tokens(a: &[i32], b: &[i32]) -> bool {
+pub(crate) fn same_tokens(a: &[i32], b: &[i32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
 }

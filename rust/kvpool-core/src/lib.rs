@@ -37,6 +37,7 @@ mod hashing;
 mod index;
 mod key_table;
 mod keys;
+mod lookup;
 mod memory;
 mod pages;
 mod prefix;

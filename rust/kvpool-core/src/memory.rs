@@ -56,6 +56,13 @@ pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Resul
         .map_err(|_| too_big(what, additional, std::mem::size_of::<T>()))
 }
 
+/// Makes room for `additional` more entries in `v` without the amortized
+/// doubling: a buffer then never holds more than its largest content.
+pub(crate) fn reserve_exact<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    v.try_reserve_exact(additional)
+        .map_err(|_| too_big(what, additional, std::mem::size_of::<T>()))
+}
+
 /// A Vec holding `n` clones of `x`, allocated fallibly.
 pub(crate) fn filled_vec<T: Clone>(n: usize, x: T, what: &str) -> Result<Vec<T>> {
     let mut v = Vec::new();

@@ -4,30 +4,10 @@
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
-use crate::hashing::root;
+use crate::hashing::{check_token_ids, push_token_ids};
 use crate::index::LOOKAHEAD;
-use crate::keys::root_key;
-use crate::memory::reserve;
-
-/// A prompt's longest verified cached prefix, found before anything changes.
-pub(crate) struct Match {
-    pub(crate) pages: usize,
-    pub(crate) chain: u128,
-    pub(crate) key: u64,
-    pub(crate) chain_reg: u64,
-}
-
-impl Match {
-    /// No page matched yet.
-    pub(crate) fn root(salt: i64) -> Self {
-        Match {
-            pages: 0,
-            chain: root(salt),
-            key: root_key(salt),
-            chain_reg: 0,
-        }
-    }
-}
+use crate::lookup::{ChainTip, Match};
+use crate::memory::{reserve, reserve_exact};
 
 impl SlotAllocator {
     /// Opens one request per prompt and gives each the longest cached prefix
@@ -74,19 +54,12 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        crate::hashing::check_token_ids(tokens)?;
         self.check_rows_available(n)?;
-        // Everything that allocates happens before the first change.
-        let mut prompts: Vec<Vec<i32>> = Vec::new();
-        reserve(&mut prompts, n, "prompts")?;
-        let mut k = 0usize;
-        for &l in lengths {
-            let mut p = Vec::new();
-            reserve(&mut p, l as usize, "prompt tokens")?;
-            p.extend(tokens[k..k + l as usize].iter().map(|&x| x as i32));
-            prompts.push(p);
-            k += l as usize;
-        }
+        // Everything that allocates happens before the first change. Each
+        // prompt goes straight into the buffer of the row it will open in
+        // (rows are taken from the top of the free stack): a free row's
+        // prompt means nothing, so filling it changes nothing observable,
+        // and the prompt is converted and copied once.
         let (mut handles, mut cached) = (Vec::new(), Vec::new());
         reserve(&mut handles, n, "handles")?;
         reserve(&mut cached, n, "cached lengths")?;
@@ -94,13 +67,25 @@ impl SlotAllocator {
         reserve(&mut matches, n, "prefix matches")?;
         let mut hit_pages = Vec::new();
         reserve(&mut hit_pages, total / self.page_size, "prefix matches")?;
-        for (i, p) in prompts.iter().enumerate() {
-            matches.push(self.match_prefix(p, salt.get(i), &mut hit_pages));
+        let mut k = 0usize;
+        for (i, &l) in lengths.iter().enumerate() {
+            let row = self.nth_free_row(i);
+            let mut p = std::mem::take(&mut self.cold[row].prompt);
+            p.clear();
+            let filled = reserve_exact(&mut p, l as usize, "prompt tokens").and_then(|()| {
+                if !push_token_ids(&mut p, &tokens[k..k + l as usize]) {
+                    check_token_ids(tokens)?;
+                }
+                Ok(self.match_prefix(&p, salt.get(i), &mut hit_pages))
+            });
+            self.cold[row].prompt = p;
+            matches.push(filled?);
+            k += l as usize;
         }
         // Apply: nothing below can fail.
         let mut hp = 0usize;
-        for (i, (prompt, m)) in prompts.into_iter().zip(matches).enumerate() {
-            let (handle, len) = self.open_matched(prompt, salt.get(i), &m, &hit_pages[hp..]);
+        for (i, m) in matches.into_iter().enumerate() {
+            let (handle, len) = self.open_matched(salt.get(i), &m, &hit_pages[hp..]);
             hp += m.pages;
             handles.push(handle);
             cached.push(len as i64);
@@ -108,15 +93,12 @@ impl SlotAllocator {
         Ok((handles, cached))
     }
 
-    /// Opens one request on the matched pages `hit_pages[..m.pages]` (a
-    /// row is free: the caller checked). Returns `(handle, cached_len)`.
-    pub(crate) fn open_matched(
-        &mut self,
-        prompt: Vec<i32>,
-        salt: i64,
-        m: &Match,
-        hit_pages: &[u32],
-    ) -> (i64, usize) {
+    /// Opens one request on the matched pages `hit_pages[..m.pages]`, in
+    /// the next free row (the caller checked there is one), whose prompt
+    /// buffer holds the request's prompt. Returns `(handle, cached_len)`.
+    pub(crate) fn open_matched(&mut self, salt: i64, m: &Match, hit_pages: &[u32]) -> (i64, usize) {
+        let next = self.nth_free_row(0);
+        let prompt = std::mem::take(&mut self.cold[next].prompt);
         let (row, handle) = self.take_row();
         let base = row * self.row_pages;
         let len = m.pages * self.page_size;
@@ -128,11 +110,9 @@ impl SlotAllocator {
         self.miss_tokens += prompt.len().saturating_sub(len) as u64;
         let cold = &mut self.cold[row];
         cold.reset(salt);
-        cold.set_prompt(prompt);
+        cold.prompt = prompt;
         cold.hashed_pages = m.pages as u32;
-        cold.chain = m.chain;
-        cold.chain_key = m.key;
-        cold.chain_reg = m.chain_reg;
+        cold.tip = m.tip;
         cold.exclusive = m.pages == 0;
         self.known_len[row] = len as u32;
         let last = if m.pages == 0 {
@@ -143,37 +123,6 @@ impl SlotAllocator {
         self.rows[row].len = len as u32;
         self.rows[row].last = last | self.slow_bit(row, len, last);
         (handle, len)
-    }
-
-    /// Walks `prompt`'s pages through the index while each hit verifies;
-    /// appends the hit pages to `out`. Read-only (the key scratch aside).
-    ///
-    /// Keys are computed `LOOKAHEAD` pages at a time and their buckets
-    /// prefetched before the first probe, so the probes' cache misses
-    /// overlap. No chain hash is computed: a verified hit's entry holds it.
-    fn match_prefix(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
-        let ps = self.page_size;
-        let max_pages = prompt.len().saturating_sub(1) / ps;
-        let mut m = Match::root(salt);
-        let mut keys = std::mem::take(&mut self.index.key_scratch);
-        let ix = &self.index;
-        'chunks: for chunk in prompt[..max_pages * ps].chunks(LOOKAHEAD * ps) {
-            ix.keys_ahead(m.key, chunk.chunks_exact(ps), &mut keys);
-            for (&key, page_tokens) in keys.iter().zip(chunk.chunks_exact(ps)) {
-                match ix.lookup(key) {
-                    Some(e) if ix.verify(e, page_tokens, salt, m.chain_reg) => {
-                        out.push(e.page);
-                        m.chain = e.hash;
-                        m.key = key;
-                        m.chain_reg = e.reg;
-                        m.pages += 1;
-                    }
-                    _ => break 'chunks,
-                }
-            }
-        }
-        self.index.key_scratch = keys;
-        m
     }
 
     /// Registers every full page of each request whose token ids are all
@@ -236,7 +185,7 @@ impl SlotAllocator {
             let tokens = pages
                 .iter()
                 .map(|&p| &ix.tokens[p as usize * ps..(p as usize + 1) * ps]);
-            ix.keys_ahead(self.cold[row].chain_key, tokens, &mut keys);
+            ix.keys_ahead(self.cold[row].tip.key, tokens, &mut keys);
             for &p in pages {
                 crate::memory::prefetch(&ix.page_entry, p as usize);
             }
@@ -255,43 +204,37 @@ impl SlotAllocator {
     /// false when the chain must stop there (a collision).
     fn register_page(&mut self, row: usize, base: usize, k: usize, key: u64) -> bool {
         let p = self.page_lists[base + k];
-        let (chain, parent_reg, salt) = {
-            let c = &self.cold[row];
-            (c.chain, c.chain_reg, c.salt)
-        };
+        let (parent, salt) = (self.cold[row].tip, self.cold[row].salt);
         let ps = self.page_size;
         let ptoks = &self.index.tokens[p as usize * ps..(p as usize + 1) * ps];
-        let h = self.index.hasher.page(chain, ptoks);
-        let found = self.index.find(key);
-        let reg = match found.map(|i| (i, self.index.entries[i as usize])) {
-            None if !self.index.is_registered(p) => {
-                let parent_hash = if k == 0 { 0 } else { chain };
-                let reg = self.index.register(p, h, key, parent_reg, salt);
-                let toks = self.index.page_tokens(p);
-                self.events.stored(h, parent_hash, p, salt, toks);
-                Some(reg)
+        let h = self.index.hasher.page(parent.hash, ptoks);
+        let ix = &mut self.index;
+        let tip = match ix.find(key).map(|i| (i, ix.entries[i as usize])) {
+            None if !ix.is_registered(p) => {
+                let tip = ix.register(p, h, key, &parent, salt);
+                let parent_hash = if k == 0 { 0 } else { parent.hash };
+                self.events
+                    .stored(h, parent_hash, p, salt, ix.page_tokens(p));
+                Some(tip)
             }
             Some((i, e)) if e.page == p && e.salt == salt => {
                 // This very page: its content was computed on this
                 // request's prefix, so (re)link it to the current parent.
-                self.index.entries[i as usize].parent_reg = parent_reg;
-                Some(e.reg)
+                ix.entries[i as usize].parent_reg = parent.reg;
+                ix.set_hint(&parent, i);
+                Some(ChainTip::at(i, &e))
             }
-            Some((_, e))
-                if self
-                    .index
-                    .verify(&e, self.index.page_tokens(p), salt, parent_reg) =>
-            {
-                Some(e.reg) // a duplicate: keep the existing copy
+            Some((i, e)) if ix.verify(&e, ix.page_tokens(p), salt, parent.reg) => {
+                // A duplicate: keep the existing copy.
+                ix.set_hint(&parent, i);
+                Some(ChainTip::at(i, &e))
             }
             _ => None,
         };
         let c = &mut self.cold[row];
-        match reg {
-            Some(reg) => {
-                c.chain = h;
-                c.chain_key = key;
-                c.chain_reg = reg;
+        match tip {
+            Some(tip) => {
+                c.tip = tip;
                 c.hashed_pages = k as u32 + 1;
                 true
             }

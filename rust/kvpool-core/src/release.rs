@@ -135,17 +135,15 @@ impl SlotAllocator {
             // Resume the chain at the last full page kept when its entry is
             // at hand (a registered page's hash is its chain hash here);
             // otherwise recompute it from page 0 at the next cache().
-            let entry = (full > 0)
-                .then(|| self.index.entry_of(self.page_lists[base + full - 1]))
+            let tip = (full > 0)
+                .then(|| self.index.tip_of(self.page_lists[base + full - 1]))
                 .flatten()
-                .copied();
+                .map(|(tip, e)| (tip, e.salt));
             let cold = &mut self.cold[row];
-            match entry {
-                Some(e) if e.salt == cold.salt => {
+            match tip {
+                Some((tip, salt)) if salt == cold.salt => {
                     cold.hashed_pages = full as u32;
-                    cold.chain = e.hash;
-                    cold.chain_key = e.key;
-                    cold.chain_reg = e.reg;
+                    cold.tip = tip;
                     cold.chain_broken = false;
                 }
                 _ => cold.restart_chain(),

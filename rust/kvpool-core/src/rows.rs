@@ -11,6 +11,8 @@ pub(crate) const OPEN: u32 = 1 << 31;
 /// unregister). Set conservatively; the slow path clears it.
 pub(crate) const SLOW: u32 = 1 << 31;
 
+use crate::lookup::ChainTip;
+
 /// Hot per-row state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C)]
@@ -38,12 +40,8 @@ pub(crate) struct RowCold {
     /// The chain stopped at `hashed_pages` (a hash collision with a
     /// different page); nothing past it is registered.
     pub(crate) chain_broken: bool,
-    /// Chain hash of page `hashed_pages - 1` (root value when 0).
-    pub(crate) chain: u128,
-    /// Lookup key of page `hashed_pages - 1` (root key when 0; `keys.rs`).
-    pub(crate) chain_key: u64,
-    /// Registration id of the index entry page `hashed_pages - 1` matched (0 = none).
-    pub(crate) chain_reg: u64,
+    /// The index entry page `hashed_pages - 1` matched (the root when 0).
+    pub(crate) tip: ChainTip,
     pub(crate) salt: i64,
     /// No other request (and no cache entry) can hold any of this request's
     /// pages: it never forked or was forked, hit no cached page and
@@ -77,9 +75,7 @@ impl RowCold {
     pub(crate) fn restart_chain(&mut self) {
         self.hashed_pages = 0;
         self.chain_broken = false;
-        self.chain = crate::hashing::root(self.salt);
-        self.chain_key = crate::keys::root_key(self.salt);
-        self.chain_reg = 0;
+        self.tip = ChainTip::root(self.salt);
     }
 }
 
@@ -90,9 +86,7 @@ impl RowCold {
             prompt: Vec::new(),
             hashed_pages: self.hashed_pages,
             chain_broken: self.chain_broken,
-            chain: self.chain,
-            chain_key: self.chain_key,
-            chain_reg: self.chain_reg,
+            tip: self.tip,
             salt: self.salt,
             exclusive: false,
         }

@@ -289,7 +289,8 @@ fn check_detects_corruption() {
         Box::new(|a| a.open_count = 0),
         Box::new(|a| {
             a.index.reserve(1).unwrap();
-            a.index.register(2, 7, 7, 0, 0); // registered page 2 held: fine...
+            a.index
+                .register(2, 7, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
             a.index.page_entry[2] = 0; // ...until its link is lost
         }),
     ];

@@ -1,0 +1,189 @@
+//! Finding a prompt's cached prefix: the chain tip a request (or a match in
+//! progress) stands on, and the walk that extends it page by page.
+//!
+//! Two ways to find page `k + 1`'s entry, both checked the same way:
+//! - **The tip's child hint.** Each entry remembers the latest child
+//!   registered (or re-verified) under it. A cached prompt that continues
+//!   the way its prefix was first cached (a chat's next turn, a prompt sent
+//!   again) then walks its chain like a radix tree: compare the page's
+//!   tokens with the hinted child's, and no hash is computed.
+//! - **The lookup key.** Where the hint is absent or fails (a branch point,
+//!   such as the end of a shared system prompt), the page's key is hashed
+//!   (`keys.rs`) and probed in the table (`key_table.rs`), `LOOKAHEAD`
+//!   pages at a time with their buckets prefetched.
+//!
+//! Either candidate is accepted only if it verifies (`index.rs`): same
+//! tokens, same salt, and its parent registration is the tip's. Entries are
+//! unique per key, and a key is a function of the salt and the token
+//! sequence, so a verified hinted child is the very entry the key lookup
+//! would find: the hint changes the cost of a match, never its result.
+
+use crate::allocator::SlotAllocator;
+use crate::index::{Entry, PrefixIndex, LOOKAHEAD};
+
+/// The last verified page of a chain: its chain hash, lookup key,
+/// registration id and entry (the root values before page 0). The four
+/// always describe the same entry, which is what lets a later page's key be
+/// chained on from `key` and checked against `reg`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ChainTip {
+    pub(crate) hash: u128,
+    pub(crate) key: u64,
+    /// Registration id (0 at the root).
+    pub(crate) reg: u64,
+    /// Entry index + 1 (0 at the root): where the child hint is read.
+    pub(crate) entry: u32,
+}
+
+impl ChainTip {
+    pub(crate) fn root(salt: i64) -> Self {
+        ChainTip {
+            hash: crate::hashing::root(salt),
+            key: crate::keys::root_key(salt),
+            reg: 0,
+            entry: 0,
+        }
+    }
+
+    /// The tip at entry `idx`.
+    #[inline]
+    pub(crate) fn at(idx: u32, e: &Entry) -> Self {
+        ChainTip {
+            hash: e.hash,
+            key: e.key,
+            reg: e.reg,
+            entry: idx + 1,
+        }
+    }
+}
+
+/// A prompt's longest verified cached prefix, found before anything changes.
+pub(crate) struct Match {
+    pub(crate) pages: usize,
+    pub(crate) tip: ChainTip,
+}
+
+impl Match {
+    /// No page matched yet.
+    pub(crate) fn root(salt: i64) -> Self {
+        Match {
+            pages: 0,
+            tip: ChainTip::root(salt),
+        }
+    }
+}
+
+impl PrefixIndex {
+    /// Makes entry `child` the hint of the tip's entry, if that entry is
+    /// still the tip's registration.
+    #[inline]
+    pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
+        if let Some(p) = tip
+            .entry
+            .checked_sub(1)
+            .and_then(|i| self.entries.get_mut(i as usize))
+        {
+            if p.reg == tip.reg {
+                p.child = child + 1;
+            }
+        }
+    }
+}
+
+impl PrefixIndex {
+    /// Follows the child hints from `tip` over consecutive pages of
+    /// `tokens` while each hinted child verifies; pushes the matched pages
+    /// to `out`, moves `tip` to the last one and returns how many matched.
+    /// `tip` must be the root or a live entry's tip (one just verified).
+    #[inline]
+    pub(crate) fn follow_hints(
+        &self,
+        tip: &mut ChainTip,
+        tokens: &[i32],
+        salt: i64,
+        out: &mut Vec<u32>,
+    ) -> usize {
+        let Some(mut cur) = tip.entry.checked_sub(1) else {
+            return 0;
+        };
+        let ents = &self.entries[..];
+        let mut n = 0;
+        for t in tokens.chunks_exact(self.page_size) {
+            // `cur` is a live entry: the tip's, then each verified child.
+            let Some(parent) = ents.get(cur as usize) else {
+                break;
+            };
+            let Some(e) = parent
+                .child
+                .checked_sub(1)
+                .and_then(|c| ents.get(c as usize))
+            else {
+                break;
+            };
+            if e.parent_reg != parent.reg
+                || e.salt != salt
+                || !crate::index::same_tokens(self.page_tokens(e.page), t)
+            {
+                break;
+            }
+            let child = parent.child - 1;
+            debug_assert_eq!(
+                self.find(self.keys.page(parent.key, t)),
+                Some(child),
+                "a verified hinted child is the entry its key finds"
+            );
+            out.push(e.page);
+            cur = child;
+            n += 1;
+        }
+        if n > 0 {
+            *tip = ChainTip::at(cur, &ents[cur as usize]);
+        }
+        n
+    }
+}
+
+impl SlotAllocator {
+    /// Walks `prompt`'s pages from the root while each page's entry
+    /// verifies; appends the matched pages to `out`. Read-only (the key
+    /// scratch aside). At most `(len - 1) / page_size` pages match, so at
+    /// least one token is left to compute.
+    pub(crate) fn match_prefix(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
+        let ps = self.page_size;
+        let max_pages = prompt.len().saturating_sub(1) / ps;
+        let mut m = Match::root(salt);
+        let mut keys = std::mem::take(&mut self.index.key_scratch);
+        keys.clear();
+        // keys[j] is the key of page `first_keyed + j`.
+        let mut first_keyed = 0usize;
+        let ix = &self.index;
+        while m.pages < max_pages {
+            let k = m.pages;
+            m.pages += ix.follow_hints(&mut m.tip, &prompt[k * ps..max_pages * ps], salt, out);
+            let k = m.pages;
+            if k == max_pages {
+                break;
+            }
+            // The hint is absent or wrong here: probe by key.
+            if k >= first_keyed + keys.len() {
+                // Key the next pages from the tip (every page before `k`
+                // matched, so their keys chain on from it).
+                let end = max_pages.min(k + LOOKAHEAD);
+                let ahead = prompt[k * ps..end * ps].chunks_exact(ps);
+                ix.keys_ahead(m.tip.key, ahead, &mut keys);
+                first_keyed = k;
+            }
+            let tokens = &prompt[k * ps..(k + 1) * ps];
+            match ix.lookup(keys[k - first_keyed]) {
+                Some((i, e)) if ix.verify(e, tokens, salt, m.tip.reg) => {
+                    out.push(e.page);
+                    m.tip = ChainTip::at(i, e);
+                    m.pages += 1;
+                }
+                _ => break,
+            }
+        }
+        self.index.key_scratch = keys;
+        m
+    }
+}
