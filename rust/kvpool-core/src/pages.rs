@@ -13,6 +13,9 @@
 
 use crate::allocator::SlotAllocator;
 
+/// How many LRU victims ahead `evict` prefetches.
+const EVICT_AHEAD: usize = 4;
+
 impl SlotAllocator {
     /// Pages an extend can take now: FREE + CACHED.
     #[inline]
@@ -83,14 +86,36 @@ impl SlotAllocator {
 
     /// Evicts up to `n` CACHED pages, least recently used first; returns
     /// how many were evicted. They become FREE.
+    ///
+    /// The victims are the first `n` pages of the LRU list, so the run is
+    /// cut off the list in one relink instead of unlinking page by page,
+    /// and each victim's registration is prefetched a few pages ahead (the
+    /// list is walked anyway), so the index misses overlap.
     pub fn evict(&mut self, n: usize) -> usize {
-        let mut k = 0;
-        while k < n {
-            let Some(p) = self.evict_one() else { break };
-            self.free_pages.push(p);
-            k += 1;
+        let n = n.min(self.index.lru_len);
+        let ix = &mut self.index;
+        let mut p = ix.lru_next[0];
+        let mut ahead = p;
+        for _ in 0..EVICT_AHEAD.min(n) {
+            ahead = ix.lru_next[ahead as usize];
+            crate::memory::prefetch(&ix.page_entry, ahead as usize);
         }
-        k
+        for _ in 0..n {
+            let next = ix.lru_next[p as usize];
+            ahead = ix.lru_next[ahead as usize];
+            crate::memory::prefetch(&ix.page_entry, ahead as usize);
+            ix.lru_prev[p as usize] = 0;
+            ix.lru_next[p as usize] = 0;
+            if let Some(e) = ix.unregister(p) {
+                self.events.removed(e.hash, p, e.salt);
+            }
+            self.free_pages.push(p);
+            p = next;
+        }
+        ix.lru_next[0] = p;
+        ix.lru_prev[p as usize] = 0;
+        ix.lru_len -= n;
+        n
     }
 
     /// Drops every index entry: CACHED pages become FREE, HELD pages stay
