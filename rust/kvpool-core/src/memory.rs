@@ -6,7 +6,7 @@
 use crate::error::{PoolError, Result};
 
 /// Largest `max_requests`: rows are indexed by u32 and the per-row metadata
-/// (16-byte hot row + ~64-byte cold row + page list) must stay allocatable.
+/// (16-byte hot row + 96-byte cold row + page list) must stay allocatable.
 pub const MAX_REQUESTS: usize = 1 << 20;
 /// Largest `max_context_len`: lengths live in u32 fields with the top bits free.
 pub const MAX_CONTEXT_LEN: usize = 1 << 28;
