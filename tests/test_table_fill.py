@@ -55,12 +55,14 @@ def test_fork_writes_the_parents_slots_into_each_new_row() -> None:
     assert table[row_of(a, k0), :14].tolist() == a.slots(k0).tolist()
 
 
-@pytest.mark.parametrize("bad", ["float", "too-small", "read-only"])
+@pytest.mark.parametrize("bad", ["float", "uint32", "big-endian", "too-small", "read-only"])
 def test_a_bad_table_is_refused_before_anything_opens(bad: str) -> None:
     a, prompt = served(4)
     parent, _ = a.open_with_prefix(prompt, [13])
     table = {
         "float": np.zeros((8, 64), dtype=np.float32),
+        "uint32": np.zeros((8, 64), dtype=np.uint32),
+        "big-endian": np.zeros((8, 64), dtype=">i4" if np.little_endian else "<i4"),
         "too-small": np.zeros((8, 63), dtype=np.int32),
         "read-only": np.zeros((8, 64), dtype=np.int32),
     }[bad]
@@ -73,6 +75,16 @@ def test_a_bad_table_is_refused_before_anything_opens(bad: str) -> None:
     assert (a.open_requests, a.free_pages, a.hit_tokens) == before[:3]
     assert np.array_equal(table, before[3])
     a.check()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.intc, "=i4"])
+def test_every_spelling_of_native_int32_is_a_table(dtype) -> None:
+    # The table's dtype is checked by kind and size, not by numpy's type
+    # number, which differs between spellings of int32 on some platforms.
+    a, prompt = served(4)
+    table = np.zeros((8, 64), dtype=dtype)
+    h, cached = a.open_with_prefix(prompt, [13], table=table)
+    assert table[row_of(a, int(h[0])), : int(cached[0])].tolist() == a.slots(int(h[0])).tolist()
 
 
 def test_fork_of_a_closed_handle_writes_nothing() -> None:

@@ -3,9 +3,8 @@
 //! completely before the allocator changes so that the write cannot fail.
 
 use numpy::npyffi::{objects::_PyArray_GET_ITEM_DATA, NPY_ARRAY_WRITEABLE};
-use numpy::{Element, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 
 use crate::errors::invalid_argument;
 use kvpool_core::SlotTable;
@@ -36,13 +35,13 @@ impl Table {
         num_slots: usize,
     ) -> PyResult<Self> {
         let bad = |m: String| Err(invalid_argument(py, m));
-        // The dtype by its type number (cached), not through the typed cast:
-        // that builds and compares a descriptor on every call, ~0.4 us of a
-        // decode step's extend.
-        static INT32: PyOnceLock<i32> = PyOnceLock::new();
-        let int32 = *INT32.get_or_init(py, || i32::get_dtype(py).num());
+        // The dtype by kind and size, read from the descriptor: the typed
+        // cast builds and compares a descriptor on every call (~0.4 us of a
+        // decode step's extend), and a type number would miss int32 arrays
+        // on platforms where numpy files int32 under C `long` (Windows).
         let dtype = arr.dtype();
-        if arr.ndim() != 2 || dtype.num() != int32 || !dtype.is_native_byteorder().unwrap_or(true) {
+        let int32 = dtype.kind() == b'i' && dtype.itemsize() == 4;
+        if arr.ndim() != 2 || !int32 || !dtype.is_native_byteorder().unwrap_or(true) {
             return bad(format!(
                 "table must be a 2-D int32 array, got a {}-D array of dtype {}",
                 arr.ndim(),
@@ -66,7 +65,8 @@ impl Table {
         let row_ok = strides[0] >= shape[1] as isize * item && strides[0] % item == 0;
         if (strides[1] != item && shape[1] > 1) || !row_ok || !a.is_aligned() {
             return bad(format!(
-                "table must have contiguous rows, a row stride of at least its width and                  int32 alignment (e.g. tensor.numpy()); got strides {strides:?} for shape {shape:?}"
+                "table must have contiguous rows, a row stride of at least its width and \
+                 int32 alignment (e.g. tensor.numpy()); got strides {strides:?} for shape {shape:?}"
             ));
         }
         if num_slots > i32::MAX as usize + 1 {
