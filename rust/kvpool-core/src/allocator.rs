@@ -170,7 +170,7 @@ impl SlotAllocator {
     ///
     /// Metadata, all reserved here (the exact worst case, see `metadata_bytes`):
     /// 20 bytes per page (refcount, free stack entry, registration, two LRU
-    /// links), 4 per slot (token ids), and per row 16 (hot) + 72 (cold) + 4
+    /// links), 4 per slot (token ids), and per row 16 (hot) + 96 (cold) + 4
     /// (free row stack) + 4 * (ceil(max_context_len / page_size) rounded up
     /// to 16, plus 16) (its page list). On top, while in use: ~90 bytes per registered page (index
     /// entry and map slot) and 4 per prompt token of each open request.

@@ -11,6 +11,8 @@
 
 use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
+use crate::index::DEAD;
+use crate::lookup::ChainTip;
 use crate::rows::{OPEN, SLOW};
 
 impl SlotAllocator {
@@ -142,6 +144,13 @@ impl SlotAllocator {
         if ix.entries.len() != ix.len() + ix.free_entries.len() {
             return fail("index entry slab leaks entries".into());
         }
+        // A freed slot must never verify as anybody's child (`lookup.rs`).
+        for &i in &ix.free_entries {
+            match ix.entries.get(i as usize) {
+                Some(e) if e.parent_reg == DEAD && ix.page_entry[e.page as usize] != i + 1 => {}
+                _ => return fail(format!("free index slot {i} is live or not marked dead")),
+            }
+        }
         Ok(())
     }
 
@@ -193,6 +202,11 @@ impl SlotAllocator {
                     .any(|&p| self.refcount[p as usize] != 1 || self.index.is_registered(p))
             {
                 return fail(format!("row {row} is marked exclusive but shares a page"));
+            }
+            if c.hashed_pages == 0 && c.tip != ChainTip::root(c.salt) {
+                return fail(format!(
+                    "row {row} hashed no page but its chain tip is not the root"
+                ));
             }
             let known = self.known_len[row];
             if known as usize > len || c.hashed_pages as usize > len / self.page_size {

@@ -61,7 +61,7 @@ pub(crate) struct Entry {
 
 /// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
 /// hint to the slot never verifies.
-const DEAD: u64 = u64::MAX;
+pub(crate) const DEAD: u64 = u64::MAX;
 
 #[derive(Debug, Clone)]
 pub(crate) struct PrefixIndex {

@@ -4,7 +4,7 @@
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
-use crate::hashing::{check_token_ids, push_token_ids};
+use crate::hashing::check_token_ids;
 use crate::index::LOOKAHEAD;
 use crate::lookup::{ChainTip, Match};
 use crate::memory::{reserve, reserve_exact};
@@ -54,6 +54,7 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
+        check_token_ids(tokens)?;
         self.check_rows_available(n)?;
         // Everything that allocates happens before the first change. Each
         // prompt goes straight into the buffer of the row it will open in
@@ -67,19 +68,31 @@ impl SlotAllocator {
         reserve(&mut matches, n, "prefix matches")?;
         let mut hit_pages = Vec::new();
         reserve(&mut hit_pages, total / self.page_size, "prefix matches")?;
+        // Each row's old prompt capacity, given back if a later prompt
+        // cannot be allocated: a failed call leaves even `metadata_bytes`.
+        let mut caps = Vec::new();
+        reserve(&mut caps, n, "prompt buffers")?;
         let mut k = 0usize;
         for (i, &l) in lengths.iter().enumerate() {
             let row = self.nth_free_row(i);
             let mut p = std::mem::take(&mut self.cold[row].prompt);
+            caps.push(p.capacity());
             p.clear();
-            let filled = reserve_exact(&mut p, l as usize, "prompt tokens").and_then(|()| {
-                if !push_token_ids(&mut p, &tokens[k..k + l as usize]) {
-                    check_token_ids(tokens)?;
-                }
-                Ok(self.match_prefix(&p, salt.get(i), &mut hit_pages))
-            });
+            let grown = reserve_exact(&mut p, l as usize, "prompt tokens");
+            if grown.is_ok() {
+                p.extend(tokens[k..k + l as usize].iter().map(|&x| x as i32));
+                matches.push(self.match_prefix(&p, salt.get(i), &mut hit_pages));
+            }
             self.cold[row].prompt = p;
-            matches.push(filled?);
+            if let Err(e) = grown {
+                for (j, &cap) in caps.iter().enumerate() {
+                    let r = self.nth_free_row(j);
+                    let p = &mut self.cold[r].prompt;
+                    p.clear();
+                    p.shrink_to(cap);
+                }
+                return Err(e);
+            }
             k += l as usize;
         }
         // Apply: nothing below can fail.

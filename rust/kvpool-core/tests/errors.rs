@@ -15,7 +15,8 @@ fn snapshot(a: &mut SlotAllocator, hs: &[i64]) -> String {
     let ev = a.take_events();
     assert!(ev.is_empty(), "a failing call emitted events");
     format!(
-        "{per:?} {} {} {} {} {} {} {}",
+        "{per:?} {} {} {} {} {} {} {} {}",
+        a.metadata_bytes(),
         a.free_pages(),
         a.cached_pages(),
         a.evictable_pages(),
@@ -60,6 +61,14 @@ fn sharing_calls_fail_typed_and_change_nothing() {
     arg(
         a.open_with_prefix(&[1, -2, 3], &[3], Counts::Each(0)),
         "not a token id",
+    );
+    // A bad id in the second prompt: the first one's row (which the call
+    // fills before it opens) must not keep a grown prompt buffer either.
+    let mut two = vec![7i64; 20];
+    two[15] = -1;
+    arg(
+        a.open_with_prefix(&two, &[10, 10], Counts::Each(0)),
+        "tokens[15] = -1 is not a token id",
     );
     arg(
         a.open_with_prefix(&[1, 2, 3], &[3], Counts::PerRequest(&[0, 1])),
