@@ -79,6 +79,19 @@ pub(crate) fn le_bytes(tokens: &[i32]) -> std::borrow::Cow<'_, [u8]> {
         .into()
 }
 
+/// Appends `tokens` to `out` as i32; true if every id was in [0, 2^31)
+/// (else `check_token_ids` names the first bad one). One pass: the check
+/// rides along the conversion instead of reading the ids twice.
+#[inline]
+pub(crate) fn push_token_ids(out: &mut Vec<i32>, tokens: &[i64]) -> bool {
+    let mut high = 0u64;
+    out.extend(tokens.iter().map(|&x| {
+        high |= x as u64 >> 31;
+        x as i32
+    }));
+    high == 0
+}
+
 /// Token ids must be in [0, 2^31): they are stored and hashed as i32.
 pub(crate) fn check_token_ids(tokens: &[i64]) -> crate::error::Result<()> {
     // An id outside [0, 2^31) has a bit at or above 31 set; OR-ing them all

@@ -4,7 +4,7 @@
 use crate::allocator::{Counts, SlotAllocator};
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
-use crate::hashing::check_token_ids;
+use crate::hashing::{check_token_ids, push_token_ids};
 use crate::index::LOOKAHEAD;
 use crate::lookup::{ChainTip, Match};
 use crate::memory::{reserve, reserve_exact};
@@ -54,7 +54,6 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        check_token_ids(tokens)?;
         self.check_rows_available(n)?;
         // Everything that allocates happens before the first change. Each
         // prompt goes straight into the buffer of the row it will open in
@@ -68,8 +67,9 @@ impl SlotAllocator {
         reserve(&mut matches, n, "prefix matches")?;
         let mut hit_pages = Vec::new();
         reserve(&mut hit_pages, total / self.page_size, "prefix matches")?;
-        // Each row's old prompt capacity, given back if a later prompt
-        // cannot be allocated: a failed call leaves even `metadata_bytes`.
+        // Each row's old prompt capacity, given back if a later prompt has a
+        // bad token id or cannot be allocated: a failed call leaves even
+        // `metadata_bytes` as it was.
         let mut caps = Vec::new();
         reserve(&mut caps, n, "prompt buffers")?;
         let mut k = 0usize;
@@ -78,20 +78,24 @@ impl SlotAllocator {
             let mut p = std::mem::take(&mut self.cold[row].prompt);
             caps.push(p.capacity());
             p.clear();
-            let grown = reserve_exact(&mut p, l as usize, "prompt tokens");
-            if grown.is_ok() {
-                p.extend(tokens[k..k + l as usize].iter().map(|&x| x as i32));
-                matches.push(self.match_prefix(&p, salt.get(i), &mut hit_pages));
-            }
-            self.cold[row].prompt = p;
-            if let Err(e) = grown {
-                for (j, &cap) in caps.iter().enumerate() {
-                    let r = self.nth_free_row(j);
-                    let p = &mut self.cold[r].prompt;
-                    p.clear();
-                    p.shrink_to(cap);
+            let filled = reserve_exact(&mut p, l as usize, "prompt tokens").and_then(|()| {
+                match push_token_ids(&mut p, &tokens[k..k + l as usize]) {
+                    true => Ok(self.match_prefix(&p, salt.get(i), &mut hit_pages)),
+                    // Names the first bad id (one is there: the pass saw it).
+                    false => check_token_ids(tokens).and_then(|()| {
+                        Err(PoolError::InvalidArgument(
+                            "a token id is out of range".into(),
+                        ))
+                    }),
                 }
-                return Err(e);
+            });
+            self.cold[row].prompt = p;
+            match filled {
+                Ok(m) => matches.push(m),
+                Err(e) => {
+                    self.restore_prompt_capacity(&caps);
+                    return Err(e);
+                }
             }
             k += l as usize;
         }
@@ -104,6 +108,16 @@ impl SlotAllocator {
             cached.push(len as i64);
         }
         Ok((handles, cached))
+    }
+
+    /// Gives the next `caps.len()` free rows their old prompt capacities.
+    fn restore_prompt_capacity(&mut self, caps: &[usize]) {
+        for (j, &cap) in caps.iter().enumerate() {
+            let r = self.nth_free_row(j);
+            let p = &mut self.cold[r].prompt;
+            p.clear();
+            p.shrink_to(cap);
+        }
     }
 
     /// Opens one request on the matched pages `hit_pages[..m.pages]`, in
