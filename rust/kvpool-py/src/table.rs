@@ -3,8 +3,9 @@
 //! completely before the allocator changes so that the write cannot fail.
 
 use numpy::npyffi::{objects::_PyArray_GET_ITEM_DATA, NPY_ARRAY_WRITEABLE};
-use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{Element, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 use crate::errors::invalid_argument;
 use kvpool_core::SlotTable;
@@ -35,12 +36,15 @@ impl Table {
         num_slots: usize,
     ) -> PyResult<Self> {
         let bad = |m: String| Err(invalid_argument(py, m));
-        // The dtype by kind and size, read from the descriptor: the typed
-        // cast builds and compares a descriptor on every call (~0.4 us of a
-        // decode step's extend), and a type number would miss int32 arrays
-        // on platforms where numpy files int32 under C `long` (Windows).
+        // The dtype by its type number (cached) first: the typed cast builds
+        // and compares a descriptor on every call (~0.4 us of a decode
+        // step's extend). numpy files int32 under C `int` or, on platforms
+        // where `long` is 32 bits (Windows), under `long`: another number for
+        // the same dtype, which the kind-and-size test accepts.
+        static INT32: PyOnceLock<i32> = PyOnceLock::new();
+        let int32_num = *INT32.get_or_init(py, || i32::get_dtype(py).num());
         let dtype = arr.dtype();
-        let int32 = dtype.kind() == b'i' && dtype.itemsize() == 4;
+        let int32 = dtype.num() == int32_num || (dtype.kind() == b'i' && dtype.itemsize() == 4);
         if arr.ndim() != 2 || !int32 || !dtype.is_native_byteorder().unwrap_or(true) {
             return bad(format!(
                 "table must be a 2-D int32 array, got a {}-D array of dtype {}",
