@@ -212,7 +212,9 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
-        self.table.reserve(n)
+        // The table goes straight to its final size (see `KeyTable::reserve`).
+        self.table
+            .reserve(n, self.page_entry.len().saturating_sub(1))
     }
 
     /// Registers `page` under `key` (chain hash `hash`) as the child of
