@@ -212,9 +212,7 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
-        // The table goes straight to its final size (see `KeyTable::reserve`).
-        self.table
-            .reserve(n, self.page_entry.len().saturating_sub(1))
+        self.table.reserve(n)
     }
 
     /// Registers `page` under `key` (chain hash `hash`) as the child of

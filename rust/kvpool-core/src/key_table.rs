@@ -61,21 +61,12 @@ impl KeyTable {
     }
 
     /// Room for `additional` more keys at load <= 1/2, or a typed error with
-    /// nothing changed. A table that must grow grows at once to room for
-    /// `final_len` keys (when that is more): the most it will ever hold.
-    ///
-    /// Why not double: doubling moves every key each time, and the new
-    /// buckets are fresh zero pages the kernel faults in one by one, so one
-    /// doubling of a 262K-key table stalled a step for ~10 ms (page 1, 1M
-    /// slots, the prefix benchmark). Growing once to the pool's size costs
-    /// that once, at the first `cache()`, and memory the pool bounds anyway
-    /// (16-32 bytes per page; pages never registered stay unfaulted).
-    pub(crate) fn reserve(&mut self, additional: usize, final_len: usize) -> Result<()> {
+    /// nothing changed.
+    pub(crate) fn reserve(&mut self, additional: usize) -> Result<()> {
         let need = self.len.saturating_add(additional).saturating_mul(2);
         if need <= self.buckets.len() {
             return Ok(());
         }
-        let need = need.max(final_len.saturating_mul(2));
         let cap = need
             .max(16)
             .checked_next_power_of_two()
@@ -83,7 +74,7 @@ impl KeyTable {
             .ok_or_else(|| {
                 PoolError::InvalidArgument(format!(
                     "cannot size the prefix index for {} pages",
-                    need / 2
+                    self.len.saturating_add(additional)
                 ))
             })?;
         let mut grown = KeyTable {
@@ -215,7 +206,7 @@ mod tests {
                 if add && !m.contains_key(&key) {
                     let e = keys.len() as u32;
                     keys.push(key);
-                    t.reserve(1, 0).unwrap();
+                    t.reserve(1).unwrap();
                     t.insert(key, e);
                     m.insert(key, e);
                 } else if let Some(e) = m.remove(&key) {
