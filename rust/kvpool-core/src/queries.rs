@@ -165,6 +165,12 @@ impl SlotAllocator {
         for &h in handles {
             let row = handle_row(h) as usize;
             let len = self.rows[row].len as usize;
+            if ps == 1 {
+                // Every page is one slot: the row is the page list itself,
+                // one flat copy instead of a run per token.
+                table.write_pages(row, self.row_pages_of(row));
+                continue;
+            }
             for (k, (s, m)) in self.slot_runs(row, len).enumerate() {
                 table.write_page(row, k * ps, s, m);
             }

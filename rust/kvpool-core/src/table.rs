@@ -73,6 +73,18 @@ impl<'a> SlotTable<'a> {
         }
     }
 
+    /// Writes table[row, ..pages.len()] = pages (page size 1: a page is its
+    /// slot).
+    #[inline]
+    pub(crate) fn write_pages(&mut self, row: usize, pages: &[u32]) {
+        let at = row * self.row_stride;
+        if let Some(dst) = self.data.get_mut(at..at + pages.len()) {
+            for (d, &p) in dst.iter_mut().zip(pages) {
+                *d = p as i32;
+            }
+        }
+    }
+
     /// Writes table[row, start..start + slots.len()] = slots, and the
     /// entries of the `moved` positions before `start` that copy-on-write
     /// moved onto the page of `slots[0]`.

@@ -328,8 +328,15 @@ fn metadata_settles_once_every_row_held_its_longest_prompt() {
 
 #[test]
 fn fill_table_writes_the_slots_a_hit_or_a_fork_gave() {
+    // Page 1 takes its own path (the page list is the row).
+    for ps in [1, 4] {
+        fill_table_case(ps);
+    }
+}
+
+fn fill_table_case(ps: usize) {
     use kvpool_core::SlotTable;
-    let mut a = pool(64, 4);
+    let mut a = pool(64, ps);
     let stride = 64 + 5; // max_context_len 64, a padded row
     let mut table = vec![-1i32; 8 * stride];
     let prompt = seq(13, 300);
