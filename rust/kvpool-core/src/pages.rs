@@ -93,25 +93,24 @@ impl SlotAllocator {
     /// list is walked anyway), so the index misses overlap.
     pub fn evict(&mut self, n: usize) -> usize {
         let n = n.min(self.index.lru_len);
-        let ix = &mut self.index;
-        let mut p = ix.lru_next[0];
+        let mut p = self.index.lru_next[0];
         let mut ahead = p;
         for _ in 0..EVICT_AHEAD.min(n) {
-            ahead = ix.lru_next[ahead as usize];
-            crate::memory::prefetch(&ix.page_entry, ahead as usize);
+            ahead = self.index.lru_next[ahead as usize];
+            crate::memory::prefetch(&self.index.page_entry, ahead as usize);
         }
         for _ in 0..n {
+            let ix = &mut self.index;
             let next = ix.lru_next[p as usize];
             ahead = ix.lru_next[ahead as usize];
             crate::memory::prefetch(&ix.page_entry, ahead as usize);
             ix.lru_prev[p as usize] = 0;
             ix.lru_next[p as usize] = 0;
-            if let Some(e) = ix.unregister(p) {
-                self.events.removed(e.hash, p, e.salt);
-            }
+            self.unregister_page(p);
             self.free_pages.push(p);
             p = next;
         }
+        let ix = &mut self.index;
         ix.lru_next[0] = p;
         ix.lru_prev[p as usize] = 0;
         ix.lru_len -= n;

@@ -236,7 +236,7 @@ impl SlotAllocator {
         let ptoks = &self.index.tokens[p as usize * ps..(p as usize + 1) * ps];
         let h = self.index.hasher.page(parent.hash, ptoks);
         let ix = &mut self.index;
-        let tip = match ix.find(key).map(|i| (i, ix.entries[i as usize])) {
+        let tip = match ix.lookup(key).map(|(i, e)| (i, *e)) {
             None if !ix.is_registered(p) => {
                 let tip = ix.register(p, h, key, &parent, salt);
                 let parent_hash = if k == 0 { 0 } else { parent.hash };
