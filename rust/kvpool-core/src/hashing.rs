@@ -50,12 +50,37 @@ impl ChainHasher {
     /// Hash of the page with `tokens` whose parent's chain hash is `parent`.
     #[inline]
     pub(crate) fn page(&mut self, parent: u128, tokens: &[i32]) -> u128 {
-        self.buf.clear();
-        self.buf.extend_from_slice(&parent.to_le_bytes());
-        #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
-        self.buf.extend_from_slice(&le_bytes(tokens));
-        xxh3_128_with_seed(&self.buf, self.seed) & self.mask
+        // The chain waits on each page's hash before the next can start, so
+        // the copy into the buffer is on its critical path. At the common
+        // page sizes the buffer is a stack array of known length and the
+        // copies inline: 2.6 instead of 3.7 us a 4096-token chain at page 16.
+        let h = match tokens.len() {
+            1 => fixed::<1, 20>(self.seed, parent, tokens),
+            16 => fixed::<16, 80>(self.seed, parent, tokens),
+            32 => fixed::<32, 144>(self.seed, parent, tokens),
+            64 => fixed::<64, 272>(self.seed, parent, tokens),
+            _ => {
+                self.buf.clear();
+                self.buf.extend_from_slice(&parent.to_le_bytes());
+                #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
+                self.buf.extend_from_slice(&le_bytes(tokens));
+                xxh3_128_with_seed(&self.buf, self.seed)
+            }
+        };
+        h & self.mask
     }
+}
+
+/// `xxh3_128(seed, parent || tokens)` for pages of `N` tokens (`B` = 16 + 4N
+/// bytes), the same bytes as the general path hashes.
+#[inline(always)]
+fn fixed<const N: usize, const B: usize>(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
+    debug_assert_eq!(B, 16 + 4 * N);
+    let mut buf = [0u8; B];
+    buf[..16].copy_from_slice(&parent.to_le_bytes());
+    #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
+    buf[16..].copy_from_slice(&le_bytes(&tokens[..N]));
+    xxh3_128_with_seed(&buf, seed)
 }
 
 /// The little-endian bytes of `tokens`: on little-endian targets the slice's
@@ -109,5 +134,35 @@ pub(crate) fn check_token_ids(tokens: &[i64]) -> crate::error::Result<()> {
             tokens[j],
             i32::MAX
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every page size, fixed-buffer or not, hashes exactly
+    /// `xxh3_128(seed, parent || tokens)`.
+    #[test]
+    fn page_hash_is_xxh3_of_parent_and_tokens() {
+        for ps in [1usize, 2, 15, 16, 17, 32, 64, 65, 128] {
+            let tokens: Vec<i32> = (0..ps as i32).map(|i| i * 7919 + 3).collect();
+            let parent = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128 ^ ps as u128;
+            let mut bytes = parent.to_le_bytes().to_vec();
+            for t in &tokens {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            let mut h = ChainHasher::new(42, 0, Vec::new());
+            assert_eq!(
+                h.page(parent, &tokens),
+                xxh3_128_with_seed(&bytes, 42),
+                "ps {ps}"
+            );
+            let mut weak = ChainHasher::new(42, 12, Vec::new());
+            assert_eq!(
+                weak.page(parent, &tokens),
+                xxh3_128_with_seed(&bytes, 42) & 0xfff
+            );
+        }
     }
 }
