@@ -123,6 +123,14 @@ impl SlotAllocator {
                     e.page
                 ));
             }
+            if e.first_token != ix.page_tokens(e.page)[0] {
+                return fail(format!(
+                    "index entry {i} keeps first token {} but page {} starts with {}",
+                    e.first_token,
+                    e.page,
+                    ix.page_tokens(e.page)[0]
+                ));
+            }
             listed += 1;
         }
         let registered = ix.page_entry.iter().filter(|&&e| e != 0).count();

@@ -53,6 +53,10 @@ pub(crate) struct Entry {
     pub(crate) parent_reg: u64,
     pub(crate) salt: i64,
     pub(crate) page: u32,
+    /// The page's first token id (its only one at page size 1), kept where
+    /// a hinted walk reads anyway: at page size 1 a hop then verifies
+    /// from this one cache line, without a dependent load of the token.
+    pub(crate) first_token: i32,
     /// Entry index + 1 of the latest child registered or re-verified under
     /// this entry (0 = none): a hint for the next lookup (`lookup.rs`),
     /// never trusted.
@@ -186,10 +190,15 @@ impl PrefixIndex {
     /// registration `parent_reg` and `salt` (see the module docs).
     #[inline]
     pub(crate) fn verify(&self, e: &Entry, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
-        self.skip_verify
-            || e.parent_reg == parent_reg
-                && e.salt == salt
-                && same_tokens(self.page_tokens(e.page), tokens)
+        self.skip_verify || e.parent_reg == parent_reg && e.salt == salt && self.holds(e, tokens)
+    }
+
+    /// Whether `e`'s page holds `tokens` (one page's worth, never empty).
+    #[inline]
+    pub(crate) fn holds(&self, e: &Entry, tokens: &[i32]) -> bool {
+        debug_assert_eq!(e.first_token, self.page_tokens(e.page)[0]);
+        e.first_token == tokens[0]
+            && (self.page_size == 1 || same_tokens(self.page_tokens(e.page), tokens))
     }
 
     /// Registrations still possible: the pool's pages not registered yet
@@ -235,6 +244,7 @@ impl PrefixIndex {
             parent_reg: parent.reg,
             salt,
             page,
+            first_token: self.tokens[page as usize * self.page_size],
             child: 0,
         };
         let idx = match self.free_entries.pop() {

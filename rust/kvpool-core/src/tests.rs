@@ -293,6 +293,13 @@ fn check_detects_corruption() {
                 .register(2, 7, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
             a.index.page_entry[2] = 0; // ...until its link is lost
         }),
+        Box::new(|a| {
+            a.index.reserve(1).unwrap();
+            a.index
+                .register(2, 7, 7, &crate::lookup::ChainTip::default(), 0);
+            let first = 2 * a.page_size;
+            a.index.tokens[first] += 1; // a registered page rewritten in place
+        }),
     ];
     for (i, corrupt) in corruptions.iter().enumerate() {
         let mut b = good.clone();
