@@ -286,8 +286,9 @@ impl PrefixIndex {
         self.free_entries.clear();
     }
 
-    /// Appends `p` as the newest CACHED page.
-    #[inline]
+    /// Appends `p` as the newest CACHED page (releases append in bulk,
+    /// `SlotAllocator::release_pages`; tests corrupt the list with this).
+    #[cfg(test)]
     pub(crate) fn lru_push(&mut self, p: u32) {
         let newest = self.lru_prev[0];
         self.lru_next[newest as usize] = p;

@@ -58,30 +58,74 @@ impl SlotAllocator {
         }
     }
 
-    /// One more holder of a HELD or CACHED page.
-    #[inline]
-    pub(crate) fn hold_page(&mut self, p: u32) {
-        let rc = &mut self.refcount[p as usize];
-        if *rc == 0 {
-            self.index.lru_remove(p);
+    /// One more holder of each page, HELD or CACHED, in a request's order.
+    ///
+    /// A run of CACHED pages that sits in the LRU list newest-first (as a
+    /// request released them, last page first) leaves the list in one
+    /// relink. Unlinking page by page would make each unlink wait on the
+    /// links the one before it just wrote (the run's pages are each other's
+    /// neighbours); here the run's links are only read, independently.
+    pub(crate) fn hold_pages(&mut self, pages: &[u32]) {
+        let (rc, ix) = (&mut self.refcount, &mut self.index);
+        let mut k = 0;
+        while k < pages.len() {
+            let p = pages[k] as usize;
+            k += 1;
+            if rc[p] != 0 {
+                rc[p] += 1;
+                continue;
+            }
+            // CACHED: `p` and the pages after it that are each the LRU
+            // predecessor of the one before form one segment of the list.
+            // The test folds into one value: a compare-and-branch would let
+            // the compiler take the next page from the link just loaded,
+            // chaining every load on the one before.
+            let first = k - 1;
+            while k < pages.len()
+                && (ix.lru_prev[pages[k - 1] as usize] ^ pages[k]) | rc[pages[k] as usize] == 0
+            {
+                k += 1;
+            }
+            let newer = ix.lru_next[p];
+            let older = ix.lru_prev[pages[k - 1] as usize];
+            for &q in &pages[first..k] {
+                rc[q as usize] = 1;
+                ix.lru_prev[q as usize] = 0;
+                ix.lru_next[q as usize] = 0;
+            }
+            ix.lru_next[older as usize] = newer;
+            ix.lru_prev[newer as usize] = older;
+            ix.lru_len -= k - first;
         }
-        self.refcount[p as usize] += 1;
     }
 
-    /// One holder fewer. Pass a request's pages last-first: freed pages then
-    /// come back off the stack in their old order, and cached tail pages are
-    /// older in the LRU than their parents, so eviction takes them first.
-    #[inline]
-    pub(crate) fn release_page(&mut self, p: u32) {
-        let rc = &mut self.refcount[p as usize];
-        *rc -= 1;
-        if *rc == 0 {
-            if self.index.is_registered(p) {
-                self.index.lru_push(p);
+    /// One holder fewer of each page. Pass a request's pages last-first:
+    /// freed pages then come back off the stack in their old order, and
+    /// cached tail pages are older in the LRU than their parents, so
+    /// eviction takes them first. Pages that become CACHED are appended to
+    /// the LRU list with its newest end kept in a register, not re-read
+    /// from the sentinel each time.
+    pub(crate) fn release_pages<'p>(&mut self, pages: impl Iterator<Item = &'p u32>) {
+        let (rc, ix) = (&mut self.refcount, &mut self.index);
+        let mut newest = ix.lru_prev[0];
+        let mut pushed = 0;
+        for &p in pages {
+            rc[p as usize] -= 1;
+            if rc[p as usize] != 0 {
+                continue;
+            }
+            if ix.page_entry[p as usize] != 0 {
+                ix.lru_next[newest as usize] = p;
+                ix.lru_prev[p as usize] = newest;
+                newest = p;
+                pushed += 1;
             } else {
                 self.free_pages.push(p);
             }
         }
+        ix.lru_next[newest as usize] = 0;
+        ix.lru_prev[0] = newest;
+        ix.lru_len += pushed;
     }
 
     /// Evicts up to `n` CACHED pages, least recently used first; returns

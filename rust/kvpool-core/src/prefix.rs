@@ -129,10 +129,9 @@ impl SlotAllocator {
         let (row, handle) = self.take_row();
         let base = row * self.row_pages;
         let len = m.pages * self.page_size;
-        for (k, &p) in hit_pages[..m.pages].iter().enumerate() {
-            self.hold_page(p);
-            self.page_lists[base + k] = p;
-        }
+        let hits = &hit_pages[..m.pages];
+        self.hold_pages(hits);
+        self.page_lists[base..base + m.pages].copy_from_slice(hits);
         self.hit_tokens += len as u64;
         self.miss_tokens += prompt.len().saturating_sub(len) as u64;
         let cold = &mut self.cold[row];

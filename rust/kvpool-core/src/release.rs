@@ -115,10 +115,9 @@ impl SlotAllocator {
                 }
             }
         } else {
-            for k in (keep..np).rev() {
-                let p = self.page_lists[base + k];
-                self.release_page(p);
-            }
+            let pages = std::mem::take(&mut self.page_lists);
+            self.release_pages(pages[base + keep..base + np].iter().rev());
+            self.page_lists = pages;
         }
         let last = if keep == 0 {
             0
