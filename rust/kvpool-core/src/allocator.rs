@@ -172,8 +172,10 @@ impl SlotAllocator {
     /// 20 bytes per page (refcount, free stack entry, registration, two LRU
     /// links), 4 per slot (token ids), and per row 16 (hot) + 96 (cold) + 4
     /// (free row stack) + 4 * (ceil(max_context_len / page_size) rounded up
-    /// to 16, plus 16) (its page list). On top, while in use: ~90 bytes per registered page (index
-    /// entry and map slot) and 4 per prompt token of each open request.
+    /// to 16, plus 16) (its page list). On top, while in use: the index table (16-32 bytes per
+    /// page for up to 2^20 pages at the first `cache()`, doubling past that),
+    /// a 64-byte entry per registered page and 4 per prompt token of each
+    /// open request.
     pub fn with_options(
         num_pages: usize,
         page_size: usize,

@@ -40,6 +40,18 @@ use crate::memory::{reserve, zeroed_vec};
 /// long prompt wastes little hashing.
 pub(crate) const LOOKAHEAD: usize = 32;
 
+/// Keys the table makes room for when it first grows: every page of the
+/// pool, up to 2^20 (a 16 MiB table at load <= 1/2).
+///
+/// Why not double from small: each doubling moves every key, and its new
+/// buckets are fresh zero pages the kernel faults in one by one, so the
+/// doubling at 262K keys stalled a step ~10 ms (page 1, 1M slots), and the
+/// doublings took about a quarter of `cache()`'s time while the index
+/// filled. Why a bound: sizing a 16M-page pool's table up front took 256
+/// MiB, which random inserts fault in almost at once; past the bound the
+/// table doubles as before.
+pub(crate) const TABLE_FLOOR_KEYS: usize = 1 << 20;
+
 /// One registered page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
@@ -221,7 +233,10 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
-        self.table.reserve(n)
+        // The table is sized at once for the pool's pages, up to
+        // TABLE_FLOOR_KEYS; only past that does it double.
+        let floor = (self.len() + self.room()).min(TABLE_FLOOR_KEYS);
+        self.table.reserve(n.max(floor.saturating_sub(self.len())))
     }
 
     /// Registers `page` under `key` (chain hash `hash`) as the child of
