@@ -208,13 +208,14 @@ impl SlotAllocator {
             // then overlap instead of queueing (as in `match_prefix`).
             let pages = &self.page_lists[base + k..base + upto.min(k + LOOKAHEAD)];
             let ix = &self.index;
+            for &p in pages {
+                crate::memory::prefetch(&ix.tokens, p as usize * ps);
+                crate::memory::prefetch(&ix.page_entry, p as usize);
+            }
             let tokens = pages
                 .iter()
                 .map(|&p| &ix.tokens[p as usize * ps..(p as usize + 1) * ps]);
             ix.keys_ahead(self.cold[row].tip.key, tokens, &mut keys);
-            for &p in pages {
-                crate::memory::prefetch(&ix.page_entry, p as usize);
-            }
             for &key in &keys {
                 if !self.register_page(row, base, k, key) {
                     self.cold[row].chain_broken = true;
