@@ -196,6 +196,58 @@ fn eviction_takes_least_recent_chains_tail_first() {
     a.check().unwrap();
 }
 
+/// With more than 8192 registered pages evictions warm the victims ahead of
+/// them (`pages.rs`); the order must stay exactly LRU, chain tail first,
+/// whether `evict(n)` or an extend short of FREE pages evicts.
+#[test]
+fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
+    let n = 4000usize;
+    let opts = Options {
+        hash_seed: Some(7),
+        ..Options::new()
+    };
+    let mut a = SlotAllocator::with_options(3 * n + 1, 1, 4, 2 * n, opts).unwrap();
+    let chains: Vec<Vec<i64>> = (0..3).map(|c| seq(n, 100_000 * c)).collect();
+    // At page 1 a slot is its page; the last token stays uncached only in
+    // a hit, so every page of each chain is registered.
+    let pages: Vec<Vec<i64>> = chains.iter().map(|c| serve(&mut a, c, 0)).collect();
+    assert_eq!(
+        (a.cached_pages(), a.free_pages() - a.evictable_pages()),
+        (3 * n, 0)
+    );
+    a.take_events();
+    let removed = |a: &mut SlotAllocator| {
+        let ev = a.take_events();
+        assert!(ev.kind.iter().all(|&k| k == EVENT_REMOVED));
+        ev.page.iter().map(|&p| p as i64).collect::<Vec<_>>()
+    };
+    assert_eq!(a.evict(1000), 1000);
+    let tail: Vec<i64> = pages[0][n - 1000..].iter().rev().copied().collect();
+    assert_eq!(
+        removed(&mut a),
+        tail,
+        "evict(n): the oldest chain, last page first"
+    );
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(2500), None).unwrap(); // 1000 FREE, then 1500 evicted
+    let next: Vec<i64> = pages[0][n - 2500..n - 1000].iter().rev().copied().collect();
+    assert_eq!(
+        removed(&mut a),
+        next,
+        "extend: evicts on where evict(n) stopped"
+    );
+    a.close(&h, false).unwrap();
+    a.check().unwrap();
+    for (c, want) in [(0usize, n - 2500), (1, n - 1)] {
+        let (h, cached) = a
+            .open_with_prefix(&chains[c], &[n as i64], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached[0] as usize, want);
+        a.close(&h, false).unwrap();
+    }
+    a.check().unwrap();
+}
+
 #[test]
 fn extend_under_pressure_evicts_instead_of_failing() {
     let mut a = pool(5, 2); // 4 usable pages
