@@ -54,6 +54,20 @@ struct Raw {
     kind: u8,
 }
 
+/// Appends one page's token ids. At page sizes 1 and 16 the copy has a
+/// length known at compile time and inlines; the general path calls
+/// memcpy, a call per registered page.
+#[inline]
+fn push_page(out: &mut Vec<i32>, tokens: &[i32]) {
+    if let [t] = tokens {
+        out.push(*t);
+    } else if let Ok(page) = <&[i32; 16]>::try_from(tokens) {
+        out.extend_from_slice(page);
+    } else {
+        out.extend_from_slice(tokens);
+    }
+}
+
 /// The recorder inside the allocator.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EventLog {
@@ -102,7 +116,7 @@ impl EventLog {
                 num_tokens,
                 kind: EVENT_STORED,
             });
-            self.token_ids.extend_from_slice(tokens);
+            push_page(&mut self.token_ids, tokens);
         }
     }
 
@@ -166,5 +180,19 @@ impl EventLog {
             e.salt.push(r.salt);
         }
         e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn push_page_appends_every_page_size_whole() {
+        let mut out = vec![-1];
+        for n in [1usize, 2, 15, 16, 17, 64] {
+            let page: Vec<i32> = (0..n as i32).map(|t| t * 31 + n as i32).collect();
+            let before = out.clone();
+            super::push_page(&mut out, &page);
+            assert_eq!(out, [before, page].concat(), "page size {n}");
+        }
     }
 }
