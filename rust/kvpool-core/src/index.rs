@@ -234,9 +234,15 @@ impl PrefixIndex {
             "prefix index entries",
         )?;
         // The table is sized at once for the pool's pages, up to
-        // TABLE_FLOOR_KEYS; only past that does it double.
+        // TABLE_FLOOR_KEYS; only past that does it double. That sizing is
+        // an optimization: if it cannot be allocated, room for `n` is all
+        // the call needs.
         let floor = (self.len() + self.room()).min(TABLE_FLOOR_KEYS);
-        self.table.reserve(n.max(floor.saturating_sub(self.len())))
+        let want = floor.saturating_sub(self.len());
+        if n > 0 && want > n && self.table.reserve(want).is_ok() {
+            return Ok(());
+        }
+        self.table.reserve(n)
     }
 
     /// Registers `page` under `key` (chain hash `hash`) as the child of

@@ -248,6 +248,26 @@ fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
     a.check().unwrap();
 }
 
+/// The index's table is sized for the pool at the first registration, not
+/// at a `cache()` that has nothing to register.
+#[test]
+fn a_cache_call_with_no_full_page_allocates_no_index() {
+    let mut a = pool(64, 4);
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(3), Some(&[1, 2, 3])).unwrap();
+    let before = a.metadata_bytes();
+    a.cache(&h).unwrap();
+    assert_eq!(a.metadata_bytes(), before);
+    a.extend(&h, Counts::Each(1), Some(&[4])).unwrap();
+    a.cache(&h).unwrap();
+    assert!(
+        a.metadata_bytes() > before,
+        "one full page: the index is sized now"
+    );
+    assert_eq!(a.cached_pages(), 1);
+    a.check().unwrap();
+}
+
 #[test]
 fn extend_under_pressure_evicts_instead_of_failing() {
     let mut a = pool(5, 2); // 4 usable pages
