@@ -128,17 +128,17 @@ impl SlotAllocator {
         }
     }
 
-    /// One holder fewer of each page. Pass a request's pages last-first:
-    /// freed pages then come back off the stack in their old order, and
-    /// cached tail pages are older in the LRU than their parents, so
+    /// One holder fewer of each page in `page_lists[range]`, last page
+    /// first: freed pages then come back off the stack in their old order,
+    /// and cached tail pages are older in the LRU than their parents, so
     /// eviction takes them first. Pages that become CACHED are appended to
     /// the LRU list with its newest end kept in a register, not re-read
     /// from the sentinel each time.
-    pub(crate) fn release_pages<'p>(&mut self, pages: impl Iterator<Item = &'p u32>) {
+    pub(crate) fn release_pages(&mut self, range: std::ops::Range<usize>) {
         let (rc, ix) = (&mut self.refcount, &mut self.index);
         let mut newest = ix.lru_prev[0];
         let mut pushed = 0;
-        for &p in pages {
+        for &p in self.page_lists[range].iter().rev() {
             rc[p as usize] -= 1;
             if rc[p as usize] != 0 {
                 continue;

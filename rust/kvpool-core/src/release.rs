@@ -115,9 +115,7 @@ impl SlotAllocator {
                 }
             }
         } else {
-            let pages = std::mem::take(&mut self.page_lists);
-            self.release_pages(pages[base + keep..base + np].iter().rev());
-            self.page_lists = pages;
+            self.release_pages(base + keep..base + np);
         }
         let last = if keep == 0 {
             0
