@@ -117,7 +117,8 @@ impl PrefixIndex {
             // so the hinted child is usually the next slot. Reading that
             // slot before the hint is known lets the CPU start the next
             // hop's loads while this one's are in flight (the branch is
-            // predicted, a data dependency is not): 2x at page 1.
+            // predicted, a data dependency is not). Open + close of a
+            // cached 4096-token prompt at page 1: 63 -> 60 us.
             let next = cur + 1;
             let (child, e) = match ents.get(next as usize) {
                 Some(g) if parent.child == next + 1 => (next, g),
