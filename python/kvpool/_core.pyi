@@ -158,6 +158,7 @@ class SlotAllocator:
         table: Optional[npt.NDArray[np.int32]] = None,
         tokens: Optional[_IntArray] = None,
         cow: bool = False,
+        out: Optional[npt.NDArray[np.int64]] = None,
     ) -> Any:
         """Grows each request by counts[i] tokens (or `counts` for all); a new page
         is taken only when a request's last page is full (FREE pages first,
@@ -177,10 +178,14 @@ class SlotAllocator:
             cow: also return the copy-on-write work of this call: None, or an
                 int64 array [rows | positions | src_slots | dst_slots] (m each).
                 Without cow=True the copies stay queued for take_copies().
+            out: optional writeable, contiguous 1-D int64 numpy array of at least
+                sum(counts) entries, kept from call to call: the new slots go to
+                its front instead of a new array (out is returned), so a step
+                allocates nothing. Written only if the call succeeds.
 
         Returns:
-            the new slots, flattened in request order (int64); with cow=True,
-            (slots, cow).
+            the new slots, flattened in request order (int64): a new array, or
+            `out` itself; with cow=True, (slots, cow).
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
@@ -188,7 +193,9 @@ class SlotAllocator:
             ContextTooLongError: a request would pass max_context_len.
             InvalidArgumentError: negative count, mismatched lengths, duplicate
                 handle, bad table, tokens of the wrong length or range, or
-                disagreeing with the prompt. Nothing changes on any error.
+                disagreeing with the prompt, or an out array that is too short,
+                not contiguous int64, read-only or overlapping the table.
+                Nothing changes on any error.
         """
     def extend_with_starts(
         self, handles: _IntArray, counts: _IntArray

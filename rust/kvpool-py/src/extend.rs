@@ -11,7 +11,8 @@ use pyo3::prelude::*;
 use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::Result;
-use crate::output::{extend_total, new_i64};
+use crate::output::{extend_total, new_i64, CallerOut, OutBuf};
+use crate::table::Table;
 
 /// Rows and positions of the positions copy-on-write moved, in queue order.
 #[derive(Default)]
@@ -48,9 +49,51 @@ fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Optio
     })
 }
 
+/// Where extend's slots go: a fresh result array, or the caller's `out=`.
+enum Dest {
+    Fresh(OutBuf),
+    Caller(CallerOut),
+}
+
+/// One extend on the core: the slots into `dst`, the table (if any) filled,
+/// and with `cow` the copy-on-write work this call queued.
+fn extend_call(
+    core: &mut Core,
+    handles: &[i64],
+    counts: &IntArg,
+    tokens: Option<&[i64]>,
+    table: Option<&Table>,
+    cow: bool,
+    dst: &mut [i64],
+) -> kvpool_core::Result<Option<Vec<i64>>> {
+    let before = core.pending_copies();
+    let mut moved = Moved::default();
+    // SAFETY: validated by `table_arg` (int32, rows contiguous, writeable,
+    // at least [max_requests, max_context_len]); the caller's array object
+    // is referenced for the whole call, so its buffer stays alive.
+    let mut view = table.map(|t| unsafe { t.view() });
+    core.extend_into_table(
+        handles,
+        counts_of(counts),
+        tokens,
+        dst,
+        view.as_mut(),
+        |g| {
+            if cow && g.moved > 0 {
+                moved.note(g);
+            }
+        },
+    )?;
+    Ok(if cow {
+        moved.finish(core, before)
+    } else {
+        None
+    })
+}
+
 #[pymethods]
 impl SlotAllocator {
-    /// extend(handles, counts, table=None, tokens=None, cow=False) -> slots | (slots, cow)
+    /// extend(handles, counts, table=None, tokens=None, cow=False, out=None) -> slots | (slots, cow)
     ///
     /// Grows each request by counts[i] tokens (or `counts` for all); a new page
     /// is taken only when a request's last page is full (FREE pages first,
@@ -70,10 +113,14 @@ impl SlotAllocator {
     ///     cow: also return the copy-on-write work of this call: None, or an
     ///         int64 array [rows | positions | src_slots | dst_slots] (m each).
     ///         Without cow=True the copies stay queued for take_copies().
+    ///     out: optional writeable, contiguous 1-D int64 numpy array of at least
+    ///         sum(counts) entries, kept from call to call: the new slots go to
+    ///         its front instead of a new array (out is returned), so a step
+    ///         allocates nothing. Written only if the call succeeds.
     ///
     /// Returns:
-    ///     the new slots, flattened in request order (int64); with cow=True,
-    ///     (slots, cow).
+    ///     the new slots, flattened in request order (int64): a new array, or
+    ///     `out` itself; with cow=True, (slots, cow).
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
@@ -81,8 +128,11 @@ impl SlotAllocator {
     ///     ContextTooLongError: a request would pass max_context_len.
     ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
     ///         handle, bad table, tokens of the wrong length or range, or
-    ///         disagreeing with the prompt. Nothing changes on any error.
-    #[pyo3(signature = (handles, counts, table=None, tokens=None, cow=false))]
+    ///         disagreeing with the prompt, or an out array that is too short,
+    ///         not contiguous int64, read-only or overlapping the table.
+    ///         Nothing changes on any error.
+    #[pyo3(signature = (handles, counts, table=None, tokens=None, cow=false, out=None))]
+    #[allow(clippy::too_many_arguments)]
     fn extend<'py>(
         &self,
         py: Python<'py>,
@@ -91,49 +141,45 @@ impl SlotAllocator {
         table: Option<&Bound<'py, PyAny>>,
         tokens: Option<&Bound<'py, PyAny>>,
         cow: bool,
+        out: Option<&Bound<'py, PyAny>>,
     ) -> Result<Py<PyAny>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
-        // Validated fully before any change; `table` (borrowed from the
-        // caller) keeps the array alive while its buffer is written.
+        // Validated fully before any change; `table` and `out` (borrowed
+        // from the caller) keep their arrays alive while they are written.
         let t = self.table_arg(py, table)?;
         let total = extend_total(h.len(), &c, self.num_slots, self.max_context_len);
-        let (arr, mut out) = new_i64(py, total)?;
+        let caller_out = out
+            .map(|o| CallerOut::validate(py, o, total, t.as_ref().map(|t| t.byte_range())))
+            .transpose()?;
+        let (fresh, mut dest) = match caller_out {
+            Some(o) => (None, Dest::Caller(o)),
+            None => {
+                let (arr, buf) = new_i64(py, total)?;
+                (Some(arr), Dest::Fresh(buf))
+            }
+        };
         let work = h.len().max(total);
-        let moved = self.run(py, work, |core| -> kvpool_core::Result<Option<Vec<i64>>> {
-            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-            let dst = unsafe { out.slice() };
-            let before = core.pending_copies();
-            let mut moved = Moved::default();
-            // SAFETY: validated above (int32, rows contiguous, writeable,
-            // at least [max_requests, max_context_len]); the caller's array
-            // object is referenced by `table` for the whole call, so its
-            // buffer stays alive.
-            let mut view = t.as_ref().map(|t| unsafe { t.view() });
-            core.extend_into_table(
-                &h,
-                counts_of(&c),
-                toks.as_deref(),
-                dst,
-                view.as_mut(),
-                |g| {
-                    if cow && g.moved > 0 {
-                        moved.note(g);
-                    }
-                },
-            )?;
-            Ok(if cow {
-                moved.finish(core, before)
-            } else {
-                None
-            })
+        let moved = self.run(py, work, |core| {
+            let mut apply =
+                |dst: &mut [i64]| extend_call(core, &h, &c, toks.as_deref(), t.as_ref(), cow, dst);
+            match &mut dest {
+                Dest::Caller(o) => o.fill(apply),
+                // SAFETY: the fresh array is alive and not yet shared (see OutBuf).
+                Dest::Fresh(buf) => apply(unsafe { buf.slice() }),
+            }
         })?;
+        let result = match (fresh, out) {
+            (Some(arr), _) => arr.into_any(),
+            (None, Some(o)) => o.clone(),
+            (None, None) => py.None().into_bound(py),
+        };
         if !cow {
-            return Ok(arr.into_any().unbind());
+            return Ok(result.unbind());
         }
         let cow_arr = moved.map(|v| to_numpy(py, &v));
-        Ok((arr, cow_arr).into_pyobject(py)?.into_any().unbind())
+        Ok((result, cow_arr).into_pyobject(py)?.into_any().unbind())
     }
 
     /// extend_with_starts(handles, counts) -> (slots, starts)

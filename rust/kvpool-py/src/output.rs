@@ -94,3 +94,121 @@ pub fn extend_total(
     };
     total.filter(|&t| t <= num_slots).unwrap_or(0)
 }
+
+/// `extend(..., out=)`: a caller's int64 array that receives the new slots,
+/// so a step allocates no result array (an engine keeps one buffer, as
+/// vLLM's model runner keeps its `slot_mapping` buffer). The core writes
+/// into a per-thread scratch buffer and the slots are copied into `out`
+/// only once the batch has succeeded: a failing call leaves `out` as it was.
+pub struct CallerOut {
+    ptr: NonNull<i64>,
+    /// Slots this call writes (the front of the array).
+    len: usize,
+}
+
+// SAFETY: the buffer belongs to an array the caller passed and keeps alive
+// (it holds the reference) for the whole call; it is written once, under
+// the allocator lock, after the batch has succeeded.
+unsafe impl Send for CallerOut {}
+
+thread_local! {
+    /// The core's output for calls with `out=`, reused from call to call.
+    static SCRATCH: std::cell::RefCell<Vec<i64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl CallerOut {
+    /// Checks that `obj` is a writeable, aligned, contiguous 1-D int64 numpy
+    /// array with room for `need` slots, and that it shares no memory with
+    /// `avoid` (the `table=` buffer, as a byte range).
+    pub fn validate(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        need: usize,
+        avoid: Option<(usize, usize)>,
+    ) -> PyResult<Self> {
+        use numpy::npyffi::{objects::_PyArray_GET_ITEM_DATA, NPY_ARRAY_WRITEABLE};
+        use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+        let bad = |m: String| Err(invalid_argument(py, m));
+        let Ok(arr) = obj.cast::<PyUntypedArray>() else {
+            return bad(format!(
+                "out must be a 1-D int64 numpy array (e.g. np.empty(n, np.int64)), got {}",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ));
+        };
+        let dtype = arr.dtype();
+        let int64 = dtype.kind() == b'i'
+            && dtype.itemsize() == 8
+            && dtype.is_native_byteorder().unwrap_or(true);
+        if arr.ndim() != 1 || !int64 {
+            return bad(format!(
+                "out must be a 1-D int64 array, got a {}-D array of dtype {dtype}",
+                arr.ndim()
+            ));
+        }
+        let len = arr.shape()[0];
+        if len < need {
+            return bad(format!(
+                "out holds {len} entries but this call writes {need} slots; pass an array of \
+                 at least sum(counts) entries"
+            ));
+        }
+        if (arr.strides()[0] != 8 && len > 1) || !arr.is_aligned() {
+            return bad(format!(
+                "out must be contiguous and int64-aligned (e.g. np.empty(n, np.int64)); got \
+                 stride {} bytes",
+                arr.strides()[0]
+            ));
+        }
+        // SAFETY: `arr` is a live numpy array, so its object struct is valid.
+        let (flags, data) = unsafe {
+            let obj = &*_PyArray_GET_ITEM_DATA(arr.as_array_ptr());
+            (obj.flags, obj.data as *mut i64)
+        };
+        if flags & NPY_ARRAY_WRITEABLE == 0 {
+            return bad("out is not writable: The given array is not writeable".into());
+        }
+        let start = data as usize;
+        if let Some((lo, hi)) = avoid {
+            if start < hi && lo < start + len * 8 {
+                return bad("out and table share memory; pass separate arrays".into());
+            }
+        }
+        let ptr = match (need, NonNull::new(data)) {
+            (_, Some(p)) => p,
+            (0, None) => NonNull::dangling(),
+            (_, None) => return bad("out has no data buffer".into()),
+        };
+        Ok(CallerOut { ptr, len: need })
+    }
+
+    /// Runs `f` on a scratch buffer of this call's length, then copies it to
+    /// the caller's array if `f` succeeded.
+    pub fn fill<R, E>(
+        &mut self,
+        f: impl FnOnce(&mut [i64]) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E>
+    where
+        E: From<kvpool_core::PoolError>,
+    {
+        SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            scratch.clear();
+            scratch.try_reserve(self.len).map_err(|_| {
+                E::from(kvpool_core::PoolError::InvalidArgument(format!(
+                    "cannot allocate scratch for {} slots; extend in smaller batches",
+                    self.len
+                )))
+            })?;
+            scratch.resize(self.len, 0);
+            let r = f(&mut scratch)?;
+            // SAFETY: the caller's array is alive and holds at least `len`
+            // int64 entries, contiguous and aligned (validated), and shares
+            // no memory with the scratch buffer or the table.
+            unsafe { std::ptr::copy_nonoverlapping(scratch.as_ptr(), self.ptr.as_ptr(), self.len) };
+            Ok(r)
+        })
+    }
+}

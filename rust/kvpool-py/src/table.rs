@@ -96,6 +96,12 @@ impl Table {
         })
     }
 
+    /// The bytes the table's extent spans, as [start, end) addresses.
+    pub fn byte_range(&self) -> (usize, usize) {
+        let start = self.ptr as usize;
+        (start, start + self.len * std::mem::size_of::<i32>())
+    }
+
     /// The table as the core's [`SlotTable`], which extend fills in the
     /// same pass that takes the slots (bounds-checked against the extent
     /// given here).
