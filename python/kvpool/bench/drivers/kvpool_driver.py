@@ -3,7 +3,10 @@
 Per step: ``close`` the finished requests, ``open`` + one batched ``extend``
 (prompt lengths) for the admitted ones, one batched ``extend(handles, 1)`` for
 the decode batch. Every ``extend`` also fills the CPU ``req_to_token`` table in
-place (``table=``), the same update SGLang's engine makes, so the work matches.
+place (``table=``), the same update SGLang's engine makes, so the work matches,
+and writes its slots into one step buffer kept from step to step (``out=``), as
+vLLM's model runner keeps its ``slot_mapping`` buffer (the vLLM driver gets the
+same persistent buffers from vLLM's ``BlockTable``).
 Opening and closing request rows is timed here although the baselines get
 their rows from the trace for free: that only counts against kvpool.
 """
@@ -33,6 +36,10 @@ class KVPoolDriver(Driver):
         # np.zeros maps pages lazily; torch.zeros (the baselines' tables) writes them. Touch them
         # here so first-write page faults are not timed for kvpool only.
         self.table.fill(0)
+        # The step's slots (out_cache_loc / slot_mapping), in buffers reused
+        # every step: the prefill's and the decode batch's.
+        self.prefill_slots = np.zeros(max_step_tokens, dtype=np.int64)
+        self.decode_slots = np.zeros(cfg.concurrency, dtype=np.int64)
         # Engine batch state: the handle of the request in each lane.
         self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
 
@@ -42,20 +49,21 @@ class KVPoolDriver(Driver):
             step.admit_lanes,
             step.admit_counts,
             self.handles[step.decode_lanes],
+            step.slots,
         )
 
     def run(self, prep: Any) -> int:
-        finished, admit_lanes, admit_counts, decoding = prep
-        a, n = self.alloc, 0
+        finished, admit_lanes, admit_counts, decoding, slots = prep
+        a = self.alloc
         if len(finished):
             a.close(finished)
         if len(admit_lanes):
             h = a.open(len(admit_lanes))
             self.handles[admit_lanes] = h
-            n += len(a.extend(h, admit_counts, table=self.table))
+            a.extend(h, admit_counts, table=self.table, out=self.prefill_slots)
         if len(decoding):
-            n += len(a.extend(decoding, 1, table=self.table))
-        return n
+            a.extend(decoding, 1, table=self.table, out=self.decode_slots)
+        return slots
 
     def held_slots(self, lane: int, length: int) -> np.ndarray:
         row = int(self.alloc.rows(self.handles[lane : lane + 1])[0])
