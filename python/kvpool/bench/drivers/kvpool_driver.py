@@ -60,6 +60,8 @@ class KVPoolDriver(Driver):
         if len(admit_lanes):
             h = a.open(len(admit_lanes))
             self.handles[admit_lanes] = h
+            if slots > len(self.prefill_slots):  # a step past max_step_tokens: grow once
+                self.prefill_slots = np.zeros(slots, dtype=np.int64)
             a.extend(h, admit_counts, table=self.table, out=self.prefill_slots)
         if len(decoding):
             a.extend(decoding, 1, table=self.table, out=self.decode_slots)
