@@ -68,8 +68,13 @@ COUNT_FORMS = {
     "i32": lambda v: np.array(v, dtype=np.int32),
     "u16": lambda v: np.array(v, dtype=np.uint16),
     "i8": lambda v: np.array(v, dtype=np.int8),
+    "i16": lambda v: np.array(v, dtype=np.int16),
+    "u8": lambda v: np.array(v, dtype=np.uint8),
+    "u32": lambda v: np.array(v, dtype=np.uint32),
     "be-i8": lambda v: np.array(v, dtype=">i8"),  # non-native byte order
     "strided": lambda v: np.repeat(np.array(v, dtype=np.int64), 2)[::2],  # non-contiguous
+    "strided-i32": lambda v: np.repeat(np.array(v, dtype=np.int32), 3)[::3],
+    "reversed-i32": lambda v: np.array(v[::-1], dtype=np.int32)[::-1],  # negative stride
     "torch-i64": torch.tensor,
     "torch-i32": lambda v: torch.tensor(v, dtype=torch.int32),
     "misaligned": lambda v: misaligned_int64(v),
@@ -108,6 +113,25 @@ def test_handles_accept_lists_arrays_tensors(form):
     a.truncate(h, 0)
     a.close(h)
     assert a.open_requests == 0 and a.free_pages == 63
+
+
+@pytest.mark.parametrize("form", [f for f in COUNT_FORMS if f != "i8"])
+def test_prompt_tokens_read_the_same_from_every_integer_form(form):
+    # Each form is read (in place where it can be) into the same token ids:
+    # the cached prompt is found again only if every id came through intact.
+    a = SlotAllocator(64, 4, max_requests=4, max_context_len=64, hash_seed=2)
+    prompt = [3, 200, 17, 255, 0, 9, 128, 64, 1, 250, 33]
+    h, cached = a.open_with_prefix(np.array(prompt), [11])
+    a.extend(h, 11)
+    a.close(h, cache=True)
+    h, cached = a.open_with_prefix(COUNT_FORMS[form](prompt), [11])
+    assert cached.tolist() == [8]
+    assert a.extend(h, 3, tokens=COUNT_FORMS[form](prompt[8:])).size == 3  # agrees with the prompt
+    a.close(h, cache=True)
+    changed = prompt[:5] + [6] + prompt[6:]
+    h, cached = a.open_with_prefix(COUNT_FORMS[form](changed), [11])
+    assert cached.tolist() == [4]
+    a.check()
 
 
 def test_scalars_numpy_scalars_and_zero_d():
