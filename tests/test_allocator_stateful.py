@@ -96,17 +96,25 @@ class AllocatorMachine(RuleBasedStateMachine):
             out[-1] = -1 if data.draw(st.booleans()) else out[-1] + 1  # a bad id
         return out
 
-    @rule(data=st.data(), as_array=st.booleans(), with_tokens=st.booleans())
-    def extend(self, data, as_array, with_tokens):
+    @rule(data=st.data(), as_array=st.booleans(), with_tokens=st.booleans(), with_out=st.booleans())
+    def extend(self, data, as_array, with_tokens, with_out):
         hs = self.pick(data, 4)
         grow = st.integers(1, 6)  # hypothesis favours 0 and [] heavily; make most steps do work
         count = st.one_of(grow, grow, grow, st.integers(0, 6), st.just(-1))
         cs = data.draw(st.lists(count, min_size=len(hs), max_size=len(hs)))
         toks = self.tokens_for(data, hs, cs) if with_tokens else None
         arg = np.array(hs, dtype=np.int64) if as_array else hs
-        r = run_both(lambda: self.a.extend(arg, cs, tokens=toks), lambda: self.m.extend(hs, cs, toks))
+        # out=: a step buffer with room to spare; written only on success.
+        out = np.full(sum(max(c, 0) for c in cs) + 2, -5, dtype=np.int64) if with_out else None
+        r = run_both(lambda: self.a.extend(arg, cs, tokens=toks, out=out), lambda: self.m.extend(hs, cs, toks))
         if r:
-            assert r[0].tolist() == r[1]
+            got = r[0]
+            if out is not None:
+                assert got is out and (out[len(r[1]) :] == -5).all()
+                got = out[: len(r[1])]
+            assert got.tolist() == r[1]
+        elif out is not None:
+            assert (out == -5).all()
 
     @rule(data=st.data())
     def prefill(self, data):

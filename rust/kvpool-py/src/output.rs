@@ -111,6 +111,10 @@ pub struct CallerOut {
 // the allocator lock, after the batch has succeeded.
 unsafe impl Send for CallerOut {}
 
+/// Most slots the per-thread scratch buffer keeps between calls (1 MiB):
+/// a step's worth for any engine; a larger one is freed after its call.
+const SCRATCH_KEEP: usize = 1 << 17;
+
 thread_local! {
     /// The core's output for calls with `out=`, reused from call to call.
     static SCRATCH: std::cell::RefCell<Vec<i64>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -203,12 +207,20 @@ impl CallerOut {
                 )))
             })?;
             scratch.resize(self.len, 0);
-            let r = f(&mut scratch)?;
-            // SAFETY: the caller's array is alive and holds at least `len`
-            // int64 entries, contiguous and aligned (validated), and shares
-            // no memory with the scratch buffer or the table.
-            unsafe { std::ptr::copy_nonoverlapping(scratch.as_ptr(), self.ptr.as_ptr(), self.len) };
-            Ok(r)
+            let r = f(&mut scratch);
+            if r.is_ok() {
+                // SAFETY: the caller's array is alive and holds at least
+                // `len` int64 entries, contiguous and aligned (validated),
+                // and shares no memory with the scratch buffer or the table.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(scratch.as_ptr(), self.ptr.as_ptr(), self.len)
+                };
+            }
+            if scratch.capacity() > SCRATCH_KEEP {
+                // A rare huge prefill: do not keep its buffer for good.
+                *scratch = Vec::new();
+            }
+            r
         })
     }
 }
