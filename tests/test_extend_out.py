@@ -16,6 +16,7 @@ from kvpool import (
     SlotAllocator,
 )
 from kvpool.layout import padded_table
+from test_allocator_errors import assert_fails_unchanged
 
 
 def twin_pools(page_size: int) -> tuple[SlotAllocator, SlotAllocator]:
@@ -66,19 +67,6 @@ def test_a_zero_slot_call_accepts_an_empty_out() -> None:
     assert a.extend(h, 0, out=out) is out
 
 
-def snapshot(a: SlotAllocator, h: np.ndarray) -> tuple:
-    return (a.free_pages, a.lengths(h).tolist(), [a.slots(int(x)).tolist() for x in h])
-
-
-def assert_refused(a: SlotAllocator, h: np.ndarray, exc: type, call, match: str) -> None:
-    before = snapshot(a, h)
-    with pytest.raises(exc, match=match) as info:
-        call()
-    assert isinstance(info.value, KVPoolError)
-    assert snapshot(a, h) == before
-    a.check()
-
-
 @pytest.fixture
 def busy() -> tuple[SlotAllocator, np.ndarray]:
     a = SlotAllocator(9, 2, 4, 8)  # 8 usable pages of 2 slots
@@ -104,7 +92,7 @@ def test_a_failing_call_leaves_out_and_the_pool_as_they_were(busy, bad: str) -> 
         call, exc, match = (lambda: a.extend(h, [1, 1, 5], table=table, out=out)), KVPoolError, "max_context_len|too long"
     # The decode loop (one token each) has written slots before it meets the
     # bad request; none of them may reach `out` or the table.
-    assert_refused(a, h, exc, call, match)
+    assert_fails_unchanged(a, h, exc, call, match)
     assert (out == -7).all() and (table == -7).all()
 
 
@@ -137,4 +125,4 @@ def test_a_bad_out_is_refused_before_any_change(busy, make, match: str) -> None:
         table, out = _overlapping()
     else:
         out = make()
-    assert_refused(a, h, InvalidArgumentError, lambda: a.extend(h, 1, table=table, out=out), match)
+    assert_fails_unchanged(a, h, InvalidArgumentError, lambda: a.extend(h, 1, table=table, out=out), match)
