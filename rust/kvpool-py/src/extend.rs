@@ -113,14 +113,16 @@ impl SlotAllocator {
     ///     cow: also return the copy-on-write work of this call: None, or an
     ///         int64 array [rows | positions | src_slots | dst_slots] (m each).
     ///         Without cow=True the copies stay queued for take_copies().
-    ///     out: optional writeable, contiguous 1-D int64 numpy array of at least
-    ///         sum(counts) entries, kept from call to call: the new slots go to
-    ///         its front instead of a new array (out is returned), so a step
-    ///         allocates nothing. Written only if the call succeeds.
+    ///     out: optional writeable, contiguous 1-D int64 numpy array with room for
+    ///         every new slot (sum(counts), or counts * len(handles) for one count),
+    ///         kept from call to call so that a step allocates nothing: the new
+    ///         slots go to out[:n] and the rest of out is left as it was. Written
+    ///         only if the call succeeds.
     ///
     /// Returns:
-    ///     the new slots, flattened in request order (int64): a new array, or
-    ///     `out` itself; with cow=True, (slots, cow).
+    ///     the new slots, flattened in request order (int64), as a new array;
+    ///     with out=, out itself (the whole buffer: the slots are its first n
+    ///     entries). With cow=True, (slots, cow).
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.

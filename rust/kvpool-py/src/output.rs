@@ -108,7 +108,9 @@ pub struct CallerOut {
 
 // SAFETY: the buffer belongs to an array the caller passed and keeps alive
 // (it holds the reference) for the whole call; it is written once, under
-// the allocator lock, after the batch has succeeded.
+// the allocator lock, after the batch has succeeded. As with `table=`, the
+// caller must not resize or free the array's buffer from another thread
+// during the call (numpy's own rule for buffers lent out).
 unsafe impl Send for CallerOut {}
 
 /// Most slots the per-thread scratch buffer keeps between calls (1 MiB):
@@ -180,9 +182,12 @@ impl CallerOut {
                 return bad("out and table share memory; pass separate arrays".into());
             }
         }
+        // Nothing to write: a dangling pointer (an empty array's data
+        // pointer may be misaligned even when numpy flags it aligned, and a
+        // zero-length copy still needs an aligned one).
         let ptr = match (need, NonNull::new(data)) {
+            (0, _) => NonNull::dangling(),
             (_, Some(p)) => p,
-            (0, None) => NonNull::dangling(),
             (_, None) => return bad("out has no data buffer".into()),
         };
         Ok(CallerOut { ptr, len: need })
@@ -199,15 +204,19 @@ impl CallerOut {
     {
         SCRATCH.with(|cell| {
             let mut scratch = cell.borrow_mut();
-            scratch.clear();
-            scratch.try_reserve(self.len).map_err(|_| {
-                E::from(kvpool_core::PoolError::InvalidArgument(format!(
-                    "cannot allocate scratch for {} slots; extend in smaller batches",
-                    self.len
-                )))
-            })?;
-            scratch.resize(self.len, 0);
-            let r = f(&mut scratch);
+            // Grown, never cleared: only its growth is zero-filled, so a
+            // call costs one copy of its slots, not a fill and a copy.
+            if scratch.len() < self.len {
+                let more = self.len - scratch.len();
+                scratch.try_reserve(more).map_err(|_| {
+                    E::from(kvpool_core::PoolError::InvalidArgument(format!(
+                        "cannot allocate scratch for {} slots; extend in smaller batches",
+                        self.len
+                    )))
+                })?;
+                scratch.resize(self.len, 0);
+            }
+            let r = f(&mut scratch[..self.len]);
             if r.is_ok() {
                 // SAFETY: the caller's array is alive and holds at least
                 // `len` int64 entries, contiguous and aligned (validated),
