@@ -46,6 +46,20 @@ def test_every_allocator_hands_out_the_same_slots_and_ends_free(page_size):
     assert len({r.handed_slots for r in results}) == 1
 
 
+def test_kvpool_driver_checks_its_out_slots_where_no_timed_step_follows():
+    """kvpool's run() returns the trace's slot count (extend(out=) returns the buffer), so the
+    driver checks each untimed decode step's out= slots against the allocator and the table."""
+    from kvpool.bench.drivers.kvpool_driver import KVPoolDriver
+
+    trace = _trace(16)
+    d = KVPoolDriver(trace.config, max_step_tokens(trace))
+    for step in trace.steps[:3]:  # warmup steps: checked
+        d.run(d.prepare(step))
+    d.decode_slots[:] += 1  # as if the last decode had handed out other slots
+    with pytest.raises(AssertionError, match="disagree with the table"):
+        d.prepare(trace.steps[3])
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tables_list_distinct_live_slots_for_every_running_request(page_size):
     """Mid-trace, each driver's engine table maps every running request to slots nobody else holds."""
