@@ -134,6 +134,41 @@ def test_prompt_tokens_read_the_same_from_every_integer_form(form):
     a.check()
 
 
+def test_list_elements_of_every_kind_are_read_or_named():
+    # Plain ints are read straight from the list; everything else takes the
+    # checked path: numpy ints and int subclasses are ints, bools and values
+    # past int64 are refused by name, and an __index__ that empties the list
+    # while it is read cannot make the reader run past its end.
+    import enum
+
+    class Three(enum.IntEnum):
+        X = 3
+
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(3)
+    assert a.extend(h, [1, np.int32(2), Three.X]).tolist() == list(range(1, 7))
+    before = a.lengths(h).tolist()
+    with pytest.raises(InvalidArgumentError, match="bool"):
+        a.extend(h, [1, True, 1])
+    with pytest.raises(InvalidArgumentError, match="int64 range"):
+        a.extend(h, [1, 2**63, 1])
+    with pytest.raises(InvalidArgumentError, match="float"):
+        a.extend(h, [1, 1.0, 1])
+
+    counts = [1, 1, 1, 1, 1]
+
+    class Shrinks:
+        def __index__(self):
+            del counts[1:]
+            return 1
+
+    counts[0] = Shrinks()
+    with pytest.raises(InvalidArgumentError):  # one count for three handles
+        a.extend(h, counts)
+    assert a.lengths(h).tolist() == before
+    a.check()
+
+
 def test_scalars_numpy_scalars_and_zero_d():
     a = SlotAllocator(64, max_requests=4, max_context_len=64)
     h = a.open(1)
