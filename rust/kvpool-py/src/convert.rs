@@ -62,8 +62,9 @@ fn list_ints(py: Python<'_>, list: &Bound<'_, PyList>, what: &str) -> PyResult<V
     use pyo3::ffi;
     let mut out = Vec::with_capacity(list.len());
     let mut i = 0;
-    // The length is re-read each time: nothing here runs Python code, but
-    // the loop must stay within the list whatever happens.
+    // `scalar` may run Python code (an element's __index__) that changes
+    // the list: the length is re-read each time, and that element is held
+    // by its own reference meanwhile.
     while i < list.len() {
         // SAFETY: `i` is in range (checked just above, with the GIL held and
         // no Python code run since); PyList_GetItem returns a borrowed
@@ -88,7 +89,8 @@ fn list_ints(py: Python<'_>, list: &Bound<'_, PyList>, what: &str) -> PyResult<V
         match v {
             Some(v) => out.push(v),
             None => {
-                // SAFETY: `item` is a live object; borrowed() ties it to the list.
+                // SAFETY: `item` is a live object; the Bound takes its own
+                // reference, so it outlives a change to the list.
                 let x = unsafe { Bound::from_borrowed_ptr(py, item) };
                 out.push(scalar(py, &x, what)?);
             }
