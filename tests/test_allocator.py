@@ -61,6 +61,10 @@ def test_extend_with_starts_truncate_close_reuse_lifo():
     a.check()
 
 
+class _TensorSubclass(torch.Tensor):
+    pass
+
+
 COUNT_FORMS = {
     "list": lambda v: v,
     "tuple": tuple,
@@ -77,10 +81,16 @@ COUNT_FORMS = {
     "reversed-i32": lambda v: np.array(v[::-1], dtype=np.int32)[::-1],  # negative stride
     "torch-i64": torch.tensor,
     "torch-i32": lambda v: torch.tensor(v, dtype=torch.int32),
+    "torch-i16": lambda v: torch.tensor(v, dtype=torch.int16),
+    "torch-u8": lambda v: torch.tensor(v, dtype=torch.uint8),
+    "torch-offset": lambda v: torch.tensor([7, 7, *v])[2:],  # a view with a storage offset
+    "torch-strided": lambda v: torch.tensor(v).repeat_interleave(2)[::2],  # non-contiguous
+    "torch-subclass": lambda v: torch.tensor(v).as_subclass(_TensorSubclass),
     "misaligned": lambda v: misaligned_int64(v),
 }
 # Handles need 64 bits, so only the int64-capable forms apply to them.
-HANDLE_FORMS = ["list", "tuple", "i64", "be-i8", "strided", "torch-i64", "misaligned"]
+HANDLE_FORMS = ["list", "tuple", "i64", "be-i8", "strided", "torch-i64", "torch-offset", "torch-strided",
+                "torch-subclass", "misaligned"]
 
 
 def misaligned_int64(v):
@@ -166,6 +176,28 @@ def test_list_elements_of_every_kind_are_read_or_named():
     with pytest.raises(InvalidArgumentError):  # one count for three handles
         a.extend(h, counts)
     assert a.lengths(h).tolist() == before
+    a.check()
+
+
+def test_torch_tensors_that_are_not_plain_int_vectors_are_refused_by_name():
+    # CPU int tensors are read in place; the rest keeps numpy's verdict.
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(3)
+    a.extend(h, 1)
+    before = a.lengths(h).tolist()
+    cases = [
+        (torch._neg_view(torch.tensor([1, 1, 1])), "negative bit"),  # stored unnegated
+        (torch.tensor([1.0, 1.0, 1.0]), "integer dtype"),
+        (torch.tensor([True, True, True]), "integer dtype"),
+        (torch.ones(3, 1, dtype=torch.int64), "2-D"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(InvalidArgumentError, match=match):
+            a.extend(h, bad)
+    assert a.lengths(h).tolist() == before
+    got = a.extend(h, torch.tensor(2))  # a 0-d tensor is one count for all
+    assert got.tolist() == [s for x in h for s in a.slots(x)[-2:].tolist()]
+    assert a.extend(torch.zeros(0, dtype=torch.int64), 5).tolist() == []  # an empty batch
     a.check()
 
 

@@ -230,7 +230,10 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
             .collect::<PyResult<_>>()
             .map(IntArg::Many);
     }
-    // numpy scalars, torch tensors, anything with __array__ / the buffer protocol.
+    if let Some(v) = crate::torch_arg::read_tensor(py, obj) {
+        return Ok(IntArg::Many(v));
+    }
+    // numpy scalars, other torch tensors, anything with __array__ / the buffer protocol.
     let asarray = ASARRAY.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
         Ok(py.import("numpy")?.getattr("asarray")?.unbind())
     })?;

@@ -11,6 +11,7 @@ mod extend;
 mod output;
 mod sharing;
 mod table;
+mod torch_arg;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
