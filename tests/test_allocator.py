@@ -157,9 +157,11 @@ def test_list_elements_of_every_kind_are_read_or_named():
     a = SlotAllocator(64, max_requests=4, max_context_len=64)
     h = a.open(3)
     assert a.extend(h, [1, np.int32(2), Three.X]).tolist() == list(range(1, 7))
+    assert a.extend(h, (1, np.int64(1), 0)).tolist() == [7, 8]  # tuples are read the same way
     before = a.lengths(h).tolist()
-    with pytest.raises(InvalidArgumentError, match="bool"):
-        a.extend(h, [1, True, 1])
+    for seq in (list, tuple):
+        with pytest.raises(InvalidArgumentError, match="bool"):
+            a.extend(h, seq([1, True, 1]))
     with pytest.raises(InvalidArgumentError, match="int64 range"):
         a.extend(h, [1, 2**63, 1])
     with pytest.raises(InvalidArgumentError, match="float"):
