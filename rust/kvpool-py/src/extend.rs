@@ -118,6 +118,9 @@ impl SlotAllocator {
     ///         kept from call to call so that a step allocates nothing: the new
     ///         slots go to out[:n] and the rest of out is left as it was. Written
     ///         only if the call succeeds.
+    ///     table and out are written in place, possibly with the GIL released: no
+    ///     other thread may resize or free them (or their torch owner) during the
+    ///     call, as with any buffer handed to native code.
     ///
     /// Returns:
     ///     the new slots, flattened in request order (int64), as a new array;
