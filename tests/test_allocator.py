@@ -1,5 +1,9 @@
 """SlotAllocator bindings: API behaviour and argument conversion."""
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -162,8 +166,12 @@ def test_list_elements_of_every_kind_are_read_or_named():
     for seq in (list, tuple):
         with pytest.raises(InvalidArgumentError, match="bool"):
             a.extend(h, seq([1, True, 1]))
-    with pytest.raises(InvalidArgumentError, match="int64 range"):
-        a.extend(h, [1, 2**63, 1])
+    for past in (2**63, -(2**63) - 1, 2**64):
+        for seq in (list, tuple):
+            with pytest.raises(InvalidArgumentError, match="int64 range"):
+                a.extend(h, seq([1, past, 1]))
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        a.extend(h, [1, -1, 1])  # a plain -1 is read as -1, not as an error marker
     with pytest.raises(InvalidArgumentError, match="float"):
         a.extend(h, [1, 1.0, 1])
 
@@ -201,6 +209,60 @@ def test_torch_tensors_that_are_not_plain_int_vectors_are_refused_by_name():
     assert got.tolist() == [s for x in h for s in a.slots(x)[-2:].tolist()]
     assert a.extend(torch.zeros(0, dtype=torch.int64), 5).tolist() == []  # an empty batch
     a.check()
+
+
+def test_a_broadcast_argument_too_big_to_copy_is_a_memory_error_not_an_abort():
+    # A stride-0 view claims 2**40 items over one: copying it out must fail
+    # as a MemoryError (a failed Rust allocation would abort the process),
+    # with nothing changed. The same for a torch expand (read through numpy).
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(2)
+    a.extend(h, 1)
+    before = a.lengths(h).tolist()
+    huge = [np.broadcast_to(np.array(1, dtype=dt), (2**40,)) for dt in (np.int64, np.int32, np.uint8)]
+    huge.append(torch.ones(1, dtype=torch.int32).expand(2**40))
+    for arg in huge:
+        with pytest.raises(MemoryError, match="cannot allocate"):
+            a.extend(h, arg)
+        with pytest.raises(MemoryError):
+            a.extend(arg, 1)
+    assert a.lengths(h).tolist() == before
+    a.check()
+
+
+def test_only_torch_s_own_tensor_type_is_read_through_its_data_pointer():
+    # A class that calls itself torch.Tensor and lies about its memory must
+    # not be trusted with a data pointer: it takes the numpy path, which
+    # refuses it. Run in a fresh process, so that it is the first
+    # "tensor" the bindings see (no real one cached before it).
+    code = textwrap.dedent(
+        """
+        import numpy as np, torch, kvpool
+        buf = np.array([3, 3, 3], dtype=np.int64)
+
+        class Tensor:
+            is_cpu = True
+            dtype = torch.int64
+            def dim(self): return 1
+            def is_contiguous(self): return True
+            def is_neg(self): return False
+            def numel(self): return 3
+            def data_ptr(self): return buf.ctypes.data
+        Tensor.__module__ = "torch"
+
+        a = kvpool.SlotAllocator(64, max_requests=4, max_context_len=64)
+        h = a.open(3)
+        try:
+            a.extend(h, Tensor())
+            print("read")
+        except kvpool.InvalidArgumentError:
+            print("refused")
+        print(a.lengths(h).tolist(), a.extend(h, torch.tensor([1, 2, 1])).tolist())
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["refused", "[0, 0, 0]" + " [1, 2, 3, 4]"]
 
 
 def test_scalars_numpy_scalars_and_zero_d():

@@ -67,10 +67,20 @@ unsafe fn item_int(py: Python<'_>, item: *mut pyo3::ffi::PyObject, what: &str) -
     use pyo3::ffi;
     if ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
         let v = ffi::PyLong_AsLongLong(item);
-        if v != -1 || PyErr::take(py).is_none() {
+        if v != -1 {
             return Ok(v);
         }
+        // -1, or an int past int64 with OverflowError set. The item gets
+        // its own reference before the error is looked at: taking it
+        // (normalizing it, below Python 3.12) allocates the exception,
+        // which can run the GC, whose finalizers could drop the item from
+        // its list while it is only borrowed.
+        let obj = Bound::from_borrowed_ptr(py, item);
+        if PyErr::take(py).is_none() {
+            return Ok(-1);
+        }
         // Past int64: `scalar` says so.
+        return scalar(py, &obj, what);
     }
     // The Bound takes its own reference: `scalar` may run Python code (an
     // __index__) that changes the container, and the item must outlive it.
@@ -121,18 +131,28 @@ fn tuple_ints(py: Python<'_>, t: &Bound<'_, PyTuple>, what: &str) -> PyResult<Ve
 /// `astype` call (a Python call and a new array: +3.7 us for a 4096-token
 /// int32 prompt) and no typed cast (which builds and compares a dtype
 /// descriptor on every call). None for anything else.
-fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<i64>> {
+fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<PyResult<Vec<i64>>> {
     if arr.ndim() != 1 || !arr.is_aligned() {
         return None;
     }
     let dtype = arr.dtype();
-    if !dtype.is_native_byteorder().unwrap_or(true) {
+    let kind = (dtype.kind(), dtype.itemsize());
+    if !dtype.is_native_byteorder().unwrap_or(true)
+        || !matches!(kind, (b'i', 1 | 2 | 4 | 8) | (b'u', 1 | 2 | 4))
+    {
         return None;
     }
     let (len, stride) = (arr.len(), arr.strides()[0]);
     if len == 0 {
-        return Some(Vec::new());
+        return Some(Ok(Vec::new()));
     }
+    // A broadcast view (stride 0) can claim far more items than memory
+    // holds: the copy's allocation is fallible, so that is a MemoryError,
+    // not an abort.
+    let mut out = match try_vec(len) {
+        Ok(v) => v,
+        Err(e) => return Some(Err(e)),
+    };
     // SAFETY: `arr` is a live numpy array, so its object struct is valid.
     let data = unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).data } as *const u8;
     macro_rules! widen {
@@ -144,28 +164,42 @@ fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<i64>> {
             // while the GIL is held, and it is copied out at once.
             unsafe {
                 if stride == size {
-                    std::slice::from_raw_parts(data as *const $t, len)
-                        .iter()
-                        .map(|&x| x as i64)
-                        .collect()
+                    out.extend(
+                        std::slice::from_raw_parts(data as *const $t, len)
+                            .iter()
+                            .map(|&x| x as i64),
+                    )
                 } else {
-                    (0..len)
-                        .map(|i| *(data.offset(i as isize * stride) as *const $t) as i64)
-                        .collect()
+                    out.extend(
+                        (0..len).map(|i| *(data.offset(i as isize * stride) as *const $t) as i64),
+                    )
                 }
             }
         }};
     }
-    Some(match (dtype.kind(), dtype.itemsize()) {
+    match kind {
         (b'i', 8) => widen!(i64),
         (b'i', 4) => widen!(i32),
         (b'i', 2) => widen!(i16),
         (b'i', 1) => widen!(i8),
         (b'u', 4) => widen!(u32),
         (b'u', 2) => widen!(u16),
-        (b'u', 1) => widen!(u8),
-        _ => return None,
-    })
+        _ => widen!(u8),
+    }
+    Some(Ok(out))
+}
+
+/// An empty Vec with room for `len` values, or MemoryError: a length
+/// taken from a caller's object (a broadcast array, a tensor) must not
+/// abort the process when it cannot be allocated.
+pub fn try_vec(len: usize) -> PyResult<Vec<i64>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {len} int64 values to copy an argument into"
+        ))
+    })?;
+    Ok(v)
 }
 
 fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<IntArg> {
@@ -176,7 +210,7 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
     // ~50 ns per argument, and it panics if some other Rust code holds a
     // mutable borrow.
     if let Some(v) = read_native(arr) {
-        return Ok(IntArg::Many(v));
+        return v.map(IntArg::Many);
     }
     let dtype = arr.dtype();
     let kind = dtype.kind();
@@ -207,8 +241,10 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
                 }
             }
             let cast = arr.call_method1("astype", ("int64",))?;
-            let a = cast.cast::<PyArray1<i64>>()?;
-            Ok(IntArg::Many(a.readonly().as_array().to_vec()))
+            let a = cast.cast::<PyArray1<i64>>()?.readonly();
+            let mut v = try_vec(a.len())?;
+            v.extend(a.as_array().iter().copied());
+            Ok(IntArg::Many(v))
         }
         n => Err(invalid_argument(
             py,
@@ -242,7 +278,7 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
     if let Ok(t) = obj.cast::<PyTuple>() {
         return tuple_ints(py, t, what).map(IntArg::Many);
     }
-    if let Some(v) = crate::torch_arg::read_tensor(py, obj) {
+    if let Some(v) = crate::torch_arg::read_tensor(py, obj)? {
         return Ok(IntArg::Many(v));
     }
     // numpy scalars, other torch tensors, anything with __array__ / the buffer protocol.

@@ -6,13 +6,15 @@
 //! tensor of a supported integer dtype is left to the numpy path, which
 //! reads it or names what is wrong (a CUDA tensor, a float dtype).
 
+use pyo3::exceptions::{PyException, PyMemoryError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-/// `torch.Tensor`, learned from the first tensor seen (torch is never
-/// imported here: a caller that passes a tensor has imported it).
+/// `torch.Tensor`, looked up when the first object that looks like one
+/// arrives (torch is never imported here before that: a caller that passes
+/// a tensor has imported it).
 static TENSOR_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// torch's integer dtypes read in place, with their size and signedness.
 static DTYPES: PyOnceLock<Vec<(Py<PyAny>, usize, bool)>> = PyOnceLock::new();
@@ -23,15 +25,26 @@ fn is_plain_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> bool {
         return ty.is(t.bind(py));
     }
     // Exactly torch.Tensor: subclasses (parameters, fake and wrapper
-    // tensors) may not own plain memory, so they take the numpy path.
+    // tensors) may not own plain memory, so they take the numpy path. The
+    // name is only a cheap filter; the type must be torch's own object (a
+    // class that merely calls itself torch.Tensor is not trusted with a
+    // data pointer).
     let named = ty.name().is_ok_and(|n| n == "Tensor")
         && ty
             .module()
             .is_ok_and(|m| m == "torch" || m == "torch._tensor");
-    if named {
-        let _ = TENSOR_TYPE.set(py, ty.unbind());
+    if !named {
+        return false;
     }
-    named
+    let Ok(real) = py
+        .import("torch")
+        .and_then(|t| t.getattr("Tensor"))
+        .and_then(|t| Ok(t.cast_into::<PyType>()?))
+    else {
+        return false;
+    };
+    let _ = TENSOR_TYPE.set(py, real.clone().unbind());
+    ty.is(&real)
 }
 
 fn dtypes(py: Python<'_>) -> PyResult<&Vec<(Py<PyAny>, usize, bool)>> {
@@ -50,12 +63,20 @@ fn dtypes(py: Python<'_>) -> PyResult<&Vec<(Py<PyAny>, usize, bool)>> {
     })
 }
 
-/// The tensor's values as i64, or None to leave it to the numpy path.
-pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
+/// The tensor's values as i64, or None to leave it to the numpy path
+/// (which names what is wrong). A tensor's own errors (an attribute that
+/// raises) fall through to that path too; MemoryError and interrupts
+/// (KeyboardInterrupt is no Exception) are the caller's and propagate.
+pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
     if !is_plain_tensor(py, obj) {
-        return None;
+        return Ok(None);
     }
-    read_plain(py, obj).ok().flatten()
+    match read_plain(py, obj) {
+        Err(e) if e.is_instance_of::<PyException>(py) && !e.is_instance_of::<PyMemoryError>(py) => {
+            Ok(None)
+        }
+        other => other,
+    }
 }
 
 fn read_plain(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
@@ -85,6 +106,7 @@ fn read_plain(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>
     if ptr == 0 || ptr % size != 0 {
         return Ok(None);
     }
+    let mut out = crate::convert::try_vec(len)?;
     let data = ptr as *const u8;
     macro_rules! widen {
         ($t:ty) => {
@@ -92,17 +114,19 @@ fn read_plain(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>
             // holds `len` aligned (checked) items at its data pointer; the
             // tensor is alive (`t`), no Python code runs from reading the
             // pointer to this copy, and it is copied out at once.
-            unsafe { std::slice::from_raw_parts(data as *const $t, len) }
-                .iter()
-                .map(|&x| x as i64)
-                .collect()
+            out.extend(
+                unsafe { std::slice::from_raw_parts(data as *const $t, len) }
+                    .iter()
+                    .map(|&x| x as i64),
+            )
         };
     }
-    Ok(Some(match (size, signed) {
+    match (size, signed) {
         (8, true) => widen!(i64),
         (4, true) => widen!(i32),
         (2, true) => widen!(i16),
         (1, true) => widen!(i8),
         _ => widen!(u8),
-    }))
+    }
+    Ok(Some(out))
 }
