@@ -5,7 +5,9 @@
 //! - decode extend: 256 requests at page 16, one token each into their own
 //!   last page (no page changes hands), per request; warm, and with L1/L2
 //!   flushed between calls (a 4 MiB buffer touched, untimed); with token ids;
-//!   writing a request-to-token table; 1M and 16M slots.
+//!   writing a request-to-token table, also with the requests at 16
+//!   different offsets in their pages (each step 1/16 take a new page); 1M
+//!   and 16M slots.
 //! - open_with_prefix of one fully cached 4096-token prompt (page 16),
 //!   hashing included; with and without hit verification.
 //! - cache() of a 4096-token request; evict(256).
@@ -42,7 +44,20 @@ impl Flusher {
 /// ns per request of a decode extend (one token, no new page) of 256 requests;
 /// with `table`, also writing a `[512, 8192]` request-to-token table (rows
 /// padded to an odd number of cache lines, as KVPool allocates it).
-fn decode(slots: usize, flush: bool, tokens: bool, table: bool, reps: usize) -> f64 {
+/// With `staggered`, the requests sit at 16 different offsets in their last
+/// page, as in a real batch, and each sample runs 3500 steps: each step
+/// 1/16 of them take a new page and move to a table line not touched for
+/// a whole sample (3.5 MiB of lines, past L2), as a server's growing
+/// requests do, in shuffled order; the unstaggered run truncates back to
+/// the same lines every 14 steps.
+fn decode(
+    slots: usize,
+    flush: bool,
+    tokens: bool,
+    table: bool,
+    staggered: bool,
+    reps: usize,
+) -> f64 {
     let ps = 16;
     let mut a = pool(slots, ps, true);
     // Spread the requests over the pool like a long-running server: each
@@ -51,17 +66,35 @@ fn decode(slots: usize, flush: bool, tokens: bool, table: bool, reps: usize) -> 
     for _ in 0..8 {
         a.extend(&h, Counts::Each(ps as i64), None).unwrap();
     }
-    let h: Vec<i64> = h.iter().step_by(2).copied().collect();
-    a.extend(&h, Counts::Each(1), None).unwrap();
+    let mut h: Vec<i64> = h.iter().step_by(2).copied().collect();
+    if staggered {
+        // A server's batch lists its requests in no row order (rows come
+        // off a free stack): in row order the hardware's stride prefetcher
+        // would fetch each next table line ahead.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in (1..h.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            h.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+    }
+    let base: Vec<i64> = (0..h.len())
+        .map(|i| 8 * ps as i64 + 1 + if staggered { (i % ps) as i64 } else { 0 })
+        .collect();
+    a.truncate(&h, Counts::Each(8 * ps as i64)).unwrap();
+    let start: Vec<i64> = base.iter().map(|b| b - 8 * ps as i64).collect();
+    a.extend(&h, Counts::PerRequest(&start), None).unwrap();
+    let steps = if staggered { 3500 } else { ps - 2 };
     let mut out = vec![0i64; h.len()];
     let toks = vec![7i64; h.len()];
     let stride = 8192 + 16;
     let mut rows = vec![0i32; 512 * stride];
     let mut f = Flusher(vec![0; 1 << 19]);
     let mut samples = Vec::new();
-    for _ in 0..reps {
+    for _ in 0..if staggered { reps.div_ceil(20) } else { reps } {
         let mut t = 0f64;
-        for _ in 0..(ps - 2) {
+        for _ in 0..steps {
             if flush {
                 f.flush();
             }
@@ -79,8 +112,8 @@ fn decode(slots: usize, flush: bool, tokens: bool, table: bool, reps: usize) -> 
             t += t0.elapsed().as_nanos() as f64;
             black_box(&out);
         }
-        samples.push(t / ((ps - 2) * h.len()) as f64);
-        a.truncate(&h, Counts::Each(8 * ps as i64 + 1)).unwrap();
+        samples.push(t / (steps * h.len()) as f64);
+        a.truncate(&h, Counts::PerRequest(&base)).unwrap();
     }
     median(samples)
 }
@@ -163,22 +196,27 @@ fn main() {
         report(
             &format!("decode_extend_ns_per_req_{label}_warm"),
             "ns",
-            decode(slots, false, false, false, reps),
+            decode(slots, false, false, false, false, reps),
         );
         report(
             &format!("decode_extend_ns_per_req_{label}_flushed"),
             "ns",
-            decode(slots, true, false, false, reps),
+            decode(slots, true, false, false, false, reps),
         );
         report(
             &format!("decode_extend_tokens_ns_per_req_{label}_warm"),
             "ns",
-            decode(slots, false, true, false, reps),
+            decode(slots, false, true, false, false, reps),
         );
         report(
             &format!("decode_extend_table_ns_per_req_{label}_warm"),
             "ns",
-            decode(slots, false, false, true, reps),
+            decode(slots, false, false, true, false, reps),
+        );
+        report(
+            &format!("decode_extend_table_staggered_ns_per_req_{label}_warm"),
+            "ns",
+            decode(slots, false, false, true, true, reps),
         );
     }
     if decode_only {
