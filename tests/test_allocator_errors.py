@@ -71,9 +71,10 @@ def test_exhausted_with_table_leaves_table_untouched(busy):
 
 
 @pytest.mark.parametrize("bad", ["closed", "duplicate"])
-def test_decode_step_with_table_puts_back_what_it_wrote(busy, bad):
-    # A decode step (one token each) writes the table in its own loop before
-    # it reaches the bad handle at the end; the entries it wrote go back.
+def test_decode_step_with_table_leaves_the_table_on_a_late_bad_handle(busy, bad):
+    # A decode step (one token each) applies the valid requests before it
+    # reaches the bad handle at the end; their table entries must not be
+    # written (the table is filled only once the whole batch is valid).
     a, h, closed = busy
     table = np.full((4, 8), -7, dtype=np.int32)
     batch = np.append(h, closed if bad == "closed" else h[0])

@@ -139,9 +139,6 @@ pub struct SlotAllocator {
     /// extend's list of slow-path requests; capacity max_requests, reserved
     /// at construction (a valid batch names each open request at most once).
     pub(crate) slow_scratch: Vec<u32>,
-    /// Slot-table entries the decode loop overwrote, put back if its batch
-    /// fails (see `table.rs`). Capacity `max_requests`.
-    pub(crate) table_saved: Vec<i32>,
 }
 
 impl SlotAllocator {
@@ -237,8 +234,6 @@ impl SlotAllocator {
         free_rows.extend((0..max_requests as u32).rev());
         let mut slow_scratch = Vec::new();
         reserve(&mut slow_scratch, max_requests, "extend scratch")?;
-        let mut table_saved = Vec::new();
-        reserve(&mut table_saved, max_requests, "extend scratch")?;
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
         let mut index =
             PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
@@ -292,7 +287,6 @@ impl SlotAllocator {
             epoch: opts.epoch_start,
             open_count: 0,
             slow_scratch,
-            table_saved,
         })
     }
 

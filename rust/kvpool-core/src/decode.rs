@@ -8,7 +8,6 @@ use crate::allocator::SlotAllocator;
 use crate::grow::fill_run;
 use crate::handle::{handle_generation, handle_row};
 use crate::rows::{OPEN, SLOW};
-use crate::table::SlotTable;
 
 impl SlotAllocator {
     /// The decode step's loop, kept tight (few live values, no error
@@ -76,21 +75,18 @@ impl SlotAllocator {
 
     /// `extend_decode_run` for a count of 1 per request, the decode step
     /// itself: request `i` writes `out[i]` (with `tokens`, it stores
-    /// `tokens[i]`, and with `TABLE`, `table[row, len]`, while the row is in
-    /// hand), and the few values the loop keeps live stay in registers.
-    /// Table entries it overwrites go to `saved[i]` (restored if the batch
-    /// fails). Returns the requests applied.
-    // Not inlined: each of the four forms is its own small function, whose
-    // loop keeps its registers (inlined into extend's fused pass, all four
-    // cost up to 1 ns more per request).
+    /// `tokens[i]` while the row is in hand), and the few values the loop
+    /// keeps live stay in registers. The slot table is written after the
+    /// batch (`SlotTable::write_decode`). Returns the requests applied.
+    // Not inlined: each form is its own small function, whose loop keeps
+    // its registers (inlined into extend's fused pass, the forms cost up
+    // to 1 ns more per request).
     #[inline(never)]
-    pub(crate) fn extend_decode_one<const TOKENS: bool, const TABLE: bool>(
+    pub(crate) fn extend_decode_one<const TOKENS: bool>(
         &mut self,
         handles: &[i64],
         tokens: &[i64],
         out: &mut [i64],
-        table: &mut SlotTable<'_>,
-        saved: &mut Vec<i32>,
     ) -> usize {
         let Some(shift) = self.page_shift else {
             return 0;
@@ -99,14 +95,7 @@ impl SlotAllocator {
             return 0; // the general path reports the length
         }
         let (mask, epoch, max_len) = ((1usize << shift) - 1, self.epoch, self.max_context_len);
-        let mut n = handles.len().min(out.len());
-        if TABLE {
-            // Within the capacity reserved at construction: no allocation.
-            // A longer batch repeats a handle and fails by max_requests.
-            n = n.min(saved.capacity());
-            saved.clear();
-            saved.resize(n, 0);
-        }
+        let n = handles.len().min(out.len());
         for i in 0..n {
             let h = handles[i];
             let row = handle_row(h) as usize;
@@ -138,9 +127,6 @@ impl SlotAllocator {
             r.len = len as u32 + 1;
             let slot = ((r.last as usize) << shift) | (len & mask);
             out[i] = slot as i64;
-            if TABLE {
-                saved[i] = table.swap(row, len, slot as i64);
-            }
             if TOKENS {
                 // Not SLOW: no prompt ahead to agree with. Undone (the
                 // known count) by `undo_applied` if the batch fails.

@@ -187,7 +187,6 @@ impl SlotAllocator {
         let has_table = table.is_some();
         let mut no_table = SlotTable::new(&mut [], 0);
         let table = table.unwrap_or(&mut no_table);
-        let mut saved = std::mem::take(&mut self.table_saved);
         let ps = self.page_size;
         let (epoch, max_len) = (self.epoch, self.max_context_len as u64);
         let mut slow = std::mem::take(&mut self.slow_scratch);
@@ -198,19 +197,14 @@ impl SlotAllocator {
         // was available before the call.
         let available_before = self.available_pages();
         let (first, mut k) = if ONE_EACH {
-            let (t, s) = (&mut *table, &mut saved);
-            let n = match (tokens, has_table) {
-                (Some(x), true) => self.extend_decode_one::<true, true>(handles, x, out, t, s),
-                (Some(x), false) => self.extend_decode_one::<true, false>(handles, x, out, t, s),
-                (None, true) => self.extend_decode_one::<false, true>(handles, &[], out, t, s),
-                (None, false) => self.extend_decode_one::<false, false>(handles, &[], out, t, s),
+            let n = match tokens {
+                Some(x) => self.extend_decode_one::<true>(handles, x, out),
+                None => self.extend_decode_one::<false>(handles, &[], out),
             };
             (n, n)
         } else {
             self.extend_decode_run(handles, &get, out)
         };
-        // Requests whose table entry the decode loop wrote already.
-        let table_written = if ONE_EACH && has_table { first } else { 0 };
         // The one-token loop stores the token ids of the requests it applied.
         let recorded = if ONE_EACH && tokens.is_some() {
             first
@@ -290,29 +284,23 @@ impl SlotAllocator {
                 .err();
         }
         if let Some(e) = error {
-            for (i, &h) in handles[..table_written].iter().enumerate() {
-                let row = handle_row(h) as usize;
-                table.restore(row, self.rows[row].len as usize - 1, saved[i]);
-            }
             self.undo_applied(handles, &get, &slow, done);
             self.slow_scratch = slow;
-            self.table_saved = saved;
             return Err(e);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
-            // Every request was applied in the first pass: only report (and
-            // fill the table where the decode loop did not). Two loops: with
-            // a no-op callback the report loop compiles away, as it must for
-            // a plain decode step.
-            if has_table && table_written < handles.len() {
+            // Every request was applied in the first pass: only fill the
+            // table and report. Two loops: with a no-op callback the report
+            // loop compiles away, as it must for a plain decode step.
+            if ONE_EACH && has_table {
+                table.write_decode(&self.rows, handles, out);
+            } else if has_table {
                 let mut k = 0usize;
                 for (i, &h) in handles.iter().enumerate() {
                     let c = get(i) as usize;
-                    if i >= table_written {
-                        let row = handle_row(h) as usize;
-                        let start = self.rows[row].len as usize - c;
-                        table.write(row, start, &out[k..k + c], 0);
-                    }
+                    let row = handle_row(h) as usize;
+                    let start = self.rows[row].len as usize - c;
+                    table.write(row, start, &out[k..k + c], 0);
                     k += c;
                 }
             }
@@ -331,7 +319,6 @@ impl SlotAllocator {
                 k += c;
             }
             self.slow_scratch = slow;
-            self.table_saved = saved;
             return Ok(());
         }
         // Second pass: grow the listed requests, report everyone in order.
@@ -367,7 +354,7 @@ impl SlotAllocator {
                     self.record_tokens(row, start, dst, toks);
                 }
             }
-            if has_table && i >= table_written {
+            if has_table {
                 table.write(row, start, dst, moved);
             }
             on_request(&Grown {
@@ -379,7 +366,6 @@ impl SlotAllocator {
             });
         }
         self.slow_scratch = slow;
-        self.table_saved = saved;
         Ok(())
     }
 }
