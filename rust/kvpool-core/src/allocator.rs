@@ -221,10 +221,12 @@ impl SlotAllocator {
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
         let known_len = zeroed_vec(max_requests, "request rows")?;
-        // Written here (not lazily mapped like the other zeroed arrays): every
-        // page taken writes its refcount, and first-touch page faults during
-        // serving cost more than one memset now.
-        let refcount = filled_vec(num_pages, 0u32, "page refcounts")?;
+        // A FREE page's refcount is 1, the count its taker needs (see
+        // `pages.rs`); page 0, never taken, has 0.
+        let mut refcount = filled_vec(num_pages, 1u32, "page refcounts")?;
+        if let Some(r0) = refcount.first_mut() {
+            *r0 = 0;
+        }
         let mut free_pages = Vec::new();
         reserve(&mut free_pages, num_pages - 1, "free page stack")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.

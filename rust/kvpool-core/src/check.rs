@@ -1,8 +1,9 @@
 //! `check()`: walks the whole pool and verifies every invariant. O(pool size)
 //! by nature; meant for tests and debugging, cheap enough to run after every op.
 //!
-//! - every page is in exactly one state: FREE (free stack), HELD
-//!   (refcount >= 1) or CACHED (refcount 0, registered, on the LRU list);
+//! - every page is in exactly one state: FREE (free stack, stored
+//!   refcount 1), HELD (refcount >= 1) or CACHED (refcount 0, registered,
+//!   on the LRU list);
 //!   FREE + HELD + CACHED = capacity; page 0 is in none;
 //! - each refcount equals the number of open requests whose page list names it;
 //! - the index and the page registrations agree both ways;
@@ -75,8 +76,15 @@ impl SlotAllocator {
         }
         let (mut free, mut held, mut cached) = (0usize, 0usize, 0usize);
         for p in 1..n {
-            // A FREE page's stored refcount is stale (freeing skips it, taking
-            // sets it): its count is 0 by its state.
+            // A FREE page stores refcount 1, the count its taker needs (see
+            // `pages.rs`); it has no holder.
+            if listed[p] == 1 && self.refcount[p] != 1 {
+                return fail(format!(
+                    "FREE page {p} stores refcount {} instead of 1 (taking it would \
+                     leave that count)",
+                    self.refcount[p]
+                ));
+            }
             let rc = if listed[p] == 1 { 0 } else { self.refcount[p] };
             let reg = self.index.page_entry[p] != 0;
             if rc != holders[p] {

@@ -62,8 +62,8 @@ impl SlotAllocator {
             r.len = (len + c) as u32;
             if new_page {
                 // Undone by `undo_applied` if the batch fails later.
+                // A FREE page's refcount is 1 already (see `pages.rs`).
                 let p = self.free_pages.pop().unwrap_or(0);
-                self.refcount[p as usize] = 1;
                 self.page_lists[row * stride + (len >> self.page_shift.unwrap_or(0))] = p;
                 r.last = p;
             }
@@ -115,10 +115,10 @@ impl SlotAllocator {
             if len & mask == 0 {
                 // A page boundary: one page off the free stack (undone by
                 // `undo_applied` if the batch fails later).
+                // (Its refcount is 1 already: see `pages.rs`.)
                 let Some(p) = self.free_pages.pop() else {
                     return i;
                 };
-                self.refcount[p as usize] = 1;
                 self.page_lists[row * self.row_pages + (len >> shift)] = p;
                 self.rows[row].last = p;
             }
@@ -164,7 +164,7 @@ impl SlotAllocator {
             if c > 0 && self.offset_in_page(old) == 0 {
                 let base = row * self.row_pages;
                 let np = self.pages_for(old);
-                // Back on the free stack; a FREE page's refcount is not kept.
+                // Back on the free stack, with the refcount 1 it kept.
                 self.free_pages.push(self.page_lists[base + np]);
                 self.rows[row].last = if np == 0 {
                     0

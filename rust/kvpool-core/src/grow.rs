@@ -43,7 +43,6 @@ impl SlotAllocator {
             // One new page from the free stack (a decode step at a page
             // boundary; every step at page size 1): the short way.
             if let Some(p) = self.free_pages.pop() {
-                self.refcount[p as usize] = 1;
                 self.page_lists[base + np] = p;
                 fill_run(dst, p as usize * ps);
                 self.rows[row].len = (start + c) as u32;
@@ -84,13 +83,11 @@ impl SlotAllocator {
         let taken = self.free_pages[top..].iter().rev();
         if ps == 1 {
             for ((d, slot), &p) in list.iter_mut().zip(rest.iter_mut()).zip(taken) {
-                self.refcount[p as usize] = 1;
                 *d = p;
                 *slot = p as i64;
             }
         } else {
             for ((d, run), &p) in list.iter_mut().zip(rest.chunks_mut(ps)).zip(taken) {
-                self.refcount[p as usize] = 1;
                 *d = p;
                 fill_run(run, p as usize * ps);
             }

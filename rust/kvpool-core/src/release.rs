@@ -99,19 +99,19 @@ impl SlotAllocator {
         let np = self.pages_for(self.rows[row].len as usize);
         let base = row * self.row_pages;
         if self.cold[row].exclusive {
-            // Sole holder of unregistered pages: free them without touching
-            // their refcounts (a FREE page's refcount is not kept; taking a
-            // page sets it), so freeing reads and writes nothing per page
-            // but the free stack.
+            // Sole holder of unregistered pages: their refcounts are 1, a
+            // FREE page's count already (see `pages.rs`), so freeing reads
+            // and writes nothing per page but the free stack.
             let freed = &self.page_lists[base + keep..base + np];
             self.free_pages.extend(freed.iter().rev());
         } else if self.index.len() == 0 {
             // Nothing is registered: a last holder frees the page outright.
             for k in (keep..np).rev() {
                 let p = self.page_lists[base + k] as usize;
-                self.refcount[p] -= 1;
-                if self.refcount[p] == 0 {
-                    self.free_pages.push(p as u32);
+                if self.refcount[p] == 1 {
+                    self.free_pages.push(p as u32); // FREE keeps its 1
+                } else {
+                    self.refcount[p] -= 1;
                 }
             }
         } else {

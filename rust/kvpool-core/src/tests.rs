@@ -284,6 +284,7 @@ fn check_detects_corruption() {
             a.free_pages.pop(); // a page lost
         }),
         Box::new(|a| a.refcount[1] = 2),   // refcount != holders
+        Box::new(|a| a.refcount[5] = 0),   // a FREE page that would be taken with count 0
         Box::new(|a| a.index.lru_push(5)), // a FREE page on the LRU list
         Box::new(|a| a.rows[0].last = 1),  // wrong last page
         Box::new(|a| a.open_count = 0),
