@@ -36,6 +36,7 @@ TreeCore it got, and ``tree_core_backend()`` what the selection resolves to here
 
 from __future__ import annotations
 
+import os
 from array import array
 from typing import Any, Optional
 
@@ -83,7 +84,10 @@ def tree_core_backend(page_size: int = 1) -> str:
                                  page_size=page_size)
         logging.getLogger("sglang.srt.mem_cache.unified_cache.tree_core_registry").setLevel(logging.WARNING)
         name = select_tree_core_backend(params)
-        why = _rust_fallback_reason(params) if name != "rust" else None
+        # A fallback has a reason; a Python tree asked for by name has none (SGLang's
+        # reason function reports the torch range whatever was asked for).
+        asked = os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust").strip().lower()
+        why = _rust_fallback_reason(params) if name != "rust" and asked != "python" else None
         return f"{name}" + (f" ({why})" if why else "")
     except Exception as exc:  # noqa: BLE001
         return f"unknown ({type(exc).__name__}: {exc})"
