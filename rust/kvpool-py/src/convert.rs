@@ -27,7 +27,7 @@ impl IntArg {
 
 static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())
@@ -146,34 +146,39 @@ fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<PyResult<Vec<i64>>> {
     if len == 0 {
         return Some(Ok(Vec::new()));
     }
-    // A broadcast view (stride 0) can claim far more items than memory
-    // holds: the copy's allocation is fallible, so that is a MemoryError,
-    // not an abort.
-    let mut out = match try_vec(len) {
-        Ok(v) => v,
-        Err(e) => return Some(Err(e)),
-    };
     // SAFETY: `arr` is a live numpy array, so its object struct is valid.
     let data = unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).data } as *const u8;
+    // SAFETY: numpy's own shape and strides place `len` items of its dtype
+    // (`kind`, checked) inside the array's buffer, each aligned (checked);
+    // the array is alive (`arr`) and cannot change while the GIL is held.
+    Some(unsafe { widen(data, len, stride, kind) })
+}
+
+/// `len` integers of numpy kind and size `kind` (`(b'i', 1 | 2 | 4 | 8)` or
+/// `(b'u', 1 | 2 | 4)`), `stride` bytes apart from `data`, copied out and
+/// widened to i64. The copy's allocation is fallible: a broadcast view
+/// (stride 0) can claim far more items than memory holds, and that must be
+/// a MemoryError, not an abort.
+///
+/// # Safety
+/// `data` must point at `len` aligned items of that type, `stride` bytes
+/// apart, alive and unchanged for the call.
+pub(crate) unsafe fn widen(
+    data: *const u8,
+    len: usize,
+    stride: isize,
+    kind: (u8, usize),
+) -> PyResult<Vec<i64>> {
+    let mut out = try_vec(len)?;
     macro_rules! widen {
         ($t:ty) => {{
-            let size = std::mem::size_of::<$t>() as isize;
-            // SAFETY: numpy's own shape and strides place `len` items of
-            // type $t (its dtype, checked) inside the array's buffer, each
-            // aligned (checked); the array is alive (`arr`) and cannot change
-            // while the GIL is held, and it is copied out at once.
-            unsafe {
-                if stride == size {
-                    out.extend(
-                        std::slice::from_raw_parts(data as *const $t, len)
-                            .iter()
-                            .map(|&x| x as i64),
-                    )
-                } else {
-                    out.extend(
-                        (0..len).map(|i| *(data.offset(i as isize * stride) as *const $t) as i64),
-                    )
-                }
+            if stride == std::mem::size_of::<$t>() as isize {
+                let items = std::slice::from_raw_parts(data as *const $t, len);
+                out.extend(items.iter().map(|&x| x as i64))
+            } else {
+                out.extend(
+                    (0..len).map(|i| *(data.offset(i as isize * stride) as *const $t) as i64),
+                )
             }
         }};
     }
@@ -186,7 +191,7 @@ fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<PyResult<Vec<i64>>> {
         (b'u', 2) => widen!(u16),
         _ => widen!(u8),
     }
-    Some(Ok(out))
+    Ok(out)
 }
 
 /// An empty Vec with room for `len` values, or MemoryError: a length

@@ -138,10 +138,7 @@ impl CallerOut {
         let Ok(arr) = obj.cast::<PyUntypedArray>() else {
             return bad(format!(
                 "out must be a 1-D int64 numpy array (e.g. np.empty(n, np.int64)), got {}",
-                obj.get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default()
+                crate::convert::type_name(obj)
             ));
         };
         let dtype = arr.dtype();

@@ -106,27 +106,10 @@ fn read_plain(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>
     if ptr == 0 || ptr % size != 0 {
         return Ok(None);
     }
-    let mut out = crate::convert::try_vec(len)?;
-    let data = ptr as *const u8;
-    macro_rules! widen {
-        ($t:ty) => {
-            // SAFETY: a contiguous 1-D CPU tensor of this dtype (checked)
-            // holds `len` aligned (checked) items at its data pointer; the
-            // tensor is alive (`t`), no Python code runs from reading the
-            // pointer to this copy, and it is copied out at once.
-            out.extend(
-                unsafe { std::slice::from_raw_parts(data as *const $t, len) }
-                    .iter()
-                    .map(|&x| x as i64),
-            )
-        };
-    }
-    match (size, signed) {
-        (8, true) => widen!(i64),
-        (4, true) => widen!(i32),
-        (2, true) => widen!(i16),
-        (1, true) => widen!(i8),
-        _ => widen!(u8),
-    }
-    Ok(Some(out))
+    // SAFETY: a contiguous 1-D CPU tensor of this dtype (checked) holds
+    // `len` aligned (checked) items at its data pointer; the tensor is
+    // alive (`t`) and no Python code runs from reading the pointer to the
+    // copy.
+    let kind = (if signed { b'i' } else { b'u' }, size);
+    unsafe { crate::convert::widen(ptr as *const u8, len, size as isize, kind) }.map(Some)
 }
