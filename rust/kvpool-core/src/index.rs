@@ -47,9 +47,9 @@ pub(crate) const LOOKAHEAD: usize = 32;
 /// buckets are fresh zero pages the kernel faults in one by one, so the
 /// doubling at 262K keys stalled a step ~10 ms (page 1, 1M slots), and the
 /// doublings took about a third of `cache()`'s time while the index
-/// filled (page 1: 184 -> 120 ns per registered page). Why a bound: sizing a 16M-page pool's table up front took 256
-/// MiB, which random inserts fault in almost at once; past the bound the
-/// table doubles as before.
+/// filled (page 1: 184 -> 120 ns per registered page). Why a bound: sizing
+/// a 16M-page pool's table up front took 256 MiB, which random inserts
+/// fault in almost at once; past the bound the table doubles as before.
 pub(crate) const TABLE_FLOOR_KEYS: usize = 1 << 20;
 
 /// One registered page.

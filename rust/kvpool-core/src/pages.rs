@@ -52,6 +52,14 @@ impl SlotAllocator {
         }
     }
 
+    /// Puts a page that has left the index (refcount 0) on the free stack
+    /// with the refcount 1 a FREE page keeps.
+    #[inline]
+    fn push_free(&mut self, p: u32) {
+        self.refcount[p as usize] = 1;
+        self.free_pages.push(p);
+    }
+
     /// Evicts the oldest CACHED page (it becomes unregistered, refcount 0,
     /// on no list: the caller makes it FREE or HELD).
     pub(crate) fn evict_one(&mut self) -> Option<u32> {
@@ -191,8 +199,7 @@ impl SlotAllocator {
             ix.lru_prev[p as usize] = 0;
             ix.lru_next[p as usize] = 0;
             self.unregister_page(p);
-            self.refcount[p as usize] = 1;
-            self.free_pages.push(p);
+            self.push_free(p);
             p = next;
         }
         let ix = &mut self.index;
@@ -208,8 +215,7 @@ impl SlotAllocator {
     pub fn clear_cache(&mut self) {
         while let Some(p) = self.index.lru_pop_oldest() {
             self.index.unregister(p);
-            self.refcount[p as usize] = 1;
-            self.free_pages.push(p);
+            self.push_free(p);
         }
         self.index.clear();
         for c in self.cold.iter_mut() {
