@@ -11,6 +11,9 @@
 //! - open_with_prefix of one fully cached 4096-token prompt (page 16),
 //!   hashing included; with and without hit verification.
 //! - cache() of a 4096-token request; evict(256).
+//! - at page 1 (every token a page): open_with_prefix and cache() of a
+//!   4096-token prompt, and close() of a request holding it, shared with
+//!   another request or the last holder (every page back to CACHED).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -127,9 +130,9 @@ fn serve_prompt(a: &mut SlotAllocator, prompt: &[i64]) {
     a.close(&h, true).unwrap();
 }
 
-/// us of open_with_prefix of a fully cached 4096-token prompt at page 16.
-fn prefix_hit(verify: bool, reps: usize) -> f64 {
-    let mut a = pool(1 << 20, 16, verify);
+/// us of open_with_prefix of a fully cached 4096-token prompt at page `ps`.
+fn prefix_hit(ps: usize, verify: bool, reps: usize) -> f64 {
+    let mut a = pool(1 << 20, ps, verify);
     let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
     serve_prompt(&mut a, &prompt);
     let mut samples = Vec::new();
@@ -139,15 +142,45 @@ fn prefix_hit(verify: bool, reps: usize) -> f64 {
             .open_with_prefix(&prompt, &[4096], Counts::Each(0))
             .unwrap();
         samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
-        assert_eq!(c[0], 4080);
+        assert_eq!(c[0], 4096 - ps as i64);
         a.close(&h, false).unwrap();
     }
     median(samples)
 }
 
-/// us of cache() of a 4096-token request at page 16 (256 new registrations).
-fn cache_4096(reps: usize) -> f64 {
-    let mut a = pool(1 << 20, 16, true);
+/// us of close() of a request holding a fully cached 4096-token prompt at
+/// page `ps`: with `shared`, a second request holds the same pages (each
+/// release only drops a reference), else every page becomes CACHED again.
+fn close_hit(ps: usize, shared: bool, reps: usize) -> f64 {
+    let mut a = pool(1 << 20, ps, true);
+    let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
+    serve_prompt(&mut a, &prompt);
+    let other = if shared {
+        Some(
+            a.open_with_prefix(&prompt, &[4096], Counts::Each(0))
+                .unwrap()
+                .0,
+        )
+    } else {
+        None
+    };
+    let mut samples = Vec::new();
+    for _ in 0..reps {
+        let (h, _) = a
+            .open_with_prefix(&prompt, &[4096], Counts::Each(0))
+            .unwrap();
+        let t0 = Instant::now();
+        a.close(&h, false).unwrap();
+        samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
+    }
+    black_box(other);
+    median(samples)
+}
+
+/// us of cache() of a 4096-token request at page `ps` (4096 / ps new
+/// registrations).
+fn cache_4096(ps: usize, reps: usize) -> f64 {
+    let mut a = pool(1 << 20, ps, true);
     let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
     let mut samples = Vec::new();
     for _ in 0..reps {
@@ -222,13 +255,27 @@ fn main() {
     if decode_only {
         return;
     }
-    report("open_with_prefix_4096_us", "us", prefix_hit(true, reps));
+    report("open_with_prefix_4096_us", "us", prefix_hit(16, true, reps));
     report(
         "open_with_prefix_4096_unverified_us",
         "us",
-        prefix_hit(false, reps),
+        prefix_hit(16, false, reps),
     );
-    report("cache_4096_us", "us", cache_4096(reps));
+    report("cache_4096_us", "us", cache_4096(16, reps));
+    // Page 1, where SGLang's radix tree is hardest to beat: every token is
+    // a page to hash, look up, hold and release.
+    report(
+        "open_with_prefix_4096_page1_us",
+        "us",
+        prefix_hit(1, true, reps),
+    );
+    report("cache_4096_page1_us", "us", cache_4096(1, reps));
+    report("close_4096_shared_page1_us", "us", close_hit(1, true, reps));
+    report(
+        "close_4096_to_cached_page1_us",
+        "us",
+        close_hit(1, false, reps),
+    );
     report("evict_256_us", "us", evict_256(reps));
     println!("{{{}}}", json.join(", "));
 }
