@@ -189,12 +189,18 @@ def test_list_elements_of_every_kind_are_read_or_named():
     a.check()
 
 
+def pool_of_one_token_requests(n):
+    """A small pool with n open requests of one token each, and their lengths
+    (what a refused call must leave as they were)."""
+    a = SlotAllocator(64, max_requests=4, max_context_len=64)
+    h = a.open(n)
+    a.extend(h, 1)
+    return a, h, a.lengths(h).tolist()
+
+
 def test_torch_tensors_that_are_not_plain_int_vectors_are_refused_by_name():
     # CPU int tensors are read in place; the rest keeps numpy's verdict.
-    a = SlotAllocator(64, max_requests=4, max_context_len=64)
-    h = a.open(3)
-    a.extend(h, 1)
-    before = a.lengths(h).tolist()
+    a, h, before = pool_of_one_token_requests(3)
     cases = [
         (torch._neg_view(torch.tensor([1, 1, 1])), "negative bit"),  # stored unnegated
         (torch.tensor([1.0, 1.0, 1.0]), "integer dtype"),
@@ -215,10 +221,7 @@ def test_a_broadcast_argument_too_big_to_copy_is_a_memory_error_not_an_abort():
     # A stride-0 view claims 2**40 items over one: copying it out must fail
     # as a MemoryError (a failed Rust allocation would abort the process),
     # with nothing changed. The same for a torch expand (read through numpy).
-    a = SlotAllocator(64, max_requests=4, max_context_len=64)
-    h = a.open(2)
-    a.extend(h, 1)
-    before = a.lengths(h).tolist()
+    a, h, before = pool_of_one_token_requests(2)
     huge = [np.broadcast_to(np.array(1, dtype=dt), (2**40,)) for dt in (np.int64, np.int32, np.uint8)]
     huge.append(torch.ones(1, dtype=torch.int32).expand(2**40))
     for arg in huge:
