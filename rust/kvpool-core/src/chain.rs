@@ -148,10 +148,11 @@ impl SlotAllocator {
     ) -> Match {
         let mut m = Match::root(salt);
         for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
-            // Filed under the key of the sent tokens; the sent hash must
-            // also be the entry's (a sender with another seed misses).
-            let key = self.index.keys.page(m.tip.key, t);
-            match self.index.lookup(key) {
+            // Filed under the sent hash's key, and the hash must be the
+            // entry's (a sender with another seed misses); verification
+            // then checks the page's tokens, salt and parent, so the sent
+            // hash is never trusted and this pool need not hash anything.
+            match self.index.lookup(crate::keys::key_of(h)) {
                 Some((i, e)) if e.hash == h && self.index.verify(e, t, salt, m.tip.reg) => {
                     if let Some(o) = out.as_deref_mut() {
                         o.push(e.page);

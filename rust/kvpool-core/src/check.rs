@@ -125,7 +125,10 @@ impl SlotAllocator {
             let Some(e) = ix.entries.get(i as usize) else {
                 return fail(format!("index entry {i} is out of range"));
             };
-            if ix.find(e.key) != Some(i) || ix.page_entry.get(e.page as usize) != Some(&(i + 1)) {
+            if e.key != crate::keys::key_of(e.hash)
+                || ix.find(e.key) != Some(i)
+                || ix.page_entry.get(e.page as usize) != Some(&(i + 1))
+            {
                 return fail(format!(
                     "index entry {i} (page {}) disagrees with its page or key",
                     e.page

@@ -8,7 +8,7 @@
 //! `index.rs`), so a collision, accidental or crafted, costs a cache miss and
 //! never serves KV computed for other tokens.
 
-use xxhash_rust::xxh3::xxh3_128_with_seed;
+use xxhash_rust::xxh3::{xxh3_128_with_seed, Xxh3};
 
 /// Root value of the chain of a request with `salt`.
 #[inline]
@@ -18,38 +18,34 @@ pub(crate) fn root(salt: i64) -> u128 {
     (0x6b76_706f_6f6c_0001u128 << 64) | salt as u64 as u128
 }
 
-/// Hashes pages of a chain; owns the scratch buffer (parent hash + tokens).
+/// Tokens a page may have for its hash input to be built on the stack.
+const STACK_PAGE: usize = 128;
+
+/// Hashes pages of a chain with a pool's seed.
 #[derive(Debug, Clone)]
 pub(crate) struct ChainHasher {
     seed: u64,
     /// Keep only the low `weak_bits` bits (test-only collision forcing); 0 = all.
     mask: u128,
-    buf: Vec<u8>,
 }
 
 impl ChainHasher {
-    /// `buf` must have room for 16 + 4 * page_size bytes (reserved fallibly
-    /// by the caller).
-    pub(crate) fn new(seed: u64, weak_bits: u32, buf: Vec<u8>) -> Self {
+    pub(crate) fn new(seed: u64, weak_bits: u32) -> Self {
         let mask = if weak_bits == 0 || weak_bits >= 128 {
             u128::MAX
         } else {
             (1u128 << weak_bits) - 1
         };
-        ChainHasher { seed, mask, buf }
+        ChainHasher { seed, mask }
     }
 
     pub(crate) fn seed(&self) -> u64 {
         self.seed
     }
 
-    pub(crate) fn mask(&self) -> u128 {
-        self.mask
-    }
-
     /// Hash of the page with `tokens` whose parent's chain hash is `parent`.
-    #[inline]
-    pub(crate) fn page(&mut self, parent: u128, tokens: &[i32]) -> u128 {
+    #[inline(always)]
+    pub(crate) fn page(&self, parent: u128, tokens: &[i32]) -> u128 {
         // The chain waits on each page's hash before the next can start, so
         // the copy into the buffer is on its critical path. At the common
         // page sizes the buffer is a stack array of known length and the
@@ -59,16 +55,29 @@ impl ChainHasher {
             16 => fixed::<16, 80>(self.seed, parent, tokens),
             32 => fixed::<32, 144>(self.seed, parent, tokens),
             64 => fixed::<64, 272>(self.seed, parent, tokens),
-            _ => {
-                self.buf.clear();
-                self.buf.extend_from_slice(&parent.to_le_bytes());
-                #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
-                self.buf.extend_from_slice(&le_bytes(tokens));
-                xxh3_128_with_seed(&self.buf, self.seed)
-            }
+            _ => any_size(self.seed, parent, tokens),
         };
         h & self.mask
     }
+}
+
+/// `xxh3_128(seed, parent || tokens)` for the other page sizes, out of line
+/// so the common sizes' path stays small enough to inline.
+#[inline(never)]
+fn any_size(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
+    if tokens.len() <= STACK_PAGE {
+        let mut buf = [0u8; 16 + 4 * STACK_PAGE];
+        let b = &mut buf[..16 + 4 * tokens.len()];
+        b[..16].copy_from_slice(&parent.to_le_bytes());
+        #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
+        b[16..].copy_from_slice(&le_bytes(tokens));
+        return xxh3_128_with_seed(b, seed);
+    }
+    let mut x = Xxh3::with_seed(seed);
+    x.update(&parent.to_le_bytes());
+    #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
+    x.update(&le_bytes(tokens));
+    x.digest128()
 }
 
 /// `xxh3_128(seed, parent || tokens)` for pages of `N` tokens (`B` = 16 + 4N
@@ -145,20 +154,20 @@ mod tests {
     /// `xxh3_128(seed, parent || tokens)`.
     #[test]
     fn page_hash_is_xxh3_of_parent_and_tokens() {
-        for ps in [1usize, 2, 15, 16, 17, 32, 64, 65, 128] {
+        for ps in [1usize, 2, 15, 16, 17, 32, 64, 65, 128, 129, 300] {
             let tokens: Vec<i32> = (0..ps as i32).map(|i| i * 7919 + 3).collect();
             let parent = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128 ^ ps as u128;
             let mut bytes = parent.to_le_bytes().to_vec();
             for t in &tokens {
                 bytes.extend_from_slice(&t.to_le_bytes());
             }
-            let mut h = ChainHasher::new(42, 0, Vec::new());
+            let h = ChainHasher::new(42, 0);
             assert_eq!(
                 h.page(parent, &tokens),
                 xxh3_128_with_seed(&bytes, 42),
                 "ps {ps}"
             );
-            let mut weak = ChainHasher::new(42, 12, Vec::new());
+            let weak = ChainHasher::new(42, 12);
             assert_eq!(
                 weak.page(parent, &tokens),
                 xxh3_128_with_seed(&bytes, 42) & 0xfff

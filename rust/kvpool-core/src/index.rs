@@ -17,9 +17,8 @@
 //! examples/bench_core.rs. The token ids live in a flat per-slot array,
 //! 4 bytes per slot, allocated fallibly with lazily mapped zero pages.
 //!
-//! Lookup keys (`keys.rs`) and chain hashes are both functions of the salt
-//! and the token sequence, so either identifies the same pages; lookups use
-//! the cheaper key, events and transfers the 128-bit hash.
+//! A page is filed under its lookup key, its chain hash folded to 64 bits
+//! (`keys.rs`); events and transfers use the 128-bit hash itself.
 //!
 //! Duplicates: when `cache()` finds the key already registered for another
 //! page with the same content (verified as above), the existing entry is
@@ -31,13 +30,13 @@
 use crate::error::Result;
 use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
-use crate::keys::KeyHasher;
+use crate::keys::key_of;
 use crate::lookup::ChainTip;
 use crate::memory::{reserve, zeroed_vec};
 
-/// Pages a prefix lookup keys (and prefetches) ahead of its probes: enough
-/// to overlap the probes' cache misses, few enough that a miss early in a
-/// long prompt wastes little hashing.
+/// Pages registration hashes (and prefetches) ahead of its probes, and the
+/// most a lookup does: enough to overlap the probes' cache misses, few
+/// enough that a miss early in a long prompt wastes little hashing.
 pub(crate) const LOOKAHEAD: usize = 32;
 
 /// Keys the table makes room for when it first grows: every page of the
@@ -57,7 +56,8 @@ pub(crate) const TABLE_FLOOR_KEYS: usize = 1 << 20;
 pub(crate) struct Entry {
     /// Chain hash (the page's identity in events and transfers).
     pub(crate) hash: u128,
-    /// Lookup key (`keys.rs`).
+    /// Lookup key, `key_of(hash)` (`keys.rs`): what the table confirms a
+    /// probe against without folding the hash again.
     pub(crate) key: u64,
     /// Unique id of this registration (never reused; 0 means none).
     pub(crate) reg: u64,
@@ -96,9 +96,8 @@ pub(crate) struct PrefixIndex {
     /// Token id at every slot (meaningful where a request or entry says so).
     pub(crate) tokens: Vec<i32>,
     pub(crate) hasher: ChainHasher,
-    pub(crate) keys: KeyHasher,
-    /// A lookup's keys of the next `LOOKAHEAD` pages.
-    pub(crate) key_scratch: Vec<u64>,
+    /// The chain hashes of the next pages a lookup or registration probes.
+    pub(crate) hash_scratch: Vec<u128>,
     pub(crate) next_reg: u64,
     pub(crate) page_size: usize,
     /// Benchmark only (see `Options::skip_hit_verification`).
@@ -113,15 +112,9 @@ impl PrefixIndex {
         seed: u64,
         weak_bits: u32,
     ) -> Result<Self> {
-        let mut buf = Vec::new();
-        reserve(&mut buf, 16 + 4 * page_size, "hash buffer")?;
-        let mut key_scratch = Vec::new();
-        reserve(&mut key_scratch, LOOKAHEAD, "lookup keys")?;
-        let hasher = ChainHasher::new(seed, weak_bits, buf);
-        let keys = KeyHasher {
-            seed,
-            mask: hasher.mask() as u64,
-        };
+        let mut hash_scratch = Vec::new();
+        reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
+        let hasher = ChainHasher::new(seed, weak_bits);
         Ok(PrefixIndex {
             table: KeyTable::default(),
             entries: Vec::new(),
@@ -132,8 +125,7 @@ impl PrefixIndex {
             lru_len: 0,
             tokens: zeroed_vec(num_slots, "slot token ids")?,
             hasher,
-            keys,
-            key_scratch,
+            hash_scratch,
             next_reg: 1,
             page_size,
             skip_verify: false,
@@ -168,21 +160,22 @@ impl PrefixIndex {
         Some((ChainTip::at(i, e), e))
     }
 
-    /// The keys of consecutive pages (their token ids, in order) chained on
-    /// from `key`, into `out`; each one's table bucket is prefetched as soon
-    /// as the key is known, so the probes that follow overlap their misses.
+    /// The chain hashes of consecutive pages (their token ids, in order)
+    /// chained on from `hash`, into `out`; each one's table bucket is
+    /// prefetched as soon as its hash is known, so the probes that follow
+    /// overlap their misses.
     #[inline]
-    pub(crate) fn keys_ahead<'t>(
+    pub(crate) fn hashes_ahead<'t>(
         &self,
-        mut key: u64,
+        mut hash: u128,
         pages: impl Iterator<Item = &'t [i32]>,
-        out: &mut Vec<u64>,
+        out: &mut Vec<u128>,
     ) {
         out.clear();
         for tokens in pages {
-            key = self.keys.page(key, tokens);
-            self.table.prefetch(key);
-            out.push(key);
+            hash = self.hasher.page(hash, tokens);
+            self.table.prefetch(key_of(hash));
+            out.push(hash);
         }
     }
 
@@ -245,17 +238,17 @@ impl PrefixIndex {
         self.table.reserve(n)
     }
 
-    /// Registers `page` under `key` (chain hash `hash`) as the child of
-    /// `parent`; returns its tip. The caller reserved room, checked that
-    /// `key` is absent and `page` unregistered.
+    /// Registers `page` (chain hash `hash`) as the child of `parent`;
+    /// returns its tip. The caller reserved room, checked that the hash's
+    /// key is absent and `page` unregistered.
     pub(crate) fn register(
         &mut self,
         page: u32,
         hash: u128,
-        key: u64,
         parent: &ChainTip,
         salt: i64,
     ) -> ChainTip {
+        let key = key_of(hash);
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -344,14 +337,9 @@ impl PrefixIndex {
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.free_entries.capacity() * 4
             + self.table.capacity_bytes()
-            + self.key_scratch.capacity() * 8
+            + self.hash_scratch.capacity() * 16
             + (self.page_entry.capacity() + self.lru_prev.capacity() + self.lru_next.capacity()) * 4
             + self.tokens.capacity() * 4
-            + self.hasher_capacity()
-    }
-
-    fn hasher_capacity(&self) -> usize {
-        16 + 4 * self.page_size
     }
 }
 

@@ -8,9 +8,12 @@
 //!   again) then walks its chain like a radix tree: compare the page's
 //!   tokens with the hinted child's, and no hash is computed.
 //! - **The lookup key.** Where the hint is absent or fails (a branch point,
-//!   such as the end of a shared system prompt), the page's key is hashed
-//!   (`keys.rs`) and probed in the table (`key_table.rs`), `LOOKAHEAD`
-//!   pages at a time with their buckets prefetched.
+//!   such as the end of a shared system prompt), the page's chain hash is
+//!   computed and its key (`keys.rs`) probed in the table (`key_table.rs`),
+//!   a few pages at a time with their buckets prefetched: 4 the first
+//!   time, twice as many at each refill, up to `LOOKAHEAD`. A walk that is
+//!   back on hints after one probe (the common case) then hashes little it
+//!   does not use.
 //!
 //! Either candidate is accepted only if it verifies (`index.rs`): same
 //! tokens, same salt, and its parent registration is the tip's. Entries are
@@ -21,14 +24,16 @@
 use crate::allocator::SlotAllocator;
 use crate::index::{Entry, PrefixIndex, LOOKAHEAD};
 
-/// The last verified page of a chain: its chain hash, lookup key,
-/// registration id and entry (the root values before page 0). The four
-/// always describe the same entry, which is what lets a later page's key be
-/// chained on from `key` and checked against `reg`.
+/// Pages hashed ahead the first time a walk falls back on keys.
+const FIRST_AHEAD: usize = 4;
+
+/// The last verified page of a chain: its chain hash, registration id and
+/// entry (the root values before page 0). The three always describe the
+/// same entry, which is what lets a later page's hash be chained on from
+/// `hash` and checked against `reg`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct ChainTip {
     pub(crate) hash: u128,
-    pub(crate) key: u64,
     /// Registration id (0 at the root).
     pub(crate) reg: u64,
     /// Entry index + 1 (0 at the root): where the child hint is read.
@@ -39,7 +44,6 @@ impl ChainTip {
     pub(crate) fn root(salt: i64) -> Self {
         ChainTip {
             hash: crate::hashing::root(salt),
-            key: crate::keys::root_key(salt),
             reg: 0,
             entry: 0,
         }
@@ -50,7 +54,6 @@ impl ChainTip {
     pub(crate) fn at(idx: u32, e: &Entry) -> Self {
         ChainTip {
             hash: e.hash,
-            key: e.key,
             reg: e.reg,
             entry: idx + 1,
         }
@@ -131,7 +134,7 @@ impl PrefixIndex {
                 break;
             }
             debug_assert_eq!(
-                self.find(self.keys.page(parent.key, t)),
+                self.find(crate::keys::key_of(self.hasher.page(parent.hash, t))),
                 Some(child),
                 "a verified hinted child is the entry its key finds"
             );
@@ -155,10 +158,11 @@ impl SlotAllocator {
         let ps = self.page_size;
         let max_pages = prompt.len().saturating_sub(1) / ps;
         let mut m = Match::root(salt);
-        let mut keys = std::mem::take(&mut self.index.key_scratch);
-        keys.clear();
-        // keys[j] is the key of page `first_keyed + j`.
-        let mut first_keyed = 0usize;
+        let mut hashes = std::mem::take(&mut self.index.hash_scratch);
+        hashes.clear();
+        // hashes[j] is the chain hash of page `first_hashed + j`.
+        let mut first_hashed = 0usize;
+        let mut ahead = FIRST_AHEAD;
         let ix = &self.index;
         while m.pages < max_pages {
             let k = m.pages;
@@ -168,16 +172,17 @@ impl SlotAllocator {
                 break;
             }
             // The hint is absent or wrong here: probe by key.
-            if k >= first_keyed + keys.len() {
-                // Key the next pages from the tip (every page before `k`
-                // matched, so their keys chain on from it).
-                let end = max_pages.min(k + LOOKAHEAD);
-                let ahead = prompt[k * ps..end * ps].chunks_exact(ps);
-                ix.keys_ahead(m.tip.key, ahead, &mut keys);
-                first_keyed = k;
+            if k >= first_hashed + hashes.len() {
+                // Hash the next pages from the tip (every page before `k`
+                // matched, so their hashes chain on from it).
+                let end = max_pages.min(k + ahead);
+                let pages = prompt[k * ps..end * ps].chunks_exact(ps);
+                ix.hashes_ahead(m.tip.hash, pages, &mut hashes);
+                first_hashed = k;
+                ahead = (2 * ahead).min(LOOKAHEAD);
             }
             let tokens = &prompt[k * ps..(k + 1) * ps];
-            match ix.lookup(keys[k - first_keyed]) {
+            match ix.lookup(crate::keys::key_of(hashes[k - first_hashed])) {
                 Some((i, e)) if ix.verify(e, tokens, salt, m.tip.reg) => {
                     out.push(e.page);
                     m.tip = ChainTip::at(i, e);
@@ -186,7 +191,7 @@ impl SlotAllocator {
                 _ => break,
             }
         }
-        self.index.key_scratch = keys;
+        self.index.hash_scratch = hashes;
         m
     }
 }

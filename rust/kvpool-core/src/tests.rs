@@ -291,15 +291,23 @@ fn check_detects_corruption() {
         Box::new(|a| {
             a.index.reserve(1).unwrap();
             a.index
-                .register(2, 7, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
+                .register(2, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
             a.index.page_entry[2] = 0; // ...until its link is lost
         }),
         Box::new(|a| {
             a.index.reserve(1).unwrap();
             a.index
-                .register(2, 7, 7, &crate::lookup::ChainTip::default(), 0);
+                .register(2, 7, &crate::lookup::ChainTip::default(), 0);
             let first = 2 * a.page_size;
             a.index.tokens[first] += 1; // a registered page rewritten in place
+        }),
+        Box::new(|a| {
+            a.index.reserve(1).unwrap();
+            let tip = a
+                .index
+                .register(2, 7, &crate::lookup::ChainTip::default(), 0);
+            // a hash that is not the one its key was derived from
+            a.index.entries[tip.entry as usize - 1].hash ^= 1 << 64;
         }),
     ];
     for (i, corrupt) in corruptions.iter().enumerate() {
@@ -352,8 +360,7 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
         + rows * 4 * 2 // free row stack, known token counts
         + rows * (192 + 16) * 4 // page lists: 188 rounded to a cache line, plus one
         + rows * (16 + std::mem::size_of::<crate::rows::RowCold>())
-        + (16 + 4 * ps) // hash buffer
-        + crate::index::LOOKAHEAD * 8; // lookup keys
+        + crate::index::LOOKAHEAD * 16; // chain hashes ahead of probes
     assert_eq!(before, want);
 }
 
