@@ -101,3 +101,46 @@ def test_reopened_row_reports_old_handle_as_stale():
     a.close([new])
     with pytest.raises(InvalidHandleError, match="closed"):
         a.length(new)
+
+
+def _churn_prefixes(a: SlotAllocator, rounds: int, drain: bool) -> list[dict]:
+    """Serves `rounds` fresh 600-token prompts through a 1000-page pool (page 1), each
+    cached at close, so later ones evict earlier ones: about 1200 events a round."""
+    rng = np.random.default_rng(0)
+    drained = []
+    for _ in range(rounds):
+        prompt = rng.integers(0, 32000, 600)
+        h, cached = a.open_with_prefix(prompt, [600])
+        a.extend(h, 600 - int(cached[0]), tokens=prompt[int(cached[0]):])
+        a.close(h, cache=True)
+        if drain:
+            drained.append(a.take_events())
+    return drained
+
+
+def test_an_undrained_event_backlog_is_bounded_and_restarts_with_a_cleared_event():
+    """A pool whose events nobody drains keeps at most max(num_pages, 65536) of them:
+    past that the backlog is replaced by one Cleared event (a router then forgets
+    the pool's pages and relearns them), and ``dropped_events`` counts what went.
+    The events after the Cleared one are exactly the newest events a pool drained
+    every round reports."""
+    kw = dict(page_size=1, max_requests=2, max_context_len=600, hash_seed=3)
+    lazy, eager = SlotAllocator(1000, **kw), SlotAllocator(1000, **kw)
+    rounds = 60  # ~72K events: past the 65536 bound once
+    _churn_prefixes(lazy, rounds, drain=False)
+    per_round = _churn_prefixes(eager, rounds, drain=True)
+    assert eager.dropped_events == 0
+    total = sum(len(e["kind"]) for e in per_round)
+    assert total > 65536
+    ev = lazy.take_events()
+    n = len(ev["kind"])
+    assert ev["kind"][0] == 2 and n <= 65536
+    assert lazy.dropped_events == total - (n - 1) > 0
+    tail = {k: np.concatenate([e[k] for e in per_round]) for k in ev if k != "token_ids"}
+    for k, v in tail.items():
+        assert np.array_equal(ev[k][1:], v[len(v) - (n - 1):]), k
+    stored = int(np.sum(ev["kind"][1:] == 0))
+    assert len(ev["token_ids"]) == stored, "the dropped events' token ids went with them"
+    # Drained, the log starts afresh; the count stays (it is cumulative).
+    assert len(lazy.take_events()["kind"]) == 0
+    assert lazy.dropped_events == total - (n - 1)

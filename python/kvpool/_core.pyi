@@ -379,7 +379,9 @@ class SlotAllocator:
         2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
         hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
         first page), page (int32), num_tokens (int32), salt (int64), and
-        token_ids (int32, the Stored events' tokens concatenated).
+        token_ids (int32, the Stored events' tokens concatenated). Past
+        max(num_pages, 65536) undrained events the backlog is replaced by one
+        Cleared event (dropped_events counts what went).
         """
     def known_tokens(self, handle: _Handle) -> npt.NDArray[np.int32]:
         """The request's token ids of its leading known positions.
@@ -447,6 +449,11 @@ class SlotAllocator:
     @property
     def miss_tokens(self) -> int:
         """Prompt tokens open_with_prefix found no cached page for (cumulative)."""
+    @property
+    def dropped_events(self) -> int:
+        """Events dropped because more than max(num_pages, 65536) were left
+        undrained: each overflow replaces the backlog with one Cleared event
+        (cumulative)."""
     @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""

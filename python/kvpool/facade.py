@@ -51,6 +51,10 @@ class AllocatorFacade:
     evictable_pages = _counter("evictable_pages", "Cached pages nobody holds: evicted (LRU) when pages run out.")
     hit_tokens = _counter("hit_tokens", "Prompt tokens ``open_with_prefix`` served from the cache (cumulative).")
     miss_tokens = _counter("miss_tokens", "Prompt tokens ``open_with_prefix`` found no cached page for (cumulative).")
+    dropped_events = _counter(
+        "dropped_events",
+        "Events dropped because more than max(num_pages, 65536) were left undrained (cumulative; see ``take_events``).",
+    )
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot (one lock), for logs and metrics.
@@ -147,7 +151,10 @@ class AllocatorFacade:
         """Drain the KV cache events (Stored / Removed / Cleared, what vLLM's
         ``KVEventBatch`` carries) as one numpy array per field; see
         ``SlotAllocator.take_events``. Events accumulate until drained (or pass
-        ``kv_events=False`` to the pool)."""
+        ``kv_events=False`` to the pool), up to max(num_pages, 65536): past that the
+        backlog is replaced by one Cleared event, so a router forgets this pool's pages
+        and relearns them from the Stored events that follow (``dropped_events``
+        counts what was dropped)."""
         return self.allocator.take_events()
 
     def known_tokens(self, handle: Any) -> np.ndarray:

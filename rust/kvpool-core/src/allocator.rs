@@ -54,7 +54,8 @@ pub struct Options {
     /// (about 1 in 2^31), as with random bases.
     pub handle_seed: Option<u64>,
     /// Record Stored/Removed/Cleared events for `take_events`. The caller
-    /// must drain them (they accumulate otherwise).
+    /// drains them; past max(num_pages, 65536) undrained events the backlog
+    /// becomes one Cleared event (`dropped_events` counts what went).
     pub kv_events: bool,
     /// Test only: keep just this many low bits of every page hash (0 = all
     /// 128), to force collisions. Not public API.
@@ -279,7 +280,7 @@ impl SlotAllocator {
             index,
             copy_src: Vec::new(),
             copy_dst: Vec::new(),
-            events: EventLog::new(opts.kv_events),
+            events: EventLog::new(opts.kv_events, num_pages.max(crate::events::MIN_BACKLOG)),
             hit_tokens: 0,
             miss_tokens: 0,
             free_rows,

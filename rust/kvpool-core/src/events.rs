@@ -5,6 +5,14 @@
 //! parent hash, page id, token count, the page's token ids, and the salt in
 //! place of vLLM's lora id), `BlockRemoved` (page hash, page id) and
 //! `AllBlocksCleared`.
+//!
+//! The backlog is bounded. A pool whose events nobody drains (an engine
+//! without a router that left them on) must not grow without end, so past
+//! `cap` undrained events the backlog is dropped and replaced by one
+//! Cleared event, and `dropped` counts what went. A router then forgets
+//! this pool's pages and relearns them from the Stored events that follow:
+//! it may miss pages that stay cached (fewer predicted hits), but it never
+//! believes in a page the pool no longer has.
 
 /// A page was registered in the prefix index.
 pub const EVENT_STORED: u8 = 0;
@@ -54,6 +62,15 @@ struct Raw {
     kind: u8,
 }
 
+const CLEARED: Raw = Raw {
+    hash: 0,
+    parent: 0,
+    salt: 0,
+    page: 0,
+    num_tokens: 0,
+    kind: EVENT_CLEARED,
+};
+
 /// Appends one page's token ids. At page sizes 1 and 16 the copy has a
 /// length known at compile time and inlines; the general path calls
 /// memcpy, a call per registered page.
@@ -68,24 +85,56 @@ fn push_page(out: &mut Vec<i32>, tokens: &[i32]) {
     }
 }
 
+/// Fewest undrained events a pool keeps before dropping its backlog (a
+/// pool keeps at least one per page).
+pub(crate) const MIN_BACKLOG: usize = 1 << 16;
+
 /// The recorder inside the allocator.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EventLog {
     raw: Vec<Raw>,
     token_ids: Vec<i32>,
     pub(crate) enabled: bool,
+    /// Most undrained events kept (see the module docs).
+    cap: usize,
+    /// Events dropped by overflows so far (cumulative).
+    pub(crate) dropped: u64,
+    /// The backlog starts with an overflow's Cleared event (not counted as
+    /// dropped when a later overflow drops it).
+    overflowed: bool,
 }
 
 impl EventLog {
-    pub(crate) fn new(enabled: bool) -> Self {
+    pub(crate) fn new(enabled: bool, cap: usize) -> Self {
         EventLog {
             enabled,
+            cap: cap.max(1),
             ..Default::default()
         }
     }
 
+    /// Makes room for one more event: past `cap`, the backlog becomes one
+    /// Cleared event.
+    #[inline]
+    fn room(&mut self) {
+        if self.raw.len() >= self.cap {
+            self.overflow();
+        }
+    }
+
+    #[cold]
+    fn overflow(&mut self) {
+        self.dropped += (self.raw.len() - self.overflowed as usize) as u64;
+        self.overflowed = true;
+        self.raw.clear();
+        self.token_ids.clear();
+        self.raw.push(CLEARED);
+    }
+
     /// Room for `n` more Stored events of `page_size` tokens, or an error.
+    /// Never more than the backlog holds: an overflow empties it.
     pub(crate) fn reserve(&mut self, n: usize, page_size: usize) -> crate::error::Result<()> {
+        let n = n.min(self.cap);
         if self.enabled {
             crate::memory::reserve(&mut self.raw, n, "events")?;
             crate::memory::reserve(&mut self.token_ids, n.saturating_mul(page_size), "events")?;
@@ -107,6 +156,7 @@ impl EventLog {
         tokens: &[i32],
     ) {
         if self.enabled {
+            self.room();
             let num_tokens = tokens.len() as u32;
             self.raw.push(Raw {
                 hash,
@@ -123,6 +173,7 @@ impl EventLog {
     #[inline]
     pub(crate) fn removed(&mut self, hash: u128, page: u32, salt: i64) {
         if self.enabled {
+            self.room();
             self.raw.push(Raw {
                 hash,
                 parent: 0,
@@ -136,14 +187,8 @@ impl EventLog {
 
     pub(crate) fn cleared(&mut self) {
         if self.enabled {
-            self.raw.push(Raw {
-                hash: 0,
-                parent: 0,
-                salt: 0,
-                page: 0,
-                num_tokens: 0,
-                kind: EVENT_CLEARED,
-            });
+            self.room();
+            self.raw.push(CLEARED);
         }
     }
 
@@ -152,6 +197,7 @@ impl EventLog {
     /// restarted empty would regrow (copying) on the hot path each time.
     pub(crate) fn take(&mut self) -> Events {
         let n = self.raw.len();
+        self.overflowed = false;
         let ids_cap = self.token_ids.capacity();
         let mut e = Events {
             token_ids: std::mem::replace(&mut self.token_ids, Vec::with_capacity(ids_cap)),
@@ -185,6 +231,32 @@ impl EventLog {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn an_undrained_backlog_stays_bounded_and_becomes_one_cleared_event() {
+        let mut log = EventLog::new(true, 4);
+        log.reserve(3, 2).unwrap();
+        for p in 1..=3u32 {
+            log.stored(p as u128, 0, p, 0, &[p as i32, 7]);
+        }
+        log.removed(1, 1, 0); // the 4th: still within the cap
+        assert_eq!(log.dropped, 0);
+        log.stored(9, 0, 9, 0, &[9, 9]); // the 5th: the backlog goes
+        assert_eq!(log.dropped, 4);
+        let e = log.take();
+        assert_eq!(e.kind, [EVENT_CLEARED, EVENT_STORED]);
+        assert_eq!(e.page, [0, 9]);
+        assert_eq!(e.token_ids, [9, 9], "the dropped events' tokens went too");
+        for _ in 0..100 {
+            log.removed(2, 2, 0);
+        }
+        let e = log.take();
+        assert!(e.len() <= 4 && e.kind[0] == EVENT_CLEARED, "{:?}", e.kind);
+        // 100 events were recorded; what was not drained was dropped.
+        assert_eq!(log.dropped, 4 + 100 - (e.len() as u64 - 1));
+    }
+
     #[test]
     fn push_page_appends_every_page_size_whole() {
         let mut out = vec![-1];

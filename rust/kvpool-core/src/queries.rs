@@ -92,6 +92,13 @@ impl SlotAllocator {
         self.events.take()
     }
 
+    /// Events dropped because more than max(num_pages, 65536) were left
+    /// undrained (each overflow replaces the backlog with one Cleared
+    /// event). Cumulative.
+    pub fn dropped_events(&self) -> u64 {
+        self.events.dropped
+    }
+
     /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
     /// per page refcount, free stack, registration and LRU links (20 bytes),
     /// 4 per slot of token ids, per row the hot and cold structs, the page

@@ -308,7 +308,9 @@ impl SlotAllocator {
     /// 2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
     /// hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
     /// first page), page (int32), num_tokens (int32), salt (int64), and
-    /// token_ids (int32, the Stored events' tokens concatenated).
+    /// token_ids (int32, the Stored events' tokens concatenated). Past
+    /// max(num_pages, 65536) undrained events the backlog is replaced by one
+    /// Cleared event (dropped_events counts what went).
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         let e = py.detach(|| self.lock().take_events());
         let d = PyDict::new(py);
@@ -364,6 +366,13 @@ impl SlotAllocator {
     #[getter]
     fn miss_tokens(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.miss_tokens())
+    }
+    /// Events dropped because more than max(num_pages, 65536) were left
+    /// undrained: each overflow replaces the backlog with one Cleared event
+    /// (cumulative).
+    #[getter]
+    fn dropped_events(&self, py: Python<'_>) -> u64 {
+        self.query(py, |a| a.dropped_events())
     }
     /// Copy-on-write copies queued and not yet taken.
     #[getter]
