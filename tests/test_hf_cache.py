@@ -300,3 +300,20 @@ def test_cache_continuation_across_generate_calls(models):
         assert pool.allocator.lengths(cache.handles).tolist() == [10 + 8 + 6 + NEW_TOKENS - 1]
     assert_same_generation(*results)
     pool.allocator.check()
+
+
+def test_pool_for_model_records_no_events_unless_asked(models):
+    """KVPoolCache never drains KV events, so a pool built for it does not record
+    them (they would pile up); a router that wants them passes kv_events=True."""
+    prompt = np.arange(40) % 7
+
+    def serve(pool):
+        h, cached = pool.open_with_prefix(prompt, [len(prompt)])
+        pool.extend(h, len(prompt) - int(cached[0]), tokens=prompt[int(cached[0]):])
+        pool.close(h, cache=True)
+        return pool.take_events()["kind"]
+
+    quiet = pool_for_model(models["llama"], max_tokens=256, page_size=16, max_context_len=64)
+    assert len(serve(quiet)) == 0 and quiet.cached_pages == 2
+    loud = pool_for_model(models["llama"], max_tokens=256, page_size=16, max_context_len=64, kv_events=True)
+    assert serve(loud).tolist() == [0, 0]

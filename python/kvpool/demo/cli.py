@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
                              page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
                              max_requests=args.max_running, max_context_len=max_ctx,
-                             layout=args.layout)
+                             layout=args.layout, kv_events=False)  # no router drains them here
         if shared:
             from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
 

@@ -244,7 +244,9 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     Args:
         model: ``PreTrainedModel`` or ``PretrainedConfig`` (the decoder's text config is used).
         max_tokens: K/V capacity in tokens (rounded up to whole pages; the reserved page 0 is added).
-        page_size, max_requests, **pool_kwargs: passed to ``KVPool``.
+        page_size, max_requests, **pool_kwargs: passed to ``KVPool``. KV events are off
+            unless ``kv_events=True`` is passed: ``KVPoolCache`` never drains them, and a
+            router that wants them drains ``pool.take_events()`` itself.
         max_context_len: longest request; default the config's ``max_position_embeddings``.
         device, dtype: default the model's (float32 / cpu for a bare config).
 
@@ -263,5 +265,6 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     ctx = max_context_len or getattr(text, "max_position_embeddings", None) or 4096
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
+    pool_kwargs.setdefault("kv_events", False)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
