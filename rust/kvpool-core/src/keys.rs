@@ -9,8 +9,8 @@
 //! fails, a few pages per prompt, while `cache()` had to compute both
 //! hashes for every page it registers. One hash a page, with the serial
 //! chain run ahead of the inserts (`prefix.rs`), took `cache()` of a
-//! 4096-token request at page 16 from 5.8 to 5.2 us (`bench_core`'s
-//! `cache_4096`, alternated runs on the Xeon VM).
+//! 4096-token request at page 16 from 5.99 to 5.10 us (`bench_core`'s
+//! `cache_4096`, medians of runs alternated on the Xeon VM).
 //!
 //! A key is not trusted: every hit is verified against the entry's tokens,
 //! salt and parent registration (`index.rs`), so two pages that share a key
