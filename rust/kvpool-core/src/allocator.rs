@@ -113,10 +113,6 @@ pub struct SlotAllocator {
     pub(crate) known_len: Vec<u32>,
     /// Page lists of all rows, `[max_requests, row_pages]`, row-major.
     pub(crate) page_lists: Vec<u32>,
-    /// Holders of every HELD or CACHED page (open requests whose page list
-    /// names it). Not kept for FREE pages: taking a page sets it to 1, so a
-    /// request that frees pages no one shares skips a write per page.
-    pub(crate) refcount: Vec<u32>,
     /// FREE pages; the top (end) is handed out next.
     pub(crate) free_pages: Vec<u32>,
     /// The prefix index, the CACHED pages' LRU list and per-slot token ids.
@@ -222,12 +218,6 @@ impl SlotAllocator {
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
         let known_len = zeroed_vec(max_requests, "request rows")?;
-        // A FREE page's refcount is 1, the count its taker needs (see
-        // `pages.rs`); page 0, never taken, has 0.
-        let mut refcount = filled_vec(num_pages, 1u32, "page refcounts")?;
-        if let Some(r0) = refcount.first_mut() {
-            *r0 = 0;
-        }
         let mut free_pages = Vec::new();
         reserve(&mut free_pages, num_pages - 1, "free page stack")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
@@ -275,7 +265,6 @@ impl SlotAllocator {
             cold,
             known_len,
             page_lists,
-            refcount,
             free_pages,
             index,
             copy_src: Vec::new(),

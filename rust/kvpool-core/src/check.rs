@@ -26,8 +26,9 @@ impl SlotAllocator {
     fn check_pages(&self) -> Result<()> {
         let fail = |m: String| Err(PoolError::Invariant(m));
         let n = self.num_pages;
-        if self.refcount.len() != n || self.index.page_entry.len() != n {
-            return fail("per-page arrays have the wrong length".into());
+        let st = &self.index.state;
+        if st.len() != n {
+            return fail("the per-page state array has the wrong length".into());
         }
         // Holders counted from the open requests' page lists.
         let mut holders = vec![0u32; n];
@@ -52,7 +53,7 @@ impl SlotAllocator {
             listed[p] = 1;
         }
         let mut walked = 0usize;
-        let mut p = self.index.lru_next[0] as usize;
+        let mut p = st[0].next as usize;
         let mut prev = 0usize;
         while p != 0 {
             if p >= n || listed[p] != 0 || walked >= n {
@@ -60,15 +61,15 @@ impl SlotAllocator {
                     "LRU list entry {p} is out of range, repeated or on the free stack"
                 ));
             }
-            if self.index.lru_prev[p] as usize != prev {
+            if st[p].prev as usize != prev {
                 return fail(format!("LRU list back link of page {p} is broken"));
             }
             listed[p] = 2;
             walked += 1;
             prev = p;
-            p = self.index.lru_next[p] as usize;
+            p = st[p].next as usize;
         }
-        if self.index.lru_prev[0] as usize != prev || walked != self.index.lru_len {
+        if st[0].prev as usize != prev || walked != self.index.lru_len {
             return fail(format!(
                 "LRU list walks {walked} pages but counts {}",
                 self.index.lru_len
@@ -78,15 +79,15 @@ impl SlotAllocator {
         for p in 1..n {
             // A FREE page stores refcount 1, the count its taker needs (see
             // `pages.rs`); it has no holder.
-            if listed[p] == 1 && self.refcount[p] != 1 {
+            if listed[p] == 1 && st[p].holders() != 1 {
                 return fail(format!(
                     "FREE page {p} stores refcount {} instead of 1 (taking it would \
                      leave that count)",
-                    self.refcount[p]
+                    st[p].holders()
                 ));
             }
-            let rc = if listed[p] == 1 { 0 } else { self.refcount[p] };
-            let reg = self.index.page_entry[p] != 0;
+            let rc = if listed[p] == 1 { 0 } else { st[p].holders() };
+            let reg = st[p].is_registered();
             if rc != holders[p] {
                 return fail(format!(
                     "page {p} has refcount {rc} but {} holders",
@@ -105,7 +106,7 @@ impl SlotAllocator {
                 }
             }
         }
-        if self.refcount[0] != 0 || self.index.page_entry[0] != 0 || holders[0] != 0 {
+        if st[0].holders() != 0 || st[0].is_registered() || holders[0] != 0 {
             return fail("page 0 is held or registered".into());
         }
         if free + held + cached != n - 1 {
@@ -127,7 +128,7 @@ impl SlotAllocator {
             };
             if e.key != crate::keys::key_of(e.hash)
                 || ix.find(e.key) != Some(i)
-                || ix.page_entry.get(e.page as usize) != Some(&(i + 1))
+                || ix.state.get(e.page as usize).map(|s| s.entry) != Some(i + 1)
             {
                 return fail(format!(
                     "index entry {i} (page {}) disagrees with its page or key",
@@ -144,14 +145,14 @@ impl SlotAllocator {
             }
             listed += 1;
         }
-        let registered = ix.page_entry.iter().filter(|&&e| e != 0).count();
+        let registered = ix.state.iter().filter(|s| s.is_registered()).count();
         if registered != ix.len() || listed != ix.len() {
             return fail(format!(
                 "{registered} pages are registered but the index has {} entries ({listed} listed)",
                 ix.len()
             ));
         }
-        for (p, &e) in ix.page_entry.iter().enumerate() {
+        for (p, e) in ix.state.iter().map(|s| s.entry).enumerate() {
             if e == 0 {
                 continue;
             }
@@ -166,7 +167,7 @@ impl SlotAllocator {
         // A freed slot must never verify as anybody's child (`lookup.rs`).
         for &i in &ix.free_entries {
             match ix.entries.get(i as usize) {
-                Some(e) if e.parent_reg == DEAD && ix.page_entry[e.page as usize] != i + 1 => {}
+                Some(e) if e.parent_reg == DEAD && ix.state[e.page as usize].entry != i + 1 => {}
                 _ => return fail(format!("free index slot {i} is live or not marked dead")),
             }
         }
@@ -216,9 +217,9 @@ impl SlotAllocator {
             }
             let c = &self.cold[row];
             if c.exclusive
-                && pages
-                    .iter()
-                    .any(|&p| self.refcount[p as usize] != 1 || self.index.is_registered(p))
+                && pages.iter().any(|&p| {
+                    self.index.state[p as usize].holders() != 1 || self.index.is_registered(p)
+                })
             {
                 return fail(format!("row {row} is marked exclusive but shares a page"));
             }

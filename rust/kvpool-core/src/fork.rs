@@ -38,7 +38,7 @@ impl SlotAllocator {
             self.page_lists.copy_within(pbase..pbase + np, base);
             for k in 0..np {
                 let p = self.page_lists[pbase + k];
-                self.refcount[p as usize] += 1;
+                self.index.state[p as usize].extra += 1;
             }
             let mut cold = self.cold[parent].clone_without_prompt();
             cold.prompt = std::mem::take(&mut self.cold[row].prompt);

@@ -27,7 +27,7 @@ impl SlotAllocator {
         if self.offset_in_page(r.len as usize) == 0 {
             return 0;
         }
-        (self.refcount[(r.last & !SLOW) as usize] > 1) as usize
+        self.index.state[(r.last & !SLOW) as usize].is_shared() as usize
     }
 
     /// Appends `dst.len()` tokens to `row`, taking pages as needed and
@@ -53,14 +53,14 @@ impl SlotAllocator {
         let mut last = self.rows[row].last & !SLOW;
         let mut moved = 0;
         if off != 0 {
-            if self.refcount[last as usize] > 1 {
+            if self.index.state[last as usize].is_shared() {
                 // Shared: the others keep the page, this request gets a copy.
                 let q = self.take_page();
                 let (src, dstp) = (last as usize * ps, q as usize * ps);
                 self.index.tokens.copy_within(src..src + off, dstp);
                 self.copy_src.extend((src..src + off).map(|s| s as i64));
                 self.copy_dst.extend((dstp..dstp + off).map(|s| s as i64));
-                self.refcount[last as usize] -= 1;
+                self.index.state[last as usize].extra -= 1;
                 self.page_lists[base + np - 1] = q;
                 last = q;
                 moved = off;
@@ -144,8 +144,10 @@ impl SlotAllocator {
     pub(crate) fn slow_bit(&self, row: usize, len: usize, last: u32) -> u32 {
         let last = last & !SLOW;
         let pending = self.cold[row].prompt.len() > len;
-        let shared = self.offset_in_page(len) != 0
-            && (self.refcount[last as usize] > 1 || self.index.is_registered(last));
+        let shared = self.offset_in_page(len) != 0 && {
+            let s = self.index.state[last as usize];
+            s.is_shared() || s.is_registered()
+        };
         if pending || shared {
             SLOW
         } else {

@@ -32,7 +32,8 @@ use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
 use crate::keys::key_of;
 use crate::lookup::ChainTip;
-use crate::memory::{reserve, zeroed_vec};
+use crate::memory::{filled_vec, reserve, zeroed_vec};
+use crate::page_state::{PageState, UNHELD};
 
 /// Pages registration hashes (and prefetches) ahead of its probes, and the
 /// most a lookup does: enough to overlap the probes' cache misses, few
@@ -85,13 +86,12 @@ pub(crate) struct PrefixIndex {
     /// Entry slab; `free_entries` lists unused indices.
     pub(crate) entries: Vec<Entry>,
     pub(crate) free_entries: Vec<u32>,
-    /// Per page: 0 when unregistered, else entry index + 1.
-    pub(crate) page_entry: Vec<u32>,
-    /// Intrusive doubly linked LRU list of the CACHED pages. Page 0 (never
-    /// handed out) is the sentinel: `lru_next[0]` is the oldest page,
-    /// `lru_prev[0]` the newest.
-    pub(crate) lru_prev: Vec<u32>,
-    pub(crate) lru_next: Vec<u32>,
+    /// Every page's holder count, registration (entry index + 1, 0 when
+    /// unregistered) and links in the intrusive doubly linked LRU list of
+    /// the CACHED pages, one record a page (`page_state.rs`). Page 0 (never
+    /// handed out) is the list's sentinel: `state[0].next` is the oldest
+    /// page, `state[0].prev` the newest.
+    pub(crate) state: Vec<PageState>,
     pub(crate) lru_len: usize,
     /// Token id at every slot (meaningful where a request or entry says so).
     pub(crate) tokens: Vec<i32>,
@@ -119,9 +119,7 @@ impl PrefixIndex {
             table: KeyTable::default(),
             entries: Vec::new(),
             free_entries: Vec::new(),
-            page_entry: zeroed_vec(num_pages, "page registrations")?,
-            lru_prev: zeroed_vec(num_pages, "LRU links")?,
-            lru_next: zeroed_vec(num_pages, "LRU links")?,
+            state: page_states(num_pages)?,
             lru_len: 0,
             tokens: zeroed_vec(num_slots, "slot token ids")?,
             hasher,
@@ -134,7 +132,7 @@ impl PrefixIndex {
 
     #[inline]
     pub(crate) fn is_registered(&self, page: u32) -> bool {
-        self.page_entry[page as usize] != 0
+        self.state[page as usize].is_registered()
     }
 
     /// Index of the entry filed under `key`.
@@ -155,7 +153,7 @@ impl PrefixIndex {
     /// The chain tip at `page`'s registration, if it has one.
     #[inline]
     pub(crate) fn tip_of(&self, page: u32) -> Option<(ChainTip, &Entry)> {
-        let i = self.page_entry[page as usize].checked_sub(1)?;
+        let i = self.state[page as usize].entry.checked_sub(1)?;
         let e = self.entries.get(i as usize)?;
         Some((ChainTip::at(i, e), e))
     }
@@ -207,10 +205,10 @@ impl PrefixIndex {
     }
 
     /// Registrations still possible: the pool's pages not registered yet
-    /// (`page_entry` has one element per page, page 0 included, which is
+    /// (`state` has one element per page, page 0 included, which is
     /// never registered).
     pub(crate) fn room(&self) -> usize {
-        self.page_entry.len().saturating_sub(1 + self.table.len())
+        self.state.len().saturating_sub(1 + self.table.len())
     }
 
     /// Room for `n` more registrations, or a typed error (nothing changed).
@@ -272,14 +270,14 @@ impl PrefixIndex {
             }
         };
         self.table.insert(key, idx);
-        self.page_entry[page as usize] = idx + 1;
+        self.state[page as usize].entry = idx + 1;
         self.set_hint(parent, idx);
         ChainTip::at(idx, &e)
     }
 
     /// Removes `page`'s registration (the caller handles LRU membership).
     pub(crate) fn unregister(&mut self, page: u32) -> Option<Entry> {
-        let idx = std::mem::replace(&mut self.page_entry[page as usize], 0);
+        let idx = std::mem::replace(&mut self.state[page as usize].entry, 0);
         if idx == 0 {
             return None;
         }
@@ -293,7 +291,7 @@ impl PrefixIndex {
     /// Drops every registration (the LRU list must be empty already).
     pub(crate) fn clear(&mut self) {
         for i in self.table.entries() {
-            self.page_entry[self.entries[i as usize].page as usize] = 0;
+            self.state[self.entries[i as usize].page as usize].entry = 0;
         }
         self.table.clear();
         self.entries.clear();
@@ -304,28 +302,28 @@ impl PrefixIndex {
     /// `SlotAllocator::release_pages`; tests corrupt the list with this).
     #[cfg(test)]
     pub(crate) fn lru_push(&mut self, p: u32) {
-        let newest = self.lru_prev[0];
-        self.lru_next[newest as usize] = p;
-        self.lru_prev[p as usize] = newest;
-        self.lru_next[p as usize] = 0;
-        self.lru_prev[0] = p;
+        let newest = self.state[0].prev;
+        self.state[newest as usize].next = p;
+        let s = &mut self.state[p as usize];
+        (s.prev, s.next) = (newest, 0);
+        self.state[0].prev = p;
         self.lru_len += 1;
     }
 
     #[inline]
     pub(crate) fn lru_remove(&mut self, p: u32) {
-        let (prev, next) = (self.lru_prev[p as usize], self.lru_next[p as usize]);
-        self.lru_next[prev as usize] = next;
-        self.lru_prev[next as usize] = prev;
-        self.lru_prev[p as usize] = 0;
-        self.lru_next[p as usize] = 0;
+        let s = &mut self.state[p as usize];
+        let (prev, next) = (s.prev, s.next);
+        (s.prev, s.next) = (0, 0);
+        self.state[prev as usize].next = next;
+        self.state[next as usize].prev = prev;
         self.lru_len -= 1;
     }
 
     /// Removes and returns the least recently used CACHED page.
     #[inline]
     pub(crate) fn lru_pop_oldest(&mut self) -> Option<u32> {
-        let p = self.lru_next[0];
+        let p = self.state[0].next;
         if p == 0 {
             return None;
         }
@@ -338,7 +336,7 @@ impl PrefixIndex {
             + self.free_entries.capacity() * 4
             + self.table.capacity_bytes()
             + self.hash_scratch.capacity() * 16
-            + (self.page_entry.capacity() + self.lru_prev.capacity() + self.lru_next.capacity()) * 4
+            + self.state.capacity() * std::mem::size_of::<PageState>()
             + self.tokens.capacity() * 4
     }
 }
@@ -348,4 +346,18 @@ impl PrefixIndex {
 #[inline]
 pub(crate) fn same_tokens(a: &[i32], b: &[i32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Every page FREE (see `page_state.rs`) except page 0, which is never
+/// held. Written here rather than mapped lazily like the pool's other big
+/// arrays: every page in use touches its record, and faulting the array in
+/// a page at a time while serving cost a step ~3 us a fault on a VM (the
+/// page-1 prefix trace took two more faults a step), where the refcounts
+/// this array replaced were written at construction too.
+fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
+    let mut state = filled_vec(num_pages, PageState::default(), "page states")?;
+    if let Some(s0) = state.first_mut() {
+        s0.extra = UNHELD;
+    }
+    Ok(state)
 }

@@ -39,6 +39,7 @@ mod key_table;
 mod keys;
 mod lookup;
 mod memory;
+mod page_state;
 mod pages;
 mod prefix;
 mod queries;

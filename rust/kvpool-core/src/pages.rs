@@ -9,10 +9,13 @@
 //! ```
 //!
 //! A FREE page is on the free stack; a CACHED page is registered with
-//! refcount 0 and on the LRU list; a HELD page has refcount >= 1.
+//! refcount 0 and on the LRU list; a HELD page has refcount >= 1. Each
+//! page's count, registration and LRU links share one record
+//! (`page_state.rs`), so a transition misses cache once, not once per array.
 //!
-//! A FREE page's stored refcount is 1, the count of the request that will
-//! take it, so taking a page off the free stack writes nothing. Pages
+//! A FREE page's stored count is 1, the count of the request that will
+//! take it (stored as 0 extra holders), so taking a page off the free
+//! stack writes nothing. Pages
 //! become FREE where their count is in hand anyway (a last holder's
 //! release, an eviction) or keep their 1 untouched (an exclusive request's
 //! close). Writing the count at take time missed cache once per page:
@@ -22,6 +25,7 @@
 //! 7 to 5 us.
 
 use crate::allocator::SlotAllocator;
+use crate::page_state::UNHELD;
 
 /// Below this many registered pages the index's entries (64 bytes each)
 /// fit in a core's L2, so warming victims ahead only costs: `evict(256)` on
@@ -44,7 +48,7 @@ impl SlotAllocator {
             Some(p) => p,
             None => match self.evict_one() {
                 Some(p) => {
-                    self.refcount[p as usize] = 1;
+                    self.index.state[p as usize].extra = 0; // one holder
                     p
                 }
                 None => 0,
@@ -56,7 +60,7 @@ impl SlotAllocator {
     /// with the refcount 1 a FREE page keeps.
     #[inline]
     fn push_free(&mut self, p: u32) {
-        self.refcount[p as usize] = 1;
+        self.index.state[p as usize].extra = 0; // the count 1 of its next taker
         self.free_pages.push(p);
     }
 
@@ -64,7 +68,7 @@ impl SlotAllocator {
     /// on no list: the caller makes it FREE or HELD).
     pub(crate) fn evict_one(&mut self) -> Option<u32> {
         let p = self.index.lru_pop_oldest()?;
-        self.prefetch_victims(self.index.lru_next[0]);
+        self.prefetch_victims(self.index.state[0].next);
         self.unregister_page(p);
         Some(p)
     }
@@ -74,9 +78,9 @@ impl SlotAllocator {
     /// that miss cache in a big pool: LRU link -> registration -> entry ->
     /// table bucket. Each address is requested as soon as the step before
     /// it can have arrived, so one eviction's misses overlap the next
-    /// three's: the links and registration of the victim three ahead, the
-    /// entry of the one two ahead, and the bucket and refcount of the next,
-    /// `v1` (0: none).
+    /// three's: the state record (links, registration, count) of the victim
+    /// three ahead, the entry of the one two ahead, and the bucket of the
+    /// next, `v1` (0: none).
     #[inline]
     fn prefetch_victims(&self, v1: u32) {
         use crate::memory::prefetch;
@@ -85,22 +89,18 @@ impl SlotAllocator {
         if v1 == 0 || ix.len() < WARM_INDEX_ENTRIES {
             return;
         }
-        let v2 = ix.lru_next[v1] as usize;
+        let v2 = ix.state[v1].next as usize;
         if v2 != 0 {
-            let v3 = ix.lru_next[v2] as usize;
-            prefetch(&ix.lru_next, v3);
-            prefetch(&ix.lru_prev, v3);
-            prefetch(&ix.page_entry, v3);
-            if let Some(e) = ix.page_entry[v2].checked_sub(1) {
+            prefetch(&ix.state, ix.state[v2].next as usize);
+            if let Some(e) = ix.state[v2].entry.checked_sub(1) {
                 prefetch(&ix.entries, e as usize);
             }
         }
-        if let Some(e) = ix.page_entry[v1].checked_sub(1) {
+        if let Some(e) = ix.state[v1].entry.checked_sub(1) {
             if let Some(e) = ix.entries.get(e as usize) {
                 ix.table.prefetch(e.key);
             }
         }
-        prefetch(&self.refcount, v1);
     }
 
     /// Drops `p`'s registration and reports it.
@@ -118,13 +118,14 @@ impl SlotAllocator {
     /// links the one before it just wrote (the run's pages are each other's
     /// neighbours); here the run's links are only read, independently.
     pub(crate) fn hold_pages(&mut self, pages: &[u32]) {
-        let (rc, ix) = (&mut self.refcount, &mut self.index);
+        let ix = &mut self.index;
+        let st = &mut ix.state;
         let mut k = 0;
         while k < pages.len() {
             let p = pages[k] as usize;
             k += 1;
-            if rc[p] != 0 {
-                rc[p] += 1;
+            if st[p].extra != UNHELD {
+                st[p].extra += 1;
                 continue;
             }
             // CACHED: `p` and the pages after it that are each the LRU
@@ -133,20 +134,20 @@ impl SlotAllocator {
             // the compiler take the next page from the link just loaded,
             // chaining every load on the one before.
             let first = k - 1;
+            // (`!extra` is 0 exactly for a page nobody holds.)
             while k < pages.len()
-                && (ix.lru_prev[pages[k - 1] as usize] ^ pages[k]) | rc[pages[k] as usize] == 0
+                && (st[pages[k - 1] as usize].prev ^ pages[k]) | !st[pages[k] as usize].extra == 0
             {
                 k += 1;
             }
-            let newer = ix.lru_next[p];
-            let older = ix.lru_prev[pages[k - 1] as usize];
+            let newer = st[p].next;
+            let older = st[pages[k - 1] as usize].prev;
             for &q in &pages[first..k] {
-                rc[q as usize] = 1;
-                ix.lru_prev[q as usize] = 0;
-                ix.lru_next[q as usize] = 0;
+                let s = &mut st[q as usize];
+                (s.extra, s.prev, s.next) = (0, 0, 0); // one holder, unlinked
             }
-            ix.lru_next[older as usize] = newer;
-            ix.lru_prev[newer as usize] = older;
+            st[older as usize].next = newer;
+            st[newer as usize].prev = older;
             ix.lru_len -= k - first;
         }
     }
@@ -158,28 +159,29 @@ impl SlotAllocator {
     /// the LRU list with its newest end kept in a register, not re-read
     /// from the sentinel each time.
     pub(crate) fn release_pages(&mut self, range: std::ops::Range<usize>) {
-        let (rc, ix) = (&mut self.refcount, &mut self.index);
-        let mut newest = ix.lru_prev[0];
+        let ix = &mut self.index;
+        let st = &mut ix.state;
+        let mut newest = st[0].prev;
         let mut pushed = 0;
         for &p in self.page_lists[range].iter().rev() {
-            if rc[p as usize] != 1 {
-                rc[p as usize] -= 1;
+            let s = &mut st[p as usize];
+            if s.extra != 0 {
+                s.extra -= 1;
                 continue;
             }
             // The last holder: CACHED (count 0) if registered, else FREE
             // (count stays 1).
-            if ix.page_entry[p as usize] != 0 {
-                rc[p as usize] = 0;
-                ix.lru_next[newest as usize] = p;
-                ix.lru_prev[p as usize] = newest;
+            if s.is_registered() {
+                (s.extra, s.prev) = (UNHELD, newest);
+                st[newest as usize].next = p;
                 newest = p;
                 pushed += 1;
             } else {
                 self.free_pages.push(p);
             }
         }
-        ix.lru_next[newest as usize] = 0;
-        ix.lru_prev[0] = newest;
+        st[newest as usize].next = 0;
+        st[0].prev = newest;
         ix.lru_len += pushed;
     }
 
@@ -191,20 +193,19 @@ impl SlotAllocator {
     /// and the next victims are warmed as in `evict_one`.
     pub fn evict(&mut self, n: usize) -> usize {
         let n = n.min(self.index.lru_len);
-        let mut p = self.index.lru_next[0];
+        let mut p = self.index.state[0].next;
         for _ in 0..n {
-            let next = self.index.lru_next[p as usize];
+            let next = self.index.state[p as usize].next;
             self.prefetch_victims(next);
-            let ix = &mut self.index;
-            ix.lru_prev[p as usize] = 0;
-            ix.lru_next[p as usize] = 0;
+            let s = &mut self.index.state[p as usize];
+            (s.prev, s.next) = (0, 0);
             self.unregister_page(p);
             self.push_free(p);
             p = next;
         }
         let ix = &mut self.index;
-        ix.lru_next[0] = p;
-        ix.lru_prev[p as usize] = 0;
+        ix.state[0].next = p;
+        ix.state[p as usize].prev = 0;
         ix.lru_len -= n;
         n
     }

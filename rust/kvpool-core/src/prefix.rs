@@ -236,7 +236,7 @@ impl SlotAllocator {
                     // A chunk starts at slot 0: its pages' hashes are ring[..].
                     for (&h, &p) in ring.iter().zip(&self.page_lists[base + k..base + end]) {
                         ix.table.prefetch(crate::keys::key_of(h));
-                        crate::memory::prefetch(&ix.page_entry, p as usize);
+                        crate::memory::prefetch(&ix.state, p as usize);
                     }
                     let next = &self.page_lists[base + end..base + upto.min(end + LOOKAHEAD)];
                     for &p in next {

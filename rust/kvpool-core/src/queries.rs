@@ -100,12 +100,12 @@ impl SlotAllocator {
     }
 
     /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
-    /// per page refcount, free stack, registration and LRU links (20 bytes),
+    /// per page its state record (holder count, registration, LRU links) and
+    /// free stack entry (20 bytes),
     /// 4 per slot of token ids, per row the hot and cold structs, the page
     /// list and the prompt, and the prefix index entries.
     pub fn metadata_bytes(&self) -> usize {
-        let u32s = self.refcount.capacity()
-            + self.free_pages.capacity()
+        let u32s = self.free_pages.capacity()
             + self.free_rows.capacity()
             + self.known_len.capacity()
             + self.page_lists.capacity();

@@ -108,10 +108,11 @@ impl SlotAllocator {
             // Nothing is registered: a last holder frees the page outright.
             for k in (keep..np).rev() {
                 let p = self.page_lists[base + k] as usize;
-                if self.refcount[p] == 1 {
-                    self.free_pages.push(p as u32); // FREE keeps its 1
+                let s = &mut self.index.state[p];
+                if s.extra == 0 {
+                    self.free_pages.push(p as u32); // FREE keeps its count 1
                 } else {
-                    self.refcount[p] -= 1;
+                    s.extra -= 1;
                 }
             }
         } else {

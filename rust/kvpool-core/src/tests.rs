@@ -279,12 +279,12 @@ fn check_detects_corruption() {
     let corruptions: Vec<Corrupt> = vec![
         Box::new(|a| a.free_pages.push(1)), // page 1 both free and held
         Box::new(|a| a.rows[0].len = 3),    // length disagrees with pages held
-        Box::new(|a| a.refcount[0] = 1),    // page 0 held
+        Box::new(|a| a.index.state[0].extra = 0), // page 0 held
         Box::new(|a| {
             a.free_pages.pop(); // a page lost
         }),
-        Box::new(|a| a.refcount[1] = 2),   // refcount != holders
-        Box::new(|a| a.refcount[5] = 0),   // a FREE page that would be taken with count 0
+        Box::new(|a| a.index.state[1].extra = 1), // refcount 2 != holders
+        Box::new(|a| a.index.state[5].extra = crate::page_state::UNHELD), // a FREE page taken with count 0
         Box::new(|a| a.index.lru_push(5)), // a FREE page on the LRU list
         Box::new(|a| a.rows[0].last = 1),  // wrong last page
         Box::new(|a| a.open_count = 0),
@@ -292,7 +292,7 @@ fn check_detects_corruption() {
             a.index.reserve(1).unwrap();
             a.index
                 .register(2, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
-            a.index.page_entry[2] = 0; // ...until its link is lost
+            a.index.state[2].entry = 0; // ...until its link is lost
         }),
         Box::new(|a| {
             a.index.reserve(1).unwrap();
@@ -354,7 +354,7 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
     }
     a.close(&h, false).unwrap();
     assert_eq!(a.metadata_bytes(), before, "metadata grew with use");
-    let per_page = 4 * 3 + 4 * 2; // refcount, free stack, registration; LRU links
+    let per_page = 16 + 4; // state record (refcount, registration, LRU links), free stack
     let want = pages * per_page - 4 // the free stack has no entry for page 0
         + pages * ps * 4 // token id per slot
         + rows * 4 * 2 // free row stack, known token counts
