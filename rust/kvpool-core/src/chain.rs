@@ -14,7 +14,7 @@
 //! the K/V) and let the received request be cached at the receiver later.
 
 use crate::error::{PoolError, Result};
-use crate::lookup::{ChainTip, Match};
+use crate::lookup::Match;
 use crate::memory::reserve;
 use crate::SlotAllocator;
 
@@ -152,12 +152,15 @@ impl SlotAllocator {
             // entry's (a sender with another seed misses); verification
             // then checks the page's tokens, salt and parent, so the sent
             // hash is never trusted and this pool need not hash anything.
-            match self.index.lookup(crate::keys::key_of(h)) {
-                Some((i, e)) if e.hash == h && self.index.verify(e, t, salt, m.tip.reg) => {
+            let ix = &self.index;
+            match ix.lookup(crate::keys::key_of(h)) {
+                Some((i, e))
+                    if ix.idents[i as usize].hash == h && ix.verify(i, t, salt, m.tip.reg) =>
+                {
                     if let Some(o) = out.as_deref_mut() {
                         o.push(e.page);
                     }
-                    m.tip = ChainTip::at(i, e);
+                    m.tip = ix.tip(i);
                     m.pages += 1;
                 }
                 _ => break,

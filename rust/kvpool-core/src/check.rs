@@ -126,8 +126,10 @@ impl SlotAllocator {
             let Some(e) = ix.entries.get(i as usize) else {
                 return fail(format!("index entry {i} is out of range"));
             };
-            if e.key != crate::keys::key_of(e.hash)
-                || ix.find(e.key) != Some(i)
+            let Some(id) = ix.idents.get(i as usize) else {
+                return fail(format!("index entry {i} has no hash"));
+            };
+            if ix.find(crate::keys::key_of(id.hash)) != Some(i)
                 || ix.state.get(e.page as usize).map(|s| s.entry) != Some(i + 1)
             {
                 return fail(format!(
@@ -157,12 +159,35 @@ impl SlotAllocator {
                 continue;
             }
             match ix.entries.get(e as usize - 1) {
-                Some(en) if en.page as usize == p && ix.find(en.key) == Some(e - 1) => {}
+                Some(en)
+                    if en.page as usize == p
+                        && ix.find(crate::keys::key_of(ix.idents[e as usize - 1].hash))
+                            == Some(e - 1) => {}
                 _ => return fail(format!("registration of page {p} is not in the index")),
             }
         }
-        if ix.entries.len() != ix.len() + ix.free_entries.len() {
+        if ix.entries.len() != ix.len() + ix.free_entries.len()
+            || ix.idents.len() != ix.entries.len()
+        {
             return fail("index entry slab leaks entries".into());
+        }
+        // A hinted walk does not read a child's salt (`lookup.rs`): every
+        // entry must have its live parent's.
+        let live: std::collections::HashMap<u64, u32> = ix
+            .table
+            .entries()
+            .map(|i| (ix.entries[i as usize].reg, i))
+            .collect();
+        for i in ix.table.entries() {
+            let e = &ix.entries[i as usize];
+            if let Some(&p) = live.get(&e.parent_reg) {
+                if ix.idents[p as usize].salt != ix.idents[i as usize].salt {
+                    return fail(format!(
+                        "index entry {i} has salt {} under a parent (entry {p}) of salt {}",
+                        ix.idents[i as usize].salt, ix.idents[p as usize].salt
+                    ));
+                }
+            }
         }
         // A freed slot must never verify as anybody's child (`lookup.rs`).
         for &i in &ix.free_entries {

@@ -52,19 +52,20 @@ pub(crate) const LOOKAHEAD: usize = 32;
 /// fault in almost at once; past the bound the table doubles as before.
 pub(crate) const TABLE_FLOOR_KEYS: usize = 1 << 20;
 
-/// One registered page.
+/// One registered page: what a hinted walk reads at every hop (32 bytes).
+/// Its chain hash and salt are an `Identity` at the same slab index.
+///
+/// Why two records: at page size 1 a cached prompt's walk reads one entry
+/// per token, and a chain's entries sit one after another in the slab, so
+/// the walk streams them. With the hash and salt inside (64 bytes) it read
+/// twice the memory, and a prompt's 2.3K entries came from DRAM at every
+/// admission of the page-1 prefix trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
-    /// Chain hash (the page's identity in events and transfers).
-    pub(crate) hash: u128,
-    /// Lookup key, `key_of(hash)` (`keys.rs`): what the table confirms a
-    /// probe against without folding the hash again.
-    pub(crate) key: u64,
     /// Unique id of this registration (never reused; 0 means none).
     pub(crate) reg: u64,
     /// `reg` of the parent page's entry when this page was registered.
     pub(crate) parent_reg: u64,
-    pub(crate) salt: i64,
     pub(crate) page: u32,
     /// The page's first token id (its only one at page size 1), kept where
     /// a hinted walk reads anyway: at page size 1 a hop then verifies
@@ -76,6 +77,15 @@ pub(crate) struct Entry {
     pub(crate) child: u32,
 }
 
+/// What names a registered page's content: its chain hash (its identity in
+/// events and transfers; its lookup key is `key_of(hash)`, `keys.rs`) and
+/// the salt its chain was registered under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub(crate) hash: u128,
+    pub(crate) salt: i64,
+}
+
 /// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
 /// hint to the slot never verifies.
 pub(crate) const DEAD: u64 = u64::MAX;
@@ -83,8 +93,10 @@ pub(crate) const DEAD: u64 = u64::MAX;
 #[derive(Debug, Clone)]
 pub(crate) struct PrefixIndex {
     pub(crate) table: KeyTable,
-    /// Entry slab; `free_entries` lists unused indices.
+    /// Entry slab; `free_entries` lists unused indices. `idents[i]` is
+    /// entry `i`'s hash and salt.
     pub(crate) entries: Vec<Entry>,
+    pub(crate) idents: Vec<Identity>,
     pub(crate) free_entries: Vec<u32>,
     /// Every page's holder count, registration (entry index + 1, 0 when
     /// unregistered) and links in the intrusive doubly linked LRU list of
@@ -118,6 +130,7 @@ impl PrefixIndex {
         Ok(PrefixIndex {
             table: KeyTable::default(),
             entries: Vec::new(),
+            idents: Vec::new(),
             free_entries: Vec::new(),
             state: page_states(num_pages)?,
             lru_len: 0,
@@ -139,7 +152,7 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn find(&self, key: u64) -> Option<u32> {
         self.table.find(key, |e| {
-            self.entries.get(e as usize).map(|x| x.key) == Some(key)
+            self.idents.get(e as usize).map(|x| key_of(x.hash)) == Some(key)
         })
     }
 
@@ -150,12 +163,22 @@ impl PrefixIndex {
         Some((i, self.entries.get(i as usize)?))
     }
 
-    /// The chain tip at `page`'s registration, if it has one.
+    /// The chain tip at live entry `i`.
     #[inline]
-    pub(crate) fn tip_of(&self, page: u32) -> Option<(ChainTip, &Entry)> {
+    pub(crate) fn tip(&self, i: u32) -> ChainTip {
+        ChainTip {
+            hash: self.idents[i as usize].hash,
+            reg: self.entries[i as usize].reg,
+            entry: i + 1,
+        }
+    }
+
+    /// The chain tip at `page`'s registration and its salt, if it has one.
+    #[inline]
+    pub(crate) fn tip_of(&self, page: u32) -> Option<(ChainTip, i64)> {
         let i = self.state[page as usize].entry.checked_sub(1)?;
-        let e = self.entries.get(i as usize)?;
-        Some((ChainTip::at(i, e), e))
+        let id = self.idents.get(i as usize)?;
+        Some((self.tip(i), id.salt))
     }
 
     /// The chain hashes of consecutive pages (their token ids, in order)
@@ -189,11 +212,15 @@ impl PrefixIndex {
         &self.tokens[page as usize * ps..(page as usize + 1) * ps]
     }
 
-    /// Whether `e` may stand for a page with `tokens` under a parent
+    /// Whether entry `i` may stand for a page with `tokens` under a parent
     /// registration `parent_reg` and `salt` (see the module docs).
     #[inline]
-    pub(crate) fn verify(&self, e: &Entry, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
-        self.skip_verify || e.parent_reg == parent_reg && e.salt == salt && self.holds(e, tokens)
+    pub(crate) fn verify(&self, i: u32, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
+        let e = &self.entries[i as usize];
+        self.skip_verify
+            || e.parent_reg == parent_reg
+                && self.idents[i as usize].salt == salt
+                && self.holds(e, tokens)
     }
 
     /// Whether `e`'s page holds `tokens` (one page's worth, never empty).
@@ -224,6 +251,11 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
+        reserve(
+            &mut self.idents,
+            n.saturating_sub(spare),
+            "prefix index entries",
+        )?;
         // The table is sized at once for the pool's pages, up to
         // TABLE_FLOOR_KEYS; only past that does it double. That sizing is
         // an optimization: if it cannot be allocated, room for `n` is all
@@ -246,43 +278,47 @@ impl PrefixIndex {
         parent: &ChainTip,
         salt: i64,
     ) -> ChainTip {
-        let key = key_of(hash);
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
-            hash,
-            key,
             reg,
             parent_reg: parent.reg,
-            salt,
             page,
             first_token: self.tokens[page as usize * self.page_size],
             child: 0,
         };
+        let id = Identity { hash, salt };
         let idx = match self.free_entries.pop() {
             Some(i) => {
                 self.entries[i as usize] = e;
+                self.idents[i as usize] = id;
                 i
             }
             None => {
                 self.entries.push(e);
+                self.idents.push(id);
                 (self.entries.len() - 1) as u32
             }
         };
-        self.table.insert(key, idx);
+        self.table.insert(key_of(hash), idx);
         self.state[page as usize].entry = idx + 1;
         self.set_hint(parent, idx);
-        ChainTip::at(idx, &e)
+        ChainTip {
+            hash,
+            reg,
+            entry: idx + 1,
+        }
     }
 
-    /// Removes `page`'s registration (the caller handles LRU membership).
-    pub(crate) fn unregister(&mut self, page: u32) -> Option<Entry> {
+    /// Removes `page`'s registration (the caller handles LRU membership);
+    /// returns its hash and salt.
+    pub(crate) fn unregister(&mut self, page: u32) -> Option<Identity> {
         let idx = std::mem::replace(&mut self.state[page as usize].entry, 0);
         if idx == 0 {
             return None;
         }
-        let e = self.entries[idx as usize - 1];
-        self.table.remove(e.key, idx - 1);
+        let e = self.idents[idx as usize - 1];
+        self.table.remove(key_of(e.hash), idx - 1);
         self.entries[idx as usize - 1].parent_reg = DEAD;
         self.free_entries.push(idx - 1);
         Some(e)
@@ -295,6 +331,7 @@ impl PrefixIndex {
         }
         self.table.clear();
         self.entries.clear();
+        self.idents.clear();
         self.free_entries.clear();
     }
 
@@ -333,6 +370,7 @@ impl PrefixIndex {
 
     pub(crate) fn metadata_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.idents.capacity() * std::mem::size_of::<Identity>()
             + self.free_entries.capacity() * 4
             + self.table.capacity_bytes()
             + self.hash_scratch.capacity() * 16

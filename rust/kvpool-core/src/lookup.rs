@@ -20,9 +20,16 @@
 //! unique per key, and a key is a function of the salt and the token
 //! sequence, so a verified hinted child is the very entry the key lookup
 //! would find: the hint changes the cost of a match, never its result.
+//!
+//! A hinted child's salt is not read: an entry is only ever registered or
+//! relinked under a tip of its own salt, so a child whose parent
+//! registration is the tip's has the tip's salt, and the walk's first page
+//! was checked against the request's salt by key. `check()` verifies that
+//! every entry's salt is its live parent's. The walk then reads the hot
+//! 32-byte entries alone (`index.rs`).
 
 use crate::allocator::SlotAllocator;
-use crate::index::{Entry, PrefixIndex, LOOKAHEAD};
+use crate::index::{PrefixIndex, LOOKAHEAD};
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
@@ -46,16 +53,6 @@ impl ChainTip {
             hash: crate::hashing::root(salt),
             reg: 0,
             entry: 0,
-        }
-    }
-
-    /// The tip at entry `idx`.
-    #[inline]
-    pub(crate) fn at(idx: u32, e: &Entry) -> Self {
-        ChainTip {
-            hash: e.hash,
-            reg: e.reg,
-            entry: idx + 1,
         }
     }
 }
@@ -130,11 +127,17 @@ impl PrefixIndex {
                     _ => break,
                 },
             };
-            if e.parent_reg != parent.reg || e.salt != salt || !self.holds(e, t) {
+            if e.parent_reg != parent.reg || !self.holds(e, t) {
                 break;
             }
             debug_assert_eq!(
-                self.find(crate::keys::key_of(self.hasher.page(parent.hash, t))),
+                self.idents[child as usize].salt, salt,
+                "a child has its parent's salt"
+            );
+            debug_assert_eq!(
+                self.find(crate::keys::key_of(
+                    self.hasher.page(self.idents[cur as usize].hash, t)
+                )),
                 Some(child),
                 "a verified hinted child is the entry its key finds"
             );
@@ -143,7 +146,7 @@ impl PrefixIndex {
             n += 1;
         }
         if n > 0 {
-            *tip = ChainTip::at(cur, &ents[cur as usize]);
+            *tip = self.tip(cur);
         }
         n
     }
@@ -183,9 +186,9 @@ impl SlotAllocator {
             }
             let tokens = &prompt[k * ps..(k + 1) * ps];
             match ix.lookup(crate::keys::key_of(hashes[k - first_hashed])) {
-                Some((i, e)) if ix.verify(e, tokens, salt, m.tip.reg) => {
+                Some((i, e)) if ix.verify(i, tokens, salt, m.tip.reg) => {
                     out.push(e.page);
-                    m.tip = ChainTip::at(i, e);
+                    m.tip = ix.tip(i);
                     m.pages += 1;
                 }
                 _ => break,

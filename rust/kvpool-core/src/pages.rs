@@ -93,12 +93,13 @@ impl SlotAllocator {
         if v2 != 0 {
             prefetch(&ix.state, ix.state[v2].next as usize);
             if let Some(e) = ix.state[v2].entry.checked_sub(1) {
+                prefetch(&ix.idents, e as usize);
                 prefetch(&ix.entries, e as usize);
             }
         }
         if let Some(e) = ix.state[v1].entry.checked_sub(1) {
-            if let Some(e) = ix.entries.get(e as usize) {
-                ix.table.prefetch(e.key);
+            if let Some(id) = ix.idents.get(e as usize) {
+                ix.table.prefetch(crate::keys::key_of(id.hash));
             }
         }
     }

@@ -294,18 +294,18 @@ impl SlotAllocator {
                     .stored(h, parent_hash, p, salt, ix.page_tokens(p));
                 Some(tip)
             }
-            Some((i, e)) if e.page == p && e.salt == salt => {
+            Some((i, e)) if e.page == p && ix.idents[i as usize].salt == salt => {
                 // This very page: its content was computed on this
                 // request's prefix, so (re)link it to the current parent.
                 ix.entries[i as usize].parent_reg = parent.reg;
                 ix.set_hint(parent, i);
-                Some(ChainTip::at(i, &e))
+                Some(ix.tip(i))
             }
-            Some((i, e)) if ix.verify(&e, ix.page_tokens(p), salt, parent.reg) => {
+            Some((i, _)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
                 // A duplicate: keep the existing copy (its chain hash is
                 // the one this page would get: same tokens, same salt).
                 ix.set_hint(parent, i);
-                Some(ChainTip::at(i, &e))
+                Some(ix.tip(i))
             }
             _ => None,
         }

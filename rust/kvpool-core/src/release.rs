@@ -135,8 +135,7 @@ impl SlotAllocator {
             // otherwise recompute it from page 0 at the next cache().
             let tip = (full > 0)
                 .then(|| self.index.tip_of(self.page_lists[base + full - 1]))
-                .flatten()
-                .map(|(tip, e)| (tip, e.salt));
+                .flatten();
             let cold = &mut self.cold[row];
             match tip {
                 Some((tip, salt)) if salt == cold.salt => {

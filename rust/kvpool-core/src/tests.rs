@@ -307,7 +307,16 @@ fn check_detects_corruption() {
                 .index
                 .register(2, 7, &crate::lookup::ChainTip::default(), 0);
             // a hash that is not the one its key was derived from
-            a.index.entries[tip.entry as usize - 1].hash ^= 1 << 64;
+            a.index.idents[tip.entry as usize - 1].hash ^= 1 << 64;
+        }),
+        Box::new(|a| {
+            a.index.reserve(2).unwrap();
+            let tip = a
+                .index
+                .register(1, 7, &crate::lookup::ChainTip::default(), 0);
+            // a child whose salt is not its parent's (a hinted walk, which
+            // does not read it, would hand it out under the parent's salt)
+            a.index.register(2, 8, &tip, 5);
         }),
     ];
     for (i, corrupt) in corruptions.iter().enumerate() {
