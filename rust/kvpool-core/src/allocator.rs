@@ -68,9 +68,9 @@ pub struct Options {
     /// differ from the base (to reach a row's retirement quickly).
     #[doc(hidden)]
     pub generation_start: Option<u32>,
-    /// Benchmark only: accept prefix hits on the hash alone (no token,
-    /// salt or parent check), to measure what verification costs. Unsafe
-    /// against collisions; not public API.
+    /// Benchmark only: accept a key's prefix hit without comparing its
+    /// token ids (the salt and parent are still checked), to measure what
+    /// the compare costs. Unsafe against collisions; not public API.
     #[doc(hidden)]
     pub skip_hit_verification: bool,
     /// Test only: starting value of the batch-stamp epoch.

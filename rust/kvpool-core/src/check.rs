@@ -158,11 +158,13 @@ impl SlotAllocator {
             if e == 0 {
                 continue;
             }
-            match ix.entries.get(e as usize - 1) {
-                Some(en)
+            match (
+                ix.entries.get(e as usize - 1),
+                ix.idents.get(e as usize - 1),
+            ) {
+                (Some(en), Some(id))
                     if en.page as usize == p
-                        && ix.find(crate::keys::key_of(ix.idents[e as usize - 1].hash))
-                            == Some(e - 1) => {}
+                        && ix.find(crate::keys::key_of(id.hash)) == Some(e - 1) => {}
                 _ => return fail(format!("registration of page {p} is not in the index")),
             }
         }

@@ -217,10 +217,11 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn verify(&self, i: u32, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
         let e = &self.entries[i as usize];
-        self.skip_verify
-            || e.parent_reg == parent_reg
-                && self.idents[i as usize].salt == salt
-                && self.holds(e, tokens)
+        // `skip_verify` skips the token compare only: the parent and salt
+        // checks are what a hinted walk's salt relies on (`lookup.rs`).
+        e.parent_reg == parent_reg
+            && self.idents[i as usize].salt == salt
+            && (self.skip_verify || self.holds(e, tokens))
     }
 
     /// Whether `e`'s page holds `tokens` (one page's worth, never empty).

@@ -109,3 +109,44 @@ fn forced_collisions_never_serve_other_tokens() {
         "a 2-bit hash holds at most 4 entries"
     );
 }
+
+/// The benchmark-only `skip_hit_verification` skips the token compare, not
+/// the salt and parent checks: a hinted walk does not read salts and relies
+/// on every entry having its parent's. With a 2-bit hash a salt-1 prompt's
+/// key finds a salt-0 entry; it must miss, so no salt-1 page gets
+/// registered under the salt-0 chain.
+#[test]
+fn unverified_hits_still_check_the_salt() {
+    let opts = Options {
+        weak_hash_bits: 2,
+        hash_seed: Some(1),
+        skip_hit_verification: true,
+        ..Options::new()
+    };
+    let mut a = SlotAllocator::with_options(64, 1, 4, 16, opts).unwrap();
+    let (h, _) = a.open_with_prefix(&[5, 6], &[2], Counts::Each(0)).unwrap();
+    a.extend(&h, Counts::Each(2), None).unwrap();
+    a.close(&h, true).unwrap();
+    // Only the salt-0 chain is registered, so any hit here crosses salts.
+    for t in 0..64i64 {
+        let (h, c) = a
+            .open_with_prefix(&[t, 7, 8], &[3], Counts::Each(1))
+            .unwrap();
+        assert_eq!(
+            c[0], 0,
+            "a salt-1 prompt (first token {t}) hit a salt-0 page"
+        );
+        a.extend(&h, Counts::Each(3), None).unwrap();
+        if t == 63 {
+            a.cache(&h).unwrap(); // its own chain, from the salt-1 root
+        }
+        a.close(&h, false).unwrap();
+        a.check().unwrap();
+    }
+    // A salt-0 prompt that starts like the first one still hits its pages.
+    let (_, c) = a
+        .open_with_prefix(&[5, 6, 9], &[3], Counts::Each(0))
+        .unwrap();
+    assert_eq!(c[0], 2);
+    a.check().unwrap();
+}
