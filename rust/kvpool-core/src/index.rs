@@ -32,7 +32,7 @@ use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
 use crate::keys::key_of;
 use crate::lookup::ChainTip;
-use crate::memory::{filled_vec, reserve, zeroed_vec};
+use crate::memory::{reserve, zeroed_vec};
 use crate::page_state::{PageState, UNHELD};
 
 /// Pages registration hashes (and prefetches) ahead of its probes, and the
@@ -387,14 +387,16 @@ pub(crate) fn same_tokens(a: &[i32], b: &[i32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Every page FREE (see `page_state.rs`) except page 0, which is never
-/// held. Written here rather than mapped lazily like the pool's other big
-/// arrays: every page in use touches its record, and faulting the array in
-/// a page at a time while serving cost a step ~3 us a fault on a VM (the
-/// page-1 prefix trace took two more faults a step), where the refcounts
-/// this array replaced were written at construction too.
+/// Every page FREE (all zeros, see `page_state.rs`) except page 0, which
+/// is never held. Mapped lazily like the pool's other big arrays: a page's
+/// record costs memory once the page is used, and a pool that never caches
+/// (no index) never touches the array. Writing it at construction instead
+/// saved the page-1 prefix trace about four page faults a step while its
+/// index grew, but made the page-1 churn step at 16M slots (which never
+/// reads it) 4-13% slower than at 1M: 16 bytes a page resident from the
+/// start, 256 MiB at 16M pages.
 fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
-    let mut state = filled_vec(num_pages, PageState::default(), "page states")?;
+    let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
     if let Some(s0) = state.first_mut() {
         s0.extra = UNHELD;
     }

@@ -10,6 +10,8 @@
 //! cache up to four times, and with one record it misses once. The record
 //! costs the same 16 bytes a page as the four arrays did.
 
+use crate::memory::Zeroable;
+
 /// `PageState::extra` of a page nobody holds (a CACHED page, page 0).
 pub(crate) const UNHELD: u32 = u32::MAX;
 
@@ -18,7 +20,8 @@ pub(crate) const UNHELD: u32 = u32::MAX;
 pub(crate) struct PageState {
     /// Holders beyond the first: `holders - 1`, wrapping, so `UNHELD` when
     /// nobody holds the page. A FREE page stores 0, the count its next
-    /// taker needs, so taking a page writes nothing.
+    /// taker needs: taking a page writes nothing, and a fresh pool's
+    /// records are all zeros (mapped lazily, never written at construction).
     pub(crate) extra: u32,
     /// Index + 1 of the page's registration in the index's entry slab, 0
     /// when unregistered.
@@ -28,6 +31,10 @@ pub(crate) struct PageState {
     pub(crate) prev: u32,
     pub(crate) next: u32,
 }
+
+// SAFETY: four u32s; all zeros is a valid value (a FREE page, unregistered,
+// unlinked).
+unsafe impl Zeroable for PageState {}
 
 impl PageState {
     /// Open requests whose page lists name the page (1 for a FREE page: its

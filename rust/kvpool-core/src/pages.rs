@@ -14,8 +14,8 @@
 //! (`page_state.rs`), so a transition misses cache once, not once per array.
 //!
 //! A FREE page's stored count is 1, the count of the request that will
-//! take it (stored as 0 extra holders), so taking a page off the free
-//! stack writes nothing. Pages
+//! take it (stored as 0 extra holders, so a fresh pool's records are all
+//! zeros), so taking a page off the free stack writes nothing. Pages
 //! become FREE where their count is in hand anyway (a last holder's
 //! release, an eviction) or keep their 1 untouched (an exclusive request's
 //! close). Writing the count at take time missed cache once per page:
