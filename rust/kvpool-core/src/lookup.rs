@@ -16,7 +16,8 @@
 //!   does not use.
 //!
 //! Either candidate is accepted only if it verifies (`index.rs`): same
-//! tokens, same salt, and its parent registration is the tip's. Entries are
+//! tokens, same salt (a hinted child's follows from its parent's, below),
+//! and its parent registration is the tip's. Entries are
 //! unique per key, and a key is a function of the salt and the token
 //! sequence, so a verified hinted child is the very entry the key lookup
 //! would find: the hint changes the cost of a match, never its result.

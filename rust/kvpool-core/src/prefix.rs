@@ -217,8 +217,8 @@ impl SlotAllocator {
             // index misses cache and TLB on each, and those misses overlap
             // only when the prefetches are issued back to back (prefetching
             // each bucket as its hash came out, one per registration,
-            // measured 145 -> 212 us at page 1). `ring[(j - k0) % LOOKAHEAD]`
-            // holds page j's hash.
+            // measured 145 -> 212 us at page 1). Page k's hash is
+            // `ring[(k - k0) % LOOKAHEAD]`.
             let k0 = k;
             let ix = &self.index;
             let first = &self.page_lists[base + k..base + upto.min(k + LOOKAHEAD)];
