@@ -326,11 +326,31 @@ impl PrefixIndex {
     }
 
     /// Drops every registration (the LRU list must be empty already).
+    ///
+    /// Costs what was registered, not what the pool could hold: the table
+    /// is sized for every page of the pool (1 MiB at 64K pages, 256 MiB at
+    /// 16M), so sweeping it made `clear_cache` of a few pages cost a full
+    /// pass over it. The slab holds only what was ever registered; a live
+    /// entry is the one its page's record points back to.
     pub(crate) fn clear(&mut self) {
-        for i in self.table.entries() {
-            self.state[self.entries[i as usize].page as usize].entry = 0;
+        // Past an eighth full, one memset beats a probe per key.
+        let sparse = self.table.len().saturating_mul(8) < self.table.buckets();
+        for (i, (e, id)) in self.entries.iter().zip(&self.idents).enumerate() {
+            let Some(s) = self.state.get_mut(e.page as usize) else {
+                continue;
+            };
+            if s.entry as usize == i + 1 {
+                s.entry = 0;
+                if sparse {
+                    self.table.remove(key_of(id.hash), i as u32);
+                }
+            }
         }
-        self.table.clear();
+        if !sparse || self.table.len() != 0 {
+            // Dense, or keys the slab did not account for (only a corrupted
+            // index has those): the whole table.
+            self.table.clear();
+        }
         self.entries.clear();
         self.idents.clear();
         self.free_entries.clear();

@@ -56,6 +56,11 @@ impl KeyTable {
         self.len
     }
 
+    /// Buckets, empty or not.
+    pub(crate) fn buckets(&self) -> usize {
+        self.buckets.len()
+    }
+
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.buckets.capacity() * std::mem::size_of::<Bucket>()
     }

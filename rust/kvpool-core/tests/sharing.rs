@@ -474,3 +474,53 @@ fn caching_a_prompt_and_its_forks_reserves_as_much_as_caching_the_prompt() {
         "200 forks grew metadata by {with_forks} bytes, the prompt alone by {alone}"
     );
 }
+
+/// `clear_cache` walks what was registered, not the whole table, while
+/// only a few pages are registered (the table is sized for the pool), and
+/// memsets it when many are: both leave no entry behind, keep requests'
+/// held pages, and let the same prompts register again from scratch.
+#[test]
+fn clear_cache_forgets_every_entry_whether_few_or_many_are_registered() {
+    // 1024 pages: a 2048-bucket table, dense past 256 keys.
+    for (prompts, what) in [(2usize, "few (sparse table)"), (200, "many (dense table)")] {
+        let opts = Options {
+            hash_seed: Some(7),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(1024, 4, 128, 64, opts).unwrap();
+        let mut held = Vec::new();
+        for i in 0..prompts {
+            let p = seq(8, 100 * i as i64);
+            if i % 3 == 0 {
+                // Still held at the clear: registered, not CACHED.
+                let (h, _) = a.open_with_prefix(&p, &[8], Counts::Each(0)).unwrap();
+                a.extend(&h, Counts::Each(8), None).unwrap();
+                a.cache(&h).unwrap();
+                held.push((h[0], a.pages(h[0]).unwrap()));
+            } else {
+                serve(&mut a, &p, 0);
+            }
+        }
+        // Freed slab slots among the live ones: evict some cached pages.
+        a.evict(prompts / 2);
+        a.check().unwrap();
+        a.take_events();
+        a.clear_cache();
+        a.check().unwrap();
+        assert_eq!(a.cached_pages(), 0, "{what}");
+        assert_eq!(a.take_events().kind, vec![EVENT_CLEARED], "{what}");
+        for (h, pages) in &held {
+            assert_eq!(&a.pages(*h).unwrap(), pages, "{what}: held pages stay");
+        }
+        // Nothing hits, and the held requests' pages can register again.
+        let (h, cached) = a
+            .open_with_prefix(&seq(8, 0), &[8], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached, vec![0], "{what}");
+        a.close(&h, false).unwrap();
+        let hs: Vec<i64> = held.iter().map(|(h, _)| *h).collect();
+        a.cache(&hs).unwrap();
+        assert_eq!(a.cached_pages(), 2 * hs.len(), "{what}");
+        a.check().unwrap();
+    }
+}
