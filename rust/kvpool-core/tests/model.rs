@@ -2,9 +2,12 @@
 //! against the allocator and against the naive reference model in
 //! `reference/`; results, errors and observable state (slots, known tokens,
 //! page-state counters, queued copies, hit counts) must agree, and check()
-//! must pass after every operation.
+//! must pass after every operation. A router fed the KV events, drained
+//! every third operation so that undrained events outlive evictions,
+//! truncations and clears, must know exactly the registered pages.
 
 mod reference;
+mod router;
 
 use kvpool_core::{make_handle, Counts, Grown, Options, PoolError, SlotAllocator, SlotTable};
 use proptest::prelude::*;
@@ -148,6 +151,7 @@ thread_local! {
     static OK_CALLS: Cell<usize> = const { Cell::new(0) };
     static HIT_TOKENS: Cell<u64> = const { Cell::new(0) };
     static COPIES: Cell<usize> = const { Cell::new(0) };
+    static STORED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
@@ -174,7 +178,8 @@ proptest! {
         // A caller's request-to-token table, written by extend_into_table:
         // exactly the reported slots on success, untouched on any error.
         let mut table = vec![-7i32; MAX_REQ * STRIDE];
-        for op in ops {
+        let mut router = router::Router::new(a.hash_seed(), ps);
+        for (step, op) in ops.into_iter().enumerate() {
             let open: Vec<i64> = issued.iter().copied().filter(|&x| m.row(x).is_some()).collect();
             let h = |i: usize| {
                 if i < OPEN_PICKS && !open.is_empty() { open[i % open.len()] } else { issued[i % issued.len()] }
@@ -281,6 +286,12 @@ proptest! {
                 }
             }
             a.check().unwrap();
+            if step % 3 == 2 {
+                let events = a.take_events();
+                count(&STORED, events.kind.iter().filter(|&&k| k == kvpool_core::EVENT_STORED).count());
+                prop_assert_eq!(router.apply(&events), Ok(()));
+                prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages");
+            }
             let copies = a.take_copies();
             count(&COPIES, copies.0.len());
             prop_assert_eq!(copies, std::mem::take(&mut m.copies));
@@ -300,6 +311,9 @@ proptest! {
                 }
             }
         }
+        let events = a.take_events();
+        prop_assert_eq!(router.apply(&events), Ok(()));
+        prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages at the end");
         count(&OK_CALLS, oks);
     }
 }
@@ -309,10 +323,11 @@ proptest! {
 #[test]
 fn generated_sequences_exercise_sharing() {
     allocator_matches_model();
-    let (oks, hits, copies) = (
+    let (oks, hits, copies, stored) = (
         OK_CALLS.with(Cell::get),
         HIT_TOKENS.with(Cell::get),
         COPIES.with(Cell::get),
+        STORED.with(Cell::get),
     );
     eprintln!("{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write slots");
     assert!(
@@ -323,5 +338,9 @@ fn generated_sequences_exercise_sharing() {
     assert!(
         copies > CASES as usize / 20,
         "only {copies} copy-on-write slots"
+    );
+    assert!(
+        stored > CASES as usize,
+        "only {stored} Stored events drained mid-sequence"
     );
 }

@@ -1,0 +1,93 @@
+//! A KV-aware router's view of one pool, built only from its drained
+//! events, as vLLM's router builds it from a `KVEventBatch`: which pages
+//! are registered, under which hash. Applying a batch checks what a router
+//! relies on:
+//! - a Stored event's hash is the chain hash of its own token ids under
+//!   its parent (or the salt's root), so the ids are the page's content;
+//! - a page or hash is stored once until Removed (or Cleared);
+//! - Removed names a page the router holds, under the hash it holds.
+
+use std::collections::HashMap;
+
+use kvpool_core::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+pub struct Router {
+    seed: u64,
+    page_size: usize,
+    /// page -> hash of every page the router believes registered.
+    pages: HashMap<i32, u128>,
+}
+
+/// The chain's value before its first page (`hashing::root`).
+fn root(salt: i64) -> u128 {
+    (0x6b76_706f_6f6c_0001u128 << 64) | salt as u64 as u128
+}
+
+fn chain_hash(seed: u64, parent: u128, ids: &[i32]) -> u128 {
+    let mut bytes = parent.to_le_bytes().to_vec();
+    for t in ids {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_128_with_seed(&bytes, seed)
+}
+
+impl Router {
+    pub fn new(seed: u64, page_size: usize) -> Self {
+        Router {
+            seed,
+            page_size,
+            pages: HashMap::new(),
+        }
+    }
+
+    /// Pages the router believes registered.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    pub fn apply(&mut self, e: &Events) -> Result<(), String> {
+        let mut at = 0usize;
+        for i in 0..e.len() {
+            let hash = (e.hash_hi[i] as u128) << 64 | e.hash_lo[i] as u128;
+            let page = e.page[i];
+            match e.kind[i] {
+                EVENT_STORED => {
+                    let n = e.num_tokens[i] as usize;
+                    let ids = e.token_ids.get(at..at + n).ok_or("token_ids too short")?;
+                    at += n;
+                    if n != self.page_size {
+                        return Err(format!("Stored page {page} has {n} token ids"));
+                    }
+                    let parent = (e.parent_hi[i] as u128) << 64 | e.parent_lo[i] as u128;
+                    let from = if parent == 0 { root(e.salt[i]) } else { parent };
+                    if chain_hash(self.seed, from, ids) != hash {
+                        return Err(format!(
+                            "Stored page {page}: its hash is not that of its token ids {ids:?}"
+                        ));
+                    }
+                    if self.pages.values().any(|&h| h == hash) {
+                        return Err(format!("hash of page {page} stored twice"));
+                    }
+                    if self.pages.insert(page, hash).is_some() {
+                        return Err(format!("page {page} stored twice without a Removed"));
+                    }
+                }
+                EVENT_REMOVED => {
+                    if e.num_tokens[i] != 0 {
+                        return Err(format!("Removed page {page} carries token ids"));
+                    }
+                    if self.pages.remove(&page) != Some(hash) {
+                        return Err(format!("Removed page {page} under a hash not stored"));
+                    }
+                }
+                EVENT_CLEARED => self.pages.clear(),
+                k => return Err(format!("unknown event kind {k}")),
+            }
+        }
+        if at != e.token_ids.len() {
+            return Err("token_ids longer than the Stored events' counts".into());
+        }
+        Ok(())
+    }
+}
