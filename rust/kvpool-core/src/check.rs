@@ -8,7 +8,6 @@
 //! - each refcount equals the number of open requests whose page list names it;
 //! - the index and the page registrations agree both ways;
 //! - the LRU list is well linked and is exactly the CACHED set;
-//! - every undrained Stored event can still be reported (see `events.rs`);
 //! - rows: lengths, last pages, the SLOW bit wherever it is needed, row stacks.
 
 use crate::allocator::SlotAllocator;
@@ -21,23 +20,7 @@ impl SlotAllocator {
     pub fn check(&self) -> Result<()> {
         self.check_pages()?;
         self.check_index()?;
-        self.check_events()?;
         self.check_rows()
-    }
-
-    /// Every undrained Stored event can still be reported: its
-    /// registration is live, or a copy was saved as it ended.
-    fn check_events(&self) -> Result<()> {
-        let saved: std::collections::HashSet<u64> = self.events.saved_regs().collect();
-        for (page, reg) in self.events.pending_stored() {
-            if self.index.live_registration(page, reg).is_none() && !saved.contains(&reg) {
-                return Err(PoolError::Invariant(format!(
-                    "the undrained Stored event of page {page} (registration {reg}) \
-                     is neither live nor saved"
-                )));
-            }
-        }
-        Ok(())
     }
 
     fn check_pages(&self) -> Result<()> {

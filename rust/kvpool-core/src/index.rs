@@ -28,7 +28,6 @@
 //! already seen its Stored event; and requests holding it keep sharing it.
 
 use crate::error::Result;
-use crate::events::Resolved;
 use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
 use crate::keys::key_of;
@@ -313,12 +312,8 @@ impl PrefixIndex {
     }
 
     /// Removes `page`'s registration (the caller handles LRU membership);
-    /// returns its hash and salt, and the index of its freed entry (whose
-    /// `reg` stays readable until the entry is reused).
-    // Inlined into eviction's loop: as a call, returning the 32-byte
-    // identity through memory, evict(256) took 3.1 instead of 2.3 us.
-    #[inline(always)]
-    pub(crate) fn unregister(&mut self, page: u32) -> Option<(Identity, u32)> {
+    /// returns its hash and salt.
+    pub(crate) fn unregister(&mut self, page: u32) -> Option<Identity> {
         let idx = std::mem::replace(&mut self.state[page as usize].entry, 0);
         if idx == 0 {
             return None;
@@ -327,18 +322,7 @@ impl PrefixIndex {
         self.table.remove(key_of(e.hash), idx - 1);
         self.entries[idx as usize - 1].parent_reg = DEAD;
         self.free_entries.push(idx - 1);
-        Some((e, idx - 1))
-    }
-
-    /// Registration `reg` of `page`, if it is still live: its hash, salt
-    /// and token ids (what a drained Stored event reports).
-    pub(crate) fn live_registration(&self, page: u32, reg: u64) -> Option<Resolved<'_>> {
-        let i = self.state.get(page as usize)?.entry.checked_sub(1)? as usize;
-        if self.entries.get(i)?.reg != reg {
-            return None;
-        }
-        let id = self.idents.get(i)?;
-        Some((id.hash, id.salt, self.page_tokens(page)))
+        Some(e)
     }
 
     /// Drops every registration (the LRU list must be empty already).

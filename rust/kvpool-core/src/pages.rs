@@ -104,29 +104,10 @@ impl SlotAllocator {
         }
     }
 
-    /// Drops `p`'s registration and reports it; first keeps a copy of
-    /// what its Stored event needs if that is undrained, since the page's
-    /// content may be overwritten before the drain.
-    #[inline]
+    /// Drops `p`'s registration and reports it.
     pub(crate) fn unregister_page(&mut self, p: u32) {
-        if let Some((e, i)) = self.index.unregister(p) {
-            // The registration number is read only while some Stored event
-            // is undrained (evicting after a drain reads no more than before).
-            if self.events.any_pending() {
-                self.save_if_pending(p, e, i);
-            }
+        if let Some(e) = self.index.unregister(p) {
             self.events.removed(e.hash, p, e.salt);
-        }
-    }
-
-    /// Keeps what the Stored event of `p`'s ending registration (entry
-    /// `i`) needs, if that event is undrained.
-    #[inline(never)]
-    fn save_if_pending(&mut self, p: u32, e: crate::index::Identity, i: u32) {
-        let reg = self.index.entries[i as usize].reg;
-        if self.events.is_pending(reg) {
-            self.events
-                .save(reg, e.hash, e.salt, self.index.page_tokens(p));
         }
     }
 
@@ -230,29 +211,10 @@ impl SlotAllocator {
         n
     }
 
-    /// Copies what every undrained Stored event of a live registration
-    /// needs, before `clear_cache` ends them all at once. O(backlog).
-    fn save_pending_stored(&mut self) {
-        let ix = &self.index;
-        let live: Vec<(u64, u128, i64, u32)> = self
-            .events
-            .pending_stored()
-            .filter_map(|(page, reg)| {
-                let (hash, salt, _) = ix.live_registration(page, reg)?;
-                Some((reg, hash, salt, page))
-            })
-            .collect();
-        for (reg, hash, salt, page) in live {
-            self.events
-                .save(reg, hash, salt, self.index.page_tokens(page));
-        }
-    }
-
     /// Drops every index entry: CACHED pages become FREE, HELD pages stay
     /// with their holders, unregistered. Emits one Cleared event. Costs
     /// O(registered pages + max_requests).
     pub fn clear_cache(&mut self) {
-        self.save_pending_stored();
         while let Some(p) = self.index.lru_pop_oldest() {
             self.index.unregister(p);
             self.push_free(p);

@@ -174,7 +174,7 @@ impl SlotAllocator {
         // no call registers more pages than the pool has unregistered.
         let todo = todo.min(self.index.room());
         self.index.reserve(todo)?;
-        self.events.reserve(todo)?;
+        self.events.reserve(todo, self.page_size)?;
         for &h in handles {
             self.register_row(handle_row(h) as usize);
         }
@@ -290,7 +290,8 @@ impl SlotAllocator {
             None if !ix.is_registered(p) => {
                 let tip = ix.register(p, h, parent, salt);
                 let parent_hash = if first { 0 } else { parent.hash };
-                self.events.stored(tip.reg, parent_hash, p);
+                self.events
+                    .stored(h, parent_hash, p, salt, ix.page_tokens(p));
                 Some(tip)
             }
             Some((i, e)) if e.page == p && ix.idents[i as usize].salt == salt => {

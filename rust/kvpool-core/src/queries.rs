@@ -89,9 +89,7 @@ impl SlotAllocator {
 
     /// Drains the KV events recorded since the last call (see [`Events`]).
     pub fn take_events(&mut self) -> Events {
-        let ix = &self.index;
-        self.events
-            .take(|page, reg| ix.live_registration(page, reg))
+        self.events.take()
     }
 
     /// Events dropped because more than max(num_pages, 65536) were left
