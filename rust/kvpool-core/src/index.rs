@@ -313,6 +313,9 @@ impl PrefixIndex {
 
     /// Removes `page`'s registration (the caller handles LRU membership);
     /// returns its hash and salt.
+    // Inlined into eviction's loop: as a call, which returns the 32-byte
+    // identity through memory, evict(256) took 2.65 instead of ~2.3 us.
+    #[inline(always)]
     pub(crate) fn unregister(&mut self, page: u32) -> Option<Identity> {
         let idx = std::mem::replace(&mut self.state[page as usize].entry, 0);
         if idx == 0 {
