@@ -10,7 +10,8 @@
 //!   and 16M slots.
 //! - open_with_prefix of one fully cached 4096-token prompt (page 16),
 //!   hashing included; with and without hit verification.
-//! - cache() of a 4096-token request; evict(256).
+//! - cache() of a 4096-token request, with KV events recorded (the
+//!   default) and without; evict(256).
 //! - at page 1 (every token a page): open_with_prefix and cache() of a
 //!   4096-token prompt, and close() of a request holding it, shared with
 //!   another request or the last holder (every page back to CACHED).
@@ -21,9 +22,14 @@ use std::time::Instant;
 use kvpool_core::{Counts, Options, SlotAllocator, SlotTable};
 
 fn pool(slots: usize, ps: usize, verify: bool) -> SlotAllocator {
+    pool_with(slots, ps, verify, true)
+}
+
+fn pool_with(slots: usize, ps: usize, verify: bool, events: bool) -> SlotAllocator {
     let opts = Options {
         hash_seed: Some(1),
         skip_hit_verification: !verify,
+        kv_events: events,
         ..Options::new()
     };
     SlotAllocator::with_options(slots / ps, ps, 512, 8192, opts).unwrap()
@@ -178,9 +184,10 @@ fn close_hit(ps: usize, shared: bool, reps: usize) -> f64 {
 }
 
 /// us of cache() of a 4096-token request at page `ps` (4096 / ps new
-/// registrations).
-fn cache_4096(ps: usize, reps: usize) -> f64 {
-    let mut a = pool(1 << 20, ps, true);
+/// registrations); with `events`, each one records a Stored event (the
+/// default), else none (`kv_events=False`).
+fn cache_4096(ps: usize, events: bool, reps: usize) -> f64 {
+    let mut a = pool_with(1 << 20, ps, true, events);
     let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
     let mut samples = Vec::new();
     for _ in 0..reps {
@@ -261,7 +268,8 @@ fn main() {
         "us",
         prefix_hit(16, false, reps),
     );
-    report("cache_4096_us", "us", cache_4096(16, reps));
+    report("cache_4096_us", "us", cache_4096(16, true, reps));
+    report("cache_4096_no_events_us", "us", cache_4096(16, false, reps));
     // Page 1, where SGLang's radix tree is hardest to beat: every token is
     // a page to hash, look up, hold and release.
     report(
@@ -269,7 +277,7 @@ fn main() {
         "us",
         prefix_hit(1, true, reps),
     );
-    report("cache_4096_page1_us", "us", cache_4096(1, reps));
+    report("cache_4096_page1_us", "us", cache_4096(1, true, reps));
     report("close_4096_shared_page1_us", "us", close_hit(1, true, reps));
     report(
         "close_4096_to_cached_page1_us",
