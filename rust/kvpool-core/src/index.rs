@@ -331,9 +331,9 @@ impl PrefixIndex {
     /// Drops every registration (the LRU list must be empty already).
     ///
     /// Costs what was registered, not what the pool could hold: the table
-    /// is sized for every page of the pool (1 MiB at 64K pages, 256 MiB at
-    /// 16M), so sweeping it made `clear_cache` of a few pages cost a full
-    /// pass over it. The slab holds only what was ever registered; a live
+    /// is sized up front for the pool's pages, up to TABLE_FLOOR_KEYS (1 MiB
+    /// of buckets at 64K pages, 16 MiB from 1M pages on), so sweeping it
+    /// made `clear_cache` of a few pages cost a full pass over it. The slab holds only what was ever registered; a live
     /// entry is the one its page's record points back to.
     pub(crate) fn clear(&mut self) {
         // Past an eighth full, one memset beats a probe per key.
