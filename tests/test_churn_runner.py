@@ -143,3 +143,19 @@ def test_progress_bars_work_without_tqdm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_timing_takes_the_clocks_own_cost_off_every_figure():
+    from kvpool.bench.runner import Timing, clock_overhead
+
+    # Samples as the timing loop takes them: each includes the clock calls'
+    # cost (wall 100 ns, thread CPU 700 ns here); a sample below it counts 0.
+    t = Timing(np.array([1100, 2100, 3100, 50]), np.array([1700, 2700, 3700, 600]), items=8,
+               overhead_ns=(100, 700))
+    s = t.summary()
+    assert s["mean_us"] == pytest.approx(6000 / 4 / 1e3)
+    assert s["cpu_mean_us"] == pytest.approx(6000 / 4 / 1e3)
+    assert s["max_us"] == pytest.approx(3.0)
+    assert s["ns_per_item"] == pytest.approx(6000 / 8)
+    wall, cpu = clock_overhead(51)
+    assert wall > 0 and cpu >= 0
