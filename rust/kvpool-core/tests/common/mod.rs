@@ -1,0 +1,30 @@
+//! Helpers shared by the shared-pages test files (`sharing.rs`, `eviction.rs`).
+
+use kvpool_core::{Counts, Options, SlotAllocator};
+
+/// A pool of `pages` pages of `ps` slots (8 requests of up to 64 tokens),
+/// with a fixed hash seed.
+pub fn pool(pages: usize, ps: usize) -> SlotAllocator {
+    let opts = Options {
+        hash_seed: Some(7),
+        ..Options::new()
+    };
+    SlotAllocator::with_options(pages, ps, 8, 64, opts).unwrap()
+}
+
+pub fn seq(n: usize, from: i64) -> Vec<i64> {
+    (from..from + n as i64).collect()
+}
+
+/// Opens `prompt`, prefills it, registers it and closes it.
+pub fn serve(a: &mut SlotAllocator, prompt: &[i64], salt: i64) -> Vec<i64> {
+    let (h, cached) = a
+        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(salt))
+        .unwrap();
+    a.extend(&h, Counts::Each(prompt.len() as i64 - cached[0]), None)
+        .unwrap();
+    let slots = a.slots(h[0]).unwrap();
+    a.close(&h, true).unwrap();
+    a.check().unwrap();
+    slots
+}

@@ -1,0 +1,157 @@
+//! The life of cached pages: eviction order (least recently used, a
+//! chain's tail first), eviction under an extend's pressure, and
+//! `clear_cache`.
+
+mod common;
+
+use common::{pool, seq, serve};
+use kvpool_core::{Counts, Options, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED};
+
+#[test]
+fn eviction_takes_least_recent_chains_tail_first() {
+    let mut a = pool(9, 2); // 8 usable pages
+    serve(&mut a, &seq(7, 0), 0); // pages 1,2,3 registered, 4 (partial) freed
+    serve(&mut a, &seq(5, 100), 0); // FREE pages first: 4,5 registered, 6 freed
+    assert_eq!(a.evictable_pages(), 5);
+    a.take_events();
+    assert_eq!(a.evict(2), 2);
+    let ev = a.take_events();
+    assert_eq!(ev.kind, vec![EVENT_REMOVED; 2]);
+    // The older chain goes first, its last page before its first.
+    let first_chain = {
+        let (h, _) = a
+            .open_with_prefix(&seq(7, 0), &[7], Counts::Each(0))
+            .unwrap();
+        let c = a.length(h[0]).unwrap();
+        a.close(&h, false).unwrap();
+        c
+    };
+    assert_eq!(
+        first_chain, 2,
+        "pages 2 and 3 of the first chain were evicted, page 1 kept"
+    );
+    assert_eq!(a.evict(100), 3); // pages 5, 4 of the second chain, then page 1
+    a.check().unwrap();
+}
+
+/// With more than 8192 registered pages evictions warm the victims ahead of
+/// them (`pages.rs`); the order must stay exactly LRU, chain tail first,
+/// whether `evict(n)` or an extend short of FREE pages evicts.
+#[test]
+fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
+    let n = 4000usize;
+    let opts = Options {
+        hash_seed: Some(7),
+        ..Options::new()
+    };
+    let mut a = SlotAllocator::with_options(3 * n + 1, 1, 4, 2 * n, opts).unwrap();
+    let chains: Vec<Vec<i64>> = (0..3).map(|c| seq(n, 100_000 * c)).collect();
+    // At page 1 a slot is its page; the last token stays uncached only in
+    // a hit, so every page of each chain is registered.
+    let pages: Vec<Vec<i64>> = chains.iter().map(|c| serve(&mut a, c, 0)).collect();
+    assert_eq!(
+        (a.cached_pages(), a.free_pages() - a.evictable_pages()),
+        (3 * n, 0)
+    );
+    a.take_events();
+    let removed = |a: &mut SlotAllocator| {
+        let ev = a.take_events();
+        assert!(ev.kind.iter().all(|&k| k == EVENT_REMOVED));
+        ev.page.iter().map(|&p| p as i64).collect::<Vec<_>>()
+    };
+    assert_eq!(a.evict(1000), 1000);
+    let tail: Vec<i64> = pages[0][n - 1000..].iter().rev().copied().collect();
+    assert_eq!(
+        removed(&mut a),
+        tail,
+        "evict(n): the oldest chain, last page first"
+    );
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(2500), None).unwrap(); // 1000 FREE, then 1500 evicted
+    let next: Vec<i64> = pages[0][n - 2500..n - 1000].iter().rev().copied().collect();
+    assert_eq!(
+        removed(&mut a),
+        next,
+        "extend: evicts on where evict(n) stopped"
+    );
+    a.close(&h, false).unwrap();
+    a.check().unwrap();
+    for (c, want) in [(0usize, n - 2500), (1, n - 1)] {
+        let (h, cached) = a
+            .open_with_prefix(&chains[c], &[n as i64], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached[0] as usize, want);
+        a.close(&h, false).unwrap();
+    }
+    a.check().unwrap();
+}
+
+#[test]
+fn extend_under_pressure_evicts_instead_of_failing() {
+    let mut a = pool(5, 2); // 4 usable pages
+    serve(&mut a, &seq(8, 0), 0);
+    assert_eq!((a.free_pages(), a.evictable_pages()), (4, 4));
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(7), None).unwrap();
+    assert_eq!((a.free_pages(), a.cached_pages()), (0, 0));
+    let e = a.extend(&h, Counts::Each(2), None).unwrap_err();
+    assert!(matches!(
+        e,
+        kvpool_core::PoolError::Exhausted {
+            needed_pages: 1,
+            free_pages: 0,
+            ..
+        }
+    ));
+    a.check().unwrap();
+}
+
+/// `clear_cache` walks what was registered, not the whole table, while
+/// only a few pages are registered (the table is sized for the pool), and
+/// memsets it when many are: both leave no entry behind, keep requests'
+/// held pages, and let the same prompts register again from scratch.
+#[test]
+fn clear_cache_forgets_every_entry_whether_few_or_many_are_registered() {
+    // 1024 pages: a 2048-bucket table, dense past 256 keys.
+    for (prompts, what) in [(2usize, "few (sparse table)"), (200, "many (dense table)")] {
+        let opts = Options {
+            hash_seed: Some(7),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(1024, 4, 128, 64, opts).unwrap();
+        let mut held = Vec::new();
+        for i in 0..prompts {
+            let p = seq(8, 100 * i as i64);
+            if i % 3 == 0 {
+                // Still held at the clear: registered, not CACHED.
+                let (h, _) = a.open_with_prefix(&p, &[8], Counts::Each(0)).unwrap();
+                a.extend(&h, Counts::Each(8), None).unwrap();
+                a.cache(&h).unwrap();
+                held.push((h[0], a.pages(h[0]).unwrap()));
+            } else {
+                serve(&mut a, &p, 0);
+            }
+        }
+        // Freed slab slots among the live ones: evict some cached pages.
+        a.evict(prompts / 2);
+        a.check().unwrap();
+        a.take_events();
+        a.clear_cache();
+        a.check().unwrap();
+        assert_eq!(a.cached_pages(), 0, "{what}");
+        assert_eq!(a.take_events().kind, vec![EVENT_CLEARED], "{what}");
+        for (h, pages) in &held {
+            assert_eq!(&a.pages(*h).unwrap(), pages, "{what}: held pages stay");
+        }
+        // Nothing hits, and the held requests' pages can register again.
+        let (h, cached) = a
+            .open_with_prefix(&seq(8, 0), &[8], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached, vec![0], "{what}");
+        a.close(&h, false).unwrap();
+        let hs: Vec<i64> = held.iter().map(|(h, _)| *h).collect();
+        a.cache(&hs).unwrap();
+        assert_eq!(a.cached_pages(), 2 * hs.len(), "{what}");
+        a.check().unwrap();
+    }
+}
