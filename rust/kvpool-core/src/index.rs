@@ -333,8 +333,9 @@ impl PrefixIndex {
     /// Costs what was registered, not what the pool could hold: the table
     /// is sized up front for the pool's pages, up to TABLE_FLOOR_KEYS (1 MiB
     /// of buckets at 64K pages, 16 MiB from 1M pages on), so sweeping it
-    /// made `clear_cache` of a few pages cost a full pass over it. The slab holds only what was ever registered; a live
-    /// entry is the one its page's record points back to.
+    /// made `clear_cache` of a few pages cost a full pass over it. The slab
+    /// holds only what was ever registered; a live entry is the one its
+    /// page's record points back to.
     pub(crate) fn clear(&mut self) {
         // Past an eighth full, one memset beats a probe per key.
         let sparse = self.table.len().saturating_mul(8) < self.table.buckets();
