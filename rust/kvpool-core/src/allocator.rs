@@ -433,6 +433,17 @@ impl SlotAllocator {
         (row, make_handle(g, row as u32))
     }
 
+    /// Undoes the `take_row` that took `row`, whose row state was `before`:
+    /// the row is closed again under its old generation and is the next
+    /// one taken. Only for the newest rows taken, last first.
+    pub(crate) fn untake_row(&mut self, row: usize, before: Row) {
+        self.rows[row] = before;
+        self.cold[row].reset(0);
+        self.known_len[row] = 0;
+        self.open_count -= 1;
+        self.free_rows.push(row as u32);
+    }
+
     /// Opens `n` requests and appends their handles to `out`.
     pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
         self.check_rows_available(n)?;

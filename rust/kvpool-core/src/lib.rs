@@ -22,6 +22,7 @@
 //! allocator exactly as it was. Every allocation whose size a caller controls
 //! is fallible (`memory.rs`).
 
+mod admit;
 mod allocator;
 mod chain;
 mod check;
