@@ -202,6 +202,37 @@ class SlotAllocator:
                 not contiguous int64, read-only or overlapping the table.
                 Nothing changes on any error.
         """
+    def admit(
+        self,
+        counts: _IntArray,
+        table: Optional[npt.NDArray[np.int32]] = None,
+        tokens: Optional[_IntArray] = None,
+        out: Optional[npt.NDArray[np.int64]] = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Opens len(counts) new requests and extends request i by counts[i]
+        tokens: open(len(counts)) followed by extend(handles, counts, ...),
+        in one call, as a scheduler step admits its new requests. Atomic: on
+        any error no request is opened and nothing changes.
+
+        Args:
+            counts: one int >= 0 per new request (a sequence or 1-D integer
+                array; a single int is refused: pass [n] for one request).
+            table, tokens, out: as in extend (table rows of the new requests
+                get their slots; tokens are the prompts' ids, flattened; out
+                receives the slots, kept from step to step).
+
+        Returns:
+            (handles, slots): the int64 handles, and the new slots flattened in
+            request order (with out=, out itself: the slots are its first
+            sum(counts) entries).
+
+        Raises:
+            TooManyRequestsError: fewer than len(counts) rows are free.
+            PoolExhaustedError: not enough free or evictable pages.
+            ContextTooLongError: a count is past max_context_len.
+            InvalidArgumentError: counts is not a sequence of ints >= 0, or a
+                bad table, tokens or out (as in extend).
+        """
     def extend_with_starts(
         self, handles: _IntArray, counts: _IntArray
     ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:

@@ -39,7 +39,7 @@ impl Moved {
     }
 }
 
-fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<i64>>> {
+pub(crate) fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<i64>>> {
     Ok(match tokens {
         None => None,
         Some(t) => Some(match int_arg(py, t, "tokens")? {
@@ -50,7 +50,7 @@ fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Optio
 }
 
 /// Where extend's slots go: a fresh result array, or the caller's `out=`.
-enum Dest {
+pub(crate) enum Dest {
     Fresh(OutBuf),
     Caller(CallerOut),
 }

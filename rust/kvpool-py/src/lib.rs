@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod admit;
 mod allocator;
 mod convert;
 mod errors;

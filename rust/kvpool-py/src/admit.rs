@@ -1,0 +1,100 @@
+//! `SlotAllocator.admit`: open new requests and extend them by their prompt
+//! lengths in one crossing (the core's `admit_into`), with the same `table=`,
+//! `tokens=` and `out=` as extend.
+
+use pyo3::prelude::*;
+
+use crate::allocator::{to_numpy, SlotAllocator};
+use crate::convert::{int_arg, IntArg};
+use crate::errors::{invalid_argument, Result};
+use crate::extend::{tokens_arg, Dest};
+use crate::output::{extend_total, new_i64, CallerOut};
+
+#[pymethods]
+impl SlotAllocator {
+    /// admit(counts, table=None, tokens=None, out=None) -> (handles, slots)
+    ///
+    /// Opens len(counts) new requests and extends request i by counts[i]
+    /// tokens: open(len(counts)) followed by extend(handles, counts, ...),
+    /// in one call, as a scheduler step admits its new requests. Atomic: on
+    /// any error no request is opened and nothing changes.
+    ///
+    /// Args:
+    ///     counts: one int >= 0 per new request (a sequence or 1-D integer
+    ///         array; a single int is refused: pass [n] for one request).
+    ///     table, tokens, out: as in extend (table rows of the new requests
+    ///         get their slots; tokens are the prompts' ids, flattened; out
+    ///         receives the slots, kept from step to step).
+    ///
+    /// Returns:
+    ///     (handles, slots): the int64 handles, and the new slots flattened in
+    ///     request order (with out=, out itself: the slots are its first
+    ///     sum(counts) entries).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: fewer than len(counts) rows are free.
+    ///     PoolExhaustedError: not enough free or evictable pages.
+    ///     ContextTooLongError: a count is past max_context_len.
+    ///     InvalidArgumentError: counts is not a sequence of ints >= 0, or a
+    ///         bad table, tokens or out (as in extend).
+    #[pyo3(signature = (counts, table=None, tokens=None, out=None))]
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        counts: &Bound<'py, PyAny>,
+        table: Option<&Bound<'py, PyAny>>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Py<PyAny>, Py<PyAny>)> {
+        let c = match int_arg(py, counts, "counts")? {
+            IntArg::Many(v) => v,
+            IntArg::Scalar(v) => {
+                return Err(invalid_argument(
+                    py,
+                    format!(
+                        "admit takes one count per new request, got the single int {v}: \
+                         pass [{v}] to admit one request"
+                    ),
+                )
+                .into())
+            }
+        };
+        let toks = tokens_arg(py, tokens)?;
+        let t = self.table_arg(py, table)?;
+        let n = c.len();
+        let counts_arg = IntArg::Many(c);
+        let total = extend_total(n, &counts_arg, self.num_slots, self.max_context_len);
+        let c = counts_arg.into_vec();
+        let caller_out = out
+            .map(|o| CallerOut::validate(py, o, total, t.as_ref().map(|t| t.byte_range())))
+            .transpose()?;
+        let (fresh, mut dest) = match caller_out {
+            Some(o) => (None, Dest::Caller(o)),
+            None => {
+                let (arr, buf) = new_i64(py, total)?;
+                (Some(arr), Dest::Fresh(buf))
+            }
+        };
+        let mut handles = Vec::new();
+        let work = c.len().max(total);
+        self.run(py, work, |core| {
+            // SAFETY: validated by `table_arg`; the caller's array is
+            // referenced for the whole call (see extend).
+            let mut view = t.as_ref().map(|t| unsafe { t.view() });
+            let mut apply = |dst: &mut [i64]| {
+                core.admit_into(&c, toks.as_deref(), dst, view.as_mut(), &mut handles, |_| {})
+            };
+            match &mut dest {
+                Dest::Caller(o) => o.fill(apply),
+                // SAFETY: the fresh array is alive and not yet shared (see OutBuf).
+                Dest::Fresh(buf) => apply(unsafe { buf.slice() }),
+            }
+        })?;
+        let slots = match (fresh, out) {
+            (Some(arr), _) => arr.into_any(),
+            (None, Some(o)) => o.clone(),
+            (None, None) => py.None().into_bound(py),
+        };
+        Ok((to_numpy(py, &handles).into_any().unbind(), slots.unbind()))
+    }
+}
