@@ -1,8 +1,8 @@
 """kvpool's SlotAllocator, driven the way kvpool.KVPool drives it on the host.
 
-Per step: ``close`` the finished requests, ``open`` + one batched ``extend``
-(prompt lengths) for the admitted ones, one batched ``extend(handles, 1)`` for
-the decode batch. Every ``extend`` also fills the CPU ``req_to_token`` table in
+Per step: ``close`` the finished requests, one ``admit`` (open + extend by the
+prompt lengths, in one call) for the admitted ones, one batched
+``extend(handles, 1)`` for the decode batch. Every ``extend`` also fills the CPU ``req_to_token`` table in
 place (``table=``), the same update SGLang's engine makes, so the work matches,
 and writes its slots into one step buffer kept from step to step (``out=``), as
 vLLM's model runner keeps its ``slot_mapping`` buffer (the vLLM driver gets the
@@ -84,11 +84,10 @@ class KVPoolDriver(Driver):
         if len(finished):
             a.close(finished)
         if len(admit_lanes):
-            h = a.open(len(admit_lanes))
-            self.handles[admit_lanes] = h
             if slots > len(self.prefill_slots):  # a step past max_step_tokens: grow once
                 self.prefill_slots = np.zeros(slots, dtype=np.int64)
-            a.extend(h, admit_counts, table=self.table, out=self.prefill_slots)
+            h, _ = a.admit(admit_counts, table=self.table, out=self.prefill_slots)
+            self.handles[admit_lanes] = h
         if len(decoding):
             a.extend(decoding, 1, table=self.table, out=self.decode_slots)
         return slots
