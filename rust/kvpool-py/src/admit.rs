@@ -8,7 +8,7 @@ use crate::allocator::{to_numpy, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
 use crate::extend::{tokens_arg, Dest};
-use crate::output::{extend_total, new_i64, CallerOut};
+use crate::output::extend_total;
 
 #[pymethods]
 impl SlotAllocator {
@@ -65,36 +65,18 @@ impl SlotAllocator {
         let counts_arg = IntArg::Many(c);
         let total = extend_total(n, &counts_arg, self.num_slots, self.max_context_len);
         let c = counts_arg.into_vec();
-        let caller_out = out
-            .map(|o| CallerOut::validate(py, o, total, t.as_ref().map(|t| t.byte_range())))
-            .transpose()?;
-        let (fresh, mut dest) = match caller_out {
-            Some(o) => (None, Dest::Caller(o)),
-            None => {
-                let (arr, buf) = new_i64(py, total)?;
-                (Some(arr), Dest::Fresh(buf))
-            }
-        };
+        let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
         let mut handles = Vec::new();
         let work = c.len().max(total);
         self.run(py, work, |core| {
             // SAFETY: validated by `table_arg`; the caller's array is
             // referenced for the whole call (see extend).
             let mut view = t.as_ref().map(|t| unsafe { t.view() });
-            let mut apply = |dst: &mut [i64]| {
+            dest.apply(|dst| {
                 core.admit_into(&c, toks.as_deref(), dst, view.as_mut(), &mut handles, |_| {})
-            };
-            match &mut dest {
-                Dest::Caller(o) => o.fill(apply),
-                // SAFETY: the fresh array is alive and not yet shared (see OutBuf).
-                Dest::Fresh(buf) => apply(unsafe { buf.slice() }),
-            }
+            })
         })?;
-        let slots = match (fresh, out) {
-            (Some(arr), _) => arr.into_any(),
-            (None, Some(o)) => o.clone(),
-            (None, None) => py.None().into_bound(py),
-        };
+        let slots = Dest::result(py, fresh, out);
         Ok((to_numpy(py, &handles).into_any().unbind(), slots.unbind()))
     }
 }

@@ -55,6 +55,52 @@ pub(crate) enum Dest {
     Caller(CallerOut),
 }
 
+impl Dest {
+    /// The destination of `total` slots: the caller's `out` (validated,
+    /// and checked not to overlap `table`), or a fresh array, returned too.
+    pub(crate) fn new<'py>(
+        py: Python<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+        total: usize,
+        table: Option<&Table>,
+    ) -> Result<(Option<Arr<'py, i64>>, Dest)> {
+        let avoid = table.map(|t| t.byte_range());
+        Ok(match out {
+            Some(o) => (None, Dest::Caller(CallerOut::validate(py, o, total, avoid)?)),
+            None => {
+                let (arr, buf) = new_i64(py, total)?;
+                (Some(arr), Dest::Fresh(buf))
+            }
+        })
+    }
+
+    /// Runs `apply` on the destination's buffer (the caller's `out` is
+    /// written only if it succeeds).
+    pub(crate) fn apply<R>(
+        &mut self,
+        apply: impl FnOnce(&mut [i64]) -> kvpool_core::Result<R>,
+    ) -> kvpool_core::Result<R> {
+        match self {
+            Dest::Caller(o) => o.fill(apply),
+            // SAFETY: the fresh array is alive and not yet shared (see OutBuf).
+            Dest::Fresh(buf) => apply(unsafe { buf.slice() }),
+        }
+    }
+
+    /// What the call returns for its slots: the fresh array, or `out` itself.
+    pub(crate) fn result<'py>(
+        py: Python<'py>,
+        fresh: Option<Arr<'py, i64>>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> Bound<'py, PyAny> {
+        match (fresh, out) {
+            (Some(arr), _) => arr.into_any(),
+            (None, Some(o)) => o.clone(),
+            (None, None) => py.None().into_bound(py),
+        }
+    }
+}
+
 /// One extend on the core: the slots into `dst`, the table (if any) filled,
 /// and with `cow` the copy-on-write work this call queued.
 fn extend_call(
@@ -155,31 +201,12 @@ impl SlotAllocator {
         // from the caller) keep their arrays alive while they are written.
         let t = self.table_arg(py, table)?;
         let total = extend_total(h.len(), &c, self.num_slots, self.max_context_len);
-        let caller_out = out
-            .map(|o| CallerOut::validate(py, o, total, t.as_ref().map(|t| t.byte_range())))
-            .transpose()?;
-        let (fresh, mut dest) = match caller_out {
-            Some(o) => (None, Dest::Caller(o)),
-            None => {
-                let (arr, buf) = new_i64(py, total)?;
-                (Some(arr), Dest::Fresh(buf))
-            }
-        };
+        let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
         let work = h.len().max(total);
         let moved = self.run(py, work, |core| {
-            let mut apply =
-                |dst: &mut [i64]| extend_call(core, &h, &c, toks.as_deref(), t.as_ref(), cow, dst);
-            match &mut dest {
-                Dest::Caller(o) => o.fill(apply),
-                // SAFETY: the fresh array is alive and not yet shared (see OutBuf).
-                Dest::Fresh(buf) => apply(unsafe { buf.slice() }),
-            }
+            dest.apply(|dst| extend_call(core, &h, &c, toks.as_deref(), t.as_ref(), cow, dst))
         })?;
-        let result = match (fresh, out) {
-            (Some(arr), _) => arr.into_any(),
-            (None, Some(o)) => o.clone(),
-            (None, None) => py.None().into_bound(py),
-        };
+        let result = Dest::result(py, fresh, out);
         if !cow {
             return Ok(result.unbind());
         }
