@@ -1,10 +1,12 @@
 """Hypothesis state machine: the Rust allocator against a pure-Python model
 (tests/allocator_model.py), shared pages included: open_with_prefix,
-extend(tokens=), cache, close(cache=), fork with copy-on-write, truncate into
+extend(tokens=), admit, cache, close(cache=), fork with copy-on-write, truncate into
 shared pages, evict, clear_cache and eviction under pressure. After every
 step the two must agree on every query (slots, pages, known tokens, counters,
 queued copies, hit counts), and check() must pass. Errors must agree in type
 and leave both unchanged."""
+
+import copy
 
 import numpy as np
 from allocator_model import MAX_CTX, MAX_REQ, Model
@@ -113,6 +115,38 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert got is out and (out[len(r[1]) :] == -5).all()
                 got = out[: len(r[1])]
             assert got.tolist() == r[1]
+        elif out is not None:
+            assert (out == -5).all()
+
+    @rule(data=st.data(), with_tokens=st.booleans(), with_out=st.booleans())
+    def admit(self, data, with_tokens, with_out):
+        """open + extend in one call; refused, it must leave even the next handles alone."""
+        grow = st.integers(1, 6)
+        cs = data.draw(st.lists(st.one_of(grow, grow, st.integers(0, 6), st.just(-1)), max_size=3))
+        n = sum(max(c, 0) for c in cs)
+        toks = [(7 * j + 3) % 3 for j in range(n)] if with_tokens else None
+        if toks and data.draw(st.integers(0, 9)) == 0:
+            toks[-1] = -1  # a bad id
+        out = np.full(n + 2, -5, dtype=np.int64) if with_out else None
+
+        def model():
+            saved = copy.deepcopy(self.m.__dict__)
+            try:
+                hs = self.m.open(len(cs))
+                return hs, self.m.extend(hs, cs, toks)
+            except kvpool.KVPoolError:
+                self.m.__dict__.clear()
+                self.m.__dict__.update(saved)
+                raise
+
+        r = run_both(lambda: self.a.admit(cs, tokens=toks, out=out), model)
+        if r:
+            (hs, slots), (mhs, mslots) = r
+            if out is not None:
+                assert slots is out and (out[len(mslots):] == -5).all()
+                slots = out[: len(mslots)]
+            assert hs.tolist() == mhs and slots.tolist() == mslots
+            self.issued += mhs
         elif out is not None:
             assert (out == -5).all()
 
