@@ -109,3 +109,21 @@ def test_a_refused_admission_changes_nothing(counts, kwargs, exc, match) -> None
     a.check()
     # Not even the handles move: the next open matches a pool that never saw the call.
     assert np.array_equal(a.open(2), twin.open(2))
+
+
+def test_admit_packed_is_open_then_extend_packed() -> None:
+    a, b = twins(4)
+    counts, tokens = [6, 0, 9], list(range(15))
+    h, packed, n = a.admit_packed(counts, tokens=tokens)
+    hb = b.open(3)
+    packed_b, nb, cow = b.extend_packed(hb, counts, tokens=tokens)
+    assert np.array_equal(h, hb) and n == nb == 3 and cow is None
+    assert np.array_equal(packed, packed_b)
+    assert view(a, h) == view(b, hb)
+    before = view(a, h)
+    with pytest.raises(PoolExhaustedError):
+        a.admit_packed([40, 40])
+    with pytest.raises(InvalidArgumentError, match="pass"):
+        a.admit_packed(2)
+    assert view(a, h) == before
+    a.check()

@@ -233,6 +233,19 @@ class SlotAllocator:
             InvalidArgumentError: counts is not a sequence of ints >= 0, or a
                 bad table, tokens or out (as in extend).
         """
+    def admit_packed(
+        self,
+        counts: _IntArray,
+        tokens: Optional[_IntArray] = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """admit, returning the new requests' table update in extend_packed's
+        form (packed = [rows | starts | counts | offsets] then the slots), so
+        that one host-to-device copy ships it. Atomic: on any error no
+        request is opened and nothing changes.
+
+        Raises:
+            the same errors as admit; nothing changes on any error.
+        """
     def extend_with_starts(
         self, handles: _IntArray, counts: _IntArray
     ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:

@@ -4,11 +4,11 @@
 
 use pyo3::prelude::*;
 
-use crate::allocator::{to_numpy, SlotAllocator};
+use crate::allocator::{to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
-use crate::extend::{tokens_arg, Dest};
-use crate::output::extend_total;
+use crate::extend::{tokens_arg, Dest, PackedHead};
+use crate::output::{counts_total, new_i64};
 
 #[pymethods]
 impl SlotAllocator {
@@ -46,25 +46,10 @@ impl SlotAllocator {
         tokens: Option<&Bound<'py, PyAny>>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Py<PyAny>, Py<PyAny>)> {
-        let c = match int_arg(py, counts, "counts")? {
-            IntArg::Many(v) => v,
-            IntArg::Scalar(v) => {
-                return Err(invalid_argument(
-                    py,
-                    format!(
-                        "admit takes one count per new request, got the single int {v}: \
-                         pass [{v}] to admit one request"
-                    ),
-                )
-                .into())
-            }
-        };
+        let c = counts_arg(py, counts)?;
         let toks = tokens_arg(py, tokens)?;
         let t = self.table_arg(py, table)?;
-        let n = c.len();
-        let counts_arg = IntArg::Many(c);
-        let total = extend_total(n, &counts_arg, self.num_slots, self.max_context_len);
-        let c = counts_arg.into_vec();
+        let total = counts_total(&c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
         let mut handles = Vec::new();
         let work = c.len().max(total);
@@ -78,5 +63,51 @@ impl SlotAllocator {
         })?;
         let slots = Dest::result(py, fresh, out);
         Ok((to_numpy(py, &handles).into_any().unbind(), slots.unbind()))
+    }
+
+    /// admit_packed(counts, tokens=None) -> (handles, packed, b)
+    ///
+    /// admit, returning the new requests' table update in extend_packed's
+    /// form (packed = [rows | starts | counts | offsets] then the slots), so
+    /// that one host-to-device copy ships it. Atomic: on any error no
+    /// request is opened and nothing changes.
+    ///
+    /// Raises:
+    ///     the same errors as admit; nothing changes on any error.
+    #[pyo3(signature = (counts, tokens=None))]
+    fn admit_packed<'py>(
+        &self,
+        py: Python<'py>,
+        counts: &Bound<'py, PyAny>,
+        tokens: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>, usize)> {
+        let c = counts_arg(py, counts)?;
+        let toks = tokens_arg(py, tokens)?;
+        let b = c.len();
+        let total = counts_total(&c, self.num_slots, self.max_context_len);
+        let (arr, mut out) = new_i64(py, PackedHead::len(b) + total)?;
+        let mut handles = Vec::new();
+        self.run(py, b.max(total), |core| {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
+            core.admit_into(&c, toks.as_deref(), dst, None, &mut handles, |g| head.note(g))
+        })?;
+        Ok((to_numpy(py, &handles), arr, b))
+    }
+}
+
+/// admit's counts: one int per new request. A single int is refused: it
+/// could mean one request or a count for each of some number of them.
+fn counts_arg(py: Python<'_>, counts: &Bound<'_, PyAny>) -> Result<Vec<i64>> {
+    match int_arg(py, counts, "counts")? {
+        IntArg::Many(v) => Ok(v),
+        IntArg::Scalar(v) => Err(invalid_argument(
+            py,
+            format!(
+                "admit takes one count per new request, got the single int {v}: \
+                 pass [{v}] to admit one request"
+            ),
+        )
+        .into()),
     }
 }

@@ -49,6 +49,60 @@ pub(crate) fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> R
     })
 }
 
+/// The head of an `extend_packed` array: `[rows | starts | counts |
+/// offsets]`, each `b` rounded up to even long (so every segment, and the
+/// slots after them, start 16-byte aligned), filled as the core reports
+/// each request.
+pub(crate) struct PackedHead<'a> {
+    rows: &'a mut [i64],
+    starts: &'a mut [i64],
+    counts: &'a mut [i64],
+    offsets: &'a mut [i64],
+    /// Slots reported so far (the next request's offset).
+    at: i64,
+}
+
+impl<'a> PackedHead<'a> {
+    /// Entries of the head for `b` requests.
+    pub(crate) fn len(b: usize) -> usize {
+        4 * (b + (b & 1))
+    }
+
+    /// Splits a packed array for `b` requests into its head and its slots.
+    pub(crate) fn split(all: &'a mut [i64], b: usize) -> (Self, &'a mut [i64]) {
+        let stride = b + (b & 1);
+        let (meta, slots) = all.split_at_mut(Self::len(b).min(all.len()));
+        let (rows, rest) = meta.split_at_mut(stride.min(meta.len()));
+        let (starts, rest) = rest.split_at_mut(stride.min(rest.len()));
+        let (counts, offsets) = rest.split_at_mut(stride.min(rest.len()));
+        let head = PackedHead {
+            rows,
+            starts,
+            counts,
+            offsets,
+            at: 0,
+        };
+        (head, slots)
+    }
+
+    /// Records request `g.index` (< b; `get_mut` keeps it panic-free).
+    #[inline]
+    pub(crate) fn note(&mut self, g: &Grown<'_>) {
+        let n = g.slots.len() as i64;
+        for (seg, v) in [
+            (&mut *self.rows, g.row as i64),
+            (&mut *self.starts, g.start as i64),
+            (&mut *self.counts, n),
+            (&mut *self.offsets, self.at),
+        ] {
+            if let Some(x) = seg.get_mut(g.index) {
+                *x = v;
+            }
+        }
+        self.at += n;
+    }
+}
+
 /// Where extend's slots go: a fresh result array, or the caller's `out=`.
 pub(crate) enum Dest {
     Fresh(OutBuf),
@@ -271,37 +325,18 @@ impl SlotAllocator {
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
         let b = h.len();
-        let stride = b + (b & 1);
-        let head = 4 * stride;
         let total = extend_total(b, &c, self.num_slots, self.max_context_len);
-        let (arr, mut out) = new_i64(py, head + total)?;
+        let (arr, mut out) = new_i64(py, PackedHead::len(b) + total)?;
         let moved = self.run(
             py,
             b.max(total),
             |core| -> kvpool_core::Result<Option<Vec<i64>>> {
                 // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-                let all = unsafe { out.slice() };
-                let (meta, dst) = all.split_at_mut(head);
-                let (rows, rest) = meta.split_at_mut(stride);
-                let (starts, rest) = rest.split_at_mut(stride);
-                let (cnts, offsets) = rest.split_at_mut(stride);
-                let mut at = 0i64;
+                let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
                 let before = core.pending_copies();
                 let mut moved = Moved::default();
                 core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
-                    // index < b <= stride; get_mut keeps it panic-free.
-                    let n = g.slots.len() as i64;
-                    for (seg, v) in [
-                        (&mut *rows, g.row as i64),
-                        (&mut *starts, g.start as i64),
-                        (&mut *cnts, n),
-                        (&mut *offsets, at),
-                    ] {
-                        if let Some(x) = seg.get_mut(g.index) {
-                            *x = v;
-                        }
-                    }
-                    at += n;
+                    head.note(g);
                     if g.moved > 0 {
                         moved.note(g);
                     }

@@ -85,14 +85,27 @@ pub fn extend_total(
     num_slots: usize,
     max_context_len: usize,
 ) -> usize {
-    let one = |c: i64| usize::try_from(c).ok().filter(|&c| c <= max_context_len);
-    let total = match counts {
-        IntArg::Scalar(c) => one(*c).and_then(|c| c.checked_mul(n_handles)),
-        IntArg::Many(v) => v
-            .iter()
-            .try_fold(0usize, |acc, &c| one(c).and_then(|c| acc.checked_add(c))),
-    };
-    total.filter(|&t| t <= num_slots).unwrap_or(0)
+    match counts {
+        IntArg::Scalar(c) => usize::try_from(*c)
+            .ok()
+            .filter(|&c| c <= max_context_len)
+            .and_then(|c| c.checked_mul(n_handles))
+            .filter(|&t| t <= num_slots)
+            .unwrap_or(0),
+        IntArg::Many(v) => counts_total(v, num_slots, max_context_len),
+    }
+}
+
+/// [`extend_total`] of one count per request.
+pub fn counts_total(counts: &[i64], num_slots: usize, max_context_len: usize) -> usize {
+    counts
+        .iter()
+        .try_fold(0usize, |acc, &c| {
+            let c = usize::try_from(c).ok().filter(|&c| c <= max_context_len)?;
+            acc.checked_add(c)
+        })
+        .filter(|&t| t <= num_slots)
+        .unwrap_or(0)
 }
 
 /// `extend(..., out=)`: a caller's int64 array that receives the new slots,
