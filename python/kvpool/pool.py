@@ -12,7 +12,7 @@ caller's grad mode.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,22 +28,11 @@ from kvpool.modes import persistent
 from kvpool.staging import PinnedRing
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.torch_types import FP8_DTYPES, as_device
-from kvpool.transfer import PageTable, page_table_tensors, update_req_to_token
+from kvpool.admission import AdmissionMixin
+from kvpool.transfer import ExtendResult, PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
-
-class ExtendResult(NamedTuple):
-    """New slots of an ``extend``, flattened in request order.
-
-    ``slots`` is the host int64 array; ``out_cache_loc`` the same values as an
-    int64 tensor on the pool's device (zero copy on CPU), ready to be a step's
-    ``out_cache_loc`` / ``slot_mapping``. It is a per-step value made in the
-    caller's grad mode, not pool state.
-    """
-
-    slots: np.ndarray
-    out_cache_loc: torch.Tensor
 
 
 def _positive(name: str, value: Any) -> int:
@@ -52,7 +41,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(AllocatorFacade, SharingMixin):
+class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved

@@ -17,7 +17,20 @@ import torch
 
 from kvpool.kernels import write_req_to_token
 
-__all__ = ["PageTable", "page_table_tensors", "update_req_to_token"]
+__all__ = ["ExtendResult", "PageTable", "page_table_tensors", "update_req_to_token"]
+
+
+class ExtendResult(NamedTuple):
+    """New slots of an ``extend``, flattened in request order.
+
+    ``slots`` is the host int64 array; ``out_cache_loc`` the same values as an
+    int64 tensor on the pool's device (zero copy on CPU), ready to be a step's
+    ``out_cache_loc`` / ``slot_mapping``. It is a per-step value made in the
+    caller's grad mode, not pool state.
+    """
+
+    slots: np.ndarray
+    out_cache_loc: torch.Tensor
 
 
 class PageTable(NamedTuple):
