@@ -4,8 +4,8 @@ Each loop iteration (a "step"):
   1. admit waiting requests first-come-first-served while there is a free running
      slot and the pool can hold the request's whole future (its final length), so a
      running request can never run the pool dry mid-decode;
-  2. prefill each admitted request: ``pool.extend(handle, prompt_len)`` then one
-     forward pass that stores the prompt's K/V with ``pool.write``;
+  2. prefill each admitted request: ``pool.admit([prompt_len])`` (open + extend in
+     one call) then one forward pass that stores the prompt's K/V with ``pool.write``;
   3. decode every running request by one token: ONE ``pool.extend(handles, 1)`` for
      the whole batch, then the decode step (through DecodeGraphRunner when asked);
   4. ``pool.close`` the finished ones, which returns their pages at once.
@@ -149,17 +149,16 @@ class Engine:
                 self.stats.steps_blocked_by_pool += 1
                 break
             try:
-                handle = int(self.pool.open(1)[0])
+                # open + prefill extend in one call; refused, it changes nothing.
+                handles, ext = self.pool.admit([len(req.prompt)])
             except TooManyRequestsError:
                 # Only if something else holds rows of this pool: wait for one to close.
                 break
-            try:
-                ext = self.pool.extend([handle], len(req.prompt))
             except PoolExhaustedError:
-                # Only reachable when admission is optimistic: undo and wait for room.
-                self.pool.close([handle])
+                # Only reachable when admission is optimistic: wait for room.
                 self.stats.steps_blocked_by_pool += 1
                 break
+            handle = int(handles[0])
             waiting.popleft()
             req.handle, req.length = handle, len(req.prompt)
             req.row = int(self.pool.rows(handle)[0])

@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import Any
 
 # Allocator bookkeeping (who owns which slot) versus moving K/V data into the buffers.
-BOOKKEEPING = ("open", "open_with_prefix", "extend", "truncate", "cache", "fork", "close", "rows", "page_table")
+BOOKKEEPING = ("open", "admit", "open_with_prefix", "extend", "truncate", "cache", "fork", "close", "rows", "page_table")
 STORES = ("write",)
 
 
