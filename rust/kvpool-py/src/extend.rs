@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::Result;
+use crate::handles_arg::Handles;
 use crate::output::{extend_total, new_i64, CallerOut, OutBuf};
 use crate::table::Table;
 
@@ -141,6 +142,14 @@ impl Dest {
         }
     }
 
+    /// The caller's bytes this destination writes (none for a fresh array).
+    pub(crate) fn caller_range(&self) -> Option<(usize, usize)> {
+        match self {
+            Dest::Caller(o) => Some(o.byte_range()),
+            Dest::Fresh(_) => None,
+        }
+    }
+
     /// What the call returns for its slots: the fresh array, or `out` itself.
     pub(crate) fn result<'py>(
         py: Python<'py>,
@@ -248,18 +257,19 @@ impl SlotAllocator {
         cow: bool,
         out: Option<&Bound<'py, PyAny>>,
     ) -> Result<Py<PyAny>> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
+        let h = Handles::new(py, handles)?;
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
         // Validated fully before any change; `table` and `out` (borrowed
         // from the caller) keep their arrays alive while they are written.
         let t = self.table_arg(py, table)?;
-        let total = extend_total(h.len(), &c, self.num_slots, self.max_context_len);
+        let n = h.len();
+        let total = extend_total(n, &c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
-        let work = h.len().max(total);
-        let moved = self.run(py, work, |core| {
-            dest.apply(|dst| extend_call(core, &h, &c, toks.as_deref(), t.as_ref(), cow, dst))
-        })?;
+        let avoid = [t.as_ref().map(|t| t.byte_range()), dest.caller_range()];
+        let moved = self.run_on(py, h, n.max(total), &avoid, |core, h| {
+            dest.apply(|dst| extend_call(core, h, &c, toks.as_deref(), t.as_ref(), cow, dst))
+        })??;
         let result = Dest::result(py, fresh, out);
         if !cow {
             return Ok(result.unbind());
@@ -321,21 +331,23 @@ impl SlotAllocator {
         counts: &Bound<'py, PyAny>,
         tokens: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Arr<'py, i64>, usize, Option<Arr<'py, i64>>)> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
+        let h = Handles::new(py, handles)?;
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
         let b = h.len();
         let total = extend_total(b, &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, PackedHead::len(b) + total)?;
-        let moved = self.run(
+        let moved = self.run_on(
             py,
+            h,
             b.max(total),
-            |core| -> kvpool_core::Result<Option<Vec<i64>>> {
+            &[],
+            |core, h| -> kvpool_core::Result<Option<Vec<i64>>> {
                 // SAFETY: `arr` is alive and not yet shared (see OutBuf).
                 let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
                 let before = core.pending_copies();
                 let mut moved = Moved::default();
-                core.extend_into(&h, counts_of(&c), toks.as_deref(), dst, |g| {
+                core.extend_into(h, counts_of(&c), toks.as_deref(), dst, |g| {
                     head.note(g);
                     if g.moved > 0 {
                         moved.note(g);
@@ -343,7 +355,7 @@ impl SlotAllocator {
                 })?;
                 Ok(moved.finish(core, before))
             },
-        )?;
+        )??;
         Ok((arr, b, moved.map(|v| to_numpy(py, &v))))
     }
 }

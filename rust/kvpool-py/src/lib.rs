@@ -9,6 +9,7 @@ mod allocator;
 mod convert;
 mod errors;
 mod extend;
+mod handles_arg;
 mod output;
 mod sharing;
 mod table;
