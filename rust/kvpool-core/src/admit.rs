@@ -70,7 +70,11 @@ impl SlotAllocator {
     }
 
     /// `admit_into` returning the handles and the slots.
-    pub fn admit(&mut self, counts: &[i64], tokens: Option<&[i64]>) -> Result<(Vec<i64>, Vec<i64>)> {
+    pub fn admit(
+        &mut self,
+        counts: &[i64],
+        tokens: Option<&[i64]>,
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
         let total = counts
             .iter()
             .fold(0u64, |acc, &c| acc.saturating_add(c.max(0) as u64));

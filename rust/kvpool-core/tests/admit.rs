@@ -47,7 +47,9 @@ fn admit_is_open_then_extend() {
     let (mut b, run_b) = busy();
     let (ha, sa) = a.admit(&counts, Some(&tokens)).unwrap();
     let hb = b.open(3).unwrap();
-    let sb = b.extend(&hb, Counts::PerRequest(&counts), Some(&tokens)).unwrap();
+    let sb = b
+        .extend(&hb, Counts::PerRequest(&counts), Some(&tokens))
+        .unwrap();
     assert_eq!((ha.clone(), sa), (hb.clone(), sb));
     for (x, y) in ha.iter().zip(&hb) {
         assert_eq!(a.slots(*x).unwrap(), b.slots(*y).unwrap());
@@ -83,12 +85,20 @@ fn admit_fills_the_table_rows_of_the_new_requests() {
             .collect();
         assert_eq!(got, slots, "request {i}");
     }
-    assert_eq!(out, [a.slots(handles[0]).unwrap(), a.slots(handles[1]).unwrap()].concat());
+    assert_eq!(
+        out,
+        [a.slots(handles[0]).unwrap(), a.slots(handles[1]).unwrap()].concat()
+    );
 }
 
 #[test]
 fn a_refused_admit_changes_nothing_not_even_the_next_handles() {
-    type Case = (&'static str, Vec<i64>, Option<Vec<i64>>, fn(&PoolError) -> bool);
+    type Case = (
+        &'static str,
+        Vec<i64>,
+        Option<Vec<i64>>,
+        fn(&PoolError) -> bool,
+    );
     let cases: Vec<Case> = vec![
         ("too many requests", vec![1, 1, 1, 1, 1], None, |e| {
             matches!(e, PoolError::TooManyRequests { .. })
@@ -102,9 +112,12 @@ fn a_refused_admit_changes_nothing_not_even_the_next_handles() {
         ("negative count", vec![4, -1], None, |e| {
             matches!(e, PoolError::InvalidArgument(_))
         }),
-        ("tokens of the wrong length", vec![2, 2], Some(vec![1, 2, 3]), |e| {
-            matches!(e, PoolError::InvalidArgument(_))
-        }),
+        (
+            "tokens of the wrong length",
+            vec![2, 2],
+            Some(vec![1, 2, 3]),
+            |e| matches!(e, PoolError::InvalidArgument(_)),
+        ),
         ("a token id out of range", vec![2], Some(vec![1, -5]), |e| {
             matches!(e, PoolError::InvalidArgument(_))
         }),
@@ -121,7 +134,11 @@ fn a_refused_admit_changes_nothing_not_even_the_next_handles() {
         assert_eq!(observable(&mut a, &run), before, "{what}");
         // The same handles as a pool that never saw the refused call.
         assert_eq!(a.open(2).unwrap(), b.open(2).unwrap(), "{what}");
-        assert_eq!(observable(&mut a, &run), observable(&mut b, &run_b), "{what}");
+        assert_eq!(
+            observable(&mut a, &run),
+            observable(&mut b, &run_b),
+            "{what}"
+        );
     }
 }
 
@@ -133,7 +150,10 @@ fn admit_evicts_cached_pages_like_extend() {
     // Every page the pool can give: FREE first, then the cached ones.
     let (h, slots) = a.admit(&[24, 16, 8], None).unwrap();
     assert_eq!(slots.len(), free * 4);
-    assert_eq!((a.free_pages(), a.evictable_pages(), a.cached_pages()), (0, 0, 0));
+    assert_eq!(
+        (a.free_pages(), a.evictable_pages(), a.cached_pages()),
+        (0, 0, 0)
+    );
     let ev = a.take_events();
     assert!(ev.kind.iter().all(|&k| k == kvpool_core::EVENT_REMOVED) && !ev.is_empty());
     a.check().unwrap();

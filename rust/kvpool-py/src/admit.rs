@@ -58,7 +58,14 @@ impl SlotAllocator {
             // referenced for the whole call (see extend).
             let mut view = t.as_ref().map(|t| unsafe { t.view() });
             dest.apply(|dst| {
-                core.admit_into(&c, toks.as_deref(), dst, view.as_mut(), &mut handles, |_| {})
+                core.admit_into(
+                    &c,
+                    toks.as_deref(),
+                    dst,
+                    view.as_mut(),
+                    &mut handles,
+                    |_| {},
+                )
             })
         })?;
         let slots = Dest::result(py, fresh, out);
@@ -90,7 +97,9 @@ impl SlotAllocator {
         self.run(py, b.max(total), |core| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
             let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
-            core.admit_into(&c, toks.as_deref(), dst, None, &mut handles, |g| head.note(g))
+            core.admit_into(&c, toks.as_deref(), dst, None, &mut handles, |g| {
+                head.note(g)
+            })
         })?;
         Ok((to_numpy(py, &handles), arr, b))
     }

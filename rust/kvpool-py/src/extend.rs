@@ -40,7 +40,10 @@ impl Moved {
     }
 }
 
-pub(crate) fn tokens_arg(py: Python<'_>, tokens: Option<&Bound<'_, PyAny>>) -> Result<Option<Vec<i64>>> {
+pub(crate) fn tokens_arg(
+    py: Python<'_>,
+    tokens: Option<&Bound<'_, PyAny>>,
+) -> Result<Option<Vec<i64>>> {
     Ok(match tokens {
         None => None,
         Some(t) => Some(match int_arg(py, t, "tokens")? {
@@ -121,7 +124,10 @@ impl Dest {
     ) -> Result<(Option<Arr<'py, i64>>, Dest)> {
         let avoid = table.map(|t| t.byte_range());
         Ok(match out {
-            Some(o) => (None, Dest::Caller(CallerOut::validate(py, o, total, avoid)?)),
+            Some(o) => (
+                None,
+                Dest::Caller(CallerOut::validate(py, o, total, avoid)?),
+            ),
             None => {
                 let (arr, buf) = new_i64(py, total)?;
                 (Some(arr), Dest::Fresh(buf))

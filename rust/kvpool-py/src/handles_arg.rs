@@ -56,8 +56,9 @@ fn in_place_len(arr: &Bound<'_, PyUntypedArray>) -> Option<usize> {
         return None;
     }
     let dtype = arr.dtype();
-    let int64 =
-        dtype.kind() == b'i' && dtype.itemsize() == 8 && dtype.is_native_byteorder().unwrap_or(true);
+    let int64 = dtype.kind() == b'i'
+        && dtype.itemsize() == 8
+        && dtype.is_native_byteorder().unwrap_or(true);
     int64.then(|| arr.len())
 }
 
