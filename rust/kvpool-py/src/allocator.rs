@@ -151,13 +151,21 @@ impl SlotAllocator {
         f: impl FnOnce(&mut Core) -> R + Send,
     ) -> R {
         if work <= SMALL_WORK {
-            match self.inner.try_lock() {
-                Ok(mut guard) => return f(&mut guard),
-                Err(TryLockError::Poisoned(e)) => return f(&mut e.into_inner()),
-                Err(TryLockError::WouldBlock) => {}
+            if let Some(mut guard) = self.try_lock_now() {
+                return f(&mut guard);
             }
         }
         py.detach(|| f(&mut self.lock()))
+    }
+
+    /// The lock if no other thread holds it (a poisoned lock is taken too,
+    /// as `lock` does), else None.
+    pub(crate) fn try_lock_now(&self) -> Option<MutexGuard<'_, Core>> {
+        match self.inner.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
     }
 }
 
