@@ -16,6 +16,8 @@ __all__ = [
     "PoolStats",
     "SlotAllocator",
     "__version__",
+    "encode_kv_events",
+    "page_hashes",
 ]
 __version__: str
 
@@ -501,3 +503,46 @@ class SlotAllocator:
     @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""
+
+def page_hashes(
+    tokens: _IntArray, page_size: int, hash_seed: int, salt: Optional[int] = None
+) -> npt.NDArray[np.uint64]:
+    """The chain hashes of the full pages of a prompt, as a pool built with
+    this hash_seed files them and names them in its KV events (the trailing
+    partial page has none). Holds no pool.
+
+    Args:
+        tokens: the prompt's token ids (ints in [0, 2^31)).
+        page_size: tokens per page (>= 1), the pool's page_size.
+        hash_seed: the pool's hash_seed.
+        salt: the request's salt as given to open_with_prefix (None: 0).
+
+    Returns:
+        uint64 [2n]: (hi, lo) of each full page's 128-bit hash, as
+        SlotAllocator.chain_hashes gives them.
+
+    Raises:
+        InvalidArgumentError: a token id out of range, page_size < 1, a seed
+            not in [0, 2**64), a salt that is not an int.
+    """
+
+def encode_kv_events(
+    events: Dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: Optional[int] = None
+) -> Tuple[bytes, int]:
+    """Encodes drained KV events (the dict take_events returns) as one msgpack
+    KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
+    payload a ZmqEventPublisher sends. Consecutive Stored events of one
+    chain become one BlockStored, consecutive Removed events one
+    BlockRemoved. Optional per-event arrays "medium" (0 GPU, 1 CPU,
+    2 STORAGE; "GPU" without it) and "group_idx" (omitted without it or
+    where negative) are used when present.
+
+    Returns:
+        (payload, wire_events): the msgpack bytes and how many vLLM events
+        they hold.
+
+    Raises:
+        InvalidArgumentError: a missing or mistyped array, arrays of
+            different lengths, an unknown kind or medium code, token_ids that
+            do not match the Stored events' num_tokens.
+    """

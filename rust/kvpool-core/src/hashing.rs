@@ -146,6 +146,39 @@ pub(crate) fn check_token_ids(tokens: &[i64]) -> crate::error::Result<()> {
     }
 }
 
+/// The chain hashes of the full pages of a prompt of `tokens` under `salt`,
+/// as a pool with `hash_seed = seed` files them (and names them in its
+/// events). For readers that hold no pool, such as a KV-aware router.
+///
+/// Errors: `InvalidArgument` for a zero page size, a token id outside
+/// [0, 2^31), or a prompt too long to allocate room for.
+pub fn page_hashes(
+    seed: u64,
+    salt: i64,
+    page_size: usize,
+    tokens: &[i64],
+) -> crate::error::Result<Vec<u128>> {
+    if page_size == 0 {
+        return Err(crate::error::PoolError::InvalidArgument(
+            "page_size must be >= 1".into(),
+        ));
+    }
+    check_token_ids(tokens)?;
+    let n = tokens.len() / page_size;
+    let mut ids = Vec::new();
+    crate::memory::reserve(&mut ids, n * page_size, "prompt tokens")?;
+    push_token_ids(&mut ids, &tokens[..n * page_size]);
+    let mut out = Vec::new();
+    crate::memory::reserve(&mut out, n, "chain hashes")?;
+    let hasher = ChainHasher::new(seed, 0);
+    let mut h = root(salt);
+    for page in ids.chunks_exact(page_size) {
+        h = hasher.page(h, page);
+        out.push(h);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,5 +206,36 @@ mod tests {
                 xxh3_128_with_seed(&bytes, 42) & 0xfff
             );
         }
+    }
+
+    /// `page_hashes` is the chain a pool registers: the same hashes as the
+    /// pool's own `prefix_chain` of a request holding those tokens.
+    #[test]
+    fn page_hashes_match_a_pools_chain() {
+        use crate::{Counts, Options, SlotAllocator};
+        let ps = 4;
+        let prompt: Vec<i64> = (0..19).map(|t| t * 37 + 5).collect();
+        let o = Options {
+            hash_seed: Some(7),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(64, ps, 4, 64, o).expect("valid config");
+        let (h, _) = a.open_with_prefix(&prompt, &[19], Counts::Each(3)).unwrap();
+        a.extend(&h, Counts::Each(19), None).unwrap();
+        let chain = a.prefix_chain(h[0]).unwrap();
+        assert_eq!(chain.hashes.len(), 4);
+        assert_eq!(page_hashes(7, 3, ps, &prompt).unwrap(), chain.hashes);
+        assert_ne!(
+            page_hashes(7, 0, ps, &prompt).unwrap(),
+            chain.hashes,
+            "salt"
+        );
+        assert_ne!(
+            page_hashes(8, 3, ps, &prompt).unwrap(),
+            chain.hashes,
+            "seed"
+        );
+        assert!(page_hashes(7, 0, 0, &prompt).is_err());
+        assert!(page_hashes(7, 0, ps, &[1, -1, 2, 3]).is_err());
     }
 }

@@ -55,6 +55,7 @@ pub use error::{HandleProblem, PoolError, Result};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
 pub use extend::Grown;
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
+pub use hashing::page_hashes;
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 pub use queries::PageTable;
 pub use table::SlotTable;

@@ -10,6 +10,8 @@ mod convert;
 mod errors;
 mod extend;
 mod handles_arg;
+mod hashing;
+mod kv_events;
 mod output;
 mod sharing;
 mod table;
@@ -20,6 +22,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<allocator::SlotAllocator>()?;
     m.add_class::<allocator::PoolStats>()?;
+    m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

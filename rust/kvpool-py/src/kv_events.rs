@@ -1,0 +1,370 @@
+//! `encode_kv_events`: drained KV events (the arrays `take_events` returns)
+//! as one msgpack `KVEventBatch` in vLLM's schema, the payload of one ZMQ
+//! message of `kvpool.events.ZmqEventPublisher`.
+//!
+//! Why native: a publisher runs every scheduler step, and building one
+//! Python object per event (or a dozen numpy calls per batch) costs tens of
+//! microseconds for a typical step's few dozen events; here a batch is one
+//! pass over the arrays.
+//!
+//! Mapping (docs/events-and-metrics.md has the full table):
+//! - consecutive Stored events of one chain (each one's parent is the event
+//!   before, same salt, medium and group) become one `BlockStored` whose
+//!   `block_hashes` are the pages' 16-byte big-endian hashes, whose
+//!   `parent_block_hash` is the first page's parent (nil at a chain's root)
+//!   and whose `token_ids` are the pages' tokens; `block_size` is the page's
+//!   token count; a non-zero salt becomes `extra_keys = [[salt]] * pages`;
+//! - consecutive Removed events of one medium and group become one
+//!   `BlockRemoved`; a Cleared event is an `AllBlocksCleared`;
+//! - `medium` is "GPU" unless the arrays carry a `medium` code per event
+//!   (0 GPU, 1 CPU, 2 STORAGE); `group_idx` is omitted unless they carry a
+//!   `group_idx` per event (negative: omitted).
+
+use std::io;
+
+use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use rmp::encode as mp;
+
+use crate::convert::int_arg;
+use crate::errors::invalid_argument;
+
+const STORED: u8 = 0;
+const REMOVED: u8 = 1;
+const CLEARED: u8 = 2;
+/// vLLM's MEDIUM_GPU / MEDIUM_CPU / MEDIUM_STORAGE, by medium code.
+const MEDIA: [&str; 3] = ["GPU", "CPU", "STORAGE"];
+
+/// The event arrays, borrowed (optional ones as owned per-event values).
+struct Arrays<'a> {
+    kind: &'a [u8],
+    hash_hi: &'a [u64],
+    hash_lo: &'a [u64],
+    parent_hi: &'a [u64],
+    parent_lo: &'a [u64],
+    num_tokens: &'a [i32],
+    salt: &'a [i64],
+    token_ids: &'a [i32],
+    medium: Option<Vec<i64>>,
+    group: Option<Vec<i64>>,
+}
+
+enum Fail {
+    Bad(String),
+    Write(io::Error),
+}
+
+impl From<mp::ValueWriteError<io::Error>> for Fail {
+    fn from(e: mp::ValueWriteError<io::Error>) -> Self {
+        Fail::Write(e.into())
+    }
+}
+
+impl From<io::Error> for Fail {
+    fn from(e: io::Error) -> Self {
+        Fail::Write(e)
+    }
+}
+
+type Out<T> = std::result::Result<T, Fail>;
+
+impl Arrays<'_> {
+    fn hash(&self, i: usize) -> [u8; 16] {
+        (((self.hash_hi[i] as u128) << 64) | self.hash_lo[i] as u128).to_be_bytes()
+    }
+
+    fn parent(&self, i: usize) -> u128 {
+        ((self.parent_hi[i] as u128) << 64) | self.parent_lo[i] as u128
+    }
+
+    fn medium(&self, i: usize) -> Out<&'static str> {
+        let Some(m) = &self.medium else {
+            return Ok(MEDIA[0]);
+        };
+        usize::try_from(m[i])
+            .ok()
+            .and_then(|c| MEDIA.get(c).copied())
+            .ok_or_else(|| {
+                Fail::Bad(format!(
+                    "medium[{i}] = {} is not a medium code; codes are 0 GPU, 1 CPU, 2 STORAGE",
+                    m[i]
+                ))
+            })
+    }
+
+    fn group(&self, i: usize) -> Option<i64> {
+        self.group.as_ref().map(|g| g[i]).filter(|&g| g >= 0)
+    }
+
+    /// Events `i` and `j` go to the same wire event's medium and group.
+    fn same_place(&self, i: usize, j: usize) -> bool {
+        self.medium.as_ref().map_or(true, |m| m[i] == m[j])
+            && self.group.as_ref().map_or(true, |g| g[i] == g[j])
+    }
+}
+
+fn len32(n: usize, what: &str) -> Out<u32> {
+    u32::try_from(n)
+        .map_err(|_| Fail::Bad(format!("{what}: {n} is more than a msgpack array holds")))
+}
+
+fn hashes(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize) -> Out<()> {
+    w.extend_from_slice(b"\xacblock_hashes"); // fixstr(12)
+    mp::write_array_len(w, len32(j - i, "block_hashes")?)?;
+    for k in i..j {
+        mp::write_bin(w, &a.hash(k))?;
+    }
+    Ok(())
+}
+
+fn place(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize) -> Out<()> {
+    mp::write_str(w, "medium")?;
+    mp::write_str(w, a.medium(i)?)?;
+    if let Some(g) = a.group(i) {
+        mp::write_str(w, "group_idx")?;
+        mp::write_sint(w, g)?;
+    }
+    Ok(())
+}
+
+/// One `BlockStored` for events `i..j` (one chain run) whose tokens are
+/// `tokens`.
+fn stored(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize, tokens: &[i32]) -> Out<()> {
+    let salt = a.salt[i];
+    // type, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    // medium, lora_name: the fields vLLM always sends; then the optional ones.
+    let fields = 8 + (salt != 0) as u32 + a.group(i).is_some() as u32;
+    mp::write_map_len(w, fields)?;
+    mp::write_str(w, "type")?;
+    mp::write_str(w, "BlockStored")?;
+    hashes(w, a, i, j)?;
+    mp::write_str(w, "parent_block_hash")?;
+    match a.parent(i) {
+        0 => mp::write_nil(w)?,
+        p => mp::write_bin(w, &p.to_be_bytes())?,
+    }
+    mp::write_str(w, "token_ids")?;
+    mp::write_array_len(w, len32(tokens.len(), "token_ids")?)?;
+    for &t in tokens {
+        mp::write_sint(w, t as i64)?;
+    }
+    mp::write_str(w, "block_size")?;
+    mp::write_sint(w, a.num_tokens[i] as i64)?;
+    mp::write_str(w, "lora_id")?;
+    mp::write_nil(w)?;
+    place(w, a, i)?;
+    mp::write_str(w, "lora_name")?;
+    mp::write_nil(w)?;
+    if salt != 0 {
+        mp::write_str(w, "extra_keys")?;
+        mp::write_array_len(w, len32(j - i, "extra_keys")?)?;
+        for _ in i..j {
+            mp::write_array_len(w, 1)?;
+            mp::write_sint(w, salt)?;
+        }
+    }
+    Ok(())
+}
+
+fn removed(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize) -> Out<()> {
+    mp::write_map_len(w, 3 + a.group(i).is_some() as u32)?;
+    mp::write_str(w, "type")?;
+    mp::write_str(w, "BlockRemoved")?;
+    hashes(w, a, i, j)?;
+    place(w, a, i)
+}
+
+/// The events array's wire events, and how many there are.
+fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32)> {
+    let n = a.kind.len();
+    let mut w = Vec::with_capacity(64 * n + 5 * a.token_ids.len() + 16);
+    let (mut count, mut tok, mut i) = (0u32, 0usize, 0usize);
+    while i < n {
+        let mut j = i + 1;
+        match a.kind[i] {
+            STORED => {
+                while j < n
+                    && a.kind[j] == STORED
+                    && a.parent(j) == u128::from_be_bytes(a.hash(j - 1))
+                    && a.salt[j] == a.salt[i]
+                    && a.num_tokens[j] == a.num_tokens[i]
+                    && a.same_place(i, j)
+                {
+                    j += 1;
+                }
+                let per = usize::try_from(a.num_tokens[i]).map_err(|_| {
+                    Fail::Bad(format!("num_tokens[{i}] = {} is negative", a.num_tokens[i]))
+                })?;
+                let end = tok + per * (j - i);
+                let tokens = a.token_ids.get(tok..end).ok_or_else(|| {
+                    Fail::Bad(format!(
+                        "token_ids has {} ids, fewer than the Stored events' num_tokens add up to",
+                        a.token_ids.len()
+                    ))
+                })?;
+                stored(&mut w, a, i, j, tokens)?;
+                tok = end;
+            }
+            REMOVED => {
+                while j < n && a.kind[j] == REMOVED && a.same_place(i, j) {
+                    j += 1;
+                }
+                removed(&mut w, a, i, j)?;
+            }
+            CLEARED => {
+                mp::write_map_len(&mut w, 1)?;
+                mp::write_str(&mut w, "type")?;
+                mp::write_str(&mut w, "AllBlocksCleared")?;
+            }
+            k => {
+                return Err(Fail::Bad(format!(
+                    "kind[{i}] = {k} is not an event kind (0 Stored, 1 Removed, 2 Cleared)"
+                )))
+            }
+        }
+        count += 1;
+        i = j;
+    }
+    if tok != a.token_ids.len() {
+        return Err(Fail::Bad(format!(
+            "token_ids has {} ids but the Stored events' num_tokens add up to {tok}",
+            a.token_ids.len()
+        )));
+    }
+    Ok((w, count))
+}
+
+/// The batch's bytes and how many wire events it holds.
+fn batch(a: &Arrays<'_>, ts: f64, dp_rank: Option<i64>) -> Out<(Vec<u8>, u32)> {
+    let (body, count) = events(a)?;
+    let mut w = Vec::with_capacity(body.len() + 24);
+    // KVEventBatch is array_like: [ts, events, data_parallel_rank], the
+    // rank left off when None (omit_defaults drops a trailing default).
+    mp::write_array_len(&mut w, 2 + dp_rank.is_some() as u32)?;
+    mp::write_f64(&mut w, ts)?;
+    mp::write_array_len(&mut w, count)?;
+    w.extend_from_slice(&body);
+    if let Some(r) = dp_rank {
+        mp::write_sint(&mut w, r)?;
+    }
+    Ok((w, count))
+}
+
+fn array<'py, T: numpy::Element>(
+    py: Python<'py>,
+    d: &Bound<'py, PyDict>,
+    key: &str,
+    dtype: &str,
+) -> PyResult<PyReadonlyArray1<'py, T>> {
+    let v = d
+        .get_item(key)?
+        .ok_or_else(|| invalid_argument(py, format!("events has no {key:?} array")))?;
+    v.extract::<PyReadonlyArray1<'py, T>>().map_err(|_| {
+        invalid_argument(
+            py,
+            format!("events[{key:?}] must be a 1-D {dtype} numpy array (what take_events returns)"),
+        )
+    })
+}
+
+fn slice<'a, T: numpy::Element>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArray1<'_, T>,
+    key: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| invalid_argument(py, format!("events[{key:?}] must be contiguous")))
+}
+
+fn optional(
+    py: Python<'_>,
+    d: &Bound<'_, PyDict>,
+    key: &str,
+    n: usize,
+) -> PyResult<Option<Vec<i64>>> {
+    let Some(v) = d.get_item(key)? else {
+        return Ok(None);
+    };
+    let v = int_arg(py, &v, key)?.into_vec();
+    if v.len() != n {
+        return Err(invalid_argument(
+            py,
+            format!("events[{key:?}] has {} entries for {n} events", v.len()),
+        ));
+    }
+    Ok(Some(v))
+}
+
+/// encode_kv_events(events, ts, data_parallel_rank=None) -> tuple[bytes, int]
+///
+/// Encodes drained KV events (the dict take_events returns) as one msgpack
+/// KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
+/// payload a ZmqEventPublisher sends. Consecutive Stored events of one
+/// chain become one BlockStored, consecutive Removed events one
+/// BlockRemoved. Optional per-event arrays "medium" (0 GPU, 1 CPU,
+/// 2 STORAGE; "GPU" without it) and "group_idx" (omitted without it or
+/// where negative) are used when present.
+///
+/// Returns:
+///     (payload, wire_events): the msgpack bytes and how many vLLM events
+///     they hold.
+///
+/// Raises:
+///     InvalidArgumentError: a missing or mistyped array, arrays of
+///         different lengths, an unknown kind or medium code, token_ids that
+///         do not match the Stored events' num_tokens.
+#[pyfunction]
+#[pyo3(signature = (events, ts, data_parallel_rank=None))]
+pub fn encode_kv_events<'py>(
+    py: Python<'py>,
+    events: &Bound<'py, PyDict>,
+    ts: f64,
+    data_parallel_rank: Option<i64>,
+) -> PyResult<(Bound<'py, PyBytes>, u32)> {
+    let kind = array::<u8>(py, events, "kind", "uint8")?;
+    let hash_hi = array::<u64>(py, events, "hash_hi", "uint64")?;
+    let hash_lo = array::<u64>(py, events, "hash_lo", "uint64")?;
+    let parent_hi = array::<u64>(py, events, "parent_hi", "uint64")?;
+    let parent_lo = array::<u64>(py, events, "parent_lo", "uint64")?;
+    let num_tokens = array::<i32>(py, events, "num_tokens", "int32")?;
+    let salt = array::<i64>(py, events, "salt", "int64")?;
+    let token_ids = array::<i32>(py, events, "token_ids", "int32")?;
+    let n = kind.len();
+    for (key, len) in [
+        ("hash_hi", hash_hi.len()),
+        ("hash_lo", hash_lo.len()),
+        ("parent_hi", parent_hi.len()),
+        ("parent_lo", parent_lo.len()),
+        ("num_tokens", num_tokens.len()),
+        ("salt", salt.len()),
+    ] {
+        if len != n {
+            return Err(invalid_argument(
+                py,
+                format!("events[{key:?}] has {len} entries but kind has {n}"),
+            ));
+        }
+    }
+    let a = Arrays {
+        kind: slice(py, &kind, "kind")?,
+        hash_hi: slice(py, &hash_hi, "hash_hi")?,
+        hash_lo: slice(py, &hash_lo, "hash_lo")?,
+        parent_hi: slice(py, &parent_hi, "parent_hi")?,
+        parent_lo: slice(py, &parent_lo, "parent_lo")?,
+        num_tokens: slice(py, &num_tokens, "num_tokens")?,
+        salt: slice(py, &salt, "salt")?,
+        token_ids: slice(py, &token_ids, "token_ids")?,
+        medium: optional(py, events, "medium", n)?,
+        group: optional(py, events, "group_idx", n)?,
+    };
+    // The arrays stay borrowed (numpy's borrow flags) while the GIL is
+    // released: a batch after a backlog overflow is up to 64K events.
+    match py.detach(|| batch(&a, ts, data_parallel_rank)) {
+        Ok((bytes, wire)) => Ok((PyBytes::new(py, &bytes), wire)),
+        Err(Fail::Bad(m)) => Err(invalid_argument(py, m)),
+        Err(Fail::Write(e)) => Err(pyo3::exceptions::PySystemError::new_err(format!(
+            "encoding KV events failed writing to memory: {e}"
+        ))),
+    }
+}
