@@ -429,6 +429,17 @@ class SlotAllocator:
         max(num_pages, 65536) undrained events the backlog is replaced by one
         Cleared event (dropped_events counts what went).
         """
+    def take_events_msgpack(
+        self, ts: float, data_parallel_rank: Optional[int] = None
+    ) -> Tuple[bytes, int, int, int]:
+        """take_events() and encode_kv_events() in one call, without building
+        the arrays: drains the KV events and returns them as one msgpack
+        KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends).
+
+        Returns:
+            (payload, stored, removed, cleared), as encode_kv_events; with no
+            event, a batch of none and three zeros.
+        """
     def known_tokens(self, handle: _Handle) -> npt.NDArray[np.int32]:
         """The request's token ids of its leading known positions.
 
@@ -528,7 +539,7 @@ def page_hashes(
 
 def encode_kv_events(
     events: Dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: Optional[int] = None
-) -> Tuple[bytes, int]:
+) -> Tuple[bytes, int, int, int]:
     """Encodes drained KV events (the dict take_events returns) as one msgpack
     KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
     payload a ZmqEventPublisher sends. Consecutive Stored events of one
@@ -538,8 +549,9 @@ def encode_kv_events(
     where negative) are used when present.
 
     Returns:
-        (payload, wire_events): the msgpack bytes and how many vLLM events
-        they hold.
+        (payload, stored, removed, cleared): the msgpack bytes, and how many
+        pages the Stored and Removed events name and how many Cleared events
+        there are.
 
     Raises:
         InvalidArgumentError: a missing or mistyped array, arrays of

@@ -1,4 +1,4 @@
-"""``python -m kvpool.bench {churn,ops,prefix} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
+"""``python -m kvpool.bench {churn,ops,prefix,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
                              "small shared host, more threads make them slower and noisier)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvpool.bench import churn, ops, prefix
+    from kvpool.bench import churn, ops, prefix, route
 
     p = sub.add_parser("churn", help="continuous-batching slot churn, kvpool vs SGLang and vLLM")
     churn.add_arguments(p)
@@ -24,6 +24,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("prefix", help="prefix caching: hit rate and host µs/step, kvpool vs SGLang and vLLM")
     prefix.add_arguments(p)
     p.set_defaults(func=prefix.main)
+    p = sub.add_parser("route", help="cache-aware routing over 4 pools by their KV events, vs round-robin")
+    route.add_arguments(p)
+    p.set_defaults(func=route.main)
+    p = sub.add_parser("events", help="cost of publishing a step's KV events (ZmqEventPublisher.publish)")
+    route.add_events_arguments(p)
+    p.set_defaults(func=route.events_main)
     args = parser.parse_args(argv)
 
     import torch

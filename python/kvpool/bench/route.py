@@ -1,0 +1,143 @@
+"""``python -m kvpool.bench route``: a cache-aware router over 4 pools against round-robin.
+
+The prefix benchmark's multi-turn workload (``chat``: each turn resends the
+whole conversation) is replayed over ``--pools`` kvpool pools in one process,
+twice: once routed by ``kvpool.router.Router`` (fed only by the pools' KV
+events, one step late) and once round-robin. Reported: hit rate and prefill
+tokens of each, the router's host µs per request (hashing the prompt and
+walking its index) and per event applied, and agreement: how often the
+router's predicted hit equals the ``cached_lens`` the chosen pool returned
+(target >= 99.9%), with every disagreement and its cause.
+
+``python -m kvpool.bench events`` times ``ZmqEventPublisher.publish()`` (see
+``kvpool.bench.route.events_main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvpool.bench import report
+from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
+from kvpool.bench.trace import Dist
+
+AGREEMENT_TARGET = 0.999
+# --quick: seconds (tests, CI): short prompts and outputs, so turns come back within the steps.
+QUICK = dict(steps=60, warmup=20, lanes=8, pool_slots=1 << 13)
+QUICK_LENGTHS = dict(user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 6), think_steps=Dist(1, 4),
+                     system_len=Dist(128, 512), parallel_prompt=Dist(64, 256))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pools", type=int, default=4, help="pools (default 4)")
+    p.add_argument("--scenario", default="chat", choices=SCENARIOS, help="prefix trace scenario (default chat)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--pool-slots", type=int, default=1 << 16, help="slots per pool (default 64K)")
+    p.add_argument("--lanes", type=int, default=32, help="running sequences per pool (default 32)")
+    p.add_argument("--fill", type=float, default=0.85,
+                   help="the trace admits while the fleet's reservations fit in this share of its pages "
+                        "(default 0.85: slack so that each group finds a pool with room)")
+    p.add_argument("--steps", type=int, default=600, help="measured steps (default 600)")
+    p.add_argument("--warmup", type=int, default=200, help="steps before the measured ones (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny pools and few steps (seconds)")
+    p.add_argument("--json", default="route.json", help="JSON output file, under --out ('' for none)")
+    report.add_out_argument(p)
+
+
+def config(args: argparse.Namespace) -> tuple[PrefixTraceConfig, int]:
+    """The fleet-wide trace config and the pages of each pool."""
+    lengths: dict[str, Any] = {}
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+        lengths = QUICK_LENGTHS
+    ps = args.page_size
+    pool_pages = args.pool_slots // ps
+    fleet_pages = int(args.pools * pool_pages * args.fill)
+    cfg = PrefixTraceConfig(args.scenario, num_slots=fleet_pages * ps, concurrency=args.pools * args.lanes,
+                            page_size=ps, steps=args.steps, warmup=args.warmup, seed=args.seed, **lengths)
+    return cfg, pool_pages
+
+
+def table(results: list[Any]) -> str:
+    rows = []
+    for r in results:
+        us = r.to_json()["route_us"]
+        rows.append([r.policy, f"{r.hit_rate:.1%}", f"{r.hit_tokens}", f"{r.prefill_tokens}", f"{r.prompt_tokens}",
+                     f"{r.evicted_pages}", "/".join(map(str, r.requests_per_pool)),
+                     f"{us['mean']:.1f} / {us['p50']:.1f} / {us['p99']:.1f}" if us else "",
+                     f"{r.feed_us_per_event:.2f}" if r.policy == "router" else "",
+                     f"{r.agreement:.4%} ({r.agreed}/{r.agreed + len(r.disagreements)})" if r.agreement is not None
+                     else ""])
+    return report._md(["policy", "hit rate", "hit tokens", "prefill tokens", "prompt tokens", "evicted pages",
+                       "requests per pool", "router µs/req mean / p50 / p99", "feed µs/event", "agreement"], rows)
+
+
+def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
+    from kvpool.bench.route_driver import replay
+
+    cfg, pool_pages = config(args)
+    trace = generate(cfg)
+    results = [replay(trace, args.pools, pool_pages, policy) for policy in ("router", "round-robin")]
+    routed, rr = results
+    print(f"{args.scenario} trace, {args.pools} pools of {pool_pages} pages (page {cfg.page_size}), "
+          f"{args.lanes} lanes each, {args.warmup} + {args.steps} steps; hit rate and tokens over the measured "
+          "steps, agreement over every request")
+    print(table(results))
+    factor = routed.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
+    prefill = rr.prefill_tokens / routed.prefill_tokens if routed.prefill_tokens else float("inf")
+    print(f"router / round-robin: hit rate x{factor:.2f}, prefill tokens / {prefill:.2f}")
+    for d in routed.disagreements:
+        print("disagreement:", d.line())
+    bugs = [d for d in routed.disagreements if d.cause.startswith("bug")]
+    ok = routed.agreement is None or routed.agreement >= AGREEMENT_TARGET
+    print(f"agreement {routed.agreement if routed.agreement is not None else float('nan'):.4%} "
+          f"(target >= {AGREEMENT_TARGET:.1%}): {'met' if ok else 'MISSED'}; {len(bugs)} unexplained")
+    if args.quick:
+        print("(quick run: tiny pools and few steps, a smoke test; the figures are for the full run)")
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    doc = {"benchmark": "route", "settings": settings, "machine": machine, "pool_pages": pool_pages,
+           "hit_rate_factor": factor, "prefill_ratio": prefill, "agreement_target": AGREEMENT_TARGET,
+           "results": [r.to_json() for r in results]}
+    if args.json:
+        path = report.output_path(args.out, args.json)
+        report.write_json(path, doc)
+        print(f"wrote {path}")
+    return 0 if ok and not bugs else 1
+
+
+def add_events_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="10,100,1000,10000", help="events per publish() (default 10,100,1000,10000)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=200, help="publish() calls timed per size (median reported)")
+    p.add_argument("--json", default="events.json", help="JSON output file, under --out ('' for none)")
+    report.add_out_argument(p)
+
+
+def events_main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
+    from kvpool.bench.events_cost import measure
+
+    rows = measure([int(s) for s in args.sizes.split(",")], args.page_size, args.repeats)
+    print("ZmqEventPublisher.publish() of one step's events: what the calling thread pays (drain, encode, "
+          "hand over) and until the sender thread has sent it (PUB on loopback, one subscriber); medians")
+    print(report._md(["events", "Stored : Removed", "µs / publish()", "µs per 100 events", "µs until sent",
+                      "payload bytes"],
+                     [[str(r["events"]), r["mix"], f"{r['us']:.2f}", f"{r['us_per_100']:.2f}",
+                       f"{r['us_until_sent']:.2f}", str(r["payload_bytes"])] for r in rows]))
+    if args.json:
+        path = report.output_path(args.out, args.json)
+        report.write_json(path, {"benchmark": "events", "settings": {k: v for k, v in vars(args).items()
+                                                                      if k != "func"},
+                                 "machine": machine, "results": rows})
+        print(f"wrote {path}")
+    return 0
+
+
+__all__ = ["add_arguments", "add_events_arguments", "events_main", "main"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: python -m kvpool.bench route")

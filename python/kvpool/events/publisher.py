@@ -1,0 +1,149 @@
+"""Publishers of a pool's KV events in vLLM's wire format.
+
+A message is ``(topic, seq, payload)``: the topic bytes, the batch's sequence
+number as 8 bytes big-endian (0, 1, 2, ... per publisher, one per non-empty
+``publish()``) and a msgpack ``KVEventBatch`` (``kvpool._core.encode_kv_events``;
+the mapping is in docs/events-and-metrics.md). The last ``buffer_steps`` messages
+are kept for replay.
+
+``publish()`` runs on the caller's thread (the scheduler's, once a step): it
+drains the pool, encodes (native code) and hands the message over.
+``ZmqEventPublisher`` sends it from a thread of its own, which also serves
+replays while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional
+
+from kvpool._core import SlotAllocator, encode_kv_events
+
+# vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_BUFFER_STEPS = 10_000
+
+
+def _encoder(pool: Any) -> Callable[[float, Optional[int]], tuple[bytes, int, int, int]]:
+    """``(ts, rank) -> (payload, stored, removed, cleared)`` draining ``pool``."""
+    alloc = getattr(pool, "allocator", pool)
+    if isinstance(alloc, SlotAllocator):
+        return alloc.take_events_msgpack  # drains and encodes in one native call
+    take = getattr(pool, "take_events", None)
+    if not callable(take):
+        raise TypeError(
+            f"a KV event publisher needs a pool with take_events() (a KVPool or SlotAllocator), "
+            f"got {type(pool).__name__}")
+    return lambda ts, rank: encode_kv_events(take(), ts, rank)
+
+
+class EventPublisher:
+    """Drains a pool's events into sequenced vLLM ``KVEventBatch`` messages.
+
+    Subclasses deliver each message (``_deliver``). Counters, all cumulative:
+    ``batches`` (messages sent), ``events`` (kvpool events sent, one per page),
+    ``stored_pages``, ``removed_pages`` (pages that left the prefix cache:
+    evictions, and a cached page rewritten in place) and ``cleared`` (Cleared
+    events, an overflowed backlog's included).
+    """
+
+    def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
+                 data_parallel_rank: Optional[int] = None) -> None:
+        if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or buffer_steps < 0:
+            from kvpool._core import InvalidArgumentError
+
+            raise InvalidArgumentError(f"buffer_steps must be an int >= 0 (batches kept for replay), got {buffer_steps!r}")
+        self.pool = pool
+        self._encode = _encoder(pool)
+        self.topic = topic.encode("utf-8")
+        self.data_parallel_rank = data_parallel_rank
+        self._seq = 0
+        # (seq, seq bytes, payload), appended by publish() and read by replay;
+        # the lock keeps a replay from iterating while publish() appends.
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.batches = self.events = self.stored_pages = self.removed_pages = self.cleared = 0
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next non-empty ``publish()`` sends."""
+        return self._seq
+
+    @property
+    def dropped_events(self) -> int:
+        """Events the pool dropped because its backlog overflowed (each overflow
+        shows in the stream as an AllBlocksCleared)."""
+        return int(self.pool.dropped_events)
+
+    def publish(self) -> int:
+        """Drain the pool's events and send them as one ``KVEventBatch``.
+
+        Returns:
+            the number of kvpool events sent (one per page Stored or Removed,
+            one per Cleared); 0 sends nothing and uses no sequence number.
+
+        Raises:
+            RuntimeError: the publisher is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this KV event publisher is closed")
+        payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
+        n = stored + removed + cleared
+        if not n:
+            return 0
+        seq = self._seq
+        self._seq = seq + 1
+        seq_b = seq.to_bytes(8, "big")
+        self._deliver(seq_b, payload)
+        with self._lock:
+            self._buffer.append((seq, seq_b, payload))
+        self.batches += 1
+        self.events += n
+        self.stored_pages += stored
+        self.removed_pages += removed
+        self.cleared += cleared
+        return n
+
+    def replay(self, start_seq: int) -> list[tuple[bytes, bytes, bytes]]:
+        """The kept messages whose sequence number is >= ``start_seq``, oldest first
+        (what the ROUTER replay service sends, before its end marker)."""
+        with self._lock:
+            return [(self.topic, b, p) for s, b, p in self._buffer if s >= start_seq]
+
+    def _deliver(self, seq_b: bytes, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop publishing; later ``publish()`` calls raise."""
+        self._closed = True
+
+    def __enter__(self) -> "EventPublisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class LocalEventPublisher(EventPublisher):
+    """In-process delivery: messages wait in ``outbox`` until ``drain()`` hands
+    them to a consumer (a router in the same process, a benchmark, a test)."""
+
+    def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
+                 data_parallel_rank: Optional[int] = None) -> None:
+        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
+        self.outbox: deque[tuple[bytes, bytes, bytes]] = deque()
+
+    def _deliver(self, seq_b: bytes, payload: bytes) -> None:
+        self.outbox.append((self.topic, seq_b, payload))
+
+    def drain(self) -> list[tuple[bytes, bytes, bytes]]:
+        """The messages sent since the last drain, oldest first."""
+        out = list(self.outbox)
+        self.outbox.clear()
+        return out
+
+
+__all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "EventPublisher", "LocalEventPublisher"]

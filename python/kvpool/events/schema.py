@@ -1,0 +1,89 @@
+"""vLLM's KV-event schema as msgspec structs, for readers without vLLM.
+
+The classes mirror ``vllm/distributed/kv_events.py`` (vLLM 0.33): the same
+names, fields, field order and msgspec options (tagged events encoded as maps,
+the batch as an array), so a payload decodes the same way with these classes
+or with vLLM's own. kvpool's publisher does not build them (it encodes in
+native code, ``kvpool._core.encode_kv_events``); they are what a consumer such
+as ``kvpool.router`` decodes into.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from kvpool.extras import require
+
+msgspec = require("msgspec", "events", "kvpool.events")
+
+# A block hash on the wire: kvpool sends 16 bytes (the 128-bit chain hash,
+# big-endian); vLLM sends 32-byte SHA-256 digests or 64-bit ints.
+ExternalBlockHash = Union[bytes, int]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Base class of the events (tagged by class name under ``type``)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: Optional[ExternalBlockHash]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+    session_id: Optional[str] = None
+    lookahead_token_ids: Optional[list[list[int]]] = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+
+
+def decoder() -> Any:
+    """A msgpack decoder of KVEventBatch payloads (reuse it: building one costs)."""
+    return msgspec.msgpack.Decoder(KVEventBatch)
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "decoder",
+]

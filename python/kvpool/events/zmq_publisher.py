@@ -1,0 +1,151 @@
+"""``ZmqEventPublisher``: a pool's KV events on a ZMQ PUB socket, with vLLM's
+ROUTER replay service.
+
+Wire protocol (vLLM 0.33, ``vllm/distributed/kv_events.py``):
+
+- PUB: multipart ``(topic, seq, payload)``; ``seq`` is 8 bytes big-endian.
+- ROUTER (``replay_endpoint``): a client (a DEALER, or REQ) sends
+  ``(b"", start_seq)`` with ``start_seq`` as 8 bytes big-endian; the service
+  answers every kept message whose sequence number is >= ``start_seq`` as
+  ``(b"", topic, seq, payload)``, then the end marker
+  ``(b"", b"", seq -1 as 8 signed bytes, b"")``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Optional
+
+from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
+from kvpool.extras import require
+
+zmq = require("zmq", "events", "kvpool.events.ZmqEventPublisher")
+
+# How often an idle sender thread looks for replay requests.
+_POLL_MS = 50
+
+
+def binds(endpoint: str) -> bool:
+    """Whether the publisher binds ``endpoint`` (else it connects, to a forwarder):
+    a wildcard host, ipc:// or inproc://, as vLLM decides, and port 0 (an
+    ephemeral port; ``ZmqEventPublisher.endpoint`` says which)."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or endpoint.endswith(":0"))
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Publishes ``pool``'s KV events as vLLM's ``ZmqEventPublisher`` does.
+
+    Args:
+        pool: a ``KVPool`` or ``SlotAllocator`` (anything with ``take_events()``).
+        endpoint: the PUB socket's address, e.g. ``tcp://*:5557`` (bound) or
+            ``tcp://host:5557`` (connected to a forwarder); see ``binds``.
+        replay_endpoint: address the ROUTER replay service binds (None: no replay).
+        topic: topic frame of every message.
+        buffer_steps: batches kept for replay.
+        hwm: send high-water mark of the PUB socket (messages a slow subscriber
+            may fall behind before ZMQ drops its messages; it then sees a gap
+            in the sequence numbers and asks for a replay).
+        data_parallel_rank: sent in every batch when not None.
+        context: the zmq.Context (default: the process-wide instance).
+
+    ``publish()`` drains and encodes on the calling thread and hands the
+    message to a sender thread, which owns both sockets (as vLLM's publisher
+    thread does): a ZMQ send wakes ZMQ's I/O thread, which costs the caller
+    more than the encoding. Messages go out in sequence order; ``flush()``
+    waits until they have; ``close()`` sends what is queued, then stops the
+    thread and closes the sockets.
+    """
+
+    def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "",
+                 buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
+                 data_parallel_rank: Optional[int] = None, context: Any = None) -> None:
+        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
+        self._ctx = context or zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay_sock = None
+        self._queue: queue.SimpleQueue[Optional[tuple[bytes, bytes]]] = queue.SimpleQueue()
+        self._sent = threading.Condition()
+        self._queued = self._done = 0
+        try:
+            self._pub.set_hwm(hwm)
+            if binds(endpoint):
+                self._pub.bind(endpoint)
+                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            self.endpoint = endpoint
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay_sock = self._ctx.socket(zmq.ROUTER)
+                # Room for a whole replay and its end marker, as vLLM sizes it.
+                self._replay_sock.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                self._replay_sock.bind(replay_endpoint)
+                self.replay_endpoint = self._replay_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._thread: Optional[threading.Thread] = threading.Thread(
+            target=self._run, name="kvpool-kv-events", daemon=True)
+        self._thread.start()
+
+    def _deliver(self, seq_b: bytes, payload: bytes) -> None:
+        self._queued += 1
+        self._queue.put((seq_b, payload))
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every published message has been sent; False on timeout."""
+        with self._sent:
+            return self._sent.wait_for(lambda: self._done >= self._queued, timeout)
+
+    def _run(self) -> None:
+        # Both sockets are used by this thread only (ZMQ sockets are not
+        # thread-safe).
+        send, more, topic = self._pub.send, zmq.SNDMORE, self.topic
+        replay = self._replay_sock
+        while True:
+            if replay is not None and replay.poll(0):
+                self._serve_replay(replay)
+            try:
+                item = self._queue.get(timeout=_POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            # Three plain sends cost less than send_multipart's generic loop.
+            send(topic, more)
+            send(item[0], more)
+            send(item[1])
+            with self._sent:
+                self._done += 1
+                self._sent.notify_all()
+
+    def _serve_replay(self, sock: Any) -> None:
+        frames = sock.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request (vLLM ignores these too)
+        client, _, start = frames
+        for topic, seq_b, payload in self.replay(int.from_bytes(start, "big")):
+            sock.send_multipart((client, b"", topic, seq_b, payload))
+        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        """Send what is queued, stop the sender thread and close both sockets
+        (idempotent)."""
+        super().close()
+        if self._thread is not None:
+            self._queue.put(None)
+            # Bounded: the queue ahead of the sentinel is finite, and sends
+            # never block (PUB and ROUTER drop past their HWM).
+            self._thread.join()
+            self._thread = None
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay_sock):
+            if s is not None and not s.closed:
+                s.close(linger=0)
+
+
+__all__ = ["ZmqEventPublisher", "binds"]

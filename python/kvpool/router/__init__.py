@@ -1,0 +1,32 @@
+"""A cache-aware router over several pools, fed only by their KV events
+(optional extra ``events``: msgspec, and pyzmq for ``ZmqFeed``).
+
+``Router(num_pools, page_size=, hash_seed=)`` keeps which pool holds which page
+hash, ``route(tokens, salt)`` picks the pool with the longest cached prefix
+(least loaded among equals); ``feed()`` takes messages in-process and
+``ZmqFeed`` subscribes it to the pools' ZMQ publishers. See
+docs/events-and-metrics.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Router": "kvpool.router.router",
+    "Route": "kvpool.router.router",
+    "StreamState": "kvpool.router.router",
+    "PageIndex": "kvpool.router.index",
+    "ZmqFeed": "kvpool.router.zmq_feed",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvpool.router' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)
+
+
+__all__ = list(_LAZY)

@@ -1,0 +1,68 @@
+"""Which pool holds which page, as the pools' KV events tell it.
+
+Keys are the 16-byte big-endian chain hashes the events carry. Each hash maps
+to a bitmask of the pools that hold it, so a prompt's walk over its pages is
+one dict lookup per page whatever the number of pools; each pool also keeps
+the set of its hashes, so that an AllBlocksCleared (or a lost batch) forgets
+that pool in O(its pages).
+"""
+
+from __future__ import annotations
+
+
+class PageIndex:
+    """Hash -> pools bitmask, plus each pool's own hash set."""
+
+    def __init__(self, num_pools: int) -> None:
+        self.where: dict[bytes, int] = {}
+        self.held: list[set[bytes]] = [set() for _ in range(num_pools)]
+
+    def add(self, pool: int, hashes: list[bytes]) -> None:
+        bit, held, where = 1 << pool, self.held[pool], self.where
+        for h in hashes:
+            if h not in held:
+                held.add(h)
+                where[h] = where.get(h, 0) | bit
+
+    def remove(self, pool: int, hashes: list[bytes]) -> None:
+        clear, held, where = ~(1 << pool), self.held[pool], self.where
+        for h in hashes:
+            if h in held:
+                held.discard(h)
+                m = where[h] & clear
+                if m:
+                    where[h] = m
+                else:
+                    del where[h]
+
+    def forget(self, pool: int) -> None:
+        self.remove(pool, list(self.held[pool]))
+
+    def depths(self, keys: list[bytes], alive: int, num_pools: int) -> list[int]:
+        """Leading pages of ``keys`` each pool holds (pools outside ``alive``: 0)."""
+        depth = [0] * num_pools
+        where = self.where
+        j = 0
+        for k in keys:
+            m = where.get(k, 0) & alive
+            if m != alive:
+                gone = alive & ~m
+                while gone:
+                    low = gone & -gone
+                    depth[low.bit_length() - 1] = j
+                    gone ^= low
+                alive = m
+                if not alive:
+                    return depth
+            j += 1
+        while alive:
+            low = alive & -alive
+            depth[low.bit_length() - 1] = j
+            alive ^= low
+        return depth
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+__all__ = ["PageIndex"]

@@ -1,0 +1,235 @@
+"""A cache-aware router that knows the pools only through their KV events.
+
+It keeps its own index of which pool holds which chained page hash (fed with
+the pools' ``KVEventBatch`` messages), computes a prompt's page hashes itself
+(``kvpool._core.page_hashes``: the pools' hash, seed and salt), and sends each
+request to the pool with the longest cached prefix, the least loaded among
+equals. It holds no pool.
+
+Trust rules, per pool stream (sequence numbers as the publisher sends them):
+
+- a batch is applied only in sequence order; an older one (a replay overlap)
+  is ignored, a newer one waits while the gap is filled (``needs_replay``);
+- a gap that cannot be filled (the publisher no longer keeps it, or more than
+  ``max_pending`` batches wait) makes the router forget that pool's pages and
+  go on from the waiting batches: the lost batches may have held Removed
+  events, and the router must never believe in a page the pool no longer has;
+- ``AllBlocksCleared`` (a ``clear_cache``, or a pool backlog that overflowed and
+  dropped events) forgets the pool's pages as well; it relearns them from the
+  Stored events that follow;
+- a stream joined mid-way starts at its first batch: pages stored before are
+  unknown (fewer predicted hits), never wrongly believed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from kvpool._core import InvalidArgumentError, page_hashes
+from kvpool.router.index import PageIndex
+
+
+@dataclasses.dataclass
+class StreamState:
+    """What the router knows of one pool's event stream."""
+
+    next_seq: Optional[int] = None  # None until the first batch
+    pending: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    batches: int = 0  # applied
+    duplicates: int = 0  # ignored: already applied (replay overlap)
+    resets: int = 0  # pool forgotten after an unfillable gap
+    cleared: int = 0  # AllBlocksCleared applied
+    checked_seed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A routing decision: the pool, and the prompt tokens it is expected to
+    serve from its cache (what its ``open_with_prefix`` should return)."""
+
+    pool: int
+    cached_tokens: int
+
+
+class Router:
+    """Routes requests over ``num_pools`` pools by their cached prefixes.
+
+    Args:
+        num_pools: pools, numbered 0 .. num_pools - 1.
+        page_size: the pools' page size (all equal).
+        hash_seed: the pools' hash_seed (all equal: a pool built with another
+            seed names its pages with other hashes, and the first root page it
+            stores raises InvalidArgumentError when the router checks it).
+        max_pending: batches of one stream that may wait for a gap to be
+            filled before the router gives up on the gap.
+        medium: the tier whose pages count as hits ("GPU"; events for other
+            media are skipped).
+    """
+
+    def __init__(self, num_pools: int, *, page_size: int, hash_seed: int, max_pending: int = 64,
+                 medium: str = "GPU") -> None:
+        if num_pools < 1 or page_size < 1 or max_pending < 0:
+            raise InvalidArgumentError(
+                f"num_pools and page_size must be >= 1 and max_pending >= 0; got {num_pools}, {page_size}, "
+                f"{max_pending}")
+        from kvpool.events.schema import decoder
+
+        self.num_pools, self.page_size, self.hash_seed = num_pools, page_size, hash_seed
+        self.max_pending, self.medium = max_pending, medium
+        self.index = PageIndex(num_pools)
+        self.streams = [StreamState() for _ in range(num_pools)]
+        self.load = [0] * num_pools  # requests routed and not finished
+        self._all = (1 << num_pools) - 1
+        self._decode = decoder().decode
+
+    # ----- events --------------------------------------------------------
+
+    def feed(self, pool: int, topic: bytes, seq: bytes, payload: bytes) -> int:
+        """Take one message of ``pool``'s stream, in any order. Returns the
+        batches applied (0 while it waits behind a gap or was a duplicate)."""
+        st = self._stream(pool)
+        s = int.from_bytes(seq, "big", signed=True)
+        if st.next_seq is None:
+            st.next_seq = s
+        if s < st.next_seq:
+            st.duplicates += 1
+            return 0
+        if s > st.next_seq:
+            st.pending[s] = payload
+            if len(st.pending) > self.max_pending:
+                self.give_up_gap(pool)
+                return self._apply_ready(pool)
+            return 0
+        self._apply(pool, payload)
+        st.next_seq = s + 1
+        return 1 + self._apply_ready(pool)
+
+    def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
+        return sum(self.feed(pool, *m) for m in messages)
+
+    def needs_replay(self, pool: int) -> Optional[int]:
+        """The first sequence number missing from ``pool``'s stream, or None."""
+        st = self._stream(pool)
+        return st.next_seq if st.pending else None
+
+    def give_up_gap(self, pool: int) -> None:
+        """The missing batches will not come: forget the pool and go on from
+        the oldest waiting batch."""
+        st = self._stream(pool)
+        self.forget(pool)
+        st.resets += 1
+        if st.pending:
+            st.next_seq = min(st.pending)
+
+    def forget(self, pool: int) -> None:
+        """Drop everything known of ``pool``'s pages."""
+        self.index.forget(pool)
+
+    def _apply_ready(self, pool: int) -> int:
+        st, n = self.streams[pool], 0
+        while st.next_seq in st.pending:
+            self._apply(pool, st.pending.pop(st.next_seq))  # type: ignore[arg-type]
+            st.next_seq += 1  # type: ignore[operator]
+            n += 1
+        return n
+
+    def _apply(self, pool: int, payload: bytes) -> None:
+        st, ix = self.streams[pool], self.index
+        for ev in self._decode(payload).events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                ix.forget(pool)
+                st.cleared += 1
+            elif ev.medium not in (self.medium, None):
+                continue
+            elif kind == "BlockStored":
+                if not st.checked_seed and ev.parent_block_hash is None:
+                    self._check_seed(pool, ev)
+                ix.add(pool, ev.block_hashes)
+            else:
+                ix.remove(pool, ev.block_hashes)
+        st.batches += 1
+
+    def _check_seed(self, pool: int, ev: Any) -> None:
+        """The pool hashes as this router does: its first root page, rehashed."""
+        salt = ev.extra_keys[0][0] if ev.extra_keys else 0
+        if ev.block_size != self.page_size:
+            raise InvalidArgumentError(
+                f"pool {pool} stores pages of {ev.block_size} tokens; this router was built for page_size "
+                f"{self.page_size}")
+        mine = self._keys(page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt))
+        if mine[0] != ev.block_hashes[0]:
+            raise InvalidArgumentError(
+                f"pool {pool}'s page hashes are not this router's: build the router with the pools' hash_seed "
+                f"(pool.hash_seed) and page_size")
+        self.streams[pool].checked_seed = True
+
+    def _stream(self, pool: int) -> StreamState:
+        if not 0 <= pool < self.num_pools:
+            raise InvalidArgumentError(f"pool must be in [0, {self.num_pools}), got {pool}")
+        return self.streams[pool]
+
+    # ----- routing -------------------------------------------------------
+
+    @staticmethod
+    def _keys(words: np.ndarray) -> list[bytes]:
+        # (hi, lo) uint64 words -> the events' 16-byte big-endian hashes.
+        return words.byteswap().view("V16").tolist()  # type: ignore[no-any-return]
+
+    def match(self, tokens: Any, salt: int = 0) -> list[int]:
+        """Prompt tokens each pool would serve from its cache, as its
+        ``open_with_prefix`` computes them: whole pages, at most
+        ``len(tokens) - 1`` (a step computes at least one token)."""
+        tokens = np.asarray(tokens)
+        cap = max(len(tokens) - 1, 0) // self.page_size
+        if cap == 0:
+            return [0] * self.num_pools
+        keys = self._keys(page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt))
+        return [d * self.page_size for d in self.index.depths(keys, self._all, self.num_pools)]
+
+    def route(self, tokens: Any, salt: int = 0, *, loads: Optional[Sequence[float]] = None,
+              eligible: Optional[Sequence[bool]] = None) -> Route:
+        """Pick the pool for a request: the longest cached prefix, then the least
+        load (``loads``, or the router's count of routed, unfinished requests),
+        then the lowest index. Counts the request in ``load`` of that pool.
+
+        Args:
+            tokens: the prompt's token ids.
+            salt: the request's salt (as given to the pool's open_with_prefix).
+            loads: per-pool load to break ties with (default ``self.load``).
+            eligible: per-pool flags; only pools flagged True are considered
+                (e.g. those with room for the request).
+
+        Raises:
+            InvalidArgumentError: no pool is eligible, or arguments of the wrong length.
+        """
+        cached = self.match(tokens, salt)
+        load = self.load if loads is None else loads
+        if len(load) != self.num_pools or (eligible is not None and len(eligible) != self.num_pools):
+            raise InvalidArgumentError(f"loads and eligible need one entry per pool ({self.num_pools})")
+        best = -1
+        for p in range(self.num_pools):
+            if eligible is not None and not eligible[p]:
+                continue
+            if best < 0 or (cached[p], -load[p]) > (cached[best], -load[best]):
+                best = p
+        if best < 0:
+            raise InvalidArgumentError("no pool is eligible for this request")
+        self.load[best] += 1
+        return Route(best, cached[best])
+
+    def finished(self, pool: int) -> None:
+        """A request routed to ``pool`` ended (its load count goes down)."""
+        self._stream(pool)
+        self.load[pool] = max(0, self.load[pool] - 1)
+
+    def pages(self, pool: int) -> int:
+        """Pages the router believes ``pool`` holds."""
+        self._stream(pool)
+        return len(self.index.held[pool])
+
+
+__all__ = ["Route", "Router", "StreamState"]
