@@ -57,9 +57,11 @@ def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
     if table_written:
         src_d, dst_d = _to_device(pool, src, dst)
         copy_slots(caches, src_d, dst_d)
+        pool.copied_slots += m  # kvpool.metrics: copy bytes = copied_slots * bytes_per_slot
         return
     src_d, dst_d, rows_d, pos_d, ones_d = _to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
     copy_slots(caches, src_d, dst_d)
+    pool.copied_slots += m
     write_req_to_token(pool.req_to_token, rows_d, pos_d, ones_d, dst_d)
 
 
@@ -70,6 +72,7 @@ class SharingMixin:
     req_to_token: torch.Tensor
     _sharing: bool
     _table_np: np.ndarray | None  # the CPU req_to_token as numpy; None on a device
+    copied_slots: int = 0  # slots copy-on-write copied so far (every layer's K and V), cumulative
 
     def _write_prefixes(self, handles: np.ndarray, lengths: np.ndarray) -> None:
         """Write the slots of each request's first ``lengths[i]`` positions into its row."""

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one or more pools (optional extra ``metrics``: prometheus_client).
+
+``KVPoolCollector`` reads each pool's counters when Prometheus scrapes (one
+``stats()`` snapshot per pool, under the pool's lock) and exports them with a
+``pool`` label. Register it once::
+
+    from prometheus_client import REGISTRY
+    from kvpool.metrics import KVPoolCollector
+    REGISTRY.register(KVPoolCollector({"gpu0": pool0, "gpu1": pool1}, publishers={"gpu0": pub0}))
+
+Families (counters are exposed with the ``_total`` suffix; docs/events-and-metrics.md):
+
+- ``kvpool_pages`` (gauge, ``state`` = free / held / cached): pages by state;
+  cached pages are registered in the prefix cache and held by no request.
+- ``kvpool_usage_ratio`` (gauge): held pages / capacity pages.
+- ``kvpool_registered_pages`` (gauge): pages in the prefix index, held or not.
+- ``kvpool_open_requests`` (gauge).
+- ``kvpool_prefix_cache_queries`` (counter, tokens): prompt tokens looked up by
+  ``open_with_prefix``.
+- ``kvpool_prefix_cache_hits`` (counter, tokens): of those, tokens served from
+  the cache, i.e. not recomputed (the last prompt token, always computed, is
+  never a hit).
+- ``kvpool_events_dropped`` (counter): KV events dropped by backlog overflows.
+- ``kvpool_evicted_pages`` (counter; pools with a publisher): pages that left
+  the prefix cache (Removed events: evictions, and a cached page rewritten in place).
+- ``kvpool_events_published`` (counter; pools with a publisher): events sent.
+- ``kvpool_copy_bytes`` (counter; ``KVPool`` only): K/V bytes moved by
+  copy-on-write copies.
+- ``kvpool_offload_bytes`` / ``kvpool_load_bytes`` (counters): device -> host
+  and host -> device K/V bytes, for pools that have those attributes (a host tier).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+
+from kvpool.extras import require
+
+_pc = require("prometheus_client", "metrics", "kvpool.metrics")
+_core = require("prometheus_client.core", "metrics", "kvpool.metrics")
+
+
+def _named(pools: Union[Any, Iterable[Any], Mapping[str, Any]]) -> dict[str, Any]:
+    if isinstance(pools, Mapping):
+        return {str(k): v for k, v in pools.items()}
+    if hasattr(pools, "stats"):
+        return {"0": pools}
+    return {str(i): p for i, p in enumerate(pools)}
+
+
+class KVPoolCollector:
+    """A prometheus_client collector of ``pools``: one pool, a list (labelled
+    "0", "1", ...) or a mapping label -> pool (``KVPool`` or ``SlotAllocator``).
+    ``publishers`` maps the same labels to their ``kvpool.events`` publishers,
+    whose counters give the eviction and published-event counts."""
+
+    def __init__(self, pools: Union[Any, Iterable[Any], Mapping[str, Any]], *,
+                 publishers: Optional[Mapping[str, Any]] = None) -> None:
+        self.pools = _named(pools)
+        self.publishers = dict(publishers or {})
+        unknown = set(self.publishers) - set(self.pools)
+        if unknown:
+            from kvpool._core import InvalidArgumentError
+
+            raise InvalidArgumentError(f"publishers for unknown pools {sorted(unknown)}; pools are {sorted(self.pools)}")
+
+    def describe(self) -> list[Any]:
+        return []  # families depend on the pools; scraped lazily
+
+    def collect(self) -> Iterator[Any]:
+        G, C = _core.GaugeMetricFamily, _core.CounterMetricFamily
+        pages = G("kvpool_pages", "Pages by state: free, held by requests, cached (prefix cache, held by none)",
+                  labels=["pool", "state"])
+        usage = G("kvpool_usage_ratio", "Held pages / capacity pages", labels=["pool"])
+        registered = G("kvpool_registered_pages", "Pages in the prefix index, held or not", labels=["pool"])
+        requests = G("kvpool_open_requests", "Requests opened and not yet closed", labels=["pool"])
+        queries = C("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["pool"])
+        hits = C("kvpool_prefix_cache_hits", "Prompt tokens served from the prefix cache (not recomputed)",
+                 labels=["pool"])
+        dropped = C("kvpool_events_dropped", "KV events dropped because the undrained backlog overflowed",
+                    labels=["pool"])
+        evicted = C("kvpool_evicted_pages", "Pages that left the prefix cache (Removed events)", labels=["pool"])
+        published = C("kvpool_events_published", "KV events published", labels=["pool"])
+        copy = C("kvpool_copy_bytes", "K/V bytes moved by copy-on-write copies", labels=["pool"])
+        offload = C("kvpool_offload_bytes", "K/V bytes moved device -> host", labels=["pool"])
+        load = C("kvpool_load_bytes", "K/V bytes moved host -> device", labels=["pool"])
+        for name, pool in self.pools.items():
+            s = pool.stats()
+            alloc = getattr(pool, "allocator", pool)
+            capacity = int(alloc.capacity_pages)
+            cached = int(s.evictable_pages)
+            free = int(s.free_pages) - cached
+            held = int(s.used_pages)
+            for state, v in (("free", free), ("held", held), ("cached", cached)):
+                pages.add_metric([name, state], v)
+            usage.add_metric([name], held / capacity if capacity else 0.0)
+            registered.add_metric([name], int(s.cached_pages))
+            requests.add_metric([name], int(s.open_requests))
+            queries.add_metric([name], int(s.hit_tokens) + int(s.miss_tokens))
+            hits.add_metric([name], int(s.hit_tokens))
+            dropped.add_metric([name], int(alloc.dropped_events))
+            pub = self.publishers.get(name)
+            if pub is not None:
+                evicted.add_metric([name], int(pub.removed_pages))
+                published.add_metric([name], int(pub.events))
+            slots = getattr(pool, "copied_slots", None)
+            if slots is not None:
+                copy.add_metric([name], int(slots) * int(pool.bytes_per_slot))
+            for fam, attr in ((offload, "offload_bytes"), (load, "load_bytes")):
+                v = getattr(pool, attr, None)
+                if v is not None:
+                    fam.add_metric([name], int(v))
+        for fam in (pages, usage, registered, requests, queries, hits, dropped, evicted, published, copy, offload,
+                    load):
+            if fam.samples:
+                yield fam
+
+
+__all__ = ["KVPoolCollector"]
