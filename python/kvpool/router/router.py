@@ -100,8 +100,7 @@ class Router:
         if s > st.next_seq:
             st.pending[s] = payload
             if len(st.pending) > self.max_pending:
-                self.give_up_gap(pool)
-                return self._apply_ready(pool)
+                return self.give_up_gap(pool)
             return 0
         self._apply(pool, payload)
         st.next_seq = s + 1
@@ -115,14 +114,15 @@ class Router:
         st = self._stream(pool)
         return st.next_seq if st.pending else None
 
-    def give_up_gap(self, pool: int) -> None:
+    def give_up_gap(self, pool: int) -> int:
         """The missing batches will not come: forget the pool and go on from
-        the oldest waiting batch."""
+        the oldest waiting batch. Returns the batches applied."""
         st = self._stream(pool)
         self.forget(pool)
         st.resets += 1
         if st.pending:
             st.next_seq = min(st.pending)
+        return self._apply_ready(pool)
 
     def forget(self, pool: int) -> None:
         """Drop everything known of ``pool``'s pages."""

@@ -85,8 +85,7 @@ class ZmqFeed:
                     break
                 applied += self.router.feed(pool, topic, seq, payload)
         if self.router.needs_replay(pool) is not None:
-            self.router.give_up_gap(pool)
-            applied += self.router._apply_ready(pool)
+            applied += self.router.give_up_gap(pool)
         return applied
 
     def close(self) -> None:

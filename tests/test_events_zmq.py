@@ -1,0 +1,182 @@
+"""ZmqEventPublisher on loopback: vLLM's (topic, seq, payload) frames, its ROUTER
+replay protocol, replay after a dropped subscriber, and a router fed over ZMQ
+that fills a gap by replay or forgets the pool when it cannot."""
+
+import time
+
+import numpy as np
+import pytest
+
+import kvpool
+
+zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+from kvpool.events import ZmqEventPublisher, schema  # noqa: E402
+from kvpool.router import Router, ZmqFeed  # noqa: E402
+
+P, SEED = 4, 5
+LOOP = "tcp://127.0.0.1:0"
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def pool():
+    return kvpool.SlotAllocator(256, P, 8, 256, hash_seed=SEED)
+
+
+def admit(a, tokens):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    h, c = a.open_with_prefix(tokens, [len(tokens)])
+    a.extend(h, len(tokens) - int(c[0]))
+    a.close(h, cache=True)
+
+
+def sub_socket(endpoint, topic=b""):
+    s = zmq.Context.instance().socket(zmq.SUB)
+    s.setsockopt(zmq.SUBSCRIBE, topic)
+    s.connect(endpoint)
+    return s
+
+
+def recv(sock, timeout_ms=2000):
+    assert sock.poll(timeout_ms), "no message within the timeout"
+    return sock.recv_multipart()
+
+
+def wait_subscribed(pub, sub, a):
+    """PUB drops messages until the subscription has arrived: publish probes until one gets through."""
+    for i in range(50):
+        admit(a, [9000 + i] * (P + 1))
+        pub.publish()
+        if sub.poll(100):
+            return recv(sub)
+    raise AssertionError("the subscriber never connected")
+
+
+def replay(endpoint, start):
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.connect(endpoint)
+    try:
+        d.send_multipart((b"", start.to_bytes(8, "big")))
+        out = []
+        for _ in range(100):
+            frames = recv(d)
+            assert frames[0] == b"" and len(frames) == 4
+            if frames[2] == END:
+                return out
+            out.append(frames[1:])
+        raise AssertionError("no end marker")
+    finally:
+        d.close(linger=0)
+
+
+def test_frames_are_topic_sequence_and_a_decodable_batch():
+    a = pool()
+    with ZmqEventPublisher(a, LOOP, topic="kv") as pub:
+        sub = sub_socket(pub.endpoint, b"kv")
+        try:
+            first = wait_subscribed(pub, sub, a)
+            admit(a, np.arange(100, 109))
+            assert pub.publish() == 2
+            topic, seq, payload = recv(sub)
+            assert topic == b"kv" and len(seq) == 8
+            assert int.from_bytes(seq, "big") == int.from_bytes(first[1], "big") + 1
+            (ev,) = schema.decoder().decode(payload).events
+            assert ev.token_ids == list(range(100, 108)) and len(ev.block_hashes) == 2
+        finally:
+            sub.close(linger=0)
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish()
+
+
+def test_replay_after_a_dropped_subscriber():
+    a = pool()
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, buffer_steps=8)
+    try:
+        sub = sub_socket(pub.endpoint)
+        _, seq0, _ = wait_subscribed(pub, sub, a)
+        last_seen = int.from_bytes(seq0, "big")
+        sub.close(linger=0)  # the subscriber drops out ...
+        sent = []
+        for i in range(3):  # ... and misses three batches
+            admit(a, np.arange(200 + 10 * i, 209 + 10 * i))
+            assert pub.publish() == 2
+            sent.append(pub.next_seq - 1)
+        assert pub.flush(5)
+        got = replay(pub.replay_endpoint, last_seen + 1)
+        assert [int.from_bytes(s, "big") for _, s, _ in got] == sent
+        toks = [schema.decoder().decode(p).events[0].token_ids[:1] for _, _, p in got]
+        assert toks == [[200], [210], [220]]
+        assert replay(pub.replay_endpoint, pub.next_seq) == [], "nothing newer: just the end marker"
+    finally:
+        pub.close()
+
+
+def test_router_over_zmq_fills_a_gap_by_replay_and_forgets_a_pool_when_it_cannot():
+    pools = [pool(), pool()]
+    pubs = [ZmqEventPublisher(p, LOOP, replay_endpoint=LOOP, buffer_steps=2) for p in pools]
+    router = Router(2, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router, replay_timeout_ms=2000)
+    try:
+        for i, pub in enumerate(pubs):
+            feed.subscribe(i, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        prompt = np.arange(300, 313)
+        for attempt in range(50):  # until both subscriptions are live and a batch got through
+            admit(pools[0], [7000 + attempt] * (P + 1))
+            admit(pools[1], [7000 + attempt] * (P + 1))
+            for pub in pubs:
+                pub.publish()
+                pub.flush(5)
+            feed.poll(100)
+            if all(s.next_seq is not None for s in router.streams):
+                break
+        admit(pools[1], prompt)
+        pubs[1].publish()
+        pubs[1].flush(5)
+        deadline = time.monotonic() + 5
+        while router.match(prompt)[1] == 0 and time.monotonic() < deadline:
+            feed.poll(50)
+        assert router.match(prompt) == [0, 12]
+        assert router.route(prompt).pool == 1
+        # Pool 0's next batch is lost on the way (sent, never received): the
+        # gap is filled from its replay service.
+        admit(pools[0], prompt)
+        feed_sub = next(s for s, p in feed._subs.items() if p == 0)
+        feed._poller.unregister(feed_sub)
+        pubs[0].publish()
+        pubs[0].flush(5)
+        time.sleep(0.2)
+        while feed_sub.poll(0):
+            feed_sub.recv_multipart()  # dropped
+        feed._poller.register(feed_sub, zmq.POLLIN)
+        pools[0].evict(1)  # a later batch (the oldest probe page's Removed) shows the gap
+        pubs[0].publish()
+        pubs[0].flush(5)
+        deadline = time.monotonic() + 5
+        while router.match(prompt)[0] != 12 and time.monotonic() < deadline:
+            feed.poll(50)
+        assert router.match(prompt) == [12, 12], "the lost Stored batch came back by replay"
+        assert router.streams[0].resets == 0 and feed.replays >= 1
+        # Now lose more batches than the publisher keeps (buffer_steps=2): the
+        # router cannot know what was removed, so it forgets pool 0.
+        feed._poller.unregister(feed_sub)
+        for i in range(3):
+            admit(pools[0], np.arange(400 + 10 * i, 409 + 10 * i))
+            pubs[0].publish()
+        pubs[0].flush(5)
+        time.sleep(0.2)
+        while feed_sub.poll(0):
+            feed_sub.recv_multipart()
+        feed._poller.register(feed_sub, zmq.POLLIN)
+        admit(pools[0], np.arange(500, 509))
+        pubs[0].publish()
+        pubs[0].flush(5)
+        deadline = time.monotonic() + 5
+        while router.streams[0].resets == 0 and time.monotonic() < deadline:
+            feed.poll(50)
+        assert router.streams[0].resets == 1
+        assert router.match(prompt)[0] == 0, "pool 0 forgotten: no page of it is believed"
+        assert router.match(np.arange(500, 509))[0] == 8, "relearned from the batches after the gap"
+    finally:
+        feed.close()
+        for pub in pubs:
+            pub.close()

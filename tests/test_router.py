@@ -1,0 +1,156 @@
+"""kvpool.router fed in-process: longest cached prefix with a load tie-break,
+agreement with the pools' own cached_lens, Cleared, gaps, duplicates and
+out-of-order batches, and a pool hashing with another seed."""
+
+import numpy as np
+import pytest
+
+import kvpool
+
+pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+from kvpool.events import LocalEventPublisher  # noqa: E402
+from kvpool.router import Router  # noqa: E402
+
+P, SEED = 4, 21
+
+
+def fleet(n=3, pages=64):
+    pools = [kvpool.SlotAllocator(pages, P, 8, 512, hash_seed=SEED) for _ in range(n)]
+    return pools, [LocalEventPublisher(p) for p in pools], Router(n, page_size=P, hash_seed=SEED)
+
+
+def admit(a, tokens, close=True):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    h, c = a.open_with_prefix(tokens, [len(tokens)])
+    a.extend(h, len(tokens) - int(c[0]))
+    a.cache(h)
+    if close:
+        a.close(h)
+    return int(c[0])
+
+
+def deliver(pubs, router):
+    for i, pub in enumerate(pubs):
+        pub.publish()
+        router.feed_many(i, pub.drain())
+
+
+def test_routes_to_the_longest_cached_prefix_then_the_least_loaded():
+    pools, pubs, r = fleet()
+    base = np.arange(1000, 1013)
+    admit(pools[0], base[:5])  # 1 page
+    admit(pools[1], base)  # 3 pages
+    deliver(pubs, r)
+    assert r.match(base) == [4, 12, 0]
+    assert r.match(base[:12]) == [4, 8, 0], "at least one token is left to compute"
+    assert r.route(base) == type(r.route(base))(1, 12)
+    assert r.load == [0, 2, 0]
+    # No pool caches it: the least loaded wins, then the lowest index.
+    other = np.arange(5000, 5010)
+    assert r.route(other).pool == 0
+    assert r.route(other).pool == 2
+    assert r.route(other, loads=[5, 1, 3]).pool == 1
+    assert r.route(base, eligible=[True, False, True]).pool == 0, "only pools with room"
+    r.finished(1)
+    assert r.load == [2, 2, 1]
+    with pytest.raises(kvpool.InvalidArgumentError, match="eligible"):
+        r.route(base, eligible=[False, False, False])
+    assert r.route(base, salt=3).cached_tokens == 0, "another salt shares nothing"
+
+
+def test_predictions_agree_with_the_pools_cached_lens_under_eviction():
+    """Random shared prefixes over small pools (eviction every few requests):
+    with every batch delivered before the next request, the router's
+    prediction is exactly what open_with_prefix returns."""
+    pools, pubs, r = fleet(n=3, pages=24)
+    rng = np.random.default_rng(3)
+    stems = [rng.integers(0, 50, size=int(rng.integers(4, 40))) for _ in range(6)]
+    removed = 0
+    for i in range(300):
+        prompt = np.concatenate([stems[int(rng.integers(0, 6))], rng.integers(0, 50, size=int(rng.integers(1, 9)))])
+        hashes = kvpool._core.page_hashes(prompt, P, SEED)
+        n = min(len(hashes) // 2, (len(prompt) - 1) // P)
+        truth = [P * a.match_chain_hashes(hashes[: 2 * n], prompt[: n * P]) for a in pools]
+        assert r.match(prompt) == truth, i  # every pool, not just the chosen one
+        route = r.route(prompt)
+        got = admit(pools[route.pool], prompt)
+        assert got == route.cached_tokens, (i, route, got)
+        deliver(pubs, r)
+        r.finished(route.pool)
+        removed = sum(pub.removed_pages for pub in pubs)
+    assert removed > 100, "the pools evicted all along"
+    assert max(r.load) == 0
+
+
+def test_all_blocks_cleared_forgets_the_pool():
+    pools, pubs, r = fleet()
+    prompt = np.arange(9)
+    for p in pools[:2]:
+        admit(p, prompt)
+    deliver(pubs, r)
+    assert r.match(prompt) == [8, 8, 0]
+    pools[0].clear_cache()
+    deliver(pubs, r)
+    assert r.match(prompt) == [0, 8, 0] and r.streams[0].cleared == 1 and r.pages(0) == 0
+
+
+def test_out_of_order_duplicate_and_lost_batches():
+    pools, pubs, r = fleet(n=1)
+    a, pub = pools[0], pubs[0]
+    prompts = [np.arange(100 * i, 100 * i + 9) for i in range(1, 5)]
+    msgs = []
+    for pr in prompts:
+        admit(a, pr)
+        pub.publish()
+        msgs += pub.drain()
+    # Out of order: a later batch waits for the one before it.
+    assert r.feed(0, *msgs[0]) == 1
+    assert r.feed(0, *msgs[2]) == 0 and r.needs_replay(0) == 1
+    assert r.match(prompts[2])[0] == 0, "not applied while a batch before it is missing"
+    assert r.feed(0, *msgs[1]) == 2 and r.needs_replay(0) is None
+    assert r.match(prompts[2])[0] == 8
+    # Replayed duplicates are ignored.
+    assert r.feed(0, *msgs[1]) == 0 and r.streams[0].duplicates == 1
+    # A batch that never comes: give up, forget the pool, go on after the gap.
+    a.evict(2)  # msgs[4]: prompts[3]'s tail ... lost
+    pub.publish()
+    lost = pub.drain()
+    admit(a, np.arange(900, 909))
+    pub.publish()
+    after = pub.drain()
+    assert r.feed(0, *after[0]) == 0
+    r.give_up_gap(0)
+    assert r.streams[0].resets == 1
+    assert r.match(prompts[0])[0] == 0, "everything before the gap is forgotten"
+    assert r.match(np.arange(900, 909))[0] == 8
+    assert len(lost) == 1
+
+
+def test_too_many_waiting_batches_give_up_the_gap():
+    pools, pubs, r = fleet(n=1)
+    r.max_pending = 2
+    msgs = []
+    for i in range(5):
+        admit(pools[0], np.arange(10 * i, 10 * i + 5))
+        pubs[0].publish()
+        msgs += pubs[0].drain()
+    r.feed(0, *msgs[0])
+    for m in msgs[2:4]:
+        assert r.feed(0, *m) == 0
+    assert r.feed(0, *msgs[4]) == 3 and r.streams[0].resets == 1
+    assert r.match(np.arange(0, 5))[0] == 0 and r.match(np.arange(40, 45))[0] == 4
+
+
+def test_a_pool_with_another_seed_or_page_size_is_refused():
+    a = kvpool.SlotAllocator(64, P, 8, 512, hash_seed=SEED + 1)
+    pub = LocalEventPublisher(a)
+    admit(a, np.arange(9))
+    pub.publish()
+    with pytest.raises(kvpool.InvalidArgumentError, match="hash_seed"):
+        Router(1, page_size=P, hash_seed=SEED).feed_many(0, pub.drain())
+    b = kvpool.SlotAllocator(64, 2 * P, 8, 512, hash_seed=SEED)
+    pub = LocalEventPublisher(b)
+    admit(b, np.arange(9))
+    pub.publish()
+    with pytest.raises(kvpool.InvalidArgumentError, match="page_size"):
+        Router(1, page_size=P, hash_seed=SEED).feed_many(0, pub.drain())
