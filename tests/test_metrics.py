@@ -1,0 +1,94 @@
+"""kvpool.metrics: the text exposition a Prometheus scrape gets, checked against
+the pools' own counters after a scripted workload."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+
+prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics extra is not installed")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kvpool.events import LocalEventPublisher  # noqa: E402
+from kvpool.metrics import KVPoolCollector  # noqa: E402
+
+P = 4
+
+
+def scrape(collector):
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(collector)
+    text = prometheus_client.generate_latest(reg).decode()
+    out = {}
+    types = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name] = fam.type
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out, types, text
+
+
+def v(samples, name, **labels):
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_scrape_matches_the_pools_counters_after_a_workload():
+    pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, num_pages=40, page_size=P, max_requests=8,
+                         max_context_len=128)
+    alloc = kvpool.SlotAllocator(12, P, 4, 64, hash_seed=1)
+    pub = LocalEventPublisher(alloc)
+    # KVPool: a shared prefix (hits), a fork whose partly filled last page is copied on write.
+    prompt = np.arange(10, 23)  # 13 tokens: 3 full pages
+    h, c = pool.open_with_prefix(prompt, [13])
+    pool.extend(h, 13 - int(c[0]))
+    pool.close(h, cache=True)
+    h2, c2 = pool.open_with_prefix(prompt, [13])
+    assert int(c2[0]) == 12
+    pool.extend(h2, 1)
+    forks = pool.fork(int(h2[0]), 2)
+    pool.extend(forks, 1, tokens=[7, 8])  # each fork copies the shared last page's 1 slot
+    assert pool.copied_slots == 2
+    # SlotAllocator: caching, evictions (events published), then a held request.
+    for i in range(6):
+        t = np.arange(100 * i, 100 * i + 9)
+        hh, _ = alloc.open_with_prefix(t, [9])
+        alloc.extend(hh, 9)
+        alloc.close(hh, cache=True)
+    pub.publish()
+    held, _ = alloc.open_with_prefix(np.arange(9), [9])
+    alloc.extend(held, 9)
+    samples, types, text = scrape(KVPoolCollector({"kv": pool, "alloc": alloc}, publishers={"alloc": pub}))
+
+    for name, p in (("kv", pool), ("alloc", alloc)):
+        s = p.stats()
+        free = v(samples, "kvpool_pages", pool=name, state="free")
+        held_pages = v(samples, "kvpool_pages", pool=name, state="held")
+        cached = v(samples, "kvpool_pages", pool=name, state="cached")
+        assert (free, held_pages, cached) == (s.free_pages - s.evictable_pages, s.used_pages, s.evictable_pages)
+        assert free + held_pages + cached == p.capacity_pages
+        assert v(samples, "kvpool_usage_ratio", pool=name) == pytest.approx(s.used_pages / p.capacity_pages)
+        assert v(samples, "kvpool_registered_pages", pool=name) == s.cached_pages
+        assert v(samples, "kvpool_open_requests", pool=name) == s.open_requests
+        assert v(samples, "kvpool_prefix_cache_queries_total", pool=name) == s.hit_tokens + s.miss_tokens
+        assert v(samples, "kvpool_prefix_cache_hits_total", pool=name) == s.hit_tokens
+        assert v(samples, "kvpool_events_dropped_total", pool=name) == p.dropped_events
+    # Hits are the tokens not recomputed: 12 of the second prompt's 13 (the last is always computed).
+    assert v(samples, "kvpool_prefix_cache_hits_total", pool="kv") == 12
+    assert v(samples, "kvpool_prefix_cache_queries_total", pool="kv") == 26
+    assert v(samples, "kvpool_open_requests", pool="kv") == 3
+    assert v(samples, "kvpool_evicted_pages_total", pool="alloc") == pub.removed_pages > 0
+    assert v(samples, "kvpool_events_published_total", pool="alloc") == pub.events
+    assert v(samples, "kvpool_copy_bytes_total", pool="kv") == 2 * pool.bytes_per_slot
+    assert ("kvpool_evicted_pages_total", (("pool", "kv"),)) not in samples, "no publisher, no eviction count"
+    assert "kvpool_offload_bytes" not in text, "no host tier, no offload family"
+    assert types["kvpool_pages"] == "gauge" and types["kvpool_prefix_cache_hits"] == "counter"
+    assert all(name.startswith("kvpool_") for name in types)
+
+
+def test_a_single_pool_is_labelled_0_and_unknown_publishers_are_refused():
+    alloc = kvpool.SlotAllocator(8, 1, 2, 8)
+    samples, _, _ = scrape(KVPoolCollector(alloc))
+    assert v(samples, "kvpool_pages", pool="0", state="free") == 7
+    with pytest.raises(kvpool.InvalidArgumentError, match="unknown pools"):
+        KVPoolCollector([alloc], publishers={"x": LocalEventPublisher(alloc)})
