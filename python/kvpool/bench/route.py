@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fill", type=float, default=0.85,
                    help="the trace admits while the fleet's reservations fit in this share of its pages "
                         "(default 0.85: slack so that each group finds a pool with room)")
-    p.add_argument("--steps", type=int, default=600, help="measured steps (default 600)")
+    p.add_argument("--steps", type=int, default=2400, help="measured steps (default 2400)")
     p.add_argument("--warmup", type=int, default=200, help="steps before the measured ones (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny pools and few steps (seconds)")
