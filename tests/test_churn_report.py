@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvpool.bench import report
-from kvpool.bench.churn import median_run
-from kvpool.bench.runner import ChurnResult
+from kvpool.bench.churn import CHURN, figures
+from kvpool.bench.churn.result import ChurnResult
+from kvpool.bench.result import median_run
 
 
 def _r(allocator, page, pool, conc, mean, p50=None, cpu=None):
@@ -27,7 +28,7 @@ def test_ratios_divide_each_baseline_by_kvpool_at_the_reference_point_only():
         _r("kvpool", 16, M, 256, 4.0), _r("vllm-blockpool", 16, M, 256, 36.0),
         _r("kvpool", 16, 16 * M, 256, 5.0), _r("kvpool", 16, M, 64, 1.0), _r("vllm-blockpool", 16, M, 64, 50.0),
     ]
-    ratios = report.churn_ratios(results, M, 256)
+    ratios = figures.churn_ratios(results, M, 256)
     base = ratios["baseline_over_kvpool"]
     assert set(base) == {"sglang-token page 1", "vllm-blockpool page 16"}
     assert base["sglang-token page 1"] == {"mean": 15.0, "p50": 2.0, "cpu_mean": 15.0, "meets_target": True}
@@ -35,13 +36,13 @@ def test_ratios_divide_each_baseline_by_kvpool_at_the_reference_point_only():
     scaling = ratios["kvpool_scaling"]
     assert scaling["page 1 16M/1M"]["mean"] == 1.05 and scaling["page 1 16M/1M"]["meets_target"]
     assert scaling["page 16 16M/1M"]["mean"] == 1.25 and not scaling["page 16 16M/1M"]["meets_target"]
-    text = report.ratio_lines(ratios)
+    text = figures.ratio_lines(ratios)
     assert "MISSES" in text and "meets" in text
 
 
 def test_table_has_one_row_per_result_and_ratio_columns_for_baselines():
     results = [_r("kvpool", 16, M, 256, 4.0), _r("sglang-paged", 16, M, 256, 200.0)]
-    lines = report.churn_table(results).splitlines()
+    lines = report.table(results, CHURN.columns, CHURN.versus_kvpool).splitlines()
     assert len(lines) == 2 + len(results)
     assert lines[2].endswith("|  |  |")  # kvpool row: no ratio against itself
     assert "| 50.0x | 50.0x |" in lines[3]

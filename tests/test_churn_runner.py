@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 
 from kvpool.bench import drivers
-from kvpool.bench.runner import max_step_tokens, replay
-from kvpool.bench.trace import Dist, TraceConfig, generate
+from kvpool.bench.churn import CHURN
+from kvpool.bench.churn.trace import ChurnTraceConfig, generate
+from kvpool.bench.runner import max_step_tokens
+from kvpool.bench.trace import Dist
 
 
 def _trace(page_size):
-    return generate(TraceConfig(num_slots=1 << 16, concurrency=24, page_size=page_size, steps=40, warmup=6,
+    return generate(ChurnTraceConfig(num_slots=1 << 16, concurrency=24, page_size=page_size, steps=40, warmup=6,
                                 prompt=Dist(16, 700), output=Dist(4, 60), seed=3))
 
 
 def _classes(page_size):
-    classes, skipped = drivers.load(drivers.ALL)
+    classes, skipped = drivers.load("churn", drivers.names("churn"))
     names = [c.name for c in classes]
     assert names[0] == "kvpool"
     for line in skipped:
@@ -34,7 +36,7 @@ def _classes(page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_every_allocator_hands_out_the_same_slots_and_ends_free(page_size):
     trace = _trace(page_size)
-    results = [replay(cls, trace) for cls in _classes(page_size)]
+    results = [CHURN.replay(cls, trace) for cls in _classes(page_size)]
     assert results[0].allocator == "kvpool"
     for r in results:
         assert r.handed_slots == trace.total_slots, r.allocator
@@ -49,10 +51,10 @@ def test_every_allocator_hands_out_the_same_slots_and_ends_free(page_size):
 def test_kvpool_driver_checks_its_out_slots_where_no_timed_step_follows():
     """kvpool's run() returns the trace's slot count (extend(out=) returns the buffer), so the
     driver checks each untimed decode step's out= slots against the allocator and the table."""
-    from kvpool.bench.drivers.kvpool_driver import KVPoolDriver
+    from kvpool.bench.drivers.kvpool_churn import KVPoolChurnDriver
 
     trace = _trace(16)
-    d = KVPoolDriver(trace.config, max_step_tokens(trace))
+    d = KVPoolChurnDriver(trace.config, max_step_tokens(trace))
     for step in trace.steps[:3]:  # warmup steps: checked
         d.run(d.prepare(step))
     d.decode_slots[:] += 1  # as if the last decode had handed out other slots
@@ -81,28 +83,14 @@ def test_tables_list_distinct_live_slots_for_every_running_request(page_size):
 
 
 def test_missing_baseline_is_skipped_with_one_line(monkeypatch):
-    from kvpool.bench.drivers import sglang_driver  # here, not at collection: it imports sglang
+    from kvpool.bench.drivers import sglang_base  # here, not at collection: it imports sglang
 
-    monkeypatch.setattr(sglang_driver, "_IMPORT_ERROR", "ModuleNotFoundError: No module named 'sglang'")
-    classes, skipped = drivers.load(["kvpool", "sglang-token"])
+    monkeypatch.setattr(sglang_base.SGLANG_ALLOCATORS, "error", "ModuleNotFoundError: No module named 'sglang'")
+    classes, skipped = drivers.load("churn", ["kvpool", "sglang-token"])
     assert [c.name for c in classes] == ["kvpool"]
     assert len(skipped) == 1 and "\n" not in skipped[0] and skipped[0].startswith("skipping sglang-token")
     with pytest.raises(ValueError, match="unknown allocator"):
-        drivers.load(["kvpool", "tcmalloc"])
-
-
-def test_cli_quick_writes_table_json_and_plot(tmp_path, capsys):
-    from kvpool.bench.__main__ import main
-
-    out_json, out_png = tmp_path / "churn.json", tmp_path / "churn.png"
-    rc = main(["churn", "--quick", "--allocators", "kvpool", "--page-sizes", "16",
-               "--json", str(out_json), "--plot", str(out_png)])
-    assert rc == 0
-    doc = json.loads(out_json.read_text())
-    assert {r["allocator"] for r in doc["results"]} == {"kvpool"}
-    assert all(r["consistent"] for r in doc["results"])
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| page | pool |" in capsys.readouterr().out
+        drivers.load("churn", ["kvpool", "tcmalloc"])
 
 
 def test_cli_ops_quick(tmp_path):
@@ -138,7 +126,7 @@ def test_progress_bars_work_without_tqdm():
         "assert list(progress([1, 2], desc='x')) == [1, 2]\n"
         "with progress(total=3, desc='y') as bar:\n"
         "    bar.update(1); bar.set_postfix_str('z')\n"
-        "import kvpool.bench.churn, kvpool.bench.ops, kvpool.demo.cli\n"
+        "import kvpool.bench.churn, kvpool.bench.ops, kvpool.bench.prefix, kvpool.demo.cli\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

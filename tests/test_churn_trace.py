@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.bench.trace import Dist, TraceConfig, generate
+from kvpool.bench.churn.trace import ChurnTraceConfig, generate
+from kvpool.bench.trace import Dist
 
 
 def _arrays(trace):
@@ -18,15 +19,15 @@ def _arrays(trace):
 
 
 def test_same_seed_same_trace_other_seed_other_trace():
-    cfg = TraceConfig(num_slots=1 << 16, concurrency=32, page_size=16, steps=200, warmup=10, seed=7)
+    cfg = ChurnTraceConfig(num_slots=1 << 16, concurrency=32, page_size=16, steps=200, warmup=10, seed=7)
     a, b = generate(cfg), generate(cfg)
     assert all(np.array_equal(x, y) for x, y in zip(_arrays(a), _arrays(b)))
-    c = generate(TraceConfig(num_slots=1 << 16, concurrency=32, page_size=16, steps=200, warmup=10, seed=8))
+    c = generate(ChurnTraceConfig(num_slots=1 << 16, concurrency=32, page_size=16, steps=200, warmup=10, seed=8))
     assert not all(np.array_equal(x, y) for x, y in zip(_arrays(a), _arrays(c)))
 
 
 configs = st.builds(
-    TraceConfig,
+    ChurnTraceConfig,
     num_slots=st.sampled_from([1 << 12, 1 << 14, 1 << 16]),
     concurrency=st.integers(1, 48),
     page_size=st.sampled_from([1, 4, 16]),
@@ -86,12 +87,12 @@ def test_trace_replays_within_distributions_and_capacity(cfg):
 
 
 def test_admission_fills_lanes_when_the_pool_has_room():
-    trace = generate(TraceConfig(num_slots=1 << 22, concurrency=64, page_size=16, steps=50, warmup=0))
+    trace = generate(ChurnTraceConfig(num_slots=1 << 22, concurrency=64, page_size=16, steps=50, warmup=0))
     assert trace.mean_batch() > 62  # only a request admitted this step skips decoding
 
 
 def test_admission_stops_at_pool_capacity():
-    cfg = TraceConfig(num_slots=1 << 14, concurrency=1024, page_size=16, steps=100, warmup=0,
+    cfg = ChurnTraceConfig(num_slots=1 << 14, concurrency=1024, page_size=16, steps=100, warmup=0,
                       prompt=Dist(500, 500), output=Dist(100, 100))
     trace = generate(cfg)
     per_request = -(-600 // 16)
@@ -107,4 +108,4 @@ def test_dist_parse_and_errors():
         with pytest.raises(ValueError):
             Dist.parse(bad)
     with pytest.raises(ValueError, match="multiple of page_size"):
-        TraceConfig(num_slots=100, concurrency=1, page_size=16)
+        ChurnTraceConfig(num_slots=100, concurrency=1, page_size=16)

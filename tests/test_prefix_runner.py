@@ -6,14 +6,11 @@ packages are installed and skip with the reason otherwise (a fresh CI machine ha
 
 from __future__ import annotations
 
-import importlib
-import json
-
 import pytest
 
-from kvpool.bench import prefix_drivers
-from kvpool.bench.prefix_runner import replay
-from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
+from kvpool.bench import drivers
+from kvpool.bench.prefix import PREFIX
+from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
 SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), pressure_output=Dist(4, 24),
@@ -22,21 +19,20 @@ SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 2
 
 
 def _driver(name):
-    module_name, cls_name = prefix_drivers._REGISTRY[name]
-    module = importlib.import_module(module_name)
-    ok, why = module.available()
-    if not ok:
+    cls = drivers.driver_class("prefix", name)
+    why = cls.skip_reason()
+    if why is not None:
         if name == "kvpool":
             pytest.fail(why)  # kvpool's own driver never skips
         pytest.skip(why)
-    return getattr(module, cls_name)
+    return cls
 
 
 def _trace(scenario, page_size, num_slots=1 << 16, steps=30):
     return generate(PrefixTraceConfig(scenario, num_slots, 16, page_size, steps=steps, warmup=10, seed=1, **SMALL))
 
 
-@pytest.mark.parametrize("name", prefix_drivers.ALL)
+@pytest.mark.parametrize("name", drivers.names("prefix"))
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_driver_ends_with_nothing_held_and_hits_repeats(name, page_size, scenario):
@@ -44,7 +40,7 @@ def test_every_driver_ends_with_nothing_held_and_hits_repeats(name, page_size, s
     if not cls.supports(page_size):
         pytest.skip(f"{name} does not run at page size {page_size}")
     trace = _trace(scenario, page_size)
-    r = replay(cls, trace)
+    r = PREFIX.replay(cls, trace)
     assert r.held_pages_end == 0, r
     assert r.consistent, r
     assert r.total_prompt_tokens == trace.prompt_tokens
@@ -55,14 +51,14 @@ def test_every_driver_ends_with_nothing_held_and_hits_repeats(name, page_size, s
     assert r.meta_bytes > 0
 
 
-@pytest.mark.parametrize("name", prefix_drivers.ALL)
+@pytest.mark.parametrize("name", drivers.names("prefix"))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_small_pool_evicts_and_still_ends_empty(name, page_size):
     cls = _driver(name)
     if not cls.supports(page_size):
         pytest.skip(f"{name} does not run at page size {page_size}")
     trace = _trace("pressure", page_size, num_slots=1 << 14, steps=100)
-    r = replay(cls, trace)
+    r = PREFIX.replay(cls, trace)
     assert r.evicted_pages > 0
     assert r.held_pages_end == 0 and r.consistent, r
     assert r.cached_pages_end <= trace.config.usable_pages
@@ -73,45 +69,28 @@ def test_hit_parity_at_page_16_and_page_1():
     and within 2% of SGLang at page 1 (the benchmark's targets, on a short trace)."""
     pairs = []
     for base, ps in (("vllm", 16), ("sglang", 1)):
-        module_name, cls_name = prefix_drivers._REGISTRY[base]
-        module = importlib.import_module(module_name)
-        if module.available()[0]:
-            pairs.append((getattr(module, cls_name), ps))
+        cls = drivers.driver_class("prefix", base)
+        if cls.skip_reason() is None:
+            pairs.append((cls, ps))
     if not pairs:
         pytest.skip("neither SGLang nor vLLM is installed")
     kv = _driver("kvpool")
     for base_cls, ps in pairs:
         for scenario in ("system", "chat", "parallel"):
             trace = _trace(scenario, ps)
-            k, b = replay(kv, trace), replay(base_cls, trace)
+            k, b = PREFIX.replay(kv, trace), PREFIX.replay(base_cls, trace)
             kh, bh = k.total_hit_tokens, b.total_hit_tokens
             assert kh >= (0.98 if ps == 1 else 1.0) * bh, (scenario, ps, kh, bh)
 
 
 def test_missing_baseline_is_skipped_with_one_line(monkeypatch):
-    from kvpool.bench.prefix_drivers import vllm_prefix
+    from kvpool.bench.drivers import vllm_prefix
 
-    monkeypatch.setattr(vllm_prefix, "_IMPORT_ERROR", "ModuleNotFoundError: No module named 'vllm'")
-    classes, skipped = prefix_drivers.load(["vllm"])
+    monkeypatch.setattr(vllm_prefix.VLLM_KV_CACHE_MANAGER, "error", "ModuleNotFoundError: No module named 'vllm'")
+    classes, skipped = drivers.load("prefix", ["vllm"])
     assert classes == [] and len(skipped) == 1 and skipped[0].startswith("skipping vllm:") and "\n" not in skipped[0]
     with pytest.raises(ValueError, match="unknown allocator"):
-        prefix_drivers.load(["kvpool", "lmcache"])
-
-
-def test_cli_quick_writes_table_json_and_plot(tmp_path, capsys):
-    from kvpool.bench.__main__ import main
-
-    out_json, out_png = tmp_path / "prefix.json", tmp_path / "prefix.png"
-    rc = main(["prefix", "--quick", "--allocators", "kvpool", "--scenarios", "system,parallel",
-               "--json", str(out_json), "--plot", str(out_png)])
-    assert rc == 0
-    doc = json.loads(out_json.read_text())
-    rows = doc["results"]
-    assert {(r["scenario"], r["page_size"]) for r in rows} == {(s, p) for s in ("system", "parallel") for p in (1, 16)}
-    assert all(r["consistent"] and r["total_hit_tokens"] > 0 for r in rows)
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    out = capsys.readouterr().out
-    assert "| scenario | page | pool |" in out and "Hit-rate parity" in out
+        drivers.load("prefix", ["kvpool", "lmcache"])
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -120,7 +99,7 @@ def test_kvpool_driver_keeps_its_table_rows_equal_to_the_slots(page_size, scenar
     """The driver never reads slots back: open_with_prefix(table=), fork(table=) and
     extend(table=) must leave every open request's row complete, hits, forks and
     copy-on-write included."""
-    from kvpool.bench.prefix_drivers.kvpool_prefix import KVPoolPrefixDriver
+    from kvpool.bench.drivers.kvpool_prefix import KVPoolPrefixDriver
 
     trace = _trace(scenario, page_size)
     d = KVPoolPrefixDriver(trace.config)

@@ -13,13 +13,13 @@ import re
 import pytest
 import torch
 
-from kvpool.bench.prefix_drivers import sglang_prefix
-from kvpool.bench.prefix_runner import replay
-from kvpool.bench.prefix_trace import PrefixTraceConfig, generate
+from kvpool.bench.drivers import sglang_prefix
+from kvpool.bench.prefix import PREFIX
+from kvpool.bench.prefix.trace import PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
-_OK, _WHY = sglang_prefix.available()
-pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or "sglang importable")
+_WHY = sglang_prefix.SGLangPrefixDriver.skip_reason()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "sglang importable")
 
 ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 CORE_CLASS = {"rust": "RustUnifiedTreeCore", "python": "UnifiedTreeCore"}
@@ -51,6 +51,6 @@ def test_default_selection_row_names_the_tree_it_ran(monkeypatch, page_size):
     else:
         assert kind == "python" and "outside the Rust TreeCore support range" in resolved, resolved
     cfg = PrefixTraceConfig("chat", 1 << 14, 8, page_size, steps=20, warmup=5, seed=3, **SMALL)
-    row = replay(sglang_prefix.SGLangUnifiedPrefixDriver, generate(cfg))
+    row = PREFIX.replay(sglang_prefix.SGLangUnifiedPrefixDriver, generate(cfg))
     assert row.backend == f"UnifiedRadixCache, {kind} TreeCore ({CORE_CLASS[kind]})"
     assert row.held_pages_end == 0 and row.consistent and row.total_hit_tokens > 0, row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
+from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
 SMALL = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=Dist(4, 24), pressure_output=Dist(4, 24),

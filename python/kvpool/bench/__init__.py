@@ -10,8 +10,14 @@ prefix cache, SGLang's RadixCache and vLLM's KVCacheManager (hit rate, µs/step)
 Outputs go under the current directory or ``--out DIR``. The baselines are
 optional (docs/benchmarks.md, "Installing the baselines"); missing ones are
 skipped with a one-line message.
+
+One framework serves every replayed workload (``churn``, ``prefix``):
+
+- ``workload.py``: what a workload declares (its flags, the traces it replays, its
+  result row, table columns, ratios and plot panels); each workload is a package
+  (``churn/``, ``prefix/``) with its trace generator, result row and figures.
+- ``drivers/``: the one registry, (workload, allocator) -> driver class, imported lazily.
+- ``runner.py``: the timing loop and the replay of one trace on one driver.
+- ``command.py``: the cases of a run, replayed in passes, repeats, the median.
+- ``report.py`` and ``plot.py``: table, JSON and plot for any workload.
 """
-
-from kvpool.bench.trace import Dist, Step, Trace, TraceConfig, generate
-
-__all__ = ["Dist", "Step", "Trace", "TraceConfig", "generate"]

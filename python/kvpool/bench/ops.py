@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpool.bench import report
-from kvpool.bench.churn import _list, parse_size
+from kvpool.bench.cli import add_out_argument, list_of, parse_size, settings
 from kvpool.bench.runner import time_loop
 from kvpool.progress import progress
 
@@ -24,13 +24,13 @@ BASE_LEN = 64  # length requests have before extend-decode / truncate / close
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", type=_list(str), default=list(OPS), help=f"subset of {','.join(OPS)}")
-    p.add_argument("--batch-sizes", type=_list(int), default=[1, 16, 256, 1024])
-    p.add_argument("--page-sizes", type=_list(int), default=[1, 16])
+    p.add_argument("--ops", type=list_of(str), default=list(OPS), help=f"subset of {','.join(OPS)}")
+    p.add_argument("--batch-sizes", type=list_of(int), default=[1, 16, 256, 1024])
+    p.add_argument("--page-sizes", type=list_of(int), default=[1, 16])
     p.add_argument("--pool-size", type=parse_size, default=1 << 20, help="slots (default 1M)")
     p.add_argument("--iters", type=int, default=1000, help="timed calls per (op, page, batch)")
     p.add_argument("--quick", action="store_true", help="few iterations: runs in seconds")
-    report.add_out_argument(p)
+    add_out_argument(p)
     p.add_argument("--json", default="ops.json", help="JSON output file, under --out ('' for none)")
 
 
@@ -137,13 +137,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def ops_table(rows: list[dict[str, Any]]) -> str:
+    header = ["op", "page", "batch", "µs mean", "p50", "p99", "ns/item"]
+    body = [[r["op"], str(r["page_size"]), str(r["batch"]), f"{r['mean_us']:.2f}", f"{r['p50_us']:.2f}",
+             f"{r['p99_us']:.2f}", f"{r['ns_per_item']:.1f}"] for r in rows]
+    return report.md_table(header, body)
+
+
 def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     rows = run(args)
-    print(report.ops_table(rows))
+    print(ops_table(rows))
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "func"}
         path = report.output_path(args.out, args.json)
-        report.write_json(path, {"benchmark": "ops", "settings": settings, "machine": machine,
+        report.write_json(path, {"benchmark": "ops", "settings": settings(args), "machine": machine,
                                  "results": rows})
         print(f"wrote {path}")
     return 0

@@ -1,17 +1,39 @@
-"""Tables (markdown, so the same text reads in a terminal and in benchmarks/results/README.md), ratios, JSON."""
+"""What every workload prints and writes: the markdown table, the ratio lines, the JSON file, the plot.
+
+Tables are markdown, so the same text reads in a terminal and in
+benchmarks/results/README.md. A workload supplies its columns, ratios and plot
+panels (``workload.py``); everything else here is the same for all of them.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import sys
+from collections.abc import Iterator
 from importlib import metadata
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-from kvpool.bench.runner import ChurnResult
+from kvpool.bench.cli import add_out_argument, settings
+from kvpool.bench.result import Result
 
-SCALING_TARGET = 1.10  # kvpool per-step time, largest pool / smallest pool
-SPEEDUP_TARGET = 10.0  # baseline per-step time / kvpool's at the reference point
+if TYPE_CHECKING:
+    from kvpool.bench.workload import Workload
+
+Column = tuple[str, Callable[[Any], str]]  # header, and the cell of a row
+R = TypeVar("R", bound=Result)
+
+# Columns most workloads show, in the form a workload lists them.
+PAGE: Column = ("page", lambda r: str(r.page_size))
+POOL: Column = ("pool", lambda r: size(r.num_slots))
+ALLOCATOR: Column = ("allocator", lambda r: r.allocator)
+STEP_TIMES: list[Column] = [
+    ("µs/step mean", lambda r: f"{r.mean_us:.1f}"), ("p50", lambda r: f"{r.p50_us:.1f}"),
+    ("p99", lambda r: f"{r.p99_us:.1f}"), ("cpu µs mean", lambda r: f"{r.cpu_mean_us:.1f}"),
+]
+META_MIB: Column = ("meta MiB", lambda r: f"{r.meta_bytes / 2**20:.1f}")
 
 
 def size(n: int) -> str:
@@ -21,91 +43,45 @@ def size(n: int) -> str:
     return str(n)
 
 
-def _md(header: list[str], rows: list[list[str]]) -> str:
+def md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def _key(r: ChurnResult) -> tuple[int, int, int]:
-    return (r.page_size, r.num_slots, r.concurrency)
-
-
-def churn_table(results: list[ChurnResult]) -> str:
-    kv = {_key(r): r for r in results if r.allocator == "kvpool"}
+def table(results: list[Result], columns: list[Column], versus_kvpool: list[tuple[str, str]]) -> str:
+    """One row per result; each ``versus_kvpool`` (header, field) column divides the row's field by
+    kvpool's on the same trace (blank on kvpool's own rows)."""
+    kv = {r.case: r for r in results if r.allocator == "kvpool"}
     rows = []
     for r in results:
-        base = kv.get(_key(r))
-        x = xc = ""
-        if base is not None and r is not base:
-            x = f"{r.mean_us / base.mean_us:.1f}x" if base.mean_us else ""
-            xc = f"{r.cpu_mean_us / base.cpu_mean_us:.1f}x" if base.cpu_mean_us else ""
-        rows.append([
-            str(r.page_size), size(r.num_slots), str(r.concurrency), f"{r.mean_batch:.0f}", r.allocator,
-            f"{r.mean_us:.1f}", f"{r.p50_us:.1f}", f"{r.p99_us:.1f}", f"{r.cpu_mean_us:.1f}",
-            f"{r.ns_per_slot:.1f}", f"{r.meta_bytes / 2**20:.1f}", x, xc,
-        ])
-    header = ["page", "pool", "conc", "batch", "allocator", "µs/step mean", "p50", "p99", "cpu µs mean",
-              "ns/slot", "meta MiB", "÷ kvpool", "÷ kvpool (cpu)"]
-    return _md(header, rows)
+        base = kv.get(r.case)
+        ratios = [f"{getattr(r, f) / getattr(base, f):.1f}x" if base is not None and r is not base and getattr(base, f)
+                  else "" for _, f in versus_kvpool]
+        rows.append([cell(r) for _, cell in columns] + ratios)
+    return md_table([h for h, _ in columns] + [h for h, _ in versus_kvpool], rows)
 
 
-def churn_ratios(results: list[ChurnResult], ref_pool: int, ref_conc: int) -> dict[str, Any]:
-    """Each baseline's per-step time over kvpool's at (ref_pool, ref_conc), and kvpool's pool scaling."""
-    by = {(_key(r), r.allocator): r for r in results}
-    out: dict[str, Any] = {"ref_pool": ref_pool, "ref_concurrency": ref_conc, "baseline_over_kvpool": {},
-                           "kvpool_scaling": {}, "speedup_target": SPEEDUP_TARGET,
-                           "scaling_target": SCALING_TARGET}
-    for (key, name), r in by.items():
-        ps, pool, conc = key
-        kv = by.get((key, "kvpool"))
-        if name == "kvpool" or kv is None or (pool, conc) != (ref_pool, ref_conc):
-            continue
-        mean, p50, cpu = r.mean_us / kv.mean_us, r.p50_us / kv.p50_us, r.cpu_mean_us / kv.cpu_mean_us
-        out["baseline_over_kvpool"][f"{name} page {ps}"] = {
-            "mean": round(mean, 2), "p50": round(p50, 2), "cpu_mean": round(cpu, 2),
-            "meets_target": mean >= SPEEDUP_TARGET}
-    for ps in sorted({r.page_size for r in results}):
-        kvs = sorted((r for r in results if r.allocator == "kvpool" and r.page_size == ps
-                      and r.concurrency == ref_conc), key=lambda r: r.num_slots)
-        if len(kvs) >= 2:
-            lo, hi = kvs[0], kvs[-1]
-            mean, p50, cpu = hi.mean_us / lo.mean_us, hi.p50_us / lo.p50_us, hi.cpu_mean_us / lo.cpu_mean_us
-            out["kvpool_scaling"][f"page {ps} {size(hi.num_slots)}/{size(lo.num_slots)}"] = {
-                "mean": round(mean, 3), "p50": round(p50, 3), "cpu_mean": round(cpu, 3),
-                "meets_target": mean <= SCALING_TARGET}
-    return out
+def against_kvpool(results: list[R]) -> Iterator[tuple[R, R]]:
+    """(row, kvpool's row on the same trace) for every other allocator's row that has one."""
+    kv = {r.case: r for r in results if r.allocator == "kvpool"}
+    for r in results:
+        base = kv.get(r.case)
+        if r.allocator != "kvpool" and base is not None:
+            yield r, base
 
 
-def ratio_lines(ratios: dict[str, Any]) -> str:
-    if not ratios:
-        return ""
-    at = f"pool {size(ratios['ref_pool'])}, concurrency {ratios['ref_concurrency']}"
-    lines = [f"\nBaseline µs/step ÷ kvpool µs/step at {at} (target >= {SPEEDUP_TARGET:g}x):"]
-    for name, v in ratios["baseline_over_kvpool"].items():
-        ok = "meets" if v["meets_target"] else "MISSES"
-        lines.append(f"  {name:28s} mean {v['mean']:7.1f}x   p50 {v['p50']:7.1f}x   "
-                     f"cpu mean {v['cpu_mean']:7.1f}x   {ok} target")
-    lines.append(f"kvpool µs/step, largest pool ÷ smallest (target <= {SCALING_TARGET:g}):")
-    for name, v in ratios["kvpool_scaling"].items():
-        ok = "meets" if v["meets_target"] else "MISSES"
-        lines.append(f"  {name:28s} mean {v['mean']:7.3f}    p50 {v['p50']:7.3f}    "
-                     f"cpu mean {v['cpu_mean']:7.3f}    {ok} target")
-    return "\n".join(lines)
+def time_ratios(num: Result, den: Result, digits: int) -> dict[str, float]:
+    """``num``'s step times over ``den``'s: wall mean, median and thread-CPU mean."""
+    return {"mean": round(num.mean_us / den.mean_us, digits), "p50": round(num.p50_us / den.p50_us, digits),
+            "cpu_mean": round(num.cpu_mean_us / den.cpu_mean_us, digits)}
 
 
-def ops_table(rows: list[dict[str, Any]]) -> str:
-    header = ["op", "page", "batch", "µs mean", "p50", "p99", "ns/item"]
-    body = [[r["op"], str(r["page_size"]), str(r["batch"]), f"{r['mean_us']:.2f}", f"{r['p50_us']:.2f}",
-             f"{r['p99_us']:.2f}", f"{r['ns_per_item']:.1f}"] for r in rows]
-    return _md(header, body)
-
-
-def add_out_argument(p: Any) -> None:
-    """``--out DIR``: where a benchmark writes its files (never a path inside the package)."""
-    p.add_argument("--out", default=".", metavar="DIR",
-                   help="directory for the JSON / PNG outputs (default: the current directory; created "
-                        "if missing); absolute --json / --plot paths are used as given")
+def ratio_line(name: str, v: dict[str, Any], spec: str, unit: str = "x", extra: str = "") -> str:
+    """One line of a ratio block: the three time ratios of ``v`` and whether it meets its target."""
+    ok = "meets" if v["meets_target"] else "MISSES"
+    return (f"  {name:34s} mean {v['mean']:{spec}}{unit}   p50 {v['p50']:{spec}}{unit}   "
+            f"cpu mean {v['cpu_mean']:{spec}}{unit}   {extra}{ok} target")
 
 
 def output_path(out_dir: str, name: str) -> str:
@@ -120,6 +96,37 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+
+
+def publish(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any], results: list[Result],
+            skipped: list[str]) -> int:
+    """Print the table, ratios and notes, write the JSON and the plot; 1 if a replay ended inconsistent."""
+    ratios = workload.ratios(results, args)
+    print(table(results, workload.columns, workload.versus_kvpool))
+    print(workload.ratio_lines(ratios))
+    for note in workload.notes(machine):
+        print(note)
+    if args.quick:
+        print("(quick run: a tiny pool and few steps, a smoke test; the targets are for the full run)")
+    bad = [r for r in results if not r.consistent]
+    for r in bad:
+        print(f"INCONSISTENT {r.allocator} {r.case_label}: {r.inconsistency()}", file=sys.stderr)
+    doc = {"benchmark": workload.name, "settings": settings(args), "machine": machine, "skipped": skipped,
+           "ratios": ratios, "results": [r.to_json() for r in results]}
+    if args.json:
+        path = output_path(args.out, args.json)
+        write_json(path, doc)
+        print(f"wrote {path}")
+    if args.plot:
+        try:
+            from kvpool.bench import plot
+
+            path = output_path(args.out, args.plot)
+            plot.figure(results, path, workload.panels(args), workload.plot_title, workload.plot_inches)
+            print(f"wrote {path}")
+        except ImportError as exc:
+            print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _cpu_model() -> str:
@@ -157,3 +164,8 @@ def _git_commit() -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+__all__ = ["ALLOCATOR", "META_MIB", "PAGE", "POOL", "STEP_TIMES", "Column", "add_out_argument", "against_kvpool",
+           "machine_info", "md_table", "output_path", "publish", "ratio_line", "size", "table", "time_ratios",
+           "write_json"]

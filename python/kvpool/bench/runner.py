@@ -1,4 +1,4 @@
-"""The one timing loop every benchmark here uses, and the churn replay built on it.
+"""The one timing loop every benchmark here uses, and the replay of one trace on one driver.
 
 Only ``run`` is timed (``time.perf_counter_ns`` around it); ``prepare`` builds
 the step's inputs outside the timed region. Garbage collection stays enabled,
@@ -28,8 +28,8 @@ class Timing:
     cpu_ns: np.ndarray  # the same calls in this thread's CPU time: blind to being descheduled
     items: int  # work units (slots, handles) the timed calls handled
     # What the clock calls themselves add to each sample (`clock_overhead`), taken off the
-    # figures: a thread-CPU clock read is a system call (~0.6 us here), as long as a whole
-    # kvpool step, so uncorrected the CPU mean came out above the wall mean.
+    # figures: a thread-CPU clock read can be a system call, as long as a whole kvpool step,
+    # and left in it would put the CPU mean above the wall mean.
     overhead_ns: tuple[int, int] = (0, 0)
 
     def summary(self) -> dict[str, float]:
@@ -92,47 +92,9 @@ def time_loop(prepare: Callable[[int], Any], run: Callable[[Any], int], n: int) 
     return Timing(samples, cpu, items, overhead)
 
 
-@dataclasses.dataclass
-class ChurnResult:
-    allocator: str
-    label: str
-    version: str
-    page_size: int
-    num_slots: int
-    concurrency: int
-    steps: int
-    mean_batch: float
-    mean_us: float
-    cpu_mean_us: float  # thread CPU time per step (mean): the noise-resistant twin of mean_us
-    p50_us: float
-    p99_us: float
-    max_us: float
-    ns_per_slot: float
-    timed_slots: int
-    meta_bytes: int  # peak (sampled at step boundaries) of python_bytes + native_bytes
-    python_bytes: int  # tracemalloc: Python objects and numpy arrays the allocator side holds
-    native_bytes: int  # torch storages / Rust memory at that peak
-    handed_slots: int  # every slot handed out over the whole replay
-    expected_slots: int  # what the trace asked for
-    end_free_slots: int  # after the drain step
-    capacity_slots: int  # usable slots (page 0 excluded)
-    repeat_means_us: list[float] = dataclasses.field(default_factory=list)  # when replayed several times
-    consistent_all: bool = True  # every repeat (not only the one reported) ended consistent
-
-    @property
-    def consistent(self) -> bool:
-        ok = self.handed_slots == self.expected_slots and self.end_free_slots == self.capacity_slots
-        return ok and self.consistent_all
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["consistent"] = self.consistent
-        return d
-
-
 def freeze_import_heap() -> None:
     """Move every object alive now (modules, torch, vLLM's import graph) out of the collector's
-    reach, so the full collections ``replay`` makes walk only the benchmark's own objects."""
+    reach, so the full collections ``measure`` makes walk only the benchmark's own objects."""
     gc.collect()
     gc.freeze()
 
@@ -141,11 +103,11 @@ def max_step_tokens(trace: Trace) -> int:
     return max([s.slots for s in trace.steps] + [1])
 
 
-def warm_up(driver_cls: Any, trace: Any) -> tuple[Any, tuple[int, int], int]:
+def warm_up(driver_cls: type[Driver], trace: Trace) -> tuple[Any, tuple[int, int], int]:
     """Build the driver and run the trace's warmup steps with memory sampled.
 
     Returns the driver, the peak (Python heap, native) bytes seen and the
-    slots handed out. Shared by the churn and prefix replays."""
+    slots handed out."""
     gc.collect()
     tracemalloc.start()
     try:
@@ -168,39 +130,34 @@ def warm_up(driver_cls: Any, trace: Any) -> tuple[Any, tuple[int, int], int]:
     return driver, peak, handed
 
 
-def replay(driver_cls: type[Driver], trace: Trace) -> ChurnResult:
-    """Replay ``trace`` on a fresh allocator: warmup (memory sampled), measured steps (timed), drain."""
-    cfg = trace.config
+@dataclasses.dataclass
+class Measurement:
+    """One replay of a trace on a fresh driver, for the workload's result row to read."""
+
+    driver: Any  # the driver after the drain: the row asks it for its end state
+    trace: Trace
+    summary: dict[str, float]  # Timing.summary() of the measured steps
+    timed_items: int  # slots the measured steps handed out
+    peak: tuple[int, int]  # peak (Python heap, native) metadata bytes
+    handed: int  # slots handed out over the whole replay, warmup and drain included
+    counted: dict[str, int]  # what the driver's counters() moved by over the measured steps
+
+
+def measure(driver_cls: type[Driver], trace: Trace) -> Measurement:
+    """Replay ``trace`` on a fresh driver: warmup (memory sampled), measured steps (timed), drain."""
     driver, peak, handed = warm_up(driver_cls, trace)
     measured = trace.measured
     gc.collect()
+    before = driver.counters()
     timing = time_loop(lambda i: driver.prepare(measured[i]), driver.run, len(measured))
+    after = driver.counters()
     handed += timing.items + driver.run(driver.prepare(trace.drain))
     # Native memory only (tracemalloc is off now): the Rust/torch side at the end of the run.
     if driver.native_bytes() > peak[1]:
         peak = (peak[0], driver.native_bytes())
-    s = timing.summary()
-    return ChurnResult(
-        allocator=driver.name,
-        label=driver.label,
-        version=driver.version(),
-        page_size=cfg.page_size,
-        num_slots=cfg.num_slots,
-        concurrency=cfg.concurrency,
-        steps=len(measured),
-        mean_batch=trace.mean_batch(),
-        mean_us=s["mean_us"],
-        cpu_mean_us=s["cpu_mean_us"],
-        p50_us=s["p50_us"],
-        p99_us=s["p99_us"],
-        max_us=s["max_us"],
-        ns_per_slot=s["ns_per_item"],
-        timed_slots=timing.items,
-        meta_bytes=sum(peak),
-        python_bytes=peak[0],
-        native_bytes=peak[1],
-        handed_slots=handed,
-        expected_slots=trace.total_slots,
-        end_free_slots=driver.free_slots(),
-        capacity_slots=cfg.usable_pages * cfg.page_size,
-    )
+    return Measurement(driver, trace, timing.summary(), timing.items, peak, handed,
+                       {k: after[k] - before[k] for k in after})
+
+
+__all__ = ["Measurement", "Timing", "clock_overhead", "freeze_import_heap", "max_step_tokens", "measure",
+           "time_loop", "warm_up"]

@@ -1,30 +1,18 @@
-"""Seeded continuous-batching traces, precomputed before anything is timed.
+"""What every workload's trace shares: length distributions, the pool it is sized for, the step list.
 
-A trace is what an engine's scheduler decides, step by step: which requests
-finish (and give their slots back), which are admitted (and prefill their
-prompt), and which running requests decode one token. Every allocator driver
-replays the same trace, so they all do the same work; the scheduler's own
-bookkeeping (lanes, lengths) is done here, once, outside the timed region.
-
-Model of one request: admitted at step t (prefill of ``prompt`` slots), it
-decodes one token at each of the steps t+1 .. t+output, and is released at step
-t+output+1. Admission is first-come first-served while a lane is free and the
-pool can hold the request's whole lifetime (prompt + output, rounded up to
-pages), so a request never runs out of room mid-decode (no preemption in the
-trace). The first batch is admitted "pre-aged" (each request already part way
-through its output, drawn uniformly) so measurement starts near steady state
-instead of with every request finishing at once.
+A trace is what an engine's scheduler decides, step by step, precomputed before
+anything is timed, so that every driver replays the same work. Each workload
+(``churn/trace.py``, ``prefix/trace.py``) generates its own steps; they all
+carry ``slots`` (slots the step hands out) and ``decode_lanes``, which is what
+the runner and the reports read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from typing import Optional
+from typing import Any
 
 import numpy as np
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,24 +49,18 @@ class Dist:
         return f"{self.lo}" if self.lo == self.hi else f"{self.lo}:{self.hi}"
 
 
-@dataclasses.dataclass(frozen=True)
-class TraceConfig:
-    num_slots: int  # pool size in slots, reserved page 0 included
-    concurrency: int  # lanes: most requests running at once
-    page_size: int = 1
-    steps: int = 1000  # measured decode steps
-    warmup: int = 64  # steps replayed before measuring (not timed)
-    prompt: Dist = Dist(64, 4096)
-    output: Dist = Dist(16, 1024)
-    seed: int = 0
+class PoolShape:
+    """The pool a trace config is sized for; mixed into each workload's frozen config dataclass,
+    which declares ``num_slots`` and ``page_size`` and calls ``check_pool`` after its own checks."""
 
-    def __post_init__(self) -> None:
+    num_slots: int  # pool size in slots, reserved page 0 included
+    page_size: int
+
+    def check_pool(self) -> None:
         if self.page_size < 1 or self.num_slots % self.page_size:
             raise ValueError(f"num_slots {self.num_slots} must be a multiple of page_size {self.page_size}")
         if self.num_slots // self.page_size < 2:
             raise ValueError("the pool needs at least one usable page besides the reserved page 0")
-        if self.concurrency < 1 or self.steps < 1 or self.warmup < 0:
-            raise ValueError("concurrency and steps must be >= 1, warmup >= 0")
 
     @property
     def num_pages(self) -> int:
@@ -88,37 +70,18 @@ class TraceConfig:
     def usable_pages(self) -> int:
         return self.num_pages - 1
 
-    @property
-    def max_context_len(self) -> int:
-        return self.prompt.hi + self.output.hi
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One scheduler step. Lanes are the engine's request rows (0 .. concurrency-1)."""
-
-    release_lanes: np.ndarray  # finished requests, released first
-    release_lens: np.ndarray  # their lengths (slots held)
-    admit_lanes: np.ndarray  # admitted this step, in admission order
-    admit_counts: np.ndarray  # prefill slots each
-    decode_lanes: np.ndarray  # running requests that decode one token (ascending lane)
-    decode_lens: np.ndarray  # their lengths before this step's token
-
-    @property
-    def slots(self) -> int:
-        return int(self.admit_counts.sum()) + len(self.decode_lanes)
-
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    config: TraceConfig
-    steps: list[Step]  # warmup steps, then measured steps
-    drain: Step  # releases everything still running (run after measuring, untimed)
-    peak_used_pages: int
-    peak_reserved_pages: int
+    """The steps of one trace: ``config.warmup`` untimed steps, then the measured ones, then a
+    drain step that releases everything still running (replayed after measuring, untimed)."""
+
+    config: Any  # the workload's config: a PoolShape with steps, warmup, concurrency
+    steps: list[Any]
+    drain: Any
 
     @property
-    def measured(self) -> list[Step]:
+    def measured(self) -> list[Any]:
         return self.steps[self.config.warmup :]
 
     @property
@@ -130,87 +93,4 @@ class Trace:
         return float(np.mean([len(s.decode_lanes) for s in m])) if m else 0.0
 
 
-def _pages(lengths: np.ndarray, page_size: int) -> np.ndarray:
-    return (lengths + page_size - 1) // page_size
-
-
-class _Arrivals:
-    """Endless seeded stream of (prompt, output); the head can be peeked before admission."""
-
-    def __init__(self, cfg: TraceConfig, rng: np.random.Generator) -> None:
-        self.cfg, self.rng = cfg, rng
-        self.buf: Iterator[tuple[int, int]] = iter(())
-        self.head: Optional[tuple[int, int]] = None
-
-    def peek(self) -> tuple[int, int]:
-        if self.head is None:
-            try:
-                self.head = next(self.buf)
-            except StopIteration:
-                p = self.cfg.prompt.sample(self.rng, 1024)
-                o = self.cfg.output.sample(self.rng, 1024)
-                self.buf = iter(zip(p.tolist(), o.tolist()))
-                self.head = next(self.buf)
-        return self.head
-
-    def pop(self) -> tuple[int, int]:
-        head = self.peek()
-        self.head = None
-        return head
-
-
-def generate(cfg: TraceConfig) -> Trace:
-    """Precompute every step of the trace (deterministic for a given config)."""
-    rng = np.random.default_rng(cfg.seed)
-    arrivals = _Arrivals(cfg, rng)
-    C, P = cfg.concurrency, cfg.page_size
-    running = np.zeros(C, dtype=bool)
-    length = np.zeros(C, dtype=np.int64)
-    decoded = np.zeros(C, dtype=np.int64)
-    output = np.zeros(C, dtype=np.int64)
-    reserve = np.zeros(C, dtype=np.int64)  # pages held back for each request's whole lifetime
-    free_lanes = list(range(C - 1, -1, -1))  # LIFO, like SGLang's request-row pool
-    reserved = 0
-    peak_used = peak_reserved = 0
-    steps: list[Step] = []
-
-    for t in range(cfg.warmup + cfg.steps):
-        done = np.flatnonzero(running & (decoded >= output))
-        rel_lens = length[done].copy()
-        running[done] = False
-        reserved -= int(reserve[done].sum())
-        free_lanes.extend(done[::-1].tolist())
-
-        admit: list[int] = []
-        counts: list[int] = []
-        while free_lanes:
-            prompt, out = arrivals.peek()
-            need = -(-(prompt + out) // P)
-            if reserved + need > cfg.usable_pages:
-                break  # FCFS: the head waits for room, nobody overtakes it
-            arrivals.pop()
-            lane = free_lanes.pop()
-            age = int(rng.integers(0, out)) if t == 0 else 0  # pre-aged first batch
-            admit.append(lane)
-            counts.append(prompt + age)
-            running[lane], length[lane], decoded[lane], output[lane] = True, prompt + age, age, out
-            reserve[lane] = need
-            reserved += need
-        admit_lanes = np.array(admit, dtype=np.int64)
-
-        decoding = running.copy()
-        decoding[admit_lanes] = False
-        dec = np.flatnonzero(decoding)
-        dec_lens = length[dec].copy()
-        length[dec] += 1
-        decoded[dec] += 1
-
-        peak_used = max(peak_used, int(_pages(length[running], P).sum()))
-        peak_reserved = max(peak_reserved, reserved)
-        steps.append(
-            Step(done.astype(np.int64), rel_lens, admit_lanes, np.array(counts, dtype=np.int64), dec, dec_lens)
-        )
-
-    live = np.flatnonzero(running)
-    drain = Step(live, length[live].copy(), _EMPTY, _EMPTY, _EMPTY, _EMPTY)
-    return Trace(cfg, steps, drain, peak_used, peak_reserved)
+__all__ = ["Dist", "PoolShape", "Trace"]

@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvpool.bench.trace import Dist
+from kvpool.bench.trace import Dist, PoolShape, Trace
 
 SCENARIOS = ("system", "chat", "parallel", "pressure")
 VOCAB = 32000
@@ -45,7 +45,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixTraceConfig:
+class PrefixTraceConfig(PoolShape):
     scenario: str
     num_slots: int  # pool size in slots, reserved page 0 included
     concurrency: int = 256
@@ -68,22 +68,11 @@ class PrefixTraceConfig:
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; choose from {SCENARIOS}")
-        if self.page_size < 1 or self.num_slots % self.page_size:
-            raise ValueError(f"num_slots {self.num_slots} must be a multiple of page_size {self.page_size}")
-        if self.num_slots // self.page_size < 2:
-            raise ValueError("the pool needs at least one usable page besides the reserved page 0")
+        self.check_pool()
         if self.concurrency < self.parallel_n or self.steps < 1 or self.warmup < 0:
             raise ValueError(f"concurrency must be >= parallel_n ({self.parallel_n}), steps >= 1, warmup >= 0")
         if not 0 < self.cache_fraction <= 1:
             raise ValueError("cache_fraction must be in (0, 1]")
-
-    @property
-    def num_pages(self) -> int:
-        return self.num_slots // self.page_size
-
-    @property
-    def usable_pages(self) -> int:
-        return self.num_pages - 1
 
     @property
     def max_prompt_len(self) -> int:
@@ -154,27 +143,15 @@ class PrefixStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixTrace:
+class PrefixTrace(Trace):
     config: PrefixTraceConfig
     steps: list[PrefixStep]
     drain: PrefixStep  # releases everything still running
     distinct_prefix_tokens: int  # pressure: tokens of the whole system-prompt set
 
     @property
-    def measured(self) -> list[PrefixStep]:
-        return self.steps[self.config.warmup :]
-
-    @property
     def prompt_tokens(self) -> int:
         return sum(s.prompt_tokens for s in self.steps)
-
-    @property
-    def total_slots(self) -> int:
-        return sum(s.slots for s in self.steps)
-
-    def mean_batch(self) -> float:
-        m = self.measured
-        return float(np.mean([len(s.decode_lanes) for s in m])) if m else 0.0
 
 
 class _Source:

@@ -24,55 +24,23 @@ module pulls in torchvision. Request rows come from the trace (engine state).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvpool.bench.drivers.base import Driver, storage_bytes
-from kvpool.bench.trace import Step, TraceConfig
-
-_IMPORT_ERROR: Optional[str] = None
-try:
-    from sglang.srt.mem_cache.allocator import (  # type: ignore[import-untyped,unused-ignore]
-        PagedTokenToKVPoolAllocator,
-        TokenToKVPoolAllocator,
-    )
-except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+from kvpool.bench.churn.result import ChurnDriver
+from kvpool.bench.churn.trace import ChurnStep, ChurnTraceConfig
+from kvpool.bench.drivers.sglang_base import SGLangBase
 
 
-def available() -> tuple[bool, str]:
-    if _IMPORT_ERROR is None:
-        return True, ""
-    return False, f"sglang allocators not importable ({_IMPORT_ERROR}); install: see docs/benchmarks.md 'Installing the baselines'"
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return ""
-
-
-class _SGLangDriver(Driver):
-    paged = False
-
-    def __init__(self, cfg: TraceConfig, max_step_tokens: int = 8192) -> None:
+class _SGLangDriver(SGLangBase, ChurnDriver):
+    def __init__(self, cfg: ChurnTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(why)
         # What ReqToTokenPool.__init__ allocates: one padding row at index 0.
         self.req_to_token = torch.zeros((cfg.concurrency + 1, cfg.max_context_len), dtype=torch.int32)
-        self.alloc: Any = self._make_allocator(cfg)
 
-    def _make_allocator(self, cfg: TraceConfig) -> Any:
-        raise NotImplementedError
-
-    def prepare(self, step: Step) -> Any:
+    def prepare(self, step: ChurnStep) -> Any:
         rows = step.release_lanes + 1
         release = list(zip(rows.tolist(), step.release_lens.tolist()))
         admit = list(zip((step.admit_lanes + 1).tolist(), step.admit_counts.tolist()))
@@ -122,14 +90,6 @@ class _SGLangDriver(Driver):
     def free_slots(self) -> int:
         return int(self.alloc.available_size())
 
-    def native_bytes(self) -> int:
-        a = self.alloc
-        extra = list(getattr(a, "staged_pages", []) or [])
-        return storage_bytes(a.free_pages, a.release_pages, *extra) + storage_bytes(self.req_to_token)
-
-    def version(self) -> str:
-        return _version()
-
 
 class SGLangTokenDriver(_SGLangDriver):
     name = "sglang-token"
@@ -138,10 +98,6 @@ class SGLangTokenDriver(_SGLangDriver):
     @classmethod
     def supports(cls, page_size: int) -> bool:
         return page_size == 1
-
-    def _make_allocator(self, cfg: TraceConfig) -> Any:
-        # size = usable slots: SGLang keeps slot 0 out of its free list, like kvpool's page 0.
-        return TokenToKVPoolAllocator(cfg.num_slots - 1, torch.float16, "cpu", None, need_sort=False)
 
     def _alloc_extend(self, prefill: Any) -> Any:
         return self.alloc.alloc(prefill[-1])
@@ -153,15 +109,10 @@ class SGLangTokenDriver(_SGLangDriver):
 class SGLangPagedDriver(_SGLangDriver):
     name = "sglang-paged"
     label = "SGLang PagedTokenToKVPoolAllocator"
-    paged = True
 
     @classmethod
     def supports(cls, page_size: int) -> bool:
         return page_size > 1
-
-    def _make_allocator(self, cfg: TraceConfig) -> Any:
-        size = cfg.num_slots - cfg.page_size  # pages 1 .. num_pages-1, page 0 reserved
-        return PagedTokenToKVPoolAllocator(size, cfg.page_size, torch.float16, "cpu", None, need_sort=False)
 
     def _alloc_extend(self, prefill: Any) -> Any:
         prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, num_tokens = prefill
@@ -170,3 +121,6 @@ class SGLangPagedDriver(_SGLangDriver):
     def _alloc_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor) -> Any:
         last_loc = self.req_to_token[rows, seq_lens - 1]
         return self.alloc.alloc_decode(seq_lens + 1, seq_lens + 1, last_loc)
+
+
+__all__ = ["SGLangPagedDriver", "SGLangTokenDriver"]

@@ -20,41 +20,31 @@ Eviction happens inside ``extend`` when no FREE page is left (LRU, tail first).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 import kvpool
-from kvpool.layout import padded_table
-from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
-from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
-
+from kvpool.bench.drivers.kvpool_base import KVPoolBase
+from kvpool.bench.prefix.result import PrefixDriver
+from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
 
 EVENT_REMOVED = 1  # take_events()["kind"]: 0 Stored, 1 Removed, 2 Cleared
 
 
-def available() -> tuple[bool, str]:
-    missing = [m for m in ("open_with_prefix", "fork", "cache", "take_copies") if not hasattr(kvpool.SlotAllocator, m)]
-    if missing:
-        return False, f"this kvpool build has no shared pages yet (missing SlotAllocator.{', .'.join(missing)})"
-    return True, ""
-
-
-class KVPoolPrefixDriver(PrefixDriver):
-    name = "kvpool"
+class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
     label = "kvpool SlotAllocator (prefix cache)"
+
+    @classmethod
+    def skip_reason(cls) -> Optional[str]:
+        # An installed kvpool may predate shared pages; say so instead of failing mid-run.
+        missing = [m for m in ("open_with_prefix", "fork", "cache", "take_copies") if not hasattr(kvpool.SlotAllocator, m)]
+        if missing:
+            return f"this kvpool build has no shared pages yet (missing SlotAllocator.{', .'.join(missing)})"
+        return None
 
     def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(why)
-        # Rows: one per lane plus the forks of a group, which may briefly exceed the lanes in use.
-        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
-        # KVPool's req_to_token layout: rows padded off a power-of-two stride.
-        self.table = padded_table(cfg.concurrency, cfg.max_context_len)
-        self.table.fill(0)  # fault the pages in now, as torch.zeros does for the baselines' tables
-        self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
         self._evicted = 0
         self._copies = 0
 
@@ -98,11 +88,8 @@ class KVPoolPrefixDriver(PrefixDriver):
         self._count_events()
         return self._evicted
 
-    def native_bytes(self) -> int:
-        return int(self.alloc.metadata_bytes)
-
     def backend(self) -> str:
         return "Rust core, hashed full pages"
 
-    def version(self) -> str:
-        return getattr(kvpool, "__version__", "") or dist_version("kvpool")
+
+__all__ = ["KVPoolPrefixDriver"]

@@ -27,66 +27,42 @@ Evicted blocks are counted by wrapping the block pool's ``_maybe_evict_cached_bl
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
-import torch
 
-from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
-from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
+from kvpool.bench.drivers.base import Requirement
+from kvpool.bench.drivers.vllm_base import VLLMBase, ranges
+from kvpool.bench.prefix.result import PrefixDriver
+from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
 
-_IMPORT_ERROR: Optional[str] = None
-try:
-    import logging as _logging
-
+VLLM_KV_CACHE_MANAGER = Requirement("vllm KVCacheManager")
+with VLLM_KV_CACHE_MANAGER.imports():
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request, RequestStatus
-    from vllm.v1.worker.block_table import BlockTable
-
-    _logging.getLogger("vllm").setLevel(_logging.WARNING)
-except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 HASH_ALGO = "sha256"  # vLLM's CacheConfig.prefix_caching_hash_algo default
 
 
-def available() -> tuple[bool, str]:
-    if _IMPORT_ERROR is None:
-        return True, ""
-    return False, f"vllm KVCacheManager not importable ({_IMPORT_ERROR}); install: see README 'Benchmarks'"
-
-
-class VLLMPrefixDriver(PrefixDriver):
+class VLLMPrefixDriver(VLLMBase, PrefixDriver):
     name = "vllm"
     label = "vLLM v1 KVCacheManager (prefix caching)"
-
-    @classmethod
-    def supports(cls, page_size: int) -> bool:
-        return page_size > 1
+    requires = (VLLM_KV_CACHE_MANAGER,)
 
     def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(why)
         P = cfg.page_size
-        spec = FullAttentionSpec(block_size=P, num_kv_heads=1, head_size=64, dtype=torch.float16)
         kv_config = KVCacheConfig(num_blocks=cfg.num_pages, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+                                  kv_cache_groups=[KVCacheGroupSpec(["layer.0"], self.spec)])
         self.mgr = KVCacheManager(kv_config, max_model_len=cfg.max_context_len, scheduler_block_size=P,
                                   hash_block_size=P, enable_caching=True)
         hash_fn = get_hash_fn_by_name(HASH_ALGO)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(P, hash_fn)
-        self.max_blocks = -(-cfg.max_context_len // P)
-        self.block_table = BlockTable(P, cfg.concurrency, self.max_blocks, max_step_tokens, False,
-                                      torch.device("cpu"), 1)
-        self.bt_flat = self.block_table.block_table.np.reshape(-1)
-        self.slot_mapping = self.block_table.slot_mapping.np
         self.reqs: list[Any] = [None] * cfg.concurrency  # engine state: the Request in each lane
         self.seqs: list[Any] = [None] * cfg.concurrency
         self.next_id = 0
@@ -153,11 +129,8 @@ class VLLMPrefixDriver(PrefixDriver):
         starts_np = np.array(starts, dtype=np.int64)
         counts = np.array(ends, dtype=np.int64) - starts_np
         req_idx = np.concatenate([np.repeat(np.array(rows, dtype=np.int64), counts), np.array(lanes, dtype=np.int64)])
-        pos = np.concatenate([_ranges(starts_np, counts), dec_lens])
-        P, total = self.cfg.page_size, len(pos)
-        block_numbers = self.bt_flat[req_idx * self.max_blocks + pos // P]
-        np.add(block_numbers * P, pos % P, out=self.slot_mapping[:total])
-        return total
+        pos = np.concatenate([ranges(starts_np, counts), dec_lens])
+        return self.write_slot_mapping(req_idx, pos)
 
     def held_pages(self) -> int:
         pool = self.mgr.block_pool
@@ -169,20 +142,8 @@ class VLLMPrefixDriver(PrefixDriver):
     def evicted_pages(self) -> int:
         return self._evicted
 
-    def native_bytes(self) -> int:
-        return int(self.block_table.block_table.cpu.untyped_storage().nbytes())
-
     def backend(self) -> str:
         return f"BlockPool, {HASH_ALGO} block hashes"
 
-    def version(self) -> str:
-        return dist_version("vllm")
 
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(s, s + c)`` for each (start, count)."""
-    if len(counts) == 0:
-        return np.zeros(0, dtype=np.int64)
-    total = int(counts.sum())
-    offsets = np.repeat(np.cumsum(counts) - counts - starts, counts)
-    return np.arange(total, dtype=np.int64) - offsets
+__all__ = ["HASH_ALGO", "VLLMPrefixDriver"]

@@ -17,38 +17,27 @@ from typing import Any
 
 import numpy as np
 
-import kvpool
-from kvpool.layout import padded_table
-from kvpool.bench.drivers.base import Driver
-from kvpool.bench.trace import Step, TraceConfig
+from kvpool.bench.churn.result import ChurnDriver
+from kvpool.bench.churn.trace import ChurnStep, ChurnTraceConfig
+from kvpool.bench.drivers.kvpool_base import KVPoolBase
 
 
-class KVPoolDriver(Driver):
-    name = "kvpool"
+class KVPoolChurnDriver(KVPoolBase, ChurnDriver):
     label = "kvpool SlotAllocator"
 
-    def __init__(self, cfg: TraceConfig, max_step_tokens: int = 8192) -> None:
+    def __init__(self, cfg: ChurnTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
-        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
-        # The engine's CPU req_to_token (KVPool mirrors it to the device), with
-        # KVPool's padded row stride.
-        self.table = padded_table(cfg.concurrency, cfg.max_context_len)
-        # np.zeros maps pages lazily; torch.zeros (the baselines' tables) writes them. Touch them
-        # here so first-write page faults are not timed for kvpool only.
-        self.table.fill(0)
         # The step's slots (out_cache_loc / slot_mapping), in buffers reused
         # every step: the prefill's and the decode batch's.
         self.prefill_slots = np.zeros(max_step_tokens, dtype=np.int64)
         self.decode_slots = np.zeros(cfg.concurrency, dtype=np.int64)
-        # Engine batch state: the handle of the request in each lane.
-        self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
         self._prepared = 0  # prepare() calls so far: steps in trace order
         self._decoding: np.ndarray | None = None
 
-    def prepare(self, step: Step) -> Any:
+    def prepare(self, step: ChurnStep) -> Any:
         # Checked only where no timed step follows (the warmup steps, and the
         # drain after the measured ones): the check's own memory traffic just
-        # before a timed step took that step from 7.0 to 10.3 us at page 16.
+        # before a timed step would push what that step reads out of the CPU caches.
         untimed = self._prepared < self.cfg.warmup or self._prepared >= self.cfg.warmup + self.cfg.steps
         self._prepared += 1
         if untimed:
@@ -99,17 +88,5 @@ class KVPoolDriver(Driver):
     def free_slots(self) -> int:
         return int(self.alloc.free_slots)
 
-    def native_bytes(self) -> int:
-        return int(self.alloc.metadata_bytes)
 
-    def version(self) -> str:
-        return getattr(kvpool, "__version__", "") or _dist_version("kvpool")
-
-
-def _dist_version(name: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return ""
+__all__ = ["KVPoolChurnDriver"]

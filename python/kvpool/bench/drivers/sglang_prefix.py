@@ -2,7 +2,7 @@
 
 Imported from the installed ``sglang`` package; nothing here re-implements it.
 The tree, the allocators, ``ReqToTokenPool`` and the allocation helpers are
-SGLang's own; the request record handed to them (``_Req``) carries only the
+SGLang's own; the request record handed to them (``RequestRecord``) carries only the
 fields those calls read (SGLang's ``Req`` needs a running scheduler). Per step,
 following ``managers/schedule_policy.py``, ``mem_cache/allocation.py``,
 ``mem_cache/common.py`` and the batch result processor:
@@ -38,36 +38,27 @@ from __future__ import annotations
 
 import os
 from array import array
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from kvpool.bench.prefix_drivers.base import PrefixDriver, dist_version
-from kvpool.bench.prefix_trace import PrefixStep, PrefixTraceConfig
+from kvpool.bench.drivers.base import Requirement
+from kvpool.bench.drivers.sglang_base import SGLangBase
+from kvpool.bench.drivers.sglang_records import RequestRecord
+from kvpool.bench.prefix.result import PrefixDriver
+from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
 
-_IMPORT_ERROR: Optional[str] = None
-try:
+SGLANG_RADIX = Requirement("sglang RadixCache")
+with SGLANG_RADIX.imports():
     from sglang.srt.mem_cache.allocation import (  # type: ignore[import-untyped,unused-ignore]
         alloc_paged_token_slots_decode,
         alloc_paged_token_slots_extend,
         alloc_token_slots,
     )
-    from sglang.srt.mem_cache.allocator import (  # type: ignore[import-untyped,unused-ignore]
-        PagedTokenToKVPoolAllocator,
-        TokenToKVPoolAllocator,
-    )
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # type: ignore[import-untyped,unused-ignore]
-except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-
-def available() -> tuple[bool, str]:
-    if _IMPORT_ERROR is None:
-        return True, ""
-    return False, f"sglang RadixCache not importable ({_IMPORT_ERROR}); install: see README 'Benchmarks'"
 
 
 def tree_core_backend(page_size: int = 1) -> str:
@@ -93,72 +84,19 @@ def tree_core_backend(page_size: int = 1) -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
-class _Kv:
-    """The ``req.kv`` record fields RadixCache reads (no sliding window here)."""
-
-    __slots__ = ("req_pool_idx", "cache_protected_len", "cache_inserted_len", "swa_evict_floor")
-
-    def __init__(self, row: int) -> None:
-        self.req_pool_idx = row
-        self.cache_protected_len = 0
-        self.cache_inserted_len = 0
-        self.swa_evict_floor = 0
-
-    def get_evicted_seqlen(self, component_type: Any) -> int:
-        return 0
-
-    def swa_dead_lo(self, page_size: int) -> int:
-        return 0
-
-
-class _Req:
-    """The request fields the caches' checkpoint / free_kv_row / prefix_device_indices read."""
-
-    __slots__ = ("kv", "origin_input_ids", "full_untruncated_fill_ids", "extra_key", "cache_salt", "priority",
-                 "lock", "last_node", "prefix_len", "seq_len", "session", "session_id", "kv_rotation_base",
-                 "to_finish", "done")
-
-    def __init__(self, row: int, prompt: array, full: array) -> None:
-        self.kv = _Kv(row)
-        self.origin_input_ids = prompt
-        self.full_untruncated_fill_ids = full
-        self.extra_key = None
-        self.cache_salt = None
-        self.priority = 0
-        self.lock: Any = None
-        self.last_node: Any = None
-        self.prefix_len = 0
-        self.seq_len = len(prompt)
-        self.session = None  # no streaming session
-        self.session_id = None
-        self.kv_rotation_base = None  # no logical-page KV sharding
-        self.to_finish = None
-        self.done = False
-
-    def finished(self) -> bool:
-        return self.done
-
-
-class SGLangPrefixDriver(PrefixDriver):
+class SGLangPrefixDriver(SGLangBase, PrefixDriver):
     name = "sglang"
     label = "SGLang RadixCache + TokenToKVPoolAllocator"
+    requires = (SGLANG_RADIX,)
 
     def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
-        ok, why = available()
-        if not ok:
-            raise RuntimeError(why)
-        P = cfg.page_size
-        if P == 1:
-            self.alloc: Any = TokenToKVPoolAllocator(cfg.num_slots - 1, torch.float16, "cpu", None, need_sort=False)
-        else:
-            self.alloc = PagedTokenToKVPoolAllocator(cfg.num_slots - P, P, torch.float16, "cpu", None, need_sort=False)
         # Rows 1..C are the lanes; row C+1 serves the n > 1 warm-up requests.
         self.pool = ReqToTokenPool(cfg.concurrency + 1, cfg.max_context_len, "cpu", False)
-        self.rtt = self.pool.req_to_token
+        self.req_to_token = self.pool.req_to_token
         self.warm_row = cfg.concurrency + 1
         self.tree = self._make_tree(CacheInitParams(disable=False, req_to_token_pool=self.pool,
-                                                    token_to_kv_pool_allocator=self.alloc, page_size=P))
+                                                    token_to_kv_pool_allocator=self.alloc, page_size=cfg.page_size))
         self.reqs: list[Any] = [None] * cfg.concurrency
         self._evicted_tokens = 0
         # Count what eviction frees: wrap the method every eviction path of this cache goes through.
@@ -179,14 +117,14 @@ class SGLangPrefixDriver(PrefixDriver):
 
     def prepare(self, step: PrefixStep) -> Any:
         release = [self.reqs[lane] for lane in step.release_lanes.tolist()]
-        batch: list[tuple[_Req, int]] = []  # (request, lane; -1 for an n > 1 warm-up)
-        samples: list[tuple[_Req, int]] = []
+        batch: list[tuple[RequestRecord, int]] = []  # (request, lane; -1 for an n > 1 warm-up)
+        samples: list[tuple[RequestRecord, int]] = []
         for g in step.admit:
             prompt = array("q", g.prompt.tolist())
             if g.n > 1:
-                batch.append((_Req(self.warm_row, prompt, prompt), -1))
+                batch.append((RequestRecord(self.warm_row, prompt, prompt), -1))
             for lane, seq in zip(g.lanes.tolist(), g.seqs):
-                req = _Req(lane + 1, prompt, array("q", seq.tokens.tolist()))
+                req = RequestRecord(lane + 1, prompt, array("q", seq.tokens.tolist()))
                 (samples if g.n > 1 else batch).append((req, lane))
         rows = torch.from_numpy(step.decode_lanes + 1)
         seq_lens = torch.from_numpy(step.decode_lens)
@@ -242,7 +180,7 @@ class SGLangPrefixDriver(PrefixDriver):
             sl = torch.tensor(seq_lens, dtype=torch.int64)
             last = torch.cat([p[-1:] if p is not None else torch.full((1,), -1, dtype=torch.int64) for p in prefixes])
             out = alloc_paged_token_slots_extend(tree, pl, pl, sl, sl, last, extend)
-        rtt, pt = self.rtt, 0
+        rtt, pt = self.req_to_token, 0
         for (req, lane), prefix, plen, slen in zip(batch, prefixes, prefix_lens, seq_lens):
             row = req.kv.req_pool_idx
             if prefix is not None:
@@ -274,7 +212,7 @@ class SGLangPrefixDriver(PrefixDriver):
         if self.cfg.page_size == 1:
             out = alloc_token_slots(self.tree, bs)
         else:
-            last_loc = self.rtt[rows, seq_lens - 1]
+            last_loc = self.req_to_token[rows, seq_lens - 1]
             out = alloc_paged_token_slots_decode(self.tree, seq_lens + 1, seq_lens + 1, last_loc)
         self.pool.write((rows, seq_lens.clone()), out.to(torch.int32))
         return bs
@@ -292,16 +230,6 @@ class SGLangPrefixDriver(PrefixDriver):
 
     def backend(self) -> str:
         return "RadixCache (Python tree)"
-
-    def native_bytes(self) -> int:
-        from kvpool.bench.drivers.base import storage_bytes
-
-        a = self.alloc
-        extra = list(getattr(a, "staged_pages", []) or [])
-        return storage_bytes(a.free_pages, a.release_pages, *extra) + storage_bytes(self.rtt)
-
-    def version(self) -> str:
-        return dist_version("sglang")
 
 
 class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
@@ -327,3 +255,6 @@ class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
         core = type(self.tree.tree_core)
         kind = "rust" if core.__module__.startswith("sglang.srt.mem_cache.rust_tree_core") else "python"
         return f"UnifiedRadixCache, {kind} TreeCore ({core.__name__})"
+
+
+__all__ = ["SGLANG_RADIX", "SGLangPrefixDriver", "SGLangUnifiedPrefixDriver", "tree_core_backend"]

@@ -1,0 +1,33 @@
+"""What kvpool's drivers share: the SlotAllocator and the engine's CPU ``req_to_token``, as KVPool lays them out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kvpool
+from kvpool.bench.drivers.base import Driver
+from kvpool.layout import padded_table
+
+
+class KVPoolBase(Driver):
+    name = "kvpool"
+
+    def __init__(self, cfg: Any, max_step_tokens: int = 8192) -> None:
+        super().__init__(cfg, max_step_tokens)
+        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len)
+        # The engine's CPU req_to_token (KVPool mirrors it to the device), with KVPool's padded
+        # row stride.
+        self.table = padded_table(cfg.concurrency, cfg.max_context_len)
+        # np.zeros maps pages lazily; torch.zeros (the baselines' tables) writes them. Touch them
+        # here so first-write page faults are not timed for kvpool only.
+        self.table.fill(0)
+        # Engine batch state: the handle of the request in each lane.
+        self.handles = np.zeros(cfg.concurrency, dtype=np.int64)
+
+    def native_bytes(self) -> int:
+        return int(self.alloc.metadata_bytes)
+
+
+__all__ = ["KVPoolBase"]

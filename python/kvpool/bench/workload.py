@@ -1,0 +1,96 @@
+"""What a workload declares, so that one runner, one report and one plot serve every workload.
+
+A workload is a package (``churn/``, ``prefix/``) holding its seeded trace
+generator, its result row and driver interface (``result.py``) and its figures.
+It declares the flags of its command, the cases a run replays, the table
+columns, the ratios it holds against its targets and the plot panels. Its
+drivers are registered under its name in ``drivers/``. A new workload (a host
+tier, layer groups, a router) is a new package and its drivers; the runner,
+``command.py``, the report and the plot do not change.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+from kvpool.bench import command
+from kvpool.bench.drivers.base import Driver
+from kvpool.bench.plot import Panel
+from kvpool.bench.report import Column
+from kvpool.bench.result import Result
+from kvpool.bench.runner import measure
+from kvpool.bench.trace import Trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One trace of a run, and how many times each driver replays it."""
+
+    config: Any  # the workload's trace config (page_size decides which drivers run it)
+    label: str  # progress-bar text
+    repeats: int = 1
+    repeated: Optional[frozenset[str]] = None  # the allocators the repeats apply to (None: all)
+
+    def repeats_of(self, allocator: str) -> int:
+        return self.repeats if self.repeated is None or allocator in self.repeated else 1
+
+
+class Workload(abc.ABC):
+    name: ClassVar[str]  # the CLI command and the key of its drivers in the registry
+    result_type: ClassVar[type[Result]]
+    columns: ClassVar[list[Column]]  # the table, left to right
+    # (header, result field): the row's field over kvpool's on the same trace, after the columns.
+    versus_kvpool: ClassVar[list[tuple[str, str]]] = [("÷ kvpool", "mean_us")]
+    plot_title: ClassVar[str]
+    plot_inches: ClassVar[tuple[float, float]]  # width, height per page-size row
+    # Settings that must agree with a stored JSON file's for --reuse to take its rows
+    # (the ones the traces depend on); empty: the workload has no --reuse.
+    reuse_settings: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """The command's flags (``cli.add_replay_arguments`` and the workload's own)."""
+
+    def apply_quick(self, args: argparse.Namespace) -> None:
+        """``--quick``: shrink the run in place (the JSON records what ran)."""
+
+    @abc.abstractmethod
+    def cases(self, args: argparse.Namespace) -> list[Case]:
+        """The traces to replay, in report order."""
+
+    @abc.abstractmethod
+    def generate(self, config: Any) -> Trace:
+        """The seeded trace of a case (the same config gives the same trace)."""
+
+    @abc.abstractmethod
+    def ratios(self, results: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+        """The JSON ``ratios``: the figures the workload holds against its targets."""
+
+    @abc.abstractmethod
+    def ratio_lines(self, ratios: dict[str, Any]) -> str:
+        """``ratios`` for the terminal."""
+
+    @abc.abstractmethod
+    def panels(self, args: argparse.Namespace) -> list[Panel]:
+        """The plot's panels, left to right (a row of them per page size)."""
+
+    def machine(self, machine: dict[str, Any]) -> dict[str, Any]:
+        """The JSON ``machine`` record, with whatever this workload adds about the environment."""
+        return machine
+
+    def notes(self, machine: dict[str, Any]) -> list[str]:
+        """Lines printed after the ratios."""
+        return []
+
+    def replay(self, driver_cls: type[Driver], trace: Trace) -> Any:
+        """One replay of ``trace`` on a fresh ``driver_cls``, as this workload's result row."""
+        return self.result_type.from_measurement(measure(driver_cls, trace))
+
+    def main(self, args: argparse.Namespace, machine: dict[str, Any]) -> int:
+        return command.main(self, args, machine)
+
+
+__all__ = ["Case", "Workload"]
