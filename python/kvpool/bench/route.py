@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from kvpool.bench import report
-from kvpool.bench.prefix_trace import SCENARIOS, PrefixTraceConfig, generate
+from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
 AGREEMENT_TARGET = 0.999
@@ -72,7 +72,7 @@ def table(results: list[Any]) -> str:
                      f"{r.feed_us_per_event:.2f}" if r.policy == "router" else "",
                      f"{r.agreement:.4%} ({r.agreed}/{r.agreed + len(r.disagreements)})" if r.agreement is not None
                      else ""])
-    return report._md(["policy", "hit rate", "hit tokens", "prefill tokens", "prompt tokens", "evicted pages",
+    return report.md_table(["policy", "hit rate", "hit tokens", "prefill tokens", "prompt tokens", "evicted pages",
                        "requests per pool", "router µs/req mean / p50 / p99", "feed µs/event", "agreement"], rows)
 
 
@@ -123,7 +123,7 @@ def events_main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     rows = measure([int(s) for s in args.sizes.split(",")], args.page_size, args.repeats)
     print("ZmqEventPublisher.publish() of one step's events: what the calling thread pays (drain, encode, "
           "hand over) and until the sender thread has sent it (PUB on loopback, one subscriber); medians")
-    print(report._md(["events", "Stored : Removed", "µs / publish()", "µs per 100 events", "µs until sent",
+    print(report.md_table(["events", "Stored : Removed", "µs / publish()", "µs per 100 events", "µs until sent",
                       "payload bytes"],
                      [[str(r["events"]), r["mix"], f"{r['us']:.2f}", f"{r['us_per_100']:.2f}",
                        f"{r['us_until_sent']:.2f}", str(r["payload_bytes"])] for r in rows]))

@@ -23,7 +23,7 @@ import numpy as np
 
 import kvpool
 from kvpool._core import page_hashes
-from kvpool.bench.prefix_trace import PrefixTrace
+from kvpool.bench.prefix.trace import PrefixTrace
 from kvpool.events import LocalEventPublisher
 
 
