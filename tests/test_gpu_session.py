@@ -14,8 +14,6 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import pytest
-
 import kvpool
 
 ROOT = Path(__file__).resolve().parent.parent
