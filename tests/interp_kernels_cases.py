@@ -22,8 +22,8 @@ import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
 
 from kvpool.testing.kernel_cases import (  # noqa: E402
-    CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, make_caches, same, store_cases,
-    untouched_equal,
+    CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, exact_values, make_caches, random_bytes, same,
+    store_cases, untouched_equal,
 )
 
 # The interpreter runs each program in Python: keep examples few and shapes small.
@@ -64,6 +64,51 @@ def test_store_all_padding_and_empty(dtype, layout):
         x = torch.randn((n, 2, 24)).to(in_dt)
         K.store_kv(kc, vc, slots, x, x, 1.0 if dtype == FP8 else None, 1.0 if dtype == FP8 else None)
         assert same(kc, before[0]) and same(vc, before[1])
+
+
+# Row shapes whose tiles differ: several tokens per program (1 x 128), flattened
+# heads (8 x 72, 576), and head_dim 72 in a cache whose heads are 80 apart.
+ROW_SHAPES = [(8, 128, "rows"), (8, 64, "rows"), (1, 128, "rows"), (1, 576, "rows"), (8, 72, "rows"),
+              (8, 72, "strided"), (2, 7, "rows")]
+
+
+def _row_caches(layout, heads, dim, dtype, gen):
+    if layout == "strided":  # [S, H, 80][..., :72]: rows are not one contiguous run
+        return tuple(random_bytes((24, heads, dim + 8), dtype, gen)[..., :dim] for _ in range(2))
+    return make_caches("paged", 24, 4, heads, dim, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, FP8], ids=str)
+@pytest.mark.parametrize("heads,dim,layout", ROW_SHAPES, ids=[f"h{h}d{d}-{lay}" for h, d, lay in ROW_SHAPES])
+def test_row_shapes_match_reference(dtype, heads, dim, layout):
+    """store, gather and copy on every tile shape, with a batch that is not a multiple
+    of the tokens per program and padding in the middle: bitwise like the reference,
+    nothing else touched."""
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    kc, vc = _row_caches(layout, heads, dim, dtype, gen)
+    slots_l = [5, -1, 17, 2, 9, 23, -1]
+    slots = torch.tensor(slots_l)
+    in_dt = torch.float16 if dtype == FP8 else dtype
+    scale = 0.5 if dtype == FP8 else None
+    k = exact_values(len(slots_l), heads, dim, dtype, in_dt, scale or 1.0, gen)
+    v = exact_values(len(slots_l), heads, dim, dtype, in_dt, scale or 1.0, gen)
+    before = (kc.clone(), vc.clone())
+    rk, rv = kc.clone(), vc.clone()
+    _ref.store_kv_ref(rk, rv, slots, k, v, scale, scale)
+    K.store_kv(kc, vc, slots, k, v, scale, scale)
+    assert same(kc, rk) and same(vc, rv)
+    assert untouched_equal(before[0], kc, slots_l) and untouched_equal(before[1], vc, slots_l)
+    probe = torch.tensor([17, -1, 5, 23, 0])
+    got, want = K.gather_kv(kc, vc, probe), _ref.gather_kv_ref(kc, vc, probe)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    src, dst = torch.tensor([17, 5, -1, 9, 2]), torch.tensor([1, 3, 4, -1, 20])
+    ref = [kc.clone(), vc.clone()]
+    _ref.copy_slots_ref(ref, src, dst)
+    caches = [kc, vc]
+    before = [t.clone() for t in caches]
+    K.copy_slots(caches, src, dst)
+    for a, b, b0 in zip(caches, ref, before):
+        assert same(a, b) and untouched_equal(b0, a, [1, 3, 20])
 
 
 def test_store_fp8_clamps_and_scales():

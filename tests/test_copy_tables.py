@@ -92,3 +92,50 @@ def test_table_is_a_normal_tensor_in_every_grad_mode(mode):
     with ctx():
         table, _ = OffsetTables().get(_sets(1)[0])
     assert not table.is_inference() and not table.requires_grad
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """Fake current stream per call, and the record_stream calls made on eviction."""
+    state = {"current": "s0", "recorded": []}
+    monkeypatch.setattr(copy_tables, "current_stream", lambda t: state["current"])
+    monkeypatch.setattr(copy_tables, "record_stream",
+                        lambda table, stream: state["recorded"].append((table.data_ptr(), stream)))
+    return state
+
+
+def test_evicted_table_is_kept_for_every_stream_that_read_it(capturing, streams):
+    """A table built on one stream and read by a copy queued on another: evicting it
+    must mark it in use by both, or the allocator hands its memory to the next
+    allocation on the first stream while the copy on the second has yet to run."""
+    tables = OffsetTables(capacity=2)
+    first, second, third = _sets(3)
+    table, _ = tables.get(first)               # built on s0
+    streams["current"] = "side"
+    tables.get(first)                          # read by a copy on the side stream
+    tables.get(first)                          # again: one record per stream
+    streams["current"] = "s0"
+    tables.get(second)
+    assert streams["recorded"] == []           # nothing evicted yet
+    tables.get(third)                          # evicts `first` (least recently used)
+    assert sorted(streams["recorded"]) == sorted([(table.data_ptr(), "s0"), (table.data_ptr(), "side")])
+
+
+def test_tables_still_cached_or_pinned_are_not_released(capturing, streams):
+    tables = OffsetTables(capacity=1)
+    graph_set, other = _sets(2)
+    tables.get(graph_set)
+    capturing["on"] = True
+    tables.get(graph_set)                      # pinned for a graph
+    capturing["on"] = False
+    tables.get(other)
+    assert streams["recorded"] == [] and tables.pinned == 1 and len(tables) == 2
+
+
+def test_cpu_tables_record_no_stream(capturing):
+    """On CPU nothing is queued: eviction needs no stream bookkeeping (and CPU tensors
+    have no record_stream)."""
+    tables = OffsetTables(capacity=1)
+    for group in _sets(3):
+        tables.get(group)
+    assert len(tables) == 1

@@ -65,3 +65,39 @@ def test_outputs_across_buckets(copy_outputs):
         torch.cuda.synchronize()
     if copy_outputs:
         assert torch.equal(small, kept)
+
+
+def test_host_inputs_run_ahead_of_the_gpu():
+    """Three steps with host inputs while ~100 ms of work is queued ahead of them: none
+    may wait for an earlier step's copy (they go through the pool's pinned ring), and
+    each step's K/V land in its own slots once the GPU gets to them."""
+    pool, twin = (make_pool(device="cuda", dtype=torch.float16) for _ in range(2))
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), 8)
+    eager = DecodeGraphRunner(twin, ToyDecode(twin), 8, enable_graphs=False)
+    assert runner._to_device is pool._to_device
+    with torch.inference_mode():
+        runner.capture()
+        hs, th = start_requests(pool, [2, 3, 4]), start_requests(twin, [2, 3, 4])
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        slept = torch.cuda.Event()
+        slept.record()
+        for step in range(3):
+            runner.run(*decode_inputs(pool, hs, seed=step))
+        ran_ahead = not slept.query()
+        for step in range(3):
+            eager.run(*decode_inputs(twin, th, seed=step))
+        torch.cuda.synchronize()
+    assert ran_ahead, "run() waited for work queued before it"
+    sink = pool.page_size
+    for a, b in zip(snapshot(pool), snapshot(twin)):
+        torch.testing.assert_close(a.reshape(-1, 2, 8)[sink:], b.reshape(-1, 2, 8)[sink:], rtol=1e-3, atol=1e-3)
+
+
+def test_uint64_device_inputs_are_refused():
+    import kvpool
+    pool = make_pool(device="cuda", dtype=torch.float16)
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), 4)
+    loc = torch.tensor([2**64 - 1], dtype=torch.uint64, device="cuda")
+    with pytest.raises(kvpool.TensorDtypeError, match="uint64"):
+        runner.run([1], [0], [pool.null_row], loc, [1])

@@ -2,18 +2,18 @@
 
 Each kernel is compiled for Hopper (GPUTarget("cuda", 90, 32)) with Triton's own
 compiler and the exact arguments its wrapper would launch with (tests/_codegen.py),
-for fp16, bf16 and fp8 caches. The PTX must show
-- 16-byte vector global loads/stores (ld/st.global.v4.b32) of 16-bit K/V rows, and
-  no access narrower than 4 bytes anywhere: a mask the compiler cannot prove
-  uniform over a thread's 8 consecutive elements makes it emit one ld/st.global.b16
-  (b8 for fp8) per element, which is what Triton 3.9 did with store_kv's
-  `tl.where(slot >= 0, D, 0)` row limit;
+for fp16, bf16 and fp8 caches and the row shapes engines use: 8 KV heads x 128 and
+x 64, 1 head x 128 (a tensor-parallel rank of a GQA model), MLA's 576-wide latent,
+and head_dim 72 (not a multiple of 16). The PTX must show
+- 16-byte global accesses (ld/st.global.v4.b32) for every K/V row access, fp8
+  included: the tile gives each thread 16 bytes of the narrowest tensor, and rows
+  whose heads are contiguous are moved as one run of H * D elements, so a head_dim
+  of 72 is no obstacle. Nothing narrower than 4 bytes anywhere: a mask or stride the
+  compiler cannot prove uniform over a thread's run makes it emit one ld/st per
+  element (b16, or b8 for fp8), as Triton 3.9 did with store_kv's
+  `tl.where(slot >= 0, D, 0)` row limit and with head_dim 72;
 - 64-bit slot-offset arithmetic: slot ids are multiplied by strides in 64 bits and
   never truncated to 32, so caches past 2^31 elements are addressed correctly.
-
-In these tiles every thread holds 8 consecutive elements of a row (BLOCK_D = 128,
-1024 elements over 4 warps; prefill tiles hold 16). So a 16-bit tensor moves 16
-bytes per access, and an fp8 tensor at least 8 (16 where a thread holds 16).
 """
 
 from __future__ import annotations
@@ -34,27 +34,24 @@ from kvpool.kernels import gather as gather_mod  # noqa: E402
 from kvpool.kernels import store as store_mod  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-H, D = 8, 128
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": FP8}
+# (KV heads, head_dim) per row.
+SHAPES = {"h8d128": (8, 128), "h8d64": (8, 64), "h1d128": (1, 128), "mla576": (1, 576), "h8d72": (8, 72)}
 
 
-def _min_bytes(dtype: torch.dtype) -> int:
-    return 16 if dtype.itemsize >= 2 else 8
-
-
-def _check_vectorised(ptx: str, loads: dict, stores: dict) -> None:
-    """loads/stores: {min bytes per access: how many such data accesses at least}."""
+def _check_vectorised(ptx: str, width: int, loads: int, stores: int) -> None:
+    """Every store, and every vector load, moves >= `width` bytes a thread; at least
+    `loads` / `stores` such data accesses; nothing narrower than 4 bytes (the scalar
+    loads left are slot ids and fp8 scales)."""
     acc = cg.global_accesses(ptx)
     narrow = {op: k for op, k in acc.items() if cg.access_bytes(op) < 4}
     assert not narrow, f"element-wise global accesses (the mask defeats vectorisation): {narrow}; all: {dict(acc)}"
+    thin = {op: k for op, k in acc.items()
+            if (op.startswith("st.global") or ".v" in op) and cg.access_bytes(op) < width}
+    assert not thin, f"K/V accesses narrower than {width} bytes: {thin}; all: {dict(acc)}"
     for kind, want in (("ld", loads), ("st", stores)):
-        vec = [cg.access_bytes(op) for op, k in acc.items() for _ in range(k)
-               if op.startswith(f"{kind}.global.v")]
-        for width, count in want.items():
-            got = sum(1 for b in vec if b >= width)
-            assert got >= count, f"{kind}: want {count} accesses of >= {width} bytes, got {dict(acc)}"
-    scalar_stores = {op: k for op, k in acc.items() if op.startswith("st.global.") and ".v" not in op}
-    assert not scalar_stores, f"scalar global stores of K/V data: {dict(acc)}"
+        got = sum(k for op, k in acc.items() if op.startswith(f"{kind}.global.v") and cg.access_bytes(op) >= width)
+        assert got >= want, f"{kind}: want {want} accesses of >= {width} bytes, got {dict(acc)}"
 
 
 def _check_64bit(ptx: str, runtime_params: list, name: str) -> None:
@@ -71,48 +68,75 @@ def _record(module, kernel_name, call):
     return rec.fn, rec.calls[0]
 
 
+def _caches(layout: str, shape, dtype):
+    heads, dim = shape
+    if layout == "token":
+        return torch.zeros((8192, heads, dim), dtype=dtype), torch.zeros((8192, heads, dim), dtype=dtype)
+    return torch.zeros((512, 16, heads, dim), dtype=dtype), torch.zeros((512, 16, heads, dim), dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize(
     "layout,n,slot_dtype",
     [("token", 1, torch.int64), ("paged", 7, torch.int32), ("token", 4096, torch.int64)],
     ids=["decode-token-i64", "decode-paged-i32", "prefill-token-i64"],
 )
-def test_store_kv_codegen(dtype, layout, n, slot_dtype):
+def test_store_kv_codegen(shape, dtype, layout, n, slot_dtype):
     cache_dt = DTYPES[dtype]
     in_dt = torch.bfloat16 if cache_dt == FP8 else cache_dt
-    shape = (8192, H, D) if layout == "token" else (512, 16, H, D)
-    kc, vc = torch.zeros(shape, dtype=cache_dt), torch.zeros(shape, dtype=cache_dt)
-    k, v = torch.zeros((n, H, D), dtype=in_dt), torch.zeros((n, H, D), dtype=in_dt)
+    kc, vc = _caches(layout, SHAPES[shape], cache_dt)
+    k, v = torch.zeros((n, *SHAPES[shape]), dtype=in_dt), torch.zeros((n, *SHAPES[shape]), dtype=in_dt)
     slots = torch.arange(n, dtype=slot_dtype)
     scale = torch.ones(1) if cache_dt == FP8 else None
     fn, launch = _record(store_mod, "_store_kv_kernel",
                          lambda: K.store_kv(kc, vc, slots, k, v, scale, scale))
     ptx, params = cg.compile_launch(fn, launch)
-    _check_vectorised(ptx, loads={16: 2}, stores={_min_bytes(cache_dt): 2})
+    _check_vectorised(ptx, 16, loads=2, stores=2)
     _check_64bit(ptx, params, "slots_ptr")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-def test_gather_kv_codegen(dtype):
+def test_gather_kv_codegen(shape, dtype):
     cache_dt = DTYPES[dtype]
-    kc, vc = torch.zeros((512, 16, H, D), dtype=cache_dt), torch.zeros((512, 16, H, D), dtype=cache_dt)
+    kc, vc = _caches("paged", SHAPES[shape], cache_dt)
     slots = torch.arange(5)
     kw = {"out_dtype": torch.bfloat16, "k_scale": torch.ones(1), "v_scale": torch.ones(1)} if cache_dt == FP8 else {}
     fn, launch = _record(gather_mod, "_gather_kv_kernel", lambda: K.gather_kv(kc, vc, slots, **kw))
     ptx, params = cg.compile_launch(fn, launch)
-    _check_vectorised(ptx, loads={_min_bytes(cache_dt): 2}, stores={16: 2})
+    _check_vectorised(ptx, 16, loads=2, stores=2)
     _check_64bit(ptx, params, "slots_ptr")
 
 
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-def test_copy_slots_codegen(dtype):
-    caches = [torch.zeros((512, 16, H, D), dtype=DTYPES[dtype]) for _ in range(4)]
+def test_copy_slots_codegen(shape, dtype):
+    caches = [t for _ in range(2) for t in _caches("paged", SHAPES[shape], DTYPES[dtype])]
     src, dst = torch.arange(3), torch.arange(3) + 100
     fn, launch = _record(copy_mod, "_copy_slots_kernel", lambda: K.copy_slots(caches, src, dst))
     ptx, params = cg.compile_launch(fn, launch)
-    _check_vectorised(ptx, loads={_min_bytes(DTYPES[dtype]): 1}, stores={_min_bytes(DTYPES[dtype]): 1})
+    _check_vectorised(ptx, 16, loads=1, stores=1)
     _check_64bit(ptx, params, "src_ptr")
     _check_64bit(ptx, params, "dst_ptr")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_store_kv_codegen_strided_heads(dtype):
+    """head_dim 72 in a cache whose heads are 80 apart (a view, so rows are not one
+    contiguous run): the kernel is told that D and the strides are multiples of 8
+    elements. 16-bit rows then get 16-byte accesses; an fp8 head starts every 72
+    bytes, so 8 bytes is the widest access its alignment allows."""
+    cache_dt = DTYPES[dtype]
+    in_dt = torch.bfloat16 if cache_dt == FP8 else cache_dt
+    kc, vc = (torch.zeros((4096, 8, 80), dtype=cache_dt)[..., :72] for _ in range(2))
+    k, v = torch.zeros((3, 8, 72), dtype=in_dt), torch.zeros((3, 8, 72), dtype=in_dt)
+    scale = torch.ones(1) if cache_dt == FP8 else None
+    fn, launch = _record(store_mod, "_store_kv_kernel",
+                         lambda: K.store_kv(kc, vc, torch.arange(3), k, v, scale, scale))
+    ptx, params = cg.compile_launch(fn, launch)
+    _check_vectorised(ptx, 16 if cache_dt.itemsize >= 2 else 8, loads=2, stores=2)
+    _check_64bit(ptx, params, "slots_ptr")
 
 
 # ----- the checks themselves can fail ---------------------------------------------------
@@ -155,4 +179,4 @@ def test_analysis_flags_elementwise_access():
     if all(cg.access_bytes(op) >= 4 for op in acc):
         pytest.skip(f"triton {triton.__version__} vectorises the where-form mask: {dict(acc)}")
     with pytest.raises(AssertionError, match="element-wise"):
-        _check_vectorised(ptx, loads={16: 1}, stores={16: 1})
+        _check_vectorised(ptx, 16, loads=1, stores=1)

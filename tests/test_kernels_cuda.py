@@ -77,3 +77,55 @@ def test_store_float_scale_matches_reference(cache_dtype, scale):
     _ref.store_kv_ref(ref, None, slots, k, None, scale)
     K.store_kv(kc, None, slots, k, None, scale)
     assert same(kc.cpu(), ref.cpu())
+
+
+@pytest.mark.parametrize("heads,dim", [(8, 128), (8, 64), (1, 128), (1, 576), (8, 72)])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_row_shapes_cuda(heads, dim, cache_dtype):
+    """The tile shapes of the codegen test, compiled and run: store, gather, copy."""
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    kc = torch.randn((512, heads, dim), generator=gen).to(cache_dtype).cuda()
+    vc = torch.randn((512, heads, dim), generator=gen).to(cache_dtype).cuda()
+    slots = torch.tensor([5, -1, 17, 2, 9, 300, -1], device="cuda")
+    k = torch.randn((7, heads, dim), generator=gen).cuda().to(torch.bfloat16)
+    scale = torch.tensor([0.5], device="cuda") if cache_dtype == torch.float8_e4m3fn else None
+    rk, rv = kc.clone(), vc.clone()
+    _ref.store_kv_ref(rk, rv, slots, k, k * 2, scale, scale)
+    K.store_kv(kc, vc, slots, k, k * 2, scale, scale)
+    assert same(kc.cpu(), rk.cpu()) and same(vc.cpu(), rv.cpu())
+    probe = torch.tensor([17, -1, 5, 300, 0], device="cuda")
+    got, want = K.gather_kv(kc, vc, probe), _ref.gather_kv_ref(kc, vc, probe)
+    assert same(got[0].cpu(), want[0].cpu()) and same(got[1].cpu(), want[1].cpu())
+    src, dst = torch.tensor([17, 5, -1, 9, 2], device="cuda"), torch.tensor([1, 3, 4, -1, 400], device="cuda")
+    ref = [kc.clone(), vc.clone()]
+    _ref.copy_slots_ref(ref, src, dst)
+    K.copy_slots([kc, vc], src, dst)
+    assert all(same(a.cpu(), b.cpu()) for a, b in zip([kc, vc], ref))
+
+
+def test_evicted_copy_table_outlives_a_copy_queued_on_another_stream(monkeypatch):
+    """copy_slots' offsets table built on the default stream, read by a copy queued
+    behind ~50 ms of work on a side stream, then evicted while that copy waits. The
+    default stream's next allocations must not get its memory: zeros there would turn
+    every cache's offset into caches[0]'s, and caches 1-3 would not be copied."""
+    from kvpool.kernels import copy as copy_mod
+    from kvpool.kernels.copy_tables import OffsetTables
+
+    monkeypatch.setattr(copy_mod, "TABLES", OffsetTables(capacity=1))
+    caches = [torch.zeros((64, 2, 64), dtype=torch.float16, device="cuda") for _ in range(4)]
+    for i, c in enumerate(caches):
+        c[3] = i + 1
+    src, dst = torch.tensor([3], device="cuda"), torch.tensor([40], device="cuda")
+    K.copy_slots(caches, src, dst)             # builds the table on the default stream
+    for c in caches:
+        c[40] = 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        K.copy_slots(caches, src, dst)
+    other = [torch.zeros((8, 2, 64), dtype=torch.float16, device="cuda")]
+    K.copy_slots(other, torch.tensor([1], device="cuda"), torch.tensor([2], device="cuda"))  # evicts
+    junk = [torch.zeros(64, dtype=torch.int64, device="cuda") for _ in range(32)]  # noqa: F841
+    torch.cuda.synchronize()
+    assert [float(c[40].float().mean()) for c in caches] == [1.0, 2.0, 3.0, 4.0]

@@ -21,6 +21,15 @@ tensor the eager step would return. Static buffers are created in persistent
 mode (inference_mode(False) then no_grad()), so they are normal tensors that
 accept in-place copies in every mode.
 
+Inputs: host inputs (lists, numpy arrays, CPU tensors) are checked on the host:
+integers only, every value within int64 (a uint64 2**64 - 1 would otherwise wrap to
+-1, which for out_cache_loc means padding: a silently skipped write), and
+out_cache_loc below the pool's num_slots, as ``KVPool.write`` checks host slots.
+They are packed into one array and staged through the pool's pinned ring
+(``kvpool.staging.PinnedRing``), so the host never waits for an earlier step's
+copy and may run several steps ahead of the GPU. Device inputs are copied
+device-to-device unchecked (a check would sync).
+
 Outputs: a replay returns views into its graph's output tensors, and every
 bucket's graph allocates from one shared private memory pool (so that the
 buckets together cost about as much memory as the largest). Replaying another
@@ -42,9 +51,10 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
-from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
+from kvpool.staging import PinnedRing
 from kvpool.torch_types import as_device
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
@@ -69,6 +79,53 @@ def grad_mode() -> str:
     if torch.is_inference_mode_enabled():
         return "inference_mode"
     return "grad" if torch.is_grad_enabled() else "no_grad"
+
+
+_I64 = np.iinfo(np.int64)
+
+
+def _too_big(name: str, i: int, value: int, num_slots: Optional[int]) -> InvalidArgumentError:
+    if name == "out_cache_loc":
+        valid = f"[0, {num_slots})" if num_slots is not None else "the pool's slots"
+        return SlotRangeError(
+            f"out_cache_loc[{i}] = {value} is out of range: valid slots are {valid} "
+            "(negative slots are padding: their write is skipped)"
+        )
+    return InvalidArgumentError(
+        f"{name}[{i}] = {value} does not fit in int64, the dtype of the step's inputs"
+    )
+
+
+def _host_ints(name: str, a: Any, num_slots: Optional[int]) -> np.ndarray:
+    """A host input as a 1-D int64 array, or a typed error: never a silently wrapped value."""
+    if isinstance(a, torch.Tensor):
+        if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
+            raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
+        arr = a.detach().numpy()
+    else:
+        try:
+            arr = np.asarray(a)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TensorDtypeError(f"{name} must be a 1-D sequence of integers: {e}") from None
+        if arr.dtype.kind in "fO" and isinstance(a, (list, tuple)):
+            # Python ints past int64 make numpy pick float64 or object: name the entry.
+            for i, x in enumerate(a):
+                if isinstance(x, int) and not isinstance(x, bool) and not _I64.min <= x <= _I64.max:
+                    raise _too_big(name, i, x, num_slots)
+    if arr.ndim != 1:
+        raise TensorShapeError(f"{name} must be 1-D, got shape {list(arr.shape)}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TensorDtypeError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _I64.max:
+        bad = int(np.argmax(arr > _I64.max))
+        raise _too_big(name, bad, int(arr[bad]), num_slots)
+    arr = arr.astype(np.int64, copy=False)
+    if name == "out_cache_loc" and num_slots is not None and int(arr.max()) >= num_slots:
+        bad = int(np.argmax(arr >= num_slots))
+        raise _too_big(name, bad, int(arr[bad]), num_slots)
+    return arr
 
 
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
@@ -132,17 +189,19 @@ class DecodeGraphRunner:
         # Python ints for the per-step fill_() calls (indexing the tensor and
         # converting with int() cost a tensor op and .item() per row every run()).
         self._pad_vals = (0, 0, int(pool.null_row), 0, int(pad_seq_len))
+        num_slots = getattr(pool, "num_slots", None)
+        self._num_slots = int(num_slots) if num_slots is not None else None
         with persistent():
             self._pad = torch.tensor(self._pad_vals, dtype=torch.int64)
             self._pad_dev = self._pad.to(self.device)
             self._static = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, device=self.device)
             self._static.copy_(self._pad_dev.view(-1, 1).expand(-1, width))
-            self._staging: Optional[torch.Tensor] = None
-            if self.device.type == "cuda":
-                # Pinned: the H2D copy is a true async DMA, no pageable bounce.
-                self._staging = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, pin_memory=True)
-        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._copy_pending = False
+        # Host inputs -> device: the pool's pinned ring (a true async DMA, and a buffer
+        # is reused only once its copy has run), so run() never waits for the previous
+        # step's copy. None on CPU: the inputs are written straight into the buffers.
+        self._to_device: Optional[Callable[[np.ndarray], torch.Tensor]] = None
+        if self.device.type == "cuda":
+            self._to_device = getattr(pool, "_to_device", None) or PinnedRing(self.device).to_device
         self._graphs: Dict[Tuple[str, int], Tuple[Any, Any]] = {}
         self._mempool: Any = None
         self._ptrs: Optional[List[int]] = None
@@ -209,17 +268,28 @@ class DecodeGraphRunner:
     def _views(self, bucket: int) -> Tuple[torch.Tensor, ...]:
         return tuple(self._static[i, :bucket] for i in range(len(INPUT_NAMES)))
 
-    def _check_inputs(self, args: Sequence[Any]) -> Tuple[int, List[torch.Tensor]]:
-        """Validate before touching any buffer; host inputs become CPU int tensors."""
-        out, lens = [], []
+    def _check_inputs(self, args: Sequence[Any]) -> Tuple[int, List[Any]]:
+        """Validate before touching any buffer: host inputs become int64 numpy arrays
+        (values checked), device inputs stay tensors (dtype, shape and device checked)."""
+        out: List[Any] = []
+        lens = []
         for name, a in zip(INPUT_NAMES, args):
-            t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
-            if t.dim() != 1:
-                raise TensorShapeError(f"{name} must be 1-D, got shape {list(t.shape)}")
-            if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-                raise TensorDtypeError(f"{name} must be integers, got {t.dtype}")
-            out.append(t)
-            lens.append(t.shape[0])
+            if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+                if a.dim() != 1:
+                    raise TensorShapeError(f"{name} must be 1-D, got shape {list(a.shape)}")
+                if a.numel() and (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool):
+                    raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
+                if a.dtype == torch.uint64:
+                    raise TensorDtypeError(
+                        f"{name} is a uint64 device tensor: values past int64 would wrap (2**64 - 1 "
+                        "becomes -1) and checking them would sync the device; pass int64"
+                    )
+                if a.device != self.device:
+                    raise TensorDeviceError(f"{name} is on {a.device}, the pool on {self.device}")
+                out.append(a)
+            else:
+                out.append(_host_ints(name, a, self._num_slots))
+            lens.append(out[-1].shape[0])
         n = lens[0]
         if any(x != n for x in lens):
             raise TensorShapeError(f"inputs must have equal lengths, got {dict(zip(INPUT_NAMES, lens))}")
@@ -227,43 +297,35 @@ class DecodeGraphRunner:
             raise InvalidArgumentError("empty batch: nothing to run")
         if n > self.max_batch_size:
             raise InvalidArgumentError(f"batch of {n} exceeds max_batch_size {self.max_batch_size}")
-        for name, t in zip(INPUT_NAMES, out):
-            if t.device.type != "cpu" and t.device != self.device:
-                raise TensorDeviceError(f"{name} is on {t.device}, the pool on {self.device}")
         return n, out
 
-    def _load_inputs(self, args: Sequence[torch.Tensor], n: int, bucket: int) -> None:
+    def _load_inputs(self, args: Sequence[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
         static = self._static
-        host_rows = []
+        host = []
         for i, a in enumerate(args):
-            if a.device.type != "cpu":
+            if isinstance(a, torch.Tensor):  # on the device
                 static[i, :n].copy_(a)
                 static[i, n:bucket].fill_(self._pad_vals[i])
             else:
-                host_rows.append((i, a))
-        if not host_rows:
+                host.append((i, a))
+        if not host:
             return
-        if self._staging is None:  # CPU pool: write straight into the static buffer
-            for i, t in host_rows:
-                static[i, :n].copy_(t)
+        if self._to_device is None:  # CPU pool: write straight into the static buffer
+            for i, a in host:
+                static[i, :n].copy_(torch.from_numpy(a))
                 static[i, n:bucket].fill_(self._pad_vals[i])
             return
-        assert self._copy_done is not None  # set whenever _staging is (CUDA pools)
-        if self._copy_pending:
-            # The previous async copy may still be reading the staging buffer.
-            self._copy_done.synchronize()
-        staging = self._staging
-        for i, t in host_rows:
-            staging[i, :n].copy_(t)
-            staging[i, n:bucket].fill_(self._pad_vals[i])
-        if len(host_rows) == len(INPUT_NAMES):
-            static.copy_(staging, non_blocking=True)  # one DMA for all inputs
+        packed = np.empty((len(host), bucket), dtype=np.int64)
+        for j, (i, a) in enumerate(host):
+            packed[j, :n] = a
+            packed[j, n:] = self._pad_vals[i]
+        staged = self._to_device(packed)  # one DMA for every host input, queued on this stream
+        if len(host) == len(INPUT_NAMES):
+            static[:, :bucket].copy_(staged)
         else:
-            for i, _ in host_rows:
-                static[i].copy_(staging[i], non_blocking=True)
-        self._copy_done.record(torch.cuda.current_stream(self.device))
-        self._copy_pending = True
+            for j, (i, _) in enumerate(host):
+                static[i, :bucket].copy_(staged[j])
 
     def _reset_static(self) -> None:
         self._static.copy_(self._pad_dev.view(-1, 1).expand_as(self._static))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -186,14 +186,62 @@ def scale_args(scale: Scale, like: torch.Tensor):
     return (1.0 if scale is None else float(scale)), False
 
 
-def tile(heads: int, head_dim: int):
+# Bytes one thread should move per global access: 16 is the widest vector access
+# (ld/st.global.v4.b32), and anything narrower needs more instructions for the same row.
+ACCESS_BYTES = 16
+
+
+def tile(heads: int, head_dim: int, itemsize: int = 2):
     """(BLOCK_H, BLOCK_D, num_warps): BLOCK_D covers head_dim (masked past it), BLOCK_H
-    as many heads as fit in MAX_TILE elements."""
+    as many heads as fit in MAX_TILE elements. ``itemsize`` is the element size of the
+    narrowest tensor the kernel moves: the warps are chosen so that each thread holds
+    16 bytes of it. The compiler gives a thread at most tile / threads elements, so
+    more warps than that would shrink every access (4 warps over an 8 x 64 bf16 tile
+    hold 4 elements, 8 bytes, a thread; an fp8 row needs 16 elements a thread)."""
     block_d = triton_next_pow2(head_dim)
     block_h = max(1, min(triton_next_pow2(heads), MAX_TILE // block_d))
     elems = block_h * block_d
-    num_warps = 8 if elems >= 4096 else (4 if elems >= 512 else 2)
+    per_thread = max(1, ACCESS_BYTES // int(itemsize))
+    num_warps = max(1, min(8, elems // (32 * per_thread)))
     return block_h, block_d, num_warps
+
+
+def rows_to_fill_warp(tile_elems: int, itemsize: int) -> int:
+    """Tokens per program for a per-token kernel: 1, or as many as give one warp 16
+    bytes a thread when a single row is shorter (1 KV head x 128 bf16 is 256 bytes,
+    a warp's 16-byte accesses cover 512)."""
+    per_thread = max(1, ACCESS_BYTES // int(itemsize))
+    return max(1, min(8, (32 * per_thread) // tile_elems))
+
+
+def contiguous_rows(heads: int, head_dim: int, row_strides: Sequence[Tuple[int, int]]) -> bool:
+    """Whether each tensor's [heads, head_dim] row (its (head, dim) strides given) is one
+    contiguous run of heads * head_dim elements that fits one tile.
+
+    Such rows are moved as heads=1, head_dim=heads*head_dim: the row length, not
+    head_dim, then decides how wide the accesses can be. With head_dim = 72 a head's
+    row starts 144 bytes (bf16) or 72 bytes (fp8) after the previous one, so per-head
+    fp8 accesses can be at most 8 bytes wide; the whole row of 8 heads is 576 bytes,
+    a multiple of 16."""
+    if heads * head_dim > MAX_TILE:
+        return False
+    return all(sd == 1 and (heads == 1 or sh == head_dim) for sh, sd in row_strides)
+
+
+def vec_hint(head_dim: int, strides: Sequence[int], dim_strides: Sequence[int], itemsize: int) -> int:
+    """The largest power of two VEC <= 16 bytes / itemsize (in elements) that divides
+    head_dim and every page/offset/head/row stride, with every dim stride 1; else 1.
+
+    Triton only specialises integer arguments on divisibility by 16, so head_dim = 72
+    and its strides look unaligned to the compiler, which then moves one element per
+    access. The kernels rewrite each such value as (x // VEC) * VEC: the same value,
+    whose divisibility by VEC the compiler can see."""
+    if any(s != 1 for s in dim_strides):
+        return 1
+    vec = max(1, ACCESS_BYTES // int(itemsize))
+    while vec > 1 and (head_dim % vec or any(int(s) % vec for s in strides)):
+        vec //= 2
+    return vec
 
 
 def triton_next_pow2(x: int) -> int:

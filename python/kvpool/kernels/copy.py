@@ -31,23 +31,33 @@ from kvpool.kernels.copy_tables import TABLES
 def _copy_slots_kernel(
     base_ptr, deltas_ptr, src_ptr, dst_ptr,
     H, D, PAGE, c_sp, c_so, c_sh, c_sd,
-    ALIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    n, ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    # Tile [ROWS pairs, BLOCK_H heads, BLOCK_D dims]; ROWS > 1 only when one row is
+    # too short to give every thread of a warp 16 bytes.
+    # D and the strides are multiples of VEC (host-checked): see store.py.
+    D = D // VEC * VEC
+    c_sp, c_so, c_sh = c_sp // VEC * VEC, c_so // VEC * VEC, c_sh // VEC * VEC
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
     # Offsets are stored in units of ALIGN elements: multiplying by the constexpr
     # tells the compiler the 16-byte alignment (for vector loads) without a hint.
     cache_ptr = base_ptr + tl.load(deltas_ptr + tl.program_id(1)) * ALIGN
-    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    src = tl.load(src_ptr + t).to(tl.int64)
-    dst = tl.load(dst_ptr + t).to(tl.int64)
-    # Skipped pairs shrink the dim limit to 0 (the interpreter mistypes tensor & scalar bools).
-    mask = (h < H) & (d < tl.where(src >= 0, tl.where(dst >= 0, D, 0), 0))
+    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
+    d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
+    src = tl.load(src_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    dst = tl.load(dst_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    # Skipped pairs (and rows past n) shrink the dim limit to 0, arithmetically so that
+    # D's divisibility survives (store.py); the interpreter mistypes mixed-rank bool ands.
+    lim = (D * ((t < n) & (src >= 0) & (dst >= 0)).to(tl.int32))[:, None, None]
+    mask = (h < H) & (d < lim)
     hd = h * c_sh + d * c_sd
     sp = src // PAGE
     dp = dst // PAGE
-    x = tl.load(cache_ptr + sp * c_sp + (src - sp * PAGE) * c_so + hd, mask=mask)
-    tl.store(cache_ptr + dp * c_sp + (dst - dp * PAGE) * c_so + hd, x, mask=mask)
+    src_off = (sp * c_sp + (src - sp * PAGE) * c_so)[:, None, None]
+    dst_off = (dp * c_sp + (dst - dp * PAGE) * c_so)[:, None, None]
+    x = tl.load(cache_ptr + src_off + hd, mask=mask)
+    tl.store(cache_ptr + dst_off + hd, x, mask=mask)
 
 
 def launch_copy_slots(
@@ -63,10 +73,15 @@ def launch_copy_slots(
     for group in groups.values():  # one launch for the usual uniform pool
         g = c.cache_geom(group[0], "caches")
         table, align = TABLES.get(group)
-        block_h, block_d, warps = c.tile(g.heads, g.head_dim)
-        grid = (n, len(group), triton.cdiv(g.heads, block_h))
+        heads, dim, sh = g.heads, g.head_dim, g.stride_h
+        if c.contiguous_rows(heads, dim, [(g.stride_h, g.stride_d)]):
+            heads, dim, sh = 1, heads * dim, heads * dim
+        vec = c.vec_hint(dim, [g.stride_page, g.stride_off, sh], [g.stride_d], group[0].element_size())
+        block_h, block_d, warps = c.tile(heads, dim, group[0].element_size())
+        rows = c.rows_to_fill_warp(block_h * block_d, group[0].element_size())
+        grid = (triton.cdiv(n, rows), len(group), triton.cdiv(heads, block_h))
         _copy_slots_kernel[grid](
             group[0], table, src_slots, dst_slots,
-            g.heads, g.head_dim, g.page_size, g.stride_page, g.stride_off, g.stride_h, g.stride_d,
-            ALIGN=align, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,
+            heads, dim, g.page_size, g.stride_page, g.stride_off, sh, g.stride_d, n,
+            ALIGN=align, ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
         )

@@ -12,12 +12,20 @@ a pool's K/V buffers are one set). Tables used only eagerly live in a bounded
 LRU. A table is a pure function of its key (the caches' addresses and dtype),
 so reusing one after its caches were freed and others allocated at the same
 addresses is still correct.
+
+An evicted eager table may still be read by a copy queued on another stream than
+the one it was allocated on: torch's caching allocator would hand its memory to
+the next allocation on the allocating stream at once, and the queued copy would
+read whatever that writes. So every stream that used a table is remembered, and
+on eviction the table is marked in use by each (``Tensor.record_stream``): the
+allocator then reuses the memory only after the work queued on those streams so
+far has run.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,12 +41,34 @@ def is_capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def current_stream(t: torch.Tensor) -> Optional[Any]:
+    """The stream a launch on t's device goes to now (None on CPU: nothing is queued)."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def record_stream(table: torch.Tensor, stream: Any) -> None:
+    """Keep table's memory from reuse until the work queued on ``stream`` so far has run."""
+    table.record_stream(stream)
+
+
+class _Entry:
+    __slots__ = ("table", "streams")
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self.streams: List[Any] = []  # every stream a launch that reads the table went to
+
+    def used_on(self, stream: Optional[Any]) -> None:
+        if stream is not None and stream not in self.streams:
+            self.streams.append(stream)
+
+
 class OffsetTables:
     """Offsets tables keyed by (device, dtype, data_ptrs of the caches)."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
-        self._eager: "OrderedDict[Key, Table]" = OrderedDict()
+        self._eager: "OrderedDict[Key, _Entry]" = OrderedDict()
         self._pinned: Dict[Key, Table] = {}
 
     def __len__(self) -> int:
@@ -50,7 +80,8 @@ class OffsetTables:
         return len(self._pinned)
 
     def get(self, group: List[torch.Tensor]) -> Table:
-        """The table for `group` (built on the first eager call, pinned once used in capture).
+        """The table for `group`, to be read by a launch on the current stream (built on
+        the first eager call, pinned once used in capture).
 
         Raises KernelArgumentError inside capture when no table exists: building one
         there would copy from the host, which capture forbids."""
@@ -59,25 +90,30 @@ class OffsetTables:
         hit = self._pinned.get(key)
         if hit is not None:
             return hit
-        hit = self._eager.get(key)
-        if hit is not None:
+        entry = self._eager.get(key)
+        if entry is not None:
             if capturing:
                 del self._eager[key]
-                self._pinned[key] = hit
+                self._pinned[key] = entry.table
             else:
                 self._eager.move_to_end(key)
-            return hit
+                entry.used_on(current_stream(group[0]))
+            return entry.table
         if capturing:
             raise KernelArgumentError(
                 "copy_slots: no offsets table for this set of caches inside CUDA graph capture. "
                 "Call copy_slots once with the same caches before capturing (a warm-up), and "
                 f"capture before more than {self.capacity} other cache sets are used eagerly"
             )
-        table = _build(group)
-        self._eager[key] = table
+        entry = _Entry(_build(group))
+        entry.used_on(current_stream(group[0]))
+        self._eager[key] = entry
         if len(self._eager) > self.capacity:
-            self._eager.popitem(last=False)  # never a pinned table: graphs may still read those
-        return table
+            # Never a pinned table: graphs may still read those.
+            _, old = self._eager.popitem(last=False)
+            for stream in old.streams:
+                record_stream(old.table[0], stream)
+        return entry.table
 
 
 def _build(group: List[torch.Tensor]) -> Table:

@@ -36,24 +36,33 @@ def _gather_kv_kernel(
     c_sp, c_so, c_sh, c_sd, vc_sp, vc_so, vc_sh, vc_sd,
     HAS_V: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     K_HAS_SCALE: tl.constexpr, V_HAS_SCALE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    hd_mask = (h < H) & (d < D)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    # Not hd_mask & (slot >= 0): the interpreter mistypes (tensor & scalar) bools.
-    load_mask = (h < H) & (d < tl.where(slot >= 0, D, 0))
+    # Tile [ROWS tokens, BLOCK_H heads, BLOCK_D dims]; ROWS > 1 only when one row is
+    # too short to give every thread of a warp 16 bytes.
+    # D and the strides are multiples of VEC (host-checked): see store.py.
+    D = D // VEC * VEC
+    c_sp, c_so, c_sh = c_sp // VEC * VEC, c_so // VEC * VEC, c_sh // VEC * VEC
+    vc_sp, vc_so, vc_sh = vc_sp // VEC * VEC, vc_so // VEC * VEC, vc_sh // VEC * VEC
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
+    d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
+    slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    # Dim limits: D for real rows, 0 past n (store) and for padding slots (load, which
+    # then reads zeros). Arithmetic keeps D's divisibility (store.py), and the
+    # interpreter mistypes mixed-rank bool ands.
+    store_lim = (D * (t < n).to(tl.int32))[:, None, None]
+    load_lim = (D * ((t < n) & (slot >= 0)).to(tl.int32))[:, None, None]
+    store_mask = (h < H) & (d < store_lim)
+    load_mask = (h < H) & (d < load_lim)
     page = slot // PAGE
     off = slot - page * PAGE
-    out_off = t.to(tl.int64) * H * D  # outputs are contiguous [n, H, D]
-    _gather_row(k_cache, k_out, page * c_sp + off * c_so, out_off, h * c_sh + d * c_sd,
-                h * D + d, load_mask, hd_mask, k_scale, K_SCALE_PTR, K_HAS_SCALE)
+    out_off = (t.to(tl.int64) * H * D)[:, None, None]  # outputs are contiguous [n, H, D]
+    _gather_row(k_cache, k_out, (page * c_sp + off * c_so)[:, None, None], out_off, h * c_sh + d * c_sd,
+                h * D + d, load_mask, store_mask, k_scale, K_SCALE_PTR, K_HAS_SCALE)
     if HAS_V:
-        _gather_row(v_cache, v_out, page * vc_sp + off * vc_so, out_off, h * vc_sh + d * vc_sd,
-                    h * D + d, load_mask, hd_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
-
+        _gather_row(v_cache, v_out, (page * vc_sp + off * vc_so)[:, None, None], out_off,
+                    h * vc_sh + d * vc_sd, h * D + d, load_mask, store_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
 
 def launch_gather_kv(
     k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k_out: torch.Tensor, vo: torch.Tensor,
@@ -64,13 +73,21 @@ def launch_gather_kv(
     n = slots.shape[0]
     ks, ks_ptr = c.scale_args(k_scale, k_out)
     vs, vs_ptr = c.scale_args(v_scale, vo)
-    block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
-    _gather_kv_kernel[(n, triton.cdiv(kg.heads, block_h))](
+    heads, dim = kg.heads, kg.head_dim
+    strides = [[kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d],
+               [vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d]]
+    if c.contiguous_rows(heads, dim, [(x[2], x[3]) for x in strides]):  # outputs are contiguous
+        heads, dim = 1, heads * dim
+        for x in strides:
+            x[2] = dim
+    itemsize = min(t.element_size() for t in (k_cache, vc, k_out, vo))
+    vec = c.vec_hint(dim, [s for x in strides for s in x[:3]], [x[3] for x in strides], itemsize)
+    block_h, block_d, warps = c.tile(heads, dim, itemsize)
+    rows = c.rows_to_fill_warp(block_h * block_d, itemsize)
+    _gather_kv_kernel[(triton.cdiv(n, rows), triton.cdiv(heads, block_h))](
         k_cache, vc, slots, k_out, vo, ks, vs,
-        n, kg.heads, kg.head_dim, kg.page_size,
-        kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d,
-        vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d,
+        n, heads, dim, kg.page_size, *strides[0], *strides[1],
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_scale is not None, V_HAS_SCALE=has_v and v_scale is not None,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,
+        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
     )

@@ -54,10 +54,16 @@ def _store_kv_kernel(
     HAS_V: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     K_HAS_SCALE: tl.constexpr, V_HAS_SCALE: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, V_FP8_MAX: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
 ):
     # Tile [ROWS tokens, BLOCK_H heads, BLOCK_D dims]: one wide load and one wide
     # store per tensor, so all of a program's rows are in flight at once.
+    # The host proved D and these strides multiples of VEC (_common.vec_hint); the
+    # rewrite keeps each value and shows the compiler that divisibility.
+    D = D // VEC * VEC
+    c_sp, c_so, c_sh = c_sp // VEC * VEC, c_so // VEC * VEC, c_sh // VEC * VEC
+    vc_sp, vc_so, vc_sh = vc_sp // VEC * VEC, vc_so // VEC * VEC, vc_sh // VEC * VEC
+    k_sn, k_sh, v_sn, v_sh = k_sn // VEC * VEC, k_sh // VEC * VEC, v_sn // VEC * VEC, v_sh // VEC * VEC
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
     d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
@@ -66,9 +72,9 @@ def _store_kv_kernel(
     slot = tl.where(t < n, slot, -1)
     # A skipped row shrinks its dim limit to 0. Arithmetic, not tl.where(slot >= 0, D, 0)
     # nor a per-row bool and-ed into the mask: D * {0, 1} keeps D's divisibility, so the
-    # compiler still sees the mask as uniform over 8-element runs of d and emits 16-byte
-    # vector loads/stores (Triton 3.9 falls back to one element per access with the
-    # where-form); and the interpreter mistypes mixed-rank bool ands.
+    # compiler still sees the mask as uniform over each thread's run of d and emits
+    # 16-byte vector loads/stores (Triton 3.9 falls back to one element per access with
+    # the where-form); and the interpreter mistypes mixed-rank bool ands.
     lim = (D * (slot >= 0).to(tl.int32))[:, None, None]               # [R, 1, 1]
     mask = (h < H) & (d < lim)
     page = slot // PAGE
@@ -83,12 +89,14 @@ def _store_kv_kernel(
                    v_scale, V_SCALE_PTR, V_HAS_SCALE, V_FP8, V_FP8_MAX)
 
 
-def rows_per_program(n: int, tile_elems: int = 1024) -> int:
+def rows_per_program(n: int, tile_elems: int = 1024, itemsize: int = 2) -> int:
     """Tokens per program. Prefill-sized batches: enough rows for a ~4096-element
     tile (more bytes in flight per program, fewer blocks to schedule); decode
-    batches: one token per program, so that n programs spread over the SMs."""
+    batches: one token per program, so that n programs spread over the SMs, unless
+    one row is too short to give a warp 16 bytes a thread (``itemsize``: the
+    narrowest element moved): then as many rows as fill one warp."""
     if n < 2048:
-        return 1
+        return c.rows_to_fill_warp(tile_elems, itemsize)
     return max(1, min(8, c.MAX_TILE // tile_elems))
 
 
@@ -103,21 +111,30 @@ def launch_store_kv(
     vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
     k_fp8 = k_cache.dtype in c.FP8_DTYPES
     v_fp8 = vc.dtype in c.FP8_DTYPES
-    block_h, block_d, warps = c.tile(kg.heads, kg.head_dim)
-    rows = rows_per_program(n, block_h * block_d)
-    if rows > 1:
-        warps = 8
-    grid = (triton.cdiv(n, rows), triton.cdiv(kg.heads, block_h))
+    heads, dim = kg.heads, kg.head_dim
+    strides = [[kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d],
+               [vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d],
+               [k.stride(0), k.stride(1), k.stride(2)], [vv.stride(0), vv.stride(1), vv.stride(2)]]
+    if c.contiguous_rows(heads, dim, [(x[-2], x[-1]) for x in strides]):
+        heads, dim = 1, heads * dim
+        for x in strides:
+            x[-2] = dim
+    itemsize = min(t.element_size() for t in (k_cache, vc, k, vv))
+    vec = c.vec_hint(dim, [s for x in strides for s in x[:-1]], [x[-1] for x in strides], itemsize)
+    per_thread = c.ACCESS_BYTES // itemsize
+    block_h, block_d, _ = c.tile(heads, dim, itemsize)
+    rows = rows_per_program(n, block_h * block_d, itemsize)
+    warps = max(1, min(8, rows * block_h * block_d // (32 * per_thread)))  # 16 bytes a thread
+    grid = (triton.cdiv(n, rows), triton.cdiv(heads, block_h))
+    (kp, ko, kh, kd), (vp, vo, vh, vd), k_str, v_str = strides
     _store_kv_kernel[grid](
         k_cache, vc, slots, k, vv, ks, vs,
-        n, kg.heads, kg.head_dim, kg.page_size,
-        kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d,
-        vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d,
-        k.stride(0), k.stride(1), k.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
+        n, heads, dim, kg.page_size,
+        kp, ko, kh, kd, vp, vo, vh, vd, *k_str, *v_str,
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_fp8 or k_scale is not None, V_HAS_SCALE=has_v and (v_fp8 or v_scale is not None),
         K_FP8=k_fp8, V_FP8=v_fp8,
         K_FP8_MAX=c.fp8_max(k_cache.dtype) if k_fp8 else 0.0,
         V_FP8_MAX=c.fp8_max(vc.dtype) if v_fp8 else 0.0,
-        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps,
+        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
     )

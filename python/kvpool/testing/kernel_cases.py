@@ -100,7 +100,7 @@ def store_cases(draw, max_n: int = 12, dtypes=None) -> StoreCase:
     page = draw(st.sampled_from([1, 2, 4, 16])) if layout == "paged" else 1
     num_slots = page * draw(st.integers(2, 6)) if layout == "paged" else draw(st.integers(2, 40))
     heads = draw(st.sampled_from([1, 2, 3, 4, 8]))  # GQA-style KV head counts incl. non-pow2
-    dim = draw(st.sampled_from([1, 7, 16, 40, 64, 80, 96, 128]))
+    dim = draw(st.sampled_from([1, 7, 16, 40, 64, 72, 80, 96, 128, 576]))
     cache_dtype = draw(st.sampled_from(dtypes or CACHE_DTYPES))
     in_dtype = input_dtype_for(cache_dtype, draw(st.integers(0, 1)))
     n = draw(st.integers(0, min(max_n, num_slots)))

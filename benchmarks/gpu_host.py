@@ -1,0 +1,102 @@
+"""Host microseconds per pool call on a GPU pool (benchmarks/gpu_session.py): what the
+scheduler thread pays for `extend(B=256)` (one decode token each), `admit` (16 new
+requests of 128 tokens), an eager `write` of B rows (device and host slots), and
+`DecodeGraphRunner.run` of a 2-layer toy step at batch B (host and device inputs), with the GPU never synchronised
+inside the timed loop (a call that waited for the GPU would show here).
+
+Each figure: median and p90 of single calls, perf_counter_ns around each. --device cpu
+is a dry run of the logic (a CPU pool, batch 8; figures meaningless for a GPU).
+Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import numpy as np
+import torch
+
+from gpu_common import RUN, log, sync
+
+
+
+def _time(fn: Callable[[int], Any], iters: int, warm: int = 5,
+          after: Callable[[Any], None] | None = None) -> Dict[str, Any]:
+    """Host time of fn(i) per call; after(result), if given, runs untimed after each."""
+    for i in range(warm):
+        r = fn(i)
+        if after is not None:
+            after(r)
+    sync()
+    ns = []
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        r = fn(warm + i)
+        ns.append(time.perf_counter_ns() - t0)
+        if after is not None:
+            after(r)
+    sync()
+    ns.sort()
+    return {"median_us": round(statistics.median(ns) / 1e3, 2), "p90_us": round(ns[int(0.9 * (len(ns) - 1))] / 1e3, 2),
+            "min_us": round(ns[0] / 1e3, 2), "iters": iters}
+
+
+def measure(iters: int, B: int) -> Dict[str, Any]:
+    import kvpool
+    from kvpool.cuda_graph import DecodeGraphRunner
+    from kvpool.testing.toy_step import ToyDecode
+
+    dev = RUN.dev
+    steps = iters + 10
+    pool = kvpool.KVPool(2, 8, 128, dtype=torch.bfloat16, device=dev, page_size=16,
+                         num_pages=B * (steps + 64) // 16 + 512, max_requests=B + 32, max_context_len=steps + 160)
+    out: Dict[str, Any] = {"batch": B, "device": dev}
+    handles = pool.open(B)
+    pool.extend(handles, np.full(B, 16, dtype=np.int64))
+    out[f"extend_B{B}"] = _time(lambda i: pool.extend(handles, 1), iters)
+    last = pool.extend(handles, 1)
+
+    counts = np.full(16, 128, dtype=np.int64)
+    out["admit_16x128"] = _time(lambda i: pool.admit(counts)[0], iters, after=pool.close)  # close untimed
+
+    k = torch.randn((B, 8, 128), device=dev).to(torch.bfloat16)
+    dev_slots, host_slots = last.out_cache_loc[:B], np.asarray(last.slots[:B])
+    out["write_device_slots"] = _time(lambda i: pool.write(i % 2, dev_slots, k, k), iters)
+    out["write_host_slots"] = _time(lambda i: pool.write(i % 2, host_slots, k, k), iters)
+
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), B, buckets=[B])
+    lens = np.asarray(pool.lengths(handles))
+    host = (np.zeros(B, dtype=np.int64), lens - 1, np.asarray(pool.rows(handles)), host_slots, lens)
+    device = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=dev) for a in host)
+    with torch.inference_mode():
+        runner.capture()
+        out["runner_run_host_inputs"] = _time(lambda i: runner.run(*host), iters)
+        out["runner_run_device_inputs"] = _time(lambda i: runner.run(*device), iters)
+    for name, r in out.items():
+        if isinstance(r, dict):
+            log(f"[host_us] {name:>26}: median {r['median_us']:8.2f} us, p90 {r['p90_us']:8.2f} us")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="decode batch (default 256; 8 on cpu)")
+    args = ap.parse_args()
+    RUN.dev, RUN.dry = args.device, args.device == "cpu"
+    iters = args.iters or (5 if RUN.dry else 200)
+    report = measure(iters, args.batch or (8 if RUN.dry else 256))
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The one-command GPU session (benchmarks/gpu_session.sh) and the gpu_check sections
+it runs, checked on CPU: the whole session as a dry run (--device cpu), its
+keep-going and time-budget logic with stand-in sections, and the shared-pages
+section of benchmarks/gpu_correctness.py, which no GPU run could reach while it
+called fork with an array."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import kvpool
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_env  # noqa: E402
+import gpu_session as S  # noqa: E402
+
+PY = sys.executable
+
+
+def _env_for_children() -> dict:
+    """The child processes import the same kvpool as this test session."""
+    env = dict(os.environ)
+    here = str(Path(kvpool.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHON"] = PY
+    return env
+
+
+def _junit(path: Path) -> dict:
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def test_dry_run_of_the_whole_session(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--device", "cpu", "--out", str(out)],
+                          env=_env_for_children(), capture_output=True, text=True, timeout=600)
+    report = json.loads((out / "session.json").read_text())
+    sections = report["sections"]
+    bad = {k: v for k, v in sections.items() if v["status"] != "ok"}
+    assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
+    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", *cuda, "shapes"]
+    for name, sec in sections.items():
+        assert (out / sec["log"]).exists() and sec["seconds"] <= sec["budget_s"]
+
+    env = json.loads((out / "env.json").read_text())
+    assert env["core_import"].startswith("ok") and env["glibc"] and env["torch"] and "triton" in env
+    pre = json.loads((out / "preflight.json").read_text())
+    assert pre["ok"] and all(pre[d]["kv_bitwise"] for d in ("torch.bfloat16", "torch.float8_e4m3fn"))
+    cg = _junit(out / "codegen.xml")
+    assert cg["tests"] >= 1 and cg["failures"] == cg["errors"] == 0
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["correctness"]["all_ok"] and check["shared_pages"]["ok"]
+    assert check["summary"]["ok"]["runner:inference_mode"] and check["summary"]["ok"]["runner:no_grad"]
+    host = json.loads((out / "host_us.json").read_text())
+    for key in ("extend_B8", "admit_16x128", "write_device_slots", "write_host_slots",
+                "runner_run_host_inputs", "runner_run_device_inputs"):
+        assert host[key]["median_us"] > 0, key
+    shapes = json.loads((out / "shapes.json").read_text())["shapes"]
+    assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
+    for name, r in shapes.items():
+        assert "error" not in r, (name, r)
+        for op in ("store_kv", "gather_kv", "copy_slots"):
+            assert r["rows"][0][op]["GBps"] >= 0, (name, op, r["rows"][0][op])
+    for p in S.cuda_test_files():
+        assert (out / "cuda_tests" / f"{p.stem}.xml").exists()
+
+
+def _sections(tmp_path, *specs):
+    return [S.Section(name, budget, [PY, "-c", code]) for name, budget, code in specs]
+
+
+def test_a_failing_or_hanging_section_is_recorded_and_the_next_runs(tmp_path):
+    secs = _sections(
+        tmp_path,
+        ("fails", 20, "import sys; print('boom'); sys.exit(3)"),
+        # A child that spawns a grandchild: the whole process group must go.
+        ("hangs", 2, "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"),
+        ("works", 20, "print('still here')"),
+    )
+    t0 = time.perf_counter()
+    report = S.run_session(secs, tmp_path / "o", total_s=120, device="cpu")
+    took = time.perf_counter() - t0
+    r = report["sections"]
+    assert r["fails"]["status"] == "failed" and r["fails"]["rc"] == 3 and "boom" in r["fails"]["tail"]
+    assert r["hangs"]["status"] == "timeout" and r["hangs"]["seconds"] < 2 + S.KILL_GRACE_S + 2
+    assert r["works"]["status"] == "ok" and "still here" in r["works"]["tail"]
+    assert report["summary"] == {"ok": 1, "failed": 1, "timeout": 1, "skipped": 0}
+    assert took < 30
+    saved = json.loads((tmp_path / "o" / "session.json").read_text())
+    assert saved["sections"].keys() == r.keys()
+
+
+def test_the_session_budget_cuts_and_skips_sections(tmp_path):
+    secs = _sections(tmp_path, ("long", 60, "import time; time.sleep(60)"), ("later", 60, "print(1)"))
+    report = S.run_session(secs, tmp_path / "o", total_s=3, device="cpu", min_start_s=1)
+    r = report["sections"]
+    assert r["long"]["status"] == "timeout" and r["long"]["budget_s"] <= 3
+    assert r["later"]["status"] == "skipped" and "budget" in r["later"]["reason"]
+
+
+def test_cuda_test_files_are_found_by_name_and_by_their_skip():
+    names = [p.name for p in S.cuda_test_files()]
+    for must in ("test_graph_runner_cuda.py", "test_kernels_cuda.py", "test_pool_cuda.py", "test_staging.py"):
+        assert must in names
+    # Skips only WITH a GPU, or has no CUDA test at all: not a CUDA test file.
+    assert "test_pool_errors.py" not in names and "test_graph_runner.py" not in names
+    assert names[:3] == sorted(n for n in names if "cuda" in n)
+
+
+def test_only_selects_sections_by_name_or_prefix(tmp_path):
+    plan = S.plan(tmp_path, "cpu")
+    assert [s.name for s in S.selected(plan, "env,shapes")] == ["env", "shapes"]
+    picked = [s.name for s in S.selected(plan, "cuda_tests")]
+    assert picked and all(n.startswith("cuda_tests:") for n in picked)
+
+
+def test_glibc_needed_takes_the_highest_version(tmp_path):
+    so = tmp_path / "fake.so"
+    so.write_bytes(b"\x7fELF\0GLIBC_2.4\0GLIBC_2.17\0xx GLIBC_2.34\0GLIBC_PRIVATE\0")
+    assert gpu_env.glibc_needed(so) == "2.34"
+    assert gpu_env.glibc_needed(tmp_path / "missing.so") is None
+
+
+def test_shared_pages_section_runs_on_cpu():
+    """The section forked with a 1-element array (fork takes one handle), so it always
+    raised and the only on-device copy-on-write and prefix check never ran."""
+    from gpu_common import RUN
+    import gpu_correctness as C
+
+    saved = (RUN.dev, RUN.dry)
+    RUN.dev, RUN.dry = "cpu", True
+    try:
+        r = C.section_shared_pages()
+    finally:
+        RUN.dev, RUN.dry = saved
+    assert r == {"prefix_hit_tokens": 64, "prefix_rows_ok": True, "cow_ok": True,
+                 "parent_untouched": True, "ok": True}

@@ -1,0 +1,162 @@
+"""DecodeGraphRunner.run's inputs: values that do not fit int64 are typed errors (never
+a silent wrap to padding), and host inputs are staged through a pinned ring without
+waiting for the previous step's copy.
+
+The ring's pinned buffers and CUDA events need a GPU, so here the runner of a CPU pool
+is given a PinnedRing with fake events that never complete (a GPU that has run none
+of the queued copies): every run must still go through, none may wait. The CUDA path
+itself is tested in test_graph_runner_cuda.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.cuda_graph import INPUT_NAMES, DecodeGraphRunner
+from kvpool.staging import PinnedRing
+from kvpool.testing.toy_step import ToyDecode
+
+from test_graph_runner import as_tensors, decode_inputs, make_pool, snapshot, start_requests
+
+U64_MAX = 2**64 - 1
+
+
+def _runner(pool=None):
+    pool = pool or make_pool()
+    return pool, DecodeGraphRunner(pool, ToyDecode(pool), max_batch_size=4)
+
+
+def _args(pool, **override):
+    args = {"input_ids": [1, 2], "positions": [0, 1], "req_rows": [0, 1],
+            "out_cache_loc": [pool.page_size + 1, pool.page_size + 2], "seq_lens": [1, 2]}
+    args.update(override)
+    return [args[name] for name in INPUT_NAMES]
+
+
+# (what out_cache_loc is given as, the value that does not fit int64)
+HUGE_SLOTS = [
+    ("list", [5, U64_MAX], U64_MAX),
+    ("list-2**63", [5, 2**63], 2**63),
+    ("list-past-u64", [5, 2**64], 2**64),
+    ("list-mixed-sign", [-1, 2**63], 2**63),  # numpy would make this float64
+    ("numpy-uint64", np.array([5, U64_MAX], dtype=np.uint64), U64_MAX),
+    ("torch-uint64", torch.tensor([5, U64_MAX], dtype=torch.uint64), U64_MAX),
+]
+
+
+@pytest.mark.parametrize("kind,slots,value", HUGE_SLOTS, ids=[k for k, _, _ in HUGE_SLOTS])
+def test_out_cache_loc_past_int64_is_a_slot_range_error(kind, slots, value):
+    """2**64 - 1 would wrap to -1 (padding: the write silently skipped); 2**63 raised
+    an untyped TypeError. Both are SlotRangeError, as KVPool.write says for them."""
+    pool, runner = _runner()
+    before = snapshot(pool)
+    static = runner._static.clone()
+    with pytest.raises(kvpool.SlotRangeError, match=rf"out_cache_loc\[1\] = {value} is out of range"):
+        runner.run(*_args(pool, out_cache_loc=slots))
+    # KVPool.write refuses the same slots (a uint64 tensor by its dtype).
+    with pytest.raises(kvpool.TensorDtypeError if kind == "torch-uint64" else kvpool.SlotRangeError):
+        pool.write(0, slots, torch.zeros((2, 2, 8)), torch.zeros((2, 2, 8)))
+    assert torch.equal(runner._static, static)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(pool), before))
+
+
+def test_out_cache_loc_past_the_pool_is_a_slot_range_error():
+    pool, runner = _runner()
+    with pytest.raises(kvpool.SlotRangeError, match=rf"out_cache_loc\[0\] = {pool.num_slots} is out of range: "
+                                                    rf"valid slots are \[0, {pool.num_slots}\)"):
+        runner.run(*_args(pool, out_cache_loc=[pool.num_slots, 3]))
+
+
+@pytest.mark.parametrize("name", [n for n in INPUT_NAMES if n != "out_cache_loc"])
+@pytest.mark.parametrize("value", [U64_MAX, 2**63, -(2**63) - 1])
+def test_other_inputs_past_int64_are_invalid_argument_errors(name, value):
+    pool, runner = _runner()
+    for given in ([0, value], np.array([0, value], dtype=np.uint64) if value > 0 else None):
+        if given is None:
+            continue
+        with pytest.raises(kvpool.InvalidArgumentError, match=rf"{name}\[1\] = {value} does not fit in int64") as e:
+            runner.run(*_args(pool, **{name: given}))
+        assert not isinstance(e.value, kvpool.SlotRangeError)
+
+
+def test_int64_extremes_and_padding_still_pass():
+    """Values that fit int64 are taken as they are: -1 is padding (skipped), and the
+    int64 minimum is a negative (padding) slot too."""
+    pool, runner = _runner()
+    before = snapshot(pool)
+    runner.run(*_args(pool, out_cache_loc=np.array([-1, -(2**63)], dtype=np.int64)))
+    assert runner._static[INPUT_NAMES.index("out_cache_loc"), :2].tolist() == [-1, -(2**63)]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(pool), before))
+
+
+def test_errors_name_the_bad_input():
+    pool, runner = _runner()
+    with pytest.raises(kvpool.TensorDtypeError, match="seq_lens must be integers"):
+        runner.run(*_args(pool, seq_lens=np.array([1.0, 2.0])))
+    with pytest.raises(kvpool.TensorDtypeError, match="positions must be integers"):
+        runner.run(*_args(pool, positions=[True, False]))
+    with pytest.raises(kvpool.TensorShapeError, match="req_rows must be 1-D"):
+        runner.run(*_args(pool, req_rows=np.zeros((2, 1), dtype=np.int64)))
+    with pytest.raises(kvpool.TensorDtypeError, match="input_ids must be a 1-D sequence of integers"):
+        runner.run(*_args(pool, input_ids=[[1], [2, 3]]))
+    assert runner.run(*_args(pool)).shape == (2, 64)  # still usable
+
+
+# ----- staging through the pinned ring ----------------------------------------------------
+
+class NeverDone:
+    """A CUDA event for a GPU that has run nothing yet."""
+
+    waits = 0
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        NeverDone.waits += 1
+
+
+def test_host_inputs_go_through_the_ring_without_waiting(monkeypatch):
+    """Three steps in a row while no copy has completed: each is one packed transfer
+    through the ring ([5, bucket], real rows then padding), the ring grows to three
+    buffers, and nothing waits. Results equal the same steps run on a twin."""
+    NeverDone.waits = 0
+    pool, twin = make_pool(), make_pool()
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), max_batch_size=8)
+    ring = PinnedRing(torch.device("cpu"), alloc=lambda n: torch.empty(n, dtype=torch.uint8),
+                      make_event=NeverDone)
+    sent = []
+
+    def to_device(host):
+        sent.append(host.copy())
+        return ring.to_device(host)
+
+    runner._to_device = to_device
+    hs, th = start_requests(pool, [2, 3, 4]), start_requests(twin, [2, 3, 4])
+    for step in range(3):
+        args, targs = decode_inputs(pool, hs, seed=step), decode_inputs(twin, th, seed=step)
+        got = runner.run(*args)
+        want = ToyDecode(twin)(*as_tensors(targs))
+        torch.testing.assert_close(got, want[:3], rtol=1e-5, atol=1e-5)
+        packed = sent[-1]
+        assert packed.shape == (5, 4) and packed.dtype == np.int64  # bucket 4 for 3 requests
+        for i, a in enumerate(args):
+            assert packed[i, :3].tolist() == np.asarray(a).tolist()
+        assert packed[:, 3].tolist() == list(runner._pad_vals)
+    assert len(sent) == 3 and ring.depth == 3 and NeverDone.waits == 0
+    sink = pool.page_size  # page 0 takes the padded entries' K/V on the runner's side only
+    for a, b in zip(snapshot(pool), snapshot(twin)):
+        torch.testing.assert_close(a.reshape(-1, 2, 8)[sink:], b.reshape(-1, 2, 8)[sink:], rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_pool_writes_inputs_directly():
+    """A CPU pool has no ring: nothing to stage, the buffers are written in place."""
+    pool, runner = _runner()
+    assert runner._to_device is None
+    runner.run(*_args(pool))
+    assert runner._static[:, :2].tolist() == [list(map(int, x)) for x in _args(pool)]
