@@ -16,6 +16,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 import kvpool
@@ -313,4 +314,130 @@ def test_four_threads_fork_extend_close_admit_write_read_back_bitwise():
     assert stats["forks"] > 20 and stats["reads"] > 100, stats
     pool.close([q.h for q in leftover.mine])
     assert pool.used_pages == 0 and pool.open_requests == 0
+    pool.check()
+
+
+# ----- transfers hold the pool while they hold pages -----------------------------------
+
+class _FakeLink:
+    """kv_transfer's link to a peer, played from ``script``: ``script[what]`` is what
+    each receive gets, ``script["before_" + what]`` runs first, and every message
+    sent is logged in ``script["log"]`` (in the sending thread, so inside the pool
+    call that sends it)."""
+
+    script: dict = {}
+
+    def __init__(self, peer, group, device, timeout_s) -> None:
+        self.device, self.messages = torch.device("cpu"), 0
+
+    def _log(self, what, value):
+        _FakeLink.script["log"].append((what, value))
+
+    def send(self, t, what):
+        self._log(what, t.clone())
+
+    def post_recv(self, t, what):
+        t.copy_(_FakeLink.script[what].pop(0).view(t.dtype).view(t.shape))
+
+    def wait(self, work, what):
+        pass
+
+    def send_ints(self, values, what):
+        self._log(what, np.asarray(values).copy())
+
+    def recv_ints(self, n, what):
+        hook = _FakeLink.script.get("before_" + what)
+        if hook is not None:
+            hook()
+        self._log("got " + what, None)
+        return np.asarray(_FakeLink.script[what], np.int64)
+
+
+@pytest.fixture
+def fake_link(monkeypatch):
+    from kvpool.distributed import kv_transfer
+
+    _FakeLink.script = {"log": []}
+    monkeypatch.setattr(kv_transfer, "_Link", _FakeLink)
+    monkeypatch.setattr(kv_transfer, "comm_device", lambda group, device: torch.device("cpu"))
+    return _FakeLink.script
+
+
+def test_send_request_keeps_the_pages_until_the_ack(fake_link):
+    """While send_request waits for the receiver's reply, another thread closes the
+    request and reuses its pages. That close must wait for the transfer, and the
+    chunk sent must hold the request's K/V."""
+    from kvpool.distributed import protocol as P
+
+    pool = small_pool(num_pages=16)
+    hs, r = pool.admit([6])
+    x = rows([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    pool.write(0, r.slots, x, -x)
+    pages = torch.from_numpy(pool.pages(hs[0]).astype(np.int64))
+    want = torch.stack([c[0].view(pool.num_pages, -1)[pages] for _, c in pool._storage.tensors()])
+    waiting, b_done = threading.Event(), threading.Event()
+
+    def before_reply():
+        waiting.set()
+        b_done.wait(WINDOW_S)
+
+    fake_link.update({"before_reply": before_reply, "reply": [P.OK, 0, 0, 0, 0, 0], "ack": [P.OK, 2]})
+
+    def thread_b():
+        assert waiting.wait(10)
+        pool.close(hs)
+        _, r2 = pool.admit([8])
+        pool.write(0, r2.slots, rows([-9.0] * 8), rows([-9.0] * 8))
+        fake_link["log"].append(("closed", None))
+        b_done.set()
+
+    run_both(lambda: pool.send_request(int(hs[0]), 1), thread_b)
+    order = [what for what, _ in fake_link["log"] if what in ("got ack", "closed")]
+    assert order == ["got ack", "closed"], "the request was closed while its pages were being sent"
+    chunks = [t for what, t in fake_link["log"] if what == "K/V chunk"]
+    assert len(chunks) == 1 and torch.equal(chunks[0].view(torch.float32).view(want.shape), want)
+    pool.check()
+
+
+def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
+    """A reset from another thread while recv_request stores the chunks waits for it:
+    the pages stay the received request's until the ack is sent."""
+    from kvpool.distributed import kv_transfer
+    from kvpool.distributed import protocol as P
+
+    pool = small_pool(num_pages=16)
+    header = np.zeros(P.HEADER_LEN, np.int64)
+    header[P.H_MAGIC], header[P.H_VERSION] = P.MAGIC, P.VERSION
+    for k, v in P.shape_fields(pool).items():
+        header[k] = v
+    header[P.H_LENGTH], header[P.H_PAGES], header[P.H_PER_CHUNK] = 6, 2, 2
+    # One chunk [caches, layers, pages, page floats]: K = 1..8, V = 9..16.
+    fake_link.update({"header": header, "K/V chunk": [torch.arange(1.0, 17.0)]})
+    storing, b_done = threading.Event(), threading.Event()
+    real_unpack = kv_transfer._unpack
+    got = {}
+
+    def paused_unpack(views, chunk, pages, idx):
+        storing.set()
+        b_done.wait(WINDOW_S)
+        real_unpack(views, chunk, pages, idx)
+        got["pages"] = pages.tolist()
+
+    monkeypatch.setattr(kv_transfer, "_unpack", paused_unpack)
+
+    def thread_a():
+        got["h"] = pool.recv_request(0)
+
+    def thread_b():
+        assert storing.wait(10)
+        pool.reset()
+        fake_link["log"].append(("reset", None))
+        b_done.set()
+
+    run_both(thread_a, thread_b)
+    order = [what for what, _ in fake_link["log"] if what in ("ack", "reset")]
+    assert order == ["ack", "reset"], "the pool was reset under a transfer"
+    k = pool.k_buffer(0).view(pool.num_pages, -1)[torch.tensor(got["pages"])].reshape(-1)
+    assert k.tolist() == [float(i) for i in range(1, 9)]
+    assert not pool.is_open(got["h"]) and pool.open_requests == 0
     pool.check()
