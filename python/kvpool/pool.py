@@ -169,11 +169,11 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             num_pages=num_pages, num_slots=num_slots, memory_bytes=memory_bytes,
             memory_fraction=memory_fraction, device=self.device,
         )
-        # The allocator validates its own arguments; make it before any tensor
-        # so a bad config fails without allocating device memory.
         # Held for the whole of every call that changes ownership (see the class doc).
         # Reentrant: send/recv_request hold it around the pool calls they make.
         self._lock = threading.RLock()
+        # The allocator validates its own arguments; make it before any tensor
+        # so a bad config fails without allocating device memory.
         self.allocator = SlotAllocator(
             pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed,
             handle_seed=handle_seed, kv_events=kv_events,
