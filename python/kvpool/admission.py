@@ -17,6 +17,8 @@ class AdmissionMixin:
     req_to_token: torch.Tensor
     _table_np: np.ndarray | None  # the CPU req_to_token as numpy; None on a device
     _to_device: ToDevice | None
+    _lock: Any  # the pool's RLock (see KVPool: threads)
+    _enter_device_call: Any
 
     def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, ExtendResult]:
         """Open ``len(counts)`` requests and extend request ``i`` by ``counts[i]``
@@ -39,20 +41,25 @@ class AdmissionMixin:
             ContextTooLongError: a count is past ``max_context_len``.
             InvalidArgumentError: counts is not a sequence of ints >= 0 (a single
                 int is refused), or token ids of the wrong length or range.
+            TensorDeviceError: called while a CUDA graph is being captured on
+                the pool's device (its host -> device copy cannot be captured).
             Atomic: on any of these no request is opened and nothing changes. If
             the device table update itself fails after the allocator committed
             (a CUDA OOM or launch error), the new requests are emptied, last first,
             so their pages go back on the free stack in their old order, and closed.
         """
-        if self._table_np is not None:  # a CPU table: the core writes the rows
-            handles, slots = self.allocator.admit(counts, table=self._table_np, tokens=tokens)
-            return handles, ExtendResult(slots, torch.from_numpy(slots))
-        handles, packed, num_requests = self.allocator.admit_packed(counts, tokens=tokens)
-        try:
-            slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
-        except BaseException:
-            back = handles[::-1].copy()
-            self.allocator.truncate(back, 0)
-            self.allocator.close(back)
-            raise
-        return handles, ExtendResult(slots, dev)
+        with self._lock:
+            if self._to_device is not None:  # CUDA (staged through the pinned ring)
+                self._enter_device_call("admit")
+            if self._table_np is not None:  # a CPU table: the core writes the rows
+                handles, slots = self.allocator.admit(counts, table=self._table_np, tokens=tokens)
+                return handles, ExtendResult(slots, torch.from_numpy(slots))
+            handles, packed, num_requests = self.allocator.admit_packed(counts, tokens=tokens)
+            try:
+                slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+            except BaseException:
+                back = handles[::-1].copy()
+                self.allocator.truncate(back, 0)
+                self.allocator.close(back)
+                raise
+            return handles, ExtendResult(slots, dev)

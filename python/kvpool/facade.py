@@ -3,10 +3,12 @@
 Engines talk to the pool only; ``pool.allocator`` stays reachable for tests and
 tools but is never needed for ordinary work. Everything here is a direct call
 into the Rust ``SlotAllocator`` (one crossing, no torch), so the pool adds
-nothing to its cost. Handles are the ints ``open`` returns; batch arguments
+nothing to its cost but an uncontended lock. Handles are the ints ``open`` returns; batch arguments
 take a Python int, a sequence of ints, a 1-D integer numpy array or a CPU
 tensor. Every call that fails raises a ``KVPoolError`` subclass and changes
-nothing.
+nothing. Calls that change ownership hold the pool's lock (``KVPool``'s
+"Threads"), so they wait while another thread's extend runs its
+copy-on-write copies; queries and counters take only the core's own lock.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class AllocatorFacade:
     """Mixin: the allocator-only part of ``KVPool``'s API (no tensors involved)."""
 
     allocator: SlotAllocator
+    _lock: Any  # the pool's RLock
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
@@ -81,7 +84,8 @@ class AllocatorFacade:
             TooManyRequestsError: more than ``max_requests`` would be open.
             InvalidArgumentError: ``n`` is negative or not an int.
         """
-        return self.allocator.open(n)
+        with self._lock:
+            return self.allocator.open(n)
 
     def truncate(self, handles: Any, lengths: Any) -> None:
         """Shorten requests to ``lengths`` tokens, freeing pages no longer needed.
@@ -99,7 +103,8 @@ class AllocatorFacade:
             InvalidArgumentError: a length is negative or longer than the
                 request, mismatched sizes, a duplicate handle.
         """
-        self.allocator.truncate(handles, lengths)
+        with self._lock:
+            self.allocator.truncate(handles, lengths)
 
     def close(self, handles: Any, cache: bool = False) -> None:
         """Close requests and release all their pages; their handles become stale.
@@ -113,7 +118,8 @@ class AllocatorFacade:
             InvalidHandleError: a handle is unknown, already closed or stale.
             InvalidArgumentError: a duplicate handle.
         """
-        self.allocator.close(handles, cache=cache)
+        with self._lock:
+            self.allocator.close(handles, cache=cache)
 
     def cache(self, handles: Any) -> None:
         """Register every full page of each request whose token ids are all known
@@ -127,7 +133,8 @@ class AllocatorFacade:
             InvalidHandleError: a handle is unknown, closed or stale.
             InvalidArgumentError: a duplicate handle.
         """
-        self.allocator.cache(handles)
+        with self._lock:
+            self.allocator.cache(handles)
 
     def evict(self, n_pages: int) -> int:
         """Evict up to ``n_pages`` cached pages nobody holds, least recently used
@@ -140,12 +147,14 @@ class AllocatorFacade:
         Raises:
             InvalidArgumentError: ``n_pages`` is negative or not an int.
         """
-        return self.allocator.evict(n_pages)
+        with self._lock:
+            return self.allocator.evict(n_pages)
 
     def clear_cache(self) -> None:
         """Drop every prefix-cache entry: cached pages become free; pages held by
         open requests stay with them. Records one Cleared event."""
-        self.allocator.clear_cache()
+        with self._lock:
+            self.allocator.clear_cache()
 
     def take_events(self) -> dict[str, np.ndarray]:
         """Drain the KV cache events (Stored / Removed / Cleared, what vLLM's
@@ -171,7 +180,8 @@ class AllocatorFacade:
         ``req_to_token`` is not cleared: no handle can read it any more, and
         each new request's ``extend`` writes its own entries.
         """
-        self.allocator.reset()
+        with self._lock:
+            self.allocator.reset()
 
     # ----- queries --------------------------------------------------------------
 

@@ -12,6 +12,7 @@ caller's grad mode.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing
 from kvpool.sharing import SharingMixin, apply_cow
+from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.admission import AdmissionMixin
 from kvpool.transfer import ExtendResult, PageTable, page_table_tensors, update_req_to_token
@@ -80,6 +82,24 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
     total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
     then this rank's count, ``kv_head_start`` its first head; MLA replicates the
     latent cache). See ``kvpool.distributed`` and docs/distributed.md.
+
+    Threads: one pool may be shared between threads. Every call that changes
+    who owns what (``open``, ``admit``, ``extend``, ``truncate``, ``close``,
+    ``cache``, ``fork``, the ``open_with_*`` calls, ``evict``, ``clear_cache``,
+    ``reset``, ``send_request`` / ``recv_request``) holds the pool's lock for its
+    whole duration, copy-on-write copies included, so no thread can free and
+    reuse a page before a copy has read it. Queries and counters take only the
+    core's own lock; ``write`` and ``read`` take none (a request's owner writes
+    its own slots).
+
+    Streams (CUDA): everything a pool call enqueues (H2D copies, the table
+    kernel, copy-on-write copies) goes on the caller's current stream. An engine
+    whose forward runs on another stream makes that stream wait for it
+    (``wait_stream`` or an event) before its kernels read the tables or write
+    K/V. Calls that stage host data (``extend``, ``admit``, ``page_table``,
+    ``fork``, the ``open_with_*`` calls) raise ``TensorDeviceError`` while that
+    stream is capturing a CUDA graph, before anything changes. See
+    docs/kernels-and-graphs.md ("Streams and threads").
     """
 
     def __init__(
@@ -149,6 +169,9 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             num_pages=num_pages, num_slots=num_slots, memory_bytes=memory_bytes,
             memory_fraction=memory_fraction, device=self.device,
         )
+        # Held for the whole of every call that changes ownership (see the class doc).
+        # Reentrant: send/recv_request hold it around the pool calls they make.
+        self._lock = threading.RLock()
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.
         self.allocator = SlotAllocator(
@@ -192,6 +215,19 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
         # slots given to write) goes through pinned buffers guarded by events: from
         # pageable memory the driver may synchronise with the stream to stage it.
         self._to_device = PinnedRing(self.device).to_device if self.device.type == "cuda" else None
+        # CUDA: orders copy-on-write copies before later page hand-outs on other streams.
+        self._order: CopyOrder | None = CopyOrder(self.device) if self.device.type == "cuda" else None
+
+    def _enter_device_call(self, what: str) -> None:
+        """Start of a call that stages host data and hands out pages, on a pool
+        that stages through the pinned ring (CUDA); the lock is held.
+
+        Refused during CUDA graph capture (before the core changes anything), and
+        the caller's stream waits for earlier copy-on-write copies made on another.
+        """
+        refuse_capture(self.device, what)
+        if self._order is not None:
+            self._order.wait()
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -265,23 +301,35 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             ContextTooLongError: a request would pass ``max_context_len``.
             InvalidArgumentError: a negative count, mismatched sizes, a duplicate
                 handle, token ids of the wrong length or disagreeing with the prompt.
+            TensorDeviceError: called while a CUDA graph is being captured on the
+                pool's device (its host -> device copy cannot be captured).
             Atomic: on any error neither the allocator nor the table changes.
         """
-        if self._table_np is not None:
-            if tokens is None and not self._sharing:
-                slots = self.allocator.extend(handles, counts, table=self._table_np)
-            else:
-                slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens, cow=True)
-                apply_cow(self, cow, table_written=True)
-            return ExtendResult(slots, torch.from_numpy(slots))
-        packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
+        # acquire/release rather than `with`: this is the per-step call, and on CPython
+        # the context-manager protocol costs more than the lock itself.
+        lock = self._lock
+        lock.acquire()
         try:
-            slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
-        except BaseException:
-            self._roll_back_extend(handles, packed, num_requests, cow)
-            raise
-        apply_cow(self, cow, table_written=False)
-        return ExtendResult(slots, dev)
+            if self._to_device is not None:  # CUDA (staged through the pinned ring)
+                self._enter_device_call("extend")
+            if self._table_np is not None:
+                if tokens is None and not self._sharing:
+                    slots = self.allocator.extend(handles, counts, table=self._table_np)
+                else:
+                    slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens,
+                                                       cow=True)
+                    apply_cow(self, cow, table_written=True)
+                return ExtendResult(slots, torch.from_numpy(slots))
+            packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
+            try:
+                slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+            except BaseException:
+                self._roll_back_extend(handles, packed, num_requests, cow)
+                raise
+            apply_cow(self, cow, table_written=False)
+            return ExtendResult(slots, dev)
+        finally:
+            lock.release()
 
     def _roll_back_extend(self, handles: Any, packed: np.ndarray, num_requests: int, cow: np.ndarray | None) -> None:
         """Undo a committed extend whose table update failed (a CUDA OOM or launch error).
@@ -314,7 +362,11 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            TensorDeviceError: called while a CUDA graph is being captured on the
+                pool's device (its host -> device copy cannot be captured).
         """
+        if self._to_device is not None:
+            refuse_capture(self.device, "page_table")
         return page_table_tensors(*self.allocator.page_table(handles), self.device, self._to_device)
 
     # ----- views ----------------------------------------------------------

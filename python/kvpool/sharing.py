@@ -47,7 +47,9 @@ def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
 
     Copies each moved slot's K/V (every layer) to its new slot, and, unless the
     core already wrote the host table, points the moved positions' table
-    entries at the new slots.
+    entries at the new slots. The caller holds the pool's lock: a copy's source
+    page may have no other holder left, and must not be handed out again before
+    the copy has read it.
     """
     if cow is None:
         return
@@ -57,12 +59,14 @@ def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
     if table_written:
         src_d, dst_d = _to_device(pool, src, dst)
         copy_slots(caches, src_d, dst_d)
-        pool.copied_slots += m  # kvpool.metrics: copy bytes = copied_slots * bytes_per_slot
-        return
-    src_d, dst_d, rows_d, pos_d, ones_d = _to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
-    copy_slots(caches, src_d, dst_d)
-    pool.copied_slots += m
-    write_req_to_token(pool.req_to_token, rows_d, pos_d, ones_d, dst_d)
+    else:
+        src_d, dst_d, rows_d, pos_d, ones_d = _to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
+        copy_slots(caches, src_d, dst_d)
+        write_req_to_token(pool.req_to_token, rows_d, pos_d, ones_d, dst_d)
+    pool.copied_slots += m  # kvpool.metrics: copy bytes = copied_slots * bytes_per_slot
+    order = getattr(pool, "_order", None)
+    if order is not None:  # CUDA: later hand-outs on other streams wait for these copies
+        order.copied()
 
 
 class SharingMixin:
@@ -70,9 +74,12 @@ class SharingMixin:
 
     allocator: Any
     req_to_token: torch.Tensor
-    _sharing: bool
+    _sharing: bool  # read and set under _lock only
     _table_np: np.ndarray | None  # the CPU req_to_token as numpy; None on a device
     copied_slots: int = 0  # slots copy-on-write copied so far (every layer's K and V), cumulative
+    _lock: Any  # the pool's RLock (see KVPool: threads)
+    _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
+    _enter_device_call: Any
 
     def _write_prefixes(self, handles: np.ndarray, lengths: np.ndarray) -> None:
         """Write the slots of each request's first ``lengths[i]`` positions into its row."""
@@ -108,15 +115,20 @@ class SharingMixin:
             InvalidArgumentError: tokens and lengths disagree, a token id out of
                 range, a salt of the wrong type.
             ContextTooLongError: a prompt longer than ``max_context_len``.
-            TooManyRequestsError: not enough free rows. Nothing changes on any error.
+            TooManyRequestsError: not enough free rows.
+            TensorDeviceError: called while a CUDA graph is being captured on the
+                pool's device. Nothing changes on any error.
         """
-        if self._table_np is not None:  # a CPU table: the core writes the rows
-            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
-        else:
-            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
-            self._write_prefixes(handles, cached)
-        self._sharing = True
-        return handles, cached
+        with self._lock:
+            if self._to_device is not None:  # CUDA (staged through the pinned ring)
+                self._enter_device_call("open_with_prefix")
+            if self._table_np is not None:  # a CPU table: the core writes the rows
+                handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
+            else:
+                handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
+                self._write_prefixes(handles, cached)
+            self._sharing = True
+            return handles, cached
 
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
         """Open ``n`` requests sharing all of ``handle``'s pages and known tokens
@@ -132,17 +144,22 @@ class SharingMixin:
             InvalidHandleError: ``handle`` is unknown, closed or stale.
             TooManyRequestsError: not enough free rows.
             InvalidArgumentError: ``n`` is negative or not an int.
+            TensorDeviceError: called while a CUDA graph is being captured on the
+                pool's device. Nothing changes on any error.
         """
-        if self._table_np is not None:  # a CPU table: the core writes the rows
-            kids = self.allocator.fork(handle, n, table=self._table_np)
+        with self._lock:
+            if self._to_device is not None:  # CUDA (staged through the pinned ring)
+                self._enter_device_call("fork")
+            if self._table_np is not None:  # a CPU table: the core writes the rows
+                kids = self.allocator.fork(handle, n, table=self._table_np)
+                self._sharing = True
+                return kids
+            kids = self.allocator.fork(handle, n)
             self._sharing = True
+            if len(kids):
+                length = self.allocator.length(handle)
+                self._write_prefixes(kids, np.full(len(kids), length, dtype=np.int64))
             return kids
-        kids = self.allocator.fork(handle, n)
-        self._sharing = True
-        if len(kids):
-            length = self.allocator.length(handle)
-            self._write_prefixes(kids, np.full(len(kids), length, dtype=np.int64))
-        return kids
 
     # Prefix-aware transfer between pools (kvpool.distributed.kv_transfer).
 
@@ -185,10 +202,15 @@ class SharingMixin:
         Raises:
             InvalidArgumentError: malformed hashes or tokens, a bad salt or max_pages.
             ContextTooLongError: more tokens than ``max_context_len``.
-            TooManyRequestsError: no free row. Nothing changes on any error.
+            TooManyRequestsError: no free row.
+            TensorDeviceError: called while a CUDA graph is being captured on the
+                pool's device. Nothing changes on any error.
         """
-        handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
-        if cached:
-            self._sharing = True
-        self._write_prefixes(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
-        return int(handle)
+        with self._lock:
+            if self._to_device is not None:  # CUDA (staged through the pinned ring)
+                self._enter_device_call("open_with_chain_hashes")
+            handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+            if cached:
+                self._sharing = True
+            self._write_prefixes(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
+            return int(handle)

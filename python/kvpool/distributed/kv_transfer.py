@@ -19,11 +19,15 @@ So a request costs 4 + chunks messages whatever its length or layer count, and
 nothing big moves before dst has agreed. Every wait has a timeout, so a dead or
 silent peer surfaces as ``TransferError`` / ``TransferTimeoutError``. Failure
 leaves both pools as they were: src only reads; dst rejects before opening
-anything when it has no room, and closes the half-received request otherwise.
+anything when it has no room or the header is malformed (checked field by field
+against its own pool, see ``kvpool.distributed.protocol``), and closes the
+half-received request otherwise. Each side holds its pool's lock while it
+holds the request's pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -36,22 +40,23 @@ from kvpool._core import ContextTooLongError, KVPoolError, PoolExhaustedError, T
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
+from kvpool.distributed.protocol import (
+    CONTEXT, EXHAUSTED, H_ABORT, H_HASHES, H_LENGTH, H_MAGIC, H_PAGES, H_PER_CHUNK, H_SCALES, H_VERSION,
+    HEADER_LEN, INCOMPATIBLE, MAGIC, MALFORMED, OK, REASONS, REPLY_LEN, TAG, TOO_MANY, VERSION,
+    header_problem, incompatible, meta_words, shape_fields, split_chain,
+)
+from kvpool.distributed.protocol import scales as scales_of
 from kvpool.torch_types import FP8_DTYPES
 from kvpool.modes import persistent
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
-MAGIC, VERSION = 0x6B76706F6F6C, 2
-TAG = 0x4B56
-HEADER_LEN, REPLY_LEN = 16, 6
 DEFAULT_CHUNK_BYTES = 16 << 20  # staging per buffer; big enough to amortize a message, small enough to pipeline
-OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE = range(5)
-REASONS = {EXHAUSTED: "exhausted", TOO_MANY: "too_many_requests", CONTEXT: "context_too_long",
-           INCOMPATIBLE: "incompatible"}
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
-# Header fields, by index.
-(H_MAGIC, H_VERSION, H_LENGTH, H_PAGE, H_LAYERS, H_HEADS, H_DIM, H_DTYPE, H_CACHES, H_PAGES,
- H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT) = range(HEADER_LEN)
+#: Staging kept per pool between transfers (both buffers); bigger staging is freed after its transfer.
+KEEP_STAGING_BYTES = 2 * DEFAULT_CHUNK_BYTES
+#: Longest a receiver waits to deliver a refusal to a sender whose header it could
+#: not even read through (the sender may be stuck sending metadata it never takes).
+REFUSAL_WAIT_S = 2.0
 
 
 class TransferStats(NamedTuple):
@@ -65,25 +70,6 @@ class TransferStats(NamedTuple):
     bytes: int
     messages: int
     seconds: float
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    name = str(dtype).replace("torch.", "")
-    return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else len(DTYPE_NAMES)
-
-
-def _shape_fields(pool: Any) -> dict[int, int]:
-    return {H_PAGE: pool.page_size, H_LAYERS: pool.num_layers, H_HEADS: pool.num_kv_heads,
-            H_DIM: pool.head_dim, H_DTYPE: _dtype_code(pool.dtype), H_CACHES: 1 if pool.mla else 2,
-            H_PAGE_BYTES: page_bytes(pool), H_HEAD_START: int(getattr(pool, "kv_head_start", 0))}
-
-
-def _scales(pool: Any) -> np.ndarray:
-    """fp8 per-layer scales as float64 (k then v; MLA: one set); empty for other dtypes."""
-    if not pool.fp8:
-        return np.zeros(0, np.float64)
-    sets = [pool.k_scale] if pool.mla else [pool.k_scale, pool.v_scale]
-    return torch.cat([s.detach().float().cpu() for s in sets]).double().numpy()
 
 
 class _Link:
@@ -122,17 +108,28 @@ class _Link:
 _STAGING: "weakref.WeakKeyDictionary[Any, list[torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
-def _staging(link: _Link, pool: Any, per_chunk: int) -> list[torch.Tensor]:
-    """Two staging buffers (one being sent while the other is packed), kept per pool so
-    repeated transfers do not pay for fresh allocations and page faults."""
-    caches = 1 if pool.mla else 2
-    n = caches * pool.num_layers * per_chunk * page_bytes(pool)
+def _staging(link: _Link, pool: Any, pages: int, chunks: int) -> list[torch.Tensor]:
+    """Buffers for chunks of ``pages`` pages: two when there are several chunks (one
+    being sent or stored while the other is filled), else one. So staging never
+    exceeds the pages actually moved, which the receiver has checked against its
+    free pages. Up to ``KEEP_STAGING_BYTES`` stay with the pool, so repeated
+    transfers do not pay for fresh allocations and page faults; bigger buffers are
+    freed when the transfer returns (the caller holds the only reference)."""
+    n = (1 if pool.mla else 2) * pool.num_layers * pages * page_bytes(pool)
+    count = 2 if chunks > 1 else 1
     owner = getattr(pool, "inner", pool)
-    bufs = _STAGING.get(owner)
-    if bufs is None or bufs[0].numel() < n or bufs[0].device != link.device:
-        with persistent():
-            bufs = [torch.empty(n, dtype=torch.uint8, device=link.device) for _ in range(2)]
+    kept = _STAGING.get(owner)
+    if kept is not None and len(kept) >= count and kept[0].numel() >= n and kept[0].device == link.device:
+        return kept
+    with persistent():
+        bufs = [torch.empty(n, dtype=torch.uint8, device=link.device) for _ in range(count)]
+    if n * 2 <= KEEP_STAGING_BYTES:
+        if count == 1:  # keep a pair, so a later transfer of several chunks reuses it too
+            with persistent():
+                bufs.append(torch.empty(n, dtype=torch.uint8, device=link.device))
         _STAGING[owner] = bufs
+    else:
+        _STAGING.pop(owner, None)
     return bufs
 
 
@@ -191,17 +188,6 @@ def _chain_hashes(pool: Any, handle: int) -> tuple[int, np.ndarray]:
     return n, words
 
 
-def _split_chain(words: np.ndarray, n: int, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The inverse of ``_chain_hashes``'s packing: ``(hash words uint64, tokens, salt)``."""
-    if n == 0:
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64), 0
-    return words[: 2 * n].view(np.uint64), words[2 * n + 1 :], int(words[2 * n])
-
-
-def _chain_words(n: int, page_size: int) -> int:
-    return 0 if n == 0 else 2 * n + 1 + n * page_size
-
-
 def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TransferStats:
     """Send request ``handle``'s K/V (every layer, fp8 scales) to the pool on ``dst_rank``.
@@ -216,6 +202,20 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     silent for ``timeout_s`` seconds; ``InvalidHandleError`` for a stale
     handle (the destination is told to abort). This pool is never changed.
     """
+    # The request's pages are read from the first query to the last chunk: no other
+    # thread may close it and hand its pages out meanwhile.
+    with _pool_lock(pool):
+        return _send_request(pool, handle, dst_rank, group, timeout_s, chunk_bytes)
+
+
+def _pool_lock(pool: Any) -> Any:
+    """The pool's lock (``KVPool`` and proxies of it), or nothing for a pool without one."""
+    lock = getattr(pool, "_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
+def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: float,
+                  chunk_bytes: int) -> TransferStats:
     t0 = time.perf_counter()
     link = _Link(dst_rank, group, comm_device(group, pool.device), timeout_s)
     header = np.zeros(HEADER_LEN, np.int64)
@@ -228,10 +228,10 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
         header[H_ABORT] = 1  # let the receiver fail now instead of at its timeout
         link.send_ints(header, "abort header")
         raise
-    scales = _scales(pool)
+    scales = scales_of(pool)
     per_row = (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
     per_chunk = max(1, min(len(pages), chunk_bytes // per_row)) if len(pages) else 1
-    for k, v in _shape_fields(pool).items():
+    for k, v in shape_fields(pool).items():
         header[k] = v
     header[H_LENGTH], header[H_PAGES], header[H_HASHES] = length, len(pages), n_chain
     header[H_SCALES], header[H_PER_CHUNK] = len(scales), per_chunk
@@ -247,12 +247,15 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
             TOO_MANY: "every request row of its pool is open",
             CONTEXT: f"{length} tokens exceed its max_context_len {int(reply[4])}",
             INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard (see its error)",
+            MALFORMED: "it found this transfer's header or metadata malformed (see its error)",
         }.get(status, "")
         raise TransferRejectedError(
             f"rank {dst_rank} refused request {handle:#x} ({reason}): {detail}; nothing was sent and "
             f"both pools are unchanged", reason=reason)
     todo = pages[cached:]
-    bufs = _staging(link, pool, per_chunk)
+    if not len(todo):
+        return _acknowledged(link, dst_rank, handle, pages, cached, 0, t0)
+    bufs = _staging(link, pool, min(per_chunk, len(todo)), -(-len(todo) // per_chunk))
     idx_all = torch.from_numpy(todo).to(pool.device)
     views = cache_pages(pool)
     in_flight: list[Any] = [None, None]
@@ -267,19 +270,17 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     for w in in_flight:
         if w is not None:
             link.wait(w, "K/V chunk")
+    return _acknowledged(link, dst_rank, handle, pages, cached, len(todo) * per_row, t0)
+
+
+def _acknowledged(link: _Link, dst_rank: int, handle: int, pages: np.ndarray, cached: int, moved: int,
+                  t0: float) -> TransferStats:
+    """Wait for the receiver's ack of the ``len(pages) - cached`` pages sent."""
+    sent = len(pages) - cached
     ack = link.recv_ints(2, "ack")
-    if int(ack[0]) != OK or int(ack[1]) != len(todo):
-        raise TransferError(f"rank {dst_rank} acknowledged {int(ack[1])} of {len(todo)} pages (status {int(ack[0])})")
-    moved = len(todo) * per_row
+    if int(ack[0]) != OK or int(ack[1]) != sent:
+        raise TransferError(f"rank {dst_rank} acknowledged {int(ack[1])} of {sent} pages (status {int(ack[0])})")
     return TransferStats(int(handle), len(pages), cached, moved, link.messages, time.perf_counter() - t0)
-
-
-def _incompatible(pool: Any, header: np.ndarray) -> str:
-    names = {H_PAGE: "page_size", H_LAYERS: "num_layers", H_HEADS: "num_kv_heads (this rank's shard)",
-             H_DIM: "head_dim", H_DTYPE: "dtype", H_CACHES: "MLA-ness", H_PAGE_BYTES: "page bytes",
-             H_HEAD_START: "first KV head of the shard"}
-    diffs = [f"{names[k]} {int(header[k])} vs {v}" for k, v in _shape_fields(pool).items() if int(header[k]) != v]
-    return "; ".join(diffs)
 
 
 def _prefix_match(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], max_pages: int) -> int:
@@ -321,7 +322,10 @@ def recv_request(pool: Any, src_rank: int, group: Any = None, *, timeout_s: floa
     scales differ. Raises ``PoolExhaustedError`` / ``TooManyRequestsError`` /
     ``ContextTooLongError`` when the request does not fit (the sender gets
     ``TransferRejectedError``; both pools unchanged), ``TransferRejectedError``
-    for a pool of another shape, and ``TransferError`` /
+    for a pool of another shape (``reason="incompatible"``) or a header that
+    no correct sender would write (``reason="malformed"``: every field is
+    checked against this pool's geometry before anything is allocated, and
+    the sender is refused at once), and ``TransferError`` /
     ``TransferTimeoutError`` when the sender dies, aborts or stays silent for
     ``timeout_s`` (the half-received request is closed again).
     """
@@ -334,55 +338,81 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     t0 = time.perf_counter()
     link = _Link(src_rank, group, comm_device(group, pool.device), timeout_s)
     header = link.recv_ints(HEADER_LEN, "header")
-    if int(header[H_MAGIC]) != MAGIC or int(header[H_VERSION]) != VERSION:
-        raise TransferError(f"rank {src_rank} sent no kvpool transfer header (magic/version "
-                            f"{int(header[H_MAGIC]):#x}/{int(header[H_VERSION])}); is it running send_request?")
+    if int(header[H_MAGIC]) != MAGIC:
+        raise TransferError(f"rank {src_rank} sent no kvpool transfer header (magic "
+                            f"{int(header[H_MAGIC]):#x}); is it running send_request?")
     if int(header[H_ABORT]):
         raise TransferError(f"rank {src_rank} aborted the transfer before sending (its handle was invalid)")
-    length, n_pages = int(header[H_LENGTH]), int(header[H_PAGES])
-    n_hashes, n_scales, per_chunk = int(header[H_HASHES]), int(header[H_SCALES]), int(header[H_PER_CHUNK])
-    n_chain = _chain_words(n_hashes, int(header[H_PAGE]))
-    meta = link.recv_ints(n_chain + n_scales, "chain hashes and scales") if n_chain + n_scales else np.zeros(0, np.int64)
-    chain = _split_chain(meta[:n_chain], n_hashes, int(header[H_PAGE]))
-    src_scales = meta[n_chain:].view(np.float64)
-    alloc = pool  # the KVPool facade: counters, pages, max_context_len
-    P = pool.page_size
 
-    def refuse(status: int, error: Exception, need: int = 0, extra: int = 0) -> Exception:
-        link.send_ints([status, 0, int(alloc.free_pages), need, extra, 0], "refusal")
+    def refuse(status: int, error: Exception, need: int = 0, extra: int = 0, patient: bool = True) -> Exception:
+        """Tell the sender (so it fails now, not at its timeout), then hand back ``error``."""
+        try:
+            reply = torch.as_tensor(np.array([status, 0, int(pool.free_pages), need, extra, 0], np.int64))
+            wait(link.send(reply.to(link.device), "refusal"), timeout_s if patient else min(timeout_s, REFUSAL_WAIT_S),
+                 "refusal", src_rank)
+        except TransferError:
+            pass  # the error below says what was wrong; the sender is told what it can be
         return error
 
-    diff = _incompatible(pool, header)
+    def malformed(why: str) -> TransferRejectedError:
+        return TransferRejectedError(
+            f"rank {src_rank} sent a malformed transfer header: {why}. Nothing was allocated or opened; "
+            f"the sender was refused", reason="malformed")
+
+    if int(header[H_VERSION]) != VERSION:
+        raise refuse(MALFORMED, malformed(f"protocol version {int(header[H_VERSION])}, this side speaks "
+                                          f"{VERSION}"), patient=False)
+    n_meta, why = meta_words(pool, header)
+    if n_meta < 0:  # never read: the claim itself is the problem
+        raise refuse(MALFORMED, malformed(why), patient=False)
+    meta = link.recv_ints(n_meta, "chain hashes and scales") if n_meta else np.zeros(0, np.int64)
+    diff = incompatible(pool, header)
     if diff:
         raise refuse(INCOMPATIBLE, TransferRejectedError(
             f"request from rank {src_rank} does not fit this pool's shape ({diff}); both pools need the "
             f"same page size, layers, head shard, head_dim and dtype", reason="incompatible"))
-    if length > alloc.max_context_len:
-        raise refuse(CONTEXT, ContextTooLongError(
-            f"received request of {length} tokens exceeds max_context_len {alloc.max_context_len}"),
-            extra=int(alloc.max_context_len))
-    cached = _prefix_match(pool, chain, min(n_pages, length // P))
-    need = -(-length // P) - cached
-    if need > alloc.free_pages:
-        raise refuse(EXHAUSTED, PoolExhaustedError(
-            f"cannot receive a request of {length} tokens from rank {src_rank}: needs {need} pages "
-            f"({need * P} slots) but only {alloc.free_pages} pages ({alloc.free_slots} slots) are free"), need=need)
-    try:
-        handle = _open(pool, chain, cached, length)
-    except PoolExhaustedError as e:
-        raise refuse(EXHAUSTED, e, need=need) from None
-    except TooManyRequestsError as e:
-        raise refuse(TOO_MANY, e) from None
-    except ContextTooLongError as e:
-        raise refuse(CONTEXT, e, extra=int(alloc.max_context_len)) from None
-    try:
-        dst_pages = np.asarray(alloc.pages(handle), dtype=np.int64)[cached:]
-        link.send_ints([OK, cached, int(alloc.free_pages), need, 0, 0], "reply")
-        _receive_pages(link, pool, dst_pages, per_chunk, src_scales)
-        link.send_ints([OK, len(dst_pages)], "ack")
-    except BaseException:
-        pool.close([handle])
-        raise
+    n_hashes, n_scales = int(header[H_HASHES]), int(header[H_SCALES])
+    src_scales = meta[n_meta - n_scales :].view(np.float64)
+    problem = header_problem(pool, header, src_scales)
+    if problem is not None:
+        status, why = problem
+        if status == CONTEXT:
+            raise refuse(CONTEXT, ContextTooLongError(f"received request: {why}"), extra=int(pool.max_context_len))
+        raise refuse(status, malformed(why))
+    chain = split_chain(meta[: n_meta - n_scales], n_hashes)
+    length, n_pages, per_chunk = int(header[H_LENGTH]), int(header[H_PAGES]), int(header[H_PER_CHUNK])
+    P = pool.page_size
+    # From here pages are taken and filled: no other thread's reset or eviction may
+    # hand them out before the last chunk has landed.
+    with _pool_lock(pool):
+        try:
+            cached = _prefix_match(pool, chain, min(n_pages, length // P))
+        except KVPoolError as e:  # the chain's token ids or salt are out of range
+            raise refuse(MALFORMED, malformed(str(e))) from None
+        need = -(-length // P) - cached
+        if need > pool.free_pages:
+            raise refuse(EXHAUSTED, PoolExhaustedError(
+                f"cannot receive a request of {length} tokens from rank {src_rank}: needs {need} pages "
+                f"({need * P} slots) but only {pool.free_pages} pages ({pool.free_slots} slots) are free"),
+                need=need)
+        try:
+            handle = _open(pool, chain, cached, length)
+        except PoolExhaustedError as e:
+            raise refuse(EXHAUSTED, e, need=need) from None
+        except TooManyRequestsError as e:
+            raise refuse(TOO_MANY, e) from None
+        except ContextTooLongError as e:
+            raise refuse(CONTEXT, e, extra=int(pool.max_context_len)) from None
+        except KVPoolError as e:
+            raise refuse(MALFORMED, malformed(str(e))) from None
+        try:
+            dst_pages = np.asarray(pool.pages(handle), dtype=np.int64)[cached:]
+            link.send_ints([OK, cached, int(pool.free_pages), need, 0, 0], "reply")
+            _receive_pages(link, pool, dst_pages, per_chunk, src_scales)
+            link.send_ints([OK, len(dst_pages)], "ack")
+        except BaseException:
+            pool.close([handle])
+            raise
     moved = len(dst_pages) * (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
     return TransferStats(handle, n_pages, cached, moved, link.messages, time.perf_counter() - t0)
 
@@ -391,7 +421,7 @@ def _rescale(pool: Any, view: torch.Tensor, src_scales: np.ndarray) -> None:
     """fp8: re-quantize rows stored with the sender's scales to this pool's scales, in place."""
     if not len(src_scales):
         return
-    mine = _scales(pool)
+    mine = scales_of(pool)
     if np.array_equal(mine, src_scales):
         return
     fmax = torch.finfo(pool.dtype).max
@@ -411,7 +441,7 @@ def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int
         return
     if pool.fp8 and pool.dtype not in FP8_DTYPES:  # pragma: no cover - FP8_DTYPES defines fp8
         raise TransferError(f"unknown fp8 dtype {pool.dtype}")
-    bufs = _staging(link, pool, per_chunk)
+    bufs = _staging(link, pool, min(per_chunk, len(dst_pages)), -(-len(dst_pages) // per_chunk))
     idx_all = torch.from_numpy(dst_pages).to(pool.device)
     views = cache_pages(pool)
     starts = list(range(0, len(dst_pages), per_chunk))

@@ -34,7 +34,10 @@ def cache_pages(pool: Any) -> list[torch.Tensor]:
     word = word_dtype(page_bytes(pool))
     out = []
     for _name, cache in pool._storage.tensors():
-        out.append(cache.view(torch.uint8).view(word).view(cache.shape[0], pool.num_pages, -1))
+        # Flatten each layer before reinterpreting: a page is a whole number of words,
+        # but one head's row (head_dim * itemsize bytes) need not be.
+        layers = cache.view(cache.shape[0], -1).view(torch.uint8).view(word)
+        out.append(layers.view(cache.shape[0], pool.num_pages, -1))
     return out
 
 

@@ -27,10 +27,11 @@ from kvpool.distributed.errors import RankDivergenceError
 
 __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
-#: Pool calls that change allocator state (the ones the digest records). The
-#: shared-page calls are wrapped too once the pool has them.
-MUTATING_CALLS = ("open", "extend", "truncate", "close", "reset",
-                  "open_with_prefix", "cache", "fork", "recv_request")
+#: Pool calls that change allocator state (the ones the digest records); a call
+#: the wrapped pool does not have is skipped.
+MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
+                  "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
+                  "recv_request")
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 
@@ -106,14 +107,20 @@ class TPPool:
 
     def _fold(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         h = self._hash
-        h.update(name.encode())
+
+        def part(b: bytes) -> None:
+            # Length-prefixed, so ([1, 2], [3]) and ([1], [2, 3]) never fold alike.
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+
+        part(name.encode())
         for a in args:
-            h.update(_bytes(a))
+            part(_bytes(a))
         for k in sorted(kwargs):
-            h.update(k.encode())
-            h.update(_bytes(kwargs[k]))
+            part(k.encode())
+            part(_bytes(kwargs[k]))
         h.update(b"=")
-        h.update(_bytes(out))
+        part(_bytes(out))
         self.calls += 1
 
     def digest(self) -> bytes:

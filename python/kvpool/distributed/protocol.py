@@ -1,0 +1,121 @@
+"""The wire format of ``kv_transfer`` and the receiver's checks of what a peer claims.
+
+A header is 16 int64 words (``H_*`` below). The receiver trusts none of them: a
+broken or hostile peer may send any value. ``meta_words`` says whether the
+metadata the header announces is small enough to receive at all, and
+``header_problem`` checks every field against the receiving pool's own
+geometry, before anything is allocated or opened. Each refusal has a status
+code that the receiver sends back, so the sender fails at once instead of
+waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.distributed.pages import page_bytes
+
+MAGIC, VERSION = 0x6B76706F6F6C, 2
+TAG = 0x4B56
+HEADER_LEN, REPLY_LEN = 16, 6
+OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE, MALFORMED = range(6)
+REASONS = {EXHAUSTED: "exhausted", TOO_MANY: "too_many_requests", CONTEXT: "context_too_long",
+           INCOMPATIBLE: "incompatible", MALFORMED: "malformed"}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
+# Header fields, by index.
+(H_MAGIC, H_VERSION, H_LENGTH, H_PAGE, H_LAYERS, H_HEADS, H_DIM, H_DTYPE, H_CACHES, H_PAGES,
+ H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT) = range(HEADER_LEN)
+
+#: Metadata words a receiver accepts from a header that does not fit its pool (so
+#: that a sender of another shape still gets its refusal): beyond this, and beyond
+#: what its own pool could ever be sent, it refuses without reading them.
+MAX_FOREIGN_META_WORDS = 1 << 16
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    name = str(dtype).replace("torch.", "")
+    return DTYPE_NAMES.index(name) if name in DTYPE_NAMES else len(DTYPE_NAMES)
+
+
+def shape_fields(pool: Any) -> dict[int, int]:
+    """The header fields two pools must agree on, as this pool has them."""
+    return {H_PAGE: pool.page_size, H_LAYERS: pool.num_layers, H_HEADS: pool.num_kv_heads,
+            H_DIM: pool.head_dim, H_DTYPE: dtype_code(pool.dtype), H_CACHES: 1 if pool.mla else 2,
+            H_PAGE_BYTES: page_bytes(pool), H_HEAD_START: int(getattr(pool, "kv_head_start", 0))}
+
+
+def scales(pool: Any) -> np.ndarray:
+    """fp8 per-layer scales as float64 (k then v; MLA: one set); empty for other dtypes."""
+    if not pool.fp8:
+        return np.zeros(0, np.float64)
+    sets = [pool.k_scale] if pool.mla else [pool.k_scale, pool.v_scale]
+    return torch.cat([s.detach().float().cpu() for s in sets]).double().numpy()
+
+
+def num_scales(pool: Any) -> int:
+    return 0 if not pool.fp8 else pool.num_layers * (1 if pool.mla else 2)
+
+
+def chain_words(n: int, page_size: int) -> int:
+    """Words of a chain of ``n`` pages: 2n hash words, the salt, n * page_size token ids."""
+    return 0 if n == 0 else 2 * n + 1 + n * page_size
+
+
+def split_chain(words: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(hash words uint64, tokens, salt)`` of a chain packed as ``chain_words`` says."""
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), 0
+    return words[: 2 * n].view(np.uint64), words[2 * n + 1 :], int(words[2 * n])
+
+
+def incompatible(pool: Any, header: np.ndarray) -> str:
+    """The shape fields where the sender's pool differs from this one ("" if none)."""
+    names = {H_PAGE: "page_size", H_LAYERS: "num_layers", H_HEADS: "num_kv_heads (this rank's shard)",
+             H_DIM: "head_dim", H_DTYPE: "dtype", H_CACHES: "MLA-ness", H_PAGE_BYTES: "page bytes",
+             H_HEAD_START: "first KV head of the shard"}
+    diffs = [f"{names[k]} {int(header[k])} vs {v}" for k, v in shape_fields(pool).items() if int(header[k]) != v]
+    return "; ".join(diffs)
+
+
+def meta_words(pool: Any, header: np.ndarray) -> tuple[int, str]:
+    """How many metadata words follow the header, or ``(-1, why)`` when the header's
+    counts are impossible or larger than this pool would ever accept (then they
+    are never read: a claim of 2**40 hashes must not allocate anything)."""
+    n_hashes, n_scales, page = int(header[H_HASHES]), int(header[H_SCALES]), int(header[H_PAGE])
+    if n_hashes < 0 or n_scales < 0:
+        return -1, f"negative counts of chain hashes ({n_hashes}) or fp8 scales ({n_scales})"
+    if page < 1:
+        return -1, f"page size {page} (must be >= 1)"
+    words = chain_words(n_hashes, page) + n_scales
+    own = chain_words(pool.max_context_len // pool.page_size, pool.page_size) + num_scales(pool)
+    if words > max(own, MAX_FOREIGN_META_WORDS):
+        return -1, (f"{n_hashes} chain hashes and {n_scales} fp8 scales ({words} words of metadata), "
+                    f"more than this pool could ever be sent ({own} words)")
+    return words, ""
+
+
+def header_problem(pool: Any, header: np.ndarray, src_scales: np.ndarray) -> tuple[int, str] | None:
+    """The first thing wrong with a header whose pool shape matches this one, as
+    ``(status, message)``, or None. Every count is checked against this pool's
+    geometry: what a correct sender of this request would have written."""
+    length, n_pages, page = int(header[H_LENGTH]), int(header[H_PAGES]), pool.page_size
+    n_hashes, n_scales, per_chunk = int(header[H_HASHES]), int(header[H_SCALES]), int(header[H_PER_CHUNK])
+    if length < 0:
+        return MALFORMED, f"a request of {length} tokens (a length is >= 0)"
+    if length > pool.max_context_len:
+        return CONTEXT, f"a request of {length} tokens exceeds max_context_len {pool.max_context_len}"
+    want_pages = -(-length // page)
+    if n_pages != want_pages:
+        return MALFORMED, f"{n_pages} pages for {length} tokens (page size {page}: {want_pages} pages)"
+    if not 0 <= n_hashes <= length // page:
+        return MALFORMED, f"{n_hashes} chain hashes for {length} tokens (at most {length // page} full pages)"
+    if n_scales != num_scales(pool):
+        return MALFORMED, f"{n_scales} fp8 scales; this pool has {num_scales(pool)}"
+    if len(src_scales) and not (np.isfinite(src_scales).all() and (src_scales > 0).all()):
+        return MALFORMED, "fp8 scales that are not finite and positive"
+    if not 1 <= per_chunk <= max(1, n_pages):
+        return MALFORMED, f"{per_chunk} pages per chunk (must be in [1, {max(1, n_pages)}] for {n_pages} pages)"
+    return None
