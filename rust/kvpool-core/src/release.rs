@@ -101,22 +101,36 @@ impl SlotAllocator {
         if self.cold[row].exclusive {
             // Sole holder of unregistered pages: their refcounts are 1, a
             // FREE page's count already (see `pages.rs`), so freeing reads
-            // and writes nothing per page but the free stack.
+            // and writes nothing per page but the free stack. (No copy
+            // waits on them: a request that never shared never copied.)
             let freed = &self.page_lists[base + keep..base + np];
             self.free_pages.extend(freed.iter().rev());
-        } else if self.index.len() == 0 {
-            // Nothing is registered: a last holder frees the page outright.
-            for k in (keep..np).rev() {
-                let p = self.page_lists[base + k] as usize;
-                let s = &mut self.index.state[p];
-                if s.extra == 0 {
-                    self.free_pages.push(p as u32); // FREE keeps its count 1
-                } else {
-                    s.extra -= 1;
-                }
-            }
         } else {
-            self.release_pages(base + keep..base + np);
+            let marked = if self.index.len() == 0 {
+                // Nothing is registered: a last holder frees the page outright.
+                let queued = !self.copies.is_empty();
+                let mut marked = false;
+                for k in (keep..np).rev() {
+                    let p = self.page_lists[base + k];
+                    let s = &mut self.index.state[p as usize];
+                    if s.extra == 0 {
+                        self.free_pages.push(p); // FREE keeps its count 1
+                        if queued {
+                            marked |= Self::mark_released(&mut self.copies.into, p);
+                        }
+                    } else {
+                        s.extra -= 1;
+                    }
+                }
+                marked
+            } else {
+                self.release_pages(base + keep..base + np)
+            };
+            if marked {
+                // Pages nobody holds any more were waiting copies'
+                // destinations: nobody reads those copies now.
+                self.drop_released_copies(base + keep..base + np);
+            }
         }
         let last = if keep == 0 {
             0
