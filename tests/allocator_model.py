@@ -205,6 +205,9 @@ class Model:
             if not 0 <= ls[i] <= len(self.reqs[r].tokens):
                 raise kvpool.InvalidArgumentError
         for h, n in zip(hs, ls):
+            q = self.reqs[self.row(h)]
+            if n < len(q.tokens):
+                del q.prompt[n:]  # rolled back: what follows need not be the prompt
             self.shrink(self.row(h), n)
 
     def register(self, r):

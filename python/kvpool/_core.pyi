@@ -271,7 +271,10 @@ class SlotAllocator:
         """
     def truncate(self, handles: _IntArray, lengths: _IntArray) -> None:
         """Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
-        pages no longer needed. Atomic.
+        pages no longer needed. A request shortened to inside the prompt it was
+        opened with (open_with_prefix) forgets the prompt from there: later
+        positions take the token ids extend is given (or are unknown), and
+        cache() registers what they hold. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.

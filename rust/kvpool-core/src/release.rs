@@ -12,6 +12,10 @@ impl SlotAllocator {
     /// Shortens each request to `lengths[i]` tokens (<= its current length),
     /// releasing pages past the new end. Truncating into a page that others
     /// (or the cache) hold makes it copy-on-write for the next extend.
+    /// A request shortened to inside its prompt (`open_with_prefix`) forgets
+    /// the prompt from there: later positions take the token ids extend is
+    /// given (or are unknown), and `cache` registers what they hold. The
+    /// current length as the new one changes nothing.
     /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument`.
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
         lengths.check_len("lengths", handles.len())?;
@@ -29,7 +33,13 @@ impl SlotAllocator {
         }
         for (i, &h) in handles.iter().enumerate() {
             let row = handle_row(h) as usize;
-            self.shrink_row(row, lengths.get(i) as usize);
+            let l = lengths.get(i) as usize;
+            if l < self.rows[row].len as usize {
+                // Rolled back (an edited turn, a retried call, rejected
+                // draft tokens): what follows need not be the prompt.
+                self.cold[row].prompt.truncate(l);
+            }
+            self.shrink_row(row, l);
         }
         Ok(())
     }

@@ -327,7 +327,10 @@ impl SlotAllocator {
     /// truncate(handles, lengths) -> None
     ///
     /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
-    /// pages no longer needed. Atomic.
+    /// pages no longer needed. A request shortened to inside the prompt it was
+    /// opened with (open_with_prefix) forgets the prompt from there: later
+    /// positions take the token ids extend is given (or are unknown), and
+    /// cache() registers what they hold. Atomic.
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.

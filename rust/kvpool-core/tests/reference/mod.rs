@@ -322,6 +322,10 @@ impl Model {
         }
         let rows = self.rows(hs)?;
         for (&r, &l) in rows.iter().zip(ls) {
+            let req = self.reqs.get_mut(&r).unwrap();
+            if (l as usize) < req.len() {
+                req.prompt.truncate(l as usize);
+            }
             self.shrink(r, l as usize);
         }
         Ok(())
