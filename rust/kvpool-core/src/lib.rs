@@ -49,6 +49,7 @@ mod queries;
 mod release;
 mod rows;
 mod table;
+#[cfg(any(test, feature = "test-hooks"))]
 mod test_hooks;
 
 pub use allocator::{Counts, Options, SlotAllocator};
