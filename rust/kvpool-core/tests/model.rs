@@ -5,6 +5,12 @@
 //! must pass after every operation. A router fed the KV events, drained
 //! every third operation so that undrained events outlive evictions,
 //! truncations and clears, must know exactly the registered pages.
+//!
+//! The copy queue is drained after every operation, every third, or only
+//! by an explicit `Drain` (all of it, or the newest part), so queued copies
+//! outlive closes, truncations (into prompts too, which then diverge),
+//! evictions and resets: the model knows which survive, and that their
+//! source pages stay held until taken.
 
 mod reference;
 mod router;
@@ -24,13 +30,22 @@ enum Op {
     /// One token each (`Counts::Each(1)`, the decode step's own loop).
     Decode(Vec<usize>, Option<(u8, bool)>),
     Truncate(Vec<(usize, i64)>),
+    /// A rollback and a new continuation: drop the last `back` tokens, then
+    /// extend by `n` with ids from `seed` (mostly not the prompt's).
+    Rollback(usize, usize, usize, u8),
     Close(Vec<usize>, bool),
     Cache(Vec<usize>),
     Fork(usize, usize),
+    /// Parallel sampling: fork `n` children, then the children and the
+    /// parent each write one token (copying a shared partly filled page).
+    Sample(usize, usize),
     /// Extends a request by the rest of its prompt (no token ids passed).
     Prefill(usize),
     Evict(usize),
     ClearCache,
+    /// `take_copies_from(n % (pending + 1))`: 0 drains everything.
+    Drain(usize),
+    Reset,
 }
 
 /// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
@@ -61,16 +76,20 @@ fn op() -> impl Strategy<Value = Op> {
     let toks = prop::option::of((any::<u8>(), prop::bool::weighted(0.05)));
     prop_oneof![
         2 => (0usize..3).prop_map(Op::Open),
-        4 => (prop::collection::vec(prompt, 0..3), 0i64..2).prop_map(|(p, s)| Op::OpenPrefix(p, s)),
+        5 => (prop::collection::vec(prompt, 0..3), 0i64..2).prop_map(|(p, s)| Op::OpenPrefix(p, s)),
         5 => (prop::collection::vec((pick.clone(), value.clone()), 0..4), toks.clone()).prop_map(|(v, t)| Op::Extend(v, t)),
         2 => prop::collection::vec((pick.clone(), value), 0..3).prop_map(Op::Truncate),
+        3 => (pick.clone(), 1usize..6, 0usize..5, any::<u8>()).prop_map(|(p, b, n, s)| Op::Rollback(p, b, n, s)),
         4 => (prop::collection::vec(pick.clone(), 1..3), prop::bool::weighted(0.75)).prop_map(|(v, c)| Op::Close(v, c)),
         3 => prop::collection::vec(pick.clone(), 0..3).prop_map(Op::Cache),
         3 => pick.clone().prop_map(Op::Prefill),
         3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
-        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
+        3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
+        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
         1 => (0usize..4).prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
+        2 => prop_oneof![2 => Just(0usize), 1 => 1usize..8].prop_map(Op::Drain),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -152,6 +171,9 @@ thread_local! {
     static HIT_TOKENS: Cell<u64> = const { Cell::new(0) };
     static COPIES: Cell<usize> = const { Cell::new(0) };
     static STORED: Cell<usize> = const { Cell::new(0) };
+    static DROPPED: Cell<usize> = const { Cell::new(0) };
+    static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
+    static DIVERGED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
@@ -169,7 +191,7 @@ fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], ops in prop::collection::vec(op(), 1..60)) {
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], ops in prop::collection::vec(op(), 1..80)) {
         let mut a = new_allocator(pages, ps);
         let mut m = Model::new(pages, ps);
         // Every handle ever issued, plus two that never were.
@@ -238,7 +260,26 @@ proptest! {
                 }
                 Op::Truncate(v) => {
                     let (hs, ls): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, l)| (h(i), l)).unzip();
-                    oks += same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls)) as usize;
+                    let into_prompt = hs.iter().zip(&ls).any(|(&x, &l)| {
+                        m.row(x).is_some_and(|r| (l as usize) < m.reqs[&r].len().min(m.reqs[&r].prompt.len()))
+                    });
+                    let ok = same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls));
+                    if ok && into_prompt {
+                        count(&DIVERGED, 1);
+                    }
+                    oks += ok as usize;
+                }
+                Op::Rollback(i, back, n, seed) => {
+                    let x = h(i);
+                    let (len, prompt) = m.row(x).map_or((0, 0), |r| (m.reqs[&r].len(), m.reqs[&r].prompt.len()));
+                    let l = len.saturating_sub(back) as i64;
+                    oks += same(a.truncate(&[x], Counts::Each(l)), m.truncate(&[x], &[l])) as usize;
+                    let toks: Vec<i64> = (0..n).map(|j| (seed as usize + 2 * j) as i64 % 3).collect();
+                    let r = a.extend(&[x], Counts::Each(n as i64), Some(&toks));
+                    oks += same(r, m.extend(&[x], &[n as i64], Some(&toks))) as usize;
+                    if (l as usize) < len.min(prompt) {
+                        count(&DIVERGED, 1);
+                    }
                 }
                 Op::Close(v, cache) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
@@ -251,6 +292,18 @@ proptest! {
                 Op::Fork(i, n) => {
                     let (r, mr) = (a.fork(h(i), n), m.fork(h(i), n));
                     if let Ok(hs) = &mr { issued.extend(hs); }
+                    oks += same(r, mr) as usize;
+                }
+                Op::Sample(i, n) => {
+                    let parent = h(i);
+                    let (r, mr) = (a.fork(parent, n), m.fork(parent, n));
+                    if let Ok(kids) = &mr {
+                        let mut hs = kids.clone();
+                        hs.push(parent);
+                        let ones = vec![1i64; hs.len()];
+                        oks += same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) as usize;
+                        issued.extend(kids);
+                    }
                     oks += same(r, mr) as usize;
                 }
                 Op::Prefill(i) => {
@@ -284,6 +337,14 @@ proptest! {
                     a.clear_cache();
                     m.clear_cache();
                 }
+                Op::Drain(n) => {
+                    let from = n % (m.pending_copies() + 1);
+                    prop_assert_eq!(a.take_copies_from(from), m.take_copies_from(from));
+                }
+                Op::Reset => {
+                    a.reset();
+                    m.reset();
+                }
             }
             a.check().unwrap();
             if step % 3 == 2 {
@@ -292,9 +353,15 @@ proptest! {
                 prop_assert_eq!(router.apply(&events), Ok(()));
                 prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages");
             }
-            let copies = a.take_copies();
-            count(&COPIES, copies.0.len());
-            prop_assert_eq!(copies, std::mem::take(&mut m.copies));
+            if drain_every != usize::MAX && step % drain_every == drain_every - 1 {
+                prop_assert_eq!(a.take_copies(), m.take_copies_from(0));
+                a.check().unwrap();
+            }
+            prop_assert_eq!(a.pending_copies(), m.pending_copies());
+            // A queued copy whose source no request holds any more: only
+            // the queue keeps that page from the free stack.
+            let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
+            count(&HELD_ALONE, alone);
             prop_assert_eq!(a.free_pages(), m.free.len() + m.lru.len());
             prop_assert_eq!(a.evictable_pages(), m.lru.len());
             prop_assert_eq!(a.cached_pages(), m.reg.len());
@@ -315,6 +382,8 @@ proptest! {
         prop_assert_eq!(router.apply(&events), Ok(()));
         prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages at the end");
         count(&OK_CALLS, oks);
+        count(&DROPPED, m.dropped);
+        count(&COPIES, m.queued);
     }
 }
 
@@ -329,7 +398,16 @@ fn generated_sequences_exercise_sharing() {
         COPIES.with(Cell::get),
         STORED.with(Cell::get),
     );
-    eprintln!("{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write slots");
+    let (dropped, alone, diverged) = (
+        DROPPED.with(Cell::get),
+        HELD_ALONE.with(Cell::get),
+        DIVERGED.with(Cell::get),
+    );
+    eprintln!(
+        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write \
+         slots queued, {dropped} copies dropped with their destination, {alone} op ends with a \
+         source held by its copy alone, {diverged} truncations into a prompt"
+    );
     assert!(
         oks > CASES as usize * 10,
         "only {oks} successful calls in {CASES} sequences"
@@ -342,5 +420,17 @@ fn generated_sequences_exercise_sharing() {
     assert!(
         stored > CASES as usize,
         "only {stored} Stored events drained mid-sequence"
+    );
+    assert!(
+        dropped > CASES as usize / 50,
+        "only {dropped} queued copies dropped"
+    );
+    assert!(
+        alone > CASES as usize / 20,
+        "only {alone} sources held by their copy alone"
+    );
+    assert!(
+        diverged > CASES as usize / 10,
+        "only {diverged} truncations into a prompt"
     );
 }

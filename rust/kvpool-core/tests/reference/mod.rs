@@ -1,8 +1,10 @@
 //! A deliberately naive reference model of the allocator: one page list and
 //! one token list per request, holders counted by scanning every request,
 //! the prefix index keyed by the exact content (salt, every token up to the
-//! end of the page) instead of a hash, the LRU list a plain Vec. Same
-//! policies as the allocator, written the obvious way.
+//! end of the page) instead of a hash, the LRU list a plain Vec, the
+//! copy-on-write queue a Vec of (source page, destination page, slots)
+//! searched front to back. Same policies as the allocator, written the
+//! obvious way.
 
 #![allow(dead_code)]
 
@@ -54,6 +56,14 @@ impl Req {
     }
 }
 
+/// A queued copy: slots `0..len` of page `src` to page `dst`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Copy {
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+}
+
 #[derive(Debug, Clone)]
 pub struct Entry {
     pub key: (i64, Vec<i32>),
@@ -71,7 +81,14 @@ pub struct Model {
     pub free_rows: Vec<usize>,
     pub generation: Vec<u32>,
     pub reqs: BTreeMap<usize, Req>,
-    pub copies: (Vec<i64>, Vec<i64>),
+    /// Queued copies, oldest first. The first `holding` hold their source
+    /// page (those queued by earlier calls; inside extend, its own do not).
+    pub queue: Vec<Copy>,
+    pub holding: usize,
+    /// Copies dropped because their destination was released.
+    pub dropped: usize,
+    /// Slots ever queued for copying.
+    pub queued: usize,
     pub hit: u64,
     pub miss: u64,
 }
@@ -87,7 +104,10 @@ impl Model {
             free_rows: (0..MAX_REQ).rev().collect(),
             generation: vec![0; MAX_REQ],
             reqs: BTreeMap::new(),
-            copies: (Vec::new(), Vec::new()),
+            queue: Vec::new(),
+            holding: 0,
+            dropped: 0,
+            queued: 0,
             hit: 0,
             miss: 0,
         }
@@ -99,11 +119,23 @@ impl Model {
         (open && (h >> 32) as u32 == self.generation[row]).then_some(row)
     }
 
+    /// Requests naming `p`, plus the queued copies that read it.
     pub fn holders(&self, p: usize) -> usize {
-        self.reqs
+        let requests: usize = self
+            .reqs
             .values()
             .map(|r| r.pages.iter().filter(|&&q| q == p).count())
-            .sum()
+            .sum();
+        requests
+            + self.queue[..self.holding]
+                .iter()
+                .filter(|c| c.src == p)
+                .count()
+    }
+
+    /// Slots queued for copying.
+    pub fn pending_copies(&self) -> usize {
+        self.queue.iter().map(|c| c.len).sum()
     }
 
     pub fn slots(&self, row: usize) -> Vec<i64> {
@@ -142,14 +174,61 @@ impl Model {
         p
     }
 
-    fn release(&mut self, p: usize) {
-        if self.holders(p) == 0 {
-            if self.reg.contains_key(&p) {
-                self.lru.push(p);
+    /// One holder of `p` gone (already taken out of its list or the
+    /// queue): if none is left, `p` is CACHED or FREE. Returns whether.
+    fn release(&mut self, p: usize) -> bool {
+        if self.holders(p) > 0 {
+            return false;
+        }
+        if self.reg.contains_key(&p) {
+            self.lru.push(p);
+        } else {
+            self.free.push(p);
+        }
+        true
+    }
+
+    /// `p` is held by nobody: the copy into it is dropped, its source
+    /// released, and so on down a chain of copies.
+    fn drop_copy_into(&mut self, mut p: usize) {
+        while let Some(i) = self.queue.iter().position(|c| c.dst == p) {
+            let c = self.queue.remove(i);
+            self.holding -= 1;
+            self.dropped += 1;
+            if !self.release(c.src) {
+                return;
+            }
+            p = c.src;
+        }
+    }
+
+    /// Takes the copies from slot pair `from` on, as (src slots, dst slots).
+    pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
+        let slot = |p: usize, j: usize| (p * self.ps + j) as i64;
+        let (mut src, mut dst, mut seen) = (Vec::new(), Vec::new(), 0);
+        let mut taken = Vec::new();
+        for (i, c) in self.queue.iter_mut().enumerate() {
+            let keep = from.saturating_sub(seen).min(c.len);
+            seen += c.len;
+            for j in keep..c.len {
+                src.push(slot(c.src, j));
+                dst.push(slot(c.dst, j));
+            }
+            if keep == 0 {
+                taken.push(i);
             } else {
-                self.free.push(p);
+                c.len = keep;
             }
         }
+        // Each taken copy lets its source go, in queue order.
+        for (n, i) in taken.into_iter().enumerate() {
+            let c = self.queue.remove(i - n);
+            self.holding -= 1;
+            if self.release(c.src) {
+                self.drop_copy_into(c.src);
+            }
+        }
+        (src, dst)
     }
 
     fn hold(&mut self, p: usize) {
@@ -282,10 +361,12 @@ impl Model {
                 if self.holders(last) > 1 {
                     let q = self.take_page();
                     let off = len % self.ps;
-                    for j in 0..off {
-                        self.copies.0.push((last * self.ps + j) as i64);
-                        self.copies.1.push((q * self.ps + j) as i64);
-                    }
+                    self.queued += off;
+                    self.queue.push(Copy {
+                        src: last,
+                        dst: q,
+                        len: off,
+                    });
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
                 } else if self.reg.contains_key(&last) {
                     self.reg.remove(&last);
@@ -310,6 +391,8 @@ impl Model {
             }
             k += c;
         }
+        // This call's copies hold their sources from now on.
+        self.holding = self.queue.len();
         Ok(out)
     }
 
@@ -336,8 +419,15 @@ impl Model {
         let req = self.reqs.get_mut(&r).unwrap();
         let dropped: Vec<usize> = req.pages.drain(keep..).collect();
         req.tokens.truncate(l);
+        let mut unheld = Vec::new();
         for &p in dropped.iter().rev() {
-            self.release(p);
+            if self.release(p) {
+                unheld.push(p);
+            }
+        }
+        // Then the copies into the pages nobody holds now, in that order.
+        for p in unheld {
+            self.drop_copy_into(p);
         }
         let full = l / self.ps;
         let req = &self.reqs[&r];
@@ -446,6 +536,16 @@ impl Model {
             out.push(h);
         }
         Ok(out)
+    }
+
+    /// Closes every open request, in row order; rows then open 0, 1, 2, ...
+    pub fn reset(&mut self) {
+        let rows: Vec<usize> = self.reqs.keys().copied().collect();
+        for r in rows {
+            self.shrink(r, 0);
+            self.reqs.remove(&r);
+        }
+        self.free_rows = (0..MAX_REQ).rev().collect();
     }
 
     pub fn evict(&mut self, n: usize) -> usize {
