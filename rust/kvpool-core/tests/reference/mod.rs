@@ -12,6 +12,10 @@ use std::collections::BTreeMap;
 
 use kvpool_core::{make_handle, PoolError};
 
+mod copies;
+
+pub use copies::QueuedCopy;
+
 pub const MAX_REQ: usize = 6;
 pub const MAX_CTX: usize = 12;
 
@@ -56,14 +60,6 @@ impl Req {
     }
 }
 
-/// A queued copy: slots `0..len` of page `src` to page `dst`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Copy {
-    pub src: usize,
-    pub dst: usize,
-    pub len: usize,
-}
-
 #[derive(Debug, Clone)]
 pub struct Entry {
     pub key: (i64, Vec<i32>),
@@ -83,7 +79,7 @@ pub struct Model {
     pub reqs: BTreeMap<usize, Req>,
     /// Queued copies, oldest first. The first `holding` hold their source
     /// page (those queued by earlier calls; inside extend, its own do not).
-    pub queue: Vec<Copy>,
+    pub queue: Vec<QueuedCopy>,
     pub holding: usize,
     /// Copies dropped because their destination was released.
     pub dropped: usize,
@@ -133,11 +129,6 @@ impl Model {
                 .count()
     }
 
-    /// Slots queued for copying.
-    pub fn pending_copies(&self) -> usize {
-        self.queue.iter().map(|c| c.len).sum()
-    }
-
     pub fn slots(&self, row: usize) -> Vec<i64> {
         let r = &self.reqs[&row];
         (0..r.len())
@@ -176,7 +167,7 @@ impl Model {
 
     /// One holder of `p` gone (already taken out of its list or the
     /// queue): if none is left, `p` is CACHED or FREE. Returns whether.
-    fn release(&mut self, p: usize) -> bool {
+    pub(crate) fn release(&mut self, p: usize) -> bool {
         if self.holders(p) > 0 {
             return false;
         }
@@ -186,49 +177,6 @@ impl Model {
             self.free.push(p);
         }
         true
-    }
-
-    /// `p` is held by nobody: the copy into it is dropped, its source
-    /// released, and so on down a chain of copies.
-    fn drop_copy_into(&mut self, mut p: usize) {
-        while let Some(i) = self.queue.iter().position(|c| c.dst == p) {
-            let c = self.queue.remove(i);
-            self.holding -= 1;
-            self.dropped += 1;
-            if !self.release(c.src) {
-                return;
-            }
-            p = c.src;
-        }
-    }
-
-    /// Takes the copies from slot pair `from` on, as (src slots, dst slots).
-    pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
-        let slot = |p: usize, j: usize| (p * self.ps + j) as i64;
-        let (mut src, mut dst, mut seen) = (Vec::new(), Vec::new(), 0);
-        let mut taken = Vec::new();
-        for (i, c) in self.queue.iter_mut().enumerate() {
-            let keep = from.saturating_sub(seen).min(c.len);
-            seen += c.len;
-            for j in keep..c.len {
-                src.push(slot(c.src, j));
-                dst.push(slot(c.dst, j));
-            }
-            if keep == 0 {
-                taken.push(i);
-            } else {
-                c.len = keep;
-            }
-        }
-        // Each taken copy lets its source go, in queue order.
-        for (n, i) in taken.into_iter().enumerate() {
-            let c = self.queue.remove(i - n);
-            self.holding -= 1;
-            if self.release(c.src) {
-                self.drop_copy_into(c.src);
-            }
-        }
-        (src, dst)
     }
 
     fn hold(&mut self, p: usize) {
@@ -362,7 +310,7 @@ impl Model {
                     let q = self.take_page();
                     let off = len % self.ps;
                     self.queued += off;
-                    self.queue.push(Copy {
+                    self.queue.push(QueuedCopy {
                         src: last,
                         dst: q,
                         len: off,
