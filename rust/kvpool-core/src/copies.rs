@@ -101,9 +101,10 @@ impl CopyQueue {
         r.src
     }
 
-    /// Sheds dropped runs at the end, and compacts once they are half the
-    /// queue (each compaction moves at most as many runs as were dropped
-    /// since the last: O(1) per drop, amortized).
+    /// Sheds dropped runs at the end, and compacts once they are more than
+    /// half the queue (a compaction walks fewer than twice the runs dropped
+    /// since the last: O(1) per drop, amortized; and the queue stays within
+    /// twice its live runs).
     fn tidy(&mut self) {
         while self.runs.last().is_some_and(|r| r.len == 0) {
             self.runs.pop();
