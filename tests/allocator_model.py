@@ -2,8 +2,9 @@
 hypothesis state machine: one page list and one token list per request,
 holders counted by scanning, the prefix index keyed by exact content
 (salt, every token up to the end of the page) with registration ids, the LRU
-list a plain list (oldest first). Same policies as the allocator, written the
-obvious way."""
+list a plain list (oldest first), the copy-on-write queue a list of
+[source page, destination page, slots] searched front to back. Same policies
+as the allocator, written the obvious way."""
 
 import kvpool
 
@@ -42,7 +43,11 @@ class Model:
         self.gen = [None] * MAX_REQ
         self.base = gen_base
         self.reqs = {}  # row -> Req
-        self.copies = ([], [])
+        # Queued copies [src page, dst page, slots], oldest first; the first
+        # `holding` hold their source page (inside extend, its own do not yet).
+        self.queue = []
+        self.holding = 0
+        self.dropped = 0  # copies dropped with their destination page
         self.hit = self.miss = 0
 
     # ----- helpers
@@ -53,7 +58,12 @@ class Model:
         return None
 
     def holders(self, p):
-        return sum(r.pages.count(p) for r in self.reqs.values())
+        """Requests naming p, plus the queued copies that read it."""
+        held = sum(c[0] == p for c in self.queue[: self.holding])
+        return sum(r.pages.count(p) for r in self.reqs.values()) + held
+
+    def pending_copies(self):
+        return sum(c[2] for c in self.queue)
 
     def slots(self, r):
         q = self.reqs[r]
@@ -84,8 +94,36 @@ class Model:
         return p
 
     def release(self, p):
-        if self.holders(p) == 0:
-            (self.lru if p in self.reg else self.free).append(p)
+        """One holder of p gone: with none left, p is CACHED or FREE (True)."""
+        if self.holders(p):
+            return False
+        (self.lru if p in self.reg else self.free).append(p)
+        return True
+
+    def drop_copy_into(self, p):
+        """Nobody holds p: the copy into it goes, its source is released, and
+        so on down a chain of copies."""
+        while True:
+            i = next((i for i, c in enumerate(self.queue) if c[1] == p), None)
+            if i is None:
+                return
+            src = self.queue.pop(i)[0]
+            self.holding -= 1
+            self.dropped += 1
+            if not self.release(src):
+                return
+            p = src
+
+    def take_copies(self):
+        """Every queued copy as (src slots, dst slots); each lets its source go."""
+        src = [c[0] * self.ps + j for c in self.queue for j in range(c[2])]
+        dst = [c[1] * self.ps + j for c in self.queue for j in range(c[2])]
+        while self.queue:
+            s = self.queue.pop(0)[0]
+            self.holding -= 1
+            if self.release(s):
+                self.drop_copy_into(s)
+        return src, dst
 
     def new_row(self, salt=0):
         r = self.free_rows.pop()
@@ -167,9 +205,7 @@ class Model:
                 last = q.pages[-1]
                 if self.holders(last) > 1:
                     new = self.take_page()
-                    for j in range(n % self.ps):
-                        self.copies[0].append(last * self.ps + j)
-                        self.copies[1].append(new * self.ps + j)
+                    self.queue.append([last, new, n % self.ps])
                     q.pages[-1] = new
                 elif last in self.reg:
                     del self.reg[last]
@@ -183,6 +219,7 @@ class Model:
                     q.tokens.append(q.prompt[t] if t < len(q.prompt) else None)
                 out.append(q.pages[-1] * self.ps + t % self.ps)
             k += c
+        self.holding = len(self.queue)  # this call's copies hold from now on
         return out
 
     def shrink(self, r, n):
@@ -191,8 +228,9 @@ class Model:
         dropped = q.pages[keep:]
         del q.pages[keep:]
         del q.tokens[n:]
-        for p in reversed(dropped):
-            self.release(p)
+        unheld = [p for p in reversed(dropped) if self.release(p)]
+        for p in unheld:  # then the copies into pages nobody holds now
+            self.drop_copy_into(p)
         full = n // self.ps
         if q.hashed > full:
             q.broken = False
@@ -205,6 +243,9 @@ class Model:
             if not 0 <= ls[i] <= len(self.reqs[r].tokens):
                 raise kvpool.InvalidArgumentError
         for h, n in zip(hs, ls):
+            q = self.reqs[self.row(h)]
+            if n < len(q.tokens):
+                del q.prompt[n:]  # rolled back: what follows need not be the prompt
             self.shrink(self.row(h), n)
 
     def register(self, r):
@@ -236,6 +277,10 @@ class Model:
         for r in self.batch_rows(hs):
             self.register(r)
 
+    def retired(self, r):
+        g = self.gen[r]
+        return g is not None and (1 if g >= MAX_GEN else g + 1) == self.base
+
     def close(self, hs, cache=False):
         rows = self.batch_rows(hs)
         if cache:
@@ -244,9 +289,14 @@ class Model:
         for r in rows:
             self.shrink(r, 0)
             del self.reqs[r]
-            g = self.gen[r]
-            if (1 if g >= MAX_GEN else g + 1) != self.base:
+            if not self.retired(r):
                 self.free_rows.append(r)
+
+    def reset(self):
+        for r in sorted(self.reqs):
+            self.shrink(r, 0)
+            del self.reqs[r]
+        self.free_rows = [r for r in range(MAX_REQ - 1, -1, -1) if not self.retired(r)]
 
     def fork(self, h, n):
         parent = self.row(h)

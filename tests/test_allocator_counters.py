@@ -5,8 +5,9 @@
 * ``metadata_bytes`` counts the per-request page lists, not only the fixed arrays.
 * Generations and the batch epoch wrap after 2**31 / 2**32 steps; reaching
   that in a test needs the core's test-only hook that starts the counters near
-  their maximum (``SlotAllocator._set_counters_for_tests``, from the core
-  branch). Until the bindings expose it these two tests skip with that reason.
+  their maximum (``SlotAllocator._set_counters_for_tests``, in builds with the
+  bindings' ``test-hooks`` feature: every cargo build, and CI's install; not
+  the wheel). Without it these two tests skip with that reason.
 """
 
 import numpy as np
@@ -21,7 +22,7 @@ HOOK = "_set_counters_for_tests"
 def needs_hook(a: SlotAllocator):
     hook = getattr(a, HOOK, None)
     if hook is None:
-        pytest.skip(f"SlotAllocator.{HOOK}(generation=, epoch=) is not in this build (core branch hook)")
+        pytest.skip(f"SlotAllocator.{HOOK}(generation=, epoch=) is not in this build (build with the test-hooks feature)")
     return hook
 
 

@@ -1,10 +1,15 @@
 """Hypothesis state machine: the Rust allocator against a pure-Python model
 (tests/allocator_model.py), shared pages included: open_with_prefix,
 extend(tokens=), admit, cache, close(cache=), fork with copy-on-write, truncate into
-shared pages, evict, clear_cache and eviction under pressure. After every
-step the two must agree on every query (slots, pages, known tokens, counters,
-queued copies, hit counts), and check() must pass. Errors must agree in type
-and leave both unchanged."""
+shared pages and into prompts (which then diverge), evict, clear_cache, reset and
+eviction under pressure. After every step the two must agree on every query
+(slots, pages, known tokens, counters, queued copies, hit counts), and check()
+must pass. Errors must agree in type and leave both unchanged.
+
+Some runs drain the copy-on-write queue after every step; the others only when
+the `drain` rule fires, so queued copies outlive closes, truncations, evictions
+and resets: the model knows which copies survive and which source pages they
+keep held."""
 
 import copy
 
@@ -38,9 +43,10 @@ def run_both(real, model):
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]))
-    def setup(self, num_pages, ps):
+    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans())
+    def setup(self, num_pages, ps, drain_always):
         self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX)
+        self.drain_always = drain_always
         # Generations start at a random per-allocator base: learn it from a
         # throwaway request (row 0 goes back on top of the row stack).
         h = int(self.a.open(1)[0])
@@ -118,6 +124,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         elif out is not None:
             assert (out == -5).all()
 
+    def model_admit(self, cs, toks):
+        """open + extend on the model, all or nothing."""
+        saved = copy.deepcopy(self.m.__dict__)
+        try:
+            hs = self.m.open(len(cs))
+            return hs, self.m.extend(hs, cs, toks)
+        except kvpool.KVPoolError:
+            self.m.__dict__.clear()
+            self.m.__dict__.update(saved)
+            raise
+
     @rule(data=st.data(), with_tokens=st.booleans(), with_out=st.booleans())
     def admit(self, data, with_tokens, with_out):
         """open + extend in one call; refused, it must leave even the next handles alone."""
@@ -128,18 +145,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if toks and data.draw(st.integers(0, 9)) == 0:
             toks[-1] = -1  # a bad id
         out = np.full(n + 2, -5, dtype=np.int64) if with_out else None
-
-        def model():
-            saved = copy.deepcopy(self.m.__dict__)
-            try:
-                hs = self.m.open(len(cs))
-                return hs, self.m.extend(hs, cs, toks)
-            except kvpool.KVPoolError:
-                self.m.__dict__.clear()
-                self.m.__dict__.update(saved)
-                raise
-
-        r = run_both(lambda: self.a.admit(cs, tokens=toks, out=out), model)
+        r = run_both(lambda: self.a.admit(cs, tokens=toks, out=out), lambda: self.model_admit(cs, toks))
         if r:
             (hs, slots), (mhs, mslots) = r
             if out is not None:
@@ -184,6 +190,95 @@ class AllocatorMachine(RuleBasedStateMachine):
             ls.append(data.draw(st.one_of(ok, ok, ok, st.sampled_from([-1, cur + 1]))))
         run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls))
 
+    def pick_where(self, data, want):
+        """One open handle for which want(request) holds, when there is one
+        (or by a coin flip), else what pick() gives."""
+        fit = [h for h in self.open_handles() if want(self.m.reqs[self.m.row(h)])]
+        if fit and data.draw(st.booleans()):
+            return [data.draw(st.sampled_from(fit))]
+        return self.pick(data, 1)[:1]  # now and then not an open request
+
+    @rule(data=st.data(), n=st.integers(0, 5), seed=st.integers(0, 2))
+    def rollback(self, data, n, seed):
+        """Rolls a request back, most often into its prompt, and continues it
+        with other tokens: an edited turn, a retried tool call, rejected draft
+        tokens."""
+        hs = self.pick_where(data, lambda q: min(len(q.tokens), len(q.prompt)) > 0)
+        if not hs:
+            return
+        r = self.m.row(hs[0])
+        q = self.m.reqs[r] if r is not None else None
+        keep = data.draw(st.integers(0, len(q.tokens))) if q else 0
+        if q and min(len(q.tokens), len(q.prompt)) > 0 and data.draw(st.integers(0, 3)):
+            keep = data.draw(st.integers(0, min(len(q.tokens), len(q.prompt)) - 1))
+        run_both(lambda: self.a.truncate(hs, [keep]), lambda: self.m.truncate(hs, [keep]))
+        toks = [(seed + 2 * j) % 3 for j in range(n)]
+        r = run_both(lambda: self.a.extend(hs, [n], tokens=toks), lambda: self.m.extend(hs, [n], toks))
+        if r:
+            assert r[0].tolist() == r[1]
+
+    @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(2, MAX_CTX), n=st.integers(1, 6),
+          seed=st.integers(0, 2), cache=st.booleans())
+    def diverge(self, data, base, length, n, seed, cache):
+        """A whole rolled-back request: open on a prompt, prefill it, truncate
+        to inside the prompt, continue with other tokens, maybe cache."""
+        prompt = BASES[base][:length]
+        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
+                     lambda: self.m.open_with_prefix([prompt], 0))
+        if not r:
+            return
+        h = r[1][0][0]
+        self.issued.append(h)
+        c = length - r[1][1][0]
+        if not run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
+            return
+        keep = [data.draw(st.integers(0, length - 1))]
+        run_both(lambda: self.a.truncate([h], keep), lambda: self.m.truncate([h], keep))
+        toks = [(seed + 2 * j) % 3 for j in range(n)]
+        if run_both(lambda: self.a.extend([h], [n], tokens=toks), lambda: self.m.extend([h], [n], toks)) and cache:
+            run_both(lambda: self.a.cache([h]), lambda: self.m.cache([h]))
+
+    @rule(data=st.data(), n=st.integers(1, 2), close=st.sampled_from([None, "parent", "child"]))
+    def sample(self, data, n, close):
+        """Parallel sampling: fork, then the children and the parent write one
+        token each (the first writers into a shared partly filled page copy
+        it); then maybe the parent or a child finishes, its copies undrained."""
+        if data.draw(st.booleans()):
+            hs = self.pick_where(data, lambda q: len(q.tokens) % self.m.ps != 0)
+        else:  # a new request, most often ending inside a page
+            k = [data.draw(st.integers(1, MAX_CTX - 1))]
+            r = run_both(lambda: self.a.admit(k), lambda: self.model_admit(k, None))
+            hs = []
+            if r:
+                assert r[0][0].tolist() == r[1][0]
+                hs = r[1][0]
+                self.issued += hs
+        if not hs:
+            return
+        r = run_both(lambda: self.a.fork(hs[0], n), lambda: self.m.fork(hs[0], n))
+        if r:
+            assert r[0].tolist() == r[1]
+            kids = r[1]
+            self.issued += kids
+            batch = kids + hs
+            r = run_both(lambda: self.a.extend(batch, 1), lambda: self.m.extend(batch, [1] * len(batch)))
+            if r:
+                assert r[0].tolist() == r[1]
+                if close:
+                    gone = hs if close == "parent" else kids[:1]
+                    run_both(lambda: self.a.close(gone), lambda: self.m.close(gone))
+
+    @rule()
+    def drain(self):
+        src, dst = self.a.take_copies()
+        assert (src.tolist(), dst.tolist()) == self.m.take_copies()
+
+    @rule(now=st.integers(0, 3))
+    def reset(self, now):
+        if now == 0:  # rarely: it ends every request
+            self.a.reset()
+            self.m.reset()
+
     @rule(data=st.data(), cache=st.booleans())
     def close(self, data, cache):
         hs = self.pick(data, 2)
@@ -218,9 +313,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not hasattr(self, "a"):
             return
         self.a.check()
-        src, dst = self.a.take_copies()
-        assert (src.tolist(), dst.tolist()) == self.m.copies
-        self.m.copies = ([], [])
+        if self.drain_always:
+            self.drain()
+            self.a.check()
+        assert self.a.pending_copies == self.m.pending_copies()
         assert self.a.free_pages == len(self.m.free) + len(self.m.lru)
         s = self.a.stats()
         assert (s.evictable_pages, s.cached_pages) == (len(self.m.lru), len(self.m.reg))

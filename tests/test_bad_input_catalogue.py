@@ -188,14 +188,8 @@ def test_pool_bad_input(pool, name, exc, call):
     p.allocator.check()
 
 
-# The core branch's test-only hook doubles as the marker that its fixes of
-# issue 15 #1/#2 (every reservation a caller sizes is fallible) are built in.
-CORE_FIXED = hasattr(SlotAllocator, "_set_counters_for_tests")
 CORE_CASES = [
-    pytest.param(
-        "from kvpool import SlotAllocator; SlotAllocator(4, 1, 2**31 - 1, 16)",
-        marks=pytest.mark.xfail(not CORE_FIXED, strict=True, reason="aborts until the core branch lands (#2)"),
-    ),
+    "from kvpool import SlotAllocator; SlotAllocator(4, 1, 2**31 - 1, 16)",
     "from kvpool import SlotAllocator; SlotAllocator(4, 1, 4, 2**31 - 1).open(4)",
 ]
 

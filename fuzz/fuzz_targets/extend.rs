@@ -149,7 +149,8 @@ pub fn extend(
 
 /// Applies a successful extend to the model: queued copies first (the
 /// device runs them before the new positions are written), then the writes.
-/// Returns how many slots were copied.
+/// With `m.defer` the copies stay queued unless a new position's slot is a
+/// queued copy's destination. Returns how many slots this call queued.
 pub fn record_extend(
     a: &mut SlotAllocator,
     m: &mut Model,
@@ -159,8 +160,17 @@ pub fn record_extend(
     slots: &[i64],
 ) -> usize {
     assert_eq!(slots.len() as i64, cs.iter().sum::<i64>());
-    let (src, dst) = a.take_copies();
-    m.copy(&src, &dst);
+    let queued = a.pending_copies() - m.pending;
+    if m.defer
+        && !crate::model::queued_copies(a)
+            .1
+            .iter()
+            .any(|d| slots.contains(d))
+    {
+        m.pending = a.pending_copies();
+    } else {
+        m.drain(a);
+    }
     let mut k = 0usize;
     for (&h, &c) in hs.iter().zip(cs) {
         let c = c as usize;
@@ -185,5 +195,5 @@ pub fn record_extend(
         }
         k += c;
     }
-    src.len()
+    queued
 }

@@ -21,6 +21,11 @@ pub struct Cell {
     pub ctx: Option<Vec<i32>>,
 }
 
+/// The copy-on-write copies queued in `a`, in order, without draining them.
+pub fn queued_copies(a: &SlotAllocator) -> (Vec<i64>, Vec<i64>) {
+    a.clone().take_copies()
+}
+
 /// One open request as the harness sees it.
 #[derive(Debug, Clone, Default)]
 pub struct Req {
@@ -48,6 +53,12 @@ pub struct Model {
     /// Token sequences seen (prompts, closed requests' tokens), for new
     /// prompts to reuse so that prefixes repeat.
     pub texts: Vec<Vec<i32>>,
+    /// Leave copy-on-write copies queued until a step writes into a queued
+    /// copy's destination, a call registers pages, or `Drain` (otherwise
+    /// every extend runs its copies at once, as `KVPool.extend` does).
+    pub defer: bool,
+    /// Copies (slot pairs) queued as of the harness's last look.
+    pub pending: usize,
 }
 
 impl Model {
@@ -58,7 +69,18 @@ impl Model {
             next_write: 1,
             registered: HashSet::new(),
             texts: Vec::new(),
+            defer: false,
+            pending: 0,
         }
+    }
+
+    /// Takes every queued copy and runs it, as an engine does before a
+    /// step's K/V writes.
+    pub fn drain(&mut self, a: &mut SlotAllocator) {
+        let (src, dst) = a.take_copies();
+        self.copy(&src, &dst);
+        self.pending = 0;
+        assert_eq!(a.pending_copies(), 0, "copies left after take_copies");
     }
 
     pub fn cell(&self, slot: i64) -> Option<&Cell> {
@@ -92,20 +114,23 @@ impl Model {
         }
     }
 
-    /// Runs copy-on-write copies as the device would (all sources read first).
+    /// Runs copy-on-write copies in queue order. (A copy can read an
+    /// earlier one's destination only when the queue was left undrained
+    /// across the calls that queued them.)
     pub fn copy(&mut self, src: &[i64], dst: &[i64]) {
+        Self::run_copies(&mut self.content, src, dst);
+    }
+
+    fn run_copies(content: &mut [Option<Cell>], src: &[i64], dst: &[i64]) {
         assert_eq!(
             src.len(),
             dst.len(),
             "take_copies: src and dst differ in length"
         );
-        let cells: Vec<Option<Cell>> = src
-            .iter()
-            .map(|&s| self.content[s as usize].clone())
-            .collect();
-        for (&d, c) in dst.iter().zip(cells) {
+        for (&s, &d) in src.iter().zip(dst) {
+            let c = content[s as usize].clone();
             assert!(c.is_some(), "copy-on-write from a slot nobody wrote");
-            self.content[d as usize] = c;
+            content[d as usize] = c;
         }
     }
 
@@ -146,12 +171,20 @@ impl Model {
         assert_eq!(tok, e.token_ids.len(), "Stored token ids left over");
     }
 
-    /// Holders of every held page, from the public page lists.
+    /// Holders of every held page: the requests naming it in their public
+    /// page lists, and the queued copies reading it (one per copy, not per
+    /// slot pair: a copy's pairs start at offset 0 of its pages).
     pub fn holders(&self, a: &SlotAllocator) -> HashMap<i32, usize> {
         let mut m = HashMap::new();
         for &h in self.reqs.keys() {
             for p in a.pages(h).expect("open") {
                 *m.entry(p).or_insert(0) += 1;
+            }
+        }
+        let ps = a.page_size() as i64;
+        for &s in &queued_copies(a).0 {
+            if s % ps == 0 {
+                *m.entry((s / ps) as i32).or_insert(0) += 1;
             }
         }
         m
@@ -164,7 +197,14 @@ impl Model {
         }
         let ps = a.page_size() as i64;
         assert_eq!(a.open_requests(), self.reqs.len(), "open request count");
-        assert_eq!(a.pending_copies(), 0, "copies queued after take_copies");
+        // What each slot holds once the queued copies have run: a copy
+        // still queued reads its source page now, so that page must still
+        // hold what it held when the copy was queued.
+        let (src, dst) = queued_copies(a);
+        assert_eq!(a.pending_copies(), src.len(), "pending_copies");
+        let mut content = self.content.clone();
+        Self::run_copies(&mut content, &src, &dst);
+        let cell = |s: i64| content[s as usize].as_ref();
         // Page -> (holder, index in its page list).
         let mut seen: HashMap<i32, Vec<(i64, usize)>> = HashMap::new();
         for (&h, r) in &self.reqs {
@@ -186,7 +226,7 @@ impl Model {
                     "slot {s} outside its page"
                 );
                 assert_eq!(s % ps, i as i64 % ps, "slot {s} at the wrong offset");
-                let c = self.cell(s).map(|c| c.write);
+                let c = cell(s).map(|c| c.write);
                 assert_eq!(
                     c,
                     Some(r.writes[i]),
@@ -208,7 +248,20 @@ impl Model {
                 assert_eq!(k, hs[0].1, "page {p} shared at different positions");
             }
         }
-        let held = seen.len();
+        // A copy's destination is a page some request holds (a copy into a
+        // released page is dropped); its source is held until it is taken.
+        for &d in &dst {
+            assert!(
+                seen.contains_key(&((d / ps) as i32)) || src.iter().any(|&s| s / ps == d / ps),
+                "a queued copy writes slot {d} of a page nobody holds"
+            );
+        }
+        let sources: HashSet<i32> = src
+            .iter()
+            .map(|&s| (s / ps) as i32)
+            .filter(|p| !seen.contains_key(p))
+            .collect();
+        let held = seen.len() + sources.len();
         assert_eq!(a.used_pages(), held, "used_pages vs pages held");
         assert_eq!(
             a.free_pages() + held,
@@ -223,7 +276,7 @@ impl Model {
         let evictable = self
             .registered
             .iter()
-            .filter(|p| !seen.contains_key(p))
+            .filter(|p| !seen.contains_key(p) && !sources.contains(p))
             .count();
         assert_eq!(
             a.evictable_pages(),

@@ -273,7 +273,10 @@ class SlotAllocator:
         """
     def truncate(self, handles: _IntArray, lengths: _IntArray) -> None:
         """Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
-        pages no longer needed. Atomic.
+        pages no longer needed. A request shortened to inside the prompt it was
+        opened with (open_with_prefix) forgets the prompt from there: later
+        positions take the token ids extend is given (or are unknown), and
+        cache() registers what they hold. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
@@ -403,9 +406,12 @@ class SlotAllocator:
         """
     def take_copies(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued copy-on-write copies (int64 slot pairs). Copy every
-        layer's K and V from src[i] to dst[i] before the next write into the
-        destination pages and before any call that could free the source
-        pages. KVPool does this inside extend.
+        layer's K and V from src[i] to dst[i], in order, before the next write
+        into the destination pages. Each source page stays held until its copy
+        is taken here, so no later call frees or rewrites it meanwhile; a copy
+        whose destination page its requests released (close, truncate, reset)
+        is dropped, so the queue holds at most one copy per held page however
+        long it is left. KVPool does this inside extend.
         """
     def evict(self, n_pages: int) -> int:
         """Evicts up to n_pages cached pages nobody holds, least recently used
@@ -417,7 +423,8 @@ class SlotAllocator:
         """
     def clear_cache(self) -> None:
         """Drops every prefix-index entry: cached pages become free, held pages
-        stay with their requests. Records one Cleared event.
+        stay with their requests. Records one Cleared event. Queued copies
+        stay: they fill open requests' pages.
         """
     def take_events(self) -> Dict[str, npt.NDArray[Any]]:
         """Drains the KV events (what vLLM's KVEventBatch carries), oldest

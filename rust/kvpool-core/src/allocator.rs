@@ -3,6 +3,7 @@
 //! the prefix cache in `prefix.rs` / `index.rs`, fork in `fork.rs`, queries
 //! in `queries.rs`, invariants in `check.rs`.
 
+use crate::copies::CopyQueue;
 use crate::error::{HandleProblem, PoolError, Result};
 use crate::events::EventLog;
 use crate::handle::{
@@ -117,9 +118,8 @@ pub struct SlotAllocator {
     pub(crate) free_pages: Vec<u32>,
     /// The prefix index, the CACHED pages' LRU list and per-slot token ids.
     pub(crate) index: PrefixIndex,
-    /// Queued copy-on-write copies: slot `copy_src[i]` -> `copy_dst[i]`.
-    pub(crate) copy_src: Vec<i64>,
-    pub(crate) copy_dst: Vec<i64>,
+    /// Queued copy-on-write copies and the source pages they hold.
+    pub(crate) copies: CopyQueue,
     pub(crate) events: EventLog,
     pub(crate) hit_tokens: u64,
     pub(crate) miss_tokens: u64,
@@ -267,8 +267,7 @@ impl SlotAllocator {
             page_lists,
             free_pages,
             index,
-            copy_src: Vec::new(),
-            copy_dst: Vec::new(),
+            copies: CopyQueue::default(),
             events: EventLog::new(opts.kv_events, num_pages.max(crate::events::MIN_BACKLOG)),
             hit_tokens: 0,
             miss_tokens: 0,

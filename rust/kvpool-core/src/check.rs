@@ -5,7 +5,10 @@
 //!   refcount 1), HELD (refcount >= 1) or CACHED (refcount 0, registered,
 //!   on the LRU list);
 //!   FREE + HELD + CACHED = capacity; page 0 is in none;
-//! - each refcount equals the number of open requests whose page list names it;
+//! - each refcount equals the number of open requests whose page list names it,
+//!   plus the queued copies that read it (`copies.rs`);
+//! - every queued copy writes into a held page of its own, and the queue's
+//!   counts and page map agree with its runs;
 //! - the index and the page registrations agree both ways;
 //! - the LRU list is well linked and is exactly the CACHED set;
 //! - rows: lengths, last pages, the SLOW bit wherever it is needed, row stacks.
@@ -19,6 +22,7 @@ use crate::rows::{OPEN, SLOW};
 impl SlotAllocator {
     pub fn check(&self) -> Result<()> {
         self.check_pages()?;
+        self.check_copies()?;
         self.check_index()?;
         self.check_rows()
     }
@@ -41,6 +45,12 @@ impl SlotAllocator {
                     return fail(format!("row {row} holds out-of-range page {p}"));
                 }
                 holders[p as usize] += 1;
+            }
+        }
+        // A waiting copy holds its source (checked in range by check_copies).
+        for r in self.copies.live() {
+            if let Some(h) = holders.get_mut(r.src as usize) {
+                *h += 1;
             }
         }
         // 0 unseen, 1 free stack, 2 LRU.
@@ -106,6 +116,16 @@ impl SlotAllocator {
                 }
             }
         }
+        // A released destination's copy is dropped: every queued copy
+        // writes into a HELD page.
+        for r in self.copies.live() {
+            if listed.get(r.dst as usize).is_some_and(|&l| l != 0) {
+                return fail(format!(
+                    "a queued copy writes into page {}, which nobody holds",
+                    r.dst
+                ));
+            }
+        }
         if st[0].holders() != 0 || st[0].is_registered() || holders[0] != 0 {
             return fail("page 0 is held or registered".into());
         }
@@ -114,6 +134,55 @@ impl SlotAllocator {
                 "FREE {free} + HELD {held} + CACHED {cached} != capacity {}",
                 n - 1
             ));
+        }
+        Ok(())
+    }
+
+    fn check_copies(&self) -> Result<()> {
+        let fail = |m: String| Err(PoolError::Invariant(m));
+        let q = &self.copies;
+        let (mut slots, mut dead) = (0usize, 0usize);
+        for (i, r) in q.runs.iter().enumerate() {
+            if r.len == 0 {
+                dead += 1;
+                continue;
+            }
+            let in_range = |p: u32| p != 0 && (p as usize) < self.num_pages;
+            if !in_range(r.src) || !in_range(r.dst) || r.src == r.dst {
+                return fail(format!(
+                    "queued copy {i} runs from page {} to {}",
+                    r.src, r.dst
+                ));
+            }
+            if r.len as usize >= self.page_size {
+                return fail(format!("queued copy {i} copies {} slots of a page", r.len));
+            }
+            if q.into[r.dst as usize] != i as u32 + 1 {
+                return fail(format!(
+                    "queued copy {i} into page {} is not the page's copy",
+                    r.dst
+                ));
+            }
+            slots += r.len as usize;
+        }
+        if slots != q.slots || dead != q.dead || dead * 2 > q.runs.len() {
+            return fail(format!(
+                "copy queue counts {} slots and {} dropped runs of {}, has {slots} and {dead}",
+                q.slots,
+                q.dead,
+                q.runs.len()
+            ));
+        }
+        for (p, &i) in q.into.iter().enumerate() {
+            let ok = i == 0
+                || q.runs
+                    .get(i as usize - 1)
+                    .is_some_and(|r| r.len > 0 && r.dst as usize == p);
+            if !ok {
+                return fail(format!(
+                    "page {p} names queued copy {i}, which does not write it"
+                ));
+            }
         }
         Ok(())
     }
@@ -245,7 +314,9 @@ impl SlotAllocator {
             let c = &self.cold[row];
             if c.exclusive
                 && pages.iter().any(|&p| {
-                    self.index.state[p as usize].holders() != 1 || self.index.is_registered(p)
+                    self.index.state[p as usize].holders() != 1
+                        || self.index.is_registered(p)
+                        || self.copies.run_into(p) != 0
                 })
             {
                 return fail(format!("row {row} is marked exclusive but shares a page"));

@@ -192,6 +192,8 @@ impl SlotAllocator {
         let mut slow = std::mem::take(&mut self.slow_scratch);
         slow.clear();
         let mut needed_pages = 0usize;
+        // Requests that may copy their last page (copies.rs makes room).
+        let mut copies = 0usize;
         // The decode run may already take pages (undone on error): an
         // Exhausted error must still report the batch's need against what
         // was available before the call.
@@ -262,7 +264,9 @@ impl SlotAllocator {
             } else {
                 needed_pages += self.pages_for(new_len as usize) - self.pages_for(len);
                 if last & SLOW != 0 && c > 0 {
-                    needed_pages += self.cow_pages(row);
+                    let cow = self.cow_pages(row);
+                    needed_pages += cow;
+                    copies += cow;
                 }
                 slow.push(i as u32);
             }
@@ -282,6 +286,9 @@ impl SlotAllocator {
                     taken_early,
                 )
                 .err();
+        }
+        if error.is_none() && copies > 0 {
+            error = self.copies.prepare(copies, self.num_pages).err();
         }
         if let Some(e) = error {
             self.undo_applied(handles, &get, &slow, done);
@@ -322,6 +329,7 @@ impl SlotAllocator {
             return Ok(());
         }
         // Second pass: grow the listed requests, report everyone in order.
+        let runs_before = self.queued_runs();
         let mut s = slow.iter().peekable();
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
@@ -364,6 +372,12 @@ impl SlotAllocator {
                 slots: dst,
                 moved,
             });
+        }
+        if self.queued_runs() > runs_before {
+            let rows = slow
+                .iter()
+                .map(|&i| handle_row(handles[i as usize]) as usize);
+            self.hold_copy_sources(runs_before, rows);
         }
         self.slow_scratch = slow;
         Ok(())

@@ -1,6 +1,6 @@
 //! The slow side of extend: requests that take pages, copy a shared last
-//! page (copy-on-write) or unregister a cached one before writing into it,
-//! or take token ids from their prompt; plus the copy queue.
+//! page (copy-on-write, queued in `copies.rs`) or unregister a cached one
+//! before writing into it, or take token ids from their prompt.
 
 use crate::allocator::SlotAllocator;
 use crate::rows::SLOW;
@@ -58,8 +58,7 @@ impl SlotAllocator {
                 let q = self.take_page();
                 let (src, dstp) = (last as usize * ps, q as usize * ps);
                 self.index.tokens.copy_within(src..src + off, dstp);
-                self.copy_src.extend((src..src + off).map(|s| s as i64));
-                self.copy_dst.extend((dstp..dstp + off).map(|s| s as i64));
+                self.queue_copy(last, q, off);
                 self.index.state[last as usize].extra -= 1;
                 self.page_lists[base + np - 1] = q;
                 last = q;
@@ -140,7 +139,8 @@ impl SlotAllocator {
 
     /// `SLOW` if `row` (length `len`, last page `last`) must take the slow
     /// path next: prompt positions still ahead, or a partly filled last page
-    /// that others hold or the cache has registered.
+    /// that others hold (requests, or a waiting copy of it) or the cache has
+    /// registered.
     pub(crate) fn slow_bit(&self, row: usize, len: usize, last: u32) -> u32 {
         let last = last & !SLOW;
         let pending = self.cold[row].prompt.len() > len;
@@ -153,30 +153,5 @@ impl SlotAllocator {
         } else {
             0
         }
-    }
-
-    /// Drains the queued copy-on-write copies: `(src_slots, dst_slots)`.
-    /// Run them (every layer's K and V, slot `src[i]` to `dst[i]`) before
-    /// the next write to the destination pages and before any call that
-    /// could free the source pages; `KVPool.extend` does this itself.
-    /// The queue keeps its capacity (like the event log), so draining it
-    /// every step does not regrow it.
-    pub fn take_copies(&mut self) -> (Vec<i64>, Vec<i64>) {
-        let out = (self.copy_src.clone(), self.copy_dst.clone());
-        self.copy_src.clear();
-        self.copy_dst.clear();
-        out
-    }
-
-    /// Drains the queued copies from index `from` on (those a caller saw
-    /// being queued), leaving earlier ones queued.
-    pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
-        let from = from.min(self.copy_src.len());
-        (self.copy_src.split_off(from), self.copy_dst.split_off(from))
-    }
-
-    /// Queued copy-on-write copies not yet taken.
-    pub fn pending_copies(&self) -> usize {
-        self.copy_src.len()
     }
 }

@@ -360,9 +360,9 @@ impl PrefixIndex {
         self.free_entries.clear();
     }
 
-    /// Appends `p` as the newest CACHED page (releases append in bulk,
-    /// `SlotAllocator::release_pages`; tests corrupt the list with this).
-    #[cfg(test)]
+    /// Appends `p` as the newest CACHED page (a request's release appends
+    /// its pages in bulk, `SlotAllocator::release_pages`; this is for one
+    /// page, a waiting copy's source let go; tests corrupt the list with it).
     pub(crate) fn lru_push(&mut self, p: u32) {
         let newest = self.state[0].prev;
         self.state[newest as usize].next = p;

@@ -10,7 +10,8 @@
 //! order). `open_with_prefix` starts requests on cached pages of a common
 //! prefix, `cache` registers pages, `fork` shares a request's pages with new
 //! requests, and a shared partly filled page is copied on write (the copies
-//! are queued for the caller: `take_copies`). See `pages.rs`, `index.rs`.
+//! are queued for the caller: `take_copies`). See `pages.rs`, `index.rs`,
+//! `copies.rs`.
 //!
 //! Free pages form a LIFO stack: the pages freed last are reused first (warm
 //! in cache), and a fresh pool hands out pages 1, 2, 3, ... in order. Every
@@ -26,6 +27,7 @@ mod admit;
 mod allocator;
 mod chain;
 mod check;
+mod copies;
 mod decode;
 mod error;
 mod events;
@@ -47,6 +49,7 @@ mod queries;
 mod release;
 mod rows;
 mod table;
+#[cfg(any(test, feature = "test-hooks"))]
 mod test_hooks;
 
 pub use allocator::{Counts, Options, SlotAllocator};

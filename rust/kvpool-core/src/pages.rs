@@ -159,16 +159,24 @@ impl SlotAllocator {
     /// eviction takes them first. Pages that become CACHED are appended to
     /// the LRU list with its newest end kept in a register, not re-read
     /// from the sentinel each time.
-    pub(crate) fn release_pages(&mut self, range: std::ops::Range<usize>) {
+    ///
+    /// Returns whether a page let go was a waiting copy's destination (its
+    /// copy is dropped by `drop_released_copies` once the caller is done).
+    pub(crate) fn release_pages(&mut self, range: std::ops::Range<usize>) -> bool {
         let ix = &mut self.index;
         let st = &mut ix.state;
         let mut newest = st[0].prev;
         let mut pushed = 0;
+        let queued = !self.copies.is_empty();
+        let mut marked = false;
         for &p in self.page_lists[range].iter().rev() {
             let s = &mut st[p as usize];
             if s.extra != 0 {
                 s.extra -= 1;
                 continue;
+            }
+            if queued {
+                marked |= Self::mark_released(&mut self.copies.into, p);
             }
             // The last holder: CACHED (count 0) if registered, else FREE
             // (count stays 1).
@@ -184,6 +192,25 @@ impl SlotAllocator {
         st[newest as usize].next = 0;
         st[0].prev = newest;
         ix.lru_len += pushed;
+        marked
+    }
+
+    /// One holder fewer of page `p` for a hold no page list names (a
+    /// waiting copy's source); returns whether that was its last holder
+    /// (it is then CACHED if registered, else FREE).
+    pub(crate) fn release_held_page(&mut self, p: u32) -> bool {
+        let s = &mut self.index.state[p as usize];
+        if s.extra != 0 {
+            s.extra -= 1;
+            return false;
+        }
+        if s.is_registered() {
+            s.extra = UNHELD;
+            self.index.lru_push(p);
+        } else {
+            self.free_pages.push(p); // FREE keeps its count 1
+        }
+        true
     }
 
     /// Evicts up to `n` CACHED pages, least recently used first; returns
@@ -214,6 +241,12 @@ impl SlotAllocator {
     /// Drops every index entry: CACHED pages become FREE, HELD pages stay
     /// with their holders, unregistered. Emits one Cleared event. Costs
     /// O(registered pages + max_requests).
+    ///
+    /// Queued copies stay: each one fills a page an open request still
+    /// reads (its own, or through a later copy out of it), so dropping it
+    /// would leave that request reading another page's leftovers; its
+    /// source stays held until it is taken. The copies of released pages
+    /// are gone already (`copies.rs`).
     pub fn clear_cache(&mut self) {
         while let Some(p) = self.index.lru_pop_oldest() {
             self.index.unregister(p);

@@ -114,7 +114,7 @@ impl SlotAllocator {
             + self.rows.capacity() * std::mem::size_of::<Row>()
             + self.cold.capacity() * std::mem::size_of::<RowCold>()
             + prompts
-            + (self.copy_src.capacity() + self.copy_dst.capacity()) * 8
+            + self.copies.capacity_bytes()
             + self.events.capacity_bytes()
             + self.index.metadata_bytes()
     }

@@ -12,6 +12,10 @@ impl SlotAllocator {
     /// Shortens each request to `lengths[i]` tokens (<= its current length),
     /// releasing pages past the new end. Truncating into a page that others
     /// (or the cache) hold makes it copy-on-write for the next extend.
+    /// A request shortened to inside its prompt (`open_with_prefix`) forgets
+    /// the prompt from there: later positions take the token ids extend is
+    /// given (or are unknown), and `cache` registers what they hold. The
+    /// current length as the new one changes nothing.
     /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument`.
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
         lengths.check_len("lengths", handles.len())?;
@@ -29,7 +33,13 @@ impl SlotAllocator {
         }
         for (i, &h) in handles.iter().enumerate() {
             let row = handle_row(h) as usize;
-            self.shrink_row(row, lengths.get(i) as usize);
+            let l = lengths.get(i) as usize;
+            if l < self.rows[row].len as usize {
+                // Rolled back (an edited turn, a retried call, rejected
+                // draft tokens): what follows need not be the prompt.
+                self.cold[row].prompt.truncate(l);
+            }
+            self.shrink_row(row, l);
         }
         Ok(())
     }
@@ -101,22 +111,36 @@ impl SlotAllocator {
         if self.cold[row].exclusive {
             // Sole holder of unregistered pages: their refcounts are 1, a
             // FREE page's count already (see `pages.rs`), so freeing reads
-            // and writes nothing per page but the free stack.
+            // and writes nothing per page but the free stack. (No copy
+            // waits on them: a request that never shared never copied.)
             let freed = &self.page_lists[base + keep..base + np];
             self.free_pages.extend(freed.iter().rev());
-        } else if self.index.len() == 0 {
-            // Nothing is registered: a last holder frees the page outright.
-            for k in (keep..np).rev() {
-                let p = self.page_lists[base + k] as usize;
-                let s = &mut self.index.state[p];
-                if s.extra == 0 {
-                    self.free_pages.push(p as u32); // FREE keeps its count 1
-                } else {
-                    s.extra -= 1;
-                }
-            }
         } else {
-            self.release_pages(base + keep..base + np);
+            let marked = if self.index.len() == 0 {
+                // Nothing is registered: a last holder frees the page outright.
+                let queued = !self.copies.is_empty();
+                let mut marked = false;
+                for k in (keep..np).rev() {
+                    let p = self.page_lists[base + k];
+                    let s = &mut self.index.state[p as usize];
+                    if s.extra == 0 {
+                        self.free_pages.push(p); // FREE keeps its count 1
+                        if queued {
+                            marked |= Self::mark_released(&mut self.copies.into, p);
+                        }
+                    } else {
+                        s.extra -= 1;
+                    }
+                }
+                marked
+            } else {
+                self.release_pages(base + keep..base + np)
+            };
+            if marked {
+                // Pages nobody holds any more were waiting copies'
+                // destinations: nobody reads those copies now.
+                self.drop_released_copies(base + keep..base + np);
+            }
         }
         let last = if keep == 0 {
             0

@@ -1,6 +1,9 @@
-//! Test-only knobs that move the wrapping counters of a live allocator close
-//! to their limits, so the wrap paths can be tested without 2^31 opens or
-//! 2^32 batches. Hidden from the docs; not public API.
+//! Test-only knobs: move the wrapping counters of a live allocator close to
+//! their limits, so the wrap paths can be tested without 2^31 opens or 2^32
+//! batches, and break an invariant on purpose, so a test can see `check()`
+//! report it. Compiled only with the `test-hooks` feature (the core's tests
+//! and dev builds of the bindings turn it on); hidden from the docs, not
+//! public API.
 
 use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
@@ -36,6 +39,21 @@ impl SlotAllocator {
         if let Some(e) = epoch {
             self.epoch = e;
         }
+        Ok(())
+    }
+
+    /// Overwrites the salt recorded with `page`'s registration (its hash,
+    /// key and chain stay), breaking the rule that an entry has its live
+    /// parent's salt. `InvalidArgument` for a page that is not registered.
+    #[doc(hidden)]
+    pub fn set_registration_salt_for_tests(&mut self, page: u32, salt: i64) -> Result<()> {
+        let entry = self.index.state.get(page as usize).map_or(0, |s| s.entry);
+        if entry == 0 {
+            return Err(PoolError::InvalidArgument(format!(
+                "page {page} is not registered"
+            )));
+        }
+        self.index.idents[entry as usize - 1].salt = salt;
         Ok(())
     }
 }

@@ -5,74 +5,22 @@
 //! must pass after every operation. A router fed the KV events, drained
 //! every third operation so that undrained events outlive evictions,
 //! truncations and clears, must know exactly the registered pages.
+//!
+//! The copy queue is drained after every operation, every third, or only
+//! by an explicit `Drain` (all of it, or the newest part), so queued copies
+//! outlive closes, truncations (into prompts too, which then diverge),
+//! evictions and resets: the model knows which survive, and that their
+//! source pages stay held until taken.
 
+mod model_ops;
 mod reference;
 mod router;
 
 use kvpool_core::{make_handle, Counts, Grown, Options, PoolError, SlotAllocator, SlotTable};
+use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
 use proptest::prelude::*;
 use reference::{kind, Kind, Model, MAX_CTX, MAX_REQ};
 use std::cell::Cell;
-
-#[derive(Debug, Clone)]
-enum Op {
-    Open(usize),
-    /// Prompts as (base sequence, length, last token changed), one salt for all.
-    OpenPrefix(Vec<(usize, usize, bool)>, i64),
-    /// (handle pick, count); token ids: None, or Some(seed, corrupt).
-    Extend(Vec<(usize, i64)>, Option<(u8, bool)>),
-    /// One token each (`Counts::Each(1)`, the decode step's own loop).
-    Decode(Vec<usize>, Option<(u8, bool)>),
-    Truncate(Vec<(usize, i64)>),
-    Close(Vec<usize>, bool),
-    Cache(Vec<usize>),
-    Fork(usize, usize),
-    /// Extends a request by the rest of its prompt (no token ids passed).
-    Prefill(usize),
-    Evict(usize),
-    ClearCache,
-}
-
-/// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
-/// so that generated decode tokens often repeat a cached prefix.
-const BASES: [[i32; 14]; 2] = [
-    [1, 2, 1, 0, 2, 2, 1, 0, 0, 1, 2, 0, 1, 1],
-    [1, 2, 1, 0, 0, 0, 2, 1, 2, 2, 0, 1, 0, 2],
-];
-
-fn prompt(base: usize, len: usize, changed: bool) -> Vec<i32> {
-    let mut p = BASES[base][..len].to_vec();
-    if changed {
-        if let Some(t) = p.last_mut() {
-            *t = (*t + 1) % 3;
-        }
-    }
-    p
-}
-
-/// Handle picks below OPEN_PICKS name an open request (if any); the rest name
-/// any handle ever issued, so stale, closed and bogus handles show up too.
-const OPEN_PICKS: usize = 14;
-
-fn op() -> impl Strategy<Value = Op> {
-    let pick = 0usize..16;
-    let value = prop_oneof![1 => Just(-1i64), 12 => 0i64..7];
-    let prompt = (0usize..2, 0usize..14, prop::bool::weighted(0.2));
-    let toks = prop::option::of((any::<u8>(), prop::bool::weighted(0.05)));
-    prop_oneof![
-        2 => (0usize..3).prop_map(Op::Open),
-        4 => (prop::collection::vec(prompt, 0..3), 0i64..2).prop_map(|(p, s)| Op::OpenPrefix(p, s)),
-        5 => (prop::collection::vec((pick.clone(), value.clone()), 0..4), toks.clone()).prop_map(|(v, t)| Op::Extend(v, t)),
-        2 => prop::collection::vec((pick.clone(), value), 0..3).prop_map(Op::Truncate),
-        4 => (prop::collection::vec(pick.clone(), 1..3), prop::bool::weighted(0.75)).prop_map(|(v, c)| Op::Close(v, c)),
-        3 => prop::collection::vec(pick.clone(), 0..3).prop_map(Op::Cache),
-        3 => pick.clone().prop_map(Op::Prefill),
-        3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
-        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
-        1 => (0usize..4).prop_map(Op::Evict),
-        1 => Just(Op::ClearCache),
-    ]
-}
 
 /// Asserts agreement; returns whether the call succeeded.
 fn same<T: PartialEq + std::fmt::Debug>(
@@ -88,29 +36,6 @@ fn same<T: PartialEq + std::fmt::Debug>(
         (a, b) => panic!("allocator {a:?} but model {b:?}"),
     }
     false
-}
-
-/// Token ids for an extend batch: the prompt's where it covers a position
-/// (one wrong id when `corrupt`), else pseudo-random ids in 0..3.
-fn batch_tokens(m: &Model, hs: &[i64], cs: &[i64], seed: u8, corrupt: bool) -> Vec<i64> {
-    let mut out = Vec::new();
-    let mut x = seed as i64;
-    for (&h, &c) in hs.iter().zip(cs) {
-        let (start, prompt) = match m.row(h) {
-            Some(r) => (m.reqs[&r].len(), m.reqs[&r].prompt.clone()),
-            None => (0, Vec::new()),
-        };
-        for j in 0..c.max(0) as usize {
-            x = (x * 7 + 3) % 11;
-            out.push(prompt.get(start + j).map_or(x % 3, |&t| t as i64));
-        }
-    }
-    if corrupt {
-        if let Some(t) = out.last_mut() {
-            *t = if seed % 2 == 0 { -1 } else { *t + 1 };
-        }
-    }
-    out
 }
 
 /// Row stride of the test's slot table: wider than MAX_CTX, as KVPool pads.
@@ -152,6 +77,9 @@ thread_local! {
     static HIT_TOKENS: Cell<u64> = const { Cell::new(0) };
     static COPIES: Cell<usize> = const { Cell::new(0) };
     static STORED: Cell<usize> = const { Cell::new(0) };
+    static DROPPED: Cell<usize> = const { Cell::new(0) };
+    static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
+    static DIVERGED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
@@ -169,7 +97,7 @@ fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], ops in prop::collection::vec(op(), 1..60)) {
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], ops in prop::collection::vec(op(), 1..80)) {
         let mut a = new_allocator(pages, ps);
         let mut m = Model::new(pages, ps);
         // Every handle ever issued, plus two that never were.
@@ -238,7 +166,26 @@ proptest! {
                 }
                 Op::Truncate(v) => {
                     let (hs, ls): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, l)| (h(i), l)).unzip();
-                    oks += same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls)) as usize;
+                    let into_prompt = hs.iter().zip(&ls).any(|(&x, &l)| {
+                        m.row(x).is_some_and(|r| (l as usize) < m.reqs[&r].len().min(m.reqs[&r].prompt.len()))
+                    });
+                    let ok = same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls));
+                    if ok && into_prompt {
+                        count(&DIVERGED, 1);
+                    }
+                    oks += ok as usize;
+                }
+                Op::Rollback(i, back, n, seed) => {
+                    let x = h(i);
+                    let (len, prompt) = m.row(x).map_or((0, 0), |r| (m.reqs[&r].len(), m.reqs[&r].prompt.len()));
+                    let l = len.saturating_sub(back) as i64;
+                    oks += same(a.truncate(&[x], Counts::Each(l)), m.truncate(&[x], &[l])) as usize;
+                    let toks: Vec<i64> = (0..n).map(|j| (seed as usize + 2 * j) as i64 % 3).collect();
+                    let r = a.extend(&[x], Counts::Each(n as i64), Some(&toks));
+                    oks += same(r, m.extend(&[x], &[n as i64], Some(&toks))) as usize;
+                    if (l as usize) < len.min(prompt) {
+                        count(&DIVERGED, 1);
+                    }
                 }
                 Op::Close(v, cache) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
@@ -251,6 +198,18 @@ proptest! {
                 Op::Fork(i, n) => {
                     let (r, mr) = (a.fork(h(i), n), m.fork(h(i), n));
                     if let Ok(hs) = &mr { issued.extend(hs); }
+                    oks += same(r, mr) as usize;
+                }
+                Op::Sample(i, n) => {
+                    let parent = h(i);
+                    let (r, mr) = (a.fork(parent, n), m.fork(parent, n));
+                    if let Ok(kids) = &mr {
+                        let mut hs = kids.clone();
+                        hs.push(parent);
+                        let ones = vec![1i64; hs.len()];
+                        oks += same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) as usize;
+                        issued.extend(kids);
+                    }
                     oks += same(r, mr) as usize;
                 }
                 Op::Prefill(i) => {
@@ -284,6 +243,14 @@ proptest! {
                     a.clear_cache();
                     m.clear_cache();
                 }
+                Op::Drain(n) => {
+                    let from = n % (m.pending_copies() + 1);
+                    prop_assert_eq!(a.take_copies_from(from), m.take_copies_from(from));
+                }
+                Op::Reset => {
+                    a.reset();
+                    m.reset();
+                }
             }
             a.check().unwrap();
             if step % 3 == 2 {
@@ -292,9 +259,15 @@ proptest! {
                 prop_assert_eq!(router.apply(&events), Ok(()));
                 prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages");
             }
-            let copies = a.take_copies();
-            count(&COPIES, copies.0.len());
-            prop_assert_eq!(copies, std::mem::take(&mut m.copies));
+            if drain_every != usize::MAX && step % drain_every == drain_every - 1 {
+                prop_assert_eq!(a.take_copies(), m.take_copies_from(0));
+                a.check().unwrap();
+            }
+            prop_assert_eq!(a.pending_copies(), m.pending_copies());
+            // A queued copy whose source no request holds any more: only
+            // the queue keeps that page from the free stack.
+            let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
+            count(&HELD_ALONE, alone);
             prop_assert_eq!(a.free_pages(), m.free.len() + m.lru.len());
             prop_assert_eq!(a.evictable_pages(), m.lru.len());
             prop_assert_eq!(a.cached_pages(), m.reg.len());
@@ -315,6 +288,8 @@ proptest! {
         prop_assert_eq!(router.apply(&events), Ok(()));
         prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages at the end");
         count(&OK_CALLS, oks);
+        count(&DROPPED, m.dropped);
+        count(&COPIES, m.queued);
     }
 }
 
@@ -329,7 +304,16 @@ fn generated_sequences_exercise_sharing() {
         COPIES.with(Cell::get),
         STORED.with(Cell::get),
     );
-    eprintln!("{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write slots");
+    let (dropped, alone, diverged) = (
+        DROPPED.with(Cell::get),
+        HELD_ALONE.with(Cell::get),
+        DIVERGED.with(Cell::get),
+    );
+    eprintln!(
+        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write \
+         slots queued, {dropped} copies dropped with their destination, {alone} op ends with a \
+         source held by its copy alone, {diverged} truncations into a prompt"
+    );
     assert!(
         oks > CASES as usize * 10,
         "only {oks} successful calls in {CASES} sequences"
@@ -342,5 +326,17 @@ fn generated_sequences_exercise_sharing() {
     assert!(
         stored > CASES as usize,
         "only {stored} Stored events drained mid-sequence"
+    );
+    assert!(
+        dropped > CASES as usize / 50,
+        "only {dropped} queued copies dropped"
+    );
+    assert!(
+        alone > CASES as usize / 20,
+        "only {alone} sources held by their copy alone"
+    );
+    assert!(
+        diverged > CASES as usize / 10,
+        "only {diverged} truncations into a prompt"
     );
 }

@@ -190,6 +190,9 @@ pub(crate) fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> P
     usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
 }
 
+// Only in builds with the `test-hooks` feature (on by default for cargo
+// builds of this crate, off in the wheel: pyproject.toml).
+#[cfg(feature = "test-hooks")]
 #[pymethods]
 impl SlotAllocator {
     /// Test only (not public API): move every closed row's generation and/or
@@ -204,7 +207,10 @@ impl SlotAllocator {
         py.detach(|| self.lock().set_counters_for_tests(generation, epoch))?;
         Ok(())
     }
+}
 
+#[pymethods]
+impl SlotAllocator {
     #[new]
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
@@ -327,7 +333,10 @@ impl SlotAllocator {
     /// truncate(handles, lengths) -> None
     ///
     /// Shortens requests to lengths[i] tokens (or `lengths` for all), freeing
-    /// pages no longer needed. Atomic.
+    /// pages no longer needed. A request shortened to inside the prompt it was
+    /// opened with (open_with_prefix) forgets the prompt from there: later
+    /// positions take the token ids extend is given (or are unknown), and
+    /// cache() registers what they hold. Atomic.
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.

@@ -270,9 +270,12 @@ impl SlotAllocator {
     /// take_copies() -> (src_slots, dst_slots)
     ///
     /// Drains the queued copy-on-write copies (int64 slot pairs). Copy every
-    /// layer's K and V from src[i] to dst[i] before the next write into the
-    /// destination pages and before any call that could free the source
-    /// pages. KVPool does this inside extend.
+    /// layer's K and V from src[i] to dst[i], in order, before the next write
+    /// into the destination pages. Each source page stays held until its copy
+    /// is taken here, so no later call frees or rewrites it meanwhile; a copy
+    /// whose destination page its requests released (close, truncate, reset)
+    /// is dropped, so the queue holds at most one copy per held page however
+    /// long it is left. KVPool does this inside extend.
     fn take_copies<'py>(&self, py: Python<'py>) -> (Arr<'py, i64>, Arr<'py, i64>) {
         let (s, d) = py.detach(|| self.lock().take_copies());
         (to_numpy(py, &s), to_numpy(py, &d))
@@ -296,7 +299,8 @@ impl SlotAllocator {
     /// clear_cache() -> None
     ///
     /// Drops every prefix-index entry: cached pages become free, held pages
-    /// stay with their requests. Records one Cleared event.
+    /// stay with their requests. Records one Cleared event. Queued copies
+    /// stay: they fill open requests' pages.
     fn clear_cache(&self, py: Python<'_>) {
         py.detach(|| self.lock().clear_cache())
     }

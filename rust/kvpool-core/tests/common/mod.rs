@@ -1,4 +1,7 @@
-//! Helpers shared by the shared-pages test files (`sharing.rs`, `eviction.rs`).
+//! Helpers shared by the test files (`sharing.rs`, `eviction.rs`, ...); each
+//! uses some of them.
+
+#![allow(dead_code)]
 
 use kvpool_core::{Counts, Options, SlotAllocator};
 

@@ -1,14 +1,20 @@
 //! A deliberately naive reference model of the allocator: one page list and
 //! one token list per request, holders counted by scanning every request,
 //! the prefix index keyed by the exact content (salt, every token up to the
-//! end of the page) instead of a hash, the LRU list a plain Vec. Same
-//! policies as the allocator, written the obvious way.
+//! end of the page) instead of a hash, the LRU list a plain Vec, the
+//! copy-on-write queue a Vec of (source page, destination page, slots)
+//! searched front to back. Same policies as the allocator, written the
+//! obvious way.
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 
 use kvpool_core::{make_handle, PoolError};
+
+mod copies;
+
+pub use copies::QueuedCopy;
 
 pub const MAX_REQ: usize = 6;
 pub const MAX_CTX: usize = 12;
@@ -71,7 +77,14 @@ pub struct Model {
     pub free_rows: Vec<usize>,
     pub generation: Vec<u32>,
     pub reqs: BTreeMap<usize, Req>,
-    pub copies: (Vec<i64>, Vec<i64>),
+    /// Queued copies, oldest first. The first `holding` hold their source
+    /// page (those queued by earlier calls; inside extend, its own do not).
+    pub queue: Vec<QueuedCopy>,
+    pub holding: usize,
+    /// Copies dropped because their destination was released.
+    pub dropped: usize,
+    /// Slots ever queued for copying.
+    pub queued: usize,
     pub hit: u64,
     pub miss: u64,
 }
@@ -87,7 +100,10 @@ impl Model {
             free_rows: (0..MAX_REQ).rev().collect(),
             generation: vec![0; MAX_REQ],
             reqs: BTreeMap::new(),
-            copies: (Vec::new(), Vec::new()),
+            queue: Vec::new(),
+            holding: 0,
+            dropped: 0,
+            queued: 0,
             hit: 0,
             miss: 0,
         }
@@ -99,11 +115,18 @@ impl Model {
         (open && (h >> 32) as u32 == self.generation[row]).then_some(row)
     }
 
+    /// Requests naming `p`, plus the queued copies that read it.
     pub fn holders(&self, p: usize) -> usize {
-        self.reqs
+        let requests: usize = self
+            .reqs
             .values()
             .map(|r| r.pages.iter().filter(|&&q| q == p).count())
-            .sum()
+            .sum();
+        requests
+            + self.queue[..self.holding]
+                .iter()
+                .filter(|c| c.src == p)
+                .count()
     }
 
     pub fn slots(&self, row: usize) -> Vec<i64> {
@@ -142,14 +165,18 @@ impl Model {
         p
     }
 
-    fn release(&mut self, p: usize) {
-        if self.holders(p) == 0 {
-            if self.reg.contains_key(&p) {
-                self.lru.push(p);
-            } else {
-                self.free.push(p);
-            }
+    /// One holder of `p` gone (already taken out of its list or the
+    /// queue): if none is left, `p` is CACHED or FREE. Returns whether.
+    pub(crate) fn release(&mut self, p: usize) -> bool {
+        if self.holders(p) > 0 {
+            return false;
         }
+        if self.reg.contains_key(&p) {
+            self.lru.push(p);
+        } else {
+            self.free.push(p);
+        }
+        true
     }
 
     fn hold(&mut self, p: usize) {
@@ -282,10 +309,12 @@ impl Model {
                 if self.holders(last) > 1 {
                     let q = self.take_page();
                     let off = len % self.ps;
-                    for j in 0..off {
-                        self.copies.0.push((last * self.ps + j) as i64);
-                        self.copies.1.push((q * self.ps + j) as i64);
-                    }
+                    self.queued += off;
+                    self.queue.push(QueuedCopy {
+                        src: last,
+                        dst: q,
+                        len: off,
+                    });
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
                 } else if self.reg.contains_key(&last) {
                     self.reg.remove(&last);
@@ -310,6 +339,8 @@ impl Model {
             }
             k += c;
         }
+        // This call's copies hold their sources from now on.
+        self.holding = self.queue.len();
         Ok(out)
     }
 
@@ -322,6 +353,10 @@ impl Model {
         }
         let rows = self.rows(hs)?;
         for (&r, &l) in rows.iter().zip(ls) {
+            let req = self.reqs.get_mut(&r).unwrap();
+            if (l as usize) < req.len() {
+                req.prompt.truncate(l as usize);
+            }
             self.shrink(r, l as usize);
         }
         Ok(())
@@ -332,8 +367,15 @@ impl Model {
         let req = self.reqs.get_mut(&r).unwrap();
         let dropped: Vec<usize> = req.pages.drain(keep..).collect();
         req.tokens.truncate(l);
+        let mut unheld = Vec::new();
         for &p in dropped.iter().rev() {
-            self.release(p);
+            if self.release(p) {
+                unheld.push(p);
+            }
+        }
+        // Then the copies into the pages nobody holds now, in that order.
+        for p in unheld {
+            self.drop_copy_into(p);
         }
         let full = l / self.ps;
         let req = &self.reqs[&r];
@@ -442,6 +484,16 @@ impl Model {
             out.push(h);
         }
         Ok(out)
+    }
+
+    /// Closes every open request, in row order; rows then open 0, 1, 2, ...
+    pub fn reset(&mut self) {
+        let rows: Vec<usize> = self.reqs.keys().copied().collect();
+        for r in rows {
+            self.shrink(r, 0);
+            self.reqs.remove(&r);
+        }
+        self.free_rows = (0..MAX_REQ).rev().collect();
     }
 
     pub fn evict(&mut self, n: usize) -> usize {
