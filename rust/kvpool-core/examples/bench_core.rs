@@ -1,4 +1,4 @@
-//! Core-only timings for the shared-pages issue (no Python):
+//! Core-only timings (no Python):
 //!   cargo run --release -p kvpool-core --example bench_core [-- --quick]
 //! Prints one line per figure and a JSON object on the last line.
 //!

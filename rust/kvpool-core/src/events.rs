@@ -94,11 +94,11 @@ pub(crate) const MIN_BACKLOG: usize = 1 << 16;
 pub(crate) struct EventLog {
     raw: Vec<Raw>,
     token_ids: Vec<i32>,
-    pub(crate) enabled: bool,
+    enabled: bool,
     /// Most undrained events kept (see the module docs).
     cap: usize,
     /// Events dropped by overflows so far (cumulative).
-    pub(crate) dropped: u64,
+    dropped: u64,
     /// The backlog starts with an overflow's Cleared event (not counted as
     /// dropped when a later overflow drops it).
     overflowed: bool,
@@ -140,6 +140,11 @@ impl EventLog {
             crate::memory::reserve(&mut self.token_ids, n.saturating_mul(page_size), "events")?;
         }
         Ok(())
+    }
+
+    /// Events dropped by overflows so far (cumulative).
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped
     }
 
     pub(crate) fn capacity_bytes(&self) -> usize {

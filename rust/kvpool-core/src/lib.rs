@@ -10,8 +10,14 @@
 //! order). `open_with_prefix` starts requests on cached pages of a common
 //! prefix, `cache` registers pages, `fork` shares a request's pages with new
 //! requests, and a shared partly filled page is copied on write (the copies
-//! are queued for the caller: `take_copies`). See `pages.rs`, `index.rs`,
-//! `copies.rs`.
+//! are queued for the caller: `take_copies`).
+//!
+//! The state is split by owner, each with private fields: `requests/`
+//! (rows, page lists, handles), `pages/` (page records, free stack,
+//! copy-on-write queue), `eviction/` (which CACHED page goes next),
+//! `prefix/` (the index of registered pages and every slot's token id) and
+//! `events.rs`. `allocator/` composes them; an operation that crosses
+//! owners is an allocator method that calls theirs.
 //!
 //! Free pages form a LIFO stack: the pages freed last are reused first (warm
 //! in cache), and a fresh pool hands out pages 1, 2, 3, ... in order. Every
@@ -23,44 +29,28 @@
 //! allocator exactly as it was. Every allocation whose size a caller controls
 //! is fallible (`memory.rs`).
 
-mod admit;
 mod allocator;
-mod chain;
-mod check;
-mod copies;
-mod decode;
 mod error;
 mod events;
-mod extend;
-mod extend_checks;
-mod fork;
-mod grow;
+mod eviction;
+mod geometry;
 mod handle;
-mod hashing;
-mod index;
-mod key_table;
-mod keys;
-mod lookup;
 mod memory;
-mod page_state;
 mod pages;
 mod prefix;
-mod queries;
-mod release;
-mod rows;
+mod requests;
 mod table;
-#[cfg(any(test, feature = "test-hooks"))]
-mod test_hooks;
 
-pub use allocator::{Counts, Options, SlotAllocator};
-pub use chain::PrefixChain;
+pub use allocator::extend::Grown;
+pub use allocator::options::{Counts, Options};
+pub use allocator::prefix_transfer::PrefixChain;
+pub use allocator::queries::PageTable;
+pub use allocator::SlotAllocator;
 pub use error::{HandleProblem, PoolError, Result};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
-pub use extend::Grown;
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
-pub use hashing::page_hashes;
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
-pub use queries::PageTable;
+pub use prefix::hashing::page_hashes;
 pub use table::SlotTable;
 
 #[cfg(test)]

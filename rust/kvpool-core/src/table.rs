@@ -6,16 +6,13 @@
 //! The table is written only once the batch is known valid, so a failing
 //! extend leaves it as it was with nothing to undo. A decode step writes it
 //! in a loop of its own after the batch (`write_decode`), not in the loop
-//! that takes the slots: there each write read the entry first (to undo it
-//! on an error), and with requests at different offsets in their pages a
-//! few of those reads miss cache every step, each one stalling the loop (a
-//! 256-request step at page 16: 1.8-2.2 us; stores alone drain in the
-//! background: 1.3 us).
+//! that takes the slots: there each write would read the entry first (to
+//! undo it on an error), and with requests at different offsets in their
+//! pages a few of those reads miss cache every step, each one stalling the
+//! loop, where stores alone drain in the background.
 
-use crate::allocator::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
-use crate::rows::Row;
 
 /// A mutable view of a `[rows, cols]` int32 table whose rows start
 /// `row_stride` elements apart (`row_stride >= cols`, e.g. a column slice
@@ -51,18 +48,22 @@ impl<'a> SlotTable<'a> {
 
     /// A decode step's entries, once the whole batch is applied: request
     /// `i` (one new token each) gets `slots[i]` at its last position,
-    /// table[row, len - 1]. Stores only, so the misses of rows whose entry
-    /// just moved to a new cache line do not hold the loop up.
-    pub(crate) fn write_decode(&mut self, rows: &[Row], handles: &[i64], slots: &[i64]) {
+    /// table[row, len - 1], where `len_of(row)` is its new length. Stores
+    /// only, so the misses of rows whose entry just moved to a new cache
+    /// line do not hold the loop up.
+    pub(crate) fn write_decode(
+        &mut self,
+        handles: &[i64],
+        slots: &[i64],
+        len_of: impl Fn(usize) -> usize,
+    ) {
         for (&h, &slot) in handles.iter().zip(slots) {
             let row = handle_row(h) as usize;
-            if let Some(r) = rows.get(row) {
-                // len >= 1: the request was just extended (the extent was
-                // checked against the shape; the gets only keep it safe).
-                let at = row * self.row_stride + r.len as usize - 1;
-                if let Some(e) = self.data.get_mut(at) {
-                    *e = slot as i32;
-                }
+            // len >= 1: the request was just extended (the extent was
+            // checked against the shape; the get only keeps it safe).
+            let at = row * self.row_stride + len_of(row) - 1;
+            if let Some(e) = self.data.get_mut(at) {
+                *e = slot as i32;
             }
         }
     }
@@ -114,21 +115,5 @@ impl<'a> SlotTable<'a> {
                 }
             }
         }
-    }
-}
-
-impl SlotAllocator {
-    /// `table` can take any slot of this pool at any request position.
-    /// `extend_into_table` and `fill_table` check this themselves; a caller
-    /// that opens requests (`open_with_prefix`, `fork`) and then fills their
-    /// rows checks first, so that a bad table fails before anything opens.
-    pub fn check_table(&self, table: &SlotTable<'_>) -> Result<()> {
-        if self.num_slots() > i32::MAX as usize + 1 {
-            return Err(PoolError::InvalidArgument(format!(
-                "num_slots = {} does not fit an int32 slot table",
-                self.num_slots()
-            )));
-        }
-        table.check_extent(self.max_requests, self.max_context_len)
     }
 }

@@ -269,65 +269,106 @@ fn reset_closes_everything() {
     a.check().unwrap();
 }
 
+type Corrupt = Box<dyn Fn(&mut SlotAllocator)>;
+
+/// Each corruption of `good` makes `check()` report an invariant.
+fn assert_check_finds(good: &SlotAllocator, corruptions: Vec<(&str, Corrupt)>) {
+    for (what, corrupt) in &corruptions {
+        let mut b = good.clone();
+        corrupt(&mut b);
+        assert!(
+            matches!(b.check(), Err(PoolError::Invariant(_))),
+            "corruption {what:?}"
+        );
+    }
+    good.check().unwrap();
+}
+
+fn in_pages(what: &'static str) -> (&'static str, Corrupt) {
+    (
+        what,
+        Box::new(move |a| a.pages_for_tests().corrupt_for_tests(what)),
+    )
+}
+
+fn in_requests(what: &'static str) -> (&'static str, Corrupt) {
+    (
+        what,
+        Box::new(move |a| a.requests_for_tests().corrupt_for_tests(what)),
+    )
+}
+
+/// A corrupted index whose page records name what it says they should.
+fn in_prefix(what: &'static str) -> (&'static str, Corrupt) {
+    (
+        what,
+        Box::new(move |a| {
+            for (page, entry) in a.prefix_for_tests().corrupt_for_tests(what) {
+                a.pages_for_tests().set_entry(page, entry);
+            }
+        }),
+    )
+}
+
 #[test]
 fn check_detects_corruption() {
     let mut a = alloc(8, 1);
     let h = a.open(1).unwrap();
     a.extend(&h, Counts::Each(2), None).unwrap();
-    let good = a.clone();
-    type Corrupt = Box<dyn Fn(&mut SlotAllocator)>;
-    let corruptions: Vec<Corrupt> = vec![
-        Box::new(|a| a.free_pages.push(1)), // page 1 both free and held
-        Box::new(|a| a.rows[0].len = 3),    // length disagrees with pages held
-        Box::new(|a| a.index.state[0].extra = 0), // page 0 held
-        Box::new(|a| {
-            a.free_pages.pop(); // a page lost
-        }),
-        Box::new(|a| a.index.state[1].extra = 1), // refcount 2 != holders
-        Box::new(|a| a.index.state[5].extra = crate::page_state::UNHELD), // a FREE page taken with count 0
-        Box::new(|a| a.index.lru_push(5)), // a FREE page on the LRU list
-        Box::new(|a| a.rows[0].last = 1),  // wrong last page
-        Box::new(|a| a.open_count = 0),
-        Box::new(|a| {
-            a.index.reserve(1).unwrap();
-            a.index
-                .register(2, 7, &crate::lookup::ChainTip::default(), 0); // registered page 2 held: fine...
-            a.index.state[2].entry = 0; // ...until its link is lost
-        }),
-        Box::new(|a| {
-            a.index.reserve(1).unwrap();
-            a.index
-                .register(2, 7, &crate::lookup::ChainTip::default(), 0);
-            let first = 2 * a.page_size;
-            a.index.tokens[first] += 1; // a registered page rewritten in place
-        }),
-        Box::new(|a| {
-            a.index.reserve(1).unwrap();
-            let tip = a
-                .index
-                .register(2, 7, &crate::lookup::ChainTip::default(), 0);
-            // a hash that is not the one its key was derived from
-            a.index.idents[tip.entry as usize - 1].hash ^= 1 << 64;
-        }),
-        Box::new(|a| {
-            a.index.reserve(2).unwrap();
-            let tip = a
-                .index
-                .register(1, 7, &crate::lookup::ChainTip::default(), 0);
-            // a child whose salt is not its parent's (a hinted walk, which
-            // does not read it, would hand it out under the parent's salt)
-            a.index.register(2, 8, &tip, 5);
-        }),
-    ];
-    for (i, corrupt) in corruptions.iter().enumerate() {
-        let mut b = good.clone();
-        corrupt(&mut b);
-        assert!(
-            matches!(b.check(), Err(PoolError::Invariant(_))),
-            "corruption {i}"
-        );
-    }
-    good.check().unwrap();
+    assert_check_finds(
+        &a,
+        vec![
+            in_pages("free and held"),
+            in_pages("page 0 held"),
+            in_pages("page lost"),
+            in_pages("refcount"),
+            in_pages("free with count 0"),
+            in_pages("free and cached"),
+            in_pages("registration the index lacks"),
+            in_requests("len"),
+            in_requests("last"),
+            in_requests("open_count"),
+            in_prefix("registration its page lacks"),
+            in_prefix("first token"),
+            in_prefix("hash"),
+            in_prefix("child salt"),
+        ],
+    );
+}
+
+#[test]
+fn check_detects_copy_queue_corruption() {
+    // Page size 4: a parent of 6 tokens (pages 1, 2), a fork that wrote
+    // one token, so page 2's slots 8, 9 wait to be copied to page 3.
+    let mut a = SlotAllocator::new(8, 4, 4, 16).unwrap();
+    let h = a.open(1).unwrap();
+    a.extend(&h, Counts::Each(6), None).unwrap();
+    let k = a.fork(h[0], 1).unwrap();
+    a.extend(&k, Counts::Each(1), None).unwrap();
+    assert_eq!(a.pages_for_tests().live_copies_for_tests(), 1);
+    let parent = h[0];
+    assert_check_finds(
+        &a,
+        vec![
+            in_pages("copy hold uncounted"),
+            in_pages("copy forgotten"),
+            in_pages("copy slots"),
+            in_pages("copy dropped holding"),
+            in_pages("copy into free page"),
+            in_pages("copy of whole page"),
+            (
+                // The copier, alone on its pages once the parent is gone,
+                // is marked as never having shared (its close would skip
+                // dropping the copy into page 3).
+                "exclusive copier",
+                Box::new(move |a| {
+                    a.close(&[parent], false).unwrap();
+                    a.check().unwrap();
+                    a.requests_for_tests().corrupt_for_tests("exclusive");
+                }),
+            ),
+        ],
+    );
 }
 
 #[test]
@@ -368,8 +409,8 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
         + pages * ps * 4 // token id per slot
         + rows * 4 * 2 // free row stack, known token counts
         + rows * (192 + 16) * 4 // page lists: 188 rounded to a cache line, plus one
-        + rows * (16 + std::mem::size_of::<crate::rows::RowCold>())
-        + crate::index::LOOKAHEAD * 16; // chain hashes ahead of probes
+        + rows * (16 + std::mem::size_of::<crate::requests::row::RowCold>())
+        + crate::prefix::index::LOOKAHEAD * 16; // chain hashes ahead of probes
     assert_eq!(before, want);
 }
 

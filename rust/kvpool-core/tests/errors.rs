@@ -200,8 +200,9 @@ fn generations_wrap_past_the_maximum_and_stay_stale() {
 
 #[test]
 fn a_row_whose_generation_would_return_to_its_base_is_retired() {
-    // Base 5, first generation 3: a row issues 3, 4 and then retires rather
-    // than issue 5 again (in real use: after 2^31 - 1 requests on the row).
+    // Base 5, first generation 3: a row hands out 3, 4 and then retires
+    // rather than hand out 5 again (in real use: after 2^31 - 1 requests on
+    // the row).
     let opts = Options {
         generation_base: Some(5),
         generation_start: Some(3),

@@ -5,10 +5,9 @@
 //! and dev builds of the bindings turn it on); hidden from the docs, not
 //! public API.
 
-use crate::allocator::SlotAllocator;
+use super::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::handle::MAX_GENERATION;
-use crate::rows::OPEN;
 
 impl SlotAllocator {
     /// Sets every closed row's last generation to `generation` (the next open
@@ -27,17 +26,10 @@ impl SlotAllocator {
                     "generation must be in [1, {MAX_GENERATION}], got {g}"
                 )));
             }
-            if self.open_count > 0 {
-                return Err(PoolError::InvalidArgument(
-                    "close every request before moving generations".into(),
-                ));
-            }
-            for r in self.rows.iter_mut() {
-                r.generation = g & !OPEN;
-            }
+            self.requests.set_generations_for_tests(g)?;
         }
         if let Some(e) = epoch {
-            self.epoch = e;
+            self.requests.set_epoch_for_tests(e);
         }
         Ok(())
     }
@@ -47,13 +39,12 @@ impl SlotAllocator {
     /// parent's salt. `InvalidArgument` for a page that is not registered.
     #[doc(hidden)]
     pub fn set_registration_salt_for_tests(&mut self, page: u32, salt: i64) -> Result<()> {
-        let entry = self.index.state.get(page as usize).map_or(0, |s| s.entry);
-        if entry == 0 {
+        if page == 0 || page as usize >= self.geo.num_pages || !self.pages.is_registered(page) {
             return Err(PoolError::InvalidArgument(format!(
                 "page {page} is not registered"
             )));
         }
-        self.index.idents[entry as usize - 1].salt = salt;
+        self.prefix.set_salt_for_tests(self.pages.entry(page), salt);
         Ok(())
     }
 }

@@ -1,22 +1,42 @@
-//! Admission in one call: open new requests and extend them by their prompt
-//! lengths, as `open(n)` followed by `extend(handles, counts)`. A scheduler
-//! step that admits requests then crosses into the core once for them
-//! instead of twice (in the churn trace at page 16, `open` on its own cost
-//! ~0.5 µs with cold caches, against ~0.12 µs warm).
+//! Opening requests: `open`, and admission in one call, `admit`: open new
+//! requests and extend them by their prompt lengths, as `open(n)` followed
+//! by `extend(handles, counts)`. A scheduler step that admits requests then
+//! crosses into the core once for them instead of twice (a separate `open`
+//! runs with cold caches).
 //!
 //! Atomic like every batch call: the extend validates the whole batch
 //! before it changes anything, and if it refuses, the rows just taken go
 //! back exactly as they were (generation, free-row order, counters), so a
 //! refused admission hands out the same handles as the open that follows.
 
-use crate::allocator::{Counts, SlotAllocator};
+use super::extend::Grown;
+use super::options::Counts;
+use super::SlotAllocator;
 use crate::error::Result;
-use crate::extend::Grown;
+use crate::handle::handle_row;
 use crate::memory::reserve;
-use crate::rows::Row;
+use crate::requests::row::Row;
 use crate::table::SlotTable;
 
 impl SlotAllocator {
+    /// Opens `n` requests and appends their handles to `out`.
+    pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
+        self.requests.check_available(n)?;
+        reserve(out, n, "handles")?;
+        for _ in 0..n {
+            out.push(self.requests.take_row().1);
+        }
+        Ok(())
+    }
+
+    /// Opens `n` empty requests. Errors: `TooManyRequests` if fewer than `n`
+    /// rows are free (checked before anything is allocated).
+    pub fn open(&mut self, n: usize) -> Result<Vec<i64>> {
+        let mut out = Vec::new();
+        self.open_into(n, &mut out)?;
+        Ok(out)
+    }
+
     /// Opens `counts.len()` requests and extends request `i` by `counts[i]`
     /// tokens (`tokens`, if given, flattened like the slots, as in
     /// [`Self::extend_into_table`]). The new slots go to `out` (at least
@@ -40,7 +60,7 @@ impl SlotAllocator {
         F: FnMut(&Grown<'_>),
     {
         let n = counts.len();
-        self.check_rows_available(n)?;
+        self.requests.check_available(n)?;
         let start = handles.len();
         reserve(handles, n, "handles")?;
         // What the rows held before: a refused extend puts them back.
@@ -48,8 +68,8 @@ impl SlotAllocator {
         reserve(&mut before, n, "rows")?;
         for _ in 0..n {
             // The row take_row takes next.
-            before.push(self.rows[self.nth_free_row(0)]);
-            handles.push(self.take_row().1);
+            before.push(self.requests.row_state(self.requests.nth_free_row(0)));
+            handles.push(self.requests.take_row().1);
         }
         let r = self.extend_into_table(
             &handles[start..],
@@ -62,7 +82,7 @@ impl SlotAllocator {
         if r.is_err() {
             // Last taken first, so the free-row stack regains its order.
             for (&h, old) in handles[start..].iter().zip(&before).rev() {
-                self.untake_row(crate::handle::handle_row(h) as usize, *old);
+                self.requests.untake_row(handle_row(h) as usize, *old);
             }
             handles.truncate(start);
         }

@@ -5,17 +5,18 @@
 //!
 //! The decode step's common case (one token into the request's own last
 //! page) touches only the request's 16-byte hot row: no page changes hands,
-//! so no refcount is read or written. Its loops are in `decode.rs`, the
-//! batch-wide checks in `extend_checks.rs`; anything else takes `grow_row`.
+//! so no refcount is read or written. Its loops are the requests' own
+//! (`requests/decode.rs`), the batch-wide checks in `extend_checks.rs`;
+//! anything else takes `grow_row` (`grow.rs`).
 //! With a [`SlotTable`] the new slots also go into the caller's
 //! request-to-token table in the same pass (`table.rs`).
 
-use crate::allocator::{Counts, SlotAllocator};
+use super::options::Counts;
+use super::SlotAllocator;
 use crate::error::{PoolError, Result};
-use crate::grow::fill_run;
-use crate::handle::{handle_generation, handle_row};
+use crate::geometry::fill_run;
+use crate::handle::handle_row;
 use crate::memory::reserve;
-use crate::rows::{OPEN, SLOW};
 use crate::table::SlotTable;
 
 /// What an extend did to one request, passed to `extend_into`'s callback.
@@ -183,29 +184,34 @@ impl SlotAllocator {
         G: Fn(usize) -> i64,
         F: FnMut(&Grown<'_>),
     {
-        self.begin_batch();
+        self.requests.begin_batch();
         let has_table = table.is_some();
         let mut no_table = SlotTable::new(&mut [], 0);
         let table = table.unwrap_or(&mut no_table);
-        let ps = self.page_size;
-        let (epoch, max_len) = (self.epoch, self.max_context_len as u64);
-        let mut slow = std::mem::take(&mut self.slow_scratch);
-        slow.clear();
+        let ps = self.geo.page_size;
+        let max_len = self.geo.max_context_len as u64;
+        let mut slow = self.requests.take_slow_scratch();
         let mut needed_pages = 0usize;
-        // Requests that may copy their last page (copies.rs makes room).
+        // Requests that may copy their last page (`pages/copies.rs` makes room).
         let mut copies = 0usize;
         // The decode run may already take pages (undone on error): an
         // Exhausted error must still report the batch's need against what
         // was available before the call.
-        let available_before = self.available_pages();
+        let available_before = self.pages.available();
         let (first, mut k) = if ONE_EACH {
+            let (rq, pages, prefix) = (&mut self.requests, &mut self.pages, &mut self.prefix);
+            let take = || pages.pop_free();
             let n = match tokens {
-                Some(x) => self.extend_decode_one::<true>(handles, x, out),
-                None => self.extend_decode_one::<false>(handles, &[], out),
+                Some(x) => {
+                    rq.decode_one::<true>(handles, x, out, take, |s, t| prefix.set_token(s, t))
+                }
+                None => rq.decode_one::<false>(handles, &[], out, take, |_, _| {}),
             };
             (n, n)
         } else {
-            self.extend_decode_run(handles, &get, out)
+            let pages = &mut self.pages;
+            self.requests
+                .decode_run(handles, &get, out, || pages.pop_free())
         };
         // The one-token loop stores the token ids of the requests it applied.
         let recorded = if ONE_EACH && tokens.is_some() {
@@ -213,27 +219,17 @@ impl SlotAllocator {
         } else {
             0
         };
-        let taken_early = available_before.saturating_sub(self.available_pages());
+        let taken_early = available_before.saturating_sub(self.pages.available());
         let mut error = None;
         let mut done = first;
         for (i, &h) in handles.iter().enumerate().skip(first) {
-            let row = handle_row(h) as usize;
-            let Some(r) = self.rows.get_mut(row) else {
-                error = Some(self.why_invalid(h));
-                break;
+            let row = match self.requests.resolve_unique(h, i) {
+                Ok(row) => row,
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
             };
-            if h < 0 || r.generation != handle_generation(h) | OPEN {
-                error = Some(self.why_invalid(h));
-                break;
-            }
-            if r.stamp == epoch {
-                error = Some(PoolError::InvalidArgument(format!(
-                    "handle {h} appears more than once in the batch (again at index {i}); \
-                     pass each request once with its total count"
-                )));
-                break;
-            }
-            r.stamp = epoch;
             let c = get(i);
             if c < 0 {
                 error = Some(PoolError::InvalidArgument(format!(
@@ -241,29 +237,25 @@ impl SlotAllocator {
                 )));
                 break;
             }
-            let len = r.len as usize;
+            let (len, last, is_slow) = self.requests.tail(row);
             let new_len = len as u64 + c as u64;
             if new_len > max_len {
                 error = Some(PoolError::ContextTooLong {
                     handle: h,
                     length: new_len,
-                    max: self.max_context_len,
+                    max: self.geo.max_context_len,
                 });
                 break;
             }
             let c = c as usize;
-            let off = match self.page_shift {
-                Some(_) => len & (ps - 1),
-                None => len % ps,
-            };
-            let last = r.last;
-            if last & SLOW == 0 && off != 0 && c <= ps - off && k + c <= out.len() {
+            let off = self.geo.offset_in_page(len);
+            if !is_slow && off != 0 && c <= ps - off && k + c <= out.len() {
                 // Stays in its own last page: apply now (undone on error).
-                r.len = new_len as u32;
+                self.requests.set_len(row, new_len as usize);
                 fill_run(&mut out[k..k + c], last as usize * ps + off);
             } else {
-                needed_pages += self.pages_for(new_len as usize) - self.pages_for(len);
-                if last & SLOW != 0 && c > 0 {
+                needed_pages += self.geo.pages_for(new_len as usize) - self.geo.pages_for(len);
+                if is_slow && c > 0 {
                     let cow = self.cow_pages(row);
                     needed_pages += cow;
                     copies += cow;
@@ -288,11 +280,13 @@ impl SlotAllocator {
                 .err();
         }
         if error.is_none() && copies > 0 {
-            error = self.copies.prepare(copies, self.num_pages).err();
+            error = self.pages.prepare_copies(copies).err();
         }
         if let Some(e) = error {
-            self.undo_applied(handles, &get, &slow, done);
-            self.slow_scratch = slow;
+            let pages = &mut self.pages;
+            self.requests
+                .undo_applied(handles, &get, &slow, done, |p| pages.unpop_free(p));
+            self.requests.put_slow_scratch(slow);
             return Err(e);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
@@ -300,13 +294,14 @@ impl SlotAllocator {
             // table and report. Two loops: with a no-op callback the report
             // loop compiles away, as it must for a plain decode step.
             if ONE_EACH && has_table {
-                table.write_decode(&self.rows, handles, out);
+                let rq = &self.requests;
+                table.write_decode(handles, out, |row| rq.len(row));
             } else if has_table {
                 let mut k = 0usize;
                 for (i, &h) in handles.iter().enumerate() {
                     let c = get(i) as usize;
                     let row = handle_row(h) as usize;
-                    let start = self.rows[row].len as usize - c;
+                    let start = self.requests.len(row) - c;
                     table.write(row, start, &out[k..k + c], 0);
                     k += c;
                 }
@@ -315,7 +310,7 @@ impl SlotAllocator {
             for (i, &h) in handles.iter().enumerate() {
                 let row = handle_row(h) as usize;
                 let c = get(i) as usize;
-                let start = self.rows[row].len as usize - c;
+                let start = self.requests.len(row) - c;
                 on_request(&Grown {
                     index: i,
                     row,
@@ -325,11 +320,11 @@ impl SlotAllocator {
                 });
                 k += c;
             }
-            self.slow_scratch = slow;
+            self.requests.put_slow_scratch(slow);
             return Ok(());
         }
         // Second pass: grow the listed requests, report everyone in order.
-        let runs_before = self.queued_runs();
+        let runs_before = self.pages.queued_runs();
         let mut s = slow.iter().peekable();
         let mut k = 0usize;
         for (i, &h) in handles.iter().enumerate() {
@@ -342,22 +337,24 @@ impl SlotAllocator {
             let start;
             if s.peek() == Some(&&(i as u32)) {
                 s.next();
-                start = self.rows[row].len as usize;
+                let was_slow;
+                (start, _, was_slow) = self.requests.tail(row);
                 if c > 0 {
-                    // Without SLOW there is no prompt ahead and the new last
-                    // page is the request's own: skip the cold row.
-                    let was_slow = self.rows[row].last & SLOW != 0;
+                    // Without the slow mark there is no prompt ahead and the
+                    // new last page is the request's own: skip the cold row.
                     moved = self.grow_row(row, start, dst);
                     if was_slow || toks.is_some() {
                         self.record_tokens(row, start, dst, toks);
                     }
                     if was_slow {
-                        let last = self.rows[row].last;
-                        self.rows[row].last = last | self.slow_bit(row, start + c, last);
+                        let (_, last, _) = self.requests.tail(row);
+                        if self.needs_slow(row, start + c, last) {
+                            self.requests.mark_slow(row);
+                        }
                     }
                 }
             } else {
-                start = self.rows[row].len as usize - c;
+                start = self.requests.len(row) - c;
                 if toks.is_some() && i >= recorded {
                     self.record_tokens(row, start, dst, toks);
                 }
@@ -373,13 +370,13 @@ impl SlotAllocator {
                 moved,
             });
         }
-        if self.queued_runs() > runs_before {
+        if self.pages.queued_runs() > runs_before {
             let rows = slow
                 .iter()
                 .map(|&i| handle_row(handles[i as usize]) as usize);
             self.hold_copy_sources(runs_before, rows);
         }
-        self.slow_scratch = slow;
+        self.requests.put_slow_scratch(slow);
         Ok(())
     }
 }

@@ -3,54 +3,62 @@
 //! are read when a request takes the slow path (a pending prompt, a page to
 //! copy on write) or when it is cached, forked or truncated.
 
+use crate::prefix::tip::ChainTip;
+
 /// `Row::generation` bit: the row holds an open request.
-pub(crate) const OPEN: u32 = 1 << 31;
+pub(super) const OPEN: u32 = 1 << 31;
 /// `Row::last` bit: the next extend must take the slow path, because the
 /// request has prompt tokens at positions not yet extended, or its last page
 /// may be shared or registered (so writing into it needs copy-on-write or an
 /// unregister). Set conservatively; the slow path clears it.
-pub(crate) const SLOW: u32 = 1 << 31;
-
-use crate::lookup::ChainTip;
+pub(super) const SLOW: u32 = 1 << 31;
 
 /// Hot per-row state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C)]
 pub(crate) struct Row {
     /// Current generation, with `OPEN` while a request holds the row.
-    pub(crate) generation: u32,
+    pub(super) generation: u32,
     /// Tokens in the request.
-    pub(crate) len: u32,
+    pub(super) len: u32,
     /// Last page held (0 when none), with the `SLOW` bit.
-    pub(crate) last: u32,
+    pub(super) last: u32,
     /// Batch stamp for duplicate detection.
-    pub(crate) stamp: u32,
+    pub(super) stamp: u32,
 }
 
-/// Root of every prefix chain: `h_{-1}` for a request with `salt`.
+impl Row {
+    /// Holds an open request.
+    #[inline]
+    pub(super) fn is_open(&self) -> bool {
+        self.generation & OPEN != 0
+    }
+}
+
+/// Cold per-row state: the prompt, the salt and the prefix chain's progress.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RowCold {
     /// The prompt given to `open_with_prefix` (token ids of positions
     /// `0..prompt.len()`); extends past the request's length take their ids
     /// from here.
-    pub(crate) prompt: Vec<i32>,
+    pub(super) prompt: Vec<i32>,
     /// Leading full pages whose chain hash is computed (registered, or a
     /// verified duplicate of a registered page).
-    pub(crate) hashed_pages: u32,
+    pub(super) hashed_pages: u32,
     /// The chain stopped at `hashed_pages` (a hash collision with a
     /// different page); nothing past it is registered.
-    pub(crate) chain_broken: bool,
+    pub(super) chain_broken: bool,
     /// The index entry page `hashed_pages - 1` matched (the root when 0).
-    pub(crate) tip: ChainTip,
-    pub(crate) salt: i64,
+    pub(super) tip: ChainTip,
+    pub(super) salt: i64,
     /// No other request (and no cache entry) can hold any of this request's
     /// pages: it never forked or was forked, hit no cached page and
     /// registered none. Its pages are then freed without reading refcounts.
-    pub(crate) exclusive: bool,
+    pub(super) exclusive: bool,
 }
 
 impl RowCold {
-    pub(crate) fn reset(&mut self, salt: i64) {
+    pub(super) fn reset(&mut self, salt: i64) {
         self.prompt.clear();
         self.salt = salt;
         self.restart_chain();
@@ -58,11 +66,11 @@ impl RowCold {
     }
 
     /// Makes `prompt` the row's prompt, keeping whichever buffer is larger.
-    /// A row's prompt capacity then only grows (until `close_row` returns a
+    /// A row's prompt capacity then only grows (until a close returns a
     /// buffer past 4096 tokens), so `metadata_bytes` settles once every row
     /// has held its longest prompt instead of following which row last took
     /// which prompt; a leak check can then trust it.
-    pub(crate) fn set_prompt(&mut self, prompt: Vec<i32>) {
+    pub(super) fn set_prompt(&mut self, prompt: Vec<i32>) {
         if self.prompt.capacity() >= prompt.len() {
             self.prompt.clear();
             self.prompt.extend_from_slice(&prompt);
@@ -72,16 +80,14 @@ impl RowCold {
     }
 
     /// Forgets the chain (it is recomputed from page 0 by the next `cache`).
-    pub(crate) fn restart_chain(&mut self) {
+    pub(super) fn restart_chain(&mut self) {
         self.hashed_pages = 0;
         self.chain_broken = false;
         self.tip = ChainTip::root(self.salt);
     }
-}
 
-impl RowCold {
     /// Everything but the prompt (which the caller copies fallibly).
-    pub(crate) fn clone_without_prompt(&self) -> RowCold {
+    pub(super) fn clone_without_prompt(&self) -> RowCold {
         RowCold {
             prompt: Vec::new(),
             hashed_pages: self.hashed_pages,

@@ -1,34 +1,41 @@
 //! The decode step's fast paths of extend: loops that apply the leading
 //! requests of a batch which stay in (or just start) their own last page,
 //! touching only each request's 16-byte hot row, and the undo that puts
-//! them back when the rest of the batch turns out invalid. `extend.rs`
-//! validates and grows everything else.
+//! them back when the rest of the batch turns out invalid. The allocator's
+//! `extend.rs` validates and grows everything else.
+//!
+//! A request that starts a page takes it from the pool's free stack, and
+//! one with token ids stores them in the prefix index's slot array: both
+//! through the closures the allocator passes, which inline into the loops.
 
-use crate::allocator::SlotAllocator;
-use crate::grow::fill_run;
+use super::row::{OPEN, SLOW};
+use super::Requests;
+use crate::geometry::fill_run;
 use crate::handle::{handle_generation, handle_row};
-use crate::rows::{OPEN, SLOW};
 
-impl SlotAllocator {
+impl Requests {
     /// The decode step's loop, kept tight (few live values, no error
     /// plumbing): applies the leading requests that are valid and stay in
-    /// their own last page, and stops at the first that is not (the general
-    /// loop takes over there and validates it). Power-of-two page sizes
-    /// only. Returns (requests applied, slots written).
+    /// their own last page, or start exactly one page taken with
+    /// `take_free` (None: stop there), and stops at the first that does not (the general loop
+    /// takes over there and validates it). Power-of-two page sizes only.
+    /// The caller started the batch (`begin_batch`). Returns (requests
+    /// applied, slots written).
     #[inline]
-    pub(crate) fn extend_decode_run<G: Fn(usize) -> i64>(
+    pub(crate) fn decode_run<G: Fn(usize) -> i64>(
         &mut self,
         handles: &[i64],
         get: &G,
         out: &mut [i64],
+        mut take_free: impl FnMut() -> Option<u32>,
     ) -> (usize, usize) {
-        if self.page_shift.is_none() {
+        let Some(shift) = self.geo.page_shift else {
             return (0, 0);
-        }
+        };
         let (ps, epoch, max_len, stride) = (
-            self.page_size,
+            self.geo.page_size,
             self.epoch,
-            self.max_context_len,
+            self.geo.max_context_len,
             self.row_pages,
         );
         let rows = &mut self.rows[..];
@@ -45,9 +52,7 @@ impl SlotAllocator {
             // taken from the free stack (a decode step at a page boundary).
             let room = if off == 0 { ps } else { ps - off };
             let new_page = off == 0 && c > 0;
-            let fits = (c as u64) <= room as u64
-                && len + room <= max_len
-                && (off != 0 || (c > 0 && !self.free_pages.is_empty()));
+            let fits = (c as u64) <= room as u64 && len + room <= max_len && (off != 0 || c > 0);
             if h < 0
                 || r.generation != handle_generation(h) | OPEN
                 || r.stamp == epoch
@@ -58,43 +63,48 @@ impl SlotAllocator {
                 return (i, k);
             }
             let c = c as usize;
-            r.stamp = epoch;
-            r.len = (len + c) as u32;
             if new_page {
-                // Undone by `undo_applied` if the batch fails later.
-                // A FREE page's refcount is 1 already (see `pages.rs`).
-                let p = self.free_pages.pop().unwrap_or(0);
-                self.page_lists[row * stride + (len >> self.page_shift.unwrap_or(0))] = p;
+                // Undone by `undo_applied` if the batch fails later. A FREE
+                // page's refcount is 1 already (see `pages/`).
+                let Some(p) = take_free() else {
+                    return (i, k);
+                };
+                self.page_lists[row * stride + (len >> shift)] = p;
                 r.last = p;
             }
+            r.stamp = epoch;
+            r.len = (len + c) as u32;
             fill_run(&mut out[k..k + c], r.last as usize * ps + off);
             k += c;
         }
         (handles.len(), k)
     }
 
-    /// `extend_decode_run` for a count of 1 per request, the decode step
-    /// itself: request `i` writes `out[i]` (with `tokens`, it stores
-    /// `tokens[i]` while the row is in hand), and the few values the loop
-    /// keeps live stay in registers. The slot table is written after the
-    /// batch (`SlotTable::write_decode`). Returns the requests applied.
+    /// `decode_run` for a count of 1 per request, the decode step itself:
+    /// request `i` writes `out[i]` (with `tokens`, `store_token` stores
+    /// `tokens[i]` at its slot while the row is in hand), and the few values
+    /// the loop keeps live stay in registers. A page boundary takes a page
+    /// with `take_free` (None: stop there). The slot table is written after
+    /// the batch (`SlotTable::write_decode`). Returns the requests applied.
     // Not inlined: each form is its own small function, whose loop keeps
-    // its registers (inlined into extend's fused pass, the forms cost up
-    // to 1 ns more per request).
+    // its few live values in registers; inlined into extend's fused pass it
+    // would share them with the rest of the pass.
     #[inline(never)]
-    pub(crate) fn extend_decode_one<const TOKENS: bool>(
+    pub(crate) fn decode_one<const TOKENS: bool>(
         &mut self,
         handles: &[i64],
         tokens: &[i64],
         out: &mut [i64],
+        mut take_free: impl FnMut() -> Option<u32>,
+        mut store_token: impl FnMut(usize, i32),
     ) -> usize {
-        let Some(shift) = self.page_shift else {
+        let Some(shift) = self.geo.page_shift else {
             return 0;
         };
         if TOKENS && tokens.len() != handles.len() {
             return 0; // the general path reports the length
         }
-        let (mask, epoch, max_len) = ((1usize << shift) - 1, self.epoch, self.max_context_len);
+        let (mask, epoch, max_len) = ((1usize << shift) - 1, self.epoch, self.geo.max_context_len);
         let n = handles.len().min(out.len());
         for i in 0..n {
             let h = handles[i];
@@ -114,9 +124,9 @@ impl SlotAllocator {
             }
             if len & mask == 0 {
                 // A page boundary: one page off the free stack (undone by
-                // `undo_applied` if the batch fails later).
-                // (Its refcount is 1 already: see `pages.rs`.)
-                let Some(p) = self.free_pages.pop() else {
+                // `undo_applied` if the batch fails later). Its refcount is
+                // 1 already (see `pages/`).
+                let Some(p) = take_free() else {
                     return i;
                 };
                 self.page_lists[row * self.row_pages + (len >> shift)] = p;
@@ -130,7 +140,7 @@ impl SlotAllocator {
             if TOKENS {
                 // Not SLOW: no prompt ahead to agree with. Undone (the
                 // known count) by `undo_applied` if the batch fails.
-                self.index.tokens[slot] = tokens[i] as i32;
+                store_token(slot, tokens[i] as i32);
                 let known = &mut self.known_len[row];
                 if *known as usize == len {
                     *known += 1;
@@ -142,13 +152,14 @@ impl SlotAllocator {
 
     /// Undoes the requests a failing batch applied in its first pass (those
     /// before `done` not listed slow), last first, so that pages taken come
-    /// back onto the free stack in their old order.
+    /// back (through `give_back`) onto the free stack in their old order.
     pub(crate) fn undo_applied<G: Fn(usize) -> i64>(
         &mut self,
         handles: &[i64],
         get: &G,
         slow: &[u32],
         done: usize,
+        mut give_back: impl FnMut(u32),
     ) {
         let mut s = slow.iter().rev().peekable();
         for i in (0..done).rev() {
@@ -161,11 +172,11 @@ impl SlotAllocator {
             let old = self.rows[row].len as usize - c;
             self.rows[row].len = old as u32;
             self.known_len[row] = self.known_len[row].min(old as u32);
-            if c > 0 && self.offset_in_page(old) == 0 {
+            if c > 0 && self.geo.offset_in_page(old) == 0 {
                 let base = row * self.row_pages;
-                let np = self.pages_for(old);
+                let np = self.geo.pages_for(old);
                 // Back on the free stack, with the refcount 1 it kept.
-                self.free_pages.push(self.page_lists[base + np]);
+                give_back(self.page_lists[base + np]);
                 self.rows[row].last = if np == 0 {
                     0
                 } else {

@@ -2,15 +2,16 @@
 //! anything is grown: token ids (count, range, agreement with the prompt),
 //! pages available (copy-on-write and evictable pages counted), output size.
 
-use crate::allocator::SlotAllocator;
+use super::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
+use crate::prefix::hashing::check_token_ids;
 
 impl SlotAllocator {
     /// The batch-wide checks after the per-request ones: token ids, pages
     /// available (copy-on-write and evictable pages counted), output size.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn check_batch<G: Fn(usize) -> i64>(
+    pub(super) fn check_batch<G: Fn(usize) -> i64>(
         &self,
         handles: &[i64],
         get: &G,
@@ -24,7 +25,7 @@ impl SlotAllocator {
         if let Some(t) = tokens {
             self.check_tokens(handles, get, slow, t, total)?;
         }
-        let available = self.available_pages();
+        let available = self.pages.available();
         if needed_pages > available {
             // Counted from before the call: the pages this batch already took
             // in its first pass are part of both sides.
@@ -32,8 +33,8 @@ impl SlotAllocator {
             return Err(PoolError::Exhausted {
                 needed_pages,
                 free_pages: available,
-                page_size: self.page_size,
-                free_slots: available * self.page_size,
+                page_size: self.geo.page_size,
+                free_slots: available * self.geo.page_size,
             });
         }
         if total != out_len {
@@ -61,7 +62,7 @@ impl SlotAllocator {
                 t.len()
             )));
         }
-        crate::hashing::check_token_ids(t)?;
+        check_token_ids(t)?;
         if slow.is_empty() {
             return Ok(());
         }
@@ -77,8 +78,8 @@ impl SlotAllocator {
             }
             s.next();
             let row = handle_row(h) as usize;
-            let start = self.rows[row].len as usize;
-            let prompt = &self.cold[row].prompt;
+            let start = self.requests.len(row);
+            let prompt = self.requests.prompt(row);
             if prompt.len() > start {
                 let n = c.min(prompt.len() - start);
                 let given = &t[k..k + n];

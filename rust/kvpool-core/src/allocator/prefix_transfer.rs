@@ -1,4 +1,5 @@
-//! Prefix-aware transfer between pools: a sender describes a request's
+//! Prefix-aware transfer between pools (the transfer descriptor
+//! [`PrefixChain`] and the calls that make and take it): a sender describes a request's
 //! leading full pages by chain hash (plus their token ids and the salt), and
 //! a receiver finds how many of them it caches already and opens a request
 //! on those pages, so only the rest of the K/V has to move.
@@ -13,10 +14,11 @@
 //! never wrong KV. The tokens cost 4 bytes per token on the wire (far below
 //! the K/V) and let the received request be cached at the receiver later.
 
+use super::SlotAllocator;
 use crate::error::{PoolError, Result};
-use crate::lookup::Match;
 use crate::memory::reserve;
-use crate::SlotAllocator;
+use crate::prefix::hashing::{check_token_ids, root};
+use crate::prefix::tip::Match;
 
 /// A request's leading full pages of known tokens, as `chain_hashes` gives
 /// them: `hashes[k]` is the chain hash of page k (salt in the root),
@@ -35,22 +37,20 @@ impl SlotAllocator {
     /// Errors: `InvalidHandle`; `InvalidArgument` when the result cannot be
     /// allocated.
     pub fn prefix_chain(&mut self, handle: i64) -> Result<PrefixChain> {
-        let row = self.resolve(handle)?;
-        let ps = self.page_size;
-        let c = &self.cold[row];
-        let n = (self.known_len[row].min(self.rows[row].len) as usize) / ps;
-        let salt = c.salt;
+        let row = self.requests.resolve(handle)?;
+        let ps = self.geo.page_size;
+        let n = self.requests.known_len(row).min(self.requests.len(row)) / ps;
+        let salt = self.requests.salt(row);
         let mut tokens = Vec::new();
         reserve(&mut tokens, n * ps, "chain tokens")?;
-        let base = row * self.row_pages;
-        for &p in &self.page_lists[base..base + n] {
-            tokens.extend_from_slice(self.index.page_tokens(p));
+        for &p in self.requests.pages(row, n) {
+            tokens.extend_from_slice(self.prefix.page_tokens(p));
         }
         let mut hashes = Vec::new();
         reserve(&mut hashes, n, "chain hashes")?;
-        let mut chain = crate::hashing::root(salt);
+        let mut chain = root(salt);
         for t in tokens.chunks_exact(ps) {
-            chain = self.index.hasher.page(chain, t);
+            chain = self.prefix.hash_tokens(chain, t);
             hashes.push(chain);
         }
         Ok(PrefixChain {
@@ -68,7 +68,7 @@ impl SlotAllocator {
     /// page_size` long or holds an id outside [0, 2^31).
     pub fn match_chain(&self, hashes: &[u128], tokens: &[i64], salt: i64) -> Result<usize> {
         let tokens = self.chain_tokens(hashes, tokens)?;
-        Ok(self.walk_chain(hashes, &tokens, salt, None).pages)
+        Ok(self.prefix.walk_chain(hashes, &tokens, salt, None).pages)
     }
 
     /// Opens one request holding the first `min(match, max_pages)` pages of
@@ -89,22 +89,24 @@ impl SlotAllocator {
         max_pages: usize,
     ) -> Result<(i64, usize)> {
         let prompt = self.chain_tokens(hashes, tokens)?;
-        if prompt.len() > self.max_context_len {
+        if prompt.len() > self.geo.max_context_len {
             return Err(PoolError::ContextTooLong {
                 handle: -1,
                 length: prompt.len() as u64,
-                max: self.max_context_len,
+                max: self.geo.max_context_len,
             });
         }
-        self.check_rows_available(1)?;
+        self.requests.check_available(1)?;
         let mut pages = Vec::new();
         reserve(&mut pages, hashes.len(), "matched pages")?;
-        let mut m = self.walk_chain(hashes, &prompt, salt, Some(&mut pages));
+        let mut m = self
+            .prefix
+            .walk_chain(hashes, &prompt, salt, Some(&mut pages));
         if m.pages > max_pages {
             // A matched page is registered: its entry is the chain's tip.
             m = match max_pages
                 .checked_sub(1)
-                .map(|k| self.index.tip_of(pages[k]))
+                .map(|k| self.prefix.tip_at(self.pages.entry(pages[k])))
             {
                 Some(Some((tip, _))) => Match {
                     pages: max_pages,
@@ -114,58 +116,61 @@ impl SlotAllocator {
             };
         }
         // Apply: nothing below can fail.
-        let row = self.nth_free_row(0);
-        self.cold[row].set_prompt(prompt);
+        let row = self.requests.nth_free_row(0);
+        self.requests.set_prompt(row, prompt);
         Ok(self.open_matched(salt, &m, &pages))
     }
 
     /// The tokens of a chain as i32, checked against its hashes.
     fn chain_tokens(&self, hashes: &[u128], tokens: &[i64]) -> Result<Vec<i32>> {
-        let want = hashes.len().checked_mul(self.page_size);
+        let want = hashes.len().checked_mul(self.geo.page_size);
         if want != Some(tokens.len()) {
             return Err(PoolError::InvalidArgument(format!(
                 "a chain of {} page hashes needs {} * page_size {} token ids, got {}",
                 hashes.len(),
                 hashes.len(),
-                self.page_size,
+                self.geo.page_size,
                 tokens.len()
             )));
         }
-        crate::hashing::check_token_ids(tokens)?;
+        check_token_ids(tokens)?;
         let mut out = Vec::new();
         reserve(&mut out, tokens.len(), "chain tokens")?;
         out.extend(tokens.iter().map(|&x| x as i32));
         Ok(out)
     }
+}
 
-    /// Walks the chain through the index while each entry verifies.
-    fn walk_chain(
-        &self,
-        hashes: &[u128],
-        tokens: &[i32],
-        salt: i64,
-        mut out: Option<&mut Vec<u32>>,
-    ) -> Match {
-        let mut m = Match::root(salt);
-        for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
-            // Filed under the sent hash's key, and the hash must be the
-            // entry's (a sender with another seed misses); verification
-            // then checks the page's tokens, salt and parent, so the sent
-            // hash is never trusted and this pool need not hash anything.
-            let ix = &self.index;
-            match ix.lookup(crate::keys::key_of(h)) {
-                Some((i, e))
-                    if ix.idents[i as usize].hash == h && ix.verify(i, t, salt, m.tip.reg) =>
-                {
-                    if let Some(o) = out.as_deref_mut() {
-                        o.push(e.page);
-                    }
-                    m.tip = ix.tip(i);
-                    m.pages += 1;
-                }
-                _ => break,
-            }
-        }
-        m
+#[cfg(test)]
+mod tests {
+    /// `page_hashes` is the chain a pool registers: the same hashes as the
+    /// pool's own `prefix_chain` of a request holding those tokens.
+    #[test]
+    fn page_hashes_match_a_pools_chain() {
+        use crate::{page_hashes, Counts, Options, SlotAllocator};
+        let ps = 4;
+        let prompt: Vec<i64> = (0..19).map(|t| t * 37 + 5).collect();
+        let o = Options {
+            hash_seed: Some(7),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(64, ps, 4, 64, o).expect("valid config");
+        let (h, _) = a.open_with_prefix(&prompt, &[19], Counts::Each(3)).unwrap();
+        a.extend(&h, Counts::Each(19), None).unwrap();
+        let chain = a.prefix_chain(h[0]).unwrap();
+        assert_eq!(chain.hashes.len(), 4);
+        assert_eq!(page_hashes(7, 3, ps, &prompt).unwrap(), chain.hashes);
+        assert_ne!(
+            page_hashes(7, 0, ps, &prompt).unwrap(),
+            chain.hashes,
+            "salt"
+        );
+        assert_ne!(
+            page_hashes(8, 3, ps, &prompt).unwrap(),
+            chain.hashes,
+            "seed"
+        );
+        assert!(page_hashes(7, 0, 0, &prompt).is_err());
+        assert!(page_hashes(7, 0, ps, &[1, -1, 2, 3]).is_err());
     }
 }

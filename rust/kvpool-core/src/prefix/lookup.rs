@@ -1,5 +1,5 @@
-//! Finding a prompt's cached prefix: the chain tip a request (or a match in
-//! progress) stands on, and the walk that extends it page by page.
+//! Finding a prompt's cached prefix: the walk that extends a chain tip
+//! (`tip.rs`) page by page, and the walk of a chain another pool sent.
 //!
 //! Two ways to find page `k + 1`'s entry, both checked the same way:
 //! - **The tip's child hint.** Each entry remembers the latest child
@@ -29,67 +29,12 @@
 //! every entry's salt is its live parent's. The walk then reads the hot
 //! 32-byte entries alone (`index.rs`).
 
-use crate::allocator::SlotAllocator;
-use crate::index::{PrefixIndex, LOOKAHEAD};
+use super::index::{PrefixIndex, LOOKAHEAD};
+use super::keys::key_of;
+use super::tip::{ChainTip, Match};
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
-
-/// The last verified page of a chain: its chain hash, registration id and
-/// entry (the root values before page 0). The three always describe the
-/// same entry, which is what lets a later page's hash be chained on from
-/// `hash` and checked against `reg`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct ChainTip {
-    pub(crate) hash: u128,
-    /// Registration id (0 at the root).
-    pub(crate) reg: u64,
-    /// Entry index + 1 (0 at the root): where the child hint is read.
-    pub(crate) entry: u32,
-}
-
-impl ChainTip {
-    pub(crate) fn root(salt: i64) -> Self {
-        ChainTip {
-            hash: crate::hashing::root(salt),
-            reg: 0,
-            entry: 0,
-        }
-    }
-}
-
-/// A prompt's longest verified cached prefix, found before anything changes.
-pub(crate) struct Match {
-    pub(crate) pages: usize,
-    pub(crate) tip: ChainTip,
-}
-
-impl Match {
-    /// No page matched yet.
-    pub(crate) fn root(salt: i64) -> Self {
-        Match {
-            pages: 0,
-            tip: ChainTip::root(salt),
-        }
-    }
-}
-
-impl PrefixIndex {
-    /// Makes entry `child` the hint of the tip's entry, if that entry is
-    /// still the tip's registration.
-    #[inline]
-    pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
-        if let Some(p) = tip
-            .entry
-            .checked_sub(1)
-            .and_then(|i| self.entries.get_mut(i as usize))
-        {
-            if p.reg == tip.reg {
-                p.child = child + 1;
-            }
-        }
-    }
-}
 
 impl PrefixIndex {
     /// Follows the child hints from `tip` over consecutive pages of
@@ -97,7 +42,7 @@ impl PrefixIndex {
     /// to `out`, moves `tip` to the last one and returns how many matched.
     /// `tip` must be the root or a live entry's tip (one just verified).
     #[inline]
-    pub(crate) fn follow_hints(
+    fn follow_hints(
         &self,
         tip: &mut ChainTip,
         tokens: &[i32],
@@ -118,8 +63,7 @@ impl PrefixIndex {
             // so the hinted child is usually the next slot. Reading that
             // slot before the hint is known lets the CPU start the next
             // hop's loads while this one's are in flight (the branch is
-            // predicted, a data dependency is not). Open + close of a
-            // cached 4096-token prompt at page 1: 63 -> 60 us.
+            // predicted, a data dependency is not).
             let next = cur + 1;
             let (child, e) = match ents.get(next as usize) {
                 Some(g) if parent.child == next + 1 => (next, g),
@@ -136,9 +80,7 @@ impl PrefixIndex {
                 "a child has its parent's salt"
             );
             debug_assert_eq!(
-                self.find(crate::keys::key_of(
-                    self.hasher.page(self.idents[cur as usize].hash, t)
-                )),
+                self.find(key_of(self.hasher.page(self.idents[cur as usize].hash, t))),
                 Some(child),
                 "a verified hinted child is the entry its key finds"
             );
@@ -151,23 +93,21 @@ impl PrefixIndex {
         }
         n
     }
-}
 
-impl SlotAllocator {
     /// Walks `prompt`'s pages from the root while each page's entry
     /// verifies; appends the matched pages to `out`. Read-only (the key
     /// scratch aside). At most `(len - 1) / page_size` pages match, so at
     /// least one token is left to compute.
-    pub(crate) fn match_prefix(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
+    pub(crate) fn match_prompt(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
         let ps = self.page_size;
         let max_pages = prompt.len().saturating_sub(1) / ps;
         let mut m = Match::root(salt);
-        let mut hashes = std::mem::take(&mut self.index.hash_scratch);
+        let mut hashes = std::mem::take(&mut self.hash_scratch);
         hashes.clear();
         // hashes[j] is the chain hash of page `first_hashed + j`.
         let mut first_hashed = 0usize;
         let mut ahead = FIRST_AHEAD;
-        let ix = &self.index;
+        let ix = &*self;
         while m.pages < max_pages {
             let k = m.pages;
             m.pages += ix.follow_hints(&mut m.tip, &prompt[k * ps..max_pages * ps], salt, out);
@@ -186,16 +126,48 @@ impl SlotAllocator {
                 ahead = (2 * ahead).min(LOOKAHEAD);
             }
             let tokens = &prompt[k * ps..(k + 1) * ps];
-            match ix.lookup(crate::keys::key_of(hashes[k - first_hashed])) {
-                Some((i, e)) if ix.verify(i, tokens, salt, m.tip.reg) => {
-                    out.push(e.page);
+            match ix.lookup(hashes[k - first_hashed]) {
+                Some((i, page)) if ix.verify(i, tokens, salt, m.tip.reg) => {
+                    out.push(page);
                     m.tip = ix.tip(i);
                     m.pages += 1;
                 }
                 _ => break,
             }
         }
-        self.index.hash_scratch = hashes;
+        self.hash_scratch = hashes;
+        m
+    }
+
+    /// Walks a chain another pool sent (`hashes[k]` the chain hash of page
+    /// `k`, `tokens` its token ids) while each entry verifies; pushes the
+    /// matched pages to `out` if given.
+    pub(crate) fn walk_chain(
+        &self,
+        hashes: &[u128],
+        tokens: &[i32],
+        salt: i64,
+        mut out: Option<&mut Vec<u32>>,
+    ) -> Match {
+        let mut m = Match::root(salt);
+        for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
+            // Filed under the sent hash's key, and the hash must be the
+            // entry's (a sender with another seed misses); verification
+            // then checks the page's tokens, salt and parent, so the sent
+            // hash is never trusted and this pool need not hash anything.
+            match self.lookup(h) {
+                Some((i, page))
+                    if self.idents[i as usize].hash == h && self.verify(i, t, salt, m.tip.reg) =>
+                {
+                    if let Some(o) = out.as_deref_mut() {
+                        o.push(page);
+                    }
+                    m.tip = self.tip(i);
+                    m.pages += 1;
+                }
+                _ => break,
+            }
+        }
         m
     }
 }

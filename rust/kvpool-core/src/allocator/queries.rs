@@ -2,12 +2,11 @@
 //! handle is an error, never someone else's data) and costs
 //! O(handles + pages returned).
 
-use crate::allocator::SlotAllocator;
+use super::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::events::Events;
 use crate::handle::handle_row;
 use crate::memory::reserve;
-use crate::rows::{Row, RowCold};
 use crate::table::SlotTable;
 
 /// FlashInfer's CSR page table of a batch.
@@ -22,48 +21,48 @@ pub struct PageTable {
 
 impl SlotAllocator {
     pub fn page_size(&self) -> usize {
-        self.page_size
+        self.geo.page_size
     }
     pub fn num_pages(&self) -> usize {
-        self.num_pages
+        self.geo.num_pages
     }
     pub fn num_slots(&self) -> usize {
-        self.num_pages * self.page_size
+        self.geo.num_slots()
     }
     pub fn max_requests(&self) -> usize {
-        self.max_requests
+        self.requests.capacity()
     }
     pub fn max_context_len(&self) -> usize {
-        self.max_context_len
+        self.geo.max_context_len
     }
     pub fn capacity_pages(&self) -> usize {
-        self.num_pages - 1
+        self.geo.num_pages - 1
     }
     pub fn capacity_slots(&self) -> usize {
-        self.capacity_pages() * self.page_size
+        self.capacity_pages() * self.geo.page_size
     }
     /// Pages an extend can take now: FREE + CACHED (evictable).
     pub fn free_pages(&self) -> usize {
-        self.available_pages()
+        self.pages.available()
     }
     /// HELD pages (held by at least one open request).
     pub fn used_pages(&self) -> usize {
-        self.capacity_pages() - self.available_pages()
+        self.capacity_pages() - self.pages.available()
     }
     pub fn free_slots(&self) -> usize {
-        self.available_pages() * self.page_size
+        self.pages.available() * self.geo.page_size
     }
     /// Slots in held pages (including the unfilled tail of each last page).
     pub fn used_slots(&self) -> usize {
-        self.used_pages() * self.page_size
+        self.used_pages() * self.geo.page_size
     }
     /// Registered pages (HELD or CACHED).
     pub fn cached_pages(&self) -> usize {
-        self.index.len()
+        self.prefix.len()
     }
     /// CACHED pages: registered, held by nobody, evicted when needed.
     pub fn evictable_pages(&self) -> usize {
-        self.index.lru_len
+        self.pages.cached()
     }
     /// Prompt tokens served from the cache by `open_with_prefix`, cumulative.
     pub fn hit_tokens(&self) -> u64 {
@@ -74,7 +73,7 @@ impl SlotAllocator {
         self.miss_tokens
     }
     pub fn open_requests(&self) -> usize {
-        self.open_count
+        self.requests.open_count()
     }
     /// Tokens that could still be appended if every new token started a page
     /// (a lower bound: partly filled last pages take a few more). Counts
@@ -84,7 +83,7 @@ impl SlotAllocator {
     }
     /// The hash seed (pass it as `hash_seed` to agree with this pool's hashes).
     pub fn hash_seed(&self) -> u64 {
-        self.index.hasher.seed()
+        self.prefix.hash_seed()
     }
 
     /// Drains the KV events recorded since the last call (see [`Events`]).
@@ -96,7 +95,7 @@ impl SlotAllocator {
     /// undrained (each overflow replaces the backlog with one Cleared
     /// event). Cumulative.
     pub fn dropped_events(&self) -> u64 {
-        self.events.dropped
+        self.events.dropped()
     }
 
     /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
@@ -105,33 +104,25 @@ impl SlotAllocator {
     /// 4 per slot of token ids, per row the hot and cold structs, the page
     /// list and the prompt, and the prefix index entries.
     pub fn metadata_bytes(&self) -> usize {
-        let u32s = self.free_pages.capacity()
-            + self.free_rows.capacity()
-            + self.known_len.capacity()
-            + self.page_lists.capacity();
-        let prompts: usize = self.cold.iter().map(|c| c.prompt.capacity() * 4).sum();
-        u32s * 4
-            + self.rows.capacity() * std::mem::size_of::<Row>()
-            + self.cold.capacity() * std::mem::size_of::<RowCold>()
-            + prompts
-            + self.copies.capacity_bytes()
+        self.requests.capacity_bytes()
+            + self.pages.capacity_bytes()
             + self.events.capacity_bytes()
-            + self.index.metadata_bytes()
+            + self.prefix.metadata_bytes()
     }
 
     pub fn is_open(&self, handle: i64) -> bool {
-        self.resolve(handle).is_ok()
+        self.requests.resolve(handle).is_ok()
     }
 
     pub fn length(&self, handle: i64) -> Result<usize> {
-        Ok(self.rows[self.resolve(handle)?].len as usize)
+        Ok(self.requests.len(self.requests.resolve(handle)?))
     }
 
     pub fn lengths(&self, handles: &[i64]) -> Result<Vec<i64>> {
         let mut out = Vec::new();
         reserve(&mut out, handles.len(), "lengths")?;
         for &h in handles {
-            out.push(self.rows[self.resolve(h)?].len as i64);
+            out.push(self.requests.len(self.requests.resolve(h)?) as i64);
         }
         Ok(out)
     }
@@ -141,15 +132,15 @@ impl SlotAllocator {
         let mut out = Vec::new();
         reserve(&mut out, handles.len(), "rows")?;
         for &h in handles {
-            out.push(self.resolve(h)? as i64);
+            out.push(self.requests.resolve(h)? as i64);
         }
         Ok(out)
     }
 
     /// Every slot of the request, in token order.
     pub fn slots(&self, handle: i64) -> Result<Vec<i64>> {
-        let row = self.resolve(handle)?;
-        let len = self.rows[row].len as usize;
+        let row = self.requests.resolve(handle)?;
+        let len = self.requests.len(row);
         let mut out = Vec::new();
         reserve(&mut out, len, "slots")?;
         for (s, m) in self.slot_runs(row, len) {
@@ -166,12 +157,12 @@ impl SlotAllocator {
     pub fn fill_table(&self, handles: &[i64], table: &mut SlotTable<'_>) -> Result<()> {
         self.check_table(table)?;
         for &h in handles {
-            self.resolve(h)?;
+            self.requests.resolve(h)?;
         }
-        let ps = self.page_size;
+        let ps = self.geo.page_size;
         for &h in handles {
             let row = handle_row(h) as usize;
-            let len = self.rows[row].len as usize;
+            let len = self.requests.len(row);
             if ps == 1 {
                 // Every page is one slot: the row is the page list itself,
                 // one flat copy instead of a run per token.
@@ -186,18 +177,18 @@ impl SlotAllocator {
     }
 
     pub fn pages(&self, handle: i64) -> Result<Vec<i32>> {
-        let row = self.resolve(handle)?;
+        let row = self.requests.resolve(handle)?;
         Ok(self.row_pages_of(row).iter().map(|&p| p as i32).collect())
     }
 
     /// Known token ids of the request (positions `0..n` for its known prefix).
     pub fn known_tokens(&self, handle: i64) -> Result<Vec<i32>> {
-        let row = self.resolve(handle)?;
-        let n = self.known_len[row] as usize;
+        let row = self.requests.resolve(handle)?;
+        let n = self.requests.known_len(row);
         let mut out = Vec::new();
         reserve(&mut out, n, "tokens")?;
         for (s, m) in self.slot_runs(row, n) {
-            out.extend_from_slice(&self.index.tokens[s..s + m]);
+            out.extend_from_slice(self.prefix.slot_tokens(s, m));
         }
         Ok(out)
     }
@@ -205,7 +196,7 @@ impl SlotAllocator {
     pub fn page_table(&self, handles: &[i64]) -> Result<PageTable> {
         let mut total = 0usize;
         for &h in handles {
-            total += self.row_pages_of(self.resolve(h)?).len();
+            total += self.row_pages_of(self.requests.resolve(h)?).len();
         }
         if total > i32::MAX as usize {
             // Only reachable by naming the same requests over and over.
@@ -220,17 +211,31 @@ impl SlotAllocator {
         t.indptr.push(0);
         for &h in handles {
             let row = handle_row(h) as usize;
-            let len = self.rows[row].len as usize;
+            let len = self.requests.len(row);
             t.indices
                 .extend(self.row_pages_of(row).iter().map(|&p| p as i32));
             t.indptr.push(t.indices.len() as i32);
             let last = if len == 0 {
                 0
             } else {
-                (len - 1) % self.page_size + 1
+                (len - 1) % self.geo.page_size + 1
             };
             t.last_page_len.push(last as i32);
         }
         Ok(t)
+    }
+
+    /// `table` can take any slot of this pool at any request position.
+    /// `extend_into_table` and `fill_table` check this themselves; a caller
+    /// that opens requests (`open_with_prefix`, `fork`) and then fills their
+    /// rows checks first, so that a bad table fails before anything opens.
+    pub fn check_table(&self, table: &SlotTable<'_>) -> Result<()> {
+        if self.num_slots() > i32::MAX as usize + 1 {
+            return Err(PoolError::InvalidArgument(format!(
+                "num_slots = {} does not fit an int32 slot table",
+                self.num_slots()
+            )));
+        }
+        table.check_extent(self.requests.capacity(), self.geo.max_context_len)
     }
 }

@@ -1,0 +1,164 @@
+//! Registration: `cache` (and `close(cache=True)`) files a request's full
+//! pages of known tokens in the prefix index, continuing its chain, so
+//! later prompts can hit them. Each page's record (`pages/`) names its
+//! entry, and a Stored event reports it.
+
+use super::SlotAllocator;
+use crate::error::Result;
+use crate::handle::handle_row;
+use crate::prefix::index::LOOKAHEAD;
+use crate::prefix::tip::ChainTip;
+
+impl SlotAllocator {
+    /// Registers every full page of each request whose token ids are all
+    /// known and that is not registered yet, so later prompts can hit it.
+    /// Call it once the step that wrote those pages has run. All-or-nothing.
+    /// Errors: `InvalidHandle` (e.g. a closed request), `InvalidArgument`
+    /// (a handle twice; the index cannot grow).
+    pub fn cache(&mut self, handles: &[i64]) -> Result<()> {
+        self.requests.resolve_batch(handles)?;
+        self.register_batch(handles)
+    }
+
+    /// Registers the handles' pages; the handles are resolved already.
+    pub(super) fn register_batch(&mut self, handles: &[i64]) -> Result<()> {
+        let mut todo = 0usize;
+        for &h in handles {
+            let row = handle_row(h) as usize;
+            todo += self
+                .registrable_pages(row)
+                .saturating_sub(self.requests.chain(row).pages);
+        }
+        // `todo` counts a page shared by forked requests once per holder;
+        // no call registers more pages than the pool has unregistered.
+        let todo = todo.min(self.prefix.room());
+        self.prefix.reserve(todo)?;
+        self.events.reserve(todo, self.geo.page_size)?;
+        for &h in handles {
+            self.register_row(handle_row(h) as usize);
+        }
+        Ok(())
+    }
+
+    /// Full pages of `row` whose every token id is known.
+    fn registrable_pages(&self, row: usize) -> usize {
+        if self.requests.chain(row).broken {
+            return 0;
+        }
+        self.requests.known_len(row).min(self.requests.len(row)) / self.geo.page_size
+    }
+
+    /// Continues `row`'s chain over its registrable pages. A page whose hash
+    /// is registered already for a different page with the same content and
+    /// parent is a duplicate: the existing entry stays (see
+    /// `prefix/index.rs`). A mismatch (a collision) stops the row's chain
+    /// for good.
+    fn register_row(&mut self, row: usize) {
+        let upto = self.registrable_pages(row);
+        let chain = self.requests.chain(row);
+        if upto > chain.pages {
+            self.requests.set_shared(row);
+        }
+        let mut ring = self.prefix.take_hash_scratch();
+        // The chain's tip and length live in locals while the row grows:
+        // each page's registration starts from the one before.
+        let (salt, mut tip) = (self.requests.salt(row), chain.tip);
+        let mut k = chain.pages;
+        let mut broken = false;
+        'restart: while k < upto {
+            // The chain hash is serial (each page's waits on the one
+            // before), so it runs a chunk of LOOKAHEAD pages ahead of the
+            // registrations, in the same loop: the CPU overlaps the next
+            // chunk's hashing with this page's probe and inserts instead
+            // of doing one after the other. Each chunk's buckets and
+            // records are prefetched together as it starts: a big index
+            // misses cache and TLB on each, and those misses overlap only
+            // when the prefetches are issued back to back (not one per
+            // registration, as each hash comes out). Page k's hash is
+            // `ring[(k - k0) % LOOKAHEAD]`.
+            let k0 = k;
+            let list = self.requests.pages(row, upto);
+            let mut last = tip.hash;
+            ring.clear();
+            for &p in &list[k..upto.min(k + LOOKAHEAD)] {
+                last = self.prefix.page_hash(last, p);
+                ring.push(last);
+            }
+            while k < upto {
+                let j = k - k0;
+                let list = self.requests.pages(row, upto);
+                if j % LOOKAHEAD == 0 {
+                    let end = upto.min(k + LOOKAHEAD);
+                    // A chunk starts at slot 0: its pages' hashes are ring[..].
+                    for (&h, &p) in ring.iter().zip(&list[k..end]) {
+                        self.prefix.prefetch_bucket(h);
+                        self.pages.prefetch_record(p);
+                    }
+                    for &p in &list[end..upto.min(end + LOOKAHEAD)] {
+                        self.prefix.prefetch_tokens(p);
+                    }
+                }
+                let slot = j % LOOKAHEAD;
+                let h = ring[slot];
+                if k + LOOKAHEAD < upto {
+                    last = self.prefix.page_hash(last, list[k + LOOKAHEAD]);
+                    ring[slot] = last;
+                }
+                let p = list[k];
+                match self.register_page(p, k == 0, h, &tip, salt) {
+                    Some(next) => tip = next,
+                    None => {
+                        broken = true;
+                        break 'restart;
+                    }
+                }
+                k += 1;
+                if tip.hash != h {
+                    // The tip is an entry found under this hash's key whose
+                    // own hash differs (only a test's weak hash gets here):
+                    // chain the rest on from the entry, as a lookup would.
+                    continue 'restart;
+                }
+            }
+        }
+        self.requests.set_chain(row, k, tip, broken);
+        self.prefix.put_hash_scratch(ring);
+    }
+
+    /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain)
+    /// as the child of `parent`; returns the chain's new tip, or None when
+    /// the chain must stop there (a collision).
+    fn register_page(
+        &mut self,
+        p: u32,
+        first: bool,
+        h: u128,
+        parent: &ChainTip,
+        salt: i64,
+    ) -> Option<ChainTip> {
+        let ix = &mut self.prefix;
+        match ix.lookup(h) {
+            None if !self.pages.is_registered(p) => {
+                let tip = ix.register(p, h, parent, salt);
+                self.pages.set_entry(p, tip.entry);
+                let parent_hash = if first { 0 } else { parent.hash };
+                self.events
+                    .stored(h, parent_hash, p, salt, ix.page_tokens(p));
+                Some(tip)
+            }
+            Some((i, page)) if page == p && ix.salt_of(i) == salt => {
+                // This very page: its content was computed on this
+                // request's prefix, so (re)link it to the current parent.
+                ix.relink(i, parent);
+                Some(ix.tip(i))
+            }
+            Some((i, _)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
+                // A duplicate: keep the existing copy (its chain hash is
+                // the one this page would get: same tokens, same salt).
+                ix.set_hint(parent, i);
+                Some(ix.tip(i))
+            }
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,111 @@
+//! Taking pages for new holders, and eviction: a CACHED page leaves the
+//! eviction room's list (`pages/`), its registration leaves the index
+//! (`prefix/`), and a Removed event reports it (`events.rs`).
+
+use super::SlotAllocator;
+
+/// Below this many registered pages the index's entries (64 bytes each,
+/// in two slabs) fit in a core's L2, so warming victims ahead only costs.
+const WARM_INDEX_ENTRIES: usize = 8192;
+
+impl SlotAllocator {
+    /// Takes a page for a new holder: FREE first (its refcount is 1
+    /// already), else the next eviction victim. The caller checked
+    /// `pages.available()`; 0 only if that check was skipped.
+    #[inline]
+    pub(super) fn take_page(&mut self) -> u32 {
+        match self.pages.pop_free() {
+            Some(p) => p,
+            None => match self.evict_one() {
+                Some(p) => {
+                    self.pages.hold_evicted(p);
+                    p
+                }
+                None => 0,
+            },
+        }
+    }
+
+    /// Evicts the next victim (it becomes unregistered, refcount 0, on no
+    /// list: the caller makes it FREE or HELD).
+    fn evict_one(&mut self) -> Option<u32> {
+        let p = self.pages.pop_victim()?;
+        self.prefetch_victims(self.pages.victim());
+        self.unregister_page(p);
+        Some(p)
+    }
+
+    /// Warms what the next evictions will touch. Evictions come in runs (an
+    /// extend short of FREE pages, `evict(n)`), and each chases pointers
+    /// that miss cache in a big pool: eviction link -> registration ->
+    /// entry -> table bucket. Each address is requested as soon as the step
+    /// before it can have arrived, so one eviction's misses overlap the next
+    /// three's: the record (links, registration, count) of the victim three
+    /// ahead, the entry of the one two ahead, and the bucket of the next,
+    /// `v1` (0: none).
+    #[inline]
+    fn prefetch_victims(&self, v1: u32) {
+        if v1 == 0 || self.prefix.len() < WARM_INDEX_ENTRIES {
+            return;
+        }
+        let v2 = self.pages.next_victim(v1);
+        if v2 != 0 {
+            self.pages.prefetch_record(self.pages.next_victim(v2));
+            self.prefix.prefetch_entry(self.pages.entry(v2));
+        }
+        self.prefix.prefetch_bucket_of(self.pages.entry(v1));
+    }
+
+    /// Drops `p`'s registration and reports it.
+    pub(super) fn unregister_page(&mut self, p: u32) {
+        let entry = self.pages.take_entry(p);
+        if entry != 0 {
+            let id = self.prefix.unregister(entry);
+            self.events.removed(id.hash, p, id.salt);
+        }
+    }
+
+    /// Evicts up to `n` CACHED pages, the eviction room's victims in order;
+    /// returns how many were evicted. They become FREE (refcount 1).
+    ///
+    /// The victims are walked in order and leave the list in one relink
+    /// instead of one unlink each, and the next victims are warmed as in
+    /// `evict_one`.
+    pub fn evict(&mut self, n: usize) -> usize {
+        let n = n.min(self.pages.cached());
+        let mut p = self.pages.victim();
+        for _ in 0..n {
+            let next = self.pages.next_victim(p);
+            self.prefetch_victims(next);
+            self.unregister_page(p);
+            self.pages.free_evicted(p);
+            p = next;
+        }
+        self.pages.remove_victims(n, p);
+        n
+    }
+
+    /// Drops every index entry: CACHED pages become FREE, HELD pages stay
+    /// with their holders, unregistered. Emits one Cleared event. Costs
+    /// O(registered pages + max_requests).
+    ///
+    /// Queued copies stay: each one fills a page an open request still
+    /// reads (its own, or through a later copy out of it), so dropping it
+    /// would leave that request reading another page's leftovers; its
+    /// source stays held until it is taken. The copies of released pages
+    /// are gone already (`pages/copies.rs`).
+    pub fn clear_cache(&mut self) {
+        while let Some(p) = self.pages.pop_victim() {
+            let entry = self.pages.take_entry(p);
+            if entry != 0 {
+                self.prefix.unregister(entry);
+            }
+            self.pages.free_evicted(p);
+        }
+        let pages = &mut self.pages;
+        self.prefix
+            .clear(|page, entry| pages.clear_entry_if(page, entry));
+        self.requests.restart_chains();
+        self.events.cleared();
+    }
+}

@@ -1,0 +1,209 @@
+//! The allocator: the owners composed, and every operation that crosses
+//! them. Its state is the pool's fixed geometry, the owners and two
+//! counters; each owner keeps its own fields private:
+//!
+//! - `requests/`: rows, page lists, prompts, handles;
+//! - `pages/`: page records, free stack, copy-on-write queue, and the
+//!   eviction room (`eviction/`) it consults;
+//! - `prefix/`: the index of registered pages and every slot's token id;
+//! - `events.rs`: the KV event log.
+//!
+//! The operations live here, one file per group: opening (`open.rs`),
+//! growing (`extend.rs`, `extend_checks.rs`, `grow.rs`), freeing
+//! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
+//! (`prefix.rs`, `cache.rs`, `evict.rs`), transfers between pools
+//! (`prefix_transfer.rs`), reading (`queries.rs`) and `check.rs`.
+
+pub(crate) mod cache;
+mod check;
+mod copies;
+mod evict;
+pub(crate) mod extend;
+mod extend_checks;
+mod fork;
+mod grow;
+mod open;
+pub(crate) mod options;
+mod prefix;
+pub(crate) mod prefix_transfer;
+pub(crate) mod queries;
+mod release;
+#[cfg(any(test, feature = "test-hooks"))]
+mod test_hooks;
+
+use crate::error::{PoolError, Result};
+use crate::events::{EventLog, MIN_BACKLOG};
+use crate::geometry::Geometry;
+use crate::handle::{mix64, random_u64, MAX_GENERATION};
+use crate::memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
+use crate::pages::PagePool;
+use crate::prefix::index::PrefixIndex;
+use crate::requests::Requests;
+use options::Options;
+
+#[derive(Debug, Clone)]
+pub struct SlotAllocator {
+    geo: Geometry,
+    requests: Requests,
+    pages: PagePool,
+    prefix: PrefixIndex,
+    events: EventLog,
+    /// Prompt tokens `open_with_prefix` served from the cache, cumulative.
+    hit_tokens: u64,
+    /// Prompt tokens `open_with_prefix` found no cached page for, cumulative.
+    miss_tokens: u64,
+}
+
+impl SlotAllocator {
+    /// `num_pages` includes the reserved page 0, so `num_pages - 1` pages are
+    /// usable. Defaults for everything else (see [`Options::new`]).
+    pub fn new(
+        num_pages: usize,
+        page_size: usize,
+        max_requests: usize,
+        max_context_len: usize,
+    ) -> Result<Self> {
+        Self::with_options(
+            num_pages,
+            page_size,
+            max_requests,
+            max_context_len,
+            Options::new(),
+        )
+    }
+
+    /// Like [`Self::new`] with explicit [`Options`].
+    ///
+    /// Errors: `InvalidArgument` for a size out of range (`max_requests` <=
+    /// 2^20, `max_context_len` <= 2^28, `num_pages` <= 2^31 - 1) or metadata
+    /// that cannot be allocated.
+    ///
+    /// Metadata, all reserved here (the exact worst case, see `metadata_bytes`):
+    /// 20 bytes per page (refcount, free stack entry, registration, two LRU
+    /// links), 4 per slot (token ids), and per row 16 (hot) + 96 (cold) + 4
+    /// (free row stack) + 4 * (ceil(max_context_len / page_size) rounded up
+    /// to 16, plus 16) (its page list). On top, while in use: the index table (16-32 bytes per
+    /// page for up to 2^20 pages at the first `cache()`, doubling past that),
+    /// a 64-byte entry per registered page and 4 per prompt token of each
+    /// open request.
+    pub fn with_options(
+        num_pages: usize,
+        page_size: usize,
+        max_requests: usize,
+        max_context_len: usize,
+        opts: Options,
+    ) -> Result<Self> {
+        let bad = |m: String| Err(PoolError::InvalidArgument(m));
+        if page_size == 0 {
+            return bad("page_size must be >= 1".into());
+        }
+        if num_pages == 0 || num_pages > i32::MAX as usize {
+            return bad(format!(
+                "num_pages must be in [1, {}] (it includes the reserved page 0), got {num_pages}",
+                i32::MAX
+            ));
+        }
+        match num_pages.checked_mul(page_size) {
+            Some(s) if s <= i64::MAX as usize => {}
+            _ => {
+                return bad(format!(
+                    "num_pages * page_size = {num_pages} * {page_size} overflows"
+                ))
+            }
+        };
+        if max_requests == 0 || max_requests > MAX_REQUESTS {
+            return bad(format!(
+                "max_requests must be in [1, {MAX_REQUESTS}], got {max_requests}"
+            ));
+        }
+        if max_context_len == 0 || max_context_len > MAX_CONTEXT_LEN {
+            return bad(format!(
+                "max_context_len must be in [1, {MAX_CONTEXT_LEN}], got {max_context_len}"
+            ));
+        }
+        if opts.weak_hash_bits > 128 {
+            return bad("weak_hash_bits must be in [0, 128]".into());
+        }
+        let generation_base = match opts.generation_base {
+            Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
+            Some(g) => {
+                return bad(format!(
+                    "generation_base must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
+            None => {
+                let r = opts.handle_seed.map_or_else(random_u64, mix64);
+                1 + (r % (MAX_GENERATION as u64 - 1)) as u32
+            }
+        };
+        let generation_start = match opts.generation_start {
+            Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
+            Some(g) => {
+                return bad(format!(
+                    "generation_start must be in [1, {MAX_GENERATION}], got {g}"
+                ))
+            }
+            None => generation_base,
+        };
+        let geo = Geometry::new(num_pages, page_size, max_context_len);
+        let requests = Requests::new(
+            geo,
+            max_requests,
+            generation_base,
+            generation_start,
+            opts.epoch_start,
+        )?;
+        let pages = PagePool::new(num_pages)?;
+        let seed = opts.hash_seed.unwrap_or_else(random_u64);
+        let prefix = PrefixIndex::new(
+            num_pages,
+            page_size,
+            seed,
+            opts.weak_hash_bits,
+            opts.skip_hit_verification,
+        )?;
+        Ok(Self {
+            geo,
+            requests,
+            pages,
+            prefix,
+            events: EventLog::new(opts.kv_events, num_pages.max(MIN_BACKLOG)),
+            hit_tokens: 0,
+            miss_tokens: 0,
+        })
+    }
+
+    /// The pages of row `row`, in token order.
+    #[inline]
+    fn row_pages_of(&self, row: usize) -> &[u32] {
+        self.requests.held_pages(row)
+    }
+
+    /// The slots of `row`'s first `n` positions (`n` <= its length) as one
+    /// run per page, `(first slot, count)`; run `k` starts at position
+    /// `k * page_size`.
+    fn slot_runs(&self, row: usize, n: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let ps = self.geo.page_size;
+        self.row_pages_of(row)
+            .iter()
+            .enumerate()
+            .map(move |(k, &p)| (p as usize * ps, ps.min(n.saturating_sub(k * ps))))
+            .take_while(|&(_, m)| m > 0)
+    }
+}
+
+#[cfg(test)]
+impl SlotAllocator {
+    /// Test only: the owners, to break their invariants on purpose.
+    pub(crate) fn pages_for_tests(&mut self) -> &mut PagePool {
+        &mut self.pages
+    }
+
+    pub(crate) fn requests_for_tests(&mut self) -> &mut Requests {
+        &mut self.requests
+    }
+
+    pub(crate) fn prefix_for_tests(&mut self) -> &mut PrefixIndex {
+        &mut self.prefix
+    }
+}

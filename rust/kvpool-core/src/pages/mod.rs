@@ -1,0 +1,371 @@
+//! The page pool: every page's state and the transitions between them,
+//! each O(1):
+//!
+//! ```text
+//! FREE   --take-->            HELD (refcount 1)
+//! CACHED --take (evict)-->    HELD (refcount 1), Removed event
+//! CACHED --hit-->             HELD (leaves the eviction list)
+//! HELD   --release last-->    CACHED if registered (an eviction candidate), else FREE
+//! CACHED --evict-->           FREE, Removed event
+//! ```
+//!
+//! A FREE page is on the free stack; a CACHED page is registered with
+//! refcount 0 and listed by the eviction room (`eviction/`); a HELD page
+//! has refcount >= 1. Each page's count, registration and eviction links
+//! share one record (`record.rs`). The pool also keeps the copy-on-write
+//! queue (`copy_queue.rs`), whose copies hold their source pages
+//! (`copies.rs`).
+//!
+//! A FREE page's stored count is 1, the count of the request that will
+//! take it (stored as 0 extra holders, so a fresh pool's records are all
+//! zeros), so taking a page off the free stack writes nothing. Pages
+//! become FREE where their count is in hand anyway (a last holder's
+//! release, an eviction) or keep their 1 untouched (an exclusive request's
+//! close). Writing the count at take time would miss cache once per page:
+//! pages come off the stack in the order a closed request held them,
+//! spread over the pool (decode pages are taken interleaved with the other
+//! requests').
+//!
+//! The pool does not know why a page is registered: the prefix index fills
+//! in a record's registration through `set_entry` / `take_entry`, and the
+//! allocator unregisters a page it evicts.
+
+mod check;
+mod copies;
+mod copy_queue;
+pub(crate) mod record;
+
+use crate::error::Result;
+use crate::eviction::Eviction;
+use crate::memory::{prefetch, reserve, zeroed_vec};
+use copy_queue::CopyQueue;
+use record::{PageState, UNHELD};
+
+#[derive(Debug, Clone)]
+pub(crate) struct PagePool {
+    /// FREE pages; the top (end) is handed out next.
+    free: Vec<u32>,
+    /// Every page's holder count, registration (entry index + 1 in the
+    /// prefix index, 0 when unregistered) and eviction links, one record a
+    /// page. Page 0 (never handed out) is the eviction list's sentinel.
+    records: Vec<PageState>,
+    /// Which CACHED page goes next.
+    eviction: Eviction,
+    /// Queued copy-on-write copies and the pages they hold.
+    copies: CopyQueue,
+}
+
+impl PagePool {
+    /// `num_pages` pages, page 0 reserved; the rest FREE, handed out in
+    /// order 1, 2, 3, ...
+    pub(crate) fn new(num_pages: usize) -> Result<Self> {
+        let mut free = Vec::new();
+        reserve(&mut free, num_pages - 1, "free page stack")?;
+        // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
+        free.extend((1..num_pages as u32).rev());
+        Ok(PagePool {
+            free,
+            records: page_states(num_pages)?,
+            eviction: Eviction::default(),
+            copies: CopyQueue::default(),
+        })
+    }
+
+    /// Pages an extend can take now: FREE + CACHED.
+    #[inline]
+    pub(crate) fn available(&self) -> usize {
+        self.free.len() + self.eviction.len()
+    }
+
+    /// CACHED pages (evictable).
+    #[inline]
+    pub(crate) fn cached(&self) -> usize {
+        self.eviction.len()
+    }
+
+    // ---- the free stack ----
+
+    /// A FREE page for a new holder (its count is 1 already).
+    #[inline]
+    pub(crate) fn pop_free(&mut self) -> Option<u32> {
+        self.free.pop()
+    }
+
+    /// Gives back a page a failed call took with `pop_free` (it kept its
+    /// count 1).
+    #[inline]
+    pub(crate) fn unpop_free(&mut self, p: u32) {
+        self.free.push(p);
+    }
+
+    /// The top `n` pages of the free stack (fewer if it holds fewer), in
+    /// stack order: `pop_free` would return them last first. Taken with
+    /// `drop_free_top`.
+    #[inline]
+    pub(crate) fn free_top(&self, n: usize) -> &[u32] {
+        &self.free[self.free.len() - n.min(self.free.len())..]
+    }
+
+    /// Takes the `n` pages `free_top(n)` returned for new holders.
+    #[inline]
+    pub(crate) fn drop_free_top(&mut self, n: usize) {
+        self.free.truncate(self.free.len() - n);
+    }
+
+    // ---- holders ----
+
+    #[inline]
+    pub(crate) fn holders(&self, p: u32) -> u32 {
+        self.records[p as usize].holders()
+    }
+
+    /// More than one holder: writing into `p` must copy it first.
+    #[inline]
+    pub(crate) fn is_shared(&self, p: u32) -> bool {
+        self.records[p as usize].is_shared()
+    }
+
+    /// Shared or registered: writing into `p` must copy or unregister it.
+    #[inline]
+    pub(crate) fn is_shared_or_registered(&self, p: u32) -> bool {
+        let s = self.records[p as usize];
+        s.is_shared() || s.is_registered()
+    }
+
+    /// One more holder of a HELD page.
+    #[inline]
+    pub(crate) fn add_holder(&mut self, p: u32) {
+        self.records[p as usize].extra += 1;
+    }
+
+    /// One holder fewer of a page others still hold (a copy-on-write
+    /// writer moving to its copy).
+    #[inline]
+    pub(crate) fn drop_shared_holder(&mut self, p: u32) {
+        self.records[p as usize].extra -= 1;
+    }
+
+    /// One more holder of each page, HELD or CACHED, in a request's order.
+    ///
+    /// A run of CACHED pages that sits in the eviction list oldest-last (as
+    /// a request released them, last page first) leaves the list in one
+    /// relink. Unlinking page by page would make each unlink wait on the
+    /// links the one before it just wrote (the run's pages are each other's
+    /// neighbours); here the run's links are only read, independently.
+    pub(crate) fn hold(&mut self, pages: &[u32]) {
+        let st = &mut self.records[..];
+        let mut k = 0;
+        while k < pages.len() {
+            let p = pages[k];
+            k += 1;
+            if !st[p as usize].is_unheld() {
+                st[p as usize].extra += 1;
+                continue;
+            }
+            // CACHED: `p` and the pages after it that are each the older
+            // neighbour of the one before form one segment of the list.
+            // The test folds into one value: a compare-and-branch would let
+            // the compiler take the next page from the link just loaded,
+            // chaining every load on the one before.
+            let first = k - 1;
+            // (`!extra` is 0 exactly for a page nobody holds.)
+            while k < pages.len()
+                && Eviction::older_xor(st, pages[k - 1], pages[k]) | !st[pages[k] as usize].extra
+                    == 0
+            {
+                k += 1;
+            }
+            self.eviction.remove_run(st, p, pages[k - 1], k - first);
+            for &q in &pages[first..k] {
+                st[q as usize].hold_first();
+            }
+        }
+    }
+
+    /// One holder fewer of each page of `pages` (a request's list), last
+    /// page first: freed pages then come back off the stack in their old
+    /// order, and cached tail pages enter the eviction list before their
+    /// parents, so eviction takes them first.
+    ///
+    /// Returns whether a page let go was a waiting copy's destination (its
+    /// copy is dropped by `drop_released_copies` once the caller is done).
+    pub(crate) fn release(&mut self, pages: &[u32]) -> bool {
+        let st = &mut self.records[..];
+        let mut ins = self.eviction.begin_insert(st);
+        let queued = !self.copies.is_empty();
+        let mut marked = false;
+        for &p in pages.iter().rev() {
+            let s = &mut st[p as usize];
+            if s.extra != 0 {
+                s.extra -= 1;
+                continue;
+            }
+            if queued {
+                marked |= self.copies.mark_released(p);
+            }
+            // The last holder: CACHED (count 0) if registered, else FREE
+            // (count stays 1).
+            if s.is_registered() {
+                s.extra = UNHELD;
+                Eviction::insert_next(st, &mut ins, p);
+            } else {
+                self.free.push(p);
+            }
+        }
+        self.eviction.end_insert(st, ins);
+        marked
+    }
+
+    /// `release` while no page is registered: a last holder frees the page
+    /// outright.
+    pub(crate) fn release_unregistered(&mut self, pages: &[u32]) -> bool {
+        let queued = !self.copies.is_empty();
+        let mut marked = false;
+        for &p in pages.iter().rev() {
+            let s = &mut self.records[p as usize];
+            if s.extra == 0 {
+                self.free.push(p); // FREE keeps its count 1
+                if queued {
+                    marked |= self.copies.mark_released(p);
+                }
+            } else {
+                s.extra -= 1;
+            }
+        }
+        marked
+    }
+
+    /// Frees `pages`, held by one request alone and unregistered: their
+    /// counts are 1, a FREE page's count already, so this writes nothing per
+    /// page but the free stack. (No copy waits on them: a request that
+    /// never shared never copied.)
+    #[inline]
+    pub(crate) fn free_exclusive(&mut self, pages: &[u32]) {
+        self.free.extend(pages.iter().rev());
+    }
+
+    /// One holder fewer of page `p` for a hold no page list names (a
+    /// waiting copy's source); returns whether that was its last holder
+    /// (it is then CACHED if registered, else FREE).
+    pub(crate) fn release_one(&mut self, p: u32) -> bool {
+        let s = &mut self.records[p as usize];
+        if s.extra != 0 {
+            s.extra -= 1;
+            return false;
+        }
+        if s.is_registered() {
+            s.extra = UNHELD;
+            self.eviction.insert(&mut self.records, p);
+        } else {
+            self.free.push(p); // FREE keeps its count 1
+        }
+        true
+    }
+
+    // ---- registration (filled in by the prefix index) ----
+
+    /// Index + 1 of `p`'s registration (0: none).
+    #[inline]
+    pub(crate) fn entry(&self, p: u32) -> u32 {
+        self.records[p as usize].entry
+    }
+
+    #[inline]
+    pub(crate) fn is_registered(&self, p: u32) -> bool {
+        self.records[p as usize].is_registered()
+    }
+
+    #[inline]
+    pub(crate) fn set_entry(&mut self, p: u32, entry: u32) {
+        self.records[p as usize].entry = entry;
+    }
+
+    /// Clears `p`'s registration and returns it (0: it had none).
+    #[inline]
+    pub(crate) fn take_entry(&mut self, p: u32) -> u32 {
+        std::mem::replace(&mut self.records[p as usize].entry, 0)
+    }
+
+    /// Clears `p`'s registration if it is `entry`; returns whether it was.
+    #[inline]
+    pub(crate) fn clear_entry_if(&mut self, p: u32, entry: u32) -> bool {
+        match self.records.get_mut(p as usize) {
+            Some(s) if s.entry == entry => {
+                s.entry = 0;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    // ---- eviction ----
+
+    /// The page the next eviction takes (0: none).
+    #[inline]
+    pub(crate) fn victim(&self) -> u32 {
+        self.eviction.victim(&self.records)
+    }
+
+    /// The victim after `p`, itself a victim (0: none).
+    #[inline]
+    pub(crate) fn next_victim(&self, p: u32) -> u32 {
+        self.eviction.next_victim(&self.records, p)
+    }
+
+    /// Takes the next victim off the eviction list. It is still registered
+    /// and its count is 0: the caller unregisters it, then makes it FREE
+    /// (`free_evicted`) or gives it a holder (`hold_evicted`).
+    #[inline]
+    pub(crate) fn pop_victim(&mut self) -> Option<u32> {
+        self.eviction.pop_victim(&mut self.records)
+    }
+
+    /// An evicted page's first holder.
+    #[inline]
+    pub(crate) fn hold_evicted(&mut self, p: u32) {
+        self.records[p as usize].extra = 0; // one holder
+    }
+
+    /// Puts an evicted, unregistered page on the free stack with the
+    /// refcount 1 a FREE page keeps.
+    #[inline]
+    pub(crate) fn free_evicted(&mut self, p: u32) {
+        self.records[p as usize].hold_first(); // the count 1 of its next taker
+        self.free.push(p);
+    }
+
+    /// After `n` victims walked with `victim` / `next_victim` were freed
+    /// (`free_evicted`), takes them off the eviction list in one relink;
+    /// `rest` is the victim after them (0: none).
+    #[inline]
+    pub(crate) fn remove_victims(&mut self, n: usize, rest: u32) {
+        self.eviction.remove_victims(&mut self.records, n, rest);
+    }
+
+    /// Starts loading `p`'s record into cache (a hint).
+    #[inline]
+    pub(crate) fn prefetch_record(&self, p: u32) {
+        prefetch(&self.records, p as usize);
+    }
+
+    /// Heap bytes: the records, the free stack and the copy queue.
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.free.capacity() * 4
+            + self.records.capacity() * std::mem::size_of::<PageState>()
+            + self.copies.capacity_bytes()
+    }
+}
+
+/// Every page FREE (all zeros, see `record.rs`) except page 0, which is
+/// never held. Mapped lazily like the pool's other big arrays: a page's
+/// record costs memory once the page is used, and a pool that never caches
+/// never touches most of it. (Writing it at construction would make 16
+/// bytes a page resident from the start, which a pool that never reads the
+/// records pays for in page faults and cache misses at large sizes.)
+fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
+    let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
+    if let Some(s0) = state.first_mut() {
+        s0.extra = UNHELD;
+    }
+    Ok(state)
+}

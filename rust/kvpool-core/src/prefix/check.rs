@@ -1,0 +1,146 @@
+//! The index's invariants, given what the page records say:
+//!
+//! - the table, the entry slab and the page records agree both ways: every
+//!   filed entry is found under its own hash's key, and its page's record
+//!   names it; every registered page's entry is filed;
+//! - each entry's first token is its page's;
+//! - every entry has its live parent's salt (a hinted walk relies on it,
+//!   `lookup.rs`);
+//! - a freed slab slot is marked dead and named by no page.
+
+use super::index::{PrefixIndex, DEAD};
+use super::keys::key_of;
+
+impl PrefixIndex {
+    /// `entry_of(page)`: the registration `page`'s record names (index + 1,
+    /// 0 for none; None for a page out of range); `registered`: every page
+    /// whose record names one, with it.
+    pub(crate) fn check(
+        &self,
+        entry_of: impl Fn(u32) -> Option<u32>,
+        registered: impl Iterator<Item = (u32, u32)>,
+    ) -> std::result::Result<(), String> {
+        let mut listed = 0usize;
+        for i in self.table.entries() {
+            let Some(e) = self.entries.get(i as usize) else {
+                return Err(format!("index entry {i} is out of range"));
+            };
+            let Some(id) = self.idents.get(i as usize) else {
+                return Err(format!("index entry {i} has no hash"));
+            };
+            if self.find(key_of(id.hash)) != Some(i) || entry_of(e.page) != Some(i + 1) {
+                return Err(format!(
+                    "index entry {i} (page {}) disagrees with its page or key",
+                    e.page
+                ));
+            }
+            if e.first_token != self.page_tokens(e.page)[0] {
+                return Err(format!(
+                    "index entry {i} keeps first token {} but page {} starts with {}",
+                    e.first_token,
+                    e.page,
+                    self.page_tokens(e.page)[0]
+                ));
+            }
+            listed += 1;
+        }
+        let mut pages = 0usize;
+        for (p, e) in registered {
+            pages += 1;
+            match (
+                self.entries.get(e as usize - 1),
+                self.idents.get(e as usize - 1),
+            ) {
+                (Some(en), Some(id))
+                    if en.page == p && self.find(key_of(id.hash)) == Some(e - 1) => {}
+                _ => return Err(format!("registration of page {p} is not in the index")),
+            }
+        }
+        if pages != self.len() || listed != self.len() {
+            return Err(format!(
+                "{pages} pages are registered but the index has {} entries ({listed} listed)",
+                self.len()
+            ));
+        }
+        if self.entries.len() != self.len() + self.free_entries.len()
+            || self.idents.len() != self.entries.len()
+        {
+            return Err("index entry slab leaks entries".into());
+        }
+        // A hinted walk does not read a child's salt: every entry must have
+        // its live parent's.
+        let live: std::collections::HashMap<u64, u32> = self
+            .table
+            .entries()
+            .map(|i| (self.entries[i as usize].reg, i))
+            .collect();
+        for i in self.table.entries() {
+            let e = &self.entries[i as usize];
+            if let Some(&p) = live.get(&e.parent_reg) {
+                if self.idents[p as usize].salt != self.idents[i as usize].salt {
+                    return Err(format!(
+                        "index entry {i} has salt {} under a parent (entry {p}) of salt {}",
+                        self.idents[i as usize].salt, self.idents[p as usize].salt
+                    ));
+                }
+            }
+        }
+        // A freed slot must never verify as anybody's child.
+        for &i in &self.free_entries {
+            match self.entries.get(i as usize) {
+                Some(e) if e.parent_reg == DEAD && entry_of(e.page) != Some(i + 1) => {}
+                _ => return Err(format!("free index slot {i} is live or not marked dead")),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(any(test, feature = "test-hooks"))]
+impl PrefixIndex {
+    /// Test only: overwrites the salt recorded with registration `entry`
+    /// (index + 1; its hash, key and chain stay).
+    pub(crate) fn set_salt_for_tests(&mut self, entry: u32, salt: i64) {
+        self.idents[entry as usize - 1].salt = salt;
+    }
+}
+
+#[cfg(test)]
+impl PrefixIndex {
+    /// Test only: breaks one of the invariants above, named by `what`, on
+    /// the pool of the allocator's corruption tests (page size 1, pages 1
+    /// and 2 held). Returns the `(page, entry)` registrations the page
+    /// records are to name, so that only the named invariant is broken.
+    pub(crate) fn corrupt_for_tests(&mut self, what: &str) -> Vec<(u32, u32)> {
+        use super::tip::ChainTip;
+        self.reserve(2).unwrap();
+        let root = ChainTip::default();
+        match what {
+            // registered page 2, but its record is not told
+            "registration its page lacks" => {
+                self.register(2, 7, &root, 0);
+                vec![]
+            }
+            // a registered page rewritten in place
+            "first token" => {
+                let tip = self.register(2, 7, &root, 0);
+                self.tokens[2] += 1;
+                vec![(2, tip.entry)]
+            }
+            // a hash that is not the one its key was derived from
+            "hash" => {
+                let tip = self.register(2, 7, &root, 0);
+                self.idents[tip.entry as usize - 1].hash ^= 1 << 64;
+                vec![(2, tip.entry)]
+            }
+            // a child whose salt is not its parent's (a hinted walk, which
+            // does not read it, would hand it out under the parent's salt)
+            "child salt" => {
+                let tip = self.register(1, 7, &root, 0);
+                let child = self.register(2, 8, &tip, 5);
+                vec![(1, tip.entry), (2, child.entry)]
+            }
+            _ => panic!("no corruption {what:?}"),
+        }
+    }
+}

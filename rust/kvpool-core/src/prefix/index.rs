@@ -1,0 +1,327 @@
+//! The prefix index: lookup key -> registered page (`key_table.rs`), the
+//! registration of each page (its chain hash, key, salt and parent) and the
+//! token ids of every slot.
+//!
+//! Verification. Every registration gets a unique id, and records its salt
+//! and the id of its parent's registration (0 for a chain's first page). A
+//! lookup accepts entry `e` for page `k` of a prompt only if
+//! - `e`'s page holds exactly the prompt's tokens of page `k`,
+//! - `e.salt` is the request's salt, and
+//! - `e.parent_reg` is the id of the entry accepted for page `k - 1` (0 for k = 0).
+//!
+//! By induction the accepted pages hold KV computed for exactly the prompt's
+//! tokens and salt, whatever the hash does: a collision (or an evicted and
+//! re-registered parent) fails a check and ends the match, so it costs a
+//! miss, never wrong KV. The cost is one compare of page_size token ids per
+//! matched page (the cache line the hit reads anyway; `bench_core` measures
+//! it). The token ids live in a flat per-slot array,
+//! 4 bytes per slot, allocated fallibly with lazily mapped zero pages.
+//!
+//! A page is filed under its lookup key, its chain hash folded to 64 bits
+//! (`keys.rs`); events and transfers use the 128-bit hash itself.
+//!
+//! Duplicates: when `cache()` finds the key already registered for another
+//! page with the same content (verified as above), the existing entry is
+//! kept and the new page stays unregistered (freed when its holders leave).
+//! Keeping the first copy keeps its registration id, so the entries already
+//! registered below it (its chain's children) stay reachable; routers have
+//! already seen its Stored event; and requests holding it keep sharing it.
+
+use super::hashing::ChainHasher;
+use super::key_table::KeyTable;
+use super::keys::key_of;
+use super::tip::ChainTip;
+use crate::error::Result;
+use crate::memory::{prefetch, reserve, zeroed_vec};
+
+/// Pages registration hashes (and prefetches) ahead of its probes, and the
+/// most a lookup does: enough to overlap the probes' cache misses, few
+/// enough that a miss early in a long prompt wastes little hashing.
+pub(crate) const LOOKAHEAD: usize = 32;
+
+/// Keys the table makes room for when it first grows: every page of the
+/// pool, up to 2^20 (a 16 MiB table at load <= 1/2).
+///
+/// Why not double from small: each doubling moves every key, and its new
+/// buckets are fresh zero pages the kernel faults in one by one, so a
+/// doubling stalls the step that triggers it, and while the index fills
+/// the doublings are a large part of `cache()`'s time. Why a bound: a
+/// 16M-page pool's table sized up front would take 256 MiB, which random
+/// inserts fault in almost at once; past the bound the table doubles.
+pub(super) const TABLE_FLOOR_KEYS: usize = 1 << 20;
+
+/// One registered page: what a hinted walk reads at every hop (32 bytes).
+/// Its chain hash and salt are an `Identity` at the same slab index.
+///
+/// Two records, because at page size 1 a cached prompt's walk reads one
+/// entry per token, and a chain's entries sit one after another in the
+/// slab, so the walk streams them: with the hash and salt inside (64
+/// bytes) it would read twice the memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Entry {
+    /// Unique id of this registration (never reused; 0 means none).
+    pub(super) reg: u64,
+    /// `reg` of the parent page's entry when this page was registered.
+    pub(super) parent_reg: u64,
+    pub(super) page: u32,
+    /// The page's first token id (its only one at page size 1), kept where
+    /// a hinted walk reads anyway: at page size 1 a hop then verifies
+    /// from this one cache line, without a dependent load of the token.
+    pub(super) first_token: i32,
+    /// Entry index + 1 of the latest child registered or re-verified under
+    /// this entry (0 = none): a hint for the next lookup (`lookup.rs`),
+    /// never trusted.
+    pub(super) child: u32,
+}
+
+/// What names a registered page's content: its chain hash (its identity in
+/// events and transfers; its lookup key is `key_of(hash)`, `keys.rs`) and
+/// the salt its chain was registered under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub(crate) hash: u128,
+    pub(crate) salt: i64,
+}
+
+/// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
+/// hint to the slot never verifies.
+pub(super) const DEAD: u64 = u64::MAX;
+
+#[derive(Debug, Clone)]
+pub(crate) struct PrefixIndex {
+    pub(super) table: KeyTable,
+    /// Entry slab; `free_entries` lists unused indices. `idents[i]` is
+    /// entry `i`'s hash and salt.
+    pub(super) entries: Vec<Entry>,
+    pub(super) idents: Vec<Identity>,
+    pub(super) free_entries: Vec<u32>,
+    /// Token id at every slot (meaningful where a request or entry says so).
+    pub(super) tokens: Vec<i32>,
+    pub(super) hasher: ChainHasher,
+    /// The chain hashes of the next pages a lookup or registration probes.
+    pub(super) hash_scratch: Vec<u128>,
+    pub(super) next_reg: u64,
+    pub(super) page_size: usize,
+    /// Pages that can be registered at once: the pool's, page 0 aside.
+    pub(super) max_entries: usize,
+    /// Benchmark only (see `Options::skip_hit_verification`).
+    pub(super) skip_verify: bool,
+}
+
+impl PrefixIndex {
+    pub(crate) fn new(
+        num_pages: usize,
+        page_size: usize,
+        seed: u64,
+        weak_bits: u32,
+        skip_verify: bool,
+    ) -> Result<Self> {
+        let mut hash_scratch = Vec::new();
+        reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
+        let hasher = ChainHasher::new(seed, weak_bits);
+        Ok(PrefixIndex {
+            table: KeyTable::default(),
+            entries: Vec::new(),
+            idents: Vec::new(),
+            free_entries: Vec::new(),
+            tokens: zeroed_vec(num_pages * page_size, "slot token ids")?,
+            hasher,
+            hash_scratch,
+            next_reg: 1,
+            page_size,
+            max_entries: num_pages.saturating_sub(1),
+            skip_verify,
+        })
+    }
+
+    /// The seed every chain hash of this index is keyed with.
+    pub(crate) fn hash_seed(&self) -> u64 {
+        self.hasher.seed()
+    }
+
+    /// Number of registered pages.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Index of the entry filed under `key`.
+    #[inline]
+    pub(super) fn find(&self, key: u64) -> Option<u32> {
+        self.table.find(key, |e| {
+            self.idents.get(e as usize).map(|x| key_of(x.hash)) == Some(key)
+        })
+    }
+
+    /// The entry filed under chain hash `hash`'s key, and its page.
+    #[inline]
+    pub(crate) fn lookup(&self, hash: u128) -> Option<(u32, u32)> {
+        let i = self.find(key_of(hash))?;
+        Some((i, self.entries.get(i as usize)?.page))
+    }
+
+    /// The salt entry `i` was registered under.
+    #[inline]
+    pub(crate) fn salt_of(&self, i: u32) -> i64 {
+        self.idents[i as usize].salt
+    }
+
+    /// The chain tip at live entry `i`.
+    #[inline]
+    pub(crate) fn tip(&self, i: u32) -> ChainTip {
+        ChainTip {
+            hash: self.idents[i as usize].hash,
+            reg: self.entries[i as usize].reg,
+            entry: i + 1,
+        }
+    }
+
+    /// The chain tip at a page's registration `entry` (index + 1, as its
+    /// record names it) and its salt, if it has one.
+    #[inline]
+    pub(crate) fn tip_at(&self, entry: u32) -> Option<(ChainTip, i64)> {
+        let i = entry.checked_sub(1)?;
+        let id = self.idents.get(i as usize)?;
+        Some((self.tip(i), id.salt))
+    }
+
+    /// The chain hashes of consecutive pages (their token ids, in order)
+    /// chained on from `hash`, into `out`; each one's table bucket is
+    /// prefetched as soon as its hash is known, so the probes that follow
+    /// overlap their misses.
+    #[inline]
+    pub(crate) fn hashes_ahead<'t>(
+        &self,
+        mut hash: u128,
+        pages: impl Iterator<Item = &'t [i32]>,
+        out: &mut Vec<u128>,
+    ) {
+        out.clear();
+        for tokens in pages {
+            hash = self.hasher.page(hash, tokens);
+            self.table.prefetch(key_of(hash));
+            out.push(hash);
+        }
+    }
+
+    /// The chain hash of `page`'s tokens under a parent of chain hash `parent`.
+    #[inline(always)]
+    pub(crate) fn page_hash(&self, parent: u128, page: u32) -> u128 {
+        self.hasher.page(parent, self.page_tokens(page))
+    }
+
+    /// The chain hash of a page of `tokens` under a parent of chain hash `parent`.
+    #[inline]
+    pub(crate) fn hash_tokens(&self, parent: u128, tokens: &[i32]) -> u128 {
+        self.hasher.page(parent, tokens)
+    }
+
+    /// The key scratch, lent to a walk that hashes ahead (given back with
+    /// `put_hash_scratch`).
+    #[inline]
+    pub(crate) fn take_hash_scratch(&mut self) -> Vec<u128> {
+        std::mem::take(&mut self.hash_scratch)
+    }
+
+    #[inline]
+    pub(crate) fn put_hash_scratch(&mut self, v: Vec<u128>) {
+        self.hash_scratch = v;
+    }
+
+    // ---- slot token ids ----
+
+    #[inline]
+    pub(crate) fn page_tokens(&self, page: u32) -> &[i32] {
+        let ps = self.page_size;
+        &self.tokens[page as usize * ps..(page as usize + 1) * ps]
+    }
+
+    /// The token ids at slots `start..start + n`.
+    #[inline]
+    pub(crate) fn slot_tokens(&self, start: usize, n: usize) -> &[i32] {
+        &self.tokens[start..start + n]
+    }
+
+    #[inline]
+    pub(crate) fn set_token(&mut self, slot: usize, token: i32) {
+        self.tokens[slot] = token;
+    }
+
+    /// Copies the token ids of slots `src..src + n` to `dst..` (a page
+    /// copied on write).
+    #[inline]
+    pub(crate) fn copy_tokens(&mut self, src: usize, dst: usize, n: usize) {
+        self.tokens.copy_within(src..src + n, dst);
+    }
+
+    // ---- verification ----
+
+    /// Whether entry `i` may stand for a page with `tokens` under a parent
+    /// registration `parent_reg` and `salt` (see the module docs).
+    #[inline]
+    pub(crate) fn verify(&self, i: u32, tokens: &[i32], salt: i64, parent_reg: u64) -> bool {
+        let e = &self.entries[i as usize];
+        // `skip_verify` skips the token compare only: the parent and salt
+        // checks are what a hinted walk's salt relies on (`lookup.rs`).
+        e.parent_reg == parent_reg
+            && self.idents[i as usize].salt == salt
+            && (self.skip_verify || self.holds(e, tokens))
+    }
+
+    /// Whether `e`'s page holds `tokens` (one page's worth, never empty).
+    #[inline]
+    pub(super) fn holds(&self, e: &Entry, tokens: &[i32]) -> bool {
+        debug_assert_eq!(e.first_token, self.page_tokens(e.page)[0]);
+        e.first_token == tokens[0]
+            && (self.page_size == 1 || same_tokens(self.page_tokens(e.page), tokens))
+    }
+
+    // ---- prefetching ahead of an eviction run ----
+
+    /// Starts loading registration `entry`'s (index + 1) records.
+    #[inline]
+    pub(crate) fn prefetch_entry(&self, entry: u32) {
+        if let Some(e) = entry.checked_sub(1) {
+            prefetch(&self.idents, e as usize);
+            prefetch(&self.entries, e as usize);
+        }
+    }
+
+    /// Starts loading the table bucket of registration `entry` (index + 1).
+    #[inline]
+    pub(crate) fn prefetch_bucket_of(&self, entry: u32) {
+        if let Some(e) = entry.checked_sub(1) {
+            if let Some(id) = self.idents.get(e as usize) {
+                self.table.prefetch(key_of(id.hash));
+            }
+        }
+    }
+
+    /// Starts loading the bucket of chain hash `hash`'s key.
+    #[inline]
+    pub(crate) fn prefetch_bucket(&self, hash: u128) {
+        self.table.prefetch(key_of(hash));
+    }
+
+    /// Starts loading `page`'s token ids.
+    #[inline]
+    pub(crate) fn prefetch_tokens(&self, page: u32) {
+        prefetch(&self.tokens, page as usize * self.page_size);
+    }
+
+    pub(crate) fn metadata_bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.idents.capacity() * std::mem::size_of::<Identity>()
+            + self.free_entries.capacity() * 4
+            + self.table.capacity_bytes()
+            + self.hash_scratch.capacity() * 16
+            + self.tokens.capacity() * 4
+    }
+}
+
+/// Page contents equal. XOR-folding the whole page vectorizes and stays
+/// inline, where `==` calls memcmp (a large part of a hit's cost at page 16).
+#[inline]
+fn same_tokens(a: &[i32], b: &[i32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,21 @@
+//! The prefix index: which registered page holds which content, and the
+//! token ids of every slot, so that a hit is verified before it is served.
+//!
+//! - `hashing.rs`: the chain hash `h_i = H(seed, h_{i-1}, tokens of page i)`;
+//! - `keys.rs`, `key_table.rs`: the lookup key of a hash and its table;
+//! - `index.rs`: the entries and their verification;
+//! - `register.rs`: filing, relinking and removing entries;
+//! - `lookup.rs`: walking a prompt's or a sent chain's pages through it;
+//! - `tip.rs`: where a chain stands (shared with the requests).
+//!
+//! The index keeps no page state: a page's record (`pages/`) names its
+//! entry, and the allocator keeps the two in step.
+
+mod check;
+pub(crate) mod hashing;
+pub(crate) mod index;
+mod key_table;
+mod keys;
+mod lookup;
+mod register;
+pub(crate) mod tip;

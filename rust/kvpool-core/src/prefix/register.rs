@@ -1,0 +1,151 @@
+//! Registration: filing pages in the index, relinking them under a new
+//! parent, removing them, and clearing the whole index. The page records
+//! (`pages/`) that name each entry are the allocator's to keep in step.
+
+use super::index::{Entry, Identity, PrefixIndex, DEAD, TABLE_FLOOR_KEYS};
+use super::keys::key_of;
+use super::tip::ChainTip;
+use crate::error::Result;
+use crate::memory::reserve;
+
+impl PrefixIndex {
+    /// Registrations still possible: the pool's pages not registered yet.
+    pub(crate) fn room(&self) -> usize {
+        self.max_entries.saturating_sub(self.table.len())
+    }
+
+    /// Room for `n` more registrations, or a typed error (nothing changed).
+    /// `n` is an upper bound (forked requests count their shared pages once
+    /// each); a page is registered at most once, so no more than the pool's
+    /// unregistered pages are reserved and the index's memory stays bounded
+    /// by the pool's size however requests share.
+    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
+        let n = n.min(self.room());
+        let spare = self.free_entries.len();
+        reserve(
+            &mut self.entries,
+            n.saturating_sub(spare),
+            "prefix index entries",
+        )?;
+        reserve(
+            &mut self.idents,
+            n.saturating_sub(spare),
+            "prefix index entries",
+        )?;
+        // The table is sized at once for the pool's pages, up to
+        // TABLE_FLOOR_KEYS; only past that does it double. That sizing is
+        // an optimization: if it cannot be allocated, room for `n` is all
+        // the call needs.
+        let floor = (self.len() + self.room()).min(TABLE_FLOOR_KEYS);
+        let want = floor.saturating_sub(self.len());
+        if n > 0 && want > n && self.table.reserve(want).is_ok() {
+            return Ok(());
+        }
+        self.table.reserve(n)
+    }
+
+    /// Registers `page` (chain hash `hash`) as the child of `parent`;
+    /// returns its tip, whose `entry` the page's record takes. The caller
+    /// reserved room, checked that the hash's key is absent and `page`
+    /// unregistered.
+    pub(crate) fn register(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent: &ChainTip,
+        salt: i64,
+    ) -> ChainTip {
+        let reg = self.next_reg;
+        self.next_reg += 1;
+        let e = Entry {
+            reg,
+            parent_reg: parent.reg,
+            page,
+            first_token: self.tokens[page as usize * self.page_size],
+            child: 0,
+        };
+        let id = Identity { hash, salt };
+        let idx = match self.free_entries.pop() {
+            Some(i) => {
+                self.entries[i as usize] = e;
+                self.idents[i as usize] = id;
+                i
+            }
+            None => {
+                self.entries.push(e);
+                self.idents.push(id);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.table.insert(key_of(hash), idx);
+        self.set_hint(parent, idx);
+        ChainTip {
+            hash,
+            reg,
+            entry: idx + 1,
+        }
+    }
+
+    /// Makes entry `child` the hint of the tip's entry, if that entry is
+    /// still the tip's registration.
+    #[inline]
+    pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
+        if let Some(p) = tip
+            .entry
+            .checked_sub(1)
+            .and_then(|i| self.entries.get_mut(i as usize))
+        {
+            if p.reg == tip.reg {
+                p.child = child + 1;
+            }
+        }
+    }
+
+    /// Links live entry `i`, the registration of a page whose content was
+    /// computed on `parent`'s prefix, under `parent`.
+    pub(crate) fn relink(&mut self, i: u32, parent: &ChainTip) {
+        self.entries[i as usize].parent_reg = parent.reg;
+        self.set_hint(parent, i);
+    }
+
+    /// Removes the registration `entry` (index + 1, taken from its page's
+    /// record); returns its hash and salt.
+    // Inlined into eviction's loop: as a call, the 32-byte identity comes
+    // back through memory, which an eviction run feels.
+    #[inline(always)]
+    pub(crate) fn unregister(&mut self, entry: u32) -> Identity {
+        let i = entry - 1;
+        let e = self.idents[i as usize];
+        self.table.remove(key_of(e.hash), i);
+        self.entries[i as usize].parent_reg = DEAD;
+        self.free_entries.push(i);
+        e
+    }
+
+    /// Drops every registration; `unlink(page, entry)` clears a page's
+    /// record if it names `entry` (index + 1) and says whether it did (the
+    /// slab's other slots are stale).
+    ///
+    /// Costs what was registered, not what the pool could hold: the table
+    /// is sized up front for the pool's pages, up to TABLE_FLOOR_KEYS, so
+    /// a sweep of it would make clearing a few pages cost a full pass. The
+    /// slab holds only what was ever registered; a live entry is the one
+    /// its page's record points back to.
+    pub(crate) fn clear(&mut self, mut unlink: impl FnMut(u32, u32) -> bool) {
+        // Past an eighth full, one memset beats a probe per key.
+        let sparse = self.table.len().saturating_mul(8) < self.table.buckets();
+        for (i, (e, id)) in self.entries.iter().zip(&self.idents).enumerate() {
+            if unlink(e.page, i as u32 + 1) && sparse {
+                self.table.remove(key_of(id.hash), i as u32);
+            }
+        }
+        if !sparse || self.table.len() != 0 {
+            // Dense, or keys the slab did not account for (only a corrupted
+            // index has those): the whole table.
+            self.table.clear();
+        }
+        self.entries.clear();
+        self.idents.clear();
+        self.free_entries.clear();
+    }
+}
