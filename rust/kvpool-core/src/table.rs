@@ -55,15 +55,17 @@ impl<'a> SlotTable<'a> {
         &mut self,
         handles: &[i64],
         slots: &[i64],
-        len_of: impl Fn(usize) -> usize,
+        len_of: impl Fn(usize) -> Option<usize>,
     ) {
         for (&h, &slot) in handles.iter().zip(slots) {
             let row = handle_row(h) as usize;
-            // len >= 1: the request was just extended (the extent was
-            // checked against the shape; the get only keeps it safe).
-            let at = row * self.row_stride + len_of(row) - 1;
-            if let Some(e) = self.data.get_mut(at) {
-                *e = slot as i32;
+            if let Some(len) = len_of(row) {
+                // len >= 1: the request was just extended (the extent was
+                // checked against the shape; the gets only keep it safe).
+                let at = row * self.row_stride + len - 1;
+                if let Some(e) = self.data.get_mut(at) {
+                    *e = slot as i32;
+                }
             }
         }
     }

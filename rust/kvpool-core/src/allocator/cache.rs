@@ -5,8 +5,10 @@
 
 use super::SlotAllocator;
 use crate::error::Result;
+use crate::events::EventLog;
 use crate::handle::handle_row;
-use crate::prefix::index::LOOKAHEAD;
+use crate::pages::PagePool;
+use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 
 impl SlotAllocator {
@@ -59,10 +61,20 @@ impl SlotAllocator {
         if upto > chain.pages {
             self.requests.set_shared(row);
         }
-        let mut ring = self.prefix.take_hash_scratch();
+        // Split borrows: the row's page list stays in hand while the index,
+        // the page records and the event log change.
+        let Self {
+            requests,
+            pages,
+            prefix,
+            events,
+            ..
+        } = self;
+        let list = requests.pages(row, upto);
+        let mut ring = prefix.take_hash_scratch();
         // The chain's tip and length live in locals while the row grows:
         // each page's registration starts from the one before.
-        let (salt, mut tip) = (self.requests.salt(row), chain.tip);
+        let (salt, mut tip) = (requests.salt(row), chain.tip);
         let mut k = chain.pages;
         let mut broken = false;
         'restart: while k < upto {
@@ -77,35 +89,33 @@ impl SlotAllocator {
             // registration, as each hash comes out). Page k's hash is
             // `ring[(k - k0) % LOOKAHEAD]`.
             let k0 = k;
-            let list = self.requests.pages(row, upto);
             let mut last = tip.hash;
             ring.clear();
             for &p in &list[k..upto.min(k + LOOKAHEAD)] {
-                last = self.prefix.page_hash(last, p);
+                last = prefix.page_hash(last, p);
                 ring.push(last);
             }
             while k < upto {
                 let j = k - k0;
-                let list = self.requests.pages(row, upto);
                 if j % LOOKAHEAD == 0 {
                     let end = upto.min(k + LOOKAHEAD);
                     // A chunk starts at slot 0: its pages' hashes are ring[..].
                     for (&h, &p) in ring.iter().zip(&list[k..end]) {
-                        self.prefix.prefetch_bucket(h);
-                        self.pages.prefetch_record(p);
+                        prefix.prefetch_bucket(h);
+                        pages.prefetch_record(p);
                     }
                     for &p in &list[end..upto.min(end + LOOKAHEAD)] {
-                        self.prefix.prefetch_tokens(p);
+                        prefix.prefetch_tokens(p);
                     }
                 }
                 let slot = j % LOOKAHEAD;
                 let h = ring[slot];
                 if k + LOOKAHEAD < upto {
-                    last = self.prefix.page_hash(last, list[k + LOOKAHEAD]);
+                    last = prefix.page_hash(last, list[k + LOOKAHEAD]);
                     ring[slot] = last;
                 }
                 let p = list[k];
-                match self.register_page(p, k == 0, h, &tip, salt) {
+                match register_page(prefix, pages, events, p, k == 0, h, &tip, salt) {
                     Some(next) => tip = next,
                     None => {
                         broken = true;
@@ -121,44 +131,45 @@ impl SlotAllocator {
                 }
             }
         }
+        prefix.put_hash_scratch(ring);
         self.requests.set_chain(row, k, tip, broken);
-        self.prefix.put_hash_scratch(ring);
     }
+}
 
-    /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain)
-    /// as the child of `parent`; returns the chain's new tip, or None when
-    /// the chain must stop there (a collision).
-    fn register_page(
-        &mut self,
-        p: u32,
-        first: bool,
-        h: u128,
-        parent: &ChainTip,
-        salt: i64,
-    ) -> Option<ChainTip> {
-        let ix = &mut self.prefix;
-        match ix.lookup(h) {
-            None if !self.pages.is_registered(p) => {
-                let tip = ix.register(p, h, parent, salt);
-                self.pages.set_entry(p, tip.entry);
-                let parent_hash = if first { 0 } else { parent.hash };
-                self.events
-                    .stored(h, parent_hash, p, salt, ix.page_tokens(p));
-                Some(tip)
-            }
-            Some((i, page)) if page == p && ix.salt_of(i) == salt => {
-                // This very page: its content was computed on this
-                // request's prefix, so (re)link it to the current parent.
-                ix.relink(i, parent);
-                Some(ix.tip(i))
-            }
-            Some((i, _)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-                // A duplicate: keep the existing copy (its chain hash is
-                // the one this page would get: same tokens, same salt).
-                ix.set_hint(parent, i);
-                Some(ix.tip(i))
-            }
-            _ => None,
+/// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
+/// the child of `parent`; returns the chain's new tip, or None when the
+/// chain must stop there (a collision).
+#[allow(clippy::too_many_arguments)]
+fn register_page(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+) -> Option<ChainTip> {
+    match ix.lookup(h) {
+        None if !pages.is_registered(p) => {
+            let tip = ix.register(p, h, parent, salt);
+            pages.set_entry(p, tip.entry);
+            let parent_hash = if first { 0 } else { parent.hash };
+            events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+            Some(tip)
         }
+        Some((i, page)) if page == p && ix.salt_of(i) == salt => {
+            // This very page: its content was computed on this request's
+            // prefix, so (re)link it to the current parent.
+            ix.relink(i, parent);
+            Some(ix.tip(i))
+        }
+        Some((i, _)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
+            // A duplicate: keep the existing copy (its chain hash is the one
+            // this page would get: same tokens, same salt).
+            ix.set_hint(parent, i);
+            Some(ix.tip(i))
+        }
+        _ => None,
     }
 }

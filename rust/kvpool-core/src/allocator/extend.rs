@@ -295,7 +295,7 @@ impl SlotAllocator {
             // loop compiles away, as it must for a plain decode step.
             if ONE_EACH && has_table {
                 let rq = &self.requests;
-                table.write_decode(handles, out, |row| rq.len(row));
+                table.write_decode(handles, out, |row| rq.checked_len(row));
             } else if has_table {
                 let mut k = 0usize;
                 for (i, &h) in handles.iter().enumerate() {

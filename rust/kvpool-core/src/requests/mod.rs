@@ -124,6 +124,12 @@ impl Requests {
         self.rows[row].len as usize
     }
 
+    /// `row`'s length, None for a row out of range.
+    #[inline]
+    pub(crate) fn checked_len(&self, row: usize) -> Option<usize> {
+        self.rows.get(row).map(|r| r.len as usize)
+    }
+
     /// `(length, last page, whether the next extend takes the slow path)`.
     #[inline]
     pub(crate) fn tail(&self, row: usize) -> (usize, u32, bool) {
