@@ -6,7 +6,7 @@
 //!
 //! Safety. The receiver never trusts a hash: a page is matched only if the
 //! entry found under the sent hash passes the same verification as a local
-//! prefix hit (`index.rs`): its stored token ids equal the sent tokens of
+//! prefix hit (`prefix/index.rs`): its stored token ids equal the sent tokens of
 //! that page, its salt equals the sent salt, and its parent registration is
 //! the entry matched for the page before. So a matched page holds KV
 //! computed for exactly the sent tokens and salt, whatever the hashes are:
