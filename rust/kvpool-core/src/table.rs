@@ -5,14 +5,13 @@
 //!
 //! The table is written only once the batch is known valid, so a failing
 //! extend leaves it as it was with nothing to undo. A decode step writes it
-//! in a loop of its own after the batch (`write_decode`), not in the loop
+//! in a loop of its own after the batch (`write_one`), not in the loop
 //! that takes the slots: there each write would read the entry first (to
 //! undo it on an error), and with requests at different offsets in their
 //! pages a few of those reads miss cache every step, each one stalling the
 //! loop, where stores alone drain in the background.
 
 use crate::error::{PoolError, Result};
-use crate::handle::handle_row;
 
 /// A mutable view of a `[rows, cols]` int32 table whose rows start
 /// `row_stride` elements apart (`row_stride >= cols`, e.g. a column slice
@@ -46,27 +45,15 @@ impl<'a> SlotTable<'a> {
         Ok(())
     }
 
-    /// A decode step's entries, once the whole batch is applied: request
-    /// `i` (one new token each) gets `slots[i]` at its last position,
-    /// table[row, len - 1], where `len_of(row)` is its new length. Stores
-    /// only, so the misses of rows whose entry just moved to a new cache
-    /// line do not hold the loop up.
-    pub(crate) fn write_decode(
-        &mut self,
-        handles: &[i64],
-        slots: &[i64],
-        len_of: impl Fn(usize) -> Option<usize>,
-    ) {
-        for (&h, &slot) in handles.iter().zip(slots) {
-            let row = handle_row(h) as usize;
-            if let Some(len) = len_of(row) {
-                // len >= 1: the request was just extended (the extent was
-                // checked against the shape; the gets only keep it safe).
-                let at = row * self.row_stride + len - 1;
-                if let Some(e) = self.data.get_mut(at) {
-                    *e = slot as i32;
-                }
-            }
+    /// Writes table[row, pos] = slot: a decode step's one new entry per
+    /// request (`Requests::write_decode`), after the whole batch is applied.
+    /// A store only, so the misses of rows whose entry just moved to a new
+    /// cache line do not hold the loop up.
+    #[inline]
+    pub(crate) fn write_one(&mut self, row: usize, pos: usize, slot: i64) {
+        let at = row * self.row_stride + pos;
+        if let Some(e) = self.data.get_mut(at) {
+            *e = slot as i32;
         }
     }
 

@@ -294,8 +294,7 @@ impl SlotAllocator {
             // table and report. Two loops: with a no-op callback the report
             // loop compiles away, as it must for a plain decode step.
             if ONE_EACH && has_table {
-                let rq = &self.requests;
-                table.write_decode(handles, out, |row| rq.checked_len(row));
+                self.requests.write_decode(table, handles, out);
             } else if has_table {
                 let mut k = 0usize;
                 for (i, &h) in handles.iter().enumerate() {

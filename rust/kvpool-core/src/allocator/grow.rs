@@ -64,19 +64,16 @@ impl SlotAllocator {
         let new_pages = rest.len().div_ceil(ps);
         let taken = self.pages.free_top(new_pages);
         let from_stack = taken.len();
-        let list = &mut self.requests.page_list_mut(row)[np..np + new_pages];
+        let list = self.requests.pages_mut(row, np, new_pages);
+        for (d, &p) in list.iter_mut().zip(taken.iter().rev()) {
+            *d = p;
+        }
         if ps == 1 {
-            for ((d, slot), &p) in list.iter_mut().zip(rest.iter_mut()).zip(taken.iter().rev()) {
-                *d = p;
+            for (slot, &p) in rest.iter_mut().zip(&list[..from_stack]) {
                 *slot = p as i64;
             }
         } else {
-            for ((d, run), &p) in list
-                .iter_mut()
-                .zip(rest.chunks_mut(ps))
-                .zip(taken.iter().rev())
-            {
-                *d = p;
+            for (run, &p) in rest.chunks_mut(ps).zip(&list[..from_stack]) {
                 fill_run(run, p as usize * ps);
             }
         }

@@ -12,6 +12,7 @@ use super::row::{OPEN, SLOW};
 use super::Requests;
 use crate::geometry::fill_run;
 use crate::handle::{handle_generation, handle_row};
+use crate::table::SlotTable;
 
 impl Requests {
     /// The decode step's loop, kept tight (few live values, no error
@@ -182,6 +183,20 @@ impl Requests {
                 } else {
                     self.page_lists[base + np - 1]
                 };
+            }
+        }
+    }
+
+    /// A decode step's table entries, once the whole batch is applied:
+    /// request `i` (one new token each) gets `slots[i]` at its last
+    /// position, table[row, len - 1].
+    pub(crate) fn write_decode(&self, table: &mut SlotTable<'_>, handles: &[i64], slots: &[i64]) {
+        for (&h, &slot) in handles.iter().zip(slots) {
+            let row = handle_row(h) as usize;
+            if let Some(r) = self.rows.get(row) {
+                // len >= 1: the request was just extended (the table's
+                // extent was checked; the gets only keep it safe).
+                table.write_one(row, r.len as usize - 1, slot);
             }
         }
     }

@@ -124,12 +124,6 @@ impl Requests {
         self.rows[row].len as usize
     }
 
-    /// `row`'s length, None for a row out of range.
-    #[inline]
-    pub(crate) fn checked_len(&self, row: usize) -> Option<usize> {
-        self.rows.get(row).map(|r| r.len as usize)
-    }
-
     /// `(length, last page, whether the next extend takes the slow path)`.
     #[inline]
     pub(crate) fn tail(&self, row: usize) -> (usize, u32, bool) {
@@ -169,11 +163,11 @@ impl Requests {
         self.pages(row, self.geo.pages_for(self.rows[row].len as usize))
     }
 
-    /// `row`'s whole page list (its stride).
+    /// Entries `from..from + n` of `row`'s page list, to fill.
     #[inline]
-    pub(crate) fn page_list_mut(&mut self, row: usize) -> &mut [u32] {
-        let base = row * self.row_pages;
-        &mut self.page_lists[base..base + self.row_pages]
+    pub(crate) fn pages_mut(&mut self, row: usize, from: usize, n: usize) -> &mut [u32] {
+        let base = row * self.row_pages + from;
+        &mut self.page_lists[base..base + n]
     }
 
     #[inline]
