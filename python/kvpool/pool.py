@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
-from kvpool.distributed.heads import shard_kv_heads
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
 from kvpool.facade import AllocatorFacade
+from kvpool.heads import shard_kv_heads
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
@@ -81,16 +81,18 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
     Tensor parallelism: ``tp_rank``/``tp_size`` with ``num_kv_heads`` the model's
     total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
     then this rank's count, ``kv_head_start`` its first head; MLA replicates the
-    latent cache). See ``kvpool.distributed`` and docs/distributed.md.
+    latent cache). Moving requests between pools and checking that ranks agree
+    are ``kvpool.distributed``'s (``send_request(pool, ...)``, ``tp_pool``), a
+    layer above this one; see docs/distributed.md.
 
     Threads: one pool may be shared between threads. Every call that changes
     who owns what (``open``, ``admit``, ``extend``, ``truncate``, ``close``,
     ``cache``, ``fork``, the ``open_with_*`` calls, ``evict``, ``clear_cache``,
-    ``reset``, ``send_request`` / ``recv_request``) holds the pool's lock for its
-    whole duration, copy-on-write copies included, so no thread can free and
-    reuse a page before a copy has read it. Queries and counters take only the
-    core's own lock; ``write`` and ``read`` take none (a request's owner writes
-    its own slots).
+    ``reset``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
+    holds the pool's lock for its whole duration, copy-on-write copies
+    included, so no thread can free and reuse a page before a copy has read it.
+    Queries and counters take only the core's own lock; ``write`` and ``read``
+    take none (a request's owner writes its own slots).
 
     Streams (CUDA): everything a pool call enqueues (H2D copies, the table
     kernel, copy-on-write copies) goes on the caller's current stream. An engine
@@ -515,17 +517,3 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             f"dtype={self.dtype}, device={self.device}, layout={self.layout}, page_size={self.page_size}, "
             f"num_slots={self.num_slots}, nbytes={self.nbytes}, overhead_bytes={self.overhead_bytes})"
         )
-
-    # ----- moving requests between pools (kvpool.distributed) ---------------
-
-    def send_request(self, handle: int, dst_rank: int, group: Any = None, **kwargs: Any) -> Any:
-        """Send request ``handle``'s K/V to the pool on ``dst_rank``; see
-        ``kvpool.distributed.send_request`` (returns ``TransferStats``)."""
-        from kvpool.distributed.kv_transfer import send_request
-        return send_request(self, handle, dst_rank, group, **kwargs)
-
-    def recv_request(self, src_rank: int, group: Any = None, **kwargs: Any) -> int:
-        """Receive a request from ``src_rank`` into this pool and return its handle;
-        see ``kvpool.distributed.recv_request``."""
-        from kvpool.distributed.kv_transfer import recv_request
-        return recv_request(self, src_rank, group, **kwargs)
