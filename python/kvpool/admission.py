@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.transfer import ExtendResult, ToDevice, update_req_to_token
+from kvpool.staging import ToDevice
+from kvpool.tables import ExtendResult, update_req_to_token
 
 
 class AdmissionMixin:

@@ -21,17 +21,18 @@ import torch
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
-from kvpool.facade import AllocatorFacade
+from kvpool.lifecycle import RequestOps
 from kvpool.heads import shard_kv_heads
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
-from kvpool.staging import PinnedRing
+from kvpool.packed import PackedExtend
+from kvpool.staging import PinnedRing, to_device
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.admission import AdmissionMixin
-from kvpool.transfer import ExtendResult, PageTable, page_table_tensors, update_req_to_token
+from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
@@ -43,7 +44,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
+class KVPool(RequestOps, SharingMixin, AdmissionMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -61,7 +62,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
 
     Request operations, queries and counters (``open``, ``close``, ``lengths``,
     ``free_pages``, ``check``, ...) are the allocator's, forwarded (see
-    ``AllocatorFacade``); ``pool.allocator`` is never needed for ordinary work.
+    ``kvpool.lifecycle.RequestOps``); ``pool.allocator`` is never needed for ordinary work.
 
     Shared pages: ``open_with_prefix`` starts requests on cached pages of a
     common prefix, ``cache`` / ``close(cache=True)`` publish pages, ``fork``
@@ -270,7 +271,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
 
     # ----- request operations that touch the tables ------------------------
     # (open, truncate, close, reset and the allocator's queries and counters
-    # come from AllocatorFacade)
+    # come from RequestOps)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> ExtendResult:
         """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
@@ -347,8 +348,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             apply_cow(self, cow, table_written=False)
         except BaseException:  # noqa: BLE001 - the original error is the one to raise
             pass
-        stride = num_requests + (num_requests & 1)
-        starts = packed[stride : stride + num_requests]
+        starts = PackedExtend.parse(packed, num_requests).starts
         hs = np.asarray(handles, dtype=np.int64).reshape(-1)
         self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())
 
@@ -462,7 +462,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
             # Host slots, eager only (rejected while capturing): staged like extend's copy.
-            idx = self._to_device(idx.numpy()) if self._to_device is not None else idx.to(self.device)
+            idx = to_device(idx.numpy(), self.device, self._to_device)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]

@@ -2,7 +2,8 @@
 write the shared pages' slots into the new requests' ``req_to_token`` rows,
 and ``apply_cow`` runs an extend's copy-on-write work on the device: one
 ``copy_slots`` over every layer's caches and the moved positions' table
-entries. Host arrays go to the device with one copy each; nothing is read back.
+entries. Each call's host arrays go to the device with one copy
+(``kvpool.staging.pool_to_device``); nothing is read back.
 """
 
 from __future__ import annotations
@@ -13,33 +14,16 @@ import numpy as np
 import torch
 
 from kvpool.kernels import copy_slots, write_req_to_token
+from kvpool.staging import pool_to_device
 
 __all__ = ["SharingMixin", "apply_cow"]
-
-
-def _to_device(pool: Any, *parts: np.ndarray) -> list[torch.Tensor]:
-    """The int64 host arrays ``parts`` on the pool's device with ONE host-to-device
-    copy (through the pool's pinned ring on CUDA, zero copy on CPU). Each part
-    starts on a 16-byte boundary, so Triton sees the same pointer alignment
-    whatever the batch sizes are."""
-    at = np.cumsum([0] + [(len(p) + 1) & ~1 for p in parts])
-    packed = np.zeros(int(at[-1]), dtype=np.int64)
-    for p, lo in zip(parts, at):
-        packed[lo : lo + len(p)] = p
-    if pool.device.type == "cpu":
-        dev = torch.from_numpy(packed)
-    elif getattr(pool, "_to_device", None) is not None:
-        dev = pool._to_device(packed)
-    else:
-        dev = torch.from_numpy(packed).to(pool.device, non_blocking=True)
-    return [dev[lo : lo + len(p)] for p, lo in zip(parts, at)]
 
 
 def write_rows(pool: Any, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray) -> None:
     """``req_to_token[rows[i], starts[i]:starts[i]+counts[i]]`` = the next counts[i] of ``slots``."""
     if len(slots) == 0:
         return
-    write_req_to_token(pool.req_to_token, *_to_device(pool, rows, starts, counts, slots))
+    write_req_to_token(pool.req_to_token, *pool_to_device(pool, rows, starts, counts, slots))
 
 
 def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
@@ -57,10 +41,10 @@ def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
     rows, pos, src, dst = cow[:m], cow[m : 2 * m], cow[2 * m : 3 * m], cow[3 * m :]
     caches = [c for group in pool._storage.flat for c in group]
     if table_written:
-        src_d, dst_d = _to_device(pool, src, dst)
+        src_d, dst_d = pool_to_device(pool, src, dst)
         copy_slots(caches, src_d, dst_d)
     else:
-        src_d, dst_d, rows_d, pos_d, ones_d = _to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
+        src_d, dst_d, rows_d, pos_d, ones_d = pool_to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
         copy_slots(caches, src_d, dst_d)
         write_req_to_token(pool.req_to_token, rows_d, pos_d, ones_d, dst_d)
     pool.copied_slots += m  # kvpool.metrics: copy bytes = copied_slots * bytes_per_slot

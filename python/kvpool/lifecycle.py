@@ -19,18 +19,18 @@ import numpy as np
 
 from kvpool._core import PoolStats, SlotAllocator
 
-__all__ = ["AllocatorFacade"]
+__all__ = ["RequestOps"]
 
 
 def _counter(name: str, doc: str) -> property:
-    def get(self: AllocatorFacade) -> int:
+    def get(self: RequestOps) -> int:
         return getattr(self.allocator, name)
 
     get.__name__ = name
     return property(get, doc=doc)
 
 
-class AllocatorFacade:
+class RequestOps:
     """Mixin: the allocator-only part of ``KVPool``'s API (no tensors involved)."""
 
     allocator: SlotAllocator
