@@ -274,24 +274,16 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
     # come from RequestOps)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> ExtendResult:
-        """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
+        """Grow requests by ``counts`` tokens and write their new slots into ``req_to_token``.
+        See ``SlotAllocator.extend`` (the pool passes its own ``table``, ``cow``
+        and ``out``; ``tokens`` is the allocator's); holds the pool's lock.
 
-        One crossing into the core. On CPU the core writes the table in place
-        (it is host memory); on CUDA one H2D copy and one table-kernel launch,
-        no device sync. A new page is taken only when a request's last one is
-        full (free pages first, then the least recently used cached page).
-        When a request writes into a page it shares (after ``fork``, or a
-        ``truncate`` into a shared or cached page), the valid part is first
-        copied to a private page: the copy runs here with ``copy_slots`` over
+        The pool adds: one crossing into the core, then on CPU nothing more (the
+        core writes the host table in place), on CUDA one host -> device copy and
+        one table-kernel launch, with no device sync. When a request writes into
+        a page it shares (after ``fork``, or a ``truncate`` into a shared or
+        cached page), the copy-on-write copy runs here with ``copy_slots`` over
         every layer, and the table is updated, before this returns.
-
-        Args:
-            handles: the requests (no duplicates).
-            counts: new tokens per request, or one int for all (>= 0).
-            tokens: optional token ids of the new positions, flattened like the
-                slots (decode steps pass the sampled tokens). Positions of a
-                prompt given to ``open_with_prefix`` take its ids; positions
-                without ids make their pages uncacheable.
 
         Returns:
             ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
@@ -299,14 +291,11 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
             pool's device.
 
         Raises:
-            InvalidHandleError: a handle is unknown, closed or stale.
-            PoolExhaustedError: not enough free or evictable pages (the message says needed vs free).
-            ContextTooLongError: a request would pass ``max_context_len``.
-            InvalidArgumentError: a negative count, mismatched sizes, a duplicate
-                handle, token ids of the wrong length or disagreeing with the prompt.
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
-            Atomic: on any error neither the allocator nor the table changes.
+            Atomic as the allocator's call, the table included. If the device
+            table update itself fails after the allocator committed, the
+            requests are truncated back to their old lengths.
         """
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
@@ -353,17 +342,14 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
         self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())
 
     def page_table(self, handles: Any) -> PageTable:
-        """FlashInfer's CSR page table of a batch, int32 tensors on the pool's device.
-
-        Args:
-            handles: the batch's requests, in batch order.
+        """FlashInfer's CSR page table of a batch as int32 tensors on the pool's device.
+        See ``SlotAllocator.page_table``.
 
         Returns:
             ``PageTable(kv_indptr [B+1], kv_indices, kv_last_page_len [B])``
             (zero copy on CPU; on CUDA one H2D copy from pinned staging).
 
         Raises:
-            InvalidHandleError: a handle is unknown, closed or stale.
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
         """
