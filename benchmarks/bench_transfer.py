@@ -6,9 +6,9 @@
 
 Two processes on 127.0.0.1: rank 0 holds a request of each prompt length and
 sends it with ``kvpool.distributed.send_request``; rank 1 receives it with
-``recv_request`` and closes it. Per length it reports the median latency per request (send
-call start to ack, as seen by the sender), the K/V bytes moved, the GB/s that
-gives, and, as the ceiling, the same bytes sent as ONE contiguous tensor with a
+``recv_request`` and closes it. Per length it reports the median latency per
+request (send call start to ack, as seen by the sender), the K/V bytes moved,
+the GB/s that gives, and, as the ceiling, the same bytes sent as ONE contiguous tensor with a
 bare ``dist.send``/``recv`` pair in the same run (``ratio`` = kvpool / bare).
 """
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvpool
-import kvpool.tables as tables
+from kvpool import tables
 from kvpool.cuda_graph import DecodeGraphRunner
 
 from kvpool.testing.toy_step import ToyDecode

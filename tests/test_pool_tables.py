@@ -192,7 +192,7 @@ def test_device_table_update_passes_16_byte_aligned_segments(counts, monkeypatch
     """Triton specializes pointers on 16-byte alignment: every segment of the packed
     H2D buffer must stay aligned whatever the batch shape, or a new batch size would
     compile a new kernel variant while serving."""
-    import kvpool.tables as tables
+    from kvpool import tables
 
     seen = []
     real = tables.write_req_to_token
