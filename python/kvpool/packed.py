@@ -51,9 +51,11 @@ class PackedExtend(NamedTuple):
     def parse(cls, packed: Any, num_requests: int) -> PackedExtend:
         """Views of ``packed`` (a numpy array or a tensor, host or device) for a
         batch of ``num_requests`` requests; nothing is copied."""
-        head = slots_start(num_requests)
-        rows, starts, counts, offsets = packed[:head].reshape(4, -1)[:, :num_requests]
-        return cls(rows, starts, counts, offsets, packed[head:])
+        n, s = num_requests, segment_len(num_requests)
+        # Five slices: on a device tensor, every view is a torch op on the step's
+        # path, and a [4, s] view unpacked row by row would take seven.
+        return cls(packed[:n], packed[s : s + n], packed[2 * s : 2 * s + n], packed[3 * s : 3 * s + n],
+                   packed[4 * s :])
 
 
 def pack(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
