@@ -81,16 +81,14 @@ __all__ = [
     "persistent",
     # CUDA-graph decode
     "DecodeGraphRunner",
-    # moving a request between pools (kvpool.distributed, loaded on first use)
-    "recv_request",
-    "send_request",
     "__version__",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # send_request / recv_request need torch.distributed: load kvpool.distributed
-    # on first use only, so ``import kvpool`` stays single-process.
+    # on first use only (and not for ``from kvpool import *``, hence not in
+    # __all__), so ``import kvpool`` stays single-process.
     if name in ("send_request", "recv_request"):
         from kvpool.distributed import kv_transfer
 
