@@ -30,7 +30,7 @@ isolated: an error is recorded and the next section runs):
                  runs when KVPool has fork/open_with_prefix, else recorded as skipped
   ptx            global access opcodes of every kernel variant compiled in this run
   copy_reference the device's own copy bandwidth (what "peak" means in practice)
-  nccl_transfer  KVPool.send_request/recv_request between two GPUs over NCCL, GB/s
+  nccl_transfer  kvpool.distributed.send_request/recv_request between two GPUs over NCCL, GB/s
                  and ms per request vs prompt length (NEEDS >= 2 GPUs; else skipped)
 """
 
