@@ -14,6 +14,7 @@ mod output;
 mod sharing;
 mod table;
 mod torch_arg;
+mod widen;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
