@@ -148,14 +148,6 @@ impl Dest {
         }
     }
 
-    /// The caller's bytes this destination writes (none for a fresh array).
-    pub(crate) fn caller_range(&self) -> Option<(usize, usize)> {
-        match self {
-            Dest::Caller(o) => Some(o.byte_range()),
-            Dest::Fresh(_) => None,
-        }
-    }
-
     /// What the call returns for its slots: the fresh array, or `out` itself.
     pub(crate) fn result<'py>(
         py: Python<'py>,
@@ -272,8 +264,7 @@ impl SlotAllocator {
         let n = h.len();
         let total = extend_total(n, &c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
-        let avoid = [t.as_ref().map(|t| t.byte_range()), dest.caller_range()];
-        let moved = self.run_on(py, h, n.max(total), &avoid, |core, h| {
+        let moved = self.run_on(py, h, n.max(total), |core, h| {
             dest.apply(|dst| extend_call(core, h, &c, toks.as_deref(), t.as_ref(), cow, dst))
         })??;
         let result = Dest::result(py, fresh, out);
@@ -347,7 +338,6 @@ impl SlotAllocator {
             py,
             h,
             b.max(total),
-            &[],
             |core, h| -> kvpool_core::Result<Option<Vec<i64>>> {
                 // SAFETY: `arr` is alive and not yet shared (see OutBuf).
                 let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);

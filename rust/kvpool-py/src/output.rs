@@ -136,12 +136,6 @@ thread_local! {
 }
 
 impl CallerOut {
-    /// The bytes this call writes, as [start, end) addresses.
-    pub fn byte_range(&self) -> (usize, usize) {
-        let start = self.ptr.as_ptr() as usize;
-        (start, start + self.len * 8)
-    }
-
     /// Checks that `obj` is a writeable, aligned, contiguous 1-D int64 numpy
     /// array with room for `need` slots, and that it shares no memory with
     /// `avoid` (the `table=` buffer, as a byte range).
