@@ -8,11 +8,11 @@
 use kvpool_core::{Grown, SlotAllocator as Core};
 use pyo3::prelude::*;
 
-use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
+use crate::allocator::{counts_of, Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
-use crate::output::{extend_total, new_i64, CallerOut, OutBuf};
+use crate::output::{extend_total, new_i64, to_numpy, CallerOut, OutBuf};
 use crate::table::Table;
 
 /// Rows and positions of the positions copy-on-write moved, in queue order.
@@ -271,7 +271,7 @@ impl SlotAllocator {
         if !cow {
             return Ok(result.unbind());
         }
-        let cow_arr = moved.map(|v| to_numpy(py, &v));
+        let cow_arr = moved.map(|v| to_numpy(py, &v)).transpose()?;
         Ok((result, cow_arr).into_pyobject(py)?.into_any().unbind())
     }
 
@@ -352,6 +352,6 @@ impl SlotAllocator {
                 Ok(moved.finish(core, before))
             },
         )??;
-        Ok((arr, b, moved.map(|v| to_numpy(py, &v))))
+        Ok((arr, b, moved.map(|v| to_numpy(py, &v)).transpose()?))
     }
 }
