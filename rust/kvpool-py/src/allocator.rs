@@ -8,7 +8,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 use kvpool_core::{Counts, SlotAllocator as Core};
 use pyo3::prelude::*;
 
-use crate::convert::{int_arg, int_scalar, IntArg};
+use crate::convert::{int_arg, int_scalar, CacheFlag, IntArg, KvEventsFlag};
 use crate::errors::{invalid_argument, Result};
 pub(crate) use crate::output::Arr;
 use crate::output::{filled, new_uninit, to_numpy};
@@ -233,7 +233,7 @@ impl SlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=true),
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true)),
         text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)"
     )]
     // One parameter per Python keyword: the signature is the API.
@@ -246,7 +246,7 @@ impl SlotAllocator {
         max_context_len: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         handle_seed: Option<&Bound<'_, PyAny>>,
-        kv_events: bool,
+        kv_events: KvEventsFlag,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
@@ -263,7 +263,7 @@ impl SlotAllocator {
         let opts = kvpool_core::Options {
             hash_seed: seed(hash_seed, "hash_seed")?,
             handle_seed: seed(handle_seed, "handle_seed")?,
-            kv_events,
+            kv_events: kv_events.0,
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
@@ -382,9 +382,13 @@ impl SlotAllocator {
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, already closed or stale.
     ///     InvalidArgumentError: a duplicate handle.
-    #[pyo3(signature = (handles, cache=false))]
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: bool) -> Result<()> {
+    #[pyo3(
+        signature = (handles, cache=CacheFlag(false)),
+        text_signature = "($self, handles, cache=False)"
+    )]
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: CacheFlag) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
+        let cache = cache.0;
         // As truncate: each request may hold many pages (and cache=True
         // hashes them all).
         Ok(py.detach(|| self.lock().close(&h, cache))?)

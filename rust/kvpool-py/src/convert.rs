@@ -264,3 +264,44 @@ pub fn int_scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResul
         IntArg::Many(_) => Err(invalid_argument(py, format!("{what} must be a single int"))),
     }
 }
+
+/// A flag's value: True or False (a numpy bool too). Anything else (1, None,
+/// "yes") is refused by name, as pyo3's own `bool` would only with a
+/// TypeError.
+fn flag(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(b.is_true());
+    }
+    let py = obj.py();
+    if obj.get_type().is(numpy::dtype::<bool>(py).typeobj()) {
+        return obj.is_truthy();
+    }
+    Err(invalid_argument(
+        py,
+        format!(
+            "{what} takes True or False, got {} {}",
+            type_name(obj),
+            obj.repr()?
+        ),
+    ))
+}
+
+/// Keyword flags of the bindings, one type each so that a refusal names
+/// the argument (pyo3 only adds a note to an extraction error).
+macro_rules! flags {
+    ($($ty:ident => $what:literal),* $(,)?) => {$(
+        #[doc = concat!("The `", $what, "` flag (see [`flag`]).")]
+        #[derive(Clone, Copy)]
+        pub struct $ty(pub bool);
+
+        impl<'a, 'py> FromPyObject<'a, 'py> for $ty {
+            type Error = PyErr;
+
+            fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+                flag(&obj, $what).map($ty)
+            }
+        }
+    )*};
+}
+
+flags!(CacheFlag => "cache", CowFlag => "cow", KvEventsFlag => "kv_events");

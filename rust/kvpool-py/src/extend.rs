@@ -9,7 +9,7 @@ use kvpool_core::{Grown, SlotAllocator as Core};
 use pyo3::prelude::*;
 
 use crate::allocator::{counts_of, Arr, SlotAllocator};
-use crate::convert::{int_arg, IntArg};
+use crate::convert::{int_arg, CowFlag, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
 use crate::output::{extend_total, new_i64, to_numpy, CallerOut, OutBuf};
@@ -243,7 +243,10 @@ impl SlotAllocator {
     ///         disagreeing with the prompt, or an out array that is too short,
     ///         not contiguous int64, read-only or overlapping the table.
     ///         Nothing changes on any error.
-    #[pyo3(signature = (handles, counts, table=None, tokens=None, cow=false, out=None))]
+    #[pyo3(
+        signature = (handles, counts, table=None, tokens=None, cow=CowFlag(false), out=None),
+        text_signature = "($self, handles, counts, table=None, tokens=None, cow=False, out=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn extend<'py>(
         &self,
@@ -252,9 +255,10 @@ impl SlotAllocator {
         counts: &Bound<'py, PyAny>,
         table: Option<&Bound<'py, PyAny>>,
         tokens: Option<&Bound<'py, PyAny>>,
-        cow: bool,
+        cow: CowFlag,
         out: Option<&Bound<'py, PyAny>>,
     ) -> Result<Py<PyAny>> {
+        let cow = cow.0;
         let h = Handles::new(py, handles)?;
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
