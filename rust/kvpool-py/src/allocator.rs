@@ -191,7 +191,8 @@ impl SlotAllocator {
         py.detach(|| {
             let core = self.lock();
             for (k, h) in handles.chunks(CHUNK).enumerate() {
-                buf.write(k * CHUNK, &query(&core, h)?);
+                // SAFETY: `arr` is alive and not yet shared.
+                unsafe { buf.write(k * CHUNK, &query(&core, h)?) };
             }
             Ok::<_, kvpool_core::PoolError>(())
         })?;

@@ -8,6 +8,7 @@ mod admit;
 mod allocator;
 mod convert;
 mod errors;
+mod events;
 mod extend;
 mod handles_arg;
 mod output;

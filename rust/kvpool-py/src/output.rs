@@ -40,16 +40,20 @@ impl<T> OutBuf<T> {
         std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len)
     }
 
-    /// Copies `v` to entries `at..` (what fits of it). Safe on an
+    /// Copies `v` to entries `at..` (what fits of it). Usable on an
     /// uninitialized buffer: no reference to its memory is formed.
-    pub fn write(&mut self, at: usize, v: &[T])
+    ///
+    /// # Safety
+    /// Only while the array it came from is alive and still unshared.
+    pub unsafe fn write(&mut self, at: usize, v: &[T])
     where
         T: Copy,
     {
         let n = v.len().min(self.len.saturating_sub(at));
-        // SAFETY: `at + n <= len` entries of the buffer, which belongs to a
-        // live, unshared array (see the Send note); `v` is another object.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.as_ptr().add(at), n) };
+        if n > 0 {
+            // `at + n <= len` entries of the buffer; `v` is another object.
+            std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.as_ptr().add(at), n);
+        }
     }
 }
 
@@ -121,7 +125,8 @@ pub fn new_i64(py: Python<'_>, len: usize) -> PyResult<(Arr<'_, i64>, OutBuf)> {
 /// the hot path.
 pub(crate) fn to_numpy<'py, T: Element + Copy>(py: Python<'py>, v: &[T]) -> PyResult<Arr<'py, T>> {
     let (arr, mut buf) = new_uninit::<T>(py, v.len())?;
-    buf.write(0, v);
+    // SAFETY: `arr` is alive and not yet shared.
+    unsafe { buf.write(0, v) };
     Ok(arr)
 }
 
@@ -139,7 +144,8 @@ pub(crate) fn filled<'py, T: Element + Copy>(
     if buf.len != v.len() {
         return to_numpy(py, v);
     }
-    buf.write(0, v);
+    // SAFETY: `arr` (the caller's, from new_uninit) is alive and not yet shared.
+    unsafe { buf.write(0, v) };
     Ok(arr)
 }
 
