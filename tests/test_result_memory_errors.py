@@ -78,7 +78,7 @@ def run_cases(body: str) -> dict:
 
 
 def test_per_handle_results_too_big_for_memory_are_memory_errors():
-    # The issue's reproducer: 2**24 copies of one handle. The argument's
+    # 2**24 copies of one handle (a broadcast view). The argument's
     # copy fits; the result (128 MiB) does not.
     got = run_cases(
         """
