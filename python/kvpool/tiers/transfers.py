@@ -286,7 +286,9 @@ class TransferRunner:
 
     def _staged_pair(self, src: np.ndarray, dst: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
         both = np.ascontiguousarray(np.stack([src, dst]))
-        if self._stage is not None:
+        if self.device.type == "cpu":
+            t = torch.from_numpy(both)
+        elif self._stage is not None:
             t = self._stage(both)
         else:
             t = torch.from_numpy(both).pin_memory().to(self.device, non_blocking=True)
