@@ -83,9 +83,10 @@ def stored(tmp_path):
     return tier, want
 
 
-def test_another_pool_gets_bitwise_hits(stored):
+@pytest.mark.parametrize("layout", ["token", "paged"])
+def test_another_pool_gets_bitwise_hits(stored, layout):
     tier, want = stored
-    dst = make_pool(hash_seed=22)  # another hash seed: the files are named by the tier's
+    dst = make_pool(hash_seed=22, layout=layout)  # another hash seed: names do not use the pool's
     dc = DiskCache(dst, tier, model="m")
     assert hit(dst, TOKENS)[0] == 0
     assert dc.prefetch(TOKENS) == 4 and dc.stats.pages_loaded == 4
@@ -120,8 +121,9 @@ def test_a_pool_of_another_shape_misses(stored, other):
     tier, _ = stored
     dst = make_pool(**other)
     dc = DiskCache(dst, tier, model="m")
-    assert dc.prefetch(TOKENS) == 0 and dc.stats.pages_rejected == 1
+    assert dc.prefetch(TOKENS) == 0 and dc.stats.pages_missed == 1  # other names: not even read
     assert hit(dst, TOKENS)[0] == 0
+    assert tier.stored == 4 and len(list(tier.path.glob("*/*.kvp"))) == 4  # nothing removed
 
 
 def test_another_model_or_salt_misses(stored):
@@ -135,9 +137,10 @@ def test_another_model_or_salt_misses(stored):
 
 def _files(tier, tokens, salt=0):
     from kvpool._core import page_hashes
-    from kvpool.tiers.backend import TIER_HASH_SEED, page_key
+    from kvpool.tiers.backend import page_key, tier_seed
+    from kvpool.tiers import shape_fingerprint
 
-    w = page_hashes(tokens[:16], P, TIER_HASH_SEED, salt)
+    w = page_hashes(tokens[:16], P, tier_seed(shape_fingerprint(make_pool(), "m")), salt)
     return [tier.file_for(page_key(w[2 * i], w[2 * i + 1])) for i in range(4)], [
         page_key(w[2 * i], w[2 * i + 1]) for i in range(4)]
 
@@ -210,6 +213,7 @@ def test_a_damaged_or_foreign_file_ends_the_hit_there(stored, damage):
     dc = DiskCache(dst, tier, model="m")
     assert dc.prefetch(TOKENS) == good
     assert dc.stats.pages_missed + dc.stats.pages_rejected == 1
+    assert not files[good].exists()  # damage is dropped, so a later store can write the page there
     n, got = hit(dst, TOKENS)
     assert n == good * P and torch.equal(got, want[:, : good * P])
     dst.check()

@@ -11,7 +11,7 @@ The page moves themselves are ``kvpool.kernels.offload_pages`` /
 ``load_pages``. See docs/tiers.md.
 """
 
-from kvpool.tiers.backend import FORMAT_VERSION, TIER_HASH_SEED, PageRecord, TierBackend, page_key
+from kvpool.tiers.backend import FORMAT_VERSION, PageRecord, TierBackend, page_key, tier_seed
 from kvpool.tiers.disk_cache import DiskCache, DiskStats, shape_fingerprint
 from kvpool.tiers.file_tier import FileTier
 from kvpool.tiers.host_storage import HostStorage, host_page_bytes, host_pages_for_bytes
@@ -19,7 +19,6 @@ from kvpool.tiers.transfers import CudaStreams, TransferBatch, TransferRunner
 
 __all__ = [
     "FORMAT_VERSION",
-    "TIER_HASH_SEED",
     "CudaStreams",
     "DiskCache",
     "DiskStats",
@@ -33,4 +32,5 @@ __all__ = [
     "host_pages_for_bytes",
     "page_key",
     "shape_fingerprint",
+    "tier_seed",
 ]

@@ -14,9 +14,12 @@ tokens, salt and parent against what it expects (``PageRecord.matches``), so
 a renamed file, a file written for other tokens under a hash, a hash
 collision or another model's file is a miss, never wrong K/V.
 
-Hashes are the core's 128-bit chain hashes (``kvpool._core.page_hashes``)
-under ``TIER_HASH_SEED``, a seed fixed by the format rather than the pool's
-(which is random unless given), so any process computes the same names;
+Names are the core's 128-bit chain hashes (``kvpool._core.page_hashes``)
+under ``tier_seed(fingerprint)``: a seed derived from what the bytes mean
+(model shape, dtype, page size, fp8 scales, model name), not the pool's
+``hash_seed`` (random unless given). So any process with the same model
+computes the same names, and pages of different models or shapes never
+share a name (they cannot overwrite each other in one directory);
 ``page_key`` turns the core's (hi, lo) words into one int.
 """
 
@@ -30,12 +33,10 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["FORMAT_VERSION", "PageRecord", "TIER_HASH_SEED", "TierBackend", "decode", "encode", "page_key",
-           "record_bytes"]
+__all__ = ["FORMAT_VERSION", "PageRecord", "TierBackend", "decode", "encode", "page_key", "record_bytes",
+           "tier_seed"]
 
 FORMAT_VERSION = 1
-#: Seed of the chain hashes that name stored pages (any fixed value; part of the format).
-TIER_HASH_SEED = 0x6B76_706F_6F6C_7431  # "kvpoolt1"
 MAGIC = b"KVPOOLPG"
 # magic, version, fingerprint, hash, parent, salt, num_tokens, reserved, payload bytes
 _HEADER = struct.Struct("<8sI16s16s16sqIIQ")
@@ -45,6 +46,13 @@ _SUM = 16  # blake2b digest bytes at the end
 def page_key(hi: int, lo: int) -> int:
     """One 128-bit int from the core's (hi, lo) uint64 words of a page hash."""
     return (int(hi) << 64) | int(lo)
+
+
+def tier_seed(fingerprint: bytes) -> int:
+    """The hash seed that names the pages of one fingerprint (a 64-bit int, as
+    ``page_hashes`` takes)."""
+    d = hashlib.blake2b(fingerprint, digest_size=8, person=b"kvpool-tier-v1").digest()
+    return int.from_bytes(d, "little")
 
 
 def _b16(h: int) -> bytes:
@@ -111,6 +119,8 @@ class TierBackend(abc.ABC):
 
     Implementations never raise on bad stored data: ``get`` returns None for a
     missing, unreadable or corrupted record, or one filed under another hash.
+    Readers that find an intact record that is not the page they expect (other
+    tokens, salt, parent or fingerprint under its hash) ``remove`` it.
     """
 
     @property

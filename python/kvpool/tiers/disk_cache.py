@@ -18,9 +18,10 @@ put into the pool by a scratch request that holds the cached part, is
 extended with those pages' token ids, gets their K/V (``load_pages``) and is
 closed with ``cache=True``. The next ``open_with_prefix`` of the prompt hits.
 
-Names: records are filed by the core's chain hash under
-``TIER_HASH_SEED``, not the pool's ``hash_seed`` (random unless given), so
-a new process finds what an earlier one wrote whatever its seed. The
+Names: records are filed by the core's chain hash under a seed derived
+from the fingerprint (``tier_seed``), not the pool's ``hash_seed`` (random
+unless given), so a new process finds what an earlier one wrote whatever
+its seed, and pools of different models never collide on a name. The
 fingerprint covers the model shape (layers, KV heads and this rank's shard
 of them, head_dim, dtype, page size, MLA ranks; not the layout, which does
 not change the bytes), fp8 scales (the bytes mean nothing without them) and
@@ -41,9 +42,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from kvpool._core import PoolExhaustedError, TooManyRequestsError, page_hashes
+from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import TIER_HASH_SEED, PageRecord, TierBackend, page_key
+from kvpool.tiers.backend import PageRecord, TierBackend, page_key, tier_seed
 from kvpool.tiers.host_storage import HostStorage
 
 __all__ = ["DiskCache", "shape_fingerprint"]
@@ -93,9 +94,11 @@ class DiskCache:
     """A pool's prefix cache on a ``TierBackend`` (see the module doc).
 
     Args:
-        pool: a ``KVPool``.
+        pool: a ``KVPool`` (recording events: ``kv_events=True``, the default, from its start).
         backend: where pages go (e.g. ``FileTier(path, max_bytes)``).
         model: what model (and revision) wrote the K/V: part of the fingerprint.
+
+    One thread at a time per ``DiskCache`` (the pool itself may be shared).
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
@@ -112,8 +115,8 @@ class DiskCache:
         kinds = ev["kind"]
         if len(kinds) == 0:
             return
-        keys = [page_key(h, l) for h, l in zip(ev["hash_hi"], ev["hash_lo"])]
-        parents = [page_key(h, l) for h, l in zip(ev["parent_hi"], ev["parent_lo"])]
+        keys = [page_key(hi, lo) for hi, lo in zip(ev["hash_hi"], ev["hash_lo"])]
+        parents = [page_key(hi, lo) for hi, lo in zip(ev["parent_hi"], ev["parent_lo"])]
         media = ev.get("medium", np.zeros(len(kinds), dtype=np.int64))
         ntok = ev["num_tokens"]
         toks = ev["token_ids"]
@@ -141,11 +144,12 @@ class DiskCache:
                         self._pending.pop(keys[i], None)
 
     def _chain(self, key: int) -> Optional[List[int]]:
-        """Pool hashes from the chain's first page to ``key``; None if a link is unknown."""
-        chain = []
+        """Pool hashes from the chain's first page to ``key``; None if a link is unknown
+        (or the links loop, which only malformed events could make)."""
+        chain: List[int] = []
         while key:
             e = self._entries.get(key)
-            if e is None:
+            if e is None or len(chain) > len(self._entries):
                 return None
             chain.append(key)
             key = e.parent
@@ -164,6 +168,9 @@ class DiskCache:
         Returns:
             Pages written.
         """
+        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, int)
+                                      or max_pages < 0):
+            raise InvalidArgumentError(f"max_pages must be None or an int >= 0, got {max_pages!r}")
         self._absorb(events if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
         leaves, covered = [], set()
@@ -198,7 +205,7 @@ class DiskCache:
         salt = first.salt
         tokens = np.concatenate([self._entries[k].tokens for k in chain])
         p = self.pool.page_size
-        tier = page_hashes(tokens, p, TIER_HASH_SEED, salt)
+        tier = page_hashes(tokens, p, tier_seed(fp), salt)
         tier_keys = [page_key(tier[2 * i], tier[2 * i + 1]) for i in range(len(chain))]
         todo = [i for i, k in enumerate(chain) if k in self._pending]
         todo_new = []
@@ -291,7 +298,7 @@ class DiskCache:
     def _read(self, prefix: np.ndarray, start: int, stop: int, salt: int) -> List[PageRecord]:
         p = self.pool.page_size
         fp = shape_fingerprint(self.pool, self.model)
-        tier = page_hashes(prefix, p, TIER_HASH_SEED, salt)
+        tier = page_hashes(prefix, p, tier_seed(fp), salt)
         keys = [page_key(tier[2 * i], tier[2 * i + 1]) for i in range(stop)]
         out = []
         for i in range(start, stop):
@@ -301,6 +308,10 @@ class DiskCache:
                 break
             if not rec.matches(fp, prefix[i * p : (i + 1) * p], salt, keys[i - 1] if i else 0) or len(
                     rec.payload) != self._page_bytes():
+                # Under a name derived from this fingerprint, tokens and salt, a record
+                # for anything else is damage (or a collision): it must not block a
+                # correct record from being stored there.
+                self.backend.remove(keys[i])
                 self.stats.pages_rejected += 1
                 break
             out.append(rec)

@@ -17,7 +17,8 @@ writes in progress.
   process reads it stays readable through the open descriptor (POSIX), and
   a file that vanishes between listing and reading is a miss. Nothing read is
   trusted (``decode`` plus the reader's checks), so a damaged or foreign file
-  costs a miss, never a crash.
+  costs a miss, never a crash; a file that is not the intact record its name
+  promises is deleted when read.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class FileTier(TierBackend):
             return None
         rec = decode(blob)
         if rec is None or rec.page_hash != int(page_hash):
+            # Not the record its name promises (torn, corrupted, renamed): drop it, so
+            # that the next put under this name is not skipped as already present.
+            _unlink(f)
             with self._lock:
                 self.rejected += 1
             return None
@@ -141,7 +145,7 @@ class FileTier(TierBackend):
             pass
 
     def _files(self) -> List[Tuple[float, int, Path]]:
-        out = []
+        out: List[Tuple[float, int, Path]] = []
         now = time.time()
         for sub in self.path.iterdir():
             if sub.name == ".tmp":
@@ -174,7 +178,7 @@ class FileTier(TierBackend):
 
 
 def _entries(d: Path) -> List[Tuple[float, int, Path]]:
-    out = []
+    out: List[Tuple[float, int, Path]] = []
     try:
         with os.scandir(d) as it:
             for e in it:

@@ -172,6 +172,7 @@ class TransferRunner:
         self.num_slots = self.caches[0].shape[1]
         # Token-major per-layer views: what copy_slots takes (all layers, or one).
         self._layer_caches = [[c[i] for c in self.caches] for i in range(self.num_layers)]
+        self._all_caches = [c for layer in self._layer_caches for c in layer]
 
     @classmethod
     def for_pool(cls, pool: Any, host: Any, **kw: Any) -> "TransferRunner":
@@ -222,47 +223,44 @@ class TransferRunner:
             checked for all three kinds before any of them runs (nothing moved).
         """
         off, ld = self._plans(offloads, loads)
-        src = dst = None
+        cp: Optional[Tuple[np.ndarray, np.ndarray]] = None
         if copies is not None:
             src, dst = _slots(copies[0], "src_slots"), _slots(copies[1], "dst_slots")
             _check_copies(src, dst, self.num_slots)
-            if src.size == 0:
-                src = dst = None
+            if src.size:
+                cp = (src, dst)
         batch = TransferBatch(
             offloaded_pages=off.n if off else 0, loaded_pages=ld.n if ld else 0,
-            copied_slots=0 if src is None else int(src.size),
+            copied_slots=0 if cp is None else int(cp[0].size),
             offloaded_bytes=off.nbytes if off else 0, loaded_bytes=ld.nbytes if ld else 0,
             _streams=self._streams,
         )
-        if off is None and ld is None and src is None:
+        if off is None and ld is None and cp is None:
             return batch  # nothing queued: no stream or event touched
         if self._streams is None:  # CPU: in order, now
             if off is not None:
                 off.run()
             if ld is not None:
                 ld.run()
-            if src is not None:
-                copy_slots([c for layer in self._layer_caches for c in layer], torch.from_numpy(src),
-                           torch.from_numpy(dst))
+            if cp is not None:
+                copy_slots(self._all_caches, torch.from_numpy(cp[0]), torch.from_numpy(cp[1]))
             return batch
-        return self._queue(batch, off, ld, src, dst, layered)
+        return self._queue(batch, off, ld, cp, layered)
 
     def _queue(self, batch: TransferBatch, off: Optional[PageTransfer], ld: Optional[PageTransfer],
-               src: Optional[np.ndarray], dst: Optional[np.ndarray], layered: bool) -> TransferBatch:
+               cp: Optional[Tuple[np.ndarray, np.ndarray]], layered: bool) -> TransferBatch:
         s = self._streams
         caller, copy = s.current(), self.copy_stream
         copy.wait_stream(caller)
         with s.use(copy):
             if off is not None:
                 off.run()
-            src_d = dst_d = None
-            if src is not None:
-                src_d, dst_d = self._staged_pair(src, dst)
+            cp_d = None if cp is None else self._staged_pair(*cp)
             if not layered:
                 if ld is not None:
                     ld.run()
-                if src_d is not None:
-                    copy_slots([c for layer in self._layer_caches for c in layer], src_d, dst_d)
+                if cp_d is not None:
+                    copy_slots(self._all_caches, *cp_d)
             else:
                 offloaded = s.new_event()
                 offloaded.record(copy)
@@ -271,8 +269,8 @@ class TransferRunner:
                 for i in range(self.num_layers):
                     if ld is not None:
                         ld.run(i)
-                    if src_d is not None:
-                        copy_slots(self._layer_caches[i], src_d, dst_d)
+                    if cp_d is not None:
+                        copy_slots(self._layer_caches[i], *cp_d)
                     ev = s.new_event()
                     ev.record(copy)
                     batch.layer_events.append(ev)
