@@ -352,3 +352,19 @@ def test_a_new_process_hits_what_an_earlier_one_wrote(tmp_path):
     assert r["loaded"] == [4, 2] and r["cached"] == [16, 16] and all(r["bitwise"])
     assert r["other_loaded"] == 0 and r["other_cached"] == 0
     assert sum(f.stat().st_size for f in (tmp_path / "tier").glob("*/*.kvp")) <= 64 * 1024
+
+
+def test_two_models_share_a_directory(tmp_path):
+    """Same shape, same prompt, other model: each gets its own pages back (names differ,
+    so neither store skips or overwrites the other's)."""
+    tier = FileTier(tmp_path, 1 << 20)
+    want = {}
+    for i, model in enumerate(("model-a", "model-b")):
+        src = make_pool()
+        want[model] = prefill(src, TOKENS, seed=10 + i)
+        assert DiskCache(src, tier, model=model).store_new() == 4
+    for model in ("model-b", "model-a"):
+        dst = make_pool()
+        assert DiskCache(dst, tier, model=model).prefetch(TOKENS) == 4
+        n, got = hit(dst, TOKENS)
+        assert n == 16 and torch.equal(got, want[model][:, :16])
