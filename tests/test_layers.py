@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "admission", "sharing", "lifecycle", "tables", "packed", "staging", "streams",
-              "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing"}),
+              "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers"}),
     ("above the pool", {"__init__", "__main__", "cli", "distributed", "integrations", "router", "bench", "demo"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
