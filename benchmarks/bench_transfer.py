@@ -5,10 +5,10 @@
         [--out bench_out/transfer.json]
 
 Two processes on 127.0.0.1: rank 0 holds a request of each prompt length and
-sends it with ``KVPool.send_request``; rank 1 receives it with ``recv_request``
-and closes it. Per length it reports the median latency per request (send
-call start to ack, as seen by the sender), the K/V bytes moved, the GB/s that
-gives, and, as the ceiling, the same bytes sent as ONE contiguous tensor with a
+sends it with ``kvpool.distributed.send_request``; rank 1 receives it with
+``recv_request`` and closes it. Per length it reports the median latency per
+request (send call start to ack, as seen by the sender), the K/V bytes moved,
+the GB/s that gives, and, as the ceiling, the same bytes sent as ONE contiguous tensor with a
 bare ``dist.send``/``recv`` pair in the same run (``ratio`` = kvpool / bare).
 """
 
@@ -34,6 +34,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
     import torch.distributed as dist
 
     import kvpool
+    from kvpool.distributed import recv_request, send_request
 
     torch.set_num_threads(1)
     dev = "cuda" if args.backend == "nccl" else "cpu"
@@ -54,11 +55,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, q: Any) -> None:
                 h = int(pool.open(1)[0])
                 pool.extend([h], n)
                 t0 = time.perf_counter()
-                stats = pool.send_request(h, 1)
+                stats = send_request(pool, h, 1)
                 times.append(time.perf_counter() - t0)
                 pool.close([h])
             else:
-                pool.close([pool.recv_request(0)])
+                pool.close([recv_request(pool, 0)])
         nbytes = stats.bytes if stats else 0
         blob = torch.empty(max(1, nbytes if rank == 0 else 0), dtype=torch.uint8, device=dev)
         nb = torch.tensor([blob.numel()], device=dev)

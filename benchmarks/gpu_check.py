@@ -30,7 +30,11 @@ isolated: an error is recorded and the next section runs):
                  runs when KVPool has fork/open_with_prefix, else recorded as skipped
   ptx            global access opcodes of every kernel variant compiled in this run
   copy_reference the device's own copy bandwidth (what "peak" means in practice)
-  nccl_transfer  KVPool.send_request/recv_request between two GPUs over NCCL, GB/s
+  host_tier      whole-page offload / load bandwidth (offload_pages / load_pages: the Triton
+                 kernel and the batched-copy method) vs one pinned cudaMemcpyAsync of the
+                 same bytes, 2 MiB and 64 KiB pages; bitwise check; TransferRunner.run must
+                 not wait for a busy stream (target: >= 80% of memcpy)
+  nccl_transfer  kvpool.distributed.send_request/recv_request between two GPUs over NCCL, GB/s
                  and ms per request vs prompt length (NEEDS >= 2 GPUs; else skipped)
 """
 
@@ -119,6 +123,7 @@ def main() -> int:
     log(f"device: {name}, peak {peak} GB/s, " + ", ".join(f"{k} {v}" for k, v in pre.items()))
     import gpu_correctness as C
     import gpu_perf as P
+    import gpu_tiers as T
 
     toy = _toy_decode()
     sections: Dict[str, Callable[[], Any]] = {
@@ -132,6 +137,7 @@ def main() -> int:
         "shared_pages": C.section_shared_pages,
         "ptx": P.section_ptx,
         "copy_reference": P.section_copy_reference,
+        "host_tier": T.section_host_tier,
         "nccl_transfer": P.section_nccl_transfer,  # needs >= 2 GPUs
     }
     only = set(args.only.split(",")) if args.only else None
@@ -185,6 +191,9 @@ def _summary(report: Dict[str, Any]) -> Dict[str, Any]:
         "layer_store_us": get("layer_store", "store_kv", "us_per_layer"),
         "layer_store_target_us": 2.0,
         "replay_speedup_vs_eager": get("replay", "speedup_run_vs_eager"),
+        "host_tier_kernel_min_pct_of_memcpy": get("host_tier", "kernel_min_pct_of_memcpy"),
+        "host_tier_copy_min_pct_of_memcpy": get("host_tier", "copy_min_pct_of_memcpy"),
+        "host_tier_target_pct": 80,
     }
 
 

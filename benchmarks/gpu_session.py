@@ -83,7 +83,7 @@ def plan(out: Path, device: str, py: str = sys.executable) -> List[Section]:
                                 f"--junitxml={out / 'codegen.xml'}"]),
         Section("gpu_check", 150, [py, str(BENCH / "gpu_check.py"), "--out", str(out / "gpu_check.json"),
                                    "--budget-s", "100", *dev]
-                + (["--only", "correctness,runner,shared_pages"] if dry else [])),
+                + (["--only", "correctness,runner,shared_pages,host_tier"] if dry else [])),
         Section("host_us", 40, [py, str(BENCH / "gpu_host.py"), "--out", str(out / "host_us.json"), *dev]),
     ]
     for f in cuda_test_files():

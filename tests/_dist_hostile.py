@@ -112,7 +112,7 @@ def hostile_sender(rank: int, world: int) -> dict[str, Any]:
     kv_transfer.VERSION = 99
     t0 = time.monotonic()
     try:
-        pool.send_request(h, 1, timeout_s=PEER_TIMEOUT_S)
+        kv_transfer.send_request(pool, h, 1, timeout_s=PEER_TIMEOUT_S)
         out["real_sender_refused"] = None
     except TransferRejectedError as e:
         out["real_sender_refused"] = (e.reason, str(e), time.monotonic() - t0)
@@ -125,7 +125,7 @@ def hostile_sender(rank: int, world: int) -> dict[str, Any]:
             x = torch.randn(LENGTH, 2, 8, generator=g)
             pool.write(layer, pool.slots(h), x, -x)
         dist.barrier()
-        pool.send_request(h, 1, timeout_s=PEER_TIMEOUT_S, chunk_bytes=1)
+        kv_transfer.send_request(pool, h, 1, timeout_s=PEER_TIMEOUT_S, chunk_bytes=1)
     out["sent"] = [pool.read(layer, pool.slots(h)) for layer in range(pool.num_layers)]
     return out
 
@@ -141,7 +141,7 @@ def hostile_receiver(rank: int, world: int) -> dict[str, Any]:
         dist.barrier()
         t0 = time.monotonic()
         try:
-            target.recv_request(0, timeout_s=PEER_TIMEOUT_S)
+            kv_transfer.recv_request(target, 0, timeout_s=PEER_TIMEOUT_S)
             out[name] = None
         except kvpool.KVPoolError as e:
             out[name] = {"error": type(e).__name__, "reason": getattr(e, "reason", ""), "message": str(e),
@@ -150,7 +150,7 @@ def hostile_receiver(rank: int, world: int) -> dict[str, Any]:
     before = snapshot(pool)
     dist.barrier()
     try:
-        pool.recv_request(0, timeout_s=PEER_TIMEOUT_S)
+        kv_transfer.recv_request(pool, 0, timeout_s=PEER_TIMEOUT_S)
         out["real_sender_refused"] = None
     except TransferRejectedError as e:
         out["real_sender_refused"] = (e.reason, snapshot(pool) == before)
@@ -158,7 +158,7 @@ def hostile_receiver(rank: int, world: int) -> dict[str, Any]:
     for keep in (kv_transfer.KEEP_STAGING_BYTES, 0):
         kv_transfer.KEEP_STAGING_BYTES = keep
         dist.barrier()
-        h = pool.recv_request(0, timeout_s=PEER_TIMEOUT_S)
+        h = kv_transfer.recv_request(pool, 0, timeout_s=PEER_TIMEOUT_S)
         got.append([pool.read(layer, pool.slots(h)) for layer in range(pool.num_layers)])
         kept.append(kv_transfer._STAGING.get(pool) is not None)
         pool.close([h])

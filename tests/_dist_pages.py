@@ -46,9 +46,9 @@ def descending(rank: int, world: int) -> dict[str, Any]:
             for layer in range(pool.num_layers):
                 x = torch.randn(LENGTH, 2, 8, generator=g)
                 pool.write(layer, pool.slots(h), x, x * 3)
-            pool.send_request(h, 1, chunk_bytes=chunk_bytes)
+            kv_transfer.send_request(pool, h, 1, chunk_bytes=chunk_bytes)
         else:
-            h = pool.recv_request(0)
+            h = kv_transfer.recv_request(pool, 0)
         out["pages"].append(pool.pages(h).tolist())
         out["kv"].append([pool.read(layer, pool.slots(h)) for layer in range(pool.num_layers)])
         pool.close([h])

@@ -130,13 +130,13 @@ def transfer_decode(rank: int, world: int, page_sizes: tuple[int, ...]) -> dict[
             for prompt in PROMPTS:
                 if rank == 0:
                     h, pre = prefill(model, pool, prompt)
-                    st = pool.send_request(h, 1)
+                    st = kv_transfer.send_request(pool, h, 1)
                     dist.send(torch.tensor([int(pre[-1].argmax())]), 1)
                     stats.append((st.pages, st.cached_pages, st.bytes, st.messages))
                     pages.append(pool.pages(h).tolist())
                     pool.close([h])
                 else:
-                    h = pool.recv_request(0)
+                    h = kv_transfer.recv_request(pool, 0)
                     first = torch.zeros(1, dtype=torch.int64)
                     dist.recv(first, 0)
                     pages.append(pool.pages(h).tolist())
@@ -180,7 +180,7 @@ def _prefix_transfer(model: Any, rank: int, P: int) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         h, pre = prefill_with_prefix(model, pool, PREFIX_PROMPT)
-        st = pool.send_request(h, 1)
+        st = kv_transfer.send_request(pool, h, 1)
         dist.send(torch.tensor([int(pre[-1].argmax())]), 1)
         out["stats"] = (st.pages, st.cached_pages, st.bytes, st.messages)
         pool.close([h])
@@ -226,9 +226,9 @@ def _raw_cases(rank: int) -> dict[str, Any]:
                 rows = [torch.randn(13, pool.num_kv_heads, pool.head_dim, generator=gen).to(pool.compute_dtype)
                         for _ in range(1 if pool.mla else 2)]
                 pool.write(layer, slots, *rows)
-            pool.send_request(h, 1, chunk_bytes=1)  # one page per chunk: many chunks
+            kv_transfer.send_request(pool, h, 1, chunk_bytes=1)  # one page per chunk: many chunks
         else:
-            h = pool.recv_request(0)
+            h = kv_transfer.recv_request(pool, 0)
             slots = pool.slots(h)
         out[name] = {"read": [pool.read(layer, slots) for layer in range(pool.num_layers)],
                      "raw": [c[:, torch.from_numpy(slots).long()].contiguous().view(torch.uint8)
@@ -250,7 +250,7 @@ def failures(rank: int, world: int) -> dict[str, Any]:
         before = snapshot(big)
         for case in ("exhausted", "incompatible"):
             try:
-                big.send_request(h, 1)
+                kv_transfer.send_request(big, h, 1)
                 res[case] = None
             except TransferRejectedError as e:
                 res[case] = (type(e).__name__, e.reason, str(e))
@@ -258,10 +258,10 @@ def failures(rank: int, world: int) -> dict[str, Any]:
         stale = int(big.open(1)[0])
         big.close([stale])
         try:
-            big.send_request(stale, 1)
+            kv_transfer.send_request(big, stale, 1)
         except kvpool.InvalidHandleError as e:
             res["stale"] = type(e).__name__
-        st = big.send_request(h, 1)       # the group still works after clean refusals
+        st = kv_transfer.send_request(big, h, 1)       # the group still works after clean refusals
         res["after"] = st.pages
         big.close([h])
         res["unchanged"] = snapshot(big)
@@ -269,17 +269,17 @@ def failures(rank: int, world: int) -> dict[str, Any]:
         for case, pool in (("exhausted", small), ("incompatible", other)):
             before = snapshot(pool)
             try:
-                pool.recv_request(0)
+                kv_transfer.recv_request(pool, 0)
                 res[case] = None
             except kvpool.KVPoolError as e:
                 res[case] = (type(e).__name__, getattr(e, "reason", ""), str(e))
             res[case + "_unchanged"] = snapshot(pool) == before
         t0 = time.monotonic()
         try:
-            big.recv_request(0, timeout_s=20)
+            kv_transfer.recv_request(big, 0, timeout_s=20)
         except TransferError as e:
             res["stale"] = (type(e).__name__, str(e), time.monotonic() - t0)
-        h = big.recv_request(0)
+        h = kv_transfer.recv_request(big, 0)
         res["after"] = len(big.pages(h))
         big.close([h])
         res["unchanged"] = snapshot(big)
@@ -329,13 +329,13 @@ def dead_peers(rank: int, world: int, peer_timeout_s: float) -> dict[str, Any]:
     before = snapshot(pool)
     if rank == 2:
         _die_on("K/V chunk", 3)
-        pool.send_request(h, 0, chunk_bytes=4096, timeout_s=peer_timeout_s)
+        kv_transfer.send_request(pool, h, 0, chunk_bytes=4096, timeout_s=peer_timeout_s)
     if rank == 1:
         _die_on("K/V chunk", 3)
-        pool.recv_request(0, timeout_s=peer_timeout_s)
-    out = {"sender_died": _error(lambda: pool.recv_request(2, timeout_s=peer_timeout_s), pool, before)}
+        kv_transfer.recv_request(pool, 0, timeout_s=peer_timeout_s)
+    out = {"sender_died": _error(lambda: kv_transfer.recv_request(pool, 2, timeout_s=peer_timeout_s), pool, before)}
     out["receiver_died"] = _error(
-        lambda: pool.send_request(h, 1, chunk_bytes=4096, timeout_s=peer_timeout_s), pool, before)
+        lambda: kv_transfer.send_request(pool, h, 1, chunk_bytes=4096, timeout_s=peer_timeout_s), pool, before)
     return out
 
 
@@ -346,4 +346,4 @@ def silent_peer(rank: int, world: int, peer_timeout_s: float) -> Any:
         time.sleep(peer_timeout_s + 3)
         return None
     before = snapshot(pool)
-    return _error(lambda: pool.recv_request(1, timeout_s=peer_timeout_s), pool, before)
+    return _error(lambda: kv_transfer.recv_request(pool, 1, timeout_s=peer_timeout_s), pool, before)

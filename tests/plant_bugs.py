@@ -49,7 +49,7 @@ class Mutant:
 
 
 MUTANTS = [
-    # The 8 planted bugs that survived the red team's run (issue 15).
+    # Counters, handle generations, memory figures, the GIL, kernels on CPU.
     Mutant("exhausted-free-slots-without-page-size", "rust/kvpool-core/src/extend.rs",
            "free_slots: self.free_pages.len() * self.page_size,", "free_slots: self.free_pages.len(),",
            ["tests/test_allocator_counters.py"]),
@@ -82,7 +82,7 @@ MUTANTS = [
            "budget = int(free_device_memory(device) * fraction)",
            "budget = int(free_device_memory(device) * (fraction if device.type != 'cpu' else 1.0))",
            ["tests/test_memory_figures.py"]),
-    # Caught before only by a Rust test or test_modes; kept to prove the Python suite sees them too.
+    # Also caught by a Rust test or test_modes; here to prove the Python suite sees them too.
     Mutant("stale-reported-as-unknown", "rust/kvpool-core/src/allocator.rs",
            "                HandleProblem::Stale\n            } else",
            "                HandleProblem::Unknown\n            } else",
@@ -91,7 +91,7 @@ MUTANTS = [
            "    with torch.inference_mode(False), torch.no_grad():",
            "    with torch.no_grad(), torch.inference_mode(False):",
            ["tests/test_modes.py"]),
-    # Issue 15's fixes, each undone: shows every regression test fails without its fix.
+    # Bad-input guards, each undone: every regression test must fail without the guard it covers.
     Mutant("fix3-slot-limit-unchecked", "python/kvpool/capacity.py",
            "if pages * page_size > MAX_SLOTS:", "if False:",
            ["tests/test_bad_input_catalogue.py"], group="fixes"),
@@ -123,11 +123,11 @@ MUTANTS = [
     Mutant("fix10-not-weak-referenceable", "rust/kvpool-py/src/allocator.rs",
            "frozen, weakref)]", "frozen)]",
            ["tests/test_allocator.py"], group="fixes"),
-    # Python-side reliability fixes (threads, capture, hostile peers, TP), undone one at a time.
+    # Python-side guards (threads, capture, hostile peers, TP), undone one at a time.
     Mutant("fix-extend-copies-outside-the-pool-lock", "python/kvpool/pool.py",
            "        lock = self._lock\n        lock.acquire()", "        lock = threading.RLock()\n        lock.acquire()",
            ["tests/test_pool_threads.py"], group="fixes"),
-    Mutant("fix-reset-without-the-pool-lock", "python/kvpool/facade.py",
+    Mutant("fix-reset-without-the-pool-lock", "python/kvpool/lifecycle.py",
            "        with self._lock:\n            self.allocator.reset()", "        self.allocator.reset()",
            ["tests/test_pool_threads.py"], group="fixes"),
     Mutant("fix-no-capture-guard", "python/kvpool/streams.py",
@@ -152,9 +152,9 @@ MUTANTS = [
            "layers = cache.view(cache.shape[0], -1).view(torch.uint8).view(word)",
            "layers = cache.view(torch.uint8).view(word)",
            ["tests/test_transfer_pages.py"], group="fixes"),
-    # Bugs an outside audit planted that the suite used to miss.
-    Mutant("rollback-starts-without-padding", "python/kvpool/pool.py",
-           "stride = num_requests + (num_requests & 1)", "stride = num_requests",
+    # Device-path, rollback, page-run, reorder and TP-digest bugs.
+    Mutant("packed-segments-without-padding", "python/kvpool/packed.py",
+           "return n + (n & 1)", "return n",
            ["tests/test_pool_device_path.py"]),
     Mutant("prefix-rows-lengths-misaligned", "python/kvpool/sharing.py",
            "lengths[keep], slots)", "lengths[: len(keep)], slots)",
@@ -207,7 +207,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="mutant names to run (default: the --group)")
     ap.add_argument("--group", choices=["planted", "fixes", "all"], default="planted",
-                    help="planted: the known bugs; fixes: issue 15's fixes undone one at a time")
+                    help="planted: the known bugs; fixes: the guards undone one at a time")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = ap.parse_args()
     mutants = [m for m in MUTANTS if (m.name in args.only if args.only else args.group in ("all", m.group))]

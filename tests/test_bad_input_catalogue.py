@@ -1,4 +1,4 @@
-"""The red team's bad-input table (issue 15), one parametrised case each.
+"""The bad-input table: one parametrised case per input an engine could get wrong.
 
 Every case asserts the exact exception class (a KVPoolError subclass, never
 TypeError / OverflowError / MemoryError / a panic) and, for calls on a live
@@ -98,7 +98,8 @@ def test_allocator_bad_input(alloc, name, exc, call):
 
 def test_huge_count_in_a_huge_page_pool_is_context_too_long():
     """A count past max_context_len is refused before its result array is sized
-    (was a MemoryError when the pool's page size made num_slots huge). The core
+    (sizing it first would be a MemoryError when the page size makes num_slots
+    huge). The core
     keeps per-slot metadata, so a pool of 2**41 slots is itself refused, typed."""
     with pytest.raises(InvalidArgumentError, match="cannot allocate"):
         SlotAllocator(2, page_size=2**40, max_requests=2, max_context_len=16)
@@ -196,7 +197,7 @@ CORE_CASES = [
 
 @pytest.mark.parametrize("code", CORE_CASES)
 def test_no_abort_on_huge_metadata(code):
-    """Run in a child process: before the fix these abort the interpreter."""
+    """Run in a child process: an infallible reservation of these sizes would abort the interpreter."""
     wrapped = (
         "import kvpool\n"
         f"try:\n    {code}\n    print('ok')\n"

@@ -137,7 +137,7 @@ def test_timing_takes_the_clocks_own_cost_off_every_figure():
     from kvpool.bench.runner import Timing, clock_overhead
 
     # Samples as the timing loop takes them: each includes the clock calls'
-    # cost (wall 100 ns, thread CPU 700 ns here); a sample below it counts 0.
+    # cost (in these samples 100 ns of wall, 700 ns of thread CPU); a sample below it counts 0.
     t = Timing(np.array([1100, 2100, 3100, 50]), np.array([1700, 2700, 3700, 600]), items=8,
                overhead_ns=(100, 700))
     s = t.summary()

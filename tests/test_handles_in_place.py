@@ -1,7 +1,8 @@
-"""extend and extend_packed read a contiguous int64 handles array in place
-(no copy) when the call runs with the GIL held. Every other form, and an
-array the call itself writes (out= or table= over the same memory), takes
-the copy; all of them must give the same slots and leave the same pool."""
+"""extend and extend_packed take a contiguous int64 handles array with one
+memcpy into a reused buffer (no conversion, no allocation), once, before
+anything is written; every other form is converted. All of them must give
+the same slots and leave the same pool, also when out= or table= is the
+handles' own memory or another thread rewrites the array during calls."""
 
 from __future__ import annotations
 
@@ -74,3 +75,55 @@ def test_extend_packed_reads_int64_handles_in_place_too() -> None:
     pa, na, _ = a.extend_packed(hs, [1, 4, 2])
     pb, nb, _ = b.extend_packed(hs.tolist(), [1, 4, 2])
     assert na == nb and np.array_equal(pa, pb)
+
+
+def test_a_handles_array_rewritten_by_another_thread_never_corrupts_the_pool() -> None:
+    # torch's copy_ releases the GIL, so another thread can rewrite the
+    # handles array while an extend reads it (a race in the caller's code).
+    # Whatever the call sees, it must see it once: a handle validated in
+    # one pass and changed before the next would grow a request that was
+    # never checked (or index past the rows).
+    import threading
+    import time
+    from collections import Counter
+
+    import torch
+
+    from kvpool import KVPoolError
+
+    a = SlotAllocator(1 << 14, page_size=16, max_requests=4096, max_context_len=1 << 20)
+    hs = a.open(2048)
+    arr = hs.copy()
+    view = torch.from_numpy(arr)
+    good = torch.from_numpy(hs.copy())
+    bad = torch.full((hs.size,), 1 << 40, dtype=torch.int64)  # no such request
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            view.copy_(bad)
+            view.copy_(good)
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    outcomes: Counter = Counter()
+    deadline = time.monotonic() + 4
+    try:
+        for i in range(10**9):
+            if time.monotonic() > deadline:
+                break
+            try:
+                a.extend(arr, 1)
+                outcomes["grew"] += 1
+            except KVPoolError as e:
+                outcomes[type(e).__name__] += 1
+            if i % 64 == 63:
+                a.truncate(hs, 0)
+                a.check()
+    finally:
+        stop.set()
+        writer.join()
+    a.check()
+    # Only the two outcomes the values allow: every handle good, or one is not.
+    assert set(outcomes) <= {"grew", "InvalidHandleError"}, outcomes
+    assert outcomes["grew"] + outcomes["InvalidHandleError"] > 100

@@ -186,5 +186,5 @@ def test_module_built_in_inference_mode_is_fixed_by_mutable() -> None:
     for p in model.parameters():
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
     with torch.no_grad():
-        model[0].weight.zero_()  # type: ignore[operator]  # the in-place write that used to raise
+        model[0].weight.zero_()  # type: ignore[operator]  # raises on an inference tensor
     assert not model[0].weight.any()  # type: ignore[operator]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvpool
-import kvpool.transfer as transfer
+from kvpool import tables
 from kvpool.cuda_graph import DecodeGraphRunner
 
 from kvpool.testing.toy_step import ToyDecode
@@ -53,20 +53,19 @@ def test_page_table_matches_hand_built_csr():
     assert all(t.dtype == torch.int32 for t in pt)
 
 
-def test_device_page_table_split_checks_all_three_arrays(monkeypatch):
+def test_device_page_table_split_checks_all_three_arrays():
     """The CUDA branch packs the three arrays into one copy and slices them
     back; run it on CPU by making the 'H2D copy' a host view."""
     copies = []
 
-    def fake_to_device(host, device):
+    def fake_ring(host):
         copies.append(host.copy())
         return torch.from_numpy(host)
 
-    monkeypatch.setattr(transfer, "_to_device", fake_to_device)
     indptr = np.array([0, 2, 2, 5], dtype=np.int32)
     indices = np.array([7, 9, 1, 2, 3], dtype=np.int32)
     last = np.array([3, 0, 16], dtype=np.int32)
-    pt = transfer.page_table_tensors(indptr, indices, last, torch.device("cuda", 0))
+    pt = tables.page_table_tensors(indptr, indices, last, torch.device("cuda", 0), fake_ring)
     assert len(copies) == 1  # one transfer for all three
     assert pt.kv_indptr.tolist() == [0, 2, 2, 5]
     assert pt.kv_indices.tolist() == [7, 9, 1, 2, 3]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvpool
 from kvpool import KVPoolError
-from kvpool.transfer import update_req_to_token
+from kvpool.tables import update_req_to_token
 
 MAX_REQ, MAX_LEN = 4, 24
 
@@ -192,16 +192,16 @@ def test_device_table_update_passes_16_byte_aligned_segments(counts, monkeypatch
     """Triton specializes pointers on 16-byte alignment: every segment of the packed
     H2D buffer must stay aligned whatever the batch shape, or a new batch size would
     compile a new kernel variant while serving."""
-    import kvpool.transfer as transfer
+    from kvpool import tables
 
     seen = []
-    real = transfer.write_req_to_token
+    real = tables.write_req_to_token
 
     def spy(table, rows, starts, counts_d, slots, offsets):
         seen.append([x.data_ptr() % 16 for x in (rows, starts, counts_d, slots, offsets)])
         real(table, rows, starts, counts_d, slots, offsets=offsets)
 
-    monkeypatch.setattr(transfer, "write_req_to_token", spy)
+    monkeypatch.setattr(tables, "write_req_to_token", spy)
     _, packed, b, _ = packed_extend(counts)
     table = torch.zeros((9, 64), dtype=torch.int32)
     host, out = update_req_to_token(table, packed, b)

@@ -367,6 +367,7 @@ def test_send_request_keeps_the_pages_until_the_ack(fake_link):
     """While send_request waits for the receiver's reply, another thread closes the
     request and reuses its pages. That close must wait for the transfer, and the
     chunk sent must hold the request's K/V."""
+    from kvpool.distributed import kv_transfer
     from kvpool.distributed import protocol as P
 
     pool = small_pool(num_pages=16)
@@ -391,7 +392,7 @@ def test_send_request_keeps_the_pages_until_the_ack(fake_link):
         fake_link["log"].append(("closed", None))
         b_done.set()
 
-    run_both(lambda: pool.send_request(int(hs[0]), 1), thread_b)
+    run_both(lambda: kv_transfer.send_request(pool, int(hs[0]), 1), thread_b)
     order = [what for what, _ in fake_link["log"] if what in ("got ack", "closed")]
     assert order == ["got ack", "closed"], "the request was closed while its pages were being sent"
     chunks = [t for what, t in fake_link["log"] if what == "K/V chunk"]
@@ -426,7 +427,7 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
     monkeypatch.setattr(kv_transfer, "_unpack", paused_unpack)
 
     def thread_a():
-        got["h"] = pool.recv_request(0)
+        got["h"] = kv_transfer.recv_request(pool, 0)
 
     def thread_b():
         assert storing.wait(10)

@@ -116,7 +116,7 @@ def test_pool_device_copies_go_through_its_staging(ring_parts):
         row = int(pool.rows([hh])[0])
         assert pool.req_to_token[row, :n].tolist() == pool.slots(hh).tolist()
     # page_table: zero copy on a CPU pool; any other device ships through to_device.
-    from kvpool.transfer import page_table_tensors
+    from kvpool.tables import page_table_tensors
 
     pt = page_table_tensors(*pool.allocator.page_table(h), torch.device("meta"), to_device)
     assert len(staged) == 2 and pt.kv_indptr.tolist() == [0, 2, 3]

@@ -1,32 +1,37 @@
 """kvpool: a Rust-accelerated KV-cache memory pool for LLM inference engines.
 
-Layers, each calling only the one below it: ``KVPool`` (torch tensors, tables,
-grad-mode safety) and ``DecodeGraphRunner`` -> ``kvpool.kernels`` (Triton) ->
-``kvpool._core`` (the Rust ``SlotAllocator``: ownership and free lists).
+Layers, each calling only the one below it: ``kvpool.distributed``,
+``kvpool.integrations``, the demo and the benchmarks -> ``KVPool`` (torch
+tensors, tables, grad-mode safety) and ``DecodeGraphRunner`` ->
+``kvpool.kernels`` (Triton) -> ``kvpool._core`` (the Rust ``SlotAllocator``:
+ownership and free lists). ``import kvpool`` loads none of the first layer.
 """
 
 from importlib import metadata as _metadata
+from typing import Any
 
-from kvpool._core import (
+from kvpool._core import PoolStats, SlotAllocator
+from kvpool.cuda_graph import DecodeGraphRunner
+from kvpool.errors import (
     ContextTooLongError,
+    DuplicateSlotError,
     InvalidArgumentError,
     InvalidHandleError,
     InvariantError,
+    KernelArgumentError,
     KVPoolError,
-    PoolExhaustedError,
-    PoolStats,
-    SlotAllocator,
-    TooManyRequestsError,
-)
-from kvpool.cuda_graph import DecodeGraphRunner
-from kvpool.errors import (
-    DuplicateSlotError,
     LayerIndexError,
+    PoolExhaustedError,
+    RankDivergenceError,
     ReservedSlotError,
     SlotRangeError,
     TensorDeviceError,
     TensorDtypeError,
     TensorShapeError,
+    TooManyRequestsError,
+    TransferError,
+    TransferRejectedError,
+    TransferTimeoutError,
     TritonUnavailableError,
 )
 from kvpool.handles import ROW_MASK, handle_row
@@ -39,29 +44,35 @@ except _metadata.PackageNotFoundError:  # imported from a source tree without an
     __version__ = "0+unknown"
 
 __all__ = [
-    # allocator (Rust core) and its errors
-    "ContextTooLongError",
-    "InvalidArgumentError",
-    "InvalidHandleError",
-    "InvariantError",
-    "KVPoolError",
-    "PoolExhaustedError",
+    # allocator (Rust core)
     "PoolStats",
     "ROW_MASK",
     "SlotAllocator",
-    "TooManyRequestsError",
     "handle_row",
     # torch layer
     "ExtendResult",
     "KVPool",
     "PageTable",
+    # every exception (kvpool.errors)
+    "ContextTooLongError",
     "DuplicateSlotError",
+    "InvalidArgumentError",
+    "InvalidHandleError",
+    "InvariantError",
+    "KernelArgumentError",
+    "KVPoolError",
     "LayerIndexError",
+    "PoolExhaustedError",
+    "RankDivergenceError",
     "ReservedSlotError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",
     "TensorShapeError",
+    "TooManyRequestsError",
+    "TransferError",
+    "TransferRejectedError",
+    "TransferTimeoutError",
     "TritonUnavailableError",
     # grad-mode safety
     "Finding",
@@ -72,3 +83,14 @@ __all__ = [
     "DecodeGraphRunner",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # send_request / recv_request need torch.distributed: load kvpool.distributed
+    # on first use only (and not for ``from kvpool import *``, hence not in
+    # __all__), so ``import kvpool`` stays single-process.
+    if name in ("send_request", "recv_request"):
+        from kvpool.distributed import kv_transfer
+
+        return getattr(kv_transfer, name)
+    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

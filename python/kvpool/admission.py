@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.transfer import ExtendResult, ToDevice, update_req_to_token
+from kvpool.staging import ToDevice
+from kvpool.tables import ExtendResult, update_req_to_token
 
 
 class AdmissionMixin:
@@ -21,32 +22,23 @@ class AdmissionMixin:
     _enter_device_call: Any
 
     def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, ExtendResult]:
-        """Open ``len(counts)`` requests and extend request ``i`` by ``counts[i]``
-        tokens, writing their slots into ``req_to_token``: ``open`` then ``extend``
-        in one crossing into the core (on CUDA, one H2D copy and one table-kernel
-        launch, as ``extend``).
+        """Open ``len(counts)`` requests and extend request ``i`` by ``counts[i]`` tokens,
+        writing their slots into ``req_to_token``. See ``SlotAllocator.admit``;
+        holds the pool's lock.
 
-        Args:
-            counts: one int >= 0 per new request (a sequence or 1-D integer array).
-            tokens: optional token ids of the new positions (the prompts'),
-                flattened like the slots; positions without ids make their pages
-                uncacheable.
+        The pool adds the table write (on CUDA one host -> device copy and one
+        table-kernel launch, as ``extend``) and the device result.
 
         Returns:
             ``(handles, ExtendResult(slots, out_cache_loc))``.
 
         Raises:
-            TooManyRequestsError: fewer than ``len(counts)`` rows are free.
-            PoolExhaustedError: not enough free or evictable pages.
-            ContextTooLongError: a count is past ``max_context_len``.
-            InvalidArgumentError: counts is not a sequence of ints >= 0 (a single
-                int is refused), or token ids of the wrong length or range.
             TensorDeviceError: called while a CUDA graph is being captured on
                 the pool's device (its host -> device copy cannot be captured).
-            Atomic: on any of these no request is opened and nothing changes. If
-            the device table update itself fails after the allocator committed
-            (a CUDA OOM or launch error), the new requests are emptied, last first,
-            so their pages go back on the free stack in their old order, and closed.
+            Atomic as the allocator's call. If the device table update itself
+            fails after the allocator committed (a CUDA OOM or launch error), the
+            new requests are emptied, last first, so their pages go back on the
+            free stack in their old order, and closed.
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)

@@ -54,7 +54,7 @@ from kvpool._core import InvalidArgumentError, InvariantError
 from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
-from kvpool.staging import PinnedRing
+from kvpool.staging import PinnedRing, to_device
 from kvpool.torch_types import as_device
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
@@ -320,7 +320,7 @@ class DecodeGraphRunner:
         for j, (i, a) in enumerate(host):
             packed[j, :n] = a
             packed[j, n:] = self._pad_vals[i]
-        staged = self._to_device(packed)  # one DMA for every host input, queued on this stream
+        staged = to_device(packed, self.device, self._to_device)  # one DMA for every host input, on this stream
         if len(host) == len(INPUT_NAMES):
             static[:, :bucket].copy_(staged)
         else:

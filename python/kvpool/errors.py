@@ -1,24 +1,51 @@
-"""Typed errors of the torch layer.
+"""Every exception kvpool raises, in one place (also importable from ``kvpool``).
 
-Argument errors derive from ``InvalidArgumentError`` (itself a ``KVPoolError``
-and a ``ValueError``); ``TritonUnavailableError`` (an install problem, not a bad
-argument) is a ``KVPoolError`` and a ``RuntimeError``. So engines can catch one
-base class. All are raised before anything is written, so a failed call leaves
-the pool exactly as it was.
+All derive from ``KVPoolError``, so an engine can catch one base class.
+
+- The allocator's (``kvpool._core``, raised by the Rust core): ``PoolExhaustedError``,
+  ``InvalidHandleError``, ``TooManyRequestsError``, ``ContextTooLongError``,
+  ``InvalidArgumentError`` (also a ``ValueError``) and ``InvariantError``.
+- The torch layer's and the kernels' argument errors derive from
+  ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
+  a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
+  before anything is written, so a failed call leaves the pool exactly as it was.
+- ``kvpool.distributed``'s (``TransferError`` and its subclasses,
+  ``RankDivergenceError``) are defined here too, so catching them never needs
+  ``torch.distributed``; ``kvpool.distributed.errors`` re-exports them.
 """
 
 from __future__ import annotations
 
-from kvpool._core import InvalidArgumentError, KVPoolError
+from kvpool._core import (
+    ContextTooLongError,
+    InvalidArgumentError,
+    InvalidHandleError,
+    InvariantError,
+    KVPoolError,
+    PoolExhaustedError,
+    TooManyRequestsError,
+)
 
 __all__ = [
+    "ContextTooLongError",
     "DuplicateSlotError",
+    "InvalidArgumentError",
+    "InvalidHandleError",
+    "InvariantError",
+    "KVPoolError",
+    "KernelArgumentError",
     "LayerIndexError",
+    "PoolExhaustedError",
+    "RankDivergenceError",
     "ReservedSlotError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",
     "TensorShapeError",
+    "TooManyRequestsError",
+    "TransferError",
+    "TransferRejectedError",
+    "TransferTimeoutError",
     "TritonUnavailableError",
 ]
 
@@ -53,5 +80,47 @@ class LayerIndexError(InvalidArgumentError):
     """A layer index is outside ``[0, num_layers)``."""
 
 
+class KernelArgumentError(InvalidArgumentError):
+    """A kernel wrapper argument is wrong in a way not covered by the tensor
+    shape / dtype / device errors above (all share the base class)."""
+
+
 class TritonUnavailableError(KVPoolError, RuntimeError):
     """K/V must move on a CUDA device but Triton cannot be imported; the message says what to install."""
+
+
+class RankDivergenceError(KVPoolError):
+    """Tensor-parallel ranks no longer agree on the allocator's decisions.
+
+    ``rank`` is the first rank (in group order) whose digest differs from the
+    group's first rank; ``ranks`` lists every differing rank.
+    """
+
+    def __init__(self, message: str, rank: int = -1, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.rank, self.ranks = rank, ranks
+
+
+class TransferError(KVPoolError):
+    """Moving a request between pools failed: a peer died, timed out or broke the protocol.
+
+    The pool on the side that raises is left as it was (a half-received
+    request is closed again). After this error the process group's
+    point-to-point channel to that peer is in an unknown state: rebuild the
+    group before the next transfer.
+    """
+
+
+class TransferTimeoutError(TransferError):
+    """The peer did not answer within the transfer's timeout."""
+
+
+class TransferRejectedError(TransferError):
+    """The destination refused the request before any K/V moved (no room, or an
+    incompatible pool); both pools are unchanged. ``reason`` is the
+    destination's status code name (``"exhausted"``, ``"too_many_requests"``,
+    ``"context_too_long"``, ``"incompatible"``)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -19,19 +19,20 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
-from kvpool.distributed.heads import shard_kv_heads
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.errors import TensorShapeError
-from kvpool.facade import AllocatorFacade
+from kvpool.lifecycle import RequestOps
+from kvpool.heads import shard_kv_heads
 from kvpool.kernels import gather_kv, require_triton, store_kv
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
-from kvpool.staging import PinnedRing
+from kvpool.packed import PackedExtend
+from kvpool.staging import PinnedRing, to_device
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.admission import AdmissionMixin
-from kvpool.transfer import ExtendResult, PageTable, page_table_tensors, update_req_to_token
+from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
@@ -43,7 +44,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
+class KVPool(RequestOps, SharingMixin, AdmissionMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -61,7 +62,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
 
     Request operations, queries and counters (``open``, ``close``, ``lengths``,
     ``free_pages``, ``check``, ...) are the allocator's, forwarded (see
-    ``AllocatorFacade``); ``pool.allocator`` is never needed for ordinary work.
+    ``kvpool.lifecycle.RequestOps``); ``pool.allocator`` is never needed for ordinary work.
 
     Shared pages: ``open_with_prefix`` starts requests on cached pages of a
     common prefix, ``cache`` / ``close(cache=True)`` publish pages, ``fork``
@@ -81,16 +82,18 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
     Tensor parallelism: ``tp_rank``/``tp_size`` with ``num_kv_heads`` the model's
     total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
     then this rank's count, ``kv_head_start`` its first head; MLA replicates the
-    latent cache). See ``kvpool.distributed`` and docs/distributed.md.
+    latent cache). Moving requests between pools and checking that ranks agree
+    are ``kvpool.distributed``'s (``send_request(pool, ...)``, ``tp_pool``), a
+    layer above this one; see docs/distributed.md.
 
     Threads: one pool may be shared between threads. Every call that changes
     who owns what (``open``, ``admit``, ``extend``, ``truncate``, ``close``,
     ``cache``, ``fork``, the ``open_with_*`` calls, ``evict``, ``clear_cache``,
-    ``reset``, ``send_request`` / ``recv_request``) holds the pool's lock for its
-    whole duration, copy-on-write copies included, so no thread can free and
-    reuse a page before a copy has read it. Queries and counters take only the
-    core's own lock; ``write`` and ``read`` take none (a request's owner writes
-    its own slots).
+    ``reset``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
+    holds the pool's lock for its whole duration, copy-on-write copies
+    included, so no thread can free and reuse a page before a copy has read it.
+    Queries and counters take only the core's own lock; ``write`` and ``read``
+    take none (a request's owner writes its own slots).
 
     Streams (CUDA): everything a pool call enqueues (H2D copies, the table
     kernel, copy-on-write copies) goes on the caller's current stream. An engine
@@ -268,27 +271,19 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
 
     # ----- request operations that touch the tables ------------------------
     # (open, truncate, close, reset and the allocator's queries and counters
-    # come from AllocatorFacade)
+    # come from RequestOps)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> ExtendResult:
-        """Grow requests by ``counts`` tokens; write their new slots into ``req_to_token``.
+        """Grow requests by ``counts`` tokens and write their new slots into ``req_to_token``.
+        See ``SlotAllocator.extend`` (the pool passes its own ``table``, ``cow``
+        and ``out``; ``tokens`` is the allocator's); holds the pool's lock.
 
-        One crossing into the core. On CPU the core writes the table in place
-        (it is host memory); on CUDA one H2D copy and one table-kernel launch,
-        no device sync. A new page is taken only when a request's last one is
-        full (free pages first, then the least recently used cached page).
-        When a request writes into a page it shares (after ``fork``, or a
-        ``truncate`` into a shared or cached page), the valid part is first
-        copied to a private page: the copy runs here with ``copy_slots`` over
+        The pool adds: one crossing into the core, then on CPU nothing more (the
+        core writes the host table in place), on CUDA one host -> device copy and
+        one table-kernel launch, with no device sync. When a request writes into
+        a page it shares (after ``fork``, or a ``truncate`` into a shared or
+        cached page), the copy-on-write copy runs here with ``copy_slots`` over
         every layer, and the table is updated, before this returns.
-
-        Args:
-            handles: the requests (no duplicates).
-            counts: new tokens per request, or one int for all (>= 0).
-            tokens: optional token ids of the new positions, flattened like the
-                slots (decode steps pass the sampled tokens). Positions of a
-                prompt given to ``open_with_prefix`` take its ids; positions
-                without ids make their pages uncacheable.
 
         Returns:
             ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
@@ -296,14 +291,11 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             pool's device.
 
         Raises:
-            InvalidHandleError: a handle is unknown, closed or stale.
-            PoolExhaustedError: not enough free or evictable pages (the message says needed vs free).
-            ContextTooLongError: a request would pass ``max_context_len``.
-            InvalidArgumentError: a negative count, mismatched sizes, a duplicate
-                handle, token ids of the wrong length or disagreeing with the prompt.
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
-            Atomic: on any error neither the allocator nor the table changes.
+            Atomic as the allocator's call, the table included. If the device
+            table update itself fails after the allocator committed, the
+            requests are truncated back to their old lengths.
         """
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
@@ -345,23 +337,19 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             apply_cow(self, cow, table_written=False)
         except BaseException:  # noqa: BLE001 - the original error is the one to raise
             pass
-        stride = num_requests + (num_requests & 1)
-        starts = packed[stride : stride + num_requests]
+        starts = PackedExtend.parse(packed, num_requests).starts
         hs = np.asarray(handles, dtype=np.int64).reshape(-1)
         self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())
 
     def page_table(self, handles: Any) -> PageTable:
-        """FlashInfer's CSR page table of a batch, int32 tensors on the pool's device.
-
-        Args:
-            handles: the batch's requests, in batch order.
+        """FlashInfer's CSR page table of a batch as int32 tensors on the pool's device.
+        See ``SlotAllocator.page_table``.
 
         Returns:
             ``PageTable(kv_indptr [B+1], kv_indices, kv_last_page_len [B])``
             (zero copy on CPU; on CUDA one H2D copy from pinned staging).
 
         Raises:
-            InvalidHandleError: a handle is unknown, closed or stale.
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
         """
@@ -460,7 +448,7 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
         if idx.device != self.device:
             # Host slots, eager only (rejected while capturing): staged like extend's copy.
-            idx = self._to_device(idx.numpy()) if self._to_device is not None else idx.to(self.device)
+            idx = to_device(idx.numpy(), self.device, self._to_device)
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
         rows = [x.detach() if x.requires_grad else x for x in rows]
@@ -515,17 +503,3 @@ class KVPool(AllocatorFacade, SharingMixin, AdmissionMixin):
             f"dtype={self.dtype}, device={self.device}, layout={self.layout}, page_size={self.page_size}, "
             f"num_slots={self.num_slots}, nbytes={self.nbytes}, overhead_bytes={self.overhead_bytes})"
         )
-
-    # ----- moving requests between pools (kvpool.distributed) ---------------
-
-    def send_request(self, handle: int, dst_rank: int, group: Any = None, **kwargs: Any) -> Any:
-        """Send request ``handle``'s K/V to the pool on ``dst_rank``; see
-        ``kvpool.distributed.send_request`` (returns ``TransferStats``)."""
-        from kvpool.distributed.kv_transfer import send_request
-        return send_request(self, handle, dst_rank, group, **kwargs)
-
-    def recv_request(self, src_rank: int, group: Any = None, **kwargs: Any) -> int:
-        """Receive a request from ``src_rank`` into this pool and return its handle;
-        see ``kvpool.distributed.recv_request``."""
-        from kvpool.distributed.kv_transfer import recv_request
-        return recv_request(self, src_rank, group, **kwargs)

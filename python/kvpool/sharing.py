@@ -2,7 +2,8 @@
 write the shared pages' slots into the new requests' ``req_to_token`` rows,
 and ``apply_cow`` runs an extend's copy-on-write work on the device: one
 ``copy_slots`` over every layer's caches and the moved positions' table
-entries. Host arrays go to the device with one copy each; nothing is read back.
+entries. Each call's host arrays go to the device with one copy
+(``kvpool.staging.pool_to_device``); nothing is read back.
 """
 
 from __future__ import annotations
@@ -13,33 +14,16 @@ import numpy as np
 import torch
 
 from kvpool.kernels import copy_slots, write_req_to_token
+from kvpool.staging import pool_to_device
 
 __all__ = ["SharingMixin", "apply_cow"]
-
-
-def _to_device(pool: Any, *parts: np.ndarray) -> list[torch.Tensor]:
-    """The int64 host arrays ``parts`` on the pool's device with ONE host-to-device
-    copy (through the pool's pinned ring on CUDA, zero copy on CPU). Each part
-    starts on a 16-byte boundary, so Triton sees the same pointer alignment
-    whatever the batch sizes are."""
-    at = np.cumsum([0] + [(len(p) + 1) & ~1 for p in parts])
-    packed = np.zeros(int(at[-1]), dtype=np.int64)
-    for p, lo in zip(parts, at):
-        packed[lo : lo + len(p)] = p
-    if pool.device.type == "cpu":
-        dev = torch.from_numpy(packed)
-    elif getattr(pool, "_to_device", None) is not None:
-        dev = pool._to_device(packed)
-    else:
-        dev = torch.from_numpy(packed).to(pool.device, non_blocking=True)
-    return [dev[lo : lo + len(p)] for p, lo in zip(parts, at)]
 
 
 def write_rows(pool: Any, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: np.ndarray) -> None:
     """``req_to_token[rows[i], starts[i]:starts[i]+counts[i]]`` = the next counts[i] of ``slots``."""
     if len(slots) == 0:
         return
-    write_req_to_token(pool.req_to_token, *_to_device(pool, rows, starts, counts, slots))
+    write_req_to_token(pool.req_to_token, *pool_to_device(pool, rows, starts, counts, slots))
 
 
 def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
@@ -57,10 +41,10 @@ def apply_cow(pool: Any, cow: np.ndarray | None, table_written: bool) -> None:
     rows, pos, src, dst = cow[:m], cow[m : 2 * m], cow[2 * m : 3 * m], cow[3 * m :]
     caches = [c for group in pool._storage.flat for c in group]
     if table_written:
-        src_d, dst_d = _to_device(pool, src, dst)
+        src_d, dst_d = pool_to_device(pool, src, dst)
         copy_slots(caches, src_d, dst_d)
     else:
-        src_d, dst_d, rows_d, pos_d, ones_d = _to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
+        src_d, dst_d, rows_d, pos_d, ones_d = pool_to_device(pool, src, dst, rows, pos, np.ones(m, dtype=np.int64))
         copy_slots(caches, src_d, dst_d)
         write_req_to_token(pool.req_to_token, rows_d, pos_d, ones_d, dst_d)
     pool.copied_slots += m  # kvpool.metrics: copy bytes = copied_slots * bytes_per_slot
@@ -92,32 +76,18 @@ class SharingMixin:
         write_rows(self, rows, np.zeros(len(hs), dtype=np.int64), lengths[keep], slots)
 
     def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
-        """Open one request per prompt, each starting on the longest cached prefix
-        of full pages of its prompt (at least one token is always left to compute:
-        ``cached_len <= length - 1``, rounded down to a page boundary).
+        """Open one request per prompt on the longest cached prefix of its prompt.
+        See ``SlotAllocator.open_with_prefix``; holds the pool's lock.
 
-        The shared pages' slots are written into the new rows of ``req_to_token``
-        (and show in ``page_table``); the request's length is its ``cached_len``.
-        The prompt's token ids are remembered: extend the request by
+        The pool adds: the shared pages' slots are written into the new rows of
+        ``req_to_token`` (on CUDA with one host -> device copy), so they show in
+        the tables as well as in ``page_table``. Extend each request by
         ``length - cached_len`` to prefill the rest, then ``cache`` (or
         ``close(cache=True)``) to publish its pages.
 
-        Args:
-            tokens: the prompts' token ids, concatenated.
-            lengths: each prompt's length.
-            salt: None, an int for all, or one int per prompt (LoRA id, tenant,
-                cache salt); different salts never share pages.
-
-        Returns:
-            ``(handles, cached_lens)``, int64 arrays.
-
         Raises:
-            InvalidArgumentError: tokens and lengths disagree, a token id out of
-                range, a salt of the wrong type.
-            ContextTooLongError: a prompt longer than ``max_context_len``.
-            TooManyRequestsError: not enough free rows.
             TensorDeviceError: called while a CUDA graph is being captured on the
-                pool's device. Nothing changes on any error.
+                pool's device (before anything changes).
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
@@ -132,20 +102,16 @@ class SharingMixin:
 
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
         """Open ``n`` requests sharing all of ``handle``'s pages and known tokens
-        (parallel sampling, beam search). Their ``req_to_token`` rows get the
-        parent's slots. A shared, partly filled last page is copy-on-write: the
-        first holder that extends into it gets a private copy (``extend`` runs
-        the copy on the device before it returns).
+        (parallel sampling, beam search). See ``SlotAllocator.fork``; holds the
+        pool's lock.
 
-        Returns:
-            int64 array of ``n`` new handles.
+        The pool adds: the new rows of ``req_to_token`` get the parent's slots,
+        and when a holder later extends into the shared, partly filled last page,
+        ``extend`` runs its copy-on-write copy on the device before it returns.
 
         Raises:
-            InvalidHandleError: ``handle`` is unknown, closed or stale.
-            TooManyRequestsError: not enough free rows.
-            InvalidArgumentError: ``n`` is negative or not an int.
             TensorDeviceError: called while a CUDA graph is being captured on the
-                pool's device. Nothing changes on any error.
+                pool's device (before anything changes).
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
@@ -164,47 +130,29 @@ class SharingMixin:
     # Prefix-aware transfer between pools (kvpool.distributed.kv_transfer).
 
     def chain_hashes(self, handle: Any) -> tuple[np.ndarray, np.ndarray, int]:
-        """The request's leading full pages of known tokens, for a prefix-aware transfer.
-
-        Returns:
-            ``(hashes, tokens, salt)``: uint64 ``[2n]`` (hi, lo) words of each
-            page's 128-bit chain hash under this pool's ``hash_seed``, int32
-            ``[n * page_size]`` token ids of those pages, the request's salt.
-
-        Raises:
-            InvalidHandleError: unknown, closed or stale handle.
-        """
+        """A request's leading full pages of known tokens (hashes under this pool's
+        ``hash_seed``, token ids, salt), for a prefix-aware transfer.
+        See ``SlotAllocator.chain_hashes``."""
         return self.allocator.chain_hashes(handle)
 
     def match_chain_hashes(self, hashes: Any, tokens: Any, salt: Any = None) -> int:
-        """How many leading pages of another pool's chain (``chain_hashes``) this pool caches.
-
-        Each page is verified by its token ids, salt and parent, so a different
-        ``hash_seed`` or a hash collision is a miss, never wrong KV. Read-only.
-
-        Raises:
-            InvalidArgumentError: malformed hashes or tokens, a bad salt.
-        """
+        """How many leading pages of another pool's chain (``chain_hashes``) this pool
+        caches, as a Python int. See ``SlotAllocator.match_chain_hashes``."""
         return int(self.allocator.match_chain_hashes(hashes, tokens, salt))
 
     def open_with_chain_hashes(self, hashes: Any, tokens: Any, salt: Any = None,
                                max_pages: int | None = None) -> int:
         """Open a request holding the leading pages of a chain that this pool caches.
+        See ``SlotAllocator.open_with_chain_hashes``; holds the pool's lock.
 
-        At most ``max_pages`` pages (each refcount + 1); the request's length is
-        ``pages * page_size`` and its ``req_to_token`` row shows them. The chain's
-        tokens become its known prompt: extend it by the rest of the length and
-        ``cache()`` can register the new pages later.
+        The pool adds: the request's ``req_to_token`` row shows the shared pages.
 
         Returns:
-            The new handle (``length(handle)`` says how many tokens it shares).
+            The new handle only (``length(handle)`` says how many tokens it shares).
 
         Raises:
-            InvalidArgumentError: malformed hashes or tokens, a bad salt or max_pages.
-            ContextTooLongError: more tokens than ``max_context_len``.
-            TooManyRequestsError: no free row.
             TensorDeviceError: called while a CUDA graph is being captured on the
-                pool's device. Nothing changes on any error.
+                pool's device (before anything changes).
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)

@@ -12,6 +12,9 @@ ahead of the GPU), the ring grows by one buffer instead of waiting; only past
 ``max_depth`` buffers does it wait for the oldest copy (back-pressure on a
 host that is hundreds of copies ahead). Each buffer grows to the largest
 update it has carried, in powers of two, so steady state allocates nothing.
+
+``to_device`` and ``pool_to_device`` are the one way the torch layer moves
+host arrays to its device: zero copy on CPU, through the pool's ring on CUDA.
 """
 
 from __future__ import annotations
@@ -23,8 +26,38 @@ import numpy as np
 import torch
 
 from kvpool.modes import persistent
+from kvpool.packed import pack, unpack
 
-__all__ = ["PinnedRing"]
+__all__ = ["PinnedRing", "ToDevice", "pool_to_device", "to_device"]
+
+#: A host -> device copy function: ``PinnedRing.to_device`` of a CUDA pool.
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+def to_device(host: np.ndarray, device: torch.device, ring: ToDevice | None = None) -> torch.Tensor:
+    """``host`` as a tensor on ``device``, without waiting for the device.
+
+    On CPU the tensor shares ``host``'s memory (no copy). Elsewhere one
+    non-blocking copy on the current stream: through ``ring`` (a pool's
+    ``PinnedRing.to_device``) when given, else straight from ``host`` (pageable
+    memory, which the driver may synchronise to stage: pools always pass their ring).
+    """
+    if ring is not None:
+        return ring(host)
+    src = torch.from_numpy(host)
+    return src if device.type == "cpu" else src.to(device, non_blocking=True)
+
+
+def pool_to_device(pool: Any, *parts: np.ndarray) -> list[torch.Tensor]:
+    """Several int64 host arrays on ``pool.device`` with ONE copy, through the
+    pool's ring (``pool._to_device``) on CUDA; views of the copied buffer.
+
+    Packed by ``kvpool.packed.pack``: each part starts on a 16-byte boundary, so
+    Triton sees the same pointer alignment whatever the batch sizes are.
+    """
+    packed, starts = pack(parts)
+    dev = to_device(packed, pool.device, getattr(pool, "_to_device", None))
+    return unpack(dev, starts, [len(p) for p in parts])
 
 
 def _pinned(nbytes: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvpool.distributed.heads import shard_kv_heads
+from kvpool.heads import shard_kv_heads
 from kvpool.demo.model import TinyLM
 from kvpool.modes import persistent
 

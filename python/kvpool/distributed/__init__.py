@@ -4,8 +4,10 @@
   heads; ``tp_pool`` builds it with seeds agreed across the group and wraps it
   in ``TPPool``, which checks that every rank's allocator made the same
   decisions (``RankDivergenceError`` names the first rank that did not).
-- Disaggregation: ``send_request`` / ``recv_request`` (also ``KVPool`` methods)
-  move one request's K/V between pools, page-granular and batched.
+- Disaggregation: ``send_request(pool, ...)`` / ``recv_request(pool, ...)``
+  (also ``kvpool.send_request`` / ``kvpool.recv_request``, which load this
+  package on first use) move one request's K/V between pools, page-granular
+  and batched.
 - ``page_descriptors``: the same pages as ``(addr, len, device)`` rows for NIXL
   or Mooncake. Details and guarantees: docs/distributed.md.
 """
@@ -16,7 +18,7 @@ from kvpool.distributed.errors import (
     TransferRejectedError,
     TransferTimeoutError,
 )
-from kvpool.distributed.heads import HeadShard, shard_kv_heads
+from kvpool.heads import HeadShard, shard_kv_heads
 from kvpool.distributed.kv_transfer import TransferStats, recv_request, recv_request_stats, send_request
 from kvpool.distributed.pages import contiguous_runs, page_descriptors
 from kvpool.distributed.tp import TPPool, agree_seed, tp_pool

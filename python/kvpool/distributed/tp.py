@@ -28,10 +28,10 @@ from kvpool.distributed.errors import RankDivergenceError
 __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
 #: Pool calls that change allocator state (the ones the digest records); a call
-#: the wrapped pool does not have is skipped.
+#: the wrapped pool does not have is skipped. ``recv_request(tp_pool, ...)``
+#: is recorded through the open / extend / close calls it makes on the proxy.
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
-                  "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
-                  "recv_request")
+                  "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache")
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 

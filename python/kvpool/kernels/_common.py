@@ -15,8 +15,13 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kvpool._core import InvalidArgumentError
-from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError, TritonUnavailableError
+from kvpool.errors import (
+    KernelArgumentError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TritonUnavailableError,
+)
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 __all__ = [
@@ -32,11 +37,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 MAX_TILE = 4096
 
 Scale = Union[None, float, torch.Tensor]
-
-
-class KernelArgumentError(InvalidArgumentError):
-    """A kernel wrapper argument is wrong in a way not covered by the tensor
-    shape / dtype / device errors of kvpool.errors (all share the base class)."""
 
 
 _triton_error: Optional[BaseException] = None

@@ -4,11 +4,11 @@
 
 use pyo3::prelude::*;
 
-use crate::allocator::{to_numpy, Arr, SlotAllocator};
+use crate::allocator::{Arr, SlotAllocator};
 use crate::convert::{int_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
 use crate::extend::{tokens_arg, Dest, PackedHead};
-use crate::output::{counts_total, new_i64};
+use crate::output::{counts_total, filled, new_i64, new_uninit};
 
 #[pymethods]
 impl SlotAllocator {
@@ -51,6 +51,8 @@ impl SlotAllocator {
         let t = self.table_arg(py, table)?;
         let total = counts_total(&c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
+        // Allocated before any request opens (see `open`).
+        let (harr, hbuf) = new_uninit::<i64>(py, c.len().min(self.max_requests))?;
         let mut handles = Vec::new();
         let work = c.len().max(total);
         self.run(py, work, |core| {
@@ -69,7 +71,8 @@ impl SlotAllocator {
             })
         })?;
         let slots = Dest::result(py, fresh, out);
-        Ok((to_numpy(py, &handles).into_any().unbind(), slots.unbind()))
+        let handles = filled(py, harr, hbuf, &handles)?;
+        Ok((handles.into_any().unbind(), slots.unbind()))
     }
 
     /// admit_packed(counts, tokens=None) -> (handles, packed, b)
@@ -93,6 +96,7 @@ impl SlotAllocator {
         let b = c.len();
         let total = counts_total(&c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, PackedHead::len(b) + total)?;
+        let (harr, hbuf) = new_uninit::<i64>(py, b.min(self.max_requests))?;
         let mut handles = Vec::new();
         self.run(py, b.max(total), |core| {
             // SAFETY: `arr` is alive and not yet shared (see OutBuf).
@@ -101,7 +105,7 @@ impl SlotAllocator {
                 head.note(g)
             })
         })?;
-        Ok((to_numpy(py, &handles), arr, b))
+        Ok((filled(py, harr, hbuf, &handles)?, arr, b))
     }
 }
 

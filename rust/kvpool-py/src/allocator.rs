@@ -6,13 +6,12 @@
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{Counts, SlotAllocator as Core};
-use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use crate::convert::{int_arg, int_scalar, IntArg};
+use crate::convert::{int_arg, int_scalar, CacheFlag, IntArg, KvEventsFlag};
 use crate::errors::{invalid_argument, Result};
-
-pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
+pub(crate) use crate::output::Arr;
+use crate::output::{filled, new_uninit, to_numpy};
 
 /// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
 ///
@@ -39,6 +38,9 @@ pub(crate) type Arr<'py, T> = Bound<'py, PyArray1<T>>;
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct SlotAllocator {
     pub(crate) inner: Mutex<Core>,
+    /// Events take_events drained but could not return (their arrays did
+    /// not fit in memory): the next take_events returns them first.
+    undelivered: Mutex<Option<kvpool_core::Events>>,
     /// Slots per page (P): slot = page * P + offset.
     #[pyo3(get)]
     pub(crate) page_size: usize,
@@ -126,6 +128,10 @@ impl SlotAllocator {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub(crate) fn undelivered(&self) -> MutexGuard<'_, Option<kvpool_core::Events>> {
+        self.undelivered.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Runs a short query: like [`Self::run`] for small work (uncontended,
     /// with the GIL held; waiting on another thread's lock without it).
     pub(crate) fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
@@ -169,11 +175,30 @@ impl SlotAllocator {
     }
 }
 
-/// A numpy array owning a copy of `v`. Copying (a memcpy) beats handing the
-/// Vec over (`from_vec`): that wraps it in a GC-tracked container object,
-/// and the extra GC traffic costs more than the copy on the hot path.
-pub(crate) fn to_numpy<'py, T: numpy::Element>(py: Python<'py>, v: &[T]) -> Arr<'py, T> {
-    PyArray1::from_slice(py, v)
+impl SlotAllocator {
+    /// One int64 per handle (`lengths`, `rows`), into an array allocated
+    /// first, the core answering a chunk at a time: the only allocation the
+    /// batch's size sets is the result's own, so a batch too big for memory
+    /// is a MemoryError. The chunks run under one lock, as one call.
+    fn per_handle<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &[i64],
+        query: fn(&Core, &[i64]) -> kvpool_core::Result<Vec<i64>>,
+    ) -> Result<Arr<'py, i64>> {
+        const CHUNK: usize = 1024;
+        let (arr, mut buf) = new_uninit::<i64>(py, handles.len())?;
+        py.detach(|| {
+            let core = self.lock();
+            for (k, h) in handles.chunks(CHUNK).enumerate() {
+                // SAFETY: `arr` is alive and not yet shared.
+                unsafe { buf.write(k * CHUNK, &query(&core, h)?) };
+            }
+            Ok::<_, kvpool_core::PoolError>(())
+        })?;
+        // Every entry written: the core answers one value per handle.
+        Ok(arr)
+    }
 }
 
 pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
@@ -215,7 +240,7 @@ impl SlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=true),
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true)),
         text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)"
     )]
     // One parameter per Python keyword: the signature is the API.
@@ -228,7 +253,7 @@ impl SlotAllocator {
         max_context_len: Option<&Bound<'_, PyAny>>,
         hash_seed: Option<&Bound<'_, PyAny>>,
         handle_seed: Option<&Bound<'_, PyAny>>,
-        kv_events: bool,
+        kv_events: KvEventsFlag,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
@@ -245,7 +270,7 @@ impl SlotAllocator {
         let opts = kvpool_core::Options {
             hash_seed: seed(hash_seed, "hash_seed")?,
             handle_seed: seed(handle_seed, "handle_seed")?,
-            kv_events,
+            kv_events: kv_events.0,
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
@@ -260,6 +285,7 @@ impl SlotAllocator {
             capacity_pages: core.capacity_pages(),
             capacity_slots: core.capacity_slots(),
             inner: Mutex::new(core),
+            undelivered: Mutex::new(None),
         })
     }
 
@@ -323,11 +349,13 @@ impl SlotAllocator {
             None => 1,
             Some(n) => usize_arg(py, n, "n")?,
         };
-        // open_into checks n against the free rows before it reserves the
-        // output, so a huge n is TooManyRequests, never an allocation abort.
+        // The result array exists before any request is opened. More than
+        // max_requests cannot succeed: the core says so (TooManyRequests)
+        // before it allocates anything, so a huge n allocates nothing here.
+        let (arr, buf) = new_uninit::<i64>(py, n.min(self.max_requests))?;
         let mut v = Vec::new();
         self.run(py, n, |c| c.open_into(n, &mut v))?;
-        Ok(to_numpy(py, &v))
+        Ok(filled(py, arr, buf, &v)?)
     }
 
     /// truncate(handles, lengths) -> None
@@ -364,9 +392,13 @@ impl SlotAllocator {
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, already closed or stale.
     ///     InvalidArgumentError: a duplicate handle.
-    #[pyo3(signature = (handles, cache=false))]
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: bool) -> Result<()> {
+    #[pyo3(
+        signature = (handles, cache=CacheFlag(false)),
+        text_signature = "($self, handles, cache=False)"
+    )]
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: CacheFlag) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
+        let cache = cache.0;
         // As truncate: each request may hold many pages (and cache=True
         // hashes them all).
         Ok(py.detach(|| self.lock().close(&h, cache))?)
@@ -391,8 +423,7 @@ impl SlotAllocator {
     ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py.detach(|| self.lock().lengths(&h))?;
-        Ok(to_numpy(py, &v))
+        self.per_handle(py, &h, Core::lengths)
     }
 
     /// slots(handle) -> ndarray[int64]
@@ -404,7 +435,7 @@ impl SlotAllocator {
     fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().slots(h))?;
-        Ok(to_numpy(py, &v))
+        Ok(to_numpy(py, &v)?)
     }
 
     /// pages(handle) -> ndarray[int32]
@@ -416,7 +447,7 @@ impl SlotAllocator {
     fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().pages(h))?;
-        Ok(to_numpy(py, &v))
+        Ok(to_numpy(py, &v)?)
     }
 
     /// page_table(handles) -> (indptr, indices, last_page_len)
@@ -435,9 +466,9 @@ impl SlotAllocator {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let t = py.detach(|| self.lock().page_table(&h))?;
         Ok((
-            to_numpy(py, &t.indptr),
-            to_numpy(py, &t.indices),
-            to_numpy(py, &t.last_page_len),
+            to_numpy(py, &t.indptr)?,
+            to_numpy(py, &t.indices)?,
+            to_numpy(py, &t.last_page_len)?,
         ))
     }
 
@@ -449,8 +480,7 @@ impl SlotAllocator {
     ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        let v = py.detach(|| self.lock().rows(&h))?;
-        Ok(to_numpy(py, &v))
+        self.per_handle(py, &h, Core::rows)
     }
 
     /// is_open(handle) -> bool

@@ -5,6 +5,7 @@
 //! with InvalidArgumentError naming what was wrong.
 
 use crate::errors::invalid_argument;
+use crate::widen::{try_vec, widen};
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -154,59 +155,6 @@ fn read_native(arr: &Bound<'_, PyUntypedArray>) -> Option<PyResult<Vec<i64>>> {
     Some(unsafe { widen(data, len, stride, kind) })
 }
 
-/// `len` integers of numpy kind and size `kind` (`(b'i', 1 | 2 | 4 | 8)` or
-/// `(b'u', 1 | 2 | 4)`), `stride` bytes apart from `data`, copied out and
-/// widened to i64. The copy's allocation is fallible: a broadcast view
-/// (stride 0) can claim far more items than memory holds, and that must be
-/// a MemoryError, not an abort.
-///
-/// # Safety
-/// `data` must point at `len` aligned items of that type, `stride` bytes
-/// apart, alive and unchanged for the call.
-pub(crate) unsafe fn widen(
-    data: *const u8,
-    len: usize,
-    stride: isize,
-    kind: (u8, usize),
-) -> PyResult<Vec<i64>> {
-    let mut out = try_vec(len)?;
-    macro_rules! widen {
-        ($t:ty) => {{
-            if stride == std::mem::size_of::<$t>() as isize {
-                let items = std::slice::from_raw_parts(data as *const $t, len);
-                out.extend(items.iter().map(|&x| x as i64))
-            } else {
-                out.extend(
-                    (0..len).map(|i| *(data.offset(i as isize * stride) as *const $t) as i64),
-                )
-            }
-        }};
-    }
-    match kind {
-        (b'i', 8) => widen!(i64),
-        (b'i', 4) => widen!(i32),
-        (b'i', 2) => widen!(i16),
-        (b'i', 1) => widen!(i8),
-        (b'u', 4) => widen!(u32),
-        (b'u', 2) => widen!(u16),
-        _ => widen!(u8),
-    }
-    Ok(out)
-}
-
-/// An empty Vec with room for `len` values, or MemoryError: a length
-/// taken from a caller's object (a broadcast array, a tensor) must not
-/// abort the process when it cannot be allocated.
-pub fn try_vec(len: usize) -> PyResult<Vec<i64>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
-        pyo3::exceptions::PyMemoryError::new_err(format!(
-            "cannot allocate {len} int64 values to copy an argument into"
-        ))
-    })?;
-    Ok(v)
-}
-
 fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<IntArg> {
     // Fast path: an aligned 1-D integer array is read in place (a
     // misaligned one, e.g. a view at an odd byte offset, goes through
@@ -316,3 +264,44 @@ pub fn int_scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResul
         IntArg::Many(_) => Err(invalid_argument(py, format!("{what} must be a single int"))),
     }
 }
+
+/// A flag's value: True or False (a numpy bool too). Anything else (1, None,
+/// "yes") is refused by name, as pyo3's own `bool` would only with a
+/// TypeError.
+fn flag(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(b.is_true());
+    }
+    let py = obj.py();
+    if obj.get_type().is(numpy::dtype::<bool>(py).typeobj()) {
+        return obj.is_truthy();
+    }
+    Err(invalid_argument(
+        py,
+        format!(
+            "{what} takes True or False, got {} {}",
+            type_name(obj),
+            obj.repr()?
+        ),
+    ))
+}
+
+/// Keyword flags of the bindings, one type each so that a refusal names
+/// the argument (pyo3 only adds a note to an extraction error).
+macro_rules! flags {
+    ($($ty:ident => $what:literal),* $(,)?) => {$(
+        #[doc = concat!("The `", $what, "` flag (see [`flag`]).")]
+        #[derive(Clone, Copy)]
+        pub struct $ty(pub bool);
+
+        impl<'a, 'py> FromPyObject<'a, 'py> for $ty {
+            type Error = PyErr;
+
+            fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+                flag(&obj, $what).map($ty)
+            }
+        }
+    )*};
+}
+
+flags!(CacheFlag => "cache", CowFlag => "cow", KvEventsFlag => "kv_events");

@@ -8,11 +8,11 @@
 use kvpool_core::{Grown, SlotAllocator as Core};
 use pyo3::prelude::*;
 
-use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
-use crate::convert::{int_arg, IntArg};
+use crate::allocator::{counts_of, Arr, SlotAllocator};
+use crate::convert::{int_arg, CowFlag, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
-use crate::output::{extend_total, new_i64, CallerOut, OutBuf};
+use crate::output::{extend_total, new_i64, to_numpy, CallerOut, OutBuf};
 use crate::table::Table;
 
 /// Rows and positions of the positions copy-on-write moved, in queue order.
@@ -148,14 +148,6 @@ impl Dest {
         }
     }
 
-    /// The caller's bytes this destination writes (none for a fresh array).
-    pub(crate) fn caller_range(&self) -> Option<(usize, usize)> {
-        match self {
-            Dest::Caller(o) => Some(o.byte_range()),
-            Dest::Fresh(_) => None,
-        }
-    }
-
     /// What the call returns for its slots: the fresh array, or `out` itself.
     pub(crate) fn result<'py>(
         py: Python<'py>,
@@ -251,7 +243,10 @@ impl SlotAllocator {
     ///         disagreeing with the prompt, or an out array that is too short,
     ///         not contiguous int64, read-only or overlapping the table.
     ///         Nothing changes on any error.
-    #[pyo3(signature = (handles, counts, table=None, tokens=None, cow=false, out=None))]
+    #[pyo3(
+        signature = (handles, counts, table=None, tokens=None, cow=CowFlag(false), out=None),
+        text_signature = "($self, handles, counts, table=None, tokens=None, cow=False, out=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn extend<'py>(
         &self,
@@ -260,9 +255,10 @@ impl SlotAllocator {
         counts: &Bound<'py, PyAny>,
         table: Option<&Bound<'py, PyAny>>,
         tokens: Option<&Bound<'py, PyAny>>,
-        cow: bool,
+        cow: CowFlag,
         out: Option<&Bound<'py, PyAny>>,
     ) -> Result<Py<PyAny>> {
+        let cow = cow.0;
         let h = Handles::new(py, handles)?;
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
@@ -272,15 +268,14 @@ impl SlotAllocator {
         let n = h.len();
         let total = extend_total(n, &c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
-        let avoid = [t.as_ref().map(|t| t.byte_range()), dest.caller_range()];
-        let moved = self.run_on(py, h, n.max(total), &avoid, |core, h| {
+        let moved = self.run_on(py, h, n.max(total), |core, h| {
             dest.apply(|dst| extend_call(core, h, &c, toks.as_deref(), t.as_ref(), cow, dst))
         })??;
         let result = Dest::result(py, fresh, out);
         if !cow {
             return Ok(result.unbind());
         }
-        let cow_arr = moved.map(|v| to_numpy(py, &v));
+        let cow_arr = moved.map(|v| to_numpy(py, &v)).transpose()?;
         Ok((result, cow_arr).into_pyobject(py)?.into_any().unbind())
     }
 
@@ -347,7 +342,6 @@ impl SlotAllocator {
             py,
             h,
             b.max(total),
-            &[],
             |core, h| -> kvpool_core::Result<Option<Vec<i64>>> {
                 // SAFETY: `arr` is alive and not yet shared (see OutBuf).
                 let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
@@ -362,6 +356,6 @@ impl SlotAllocator {
                 Ok(moved.finish(core, before))
             },
         )??;
-        Ok((arr, b, moved.map(|v| to_numpy(py, &v))))
+        Ok((arr, b, moved.map(|v| to_numpy(py, &v)).transpose()?))
     }
 }

@@ -8,6 +8,7 @@ mod admit;
 mod allocator;
 mod convert;
 mod errors;
+mod events;
 mod extend;
 mod handles_arg;
 mod hashing;
@@ -16,6 +17,7 @@ mod output;
 mod sharing;
 mod table;
 mod torch_arg;
+mod widen;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

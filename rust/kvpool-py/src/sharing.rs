@@ -1,15 +1,14 @@
 //! The shared-pages API of `SlotAllocator`: prefix caching
-//! (open_with_prefix, cache, evict, clear_cache, take_events), fork and the
+//! (open_with_prefix, cache, evict, clear_cache), fork and the
 //! copy-on-write queue, and the cache counters. Arguments become plain Rust
 //! values first; the work runs with the GIL released.
 
-use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
-use crate::allocator::{counts_of, to_numpy, Arr, SlotAllocator};
+use crate::allocator::{counts_of, Arr, SlotAllocator};
 use crate::convert::{int_arg, int_scalar, IntArg};
 use crate::errors::{invalid_argument, Result};
+use crate::output::{filled, new_array, new_uninit, to_numpy};
 use crate::table::Table;
 
 /// Writes the rows of requests just opened into a validated `table`. It
@@ -48,10 +47,10 @@ pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<
 /// 128-bit hash, interleaved. An int64 array of the same bits is accepted too
 /// (what a torch.distributed message carries).
 fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
-    let words: Vec<u64> = if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, u64>>() {
-        a.as_array().iter().copied().collect()
+    let words = if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, u64>>() {
+        collect(a.as_array().iter().copied())?
     } else if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, i64>>() {
-        a.as_array().iter().map(|&w| w as u64).collect()
+        collect(a.as_array().iter().map(|&w| w as u64))?
     } else {
         return Err(invalid_argument(
             py,
@@ -67,10 +66,25 @@ fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
             ),
         ));
     }
-    Ok(words
-        .chunks_exact(2)
-        .map(|w| ((w[0] as u128) << 64) | w[1] as u128)
-        .collect())
+    collect(
+        words
+            .chunks_exact(2)
+            .map(|w| ((w[0] as u128) << 64) | w[1] as u128),
+    )
+}
+
+/// The items of an iterator whose length a caller's array sets (a
+/// broadcast view can claim more than memory holds), or MemoryError.
+fn collect<T>(items: impl ExactSizeIterator<Item = T>) -> PyResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(items.len()).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {} values to copy hashes into",
+            items.len()
+        ))
+    })?;
+    v.extend(items);
+    Ok(v)
 }
 
 /// A salt argument: None is 0.
@@ -100,12 +114,13 @@ impl SlotAllocator {
     ) -> Result<(Arr<'py, u64>, Arr<'py, i32>, i64)> {
         let h = int_scalar(py, handle, "handle")?;
         let c = py.detach(|| self.lock().prefix_chain(h))?;
-        let words: Vec<u64> = c
-            .hashes
-            .iter()
-            .flat_map(|&x| [(x >> 64) as u64, x as u64])
-            .collect();
-        Ok((to_numpy(py, &words), to_numpy(py, &c.tokens), c.salt))
+        let (words, mut buf) = new_array::<u64>(py, c.hashes.len().saturating_mul(2))?;
+        // SAFETY: `words` is alive and not yet shared (see OutBuf).
+        for (w, &x) in unsafe { buf.slice() }.chunks_exact_mut(2).zip(&c.hashes) {
+            w[0] = (x >> 64) as u64;
+            w[1] = x as u64;
+        }
+        Ok((words, to_numpy(py, &c.tokens)?, c.salt))
     }
 
     /// match_chain_hashes(hashes, tokens, salt=None) -> int
@@ -206,13 +221,16 @@ impl SlotAllocator {
             Some(s) => int_arg(py, s, "salt")?,
         };
         let tab = self.table_arg(py, table)?;
+        // Allocated before any request opens (see `open`).
+        let n = l.len().min(self.max_requests);
+        let ((harr, hbuf), (carr, cbuf)) = (new_uninit(py, n)?, new_uninit(py, n)?);
         let (h, c) = py.detach(|| {
             let mut core = self.lock();
             let (h, c) = core.open_with_prefix(&t, &l, counts_of(&s))?;
             fill(&core, &h, tab.as_ref())?;
             Ok::<_, kvpool_core::PoolError>((h, c))
         })?;
-        Ok((to_numpy(py, &h), to_numpy(py, &c)))
+        Ok((filled(py, harr, hbuf, &h)?, filled(py, carr, cbuf, &c)?))
     }
 
     /// cache(handles) -> None
@@ -258,13 +276,15 @@ impl SlotAllocator {
         let n = usize::try_from(n)
             .map_err(|_| invalid_argument(py, format!("n must be >= 0, got {n}")))?;
         let tab = self.table_arg(py, table)?;
+        // Allocated before any request opens (see `open`).
+        let (arr, buf) = new_uninit::<i64>(py, n.min(self.max_requests))?;
         let v = py.detach(|| {
             let mut core = self.lock();
             let v = core.fork(h, n)?;
             fill(&core, &v, tab.as_ref())?;
             Ok::<_, kvpool_core::PoolError>(v)
         })?;
-        Ok(to_numpy(py, &v))
+        Ok(filled(py, arr, buf, &v)?)
     }
 
     /// take_copies() -> (src_slots, dst_slots)
@@ -276,9 +296,31 @@ impl SlotAllocator {
     /// whose destination page its requests released (close, truncate, reset)
     /// is dropped, so the queue holds at most one copy per held page however
     /// long it is left. KVPool does this inside extend.
-    fn take_copies<'py>(&self, py: Python<'py>) -> (Arr<'py, i64>, Arr<'py, i64>) {
-        let (s, d) = py.detach(|| self.lock().take_copies());
-        (to_numpy(py, &s), to_numpy(py, &d))
+    fn take_copies<'py>(&self, py: Python<'py>) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
+        // The arrays exist before the queue is drained, so a MemoryError
+        // leaves every copy queued. Another thread may queue copies between
+        // the count and the drain: then count again.
+        loop {
+            let n = self.query(py, |c| c.pending_copies());
+            let (src, mut src_buf) = new_uninit::<i64>(py, n)?;
+            let (dst, mut dst_buf) = new_uninit::<i64>(py, n)?;
+            let taken = self.run(py, n, |core| {
+                if core.pending_copies() != n {
+                    return false;
+                }
+                // n of each: as many as were pending.
+                let (s, d) = core.take_copies();
+                // SAFETY: both arrays are alive and not yet shared.
+                unsafe {
+                    src_buf.write(0, &s);
+                    dst_buf.write(0, &d);
+                }
+                true
+            });
+            if taken {
+                return Ok((src, dst));
+            }
+        }
     }
 
     /// evict(n_pages) -> int
@@ -305,31 +347,6 @@ impl SlotAllocator {
         py.detach(|| self.lock().clear_cache())
     }
 
-    /// take_events() -> dict[str, ndarray]
-    ///
-    /// Drains the KV events (what vLLM's KVEventBatch carries), oldest
-    /// first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
-    /// 2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
-    /// hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
-    /// first page), page (int32), num_tokens (int32), salt (int64), and
-    /// token_ids (int32, the Stored events' tokens concatenated). Past
-    /// max(num_pages, 65536) undrained events the backlog is replaced by one
-    /// Cleared event (dropped_events counts what went).
-    fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
-        let e = py.detach(|| self.lock().take_events());
-        let d = PyDict::new(py);
-        d.set_item("kind", PyArray1::from_slice(py, &e.kind))?;
-        d.set_item("hash_hi", to_numpy(py, &e.hash_hi))?;
-        d.set_item("hash_lo", to_numpy(py, &e.hash_lo))?;
-        d.set_item("parent_hi", to_numpy(py, &e.parent_hi))?;
-        d.set_item("parent_lo", to_numpy(py, &e.parent_lo))?;
-        d.set_item("page", to_numpy(py, &e.page))?;
-        d.set_item("num_tokens", to_numpy(py, &e.num_tokens))?;
-        d.set_item("salt", to_numpy(py, &e.salt))?;
-        d.set_item("token_ids", to_numpy(py, &e.token_ids))?;
-        Ok(d)
-    }
-
     /// known_tokens(handle) -> ndarray[int32]
     ///
     /// The request's token ids of its leading known positions.
@@ -343,7 +360,7 @@ impl SlotAllocator {
     ) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().known_tokens(h))?;
-        Ok(to_numpy(py, &v))
+        Ok(to_numpy(py, &v)?)
     }
 
     /// The prefix hash seed (pass it as hash_seed= to agree on page hashes).
@@ -370,13 +387,6 @@ impl SlotAllocator {
     #[getter]
     fn miss_tokens(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.miss_tokens())
-    }
-    /// Events dropped because more than max(num_pages, 65536) were left
-    /// undrained: each overflow replaces the backlog with one Cleared event
-    /// (cumulative).
-    #[getter]
-    fn dropped_events(&self, py: Python<'_>) -> u64 {
-        self.query(py, |a| a.dropped_events())
     }
     /// Copy-on-write copies queued and not yet taken.
     #[getter]

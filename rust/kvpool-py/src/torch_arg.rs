@@ -1,77 +1,173 @@
 //! Integer arguments given as CPU torch tensors (handles, counts and token
-//! ids straight from an engine's tensors), read in place through the
-//! tensor's data pointer. `numpy.asarray(tensor)` costs ~2.8 us a tensor
-//! (torch's `__array__` wrapper, then a new array); the handful of attribute
-//! reads here cost ~1 us. Anything that is not a plain, contiguous, 1-D CPU
-//! tensor of a supported integer dtype is left to the numpy path, which
-//! reads it or names what is wrong (a CUDA tensor, a float dtype).
+//! ids straight from an engine's tensors), read in place. `numpy.asarray`
+//! costs ~1.6 us a tensor (torch's `__array__` wrapper, then a new array);
+//! this path costs a few hundred ns.
+//!
+//! Nothing Python code can override is trusted with a pointer. Tensor
+//! methods and properties (`numel()`, `is_contiguous()`, `data_ptr()`,
+//! `dtype`, ...) go through `__torch_function__`, so a `TorchFunctionMode`
+//! or a monkeypatch can make them lie, and a lie about a length or a
+//! layout would turn into a read outside the tensor. Instead:
+//! - the layout (data pointer, length, stride, dtype, device) comes from
+//!   torch's DLPack export, called in C: the C exchange API's
+//!   `dltensor_from_py_object_no_sync` (a borrowed view, no allocation) or,
+//!   on a torch without it, `torch._C._to_dlpack` (a capsule that holds a
+//!   reference to the tensor until it is dropped);
+//! - DLPack has no negative bit (a `_neg_view` exports its stored,
+//!   unnegated values), so the tensor's dispatch keys, read by
+//!   `torch._C._dispatch_keys` (also C), must be a subset of a plain CPU
+//!   tensor's: no Negative, Conjugate, Functionalize, Python, sparse or
+//!   meta key.
+//!
+//! These C functions are looked up once, when the first tensor arrives,
+//! and kept only if they are torch's builtins (not Python replacements).
+//! Anything else (a subclass, another device or dtype, a 0-d or 2-D
+//! tensor, an extra dispatch key, an export that fails) takes the numpy
+//! path, which reads it or names what is wrong.
+//!
+//! As with any buffer lent to native code, another thread must not resize
+//! the tensor's storage during the call.
 
-use pyo3::exceptions::{PyException, PyMemoryError};
-use pyo3::intern;
+use std::ffi::{c_int, c_void};
+
+use dlpark::ffi::{
+    DLDataTypeCode, DLDeviceType, DLManagedTensor, DLPackExchangeAPI, DLTensor,
+    DLPACK_MAJOR_VERSION,
+};
+use pyo3::exceptions::{PyException, PyMemoryError, PyTypeError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-/// `torch.Tensor`, looked up when the first object that looks like one
-/// arrives (torch is never imported here before that: a caller that passes
-/// a tensor has imported it).
-static TENSOR_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-/// torch's integer dtypes read in place, with their size and signedness.
-static DTYPES: PyOnceLock<Vec<(Py<PyAny>, usize, bool)>> = PyOnceLock::new();
+use crate::widen::widen;
 
-fn is_plain_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> bool {
-    let ty = obj.get_type();
-    if let Some(t) = TENSOR_TYPE.get(py) {
-        return ty.is(t.bind(py));
-    }
-    // Exactly torch.Tensor: subclasses (parameters, fake and wrapper
-    // tensors) may not own plain memory, so they take the numpy path. The
-    // name is only a cheap filter; the type must be torch's own object (a
-    // class that merely calls itself torch.Tensor is not trusted with a
-    // data pointer).
-    let named = ty.name().is_ok_and(|n| n == "Tensor")
-        && ty
-            .module()
-            .is_ok_and(|m| m == "torch" || m == "torch._tensor");
-    if !named {
-        return false;
-    }
-    let Ok(real) = py
-        .import("torch")
-        .and_then(|t| t.getattr("Tensor"))
-        .and_then(|t| Ok(t.cast_into::<PyType>()?))
-    else {
-        return false;
-    };
-    let _ = TENSOR_TYPE.set(py, real.clone().unbind());
-    ty.is(&real)
+type ViewFn = unsafe extern "C" fn(*mut c_void, *mut DLTensor) -> c_int;
+
+/// How a tensor's DLPack description is obtained.
+enum Export {
+    /// torch's C exchange API (a borrowed view of the live tensor).
+    View(ViewFn),
+    /// `torch._C._to_dlpack` (an owning capsule).
+    Capsule(Py<PyAny>),
 }
 
-fn dtypes(py: Python<'_>) -> PyResult<&Vec<(Py<PyAny>, usize, bool)>> {
-    DTYPES.get_or_try_init(py, || {
-        let torch = py.import("torch")?;
-        [
-            ("int64", 8, true),
-            ("int32", 4, true),
-            ("int16", 2, true),
-            ("int8", 1, true),
-            ("uint8", 1, false),
-        ]
-        .into_iter()
-        .map(|(name, size, signed)| Ok((torch.getattr(name)?.unbind(), size, signed)))
-        .collect()
+struct Torch {
+    tensor_type: Py<PyType>,
+    export: Export,
+    /// `torch._C._dispatch_keys`.
+    dispatch_keys: Py<PyAny>,
+    /// `torch._C.DispatchKeySet.raw_repr`, called on the key set.
+    raw_repr: Py<PyAny>,
+    /// The bits of a plain CPU tensor's key set (an inference tensor's
+    /// keys are a subset).
+    plain_keys: u64,
+}
+
+/// torch's functions, or None when this torch lacks them (or they are not
+/// torch's own): then every tensor takes the numpy path.
+static TORCH: PyOnceLock<Option<Torch>> = PyOnceLock::new();
+
+/// `obj` if it is a builtin (C) function, else a TypeError.
+fn builtin<'py>(obj: Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: `obj` is a live object.
+    if unsafe { ffi::PyCFunction_Check(obj.as_ptr()) } == 0 {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is not torch's C function"
+        )));
+    }
+    Ok(obj)
+}
+
+fn load(py: Python<'_>) -> PyResult<Torch> {
+    let torch = py.import("torch")?;
+    let c = torch.getattr("_C")?;
+    let tensor_type = torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind();
+    let dispatch_keys = builtin(c.getattr("_dispatch_keys")?, "_dispatch_keys")?;
+    let key_set = c.getattr("DispatchKeySet")?;
+    // A pybind11 method: an instancemethod around the C function.
+    let raw_repr = builtin(
+        key_set.getattr("raw_repr")?.getattr("__func__")?,
+        "raw_repr",
+    )?;
+    let key = c.getattr("DispatchKey")?;
+    let mut plain_keys = 0u64;
+    for name in ["CPU", "ADInplaceOrView", "AutogradCPU", "AutocastCPU"] {
+        let set = key_set.call1((key.getattr(name)?,))?;
+        plain_keys |= raw_repr.call1((set,))?.extract::<u64>()?;
+    }
+    let export = match exchange_view(&c) {
+        Some(view) => Export::View(view),
+        None => Export::Capsule(builtin(c.getattr("_to_dlpack")?, "_to_dlpack")?.unbind()),
+    };
+    Ok(Torch {
+        tensor_type,
+        export,
+        dispatch_keys: dispatch_keys.unbind(),
+        raw_repr: raw_repr.unbind(),
+        plain_keys,
     })
 }
 
+/// The C exchange API's view function, if this torch has one (from
+/// `torch._C._dlpack_exchange_api()`, not from the overridable class
+/// attribute `Tensor.__dlpack_c_exchange_api__`).
+fn exchange_view(c: &Bound<'_, PyAny>) -> Option<ViewFn> {
+    let get = builtin(c.getattr("_dlpack_exchange_api").ok()?, "").ok()?;
+    let capsule = get.call0().ok()?;
+    // SAFETY: `capsule` is a live object; a capsule of another name (or not
+    // a capsule) gives null with an exception set, cleared below.
+    let api =
+        unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dlpack_exchange_api".as_ptr()) }
+            as *const DLPackExchangeAPI;
+    if api.is_null() {
+        let _ = PyErr::take(capsule.py());
+        return None;
+    }
+    // SAFETY: a "dlpack_exchange_api" capsule holds a static table that
+    // lives as long as the process (the DLPack spec); its header is
+    // read first, and the rest only if its major version is this layout's.
+    let api = unsafe { &*api };
+    if api.header.version.major != DLPACK_MAJOR_VERSION {
+        return None;
+    }
+    api.dltensor_from_py_object_no_sync
+}
+
+/// torch's functions if `obj` is exactly a torch.Tensor, else None.
+fn torch_for<'a>(py: Python<'a>, obj: &Bound<'_, PyAny>) -> Option<&'a Torch> {
+    let ty = obj.get_type();
+    let torch = match TORCH.get(py) {
+        Some(t) => t.as_ref()?,
+        None => {
+            // Nothing is imported until an object that looks like a tensor
+            // arrives (a caller that passes one has imported torch). The
+            // name is only a cheap filter; identity with torch's own class
+            // decides below.
+            let named = ty.name().is_ok_and(|n| n == "Tensor")
+                && ty
+                    .module()
+                    .is_ok_and(|m| m == "torch" || m == "torch._tensor");
+            if !named {
+                return None;
+            }
+            TORCH.get_or_init(py, || load(py).ok()).as_ref()?
+        }
+    };
+    // Exactly torch.Tensor: subclasses (parameters, fake and wrapper
+    // tensors) take the numpy path.
+    ty.is(torch.tensor_type.bind(py)).then_some(torch)
+}
+
 /// The tensor's values as i64, or None to leave it to the numpy path
-/// (which names what is wrong). A tensor's own errors (an attribute that
+/// (which names what is wrong). A tensor's own errors (an export that
 /// raises) fall through to that path too; MemoryError and interrupts
 /// (KeyboardInterrupt is no Exception) are the caller's and propagate.
 pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
-    if !is_plain_tensor(py, obj) {
+    let Some(torch) = torch_for(py, obj) else {
         return Ok(None);
-    }
-    match read_plain(py, obj) {
+    };
+    match read_plain(py, torch, obj) {
         Err(e) if e.is_instance_of::<PyException>(py) && !e.is_instance_of::<PyMemoryError>(py) => {
             Ok(None)
         }
@@ -79,37 +175,92 @@ pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Ve
     }
 }
 
-fn read_plain(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
-    let truthy = |name: &Bound<'_, pyo3::types::PyString>| -> PyResult<bool> {
-        t.call_method0(name)?.extract::<bool>()
-    };
-    if !t.getattr(intern!(py, "is_cpu"))?.extract::<bool>()?
-        || t.call_method0(intern!(py, "dim"))?.extract::<usize>()? != 1
-        || !truthy(intern!(py, "is_contiguous"))?
-        // A negative view stores the values unnegated.
-        || truthy(intern!(py, "is_neg"))?
-    {
+fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+    let keys = torch.dispatch_keys.bind(py).call1((t,))?;
+    let raw = torch.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
+    if raw & !torch.plain_keys != 0 {
         return Ok(None);
     }
-    let dtype = t.getattr(intern!(py, "dtype"))?;
-    let Some(&(_, size, signed)) = dtypes(py)?.iter().find(|(d, _, _)| d.bind(py).is(&dtype))
-    else {
+    match &torch.export {
+        Export::View(view) => {
+            let mut dl = DLTensor::default();
+            // SAFETY: `t` is exactly a torch.Tensor, the type the exchange
+            // API was taken from; `dl` is a valid place for the view. On
+            // failure the function sets a Python exception.
+            if unsafe { view(t.as_ptr().cast(), &mut dl) } != 0 {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: the view describes `t`'s own memory, which stays
+            // valid while `t` lives (the caller's argument) and no Python
+            // code runs: none does until the copy is made.
+            unsafe { copy_out(&dl) }
+        }
+        Export::Capsule(to_dlpack) => {
+            let capsule = to_dlpack.bind(py).call1((t,))?;
+            // SAFETY: `capsule` is a live object; a wrong name gives null
+            // with an exception set.
+            let managed =
+                unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) }
+                    as *const DLManagedTensor;
+            if managed.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: an unconsumed "dltensor" capsule owns its managed
+            // tensor, and that holds a reference to the tensor's storage,
+            // until the capsule is destroyed (its destructor calls the
+            // deleter, since the name is left as it is): `capsule` lives
+            // past the copy, and no Python code runs before it.
+            let r = unsafe { copy_out(&(*managed).dl_tensor) };
+            drop(capsule);
+            r
+        }
+    }
+}
+
+/// The values of a 1-D CPU integer DLPack tensor, or None for any other.
+///
+/// # Safety
+/// `dl` must describe memory that stays valid and unchanged for the call.
+unsafe fn copy_out(dl: &DLTensor) -> PyResult<Option<Vec<i64>>> {
+    if dl.device.device_type != DLDeviceType::CPU || dl.ndim != 1 || dl.dtype.lanes != 1 {
+        return Ok(None);
+    }
+    let kind = match (dl.dtype.code, dl.dtype.bits) {
+        (DLDataTypeCode::INT, 8 | 16 | 32 | 64) => b'i',
+        (DLDataTypeCode::UINT, 8 | 16 | 32) => b'u',
+        _ => return Ok(None),
+    };
+    let size = usize::from(dl.dtype.bits / 8);
+    if dl.shape.is_null() {
+        return Ok(None);
+    }
+    let Ok(len) = usize::try_from(*dl.shape) else {
         return Ok(None);
     };
-    let len = t.call_method0(intern!(py, "numel"))?.extract::<usize>()?;
     if len == 0 {
         return Ok(Some(Vec::new()));
     }
-    let ptr = t
-        .call_method0(intern!(py, "data_ptr"))?
-        .extract::<usize>()?;
-    if ptr == 0 || ptr % size != 0 {
+    // Strides may be null before DLPack 1.2: compact.
+    let stride = if dl.strides.is_null() { 1 } else { *dl.strides };
+    let Some(step) = isize::try_from(stride)
+        .ok()
+        .and_then(|s| s.checked_mul(size as isize))
+    else {
+        return Ok(None);
+    };
+    let extent_ok = (len - 1)
+        .checked_mul(step.unsigned_abs())
+        .is_some_and(|e| e <= isize::MAX as usize);
+    let Ok(offset) = usize::try_from(dl.byte_offset) else {
+        return Ok(None);
+    };
+    let data = (dl.data as *const u8).wrapping_add(offset);
+    if dl.data.is_null() || data as usize % size != 0 || !extent_ok {
         return Ok(None);
     }
-    // SAFETY: a contiguous 1-D CPU tensor of this dtype (checked) holds
-    // `len` aligned (checked) items at its data pointer; the tensor is
-    // alive (`t`) and no Python code runs from reading the pointer to the
-    // copy.
-    let kind = (if signed { b'i' } else { b'u' }, size);
-    unsafe { crate::convert::widen(ptr as *const u8, len, size as isize, kind) }.map(Some)
+    // SAFETY: torch's own description of the tensor: `len` items of this
+    // integer type, `step` bytes apart from `data`, aligned (checked) and
+    // inside the tensor's storage, valid for the call (the caller's
+    // contract).
+    widen(data, len, step, (kind, size)).map(Some)
 }

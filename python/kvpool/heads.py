@@ -1,4 +1,5 @@
-"""Which KV heads a tensor-parallel rank holds (pure arithmetic, no torch.distributed)."""
+"""Which KV heads a tensor-parallel rank holds: pure arithmetic, beside ``layout``,
+so a pool sizes its shard without loading ``kvpool.distributed``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,157 @@
+"""The allocator's request operations, queries and counters, forwarded by ``KVPool``.
+
+Engines talk to the pool only; ``pool.allocator`` stays reachable for tests and
+tools but is never needed for ordinary work. Everything here is a direct call
+into the Rust ``SlotAllocator`` (one crossing, no torch), so the pool adds
+nothing to its cost but an uncontended lock.
+
+One home per contract: each method's arguments, results and errors are those of
+the ``SlotAllocator`` method of the same name (``help(kvpool.SlotAllocator.open)``,
+``_core.pyi``), and its docstring here says only what the pool adds: the lock
+(calls that change ownership hold the pool's lock, so they wait while another
+thread's extend runs its copy-on-write copies; queries and counters take only
+the core's own lock) and the tables. ``tests/test_forwarding_docs.py`` keeps it so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvpool._core import PoolStats, SlotAllocator
+
+__all__ = ["RequestOps"]
+
+
+def _counter(name: str) -> property:
+    """``SlotAllocator.<name>``, read under the allocator's lock, with its docstring."""
+
+    def get(self: RequestOps) -> int:
+        return getattr(self.allocator, name)
+
+    get.__name__ = name
+    return property(get, doc=getattr(SlotAllocator, name).__doc__)
+
+
+class RequestOps:
+    """Mixin: the allocator-only part of ``KVPool``'s API (no tensors involved)."""
+
+    allocator: SlotAllocator
+    _lock: Any  # the pool's RLock
+
+    # ----- counters (each one read under the allocator's lock) ----------------
+
+    free_pages = _counter("free_pages")
+    used_pages = _counter("used_pages")
+    free_slots = _counter("free_slots")
+    used_slots = _counter("used_slots")
+    capacity_pages = _counter("capacity_pages")
+    capacity_slots = _counter("capacity_slots")
+    open_requests = _counter("open_requests")
+    admissible_tokens = _counter("admissible_tokens")
+    metadata_bytes = _counter("metadata_bytes")
+    cached_pages = _counter("cached_pages")
+    evictable_pages = _counter("evictable_pages")
+    hit_tokens = _counter("hit_tokens")
+    miss_tokens = _counter("miss_tokens")
+    dropped_events = _counter("dropped_events")
+
+    def stats(self) -> PoolStats:
+        """All the changing counters as one consistent snapshot, for logs and metrics.
+        See ``SlotAllocator.stats``."""
+        return self.allocator.stats()
+
+    # ----- request lifecycle --------------------------------------------------
+
+    def open(self, n: int = 1) -> np.ndarray:
+        """Open ``n`` empty requests. See ``SlotAllocator.open``; holds the pool's lock."""
+        with self._lock:
+            return self.allocator.open(n)
+
+    def truncate(self, handles: Any, lengths: Any) -> None:
+        """Shorten requests, freeing pages no longer needed. See ``SlotAllocator.truncate``;
+        holds the pool's lock.
+
+        ``req_to_token`` entries past the new length are left stale: readers stop
+        at the sequence length and the next ``extend`` overwrites them.
+        """
+        with self._lock:
+            self.allocator.truncate(handles, lengths)
+
+    def close(self, handles: Any, cache: bool = False) -> None:
+        """Close requests and release their pages. See ``SlotAllocator.close``; holds
+        the pool's lock."""
+        with self._lock:
+            self.allocator.close(handles, cache=cache)
+
+    def cache(self, handles: Any) -> None:
+        """Publish requests' full pages in the prefix cache. See ``SlotAllocator.cache``;
+        holds the pool's lock. Call it once the step that wrote those pages has run
+        (every step, or only at close with ``close(cache=True)``)."""
+        with self._lock:
+            self.allocator.cache(handles)
+
+    def evict(self, n_pages: int) -> int:
+        """Evict cached pages nobody holds. See ``SlotAllocator.evict``; holds the pool's
+        lock. Extends evict by themselves when free pages run out; this is for
+        engines that keep headroom."""
+        with self._lock:
+            return self.allocator.evict(n_pages)
+
+    def clear_cache(self) -> None:
+        """Drop every prefix-cache entry. See ``SlotAllocator.clear_cache``; holds the
+        pool's lock."""
+        with self._lock:
+            self.allocator.clear_cache()
+
+    def take_events(self) -> dict[str, np.ndarray]:
+        """Drain the KV cache events. See ``SlotAllocator.take_events``; a pool built
+        with ``kv_events=False`` records none."""
+        return self.allocator.take_events()
+
+    def known_tokens(self, handle: Any) -> np.ndarray:
+        """Token ids of a request's leading known positions. See ``SlotAllocator.known_tokens``."""
+        return self.allocator.known_tokens(handle)
+
+    def reset(self) -> None:
+        """Close every request and free every page. See ``SlotAllocator.reset``; holds
+        the pool's lock.
+
+        ``req_to_token`` is not cleared: no handle can read it any more, and
+        each new request's ``extend`` writes its own entries.
+        """
+        with self._lock:
+            self.allocator.reset()
+
+    # ----- queries --------------------------------------------------------------
+
+    def is_open(self, handle: Any) -> bool:
+        """Whether ``handle`` is an open request. See ``SlotAllocator.is_open``."""
+        return self.allocator.is_open(handle)
+
+    def length(self, handle: Any) -> int:
+        """Tokens request ``handle`` holds. See ``SlotAllocator.length``."""
+        return self.allocator.length(handle)
+
+    def lengths(self, handles: Any) -> np.ndarray:
+        """Tokens each request holds (the engine's ``seq_lens``). See ``SlotAllocator.lengths``."""
+        return self.allocator.lengths(handles)
+
+    def rows(self, handles: Any) -> np.ndarray:
+        """Each request's row of ``req_to_token``. See ``SlotAllocator.rows``."""
+        return self.allocator.rows(handles)
+
+    def slots(self, handle: Any) -> np.ndarray:
+        """Every slot of a request in token order, as ``req_to_token`` holds them.
+        See ``SlotAllocator.slots``."""
+        return self.allocator.slots(handle)
+
+    def pages(self, handle: Any) -> np.ndarray:
+        """The pages a request holds, in token order. See ``SlotAllocator.pages``."""
+        return self.allocator.pages(handle)
+
+    def check(self) -> None:
+        """Verify every allocator invariant (cheap enough after every step in tests).
+        See ``SlotAllocator.check``."""
+        self.allocator.check()

@@ -1,0 +1,146 @@
+"""What a page tier below host memory stores, and the interface a backend implements.
+
+A stored page is a ``PageRecord``: the page's chain hash, its parent's hash,
+the request salt, its token ids, a fingerprint of the model shape that wrote
+it, and its K/V bytes (one host page: every layer of K and V, or the MLA
+latent). ``encode`` / ``decode`` give it a versioned, checksummed byte
+format, so a backend only stores and returns opaque blobs by key.
+
+Nothing read back is trusted. ``decode`` returns None for anything that is
+not a whole, intact record of this format (wrong magic or version,
+inconsistent sizes, truncated, any flipped byte: the checksum covers every
+byte before it); the reader then checks the record's hash, fingerprint,
+tokens, salt and parent against what it expects (``PageRecord.matches``), so
+a renamed file, a file written for other tokens under a hash, a hash
+collision or another model's file is a miss, never wrong K/V.
+
+Names are the core's 128-bit chain hashes (``kvpool._core.page_hashes``)
+under ``tier_seed(fingerprint)``: a seed derived from what the bytes mean
+(model shape, dtype, page size, fp8 scales, model name), not the pool's
+``hash_seed`` (random unless given). So any process with the same model
+computes the same names, and pages of different models or shapes never
+share a name (they cannot overwrite each other in one directory);
+``page_key`` turns the core's (hi, lo) words into one int.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["FORMAT_VERSION", "PageRecord", "TierBackend", "decode", "encode", "page_key", "record_bytes",
+           "tier_seed"]
+
+FORMAT_VERSION = 1
+MAGIC = b"KVPOOLPG"
+# magic, version, fingerprint, hash, parent, salt, num_tokens, reserved, payload bytes
+_HEADER = struct.Struct("<8sI16s16s16sqIIQ")
+_SUM = 16  # blake2b digest bytes at the end
+
+
+def page_key(hi: int, lo: int) -> int:
+    """One 128-bit int from the core's (hi, lo) uint64 words of a page hash."""
+    return (int(hi) << 64) | int(lo)
+
+
+def tier_seed(fingerprint: bytes) -> int:
+    """The hash seed that names the pages of one fingerprint (a 64-bit int, as
+    ``page_hashes`` takes)."""
+    d = hashlib.blake2b(fingerprint, digest_size=8, person=b"kvpool-tier-v1").digest()
+    return int.from_bytes(d, "little")
+
+
+def _b16(h: int) -> bytes:
+    return int(h).to_bytes(16, "little")
+
+
+@dataclass(frozen=True)
+class PageRecord:
+    """One stored page. ``payload`` is the page's bytes in ``HostStorage`` layout
+    (``[C, num_layers, P, H, D]``); ``tokens`` its ``page_size`` token ids (int32)."""
+
+    page_hash: int
+    parent_hash: int  # 0 for a chain's first page
+    salt: int
+    tokens: np.ndarray
+    fingerprint: bytes
+    payload: bytes
+
+    def matches(self, fingerprint: bytes, tokens: np.ndarray, salt: int, parent_hash: int) -> bool:
+        """Whether this record is the page a reader expects: same model shape, same
+        token ids, same salt and same parent (so, by induction over a chain read from
+        its first page, the same whole prefix)."""
+        return (self.fingerprint == fingerprint and self.salt == int(salt) and self.parent_hash == int(parent_hash)
+                and self.tokens.shape == np.shape(tokens) and bool(np.array_equal(self.tokens, tokens)))
+
+
+def record_bytes(num_tokens: int, payload_bytes: int) -> int:
+    """Encoded size of a record: header, token ids, payload, checksum."""
+    return _HEADER.size + 4 * num_tokens + payload_bytes + _SUM
+
+
+def encode(rec: PageRecord) -> bytes:
+    tokens = np.ascontiguousarray(rec.tokens, dtype="<i4")
+    if len(rec.fingerprint) != 16:
+        raise ValueError("a fingerprint is 16 bytes")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, rec.fingerprint, _b16(rec.page_hash), _b16(rec.parent_hash),
+                        int(rec.salt), tokens.size, 0, len(rec.payload))
+    body = b"".join((head, tokens.tobytes(), bytes(rec.payload)))
+    return body + hashlib.blake2b(body, digest_size=_SUM).digest()
+
+
+def decode(blob: bytes) -> Optional[PageRecord]:
+    """The record in ``blob``, or None if it is not an intact record of this format."""
+    try:
+        if len(blob) < _HEADER.size + _SUM:
+            return None
+        magic, version, fp, h, parent, salt, ntok, _res, npay = _HEADER.unpack_from(blob, 0)
+        if magic != MAGIC or version != FORMAT_VERSION or len(blob) != record_bytes(ntok, npay):
+            return None
+        view = memoryview(blob)
+        if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != bytes(view[-_SUM:]):
+            return None
+        start = _HEADER.size
+        tokens = np.frombuffer(blob, dtype="<i4", count=ntok, offset=start).astype(np.int32)
+        payload = bytes(view[start + 4 * ntok : start + 4 * ntok + npay])
+        return PageRecord(int.from_bytes(h, "little"), int.from_bytes(parent, "little"), int(salt), tokens,
+                          bytes(fp), payload)
+    except (struct.error, ValueError, TypeError):
+        return None
+
+
+class TierBackend(abc.ABC):
+    """A store of page records by chain hash, bounded in bytes.
+
+    Implementations never raise on bad stored data: ``get`` returns None for a
+    missing, unreadable or corrupted record, or one filed under another hash.
+    Readers that find an intact record that is not the page they expect (other
+    tokens, salt, parent or fingerprint under its hash) ``remove`` it.
+    """
+
+    @property
+    @abc.abstractmethod
+    def max_bytes(self) -> int:
+        """Bound on the bytes stored (evicting least recently used records past it)."""
+
+    @abc.abstractmethod
+    def get(self, page_hash: int) -> Optional[PageRecord]:
+        """The intact record stored under ``page_hash`` whose own hash is ``page_hash``, or None."""
+
+    @abc.abstractmethod
+    def put(self, record: PageRecord) -> bool:
+        """Store ``record`` under its hash (replacing any record there); False if it cannot
+        be stored (larger than ``max_bytes``, or the store failed)."""
+
+    @abc.abstractmethod
+    def contains(self, page_hash: int) -> bool:
+        """Whether a record is stored under ``page_hash`` (not verified: ``get`` may still miss)."""
+
+    @abc.abstractmethod
+    def remove(self, page_hash: int) -> None:
+        """Drop the record under ``page_hash``, if any."""

@@ -1,0 +1,357 @@
+"""``DiskCache``: a pool's cached prefixes kept in a ``TierBackend`` (e.g. ``FileTier``)
+across restarts, with today's public pool API (no core tier needed).
+
+STORE (``store_new``): the pool's Stored events name every page ``cache()``
+registered (hash, parent hash, token ids, salt). ``DiskCache`` keeps the
+chain structure of the registered pages from those events, and for each
+chain with pages not yet stored it opens a scratch request holding the chain
+(``open_with_chain_hashes``: the core verifies it is still registered and
+hands out its current pages, which then cannot be evicted), copies those
+pages to host memory (``offload_pages``), waits for that copy, closes the
+scratch request and writes one record per page. Stale events are harmless:
+a chain no longer registered is skipped.
+
+LOAD (``prefetch``): for a prompt, the pages past what the pool caches are
+read from the backend and verified (fingerprint, token ids, salt, parent:
+by induction from the first page, the whole prefix); the verified run is
+put into the pool by a scratch request that holds the cached part, is
+extended with those pages' token ids, gets their K/V (``load_pages``) and is
+closed with ``cache=True``. The next ``open_with_prefix`` of the prompt hits.
+
+Names: records are filed by the core's chain hash under a seed derived
+from the fingerprint (``tier_seed``), not the pool's ``hash_seed`` (random
+unless given), so a new process finds what an earlier one wrote whatever
+its seed, and pools of different models never collide on a name. The
+fingerprint covers the model shape (layers, KV heads and this rank's shard
+of them, head_dim, dtype, page size, MLA ranks; not the layout, which does
+not change the bytes), fp8 scales (the bytes mean nothing without them) and
+a caller-given ``model`` string (name and revision: two models of the same
+shape must not share pages).
+
+Both calls block the calling thread on disk I/O, and ``store_new`` on the
+device (it waits for its copy): run them off the step loop (between steps,
+or from a helper thread: the pool's calls are thread-safe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
+from kvpool.kernels.pages import load_pages, offload_pages
+from kvpool.tiers.backend import PageRecord, TierBackend, page_key, tier_seed
+from kvpool.tiers.host_storage import HostStorage
+
+__all__ = ["DiskCache", "shape_fingerprint"]
+
+STORED, REMOVED, CLEARED = 0, 1, 2
+DEVICE_MEDIUM = 0
+
+
+def shape_fingerprint(pool: Any, model: str = "") -> bytes:
+    """16 bytes naming what a pool's page bytes mean: model shape, dtype, page size,
+    this rank's KV heads, MLA ranks, fp8 scales and ``model`` (not the layout).
+    Reads the fp8 scales (a device sync on a CUDA fp8 pool)."""
+    parts = [
+        "kvpool-page-v1", f"layers={pool.num_layers}", f"caches={1 if pool.mla else 2}",
+        f"heads={pool.num_kv_heads}/{getattr(pool, 'total_kv_heads', pool.num_kv_heads)}"
+        f"@{getattr(pool, 'kv_head_start', 0)}",
+        f"head_dim={pool.head_dim}", f"dtype={pool.dtype}", f"page_size={pool.page_size}",
+        f"mla={pool.kv_lora_rank},{pool.qk_rope_head_dim}", f"model={model}",
+    ]
+    for name in ("k_scale", "v_scale"):
+        s = getattr(pool, name, None)
+        if s is not None:
+            parts.append(f"{name}=" + s.detach().float().cpu().numpy().tobytes().hex())
+    return hashlib.blake2b(";".join(parts).encode(), digest_size=16).digest()
+
+
+@dataclass
+class _Entry:
+    parent: int
+    tokens: np.ndarray
+    salt: int
+    media: set = field(default_factory=set)
+
+
+@dataclass
+class DiskStats:
+    """Cumulative counts of a ``DiskCache``."""
+
+    pages_stored: int = 0
+    pages_loaded: int = 0
+    pages_missed: int = 0  # looked up, no intact record
+    pages_rejected: int = 0  # an intact record that is not the expected page
+    chains_skipped: int = 0  # no longer registered, or their start unknown
+
+
+class DiskCache:
+    """A pool's prefix cache on a ``TierBackend`` (see the module doc).
+
+    Args:
+        pool: a ``KVPool`` (recording events: ``kv_events=True``, the default, from its start).
+        backend: where pages go (e.g. ``FileTier(path, max_bytes)``).
+        model: what model (and revision) wrote the K/V: part of the fingerprint.
+
+    One thread at a time per ``DiskCache`` (the pool itself may be shared).
+    """
+
+    def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
+        self.pool, self.backend, self.model = pool, backend, model
+        self.stats = DiskStats()
+        self._entries: Dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
+        self._pending: Dict[int, None] = {}  # pool hashes to store (insertion ordered)
+        self._staging: Optional[HostStorage] = None
+        self._staging_event: Any = None
+
+    # ----- events -> chains ---------------------------------------------
+
+    def _absorb(self, ev: Dict[str, np.ndarray]) -> None:
+        kinds = ev["kind"]
+        if len(kinds) == 0:
+            return
+        keys = [page_key(hi, lo) for hi, lo in zip(ev["hash_hi"], ev["hash_lo"])]
+        parents = [page_key(hi, lo) for hi, lo in zip(ev["parent_hi"], ev["parent_lo"])]
+        media = ev.get("medium", np.zeros(len(kinds), dtype=np.int64))
+        ntok = ev["num_tokens"]
+        toks = ev["token_ids"]
+        off = 0
+        for i, kind in enumerate(kinds):
+            if kind == CLEARED:
+                self._entries.clear()
+                self._pending.clear()
+            elif kind == STORED:
+                n = int(ntok[i])
+                e = self._entries.get(keys[i])
+                if e is None:
+                    e = self._entries[keys[i]] = _Entry(parents[i], np.array(toks[off : off + n], dtype=np.int32),
+                                                        int(ev["salt"][i]))
+                e.media.add(int(media[i]))
+                if int(media[i]) == DEVICE_MEDIUM:
+                    self._pending[keys[i]] = None
+                off += n
+            elif kind == REMOVED:
+                e = self._entries.get(keys[i])
+                if e is not None:
+                    e.media.discard(int(media[i]))
+                    if not e.media:
+                        del self._entries[keys[i]]
+                        self._pending.pop(keys[i], None)
+
+    def _chain(self, key: int) -> Optional[List[int]]:
+        """Pool hashes from the chain's first page to ``key``; None if a link is unknown
+        (or the links loop, which only malformed events could make)."""
+        chain: List[int] = []
+        while key:
+            e = self._entries.get(key)
+            if e is None or len(chain) > len(self._entries):
+                return None
+            chain.append(key)
+            key = e.parent
+        return chain[::-1]
+
+    # ----- store ----------------------------------------------------------
+
+    def store_new(self, events: Optional[Dict[str, np.ndarray]] = None, *, max_pages: Optional[int] = None) -> int:
+        """Write the pages registered since the last call that the backend lacks.
+
+        Args:
+            events: the pool's drained events (an engine that publishes them too passes
+                what it drained); None drains ``pool.take_events()`` here.
+            max_pages: write at most this many pages now; the rest wait for the next call.
+
+        Returns:
+            Pages written.
+        """
+        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, int)
+                                      or max_pages < 0):
+            raise InvalidArgumentError(f"max_pages must be None or an int >= 0, got {max_pages!r}")
+        self._absorb(events if events is not None else self.pool.take_events())
+        fp = shape_fingerprint(self.pool, self.model)
+        leaves, covered = [], set()
+        for key in reversed(list(self._pending)):  # deepest first: one chain covers its ancestors
+            if key not in covered:
+                chain = self._chain(key)
+                if chain is None:
+                    self._pending.pop(key, None)
+                    self.stats.chains_skipped += 1
+                    continue
+                leaves.append(chain)
+                covered.update(chain)
+        work: List[Tuple[int, PageRecord]] = []  # (device page, record without payload)
+        handles: List[int] = []
+        budget = max_pages if max_pages is not None else len(self._pending)
+        try:
+            for chain in reversed(leaves):
+                if len(work) >= budget:
+                    break
+                got = self._take_chain(chain, fp, handles, work, budget)
+                if got is None:
+                    break  # no free request row: the rest waits for the next call
+            written = self._write(work, fp)
+        finally:
+            if handles:
+                self.pool.close(np.array(handles, dtype=np.int64))
+        return written
+
+    def _take_chain(self, chain: List[int], fp: bytes, handles: List[int], work: List[Tuple[int, PageRecord]],
+                    budget: int) -> Optional[int]:
+        first = self._entries[chain[0]]
+        salt = first.salt
+        tokens = np.concatenate([self._entries[k].tokens for k in chain])
+        p = self.pool.page_size
+        tier = page_hashes(tokens, p, tier_seed(fp), salt)
+        tier_keys = [page_key(tier[2 * i], tier[2 * i + 1]) for i in range(len(chain))]
+        todo = [i for i, k in enumerate(chain) if k in self._pending]
+        todo_new = []
+        for i in todo:
+            if self.backend.contains(tier_keys[i]):
+                self._pending.pop(chain[i], None)
+            else:
+                todo_new.append(i)
+        if not todo_new:
+            return 0
+        pool_words = np.array([w for k in chain for w in (k >> 64, k & (2**64 - 1))], dtype=np.uint64)
+        try:
+            h = self.pool.open_with_chain_hashes(pool_words, tokens, salt)
+        except TooManyRequestsError:
+            return None
+        handles.append(h)
+        held = self.pool.length(h) // p
+        pages = self.pool.pages(h)
+        for i in todo_new:
+            if i >= held:  # evicted since its event: nothing left to store
+                self._pending.pop(chain[i], None)
+                continue
+            if len(work) >= budget:
+                break
+            parent = tier_keys[i - 1] if i else 0
+            work.append((int(pages[i]), PageRecord(tier_keys[i], parent, salt, tokens[i * p : (i + 1) * p].copy(),
+                                                   fp, b"")))
+            self._pending.pop(chain[i], None)
+        if held < len(chain):
+            self.stats.chains_skipped += 1
+        return len(todo_new)
+
+    def _write(self, work: List[Tuple[int, PageRecord]], fp: bytes) -> int:
+        if not work:
+            return 0
+        staging = self._stage(len(work))
+        offload_pages(self.pool._storage.caches, staging, np.array([w[0] for w in work], dtype=np.int64),
+                      np.arange(1, len(work) + 1, dtype=np.int64))
+        if self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()
+        raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
+        written = 0
+        for i, (_, rec) in enumerate(work):
+            full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
+                              raw[i + 1].numpy().tobytes())
+            if self.backend.put(full):
+                written += 1
+        self.stats.pages_stored += written
+        return written
+
+    def _stage(self, n: int) -> HostStorage:
+        """A host buffer of at least n + 1 pages, reused (grown in powers of two); waits
+        for the load that last read it."""
+        if self._staging_event is not None:
+            self._staging_event.synchronize()
+            self._staging_event = None
+        if self._staging is None or self._staging.host_pages < n + 1:
+            size = 1 << max(1, n).bit_length()
+            self._staging = HostStorage.for_pool(self.pool, host_pages=max(2, size))
+        return self._staging
+
+    # ----- load -------------------------------------------------------------
+
+    def prefetch(self, tokens: Any, salt: Optional[int] = None) -> int:
+        """Put the prompt's pages that the pool lacks and the backend has into the pool.
+
+        Only full pages that ``open_with_prefix`` could use (never the prompt's last
+        token), from the first page the pool does not cache, up to the first page the
+        backend has no verified record for. Gives up (returns 0) when the pool has no
+        room or no free request row.
+
+        Returns:
+            Pages loaded.
+        """
+        tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype(np.int32)
+        p = self.pool.page_size
+        n_full = max(0, (len(tokens) - 1) // p)
+        if n_full == 0:
+            return 0
+        prefix = tokens[: n_full * p]
+        pool_words = page_hashes(prefix, p, self.pool.allocator.hash_seed, salt)
+        cached = self.pool.match_chain_hashes(pool_words, prefix, salt)
+        if cached >= n_full:
+            return 0
+        records = self._read(prefix, cached, n_full, 0 if salt is None else int(salt))
+        if not records:
+            return 0
+        return self._admit(prefix, pool_words, cached, records, salt)
+
+    def _read(self, prefix: np.ndarray, start: int, stop: int, salt: int) -> List[PageRecord]:
+        p = self.pool.page_size
+        fp = shape_fingerprint(self.pool, self.model)
+        tier = page_hashes(prefix, p, tier_seed(fp), salt)
+        keys = [page_key(tier[2 * i], tier[2 * i + 1]) for i in range(stop)]
+        out = []
+        for i in range(start, stop):
+            rec = self.backend.get(keys[i])
+            if rec is None:
+                self.stats.pages_missed += 1
+                break
+            if not rec.matches(fp, prefix[i * p : (i + 1) * p], salt, keys[i - 1] if i else 0) or len(
+                    rec.payload) != self._page_bytes():
+                # Under a name derived from this fingerprint, tokens and salt, a record
+                # for anything else is damage (or a collision): it must not block a
+                # correct record from being stored there.
+                self.backend.remove(keys[i])
+                self.stats.pages_rejected += 1
+                break
+            out.append(rec)
+        return out
+
+    def _page_bytes(self) -> int:
+        pool = self.pool
+        return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
+            pool.dtype.itemsize
+
+    def _admit(self, prefix: np.ndarray, pool_words: np.ndarray, cached: int, records: List[PageRecord],
+               salt: Optional[int]) -> int:
+        pool, p = self.pool, self.pool.page_size
+        staging = self._stage(len(records))  # filled before the pool's lock is taken
+        raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
+        for i, rec in enumerate(records):
+            raw[i + 1].numpy()[:] = np.frombuffer(rec.payload, dtype=np.uint8)
+        with pool._lock:
+            h: Optional[int] = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
+                                                          cached)
+            try:
+                if pool.length(h) != cached * p:
+                    return 0  # the cached part shrank meanwhile: a later call retries
+                m = min(len(records), int(pool.free_pages) + int(pool.evictable_pages))
+                if m == 0:
+                    return 0
+                try:
+                    pool.extend(np.array([h], dtype=np.int64), np.array([m * p], dtype=np.int64),
+                                tokens=prefix[cached * p : (cached + m) * p])
+                except PoolExhaustedError:
+                    return 0
+                dev_pages = pool.pages(h)[cached : cached + m].astype(np.int64)
+                load_pages(staging, pool._storage.caches, np.arange(1, m + 1, dtype=np.int64), dev_pages)
+                if pool.device.type == "cuda":  # the staging buffer is reused once this load has run
+                    self._staging_event = torch.cuda.Event()
+                    self._staging_event.record(torch.cuda.current_stream(pool.device))
+                pool.close(np.array([h], dtype=np.int64), cache=True)
+                h = None
+                self.stats.pages_loaded += m
+                return m
+            finally:
+                if h is not None:
+                    pool.close(np.array([h], dtype=np.int64))

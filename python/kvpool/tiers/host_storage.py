@@ -1,0 +1,172 @@
+"""The host copy of a pool's K/V (or MLA latent): page-major across layers.
+
+One tensor ``[host_pages, C, num_layers, P, H, D]`` (C = 2 for K and V, 1 for
+the MLA latent): host page ``h`` is one contiguous block holding every layer
+of every cache for that page, so moving a page between device and host is one
+block on this side, whatever the number of layers (``kvpool.kernels``
+``offload_pages`` / ``load_pages``).
+
+Bytes per host page: ``C * num_layers * P * H * D * itemsize``, exactly a
+device page across all layers (``bytes_per_slot * P``); a Llama-8B-like
+page (32 layers, 8 KV heads x 128, bf16, P = 16) is 2 MiB. Host page 0 is
+reserved (the core never hands it out), as device page 0 is, so host page
+ids index ``buffer`` directly; ``host_pages`` counts it.
+
+fp8 pools keep the raw fp8 bytes: their scales are per layer and global (the
+pool's ``k_scale`` / ``v_scale``), so a page needs nothing of its own to be
+read back; a page moved to the host and back is bitwise what it was.
+
+Memory: on a CUDA pool the buffer is page-locked (pinned), so the copies are
+asynchronous DMA and the transfer kernel can reach it through its
+device-mapped address; on a CPU pool it is plain memory. Large buffers are
+pinned by registering an ordinary allocation with CUDA
+(``cudaHostRegister``): torch's pinned allocator rounds every request up to a
+power of two, which would cost up to twice the memory asked for. Contents are
+meaningless until an offload writes a page.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.modes import persistent
+from kvpool.torch_types import CACHE_DTYPES
+
+__all__ = ["HostStorage", "host_page_bytes", "host_pages_for_bytes"]
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def host_page_bytes(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
+                    *, mla: bool) -> int:
+    """Bytes of one host page: every layer of K and V (MLA: the latent) for ``page_size`` tokens."""
+    return (1 if mla else 2) * num_layers * page_size * heads * head_dim * dtype.itemsize
+
+
+def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
+    """How many host pages (reserved page 0 included) ``memory_bytes`` holds.
+
+    Raises:
+        InvalidArgumentError: fewer than two pages fit (page 0 is reserved, so a tier
+            needs at least one more).
+    """
+    memory_bytes = _count("host_memory_bytes", memory_bytes, 0)
+    pages = memory_bytes // page_bytes
+    if pages < 2:
+        raise InvalidArgumentError(
+            f"host_memory_bytes={memory_bytes} holds {pages} host page(s) of {page_bytes} bytes; a host tier "
+            f"needs at least 2 (page 0 is reserved): give at least {2 * page_bytes} bytes"
+        )
+    return pages
+
+
+def _register(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory with cudaHostRegister (portable and mapped); False if refused."""
+    flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
+    return int(err) == 0 if not hasattr(err, "value") else int(err.value) == 0
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going anyway
+        pass
+
+
+class HostStorage:
+    """Page-major host K/V of one pool (see the module doc).
+
+    Args:
+        host_pages: host pages, reserved page 0 included (>= 2).
+        num_layers, page_size, heads, head_dim, dtype: the pool's geometry.
+        mla: one latent cache instead of K and V.
+        pin: page-lock the memory (what a CUDA pool needs); default: ``device`` is CUDA.
+        device: the pool's device (only decides the default of ``pin``).
+
+    Raises:
+        InvalidArgumentError: a bad size or dtype (nothing is allocated).
+    """
+
+    def __init__(self, host_pages: int, *, num_layers: int, page_size: int, heads: int, head_dim: int,
+                 dtype: torch.dtype, mla: bool = False, pin: Optional[bool] = None, device: Any = "cpu") -> None:
+        self.host_pages = _count("host_pages", host_pages, 2)
+        self.num_layers = _count("num_layers", num_layers, 1)
+        self.page_size = _count("page_size", page_size, 1)
+        self.heads = _count("heads", heads, 1)
+        self.head_dim = _count("head_dim", head_dim, 1)
+        if dtype not in CACHE_DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
+        self.dtype, self.mla = dtype, bool(mla)
+        self.num_caches = 1 if self.mla else 2
+        if pin is None:
+            pin = torch.device(device).type == "cuda"
+        self.page_bytes = host_page_bytes(self.num_layers, self.page_size, self.heads, self.head_dim, dtype,
+                                          mla=self.mla)
+        shape = (self.host_pages, self.num_caches, self.num_layers, self.page_size, self.heads, self.head_dim)
+        self.pin_method = "none"
+        with persistent():
+            buf = torch.empty(shape, dtype=dtype)
+            if pin:
+                if _register(buf):
+                    self.pin_method = "cudaHostRegister"
+                    weakref.finalize(self, _unregister, buf.data_ptr())
+                else:  # e.g. a memlock limit: torch's pinned allocator (may round up)
+                    buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+                    self.pin_method = "pin_memory"
+        self.buffer: torch.Tensor = buf
+
+    @classmethod
+    def for_pool(cls, pool: Any, *, host_pages: Optional[int] = None,
+                 host_memory_bytes: Optional[int] = None) -> "HostStorage":
+        """The host storage matching ``pool`` (a ``KVPool``), sized by exactly one of
+        ``host_pages`` (reserved page 0 included) or ``host_memory_bytes`` (rounded down
+        to whole pages of ``host_page_bytes``); pinned when the pool is on CUDA.
+
+        Raises:
+            InvalidArgumentError: neither or both sizes, or fewer than 2 pages.
+        """
+        if (host_pages is None) == (host_memory_bytes is None):
+            raise InvalidArgumentError("give exactly one of host_pages or host_memory_bytes")
+        page = host_page_bytes(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                               mla=pool.mla)
+        if host_pages is None:
+            host_pages = host_pages_for_bytes(host_memory_bytes, page)  # type: ignore[arg-type]
+        return cls(host_pages, num_layers=pool.num_layers, page_size=pool.page_size, heads=pool.num_kv_heads,
+                   head_dim=pool.head_dim, dtype=pool.dtype, mla=pool.mla, device=pool.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer (reserved page 0 included)."""
+        return self.host_pages * self.page_bytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.pin_method != "none"
+
+    def page(self, host_page: int) -> torch.Tensor:
+        """Host page ``host_page`` as a ``[C, num_layers, P, H, D]`` view (no copy)."""
+        if isinstance(host_page, bool) or not 0 <= int(host_page) < self.host_pages:
+            raise InvalidArgumentError(f"host page {host_page!r} is out of range [0, {self.host_pages})")
+        return self.buffer[int(host_page)]
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The persistent tensors (``audit`` walks these)."""
+        return [("host_kv", self.buffer)]
+
+    def __repr__(self) -> str:
+        kind = "latent" if self.mla else "k+v"
+        return (f"HostStorage({kind}, host_pages={self.host_pages}, layers={self.num_layers}, "
+                f"page_size={self.page_size}, heads={self.heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"page_bytes={self.page_bytes}, pinned={self.pin_method})")

@@ -1,0 +1,60 @@
+//! `SlotAllocator.take_events`: the KV events (what vLLM's KVEventBatch
+//! carries) as one numpy array per field, and the count of events dropped
+//! from an undrained backlog.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::allocator::SlotAllocator;
+use crate::errors::Result;
+use crate::output::to_numpy;
+
+/// take_events' dict: one array per field.
+fn events_dict<'py>(py: Python<'py>, e: &kvpool_core::Events) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("kind", to_numpy(py, &e.kind)?)?;
+    d.set_item("hash_hi", to_numpy(py, &e.hash_hi)?)?;
+    d.set_item("hash_lo", to_numpy(py, &e.hash_lo)?)?;
+    d.set_item("parent_hi", to_numpy(py, &e.parent_hi)?)?;
+    d.set_item("parent_lo", to_numpy(py, &e.parent_lo)?)?;
+    d.set_item("page", to_numpy(py, &e.page)?)?;
+    d.set_item("num_tokens", to_numpy(py, &e.num_tokens)?)?;
+    d.set_item("salt", to_numpy(py, &e.salt)?)?;
+    d.set_item("token_ids", to_numpy(py, &e.token_ids)?)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl SlotAllocator {
+    /// take_events() -> dict[str, ndarray]
+    ///
+    /// Drains the KV events (what vLLM's KVEventBatch carries), oldest
+    /// first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
+    /// 2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
+    /// hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
+    /// first page), page (int32), num_tokens (int32), salt (int64), and
+    /// token_ids (int32, the Stored events' tokens concatenated). Past
+    /// max(num_pages, 65536) undrained events the backlog is replaced by one
+    /// Cleared event (dropped_events counts what went).
+    fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
+        // Events drained by a call whose arrays could not be allocated come
+        // first (they are the oldest); newer ones wait in the core.
+        let stashed = self.undelivered().take();
+        let e = match stashed {
+            Some(e) => e,
+            None => py.detach(|| self.lock().take_events()),
+        };
+        events_dict(py, &e).map_err(|err| {
+            *self.undelivered() = Some(e);
+            err.into()
+        })
+    }
+
+    /// Events dropped because more than max(num_pages, 65536) were left
+    /// undrained: each overflow replaces the backlog with one Cleared event
+    /// (cumulative).
+    #[getter]
+    fn dropped_events(&self, py: Python<'_>) -> u64 {
+        self.query(py, |a| a.dropped_events())
+    }
+}

@@ -1,0 +1,219 @@
+"""A result array that does not fit in memory raises MemoryError (never a
+PanicException, which is no Exception, and never an abort), and the pool
+keeps working: a call that changes the pool allocates its result first, so
+a MemoryError leaves the pool as it was, and drained queues lose nothing.
+
+The address space is capped with RLIMIT_AS at what is mapped plus enough
+room for the call's argument and the core's own answer, so that the result
+array is what fails. Each case runs in a child process (without torch,
+whose libraries map a lot) that prints the case's name first, so a crash
+names it."""
+
+import subprocess
+import sys
+import textwrap
+
+import kvpool._core
+
+PRELUDE = textwrap.dedent(
+    """
+    import importlib.util, resource
+    import numpy as np
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash dumps no core
+
+    spec = importlib.util.spec_from_file_location("_core", {path!r})
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+    SlotAllocator = core.SlotAllocator
+    MiB = 1 << 20
+
+    def mapped():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+
+    def outcome(call, room):
+        # The call's result under an address space of what is mapped now
+        # plus `room` bytes; the limit is lifted again before returning.
+        old = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (mapped() + room, old[1]))
+        try:
+            call()
+            return "ok"
+        except MemoryError:
+            return "MemoryError"
+        except Exception as e:
+            return f"{{type(e).__name__}}: {{e}}"
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, old)
+
+    def case(name):
+        print("CASE", name, flush=True)
+
+    def result(value):
+        print("RESULT", repr(value), flush=True)
+    """
+).format(path=kvpool._core.__file__)
+
+
+def run_cases(body: str) -> dict:
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True, timeout=180
+        )
+        out, err, rc = r.stdout, r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        # A panic that cannot allocate its own message can hang the process.
+        decode = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out, err, rc = decode(e.stdout), decode(e.stderr), "timeout"
+    results, current = {}, None
+    for line in out.splitlines():
+        if line.startswith("CASE "):
+            current = line[5:]
+        elif line.startswith("RESULT "):
+            results[current] = eval(line[7:])
+    assert rc == 0, f"case {current!r} ended the process (rc {rc}): {err[-3000:]}"
+    return results
+
+
+def test_per_handle_results_too_big_for_memory_are_memory_errors():
+    # 2**24 copies of one handle (a broadcast view). The argument's
+    # copy fits; the result (128 MiB) does not.
+    got = run_cases(
+        """
+        a = SlotAllocator(64, page_size=4, max_requests=4, max_context_len=64)
+        h = a.open(2)
+        a.extend(h, [5, 1])
+        many = np.broadcast_to(h[:1], (1 << 24,))
+        for name in ["lengths", "rows"]:
+            case(name)
+            r = outcome(lambda: getattr(a, name)(many), 128 * MiB + 48 * MiB)
+            a.check()
+            result((r, a.lengths(h).tolist(), getattr(a, name)(many[:3]).tolist()))
+
+        case("page_table")
+        few = many[: 1 << 23]
+        # Room for the argument (64 MiB) and the core's table (32 MiB of
+        # indptr and of last_page_len, 64 MiB of indices: two pages each).
+        r = outcome(lambda: a.page_table(few), 64 * MiB + 128 * MiB + 16 * MiB)
+        a.check()
+        result((r, [x.tolist() for x in a.page_table(few[:2])]))
+        """
+    )
+    assert got == {
+        "lengths": ("MemoryError", [5, 1], [5, 5, 5]),
+        "rows": ("MemoryError", [5, 1], [0, 0, 0]),
+        "page_table": ("MemoryError", [[0, 2, 4], [1, 2, 1, 2], [1, 1]]),
+    }
+
+
+def test_results_of_one_request_too_big_for_memory_are_memory_errors():
+    got = run_cases(
+        """
+        n = 1 << 22  # tokens: 4 MiB of pages of 4096 slots
+        a = SlotAllocator((n >> 12) + 1, page_size=1 << 12, max_requests=2, max_context_len=n)
+        h = a.open(1)
+        tokens = np.arange(n, dtype=np.int32) % 30000
+        a.extend(h, n, tokens=tokens)
+        a.cache(h)
+
+        case("slots")
+        # Room for the core's answer (32 MiB), not for a second copy.
+        r = outcome(lambda: a.slots(h[0]), 32 * MiB + 8 * MiB)
+        s = a.slots(h[0])
+        result((r, s.size, bool((s[1:] - s[:-1] == 1).all())))
+
+        case("known_tokens")
+        r = outcome(lambda: a.known_tokens(h[0]), 16 * MiB + 8 * MiB)
+        result((r, bool((a.known_tokens(h[0]) == tokens).all())))
+
+        case("chain_hashes")
+        r = outcome(lambda: a.chain_hashes(h[0]), 16 * MiB + 8 * MiB)
+        hashes, toks, salt = a.chain_hashes(h[0])
+        result((r, hashes.size, bool((toks == tokens).all()), salt))
+        a.check()
+        """
+    )
+    assert got == {
+        "slots": ("MemoryError", 1 << 22, True),
+        "known_tokens": ("MemoryError", True),
+        "chain_hashes": ("MemoryError", 2 * 1024, True, 0),
+    }
+
+
+def test_calls_that_change_the_pool_allocate_their_result_first():
+    got = run_cases(
+        """
+        case("extend")
+        n = 1 << 24  # one request taking the whole pool: a 128 MiB result
+        a = SlotAllocator((n >> 12) + 1, page_size=1 << 12, max_requests=2, max_context_len=n)
+        h = a.open(1)
+        r = outcome(lambda: a.extend(h, n), 64 * MiB)
+        a.check()
+        result((r, a.lengths(h).tolist(), a.free_pages, a.extend(h, 5).tolist()))
+        del a
+
+        case("open")
+        a = SlotAllocator(64, max_requests=1 << 18, max_context_len=64)
+        r = outcome(lambda: a.open(1 << 18), 1 * MiB)  # 2 MiB of handles
+        a.check()
+        result((r, a.open_requests, a.open(2).size))
+        del a
+        """
+    )
+    assert got == {
+        "extend": ("MemoryError", [0], 1 << 12, [4096, 4097, 4098, 4099, 4100]),
+        "open": ("MemoryError", 0, 2),
+    }
+
+
+def test_drained_queues_lose_nothing_to_a_memory_error():
+    got = run_cases(
+        """
+        case("take_copies")
+        ps = 1 << 10
+        a = SlotAllocator(1100, page_size=ps, max_requests=1100, max_context_len=2 * ps)
+        parent = a.open(1)
+        a.extend(parent, ps - 1)  # a partly filled page, shared by the forks
+        kids = a.fork(parent[0], 1024)
+        a.extend(kids, 1)  # each kid copies the shared page: 1024 * 1023 copies
+        queued = a.pending_copies
+        r = outcome(a.take_copies, 4 * MiB)  # 8 MiB per array
+        after = a.pending_copies
+        src, dst = a.take_copies()
+        want_src = np.tile(a.slots(parent[0]), len(kids))
+        want_dst = np.concatenate([a.slots(k)[: ps - 1] for k in kids])
+        a.check()
+        result((r, queued, after, a.pending_copies, bool((src == want_src).all()), bool((dst == want_dst).all())))
+        del a
+
+        case("take_events")
+        ps, n = 1 << 10, 1 << 22
+        a = SlotAllocator((n // ps) + 1, page_size=ps, max_requests=2, max_context_len=n)
+        h = a.open(1)
+        tokens = np.arange(n, dtype=np.int32) % 30000
+        a.extend(h, n, tokens=tokens)
+        pages = a.pages(h[0])
+        a.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
+        # Room for the core's drained copy (16 MiB of ids), not for ours.
+        r = outcome(a.take_events, 16 * MiB + 4 * MiB)
+        e = a.take_events()
+        chained = bool((e["parent_hi"][1:] == e["hash_hi"][:-1]).all() and (e["parent_lo"][1:] == e["hash_lo"][:-1]).all())
+        result((
+            r,
+            e["kind"].tolist() == [0] * (n // ps),
+            bool((e["page"] == pages).all()),
+            bool((e["token_ids"] == tokens).all()),
+            set(e["num_tokens"].tolist()),
+            chained,
+            (int(e["parent_hi"][0]), int(e["parent_lo"][0])),
+            a.take_events()["kind"].size,
+        ))
+        a.check()
+        """
+    )
+    assert got == {
+        "take_copies": ("MemoryError", 1024 * 1023, 1024 * 1023, 0, True, True),
+        "take_events": ("MemoryError", True, True, True, {1024}, True, (0, 0), 0),
+    }

@@ -1,0 +1,88 @@
+"""HostStorage: page-major layout, sizing from pages or bytes, grad-mode safety, plain
+memory on CPU pools (pinning is checked in tests/test_tier_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpool
+from kvpool.errors import InvalidArgumentError
+from kvpool.tiers import HostStorage, host_page_bytes, host_pages_for_bytes
+
+
+def pool(**kw):
+    args = dict(dtype=torch.bfloat16, page_size=4, num_pages=8, max_requests=4, max_context_len=64)
+    args.update(kw)
+    return kvpool.KVPool(3, 2, 8, **args)
+
+
+def test_a_llama_8b_page_is_two_mib():
+    assert host_page_bytes(32, 16, 8, 128, torch.bfloat16, mla=False) == 2 * 1024 * 1024
+    # MLA (DeepSeek-like latent 512 + 64, 61 layers, fp8): one cache
+    assert host_page_bytes(61, 64, 1, 576, torch.float8_e4m3fn, mla=True) == 61 * 64 * 576
+
+
+def test_page_major_layout_matches_a_device_page_across_layers():
+    p = pool()
+    h = HostStorage.for_pool(p, host_pages=5)
+    assert tuple(h.buffer.shape) == (5, 2, 3, 4, 2, 8)
+    assert h.page_bytes == p.bytes_per_slot * p.page_size == h.page(1).numel() * 2
+    assert h.nbytes == 5 * h.page_bytes
+    assert h.page(4).is_contiguous() and h.page(4).data_ptr() == h.buffer.data_ptr() + 4 * h.page_bytes
+
+
+def test_mla_and_fp8_pools():
+    p = kvpool.KVPool(2, 1, 24, kv_lora_rank=16, qk_rope_head_dim=8, dtype=torch.float8_e4m3fn, page_size=16,
+                      num_pages=4, max_requests=2, max_context_len=64)
+    h = HostStorage.for_pool(p, host_pages=3)
+    assert tuple(h.buffer.shape) == (3, 1, 2, 16, 1, 24) and h.buffer.dtype == torch.float8_e4m3fn
+    assert h.page_bytes == 2 * 16 * 24
+
+
+def test_sized_by_bytes_rounds_down_to_whole_pages():
+    p = pool()
+    page = HostStorage.for_pool(p, host_pages=2).page_bytes
+    assert HostStorage.for_pool(p, host_memory_bytes=7 * page + page - 1).host_pages == 7
+    assert host_pages_for_bytes(2 * page, page) == 2
+    with pytest.raises(InvalidArgumentError, match="at least 2"):
+        HostStorage.for_pool(p, host_memory_bytes=2 * page - 1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(host_pages=4, host_memory_bytes=1 << 20)])
+def test_exactly_one_size(kw):
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        HostStorage.for_pool(pool(), **kw)
+
+
+@pytest.mark.parametrize("bad", [0, 1, -3, 2.0, True, "4"])
+def test_bad_page_counts(bad):
+    with pytest.raises(InvalidArgumentError):
+        HostStorage(bad, num_layers=1, page_size=1, heads=1, head_dim=8, dtype=torch.float16)
+
+
+def test_bad_geometry():
+    with pytest.raises(InvalidArgumentError):
+        HostStorage(4, num_layers=0, page_size=1, heads=1, head_dim=8, dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        HostStorage(4, num_layers=1, page_size=1, heads=1, head_dim=8, dtype=torch.int32)
+    h = HostStorage(4, num_layers=1, page_size=1, heads=1, head_dim=8, dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError):
+        h.page(4)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_normal_tensor_whatever_the_mode_it_was_built_in(mode):
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
+    with ctx():
+        h = HostStorage.for_pool(pool(), host_pages=3)
+    assert not h.buffer.is_inference() and not h.buffer.requires_grad
+    assert kvpool.audit(host=h.buffer) == []
+    h.buffer[1].zero_()  # an in-place write outside inference mode works
+
+
+def test_plain_memory_on_a_cpu_pool():
+    h = HostStorage.for_pool(pool(), host_pages=3)
+    assert h.pin_method == "none" and not h.pinned
+    assert h.buffer.device.type == "cpu"
+    assert "host_pages=3" in repr(h) and h.tensors()[0][1] is h.buffer
