@@ -84,12 +84,10 @@ class KVPoolLayer(CacheLayerMixin):
         anything is stored.
         """
         req = self.requests
-        if not self.is_initialized:
-            # A layer's heads, head_dim, dtype and device never change between steps, so
-            # the model-level check runs once; pool.write still validates every call.
+        if not req.kv_ok(key_states, value_states):
             req.check_kv(key_states, value_states)
-            self.lazy_initialization(key_states, value_states)
-        req.ensure_open(key_states.shape[0])
+            req.ensure_open(key_states.shape[0])
+        self.is_initialized = True  # the storage is the pool's; ``keys``/``values`` stay None
         tokens = key_states.shape[2]
         if self.seen == req.length:
             req.begin_step(tokens)
@@ -97,9 +95,14 @@ class KVPoolLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        req.write(self.layer_idx, key_states, value_states)
+        store = req.store
+        if store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
+            store(self.layer_idx, req.new_slots, key_states, value_states)
+        else:
+            req.write(self.layer_idx, key_states, value_states)
         self.seen += tokens
-        return req.gather(self.layer_idx)
+        pages = req.pages
+        return pages.kv(self.layer_idx) if pages is not None else req.gather(self.layer_idx)
 
     def get_seq_length(self) -> int:
         return self.seen
