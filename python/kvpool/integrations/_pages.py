@@ -43,19 +43,31 @@ class StepPages:
         self.flat = [(k.reshape(-1, self.h, self.d), v.reshape(-1, self.h, self.d))
                      for k, v in zip(pool.k_buffers, pool.v_buffers)]
         self.paged = [(k.view(-1, self.row), v.view(-1, self.row)) for k, v in self.flat]
-        # Elements from one layer's cache to the next when the layers' caches are evenly
-        # spaced in one storage: one strided view per step then covers every layer.
-        # K of every layer then V of every layer: KVPool keeps them in one allocation.
+        layers, num_pages = len(self.flat), self.paged[0][0].shape[0]
+        # KVPool keeps every layer's K, then every layer's V, back to back in one allocation.
+        # Then one strided view covers every layer's K and V (the views path), and every
+        # page of every cache is a row of one [2 * layers * num_pages, page * H * D] view
+        # (the gather path: one index_select per layer for K and V together).
         self.layer_step = _even_spacing([k for k, _ in self.flat] + [v for _, v in self.flat])
+        self.all_pages: torch.Tensor | None = None
+        self._page_offsets: np.ndarray | None = None
+        if self.layer_step == num_pages * self.row:
+            k0 = self.flat[0][0]
+            self.all_pages = k0.as_strided((2 * layers * num_pages, self.row), (self.row, 1), k0.storage_offset())
+            # Row of page p of layer l's K (l * num_pages + p) and V ((layers + l) * num_pages + p).
+            self._page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
         self._to_device = getattr(pool, "_to_device", None)
         self.table = np.zeros((0, 0), dtype=np.int64)
         self.npages = 0
         self.length = 0
         self.private = True
-        self._index: torch.Tensor | None = None  # flattened page ids on the device
+        # Gather path: per layer, the rows of its K pages then V pages in all_pages; or
+        # (without all_pages) one [B * pages] index of page ids used for every cache.
+        self._index: Any = None
+        self._rows = 0  # pages gathered per cache
         self._strided: tuple[int, int] | None = None  # (first page, pages between rows) for views
-        self._stage: list[torch.Tensor] = []
-        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stage: torch.Tensor | None = None
+        self._out: tuple[Any, Any] | None = None
 
     def reset(self, batch: int, *, private: bool) -> None:
         """Rows opened or reordered: the next step reads the table from the allocator."""
@@ -90,39 +102,51 @@ class StepPages:
         t = self.table[:, :npages]
         self._strided = _strided(t)
         self._index = None
-        if self._strided is None:
-            flat = np.ascontiguousarray(t).reshape(-1)
-            self._index = self._to_device(flat) if self._to_device is not None else torch.from_numpy(flat)
+        if self._strided is not None:
+            return
+        self._rows = t.size
+        if self._page_offsets is not None:
+            index = np.ascontiguousarray((t.reshape(1, 1, -1) + self._page_offsets).reshape(len(self.flat), -1))
+            self._index = self._upload(index).unbind(0)
+        else:
+            self._index = self._upload(np.ascontiguousarray(t).reshape(-1))
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        return self._to_device(host) if self._to_device is not None else torch.from_numpy(host)
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of every row, ``[B, H, length, D]``."""
         out = self._out
         if out is None:
             out = self._out = self._step_views()
-        if self._index is None:  # views in place: every layer's were made at once
+        index = self._index
+        if index is None:  # views in place: every layer's were made at once
             return out[0][layer], out[1][layer]
-        kp, vp = self.paged[layer]
-        kst, vst = self._stage
-        rows = self._index.shape[0]
-        torch.index_select(kp, 0, self._index, out=kst[:rows])
-        torch.index_select(vp, 0, self._index, out=vst[:rows])
+        stage, rows = self._stage, self._rows
+        assert stage is not None
+        if self.all_pages is not None:
+            torch.index_select(self.all_pages, 0, index[layer], out=stage[: 2 * rows])
+        else:
+            kp, vp = self.paged[layer]
+            torch.index_select(kp, 0, index, out=stage[:rows])
+            torch.index_select(vp, 0, index, out=stage[rows : 2 * rows])
         return out
 
     def _step_views(self) -> tuple[Any, Any]:
-        """This step's K and V: per-layer views in place (strided), or the staging buffers
-        seen as [B, H, length, D]. One strided view covers every layer's K and V when they
-        are evenly spaced in one storage, split by one ``unbind``."""
+        """This step's K and V: per-layer views in place (strided), or the staging buffer's
+        K and V halves seen as [B, H, length, D]."""
         b, h, d, n = self.table.shape[0], self.h, self.d, self.length
         if self._strided is None:
-            rows = b * self.npages
-            if not self._stage or self._stage[0].shape[0] < rows:
+            rows = self._rows
+            if self._stage is None or self._stage.shape[0] < 2 * rows:
                 kp = self.paged[0][0]
-                grow = max(rows, 2 * (self._stage[0].shape[0] if self._stage else 0))
+                grow = max(2 * rows, 2 * (self._stage.shape[0] if self._stage is not None else 0))
                 with persistent():  # written under any grad mode, inference mode included
-                    self._stage = [torch.empty((grow, self.row), dtype=kp.dtype, device=kp.device) for _ in range(2)]
+                    self._stage = torch.empty((grow, self.row), dtype=kp.dtype, device=kp.device)
+            st = self._stage
             # [B, pages * page, H, D] read as [B, H, length, D]
             size, stride = (b, h, n, d), (self.npages * self.row, d, h * d, 1)
-            return tuple(st.as_strided(size, stride) for st in self._stage)
+            return st.as_strided(size, stride, 0), st.as_strided(size, stride, rows * self.row)
         first, apart = self._strided
         size, stride = (b, h, n, d), (apart * self.row, d, h * d, 1)
         if self.layer_step is None:
