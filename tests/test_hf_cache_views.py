@@ -90,3 +90,18 @@ def test_crop_then_continue_reads_the_table_again():
             got_k, _ = cache.update(new, new, layer)
             assert torch.equal(got_k, torch.cat([kept, new], dim=2))
     pool.allocator.check()
+
+
+def test_pool_for_a_bare_config_is_float32_on_cpu():
+    """A config without a dtype (transformers 5 leaves ``config.dtype`` None) sizes a
+    float32 CPU pool, as documented; a config naming its dtype gets that dtype."""
+    from transformers import LlamaConfig
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    pool = pool_for_model(cfg, max_tokens=64)
+    assert (pool.dtype, pool.device.type, pool.num_layers, pool.num_kv_heads) == (torch.float32, "cpu", 2, 2)
+    cfg.dtype = "bfloat16"
+    assert pool_for_model(cfg, max_tokens=64).dtype == torch.bfloat16
