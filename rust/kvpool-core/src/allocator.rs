@@ -11,7 +11,7 @@ use crate::handle::{
     MAX_GENERATION,
 };
 use crate::index::PrefixIndex;
-use crate::memory::{filled_vec, reserve, zeroed_vec, MAX_CONTEXT_LEN, MAX_REQUESTS};
+use crate::memory::{fault_in, filled_vec, reserve, zeroed_vec, MAX_CONTEXT_LEN, MAX_REQUESTS};
 use crate::rows::{Row, RowCold, OPEN};
 
 /// Per-request token counts (or target lengths, or salts) of a batch call:
@@ -77,6 +77,11 @@ pub struct Options {
     /// Test only: starting value of the batch-stamp epoch.
     #[doc(hidden)]
     pub epoch_start: u32,
+    /// Leave the request page lists and slot token ids to be mapped on first
+    /// use instead of at construction: for a pool sized far beyond what it
+    /// will hold, whose first requests may pay page faults (see
+    /// `memory::fault_in`).
+    pub lazy_metadata: bool,
 }
 
 impl Options {
@@ -170,6 +175,14 @@ impl SlotAllocator {
     /// page for up to 2^20 pages at the first `cache()`, doubling past that),
     /// a 64-byte entry per registered page and 4 per prompt token of each
     /// open request.
+    ///
+    /// The request page lists (up to 64 MiB) and the token ids of the lowest
+    /// 4M slots are mapped into memory here, one write per 4 KiB, so that the
+    /// pool's first burst of requests costs what later ones do instead of a
+    /// page fault per 1024 pages taken (`Options::lazy_metadata` leaves them
+    /// to first use). The page records stay mapped on first use: a FREE page's
+    /// record is only ever read, and reads of untouched memory all hit one
+    /// shared zero page, which keeps a large pool's churn cache-friendly.
     pub fn with_options(
         num_pages: usize,
         page_size: usize,
@@ -214,7 +227,10 @@ impl SlotAllocator {
                 "max_requests * pages per request = {max_requests} * {row_pages} overflows"
             ));
         };
-        let page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
+        let mut page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
+        if !opts.lazy_metadata {
+            fault_in(&mut page_lists, usize::MAX);
+        }
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
         let known_len = zeroed_vec(max_requests, "request rows")?;
@@ -228,8 +244,14 @@ impl SlotAllocator {
         let mut slow_scratch = Vec::new();
         reserve(&mut slow_scratch, max_requests, "extend scratch")?;
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
-        let mut index =
-            PrefixIndex::new(num_pages, num_slots, page_size, seed, opts.weak_hash_bits)?;
+        let mut index = PrefixIndex::new(
+            num_pages,
+            num_slots,
+            page_size,
+            seed,
+            opts.weak_hash_bits,
+            !opts.lazy_metadata,
+        )?;
         index.skip_verify = opts.skip_hit_verification;
         let generation_base = match opts.generation_base {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,

@@ -32,7 +32,7 @@ use crate::hashing::ChainHasher;
 use crate::key_table::KeyTable;
 use crate::keys::key_of;
 use crate::lookup::ChainTip;
-use crate::memory::{reserve, zeroed_vec};
+use crate::memory::{fault_in, reserve, zeroed_vec};
 use crate::page_state::{PageState, UNHELD};
 
 /// Pages registration hashes (and prefetches) ahead of its probes, and the
@@ -117,16 +117,24 @@ pub(crate) struct PrefixIndex {
 }
 
 impl PrefixIndex {
+    /// With `fault_in_tokens`, the token ids of the lowest slots (pages are
+    /// handed out lowest first) are mapped now rather than at a first burst
+    /// that passes its prompts' ids (see `memory::fault_in`).
     pub(crate) fn new(
         num_pages: usize,
         num_slots: usize,
         page_size: usize,
         seed: u64,
         weak_bits: u32,
+        fault_in_tokens: bool,
     ) -> Result<Self> {
         let mut hash_scratch = Vec::new();
         reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
         let hasher = ChainHasher::new(seed, weak_bits);
+        let mut tokens = zeroed_vec(num_slots, "slot token ids")?;
+        if fault_in_tokens {
+            fault_in(&mut tokens, TOKENS_FAULT_IN_BYTES);
+        }
         Ok(PrefixIndex {
             table: KeyTable::default(),
             entries: Vec::new(),
@@ -134,7 +142,7 @@ impl PrefixIndex {
             free_entries: Vec::new(),
             state: page_states(num_pages)?,
             lru_len: 0,
-            tokens: zeroed_vec(num_slots, "slot token ids")?,
+            tokens,
             hasher,
             hash_scratch,
             next_reg: 1,
@@ -411,14 +419,18 @@ pub(crate) fn same_tokens(a: &[i32], b: &[i32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Token ids mapped at construction: the first 4M slots, what a first burst of
+/// up to 4M prompt tokens writes (16 MiB; the whole array below 4M slots).
+const TOKENS_FAULT_IN_BYTES: usize = 16 << 20;
+
 /// Every page FREE (all zeros, see `page_state.rs`) except page 0, which
-/// is never held. Mapped lazily like the pool's other big arrays: a page's
-/// record costs memory once the page is used, and a pool that never caches
-/// (no index) never touches the array. Writing it at construction instead
-/// saved the page-1 prefix trace about four page faults a step while its
-/// index grew, but made the page-1 churn step at 16M slots (which never
-/// reads it) 4-13% slower than at 1M: 16 bytes a page resident from the
-/// start, 256 MiB at 16M pages.
+/// is never held. Mapped lazily (unlike the page lists and the lowest token
+/// ids, which construction maps): a page's record costs memory once the page
+/// is used, and a pool that never caches (no index) never writes the array.
+/// Until a record is written, every read of it lands on the one shared zero
+/// page, so a churning pool's reads of FREE records stay in cache; written at
+/// construction they would be 16 bytes a page read from memory (256 MiB at
+/// 16M pages), which slows the page-1 churn step of a large pool.
 fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
     let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
     if let Some(s0) = state.first_mut() {
