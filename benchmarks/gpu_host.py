@@ -2,7 +2,9 @@
 scheduler thread pays for `extend(B=256)` (one decode token each), `admit` (16 new
 requests of 128 tokens), an eager `write` of B rows (device and host slots), and
 `DecodeGraphRunner.run` of a 2-layer toy step at batch B (host and device inputs), with the GPU never synchronised
-inside the timed loop (a call that waited for the GPU would show here).
+inside the timed loop (a call that waited for the GPU would show here); and
+`write_overhead`: eager `write` / `read` over the bare copies into the same buffers,
+per layout at 1 and 64 rows (kvpool.bench.rows_cost, target write <= 15 µs).
 
 Each figure: median and p90 of single calls, perf_counter_ns around each. --device cpu
 is a dry run of the logic (a CPU pool, batch 8; figures meaningless for a GPU).
@@ -81,7 +83,23 @@ def measure(iters: int, B: int) -> Dict[str, Any]:
     for name, r in out.items():
         if isinstance(r, dict):
             log(f"[host_us] {name:>26}: median {r['median_us']:8.2f} us, p90 {r['p90_us']:8.2f} us")
+    out["write_overhead"] = write_overhead(dev, dry=RUN.dry)
     return out
+
+
+def write_overhead(dev: str, dry: bool) -> list:
+    """pool.write / read host µs per call over two bare index_copy_ / index_select into the
+    same buffers, eager, per layout at 1 and 64 rows (bf16, 8 KV heads x 128): the
+    figure `python -m kvpool.bench overhead` gives on CPU (target on a GPU: write
+    <= 15 µs of host time per call)."""
+    from kvpool.bench.rows_cost import row_overhead
+
+    rows = row_overhead(dev, rounds=3 if dry else 15, calls=10 if dry else 200)
+    for r in rows:
+        log(f"[host_us] write {r['layout']:>5} x{r['rows']:<3}: {r['write_us']:7.2f} us "
+            f"(bare copies {r['bare_write_us']:6.2f}, + {r['write_overhead_us']:5.2f}); "
+            f"read {r['read_us']:7.2f} us (+ {r['read_overhead_us']:5.2f})")
+    return rows
 
 
 def main() -> int:

@@ -51,7 +51,7 @@ def test_pool_write_rejects_host_slots_and_writes_nothing(capturing, monkeypatch
     pool = kvpool.KVPool(1, 2, 8, num_pages=8, page_size=4, max_requests=2, max_context_len=8)
     before = [t.clone() for t in pool.k_buffers + pool.v_buffers]
     real = validate.slots_tensor
-    monkeypatch.setattr("kvpool.pool.slots_tensor", lambda s, d, *a, **k: real(s, CUDA0, *a, **k))
+    monkeypatch.setattr("kvpool.rows.slots_tensor", lambda s, d, *a, **k: real(s, CUDA0, *a, **k))
     capturing["on"] = True
     k = torch.ones((2, 2, 8), dtype=torch.float16)
     with pytest.raises(TensorDeviceError, match="captured"):

@@ -71,6 +71,9 @@ def test_dry_run_of_the_whole_session(tmp_path):
     for key in ("extend_B8", "admit_16x128", "write_device_slots", "write_host_slots",
                 "runner_run_host_inputs", "runner_run_device_inputs"):
         assert host[key]["median_us"] > 0, key
+    shapes = {(r["layout"], r["rows"]) for r in host["write_overhead"]}
+    assert shapes == {(layout, rows) for layout in ("token", "paged") for rows in (1, 64)}
+    assert all(r["write_us"] > 0 and r["bare_write_us"] > 0 for r in host["write_overhead"])
     shapes = json.loads((out / "shapes.json").read_text())["shapes"]
     assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
     for name, r in shapes.items():

@@ -45,7 +45,7 @@ class AdmissionMixin:
                 self._enter_device_call("admit")
             if self._table_np is not None:  # a CPU table: the core writes the rows
                 handles, slots = self.allocator.admit(counts, table=self._table_np, tokens=tokens)
-                return handles, ExtendResult(slots, torch.from_numpy(slots))
+                return handles, self._own_result(slots)
             handles, packed, num_requests = self.allocator.admit_packed(counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
@@ -54,4 +54,4 @@ class AdmissionMixin:
                 self.allocator.truncate(back, 0)
                 self.allocator.close(back)
                 raise
-            return handles, ExtendResult(slots, dev)
+            return handles, self._own_result(slots, dev)

@@ -1,7 +1,7 @@
 """K/V storage of a pool and its per-layer views (token-major and paged).
 
-One allocation per cache kind, ``[num_layers, num_slots, H, D]``, so each
-layer's block is contiguous and both layouts are views of the same memory:
+One allocation holds every cache kind (K and V, or the MLA latent cache), each
+``[num_layers, num_slots, H, D]``, so each layer's block is contiguous and both layouts are views of the same memory:
 token-major ``[num_slots, H, D]`` (SGLang) and paged ``[num_pages, P, H, D]``
 (vLLM / FlashInfer NHD) differ only in how the first dimension is split.
 Every tensor and view here is made under ``persistent()``, so none of them is
@@ -69,7 +69,11 @@ class KVStorage:
             # Zeros, not empty: padded entries of a batch read slot 0 (the null
             # row of req_to_token), and garbage there can be NaN/inf that leaks
             # through masked attention arithmetic.
-            self.caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(1 if mla else 2)]
+            # K and V are two halves of one allocation, so every layer's K and V sit evenly
+            # spaced in one storage and one strided view can cover all of them
+            # (kvpool.integrations._pages builds a step's K/V views that way).
+            both = torch.zeros((1 if mla else 2,) + shape, dtype=dtype, device=device)
+            self.caches = list(both.unbind(0))
             self.flat = [[c[i] for i in range(num_layers)] for c in self.caches]
             if layout == "paged":
                 self.shaped = [[f.view(num_pages, page_size, heads, dim) for f in fl] for fl in self.flat]

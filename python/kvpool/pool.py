@@ -20,20 +20,20 @@ import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
-from kvpool.errors import TensorShapeError
 from kvpool.lifecycle import RequestOps
 from kvpool.heads import shard_kv_heads
-from kvpool.kernels import gather_kv, require_triton, store_kv
+from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.packed import PackedExtend
-from kvpool.staging import PinnedRing, to_device
+from kvpool.staging import PinnedRing
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.admission import AdmissionMixin
 from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
-from kvpool.validate import check_layer, check_rows, slots_tensor
+from kvpool.rows import RowsMixin
+from kvpool.validate import check_layer
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
 
@@ -44,7 +44,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(RequestOps, SharingMixin, AdmissionMixin):
+class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -220,6 +220,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
         self._to_device = PinnedRing(self.device).to_device if self.device.type == "cuda" else None
         # CUDA: orders copy-on-write copies before later page hand-outs on other streams.
         self._order: CopyOrder | None = CopyOrder(self.device) if self.device.type == "cuda" else None
+        self._init_rows()  # per-layer views, scales and geometry for write / read
 
     def _enter_device_call(self, what: str) -> None:
         """Start of a call that stages host data and hands out pages, on a pool
@@ -311,7 +312,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
                     slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens,
                                                        cow=True)
                     apply_cow(self, cow, table_written=True)
-                return ExtendResult(slots, torch.from_numpy(slots))
+                return self._own_result(slots)
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
@@ -319,7 +320,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
                 self._roll_back_extend(handles, packed, num_requests, cow)
                 raise
             apply_cow(self, cow, table_written=False)
-            return ExtendResult(slots, dev)
+            return self._own_result(slots, dev)
         finally:
             lock.release()
 
@@ -402,99 +403,6 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin):
     def v_buffers(self) -> list[torch.Tensor]:
         """``v_buffer(layer)`` of every layer."""
         return [self.v_buffer(i) for i in range(self.num_layers)] if self.mla else list(self._storage.shaped[1])
-
-    # ----- writes and reads -----------------------------------------------
-
-    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *, strict: bool = False) -> None:
-        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer``, in place.
-
-        Everything is validated before anything is written (typed errors, pool
-        unchanged). Negative slots are padding and skipped. Slots in page 0
-        (``[0, page_size)``) are the padding sink and accepted, since the
-        allocator never gives them to a request; ``strict=True`` rejects them
-        (and negatives) with ``ReservedSlotError``, and repeated host slots with
-        ``DuplicateSlotError``, for batches known to hold only real tokens (a
-        repeated slot gets one of its rows, which one is unspecified and may
-        differ between CPU and GPU). Runs ``kvpool.kernels.store_kv`` (Triton on CUDA,
-        capture-safe; torch on CPU).
-
-        Args:
-            layer: layer index.
-            slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
-                device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
-                Host slots are range-checked; device slots are not (no sync).
-                On a CUDA pool host slots are staged through pinned memory, and
-                rejected while a CUDA graph is being captured (their copy cannot
-                be captured): pass device slots there.
-            k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
-                pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
-            strict: reject padding, page-0 and repeated slots.
-
-        Raises:
-            LayerIndexError, SlotRangeError, ReservedSlotError, DuplicateSlotError,
-            TensorShapeError, TensorDtypeError, TensorDeviceError: a bad argument
-            (nothing written).
-        """
-        layer = check_layer(layer, self.num_layers)
-        if self.mla and v is not None:
-            raise TensorShapeError("an MLA pool takes one latent tensor: write(layer, slots, kv), without v")
-        if not self.mla and v is None:
-            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
-        names = ("kv",) if self.mla else ("k", "v")
-        rows: list[torch.Tensor] = [k] if v is None else [k, v]
-        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
-        n = idx.shape[0]
-        for name, x in zip(names, rows):
-            check_rows(name, x, n, self.num_kv_heads, self.head_dim, self.compute_dtype, self.device)
-        if idx.device != self.device:
-            # Host slots, eager only (rejected while capturing): staged like extend's copy.
-            idx = to_device(idx.numpy(), self.device, self._to_device)
-        # detach(): a source that requires grad must not drag the cache into
-        # autograd (in grad mode, the store would make the cache require grad).
-        rows = [x.detach() if x.requires_grad else x for x in rows]
-        caches, scales = self._layer(layer)
-        if len(rows) == 1:
-            store_kv(caches[0], None, idx, rows[0], None, scales[0])
-        else:
-            store_kv(caches[0], caches[1], idx, rows[0], rows[1], scales[0], scales[1])
-
-    def _layer(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Token-major caches of ``layer`` and their fp8 scales (None when not fp8)."""
-        caches = [c[layer] for c in self._storage.flat]
-        if not self._scales:
-            return caches, [None] * len(caches)
-        return caches, [s[layer] for s in self._scales]
-
-    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
-
-        A helper for tests and debugging, not the attention path (runs
-        ``kvpool.kernels.gather_kv``; allocates its outputs).
-
-        Args:
-            layer: layer index.
-            slots: ``[n]`` slots, as for ``write``.
-
-        Returns:
-            ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` new tensors. MLA:
-            ``(latent, latent[..., :kv_lora_rank])``.
-
-        Raises:
-            LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
-            TensorDeviceError: a bad argument.
-        """
-        layer = check_layer(layer, self.num_layers)
-        idx, _ = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=False)
-        idx = idx.to(self.device)
-        caches, scales = self._layer(layer)
-        two = len(caches) > 1
-        k, v = gather_kv(
-            caches[0], caches[1] if two else None, idx,
-            out_dtype=self.compute_dtype, k_scale=scales[0], v_scale=scales[1] if two else None,
-        )
-        if v is None:
-            return k, k[..., : self.kv_lora_rank]
-        return k, v
 
     def __repr__(self) -> str:
         kind = f"mla(rank={self.kv_lora_rank}, rope={self.qk_rope_head_dim})" if self.mla else "mha"

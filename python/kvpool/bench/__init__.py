@@ -3,6 +3,9 @@
 ``python -m kvpool.bench churn``  replays seeded continuous-batching traces on
 every installed allocator (per-step time, ns per slot, peak metadata memory).
 ``python -m kvpool.bench ops``    times single SlotAllocator operations.
+``python -m kvpool.bench overhead`` times what the torch layer adds on the host:
+write/read over bare copies, KVPoolCache against DynamicCache, a fresh pool's
+first burst.
 ``python -m kvpool.bench prefix`` replays prefix-sharing traces (system prompts,
 multi-turn chat, parallel sampling, a mix under memory pressure) on kvpool's
 prefix cache, SGLang's RadixCache and vLLM's KVCacheManager (hit rate, µs/step).

@@ -1,4 +1,4 @@
-"""``python -m kvpool.bench {churn,ops,prefix,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
+"""``python -m kvpool.bench {churn,ops,overhead,prefix,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
                              "small shared host, more threads make them slower and noisier)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvpool.bench import churn, ops, prefix, route
+    from kvpool.bench import churn, ops, overhead, prefix, route
 
     p = sub.add_parser("churn", help="continuous-batching slot churn, kvpool vs SGLang and vLLM")
     churn.add_arguments(p)
@@ -21,6 +21,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("ops", help="single SlotAllocator operations at several batch sizes")
     ops.add_arguments(p)
     p.set_defaults(func=ops.main)
+    p = sub.add_parser("overhead", help="host time the torch layer adds: write/read over bare copies, "
+                       "KVPoolCache vs DynamicCache, a fresh pool's first burst")
+    overhead.add_arguments(p)
+    p.set_defaults(func=overhead.main)
     p = sub.add_parser("prefix", help="prefix caching: hit rate and host µs/step, kvpool vs SGLang and vLLM")
     prefix.add_arguments(p)
     p.set_defaults(func=prefix.main)

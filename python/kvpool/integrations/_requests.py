@@ -16,6 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.integrations._pages import StepPages
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -33,9 +34,9 @@ class BatchRequests:
     """Pool requests of a batch: ``handles[i]`` holds row i's K/V, ``length`` tokens each.
 
     A step (one forward) is started by the first layer that sees it: ``begin_step(T)``
-    extends every row by T tokens with ONE ``pool.extend``, and the table columns of
-    every row are gathered once into ``slot_idx`` [B, length], which every layer then
-    reuses to read its K/V back.
+    extends every row by T tokens with ONE ``pool.extend`` and brings the batch's page
+    table up to date (``StepPages``); every layer then stores its new K/V into the
+    step's slots and reads every row's K/V back through that table.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -45,14 +46,22 @@ class BatchRequests:
                 "Build a KVPool without kv_lora_rank/qk_rope_head_dim")
         self.pool = pool
         self.device = torch.device(pool.device)
+        self.dtype, self.heads, self.head_dim = pool.compute_dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None  # int64 [B]
         self.length = 0
         self.prefix_mode = False
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
         self._rows: torch.Tensor | None = None
-        self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step
         self.new_slots: torch.Tensor | None = None  # [B*T] this step's slots, row-major
-        self._bhl = torch.empty(0, dtype=torch.long)   # [B*H*length] gather index, this step
+        # fp8 pools read K/V back dequantized through pool.read and a per-token index.
+        self.fp8 = bool(getattr(pool, "fp8", False))
+        self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step (fp8 only)
+        self.pages = None if self.fp8 else StepPages(pool)
+        # KVPool's store without write()'s argument checks, which kv_ok / check_kv make here
+        # (K/V in attention's [B, H, T, D] layout); None: a pool without it, use write().
+        self.store = getattr(pool, "_store_bhtd", None)
+        self.batch = -1  # rows opened (-1: none yet)
+        self._shared = False  # some row may share a page (prefix hit, fork)
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -63,8 +72,11 @@ class BatchRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self.batch = self.handles.shape[0]
         self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self.slot_idx = None
+        if self.pages is not None:
+            self.pages.reset(self.handles.shape[0], private=not self._shared)
 
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
@@ -92,11 +104,24 @@ class BatchRequests:
         common = int(cached.min())
         if int(cached.max()) > common:
             self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
+        self._shared = True
         self._set_handles(handles)
         self.length, self.prefix_mode, self.cached_lens = common, True, cached
 
     # -- a step -------------------------------------------------------------------------
+    def kv_ok(self, key_states: Any, value_states: Any) -> bool:
+        """Whether a step's K/V are what ``check_kv`` accepts for the open rows (the test run at
+        every update; anything else goes through ``check_kv`` and ``ensure_open``)."""
+        if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
+            return False
+        ks = key_states.shape
+        return (key_states.dtype == self.dtype and value_states.dtype == self.dtype and len(ks) == 4
+                and ks == value_states.shape and ks[0] == self.batch and ks[1] == self.heads
+                and ks[3] == self.head_dim and key_states.device == self.device
+                and value_states.device == self.device)
+
     def check_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise the typed error of what is wrong with a step's K/V."""
         pool = self.pool
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.ndim != 4:
@@ -117,46 +142,37 @@ class BatchRequests:
                                    f"{list(value_states.shape)} differ")
 
     def begin_step(self, tokens: int) -> None:
-        """Extend every row by ``tokens`` slots (all-or-nothing) and refresh the gather index."""
+        """Extend every row by ``tokens`` slots (all-or-nothing) and bring the page table up to date."""
         assert self.handles is not None and self._rows is not None
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
             # prompt's full pages for the next request that shares them.
             self.pool.cache(self.handles)
         ext = self.pool.extend(self.handles, tokens)
-        self.length += tokens
+        before, self.length = self.length, self.length + tokens
         self.new_slots = ext.out_cache_loc
-        self.slot_idx = self.pool.req_to_token[self._rows, : self.length].long()
-        # Index of (row, head, token) into the buffers seen as [num_slots * H, D], so one
-        # index_select lands K/V directly in attention's contiguous [B, H, L, D] layout.
-        h = self.pool.num_kv_heads
-        heads = torch.arange(h, device=self.device).view(1, h, 1)
-        self._bhl = (self.slot_idx.unsqueeze(1) * h + heads).view(-1)
+        if self.pages is not None:
+            self.pages.advance(self.handles, before, self.length, ext.slots)
+        else:
+            self.slot_idx = self.pool.req_to_token[self._rows, : self.length].long()
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``."""
         b, h, t, d = key_states.shape
-        # [B, H, T, D] -> [B*T, H, D], row-major like the extend's slots.
-        k = key_states.transpose(1, 2).reshape(b * t, h, d)
+        k = key_states.transpose(1, 2).reshape(b * t, h, d)  # row-major like the extend's slots
         v = value_states.transpose(1, 2).reshape(b * t, h, d)
         self.pool.write(layer, self.new_slots, k, v)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V of ``layer`` in token order, as [B, kv_heads, length, head_dim]."""
-        pool, idx = self.pool, self.slot_idx
+        if self.pages is not None:
+            return self.pages.kv(layer)
+        idx = self.slot_idx
         assert idx is not None
-        h, d = pool.num_kv_heads, pool.head_dim
-        if pool.fp8:
-            k, v = pool.read(layer, idx.reshape(-1))
-            k, v = k.view(*idx.shape, h, d), v.view(*idx.shape, h, d)
-            return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-        # Token layout is [num_slots, H, D]; paged [num_pages, P, H, D] is the same
-        # memory, so [num_slots * H, D] is a view either way. One index_select per
-        # buffer (~3x faster on CPU than 2-D advanced indexing) gives a contiguous
-        # [B, H, L, D]; a transposed view made attention ~15% slower at batch 1.
-        b, n = idx.shape
-        k = pool.k_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
-        v = pool.v_buffer(layer).view(-1, d).index_select(0, self._bhl).view(b, h, n, d)
-        return k, v
+        h, d = self.pool.num_kv_heads, self.pool.head_dim
+        k, v = self.pool.read(layer, idx.reshape(-1))
+        k, v = k.view(*idx.shape, h, d), v.view(*idx.shape, h, d)
+        return k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
     # -- whole-batch edits --------------------------------------------------------------
     def truncate(self, length: int) -> None:
@@ -166,7 +182,7 @@ class BatchRequests:
             raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
         self.length = length
-        self.slot_idx = None
+        self._set_handles(self.handles)  # the page table is read again at the next step
 
     def reorder(self, sources: Sequence[int]) -> None:
         """Row j continues row ``sources[j]``. Rows nobody continues are closed.
@@ -212,15 +228,17 @@ class BatchRequests:
         dropped = [int(self.handles[s]) for s in range(b) if s not in used]
         if dropped:
             self.pool.close(np.asarray(dropped, dtype=np.int64))
+        self._shared = self._shared or bool(made and self.length > 0)
         self._set_handles(out)
 
     def close(self) -> None:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
         if self.handles is not None:
             handles, self.handles, self._rows, self.slot_idx = self.handles, None, None, None
+            self.batch = -1
             if self.prefix_mode and self.length > 0:
                 self.pool.close(handles, cache=True)
             else:
                 self.pool.close(handles)
         self.length = 0
-        self.prefix_mode, self.cached_lens = False, None
+        self.prefix_mode, self.cached_lens, self._shared = False, None, False

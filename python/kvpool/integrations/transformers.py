@@ -11,10 +11,13 @@ How it maps onto the pool:
 - one pool request per batch row, opened at the first ``update`` (the batch size is
   learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
-  first layer that sees the step), every layer stores its new K/V with
-  ``pool.write`` into those slots, and returns the rows' full K/V gathered from the
-  pool's buffers through ``req_to_token`` as ``[batch, kv_heads, tokens, head_dim]``,
-  the shape attention expects (a gather, not a view: rows live in scattered pages);
+  first layer that sees the step), every layer stores its new K/V into those slots
+  (the pool's store: the K/V are checked here, once per update) and returns the rows'
+  full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape attention expects:
+  strided views of the pool's own memory when every row's pages are consecutive (one
+  request on a pool handing out pages in order), else one gather of whole pages per
+  layer into a staging buffer the cache reuses (``_pages.StepPages``). Either is valid
+  until the next ``update``;
 - left padding: pad tokens are stored like any other token and masked by the model's
   attention mask, exactly as ``DynamicCache`` does, so every row has the same length
   and the returned K/V line up with the 2-D attention mask. The price is one slot per
@@ -28,7 +31,8 @@ How it maps onto the pool:
 
 Grad modes: the pool's tensors are made outside inference mode by ``KVPool``, so
 ``generate`` (which runs under ``no_grad``) works equally under
-``torch.inference_mode()``; the cache itself keeps no tensors beyond the step's index.
+``torch.inference_mode()``; the cache's own tensors (the staging buffer) are made
+the same way.
 """
 
 from __future__ import annotations
@@ -77,19 +81,19 @@ class KVPoolLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V.
+        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V
+        (views of the pool or of the cache's staging buffer, valid until the next
+        ``update`` of any layer).
 
         Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
         ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``) before
         anything is stored.
         """
         req = self.requests
-        if not self.is_initialized:
-            # A layer's heads, head_dim, dtype and device never change between steps, so
-            # the model-level check runs once; pool.write still validates every call.
+        if not req.kv_ok(key_states, value_states):
             req.check_kv(key_states, value_states)
-            self.lazy_initialization(key_states, value_states)
-        req.ensure_open(key_states.shape[0])
+            req.ensure_open(key_states.shape[0])
+        self.is_initialized = True  # the storage is the pool's; ``keys``/``values`` stay None
         tokens = key_states.shape[2]
         if self.seen == req.length:
             req.begin_step(tokens)
@@ -97,9 +101,14 @@ class KVPoolLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        req.write(self.layer_idx, key_states, value_states)
+        store = req.store
+        if store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
+            store(self.layer_idx, req.new_slots, key_states, value_states)
+        else:
+            req.write(self.layer_idx, key_states, value_states)
         self.seen += tokens
-        return req.gather(self.layer_idx)
+        pages = req.pages
+        return pages.kv(self.layer_idx) if pages is not None else req.gather(self.layer_idx)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -261,7 +270,12 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     if device is None:
         device = getattr(model, "device", "cpu")
     if dtype is None:
-        dtype = getattr(model, "dtype", torch.float32)
+        # A model's dtype; a bare config's ``dtype`` is None (or a name) unless it was set.
+        dtype = getattr(model, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.float32
     ctx = max_context_len or getattr(text, "max_position_embeddings", None) or 4096
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1

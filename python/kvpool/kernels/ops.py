@@ -61,11 +61,8 @@ def store_kv(
     c.check_scale(k_scale, "k_scale", dev)
     if (v_cache is None) != (v is None):
         raise c.KernelArgumentError("v_cache and v must both be given or both be None")
-    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
-    vc, vv, vg = k_cache, k, kg
-    has_v = v_cache is not None and v is not None
+    vg = kg
     if v_cache is not None and v is not None:
-        vc, vv = v_cache, v
         vg = c.cache_geom(v_cache, "v_cache")
         if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
             raise c.KernelArgumentError(
@@ -83,13 +80,35 @@ def store_kv(
         c.check_scale(v_scale, "v_scale", dev)
     if n == 0:
         return
+    store_rows(k_cache, v_cache, slots, k, v, k_scale, v_scale, kg, vg)
+
+
+def store_rows(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: Optional[torch.Tensor],
+    k_scale: c.Scale,
+    v_scale: c.Scale,
+    kg: c.CacheGeom,
+    vg: c.CacheGeom,
+) -> None:
+    """``store_kv`` after its checks: arguments already validated, ``kg``/``vg`` the
+    caches' geometry (``vg`` is ``kg`` without V). ``KVPool.write`` calls this with the
+    geometry it cached at construction, so a write checks its arguments once.
+    Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False)."""
     if not c.use_triton(k_cache):
         _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
     from kvpool.kernels.store import launch_store_kv
 
-    with on_device(dev):
-        launch_store_kv(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale)
+    has_v = v_cache is not None and v is not None
+    with on_device(k_cache.device):
+        if has_v:
+            launch_store_kv(k_cache, v_cache, slots, k, v, kg, vg, True, k_scale, v_scale)
+        else:
+            launch_store_kv(k_cache, k_cache, slots, k, k, kg, kg, False, k_scale, None)
 
 
 def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
@@ -139,7 +158,6 @@ def gather_kv(
     dev = k_cache.device
     c.check_index(slots, "slots", dev)
     n = slots.shape[0]
-    # Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False).
     vc, vg = k_cache, kg
     if v_cache is not None:
         vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
@@ -164,20 +182,38 @@ def gather_kv(
         _check_out(k_out, "out[0]", n, kg, k_dt, dev)
         if has_v:
             _check_out(v_out, "out[1]", n, kg, v_dt, dev)
-    vo = v_out if v_out is not None else k_out
     if n == 0:
         return k_out, v_out
+    gather_rows(k_cache, v_cache, slots, k_out, v_out, out_dtype, k_scale, v_scale, kg, vg)
+    return k_out, v_out
+
+
+def gather_rows(
+    k_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
+    slots: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: Optional[torch.Tensor],
+    out_dtype: Optional[torch.dtype],
+    k_scale: c.Scale,
+    v_scale: c.Scale,
+    kg: c.CacheGeom,
+    vg: c.CacheGeom,
+) -> None:
+    """``gather_kv`` after its checks, into ``k_out``/``v_out`` (``v_out`` None without
+    V; ``vg`` is then ``kg``). ``KVPool.read`` calls this with its cached geometry."""
     if not c.use_triton(k_cache):
         k_ref, v_ref = _ref.gather_kv_ref(k_cache, v_cache, slots, out_dtype, k_scale, v_scale)
         k_out.copy_(k_ref)
         if v_out is not None and v_ref is not None:
             v_out.copy_(v_ref)
-        return k_out, v_out
+        return
     from kvpool.kernels.gather import launch_gather_kv
 
-    with on_device(dev):
-        launch_gather_kv(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
-    return k_out, v_out
+    has_v = v_cache is not None
+    with on_device(k_cache.device):
+        launch_gather_kv(k_cache, v_cache if has_v else k_cache, slots, k_out,
+                         v_out if v_out is not None else k_out, kg, vg, has_v, k_scale, v_scale)
 
 
 def copy_slots(

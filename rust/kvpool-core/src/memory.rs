@@ -50,6 +50,27 @@ pub(crate) fn zeroed_vec<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
     }
 }
 
+/// Most bytes of one array that construction faults in (see `fault_in`): what
+/// a first burst touches is at the array's start (rows and pages are handed
+/// out lowest first), and a pool sized far beyond its use keeps the rest lazy.
+pub(crate) const FAULT_IN_MAX_BYTES: usize = 64 << 20;
+
+/// Maps the first `bytes` of a zeroed array (at most `FAULT_IN_MAX_BYTES`)
+/// into memory now, one write per 4 KiB, instead of at the first write of
+/// each 4 KiB: a fresh pool's first burst of requests would otherwise pay a
+/// page fault (and the kernel zeroing a page) every 1024 page-list entries
+/// or token ids, several times the cost of the same burst on a warm pool.
+pub(crate) fn fault_in<T: Zeroable>(v: &mut [T], bytes: usize) {
+    let len = std::mem::size_of_val(v).min(bytes).min(FAULT_IN_MAX_BYTES);
+    let base = v.as_mut_ptr() as *mut u8;
+    for off in (0..len).step_by(4096) {
+        // SAFETY: `off` is inside `v` (len <= its size in bytes); every entry
+        // is zero (the array comes from `zeroed_vec`) and a zero byte keeps
+        // it so (`Zeroable`); volatile so the store is not elided as a no-op.
+        unsafe { std::ptr::write_volatile(base.add(off), 0) };
+    }
+}
+
 /// Reserves room for `additional` more entries in `v`, or a typed error.
 pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
     v.try_reserve(additional)

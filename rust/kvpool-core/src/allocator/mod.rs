@@ -86,6 +86,14 @@ impl SlotAllocator {
     /// page for up to 2^20 pages at the first `cache()`, doubling past that),
     /// a 64-byte entry per registered page and 4 per prompt token of each
     /// open request.
+    ///
+    /// The request page lists (up to 64 MiB) and the token ids of the lowest
+    /// 4M slots are mapped into memory here, one write per 4 KiB, so that the
+    /// pool's first burst of requests costs what later ones do instead of a
+    /// page fault per 1024 pages taken (`Options::lazy_metadata` leaves them
+    /// to first use). The page records stay mapped on first use: a FREE page's
+    /// record is only ever read, and reads of untouched memory all hit one
+    /// shared zero page, which keeps a large pool's churn cache-friendly.
     pub fn with_options(
         num_pages: usize,
         page_size: usize,
@@ -152,6 +160,7 @@ impl SlotAllocator {
             generation_base,
             generation_start,
             opts.epoch_start,
+            !opts.lazy_metadata,
         )?;
         let pages = PagePool::new(num_pages)?;
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
@@ -161,6 +170,7 @@ impl SlotAllocator {
             seed,
             opts.weak_hash_bits,
             opts.skip_hit_verification,
+            !opts.lazy_metadata,
         )?;
         Ok(Self {
             geo,

@@ -65,6 +65,11 @@ pub struct Options {
     /// Test only: starting value of the batch-stamp epoch.
     #[doc(hidden)]
     pub epoch_start: u32,
+    /// Leave the request page lists and slot token ids to be mapped on first
+    /// use instead of at construction: for a pool sized far beyond what it
+    /// will hold, whose first requests may pay page faults (see
+    /// `memory::fault_in`).
+    pub lazy_metadata: bool,
 }
 
 impl Options {

@@ -357,11 +357,13 @@ impl PagePool {
 }
 
 /// Every page FREE (all zeros, see `record.rs`) except page 0, which is
-/// never held. Mapped lazily like the pool's other big arrays: a page's
-/// record costs memory once the page is used, and a pool that never caches
-/// never touches most of it. (Writing it at construction would make 16
-/// bytes a page resident from the start, which a pool that never reads the
-/// records pays for in page faults and cache misses at large sizes.)
+/// never held. Mapped lazily (unlike the page lists and the lowest token ids,
+/// which construction maps): a page's record costs memory once the page is
+/// used, and a pool that never caches never writes most of it. Until a
+/// record is written, every read of it lands on the one shared zero page, so
+/// a churning pool's reads of FREE records stay in cache; written at
+/// construction they would be 16 bytes a page read from memory, which slows
+/// the page-1 churn step of a large pool.
 fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
     let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
     if let Some(s0) = state.first_mut() {

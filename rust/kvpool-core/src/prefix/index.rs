@@ -32,12 +32,16 @@ use super::key_table::KeyTable;
 use super::keys::key_of;
 use super::tip::ChainTip;
 use crate::error::Result;
-use crate::memory::{prefetch, reserve, zeroed_vec};
+use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
 
 /// Pages registration hashes (and prefetches) ahead of its probes, and the
 /// most a lookup does: enough to overlap the probes' cache misses, few
 /// enough that a miss early in a long prompt wastes little hashing.
 pub(crate) const LOOKAHEAD: usize = 32;
+
+/// Token ids mapped at construction: the first 4M slots, what a first burst of
+/// up to 4M prompt tokens writes (16 MiB; the whole array below 4M slots).
+const TOKENS_FAULT_IN_BYTES: usize = 16 << 20;
 
 /// Keys the table makes room for when it first grows: every page of the
 /// pool, up to 2^20 (a 16 MiB table at load <= 1/2).
@@ -109,22 +113,30 @@ pub(crate) struct PrefixIndex {
 }
 
 impl PrefixIndex {
+    /// With `fault_in_tokens`, the token ids of the lowest slots (pages are
+    /// handed out lowest first) are mapped now rather than at a first burst
+    /// that passes its prompts' ids (see `memory::fault_in`).
     pub(crate) fn new(
         num_pages: usize,
         page_size: usize,
         seed: u64,
         weak_bits: u32,
         skip_verify: bool,
+        fault_in_tokens: bool,
     ) -> Result<Self> {
         let mut hash_scratch = Vec::new();
         reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
         let hasher = ChainHasher::new(seed, weak_bits);
+        let mut tokens = zeroed_vec(num_pages * page_size, "slot token ids")?;
+        if fault_in_tokens {
+            fault_in(&mut tokens, TOKENS_FAULT_IN_BYTES);
+        }
         Ok(PrefixIndex {
             table: KeyTable::default(),
             entries: Vec::new(),
             idents: Vec::new(),
             free_entries: Vec::new(),
-            tokens: zeroed_vec(num_pages * page_size, "slot token ids")?,
+            tokens,
             hasher,
             hash_scratch,
             next_reg: 1,

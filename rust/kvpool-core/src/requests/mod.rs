@@ -14,7 +14,7 @@ pub(crate) mod row;
 use crate::error::{PoolError, Result};
 use crate::geometry::Geometry;
 use crate::handle::next_generation;
-use crate::memory::{filled_vec, reserve, zeroed_vec};
+use crate::memory::{fault_in, filled_vec, reserve, zeroed_vec};
 use crate::prefix::tip::ChainTip;
 use row::{Row, RowCold, OPEN, SLOW};
 
@@ -66,13 +66,16 @@ pub(crate) struct Requests {
 
 impl Requests {
     /// Rows for `max_requests` requests of up to `geo.max_context_len`
-    /// tokens, all reserved now (the metadata's worst case).
+    /// tokens, all reserved now (the metadata's worst case). With
+    /// `fault_in_lists`, the page lists are mapped now rather than at the
+    /// first burst of requests (see `memory::fault_in`).
     pub(crate) fn new(
         geo: Geometry,
         max_requests: usize,
         generation_base: u32,
         generation_start: u32,
         epoch: u32,
+        fault_in_lists: bool,
     ) -> Result<Self> {
         let row_pages = geo.max_context_len.div_ceil(geo.page_size).div_ceil(16) * 16 + 16;
         let Some(list_len) = max_requests.checked_mul(row_pages) else {
@@ -80,7 +83,10 @@ impl Requests {
                 "max_requests * pages per request = {max_requests} * {row_pages} overflows"
             )));
         };
-        let page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
+        let mut page_lists = zeroed_vec::<u32>(list_len, "request page lists")?;
+        if fault_in_lists {
+            fault_in(&mut page_lists, usize::MAX);
+        }
         let rows = filled_vec(max_requests, Row::default(), "request rows")?;
         let cold = filled_vec(max_requests, RowCold::default(), "request rows")?;
         let known_len = zeroed_vec(max_requests, "request rows")?;

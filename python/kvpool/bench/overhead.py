@@ -1,0 +1,152 @@
+"""``python -m kvpool.bench overhead``: what the torch layer adds on the host, in one place.
+
+Three sections (``--sections``, default all), each printed as a table and
+written as its own JSON file under ``--out`` (``<prefix>-<section>.json``):
+
+- ``rows``: ``KVPool.write`` / ``read`` over the bare copies they make, per
+  layout, at 1 and 64 rows (``kvpool.bench.rows_cost``);
+- ``hf``: ``generate`` tokens/s with ``KVPoolCache`` against ``DynamicCache``
+  at batch 1 and 8 (``kvpool.bench.hf_generate``; needs transformers);
+- ``burst``: a fresh allocator's construction time and first admission
+  against the same admission on it once warm, at 1M and 16M slots, pages 1
+  and 16, each run in a fresh process (``kvpool/bench/first_burst.py``).
+
+Wall-clock figures come with the same calls' thread CPU time: on a shared
+host a descheduled thread inflates the first and not the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from kvpool.bench import report
+from kvpool.bench.cli import add_out_argument, list_of, settings
+
+SECTIONS = ["rows", "hf", "burst"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sections", type=list_of(str), default=list(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    p.add_argument("--rounds", type=int, default=15, help="rows: rounds of alternated variants")
+    p.add_argument("--calls", type=int, default=200, help="rows: calls per variant per round")
+    p.add_argument("--hf-rounds", type=int, default=7, help="hf: alternated rounds of generate")
+    p.add_argument("--burst-reps", type=int, default=5, help="burst: fresh processes per case")
+    p.add_argument("--quick", action="store_true", help="a few rounds of each: runs in seconds (tests)")
+    add_out_argument(p)
+    p.add_argument("--json-prefix", default="overhead", help="JSON files <prefix>-<section>.json ('' for none)")
+
+
+# ----- rows ---------------------------------------------------------------
+
+
+def rows_section(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.bench.rows_cost import row_overhead
+
+    return {"results": row_overhead("cpu", rounds=args.rounds, calls=args.calls)}
+
+
+def rows_table(doc: dict[str, Any]) -> str:
+    head = ["layout", "rows", "bare copies µs", "write µs", "write + µs", "(cpu)", "caller's slots + µs",
+            "bare reads µs", "read + µs", "(cpu)"]
+    body = [[r["layout"], str(r["rows"]), f"{r['bare_write_us']:.2f}", f"{r['write_us']:.2f}",
+             f"{r['write_overhead_us']:.2f}", f"{r['write_overhead_cpu_us']:.2f}",
+             f"{r['write_caller_overhead_us']:.2f}", f"{r['bare_read_us']:.2f}", f"{r['read_overhead_us']:.2f}",
+             f"{r['read_overhead_cpu_us']:.2f}"] for r in doc["results"]]
+    return ("write / read over bare index_copy_ / index_select (bf16, 8 KV heads x 128; '+': the median "
+            "over rounds of the difference, target <= 10 µs for write)\n" + report.md_table(head, body))
+
+
+# ----- hf -----------------------------------------------------------------
+
+
+def hf_section(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"needs transformers (pip install 'kvpool[hf]'): {e}"}
+    from kvpool.bench.hf_generate import HFSettings, compare
+
+    s = HFSettings(rounds=args.hf_rounds)
+    if args.quick:
+        s = HFSettings(rounds=args.hf_rounds, prompt_len=16, new_tokens=4, hidden=64, layers=2, heads=4,
+                       kv_heads=2, vocab=128)
+    return compare(s)
+
+
+def hf_table(doc: dict[str, Any]) -> str:
+    if "skipped" in doc:
+        return f"KVPoolCache vs DynamicCache: skipped, {doc['skipped']}"
+    s = doc["settings"]
+    head = ["batch", "DynamicCache tok/s", "KVPoolCache tok/s", "kvpool / dynamic", "(cpu time)"]
+    body = [[str(r["batch"]), f"{r['dynamic_tok_s']:.1f}", f"{r['kvpool_tok_s']:.1f}",
+             f"{r['kvpool_over_dynamic']:.3f}", f"{r['kvpool_over_dynamic_cpu']:.3f}"] for r in doc["results"]]
+    return (f"generate, random Llama hidden {s['hidden']} x {s['layers']} layers, prompt {s['prompt_len']}, "
+            f"{s['new_tokens']} new tokens, page {s['page_size']}, median of {s['rounds']} alternated rounds "
+            f"(target >= 1.0); token mismatches {doc['token_mismatches']}\n" + report.md_table(head, body))
+
+
+# ----- burst --------------------------------------------------------------
+
+BURST_CASES = [(slots, page, prompts) for prompts in ("mixed", "2048") for slots in (1 << 20, 1 << 24)
+               for page in (1, 16)]
+
+
+def burst_section(args: argparse.Namespace) -> dict[str, Any]:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_burst.py")
+    cases = BURST_CASES[:2] if args.quick else BURST_CASES
+    reps = 1 if args.quick else args.burst_reps
+    out = []
+    for slots, page, prompts in cases:
+        runs = []
+        for _ in range(reps):
+            r = subprocess.run([sys.executable, script, str(slots), str(page), prompts], capture_output=True,
+                               text=True, check=True)
+            runs.append(json.loads(r.stdout))
+        row = {k: runs[0][k] for k in ("slots", "page_size", "prompts", "tokens")}
+        for k in ("construct_ms", "first_ns_per_token", "warm_ns_per_token", "first_faults", "warm_faults"):
+            row[k] = statistics.median(x[k] for x in runs)
+        row["first_over_warm"] = statistics.median(x["first_ns_per_token"] / x["warm_ns_per_token"] for x in runs)
+        row["runs"] = runs
+        out.append(row)
+    return {"results": out}
+
+
+def burst_table(doc: dict[str, Any]) -> str:
+    head = ["prompts", "slots", "page", "construct ms", "first ns/token", "warm ns/token", "first / warm",
+            "first faults", "warm faults"]
+    body = [[r["prompts"], f"{r['slots'] >> 20}M", str(r["page_size"]), f"{r['construct_ms']:.2f}",
+             f"{r['first_ns_per_token']:.2f}", f"{r['warm_ns_per_token']:.2f}", f"{r['first_over_warm']:.2f}",
+             f"{r['first_faults']:.0f}", f"{r['warm_faults']:.0f}"] for r in doc["results"]]
+    return ("SlotAllocator.admit of 256 prompts into a fresh pool vs the same admission once warm (fresh "
+            "process per run, medians; targets: first / warm <= 1.5, construct <= 50 ms at 1M page 1)\n"
+            + report.md_table(head, body))
+
+
+RUN = {"rows": (rows_section, rows_table), "hf": (hf_section, hf_table), "burst": (burst_section, burst_table)}
+
+
+def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {SECTIONS}")
+    if args.quick:
+        args.rounds, args.calls, args.hf_rounds = 3, 20, 1
+    for name in args.sections:
+        section, table = RUN[name]
+        doc = section(args)
+        print(table(doc))
+        if args.json_prefix:
+            path = report.output_path(args.out, f"{args.json_prefix}-{name}.json")
+            report.write_json(path, {"benchmark": f"overhead/{name}", "settings": settings(args),
+                                     "machine": machine, **doc})
+            print(f"wrote {path}")
+    return 0
+
+
+__all__ = ["BURST_CASES", "SECTIONS", "add_arguments", "main"]

@@ -1,0 +1,301 @@
+"""``KVPool.write`` and ``KVPool.read``: each argument checked once, then one store or gather.
+
+What never changes for a layer (its token-major views, fp8 scales, the caches'
+geometry, which backend moves the rows) is cached when the pool is built, so a
+call checks only its own arguments: the layer, the slots, the rows. The kernel
+wrappers' own checks (``kernels.store_kv``, ``gather_kv``) are for callers that
+hand them arbitrary tensors; the pool calls the stores behind them
+(``kernels.ops.store_rows`` / ``gather_rows``) with its cached geometry.
+
+Slots the pool made itself (``ExtendResult.out_cache_loc`` and ``.slots``, the
+graph runner's static ``out_cache_loc``) are valid by construction, so their
+values are not checked again (see ``PoolSlots``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.errors import SlotRangeError, TensorShapeError
+from kvpool.kernels._common import cache_geom, use_triton
+from kvpool.kernels.ops import gather_rows, store_rows
+from kvpool.staging import to_device
+from kvpool.tables import ExtendResult
+from kvpool.validate import check_layer, check_rows, slots_tensor
+
+__all__ = ["PoolSlots", "RowsMixin"]
+
+# (slots tensor, numpy array sharing its memory or None, the tensor's version when
+# made, no padding / page-0 / repeated slot among them, any negative among them)
+_Record = tuple[torch.Tensor, Any, int, bool, bool]
+_NO_ARRAY = object()  # a record without an array: never the ``slots`` a caller passes
+
+
+class PoolSlots:
+    """The last few slot arrays a pool made, recognised by identity while unchanged.
+
+    Their values are in range by construction (a pool's own extend results are
+    also distinct, never in page 0 and never negative), so ``write`` / ``read``
+    skip the value checks for them; any other tensor, list or array is checked in
+    full. "Unchanged" is torch's version counter: an in-place torch op on the
+    tensor, or on any view of it, makes it an ordinary caller tensor again (the
+    pool makes these tensors outside inference mode, so they have one). Only CPU
+    pools whose rows move through torch keep a record: on CUDA device slots are
+    never value-checked (a check would sync), and the Triton kernels would not
+    bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``
+    or ``.numpy()``, which share its memory); torch's ``index_copy_`` does, and
+    ``write`` reports it as ``SlotRangeError``.
+
+    The last ``SIZE`` records are kept (a step's slots stay alive until a few more
+    extends have run). Lookups and updates are single reads and writes of one
+    tuple, safe from several threads (a lost update only means one more full check).
+    """
+
+    SIZE = 4
+
+    def __init__(self) -> None:
+        self._ring: tuple[_Record, ...] = ()
+
+    def add(self, tensor: torch.Tensor, array: np.ndarray | None = None, *, clean: bool,
+            negative: bool) -> None:
+        if tensor.is_inference():  # no version counter to tell a later in-place change
+            return
+        rec = (tensor, _NO_ARRAY if array is None else array, tensor._version, clean, negative)
+        self._ring = (rec,) + self._ring[: self.SIZE - 1]
+
+    def get(self, obj: Any) -> _Record | None:
+        """The record of ``obj`` if the pool made it and torch saw no change since, else None."""
+        for rec in self._ring:
+            if rec[0] is obj or rec[1] is obj:
+                return rec if rec[0]._version == rec[2] else None
+        return None
+
+
+class RowsMixin:
+    """Mixin: ``KVPool``'s K/V row writes and reads (``_init_rows`` runs at construction)."""
+
+    num_layers: int
+    num_slots: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int | None
+    compute_dtype: torch.dtype
+    device: torch.device
+    mla: bool
+    fp8: bool
+    _storage: Any
+    _scales: list[list[torch.Tensor]]
+    _to_device: Any
+
+    def _init_rows(self) -> None:
+        flat = self._storage.flat
+        # Per layer: the token-major caches ([k, v] or [latent]) and their fp8 scales.
+        self._row_caches = [tuple(c[i] for c in flat) for i in range(self.num_layers)]
+        self._row_scales = [
+            tuple(s[i] for s in self._scales) if self._scales else (None,) * len(flat)
+            for i in range(self.num_layers)
+        ]
+        # Every layer is a block of the same [num_layers, num_slots, H, D] tensor: one geometry.
+        self._row_geom = tuple(cache_geom(c[0], "cache") for c in flat)
+        self._row_shape = (self.num_kv_heads, self.head_dim)
+        self._row_kernel = use_triton(flat[0][0])  # Triton on CUDA (and CPU under TRITON_INTERPRET)
+        # The common CPU case: a store is one index_copy_ per cache (fp8 goes through
+        # the torch reference, which quantizes).
+        self._row_plain = not self._row_kernel and not self.fp8
+        # [num_slots, H, 1, D] views: a decode step's [B, H, 1, D] K/V (attention's layout,
+        # one token) is then stored by index_copy_ as it is, without a reshape.
+        self._row_caches_bh1d = [tuple(c.unsqueeze(2) for c in cs) for cs in self._row_caches]
+        self._own_slots: PoolSlots | None = PoolSlots() if not self._row_kernel else None
+
+    # ----- slots the pool made ------------------------------------------------
+
+    def _own_result(self, slots: np.ndarray, loc: torch.Tensor | None = None) -> ExtendResult:
+        """The ``ExtendResult`` of new host ``slots`` (``loc``: their device tensor on CUDA),
+        remembered as the pool's own so that writes into them skip the value checks."""
+        if loc is not None:
+            return ExtendResult(slots, loc)
+        if torch.is_inference_mode_enabled():
+            # A normal tensor even under inference mode: it has a version counter, so a later
+            # in-place change is seen (and it can be written outside inference mode too).
+            # The guard torch.inference_mode(False) enters, without its Python wrapper.
+            with torch._C._InferenceMode(False):
+                loc = torch.from_numpy(slots)
+        else:
+            loc = torch.from_numpy(slots)
+        if self._own_slots is not None:
+            self._own_slots.add(loc, slots, clean=True, negative=False)
+        return ExtendResult(slots, loc)
+
+    def _trust_slots(self, slots: torch.Tensor, *, negative: bool) -> None:
+        """Record ``slots`` (values already checked in range by the caller, padding allowed)
+        as valid while unchanged: the graph runner's static ``out_cache_loc``."""
+        if self._own_slots is not None:
+            self._own_slots.add(slots, clean=False, negative=negative)
+
+    def _slots(self, slots: Any, strict: bool) -> tuple[torch.Tensor, bool]:
+        """``slots`` as an index tensor on the pool's device, and whether any may be negative."""
+        own = self._own_slots
+        if own is not None and not torch.compiler.is_compiling():
+            rec = own.get(slots)
+            if rec is not None and (rec[3] or not strict):
+                return rec[0], rec[4]
+        idx, negative = slots_tensor(slots, self.device, self.num_slots, self.page_size, strict=strict)
+        if idx.device != self.device:
+            # Host slots, eager only (rejected while capturing): staged like extend's copy.
+            idx = to_device(idx.numpy(), self.device, self._to_device)
+        return idx, negative
+
+    # ----- writes and reads ---------------------------------------------------
+
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
+              strict: bool = False) -> None:
+        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer``, in place.
+
+        Everything is validated before anything is written (typed errors, pool
+        unchanged). Negative slots are padding and skipped. Slots in page 0
+        (``[0, page_size)``) are the padding sink and accepted, since the
+        allocator never gives them to a request; ``strict=True`` rejects them
+        (and negatives) with ``ReservedSlotError``, and repeated host slots with
+        ``DuplicateSlotError``, for batches known to hold only real tokens (a
+        repeated slot gets one of its rows, which one is unspecified and may
+        differ between CPU and GPU). Stores as ``kvpool.kernels.store_kv`` does (Triton on
+        CUDA, capture-safe; torch on CPU), with the geometry checked once at construction.
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
+                device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
+                Host slots are range-checked; device slots are not (no sync).
+                On a CUDA pool host slots are staged through pinned memory, and
+                rejected while a CUDA graph is being captured (their copy cannot
+                be captured): pass device slots there. Slots this pool returned
+                (``ExtendResult.out_cache_loc`` / ``.slots`` of its last few
+                extends) skip the range check while torch sees them unchanged.
+            k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
+                pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
+            strict: reject padding, page-0 and repeated slots.
+
+        Raises:
+            LayerIndexError, SlotRangeError, ReservedSlotError, DuplicateSlotError,
+            TensorShapeError, TensorDtypeError, TensorDeviceError: a bad argument
+            (nothing written).
+        """
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            layer = check_layer(layer, self.num_layers)
+        if self.mla:
+            if v is not None:
+                raise TensorShapeError("an MLA pool takes one latent tensor: write(layer, slots, kv), without v")
+        elif v is None:
+            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        idx, negative = self._slots(slots, strict)
+        want = (idx.shape[0],) + self._row_shape
+        dtype, dev = self.compute_dtype, self.device
+        for name, x in (("kv", k),) if v is None else (("k", k), ("v", v)):
+            if not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.shape == want and x.device == dev):
+                check_rows(name, x, want[0], want[1], want[2], dtype, dev)  # raises the precise error
+        # detach(): a source that requires grad must not drag the cache into
+        # autograd (in grad mode, the store would make the cache require grad).
+        if k.requires_grad:
+            k = k.detach()
+        if v is not None and v.requires_grad:
+            v = v.detach()
+        if want[0] == 0:
+            return
+        if self._row_plain:
+            self._copy_rows(self._row_caches[layer], idx, negative, k, v)
+        else:
+            self._store_checked(layer, idx, k, v)  # the kernels skip negative slots themselves
+
+    def _store_checked(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """``write`` for callers inside kvpool that have checked ``k``/``v`` themselves and
+        pass slots this pool made (no padding): the store alone."""
+        caches = self._row_caches[layer]
+        if self._row_plain:
+            caches[0].index_copy_(0, idx, k)
+            if v is not None:
+                caches[1].index_copy_(0, idx, v)
+            return
+        scales, kg = self._row_scales[layer], self._row_geom[0]
+        if v is None:
+            store_rows(caches[0], None, idx, k, None, scales[0], None, kg, kg)
+        else:
+            store_rows(caches[0], caches[1], idx, k, v, scales[0], scales[1], kg, self._row_geom[1])
+
+    def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``_store_checked`` of K/V in attention's ``[B, H, T, D]`` layout (``idx``: the B*T
+        slots row-major), as a transformers cache receives them."""
+        if k.requires_grad or v.requires_grad:
+            k, v = k.detach(), v.detach()
+        b, h, t, d = k.shape
+        if t == 1 and self._row_plain:
+            kc, vc = self._row_caches_bh1d[layer]
+            kc.index_copy_(0, idx, k)
+            vc.index_copy_(0, idx, v)
+            return
+        self._store_checked(layer, idx, k.transpose(1, 2).reshape(b * t, h, d),
+                            v.transpose(1, 2).reshape(b * t, h, d))
+
+    def _copy_rows(self, caches: tuple[torch.Tensor, ...], idx: torch.Tensor, negative: bool,
+                   k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """The torch store of a non-fp8 CPU pool: one ``index_copy_`` per cache."""
+        if negative:
+            keep = (idx >= 0).nonzero().squeeze(1)
+            if keep.shape[0] != idx.shape[0]:
+                idx, k = idx.index_select(0, keep), k.index_select(0, keep)
+                v = v.index_select(0, keep) if v is not None else None
+        if idx.dtype != torch.int64:
+            idx = idx.long()
+        try:
+            caches[0].index_copy_(0, idx, k)
+            if v is not None:
+                caches[1].index_copy_(0, idx, v)
+        except IndexError:
+            # Only a pool-made tensor changed behind torch's back gets here unchecked
+            # (PoolSlots); name the bad slot as a caller's tensor would be named.
+            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+
+    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
+
+        A helper for tests and debugging, not the attention path (gathers as
+        ``kvpool.kernels.gather_kv`` does; allocates its outputs).
+
+        Args:
+            layer: layer index.
+            slots: ``[n]`` slots, as for ``write``.
+
+        Returns:
+            ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` new tensors. MLA:
+            ``(latent, latent[..., :kv_lora_rank])``.
+
+        Raises:
+            LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
+            TensorDeviceError: a bad argument.
+        """
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            layer = check_layer(layer, self.num_layers)
+        idx, negative = self._slots(slots, False)
+        caches = self._row_caches[layer]
+        if self._row_plain and not negative:
+            if idx.dtype != torch.int64:
+                idx = idx.long()
+            out = tuple(c.index_select(0, idx) for c in caches)
+        else:
+            n, (h, d) = idx.shape[0], self._row_shape
+            out = tuple(torch.empty((n, h, d), dtype=self.compute_dtype, device=self.device) for _ in caches)
+            scales = self._row_scales[layer]
+            kg = self._row_geom[0]
+            if n:
+                if len(caches) == 1:
+                    gather_rows(caches[0], None, idx, out[0], None, self.compute_dtype, scales[0], None, kg, kg)
+                else:
+                    gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
+                                scales[1], kg, self._row_geom[1])
+        if len(out) == 1:
+            return out[0], out[0][..., : self.kv_lora_rank]
+        return out[0], out[1]

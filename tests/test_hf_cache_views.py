@@ -1,0 +1,107 @@
+"""How KVPoolCache hands attention its K/V: views of the pool's pages when every row's
+pages are consecutive (no copy), a page gather into a reused staging buffer otherwise;
+the same values either way, and the rows' page table kept step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from kvpool import KVPool  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+H, D, LAYERS, PAGE = 2, 8, 3, 4
+
+
+def make_pool(layout: str = "token") -> KVPool:
+    return KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=512, max_requests=4,
+                  max_context_len=64, layout=layout)
+
+
+def shares_pool_memory(t: torch.Tensor, pool: KVPool) -> bool:
+    return t.untyped_storage().data_ptr() == pool.k_buffer(0).untyped_storage().data_ptr()
+
+
+def run_steps(pool: KVPool, batch: int, steps: list[int]) -> list[tuple[bool, bool]]:
+    """Feed ``steps`` tokens per forward to every layer; check every returned K/V against
+    what was stored; return, per step, whether layer 0's K and V were views of the pool."""
+    g = torch.Generator().manual_seed(batch)
+    used = pool.allocator.used_pages
+    stored: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(LAYERS)}
+    kinds = []
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        for t in steps:
+            for layer in range(LAYERS):
+                k = torch.randn(batch, H, t, D, generator=g)
+                stored[layer].append(k)
+                got_k, got_v = cache.update(k, -k, layer)
+                want = torch.cat(stored[layer], dim=2)
+                assert torch.equal(got_k, want) and torch.equal(got_v, -want)
+                if layer == 0:
+                    kinds.append((shares_pool_memory(got_k, pool), shares_pool_memory(got_v, pool)))
+    pool.allocator.check()
+    assert pool.allocator.used_pages == used
+    return kinds
+
+
+@pytest.mark.parametrize("layout", ["token", "paged"])
+def test_one_row_on_consecutive_pages_reads_the_pool_in_place(layout):
+    pool = make_pool(layout)
+    kinds = run_steps(pool, 1, [6] + [1] * 12)  # a prefill, then decode across three page boundaries
+    assert kinds == [(True, True)] * 13
+
+
+def test_rows_on_scattered_pages_are_gathered_with_the_same_values():
+    pool = make_pool()
+    # Three rows prefilled together get consecutive pages each, equally far apart (views);
+    # their first decode page is taken by the rows in turn, so the rows' pages interleave
+    # from then on (a gather).
+    kinds = run_steps(pool, 3, [8] + [1] * 6)
+    assert kinds[0] == (True, True)
+    assert kinds[1:] == [(False, False)] * 6
+
+
+def test_pages_taken_out_of_order_are_gathered():
+    pool = make_pool()
+    gap, hold = pool.open(1), pool.open(1)
+    pool.extend(gap, 1)  # page 1
+    pool.extend(hold, 1)  # page 2
+    pool.close(gap)  # page 1 is free again, page 2 stays taken
+    kinds = run_steps(pool, 1, [3] + [1] * 6)  # pages 1, then 3: not consecutive
+    assert kinds == [(True, True)] * 2 + [(False, False)] * 5
+    pool.close(hold)
+
+
+def test_crop_then_continue_reads_the_table_again():
+    pool = make_pool()
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ks = []
+        for t in (9, 1, 1):
+            ks.append(torch.randn(2, H, t, D, generator=g))
+            for layer in range(LAYERS):
+                cache.update(ks[-1], ks[-1], layer)
+        cache.crop(-4)  # 11 -> 7 tokens: back into the second page
+        kept = torch.cat(ks, dim=2)[:, :, :7]
+        new = torch.randn(2, H, 2, D, generator=g)
+        for layer in range(LAYERS):
+            got_k, _ = cache.update(new, new, layer)
+            assert torch.equal(got_k, torch.cat([kept, new], dim=2))
+    pool.allocator.check()
+
+
+def test_pool_for_a_bare_config_is_float32_on_cpu():
+    """A config without a dtype (transformers 5 leaves ``config.dtype`` None) sizes a
+    float32 CPU pool, as documented; a config naming its dtype gets that dtype."""
+    from transformers import LlamaConfig
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    pool = pool_for_model(cfg, max_tokens=64)
+    assert (pool.dtype, pool.device.type, pool.num_layers, pool.num_kv_heads) == (torch.float32, "cpu", 2, 2)
+    cfg.dtype = "bfloat16"
+    assert pool_for_model(cfg, max_tokens=64).dtype == torch.bfloat16

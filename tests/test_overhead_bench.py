@@ -1,0 +1,62 @@
+"""``python -m kvpool.bench overhead``: every section prints and writes its JSON, with
+the fields the results file and docs/benchmarks.md quote (figures are not judged
+here: speed is checked by the benchmark's own output, never by a test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench import first_burst
+
+
+def test_rows_and_burst_sections_write_their_json(tmp_path, capsys):
+    from kvpool.bench.__main__ import main
+
+    assert main(["overhead", "--quick", "--sections", "rows,burst", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "write / read over bare" in printed and "fresh pool" in printed
+    rows = json.loads((tmp_path / "overhead-rows.json").read_text())
+    assert rows["benchmark"] == "overhead/rows"
+    cases = {(r["layout"], r["rows"]) for r in rows["results"]}
+    assert cases == {(layout, n) for layout in ("token", "paged") for n in (1, 64)}
+    for r in rows["results"]:
+        for key in ("write", "write_caller", "read", "bare_write", "bare_read"):
+            assert r[f"{key}_us"] > 0 and r[f"{key}_cpu_us"] > 0
+        assert {"write_overhead_us", "write_caller_overhead_us", "read_overhead_us"} <= set(r)
+    burst = json.loads((tmp_path / "overhead-burst.json").read_text())["results"]
+    assert [(r["slots"], r["page_size"]) for r in burst] == [(1 << 20, 1), (1 << 20, 16)]
+    for r in burst:
+        assert r["tokens"] == int(first_burst.mixed_prompts().sum())
+        assert r["construct_ms"] > 0 and r["first_ns_per_token"] > 0 and r["warm_ns_per_token"] > 0
+        # The warm admission reuses what the first mapped: no page faults left for it.
+        assert r["warm_faults"] == 0
+
+
+def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
+    pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+    from kvpool.bench.__main__ import main
+
+    assert main(["overhead", "--quick", "--sections", "hf", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "overhead-hf.json").read_text())
+    assert doc["token_mismatches"] == 0
+    assert [r["batch"] for r in doc["results"]] == [1, 8]
+    for r in doc["results"]:
+        assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
+
+
+def test_first_burst_child_runs_without_importing_torch():
+    """The child of each burst run loads the extension alone: seconds of torch start-up
+    per fresh process would otherwise swamp a run of a few milliseconds."""
+    script = Path(first_burst.__file__)
+    code = ("import runpy, sys; sys.argv = ['x', '65536', '16', '64']; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__'); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["tokens"] == 256 * 64 and doc["slots"] == 65536

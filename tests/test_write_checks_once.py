@@ -1,0 +1,156 @@
+"""KVPool.write / read check each argument once: slots the pool made itself skip the
+value check while torch sees them unchanged, everything else is checked in full, and
+the kernels' own argument checks are not run a second time behind the pool's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool import ReservedSlotError, SlotRangeError
+from kvpool.cuda_graph import DecodeGraphRunner
+
+H, D = 2, 8
+
+
+def make_pool(layout: str = "token") -> tuple[kvpool.KVPool, np.ndarray]:
+    pool = kvpool.KVPool(2, H, D, dtype=torch.float16, page_size=4, num_pages=16, max_requests=4,
+                         max_context_len=16, layout=layout)
+    return pool, pool.open(2)
+
+
+def rows(n: int, value: float = 1.0) -> torch.Tensor:
+    return torch.full((n, H, D), value, dtype=torch.float16)
+
+
+def snapshot(pool: kvpool.KVPool) -> list[bytes]:
+    return [t.contiguous().view(torch.uint8).numpy().tobytes() for _, t in pool.named_tensors()]
+
+
+@pytest.fixture
+def count(monkeypatch):
+    """Calls of the value check (torch.aminmax) and of the kernels' geometry check."""
+    calls = {"aminmax": 0, "cache_geom": 0}
+    real_aminmax = torch.aminmax
+    from kvpool.kernels import _common
+
+    real_geom = _common.cache_geom
+
+    def aminmax(*a, **k):
+        calls["aminmax"] += 1
+        return real_aminmax(*a, **k)
+
+    def geom(*a, **k):
+        calls["cache_geom"] += 1
+        return real_geom(*a, **k)
+
+    monkeypatch.setattr(torch, "aminmax", aminmax)
+    monkeypatch.setattr(_common, "cache_geom", geom)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["token", "paged"])
+def test_pool_made_slots_are_not_checked_again(count, layout):
+    pool, h = make_pool(layout)
+    res = pool.extend(h, [3, 2])
+    count.update(aminmax=0, cache_geom=0)
+    for layer in range(2):
+        pool.write(layer, res.out_cache_loc, rows(5), rows(5, 2.0))
+        pool.write(layer, res.slots, rows(5), rows(5, 2.0), strict=True)
+    k, v = pool.read(1, res.out_cache_loc)
+    assert count == {"aminmax": 0, "cache_geom": 0}
+    assert torch.equal(k, rows(5)) and torch.equal(v, rows(5, 2.0))
+
+
+def test_caller_made_slots_are_checked_in_full(count):
+    pool, h = make_pool()
+    res = pool.extend(h, [3, 2])
+    count.update(aminmax=0, cache_geom=0)
+    pool.write(0, res.out_cache_loc.clone(), rows(5), rows(5))
+    pool.write(0, res.slots.tolist(), rows(5), rows(5))
+    assert count == {"aminmax": 2, "cache_geom": 0}
+    with pytest.raises(SlotRangeError):
+        pool.write(0, torch.tensor([4, pool.num_slots]), rows(2), rows(2))
+
+
+@pytest.mark.parametrize("mode", ["none", "inference_mode"])
+def test_a_changed_pool_made_tensor_is_checked_again(mode):
+    """An in-place change (under any grad mode) makes the pool's tensor an ordinary one:
+    an out-of-range value is refused with nothing written, padding is skipped."""
+    pool, h = make_pool()
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        res = pool.extend(h, [3, 2])
+        assert not res.out_cache_loc.is_inference()  # it has a version counter
+        loc = res.out_cache_loc
+        before = snapshot(pool)
+        loc[4] = pool.num_slots
+        with pytest.raises(SlotRangeError, match=f"slots\\[4\\] = {pool.num_slots}"):
+            pool.write(0, loc, rows(5), rows(5))
+        assert snapshot(pool) == before
+        loc[4] = -1  # padding: skipped
+        pool.write(0, loc, rows(5, 3.0), rows(5, 3.0))
+        k, _ = pool.read(0, res.slots[:4])
+        assert torch.equal(k, rows(4, 3.0))
+        with pytest.raises(ReservedSlotError):
+            pool.write(0, loc, rows(5), rows(5), strict=True)
+
+
+def test_a_slot_changed_behind_torchs_back_is_still_a_typed_error():
+    """Writes through the numpy array that shares the tensor's memory are invisible to
+    torch's version counter; torch's own bounds check still refuses the slot."""
+    pool, h = make_pool()
+    res = pool.extend(h, [3, 2])
+    before = snapshot(pool)
+    res.slots[0] = pool.num_slots + 7
+    with pytest.raises(SlotRangeError, match=str(pool.num_slots + 7)):
+        pool.write(0, res.out_cache_loc, rows(5), rows(5))
+    assert snapshot(pool) == before  # the bad slot is the first row: nothing was written
+
+
+def test_only_the_last_few_results_are_remembered(count):
+    pool, h = make_pool()
+    first = pool.extend(h, 1)
+    for _ in range(kvpool.rows.PoolSlots.SIZE):
+        pool.extend(h, 1)
+    count.update(aminmax=0)
+    pool.write(0, first.out_cache_loc, rows(2), rows(2))
+    assert count["aminmax"] == 1  # forgotten: checked like any caller tensor
+
+
+def test_runner_slots_skip_the_second_check_but_keep_their_padding(count):
+    """The graph runner (CPU: eager) checks host out_cache_loc itself and pads with
+    slot 0; the step's writes then skip the value check, and strict=True still sees
+    the padding."""
+    pool, h = make_pool()
+    res = pool.extend(h, [3, 2])
+    pool.extend(h, 1)
+    seen = []
+
+    def step(ids, pos, req_rows, loc, lens):
+        n = loc.shape[0]
+        for layer in range(2):
+            pool.write(layer, loc, rows(n, 5.0), rows(n, 6.0))
+        seen.append(loc.clone())
+        return ids
+
+    runner = DecodeGraphRunner(pool, step, 4, buckets=[4])
+    slots = pool.allocator.slots(int(h[0]))[-1:], pool.allocator.slots(int(h[1]))[-1:]
+    loc = np.concatenate(slots)
+    count.update(aminmax=0)
+    runner.run(np.zeros(2, np.int64), np.zeros(2, np.int64), pool.rows(h), loc, np.ones(2, np.int64))
+    assert count["aminmax"] == 0
+    assert seen[0].tolist() == loc.tolist() + [0, 0]
+    k, v = pool.read(1, loc)
+    assert torch.equal(k, rows(2, 5.0)) and torch.equal(v, rows(2, 6.0))
+
+    def strict_step(ids, pos, req_rows, loc, lens):
+        pool.write(0, loc, rows(loc.shape[0]), rows(loc.shape[0]), strict=True)
+        return ids
+
+    strict = DecodeGraphRunner(pool, strict_step, 4, buckets=[4])
+    with pytest.raises(ReservedSlotError):
+        strict.run(np.zeros(2, np.int64), np.zeros(2, np.int64), pool.rows(h), loc, np.ones(2, np.int64))
+    del res
