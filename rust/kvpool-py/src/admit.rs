@@ -4,14 +4,16 @@
 
 use pyo3::prelude::*;
 
-use crate::allocator::{Arr, SlotAllocator};
+use crate::allocator::PySlotAllocator;
 use crate::convert::{int_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
-use crate::extend::{tokens_arg, Dest, PackedHead};
+use crate::extend::{tokens_arg, Dest};
+use crate::output::Arr;
 use crate::output::{counts_total, filled, new_i64, new_uninit};
+use crate::packed::PackedHead;
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// admit(counts, table=None, tokens=None, out=None) -> (handles, slots)
     ///
     /// Opens len(counts) new requests and extends request i by counts[i]

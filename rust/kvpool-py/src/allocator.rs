@@ -5,13 +5,16 @@
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use kvpool_core::{Counts, SlotAllocator as Core};
+use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
 
-use crate::convert::{int_arg, int_scalar, CacheFlag, IntArg, KvEventsFlag};
-use crate::errors::{invalid_argument, Result};
-pub(crate) use crate::output::Arr;
-use crate::output::{filled, new_uninit, to_numpy};
+use crate::convert::{
+    counts_of, int_arg, int_scalar, seed_arg, usize_arg, CacheFlag, KvEventsFlag,
+};
+use crate::errors::Result;
+use crate::output::{filled, new_uninit, to_numpy, Arr};
+use crate::stats::PoolStats;
+use crate::table::Table;
 
 /// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
 ///
@@ -36,8 +39,8 @@ use crate::output::{filled, new_uninit, to_numpy};
 // Geometry is fixed at construction: fields read without taking the lock
 // (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
-pub struct SlotAllocator {
-    pub(crate) inner: Mutex<Core>,
+pub struct PySlotAllocator {
+    pub(crate) inner: Mutex<SlotAllocator>,
     /// Events take_events drained but could not return (their arrays did
     /// not fit in memory): the next take_events returns them first.
     undelivered: Mutex<Option<kvpool_core::Events>>,
@@ -64,65 +67,8 @@ pub struct SlotAllocator {
     pub(crate) capacity_slots: usize,
 }
 
-/// The pool's changing counters, read together under one lock (so they agree
-/// with each other, unlike separate property reads while other threads run).
-#[pyclass(name = "PoolStats", module = "kvpool._core", frozen, get_all)]
-pub struct PoolStats {
-    free_pages: usize,
-    used_pages: usize,
-    free_slots: usize,
-    used_slots: usize,
-    open_requests: usize,
-    admissible_tokens: usize,
-    metadata_bytes: usize,
-    cached_pages: usize,
-    evictable_pages: usize,
-    hit_tokens: u64,
-    miss_tokens: u64,
-}
-
-impl PoolStats {
-    fn of(a: &Core) -> Self {
-        Self {
-            free_pages: a.free_pages(),
-            used_pages: a.used_pages(),
-            free_slots: a.free_slots(),
-            used_slots: a.used_slots(),
-            open_requests: a.open_requests(),
-            admissible_tokens: a.admissible_tokens(),
-            metadata_bytes: a.metadata_bytes(),
-            cached_pages: a.cached_pages(),
-            evictable_pages: a.evictable_pages(),
-            hit_tokens: a.hit_tokens(),
-            miss_tokens: a.miss_tokens(),
-        }
-    }
-}
-
-#[pymethods]
-impl PoolStats {
-    fn __repr__(&self) -> String {
-        format!(
-            "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
-             open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
-             evictable_pages={}, hit_tokens={}, miss_tokens={})",
-            self.free_pages,
-            self.used_pages,
-            self.free_slots,
-            self.used_slots,
-            self.open_requests,
-            self.admissible_tokens,
-            self.metadata_bytes,
-            self.cached_pages,
-            self.evictable_pages,
-            self.hit_tokens,
-            self.miss_tokens
-        )
-    }
-}
-
-impl SlotAllocator {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Core> {
+impl PySlotAllocator {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, SlotAllocator> {
         // The core never panics on caller input; if a bug ever poisoned the
         // lock, keep serving so that check() can report what is wrong.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -134,7 +80,11 @@ impl SlotAllocator {
 
     /// Runs a short query: like [`Self::run`] for small work (uncontended,
     /// with the GIL held; waiting on another thread's lock without it).
-    pub(crate) fn query<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Core) -> R + Send) -> R {
+    pub(crate) fn query<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&SlotAllocator) -> R + Send,
+    ) -> R {
         self.run(py, 0, |core| f(core))
     }
 }
@@ -145,7 +95,7 @@ impl SlotAllocator {
 /// work the arguments do not bound (close, truncate, check) always release it.
 pub(crate) const SMALL_WORK: usize = 4096;
 
-impl SlotAllocator {
+impl PySlotAllocator {
     /// Runs `f` on the core. Small work (see [`SMALL_WORK`]) takes an
     /// uncontended lock with the GIL held; large work, or a lock another
     /// thread holds, runs with the GIL released so other Python threads
@@ -154,7 +104,7 @@ impl SlotAllocator {
         &self,
         py: Python<'_>,
         work: usize,
-        f: impl FnOnce(&mut Core) -> R + Send,
+        f: impl FnOnce(&mut SlotAllocator) -> R + Send,
     ) -> R {
         if work <= SMALL_WORK {
             if let Some(mut guard) = self.try_lock_now() {
@@ -166,7 +116,7 @@ impl SlotAllocator {
 
     /// The lock if no other thread holds it (a poisoned lock is taken too,
     /// as `lock` does), else None.
-    pub(crate) fn try_lock_now(&self) -> Option<MutexGuard<'_, Core>> {
+    pub(crate) fn try_lock_now(&self) -> Option<MutexGuard<'_, SlotAllocator>> {
         match self.inner.try_lock() {
             Ok(guard) => Some(guard),
             Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
@@ -175,7 +125,7 @@ impl SlotAllocator {
     }
 }
 
-impl SlotAllocator {
+impl PySlotAllocator {
     /// One int64 per handle (`lengths`, `rows`), into an array allocated
     /// first, the core answering a chunk at a time: the only allocation the
     /// batch's size sets is the result's own, so a batch too big for memory
@@ -184,7 +134,7 @@ impl SlotAllocator {
         &self,
         py: Python<'py>,
         handles: &[i64],
-        query: fn(&Core, &[i64]) -> kvpool_core::Result<Vec<i64>>,
+        query: fn(&SlotAllocator, &[i64]) -> kvpool_core::Result<Vec<i64>>,
     ) -> Result<Arr<'py, i64>> {
         const CHUNK: usize = 1024;
         let (arr, mut buf) = new_uninit::<i64>(py, handles.len())?;
@@ -201,25 +151,11 @@ impl SlotAllocator {
     }
 }
 
-pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
-    match arg {
-        IntArg::Scalar(c) => Counts::Each(*c),
-        IntArg::Many(v) => Counts::PerRequest(v),
-    }
-}
-
-/// A non-negative int argument: bools, floats, strings and ints outside
-/// int64 are InvalidArgumentError (not TypeError / OverflowError).
-pub(crate) fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
-    let v = int_scalar(py, obj, what)?;
-    usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
-}
-
 // Only in builds with the `test-hooks` feature (on by default for cargo
 // builds of this crate, off in the wheel: pyproject.toml).
 #[cfg(feature = "test-hooks")]
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// Test only (not public API): move every closed row's generation and/or
     /// the batch epoch next to their wrap points.
     #[pyo3(signature = (*, generation=None, epoch=None))]
@@ -235,7 +171,7 @@ impl SlotAllocator {
 }
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     #[new]
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
@@ -264,8 +200,7 @@ impl SlotAllocator {
         let max_requests = or(max_requests, "max_requests", 256)?;
         let max_context_len = or(max_context_len, "max_context_len", 4096)?;
         let seed = |arg: Option<&Bound<'_, PyAny>>, what: &str| {
-            arg.map(|s| crate::sharing::seed_arg(py, s, what))
-                .transpose()
+            arg.map(|s| seed_arg(py, s, what)).transpose()
         };
         let opts = kvpool_core::Options {
             hash_seed: seed(hash_seed, "hash_seed")?,
@@ -274,7 +209,7 @@ impl SlotAllocator {
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
-            Core::with_options(num_pages, page_size, max_requests, max_context_len, opts)
+            SlotAllocator::with_options(num_pages, page_size, max_requests, max_context_len, opts)
         })?;
         Ok(Self {
             page_size: core.page_size(),
@@ -300,37 +235,37 @@ impl SlotAllocator {
     /// Pages an extend can take now: FREE + CACHED (evictable).
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::free_pages)
+        self.query(py, SlotAllocator::free_pages)
     }
     /// Pages held by open requests.
     #[getter]
     fn used_pages(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::used_pages)
+        self.query(py, SlotAllocator::used_pages)
     }
     /// free_pages * page_size.
     #[getter]
     fn free_slots(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::free_slots)
+        self.query(py, SlotAllocator::free_slots)
     }
     /// Slots in held pages (including the unfilled tail of each last page).
     #[getter]
     fn used_slots(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::used_slots)
+        self.query(py, SlotAllocator::used_slots)
     }
     /// Requests opened and not yet closed.
     #[getter]
     fn open_requests(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::open_requests)
+        self.query(py, SlotAllocator::open_requests)
     }
     /// Tokens that can surely still be appended (a lower bound).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::admissible_tokens)
+        self.query(py, SlotAllocator::admissible_tokens)
     }
     /// Heap bytes of the allocator's bookkeeping.
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {
-        self.query(py, Core::metadata_bytes)
+        self.query(py, SlotAllocator::metadata_bytes)
     }
 
     /// open(n=1) -> ndarray[int64]
@@ -423,7 +358,7 @@ impl SlotAllocator {
     ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        self.per_handle(py, &h, Core::lengths)
+        self.per_handle(py, &h, SlotAllocator::lengths)
     }
 
     /// slots(handle) -> ndarray[int64]
@@ -480,7 +415,7 @@ impl SlotAllocator {
     ///     InvalidHandleError: a handle is unknown, closed or stale.
     fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        self.per_handle(py, &h, Core::rows)
+        self.per_handle(py, &h, SlotAllocator::rows)
     }
 
     /// is_open(handle) -> bool
@@ -525,5 +460,27 @@ impl SlotAllocator {
                 a.open_requests()
             )
         })
+    }
+}
+
+impl PySlotAllocator {
+    /// The optional `table=` argument of extend, open_with_prefix and fork,
+    /// validated against this allocator's shape.
+    pub(crate) fn table_arg(
+        &self,
+        py: Python<'_>,
+        table: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Table>> {
+        table
+            .map(|t| {
+                Table::from_arg(
+                    py,
+                    t,
+                    self.max_requests,
+                    self.max_context_len,
+                    self.num_slots,
+                )
+            })
+            .transpose()
     }
 }

@@ -5,7 +5,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::allocator::SlotAllocator;
+use crate::allocator::PySlotAllocator;
 use crate::errors::Result;
 use crate::output::to_numpy;
 
@@ -25,7 +25,7 @@ fn events_dict<'py>(py: Python<'py>, e: &kvpool_core::Events) -> PyResult<Bound<
 }
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// take_events() -> dict[str, ndarray]
     ///
     /// Drains the KV events (what vLLM's KVEventBatch carries), oldest

@@ -5,14 +5,17 @@
 //! `[rows | positions | src_slots | dst_slots]` (m each, one entry per moved
 //! position), so the torch layer can copy the K/V and fix its table.
 
-use kvpool_core::{Grown, SlotAllocator as Core};
+use kvpool_core::{Grown, SlotAllocator};
 use pyo3::prelude::*;
 
-use crate::allocator::{counts_of, Arr, SlotAllocator};
+use crate::allocator::PySlotAllocator;
+use crate::convert::counts_of;
 use crate::convert::{int_arg, CowFlag, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
+use crate::output::Arr;
 use crate::output::{extend_total, new_i64, to_numpy, CallerOut, OutBuf};
+use crate::packed::PackedHead;
 use crate::table::Table;
 
 /// Rows and positions of the positions copy-on-write moved, in queue order.
@@ -31,7 +34,7 @@ impl Moved {
     }
 
     /// `[rows | positions | src | dst]`, or None when nothing moved.
-    fn finish(self, core: &mut Core, queued_before: usize) -> Option<Vec<i64>> {
+    fn finish(self, core: &mut SlotAllocator, queued_before: usize) -> Option<Vec<i64>> {
         if self.rows.is_empty() {
             return None;
         }
@@ -51,60 +54,6 @@ pub(crate) fn tokens_arg(
             IntArg::Many(v) => v,
         }),
     })
-}
-
-/// The head of an `extend_packed` array: `[rows | starts | counts |
-/// offsets]`, each `b` rounded up to even long (so every segment, and the
-/// slots after them, start 16-byte aligned), filled as the core reports
-/// each request.
-pub(crate) struct PackedHead<'a> {
-    rows: &'a mut [i64],
-    starts: &'a mut [i64],
-    counts: &'a mut [i64],
-    offsets: &'a mut [i64],
-    /// Slots reported so far (the next request's offset).
-    at: i64,
-}
-
-impl<'a> PackedHead<'a> {
-    /// Entries of the head for `b` requests.
-    pub(crate) fn len(b: usize) -> usize {
-        4 * (b + (b & 1))
-    }
-
-    /// Splits a packed array for `b` requests into its head and its slots.
-    pub(crate) fn split(all: &'a mut [i64], b: usize) -> (Self, &'a mut [i64]) {
-        let stride = b + (b & 1);
-        let (meta, slots) = all.split_at_mut(Self::len(b).min(all.len()));
-        let (rows, rest) = meta.split_at_mut(stride.min(meta.len()));
-        let (starts, rest) = rest.split_at_mut(stride.min(rest.len()));
-        let (counts, offsets) = rest.split_at_mut(stride.min(rest.len()));
-        let head = PackedHead {
-            rows,
-            starts,
-            counts,
-            offsets,
-            at: 0,
-        };
-        (head, slots)
-    }
-
-    /// Records request `g.index` (< b; `get_mut` keeps it panic-free).
-    #[inline]
-    pub(crate) fn note(&mut self, g: &Grown<'_>) {
-        let n = g.slots.len() as i64;
-        for (seg, v) in [
-            (&mut *self.rows, g.row as i64),
-            (&mut *self.starts, g.start as i64),
-            (&mut *self.counts, n),
-            (&mut *self.offsets, self.at),
-        ] {
-            if let Some(x) = seg.get_mut(g.index) {
-                *x = v;
-            }
-        }
-        self.at += n;
-    }
 }
 
 /// Where extend's slots go: a fresh result array, or the caller's `out=`.
@@ -165,7 +114,7 @@ impl Dest {
 /// One extend on the core: the slots into `dst`, the table (if any) filled,
 /// and with `cow` the copy-on-write work this call queued.
 fn extend_call(
-    core: &mut Core,
+    core: &mut SlotAllocator,
     handles: &[i64],
     counts: &IntArg,
     tokens: Option<&[i64]>,
@@ -199,7 +148,7 @@ fn extend_call(
 }
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// extend(handles, counts, table=None, tokens=None, cow=False, out=None) -> slots | (slots, cow)
     ///
     /// Grows each request by counts[i] tokens (or `counts` for all); a new page

@@ -19,9 +19,9 @@ use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::allocator::SlotAllocator;
+use crate::allocator::PySlotAllocator;
 use crate::convert::int_arg;
-use kvpool_core::SlotAllocator as Core;
+use kvpool_core::SlotAllocator;
 
 /// The handles of one call: a numpy array to snapshot, or a copy.
 pub(crate) enum Handles<'a, 'py> {
@@ -70,7 +70,7 @@ fn int64_len(arr: &Bound<'_, PyUntypedArray>) -> Option<usize> {
     int64.then(|| arr.len())
 }
 
-impl SlotAllocator {
+impl PySlotAllocator {
     /// [`Self::run`] with the call's handles as a slice: a snapshot of an
     /// int64 array (see the module docs), or the converted copy.
     pub(crate) fn run_on<R: Send>(
@@ -78,7 +78,7 @@ impl SlotAllocator {
         py: Python<'_>,
         handles: Handles<'_, '_>,
         work: usize,
-        f: impl FnOnce(&mut Core, &[i64]) -> R + Send,
+        f: impl FnOnce(&mut SlotAllocator, &[i64]) -> R + Send,
     ) -> PyResult<R> {
         let arr = match handles {
             Handles::Copied(v) => return Ok(self.run(py, work, |core| f(core, &v))),

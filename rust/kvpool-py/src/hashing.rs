@@ -6,8 +6,8 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use crate::convert::int_arg;
+use crate::convert::{seed_arg, usize_arg};
 use crate::errors::Result;
-use crate::sharing::seed_arg;
 
 /// page_hashes(tokens, page_size, hash_seed, salt=None) -> ndarray[uint64]
 ///
@@ -38,7 +38,7 @@ pub fn page_hashes<'py>(
     salt: Option<&Bound<'py, PyAny>>,
 ) -> Result<Bound<'py, PyArray1<u64>>> {
     let tokens = int_arg(py, tokens, "tokens")?.into_vec();
-    let page_size = crate::allocator::usize_arg(py, page_size, "page_size")?;
+    let page_size = usize_arg(py, page_size, "page_size")?;
     let seed = seed_arg(py, hash_seed, "hash_seed")?;
     let salt = match salt {
         Some(s) => crate::convert::int_scalar(py, s, "salt")?,

@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use rmp::encode as mp;
 
-use crate::allocator::SlotAllocator;
+use crate::allocator::PySlotAllocator;
 use crate::convert::int_arg;
 use crate::errors::invalid_argument;
 
@@ -171,10 +171,10 @@ fn stored(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize, tokens: &[i32]) -
 /// Appends token ids as msgpack ints, each in the shortest form as rmp's
 /// `write_uint` would choose. Token ids are most of a batch's bytes, and
 /// this loop (no `Result` per value, no per-value dispatch) encodes them
-/// about 4x faster than calling rmp per id.
+/// several times faster than calling rmp per id.
 fn token_ids(w: &mut Vec<u8>, tokens: &[i32]) {
-    // Written by index into room made first: pushing value by value made
-    // every id pay for a capacity check and a variable-length copy.
+    // Written by index into room made first: pushing value by value would
+    // make every id pay for a capacity check and a variable-length copy.
     let start = w.len();
     w.resize(start + 9 * tokens.len(), 0);
     let buf = &mut w[start..];
@@ -435,7 +435,7 @@ fn finish<'py>(
 }
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// take_events_msgpack(ts, data_parallel_rank=None) -> tuple[bytes, int, int, int]
     ///
     /// take_events() and encode_kv_events() in one call, without building

@@ -14,7 +14,9 @@ mod handles_arg;
 mod hashing;
 mod kv_events;
 mod output;
+mod packed;
 mod sharing;
+mod stats;
 mod table;
 mod torch_arg;
 mod widen;
@@ -22,8 +24,8 @@ mod widen;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
-    m.add_class::<allocator::SlotAllocator>()?;
-    m.add_class::<allocator::PoolStats>()?;
+    m.add_class::<allocator::PySlotAllocator>()?;
+    m.add_class::<stats::PoolStats>()?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

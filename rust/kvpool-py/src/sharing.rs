@@ -5,10 +5,10 @@
 
 use pyo3::prelude::*;
 
-use crate::allocator::{counts_of, Arr, SlotAllocator};
-use crate::convert::{int_arg, int_scalar, IntArg};
+use crate::allocator::PySlotAllocator;
+use crate::convert::{counts_of, int_arg, int_scalar, usize_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
-use crate::output::{filled, new_array, new_uninit, to_numpy};
+use crate::output::{filled, new_array, new_uninit, to_numpy, Arr};
 use crate::table::Table;
 
 /// Writes the rows of requests just opened into a validated `table`. It
@@ -25,22 +25,6 @@ fn fill(
         Some(t) => core.fill_table(handles, &mut unsafe { t.view() }),
         None => Ok(()),
     }
-}
-
-/// A seed (`what`: hash_seed, handle_seed): a Python int in [0, 2^64).
-pub fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(invalid_argument(
-            py,
-            format!("{what} must be an int in [0, 2**64), got bool"),
-        ));
-    }
-    obj.extract::<u64>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!("{what} must be an int in [0, 2**64), got {obj}"),
-        )
-    })
 }
 
 /// Chain hashes as the uint64 words `chain_hashes` returns: (hi, lo) of each
@@ -93,7 +77,7 @@ fn salt_arg(py: Python<'_>, salt: Option<&Bound<'_, PyAny>>) -> PyResult<i64> {
 }
 
 #[pymethods]
-impl SlotAllocator {
+impl PySlotAllocator {
     /// chain_hashes(handle) -> (hashes, tokens, salt)
     ///
     /// The request's leading full pages of known token ids, for a prefix-aware
@@ -107,6 +91,8 @@ impl SlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: unknown, closed or stale handle.
+    ///     InvalidArgumentError: the chain's tokens or hashes cannot be
+    ///         allocated.
     fn chain_hashes<'py>(
         &self,
         py: Python<'py>,
@@ -173,7 +159,7 @@ impl SlotAllocator {
         let s = salt_arg(py, salt)?;
         let m = match max_pages {
             None => usize::MAX,
-            Some(m) => crate::allocator::usize_arg(py, m, "max_pages")?,
+            Some(m) => usize_arg(py, m, "max_pages")?,
         };
         Ok(py.detach(|| self.lock().open_with_chain(&hs, &t, s, m))?)
     }

@@ -119,30 +119,22 @@ impl Table {
     }
 }
 
-impl crate::allocator::SlotAllocator {
+impl Table {
     /// The optional `table=` argument of extend, open_with_prefix and fork,
-    /// validated against this allocator's shape.
-    pub fn table_arg(
-        &self,
+    /// validated for a pool of this shape.
+    pub fn from_arg(
         py: Python<'_>,
-        table: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<Table>> {
-        let Some(table) = table else {
-            return Ok(None);
-        };
+        table: &Bound<'_, PyAny>,
+        max_requests: usize,
+        max_context_len: usize,
+        num_slots: usize,
+    ) -> PyResult<Self> {
         let arr = table.cast::<PyUntypedArray>().map_err(|_| {
             invalid_argument(
                 py,
                 "table must be a numpy int32 2-D array (e.g. tensor.numpy())",
             )
         })?;
-        let t = Table::validate(
-            py,
-            arr,
-            self.max_requests,
-            self.max_context_len,
-            self.num_slots,
-        )?;
-        Ok(Some(t))
+        Self::validate(py, arr, max_requests, max_context_len, num_slots)
     }
 }
