@@ -467,6 +467,8 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: unknown, closed or stale handle.
+            InvalidArgumentError: the chain's tokens or hashes cannot be
+                allocated.
         """
     def match_chain_hashes(
         self, hashes: npt.NDArray[np.integer[Any]], tokens: _IntArray, salt: Optional[int] = None

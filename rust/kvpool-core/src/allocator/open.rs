@@ -44,9 +44,10 @@ impl SlotAllocator {
     /// handles are appended to `handles`. All-or-nothing.
     ///
     /// Errors (nothing changed): `TooManyRequests` (fewer free rows than
-    /// counts), and every error of `extend_into_table` (a negative count or
-    /// one past `max_context_len`, `Exhausted`, bad `tokens`, `out` or
-    /// table).
+    /// counts), and those of `extend_into_table` that fresh requests can
+    /// meet: `InvalidArgument` (a negative count, bad `tokens`, `out` or
+    /// table), `ContextTooLong` (a count past `max_context_len`),
+    /// `Exhausted`.
     pub fn admit_into<F>(
         &mut self,
         counts: &[i64],
