@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress"}),
     ("kernels", {"kernels"}),
-    ("pool", {"pool", "admission", "sharing", "lifecycle", "tables", "packed", "staging", "streams",
+    ("pool", {"pool", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging", "streams",
               "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers"}),
     ("above the pool", {"__init__", "__main__", "cli", "distributed", "integrations", "router", "bench", "demo"}),
 ]
