@@ -60,6 +60,38 @@ pub enum PoolError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A grouped pool's group (or its token-only anchor chain) is short of
+    /// pages or state slots; the other groups may have room. Python maps it
+    /// to the same class as `Exhausted`.
+    #[error(
+        "group {group} ({kind}) exhausted: the call needs {needed_pages} of its pages \
+         ({page_size} slots each) but only {free_pages} are free or evictable; nothing was \
+         allocated in any group"
+    )]
+    GroupExhausted {
+        group: usize,
+        kind: &'static str,
+        needed_pages: usize,
+        free_pages: usize,
+        page_size: usize,
+    },
+
+    /// `truncate` into the past that a group cannot serve: a sliding group
+    /// released the pages the new length's window needs, or a state group
+    /// has no checkpoint at the new length (its state is overwritten each
+    /// step, so only a checkpoint can restore it).
+    #[error(
+        "cannot truncate request {handle} to {length} tokens: group {group} ({kind}) {reason}; \
+         nothing was changed"
+    )]
+    RollbackUnavailable {
+        handle: i64,
+        length: usize,
+        group: usize,
+        kind: &'static str,
+        reason: String,
+    },
+
     #[error("allocator invariant violated (a bug in kvpool): {0}")]
     Invariant(String),
 }

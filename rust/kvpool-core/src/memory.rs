@@ -18,6 +18,7 @@ pub const MAX_CONTEXT_LEN: usize = 1 << 28;
 pub(crate) unsafe trait Zeroable: Copy {}
 unsafe impl Zeroable for u32 {}
 unsafe impl Zeroable for i32 {}
+unsafe impl Zeroable for u64 {}
 
 fn too_big(what: &str, n: usize, size: usize) -> PoolError {
     PoolError::InvalidArgument(format!(

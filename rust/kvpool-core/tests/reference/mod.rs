@@ -26,6 +26,10 @@ pub enum Kind {
     TooMany,
     TooLong,
     Arg,
+    /// A grouped pool's group short of pages or slots.
+    GroupExhausted(usize),
+    /// A grouped pool's group that cannot roll a request back.
+    Rollback(usize),
 }
 
 pub fn kind(e: &PoolError) -> Kind {
@@ -35,6 +39,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::TooManyRequests { .. } => Kind::TooMany,
         PoolError::ContextTooLong { .. } => Kind::TooLong,
         PoolError::InvalidArgument(_) => Kind::Arg,
+        PoolError::GroupExhausted { group, .. } => Kind::GroupExhausted(*group),
+        PoolError::RollbackUnavailable { group, .. } => Kind::Rollback(*group),
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
     }
 }
