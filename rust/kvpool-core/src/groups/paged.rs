@@ -323,10 +323,10 @@ impl PageEngine {
     }
 
     /// Whether `row` still holds what a truncate to `new_len` needs: the
-    /// pages of the new length's window (nothing when it is empty).
+    /// pages from its window's start on (the partly filled last page
+    /// included, which the next extend writes into); nothing at 0.
     pub(crate) fn rollback_ok(&self, row: usize, new_len: usize) -> bool {
-        let ws = self.window_start(new_len);
-        ws >= new_len || self.first_held(row) <= ws / self.geo.page_size
+        new_len == 0 || self.first_held(row) <= self.window_start(new_len) / self.geo.page_size
     }
 
     // ---- the cache ----
