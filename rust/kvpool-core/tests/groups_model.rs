@@ -6,6 +6,8 @@
 //! and check() must pass after every operation.
 
 mod groups_reference;
+// Only its prompts are used here.
+#[allow(dead_code)]
 mod model_ops;
 mod reference;
 
@@ -197,7 +199,7 @@ proptest! {
                 Op::Serve((b, len, c), salt) => {
                     let p = prompt(b, len, c);
                     let flat: Vec<i64> = p.iter().map(|&t| t as i64).collect();
-                    let mr = m.open_with_prefix(&[p.clone()], salt);
+                    let mr = m.open_with_prefix(std::slice::from_ref(&p), salt);
                     note_error(&mr);
                     let ok = mr.as_ref().ok().cloned();
                     oks += same(a.open_with_prefix(&flat, &[flat.len() as i64], Counts::Each(salt)), mr) as usize;
@@ -205,8 +207,8 @@ proptest! {
                         issued.extend(&hs);
                         count(&HIT_TOKENS, cached[0] as u64);
                         count(&STATE_HITS, (has_state && cached[0] > 0) as usize);
-                        for pos in cached[0] as usize..flat.len() {
-                            let t = [flat[pos]];
+                        for &tok in &flat[cached[0] as usize..] {
+                            let t = [tok];
                             if !same(a.extend(&hs, Counts::Each(1), Some(&t), &mut []), m.extend(&hs, &[1], Some(&t))) {
                                 break;
                             }

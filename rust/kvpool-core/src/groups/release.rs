@@ -104,10 +104,9 @@ impl GroupedAllocator {
                     for &s in src.iter().filter(|&&s| s > 0) {
                         e.pin(s as u32);
                     }
-                    let mut k = 0;
-                    for r in batch.iter().filter(|r| r.count < r.len) {
-                        e.restore(r.row, src[k]);
-                        k += 1;
+                    let shrunk = batch.iter().filter(|r| r.count < r.len);
+                    for (r, &from) in shrunk.zip(src) {
+                        e.restore(r.row, from);
                     }
                     for &s in src.iter().filter(|&&s| s > 0) {
                         e.unpin(s as u32);
