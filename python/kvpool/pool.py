@@ -105,6 +105,15 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
     docs/kernels-and-graphs.md ("Streams and threads").
     """
 
+    def __new__(cls, *args: Any, layer_types: Any = None, **kwargs: Any) -> Any:
+        # Hybrid models (layer_types) get the grouped pool; every other call is
+        # today's pool, built by __init__ as before.
+        if layer_types is None:
+            return super().__new__(cls)
+        from kvpool.hybrid import HybridKVPool
+
+        return HybridKVPool(*args, layer_types=layer_types, **kwargs)
+
     def __init__(
         self,
         num_layers: int,
@@ -129,6 +138,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         hash_seed: int | None = None,
         handle_seed: int | None = None,
         kv_events: bool = True,
+        layer_types: None = None,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.

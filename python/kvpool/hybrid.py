@@ -1,0 +1,581 @@
+"""``KVPool`` for hybrid models: layer groups with sliding windows and recurrent state.
+
+``KVPool(..., layer_types=[...])`` builds this pool (``KVPool.__new__`` hands the
+call here); without ``layer_types`` it is the plain pool, untouched. The core's
+``GroupedAllocator`` owns pages and state slots; this layer owns every tensor:
+
+- per attention group, each layer's K and V caches (``KVStorage``, the pool's
+  layout) and a request-to-token table (``req_to_token[layer]``); a sliding
+  group holds only the pages of each request's window, and the positions the
+  window released read as the null page's slots;
+- per state group, for each layer and each name of ``state_shapes``, a
+  ``[num_slots, *shape]`` tensor (``state(layer, name)``); a request's row is
+  ``state_slots(handles, layer)``.
+
+Every request call acts on all groups at once (atomically, in the core) and
+then runs the copies the core queued: copy-on-write of shared pages, and for
+state groups the zeroing of a new request's slot, a fork's copy of its
+parent's state, a checkpoint and a restore. Every tensor is created under
+``persistent()``, as for the plain pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool.hybrid_plan import LayerGroup, plan_groups, plan_states
+from kvpool.kernels import copy_slots, require_triton, write_req_to_token
+from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
+from kvpool.modes import persistent
+from kvpool.tables import PageTable, page_table_tensors
+from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.validate import check_layer, check_rows, slots_tensor
+
+__all__ = ["HybridExtendResult", "HybridKVPool"]
+
+
+class HybridExtendResult(NamedTuple):
+    """New slots of an ``extend``, per group (``pool.groups`` order; empty for a state group):
+    host int64 arrays and int64 tensors on the pool's device. ``for_layer`` picks a layer's."""
+
+    slots: list[np.ndarray]
+    out_cache_loc: list[torch.Tensor]
+    group_of_layer: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """The new slots of ``layer``'s group, on the pool's device."""
+        return self.out_cache_loc[self.group_of_layer[layer]]
+
+
+class _LayerTables(Sequence[torch.Tensor]):
+    """``req_to_token[layer]``: the request-to-token table of the layer's group."""
+
+    def __init__(self, pool: HybridKVPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_layers
+
+    def __getitem__(self, layer: Any) -> Any:
+        return self._pool._tables[self._pool._page_group(layer).index]
+
+
+_UNSUPPORTED = {
+    "memory_bytes": None, "memory_fraction": None, "kv_lora_rank": None, "qk_rope_head_dim": None,
+    "tp_rank": 0, "tp_size": 1,
+}
+
+
+class HybridKVPool:
+    """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
+
+    Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
+    sliding_window=W, state_shapes={...}, ...)``. Sizes: ``num_pages`` (or
+    ``num_slots``) and ``page_size`` as for the plain pool size each full group
+    (each sliding group when there is none); ``page_size`` may also be a dict
+    by layer type; ``group_pages={layer_type: N}`` sets any group's pages (a
+    state group's slots) explicitly; other groups get what their requests can
+    need at once (``kvpool.hybrid_plan.plan_groups``). MLA, fp8, tensor
+    parallelism and ``memory_bytes`` / ``memory_fraction`` are the plain pool's
+    only (``InvalidArgumentError``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        layer_types: Sequence[str],
+        sliding_window: int | None = None,
+        state_shapes: Mapping[str, Any] | None = None,
+        group_pages: Mapping[str, int] | None = None,
+        dtype: torch.dtype = torch.float16,
+        device: Any = "cpu",
+        page_size: Any = 1,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        max_requests: int = 256,
+        max_context_len: int = 4096,
+        layout: str = "token",
+        compute_dtype: torch.dtype | None = None,
+        hash_seed: int | None = None,
+        handle_seed: int | None = None,
+        kv_events: bool = True,
+        **plain_only: Any,
+    ) -> None:
+        for name, value in plain_only.items():
+            if name not in _UNSUPPORTED:
+                raise TypeError(f"KVPool() got an unexpected keyword argument {name!r}")
+            if value != _UNSUPPORTED[name]:
+                raise InvalidArgumentError(
+                    f"{name}={value!r} is not supported with layer_types (a hybrid pool is sized with "
+                    "num_pages / num_slots and group_pages, holds plain K/V, and is not sharded)")
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_requests", max_requests), ("max_context_len", max_context_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.max_requests, self.max_context_len = int(max_requests), int(max_context_len)
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
+            raise InvalidArgumentError(f"dtype must be a floating, non-fp8 torch.dtype with layer_types, got {dtype!r}")
+        if compute_dtype is not None and compute_dtype != dtype:
+            raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
+        self.layout, self.dtype, self.compute_dtype, self.device = layout, dtype, dtype, as_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"a KVPool lives on a 'cpu' or 'cuda' device, got {self.device}")
+        require_triton(self.device)
+        self.mla, self.fp8 = False, False
+        if num_pages is not None and num_slots is not None:
+            raise InvalidArgumentError("pass num_pages or num_slots, not both")
+        if num_slots is not None:
+            p = page_size.get("full_attention", page_size.get("sliding_attention", 1)) \
+                if isinstance(page_size, Mapping) else page_size
+            if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or \
+                    not isinstance(p, int) or p < 1 or num_slots < 2 * p or num_slots % p:
+                raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r}")
+            num_pages = num_slots // p
+        self.layer_types = tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
+        self.groups: list[LayerGroup] = plan_groups(
+            layer_types, num_layers=self.num_layers, sliding_window=sliding_window, page_size=page_size,
+            num_pages=num_pages, group_pages=group_pages, max_requests=self.max_requests,
+            max_context_len=self.max_context_len)
+        self.sliding_window = next((g.window for g in self.groups if g.window is not None), None)
+        self.state_shapes = plan_states(state_shapes, dtype, any(g.kind == "state" for g in self.groups))
+        # The core checks every size and seed before any tensor exists.
+        self.allocator = GroupedAllocator(
+            [g.spec() for g in self.groups], self.max_requests, self.max_context_len, hash_seed=hash_seed,
+            handle_seed=handle_seed, kv_events=kv_events)
+        self._lock = threading.RLock()
+        group_of = [0] * self.num_layers
+        for g in self.groups:
+            for layer in g.layers:
+                group_of[layer] = g.index
+        self.group_of_layer = tuple(group_of)
+        self._slot_in_group = {layer: i for g in self.groups for i, layer in enumerate(g.layers)}
+        self._storage: list[KVStorage | None] = []
+        self._tables: list[torch.Tensor | None] = []
+        self._states: list[dict[str, torch.Tensor] | None] = []
+        with persistent():
+            for g in self.groups:
+                if g.kind == "state":
+                    self._storage.append(None)
+                    self._tables.append(None)
+                    self._states.append({
+                        f"{layer}.{name}": torch.zeros((g.num_pages,) + shape, dtype=dt, device=self.device)
+                        for layer in g.layers for name, (shape, dt) in self.state_shapes.items()})
+                    continue
+                self._storage.append(KVStorage(
+                    num_layers=len(g.layers), num_pages=g.num_pages, page_size=g.page_size,
+                    heads=self.num_kv_heads, dim=self.head_dim, dtype=dtype, device=self.device, layout=layout,
+                    mla=False))
+                self._tables.append(torch.zeros((self.max_requests + 1, padded_row_stride(self.max_context_len)),
+                                                dtype=torch.int32, device=self.device)[:, : self.max_context_len])
+                self._states.append(None)
+        self.req_to_token = _LayerTables(self)
+        # CPU: the core writes new slots straight into numpy views of the tables
+        # inside extend's one crossing; elsewhere the pool scatters them.
+        self._tables_np: list[np.ndarray | None] | None = (
+            [None if t is None else t.numpy() for t in self._tables] if self.device.type == "cpu" else None)
+        self.null_row = self.max_requests
+        self.copied_slots = 0
+
+    # ----- geometry ---------------------------------------------------------------
+
+    def group(self, layer: int) -> LayerGroup:
+        """The group ``layer`` belongs to.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        return self.groups[self.group_of_layer[check_layer(layer, self.num_layers)]]
+
+    def _page_group(self, layer: Any) -> LayerGroup:
+        g = self.group(layer)
+        if g.kind == "state":
+            raise InvalidArgumentError(
+                f"layer {layer} is a {g.layer_type} layer: it has state slots (state(layer, name), "
+                "state_slots(handles, layer)), not K/V pages")
+        return g
+
+    def _state_group(self, layer: Any) -> LayerGroup:
+        g = self.group(layer)
+        if g.kind != "state":
+            raise InvalidArgumentError(f"layer {layer} is a {g.layer_type} layer: it has K/V pages, not state")
+        return g
+
+    def page_size_of(self, layer: int) -> int:
+        """Tokens per page of ``layer``'s group."""
+        return self._page_group(layer).page_size
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's K cache in the pool's layout (its group's slots). A view, no copy."""
+        g = self._page_group(layer)
+        st = self._storage[g.index]
+        assert st is not None
+        return st.shaped[0][self._slot_in_group[layer]]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's V cache in the pool's layout. A view, no copy."""
+        g = self._page_group(layer)
+        st = self._storage[g.index]
+        assert st is not None
+        return st.shaped[1][self._slot_in_group[layer]]
+
+    def state(self, layer: int, name: str) -> torch.Tensor:
+        """Layer's state tensor ``name``: ``[num_slots, *state_shapes[name]]``; a request's
+        row is its ``state_slots``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: not a state layer, or no such name.
+        """
+        g = self._state_group(layer)
+        if name not in self.state_shapes:
+            raise InvalidArgumentError(f"no state named {name!r}; state_shapes has {sorted(self.state_shapes)}")
+        states = self._states[g.index]
+        assert states is not None
+        return states[f"{layer}.{name}"]
+
+    # ----- memory figures -----------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V caches and state tensors of every group."""
+        kv = sum(s.nbytes for s in self._storage if s is not None)
+        return kv + sum(t.numel() * t.element_size() for st in self._states if st for t in st.values())
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Tables and allocator metadata."""
+        tables = sum(t.untyped_storage().nbytes() for t in self._tables if t is not None)
+        return tables + int(self.allocator.metadata_bytes)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every persistent tensor the pool owns (``audit`` walks these)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for g, st, table, states in zip(self.groups, self._storage, self._tables, self._states):
+            if st is not None and table is not None:
+                out += [(f"{g.layer_type}.{name}", t) for name, t in st.tensors()]
+                out.append((f"{g.layer_type}.req_to_token", table))
+            if states:
+                out += [(f"{g.layer_type}.state.{k}", t) for k, t in states.items()]
+        return out
+
+    # ----- writes and reads ------------------------------------------------
+
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer`` (slots of its group).
+        Negative slots are padding and skipped; everything is checked first.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError (a state layer), SlotRangeError,
+            TensorShapeError, TensorDtypeError, TensorDeviceError: nothing written.
+        """
+        g = self._page_group(layer)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        for name, x in (("k", k), ("v", v)):
+            check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        k, v = k.detach(), v.detach()
+        if negative:
+            keep = (idx >= 0).nonzero().squeeze(1)
+            idx, k, v = idx.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        st.flat[0][i].index_copy_(0, idx.long(), k)
+        st.flat[1][i].index_copy_(0, idx.long(), v)
+
+    def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""
+        st = self._storage[self.group_of_layer[layer]]
+        assert st is not None
+        b, h, t, d = k.shape
+        i = self._slot_in_group[layer]
+        st.flat[0][i].index_copy_(0, idx, k.detach().transpose(1, 2).reshape(b * t, h, d))
+        st.flat[1][i].index_copy_(0, idx, v.detach().transpose(1, 2).reshape(b * t, h, d))
+
+    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
+        g = self._page_group(layer)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        idx = idx.long()
+        safe = idx.clamp(min=0) if negative else idx
+        k, v = st.flat[0][i].index_select(0, safe), st.flat[1][i].index_select(0, safe)
+        if negative:
+            pad = (idx < 0).view(-1, 1, 1)
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        return k, v
+
+    # ----- copies the core queued ------------------------------------------
+
+    def _run_copies(self, handles: Any = None) -> None:
+        """Run every group's queued copies (before anything writes the group again).
+
+        Page groups: copy-on-write of every layer's K and V. State groups: each
+        pair copies every state tensor's row ``src`` to ``dst``; ``src = -1``
+        zeroes ``dst`` (a new request starts from the empty state). On a device
+        pool the core cannot write the tables, so the rows of ``handles`` are
+        rewritten from the core when a page group moved some of their slots.
+        """
+        alloc = self.allocator
+        for g in self.groups:
+            if not alloc.pending_copies(g.index):
+                continue
+            src, dst = alloc.take_copies(g.index)
+            if src.shape[0] == 0:
+                continue
+            if g.kind != "state":
+                st = self._storage[g.index]
+                assert st is not None
+                s = torch.from_numpy(src).to(self.device)
+                d = torch.from_numpy(dst).to(self.device)
+                copy_slots(st.flat[0] + st.flat[1], s, d)
+                self.copied_slots += int(src.shape[0])
+                if self._tables_np is None and handles is not None:
+                    self._sync_rows(np.asarray(handles, dtype=np.int64).reshape(-1), g)
+                continue
+            states = self._states[g.index]
+            assert states is not None
+            live = src >= 0
+            s = torch.from_numpy(src[live]).to(self.device)
+            d = torch.from_numpy(dst[live]).to(self.device)
+            z = torch.from_numpy(dst[~live]).to(self.device)
+            for t in states.values():
+                if s.shape[0]:
+                    t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
+                if z.shape[0]:
+                    t.index_fill_(0, z, 0)
+
+    def _sync_rows(self, handles: np.ndarray, g: LayerGroup) -> None:
+        """Write each request's slots of page group ``g`` into its table row (device pools)."""
+        table = self._tables[g.index]
+        assert table is not None
+        if handles.shape[0] == 0:
+            return
+        parts = [self.allocator.slots(int(h), g.index) for h in handles]
+        counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
+        rows = self.allocator.rows(handles)
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+        write_req_to_token(table, dev(rows), dev(np.zeros_like(counts)), dev(counts), dev(np.concatenate(parts)))
+
+    def _write_new_rows(self, handles: np.ndarray) -> None:
+        """Tables of requests that got slots without an extend (fork, prefix hit)."""
+        for g in self.groups:
+            if g.kind == "state":
+                continue
+            if self._tables_np is not None:
+                table = self._tables_np[g.index]
+                assert table is not None
+                self.allocator.fill_table(handles, table, g.index)
+            else:
+                self._sync_rows(handles, g)
+
+    # ----- request operations -------------------------------------------------
+
+    def open(self, n: int = 1) -> np.ndarray:
+        """Open ``n`` empty requests in every group (a state slot each, zeroed).
+        See ``GroupedAllocator.open``."""
+        with self._lock:
+            handles = self.allocator.open(n)
+            self._run_copies()
+            return handles
+
+    def _result(self, slots: list[np.ndarray]) -> HybridExtendResult:
+        if self.device.type == "cpu":
+            loc = [torch.from_numpy(s) for s in slots]
+        else:
+            loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
+        return HybridExtendResult(slots, loc, self.group_of_layer)
+
+    def extend(self, handles: Any, counts: Any, tokens: Any = None) -> HybridExtendResult:
+        """Grow requests by ``counts`` tokens in every group and write the new slots
+        into each group's table; sliding groups release the pages that fell out
+        of the window. See ``GroupedAllocator.extend``. Copy-on-write copies run
+        here. Atomic as the core's call."""
+        with self._lock:
+            if self._tables_np is not None:
+                slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
+            else:
+                h = np.asarray(handles, dtype=np.int64).reshape(-1)
+                starts = self.allocator.lengths(h)
+                slots = self.allocator.extend(h, counts, tokens=tokens)
+                self._scatter(h, starts, np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape), slots)
+            self._run_copies(handles)
+            return self._result(slots)
+
+    def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                 slots: list[np.ndarray]) -> None:
+        rows = self.allocator.rows(handles)
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+        for g, s in zip(self.groups, slots):
+            table = self._tables[g.index]
+            if table is not None:
+                write_req_to_token(table, dev(rows), dev(starts), dev(counts), dev(s))
+
+    def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, HybridExtendResult]:
+        """Open ``len(counts)`` requests and extend each (``open`` then ``extend``, atomic).
+        See ``GroupedAllocator.admit``."""
+        with self._lock:
+            if self._tables_np is not None:
+                handles, slots = self.allocator.admit(counts, tokens=tokens, tables=self._tables_np)
+            else:
+                handles, slots = self.allocator.admit(counts, tokens=tokens)
+                c = np.asarray(counts, dtype=np.int64).reshape(-1)
+                self._scatter(handles, np.zeros_like(c), c, slots)
+            self._run_copies(handles)
+            return handles, self._result(slots)
+
+    def truncate(self, handles: Any, lengths: Any) -> None:
+        """Shorten requests in every group. See ``GroupedAllocator.truncate``: a sliding
+        group needs the new length's window still held, a state group a checkpoint
+        at exactly the new length (restored here); otherwise
+        ``RollbackUnavailableError`` and nothing changes."""
+        with self._lock:
+            self.allocator.truncate(handles, lengths)
+            self._run_copies(handles)
+
+    def close(self, handles: Any, cache: bool = False) -> None:
+        """Close requests in every group. See ``GroupedAllocator.close``."""
+        with self._lock:
+            self.allocator.close(handles, cache=cache)
+            self._run_copies()
+
+    def cache(self, handles: Any) -> None:
+        """Publish requests' full pages (and state checkpoints) in every group.
+        See ``GroupedAllocator.cache``; the checkpoint copies run here."""
+        with self._lock:
+            self.allocator.cache(handles)
+            self._run_copies()
+
+    def fork(self, handle: Any, n: int = 1) -> np.ndarray:
+        """``n`` copies of a request in every group (shared pages; state copied here).
+        See ``GroupedAllocator.fork``."""
+        with self._lock:
+            handles = self.allocator.fork(handle, n)
+            self._run_copies()
+            self._write_new_rows(handles)
+            return handles
+
+    def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Open requests on their longest prefix every group has cached (state restored
+        from its checkpoint here). See ``GroupedAllocator.open_with_prefix``."""
+        with self._lock:
+            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
+            self._run_copies()
+            self._write_new_rows(handles)
+            return handles, cached
+
+    def evict(self, layer: int, n: int) -> int:
+        """Evict up to ``n`` cached pages (checkpoints) of ``layer``'s group, LRU first."""
+        with self._lock:
+            return self.allocator.evict(self.group(layer).index, n)
+
+    def clear_cache(self) -> None:
+        """Drop every cached page and checkpoint of every group."""
+        with self._lock:
+            self.allocator.clear_cache()
+
+    def reset(self) -> None:
+        """Close every request in every group."""
+        with self._lock:
+            self.allocator.reset()
+            self._run_copies()
+
+    # ----- queries -----------------------------------------------------------
+
+    def check(self) -> None:
+        """Verify every invariant of every group. See ``GroupedAllocator.check``."""
+        self.allocator.check()
+
+    def is_open(self, handle: Any) -> bool:
+        return self.allocator.is_open(handle)
+
+    def length(self, handle: Any) -> int:
+        return self.allocator.length(handle)
+
+    def lengths(self, handles: Any) -> np.ndarray:
+        return self.allocator.lengths(handles)
+
+    def rows(self, handles: Any) -> np.ndarray:
+        return self.allocator.rows(handles)
+
+    def known_tokens(self, handle: Any) -> np.ndarray:
+        return self.allocator.known_tokens(handle)
+
+    def take_events(self) -> dict[str, np.ndarray]:
+        return self.allocator.take_events()
+
+    def slots(self, handle: Any, layer: int) -> np.ndarray:
+        """Every slot of the request in ``layer``'s group, in token order (released
+        window positions read as the null page's slots)."""
+        return self.allocator.slots(handle, self._page_group(layer).index)
+
+    def pages(self, handle: Any, layer: int) -> np.ndarray:
+        """The request's page list in ``layer``'s group (0 where the window released it)."""
+        return self.allocator.pages(handle, self._page_group(layer).index)
+
+    def held_tokens(self, handle: Any, layer: int) -> int:
+        """Tokens' worth of pages the request holds in ``layer``'s group (held pages x page size)."""
+        g = self._page_group(layer)
+        return int(np.count_nonzero(self.allocator.pages(handle, g.index))) * g.page_size
+
+    def page_table(self, handles: Any, layer: int) -> PageTable:
+        """FlashInfer's CSR page table of ``layer``'s group: a sliding group's
+        carries only each request's window pages. See ``GroupedAllocator.page_table``."""
+        return page_table_tensors(*self.allocator.page_table(handles, self._page_group(layer).index), self.device)
+
+    def state_slots(self, handles: Any, layer: int) -> np.ndarray:
+        """Each request's state slot in ``layer``'s group (read it again after truncate)."""
+        return self.allocator.state_slots(handles, self._state_group(layer).index)
+
+    @property
+    def open_requests(self) -> int:
+        return self.allocator.open_requests
+
+    @property
+    def admissible_requests(self) -> int:
+        return self.allocator.admissible_requests
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.allocator.hit_tokens
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.allocator.miss_tokens
+
+    def admissible_tokens(self, layer: int | None = None) -> int:
+        """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
+        return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)
+
+    def free_pages(self, layer: int) -> int:
+        return self.allocator.free_pages(self.group(layer).index)
+
+    def used_pages(self, layer: int) -> int:
+        return self.allocator.used_pages(self.group(layer).index)
+
+    def cached_pages(self, layer: int) -> int:
+        return self.allocator.cached_pages(self.group(layer).index)
+
+    def capacity_pages(self, layer: int) -> int:
+        return self.allocator.capacity_pages(self.group(layer).index)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(
+            f"{g.layer_type}(layers={len(g.layers)}, "
+            + (f"slots={g.num_pages})" if g.kind == "state" else
+               f"pages={g.num_pages}, page_size={g.page_size}" + (f", window={g.window})" if g.window else ")"))
+            for g in self.groups)
+        return (f"KVPool(hybrid: {groups}; heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})")
+
