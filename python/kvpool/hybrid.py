@@ -365,7 +365,7 @@ class HybridKVPool:
         parts = [self.allocator.slots(int(h), g.index) for h in handles]
         counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
         rows = self.allocator.rows(handles)
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)  # noqa: E731
         write_req_to_token(table, dev(rows), dev(np.zeros_like(counts)), dev(counts), dev(np.concatenate(parts)))
 
     def _write_new_rows(self, handles: np.ndarray) -> None:
@@ -416,7 +416,7 @@ class HybridKVPool:
     def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  slots: list[np.ndarray]) -> None:
         rows = self.allocator.rows(handles)
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)  # noqa: E731
         for g, s in zip(self.groups, slots):
             table = self._tables[g.index]
             if table is not None:
