@@ -133,10 +133,13 @@ def plan_groups(
         else:
             assert window is not None
             need = max_requests * (_cdiv(window - 1, p) + 1) + _cdiv(max_context_len, p) + 1
-            full = groups[0] if groups and groups[0].kind == "full" else None
-            cap = num_pages if num_pages is not None else need
-            if full is not None:
-                cap = full.num_pages * full.page_size // p + 1
+            # Never more than the full group's tokens: a window is part of the context.
+            cap = need
+            if has_full and explicit.get("full_attention", num_pages) is not None:
+                full_pages = explicit.get("full_attention", num_pages)
+                full_p = _per_type("page_size", page_size, "full_attention", 1)
+                if isinstance(full_pages, int) and isinstance(full_p, int) and full_p >= 1:
+                    cap = full_pages * full_p // p + 1
             pages = min(need, cap)
         groups.append(LayerGroup(index, t, kind, layers, p, window if kind == "sliding" else None, pages))
     return groups

@@ -52,6 +52,13 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
                       f"found transformers {transformers.__version__}")
 
+from kvpool.integrations._hybrid import (
+    HybridRequests,
+    PoolAttentionLayer,
+    PoolStateLayer,
+    hybrid_layers,
+    hybrid_pool_kwargs,
+)
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.pool import KVPool
 
@@ -152,6 +159,10 @@ class KVPoolCache(Cache):
     """
 
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
+        self._state_layers: list[Any] = []
+        if getattr(pool, "groups", None) is not None:  # KVPool(layer_types=...): see _hybrid
+            self._init_hybrid(pool, prefix_ids)
+            return
         self.requests = BatchRequests(pool)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         super().__init__(layers=list(self._pool_layers))
@@ -160,6 +171,16 @@ class KVPoolCache(Cache):
             self._set_seen(self.requests.length)
         elif salt is not None:
             raise TypeError("salt= only applies with prefix_ids=")
+
+    def _init_hybrid(self, pool: Any, prefix_ids: Any) -> None:
+        if prefix_ids is not None:
+            raise NotImplementedError("prefix_ids= is not supported with a hybrid pool (layer_types) yet")
+        convs = [n for n in pool.state_shapes if n.startswith("conv")]
+        self.requests = HybridRequests(pool)  # type: ignore[assignment]
+        layers = hybrid_layers(self.requests, max(1, len(convs)))  # type: ignore[arg-type]
+        self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
+        self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
+        super().__init__(layers=layers)
 
     # -- what the pool holds ------------------------------------------------------------
     @property
@@ -202,6 +223,9 @@ class KVPoolCache(Cache):
         self._check_between_steps("crop")
         self.requests.truncate(max(0, self.requests.length + tokens_to_remove))
         self._set_seen(self.requests.length)
+        if self.requests.length == 0:
+            for layer in self._state_layers:
+                layer.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
@@ -228,6 +252,8 @@ class KVPoolCache(Cache):
         """Close every row's request; the cache can then serve a new batch."""
         self.requests.close()
         self._set_seen(0)
+        for layer in self._state_layers:
+            layer.reset()
 
     def close(self) -> None:
         """Give the rows' pages back to the pool (idempotent)."""
@@ -280,5 +306,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)
+    for key, value in hybrid_pool_kwargs(text, dtype).items():  # sliding / linear-attention layers
+        pool_kwargs.setdefault(key, value)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
