@@ -314,10 +314,12 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         return t
 
     def flush(self) -> None:
-        """Write working copies back to the pool (views need nothing)."""
+        """Write working copies back to the pool and forget them (views need nothing): the
+        next access gathers again, so a later change in the pool (a restore) is seen."""
         if self._work and self._slots is not None:
             for name, t in self._work.items():
                 self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t)
+                del self._rows[name]
         self._work = {}
 
     def drop(self) -> None:

@@ -1,0 +1,130 @@
+"""KVPoolCache on hybrid pools: greedy tokens and logits equal transformers' default cache
+on tiny random Gemma 3, GPT-OSS, Mistral (sliding_window) and Qwen3-Next (linear attention),
+generating far past the window, with the pool holding at most W + one page per sliding layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from _hf_models import PAD, VOCAB, greedy, left_padded
+
+transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+from transformers import DynamicCache  # noqa: E402
+
+from kvpool.errors import TensorShapeError  # noqa: E402
+from kvpool.integrations._hybrid import PoolStateLayer  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model  # noqa: E402
+
+W, P, NEW = 8, 4, 24
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+MODELS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=W,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, sliding_window=W, num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=W)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        head_dim=16, linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+}
+
+
+def tiny(arch: str) -> Any:
+    config_name, model_name, extra = MODELS[arch]
+    kwargs = dict(BASE, **extra)
+    with torch.inference_mode(False), torch.no_grad():
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+
+
+def watch_windows(pool: Any, seen: list[int]) -> None:
+    """After every single-token extend, record each request's held tokens in each sliding layer."""
+    extend = pool.extend
+    sliding = [layer for layer in range(pool.num_layers) if pool.group(layer).kind == "sliding"]
+
+    def wrapped(handles: Any, counts: Any, tokens: Any = None) -> Any:
+        out = extend(handles, counts, tokens)
+        if int(np.max(counts)) == 1:
+            seen.extend(pool.held_tokens(int(h), layer) for h in np.asarray(handles) for layer in sliding)
+        return out
+
+    pool.extend = wrapped
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_greedy_tokens_and_logits_equal_the_default_cache(arch):
+    model = tiny(arch)
+    ids, mask = left_padded([12, 9], seed=3)
+    ref = greedy(model, ids, mask, NEW, DynamicCache(config=model.config))
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    kinds = {g.kind for g in pool.groups}
+    assert kinds == {"gemma3": {"sliding", "full"}, "gpt_oss": {"sliding", "full"}, "mistral": {"sliding"},
+                     "qwen3_next": {"state", "full"}}[arch]
+    held: list[int] = []
+    watch_windows(pool, held)
+    with KVPoolCache(pool) as cache:
+        out = greedy(model, ids, mask, NEW, cache)
+        assert cache.requests.length == ids.shape[1] + NEW - 1 > 3 * W
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    if "sliding" in kinds:
+        assert len(held) == 2 * sum(pool.group(i).kind == "sliding" for i in range(4)) * (NEW - 1)
+        assert max(held) <= W + P  # the window plus one page, per sliding layer per request
+    assert pool.open_requests == 0
+    pool.check()
+
+
+def test_linear_attention_state_in_scattered_slots_is_written_back():
+    """Rows whose state slots are not consecutive get working copies; they must reach the pool."""
+    model = tiny("qwen3_next")
+    ids, mask = left_padded([10, 7], seed=5)
+    ref = greedy(model, ids, mask, 12, DynamicCache(config=model.config))
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    first = pool.open(3)
+    pool.close(first[1:2])  # the next two requests get slots 2 and 4
+    with KVPoolCache(pool) as cache:
+        out = greedy(model, ids, mask, 12, cache)
+        states = [x for x in cache.layers if isinstance(x, PoolStateLayer)]
+        assert states and not any(x._consecutive for x in states)
+        last = states[0].recurrent_states[0].clone()
+        cache.requests.flush()
+        slots = pool.state_slots(cache.handles, 0)
+        assert torch.equal(pool.state(0, "recurrent")[slots], last)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sampling_several_sequences_forks_window_and_state():
+    """num_return_sequences expands the rows after the prompt: forks share pages and copy state."""
+    for arch in ("gemma3", "qwen3_next"):
+        model = tiny(arch)
+        ids, mask = left_padded([9], seed=7)
+        kw = dict(num_beams=2, num_return_sequences=2, early_stopping=False)
+        ref = greedy(model, ids, mask, 14, DynamicCache(config=model.config), **kw)
+        pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=8)
+        with KVPoolCache(pool) as cache:
+            out = greedy(model, ids, mask, 14, cache, **kw)
+        assert torch.equal(out.sequences, ref.sequences), arch
+        pool.check()
+        assert pool.open_requests == 0
+
+
+def test_kv_of_the_wrong_geometry_is_a_typed_error():
+    model = tiny("gemma3")
+    pool = pool_for_model(model, max_tokens=64, page_size=P, max_requests=2)
+    with KVPoolCache(pool) as cache:
+        k = torch.zeros(1, 3, 2, 16)
+        with pytest.raises(TensorShapeError, match="kv_heads|\\[batch, 2"):
+            cache.update(k, k, 0)
+        assert pool.open_requests == 0
