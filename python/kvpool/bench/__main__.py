@@ -1,4 +1,4 @@
-"""``python -m kvpool.bench {churn,ops,overhead,prefix,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
+"""``python -m kvpool.bench {churn,ops,overhead,prefix,hybrid,hybrid-memory,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
                              "small shared host, more threads make them slower and noisier)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvpool.bench import churn, ops, overhead, prefix, route
+    from kvpool.bench import churn, hybrid, hybrid_memory, ops, overhead, prefix, route
 
     p = sub.add_parser("churn", help="continuous-batching slot churn, kvpool vs SGLang and vLLM")
     churn.add_arguments(p)
@@ -28,6 +28,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = sub.add_parser("prefix", help="prefix caching: hit rate and host µs/step, kvpool vs SGLang and vLLM")
     prefix.add_arguments(p)
     p.set_defaults(func=prefix.main)
+    p = sub.add_parser("hybrid", help="prefix caching on full + sliding-window layer groups: hit rate and host "
+                       "µs/step, kvpool vs vLLM's hybrid coordinator")
+    hybrid.add_arguments(p)
+    p.set_defaults(func=hybrid.main)
+    p = sub.add_parser("hybrid-memory", help="layer groups (full + sliding window): device bytes per request "
+                       "and concurrent requests at 32K, vs every layer in full")
+    hybrid_memory.add_arguments(p)
+    p.set_defaults(func=hybrid_memory.main)
     p = sub.add_parser("route", help="cache-aware routing over 4 pools by their KV events, vs round-robin")
     route.add_arguments(p)
     p.set_defaults(func=route.main)

@@ -47,7 +47,7 @@ pub use allocator::options::{Counts, Options};
 pub use allocator::prefix_transfer::PrefixChain;
 pub use allocator::queries::PageTable;
 pub use allocator::SlotAllocator;
-pub use error::{HandleProblem, PoolError, Result};
+pub use error::{GroupShortage, HandleProblem, PoolError, Result, Rollback};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
 pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};

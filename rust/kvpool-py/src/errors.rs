@@ -146,8 +146,8 @@ pub fn to_pyerr(py: Python<'_>, e: PoolError) -> PyErr {
     let msg = e.to_string();
     match e {
         PoolError::Exhausted { .. } => PoolExhaustedError::new_err(msg),
-        PoolError::GroupExhausted { .. } => PoolExhaustedError::new_err(msg),
-        PoolError::RollbackUnavailable { .. } => RollbackUnavailableError::new_err(msg),
+        PoolError::GroupExhausted(_) => PoolExhaustedError::new_err(msg),
+        PoolError::RollbackUnavailable(_) => RollbackUnavailableError::new_err(msg),
         PoolError::InvalidHandle { .. } => InvalidHandleError::new_err(msg),
         PoolError::TooManyRequests { .. } => TooManyRequestsError::new_err(msg),
         PoolError::ContextTooLong { .. } => ContextTooLongError::new_err(msg),

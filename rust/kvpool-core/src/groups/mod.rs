@@ -106,7 +106,7 @@ pub use spec::{GroupKind, GroupSpec};
 use crate::allocator::group_hooks::BatchRow;
 use crate::allocator::options::Options;
 use crate::allocator::SlotAllocator;
-use crate::error::{PoolError, Result};
+use crate::error::{GroupShortage, PoolError, Result};
 use crate::memory::filled_vec;
 use paged::PageEngine;
 use spec::{gcd, lcm};
@@ -286,7 +286,7 @@ impl GroupedAllocator {
     fn anchor_room(&self, need: usize) -> Result<()> {
         let free = self.anchor.free_pages();
         if need > free {
-            return Err(PoolError::GroupExhausted {
+            return Err(PoolError::GroupExhausted(Box::new(GroupShortage {
                 group: self.anchor_index(),
                 kind: if self.anchor_group.is_some() {
                     "full"
@@ -296,19 +296,19 @@ impl GroupedAllocator {
                 needed_pages: need,
                 free_pages: free,
                 page_size: self.a,
-            });
+            })));
         }
         Ok(())
     }
 
     fn exhausted(&self, g: usize, need: usize, free: usize) -> PoolError {
-        PoolError::GroupExhausted {
+        PoolError::GroupExhausted(Box::new(GroupShortage {
             group: g,
             kind: self.specs[g].kind.name(),
             needed_pages: need,
             free_pages: free,
             page_size: self.specs[g].page_size,
-        }
+        }))
     }
 
     /// Each row's registration ids follow its anchor chain again after an

@@ -4,7 +4,7 @@
 use super::{Group, GroupedAllocator};
 use crate::allocator::group_hooks::BatchRow;
 use crate::allocator::options::Counts;
-use crate::error::{PoolError, Result};
+use crate::error::{PoolError, Result, Rollback};
 
 impl GroupedAllocator {
     /// Shortens each request to `lengths[i]` tokens in every group. A
@@ -28,12 +28,14 @@ impl GroupedAllocator {
                 continue;
             }
             for (g, e) in self.groups.iter().enumerate() {
-                let refuse = |reason: String| PoolError::RollbackUnavailable {
-                    handle: handles[i],
-                    length: r.count,
-                    group: g,
-                    kind: self.specs[g].kind.name(),
-                    reason,
+                let refuse = |reason: String| {
+                    PoolError::RollbackUnavailable(Box::new(Rollback {
+                        handle: handles[i],
+                        length: r.count,
+                        group: g,
+                        kind: self.specs[g].kind.name(),
+                        reason,
+                    }))
                 };
                 match e {
                     Group::Anchor => {}

@@ -39,8 +39,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::TooManyRequests { .. } => Kind::TooMany,
         PoolError::ContextTooLong { .. } => Kind::TooLong,
         PoolError::InvalidArgument(_) => Kind::Arg,
-        PoolError::GroupExhausted { group, .. } => Kind::GroupExhausted(*group),
-        PoolError::RollbackUnavailable { group, .. } => Kind::Rollback(*group),
+        PoolError::GroupExhausted(e) => Kind::GroupExhausted(e.group),
+        PoolError::RollbackUnavailable(e) => Kind::Rollback(e.group),
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
     }
 }
