@@ -79,6 +79,12 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
             (nothing is allocated).
         TritonUnavailableError: a CUDA device and no usable Triton.
 
+    Hybrid models: ``layer_types=[...]`` (Hugging Face names: ``"full_attention"``,
+    ``"sliding_attention"``, ``"linear_attention"``, ``"mamba"``) with
+    ``sliding_window=W`` and ``state_shapes={...}`` builds a ``kvpool.hybrid.HybridKVPool``
+    instead: one group of pages (or state rows) per layer type, per-layer
+    ``write`` / ``read`` / ``page_table`` / ``req_to_token[layer]`` (docs/hybrid.md).
+
     Tensor parallelism: ``tp_rank``/``tp_size`` with ``num_kv_heads`` the model's
     total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
     then this rank's count, ``kv_head_start`` its first head; MLA replicates the
