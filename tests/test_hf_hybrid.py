@@ -126,3 +126,18 @@ def test_kv_of_the_wrong_geometry_is_a_typed_error():
         with pytest.raises(TensorShapeError, match="kv_heads|\\[batch, 2"):
             cache.update(k, k, 0)
         assert pool.open_requests == 0
+
+
+def test_pool_for_model_builds_the_plain_pool_when_no_window_slides():
+    from kvpool import KVPool
+    from kvpool.hybrid import HybridKVPool
+
+    model = tiny("mistral")
+    assert isinstance(pool_for_model(model, max_tokens=64, page_size=P), HybridKVPool)
+    # A window as long as the longest request never slides: every layer is full.
+    plain = pool_for_model(model, max_tokens=64, page_size=P, max_context_len=W)
+    assert type(plain) is KVPool
+    gemma = pool_for_model(tiny("gemma3"), max_tokens=64, page_size=P)
+    assert gemma.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and gemma.sliding_window == W
+    qwen = pool_for_model(tiny("qwen3_next"), max_tokens=64, page_size=P)
+    assert qwen.state_shapes == {"conv": ((64, 4), torch.float32), "recurrent": ((4, 8, 8), torch.float32)}

@@ -255,15 +255,18 @@ def hybrid_layers(requests: HybridRequests, number_of_states: int = 1) -> list[A
     return out
 
 
-def hybrid_pool_kwargs(text_config: Any, dtype: torch.dtype) -> dict[str, Any]:
+def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]:
     """``layer_types`` / ``sliding_window`` / ``state_shapes`` for ``KVPool`` from a decoder
     config, read as transformers' own ``DynamicCache(config=...)`` reads it; empty for
-    a model whose every layer has full attention (the plain pool).
+    a model whose every layer has full attention (the plain pool). A window at least
+    ``max_context_len`` long never slides, so its layers count as full.
 
     State shapes are known for Qwen3-Next-style gated-delta-net layers (``linear_*``
     config fields); for other linear-attention or Mamba layers pass ``state_shapes=``.
     """
     types, per_layer = get_layer_types_and_kwargs(text_config)
+    types = ["full_attention" if t == "sliding_attention" and kw["sliding_window"] >= max_context_len else t
+             for t, kw in zip(types, per_layer)]
     if all(t == "full_attention" for t in types):
         return {}
     windows = {kw["sliding_window"] for t, kw in zip(types, per_layer) if t == "sliding_attention"}

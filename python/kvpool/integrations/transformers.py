@@ -306,7 +306,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)
-    for key, value in hybrid_pool_kwargs(text, dtype).items():  # sliding / linear-attention layers
+    for key, value in hybrid_pool_kwargs(text, ctx).items():  # sliding / linear-attention layers
         pool_kwargs.setdefault(key, value)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
