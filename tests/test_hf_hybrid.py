@@ -141,3 +141,19 @@ def test_pool_for_model_builds_the_plain_pool_when_no_window_slides():
     assert gemma.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and gemma.sliding_window == W
     qwen = pool_for_model(tiny("qwen3_next"), max_tokens=64, page_size=P)
     assert qwen.state_shapes == {"conv": ((64, 4), torch.float32), "recurrent": ((4, 8, 8), torch.float32)}
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_parity_under_grad_modes_with_a_pool_built_inside_them(mode):
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}[mode]
+    for arch in ("gemma3", "qwen3_next"):
+        model = tiny(arch)
+        ids, mask = left_padded([11], seed=9)
+        ref = greedy(model, ids, mask, 14, DynamicCache(config=model.config))
+        with ctx():
+            pool = pool_for_model(model, max_tokens=128, page_size=P, max_requests=2)
+            with KVPoolCache(pool) as cache:
+                out = greedy(model, ids, mask, 14, cache)
+        assert torch.equal(out.sequences, ref.sequences), arch
+        for name, t in pool.named_tensors():
+            assert not t.is_inference() and not t.requires_grad, name

@@ -201,7 +201,8 @@ class HybridRequestOps:
     def page_table(self, handles: Any, layer: int) -> PageTable:
         """FlashInfer's CSR page table of ``layer``'s group: a sliding group's
         carries only each request's window pages. See ``GroupedAllocator.page_table``."""
-        return page_table_tensors(*self.allocator.page_table(handles, self._page_group(layer).index), self.device)
+        indptr, indices, last = self.allocator.page_table(handles, self._page_group(layer).index)
+        return page_table_tensors(indptr, indices, last, self.device)
 
     def state_slots(self, handles: Any, layer: int) -> np.ndarray:
         """Each request's state slot in ``layer``'s group (read it again after truncate)."""

@@ -59,7 +59,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self.requests, self.layer_idx = requests, layer_idx
         self.conv_states = _StateRows(self, "conv", number_of_states)
         self.recurrent_states = _StateRows(self, "recurrent", number_of_states)
-        self.device, self.dtype = requests.device, requests.dtype
+        self.device, self.dtype = requests.device, requests.dtype  # type: ignore[assignment]
         self._epoch = -1
         self._rows: dict[str, torch.Tensor] = {}
         self._work: dict[str, torch.Tensor] = {}  # working copies to write back
@@ -90,10 +90,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         t = self._rows.get(name)
         if t is None:
             full = self.requests.pool.state(self.layer_idx, name)
+            assert self._slots is not None
             if self._consecutive:
                 t = full[self._s0: self._s0 + self._slots.shape[0]]
             else:
-                assert self._slots is not None
                 t = full.index_select(0, self._slots)
                 self._work[name] = t
             self._rows[name] = t
@@ -113,7 +113,9 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def lazy_initialization(self, conv_states: torch.Tensor | None = None, recurrent_states: torch.Tensor | None = None,
                             state_idx: int = 0, conv_kernel_size: int | None = None) -> None:
-        batch = (conv_states if conv_states is not None else recurrent_states).shape[0]
+        given = conv_states if conv_states is not None else recurrent_states
+        assert given is not None
+        batch = given.shape[0]
         self.requests.ensure_open(batch)
         for kind, x in (("conv", conv_states), ("recurrent", recurrent_states)):
             if x is None:
