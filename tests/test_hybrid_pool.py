@@ -53,6 +53,18 @@ def test_plain_pool_is_unchanged_and_layer_types_builds_the_hybrid_pool():
     assert pool.page_size_of(3) == P
 
 
+def test_a_memory_budget_gives_other_groups_their_need_and_the_full_group_the_rest():
+    sized = make()
+    token = 2 * 2 * 8 * 4  # K and V of one layer, float32
+    tables = sized.overhead_bytes - int(sized.allocator.metadata_bytes)
+    others = sized.nbytes - 64 * P * 1 * token  # sliding K/V + state rows at their need
+    budget = others + tables + 100 * P * token + 17  # room for 100 full pages and change
+    pool = make(num_pages=None, memory_bytes=budget)
+    assert [g.num_pages for g in pool.groups] == [sized.groups[0].num_pages, 100, sized.groups[2].num_pages]
+    assert pool.nbytes + pool.overhead_bytes - int(pool.allocator.metadata_bytes) <= budget
+    assert make(num_pages=None, memory_bytes=budget - 18).groups[1].num_pages == 99
+
+
 def test_window_release_keeps_w_plus_one_page_and_tables_show_only_the_window():
     pool = make()
     h = pool.open(2)
@@ -212,7 +224,9 @@ def test_refusals_are_typed_and_change_nothing():
     (dict(state_shapes={"conv": (0, 4)}), "positive ints"),
     (dict(layer_types=["linear_attention"] * 4), "attention layer"),
     (dict(group_pages={"mamba": 4}), "mamba"),
-    (dict(memory_bytes=1 << 20), "memory_bytes"),
+    (dict(memory_bytes=1 << 20), "one of num_pages"),
+    (dict(num_pages=None, memory_bytes=4096), "budget of 4096 bytes"),
+    (dict(num_pages=None, memory_fraction=1.5), "memory_fraction"),
     (dict(kv_lora_rank=4), "kv_lora_rank"),
     (dict(dtype=torch.float8_e4m3fn), "fp8"),
     (dict(num_pages=None), "num_pages"),

@@ -29,8 +29,14 @@ import numpy as np
 import torch
 
 from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool.capacity import free_device_memory
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
-from kvpool.hybrid_plan import LayerGroup, plan_groups, plan_states
+from kvpool.hybrid_plan import (
+    LayerGroup,
+    plan_groups,
+    plan_states,
+    primary_pages_for_budget,
+)
 from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
@@ -53,10 +59,7 @@ class _LayerTables(Sequence[torch.Tensor]):
         return self._pool._tables[self._pool._page_group(layer).index]
 
 
-_UNSUPPORTED = {
-    "memory_bytes": None, "memory_fraction": None, "kv_lora_rank": None, "qk_rope_head_dim": None,
-    "tp_rank": 0, "tp_size": 1,
-}
+_UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1}
 
 
 class HybridKVPool(HybridRequestOps):
@@ -68,9 +71,10 @@ class HybridKVPool(HybridRequestOps):
     (each sliding group when there is none); ``page_size`` may also be a dict
     by layer type; ``group_pages={layer_type: N}`` sets any group's pages (a
     state group's slots) explicitly; other groups get what their requests can
-    need at once (``kvpool.hybrid_plan.plan_groups``). MLA, fp8, tensor
-    parallelism and ``memory_bytes`` / ``memory_fraction`` are the plain pool's
-    only (``InvalidArgumentError``).
+    need at once (``kvpool.hybrid_plan.plan_groups``); with ``memory_bytes`` /
+    ``memory_fraction`` the full group (else the sliding one) gets what the
+    others leave. MLA, fp8 and tensor parallelism are the plain pool's only
+    (``InvalidArgumentError``).
     """
 
     def __init__(
@@ -88,6 +92,8 @@ class HybridKVPool(HybridRequestOps):
         page_size: Any = 1,
         num_pages: int | None = None,
         num_slots: int | None = None,
+        memory_bytes: int | None = None,
+        memory_fraction: float | None = None,
         max_requests: int = 256,
         max_context_len: int = 4096,
         layout: str = "token",
@@ -102,8 +108,8 @@ class HybridKVPool(HybridRequestOps):
                 raise TypeError(f"KVPool() got an unexpected keyword argument {name!r}")
             if value != _UNSUPPORTED[name]:
                 raise InvalidArgumentError(
-                    f"{name}={value!r} is not supported with layer_types (a hybrid pool is sized with "
-                    "num_pages / num_slots and group_pages, holds plain K/V, and is not sharded)")
+                    f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
+                    "per-head K/V and is not sharded)")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_requests", max_requests), ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -131,12 +137,16 @@ class HybridKVPool(HybridRequestOps):
                 raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r}")
             num_pages = num_slots // p
         self.layer_types = tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
-        self.groups: list[LayerGroup] = plan_groups(
-            layer_types, num_layers=self.num_layers, sliding_window=sliding_window, page_size=page_size,
-            num_pages=num_pages, group_pages=group_pages, max_requests=self.max_requests,
+        plan: dict[str, Any] = dict(
+            layer_types=layer_types, num_layers=self.num_layers, sliding_window=sliding_window,
+            page_size=page_size, group_pages=group_pages, max_requests=self.max_requests,
             max_context_len=self.max_context_len)
+        has_state = any(g.kind == "state" for g in plan_groups(num_pages=2, **plan))
+        self.state_shapes = plan_states(state_shapes, dtype, has_state)
+        if memory_bytes is not None or memory_fraction is not None:
+            num_pages = self._budget_pages(num_pages, num_slots, memory_bytes, memory_fraction, plan)
+        self.groups: list[LayerGroup] = plan_groups(num_pages=num_pages, **plan)
         self.sliding_window = next((g.window for g in self.groups if g.window is not None), None)
-        self.state_shapes = plan_states(state_shapes, dtype, any(g.kind == "state" for g in self.groups))
         # The core checks every size and seed before any tensor exists.
         self.allocator = GroupedAllocator(
             [g.spec() for g in self.groups], self.max_requests, self.max_context_len, hash_seed=hash_seed,
@@ -174,6 +184,25 @@ class HybridKVPool(HybridRequestOps):
             [None if t is None else t.numpy() for t in self._tables] if self.device.type == "cpu" else None)
         self.null_row = self.max_requests
         self.copied_slots = 0
+
+    def _budget_pages(self, num_pages: Any, num_slots: Any, memory_bytes: Any, memory_fraction: Any,
+                      plan: dict[str, Any]) -> int:
+        """Pages of the primary group from a memory budget (the other groups get their need)."""
+        if sum(x is not None for x in (num_pages, num_slots, memory_bytes, memory_fraction)) != 1:
+            raise InvalidArgumentError("give one of num_pages, num_slots, memory_bytes, memory_fraction")
+        if memory_fraction is not None:
+            if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or \
+                    not 0.0 < memory_fraction <= 1.0:
+                raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+            budget = int(free_device_memory(self.device) * memory_fraction)
+        else:
+            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 0:
+                raise InvalidArgumentError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
+            budget = int(memory_bytes)
+        token = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return primary_pages_for_budget(budget, token_bytes=token, states=self.state_shapes,
+                                        table_bytes=(self.max_requests + 1) * padded_row_stride(self.max_context_len) * 4,
+                                        **plan)
 
     # ----- geometry ---------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 
-__all__ = ["LAYER_KINDS", "LayerGroup", "plan_groups", "plan_states"]
+__all__ = ["LAYER_KINDS", "LayerGroup", "plan_groups", "plan_states", "primary_pages_for_budget"]
 
 # Hugging Face layer type -> the core's group kind.
 LAYER_KINDS = {
@@ -168,3 +168,31 @@ def plan_states(state_shapes: Any, dtype: torch.dtype, has_state: bool) -> dict[
                 f"state_shapes[{name!r}] must be a shape of positive ints (or (shape, dtype)), got {value!r}")
         out[name] = (tuple(int(s) for s in shape), dt)
     return out
+
+
+def primary_pages_for_budget(
+    budget: int, *, token_bytes: int, table_bytes: int,
+    states: Mapping[str, tuple[tuple[int, ...], torch.dtype]], **plan: Any,
+) -> int:
+    """Pages of the primary group (the full one, else the sliding one) that fit in
+    ``budget`` bytes once every other group has what its requests need and every
+    page group has its table. ``token_bytes``: one token's K and V in one layer."""
+    draft = plan_groups(num_pages=1 << 40, **plan)  # a cap that never binds: each other group's need
+    primary = next((g for g in draft if g.kind == "full"), None) or next(g for g in draft if g.kind == "sliding")
+    row = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in states.values())
+    fixed = 0
+    for g in draft:
+        if g.kind == "state":
+            fixed += g.num_pages * len(g.layers) * row
+            continue
+        fixed += table_bytes
+        if g is not primary:
+            fixed += g.num_pages * g.page_size * len(g.layers) * token_bytes
+    page_bytes = primary.page_size * len(primary.layers) * token_bytes
+    pages = (budget - fixed) // page_bytes if budget > fixed else 0
+    if pages < 2:
+        raise InvalidArgumentError(
+            f"a budget of {budget} bytes leaves {max(pages, 0)} pages of {page_bytes} bytes for the "
+            f"{primary.layer_type} layers after {fixed} bytes of other groups and tables; need >= "
+            f"{fixed + 2 * page_bytes} bytes (or size the groups with num_pages and group_pages)")
+    return int(pages)
