@@ -157,3 +157,33 @@ def test_parity_under_grad_modes_with_a_pool_built_inside_them(mode):
         assert torch.equal(out.sequences, ref.sequences), arch
         for name, t in pool.named_tensors():
             assert not t.is_inference() and not t.requires_grad, name
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
+def test_prefix_hits_across_groups_give_identical_outputs_and_compute_only_new_tokens(arch):
+    """A prompt extending a cached 16-token one reuses its full pages, the sliding window
+    before the hit and the linear-attention state checkpoint at 16 (taken once the step
+    that ended there has run: a prefill that runs past a page boundary leaves none
+    there); outputs equal the default cache's."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(13)
+    shared = torch.randint(3, VOCAB, (16,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, VOCAB, (n,), generator=g)])[None] for n in (0, 6)]
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(i[0].shape[1]))
+    try:
+        for i, p in enumerate(prompts):
+            ref = greedy(model, p, None, 12, DynamicCache(config=model.config))
+            fed.clear()
+            with KVPoolCache(pool, prefix_ids=p) as cache:
+                out = greedy(model, p, None, 12, cache)
+                hit = int(cache.cached_lens[0])
+            assert hit == (0 if i == 0 else 16)
+            assert fed[0] == p.shape[1] - hit  # the prefill computed only the uncached tokens
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.logits, ref.logits):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    finally:
+        hook.remove()
+    pool.check()

@@ -28,7 +28,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvpool._core import InvalidArgumentError
+from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 
@@ -48,7 +48,9 @@ class HybridRequests:
         self.dtype, self.heads, self.head_dim = pool.dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None
         self.length = 0
-        self.cached_lens = None  # no prefix mode on hybrid pools
+        self.prefix_mode = False
+        self.published = -1  # the length cache() was last called at
+        self.cached_lens: np.ndarray | None = None  # prefix hits per row, in prefix mode
         self.before = 0  # length when the current step began
         self.epoch = 0  # bumped whenever the rows or their state slots change
         self.state_layers: list[PoolStateLayer] = []
@@ -96,11 +98,23 @@ class HybridRequests:
     def begin_step(self, tokens: int) -> None:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
+        self.publish()
         self.flush()
         ext = self.pool.extend(self.handles, tokens)
         self.before, self.length = self.length, self.length + tokens
         self._new = [loc.to(torch.int64) for loc in ext.out_cache_loc]
         self._index = {}
+
+    def publish(self) -> None:
+        """In prefix mode, once per length: the previous step has run, so publish its
+        pages, and its state as a checkpoint when the length is on the hit step.
+        Called by the step's first attention layer before it extends, and by the
+        state layers in front of it before they change their rows."""
+        if self.prefix_mode and self.length > 0 and self.published != self.length:
+            assert self.handles is not None
+            self.flush()
+            self.pool.cache(self.handles)
+            self.published = self.length
 
     def new_slots(self, group: int) -> torch.Tensor:
         return self._new[group]
@@ -167,12 +181,40 @@ class HybridRequests:
             self.pool.close(np.asarray(dropped, dtype=np.int64))
         self._set_handles(out)
 
+    def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
+        """Open one request per row of ``prefix_ids`` [B, T] on its longest cached prefix
+        (every group's: pages, window, state checkpoint). Rows share one length, so
+        all keep the shortest hit; when a row cannot go back to it (no checkpoint
+        there) every row starts empty."""
+        if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
+            raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        b, t = prefix_ids.shape
+        tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
+        cached = np.asarray(cached, dtype=np.int64)
+        common = int(cached.min())
+        if int(cached.max()) > common:
+            try:
+                self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
+            except RollbackUnavailableError:
+                self.pool.close(handles)
+                handles, common = self.pool.open(b), 0
+        self._set_handles(handles)
+        self.length = self.before = self.published = common
+        self.prefix_mode, self.cached_lens = True, cached
+
     def close(self) -> None:
         if self.handles is not None:
             handles, self.handles, self._rows = self.handles, None, None
-            self.flush_discard()
-            self.pool.close(handles)
+            if self.prefix_mode and self.length > 0:
+                self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
+                self.flush_discard()
+                self.pool.close(handles, cache=True)
+            else:
+                self.flush_discard()
+                self.pool.close(handles)
         self.length = self.before = 0
+        self.prefix_mode, self.cached_lens = False, None
         self.epoch += 1
 
     def flush_discard(self) -> None:

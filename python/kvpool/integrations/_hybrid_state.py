@@ -60,6 +60,8 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self.conv_states = _StateRows(self, "conv", number_of_states)
         self.recurrent_states = _StateRows(self, "recurrent", number_of_states)
         self.device, self.dtype = requests.device, requests.dtype  # type: ignore[assignment]
+        pool = requests.pool
+        self.before_attention = all(pool.group(i).kind == "state" for i in range(layer_idx))
         self._epoch = -1
         self._rows: dict[str, torch.Tensor] = {}
         self._work: dict[str, torch.Tensor] = {}  # working copies to write back
@@ -86,6 +88,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def rows(self, name: str) -> torch.Tensor:
         """The batch's rows of the pool's state ``name`` ([B, *shape])."""
+        if self.before_attention:
+            # This layer runs before the step's extend: the rows still hold the state
+            # at the current length, which a checkpoint must capture first.
+            self.requests.publish()
         self._refresh()
         t = self._rows.get(name)
         if t is None:
@@ -155,6 +161,21 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         rows = self.rows(state_name("recurrent", state_idx))
         rows.copy_(recurrent_states)
         return rows
+
+    def resume(self) -> None:
+        """Rows opened on a cached prefix: the pool's rows hold the state at that length."""
+        pool = self.requests.pool
+        for i in range(self.number_of_states):
+            for kind in ("conv", "recurrent"):
+                name = state_name(kind, i)
+                if name not in pool.state_shapes:
+                    continue
+                if kind == "conv":
+                    self.conv_kernel_size[i] = pool.state_shapes[name][0][-1]
+                    self.is_conv_states_initialized[i] = True
+                else:
+                    self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
 
     @property
     def batch_size(self) -> int:

@@ -161,7 +161,7 @@ class KVPoolCache(Cache):
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
         self._state_layers: list[Any] = []
         if getattr(pool, "groups", None) is not None:  # KVPool(layer_types=...): see _hybrid
-            self._init_hybrid(pool, prefix_ids)
+            self._init_hybrid(pool, prefix_ids, salt)
             return
         self.requests = BatchRequests(pool)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
@@ -172,15 +172,21 @@ class KVPoolCache(Cache):
         elif salt is not None:
             raise TypeError("salt= only applies with prefix_ids=")
 
-    def _init_hybrid(self, pool: Any, prefix_ids: Any) -> None:
-        if prefix_ids is not None:
-            raise NotImplementedError("prefix_ids= is not supported with a hybrid pool (layer_types) yet")
+    def _init_hybrid(self, pool: Any, prefix_ids: Any, salt: int | None) -> None:
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))  # type: ignore[arg-type]
         self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         super().__init__(layers=layers)
+        if prefix_ids is not None:
+            self.requests.open_with_prefix(prefix_ids, salt)
+            self._set_seen(self.requests.length)
+            if self.requests.length > 0:
+                for layer in self._state_layers:
+                    layer.resume()
+        elif salt is not None:
+            raise TypeError("salt= only applies with prefix_ids=")
 
     # -- what the pool holds ------------------------------------------------------------
     @property
