@@ -187,3 +187,20 @@ def test_prefix_hits_across_groups_give_identical_outputs_and_compute_only_new_t
     finally:
         hook.remove()
     pool.check()
+
+
+def test_crop_without_a_state_checkpoint_is_refused_and_changes_nothing():
+    from kvpool._core import RollbackUnavailableError
+
+    model = tiny("qwen3_next")
+    ids, mask = left_padded([7], seed=2)
+    pool = pool_for_model(model, max_tokens=128, page_size=P, max_requests=2)
+    with KVPoolCache(pool) as cache:
+        greedy(model, ids, mask, 4, cache)
+        n, h = cache.requests.length, cache.handles
+        state = pool.state(0, "recurrent")[pool.state_slots(h, 0)].clone()
+        with pytest.raises(RollbackUnavailableError, match="checkpoint"):
+            cache.crop(-2)
+        assert cache.requests.length == n == pool.length(int(h[0])) and cache.get_seq_length() == n
+        assert torch.equal(pool.state(0, "recurrent")[pool.state_slots(h, 0)], state)
+    pool.check()
