@@ -65,6 +65,29 @@ def test_a_memory_budget_gives_other_groups_their_need_and_the_full_group_the_re
     assert make(num_pages=None, memory_bytes=budget - 18).groups[1].num_pages == 99
 
 
+def test_hybrid_arguments_without_layer_types_are_a_typed_error():
+    with pytest.raises(InvalidArgumentError, match="sliding_window applies to hybrid pools"):
+        KVPool(2, 2, 8, dtype=torch.float32, num_pages=8, sliding_window=4)
+
+
+def test_groups_with_their_own_page_sizes():
+    pool = make(page_size={"sliding_attention": 2, "full_attention": 8})
+    assert [g.page_size for g in pool.groups[:2]] == [2, 8] and pool.allocator.hit_step == 8
+    h = pool.open(2)
+    fill(pool, pool.extend(h, 11))
+    for _ in range(13):
+        fill(pool, pool.extend(h, 1))
+    rows = pool.rows(h)
+    for i, x in enumerate(h):
+        assert pool.held_tokens(x, 0) <= W + 2 and pool.held_tokens(x, 1) == 24
+        for layer, p in ((0, 2), (1, 8)):
+            slots = pool.slots(x, layer)
+            np.testing.assert_array_equal(pool.req_to_token[layer][rows[i], :24].numpy(), slots)
+            live = torch.from_numpy(slots[-W:])
+            assert torch.equal(pool.read(layer, live)[0][:, 0, 0], live.float() + 1000 * layer)
+    pool.check()
+
+
 def test_window_release_keeps_w_plus_one_page_and_tables_show_only_the_window():
     pool = make()
     h = pool.open(2)

@@ -115,6 +115,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         # Hybrid models (layer_types) get the grouped pool; every other call is
         # today's pool, built by __init__ as before.
         if layer_types is None:
+            stray = sorted(k for k in ("sliding_window", "state_shapes", "group_pages") if k in kwargs)
+            if stray:
+                raise InvalidArgumentError(f"{', '.join(stray)} applies to hybrid pools: pass layer_types=[...] too")
             return super().__new__(cls)
         from kvpool.hybrid import HybridKVPool
 
