@@ -139,6 +139,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         max_requests: int = 256,
         max_context_len: int = 4096,
         layout: str = "token",
+        layer_types: None = None,  # not None: KVPool.__new__ built a HybridKVPool instead
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
         compute_dtype: torch.dtype | None = None,
@@ -147,7 +148,6 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         hash_seed: int | None = None,
         handle_seed: int | None = None,
         kv_events: bool = True,
-        layer_types: None = None,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.

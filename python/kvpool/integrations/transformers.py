@@ -52,13 +52,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
                       f"found transformers {transformers.__version__}")
 
-from kvpool.integrations._hybrid import (
-    HybridRequests,
-    PoolAttentionLayer,
-    PoolStateLayer,
-    hybrid_layers,
-    hybrid_pool_kwargs,
-)
+from kvpool.integrations._hybrid import hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.pool import KVPool
 
@@ -158,33 +152,21 @@ class KVPoolCache(Cache):
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
     """
 
+    def __new__(cls, pool: Any = None, **kwargs: Any) -> Any:
+        # A hybrid pool (KVPool(layer_types=...)) gets the cache whose layers follow its groups.
+        if cls is KVPoolCache and getattr(pool, "groups", None) is not None:
+            from kvpool.integrations._hybrid_cache import HybridKVPoolCache
+
+            return super().__new__(HybridKVPoolCache)
+        return super().__new__(cls)
+
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
-        self._state_layers: list[Any] = []
-        if getattr(pool, "groups", None) is not None:  # KVPool(layer_types=...): see _hybrid
-            self._init_hybrid(pool, prefix_ids, salt)
-            return
         self.requests = BatchRequests(pool)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         super().__init__(layers=list(self._pool_layers))
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
             self._set_seen(self.requests.length)
-        elif salt is not None:
-            raise TypeError("salt= only applies with prefix_ids=")
-
-    def _init_hybrid(self, pool: Any, prefix_ids: Any, salt: int | None) -> None:
-        convs = [n for n in pool.state_shapes if n.startswith("conv")]
-        self.requests = HybridRequests(pool)  # type: ignore[assignment]
-        layers = hybrid_layers(self.requests, max(1, len(convs)))  # type: ignore[arg-type]
-        self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
-        self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
-        super().__init__(layers=layers)
-        if prefix_ids is not None:
-            self.requests.open_with_prefix(prefix_ids, salt)
-            self._set_seen(self.requests.length)
-            if self.requests.length > 0:
-                for layer in self._state_layers:
-                    layer.resume()
         elif salt is not None:
             raise TypeError("salt= only applies with prefix_ids=")
 
@@ -229,9 +211,6 @@ class KVPoolCache(Cache):
         self._check_between_steps("crop")
         self.requests.truncate(max(0, self.requests.length + tokens_to_remove))
         self._set_seen(self.requests.length)
-        if self.requests.length == 0:
-            for layer in self._state_layers:
-                layer.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
@@ -258,8 +237,6 @@ class KVPoolCache(Cache):
         """Close every row's request; the cache can then serve a new batch."""
         self.requests.close()
         self._set_seen(0)
-        for layer in self._state_layers:
-            layer.reset()
 
     def close(self) -> None:
         """Give the rows' pages back to the pool (idempotent)."""
