@@ -305,3 +305,35 @@ def test_device_table_path_writes_what_the_core_writes():
             ra, rb = a.req_to_token[layer][a.rows([x])[0], :n].numpy(), b.req_to_token[layer][b.rows([x])[0], :n].numpy()
             np.testing.assert_array_equal(ra[live], rb[live])
             np.testing.assert_array_equal(ra, a.slots(int(x), layer))
+
+
+def test_threads_share_one_hybrid_pool():
+    """Request calls hold the pool's lock for the core call and the copies it queued."""
+    import threading
+
+    pool = make(max_requests=16, num_pages=256)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            h = pool.open(2)
+            for _ in range(30):
+                fill(pool, pool.extend(h, int(rng.integers(1, 3))))
+                pool.state(2, "conv")[pool.state_slots(h, 2)] = float(seed)
+            kid = pool.fork(int(h[0]), 1)
+            assert (pool.state(2, "conv")[pool.state_slots(kid, 2)] == float(seed)).all()
+            for x in h:
+                assert pool.held_tokens(int(x), 0) <= W + P
+            pool.close(np.concatenate([h, kid]))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pool.open_requests == 0
+    pool.check()
