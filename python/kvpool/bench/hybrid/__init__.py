@@ -56,8 +56,7 @@ class HybridWorkload(Workload):
                        default=["system", "chat", "pressure"],
                        help=f"subset of {','.join(SCENARIOS)} (default system,chat,pressure)")
         cli.add_replay_arguments(p, self.name, pools="1M,4M", steps=(300, "measured steps per run (300)"),
-                                 warmup=(200, "untimed steps first; the cache fills there (200)"))
-        p.set_defaults(page_sizes=[16])
+                                 warmup=(200, "untimed steps first; the cache fills there (200)"), pages="16")
         p.add_argument("--concurrency", type=int, default=256, help="running sequences (default 256)")
         p.add_argument("--window", type=int, default=1024,
                        help="the sliding group's window, the token itself included (default 1024: Gemma 3)")
