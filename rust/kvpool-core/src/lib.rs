@@ -30,6 +30,7 @@
 //! is fallible (`memory.rs`).
 
 mod allocator;
+mod clock;
 mod error;
 mod events;
 mod eviction;
@@ -48,6 +49,7 @@ pub use allocator::queries::PageTable;
 pub use allocator::SlotAllocator;
 pub use error::{HandleProblem, PoolError, Result};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 pub use prefix::hashing::page_hashes;

@@ -16,7 +16,7 @@ impl SlotAllocator {
     pub(super) fn take_page(&mut self) -> u32 {
         match self.pages.pop_free() {
             Some(p) => p,
-            None => match self.evict_one() {
+            None => match self.evict_after_expiry() {
                 Some(p) => {
                     self.pages.hold_evicted(p);
                     p
@@ -24,6 +24,14 @@ impl SlotAllocator {
                 None => 0,
             },
         }
+    }
+
+    /// `evict_one` once the priorities whose duration is over have ended
+    /// (which reads the clock only when a duration is pending).
+    #[inline]
+    fn evict_after_expiry(&mut self) -> Option<u32> {
+        self.expire_due();
+        self.evict_one()
     }
 
     /// Evicts the next victim (it becomes unregistered, refcount 0, on no
@@ -65,13 +73,16 @@ impl SlotAllocator {
         }
     }
 
-    /// Evicts up to `n` CACHED pages, the eviction room's victims in order;
-    /// returns how many were evicted. They become FREE (refcount 1).
+    /// Evicts up to `n` CACHED pages, the eviction room's victims in order
+    /// (the lowest retention priority first, least recently used within
+    /// one; pinned pages never); returns how many were evicted. They become
+    /// FREE (refcount 1).
     ///
-    /// The victims are walked in order and leave the list in one relink
+    /// The victims are walked in order and leave their lists in one relink
     /// instead of one unlink each, and the next victims are warmed as in
     /// `evict_one`.
     pub fn evict(&mut self, n: usize) -> usize {
+        self.expire_due();
         let n = n.min(self.pages.cached());
         let mut p = self.pages.victim();
         for _ in 0..n {
@@ -85,8 +96,9 @@ impl SlotAllocator {
         n
     }
 
-    /// Drops every index entry: CACHED pages become FREE, HELD pages stay
-    /// with their holders, unregistered. Emits one Cleared event. Costs
+    /// Drops every index entry: CACHED pages become FREE, pinned ones too,
+    /// HELD pages stay with their holders, unregistered (so nothing is
+    /// pinned or has a priority any more). Emits one Cleared event. Costs
     /// O(registered pages + max_requests).
     ///
     /// Queued copies stay: each one fills a page an open request still
@@ -95,13 +107,14 @@ impl SlotAllocator {
     /// source stays held until it is taken. The copies of released pages
     /// are gone already (`pages/copies.rs`).
     pub fn clear_cache(&mut self) {
-        while let Some(p) = self.pages.pop_victim() {
+        while let Some(p) = self.pages.pop_cached() {
             let entry = self.pages.take_entry(p);
             if entry != 0 {
                 self.prefix.unregister(entry);
             }
             self.pages.free_evicted(p);
         }
+        self.pages.clear_priorities();
         let pages = &mut self.pages;
         self.prefix
             .clear(|page, entry| pages.clear_entry_if(page, entry));
