@@ -151,8 +151,15 @@ impl SlotAllocator {
         retain_s: Option<f64>,
     ) -> Result<(Option<u64>, Targets)> {
         priority.check_len("priority", handles.len())?;
-        for i in 0..handles.len() {
-            let q = priority.get(i);
+        let each;
+        let given = match priority {
+            Counts::Each(q) => {
+                each = [q];
+                &each[..]
+            }
+            Counts::PerRequest(v) => v,
+        };
+        for (i, &q) in given.iter().enumerate() {
             if !(0..=MAX_PRIORITY as i64).contains(&q) {
                 let at = match priority {
                     Counts::Each(_) => String::new(),
