@@ -10,7 +10,7 @@ ownership and free lists). ``import kvpool`` loads none of the first layer.
 from importlib import metadata as _metadata
 from typing import Any
 
-from kvpool._core import PoolStats, SlotAllocator
+from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, PoolStats, SlotAllocator
 from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
     ContextTooLongError,
@@ -45,6 +45,8 @@ except _metadata.PackageNotFoundError:  # imported from a source tree without an
 
 __all__ = [
     # allocator (Rust core)
+    "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
     "PoolStats",
     "ROW_MASK",
     "SlotAllocator",
