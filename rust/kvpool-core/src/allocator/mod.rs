@@ -92,7 +92,8 @@ impl SlotAllocator {
     /// page for up to 2^20 pages at the first `cache()`, doubling past that),
     /// a 64-byte entry per registered page and 4 per prompt token of each
     /// open request; and once a retention priority is given, 9 bytes per
-    /// page (mapped on first use) and 16 per pending priority duration.
+    /// page (mapped on first use) and 24 per entry of the heap of pending
+    /// priority ends (stale entries are dropped once they could be half of it).
     ///
     /// The request page lists (up to 64 MiB) and the token ids of the lowest
     /// 4M slots are mapped into memory here, one write per 4 KiB, so that the
