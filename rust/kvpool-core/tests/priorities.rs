@@ -411,3 +411,35 @@ fn the_system_clock_ends_durations_before_eviction() {
     assert_eq!(evicted(&mut a, 4), [rev(&d1), rev(&short)].concat());
     assert!(a.clock() > 0.0);
 }
+
+/// One close releases pages bound for different lists (a prefix another
+/// request gave 80, pages a third gave 10, a tail at the default): each run
+/// joins its own list, in release order.
+#[test]
+fn a_release_files_each_run_of_pages_on_its_own_list() {
+    let mut a = pool(None);
+    let base = seq(9, 0); // four full pages
+    serve(&mut a, &base, Some((80, None)));
+    let mut longer = base[..8].to_vec();
+    longer.extend(seq(9, 500)); // the same four pages, then four more
+    let (h, c) = a.open_with_prefix(&longer, &[17], Counts::Each(0)).unwrap();
+    assert_eq!(c[0], 8);
+    a.extend(&h, Counts::Each(9), None).unwrap();
+    let q = a.pages(h[0]).unwrap();
+    a.cache(&h).unwrap();
+    // A request on the first six pages gives them 10: the first four keep 80.
+    let (g, c) = a
+        .open_with_prefix(&longer[..13], &[13], Counts::Each(0))
+        .unwrap();
+    assert_eq!(c[0], 12);
+    a.close_with_priority(&g, Counts::Each(10), None).unwrap();
+    a.close(&h, false).unwrap(); // releases q7, q6 (35), q5, q4 (10), q3..q0 (80)
+    a.check().unwrap();
+    let mut by = [0usize; 101];
+    (by[10], by[DEFAULT_PRIORITY as usize], by[80]) = (2, 2, 4);
+    assert_eq!(a.evictable_pages_by_priority(), by);
+    assert_eq!(
+        evicted(&mut a, 8),
+        vec![q[5], q[4], q[7], q[6], q[3], q[2], q[1], q[0]]
+    );
+}

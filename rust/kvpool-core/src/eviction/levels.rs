@@ -113,7 +113,13 @@ impl Levels {
 
     #[inline]
     pub(super) fn list_of(&self, p: u32) -> usize {
-        list_for(self.given[p as usize], self.until[p as usize])
+        // The end is read only for a priority of 100 (a pin has none): the
+        // other pages' lists come from one byte each.
+        match self.given[p as usize] {
+            0 => DEFAULT_PRIORITY as usize,
+            g if g == MAX_PRIORITY + 1 => list_for(g, self.until[p as usize]),
+            g => g as usize - 1,
+        }
     }
 
     #[inline]
@@ -262,21 +268,50 @@ impl Levels {
     /// Files the pages a bulk insertion staged: `Lru::append` strung them
     /// from record 0 (whose links are otherwise unused here), in release
     /// order; each goes to the newest end of its own list, in that order.
-    /// O(pages released).
+    /// A run of staged pages bound for the same list (a request's pages
+    /// mostly share a priority) is already linked in order, so it joins its
+    /// list in one splice. O(pages released).
     pub(crate) fn end_insert<R: Linked>(&mut self, recs: &mut [R], ins: Append) {
+        let n = ins.added;
         let mut p = recs[0].links().newer;
-        for k in 0..ins.added {
-            // The last staged page's `newer` link is not written yet.
-            let next = if k + 1 < ins.added {
-                recs[p as usize].links().newer
-            } else {
-                0
-            };
+        let mut k = 0;
+        while k < n {
             let l = self.list_of(p);
-            self.push(recs, l, p);
+            let (first, mut last, mut run) = (p, p, 1);
+            k += 1;
+            // The last staged page's `newer` link is not written yet: the
+            // next page is read only while there is one.
+            let mut next = 0;
+            while k < n {
+                next = recs[last as usize].links().newer;
+                if self.list_of(next) != l {
+                    break;
+                }
+                last = next;
+                next = 0;
+                k += 1;
+                run += 1;
+            }
+            self.splice(recs, l, first, last);
+            self.grew(l, run);
             p = next;
         }
         *recs[0].links_mut() = Links::UNLINKED;
+    }
+
+    /// Joins the linked run `first..=last` to list `l`'s newest end (the
+    /// caller counts it).
+    #[inline]
+    fn splice<R: Linked>(&mut self, recs: &mut [R], l: usize, first: u32, last: u32) {
+        let newest = self.ends[l].newest;
+        recs[first as usize].links_mut().older = newest;
+        if newest == 0 {
+            self.ends[l].oldest = first;
+        } else {
+            recs[newest as usize].links_mut().newer = first;
+        }
+        recs[last as usize].links_mut().newer = 0;
+        self.ends[l].newest = last;
     }
 
     /// Removes the run of `n` pages from `newest` down to `oldest`, each the
