@@ -7,7 +7,8 @@
 //!
 //! Pages are shared: every page is FREE, HELD by `refcount >= 1` requests, or
 //! CACHED (held by nobody, registered in the prefix index, evictable in LRU
-//! order). `open_with_prefix` starts requests on cached pages of a common
+//! order, or by retention priority once a caller gives priorities; pinned
+//! pages are never evicted). `open_with_prefix` starts requests on cached pages of a common
 //! prefix, `cache` registers pages, `fork` shares a request's pages with new
 //! requests, and a shared partly filled page is copied on write (the copies
 //! are queued for the caller: `take_copies`).
