@@ -51,11 +51,18 @@ impl SlotAllocator {
     /// three's: the record (links, registration, count) of the victim three
     /// ahead, the entry of the one two ahead, and the bucket of the next,
     /// `v1` (0: none).
-    #[inline]
+    #[inline(always)]
     fn prefetch_victims(&self, v1: u32) {
         if v1 == 0 || self.prefix.len() < WARM_INDEX_ENTRIES {
             return;
         }
+        self.warm_victims(v1);
+    }
+
+    /// `prefetch_victims` past its check, a call of its own so that the
+    /// check stays a few instructions inside the eviction loops.
+    #[inline(never)]
+    fn warm_victims(&self, v1: u32) {
         let v2 = self.pages.next_victim(v1);
         if v2 != 0 {
             self.pages.prefetch_record(self.pages.next_victim(v2));
@@ -84,9 +91,26 @@ impl SlotAllocator {
     pub fn evict(&mut self, n: usize) -> usize {
         self.expire_due();
         let n = n.min(self.pages.cached());
+        // One loop per policy, chosen once: on one list the next victim is
+        // the next link, and the loop reads nothing else to find it.
+        if self.pages.has_priorities() {
+            self.evict_victims::<false>(n)
+        } else {
+            self.evict_victims::<true>(n)
+        }
+    }
+
+    /// `evict`'s walk over `n` victims (`ONE_LIST`: the pool has no
+    /// priorities).
+    #[inline(always)]
+    fn evict_victims<const ONE_LIST: bool>(&mut self, n: usize) -> usize {
         let mut p = self.pages.victim();
         for _ in 0..n {
-            let next = self.pages.next_victim(p);
+            let next = if ONE_LIST {
+                self.pages.next_on_list(p)
+            } else {
+                self.pages.next_victim(p)
+            };
             self.prefetch_victims(next);
             self.unregister_page(p);
             self.pages.free_evicted(p);

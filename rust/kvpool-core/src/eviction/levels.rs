@@ -221,14 +221,11 @@ impl Levels {
         }
     }
 
-    /// The victim after `p`, itself a victim: its newer neighbour, or the
-    /// oldest page of the next non-empty priority above its own.
-    #[inline]
-    pub(crate) fn next_victim<R: Linked>(&self, recs: &[R], p: u32) -> u32 {
-        let n = recs[p as usize].links().newer;
-        if n != 0 {
-            return n;
-        }
+    /// The victim after `p`, the newest page of its list: the oldest page of
+    /// the next non-empty priority above its own (0: none). Not inlined:
+    /// the eviction loops that reach it also serve the one-list policy.
+    #[inline(never)]
+    pub(crate) fn next_list(&self, p: u32) -> u32 {
         let l = self.list_of(p);
         if l >= PINNED {
             return 0;
@@ -270,7 +267,9 @@ impl Levels {
     /// order; each goes to the newest end of its own list, in that order.
     /// A run of staged pages bound for the same list (a request's pages
     /// mostly share a priority) is already linked in order, so it joins its
-    /// list in one splice. O(pages released).
+    /// list in one splice. O(pages released). Not inlined into the release
+    /// loop, which also serves the one-list policy.
+    #[inline(never)]
     pub(crate) fn end_insert<R: Linked>(&mut self, recs: &mut [R], ins: Append) {
         let n = ins.added;
         let mut p = recs[0].links().newer;
@@ -316,7 +315,8 @@ impl Levels {
 
     /// Removes the run of `n` pages from `newest` down to `oldest`, each the
     /// older neighbour of the one before (so on one list), in one relink.
-    #[inline]
+    /// Not inlined into the hold loop, which also serves the one-list policy.
+    #[inline(never)]
     pub(crate) fn remove_run<R: Linked>(
         &mut self,
         recs: &mut [R],

@@ -96,7 +96,7 @@ impl Lru {
     }
 
     #[inline]
-    pub(crate) fn begin_append<R: Linked>(&self, recs: &[R]) -> Append {
+    pub(crate) fn begin_append<R: Linked>(recs: &[R]) -> Append {
         Append {
             newest: recs[0].links().older,
             added: 0,

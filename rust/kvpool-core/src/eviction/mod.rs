@@ -63,13 +63,24 @@ impl Eviction {
         }
     }
 
-    /// The page evicted after `p`, a victim (0: none).
+    /// The page evicted after `p`, a victim (0: none): its newer neighbour
+    /// on its list where it has one, else (with priorities) the oldest page
+    /// of the next list.
     #[inline]
     pub(crate) fn next_victim<R: Linked>(&self, recs: &[R], p: u32) -> u32 {
+        let n = recs[p as usize].links().newer();
         match self {
-            Eviction::Lru(_) => recs[p as usize].links().newer(),
-            Eviction::Levels(v) => v.next_victim(recs, p),
+            _ if n != 0 => n,
+            Eviction::Lru(_) => 0,
+            Eviction::Levels(v) => v.next_list(p),
         }
+    }
+
+    /// `p`'s newer neighbour on its list (0: none); with one list, the
+    /// victim after `p`.
+    #[inline]
+    pub(crate) fn newer<R: Linked>(recs: &[R], p: u32) -> u32 {
+        recs[p as usize].links().newer()
     }
 
     /// Takes the next victim off its list.
@@ -103,11 +114,11 @@ impl Eviction {
     /// filed by `end_insert`.)
     #[inline]
     pub(crate) fn begin_insert<R: Linked>(&self, recs: &[R]) -> Insert {
-        match self {
-            Eviction::Lru(l) => Insert(l.begin_append(recs)),
-            // Record 0's links are free here: the staging list starts empty.
-            Eviction::Levels(_) => Insert(Lru::default().begin_append(recs)),
-        }
+        // Either policy: an append after record 0's newer end (with
+        // priorities, record 0 is unlinked, so the staging list starts
+        // empty). No branch: a release's loop keeps the newest page in a
+        // register.
+        Insert(Lru::begin_append(recs))
     }
 
     #[inline]

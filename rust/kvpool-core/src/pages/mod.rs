@@ -324,6 +324,13 @@ impl PagePool {
         self.eviction.next_victim(&self.records, p)
     }
 
+    /// `p`'s newer neighbour on its eviction list (0: none): the next
+    /// victim while the pool keeps one list (no priorities).
+    #[inline]
+    pub(crate) fn next_on_list(&self, p: u32) -> u32 {
+        Eviction::newer(&self.records, p)
+    }
+
     /// Takes the next victim off the eviction list. It is still registered
     /// and its count is 0: the caller unregisters it, then makes it FREE
     /// (`free_evicted`) or gives it a holder (`hold_evicted`).

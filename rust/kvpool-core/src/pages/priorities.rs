@@ -14,6 +14,12 @@ impl PagePool {
         self.eviction.use_levels(&mut self.records, self.max_pinned)
     }
 
+    /// Whether the pool keeps priorities (one list per priority).
+    #[inline]
+    pub(crate) fn has_priorities(&self) -> bool {
+        self.eviction.levels().is_some()
+    }
+
     /// Whether some priority's end is pending.
     #[inline]
     pub(crate) fn has_priority_ends(&self) -> bool {
