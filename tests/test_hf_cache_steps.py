@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 
-from kvpool import KVPool, TensorDtypeError  # noqa: E402
+from kvpool import KVPool, TensorDtypeError, TensorShapeError  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 H, D, LAYERS, PAGE = 2, 8, 3, 4
@@ -147,6 +147,23 @@ def test_a_later_layer_with_the_wrong_tensor_gets_the_typed_error():
         cache.update(k, k, 1)  # the step goes on with the right tensor
         cache.update(k, k, 2)
         assert cache.get_seq_length(2) == 3
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-layer", "later-layer"])
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_kv_that_are_not_tensors_get_the_typed_error(first, which):
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        k = torch.randn(2, H, 3, D)
+        if not first:
+            cache.update(k, k, 0)
+        layer = 0 if first else 1
+        for bad in (None, [[1.0]], k.numpy()):
+            args = (bad, k) if which == "key" else (k, bad)
+            with pytest.raises(TensorShapeError):
+                cache.update(*args, layer)
+        cache.update(k, k, layer)  # the step goes on with tensors
+        assert cache.get_seq_length(layer) == 3
 
 
 def test_grad_requiring_kv_do_not_drag_the_pool_into_autograd():

@@ -182,6 +182,8 @@ class KVPoolCache(Cache):
         """
         req = self.requests
         layer = self._pool_layers[layer_idx]
+        if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
+            return layer.update(key_states, value_states, *args, **kwargs)  # raises the typed error
         seen, ks = layer.seen, key_states.shape
         if seen == req.before:  # a later layer of the step under way
             ok = ks == req.step_shape
