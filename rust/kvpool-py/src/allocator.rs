@@ -13,7 +13,7 @@ use crate::convert::{
 };
 use crate::errors::Result;
 use crate::output::{filled, new_uninit, to_numpy, Arr};
-use crate::retention::Retention;
+use crate::retention_args::Retention;
 use crate::stats::PoolStats;
 use crate::table::Table;
 

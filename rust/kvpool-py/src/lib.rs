@@ -16,6 +16,7 @@ mod kv_events;
 mod output;
 mod packed;
 mod retention;
+mod retention_args;
 mod sharing;
 mod stats;
 mod table;

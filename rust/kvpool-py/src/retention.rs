@@ -1,71 +1,14 @@
-//! Retention priorities on `SlotAllocator`: the priority / retain_s
-//! arguments of cache and close, and unpin, the clock and the pin counters.
+//! Retention priorities on `SlotAllocator`: unpin, the clock and the pin
+//! counters (cache and close read their priority in `retention_args`).
 //! The rules are the core's (`kvpool_core`'s eviction room).
 
-use kvpool_core::Counts;
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
 
 use crate::allocator::PySlotAllocator;
-use crate::convert::{counts_of, int_arg, type_name, IntArg};
-use crate::errors::{invalid_argument, Result};
+use crate::convert::int_arg;
+use crate::errors::Result;
 use crate::output::{to_numpy, Arr};
-
-/// The priority (one, or one per request) and duration a cache or close
-/// call gives.
-pub(crate) struct Retention {
-    priority: IntArg,
-    pub(crate) retain_s: Option<f64>,
-}
-
-impl Retention {
-    /// None when neither is given; retain_s alone is refused.
-    pub(crate) fn of(
-        py: Python<'_>,
-        priority: Option<&Bound<'_, PyAny>>,
-        retain_s: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<Self>> {
-        let retain_s = retain_s
-            .map(|r| seconds_arg(py, r, "retain_s"))
-            .transpose()?;
-        match priority {
-            None if retain_s.is_some() => Err(invalid_argument(
-                py,
-                "retain_s says how long a priority lasts: pass a priority with it",
-            )),
-            None => Ok(None),
-            Some(p) => Ok(Some(Retention {
-                priority: int_arg(py, p, "priority")?,
-                retain_s,
-            })),
-        }
-    }
-
-    pub(crate) fn counts(&self) -> Counts<'_> {
-        counts_of(&self.priority)
-    }
-}
-
-/// A number of seconds: an int or a float (numpy's too), not a bool. Its
-/// range is the core's to check.
-fn seconds_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
-    if obj.is_instance_of::<PyBool>() {
-        return Err(invalid_argument(
-            py,
-            format!("{what} must be a number of seconds, got bool {obj}"),
-        ));
-    }
-    obj.extract::<f64>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!(
-                "{what} must be a number of seconds, got {} {}",
-                type_name(obj),
-                obj.repr().map(|r| r.to_string()).unwrap_or_default()
-            ),
-        )
-    })
-}
+use crate::retention_args::seconds_arg;
 
 #[pymethods]
 impl PySlotAllocator {

@@ -9,7 +9,7 @@ use crate::allocator::PySlotAllocator;
 use crate::convert::{counts_of, int_arg, int_scalar, usize_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
 use crate::output::{filled, new_array, new_uninit, to_numpy, Arr};
-use crate::retention::Retention;
+use crate::retention_args::Retention;
 use crate::table::Table;
 
 /// Writes the rows of requests just opened into a validated `table`. It

@@ -24,6 +24,8 @@ pub const DEFAULT_PRIORITY: u8 = 35;
 /// The list of pinned pages.
 pub(super) const PINNED: usize = MAX_PRIORITY as usize + 1;
 const LISTS: usize = PINNED + 1;
+/// The duration heap is first compacted at this length.
+pub(super) const MIN_COMPACT: usize = 4096;
 
 /// A pending end: when (clock nanoseconds), then the latest given first
 /// (`u64::MAX - ` the count of durations given before it), then the page.
@@ -94,7 +96,7 @@ impl Levels {
             until,
             heap: BinaryHeap::new(),
             given_ends: 0,
-            compact_at: super::retention::MIN_COMPACT,
+            compact_at: MIN_COMPACT,
             pinned: 0,
             max_pinned,
         };

@@ -28,12 +28,9 @@
 
 use std::cmp::Reverse;
 
-use super::levels::{list_for, Levels, DEFAULT_PRIORITY, MAX_PRIORITY, PINNED};
+use super::levels::{list_for, Levels, DEFAULT_PRIORITY, MAX_PRIORITY, MIN_COMPACT, PINNED};
 use super::lru::Linked;
 use crate::error::{PoolError, Result};
-
-/// The heap is first compacted at this length.
-pub(super) const MIN_COMPACT: usize = 4096;
 
 /// `given` of a pin (with `until` 0).
 const PIN: u8 = MAX_PRIORITY + 1;
