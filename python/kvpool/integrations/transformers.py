@@ -12,7 +12,8 @@ How it maps onto the pool:
   learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
-  (the pool's store: the K/V are checked here, once per update) and returns the rows'
+  (two copies into views of the caches when the slots are one strided run, else the
+  pool's store; the K/V are checked here, once per update) and returns the rows'
   full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
   request on a pool handing out pages in order), else one gather of whole pages per
