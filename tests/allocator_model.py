@@ -2,9 +2,12 @@
 hypothesis state machine: one page list and one token list per request,
 holders counted by scanning, the prefix index keyed by exact content
 (salt, every token up to the end of the page) with registration ids, the LRU
-list a plain list (oldest first), the copy-on-write queue a list of
-[source page, destination page, slots] searched front to back. Same policies
-as the allocator, written the obvious way."""
+list a plain list (in the order pages were last filed), retention priorities a
+dict scanned for the lowest (allocator_model_priorities.py), the copy-on-write
+queue a list of [source page, destination page, slots] searched front to back.
+Same policies as the allocator, written the obvious way."""
+
+from allocator_model_priorities import PriorityModel
 
 import kvpool
 
@@ -32,11 +35,16 @@ class Req:
         return out
 
 
-class Model:
-    def __init__(self, num_pages, ps, gen_base):
+class Model(PriorityModel):
+    def __init__(self, num_pages, ps, gen_base, max_pinned=None):
         self.ps = ps
         self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
-        self.lru = []  # cached pages, oldest first
+        self.lru = []  # cached pages (pinned ones too), in the order last filed
+        self.prio = {}  # registered page -> [priority, until ns or None, seq]
+        self.now = 0  # the manual clock, ns
+        self.max_pinned = (num_pages - 1) // 4 if max_pinned is None else max_pinned
+        self.ends_given = 0
+        self.victims = []
         self.reg = {}  # page -> (key, reg, parent_reg)
         self.next_reg = 1
         self.free_rows = list(range(MAX_REQ - 1, -1, -1))
@@ -89,9 +97,7 @@ class Model:
     def take_page(self):
         if self.free:
             return self.free.pop()
-        p = self.lru.pop(0)
-        del self.reg[p]
-        return p
+        return self.pop_victim()
 
     def release(self, p):
         """One holder of p gone: with none left, p is CACHED or FREE (True)."""
@@ -195,7 +201,7 @@ class Model:
                     if pos < len(q.prompt) and q.prompt[pos] != tokens[k + j]:
                         raise kvpool.InvalidArgumentError
                 k += c
-        if need > len(self.free) + len(self.lru):
+        if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         out, k = [], 0
         for r, c in zip(rows, cs):
@@ -209,6 +215,7 @@ class Model:
                     q.pages[-1] = new
                 elif last in self.reg:
                     del self.reg[last]
+                    self.prio.pop(last, None)
             for j in range(c):
                 t = n + j
                 if t % self.ps == 0:
@@ -260,6 +267,7 @@ class Model:
             f = self.find(key)
             if f is None and p not in self.reg:
                 self.reg[p] = (key, self.next_reg, chain)
+                self.prio.pop(p, None)
                 reg = self.next_reg
                 self.next_reg += 1
             elif f is not None and f[0] == p:
@@ -313,16 +321,15 @@ class Model:
         return out
 
     def evict(self, n):
-        k = min(n, len(self.lru))
+        k = min(n, self.evictable())
         for _ in range(k):
-            p = self.lru.pop(0)
-            del self.reg[p]
-            self.free.append(p)
+            self.free.append(self.pop_victim())
         return k
 
     def clear_cache(self):
-        self.free.extend(self.lru)
+        self.free.extend(self.cache_order())
         self.lru = []
         self.reg = {}
+        self.prio = {}
         for q in self.reqs.values():
             q.hashed, q.chain_reg, q.broken = 0, 0, False

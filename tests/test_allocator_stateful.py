@@ -2,9 +2,12 @@
 (tests/allocator_model.py), shared pages included: open_with_prefix,
 extend(tokens=), admit, cache, close(cache=), fork with copy-on-write, truncate into
 shared pages and into prompts (which then diverge), evict, clear_cache, reset and
-eviction under pressure. After every step the two must agree on every query
-(slots, pages, known tokens, counters, queued copies, hit counts), and check()
-must pass. Errors must agree in type and leave both unchanged.
+eviction under pressure, and retention priorities (cache / close with a priority,
+per request or for all, pins past a small bound, durations on a manual clock,
+unpin). After every step the two must agree on every query (slots, pages, known
+tokens, counters, queued copies, hit counts, pinned pages, evictable pages per
+priority), and check() must pass. Errors must agree in type and leave both
+unchanged.
 
 Some runs drain the copy-on-write queue after every step; the others only when
 the `drain` rule fires, so queued copies outlive closes, truncations, evictions
@@ -43,15 +46,18 @@ def run_both(real, model):
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans())
-    def setup(self, num_pages, ps, drain_always):
-        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX)
+    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
+                max_pinned=st.sampled_from([0, 1, 1, 2, 3]))
+    def setup(self, num_pages, ps, drain_always, max_pinned):
+        max_pinned = min(max_pinned, num_pages - 1)
+        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, manual_clock=True, max_pinned_pages=max_pinned)
+        self.now = 0.0
         self.drain_always = drain_always
         # Generations start at a random per-allocator base: learn it from a
         # throwaway request (row 0 goes back on top of the row stack).
         h = int(self.a.open(1)[0])
         self.a.close([h])
-        self.m = Model(num_pages, ps, gen_base=h >> 32)
+        self.m = Model(num_pages, ps, gen_base=h >> 32, max_pinned=max_pinned)
         self.m.gen[0] = h >> 32
         self.issued = [-3, (7 << 32) | 2, h]  # never-issued and closed handles ride along
 
@@ -299,9 +305,65 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert r[0].tolist() == r[1]
             self.issued += r[1]
 
+    @rule(data=st.data(), close=st.booleans(), per_request=st.booleans(),
+          retain=st.sampled_from([None, None, 1, 2, 0.5, 0, -1]))
+    def cache_with_priority(self, data, close, per_request, retain):
+        """cache / close(cache=True) with a retention priority: pins often (past
+        the bound they are given 99), durations, now and then a bad one."""
+        hs = self.pick(data, 2)
+        self.give_priority(data, hs, close, per_request, retain)
+
+    @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(1, MAX_CTX), close=st.booleans(),
+          retain=st.sampled_from([None, None, 1, 2, 0.5]))
+    def serve_with_priority(self, data, base, length, close, retain):
+        """A request on a prompt (its token ids known, so its pages can be
+        cached), prefilled, then cached or closed with a priority."""
+        prompt = BASES[base][:length]
+        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
+                     lambda: self.m.open_with_prefix([prompt], 0))
+        if not r:
+            return
+        h = r[1][0][0]
+        self.issued.append(h)
+        c = length - r[1][1][0]
+        if run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
+            self.give_priority(data, [h], close, False, retain)
+
+    def give_priority(self, data, hs, close, per_request, retain):
+        q = st.sampled_from([100, 100, 100, 35, 0, 10, 60, 99, 101, -1])
+        if per_request:
+            n = len(hs) + (data.draw(st.integers(0, 9)) == 0)  # now and then one too many
+            priority = data.draw(st.lists(q, min_size=n, max_size=n))
+        else:
+            priority = data.draw(st.one_of(q, q, q, st.none()))
+        if close:
+            run_both(lambda: self.a.close(hs, cache=True, priority=priority, retain_s=retain),
+                     lambda: self.m.close_priority(hs, True, priority, retain))
+        else:
+            run_both(lambda: self.a.cache(hs, priority=priority, retain_s=retain),
+                     lambda: self.m.cache_priority(hs, priority, retain))
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        hs = self.pick(data, 2)
+        r = run_both(lambda: self.a.unpin(hs), lambda: self.m.unpin(hs))
+        if r:
+            assert r[0] == r[1]
+
+    @rule(tick=st.sampled_from([0, 0.5, 1, 2]))
+    def set_clock(self, tick):
+        self.now += tick
+        self.a.set_clock(self.now)
+        self.m.set_clock(round(self.now * 1e9))
+
     @rule(n=st.integers(0, 3))
     def evict(self, n):
+        """The pages evicted, in order (their Removed events), are the model's."""
+        self.a.take_events()
+        self.m.victims = []
         assert self.a.evict(n) == self.m.evict(n)
+        ev = self.a.take_events()
+        assert ev["page"][ev["kind"] == 1].tolist() == self.m.victims
 
     @rule()
     def clear_cache(self):
@@ -317,9 +379,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.drain()
             self.a.check()
         assert self.a.pending_copies == self.m.pending_copies()
-        assert self.a.free_pages == len(self.m.free) + len(self.m.lru)
+        assert self.a.free_pages == len(self.m.free) + self.m.evictable()
         s = self.a.stats()
-        assert (s.evictable_pages, s.cached_pages) == (len(self.m.lru), len(self.m.reg))
+        assert (s.evictable_pages, s.cached_pages) == (self.m.evictable(), len(self.m.reg))
+        assert s.pinned_pages == self.m.pinned() <= self.a.max_pinned_pages
+        assert self.a.evictable_pages_by_priority().tolist() == self.m.by_priority()
         assert (s.hit_tokens, s.miss_tokens) == (self.m.hit, self.m.miss)
         assert self.a.open_requests == len(self.m.reqs)
         for h in self.issued:

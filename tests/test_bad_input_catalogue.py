@@ -113,6 +113,72 @@ def test_huge_count_in_a_huge_page_pool_is_context_too_long():
     assert allocator_state(a, h) == before
 
 
+@pytest.fixture
+def prompted() -> tuple[SlotAllocator, np.ndarray]:
+    """Requests whose token ids are known, so cache() with a priority would
+    register and prioritise pages; one full page already cached and pinned."""
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8, manual_clock=True)
+    h, _ = a.open_with_prefix(list(range(9)), [3, 2, 4])
+    a.extend(h, [3, 2, 4])
+    a.cache(h[:1], priority=100)
+    a.set_clock(1.0)
+    a.take_events()  # so that any event a refused call records shows
+    return a, h
+
+
+def priority_state(a: SlotAllocator, h: np.ndarray) -> tuple:
+    return allocator_state(a, h) + (
+        a.cached_pages, a.evictable_pages, a.pinned_pages, a.clock,
+        a.evictable_pages_by_priority().tobytes(), a.take_events()["kind"].tobytes(),
+    )
+
+
+PRIORITY_CASES: list[tuple[str, Callable[[SlotAllocator, np.ndarray], Any]]] = [
+    ("cache(priority=101)", lambda a, h: a.cache(h, priority=101)),
+    ("cache(priority=-1)", lambda a, h: a.cache(h, priority=-1)),
+    ("cache(priority=True)", lambda a, h: a.cache(h, priority=True)),
+    ("cache(priority=1.5)", lambda a, h: a.cache(h, priority=1.5)),
+    ("cache(priority='5')", lambda a, h: a.cache(h, priority="5")),
+    ("cache(priority=[1, 2]) for 3", lambda a, h: a.cache(h, priority=[1, 2])),
+    ("cache(priority=[1, 2, 101])", lambda a, h: a.cache(h, priority=[1, 2, 101])),
+    ("cache(retain_s=1) alone", lambda a, h: a.cache(h, retain_s=1)),
+    ("cache(retain_s=0)", lambda a, h: a.cache(h, priority=5, retain_s=0)),
+    ("cache(retain_s=-1)", lambda a, h: a.cache(h, priority=5, retain_s=-1)),
+    ("cache(retain_s=nan)", lambda a, h: a.cache(h, priority=5, retain_s=float("nan"))),
+    ("cache(retain_s=inf)", lambda a, h: a.cache(h, priority=5, retain_s=float("inf"))),
+    ("cache(retain_s=2e9)", lambda a, h: a.cache(h, priority=5, retain_s=2e9)),
+    ("cache(retain_s=True)", lambda a, h: a.cache(h, priority=5, retain_s=True)),
+    ("cache(retain_s='1')", lambda a, h: a.cache(h, priority=5, retain_s="1")),
+    ("cache(priority=) twice a handle", lambda a, h: a.cache([h[0], h[0]], priority=5)),
+    ("close(priority=) without cache", lambda a, h: a.close(h, priority=5)),
+    ("close(cache=True, priority=200)", lambda a, h: a.close(h, cache=True, priority=200)),
+    ("close(cache=True, retain_s=1) alone", lambda a, h: a.close(h, cache=True, retain_s=1)),
+    ("unpin(True)", lambda a, h: a.unpin(True)),
+    ("unpin twice a handle", lambda a, h: a.unpin([h[0], h[0]])),
+    ("set_clock(0.5) back", lambda a, h: a.set_clock(0.5)),
+    ("set_clock(-1)", lambda a, h: a.set_clock(-1)),
+    ("set_clock(nan)", lambda a, h: a.set_clock(float("nan"))),
+    ("set_clock('2')", lambda a, h: a.set_clock("2")),
+]
+
+
+@pytest.mark.parametrize("name,call", PRIORITY_CASES, ids=[c[0] for c in PRIORITY_CASES])
+def test_priority_bad_input(prompted, name, call):
+    a, h = prompted
+    before = priority_state(a, h)
+    with pytest.raises(KVPoolError) as info:
+        call(a, h)
+    assert type(info.value) is InvalidArgumentError, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert priority_state(a, h) == before
+    a.check()
+
+
+def test_a_system_clock_cannot_be_set(alloc):
+    a, h = alloc
+    with pytest.raises(InvalidArgumentError, match="manual_clock=True"):
+        a.set_clock(1.0)
+
+
 CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator('4')", lambda: SlotAllocator("4")),
     ("SlotAllocator(4.0)", lambda: SlotAllocator(4.0)),
@@ -121,6 +187,11 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator(4, 1, 2**64)", lambda: SlotAllocator(4, 1, 2**64)),
     ("SlotAllocator(4, 1, 4, '16')", lambda: SlotAllocator(4, 1, 4, "16")),
     ("SlotAllocator(-4)", lambda: SlotAllocator(-4)),
+    ("SlotAllocator(max_pinned_pages=4) of 3", lambda: SlotAllocator(4, max_pinned_pages=4)),
+    ("SlotAllocator(max_pinned_pages=-1)", lambda: SlotAllocator(4, max_pinned_pages=-1)),
+    ("SlotAllocator(max_pinned_pages=1.0)", lambda: SlotAllocator(4, max_pinned_pages=1.0)),
+    ("SlotAllocator(manual_clock=1)", lambda: SlotAllocator(4, manual_clock=1)),
+    ("KVPool(max_pinned_pages=9) of 7", lambda: kvpool.KVPool(1, 1, 4, num_pages=8, max_pinned_pages=9)),
     ("KVPool(num_pages=2.9)", lambda: kvpool.KVPool(1, 1, 4, num_pages=2.9)),
     ("KVPool(num_pages=True)", lambda: kvpool.KVPool(1, 1, 4, num_pages=True)),
     ("KVPool(num_slots='8')", lambda: kvpool.KVPool(1, 1, 4, num_slots="8")),

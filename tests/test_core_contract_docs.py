@@ -36,6 +36,8 @@ CALLS = {
     "chain_hashes": "prefix_chain",
     "match_chain_hashes": "match_chain",
     "open_with_chain_hashes": "open_with_chain",
+    "unpin": "unpin",
+    "set_clock": "set_clock",
 }
 
 

@@ -10,7 +10,7 @@ ownership and free lists; ``GroupedAllocator`` for pools of layer groups). ``imp
 from importlib import metadata as _metadata
 from typing import Any
 
-from kvpool._core import GroupedAllocator, PoolStats, SlotAllocator
+from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, GroupedAllocator, PoolStats, SlotAllocator
 from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
     ContextTooLongError,
@@ -46,6 +46,8 @@ except _metadata.PackageNotFoundError:  # imported from a source tree without an
 
 __all__ = [
     # allocator (Rust core)
+    "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
     "GroupedAllocator",
     "PoolStats",
     "ROW_MASK",

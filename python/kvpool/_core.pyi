@@ -18,10 +18,14 @@ __all__ = [
     "SlotAllocator",
     "GroupedAllocator",
     "__version__",
+    "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
     "encode_kv_events",
     "page_hashes",
 ]
 __version__: str
+DEFAULT_PRIORITY: int
+MAX_PRIORITY: int
 
 # Batch arguments: a Python int (broadcast / single handle), a sequence of
 # ints, a 1-D numpy integer array of any int dtype, or a CPU torch tensor.
@@ -63,13 +67,16 @@ class PoolStats:
     def hit_tokens(self) -> int: ...
     @property
     def miss_tokens(self) -> int: ...
+    @property
+    def pinned_pages(self) -> int: ...
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True)
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False)
 
     Owns which slots each request holds: free pages, per-request page lists,
-    shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write).
+    shared pages (refcounts, a prefix cache with LRU eviction and retention
+    priorities, copy-on-write).
     Thread-safe (one internal lock; batch calls release the GIL).
 
     Args:
@@ -82,6 +89,12 @@ class SlotAllocator:
             built with the same seed and making the same calls hand out the
             same handles (tensor-parallel ranks).
         kv_events: record KV events for take_events().
+        max_pinned_pages: most cached pages that may be pinned at once (<=
+            capacity_pages; None: a quarter of it). A pin past it is given
+            priority 99 instead.
+        manual_clock: retention durations (cache(retain_s=)) run on a clock
+            that only set_clock moves (tests; tensor-parallel ranks, which
+            must agree on time), not the system's monotonic clock.
 
     Raises:
         InvalidArgumentError: a size is zero, negative or too large, or a
@@ -98,6 +111,8 @@ class SlotAllocator:
         hash_seed: Optional[int] = None,
         handle_seed: Optional[int] = None,
         kv_events: bool = True,
+        max_pinned_pages: Optional[int] = None,
+        manual_clock: bool = False,
     ) -> SlotAllocator: ...
     @property
     def page_size(self) -> int:
@@ -116,7 +131,9 @@ class SlotAllocator:
         """Most tokens one request may hold."""
     @property
     def free_pages(self) -> int:
-        """Pages an extend can take now: FREE + CACHED (evictable)."""
+        """Pages an extend can take now: FREE + CACHED (evictable); pinned cached
+        pages are not.
+        """
     @property
     def used_pages(self) -> int:
         """Pages held by open requests."""
@@ -137,7 +154,9 @@ class SlotAllocator:
         """Requests opened and not yet closed."""
     @property
     def admissible_tokens(self) -> int:
-        """Tokens that can surely still be appended (a lower bound)."""
+        """Tokens that can surely still be appended (a lower bound; pinned cached
+        pages are not counted).
+        """
     @property
     def metadata_bytes(self) -> int:
         """Heap bytes of the allocator's bookkeeping."""
@@ -286,14 +305,17 @@ class SlotAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
-    def close(self, handles: _IntArray, cache: bool = False) -> None:
+    def close(self, handles: _IntArray, cache: bool = False, priority: Optional[_IntArray] = None,
+              retain_s: Optional[float] = None) -> None:
         """Closes requests and releases their pages; their handles become stale.
         With cache=True, first registers each request's full pages of known
-        tokens in the prefix cache (as cache()), so they stay reusable. Atomic.
+        tokens in the prefix cache (as cache()), so they stay reusable, with
+        cache()'s priority and retain_s if given. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, already closed or stale.
-            InvalidArgumentError: a duplicate handle.
+            InvalidArgumentError: a duplicate handle; a priority or retain_s
+                as cache() refuses them, or given without cache=True.
         """
     def length(self, handle: _Handle) -> int:
         """Tokens the request holds.
@@ -383,15 +405,35 @@ class SlotAllocator:
             ContextTooLongError: a prompt longer than max_context_len.
             TooManyRequestsError: not enough free rows.
         """
-    def cache(self, handles: _IntArray) -> None:
+    def cache(
+        self, handles: _IntArray, priority: Optional[_IntArray] = None, retain_s: Optional[float] = None
+    ) -> None:
         """Registers every full page of each request whose token ids are all
         known and that is not registered yet, so later prompts can hit it.
         Call it once the step that wrote those pages has run. If the same
         content is registered already, the existing copy is kept. Atomic.
 
+        With a priority, every page of each request's cached prefix (its own
+        registered pages, or the copy kept of one it duplicated) also gets that
+        retention priority, for retain_s seconds on the pool's clock (None: no
+        end). Eviction takes the lowest priority first, least recently used
+        within one. Pages no caller gave a priority have DEFAULT_PRIORITY (35,
+        as TensorRT-LLM); without a priority, pages keep theirs. A page keeps
+        the highest priority callers gave it (at equal priority, the later
+        end); when its retain_s is over it has the default again. Priority 100
+        with no retain_s pins: the page is never evicted nor counted free
+        until unpin() or clear_cache(); past max_pinned_pages pinned pages, a
+        pin is given 99 instead (pinned_pages says how many hold).
+
+        Args:
+            priority: an int in [0, 100] for all, or one per request.
+            retain_s: seconds (> 0) the priority lasts; needs a priority.
+
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
-            InvalidArgumentError: a duplicate handle.
+            InvalidArgumentError: a duplicate handle; a priority outside [0, 100]
+                or not one per request; retain_s not a number in (0, 1e9], or
+                given without a priority.
         """
     def fork(
         self, handle: _Handle, n: Optional[int] = None, table: Optional[npt.NDArray[np.int32]] = None
@@ -417,17 +459,19 @@ class SlotAllocator:
         long it is left. KVPool does this inside extend.
         """
     def evict(self, n_pages: int) -> int:
-        """Evicts up to n_pages cached pages nobody holds, least recently used
-        first (a chain's tail before its parents); they become free. Returns
+        """Evicts up to n_pages cached pages nobody holds, the lowest retention
+        priority first and least recently used within one (a chain's tail
+        before its parents), never a pinned page; they become free. Returns
         how many were evicted.
 
         Raises:
             InvalidArgumentError: n_pages is negative or not an int.
         """
     def clear_cache(self) -> None:
-        """Drops every prefix-index entry: cached pages become free, held pages
-        stay with their requests. Records one Cleared event. Queued copies
-        stay: they fill open requests' pages.
+        """Drops every prefix-index entry: cached pages become free (pinned ones
+        too: nothing is pinned or has a priority after it), held pages stay
+        with their requests. Records one Cleared event. Queued copies stay:
+        they fill open requests' pages.
         """
     def take_events(self) -> Dict[str, npt.NDArray[Any]]:
         """Drains the KV events (what vLLM's KVEventBatch carries), oldest
@@ -511,7 +555,9 @@ class SlotAllocator:
         """Registered pages (held or cached)."""
     @property
     def evictable_pages(self) -> int:
-        """Cached pages nobody holds: evicted when pages run out."""
+        """Cached pages nobody holds: evicted when pages run out (pinned ones
+        are not counted).
+        """
     @property
     def hit_tokens(self) -> int:
         """Prompt tokens served from the cache by open_with_prefix (cumulative)."""
@@ -526,6 +572,44 @@ class SlotAllocator:
     @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""
+    def unpin(self, handles: _IntArray) -> int:
+        """Gives every pinned page of each request's cached prefix the default
+        priority, so cached ones are evictable (and free) at once. Returns how
+        many pages were unpinned. A pinned prefix no open request holds is
+        reached by opening one on it: open_with_prefix(prompt + [any token]),
+        unpin, close. clear_cache() unpins everything. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+    def set_clock(self, now: float) -> None:
+        """Sets a manual clock (manual_clock=True) to `now` seconds, and ends the
+        priorities whose retain_s is over by then (soonest first). The clock
+        starts at 0 and never goes back.
+
+        Raises:
+            InvalidArgumentError: the pool runs on the system clock; now is not
+                a number in [0, 1e9] or is earlier than the clock.
+        """
+    @property
+    def clock(self) -> float:
+        """The pool's clock in seconds: since construction (the system's
+        monotonic clock), or as last set (manual_clock=True).
+        """
+    @property
+    def pinned_pages(self) -> int:
+        """Registered pages pinned (priority 100 with no retain_s), held or
+        cached; at most max_pinned_pages.
+        """
+    @property
+    def max_pinned_pages(self) -> int:
+        """Most registered pages that may be pinned at once."""
+    def evictable_pages_by_priority(self) -> npt.NDArray[np.int64]:
+        """Evictable pages (cached, not pinned) at each priority 0..100 (101
+        entries), as last filed: a retain_s that is over moves its page when
+        the clock is next read (an eviction, a priority given, set_clock).
+        """
 
 @final
 class GroupedAllocator:

@@ -28,7 +28,8 @@ impl std::fmt::Display for HandleProblem {
 pub enum PoolError {
     #[error(
         "pool exhausted: the call needs {needed_pages} free pages ({page_size} slots each) \
-         but only {free_pages} are free ({free_slots} free slots); nothing was allocated"
+         but only {free_pages} are free ({free_slots} free slots; pinned cached pages are not \
+         free); nothing was allocated"
     )]
     Exhausted {
         needed_pages: usize,

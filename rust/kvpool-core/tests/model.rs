@@ -11,6 +11,12 @@
 //! outlive closes, truncations (into prompts too, which then diverge),
 //! evictions and resets: the model knows which survive, and that their
 //! source pages stay held until taken.
+//!
+//! Retention priorities ride along: caches and closes with priorities
+//! (pins, durations, per-request arrays, out-of-range values), unpins and
+//! ticks of a manual clock, on pools whose pin bound is 0 to 4 pages; the
+//! eviction order, the pinned count and the evictable pages per priority
+//! must agree with the model's.
 
 mod model_ops;
 mod reference;
@@ -80,15 +86,20 @@ thread_local! {
     static DROPPED: Cell<usize> = const { Cell::new(0) };
     static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
     static DIVERGED: Cell<usize> = const { Cell::new(0) };
+    static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
+    static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
+    static ENDED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
     c.with(|c| c.set(c.get() + n));
 }
 
-fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
+fn new_allocator(pages: usize, ps: usize, max_pinned: usize) -> SlotAllocator {
     let opts = Options {
         generation_base: Some(1),
+        manual_clock: true,
+        max_pinned_pages: Some(max_pinned),
         ..Options::new()
     };
     SlotAllocator::with_options(pages, ps, MAX_REQ, MAX_CTX, opts).unwrap()
@@ -97,9 +108,12 @@ fn new_allocator(pages: usize, ps: usize) -> SlotAllocator {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], ops in prop::collection::vec(op(), 1..80)) {
-        let mut a = new_allocator(pages, ps);
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
+        let max_pinned = max_pinned.min(pages - 1);
+        let mut a = new_allocator(pages, ps, max_pinned);
         let mut m = Model::new(pages, ps);
+        m.max_pinned = max_pinned;
+        let mut now_s = 0u64;
         // Every handle ever issued, plus two that never were.
         let mut issued: Vec<i64> = vec![-5, make_handle(3, 1)];
         let mut oks = 0usize;
@@ -251,7 +265,31 @@ proptest! {
                     a.reset();
                     m.reset();
                 }
+                Op::Prio(v, qs, retain, close) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    let counts = if qs.len() == 1 { Counts::Each(qs[0]) } else { Counts::PerRequest(&qs) };
+                    let (secs, ns) = (retain.map(f64::from), retain.map(|s| s as u64 * 1_000_000_000));
+                    let ok = if close {
+                        same(a.close_with_priority(&hs, counts, secs), m.close_with_priority(&hs, &qs, ns))
+                    } else {
+                        same(a.cache_with_priority(&hs, counts, secs), m.cache_with_priority(&hs, &qs, ns))
+                    };
+                    oks += ok as usize;
+                    count(&PRIO_OKS, ok as usize);
+                }
+                Op::Unpin(v) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    oks += same(a.unpin(&hs), m.unpin(&hs)) as usize;
+                }
+                Op::Tick(s) => {
+                    now_s += s as u64;
+                    let before = m.prio.len();
+                    a.set_clock(now_s as f64).unwrap();
+                    m.set_clock(now_s * 1_000_000_000);
+                    count(&ENDED, before - m.prio.len());
+                }
             }
+            count(&PINNED_ENDS, m.pinned());
             a.check().unwrap();
             if step % 3 == 2 {
                 let events = a.take_events();
@@ -268,8 +306,11 @@ proptest! {
             // the queue keeps that page from the free stack.
             let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
             count(&HELD_ALONE, alone);
-            prop_assert_eq!(a.free_pages(), m.free.len() + m.lru.len());
-            prop_assert_eq!(a.evictable_pages(), m.lru.len());
+            prop_assert_eq!(a.free_pages(), m.free.len() + m.evictable());
+            prop_assert_eq!(a.evictable_pages(), m.evictable());
+            prop_assert_eq!(a.pinned_pages(), m.pinned());
+            prop_assert_eq!(a.evictable_pages_by_priority(), m.by_priority());
+            prop_assert_eq!(a.capacity_pages() - a.free_pages() - a.used_pages(), m.lru.len() - m.evictable());
             prop_assert_eq!(a.cached_pages(), m.reg.len());
             prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
             prop_assert_eq!(a.open_requests(), m.reqs.len());
@@ -339,4 +380,22 @@ fn generated_sequences_exercise_sharing() {
         diverged > CASES as usize / 10,
         "only {diverged} truncations into a prompt"
     );
+    let (prio, pinned, ended) = (
+        PRIO_OKS.with(Cell::get),
+        PINNED_ENDS.with(Cell::get),
+        ENDED.with(Cell::get),
+    );
+    eprintln!(
+        "{prio} priority calls succeeded, {pinned} pinned pages summed over op ends, {ended} \
+         durations ended by the clock"
+    );
+    assert!(
+        prio > CASES as usize / 2,
+        "only {prio} priority calls succeeded"
+    );
+    assert!(
+        pinned > CASES as usize / 2,
+        "only {pinned} pinned pages at op ends"
+    );
+    assert!(ended > CASES as usize / 40, "only {ended} durations ended");
 }

@@ -17,6 +17,8 @@ mod hashing;
 mod kv_events;
 mod output;
 mod packed;
+mod retention;
+mod retention_args;
 mod sharing;
 mod stats;
 mod table;
@@ -32,5 +34,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The retention priority of pages no caller gave one, and the highest.
+    m.add("DEFAULT_PRIORITY", kvpool_core::DEFAULT_PRIORITY)?;
+    m.add("MAX_PRIORITY", kvpool_core::MAX_PRIORITY)?;
     Ok(())
 }

@@ -18,6 +18,7 @@ pub struct PoolStats {
     evictable_pages: usize,
     hit_tokens: u64,
     miss_tokens: u64,
+    pinned_pages: usize,
 }
 
 impl PoolStats {
@@ -34,6 +35,7 @@ impl PoolStats {
             evictable_pages: a.evictable_pages(),
             hit_tokens: a.hit_tokens(),
             miss_tokens: a.miss_tokens(),
+            pinned_pages: a.pinned_pages(),
         }
     }
 }
@@ -44,7 +46,7 @@ impl PoolStats {
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
              open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
-             evictable_pages={}, hit_tokens={}, miss_tokens={})",
+             evictable_pages={}, hit_tokens={}, miss_tokens={}, pinned_pages={})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
@@ -55,7 +57,8 @@ impl PoolStats {
             self.cached_pages,
             self.evictable_pages,
             self.hit_tokens,
-            self.miss_tokens
+            self.miss_tokens,
+            self.pinned_pages
         )
     }
 }

@@ -8,7 +8,10 @@
 //! - the page records' registrations and the index agree both ways;
 //! - a request on the fast path needs none of the slow path's work (a
 //!   pending prompt, a shared or registered last page);
-//! - a request marked as never sharing shares nothing.
+//! - a request marked as never sharing shares nothing;
+//! - with retention priorities, each cached page is on its priority's
+//!   list, the pinned count is the pinned registered pages and within its
+//!   bound, and every pending duration is on record (`pages/`).
 
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
@@ -40,6 +43,7 @@ impl SlotAllocator {
                 .map(|p| (p, self.pages.entry(p)))
                 .filter(|&(_, e)| e != 0),
         )?;
+        self.pages.check_priorities(self.clock.manual())?;
         self.requests.check()?;
         for row in 0..self.requests.capacity() {
             if !self.requests.is_open(row) {

@@ -70,6 +70,13 @@ pub struct Options {
     /// will hold, whose first requests may pay page faults (see
     /// `memory::fault_in`).
     pub lazy_metadata: bool,
+    /// Most registered pages that may be pinned (priority 100 with no
+    /// duration) at once, at most the pool's capacity in pages. None: a
+    /// quarter of it. A pin past the bound is given as priority 99.
+    pub max_pinned_pages: Option<usize>,
+    /// Retention durations run on a clock only `set_clock` moves, instead
+    /// of the system's monotonic clock.
+    pub manual_clock: bool,
 }
 
 impl Options {

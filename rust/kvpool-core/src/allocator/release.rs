@@ -72,7 +72,7 @@ impl SlotAllocator {
         self.requests.restack_free_rows();
     }
 
-    fn close_row(&mut self, row: usize) {
+    pub(super) fn close_row(&mut self, row: usize) {
         self.shrink_row(row, 0);
         self.requests.close_row(row);
     }

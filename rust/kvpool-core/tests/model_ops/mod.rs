@@ -30,6 +30,13 @@ pub enum Op {
     /// `take_copies_from(n % (pending + 1))`: 0 drains everything.
     Drain(usize),
     Reset,
+    /// `cache_with_priority` (`close_with_priority` when the flag is set):
+    /// handle picks, priorities (one for all, else one per handle), a
+    /// duration in whole seconds.
+    Prio(Vec<usize>, Vec<i64>, Option<u8>, bool),
+    Unpin(Vec<usize>),
+    /// Moves the manual clock on by this many seconds.
+    Tick(u8),
 }
 
 /// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
@@ -69,11 +76,28 @@ pub fn op() -> impl Strategy<Value = Op> {
         3 => pick.clone().prop_map(Op::Prefill),
         3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
         3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
-        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
+        3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
         1 => (0usize..4).prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
         2 => prop_oneof![2 => Just(0usize), 1 => 1usize..8].prop_map(Op::Drain),
         1 => Just(Op::Reset),
+        4 => (prop::collection::vec(pick.clone(), 0..3), prop::collection::vec(priority(), 1..3),
+              prop::option::of(prop_oneof![8 => 1u8..3, 1 => Just(0u8)]), prop::bool::weighted(0.5))
+            .prop_map(|(v, q, r, c)| Op::Prio(v, q, r, c)),
+        1 => prop::collection::vec(pick, 0..3).prop_map(Op::Unpin),
+        3 => (0u8..3).prop_map(Op::Tick),
+    ]
+}
+
+/// A retention priority: pins and the default often, now and then one out
+/// of range.
+fn priority() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        4 => Just(100i64),
+        2 => Just(kvpool_core::DEFAULT_PRIORITY as i64),
+        4 => 0i64..100,
+        1 => Just(101i64),
+        1 => Just(-1i64),
     ]
 }
 

@@ -3,7 +3,8 @@
 //! the prefix index keyed by the exact content (salt, every token up to the
 //! end of the page) instead of a hash, the LRU list a plain Vec, the
 //! copy-on-write queue a Vec of (source page, destination page, slots)
-//! searched front to back. Same policies as the allocator, written the
+//! searched front to back, retention priorities a map scanned for the
+//! lowest (`priorities.rs`). Same policies as the allocator, written the
 //! obvious way.
 
 #![allow(dead_code)]
@@ -13,8 +14,10 @@ use std::collections::BTreeMap;
 use kvpool_core::{make_handle, PoolError};
 
 mod copies;
+mod priorities;
 
 pub use copies::QueuedCopy;
+pub use priorities::Prio;
 
 pub const MAX_REQ: usize = 6;
 pub const MAX_CTX: usize = 12;
@@ -79,8 +82,15 @@ pub struct Entry {
 pub struct Model {
     pub ps: usize,
     pub free: Vec<usize>,
-    /// CACHED pages, oldest first.
+    /// CACHED pages (pinned ones too), in the order they were last filed.
     pub lru: Vec<usize>,
+    /// Registered pages a caller gave a priority (the others have the default).
+    pub prio: BTreeMap<usize, Prio>,
+    /// The manual clock, ns.
+    pub now: u64,
+    pub max_pinned: usize,
+    /// Durations given so far.
+    pub ends_given: u64,
     pub reg: BTreeMap<usize, Entry>,
     pub next_reg: u64,
     pub free_rows: Vec<usize>,
@@ -104,6 +114,10 @@ impl Model {
             ps,
             free: (1..pages).rev().collect(),
             lru: Vec::new(),
+            prio: BTreeMap::new(),
+            now: 0,
+            max_pinned: (pages - 1) / 4,
+            ends_given: 0,
             reg: BTreeMap::new(),
             next_reg: 1,
             free_rows: (0..MAX_REQ).rev().collect(),
@@ -169,9 +183,7 @@ impl Model {
         if let Some(p) = self.free.pop() {
             return p;
         }
-        let p = self.lru.remove(0);
-        self.reg.remove(&p);
-        p
+        self.pop_victim()
     }
 
     /// One holder of `p` gone (already taken out of its list or the
@@ -339,7 +351,7 @@ impl Model {
         tokens: Option<&[i64]>,
     ) -> Result<Vec<i64>, Kind> {
         let need = self.extend_checks(hs, cs, tokens)?;
-        if need > self.free.len() + self.lru.len() {
+        if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
         }
         let rows = self.rows(hs)?;
@@ -362,6 +374,7 @@ impl Model {
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
                 } else if self.reg.contains_key(&last) {
                     self.reg.remove(&last);
+                    self.prio.remove(&last);
                 }
             }
             for j in 0..c {
@@ -468,6 +481,7 @@ impl Model {
                 None if !self.reg.contains_key(&p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
+                    self.prio.remove(&p);
                     self.reg.insert(
                         p,
                         Entry {
@@ -545,20 +559,26 @@ impl Model {
     }
 
     pub fn evict(&mut self, n: usize) -> usize {
-        let k = n.min(self.lru.len());
+        let k = n.min(self.evictable());
         for _ in 0..k {
-            let p = self.lru.remove(0);
-            self.reg.remove(&p);
+            let p = self.pop_victim();
             self.free.push(p);
         }
         k
     }
 
     pub fn clear_cache(&mut self) {
-        for p in std::mem::take(&mut self.lru) {
+        // Victims first, then the pinned pages, each set in list order.
+        let (pinned, rest): (Vec<usize>, Vec<usize>) = std::mem::take(&mut self.lru)
+            .into_iter()
+            .partition(|&p| self.list(p) == 101);
+        let mut rest = rest;
+        rest.sort_by_key(|&p| self.list(p)); // stable: LRU order within a priority
+        for p in rest.into_iter().chain(pinned) {
             self.free.push(p);
         }
         self.reg.clear();
+        self.prio.clear();
         for r in self.reqs.values_mut() {
             r.hashed = 0;
             r.chain_reg = 0;
