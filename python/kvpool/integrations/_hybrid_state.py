@@ -11,7 +11,7 @@ truncate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -19,10 +19,26 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvpool.errors import TensorShapeError
 
-if TYPE_CHECKING:
-    from kvpool.integrations._hybrid import HybridRequests
-
 __all__ = ["PoolStateLayer", "state_name"]
+
+
+class StateRequests(Protocol):
+    """What a state layer reads of the cache's requests (``_hybrid.HybridRequests``), named
+    here so that this module does not import the one that builds its layers."""
+
+    pool: Any
+    device: torch.device
+    dtype: torch.dtype
+    handles: np.ndarray | None
+    state_layers: list[Any]
+    epoch: int
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def ensure_open(self, batch: int) -> None: ...
+
+    def publish(self) -> None: ...
 
 
 def state_name(kind: str, state_idx: int) -> str:
@@ -54,7 +70,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     is_compileable = False
 
-    def __init__(self, requests: HybridRequests, layer_idx: int, number_of_states: int = 1) -> None:
+    def __init__(self, requests: StateRequests, layer_idx: int, number_of_states: int = 1) -> None:
         super().__init__(number_of_states=number_of_states)
         self.requests, self.layer_idx = requests, layer_idx
         self.conv_states = _StateRows(self, "conv", number_of_states)
