@@ -39,14 +39,15 @@ class KVPoolHybridDriver(KVPoolPrefixDriver):
     def run(self, prep: Any) -> int:
         finished, groups, decoding, fed = prep
         a, tables, n = self.alloc, self.tables, 0
+        full, sliding = tables
         if len(finished):
             a.close(finished, cache=True)
         for prompt, length, lanes, k in groups:
             h, cached = a.open_with_prefix(prompt, length)
             h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
             if hit:
-                a.fill_table(h, tables[FULL], FULL)
-                a.fill_table(h, tables[SLIDING], SLIDING)
+                a.fill_table(h, full, FULL)
+                a.fill_table(h, sliding, SLIDING)
             n += len(a.extend(h, total - hit, tables=tables)[FULL])
             a.cache(h)
             self.prompt_tokens += k * total
@@ -54,8 +55,8 @@ class KVPoolHybridDriver(KVPoolPrefixDriver):
             self.handles[lanes[0]] = h0
             if k > 1:
                 children = a.fork(h0, k - 1)
-                a.fill_table(children, tables[FULL], FULL)
-                a.fill_table(children, tables[SLIDING], SLIDING)
+                a.fill_table(children, full, FULL)
+                a.fill_table(children, sliding, SLIDING)
                 self.handles[lanes[1:]] = children
         if len(decoding):
             n += len(a.extend(decoding, 1, tokens=fed, tables=tables)[FULL])
