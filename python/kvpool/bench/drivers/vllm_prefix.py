@@ -21,6 +21,9 @@ Per step, following ``vllm/v1/core/sched/scheduler.py`` and ``vllm/v1/engine/cor
 - the worker's ``BlockTable`` (``add_row`` / ``append_row``) and the slot
   mapping of every scheduled token, on the host with numpy as in the churn driver.
 
+A subclass with a second KV cache group (``kv_cache_groups``: the hybrid driver) gets that
+group's worker ``BlockTable`` and slot mapping beside the first's, written in the same loops.
+
 Evicted blocks are counted by wrapping the block pool's ``_maybe_evict_cached_block``
 (one extra Python call per reused cached block).
 """
