@@ -38,10 +38,14 @@ class VLLMBase(Driver):
         P = cfg.page_size
         self.spec = FullAttentionSpec(block_size=P, num_kv_heads=1, head_size=64, dtype=torch.float16)
         self.max_blocks = -(-cfg.max_context_len // P)
-        self.block_table = BlockTable(P, cfg.concurrency, self.max_blocks, max_step_tokens, False,
-                                      torch.device("cpu"), 1)
+        self.block_table = self.new_block_table()
         self.bt_flat = self.block_table.block_table.np.reshape(-1)  # view, like .flatten() of the CPU tensor
         self.slot_mapping = self.block_table.slot_mapping.np
+
+    def new_block_table(self) -> Any:
+        """A worker ``BlockTable`` of every lane (vLLM keeps one per KV cache group)."""
+        return BlockTable(self.cfg.page_size, self.cfg.concurrency, self.max_blocks, self.max_step_tokens, False,
+                          torch.device("cpu"), 1)
 
     def write_slot_mapping(self, req_idx: np.ndarray, pos: np.ndarray) -> int:
         """The slot of every token the step computes (its row and position), into the step's

@@ -21,6 +21,9 @@ Per step, following ``vllm/v1/core/sched/scheduler.py`` and ``vllm/v1/engine/cor
 - the worker's ``BlockTable`` (``add_row`` / ``append_row``) and the slot
   mapping of every scheduled token, on the host with numpy as in the churn driver.
 
+A subclass with a second KV cache group (``kv_cache_groups``: the hybrid driver) gets that
+group's worker ``BlockTable`` and slot mapping beside the first's, written in the same loops.
+
 Evicted blocks are counted by wrapping the block pool's ``_maybe_evict_cached_block``
 (one extra Python call per reused cached block).
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.drivers.base import Requirement
+from kvpool.bench.drivers.base import Requirement, storage_bytes
 from kvpool.bench.drivers.vllm_base import VLLMBase, ranges
 from kvpool.bench.prefix.result import PrefixDriver
 from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
@@ -40,12 +43,14 @@ VLLM_KV_CACHE_MANAGER = Requirement("vllm KVCacheManager")
 with VLLM_KV_CACHE_MANAGER.imports():
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.request import Request, RequestStatus
 
 HASH_ALGO = "sha256"  # vLLM's CacheConfig.prefix_caching_hash_algo default
+OUT_OF_BLOCKS = "vLLM KVCacheManager ran out of blocks on a trace that fits the pool"
 
 
 class VLLMPrefixDriver(VLLMBase, PrefixDriver):
@@ -56,13 +61,21 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
     def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
         super().__init__(cfg, max_step_tokens)
         P = cfg.page_size
-        kv_config = KVCacheConfig(num_blocks=cfg.num_pages, kv_cache_tensors=[],
-                                  kv_cache_groups=[KVCacheGroupSpec(["layer.0"], self.spec)])
+        groups = self.kv_cache_groups()
+        kv_config = KVCacheConfig(num_blocks=cfg.num_pages, kv_cache_tensors=[], kv_cache_groups=groups)
         self.mgr = KVCacheManager(kv_config, max_model_len=cfg.max_context_len, scheduler_block_size=P,
                                   hash_block_size=P, enable_caching=True)
+        if len(groups) > 1 and not isinstance(self.mgr.coordinator, HybridKVCacheCoordinator):
+            raise RuntimeError(f"vLLM built {type(self.mgr.coordinator).__name__}, not its hybrid coordinator")
         hash_fn = get_hash_fn_by_name(HASH_ALGO)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(P, hash_fn)
+        # A second group's worker table, as MultiGroupBlockTable keeps one per group (the first
+        # group's is VLLMBase's block_table); None with one group.
+        self.second_table = self.new_block_table() if len(groups) > 1 else None
+        if self.second_table is not None:
+            self.second_flat = self.second_table.block_table.np.reshape(-1)
+            self.second_slots = self.second_table.slot_mapping.np
         self.reqs: list[Any] = [None] * cfg.concurrency  # engine state: the Request in each lane
         self.seqs: list[Any] = [None] * cfg.concurrency
         self.next_id = 0
@@ -77,6 +90,10 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
             return hit
 
         pool._maybe_evict_cached_block = counting_evict  # type: ignore[method-assign]
+
+    def kv_cache_groups(self) -> list[Any]:
+        """The ``KVCacheConfig``'s groups: one full-attention group."""
+        return [KVCacheGroupSpec(["layer.0"], self.spec)]
 
     def prepare(self, step: PrefixStep) -> Any:
         finished = [self.reqs[lane] for lane in step.release_lanes.tolist()]
@@ -95,7 +112,7 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
 
     def run(self, prep: Any) -> int:
         finished, admit, lanes, sampled, dec_lens = prep
-        mgr, bt, reqs = self.mgr, self.block_table, self.reqs
+        mgr, bt, second, reqs = self.mgr, self.block_table, self.second_table, self.reqs
         for req in finished:
             mgr.free(req)
         rows, starts, ends = [], [], []
@@ -104,9 +121,12 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
             blocks, hit, _ = mgr.get_computed_blocks(req)
             n_new = req.num_tokens - hit
             if mgr.allocate_slots(req, n_new, hit, blocks) is None:
-                raise RuntimeError("vLLM KVCacheManager ran out of blocks on a trace that fits the pool")
+                raise RuntimeError(OUT_OF_BLOCKS)
             req.status = RequestStatus.RUNNING
-            bt.add_row(mgr.get_block_ids(rid)[0], lane)
+            ids = mgr.get_block_ids(rid)
+            bt.add_row(ids[0], lane)
+            if second is not None:
+                second.add_row(ids[1], lane)
             req.num_computed_tokens = req.num_tokens
             req.append_output_token_ids(first)
             reqs[lane] = req
@@ -119,17 +139,22 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
             req = reqs[lane]
             new = mgr.allocate_slots(req, 1)
             if new is None:
-                raise RuntimeError("vLLM KVCacheManager ran out of blocks on a trace that fits the pool")
-            ids = new.get_block_ids()[0]
-            if ids:
-                bt.append_row(ids, lane)
+                raise RuntimeError(OUT_OF_BLOCKS)
+            ids = new.get_block_ids()
+            if ids[0]:
+                bt.append_row(ids[0], lane)
+            if second is not None and ids[1]:
+                second.append_row(ids[1], lane)
             req.num_computed_tokens += 1
             req.append_output_token_ids(tok)
-        # Slot mapping of every token this step computes (model runner, host side).
+        # Slot mapping of every token this step computes, each group's (model runner, host side).
         starts_np = np.array(starts, dtype=np.int64)
         counts = np.array(ends, dtype=np.int64) - starts_np
         req_idx = np.concatenate([np.repeat(np.array(rows, dtype=np.int64), counts), np.array(lanes, dtype=np.int64)])
         pos = np.concatenate([ranges(starts_np, counts), dec_lens])
+        if second is not None:
+            P, total = self.cfg.page_size, len(pos)
+            np.add(self.second_flat[req_idx * self.max_blocks + pos // P] * P, pos % P, out=self.second_slots[:total])
         return self.write_slot_mapping(req_idx, pos)
 
     def held_pages(self) -> int:
@@ -142,8 +167,13 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
     def evicted_pages(self) -> int:
         return self._evicted
 
+    def native_bytes(self) -> int:
+        if self.second_table is None:
+            return super().native_bytes()
+        return super().native_bytes() + storage_bytes(self.second_table.block_table.cpu)
+
     def backend(self) -> str:
         return f"BlockPool, {HASH_ALGO} block hashes"
 
 
-__all__ = ["HASH_ALGO", "VLLMPrefixDriver"]
+__all__ = ["HASH_ALGO", "OUT_OF_BLOCKS", "VLLMPrefixDriver"]

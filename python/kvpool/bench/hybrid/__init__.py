@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 from kvpool.bench import cli, command
 from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.hybrid.trace import HybridTraceConfig, generate_hybrid, split
-from kvpool.bench.plot import Bars, Panel
-from kvpool.bench.prefix import QUICK_CONCURRENCY, QUICK_LENGTHS, QUICK_POOLS, QUICK_STEPS, QUICK_WARMUP, figures
+from kvpool.bench.prefix import QUICK_LENGTHS, CachingWorkload
 from kvpool.bench.prefix.result import PrefixResult
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTrace
 from kvpool.bench.report import ratio_line
-from kvpool.bench.workload import Case, Workload
+from kvpool.bench.workload import Case
 
 if TYPE_CHECKING:
     from kvpool.bench.runner import Measurement
@@ -44,14 +43,13 @@ class HybridResult(PrefixResult):
                     sliding_pages=cfg.sliding_pages)
 
 
-class HybridWorkload(Workload):
+class HybridWorkload(CachingWorkload):
     name = "hybrid"
     result_type = HybridResult
     columns = [("scenario", lambda r: r.scenario), PAGE, POOL, ("window", lambda r: str(r.window)),
                ("kvpool pages full + sliding", lambda r: f"{r.full_pages} + {r.sliding_pages}"), ALLOCATOR,
                *STEP_TIMES, ("hit % of prompt", lambda r: f"{100 * r.hit_share:.1f}"), META_MIB]
     plot_title = "Hybrid prefix caching (full + sliding window): host time per step and hit share"
-    plot_inches = (11.0, 3.4)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--scenarios", type=cli.list_of(cli.one_of(list(SCENARIOS), "scenario")),
@@ -72,28 +70,18 @@ class HybridWorkload(Workload):
                        help="replays of each kvpool run; the one with the median mean is reported")
 
     def apply_quick(self, args: argparse.Namespace) -> None:
-        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
-        args.steps, args.warmup, args.repeats = QUICK_STEPS, QUICK_WARMUP, 1
+        super().apply_quick(args)
         args.window = min(args.window, QUICK_WINDOW)
 
     def cases(self, args: argparse.Namespace) -> list[Case]:
         lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}
-        cases = []
-        for sc in args.scenarios:
-            for ps in args.page_sizes:
-                for pool in args.pool_sizes:
-                    base = dict(steps=args.steps, warmup=args.warmup, seed=args.seed,
-                                step_prompt_tokens=args.step_prompt_tokens, window=args.window, **lengths)
-                    cfg = _config(sc, pool, args.concurrency, ps, args.sliding_cache_share, base)
-                    cases.append(Case(cfg, f"{sc} page={ps} pool={size(pool)}", repeats=max(1, args.repeats),
-                                      repeated=frozenset({"kvpool"})))
-        return cases
+        base = dict(steps=args.steps, warmup=args.warmup, seed=args.seed,
+                    step_prompt_tokens=args.step_prompt_tokens, window=args.window, **lengths)
+        return [self.case(_config(sc, pool, args.concurrency, ps, args.sliding_cache_share, base), args)
+                for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes]
 
     def generate(self, config: Any) -> PrefixTrace:
         return generate_hybrid(config)
-
-    def ratios(self, results: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-        return figures.prefix_ratios(results)
 
     def ratio_lines(self, ratios: dict[str, Any]) -> str:
         lines = ["\nHit-rate parity: kvpool's prefix-hit tokens vs vLLM's hybrid coordinator's (target >=):"]
@@ -105,16 +93,6 @@ class HybridWorkload(Workload):
         lines.append(f"vLLM µs/step ÷ kvpool µs/step (target >= {ratios['speedup_target']:g}x):")
         lines += [ratio_line(name, v, "8.1f") for name, v in ratios["baseline_over_kvpool"].items()]
         return "\n".join(lines)
-
-    def panels(self, args: argparse.Namespace) -> list[Panel]:
-        def group(r: Any) -> tuple[str, int]:
-            return (r.scenario, r.num_slots)
-
-        def label(g: tuple[str, int]) -> str:
-            return f"{g[0]}\n{size(g[1])}"
-
-        return [Bars("mean_us", "µs per step (mean)", True, group, label),
-                Bars("hit_share", "prefix-hit share of prompt tokens", False, group, label)]
 
 
 def _config(scenario: str, pool: int, concurrency: int, page_size: int, share: float,

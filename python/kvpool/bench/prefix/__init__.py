@@ -30,14 +30,43 @@ QUICK_LENGTHS = dict(system_len=Dist(256, 1024), user_len=Dist(16, 64), output=D
                      think_steps=Dist(1, 4), parallel_prompt=Dist(64, 512))
 
 
-class PrefixWorkload(Workload):
+class CachingWorkload(Workload):
+    """What the prefix-caching workloads (``prefix``, ``hybrid``) share: their cases, --quick,
+    hit-rate ratios and plot panels."""
+
+    plot_inches = (11.0, 3.4)
+
+    def apply_quick(self, args: argparse.Namespace) -> None:
+        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
+        args.steps, args.warmup, args.repeats = QUICK_STEPS, QUICK_WARMUP, 1
+
+    @staticmethod
+    def case(config: Any, args: argparse.Namespace) -> Case:
+        """One trace's case; only kvpool's run is repeated (--repeats)."""
+        return Case(config, f"{config.scenario} page={config.page_size} pool={size(config.num_slots)}",
+                    repeats=max(1, args.repeats), repeated=frozenset({"kvpool"}))
+
+    def ratios(self, results: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+        return figures.prefix_ratios(results)
+
+    def panels(self, args: argparse.Namespace) -> list[Panel]:
+        def group(r: Any) -> tuple[str, int]:
+            return (r.scenario, r.num_slots)
+
+        def label(g: tuple[str, int]) -> str:
+            return f"{g[0]}\n{size(g[1])}"
+
+        return [Bars("mean_us", "µs per step (mean)", True, group, label),
+                Bars("hit_share", "prefix-hit share of prompt tokens", False, group, label)]
+
+
+class PrefixWorkload(CachingWorkload):
     name = "prefix"
     result_type = PrefixResult
     columns = [("scenario", lambda r: r.scenario), PAGE, POOL, ALLOCATOR, ("cache", lambda r: r.backend),
                *STEP_TIMES, ("hit % of prompt", lambda r: f"{100 * r.hit_share:.1f}"),
                ("pages evicted", lambda r: str(r.evicted_pages)), META_MIB]
     plot_title = "Prefix caching: host time per step and hit share, kvpool vs SGLang and vLLM"
-    plot_inches = (11.0, 3.4)
     reuse_settings = ("concurrency", "steps", "warmup", "seed", "quick")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -52,35 +81,17 @@ class PrefixWorkload(Workload):
                        help="a previous prefix JSON: its rows for allocators not run now join the report "
                             "(same seeded traces when the trace settings agree, which is checked)")
 
-    def apply_quick(self, args: argparse.Namespace) -> None:
-        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
-        args.steps, args.warmup, args.repeats = QUICK_STEPS, QUICK_WARMUP, 1
-
     def cases(self, args: argparse.Namespace) -> list[Case]:
         lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}
-        return [Case(PrefixTraceConfig(sc, pool, args.concurrency, ps, steps=args.steps, warmup=args.warmup,
-                                       seed=args.seed, **lengths),
-                     f"{sc} page={ps} pool={size(pool)}", repeats=max(1, args.repeats), repeated=frozenset({"kvpool"}))
+        return [self.case(PrefixTraceConfig(sc, pool, args.concurrency, ps, steps=args.steps, warmup=args.warmup,
+                                            seed=args.seed, **lengths), args)
                 for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes]
 
     def generate(self, config: Any) -> PrefixTrace:
         return generate(config)
 
-    def ratios(self, results: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-        return figures.prefix_ratios(results)
-
     def ratio_lines(self, ratios: dict[str, Any]) -> str:
         return figures.parity_lines(ratios)
-
-    def panels(self, args: argparse.Namespace) -> list[Panel]:
-        def group(r: Any) -> tuple[str, int]:
-            return (r.scenario, r.num_slots)
-
-        def label(g: tuple[str, int]) -> str:
-            return f"{g[0]}\n{size(g[1])}"
-
-        return [Bars("mean_us", "µs per step (mean)", True, group, label),
-                Bars("hit_share", "prefix-hit share of prompt tokens", False, group, label)]
 
     def machine(self, machine: dict[str, Any]) -> dict[str, Any]:
         # Which TreeCore SGLang's default cache resolves to here: the 'sglang-unified' rows depend on it.
@@ -101,4 +112,4 @@ PREFIX = PrefixWorkload()
 add_arguments = PREFIX.add_arguments
 main = functools.partial(command.main, PREFIX)
 
-__all__ = ["PREFIX", "PrefixWorkload", "add_arguments", "main"]
+__all__ = ["PREFIX", "CachingWorkload", "PrefixWorkload", "add_arguments", "main"]
