@@ -136,6 +136,7 @@ class StepPages:
         # the new K/V into, or None; and whether each layer gathers its pages into its buffer.
         self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._fill = False
+        self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
         # This step: per layer the K and V store views ((k..., ), (v..., )) or None; per layer
         # (k, v) views of the pool for attention, or None and the staging buffer's (k, v).
         self.dst: tuple[Any, Any] | None = None
@@ -151,7 +152,7 @@ class StepPages:
         self.npages, self.length, self.private = 0, -1, private
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
         self._plan, self._spent = [], []
-        self._app, self._fill, self._filled = None, False, -1
+        self._app, self._fill, self._filled, self._plain = None, False, -1, False
         if self._buf is not None and self._buf.shape[2] != batch:
             self._buf, self._cap = None, 0
 
@@ -170,6 +171,7 @@ class StepPages:
                 self._fill = False
                 if self._app is not None:
                     self._filled = length
+                self._plain = self._app is None and self._views is not None
                 return
             plan.clear()
         self._spent.clear()
@@ -197,6 +199,7 @@ class StepPages:
         else:
             self._filled = -1  # the buffers miss this step's tokens
         self._views, self._out = self._attention_views(length)
+        self._plain = self._app is None and not self._fill and self._views is not None
         if self.private:
             self._plan_page(slots, run, b, t, length)
 

@@ -213,7 +213,10 @@ class KVPoolCache(Cache):
                 req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
             layer.seen = req.length
             layer.is_initialized = True
-            return req.pages.kv(layer_idx, key_states, value_states)  # type: ignore[union-attr]  # (req.fast)
+            pages = req.pages
+            if pages._plain:  # type: ignore[union-attr]  # (req.fast): views made by the step, nothing to fill
+                return pages._views[layer_idx]  # type: ignore[union-attr, index]
+            return pages.kv(layer_idx, key_states, value_states)  # type: ignore[union-attr]
         return layer.update(key_states, value_states, *args, **kwargs)
 
     # -- what the pool holds ------------------------------------------------------------
