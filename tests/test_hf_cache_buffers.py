@@ -153,3 +153,19 @@ def test_without_layer_buffers_every_step_gathers_the_same_values():
         e.edit(lambda r: r[[1, 1, 2]])
         e.step(3, 1)
     pool.allocator.check()
+
+
+def test_layer_buffers_are_freed_with_their_cache_not_kept_by_the_pool():
+    import weakref
+
+    pool = make_pool()
+    with torch.inference_mode():
+        cache = KVPoolCache(pool)
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        storage = weakref.ref(cache.requests.pages._stage)
+        e = None
+        cache.close()
+    assert storage() is None, "a closed cache's layer buffers are still alive"
+    with torch.inference_mode(), KVPoolCache(pool) as again:  # and a new cache starts clean
+        interleave(pool, again, Expect(again, seed=2), 3)

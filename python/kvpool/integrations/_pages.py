@@ -250,7 +250,7 @@ class StepPages:
     def _storage(self, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the staging storage, grown (or taken from a closed
         cache of the pool) to hold them."""
-        if self._stage is None:
+        if self._stage is None and not self.layer_buffers:
             try:
                 self._stage = self._spares.pop()
             except IndexError:
@@ -280,11 +280,14 @@ class StepPages:
         self._filled = length
 
     def release(self) -> None:
-        """The rows are closed: the staging storage goes to the pool's next cache (what
-        attention got from it, like views of the freed pages, is no longer valid)."""
+        """The rows are closed: the shared staging buffer goes to the pool's next cache,
+        layer buffers are let go (what attention got from either, like views of the
+        freed pages, is no longer valid)."""
         self.reset(0, private=True)
         stage, self._stage, self._buf, self._cap = self._stage, None, None, 0
-        if stage is not None and len(self._spares) < 2:
+        # Layer buffers hold a copy of the batch's K/V: they are freed with the cache, as
+        # DynamicCache's tensors are, rather than kept alive by the pool.
+        if stage is not None and not self.layer_buffers and len(self._spares) < 2:
             self._spares.append(stage)
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
