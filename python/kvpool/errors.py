@@ -4,7 +4,9 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
 
 - The allocator's (``kvpool._core``, raised by the Rust core): ``PoolExhaustedError``,
   ``InvalidHandleError``, ``TooManyRequestsError``, ``ContextTooLongError``,
-  ``InvalidArgumentError`` (also a ``ValueError``) and ``InvariantError``.
+  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError``, and
+  ``RollbackUnavailableError`` (a grouped pool's truncate that a sliding window or a
+  state group cannot restore).
 - The torch layer's and the kernels' argument errors derive from
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
@@ -23,6 +25,7 @@ from kvpool._core import (
     InvariantError,
     KVPoolError,
     PoolExhaustedError,
+    RollbackUnavailableError,
     TooManyRequestsError,
 )
 
@@ -38,6 +41,7 @@ __all__ = [
     "PoolExhaustedError",
     "RankDivergenceError",
     "ReservedSlotError",
+    "RollbackUnavailableError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",

@@ -82,6 +82,12 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
             (nothing is allocated).
         TritonUnavailableError: a CUDA device and no usable Triton.
 
+    Hybrid models: ``layer_types=[...]`` (Hugging Face names: ``"full_attention"``,
+    ``"sliding_attention"``, ``"linear_attention"``, ``"mamba"``) with
+    ``sliding_window=W`` and ``state_shapes={...}`` builds a ``kvpool.hybrid.HybridKVPool``
+    instead: one group of pages (or state rows) per layer type, per-layer
+    ``write`` / ``read`` / ``page_table`` / ``req_to_token[layer]`` (docs/hybrid.md).
+
     Tensor parallelism: ``tp_rank``/``tp_size`` with ``num_kv_heads`` the model's
     total; the pool holds ``num_kv_heads / tp_size`` heads (``num_kv_heads`` is
     then this rank's count, ``kv_head_start`` its first head; MLA replicates the
@@ -108,6 +114,18 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
     docs/kernels-and-graphs.md ("Streams and threads").
     """
 
+    def __new__(cls, *args: Any, layer_types: Any = None, **kwargs: Any) -> Any:
+        # Hybrid models (layer_types) get the grouped pool; every other call is
+        # today's pool, built by __init__ as before.
+        if layer_types is None:
+            stray = sorted(k for k in ("sliding_window", "state_shapes", "group_pages") if k in kwargs)
+            if stray:
+                raise InvalidArgumentError(f"{', '.join(stray)} applies to hybrid pools: pass layer_types=[...] too")
+            return super().__new__(cls)
+        from kvpool.hybrid import HybridKVPool
+
+        return HybridKVPool(*args, layer_types=layer_types, **kwargs)
+
     def __init__(
         self,
         num_layers: int,
@@ -124,6 +142,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         max_requests: int = 256,
         max_context_len: int = 4096,
         layout: str = "token",
+        layer_types: None = None,  # not None: KVPool.__new__ built a HybridKVPool instead
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
         compute_dtype: torch.dtype | None = None,

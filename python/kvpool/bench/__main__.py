@@ -1,4 +1,4 @@
-"""``python -m kvpool.bench {churn,ops,overhead,prefix,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
+"""``python -m kvpool.bench {churn,ops,overhead,prefix,hybrid,hybrid-memory,route,events} [--out DIR] [...]``: outputs go under DIR (default: the current directory)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
                              "small shared host, more threads make them slower and noisier)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvpool.bench import churn, ops, overhead, prefix, route
+    from kvpool.bench import churn, hybrid, hybrid_memory, ops, overhead, prefix, route
 
     commands = [
         ("churn", "continuous-batching slot churn, kvpool vs SGLang and vLLM", churn.add_arguments, churn.main),
@@ -22,6 +22,10 @@ def main(argv: Optional[list[str]] = None) -> int:
          "a fresh pool's first burst", overhead.add_arguments, overhead.main),
         ("prefix", "prefix caching: hit rate and host µs/step, kvpool vs SGLang and vLLM", prefix.add_arguments,
          prefix.main),
+        ("hybrid", "prefix caching on full + sliding-window layer groups: hit rate and host µs/step, kvpool vs "
+         "vLLM's hybrid coordinator", hybrid.add_arguments, hybrid.main),
+        ("hybrid-memory", "layer groups (full + sliding window): device bytes per request and concurrent requests "
+         "at 32K, vs every layer in full", hybrid_memory.add_arguments, hybrid_memory.main),
         ("route", "cache-aware routing over 4 pools by their KV events, vs round-robin", route.add_arguments,
          route.main),
         ("events", "cost of publishing a step's KV events (ZmqEventPublisher.publish)", route.add_events_arguments,

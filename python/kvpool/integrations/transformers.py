@@ -54,6 +54,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
                       f"found transformers {transformers.__version__}")
 
+from kvpool.integrations._hybrid import hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.pool import KVPool
 
@@ -165,6 +166,14 @@ class KVPoolCache(Cache):
     Use each cache for one batch and close it (``with`` block, ``close()``) to give the
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
     """
+
+    def __new__(cls, pool: Any = None, **kwargs: Any) -> Any:
+        # A hybrid pool (KVPool(layer_types=...)) gets the cache whose layers follow its groups.
+        if cls is KVPoolCache and getattr(pool, "groups", None) is not None:
+            from kvpool.integrations._hybrid_cache import HybridKVPoolCache
+
+            return super().__new__(HybridKVPoolCache)
+        return super().__new__(cls)
 
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None,
                  layer_buffers: bool = True) -> None:
@@ -338,5 +347,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)
+    for key, value in hybrid_pool_kwargs(text, ctx).items():  # sliding / linear-attention layers
+        pool_kwargs.setdefault(key, value)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)

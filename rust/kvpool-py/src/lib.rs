@@ -10,6 +10,8 @@ mod convert;
 mod errors;
 mod events;
 mod extend;
+mod grouped;
+mod grouped_queries;
 mod handles_arg;
 mod hashing;
 mod kv_events;
@@ -27,6 +29,7 @@ mod widen;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<allocator::PySlotAllocator>()?;
+    m.add_class::<grouped::PyGroupedAllocator>()?;
     m.add_class::<stats::PoolStats>()?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;

@@ -28,6 +28,10 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "sglang-unified": "sglang_prefix:SGLangUnifiedPrefixDriver",
         "vllm": "vllm_prefix:VLLMPrefixDriver",
     },
+    "hybrid": {
+        "kvpool": "kvpool_hybrid:KVPoolHybridDriver",
+        "vllm": "vllm_hybrid:VLLMHybridDriver",
+    },
 }
 
 

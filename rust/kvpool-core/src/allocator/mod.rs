@@ -14,7 +14,9 @@
 //! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
 //! (`prefix.rs`, `cache.rs`, `evict.rs`), transfers between pools
 //! (`prefix_transfer.rs`), retention priorities (`retention.rs`), reading
-//! (`queries.rs`) and `check.rs`.
+//! (`queries.rs`) and `check.rs`; `group_hooks.rs` is what a grouped pool
+//! (`groups/`) asks of the allocator that carries its request table and
+//! anchor chain.
 
 pub(crate) mod cache;
 mod check;
@@ -23,6 +25,7 @@ mod evict;
 pub(crate) mod extend;
 mod extend_checks;
 mod fork;
+pub(crate) mod group_hooks;
 mod grow;
 mod open;
 pub(crate) mod options;

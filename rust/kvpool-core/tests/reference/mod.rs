@@ -29,6 +29,10 @@ pub enum Kind {
     TooMany,
     TooLong,
     Arg,
+    /// A grouped pool's group short of pages or slots.
+    GroupExhausted(usize),
+    /// A grouped pool's group that cannot roll a request back.
+    Rollback(usize),
 }
 
 pub fn kind(e: &PoolError) -> Kind {
@@ -38,6 +42,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::TooManyRequests { .. } => Kind::TooMany,
         PoolError::ContextTooLong { .. } => Kind::TooLong,
         PoolError::InvalidArgument(_) => Kind::Arg,
+        PoolError::GroupExhausted(e) => Kind::GroupExhausted(e.group),
+        PoolError::RollbackUnavailable(e) => Kind::Rollback(e.group),
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
     }
 }
@@ -52,6 +58,9 @@ pub struct Req {
     pub hashed: usize,
     pub chain_reg: u64,
     pub broken: bool,
+    /// The registration id the chain reached at each of its pages (what a
+    /// grouped pool files its other groups' pages under).
+    pub regs: Vec<u64>,
 }
 
 impl Req {
@@ -170,7 +179,7 @@ impl Model {
         Ok(rows)
     }
 
-    fn take_page(&mut self) -> usize {
+    pub fn take_page(&mut self) -> usize {
         if let Some(p) = self.free.pop() {
             return p;
         }
@@ -191,11 +200,11 @@ impl Model {
         true
     }
 
-    fn hold(&mut self, p: usize) {
+    pub fn hold(&mut self, p: usize) {
         self.lru.retain(|&q| q != p);
     }
 
-    fn new_row(&mut self, salt: i64) -> (usize, i64) {
+    pub fn new_row(&mut self, salt: i64) -> (usize, i64) {
         let row = self.free_rows.pop().unwrap();
         self.generation[row] += 1;
         self.reqs.insert(
@@ -227,49 +236,72 @@ impl Model {
             return Err(Kind::TooMany);
         }
         // Matches first (nothing changes), then hits.
-        let mut found = Vec::new();
-        for (p, &salt) in prompts.iter().zip(salts) {
-            let max = p.len().saturating_sub(1) / self.ps;
-            let (mut pages, mut prev) = (Vec::new(), 0u64);
-            for k in 0..max {
-                match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
-                    Some((page, e)) if e.parent_reg == prev => {
-                        pages.push(page);
-                        prev = e.reg;
-                    }
-                    _ => break,
-                }
-            }
-            found.push((pages, prev));
-        }
+        let found: Vec<_> = prompts
+            .iter()
+            .zip(salts)
+            .map(|(p, &salt)| self.match_prompt(p, salt))
+            .collect();
         let (mut hs, mut cached) = (Vec::new(), Vec::new());
-        for ((p, &salt), (pages, prev)) in prompts.iter().zip(salts).zip(found) {
-            let (row, h) = self.new_row(salt);
-            for &q in &pages {
-                self.hold(q);
-            }
-            let len = pages.len() * self.ps;
-            let r = self.reqs.get_mut(&row).unwrap();
-            r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
-            r.pages = pages.clone();
-            r.prompt = p.clone();
-            r.hashed = pages.len();
-            r.chain_reg = prev;
-            self.hit += len as u64;
-            self.miss += (p.len() - len) as u64;
+        for ((p, &salt), (pages, regs)) in prompts.iter().zip(salts).zip(found) {
+            let (h, len) = self.open_matched(p, salt, &pages, &regs);
             hs.push(h);
             cached.push(len as i64);
         }
         Ok((hs, cached))
     }
 
-    /// `tokens`: per request, the ids given for its new positions (or None).
-    pub fn extend(
+    /// The cached pages of `p`'s longest verified prefix (at most
+    /// `(len - 1) / ps` pages) and their registration ids.
+    pub fn match_prompt(&self, p: &[i32], salt: i64) -> (Vec<usize>, Vec<u64>) {
+        let max = p.len().saturating_sub(1) / self.ps;
+        let (mut pages, mut regs, mut prev) = (Vec::new(), Vec::new(), 0u64);
+        for k in 0..max {
+            match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
+                Some((page, e)) if e.parent_reg == prev => {
+                    pages.push(page);
+                    regs.push(e.reg);
+                    prev = e.reg;
+                }
+                _ => break,
+            }
+        }
+        (pages, regs)
+    }
+
+    /// Opens a request with prompt `p` on the matched `pages` (ids `regs`);
+    /// returns its handle and length.
+    pub fn open_matched(
         &mut self,
+        p: &[i32],
+        salt: i64,
+        pages: &[usize],
+        regs: &[u64],
+    ) -> (i64, usize) {
+        let (row, h) = self.new_row(salt);
+        for &q in pages {
+            self.hold(q);
+        }
+        let len = pages.len() * self.ps;
+        let r = self.reqs.get_mut(&row).unwrap();
+        r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
+        r.pages = pages.to_vec();
+        r.prompt = p.to_vec();
+        r.hashed = pages.len();
+        r.chain_reg = regs.last().copied().unwrap_or(0);
+        r.regs = regs.to_vec();
+        self.hit += len as u64;
+        self.miss += (p.len() - len) as u64;
+        (h, len)
+    }
+
+    /// extend's checks in its order but the pages available: handles,
+    /// counts, lengths, then token ids. Returns the pages it needs.
+    pub fn extend_checks(
+        &self,
         hs: &[i64],
         cs: &[i64],
         tokens: Option<&[i64]>,
-    ) -> Result<Vec<i64>, Kind> {
+    ) -> Result<usize, Kind> {
         let mut rows = Vec::new();
         let mut need = 0;
         for (i, &h) in hs.iter().enumerate() {
@@ -308,9 +340,21 @@ impl Model {
                 k += cs[i] as usize;
             }
         }
+        Ok(need)
+    }
+
+    /// `tokens`: per request, the ids given for its new positions (or None).
+    pub fn extend(
+        &mut self,
+        hs: &[i64],
+        cs: &[i64],
+        tokens: Option<&[i64]>,
+    ) -> Result<Vec<i64>, Kind> {
+        let need = self.extend_checks(hs, cs, tokens)?;
         if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
         }
+        let rows = self.rows(hs)?;
         let mut out = Vec::new();
         let mut k = 0;
         for (i, &r) in rows.iter().enumerate() {
@@ -408,6 +452,7 @@ impl Model {
                     req.chain_reg = 0;
                 }
             }
+            req.regs.truncate(req.hashed);
         }
     }
 
@@ -419,7 +464,7 @@ impl Model {
         Ok(())
     }
 
-    fn register(&mut self, r: usize) {
+    pub fn register(&mut self, r: usize) {
         let req = self.reqs[&r].clone();
         if req.broken {
             return;
@@ -428,6 +473,7 @@ impl Model {
         let mut chain_reg = req.chain_reg;
         let mut k = req.hashed;
         let mut broken = false;
+        let mut regs = req.regs.clone();
         while k < known / self.ps {
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
@@ -456,6 +502,7 @@ impl Model {
             match reg {
                 Some(reg) => {
                     chain_reg = reg;
+                    regs.push(reg);
                     k += 1;
                 }
                 None => {
@@ -468,6 +515,7 @@ impl Model {
         req.hashed = k;
         req.chain_reg = chain_reg;
         req.broken = broken;
+        req.regs = regs;
     }
 
     pub fn close(&mut self, hs: &[i64], cache: bool) -> Result<(), Kind> {
@@ -535,6 +583,7 @@ impl Model {
             r.hashed = 0;
             r.chain_reg = 0;
             r.broken = false;
+            r.regs.clear();
         }
     }
 }

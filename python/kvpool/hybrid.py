@@ -1,0 +1,408 @@
+"""``KVPool`` for hybrid models: layer groups with sliding windows and recurrent state.
+
+``KVPool(..., layer_types=[...])`` builds this pool (``KVPool.__new__`` hands the
+call here); without ``layer_types`` it is the plain pool, untouched. The core's
+``GroupedAllocator`` owns pages and state slots; this layer owns every tensor:
+
+- per attention group, each layer's K and V caches (``KVStorage``, the pool's
+  layout) and a request-to-token table (``req_to_token[layer]``); a sliding
+  group holds only the pages of each request's window, and the positions the
+  window released read as the null page's slots;
+- per state group, for each layer and each name of ``state_shapes``, a
+  ``[num_slots, *shape]`` tensor (``state(layer, name)``); a request's row is
+  ``state_slots(handles, layer)``.
+
+Every request call acts on all groups at once (atomically, in the core) and
+then runs the copies the core queued: copy-on-write of shared pages, and for
+state groups the zeroing of a new request's slot, a fork's copy of its
+parent's state, a checkpoint and a restore. Every tensor is created under
+``persistent()``, as for the plain pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool.capacity import free_device_memory
+from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
+from kvpool.hybrid_plan import (
+    LayerGroup,
+    plan_groups,
+    plan_states,
+    primary_pages_for_budget,
+)
+from kvpool.kernels import copy_slots, require_triton, write_req_to_token
+from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
+from kvpool.modes import persistent
+from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.validate import check_layer, check_rows, slots_tensor
+
+__all__ = ["HybridExtendResult", "HybridKVPool"]
+
+
+class _LayerTables(Sequence[torch.Tensor]):
+    """``req_to_token[layer]``: the request-to-token table of the layer's group."""
+
+    def __init__(self, pool: HybridKVPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_layers
+
+    def __getitem__(self, layer: Any) -> Any:
+        return self._pool._tables[self._pool._page_group(layer).index]
+
+
+_UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1}
+
+
+class HybridKVPool(HybridRequestOps):
+    """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
+
+    Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
+    sliding_window=W, state_shapes={...}, ...)``. Sizes: ``num_pages`` (or
+    ``num_slots``) and ``page_size`` as for the plain pool size each full group
+    (each sliding group when there is none); ``page_size`` may also be a dict
+    by layer type; ``group_pages={layer_type: N}`` sets any group's pages (a
+    state group's slots) explicitly; other groups get what their requests can
+    need at once (``kvpool.hybrid_plan.plan_groups``); with ``memory_bytes`` /
+    ``memory_fraction`` the full group (else the sliding one) gets what the
+    others leave. MLA, fp8 and tensor parallelism are the plain pool's only
+    (``InvalidArgumentError``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        layer_types: Sequence[str],
+        sliding_window: int | None = None,
+        state_shapes: Mapping[str, Any] | None = None,
+        group_pages: Mapping[str, int] | None = None,
+        dtype: torch.dtype = torch.float16,
+        device: Any = "cpu",
+        page_size: Any = 1,
+        num_pages: int | None = None,
+        num_slots: int | None = None,
+        memory_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        max_requests: int = 256,
+        max_context_len: int = 4096,
+        layout: str = "token",
+        compute_dtype: torch.dtype | None = None,
+        hash_seed: int | None = None,
+        handle_seed: int | None = None,
+        kv_events: bool = True,
+        **plain_only: Any,
+    ) -> None:
+        for name, value in plain_only.items():
+            if name not in _UNSUPPORTED:
+                raise TypeError(f"KVPool() got an unexpected keyword argument {name!r}")
+            if value != _UNSUPPORTED[name]:
+                raise InvalidArgumentError(
+                    f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
+                    "per-head K/V and is not sharded)")
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_requests", max_requests), ("max_context_len", max_context_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.max_requests, self.max_context_len = int(max_requests), int(max_context_len)
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
+            raise InvalidArgumentError(f"dtype must be a floating, non-fp8 torch.dtype with layer_types, got {dtype!r}")
+        if compute_dtype is not None and compute_dtype != dtype:
+            raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
+        self.layout, self.dtype, self.compute_dtype, self.device = layout, dtype, dtype, as_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"a KVPool lives on a 'cpu' or 'cuda' device, got {self.device}")
+        require_triton(self.device)
+        self.mla, self.fp8 = False, False
+        if num_pages is not None and num_slots is not None:
+            raise InvalidArgumentError("pass num_pages or num_slots, not both")
+        if num_slots is not None:
+            p = page_size.get("full_attention", page_size.get("sliding_attention", 1)) \
+                if isinstance(page_size, Mapping) else page_size
+            if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or \
+                    not isinstance(p, int) or p < 1 or num_slots < 2 * p or num_slots % p:
+                raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r}")
+            num_pages = num_slots // p
+        self.layer_types = tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
+        plan: dict[str, Any] = dict(
+            layer_types=layer_types, num_layers=self.num_layers, sliding_window=sliding_window,
+            page_size=page_size, group_pages=group_pages, max_requests=self.max_requests,
+            max_context_len=self.max_context_len)
+        has_state = any(g.kind == "state" for g in plan_groups(num_pages=2, **plan))
+        self.state_shapes = plan_states(state_shapes, dtype, has_state)
+        if memory_bytes is not None or memory_fraction is not None:
+            num_pages = self._budget_pages(num_pages, num_slots, memory_bytes, memory_fraction, plan)
+        self.groups: list[LayerGroup] = plan_groups(num_pages=num_pages, **plan)
+        self.sliding_window = next((g.window for g in self.groups if g.window is not None), None)
+        # The core checks every size and seed before any tensor exists.
+        self.allocator = GroupedAllocator(
+            [g.spec() for g in self.groups], self.max_requests, self.max_context_len, hash_seed=hash_seed,
+            handle_seed=handle_seed, kv_events=kv_events)
+        self._lock = threading.RLock()
+        group_of = [0] * self.num_layers
+        for g in self.groups:
+            for layer in g.layers:
+                group_of[layer] = g.index
+        self.group_of_layer = tuple(group_of)
+        self._slot_in_group = {layer: i for g in self.groups for i, layer in enumerate(g.layers)}
+        self._storage: list[KVStorage | None] = []
+        self._tables: list[torch.Tensor | None] = []
+        self._states: list[dict[str, torch.Tensor] | None] = []
+        with persistent():
+            for g in self.groups:
+                if g.kind == "state":
+                    self._storage.append(None)
+                    self._tables.append(None)
+                    self._states.append({
+                        f"{layer}.{name}": torch.zeros((g.num_pages,) + shape, dtype=dt, device=self.device)
+                        for layer in g.layers for name, (shape, dt) in self.state_shapes.items()})
+                    continue
+                self._storage.append(KVStorage(
+                    num_layers=len(g.layers), num_pages=g.num_pages, page_size=g.page_size,
+                    heads=self.num_kv_heads, dim=self.head_dim, dtype=dtype, device=self.device, layout=layout,
+                    mla=False))
+                self._tables.append(torch.zeros((self.max_requests + 1, padded_row_stride(self.max_context_len)),
+                                                dtype=torch.int32, device=self.device)[:, : self.max_context_len])
+                self._states.append(None)
+        self.req_to_token = _LayerTables(self)
+        # CPU: the core writes new slots straight into numpy views of the tables
+        # inside extend's one crossing; elsewhere the pool scatters them.
+        self._tables_np: list[np.ndarray | None] | None = (
+            [None if t is None else t.numpy() for t in self._tables] if self.device.type == "cpu" else None)
+        self.null_row = self.max_requests
+        self.copied_slots = 0
+
+    def _budget_pages(self, num_pages: Any, num_slots: Any, memory_bytes: Any, memory_fraction: Any,
+                      plan: dict[str, Any]) -> int:
+        """Pages of the primary group from a memory budget (the other groups get their need)."""
+        if sum(x is not None for x in (num_pages, num_slots, memory_bytes, memory_fraction)) != 1:
+            raise InvalidArgumentError("give one of num_pages, num_slots, memory_bytes, memory_fraction")
+        if memory_fraction is not None:
+            if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or \
+                    not 0.0 < memory_fraction <= 1.0:
+                raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+            budget = int(free_device_memory(self.device) * memory_fraction)
+        else:
+            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 0:
+                raise InvalidArgumentError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
+            budget = int(memory_bytes)
+        token = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return primary_pages_for_budget(budget, token_bytes=token, states=self.state_shapes,
+                                        table_bytes=(self.max_requests + 1) * padded_row_stride(self.max_context_len) * 4,
+                                        **plan)
+
+    # ----- geometry ---------------------------------------------------------------
+
+    def group(self, layer: int) -> LayerGroup:
+        """The group ``layer`` belongs to.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        return self.groups[self.group_of_layer[check_layer(layer, self.num_layers)]]
+
+    def _page_group(self, layer: Any) -> LayerGroup:
+        g = self.group(layer)
+        if g.kind == "state":
+            raise InvalidArgumentError(
+                f"layer {layer} is a {g.layer_type} layer: it has state slots (state(layer, name), "
+                "state_slots(handles, layer)), not K/V pages")
+        return g
+
+    def _state_group(self, layer: Any) -> LayerGroup:
+        g = self.group(layer)
+        if g.kind != "state":
+            raise InvalidArgumentError(f"layer {layer} is a {g.layer_type} layer: it has K/V pages, not state")
+        return g
+
+    def page_size_of(self, layer: int) -> int:
+        """Tokens per page of ``layer``'s group."""
+        return self._page_group(layer).page_size
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's K cache in the pool's layout (its group's slots). A view, no copy."""
+        g = self._page_group(layer)
+        st = self._storage[g.index]
+        assert st is not None
+        return st.shaped[0][self._slot_in_group[layer]]
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """Layer's V cache in the pool's layout. A view, no copy."""
+        g = self._page_group(layer)
+        st = self._storage[g.index]
+        assert st is not None
+        return st.shaped[1][self._slot_in_group[layer]]
+
+    def state(self, layer: int, name: str) -> torch.Tensor:
+        """Layer's state tensor ``name``: ``[num_slots, *state_shapes[name]]``; a request's
+        row is its ``state_slots``.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError: not a state layer, or no such name.
+        """
+        g = self._state_group(layer)
+        if name not in self.state_shapes:
+            raise InvalidArgumentError(f"no state named {name!r}; state_shapes has {sorted(self.state_shapes)}")
+        states = self._states[g.index]
+        assert states is not None
+        return states[f"{layer}.{name}"]
+
+    # ----- memory figures -----------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V caches and state tensors of every group."""
+        kv = sum(s.nbytes for s in self._storage if s is not None)
+        return kv + sum(t.numel() * t.element_size() for st in self._states if st for t in st.values())
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Tables and allocator metadata."""
+        tables = sum(t.untyped_storage().nbytes() for t in self._tables if t is not None)
+        return tables + int(self.allocator.metadata_bytes)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every persistent tensor the pool owns (``audit`` walks these)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for g, st, table, states in zip(self.groups, self._storage, self._tables, self._states):
+            if st is not None and table is not None:
+                out += [(f"{g.layer_type}.{name}", t) for name, t in st.tensors()]
+                out.append((f"{g.layer_type}.req_to_token", table))
+            if states:
+                out += [(f"{g.layer_type}.state.{k}", t) for k, t in states.items()]
+        return out
+
+    # ----- writes and reads ------------------------------------------------
+
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer`` (slots of its group).
+        Negative slots are padding and skipped; everything is checked first.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError (a state layer), SlotRangeError,
+            TensorShapeError, TensorDtypeError, TensorDeviceError: nothing written.
+        """
+        g = self._page_group(layer)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        for name, x in (("k", k), ("v", v)):
+            check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        k, v = k.detach(), v.detach()
+        if negative:
+            keep = (idx >= 0).nonzero().squeeze(1)
+            idx, k, v = idx.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        st.flat[0][i].index_copy_(0, idx.long(), k)
+        st.flat[1][i].index_copy_(0, idx.long(), v)
+
+    def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""
+        st = self._storage[self.group_of_layer[layer]]
+        assert st is not None
+        b, h, t, d = k.shape
+        i = self._slot_in_group[layer]
+        st.flat[0][i].index_copy_(0, idx, k.detach().transpose(1, 2).reshape(b * t, h, d))
+        st.flat[1][i].index_copy_(0, idx, v.detach().transpose(1, 2).reshape(b * t, h, d))
+
+    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
+        g = self._page_group(layer)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        idx = idx.long()
+        safe = idx.clamp(min=0) if negative else idx
+        k, v = st.flat[0][i].index_select(0, safe), st.flat[1][i].index_select(0, safe)
+        if negative:
+            pad = (idx < 0).view(-1, 1, 1)
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        return k, v
+
+    # ----- copies the core queued ------------------------------------------
+
+    def _run_copies(self, handles: Any = None) -> None:
+        """Run every group's queued copies (before anything writes the group again).
+
+        Page groups: copy-on-write of every layer's K and V. State groups: each
+        pair copies every state tensor's row ``src`` to ``dst``; ``src = -1``
+        zeroes ``dst`` (a new request starts from the empty state). On a device
+        pool the core cannot write the tables, so the rows of ``handles`` are
+        rewritten from the core when a page group moved some of their slots.
+        """
+        alloc = self.allocator
+        for g in self.groups:
+            if not alloc.pending_copies(g.index):
+                continue
+            src, dst = alloc.take_copies(g.index)
+            if src.shape[0] == 0:
+                continue
+            if g.kind != "state":
+                st = self._storage[g.index]
+                assert st is not None
+                s = torch.from_numpy(src).to(self.device)
+                d = torch.from_numpy(dst).to(self.device)
+                copy_slots(st.flat[0] + st.flat[1], s, d)
+                self.copied_slots += int(src.shape[0])
+                if self._tables_np is None and handles is not None:
+                    self._sync_rows(np.asarray(handles, dtype=np.int64).reshape(-1), g)
+                continue
+            states = self._states[g.index]
+            assert states is not None
+            live = src >= 0
+            s = torch.from_numpy(src[live]).to(self.device)
+            d = torch.from_numpy(dst[live]).to(self.device)
+            z = torch.from_numpy(dst[~live]).to(self.device)
+            for t in states.values():
+                if s.shape[0]:
+                    t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
+                if z.shape[0]:
+                    t.index_fill_(0, z, 0)
+
+    def _sync_rows(self, handles: np.ndarray, g: LayerGroup) -> None:
+        """Write each request's slots of page group ``g`` into its table row (device pools)."""
+        table = self._tables[g.index]
+        assert table is not None
+        if handles.shape[0] == 0:
+            return
+        parts = [self.allocator.slots(int(h), g.index) for h in handles]
+        counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
+        rows = self.allocator.rows(handles)
+        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
+        write_req_to_token(table, dev(rows), dev(np.zeros_like(counts)), dev(counts), dev(np.concatenate(parts)))
+
+    def _write_new_rows(self, handles: np.ndarray) -> None:
+        """Tables of requests that got slots without an extend (fork, prefix hit)."""
+        for g in self.groups:
+            if g.kind == "state":
+                continue
+            if self._tables_np is not None:
+                table = self._tables_np[g.index]
+                assert table is not None
+                self.allocator.fill_table(handles, table, g.index)
+            else:
+                self._sync_rows(handles, g)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(
+            f"{g.layer_type}(layers={len(g.layers)}, "
+            + (f"slots={g.num_pages})" if g.kind == "state" else
+               f"pages={g.num_pages}, page_size={g.page_size}" + (f", window={g.window})" if g.window else ")"))
+            for g in self.groups)
+        return (f"KVPool(hybrid: {groups}; heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, device={self.device}, nbytes={self.nbytes})")
+

@@ -1,0 +1,241 @@
+"""Request operations and queries of a hybrid ``KVPool`` (``kvpool.hybrid``).
+
+Each is one call into the core's ``GroupedAllocator`` (all groups at once,
+atomic, typed errors with nothing changed), holding the pool's lock for calls
+that change ownership, followed by what the torch side owes the core: the new
+slots into each group's table, and the copies the core queued (copy-on-write,
+state zeroing, forks, checkpoints, restores), run before the call returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from kvpool.kernels import write_req_to_token
+from kvpool.tables import PageTable, page_table_tensors
+
+__all__ = ["HybridExtendResult", "HybridRequestOps"]
+
+
+class HybridExtendResult(NamedTuple):
+    """New slots of an ``extend``, per group (``pool.groups`` order; empty for a state group):
+    host int64 arrays and int64 tensors on the pool's device. ``for_layer`` picks a layer's."""
+
+    slots: list[np.ndarray]
+    out_cache_loc: list[torch.Tensor]
+    group_of_layer: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """The new slots of ``layer``'s group, on the pool's device."""
+        return self.out_cache_loc[self.group_of_layer[layer]]
+
+
+class HybridRequestOps:
+    """Mixin: ``HybridKVPool``'s request operations, queries and counters."""
+
+    allocator: Any
+    groups: list[Any]
+    group_of_layer: tuple[int, ...]
+    device: torch.device
+    _lock: Any
+    _tables: list[Any]
+    _tables_np: list[np.ndarray | None] | None
+    _run_copies: Any
+    _write_new_rows: Any
+    _page_group: Any
+    _state_group: Any
+    group: Any
+
+    # ----- request operations -------------------------------------------------
+
+    def open(self, n: int = 1) -> np.ndarray:
+        """Open ``n`` empty requests in every group (a state slot each, zeroed).
+        See ``GroupedAllocator.open``."""
+        with self._lock:
+            handles = self.allocator.open(n)
+            self._run_copies()
+            return handles
+
+    def _result(self, slots: list[np.ndarray]) -> HybridExtendResult:
+        if self.device.type == "cpu":
+            loc = [torch.from_numpy(s) for s in slots]
+        else:
+            loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
+        return HybridExtendResult(slots, loc, self.group_of_layer)
+
+    def extend(self, handles: Any, counts: Any, tokens: Any = None) -> HybridExtendResult:
+        """Grow requests by ``counts`` tokens in every group and write the new slots
+        into each group's table; sliding groups release the pages that fell out
+        of the window. See ``GroupedAllocator.extend``. Copy-on-write copies run
+        here. Atomic as the core's call."""
+        with self._lock:
+            if self._tables_np is not None:
+                slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
+            else:
+                h = np.asarray(handles, dtype=np.int64).reshape(-1)
+                starts = self.allocator.lengths(h)
+                slots = self.allocator.extend(h, counts, tokens=tokens)
+                self._scatter(h, starts, np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape), slots)
+            self._run_copies(handles)
+            return self._result(slots)
+
+    def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                 slots: list[np.ndarray]) -> None:
+        rows = self.allocator.rows(handles)
+        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
+        for g, s in zip(self.groups, slots):
+            table = self._tables[g.index]
+            if table is not None:
+                write_req_to_token(table, dev(rows), dev(starts), dev(counts), dev(s))
+
+    def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, HybridExtendResult]:
+        """Open ``len(counts)`` requests and extend each (``open`` then ``extend``, atomic).
+        See ``GroupedAllocator.admit``."""
+        with self._lock:
+            if self._tables_np is not None:
+                handles, slots = self.allocator.admit(counts, tokens=tokens, tables=self._tables_np)
+            else:
+                handles, slots = self.allocator.admit(counts, tokens=tokens)
+                c = np.asarray(counts, dtype=np.int64).reshape(-1)
+                self._scatter(handles, np.zeros_like(c), c, slots)
+            self._run_copies(handles)
+            return handles, self._result(slots)
+
+    def truncate(self, handles: Any, lengths: Any) -> None:
+        """Shorten requests in every group. See ``GroupedAllocator.truncate``: a sliding
+        group needs the new length's window still held, a state group a checkpoint
+        at exactly the new length (restored here); otherwise
+        ``RollbackUnavailableError`` and nothing changes."""
+        with self._lock:
+            self.allocator.truncate(handles, lengths)
+            self._run_copies(handles)
+
+    def close(self, handles: Any, cache: bool = False) -> None:
+        """Close requests in every group. See ``GroupedAllocator.close``."""
+        with self._lock:
+            self.allocator.close(handles, cache=cache)
+            self._run_copies()
+
+    def cache(self, handles: Any) -> None:
+        """Publish requests' full pages (and state checkpoints) in every group.
+        See ``GroupedAllocator.cache``; the checkpoint copies run here."""
+        with self._lock:
+            self.allocator.cache(handles)
+            self._run_copies()
+
+    def fork(self, handle: Any, n: int = 1) -> np.ndarray:
+        """``n`` copies of a request in every group (shared pages; state copied here).
+        See ``GroupedAllocator.fork``."""
+        with self._lock:
+            handles = self.allocator.fork(handle, n)
+            self._run_copies()
+            self._write_new_rows(handles)
+            return handles
+
+    def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Open requests on their longest prefix every group has cached (state restored
+        from its checkpoint here). See ``GroupedAllocator.open_with_prefix``."""
+        with self._lock:
+            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
+            self._run_copies()
+            self._write_new_rows(handles)
+            return handles, cached
+
+    def evict(self, layer: int, n: int) -> int:
+        """Evict up to ``n`` cached pages (checkpoints) of ``layer``'s group, LRU first."""
+        with self._lock:
+            return self.allocator.evict(self.group(layer).index, n)
+
+    def clear_cache(self) -> None:
+        """Drop every cached page and checkpoint of every group."""
+        with self._lock:
+            self.allocator.clear_cache()
+
+    def reset(self) -> None:
+        """Close every request in every group."""
+        with self._lock:
+            self.allocator.reset()
+            self._run_copies()
+
+    # ----- queries -----------------------------------------------------------
+
+    def check(self) -> None:
+        """Verify every invariant of every group. See ``GroupedAllocator.check``."""
+        self.allocator.check()
+
+    def is_open(self, handle: Any) -> bool:
+        return self.allocator.is_open(handle)
+
+    def length(self, handle: Any) -> int:
+        return self.allocator.length(handle)
+
+    def lengths(self, handles: Any) -> np.ndarray:
+        return self.allocator.lengths(handles)
+
+    def rows(self, handles: Any) -> np.ndarray:
+        return self.allocator.rows(handles)
+
+    def known_tokens(self, handle: Any) -> np.ndarray:
+        return self.allocator.known_tokens(handle)
+
+    def take_events(self) -> dict[str, np.ndarray]:
+        return self.allocator.take_events()
+
+    def slots(self, handle: Any, layer: int) -> np.ndarray:
+        """Every slot of the request in ``layer``'s group, in token order (released
+        window positions read as the null page's slots)."""
+        return self.allocator.slots(handle, self._page_group(layer).index)
+
+    def pages(self, handle: Any, layer: int) -> np.ndarray:
+        """The request's page list in ``layer``'s group (0 where the window released it)."""
+        return self.allocator.pages(handle, self._page_group(layer).index)
+
+    def held_tokens(self, handle: Any, layer: int) -> int:
+        """Tokens' worth of pages the request holds in ``layer``'s group (held pages x page size)."""
+        g = self._page_group(layer)
+        return int(np.count_nonzero(self.allocator.pages(handle, g.index))) * g.page_size
+
+    def page_table(self, handles: Any, layer: int) -> PageTable:
+        """FlashInfer's CSR page table of ``layer``'s group: a sliding group's
+        carries only each request's window pages. See ``GroupedAllocator.page_table``."""
+        indptr, indices, last = self.allocator.page_table(handles, self._page_group(layer).index)
+        return page_table_tensors(indptr, indices, last, self.device)
+
+    def state_slots(self, handles: Any, layer: int) -> np.ndarray:
+        """Each request's state slot in ``layer``'s group (read it again after truncate)."""
+        return self.allocator.state_slots(handles, self._state_group(layer).index)
+
+    @property
+    def open_requests(self) -> int:
+        return self.allocator.open_requests
+
+    @property
+    def admissible_requests(self) -> int:
+        return self.allocator.admissible_requests
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.allocator.hit_tokens
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.allocator.miss_tokens
+
+    def admissible_tokens(self, layer: int | None = None) -> int:
+        """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
+        return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)
+
+    def free_pages(self, layer: int) -> int:
+        return self.allocator.free_pages(self.group(layer).index)
+
+    def used_pages(self, layer: int) -> int:
+        return self.allocator.used_pages(self.group(layer).index)
+
+    def cached_pages(self, layer: int) -> int:
+        return self.allocator.cached_pages(self.group(layer).index)
+
+    def capacity_pages(self, layer: int) -> int:
+        return self.allocator.capacity_pages(self.group(layer).index)

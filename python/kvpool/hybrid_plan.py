@@ -1,0 +1,198 @@
+"""How a hybrid ``KVPool`` splits its layers into groups and its memory between them.
+
+Layers are named as in Hugging Face configs (``config.layer_types``). Layers with
+the same lifetime rule share one group of the core's ``GroupedAllocator``: every
+``"full_attention"`` layer one ``full`` group, every ``"sliding_attention"`` layer
+one ``sliding`` group of the pool's window, ``"linear_attention"`` and ``"mamba"``
+layers one ``state`` group each. Nothing here allocates memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool._core import InvalidArgumentError
+
+__all__ = ["LAYER_KINDS", "LayerGroup", "plan_groups", "plan_states", "primary_pages_for_budget"]
+
+# Hugging Face layer type -> the core's group kind.
+LAYER_KINDS = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "state",
+    "mamba": "state",
+}
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One group of the pool: its index in the allocator, the layers it serves and its size."""
+
+    index: int
+    layer_type: str
+    kind: str  # "full", "sliding" or "state"
+    layers: tuple[int, ...]
+    page_size: int  # tokens per page (0 for a state group)
+    window: int | None  # sliding groups only
+    num_pages: int  # pages (state slots for a state group), reserved page 0 included
+
+    def spec(self) -> dict[str, Any]:
+        """The group dict ``GroupedAllocator`` takes."""
+        if self.kind == "state":
+            return {"kind": "state", "num_slots": self.num_pages, "checkpoint_every": 0}
+        out: dict[str, Any] = {"kind": self.kind, "num_pages": self.num_pages, "page_size": self.page_size}
+        if self.window is not None:
+            out["window"] = self.window
+        return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _count(name: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _per_type(name: str, value: Any, layer_type: str, default: Any) -> Any:
+    """``value`` itself, or its entry for ``layer_type`` when it is a dict keyed by layer type."""
+    if isinstance(value, Mapping):
+        return value.get(layer_type, default)
+    return value
+
+
+def plan_groups(
+    layer_types: Any,
+    *,
+    num_layers: int,
+    sliding_window: Any,
+    page_size: Any,
+    num_pages: int | None,
+    group_pages: Mapping[str, int] | None,
+    max_requests: int,
+    max_context_len: int,
+) -> list[LayerGroup]:
+    """The pool's groups, in order of each layer type's first layer.
+
+    Sizes: ``num_pages`` (reserved page included) sizes each full group, or each
+    sliding group of a pool without one; ``group_pages[layer_type]`` sets any
+    group explicitly; the rest get what their requests can need at once: a
+    sliding group room for every request's window plus one page, and one
+    longest prompt; a state group one slot per request and as many for
+    checkpoints (plus the reserved slot).
+    """
+    if isinstance(layer_types, (str, bytes)) or not isinstance(layer_types, Sequence):
+        raise InvalidArgumentError(
+            f"layer_types must be a list of layer type names (one per layer), got {type(layer_types).__name__}")
+    types = list(layer_types)
+    if len(types) != num_layers:
+        raise InvalidArgumentError(f"layer_types has {len(types)} entries; the pool has num_layers={num_layers}")
+    for i, t in enumerate(types):
+        if t not in LAYER_KINDS:
+            raise InvalidArgumentError(
+                f"layer_types[{i}] = {t!r} is not a supported layer type; use one of {sorted(LAYER_KINDS)}")
+    if not any(LAYER_KINDS[t] != "state" for t in types):
+        raise InvalidArgumentError("a hybrid pool needs at least one attention layer (full or sliding): "
+                                   "the request length is counted in attention pages")
+    explicit = dict(group_pages or {})
+    for key in explicit:
+        if key not in types:
+            raise InvalidArgumentError(f"group_pages names {key!r}, which is not among layer_types {sorted(set(types))}")
+    window: int | None = None
+    if "sliding_attention" in types:
+        if sliding_window is None:
+            raise InvalidArgumentError("layer_types has sliding_attention layers: pass sliding_window=W "
+                                       "(the config's sliding_window)")
+        window = _count("sliding_window", sliding_window)
+    has_full = "full_attention" in types
+    order = list(dict.fromkeys(types))
+    groups: list[LayerGroup] = []
+    for index, t in enumerate(order):
+        kind = LAYER_KINDS[t]
+        layers = tuple(i for i, x in enumerate(types) if x == t)
+        size_given = explicit.get(t)
+        if kind == "state":
+            slots = 2 * max_requests + 1 if size_given is None else _count(f"group_pages[{t!r}]", size_given, 2)
+            groups.append(LayerGroup(index, t, kind, layers, 0, None, slots))
+            continue
+        p = _count(f"page_size[{t!r}]" if isinstance(page_size, Mapping) else "page_size",
+                   _per_type("page_size", page_size, t, 1))
+        if size_given is not None:
+            pages = _count(f"group_pages[{t!r}]", size_given, 2)
+        elif kind == "full" or not has_full:
+            if num_pages is None:
+                raise InvalidArgumentError(
+                    f"size the {t} layers' pages: pass num_pages or num_slots (or group_pages={{{t!r}: N}})")
+            pages = num_pages
+        else:
+            assert window is not None
+            need = max_requests * (_cdiv(window - 1, p) + 1) + _cdiv(max_context_len, p) + 1
+            # Never more than the full group's tokens: a window is part of the context.
+            cap = need
+            if has_full and explicit.get("full_attention", num_pages) is not None:
+                full_pages = explicit.get("full_attention", num_pages)
+                full_p = _per_type("page_size", page_size, "full_attention", 1)
+                if isinstance(full_pages, int) and isinstance(full_p, int) and full_p >= 1:
+                    cap = full_pages * full_p // p + 1
+            pages = min(need, cap)
+        groups.append(LayerGroup(index, t, kind, layers, p, window if kind == "sliding" else None, pages))
+    return groups
+
+
+def plan_states(state_shapes: Any, dtype: torch.dtype, has_state: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``state_shapes`` as ``{name: (shape per request, dtype)}``: each value a shape
+    (the pool's dtype) or a ``(shape, dtype)`` pair."""
+    if not has_state:
+        if state_shapes:
+            raise InvalidArgumentError("state_shapes is for linear_attention / mamba layers; layer_types has none")
+        return {}
+    if not isinstance(state_shapes, Mapping) or not state_shapes:
+        raise InvalidArgumentError(
+            "layer_types has linear_attention / mamba layers: pass state_shapes={name: shape per request}, "
+            "e.g. {'conv': (conv_dim, kernel), 'recurrent': (heads, k_dim, v_dim)}")
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, value in state_shapes.items():
+        shape, dt = value, dtype
+        if (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], torch.dtype)):
+            shape, dt = value
+        if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in shape):
+            raise InvalidArgumentError(
+                f"state_shapes[{name!r}] must be a shape of positive ints (or (shape, dtype)), got {value!r}")
+        out[name] = (tuple(int(s) for s in shape), dt)
+    return out
+
+
+def primary_pages_for_budget(
+    budget: int, *, token_bytes: int, table_bytes: int,
+    states: Mapping[str, tuple[tuple[int, ...], torch.dtype]], **plan: Any,
+) -> int:
+    """Pages of the primary group (the full one, else the sliding one) that fit in
+    ``budget`` bytes once every other group has what its requests need and every
+    page group has its table. ``token_bytes``: one token's K and V in one layer."""
+    draft = plan_groups(num_pages=1 << 40, **plan)  # a cap that never binds: each other group's need
+    primary = next((g for g in draft if g.kind == "full"), None) or next(g for g in draft if g.kind == "sliding")
+    row = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in states.values())
+    fixed = 0
+    for g in draft:
+        if g.kind == "state":
+            fixed += g.num_pages * len(g.layers) * row
+            continue
+        fixed += table_bytes
+        if g is not primary:
+            fixed += g.num_pages * g.page_size * len(g.layers) * token_bytes
+    page_bytes = primary.page_size * len(primary.layers) * token_bytes
+    pages = (budget - fixed) // page_bytes if budget > fixed else 0
+    if pages < 2:
+        raise InvalidArgumentError(
+            f"a budget of {budget} bytes leaves {max(pages, 0)} pages of {page_bytes} bytes for the "
+            f"{primary.layer_type} layers after {fixed} bytes of other groups and tables; need >= "
+            f"{fixed + 2 * page_bytes} bytes (or size the groups with num_pages and group_pages)")
+    return int(pages)

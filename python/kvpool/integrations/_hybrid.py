@@ -1,0 +1,330 @@
+"""``KVPoolCache`` layers for hybrid pools (``KVPool(layer_types=...)``).
+
+transformers builds one cache layer per model layer from ``config.layer_types``
+(``DynamicLayer``, ``DynamicSlidingWindowLayer``, ``LinearAttentionLayer``); these
+are the pool-backed equivalents, with the same answers to the model:
+
+- attention layers store the step's K/V in their group's new slots and return the
+  rows' K/V gathered through their group's table: every token for a full layer,
+  ``[max(0, start - W + 1), end)`` for a sliding one, as ``DynamicSlidingWindowLayer``
+  returns them and ``get_mask_sizes`` describes them. The pool's sliding group
+  holds only the pages of that window;
+- linear-attention layers keep their conv and recurrent states in the pool's state
+  rows (``state_slots``), under the names ``conv`` / ``recurrent`` (``conv1`` ... for
+  layers with several states). The model updates a conv state in place, so it gets
+  a view of the pool's rows when the batch's slots are consecutive, else a working
+  copy that is written back before anything reads the pool's rows (a new step's
+  extend, fork, cache, truncate, close).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
+
+from kvpool._core import InvalidArgumentError, RollbackUnavailableError
+from kvpool.errors import TensorShapeError
+from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
+
+__all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
+
+
+class HybridRequests:
+    """The batch's pool requests on a hybrid pool: one per row, ``length`` tokens each.
+
+    The first attention layer of a forward extends every row once (all groups);
+    each attention group's K/V index for the step is built once, lazily.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.device = torch.device(pool.device)
+        self.dtype, self.heads, self.head_dim = pool.dtype, pool.num_kv_heads, pool.head_dim
+        self.handles: np.ndarray | None = None
+        self.length = 0
+        self.prefix_mode = False
+        self.published = -1  # the length cache() was last called at
+        self.cached_lens: np.ndarray | None = None  # prefix hits per row, in prefix mode
+        self.before = 0  # length when the current step began
+        self.epoch = 0  # bumped whenever the rows or their state slots change
+        self.state_layers: list[PoolStateLayer] = []
+        self._rows: torch.Tensor | None = None
+        self._new: list[torch.Tensor] = []
+        self._index: dict[int, torch.Tensor] = {}
+
+    @property
+    def batch_size(self) -> int:
+        if self.handles is None:
+            raise AttributeError("no rows yet: the batch size is learned at the first update")
+        return int(self.handles.shape[0])
+
+    def ensure_open(self, batch: int) -> None:
+        if self.handles is None:
+            self._set_handles(self.pool.open(batch))
+        elif batch != self.handles.shape[0]:
+            raise TensorShapeError(
+                f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
+                "use one KVPoolCache per batch (or reorder/select it first)")
+
+    def _set_handles(self, handles: np.ndarray) -> None:
+        self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
+        self._index = {}
+        self.epoch += 1
+
+    def flush(self) -> None:
+        """Write every state layer's working copy back to the pool's rows."""
+        for layer in self.state_layers:
+            layer.flush()
+
+    def check_kv(self, key_states: Any, value_states: Any) -> None:
+        for name, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] != self.heads or \
+                    x.shape[3] != self.head_dim or x.dtype != self.dtype or x.device != self.device:
+                got = (list(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TensorShapeError(
+                    f"{name} must be [batch, {self.heads}, tokens, {self.head_dim}] {self.dtype} on {self.device} "
+                    f"(the pool's geometry; pool_for_model(model) sizes it), got {got}")
+        if key_states.shape != value_states.shape:
+            raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
+                                   f"{list(value_states.shape)} differ")
+
+    def begin_step(self, tokens: int) -> None:
+        """Extend every row by ``tokens`` in every group (all-or-nothing)."""
+        assert self.handles is not None
+        self.publish()
+        self.flush()
+        ext = self.pool.extend(self.handles, tokens)
+        self.before, self.length = self.length, self.length + tokens
+        self._new = [loc.to(torch.int64) for loc in ext.out_cache_loc]
+        self._index = {}
+
+    def publish(self) -> None:
+        """In prefix mode, once per length: the previous step has run, so publish its
+        pages, and its state as a checkpoint when the length is on the hit step.
+        Called by the step's first attention layer before it extends, and by the
+        state layers in front of it before they change their rows."""
+        if self.prefix_mode and self.length > 0 and self.published != self.length:
+            assert self.handles is not None
+            self.flush()
+            self.pool.cache(self.handles)
+            self.published = self.length
+
+    def new_slots(self, group: int) -> torch.Tensor:
+        return self._new[group]
+
+    def first(self, window: int | None) -> int:
+        """First position an attention layer sees this step: 0, or the window's start."""
+        return 0 if window is None else max(0, self.before - window + 1)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' K/V of ``layer`` as ``[B, H, n, D]``: every position for a full
+        layer, the step's window for a sliding one (gathered through the group's table)."""
+        g = self.pool.group(layer)
+        idx = self._index.get(g.index)
+        if idx is None:
+            assert self._rows is not None
+            lo = self.first(g.window)
+            idx = self.pool.req_to_token[layer][self._rows, lo: self.length].to(torch.int64)
+            self._index[g.index] = idx
+        b, n = idx.shape
+        flat = idx.reshape(-1)
+        k = self.pool.k_buffer(layer).view(-1, self.heads, self.head_dim).index_select(0, flat)
+        v = self.pool.v_buffer(layer).view(-1, self.heads, self.head_dim).index_select(0, flat)
+        return k.view(b, n, self.heads, self.head_dim).transpose(1, 2), \
+            v.view(b, n, self.heads, self.head_dim).transpose(1, 2)
+
+    # -- whole-batch edits --------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        if self.handles is None or length == self.length:
+            return
+        if not 0 <= length < self.length:
+            raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
+        self.flush()
+        self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
+        self.length = self.before = length
+        self._set_handles(self.handles)  # a restore may move a state slot
+
+    def reorder(self, sources: list[int]) -> None:
+        """Row j continues row ``sources[j]`` (a fork per extra copy, state included)."""
+        if self.handles is None:
+            return
+        b = self.handles.shape[0]
+        bad = [s for s in sources if not 0 <= s < b]
+        if bad:
+            raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+        self.flush()
+        out = np.empty(len(sources), dtype=np.int64)
+        used: set[int] = set()
+        made: list[int] = []
+        try:
+            for j, s in enumerate(sources):
+                if s in used:
+                    h = int(self.pool.fork(int(self.handles[s]), 1)[0])
+                    made.append(h)
+                    out[j] = h
+                else:
+                    out[j] = self.handles[s]
+                    used.add(s)
+        except Exception:
+            if made:
+                self.pool.close(np.asarray(made, dtype=np.int64))
+            raise
+        dropped = [int(self.handles[s]) for s in range(b) if s not in used]
+        if dropped:
+            self.pool.close(np.asarray(dropped, dtype=np.int64))
+        self._set_handles(out)
+
+    def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
+        """Open one request per row of ``prefix_ids`` [B, T] on its longest cached prefix
+        (every group's: pages, window, state checkpoint). Rows share one length, so
+        all keep the shortest hit; when a row cannot go back to it (no checkpoint
+        there) every row starts empty."""
+        if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
+            raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        b, t = prefix_ids.shape
+        tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
+        cached = np.asarray(cached, dtype=np.int64)
+        common = int(cached.min())
+        if int(cached.max()) > common:
+            try:
+                self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
+            except RollbackUnavailableError:
+                self.pool.close(handles)
+                handles, common = self.pool.open(b), 0
+        self._set_handles(handles)
+        self.length = self.before = self.published = common
+        self.prefix_mode, self.cached_lens = True, cached
+
+    def close(self) -> None:
+        if self.handles is not None:
+            handles, self.handles, self._rows = self.handles, None, None
+            if self.prefix_mode and self.length > 0:
+                self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
+                self.flush_discard()
+                self.pool.close(handles, cache=True)
+            else:
+                self.flush_discard()
+                self.pool.close(handles)
+        self.length = self.before = 0
+        self.prefix_mode, self.cached_lens = False, None
+        self.epoch += 1
+
+    def flush_discard(self) -> None:
+        for layer in self.state_layers:
+            layer.drop()
+
+
+class PoolAttentionLayer(CacheLayerMixin):
+    """A full or sliding attention layer whose K/V live in the pool's group for it."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, requests: HybridRequests, layer_idx: int, window: int | None) -> None:
+        super().__init__()
+        self.requests, self.layer_idx, self.seen = requests, layer_idx, 0
+        self.group = requests.pool.group(layer_idx).index
+        self.sliding_window = window
+        self.is_sliding = window is not None
+        self.device = requests.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's K/V and return the rows' K/V this layer attends to (new tensors)."""
+        req = self.requests
+        req.check_kv(key_states, value_states)
+        req.ensure_open(key_states.shape[0])
+        self.is_initialized = True
+        tokens = key_states.shape[2]
+        if self.seen == req.length:
+            req.begin_step(tokens)
+        elif self.seen + tokens != req.length:
+            raise RuntimeError(
+                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
+                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states, value_states)
+        self.seen += tokens
+        return req.kv(self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # As DynamicSlidingWindowLayer: the window's start and everything after it.
+        offset = 0 if self.sliding_window is None else max(self.seen - self.sliding_window + 1, 0)
+        return self.seen + query_length - offset, offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.sliding_window is not None else int(self.requests.pool.max_context_len)
+
+    @property
+    def batch_size(self) -> int:
+        return self.requests.batch_size
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop the whole KVPoolCache (cache.crop), not one layer: rows are shared")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
+
+
+def hybrid_layers(requests: HybridRequests, number_of_states: int = 1) -> list[Any]:
+    """One cache layer per pool layer, by the layer's group."""
+    out: list[Any] = []
+    for layer in range(requests.pool.num_layers):
+        g = requests.pool.group(layer)
+        if g.kind == "state":
+            out.append(PoolStateLayer(requests, layer, number_of_states))
+        else:
+            out.append(PoolAttentionLayer(requests, layer, g.window))
+    return out
+
+
+def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]:
+    """``layer_types`` / ``sliding_window`` / ``state_shapes`` for ``KVPool`` from a decoder
+    config, read as transformers' own ``DynamicCache(config=...)`` reads it; empty for
+    a model whose every layer has full attention (the plain pool). A window at least
+    ``max_context_len`` long never slides, so its layers count as full.
+
+    State shapes are known for Qwen3-Next-style gated-delta-net layers (``linear_*``
+    config fields); for other linear-attention or Mamba layers pass ``state_shapes=``.
+    """
+    types, per_layer = get_layer_types_and_kwargs(text_config)
+    types = ["full_attention" if t == "sliding_attention" and kw["sliding_window"] >= max_context_len else t
+             for t, kw in zip(types, per_layer)]
+    if all(t == "full_attention" for t in types):
+        return {}
+    windows = {kw["sliding_window"] for t, kw in zip(types, per_layer) if t == "sliding_attention"}
+    if len(windows) > 1:
+        raise InvalidArgumentError(f"the model's sliding layers have windows {sorted(windows)}; a pool has one window")
+    out: dict[str, Any] = {"layer_types": list(types)}
+    if windows:
+        out["sliding_window"] = int(windows.pop())
+    if any(t in ("linear_attention", "mamba") for t in types):
+        c = text_config
+        if all(hasattr(c, a) for a in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                                       "linear_value_head_dim", "linear_conv_kernel_dim")):
+            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+            out["state_shapes"] = {
+                "conv": (2 * key_dim + value_dim, c.linear_conv_kernel_dim),
+                "recurrent": (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+            }
+    return out

@@ -1,0 +1,196 @@
+"""Linear-attention cache layers of a hybrid ``KVPoolCache`` (see ``_hybrid``).
+
+A layer's conv and recurrent states live in the pool's state rows
+(``pool.state(layer, name)``, row ``state_slots``), named ``conv`` / ``recurrent``
+(``conv1`` ... for a layer with several states). The model updates a conv state
+in place (``causal_conv1d_update``), so it gets a view of the pool's rows when
+the batch's slots are consecutive, else a working copy that is written back
+(``flush``) before anything reads the pool's rows: the next step's extend, fork,
+truncate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from kvpool.errors import TensorShapeError
+
+if TYPE_CHECKING:
+    from kvpool.integrations._hybrid import HybridRequests
+
+__all__ = ["PoolStateLayer", "state_name"]
+
+
+def state_name(kind: str, state_idx: int) -> str:
+    """Pool state name of a layer's ``state_idx``-th conv or recurrent state."""
+    return kind if state_idx == 0 else f"{kind}{state_idx}"
+
+
+class _StateRows(dict):
+    """``conv_states`` / ``recurrent_states`` of a ``PoolStateLayer``: entry i is the batch's
+    rows of the pool's state tensor (a view, or a working copy written back later)."""
+
+    def __init__(self, layer: PoolStateLayer, kind: str, n: int) -> None:
+        super().__init__({i: None for i in range(n)})
+        self._layer, self._kind = layer, kind
+
+    def __getitem__(self, i: int) -> Any:
+        if self._layer.requests.handles is None or not self._layer.initialized(self._kind, i):
+            return None
+        return self._layer.rows(state_name(self._kind, i))
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        if value is None or not hasattr(self, "_layer"):
+            return super().__setitem__(i, value)
+        self._layer.rows(state_name(self._kind, i)).copy_(value)
+
+
+class PoolStateLayer(LinearAttentionCacheLayerMixin):
+    """A linear-attention layer whose conv / recurrent states live in the pool's state rows."""
+
+    is_compileable = False
+
+    def __init__(self, requests: HybridRequests, layer_idx: int, number_of_states: int = 1) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self.requests, self.layer_idx = requests, layer_idx
+        self.conv_states = _StateRows(self, "conv", number_of_states)
+        self.recurrent_states = _StateRows(self, "recurrent", number_of_states)
+        self.device, self.dtype = requests.device, requests.dtype  # type: ignore[assignment]
+        pool = requests.pool
+        self.before_attention = all(pool.group(i).kind == "state" for i in range(layer_idx))
+        self._epoch = -1
+        self._rows: dict[str, torch.Tensor] = {}
+        self._work: dict[str, torch.Tensor] = {}  # working copies to write back
+        self._slots: torch.Tensor | None = None
+        requests.state_layers.append(self)
+
+    def initialized(self, kind: str, i: int) -> bool:
+        flags = self.is_conv_states_initialized if kind == "conv" else self.is_recurrent_states_initialized
+        return bool(flags[i])
+
+    def _refresh(self) -> None:
+        req = self.requests
+        if self._epoch == req.epoch:
+            return
+        self.flush()
+        assert req.handles is not None
+        slots = req.pool.state_slots(req.handles, self.layer_idx)
+        self._slots = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        s0 = int(slots[0]) if slots.shape[0] else 0
+        self._consecutive = bool((slots == np.arange(s0, s0 + slots.shape[0])).all())
+        self._s0 = s0
+        self._rows, self._work = {}, {}
+        self._epoch = req.epoch
+
+    def rows(self, name: str) -> torch.Tensor:
+        """The batch's rows of the pool's state ``name`` ([B, *shape])."""
+        if self.before_attention:
+            # This layer runs before the step's extend: the rows still hold the state
+            # at the current length, which a checkpoint must capture first.
+            self.requests.publish()
+        self._refresh()
+        t = self._rows.get(name)
+        if t is None:
+            full = self.requests.pool.state(self.layer_idx, name)
+            assert self._slots is not None
+            if self._consecutive:
+                t = full[self._s0: self._s0 + self._slots.shape[0]]
+            else:
+                t = full.index_select(0, self._slots)
+                self._work[name] = t
+            self._rows[name] = t
+        return t
+
+    def flush(self) -> None:
+        """Write working copies back to the pool and forget them (views need nothing): the
+        next access gathers again, so a later change in the pool (a restore) is seen."""
+        if self._work and self._slots is not None:
+            for name, t in self._work.items():
+                self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t)
+                del self._rows[name]
+        self._work = {}
+
+    def drop(self) -> None:
+        self._work, self._rows, self._epoch = {}, {}, -1
+
+    def lazy_initialization(self, conv_states: torch.Tensor | None = None, recurrent_states: torch.Tensor | None = None,
+                            state_idx: int = 0, conv_kernel_size: int | None = None) -> None:
+        given = conv_states if conv_states is not None else recurrent_states
+        assert given is not None
+        batch = given.shape[0]
+        self.requests.ensure_open(batch)
+        for kind, x in (("conv", conv_states), ("recurrent", recurrent_states)):
+            if x is None:
+                continue
+            want = self.requests.pool.state(self.layer_idx, state_name(kind, state_idx)).shape[1:]
+            got = x.shape[1:] if kind == "recurrent" else x.shape[1:-1]
+            if tuple(got) != tuple(want[: len(got)]):
+                raise TensorShapeError(
+                    f"layer {self.layer_idx}'s {kind} state is {list(x.shape[1:])} per row; the pool holds "
+                    f"{list(want)} (state_shapes[{state_name(kind, state_idx)!r}])")
+            if kind == "conv":
+                self.conv_kernel_size[state_idx] = int(want[-1])
+                self.is_conv_states_initialized[state_idx] = True
+            else:
+                self.is_recurrent_states_initialized[state_idx] = True
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs: Any) -> torch.Tensor:
+        """As ``LinearAttentionLayer.update_conv_state``, keeping the last kernel-size columns in the pool."""
+        if not self.is_conv_states_initialized[state_idx]:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        rows = self.rows(state_name("conv", state_idx))
+        k = rows.shape[-1]
+        if not self.has_previous_state[state_idx]:
+            full = conv_states
+            self.has_previous_state[state_idx] = True
+            if full.shape[-1] < k:
+                full = torch.nn.functional.pad(full, (k - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([rows, conv_states], dim=-1)
+        rows.copy_(full[..., -k:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        if not self.is_recurrent_states_initialized[state_idx]:
+            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        rows = self.rows(state_name("recurrent", state_idx))
+        rows.copy_(recurrent_states)
+        return rows
+
+    def resume(self) -> None:
+        """Rows opened on a cached prefix: the pool's rows hold the state at that length."""
+        pool = self.requests.pool
+        for i in range(self.number_of_states):
+            for kind in ("conv", "recurrent"):
+                name = state_name(kind, i)
+                if name not in pool.state_shapes:
+                    continue
+                if kind == "conv":
+                    self.conv_kernel_size[i] = pool.state_shapes[name][0][-1]
+                    self.is_conv_states_initialized[i] = True
+                else:
+                    self.is_recurrent_states_initialized[i] = True
+            self.has_previous_state[i] = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.requests.batch_size
+
+    def reset(self) -> None:
+        self.drop()
+        for i in range(self.number_of_states):
+            self.has_previous_state[i] = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVPoolCache does not offload: the pool decides where state lives")
+
+    def prefetch(self) -> None:
+        pass

@@ -1,0 +1,206 @@
+"""KVPoolCache on hybrid pools: greedy tokens and logits equal transformers' default cache
+on tiny random Gemma 3, GPT-OSS, Mistral (sliding_window) and Qwen3-Next (linear attention),
+generating far past the window, with the pool holding at most W + one page per sliding layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _hf_models import PAD, VOCAB, greedy, left_padded
+
+transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+from kvpool.errors import TensorShapeError
+from kvpool.integrations._hybrid import PoolStateLayer
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model
+from transformers import DynamicCache
+
+W, P, NEW = 8, 4, 24
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+MODELS = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=W,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, sliding_window=W, num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=W)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        head_dim=16, linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+}
+
+
+def tiny(arch: str) -> Any:
+    config_name, model_name, extra = MODELS[arch]
+    kwargs = dict(BASE, **extra)
+    with torch.inference_mode(False), torch.no_grad():
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(getattr(transformers, config_name)(**kwargs)).eval()
+
+
+def watch_windows(pool: Any, seen: list[int]) -> None:
+    """After every single-token extend, record each request's held tokens in each sliding layer."""
+    extend = pool.extend
+    sliding = [layer for layer in range(pool.num_layers) if pool.group(layer).kind == "sliding"]
+
+    def wrapped(handles: Any, counts: Any, tokens: Any = None) -> Any:
+        out = extend(handles, counts, tokens)
+        if int(np.max(counts)) == 1:
+            seen.extend(pool.held_tokens(int(h), layer) for h in np.asarray(handles) for layer in sliding)
+        return out
+
+    pool.extend = wrapped
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_greedy_tokens_and_logits_equal_the_default_cache(arch):
+    model = tiny(arch)
+    ids, mask = left_padded([12, 9], seed=3)
+    ref = greedy(model, ids, mask, NEW, DynamicCache(config=model.config))
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    kinds = {g.kind for g in pool.groups}
+    assert kinds == {"gemma3": {"sliding", "full"}, "gpt_oss": {"sliding", "full"}, "mistral": {"sliding"},
+                     "qwen3_next": {"state", "full"}}[arch]
+    held: list[int] = []
+    watch_windows(pool, held)
+    with KVPoolCache(pool) as cache:
+        out = greedy(model, ids, mask, NEW, cache)
+        assert cache.requests.length == ids.shape[1] + NEW - 1 > 3 * W
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    if "sliding" in kinds:
+        assert len(held) == 2 * sum(pool.group(i).kind == "sliding" for i in range(4)) * (NEW - 1)
+        assert max(held) <= W + P  # the window plus one page, per sliding layer per request
+    assert pool.open_requests == 0
+    pool.check()
+
+
+def test_linear_attention_state_in_scattered_slots_is_written_back():
+    """Rows whose state slots are not consecutive get working copies; they must reach the pool."""
+    model = tiny("qwen3_next")
+    ids, mask = left_padded([10, 7], seed=5)
+    ref = greedy(model, ids, mask, 12, DynamicCache(config=model.config))
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    first = pool.open(3)
+    pool.close(first[1:2])  # the next two requests get slots 2 and 4
+    with KVPoolCache(pool) as cache:
+        out = greedy(model, ids, mask, 12, cache)
+        states = [x for x in cache.layers if isinstance(x, PoolStateLayer)]
+        assert states and not any(x._consecutive for x in states)
+        last = states[0].recurrent_states[0].clone()
+        cache.requests.flush()
+        slots = pool.state_slots(cache.handles, 0)
+        assert torch.equal(pool.state(0, "recurrent")[slots], last)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sampling_several_sequences_forks_window_and_state():
+    """num_return_sequences expands the rows after the prompt: forks share pages and copy state."""
+    for arch in ("gemma3", "qwen3_next"):
+        model = tiny(arch)
+        ids, mask = left_padded([9], seed=7)
+        kw = dict(num_beams=2, num_return_sequences=2, early_stopping=False)
+        ref = greedy(model, ids, mask, 14, DynamicCache(config=model.config), **kw)
+        pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=8)
+        with KVPoolCache(pool) as cache:
+            out = greedy(model, ids, mask, 14, cache, **kw)
+        assert torch.equal(out.sequences, ref.sequences), arch
+        pool.check()
+        assert pool.open_requests == 0
+
+
+def test_kv_of_the_wrong_geometry_is_a_typed_error():
+    model = tiny("gemma3")
+    pool = pool_for_model(model, max_tokens=64, page_size=P, max_requests=2)
+    with KVPoolCache(pool) as cache:
+        k = torch.zeros(1, 3, 2, 16)
+        with pytest.raises(TensorShapeError, match="kv_heads|\\[batch, 2"):
+            cache.update(k, k, 0)
+        assert pool.open_requests == 0
+
+
+def test_pool_for_model_builds_the_plain_pool_when_no_window_slides():
+    from kvpool import KVPool
+    from kvpool.hybrid import HybridKVPool
+
+    model = tiny("mistral")
+    assert isinstance(pool_for_model(model, max_tokens=64, page_size=P), HybridKVPool)
+    # A window as long as the longest request never slides: every layer is full.
+    plain = pool_for_model(model, max_tokens=64, page_size=P, max_context_len=W)
+    assert type(plain) is KVPool
+    gemma = pool_for_model(tiny("gemma3"), max_tokens=64, page_size=P)
+    assert gemma.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and gemma.sliding_window == W
+    qwen = pool_for_model(tiny("qwen3_next"), max_tokens=64, page_size=P)
+    assert qwen.state_shapes == {"conv": ((64, 4), torch.float32), "recurrent": ((4, 8, 8), torch.float32)}
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_parity_under_grad_modes_with_a_pool_built_inside_them(mode):
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}[mode]
+    for arch in ("gemma3", "qwen3_next"):
+        model = tiny(arch)
+        ids, mask = left_padded([11], seed=9)
+        ref = greedy(model, ids, mask, 14, DynamicCache(config=model.config))
+        with ctx():
+            pool = pool_for_model(model, max_tokens=128, page_size=P, max_requests=2)
+            with KVPoolCache(pool) as cache:
+                out = greedy(model, ids, mask, 14, cache)
+        assert torch.equal(out.sequences, ref.sequences), arch
+        for name, t in pool.named_tensors():
+            assert not t.is_inference() and not t.requires_grad, name
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
+def test_prefix_hits_across_groups_give_identical_outputs_and_compute_only_new_tokens(arch):
+    """A prompt extending a cached 16-token one reuses its full pages, the sliding window
+    before the hit and the linear-attention state checkpoint at 16 (taken once the step
+    that ended there has run: a prefill that runs past a page boundary leaves none
+    there); outputs equal the default cache's."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(13)
+    shared = torch.randint(3, VOCAB, (16,), generator=g)
+    prompts = [torch.cat([shared, torch.randint(3, VOCAB, (n,), generator=g)])[None] for n in (0, 6)]
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(i[0].shape[1]))
+    try:
+        for i, p in enumerate(prompts):
+            ref = greedy(model, p, None, 12, DynamicCache(config=model.config))
+            fed.clear()
+            with KVPoolCache(pool, prefix_ids=p) as cache:
+                out = greedy(model, p, None, 12, cache)
+                hit = int(cache.cached_lens[0])
+            assert hit == (0 if i == 0 else 16)
+            assert fed[0] == p.shape[1] - hit  # the prefill computed only the uncached tokens
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.logits, ref.logits):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    finally:
+        hook.remove()
+    pool.check()
+
+
+def test_crop_without_a_state_checkpoint_is_refused_and_changes_nothing():
+    from kvpool._core import RollbackUnavailableError
+
+    model = tiny("qwen3_next")
+    ids, mask = left_padded([7], seed=2)
+    pool = pool_for_model(model, max_tokens=128, page_size=P, max_requests=2)
+    with KVPoolCache(pool) as cache:
+        greedy(model, ids, mask, 4, cache)
+        n, h = cache.requests.length, cache.handles
+        state = pool.state(0, "recurrent")[pool.state_slots(h, 0)].clone()
+        with pytest.raises(RollbackUnavailableError, match="checkpoint"):
+            cache.crop(-2)
+        assert cache.requests.length == n == pool.length(int(h[0])) and cache.get_seq_length() == n
+        assert torch.equal(pool.state(0, "recurrent")[pool.state_slots(h, 0)], state)
+    pool.check()
