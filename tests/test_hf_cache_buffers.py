@@ -169,3 +169,22 @@ def test_layer_buffers_are_freed_with_their_cache_not_kept_by_the_pool():
     assert storage() is None, "a closed cache's layer buffers are still alive"
     with torch.inference_mode(), KVPoolCache(pool) as again:  # and a new cache starts clean
         interleave(pool, again, Expect(again, seed=2), 3)
+
+
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_a_hybrid_pool_takes_the_same_arguments(layer_buffers):
+    import transformers
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    pool = pool_for_model(config, max_tokens=64, page_size=4, max_requests=2)
+    with KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
+        assert type(cache).__name__ == "HybridKVPoolCache"
+        k = torch.randn(1, 2, 3, 16)
+        got, _ = cache.update(k, k, 3)  # the full-attention layer
+        assert torch.equal(got, k)
+    assert pool.open_requests == 0
