@@ -115,6 +115,8 @@ class StepPages:
         self.flat, self.paged, self.layer_step, self.all_pages = g.flat, g.paged, g.layer_step, g.all_pages
         self._page_offsets, self._to_device, self.cpu = g.page_offsets, g.to_device, g.cpu
         self._spares = g.spare_stages
+        ctx = getattr(pool, "max_context_len", None)
+        self._max_tokens = -(-int(ctx) // self.page) * self.page if ctx else 1 << 62
         self.table = np.zeros((0, 0), dtype=np.int64)
         self.npages = 0
         self.length = 0
@@ -270,7 +272,9 @@ class StepPages:
         if self._buf is None or self._cap < need:
             self._filled = -1
             b, layers = self.table.shape[0], len(self.flat)
-            cap = max(need, 2 * self._cap)
+            # Doubling keeps the gathers at growth few; no row ever holds more than the pool's
+            # context length.
+            cap = max(need, min(2 * self._cap, self._max_tokens))
             flat = self._storage(2 * layers * b * self.h * cap * self.d)
             self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
