@@ -251,6 +251,7 @@ def test_refusals_are_typed_and_change_nothing():
     (dict(num_pages=None, memory_bytes=4096), "budget of 4096 bytes"),
     (dict(num_pages=None, memory_fraction=1.5), "memory_fraction"),
     (dict(kv_lora_rank=4), "kv_lora_rank"),
+    (dict(max_pinned_pages=4), "max_pinned_pages"),
     (dict(dtype=torch.float8_e4m3fn), "fp8"),
     (dict(num_pages=None), "num_pages"),
     (dict(page_size={"full_attention": 0}), "page_size"),

@@ -47,8 +47,8 @@ except _metadata.PackageNotFoundError:  # imported from a source tree without an
 __all__ = [
     # allocator (Rust core)
     "DEFAULT_PRIORITY",
-    "GroupedAllocator",
     "MAX_PRIORITY",
+    "GroupedAllocator",
     "PoolStats",
     "ROW_MASK",
     "SlotAllocator",

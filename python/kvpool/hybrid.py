@@ -59,7 +59,8 @@ class _LayerTables(Sequence[torch.Tensor]):
         return self._pool._tables[self._pool._page_group(layer).index]
 
 
-_UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1}
+_UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1,
+                "max_pinned_pages": None, "manual_clock": False}
 
 
 class HybridKVPool(HybridRequestOps):
@@ -73,8 +74,8 @@ class HybridKVPool(HybridRequestOps):
     state group's slots) explicitly; other groups get what their requests can
     need at once (``kvpool.hybrid_plan.plan_groups``); with ``memory_bytes`` /
     ``memory_fraction`` the full group (else the sliding one) gets what the
-    others leave. MLA, fp8 and tensor parallelism are the plain pool's only
-    (``InvalidArgumentError``).
+    others leave. MLA, fp8, tensor parallelism and retention priorities are the
+    plain pool's only (``InvalidArgumentError``).
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class HybridKVPool(HybridRequestOps):
             if value != _UNSUPPORTED[name]:
                 raise InvalidArgumentError(
                     f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
-                    "per-head K/V and is not sharded)")
+                    "per-head K/V, is not sharded and keeps no retention priorities)")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_requests", max_requests), ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
-from kvpool.bench import cli
+from kvpool.bench import cli, command
+from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.hybrid.trace import HybridTraceConfig, generate_hybrid, split
 from kvpool.bench.plot import Bars, Panel
 from kvpool.bench.prefix import QUICK_CONCURRENCY, QUICK_LENGTHS, QUICK_POOLS, QUICK_STEPS, QUICK_WARMUP, figures
 from kvpool.bench.prefix.result import PrefixResult
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTrace
-from kvpool.bench.report import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, ratio_line, size
+from kvpool.bench.report import ratio_line
 from kvpool.bench.workload import Case, Workload
 
 if TYPE_CHECKING:
@@ -128,6 +130,6 @@ def _config(scenario: str, pool: int, concurrency: int, page_size: int, share: f
 
 HYBRID = HybridWorkload()
 add_arguments = HYBRID.add_arguments
-main = HYBRID.main
+main = functools.partial(command.main, HYBRID)
 
 __all__ = ["HYBRID", "HybridResult", "HybridWorkload", "add_arguments", "main"]
