@@ -102,9 +102,9 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
     def corrupt(step: int) -> None:
         plan = cache.requests.pages._plan
         if step == 1 and len(plan) > 1:
-            want, _, _, views, out = plan[-1]
+            want, _, _, views, out, app = plan[-1]
             elsewhere = plan[0]  # a later step's stores: other slots of the same rows
-            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out)
+            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out, app)
         assert step != 1 or len(plan) > 1, "the test needs a plan of several steps here"
 
     with torch.inference_mode(), KVPoolCache(pool) as cache:
@@ -116,7 +116,7 @@ def test_open_caches_keep_their_own_staging_and_a_closed_one_hands_it_on():
     pool = make_pool()
     scramble(pool)
     g = torch.Generator().manual_seed(3)
-    a_cache, b_cache = KVPoolCache(pool), KVPoolCache(pool)
+    a_cache, b_cache = KVPoolCache(pool, layer_buffers=False), KVPoolCache(pool, layer_buffers=False)
     with torch.inference_mode():
         ka, kb = torch.randn(2, H, 6, D, generator=g), torch.randn(2, H, 6, D, generator=g)
         got_a, _ = a_cache.update(ka, ka, 0)
@@ -125,7 +125,7 @@ def test_open_caches_keep_their_own_staging_and_a_closed_one_hands_it_on():
         stage = a_cache.requests.pages._stage
         assert stage is not None and stage is not b_cache.requests.pages._stage
         a_cache.close()
-        c_cache = KVPoolCache(pool)
+        c_cache = KVPoolCache(pool, layer_buffers=False)
         kc = torch.randn(2, H, 6, D, generator=g)
         got_c, _ = c_cache.update(kc, kc, 0)
         assert torch.equal(got_c, kc)

@@ -8,11 +8,17 @@ batch (``[B, pages]``) and presents K/V in one of two ways:
 - **views, no copy**, when every row's pages are consecutive in the pool and the
   rows start equally far apart (one request on a pool whose free pages come in
   order): a strided view of the layer's cache;
-- **a page gather** otherwise: one ``index_select`` of whole pages per layer (its K
-  and V together) into a staging buffer the cache keeps, seen as ``[B, H, L, D]``
-  through a transpose.
+- **layer buffers** otherwise (the default): each layer keeps its rows' K/V in a buffer
+  of its own, ``[B, H, capacity, D]`` for K and for V as ``DynamicCache`` keeps its
+  tensors, and each step copies only its new tokens into it. A buffer is gathered from
+  the pages (one ``index_select`` of whole pages, K and V together) only when it has
+  to grow or no longer holds the rows' first tokens: after ``reset`` (rows opened,
+  reordered, cropped or closed) or a step taken through views. Between those, a row's
+  earlier tokens never change, so nothing else can make it stale.
+- **a page gather** at every step into one staging buffer the layers share, seen as
+  ``[B, H, L, D]`` through a transpose, without layer buffers (less memory).
 
-Attention (SDPA on CPU, and on CUDA) reads both as well as a contiguous tensor.
+Attention (SDPA on CPU, and on CUDA) reads them all as well as a contiguous tensor.
 While the rows share no page (no prefix hit, no fork) a page never changes under
 a row, so the table grows by the new pages of each step; otherwise it is read
 again from the allocator (``page_table``) at every step.
@@ -30,7 +36,7 @@ the CPU's caches, which between two steps the model's weights have evicted.
 
 What attention gets is valid until the next ``update`` of any layer: the staging
 buffer is shared by the layers, as one layer's attention runs before the next
-layer stores its K/V.
+layer stores its K/V (a layer buffer is valid until that layer's next ``update``).
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ import torch
 from kvpool.modes import persistent
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
-# staging views or None)
-_Step = tuple[list[int], Any, Any, Any, Any]
+# staging views or None, layer-buffer views of the step's token or None)
+_Step = tuple[list[int], Any, Any, Any, Any, Any]
 
 
 class _PoolViews:
@@ -75,8 +81,8 @@ class _PoolViews:
             self.page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
         self.to_device = getattr(pool, "_to_device", None)
         self.cpu = torch.device(pool.device).type == "cpu"
-        # Staging buffers of closed caches, for the pool's next caches (append and pop are
-        # atomic, so caches in several threads never take the same one).
+        # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
+        # are atomic, so caches in several threads never take the same one).
         self.spare_stages: list[torch.Tensor] = []
 
 
@@ -101,13 +107,16 @@ def pool_views(pool: Any) -> _PoolViews:
 class StepPages:
     """Page table of a batch and the K/V tensors of its current step (non-fp8 pools)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
         self.pool = pool
+        self.layer_buffers = layer_buffers
         g = pool_views(pool)
         self.page, self.h, self.d, self.row = g.page, g.h, g.d, g.row
         self.flat, self.paged, self.layer_step, self.all_pages = g.flat, g.paged, g.layer_step, g.all_pages
         self._page_offsets, self._to_device, self.cpu = g.page_offsets, g.to_device, g.cpu
         self._spares = g.spare_stages
+        ctx = getattr(pool, "max_context_len", None)
+        self._max_tokens = -(-int(ctx) // self.page) * self.page if ctx else 1 << 62
         self.table = np.zeros((0, 0), dtype=np.int64)
         self.npages = 0
         self.length = 0
@@ -117,8 +126,19 @@ class StepPages:
         self._index: Any = None
         self._rows = 0  # pages gathered per cache
         self._strided: tuple[int, int] | None = None  # (first page, pages between rows) for views
-        self._stage: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # flat storage of the staging or layer buffers
         self._stage_rows: torch.Tensor | None = None  # the staging rows the gather fills
+        # Layer buffers: [2 (K, V), layers, B, H, cap, D] over the staging storage, the
+        # tokens each row has room for, and how many of them hold every layer's K/V (-1:
+        # none, gather them from the pages at the next step).
+        self._buf: torch.Tensor | None = None
+        self._cap = 0
+        self._filled = -1
+        # This step, in the layer buffers: per layer (k, v) views of the step's tokens to copy
+        # the new K/V into, or None; and whether each layer gathers its pages into its buffer.
+        self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._fill = False
+        self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
         # This step: per layer the K and V store views ((k..., ), (v..., )) or None; per layer
         # (k, v) views of the pool for attention, or None and the staging buffer's (k, v).
         self.dst: tuple[Any, Any] | None = None
@@ -134,6 +154,9 @@ class StepPages:
         self.npages, self.length, self.private = 0, -1, private
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
         self._plan, self._spent = [], []
+        self._app, self._fill, self._filled, self._plain = None, False, -1, False
+        if self._buf is not None and self._buf.shape[2] != batch:
+            self._buf, self._cap = None, 0
 
     def advance(self, handles: np.ndarray, before: int, length: int, slots: np.ndarray) -> None:
         """The rows went from ``before`` to ``length`` tokens; ``slots`` are the new ones,
@@ -145,8 +168,12 @@ class StepPages:
             if length == before + 1 and self.length == before and slots.tolist() == step[0]:
                 self.length = length
                 # The tensors this step replaces are freed with the page's others (see the module doc).
-                self._spent.append((self.dst, self.loc, self._views, self._out))
-                _, self.dst, self.loc, self._views, self._out = step
+                self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
+                _, self.dst, self.loc, self._views, self._out, self._app = step
+                self._fill = False
+                if self._app is not None:
+                    self._filled = length
+                self._plain = self._app is None and self._views is not None
                 return
             plan.clear()
         self._spent.clear()
@@ -168,7 +195,13 @@ class StepPages:
         run = _slot_run(slots, b, t)
         self.dst = None if run is None else self._store_views(run, b, t)
         self.loc = None
+        self._app, self._fill = None, False
+        if self._strided is None and self.layer_buffers:
+            self._buffer_step(before, length)
+        else:
+            self._filled = -1  # the buffers miss this step's tokens
         self._views, self._out = self._attention_views(length)
+        self._plain = self._app is None and not self._fill and self._views is not None
         if self.private:
             self._plan_page(slots, run, b, t, length)
 
@@ -182,6 +215,7 @@ class StepPages:
         if t > 1:
             run = _decode_run(last)
         stores = None if run is None else self._store_views((last[0] + 1, run[1]), b, 1, steps=left)
+        apps = self._buffer_views(length, 1, steps=left) if self._strided is None and self.layer_buffers else None
         plan: list[_Step] = []
         for k in range(left, 0, -1):
             want = [s + k for s in last]
@@ -190,7 +224,7 @@ class StepPages:
             else:
                 dst, loc = stores[k - 1], None
             views, out = self._attention_views(length + k)
-            plan.append((want, dst, loc, views, out))
+            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1]))
         self._plan = plan
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
@@ -212,33 +246,71 @@ class StepPages:
             self._index = self._upload(index).unbind(0)
         else:
             self._index = self._upload(np.ascontiguousarray(t).reshape(-1))
-        if self._stage is None:
+        if not self.layer_buffers:
+            self._stage_rows = self._storage(2 * rows * self.row).view(2 * rows, self.row)
+
+    def _storage(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the staging storage, grown (or taken from a closed
+        cache of the pool) to hold them."""
+        if self._stage is None and not self.layer_buffers:
             try:
                 self._stage = self._spares.pop()
             except IndexError:
                 pass
-        if self._stage is None or self._stage.shape[0] < 2 * rows:
+        if self._stage is None or self._stage.numel() < numel:
             kp = self.paged[0][0]
-            grow = max(2 * rows, 2 * (self._stage.shape[0] if self._stage is not None else 0))
+            grow = max(numel, 2 * (self._stage.numel() if self._stage is not None else 0))
             with persistent():  # written under any grad mode, inference mode included
-                self._stage = torch.empty((grow, self.row), dtype=kp.dtype, device=kp.device)
-        self._stage_rows = self._stage[: 2 * rows]
+                self._stage = torch.empty(grow, dtype=kp.dtype, device=kp.device)
+        return self._stage[:numel]
+
+    def _buffer_step(self, before: int, length: int) -> None:
+        """A gathered step with layer buffers: each layer adds the step's tokens to its buffer
+        (``_app``) when the buffer holds the rows' first ``before`` tokens, else gathers its
+        pages into it (``_fill``), made big enough for the rows' current pages."""
+        need = self.npages * self.page
+        if self._buf is None or self._cap < need:
+            self._filled = -1
+            b, layers = self.table.shape[0], len(self.flat)
+            # Doubling keeps the gathers at growth few; no row ever holds more than the pool's
+            # context length.
+            cap = max(need, min(2 * self._cap, self._max_tokens))
+            flat = self._storage(2 * layers * b * self.h * cap * self.d)
+            self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
+        if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
+            self._app = self._buffer_views(before, length - before)
+        else:
+            self._fill = True
+        self._filled = length
 
     def release(self) -> None:
-        """The rows are closed: the staging buffer goes to the pool's next cache (what
-        attention got from it, like views of the freed pages, is no longer valid)."""
+        """The rows are closed: the shared staging buffer goes to the pool's next cache,
+        layer buffers are let go (what attention got from either, like views of the
+        freed pages, is no longer valid)."""
         self.reset(0, private=True)
-        stage, self._stage = self._stage, None
-        if stage is not None and len(self._spares) < 2:
+        stage, self._stage, self._buf, self._cap = self._stage, None, None, 0
+        # Layer buffers hold a copy of the batch's K/V: they are freed with the cache, as
+        # DynamicCache's tensors are, rather than kept alive by the pool.
+        if stage is not None and not self.layer_buffers and len(self._spares) < 2:
             self._spares.append(stage)
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
         return self._to_device(host) if self._to_device is not None else torch.from_numpy(host)
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s K and V of every row, ``[B, H, length, D]`` (after ``advance``)."""
+    def kv(self, layer: int, k: torch.Tensor | None = None,
+           v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V of every row, ``[B, H, length, D]`` (after ``advance``
+        and after the layer stored this step's ``k``/``v`` in the pool; with layer buffers
+        they are also added to the layer's buffer, or without them the buffer is gathered)."""
         views = self._views
-        if views is not None:  # in place: made by advance
+        if views is not None:  # views of the pool or of the layer buffers, made by advance
+            app = self._app
+            if app is not None and k is not None:
+                dk, dv = app[layer]
+                dk.copy_(k)
+                dv.copy_(v)  # type: ignore[arg-type]
+            elif app is not None or self._fill:
+                self._gather_layer(layer)
             return views[layer]
         out = self._out
         assert out is not None
@@ -250,6 +322,37 @@ class StepPages:
             kp, vp = self.paged[layer]
             torch.index_select(kp, 0, self._index, out=stage[:rows])
             torch.index_select(vp, 0, self._index, out=stage[rows:])
+        return out
+
+    def _gather_layer(self, layer: int) -> None:
+        """Gather the rows' pages of ``layer`` into its buffer (the first ``length`` tokens)."""
+        buf = self._buf
+        assert buf is not None
+        b, n, hd = buf.shape[2], self.length, (self.h, self.d)
+        if self.all_pages is not None:
+            got = torch.index_select(self.all_pages, 0, self._index[layer]).view(2, b, -1, *hd)
+            buf[:, layer, :, :, :n].copy_(got[:, :, :n].transpose(2, 3))
+        else:
+            for cache, pages in zip(buf, self.paged[layer]):
+                got = torch.index_select(pages, 0, self._index).view(b, -1, *hd)
+                cache[layer, :, :, :n].copy_(got[:, :n].transpose(1, 2))
+
+    def _buffer_views(self, first: int, t: int, steps: int = 0) -> Any:
+        """Per layer (k, v) ``[B, H, t, D]`` views of the layer buffers from token ``first``;
+        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow."""
+        buf = self._buf
+        assert buf is not None
+        layers = buf.shape[1]
+        both = buf.view((2 * layers,) + buf.shape[2:])
+        size, stride = both.shape[:-2] + (t, self.d), both.stride()
+        at = both.storage_offset() + first * self.d
+        if not steps:
+            views = both.as_strided(size, stride, at).unbind(0)
+            return list(zip(views[:layers], views[layers:]))
+        out = []
+        for one in both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0):
+            views = one.unbind(0)
+            out.append(list(zip(views[:layers], views[layers:])))
         return out
 
     def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
@@ -280,6 +383,8 @@ class StepPages:
         """K and V of length ``n`` for attention: (per-layer (k, v) views in place, None), or
         (None, the staging buffer's K and V halves seen as [B, H, n, D]) for ``kv`` to fill."""
         b, h, d = self.table.shape[0], self.h, self.d
+        if self._strided is None and self.layer_buffers:
+            return self._buffer_views(0, n), None
         if self._strided is None:
             st, rows = self._stage, self._rows
             assert st is not None

@@ -39,7 +39,7 @@ class BatchRequests:
     step's slots and reads every row's K/V back through that table.
     """
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
         if getattr(pool, "mla", False):
             raise InvalidArgumentError(
                 "KVPoolCache stores per-head K and V; this pool is an MLA (latent) pool. "
@@ -65,7 +65,7 @@ class BatchRequests:
         # fp8 pools read K/V back dequantized through pool.read and a per-token index.
         self.fp8 = bool(getattr(pool, "fp8", False))
         self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step (fp8 only)
-        self.pages = None if self.fp8 else StepPages(pool)
+        self.pages = None if self.fp8 else StepPages(pool, layer_buffers=layer_buffers)
         # KVPool's store without write()'s argument checks, which kv_ok / check_kv make here
         # (K/V in attention's [B, H, T, D] layout); None: a pool without it, use write().
         self.store = getattr(pool, "_store_bhtd", None)

@@ -16,9 +16,10 @@ How it maps onto the pool:
   pool's store; the K/V are checked here, once per update) and returns the rows'
   full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
-  request on a pool handing out pages in order), else one gather of whole pages per
-  layer into a staging buffer the cache reuses (``_pages.StepPages``). Either is valid
-  until the next ``update``;
+  request on a pool handing out pages in order), else each layer's own buffer of its
+  rows' K/V, which each step adds its tokens to and which is gathered from the pages
+  only when it grows or the rows change (``_pages.StepPages``; ``layer_buffers=False``:
+  one staging buffer gathered at every step). Either is valid until the next ``update``;
 - left padding: pad tokens are stored like any other token and masked by the model's
   attention mask, exactly as ``DynamicCache`` does, so every row has the same length
   and the returned K/V line up with the 2-D attention mask. The price is one slot per
@@ -116,7 +117,9 @@ class KVPoolLayer(CacheLayerMixin):
             req.write(self.layer_idx, key_states, value_states)
         self.seen += tokens
         pages = req.pages
-        return pages.kv(self.layer_idx) if pages is not None else req.gather(self.layer_idx)
+        if pages is not None:
+            return pages.kv(self.layer_idx, key_states, value_states)
+        return req.gather(self.layer_idx)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -154,6 +157,11 @@ class KVPoolCache(Cache):
             pool that has ``open_with_prefix``, rows open on their longest cached prefix
             and ``generate`` computes only the rest; raises ``NotImplementedError`` otherwise.
         salt: optional int64 mixed into the prefix hash (tenant, LoRA id), with ``prefix_ids``.
+        layer_buffers: when the rows' pages are not one strided run (batches whose rows grow
+            in turn), each layer keeps its rows' K/V gathered in a buffer of its own and adds
+            each step's tokens to it, as ``DynamicCache`` keeps its tensors (the fastest, and the
+            default; the memory of one more copy of the batch's K/V). ``False``: the layers
+            share one staging buffer and gather every row's pages at every step.
 
     Use each cache for one batch and close it (``with`` block, ``close()``) to give the
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
@@ -165,8 +173,9 @@ class KVPoolCache(Cache):
             return super().__new__(HybridKVPoolCache)
         return super().__new__(cls)
 
-    def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
-        self.requests = BatchRequests(pool)
+    def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None,
+                 layer_buffers: bool = True) -> None:
+        self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         super().__init__(layers=list(self._pool_layers))
         if prefix_ids is not None:
@@ -211,7 +220,10 @@ class KVPoolCache(Cache):
                 req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
             layer.seen = req.length
             layer.is_initialized = True
-            return req.pages.kv(layer_idx)  # type: ignore[union-attr]  # (req.fast)
+            pages = req.pages
+            if pages._plain:  # type: ignore[union-attr]  # (req.fast): views made by the step, nothing to fill
+                return pages._views[layer_idx]  # type: ignore[union-attr, index]
+            return pages.kv(layer_idx, key_states, value_states)  # type: ignore[union-attr]
         return layer.update(key_states, value_states, *args, **kwargs)
 
     # -- what the pool holds ------------------------------------------------------------
@@ -308,7 +320,10 @@ class HybridKVPoolCache(KVPoolCache):
     (pages, window, state checkpoint); see docs/hybrid.md.
     """
 
-    def __init__(self, pool: Any, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None) -> None:
+    def __init__(self, pool: Any, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None,
+                 layer_buffers: bool = True) -> None:
+        # layer_buffers: KVPoolCache's argument, taken so that KVPoolCache(pool, ...) builds this
+        # cache with the same arguments; its layers gather through their groups' tables.
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))

@@ -1,0 +1,190 @@
+"""KVPoolCache's layer buffers: when the rows' pages are gathered, each layer keeps its
+rows' K/V between steps and adds each step's tokens. Every edit that changes what a row
+holds (crop, reorder, beam, rows leaving or joining, reset) must make the next step
+gather again; a page boundary must not (the buffer keeps growing). Each test keeps the
+expected K/V of every row and compares every update's result with it, so a stale buffer
+fails the comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from kvpool import KVPool  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+H, D, LAYERS, PAGE = 2, 8, 3, 4
+
+
+def make_pool(layout: str = "token") -> KVPool:
+    return KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=2048, max_requests=16,
+                  max_context_len=128, layout=layout)
+
+
+class Expect:
+    """Feeds random K/V to every layer of a cache and checks each result against the K/V
+    every row should hold (``rows[layer]``: ``[B, H, L, D]``)."""
+
+    def __init__(self, cache: KVPoolCache, seed: int = 0) -> None:
+        self.cache, self.g = cache, torch.Generator().manual_seed(seed)
+        self.rows: list[torch.Tensor | None] = [None] * LAYERS
+        self.buffered: list[bool] = []  # per step: layer 0's K came from the layer buffers
+
+    def step(self, batch: int, t: int) -> None:
+        for layer in range(LAYERS):
+            k = torch.randn(batch, H, t, D, generator=self.g)
+            held = self.rows[layer]
+            self.rows[layer] = k if held is None else torch.cat([held, k], dim=2)
+            got_k, got_v = self.cache.update(k, -k, layer)
+            want = self.rows[layer]
+            assert torch.equal(got_k, want) and torch.equal(got_v, -want), f"layer {layer} got stale K/V"
+            if layer == 0:
+                stage = self.cache.requests.pages._stage
+                self.buffered.append(stage is not None and self.cache.requests.pages._views is not None
+                                     and got_k.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr())
+
+    def edit(self, fn) -> None:
+        self.rows = [None if r is None else fn(r) for r in self.rows]
+
+
+def interleave(pool: KVPool, cache: KVPoolCache, e: Expect, batch: int) -> None:
+    """A prompt, then decode steps across a page boundary: the rows take their new pages in
+    turn, so from then on attention reads the layer buffers."""
+    e.step(batch, 5)
+    for _ in range(PAGE):
+        e.step(batch, 1)
+    assert e.buffered[-1], "the test needs rows whose pages are gathered"
+
+
+@pytest.mark.parametrize("layout", ["token", "paged"])
+def test_page_boundaries_add_to_the_buffer_without_gathering_again(layout, monkeypatch):
+    pool = make_pool(layout)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        pages = cache.requests.pages
+        gathers = []
+        real = pages._gather_layer
+        monkeypatch.setattr(pages, "_gather_layer", lambda layer: (gathers.append(layer), real(layer)))
+        caps = [pages._cap]
+        for _ in range(6 * PAGE):  # several page boundaries, and the buffers outgrow their room
+            e.step(3, 1)
+            caps.append(pages._cap)
+        growths = sum(a != b for a, b in zip(caps, caps[1:]))
+        assert growths >= 1
+        assert all(e.buffered[-6 * PAGE:])
+        # Growing the buffers is the one time they are gathered again (once per layer).
+        assert len(gathers) == LAYERS * growths
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_crop_then_continue():
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        cache.crop(-2)
+        e.edit(lambda r: r[:, :, :-2])
+        e.step(3, 2)  # back to the length before the crop: a buffer not told would look full
+        e.step(3, 1)
+        assert e.buffered[-1]
+
+
+@pytest.mark.parametrize("order", [[2, 0, 1], [1, 1, 0], [0, 0, 0]])
+def test_reorder_and_beam_rows(order):
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        cache.reorder_cache(torch.tensor(order))
+        e.edit(lambda r: r[order])
+        for _ in range(PAGE + 1):
+            e.step(3, 1)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_rows_leaving_and_joining():
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        interleave(pool, cache, e, 4)
+        cache.batch_select_indices(torch.tensor([3, 1]))  # two rows leave
+        e.edit(lambda r: r[[3, 1]])
+        for _ in range(PAGE):
+            e.step(2, 1)
+        cache.batch_repeat_interleave(2)  # each row joined by a copy of itself
+        e.edit(lambda r: r.repeat_interleave(2, dim=0))
+        for _ in range(PAGE):
+            e.step(4, 1)
+        cache.batch_select_indices(torch.tensor([True, False, True, True]))
+        e.edit(lambda r: r[[0, 2, 3]])
+        e.step(3, 1)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_reset_then_a_new_batch_of_the_same_size():
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        cache.reset()
+        e2 = Expect(cache, seed=1)
+        interleave(pool, cache, e2, 3)  # same lengths as before: only new values tell them apart
+        for _ in range(PAGE):
+            e2.step(3, 1)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_without_layer_buffers_every_step_gathers_the_same_values():
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=False) as cache:
+        e = Expect(cache)
+        e.step(3, 5)
+        for _ in range(2 * PAGE):
+            e.step(3, 1)
+        assert cache.requests.pages._buf is None
+        cache.reorder_cache(torch.tensor([1, 1, 2]))
+        e.edit(lambda r: r[[1, 1, 2]])
+        e.step(3, 1)
+    pool.allocator.check()
+
+
+def test_layer_buffers_are_freed_with_their_cache_not_kept_by_the_pool():
+    import weakref
+
+    pool = make_pool()
+    with torch.inference_mode():
+        cache = KVPoolCache(pool)
+        e = Expect(cache)
+        interleave(pool, cache, e, 3)
+        storage = weakref.ref(cache.requests.pages._stage)
+        e = None
+        cache.close()
+    assert storage() is None, "a closed cache's layer buffers are still alive"
+    with torch.inference_mode(), KVPoolCache(pool) as again:  # and a new cache starts clean
+        interleave(pool, again, Expect(again, seed=2), 3)
+
+
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_a_hybrid_pool_takes_the_same_arguments(layer_buffers):
+    import transformers
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    pool = pool_for_model(config, max_tokens=64, page_size=4, max_requests=2)
+    with KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
+        assert type(cache).__name__ == "HybridKVPoolCache"
+        k = torch.randn(1, 2, 3, 16)
+        got, _ = cache.update(k, k, 3)  # the full-attention layer
+        assert torch.equal(got, k)
+    assert pool.open_requests == 0
