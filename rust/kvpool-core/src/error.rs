@@ -60,6 +60,21 @@ pub enum PoolError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    #[error(
+        "request {handle} is swapped out (swap_out): extend, truncate, fork, cache and its \
+         slots, pages or page table need it on the device; call swap_in first"
+    )]
+    RequestSwappedOut { handle: i64 },
+
+    #[error(
+        "host tier exhausted: the call needs {needed_pages} host pages but only {free_pages} \
+         are free or evictable; nothing was moved"
+    )]
+    HostExhausted {
+        needed_pages: usize,
+        free_pages: usize,
+    },
+
     #[error("allocator invariant violated (a bug in kvpool): {0}")]
     Invariant(String),
 }

@@ -27,12 +27,27 @@ impl SlotAllocator {
     }
 
     /// Evicts the next victim (it becomes unregistered, refcount 0, on no
-    /// list: the caller makes it FREE or HELD).
+    /// list: the caller makes it FREE or HELD). With a host tier its entry
+    /// may live on in a host copy (`tier.rs`).
     fn evict_one(&mut self) -> Option<u32> {
         let p = self.pages.pop_victim()?;
+        if self.host.is_some() {
+            self.drop_device_copy(p, true);
+            return Some(p);
+        }
         self.prefetch_victims(self.pages.victim());
         self.unregister_page(p);
         Some(p)
+    }
+
+    /// Drops `p`'s registration before a request writes into it in place:
+    /// an entry with a host copy keeps it.
+    pub(super) fn unregister_for_write(&mut self, p: u32) {
+        if self.host.is_some() {
+            self.drop_device_copy(p, false);
+        } else {
+            self.unregister_page(p);
+        }
     }
 
     /// Warms what the next evictions will touch. Evictions come in runs (an
@@ -66,12 +81,17 @@ impl SlotAllocator {
     }
 
     /// Evicts up to `n` CACHED pages, the eviction room's victims in order;
-    /// returns how many were evicted. They become FREE (refcount 1).
+    /// returns how many were evicted. They become FREE (refcount 1). With a
+    /// host tier, an entry keeps its host copy, and under `write_back` an
+    /// entry without one is offloaded (see `take_offloads`).
     ///
     /// The victims are walked in order and leave the list in one relink
     /// instead of one unlink each, and the next victims are warmed as in
     /// `evict_one`.
     pub fn evict(&mut self, n: usize) -> usize {
+        if self.host.is_some() {
+            return self.evict_tiered(n);
+        }
         let n = n.min(self.pages.cached());
         let mut p = self.pages.victim();
         for _ in 0..n {
@@ -86,8 +106,9 @@ impl SlotAllocator {
     }
 
     /// Drops every index entry: CACHED pages become FREE, HELD pages stay
-    /// with their holders, unregistered. Emits one Cleared event. Costs
-    /// O(registered pages + max_requests).
+    /// with their holders, unregistered; so do host copies (swapped-out
+    /// requests keep their host pages, queued transfers theirs). Emits one
+    /// Cleared event. Costs O(registered pages + max_requests).
     ///
     /// Queued copies stay: each one fills a page an open request still
     /// reads (its own, or through a later copy out of it), so dropping it
@@ -95,6 +116,9 @@ impl SlotAllocator {
     /// source stays held until it is taken. The copies of released pages
     /// are gone already (`pages/copies.rs`).
     pub fn clear_cache(&mut self) {
+        if self.host.is_some() {
+            return self.clear_tiered();
+        }
         while let Some(p) = self.pages.pop_victim() {
             let entry = self.pages.take_entry(p);
             if entry != 0 {

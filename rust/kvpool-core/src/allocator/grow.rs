@@ -51,7 +51,7 @@ impl SlotAllocator {
                 moved = off;
             } else if self.pages.is_registered(last) {
                 // Only the cache shares it: drop the entry, then write in place.
-                self.unregister_page(last);
+                self.unregister_for_write(last);
             }
         }
         let room = if off == 0 { 0 } else { ps - off };

@@ -44,7 +44,8 @@ impl SlotAllocator {
         let mut tokens = Vec::new();
         reserve(&mut tokens, n * ps, "chain tokens")?;
         for &p in self.requests.pages(row, n) {
-            tokens.extend_from_slice(self.prefix.page_tokens(p));
+            // A swapped-out request's page may be on the host.
+            tokens.extend_from_slice(self.prefix.location_tokens(p));
         }
         let mut hashes = Vec::new();
         reserve(&mut hashes, n, "chain hashes")?;

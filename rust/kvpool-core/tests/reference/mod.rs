@@ -26,6 +26,8 @@ pub enum Kind {
     TooMany,
     TooLong,
     Arg,
+    Swapped,
+    HostFull,
 }
 
 pub fn kind(e: &PoolError) -> Kind {
@@ -35,6 +37,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::TooManyRequests { .. } => Kind::TooMany,
         PoolError::ContextTooLong { .. } => Kind::TooLong,
         PoolError::InvalidArgument(_) => Kind::Arg,
+        PoolError::RequestSwappedOut { .. } => Kind::Swapped,
+        PoolError::HostExhausted { .. } => Kind::HostFull,
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
     }
 }
