@@ -60,3 +60,5 @@ pub use table::SlotTable;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;

@@ -116,7 +116,7 @@ impl Engine {
         let slots = self.a.slots(h).expect("resident");
         let r = self.reqs.get_mut(&h).expect("open");
         r.want.resize(r.tokens.len(), None);
-        for i in 0..r.tokens.len() {
+        for (i, &slot) in slots.iter().enumerate() {
             if r.want[i].is_some() {
                 continue;
             }
@@ -129,7 +129,7 @@ impl Engine {
                 }
             };
             r.want[i] = Some(c);
-            self.s.dev[slots[i] as usize] = c;
+            self.s.dev[slot as usize] = c;
         }
     }
 
