@@ -27,9 +27,22 @@ pub enum Op {
     Prefill(usize),
     Evict(usize),
     ClearCache,
-    /// `take_copies_from(n % (pending + 1))`: 0 drains everything.
+    /// Every queue drained: the copies from `n % (pending + 1)` first.
     Drain(usize),
     Reset,
+    SwapOut(Vec<usize>),
+    SwapIn(Vec<usize>),
+    /// Prompts the harness saw registered (text pick, drop the last token),
+    /// asked for again: hits on whichever tier holds them by then.
+    Reopen(Vec<(u8, u8)>),
+    /// What `Reopen` becomes: (prompt, salt) each.
+    Prompts(Vec<(Vec<i32>, i64)>),
+}
+
+impl Op {
+    pub fn with_prompts(self, prompts: Vec<(Vec<i32>, i64)>) -> Op {
+        Op::Prompts(prompts)
+    }
 }
 
 /// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
@@ -69,11 +82,14 @@ pub fn op() -> impl Strategy<Value = Op> {
         3 => pick.clone().prop_map(Op::Prefill),
         3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
         3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
-        3 => (pick, 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
-        1 => (0usize..4).prop_map(Op::Evict),
+        3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
+        3 => prop_oneof![3 => 0usize..6, 1 => Just(usize::MAX)].prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
         2 => prop_oneof![2 => Just(0usize), 1 => 1usize..8].prop_map(Op::Drain),
         1 => Just(Op::Reset),
+        1 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapOut),
+        2 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapIn),
+        4 => prop::collection::vec((any::<u8>(), any::<u8>()), 1..3).prop_map(Op::Reopen),
     ]
 }
 

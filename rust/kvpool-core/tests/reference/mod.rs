@@ -1,10 +1,11 @@
 //! A deliberately naive reference model of the allocator: one page list and
 //! one token list per request, holders counted by scanning every request,
 //! the prefix index keyed by the exact content (salt, every token up to the
-//! end of the page) instead of a hash, the LRU list a plain Vec, the
-//! copy-on-write queue a Vec of (source page, destination page, slots)
-//! searched front to back. Same policies as the allocator, written the
-//! obvious way.
+//! end of the page) instead of a hash, each entry naming its device page
+//! and its host copy, the LRU list a plain Vec, the copy-on-write queue a
+//! Vec of (source page, destination page, slots) searched front to back,
+//! and the host tier (`tier.rs`) the same way. Same policies as the
+//! allocator, written the obvious way.
 
 #![allow(dead_code)]
 
@@ -13,8 +14,10 @@ use std::collections::BTreeMap;
 use kvpool_core::{make_handle, PoolError};
 
 mod copies;
+mod tier;
 
 pub use copies::QueuedCopy;
+pub use tier::{Tier, HOST};
 
 pub const MAX_REQ: usize = 6;
 pub const MAX_CTX: usize = 12;
@@ -45,6 +48,7 @@ pub fn kind(e: &PoolError) -> Kind {
 
 #[derive(Debug, Clone, Default)]
 pub struct Req {
+    /// Device pages, and host pages (`| HOST`) while swapped out.
     pub pages: Vec<usize>,
     /// Token id of every position, None when unknown.
     pub tokens: Vec<Option<i32>>,
@@ -53,6 +57,7 @@ pub struct Req {
     pub hashed: usize,
     pub chain_reg: u64,
     pub broken: bool,
+    pub swapped: bool,
 }
 
 impl Req {
@@ -69,6 +74,9 @@ pub struct Entry {
     pub key: (i64, Vec<i32>),
     pub reg: u64,
     pub parent_reg: u64,
+    /// Its device page, and its host copy.
+    pub dev: Option<usize>,
+    pub host: Option<usize>,
 }
 
 pub struct Model {
@@ -76,7 +84,9 @@ pub struct Model {
     pub free: Vec<usize>,
     /// CACHED pages, oldest first.
     pub lru: Vec<usize>,
-    pub reg: BTreeMap<usize, Entry>,
+    /// Entries by registration id.
+    pub reg: BTreeMap<u64, Entry>,
+    pub tier: Option<Tier>,
     pub next_reg: u64,
     pub free_rows: Vec<usize>,
     pub generation: Vec<u32>,
@@ -95,11 +105,16 @@ pub struct Model {
 
 impl Model {
     pub fn new(pages: usize, ps: usize) -> Self {
+        Self::with_tier(pages, ps, None)
+    }
+
+    pub fn with_tier(pages: usize, ps: usize, tier: Option<Tier>) -> Self {
         Model {
             ps,
             free: (1..pages).rev().collect(),
             lru: Vec::new(),
             reg: BTreeMap::new(),
+            tier,
             next_reg: 1,
             free_rows: (0..MAX_REQ).rev().collect(),
             generation: vec![0; MAX_REQ],
@@ -140,11 +155,22 @@ impl Model {
             .collect()
     }
 
-    fn find(&self, key: &(i64, Vec<i32>)) -> Option<(usize, Entry)> {
-        self.reg
-            .iter()
-            .find(|(_, e)| &e.key == key)
-            .map(|(&p, e)| (p, e.clone()))
+    fn find(&self, key: &(i64, Vec<i32>)) -> Option<Entry> {
+        self.reg.values().find(|e| &e.key == key).cloned()
+    }
+
+    /// The registration whose device copy is page `p`.
+    pub fn entry_at(&self, p: usize) -> Option<u64> {
+        self.reg.values().find(|e| e.dev == Some(p)).map(|e| e.reg)
+    }
+
+    pub fn is_registered(&self, p: usize) -> bool {
+        self.entry_at(p).is_some()
+    }
+
+    /// Registered device pages (`cached_pages`).
+    pub fn device_registered(&self) -> usize {
+        self.reg.values().filter(|e| e.dev.is_some()).count()
     }
 
     /// Rows of a batch, or the error kind of its first bad handle/duplicate.
@@ -165,17 +191,22 @@ impl Model {
             return p;
         }
         let p = self.lru.remove(0);
-        self.reg.remove(&p);
+        self.drop_device_copy(p, true);
         p
     }
 
     /// One holder of `p` gone (already taken out of its list or the
     /// queue): if none is left, `p` is CACHED or FREE. Returns whether.
+    /// A host page (`| HOST`) goes to the host tier's lists.
     pub(crate) fn release(&mut self, p: usize) -> bool {
+        if p & HOST != 0 {
+            self.host_release(p & !HOST);
+            return false;
+        }
         if self.holders(p) > 0 {
             return false;
         }
-        if self.reg.contains_key(&p) {
+        if self.is_registered(p) {
             self.lru.push(p);
         } else {
             self.free.push(p);
@@ -183,7 +214,7 @@ impl Model {
         true
     }
 
-    fn hold(&mut self, p: usize) {
+    pub(crate) fn hold(&mut self, p: usize) {
         self.lru.retain(|&q| q != p);
     }
 
@@ -218,15 +249,16 @@ impl Model {
         if prompts.len() > self.free_rows.len() {
             return Err(Kind::TooMany);
         }
-        // Matches first (nothing changes), then hits.
+        // Matches first (nothing changes), then hits. A match names each
+        // page's location: its device page, or its host copy `| HOST`.
         let mut found = Vec::new();
         for (p, &salt) in prompts.iter().zip(salts) {
             let max = p.len().saturating_sub(1) / self.ps;
             let (mut pages, mut prev) = (Vec::new(), 0u64);
             for k in 0..max {
                 match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
-                    Some((page, e)) if e.parent_reg == prev => {
-                        pages.push(page);
+                    Some(e) if e.parent_reg == prev => {
+                        pages.push(e.dev.unwrap_or_else(|| e.host.unwrap() | HOST));
                         prev = e.reg;
                     }
                     _ => break,
@@ -234,25 +266,44 @@ impl Model {
             }
             found.push((pages, prev));
         }
+        if found
+            .iter()
+            .any(|(pages, _)| pages.iter().any(|&l| l & HOST != 0))
+        {
+            return Ok(self.open_with_host_hits(prompts, salts, found));
+        }
         let (mut hs, mut cached) = (Vec::new(), Vec::new());
         for ((p, &salt), (pages, prev)) in prompts.iter().zip(salts).zip(found) {
-            let (row, h) = self.new_row(salt);
-            for &q in &pages {
-                self.hold(q);
-            }
-            let len = pages.len() * self.ps;
-            let r = self.reqs.get_mut(&row).unwrap();
-            r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
-            r.pages = pages.clone();
-            r.prompt = p.clone();
-            r.hashed = pages.len();
-            r.chain_reg = prev;
-            self.hit += len as u64;
-            self.miss += (p.len() - len) as u64;
+            let (h, len) = self.open_on(p, salt, pages, prev);
             hs.push(h);
             cached.push(len as i64);
         }
         Ok((hs, cached))
+    }
+
+    /// Opens a request of `prompt` on the held device pages `pages` of a
+    /// match ending at registration `prev`; returns (handle, cached_len).
+    pub(crate) fn open_on(
+        &mut self,
+        p: &[i32],
+        salt: i64,
+        pages: Vec<usize>,
+        prev: u64,
+    ) -> (i64, usize) {
+        let (row, h) = self.new_row(salt);
+        for &q in &pages {
+            self.hold(q);
+        }
+        let len = pages.len() * self.ps;
+        let r = self.reqs.get_mut(&row).unwrap();
+        r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
+        r.hashed = pages.len();
+        r.pages = pages;
+        r.prompt = p.to_vec();
+        r.chain_reg = prev;
+        self.hit += len as u64;
+        self.miss += (p.len() - len) as u64;
+        (h, len)
     }
 
     /// `tokens`: per request, the ids given for its new positions (or None).
@@ -274,6 +325,9 @@ impl Model {
                 return Err(Kind::Arg);
             }
             let req = &self.reqs[&r];
+            if req.swapped {
+                return Err(Kind::Swapped);
+            }
             let (len, c) = (req.len(), cs[i] as usize);
             if len + c > MAX_CTX {
                 return Err(Kind::TooLong);
@@ -320,8 +374,8 @@ impl Model {
                         len: off,
                     });
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
-                } else if self.reg.contains_key(&last) {
-                    self.reg.remove(&last);
+                } else if self.is_registered(last) {
+                    self.drop_device_copy(last, false);
                 }
             }
             for j in 0..c {
@@ -351,6 +405,9 @@ impl Model {
     pub fn truncate(&mut self, hs: &[i64], ls: &[i64]) -> Result<(), Kind> {
         for i in 0..hs.len() {
             let r = self.rows(&hs[..=i])?[i];
+            if self.reqs[&r].swapped {
+                return Err(Kind::Swapped);
+            }
             if ls[i] < 0 || ls[i] as usize > self.reqs[&r].len() {
                 return Err(Kind::Arg);
             }
@@ -385,7 +442,10 @@ impl Model {
         let req = &self.reqs[&r];
         if req.hashed > full {
             let entry = (full > 0)
-                .then(|| self.reg.get(&req.pages[full - 1]).cloned())
+                .then(|| {
+                    self.entry_at(req.pages[full - 1])
+                        .map(|g| self.reg[&g].clone())
+                })
                 .flatten();
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
@@ -404,6 +464,9 @@ impl Model {
 
     pub fn cache(&mut self, hs: &[i64]) -> Result<(), Kind> {
         let rows = self.rows(hs)?;
+        if rows.iter().any(|r| self.reqs[r].swapped) {
+            return Err(Kind::Swapped);
+        }
         for r in rows {
             self.register(r);
         }
@@ -423,24 +486,33 @@ impl Model {
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
             let reg = match self.find(&key) {
-                None if !self.reg.contains_key(&p) => {
+                None if !self.is_registered(p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
                     self.reg.insert(
-                        p,
+                        reg,
                         Entry {
                             key,
                             reg,
                             parent_reg: chain_reg,
+                            dev: Some(p),
+                            host: None,
                         },
                     );
                     Some(reg)
                 }
-                Some((q, e)) if q == p => {
-                    self.reg.get_mut(&p).unwrap().parent_reg = chain_reg;
+                Some(e) if e.dev == Some(p) => {
+                    self.reg.get_mut(&e.reg).unwrap().parent_reg = chain_reg;
                     Some(e.reg)
                 }
-                Some((_, e)) if e.parent_reg == chain_reg => Some(e.reg),
+                Some(e) if e.parent_reg == chain_reg => {
+                    // A duplicate; one whose only copy is on the host takes
+                    // this page as its device copy.
+                    if e.dev.is_none() && !self.is_registered(p) {
+                        self.reg.get_mut(&e.reg).unwrap().dev = Some(p);
+                    }
+                    Some(e.reg)
+                }
                 _ => None,
             };
             match reg {
@@ -455,28 +527,46 @@ impl Model {
             }
         }
         let req = self.reqs.get_mut(&r).unwrap();
+        let from = req.hashed;
         req.hashed = k;
         req.chain_reg = chain_reg;
         req.broken = broken;
+        if k > from && self.writes_through() {
+            self.write_through(r, from, k);
+        }
     }
 
     pub fn close(&mut self, hs: &[i64], cache: bool) -> Result<(), Kind> {
         let rows = self.rows(hs)?;
         if cache {
+            if rows.iter().any(|r| self.reqs[r].swapped) {
+                return Err(Kind::Swapped);
+            }
             for &r in &rows {
                 self.register(r);
             }
         }
         for r in rows {
-            self.shrink(r, 0);
-            self.reqs.remove(&r);
+            self.close_row(r);
             self.free_rows.push(r);
         }
         Ok(())
     }
 
+    fn close_row(&mut self, r: usize) {
+        if self.reqs[&r].swapped {
+            self.close_swapped(r);
+        } else {
+            self.shrink(r, 0);
+        }
+        self.reqs.remove(&r);
+    }
+
     pub fn fork(&mut self, h: i64, n: usize) -> Result<Vec<i64>, Kind> {
         let parent = self.row(h).ok_or(Kind::Handle)?;
+        if self.reqs[&parent].swapped {
+            return Err(Kind::Swapped);
+        }
         if n > self.free_rows.len() {
             return Err(Kind::TooMany);
         }
@@ -494,8 +584,7 @@ impl Model {
     pub fn reset(&mut self) {
         let rows: Vec<usize> = self.reqs.keys().copied().collect();
         for r in rows {
-            self.shrink(r, 0);
-            self.reqs.remove(&r);
+            self.close_row(r);
         }
         self.free_rows = (0..MAX_REQ).rev().collect();
     }
@@ -504,7 +593,7 @@ impl Model {
         let k = n.min(self.lru.len());
         for _ in 0..k {
             let p = self.lru.remove(0);
-            self.reg.remove(&p);
+            self.drop_device_copy(p, true);
             self.free.push(p);
         }
         k
@@ -513,6 +602,11 @@ impl Model {
     pub fn clear_cache(&mut self) {
         for p in std::mem::take(&mut self.lru) {
             self.free.push(p);
+        }
+        if let Some(t) = self.tier.as_mut() {
+            for h in std::mem::take(&mut t.lru) {
+                t.free.push(h);
+            }
         }
         self.reg.clear();
         for r in self.reqs.values_mut() {
