@@ -95,6 +95,7 @@ thread_local! {
     static MOVED: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
     static SWAPS: Cell<usize> = const { Cell::new(0) };
     static HOST_STORED: Cell<usize> = const { Cell::new(0) };
+    static BOUNCED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
@@ -335,6 +336,22 @@ proptest! {
                     let hs: Vec<i64> = v.iter().map(|&i| if i < OPEN_PICKS && !swapped.is_empty() { swapped[i % swapped.len()] } else { h(i) }).collect();
                     oks += same(a.swap_in(&hs), m.swap_in(&hs)) as usize;
                 }
+                Op::Bounce(i) => {
+                    let x = [h(i)];
+                    for k in 0..4 {
+                        let ok = if k % 2 == 0 {
+                            same(a.swap_out(&x), m.swap_out(&x))
+                        } else {
+                            same(a.swap_in(&x), m.swap_in(&x))
+                        };
+                        oks += ok as usize;
+                        a.check().unwrap();
+                        if !ok {
+                            break;
+                        }
+                        count(&BOUNCED, (k == 3) as usize);
+                    }
+                }
                 Op::Evict(n) => {
                     prop_assert_eq!(a.evict(n), m.evict(n));
                 }
@@ -469,12 +486,14 @@ fn generated_sequences_exercise_sharing() {
         SWAPS.with(Cell::get),
         HOST_STORED.with(Cell::get),
     );
+    let bounced = BOUNCED.with(Cell::get);
     eprintln!(
         "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
          the host), {copies} copy-on-write slots queued, {dropped} copies dropped with their \
          destination, {alone} op ends with a source held by its copy alone, {diverged} \
          truncations into a prompt; queued: {} offloads, {} loads; run: {} copied slots; {swaps} \
-         swap-outs (and the pages they moved), {host_stored} host Stored events",
+         swap-outs (and the pages they moved), {bounced} requests swapped out and in twice \
+         undrained, {host_stored} host Stored events",
         moved[0], moved[1], moved[2]
     );
     assert!(
@@ -513,6 +532,7 @@ fn generated_sequences_exercise_sharing() {
         moved[1]
     );
     assert!(swaps > CASES as usize / 10, "only {swaps} swap-outs");
+    assert!(bounced > CASES as usize / 30, "only {bounced} bounces");
     assert!(
         host_stored > CASES as usize / 10,
         "only {host_stored} host Stored events"

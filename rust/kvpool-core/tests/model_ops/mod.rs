@@ -37,6 +37,10 @@ pub enum Op {
     Reopen(Vec<(u8, u8)>),
     /// What `Reopen` becomes: (prompt, salt) each.
     Prompts(Vec<(Vec<i32>, i64)>),
+    /// swap_out, swap_in, swap_out, swap_in of one request with nothing
+    /// drained in between: pages a queued load has yet to fill are swapped
+    /// out again, host pages swap_in lets go are wanted by write-backs.
+    Bounce(usize),
 }
 
 impl Op {
@@ -90,6 +94,7 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapOut),
         2 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapIn),
         4 => prop::collection::vec((any::<u8>(), any::<u8>()), 1..3).prop_map(Op::Reopen),
+        1 => pick.clone().prop_map(Op::Bounce),
     ]
 }
 
