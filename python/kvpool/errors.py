@@ -4,7 +4,11 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
 
 - The allocator's (``kvpool._core``, raised by the Rust core): ``PoolExhaustedError``,
   ``InvalidHandleError``, ``TooManyRequestsError``, ``ContextTooLongError``,
-  ``InvalidArgumentError`` (also a ``ValueError``) and ``InvariantError``.
+  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError`` and
+  ``RequestSwappedOutError`` (a call that needs the request on the device, made
+  on one ``swap_out`` moved to the host tier; a ``KVPoolError`` and not an
+  ``InvalidHandleError``: the handle stays valid and owns its pages, so code that
+  forgets requests on an invalid handle must not catch it).
 - The torch layer's and the kernels' argument errors derive from
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
@@ -23,6 +27,7 @@ from kvpool._core import (
     InvariantError,
     KVPoolError,
     PoolExhaustedError,
+    RequestSwappedOutError,
     TooManyRequestsError,
 )
 
@@ -37,6 +42,7 @@ __all__ = [
     "LayerIndexError",
     "PoolExhaustedError",
     "RankDivergenceError",
+    "RequestSwappedOutError",
     "ReservedSlotError",
     "SlotRangeError",
     "TensorDeviceError",

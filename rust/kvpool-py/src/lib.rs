@@ -18,6 +18,7 @@ mod packed;
 mod sharing;
 mod stats;
 mod table;
+mod tier;
 mod torch_arg;
 mod widen;
 

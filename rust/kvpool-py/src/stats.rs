@@ -18,6 +18,11 @@ pub struct PoolStats {
     evictable_pages: usize,
     hit_tokens: u64,
     miss_tokens: u64,
+    host_free_pages: usize,
+    host_cached_pages: usize,
+    host_hit_tokens: u64,
+    offloaded_pages: u64,
+    loaded_pages: u64,
 }
 
 impl PoolStats {
@@ -34,6 +39,11 @@ impl PoolStats {
             evictable_pages: a.evictable_pages(),
             hit_tokens: a.hit_tokens(),
             miss_tokens: a.miss_tokens(),
+            host_free_pages: a.host_free_pages(),
+            host_cached_pages: a.host_cached_pages(),
+            host_hit_tokens: a.host_hit_tokens(),
+            offloaded_pages: a.offloaded_pages(),
+            loaded_pages: a.loaded_pages(),
         }
     }
 }
@@ -44,7 +54,8 @@ impl PoolStats {
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
              open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
-             evictable_pages={}, hit_tokens={}, miss_tokens={})",
+             evictable_pages={}, hit_tokens={}, miss_tokens={}, host_free_pages={}, \
+             host_cached_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
@@ -55,7 +66,12 @@ impl PoolStats {
             self.cached_pages,
             self.evictable_pages,
             self.hit_tokens,
-            self.miss_tokens
+            self.miss_tokens,
+            self.host_free_pages,
+            self.host_cached_pages,
+            self.host_hit_tokens,
+            self.offloaded_pages,
+            self.loaded_pages
         )
     }
 }

@@ -61,8 +61,9 @@ impl SlotAllocator {
         })
     }
 
-    /// How many leading pages of `chain` this pool caches (registered,
-    /// CACHED or HELD), each verified by its tokens, salt and parent.
+    /// How many leading pages of `chain` this pool caches on the device
+    /// (registered, CACHED or HELD), each verified by its tokens, salt and
+    /// parent.
     /// Read-only.
     ///
     /// Errors: `InvalidArgument` when `tokens` is not `hashes.len() *
