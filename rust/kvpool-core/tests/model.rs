@@ -522,7 +522,8 @@ fn generated_sequences_exercise_sharing() {
         "only {diverged} truncations into a prompt"
     );
     assert!(
-        host_hits > CASES as u64 / 30,
+        // Random seeds give about 100 to 200 here; the guard is for none.
+        host_hits > CASES as u64 / 60,
         "only {host_hits} host-hit tokens"
     );
     assert!(
