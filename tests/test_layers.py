@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging", "streams",
-              "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers"}),
+              "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers",
+              "host_tier"}),
     ("above the pool", {"__init__", "__main__", "cli", "distributed", "integrations", "router", "bench", "demo"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

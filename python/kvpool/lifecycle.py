@@ -39,6 +39,8 @@ class RequestOps:
 
     allocator: SlotAllocator
     _lock: Any  # the pool's RLock
+    _transfers: Any  # the host tier's TransferRunner (None without a tier)
+    _run_transfers: Any
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
@@ -56,6 +58,10 @@ class RequestOps:
     hit_tokens = _counter("hit_tokens")
     miss_tokens = _counter("miss_tokens")
     dropped_events = _counter("dropped_events")
+    host_pages = _counter("host_pages")
+    host_free_pages = _counter("host_free_pages")
+    host_cached_pages = _counter("host_cached_pages")
+    host_hit_tokens = _counter("host_hit_tokens")
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
@@ -84,6 +90,8 @@ class RequestOps:
         the pool's lock."""
         with self._lock:
             self.allocator.close(handles, cache=cache)
+            if self._transfers is not None:  # the host tier's offloads
+                self._run_transfers()
 
     def cache(self, handles: Any) -> None:
         """Publish requests' full pages in the prefix cache. See ``SlotAllocator.cache``;
@@ -91,13 +99,18 @@ class RequestOps:
         (every step, or only at close with ``close(cache=True)``)."""
         with self._lock:
             self.allocator.cache(handles)
+            if self._transfers is not None:  # the host tier's offloads
+                self._run_transfers()
 
     def evict(self, n_pages: int) -> int:
         """Evict cached pages nobody holds. See ``SlotAllocator.evict``; holds the pool's
         lock. Extends evict by themselves when free pages run out; this is for
         engines that keep headroom."""
         with self._lock:
-            return self.allocator.evict(n_pages)
+            n = self.allocator.evict(n_pages)
+            if self._transfers is not None:  # write_back: the evicted pages' offloads
+                self._run_transfers()
+            return n
 
     def clear_cache(self) -> None:
         """Drop every prefix-cache entry. See ``SlotAllocator.clear_cache``; holds the
