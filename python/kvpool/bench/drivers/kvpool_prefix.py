@@ -92,4 +92,65 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
         return "Rust core, hashed full pages"
 
 
-__all__ = ["KVPoolPrefixDriver"]
+
+
+class KVPoolHostPrefixDriver(KVPoolPrefixDriver):
+    """The same calls on a SlotAllocator with a host tier (``cfg.host_pages``, write_back),
+    plus what ``KVPool`` does after each call that can queue a transfer: ``take_offloads()``
+    and ``take_loads()`` (the page ids it hands to the transfer runner; the bytes move on
+    the device, not here)."""
+
+    name = "kvpool-host"
+    label = "kvpool SlotAllocator with a host tier (write_back)"
+    policy = "write_back"
+
+    def __init__(self, cfg: PrefixTraceConfig, max_step_tokens: int = 8192) -> None:
+        super().__init__(cfg, max_step_tokens)
+        self.alloc = kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len,
+                                          host_pages=cfg.host_pages, host_policy=self.policy)
+
+    def _take(self) -> None:
+        a = self.alloc
+        self.offloaded_pages += len(a.take_offloads()[0])
+        self.loaded_pages += len(a.take_loads()[0])
+
+    def run(self, prep: Any) -> int:
+        finished, groups, decoding, fed = prep
+        a, table, n = self.alloc, self.table, 0
+        if len(finished):
+            a.close(finished, cache=True)
+            self._take()
+        for prompt, length, lanes, k in groups:
+            h, cached = a.open_with_prefix(prompt, length, table=table)
+            self._take()
+            h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
+            n += len(a.extend(h, total - hit, table=table))
+            self._take()
+            a.cache(h)
+            self._take()
+            self.prompt_tokens += k * total
+            self.computed_tokens += total - hit
+            self.handles[lanes[0]] = h0
+            if k > 1:
+                self.handles[lanes[1:]] = a.fork(h0, k - 1, table=table)
+        if len(decoding):
+            n += len(a.extend(decoding, 1, tokens=fed, table=table))
+            self._take()
+            src, _ = a.take_copies()
+            self._copies += len(src)
+        return n
+
+    def host_pages(self) -> int:
+        return self.cfg.host_pages - 1
+
+    def backend(self) -> str:
+        return f"Rust core, host tier ({self.policy})"
+
+
+class KVPoolWriteThroughPrefixDriver(KVPoolHostPrefixDriver):
+    name = "kvpool-host-wt"
+    label = "kvpool SlotAllocator with a host tier (write_through)"
+    policy = "write_through"
+
+
+__all__ = ["KVPoolHostPrefixDriver", "KVPoolPrefixDriver", "KVPoolWriteThroughPrefixDriver"]

@@ -66,6 +66,7 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
         self.reqs: list[Any] = [None] * cfg.concurrency  # engine state: the Request in each lane
         self.seqs: list[Any] = [None] * cfg.concurrency
         self.next_id = 0
+        self._lane: dict[str, int] = {}  # request id -> lane
         self._evicted = 0
         pool = self.mgr.block_pool
         evict = pool._maybe_evict_cached_block
@@ -125,7 +126,11 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
                 bt.append_row(ids, lane)
             req.num_computed_tokens += 1
             req.append_output_token_ids(tok)
-        # Slot mapping of every token this step computes (model runner, host side).
+        return self._slot_mapping(rows, starts, ends, lanes, dec_lens)
+
+    def _slot_mapping(self, rows: list[int], starts: list[int], ends: list[int], lanes: list[int],
+                      dec_lens: Any) -> int:
+        """Slot mapping of every token this step computes (model runner, host side)."""
         starts_np = np.array(starts, dtype=np.int64)
         counts = np.array(ends, dtype=np.int64) - starts_np
         req_idx = np.concatenate([np.repeat(np.array(rows, dtype=np.int64), counts), np.array(lanes, dtype=np.int64)])
