@@ -179,8 +179,10 @@ impl EventLog {
         self.stored_on(MEDIUM_DEVICE, hash, parent, page, salt, tokens);
     }
 
-    /// A Stored event about `medium`'s page `page`.
-    #[inline]
+    /// A Stored event about `medium`'s page `page`. Always inlined: `cache()`
+    /// calls it once a page, and out of line its call costs more than the
+    /// `enabled` test and the push themselves.
+    #[inline(always)]
     pub(crate) fn stored_on(
         &mut self,
         medium: u8,
@@ -212,7 +214,7 @@ impl EventLog {
     }
 
     /// A Removed event about `medium`'s page `page`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn removed_on(&mut self, medium: u8, hash: u128, page: u32, salt: i64) {
         if self.enabled {
             self.room();
