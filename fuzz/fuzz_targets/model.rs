@@ -137,10 +137,6 @@ impl Model {
         dev
     }
 
-    pub fn cell(&self, slot: i64) -> Option<&Cell> {
-        self.content[slot as usize].as_ref()
-    }
-
     /// Request `h` writes position `pos` (already pushed to its tokens) to `slot`.
     pub fn write(&mut self, h: i64, pos: usize, slot: i64) {
         let r = self.reqs.get_mut(&h).expect("model request");
@@ -184,8 +180,14 @@ impl Model {
 
     /// Replays drained events into `registered`, checking each Stored
     /// device page holds exactly the full known context and salt the event
-    /// claims (a host page's copy is still queued when its event is sent).
-    pub fn apply_events(&mut self, e: &Events, ps: usize) {
+    /// claims once the queued transfers have run (a host hit's page is
+    /// Stored when its load is queued; a host page's copy is still queued
+    /// when its event is sent, and host events are not checked here).
+    pub fn apply_events(&mut self, e: &Events, a: &SlotAllocator) {
+        let ps = a.page_size();
+        // A device page Stored by a host hit is filled by its queued load:
+        // check what each page holds once the queued transfers have run.
+        let settled = self.settled(a);
         let mut tok = 0usize;
         for i in 0..e.len() {
             let p = e.page[i];
@@ -201,7 +203,9 @@ impl Model {
                     }
                     for (j, &id) in ids.iter().enumerate() {
                         let slot = p as i64 * ps as i64 + j as i64;
-                        let c = self.cell(slot).expect("Stored a page never written");
+                        let c = settled[slot as usize]
+                            .as_ref()
+                            .expect("Stored a page never written");
                         let ctx = c.ctx.as_ref().expect("Stored a page with unknown tokens");
                         assert_eq!(
                             ctx.last(),
