@@ -3,10 +3,14 @@ included, for the hypothesis state machine: one page list and one token list
 per request, holders counted by scanning, the prefix index keyed by exact
 content (salt, every token up to the end of the page) with registration ids,
 each entry naming its device page and its host copy, the LRU lists plain lists
-(oldest first), the copy-on-write queue a list of [source page, destination
-page, slots] searched front to back, the offload and load queues lists of page
-pairs (tier part: allocator_model_tier.py). Same policies as the allocator,
-written the obvious way."""
+(in the order pages were last filed), retention priorities of device pages a
+dict scanned for the lowest (allocator_model_priorities.py), the copy-on-write
+queue a list of [source page, destination page, slots] searched front to back,
+the offload and load queues lists of page pairs (tier part:
+allocator_model_tier.py). Same policies as the allocator, written the obvious
+way."""
+
+from allocator_model_priorities import PriorityModel
 
 import kvpool
 from allocator_model_tier import HOST, Entry, TierMixin
@@ -36,11 +40,16 @@ class Req:
         return out
 
 
-class Model(TierMixin):
-    def __init__(self, num_pages, ps, gen_base, host_pages=0, policy="write_back"):
+class Model(PriorityModel, TierMixin):
+    def __init__(self, num_pages, ps, gen_base, host_pages=0, policy="write_back", max_pinned=None):
         self.ps = ps
         self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
-        self.lru = []  # cached pages, oldest first
+        self.lru = []  # cached pages (pinned ones too), in the order last filed
+        self.prio = {}  # registered device page -> [priority, until ns or None, seq]
+        self.now = 0  # the manual clock, ns
+        self.max_pinned = (num_pages - 1) // 4 if max_pinned is None else max_pinned
+        self.ends_given = 0
+        self.victims = []
         self.reg = {}  # registration id -> Entry
         self.next_reg = 1
         self.init_tier(host_pages, policy)
@@ -104,9 +113,7 @@ class Model(TierMixin):
     def take_page(self):
         if self.free:
             return self.free.pop()
-        p = self.lru.pop(0)
-        self.drop_device_copy(p, True)
-        return p
+        return self.pop_victim()
 
     def release(self, p):
         """One holder of p gone: with none left, p is CACHED or FREE (True).
@@ -226,7 +233,7 @@ class Model(TierMixin):
                     if pos < len(q.prompt) and q.prompt[pos] != tokens[k + j]:
                         raise kvpool.InvalidArgumentError
                 k += c
-        if need > len(self.free) + len(self.lru):
+        if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         out, k = [], 0
         for r, c in zip(rows, cs):
@@ -239,6 +246,7 @@ class Model(TierMixin):
                     self.queue.append([last, new, n % self.ps])
                     q.pages[-1] = new
                 elif self.entry_at(last):
+                    self.prio.pop(last, None)
                     self.drop_device_copy(last, False)
             for j in range(c):
                 t = n + j
@@ -292,6 +300,7 @@ class Model(TierMixin):
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
             e = self.find(key)
             if e is None and self.entry_at(p) is None:
+                self.prio.pop(p, None)
                 reg = self.next_reg
                 self.next_reg += 1
                 self.reg[reg] = Entry(key, reg, chain, p)
@@ -365,19 +374,18 @@ class Model(TierMixin):
         return out
 
     def evict(self, n):
-        k = min(n, len(self.lru))
+        k = min(n, self.evictable())
         for _ in range(k):
-            p = self.lru.pop(0)
-            self.drop_device_copy(p, True)
-            self.free.append(p)
+            self.free.append(self.pop_victim())
         return k
 
     def clear_cache(self):
-        self.free.extend(self.lru)
+        self.free.extend(self.cache_order())
         self.lru = []
         if self.tier:
             self.tier.free.extend(self.tier.lru)
             self.tier.lru = []
         self.reg = {}
+        self.prio = {}
         for q in self.reqs.values():
             q.hashed, q.chain_reg, q.broken = 0, 0, False

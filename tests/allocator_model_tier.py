@@ -109,7 +109,7 @@ class TierMixin:
         for pages, _ in found:
             k = 0
             for loc in pages:
-                spare = len(self.free) + len(self.lru) > len(pending)
+                spare = len(self.free) + self.evictable() > len(pending)
                 if loc & HOST:
                     e = self.entry_on_host(loc & ~HOST)
                     if e not in pending:
@@ -199,7 +199,7 @@ class TierMixin:
         if any(not self.reqs[r].swapped for r in rows):
             raise kvpool.InvalidArgumentError
         need = sum(1 for r in rows for p in self.reqs[r].pages if p & HOST)
-        if need > len(self.free) + len(self.lru):
+        if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         for r in rows:
             q = self.reqs[r]

@@ -36,7 +36,7 @@ def test_exhausted_message_states_free_pages_and_free_slots(page_size):
     msg = str(info.value)
     assert "needs 4 free pages" in msg and f"({page_size} slots each)" in msg
     assert "only 3 are free" in msg
-    assert f"({3 * page_size} free slots)" in msg  # the page-size factor, not 3
+    assert f"({3 * page_size} free slots;" in msg  # the page-size factor, not 3
     assert a.free_slots == 3 * page_size
 
 

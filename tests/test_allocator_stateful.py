@@ -3,10 +3,13 @@
 open_with_prefix (host hits too), extend(tokens=), admit, cache, close(cache=),
 fork with copy-on-write, truncate into shared pages and into prompts (which then
 diverge), evict (write_back offloads), clear_cache, reset, eviction under
-pressure, swap_out and swap_in. After every step the two must agree on every
-query (slots, pages, known tokens, counters of both tiers, queued copies,
-offloads and loads, hit counts), and check() must pass. Errors must agree in type
-and leave both unchanged.
+pressure, swap_out and swap_in, and retention priorities (cache / close with a
+priority, per request or for all, pins past a small bound, durations on a manual
+clock, unpin), with and without a host tier. After every step the two must agree
+on every query (slots, pages, known tokens, counters of both tiers, queued
+copies, offloads and loads, hit counts, pinned pages, evictable pages per
+priority), and check() must pass. Errors must agree in type and leave both
+unchanged.
 
 Some runs drain the transfer queues after every step; the others only when the
 `drain` rule fires or a step writes a slot a queued transfer touches, so queued
@@ -52,15 +55,20 @@ def run_both(real, model):
 class AllocatorMachine(RuleBasedStateMachine):
     @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
                 host_pages=st.sampled_from([0, 0, 2, 3, 5, 8, 16]),
-                policy=st.sampled_from(["write_back", "write_through"]))
-    def setup(self, num_pages, ps, drain_always, host_pages, policy):
-        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, host_pages=host_pages, host_policy=policy)
+                policy=st.sampled_from(["write_back", "write_through"]),
+                max_pinned=st.sampled_from([0, 1, 1, 2, 3]))
+    def setup(self, num_pages, ps, drain_always, host_pages, policy, max_pinned):
+        max_pinned = min(max_pinned, num_pages - 1)
+        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, host_pages=host_pages, host_policy=policy,
+                               manual_clock=True, max_pinned_pages=max_pinned)
+        self.now = 0.0
         self.drain_always = drain_always
         # Generations start at a random per-allocator base: learn it from a
         # throwaway request (row 0 goes back on top of the row stack).
         h = int(self.a.open(1)[0])
         self.a.close([h])
-        self.m = Model(num_pages, ps, gen_base=h >> 32, host_pages=host_pages, policy=policy)
+        self.m = Model(num_pages, ps, gen_base=h >> 32, host_pages=host_pages, policy=policy,
+                       max_pinned=max_pinned)
         self.store = Store(num_pages, host_pages, ps)
         self.texts = []  # (known tokens, salt) of requests that registered pages
         self.m.gen[0] = h >> 32
@@ -396,9 +404,68 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.issued += r[1]
             self.store.fork(hs[0], r[1])
 
+    @rule(data=st.data(), close=st.booleans(), per_request=st.booleans(),
+          retain=st.sampled_from([None, None, 1, 2, 0.5, 0, -1]))
+    def cache_with_priority(self, data, close, per_request, retain):
+        """cache / close(cache=True) with a retention priority: pins often (past
+        the bound they are given 99), durations, now and then a bad one."""
+        hs = self.pick(data, 2)
+        self.give_priority(data, hs, close, per_request, retain)
+
+    @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(1, MAX_CTX), close=st.booleans(),
+          retain=st.sampled_from([None, None, 1, 2, 0.5]))
+    def serve_with_priority(self, data, base, length, close, retain):
+        """A request on a prompt (its token ids known, so its pages can be
+        cached), prefilled, then cached or closed with a priority."""
+        prompt = BASES[base][:length]
+        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
+                     lambda: self.m.open_with_prefix([prompt], 0))
+        if not r:
+            return
+        h = r[1][0][0]
+        self.issued.append(h)
+        self.store.hit(self.m, h, r[1][1][0])
+        c = length - r[1][1][0]
+        if run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
+            self.write([h])
+            self.give_priority(data, [h], close, False, retain)
+
+    def give_priority(self, data, hs, close, per_request, retain):
+        q = st.sampled_from([100, 100, 100, 35, 0, 10, 60, 99, 101, -1])
+        if per_request:
+            n = len(hs) + (data.draw(st.integers(0, 9)) == 0)  # now and then one too many
+            priority = data.draw(st.lists(q, min_size=n, max_size=n))
+        else:
+            priority = data.draw(st.one_of(q, q, q, st.none()))
+        if close:
+            run_both(lambda: self.a.close(hs, cache=True, priority=priority, retain_s=retain),
+                     lambda: self.m.close_priority(hs, True, priority, retain))
+        else:
+            run_both(lambda: self.a.cache(hs, priority=priority, retain_s=retain),
+                     lambda: self.m.cache_priority(hs, priority, retain))
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        hs = self.pick(data, 2)
+        r = run_both(lambda: self.a.unpin(hs), lambda: self.m.unpin(hs))
+        if r:
+            assert r[0] == r[1]
+
+    @rule(tick=st.sampled_from([0, 0.5, 1, 2]))
+    def set_clock(self, tick):
+        self.now += tick
+        self.a.set_clock(self.now)
+        self.m.set_clock(round(self.now * 1e9))
+
     @rule(n=st.integers(0, 3))
     def evict(self, n):
+        """The device pages evicted, in order (their device Removed events), are
+        the model's; a write-back may also remove host copies."""
+        self.a.take_events()
+        self.m.victims = []
         assert self.a.evict(n) == self.m.evict(n)
+        ev = self.a.take_events()
+        assert ev["page"][(ev["kind"] == 1) & (ev["medium"] == 0)].tolist() == self.m.victims
 
     @rule()
     def clear_cache(self):
@@ -416,9 +483,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.a.pending_copies == self.m.pending_copies()
         t = self.m.tier
         assert (self.a.pending_offloads, self.a.pending_loads) == ((len(t.offloads), len(t.loads)) if t else (0, 0))
-        assert self.a.free_pages == len(self.m.free) + len(self.m.lru)
+        assert self.a.free_pages == len(self.m.free) + self.m.evictable()
         s = self.a.stats()
-        assert (s.evictable_pages, s.cached_pages) == (len(self.m.lru), self.m.device_registered())
+        assert (s.evictable_pages, s.cached_pages) == (self.m.evictable(), self.m.device_registered())
+        assert s.pinned_pages == self.m.pinned() <= self.a.max_pinned_pages
+        assert self.a.evictable_pages_by_priority().tolist() == self.m.by_priority()
         assert (s.hit_tokens, s.miss_tokens) == (self.m.hit, self.m.miss)
         assert (s.host_free_pages, s.host_cached_pages) == (self.m.host_free_pages(), self.m.host_registered())
         if t:

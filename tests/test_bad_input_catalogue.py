@@ -146,6 +146,10 @@ TIER_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray, np.ndarra
     ("fork(swapped)", RequestSwappedOutError, lambda a, r, s: a.fork(s[0], 1)),
     ("cache(swapped)", RequestSwappedOutError, lambda a, r, s: a.cache(s)),
     ("close(swapped, cache=True)", RequestSwappedOutError, lambda a, r, s: a.close(s, cache=True)),
+    ("cache(swapped, priority=)", RequestSwappedOutError, lambda a, r, s: a.cache(s, priority=50)),
+    ("close(swapped, cache=True, priority=)", RequestSwappedOutError,
+     lambda a, r, s: a.close(s, cache=True, priority=100)),
+    ("unpin(swapped)", RequestSwappedOutError, lambda a, r, s: a.unpin([r[0], s[0]])),
     ("slots(swapped)", RequestSwappedOutError, lambda a, r, s: a.slots(s[0])),
     ("pages(swapped)", RequestSwappedOutError, lambda a, r, s: a.pages(s[0])),
     ("page_table(swapped)", RequestSwappedOutError, lambda a, r, s: a.page_table(s)),
@@ -177,6 +181,70 @@ def test_swap_in_without_device_room_is_pool_exhausted_and_changes_nothing(tiere
         a.swap_in(swapped)
     assert tier_state(a, resident, swapped) == before
     a.check()
+@pytest.fixture
+def prompted() -> tuple[SlotAllocator, np.ndarray]:
+    """Requests whose token ids are known, so cache() with a priority would
+    register and prioritise pages; one full page already cached and pinned."""
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8, manual_clock=True)
+    h, _ = a.open_with_prefix(list(range(9)), [3, 2, 4])
+    a.extend(h, [3, 2, 4])
+    a.cache(h[:1], priority=100)
+    a.set_clock(1.0)
+    a.take_events()  # so that any event a refused call records shows
+    return a, h
+
+
+def priority_state(a: SlotAllocator, h: np.ndarray) -> tuple:
+    return allocator_state(a, h) + (
+        a.cached_pages, a.evictable_pages, a.pinned_pages, a.clock,
+        a.evictable_pages_by_priority().tobytes(), a.take_events()["kind"].tobytes(),
+    )
+
+
+PRIORITY_CASES: list[tuple[str, Callable[[SlotAllocator, np.ndarray], Any]]] = [
+    ("cache(priority=101)", lambda a, h: a.cache(h, priority=101)),
+    ("cache(priority=-1)", lambda a, h: a.cache(h, priority=-1)),
+    ("cache(priority=True)", lambda a, h: a.cache(h, priority=True)),
+    ("cache(priority=1.5)", lambda a, h: a.cache(h, priority=1.5)),
+    ("cache(priority='5')", lambda a, h: a.cache(h, priority="5")),
+    ("cache(priority=[1, 2]) for 3", lambda a, h: a.cache(h, priority=[1, 2])),
+    ("cache(priority=[1, 2, 101])", lambda a, h: a.cache(h, priority=[1, 2, 101])),
+    ("cache(retain_s=1) alone", lambda a, h: a.cache(h, retain_s=1)),
+    ("cache(retain_s=0)", lambda a, h: a.cache(h, priority=5, retain_s=0)),
+    ("cache(retain_s=-1)", lambda a, h: a.cache(h, priority=5, retain_s=-1)),
+    ("cache(retain_s=nan)", lambda a, h: a.cache(h, priority=5, retain_s=float("nan"))),
+    ("cache(retain_s=inf)", lambda a, h: a.cache(h, priority=5, retain_s=float("inf"))),
+    ("cache(retain_s=2e9)", lambda a, h: a.cache(h, priority=5, retain_s=2e9)),
+    ("cache(retain_s=True)", lambda a, h: a.cache(h, priority=5, retain_s=True)),
+    ("cache(retain_s='1')", lambda a, h: a.cache(h, priority=5, retain_s="1")),
+    ("cache(priority=) twice a handle", lambda a, h: a.cache([h[0], h[0]], priority=5)),
+    ("close(priority=) without cache", lambda a, h: a.close(h, priority=5)),
+    ("close(cache=True, priority=200)", lambda a, h: a.close(h, cache=True, priority=200)),
+    ("close(cache=True, retain_s=1) alone", lambda a, h: a.close(h, cache=True, retain_s=1)),
+    ("unpin(True)", lambda a, h: a.unpin(True)),
+    ("unpin twice a handle", lambda a, h: a.unpin([h[0], h[0]])),
+    ("set_clock(0.5) back", lambda a, h: a.set_clock(0.5)),
+    ("set_clock(-1)", lambda a, h: a.set_clock(-1)),
+    ("set_clock(nan)", lambda a, h: a.set_clock(float("nan"))),
+    ("set_clock('2')", lambda a, h: a.set_clock("2")),
+]
+
+
+@pytest.mark.parametrize("name,call", PRIORITY_CASES, ids=[c[0] for c in PRIORITY_CASES])
+def test_priority_bad_input(prompted, name, call):
+    a, h = prompted
+    before = priority_state(a, h)
+    with pytest.raises(KVPoolError) as info:
+        call(a, h)
+    assert type(info.value) is InvalidArgumentError, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert priority_state(a, h) == before
+    a.check()
+
+
+def test_a_system_clock_cannot_be_set(alloc):
+    a, h = alloc
+    with pytest.raises(InvalidArgumentError, match="manual_clock=True"):
+        a.set_clock(1.0)
 
 
 CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
@@ -194,6 +262,11 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator(4, host_pages=2**31)", lambda: SlotAllocator(4, host_pages=2**31)),
     ("SlotAllocator(4, host_policy='lru')", lambda: SlotAllocator(4, host_pages=2, host_policy="lru")),
     ("SlotAllocator(4, host_policy=1)", lambda: SlotAllocator(4, host_pages=2, host_policy=1)),
+    ("SlotAllocator(max_pinned_pages=4) of 3", lambda: SlotAllocator(4, max_pinned_pages=4)),
+    ("SlotAllocator(max_pinned_pages=-1)", lambda: SlotAllocator(4, max_pinned_pages=-1)),
+    ("SlotAllocator(max_pinned_pages=1.0)", lambda: SlotAllocator(4, max_pinned_pages=1.0)),
+    ("SlotAllocator(manual_clock=1)", lambda: SlotAllocator(4, manual_clock=1)),
+    ("KVPool(max_pinned_pages=9) of 7", lambda: kvpool.KVPool(1, 1, 4, num_pages=8, max_pinned_pages=9)),
     ("KVPool(num_pages=2.9)", lambda: kvpool.KVPool(1, 1, 4, num_pages=2.9)),
     ("KVPool(num_pages=True)", lambda: kvpool.KVPool(1, 1, 4, num_pages=True)),
     ("KVPool(num_slots='8')", lambda: kvpool.KVPool(1, 1, 4, num_slots="8")),

@@ -19,13 +19,14 @@ from kvpool.bench import command, drivers
 from kvpool.bench.churn import ChurnWorkload
 from kvpool.bench.churn.result import ChurnDriver, ChurnResult
 from kvpool.bench.drivers.base import Driver, Requirement
+from kvpool.bench.hybrid import HybridResult
 from kvpool.bench.prefix import PREFIX
 from kvpool.bench.prefix.result import PrefixDriver, PrefixResult
 from kvpool.bench.trace import Dist
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-INTERFACE = {"churn": ChurnDriver, "prefix": PrefixDriver}
-ROW = {"churn": ChurnResult, "prefix": PrefixResult}
+INTERFACE = {"churn": ChurnDriver, "prefix": PrefixDriver, "hybrid": PrefixDriver}
+ROW = {"churn": ChurnResult, "prefix": PrefixResult, "hybrid": HybridResult}
 
 
 def _stored(benchmark):
@@ -34,7 +35,7 @@ def _stored(benchmark):
     return [(p, d) for p, d in docs if d.get("benchmark") == benchmark]
 
 
-@pytest.mark.parametrize("workload", ["churn", "prefix"])
+@pytest.mark.parametrize("workload", ["churn", "prefix", "hybrid"])
 def test_registry_names_each_workloads_own_driver_classes(workload):
     classes = [drivers.driver_class(workload, n) for n in drivers.names(workload)]
     assert [c.name for c in classes] == drivers.names(workload)  # a row's allocator is its registry name
@@ -112,7 +113,7 @@ def test_prefix_repeats_only_kvpool():
     assert all(c.repeats_of("kvpool") == 3 and c.repeats_of("vllm") == c.repeats_of("sglang") == 1 for c in cases)
 
 
-@pytest.mark.parametrize("benchmark", ["churn", "prefix"])
+@pytest.mark.parametrize("benchmark", ["churn", "prefix", "hybrid"])
 def test_stored_rows_load_back_unchanged(benchmark):
     """--reuse reads rows of stored files: every stored row must come back as the same JSON."""
     stored = _stored(benchmark)
@@ -141,6 +142,8 @@ def test_reuse_takes_the_rows_of_other_allocators_and_refuses_other_traces():
     ("churn", "churn-reference.json", ["--allocators", "kvpool", "--page-sizes", "16"], ["| page | pool |"]),
     ("prefix", "prefix.json", ["--allocators", "kvpool", "--scenarios", "system,parallel"],
      ["| scenario | page | pool |", "Hit-rate parity"]),
+    ("hybrid", "hybrid.json", ["--allocators", "kvpool", "--scenarios", "system,chat"],
+     ["| scenario | page | pool | window |", "Hit-rate parity"]),
 ])
 def test_cli_quick_writes_table_json_and_plot_with_the_fields_of_the_stored_results(tmp_path, capsys, benchmark,
                                                                                     reference, argv, printed):
@@ -164,11 +167,16 @@ def test_cli_quick_writes_table_json_and_plot_with_the_fields_of_the_stored_resu
         assert {(r["scenario"], r["page_size"]) for r in rows} == {(s, p) for s in ("system", "parallel")
                                                                    for p in (1, 16)}
         assert all(r["total_hit_tokens"] > 0 for r in rows)
+    if benchmark == "hybrid":
+        assert {(r["scenario"], r["page_size"]) for r in rows} == {("system", 16), ("chat", 16)}
+        assert all(r["total_hit_tokens"] > 0 and r["full_pages"] + r["sliding_pages"] == r["num_slots"] // 16
+                   for r in rows)
 
 
 @pytest.mark.parametrize("benchmark,flag,value", [("churn", "--allocators", "kvpool,sglang"),
                                                   ("prefix", "--allocators", "kvpool,vllm-blockpool"),
-                                                  ("prefix", "--scenarios", "system,agents")])
+                                                  ("prefix", "--scenarios", "system,agents"),
+                                                  ("hybrid", "--allocators", "kvpool,sglang")])
 def test_a_misspelt_name_is_a_usage_error_that_lists_the_choices(benchmark, flag, value, capsys):
     from kvpool.bench.__main__ import main
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.bench import report
+from kvpool.bench import columns, report
 from kvpool.bench.churn import CHURN, figures
 from kvpool.bench.churn.result import ChurnResult
 from kvpool.bench.result import median_run
@@ -46,7 +46,7 @@ def test_table_has_one_row_per_result_and_ratio_columns_for_baselines():
     assert len(lines) == 2 + len(results)
     assert lines[2].endswith("|  |  |")  # kvpool row: no ratio against itself
     assert "| 50.0x | 50.0x |" in lines[3]
-    assert report.size(M) == "1M" and report.size(64 << 10) == "64K" and report.size(1000) == "1000"
+    assert columns.size(M) == "1M" and columns.size(64 << 10) == "64K" and columns.size(1000) == "1000"
 
 
 def test_median_run_keeps_the_middle_repeat_and_every_mean():

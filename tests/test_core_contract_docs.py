@@ -16,10 +16,11 @@ import re
 from pathlib import Path
 
 import pytest
-from kvpool import SlotAllocator
+from kvpool import GroupedAllocator, SlotAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_OPS = ROOT / "rust" / "kvpool-core" / "src" / "allocator"
+CORE_GROUPS = ROOT / "rust" / "kvpool-core" / "src" / "groups"
 ERRORS_RS = ROOT / "rust" / "kvpool-py" / "src" / "errors.rs"
 
 # Python method -> the core call it forwards to.
@@ -37,6 +38,22 @@ CALLS = {
     "open_with_chain_hashes": "open_with_chain",
     "swap_out": "swap_out",
     "swap_in": "swap_in",
+    "unpin": "unpin",
+    "set_clock": "set_clock",
+}
+
+
+# GroupedAllocator's methods -> the core calls (rust/kvpool-core/src/groups/).
+GROUPED_CALLS = {
+    "open": "open",
+    "extend": "extend",
+    "admit": "admit",
+    "truncate": "truncate",
+    "close": "close",
+    "cache": "cache",
+    "fork": "fork",
+    "open_with_prefix": "open_with_prefix",
+    "evict": "evict",
 }
 
 
@@ -48,10 +65,10 @@ def variant_classes() -> dict[str, str]:
     return {v: ("InvalidArgumentError" if cls == "invalid_argument" else cls) for v, cls in arms}
 
 
-def core_docs() -> dict[str, str]:
+def core_docs(where: Path = CORE_OPS) -> dict[str, str]:
     """Each public core call's doc comment, by name."""
     docs = {}
-    for path in sorted(CORE_OPS.glob("*.rs")):
+    for path in sorted(where.glob("*.rs")):
         lines = path.read_text().splitlines()
         for i, line in enumerate(lines):
             m = re.match(r"\s*pub fn (\w+)", line)
@@ -96,3 +113,13 @@ def test_the_docstring_raises_what_the_core_returns(name):
     assert core <= py, f"SlotAllocator.{name} does not document {sorted(core - py)}"
     extra = (py & set(variants.values())) - core - {"InvalidArgumentError"}
     assert not extra, f"SlotAllocator.{name} documents {sorted(extra)}, which the core's {CALLS[name]} never returns"
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_CALLS))
+def test_the_grouped_docstring_raises_what_the_core_returns(name):
+    variants = variant_classes()
+    core = core_errors(core_docs(CORE_GROUPS)[GROUPED_CALLS[name]], variants)
+    py = python_raises(getattr(GroupedAllocator, name).__doc__ or "")
+    assert core <= py, f"GroupedAllocator.{name} does not document {sorted(core - py)}"
+    extra = (py & set(variants.values())) - core - {"InvalidArgumentError"}
+    assert not extra, f"GroupedAllocator.{name} documents {sorted(extra)}, which the core's {GROUPED_CALLS[name]} never returns"

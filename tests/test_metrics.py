@@ -111,3 +111,27 @@ def test_a_tiered_pool_exports_its_offload_and_load_bytes():
     assert v(samples, "kvpool_offload_bytes_total", pool="0") == pool.offload_bytes
     assert v(samples, "kvpool_load_bytes_total", pool="0") == pool.load_bytes
     assert types["kvpool_offload_bytes"] == "counter"
+def test_pinned_pages_and_priority_bands_are_exported():
+    """Pinned cached pages are their own state (neither free nor held), the pin
+    count and bound are exported, and evictable pages are split around the
+    default priority."""
+    pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=21, page_size=P, max_requests=4,
+                         max_context_len=64, max_pinned_pages=3, manual_clock=True)
+    for i, (prio, retain) in enumerate([(100, None), (10, None), (None, None), (70, 5.0)]):
+        h, c = pool.open_with_prefix(np.arange(100 * i, 100 * i + 9), [9])  # 2 full pages
+        pool.extend(h, 9 - int(c[0]))
+        pool.close(h, cache=True, priority=prio, retain_s=retain)
+    held, _ = pool.open_with_prefix(np.arange(1000, 1005), [5])
+    pool.extend(held, 5)
+    samples, types, _ = scrape(KVPoolCollector({"kv": pool}))
+    state = {s: v(samples, "kvpool_pages", pool="kv", state=s) for s in ("free", "held", "cached", "pinned")}
+    assert state == {"free": 10, "held": 2, "cached": 6, "pinned": 2}
+    assert sum(state.values()) == pool.capacity_pages
+    assert v(samples, "kvpool_pinned_pages", pool="kv") == pool.pinned_pages == 2
+    assert v(samples, "kvpool_max_pinned_pages", pool="kv") == 3
+    band = {b: v(samples, "kvpool_evictable_pages_by_priority", pool="kv", band=b) for b in ("low", "default", "high")}
+    assert band == {"low": 2, "default": 2, "high": 2}
+    pool.set_clock(5.0)  # the 70 ends: its pages have the default
+    samples, _, _ = scrape(KVPoolCollector({"kv": pool}))
+    assert v(samples, "kvpool_evictable_pages_by_priority", pool="kv", band="default") == 4
+    assert types["kvpool_pinned_pages"] == "gauge"

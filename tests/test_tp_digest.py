@@ -46,7 +46,7 @@ def one_rank_group():
 
 def twin() -> TPPool:
     pool = kvpool.KVPool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=32, max_requests=8,
-                         max_context_len=64, hash_seed=5, handle_seed=9)
+                         max_context_len=64, hash_seed=5, handle_seed=9, manual_clock=True)
     return TPPool(pool)
 
 
@@ -69,7 +69,7 @@ def workload(p: TPPool) -> None:
     p.open(1)
 
 
-@pytest.mark.parametrize("name", ["admit", "evict", "clear_cache", "open_with_chain_hashes"])
+@pytest.mark.parametrize("name", ["admit", "evict", "clear_cache", "open_with_chain_hashes", "unpin", "set_clock"])
 def test_tppool_records_the_calls_it_forwards(name):
     p = twin()
     assert name in tp_module.MUTATING_CALLS and name in vars(p), f"{name} is not wrapped"
@@ -86,6 +86,10 @@ def test_tppool_records_the_calls_it_forwards(name):
         q.evict(0)
     elif name == "clear_cache":
         q.clear_cache()
+    elif name == "unpin":
+        assert q.unpin([]) == 0
+    elif name == "set_clock":
+        q.set_clock(2.5)
     else:
         q.open_with_chain_hashes(np.zeros(0, np.uint64), np.zeros(0, np.int64))
     assert q.calls == calls + 1 and q.digest() != digest

@@ -111,6 +111,12 @@ enum Op {
     Drain,
     SwapOut(Vec<H>),
     SwapIn(Vec<H>),
+    /// Retention priorities: `cache_with_priority` (a priority out of range
+    /// past 100; a duration in seconds), `unpin`, and the manual clock
+    /// moved on.
+    CachePriority(Vec<H>, u8, Option<u8>),
+    Unpin(Vec<H>),
+    Tick(u8),
 }
 
 /// Ops that register pages: an engine runs its step (the queued copies,
@@ -118,7 +124,11 @@ enum Op {
 fn registers(op: &Op) -> bool {
     matches!(
         op,
-        Op::Cache(_) | Op::Close(_, true) | Op::Prefill(_, true) | Op::Serve(..)
+        Op::Cache(_)
+            | Op::Close(_, true)
+            | Op::Prefill(_, true)
+            | Op::Serve(..)
+            | Op::CachePriority(..)
     )
 }
 
@@ -138,6 +148,8 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
         } else {
             0
         },
+        manual_clock: true,
+        max_pinned_pages: Some((cfg.hash as usize % 4).min(1 + cfg.num_pages as usize % 30)),
         ..Options::new()
     };
     let Ok(mut a) = SlotAllocator::with_options(
@@ -432,6 +444,17 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
                 assert_eq!(a.is_swapped(h), Ok(false));
             }
             true
+        }
+        Op::CachePriority(v, q, secs) => {
+            let hs = handles(issued, m, a, v);
+            let r = a.cache_with_priority(&hs, Counts::Each(*q as i64), secs.map(f64::from));
+            assert!(a.pinned_pages() <= a.max_pinned_pages());
+            r.is_ok()
+        }
+        Op::Unpin(v) => a.unpin(&handles(issued, m, a, v)).is_ok(),
+        Op::Tick(s) => {
+            let t = a.clock() + *s as f64;
+            a.set_clock(t).is_ok()
         }
     }
 }

@@ -4,13 +4,13 @@ Layers, each calling only the one below it: ``kvpool.distributed``,
 ``kvpool.integrations``, the demo and the benchmarks -> ``KVPool`` (torch
 tensors, tables, grad-mode safety) and ``DecodeGraphRunner`` ->
 ``kvpool.kernels`` (Triton) -> ``kvpool._core`` (the Rust ``SlotAllocator``:
-ownership and free lists). ``import kvpool`` loads none of the first layer.
+ownership and free lists; ``GroupedAllocator`` for pools of layer groups). ``import kvpool`` loads none of the first layer.
 """
 
 from importlib import metadata as _metadata
 from typing import Any
 
-from kvpool._core import PoolStats, SlotAllocator
+from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, GroupedAllocator, PoolStats, SlotAllocator
 from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
     ContextTooLongError,
@@ -25,6 +25,7 @@ from kvpool.errors import (
     RankDivergenceError,
     RequestSwappedOutError,
     ReservedSlotError,
+    RollbackUnavailableError,
     SlotRangeError,
     TensorDeviceError,
     TensorDtypeError,
@@ -46,6 +47,9 @@ except _metadata.PackageNotFoundError:  # imported from a source tree without an
 
 __all__ = [
     # allocator (Rust core)
+    "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
+    "GroupedAllocator",
     "PoolStats",
     "ROW_MASK",
     "SlotAllocator",
@@ -67,6 +71,7 @@ __all__ = [
     "RankDivergenceError",
     "RequestSwappedOutError",
     "ReservedSlotError",
+    "RollbackUnavailableError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",

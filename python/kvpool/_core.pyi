@@ -1,6 +1,6 @@
 """Type stubs of kvpool._core, the Rust extension (kept true by tests/test_allocator_stubs.py)."""
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -14,13 +14,19 @@ __all__ = [
     "InvariantError",
     "InvalidArgumentError",
     "RequestSwappedOutError",
+    "RollbackUnavailableError",
     "PoolStats",
     "SlotAllocator",
+    "GroupedAllocator",
     "__version__",
+    "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
     "encode_kv_events",
     "page_hashes",
 ]
 __version__: str
+DEFAULT_PRIORITY: int
+MAX_PRIORITY: int
 
 # Batch arguments: a Python int (broadcast / single handle), a sequence of
 # ints, a 1-D numpy integer array of any int dtype, or a CPU torch tensor.
@@ -35,6 +41,7 @@ class ContextTooLongError(KVPoolError): ...
 class InvalidArgumentError(KVPoolError, ValueError): ...
 class InvariantError(KVPoolError): ...
 class RequestSwappedOutError(KVPoolError): ...
+class RollbackUnavailableError(KVPoolError): ...
 
 @final
 class PoolStats:
@@ -63,6 +70,8 @@ class PoolStats:
     @property
     def miss_tokens(self) -> int: ...
     @property
+    def pinned_pages(self) -> int: ...
+    @property
     def host_free_pages(self) -> int: ...
     @property
     def host_cached_pages(self) -> int: ...
@@ -75,12 +84,12 @@ class PoolStats:
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, host_pages=0, host_policy="write_back")
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
 
     Owns which slots each request holds: free pages, per-request page lists,
-    shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write),
-    and optionally a host tier below the device pages. Thread-safe (one
-    internal lock; batch calls release the GIL).
+    shared pages (refcounts, a prefix cache with LRU eviction and retention
+    priorities, copy-on-write), and optionally a host tier below the device
+    pages. Thread-safe (one internal lock; batch calls release the GIL).
 
     Args:
         num_pages: total pages, reserved page 0 included (>= 2).
@@ -92,6 +101,12 @@ class SlotAllocator:
             built with the same seed and making the same calls hand out the
             same handles (tensor-parallel ranks).
         kv_events: record KV events for take_events().
+        max_pinned_pages: most cached pages that may be pinned at once (<=
+            capacity_pages; None: a quarter of it). A pin past it is given
+            priority 99 instead.
+        manual_clock: retention durations (cache(retain_s=)) run on a clock
+            that only set_clock moves (tests; tensor-parallel ranks, which
+            must agree on time), not the system's monotonic clock.
         host_pages: host pages of a host tier, the reserved host page 0
             included (0: no tier, and everything behaves as without one;
             otherwise >= 2). Cached pages then live on the device, the host
@@ -117,6 +132,8 @@ class SlotAllocator:
         hash_seed: Optional[int] = None,
         handle_seed: Optional[int] = None,
         kv_events: bool = True,
+        max_pinned_pages: Optional[int] = None,
+        manual_clock: bool = False,
         host_pages: int = 0,
         host_policy: str = "write_back",
     ) -> SlotAllocator: ...
@@ -143,7 +160,9 @@ class SlotAllocator:
         """The host tier's policy: "write_back" or "write_through" (None without a tier)."""
     @property
     def free_pages(self) -> int:
-        """Pages an extend can take now: FREE + CACHED (evictable)."""
+        """Pages an extend can take now: FREE + CACHED (evictable); pinned cached
+        pages are not.
+        """
     @property
     def used_pages(self) -> int:
         """Pages held by open requests."""
@@ -164,7 +183,9 @@ class SlotAllocator:
         """Requests opened and not yet closed."""
     @property
     def admissible_tokens(self) -> int:
-        """Tokens that can surely still be appended (a lower bound)."""
+        """Tokens that can surely still be appended (a lower bound; pinned cached
+        pages are not counted).
+        """
     @property
     def metadata_bytes(self) -> int:
         """Heap bytes of the allocator's bookkeeping."""
@@ -316,16 +337,19 @@ class SlotAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
-    def close(self, handles: _IntArray, cache: bool = False) -> None:
+    def close(self, handles: _IntArray, cache: bool = False, priority: Optional[_IntArray] = None,
+              retain_s: Optional[float] = None) -> None:
         """Closes requests and releases their pages; their handles become stale.
         With cache=True, first registers each request's full pages of known
-        tokens in the prefix cache (as cache()), so they stay reusable. A
-        swapped-out request releases its host pages too. Atomic.
+        tokens in the prefix cache (as cache()), so they stay reusable, with
+        cache()'s priority and retain_s if given. A swapped-out request
+        releases its host pages too. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, already closed or stale.
             RequestSwappedOutError: cache=True for a swapped-out request.
-            InvalidArgumentError: a duplicate handle.
+            InvalidArgumentError: a duplicate handle; a priority or retain_s
+                as cache() refuses them, or given without cache=True.
         """
     def length(self, handle: _Handle) -> int:
         """Tokens the request holds.
@@ -422,7 +446,9 @@ class SlotAllocator:
             ContextTooLongError: a prompt longer than max_context_len.
             TooManyRequestsError: not enough free rows.
         """
-    def cache(self, handles: _IntArray) -> None:
+    def cache(
+        self, handles: _IntArray, priority: Optional[_IntArray] = None, retain_s: Optional[float] = None
+    ) -> None:
         """Registers every full page of each request whose token ids are all
         known and that is not registered yet, so later prompts can hit it.
         Call it once the step that wrote those pages has run. If the same
@@ -430,10 +456,28 @@ class SlotAllocator:
         host tier under "write_through", each page registered also gets a
         host copy (an offload, take_offloads). Atomic.
 
+        With a priority, every page of each request's cached prefix (its own
+        registered pages, or the copy kept of one it duplicated) also gets that
+        retention priority, for retain_s seconds on the pool's clock (None: no
+        end). Eviction takes the lowest priority first, least recently used
+        within one. Pages no caller gave a priority have DEFAULT_PRIORITY (35,
+        as TensorRT-LLM); without a priority, pages keep theirs. A page keeps
+        the highest priority callers gave it (at equal priority, the later
+        end); when its retain_s is over it has the default again. Priority 100
+        with no retain_s pins: the page is never evicted nor counted free
+        until unpin() or clear_cache(); past max_pinned_pages pinned pages, a
+        pin is given 99 instead (pinned_pages says how many hold).
+
+        Args:
+            priority: an int in [0, 100] for all, or one per request.
+            retain_s: seconds (> 0) the priority lasts; needs a priority.
+
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
             RequestSwappedOutError: a request is swapped out.
-            InvalidArgumentError: a duplicate handle.
+            InvalidArgumentError: a duplicate handle; a priority outside [0, 100]
+                or not one per request; retain_s not a number in (0, 1e9], or
+                given without a priority.
         """
     def fork(
         self, handle: _Handle, n: Optional[int] = None, table: Optional[npt.NDArray[np.int32]] = None
@@ -460,8 +504,9 @@ class SlotAllocator:
         long it is left. KVPool does this inside extend.
         """
     def evict(self, n_pages: int) -> int:
-        """Evicts up to n_pages cached pages nobody holds, least recently used
-        first (a chain's tail before its parents); they become free. Returns
+        """Evicts up to n_pages cached pages nobody holds, the lowest retention
+        priority first and least recently used within one (a chain's tail
+        before its parents), never a pinned page; they become free. Returns
         how many were evicted. With a host tier a page's entry keeps its host
         copy, and under "write_back" one without is offloaded.
 
@@ -469,8 +514,9 @@ class SlotAllocator:
             InvalidArgumentError: n_pages is negative or not an int.
         """
     def clear_cache(self) -> None:
-        """Drops every prefix-index entry: cached pages become free, held pages
-        stay with their requests (on both tiers). Records one Cleared event.
+        """Drops every prefix-index entry: cached pages become free (pinned ones
+        too: nothing is pinned or has a priority after it), held pages stay
+        with their requests (on both tiers). Records one Cleared event.
         Queued copies and transfers stay: they fill open requests' pages.
         """
     def take_events(self) -> Dict[str, npt.NDArray[Any]]:
@@ -558,7 +604,9 @@ class SlotAllocator:
         """Registered device pages (held or cached)."""
     @property
     def evictable_pages(self) -> int:
-        """Cached pages nobody holds: evicted when pages run out."""
+        """Cached pages nobody holds: evicted when pages run out (pinned ones
+        are not counted).
+        """
     @property
     def hit_tokens(self) -> int:
         """Prompt tokens served from the cache by open_with_prefix, host hits included (cumulative)."""
@@ -647,6 +695,423 @@ class SlotAllocator:
     @property
     def pending_loads(self) -> int:
         """Loads queued and not yet taken."""
+
+    def unpin(self, handles: _IntArray) -> int:
+        """Gives every pinned page of each request's cached prefix the default
+        priority, so cached ones are evictable (and free) at once. Returns how
+        many pages were unpinned. A pinned prefix no open request holds is
+        reached by opening one on it: open_with_prefix(prompt + [any token]),
+        unpin, close. clear_cache() unpins everything. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
+            InvalidArgumentError: a duplicate handle.
+        """
+    def set_clock(self, now: float) -> None:
+        """Sets a manual clock (manual_clock=True) to `now` seconds, and ends the
+        priorities whose retain_s is over by then (soonest first). The clock
+        starts at 0 and never goes back.
+
+        Raises:
+            InvalidArgumentError: the pool runs on the system clock; now is not
+                a number in [0, 1e9] or is earlier than the clock.
+        """
+    @property
+    def clock(self) -> float:
+        """The pool's clock in seconds: since construction (the system's
+        monotonic clock), or as last set (manual_clock=True).
+        """
+    @property
+    def pinned_pages(self) -> int:
+        """Registered pages pinned (priority 100 with no retain_s), held or
+        cached; at most max_pinned_pages.
+        """
+    @property
+    def max_pinned_pages(self) -> int:
+        """Most registered pages that may be pinned at once."""
+    def evictable_pages_by_priority(self) -> npt.NDArray[np.int64]:
+        """Evictable pages (cached, not pinned) at each priority 0..100 (101
+        entries), as last filed: a retain_s that is over moves its page when
+        the clock is next read (an eviction, a priority given, set_clock).
+        """
+
+@final
+class GroupedAllocator:
+    """GroupedAllocator(groups, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, anchor_pages=None)
+
+    A pool of layer groups that share one request handle space: full
+    attention, sliding-window attention and fixed-size state (linear
+    attention, Mamba), each with its own pages, page size and prefix cache.
+    Every call acts on all groups at once and changes nothing in any group
+    when it refuses. A prefix hit of length L needs every full group's pages
+    for [0, L), every sliding group's for [L - window + 1, L) and every state
+    group's checkpoint at L; it is the longest such L (docs/allocator.md).
+    Thread-safe (one internal lock).
+
+    Args:
+        groups: one dict per group: {"kind": "full", "num_pages": N,
+            "page_size": P}, {"kind": "sliding", "num_pages": N, "page_size":
+            P, "window": W} (a token attends to itself and W - 1 before it, as
+            in Hugging Face configs), or {"kind": "state", "num_slots": S,
+            "checkpoint_every": C} (C = 0: the pool's hit step). Page and slot
+            counts include the reserved page (slot) 0.
+        max_requests: most requests open at once (<= 2**20).
+        max_context_len: most tokens per request (<= 2**28).
+        hash_seed: seed of the prefix-cache page hash (random when None).
+        handle_seed: seed of the handle generations (random when None).
+        kv_events: record the anchor chain's KV events for take_events().
+        anchor_pages: pages of the token-only anchor chain, used when no full
+            group's page size divides every other (default: room for every
+            request's longest context twice).
+
+    Raises:
+        InvalidArgumentError: no groups, a bad group dict, a size, page size,
+            window or checkpoint_every out of range, or a seed that is not an
+            int in [0, 2**64).
+    """
+
+    def __new__(
+        cls,
+        groups: Sequence[Dict[str, Any]],
+        max_requests: int = 256,
+        max_context_len: int = 4096,
+        *,
+        hash_seed: Optional[int] = None,
+        handle_seed: Optional[int] = None,
+        kv_events: bool = True,
+        anchor_pages: Optional[int] = None,
+    ) -> GroupedAllocator: ...
+    @property
+    def groups(self) -> List[Dict[str, Any]]:
+        """Each group's spec, as the dicts the constructor takes (checkpoint_every resolved)."""
+    @property
+    def num_groups(self) -> int:
+        """Number of layer groups."""
+    @property
+    def max_requests(self) -> int:
+        """Most requests open at once (rows of every group's request-to-token table)."""
+    @property
+    def max_context_len(self) -> int:
+        """Most tokens one request may hold."""
+    @property
+    def anchor_group(self) -> Optional[int]:
+        """The group carrying the anchor chain, or None for a token-only anchor."""
+    @property
+    def anchor_page_size(self) -> int:
+        """Page size of the anchor chain (the gcd of the groups' page sizes)."""
+    @property
+    def hit_step(self) -> int:
+        """Prefix hits are multiples of this (the lcm of every page size)."""
+    @property
+    def open_requests(self) -> int:
+        """Requests opened and not yet closed."""
+    @property
+    def admissible_requests(self) -> int:
+        """How many more requests can open now: free rows, and a free or
+        evictable slot in every state group (the pool-wide figure for
+        admission, with admissible_tokens()).
+        """
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens open_with_prefix served from the cache, cumulative."""
+    @property
+    def miss_tokens(self) -> int:
+        """Prompt tokens open_with_prefix found no cached prefix for, cumulative."""
+    @property
+    def metadata_bytes(self) -> int:
+        """Heap bytes of the bookkeeping of every group and of the request table."""
+    @property
+    def hash_seed(self) -> int:
+        """The hash seed (pass it as hash_seed to agree with this pool's hashes)."""
+    @property
+    def dropped_events(self) -> int:
+        """Events dropped because too many were left undrained (cumulative)."""
+    def open(self, n: int = 1) -> npt.NDArray[np.int64]:
+        """Opens n empty requests in every group; a state group gives each a
+        slot, queued to be zeroed (take_copies).
+
+        Raises:
+            TooManyRequestsError: more than max_requests would be open.
+            PoolExhaustedError: a state group has fewer than n free or
+                evictable slots (the message names the group).
+            InvalidArgumentError: n is negative.
+        """
+    def admit(
+        self, counts: _IntArray, tokens: Optional[_IntArray] = None, tables: Optional[Sequence[Optional[npt.NDArray[np.int32]]]] = None
+    ) -> Tuple[npt.NDArray[np.int64], List[npt.NDArray[np.int64]]]:
+        """Opens len(counts) requests and extends request i by counts[i] tokens
+        in every group, as open then extend, in one call. Atomic.
+
+        Returns:
+            (handles int64, a list with each group's new slots (int64,
+            flattened in request order; empty for a state group)).
+
+        Raises:
+            TooManyRequestsError: not enough free rows.
+            PoolExhaustedError: a group is short of pages or state slots (the
+                message names the first such group).
+            ContextTooLongError: a count past max_context_len.
+            InvalidArgumentError: a negative count, tokens of the wrong length
+                or range, bad tables.
+        """
+    def extend(
+        self,
+        handles: _IntArray,
+        counts: _IntArray,
+        tokens: Optional[_IntArray] = None,
+        tables: Optional[Sequence[Optional[npt.NDArray[np.int32]]]] = None,
+    ) -> List[npt.NDArray[np.int64]]:
+        """Appends counts[i] tokens (or counts for all) to request handles[i] in
+        every group. A sliding group first releases the pages wholly before
+        start - window + 1 of each growing request (start: its length before
+        the call), which the step no longer attends to; registered ones stay
+        cached. With tables (one int32 request-to-token table or None per
+        group), each group's new slots are written in the same call, and a
+        sliding group's released positions get the null page's slots. Copies
+        on write are queued per group (take_copies). Atomic.
+
+        Returns:
+            each group's new slots (int64, flattened in request order; empty
+            for a state group).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            PoolExhaustedError: a group is short of pages (the message names
+                the first such group).
+            ContextTooLongError: a request would pass max_context_len.
+            InvalidArgumentError: negative count, mismatched lengths, duplicate
+                handle, tokens of the wrong length or range or disagreeing with
+                the prompt, bad or overlapping tables.
+        """
+    def truncate(self, handles: _IntArray, lengths: _IntArray) -> None:
+        """Shortens requests to lengths[i] tokens (or lengths for all) in every
+        group. A sliding group needs the new length's window still held; a
+        state group restores the request's slot from a checkpoint at exactly
+        the new length (a queued copy; at 0, a queued zeroing). The current
+        length changes nothing. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            RollbackUnavailableError: a group cannot restore a request at its
+                new length (the message names the group and why).
+            PoolExhaustedError: a state group needs a fresh slot for a restore
+                (a queued copy still reads the request's own) and has none.
+            InvalidArgumentError: a length is negative or past the request's
+                length, mismatched lengths, duplicate handle.
+        """
+    def close(self, handles: _IntArray, cache: bool = False) -> None:
+        """Closes requests in every group, releasing their pages and state
+        slots; their handles become stale. With cache=True, first registers
+        them as cache() does. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, already closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+    def cache(self, handles: _IntArray) -> None:
+        """Registers each request's full pages of known tokens in every group:
+        the anchor chain, each group's pages under it, and a state group's
+        checkpoint of the request's slot when its length is a multiple of
+        the group's checkpoint_every (a queued copy). Call it once the step
+        that wrote those pages and that state has run. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+    def fork(self, handle: _Handle, n: int = 1) -> npt.NDArray[np.int64]:
+        """Creates n requests, each a copy of handle's in every group: the same
+        pages (a shared partly filled page is copied on write), and in a
+        state group a fresh slot queued to be filled from the parent's.
+        Atomic.
+
+        Raises:
+            InvalidHandleError: the parent is unknown, closed or stale.
+            TooManyRequestsError: not enough free rows.
+            PoolExhaustedError: a state group has fewer than n free or
+                evictable slots.
+            InvalidArgumentError: n is negative.
+        """
+    def open_with_prefix(
+        self, tokens: _IntArray, lengths: _IntArray, salt: Optional[_IntArray] = None
+    ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Opens one request per prompt on the longest prefix every group has
+        cached (a multiple of hit_step, at most length - 1): full groups'
+        pages for [0, L), sliding groups' window before L, state groups'
+        checkpoint at L, each verified through the anchor chain so that a
+        hash collision costs a miss, never another prompt's K/V or state. A
+        state group's slot is queued to be filled from the checkpoint (zeroed
+        when cached_len is 0). Atomic.
+
+        Args:
+            tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
+            lengths: each prompt's length.
+            salt: None (0), an int for all, or one int per prompt.
+
+        Raises:
+            InvalidArgumentError: tokens and lengths disagree, a negative length,
+                a token id out of range, a salt of the wrong type or count.
+            ContextTooLongError: a prompt longer than max_context_len.
+            TooManyRequestsError: not enough free rows.
+            PoolExhaustedError: a state group has no slot for each request.
+        """
+    def evict(self, group: int, n: int) -> int:
+        """Evicts up to n cached pages (checkpoints of a state group) of one
+        group, least recently used first; returns how many.
+
+        Raises:
+            InvalidArgumentError: no such group, n negative.
+        """
+    def clear_cache(self) -> None:
+        """Drops every cached page and checkpoint of every group (held ones stay
+        with their requests).
+        """
+    def reset(self) -> None:
+        """Closes every request in every group; all handles become stale."""
+    def check(self) -> None:
+        """Verifies every invariant of every group and of what ties them to the
+        request table.
+
+        Raises:
+            InvariantError: an invariant is broken (a bug in kvpool).
+        """
+    def take_events(self) -> Dict[str, npt.NDArray[Any]]:
+        """Drains the anchor chain's KV events (as SlotAllocator.take_events):
+        what a router needs to know which prefixes this pool can serve.
+        """
+    def free_pages(self, group: int) -> int:
+        """Pages (state slots) of the group an extend can take now: FREE + evictable.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def used_pages(self, group: int) -> int:
+        """Pages (state slots) of the group held by open requests or queued copies.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def cached_pages(self, group: int) -> int:
+        """Registered pages (checkpoints) of the group, held or evictable.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def evictable_pages(self, group: int) -> int:
+        """Cached pages (checkpoints) of the group no request holds.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def capacity_pages(self, group: int) -> int:
+        """Pages (state slots) of the group requests can ever hold: num_pages - 1.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def admissible_tokens(self, group: Optional[int] = None) -> int:
+        """Tokens that can surely still be appended (a lower bound): in one
+        group (free_pages * page_size; state slots for a state group), or
+        with group=None the least over every page group and the anchor chain,
+        the pool-wide figure for admission with admissible_requests.
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def length(self, handle: _Handle) -> int:
+        """Tokens the request holds (the same in every group).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+    def lengths(self, handles: _IntArray) -> npt.NDArray[np.int64]:
+        """Tokens each request holds.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
+    def rows(self, handles: _IntArray) -> npt.NDArray[np.int64]:
+        """Each request's row, the same in every group's request-to-token table.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+        """
+    def is_open(self, handle: _Handle) -> bool:
+        """Whether the handle is an open request.
+
+        Raises:
+            InvalidArgumentError: handle is not an int.
+        """
+    def known_tokens(self, handle: _Handle) -> npt.NDArray[np.int32]:
+        """The request's token ids from position 0 as far as they are known.
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+    def slots(self, handle: _Handle, group: int) -> npt.NDArray[np.int64]:
+        """Every slot of the request in a page group, in token order; positions
+        a sliding window released read as the null page's slots
+        (position % page_size, inside the reserved page 0).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+            InvalidArgumentError: no such group, or a state group.
+        """
+    def pages(self, handle: _Handle, group: int) -> npt.NDArray[np.int32]:
+        """The request's page list in a page group, in token order (0 where a
+        sliding window released the page).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+            InvalidArgumentError: no such group, or a state group.
+        """
+    def page_table(
+        self, handles: _IntArray, group: int
+    ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """FlashInfer's CSR page table of a batch in a page group (int32): each
+        request's held pages only (a sliding group's window: pass the
+        window to the kernel, whose mask counts back from the last position),
+        last_page_len in [1, page_size] (0 for an empty request).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: no such group, or a state group.
+        """
+    def fill_table(self, handles: _IntArray, table: npt.NDArray[np.int32], group: int) -> None:
+        """Writes each request's slots in a page group into its row of an int32
+        request-to-token table (table[row, :length]; the null page's slots
+        where a window released pages): for requests that got slots without
+        an extend (open_with_prefix, fork). Checks everything first.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: no such group, a state group, a bad table.
+        """
+    def state_slots(self, handles: _IntArray, group: int) -> npt.NDArray[np.int64]:
+        """Each request's live state slot in a state group (fixed while it is
+        open, except that a restore may move it: read it after truncate).
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: no such group, or a page group.
+        """
+    def take_copies(self, group: int) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Drains the group's queued copies (int64): slot pairs of a page group
+        (copy-on-write, every layer's K and V, in order), state slot pairs
+        of a state group, where src = -1 means "zero dst" (a new request's
+        empty state). Run them before the group's next write. A state
+        group's batch never reads a slot it writes (one parallel copy does).
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
+    def pending_copies(self, group: int) -> int:
+        """Copies queued in the group and not taken (slot pairs; state copies).
+
+        Raises:
+            InvalidArgumentError: no such group.
+        """
 
 def page_hashes(
     tokens: _IntArray, page_size: int, hash_seed: int, salt: Optional[int] = None

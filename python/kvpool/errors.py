@@ -4,11 +4,13 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
 
 - The allocator's (``kvpool._core``, raised by the Rust core): ``PoolExhaustedError``,
   ``InvalidHandleError``, ``TooManyRequestsError``, ``ContextTooLongError``,
-  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError`` and
+  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError``,
   ``RequestSwappedOutError`` (a call that needs the request on the device, made
   on one ``swap_out`` moved to the host tier; a ``KVPoolError`` and not an
   ``InvalidHandleError``: the handle stays valid and owns its pages, so code that
-  forgets requests on an invalid handle must not catch it).
+  forgets requests on an invalid handle must not catch it), and
+  ``RollbackUnavailableError`` (a grouped pool's truncate that a sliding window or a
+  state group cannot restore).
 - The torch layer's and the kernels' argument errors derive from
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
@@ -28,6 +30,7 @@ from kvpool._core import (
     KVPoolError,
     PoolExhaustedError,
     RequestSwappedOutError,
+    RollbackUnavailableError,
     TooManyRequestsError,
 )
 
@@ -44,6 +47,7 @@ __all__ = [
     "RankDivergenceError",
     "RequestSwappedOutError",
     "ReservedSlotError",
+    "RollbackUnavailableError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",

@@ -62,6 +62,9 @@ class RequestOps:
     host_free_pages = _counter("host_free_pages")
     host_cached_pages = _counter("host_cached_pages")
     host_hit_tokens = _counter("host_hit_tokens")
+    pinned_pages = _counter("pinned_pages")
+    max_pinned_pages = _counter("max_pinned_pages")
+    clock = _counter("clock")
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
@@ -85,22 +88,42 @@ class RequestOps:
         with self._lock:
             self.allocator.truncate(handles, lengths)
 
-    def close(self, handles: Any, cache: bool = False) -> None:
-        """Close requests and release their pages. See ``SlotAllocator.close``; holds
-        the pool's lock."""
+    def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
+        """Close requests and release their pages (with ``cache=True``, cached first,
+        with a retention ``priority`` for ``retain_s`` seconds if given). See
+        ``SlotAllocator.close``; holds the pool's lock."""
         with self._lock:
-            self.allocator.close(handles, cache=cache)
+            self.allocator.close(handles, cache=cache, priority=priority, retain_s=retain_s)
             if self._transfers is not None:  # the host tier's offloads
                 self._run_transfers()
 
-    def cache(self, handles: Any) -> None:
-        """Publish requests' full pages in the prefix cache. See ``SlotAllocator.cache``;
-        holds the pool's lock. Call it once the step that wrote those pages has run
-        (every step, or only at close with ``close(cache=True)``)."""
+    def cache(self, handles: Any, priority: Any = None, retain_s: Any = None) -> None:
+        """Publish requests' full pages in the prefix cache, with a retention
+        ``priority`` (0-100; 100 with no ``retain_s`` pins) for ``retain_s`` seconds if
+        given. See ``SlotAllocator.cache``; holds the pool's lock. Call it once the step
+        that wrote those pages has run (every step, or only at close with
+        ``close(cache=True)``)."""
         with self._lock:
-            self.allocator.cache(handles)
+            self.allocator.cache(handles, priority=priority, retain_s=retain_s)
             if self._transfers is not None:  # the host tier's offloads
                 self._run_transfers()
+
+    def unpin(self, handles: Any) -> int:
+        """Give the pinned pages of requests' cached prefixes the default priority.
+        See ``SlotAllocator.unpin``; holds the pool's lock."""
+        with self._lock:
+            return self.allocator.unpin(handles)
+
+    def set_clock(self, now: float) -> None:
+        """Move a manual clock (``KVPool(manual_clock=True)``) to ``now`` seconds.
+        See ``SlotAllocator.set_clock``; holds the pool's lock."""
+        with self._lock:
+            self.allocator.set_clock(now)
+
+    def evictable_pages_by_priority(self) -> np.ndarray:
+        """Evictable pages at each retention priority 0..100.
+        See ``SlotAllocator.evictable_pages_by_priority``."""
+        return self.allocator.evictable_pages_by_priority()
 
     def evict(self, n_pages: int) -> int:
         """Evict cached pages nobody holds. See ``SlotAllocator.evict``; holds the pool's

@@ -10,8 +10,14 @@
 
 Families (counters are exposed with the ``_total`` suffix; docs/events-and-metrics.md):
 
-- ``kvpool_pages`` (gauge, ``state`` = free / held / cached): pages by state;
-  cached pages are registered in the prefix cache and held by no request.
+- ``kvpool_pages`` (gauge, ``state`` = free / held / cached / pinned): pages by
+  state; cached pages are registered in the prefix cache, held by no request
+  and evictable; pinned ones are cached pages with retention priority 100 and
+  no duration (never evicted, not free).
+- ``kvpool_pinned_pages`` (gauge): registered pages pinned, held or cached (what
+  ``max_pinned_pages`` bounds); ``kvpool_max_pinned_pages`` (gauge): the bound.
+- ``kvpool_evictable_pages_by_priority`` (gauge, ``band`` = low / default /
+  high): evictable pages below, at and above the default retention priority.
 - ``kvpool_usage_ratio`` (gauge): held pages / capacity pages.
 - ``kvpool_registered_pages`` (gauge): pages in the prefix index, held or not.
 - ``kvpool_open_requests`` (gauge).
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 
+from kvpool._core import DEFAULT_PRIORITY
 from kvpool.extras import require
 
 _pc = require("prometheus_client", "metrics", "kvpool.metrics")
@@ -69,8 +76,12 @@ class KVPoolCollector:
 
     def collect(self) -> Iterator[Any]:
         G, C = _core.GaugeMetricFamily, _core.CounterMetricFamily
-        pages = G("kvpool_pages", "Pages by state: free, held by requests, cached (prefix cache, held by none)",
-                  labels=["pool", "state"])
+        pages = G("kvpool_pages", "Pages by state: free, held by requests, cached (prefix cache, held by none, "
+                  "evictable), pinned (cached, never evicted)", labels=["pool", "state"])
+        pinned = G("kvpool_pinned_pages", "Registered pages pinned, held or cached", labels=["pool"])
+        max_pinned = G("kvpool_max_pinned_pages", "Most registered pages that may be pinned", labels=["pool"])
+        bands = G("kvpool_evictable_pages_by_priority",
+                  "Evictable pages below, at and above the default retention priority", labels=["pool", "band"])
         usage = G("kvpool_usage_ratio", "Held pages / capacity pages", labels=["pool"])
         registered = G("kvpool_registered_pages", "Pages in the prefix index, held or not", labels=["pool"])
         requests = G("kvpool_open_requests", "Requests opened and not yet closed", labels=["pool"])
@@ -91,8 +102,15 @@ class KVPoolCollector:
             cached = int(s.evictable_pages)
             free = int(s.free_pages) - cached
             held = int(s.used_pages)
-            for state, v in (("free", free), ("held", held), ("cached", cached)):
+            pinned_cached = capacity - int(s.free_pages) - held
+            for state, v in (("free", free), ("held", held), ("cached", cached), ("pinned", pinned_cached)):
                 pages.add_metric([name, state], v)
+            pinned.add_metric([name], int(s.pinned_pages))
+            max_pinned.add_metric([name], int(alloc.max_pinned_pages))
+            by = alloc.evictable_pages_by_priority()
+            d = DEFAULT_PRIORITY
+            for band, v in (("low", by[:d].sum()), ("default", by[d]), ("high", by[d + 1:].sum())):
+                bands.add_metric([name, band], int(v))
             usage.add_metric([name], held / capacity if capacity else 0.0)
             registered.add_metric([name], int(s.cached_pages))
             requests.add_metric([name], int(s.open_requests))
@@ -110,8 +128,8 @@ class KVPoolCollector:
                 v = getattr(pool, attr, None)
                 if v is not None:
                     fam.add_metric([name], int(v))
-        for fam in (pages, usage, registered, requests, queries, hits, dropped, evicted, published, copy, offload,
-                    load):
+        for fam in (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
+                    published, copy, offload, load):
             if fam.samples:
                 yield fam
 

@@ -73,7 +73,10 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     (random otherwise), so pools built with the same seed that make the same
     calls hand out the same handles (tensor-parallel ranks; ``tp_pool`` passes
     one agreed seed to both); ``kv_events=False`` stops recording events for
-    ``take_events``.
+    ``take_events``. Retention priorities (``cache(handles, priority=,
+    retain_s=)``, ``unpin``): ``max_pinned_pages`` bounds the pinned pages (a
+    quarter of the pool by default) and ``manual_clock=True`` runs durations
+    on a clock only ``set_clock`` moves (see ``SlotAllocator``).
 
     Host tier: ``host_pages`` (reserved host page 0 included; 0 or None: no
     tier, and the pool behaves exactly as without one) or ``host_memory_bytes``
@@ -99,8 +102,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
 
     Threads: one pool may be shared between threads. Every call that changes
     who owns what (``open``, ``admit``, ``extend``, ``truncate``, ``close``,
-    ``cache``, ``fork``, the ``open_with_*`` calls, ``evict``, ``clear_cache``,
-    ``reset``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
+    ``cache``, ``unpin``, ``set_clock``, ``fork``, the ``open_with_*`` calls,
+    ``evict``, ``clear_cache``, ``reset``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
     holds the pool's lock for its whole duration, copy-on-write copies
     included, so no thread can free and reuse a page before a copy has read it.
     Queries and counters take only the core's own lock; ``write`` and ``read``
@@ -140,6 +143,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         hash_seed: int | None = None,
         handle_seed: int | None = None,
         kv_events: bool = True,
+        max_pinned_pages: int | None = None,
+        manual_clock: bool = False,
         host_pages: int | None = None,
         host_memory_bytes: int | None = None,
         host_policy: str = "write_back",
@@ -194,7 +199,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         # so a bad config fails without allocating device memory.
         self.allocator = SlotAllocator(
             pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed,
-            handle_seed=handle_seed, kv_events=kv_events, host_pages=host, host_policy=host_policy,
+            handle_seed=handle_seed, kv_events=kv_events, max_pinned_pages=max_pinned_pages,
+            manual_clock=manual_clock, host_pages=host, host_policy=host_policy,
         )
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.

@@ -90,6 +90,10 @@ class RowsMixin:
     _storage: Any
     _scales: list[list[torch.Tensor]]
     _to_device: Any
+    _table_np: Any
+    _sharing: bool
+    _lock: Any
+    allocator: Any
 
     def _init_rows(self) -> None:
         flat = self._storage.flat
@@ -129,6 +133,27 @@ class RowsMixin:
         if self._own_slots is not None:
             self._own_slots.add(loc, slots, clean=True, negative=False)
         return ExtendResult(slots, loc)
+
+    def _extend_host(self, handles: Any, counts: Any) -> np.ndarray | None:
+        """``extend(handles, counts).slots`` without ``out_cache_loc``, where ``extend`` is the
+        allocator's call alone (a CPU pool whose core writes the host table, no shared pages);
+        None elsewhere: then call ``extend``.
+
+        For kvpool's own callers that store a step through views of the caches and never
+        use the tensor (``KVPoolCache``): under inference mode, making it a normal tensor
+        (``_own_result``) leaves and re-enters inference mode, and on a small model's
+        decode step that round trip is a measurable share of the cache's host time.
+        """
+        if self._to_device is not None or self._table_np is None:
+            return None
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._sharing:
+                return None
+            return self.allocator.extend(handles, counts, table=self._table_np)
+        finally:
+            lock.release()
 
     def _trust_slots(self, slots: torch.Tensor, *, negative: bool) -> None:
         """Record ``slots`` (values already checked in range by the caller, padding allowed)
@@ -231,10 +256,18 @@ class RowsMixin:
         if k.requires_grad or v.requires_grad:
             k, v = k.detach(), v.detach()
         b, h, t, d = k.shape
-        if t == 1 and self._row_plain:
-            kc, vc = self._row_caches_bh1d[layer]
-            kc.index_copy_(0, idx, k)
-            vc.index_copy_(0, idx, v)
+        if self._row_plain:
+            if t == 1:
+                kc, vc = self._row_caches_bh1d[layer]
+                kc.index_copy_(0, idx, k)
+                vc.index_copy_(0, idx, v)
+            else:
+                # Indexed by [B, T] slots, the caches take the [B, T, H, D] transposes as they
+                # are: no contiguous copy of a prompt's K/V first.
+                kc, vc = self._row_caches[layer]
+                at = (idx.view(b, t),)
+                kc.index_put_(at, k.transpose(1, 2))
+                vc.index_put_(at, v.transpose(1, 2))
             return
         self._store_checked(layer, idx, k.transpose(1, 2).reshape(b * t, h, d),
                             v.transpose(1, 2).reshape(b * t, h, d))

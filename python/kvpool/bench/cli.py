@@ -44,11 +44,11 @@ def add_out_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_replay_arguments(p: argparse.ArgumentParser, workload: str, *, pools: str,
-                         steps: tuple[int, str], warmup: tuple[int, str]) -> None:
+                         steps: tuple[int, str], warmup: tuple[int, str], pages: str = "1,16") -> None:
     """The flags every replayed workload takes; ``steps`` and ``warmup`` are (default, help)."""
     p.add_argument("--pool-sizes", type=list_of(parse_size), default=list_of(parse_size)(pools),
                    help=f"pool sizes in slots (default {pools})")
-    p.add_argument("--page-sizes", type=list_of(int), default=[1, 16], help="default 1,16")
+    p.add_argument("--page-sizes", type=list_of(int), default=list_of(int)(pages), help=f"default {pages}")
     names = drivers.names(workload)
     p.add_argument("--allocators", type=list_of(one_of(names, "allocator")), default=names,
                    help=f"subset of {','.join(names)}")

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Any, Callable, Hashable, Union
 
-from kvpool.bench.report import size
+from kvpool.bench.columns import size
 
 _STYLE: dict[str, dict[str, Any]] = {
     "kvpool": dict(color="#d62728", marker="o", linewidth=2.2),

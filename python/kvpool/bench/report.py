@@ -14,33 +14,16 @@ import platform
 import sys
 from collections.abc import Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from kvpool.bench.cli import add_out_argument, settings
+from kvpool.bench.columns import Column, size
 from kvpool.bench.result import Result
 
 if TYPE_CHECKING:
     from kvpool.bench.workload import Workload
 
-Column = tuple[str, Callable[[Any], str]]  # header, and the cell of a row
 R = TypeVar("R", bound=Result)
-
-# Columns most workloads show, in the form a workload lists them.
-PAGE: Column = ("page", lambda r: str(r.page_size))
-POOL: Column = ("pool", lambda r: size(r.num_slots))
-ALLOCATOR: Column = ("allocator", lambda r: r.allocator)
-STEP_TIMES: list[Column] = [
-    ("µs/step mean", lambda r: f"{r.mean_us:.1f}"), ("p50", lambda r: f"{r.p50_us:.1f}"),
-    ("p99", lambda r: f"{r.p99_us:.1f}"), ("cpu µs mean", lambda r: f"{r.cpu_mean_us:.1f}"),
-]
-META_MIB: Column = ("meta MiB", lambda r: f"{r.meta_bytes / 2**20:.1f}")
-
-
-def size(n: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -166,6 +149,5 @@ def _git_commit() -> Optional[str]:
     return out.stdout.strip() or None
 
 
-__all__ = ["ALLOCATOR", "META_MIB", "PAGE", "POOL", "STEP_TIMES", "Column", "add_out_argument", "against_kvpool",
-           "machine_info", "md_table", "output_path", "publish", "ratio_line", "size", "table", "time_ratios",
-           "write_json"]
+__all__ = ["add_out_argument", "against_kvpool", "machine_info", "md_table", "output_path", "publish", "ratio_line",
+           "table", "time_ratios", "write_json"]

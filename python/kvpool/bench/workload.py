@@ -16,10 +16,9 @@ import argparse
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-from kvpool.bench import command
+from kvpool.bench.columns import Column
 from kvpool.bench.drivers.base import Driver
 from kvpool.bench.plot import Panel
-from kvpool.bench.report import Column
 from kvpool.bench.result import Result
 from kvpool.bench.runner import measure
 from kvpool.bench.trace import Trace
@@ -88,9 +87,6 @@ class Workload(abc.ABC):
     def replay(self, driver_cls: type[Driver], trace: Trace) -> Any:
         """One replay of ``trace`` on a fresh ``driver_cls``, as this workload's result row."""
         return self.result_type.from_measurement(measure(driver_cls, trace))
-
-    def main(self, args: argparse.Namespace, machine: dict[str, Any]) -> int:
-        return command.main(self, args, machine)
 
 
 __all__ = ["Case", "Workload"]

@@ -9,6 +9,13 @@ mutating call (its arguments and its result) and a snapshot of the allocator's
 counters into a running 16-byte digest, and every ``check_every`` steps compares
 the digests of all ranks with one ``all_gather``, raising
 ``RankDivergenceError`` that names the first rank that differs.
+
+Retention durations (``cache(..., priority=, retain_s=)``) end by the pool's
+clock, and each rank's system clock reads differently: a duration ending
+between two ranks' evictions would evict different pages. Ranks that give
+durations build their pools with ``manual_clock=True`` and call
+``set_clock(t)`` with the same ``t`` on every rank (the step's time as the
+scheduler sees it, broadcast, or the step count); ``set_clock`` is recorded.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 #: the wrapped pool does not have is skipped. ``recv_request(tp_pool, ...)``
 #: is recorded through the open / extend / close calls it makes on the proxy.
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
-                  "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache")
+                  "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
+                  "unpin", "set_clock")
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 

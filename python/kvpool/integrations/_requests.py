@@ -16,7 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._pages import StepPages
+from kvpool.integrations._pages import StepPages, index_tensor
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -52,7 +52,16 @@ class BatchRequests:
         self.prefix_mode = False
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
         self._rows: torch.Tensor | None = None
-        self.new_slots: torch.Tensor | None = None  # [B*T] this step's slots, row-major
+        # This step's slots, row-major [B*T]: on the host, and as an index tensor on the pool's
+        # device when a store needs one (None while the store views do).
+        self.step_slots: np.ndarray | None = None
+        self.new_slots: torch.Tensor | None = None
+        self.before = -1  # the rows' length before this step
+        self.step_shape: tuple[int, ...] = ()  # this step's K/V shape [B, H, T, D]
+        # Per layer, this step's K and V destinations as [B, H, T, D] views of the caches
+        # (StepPages.dst), when the step's slots are one strided run; else None and the
+        # layers store through the pool's index store at new_slots.
+        self.dst: tuple[Any, Any] | None = None
         # fp8 pools read K/V back dequantized through pool.read and a per-token index.
         self.fp8 = bool(getattr(pool, "fp8", False))
         self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step (fp8 only)
@@ -60,6 +69,10 @@ class BatchRequests:
         # KVPool's store without write()'s argument checks, which kv_ok / check_kv make here
         # (K/V in attention's [B, H, T, D] layout); None: a pool without it, use write().
         self.store = getattr(pool, "_store_bhtd", None)
+        # Steps that store through StepPages need only the host slots of their extend.
+        self.host_extend = self.pages is not None and hasattr(pool, "_extend_host")
+        # Whether layers after a step's first may take KVPoolCache.update's short way.
+        self.fast = self.pages is not None and self.store is not None
         self.batch = -1  # rows opened (-1: none yet)
         self._shared = False  # some row may share a page (prefix hit, fork)
 
@@ -74,7 +87,8 @@ class BatchRequests:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
         self.batch = self.handles.shape[0]
         self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
-        self.slot_idx = None
+        self.slot_idx = self.dst = None
+        self.before = -1  # no step under way: every layer takes the full update
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
 
@@ -142,26 +156,43 @@ class BatchRequests:
                                    f"{list(value_states.shape)} differ")
 
     def begin_step(self, tokens: int) -> None:
-        """Extend every row by ``tokens`` slots (all-or-nothing) and bring the page table up to date."""
+        """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to
+        date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
+        (``gather``)."""
         assert self.handles is not None and self._rows is not None
+        pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
             # prompt's full pages for the next request that shares them.
-            self.pool.cache(self.handles)
-        ext = self.pool.extend(self.handles, tokens)
-        before, self.length = self.length, self.length + tokens
-        self.new_slots = ext.out_cache_loc
-        if self.pages is not None:
-            self.pages.advance(self.handles, before, self.length, ext.slots)
+            pool.cache(self.handles)
+        # On a CPU pool the step needs only the host slots (stores go through views of the
+        # caches, or the pool's index store with an index tensor StepPages makes).
+        slots = pool._extend_host(self.handles, tokens) if self.host_extend else None
+        if slots is None:
+            ext = pool.extend(self.handles, tokens)
+            slots, self.new_slots = ext.slots, ext.out_cache_loc
         else:
-            self.slot_idx = self.pool.req_to_token[self._rows, : self.length].long()
+            self.new_slots = None
+        self.step_slots = slots
+        before = self.before = self.length
+        length = self.length = before + tokens
+        pages = self.pages
+        if pages is None:
+            self.slot_idx = pool.req_to_token[self._rows, :length].long()
+            return
+        pages.advance(self.handles, before, length, slots)
+        self.dst = pages.dst
+        if self.dst is None and self.new_slots is None:
+            loc = pages.loc
+            self.new_slots = index_tensor(slots) if loc is None else loc
+        self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``."""
         b, h, t, d = key_states.shape
         k = key_states.transpose(1, 2).reshape(b * t, h, d)  # row-major like the extend's slots
         v = value_states.transpose(1, 2).reshape(b * t, h, d)
-        self.pool.write(layer, self.new_slots, k, v)
+        self.pool.write(layer, self.step_slots if self.new_slots is None else self.new_slots, k, v)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V of ``layer`` in token order, as [B, kv_heads, length, head_dim]."""
@@ -234,8 +265,11 @@ class BatchRequests:
     def close(self) -> None:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
         if self.handles is not None:
-            handles, self.handles, self._rows, self.slot_idx = self.handles, None, None, None
+            handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
+            self.before = -1
             self.batch = -1
+            if self.pages is not None:
+                self.pages.release()
             if self.prefix_mode and self.length > 0:
                 self.pool.close(handles, cache=True)
             else:

@@ -12,7 +12,8 @@ How it maps onto the pool:
   learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
-  (the pool's store: the K/V are checked here, once per update) and returns the rows'
+  (two copies into views of the caches when the slots are one strided run, else the
+  pool's store; the K/V are checked here, once per update) and returns the rows'
   full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
   request on a pool handing out pages in order), else one gather of whole pages per
@@ -101,8 +102,14 @@ class KVPoolLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        store = req.store
-        if store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
+        if key_states.requires_grad or value_states.requires_grad:
+            # Stores must not drag the pool's caches into autograd.
+            key_states, value_states = key_states.detach(), value_states.detach()
+        dst, store = req.dst, req.store
+        if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
+            dst[0][self.layer_idx].copy_(key_states)
+            dst[1][self.layer_idx].copy_(value_states)
+        elif store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
             store(self.layer_idx, req.new_slots, key_states, value_states)
         else:
             req.write(self.layer_idx, key_states, value_states)
@@ -160,6 +167,45 @@ class KVPoolCache(Cache):
             self._set_seen(self.requests.length)
         elif salt is not None:
             raise TypeError("salt= only applies with prefix_ids=")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``KVPoolLayer.update`` of layer ``layer_idx`` (what the model calls, once per layer
+        per forward).
+
+        The common case goes the short way: K/V of the pool's dtype, heads and head dim on
+        its device, not requiring grad, for the open rows; the first layer of a forward
+        starts the step, every layer then stores into the step's slots (two copies into
+        views of the caches when the slots are one strided run, else the pool's index
+        store) and gets the rows' K/V. Anything else (the first forward, a new batch, a
+        wrong tensor, a layer out of step) goes through ``KVPoolLayer.update``, which
+        checks it in full and raises the typed error.
+        """
+        req = self.requests
+        layer = self._pool_layers[layer_idx]
+        if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
+            return layer.update(key_states, value_states, *args, **kwargs)  # raises the typed error
+        seen, ks = layer.seen, key_states.shape
+        if seen == req.before:  # a later layer of the step under way
+            ok = ks == req.step_shape
+        else:  # the first layer of a step: any number of new tokens
+            ok = (seen == req.length and len(ks) == 4 and ks[0] == req.batch and ks[1] == req.heads
+                  and ks[3] == req.head_dim and ks[2] > 0)
+        if (ok and req.fast and value_states.shape == ks and key_states.dtype == req.dtype
+                and value_states.dtype == req.dtype and not (key_states.requires_grad or value_states.requires_grad)
+                and key_states.device == req.device and value_states.device == req.device):
+            if seen != req.before:
+                req.begin_step(ks[2])
+            dst = req.dst
+            if dst is not None:
+                dst[0][layer_idx].copy_(key_states)
+                dst[1][layer_idx].copy_(value_states)
+            else:
+                req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
+            layer.seen = req.length
+            layer.is_initialized = True
+            return req.pages.kv(layer_idx)  # type: ignore[union-attr]  # (req.fast)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     # -- what the pool holds ------------------------------------------------------------
     @property

@@ -28,7 +28,8 @@ impl std::fmt::Display for HandleProblem {
 pub enum PoolError {
     #[error(
         "pool exhausted: the call needs {needed_pages} free pages ({page_size} slots each) \
-         but only {free_pages} are free ({free_slots} free slots); nothing was allocated"
+         but only {free_pages} are free ({free_slots} free slots; pinned cached pages are not \
+         free); nothing was allocated"
     )]
     Exhausted {
         needed_pages: usize,
@@ -74,9 +75,70 @@ pub enum PoolError {
         needed_pages: usize,
         free_pages: usize,
     },
+    /// A grouped pool's group (or its token-only anchor chain) is short of
+    /// pages or state slots; the other groups may have room. Python maps it
+    /// to the same class as `Exhausted`. Boxed, so that `PoolError` (the
+    /// error of every hot call) stays as small as it was.
+    #[error("{0}")]
+    GroupExhausted(Box<GroupShortage>),
+
+    /// `truncate` into the past that a group cannot serve: a sliding group
+    /// released the pages the new length's window needs, or a state group
+    /// has no checkpoint at the new length (its state is overwritten each
+    /// step, so only a checkpoint can restore it).
+    #[error("{0}")]
+    RollbackUnavailable(Box<Rollback>),
 
     #[error("allocator invariant violated (a bug in kvpool): {0}")]
     Invariant(String),
 }
 
 pub type Result<T> = std::result::Result<T, PoolError>;
+
+/// The details of [`PoolError::GroupExhausted`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its pages \
+     ({page_size} slots each) but only {free_pages} are free or evictable; nothing was \
+     allocated in any group"
+)]
+pub struct GroupShortage {
+    /// The group (`len(groups)` for a token-only anchor chain).
+    pub group: usize,
+    /// `"full"`, `"sliding"`, `"state"` or `"anchor"`.
+    pub kind: &'static str,
+    pub needed_pages: usize,
+    pub free_pages: usize,
+    pub page_size: usize,
+}
+
+/// The details of [`PoolError::RollbackUnavailable`].
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "cannot truncate request {handle} to {length} tokens: group {group} ({kind}) {reason}; \
+     nothing was changed"
+)]
+pub struct Rollback {
+    pub handle: i64,
+    pub length: usize,
+    pub group: usize,
+    pub kind: &'static str,
+    pub reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every hot call returns `Result<_, PoolError>`: the group variants'
+    /// details are boxed so that they do not widen it past the largest
+    /// single-pool variant (`Exhausted`: four words and a tag).
+    #[test]
+    fn pool_error_stays_as_small_as_the_single_pool_variants() {
+        assert!(
+            std::mem::size_of::<PoolError>() <= 5 * std::mem::size_of::<usize>(),
+            "PoolError is {} bytes",
+            std::mem::size_of::<PoolError>()
+        );
+    }
+}

@@ -7,7 +7,8 @@
 //!
 //! Pages are shared: every page is FREE, HELD by `refcount >= 1` requests, or
 //! CACHED (held by nobody, registered in the prefix index, evictable in LRU
-//! order). `open_with_prefix` starts requests on cached pages of a common
+//! order, or by retention priority once a caller gives priorities; pinned
+//! pages are never evicted). `open_with_prefix` starts requests on cached pages of a common
 //! prefix, `cache` registers pages, `fork` shares a request's pages with new
 //! requests, and a shared partly filled page is copied on write (the copies
 //! are queued for the caller: `take_copies`).
@@ -32,10 +33,12 @@
 //! is fallible (`memory.rs`).
 
 mod allocator;
+mod clock;
 mod error;
 mod events;
 mod eviction;
 mod geometry;
+mod groups;
 mod handle;
 mod host;
 mod location;
@@ -50,8 +53,10 @@ pub use allocator::options::{Counts, Options};
 pub use allocator::prefix_transfer::PrefixChain;
 pub use allocator::queries::PageTable;
 pub use allocator::SlotAllocator;
-pub use error::{HandleProblem, PoolError, Result};
+pub use error::{GroupShortage, HandleProblem, PoolError, Result, Rollback};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE, MEDIUM_HOST};
+pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
+pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use host::HostPolicy;
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};

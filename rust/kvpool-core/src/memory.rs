@@ -16,8 +16,10 @@ pub const MAX_CONTEXT_LEN: usize = 1 << 28;
 /// # Safety
 /// Implement only for plain integer types or structs made of them.
 pub(crate) unsafe trait Zeroable: Copy {}
+unsafe impl Zeroable for u8 {}
 unsafe impl Zeroable for u32 {}
 unsafe impl Zeroable for i32 {}
+unsafe impl Zeroable for u64 {}
 
 fn too_big(what: &str, n: usize, size: usize) -> PoolError {
     PoolError::InvalidArgument(format!(

@@ -16,6 +16,14 @@
 //! checked too (`contents/`): run on a simulated store in the documented
 //! order, they leave every open request reading exactly what it wrote or
 //! was served, and every swapped-out request's host pages holding it.
+//!
+//! Retention priorities ride along: caches and closes with priorities
+//! (pins, durations, per-request arrays, out-of-range values), unpins and
+//! ticks of a manual clock, on pools whose pin bound is 0 to 4 pages; the
+//! eviction order, the pinned count and the evictable pages per priority
+//! must agree with the model's, with and without
+//! a host tier (eviction by priority picks the device victim; the tier
+//! then keeps or offloads its entry).
 
 mod contents;
 mod model_ops;
@@ -96,17 +104,28 @@ thread_local! {
     static SWAPS: Cell<usize> = const { Cell::new(0) };
     static HOST_STORED: Cell<usize> = const { Cell::new(0) };
     static BOUNCED: Cell<usize> = const { Cell::new(0) };
+    static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
+    static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
+    static ENDED: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
     c.with(|c| c.set(c.get() + n));
 }
 
-fn new_allocator(pages: usize, ps: usize, host: usize, policy: HostPolicy) -> SlotAllocator {
+fn new_allocator(
+    pages: usize,
+    ps: usize,
+    host: usize,
+    policy: HostPolicy,
+    max_pinned: usize,
+) -> SlotAllocator {
     let opts = Options {
         generation_base: Some(1),
         host_pages: host,
         host_policy: policy,
+        manual_clock: true,
+        max_pinned_pages: Some(max_pinned),
         ..Options::new()
     };
     SlotAllocator::with_options(pages, ps, MAX_REQ, MAX_CTX, opts).unwrap()
@@ -115,10 +134,13 @@ fn new_allocator(pages: usize, ps: usize, host: usize, policy: HostPolicy) -> Sl
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], ops in prop::collection::vec(op(), 1..80)) {
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
         let policy = if through { HostPolicy::WriteThrough } else { HostPolicy::WriteBack };
-        let mut a = new_allocator(pages, ps, host, policy);
+        let max_pinned = max_pinned.min(pages - 1);
+        let mut a = new_allocator(pages, ps, host, policy, max_pinned);
         let mut m = Model::with_tier(pages, ps, (host > 0).then(|| Tier::new(host, policy)));
+        m.max_pinned = max_pinned;
+        let mut now_s = 0u64;
         let mut c = Contents::new(&a);
         // Every handle ever issued, plus two that never were.
         let mut issued: Vec<i64> = vec![-5, make_handle(3, 1)];
@@ -136,7 +158,7 @@ proptest! {
             let h = |i: usize| {
                 if i < OPEN_PICKS && !open.is_empty() { open[i % open.len()] } else { issued[i % issued.len()] }
             };
-            if let Op::Cache(v) | Op::Close(v, true) = &op {
+            if let Op::Cache(v) | Op::Close(v, true) | Op::Prio(v, _, _, _) = &op {
                 // An engine runs its step (the queued transfers, then the
                 // K/V writes) before it publishes pages.
                 c.drain(&mut a, &mut m);
@@ -382,7 +404,37 @@ proptest! {
                     m.reset();
                     c.want.clear();
                 }
+                Op::Prio(v, qs, retain, close) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    let counts = if qs.len() == 1 { Counts::Each(qs[0]) } else { Counts::PerRequest(&qs) };
+                    let (secs, ns) = (retain.map(f64::from), retain.map(|s| s as u64 * 1_000_000_000));
+                    let ok = if close {
+                        let ok = same(a.close_with_priority(&hs, counts, secs), m.close_with_priority(&hs, &qs, ns));
+                        if ok {
+                            for &x in &hs {
+                                c.forget(x);
+                            }
+                        }
+                        ok
+                    } else {
+                        same(a.cache_with_priority(&hs, counts, secs), m.cache_with_priority(&hs, &qs, ns))
+                    };
+                    oks += ok as usize;
+                    count(&PRIO_OKS, ok as usize);
+                }
+                Op::Unpin(v) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    oks += same(a.unpin(&hs), m.unpin(&hs)) as usize;
+                }
+                Op::Tick(s) => {
+                    now_s += s as u64;
+                    let before = m.prio.len();
+                    a.set_clock(now_s as f64).unwrap();
+                    m.set_clock(now_s * 1_000_000_000);
+                    count(&ENDED, before - m.prio.len());
+                }
             }
+            count(&PINNED_ENDS, m.pinned());
             a.check().unwrap();
             if step % 3 == 2 {
                 let events = a.take_events();
@@ -412,8 +464,11 @@ proptest! {
             // the queue keeps that page from the free stack.
             let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
             count(&HELD_ALONE, alone);
-            prop_assert_eq!(a.free_pages(), m.free.len() + m.lru.len());
-            prop_assert_eq!(a.evictable_pages(), m.lru.len());
+            prop_assert_eq!(a.free_pages(), m.free.len() + m.evictable());
+            prop_assert_eq!(a.evictable_pages(), m.evictable());
+            prop_assert_eq!(a.pinned_pages(), m.pinned());
+            prop_assert_eq!(a.evictable_pages_by_priority(), m.by_priority());
+            prop_assert_eq!(a.capacity_pages() - a.free_pages() - a.used_pages(), m.lru.len() - m.evictable());
             prop_assert_eq!(a.cached_pages(), m.device_registered());
             prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
             prop_assert_eq!(a.open_requests(), m.reqs.len());
@@ -538,4 +593,22 @@ fn generated_sequences_exercise_sharing() {
         host_stored > CASES as usize / 10,
         "only {host_stored} host Stored events"
     );
+    let (prio, pinned, ended) = (
+        PRIO_OKS.with(Cell::get),
+        PINNED_ENDS.with(Cell::get),
+        ENDED.with(Cell::get),
+    );
+    eprintln!(
+        "{prio} priority calls succeeded, {pinned} pinned pages summed over op ends, {ended} \
+         durations ended by the clock"
+    );
+    assert!(
+        prio > CASES as usize / 2,
+        "only {prio} priority calls succeeded"
+    );
+    assert!(
+        pinned > CASES as usize / 2,
+        "only {pinned} pinned pages at op ends"
+    );
+    assert!(ended > CASES as usize / 40, "only {ended} durations ended");
 }

@@ -9,19 +9,20 @@ use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
 
 use crate::convert::{
-    counts_of, int_arg, int_scalar, seed_arg, usize_arg, CacheFlag, KvEventsFlag,
+    counts_of, int_arg, int_scalar, seed_arg, usize_arg, CacheFlag, KvEventsFlag, ManualClockFlag,
 };
 use crate::errors::Result;
 use crate::output::{filled, new_uninit, to_numpy, Arr};
+use crate::retention_args::Retention;
 use crate::stats::PoolStats;
 use crate::table::Table;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, host_pages=0, host_policy="write_back")
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
-/// shared pages (refcounts, a prefix cache with LRU eviction, copy-on-write),
-/// and optionally a host tier below the device pages. Thread-safe (one
-/// internal lock; batch calls release the GIL).
+/// shared pages (refcounts, a prefix cache with LRU eviction and retention
+/// priorities, copy-on-write), and optionally a host tier below the device
+/// pages. Thread-safe (one internal lock; batch calls release the GIL).
 ///
 /// Args:
 ///     num_pages: total pages, reserved page 0 included (>= 2).
@@ -33,6 +34,12 @@ use crate::table::Table;
 ///         built with the same seed and making the same calls hand out the
 ///         same handles (tensor-parallel ranks).
 ///     kv_events: record KV events for take_events().
+///     max_pinned_pages: most cached pages that may be pinned at once (<=
+///         capacity_pages; None: a quarter of it). A pin past it is given
+///         priority 99 instead.
+///     manual_clock: retention durations (cache(retain_s=)) run on a clock
+///         that only set_clock moves (tests; tensor-parallel ranks, which
+///         must agree on time), not the system's monotonic clock.
 ///     host_pages: host pages of a host tier, the reserved host page 0
 ///         included (0: no tier, and everything behaves as without one;
 ///         otherwise >= 2). Cached pages then live on the device, the host
@@ -189,8 +196,8 @@ impl PySlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), host_pages=None, host_policy=None),
-        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, host_pages=0, host_policy=\"write_back\")"
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), max_pinned_pages=None, manual_clock=ManualClockFlag(false), host_pages=None, host_policy=None),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy=\"write_back\")"
     )]
     // One parameter per Python keyword: the signature is the API.
     #[allow(clippy::too_many_arguments)]
@@ -203,6 +210,8 @@ impl PySlotAllocator {
         hash_seed: Option<&Bound<'_, PyAny>>,
         handle_seed: Option<&Bound<'_, PyAny>>,
         kv_events: KvEventsFlag,
+        max_pinned_pages: Option<&Bound<'_, PyAny>>,
+        manual_clock: ManualClockFlag,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_policy: Option<&Bound<'_, PyAny>>,
     ) -> Result<Self> {
@@ -223,6 +232,10 @@ impl PySlotAllocator {
             kv_events: kv_events.0,
             host_pages: or(host_pages, "host_pages", 0)?,
             host_policy: crate::tier::policy_arg(py, host_policy)?,
+            max_pinned_pages: max_pinned_pages
+                .map(|m| usize_arg(py, m, "max_pinned_pages"))
+                .transpose()?,
+            manual_clock: manual_clock.0,
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
@@ -251,7 +264,8 @@ impl PySlotAllocator {
     fn stats(&self, py: Python<'_>) -> PoolStats {
         self.query(py, PoolStats::of)
     }
-    /// Pages an extend can take now: FREE + CACHED (evictable).
+    /// Pages an extend can take now: FREE + CACHED (evictable); pinned cached
+    /// pages are not.
     #[getter]
     fn free_pages(&self, py: Python<'_>) -> usize {
         self.query(py, SlotAllocator::free_pages)
@@ -276,7 +290,8 @@ impl PySlotAllocator {
     fn open_requests(&self, py: Python<'_>) -> usize {
         self.query(py, SlotAllocator::open_requests)
     }
-    /// Tokens that can surely still be appended (a lower bound).
+    /// Tokens that can surely still be appended (a lower bound; pinned cached
+    /// pages are not counted).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
         self.query(py, SlotAllocator::admissible_tokens)
@@ -338,27 +353,47 @@ impl PySlotAllocator {
         Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
-    /// close(handles, cache=False) -> None
+    /// close(handles, cache=False, priority=None, retain_s=None) -> None
     ///
     /// Closes requests and releases their pages; their handles become stale.
     /// With cache=True, first registers each request's full pages of known
-    /// tokens in the prefix cache (as cache()), so they stay reusable. A
-    /// swapped-out request releases its host pages too. Atomic.
+    /// tokens in the prefix cache (as cache()), so they stay reusable, with
+    /// cache()'s priority and retain_s if given. A swapped-out request
+    /// releases its host pages too. Atomic.
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, already closed or stale.
     ///     RequestSwappedOutError: cache=True for a swapped-out request.
-    ///     InvalidArgumentError: a duplicate handle.
+    ///     InvalidArgumentError: a duplicate handle; a priority or retain_s
+    ///         as cache() refuses them, or given without cache=True.
     #[pyo3(
-        signature = (handles, cache=CacheFlag(false)),
-        text_signature = "($self, handles, cache=False)"
+        signature = (handles, cache=CacheFlag(false), priority=None, retain_s=None),
+        text_signature = "($self, handles, cache=False, priority=None, retain_s=None)"
     )]
-    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: CacheFlag) -> Result<()> {
+    fn close(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        cache: CacheFlag,
+        priority: Option<&Bound<'_, PyAny>>,
+        retain_s: Option<&Bound<'_, PyAny>>,
+    ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         let cache = cache.0;
+        let r = Retention::of(py, priority, retain_s)?;
         // As truncate: each request may hold many pages (and cache=True
         // hashes them all).
-        Ok(py.detach(|| self.lock().close(&h, cache))?)
+        match r {
+            None => Ok(py.detach(|| self.lock().close(&h, cache))?),
+            Some(_) if !cache => Err(crate::errors::invalid_argument(
+                py,
+                "priority and retain_s apply to the pages close caches: pass cache=True with them",
+            )
+            .into()),
+            Some(r) => {
+                Ok(py.detach(|| self.lock().close_with_priority(&h, r.counts(), r.retain_s))?)
+            }
+        }
     }
 
     /// length(handle) -> int

@@ -304,7 +304,7 @@ macro_rules! flags {
     )*};
 }
 
-flags!(CacheFlag => "cache", CowFlag => "cow", KvEventsFlag => "kv_events");
+flags!(CacheFlag => "cache", CowFlag => "cow", KvEventsFlag => "kv_events", ManualClockFlag => "manual_clock");
 
 pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
     match arg {

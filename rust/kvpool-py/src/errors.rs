@@ -40,6 +40,13 @@ create_exception!(
 );
 create_exception!(
     kvpool,
+    RollbackUnavailableError,
+    KVPoolError,
+    "truncate of a grouped pool to a length a group cannot restore: a sliding window \
+     released the pages it needs, or a state group keeps no checkpoint there."
+);
+create_exception!(
+    kvpool,
     InvariantError,
     KVPoolError,
     "check() found a violated invariant (a bug in kvpool)."
@@ -73,6 +80,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "RequestSwappedOutError",
         py.get_type::<RequestSwappedOutError>(),
+    )?;
+    m.add(
+        "RollbackUnavailableError",
+        py.get_type::<RollbackUnavailableError>(),
     )?;
     let cls = INVALID_ARGUMENT.get_or_try_init(py, || -> PyResult<Py<PyType>> {
         let bases = PyTuple::new(
@@ -148,6 +159,8 @@ pub fn to_pyerr(py: Python<'_>, e: PoolError) -> PyErr {
     let msg = e.to_string();
     match e {
         PoolError::Exhausted { .. } => PoolExhaustedError::new_err(msg),
+        PoolError::GroupExhausted(_) => PoolExhaustedError::new_err(msg),
+        PoolError::RollbackUnavailable(_) => RollbackUnavailableError::new_err(msg),
         PoolError::InvalidHandle { .. } => InvalidHandleError::new_err(msg),
         PoolError::TooManyRequests { .. } => TooManyRequestsError::new_err(msg),
         PoolError::ContextTooLong { .. } => ContextTooLongError::new_err(msg),

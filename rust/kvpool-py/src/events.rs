@@ -10,7 +10,10 @@ use crate::errors::Result;
 use crate::output::to_numpy;
 
 /// take_events' dict: one array per field.
-fn events_dict<'py>(py: Python<'py>, e: &kvpool_core::Events) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn events_dict<'py>(
+    py: Python<'py>,
+    e: &kvpool_core::Events,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", to_numpy(py, &e.kind)?)?;
     d.set_item("hash_hi", to_numpy(py, &e.hash_hi)?)?;

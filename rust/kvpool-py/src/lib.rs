@@ -10,11 +10,15 @@ mod convert;
 mod errors;
 mod events;
 mod extend;
+mod grouped;
+mod grouped_queries;
 mod handles_arg;
 mod hashing;
 mod kv_events;
 mod output;
 mod packed;
+mod retention;
+mod retention_args;
 mod sharing;
 mod stats;
 mod table;
@@ -26,9 +30,13 @@ mod widen;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<allocator::PySlotAllocator>()?;
+    m.add_class::<grouped::PyGroupedAllocator>()?;
     m.add_class::<stats::PoolStats>()?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The retention priority of pages no caller gave one, and the highest.
+    m.add("DEFAULT_PRIORITY", kvpool_core::DEFAULT_PRIORITY)?;
+    m.add("MAX_PRIORITY", kvpool_core::MAX_PRIORITY)?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use crate::allocator::PySlotAllocator;
 use crate::convert::{counts_of, int_arg, int_scalar, usize_arg, IntArg};
 use crate::errors::{invalid_argument, Result};
 use crate::output::{filled, new_array, new_uninit, to_numpy, Arr};
+use crate::retention_args::Retention;
 use crate::table::Table;
 
 /// Writes the rows of requests just opened into a validated `table`. It
@@ -223,7 +224,7 @@ impl PySlotAllocator {
         Ok((filled(py, harr, hbuf, &h)?, filled(py, carr, cbuf, &c)?))
     }
 
-    /// cache(handles) -> None
+    /// cache(handles, priority=None, retain_s=None) -> None
     ///
     /// Registers every full page of each request whose token ids are all
     /// known and that is not registered yet, so later prompts can hit it.
@@ -232,13 +233,43 @@ impl PySlotAllocator {
     /// host tier under "write_through", each page registered also gets a
     /// host copy (an offload, take_offloads). Atomic.
     ///
+    /// With a priority, every page of each request's cached prefix (its own
+    /// registered pages, or the copy kept of one it duplicated) also gets that
+    /// retention priority, for retain_s seconds on the pool's clock (None: no
+    /// end). Eviction takes the lowest priority first, least recently used
+    /// within one. Pages no caller gave a priority have DEFAULT_PRIORITY (35,
+    /// as TensorRT-LLM); without a priority, pages keep theirs. A page keeps
+    /// the highest priority callers gave it (at equal priority, the later
+    /// end); when its retain_s is over it has the default again. Priority 100
+    /// with no retain_s pins: the page is never evicted nor counted free
+    /// until unpin() or clear_cache(); past max_pinned_pages pinned pages, a
+    /// pin is given 99 instead (pinned_pages says how many hold).
+    ///
+    /// Args:
+    ///     priority: an int in [0, 100] for all, or one per request.
+    ///     retain_s: seconds (> 0) the priority lasts; needs a priority.
+    ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
     ///     RequestSwappedOutError: a request is swapped out.
-    ///     InvalidArgumentError: a duplicate handle.
-    fn cache(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
+    ///     InvalidArgumentError: a duplicate handle; a priority outside [0, 100]
+    ///         or not one per request; retain_s not a number in (0, 1e9], or
+    ///         given without a priority.
+    #[pyo3(signature = (handles, priority=None, retain_s=None))]
+    fn cache(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        priority: Option<&Bound<'_, PyAny>>,
+        retain_s: Option<&Bound<'_, PyAny>>,
+    ) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
-        Ok(py.detach(|| self.lock().cache(&h))?)
+        match Retention::of(py, priority, retain_s)? {
+            None => Ok(py.detach(|| self.lock().cache(&h))?),
+            Some(r) => {
+                Ok(py.detach(|| self.lock().cache_with_priority(&h, r.counts(), r.retain_s))?)
+            }
+        }
     }
 
     /// fork(handle, n=1) -> ndarray[int64]
@@ -319,8 +350,9 @@ impl PySlotAllocator {
 
     /// evict(n_pages) -> int
     ///
-    /// Evicts up to n_pages cached pages nobody holds, least recently used
-    /// first (a chain's tail before its parents); they become free. Returns
+    /// Evicts up to n_pages cached pages nobody holds, the lowest retention
+    /// priority first and least recently used within one (a chain's tail
+    /// before its parents), never a pinned page; they become free. Returns
     /// how many were evicted. With a host tier a page's entry keeps its host
     /// copy, and under "write_back" one without is offloaded.
     ///
@@ -335,8 +367,9 @@ impl PySlotAllocator {
 
     /// clear_cache() -> None
     ///
-    /// Drops every prefix-index entry: cached pages become free, held pages
-    /// stay with their requests (on both tiers). Records one Cleared event.
+    /// Drops every prefix-index entry: cached pages become free (pinned ones
+    /// too: nothing is pinned or has a priority after it), held pages stay
+    /// with their requests (on both tiers). Records one Cleared event.
     /// Queued copies and transfers stay: they fill open requests' pages.
     fn clear_cache(&self, py: Python<'_>) {
         py.detach(|| self.lock().clear_cache())
@@ -368,7 +401,8 @@ impl PySlotAllocator {
     fn cached_pages(&self, py: Python<'_>) -> usize {
         self.query(py, |a| a.cached_pages())
     }
-    /// Cached pages nobody holds: evicted when pages run out.
+    /// Cached pages nobody holds: evicted when pages run out (pinned ones
+    /// are not counted).
     #[getter]
     fn evictable_pages(&self, py: Python<'_>) -> usize {
         self.query(py, |a| a.evictable_pages())

@@ -18,6 +18,7 @@ pub struct PoolStats {
     evictable_pages: usize,
     hit_tokens: u64,
     miss_tokens: u64,
+    pinned_pages: usize,
     host_free_pages: usize,
     host_cached_pages: usize,
     host_hit_tokens: u64,
@@ -39,6 +40,7 @@ impl PoolStats {
             evictable_pages: a.evictable_pages(),
             hit_tokens: a.hit_tokens(),
             miss_tokens: a.miss_tokens(),
+            pinned_pages: a.pinned_pages(),
             host_free_pages: a.host_free_pages(),
             host_cached_pages: a.host_cached_pages(),
             host_hit_tokens: a.host_hit_tokens(),
@@ -54,8 +56,9 @@ impl PoolStats {
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
              open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
-             evictable_pages={}, hit_tokens={}, miss_tokens={}, host_free_pages={}, \
-             host_cached_pages={}, host_hit_tokens={}, offloaded_pages={}, loaded_pages={})",
+             evictable_pages={}, hit_tokens={}, miss_tokens={}, pinned_pages={}, \
+             host_free_pages={}, host_cached_pages={}, host_hit_tokens={}, offloaded_pages={}, \
+             loaded_pages={})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
@@ -67,6 +70,7 @@ impl PoolStats {
             self.evictable_pages,
             self.hit_tokens,
             self.miss_tokens,
+            self.pinned_pages,
             self.host_free_pages,
             self.host_cached_pages,
             self.host_hit_tokens,

@@ -9,14 +9,15 @@ BlockPool). Results go to the terminal, a JSON file and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
-from kvpool.bench import cli
+from kvpool.bench import cli, command
 from kvpool.bench.churn import figures
 from kvpool.bench.churn.result import ChurnResult
 from kvpool.bench.churn.trace import ChurnTrace, ChurnTraceConfig, generate
+from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.plot import Lines, Panel
-from kvpool.bench.report import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.trace import Dist
 from kvpool.bench.workload import Case, Workload
 
@@ -91,7 +92,7 @@ def configs(args: argparse.Namespace) -> list[tuple[int, int, int]]:
 
 CHURN = ChurnWorkload()
 add_arguments = CHURN.add_arguments
-main = CHURN.main
+main = functools.partial(command.main, CHURN)
 # The argument types of the bench commands (defined in cli.py), also importable from here.
 parse_size, _list = cli.parse_size, cli.list_of
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.bench.churn.result import ChurnResult
-from kvpool.bench.report import against_kvpool, ratio_line, size, time_ratios
+from kvpool.bench.columns import size
+from kvpool.bench.report import against_kvpool, ratio_line, time_ratios
 
 SCALING_TARGET = 1.10  # kvpool per-step time, largest pool / smallest pool
 SPEEDUP_TARGET = 10.0  # baseline per-step time / kvpool's at the reference point

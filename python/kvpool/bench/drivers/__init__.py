@@ -32,6 +32,10 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "vllm-offload-lru": "vllm_offload_prefix:VLLMOffloadLRUDriver",
         "vllm-offload-arc": "vllm_offload_prefix:VLLMOffloadARCDriver",
     },
+    "hybrid": {
+        "kvpool": "kvpool_hybrid:KVPoolHybridDriver",
+        "vllm": "vllm_hybrid:VLLMHybridDriver",
+    },
 }
 
 

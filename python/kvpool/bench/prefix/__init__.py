@@ -10,14 +10,15 @@ the terminal, a JSON file and a PNG plot, as for ``churn``.
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
-from kvpool.bench import cli
+from kvpool.bench import cli, command
+from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.plot import Bars, Panel
 from kvpool.bench.prefix import figures
 from kvpool.bench.prefix.result import PrefixResult
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTrace, PrefixTraceConfig, generate
-from kvpool.bench.report import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
 from kvpool.bench.trace import Dist
 from kvpool.bench.workload import Case, Workload
 
@@ -99,6 +100,6 @@ class PrefixWorkload(Workload):
 
 PREFIX = PrefixWorkload()
 add_arguments = PREFIX.add_arguments
-main = PREFIX.main
+main = functools.partial(command.main, PREFIX)
 
 __all__ = ["PREFIX", "PrefixWorkload", "add_arguments", "main"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.bench.columns import size
 from kvpool.bench.prefix.result import PrefixResult
-from kvpool.bench.report import against_kvpool, ratio_line, size, time_ratios
+from kvpool.bench.report import against_kvpool, ratio_line, time_ratios
 
 SPEEDUP_TARGET = 10.0  # baseline µs/step ÷ kvpool µs/step, every scenario
 # Rows with a host tier, held against kvpool-host rather than the device-only kvpool row.

@@ -71,6 +71,10 @@ class PrefixTraceConfig(PoolShape):
     zipf_s: float = 1.0  # pressure: popularity skew of the system prompts
     tier_fraction: float = 0.2  # tiered: device pool tokens / distinct prefix tokens
     tiered_output: Dist = Dist(4, 32)  # tiered: short answers, so prefixes come back many times a run
+    # Most prompt tokens admitted in one step (0: no bound), as a scheduler's token budget bounds a
+    # step's prefill; a group bigger than it is admitted alone. A sliding-window group holds a prompt
+    # whole for the step that prefills it, so its pool is sized by this bound.
+    step_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -80,6 +84,8 @@ class PrefixTraceConfig(PoolShape):
             raise ValueError(f"concurrency must be >= parallel_n ({self.parallel_n}), steps >= 1, warmup >= 0")
         if not 0 < self.cache_fraction <= 1 or not 0 < self.tier_fraction <= 1:
             raise ValueError("cache_fraction and tier_fraction must be in (0, 1]")
+        if self.step_prompt_tokens < 0:
+            raise ValueError("step_prompt_tokens must be >= 0 (0: no bound)")
 
     @property
     def max_prompt_len(self) -> int:
@@ -282,9 +288,13 @@ def generate(cfg: PrefixTraceConfig) -> PrefixTrace:
         src.tick(t)
 
         admit: list[Group] = []
+        step_tokens = 0
         while True:
             group = src.peek()
             need = [-(-s.final_len // P) for s in group]
+            step_tokens += group[0].prompt_len
+            if admit and 0 < cfg.step_prompt_tokens < step_tokens:
+                break  # the step's prefill budget is spent: the head waits for the next step
             if len(free_lanes) < len(group) or reserved + sum(need) > budget:
                 if reserved == 0 and not admit and len(free_lanes) == C:
                     raise ValueError(f"a request of {sum(need)} pages never fits a pool of {cfg.usable_pages}")

@@ -57,7 +57,7 @@ impl SlotAllocator {
     }
 
     /// Full pages of `row` whose every token id is known.
-    fn registrable_pages(&self, row: usize) -> usize {
+    pub(super) fn registrable_pages(&self, row: usize) -> usize {
         if self.requests.chain(row).broken {
             return 0;
         }
@@ -158,7 +158,7 @@ impl SlotAllocator {
 /// the child of `parent`; returns the chain's new tip, or None when the
 /// chain must stop there (a collision).
 #[allow(clippy::too_many_arguments)]
-fn register_page(
+pub(super) fn register_page(
     ix: &mut PrefixIndex,
     pages: &mut PagePool,
     events: &mut EventLog,

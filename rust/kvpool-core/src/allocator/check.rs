@@ -11,7 +11,10 @@
 //! - a request marked as never sharing shares nothing;
 //! - with a host tier (`tier_check.rs`): host pages are held by exactly the
 //!   swapped-out requests that name them and the transfers that pin them,
-//!   and the index's locations and the host records agree both ways.
+//!   and the index's locations and the host records agree both ways;
+//! - with retention priorities, each cached page is on its priority's
+//!   list, the pinned count is the pinned registered pages and within its
+//!   bound, and every pending duration is on record (`pages/`).
 
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
@@ -69,6 +72,7 @@ impl SlotAllocator {
             .flat_map(|t| (1..t.num_pages() as u32).map(move |h| (on_host(h), t.entry(h))));
         self.prefix
             .check(entry_of, device.chain(hosted).filter(|&(_, e)| e != 0))?;
+        self.pages.check_priorities(self.clock.manual())?;
         self.requests.check()?;
         for row in 0..self.requests.capacity() {
             if !self.requests.is_open(row) || self.requests.is_swapped(row) {

@@ -16,7 +16,7 @@ impl SlotAllocator {
     pub(super) fn take_page(&mut self) -> u32 {
         match self.pages.pop_free() {
             Some(p) => p,
-            None => match self.evict_one() {
+            None => match self.evict_after_expiry() {
                 Some(p) => {
                     self.pages.hold_evicted(p);
                     p
@@ -24,6 +24,14 @@ impl SlotAllocator {
                 None => 0,
             },
         }
+    }
+
+    /// `evict_one` once the priorities whose duration is over have ended
+    /// (which reads the clock only when a duration is pending).
+    #[inline]
+    fn evict_after_expiry(&mut self) -> Option<u32> {
+        self.expire_due();
+        self.evict_one()
     }
 
     /// Evicts the next victim (it becomes unregistered, refcount 0, on no
@@ -58,11 +66,18 @@ impl SlotAllocator {
     /// three's: the record (links, registration, count) of the victim three
     /// ahead, the entry of the one two ahead, and the bucket of the next,
     /// `v1` (0: none).
-    #[inline]
+    #[inline(always)]
     fn prefetch_victims(&self, v1: u32) {
         if v1 == 0 || self.prefix.len() < WARM_INDEX_ENTRIES {
             return;
         }
+        self.warm_victims(v1);
+    }
+
+    /// `prefetch_victims` past its check, a call of its own so that the
+    /// check stays a few instructions inside the eviction loops.
+    #[inline(never)]
+    fn warm_victims(&self, v1: u32) {
         let v2 = self.pages.next_victim(v1);
         if v2 != 0 {
             self.pages.prefetch_record(self.pages.next_victim(v2));
@@ -80,22 +95,42 @@ impl SlotAllocator {
         }
     }
 
-    /// Evicts up to `n` CACHED pages, the eviction room's victims in order;
-    /// returns how many were evicted. They become FREE (refcount 1). With a
-    /// host tier, an entry keeps its host copy, and under `write_back` an
-    /// entry without one is offloaded (see `take_offloads`).
+    /// Evicts up to `n` CACHED pages, the eviction room's victims in order
+    /// (the lowest retention priority first, least recently used within
+    /// one; pinned pages never); returns how many were evicted. They become
+    /// FREE (refcount 1). With a host tier, an entry keeps its host copy,
+    /// and under `write_back` an entry without one is offloaded (see
+    /// `take_offloads`).
     ///
-    /// The victims are walked in order and leave the list in one relink
+    /// The victims are walked in order and leave their lists in one relink
     /// instead of one unlink each, and the next victims are warmed as in
     /// `evict_one`.
     pub fn evict(&mut self, n: usize) -> usize {
+        self.expire_due();
         if self.host.is_some() {
             return self.evict_tiered(n);
         }
         let n = n.min(self.pages.cached());
+        // One loop per policy, chosen once: on one list the next victim is
+        // the next link, and the loop reads nothing else to find it.
+        if self.pages.has_priorities() {
+            self.evict_victims::<false>(n)
+        } else {
+            self.evict_victims::<true>(n)
+        }
+    }
+
+    /// `evict`'s walk over `n` victims (`ONE_LIST`: the pool has no
+    /// priorities).
+    #[inline(always)]
+    fn evict_victims<const ONE_LIST: bool>(&mut self, n: usize) -> usize {
         let mut p = self.pages.victim();
         for _ in 0..n {
-            let next = self.pages.next_victim(p);
+            let next = if ONE_LIST {
+                self.pages.next_on_list(p)
+            } else {
+                self.pages.next_victim(p)
+            };
             self.prefetch_victims(next);
             self.unregister_page(p);
             self.pages.free_evicted(p);
@@ -105,8 +140,9 @@ impl SlotAllocator {
         n
     }
 
-    /// Drops every index entry: CACHED pages become FREE, HELD pages stay
-    /// with their holders, unregistered; so do host copies (swapped-out
+    /// Drops every index entry: CACHED pages become FREE, pinned ones too,
+    /// HELD pages stay with their holders, unregistered (so nothing is
+    /// pinned or has a priority any more); so do host copies (swapped-out
     /// requests keep their host pages, queued transfers theirs). Emits one
     /// Cleared event. Costs O(registered pages + max_requests).
     ///
@@ -119,13 +155,14 @@ impl SlotAllocator {
         if self.host.is_some() {
             return self.clear_tiered();
         }
-        while let Some(p) = self.pages.pop_victim() {
+        while let Some(p) = self.pages.pop_cached() {
             let entry = self.pages.take_entry(p);
             if entry != 0 {
                 self.prefix.unregister(entry);
             }
             self.pages.free_evicted(p);
         }
+        self.pages.clear_priorities();
         let pages = &mut self.pages;
         self.prefix
             .clear(|page, entry| pages.clear_entry_if(page, entry));

@@ -51,6 +51,7 @@ impl SlotAllocator {
                 moved = off;
             } else if self.pages.is_registered(last) {
                 // Only the cache shares it: drop the entry, then write in place.
+                self.pages.unregister_held(last);
                 self.unregister_for_write(last);
             }
         }

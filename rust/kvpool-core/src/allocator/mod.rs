@@ -8,16 +8,19 @@
 //! - `prefix/`: the index of registered pages and every slot's token id;
 //! - `events.rs`: the KV event log;
 //! - `host/`, with `host_pages > 0`: the host tier (host pages, their
-//!   eviction list, the offload and load queues).
+//!   eviction list, the offload and load queues);
+//! - `clock.rs`: the time retention priorities end by.
 //!
 //! The operations live here, one file per group: opening (`open.rs`),
 //! growing (`extend.rs`, `extend_checks.rs`, `grow.rs`), freeing
 //! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
 //! (`prefix.rs`, `cache.rs`, `evict.rs`), transfers between pools
-//! (`prefix_transfer.rs`), reading (`queries.rs`) and `check.rs`; the host
-//! tier's: what device eviction and registration do with it (`tier.rs`),
-//! host hits (`prefix_host.rs`), swapping requests out and in (`swap.rs`)
-//! and its invariants (`tier_check.rs`).
+//! (`prefix_transfer.rs`), retention priorities (`retention.rs`), reading
+//! (`queries.rs`) and `check.rs`; the host tier's: what device eviction
+//! and registration do with it (`tier.rs`), host hits (`prefix_host.rs`),
+//! swapping requests out and in (`swap.rs`) and its invariants
+//! (`tier_check.rs`); `group_hooks.rs` is what a grouped pool (`groups/`)
+//! asks of the allocator that carries its request table and anchor chain.
 
 pub(crate) mod cache;
 mod check;
@@ -26,6 +29,7 @@ mod evict;
 pub(crate) mod extend;
 mod extend_checks;
 mod fork;
+pub(crate) mod group_hooks;
 mod grow;
 mod open;
 pub(crate) mod options;
@@ -34,12 +38,14 @@ mod prefix_host;
 pub(crate) mod prefix_transfer;
 pub(crate) mod queries;
 mod release;
+mod retention;
 mod swap;
 #[cfg(any(test, feature = "test-hooks"))]
 mod test_hooks;
 mod tier;
 mod tier_check;
 
+use crate::clock::Clock;
 use crate::error::{PoolError, Result};
 use crate::events::{EventLog, MIN_BACKLOG};
 use crate::geometry::Geometry;
@@ -60,6 +66,7 @@ pub struct SlotAllocator {
     events: EventLog,
     /// The host tier (None: `host_pages = 0`, and nothing of it is paid).
     host: Option<HostTier>,
+    clock: Clock,
     /// Prompt tokens `open_with_prefix` served from the cache, cumulative.
     hit_tokens: u64,
     /// Prompt tokens `open_with_prefix` found no cached page for, cumulative.
@@ -87,8 +94,9 @@ impl SlotAllocator {
     /// Like [`Self::new`] with explicit [`Options`].
     ///
     /// Errors: `InvalidArgument` for a size out of range (`max_requests` <=
-    /// 2^20, `max_context_len` <= 2^28, `num_pages` <= 2^31 - 1) or metadata
-    /// that cannot be allocated.
+    /// 2^20, `max_context_len` <= 2^28, `num_pages` <= 2^31 - 1,
+    /// `max_pinned_pages` <= `num_pages - 1`) or metadata that cannot be
+    /// allocated.
     ///
     /// Metadata, all reserved here (the exact worst case, see `metadata_bytes`):
     /// 20 bytes per page (refcount, free stack entry, registration, two LRU
@@ -97,7 +105,9 @@ impl SlotAllocator {
     /// to 16, plus 16) (its page list). On top, while in use: the index table (16-32 bytes per
     /// page for up to 2^20 pages at the first `cache()`, doubling past that),
     /// a 64-byte entry per registered page and 4 per prompt token of each
-    /// open request.
+    /// open request; and once a retention priority is given, 9 bytes per
+    /// page (mapped on first use) and 24 per entry of the heap of pending
+    /// priority ends (stale entries are dropped once they could be half of it).
     ///
     /// The request page lists (up to 64 MiB) and the token ids of the lowest
     /// 4M slots are mapped into memory here, one write per 4 KiB, so that the
@@ -141,6 +151,13 @@ impl SlotAllocator {
                 "max_context_len must be in [1, {MAX_CONTEXT_LEN}], got {max_context_len}"
             ));
         }
+        if opts.max_pinned_pages.is_some_and(|m| m > num_pages - 1) {
+            return bad(format!(
+                "max_pinned_pages must be in [0, {}] (the pool's capacity in pages), got {}",
+                num_pages - 1,
+                opts.max_pinned_pages.unwrap_or(0)
+            ));
+        }
         if opts.weak_hash_bits > 128 {
             return bad("weak_hash_bits must be in [0, 128]".into());
         }
@@ -182,7 +199,10 @@ impl SlotAllocator {
             opts.epoch_start,
             !opts.lazy_metadata,
         )?;
-        let pages = PagePool::new(num_pages)?;
+        let mut pages = PagePool::new(num_pages)?;
+        if let Some(m) = opts.max_pinned_pages {
+            pages.set_max_pinned(m);
+        }
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
         let mut prefix = PrefixIndex::new(
             num_pages,
@@ -206,6 +226,7 @@ impl SlotAllocator {
             prefix,
             events: EventLog::new(opts.kv_events, num_pages.max(MIN_BACKLOG)),
             host,
+            clock: Clock::new(opts.manual_clock),
             hit_tokens: 0,
             miss_tokens: 0,
         })

@@ -76,6 +76,13 @@ pub struct Options {
     pub host_pages: usize,
     /// When registered pages get a host copy (see [`HostPolicy`]).
     pub host_policy: HostPolicy,
+    /// Most registered pages that may be pinned (priority 100 with no
+    /// duration) at once, at most the pool's capacity in pages. None: a
+    /// quarter of it. A pin past the bound is given as priority 99.
+    pub max_pinned_pages: Option<usize>,
+    /// Retention durations run on a clock only `set_clock` moves, instead
+    /// of the system's monotonic clock.
+    pub manual_clock: bool,
 }
 
 impl Options {

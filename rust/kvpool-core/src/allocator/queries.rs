@@ -41,13 +41,15 @@ impl SlotAllocator {
     pub fn capacity_slots(&self) -> usize {
         self.capacity_pages() * self.geo.page_size
     }
-    /// Pages an extend can take now: FREE + CACHED (evictable).
+    /// Pages an extend can take now: FREE + CACHED (evictable); pinned
+    /// cached pages are not.
     pub fn free_pages(&self) -> usize {
         self.pages.available()
     }
-    /// HELD pages (held by at least one open request).
+    /// HELD pages (held by at least one open request). With `free_pages`
+    /// and the pinned cached pages, they make up `capacity_pages`.
     pub fn used_pages(&self) -> usize {
-        self.capacity_pages() - self.pages.available()
+        self.capacity_pages() - self.pages.available() - self.pages.pinned_cached()
     }
     pub fn free_slots(&self) -> usize {
         self.pages.available() * self.geo.page_size
@@ -61,7 +63,8 @@ impl SlotAllocator {
     pub fn cached_pages(&self) -> usize {
         self.prefix.len() - self.host.as_ref().map_or(0, |h| h.host_only())
     }
-    /// CACHED pages: registered, held by nobody, evicted when needed.
+    /// CACHED pages: registered, held by nobody, evicted when needed (all
+    /// but the pinned ones).
     pub fn evictable_pages(&self) -> usize {
         self.pages.cached()
     }
@@ -78,7 +81,7 @@ impl SlotAllocator {
     }
     /// Tokens that could still be appended if every new token started a page
     /// (a lower bound: partly filled last pages take a few more). Counts
-    /// evictable pages.
+    /// evictable pages, not pinned ones.
     pub fn admissible_tokens(&self) -> usize {
         self.free_slots()
     }

@@ -76,7 +76,7 @@ impl SlotAllocator {
         self.requests.restack_free_rows();
     }
 
-    fn close_row(&mut self, row: usize) {
+    pub(super) fn close_row(&mut self, row: usize) {
         if self.requests.is_swapped(row) {
             return self.close_swapped_row(row);
         }

@@ -112,27 +112,32 @@ impl SlotAllocator {
         Some(h)
     }
 
-    /// `evict(n)` with a host tier: the victims one by one, each entry
-    /// kept or offloaded as `drop_device_copy` decides.
+    /// `evict(n)` with a host tier: the victims one by one, in the eviction
+    /// room's order (priorities decide which device page goes; the host
+    /// copy it gets is then ordered by the host's own LRU), each entry kept
+    /// or offloaded as `drop_device_copy` decides.
     pub(super) fn evict_tiered(&mut self, n: usize) -> usize {
-        let n = n.min(self.pages.cached());
-        for _ in 0..n {
+        let mut done = 0;
+        while done < n {
             let Some(p) = self.pages.pop_victim() else {
                 break;
             };
             self.drop_device_copy(p, true);
             self.pages.free_evicted(p);
+            done += 1;
         }
-        n
+        done
     }
 
-    /// `clear_cache` with a host tier: CACHED pages of both tiers become
-    /// FREE, then one sweep of the index clears every record that names an
-    /// entry (HELD pages of both tiers stay with their holders).
+    /// `clear_cache` with a host tier: CACHED pages of both tiers (pinned
+    /// ones too) become FREE, then one sweep of the index clears every
+    /// record that names an entry (HELD pages of both tiers stay with their
+    /// holders), and no page keeps a priority.
     pub(super) fn clear_tiered(&mut self) {
-        while let Some(p) = self.pages.pop_victim() {
+        while let Some(p) = self.pages.pop_cached() {
             self.pages.free_evicted(p);
         }
+        self.pages.clear_priorities();
         let Self {
             pages,
             prefix,

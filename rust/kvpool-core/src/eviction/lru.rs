@@ -10,8 +10,8 @@
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C)]
 pub(crate) struct Links {
-    older: u32,
-    newer: u32,
+    pub(super) older: u32,
+    pub(super) newer: u32,
 }
 
 impl Links {
@@ -48,7 +48,7 @@ pub(crate) struct Lru {
 /// in a register instead of being re-read from the sentinel per page.
 pub(crate) struct Append {
     newest: u32,
-    added: usize,
+    pub(super) added: usize,
 }
 
 impl Lru {
@@ -96,7 +96,7 @@ impl Lru {
     }
 
     #[inline]
-    pub(crate) fn begin_append<R: Linked>(&self, recs: &[R]) -> Append {
+    pub(crate) fn begin_append<R: Linked>(recs: &[R]) -> Append {
         Append {
             newest: recs[0].links().older,
             added: 0,

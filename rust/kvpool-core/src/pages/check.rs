@@ -8,7 +8,7 @@
 //!   copies that read it;
 //! - every queued copy writes into a held page of its own, and the queue's
 //!   counts and page map agree with its runs;
-//! - the eviction list is well linked and is exactly the CACHED set.
+//! - the eviction lists are well linked and are exactly the CACHED set.
 
 use super::PagePool;
 

@@ -33,6 +33,7 @@
 mod check;
 mod copies;
 mod copy_queue;
+mod priorities;
 pub(crate) mod record;
 
 use crate::error::Result;
@@ -53,6 +54,8 @@ pub(crate) struct PagePool {
     eviction: Eviction,
     /// Queued copy-on-write copies and the pages they hold.
     copies: CopyQueue,
+    /// Most registered pages that may be pinned at once (see `eviction/`).
+    max_pinned: usize,
 }
 
 impl PagePool {
@@ -68,16 +71,23 @@ impl PagePool {
             records: page_states(num_pages)?,
             eviction: Eviction::default(),
             copies: CopyQueue::default(),
+            max_pinned: (num_pages - 1) / 4,
         })
     }
 
-    /// Pages an extend can take now: FREE + CACHED.
+    /// Sets the most registered pages that may be pinned at once (the pool
+    /// has no priorities yet: see `use_priorities`).
+    pub(crate) fn set_max_pinned(&mut self, n: usize) {
+        self.max_pinned = n;
+    }
+
+    /// Pages an extend can take now: FREE + CACHED, pinned pages aside.
     #[inline]
     pub(crate) fn available(&self) -> usize {
         self.free.len() + self.eviction.len()
     }
 
-    /// CACHED pages (evictable).
+    /// CACHED pages that can be evicted (all but the pinned ones).
     #[inline]
     pub(crate) fn cached(&self) -> usize {
         self.eviction.len()
@@ -275,9 +285,11 @@ impl PagePool {
         self.records[p as usize].is_registered()
     }
 
+    /// Registers `p` (a new registration: it has the default priority).
     #[inline]
     pub(crate) fn set_entry(&mut self, p: u32, entry: u32) {
         self.records[p as usize].entry = entry;
+        self.eviction.registered(p);
     }
 
     /// Clears `p`'s registration and returns it (0: it had none).
@@ -312,6 +324,13 @@ impl PagePool {
         self.eviction.next_victim(&self.records, p)
     }
 
+    /// `p`'s newer neighbour on its eviction list (0: none): the next
+    /// victim while the pool keeps one list (no priorities).
+    #[inline]
+    pub(crate) fn next_on_list(&self, p: u32) -> u32 {
+        Eviction::newer(&self.records, p)
+    }
+
     /// Takes the next victim off the eviction list. It is still registered
     /// and its count is 0: the caller unregisters it, then makes it FREE
     /// (`free_evicted`) or gives it a holder (`hold_evicted`).
@@ -324,6 +343,13 @@ impl PagePool {
     #[inline]
     pub(crate) fn hold_evicted(&mut self, p: u32) {
         self.records[p as usize].extra = 0; // one holder
+    }
+
+    /// Takes a victim, or else a pinned page, off the eviction lists, for
+    /// `clear_cache` (the caller unregisters it and frees it).
+    #[inline]
+    pub(crate) fn pop_cached(&mut self) -> Option<u32> {
+        self.eviction.pop_cached(&mut self.records)
     }
 
     /// Puts an evicted, unregistered page on the free stack with the
@@ -348,11 +374,13 @@ impl PagePool {
         prefetch(&self.records, p as usize);
     }
 
-    /// Heap bytes: the records, the free stack and the copy queue.
+    /// Heap bytes: the records, the free stack, the copy queue and the
+    /// eviction room's own arrays.
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.free.capacity() * 4
             + self.records.capacity() * std::mem::size_of::<PageState>()
             + self.copies.capacity_bytes()
+            + self.eviction.capacity_bytes()
     }
 }
 

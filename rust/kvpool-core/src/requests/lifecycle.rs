@@ -19,6 +19,12 @@ impl Requests {
         Ok(())
     }
 
+    /// Rows an open can take now.
+    #[inline]
+    pub(crate) fn free_rows(&self) -> usize {
+        self.free_rows.len()
+    }
+
     /// The row the `i`-th next `take_row` takes (`i < free rows`).
     #[inline]
     pub(crate) fn nth_free_row(&self, i: usize) -> usize {

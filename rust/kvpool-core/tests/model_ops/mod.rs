@@ -41,6 +41,13 @@ pub enum Op {
     /// drained in between: pages a queued load has yet to fill are swapped
     /// out again, host pages swap_in lets go are wanted by write-backs.
     Bounce(usize),
+    /// `cache_with_priority` (`close_with_priority` when the flag is set):
+    /// handle picks, priorities (one for all, else one per handle), a
+    /// duration in whole seconds.
+    Prio(Vec<usize>, Vec<i64>, Option<u8>, bool),
+    Unpin(Vec<usize>),
+    /// Moves the manual clock on by this many seconds.
+    Tick(u8),
 }
 
 impl Op {
@@ -95,6 +102,23 @@ pub fn op() -> impl Strategy<Value = Op> {
         2 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapIn),
         4 => prop::collection::vec((any::<u8>(), any::<u8>()), 1..3).prop_map(Op::Reopen),
         1 => pick.clone().prop_map(Op::Bounce),
+        4 => (prop::collection::vec(pick.clone(), 0..3), prop::collection::vec(priority(), 1..3),
+              prop::option::of(prop_oneof![8 => 1u8..3, 1 => Just(0u8)]), prop::bool::weighted(0.5))
+            .prop_map(|(v, q, r, c)| Op::Prio(v, q, r, c)),
+        1 => prop::collection::vec(pick, 0..3).prop_map(Op::Unpin),
+        3 => (0u8..3).prop_map(Op::Tick),
+    ]
+}
+
+/// A retention priority: pins and the default often, now and then one out
+/// of range.
+fn priority() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        4 => Just(100i64),
+        2 => Just(kvpool_core::DEFAULT_PRIORITY as i64),
+        4 => 0i64..100,
+        1 => Just(101i64),
+        1 => Just(-1i64),
     ]
 }
 

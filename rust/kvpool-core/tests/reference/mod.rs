@@ -4,6 +4,7 @@
 //! end of the page) instead of a hash, each entry naming its device page
 //! and its host copy, the LRU list a plain Vec, the copy-on-write queue a
 //! Vec of (source page, destination page, slots) searched front to back,
+//! retention priorities a map scanned for the lowest (`priorities.rs`),
 //! and the host tier (`tier.rs`) the same way. Same policies as the
 //! allocator, written the obvious way.
 
@@ -14,9 +15,11 @@ use std::collections::BTreeMap;
 use kvpool_core::{make_handle, PoolError};
 
 mod copies;
+mod priorities;
 mod tier;
 
 pub use copies::QueuedCopy;
+pub use priorities::Prio;
 pub use tier::{Tier, HOST};
 
 pub const MAX_REQ: usize = 6;
@@ -31,6 +34,10 @@ pub enum Kind {
     Arg,
     Swapped,
     HostFull,
+    /// A grouped pool's group short of pages or slots.
+    GroupExhausted(usize),
+    /// A grouped pool's group that cannot roll a request back.
+    Rollback(usize),
 }
 
 pub fn kind(e: &PoolError) -> Kind {
@@ -42,6 +49,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::InvalidArgument(_) => Kind::Arg,
         PoolError::RequestSwappedOut { .. } => Kind::Swapped,
         PoolError::HostExhausted { .. } => Kind::HostFull,
+        PoolError::GroupExhausted(e) => Kind::GroupExhausted(e.group),
+        PoolError::RollbackUnavailable(e) => Kind::Rollback(e.group),
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
     }
 }
@@ -58,6 +67,9 @@ pub struct Req {
     pub chain_reg: u64,
     pub broken: bool,
     pub swapped: bool,
+    /// The registration id the chain reached at each of its pages (what a
+    /// grouped pool files its other groups' pages under).
+    pub regs: Vec<u64>,
 }
 
 impl Req {
@@ -82,11 +94,19 @@ pub struct Entry {
 pub struct Model {
     pub ps: usize,
     pub free: Vec<usize>,
-    /// CACHED pages, oldest first.
+    /// CACHED pages (pinned ones too), in the order they were last filed.
     pub lru: Vec<usize>,
     /// Entries by registration id.
     pub reg: BTreeMap<u64, Entry>,
     pub tier: Option<Tier>,
+    /// Registered device pages a caller gave a priority (the others have
+    /// the default).
+    pub prio: BTreeMap<usize, Prio>,
+    /// The manual clock, ns.
+    pub now: u64,
+    pub max_pinned: usize,
+    /// Durations given so far.
+    pub ends_given: u64,
     pub next_reg: u64,
     pub free_rows: Vec<usize>,
     pub generation: Vec<u32>,
@@ -113,6 +133,10 @@ impl Model {
             ps,
             free: (1..pages).rev().collect(),
             lru: Vec::new(),
+            prio: BTreeMap::new(),
+            now: 0,
+            max_pinned: (pages - 1) / 4,
+            ends_given: 0,
             reg: BTreeMap::new(),
             tier,
             next_reg: 1,
@@ -186,13 +210,11 @@ impl Model {
         Ok(rows)
     }
 
-    fn take_page(&mut self) -> usize {
+    pub fn take_page(&mut self) -> usize {
         if let Some(p) = self.free.pop() {
             return p;
         }
-        let p = self.lru.remove(0);
-        self.drop_device_copy(p, true);
-        p
+        self.pop_victim()
     }
 
     /// One holder of `p` gone (already taken out of its list or the
@@ -214,11 +236,11 @@ impl Model {
         true
     }
 
-    pub(crate) fn hold(&mut self, p: usize) {
+    pub fn hold(&mut self, p: usize) {
         self.lru.retain(|&q| q != p);
     }
 
-    fn new_row(&mut self, salt: i64) -> (usize, i64) {
+    pub fn new_row(&mut self, salt: i64) -> (usize, i64) {
         let row = self.free_rows.pop().unwrap();
         self.generation[row] += 1;
         self.reqs.insert(
@@ -290,29 +312,65 @@ impl Model {
         pages: Vec<usize>,
         prev: u64,
     ) -> (i64, usize) {
+        let regs: Vec<u64> = pages.iter().map(|&q| self.entry_at(q).unwrap()).collect();
+        debug_assert_eq!(regs.last().copied().unwrap_or(0), prev);
+        // The pages are held already; holding them again changes nothing.
+        self.open_matched(p, salt, &pages, &regs)
+    }
+
+    /// The device pages of `p`'s longest verified prefix (at most
+    /// `(len - 1) / ps` pages) and their registration ids; a match stops
+    /// at an entry with no device copy.
+    pub fn match_prompt(&self, p: &[i32], salt: i64) -> (Vec<usize>, Vec<u64>) {
+        let max = p.len().saturating_sub(1) / self.ps;
+        let (mut pages, mut regs, mut prev) = (Vec::new(), Vec::new(), 0u64);
+        for k in 0..max {
+            match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
+                Some(e) if e.parent_reg == prev && e.dev.is_some() => {
+                    pages.push(e.dev.unwrap());
+                    regs.push(e.reg);
+                    prev = e.reg;
+                }
+                _ => break,
+            }
+        }
+        (pages, regs)
+    }
+
+    /// Opens a request with prompt `p` on the matched `pages` (ids `regs`);
+    /// returns its handle and length.
+    pub fn open_matched(
+        &mut self,
+        p: &[i32],
+        salt: i64,
+        pages: &[usize],
+        regs: &[u64],
+    ) -> (i64, usize) {
         let (row, h) = self.new_row(salt);
-        for &q in &pages {
+        for &q in pages {
             self.hold(q);
         }
         let len = pages.len() * self.ps;
         let r = self.reqs.get_mut(&row).unwrap();
         r.tokens = p[..len].iter().map(|&t| Some(t)).collect();
-        r.hashed = pages.len();
-        r.pages = pages;
+        r.pages = pages.to_vec();
         r.prompt = p.to_vec();
-        r.chain_reg = prev;
+        r.hashed = pages.len();
+        r.chain_reg = regs.last().copied().unwrap_or(0);
+        r.regs = regs.to_vec();
         self.hit += len as u64;
         self.miss += (p.len() - len) as u64;
         (h, len)
     }
 
-    /// `tokens`: per request, the ids given for its new positions (or None).
-    pub fn extend(
-        &mut self,
+    /// extend's checks in its order but the pages available: handles,
+    /// counts, lengths, then token ids. Returns the pages it needs.
+    pub fn extend_checks(
+        &self,
         hs: &[i64],
         cs: &[i64],
         tokens: Option<&[i64]>,
-    ) -> Result<Vec<i64>, Kind> {
+    ) -> Result<usize, Kind> {
         let mut rows = Vec::new();
         let mut need = 0;
         for (i, &h) in hs.iter().enumerate() {
@@ -354,9 +412,21 @@ impl Model {
                 k += cs[i] as usize;
             }
         }
-        if need > self.free.len() + self.lru.len() {
+        Ok(need)
+    }
+
+    /// `tokens`: per request, the ids given for its new positions (or None).
+    pub fn extend(
+        &mut self,
+        hs: &[i64],
+        cs: &[i64],
+        tokens: Option<&[i64]>,
+    ) -> Result<Vec<i64>, Kind> {
+        let need = self.extend_checks(hs, cs, tokens)?;
+        if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
         }
+        let rows = self.rows(hs)?;
         let mut out = Vec::new();
         let mut k = 0;
         for (i, &r) in rows.iter().enumerate() {
@@ -375,6 +445,7 @@ impl Model {
                     });
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
                 } else if self.is_registered(last) {
+                    self.prio.remove(&last);
                     self.drop_device_copy(last, false);
                 }
             }
@@ -459,6 +530,7 @@ impl Model {
                     req.chain_reg = 0;
                 }
             }
+            req.regs.truncate(req.hashed);
         }
     }
 
@@ -473,7 +545,7 @@ impl Model {
         Ok(())
     }
 
-    fn register(&mut self, r: usize) {
+    pub fn register(&mut self, r: usize) {
         let req = self.reqs[&r].clone();
         if req.broken {
             return;
@@ -482,6 +554,7 @@ impl Model {
         let mut chain_reg = req.chain_reg;
         let mut k = req.hashed;
         let mut broken = false;
+        let mut regs = req.regs.clone();
         while k < known / self.ps {
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
@@ -489,6 +562,7 @@ impl Model {
                 None if !self.is_registered(p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
+                    self.prio.remove(&p);
                     self.reg.insert(
                         reg,
                         Entry {
@@ -518,6 +592,7 @@ impl Model {
             match reg {
                 Some(reg) => {
                     chain_reg = reg;
+                    regs.push(reg);
                     k += 1;
                 }
                 None => {
@@ -531,6 +606,7 @@ impl Model {
         req.hashed = k;
         req.chain_reg = chain_reg;
         req.broken = broken;
+        req.regs = regs;
         if k > from && self.writes_through() {
             self.write_through(r, from, k);
         }
@@ -590,17 +666,22 @@ impl Model {
     }
 
     pub fn evict(&mut self, n: usize) -> usize {
-        let k = n.min(self.lru.len());
+        let k = n.min(self.evictable());
         for _ in 0..k {
-            let p = self.lru.remove(0);
-            self.drop_device_copy(p, true);
+            let p = self.pop_victim();
             self.free.push(p);
         }
         k
     }
 
     pub fn clear_cache(&mut self) {
-        for p in std::mem::take(&mut self.lru) {
+        // Victims first, then the pinned pages, each set in list order.
+        let (pinned, rest): (Vec<usize>, Vec<usize>) = std::mem::take(&mut self.lru)
+            .into_iter()
+            .partition(|&p| self.list(p) == 101);
+        let mut rest = rest;
+        rest.sort_by_key(|&p| self.list(p)); // stable: LRU order within a priority
+        for p in rest.into_iter().chain(pinned) {
             self.free.push(p);
         }
         if let Some(t) = self.tier.as_mut() {
@@ -609,10 +690,12 @@ impl Model {
             }
         }
         self.reg.clear();
+        self.prio.clear();
         for r in self.reqs.values_mut() {
             r.hashed = 0;
             r.chain_reg = 0;
             r.broken = false;
+            r.regs.clear();
         }
     }
 }

@@ -186,7 +186,7 @@ impl Model {
         for (pages, _) in &found {
             let mut k = 0;
             for &loc in pages {
-                let spare = self.free.len() + self.lru.len() > pending.len();
+                let spare = self.free.len() + self.evictable() > pending.len();
                 if loc & HOST != 0 {
                     let reg = self.entry_on_host(loc & !HOST).unwrap();
                     if !pending.contains(&reg) {
@@ -332,7 +332,7 @@ impl Model {
                     .count()
             })
             .sum();
-        if need > self.free.len() + self.lru.len() {
+        if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
         }
         for r in rows {

@@ -1,0 +1,75 @@
+"""Where ``generate``'s host time goes with ``KVPoolCache`` against ``DynamicCache``.
+
+Same model and settings as ``python -m kvpool.bench overhead --sections hf``
+(``kvpool.bench.hf_generate``); each run's thread-CPU time is split into the
+cache's ``update`` calls, the attention function (transformers' ``sdpa``, which
+reads the K/V ``update`` returned) and the rest of the model, by wrapping the
+two with ``time.thread_time``. Medians over alternated rounds, µs per new token
+(the prompt step included), one torch thread.
+
+    PYTHONPATH=python python benchmarks/hf_split.py --batch 1 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=10)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    from kvpool.bench.hf_generate import HFSettings, build_model, run_once
+    from kvpool.integrations.transformers import KVPoolCache, pool_for_model
+    from transformers import DynamicCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    spent = {"attention": 0.0, "update": 0.0}
+
+    def timed(name: str, f: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time() - t
+        return call
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = timed("attention", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    for cls in (DynamicCache, KVPoolCache):
+        cls.update = timed("update", cls.update)  # type: ignore[method-assign]
+
+    s = HFSettings(batches=(a.batch,))
+    model = build_model(s)
+    per_row = -(-(s.prompt_len + s.new_tokens) // s.page_size) * s.page_size
+    pool = pool_for_model(model, max_tokens=a.batch * per_row + 64, page_size=s.page_size,
+                          max_requests=a.batch, max_context_len=s.prompt_len + s.new_tokens)
+    ids = torch.randint(3, s.vocab, (a.batch, s.prompt_len), generator=torch.Generator().manual_seed(s.seed))
+    runs: dict[str, list[tuple[float, float, float]]] = {"dynamic": [], "kvpool": []}
+    for r in range(a.rounds + 1):  # round 0 warms up
+        for kind in (("dynamic", "kvpool") if r % 2 == 0 else ("kvpool", "dynamic")):
+            spent["attention"] = spent["update"] = 0.0
+            if kind == "dynamic":
+                _, cpu, _ = run_once(model, ids, DynamicCache(config=model.config), s.new_tokens)
+            else:
+                with KVPoolCache(pool) as cache:
+                    _, cpu, _ = run_once(model, ids, cache, s.new_tokens)
+            if r:
+                runs[kind].append((cpu, spent["attention"], spent["update"]))
+    print(f"batch {a.batch}, {a.rounds} alternated rounds, thread-CPU µs per new token")
+    print("| cache | total | attention | cache.update | rest |")
+    print("|---|---|---|---|---|")
+    for kind, v in runs.items():
+        total, attn, upd = (statistics.median(x[i] for x in v) * 1e6 / s.new_tokens for i in range(3))
+        print(f"| {kind} | {total:.0f} | {attn:.0f} | {upd:.0f} | {total - attn - upd:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

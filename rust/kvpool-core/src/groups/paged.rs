@@ -1,0 +1,490 @@
+//! A page group that is not the anchor: full or sliding attention, with its
+//! own page pool (`pages/`: records, free stack, LRU eviction, copy-on-write
+//! queue), its own page size, a page list per request row, and a cache
+//! index keyed by the anchor chain's registration ids (`regmap.rs`).
+//!
+//! Rows and lengths are the grouped pool's (the anchor's request table);
+//! every call here names the row and, where it matters, its length.
+//!
+//! A sliding group's page list keeps its positions: pages released as the
+//! window moved are 0 (the null page) at the front of the list, and
+//! `first_held` says where the held ones start. The row's window is
+//! `window_start(len)..len`; an extend releases what the step's first token
+//! no longer attends to, so a decoding request holds the pages of its last
+//! `window` positions. A full group is the same engine with no window
+//! (`first_held` stays 0).
+
+use crate::error::Result;
+use crate::geometry::{fill_run, Geometry};
+use crate::memory::{reserve, zeroed_vec};
+use crate::pages::PagePool;
+use crate::table::SlotTable;
+
+use super::regmap::RegMap;
+
+#[derive(Debug, Clone)]
+pub(crate) struct PageEngine {
+    pub(super) geo: Geometry,
+    /// Sliding window (None: full attention).
+    pub(super) window: Option<usize>,
+    pub(super) pages: PagePool,
+    pub(super) map: RegMap,
+    /// Entries per row in `lists`.
+    row_pages: usize,
+    /// Page lists of all rows, row-major (0: a released position).
+    lists: Vec<u32>,
+    /// Per row: index of the first held page (sliding groups).
+    first_held: Vec<u32>,
+    /// Per row: leading pages `cache()` has dealt with (registered, found
+    /// duplicated, or released before it could be).
+    progress: Vec<u32>,
+    /// Pages an extend releases, sorted (a batch's scratch).
+    scratch: Vec<u32>,
+}
+
+impl PageEngine {
+    pub(crate) fn new(
+        num_pages: usize,
+        page_size: usize,
+        window: Option<usize>,
+        max_requests: usize,
+        max_context_len: usize,
+    ) -> Result<Self> {
+        let geo = Geometry::new(num_pages, page_size, max_context_len);
+        let row_pages = geo.pages_for(max_context_len) + 1;
+        let n = max_requests.checked_mul(row_pages).ok_or_else(|| {
+            crate::error::PoolError::InvalidArgument(format!(
+                "max_requests * pages per request = {max_requests} * {row_pages} overflows"
+            ))
+        })?;
+        Ok(PageEngine {
+            geo,
+            window,
+            pages: PagePool::new(num_pages)?,
+            map: RegMap::new(num_pages)?,
+            row_pages,
+            lists: zeroed_vec(n, "group page lists")?,
+            first_held: zeroed_vec(max_requests, "group rows")?,
+            progress: zeroed_vec(max_requests, "group rows")?,
+            scratch: Vec::new(),
+        })
+    }
+
+    #[inline]
+    pub(crate) fn page_size(&self) -> usize {
+        self.geo.page_size
+    }
+
+    /// The first position a request of length `len` still attends to from
+    /// its next token on (0 for full attention).
+    #[inline]
+    pub(crate) fn window_start(&self, len: usize) -> usize {
+        match self.window {
+            Some(w) => len.saturating_sub(w - 1),
+            None => 0,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn list(&self, row: usize, n: usize) -> &[u32] {
+        let base = row * self.row_pages;
+        &self.lists[base..base + n]
+    }
+
+    #[inline]
+    fn entry(&self, row: usize, k: usize) -> u32 {
+        self.lists[row * self.row_pages + k]
+    }
+
+    #[inline]
+    fn set_entry(&mut self, row: usize, k: usize, p: u32) {
+        self.lists[row * self.row_pages + k] = p;
+    }
+
+    #[inline]
+    pub(crate) fn first_held(&self, row: usize) -> usize {
+        self.first_held[row] as usize
+    }
+
+    #[inline]
+    pub(crate) fn progress(&self, row: usize) -> usize {
+        self.progress[row] as usize
+    }
+
+    /// The held pages of a row of length `len`, in token order.
+    #[inline]
+    pub(crate) fn held(&self, row: usize, len: usize) -> &[u32] {
+        let np = self.geo.pages_for(len);
+        &self.list(row, np)[self.first_held(row).min(np)..]
+    }
+
+    // ---- taking and letting go of pages ----
+
+    /// A page for a new holder: FREE first, else the LRU victim, which
+    /// leaves the index. The caller checked `pages.available()`.
+    fn take_page(&mut self) -> u32 {
+        if let Some(p) = self.pages.pop_free() {
+            return p;
+        }
+        match self.pages.pop_victim() {
+            Some(p) => {
+                self.unregister(p);
+                self.pages.hold_evicted(p);
+                p
+            }
+            None => 0,
+        }
+    }
+
+    /// Drops `p`'s registration, if it has one.
+    pub(crate) fn unregister(&mut self, p: u32) {
+        if self.pages.take_entry(p) != 0 {
+            self.map.remove_page(p);
+        }
+    }
+
+    /// Releases `row`'s pages `from..to` (all held), last first, and drops
+    /// the copies into pages nobody holds any more.
+    fn release_range(&mut self, row: usize, from: usize, to: usize) {
+        if from >= to {
+            return;
+        }
+        let base = row * self.row_pages;
+        let freed = &self.lists[base + from..base + to];
+        if self.pages.release(freed) {
+            self.pages.drop_released_copies(freed);
+        }
+    }
+
+    // ---- extend ----
+
+    /// Pages the batch `(row, len, count)` needs here, and the pages its
+    /// window releases that then have no holder left (FREE or CACHED, so
+    /// available again before the new ones are taken).
+    pub(crate) fn extend_need(&mut self, batch: &[(usize, usize, usize)]) -> (usize, usize) {
+        let ps = self.geo.page_size;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        let mut need = 0usize;
+        for &(row, len, c) in batch {
+            if c == 0 {
+                continue;
+            }
+            need += self.geo.pages_for(len + c) - self.geo.pages_for(len);
+            if self.window.is_some() {
+                let to = self.window_start(len) / ps;
+                let from = self.first_held(row).min(to);
+                scratch.extend_from_slice(&self.list(row, to)[from..]);
+            }
+        }
+        scratch.sort_unstable();
+        let releases = |p: u32| -> u32 {
+            let lo = scratch.partition_point(|&q| q < p);
+            let hi = scratch.partition_point(|&q| q <= p);
+            (hi - lo) as u32
+        };
+        let mut credited = 0usize;
+        let mut k = 0;
+        while k < scratch.len() {
+            let p = scratch[k];
+            let n = releases(p);
+            if self.pages.holders(p) == n {
+                credited += 1;
+            }
+            k += n as usize;
+        }
+        for &(row, len, c) in batch {
+            let off = self.geo.offset_in_page(len);
+            if c == 0 || off == 0 {
+                continue;
+            }
+            let last = self.entry(row, self.geo.pages_for(len) - 1);
+            if self.pages.holders(last) - releases(last) > 1 {
+                need += 1;
+            }
+        }
+        self.scratch = scratch;
+        (need, credited)
+    }
+
+    /// Makes room for the copies `copies` rows may queue.
+    pub(crate) fn prepare_copies(&mut self, copies: usize) -> Result<()> {
+        self.pages.prepare_copies(copies)
+    }
+
+    /// Releases the pages of `row` that the step starting at `start` no
+    /// longer attends to; returns the released positions `from..to` (to
+    /// pad in a table).
+    pub(crate) fn release_window(&mut self, row: usize, start: usize) -> (usize, usize) {
+        let ps = self.geo.page_size;
+        let to = self.window_start(start) / ps;
+        let from = self.first_held(row);
+        if to <= from {
+            return (0, 0);
+        }
+        self.release_range(row, from, to);
+        let base = row * self.row_pages;
+        self.lists[base + from..base + to].fill(0);
+        self.first_held[row] = to as u32;
+        (from * ps, to * ps)
+    }
+
+    /// Appends `dst.len()` tokens to `row` (length `start`), taking pages
+    /// and copying a shared partly filled last page first (or dropping its
+    /// registration when only the cache shares it). Returns how many
+    /// positions moved to the copy.
+    pub(crate) fn grow(&mut self, row: usize, start: usize, dst: &mut [i64]) -> usize {
+        let ps = self.geo.page_size;
+        let c = dst.len();
+        if c == 0 {
+            return 0;
+        }
+        let np = self.geo.pages_for(start);
+        let off = self.geo.offset_in_page(start);
+        let mut moved = 0;
+        let mut head = 0;
+        if off != 0 {
+            let mut last = self.entry(row, np - 1);
+            if self.pages.is_shared(last) {
+                let q = self.take_page();
+                self.pages.queue_copy(last, q, off);
+                self.pages.drop_shared_holder(last);
+                self.set_entry(row, np - 1, q);
+                last = q;
+                moved = off;
+            } else if self.pages.is_registered(last) {
+                self.unregister(last);
+            }
+            head = (ps - off).min(c);
+            fill_run(&mut dst[..head], last as usize * ps + off);
+        }
+        for (j, run) in dst[head..].chunks_mut(ps).enumerate() {
+            let p = self.take_page();
+            self.set_entry(row, np + j, p);
+            fill_run(run, p as usize * ps);
+        }
+        moved
+    }
+
+    /// The end of a batch that queued copies `from..`: each holds its
+    /// source from now on.
+    pub(crate) fn hold_copy_sources(&mut self, from: usize) {
+        self.pages.hold_copy_sources(from);
+    }
+
+    pub(crate) fn queued_runs(&self) -> usize {
+        self.pages.queued_runs()
+    }
+
+    // ---- rows opening, shrinking, closing, sharing ----
+
+    /// A new request in `row`.
+    pub(crate) fn open_row(&mut self, row: usize) {
+        self.first_held[row] = 0;
+        self.progress[row] = 0;
+    }
+
+    /// Shortens `row` from `len` to `new_len` tokens, releasing the held
+    /// pages past the new last page. The caller checked that the new
+    /// length's window is held.
+    pub(crate) fn shrink(&mut self, row: usize, len: usize, new_len: usize) {
+        let keep = self.geo.pages_for(new_len);
+        let np = self.geo.pages_for(len);
+        let from = keep.max(self.first_held(row));
+        self.release_range(row, from, np);
+        // Every page before `keep` that was held stays; past it nothing is.
+        self.first_held[row] = self.first_held[row].min(keep as u32);
+        let full = (new_len / self.geo.page_size) as u32;
+        self.progress[row] = self.progress[row].min(full);
+    }
+
+    /// Starts `row` on a prefix hit: `pages` are its first pages (0 before
+    /// `first`, the matched pages after), `progress` the pages `cache()`
+    /// need not look at again.
+    pub(crate) fn start_hit(&mut self, row: usize, pages: &[u32], first: usize, progress: usize) {
+        let base = row * self.row_pages;
+        self.lists[base..base + pages.len()].copy_from_slice(pages);
+        self.pages.hold(&pages[first..]);
+        self.first_held[row] = first as u32;
+        self.progress[row] = progress as u32;
+    }
+
+    /// `child` shares all of `parent`'s held pages (length `len`).
+    pub(crate) fn fork_row(&mut self, parent: usize, child: usize, len: usize) {
+        let np = self.geo.pages_for(len);
+        let (pb, cb) = (parent * self.row_pages, child * self.row_pages);
+        self.lists.copy_within(pb..pb + np, cb);
+        let first = self.first_held(parent);
+        for k in first..np {
+            self.pages.add_holder(self.lists[cb + k]);
+        }
+        self.first_held[child] = first as u32;
+        self.progress[child] = self.progress[parent];
+    }
+
+    /// Whether `row` still holds what a truncate to `new_len` needs: the
+    /// pages from its window's start on (the partly filled last page
+    /// included, which the next extend writes into); nothing at 0.
+    pub(crate) fn rollback_ok(&self, row: usize, new_len: usize) -> bool {
+        new_len == 0 || self.first_held(row) <= self.window_start(new_len) / self.geo.page_size
+    }
+
+    // ---- the cache ----
+
+    /// Pages `register` may file for `row`: at most its full pages past
+    /// its progress that the anchor chain covers.
+    pub(crate) fn registrable(&self, row: usize, len: usize, anchor_end: usize) -> usize {
+        (len.min(anchor_end) / self.geo.page_size).saturating_sub(self.progress(row))
+    }
+
+    /// Files `row`'s full pages past its progress whose end the anchor
+    /// chain covers: page k under `regs[(k + 1) * page_size / a - 1]`,
+    /// the chain's entry at the page's end. A page already filed under
+    /// another key moves to this one (its content is this prefix's: both
+    /// keys name the same tokens); a key already filed for another page
+    /// keeps it (a duplicate). Room was made with `map.reserve`.
+    pub(crate) fn register(&mut self, row: usize, len: usize, regs: &[u64], a: usize) {
+        let ps = self.geo.page_size;
+        let upto = len.min(regs.len() * a) / ps;
+        for k in self.progress(row)..upto {
+            let p = self.entry(row, k);
+            if p == 0 {
+                continue;
+            }
+            let reg = regs[(k + 1) * ps / a - 1];
+            match self.map.get(reg) {
+                Some(_) => {}
+                None => {
+                    if self.map.reg_of(p) != 0 {
+                        self.map.remove_page(p);
+                    }
+                    self.map.insert(reg, p);
+                    self.pages.set_entry(p, 1);
+                }
+            }
+        }
+        self.progress[row] = self.progress[row].max(upto as u32);
+    }
+
+    /// `cache()`'s progress on `row` goes back to `pages` at most (the
+    /// anchor chain was cut there).
+    pub(crate) fn clamp_progress(&mut self, row: usize, pages: usize) {
+        self.progress[row] = self.progress[row].min(pages as u32);
+    }
+
+    /// Evicts up to `n` CACHED pages, LRU first; returns how many.
+    pub(crate) fn evict(&mut self, n: usize) -> usize {
+        let mut k = 0;
+        while k < n {
+            let Some(p) = self.pages.pop_victim() else {
+                break;
+            };
+            self.unregister(p);
+            self.pages.free_evicted(p);
+            k += 1;
+        }
+        k
+    }
+
+    /// Drops every registration: CACHED pages become FREE, held ones stay
+    /// with their holders; every row's progress starts over.
+    pub(crate) fn clear(&mut self) {
+        while let Some(p) = self.pages.pop_victim() {
+            self.unregister(p);
+            self.pages.free_evicted(p);
+        }
+        let held: Vec<u32> = self.map.entries().map(|(_, p)| p).collect();
+        for p in held {
+            self.unregister(p);
+        }
+        self.progress.fill(0);
+    }
+
+    // ---- reading ----
+
+    /// The slots of `row`'s `len` positions; released positions read as
+    /// the null page's slots (`position % page_size`).
+    pub(crate) fn slots(&self, row: usize, len: usize, out: &mut Vec<i64>) -> Result<()> {
+        let ps = self.geo.page_size;
+        reserve(out, len, "slots")?;
+        for (k, &p) in self.list(row, self.geo.pages_for(len)).iter().enumerate() {
+            let n = ps.min(len - k * ps);
+            out.extend((0..n).map(|j| (p as usize * ps + j) as i64));
+        }
+        Ok(())
+    }
+
+    /// Writes `row`'s slots into `table[row, 0..len]` (null-page slots at
+    /// released positions).
+    pub(crate) fn fill_table(&self, row: usize, len: usize, table: &mut SlotTable<'_>) {
+        let ps = self.geo.page_size;
+        for (k, &p) in self.list(row, self.geo.pages_for(len)).iter().enumerate() {
+            table.write_page(row, k * ps, p as usize * ps, ps.min(len - k * ps));
+        }
+    }
+
+    /// Pads `table[row, from..to]` with the null page's slots.
+    pub(crate) fn pad_table(
+        table: &mut SlotTable<'_>,
+        row: usize,
+        from: usize,
+        to: usize,
+        ps: usize,
+    ) {
+        let mut pos = from;
+        while pos < to {
+            let n = (ps - pos % ps).min(to - pos);
+            table.write_page(row, pos, pos % ps, n);
+            pos += n;
+        }
+    }
+
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.pages.capacity_bytes()
+            + self.map.capacity_bytes()
+            + (self.lists.capacity() + self.first_held.capacity() + self.progress.capacity()) * 4
+            + self.scratch.capacity() * 4
+    }
+
+    /// This group's invariants, given the open rows and their lengths: the
+    /// page pool's (holders counted from the lists), the index's both ways,
+    /// and each row's list (null pages exactly before `first_held`, which
+    /// keeps the window).
+    pub(crate) fn check(&self, rows: &[(usize, usize)]) -> std::result::Result<(), String> {
+        let n = self.geo.num_pages;
+        let mut holders = vec![0u32; n];
+        for &(row, len) in rows {
+            let np = self.geo.pages_for(len);
+            let first = self.first_held(row);
+            if self.window.is_none() && first != 0 {
+                return Err(format!(
+                    "full-attention row {row} starts holding at page {first}"
+                ));
+            }
+            if first > self.window_start(len) / self.geo.page_size {
+                return Err(format!(
+                    "row {row} (length {len}) released page {} of its window",
+                    first - 1
+                ));
+            }
+            for (k, &p) in self.list(row, np).iter().enumerate() {
+                if (k < first) != (p == 0) {
+                    return Err(format!(
+                        "row {row} has page {p} at list position {k}, first held {first}"
+                    ));
+                }
+                if p as usize >= n {
+                    return Err(format!("row {row} holds out-of-range page {p}"));
+                }
+                if p != 0 {
+                    holders[p as usize] += 1;
+                }
+            }
+            if self.progress(row) > len / self.geo.page_size {
+                return Err(format!("row {row}'s cache progress is past its full pages"));
+            }
+        }
+        self.pages.check(holders, self.geo.page_size)?;
+        self.map.check(|p| self.pages.is_registered(p))
+    }
+}

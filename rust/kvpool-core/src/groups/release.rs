@@ -1,0 +1,184 @@
+//! Shortening and closing requests in every group: `truncate`, `close`,
+//! `reset`.
+
+use super::{Group, GroupedAllocator};
+use crate::allocator::group_hooks::BatchRow;
+use crate::allocator::options::Counts;
+use crate::error::{PoolError, Result, Rollback};
+
+impl GroupedAllocator {
+    /// Shortens each request to `lengths[i]` tokens in every group. A
+    /// sliding group needs the new length's window still held (pages it
+    /// released are gone); a state group restores the request's slot from
+    /// a checkpoint at exactly the new length (a queued copy), or from the
+    /// empty state at 0. The current length changes nothing. All-or-nothing.
+    ///
+    /// Errors (nothing changed, in any group): `InvalidHandle`,
+    /// `InvalidArgument` (a length out of [0, current], a handle twice),
+    /// `RollbackUnavailable` (the first request, in batch order, that a
+    /// group cannot roll back, naming the group), `GroupExhausted` (a state
+    /// group needs a fresh slot for a restore, see `state.rs`, and has
+    /// none).
+    pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        let batch = self.anchor.group_truncate_checks(handles, lengths)?;
+        // Per state group, per request: the restore's source (-1: empty).
+        let mut sources: Vec<Vec<i64>> = vec![Vec::new(); self.groups.len()];
+        for (i, r) in batch.iter().enumerate() {
+            if r.count >= r.len {
+                continue;
+            }
+            for (g, e) in self.groups.iter().enumerate() {
+                let refuse = |reason: String| {
+                    PoolError::RollbackUnavailable(Box::new(Rollback {
+                        handle: handles[i],
+                        length: r.count,
+                        group: g,
+                        kind: self.specs[g].kind.name(),
+                        reason,
+                    }))
+                };
+                match e {
+                    Group::Anchor => {}
+                    Group::Pages(e) => {
+                        if !e.rollback_ok(r.row, r.count) {
+                            return Err(refuse(format!(
+                                "released the pages before position {} as the window moved, and \
+                                 length {} attends back to position {}",
+                                e.first_held(r.row) * e.page_size(),
+                                r.count,
+                                e.window_start(r.count)
+                            )));
+                        }
+                    }
+                    Group::State(e) => {
+                        let from = match self.checkpoint_at(e, r.row, r.count) {
+                            Some(s) => s,
+                            None => {
+                                return Err(refuse(format!(
+                                    "keeps no checkpoint of this request's state at {} tokens \
+                                     (checkpoints are taken by cache() at multiples of {})",
+                                    r.count, e.every
+                                )))
+                            }
+                        };
+                        sources[g].push(from);
+                    }
+                }
+            }
+        }
+        // A restore writes a fresh slot where a queued copy still reads the
+        // request's own; each such group must have them.
+        for (g, e) in self.groups.iter().enumerate() {
+            let Group::State(e) = e else { continue };
+            let fresh = batch
+                .iter()
+                .filter(|r| r.count < r.len && e.restore_needs_slot(r.row))
+                .count();
+            let mut pinned: Vec<i64> = sources[g].iter().copied().filter(|&s| s > 0).collect();
+            pinned.sort_unstable();
+            pinned.dedup();
+            let cached = pinned
+                .iter()
+                .filter(|&&s| e.slots.holders(s as u32) == 0)
+                .count();
+            let free = e.available() - cached;
+            if fresh > free {
+                return Err(self.exhausted(g, fresh, free));
+            }
+        }
+        for g in self.groups.iter_mut() {
+            if let Group::State(e) = g {
+                e.prepare(batch.len())?;
+            }
+        }
+        self.anchor.truncate(handles, lengths)?;
+        self.sync_rows(&batch);
+        for (g, e) in self.groups.iter_mut().enumerate() {
+            match e {
+                Group::Anchor => {}
+                Group::Pages(e) => {
+                    for r in &batch {
+                        e.shrink(r.row, r.len, r.count);
+                    }
+                }
+                Group::State(e) => {
+                    let src = &sources[g];
+                    for &s in src.iter().filter(|&&s| s > 0) {
+                        e.pin(s as u32);
+                    }
+                    let shrunk = batch.iter().filter(|r| r.count < r.len);
+                    for (r, &from) in shrunk.zip(src) {
+                        e.restore(r.row, from);
+                    }
+                    for &s in src.iter().filter(|&&s| s > 0) {
+                        e.unpin(s as u32);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint a state group restores `row` from at `len` tokens
+    /// (-1 for the empty state at 0), if it has one for the row's prefix.
+    fn checkpoint_at(&self, e: &super::state::StateEngine, row: usize, len: usize) -> Option<i64> {
+        if len == 0 {
+            return Some(-1);
+        }
+        let regs = &self.regs[row];
+        if len % self.a != 0 || regs.len() * self.a < len {
+            return None;
+        }
+        e.checkpoint(regs[len / self.a - 1]).map(|s| s as i64)
+    }
+
+    /// Closes each request in every group, releasing its pages and state
+    /// slots; the handles become invalid. With `cache`, first registers
+    /// them as [`Self::cache`] does. All-or-nothing.
+    ///
+    /// Errors: `InvalidHandle`, `InvalidArgument` (a handle twice; an index
+    /// cannot grow).
+    pub fn close(&mut self, handles: &[i64], cache: bool) -> Result<()> {
+        let batch = self.anchor.group_resolve_batch(handles)?;
+        if cache {
+            self.register(&batch)?;
+        }
+        self.anchor.close(handles, false)?;
+        self.close_rows(&batch);
+        Ok(())
+    }
+
+    fn close_rows(&mut self, batch: &[BatchRow]) {
+        for r in batch {
+            self.regs[r.row].clear();
+        }
+        for g in self.groups.iter_mut() {
+            match g {
+                Group::Anchor => {}
+                Group::Pages(e) => {
+                    for r in batch {
+                        e.shrink(r.row, r.len, 0);
+                    }
+                }
+                Group::State(e) => {
+                    for r in batch {
+                        e.close_row(r.row);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes every open request in every group (nothing registered).
+    pub fn reset(&mut self) {
+        let open: Vec<BatchRow> = (0..self.anchor.max_requests())
+            .filter_map(|row| {
+                self.anchor
+                    .group_row_len(row)
+                    .map(|len| BatchRow { row, len, count: 0 })
+            })
+            .collect();
+        self.anchor.reset();
+        self.close_rows(&open);
+    }
+}

@@ -1,0 +1,624 @@
+//! The `GroupedAllocator` Python class: a pool of layer groups (full,
+//! sliding, state) sharing one request handle space. Arguments become
+//! plain Rust values, the work runs under one lock (the GIL released for
+//! batch work), and each group's results come back as numpy arrays.
+
+use std::sync::{Mutex, MutexGuard};
+
+use kvpool_core::{GroupKind, GroupSpec, GroupedAllocator, SlotTable};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::convert::{
+    counts_of, int_arg, int_scalar, seed_arg, usize_arg, CacheFlag, KvEventsFlag,
+};
+use crate::errors::{invalid_argument, Result};
+use crate::extend::tokens_arg;
+use crate::output::{to_numpy, Arr};
+use crate::table::Table;
+
+/// GroupedAllocator(groups, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, anchor_pages=None)
+///
+/// A pool of layer groups that share one request handle space: full
+/// attention, sliding-window attention and fixed-size state (linear
+/// attention, Mamba), each with its own pages, page size and prefix cache.
+/// Every call acts on all groups at once and changes nothing in any group
+/// when it refuses. A prefix hit of length L needs every full group's pages
+/// for [0, L), every sliding group's for [L - window + 1, L) and every state
+/// group's checkpoint at L; it is the longest such L (docs/allocator.md).
+/// Thread-safe (one internal lock).
+///
+/// Args:
+///     groups: one dict per group: {"kind": "full", "num_pages": N,
+///         "page_size": P}, {"kind": "sliding", "num_pages": N, "page_size":
+///         P, "window": W} (a token attends to itself and W - 1 before it, as
+///         in Hugging Face configs), or {"kind": "state", "num_slots": S,
+///         "checkpoint_every": C} (C = 0: the pool's hit step). Page and slot
+///         counts include the reserved page (slot) 0.
+///     max_requests: most requests open at once (<= 2**20).
+///     max_context_len: most tokens per request (<= 2**28).
+///     hash_seed: seed of the prefix-cache page hash (random when None).
+///     handle_seed: seed of the handle generations (random when None).
+///     kv_events: record the anchor chain's KV events for take_events().
+///     anchor_pages: pages of the token-only anchor chain, used when no full
+///         group's page size divides every other (default: room for every
+///         request's longest context twice).
+///
+/// Raises:
+///     InvalidArgumentError: no groups, a bad group dict, a size, page size,
+///         window or checkpoint_every out of range, or a seed that is not an
+///         int in [0, 2**64).
+#[pyclass(name = "GroupedAllocator", module = "kvpool._core", frozen, weakref)]
+pub struct PyGroupedAllocator {
+    inner: Mutex<GroupedAllocator>,
+    /// Number of layer groups.
+    #[pyo3(get)]
+    num_groups: usize,
+    /// Most requests open at once (rows of every group's request-to-token table).
+    #[pyo3(get)]
+    max_requests: usize,
+    /// Most tokens one request may hold.
+    #[pyo3(get)]
+    max_context_len: usize,
+    /// The group carrying the anchor chain, or None for a token-only anchor.
+    #[pyo3(get)]
+    anchor_group: Option<usize>,
+    /// Page size of the anchor chain (the gcd of the groups' page sizes).
+    #[pyo3(get)]
+    anchor_page_size: usize,
+    /// Prefix hits are multiples of this (the lcm of every page size).
+    #[pyo3(get)]
+    hit_step: usize,
+    /// Each group's spec (checkpoint_every resolved).
+    specs: Vec<GroupSpec>,
+}
+
+impl PyGroupedAllocator {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GroupedAllocator> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the core with the GIL released.
+    pub(crate) fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut GroupedAllocator) -> R + Send,
+    ) -> R {
+        py.detach(|| f(&mut self.lock()))
+    }
+
+    pub(crate) fn max_requests(&self) -> usize {
+        self.max_requests
+    }
+
+    pub(crate) fn max_context_len(&self) -> usize {
+        self.max_context_len
+    }
+
+    /// Slots of group `g` (num_pages * page_size).
+    pub(crate) fn group_slots(&self, g: usize) -> usize {
+        self.specs[g].num_pages * self.specs[g].page_size
+    }
+
+    /// A group index, checked.
+    pub(crate) fn group_arg(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let g = usize_arg(py, group, "group")?;
+        if g >= self.num_groups {
+            return Err(invalid_argument(
+                py,
+                format!(
+                    "group {g} does not exist; this pool has groups 0..{}",
+                    self.num_groups
+                ),
+            ));
+        }
+        Ok(g)
+    }
+
+    /// `tables=`: None, or one int32 table (or None) per group, none of them
+    /// over another's memory.
+    fn tables_arg(
+        &self,
+        py: Python<'_>,
+        tables: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Option<Table>>> {
+        let Some(tables) = tables else {
+            return Ok(Vec::new());
+        };
+        let list: Vec<Bound<'_, PyAny>> = tables
+            .try_iter()
+            .map_err(|_| {
+                invalid_argument(
+                    py,
+                    "tables must be a list with one int32 table (or None) per group",
+                )
+            })?
+            .collect::<PyResult<_>>()?;
+        if list.len() != self.num_groups {
+            return Err(invalid_argument(
+                py,
+                format!(
+                    "tables has {} entries but the pool has {} groups",
+                    list.len(),
+                    self.num_groups
+                ),
+            ));
+        }
+        let mut out: Vec<Option<Table>> = Vec::with_capacity(list.len());
+        for (g, t) in list.iter().enumerate() {
+            if t.is_none() {
+                out.push(None);
+                continue;
+            }
+            let slots = self.specs[g].num_pages * self.specs[g].page_size;
+            let t = Table::from_arg(py, t, self.max_requests, self.max_context_len, slots)?;
+            let (lo, hi) = t.byte_range();
+            if out.iter().flatten().any(|u| {
+                let (a, b) = u.byte_range();
+                lo < b && a < hi
+            }) {
+                return Err(invalid_argument(
+                    py,
+                    format!("tables[{g}] overlaps another group's table"),
+                ));
+            }
+            out.push(Some(t));
+        }
+        Ok(out)
+    }
+}
+
+/// One group dict as a core spec.
+fn group_spec(py: Python<'_>, g: usize, d: &Bound<'_, PyAny>) -> PyResult<GroupSpec> {
+    let d = d
+        .cast::<PyDict>()
+        .map_err(|_| invalid_argument(py, format!("groups[{g}] must be a dict, e.g. {{\"kind\": \"full\", \"num_pages\": 1024, \"page_size\": 16}}")))?;
+    let get = |k: &str| -> PyResult<Option<usize>> {
+        d.get_item(k)?
+            .map(|v| usize_arg(py, &v, &format!("groups[{g}][{k:?}]")))
+            .transpose()
+    };
+    let kind: String = match d.get_item("kind")? {
+        Some(k) => k
+            .extract()
+            .map_err(|_| invalid_argument(py, format!("groups[{g}][\"kind\"] must be a str")))?,
+        None => return Err(invalid_argument(py, format!("groups[{g}] has no \"kind\""))),
+    };
+    let allowed: &[&str] = match kind.as_str() {
+        "full" => &["kind", "num_pages", "page_size"],
+        "sliding" => &["kind", "num_pages", "page_size", "window"],
+        "state" => &["kind", "num_slots", "checkpoint_every"],
+        k => {
+            return Err(invalid_argument(
+                py,
+                format!("groups[{g}][\"kind\"] = {k:?}; use \"full\", \"sliding\" or \"state\""),
+            ))
+        }
+    };
+    for k in d.keys() {
+        let k: String = k.extract().unwrap_or_default();
+        if !allowed.contains(&k.as_str()) {
+            return Err(invalid_argument(
+                py,
+                format!("groups[{g}] has key {k:?}, which a {kind:?} group does not take (it takes {allowed:?})"),
+            ));
+        }
+    }
+    let need = |k: &str, v: Option<usize>| {
+        v.ok_or_else(|| invalid_argument(py, format!("groups[{g}] (a {kind:?} group) needs {k:?}")))
+    };
+    Ok(match kind.as_str() {
+        "full" => GroupSpec::full(
+            need("num_pages", get("num_pages")?)?,
+            get("page_size")?.unwrap_or(1),
+        ),
+        "sliding" => GroupSpec::sliding(
+            need("num_pages", get("num_pages")?)?,
+            get("page_size")?.unwrap_or(1),
+            need("window", get("window")?)?,
+        ),
+        _ => GroupSpec::state(
+            need("num_slots", get("num_slots")?)?,
+            get("checkpoint_every")?.unwrap_or(0),
+        ),
+    })
+}
+
+/// A group's spec as the dict the constructor takes.
+pub(crate) fn spec_dict<'py>(py: Python<'py>, s: &GroupSpec) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("kind", s.kind.name())?;
+    match s.kind {
+        GroupKind::State { checkpoint_every } => {
+            d.set_item("num_slots", s.num_pages)?;
+            d.set_item("checkpoint_every", checkpoint_every)?;
+        }
+        GroupKind::Sliding { window } => {
+            d.set_item("num_pages", s.num_pages)?;
+            d.set_item("page_size", s.page_size)?;
+            d.set_item("window", window)?;
+        }
+        GroupKind::Full => {
+            d.set_item("num_pages", s.num_pages)?;
+            d.set_item("page_size", s.page_size)?;
+        }
+    }
+    Ok(d)
+}
+
+/// Per-group slot Vecs as a list of int64 arrays.
+fn slot_lists<'py>(py: Python<'py>, outs: &[Vec<i64>]) -> PyResult<Bound<'py, PyList>> {
+    let arrs = outs
+        .iter()
+        .map(|v| to_numpy(py, v))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, arrs)
+}
+
+/// The validated tables as the core's views.
+///
+/// # Safety
+/// As `Table::view`: the arrays stay alive (the call's arguments hold them)
+/// and do not overlap (`tables_arg` checked).
+unsafe fn views(tables: &[Option<Table>]) -> Vec<Option<SlotTable<'_>>> {
+    tables
+        .iter()
+        .map(|t| t.as_ref().map(|t| t.view()))
+        .collect()
+}
+
+#[pymethods]
+impl PyGroupedAllocator {
+    #[new]
+    #[pyo3(
+        signature = (groups, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), anchor_pages=None),
+        text_signature = "(groups, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, anchor_pages=None)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        groups: &Bound<'_, PyAny>,
+        max_requests: Option<&Bound<'_, PyAny>>,
+        max_context_len: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        handle_seed: Option<&Bound<'_, PyAny>>,
+        kv_events: KvEventsFlag,
+        anchor_pages: Option<&Bound<'_, PyAny>>,
+    ) -> Result<Self> {
+        let items: Vec<Bound<'_, PyAny>> = groups
+            .try_iter()
+            .map_err(|_| invalid_argument(py, "groups must be a list of group dicts"))?
+            .collect::<PyResult<_>>()?;
+        let specs = items
+            .iter()
+            .enumerate()
+            .map(|(g, d)| group_spec(py, g, d))
+            .collect::<PyResult<Vec<_>>>()?;
+        let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
+            None => Ok(default),
+            Some(v) => usize_arg(py, v, what),
+        };
+        let max_requests = or(max_requests, "max_requests", 256)?;
+        let max_context_len = or(max_context_len, "max_context_len", 4096)?;
+        let anchor_pages = anchor_pages
+            .map(|v| usize_arg(py, v, "anchor_pages"))
+            .transpose()?;
+        let seed = |arg: Option<&Bound<'_, PyAny>>, what: &str| {
+            arg.map(|s| seed_arg(py, s, what)).transpose()
+        };
+        let opts = kvpool_core::Options {
+            hash_seed: seed(hash_seed, "hash_seed")?,
+            handle_seed: seed(handle_seed, "handle_seed")?,
+            kv_events: kv_events.0,
+            ..kvpool_core::Options::new()
+        };
+        let core = py.detach(|| {
+            GroupedAllocator::new(&specs, max_requests, max_context_len, opts, anchor_pages)
+        })?;
+        let specs = (0..core.num_groups())
+            .map(|g| core.group_spec(g))
+            .collect::<kvpool_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            num_groups: core.num_groups(),
+            max_requests: core.max_requests(),
+            max_context_len: core.max_context_len(),
+            anchor_group: core.anchor_group(),
+            anchor_page_size: core.anchor_page_size(),
+            hit_step: core.hit_step(),
+            specs,
+            inner: Mutex::new(core),
+        })
+    }
+
+    /// Each group's spec, as the dicts the constructor takes (checkpoint_every resolved).
+    #[getter]
+    fn groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ds = self
+            .specs
+            .iter()
+            .map(|s| spec_dict(py, s))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, ds)
+    }
+
+    /// open(n=1) -> ndarray[int64]
+    ///
+    /// Opens n empty requests in every group; a state group gives each a
+    /// slot, queued to be zeroed (take_copies).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: more than max_requests would be open.
+    ///     PoolExhaustedError: a state group has fewer than n free or
+    ///         evictable slots (the message names the group).
+    ///     InvalidArgumentError: n is negative.
+    #[pyo3(signature = (n=None), text_signature = "($self, n=1)")]
+    fn open<'py>(&self, py: Python<'py>, n: Option<&Bound<'py, PyAny>>) -> Result<Arr<'py, i64>> {
+        let n = match n {
+            None => 1,
+            Some(n) => usize_arg(py, n, "n")?,
+        };
+        let v = self.run(py, |c| c.open(n))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// admit(counts, tokens=None, tables=None) -> (handles, slots)
+    ///
+    /// Opens len(counts) requests and extends request i by counts[i] tokens
+    /// in every group, as open then extend, in one call. Atomic.
+    ///
+    /// Returns:
+    ///     (handles int64, a list with each group's new slots (int64,
+    ///     flattened in request order; empty for a state group)).
+    ///
+    /// Raises:
+    ///     TooManyRequestsError: not enough free rows.
+    ///     PoolExhaustedError: a group is short of pages or state slots (the
+    ///         message names the first such group).
+    ///     ContextTooLongError: a count past max_context_len.
+    ///     InvalidArgumentError: a negative count, tokens of the wrong length
+    ///         or range, bad tables.
+    #[pyo3(signature = (counts, tokens=None, tables=None))]
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        counts: &Bound<'py, PyAny>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        tables: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Arr<'py, i64>, Bound<'py, PyList>)> {
+        let c = int_arg(py, counts, "counts")?.into_vec();
+        let toks = tokens_arg(py, tokens)?;
+        let t = self.tables_arg(py, tables)?;
+        let (h, outs) = self.run(py, |core| {
+            // SAFETY: see `views`.
+            let mut v = unsafe { views(&t) };
+            core.admit(&c, toks.as_deref(), &mut v)
+        })?;
+        Ok((to_numpy(py, &h)?, slot_lists(py, &outs)?))
+    }
+
+    /// extend(handles, counts, tokens=None, tables=None) -> list[ndarray]
+    ///
+    /// Appends counts[i] tokens (or counts for all) to request handles[i] in
+    /// every group. A sliding group first releases the pages wholly before
+    /// start - window + 1 of each growing request (start: its length before
+    /// the call), which the step no longer attends to; registered ones stay
+    /// cached. With tables (one int32 request-to-token table or None per
+    /// group), each group's new slots are written in the same call, and a
+    /// sliding group's released positions get the null page's slots. Copies
+    /// on write are queued per group (take_copies). Atomic.
+    ///
+    /// Returns:
+    ///     each group's new slots (int64, flattened in request order; empty
+    ///     for a state group).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     PoolExhaustedError: a group is short of pages (the message names
+    ///         the first such group).
+    ///     ContextTooLongError: a request would pass max_context_len.
+    ///     InvalidArgumentError: negative count, mismatched lengths, duplicate
+    ///         handle, tokens of the wrong length or range or disagreeing with
+    ///         the prompt, bad or overlapping tables.
+    #[pyo3(signature = (handles, counts, tokens=None, tables=None))]
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        counts: &Bound<'py, PyAny>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        tables: Option<&Bound<'py, PyAny>>,
+    ) -> Result<Bound<'py, PyList>> {
+        let c = int_arg(py, counts, "counts")?;
+        let toks = tokens_arg(py, tokens)?;
+        let t = self.tables_arg(py, tables)?;
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let outs = self.run(py, |core| {
+            // SAFETY: see `views`.
+            let mut v = unsafe { views(&t) };
+            core.extend(&h, counts_of(&c), toks.as_deref(), &mut v)
+        })?;
+        Ok(slot_lists(py, &outs)?)
+    }
+
+    /// truncate(handles, lengths) -> None
+    ///
+    /// Shortens requests to lengths[i] tokens (or lengths for all) in every
+    /// group. A sliding group needs the new length's window still held; a
+    /// state group restores the request's slot from a checkpoint at exactly
+    /// the new length (a queued copy; at 0, a queued zeroing). The current
+    /// length changes nothing. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RollbackUnavailableError: a group cannot restore a request at its
+    ///         new length (the message names the group and why).
+    ///     PoolExhaustedError: a state group needs a fresh slot for a restore
+    ///         (a queued copy still reads the request's own) and has none.
+    ///     InvalidArgumentError: a length is negative or past the request's
+    ///         length, mismatched lengths, duplicate handle.
+    fn truncate(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let l = int_arg(py, lengths, "lengths")?;
+        Ok(self.run(py, |c| c.truncate(&h, counts_of(&l)))?)
+    }
+
+    /// close(handles, cache=False) -> None
+    ///
+    /// Closes requests in every group, releasing their pages and state
+    /// slots; their handles become stale. With cache=True, first registers
+    /// them as cache() does. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, already closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
+    #[pyo3(signature = (handles, cache=CacheFlag(false)), text_signature = "($self, handles, cache=False)")]
+    fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: CacheFlag) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        Ok(self.run(py, |c| c.close(&h, cache.0))?)
+    }
+
+    /// cache(handles) -> None
+    ///
+    /// Registers each request's full pages of known tokens in every group:
+    /// the anchor chain, each group's pages under it, and a state group's
+    /// checkpoint of the request's slot when its length is a multiple of
+    /// the group's checkpoint_every (a queued copy). Call it once the step
+    /// that wrote those pages and that state has run. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: a duplicate handle.
+    fn cache(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        Ok(self.run(py, |c| c.cache(&h))?)
+    }
+
+    /// fork(handle, n=1) -> ndarray[int64]
+    ///
+    /// Creates n requests, each a copy of handle's in every group: the same
+    /// pages (a shared partly filled page is copied on write), and in a
+    /// state group a fresh slot queued to be filled from the parent's.
+    /// Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: the parent is unknown, closed or stale.
+    ///     TooManyRequestsError: not enough free rows.
+    ///     PoolExhaustedError: a state group has fewer than n free or
+    ///         evictable slots.
+    ///     InvalidArgumentError: n is negative.
+    #[pyo3(signature = (handle, n=None), text_signature = "($self, handle, n=1)")]
+    fn fork<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+        n: Option<&Bound<'py, PyAny>>,
+    ) -> Result<Arr<'py, i64>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let n = match n {
+            None => 1,
+            Some(n) => usize_arg(py, n, "n")?,
+        };
+        let v = self.run(py, |c| c.fork(h, n))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)
+    ///
+    /// Opens one request per prompt on the longest prefix every group has
+    /// cached (a multiple of hit_step, at most length - 1): full groups'
+    /// pages for [0, L), sliding groups' window before L, state groups'
+    /// checkpoint at L, each verified through the anchor chain so that a
+    /// hash collision costs a miss, never another prompt's K/V or state. A
+    /// state group's slot is queued to be filled from the checkpoint (zeroed
+    /// when cached_len is 0). Atomic.
+    ///
+    /// Args:
+    ///     tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
+    ///     lengths: each prompt's length.
+    ///     salt: None (0), an int for all, or one int per prompt.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: tokens and lengths disagree, a negative length,
+    ///         a token id out of range, a salt of the wrong type or count.
+    ///     ContextTooLongError: a prompt longer than max_context_len.
+    ///     TooManyRequestsError: not enough free rows.
+    ///     PoolExhaustedError: a state group has no slot for each request.
+    #[pyo3(signature = (tokens, lengths, salt=None))]
+    fn open_with_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        lengths: &Bound<'py, PyAny>,
+        salt: Option<&Bound<'py, PyAny>>,
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
+        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let l = int_arg(py, lengths, "lengths")?.into_vec();
+        let s = match salt {
+            None => crate::convert::IntArg::Scalar(0),
+            Some(s) => int_arg(py, s, "salt")?,
+        };
+        let (h, c) = self.run(py, |core| core.open_with_prefix(&t, &l, counts_of(&s)))?;
+        Ok((to_numpy(py, &h)?, to_numpy(py, &c)?))
+    }
+
+    /// evict(group, n) -> int
+    ///
+    /// Evicts up to n cached pages (checkpoints of a state group) of one
+    /// group, least recently used first; returns how many.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group, n negative.
+    fn evict(
+        &self,
+        py: Python<'_>,
+        group: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+    ) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        let n = usize_arg(py, n, "n")?;
+        Ok(self.run(py, |c| c.evict(g, n))?)
+    }
+
+    /// clear_cache() -> None
+    ///
+    /// Drops every cached page and checkpoint of every group (held ones stay
+    /// with their requests).
+    fn clear_cache(&self, py: Python<'_>) {
+        self.run(py, |c| c.clear_cache())
+    }
+
+    /// reset() -> None
+    ///
+    /// Closes every request in every group; all handles become stale.
+    fn reset(&self, py: Python<'_>) {
+        self.run(py, |c| c.reset())
+    }
+
+    /// check() -> None
+    ///
+    /// Verifies every invariant of every group and of what ties them to the
+    /// request table.
+    ///
+    /// Raises:
+    ///     InvariantError: an invariant is broken (a bug in kvpool).
+    fn check(&self, py: Python<'_>) -> Result<()> {
+        Ok(self.run(py, |c| c.check())?)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let kinds: Vec<&str> = self.specs.iter().map(|s| s.kind.name()).collect();
+        self.run(py, |c| {
+            format!(
+                "GroupedAllocator(groups={kinds:?}, max_requests={}, max_context_len={}; open_requests={})",
+                c.max_requests(),
+                c.max_context_len(),
+                c.open_requests()
+            )
+        })
+    }
+}

@@ -1,0 +1,360 @@
+//! `GroupedAllocator`'s reading side: the request table, each group's
+//! slots, pages, tables, state slots and queued copies, and the counters
+//! per group and pool-wide.
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::convert::{int_arg, int_scalar};
+use crate::errors::Result;
+use crate::grouped::PyGroupedAllocator;
+use crate::output::{to_numpy, Arr};
+use crate::table::Table;
+
+type Triple<'py> = (Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>);
+
+#[pymethods]
+impl PyGroupedAllocator {
+    /// Requests opened and not yet closed.
+    #[getter]
+    fn open_requests(&self, py: Python<'_>) -> usize {
+        self.run(py, |c| c.open_requests())
+    }
+
+    /// How many more requests can open now: free rows, and a free or
+    /// evictable slot in every state group (the pool-wide figure for
+    /// admission, with admissible_tokens()).
+    #[getter]
+    fn admissible_requests(&self, py: Python<'_>) -> usize {
+        self.run(py, |c| c.admissible_requests())
+    }
+
+    /// Prompt tokens open_with_prefix served from the cache, cumulative.
+    #[getter]
+    fn hit_tokens(&self, py: Python<'_>) -> u64 {
+        self.run(py, |c| c.hit_tokens())
+    }
+
+    /// Prompt tokens open_with_prefix found no cached prefix for, cumulative.
+    #[getter]
+    fn miss_tokens(&self, py: Python<'_>) -> u64 {
+        self.run(py, |c| c.miss_tokens())
+    }
+
+    /// Heap bytes of the bookkeeping of every group and of the request table.
+    #[getter]
+    fn metadata_bytes(&self, py: Python<'_>) -> usize {
+        self.run(py, |c| c.metadata_bytes())
+    }
+
+    /// The hash seed (pass it as hash_seed to agree with this pool's hashes).
+    #[getter]
+    fn hash_seed(&self, py: Python<'_>) -> u64 {
+        self.run(py, |c| c.hash_seed())
+    }
+
+    /// Events dropped because too many were left undrained (cumulative).
+    #[getter]
+    fn dropped_events(&self, py: Python<'_>) -> u64 {
+        self.run(py, |c| c.dropped_events())
+    }
+
+    /// take_events() -> dict
+    ///
+    /// Drains the anchor chain's KV events (as SlotAllocator.take_events):
+    /// what a router needs to know which prefixes this pool can serve.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let e = self.run(py, |c| c.take_events());
+        crate::events::events_dict(py, &e)
+    }
+
+    /// free_pages(group) -> int
+    ///
+    /// Pages (state slots) of the group an extend can take now: FREE + evictable.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn free_pages(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.free_pages(g))?)
+    }
+
+    /// used_pages(group) -> int
+    ///
+    /// Pages (state slots) of the group held by open requests or queued copies.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn used_pages(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.used_pages(g))?)
+    }
+
+    /// cached_pages(group) -> int
+    ///
+    /// Registered pages (checkpoints) of the group, held or evictable.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn cached_pages(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.cached_pages(g))?)
+    }
+
+    /// evictable_pages(group) -> int
+    ///
+    /// Cached pages (checkpoints) of the group no request holds.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn evictable_pages(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.evictable_pages(g))?)
+    }
+
+    /// capacity_pages(group) -> int
+    ///
+    /// Pages (state slots) of the group requests can ever hold: num_pages - 1.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn capacity_pages(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.capacity_pages(g))?)
+    }
+
+    /// admissible_tokens(group=None) -> int
+    ///
+    /// Tokens that can surely still be appended (a lower bound): in one
+    /// group (free_pages * page_size; state slots for a state group), or
+    /// with group=None the least over every page group and the anchor chain,
+    /// the pool-wide figure for admission with admissible_requests.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    #[pyo3(signature = (group=None))]
+    fn admissible_tokens(&self, py: Python<'_>, group: Option<&Bound<'_, PyAny>>) -> Result<usize> {
+        match group {
+            None => Ok(self.run(py, |c| c.admissible_tokens())),
+            Some(g) => {
+                let g = self.group_arg(py, g)?;
+                Ok(self.run(py, |c| c.group_admissible_tokens(g))?)
+            }
+        }
+    }
+
+    /// length(handle) -> int
+    ///
+    /// Tokens the request holds (the same in every group).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
+        let h = int_scalar(py, handle, "handle")?;
+        Ok(self.run(py, |c| c.length(h))?)
+    }
+
+    /// lengths(handles) -> ndarray[int64]
+    ///
+    /// Tokens each request holds.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let v = self.run(py, |c| c.lengths(&h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// rows(handles) -> ndarray[int64]
+    ///
+    /// Each request's row, the same in every group's request-to-token table.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let v = self.run(py, |c| c.rows(&h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// is_open(handle) -> bool
+    ///
+    /// Whether the handle is an open request.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: handle is not an int.
+    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
+        let h = int_scalar(py, handle, "handle")?;
+        Ok(self.run(py, |c| c.is_open(h)))
+    }
+
+    /// known_tokens(handle) -> ndarray[int32]
+    ///
+    /// The request's token ids from position 0 as far as they are known.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    fn known_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+    ) -> Result<Arr<'py, i32>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let v = self.run(py, |c| c.known_tokens(h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// slots(handle, group) -> ndarray[int64]
+    ///
+    /// Every slot of the request in a page group, in token order; positions
+    /// a sliding window released read as the null page's slots
+    /// (position % page_size, inside the reserved page 0).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    ///     InvalidArgumentError: no such group, or a state group.
+    fn slots<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+        group: &Bound<'py, PyAny>,
+    ) -> Result<Arr<'py, i64>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let g = self.group_arg(py, group)?;
+        let v = self.run(py, |c| c.slots(g, h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// pages(handle, group) -> ndarray[int32]
+    ///
+    /// The request's page list in a page group, in token order (0 where a
+    /// sliding window released the page).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: unknown, closed or stale handle.
+    ///     InvalidArgumentError: no such group, or a state group.
+    fn pages<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyAny>,
+        group: &Bound<'py, PyAny>,
+    ) -> Result<Arr<'py, i32>> {
+        let h = int_scalar(py, handle, "handle")?;
+        let g = self.group_arg(py, group)?;
+        let v = self.run(py, |c| c.pages(g, h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// page_table(handles, group) -> (indptr, indices, last_page_len)
+    ///
+    /// FlashInfer's CSR page table of a batch in a page group (int32): each
+    /// request's held pages only (a sliding group's window: pass the
+    /// window to the kernel, whose mask counts back from the last position),
+    /// last_page_len in [1, page_size] (0 for an empty request).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: no such group, or a state group.
+    fn page_table<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        group: &Bound<'py, PyAny>,
+    ) -> Result<Triple<'py>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let g = self.group_arg(py, group)?;
+        let t = self.run(py, |c| c.page_table(g, &h))?;
+        Ok((
+            to_numpy(py, &t.indptr)?,
+            to_numpy(py, &t.indices)?,
+            to_numpy(py, &t.last_page_len)?,
+        ))
+    }
+
+    /// fill_table(handles, table, group) -> None
+    ///
+    /// Writes each request's slots in a page group into its row of an int32
+    /// request-to-token table (table[row, :length]; the null page's slots
+    /// where a window released pages): for requests that got slots without
+    /// an extend (open_with_prefix, fork). Checks everything first.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: no such group, a state group, a bad table.
+    fn fill_table(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        group: &Bound<'_, PyAny>,
+    ) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let g = self.group_arg(py, group)?;
+        let slots = self.group_slots(g);
+        let t = Table::from_arg(
+            py,
+            table,
+            self.max_requests(),
+            self.max_context_len(),
+            slots,
+        )?;
+        Ok(self.run(py, |c| {
+            // SAFETY: validated by from_arg; the caller's array is held by
+            // the `table` argument until the call returns.
+            let mut v = unsafe { t.view() };
+            c.fill_table(g, &h, &mut v)
+        })?)
+    }
+
+    /// state_slots(handles, group) -> ndarray[int64]
+    ///
+    /// Each request's live state slot in a state group (fixed while it is
+    /// open, except that a restore may move it: read it after truncate).
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     InvalidArgumentError: no such group, or a page group.
+    fn state_slots<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        group: &Bound<'py, PyAny>,
+    ) -> Result<Arr<'py, i64>> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let g = self.group_arg(py, group)?;
+        let v = self.run(py, |c| c.state_slots(g, &h))?;
+        Ok(to_numpy(py, &v)?)
+    }
+
+    /// take_copies(group) -> (src, dst)
+    ///
+    /// Drains the group's queued copies (int64): slot pairs of a page group
+    /// (copy-on-write, every layer's K and V, in order), state slot pairs
+    /// of a state group, where src = -1 means "zero dst" (a new request's
+    /// empty state). Run them before the group's next write. A state
+    /// group's batch never reads a slot it writes (one parallel copy does).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn take_copies<'py>(
+        &self,
+        py: Python<'py>,
+        group: &Bound<'py, PyAny>,
+    ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
+        let g = self.group_arg(py, group)?;
+        let (s, d) = self.run(py, |c| c.take_copies(g))?;
+        Ok((to_numpy(py, &s)?, to_numpy(py, &d)?))
+    }
+
+    /// pending_copies(group) -> int
+    ///
+    /// Copies queued in the group and not taken (slot pairs; state copies).
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: no such group.
+    fn pending_copies(&self, py: Python<'_>, group: &Bound<'_, PyAny>) -> Result<usize> {
+        let g = self.group_arg(py, group)?;
+        Ok(self.run(py, |c| c.pending_copies(g))?)
+    }
+}

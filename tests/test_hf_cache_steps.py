@@ -1,0 +1,193 @@
+"""How KVPoolCache stores a step and hands attention its K/V, on pools whose free pages
+are no longer in order (as on a pool that served other batches): the step's stores
+(views of the caches for a strided run of slots, the pool's index store otherwise),
+the decode steps made ahead at a page boundary, the staging buffer kept with the pool
+for its next cache, and the short way a step's later layers take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from kvpool import KVPool, TensorDtypeError, TensorShapeError  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+H, D, LAYERS, PAGE = 2, 8, 3, 4
+
+
+def make_pool() -> KVPool:
+    return KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=1024, max_requests=8,
+                  max_context_len=128)
+
+
+def scramble(pool: KVPool) -> None:
+    """Leave the free pages out of order: three requests grow a token at a time in turn
+    (their pages interleave), then close."""
+    h = pool.open(3)
+    for _ in range(3 * PAGE + 1):
+        pool.extend(h, 1)
+    pool.close(h)
+
+
+def stored_in_pool(pool: KVPool, handles: np.ndarray, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's K/V of ``layer`` read back from the slots the allocator gave it, [B, H, L, D]."""
+    ks, vs = [], []
+    for h in handles:
+        k, v = pool.read(layer, pool.allocator.slots(int(h)))
+        ks.append(k.transpose(0, 1))
+        vs.append(v.transpose(0, 1))
+    return torch.stack(ks), torch.stack(vs)
+
+
+def run(pool: KVPool, cache: KVPoolCache, batch: int, steps: list[int], seed: int = 0,
+        on_step=None) -> list[tuple[bool, bool]]:
+    """Feed ``steps`` tokens per forward to every layer; check each returned K/V against
+    what was stored and against the pool's own slots; return per step whether the step
+    stored through views of the caches and whether a planned step was taken."""
+    g = torch.Generator().manual_seed(seed)
+    stored: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(LAYERS)}
+    kinds = []
+    for i, t in enumerate(steps):
+        if on_step is not None:
+            on_step(i)
+        plan_before = len(cache.requests.pages._plan)
+        for layer in range(LAYERS):
+            k = torch.randn(batch, H, t, D, generator=g)
+            stored[layer].append(k)
+            got_k, got_v = cache.update(k, 2 * k, layer)
+            want = torch.cat(stored[layer], dim=2)
+            assert torch.equal(got_k, want) and torch.equal(got_v, 2 * want)
+        kinds.append((cache.requests.dst is not None, plan_before > 0 and len(cache.requests.pages._plan) == plan_before - 1))
+        for layer in range(LAYERS):
+            in_pool_k, in_pool_v = stored_in_pool(pool, cache.handles, layer)
+            want = torch.cat(stored[layer], dim=2)
+            assert torch.equal(in_pool_k, want) and torch.equal(in_pool_v, 2 * want)
+    return kinds
+
+
+def test_scattered_slots_are_stored_by_index_and_read_back():
+    """A prompt whose rows land on interleaved pages (no strided run of slots) is stored by
+    index, and so are the decode steps while the rows' pages interleave."""
+    pool = make_pool()
+    scramble(pool)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        kinds = run(pool, cache, 3, [6] + [1] * 9)
+    assert not kinds[0][0], "the prompt's slots should not be one strided run on a scrambled pool"
+    assert any(not views for views, _ in kinds[1:]), "some decode step should store by index"
+    assert any(planned for _, planned in kinds), "steps inside a page should come from the plan"
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_one_row_stores_through_views_and_takes_planned_steps():
+    pool = make_pool()
+    scramble(pool)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        kinds = run(pool, cache, 1, [5] + [1] * 11)  # across three page boundaries
+    assert all(views for views, _ in kinds[1:]), "one row's decode slot is always a run"
+    # Planned: every decode step that does not start a page (lengths 6, 7, 8, 10, 11, 12, 14, 15, 16).
+    assert [planned for _, planned in kinds[1:]] == [length % PAGE != 1 for length in range(6, 17)]
+
+
+def test_a_planned_step_whose_slots_differ_is_made_again():
+    """The plan's slots are checked against the extend's: a plan that predicted other slots
+    (here corrupted on purpose, pointing its stores at other slots) is dropped, and the
+    step is made from the slots the allocator gave."""
+    pool = make_pool()
+    scramble(pool)
+
+    def corrupt(step: int) -> None:
+        plan = cache.requests.pages._plan
+        if step == 1 and len(plan) > 1:
+            want, _, _, views, out = plan[-1]
+            elsewhere = plan[0]  # a later step's stores: other slots of the same rows
+            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out)
+        assert step != 1 or len(plan) > 1, "the test needs a plan of several steps here"
+
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        run(pool, cache, 2, [5] + [1] * 6, on_step=corrupt)
+    pool.allocator.check()
+
+
+def test_open_caches_keep_their_own_staging_and_a_closed_one_hands_it_on():
+    pool = make_pool()
+    scramble(pool)
+    g = torch.Generator().manual_seed(3)
+    a_cache, b_cache = KVPoolCache(pool), KVPoolCache(pool)
+    with torch.inference_mode():
+        ka, kb = torch.randn(2, H, 6, D, generator=g), torch.randn(2, H, 6, D, generator=g)
+        got_a, _ = a_cache.update(ka, ka, 0)
+        got_b, _ = b_cache.update(kb, kb, 0)  # must not overwrite what a's attention holds
+        assert torch.equal(got_a, ka) and torch.equal(got_b, kb)
+        stage = a_cache.requests.pages._stage
+        assert stage is not None and stage is not b_cache.requests.pages._stage
+        a_cache.close()
+        c_cache = KVPoolCache(pool)
+        kc = torch.randn(2, H, 6, D, generator=g)
+        got_c, _ = c_cache.update(kc, kc, 0)
+        assert torch.equal(got_c, kc)
+        assert c_cache.requests.pages._stage is stage, "the closed cache's staging buffer is reused"
+        assert torch.equal(got_b, kb)
+        b_cache.close()
+        c_cache.close()
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_a_later_layer_with_the_wrong_tensor_gets_the_typed_error():
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        k = torch.randn(2, H, 3, D)
+        cache.update(k, k, 0)
+        with pytest.raises(TensorDtypeError):
+            cache.update(k.double(), k.double(), 1)
+        cache.update(k, k, 1)  # the step goes on with the right tensor
+        cache.update(k, k, 2)
+        assert cache.get_seq_length(2) == 3
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-layer", "later-layer"])
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_kv_that_are_not_tensors_get_the_typed_error(first, which):
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        k = torch.randn(2, H, 3, D)
+        if not first:
+            cache.update(k, k, 0)
+        layer = 0 if first else 1
+        for bad in (None, [[1.0]], k.numpy()):
+            args = (bad, k) if which == "key" else (k, bad)
+            with pytest.raises(TensorShapeError):
+                cache.update(*args, layer)
+        cache.update(k, k, layer)  # the step goes on with tensors
+        assert cache.get_seq_length(layer) == 3
+
+
+def test_grad_requiring_kv_do_not_drag_the_pool_into_autograd():
+    pool = make_pool()
+    w = torch.ones((), requires_grad=True)
+    with KVPoolCache(pool) as cache:
+        for t in (3, 1):
+            for layer in range(LAYERS):
+                k = torch.randn(1, H, t, D) * w
+                got_k, _ = cache.update(k, k, layer)
+                assert torch.equal(got_k[:, :, -t:], k.detach())
+    assert not any(t.requires_grad for _, t in pool.named_tensors())
+
+
+def test_extend_host_is_extend_without_the_tensor():
+    a, b = make_pool(), make_pool()
+    for pool in (a, b):
+        scramble(pool)
+    ha, hb = a.open(2), b.open(2)
+    for n in (5, 1, 1, 4):
+        slots = a.extend(ha, n).slots
+        assert np.array_equal(b._extend_host(hb, n), slots)
+    assert np.array_equal(a.allocator.lengths(ha), b.allocator.lengths(hb))
+    assert torch.equal(a.req_to_token, b.req_to_token)
+    if hasattr(b, "fork"):
+        b.fork(int(hb[0]), 1)  # shared pages: extend may copy on write, so only extend will do
+        assert b._extend_host(hb, 1) is None
