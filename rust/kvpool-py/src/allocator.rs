@@ -231,7 +231,7 @@ impl PySlotAllocator {
             handle_seed: seed(handle_seed, "handle_seed")?,
             kv_events: kv_events.0,
             host_pages: or(host_pages, "host_pages", 0)?,
-            host_policy: crate::tier::policy_arg(py, host_policy)?,
+            host_policy: crate::tier_args::policy_arg(py, host_policy)?,
             max_pinned_pages: max_pinned_pages
                 .map(|m| usize_arg(py, m, "max_pinned_pages"))
                 .transpose()?,

@@ -23,6 +23,7 @@ mod sharing;
 mod stats;
 mod table;
 mod tier;
+mod tier_args;
 mod torch_arg;
 mod widen;
 

@@ -1,32 +1,14 @@
-//! The host tier's part of `SlotAllocator`: the policy argument, the
-//! transfer queues (`take_offloads`, `take_loads`), swapping requests out
-//! and in, and the tier's counters.
+//! The host tier's part of `SlotAllocator`: the transfer queues
+//! (`take_offloads`, `take_loads`), swapping requests out and in, and the
+//! tier's counters (its constructor argument: `tier_args.rs`).
 
 use kvpool_core::{HostPolicy, SlotAllocator};
 use pyo3::prelude::*;
 
 use crate::allocator::PySlotAllocator;
 use crate::convert::{int_arg, int_scalar};
-use crate::errors::{invalid_argument, Result};
+use crate::errors::Result;
 use crate::output::{new_uninit, Arr};
-
-/// The `host_policy=` argument: "write_back" (default) or "write_through".
-pub(crate) fn policy_arg(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<HostPolicy> {
-    let Some(obj) = obj else {
-        return Ok(HostPolicy::WriteBack);
-    };
-    match obj.extract::<String>().as_deref() {
-        Ok("write_back") => Ok(HostPolicy::WriteBack),
-        Ok("write_through") => Ok(HostPolicy::WriteThrough),
-        _ => Err(invalid_argument(
-            py,
-            format!(
-                "host_policy must be \"write_back\" or \"write_through\", got {}",
-                obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-            ),
-        )),
-    }
-}
 
 type Pair<'py> = (Arr<'py, i64>, Arr<'py, i64>);
 
