@@ -182,6 +182,33 @@ def test_write_through_eviction_moves_nothing_and_write_back_offloads_on_evictio
     assert wt.stats().offloaded_pages == wb.stats().offloaded_pages == 2
 
 
+def test_a_pinned_prefix_stays_on_the_device_and_an_offloaded_one_comes_back_at_the_default():
+    """Priorities choose the device victim, the host tier keeps what is evicted: under
+    pressure the pinned prefix is neither evicted nor offloaded, the other one goes to the
+    host and is served back bitwise as a new registration with the default priority."""
+    pool = make(num_pages=10)
+    pinned, other = list(range(1000, 1009)), list(range(2000, 2009))  # two full pages each
+    h, _ = serve(pool, pinned)
+    pool.close([h], cache=True, priority=100)
+    h, _ = serve(pool, other)
+    wrote = raw(pool, pool.slots(h)[:8])
+    pool.close([h], cache=True, priority=80)
+    assert pool.pinned_pages == 2
+    flood(pool, 5000)
+    assert (pool.cached_pages, pool.pinned_pages, pool.host_cached_pages) == (2, 2, 2)
+    nothing_queued(pool)
+    h, cached = serve(pool, pinned)
+    assert cached == 8 and pool.host_hit_tokens == 0, "the pinned prefix is served from the device"
+    pool.close([h])
+    h2, cached = serve(pool, other)
+    assert cached == 8 and pool.host_hit_tokens == 8
+    assert torch.equal(raw(pool, pool.slots(h2)[:8]), wrote)
+    pool.close([h2], cache=True)
+    by = pool.evictable_pages_by_priority()
+    assert (by[80], by[kvpool.DEFAULT_PRIORITY]) == (0, 2)
+    pool.check()
+
+
 @pytest.mark.parametrize("table_path", ["host", "device"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_swap_out_then_in_is_bitwise_at_every_position(kind, table_path):
