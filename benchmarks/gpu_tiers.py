@@ -3,7 +3,9 @@ host) and load (host -> device) bandwidth of kvpool.kernels.offload_pages / load
 both methods (the Triton kernel through the pinned buffer's device-mapped address, and
 the batched cudaMemcpyAsync of a device-side gather), against one plain pinned
 cudaMemcpyAsync of the same bytes; plus a bitwise check of both methods and the host
-time of TransferRunner.run while the caller's stream is busy (it must not wait).
+time of TransferRunner.run while the caller's stream is busy (it must not wait); and the
+wired pool (KVPool with host pages): an offload -> evict -> load round trip and a swap
+round trip, bitwise, with the swap's bandwidth through the pool.
 
 Shapes: a Llama-8B-like page (32 layers, 8 KV heads x 128, bf16, page 16: 2 MiB) and a
 small one (8 layers, 4 x 64, bf16, page 4: 64 KiB), random page ids on both sides."""
@@ -138,6 +140,71 @@ def _no_sync() -> Dict[str, Any]:
     return {"run_host_ms_with_busy_stream": host_ms, "ok": host_ms < 50.0}
 
 
+def _pool_round_trip(dry: bool) -> Dict[str, Any]:
+    """The wired pool: KVPool(host_pages=...) on the device. A cached prefix evicted by
+    pressure (write_back offload) and hit again from the host (load), and a request
+    swapped out and in, both bitwise; then swap_out / swap_in of a large request timed
+    through the pool (its transfers on the copy stream, the caller's stream waiting)."""
+    import kvpool
+
+    layers, heads, dim, page, pages = (2, 2, 8, 4, 6) if dry else (32, 8, 128, 16, 256)
+    pool = kvpool.KVPool(layers, heads, dim, dtype=torch.bfloat16, device=RUN.dev, page_size=page,
+                         num_pages=2 * pages + 2, max_requests=4, max_context_len=3 * pages * page,
+                         host_pages=3 * pages + 1)
+    gen = torch.Generator(device=RUN.dev).manual_seed(0)
+
+    def fill(h: int, start: int) -> None:
+        slots = torch.as_tensor(pool.slots(h)[start:], device=RUN.dev)
+        for layer in range(layers):
+            kv = torch.randn((len(slots), heads, dim), generator=gen, device=RUN.dev, dtype=torch.bfloat16)
+            pool.write(layer, slots, kv, -kv)
+
+    def raw(h: int, n: int) -> torch.Tensor:
+        idx = torch.as_tensor(pool.slots(h)[:n], device=RUN.dev)
+        return torch.cat([c[:, idx].reshape(-1).view(torch.uint8) for c in pool._storage.caches]).cpu()
+
+    prompt = list(range(1000, 1000 + pages * page + 1))
+    h, _ = pool.open_with_prefix(prompt, [len(prompt)])
+    pool.extend(h, len(prompt))
+    fill(int(h[0]), 0)
+    want = raw(int(h[0]), pages * page)
+    pool.close(h, cache=True)
+    other = list(range(90000, 90000 + pool.free_pages * page - 1))  # takes every device page
+    h2, _ = pool.open_with_prefix(other, [len(other)])
+    pool.extend(h2, len(other))
+    fill(int(h2[0]), 0)
+    pool.close(h2)
+    h3, cached = pool.open_with_prefix(prompt, [len(prompt)])
+    sync()
+    hit_ok = int(cached[0]) == pages * page and pool.host_hit_tokens == pages * page and torch.equal(
+        raw(int(h3[0]), pages * page), want)
+    pool.extend(h3, 1)
+    fill(int(h3[0]), pages * page)
+    before = raw(int(h3[0]), pages * page + 1)
+    bytes_moved = pages * pool.host.page_bytes
+    timings: Dict[str, float] = {}
+    for name, call in (("swap_out", pool.swap_out), ("swap_in", pool.swap_in)):
+        sync()
+        t0 = time.perf_counter()
+        call(h3)
+        host_ms = (time.perf_counter() - t0) * 1e3
+        sync()
+        timings[f"{name}_host_ms"] = host_ms
+        timings[f"{name}_wall_ms"] = (time.perf_counter() - t0) * 1e3
+    swap_ok = torch.equal(raw(int(h3[0]), pages * page + 1), before)
+    pool.close(h3)
+    pool.check()
+    out = {"pages": pages, "page_bytes": pool.host.page_bytes, "hit_bitwise_ok": bool(hit_ok),
+           "swap_bitwise_ok": bool(swap_ok), **timings,
+           "offload_bytes": pool.offload_bytes, "load_bytes": pool.load_bytes}
+    if not dry:  # wall time of a whole swap (host call + the transfers it queued) as bandwidth
+        out["swap_out_GBps"] = bytes_moved / timings["swap_out_wall_ms"] / 1e6
+        out["swap_in_GBps"] = bytes_moved / timings["swap_in_wall_ms"] / 1e6
+    out["ok"] = bool(hit_ok and swap_ok)
+    log(f"[host_tier] pool round trips: hit {'ok' if hit_ok else 'WRONG'}, swap {'ok' if swap_ok else 'WRONG'}")
+    return out
+
+
 def section_host_tier() -> Dict[str, Any]:
     shapes = DRY_SHAPES if RUN.dry else SHAPES
     reps = 2 if RUN.dry else 7
@@ -145,10 +212,11 @@ def section_host_tier() -> Dict[str, Any]:
     for name, (layers, heads, dim, page, n) in shapes.items():
         out["shapes"][name] = _shape(name, layers, heads, dim, page, n, reps)
     out["no_sync"] = _no_sync()
+    out["pool"] = _pool_round_trip(RUN.dry)
     pcts = {f"{name}:{d}:{m}": s[d][m]["pct_of_memcpy"] for name, s in out["shapes"].items()
             for d in ("offload", "load") for m in ("kernel", "copy")}
     out["pct_of_memcpy"] = pcts
     for m in ("kernel", "copy"):
         out[f"{m}_min_pct_of_memcpy"] = min(v for k, v in pcts.items() if k.endswith(":" + m))
-    out["ok"] = all(s["bitwise_ok"] for s in out["shapes"].values()) and out["no_sync"]["ok"]
+    out["ok"] = all(s["bitwise_ok"] for s in out["shapes"].values()) and out["no_sync"]["ok"] and out["pool"]["ok"]
     return out

@@ -1,15 +1,19 @@
-"""A naive pure-Python model of SlotAllocator, shared pages included, for the
-hypothesis state machine: one page list and one token list per request,
-holders counted by scanning, the prefix index keyed by exact content
-(salt, every token up to the end of the page) with registration ids, the LRU
-list a plain list (in the order pages were last filed), retention priorities a
+"""A naive pure-Python model of SlotAllocator, shared pages and a host tier
+included, for the hypothesis state machine: one page list and one token list
+per request, holders counted by scanning, the prefix index keyed by exact
+content (salt, every token up to the end of the page) with registration ids,
+each entry naming its device page and its host copy, the LRU lists plain lists
+(in the order pages were last filed), retention priorities of device pages a
 dict scanned for the lowest (allocator_model_priorities.py), the copy-on-write
-queue a list of [source page, destination page, slots] searched front to back.
-Same policies as the allocator, written the obvious way."""
+queue a list of [source page, destination page, slots] searched front to back,
+the offload and load queues lists of page pairs (tier part:
+allocator_model_tier.py). Same policies as the allocator, written the obvious
+way."""
 
 from allocator_model_priorities import PriorityModel
 
 import kvpool
+from allocator_model_tier import HOST, Entry, TierMixin
 
 MAX_REQ, MAX_CTX = 5, 20
 MAX_GEN = 0x7FFFFFFF
@@ -19,6 +23,7 @@ class Req:
     def __init__(self, salt=0):
         self.pages, self.tokens, self.prompt = [], [], []
         self.salt, self.hashed, self.chain_reg, self.broken = salt, 0, 0, False
+        self.swapped = False  # its pages list names host pages (| HOST)
 
     def copy(self):
         r = Req(self.salt)
@@ -35,18 +40,19 @@ class Req:
         return out
 
 
-class Model(PriorityModel):
-    def __init__(self, num_pages, ps, gen_base, max_pinned=None):
+class Model(PriorityModel, TierMixin):
+    def __init__(self, num_pages, ps, gen_base, host_pages=0, policy="write_back", max_pinned=None):
         self.ps = ps
         self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
         self.lru = []  # cached pages (pinned ones too), in the order last filed
-        self.prio = {}  # registered page -> [priority, until ns or None, seq]
+        self.prio = {}  # registered device page -> [priority, until ns or None, seq]
         self.now = 0  # the manual clock, ns
         self.max_pinned = (num_pages - 1) // 4 if max_pinned is None else max_pinned
         self.ends_given = 0
         self.victims = []
-        self.reg = {}  # page -> (key, reg, parent_reg)
+        self.reg = {}  # registration id -> Entry
         self.next_reg = 1
+        self.init_tier(host_pages, policy)
         self.free_rows = list(range(MAX_REQ - 1, -1, -1))
         self.gen = [None] * MAX_REQ
         self.base = gen_base
@@ -78,10 +84,20 @@ class Model(PriorityModel):
         return [q.pages[t // self.ps] * self.ps + t % self.ps for t in range(len(q.tokens))]
 
     def find(self, key):
-        for p, (k, reg, parent) in self.reg.items():
-            if k == key:
-                return p, reg, parent
+        for e in self.reg.values():
+            if e.key == key:
+                return e
         return None
+
+    def entry_at(self, p):
+        """The registration whose device copy is page p."""
+        for e in self.reg.values():
+            if e.dev == p:
+                return e
+        return None
+
+    def device_registered(self):
+        return sum(e.dev is not None for e in self.reg.values())
 
     def batch_rows(self, hs):
         rows = []
@@ -100,10 +116,14 @@ class Model(PriorityModel):
         return self.pop_victim()
 
     def release(self, p):
-        """One holder of p gone: with none left, p is CACHED or FREE (True)."""
+        """One holder of p gone: with none left, p is CACHED or FREE (True).
+        A host page (| HOST) goes to the host tier's lists."""
+        if p & HOST:
+            self.host_release(p & ~HOST)
+            return False
         if self.holders(p):
             return False
-        (self.lru if p in self.reg else self.free).append(p)
+        (self.lru if self.entry_at(p) else self.free).append(p)
         return True
 
     def drop_copy_into(self, p):
@@ -149,31 +169,41 @@ class Model(PriorityModel):
             raise kvpool.ContextTooLongError
         if len(prompts) > len(self.free_rows):
             raise kvpool.TooManyRequestsError
+        # Matches first (nothing changes): each page's location, its device
+        # page or its host copy | HOST.
         found = []
         for p in prompts:
             pages, prev = [], 0
             for k in range(max(len(p) - 1, 0) // self.ps):
-                f = self.find((salt, tuple(p[: (k + 1) * self.ps])))
-                if f is None or f[2] != prev:
+                e = self.find((salt, tuple(p[: (k + 1) * self.ps])))
+                if e is None or e.parent_reg != prev:
                     break
-                pages.append(f[0])
-                prev = f[1]
+                pages.append(e.dev if e.dev is not None else e.host | HOST)
+                prev = e.reg
             found.append((pages, prev))
+        if any(loc & HOST for pages, _ in found for loc in pages):
+            return self.open_with_host_hits(prompts, salt, found)
         hs, cached = [], []
         for p, (pages, prev) in zip(prompts, found):
-            r, h = self.new_row(salt)
-            for q in pages:
-                if q in self.lru:
-                    self.lru.remove(q)
-            n = len(pages) * self.ps
-            req = self.reqs[r]
-            req.pages, req.tokens, req.prompt = list(pages), list(p[:n]), list(p)
-            req.hashed, req.chain_reg = len(pages), prev
-            self.hit += n
-            self.miss += len(p) - n
+            h, n = self.open_on(p, salt, pages, prev)
             hs.append(h)
             cached.append(n)
         return hs, cached
+
+    def open_on(self, p, salt, pages, prev):
+        """A request of prompt p on the held device pages of a match ending at
+        registration prev: (handle, cached_len)."""
+        r, h = self.new_row(salt)
+        for q in pages:
+            if q in self.lru:
+                self.lru.remove(q)
+        n = len(pages) * self.ps
+        req = self.reqs[r]
+        req.pages, req.tokens, req.prompt = list(pages), list(p[:n]), list(p)
+        req.hashed, req.chain_reg = len(pages), prev
+        self.hit += n
+        self.miss += len(p) - n
+        return h, n
 
     def extend(self, hs, cs, tokens=None):
         need = 0
@@ -185,6 +215,8 @@ class Model(PriorityModel):
             n = len(q.tokens)
             if cs[i] < 0:
                 raise kvpool.InvalidArgumentError
+            if q.swapped:
+                raise kvpool.RequestSwappedOutError
             if n + cs[i] > MAX_CTX:
                 raise kvpool.ContextTooLongError
             need += -(-(n + cs[i]) // self.ps) - (-(-n // self.ps))
@@ -213,9 +245,9 @@ class Model(PriorityModel):
                     new = self.take_page()
                     self.queue.append([last, new, n % self.ps])
                     q.pages[-1] = new
-                elif last in self.reg:
-                    del self.reg[last]
+                elif self.entry_at(last):
                     self.prio.pop(last, None)
+                    self.drop_device_copy(last, False)
             for j in range(c):
                 t = n + j
                 if t % self.ps == 0:
@@ -241,12 +273,14 @@ class Model(PriorityModel):
         full = n // self.ps
         if q.hashed > full:
             q.broken = False
-            e = self.reg.get(q.pages[full - 1]) if full > 0 else None
-            q.hashed, q.chain_reg = (full, e[1]) if e else (0, 0)
+            e = self.entry_at(q.pages[full - 1]) if full > 0 else None
+            q.hashed, q.chain_reg = (full, e.reg) if e else (0, 0)
 
     def truncate(self, hs, ls):
         for i in range(len(hs)):
             r = self.batch_rows(hs[: i + 1])[i]
+            if self.reqs[r].swapped:
+                raise kvpool.RequestSwappedOutError
             if not 0 <= ls[i] <= len(self.reqs[r].tokens):
                 raise kvpool.InvalidArgumentError
         for h, n in zip(hs, ls):
@@ -264,25 +298,35 @@ class Model(PriorityModel):
         while k < len(known) // self.ps:
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
-            f = self.find(key)
-            if f is None and p not in self.reg:
-                self.reg[p] = (key, self.next_reg, chain)
+            e = self.find(key)
+            if e is None and self.entry_at(p) is None:
                 self.prio.pop(p, None)
                 reg = self.next_reg
                 self.next_reg += 1
-            elif f is not None and f[0] == p:
-                self.reg[p] = (key, f[1], chain)
-                reg = f[1]
-            elif f is not None and f[2] == chain:
-                reg = f[1]
+                self.reg[reg] = Entry(key, reg, chain, p)
+            elif e is not None and e.dev == p:
+                e.parent_reg = chain
+                reg = e.reg
+            elif e is not None and e.parent_reg == chain:
+                # A duplicate; one whose only copy is on the host takes this
+                # page as its device copy.
+                if e.dev is None and self.entry_at(p) is None:
+                    e.dev = p
+                reg = e.reg
             else:
                 q.broken = True
                 break
             chain, k = reg, k + 1
+        start = q.hashed
         q.hashed, q.chain_reg = k, chain
+        if k > start and self.writes_through():
+            self.write_through(r, start, k)
 
     def cache(self, hs):
-        for r in self.batch_rows(hs):
+        rows = self.batch_rows(hs)
+        if any(self.reqs[r].swapped for r in rows):
+            raise kvpool.RequestSwappedOutError
+        for r in rows:
             self.register(r)
 
     def retired(self, r):
@@ -292,24 +336,33 @@ class Model(PriorityModel):
     def close(self, hs, cache=False):
         rows = self.batch_rows(hs)
         if cache:
+            if any(self.reqs[r].swapped for r in rows):
+                raise kvpool.RequestSwappedOutError
             for r in rows:
                 self.register(r)
         for r in rows:
-            self.shrink(r, 0)
-            del self.reqs[r]
+            self.close_row(r)
             if not self.retired(r):
                 self.free_rows.append(r)
 
+    def close_row(self, r):
+        if self.reqs[r].swapped:
+            self.close_swapped(r)
+        else:
+            self.shrink(r, 0)
+        del self.reqs[r]
+
     def reset(self):
         for r in sorted(self.reqs):
-            self.shrink(r, 0)
-            del self.reqs[r]
+            self.close_row(r)
         self.free_rows = [r for r in range(MAX_REQ - 1, -1, -1) if not self.retired(r)]
 
     def fork(self, h, n):
         parent = self.row(h)
         if parent is None:
             raise kvpool.InvalidHandleError
+        if self.reqs[parent].swapped:
+            raise kvpool.RequestSwappedOutError
         if n > len(self.free_rows):
             raise kvpool.TooManyRequestsError
         out = []
@@ -329,6 +382,9 @@ class Model(PriorityModel):
     def clear_cache(self):
         self.free.extend(self.cache_order())
         self.lru = []
+        if self.tier:
+            self.tier.free.extend(self.tier.lru)
+            self.tier.lru = []
         self.reg = {}
         self.prio = {}
         for q in self.reqs.values():

@@ -41,9 +41,10 @@ class PriorityModel:
         low = min(self.plist(p) for p in self.lru if self.plist(p) != PINNED)
         p = next(p for p in self.lru if self.plist(p) == low)
         self.lru.remove(p)
-        del self.reg[p]
         self.prio.pop(p, None)
         self.victims.append(p)
+        # With a host tier the entry may live on in a host copy.
+        self.drop_device_copy(p, True)
         return p
 
     def cache_order(self):
@@ -79,19 +80,21 @@ class PriorityModel:
 
     def cached_prefix(self, r):
         """Each page of row r's cached prefix: its own page where registered,
-        else the registered copy of the same content under the same parent."""
+        else the registered copy of the same content under the same parent
+        (on the device)."""
         q = self.reqs[r]
         known = q.known()
         out, prev = [], 0
         for k in range(q.hashed):
             p = q.pages[k]
-            if p in self.reg:
-                reg = self.reg[p][1]
-            else:
-                f = self.find((q.salt, tuple(known[: (k + 1) * self.ps])))
-                if f is None or f[2] != prev:
+            e = self.entry_at(p)
+            if e is None:
+                # A copy only on the host is gone from the device, where
+                # priorities apply.
+                e = self.find((q.salt, tuple(known[: (k + 1) * self.ps])))
+                if e is None or e.parent_reg != prev or e.dev is None:
                     break
-                p, reg = f[0], f[1]
+            p, reg = e.dev, e.reg
             out.append(p)
             prev = reg
         return out
@@ -102,7 +105,7 @@ class PriorityModel:
             if retain_s is not None:
                 raise kvpool.InvalidArgumentError
             return None, None
-        rows = self.batch_rows(hs)
+        rows = self.resident_rows(hs)
         qs = [priority] * len(hs) if isinstance(priority, int) else list(priority)
         given = [priority] if isinstance(priority, int) else qs
         if len(qs) != len(hs) or any(not 0 <= q <= MAX for q in given):
@@ -136,8 +139,16 @@ class PriorityModel:
         self.give(rows, qs, retain_s)
         self.close(hs, False)
 
-    def unpin(self, hs):
+    def resident_rows(self, hs):
+        """batch_rows, then a swapped-out request refused: priorities are the
+        device's."""
         rows = self.batch_rows(hs)
+        if any(self.reqs[r].swapped for r in rows):
+            raise kvpool.RequestSwappedOutError
+        return rows
+
+    def unpin(self, hs):
+        rows = self.resident_rows(hs)
         n = 0
         for p in [p for r in rows for p in self.cached_prefix(r)]:
             if self.plist(p) == PINNED:

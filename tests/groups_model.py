@@ -14,7 +14,7 @@ allocator's message."""
 from math import gcd
 
 import kvpool
-from allocator_model import MAX_CTX, Model
+from allocator_model import MAX_CTX, Entry, Model
 
 
 def cdiv(a, b):
@@ -70,16 +70,17 @@ class AnchorModel(Model):
         while k < len(known) // self.ps:
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
-            f = self.find(key)
-            if f is None and p not in self.reg:
-                self.reg[p] = (key, self.next_reg, chain)
+            e = self.find(key)
+            if e is None and self.entry_at(p) is None:
+                self.prio.pop(p, None)
                 reg = self.next_reg
                 self.next_reg += 1
-            elif f is not None and f[0] == p:
-                self.reg[p] = (key, f[1], chain)
-                reg = f[1]
-            elif f is not None and f[2] == chain:
-                reg = f[1]
+                self.reg[reg] = Entry(key, reg, chain, p)
+            elif e is not None and e.dev == p:
+                e.parent_reg = chain
+                reg = e.reg
+            elif e is not None and e.parent_reg == chain:
+                reg = e.reg
             else:
                 q.broken = True
                 break
@@ -90,12 +91,12 @@ class AnchorModel(Model):
     def match(self, p, salt):
         pages, regs, prev = [], [], 0
         for k in range(max(len(p) - 1, 0) // self.ps):
-            f = self.find((salt, tuple(p[: (k + 1) * self.ps])))
-            if f is None or f[2] != prev:
+            e = self.find((salt, tuple(p[: (k + 1) * self.ps])))
+            if e is None or e.parent_reg != prev or e.dev is None:
                 break
-            pages.append(f[0])
-            regs.append(f[1])
-            prev = f[1]
+            pages.append(e.dev)
+            regs.append(e.reg)
+            prev = e.reg
         return pages, regs
 
     def open_matched(self, p, salt, pages, regs):

@@ -1,23 +1,30 @@
 """Hypothesis state machine: the Rust allocator against a pure-Python model
-(tests/allocator_model.py), shared pages included: open_with_prefix,
-extend(tokens=), admit, cache, close(cache=), fork with copy-on-write, truncate into
-shared pages and into prompts (which then diverge), evict, clear_cache, reset and
-eviction under pressure, and retention priorities (cache / close with a priority,
-per request or for all, pins past a small bound, durations on a manual clock,
-unpin). After every step the two must agree on every query (slots, pages, known
-tokens, counters, queued copies, hit counts, pinned pages, evictable pages per
+(tests/allocator_model.py), shared pages and a host tier included:
+open_with_prefix (host hits too), extend(tokens=), admit, cache, close(cache=),
+fork with copy-on-write, truncate into shared pages and into prompts (which then
+diverge), evict (write_back offloads), clear_cache, reset, eviction under
+pressure, swap_out and swap_in, and retention priorities (cache / close with a
+priority, per request or for all, pins past a small bound, durations on a manual
+clock, unpin), with and without a host tier. After every step the two must agree
+on every query (slots, pages, known tokens, counters of both tiers, queued
+copies, offloads and loads, hit counts, pinned pages, evictable pages per
 priority), and check() must pass. Errors must agree in type and leave both
 unchanged.
 
-Some runs drain the copy-on-write queue after every step; the others only when
-the `drain` rule fires, so queued copies outlive closes, truncations, evictions
-and resets: the model knows which copies survive and which source pages they
-keep held."""
+Some runs drain the transfer queues after every step; the others only when the
+`drain` rule fires or a step writes a slot a queued transfer touches, so queued
+transfers outlive closes, truncations, evictions, swaps and resets: the model
+knows which survive and which pages they keep held. A simulated store
+(tests/allocator_store.py) runs what each drain hands out in the documented order
+(offloads, loads, copies): every open request must read exactly what it wrote or
+was served, and every swapped-out request's host pages must hold it."""
 
 import copy
 
 import numpy as np
+import pytest
 from allocator_model import MAX_CTX, MAX_REQ, Model
+from allocator_store import Store
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -47,17 +54,23 @@ def run_both(real, model):
 
 class AllocatorMachine(RuleBasedStateMachine):
     @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
+                host_pages=st.sampled_from([0, 0, 2, 3, 5, 8, 16]),
+                policy=st.sampled_from(["write_back", "write_through"]),
                 max_pinned=st.sampled_from([0, 1, 1, 2, 3]))
-    def setup(self, num_pages, ps, drain_always, max_pinned):
+    def setup(self, num_pages, ps, drain_always, host_pages, policy, max_pinned):
         max_pinned = min(max_pinned, num_pages - 1)
-        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, manual_clock=True, max_pinned_pages=max_pinned)
+        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, host_pages=host_pages, host_policy=policy,
+                               manual_clock=True, max_pinned_pages=max_pinned)
         self.now = 0.0
         self.drain_always = drain_always
         # Generations start at a random per-allocator base: learn it from a
         # throwaway request (row 0 goes back on top of the row stack).
         h = int(self.a.open(1)[0])
         self.a.close([h])
-        self.m = Model(num_pages, ps, gen_base=h >> 32, max_pinned=max_pinned)
+        self.m = Model(num_pages, ps, gen_base=h >> 32, host_pages=host_pages, policy=policy,
+                       max_pinned=max_pinned)
+        self.store = Store(num_pages, host_pages, ps)
+        self.texts = []  # (known tokens, salt) of requests that registered pages
         self.m.gen[0] = h >> 32
         self.issued = [-3, (7 << 32) | 2, h]  # never-issued and closed handles ride along
 
@@ -96,6 +109,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             (hs, cached), (mhs, mcached) = r
             assert hs.tolist() == mhs and cached.tolist() == mcached
             self.issued += mhs
+            for h, n in zip(mhs, mcached):
+                self.store.hit(self.m, h, n)
 
     def tokens_for(self, data, hs, cs):
         out, x = [], data.draw(st.integers(0, 10))
@@ -127,6 +142,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert got is out and (out[len(r[1]) :] == -5).all()
                 got = out[: len(r[1])]
             assert got.tolist() == r[1]
+            self.write(hs)
         elif out is not None:
             assert (out == -5).all()
 
@@ -159,6 +175,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 slots = out[: len(mslots)]
             assert hs.tolist() == mhs and slots.tolist() == mslots
             self.issued += mhs
+            self.write(mhs)
         elif out is not None:
             assert (out == -5).all()
 
@@ -174,6 +191,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         r = run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c]))
         if r:
             assert r[0].tolist() == r[1]
+            self.write([h])
 
     @rule(data=st.data())
     def grow_every_open_request(self, data):
@@ -184,6 +202,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         r = run_both(lambda: self.a.extend(np.array(hs, dtype=np.int64), cs), lambda: self.m.extend(hs, cs))
         if r:
             assert r[0].tolist() == r[1]
+            self.write(hs)
 
     @rule(data=st.data())
     def truncate(self, data):
@@ -194,7 +213,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             cur = len(self.m.reqs[r].tokens) if r is not None else 0
             ok = st.integers(0, cur)
             ls.append(data.draw(st.one_of(ok, ok, ok, st.sampled_from([-1, cur + 1]))))
-        run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls))
+        if run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls)):
+            for h, n in zip(hs, ls):
+                self.store.truncate(h, n)
 
     def pick_where(self, data, want):
         """One open handle for which want(request) holds, when there is one
@@ -217,11 +238,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         keep = data.draw(st.integers(0, len(q.tokens))) if q else 0
         if q and min(len(q.tokens), len(q.prompt)) > 0 and data.draw(st.integers(0, 3)):
             keep = data.draw(st.integers(0, min(len(q.tokens), len(q.prompt)) - 1))
-        run_both(lambda: self.a.truncate(hs, [keep]), lambda: self.m.truncate(hs, [keep]))
+        if run_both(lambda: self.a.truncate(hs, [keep]), lambda: self.m.truncate(hs, [keep])):
+            self.store.truncate(hs[0], keep)
         toks = [(seed + 2 * j) % 3 for j in range(n)]
         r = run_both(lambda: self.a.extend(hs, [n], tokens=toks), lambda: self.m.extend(hs, [n], toks))
         if r:
             assert r[0].tolist() == r[1]
+            self.write(hs)
 
     @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(2, MAX_CTX), n=st.integers(1, 6),
           seed=st.integers(0, 2), cache=st.booleans())
@@ -235,14 +258,20 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         h = r[1][0][0]
         self.issued.append(h)
+        self.store.hit(self.m, h, r[1][1][0])
         c = length - r[1][1][0]
         if not run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
             return
+        self.write([h])
         keep = [data.draw(st.integers(0, length - 1))]
-        run_both(lambda: self.a.truncate([h], keep), lambda: self.m.truncate([h], keep))
+        if run_both(lambda: self.a.truncate([h], keep), lambda: self.m.truncate([h], keep)):
+            self.store.truncate(h, keep[0])
         toks = [(seed + 2 * j) % 3 for j in range(n)]
-        if run_both(lambda: self.a.extend([h], [n], tokens=toks), lambda: self.m.extend([h], [n], toks)) and cache:
-            run_both(lambda: self.a.cache([h]), lambda: self.m.cache([h]))
+        if run_both(lambda: self.a.extend([h], [n], tokens=toks), lambda: self.m.extend([h], [n], toks)):
+            self.write([h])
+            if cache:
+                self.drain()
+                run_both(lambda: self.a.cache([h]), lambda: self.m.cache([h]))
 
     @rule(data=st.data(), n=st.integers(1, 2), close=st.sampled_from([None, "parent", "child"]))
     def sample(self, data, n, close):
@@ -259,6 +288,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert r[0][0].tolist() == r[1][0]
                 hs = r[1][0]
                 self.issued += hs
+                self.write(hs)
         if not hs:
             return
         r = run_both(lambda: self.a.fork(hs[0], n), lambda: self.m.fork(hs[0], n))
@@ -266,18 +296,32 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert r[0].tolist() == r[1]
             kids = r[1]
             self.issued += kids
+            self.store.fork(hs[0], kids)
             batch = kids + hs
             r = run_both(lambda: self.a.extend(batch, 1), lambda: self.m.extend(batch, [1] * len(batch)))
             if r:
                 assert r[0].tolist() == r[1]
+                self.write(batch)
                 if close:
                     gone = hs if close == "parent" else kids[:1]
                     run_both(lambda: self.a.close(gone), lambda: self.m.close(gone))
 
+    def write(self, hs):
+        """The step of requests hs: their new positions' K/V, after the queued
+        transfers if one of them touches a slot written."""
+        self.store.write(self.m, hs, self.drain)
+
     @rule()
     def drain(self):
-        src, dst = self.a.take_copies()
-        assert (src.tolist(), dst.tolist()) == self.m.take_copies()
+        """Takes every queue in the documented order, checks each against the
+        model's, and runs them on the store."""
+        off = tuple(x.tolist() for x in self.a.take_offloads())
+        loads = tuple(x.tolist() for x in self.a.take_loads())
+        copies = tuple(x.tolist() for x in self.a.take_copies())
+        assert off == tuple(self.m.take_offloads())
+        assert loads == tuple(self.m.take_loads())
+        assert copies == tuple(self.m.take_copies())
+        self.store.run(off, loads, copies)
 
     @rule(now=st.integers(0, 3))
     def reset(self, now):
@@ -285,15 +329,69 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.a.reset()
             self.m.reset()
 
+    def remember(self, hs):
+        for h in hs:
+            r = self.m.row(h)
+            if r is not None and len(self.m.reqs[r].known()) > 1 and len(self.texts) < 8:
+                self.texts.append((self.m.reqs[r].known(), self.m.reqs[r].salt))
+
+    @rule(data=st.data(), evict_first=st.booleans())
+    def revisit(self, data, evict_first):
+        """A prompt whose pages were registered, asked for again (after its pages
+        left the device, with a host tier often on the host): hits on either tier."""
+        if not self.texts:
+            return
+        text, salt = data.draw(st.sampled_from(self.texts))
+        if evict_first:
+            self.evict(len(self.m.lru))
+        r = run_both(lambda: self.a.open_with_prefix(text, [len(text)], salt),
+                     lambda: self.m.open_with_prefix([text], salt))
+        if r:
+            (hs, cached), (mhs, mcached) = r
+            assert hs.tolist() == mhs and cached.tolist() == mcached
+            self.issued += mhs
+            self.store.hit(self.m, mhs[0], mcached[0])
+
     @rule(data=st.data(), cache=st.booleans())
     def close(self, data, cache):
         hs = self.pick(data, 2)
+        if cache:
+            self.drain()  # an engine runs its step before it publishes pages
+            self.remember(hs)
         run_both(lambda: self.a.close(hs, cache=cache), lambda: self.m.close(hs, cache))
 
     @rule(data=st.data())
     def cache(self, data):
         hs = self.pick(data, 2)
+        self.drain()
+        self.remember(hs)
         run_both(lambda: self.a.cache(hs), lambda: self.m.cache(hs))
+
+    def swapped_handles(self):
+        return [h for h in self.open_handles() if self.m.reqs[self.m.row(h)].swapped]
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        hs = self.pick(data, 2)
+        run_both(lambda: self.a.swap_out(hs), lambda: self.m.swap_out(hs))
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        swapped = self.swapped_handles()
+        hs = [data.draw(st.sampled_from(swapped))] if swapped and data.draw(st.integers(0, 3)) else self.pick(data, 2)
+        run_both(lambda: self.a.swap_in(hs), lambda: self.m.swap_in(hs))
+
+    @rule(data=st.data())
+    def bounce(self, data):
+        """swap_out, swap_in, swap_out, swap_in with nothing drained: pages a queued
+        load has yet to fill are swapped out again, host pages swap_in lets go are
+        wanted by write-backs of the same call."""
+        hs = self.pick(data, 1)[:1]
+        for k in range(4):
+            call = "swap_out" if k % 2 == 0 else "swap_in"
+            if not run_both(lambda: getattr(self.a, call)(hs), lambda: getattr(self.m, call)(hs)):
+                break
+            self.a.check()
 
     @rule(data=st.data(), n=st.integers(1, 2))
     def fork(self, data, n):
@@ -304,6 +402,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if r:
             assert r[0].tolist() == r[1]
             self.issued += r[1]
+            self.store.fork(hs[0], r[1])
 
     @rule(data=st.data(), close=st.booleans(), per_request=st.booleans(),
           retain=st.sampled_from([None, None, 1, 2, 0.5, 0, -1]))
@@ -325,8 +424,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         h = r[1][0][0]
         self.issued.append(h)
+        self.store.hit(self.m, h, r[1][1][0])
         c = length - r[1][1][0]
         if run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
+            self.write([h])
             self.give_priority(data, [h], close, False, retain)
 
     def give_priority(self, data, hs, close, per_request, retain):
@@ -358,12 +459,13 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 3))
     def evict(self, n):
-        """The pages evicted, in order (their Removed events), are the model's."""
+        """The device pages evicted, in order (their device Removed events), are
+        the model's; a write-back may also remove host copies."""
         self.a.take_events()
         self.m.victims = []
         assert self.a.evict(n) == self.m.evict(n)
         ev = self.a.take_events()
-        assert ev["page"][ev["kind"] == 1].tolist() == self.m.victims
+        assert ev["page"][(ev["kind"] == 1) & (ev["medium"] == 0)].tolist() == self.m.victims
 
     @rule()
     def clear_cache(self):
@@ -379,19 +481,33 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.drain()
             self.a.check()
         assert self.a.pending_copies == self.m.pending_copies()
+        t = self.m.tier
+        assert (self.a.pending_offloads, self.a.pending_loads) == ((len(t.offloads), len(t.loads)) if t else (0, 0))
         assert self.a.free_pages == len(self.m.free) + self.m.evictable()
         s = self.a.stats()
-        assert (s.evictable_pages, s.cached_pages) == (self.m.evictable(), len(self.m.reg))
+        assert (s.evictable_pages, s.cached_pages) == (self.m.evictable(), self.m.device_registered())
         assert s.pinned_pages == self.m.pinned() <= self.a.max_pinned_pages
         assert self.a.evictable_pages_by_priority().tolist() == self.m.by_priority()
         assert (s.hit_tokens, s.miss_tokens) == (self.m.hit, self.m.miss)
+        assert (s.host_free_pages, s.host_cached_pages) == (self.m.host_free_pages(), self.m.host_registered())
+        if t:
+            assert (s.host_hit_tokens, s.offloaded_pages, s.loaded_pages) == (t.hit, t.offloaded, t.loaded)
         assert self.a.open_requests == len(self.m.reqs)
         for h in self.issued:
             r = self.m.row(h)
             assert self.a.is_open(h) == (r is not None)
-            if r is not None:
+            if r is not None and self.m.reqs[r].swapped:
+                assert self.a.is_swapped(h)
+                with pytest.raises(kvpool.RequestSwappedOutError):
+                    self.a.slots(h)
+                assert self.a.length(h) == len(self.m.reqs[r].tokens)
+                assert self.a.known_tokens(h).tolist() == self.m.reqs[r].known()
+            elif r is not None:
+                assert not self.a.is_swapped(h)
                 assert self.a.slots(h).tolist() == self.m.slots(r)
                 assert self.a.known_tokens(h).tolist() == self.m.reqs[r].known()
+        self.store.scribble(self.m)
+        self.store.verify(self.m)
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)

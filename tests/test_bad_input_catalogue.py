@@ -23,6 +23,8 @@ from kvpool import (
     ContextTooLongError,
     InvalidArgumentError,
     KVPoolError,
+    PoolExhaustedError,
+    RequestSwappedOutError,
     SlotAllocator,
     SlotRangeError,
     TooManyRequestsError,
@@ -82,6 +84,10 @@ ALLOCATOR_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray], Any
     ("truncate(h, 1.5)", InvalidArgumentError, lambda a, h: a.truncate(h, 1.5)),
     ("close(True)", InvalidArgumentError, lambda a, h: a.close(True)),
     ("length('x')", InvalidArgumentError, lambda a, h: a.length("x")),
+    ("swap_out(h) without a host tier", InvalidArgumentError, lambda a, h: a.swap_out(h)),
+    ("swap_in(h) without a host tier", InvalidArgumentError, lambda a, h: a.swap_in(h)),
+    ("swap_out(1.5)", InvalidArgumentError, lambda a, h: a.swap_out(1.5)),
+    ("is_swapped('x')", InvalidArgumentError, lambda a, h: a.is_swapped("x")),
 ]
 
 
@@ -113,6 +119,68 @@ def test_huge_count_in_a_huge_page_pool_is_context_too_long():
     assert allocator_state(a, h) == before
 
 
+def tier_state(a: SlotAllocator, resident: np.ndarray, swapped: np.ndarray) -> tuple:
+    """allocator_state, plus the host tier's counters and queues, and what a
+    swapped-out request still answers (its slots and pages are refused)."""
+    return allocator_state(a, resident) + (
+        a.lengths(swapped).tobytes(), tuple(a.known_tokens(h).tobytes() for h in swapped),
+        tuple(bool(a.is_swapped(h)) for h in swapped),
+        a.host_free_pages, a.host_cached_pages, a.pending_offloads, a.pending_loads, a.pending_copies,
+    )
+
+
+@pytest.fixture
+def tiered() -> tuple[SlotAllocator, np.ndarray, np.ndarray]:
+    """Two requests on the device, one swapped out; the host has 1 page left."""
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8, host_pages=4)
+    h = a.open(3)
+    a.extend(h, [3, 1, 4])
+    a.swap_out(h[2:])  # its two pages go to the host
+    a.take_offloads()
+    return a, h[:2], h[2:]
+
+
+TIER_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray, np.ndarray], Any]]] = [
+    ("extend(swapped)", RequestSwappedOutError, lambda a, r, s: a.extend([r[0], s[0]], 1)),
+    ("truncate(swapped)", RequestSwappedOutError, lambda a, r, s: a.truncate(s, 0)),
+    ("fork(swapped)", RequestSwappedOutError, lambda a, r, s: a.fork(s[0], 1)),
+    ("cache(swapped)", RequestSwappedOutError, lambda a, r, s: a.cache(s)),
+    ("close(swapped, cache=True)", RequestSwappedOutError, lambda a, r, s: a.close(s, cache=True)),
+    ("cache(swapped, priority=)", RequestSwappedOutError, lambda a, r, s: a.cache(s, priority=50)),
+    ("close(swapped, cache=True, priority=)", RequestSwappedOutError,
+     lambda a, r, s: a.close(s, cache=True, priority=100)),
+    ("unpin(swapped)", RequestSwappedOutError, lambda a, r, s: a.unpin([r[0], s[0]])),
+    ("slots(swapped)", RequestSwappedOutError, lambda a, r, s: a.slots(s[0])),
+    ("pages(swapped)", RequestSwappedOutError, lambda a, r, s: a.pages(s[0])),
+    ("page_table(swapped)", RequestSwappedOutError, lambda a, r, s: a.page_table(s)),
+    ("swap_out(swapped)", RequestSwappedOutError, lambda a, r, s: a.swap_out([r[0], s[0]])),
+    ("swap_out more than the host holds", PoolExhaustedError, lambda a, r, s: a.swap_out(r)),
+    ("swap_out([h, h])", InvalidArgumentError, lambda a, r, s: a.swap_out([r[0], r[0]])),
+    ("swap_in(resident)", InvalidArgumentError, lambda a, r, s: a.swap_in([s[0], r[0]])),
+    ("swap_in([h, h])", InvalidArgumentError, lambda a, r, s: a.swap_in([s[0], s[0]])),
+    ("swap_in(closed handle)", kvpool.InvalidHandleError, lambda a, r, s: a.swap_in([s[0], 12345])),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", TIER_CASES, ids=[c[0] for c in TIER_CASES])
+def test_host_tier_bad_input(tiered, name, exc, call):
+    a, resident, swapped = tiered
+    before = tier_state(a, resident, swapped)
+    with pytest.raises(KVPoolError) as info:
+        call(a, resident, swapped)
+    assert type(info.value) is exc, f"{name}: {type(info.value).__name__}: {info.value}"
+    assert tier_state(a, resident, swapped) == before
+    a.check()
+
+
+def test_swap_in_without_device_room_is_pool_exhausted_and_changes_nothing(tiered):
+    a, resident, swapped = tiered
+    a.extend(resident, [8 - 3, 8 - 1])  # every device page held: none for the two host pages
+    before = tier_state(a, resident, swapped)
+    with pytest.raises(PoolExhaustedError, match="needs 2 free pages"):
+        a.swap_in(swapped)
+    assert tier_state(a, resident, swapped) == before
+    a.check()
 @pytest.fixture
 def prompted() -> tuple[SlotAllocator, np.ndarray]:
     """Requests whose token ids are known, so cache() with a priority would
@@ -187,6 +255,13 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator(4, 1, 2**64)", lambda: SlotAllocator(4, 1, 2**64)),
     ("SlotAllocator(4, 1, 4, '16')", lambda: SlotAllocator(4, 1, 4, "16")),
     ("SlotAllocator(-4)", lambda: SlotAllocator(-4)),
+    ("SlotAllocator(4, host_pages=1)", lambda: SlotAllocator(4, host_pages=1)),
+    ("SlotAllocator(4, host_pages=-1)", lambda: SlotAllocator(4, host_pages=-1)),
+    ("SlotAllocator(4, host_pages=True)", lambda: SlotAllocator(4, host_pages=True)),
+    ("SlotAllocator(4, host_pages=2.0)", lambda: SlotAllocator(4, host_pages=2.0)),
+    ("SlotAllocator(4, host_pages=2**31)", lambda: SlotAllocator(4, host_pages=2**31)),
+    ("SlotAllocator(4, host_policy='lru')", lambda: SlotAllocator(4, host_pages=2, host_policy="lru")),
+    ("SlotAllocator(4, host_policy=1)", lambda: SlotAllocator(4, host_pages=2, host_policy=1)),
     ("SlotAllocator(max_pinned_pages=4) of 3", lambda: SlotAllocator(4, max_pinned_pages=4)),
     ("SlotAllocator(max_pinned_pages=-1)", lambda: SlotAllocator(4, max_pinned_pages=-1)),
     ("SlotAllocator(max_pinned_pages=1.0)", lambda: SlotAllocator(4, max_pinned_pages=1.0)),

@@ -73,9 +73,10 @@ def test_take_events_report_what_was_stored_removed_and_cleared() -> None:
     assert {k: v.dtype for k, v in e.items()} == {
         "kind": np.uint8, "hash_hi": np.uint64, "hash_lo": np.uint64, "parent_hi": np.uint64,
         "parent_lo": np.uint64, "page": np.int32, "num_tokens": np.int32, "salt": np.int64,
-        "token_ids": np.int32,
+        "token_ids": np.int32, "medium": np.uint8,
     }
     assert e["kind"].tolist() == [0, 0, 0]
+    assert e["medium"].tolist() == [0, 0, 0]  # no host tier: every event is about the device
     assert joined(e["hash_hi"], e["hash_lo"]) == want
     assert joined(e["parent_hi"], e["parent_lo"]) == [0] + want[:-1]
     assert e["page"].tolist() == pages[:3]

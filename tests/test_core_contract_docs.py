@@ -36,6 +36,8 @@ CALLS = {
     "chain_hashes": "prefix_chain",
     "match_chain_hashes": "match_chain",
     "open_with_chain_hashes": "open_with_chain",
+    "swap_out": "swap_out",
+    "swap_in": "swap_in",
     "unpin": "unpin",
     "set_clock": "set_clock",
 }

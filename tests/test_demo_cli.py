@@ -78,3 +78,21 @@ def test_demo_shared_prefix_workload_reports_hits_and_saved_prefill(tmp_path, ca
     assert fig["pool_host"]["calls"]["open_with_prefix"] == 12 and fig["pool_host"]["calls"]["fork"] > 0
     text = capsys.readouterr().out
     assert "prefix cache" in text and "prefill tokens saved" in text and "12/12 done" in text
+
+
+def test_demo_host_pages_compares_runs_with_and_without_the_tier(tmp_path, capsys):
+    """System prompts that overflow the device pool come back from the host tier: more
+    hits and less prefill than the same run without it (the demo runs both)."""
+    out = tmp_path / "demo.json"
+    args = ["demo", *TINY, "--requests", "48", "--workload", "shared-prefix", "--system-prompts", "12",
+            "--system-len", "48:96", "--prompt-len", "4:16", "--output-len", "2:8", "--pool-tokens", "512",
+            "--max-running", "4", "--fork-share", "0", "--host-pages", "128", "--json", str(out)]
+    assert main(args) == 0
+    fig = json.loads(out.read_text())
+    tier, base = fig["host_tier"], fig["without_host_tier"]
+    assert tier["host_pages"] == 128 and tier["host_hit_tokens"] > 0
+    assert tier["offload_bytes"] > 0 and tier["load_bytes"] > 0
+    assert fig["prefix"]["hit_rate"] > base["prefix"]["hit_rate"]
+    assert fig["prefill_tokens"] < base["prefill_tokens"]
+    text = capsys.readouterr().out
+    assert "host tier (128 host pages) vs none" in text and "tokens/s" in text

@@ -63,6 +63,8 @@ def test_dry_run_of_the_whole_session(tmp_path):
     assert check["correctness"]["all_ok"] and check["shared_pages"]["ok"]
     tier = check["host_tier"]
     assert tier["ok"] and set(tier["shapes"]) == {"llama8b_2MiB", "small_64KiB"}
+    # The wired pool: KVPool(host_pages=) round trips, bitwise.
+    assert tier["pool"]["hit_bitwise_ok"] and tier["pool"]["swap_bitwise_ok"] and tier["pool"]["load_bytes"] > 0
     for shape in tier["shapes"].values():
         for d in ("offload", "load"):
             assert all(shape[d][m]["GBps"] > 0 for m in ("memcpy", "kernel", "copy")), (d, shape[d])

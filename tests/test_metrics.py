@@ -94,6 +94,23 @@ def test_a_single_pool_is_labelled_0_and_unknown_publishers_are_refused():
         KVPoolCollector([alloc], publishers={"x": LocalEventPublisher(alloc)})
 
 
+def test_a_tiered_pool_exports_its_offload_and_load_bytes():
+    pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, num_pages=5, page_size=P, max_requests=4,
+                         max_context_len=64, host_pages=16)
+    prompt = list(range(100, 100 + 2 * P + 1))
+    h, _ = pool.open_with_prefix(prompt, [len(prompt)])
+    pool.extend(h, len(prompt))
+    pool.close(h, cache=True)
+    other = list(range(900, 900 + pool.free_pages * P - 1))  # evicts (offloads) the prefix
+    h, _ = pool.open_with_prefix(other, [len(other)])
+    pool.extend(h, len(other))
+    pool.close(h)
+    h, _ = pool.open_with_prefix(prompt, [len(prompt)])  # loads it back
+    samples, types, _ = scrape(KVPoolCollector(pool))
+    assert pool.offload_bytes == pool.load_bytes == 2 * pool.host.page_bytes > 0
+    assert v(samples, "kvpool_offload_bytes_total", pool="0") == pool.offload_bytes
+    assert v(samples, "kvpool_load_bytes_total", pool="0") == pool.load_bytes
+    assert types["kvpool_offload_bytes"] == "counter"
 def test_pinned_pages_and_priority_bands_are_exported():
     """Pinned cached pages are their own state (neither free nor held), the pin
     count and bound are exported, and evictable pages are split around the

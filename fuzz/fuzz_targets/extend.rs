@@ -147,10 +147,11 @@ pub fn extend(
     true
 }
 
-/// Applies a successful extend to the model: queued copies first (the
+/// Applies a successful extend to the model: queued transfers first (the
 /// device runs them before the new positions are written), then the writes.
-/// With `m.defer` the copies stay queued unless a new position's slot is a
-/// queued copy's destination. Returns how many slots this call queued.
+/// With `m.defer` they stay queued unless a new position's slot is one a
+/// queued copy touches, or its page one a queued offload reads or load
+/// writes. Returns how many slots this call queued.
 pub fn record_extend(
     a: &mut SlotAllocator,
     m: &mut Model,
@@ -161,12 +162,15 @@ pub fn record_extend(
 ) -> usize {
     assert_eq!(slots.len() as i64, cs.iter().sum::<i64>());
     let queued = a.pending_copies() - m.pending;
-    if m.defer
-        && !crate::model::queued_copies(a)
-            .1
-            .iter()
-            .any(|d| slots.contains(d))
-    {
+    let q = crate::model::queued(a);
+    let ps = a.page_size() as i64;
+    let touched = |s: &i64| {
+        q.copies.0.contains(s)
+            || q.copies.1.contains(s)
+            || q.offloads.0.contains(&(s / ps))
+            || q.loads.1.contains(&(s / ps))
+    };
+    if m.defer && !slots.iter().any(touched) {
         m.pending = a.pending_copies();
     } else {
         m.drain(a);

@@ -1,5 +1,6 @@
 //! The harness's own record of what every open request and every slot
-//! holds, and the checks run against the allocator after each operation.
+//! holds (device and host), and the checks run against the allocator after
+//! each operation.
 //!
 //! Each write into a slot gets a fresh id, and the slot remembers it along
 //! with the writer's salt and the writer's full token context (positions
@@ -9,7 +10,9 @@
 //! computed for other tokens, another salt or another parent chain, the
 //! slot's cell no longer matches what a request believes it holds.
 
-use kvpool_core::{Events, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+use kvpool_core::{
+    Events, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE,
+};
 use std::collections::{HashMap, HashSet};
 
 /// What a slot holds: the write that filled it, and the KV identity it has.
@@ -24,6 +27,22 @@ pub struct Cell {
 /// The copy-on-write copies queued in `a`, in order, without draining them.
 pub fn queued_copies(a: &SlotAllocator) -> (Vec<i64>, Vec<i64>) {
     a.clone().take_copies()
+}
+
+/// Every transfer queued in `a`, in the order an engine takes them.
+pub struct Queued {
+    pub offloads: (Vec<i64>, Vec<i64>),
+    pub loads: (Vec<i64>, Vec<i64>),
+    pub copies: (Vec<i64>, Vec<i64>),
+}
+
+pub fn queued(a: &SlotAllocator) -> Queued {
+    let mut b = a.clone();
+    Queued {
+        offloads: b.take_offloads(),
+        loads: b.take_loads(),
+        copies: b.take_copies(),
+    }
 }
 
 /// One open request as the harness sees it.
@@ -47,9 +66,13 @@ impl Req {
 pub struct Model {
     pub reqs: HashMap<i64, Req>,
     content: Vec<Option<Cell>>,
+    /// What each host slot holds.
+    host: Vec<Option<Cell>>,
+    ps: usize,
     next_write: u64,
-    /// Registered pages, replayed from the Stored/Removed/Cleared events.
-    pub registered: HashSet<i32>,
+    /// Registered pages of each tier (medium, page), replayed from the
+    /// Stored/Removed/Cleared events.
+    pub registered: HashSet<(u8, i32)>,
     /// Token sequences seen (prompts, closed requests' tokens), for new
     /// prompts to reuse so that prefixes repeat.
     pub texts: Vec<Vec<i32>>,
@@ -62,10 +85,12 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new(num_slots: usize) -> Self {
+    pub fn new(a: &SlotAllocator) -> Self {
         Model {
             reqs: HashMap::new(),
-            content: vec![None; num_slots],
+            content: vec![None; a.num_slots()],
+            host: vec![None; a.host_pages() * a.page_size()],
+            ps: a.page_size(),
             next_write: 1,
             registered: HashSet::new(),
             texts: Vec::new(),
@@ -74,17 +99,42 @@ impl Model {
         }
     }
 
-    /// Takes every queued copy and runs it, as an engine does before a
-    /// step's K/V writes.
+    /// Takes every queued transfer and runs it, as an engine does before a
+    /// step's K/V writes: offloads, loads, copies.
     pub fn drain(&mut self, a: &mut SlotAllocator) {
-        let (src, dst) = a.take_copies();
-        self.copy(&src, &dst);
+        let q = Queued {
+            offloads: a.take_offloads(),
+            loads: a.take_loads(),
+            copies: a.take_copies(),
+        };
+        Self::run(&mut self.content, &mut self.host, self.ps, &q);
         self.pending = 0;
         assert_eq!(a.pending_copies(), 0, "copies left after take_copies");
+        assert_eq!(
+            (a.pending_offloads(), a.pending_loads()),
+            (0, 0),
+            "transfers left after taking them"
+        );
     }
 
-    pub fn cell(&self, slot: i64) -> Option<&Cell> {
-        self.content[slot as usize].as_ref()
+    /// Runs `q` on the device and host cells, in the documented order.
+    fn run(dev: &mut [Option<Cell>], host: &mut [Option<Cell>], ps: usize, q: &Queued) {
+        for (&d, &h) in q.offloads.0.iter().zip(&q.offloads.1) {
+            let (d, h) = (d as usize * ps, h as usize * ps);
+            host[h..h + ps].clone_from_slice(&dev[d..d + ps]);
+        }
+        for (&h, &d) in q.loads.0.iter().zip(&q.loads.1) {
+            let (h, d) = (h as usize * ps, d as usize * ps);
+            dev[d..d + ps].clone_from_slice(&host[h..h + ps]);
+        }
+        Self::run_copies(dev, &q.copies.0, &q.copies.1);
+    }
+
+    /// What the device slots will hold once `a`'s queued transfers ran.
+    pub fn settled(&self, a: &SlotAllocator) -> Vec<Option<Cell>> {
+        let (mut dev, mut host) = (self.content.clone(), self.host.clone());
+        Self::run(&mut dev, &mut host, self.ps, &queued(a));
+        dev
     }
 
     /// Request `h` writes position `pos` (already pushed to its tokens) to `slot`.
@@ -117,10 +167,6 @@ impl Model {
     /// Runs copy-on-write copies in queue order. (A copy can read an
     /// earlier one's destination only when the queue was left undrained
     /// across the calls that queued them.)
-    pub fn copy(&mut self, src: &[i64], dst: &[i64]) {
-        Self::run_copies(&mut self.content, src, dst);
-    }
-
     fn run_copies(content: &mut [Option<Cell>], src: &[i64], dst: &[i64]) {
         assert_eq!(
             src.len(),
@@ -128,27 +174,38 @@ impl Model {
             "take_copies: src and dst differ in length"
         );
         for (&s, &d) in src.iter().zip(dst) {
-            let c = content[s as usize].clone();
-            assert!(c.is_some(), "copy-on-write from a slot nobody wrote");
-            content[d as usize] = c;
+            content[d as usize] = content[s as usize].clone();
         }
     }
 
-    /// Replays drained events into `registered`, checking each Stored page
-    /// holds exactly the full known context and salt the event claims.
-    pub fn apply_events(&mut self, e: &Events, ps: usize) {
+    /// Replays drained events into `registered`, checking each Stored
+    /// device page holds exactly the full known context and salt the event
+    /// claims once the queued transfers have run (a host hit's page is
+    /// Stored when its load is queued; a host page's copy is still queued
+    /// when its event is sent, and host events are not checked here).
+    pub fn apply_events(&mut self, e: &Events, a: &SlotAllocator) {
+        let ps = a.page_size();
+        // A device page Stored by a host hit is filled by its queued load:
+        // check what each page holds once the queued transfers have run.
+        let settled = self.settled(a);
         let mut tok = 0usize;
         for i in 0..e.len() {
             let p = e.page[i];
+            let at = (e.medium[i], p);
             match e.kind[i] {
                 EVENT_STORED => {
                     assert_eq!(e.num_tokens[i] as usize, ps, "Stored a partial page");
-                    assert!(self.registered.insert(p), "page {p} Stored twice");
+                    assert!(self.registered.insert(at), "page {at:?} Stored twice");
                     let ids = &e.token_ids[tok..tok + ps];
                     tok += ps;
+                    if e.medium[i] != MEDIUM_DEVICE {
+                        continue;
+                    }
                     for (j, &id) in ids.iter().enumerate() {
                         let slot = p as i64 * ps as i64 + j as i64;
-                        let c = self.cell(slot).expect("Stored a page never written");
+                        let c = settled[slot as usize]
+                            .as_ref()
+                            .expect("Stored a page never written");
                         let ctx = c.ctx.as_ref().expect("Stored a page with unknown tokens");
                         assert_eq!(
                             ctx.last(),
@@ -160,8 +217,8 @@ impl Model {
                 }
                 EVENT_REMOVED => {
                     assert!(
-                        self.registered.remove(&p),
-                        "Removed page {p} was not registered"
+                        self.registered.remove(&at),
+                        "Removed page {at:?} was not registered"
                     );
                 }
                 EVENT_CLEARED => self.registered.clear(),
@@ -177,6 +234,9 @@ impl Model {
     pub fn holders(&self, a: &SlotAllocator) -> HashMap<i32, usize> {
         let mut m = HashMap::new();
         for &h in self.reqs.keys() {
+            if a.is_swapped(h) == Ok(true) {
+                continue;
+            }
             for p in a.pages(h).expect("open") {
                 *m.entry(p).or_insert(0) += 1;
             }
@@ -197,18 +257,25 @@ impl Model {
         }
         let ps = a.page_size() as i64;
         assert_eq!(a.open_requests(), self.reqs.len(), "open request count");
-        // What each slot holds once the queued copies have run: a copy
+        // What each slot holds once the queued transfers have run: one
         // still queued reads its source page now, so that page must still
-        // hold what it held when the copy was queued.
+        // hold what it held when the transfer was queued.
         let (src, dst) = queued_copies(a);
         assert_eq!(a.pending_copies(), src.len(), "pending_copies");
-        let mut content = self.content.clone();
-        Self::run_copies(&mut content, &src, &dst);
+        let content = self.settled(a);
         let cell = |s: i64| content[s as usize].as_ref();
         // Page -> (holder, index in its page list).
         let mut seen: HashMap<i32, Vec<(i64, usize)>> = HashMap::new();
+        let mut swapped = 0usize;
         for (&h, r) in &self.reqs {
             assert_eq!(a.length(h), Ok(r.tokens.len()), "length of {h}");
+            if a.is_swapped(h) == Ok(true) {
+                // Its pages are refused (checked again after swap_in).
+                assert!(a.slots(h).is_err() && a.pages(h).is_err());
+                assert_eq!(a.known_tokens(h).expect("open"), r.known());
+                swapped += 1;
+                continue;
+            }
             let slots = a.slots(h).expect("open");
             let pages = a.pages(h).expect("open");
             assert_eq!(pages.len() as i64, (r.tokens.len() as i64 + ps - 1) / ps);
@@ -261,36 +328,58 @@ impl Model {
             .map(|&s| (s / ps) as i32)
             .filter(|p| !seen.contains_key(p))
             .collect();
+        // Swapped-out requests may keep device pages (shared ones) that
+        // the harness cannot see.
         let held = seen.len() + sources.len();
-        assert_eq!(a.used_pages(), held, "used_pages vs pages held");
+        if swapped == 0 {
+            assert_eq!(a.used_pages(), held, "used_pages vs pages held");
+        } else {
+            assert!(a.used_pages() >= held, "used_pages vs pages held");
+        }
         assert_eq!(
-            a.free_pages() + held,
+            a.free_pages() + a.used_pages(),
             a.capacity_pages(),
             "free + held != capacity"
         );
+        let registered = |m: u8| self.registered.iter().filter(|k| k.0 == m).count();
         assert_eq!(
             a.cached_pages(),
-            self.registered.len(),
+            registered(MEDIUM_DEVICE),
             "cached_pages vs Stored - Removed"
+        );
+        assert_eq!(
+            a.host_cached_pages(),
+            self.registered.len() - registered(MEDIUM_DEVICE),
+            "host_cached_pages vs Stored - Removed"
         );
         let evictable = self
             .registered
             .iter()
-            .filter(|p| !seen.contains_key(p) && !sources.contains(p))
+            .filter(|k| k.0 == MEDIUM_DEVICE && !seen.contains_key(&k.1) && !sources.contains(&k.1))
             .count();
-        assert_eq!(
-            a.evictable_pages(),
-            evictable,
-            "evictable vs registered and unheld"
-        );
+        if swapped == 0 {
+            assert_eq!(
+                a.evictable_pages(),
+                evictable,
+                "evictable vs registered and unheld"
+            );
+        } else {
+            assert!(
+                a.evictable_pages() <= evictable,
+                "evictable vs registered and unheld"
+            );
+        }
     }
 }
 
 /// Everything a caller can observe, for the all-or-nothing check.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Snapshot {
-    counters: [u64; 9],
+    counters: [u64; 16],
+    /// Per handle: open (with slots, pages and known tokens, or, swapped
+    /// out, its length and known tokens) or not.
     requests: Vec<(i64, Option<(Vec<i64>, Vec<i32>, Vec<i32>)>)>,
+    queued: (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>),
     /// What a fixed probe sees on a clone (free-stack and LRU order).
     probe: Vec<i64>,
 }
@@ -302,8 +391,11 @@ impl Snapshot {
             .map(|&h| {
                 let detail = a.is_open(h).then(|| {
                     let open = "is_open";
-                    let s = a.slots(h).expect(open);
-                    (s, a.pages(h).expect(open), a.known_tokens(h).expect(open))
+                    let known = a.known_tokens(h).expect(open);
+                    match a.is_swapped(h) {
+                        Ok(true) => (vec![a.length(h).expect(open) as i64], vec![-1], known),
+                        _ => (a.slots(h).expect(open), a.pages(h).expect(open), known),
+                    }
                 });
                 (h, detail)
             })
@@ -319,8 +411,19 @@ impl Snapshot {
                 a.miss_tokens(),
                 a.pending_copies() as u64,
                 a.admissible_tokens() as u64,
+                a.host_free_pages() as u64,
+                a.host_cached_pages() as u64,
+                a.host_hit_tokens(),
+                a.pending_offloads() as u64,
+                a.pending_loads() as u64,
+                a.offloaded_pages(),
+                a.loaded_pages(),
             ],
             requests,
+            queued: {
+                let q = queued(a);
+                (q.offloads.0, q.offloads.1, q.loads.0, q.loads.1)
+            },
             probe: probe(a),
         }
     }

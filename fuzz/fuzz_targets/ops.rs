@@ -9,11 +9,14 @@
 //! observable (counters, every handle's slots/pages/tokens, no events, no
 //! copies, and the same free-stack and LRU order on a probe).
 //!
-//! Half the runs leave copy-on-write copies queued across operations (closes,
-//! truncations, evictions, resets in between) until a step writes into a
-//! copy's destination, pages are registered, or `Drain`: what each request
-//! reads is then what it will hold once the queued copies run, so a source
-//! page reused while its copy waits shows up as overwritten KV.
+//! Half the runs leave copy-on-write copies, offloads and loads queued across
+//! operations (closes, truncations, evictions, swaps, hits, resets in
+//! between) until a step writes a slot one touches, pages are registered,
+//! or `Drain`: what each request reads is then what it will hold once the
+//! queued transfers run in the documented order (offloads, loads, copies),
+//! so a source page reused while its transfer waits shows up as overwritten
+//! KV. Some runs have a host tier (write_back or write_through) and swap
+//! requests out and in.
 #![no_main]
 
 mod extend;
@@ -33,6 +36,8 @@ struct Config {
     max_context_len: u8,
     /// Low bits pick a weak (colliding) test-only hash now and then.
     hash: u8,
+    /// Host pages (none below 2), and the policy (the top bit).
+    host: u8,
 }
 
 /// Handles are named by index into every handle ever issued (open, closed or
@@ -102,8 +107,10 @@ enum Op {
     ClearCache,
     Reset,
     Queries(Vec<H>),
-    /// Take and run the queued copies.
+    /// Take and run every queued transfer.
     Drain,
+    SwapOut(Vec<H>),
+    SwapIn(Vec<H>),
     /// Retention priorities: `cache_with_priority` (a priority out of range
     /// past 100; a duration in seconds), `unpin`, and the manual clock
     /// moved on.
@@ -127,8 +134,15 @@ fn registers(op: &Op) -> bool {
 
 fuzz_target!(|input: (Config, Vec<Op>)| {
     let (cfg, ops) = input;
+    let host_pages = (cfg.host & 0x7f) as usize % 24;
     let opts = Options {
         hash_seed: Some(7),
+        host_pages: if host_pages < 2 { 0 } else { host_pages },
+        host_policy: if cfg.host & 0x80 != 0 {
+            kvpool_core::HostPolicy::WriteThrough
+        } else {
+            kvpool_core::HostPolicy::WriteBack
+        },
         weak_hash_bits: if cfg.hash % 4 == 0 {
             1 + (cfg.hash / 4) as u32 % 3
         } else {
@@ -147,7 +161,7 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
     ) else {
         panic!("a small valid config was refused");
     };
-    let mut m = Model::new(a.num_slots());
+    let mut m = Model::new(&a);
     // A bit the sizes above leave unused.
     m.defer = cfg.max_requests & 8 != 0;
     let mut issued: Vec<i64> = Vec::new();
@@ -165,7 +179,7 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
             if !m.defer {
                 assert_eq!(m.pending, 0, "copies left after {op:?}");
             }
-            m.apply_events(&events, a.page_size());
+            m.apply_events(&events, &a);
         } else {
             assert!(events.is_empty(), "failed {op:?} emitted events");
             assert_eq!(
@@ -181,7 +195,7 @@ fuzz_target!(|input: (Config, Vec<Op>)| {
 /// Replays the events so far into the model (between the steps of one op).
 fn settle(a: &mut SlotAllocator, m: &mut Model) {
     let e = a.take_events();
-    m.apply_events(&e, a.page_size());
+    m.apply_events(&e, a);
 }
 
 fn resolve(issued: &[i64], m: &Model, a: &SlotAllocator, h: H) -> i64 {
@@ -409,6 +423,28 @@ fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &Op) -
             m.drain(a);
             true
         }
+        Op::SwapOut(v) => {
+            let hs = handles(issued, m, a, v);
+            let offloads = a.pending_offloads();
+            if a.swap_out(&hs).is_err() {
+                return false;
+            }
+            for &h in &hs {
+                assert_eq!(a.is_swapped(h), Ok(true));
+            }
+            assert!(a.pending_offloads() >= offloads);
+            true
+        }
+        Op::SwapIn(v) => {
+            let hs = handles(issued, m, a, v);
+            if a.swap_in(&hs).is_err() {
+                return false;
+            }
+            for &h in &hs {
+                assert_eq!(a.is_swapped(h), Ok(false));
+            }
+            true
+        }
         Op::CachePriority(v, q, secs) => {
             let hs = handles(issued, m, a, v);
             let r = a.cache_with_priority(&hs, Counts::Each(*q as i64), secs.map(f64::from));
@@ -459,6 +495,8 @@ fn open_with_prefix(
     assert_eq!((hs.len(), cached.len()), (texts.len(), texts.len()));
     let ps = a.page_size() as i64;
     let mut hit = 0u64;
+    // A host hit's page is filled by its queued load.
+    let settled = m.settled(a);
     for ((&h, &c), (t, &s)) in hs.iter().zip(&cached).zip(texts.iter().zip(&salts)) {
         let cap = ((t.len() as i64 - 1).max(0) / ps) * ps;
         assert!(
@@ -476,8 +514,8 @@ fn open_with_prefix(
         for (i, &slot) in slots.iter().enumerate() {
             // The hit page must hold KV computed for this salt and exactly
             // this prompt's tokens at positions 0..=i.
-            let cell = m
-                .cell(slot)
+            let cell = settled[slot as usize]
+                .as_ref()
                 .unwrap_or_else(|| panic!("hit slot {slot} was never written"));
             assert_eq!(cell.salt, s, "prefix hit served another salt's page");
             assert_eq!(
@@ -502,9 +540,14 @@ fn queries(a: &SlotAllocator, hs: &[i64]) -> bool {
     let pt = a.page_table(hs);
     let rows = a.rows(hs);
     let lens = a.lengths(hs);
-    // All three agree on whether the batch is valid.
+    // All three agree on whether the batch is valid, except that a
+    // swapped-out request has a row and a length but no page table.
+    assert_eq!(rows.is_ok(), lens.is_ok());
+    if rows.is_ok() && hs.iter().any(|&h| a.is_swapped(h) == Ok(true)) {
+        assert!(pt.is_err(), "page_table of a swapped-out request");
+        return true;
+    }
     assert_eq!(pt.is_ok(), rows.is_ok());
-    assert_eq!(pt.is_ok(), lens.is_ok());
     if let (Ok(pt), Ok(lens)) = (pt, lens) {
         assert_eq!(pt.indptr.len(), hs.len() + 1);
         for (i, &h) in hs.iter().enumerate() {

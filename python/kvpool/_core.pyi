@@ -13,6 +13,7 @@ __all__ = [
     "ContextTooLongError",
     "InvariantError",
     "InvalidArgumentError",
+    "RequestSwappedOutError",
     "RollbackUnavailableError",
     "PoolStats",
     "SlotAllocator",
@@ -39,6 +40,7 @@ class TooManyRequestsError(KVPoolError): ...
 class ContextTooLongError(KVPoolError): ...
 class InvalidArgumentError(KVPoolError, ValueError): ...
 class InvariantError(KVPoolError): ...
+class RequestSwappedOutError(KVPoolError): ...
 class RollbackUnavailableError(KVPoolError): ...
 
 @final
@@ -69,15 +71,25 @@ class PoolStats:
     def miss_tokens(self) -> int: ...
     @property
     def pinned_pages(self) -> int: ...
+    @property
+    def host_free_pages(self) -> int: ...
+    @property
+    def host_cached_pages(self) -> int: ...
+    @property
+    def host_hit_tokens(self) -> int: ...
+    @property
+    def offloaded_pages(self) -> int: ...
+    @property
+    def loaded_pages(self) -> int: ...
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False)
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
 
     Owns which slots each request holds: free pages, per-request page lists,
     shared pages (refcounts, a prefix cache with LRU eviction and retention
-    priorities, copy-on-write).
-    Thread-safe (one internal lock; batch calls release the GIL).
+    priorities, copy-on-write), and optionally a host tier below the device
+    pages. Thread-safe (one internal lock; batch calls release the GIL).
 
     Args:
         num_pages: total pages, reserved page 0 included (>= 2).
@@ -95,10 +107,19 @@ class SlotAllocator:
         manual_clock: retention durations (cache(retain_s=)) run on a clock
             that only set_clock moves (tests; tensor-parallel ranks, which
             must agree on time), not the system's monotonic clock.
+        host_pages: host pages of a host tier, the reserved host page 0
+            included (0: no tier, and everything behaves as without one;
+            otherwise >= 2). Cached pages then live on the device, the host
+            or both; the core queues the transfers (take_offloads,
+            take_loads) and swap_out / swap_in move whole requests.
+        host_policy: "write_back" (a cached page goes to the host when device
+            eviction would drop it) or "write_through" (when cache()
+            registers it).
 
     Raises:
-        InvalidArgumentError: a size is zero, negative or too large, or a
-            seed is not an int in [0, 2**64).
+        InvalidArgumentError: a size is zero, negative or too large, a seed
+            is not an int in [0, 2**64), host_pages is 1, or host_policy is
+            neither policy.
     """
 
     def __new__(
@@ -113,6 +134,8 @@ class SlotAllocator:
         kv_events: bool = True,
         max_pinned_pages: Optional[int] = None,
         manual_clock: bool = False,
+        host_pages: int = 0,
+        host_policy: str = "write_back",
     ) -> SlotAllocator: ...
     @property
     def page_size(self) -> int:
@@ -129,6 +152,12 @@ class SlotAllocator:
     @property
     def max_context_len(self) -> int:
         """Most tokens one request may hold."""
+    @property
+    def host_pages(self) -> int:
+        """Host pages of the host tier, the reserved host page 0 included (0: no tier)."""
+    @property
+    def host_policy(self) -> Optional[str]:
+        """The host tier's policy: "write_back" or "write_through" (None without a tier)."""
     @property
     def free_pages(self) -> int:
         """Pages an extend can take now: FREE + CACHED (evictable); pinned cached
@@ -162,8 +191,9 @@ class SlotAllocator:
         """Heap bytes of the allocator's bookkeeping."""
     def stats(self) -> PoolStats:
         """The changing counters (free_pages, used_pages, free_slots, used_slots,
-        open_requests, admissible_tokens, metadata_bytes) read under one lock,
-        so they agree with each other even while other threads work.
+        open_requests, admissible_tokens, metadata_bytes, the cache's and the
+        host tier's) read under one lock, so they agree with each other even
+        while other threads work.
         """
     def open(self, n: int = 1) -> npt.NDArray[np.int64]:
         """Opens n empty requests (no pages until they grow).
@@ -218,6 +248,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out (swap_in first).
             PoolExhaustedError: not enough free or evictable pages (needed vs free).
             ContextTooLongError: a request would pass max_context_len.
             InvalidArgumentError: negative count, mismatched lengths, duplicate
@@ -302,6 +333,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
@@ -310,10 +342,12 @@ class SlotAllocator:
         """Closes requests and releases their pages; their handles become stale.
         With cache=True, first registers each request's full pages of known
         tokens in the prefix cache (as cache()), so they stay reusable, with
-        cache()'s priority and retain_s if given. Atomic.
+        cache()'s priority and retain_s if given. A swapped-out request
+        releases its host pages too. Atomic.
 
         Raises:
             InvalidHandleError: a handle is unknown, already closed or stale.
+            RequestSwappedOutError: cache=True for a swapped-out request.
             InvalidArgumentError: a duplicate handle; a priority or retain_s
                 as cache() refuses them, or given without cache=True.
         """
@@ -334,12 +368,14 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: unknown, closed or stale handle.
+            RequestSwappedOutError: the request is swapped out.
         """
     def pages(self, handle: _Handle) -> npt.NDArray[np.int32]:
         """The pages the request holds, in token order.
 
         Raises:
             InvalidHandleError: unknown, closed or stale handle.
+            RequestSwappedOutError: the request is swapped out.
         """
     def page_table(
         self, handles: _IntArray
@@ -350,6 +386,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
         """
     def rows(self, handles: _IntArray) -> npt.NDArray[np.int64]:
         """Each request's row of a request-to-token table (fixed while it is open).
@@ -384,7 +421,11 @@ class SlotAllocator:
         is left to compute (cached_len <= length - 1, rounded down to a page).
         Each request's length is its cached_len; its slots, pages and page
         table show the shared pages. The prompt's token ids are remembered:
-        later extends take them. Atomic.
+        later extends take them. With a host tier, cached_lens count host
+        hits too: a page whose only copy is on the host takes a device page
+        (which may evict and, under "write_back", offload another) and
+        queues its load (take_loads); a host hit that finds no device page
+        ends that prompt's match (a miss, not an error). Atomic.
 
         Args:
             tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
@@ -411,7 +452,9 @@ class SlotAllocator:
         """Registers every full page of each request whose token ids are all
         known and that is not registered yet, so later prompts can hit it.
         Call it once the step that wrote those pages has run. If the same
-        content is registered already, the existing copy is kept. Atomic.
+        content is registered already, the existing copy is kept. With a
+        host tier under "write_through", each page registered also gets a
+        host copy (an offload, take_offloads). Atomic.
 
         With a priority, every page of each request's cached prefix (its own
         registered pages, or the copy kept of one it duplicated) also gets that
@@ -431,6 +474,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
             InvalidArgumentError: a duplicate handle; a priority outside [0, 100]
                 or not one per request; retain_s not a number in (0, 1e9], or
                 given without a priority.
@@ -446,6 +490,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: `handle` is unknown, closed or stale.
+            RequestSwappedOutError: `handle` is swapped out.
             TooManyRequestsError: not enough free rows.
             InvalidArgumentError: n is negative or not an int, a bad table.
         """
@@ -462,7 +507,8 @@ class SlotAllocator:
         """Evicts up to n_pages cached pages nobody holds, the lowest retention
         priority first and least recently used within one (a chain's tail
         before its parents), never a pinned page; they become free. Returns
-        how many were evicted.
+        how many were evicted. With a host tier a page's entry keeps its host
+        copy, and under "write_back" one without is offloaded.
 
         Raises:
             InvalidArgumentError: n_pages is negative or not an int.
@@ -470,18 +516,21 @@ class SlotAllocator:
     def clear_cache(self) -> None:
         """Drops every prefix-index entry: cached pages become free (pinned ones
         too: nothing is pinned or has a priority after it), held pages stay
-        with their requests. Records one Cleared event. Queued copies stay:
-        they fill open requests' pages.
+        with their requests (on both tiers). Records one Cleared event.
+        Queued copies and transfers stay: they fill open requests' pages.
         """
     def take_events(self) -> Dict[str, npt.NDArray[Any]]:
         """Drains the KV events (what vLLM's KVEventBatch carries), oldest
         first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
         2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
         hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
-        first page), page (int32), num_tokens (int32), salt (int64), and
-        token_ids (int32, the Stored events' tokens concatenated). Past
-        max(num_pages, 65536) undrained events the backlog is replaced by one
-        Cleared event (dropped_events counts what went).
+        first page), page (int32), num_tokens (int32), salt (int64),
+        token_ids (int32, the Stored events' tokens concatenated), and medium
+        (uint8: the tier a Stored or Removed event is about and whose page id
+        `page` is, 0 device, 1 host; 0 for Cleared; encode_kv_events sends
+        them as "GPU" and "CPU"). Past max(num_pages, 65536) undrained events
+        the backlog is replaced by one Cleared event (dropped_events counts
+        what went).
         """
     def take_events_msgpack(
         self, ts: float, data_parallel_rank: Optional[int] = None
@@ -521,7 +570,7 @@ class SlotAllocator:
         self, hashes: npt.NDArray[np.integer[Any]], tokens: _IntArray, salt: Optional[int] = None
     ) -> int:
         """How many leading pages of a chain (from another pool's chain_hashes)
-        this pool caches. A page matches only if the entry under its hash holds
+        this pool caches on the device. A page matches only if the entry under its hash holds
         exactly the given tokens, the same salt and the matched parent, so a
         different hash_seed or a collision is a miss, never wrong KV. Read-only.
 
@@ -552,7 +601,7 @@ class SlotAllocator:
         """The prefix hash seed (pass it as hash_seed= to agree on page hashes)."""
     @property
     def cached_pages(self) -> int:
-        """Registered pages (held or cached)."""
+        """Registered device pages (held or cached)."""
     @property
     def evictable_pages(self) -> int:
         """Cached pages nobody holds: evicted when pages run out (pinned ones
@@ -560,7 +609,7 @@ class SlotAllocator:
         """
     @property
     def hit_tokens(self) -> int:
-        """Prompt tokens served from the cache by open_with_prefix (cumulative)."""
+        """Prompt tokens served from the cache by open_with_prefix, host hits included (cumulative)."""
     @property
     def miss_tokens(self) -> int:
         """Prompt tokens open_with_prefix found no cached page for (cumulative)."""
@@ -572,6 +621,81 @@ class SlotAllocator:
     @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""
+    def take_offloads(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Drains the queued offloads (int64 page ids, oldest first): copy every
+        layer's K and V of device page device_pages[i] to host page
+        host_pages[i]. Before a step's K/V writes, run the offloads, then
+        take_loads(), then take_copies(), in that order. Each host page stays
+        pinned (never reused or evicted) until its offload is taken here; a
+        device page an offload reads may already be handed out again (as a
+        load's or copy's destination, or to a new holder), which the order
+        makes safe. Empty without a host tier.
+        """
+    def take_loads(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Drains the queued loads (int64 page ids, oldest first): copy host page
+        host_pages[i] into device page device_pages[i], after the offloads and
+        before the copies (see take_offloads). Each host page stays pinned
+        until its load is taken here. Empty without a host tier.
+        """
+    def swap_out(self, handles: _IntArray) -> None:
+        """Moves each request's pages that it holds alone to host pages (queued
+        offloads, take_offloads) and frees their device pages (a registered
+        page stays cached on the device, its entry on both tiers). Shared
+        pages, and pages a queued load or copy has yet to fill, stay on the
+        device, still held by the request. The request keeps its handle,
+        length and known tokens; extend, truncate, fork, cache and its slots,
+        pages and page table raise RequestSwappedOutError until swap_in.
+        Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out already.
+            PoolExhaustedError: fewer free or evictable host pages than pages
+                to move (nothing moved).
+            InvalidArgumentError: a duplicate handle; no host tier.
+        """
+    def swap_in(self, handles: _IntArray) -> None:
+        """Brings swapped-out requests back: a device page for each of their host
+        pages (evicting cached pages as extend does) and a queued load
+        (take_loads); the host pages are let go once the loads are taken.
+        After the loads, every position holds bitwise the K/V it held before
+        swap_out. Atomic: all requests come back or none.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            PoolExhaustedError: not enough free or evictable device pages
+                (needed vs free; nothing changed).
+            InvalidArgumentError: a duplicate handle; a request that is not
+                swapped out; no host tier.
+        """
+    def is_swapped(self, handle: _Handle) -> bool:
+        """Whether the request is swapped out (swap_out, and no swap_in since).
+
+        Raises:
+            InvalidHandleError: unknown, closed or stale handle.
+        """
+    @property
+    def host_free_pages(self) -> int:
+        """Host pages an offload or a swap_out can take now: free + cached (evictable)."""
+    @property
+    def host_cached_pages(self) -> int:
+        """Host pages holding a registered page's copy (held or not)."""
+    @property
+    def host_hit_tokens(self) -> int:
+        """Prompt tokens open_with_prefix served from host copies, part of hit_tokens (cumulative)."""
+    @property
+    def offloaded_pages(self) -> int:
+        """Pages handed out by take_offloads (cumulative; times a page's bytes: bytes offloaded)."""
+    @property
+    def loaded_pages(self) -> int:
+        """Pages handed out by take_loads (cumulative; times a page's bytes: bytes loaded)."""
+    @property
+    def pending_offloads(self) -> int:
+        """Offloads queued and not yet taken."""
+    @property
+    def pending_loads(self) -> int:
+        """Loads queued and not yet taken."""
+
     def unpin(self, handles: _IntArray) -> int:
         """Gives every pinned page of each request's cached prefix the default
         priority, so cached ones are evictable (and free) at once. Returns how
@@ -581,6 +705,7 @@ class SlotAllocator:
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
             InvalidArgumentError: a duplicate handle.
         """
     def set_clock(self, now: float) -> None:

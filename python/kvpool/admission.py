@@ -20,6 +20,8 @@ class AdmissionMixin:
     _to_device: ToDevice | None
     _lock: Any  # the pool's RLock (see KVPool: threads)
     _enter_device_call: Any
+    _transfers: Any  # the host tier's TransferRunner (None without a tier)
+    _run_transfers: Any
 
     def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, ExtendResult]:
         """Open ``len(counts)`` requests and extend request ``i`` by ``counts[i]`` tokens,
@@ -45,6 +47,8 @@ class AdmissionMixin:
                 self._enter_device_call("admit")
             if self._table_np is not None:  # a CPU table: the core writes the rows
                 handles, slots = self.allocator.admit(counts, table=self._table_np, tokens=tokens)
+                if self._transfers is not None:  # the evictions' offloads
+                    self._run_transfers()
                 return handles, self._own_result(slots)
             handles, packed, num_requests = self.allocator.admit_packed(counts, tokens=tokens)
             try:
@@ -54,4 +58,7 @@ class AdmissionMixin:
                 self.allocator.truncate(back, 0)
                 self.allocator.close(back)
                 raise
+            finally:
+                if self._transfers is not None:  # the evictions' offloads, whatever happened
+                    self._run_transfers()
             return handles, self._own_result(slots, dev)

@@ -4,7 +4,11 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
 
 - The allocator's (``kvpool._core``, raised by the Rust core): ``PoolExhaustedError``,
   ``InvalidHandleError``, ``TooManyRequestsError``, ``ContextTooLongError``,
-  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError``, and
+  ``InvalidArgumentError`` (also a ``ValueError``), ``InvariantError``,
+  ``RequestSwappedOutError`` (a call that needs the request on the device, made
+  on one ``swap_out`` moved to the host tier; a ``KVPoolError`` and not an
+  ``InvalidHandleError``: the handle stays valid and owns its pages, so code that
+  forgets requests on an invalid handle must not catch it), and
   ``RollbackUnavailableError`` (a grouped pool's truncate that a sliding window or a
   state group cannot restore).
 - The torch layer's and the kernels' argument errors derive from
@@ -25,6 +29,7 @@ from kvpool._core import (
     InvariantError,
     KVPoolError,
     PoolExhaustedError,
+    RequestSwappedOutError,
     RollbackUnavailableError,
     TooManyRequestsError,
 )
@@ -40,6 +45,7 @@ __all__ = [
     "LayerIndexError",
     "PoolExhaustedError",
     "RankDivergenceError",
+    "RequestSwappedOutError",
     "ReservedSlotError",
     "RollbackUnavailableError",
     "SlotRangeError",

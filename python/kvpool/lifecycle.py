@@ -39,6 +39,8 @@ class RequestOps:
 
     allocator: SlotAllocator
     _lock: Any  # the pool's RLock
+    _transfers: Any  # the host tier's TransferRunner (None without a tier)
+    _run_transfers: Any
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
@@ -56,6 +58,10 @@ class RequestOps:
     hit_tokens = _counter("hit_tokens")
     miss_tokens = _counter("miss_tokens")
     dropped_events = _counter("dropped_events")
+    host_pages = _counter("host_pages")
+    host_free_pages = _counter("host_free_pages")
+    host_cached_pages = _counter("host_cached_pages")
+    host_hit_tokens = _counter("host_hit_tokens")
     pinned_pages = _counter("pinned_pages")
     max_pinned_pages = _counter("max_pinned_pages")
     clock = _counter("clock")
@@ -88,6 +94,8 @@ class RequestOps:
         ``SlotAllocator.close``; holds the pool's lock."""
         with self._lock:
             self.allocator.close(handles, cache=cache, priority=priority, retain_s=retain_s)
+            if self._transfers is not None:  # the host tier's offloads
+                self._run_transfers()
 
     def cache(self, handles: Any, priority: Any = None, retain_s: Any = None) -> None:
         """Publish requests' full pages in the prefix cache, with a retention
@@ -97,6 +105,8 @@ class RequestOps:
         ``close(cache=True)``)."""
         with self._lock:
             self.allocator.cache(handles, priority=priority, retain_s=retain_s)
+            if self._transfers is not None:  # the host tier's offloads
+                self._run_transfers()
 
     def unpin(self, handles: Any) -> int:
         """Give the pinned pages of requests' cached prefixes the default priority.
@@ -120,7 +130,10 @@ class RequestOps:
         lock. Extends evict by themselves when free pages run out; this is for
         engines that keep headroom."""
         with self._lock:
-            return self.allocator.evict(n_pages)
+            n = self.allocator.evict(n_pages)
+            if self._transfers is not None:  # write_back: the evicted pages' offloads
+                self._run_transfers()
+            return n
 
     def clear_cache(self) -> None:
         """Drop every prefix-cache entry. See ``SlotAllocator.clear_cache``; holds the

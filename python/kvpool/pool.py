@@ -22,6 +22,7 @@ from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.lifecycle import RequestOps
 from kvpool.heads import shard_kv_heads
+from kvpool.host_tier import HostTierMixin, resolve_host_pages
 from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
@@ -44,7 +45,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
+class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -76,6 +77,16 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
     retain_s=)``, ``unpin``): ``max_pinned_pages`` bounds the pinned pages (a
     quarter of the pool by default) and ``manual_clock=True`` runs durations
     on a clock only ``set_clock`` moves (see ``SlotAllocator``).
+
+    Host tier: ``host_pages`` (reserved host page 0 included; 0 or None: no
+    tier, and the pool behaves exactly as without one) or ``host_memory_bytes``
+    (rounded down to whole host pages) adds page-major host storage below the
+    device pages (pinned on CUDA), and ``host_policy`` (``"write_back"``,
+    the default, or ``"write_through"``) says when cached pages are copied to
+    it. Cached prefixes evicted from the device then hit from the host, and
+    ``swap_out`` / ``swap_in`` move whole requests. Every call that can queue
+    a transfer runs it before returning, under the lock, offloads then loads
+    then copy-on-write copies (see ``kvpool.host_tier``, docs/tiers.md).
 
     Raises (constructor):
         InvalidArgumentError: a bad size, dtype, layout, device or capacity
@@ -153,6 +164,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         kv_events: bool = True,
         max_pinned_pages: int | None = None,
         manual_clock: bool = False,
+        host_pages: int | None = None,
+        host_memory_bytes: int | None = None,
+        host_policy: str = "write_back",
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.
@@ -199,12 +213,13 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         # Held for the whole of every call that changes ownership (see the class doc).
         # Reentrant: send/recv_request hold it around the pool calls they make.
         self._lock = threading.RLock()
+        host = resolve_host_pages(self, host_pages, host_memory_bytes)
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.
         self.allocator = SlotAllocator(
             pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed,
             handle_seed=handle_seed, kv_events=kv_events, max_pinned_pages=max_pinned_pages,
-            manual_clock=manual_clock,
+            manual_clock=manual_clock, host_pages=host, host_policy=host_policy,
         )
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.
@@ -246,6 +261,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         # CUDA: orders copy-on-write copies before later page hand-outs on other streams.
         self._order: CopyOrder | None = CopyOrder(self.device) if self.device.type == "cuda" else None
         self._init_rows()  # per-layer views, scales and geometry for write / read
+        self._init_host_tier(host)
 
     def _enter_device_call(self, what: str) -> None:
         """Start of a call that stages host data and hands out pages, on a pool
@@ -257,6 +273,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         refuse_capture(self.device, what)
         if self._order is not None:
             self._order.wait()
+        if self._transfers is not None:  # and for the host tier's transfers
+            self._transfers.wait()
 
     def _check_mla(self, rank: int | None, rope: int | None) -> bool:
         if rank is None and rope is None:
@@ -293,6 +311,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
             out.append(("k_scale", self.k_scale))
         if self.v_scale is not None and self.v_scale is not self.k_scale:
             out.append(("v_scale", self.v_scale))
+        if self.host is not None:
+            out += self.host.tensors()
         return out
 
     # ----- request operations that touch the tables ------------------------
@@ -336,7 +356,12 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
                 else:
                     slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens,
                                                        cow=True)
+                    if self._transfers is not None:
+                        self._run_transfers()
                     apply_cow(self, cow, table_written=True)
+                    return self._own_result(slots)
+                if self._transfers is not None:
+                    self._run_transfers()
                 return self._own_result(slots)
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
@@ -344,6 +369,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
             except BaseException:
                 self._roll_back_extend(handles, packed, num_requests, cow)
                 raise
+            if self._transfers is not None:
+                self._run_transfers()
             apply_cow(self, cow, table_written=False)
             return self._own_result(slots, dev)
         finally:
@@ -360,6 +387,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin):
         batch evicted stay evicted; their Removed events were already emitted.
         """
         try:
+            self._run_transfers()  # the evictions' offloads: their host pages now hold those entries
             apply_cow(self, cow, table_written=False)
         except BaseException:  # noqa: BLE001 - the original error is the one to raise
             pass

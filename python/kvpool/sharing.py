@@ -64,6 +64,8 @@ class SharingMixin:
     _lock: Any  # the pool's RLock (see KVPool: threads)
     _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
     _enter_device_call: Any
+    _transfers: Any  # the host tier's TransferRunner (None without a tier)
+    _run_transfers: Any
 
     def _write_prefixes(self, handles: np.ndarray, lengths: np.ndarray) -> None:
         """Write the slots of each request's first ``lengths[i]`` positions into its row."""
@@ -97,6 +99,8 @@ class SharingMixin:
             else:
                 handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
                 self._write_prefixes(handles, cached)
+            if self._transfers is not None:  # host hits' loads (and the offloads their pages caused)
+                self._run_transfers()
             self._sharing = True
             return handles, cached
 
@@ -158,6 +162,8 @@ class SharingMixin:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("open_with_chain_hashes")
             handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+            if self._transfers is not None:
+                self._run_transfers()
             if cached:
                 self._sharing = True
             self._write_prefixes(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-tokens", type=_positive, default=6144,
                    help="KV capacity in tokens, rounded up to whole pages (6144)")
     g.add_argument("--page-size", type=_positive, default=16, help="tokens per page (16)")
+    g.add_argument("--host-pages", type=int, default=0, metavar="N",
+                   help="a host tier of N host pages below the device pool (0: none); the demo then "
+                        "runs twice, without and with it, and compares hit rate and tokens/s")
     g.add_argument("--layout", choices=("token", "paged"), default="token",
                    help="K/V buffer layout: [slots,H,D] or [pages,P,H,D] (token)")
     g.add_argument("--max-running", type=_positive, default=32,
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
                              page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
                              max_requests=args.max_running, max_context_len=max_ctx,
-                             layout=args.layout, kv_events=False)  # no router drains them here
+                             layout=args.layout, kv_events=False,  # no router drains them here
+                             host_pages=args.host_pages)
         if shared:
             from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
 
@@ -175,15 +179,32 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
         "max_running": args.max_running, "admission": args.admission,
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "threads": args.threads,
         "cuda_graph": args.cuda_graph, "grad_mode": args.grad_mode, "model": cfg.to_dict(),
-        "pages_in_use_at_end": int(pool.used_pages),
+        "pages_in_use_at_end": int(pool.used_pages), "host_pages": args.host_pages,
         "open_requests_at_end": int(pool.open_requests),
     }
     fig = figures(stats, settings=settings, audit=audit)
+    if args.host_pages:
+        fig["host_tier"] = {"host_pages": args.host_pages, "host_hit_tokens": int(pool.host_hit_tokens),
+                            "offload_bytes": int(pool.offload_bytes or 0), "load_bytes": int(pool.load_bytes or 0)}
     if shared:
         fig["prefix"] = engine.prefix.to_dict()
         settings.update(system_prompts=args.system_prompts, system_len=list(args.system_len),
                         fork_share=args.fork_share, fork_n=list(args.fork_n))
     return fig, stats.occupancy
+
+
+def _tier_comparison(with_tier: dict[str, Any], without: dict[str, Any]) -> str:
+    t = with_tier["host_tier"]
+    lines = [f"  host tier ({t['host_pages']} host pages) vs none:"]
+    if "prefix" in with_tier and "prefix" in without:
+        lines.append(f"    hit rate       {100 * without['prefix']['hit_rate']:5.1f}% -> "
+                     f"{100 * with_tier['prefix']['hit_rate']:5.1f}% of prompt tokens "
+                     f"({t['host_hit_tokens']} from the host)")
+    lines.append(f"    prefilled      {without['prefill_tokens']} -> {with_tier['prefill_tokens']} tokens")
+    lines.append(f"    tokens/s       {without['tokens_per_s']:.0f} -> {with_tier['tokens_per_s']:.0f}")
+    lines.append(f"    moved          {t['offload_bytes'] / 2**20:.2f} MiB offloaded, "
+                 f"{t['load_bytes'] / 2**20:.2f} MiB loaded")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,9 +215,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         fig, occupancy = run(args)
+        # With a host tier: the same run without it, for the comparison.
+        without = run(argparse.Namespace(**{**vars(args), "host_pages": 0}))[0] if args.host_pages else None
     finally:
         torch.set_num_threads(threads)  # process-wide: give the caller its setting back
     print(render(fig, occupancy))
+    if without is not None:
+        fig["without_host_tier"] = {k: without[k] for k in ("tokens_per_s", "prefill_tokens") if k in without}
+        if "prefix" in without:
+            fig["without_host_tier"]["prefix"] = without["prefix"]
+        print(_tier_comparison(fig, without))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)

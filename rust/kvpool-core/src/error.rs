@@ -61,6 +61,20 @@ pub enum PoolError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    #[error(
+        "request {handle} is swapped out (swap_out): extend, truncate, fork, cache and its \
+         slots, pages or page table need it on the device; call swap_in first"
+    )]
+    RequestSwappedOut { handle: i64 },
+
+    #[error(
+        "host tier exhausted: the call needs {needed_pages} host pages but only {free_pages} \
+         are free or evictable; nothing was moved"
+    )]
+    HostExhausted {
+        needed_pages: usize,
+        free_pages: usize,
+    },
     /// A grouped pool's group (or its token-only anchor chain) is short of
     /// pages or state slots; the other groups may have room. Python maps it
     /// to the same class as `Exhausted`. Boxed, so that `PoolError` (the

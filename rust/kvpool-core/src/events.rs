@@ -6,6 +6,12 @@
 //! place of vLLM's lora id), `BlockRemoved` (page hash, page id) and
 //! `AllBlocksCleared`.
 //!
+//! With a host tier, Stored and Removed say which tier they are about
+//! (`medium`: [`MEDIUM_DEVICE`] or [`MEDIUM_HOST`], and `page` is that
+//! tier's page id): a page stored on the host is reported when it gets its
+//! host copy, and Removed for a tier when that tier's copy goes. Cleared
+//! covers both.
+//!
 //! The backlog is bounded. A pool whose events nobody drains (an engine
 //! without a router that left them on) must not grow without end, so past
 //! `cap` undrained events the backlog is dropped and replaced by one
@@ -21,6 +27,11 @@ pub const EVENT_STORED: u8 = 0;
 pub const EVENT_REMOVED: u8 = 1;
 /// `clear_cache` dropped every entry.
 pub const EVENT_CLEARED: u8 = 2;
+
+/// `Events::medium` of an event about a device page (vLLM's "GPU").
+pub const MEDIUM_DEVICE: u8 = 0;
+/// `Events::medium` of an event about a host page (vLLM's "CPU").
+pub const MEDIUM_HOST: u8 = 1;
 
 /// Drained events, oldest first; event `i` is row `i` of every per-event
 /// array. Hashes are 128-bit, split in high and low 64-bit halves.
@@ -39,6 +50,9 @@ pub struct Events {
     pub salt: Vec<i64>,
     /// Token ids of the Stored events, concatenated (num_tokens each).
     pub token_ids: Vec<i32>,
+    /// The tier a Stored or Removed event is about ([`MEDIUM_DEVICE`] or
+    /// [`MEDIUM_HOST`]; `page` is that tier's page id); 0 for Cleared.
+    pub medium: Vec<u8>,
 }
 
 impl Events {
@@ -60,6 +74,7 @@ struct Raw {
     page: u32,
     num_tokens: u32,
     kind: u8,
+    medium: u8,
 }
 
 const CLEARED: Raw = Raw {
@@ -69,6 +84,7 @@ const CLEARED: Raw = Raw {
     page: 0,
     num_tokens: 0,
     kind: EVENT_CLEARED,
+    medium: MEDIUM_DEVICE,
 };
 
 /// Appends one page's token ids. At page sizes 1 and 16 the copy has a
@@ -160,6 +176,22 @@ impl EventLog {
         salt: i64,
         tokens: &[i32],
     ) {
+        self.stored_on(MEDIUM_DEVICE, hash, parent, page, salt, tokens);
+    }
+
+    /// A Stored event about `medium`'s page `page`. Always inlined: `cache()`
+    /// calls it once a page, and out of line its call costs more than the
+    /// `enabled` test and the push themselves.
+    #[inline(always)]
+    pub(crate) fn stored_on(
+        &mut self,
+        medium: u8,
+        hash: u128,
+        parent: u128,
+        page: u32,
+        salt: i64,
+        tokens: &[i32],
+    ) {
         if self.enabled {
             self.room();
             let num_tokens = tokens.len() as u32;
@@ -170,6 +202,7 @@ impl EventLog {
                 page,
                 num_tokens,
                 kind: EVENT_STORED,
+                medium,
             });
             push_page(&mut self.token_ids, tokens);
         }
@@ -177,6 +210,12 @@ impl EventLog {
 
     #[inline]
     pub(crate) fn removed(&mut self, hash: u128, page: u32, salt: i64) {
+        self.removed_on(MEDIUM_DEVICE, hash, page, salt);
+    }
+
+    /// A Removed event about `medium`'s page `page`.
+    #[inline(always)]
+    pub(crate) fn removed_on(&mut self, medium: u8, hash: u128, page: u32, salt: i64) {
         if self.enabled {
             self.room();
             self.raw.push(Raw {
@@ -186,6 +225,7 @@ impl EventLog {
                 page,
                 num_tokens: 0,
                 kind: EVENT_REMOVED,
+                medium,
             });
         }
     }
@@ -220,6 +260,7 @@ impl EventLog {
         e.page.reserve_exact(n);
         e.num_tokens.reserve_exact(n);
         e.salt.reserve_exact(n);
+        e.medium.reserve_exact(n);
         for r in self.raw.drain(..) {
             e.kind.push(r.kind);
             e.hash_hi.push((r.hash >> 64) as u64);
@@ -229,6 +270,7 @@ impl EventLog {
             e.page.push(r.page as i32);
             e.num_tokens.push(r.num_tokens as i32);
             e.salt.push(r.salt);
+            e.medium.push(r.medium);
         }
         e
     }

@@ -16,9 +16,11 @@
 //! The state is split by owner, each with private fields: `requests/`
 //! (rows, page lists, handles), `pages/` (page records, free stack,
 //! copy-on-write queue), `eviction/` (which CACHED page goes next),
-//! `prefix/` (the index of registered pages and every slot's token id) and
-//! `events.rs`. `allocator/` composes them; an operation that crosses
-//! owners is an allocator method that calls theirs.
+//! `prefix/` (the index of registered pages and every slot's token id),
+//! `events.rs` and, with `host_pages > 0`, `host/` (a host tier: host
+//! pages, their eviction list, the offload and load queues). `allocator/`
+//! composes them; an operation that crosses owners is an allocator method
+//! that calls theirs.
 //!
 //! Free pages form a LIFO stack: the pages freed last are reused first (warm
 //! in cache), and a fresh pool hands out pages 1, 2, 3, ... in order. Every
@@ -38,6 +40,8 @@ mod eviction;
 mod geometry;
 mod groups;
 mod handle;
+mod host;
+mod location;
 mod memory;
 mod pages;
 mod prefix;
@@ -50,13 +54,16 @@ pub use allocator::prefix_transfer::PrefixChain;
 pub use allocator::queries::PageTable;
 pub use allocator::SlotAllocator;
 pub use error::{GroupShortage, HandleProblem, PoolError, Result, Rollback};
-pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE, MEDIUM_HOST};
 pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
+pub use host::HostPolicy;
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 pub use prefix::hashing::page_hashes;
 pub use table::SlotTable;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;

@@ -1,31 +1,44 @@
-//! Property test: random operation sequences, shared pages included, run
-//! against the allocator and against the naive reference model in
-//! `reference/`; results, errors and observable state (slots, known tokens,
-//! page-state counters, queued copies, hit counts) must agree, and check()
-//! must pass after every operation. A router fed the KV events, drained
-//! every third operation so that undrained events outlive evictions,
-//! truncations and clears, must know exactly the registered pages.
+//! Property test: random operation sequences, shared pages and a host tier
+//! included, run against the allocator and against the naive reference
+//! model in `reference/`; results, errors and observable state (slots,
+//! known tokens, page-state counters of both tiers, the queued copies,
+//! offloads and loads, hit counts) must agree, and check() must pass after
+//! every operation. A router fed the KV events, drained every third
+//! operation so that undrained events outlive evictions, truncations and
+//! clears, must know exactly the registered pages of each tier.
 //!
-//! The copy queue is drained after every operation, every third, or only
-//! by an explicit `Drain` (all of it, or the newest part), so queued copies
-//! outlive closes, truncations (into prompts too, which then diverge),
-//! evictions and resets: the model knows which survive, and that their
-//! source pages stay held until taken.
+//! The transfer queues are drained after every operation, every third, or
+//! only by an explicit `Drain` (copies: all of them, or the newest part
+//! first) or when a step writes a page a queued transfer touches, so
+//! queued transfers outlive closes, truncations (into prompts too, which
+//! then diverge), evictions, swaps, hits and resets: the model knows which
+//! survive, and that their pages stay held until taken. Their content is
+//! checked too (`contents/`): run on a simulated store in the documented
+//! order, they leave every open request reading exactly what it wrote or
+//! was served, and every swapped-out request's host pages holding it.
 //!
 //! Retention priorities ride along: caches and closes with priorities
 //! (pins, durations, per-request arrays, out-of-range values), unpins and
 //! ticks of a manual clock, on pools whose pin bound is 0 to 4 pages; the
 //! eviction order, the pinned count and the evictable pages per priority
-//! must agree with the model's.
+//! must agree with the model's, with and without
+//! a host tier (eviction by priority picks the device victim; the tier
+//! then keeps or offloads its entry).
 
+mod contents;
 mod model_ops;
 mod reference;
 mod router;
+mod store;
 
-use kvpool_core::{make_handle, Counts, Grown, Options, PoolError, SlotAllocator, SlotTable};
+use contents::Contents;
+use kvpool_core::{
+    make_handle, Counts, Grown, HostPolicy, Options, PoolError, SlotAllocator, SlotTable,
+    MEDIUM_DEVICE, MEDIUM_HOST,
+};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
 use proptest::prelude::*;
-use reference::{kind, Kind, Model, MAX_CTX, MAX_REQ};
+use reference::{kind, Kind, Model, Tier, MAX_CTX, MAX_REQ};
 use std::cell::Cell;
 
 /// Asserts agreement; returns whether the call succeeded.
@@ -86,6 +99,11 @@ thread_local! {
     static DROPPED: Cell<usize> = const { Cell::new(0) };
     static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
     static DIVERGED: Cell<usize> = const { Cell::new(0) };
+    static HOST_HITS: Cell<u64> = const { Cell::new(0) };
+    static MOVED: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
+    static SWAPS: Cell<usize> = const { Cell::new(0) };
+    static HOST_STORED: Cell<usize> = const { Cell::new(0) };
+    static BOUNCED: Cell<usize> = const { Cell::new(0) };
     static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
     static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
     static ENDED: Cell<usize> = const { Cell::new(0) };
@@ -95,9 +113,17 @@ fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<
     c.with(|c| c.set(c.get() + n));
 }
 
-fn new_allocator(pages: usize, ps: usize, max_pinned: usize) -> SlotAllocator {
+fn new_allocator(
+    pages: usize,
+    ps: usize,
+    host: usize,
+    policy: HostPolicy,
+    max_pinned: usize,
+) -> SlotAllocator {
     let opts = Options {
         generation_base: Some(1),
+        host_pages: host,
+        host_policy: policy,
         manual_clock: true,
         max_pinned_pages: Some(max_pinned),
         ..Options::new()
@@ -108,12 +134,14 @@ fn new_allocator(pages: usize, ps: usize, max_pinned: usize) -> SlotAllocator {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
+        let policy = if through { HostPolicy::WriteThrough } else { HostPolicy::WriteBack };
         let max_pinned = max_pinned.min(pages - 1);
-        let mut a = new_allocator(pages, ps, max_pinned);
-        let mut m = Model::new(pages, ps);
+        let mut a = new_allocator(pages, ps, host, policy, max_pinned);
+        let mut m = Model::with_tier(pages, ps, (host > 0).then(|| Tier::new(host, policy)));
         m.max_pinned = max_pinned;
         let mut now_s = 0u64;
+        let mut c = Contents::new(&a);
         // Every handle ever issued, plus two that never were.
         let mut issued: Vec<i64> = vec![-5, make_handle(3, 1)];
         let mut oks = 0usize;
@@ -121,10 +149,37 @@ proptest! {
         // exactly the reported slots on success, untouched on any error.
         let mut table = vec![-7i32; MAX_REQ * STRIDE];
         let mut router = router::Router::new(a.hash_seed(), ps);
+        // Known tokens (and salt) of requests that registered pages, for
+        // `Reopen` to ask for again once they may have moved to the host.
+        let mut texts: Vec<(Vec<i32>, i64)> = Vec::new();
         for (step, op) in ops.into_iter().enumerate() {
+            let op_name = format!("{op:?}");
             let open: Vec<i64> = issued.iter().copied().filter(|&x| m.row(x).is_some()).collect();
             let h = |i: usize| {
                 if i < OPEN_PICKS && !open.is_empty() { open[i % open.len()] } else { issued[i % issued.len()] }
+            };
+            if let Op::Cache(v) | Op::Close(v, true) | Op::Prio(v, _, _, _) = &op {
+                // An engine runs its step (the queued transfers, then the
+                // K/V writes) before it publishes pages.
+                c.drain(&mut a, &mut m);
+                for &i in v {
+                    if let Some(r) = m.row(h(i)) {
+                        let r = &m.reqs[&r];
+                        if texts.len() < 16 && r.known().len() > 1 {
+                            texts.push((r.known(), r.salt));
+                        }
+                    }
+                }
+            }
+            let op = match op {
+                Op::Reopen(picks) if !texts.is_empty() => {
+                    let prompts = picks.iter().map(|&(t, cut)| {
+                        let (text, salt) = &texts[t as usize % texts.len()];
+                        (text[..text.len() - cut as usize % 2].to_vec(), *salt)
+                    }).collect();
+                    Op::Reopen(vec![]).with_prompts(prompts)
+                }
+                op => op,
             };
             match op {
                 Op::Open(n) => {
@@ -132,16 +187,22 @@ proptest! {
                     if let Ok(hs) = &mr { issued.extend(hs); }
                     oks += same(r, mr) as usize;
                 }
-                Op::OpenPrefix(ps_, salt) => {
-                    let prompts: Vec<Vec<i32>> = ps_.iter().map(|&(b, l, c)| prompt(b, l, c)).collect();
+                Op::OpenPrefix(..) | Op::Reopen(..) | Op::Prompts(..) => {
+                    let (prompts, salts): (Vec<Vec<i32>>, Vec<i64>) = match op {
+                        Op::OpenPrefix(ps_, salt) => ps_.iter().map(|&(b, l, c)| (prompt(b, l, c), salt)).unzip(),
+                        Op::Prompts(v) => v.into_iter().unzip(),
+                        _ => (vec![], vec![]),
+                    };
                     let flat: Vec<i64> = prompts.iter().flatten().map(|&t| t as i64).collect();
                     let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-                    let salts = vec![salt; prompts.len()];
-                    let r = a.open_with_prefix(&flat, &lens, Counts::Each(salt));
+                    let r = a.open_with_prefix(&flat, &lens, Counts::PerRequest(&salts));
                     let mr = m.open_with_prefix(&prompts, &salts);
                     if let Ok((hs, cached)) = &mr {
                         issued.extend(hs);
                         count(&HIT_TOKENS, cached.iter().sum::<i64>() as u64);
+                        for (&x, &n) in hs.iter().zip(cached) {
+                            c.hit(&m, x, n as usize);
+                        }
                     }
                     oks += same(r, mr) as usize;
                 }
@@ -176,7 +237,10 @@ proptest! {
                             out
                         })
                     };
-                    oks += same(r, mr) as usize;
+                    if same(r, mr) {
+                        oks += 1;
+                        c.write(&mut a, &mut m, &hs);
+                    }
                 }
                 Op::Truncate(v) => {
                     let (hs, ls): (Vec<i64>, Vec<i64>) = v.iter().map(|&(i, l)| (h(i), l)).unzip();
@@ -184,8 +248,13 @@ proptest! {
                         m.row(x).is_some_and(|r| (l as usize) < m.reqs[&r].len().min(m.reqs[&r].prompt.len()))
                     });
                     let ok = same(a.truncate(&hs, Counts::PerRequest(&ls)), m.truncate(&hs, &ls));
-                    if ok && into_prompt {
-                        count(&DIVERGED, 1);
+                    if ok {
+                        for (&x, &l) in hs.iter().zip(&ls) {
+                            c.truncate(x, l as usize);
+                        }
+                        if into_prompt {
+                            count(&DIVERGED, 1);
+                        }
                     }
                     oks += ok as usize;
                 }
@@ -193,43 +262,65 @@ proptest! {
                     let x = h(i);
                     let (len, prompt) = m.row(x).map_or((0, 0), |r| (m.reqs[&r].len(), m.reqs[&r].prompt.len()));
                     let l = len.saturating_sub(back) as i64;
-                    oks += same(a.truncate(&[x], Counts::Each(l)), m.truncate(&[x], &[l])) as usize;
+                    if same(a.truncate(&[x], Counts::Each(l)), m.truncate(&[x], &[l])) {
+                        oks += 1;
+                        c.truncate(x, l as usize);
+                    }
                     let toks: Vec<i64> = (0..n).map(|j| (seed as usize + 2 * j) as i64 % 3).collect();
                     let r = a.extend(&[x], Counts::Each(n as i64), Some(&toks));
-                    oks += same(r, m.extend(&[x], &[n as i64], Some(&toks))) as usize;
+                    if same(r, m.extend(&[x], &[n as i64], Some(&toks))) {
+                        oks += 1;
+                        c.write(&mut a, &mut m, &[x]);
+                    }
                     if (l as usize) < len.min(prompt) {
                         count(&DIVERGED, 1);
                     }
                 }
                 Op::Close(v, cache) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
-                    oks += same(a.close(&hs, cache), m.close(&hs, cache)) as usize;
+                    if same(a.close(&hs, cache), m.close(&hs, cache)) {
+                        oks += 1;
+                        for &x in &hs {
+                            c.forget(x);
+                        }
+                    }
                 }
                 Op::Cache(v) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
                     oks += same(a.cache(&hs), m.cache(&hs)) as usize;
                 }
                 Op::Fork(i, n) => {
-                    let (r, mr) = (a.fork(h(i), n), m.fork(h(i), n));
-                    if let Ok(hs) = &mr { issued.extend(hs); }
+                    let parent = h(i);
+                    let (r, mr) = (a.fork(parent, n), m.fork(parent, n));
+                    if let Ok(hs) = &mr {
+                        issued.extend(hs);
+                        c.fork(parent, hs);
+                    }
                     oks += same(r, mr) as usize;
                 }
                 Op::Sample(i, n) => {
                     let parent = h(i);
                     let (r, mr) = (a.fork(parent, n), m.fork(parent, n));
                     if let Ok(kids) = &mr {
+                        c.fork(parent, kids);
                         let mut hs = kids.clone();
                         hs.push(parent);
                         let ones = vec![1i64; hs.len()];
-                        oks += same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) as usize;
+                        if same(a.extend(&hs, Counts::Each(1), None), m.extend(&hs, &ones, None)) {
+                            oks += 1;
+                            c.write(&mut a, &mut m, &hs);
+                        }
                         issued.extend(kids);
                     }
                     oks += same(r, mr) as usize;
                 }
                 Op::Prefill(i) => {
                     let hs = [h(i)];
-                    let c = m.row(hs[0]).map_or(1, |r| (m.reqs[&r].prompt.len() as i64 - m.reqs[&r].len() as i64).max(0));
-                    oks += same(a.extend(&hs, Counts::Each(c), None), m.extend(&hs, &[c], None)) as usize;
+                    let c_ = m.row(hs[0]).map_or(1, |r| (m.reqs[&r].prompt.len() as i64 - m.reqs[&r].len() as i64).max(0));
+                    if same(a.extend(&hs, Counts::Each(c_), None), m.extend(&hs, &[c_], None)) {
+                        oks += 1;
+                        c.write(&mut a, &mut m, &hs);
+                    }
                 }
                 Op::Decode(v, toks) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
@@ -248,7 +339,40 @@ proptest! {
                     } else {
                         a.extend(&hs, Counts::Each(1), tokens.as_deref())
                     };
-                    oks += same(r, mr) as usize;
+                    if same(r, mr) {
+                        oks += 1;
+                        c.write(&mut a, &mut m, &hs);
+                    }
+                }
+                Op::SwapOut(v) => {
+                    let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
+                    let before = m.tier.as_ref().map_or(0, |t| t.offloads.len());
+                    if same(a.swap_out(&hs), m.swap_out(&hs)) {
+                        oks += 1;
+                        count(&SWAPS, 1 + m.tier.as_ref().map_or(0, |t| t.offloads.len()) - before);
+                    }
+                }
+                Op::SwapIn(v) => {
+                    // Mostly swapped-out requests (the others are refused).
+                    let swapped: Vec<i64> = open.iter().copied().filter(|&x| m.reqs[&m.row(x).unwrap()].swapped).collect();
+                    let hs: Vec<i64> = v.iter().map(|&i| if i < OPEN_PICKS && !swapped.is_empty() { swapped[i % swapped.len()] } else { h(i) }).collect();
+                    oks += same(a.swap_in(&hs), m.swap_in(&hs)) as usize;
+                }
+                Op::Bounce(i) => {
+                    let x = [h(i)];
+                    for k in 0..4 {
+                        let ok = if k % 2 == 0 {
+                            same(a.swap_out(&x), m.swap_out(&x))
+                        } else {
+                            same(a.swap_in(&x), m.swap_in(&x))
+                        };
+                        oks += ok as usize;
+                        a.check().unwrap();
+                        if !ok {
+                            break;
+                        }
+                        count(&BOUNCED, (k == 3) as usize);
+                    }
                 }
                 Op::Evict(n) => {
                     prop_assert_eq!(a.evict(n), m.evict(n));
@@ -258,19 +382,40 @@ proptest! {
                     m.clear_cache();
                 }
                 Op::Drain(n) => {
+                    // The newest copies first (a caller taking its own
+                    // call's), then the rest; run in queue order.
                     let from = n % (m.pending_copies() + 1);
-                    prop_assert_eq!(a.take_copies_from(from), m.take_copies_from(from));
+                    let newer = a.take_copies_from(from);
+                    prop_assert_eq!(&newer, &m.take_copies_from(from));
+                    let mut d = store::Drained {
+                        offloads: a.take_offloads(),
+                        loads: a.take_loads(),
+                        copies: a.take_copies(),
+                    };
+                    prop_assert_eq!(&d.offloads, &m.take_offloads());
+                    prop_assert_eq!(&d.loads, &m.take_loads());
+                    prop_assert_eq!(&d.copies, &m.take_copies_from(0));
+                    d.copies.0.extend(newer.0);
+                    d.copies.1.extend(newer.1);
+                    c.run(&d);
                 }
                 Op::Reset => {
                     a.reset();
                     m.reset();
+                    c.want.clear();
                 }
                 Op::Prio(v, qs, retain, close) => {
                     let hs: Vec<i64> = v.iter().map(|&i| h(i)).collect();
                     let counts = if qs.len() == 1 { Counts::Each(qs[0]) } else { Counts::PerRequest(&qs) };
                     let (secs, ns) = (retain.map(f64::from), retain.map(|s| s as u64 * 1_000_000_000));
                     let ok = if close {
-                        same(a.close_with_priority(&hs, counts, secs), m.close_with_priority(&hs, &qs, ns))
+                        let ok = same(a.close_with_priority(&hs, counts, secs), m.close_with_priority(&hs, &qs, ns));
+                        if ok {
+                            for &x in &hs {
+                                c.forget(x);
+                            }
+                        }
+                        ok
                     } else {
                         same(a.cache_with_priority(&hs, counts, secs), m.cache_with_priority(&hs, &qs, ns))
                     };
@@ -294,14 +439,27 @@ proptest! {
             if step % 3 == 2 {
                 let events = a.take_events();
                 count(&STORED, events.kind.iter().filter(|&&k| k == kvpool_core::EVENT_STORED).count());
+                count(&HOST_STORED, events.kind.iter().zip(&events.medium).filter(|&(&k, &md)| k == kvpool_core::EVENT_STORED && md == MEDIUM_HOST).count());
                 prop_assert_eq!(router.apply(&events), Ok(()));
-                prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages");
+                prop_assert_eq!(router.len(MEDIUM_DEVICE), a.cached_pages(), "the router's device pages");
+                prop_assert_eq!(router.len(MEDIUM_HOST), a.host_cached_pages(), "the router's host pages");
             }
             if drain_every != usize::MAX && step % drain_every == drain_every - 1 {
-                prop_assert_eq!(a.take_copies(), m.take_copies_from(0));
+                c.drain(&mut a, &mut m);
                 a.check().unwrap();
             }
             prop_assert_eq!(a.pending_copies(), m.pending_copies());
+            {
+                // The queued transfers themselves, not taken.
+                let mut b = a.clone();
+                let t = m.tier.as_ref();
+                let offloads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.offloads.iter().map(|&(d, h)| (d as i64, h as i64)).collect());
+                let loads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.loads.iter().map(|&(h, d)| (h as i64, d as i64)).collect());
+                let (d, hp) = b.take_offloads();
+                prop_assert_eq!(d.into_iter().zip(hp).collect::<Vec<_>>(), offloads);
+                let (hp, d) = b.take_loads();
+                prop_assert_eq!(hp.into_iter().zip(d).collect::<Vec<_>>(), loads);
+            }
             // A queued copy whose source no request holds any more: only
             // the queue keeps that page from the free stack.
             let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
@@ -311,11 +469,23 @@ proptest! {
             prop_assert_eq!(a.pinned_pages(), m.pinned());
             prop_assert_eq!(a.evictable_pages_by_priority(), m.by_priority());
             prop_assert_eq!(a.capacity_pages() - a.free_pages() - a.used_pages(), m.lru.len() - m.evictable());
-            prop_assert_eq!(a.cached_pages(), m.reg.len());
+            prop_assert_eq!(a.cached_pages(), m.device_registered());
             prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
             prop_assert_eq!(a.open_requests(), m.reqs.len());
+            prop_assert_eq!(a.host_free_pages(), m.host_free_pages());
+            prop_assert_eq!(a.host_cached_pages(), m.host_registered());
+            if let Some(t) = m.tier.as_ref() {
+                prop_assert_eq!((a.host_hit_tokens(), a.offloaded_pages(), a.loaded_pages()), (t.hit, t.offloaded, t.loaded));
+            }
             for &hh in &issued {
                 match m.row(hh) {
+                    Some(r) if m.reqs[&r].swapped => {
+                        prop_assert_eq!(a.is_swapped(hh), Ok(true));
+                        let refused = matches!(a.slots(hh), Err(PoolError::RequestSwappedOut { .. }));
+                        prop_assert!(refused, "slots of a swapped-out request");
+                        prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
+                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
+                    }
                     Some(r) => {
                         prop_assert_eq!(a.slots(hh).unwrap(), m.slots(r));
                         prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
@@ -324,18 +494,33 @@ proptest! {
                     None => prop_assert!(!a.is_open(hh)),
                 }
             }
+            if let Err(e) = c.verify(&a, &m) {
+                prop_assert!(false, "after {:?}: {}", op_name, e);
+            }
         }
         let events = a.take_events();
         prop_assert_eq!(router.apply(&events), Ok(()));
-        prop_assert_eq!(router.len(), a.cached_pages(), "the router's pages at the end");
+        prop_assert_eq!(router.len(MEDIUM_DEVICE), a.cached_pages(), "the router's pages at the end");
+        prop_assert_eq!(router.len(MEDIUM_HOST), a.host_cached_pages(), "the router's host pages at the end");
         count(&OK_CALLS, oks);
         count(&DROPPED, m.dropped);
         count(&COPIES, m.queued);
+        if let Some(t) = m.tier.as_ref() {
+            count(&HOST_HITS, t.hit);
+        }
+        MOVED.with(|x| {
+            let mut v = x.get();
+            v[0] += a.offloaded_pages() as usize + a.pending_offloads();
+            v[1] += a.loaded_pages() as usize + a.pending_loads();
+            v[2] += c.ran[2];
+            x.set(v);
+        });
     }
 }
 
 /// Guards the generator itself: most calls must succeed, prefixes must hit
-/// and copies must happen, or the comparison only exercises easy paths.
+/// (on both tiers), copies, offloads, loads and swaps must happen, or the
+/// comparison only exercises easy paths.
 #[test]
 fn generated_sequences_exercise_sharing() {
     allocator_matches_model();
@@ -350,10 +535,21 @@ fn generated_sequences_exercise_sharing() {
         HELD_ALONE.with(Cell::get),
         DIVERGED.with(Cell::get),
     );
+    let (host_hits, moved, swaps, host_stored) = (
+        HOST_HITS.with(Cell::get),
+        MOVED.with(Cell::get),
+        SWAPS.with(Cell::get),
+        HOST_STORED.with(Cell::get),
+    );
+    let bounced = BOUNCED.with(Cell::get);
     eprintln!(
-        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {copies} copy-on-write \
-         slots queued, {dropped} copies dropped with their destination, {alone} op ends with a \
-         source held by its copy alone, {diverged} truncations into a prompt"
+        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
+         the host), {copies} copy-on-write slots queued, {dropped} copies dropped with their \
+         destination, {alone} op ends with a source held by its copy alone, {diverged} \
+         truncations into a prompt; queued: {} offloads, {} loads; run: {} copied slots; {swaps} \
+         swap-outs (and the pages they moved), {bounced} requests swapped out and in twice \
+         undrained, {host_stored} host Stored events",
+        moved[0], moved[1], moved[2]
     );
     assert!(
         oks > CASES as usize * 10,
@@ -369,16 +565,33 @@ fn generated_sequences_exercise_sharing() {
         "only {stored} Stored events drained mid-sequence"
     );
     assert!(
-        dropped > CASES as usize / 50,
+        dropped > CASES as usize / 100,
         "only {dropped} queued copies dropped"
     );
     assert!(
-        alone > CASES as usize / 20,
+        alone > CASES as usize / 100,
         "only {alone} sources held by their copy alone"
     );
     assert!(
         diverged > CASES as usize / 10,
         "only {diverged} truncations into a prompt"
+    );
+    assert!(
+        // Random seeds give about 100 to 200 here; the guard is for none.
+        host_hits > CASES as u64 / 60,
+        "only {host_hits} host-hit tokens"
+    );
+    assert!(
+        moved[0] > CASES as usize / 5 && moved[1] > CASES as usize / 30,
+        "only {} offloads and {} loads queued",
+        moved[0],
+        moved[1]
+    );
+    assert!(swaps > CASES as usize / 10, "only {swaps} swap-outs");
+    assert!(bounced > CASES as usize / 30, "only {bounced} bounces");
+    assert!(
+        host_stored > CASES as usize / 10,
+        "only {host_stored} host Stored events"
     );
     let (prio, pinned, ended) = (
         PRIO_OKS.with(Cell::get),

@@ -17,12 +17,12 @@ use crate::retention_args::Retention;
 use crate::stats::PoolStats;
 use crate::table::Table;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False)
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
 /// shared pages (refcounts, a prefix cache with LRU eviction and retention
-/// priorities, copy-on-write).
-/// Thread-safe (one internal lock; batch calls release the GIL).
+/// priorities, copy-on-write), and optionally a host tier below the device
+/// pages. Thread-safe (one internal lock; batch calls release the GIL).
 ///
 /// Args:
 ///     num_pages: total pages, reserved page 0 included (>= 2).
@@ -40,10 +40,19 @@ use crate::table::Table;
 ///     manual_clock: retention durations (cache(retain_s=)) run on a clock
 ///         that only set_clock moves (tests; tensor-parallel ranks, which
 ///         must agree on time), not the system's monotonic clock.
+///     host_pages: host pages of a host tier, the reserved host page 0
+///         included (0: no tier, and everything behaves as without one;
+///         otherwise >= 2). Cached pages then live on the device, the host
+///         or both; the core queues the transfers (take_offloads,
+///         take_loads) and swap_out / swap_in move whole requests.
+///     host_policy: "write_back" (a cached page goes to the host when device
+///         eviction would drop it) or "write_through" (when cache()
+///         registers it).
 ///
 /// Raises:
-///     InvalidArgumentError: a size is zero, negative or too large, or a
-///         seed is not an int in [0, 2**64).
+///     InvalidArgumentError: a size is zero, negative or too large, a seed
+///         is not an int in [0, 2**64), host_pages is 1, or host_policy is
+///         neither policy.
 // Geometry is fixed at construction: fields read without taking the lock
 // (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
@@ -73,6 +82,9 @@ pub struct PySlotAllocator {
     /// capacity_pages * page_size.
     #[pyo3(get)]
     pub(crate) capacity_slots: usize,
+    /// Host pages of the host tier, the reserved host page 0 included (0: no tier).
+    #[pyo3(get)]
+    pub(crate) host_pages: usize,
 }
 
 impl PySlotAllocator {
@@ -184,8 +196,8 @@ impl PySlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), max_pinned_pages=None, manual_clock=ManualClockFlag(false)),
-        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False)"
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), max_pinned_pages=None, manual_clock=ManualClockFlag(false), host_pages=None, host_policy=None),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy=\"write_back\")"
     )]
     // One parameter per Python keyword: the signature is the API.
     #[allow(clippy::too_many_arguments)]
@@ -200,6 +212,8 @@ impl PySlotAllocator {
         kv_events: KvEventsFlag,
         max_pinned_pages: Option<&Bound<'_, PyAny>>,
         manual_clock: ManualClockFlag,
+        host_pages: Option<&Bound<'_, PyAny>>,
+        host_policy: Option<&Bound<'_, PyAny>>,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
@@ -216,6 +230,8 @@ impl PySlotAllocator {
             hash_seed: seed(hash_seed, "hash_seed")?,
             handle_seed: seed(handle_seed, "handle_seed")?,
             kv_events: kv_events.0,
+            host_pages: or(host_pages, "host_pages", 0)?,
+            host_policy: crate::tier_args::policy_arg(py, host_policy)?,
             max_pinned_pages: max_pinned_pages
                 .map(|m| usize_arg(py, m, "max_pinned_pages"))
                 .transpose()?,
@@ -233,6 +249,7 @@ impl PySlotAllocator {
             max_context_len: core.max_context_len(),
             capacity_pages: core.capacity_pages(),
             capacity_slots: core.capacity_slots(),
+            host_pages: core.host_pages(),
             inner: Mutex::new(core),
             undelivered: Mutex::new(None),
         })
@@ -241,8 +258,9 @@ impl PySlotAllocator {
     /// stats() -> PoolStats
     ///
     /// The changing counters (free_pages, used_pages, free_slots, used_slots,
-    /// open_requests, admissible_tokens, metadata_bytes) read under one lock,
-    /// so they agree with each other even while other threads work.
+    /// open_requests, admissible_tokens, metadata_bytes, the cache's and the
+    /// host tier's) read under one lock, so they agree with each other even
+    /// while other threads work.
     fn stats(&self, py: Python<'_>) -> PoolStats {
         self.query(py, PoolStats::of)
     }
@@ -319,6 +337,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out.
     ///     InvalidArgumentError: a length is negative or past the request's
     ///         length, mismatched lengths, duplicate handle.
     fn truncate(
@@ -339,10 +358,12 @@ impl PySlotAllocator {
     /// Closes requests and releases their pages; their handles become stale.
     /// With cache=True, first registers each request's full pages of known
     /// tokens in the prefix cache (as cache()), so they stay reusable, with
-    /// cache()'s priority and retain_s if given. Atomic.
+    /// cache()'s priority and retain_s if given. A swapped-out request
+    /// releases its host pages too. Atomic.
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, already closed or stale.
+    ///     RequestSwappedOutError: cache=True for a swapped-out request.
     ///     InvalidArgumentError: a duplicate handle; a priority or retain_s
     ///         as cache() refuses them, or given without cache=True.
     #[pyo3(
@@ -403,6 +424,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: unknown, closed or stale handle.
+    ///     RequestSwappedOutError: the request is swapped out.
     fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().slots(h))?;
@@ -415,6 +437,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: unknown, closed or stale handle.
+    ///     RequestSwappedOutError: the request is swapped out.
     fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
         let h = int_scalar(py, handle, "handle")?;
         let v = py.detach(|| self.lock().pages(h))?;
@@ -429,6 +452,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out.
     fn page_table<'py>(
         &self,
         py: Python<'py>,

@@ -51,6 +51,15 @@ create_exception!(
     KVPoolError,
     "check() found a violated invariant (a bug in kvpool)."
 );
+// A KVPoolError, not an InvalidHandleError: the handle is alive and still
+// owns its pages (on the host), so code that drops a request on an invalid
+// handle must not catch this one.
+create_exception!(
+    kvpool,
+    RequestSwappedOutError,
+    KVPoolError,
+    "The request is swapped out (swap_out): extend, truncate, fork, cache and its slots, pages or page table need it on the device; swap_in first. Its handle stays valid."
+);
 
 /// InvalidArgumentError subclasses both KVPoolError and ValueError; a class
 /// with two exception bases cannot be declared with create_exception!, so it
@@ -68,6 +77,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("ContextTooLongError", py.get_type::<ContextTooLongError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;
+    m.add(
+        "RequestSwappedOutError",
+        py.get_type::<RequestSwappedOutError>(),
+    )?;
     m.add(
         "RollbackUnavailableError",
         py.get_type::<RollbackUnavailableError>(),
@@ -153,5 +166,7 @@ pub fn to_pyerr(py: Python<'_>, e: PoolError) -> PyErr {
         PoolError::ContextTooLong { .. } => ContextTooLongError::new_err(msg),
         PoolError::InvalidArgument(m) => invalid_argument(py, m),
         PoolError::Invariant(_) => InvariantError::new_err(msg),
+        PoolError::RequestSwappedOut { .. } => RequestSwappedOutError::new_err(msg),
+        PoolError::HostExhausted { .. } => PoolExhaustedError::new_err(msg),
     }
 }

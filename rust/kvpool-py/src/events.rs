@@ -24,6 +24,7 @@ pub(crate) fn events_dict<'py>(
     d.set_item("num_tokens", to_numpy(py, &e.num_tokens)?)?;
     d.set_item("salt", to_numpy(py, &e.salt)?)?;
     d.set_item("token_ids", to_numpy(py, &e.token_ids)?)?;
+    d.set_item("medium", to_numpy(py, &e.medium)?)?;
     Ok(d)
 }
 
@@ -35,10 +36,13 @@ impl PySlotAllocator {
     /// first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
     /// 2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
     /// hash), parent_hi / parent_lo (the parent page's hash, 0 for a chain's
-    /// first page), page (int32), num_tokens (int32), salt (int64), and
-    /// token_ids (int32, the Stored events' tokens concatenated). Past
-    /// max(num_pages, 65536) undrained events the backlog is replaced by one
-    /// Cleared event (dropped_events counts what went).
+    /// first page), page (int32), num_tokens (int32), salt (int64),
+    /// token_ids (int32, the Stored events' tokens concatenated), and medium
+    /// (uint8: the tier a Stored or Removed event is about and whose page id
+    /// `page` is, 0 device, 1 host; 0 for Cleared; encode_kv_events sends
+    /// them as "GPU" and "CPU"). Past max(num_pages, 65536) undrained events
+    /// the backlog is replaced by one Cleared event (dropped_events counts
+    /// what went).
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         // Events drained by a call whose arrays could not be allocated come
         // first (they are the oldest); newer ones wait in the core.

@@ -185,6 +185,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out (swap_in first).
     ///     PoolExhaustedError: not enough free or evictable pages (needed vs free).
     ///     ContextTooLongError: a request would pass max_context_len.
     ///     InvalidArgumentError: negative count, mismatched lengths, duplicate

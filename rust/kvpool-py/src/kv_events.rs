@@ -17,8 +17,9 @@
 //! - consecutive Removed events of one medium and group become one
 //!   `BlockRemoved`; a Cleared event is an `AllBlocksCleared`;
 //! - `medium` is "GPU" unless the arrays carry a `medium` code per event
-//!   (0 GPU, 1 CPU, 2 STORAGE); `group_idx` is omitted unless they carry a
-//!   `group_idx` per event (negative: omitted).
+//!   (0 GPU, 1 CPU, 2 STORAGE; `take_events` carries the core's: 0 device,
+//!   1 host); `group_idx` is omitted unless they carry a `group_idx` per
+//!   event (negative: omitted).
 
 use std::io;
 
@@ -462,7 +463,7 @@ impl PySlotAllocator {
             num_tokens: &e.num_tokens,
             salt: &e.salt,
             token_ids: &e.token_ids,
-            medium: None,
+            medium: Some(e.medium.iter().map(|&m| m as i64).collect()),
             group: None,
         };
         finish(py, &a, ts, data_parallel_rank)

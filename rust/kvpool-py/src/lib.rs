@@ -22,6 +22,8 @@ mod retention_args;
 mod sharing;
 mod stats;
 mod table;
+mod tier;
+mod tier_args;
 mod torch_arg;
 mod widen;
 

@@ -22,6 +22,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out.
     ///     InvalidArgumentError: a duplicate handle.
     fn unpin(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<usize> {
         let h = int_arg(py, handles, "handles")?.into_vec();

@@ -113,7 +113,7 @@ impl PySlotAllocator {
     /// match_chain_hashes(hashes, tokens, salt=None) -> int
     ///
     /// How many leading pages of a chain (from another pool's chain_hashes)
-    /// this pool caches. A page matches only if the entry under its hash holds
+    /// this pool caches on the device. A page matches only if the entry under its hash holds
     /// exactly the given tokens, the same salt and the matched parent, so a
     /// different hash_seed or a collision is a miss, never wrong KV. Read-only.
     ///
@@ -172,7 +172,11 @@ impl PySlotAllocator {
     /// is left to compute (cached_len <= length - 1, rounded down to a page).
     /// Each request's length is its cached_len; its slots, pages and page
     /// table show the shared pages. The prompt's token ids are remembered:
-    /// later extends take them. Atomic.
+    /// later extends take them. With a host tier, cached_lens count host
+    /// hits too: a page whose only copy is on the host takes a device page
+    /// (which may evict and, under "write_back", offload another) and
+    /// queues its load (take_loads); a host hit that finds no device page
+    /// ends that prompt's match (a miss, not an error). Atomic.
     ///
     /// Args:
     ///     tokens: the prompts' token ids concatenated (ints in [0, 2^31)).
@@ -225,7 +229,9 @@ impl PySlotAllocator {
     /// Registers every full page of each request whose token ids are all
     /// known and that is not registered yet, so later prompts can hit it.
     /// Call it once the step that wrote those pages has run. If the same
-    /// content is registered already, the existing copy is kept. Atomic.
+    /// content is registered already, the existing copy is kept. With a
+    /// host tier under "write_through", each page registered also gets a
+    /// host copy (an offload, take_offloads). Atomic.
     ///
     /// With a priority, every page of each request's cached prefix (its own
     /// registered pages, or the copy kept of one it duplicated) also gets that
@@ -245,6 +251,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out.
     ///     InvalidArgumentError: a duplicate handle; a priority outside [0, 100]
     ///         or not one per request; retain_s not a number in (0, 1e9], or
     ///         given without a priority.
@@ -275,6 +282,7 @@ impl PySlotAllocator {
     ///
     /// Raises:
     ///     InvalidHandleError: `handle` is unknown, closed or stale.
+    ///     RequestSwappedOutError: `handle` is swapped out.
     ///     TooManyRequestsError: not enough free rows.
     ///     InvalidArgumentError: n is negative or not an int, a bad table.
     #[pyo3(signature = (handle, n=None, table=None))]
@@ -345,7 +353,8 @@ impl PySlotAllocator {
     /// Evicts up to n_pages cached pages nobody holds, the lowest retention
     /// priority first and least recently used within one (a chain's tail
     /// before its parents), never a pinned page; they become free. Returns
-    /// how many were evicted.
+    /// how many were evicted. With a host tier a page's entry keeps its host
+    /// copy, and under "write_back" one without is offloaded.
     ///
     /// Raises:
     ///     InvalidArgumentError: n_pages is negative or not an int.
@@ -360,8 +369,8 @@ impl PySlotAllocator {
     ///
     /// Drops every prefix-index entry: cached pages become free (pinned ones
     /// too: nothing is pinned or has a priority after it), held pages stay
-    /// with their requests. Records one Cleared event. Queued copies stay:
-    /// they fill open requests' pages.
+    /// with their requests (on both tiers). Records one Cleared event.
+    /// Queued copies and transfers stay: they fill open requests' pages.
     fn clear_cache(&self, py: Python<'_>) {
         py.detach(|| self.lock().clear_cache())
     }
@@ -387,7 +396,7 @@ impl PySlotAllocator {
     fn hash_seed(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.hash_seed())
     }
-    /// Registered pages (held or cached).
+    /// Registered device pages (held or cached).
     #[getter]
     fn cached_pages(&self, py: Python<'_>) -> usize {
         self.query(py, |a| a.cached_pages())
@@ -398,7 +407,7 @@ impl PySlotAllocator {
     fn evictable_pages(&self, py: Python<'_>) -> usize {
         self.query(py, |a| a.evictable_pages())
     }
-    /// Prompt tokens served from the cache by open_with_prefix (cumulative).
+    /// Prompt tokens served from the cache by open_with_prefix, host hits included (cumulative).
     #[getter]
     fn hit_tokens(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.hit_tokens())

@@ -19,6 +19,11 @@ pub struct PoolStats {
     hit_tokens: u64,
     miss_tokens: u64,
     pinned_pages: usize,
+    host_free_pages: usize,
+    host_cached_pages: usize,
+    host_hit_tokens: u64,
+    offloaded_pages: u64,
+    loaded_pages: u64,
 }
 
 impl PoolStats {
@@ -36,6 +41,11 @@ impl PoolStats {
             hit_tokens: a.hit_tokens(),
             miss_tokens: a.miss_tokens(),
             pinned_pages: a.pinned_pages(),
+            host_free_pages: a.host_free_pages(),
+            host_cached_pages: a.host_cached_pages(),
+            host_hit_tokens: a.host_hit_tokens(),
+            offloaded_pages: a.offloaded_pages(),
+            loaded_pages: a.loaded_pages(),
         }
     }
 }
@@ -46,7 +56,9 @@ impl PoolStats {
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
              open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
-             evictable_pages={}, hit_tokens={}, miss_tokens={}, pinned_pages={})",
+             evictable_pages={}, hit_tokens={}, miss_tokens={}, pinned_pages={}, \
+             host_free_pages={}, host_cached_pages={}, host_hit_tokens={}, offloaded_pages={}, \
+             loaded_pages={})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
@@ -58,7 +70,12 @@ impl PoolStats {
             self.evictable_pages,
             self.hit_tokens,
             self.miss_tokens,
-            self.pinned_pages
+            self.pinned_pages,
+            self.host_free_pages,
+            self.host_cached_pages,
+            self.host_hit_tokens,
+            self.offloaded_pages,
+            self.loaded_pages
         )
     }
 }

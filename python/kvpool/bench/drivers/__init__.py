@@ -27,6 +27,10 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "sglang": "sglang_prefix:SGLangPrefixDriver",
         "sglang-unified": "sglang_prefix:SGLangUnifiedPrefixDriver",
         "vllm": "vllm_prefix:VLLMPrefixDriver",
+        "kvpool-host": "kvpool_prefix:KVPoolHostPrefixDriver",
+        "kvpool-host-wt": "kvpool_prefix:KVPoolWriteThroughPrefixDriver",
+        "vllm-offload-lru": "vllm_offload_prefix:VLLMOffloadLRUDriver",
+        "vllm-offload-arc": "vllm_offload_prefix:VLLMOffloadARCDriver",
     },
     "hybrid": {
         "kvpool": "kvpool_hybrid:KVPoolHybridDriver",

@@ -26,7 +26,7 @@ import numpy as np
 
 import kvpool
 from kvpool.bench.drivers.kvpool_base import KVPoolBase
-from kvpool.bench.prefix.result import PrefixDriver
+from kvpool.bench.prefix.result import HostTierDriver, PrefixDriver
 from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
 
 EVENT_REMOVED = 1  # take_events()["kind"]: 0 Stored, 1 Removed, 2 Cleared
@@ -92,4 +92,58 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
         return "Rust core, hashed full pages"
 
 
-__all__ = ["KVPoolPrefixDriver"]
+class KVPoolHostPrefixDriver(HostTierDriver, KVPoolPrefixDriver):
+    """The same calls on a SlotAllocator with a host tier (``cfg.host_pages``, write_back),
+    plus what ``KVPool`` does after each call that can queue a transfer: ``take_offloads()``
+    and ``take_loads()`` (the page ids it hands to the transfer runner; the bytes move on
+    the device, not here)."""
+
+    name = "kvpool-host"
+    label = "kvpool SlotAllocator with a host tier (write_back)"
+    policy = "write_back"
+    tier = "Rust core, host tier"
+
+    def new_allocator(self) -> Any:
+        cfg = self.cfg
+        return kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len,
+                                    host_pages=cfg.host_pages, host_policy=self.policy)
+
+    def _take(self) -> None:
+        a = self.alloc
+        self.offloaded_pages += len(a.take_offloads()[0])
+        self.loaded_pages += len(a.take_loads()[0])
+
+    def run(self, prep: Any) -> int:
+        finished, groups, decoding, fed = prep
+        a, table, n = self.alloc, self.table, 0
+        if len(finished):
+            a.close(finished, cache=True)
+            self._take()
+        for prompt, length, lanes, k in groups:
+            h, cached = a.open_with_prefix(prompt, length, table=table)
+            self._take()
+            h0, hit, total = int(h[0]), int(cached[0]), int(length[0])
+            self.prompt_tokens += k * total
+            self.computed_tokens += total - hit
+            n += len(a.extend(h, total - hit, table=table))
+            self._take()
+            a.cache(h)
+            self._take()
+            self.handles[lanes[0]] = h0
+            if k > 1:
+                self.handles[lanes[1:]] = a.fork(h0, k - 1, table=table)
+        if len(decoding):
+            n += len(a.extend(decoding, 1, tokens=fed, table=table))
+            self._take()
+            src, _ = a.take_copies()
+            self._copies += len(src)
+        return n
+
+
+class KVPoolWriteThroughPrefixDriver(KVPoolHostPrefixDriver):
+    name = "kvpool-host-wt"
+    label = "kvpool SlotAllocator with a host tier (write_through)"
+    policy = "write_through"
+
+
+__all__ = ["KVPoolHostPrefixDriver", "KVPoolPrefixDriver", "KVPoolWriteThroughPrefixDriver"]

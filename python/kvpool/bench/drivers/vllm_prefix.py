@@ -21,9 +21,6 @@ Per step, following ``vllm/v1/core/sched/scheduler.py`` and ``vllm/v1/engine/cor
 - the worker's ``BlockTable`` (``add_row`` / ``append_row``) and the slot
   mapping of every scheduled token, on the host with numpy as in the churn driver.
 
-A subclass with a second KV cache group (``kv_cache_groups``: the hybrid driver) gets that
-group's worker ``BlockTable`` and slot mapping beside the first's, written in the same loops.
-
 Evicted blocks are counted by wrapping the block pool's ``_maybe_evict_cached_block``
 (one extra Python call per reused cached block).
 """
@@ -112,9 +109,22 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
 
     def run(self, prep: Any) -> int:
         finished, admit, lanes, sampled, dec_lens = prep
-        mgr, bt, second, reqs = self.mgr, self.block_table, self.second_table, self.reqs
+        self._release(finished)
+        rows, starts, ends = self._admit(admit)
+        self._decode(lanes, sampled)
+        return self._slot_mapping(rows, starts, ends, lanes, dec_lens)
+
+    # run's phases, one call each per step (none per request): a host tier adds its calls around them.
+
+    def _release(self, finished: list[Any]) -> None:
+        mgr = self.mgr
         for req in finished:
             mgr.free(req)
+
+    def _admit(self, admit: list[Any]) -> tuple[list[int], list[int], list[int]]:
+        """Admits each new request; returns the lanes, first uncached positions and prompt ends
+        of the tokens they prefill."""
+        mgr, bt, second, reqs = self.mgr, self.block_table, self.second_table, self.reqs
         rows, starts, ends = [], [], []
         for rid, lane, prompt, sp, first in admit:
             req = Request(rid, prompt, sp, None, block_hasher=self.hasher)
@@ -135,6 +145,10 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
             rows.append(lane)
             starts.append(hit)
             ends.append(req.num_prompt_tokens)
+        return rows, starts, ends
+
+    def _decode(self, lanes: list[int], sampled: list[int]) -> None:
+        mgr, bt, second, reqs = self.mgr, self.block_table, self.second_table, self.reqs
         for lane, tok in zip(lanes, sampled):
             req = reqs[lane]
             new = mgr.allocate_slots(req, 1)
@@ -147,12 +161,15 @@ class VLLMPrefixDriver(VLLMBase, PrefixDriver):
                 second.append_row(ids[1], lane)
             req.num_computed_tokens += 1
             req.append_output_token_ids(tok)
-        # Slot mapping of every token this step computes, each group's (model runner, host side).
+
+    def _slot_mapping(self, rows: list[int], starts: list[int], ends: list[int], lanes: list[int],
+                      dec_lens: Any) -> int:
+        """Slot mapping of every token this step computes, each group's (model runner, host side)."""
         starts_np = np.array(starts, dtype=np.int64)
         counts = np.array(ends, dtype=np.int64) - starts_np
         req_idx = np.concatenate([np.repeat(np.array(rows, dtype=np.int64), counts), np.array(lanes, dtype=np.int64)])
         pos = np.concatenate([ranges(starts_np, counts), dec_lens])
-        if second is not None:
+        if self.second_table is not None:
             P, total = self.cfg.page_size, len(pos)
             np.add(self.second_flat[req_idx * self.max_blocks + pos // P] * P, pos % P, out=self.second_slots[:total])
         return self.write_slot_mapping(req_idx, pos)

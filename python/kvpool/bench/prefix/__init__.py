@@ -65,7 +65,8 @@ class PrefixWorkload(CachingWorkload):
     result_type = PrefixResult
     columns = [("scenario", lambda r: r.scenario), PAGE, POOL, ALLOCATOR, ("cache", lambda r: r.backend),
                *STEP_TIMES, ("hit % of prompt", lambda r: f"{100 * r.hit_share:.1f}"),
-               ("pages evicted", lambda r: str(r.evicted_pages)), META_MIB]
+               ("pages evicted", lambda r: str(r.evicted_pages)),
+               ("pages moved/step", lambda r: f"{r.moved_pages_per_step:.2f}" if r.host_pages else ""), META_MIB]
     plot_title = "Prefix caching: host time per step and hit share, kvpool vs SGLang and vLLM"
     reuse_settings = ("concurrency", "steps", "warmup", "seed", "quick")
 

@@ -26,9 +26,12 @@ class PrefixDriver(Driver):
         super().__init__(cfg, max_step_tokens)
         self.prompt_tokens = 0  # prompt tokens of every admitted sequence (n per parallel group)
         self.computed_tokens = 0  # prompt tokens the engine had to prefill (not served by the cache)
+        self.offloaded_pages = 0  # host tier: pages copied device -> host
+        self.loaded_pages = 0  # host tier: pages copied host -> device
 
     def counters(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens()}
+        return {"prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens(),
+                "offloaded_pages": self.offloaded_pages, "loaded_pages": self.loaded_pages}
 
     def hit_tokens(self) -> int:
         return self.prompt_tokens - self.computed_tokens
@@ -49,6 +52,24 @@ class PrefixDriver(Driver):
         """Which implementation served the prefix cache (SGLang: its tree core)."""
         return ""
 
+    def host_pages(self) -> int:
+        """Host tier capacity in pages (0: the driver has none)."""
+        return 0
+
+
+class HostTierDriver(PrefixDriver):
+    """A prefix driver with a host tier under ``policy``: ``cfg.host_pages - 1`` host pages, the
+    ones kvpool's host tier can use (its page 0 is reserved), for every such driver alike."""
+
+    policy: ClassVar[str] = ""
+    tier: ClassVar[str] = ""  # what serves the cache and its tier
+
+    def host_pages(self) -> int:
+        return int(self.cfg.host_pages) - 1
+
+    def backend(self) -> str:
+        return f"{self.tier} ({self.policy})"
+
 
 @dataclasses.dataclass(kw_only=True)
 class PrefixResult(Result):
@@ -61,8 +82,20 @@ class PrefixResult(Result):
     evicted_pages: int
     cached_pages_end: int  # kept by the cache after the drain
     held_pages_end: int  # held by requests after the drain: must be 0
+    host_pages: int = 0  # host tier capacity in pages (0: none)
+    offloaded_pages: int = 0  # over the measured steps: device -> host page copies
+    loaded_pages: int = 0  # over the measured steps: host -> device page copies
 
-    json_properties: ClassVar[tuple[str, ...]] = ("hit_share", "consistent")
+    json_properties: ClassVar[tuple[str, ...]] = ("hit_share", "consistent", "moved_pages_per_step")
+    # Written only for rows with a host tier, so rows stored before the tier read back unchanged.
+    tier_fields: ClassVar[tuple[str, ...]] = ("host_pages", "offloaded_pages", "loaded_pages", "moved_pages_per_step")
+
+    def to_json(self) -> dict[str, Any]:
+        d = super().to_json()
+        if not self.host_pages:
+            for k in self.tier_fields:
+                d.pop(k, None)
+        return d
 
     @classmethod
     def workload_fields(cls, m: "Measurement") -> dict[str, Any]:
@@ -71,11 +104,17 @@ class PrefixResult(Result):
                     prompt_tokens=m.counted["prompt_tokens"], hit_tokens=m.counted["hit_tokens"],
                     total_prompt_tokens=d.prompt_tokens, total_hit_tokens=d.hit_tokens(),
                     evicted_pages=d.evicted_pages(), cached_pages_end=d.cached_pages(),
-                    held_pages_end=d.held_pages())
+                    held_pages_end=d.held_pages(), host_pages=d.host_pages(),
+                    offloaded_pages=m.counted.get("offloaded_pages", 0), loaded_pages=m.counted.get("loaded_pages", 0))
 
     @property
     def hit_share(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def moved_pages_per_step(self) -> float:
+        """Pages copied between device and host per measured step (offloads + loads)."""
+        return (self.offloaded_pages + self.loaded_pages) / self.steps if self.steps else 0.0
 
     @property
     def case(self) -> tuple[Any, ...]:
@@ -95,4 +134,4 @@ class PrefixResult(Result):
                 f"expected {self.expected_slots - self.total_hit_tokens}")
 
 
-__all__ = ["PrefixDriver", "PrefixResult"]
+__all__ = ["HostTierDriver", "PrefixDriver", "PrefixResult"]

@@ -19,6 +19,11 @@ Scenarios (``SCENARIOS``):
   Zipf-popular, sized so the pool holds about 30% of the distinct prefixes
   (``cache_fraction``): eviction decides the hit rate. Outputs are shorter
   (16-128), so requests turn over faster and the pool fills within the run.
+- ``tiered``: the host-tier workload: half system-prompt requests from a
+  Zipf-popular set sized so the device pool holds about 20% of the distinct
+  prefixes (``tier_fraction``), half multi-turn chat sessions; short outputs
+  (4-32), so each prefix comes back many times in a run. Drivers with a host tier get ``host_pages`` host pages, enough for
+  every distinct prefix.
 
 Model of one sequence: admitted at step t (prefill of its prompt), it decodes
 one token at steps t+1 .. t+O, feeding the token sampled the step before, and is
@@ -39,7 +44,7 @@ import numpy as np
 
 from kvpool.bench.trace import Dist, PoolShape, Trace
 
-SCENARIOS = ("system", "chat", "parallel", "pressure")
+SCENARIOS = ("system", "chat", "parallel", "pressure", "tiered")
 VOCAB = 32000
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -64,6 +69,8 @@ class PrefixTraceConfig(PoolShape):
     parallel_n: int = 4
     cache_fraction: float = 0.3  # pressure: pool tokens / distinct prefix tokens
     zipf_s: float = 1.0  # pressure: popularity skew of the system prompts
+    tier_fraction: float = 0.2  # tiered: device pool tokens / distinct prefix tokens
+    tiered_output: Dist = Dist(4, 32)  # tiered: short answers, so prefixes come back many times a run
     # Most prompt tokens admitted in one step (0: no bound), as a scheduler's token budget bounds a
     # step's prefill; a group bigger than it is admitted alone. A sliding-window group holds a prompt
     # whole for the step that prefills it, so its pool is sized by this bound.
@@ -75,8 +82,8 @@ class PrefixTraceConfig(PoolShape):
         self.check_pool()
         if self.concurrency < self.parallel_n or self.steps < 1 or self.warmup < 0:
             raise ValueError(f"concurrency must be >= parallel_n ({self.parallel_n}), steps >= 1, warmup >= 0")
-        if not 0 < self.cache_fraction <= 1:
-            raise ValueError("cache_fraction must be in (0, 1]")
+        if not 0 < self.cache_fraction <= 1 or not 0 < self.tier_fraction <= 1:
+            raise ValueError("cache_fraction and tier_fraction must be in (0, 1]")
         if self.step_prompt_tokens < 0:
             raise ValueError("step_prompt_tokens must be >= 0 (0: no bound)")
 
@@ -84,12 +91,20 @@ class PrefixTraceConfig(PoolShape):
     def max_prompt_len(self) -> int:
         one = max(self.system_len.hi + self.user_len.hi, self.parallel_prompt.hi)
         chat = self.turns.hi * (self.user_len.hi + self.output_dist.hi + 1)
-        return max(one, chat) if self.scenario in ("chat", "pressure") else one
+        return max(one, chat) if self.scenario in ("chat", "pressure", "tiered") else one
 
     @property
     def output_dist(self) -> Dist:
         """Output lengths of this scenario's sequences."""
+        if self.scenario == "tiered":
+            return self.tiered_output
         return self.pressure_output if self.scenario == "pressure" else self.output
+
+    @property
+    def host_pages(self) -> int:
+        """Host pages (reserved page 0 included) of drivers with a host tier: the distinct
+        prefixes of ``tiered`` (device pool / ``tier_fraction``) plus a device pool's worth."""
+        return int(self.usable_pages / self.tier_fraction) + self.usable_pages + 1
 
     @property
     def max_context_len(self) -> int:
@@ -171,9 +186,10 @@ class _Source:
         self.order = 0
         self.sessions: dict[int, int] = {}  # id(seq) -> turns left after it
         self.system: dict[int, np.ndarray] = {}
-        if cfg.scenario == "pressure":
+        if cfg.scenario in ("pressure", "tiered"):
+            frac = cfg.cache_fraction if cfg.scenario == "pressure" else cfg.tier_fraction
             mean = (cfg.system_len.lo + cfg.system_len.hi) / 2
-            self.num_system = max(cfg.system_prompts, int(cfg.usable_pages * cfg.page_size / cfg.cache_fraction / mean))
+            self.num_system = max(cfg.system_prompts, int(cfg.usable_pages * cfg.page_size / frac / mean))
             ranks = np.arange(1, self.num_system + 1, dtype=np.float64)
             w = ranks ** -cfg.zipf_s
             self.popularity = np.cumsum(w / w.sum())
@@ -183,7 +199,7 @@ class _Source:
             cfg.system_len.lo, cfg.system_len.hi + 1, size=self.num_system)
 
     def distinct_prefix_tokens(self) -> int:
-        return int(self.system_lens.sum()) if self.cfg.scenario in ("system", "pressure") else 0
+        return int(self.system_lens.sum()) if self.cfg.scenario in ("system", "pressure", "tiered") else 0
 
     def _tokens(self, n: int) -> np.ndarray:
         return self.rng.integers(0, VOCAB, size=n, dtype=np.int64)
@@ -204,9 +220,11 @@ class _Source:
         kind = cfg.scenario
         if kind == "pressure":
             kind = ("system", "system", "chat", "parallel")[int(self.rng.integers(0, 4))]
+        elif kind == "tiered":
+            kind = ("system", "chat")[int(self.rng.integers(0, 2))]
         user = self._tokens(int(cfg.user_len.sample(self.rng, 1)[0]))
         if kind == "system":
-            if cfg.scenario == "pressure":
+            if cfg.scenario in ("pressure", "tiered"):
                 k = int(np.searchsorted(self.popularity, self.rng.random()))
             else:
                 k = int(self.rng.integers(0, self.num_system))

@@ -7,6 +7,8 @@ use super::SlotAllocator;
 use crate::error::Result;
 use crate::events::EventLog;
 use crate::handle::handle_row;
+use crate::host::HostTier;
+use crate::location::is_host;
 use crate::pages::PagePool;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
@@ -14,9 +16,11 @@ use crate::prefix::tip::ChainTip;
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
     /// known and that is not registered yet, so later prompts can hit it.
-    /// Call it once the step that wrote those pages has run. All-or-nothing.
-    /// Errors: `InvalidHandle` (e.g. a closed request), `InvalidArgument`
-    /// (a handle twice; the index cannot grow).
+    /// Call it once the step that wrote those pages has run. Under a host
+    /// tier's `write_through` policy each page registered also gets a host
+    /// copy (an offload, see `take_offloads`). All-or-nothing.
+    /// Errors: `InvalidHandle` (e.g. a closed request), `RequestSwappedOut`,
+    /// `InvalidArgument` (a handle twice; the index cannot grow).
     pub fn cache(&mut self, handles: &[i64]) -> Result<()> {
         self.requests.resolve_batch(handles)?;
         self.register_batch(handles)
@@ -27,6 +31,7 @@ impl SlotAllocator {
         let mut todo = 0usize;
         for &h in handles {
             let row = handle_row(h) as usize;
+            self.requests.check_resident(row, h)?;
             todo += self
                 .registrable_pages(row)
                 .saturating_sub(self.requests.chain(row).pages);
@@ -35,7 +40,16 @@ impl SlotAllocator {
         // no call registers more pages than the pool has unregistered.
         let todo = todo.min(self.prefix.room());
         self.prefix.reserve(todo)?;
-        self.events.reserve(todo, self.geo.page_size)?;
+        if self.writes_through() {
+            // Each page: its Stored event, its host copy's, and the Removed
+            // event of the host copy its host page may evict.
+            self.events.reserve(3 * todo, self.geo.page_size)?;
+            if let Some(h) = self.host.as_mut() {
+                h.reserve_transfers(todo)?;
+            }
+        } else {
+            self.events.reserve(todo, self.geo.page_size)?;
+        }
         for &h in handles {
             self.register_row(handle_row(h) as usize);
         }
@@ -68,6 +82,7 @@ impl SlotAllocator {
             pages,
             prefix,
             events,
+            host,
             ..
         } = self;
         let list = requests.pages(row, upto);
@@ -115,7 +130,7 @@ impl SlotAllocator {
                     ring[slot] = last;
                 }
                 let p = list[k];
-                match register_page(prefix, pages, events, p, k == 0, h, &tip, salt) {
+                match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
                     Some(next) => tip = next,
                     None => {
                         broken = true;
@@ -133,6 +148,9 @@ impl SlotAllocator {
         }
         prefix.put_hash_scratch(ring);
         self.requests.set_chain(row, k, tip, broken);
+        if k > chain.pages && self.writes_through() {
+            self.write_through(row, chain.pages, k);
+        }
     }
 }
 
@@ -144,6 +162,7 @@ pub(super) fn register_page(
     ix: &mut PrefixIndex,
     pages: &mut PagePool,
     events: &mut EventLog,
+    host: &mut Option<HostTier>,
     p: u32,
     first: bool,
     h: u128,
@@ -164,9 +183,21 @@ pub(super) fn register_page(
             ix.relink(i, parent);
             Some(ix.tip(i))
         }
-        Some((i, _)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
+        Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
             // A duplicate: keep the existing copy (its chain hash is the one
             // this page would get: same tokens, same salt).
+            if is_host(loc) && !pages.is_registered(p) {
+                // Its only copy is on the host: this page becomes its
+                // device copy, as if registered now (a later hit needs no
+                // load).
+                if let Some(host) = host.as_mut() {
+                    ix.set_location(i, p);
+                    pages.set_entry(p, i + 1);
+                    host.count_host_only(false);
+                    let parent_hash = if first { 0 } else { parent.hash };
+                    events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+                }
+            }
             ix.set_hint(parent, i);
             Some(ix.tip(i))
         }

@@ -9,12 +9,16 @@
 //! - a request on the fast path needs none of the slow path's work (a
 //!   pending prompt, a shared or registered last page);
 //! - a request marked as never sharing shares nothing;
+//! - with a host tier (`tier_check.rs`): host pages are held by exactly the
+//!   swapped-out requests that name them and the transfers that pin them,
+//!   and the index's locations and the host records agree both ways;
 //! - with retention priorities, each cached page is on its priority's
 //!   list, the pinned count is the pinned registered pages and within its
 //!   bound, and every pending duration is on record (`pages/`).
 
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
+use crate::location::{host_page, is_host, on_host};
 
 impl SlotAllocator {
     pub fn check(&self) -> Result<()> {
@@ -23,13 +27,28 @@ impl SlotAllocator {
 
     fn check_inner(&self) -> std::result::Result<(), String> {
         let n = self.geo.num_pages;
-        // Holders counted from the open requests' page lists.
+        let host_n = self.host.as_ref().map_or(0, |h| h.num_pages());
+        // Holders counted from the open requests' page lists (a swapped-out
+        // request's host pages apart).
         let mut holders = vec![0u32; n];
+        let mut host_holders = vec![0u32; host_n];
         for row in 0..self.requests.capacity() {
             if !self.requests.is_open(row) {
                 continue;
             }
+            let swapped = self.requests.is_swapped(row);
             for &p in self.row_pages_of(row) {
+                if is_host(p) {
+                    let h = host_page(p) as usize;
+                    if !swapped || h == 0 || h >= host_n {
+                        return Err(format!(
+                            "row {row} holds host page {h} (swapped out: {swapped}, host pages \
+                             {host_n})"
+                        ));
+                    }
+                    host_holders[h] += 1;
+                    continue;
+                }
                 if p == 0 || p as usize >= n {
                     return Err(format!("row {row} holds out-of-range page {p}"));
                 }
@@ -37,16 +56,26 @@ impl SlotAllocator {
             }
         }
         self.pages.check(holders, self.geo.page_size)?;
-        self.prefix.check(
-            |p| ((p as usize) < n).then(|| self.pages.entry(p)),
-            (1..n as u32)
-                .map(|p| (p, self.pages.entry(p)))
-                .filter(|&(_, e)| e != 0),
-        )?;
+        self.check_tier(host_holders)?;
+        let host = self.host.as_ref();
+        let entry_of = |loc: u32| {
+            if is_host(loc) {
+                let h = host_page(loc);
+                host.and_then(|t| ((h as usize) < t.num_pages()).then(|| t.entry(h)))
+            } else {
+                ((loc as usize) < n).then(|| self.pages.entry(loc))
+            }
+        };
+        let device = (1..n as u32).map(|p| (p, self.pages.entry(p)));
+        let hosted = host
+            .into_iter()
+            .flat_map(|t| (1..t.num_pages() as u32).map(move |h| (on_host(h), t.entry(h))));
+        self.prefix
+            .check(entry_of, device.chain(hosted).filter(|&(_, e)| e != 0))?;
         self.pages.check_priorities(self.clock.manual())?;
         self.requests.check()?;
         for row in 0..self.requests.capacity() {
-            if !self.requests.is_open(row) {
+            if !self.requests.is_open(row) || self.requests.is_swapped(row) {
                 continue;
             }
             let (len, last, slow) = self.requests.tail(row);

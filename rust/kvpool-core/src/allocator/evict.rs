@@ -35,12 +35,27 @@ impl SlotAllocator {
     }
 
     /// Evicts the next victim (it becomes unregistered, refcount 0, on no
-    /// list: the caller makes it FREE or HELD).
+    /// list: the caller makes it FREE or HELD). With a host tier its entry
+    /// may live on in a host copy (`tier.rs`).
     fn evict_one(&mut self) -> Option<u32> {
         let p = self.pages.pop_victim()?;
+        if self.host.is_some() {
+            self.drop_device_copy(p, true);
+            return Some(p);
+        }
         self.prefetch_victims(self.pages.victim());
         self.unregister_page(p);
         Some(p)
+    }
+
+    /// Drops `p`'s registration before a request writes into it in place:
+    /// an entry with a host copy keeps it.
+    pub(super) fn unregister_for_write(&mut self, p: u32) {
+        if self.host.is_some() {
+            self.drop_device_copy(p, false);
+        } else {
+            self.unregister_page(p);
+        }
     }
 
     /// Warms what the next evictions will touch. Evictions come in runs (an
@@ -83,13 +98,18 @@ impl SlotAllocator {
     /// Evicts up to `n` CACHED pages, the eviction room's victims in order
     /// (the lowest retention priority first, least recently used within
     /// one; pinned pages never); returns how many were evicted. They become
-    /// FREE (refcount 1).
+    /// FREE (refcount 1). With a host tier, an entry keeps its host copy,
+    /// and under `write_back` an entry without one is offloaded (see
+    /// `take_offloads`).
     ///
     /// The victims are walked in order and leave their lists in one relink
     /// instead of one unlink each, and the next victims are warmed as in
     /// `evict_one`.
     pub fn evict(&mut self, n: usize) -> usize {
         self.expire_due();
+        if self.host.is_some() {
+            return self.evict_tiered(n);
+        }
         let n = n.min(self.pages.cached());
         // One loop per policy, chosen once: on one list the next victim is
         // the next link, and the loop reads nothing else to find it.
@@ -122,8 +142,9 @@ impl SlotAllocator {
 
     /// Drops every index entry: CACHED pages become FREE, pinned ones too,
     /// HELD pages stay with their holders, unregistered (so nothing is
-    /// pinned or has a priority any more). Emits one Cleared event. Costs
-    /// O(registered pages + max_requests).
+    /// pinned or has a priority any more); so do host copies (swapped-out
+    /// requests keep their host pages, queued transfers theirs). Emits one
+    /// Cleared event. Costs O(registered pages + max_requests).
     ///
     /// Queued copies stay: each one fills a page an open request still
     /// reads (its own, or through a later copy out of it), so dropping it
@@ -131,6 +152,9 @@ impl SlotAllocator {
     /// source stays held until it is taken. The copies of released pages
     /// are gone already (`pages/copies.rs`).
     pub fn clear_cache(&mut self) {
+        if self.host.is_some() {
+            return self.clear_tiered();
+        }
         while let Some(p) = self.pages.pop_cached() {
             let entry = self.pages.take_entry(p);
             if entry != 0 {

@@ -51,7 +51,8 @@ impl SlotAllocator {
     /// Errors (nothing changed): `InvalidHandle`, `InvalidArgument` (negative
     /// count, a handle twice, counts/tokens of the wrong length, a token id
     /// out of range or disagreeing with the prompt), `ContextTooLong`,
-    /// `Exhausted` (counting FREE + CACHED pages, copy-on-write included).
+    /// `Exhausted` (counting FREE + CACHED pages, copy-on-write included),
+    /// `RequestSwappedOut`.
     pub fn extend(
         &mut self,
         handles: &[i64],
@@ -238,6 +239,10 @@ impl SlotAllocator {
                 break;
             }
             let (len, last, is_slow) = self.requests.tail(row);
+            if is_slow && self.requests.is_swapped(row) {
+                error = Some(PoolError::RequestSwappedOut { handle: h });
+                break;
+            }
             let new_len = len as u64 + c as u64;
             if new_len > max_len {
                 error = Some(PoolError::ContextTooLong {

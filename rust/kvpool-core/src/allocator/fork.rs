@@ -13,9 +13,11 @@ impl SlotAllocator {
     /// Costs O(n * pages). Returns the new handles. All-or-nothing.
     ///
     /// Errors (nothing changed): `InvalidHandle` (closed, stale or unknown
-    /// parent), `TooManyRequests`, `InvalidArgument` (memory for the prompts).
+    /// parent), `RequestSwappedOut`, `TooManyRequests`, `InvalidArgument`
+    /// (memory for the prompts).
     pub fn fork(&mut self, handle: i64, n: usize) -> Result<Vec<i64>> {
         let parent = self.requests.resolve(handle)?;
+        self.requests.check_resident(parent, handle)?;
         self.requests.check_available(n)?;
         let mut out = Vec::new();
         reserve(&mut out, n, "handles")?;

@@ -330,9 +330,11 @@ impl SlotAllocator {
                 pages,
                 prefix,
                 events,
+                host,
                 ..
             } = self;
-            match super::cache::register_page(prefix, pages, events, p, k == 0, h, &tip, salt) {
+            match super::cache::register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt)
+            {
                 Some(next) => tip = next,
                 None => {
                     broken = true;

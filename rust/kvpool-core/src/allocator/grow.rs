@@ -52,7 +52,7 @@ impl SlotAllocator {
             } else if self.pages.is_registered(last) {
                 // Only the cache shares it: drop the entry, then write in place.
                 self.pages.unregister_held(last);
-                self.unregister_page(last);
+                self.unregister_for_write(last);
             }
         }
         let room = if off == 0 { 0 } else { ps - off };

@@ -7,6 +7,8 @@
 //!   eviction room (`eviction/`) it consults;
 //! - `prefix/`: the index of registered pages and every slot's token id;
 //! - `events.rs`: the KV event log;
+//! - `host/`, with `host_pages > 0`: the host tier (host pages, their
+//!   eviction list, the offload and load queues);
 //! - `clock.rs`: the time retention priorities end by.
 //!
 //! The operations live here, one file per group: opening (`open.rs`),
@@ -14,9 +16,11 @@
 //! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
 //! (`prefix.rs`, `cache.rs`, `evict.rs`), transfers between pools
 //! (`prefix_transfer.rs`), retention priorities (`retention.rs`), reading
-//! (`queries.rs`) and `check.rs`; `group_hooks.rs` is what a grouped pool
-//! (`groups/`) asks of the allocator that carries its request table and
-//! anchor chain.
+//! (`queries.rs`) and `check.rs`; the host tier's: what device eviction
+//! and registration do with it (`tier.rs`), host hits (`prefix_host.rs`),
+//! swapping requests out and in (`swap.rs`) and its invariants
+//! (`tier_check.rs`); `group_hooks.rs` is what a grouped pool (`groups/`)
+//! asks of the allocator that carries its request table and anchor chain.
 
 pub(crate) mod cache;
 mod check;
@@ -30,18 +34,23 @@ mod grow;
 mod open;
 pub(crate) mod options;
 mod prefix;
+mod prefix_host;
 pub(crate) mod prefix_transfer;
 pub(crate) mod queries;
 mod release;
 mod retention;
+mod swap;
 #[cfg(any(test, feature = "test-hooks"))]
 mod test_hooks;
+mod tier;
+mod tier_check;
 
 use crate::clock::Clock;
 use crate::error::{PoolError, Result};
 use crate::events::{EventLog, MIN_BACKLOG};
 use crate::geometry::Geometry;
 use crate::handle::{mix64, random_u64, MAX_GENERATION};
+use crate::host::HostTier;
 use crate::memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 use crate::pages::PagePool;
 use crate::prefix::index::PrefixIndex;
@@ -55,6 +64,8 @@ pub struct SlotAllocator {
     pages: PagePool,
     prefix: PrefixIndex,
     events: EventLog,
+    /// The host tier (None: `host_pages = 0`, and nothing of it is paid).
+    host: Option<HostTier>,
     clock: Clock,
     /// Prompt tokens `open_with_prefix` served from the cache, cumulative.
     hit_tokens: u64,
@@ -150,6 +161,14 @@ impl SlotAllocator {
         if opts.weak_hash_bits > 128 {
             return bad("weak_hash_bits must be in [0, 128]".into());
         }
+        if opts.host_pages == 1 || opts.host_pages > i32::MAX as usize {
+            return bad(format!(
+                "host_pages must be 0 (no host tier) or in [2, {}] (it includes the reserved \
+                 host page 0), got {}",
+                i32::MAX,
+                opts.host_pages
+            ));
+        }
         let generation_base = match opts.generation_base {
             Some(g) if (1..=MAX_GENERATION).contains(&g) => g,
             Some(g) => {
@@ -185,7 +204,7 @@ impl SlotAllocator {
             pages.set_max_pinned(m);
         }
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
-        let prefix = PrefixIndex::new(
+        let mut prefix = PrefixIndex::new(
             num_pages,
             page_size,
             seed,
@@ -193,12 +212,20 @@ impl SlotAllocator {
             opts.skip_hit_verification,
             !opts.lazy_metadata,
         )?;
+        let host = match opts.host_pages {
+            0 => None,
+            n => {
+                prefix.enable_host(n)?;
+                Some(HostTier::new(n, num_pages, opts.host_policy)?)
+            }
+        };
         Ok(Self {
             geo,
             requests,
             pages,
             prefix,
             events: EventLog::new(opts.kv_events, num_pages.max(MIN_BACKLOG)),
+            host,
             clock: Clock::new(opts.manual_clock),
             hit_tokens: 0,
             miss_tokens: 0,
@@ -237,5 +264,9 @@ impl SlotAllocator {
 
     pub(crate) fn prefix_for_tests(&mut self) -> &mut PrefixIndex {
         &mut self.prefix
+    }
+
+    pub(crate) fn host_for_tests(&mut self) -> &mut HostTier {
+        self.host.as_mut().expect("a host tier")
     }
 }

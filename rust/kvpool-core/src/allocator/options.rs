@@ -1,6 +1,7 @@
 //! The argument types of construction and of the batch calls.
 
 use crate::error::{PoolError, Result};
+use crate::host::HostPolicy;
 
 /// Per-request token counts (or target lengths, or salts) of a batch call:
 /// one value broadcast to every handle, or one value per handle.
@@ -70,6 +71,11 @@ pub struct Options {
     /// will hold, whose first requests may pay page faults (see
     /// `memory::fault_in`).
     pub lazy_metadata: bool,
+    /// Host pages of a host tier, the reserved page 0 included (0: no tier,
+    /// and everything behaves and costs as without one; otherwise >= 2).
+    pub host_pages: usize,
+    /// When registered pages get a host copy (see [`HostPolicy`]).
+    pub host_policy: HostPolicy,
     /// Most registered pages that may be pinned (priority 100 with no
     /// duration) at once, at most the pool's capacity in pages. None: a
     /// quarter of it. A pin past the bound is given as priority 99.

@@ -5,9 +5,10 @@
 use super::options::Counts;
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
+use crate::location::is_host;
 use crate::memory::{reserve, reserve_exact};
 use crate::prefix::hashing::{check_token_ids, push_token_ids};
-use crate::prefix::tip::Match;
+use crate::prefix::tip::{ChainTip, Match};
 
 impl SlotAllocator {
     /// Opens one request per prompt and gives each the longest cached prefix
@@ -19,6 +20,12 @@ impl SlotAllocator {
     /// different salts never share). Each request's length is its
     /// `cached_len`; the core keeps its prompt, and later extends take the
     /// prompt's token ids. Returns `(handles, cached_lens)`. All-or-nothing.
+    ///
+    /// With a host tier, `cached_lens` counts device and host hits: a
+    /// page whose only copy is on the host takes a device page (which may
+    /// evict, and under `write_back` offload, another) and queues its load
+    /// (`take_loads`). A host hit that cannot get a device page ends that
+    /// prompt's match there (a miss, not an error); see `prefix_host.rs`.
     ///
     /// Errors (nothing changed): `InvalidArgument` (tokens and lengths
     /// disagree, a negative length, a token id outside [0, 2^31), salts of the
@@ -99,6 +106,31 @@ impl SlotAllocator {
             }
             k += l as usize;
         }
+        // Host hits (a host tier's entries whose only copy is on the host)
+        // take device pages and queue loads: `prefix_host.rs`.
+        let host_hits = match self.host {
+            Some(_) => hit_pages.iter().filter(|&&l| is_host(l)).count(),
+            None => 0,
+        };
+        if host_hits > 0 {
+            let mut pending = Vec::new();
+            if let Err(e) = reserve(&mut pending, host_hits, "prefix matches")
+                .and_then(|()| self.reserve_host_hits(host_hits))
+            {
+                self.requests.restore_prompt_capacity(&caps);
+                return Err(e);
+            }
+            // Apply: nothing below can fail.
+            self.open_with_host_hits(
+                salt,
+                &matches,
+                &mut hit_pages,
+                pending,
+                &mut handles,
+                &mut cached,
+            );
+            return Ok((handles, cached));
+        }
         // Apply: nothing below can fail.
         let mut hp = 0usize;
         for (i, m) in matches.into_iter().enumerate() {
@@ -114,15 +146,30 @@ impl SlotAllocator {
     /// the next free row (the caller checked there is one), whose prompt
     /// buffer holds the request's prompt. Returns `(handle, cached_len)`.
     pub(super) fn open_matched(&mut self, salt: i64, m: &Match, hit_pages: &[u32]) -> (i64, usize) {
+        self.open_on(salt, m.tip, &hit_pages[..m.pages], true)
+    }
+
+    /// Opens one request on the device pages `hits` of a match ending at
+    /// `tip` (see `open_matched`), taking a hold on each when `hold` (else
+    /// the caller took them).
+    #[inline]
+    pub(super) fn open_on(
+        &mut self,
+        salt: i64,
+        tip: ChainTip,
+        hits: &[u32],
+        hold: bool,
+    ) -> (i64, usize) {
         let next = self.requests.nth_free_row(0);
         let prompt = self.requests.take_prompt(next);
         let (row, handle) = self.requests.take_row();
-        let len = m.pages * self.geo.page_size;
-        let hits = &hit_pages[..m.pages];
-        self.pages.hold(hits);
+        let len = hits.len() * self.geo.page_size;
+        if hold {
+            self.pages.hold(hits);
+        }
         self.hit_tokens += len as u64;
         self.miss_tokens += prompt.len().saturating_sub(len) as u64;
-        self.requests.start_on(row, salt, prompt, hits, m.tip, len);
+        self.requests.start_on(row, salt, prompt, hits, tip, len);
         let (_, last, _) = self.requests.tail(row);
         if self.needs_slow(row, len, last) {
             self.requests.mark_slow(row);

@@ -44,7 +44,8 @@ impl SlotAllocator {
         let mut tokens = Vec::new();
         reserve(&mut tokens, n * ps, "chain tokens")?;
         for &p in self.requests.pages(row, n) {
-            tokens.extend_from_slice(self.prefix.page_tokens(p));
+            // A swapped-out request's page may be on the host.
+            tokens.extend_from_slice(self.prefix.location_tokens(p));
         }
         let mut hashes = Vec::new();
         reserve(&mut hashes, n, "chain hashes")?;
@@ -60,8 +61,9 @@ impl SlotAllocator {
         })
     }
 
-    /// How many leading pages of `chain` this pool caches (registered,
-    /// CACHED or HELD), each verified by its tokens, salt and parent.
+    /// How many leading pages of `chain` this pool caches on the device
+    /// (registered, CACHED or HELD), each verified by its tokens, salt and
+    /// parent.
     /// Read-only.
     ///
     /// Errors: `InvalidArgument` when `tokens` is not `hashes.len() *

@@ -58,9 +58,10 @@ impl SlotAllocator {
     pub fn used_slots(&self) -> usize {
         self.used_pages() * self.geo.page_size
     }
-    /// Registered pages (HELD or CACHED).
+    /// Registered device pages (HELD or CACHED); with a host tier, entries
+    /// whose only copy is on the host are `host_cached_pages`.
     pub fn cached_pages(&self) -> usize {
-        self.prefix.len()
+        self.prefix.len() - self.host.as_ref().map_or(0, |h| h.host_only())
     }
     /// CACHED pages: registered, held by nobody, evicted when needed (all
     /// but the pinned ones).
@@ -111,6 +112,7 @@ impl SlotAllocator {
             + self.pages.capacity_bytes()
             + self.events.capacity_bytes()
             + self.prefix.metadata_bytes()
+            + self.host.as_ref().map_or(0, |h| h.capacity_bytes())
     }
 
     pub fn is_open(&self, handle: i64) -> bool {
@@ -140,9 +142,19 @@ impl SlotAllocator {
         Ok(out)
     }
 
-    /// Every slot of the request, in token order.
-    pub fn slots(&self, handle: i64) -> Result<Vec<i64>> {
+    /// Row of an open request on the device: `RequestSwappedOut` for a
+    /// swapped-out one (its pages are not all device pages).
+    fn resolve_resident(&self, handle: i64) -> Result<usize> {
         let row = self.requests.resolve(handle)?;
+        self.requests.check_resident(row, handle)?;
+        Ok(row)
+    }
+
+    /// Every slot of the request, in token order.
+    ///
+    /// Errors: `InvalidHandle`, `RequestSwappedOut`.
+    pub fn slots(&self, handle: i64) -> Result<Vec<i64>> {
+        let row = self.resolve_resident(handle)?;
         let len = self.requests.len(row);
         let mut out = Vec::new();
         reserve(&mut out, len, "slots")?;
@@ -160,7 +172,7 @@ impl SlotAllocator {
     pub fn fill_table(&self, handles: &[i64], table: &mut SlotTable<'_>) -> Result<()> {
         self.check_table(table)?;
         for &h in handles {
-            self.requests.resolve(h)?;
+            self.resolve_resident(h)?;
         }
         let ps = self.geo.page_size;
         for &h in handles {
@@ -179,17 +191,32 @@ impl SlotAllocator {
         Ok(())
     }
 
+    /// The request's device pages, in token order.
+    ///
+    /// Errors: `InvalidHandle`, `RequestSwappedOut`.
     pub fn pages(&self, handle: i64) -> Result<Vec<i32>> {
-        let row = self.requests.resolve(handle)?;
+        let row = self.resolve_resident(handle)?;
         Ok(self.row_pages_of(row).iter().map(|&p| p as i32).collect())
     }
 
-    /// Known token ids of the request (positions `0..n` for its known prefix).
+    /// Known token ids of the request (positions `0..n` for its known
+    /// prefix), swapped out or not.
     pub fn known_tokens(&self, handle: i64) -> Result<Vec<i32>> {
         let row = self.requests.resolve(handle)?;
         let n = self.requests.known_len(row);
         let mut out = Vec::new();
         reserve(&mut out, n, "tokens")?;
+        if self.requests.is_swapped(row) {
+            let ps = self.geo.page_size;
+            for (k, &loc) in self.row_pages_of(row).iter().enumerate() {
+                let m = ps.min(n.saturating_sub(k * ps));
+                if m == 0 {
+                    break;
+                }
+                out.extend_from_slice(&self.prefix.location_tokens(loc)[..m]);
+            }
+            return Ok(out);
+        }
         for (s, m) in self.slot_runs(row, n) {
             out.extend_from_slice(self.prefix.slot_tokens(s, m));
         }
@@ -199,7 +226,7 @@ impl SlotAllocator {
     pub fn page_table(&self, handles: &[i64]) -> Result<PageTable> {
         let mut total = 0usize;
         for &h in handles {
-            total += self.row_pages_of(self.requests.resolve(h)?).len();
+            total += self.row_pages_of(self.resolve_resident(h)?).len();
         }
         if total > i32::MAX as usize {
             // Only reachable by naming the same requests over and over.

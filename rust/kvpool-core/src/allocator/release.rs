@@ -16,12 +16,14 @@ impl SlotAllocator {
     /// the prompt from there: later positions take the token ids extend is
     /// given (or are unknown), and `cache` registers what they hold. The
     /// current length as the new one changes nothing.
-    /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument`.
+    /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument`,
+    /// `RequestSwappedOut`.
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
         lengths.check_len("lengths", handles.len())?;
         self.requests.begin_batch();
         for (i, &h) in handles.iter().enumerate() {
             let row = self.requests.resolve_unique(h, i)?;
+            self.requests.check_resident(row, h)?;
             let l = lengths.get(i);
             let cur = self.requests.len(row);
             if l < 0 || l as u64 > cur as u64 {
@@ -47,8 +49,10 @@ impl SlotAllocator {
     /// Closes each request, releasing its pages; the handles become invalid.
     /// With `cache`, first registers each request's full pages of known
     /// tokens (as [`Self::cache`]), so they stay reusable as CACHED pages.
-    /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument` (a handle
-    /// twice; the prefix index cannot grow).
+    /// A swapped-out request releases its host pages too. All-or-nothing.
+    /// Errors: `InvalidHandle`, `InvalidArgument` (a handle twice; the
+    /// prefix index cannot grow), `RequestSwappedOut` (`cache` of a
+    /// swapped-out request).
     pub fn close(&mut self, handles: &[i64], cache: bool) -> Result<()> {
         self.requests.resolve_batch(handles)?;
         if cache {
@@ -73,6 +77,9 @@ impl SlotAllocator {
     }
 
     pub(super) fn close_row(&mut self, row: usize) {
+        if self.requests.is_swapped(row) {
+            return self.close_swapped_row(row);
+        }
         self.shrink_row(row, 0);
         self.requests.close_row(row);
     }

@@ -16,6 +16,7 @@ use crate::clock::duration_ns;
 use crate::error::{PoolError, Result};
 use crate::eviction::MAX_PRIORITY;
 use crate::handle::handle_row;
+use crate::location::is_host;
 use crate::memory::reserve;
 use crate::prefix::hashing::root;
 
@@ -36,8 +37,8 @@ impl SlotAllocator {
     /// are taken request by request, each prefix from its first page.
     /// All-or-nothing.
     ///
-    /// Errors: `InvalidHandle`, `InvalidArgument` (a handle twice, a
-    /// priority outside [0, 100] or of the wrong length, `retain_s` not in
+    /// Errors: `InvalidHandle`, `RequestSwappedOut`, `InvalidArgument` (a
+    /// handle twice, a priority outside [0, 100] or of the wrong length, `retain_s` not in
     /// (0, 1e9]; the index cannot grow).
     pub fn cache_with_priority(
         &mut self,
@@ -45,7 +46,7 @@ impl SlotAllocator {
         priority: Counts<'_>,
         retain_s: Option<f64>,
     ) -> Result<()> {
-        self.requests.resolve_batch(handles)?;
+        self.resolve_resident_batch(handles)?;
         let (dur, mut targets) = self.prepare_priorities(handles, priority, retain_s)?;
         self.register_batch(handles)?;
         self.give_priorities(handles, priority, dur, &mut targets);
@@ -56,14 +57,15 @@ impl SlotAllocator {
     /// [`Self::cache_with_priority`]: the pages are given them before they
     /// are released. All-or-nothing.
     ///
-    /// Errors: `InvalidHandle`, `InvalidArgument` (as `cache_with_priority`).
+    /// Errors: `InvalidHandle`, `RequestSwappedOut`, `InvalidArgument` (as
+    /// `cache_with_priority`).
     pub fn close_with_priority(
         &mut self,
         handles: &[i64],
         priority: Counts<'_>,
         retain_s: Option<f64>,
     ) -> Result<()> {
-        self.requests.resolve_batch(handles)?;
+        self.resolve_resident_batch(handles)?;
         let (dur, mut targets) = self.prepare_priorities(handles, priority, retain_s)?;
         self.register_batch(handles)?;
         self.give_priorities(handles, priority, dur, &mut targets);
@@ -78,9 +80,10 @@ impl SlotAllocator {
     /// pages were unpinned. A pinned prefix no open request holds is
     /// reached by opening one on it (`open_with_prefix`). All-or-nothing.
     ///
-    /// Errors: `InvalidHandle`, `InvalidArgument` (a handle twice).
+    /// Errors: `InvalidHandle`, `InvalidArgument` (a handle twice),
+    /// `RequestSwappedOut`.
     pub fn unpin(&mut self, handles: &[i64]) -> Result<usize> {
-        self.requests.resolve_batch(handles)?;
+        self.resolve_resident_batch(handles)?;
         if self.pages.pinned() == 0 {
             return Ok(0);
         }
@@ -93,6 +96,16 @@ impl SlotAllocator {
             .iter()
             .filter(|&&(p, _)| self.pages.unpin(p))
             .count())
+    }
+
+    /// Resolves the batch and refuses swapped-out requests: their page
+    /// lists name host pages, and priorities are the device's.
+    fn resolve_resident_batch(&mut self, handles: &[i64]) -> Result<()> {
+        self.requests.resolve_batch(handles)?;
+        for &h in handles {
+            self.requests.check_resident(handle_row(h) as usize, h)?;
+        }
+        Ok(())
     }
 
     /// Sets the manual clock to `now_s` seconds and ends the priorities
@@ -212,7 +225,8 @@ impl SlotAllocator {
     }
 
     /// Pushes `(page, q)` for each page of `row`'s cached prefix (see the
-    /// module docs), in order; stops where a duplicated page's copy is gone.
+    /// module docs), in order; stops where a duplicated page's copy is gone
+    /// from the device.
     fn cached_prefix(&self, row: usize, q: u8, out: &mut Targets) {
         let n = self.requests.chain(row).pages;
         let salt = self.requests.salt(row);
@@ -223,8 +237,11 @@ impl SlotAllocator {
                 None => {
                     let h = self.prefix.page_hash(hash, p);
                     match self.prefix.lookup(h) {
+                        // A copy only on the host tier is gone from the
+                        // device, where priorities apply.
                         Some((i, copy))
-                            if self.prefix.verify(i, self.prefix.page_tokens(p), salt, reg) =>
+                            if !is_host(copy)
+                                && self.prefix.verify(i, self.prefix.page_tokens(p), salt, reg) =>
                         {
                             (copy, self.prefix.tip(i))
                         }

@@ -198,6 +198,12 @@ impl GroupedAllocator {
         let anchor_group = groups
             .iter()
             .position(|s| s.kind == GroupKind::Full && s.page_size == a);
+        // A grouped pool has no host tier: its groups' pages would need
+        // copies of their own, which nothing offloads or loads.
+        let opts = Options {
+            host_pages: 0,
+            ..opts
+        };
         // The anchor first: it validates the request table's sizes before
         // any group allocates for them.
         let anchor = match anchor_group {

@@ -1,26 +1,32 @@
 //! The index's invariants, given what the page records say:
 //!
-//! - the table, the entry slab and the page records agree both ways: every
-//!   filed entry is found under its own hash's key, and its page's record
-//!   names it; every registered page's entry is filed;
-//! - each entry's first token is its page's;
+//! - the table, the entry slab and the page records (device and host) agree
+//!   both ways: every filed entry is found under its own hash's key, and the
+//!   record of its device page or host copy names it; every registered
+//!   page's entry is filed and names that page;
+//! - an entry without a device copy is located at its host copy;
+//! - each entry's first token is its page's, and an entry on both tiers has
+//!   the same token ids in both;
 //! - every entry has its live parent's salt (a hinted walk relies on it,
 //!   `lookup.rs`);
 //! - a freed slab slot is marked dead and named by no page.
 
 use super::index::{PrefixIndex, DEAD};
 use super::keys::key_of;
+use crate::location::{host_page, is_host, on_host};
 
 impl PrefixIndex {
-    /// `entry_of(page)`: the registration `page`'s record names (index + 1,
-    /// 0 for none; None for a page out of range); `registered`: every page
-    /// whose record names one, with it.
+    /// `entry_of(location)`: the registration the record of the page at
+    /// `location` (device page or host location, `location.rs`) names
+    /// (index + 1, 0 for none; None for a page out of range);
+    /// `registered`: every page whose record names one, with it.
     pub(crate) fn check(
         &self,
         entry_of: impl Fn(u32) -> Option<u32>,
         registered: impl Iterator<Item = (u32, u32)>,
     ) -> std::result::Result<(), String> {
         let mut listed = 0usize;
+        let mut copies = 0usize;
         for i in self.table.entries() {
             let Some(e) = self.entries.get(i as usize) else {
                 return Err(format!("index entry {i} is out of range"));
@@ -30,35 +36,68 @@ impl PrefixIndex {
             };
             if self.find(key_of(id.hash)) != Some(i) || entry_of(e.page) != Some(i + 1) {
                 return Err(format!(
-                    "index entry {i} (page {}) disagrees with its page or key",
+                    "index entry {i} (page {:#x}) disagrees with its page or key",
                     e.page
                 ));
             }
-            if e.first_token != self.page_tokens(e.page)[0] {
+            if is_host(e.page) {
+                if e.host == 0 || host_page(e.page) != e.host {
+                    return Err(format!(
+                        "index entry {i} is located on host page {} but its host copy is {}",
+                        host_page(e.page),
+                        e.host
+                    ));
+                }
+                copies += 1;
+            } else {
+                copies += 1 + (e.host != 0) as usize;
+                if e.host != 0 {
+                    if entry_of(on_host(e.host)) != Some(i + 1) {
+                        return Err(format!(
+                            "index entry {i}'s host copy {} does not name it",
+                            e.host
+                        ));
+                    }
+                    if self.page_tokens(e.page) != self.host_page_tokens(e.host) {
+                        return Err(format!(
+                            "index entry {i}'s device page {} and host copy {} hold different \
+                             token ids",
+                            e.page, e.host
+                        ));
+                    }
+                }
+            }
+            let first = self.location_tokens(e.page)[0];
+            if e.first_token != first {
                 return Err(format!(
-                    "index entry {i} keeps first token {} but page {} starts with {}",
-                    e.first_token,
-                    e.page,
-                    self.page_tokens(e.page)[0]
+                    "index entry {i} keeps first token {} but page {:#x} starts with {first}",
+                    e.first_token, e.page
                 ));
             }
             listed += 1;
         }
         let mut pages = 0usize;
-        for (p, e) in registered {
+        for (loc, e) in registered {
             pages += 1;
+            let named = |en: &super::index::Entry| {
+                if is_host(loc) {
+                    en.host == host_page(loc)
+                } else {
+                    en.page == loc
+                }
+            };
             match (
                 self.entries.get(e as usize - 1),
                 self.idents.get(e as usize - 1),
             ) {
-                (Some(en), Some(id))
-                    if en.page == p && self.find(key_of(id.hash)) == Some(e - 1) => {}
-                _ => return Err(format!("registration of page {p} is not in the index")),
+                (Some(en), Some(id)) if named(en) && self.find(key_of(id.hash)) == Some(e - 1) => {}
+                _ => return Err(format!("registration of page {loc:#x} is not in the index")),
             }
         }
-        if pages != self.len() || listed != self.len() {
+        if pages != copies || listed != self.len() {
             return Err(format!(
-                "{pages} pages are registered but the index has {} entries ({listed} listed)",
+                "{pages} pages are registered but the index has {} entries ({listed} listed) \
+                 with {copies} copies",
                 self.len()
             ));
         }
@@ -85,10 +124,13 @@ impl PrefixIndex {
                 }
             }
         }
-        // A freed slot must never verify as anybody's child.
+        // A freed slot must never verify as anybody's child, nor be named.
         for &i in &self.free_entries {
             match self.entries.get(i as usize) {
-                Some(e) if e.parent_reg == DEAD && entry_of(e.page) != Some(i + 1) => {}
+                Some(e)
+                    if e.parent_reg == DEAD
+                        && entry_of(e.page) != Some(i + 1)
+                        && (e.host == 0 || entry_of(on_host(e.host)) != Some(i + 1)) => {}
                 _ => return Err(format!("free index slot {i} is live or not marked dead")),
             }
         }

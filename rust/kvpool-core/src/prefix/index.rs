@@ -20,6 +20,14 @@
 //! A page is filed under its lookup key, its chain hash folded to 64 bits
 //! (`keys.rs`); events and transfers use the 128-bit hash itself.
 //!
+//! Tiers. An entry is one registered content, wherever its bytes are: its
+//! `page` is its device page, or its host page (a `location.rs` host
+//! location) when the device copy is gone, and `host` names its host copy
+//! (0: none). A host-only entry is verified exactly as a device one (the
+//! index keeps every host page's token ids too), and chain verification by
+//! induction over parent registrations crosses tiers unchanged: the entry,
+//! and its registration id, are the same whichever tier holds the bytes.
+//!
 //! Duplicates: when `cache()` finds the key already registered for another
 //! page with the same content (verified as above), the existing entry is
 //! kept and the new page stays unregistered (freed when its holders leave).
@@ -32,6 +40,7 @@ use super::key_table::KeyTable;
 use super::keys::key_of;
 use super::tip::ChainTip;
 use crate::error::Result;
+use crate::location::{host_page, is_host};
 use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
 
 /// Pages registration hashes (and prefetches) ahead of its probes, and the
@@ -67,6 +76,8 @@ pub(super) struct Entry {
     pub(super) reg: u64,
     /// `reg` of the parent page's entry when this page was registered.
     pub(super) parent_reg: u64,
+    /// The device page, or the host location of the host copy when the
+    /// entry has no device copy (`location.rs`).
     pub(super) page: u32,
     /// The page's first token id (its only one at page size 1), kept where
     /// a hinted walk reads anyway: at page size 1 a hop then verifies
@@ -76,6 +87,9 @@ pub(super) struct Entry {
     /// this entry (0 = none): a hint for the next lookup (`lookup.rs`),
     /// never trusted.
     pub(super) child: u32,
+    /// The host page holding a copy (0: none). In the entry's padding: the
+    /// walk's 32 bytes stay 32.
+    pub(super) host: u32,
 }
 
 /// What names a registered page's content: its chain hash (its identity in
@@ -85,6 +99,10 @@ pub(super) struct Entry {
 pub(crate) struct Identity {
     pub(crate) hash: u128,
     pub(crate) salt: i64,
+    /// Entry index + 1 of the parent when this page was registered or
+    /// relinked (0 at a chain's first page): live while that slot's `reg`
+    /// is still `parent_reg` (`parent_hash`). In the record's padding.
+    pub(crate) parent: u32,
 }
 
 /// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
@@ -101,6 +119,8 @@ pub(crate) struct PrefixIndex {
     pub(super) free_entries: Vec<u32>,
     /// Token id at every slot (meaningful where a request or entry says so).
     pub(super) tokens: Vec<i32>,
+    /// Token id at every host slot (a host tier's pages; empty without one).
+    pub(super) host_tokens: Vec<i32>,
     pub(super) hasher: ChainHasher,
     /// The chain hashes of the next pages a lookup or registration probes.
     pub(super) hash_scratch: Vec<u128>,
@@ -137,6 +157,7 @@ impl PrefixIndex {
             idents: Vec::new(),
             free_entries: Vec::new(),
             tokens,
+            host_tokens: Vec::new(),
             hasher,
             hash_scratch,
             next_reg: 1,
@@ -165,7 +186,7 @@ impl PrefixIndex {
         })
     }
 
-    /// The entry filed under chain hash `hash`'s key, and its page.
+    /// The entry filed under chain hash `hash`'s key, and its location.
     #[inline]
     pub(crate) fn lookup(&self, hash: u128) -> Option<(u32, u32)> {
         let i = self.find(key_of(hash))?;
@@ -248,6 +269,23 @@ impl PrefixIndex {
         &self.tokens[page as usize * ps..(page as usize + 1) * ps]
     }
 
+    /// The token ids of host page `h`.
+    #[inline]
+    pub(crate) fn host_page_tokens(&self, h: u32) -> &[i32] {
+        let ps = self.page_size;
+        &self.host_tokens[h as usize * ps..(h as usize + 1) * ps]
+    }
+
+    /// The token ids of the page at `loc`, device or host.
+    #[inline]
+    pub(crate) fn location_tokens(&self, loc: u32) -> &[i32] {
+        if is_host(loc) {
+            self.host_page_tokens(host_page(loc))
+        } else {
+            self.page_tokens(loc)
+        }
+    }
+
     /// The token ids at slots `start..start + n`.
     #[inline]
     pub(crate) fn slot_tokens(&self, start: usize, n: usize) -> &[i32] {
@@ -283,9 +321,9 @@ impl PrefixIndex {
     /// Whether `e`'s page holds `tokens` (one page's worth, never empty).
     #[inline]
     pub(super) fn holds(&self, e: &Entry, tokens: &[i32]) -> bool {
-        debug_assert_eq!(e.first_token, self.page_tokens(e.page)[0]);
+        debug_assert_eq!(e.first_token, self.location_tokens(e.page)[0]);
         e.first_token == tokens[0]
-            && (self.page_size == 1 || same_tokens(self.page_tokens(e.page), tokens))
+            && (self.page_size == 1 || same_tokens(self.location_tokens(e.page), tokens))
     }
 
     // ---- prefetching ahead of an eviction run ----
@@ -322,7 +360,8 @@ impl PrefixIndex {
     }
 
     pub(crate) fn metadata_bytes(&self) -> usize {
-        self.entries.capacity() * std::mem::size_of::<Entry>()
+        self.host_tokens.capacity() * 4
+            + self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.idents.capacity() * std::mem::size_of::<Identity>()
             + self.free_entries.capacity() * 4
             + self.table.capacity_bytes()

@@ -32,6 +32,7 @@
 use super::index::{PrefixIndex, LOOKAHEAD};
 use super::keys::key_of;
 use super::tip::{ChainTip, Match};
+use crate::location::is_host;
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
@@ -95,7 +96,8 @@ impl PrefixIndex {
     }
 
     /// Walks `prompt`'s pages from the root while each page's entry
-    /// verifies; appends the matched pages to `out`. Read-only (the key
+    /// verifies; appends the matched pages' locations to `out` (a host
+    /// location where an entry's only copy is on the host). Read-only (the key
     /// scratch aside). At most `(len - 1) / page_size` pages match, so at
     /// least one token is left to compute.
     pub(crate) fn match_prompt(&mut self, prompt: &[i32], salt: i64, out: &mut Vec<u32>) -> Match {
@@ -140,8 +142,8 @@ impl PrefixIndex {
     }
 
     /// Walks a chain another pool sent (`hashes[k]` the chain hash of page
-    /// `k`, `tokens` its token ids) while each entry verifies; pushes the
-    /// matched pages to `out` if given.
+    /// `k`, `tokens` its token ids) while each entry verifies and has a
+    /// device copy; pushes the matched pages to `out` if given.
     pub(crate) fn walk_chain(
         &self,
         hashes: &[u128],
@@ -155,9 +157,13 @@ impl PrefixIndex {
             // entry's (a sender with another seed misses); verification
             // then checks the page's tokens, salt and parent, so the sent
             // hash is never trusted and this pool need not hash anything.
+            // Device copies only: a page whose bytes are on the host would
+            // need a load, which a chain transfer does not queue.
             match self.lookup(h) {
                 Some((i, page))
-                    if self.idents[i as usize].hash == h && self.verify(i, t, salt, m.tip.reg) =>
+                    if !is_host(page)
+                        && self.idents[i as usize].hash == h
+                        && self.verify(i, t, salt, m.tip.reg) =>
                 {
                     if let Some(o) = out.as_deref_mut() {
                         o.push(page);

@@ -6,7 +6,8 @@
 //! - `index.rs`: the entries and their verification;
 //! - `register.rs`: filing, relinking and removing entries;
 //! - `lookup.rs`: walking a prompt's or a sent chain's pages through it;
-//! - `tip.rs`: where a chain stands (shared with the requests).
+//! - `tip.rs`: where a chain stands (shared with the requests);
+//! - `tiers.rs`: where each entry's bytes are (device page, host copy).
 //!
 //! The index keeps no page state: a page's record (`pages/`) names its
 //! entry, and the allocator keeps the two in step.
@@ -18,4 +19,5 @@ mod key_table;
 mod keys;
 mod lookup;
 mod register;
+pub(crate) mod tiers;
 pub(crate) mod tip;

@@ -6,6 +6,7 @@ use super::index::{Entry, Identity, PrefixIndex, DEAD, TABLE_FLOOR_KEYS};
 use super::keys::key_of;
 use super::tip::ChainTip;
 use crate::error::Result;
+use crate::location::{is_host, on_host};
 use crate::memory::reserve;
 
 impl PrefixIndex {
@@ -63,8 +64,13 @@ impl PrefixIndex {
             page,
             first_token: self.tokens[page as usize * self.page_size],
             child: 0,
+            host: 0,
         };
-        let id = Identity { hash, salt };
+        let id = Identity {
+            hash,
+            salt,
+            parent: parent.entry,
+        };
         let idx = match self.free_entries.pop() {
             Some(i) => {
                 self.entries[i as usize] = e;
@@ -105,6 +111,7 @@ impl PrefixIndex {
     /// computed on `parent`'s prefix, under `parent`.
     pub(crate) fn relink(&mut self, i: u32, parent: &ChainTip) {
         self.entries[i as usize].parent_reg = parent.reg;
+        self.idents[i as usize].parent = parent.entry;
         self.set_hint(parent, i);
     }
 
@@ -122,9 +129,10 @@ impl PrefixIndex {
         e
     }
 
-    /// Drops every registration; `unlink(page, entry)` clears a page's
-    /// record if it names `entry` (index + 1) and says whether it did (the
-    /// slab's other slots are stale).
+    /// Drops every registration; `unlink(location, entry)` clears a page's
+    /// record (device or host, `location.rs`) if it names `entry` (its
+    /// index + 1) and says whether it did (the slab's other slots are
+    /// stale). An entry on both tiers unlinks both pages.
     ///
     /// Costs what was registered, not what the pool could hold: the table
     /// is sized up front for the pool's pages, up to TABLE_FLOOR_KEYS, so
@@ -135,7 +143,11 @@ impl PrefixIndex {
         // Past an eighth full, one memset beats a probe per key.
         let sparse = self.table.len().saturating_mul(8) < self.table.buckets();
         for (i, (e, id)) in self.entries.iter().zip(&self.idents).enumerate() {
-            if unlink(e.page, i as u32 + 1) && sparse {
+            let mut live = unlink(e.page, i as u32 + 1);
+            if e.host != 0 && !is_host(e.page) {
+                live |= unlink(on_host(e.host), i as u32 + 1);
+            }
+            if live && sparse {
                 self.table.remove(key_of(id.hash), i as u32);
             }
         }

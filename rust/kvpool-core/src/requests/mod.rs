@@ -16,7 +16,7 @@ use crate::geometry::Geometry;
 use crate::handle::next_generation;
 use crate::memory::{fault_in, filled_vec, reserve, zeroed_vec};
 use crate::prefix::tip::ChainTip;
-use row::{Row, RowCold, OPEN, SLOW};
+use row::{Row, RowCold, OPEN, SLOW, SWAPPED};
 
 /// A request's prefix-chain progress (see `RowCold`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,6 +154,28 @@ impl Requests {
     #[inline]
     pub(crate) fn mark_slow(&mut self, row: usize) {
         self.rows[row].last |= SLOW;
+    }
+
+    /// Whether `row`'s request is swapped out (`row::SWAPPED`).
+    #[inline]
+    pub(crate) fn is_swapped(&self, row: usize) -> bool {
+        self.rows[row].last == SWAPPED
+    }
+
+    /// Marks `row`'s request swapped out (its page list names where each
+    /// page is); `set_tail` puts it back on the device.
+    #[inline]
+    pub(crate) fn set_swapped(&mut self, row: usize) {
+        self.rows[row].last = SWAPPED;
+    }
+
+    /// `RequestSwappedOut` if `row` (of `handle`) is swapped out.
+    #[inline]
+    pub(crate) fn check_resident(&self, row: usize, handle: i64) -> Result<()> {
+        if self.is_swapped(row) {
+            return Err(PoolError::RequestSwappedOut { handle });
+        }
+        Ok(())
     }
 
     /// The first `n` entries of `row`'s page list.

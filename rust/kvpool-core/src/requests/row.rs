@@ -12,6 +12,11 @@ pub(super) const OPEN: u32 = 1 << 31;
 /// may be shared or registered (so writing into it needs copy-on-write or an
 /// unregister). Set conservatively; the slow path clears it.
 pub(super) const SLOW: u32 = 1 << 31;
+/// `Row::last` of a swapped-out request (`swap_out`): SLOW, so the decode
+/// loops stop at it and the general path refuses it, and a page id no pool
+/// has (pages are below 2^31 - 1), so the mark costs the hot row nothing.
+/// Its page list then names host pages too (`location.rs`).
+pub(crate) const SWAPPED: u32 = u32::MAX;
 
 /// Hot per-row state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

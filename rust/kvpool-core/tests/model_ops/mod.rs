@@ -27,9 +27,20 @@ pub enum Op {
     Prefill(usize),
     Evict(usize),
     ClearCache,
-    /// `take_copies_from(n % (pending + 1))`: 0 drains everything.
+    /// Every queue drained: the copies from `n % (pending + 1)` first.
     Drain(usize),
     Reset,
+    SwapOut(Vec<usize>),
+    SwapIn(Vec<usize>),
+    /// Prompts the harness saw registered (text pick, drop the last token),
+    /// asked for again: hits on whichever tier holds them by then.
+    Reopen(Vec<(u8, u8)>),
+    /// What `Reopen` becomes: (prompt, salt) each.
+    Prompts(Vec<(Vec<i32>, i64)>),
+    /// swap_out, swap_in, swap_out, swap_in of one request with nothing
+    /// drained in between: pages a queued load has yet to fill are swapped
+    /// out again, host pages swap_in lets go are wanted by write-backs.
+    Bounce(usize),
     /// `cache_with_priority` (`close_with_priority` when the flag is set):
     /// handle picks, priorities (one for all, else one per handle), a
     /// duration in whole seconds.
@@ -37,6 +48,12 @@ pub enum Op {
     Unpin(Vec<usize>),
     /// Moves the manual clock on by this many seconds.
     Tick(u8),
+}
+
+impl Op {
+    pub fn with_prompts(self, prompts: Vec<(Vec<i32>, i64)>) -> Op {
+        Op::Prompts(prompts)
+    }
 }
 
 /// Two prompt bases sharing their first 4 tokens, from a 3-letter alphabet
@@ -77,10 +94,14 @@ pub fn op() -> impl Strategy<Value = Op> {
         3 => (prop::collection::vec(pick.clone(), 1..5), toks).prop_map(|(v, t)| Op::Decode(v, t)),
         3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Fork(p, n)),
         3 => (pick.clone(), 1usize..3).prop_map(|(p, n)| Op::Sample(p, n)),
-        1 => (0usize..4).prop_map(Op::Evict),
+        3 => prop_oneof![3 => 0usize..6, 1 => Just(usize::MAX)].prop_map(Op::Evict),
         1 => Just(Op::ClearCache),
         2 => prop_oneof![2 => Just(0usize), 1 => 1usize..8].prop_map(Op::Drain),
         1 => Just(Op::Reset),
+        1 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapOut),
+        2 => prop::collection::vec(pick.clone(), 1..3).prop_map(Op::SwapIn),
+        4 => prop::collection::vec((any::<u8>(), any::<u8>()), 1..3).prop_map(Op::Reopen),
+        1 => pick.clone().prop_map(Op::Bounce),
         4 => (prop::collection::vec(pick.clone(), 0..3), prop::collection::vec(priority(), 1..3),
               prop::option::of(prop_oneof![8 => 1u8..3, 1 => Just(0u8)]), prop::bool::weighted(0.5))
             .prop_map(|(v, q, r, c)| Op::Prio(v, q, r, c)),

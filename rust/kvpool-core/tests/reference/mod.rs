@@ -1,11 +1,12 @@
 //! A deliberately naive reference model of the allocator: one page list and
 //! one token list per request, holders counted by scanning every request,
 //! the prefix index keyed by the exact content (salt, every token up to the
-//! end of the page) instead of a hash, the LRU list a plain Vec, the
-//! copy-on-write queue a Vec of (source page, destination page, slots)
-//! searched front to back, retention priorities a map scanned for the
-//! lowest (`priorities.rs`). Same policies as the allocator, written the
-//! obvious way.
+//! end of the page) instead of a hash, each entry naming its device page
+//! and its host copy, the LRU list a plain Vec, the copy-on-write queue a
+//! Vec of (source page, destination page, slots) searched front to back,
+//! retention priorities a map scanned for the lowest (`priorities.rs`),
+//! and the host tier (`tier.rs`) the same way. Same policies as the
+//! allocator, written the obvious way.
 
 #![allow(dead_code)]
 
@@ -15,9 +16,11 @@ use kvpool_core::{make_handle, PoolError};
 
 mod copies;
 mod priorities;
+mod tier;
 
 pub use copies::QueuedCopy;
 pub use priorities::Prio;
+pub use tier::{Tier, HOST};
 
 pub const MAX_REQ: usize = 6;
 pub const MAX_CTX: usize = 12;
@@ -29,6 +32,8 @@ pub enum Kind {
     TooMany,
     TooLong,
     Arg,
+    Swapped,
+    HostFull,
     /// A grouped pool's group short of pages or slots.
     GroupExhausted(usize),
     /// A grouped pool's group that cannot roll a request back.
@@ -42,6 +47,8 @@ pub fn kind(e: &PoolError) -> Kind {
         PoolError::TooManyRequests { .. } => Kind::TooMany,
         PoolError::ContextTooLong { .. } => Kind::TooLong,
         PoolError::InvalidArgument(_) => Kind::Arg,
+        PoolError::RequestSwappedOut { .. } => Kind::Swapped,
+        PoolError::HostExhausted { .. } => Kind::HostFull,
         PoolError::GroupExhausted(e) => Kind::GroupExhausted(e.group),
         PoolError::RollbackUnavailable(e) => Kind::Rollback(e.group),
         PoolError::Invariant(m) => panic!("invariant error from a valid op: {m}"),
@@ -50,6 +57,7 @@ pub fn kind(e: &PoolError) -> Kind {
 
 #[derive(Debug, Clone, Default)]
 pub struct Req {
+    /// Device pages, and host pages (`| HOST`) while swapped out.
     pub pages: Vec<usize>,
     /// Token id of every position, None when unknown.
     pub tokens: Vec<Option<i32>>,
@@ -58,6 +66,7 @@ pub struct Req {
     pub hashed: usize,
     pub chain_reg: u64,
     pub broken: bool,
+    pub swapped: bool,
     /// The registration id the chain reached at each of its pages (what a
     /// grouped pool files its other groups' pages under).
     pub regs: Vec<u64>,
@@ -77,6 +86,9 @@ pub struct Entry {
     pub key: (i64, Vec<i32>),
     pub reg: u64,
     pub parent_reg: u64,
+    /// Its device page, and its host copy.
+    pub dev: Option<usize>,
+    pub host: Option<usize>,
 }
 
 pub struct Model {
@@ -84,14 +96,17 @@ pub struct Model {
     pub free: Vec<usize>,
     /// CACHED pages (pinned ones too), in the order they were last filed.
     pub lru: Vec<usize>,
-    /// Registered pages a caller gave a priority (the others have the default).
+    /// Entries by registration id.
+    pub reg: BTreeMap<u64, Entry>,
+    pub tier: Option<Tier>,
+    /// Registered device pages a caller gave a priority (the others have
+    /// the default).
     pub prio: BTreeMap<usize, Prio>,
     /// The manual clock, ns.
     pub now: u64,
     pub max_pinned: usize,
     /// Durations given so far.
     pub ends_given: u64,
-    pub reg: BTreeMap<usize, Entry>,
     pub next_reg: u64,
     pub free_rows: Vec<usize>,
     pub generation: Vec<u32>,
@@ -110,6 +125,10 @@ pub struct Model {
 
 impl Model {
     pub fn new(pages: usize, ps: usize) -> Self {
+        Self::with_tier(pages, ps, None)
+    }
+
+    pub fn with_tier(pages: usize, ps: usize, tier: Option<Tier>) -> Self {
         Model {
             ps,
             free: (1..pages).rev().collect(),
@@ -119,6 +138,7 @@ impl Model {
             max_pinned: (pages - 1) / 4,
             ends_given: 0,
             reg: BTreeMap::new(),
+            tier,
             next_reg: 1,
             free_rows: (0..MAX_REQ).rev().collect(),
             generation: vec![0; MAX_REQ],
@@ -159,11 +179,22 @@ impl Model {
             .collect()
     }
 
-    fn find(&self, key: &(i64, Vec<i32>)) -> Option<(usize, Entry)> {
-        self.reg
-            .iter()
-            .find(|(_, e)| &e.key == key)
-            .map(|(&p, e)| (p, e.clone()))
+    fn find(&self, key: &(i64, Vec<i32>)) -> Option<Entry> {
+        self.reg.values().find(|e| &e.key == key).cloned()
+    }
+
+    /// The registration whose device copy is page `p`.
+    pub fn entry_at(&self, p: usize) -> Option<u64> {
+        self.reg.values().find(|e| e.dev == Some(p)).map(|e| e.reg)
+    }
+
+    pub fn is_registered(&self, p: usize) -> bool {
+        self.entry_at(p).is_some()
+    }
+
+    /// Registered device pages (`cached_pages`).
+    pub fn device_registered(&self) -> usize {
+        self.reg.values().filter(|e| e.dev.is_some()).count()
     }
 
     /// Rows of a batch, or the error kind of its first bad handle/duplicate.
@@ -188,11 +219,16 @@ impl Model {
 
     /// One holder of `p` gone (already taken out of its list or the
     /// queue): if none is left, `p` is CACHED or FREE. Returns whether.
+    /// A host page (`| HOST`) goes to the host tier's lists.
     pub(crate) fn release(&mut self, p: usize) -> bool {
+        if p & HOST != 0 {
+            self.host_release(p & !HOST);
+            return false;
+        }
         if self.holders(p) > 0 {
             return false;
         }
-        if self.reg.contains_key(&p) {
+        if self.is_registered(p) {
             self.lru.push(p);
         } else {
             self.free.push(p);
@@ -235,30 +271,63 @@ impl Model {
         if prompts.len() > self.free_rows.len() {
             return Err(Kind::TooMany);
         }
-        // Matches first (nothing changes), then hits.
-        let found: Vec<_> = prompts
+        // Matches first (nothing changes), then hits. A match names each
+        // page's location: its device page, or its host copy `| HOST`.
+        let mut found = Vec::new();
+        for (p, &salt) in prompts.iter().zip(salts) {
+            let max = p.len().saturating_sub(1) / self.ps;
+            let (mut pages, mut prev) = (Vec::new(), 0u64);
+            for k in 0..max {
+                match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
+                    Some(e) if e.parent_reg == prev => {
+                        pages.push(e.dev.unwrap_or_else(|| e.host.unwrap() | HOST));
+                        prev = e.reg;
+                    }
+                    _ => break,
+                }
+            }
+            found.push((pages, prev));
+        }
+        if found
             .iter()
-            .zip(salts)
-            .map(|(p, &salt)| self.match_prompt(p, salt))
-            .collect();
+            .any(|(pages, _)| pages.iter().any(|&l| l & HOST != 0))
+        {
+            return Ok(self.open_with_host_hits(prompts, salts, found));
+        }
         let (mut hs, mut cached) = (Vec::new(), Vec::new());
-        for ((p, &salt), (pages, regs)) in prompts.iter().zip(salts).zip(found) {
-            let (h, len) = self.open_matched(p, salt, &pages, &regs);
+        for ((p, &salt), (pages, prev)) in prompts.iter().zip(salts).zip(found) {
+            let (h, len) = self.open_on(p, salt, pages, prev);
             hs.push(h);
             cached.push(len as i64);
         }
         Ok((hs, cached))
     }
 
-    /// The cached pages of `p`'s longest verified prefix (at most
-    /// `(len - 1) / ps` pages) and their registration ids.
+    /// Opens a request of `prompt` on the held device pages `pages` of a
+    /// match ending at registration `prev`; returns (handle, cached_len).
+    pub(crate) fn open_on(
+        &mut self,
+        p: &[i32],
+        salt: i64,
+        pages: Vec<usize>,
+        prev: u64,
+    ) -> (i64, usize) {
+        let regs: Vec<u64> = pages.iter().map(|&q| self.entry_at(q).unwrap()).collect();
+        debug_assert_eq!(regs.last().copied().unwrap_or(0), prev);
+        // The pages are held already; holding them again changes nothing.
+        self.open_matched(p, salt, &pages, &regs)
+    }
+
+    /// The device pages of `p`'s longest verified prefix (at most
+    /// `(len - 1) / ps` pages) and their registration ids; a match stops
+    /// at an entry with no device copy.
     pub fn match_prompt(&self, p: &[i32], salt: i64) -> (Vec<usize>, Vec<u64>) {
         let max = p.len().saturating_sub(1) / self.ps;
         let (mut pages, mut regs, mut prev) = (Vec::new(), Vec::new(), 0u64);
         for k in 0..max {
             match self.find(&(salt, p[..(k + 1) * self.ps].to_vec())) {
-                Some((page, e)) if e.parent_reg == prev => {
-                    pages.push(page);
+                Some(e) if e.parent_reg == prev && e.dev.is_some() => {
+                    pages.push(e.dev.unwrap());
                     regs.push(e.reg);
                     prev = e.reg;
                 }
@@ -314,6 +383,9 @@ impl Model {
                 return Err(Kind::Arg);
             }
             let req = &self.reqs[&r];
+            if req.swapped {
+                return Err(Kind::Swapped);
+            }
             let (len, c) = (req.len(), cs[i] as usize);
             if len + c > MAX_CTX {
                 return Err(Kind::TooLong);
@@ -372,9 +444,9 @@ impl Model {
                         len: off,
                     });
                     *self.reqs.get_mut(&r).unwrap().pages.last_mut().unwrap() = q;
-                } else if self.reg.contains_key(&last) {
-                    self.reg.remove(&last);
+                } else if self.is_registered(last) {
                     self.prio.remove(&last);
+                    self.drop_device_copy(last, false);
                 }
             }
             for j in 0..c {
@@ -404,6 +476,9 @@ impl Model {
     pub fn truncate(&mut self, hs: &[i64], ls: &[i64]) -> Result<(), Kind> {
         for i in 0..hs.len() {
             let r = self.rows(&hs[..=i])?[i];
+            if self.reqs[&r].swapped {
+                return Err(Kind::Swapped);
+            }
             if ls[i] < 0 || ls[i] as usize > self.reqs[&r].len() {
                 return Err(Kind::Arg);
             }
@@ -438,7 +513,10 @@ impl Model {
         let req = &self.reqs[&r];
         if req.hashed > full {
             let entry = (full > 0)
-                .then(|| self.reg.get(&req.pages[full - 1]).cloned())
+                .then(|| {
+                    self.entry_at(req.pages[full - 1])
+                        .map(|g| self.reg[&g].clone())
+                })
                 .flatten();
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
@@ -458,6 +536,9 @@ impl Model {
 
     pub fn cache(&mut self, hs: &[i64]) -> Result<(), Kind> {
         let rows = self.rows(hs)?;
+        if rows.iter().any(|r| self.reqs[r].swapped) {
+            return Err(Kind::Swapped);
+        }
         for r in rows {
             self.register(r);
         }
@@ -478,25 +559,34 @@ impl Model {
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
             let reg = match self.find(&key) {
-                None if !self.reg.contains_key(&p) => {
+                None if !self.is_registered(p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
                     self.prio.remove(&p);
                     self.reg.insert(
-                        p,
+                        reg,
                         Entry {
                             key,
                             reg,
                             parent_reg: chain_reg,
+                            dev: Some(p),
+                            host: None,
                         },
                     );
                     Some(reg)
                 }
-                Some((q, e)) if q == p => {
-                    self.reg.get_mut(&p).unwrap().parent_reg = chain_reg;
+                Some(e) if e.dev == Some(p) => {
+                    self.reg.get_mut(&e.reg).unwrap().parent_reg = chain_reg;
                     Some(e.reg)
                 }
-                Some((_, e)) if e.parent_reg == chain_reg => Some(e.reg),
+                Some(e) if e.parent_reg == chain_reg => {
+                    // A duplicate; one whose only copy is on the host takes
+                    // this page as its device copy.
+                    if e.dev.is_none() && !self.is_registered(p) {
+                        self.reg.get_mut(&e.reg).unwrap().dev = Some(p);
+                    }
+                    Some(e.reg)
+                }
                 _ => None,
             };
             match reg {
@@ -512,29 +602,47 @@ impl Model {
             }
         }
         let req = self.reqs.get_mut(&r).unwrap();
+        let from = req.hashed;
         req.hashed = k;
         req.chain_reg = chain_reg;
         req.broken = broken;
         req.regs = regs;
+        if k > from && self.writes_through() {
+            self.write_through(r, from, k);
+        }
     }
 
     pub fn close(&mut self, hs: &[i64], cache: bool) -> Result<(), Kind> {
         let rows = self.rows(hs)?;
         if cache {
+            if rows.iter().any(|r| self.reqs[r].swapped) {
+                return Err(Kind::Swapped);
+            }
             for &r in &rows {
                 self.register(r);
             }
         }
         for r in rows {
-            self.shrink(r, 0);
-            self.reqs.remove(&r);
+            self.close_row(r);
             self.free_rows.push(r);
         }
         Ok(())
     }
 
+    fn close_row(&mut self, r: usize) {
+        if self.reqs[&r].swapped {
+            self.close_swapped(r);
+        } else {
+            self.shrink(r, 0);
+        }
+        self.reqs.remove(&r);
+    }
+
     pub fn fork(&mut self, h: i64, n: usize) -> Result<Vec<i64>, Kind> {
         let parent = self.row(h).ok_or(Kind::Handle)?;
+        if self.reqs[&parent].swapped {
+            return Err(Kind::Swapped);
+        }
         if n > self.free_rows.len() {
             return Err(Kind::TooMany);
         }
@@ -552,8 +660,7 @@ impl Model {
     pub fn reset(&mut self) {
         let rows: Vec<usize> = self.reqs.keys().copied().collect();
         for r in rows {
-            self.shrink(r, 0);
-            self.reqs.remove(&r);
+            self.close_row(r);
         }
         self.free_rows = (0..MAX_REQ).rev().collect();
     }
@@ -576,6 +683,11 @@ impl Model {
         rest.sort_by_key(|&p| self.list(p)); // stable: LRU order within a priority
         for p in rest.into_iter().chain(pinned) {
             self.free.push(p);
+        }
+        if let Some(t) = self.tier.as_mut() {
+            for h in std::mem::take(&mut t.lru) {
+                t.free.push(h);
+            }
         }
         self.reg.clear();
         self.prio.clear();

@@ -1,5 +1,5 @@
 //! The reference model's retention priorities, the obvious way: a map from
-//! registered page to the priority a caller gave it (absent: the default),
+//! registered device page to the priority a caller gave it (absent: the default),
 //! the CACHED pages still one Vec in the order they were last filed (so
 //! "least recently used within a priority" is their order in it), the
 //! victim found by scanning for the lowest priority, pins counted by
@@ -63,12 +63,13 @@ impl Model {
         self.lru.iter().position(|&p| self.list(p) == low)
     }
 
-    /// Takes the next victim off the cache; it keeps no priority.
+    /// Takes the next victim off the cache; it keeps no priority. With a
+    /// host tier its entry may live on in a host copy (`tier.rs`).
     pub(crate) fn pop_victim(&mut self) -> usize {
         let i = self.victim().expect("a victim");
         let p = self.lru.remove(i);
-        self.reg.remove(&p);
         self.prio.remove(&p);
+        self.drop_device_copy(p, true);
         p
     }
 
@@ -122,10 +123,12 @@ impl Model {
         let (mut out, mut prev) = (Vec::new(), 0u64);
         for k in 0..req.hashed {
             let p = req.pages[k];
-            let (page, reg) = match self.reg.get(&p) {
-                Some(e) => (p, e.reg),
+            // A copy only on the host is gone from the device, where
+            // priorities apply.
+            let (page, reg) = match self.entry_at(p) {
+                Some(g) => (p, g),
                 None => match self.find(&(req.salt, known[..(k + 1) * self.ps].to_vec())) {
-                    Some((q, e)) if e.parent_reg == prev => (q, e.reg),
+                    Some(e) if e.parent_reg == prev && e.dev.is_some() => (e.dev.unwrap(), e.reg),
                     _ => break,
                 },
             };
@@ -133,6 +136,16 @@ impl Model {
             prev = reg;
         }
         out
+    }
+
+    /// `rows`, then a swapped-out request refused: priorities are the
+    /// device's.
+    fn resident_rows(&self, hs: &[i64]) -> Result<Vec<usize>, Kind> {
+        let rows = self.rows(hs)?;
+        if rows.iter().any(|r| self.reqs[r].swapped) {
+            return Err(Kind::Swapped);
+        }
+        Ok(rows)
     }
 
     fn check_priorities(&self, n: usize, qs: &[i64], retain: Option<u64>) -> Result<(), Kind> {
@@ -163,7 +176,7 @@ impl Model {
         qs: &[i64],
         retain: Option<u64>,
     ) -> Result<(), Kind> {
-        let rows = self.rows(hs)?;
+        let rows = self.resident_rows(hs)?;
         self.check_priorities(hs.len(), qs, retain)?;
         for &r in &rows {
             self.register(r);
@@ -183,7 +196,7 @@ impl Model {
     }
 
     pub fn unpin(&mut self, hs: &[i64]) -> Result<usize, Kind> {
-        let rows = self.rows(hs)?;
+        let rows = self.resident_rows(hs)?;
         let targets: Vec<usize> = rows.iter().flat_map(|&r| self.cached_prefix(r)).collect();
         let mut n = 0;
         for p in targets {

@@ -1,7 +1,7 @@
 //! A KV-aware router's view of one pool, built only from its drained
 //! events, as vLLM's router builds it from a `KVEventBatch`: which pages
-//! are registered, under which hash. Applying a batch checks what a router
-//! relies on:
+//! of each tier (medium) are registered, under which hash. Applying a batch
+//! checks what a router relies on:
 //! - a Stored event's hash is the chain hash of its own token ids under
 //!   its parent (or the salt's root), so the ids are the page's content;
 //! - a page or hash is stored once until Removed (or Cleared);
@@ -15,8 +15,8 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 pub struct Router {
     seed: u64,
     page_size: usize,
-    /// page -> hash of every page the router believes registered.
-    pages: HashMap<i32, u128>,
+    /// (medium, page) -> hash of every page the router believes registered.
+    pages: HashMap<(u8, i32), u128>,
 }
 
 /// The chain's value before its first page (`hashing::root`).
@@ -41,9 +41,9 @@ impl Router {
         }
     }
 
-    /// Pages the router believes registered.
-    pub fn len(&self) -> usize {
-        self.pages.len()
+    /// Pages of `medium` the router believes registered.
+    pub fn len(&self, medium: u8) -> usize {
+        self.pages.keys().filter(|k| k.0 == medium).count()
     }
 
     pub fn apply(&mut self, e: &Events) -> Result<(), String> {
@@ -51,6 +51,7 @@ impl Router {
         for i in 0..e.len() {
             let hash = (e.hash_hi[i] as u128) << 64 | e.hash_lo[i] as u128;
             let page = e.page[i];
+            let medium = e.medium[i];
             match e.kind[i] {
                 EVENT_STORED => {
                     let n = e.num_tokens[i] as usize;
@@ -66,19 +67,25 @@ impl Router {
                             "Stored page {page}: its hash is not that of its token ids {ids:?}"
                         ));
                     }
-                    if self.pages.values().any(|&h| h == hash) {
-                        return Err(format!("hash of page {page} stored twice"));
+                    if self.pages.iter().any(|(k, &h)| k.0 == medium && h == hash) {
+                        return Err(format!(
+                            "hash of page {page} stored twice on medium {medium}"
+                        ));
                     }
-                    if self.pages.insert(page, hash).is_some() {
-                        return Err(format!("page {page} stored twice without a Removed"));
+                    if self.pages.insert((medium, page), hash).is_some() {
+                        return Err(format!(
+                            "page {page} of medium {medium} stored twice without a Removed"
+                        ));
                     }
                 }
                 EVENT_REMOVED => {
                     if e.num_tokens[i] != 0 {
                         return Err(format!("Removed page {page} carries token ids"));
                     }
-                    if self.pages.remove(&page) != Some(hash) {
-                        return Err(format!("Removed page {page} under a hash not stored"));
+                    if self.pages.remove(&(medium, page)) != Some(hash) {
+                        return Err(format!(
+                            "Removed page {page} of medium {medium} under a hash not stored"
+                        ));
                     }
                 }
                 EVENT_CLEARED => self.pages.clear(),

@@ -1,0 +1,73 @@
+"""One KVPool with a host tier shared by threads: prefixes are served, published,
+evicted to the host and hit again, and requests swapped out and in, from several
+threads at once. The pool's lock covers each call's transfers, so every hit and every
+swapped-in request reads exactly the K/V its tokens were written with."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+import kvpool
+
+H, D, LAYERS, PS = 2, 4, 2, 4
+SEQS = 6  # token sequences; a prompt is a prefix of one, so equal tokens mean equal K/V
+LEN = 24
+
+
+def kv(tokens, layer):
+    t = torch.tensor(tokens, dtype=torch.float32)
+    return ((t % 251) + layer * 0.5).view(-1, 1, 1).expand(-1, H, D).clone()
+
+
+def test_threads_share_a_tiered_pool():
+    pool = kvpool.KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PS, num_pages=24, max_requests=16,
+                         max_context_len=64, host_pages=64, hash_seed=1)
+    seqs = [list(range(1000 * (s + 1), 1000 * (s + 1) + LEN)) for s in range(SEQS)]
+    errors: list[BaseException] = []
+
+    def check(h, tokens, upto):
+        slots = pool.slots(h)[:upto]
+        for layer in range(LAYERS):
+            k, v = pool.read(layer, slots)
+            want = kv(tokens[:upto], layer)
+            assert torch.equal(k, want) and torch.equal(v, -want), "wrong K/V"
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                tokens = seqs[int(rng.integers(SEQS))][: int(rng.integers(PS + 1, LEN + 1))]
+                try:
+                    h, cached = pool.open_with_prefix(tokens, [len(tokens)])
+                except (kvpool.TooManyRequestsError, kvpool.PoolExhaustedError):
+                    continue
+                h, c = int(h[0]), int(cached[0])
+                try:
+                    check(h, tokens, c)
+                    r = pool.extend([h], len(tokens) - c)
+                    for layer in range(LAYERS):
+                        k = kv(tokens, layer)[c:]
+                        pool.write(layer, torch.as_tensor(r.slots), k, -k)
+                    if rng.random() < 0.5:
+                        pool.swap_out([h])
+                        pool.swap_in([h])
+                    check(h, tokens, len(tokens))
+                except kvpool.PoolExhaustedError:
+                    pass
+                pool.close([h], cache=not pool.is_swapped(h))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    pool.check()
+    a = pool.allocator
+    assert a.offloaded_pages > 0 and a.loaded_pages > 0 and pool.host_hit_tokens > 0
+    assert (a.pending_offloads, a.pending_loads) == (0, 0)
