@@ -11,6 +11,7 @@ mod errors;
 mod events;
 mod extend;
 mod grouped;
+mod grouped_args;
 mod grouped_queries;
 mod handles_arg;
 mod hashing;
