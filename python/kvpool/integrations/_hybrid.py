@@ -31,6 +31,7 @@ from transformers.cache_utils import (
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
+from kvpool.integrations._shared_rows import SharedRowsLayer
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -222,7 +223,7 @@ class HybridRequests:
             layer.drop()
 
 
-class PoolAttentionLayer(CacheLayerMixin):
+class PoolAttentionLayer(SharedRowsLayer, CacheLayerMixin):
     """A full or sliding attention layer whose K/V live in the pool's group for it."""
 
     is_compileable = False
@@ -267,22 +268,6 @@ class PoolAttentionLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.sliding_window if self.sliding_window is not None else int(self.requests.pool.max_context_len)
-
-    @property
-    def batch_size(self) -> int:
-        return self.requests.batch_size
-
-    def reset(self) -> None:
-        self.seen = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop the whole KVPoolCache (cache.crop), not one layer: rows are shared")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")
-
-    def offload(self) -> None:
-        raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
 
 
 def hybrid_layers(requests: HybridRequests, number_of_states: int = 1) -> list[Any]:

@@ -56,12 +56,13 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
+from kvpool.integrations._shared_rows import SharedRowsLayer
 from kvpool.pool import KVPool
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
 
 
-class KVPoolLayer(CacheLayerMixin):
+class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
     """One model layer's view of the shared pool requests.
 
     ``seen`` counts the tokens this layer has stored. The first layer whose ``seen``
@@ -129,22 +130,6 @@ class KVPoolLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return int(self.requests.pool.max_context_len)
-
-    @property
-    def batch_size(self) -> int:
-        return self.requests.batch_size
-
-    def reset(self) -> None:
-        self.seen = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("crop the whole KVPoolCache (cache.crop), not one layer: rows are shared")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")
-
-    def offload(self) -> None:
-        raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
 
 
 class KVPoolCache(Cache):
