@@ -198,31 +198,7 @@ impl SlotAllocator {
         salt: Counts<'_>,
     ) -> Result<Vec<Vec<i32>>> {
         let n = lengths.len();
-        salt.check_len("salt", n)?;
-        let mut total = 0usize;
-        for (i, &l) in lengths.iter().enumerate() {
-            if l < 0 {
-                return Err(PoolError::InvalidArgument(format!(
-                    "lengths[{i}] = {l} is negative; prompt lengths must be >= 0"
-                )));
-            }
-            if l as u64 > self.geo.max_context_len as u64 {
-                return Err(PoolError::ContextTooLong {
-                    handle: -1,
-                    length: l as u64,
-                    max: self.geo.max_context_len,
-                });
-            }
-            total += l as usize;
-        }
-        if total != tokens.len() {
-            return Err(PoolError::InvalidArgument(format!(
-                "lengths add up to {total} tokens but tokens has {}; tokens must be the \
-                 concatenation of the prompts",
-                tokens.len()
-            )));
-        }
-        self.requests.check_available(n)?;
+        self.check_prompt_batch(tokens, lengths, salt)?;
         check_token_ids(tokens)?;
         let mut prompts = Vec::new();
         reserve(&mut prompts, n, "prompts")?;

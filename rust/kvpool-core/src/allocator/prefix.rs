@@ -11,31 +11,15 @@ use crate::prefix::hashing::{check_token_ids, push_token_ids};
 use crate::prefix::tip::{ChainTip, Match};
 
 impl SlotAllocator {
-    /// Opens one request per prompt and gives each the longest cached prefix
-    /// of full pages, capped so at least one token is left to compute:
-    /// `cached_len <= length - 1`, rounded down to a page boundary.
-    ///
-    /// `tokens` is the concatenation of the prompts, `lengths[i]` prompt i's
-    /// length, `salt` one value for all or one per prompt (requests with
-    /// different salts never share). Each request's length is its
-    /// `cached_len`; the core keeps its prompt, and later extends take the
-    /// prompt's token ids. Returns `(handles, cached_lens)`. All-or-nothing.
-    ///
-    /// With a host tier, `cached_lens` counts device and host hits: a
-    /// page whose only copy is on the host takes a device page (which may
-    /// evict, and under `write_back` offload, another) and queues its load
-    /// (`take_loads`). A host hit that cannot get a device page ends that
-    /// prompt's match there (a miss, not an error); see `prefix_host.rs`.
-    ///
-    /// Errors (nothing changed): `InvalidArgument` (tokens and lengths
-    /// disagree, a negative length, a token id outside [0, 2^31), salts of the
-    /// wrong length), `ContextTooLong`, `TooManyRequests`.
-    pub fn open_with_prefix(
-        &mut self,
+    /// The checks of a batch of prompts (`open_with_prefix`'s, in its order):
+    /// salts of the right length, each length in [0, max_context_len], the
+    /// lengths adding up to `tokens`, a free row per prompt.
+    pub(crate) fn check_prompt_batch(
+        &self,
         tokens: &[i64],
         lengths: &[i64],
         salt: Counts<'_>,
-    ) -> Result<(Vec<i64>, Vec<i64>)> {
+    ) -> Result<()> {
         let n = lengths.len();
         salt.check_len("salt", n)?;
         let mut total = 0usize;
@@ -62,6 +46,36 @@ impl SlotAllocator {
             )));
         }
         self.requests.check_available(n)?;
+        Ok(())
+    }
+
+    /// Opens one request per prompt and gives each the longest cached prefix
+    /// of full pages, capped so at least one token is left to compute:
+    /// `cached_len <= length - 1`, rounded down to a page boundary.
+    ///
+    /// `tokens` is the concatenation of the prompts, `lengths[i]` prompt i's
+    /// length, `salt` one value for all or one per prompt (requests with
+    /// different salts never share). Each request's length is its
+    /// `cached_len`; the core keeps its prompt, and later extends take the
+    /// prompt's token ids. Returns `(handles, cached_lens)`. All-or-nothing.
+    ///
+    /// With a host tier, `cached_lens` counts device and host hits: a
+    /// page whose only copy is on the host takes a device page (which may
+    /// evict, and under `write_back` offload, another) and queues its load
+    /// (`take_loads`). A host hit that cannot get a device page ends that
+    /// prompt's match there (a miss, not an error); see `prefix_host.rs`.
+    ///
+    /// Errors (nothing changed): `InvalidArgument` (tokens and lengths
+    /// disagree, a negative length, a token id outside [0, 2^31), salts of the
+    /// wrong length), `ContextTooLong`, `TooManyRequests`.
+    pub fn open_with_prefix(
+        &mut self,
+        tokens: &[i64],
+        lengths: &[i64],
+        salt: Counts<'_>,
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
+        let n = lengths.len();
+        self.check_prompt_batch(tokens, lengths, salt)?;
         // Everything that allocates happens before the first change. Each
         // prompt goes straight into the buffer of the row it will open in
         // (rows are taken from the top of the free stack): a free row's
@@ -73,7 +87,11 @@ impl SlotAllocator {
         let mut matches = Vec::new();
         reserve(&mut matches, n, "prefix matches")?;
         let mut hit_pages = Vec::new();
-        reserve(&mut hit_pages, total / self.geo.page_size, "prefix matches")?;
+        reserve(
+            &mut hit_pages,
+            tokens.len() / self.geo.page_size,
+            "prefix matches",
+        )?;
         // Each row's old prompt capacity, given back if a later prompt has a
         // bad token id or cannot be allocated: a failed call leaves even
         // `metadata_bytes` as it was.
