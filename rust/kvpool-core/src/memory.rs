@@ -48,6 +48,7 @@ pub(crate) fn zeroed_vec<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
         if ptr.is_null() {
             return Err(too_big(what, n, size));
         }
+        advise_huge(ptr as *const u8, layout.size());
         Ok(Vec::from_raw_parts(ptr, n, n))
     }
 }
@@ -79,6 +80,38 @@ pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Resul
         .map_err(|_| too_big(what, additional, std::mem::size_of::<T>()))
 }
 
+/// Arrays at least this large, sized once at construction, are backed by
+/// 2 MiB pages where the kernel offers them (see `advise_huge`). Growing
+/// vectors (the index's slab, event logs) are not: each growth would fault
+/// in, and zero, fresh 2 MiB pages in the step that grows it.
+const HUGE_MIN_BYTES: usize = 4 << 20;
+
+/// Asks the kernel to back the 2 MiB-aligned part of a large array with
+/// transparent huge pages (Linux's default mode gives them only to memory
+/// that asks). The prefix index, page records and page lists are read at
+/// random places, one or two cache lines each: with 4 KiB pages at a 1M-page
+/// pool nearly every such read also misses the TLB, a page walk as costly as
+/// the miss itself, and at page size 1 a prompt's bookkeeping is one such
+/// read per token. Memory stays lazily mapped (a 2 MiB page is zeroed when
+/// first touched, as a 4 KiB one is); a kernel without THP ignores this.
+#[allow(unused_variables)]
+fn advise_huge(ptr: *const u8, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    if bytes >= HUGE_MIN_BYTES {
+        const HUGE: usize = 2 << 20;
+        let start = (ptr as usize).next_multiple_of(HUGE);
+        let end = (ptr as usize + bytes) & !(HUGE - 1);
+        if end > start {
+            // SAFETY: [start, end) lies inside the caller's live allocation;
+            // MADV_HUGEPAGE only changes how the kernel backs it, never its
+            // contents, and a failure (no THP support) changes nothing.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+}
+
 /// Makes room for `additional` more entries in `v` without the amortized
 /// doubling: a buffer then never holds more than its largest content.
 pub(crate) fn reserve_exact<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
@@ -91,6 +124,10 @@ pub(crate) fn filled_vec<T: Clone>(n: usize, x: T, what: &str) -> Result<Vec<T>>
     let mut v = Vec::new();
     v.try_reserve_exact(n)
         .map_err(|_| too_big(what, n, std::mem::size_of::<T>()))?;
+    advise_huge(
+        v.as_ptr() as *const u8,
+        v.capacity() * std::mem::size_of::<T>(),
+    );
     v.resize(n, x);
     Ok(v)
 }
