@@ -296,6 +296,10 @@ class Model(PriorityModel, TierMixin):
         known = q.known()
         k, chain = q.hashed, q.chain_reg
         while k < len(known) // self.ps:
+            if chain and chain not in self.reg:
+                # The chain's tip registration is gone: the chain stops.
+                q.broken = True
+                break
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
             e = self.find(key)

@@ -68,6 +68,10 @@ class AnchorModel(Model):
         k, chain = q.hashed, q.chain_reg
         regs = self.regs[r]
         while k < len(known) // self.ps:
+            if chain and chain not in self.reg:
+                # The chain's tip registration is gone: the chain stops.
+                q.broken = True
+                break
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
             e = self.find(key)

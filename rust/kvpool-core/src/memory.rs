@@ -48,7 +48,6 @@ pub(crate) fn zeroed_vec<T: Zeroable>(n: usize, what: &str) -> Result<Vec<T>> {
         if ptr.is_null() {
             return Err(too_big(what, n, size));
         }
-        advise_huge(ptr as *const u8, layout.size());
         Ok(Vec::from_raw_parts(ptr, n, n))
     }
 }
@@ -64,6 +63,7 @@ pub(crate) const FAULT_IN_MAX_BYTES: usize = 64 << 20;
 /// page fault (and the kernel zeroing a page) every 1024 page-list entries
 /// or token ids, several times the cost of the same burst on a warm pool.
 pub(crate) fn fault_in<T: Zeroable>(v: &mut [T], bytes: usize) {
+    advise_huge(v);
     let len = std::mem::size_of_val(v).min(bytes).min(FAULT_IN_MAX_BYTES);
     let base = v.as_mut_ptr() as *mut u8;
     for off in (0..len).step_by(4096) {
@@ -80,29 +80,32 @@ pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Resul
         .map_err(|_| too_big(what, additional, std::mem::size_of::<T>()))
 }
 
-/// Arrays at least this large, sized once at construction, are backed by
-/// 2 MiB pages where the kernel offers them (see `advise_huge`). Growing
-/// vectors (the index's slab, event logs) are not: each growth would fault
-/// in, and zero, fresh 2 MiB pages in the step that grows it.
+/// Arrays at least this large get `advise_huge`'s advice.
 const HUGE_MIN_BYTES: usize = 4 << 20;
 
 /// Asks the kernel to back the 2 MiB-aligned part of a large array with
 /// transparent huge pages (Linux's default mode gives them only to memory
-/// that asks). The prefix index, page records and page lists are read at
-/// random places, one or two cache lines each: with 4 KiB pages at a 1M-page
-/// pool nearly every such read also misses the TLB, a page walk as costly as
-/// the miss itself, and at page size 1 a prompt's bookkeeping is one such
-/// read per token. Memory stays lazily mapped (a 2 MiB page is zeroed when
-/// first touched, as a 4 KiB one is); a kernel without THP ignores this.
-#[allow(unused_variables)]
-fn advise_huge(ptr: *const u8, bytes: usize) {
+/// that asks). For arrays read at random places, one or two cache lines at
+/// a time, that a pool sizes once: the page records, the index's table,
+/// and (unless `lazy_metadata`) the page lists and token ids. With 4 KiB
+/// pages at a 1M-page pool nearly every such read also misses the TLB, a
+/// page walk as costly as the miss itself, and at page size 1 a prompt's
+/// bookkeeping is one such read per token. Memory stays mapped on first
+/// touch (a 2 MiB page is zeroed when first written, as a 4 KiB one is), so
+/// a pool sized far beyond its use grows its resident memory in 2 MiB
+/// steps; `lazy_metadata` keeps its page lists and token ids on 4 KiB
+/// pages. Growing vectors (the index's slab, event logs) get no advice:
+/// each growth would fault in and zero fresh 2 MiB pages in the step that
+/// grows it. A kernel without THP ignores the advice.
+pub(crate) fn advise_huge<T>(v: &[T]) {
     #[cfg(target_os = "linux")]
-    if bytes >= HUGE_MIN_BYTES {
+    {
+        let (ptr, bytes) = (v.as_ptr() as usize, std::mem::size_of_val(v));
         const HUGE: usize = 2 << 20;
-        let start = (ptr as usize).next_multiple_of(HUGE);
-        let end = (ptr as usize + bytes) & !(HUGE - 1);
-        if end > start {
-            // SAFETY: [start, end) lies inside the caller's live allocation;
+        let start = ptr.next_multiple_of(HUGE);
+        let end = (ptr + bytes) & !(HUGE - 1);
+        if bytes >= HUGE_MIN_BYTES && end > start {
+            // SAFETY: [start, end) lies inside `v`'s live allocation;
             // MADV_HUGEPAGE only changes how the kernel backs it, never its
             // contents, and a failure (no THP support) changes nothing.
             unsafe {
@@ -110,6 +113,8 @@ fn advise_huge(ptr: *const u8, bytes: usize) {
             }
         }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = v;
 }
 
 /// Makes room for `additional` more entries in `v` without the amortized
@@ -124,10 +129,6 @@ pub(crate) fn filled_vec<T: Clone>(n: usize, x: T, what: &str) -> Result<Vec<T>>
     let mut v = Vec::new();
     v.try_reserve_exact(n)
         .map_err(|_| too_big(what, n, std::mem::size_of::<T>()))?;
-    advise_huge(
-        v.as_ptr() as *const u8,
-        v.capacity() * std::mem::size_of::<T>(),
-    );
     v.resize(n, x);
     Ok(v)
 }

@@ -332,6 +332,8 @@ fn check_detects_corruption() {
             in_prefix("first token"),
             in_prefix("hash"),
             in_prefix("child salt"),
+            in_prefix("unreachable child"),
+            in_prefix("children count"),
         ],
     );
 }

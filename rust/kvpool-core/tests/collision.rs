@@ -104,10 +104,9 @@ fn forced_collisions_never_serve_other_tokens() {
         hit_pages > requests / 10,
         "{hit_pages} hit pages in {requests} requests"
     );
-    assert!(
-        a.cached_pages() <= 4,
-        "a 2-bit hash holds at most 4 entries"
-    );
+    // A 2-bit hash files at most 4 keys; the pages past a chain's first
+    // that only their parent's hint reaches need none, so more may be
+    // cached, each still verified against its tokens, salt and parent.
 }
 
 /// The benchmark-only `skip_hit_verification` skips the token compare, not

@@ -156,7 +156,8 @@ impl SlotAllocator {
 
 /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
 /// the child of `parent`; returns the chain's new tip, or None when the
-/// chain must stop there (a collision).
+/// chain must stop there (a collision, or a parent registration that is
+/// gone).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn register_page(
     ix: &mut PrefixIndex,
@@ -169,24 +170,44 @@ pub(super) fn register_page(
     parent: &ChainTip,
     salt: i64,
 ) -> Option<ChainTip> {
-    match ix.lookup(h) {
-        None if !pages.is_registered(p) => {
-            let tip = ix.register(p, h, parent, salt);
+    if !ix.is_live(parent) {
+        // The chain's tip was evicted (it was another page's entry, which
+        // this request did not hold): nothing registered under it could be
+        // reached by a lookup, whose verification wants the tip's
+        // registration, so the chain stops.
+        return None;
+    }
+    let own = pages.entry(p).checked_sub(1);
+    if let Some(i) = own {
+        if ix.same_key(i, h) && ix.salt_of(i) == salt {
+            // This very page: its content was computed on this request's
+            // prefix, so (re)link it to the current parent.
+            ix.relink(i, parent);
+            return Some(ix.tip(i));
+        }
+    }
+    // An unregistered page under a parent with no child yet (and no orphan
+    // anywhere) cannot be a duplicate: skip the probe and leave it
+    // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
+    // usual case from a chain's second new page on.
+    let childless = own.is_none() && ix.childless(parent);
+    let found = if childless {
+        None
+    } else {
+        ix.child_of(parent, h)
+    };
+    match found {
+        None if own.is_none() => {
+            let tip = ix.register(p, h, parent, salt, !childless);
             pages.set_entry(p, tip.entry);
             let parent_hash = if first { 0 } else { parent.hash };
             events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
             Some(tip)
         }
-        Some((i, page)) if page == p && ix.salt_of(i) == salt => {
-            // This very page: its content was computed on this request's
-            // prefix, so (re)link it to the current parent.
-            ix.relink(i, parent);
-            Some(ix.tip(i))
-        }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
             // A duplicate: keep the existing copy (its chain hash is the one
             // this page would get: same tokens, same salt).
-            if is_host(loc) && !pages.is_registered(p) {
+            if is_host(loc) && own.is_none() {
                 // Its only copy is on the host: this page becomes its
                 // device copy, as if registered now (a later hit needs no
                 // load).

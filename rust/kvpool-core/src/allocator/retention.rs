@@ -18,7 +18,7 @@ use crate::eviction::MAX_PRIORITY;
 use crate::handle::handle_row;
 use crate::location::is_host;
 use crate::memory::reserve;
-use crate::prefix::hashing::root;
+use crate::prefix::tip::ChainTip;
 
 /// Pages to give a priority to, with the priority, in order.
 type Targets = Vec<(u32, u8)>;
@@ -230,18 +230,23 @@ impl SlotAllocator {
     fn cached_prefix(&self, row: usize, q: u8, out: &mut Targets) {
         let n = self.requests.chain(row).pages;
         let salt = self.requests.salt(row);
-        let (mut hash, mut reg) = (root(salt), 0u64);
+        let mut at = ChainTip::root(salt);
         for &p in self.requests.pages(row, n) {
             let (page, tip) = match self.prefix.tip_at(self.pages.entry(p)) {
                 Some((tip, _)) => (p, tip),
                 None => {
-                    let h = self.prefix.page_hash(hash, p);
-                    match self.prefix.lookup(h) {
+                    let h = self.prefix.page_hash(at.hash, p);
+                    match self.prefix.child_of(&at, h) {
                         // A copy only on the host tier is gone from the
                         // device, where priorities apply.
                         Some((i, copy))
                             if !is_host(copy)
-                                && self.prefix.verify(i, self.prefix.page_tokens(p), salt, reg) =>
+                                && self.prefix.verify(
+                                    i,
+                                    self.prefix.page_tokens(p),
+                                    salt,
+                                    at.reg,
+                                ) =>
                         {
                             (copy, self.prefix.tip(i))
                         }
@@ -250,8 +255,7 @@ impl SlotAllocator {
                 }
             };
             out.push((page, q));
-            hash = tip.hash;
-            reg = tip.reg;
+            at = tip;
         }
     }
 }

@@ -394,6 +394,7 @@ impl PagePool {
 /// the page-1 churn step of a large pool.
 fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
     let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
+    crate::memory::advise_huge(&state);
     if let Some(s0) = state.first_mut() {
         s0.extra = UNHELD;
     }

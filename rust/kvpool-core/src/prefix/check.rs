@@ -1,14 +1,16 @@
 //! The index's invariants, given what the page records say:
 //!
-//! - the table, the entry slab and the page records (device and host) agree
-//!   both ways: every filed entry is found under its own hash's key, and the
-//!   record of its device page or host copy names it; every registered
-//!   page's entry is filed and names that page;
+//! - the entry slab and the page records (device and host) agree both
+//!   ways: the record of a live entry's device page or host copy names it;
+//!   every registered page's entry is live and names that page;
 //! - an entry without a device copy is located at its host copy;
 //! - each entry's first token is its page's, and an entry on both tiers has
 //!   the same token ids in both;
 //! - every entry has its live parent's salt (a hinted walk relies on it,
 //!   `lookup.rs`);
+//! - every live entry can be found: keyed, or hinted by its live parent
+//!   (`links.rs`), and the table files exactly the keyed ones; each entry
+//!   counts its live children, and the orphans are counted;
 //! - a freed slab slot is marked dead and named by no page.
 
 use super::index::{PrefixIndex, DEAD};
@@ -25,21 +27,24 @@ impl PrefixIndex {
         entry_of: impl Fn(u32) -> Option<u32>,
         registered: impl Iterator<Item = (u32, u32)>,
     ) -> std::result::Result<(), String> {
+        if self.idents.len() != self.entries.len() {
+            return Err("index entry slab leaks entries".into());
+        }
+        let free: std::collections::HashSet<u32> = self.free_entries.iter().copied().collect();
+        let is_live = |i: u32| (i as usize) < self.entries.len() && !free.contains(&i);
         let mut listed = 0usize;
+        let mut keyed = 0usize;
         let mut copies = 0usize;
-        for i in self.table.entries() {
-            let Some(e) = self.entries.get(i as usize) else {
-                return Err(format!("index entry {i} is out of range"));
-            };
-            let Some(id) = self.idents.get(i as usize) else {
-                return Err(format!("index entry {i} has no hash"));
-            };
-            if self.find(key_of(id.hash)) != Some(i) || entry_of(e.page) != Some(i + 1) {
+        for i in (0..self.entries.len() as u32).filter(|&i| is_live(i)) {
+            let e = &self.entries[i as usize];
+            if e.parent_reg == DEAD || entry_of(e.page) != Some(i + 1) {
                 return Err(format!(
-                    "index entry {i} (page {:#x}) disagrees with its page or key",
+                    "index entry {i} (page {:#x}) disagrees with its page",
                     e.page
                 ));
             }
+            self.check_filed(i)?;
+            keyed += self.is_keyed(i) as usize;
             if is_host(e.page) {
                 if e.host == 0 || host_page(e.page) != e.host {
                     return Err(format!(
@@ -76,6 +81,17 @@ impl PrefixIndex {
             }
             listed += 1;
         }
+        if self
+            .table
+            .entries()
+            .any(|i| !is_live(i) || !self.is_keyed(i))
+            || keyed != self.table.len()
+        {
+            return Err(format!(
+                "the key table files {} entries but {keyed} live entries are keyed",
+                self.table.len()
+            ));
+        }
         let mut pages = 0usize;
         for (loc, e) in registered {
             pages += 1;
@@ -86,11 +102,8 @@ impl PrefixIndex {
                     en.page == loc
                 }
             };
-            match (
-                self.entries.get(e as usize - 1),
-                self.idents.get(e as usize - 1),
-            ) {
-                (Some(en), Some(id)) if named(en) && self.find(key_of(id.hash)) == Some(e - 1) => {}
+            match self.entries.get(e as usize - 1) {
+                Some(en) if named(en) && is_live(e - 1) => {}
                 _ => return Err(format!("registration of page {loc:#x} is not in the index")),
             }
         }
@@ -102,28 +115,11 @@ impl PrefixIndex {
             ));
         }
         if self.entries.len() != self.len() + self.free_entries.len()
-            || self.idents.len() != self.entries.len()
+            || free.len() != self.free_entries.len()
         {
             return Err("index entry slab leaks entries".into());
         }
-        // A hinted walk does not read a child's salt: every entry must have
-        // its live parent's.
-        let live: std::collections::HashMap<u64, u32> = self
-            .table
-            .entries()
-            .map(|i| (self.entries[i as usize].reg, i))
-            .collect();
-        for i in self.table.entries() {
-            let e = &self.entries[i as usize];
-            if let Some(&p) = live.get(&e.parent_reg) {
-                if self.idents[p as usize].salt != self.idents[i as usize].salt {
-                    return Err(format!(
-                        "index entry {i} has salt {} under a parent (entry {p}) of salt {}",
-                        self.idents[i as usize].salt, self.idents[p as usize].salt
-                    ));
-                }
-            }
-        }
+        self.check_links(&is_live)?;
         // A freed slot must never verify as anybody's child, nor be named.
         for &i in &self.free_entries {
             match self.entries.get(i as usize) {
@@ -133,6 +129,69 @@ impl PrefixIndex {
                         && (e.host == 0 || entry_of(on_host(e.host)) != Some(i + 1)) => {}
                 _ => return Err(format!("free index slot {i} is live or not marked dead")),
             }
+        }
+        Ok(())
+    }
+
+    /// Live entry `i` can be found: under its key if keyed, else through
+    /// its live parent's hint (`links.rs`).
+    fn check_filed(&self, i: u32) -> std::result::Result<(), String> {
+        let ok = if self.is_keyed(i) {
+            self.table.contains(key_of(self.idents[i as usize].hash), i)
+        } else {
+            self.live_parent(i)
+                .is_some_and(|p| self.entries[p as usize].child == i + 1)
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "index entry {i} (page {:#x}) cannot be found: {}",
+                self.entries[i as usize].page,
+                if self.is_keyed(i) {
+                    "it is marked keyed but its key does not find it"
+                } else {
+                    "it is unkeyed and its parent does not hint it"
+                }
+            ))
+        }
+    }
+
+    /// Every live entry has its live parent's salt (a hinted walk does not
+    /// read a child's, `lookup.rs`), counts its live children, and the
+    /// orphans are counted.
+    fn check_links(&self, is_live: &dyn Fn(u32) -> bool) -> std::result::Result<(), String> {
+        let mut children = vec![0u32; self.entries.len()];
+        let mut orphans = 0usize;
+        for i in (0..self.entries.len() as u32).filter(|&i| is_live(i)) {
+            match self.live_parent(i) {
+                Some(p) => {
+                    children[p as usize] += 1;
+                    if self.idents[p as usize].salt != self.idents[i as usize].salt {
+                        return Err(format!(
+                            "index entry {i} has salt {} under a parent (entry {p}) of salt {}",
+                            self.idents[i as usize].salt, self.idents[p as usize].salt
+                        ));
+                    }
+                }
+                None if self.entries[i as usize].parent_reg != 0 => orphans += 1,
+                None => {}
+            }
+        }
+        for i in (0..self.entries.len() as u32).filter(|&i| is_live(i)) {
+            if self.children(i) != children[i as usize] {
+                return Err(format!(
+                    "index entry {i} counts {} live children but has {}",
+                    self.children(i),
+                    children[i as usize]
+                ));
+            }
+        }
+        if orphans != self.orphans() {
+            return Err(format!(
+                "the index counts {} orphans but has {orphans}",
+                self.orphans()
+            ));
         }
         Ok(())
     }
@@ -160,26 +219,40 @@ impl PrefixIndex {
         match what {
             // registered page 2, but its record is not told
             "registration its page lacks" => {
-                self.register(2, 7, &root, 0);
+                self.register(2, 7, &root, 0, true);
                 vec![]
             }
             // a registered page rewritten in place
             "first token" => {
-                let tip = self.register(2, 7, &root, 0);
+                let tip = self.register(2, 7, &root, 0, true);
                 self.tokens[2] += 1;
                 vec![(2, tip.entry)]
             }
             // a hash that is not the one its key was derived from
             "hash" => {
-                let tip = self.register(2, 7, &root, 0);
+                let tip = self.register(2, 7, &root, 0, true);
                 self.idents[tip.entry as usize - 1].hash ^= 1 << 64;
                 vec![(2, tip.entry)]
             }
             // a child whose salt is not its parent's (a hinted walk, which
             // does not read it, would hand it out under the parent's salt)
             "child salt" => {
-                let tip = self.register(1, 7, &root, 0);
-                let child = self.register(2, 8, &tip, 5);
+                let tip = self.register(1, 7, &root, 0, true);
+                let child = self.register(2, 8, &tip, 5, true);
+                vec![(1, tip.entry), (2, child.entry)]
+            }
+            // an unkeyed child its parent no longer hints: no lookup finds it
+            "unreachable child" => {
+                let tip = self.register(1, 7, &root, 0, true);
+                let child = self.register(2, 8, &tip, 0, false);
+                self.entries[tip.entry as usize - 1].child = 0;
+                vec![(1, tip.entry), (2, child.entry)]
+            }
+            // a parent that miscounts its children
+            "children count" => {
+                let tip = self.register(1, 7, &root, 0, true);
+                let child = self.register(2, 8, &tip, 0, true);
+                self.idents[tip.entry as usize - 1].links += 1;
                 vec![(1, tip.entry), (2, child.entry)]
             }
             _ => panic!("no corruption {what:?}"),

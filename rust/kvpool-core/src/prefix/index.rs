@@ -18,7 +18,8 @@
 //! 4 bytes per slot, allocated fallibly with lazily mapped zero pages.
 //!
 //! A page is filed under its lookup key, its chain hash folded to 64 bits
-//! (`keys.rs`); events and transfers use the 128-bit hash itself.
+//! (`keys.rs`), unless its parent's hint reaches it (`links.rs`); events
+//! and transfers use the 128-bit hash itself.
 //!
 //! Tiers. An entry is one registered content, wherever its bytes are: its
 //! `page` is its device page, or its host page (a `location.rs` host
@@ -101,8 +102,11 @@ pub(crate) struct Identity {
     pub(crate) salt: i64,
     /// Entry index + 1 of the parent when this page was registered or
     /// relinked (0 at a chain's first page): live while that slot's `reg`
-    /// is still `parent_reg` (`parent_hash`). In the record's padding.
+    /// is still `parent_reg` (`parent_hash`).
     pub(crate) parent: u32,
+    /// Whether the entry is in the key table (`links::KEYED`) and how many
+    /// live children it has (`links.rs`). In the record's padding.
+    pub(crate) links: u32,
 }
 
 /// `parent_reg` of a freed slab slot: no chain tip has it, so a stale child
@@ -125,6 +129,10 @@ pub(crate) struct PrefixIndex {
     /// The chain hashes of the next pages a lookup or registration probes.
     pub(super) hash_scratch: Vec<u128>,
     pub(super) next_reg: u64,
+    /// Live entries, keyed or not (`links.rs`).
+    pub(super) live: usize,
+    /// Live entries whose parent registration is gone (`links.rs`).
+    pub(super) orphans: usize,
     pub(super) page_size: usize,
     /// Pages that can be registered at once: the pool's, page 0 aside.
     pub(super) max_entries: usize,
@@ -161,6 +169,8 @@ impl PrefixIndex {
             hasher,
             hash_scratch,
             next_reg: 1,
+            live: 0,
+            orphans: 0,
             page_size,
             max_entries: num_pages.saturating_sub(1),
             skip_verify,
@@ -172,10 +182,19 @@ impl PrefixIndex {
         self.hasher.seed()
     }
 
-    /// Number of registered pages.
+    /// Number of registered pages (live entries).
     #[inline]
     pub(crate) fn len(&self) -> usize {
-        self.table.len()
+        self.live
+    }
+
+    /// The live entries' slab indices.
+    pub(super) fn live_entries(&self) -> impl Iterator<Item = u32> + '_ {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.parent_reg != DEAD)
+            .map(|(i, _)| i as u32)
     }
 
     /// Index of the entry filed under `key`.

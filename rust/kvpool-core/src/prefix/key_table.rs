@@ -86,6 +86,7 @@ impl KeyTable {
             buckets: crate::memory::zeroed_vec(cap, "prefix index table")?,
             len: 0,
         };
+        crate::memory::advise_huge(&grown.buckets);
         for &b in self.buckets.iter().filter(|b| b.entry != 0) {
             grown.insert_bucket(b);
         }
@@ -121,8 +122,24 @@ impl KeyTable {
         }
     }
 
-    /// Stores `entry` under `key`. The caller reserved room and checked that
-    /// `key` is absent.
+    /// Whether `entry` is stored under `key`.
+    pub(crate) fn contains(&self, key: u64, entry: u32) -> bool {
+        if self.len == 0 {
+            return false;
+        }
+        let mask = self.mask();
+        let mut i = self.home(tag(key));
+        loop {
+            match self.buckets[i].entry {
+                0 => return false,
+                e if e == entry + 1 => return self.buckets[i].tag == tag(key),
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+
+    /// Stores `entry` under `key`. The caller reserved room; a key stored
+    /// twice (for two entries) is found as the first of them.
     #[inline]
     pub(crate) fn insert(&mut self, key: u64, entry: u32) {
         self.insert_bucket(Bucket {

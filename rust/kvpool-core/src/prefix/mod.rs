@@ -5,6 +5,9 @@
 //! - `keys.rs`, `key_table.rs`: the lookup key of a hash and its table;
 //! - `index.rs`: the entries and their verification;
 //! - `register.rs`: filing, relinking and removing entries;
+//! - `links.rs`: which entries the key table files (a chain's only
+//!   children are reached through their parents' hints), and the
+//!   parent-child counts behind it;
 //! - `lookup.rs`: walking a prompt's or a sent chain's pages through it;
 //! - `tip.rs`: where a chain stands (shared with the requests);
 //! - `tiers.rs`: where each entry's bytes are (device page, host copy).
@@ -17,6 +20,7 @@ pub(crate) mod hashing;
 pub(crate) mod index;
 mod key_table;
 mod keys;
+mod links;
 mod lookup;
 mod register;
 pub(crate) mod tiers;

@@ -4,6 +4,7 @@
 
 use super::index::{Entry, Identity, PrefixIndex, DEAD, TABLE_FLOOR_KEYS};
 use super::keys::key_of;
+use super::links::{CHILDREN, KEYED};
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::location::{is_host, on_host};
@@ -12,7 +13,7 @@ use crate::memory::reserve;
 impl PrefixIndex {
     /// Registrations still possible: the pool's pages not registered yet.
     pub(crate) fn room(&self) -> usize {
-        self.max_entries.saturating_sub(self.table.len())
+        self.max_entries.saturating_sub(self.live)
     }
 
     /// Room for `n` more registrations, or a typed error (nothing changed).
@@ -35,27 +36,35 @@ impl PrefixIndex {
         )?;
         // The table is sized at once for the pool's pages, up to
         // TABLE_FLOOR_KEYS; only past that does it double. That sizing is
-        // an optimization: if it cannot be allocated, room for `n` is all
-        // the call needs.
+        // an optimization: if it cannot be allocated, room for `n` more
+        // keys is what the call needs, plus one for every unkeyed live
+        // entry, which an eviction may have to key (`links.rs`) without a
+        // reservation of its own.
+        let need = n + (self.live - self.table.len());
         let floor = (self.len() + self.room()).min(TABLE_FLOOR_KEYS);
-        let want = floor.saturating_sub(self.len());
-        if n > 0 && want > n && self.table.reserve(want).is_ok() {
+        let want = floor.saturating_sub(self.table.len());
+        if n > 0 && want > need && self.table.reserve(want).is_ok() {
             return Ok(());
         }
-        self.table.reserve(n)
+        self.table.reserve(need)
     }
 
     /// Registers `page` (chain hash `hash`) as the child of `parent`;
     /// returns its tip, whose `entry` the page's record takes. The caller
-    /// reserved room, checked that the hash's key is absent and `page`
-    /// unregistered.
+    /// reserved room and checked that `page` is unregistered and that the
+    /// hash's key is absent, or that `parent` is `childless` (then the
+    /// entry is left unkeyed when `keyed` is false, see `links.rs`).
     pub(crate) fn register(
         &mut self,
         page: u32,
         hash: u128,
         parent: &ChainTip,
         salt: i64,
+        keyed: bool,
     ) -> ChainTip {
+        // Only a hinted child may go unkeyed; the child of a gone parent
+        // is an orphan from the start.
+        let keyed = keyed || self.live_tip(parent).is_none();
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -70,6 +79,7 @@ impl PrefixIndex {
             hash,
             salt,
             parent: parent.entry,
+            links: if keyed { KEYED } else { 0 },
         };
         let idx = match self.free_entries.pop() {
             Some(i) => {
@@ -83,7 +93,11 @@ impl PrefixIndex {
                 (self.entries.len() - 1) as u32
             }
         };
-        self.table.insert(key_of(hash), idx);
+        if keyed {
+            self.table.insert(key_of(hash), idx);
+        }
+        self.live += 1;
+        self.adopt(parent);
         self.set_hint(parent, idx);
         ChainTip {
             hash,
@@ -93,16 +107,14 @@ impl PrefixIndex {
     }
 
     /// Makes entry `child` the hint of the tip's entry, if that entry is
-    /// still the tip's registration.
+    /// still the tip's registration; an unkeyed child the hint named
+    /// before is keyed first (`links.rs`).
     #[inline]
     pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
-        if let Some(p) = tip
-            .entry
-            .checked_sub(1)
-            .and_then(|i| self.entries.get_mut(i as usize))
-        {
-            if p.reg == tip.reg {
-                p.child = child + 1;
+        if let Some(p) = self.live_tip(tip) {
+            if self.entries[p as usize].child != child + 1 {
+                self.key_hinted_child(p, child);
+                self.entries[p as usize].child = child + 1;
             }
         }
     }
@@ -110,8 +122,14 @@ impl PrefixIndex {
     /// Links live entry `i`, the registration of a page whose content was
     /// computed on `parent`'s prefix, under `parent`.
     pub(crate) fn relink(&mut self, i: u32, parent: &ChainTip) {
+        self.disown(i);
         self.entries[i as usize].parent_reg = parent.reg;
         self.idents[i as usize].parent = parent.entry;
+        self.adopt(parent);
+        if self.live_tip(parent).is_none() {
+            // An orphan now: only its key can reach it.
+            self.key_entry(i);
+        }
         self.set_hint(parent, i);
     }
 
@@ -123,9 +141,20 @@ impl PrefixIndex {
     pub(crate) fn unregister(&mut self, entry: u32) -> Identity {
         let i = entry - 1;
         let e = self.idents[i as usize];
-        self.table.remove(key_of(e.hash), i);
+        let children = e.links & CHILDREN;
+        if children > 0 {
+            // Its live children become orphans, which only keys can reach.
+            self.key_hinted_child(i, u32::MAX);
+            self.orphans += children as usize;
+        }
+        self.disown(i);
+        if e.links & KEYED != 0 {
+            self.table.remove(key_of(e.hash), i);
+        }
         self.entries[i as usize].parent_reg = DEAD;
+        self.idents[i as usize].links = 0;
         self.free_entries.push(i);
+        self.live -= 1;
         e
     }
 
@@ -147,10 +176,12 @@ impl PrefixIndex {
             if e.host != 0 && !is_host(e.page) {
                 live |= unlink(on_host(e.host), i as u32 + 1);
             }
-            if live && sparse {
+            if live && sparse && id.links & KEYED != 0 {
                 self.table.remove(key_of(id.hash), i as u32);
             }
         }
+        self.live = 0;
+        self.orphans = 0;
         if !sparse || self.table.len() != 0 {
             // Dense, or keys the slab did not account for (only a corrupted
             // index has those): the whole table.

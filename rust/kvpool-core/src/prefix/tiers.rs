@@ -113,8 +113,7 @@ impl PrefixIndex {
 
     /// Live entries whose only copy is on the host (for `check`).
     pub(crate) fn count_host_located(&self) -> usize {
-        self.table
-            .entries()
+        self.live_entries()
             .filter(|&i| is_host(self.entries[i as usize].page))
             .count()
     }

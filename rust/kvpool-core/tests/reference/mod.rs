@@ -556,6 +556,11 @@ impl Model {
         let mut broken = false;
         let mut regs = req.regs.clone();
         while k < known / self.ps {
+            if chain_reg != 0 && !self.reg.contains_key(&chain_reg) {
+                // The chain's tip registration is gone: the chain stops.
+                broken = true;
+                break;
+            }
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
             let reg = match self.find(&key) {

@@ -1,0 +1,167 @@
+//! Which entries the key table files, and the parent-child counts that
+//! decide it.
+//!
+//! A chain registered page after page is mostly pages that nothing else
+//! branches from: page k + 1 is the only child of page k. Such a child
+//! needs no key: a lookup reaches it through its parent's child hint
+//! (`lookup.rs`), which it is. Filing it would cost a random table probe
+//! and insert per page, and its removal one more: at page size 1 that is a
+//! cache and TLB miss per token, the largest part of registering a long
+//! prompt. So an entry is filed lazily:
+//!
+//! - **Invariant.** Every live entry is keyed (in the table under its
+//!   hash's key), or is the child hint of its live parent.
+//! - An entry registered under a parent with no live child, while no entry
+//!   anywhere is an orphan (below), is left unkeyed: no other entry can
+//!   have its hash, so the key probe that checks for a duplicate is skipped
+//!   too. Every other registration is keyed at once, as before.
+//! - Moving a parent's hint off an unkeyed child (a sibling registered or
+//!   re-verified), or unregistering the parent of an unkeyed hinted child,
+//!   keys that child first (`key_entry`).
+//!
+//! **Orphans.** A live entry whose parent registration is gone (evicted
+//! while the child stayed, e.g. at a higher retention priority) can only
+//! be found by key, and may still hold the key a new registration of the
+//! same content would need. Each entry counts its live children, so the
+//! index knows how many orphans exist; while there is one, registrations
+//! probe the table as before.
+//!
+//! **Same key twice.** Keying an entry whose key another entry holds
+//! (only an orphan, or a 64-bit key collision, can) files both: the table
+//! allows it, a lookup by key finds one of them, and verification rejects
+//! the other's content, a miss, never wrong KV.
+
+use super::index::{PrefixIndex, DEAD};
+use super::keys::key_of;
+use super::tip::ChainTip;
+
+/// `Identity::links`' flag: the entry is filed in the key table.
+pub(super) const KEYED: u32 = 1 << 31;
+/// `Identity::links`' live-children count.
+pub(super) const CHILDREN: u32 = KEYED - 1;
+
+impl PrefixIndex {
+    /// Whether live entry `i` is filed in the key table.
+    #[inline]
+    pub(crate) fn is_keyed(&self, i: u32) -> bool {
+        self.idents[i as usize].links & KEYED != 0
+    }
+
+    /// Live entry `i`'s live children.
+    #[inline]
+    pub(super) fn children(&self, i: u32) -> u32 {
+        self.idents[i as usize].links & CHILDREN
+    }
+
+    /// Live entries whose parent registration is gone.
+    #[inline]
+    pub(crate) fn orphans(&self) -> usize {
+        self.orphans
+    }
+
+    /// Whether a page registered under `tip` can skip the duplicate probe
+    /// and stay unkeyed: its parent is live and childless, and no orphan
+    /// exists (see the module docs).
+    #[inline]
+    pub(crate) fn childless(&self, tip: &ChainTip) -> bool {
+        self.orphans == 0 && self.live_tip(tip).is_some_and(|i| self.children(i) == 0)
+    }
+
+    /// Whether `tip` is the root or a live entry's registration.
+    #[inline]
+    pub(crate) fn is_live(&self, tip: &ChainTip) -> bool {
+        tip.reg == 0 || self.live_tip(tip).is_some()
+    }
+
+    /// Whether live entry `i` is filed under chain hash `hash`'s key.
+    #[inline]
+    pub(crate) fn same_key(&self, i: u32, hash: u128) -> bool {
+        key_of(self.idents[i as usize].hash) == key_of(hash)
+    }
+
+    /// The live entry index of `tip`'s registration, if it is still live.
+    #[inline]
+    pub(super) fn live_tip(&self, tip: &ChainTip) -> Option<u32> {
+        let i = tip.entry.checked_sub(1)?;
+        let e = self.entries.get(i as usize)?;
+        (e.reg == tip.reg && tip.reg != 0 && e.parent_reg != DEAD).then_some(i)
+    }
+
+    /// The live parent entry of live entry `i`, if its parent registration
+    /// is still live (None at a chain's first page or for an orphan).
+    #[inline]
+    pub(super) fn live_parent(&self, i: u32) -> Option<u32> {
+        let reg = self.entries[i as usize].parent_reg;
+        if reg == 0 {
+            return None;
+        }
+        let p = self.idents[i as usize].parent.checked_sub(1)?;
+        let pe = self.entries.get(p as usize)?;
+        (pe.reg == reg && pe.parent_reg != DEAD).then_some(p)
+    }
+
+    /// Counts live entry `i` as a child of `tip` (its new parent), or as an
+    /// orphan when the tip's registration is gone.
+    pub(super) fn adopt(&mut self, tip: &ChainTip) {
+        match self.live_tip(tip) {
+            Some(p) => self.idents[p as usize].links += 1,
+            None if tip.reg != 0 => self.orphans += 1,
+            None => {}
+        }
+    }
+
+    /// Stops counting live entry `i` under its parent (or as an orphan).
+    pub(super) fn disown(&mut self, i: u32) {
+        match self.live_parent(i) {
+            Some(p) => self.idents[p as usize].links -= 1,
+            None if self.entries[i as usize].parent_reg != 0 => self.orphans -= 1,
+            None => {}
+        }
+    }
+
+    /// Files live entry `i` under its hash's key, unless it is filed. The
+    /// caller's reservation left room for every live entry.
+    pub(super) fn key_entry(&mut self, i: u32) {
+        if !self.is_keyed(i) {
+            self.table.insert(key_of(self.idents[i as usize].hash), i);
+            self.idents[i as usize].links |= KEYED;
+        }
+    }
+
+    /// Keys the unkeyed child that live entry `p` hints, if it is a live
+    /// child of `p` other than `except`: its parent's hint is about to stop
+    /// naming it, or its parent is about to go.
+    pub(super) fn key_hinted_child(&mut self, p: u32, except: u32) {
+        let Some(c) = self.entries[p as usize].child.checked_sub(1) else {
+            return;
+        };
+        if c == except || self.children(p) == 0 {
+            return;
+        }
+        let reg = self.entries[p as usize].reg;
+        if self
+            .entries
+            .get(c as usize)
+            .is_some_and(|e| e.parent_reg == reg)
+        {
+            self.key_entry(c);
+        }
+    }
+
+    /// The entry registered under `tip` for the page of chain hash `hash`:
+    /// the tip's hinted child if it has that hash, else the one filed
+    /// under the hash's key (to be verified by the caller).
+    #[inline]
+    pub(crate) fn child_of(&self, tip: &ChainTip, hash: u128) -> Option<(u32, u32)> {
+        if let Some(p) = self.live_tip(tip) {
+            if let Some(c) = self.entries[p as usize].child.checked_sub(1) {
+                if let Some(e) = self.entries.get(c as usize) {
+                    if e.parent_reg == tip.reg && self.idents[c as usize].hash == hash {
+                        return Some((c, e.page));
+                    }
+                }
+            }
+        }
+        self.lookup(hash)
+    }
+}
