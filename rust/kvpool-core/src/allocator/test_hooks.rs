@@ -47,4 +47,11 @@ impl SlotAllocator {
         self.prefix.set_salt_for_tests(self.pages.entry(page), salt);
         Ok(())
     }
+
+    /// How the prefix index files its entries: `(live entries, keyed
+    /// entries, orphans)` (see `prefix/links.rs`).
+    #[doc(hidden)]
+    pub fn index_links_for_tests(&self) -> (usize, usize, usize) {
+        self.prefix.links_for_tests()
+    }
 }

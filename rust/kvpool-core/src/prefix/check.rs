@@ -204,6 +204,11 @@ impl PrefixIndex {
     pub(crate) fn set_salt_for_tests(&mut self, entry: u32, salt: i64) {
         self.idents[entry as usize - 1].salt = salt;
     }
+
+    /// `(live entries, keyed entries, orphans)`.
+    pub(crate) fn links_for_tests(&self) -> (usize, usize, usize) {
+        (self.len(), self.table.len(), self.orphans())
+    }
 }
 
 #[cfg(test)]
