@@ -98,7 +98,8 @@ const HUGE_MIN_BYTES: usize = 4 << 20;
 /// each growth would fault in and zero fresh 2 MiB pages in the step that
 /// grows it. A kernel without THP ignores the advice.
 pub(crate) fn advise_huge<T>(v: &[T]) {
-    #[cfg(target_os = "linux")]
+    // Miri cannot call into libc; the advice changes no contents anyway.
+    #[cfg(all(target_os = "linux", not(miri)))]
     {
         let (ptr, bytes) = (v.as_ptr() as usize, std::mem::size_of_val(v));
         const HUGE: usize = 2 << 20;
@@ -113,7 +114,7 @@ pub(crate) fn advise_huge<T>(v: &[T]) {
             }
         }
     }
-    #[cfg(not(target_os = "linux"))]
+    #[cfg(not(all(target_os = "linux", not(miri))))]
     let _ = v;
 }
 
