@@ -115,8 +115,13 @@ impl SlotAllocator {
                 if j % LOOKAHEAD == 0 {
                     let end = upto.min(k + LOOKAHEAD);
                     // A chunk starts at slot 0: its pages' hashes are ring[..].
+                    // Under a childless tip the chunk's pages go unkeyed
+                    // (`register_page`): their buckets are not read.
+                    let probes = !prefix.childless(&tip);
                     for (&h, &p) in ring.iter().zip(&list[k..end]) {
-                        prefix.prefetch_bucket(h);
+                        if probes {
+                            prefix.prefetch_bucket(h);
+                        }
                         pages.prefetch_record(p);
                     }
                     for &p in &list[end..upto.min(end + LOOKAHEAD)] {
@@ -158,7 +163,10 @@ impl SlotAllocator {
 /// the child of `parent`; returns the chain's new tip, or None when the
 /// chain must stop there (a collision, or a parent registration that is
 /// gone).
+// Inlined: as a call, the returned tip comes back through memory, and its
+// reload stalls on the stores that wrote it, once per page.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 pub(super) fn register_page(
     ix: &mut PrefixIndex,
     pages: &mut PagePool,
