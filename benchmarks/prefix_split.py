@@ -1,0 +1,80 @@
+"""Where a prefix-caching step's host time goes: kvpool's prefix driver (the calls of
+``python -m kvpool.bench prefix``) with each call timed on its own, per page size.
+
+    python benchmarks/prefix_split.py --scenario system --page-sizes 1,16
+
+Prints µs per step for each call (close, open_with_prefix, the prompt's extend, cache, fork,
+the decode extend, take_copies) and the prompt and hit tokens per step. Figures only; the
+comparison with other caches is ``python -m kvpool.bench prefix``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import time
+
+from kvpool.bench.drivers.kvpool_prefix import KVPoolPrefixDriver
+from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
+
+
+def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int) -> dict[str, float]:
+    cfg = PrefixTraceConfig(scenario=scenario, num_slots=num_slots, page_size=page_size,
+                            steps=steps, warmup=warmup)
+    trace = generate(cfg)
+    d = KVPoolPrefixDriver(cfg, 8192)
+    for s in trace.steps[: cfg.warmup]:
+        d.run(d.prepare(s))
+    ns: dict[str, int] = collections.defaultdict(int)
+    tokens = collections.Counter()
+    clock = time.perf_counter_ns
+    gc.collect()
+
+    def timed(name, fn, *args, **kw):
+        t = clock()
+        out = fn(*args, **kw)
+        ns[name] += clock() - t
+        return out
+
+    for s in trace.measured:
+        finished, groups, decoding, fed = d.prepare(s)
+        a, table = d.alloc, d.table
+        if len(finished):
+            timed("close", a.close, finished, cache=True)
+        for prompt, length, lanes, k in groups:
+            h, cached = timed("open_with_prefix", a.open_with_prefix, prompt, length, table=table)
+            tokens["prompt"] += int(length[0])
+            tokens["hit"] += int(cached[0])
+            timed("extend prompt", a.extend, h, int(length[0]) - int(cached[0]), table=table)
+            timed("cache", a.cache, h)
+            d.handles[lanes[0]] = int(h[0])
+            if k > 1:
+                d.handles[lanes[1:]] = timed("fork", a.fork, int(h[0]), k - 1, table=table)
+        if len(decoding):
+            timed("decode extend", a.extend, decoding, 1, tokens=fed, table=table)
+            timed("take_copies", a.take_copies)
+    n = len(trace.measured)
+    out = {k: v / n / 1e3 for k, v in ns.items()}
+    out["total"] = sum(ns.values()) / n / 1e3
+    out.update({f"{k} tokens": v / n for k, v in tokens.items()})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", default="system", choices=SCENARIOS)
+    p.add_argument("--page-sizes", default="1,16")
+    p.add_argument("--num-slots", type=int, default=1 << 20)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=200)
+    args = p.parse_args()
+    for ps in (int(x) for x in args.page_sizes.split(",")):
+        r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup)
+        calls = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not k.endswith("tokens") and k != "total")
+        print(f"{args.scenario} page {ps}: {r['total']:.1f} µs/step ({calls}); "
+              f"{r['prompt tokens']:.0f} prompt and {r['hit tokens']:.0f} hit tokens per step")
+
+
+if __name__ == "__main__":
+    main()
