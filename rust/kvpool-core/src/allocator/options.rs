@@ -67,9 +67,9 @@ pub struct Options {
     #[doc(hidden)]
     pub epoch_start: u32,
     /// Leave the request page lists and slot token ids to be mapped on first
-    /// use instead of at construction: for a pool sized far beyond what it
-    /// will hold, whose first requests may pay page faults (see
-    /// `memory::fault_in`).
+    /// use, on 4 KiB pages, instead of at construction on huge pages: for a
+    /// pool sized far beyond what it will hold, whose first requests may pay
+    /// page faults (see `memory::fault_in`, `memory::advise_huge`).
     pub lazy_metadata: bool,
     /// Host pages of a host tier, the reserved page 0 included (0: no tier,
     /// and everything behaves and costs as without one; otherwise >= 2).
