@@ -51,7 +51,7 @@ impl ChainHasher {
         // page sizes the buffer is a stack array of known length and the
         // copies inline.
         let h = match tokens.len() {
-            1 => fixed::<1, 20>(self.seed, parent, tokens),
+            1 => one_token(self.seed, parent, tokens[0]),
             16 => fixed::<16, 80>(self.seed, parent, tokens),
             32 => fixed::<32, 144>(self.seed, parent, tokens),
             64 => fixed::<64, 272>(self.seed, parent, tokens),
@@ -78,6 +78,58 @@ fn any_size(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
     #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
     x.update(&le_bytes(tokens));
     x.digest128()
+}
+
+/// `xxh3_128(seed, parent || token)`, 20 bytes, computed from registers.
+///
+/// xxh3 reads a 17-to-128-byte input as 8-byte words from both ends, and at
+/// 20 bytes one word straddles the parent hash and the token (bytes 12..20):
+/// through a stack buffer that load spans two stores, and the CPU cannot
+/// forward it, a stall on every page of a page-size-1 chain, where each hash
+/// waits on the one before. This is xxh3's own arithmetic for that length
+/// (`XXH3_len_17to128_128b` with one 32-byte mix), with the words taken from
+/// the values; `tests` checks it against the crate, bit for bit.
+#[inline(always)]
+fn one_token(seed: u64, parent: u128, token: i32) -> u128 {
+    // xxh3's default secret, bytes 0..32, as little-endian words.
+    const S: [u64; 4] = [
+        0xbe4b_a423_396c_feb8,
+        0x1cad_21f7_2c81_017c,
+        0xdb97_9083_e96d_d4de,
+        0x1f67_b3b7_a4a4_4072,
+    ];
+    const P1: u64 = 0x9E37_79B1_85EB_CA87;
+    const P2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+    const P4: u64 = 0x85EB_CA77_C2B2_AE63;
+    const LEN: u64 = 20;
+    let mix16 = |a: u64, b: u64, s0: u64, s1: u64| {
+        let m = (a ^ s0.wrapping_add(seed)) as u128 * (b ^ s1.wrapping_sub(seed)) as u128;
+        (m as u64) ^ ((m >> 64) as u64)
+    };
+    let avalanche = |mut v: u64| {
+        v ^= v >> 37;
+        v = v.wrapping_mul(0x1656_6791_9E37_79F9);
+        v ^ (v >> 32)
+    };
+    // Words 0..16 (the parent) and 4..20 (its bytes 4..16 and the token).
+    let (a0, a1) = (parent as u64, (parent >> 64) as u64);
+    let (b0, b1) = (
+        (parent >> 32) as u64,
+        (parent >> 96) as u64 | ((token as u32 as u64) << 32),
+    );
+    let mut lo = LEN.wrapping_mul(P1);
+    let mut hi = 0u64;
+    lo = lo.wrapping_add(mix16(a0, a1, S[0], S[1]));
+    lo ^= b0.wrapping_add(b1);
+    hi = hi.wrapping_add(mix16(b0, b1, S[2], S[3]));
+    hi ^= a0.wrapping_add(a1);
+    let low = avalanche(lo.wrapping_add(hi));
+    let high = 0u64.wrapping_sub(avalanche(
+        lo.wrapping_mul(P1)
+            .wrapping_add(hi.wrapping_mul(P4))
+            .wrapping_add(LEN.wrapping_sub(seed).wrapping_mul(P2)),
+    ));
+    ((high as u128) << 64) | low as u128
 }
 
 /// `xxh3_128(seed, parent || tokens)` for pages of `N` tokens (`B` = 16 + 4N
@@ -182,6 +234,18 @@ pub fn page_hashes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        // The register-only page-size-1 hash is xxh3's, for any parent,
+        // token and seed.
+        #[test]
+        fn one_token_is_xxh3(parent in any::<u128>(), token in any::<i32>(), seed in any::<u64>()) {
+            let mut bytes = parent.to_le_bytes().to_vec();
+            bytes.extend_from_slice(&token.to_le_bytes());
+            prop_assert_eq!(one_token(seed, parent, token), xxh3_128_with_seed(&bytes, seed));
+        }
+    }
 
     /// Every page size, fixed-buffer or not, hashes exactly
     /// `xxh3_128(seed, parent || tokens)`.
