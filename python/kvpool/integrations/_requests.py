@@ -16,7 +16,8 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._pages import StepPages, index_tensor
+from kvpool.integrations._pages import StepPages
+from kvpool.integrations._pool_views import index_tensor
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
