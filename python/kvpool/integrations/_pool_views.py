@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.modes import persistent
+
 
 class PoolViews:
     """What never changes for a pool: its caches' token-major and paged views, and how its
@@ -29,15 +31,23 @@ class PoolViews:
         # every page of every cache is a row of one [2 * layers * num_pages, page * H * D]
         # view (the gather path: one index_select per layer for K and V together).
         self.layer_step = even_spacing([k for k, _ in self.flat] + [v for _, v in self.flat])
+        k0 = self.flat[0][0]
         self.all_pages: torch.Tensor | None = None
         self.page_offsets: np.ndarray | None = None
         if self.layer_step == num_pages * self.row:
-            k0 = self.flat[0][0]
             self.all_pages = k0.as_strided((2 * layers * num_pages, self.row), (self.row, 1), k0.storage_offset())
             # Row of page p of layer l's K (l * num_pages + p) and V ((layers + l) * num_pages + p).
             self.page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
         self.to_device = getattr(pool, "_to_device", None)
         self.cpu = torch.device(pool.device).type == "cpu"
+        # Every cache's slots as one [2 * layers, num_slots, H, D] view (K of each layer, then
+        # V): one index_copy_ stores a decode step's token of every layer (``StepPages``).
+        self.all_slots: torch.Tensor | None = None
+        if self.layer_step is not None and all(c.stride() == (self.h * self.d, self.d, 1)
+                                               for pair in self.flat for c in pair):
+            with persistent():  # stored into under any grad mode
+                self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, self.d),
+                                               (self.layer_step, self.h * self.d, self.d, 1), k0.storage_offset())
         # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
         # are atomic, so caches in several threads never take the same one).
         self.spare_stages: list[torch.Tensor] = []

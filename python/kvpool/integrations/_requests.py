@@ -61,8 +61,11 @@ class BatchRequests:
         self.step_shape: tuple[int, ...] = ()  # this step's K/V shape [B, H, T, D]
         # Per layer, this step's K and V destinations as [B, H, T, D] views of the caches
         # (StepPages.dst), when the step's slots are one strided run; else None and the
-        # layers store through the pool's index store at new_slots.
+        # layers store through the pool's index store at new_slots, unless ``later``: the
+        # layers add the step's token to their buffers and StepPages stores them in the pool
+        # from there once the last layer has (StepPages.later).
         self.dst: tuple[Any, Any] | None = None
+        self.later = False
         # fp8 pools read K/V back dequantized through pool.read and a per-token index.
         self.fp8 = bool(getattr(pool, "fp8", False))
         self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step (fp8 only)
@@ -89,6 +92,7 @@ class BatchRequests:
         self.batch = self.handles.shape[0]
         self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self.slot_idx = self.dst = None
+        self.later = False
         self.before = -1  # no step under way: every layer takes the full update
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
@@ -183,7 +187,8 @@ class BatchRequests:
             return
         pages.advance(self.handles, before, length, slots)
         self.dst = pages.dst
-        if self.dst is None and self.new_slots is None:
+        self.later = pages.later is not None
+        if self.dst is None and self.new_slots is None and not self.later:
             loc = pages.loc
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
@@ -267,6 +272,7 @@ class BatchRequests:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
         if self.handles is not None:
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
+            self.later = False
             self.before = -1
             self.batch = -1
             if self.pages is not None:
