@@ -278,9 +278,10 @@ class StepPages(StepViews):
         if self._buf is None or self._cap < need:
             self._filled = -1
             b, layers = self.table.shape[0], len(self.flat)
-            # Doubling keeps the gathers at growth few; no row ever holds more than the pool's
-            # context length.
-            cap = max(need, min(2 * self._cap, self._max_tokens))
+            # Doubling keeps the gathers at growth few, and the first buffers get the same room
+            # (a prompt's buffers would otherwise grow, and be gathered again, at the first
+            # decode step that takes a page); no row ever holds more than the context length.
+            cap = max(need, min(2 * (self._cap or need), self._max_tokens))
             flat = self._storage(2 * layers * b * self.h * cap * self.d)
             self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
