@@ -52,7 +52,7 @@ class BatchRequests:
         self.length = 0
         self.prefix_mode = False
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
-        self._rows: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the rows' req_to_token rows (fp8 pools read through it)
         # This step's slots, row-major [B*T]: on the host, and as an index tensor on the pool's
         # device when a store needs one (None while the store views do).
         self.step_slots: np.ndarray | None = None
@@ -90,12 +90,13 @@ class BatchRequests:
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
         self.batch = self.handles.shape[0]
-        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self.slot_idx = self.dst = None
         self.later = False
         self.before = -1  # no step under way: every layer takes the full update
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
+        else:
+            self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
 
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
@@ -164,7 +165,7 @@ class BatchRequests:
         """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``)."""
-        assert self.handles is not None and self._rows is not None
+        assert self.handles is not None
         pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
@@ -183,6 +184,7 @@ class BatchRequests:
         length = self.length = before + tokens
         pages = self.pages
         if pages is None:
+            assert self._rows is not None
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
             return
         pages.advance(self.handles, before, length, slots)
