@@ -98,6 +98,7 @@ class StepPages(StepViews):
         # tokens each row has room for, and how many of them hold every layer's K/V (-1:
         # none, gather them from the pages at the next step).
         self._buf: torch.Tensor | None = None
+        self._both: torch.Tensor | None = None  # _buf as [2 * layers, B, H, cap, D]
         self._cap = 0
         self._filled = -1
         # This step, in the layer buffers: per layer (k, v) views of the step's tokens to copy
@@ -108,7 +109,7 @@ class StepPages(StepViews):
         # A decode step whose layers add their token to the layer buffers (on a CPU pool whose
         # caches are one allocation) stores it in the pool once, from the buffers, after the
         # step's last layer: (the token of every layer's K and V in the buffers, [2 * layers,
-        # B, H, D]; the same in the pool's caches as a view when the rows' slots are one strided
+        # B, H, 1, D]; the same in the pool's caches as a view when the rows' slots are one strided
         # run, else None; else the slots as an index), and how many layers are still to add theirs.
         self.later: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._due = 0
@@ -130,7 +131,7 @@ class StepPages(StepViews):
         self.later, self._due = None, 0  # rows closed or edited between steps: nothing is due
         self._app, self._fill, self._filled, self._plain = None, False, -1, False
         if self._buf is not None and self._buf.shape[2] != batch:
-            self._buf, self._cap = None, 0
+            self._buf, self._both, self._cap = None, None, 0
 
     def advance(self, handles: np.ndarray, before: int, length: int, slots: np.ndarray) -> None:
         """The rows went from ``before`` to ``length`` tokens; ``slots`` are the new ones,
@@ -192,10 +193,11 @@ class StepPages(StepViews):
         last = slots.tolist() if t == 1 else slots.reshape(b, t)[:, -1].tolist()
         if t > 1:
             run = decode_run(last)
-        apps = self._buffer_views(length, 1, steps=left) if self._strided is None and self.layer_buffers else None
-        if apps is not None and self._all_slots is not None:  # stored from the buffers (``later``)
-            self._plan = self._plan_later(last, run, apps, length, left)
+        buffered = self._strided is None and self.layer_buffers
+        if buffered and self._all_slots is not None:  # stored from the buffers (``later``)
+            self._plan = self._plan_later(last, run, length, left)
             return
+        apps = self._buffer_views(length, 1, steps=left) if buffered else None
         stores = None if run is None else self._store_views((last[0] + 1, run[1]), b, 1, steps=left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
@@ -208,11 +210,10 @@ class StepPages(StepViews):
             plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1], None))
         self._plan = plan
 
-    def _plan_later(self, last: list[int], run: tuple[int, int] | None, apps: list[Any], length: int,
-                    left: int) -> list[_Step]:
+    def _plan_later(self, last: list[int], run: tuple[int, int] | None, length: int, left: int) -> list[_Step]:
         """``_plan_page``'s steps when the layers add their tokens to the layer buffers and each
         step is stored from there (``later``)."""
-        tokens = self._token_views(length, left)
+        apps, tokens = self._buffer_views(length, 1, steps=left, whole=True)
         to: list[tuple[torch.Tensor | None, torch.Tensor | None]]
         if run is None:  # one index of each step's slots, made at once
             wants = np.asarray(last, dtype=np.int64) + np.arange(1, left + 1, dtype=np.int64)[:, None]
@@ -284,15 +285,17 @@ class StepPages(StepViews):
             cap = max(need, min(2 * (self._cap or need), self._max_tokens))
             flat = self._storage(2 * layers * b * self.h * cap * self.d)
             self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
+            self._both = flat.view(2 * layers, b, self.h, cap, self.d)
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
-            self._app = self._buffer_views(before, length - before)
             if length == before + 1 and self.private and self._all_slots is not None:
-                token = self._token_views(before, 0)
+                self._app, token = self._buffer_views(before, 1, whole=True)
                 if run is None:
                     self.later = token, None, index_tensor(slots)
                 else:
                     self.later = token, self._slot_views(run[0], run[1], len(slots), 0), None
                 self._due = self._layers
+            else:
+                self._app = self._buffer_views(before, length - before)
         else:
             self._fill = True
         self._filled = length
@@ -302,7 +305,7 @@ class StepPages(StepViews):
         layer buffers are let go (what attention got from either, like views of the
         freed pages, is no longer valid)."""
         self.reset(0, private=True)
-        stage, self._stage, self._buf, self._cap = self._stage, None, None, 0
+        stage, self._stage, self._buf, self._both, self._cap = self._stage, None, None, None, 0
         # Layer buffers hold a copy of the batch's K/V: they are freed with the cache, as
         # DynamicCache's tensors are, rather than kept alive by the pool.
         if stage is not None and not self.layer_buffers and len(self._spares) < 2:

@@ -40,14 +40,16 @@ class PoolViews:
             self.page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
         self.to_device = getattr(pool, "_to_device", None)
         self.cpu = torch.device(pool.device).type == "cpu"
-        # Every cache's slots as one [2 * layers, num_slots, H, D] view (K of each layer, then
-        # V): one index_copy_ stores a decode step's token of every layer (``StepPages``).
+        # Every cache's slots as one [2 * layers, num_slots, H, 1, D] view (K of each layer, then
+        # V; the 1 is a decode step's token): one index_copy_ stores a decode step's token of
+        # every layer (``StepPages``).
         self.all_slots: torch.Tensor | None = None
         if self.layer_step is not None and all(c.stride() == (self.h * self.d, self.d, 1)
                                                for pair in self.flat for c in pair):
             with persistent():  # stored into under any grad mode
-                self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, self.d),
-                                               (self.layer_step, self.h * self.d, self.d, 1), k0.storage_offset())
+                self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, 1, self.d),
+                                               (self.layer_step, self.h * self.d, self.d, self.d, 1),
+                                               k0.storage_offset())
         # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
         # are atomic, so caches in several threads never take the same one).
         self.spare_stages: list[torch.Tensor] = []

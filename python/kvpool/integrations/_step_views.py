@@ -26,51 +26,42 @@ class StepViews:
     _layers: int
     _all_slots: torch.Tensor | None
     _buf: torch.Tensor | None
+    _both: torch.Tensor | None
     _stage: torch.Tensor | None
     _rows: int
     _strided: tuple[int, int] | None
 
     def _slot_views(self, first: int, apart: int, b: int, steps: int) -> Any:
-        """Every cache's slots ``first + i * apart`` (``b`` rows), ``[2 * layers, b, H, D]`` views of
-        the pool; with ``steps``, a list of those for the ``steps`` slots from ``first``."""
+        """Every cache's slots ``first + i * apart`` (``b`` rows), ``[2 * layers, b, H, 1, D]`` views
+        of the pool; with ``steps``, a list of those for the ``steps`` slots from ``first``."""
         c = self._all_slots
         assert c is not None
         hd = self.h * self.d
-        size, stride = (c.shape[0], b, self.h, self.d), (c.stride(0), apart * hd, self.d, 1)
+        size, stride = (c.shape[0], b, self.h, 1, self.d), (c.stride(0), apart * hd, self.d, hd, 1)
         at = c.storage_offset() + first * hd
         if not steps:
             return c.as_strided(size, stride, at)
         return c.as_strided((steps,) + size, (hd,) + stride, at).unbind(0)
 
-    def _token_views(self, first: int, steps: int) -> Any:
-        """The layer buffers' token ``first`` of every layer's K and V, ``[2 * layers, B, H, D]``;
-        with ``steps``, a list of those for the ``steps`` tokens from ``first``."""
-        buf = self._buf
-        assert buf is not None
-        both = buf.view((2 * self._layers,) + buf.shape[2:])
-        size, stride = both.shape[:3] + both.shape[4:], both.stride()[:3] + both.stride()[4:]
-        at = both.storage_offset() + first * self.d
-        if not steps:
-            return both.as_strided(size, stride, at)
-        return both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
-
-    def _buffer_views(self, first: int, t: int, steps: int = 0) -> Any:
+    def _buffer_views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
         """Per layer (k, v) ``[B, H, t, D]`` views of the layer buffers from token ``first``;
-        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow."""
-        buf = self._buf
-        assert buf is not None
-        layers = buf.shape[1]
-        both = buf.view((2 * layers,) + buf.shape[2:])
+        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow. With
+        ``whole``, (those, the ``[2 * layers, B, H, t, D]`` view (per step) they split)."""
+        both, layers = self._both, self._layers
+        assert both is not None
         size, stride = both.shape[:-2] + (t, self.d), both.stride()
         at = both.storage_offset() + first * self.d
         if not steps:
-            views = both.as_strided(size, stride, at).unbind(0)
-            return list(zip(views[:layers], views[layers:]))
+            one = both.as_strided(size, stride, at)
+            views = one.unbind(0)
+            pairs = list(zip(views[:layers], views[layers:]))
+            return (pairs, one) if whole else pairs
         out = []
-        for one in both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0):
+        ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
+        for one in ones:
             views = one.unbind(0)
             out.append(list(zip(views[:layers], views[layers:])))
-        return out
+        return (out, ones) if whole else out
 
     def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
         """Every layer's K and V destinations of a step whose slots are ``run`` (first slot,
