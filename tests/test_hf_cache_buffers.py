@@ -81,6 +81,29 @@ def test_page_boundaries_add_to_the_buffer_without_gathering_again(layout, monke
     assert pool.allocator.used_pages == 0
 
 
+def test_a_prompts_buffers_have_room_for_the_next_pages(monkeypatch):
+    """Buffers made for a prompt get room to grow, as a growing buffer does: the decode
+    steps that take the next pages add to them and gather nothing."""
+    pool = make_pool()
+    h = pool.open(3)  # leave the free pages out of order, so that the prompt is gathered
+    for _ in range(3 * PAGE + 1):
+        pool.extend(h, 1)
+    pool.close(h)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        e = Expect(cache)
+        e.step(3, 2 * PAGE)  # a prompt of two whole pages
+        assert e.buffered[-1], "the test needs a prompt read from the layer buffers"
+        pages = cache.requests.pages
+        gathers: list[int] = []
+        real = pages._gather_layer
+        monkeypatch.setattr(pages, "_gather_layer", lambda layer: (gathers.append(layer), real(layer)))
+        for _ in range(2 * PAGE):
+            e.step(3, 1)
+        assert all(e.buffered[1:])
+        assert gathers == [], "the prompt's buffers were gathered again at a page boundary"
+    pool.allocator.check()
+
+
 def test_crop_then_continue():
     pool = make_pool()
     with torch.inference_mode(), KVPoolCache(pool) as cache:

@@ -1,8 +1,10 @@
 """How KVPoolCache stores a step and hands attention its K/V, on pools whose free pages
 are no longer in order (as on a pool that served other batches): the step's stores
-(views of the caches for a strided run of slots, the pool's index store otherwise),
-the decode steps made ahead at a page boundary, the staging buffer kept with the pool
-for its next cache, and the short way a step's later layers take."""
+(views of the caches for a strided run of slots, the pool's index store otherwise, or,
+for a decode step whose layers add their token to the layer buffers, one store of every
+layer's token from the buffers after the step's last layer), the decode steps made ahead
+at a page boundary, the staging buffer kept with the pool for its next cache, and the
+short way a step's later layers take."""
 
 from __future__ import annotations
 
@@ -42,11 +44,19 @@ def stored_in_pool(pool: KVPool, handles: np.ndarray, layer: int) -> tuple[torch
     return torch.stack(ks), torch.stack(vs)
 
 
+def store_kind(cache: KVPoolCache) -> str:
+    """How the step under way reaches the pool: 'views' (copies into views of the caches),
+    'buffers' (every layer's token from the layer buffers, after the last layer) or 'index'
+    (the pool's index store, layer by layer)."""
+    req = cache.requests
+    return "views" if req.dst is not None else "buffers" if req.later else "index"
+
+
 def run(pool: KVPool, cache: KVPoolCache, batch: int, steps: list[int], seed: int = 0,
-        on_step=None) -> list[tuple[bool, bool]]:
+        on_step=None) -> list[tuple[str, bool]]:
     """Feed ``steps`` tokens per forward to every layer; check each returned K/V against
-    what was stored and against the pool's own slots; return per step whether the step
-    stored through views of the caches and whether a planned step was taken."""
+    what was stored and, after the step's last layer, against the pool's own slots; return
+    per step how it was stored (``store_kind``) and whether a planned step was taken."""
     g = torch.Generator().manual_seed(seed)
     stored: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(LAYERS)}
     kinds = []
@@ -60,7 +70,7 @@ def run(pool: KVPool, cache: KVPoolCache, batch: int, steps: list[int], seed: in
             got_k, got_v = cache.update(k, 2 * k, layer)
             want = torch.cat(stored[layer], dim=2)
             assert torch.equal(got_k, want) and torch.equal(got_v, 2 * want)
-        kinds.append((cache.requests.dst is not None, plan_before > 0 and len(cache.requests.pages._plan) == plan_before - 1))
+        kinds.append((store_kind(cache), plan_before > 0 and len(cache.requests.pages._plan) == plan_before - 1))
         for layer in range(LAYERS):
             in_pool_k, in_pool_v = stored_in_pool(pool, cache.handles, layer)
             want = torch.cat(stored[layer], dim=2)
@@ -68,26 +78,36 @@ def run(pool: KVPool, cache: KVPoolCache, batch: int, steps: list[int], seed: in
     return kinds
 
 
-def test_scattered_slots_are_stored_by_index_and_read_back():
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_scattered_slots_are_stored_by_index_and_read_back(layer_buffers):
     """A prompt whose rows land on interleaved pages (no strided run of slots) is stored by
-    index, and so are the decode steps while the rows' pages interleave."""
+    index, and so are the decode steps while the rows' pages interleave: layer by layer
+    without layer buffers, with them once per step from the buffers."""
     pool = make_pool()
     scramble(pool)
-    with torch.inference_mode(), KVPoolCache(pool) as cache:
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
         kinds = run(pool, cache, 3, [6] + [1] * 9)
-    assert not kinds[0][0], "the prompt's slots should not be one strided run on a scrambled pool"
-    assert any(not views for views, _ in kinds[1:]), "some decode step should store by index"
+    assert kinds[0][0] == "index", "the prompt's slots should not be one strided run on a scrambled pool"
+    decode = [kind for kind, _ in kinds[1:]]
+    assert ("buffers" if layer_buffers else "index") in decode, decode
+    assert "buffers" not in decode or layer_buffers
     assert any(planned for _, planned in kinds), "steps inside a page should come from the plan"
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
 
 
-def test_one_row_stores_through_views_and_takes_planned_steps():
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_one_row_stores_through_views_and_takes_planned_steps(layer_buffers):
     pool = make_pool()
     scramble(pool)
-    with torch.inference_mode(), KVPoolCache(pool) as cache:
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
         kinds = run(pool, cache, 1, [5] + [1] * 11)  # across three page boundaries
-    assert all(views for views, _ in kinds[1:]), "one row's decode slot is always a run"
+    # One row's decode slot is always a run: views of the caches, or (with layer buffers,
+    # whose views attention reads while the row's pages are not consecutive) one copy of
+    # every layer's token from the buffers into a view of the caches.
+    decode = [kind for kind, _ in kinds[1:]]
+    assert set(decode) <= {"views", "buffers"}, decode
+    assert ("buffers" in decode) == layer_buffers, decode
     # Planned: every decode step that does not start a page (lengths 6, 7, 8, 10, 11, 12, 14, 15, 16).
     assert [planned for _, planned in kinds[1:]] == [length % PAGE != 1 for length in range(6, 17)]
 
@@ -102,14 +122,40 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
     def corrupt(step: int) -> None:
         plan = cache.requests.pages._plan
         if step == 1 and len(plan) > 1:
-            want, _, _, views, out, app = plan[-1]
+            want, _, _, views, out, app, later = plan[-1]
             elsewhere = plan[0]  # a later step's stores: other slots of the same rows
-            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out, app)
+            if later is not None:  # stored from the buffers: the step's token, to other slots
+                later = (later[0],) + elsewhere[6][1:]
+            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out, app, later)
         assert step != 1 or len(plan) > 1, "the test needs a plan of several steps here"
 
     with torch.inference_mode(), KVPoolCache(pool) as cache:
         run(pool, cache, 2, [5] + [1] * 6, on_step=corrupt)
     pool.allocator.check()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_forward_cut_short_leaves_the_layers_that_ran_in_the_pool(batch):
+    """A buffered decode step is stored once its last layer has added its token; when a
+    forward stops before that (a model that raised half-way), the next step stores what
+    the layers that ran added, as per-layer stores would have."""
+    pool = make_pool()
+    scramble(pool)
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        run(pool, cache, batch, [5, 1])  # the next step stays in the page and the buffers
+        ran = [torch.randn(batch, H, 1, D, generator=g) for _ in range(LAYERS - 1)]
+        for layer, k in enumerate(ran):
+            cache.update(k, 2 * k, layer)
+        assert store_kind(cache) == "buffers", "the test needs a step stored from the buffers"
+        slots = cache.requests.step_slots.copy()
+        k = torch.randn(batch, H, 1, D, generator=g)
+        cache.update(k, 2 * k, 0)  # the next forward starts a step
+        for layer, k in enumerate(ran):
+            got_k, got_v = pool.read(layer, slots)
+            assert torch.equal(got_k, k[:, :, 0]) and torch.equal(got_v, 2 * k[:, :, 0]), f"layer {layer}"
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
 
 
 def test_open_caches_keep_their_own_staging_and_a_closed_one_hands_it_on():

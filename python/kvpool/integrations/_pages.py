@@ -25,7 +25,13 @@ again from the allocator (``page_table``) at every step.
 
 A step's new K/V go into the pool through ``[B, H, T, D]`` views of the caches when
 its slots are one strided run (every decode step at batch 1; a batch whose rows took
-their pages in turn), else through the pool's index store.
+their pages in turn), else through the pool's index store. A decode step whose layers
+add their token to the layer buffers (on a CPU pool that keeps every layer's K and V in
+one allocation) is stored once instead, after its last layer: one copy of every layer's
+K and V token from the buffers into the caches (into a view of them when the slots are
+one strided run, else one ``index_copy_``), where each layer would make two. The pool
+holds the whole step once the step's last layer has run; a step cut short is stored
+when the next one starts.
 
 Decode steps between page boundaries are predictable: each row's next slot is the one
 after its last, and the table does not change. So the step that starts a page also
@@ -41,70 +47,28 @@ layer stores its K/V (a layer buffer is valid until that layer's next ``update``
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvpool.integrations._pool_views import (
+    decode_run,
+    index_tensor,
+    pool_views,
+    slot_run,
+    strided_run,
+)
+from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
-# staging views or None, layer-buffer views of the step's token or None)
-_Step = tuple[list[int], Any, Any, Any, Any, Any]
+# staging views or None, layer-buffer views of the step's token or None, the step's store from
+# the layer buffers or None)
+_Step = tuple[list[int], Any, Any, Any, Any, Any, Any]
 
 
-class _PoolViews:
-    """What never changes for a pool: its caches' token-major and paged views, and how its
-    layers' K and V sit in the one allocation. Made once per pool (``pool_views``)."""
-
-    def __init__(self, pool: Any) -> None:
-        self.page = int(pool.page_size)
-        self.h, self.d = int(pool.num_kv_heads), int(pool.head_dim)
-        self.row = self.page * self.h * self.d  # elements of one page of one layer
-        # Each layer's caches, token-major [num_slots, H, D] and by page [num_pages, page * H * D].
-        self.flat = [(k.reshape(-1, self.h, self.d), v.reshape(-1, self.h, self.d))
-                     for k, v in zip(pool.k_buffers, pool.v_buffers)]
-        self.paged = [(k.view(-1, self.row), v.view(-1, self.row)) for k, v in self.flat]
-        layers, num_pages = len(self.flat), self.paged[0][0].shape[0]
-        # KVPool keeps every layer's K, then every layer's V, back to back in one allocation.
-        # Then one strided view covers every layer's K and V (views and store views), and
-        # every page of every cache is a row of one [2 * layers * num_pages, page * H * D]
-        # view (the gather path: one index_select per layer for K and V together).
-        self.layer_step = _even_spacing([k for k, _ in self.flat] + [v for _, v in self.flat])
-        self.all_pages: torch.Tensor | None = None
-        self.page_offsets: np.ndarray | None = None
-        if self.layer_step == num_pages * self.row:
-            k0 = self.flat[0][0]
-            self.all_pages = k0.as_strided((2 * layers * num_pages, self.row), (self.row, 1), k0.storage_offset())
-            # Row of page p of layer l's K (l * num_pages + p) and V ((layers + l) * num_pages + p).
-            self.page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
-        self.to_device = getattr(pool, "_to_device", None)
-        self.cpu = torch.device(pool.device).type == "cpu"
-        # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
-        # are atomic, so caches in several threads never take the same one).
-        self.spare_stages: list[torch.Tensor] = []
-
-
-# Keyed by the pool, which the entries do not reference (their views hold its memory alive,
-# not the pool object), so an entry goes with its pool.
-_POOL_VIEWS: weakref.WeakKeyDictionary[Any, _PoolViews] = weakref.WeakKeyDictionary()
-
-
-def pool_views(pool: Any) -> _PoolViews:
-    """The pool's ``_PoolViews``, made at its first cache."""
-    try:
-        return _POOL_VIEWS[pool]
-    except (KeyError, TypeError):  # TypeError: a pool that takes no weak reference
-        views = _PoolViews(pool)
-        try:
-            _POOL_VIEWS[pool] = views
-        except TypeError:
-            pass
-        return views
-
-
-class StepPages:
+class StepPages(StepViews):
     """Page table of a batch and the K/V tensors of its current step (non-fp8 pools)."""
 
     def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
@@ -114,6 +78,8 @@ class StepPages:
         self.page, self.h, self.d, self.row = g.page, g.h, g.d, g.row
         self.flat, self.paged, self.layer_step, self.all_pages = g.flat, g.paged, g.layer_step, g.all_pages
         self._page_offsets, self._to_device, self.cpu = g.page_offsets, g.to_device, g.cpu
+        self._all_slots = g.all_slots if g.cpu else None
+        self._layers = len(self.flat)
         self._spares = g.spare_stages
         ctx = getattr(pool, "max_context_len", None)
         self._max_tokens = -(-int(ctx) // self.page) * self.page if ctx else 1 << 62
@@ -132,6 +98,7 @@ class StepPages:
         # tokens each row has room for, and how many of them hold every layer's K/V (-1:
         # none, gather them from the pages at the next step).
         self._buf: torch.Tensor | None = None
+        self._both: torch.Tensor | None = None  # _buf as [2 * layers, B, H, cap, D]
         self._cap = 0
         self._filled = -1
         # This step, in the layer buffers: per layer (k, v) views of the step's tokens to copy
@@ -139,6 +106,13 @@ class StepPages:
         self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._fill = False
         self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
+        # A decode step whose layers add their token to the layer buffers (on a CPU pool whose
+        # caches are one allocation) stores it in the pool once, from the buffers, after the
+        # step's last layer: (the token of every layer's K and V in the buffers, [2 * layers,
+        # B, H, 1, D]; the same in the pool's caches as a view when the rows' slots are one strided
+        # run, else None; else the slots as an index), and how many layers are still to add theirs.
+        self.later: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._due = 0
         # This step: per layer the K and V store views ((k..., ), (v..., )) or None; per layer
         # (k, v) views of the pool for attention, or None and the staging buffer's (k, v).
         self.dst: tuple[Any, Any] | None = None
@@ -154,25 +128,30 @@ class StepPages:
         self.npages, self.length, self.private = 0, -1, private
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
         self._plan, self._spent = [], []
+        self.later, self._due = None, 0  # rows closed or edited between steps: nothing is due
         self._app, self._fill, self._filled, self._plain = None, False, -1, False
         if self._buf is not None and self._buf.shape[2] != batch:
-            self._buf, self._cap = None, 0
+            self._buf, self._both, self._cap = None, None, 0
 
     def advance(self, handles: np.ndarray, before: int, length: int, slots: np.ndarray) -> None:
         """The rows went from ``before`` to ``length`` tokens; ``slots`` are the new ones,
         row-major. Makes this step's store views (``dst``, else ``loc`` on a CPU pool) and
         attention's K/V (``kv``)."""
+        if self._due:  # a layer of the last step did not add its token: store what the others did
+            self._store_later()
         plan = self._plan
         if plan:
             step = plan.pop()
             if length == before + 1 and self.length == before and slots.tolist() == step[0]:
                 self.length = length
                 # The tensors this step replaces are freed with the page's others (see the module doc).
-                self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
-                _, self.dst, self.loc, self._views, self._out, self._app = step
+                self._spent.append((self.dst, self.loc, self._views, self._out, self._app, self.later))
+                _, self.dst, self.loc, self._views, self._out, self._app, self.later = step
                 self._fill = False
                 if self._app is not None:
                     self._filled = length
+                    if self.later is not None:
+                        self._due = self._layers
                 self._plain = self._app is None and self._views is not None
                 return
             plan.clear()
@@ -192,14 +171,14 @@ class StepPages:
             self.table[:, self.npages : npages] = new
             self._set_table(None, npages)
         self.length = length
-        run = _slot_run(slots, b, t)
-        self.dst = None if run is None else self._store_views(run, b, t)
-        self.loc = None
+        self.loc = self.later = None
         self._app, self._fill = None, False
+        run = slot_run(slots, b, t)
         if self._strided is None and self.layer_buffers:
-            self._buffer_step(before, length)
+            self._buffer_step(before, length, slots, run)
         else:
             self._filled = -1  # the buffers miss this step's tokens
+        self.dst = None if run is None or self.later is not None else self._store_views(run, b, t)
         self._views, self._out = self._attention_views(length)
         self._plain = self._app is None and not self._fill and self._views is not None
         if self.private:
@@ -213,9 +192,13 @@ class StepPages:
         # Each row's slot for the step to length n is its last one plus n - length.
         last = slots.tolist() if t == 1 else slots.reshape(b, t)[:, -1].tolist()
         if t > 1:
-            run = _decode_run(last)
+            run = decode_run(last)
+        buffered = self._strided is None and self.layer_buffers
+        if buffered and self._all_slots is not None:  # stored from the buffers (``later``)
+            self._plan = self._plan_later(last, run, length, left)
+            return
+        apps = self._buffer_views(length, 1, steps=left) if buffered else None
         stores = None if run is None else self._store_views((last[0] + 1, run[1]), b, 1, steps=left)
-        apps = self._buffer_views(length, 1, steps=left) if self._strided is None and self.layer_buffers else None
         plan: list[_Step] = []
         for k in range(left, 0, -1):
             want = [s + k for s in last]
@@ -224,8 +207,25 @@ class StepPages:
             else:
                 dst, loc = stores[k - 1], None
             views, out = self._attention_views(length + k)
-            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1]))
+            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1], None))
         self._plan = plan
+
+    def _plan_later(self, last: list[int], run: tuple[int, int] | None, length: int, left: int) -> list[_Step]:
+        """``_plan_page``'s steps when the layers add their tokens to the layer buffers and each
+        step is stored from there (``later``)."""
+        apps, tokens = self._buffer_views(length, 1, steps=left, whole=True)
+        to: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+        if run is None:  # one index of each step's slots, made at once
+            wants = np.asarray(last, dtype=np.int64) + np.arange(1, left + 1, dtype=np.int64)[:, None]
+            to = [(None, i) for i in index_tensor(wants).unbind(0)]
+        else:
+            to = [(v, None) for v in self._slot_views(last[0] + 1, run[1], len(last), left)]
+        plan: list[_Step] = []
+        for k in range(left, 0, -1):
+            views, _ = self._attention_views(length + k)
+            dst, idx = to[k - 1]
+            plan.append(([s + k for s in last], None, None, views, None, apps[k - 1], (tokens[k - 1], dst, idx)))
+        return plan
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
         if table is not None:
@@ -234,20 +234,26 @@ class StepPages:
         self.npages = npages
         t = self.table[:, :npages]
         if table is not None or self._strided is not None:
-            self._strided = _strided(t)
+            self._strided = strided_run(t)
         # else: grown by new pages while private, and rows whose earlier pages are not one
         # strided run never become one
         self._index = None
         if self._strided is not None:
             return
-        rows = self._rows = t.size
+        self._rows = t.size
+        if not self.layer_buffers:
+            self._make_index()
+            self._stage_rows = self._storage(2 * self._rows * self.row).view(2 * self._rows, self.row)
+        # else: the layer buffers gather only when they grow or after a reset (_gather_layer)
+
+    def _make_index(self) -> None:
+        """The gather's index of the rows' pages (``_index``)."""
+        t = self.table[:, : self.npages]
         if self._page_offsets is not None:
             index = (t.reshape(1, 1, -1) + self._page_offsets).reshape(len(self.flat), -1)
             self._index = self._upload(index).unbind(0)
         else:
             self._index = self._upload(np.ascontiguousarray(t).reshape(-1))
-        if not self.layer_buffers:
-            self._stage_rows = self._storage(2 * rows * self.row).view(2 * rows, self.row)
 
     def _storage(self, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the staging storage, grown (or taken from a closed
@@ -264,21 +270,32 @@ class StepPages:
                 self._stage = torch.empty(grow, dtype=kp.dtype, device=kp.device)
         return self._stage[:numel]
 
-    def _buffer_step(self, before: int, length: int) -> None:
+    def _buffer_step(self, before: int, length: int, slots: np.ndarray, run: tuple[int, int] | None) -> None:
         """A gathered step with layer buffers: each layer adds the step's tokens to its buffer
         (``_app``) when the buffer holds the rows' first ``before`` tokens, else gathers its
-        pages into it (``_fill``), made big enough for the rows' current pages."""
+        pages into it (``_fill``), made big enough for the rows' current pages. A decode step
+        that adds is stored from the buffers (``later``)."""
         need = self.npages * self.page
         if self._buf is None or self._cap < need:
             self._filled = -1
             b, layers = self.table.shape[0], len(self.flat)
-            # Doubling keeps the gathers at growth few; no row ever holds more than the pool's
-            # context length.
-            cap = max(need, min(2 * self._cap, self._max_tokens))
+            # Doubling keeps the gathers at growth few, and the first buffers get the same room
+            # (a prompt's buffers would otherwise grow, and be gathered again, at the first
+            # decode step that takes a page); no row ever holds more than the context length.
+            cap = max(need, min(2 * (self._cap or need), self._max_tokens))
             flat = self._storage(2 * layers * b * self.h * cap * self.d)
             self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
+            self._both = flat.view(2 * layers, b, self.h, cap, self.d)
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
-            self._app = self._buffer_views(before, length - before)
+            if length == before + 1 and self.private and self._all_slots is not None:
+                self._app, token = self._buffer_views(before, 1, whole=True)
+                if run is None:
+                    self.later = token, None, index_tensor(slots)
+                else:
+                    self.later = token, self._slot_views(run[0], run[1], len(slots), 0), None
+                self._due = self._layers
+            else:
+                self._app = self._buffer_views(before, length - before)
         else:
             self._fill = True
         self._filled = length
@@ -288,7 +305,7 @@ class StepPages:
         layer buffers are let go (what attention got from either, like views of the
         freed pages, is no longer valid)."""
         self.reset(0, private=True)
-        stage, self._stage, self._buf, self._cap = self._stage, None, None, 0
+        stage, self._stage, self._buf, self._both, self._cap = self._stage, None, None, None, 0
         # Layer buffers hold a copy of the batch's K/V: they are freed with the cache, as
         # DynamicCache's tensors are, rather than kept alive by the pool.
         if stage is not None and not self.layer_buffers and len(self._spares) < 2:
@@ -309,6 +326,10 @@ class StepPages:
                 dk, dv = app[layer]
                 dk.copy_(k)
                 dv.copy_(v)  # type: ignore[arg-type]
+                if self._due:
+                    self._due -= 1
+                    if not self._due:
+                        self._store_later()
             elif app is not None or self._fill:
                 self._gather_layer(layer)
             return views[layer]
@@ -324,10 +345,24 @@ class StepPages:
             torch.index_select(vp, 0, self._index, out=stage[rows:])
         return out
 
+    def _store_later(self) -> None:
+        """Store the step's token of every layer from the layer buffers into the pool."""
+        later, all_slots = self.later, self._all_slots
+        assert later is not None and all_slots is not None
+        self._due = 0
+        src, dst, idx = later
+        if dst is not None:
+            dst.copy_(src)
+        else:
+            assert idx is not None
+            all_slots.index_copy_(1, idx, src)
+
     def _gather_layer(self, layer: int) -> None:
         """Gather the rows' pages of ``layer`` into its buffer (the first ``length`` tokens)."""
         buf = self._buf
         assert buf is not None
+        if self._index is None:
+            self._make_index()
         b, n, hd = buf.shape[2], self.length, (self.h, self.d)
         if self.all_pages is not None:
             got = torch.index_select(self.all_pages, 0, self._index[layer]).view(2, b, -1, *hd)
@@ -336,132 +371,3 @@ class StepPages:
             for cache, pages in zip(buf, self.paged[layer]):
                 got = torch.index_select(pages, 0, self._index).view(b, -1, *hd)
                 cache[layer, :, :, :n].copy_(got[:, :n].transpose(1, 2))
-
-    def _buffer_views(self, first: int, t: int, steps: int = 0) -> Any:
-        """Per layer (k, v) ``[B, H, t, D]`` views of the layer buffers from token ``first``;
-        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow."""
-        buf = self._buf
-        assert buf is not None
-        layers = buf.shape[1]
-        both = buf.view((2 * layers,) + buf.shape[2:])
-        size, stride = both.shape[:-2] + (t, self.d), both.stride()
-        at = both.storage_offset() + first * self.d
-        if not steps:
-            views = both.as_strided(size, stride, at).unbind(0)
-            return list(zip(views[:layers], views[layers:]))
-        out = []
-        for one in both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0):
-            views = one.unbind(0)
-            out.append(list(zip(views[:layers], views[layers:])))
-        return out
-
-    def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
-        """Every layer's K and V destinations of a step whose slots are ``run`` (first slot,
-        slots between rows), ``b`` rows of ``t``: ``[b, H, t, D]`` views of the caches, as
-        ``((k per layer), (v per layer))``. With ``steps``, a list of those for ``steps``
-        decode steps (``t`` 1) whose slots follow one another."""
-        first, apart = run
-        hd = self.h * self.d
-        size: tuple[int, ...] = (b, self.h, t, self.d)
-        stride: tuple[int, ...] = (apart * hd, self.d, hd, 1)
-        layers, k = len(self.flat), self.flat[0][0]
-        if self.layer_step is None:
-            per_step = [tuple([c.as_strided(size, stride, c.storage_offset() + (first + i) * hd) for c in caches]
-                              for caches in zip(*self.flat)) for i in range(max(steps, 1))]
-            return per_step if steps else per_step[0]
-        size, stride = (2 * layers,) + size, (self.layer_step,) + stride
-        if not steps:
-            views = k.as_strided(size, stride, k.storage_offset() + first * hd).unbind(0)
-            return views[:layers], views[layers:]
-        out = []
-        for one in k.as_strided((steps,) + size, (hd,) + stride, k.storage_offset() + first * hd).unbind(0):
-            views = one.unbind(0)
-            out.append((views[:layers], views[layers:]))
-        return out
-
-    def _attention_views(self, n: int) -> tuple[Any, Any]:
-        """K and V of length ``n`` for attention: (per-layer (k, v) views in place, None), or
-        (None, the staging buffer's K and V halves seen as [B, H, n, D]) for ``kv`` to fill."""
-        b, h, d = self.table.shape[0], self.h, self.d
-        if self._strided is None and self.layer_buffers:
-            return self._buffer_views(0, n), None
-        if self._strided is None:
-            st, rows = self._stage, self._rows
-            assert st is not None
-            # [B, pages * page, H, D] read as [B, H, n, D]
-            shape, strides = (b, h, n, d), (self.npages * self.row, d, h * d, 1)
-            return None, (st.as_strided(shape, strides, 0), st.as_strided(shape, strides, rows * self.row))
-        first, apart = self._strided
-        size: tuple[int, ...] = (b, h, n, d)
-        stride: tuple[int, ...] = (apart * self.row, d, h * d, 1)
-        if self.layer_step is None:
-            return [tuple(c.as_strided(size, stride, c.storage_offset() + first * self.row) for c in caches)
-                    for caches in self.flat], None
-        k = self.flat[0][0]
-        layers = len(self.flat)
-        size, stride = (2 * layers,) + size, (self.layer_step,) + stride
-        views = k.as_strided(size, stride, k.storage_offset() + first * self.row).unbind(0)
-        return list(zip(views[:layers], views[layers:])), None
-
-
-def index_tensor(host: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(host)``, a normal tensor under any grad mode (made under inference
-    mode it would be an inference tensor, which autograd refuses to save)."""
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):
-            return torch.from_numpy(host)
-    return torch.from_numpy(host)
-
-
-def _decode_run(s: list[int]) -> tuple[int, int] | None:
-    """``_slot_run`` of one slot per row, given as a list."""
-    if len(s) == 1:
-        return s[0], 0
-    apart = s[1] - s[0]
-    if apart < 1 or any(y - x != apart for x, y in zip(s[1:], s[2:])):
-        return None
-    return s[0], apart
-
-
-def _slot_run(slots: np.ndarray, b: int, t: int) -> tuple[int, int] | None:
-    """(first slot, slots from one row's first to the next) when each row's ``t`` new slots
-    (``slots`` row-major) are consecutive and the rows are equally far apart, without
-    overlapping, so one strided view of a cache covers them; None otherwise."""
-    if t == 1 and b <= 16:  # a decode step: a handful of ints, cheaper as a list than in numpy
-        return _decode_run(slots.tolist())
-    run = _strided(slots.reshape(b, t))
-    if run is None or (b > 1 and run[1] < t):
-        return None
-    return run
-
-
-def _strided(table: np.ndarray) -> tuple[int, int] | None:
-    """(first page, pages from one row's first page to the next) when every row's pages
-    are consecutive and the rows are equally far apart, so one strided view covers
-    them; None otherwise."""
-    b, n = table.shape
-    if n == 0:
-        return None
-    if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
-        return None
-    if b == 1:
-        return int(table[0, 0]), 0
-    apart = table[1:, 0] - table[:-1, 0]
-    if not bool((apart == apart[0]).all()) or int(apart[0]) < 0:
-        return None
-    return int(table[0, 0]), int(apart[0])
-
-
-def _even_spacing(tensors: list[torch.Tensor]) -> int | None:
-    """The element offset from each tensor to the next, if they share one storage and are
-    evenly spaced in it (0 for a single tensor); None otherwise."""
-    if len(tensors) == 1:
-        return 0
-    base = tensors[0].untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() != base for t in tensors):
-        return None
-    offsets = [t.storage_offset() for t in tensors]
-    step = offsets[1] - offsets[0]
-    if step <= 0 or any(b - a != step for a, b in zip(offsets, offsets[1:])):
-        return None
-    return int(step)

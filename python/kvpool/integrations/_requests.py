@@ -16,7 +16,8 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._pages import StepPages, index_tensor
+from kvpool.integrations._pages import StepPages
+from kvpool.integrations._pool_views import index_tensor
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -51,7 +52,7 @@ class BatchRequests:
         self.length = 0
         self.prefix_mode = False
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
-        self._rows: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # the rows' req_to_token rows (fp8 pools read through it)
         # This step's slots, row-major [B*T]: on the host, and as an index tensor on the pool's
         # device when a store needs one (None while the store views do).
         self.step_slots: np.ndarray | None = None
@@ -60,8 +61,11 @@ class BatchRequests:
         self.step_shape: tuple[int, ...] = ()  # this step's K/V shape [B, H, T, D]
         # Per layer, this step's K and V destinations as [B, H, T, D] views of the caches
         # (StepPages.dst), when the step's slots are one strided run; else None and the
-        # layers store through the pool's index store at new_slots.
+        # layers store through the pool's index store at new_slots, unless ``later``: the
+        # layers add the step's token to their buffers and StepPages stores them in the pool
+        # from there once the last layer has (StepPages.later).
         self.dst: tuple[Any, Any] | None = None
+        self.later = False
         # fp8 pools read K/V back dequantized through pool.read and a per-token index.
         self.fp8 = bool(getattr(pool, "fp8", False))
         self.slot_idx: torch.Tensor | None = None   # [B, length] long, this step (fp8 only)
@@ -86,11 +90,13 @@ class BatchRequests:
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
         self.batch = self.handles.shape[0]
-        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self.slot_idx = self.dst = None
+        self.later = False
         self.before = -1  # no step under way: every layer takes the full update
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
+        else:
+            self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
 
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
@@ -159,7 +165,7 @@ class BatchRequests:
         """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``)."""
-        assert self.handles is not None and self._rows is not None
+        assert self.handles is not None
         pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
@@ -178,11 +184,13 @@ class BatchRequests:
         length = self.length = before + tokens
         pages = self.pages
         if pages is None:
+            assert self._rows is not None
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
             return
         pages.advance(self.handles, before, length, slots)
         self.dst = pages.dst
-        if self.dst is None and self.new_slots is None:
+        self.later = pages.later is not None
+        if self.dst is None and self.new_slots is None and not self.later:
             loc = pages.loc
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
@@ -266,6 +274,7 @@ class BatchRequests:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
         if self.handles is not None:
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
+            self.later = False
             self.before = -1
             self.batch = -1
             if self.pages is not None:

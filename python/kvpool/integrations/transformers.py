@@ -13,8 +13,10 @@ How it maps onto the pool:
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
   (two copies into views of the caches when the slots are one strided run, else the
-  pool's store; the K/V are checked here, once per update) and returns the rows'
-  full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape attention expects:
+  pool's store; on a CPU pool, a decode step read through layer buffers is stored from
+  them once, after its last layer; the K/V are checked here, once per update) and
+  returns the rows' full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape
+  attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
   request on a pool handing out pages in order), else each layer's own buffer of its
   rows' K/V, which each step adds its tokens to and which is gathered from the pages
@@ -112,6 +114,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
             dst[0][self.layer_idx].copy_(key_states)
             dst[1][self.layer_idx].copy_(value_states)
+        elif req.later:  # stored with every layer's from the layer buffers (pages.kv below)
+            pass
         elif store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
             store(self.layer_idx, req.new_slots, key_states, value_states)
         else:
@@ -178,7 +182,8 @@ class KVPoolCache(Cache):
         its device, not requiring grad, for the open rows; the first layer of a forward
         starts the step, every layer then stores into the step's slots (two copies into
         views of the caches when the slots are one strided run, else the pool's index
-        store) and gets the rows' K/V. Anything else (the first forward, a new batch, a
+        store; or adds its token to its layer buffer, and the step's last layer stores
+        every layer's from there) and gets the rows' K/V. Anything else (the first forward, a new batch, a
         wrong tensor, a layer out of step) goes through ``KVPoolLayer.update``, which
         checks it in full and raises the typed error.
         """
@@ -201,7 +206,7 @@ class KVPoolCache(Cache):
             if dst is not None:
                 dst[0][layer_idx].copy_(key_states)
                 dst[1][layer_idx].copy_(value_states)
-            else:
+            elif not req.later:  # (later: pages.kv stores every layer's token once the last has)
                 req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
             layer.seen = req.length
             layer.is_initialized = True

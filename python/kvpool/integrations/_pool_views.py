@@ -1,0 +1,136 @@
+"""What ``KVPoolCache``'s page bookkeeping (``_pages.StepPages``) derives from a pool once, and
+the checks it makes on slots and page tables: whether they form one strided run that a
+single view of a cache covers."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.modes import persistent
+
+
+class PoolViews:
+    """What never changes for a pool: its caches' token-major and paged views, and how its
+    layers' K and V sit in the one allocation. Made once per pool (``pool_views``)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.page = int(pool.page_size)
+        self.h, self.d = int(pool.num_kv_heads), int(pool.head_dim)
+        self.row = self.page * self.h * self.d  # elements of one page of one layer
+        # Each layer's caches, token-major [num_slots, H, D] and by page [num_pages, page * H * D].
+        self.flat = [(k.reshape(-1, self.h, self.d), v.reshape(-1, self.h, self.d))
+                     for k, v in zip(pool.k_buffers, pool.v_buffers)]
+        self.paged = [(k.view(-1, self.row), v.view(-1, self.row)) for k, v in self.flat]
+        layers, num_pages = len(self.flat), self.paged[0][0].shape[0]
+        # KVPool keeps every layer's K, then every layer's V, back to back in one allocation.
+        # Then one strided view covers every layer's K and V (views and store views), and
+        # every page of every cache is a row of one [2 * layers * num_pages, page * H * D]
+        # view (the gather path: one index_select per layer for K and V together).
+        self.layer_step = even_spacing([k for k, _ in self.flat] + [v for _, v in self.flat])
+        k0 = self.flat[0][0]
+        self.all_pages: torch.Tensor | None = None
+        self.page_offsets: np.ndarray | None = None
+        if self.layer_step == num_pages * self.row:
+            self.all_pages = k0.as_strided((2 * layers * num_pages, self.row), (self.row, 1), k0.storage_offset())
+            # Row of page p of layer l's K (l * num_pages + p) and V ((layers + l) * num_pages + p).
+            self.page_offsets = ((np.arange(layers)[:, None] + np.array([0, layers])) * num_pages)[..., None]
+        self.to_device = getattr(pool, "_to_device", None)
+        self.cpu = torch.device(pool.device).type == "cpu"
+        # Every cache's slots as one [2 * layers, num_slots, H, 1, D] view (K of each layer, then
+        # V; the 1 is a decode step's token): one index_copy_ stores a decode step's token of
+        # every layer (``StepPages``).
+        self.all_slots: torch.Tensor | None = None
+        if self.layer_step is not None and all(c.stride() == (self.h * self.d, self.d, 1)
+                                               for pair in self.flat for c in pair):
+            with persistent():  # stored into under any grad mode
+                self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, 1, self.d),
+                                               (self.layer_step, self.h * self.d, self.d, self.d, 1),
+                                               k0.storage_offset())
+        # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
+        # are atomic, so caches in several threads never take the same one).
+        self.spare_stages: list[torch.Tensor] = []
+
+
+# Keyed by the pool, which the entries do not reference (their views hold its memory alive,
+# not the pool object), so an entry goes with its pool.
+_POOL_VIEWS: weakref.WeakKeyDictionary[Any, PoolViews] = weakref.WeakKeyDictionary()
+
+
+def pool_views(pool: Any) -> PoolViews:
+    """The pool's ``PoolViews``, made at its first cache."""
+    try:
+        return _POOL_VIEWS[pool]
+    except (KeyError, TypeError):  # TypeError: a pool that takes no weak reference
+        views = PoolViews(pool)
+        try:
+            _POOL_VIEWS[pool] = views
+        except TypeError:
+            pass
+        return views
+
+
+def index_tensor(host: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(host)``, a normal tensor under any grad mode (made under inference
+    mode it would be an inference tensor, which autograd refuses to save)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return torch.from_numpy(host)
+    return torch.from_numpy(host)
+
+
+def decode_run(s: list[int]) -> tuple[int, int] | None:
+    """``slot_run`` of one slot per row, given as a list."""
+    if len(s) == 1:
+        return s[0], 0
+    apart = s[1] - s[0]
+    if apart < 1 or any(y - x != apart for x, y in zip(s[1:], s[2:])):
+        return None
+    return s[0], apart
+
+
+def slot_run(slots: np.ndarray, b: int, t: int) -> tuple[int, int] | None:
+    """(first slot, slots from one row's first to the next) when each row's ``t`` new slots
+    (``slots`` row-major) are consecutive and the rows are equally far apart, without
+    overlapping, so one strided view of a cache covers them; None otherwise."""
+    if t == 1 and b <= 16:  # a decode step: a handful of ints, cheaper as a list than in numpy
+        return decode_run(slots.tolist())
+    run = strided_run(slots.reshape(b, t))
+    if run is None or (b > 1 and run[1] < t):
+        return None
+    return run
+
+
+def strided_run(table: np.ndarray) -> tuple[int, int] | None:
+    """(first page, pages from one row's first page to the next) when every row's pages
+    are consecutive and the rows are equally far apart, so one strided view covers
+    them; None otherwise."""
+    b, n = table.shape
+    if n == 0:
+        return None
+    if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
+        return None
+    if b == 1:
+        return int(table[0, 0]), 0
+    apart = table[1:, 0] - table[:-1, 0]
+    if not bool((apart == apart[0]).all()) or int(apart[0]) < 0:
+        return None
+    return int(table[0, 0]), int(apart[0])
+
+
+def even_spacing(tensors: list[torch.Tensor]) -> int | None:
+    """The element offset from each tensor to the next, if they share one storage and are
+    evenly spaced in it (0 for a single tensor); None otherwise."""
+    if len(tensors) == 1:
+        return 0
+    base = tensors[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for t in tensors):
+        return None
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0]
+    if step <= 0 or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    return int(step)

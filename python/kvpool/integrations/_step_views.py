@@ -1,0 +1,112 @@
+"""The views ``StepPages`` hands out and stores through: every one is a strided view of the
+pool's caches or of the layer buffers, made with one ``as_strided`` for every layer's K and
+V (and, for the decode steps of a page made ahead, for every step) and split with
+``unbind``: a tensor made costs the same either way, the Python calls that make them do not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StepViews:
+    """Mixed into ``StepPages``, whose state these read."""
+
+    h: int
+    d: int
+    row: int
+    npages: int
+    layer_buffers: bool
+    table: np.ndarray
+    flat: list[tuple[torch.Tensor, torch.Tensor]]
+    layer_step: int | None
+    _layers: int
+    _all_slots: torch.Tensor | None
+    _buf: torch.Tensor | None
+    _both: torch.Tensor | None
+    _stage: torch.Tensor | None
+    _rows: int
+    _strided: tuple[int, int] | None
+
+    def _slot_views(self, first: int, apart: int, b: int, steps: int) -> Any:
+        """Every cache's slots ``first + i * apart`` (``b`` rows), ``[2 * layers, b, H, 1, D]`` views
+        of the pool; with ``steps``, a list of those for the ``steps`` slots from ``first``."""
+        c = self._all_slots
+        assert c is not None
+        hd = self.h * self.d
+        size, stride = (c.shape[0], b, self.h, 1, self.d), (c.stride(0), apart * hd, self.d, hd, 1)
+        at = c.storage_offset() + first * hd
+        if not steps:
+            return c.as_strided(size, stride, at)
+        return c.as_strided((steps,) + size, (hd,) + stride, at).unbind(0)
+
+    def _buffer_views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
+        """Per layer (k, v) ``[B, H, t, D]`` views of the layer buffers from token ``first``;
+        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow. With
+        ``whole``, (those, the ``[2 * layers, B, H, t, D]`` view (per step) they split)."""
+        both, layers = self._both, self._layers
+        assert both is not None
+        size, stride = both.shape[:-2] + (t, self.d), both.stride()
+        at = both.storage_offset() + first * self.d
+        if not steps:
+            one = both.as_strided(size, stride, at)
+            views = one.unbind(0)
+            pairs = list(zip(views[:layers], views[layers:]))
+            return (pairs, one) if whole else pairs
+        out = []
+        ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
+        for one in ones:
+            views = one.unbind(0)
+            out.append(list(zip(views[:layers], views[layers:])))
+        return (out, ones) if whole else out
+
+    def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
+        """Every layer's K and V destinations of a step whose slots are ``run`` (first slot,
+        slots between rows), ``b`` rows of ``t``: ``[b, H, t, D]`` views of the caches, as
+        ``((k per layer), (v per layer))``. With ``steps``, a list of those for ``steps``
+        decode steps (``t`` 1) whose slots follow one another."""
+        first, apart = run
+        hd = self.h * self.d
+        size: tuple[int, ...] = (b, self.h, t, self.d)
+        stride: tuple[int, ...] = (apart * hd, self.d, hd, 1)
+        layers, k = len(self.flat), self.flat[0][0]
+        if self.layer_step is None:
+            per_step = [tuple([c.as_strided(size, stride, c.storage_offset() + (first + i) * hd) for c in caches]
+                              for caches in zip(*self.flat)) for i in range(max(steps, 1))]
+            return per_step if steps else per_step[0]
+        size, stride = (2 * layers,) + size, (self.layer_step,) + stride
+        if not steps:
+            views = k.as_strided(size, stride, k.storage_offset() + first * hd).unbind(0)
+            return views[:layers], views[layers:]
+        out = []
+        for one in k.as_strided((steps,) + size, (hd,) + stride, k.storage_offset() + first * hd).unbind(0):
+            views = one.unbind(0)
+            out.append((views[:layers], views[layers:]))
+        return out
+
+    def _attention_views(self, n: int) -> tuple[Any, Any]:
+        """K and V of length ``n`` for attention: (per-layer (k, v) views in place, None), or
+        (None, the staging buffer's K and V halves seen as [B, H, n, D]) for ``kv`` to fill."""
+        b, h, d = self.table.shape[0], self.h, self.d
+        if self._strided is None and self.layer_buffers:
+            return self._buffer_views(0, n), None
+        if self._strided is None:
+            st, rows = self._stage, self._rows
+            assert st is not None
+            # [B, pages * page, H, D] read as [B, H, n, D]
+            shape, strides = (b, h, n, d), (self.npages * self.row, d, h * d, 1)
+            return None, (st.as_strided(shape, strides, 0), st.as_strided(shape, strides, rows * self.row))
+        first, apart = self._strided
+        size: tuple[int, ...] = (b, h, n, d)
+        stride: tuple[int, ...] = (apart * self.row, d, h * d, 1)
+        if self.layer_step is None:
+            return [tuple(c.as_strided(size, stride, c.storage_offset() + first * self.row) for c in caches)
+                    for caches in self.flat], None
+        k = self.flat[0][0]
+        layers = len(self.flat)
+        size, stride = (2 * layers,) + size, (self.layer_step,) + stride
+        views = k.as_strided(size, stride, k.storage_offset() + first * self.row).unbind(0)
+        return list(zip(views[:layers], views[layers:])), None
