@@ -65,10 +65,7 @@ impl SlotAllocator {
         priority: Counts<'_>,
         retain_s: Option<f64>,
     ) -> Result<()> {
-        self.resolve_resident_batch(handles)?;
-        let (dur, mut targets) = self.prepare_priorities(handles, priority, retain_s)?;
-        self.register_batch(handles)?;
-        self.give_priorities(handles, priority, dur, &mut targets);
+        self.cache_with_priority(handles, priority, retain_s)?;
         for &h in handles {
             self.close_row(handle_row(h) as usize);
         }
