@@ -62,8 +62,9 @@ impl PrefixIndex {
         salt: i64,
         keyed: bool,
     ) -> ChainTip {
-        // Only a hinted child may go unkeyed; the child of a gone parent
-        // is an orphan from the start.
+        // Only a hinted child may go unkeyed: a chain's first page has no
+        // parent entry to hint it (nor would a gone parent, which
+        // `register_page` never registers under).
         let keyed = keyed || self.live_tip(parent).is_none();
         let reg = self.next_reg;
         self.next_reg += 1;
@@ -125,11 +126,11 @@ impl PrefixIndex {
         self.disown(i);
         self.entries[i as usize].parent_reg = parent.reg;
         self.idents[i as usize].parent = parent.entry;
+        debug_assert!(
+            parent.reg == 0 || self.live_tip(parent).is_some(),
+            "registration stops at a gone tip (`register_page`)"
+        );
         self.adopt(parent);
-        if self.live_tip(parent).is_none() {
-            // An orphan now: only its key can reach it.
-            self.key_entry(i);
-        }
         self.set_hint(parent, i);
     }
 
