@@ -4,6 +4,7 @@
 //! an abort of the whole process.
 
 use crate::error::{PoolError, Result};
+use std::mem::MaybeUninit;
 
 /// Largest `max_requests`: rows are indexed by u32 and the per-row metadata
 /// (16-byte hot row + 96-byte cold row + page list) must stay allocatable.
@@ -74,6 +75,33 @@ pub(crate) fn fault_in<T: Zeroable>(v: &mut [T], bytes: usize) {
     }
 }
 
+/// Reserves room for exactly `n` entries in the empty vector `v` and maps
+/// the first `bytes` of it (at most `FAULT_IN_MAX_BYTES`) now, on huge
+/// pages, for an array that grows by pushes up to a size the pool fixes:
+/// growing by doubling, each push onto a fresh 4 KiB page would pay a page
+/// fault (and the kernel zeroing the page) in the step that pushed it. Only
+/// the mapped part is advised: past it, pushes fault in 4 KiB pages as an
+/// unreserved vector's would, not a 2 MiB page at once.
+pub(crate) fn reserve_mapped<T>(v: &mut Vec<T>, n: usize, bytes: usize, what: &str) -> Result<()> {
+    reserve_exact(v, n, what)?;
+    let spare = v.spare_capacity_mut();
+    let len = std::mem::size_of_val(spare)
+        .min(bytes)
+        .min(FAULT_IN_MAX_BYTES);
+    // SAFETY: the first `len` bytes of the spare capacity lie inside the
+    // vector's allocation, and `MaybeUninit<u8>` may view any bytes.
+    let mapped =
+        unsafe { std::slice::from_raw_parts_mut(spare.as_mut_ptr() as *mut MaybeUninit<u8>, len) };
+    advise_huge(mapped);
+    for b in mapped.iter_mut().step_by(4096) {
+        // Volatile, so the store to capacity nobody reads is not elided;
+        // pushes later write whole values over it.
+        // SAFETY: `b` is a valid, exclusive byte of the allocation.
+        unsafe { std::ptr::write_volatile(b, MaybeUninit::new(0)) };
+    }
+    Ok(())
+}
+
 /// Reserves room for `additional` more entries in `v`, or a typed error.
 pub(crate) fn reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
     v.try_reserve(additional)
@@ -94,9 +122,10 @@ const HUGE_MIN_BYTES: usize = 4 << 20;
 /// touch (a 2 MiB page is zeroed when first written, as a 4 KiB one is), so
 /// a pool sized far beyond its use grows its resident memory in 2 MiB
 /// steps; `lazy_metadata` keeps its page lists and token ids on 4 KiB
-/// pages. Growing vectors (the index's slab, event logs) get no advice:
-/// each growth would fault in and zero fresh 2 MiB pages in the step that
-/// grows it. A kernel without THP ignores the advice.
+/// pages. Growing vectors (event logs, the index's slab under
+/// `lazy_metadata`) get no advice: each growth would fault in and zero
+/// fresh 2 MiB pages in the step that grows it (`reserve_mapped` maps the
+/// slab at construction instead). A kernel without THP ignores the advice.
 pub(crate) fn advise_huge<T>(v: &[T]) {
     // Miri cannot call into libc; the advice changes no contents anyway.
     #[cfg(all(target_os = "linux", not(miri)))]

@@ -102,20 +102,22 @@ impl SlotAllocator {
     /// 20 bytes per page (refcount, free stack entry, registration, two LRU
     /// links), 4 per slot (token ids), and per row 16 (hot) + 96 (cold) + 4
     /// (free row stack) + 4 * (ceil(max_context_len / page_size) rounded up
-    /// to 16, plus 16) (its page list). On top, while in use: the index table (16-32 bytes per
-    /// page for up to 2^20 pages at the first `cache()`, doubling past that),
-    /// a 64-byte entry per registered page and 4 per prompt token of each
-    /// open request; and once a retention priority is given, 9 bytes per
-    /// page (mapped on first use) and 24 per entry of the heap of pending
-    /// priority ends (stale entries are dropped once they could be half of it).
+    /// to 16, plus 16) (its page list). On top, from the first `cache()`:
+    /// the index table (16-32 bytes per page for up to 2^20 pages, doubling
+    /// past that) and its entry slab (64 bytes per page, reserved for every
+    /// page); while in use, 4 per prompt token of each open request; and
+    /// once a retention priority is given, 9 bytes per page (mapped on first
+    /// use) and 24 per entry of the heap of pending priority ends (stale
+    /// entries are dropped once they could be half of it).
     ///
-    /// The request page lists (up to 64 MiB) and the token ids of the lowest
-    /// 4M slots are mapped into memory here, one write per 4 KiB, so that the
-    /// pool's first burst of requests costs what later ones do instead of a
-    /// page fault per 1024 pages taken (`Options::lazy_metadata` leaves them
-    /// to first use). The page records stay mapped on first use: a FREE page's
-    /// record is only ever read, and reads of untouched memory all hit one
-    /// shared zero page, which keeps a large pool's churn cache-friendly.
+    /// The request page lists (up to 64 MiB), the page records and the token
+    /// ids of the lowest 4M slots are mapped into memory here, one write per
+    /// 4 KiB, and the first 2^20 entries of the index's slab at the first
+    /// `cache()`, so that the pool's first burst of requests and of
+    /// registrations costs what later ones do instead of a page fault per
+    /// 1024 pages taken or 64 pages registered (`Options::lazy_metadata`
+    /// leaves all of them to first use, and lets the slab grow as pages are
+    /// registered).
     pub fn with_options(
         num_pages: usize,
         page_size: usize,
@@ -199,7 +201,7 @@ impl SlotAllocator {
             opts.epoch_start,
             !opts.lazy_metadata,
         )?;
-        let mut pages = PagePool::new(num_pages)?;
+        let mut pages = PagePool::new(num_pages, !opts.lazy_metadata)?;
         if let Some(m) = opts.max_pinned_pages {
             pages.set_max_pinned(m);
         }

@@ -66,10 +66,13 @@ pub struct Options {
     /// Test only: starting value of the batch-stamp epoch.
     #[doc(hidden)]
     pub epoch_start: u32,
-    /// Leave the request page lists and slot token ids to be mapped on first
-    /// use, on 4 KiB pages, instead of at construction on huge pages: for a
-    /// pool sized far beyond what it will hold, whose first requests may pay
-    /// page faults (see `memory::fault_in`, `memory::advise_huge`).
+    /// Leave the request page lists, page records and slot token ids to be
+    /// mapped on first use (the lists and ids on 4 KiB pages), instead of at
+    /// construction on huge pages, and let the index's entry slab grow with
+    /// its registrations instead of reserving it for every page at the
+    /// first `cache()`: for a pool sized far beyond what it will hold, whose
+    /// first requests may pay page faults (see `memory::fault_in`,
+    /// `memory::reserve_mapped`).
     pub lazy_metadata: bool,
     /// Host pages of a host tier, the reserved page 0 included (0: no tier,
     /// and everything behaves and costs as without one; otherwise >= 2).

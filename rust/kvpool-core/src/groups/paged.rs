@@ -60,7 +60,7 @@ impl PageEngine {
         Ok(PageEngine {
             geo,
             window,
-            pages: PagePool::new(num_pages)?,
+            pages: PagePool::new(num_pages, false)?,
             map: RegMap::new(num_pages)?,
             row_pages,
             lists: zeroed_vec(n, "group page lists")?,

@@ -37,7 +37,7 @@ pub(crate) struct StateEngine {
 impl StateEngine {
     pub(crate) fn new(num_slots: usize, every: usize, max_requests: usize) -> Result<Self> {
         Ok(StateEngine {
-            slots: PagePool::new(num_slots)?,
+            slots: PagePool::new(num_slots, false)?,
             map: RegMap::new(num_slots)?,
             live: zeroed_vec(max_requests, "state rows")?,
             every,

@@ -38,7 +38,7 @@ pub(crate) mod record;
 
 use crate::error::Result;
 use crate::eviction::Eviction;
-use crate::memory::{prefetch, reserve, zeroed_vec};
+use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
 use copy_queue::CopyQueue;
 use record::{PageState, UNHELD};
 
@@ -60,15 +60,18 @@ pub(crate) struct PagePool {
 
 impl PagePool {
     /// `num_pages` pages, page 0 reserved; the rest FREE, handed out in
-    /// order 1, 2, 3, ...
-    pub(crate) fn new(num_pages: usize) -> Result<Self> {
+    /// order 1, 2, 3, ... With `map_now`, the page records are mapped now
+    /// (the first `FAULT_IN_MAX_BYTES` of them), on huge pages, rather than
+    /// at the first write of each: the first registrations, holds and
+    /// releases on a fresh pool then cost what later ones do.
+    pub(crate) fn new(num_pages: usize, map_now: bool) -> Result<Self> {
         let mut free = Vec::new();
         reserve(&mut free, num_pages - 1, "free page stack")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
         free.extend((1..num_pages as u32).rev());
         Ok(PagePool {
             free,
-            records: page_states(num_pages)?,
+            records: page_states(num_pages, map_now)?,
             eviction: Eviction::default(),
             copies: CopyQueue::default(),
             max_pinned: (num_pages - 1) / 4,
@@ -385,16 +388,16 @@ impl PagePool {
 }
 
 /// Every page FREE (all zeros, see `record.rs`) except page 0, which is
-/// never held. Mapped lazily (unlike the page lists and the lowest token ids,
-/// which construction maps): a page's record costs memory once the page is
-/// used, and a pool that never caches never writes most of it. Until a
-/// record is written, every read of it lands on the one shared zero page, so
-/// a churning pool's reads of FREE records stay in cache; written at
-/// construction they would be 16 bytes a page read from memory, which slows
-/// the page-1 churn step of a large pool.
-fn page_states(num_pages: usize) -> Result<Vec<PageState>> {
+/// never held. Mapped on first use unless `map_now`: until a
+/// record is written, every read of it lands on the one shared zero page.
+/// The records are advised onto huge pages, so a churning pool's reads of
+/// mapped FREE records do not miss the TLB either way.
+fn page_states(num_pages: usize, map_now: bool) -> Result<Vec<PageState>> {
     let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
     crate::memory::advise_huge(&state);
+    if map_now {
+        fault_in(&mut state, usize::MAX); // before page 0 is set: it writes zeros
+    }
     if let Some(s0) = state.first_mut() {
         s0.extra = UNHELD;
     }

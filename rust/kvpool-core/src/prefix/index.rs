@@ -53,6 +53,10 @@ pub(crate) const LOOKAHEAD: usize = 32;
 /// up to 4M prompt tokens writes (16 MiB; the whole array below 4M slots).
 const TOKENS_FAULT_IN_BYTES: usize = 16 << 20;
 
+/// Bytes of each slab array (`entries`, `idents`) the first `reserve` maps:
+/// 2^20 entries of 32 bytes, every page of a pool up to 1M pages.
+pub(super) const SLAB_MAP_BYTES: usize = 32 << 20;
+
 /// Keys the table makes room for when it first grows: every page of the
 /// pool, up to 2^20 (a 16 MiB table at load <= 1/2).
 ///
@@ -138,25 +142,30 @@ pub(crate) struct PrefixIndex {
     pub(super) max_entries: usize,
     /// Benchmark only (see `Options::skip_hit_verification`).
     pub(super) skip_verify: bool,
+    /// The first `reserve` reserves and maps the slab for every page (see
+    /// `new`).
+    pub(super) map_slab_first: bool,
 }
 
 impl PrefixIndex {
-    /// With `fault_in_tokens`, the token ids of the lowest slots (pages are
-    /// handed out lowest first) are mapped now rather than at a first burst
-    /// that passes its prompts' ids (see `memory::fault_in`).
+    /// With `map_now`, the token ids of the lowest slots (pages are handed
+    /// out lowest first) are mapped now rather than at a first burst that
+    /// passes its prompts' ids (see `memory::fault_in`), and the first
+    /// `reserve` reserves the entry slab for every page and maps its start
+    /// (`memory::reserve_mapped`).
     pub(crate) fn new(
         num_pages: usize,
         page_size: usize,
         seed: u64,
         weak_bits: u32,
         skip_verify: bool,
-        fault_in_tokens: bool,
+        map_now: bool,
     ) -> Result<Self> {
         let mut hash_scratch = Vec::new();
         reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
         let hasher = ChainHasher::new(seed, weak_bits);
         let mut tokens = zeroed_vec(num_pages * page_size, "slot token ids")?;
-        if fault_in_tokens {
+        if map_now {
             fault_in(&mut tokens, TOKENS_FAULT_IN_BYTES);
         }
         Ok(PrefixIndex {
@@ -174,6 +183,7 @@ impl PrefixIndex {
             page_size,
             max_entries: num_pages.saturating_sub(1),
             skip_verify,
+            map_slab_first: map_now,
         })
     }
 

@@ -2,13 +2,13 @@
 //! parent, removing them, and clearing the whole index. The page records
 //! (`pages/`) that name each entry are the allocator's to keep in step.
 
-use super::index::{Entry, Identity, PrefixIndex, DEAD, TABLE_FLOOR_KEYS};
+use super::index::{Entry, Identity, PrefixIndex, DEAD, SLAB_MAP_BYTES, TABLE_FLOOR_KEYS};
 use super::keys::key_of;
 use super::links::{CHILDREN, KEYED};
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::location::{is_host, on_host};
-use crate::memory::reserve;
+use crate::memory::{reserve, reserve_mapped};
 
 impl PrefixIndex {
     /// Registrations still possible: the pool's pages not registered yet.
@@ -23,6 +23,9 @@ impl PrefixIndex {
     /// by the pool's size however requests share.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         let n = n.min(self.room());
+        if n > 0 && self.map_slab_first && self.entries.capacity() == 0 {
+            self.map_slab();
+        }
         let spare = self.free_entries.len();
         reserve(
             &mut self.entries,
@@ -47,6 +50,20 @@ impl PrefixIndex {
             return Ok(());
         }
         self.table.reserve(need)
+    }
+
+    /// Reserves the entry slab for every page at once and maps its start:
+    /// growing by doubling, the slab's pushes would fault in a fresh 4 KiB
+    /// page every 64 registrations, a cost that at page size 1 lands on
+    /// the steps that fill the index. Like the table's first sizing, an
+    /// optimization: if the memory is not there, the slab grows as needed.
+    #[cold]
+    fn map_slab(&mut self) {
+        let n = self.max_entries;
+        let what = "prefix index entries";
+        if reserve_mapped(&mut self.entries, n, SLAB_MAP_BYTES, what).is_ok() {
+            let _ = reserve_mapped(&mut self.idents, n, SLAB_MAP_BYTES, what);
+        }
     }
 
     /// Registers `page` (chain hash `hash`) as the child of `parent`;
