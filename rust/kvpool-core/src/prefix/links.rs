@@ -102,6 +102,7 @@ impl PrefixIndex {
 
     /// Counts live entry `i` as a child of `tip` (its new parent), or as an
     /// orphan when the tip's registration is gone.
+    #[inline]
     pub(super) fn adopt(&mut self, tip: &ChainTip) {
         match self.live_tip(tip) {
             Some(p) => self.idents[p as usize].links += 1,

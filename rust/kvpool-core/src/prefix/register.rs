@@ -71,6 +71,9 @@ impl PrefixIndex {
     /// reserved room and checked that `page` is unregistered and that the
     /// hash's key is absent, or that `parent` is `childless` (then the
     /// entry is left unkeyed when `keyed` is false, see `links.rs`).
+    // Inlined into `cache()`'s loop, as `register_page` is: out of line, the
+    // returned tip comes back through memory once a page.
+    #[inline(always)]
     pub(crate) fn register(
         &mut self,
         page: u32,
@@ -130,8 +133,11 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
         if let Some(p) = self.live_tip(tip) {
-            if self.entries[p as usize].child != child + 1 {
-                self.key_hinted_child(p, child);
+            let old = self.entries[p as usize].child;
+            if old != child + 1 {
+                if old != 0 {
+                    self.key_hinted_child(p, child);
+                }
                 self.entries[p as usize].child = child + 1;
             }
         }
