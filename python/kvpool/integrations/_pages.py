@@ -289,8 +289,8 @@ class StepPages(StepViews):
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
             if length == before + 1 and self.private and self._all_slots is not None:
                 self._app, token = self._buffer_views(before, 1, whole=True)
-                if run is None:
-                    self.later = token, None, index_tensor(slots)
+                if run is None:  # (a copy: the next extend writes the next step's slots into ``slots``)
+                    self.later = token, None, index_tensor(slots.copy())
                 else:
                     self.later = token, self._slot_views(run[0], run[1], len(slots), 0), None
                 self._due = self._layers
