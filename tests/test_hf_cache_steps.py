@@ -237,6 +237,10 @@ def test_extend_host_is_extend_without_the_tensor():
     for n in (5, 1, 1, 4):
         slots = a.extend(ha, n).slots
         assert np.array_equal(b._extend_host(hb, n), slots)
+    out = np.full(2, -1, dtype=np.int64)  # a decode step's slots written into the caller's array
+    for _ in range(3):
+        slots = a.extend(ha, 1).slots
+        assert b._extend_host(hb, 1, out) is out and np.array_equal(out, slots)
     assert np.array_equal(a.allocator.lengths(ha), b.allocator.lengths(hb))
     assert torch.equal(a.req_to_token, b.req_to_token)
     if hasattr(b, "fork"):
