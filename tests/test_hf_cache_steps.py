@@ -135,19 +135,24 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_forward_cut_short_leaves_the_layers_that_ran_in_the_pool(batch):
+@pytest.mark.parametrize("before", [[5, 1], [7, 1]], ids=["made-ahead", "page-start"])
+def test_a_forward_cut_short_leaves_the_layers_that_ran_in_the_pool(batch, before):
     """A buffered decode step is stored once its last layer has added its token; when a
     forward stops before that (a model that raised half-way), the next step stores what
-    the layers that ran added, as per-layer stores would have."""
+    the layers that ran added, as per-layer stores would have. The step cut short is one
+    made ahead at the page's start, or (page-start) the step that starts a page, whose
+    store is made by the step itself, from the slots of its extend."""
     pool = make_pool()
     scramble(pool)
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode(), KVPoolCache(pool) as cache:
-        run(pool, cache, batch, [5, 1])  # the next step stays in the page and the buffers
+        run(pool, cache, batch, before)  # the next step stays in the buffers
         ran = [torch.randn(batch, H, 1, D, generator=g) for _ in range(LAYERS - 1)]
         for layer, k in enumerate(ran):
             cache.update(k, 2 * k, layer)
         assert store_kind(cache) == "buffers", "the test needs a step stored from the buffers"
+        if batch > 1:  # scrambled pages: the rows' slots are no strided run, so an index stores them
+            assert cache.requests.pages.later[2] is not None, "the test needs a step stored by index"
         slots = cache.requests.step_slots.copy()
         k = torch.randn(batch, H, 1, D, generator=g)
         cache.update(k, 2 * k, 0)  # the next forward starts a step
@@ -232,6 +237,10 @@ def test_extend_host_is_extend_without_the_tensor():
     for n in (5, 1, 1, 4):
         slots = a.extend(ha, n).slots
         assert np.array_equal(b._extend_host(hb, n), slots)
+    out = np.full(2, -1, dtype=np.int64)  # a decode step's slots written into the caller's array
+    for _ in range(3):
+        slots = a.extend(ha, 1).slots
+        assert b._extend_host(hb, 1, out) is out and np.array_equal(out, slots)
     assert np.array_equal(a.allocator.lengths(ha), b.allocator.lengths(hb))
     assert torch.equal(a.req_to_token, b.req_to_token)
     if hasattr(b, "fork"):

@@ -105,3 +105,30 @@ def test_pool_for_a_bare_config_is_float32_on_cpu():
     assert (pool.dtype, pool.device.type, pool.num_layers, pool.num_kv_heads) == (torch.float32, "cpu", 2, 2)
     cfg.dtype = "bfloat16"
     assert pool_for_model(cfg, max_tokens=64).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cols", [3, 300], ids=["small-table", "large-table"])
+def test_strided_run_finds_one_view_of_the_rows_pages(cols):
+    """Whether a batch's page table is one strided view of a cache: each row's pages
+    consecutive, the rows equally far apart (0 apart: every row on the same pages). Small
+    tables are checked as lists, large ones in numpy: both must agree."""
+    import numpy as np
+
+    from kvpool.integrations._pool_views import strided_run
+
+    def table(starts, n=cols):
+        return np.array([[s + c for c in range(n)] for s in starts], dtype=np.int64)
+
+    rows = 8
+    assert strided_run(table([5])) == (5, 0)
+    assert strided_run(table([5] * rows)) == (5, 0)
+    assert strided_run(table([2 + 50 * r for r in range(rows)])) == (2, 50)
+    assert strided_run(table([2, 52, 102, 153] + [200] * (rows - 4))) is None  # not equally apart
+    assert strided_run(table([100 - 50 * r for r in range(2)])) is None  # rows going backwards
+    gap = table([2 + 50 * r for r in range(rows)])
+    gap[rows - 1, cols - 1] += 1  # one row's last page is not the next one
+    assert strided_run(gap) is None
+    one = table([7])
+    one[0, 0] -= 2
+    assert strided_run(one) is None
+    assert strided_run(np.zeros((rows, 0), dtype=np.int64)) is None

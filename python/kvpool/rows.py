@@ -134,10 +134,11 @@ class RowsMixin:
             self._own_slots.add(loc, slots, clean=True, negative=False)
         return ExtendResult(slots, loc)
 
-    def _extend_host(self, handles: Any, counts: Any) -> np.ndarray | None:
+    def _extend_host(self, handles: Any, counts: Any, out: np.ndarray | None = None) -> np.ndarray | None:
         """``extend(handles, counts).slots`` without ``out_cache_loc``, where ``extend`` is the
         allocator's call alone (a CPU pool whose core writes the host table, no shared pages);
-        None elsewhere: then call ``extend``.
+        None elsewhere: then call ``extend``. ``out``: the allocator's ``out=`` (the slots are
+        written there and it is returned), for a caller that makes the same step again and again.
 
         For kvpool's own callers that store a step through views of the caches and never
         use the tensor (``KVPoolCache``): under inference mode, making it a normal tensor
@@ -151,7 +152,9 @@ class RowsMixin:
         try:
             if self._sharing:
                 return None
-            return self.allocator.extend(handles, counts, table=self._table_np)
+            if out is None:
+                return self.allocator.extend(handles, counts, table=self._table_np)
+            return self.allocator.extend(handles, counts, table=self._table_np, out=out)
         finally:
             lock.release()
 

@@ -162,13 +162,20 @@ class StepPages(StepViews):
             _, indices, _ = self.pool.allocator.page_table(handles)
             self._set_table(np.asarray(indices, dtype=np.int64).reshape(b, npages))
         elif npages != self.npages:
-            # A page starts at each position that is a multiple of the page size.
-            new = slots.reshape(b, t)[:, (-before) % p :: p] // p
+            # A page starts at each position that is a multiple of the page size (a decode
+            # step that takes a page: its one slot per row is the page's first).
             if self.table.shape[1] < npages:
                 grown = np.zeros((b, max(npages, 2 * self.table.shape[1], 8)), dtype=np.int64)
                 grown[:, : self.npages] = self.table[:, : self.npages]
                 self.table = grown
-            self.table[:, self.npages : npages] = new
+            if t == 1:
+                # Item by item: a numpy ufunc's first call after the model's forward costs
+                # more host time than a few int stores.
+                col, table = self.npages, self.table
+                for i, s in enumerate(slots.tolist()):
+                    table[i, col] = s // p
+            else:
+                self.table[:, self.npages : npages] = slots.reshape(b, t)[:, (-before) % p :: p] // p
             self._set_table(None, npages)
         self.length = length
         self.loc = self.later = None
@@ -232,15 +239,14 @@ class StepPages(StepViews):
             self.table, npages = table, table.shape[1]
         assert npages is not None
         self.npages = npages
-        t = self.table[:, :npages]
         if table is not None or self._strided is not None:
-            self._strided = strided_run(t)
+            self._strided = strided_run(self.table[:, :npages])
         # else: grown by new pages while private, and rows whose earlier pages are not one
         # strided run never become one
         self._index = None
         if self._strided is not None:
             return
-        self._rows = t.size
+        self._rows = self.table.shape[0] * npages
         if not self.layer_buffers:
             self._make_index()
             self._stage_rows = self._storage(2 * self._rows * self.row).view(2 * self._rows, self.row)
@@ -289,8 +295,8 @@ class StepPages(StepViews):
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
             if length == before + 1 and self.private and self._all_slots is not None:
                 self._app, token = self._buffer_views(before, 1, whole=True)
-                if run is None:
-                    self.later = token, None, index_tensor(slots)
+                if run is None:  # (a copy: the next extend writes the next step's slots into ``slots``)
+                    self.later = token, None, index_tensor(slots.copy())
                 else:
                     self.later = token, self._slot_views(run[0], run[1], len(slots), 0), None
                 self._due = self._layers

@@ -111,6 +111,16 @@ def strided_run(table: np.ndarray) -> tuple[int, int] | None:
     b, n = table.shape
     if n == 0:
         return None
+    if b * n <= 256:  # as lists: cheaper than numpy's first calls after the model's forward
+        rows = table.tolist()
+        if n > 1 and any(row != list(range(row[0], row[0] + n)) for row in rows):
+            return None
+        if b == 1:
+            return rows[0][0], 0
+        apart = rows[1][0] - rows[0][0]
+        if apart < 0 or any(y[0] - x[0] != apart for x, y in zip(rows[1:], rows[2:])):
+            return None
+        return rows[0][0], apart
     if n > 1 and not bool((table[:, 1:] - table[:, :-1] == 1).all()):
         return None
     if b == 1:

@@ -47,6 +47,9 @@ class BatchRequests:
                 "Build a KVPool without kv_lora_rank/qk_rope_head_dim")
         self.pool = pool
         self.device = torch.device(pool.device)
+        # On a CPU pool a tensor's ``is_cpu`` says what comparing its ``device`` would, without
+        # making a device object (the fast path tests both K/V at every update).
+        self.on_cpu = self.device.type == "cpu"
         self.dtype, self.heads, self.head_dim = pool.compute_dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None  # int64 [B]
         self.length = 0
@@ -79,6 +82,12 @@ class BatchRequests:
         self.fast = self.pages is not None and self.store is not None
         self.batch = -1  # rows opened (-1: none yet)
         self._shared = False  # some row may share a page (prefix hit, fork)
+        # A decode step's extend writes its slots here (the allocator's ``out=``) rather than
+        # into a new array, and names one row by its int: the step is the host call the cache
+        # makes most, and each array it makes or reads is host time. So ``step_slots`` of a
+        # decode step is overwritten by the next one: whatever must outlive the step copies it.
+        self._decode_slots: np.ndarray | None = None
+        self._handle_arg: Any = None
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -90,6 +99,8 @@ class BatchRequests:
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
         self.batch = self.handles.shape[0]
+        self._decode_slots = np.empty(self.batch, dtype=np.int64)
+        self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
         self.slot_idx = self.dst = None
         self.later = False
         self.before = -1  # no step under way: every layer takes the full update
@@ -173,7 +184,12 @@ class BatchRequests:
             pool.cache(self.handles)
         # On a CPU pool the step needs only the host slots (stores go through views of the
         # caches, or the pool's index store with an index tensor StepPages makes).
-        slots = pool._extend_host(self.handles, tokens) if self.host_extend else None
+        if not self.host_extend:
+            slots = None
+        elif tokens == 1:
+            slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
+        else:
+            slots = pool._extend_host(self.handles, tokens)
         if slots is None:
             ext = pool.extend(self.handles, tokens)
             slots, self.new_slots = ext.slots, ext.out_cache_loc

@@ -199,7 +199,8 @@ class KVPoolCache(Cache):
                   and ks[3] == req.head_dim and ks[2] > 0)
         if (ok and req.fast and value_states.shape == ks and key_states.dtype == req.dtype
                 and value_states.dtype == req.dtype and not (key_states.requires_grad or value_states.requires_grad)
-                and key_states.device == req.device and value_states.device == req.device):
+                and (key_states.is_cpu and value_states.is_cpu if req.on_cpu
+                     else key_states.device == req.device and value_states.device == req.device)):
             if seen != req.before:
                 req.begin_step(ks[2])
             dst = req.dst
