@@ -54,6 +54,9 @@ impl PrefixIndex {
         let Some(mut cur) = tip.entry.checked_sub(1) else {
             return 0;
         };
+        if self.page_size == 1 && out.spare_capacity_mut().len() >= tokens.len() {
+            return self.follow_hints_one(tip, cur, tokens, salt, out);
+        }
         let ents = &self.entries[..];
         let mut n = 0;
         for t in tokens.chunks_exact(self.page_size) {
@@ -91,6 +94,67 @@ impl PrefixIndex {
             cur = child;
             n += 1;
         }
+        if n > 0 {
+            *tip = self.tip(cur);
+        }
+        n
+    }
+
+    /// `follow_hints` at page size 1, from live entry `cur` (the tip's),
+    /// with room in `out` for every token: a page is one token, which its
+    /// entry holds (`first_token`), so a hop reads one 32-byte entry and
+    /// nothing else. The previous hop's entry stays in hand as the parent,
+    /// and the pages go straight into `out`'s spare room, its length set
+    /// once: through `push`, the length is stored and reloaded every hop
+    /// (`out` might alias the entries, as far as the compiler knows).
+    #[inline]
+    fn follow_hints_one(
+        &self,
+        tip: &mut ChainTip,
+        mut cur: u32,
+        tokens: &[i32],
+        salt: i64,
+        out: &mut Vec<u32>,
+    ) -> usize {
+        let ents = &self.entries[..];
+        let Some(mut parent) = ents.get(cur as usize) else {
+            return 0;
+        };
+        let room = &mut out.spare_capacity_mut()[..tokens.len()];
+        let mut n = 0;
+        for (&t, slot) in tokens.iter().zip(room) {
+            // As in `follow_hints`: the next slot is read before the hint is
+            // known, and taken if the hint names it.
+            let next = cur + 1;
+            let (child, e) = match ents.get(next as usize) {
+                Some(g) if parent.child == next + 1 => (next, g),
+                _ => match parent.child.checked_sub(1) {
+                    Some(c) if (c as usize) < ents.len() => (c, &ents[c as usize]),
+                    _ => break,
+                },
+            };
+            if e.parent_reg != parent.reg || e.first_token != t {
+                break;
+            }
+            debug_assert!(self.holds(e, &[t]));
+            debug_assert_eq!(
+                self.idents[child as usize].salt, salt,
+                "a child has its parent's salt"
+            );
+            debug_assert!(
+                !self.is_keyed(child)
+                    || self.find(key_of(
+                        self.hasher.page(self.idents[cur as usize].hash, &[t])
+                    )) == Some(child),
+                "a verified hinted child is the entry its key finds, if it has one"
+            );
+            slot.write(e.page);
+            parent = e;
+            cur = child;
+            n += 1;
+        }
+        // SAFETY: the first `n` spare slots were written just above.
+        unsafe { out.set_len(out.len() + n) };
         if n > 0 {
             *tip = self.tip(cur);
         }
