@@ -25,7 +25,7 @@ pub(crate) struct PageState {
     /// Holders beyond the first: `holders - 1`, wrapping, so `UNHELD` when
     /// nobody holds the page. A FREE page stores 0, the count its next
     /// taker needs: taking a page writes nothing, and a fresh pool's
-    /// records are all zeros (mapped lazily, never written at construction).
+    /// records are all zeros (as `calloc` gives them).
     pub(super) extra: u32,
     /// Index + 1 of the page's registration in the prefix index's entry
     /// slab, 0 when unregistered.
