@@ -34,14 +34,12 @@ mod router;
 mod store;
 
 use contents::Contents;
-use kvpool_core::{
-    make_handle, Counts, HostPolicy, PoolError, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST,
-};
+use kvpool_core::{make_handle, Counts, HostPolicy, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST};
 use model_coverage::{
-    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HELD_ALONE, HIT_TOKENS, HOST_HITS,
-    HOST_STORED, MOVED, OK_CALLS, PINNED_ENDS, PRIO_OKS, STORED, SWAPS,
+    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
+    OK_CALLS, PINNED_ENDS, PRIO_OKS, STORED, SWAPS,
 };
-use model_harness::{new_allocator, report, same, table_after, STRIDE};
+use model_harness::{agrees, new_allocator, report, same, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
 use proptest::prelude::*;
 use reference::{Model, Tier, MAX_REQ};
@@ -366,52 +364,7 @@ proptest! {
                 c.drain(&mut a, &mut m);
                 a.check().unwrap();
             }
-            prop_assert_eq!(a.pending_copies(), m.pending_copies());
-            {
-                // The queued transfers themselves, not taken.
-                let mut b = a.clone();
-                let t = m.tier.as_ref();
-                let offloads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.offloads.iter().map(|&(d, h)| (d as i64, h as i64)).collect());
-                let loads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.loads.iter().map(|&(h, d)| (h as i64, d as i64)).collect());
-                let (d, hp) = b.take_offloads();
-                prop_assert_eq!(d.into_iter().zip(hp).collect::<Vec<_>>(), offloads);
-                let (hp, d) = b.take_loads();
-                prop_assert_eq!(hp.into_iter().zip(d).collect::<Vec<_>>(), loads);
-            }
-            // A queued copy whose source no request holds any more: only
-            // the queue keeps that page from the free stack.
-            let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
-            count(&HELD_ALONE, alone);
-            prop_assert_eq!(a.free_pages(), m.free.len() + m.evictable());
-            prop_assert_eq!(a.evictable_pages(), m.evictable());
-            prop_assert_eq!(a.pinned_pages(), m.pinned());
-            prop_assert_eq!(a.evictable_pages_by_priority(), m.by_priority());
-            prop_assert_eq!(a.capacity_pages() - a.free_pages() - a.used_pages(), m.lru.len() - m.evictable());
-            prop_assert_eq!(a.cached_pages(), m.device_registered());
-            prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
-            prop_assert_eq!(a.open_requests(), m.reqs.len());
-            prop_assert_eq!(a.host_free_pages(), m.host_free_pages());
-            prop_assert_eq!(a.host_cached_pages(), m.host_registered());
-            if let Some(t) = m.tier.as_ref() {
-                prop_assert_eq!((a.host_hit_tokens(), a.offloaded_pages(), a.loaded_pages()), (t.hit, t.offloaded, t.loaded));
-            }
-            for &hh in &issued {
-                match m.row(hh) {
-                    Some(r) if m.reqs[&r].swapped => {
-                        prop_assert_eq!(a.is_swapped(hh), Ok(true));
-                        let refused = matches!(a.slots(hh), Err(PoolError::RequestSwappedOut { .. }));
-                        prop_assert!(refused, "slots of a swapped-out request");
-                        prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
-                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
-                    }
-                    Some(r) => {
-                        prop_assert_eq!(a.slots(hh).unwrap(), m.slots(r));
-                        prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
-                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
-                    }
-                    None => prop_assert!(!a.is_open(hh)),
-                }
-            }
+            agrees(&a, &m, &issued)?;
             if let Err(e) = c.verify(&a, &m) {
                 prop_assert!(false, "after {:?}: {}", op_name, e);
             }
