@@ -23,7 +23,10 @@ import copy
 
 import numpy as np
 import pytest
+from allocator_machine_calls import BASES, run_both
 from allocator_model import MAX_CTX, MAX_REQ, Model
+from allocator_rules_priorities import PriorityRules
+from allocator_rules_scenarios import ScenarioRules
 from allocator_store import Store
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -32,27 +35,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import kvpool
 from kvpool import SlotAllocator
 
-#: Two prompt bases sharing their first 4 tokens, over a 3-letter alphabet so
-#: that decode tokens often repeat a cached prefix.
-BASES = [[1, 2, 1, 0, 2, 2, 1, 0, 0, 1, 2, 0, 1, 1, 2, 0, 1, 2, 2, 1, 0],
-         [1, 2, 1, 0, 0, 0, 2, 1, 2, 2, 0, 1, 0, 2, 1, 1, 0, 0, 2, 1, 1]]
 
-
-def run_both(real, model):
-    """Runs both calls; they must both succeed (returning results) or raise the same type."""
-    try:
-        expected = model()
-    except kvpool.KVPoolError as e:
-        try:
-            real()
-        except kvpool.KVPoolError as got:
-            assert type(got) is type(e), f"allocator raised {got!r}, model {type(e).__name__}"
-            return None
-        raise AssertionError(f"model raised {type(e).__name__}, allocator succeeded")
-    return real(), expected
-
-
-class AllocatorMachine(RuleBasedStateMachine):
+class AllocatorMachine(ScenarioRules, PriorityRules, RuleBasedStateMachine):
     @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
                 host_pages=st.sampled_from([0, 0, 2, 3, 5, 8, 16]),
                 policy=st.sampled_from(["write_back", "write_through"]),
@@ -246,66 +230,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert r[0].tolist() == r[1]
             self.write(hs)
 
-    @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(2, MAX_CTX), n=st.integers(1, 6),
-          seed=st.integers(0, 2), cache=st.booleans())
-    def diverge(self, data, base, length, n, seed, cache):
-        """A whole rolled-back request: open on a prompt, prefill it, truncate
-        to inside the prompt, continue with other tokens, maybe cache."""
-        prompt = BASES[base][:length]
-        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
-                     lambda: self.m.open_with_prefix([prompt], 0))
-        if not r:
-            return
-        h = r[1][0][0]
-        self.issued.append(h)
-        self.store.hit(self.m, h, r[1][1][0])
-        c = length - r[1][1][0]
-        if not run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
-            return
-        self.write([h])
-        keep = [data.draw(st.integers(0, length - 1))]
-        if run_both(lambda: self.a.truncate([h], keep), lambda: self.m.truncate([h], keep)):
-            self.store.truncate(h, keep[0])
-        toks = [(seed + 2 * j) % 3 for j in range(n)]
-        if run_both(lambda: self.a.extend([h], [n], tokens=toks), lambda: self.m.extend([h], [n], toks)):
-            self.write([h])
-            if cache:
-                self.drain()
-                run_both(lambda: self.a.cache([h]), lambda: self.m.cache([h]))
-
-    @rule(data=st.data(), n=st.integers(1, 2), close=st.sampled_from([None, "parent", "child"]))
-    def sample(self, data, n, close):
-        """Parallel sampling: fork, then the children and the parent write one
-        token each (the first writers into a shared partly filled page copy
-        it); then maybe the parent or a child finishes, its copies undrained."""
-        if data.draw(st.booleans()):
-            hs = self.pick_where(data, lambda q: len(q.tokens) % self.m.ps != 0)
-        else:  # a new request, most often ending inside a page
-            k = [data.draw(st.integers(1, MAX_CTX - 1))]
-            r = run_both(lambda: self.a.admit(k), lambda: self.model_admit(k, None))
-            hs = []
-            if r:
-                assert r[0][0].tolist() == r[1][0]
-                hs = r[1][0]
-                self.issued += hs
-                self.write(hs)
-        if not hs:
-            return
-        r = run_both(lambda: self.a.fork(hs[0], n), lambda: self.m.fork(hs[0], n))
-        if r:
-            assert r[0].tolist() == r[1]
-            kids = r[1]
-            self.issued += kids
-            self.store.fork(hs[0], kids)
-            batch = kids + hs
-            r = run_both(lambda: self.a.extend(batch, 1), lambda: self.m.extend(batch, [1] * len(batch)))
-            if r:
-                assert r[0].tolist() == r[1]
-                self.write(batch)
-                if close:
-                    gone = hs if close == "parent" else kids[:1]
-                    run_both(lambda: self.a.close(gone), lambda: self.m.close(gone))
-
     def write(self, hs):
         """The step of requests hs: their new positions' K/V, after the queued
         transfers if one of them touches a slot written."""
@@ -328,29 +252,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         if now == 0:  # rarely: it ends every request
             self.a.reset()
             self.m.reset()
-
-    def remember(self, hs):
-        for h in hs:
-            r = self.m.row(h)
-            if r is not None and len(self.m.reqs[r].known()) > 1 and len(self.texts) < 8:
-                self.texts.append((self.m.reqs[r].known(), self.m.reqs[r].salt))
-
-    @rule(data=st.data(), evict_first=st.booleans())
-    def revisit(self, data, evict_first):
-        """A prompt whose pages were registered, asked for again (after its pages
-        left the device, with a host tier often on the host): hits on either tier."""
-        if not self.texts:
-            return
-        text, salt = data.draw(st.sampled_from(self.texts))
-        if evict_first:
-            self.evict(len(self.m.lru))
-        r = run_both(lambda: self.a.open_with_prefix(text, [len(text)], salt),
-                     lambda: self.m.open_with_prefix([text], salt))
-        if r:
-            (hs, cached), (mhs, mcached) = r
-            assert hs.tolist() == mhs and cached.tolist() == mcached
-            self.issued += mhs
-            self.store.hit(self.m, mhs[0], mcached[0])
 
     @rule(data=st.data(), cache=st.booleans())
     def close(self, data, cache):
@@ -403,59 +304,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert r[0].tolist() == r[1]
             self.issued += r[1]
             self.store.fork(hs[0], r[1])
-
-    @rule(data=st.data(), close=st.booleans(), per_request=st.booleans(),
-          retain=st.sampled_from([None, None, 1, 2, 0.5, 0, -1]))
-    def cache_with_priority(self, data, close, per_request, retain):
-        """cache / close(cache=True) with a retention priority: pins often (past
-        the bound they are given 99), durations, now and then a bad one."""
-        hs = self.pick(data, 2)
-        self.give_priority(data, hs, close, per_request, retain)
-
-    @rule(data=st.data(), base=st.integers(0, 1), length=st.integers(1, MAX_CTX), close=st.booleans(),
-          retain=st.sampled_from([None, None, 1, 2, 0.5]))
-    def serve_with_priority(self, data, base, length, close, retain):
-        """A request on a prompt (its token ids known, so its pages can be
-        cached), prefilled, then cached or closed with a priority."""
-        prompt = BASES[base][:length]
-        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
-                     lambda: self.m.open_with_prefix([prompt], 0))
-        if not r:
-            return
-        h = r[1][0][0]
-        self.issued.append(h)
-        self.store.hit(self.m, h, r[1][1][0])
-        c = length - r[1][1][0]
-        if run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
-            self.write([h])
-            self.give_priority(data, [h], close, False, retain)
-
-    def give_priority(self, data, hs, close, per_request, retain):
-        q = st.sampled_from([100, 100, 100, 35, 0, 10, 60, 99, 101, -1])
-        if per_request:
-            n = len(hs) + (data.draw(st.integers(0, 9)) == 0)  # now and then one too many
-            priority = data.draw(st.lists(q, min_size=n, max_size=n))
-        else:
-            priority = data.draw(st.one_of(q, q, q, st.none()))
-        if close:
-            run_both(lambda: self.a.close(hs, cache=True, priority=priority, retain_s=retain),
-                     lambda: self.m.close_priority(hs, True, priority, retain))
-        else:
-            run_both(lambda: self.a.cache(hs, priority=priority, retain_s=retain),
-                     lambda: self.m.cache_priority(hs, priority, retain))
-
-    @rule(data=st.data())
-    def unpin(self, data):
-        hs = self.pick(data, 2)
-        r = run_both(lambda: self.a.unpin(hs), lambda: self.m.unpin(hs))
-        if r:
-            assert r[0] == r[1]
-
-    @rule(tick=st.sampled_from([0, 0.5, 1, 2]))
-    def set_clock(self, tick):
-        self.now += tick
-        self.a.set_clock(self.now)
-        self.m.set_clock(round(self.now * 1e9))
 
     @rule(n=st.integers(0, 3))
     def evict(self, n):

@@ -26,110 +26,26 @@
 //! then keeps or offloads its entry).
 
 mod contents;
+mod model_coverage;
+mod model_harness;
 mod model_ops;
 mod reference;
 mod router;
 mod store;
 
 use contents::Contents;
-use kvpool_core::{
-    make_handle, Counts, Grown, HostPolicy, Options, PoolError, SlotAllocator, SlotTable,
-    MEDIUM_DEVICE, MEDIUM_HOST,
+use kvpool_core::{make_handle, Counts, HostPolicy, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST};
+use model_coverage::{
+    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
+    OK_CALLS, PINNED_ENDS, PRIO_OKS, STORED, SWAPS,
 };
+use model_harness::{agrees, new_allocator, report, same, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
 use proptest::prelude::*;
-use reference::{kind, Kind, Model, Tier, MAX_CTX, MAX_REQ};
-use std::cell::Cell;
-
-/// Asserts agreement; returns whether the call succeeded.
-fn same<T: PartialEq + std::fmt::Debug>(
-    real: Result<T, PoolError>,
-    model: Result<T, Kind>,
-) -> bool {
-    match (real, model) {
-        (Ok(a), Ok(b)) => {
-            assert_eq!(a, b);
-            return true;
-        }
-        (Err(e), Err(k)) => assert_eq!(kind(&e), k, "{e}"),
-        (a, b) => panic!("allocator {a:?} but model {b:?}"),
-    }
-    false
-}
-
-/// Row stride of the test's slot table: wider than MAX_CTX, as KVPool pads.
-const STRIDE: usize = MAX_CTX + 3;
-
-/// What extend reported for one request: (row, start, moved, slots).
-type Report = (usize, usize, usize, Vec<i64>);
-
-fn report(g: &Grown<'_>) -> Report {
-    (g.row, g.start, g.moved, g.slots.to_vec())
-}
-
-/// The slot table `before` with what a successful extend reported written
-/// in: each request's new slots at its new positions, and the positions
-/// copy-on-write moved onto the new page (the slots just before the first
-/// new one).
-fn table_after(before: &[i32], reports: &[Report]) -> Vec<i32> {
-    let mut t = before.to_vec();
-    for (row, start, moved, slots) in reports {
-        let at = row * STRIDE + start;
-        for (j, &s) in slots.iter().enumerate() {
-            t[at + j] = s as i32;
-        }
-        for j in 0..*moved {
-            t[at - moved + j] = (slots[0] - (moved - j) as i64) as i32;
-        }
-    }
-    t
-}
+use reference::{Model, Tier, MAX_REQ};
 
 // Miri interprets every step (~1000x slower): a handful of cases there.
 const CASES: u32 = if cfg!(miri) { 6 } else { 3000 };
-
-// What the sequences exercised, per test thread: proptest runs a test's
-// cases on its own thread, so the guard below sees exactly its own run,
-// not the other test's running beside it.
-thread_local! {
-    static OK_CALLS: Cell<usize> = const { Cell::new(0) };
-    static HIT_TOKENS: Cell<u64> = const { Cell::new(0) };
-    static COPIES: Cell<usize> = const { Cell::new(0) };
-    static STORED: Cell<usize> = const { Cell::new(0) };
-    static DROPPED: Cell<usize> = const { Cell::new(0) };
-    static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
-    static DIVERGED: Cell<usize> = const { Cell::new(0) };
-    static HOST_HITS: Cell<u64> = const { Cell::new(0) };
-    static MOVED: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
-    static SWAPS: Cell<usize> = const { Cell::new(0) };
-    static HOST_STORED: Cell<usize> = const { Cell::new(0) };
-    static BOUNCED: Cell<usize> = const { Cell::new(0) };
-    static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
-    static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
-    static ENDED: Cell<usize> = const { Cell::new(0) };
-}
-
-fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
-    c.with(|c| c.set(c.get() + n));
-}
-
-fn new_allocator(
-    pages: usize,
-    ps: usize,
-    host: usize,
-    policy: HostPolicy,
-    max_pinned: usize,
-) -> SlotAllocator {
-    let opts = Options {
-        generation_base: Some(1),
-        host_pages: host,
-        host_policy: policy,
-        manual_clock: true,
-        max_pinned_pages: Some(max_pinned),
-        ..Options::new()
-    };
-    SlotAllocator::with_options(pages, ps, MAX_REQ, MAX_CTX, opts).unwrap()
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
@@ -448,52 +364,7 @@ proptest! {
                 c.drain(&mut a, &mut m);
                 a.check().unwrap();
             }
-            prop_assert_eq!(a.pending_copies(), m.pending_copies());
-            {
-                // The queued transfers themselves, not taken.
-                let mut b = a.clone();
-                let t = m.tier.as_ref();
-                let offloads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.offloads.iter().map(|&(d, h)| (d as i64, h as i64)).collect());
-                let loads: Vec<(i64, i64)> = t.map_or(vec![], |t| t.loads.iter().map(|&(h, d)| (h as i64, d as i64)).collect());
-                let (d, hp) = b.take_offloads();
-                prop_assert_eq!(d.into_iter().zip(hp).collect::<Vec<_>>(), offloads);
-                let (hp, d) = b.take_loads();
-                prop_assert_eq!(hp.into_iter().zip(d).collect::<Vec<_>>(), loads);
-            }
-            // A queued copy whose source no request holds any more: only
-            // the queue keeps that page from the free stack.
-            let alone = m.queue.iter().filter(|c| m.reqs.values().all(|r| !r.pages.contains(&c.src))).count();
-            count(&HELD_ALONE, alone);
-            prop_assert_eq!(a.free_pages(), m.free.len() + m.evictable());
-            prop_assert_eq!(a.evictable_pages(), m.evictable());
-            prop_assert_eq!(a.pinned_pages(), m.pinned());
-            prop_assert_eq!(a.evictable_pages_by_priority(), m.by_priority());
-            prop_assert_eq!(a.capacity_pages() - a.free_pages() - a.used_pages(), m.lru.len() - m.evictable());
-            prop_assert_eq!(a.cached_pages(), m.device_registered());
-            prop_assert_eq!((a.hit_tokens(), a.miss_tokens()), (m.hit, m.miss));
-            prop_assert_eq!(a.open_requests(), m.reqs.len());
-            prop_assert_eq!(a.host_free_pages(), m.host_free_pages());
-            prop_assert_eq!(a.host_cached_pages(), m.host_registered());
-            if let Some(t) = m.tier.as_ref() {
-                prop_assert_eq!((a.host_hit_tokens(), a.offloaded_pages(), a.loaded_pages()), (t.hit, t.offloaded, t.loaded));
-            }
-            for &hh in &issued {
-                match m.row(hh) {
-                    Some(r) if m.reqs[&r].swapped => {
-                        prop_assert_eq!(a.is_swapped(hh), Ok(true));
-                        let refused = matches!(a.slots(hh), Err(PoolError::RequestSwappedOut { .. }));
-                        prop_assert!(refused, "slots of a swapped-out request");
-                        prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
-                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
-                    }
-                    Some(r) => {
-                        prop_assert_eq!(a.slots(hh).unwrap(), m.slots(r));
-                        prop_assert_eq!(a.length(hh).unwrap(), m.reqs[&r].len());
-                        prop_assert_eq!(a.known_tokens(hh).unwrap(), m.reqs[&r].known());
-                    }
-                    None => prop_assert!(!a.is_open(hh)),
-                }
-            }
+            agrees(&a, &m, &issued)?;
             if let Err(e) = c.verify(&a, &m) {
                 prop_assert!(false, "after {:?}: {}", op_name, e);
             }
@@ -516,105 +387,4 @@ proptest! {
             x.set(v);
         });
     }
-}
-
-/// Guards the generator itself: most calls must succeed, prefixes must hit
-/// (on both tiers), copies, offloads, loads and swaps must happen, or the
-/// comparison only exercises easy paths.
-#[test]
-fn generated_sequences_exercise_sharing() {
-    allocator_matches_model();
-    let (oks, hits, copies, stored) = (
-        OK_CALLS.with(Cell::get),
-        HIT_TOKENS.with(Cell::get),
-        COPIES.with(Cell::get),
-        STORED.with(Cell::get),
-    );
-    let (dropped, alone, diverged) = (
-        DROPPED.with(Cell::get),
-        HELD_ALONE.with(Cell::get),
-        DIVERGED.with(Cell::get),
-    );
-    let (host_hits, moved, swaps, host_stored) = (
-        HOST_HITS.with(Cell::get),
-        MOVED.with(Cell::get),
-        SWAPS.with(Cell::get),
-        HOST_STORED.with(Cell::get),
-    );
-    let bounced = BOUNCED.with(Cell::get);
-    eprintln!(
-        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
-         the host), {copies} copy-on-write slots queued, {dropped} copies dropped with their \
-         destination, {alone} op ends with a source held by its copy alone, {diverged} \
-         truncations into a prompt; queued: {} offloads, {} loads; run: {} copied slots; {swaps} \
-         swap-outs (and the pages they moved), {bounced} requests swapped out and in twice \
-         undrained, {host_stored} host Stored events, {stored} Stored events drained \
-         mid-sequence",
-        moved[0], moved[1], moved[2]
-    );
-    assert!(
-        oks > CASES as usize * 10,
-        "only {oks} successful calls in {CASES} sequences"
-    );
-    assert!(hits > CASES as u64 / 6, "only {hits} prefix-hit tokens");
-    assert!(
-        copies > CASES as usize / 20,
-        "only {copies} copy-on-write slots"
-    );
-    // Typically 3700-4400 (chains stop at an evicted tip, so the
-    // eviction-heavy sequences register fewer pages than they write).
-    assert!(
-        stored > CASES as usize / 2,
-        "only {stored} Stored events drained mid-sequence"
-    );
-    assert!(
-        dropped > CASES as usize / 100,
-        "only {dropped} queued copies dropped"
-    );
-    assert!(
-        alone > CASES as usize / 100,
-        "only {alone} sources held by their copy alone"
-    );
-    assert!(
-        diverged > CASES as usize / 10,
-        "only {diverged} truncations into a prompt"
-    );
-    assert!(
-        // Random seeds give about 100 to 200 here; the guard is for none.
-        host_hits > CASES as u64 / 60,
-        "only {host_hits} host-hit tokens"
-    );
-    assert!(
-        moved[0] > CASES as usize / 5 && moved[1] > CASES as usize / 30,
-        "only {} offloads and {} loads queued",
-        moved[0],
-        moved[1]
-    );
-    assert!(swaps > CASES as usize / 10, "only {swaps} swap-outs");
-    assert!(bounced > CASES as usize / 30, "only {bounced} bounces");
-    assert!(
-        host_stored > CASES as usize / 10,
-        "only {host_stored} host Stored events"
-    );
-    let (prio, pinned, ended) = (
-        PRIO_OKS.with(Cell::get),
-        PINNED_ENDS.with(Cell::get),
-        ENDED.with(Cell::get),
-    );
-    eprintln!(
-        "{prio} priority calls succeeded, {pinned} pinned pages summed over op ends, {ended} \
-         durations ended by the clock"
-    );
-    assert!(
-        prio > CASES as usize / 2,
-        "only {prio} priority calls succeeded"
-    );
-    // Typically 1500-2500: a request stops registering once its tip's
-    // registration is evicted, so under these eviction-heavy sequences fewer
-    // chains reach a priority call than pages are written.
-    assert!(
-        pinned > CASES as usize / 4,
-        "only {pinned} pinned pages at op ends"
-    );
-    assert!(ended > CASES as usize / 40, "only {ended} durations ended");
 }

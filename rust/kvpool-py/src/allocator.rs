@@ -9,12 +9,11 @@ use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
 
 use crate::convert::{
-    counts_of, int_arg, int_scalar, seed_arg, usize_arg, CacheFlag, KvEventsFlag, ManualClockFlag,
+    counts_of, int_arg, seed_arg, usize_arg, CacheFlag, KvEventsFlag, ManualClockFlag,
 };
 use crate::errors::Result;
-use crate::output::{filled, new_uninit, to_numpy, Arr};
+use crate::output::{filled, new_uninit, Arr};
 use crate::retention_args::Retention;
-use crate::stats::PoolStats;
 use crate::table::Table;
 
 /// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
@@ -145,32 +144,6 @@ impl PySlotAllocator {
     }
 }
 
-impl PySlotAllocator {
-    /// One int64 per handle (`lengths`, `rows`), into an array allocated
-    /// first, the core answering a chunk at a time: the only allocation the
-    /// batch's size sets is the result's own, so a batch too big for memory
-    /// is a MemoryError. The chunks run under one lock, as one call.
-    fn per_handle<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &[i64],
-        query: fn(&SlotAllocator, &[i64]) -> kvpool_core::Result<Vec<i64>>,
-    ) -> Result<Arr<'py, i64>> {
-        const CHUNK: usize = 1024;
-        let (arr, mut buf) = new_uninit::<i64>(py, handles.len())?;
-        py.detach(|| {
-            let core = self.lock();
-            for (k, h) in handles.chunks(CHUNK).enumerate() {
-                // SAFETY: `arr` is alive and not yet shared.
-                unsafe { buf.write(k * CHUNK, &query(&core, h)?) };
-            }
-            Ok::<_, kvpool_core::PoolError>(())
-        })?;
-        // Every entry written: the core answers one value per handle.
-        Ok(arr)
-    }
-}
-
 // Only in builds with the `test-hooks` feature (on by default for cargo
 // builds of this crate, off in the wheel: pyproject.toml).
 #[cfg(feature = "test-hooks")]
@@ -253,53 +226,6 @@ impl PySlotAllocator {
             inner: Mutex::new(core),
             undelivered: Mutex::new(None),
         })
-    }
-
-    /// stats() -> PoolStats
-    ///
-    /// The changing counters (free_pages, used_pages, free_slots, used_slots,
-    /// open_requests, admissible_tokens, metadata_bytes, the cache's and the
-    /// host tier's) read under one lock, so they agree with each other even
-    /// while other threads work.
-    fn stats(&self, py: Python<'_>) -> PoolStats {
-        self.query(py, PoolStats::of)
-    }
-    /// Pages an extend can take now: FREE + CACHED (evictable); pinned cached
-    /// pages are not.
-    #[getter]
-    fn free_pages(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::free_pages)
-    }
-    /// Pages held by open requests.
-    #[getter]
-    fn used_pages(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::used_pages)
-    }
-    /// free_pages * page_size.
-    #[getter]
-    fn free_slots(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::free_slots)
-    }
-    /// Slots in held pages (including the unfilled tail of each last page).
-    #[getter]
-    fn used_slots(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::used_slots)
-    }
-    /// Requests opened and not yet closed.
-    #[getter]
-    fn open_requests(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::open_requests)
-    }
-    /// Tokens that can surely still be appended (a lower bound; pinned cached
-    /// pages are not counted).
-    #[getter]
-    fn admissible_tokens(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::admissible_tokens)
-    }
-    /// Heap bytes of the allocator's bookkeeping.
-    #[getter]
-    fn metadata_bytes(&self, py: Python<'_>) -> usize {
-        self.query(py, SlotAllocator::metadata_bytes)
     }
 
     /// open(n=1) -> ndarray[int64]
@@ -394,99 +320,6 @@ impl PySlotAllocator {
                 Ok(py.detach(|| self.lock().close_with_priority(&h, r.counts(), r.retain_s))?)
             }
         }
-    }
-
-    /// length(handle) -> int
-    ///
-    /// Tokens the request holds.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: unknown, closed or stale handle.
-    fn length(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<usize> {
-        let h = int_scalar(py, handle, "handle")?;
-        Ok(self.query(py, |a| a.length(h))?)
-    }
-
-    /// lengths(handles) -> ndarray[int64]
-    ///
-    /// Tokens each request holds.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    fn lengths<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        self.per_handle(py, &h, SlotAllocator::lengths)
-    }
-
-    /// slots(handle) -> ndarray[int64]
-    ///
-    /// Every slot of the request, in token order.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: unknown, closed or stale handle.
-    ///     RequestSwappedOutError: the request is swapped out.
-    fn slots<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
-        let h = int_scalar(py, handle, "handle")?;
-        let v = py.detach(|| self.lock().slots(h))?;
-        Ok(to_numpy(py, &v)?)
-    }
-
-    /// pages(handle) -> ndarray[int32]
-    ///
-    /// The pages the request holds, in token order.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: unknown, closed or stale handle.
-    ///     RequestSwappedOutError: the request is swapped out.
-    fn pages<'py>(&self, py: Python<'py>, handle: &Bound<'py, PyAny>) -> Result<Arr<'py, i32>> {
-        let h = int_scalar(py, handle, "handle")?;
-        let v = py.detach(|| self.lock().pages(h))?;
-        Ok(to_numpy(py, &v)?)
-    }
-
-    /// page_table(handles) -> (indptr, indices, last_page_len)
-    ///
-    /// FlashInfer's CSR page table of a batch (int32 arrays): request i's pages
-    /// are indices[indptr[i]:indptr[i+1]]; last_page_len[i] in [1, page_size]
-    /// (0 for an empty request).
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    ///     RequestSwappedOutError: a request is swapped out.
-    fn page_table<'py>(
-        &self,
-        py: Python<'py>,
-        handles: &Bound<'py, PyAny>,
-    ) -> Result<(Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>)> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let t = py.detach(|| self.lock().page_table(&h))?;
-        Ok((
-            to_numpy(py, &t.indptr)?,
-            to_numpy(py, &t.indices)?,
-            to_numpy(py, &t.last_page_len)?,
-        ))
-    }
-
-    /// rows(handles) -> ndarray[int64]
-    ///
-    /// Each request's row of a request-to-token table (fixed while it is open).
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    fn rows<'py>(&self, py: Python<'py>, handles: &Bound<'py, PyAny>) -> Result<Arr<'py, i64>> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        self.per_handle(py, &h, SlotAllocator::rows)
-    }
-
-    /// is_open(handle) -> bool
-    ///
-    /// Whether the handle is an open request (False for closed or stale ones).
-    ///
-    /// Raises:
-    ///     InvalidArgumentError: handle is not an int.
-    fn is_open(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> Result<bool> {
-        let h = int_scalar(py, handle, "handle")?;
-        Ok(self.query(py, |a| a.is_open(h)))
     }
 
     /// check() -> None

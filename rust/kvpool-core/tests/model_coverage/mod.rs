@@ -1,0 +1,134 @@
+//! What the property test's sequences exercised, counted per test thread,
+//! and the test that guards the generator with those counts.
+
+use crate::{allocator_matches_model, CASES};
+use std::cell::Cell;
+
+// What the sequences exercised, per test thread: proptest runs a test's
+// cases on its own thread, so the guard below sees exactly its own run,
+// not the other test's running beside it.
+thread_local! {
+    pub static OK_CALLS: Cell<usize> = const { Cell::new(0) };
+    pub static HIT_TOKENS: Cell<u64> = const { Cell::new(0) };
+    pub static COPIES: Cell<usize> = const { Cell::new(0) };
+    pub static STORED: Cell<usize> = const { Cell::new(0) };
+    pub static DROPPED: Cell<usize> = const { Cell::new(0) };
+    pub static HELD_ALONE: Cell<usize> = const { Cell::new(0) };
+    pub static DIVERGED: Cell<usize> = const { Cell::new(0) };
+    pub static HOST_HITS: Cell<u64> = const { Cell::new(0) };
+    pub static MOVED: Cell<[usize; 3]> = const { Cell::new([0; 3]) };
+    pub static SWAPS: Cell<usize> = const { Cell::new(0) };
+    pub static HOST_STORED: Cell<usize> = const { Cell::new(0) };
+    pub static BOUNCED: Cell<usize> = const { Cell::new(0) };
+    pub static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
+    pub static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
+    pub static ENDED: Cell<usize> = const { Cell::new(0) };
+}
+
+pub fn count<T: Copy + std::ops::Add<Output = T>>(
+    c: &'static std::thread::LocalKey<Cell<T>>,
+    n: T,
+) {
+    c.with(|c| c.set(c.get() + n));
+}
+
+/// Guards the generator itself: most calls must succeed, prefixes must hit
+/// (on both tiers), copies, offloads, loads and swaps must happen, or the
+/// comparison only exercises easy paths.
+#[test]
+fn generated_sequences_exercise_sharing() {
+    allocator_matches_model();
+    let (oks, hits, copies, stored) = (
+        OK_CALLS.with(Cell::get),
+        HIT_TOKENS.with(Cell::get),
+        COPIES.with(Cell::get),
+        STORED.with(Cell::get),
+    );
+    let (dropped, alone, diverged) = (
+        DROPPED.with(Cell::get),
+        HELD_ALONE.with(Cell::get),
+        DIVERGED.with(Cell::get),
+    );
+    let (host_hits, moved, swaps, host_stored) = (
+        HOST_HITS.with(Cell::get),
+        MOVED.with(Cell::get),
+        SWAPS.with(Cell::get),
+        HOST_STORED.with(Cell::get),
+    );
+    let bounced = BOUNCED.with(Cell::get);
+    eprintln!(
+        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
+         the host), {copies} copy-on-write slots queued, {dropped} copies dropped with their \
+         destination, {alone} op ends with a source held by its copy alone, {diverged} \
+         truncations into a prompt; queued: {} offloads, {} loads; run: {} copied slots; {swaps} \
+         swap-outs (and the pages they moved), {bounced} requests swapped out and in twice \
+         undrained, {host_stored} host Stored events, {stored} Stored events drained \
+         mid-sequence",
+        moved[0], moved[1], moved[2]
+    );
+    assert!(
+        oks > CASES as usize * 10,
+        "only {oks} successful calls in {CASES} sequences"
+    );
+    assert!(hits > CASES as u64 / 6, "only {hits} prefix-hit tokens");
+    assert!(
+        copies > CASES as usize / 20,
+        "only {copies} copy-on-write slots"
+    );
+    // Typically 3700-4400 (chains stop at an evicted tip, so the
+    // eviction-heavy sequences register fewer pages than they write).
+    assert!(
+        stored > CASES as usize / 2,
+        "only {stored} Stored events drained mid-sequence"
+    );
+    assert!(
+        dropped > CASES as usize / 100,
+        "only {dropped} queued copies dropped"
+    );
+    assert!(
+        alone > CASES as usize / 100,
+        "only {alone} sources held by their copy alone"
+    );
+    assert!(
+        diverged > CASES as usize / 10,
+        "only {diverged} truncations into a prompt"
+    );
+    assert!(
+        // Random seeds give about 100 to 200 here; the guard is for none.
+        host_hits > CASES as u64 / 60,
+        "only {host_hits} host-hit tokens"
+    );
+    assert!(
+        moved[0] > CASES as usize / 5 && moved[1] > CASES as usize / 30,
+        "only {} offloads and {} loads queued",
+        moved[0],
+        moved[1]
+    );
+    assert!(swaps > CASES as usize / 10, "only {swaps} swap-outs");
+    assert!(bounced > CASES as usize / 30, "only {bounced} bounces");
+    assert!(
+        host_stored > CASES as usize / 10,
+        "only {host_stored} host Stored events"
+    );
+    let (prio, pinned, ended) = (
+        PRIO_OKS.with(Cell::get),
+        PINNED_ENDS.with(Cell::get),
+        ENDED.with(Cell::get),
+    );
+    eprintln!(
+        "{prio} priority calls succeeded, {pinned} pinned pages summed over op ends, {ended} \
+         durations ended by the clock"
+    );
+    assert!(
+        prio > CASES as usize / 2,
+        "only {prio} priority calls succeeded"
+    );
+    // Typically 1500-2500: a request stops registering once its tip's
+    // registration is evicted, so under these eviction-heavy sequences fewer
+    // chains reach a priority call than pages are written.
+    assert!(
+        pinned > CASES as usize / 4,
+        "only {pinned} pinned pages at op ends"
+    );
+    assert!(ended > CASES as usize / 40, "only {ended} durations ended");
+}

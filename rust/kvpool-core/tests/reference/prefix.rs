@@ -1,0 +1,123 @@
+//! The reference model's prefix index: registering a request's full pages
+//! under their exact content, evicting cached pages and clearing the index.
+
+use super::{Entry, Kind, Model};
+
+impl Model {
+    pub fn cache(&mut self, hs: &[i64]) -> Result<(), Kind> {
+        let rows = self.rows(hs)?;
+        if rows.iter().any(|r| self.reqs[r].swapped) {
+            return Err(Kind::Swapped);
+        }
+        for r in rows {
+            self.register(r);
+        }
+        Ok(())
+    }
+
+    pub fn register(&mut self, r: usize) {
+        let req = self.reqs[&r].clone();
+        if req.broken {
+            return;
+        }
+        let known = req.known().len().min(req.len());
+        let mut chain_reg = req.chain_reg;
+        let mut k = req.hashed;
+        let mut broken = false;
+        let mut regs = req.regs.clone();
+        while k < known / self.ps {
+            if chain_reg != 0 && !self.reg.contains_key(&chain_reg) {
+                // The chain's tip registration is gone: the chain stops.
+                broken = true;
+                break;
+            }
+            let p = req.pages[k];
+            let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
+            let reg = match self.find(&key) {
+                None if !self.is_registered(p) => {
+                    let reg = self.next_reg;
+                    self.next_reg += 1;
+                    self.prio.remove(&p);
+                    self.reg.insert(
+                        reg,
+                        Entry {
+                            key,
+                            reg,
+                            parent_reg: chain_reg,
+                            dev: Some(p),
+                            host: None,
+                        },
+                    );
+                    Some(reg)
+                }
+                Some(e) if e.dev == Some(p) => {
+                    self.reg.get_mut(&e.reg).unwrap().parent_reg = chain_reg;
+                    Some(e.reg)
+                }
+                Some(e) if e.parent_reg == chain_reg => {
+                    // A duplicate; one whose only copy is on the host takes
+                    // this page as its device copy.
+                    if e.dev.is_none() && !self.is_registered(p) {
+                        self.reg.get_mut(&e.reg).unwrap().dev = Some(p);
+                    }
+                    Some(e.reg)
+                }
+                _ => None,
+            };
+            match reg {
+                Some(reg) => {
+                    chain_reg = reg;
+                    regs.push(reg);
+                    k += 1;
+                }
+                None => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let req = self.reqs.get_mut(&r).unwrap();
+        let from = req.hashed;
+        req.hashed = k;
+        req.chain_reg = chain_reg;
+        req.broken = broken;
+        req.regs = regs;
+        if k > from && self.writes_through() {
+            self.write_through(r, from, k);
+        }
+    }
+
+    pub fn evict(&mut self, n: usize) -> usize {
+        let k = n.min(self.evictable());
+        for _ in 0..k {
+            let p = self.pop_victim();
+            self.free.push(p);
+        }
+        k
+    }
+
+    pub fn clear_cache(&mut self) {
+        // Victims first, then the pinned pages, each set in list order.
+        let (pinned, rest): (Vec<usize>, Vec<usize>) = std::mem::take(&mut self.lru)
+            .into_iter()
+            .partition(|&p| self.list(p) == 101);
+        let mut rest = rest;
+        rest.sort_by_key(|&p| self.list(p)); // stable: LRU order within a priority
+        for p in rest.into_iter().chain(pinned) {
+            self.free.push(p);
+        }
+        if let Some(t) = self.tier.as_mut() {
+            for h in std::mem::take(&mut t.lru) {
+                t.free.push(h);
+            }
+        }
+        self.reg.clear();
+        self.prio.clear();
+        for r in self.reqs.values_mut() {
+            r.hashed = 0;
+            r.chain_reg = 0;
+            r.broken = false;
+            r.regs.clear();
+        }
+    }
+}

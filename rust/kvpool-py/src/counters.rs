@@ -1,0 +1,58 @@
+//! `SlotAllocator`'s page, slot and request counters: each as a property
+//! (one short query), and all of them at once as stats().
+
+use kvpool_core::SlotAllocator;
+use pyo3::prelude::*;
+
+use crate::allocator::PySlotAllocator;
+use crate::stats::PoolStats;
+
+#[pymethods]
+impl PySlotAllocator {
+    /// stats() -> PoolStats
+    ///
+    /// The changing counters (free_pages, used_pages, free_slots, used_slots,
+    /// open_requests, admissible_tokens, metadata_bytes, the cache's and the
+    /// host tier's) read under one lock, so they agree with each other even
+    /// while other threads work.
+    fn stats(&self, py: Python<'_>) -> PoolStats {
+        self.query(py, PoolStats::of)
+    }
+    /// Pages an extend can take now: FREE + CACHED (evictable); pinned cached
+    /// pages are not.
+    #[getter]
+    fn free_pages(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::free_pages)
+    }
+    /// Pages held by open requests.
+    #[getter]
+    fn used_pages(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::used_pages)
+    }
+    /// free_pages * page_size.
+    #[getter]
+    fn free_slots(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::free_slots)
+    }
+    /// Slots in held pages (including the unfilled tail of each last page).
+    #[getter]
+    fn used_slots(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::used_slots)
+    }
+    /// Requests opened and not yet closed.
+    #[getter]
+    fn open_requests(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::open_requests)
+    }
+    /// Tokens that can surely still be appended (a lower bound; pinned cached
+    /// pages are not counted).
+    #[getter]
+    fn admissible_tokens(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::admissible_tokens)
+    }
+    /// Heap bytes of the allocator's bookkeeping.
+    #[getter]
+    fn metadata_bytes(&self, py: Python<'_>) -> usize {
+        self.query(py, SlotAllocator::metadata_bytes)
+    }
+}
