@@ -138,7 +138,8 @@ pub(crate) struct PrefixIndex {
     /// Live entries whose parent registration is gone (`links.rs`).
     pub(super) orphans: usize,
     pub(super) page_size: usize,
-    /// Pages that can be registered at once: the pool's, page 0 aside.
+    /// Entries that can be live at once: one per page of the pool and of
+    /// its host tier, page 0 of each aside (`enable_host`).
     pub(super) max_entries: usize,
     /// Benchmark only (see `Options::skip_hit_verification`).
     pub(super) skip_verify: bool,

@@ -11,16 +11,17 @@ use crate::location::{is_host, on_host};
 use crate::memory::{reserve, reserve_mapped};
 
 impl PrefixIndex {
-    /// Registrations still possible: the pool's pages not registered yet.
+    /// Registrations still possible: entries the index can still hold (one
+    /// per page of the pool and of its host tier, see `enable_host`).
     pub(crate) fn room(&self) -> usize {
         self.max_entries.saturating_sub(self.live)
     }
 
     /// Room for `n` more registrations, or a typed error (nothing changed).
     /// `n` is an upper bound (forked requests count their shared pages once
-    /// each); a page is registered at most once, so no more than the pool's
-    /// unregistered pages are reserved and the index's memory stays bounded
-    /// by the pool's size however requests share.
+    /// each); a page is registered at most once, so no more than the room
+    /// left (`room`) is reserved and the index's memory stays bounded by the
+    /// pool's size (and its host tier's) however requests share.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         let n = n.min(self.room());
         if n > 0 && self.map_slab_first && self.entries.capacity() == 0 {

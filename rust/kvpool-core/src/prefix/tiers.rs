@@ -11,7 +11,13 @@ use crate::memory::zeroed_vec;
 
 impl PrefixIndex {
     /// Makes room for the token ids of `host_pages` host pages (mapped
-    /// lazily: only pages that receive a copy are touched).
+    /// lazily: only pages that receive a copy are touched), and for their
+    /// entries: an entry whose device page is evicted stays live while its
+    /// host copy does, so the index can hold one entry per device page and
+    /// per host page (page 0 of each reserved). Counted short, the index
+    /// would reserve no room for registrations past the device's pages, and
+    /// its key table could fill up, leaving a lookup of an absent key
+    /// probing forever.
     pub(crate) fn enable_host(&mut self, host_pages: usize) -> Result<()> {
         let n = host_pages.checked_mul(self.page_size).ok_or_else(|| {
             crate::error::PoolError::InvalidArgument(format!(
@@ -20,6 +26,7 @@ impl PrefixIndex {
             ))
         })?;
         self.host_tokens = zeroed_vec(n, "host slot token ids")?;
+        self.max_entries += host_pages.saturating_sub(1);
         Ok(())
     }
 
