@@ -81,8 +81,10 @@ fn generated_sequences_exercise_sharing() {
         stored > CASES as usize / 2,
         "only {stored} Stored events drained mid-sequence"
     );
+    // Typically 28-56 over random seeds: the guard is for none, not for a
+    // count this rare path happens to reach.
     assert!(
-        dropped > CASES as usize / 100,
+        dropped > CASES as usize / 300,
         "only {dropped} queued copies dropped"
     );
     assert!(
@@ -130,5 +132,6 @@ fn generated_sequences_exercise_sharing() {
         pinned > CASES as usize / 4,
         "only {pinned} pinned pages at op ends"
     );
-    assert!(ended > CASES as usize / 40, "only {ended} durations ended");
+    // Typically 70-150 over random seeds.
+    assert!(ended > CASES as usize / 100, "only {ended} durations ended");
 }
