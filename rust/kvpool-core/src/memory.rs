@@ -125,7 +125,7 @@ const HUGE_MIN_BYTES: usize = 4 << 20;
 /// pages. Growing vectors (event logs, the index's slab under
 /// `lazy_metadata`) get no advice: each growth would fault in and zero
 /// fresh 2 MiB pages in the step that grows it (`reserve_mapped` maps the
-/// slab at construction instead). A kernel without THP ignores the advice.
+/// slab at the first `cache()` instead). A kernel without THP ignores the advice.
 pub(crate) fn advise_huge<T>(v: &[T]) {
     // Miri cannot call into libc; the advice changes no contents anyway.
     #[cfg(all(target_os = "linux", not(miri)))]
