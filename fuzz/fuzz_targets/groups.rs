@@ -46,7 +46,10 @@ fn spec(g: &Group) -> GroupSpec {
     match g.kind % 3 {
         0 => GroupSpec::full(pages, ps),
         1 => GroupSpec::sliding(pages, ps, 1 + g.window as usize % 6),
-        _ => GroupSpec::state(2 + g.pages as usize % 10, [0, 1, 2, 4][g.window as usize % 4]),
+        _ => GroupSpec::state(
+            2 + g.pages as usize % 10,
+            [0, 1, 2, 4][g.window as usize % 4],
+        ),
     }
 }
 
@@ -71,7 +74,13 @@ impl Run {
             let map = &mut self.shadow[g];
             let vals: Vec<Option<Vec<i64>>> = src
                 .iter()
-                .map(|&s| if s < 0 { Some(Vec::new()) } else { map.get(&s).cloned() })
+                .map(|&s| {
+                    if s < 0 {
+                        Some(Vec::new())
+                    } else {
+                        map.get(&s).cloned()
+                    }
+                })
                 .collect();
             for (d, v) in dst.iter().zip(vals) {
                 match v {
@@ -109,7 +118,11 @@ impl Run {
                 let ps = self.a.group_spec(g).unwrap().page_size as i64;
                 for (t, &slot) in self.a.slots(g, *h).unwrap().iter().enumerate() {
                     if slot >= ps {
-                        assert_eq!(self.shadow[g].get(&slot), Some(&toks[..=t].to_vec()), "group {g} pos {t}");
+                        assert_eq!(
+                            self.shadow[g].get(&slot),
+                            Some(&toks[..=t].to_vec()),
+                            "group {g} pos {t}"
+                        );
                     }
                 }
             }
@@ -143,7 +156,10 @@ impl Run {
         let cs: Vec<i64> = new.iter().map(|t| t.len() as i64).collect();
         let flat: Vec<i64> = new.concat();
         let starts: Vec<usize> = is.iter().map(|&i| self.reqs[i].1.len()).collect();
-        let Ok(outs) = self.a.extend(&hs, Counts::PerRequest(&cs), Some(&flat), &mut []) else {
+        let Ok(outs) = self
+            .a
+            .extend(&hs, Counts::PerRequest(&cs), Some(&flat), &mut [])
+        else {
             return false;
         };
         for (&i, t) in is.iter().zip(new) {
@@ -168,7 +184,11 @@ fuzz_target!(|input: (Vec<Group>, u8, Vec<Op>)| {
     let specs: Vec<GroupSpec> = groups.iter().take(4).map(spec).collect();
     let opts = Options {
         hash_seed: Some(3),
-        weak_hash_bits: if hash % 2 == 0 { 1 + (hash / 2) as u32 % 6 } else { 0 },
+        weak_hash_bits: if hash % 2 == 0 {
+            1 + (hash / 2) as u32 % 6
+        } else {
+            0
+        },
         ..Options::new()
     };
     let Ok(a) = GroupedAllocator::new(&specs, 6, 20, opts, Some(4 + hash as usize % 60)) else {
@@ -186,7 +206,10 @@ fuzz_target!(|input: (Vec<Group>, u8, Vec<Op>)| {
         let ok = match op {
             Op::Serve(p, salt) => {
                 let p = toks(p);
-                match r.a.open_with_prefix(&p, &[p.len() as i64], Counts::Each(*salt as i64 % 2)) {
+                match r
+                    .a
+                    .open_with_prefix(&p, &[p.len() as i64], Counts::Each(*salt as i64 % 2))
+                {
                     Ok((h, cached)) => {
                         let l = cached[0] as usize;
                         r.reqs.push((h[0], p[..l].to_vec()));
@@ -237,7 +260,10 @@ fuzz_target!(|input: (Vec<Group>, u8, Vec<Op>)| {
                 let mut is: Vec<usize> = v.iter().take(4).filter_map(|&i| pick(i, &r)).collect();
                 is.sort_unstable();
                 is.dedup();
-                let new: Vec<Vec<i64>> = is.iter().map(|&i| vec![(i as i64 + *t as i64) % 3]).collect();
+                let new: Vec<Vec<i64>> = is
+                    .iter()
+                    .map(|&i| vec![(i as i64 + *t as i64) % 3])
+                    .collect();
                 let ok = r.extend(&is, &new);
                 if ok {
                     let hs: Vec<i64> = is.iter().map(|&i| r.reqs[i].0).collect();
