@@ -30,13 +30,32 @@
 //! every entry's salt is its live parent's. The walk then reads the hot
 //! 32-byte entries alone (`index.rs`).
 
-use super::index::{PrefixIndex, LOOKAHEAD};
+use super::index::{Entry, PrefixIndex, LOOKAHEAD};
 use super::keys::key_of;
 use super::tip::{ChainTip, Match};
 use crate::location::is_host;
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
+
+/// The child hinted by entry `cur` (`parent`), with its index, if the hint
+/// names an entry of the slab.
+///
+/// A chain registered in one go sits in consecutive slab slots, so the
+/// hinted child is usually the next slot. Reading that slot before the hint
+/// is known lets the CPU start the next hop's loads while this one's are in
+/// flight (the branch is predicted, a data dependency is not).
+#[inline(always)]
+fn hinted_child<'a>(ents: &'a [Entry], cur: u32, parent: &Entry) -> Option<(u32, &'a Entry)> {
+    let next = cur + 1;
+    match ents.get(next as usize) {
+        Some(g) if parent.child == next + 1 => Some((next, g)),
+        _ => {
+            let c = parent.child.checked_sub(1)?;
+            Some((c, ents.get(c as usize)?))
+        }
+    }
+}
 
 impl PrefixIndex {
     /// Follows the child hints from `tip` over consecutive pages of
@@ -64,18 +83,8 @@ impl PrefixIndex {
             let Some(parent) = ents.get(cur as usize) else {
                 break;
             };
-            // A chain registered in one go sits in consecutive slab slots,
-            // so the hinted child is usually the next slot. Reading that
-            // slot before the hint is known lets the CPU start the next
-            // hop's loads while this one's are in flight (the branch is
-            // predicted, a data dependency is not).
-            let next = cur + 1;
-            let (child, e) = match ents.get(next as usize) {
-                Some(g) if parent.child == next + 1 => (next, g),
-                _ => match parent.child.checked_sub(1) {
-                    Some(c) if (c as usize) < ents.len() => (c, &ents[c as usize]),
-                    _ => break,
-                },
+            let Some((child, e)) = hinted_child(ents, cur, parent) else {
+                break;
             };
             if e.parent_reg != parent.reg || !self.holds(e, t) {
                 break;
@@ -123,15 +132,8 @@ impl PrefixIndex {
         let room = &mut out.spare_capacity_mut()[..tokens.len()];
         let mut n = 0;
         for (&t, slot) in tokens.iter().zip(room) {
-            // As in `follow_hints`: the next slot is read before the hint is
-            // known, and taken if the hint names it.
-            let next = cur + 1;
-            let (child, e) = match ents.get(next as usize) {
-                Some(g) if parent.child == next + 1 => (next, g),
-                _ => match parent.child.checked_sub(1) {
-                    Some(c) if (c as usize) < ents.len() => (c, &ents[c as usize]),
-                    _ => break,
-                },
+            let Some((child, e)) = hinted_child(ents, cur, parent) else {
+                break;
             };
             if e.parent_reg != parent.reg || e.first_token != t {
                 break;
