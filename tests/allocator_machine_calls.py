@@ -1,5 +1,5 @@
 """What the allocator state machine's rules (test_allocator_stateful.py and
-its rule mixins) share: the prompt bases and run_both."""
+its rule mixins) share: the prompt bases, run_both and serve_prompt."""
 
 import kvpool
 
@@ -21,3 +21,22 @@ def run_both(real, model):
             return None
         raise AssertionError(f"model raised {type(e).__name__}, allocator succeeded")
     return real(), expected
+
+
+def serve_prompt(machine, base, length):
+    """Opens a request on BASES[base][:length] (its token ids known, so its pages
+    can be cached) and prefills it, on the machine's allocator and model alike;
+    returns its handle once prefilled and written, else None."""
+    prompt = BASES[base][:length]
+    r = run_both(lambda: machine.a.open_with_prefix(prompt, [length]),
+                 lambda: machine.m.open_with_prefix([prompt], 0))
+    if not r:
+        return None
+    h = r[1][0][0]
+    machine.issued.append(h)
+    machine.store.hit(machine.m, h, r[1][1][0])
+    c = length - r[1][1][0]
+    if not run_both(lambda: machine.a.extend([h], [c]), lambda: machine.m.extend([h], [c])):
+        return None
+    machine.write([h])
+    return h

@@ -4,7 +4,7 @@ pins past the bound, durations, bad values), unpin, and the manual clock.
 A mixin: AllocatorMachine holds the allocator, the model and the helpers
 these rules call."""
 
-from allocator_machine_calls import BASES, run_both
+from allocator_machine_calls import run_both, serve_prompt
 from allocator_model import MAX_CTX
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
@@ -24,17 +24,8 @@ class PriorityRules:
     def serve_with_priority(self, data, base, length, close, retain):
         """A request on a prompt (its token ids known, so its pages can be
         cached), prefilled, then cached or closed with a priority."""
-        prompt = BASES[base][:length]
-        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
-                     lambda: self.m.open_with_prefix([prompt], 0))
-        if not r:
-            return
-        h = r[1][0][0]
-        self.issued.append(h)
-        self.store.hit(self.m, h, r[1][1][0])
-        c = length - r[1][1][0]
-        if run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
-            self.write([h])
+        h = serve_prompt(self, base, length)
+        if h is not None:
             self.give_priority(data, [h], close, False, retain)
 
     def give_priority(self, data, hs, close, per_request, retain):

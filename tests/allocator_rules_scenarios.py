@@ -4,7 +4,7 @@ and continued with other tokens, parallel sampling from a partly filled page,
 and a registered prompt asked for again. A mixin: AllocatorMachine holds the
 allocator, the model, the store and the helpers these rules call."""
 
-from allocator_machine_calls import BASES, run_both
+from allocator_machine_calls import run_both, serve_prompt
 from allocator_model import MAX_CTX
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
@@ -16,18 +16,9 @@ class ScenarioRules:
     def diverge(self, data, base, length, n, seed, cache):
         """A whole rolled-back request: open on a prompt, prefill it, truncate
         to inside the prompt, continue with other tokens, maybe cache."""
-        prompt = BASES[base][:length]
-        r = run_both(lambda: self.a.open_with_prefix(prompt, [length]),
-                     lambda: self.m.open_with_prefix([prompt], 0))
-        if not r:
+        h = serve_prompt(self, base, length)
+        if h is None:
             return
-        h = r[1][0][0]
-        self.issued.append(h)
-        self.store.hit(self.m, h, r[1][1][0])
-        c = length - r[1][1][0]
-        if not run_both(lambda: self.a.extend([h], [c]), lambda: self.m.extend([h], [c])):
-            return
-        self.write([h])
         keep = [data.draw(st.integers(0, length - 1))]
         if run_both(lambda: self.a.truncate([h], keep), lambda: self.m.truncate([h], keep)):
             self.store.truncate(h, keep[0])
