@@ -12,26 +12,11 @@ mod model_ops;
 mod reference;
 
 use groups_reference::{GKind, GModel};
-use kvpool_core::{Counts, GroupKind, GroupSpec, GroupedAllocator, Options, PoolError};
+use kvpool_core::{Counts, GroupKind, GroupSpec, GroupedAllocator, Options};
 use model_ops::prompt;
 use proptest::prelude::*;
-use reference::{kind, Kind, MAX_CTX, MAX_REQ};
+use reference::{same, Kind, MAX_CTX, MAX_REQ};
 use std::cell::Cell;
-
-fn same<T: PartialEq + std::fmt::Debug>(
-    real: Result<T, PoolError>,
-    model: Result<T, Kind>,
-) -> bool {
-    match (real, model) {
-        (Ok(a), Ok(b)) => {
-            assert_eq!(a, b);
-            return true;
-        }
-        (Err(e), Err(k)) => assert_eq!(kind(&e), k, "{e}"),
-        (a, b) => panic!("allocator {a:?} but model {b:?}"),
-    }
-    false
-}
 
 #[derive(Debug, Clone)]
 enum Op {

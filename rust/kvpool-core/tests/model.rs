@@ -39,10 +39,10 @@ use model_coverage::{
     count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
     OK_CALLS, PINNED_ENDS, PRIO_OKS, STORED, SWAPS,
 };
-use model_harness::{agrees, new_allocator, report, same, table_after, STRIDE};
+use model_harness::{agrees, new_allocator, report, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
 use proptest::prelude::*;
-use reference::{Model, Tier, MAX_REQ};
+use reference::{same, Model, Tier, MAX_REQ};
 
 // Miri interprets every step (~1000x slower): a handful of cases there.
 const CASES: u32 = if cfg!(miri) { 6 } else { 3000 };

@@ -4,25 +4,9 @@
 //! agree with the model's after every op.
 
 use crate::model_coverage::{count, HELD_ALONE};
-use crate::reference::{kind, Kind, Model, MAX_CTX, MAX_REQ};
+use crate::reference::{Model, MAX_CTX, MAX_REQ};
 use kvpool_core::{Grown, HostPolicy, Options, PoolError, SlotAllocator};
 use proptest::prelude::*;
-
-/// Asserts agreement; returns whether the call succeeded.
-pub fn same<T: PartialEq + std::fmt::Debug>(
-    real: Result<T, PoolError>,
-    model: Result<T, Kind>,
-) -> bool {
-    match (real, model) {
-        (Ok(a), Ok(b)) => {
-            assert_eq!(a, b);
-            return true;
-        }
-        (Err(e), Err(k)) => assert_eq!(kind(&e), k, "{e}"),
-        (a, b) => panic!("allocator {a:?} but model {b:?}"),
-    }
-    false
-}
 
 /// Row stride of the test's slot table: wider than MAX_CTX, as KVPool pads.
 pub const STRIDE: usize = MAX_CTX + 3;

@@ -58,6 +58,22 @@ pub fn kind(e: &PoolError) -> Kind {
     }
 }
 
+/// Asserts agreement; returns whether the call succeeded.
+pub fn same<T: PartialEq + std::fmt::Debug>(
+    real: Result<T, PoolError>,
+    model: Result<T, Kind>,
+) -> bool {
+    match (real, model) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a, b);
+            return true;
+        }
+        (Err(e), Err(k)) => assert_eq!(kind(&e), k, "{e}"),
+        (a, b) => panic!("allocator {a:?} but model {b:?}"),
+    }
+    false
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Req {
     /// Device pages, and host pages (`| HOST`) while swapped out.
