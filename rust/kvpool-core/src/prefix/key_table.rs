@@ -124,15 +124,21 @@ impl KeyTable {
 
     /// Whether `entry` is stored under `key`.
     pub(crate) fn contains(&self, key: u64, entry: u32) -> bool {
+        self.slot_of(key, entry)
+            .is_some_and(|i| self.buckets[i].tag == tag(key))
+    }
+
+    /// The bucket holding `entry` in `key`'s probe run, if it is there.
+    fn slot_of(&self, key: u64, entry: u32) -> Option<usize> {
         if self.len == 0 {
-            return false;
+            return None;
         }
         let mask = self.mask();
         let mut i = self.home(tag(key));
         loop {
             match self.buckets[i].entry {
-                0 => return false,
-                e if e == entry + 1 => return self.buckets[i].tag == tag(key),
+                0 => return None,
+                e if e == entry + 1 => return Some(i),
                 _ => i = (i + 1) & mask,
             }
         }
@@ -162,18 +168,10 @@ impl KeyTable {
     /// Removes `entry`, stored under `key`; backward-shifts the rest of its
     /// probe run so no tombstone is left. Returns whether it was there.
     pub(crate) fn remove(&mut self, key: u64, entry: u32) -> bool {
-        if self.len == 0 {
+        let Some(mut i) = self.slot_of(key, entry) else {
             return false;
-        }
+        };
         let mask = self.mask();
-        let mut i = self.home(tag(key));
-        loop {
-            match self.buckets[i].entry {
-                0 => return false,
-                e if e == entry + 1 => break,
-                _ => i = (i + 1) & mask,
-            }
-        }
         let mut j = i;
         loop {
             j = (j + 1) & mask;
