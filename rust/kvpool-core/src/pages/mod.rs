@@ -394,9 +394,10 @@ impl PagePool {
 /// mapped FREE records do not miss the TLB either way.
 fn page_states(num_pages: usize, map_now: bool) -> Result<Vec<PageState>> {
     let mut state = zeroed_vec::<PageState>(num_pages, "page states")?;
-    crate::memory::advise_huge(&state);
     if map_now {
-        fault_in(&mut state, usize::MAX); // before page 0 is set: it writes zeros
+        fault_in(&mut state, usize::MAX); // (advises too) before page 0 is set: it writes zeros
+    } else {
+        crate::memory::advise_huge(&state);
     }
     if let Some(s0) = state.first_mut() {
         s0.extra = UNHELD;
