@@ -212,7 +212,20 @@ impl PySlotAllocator {
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
-            SlotAllocator::with_options(num_pages, page_size, max_requests, max_context_len, opts)
+            let core = SlotAllocator::with_options(
+                num_pages,
+                page_size,
+                max_requests,
+                max_context_len,
+                opts,
+            )?;
+            // The largest result one call can return: every slot, or every
+            // request at its longest (8 MiB with the defaults).
+            let most = core
+                .num_slots()
+                .min(max_requests.saturating_mul(max_context_len));
+            crate::heap_prime::prime_result_heap(most);
+            Ok::<_, kvpool_core::PoolError>(core)
         })?;
         Ok(Self {
             page_size: core.page_size(),

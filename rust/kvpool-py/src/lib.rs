@@ -16,6 +16,7 @@ mod grouped_args;
 mod grouped_queries;
 mod handles_arg;
 mod hashing;
+mod heap_prime;
 mod kv_events;
 mod output;
 mod packed;
