@@ -28,6 +28,25 @@ def test_fresh_pool_order_page0_reserved_and_properties():
     a.check()
 
 
+def test_lazy_metadata_behaves_alike_and_leaves_the_index_slab_to_grow():
+    """lazy_metadata=True (a pool sized far beyond its use) changes when metadata is mapped,
+    never what a call returns: the same calls give the same slots and hits. The default
+    reserves the index's entry slab for every page at the first cache() (64 bytes a page);
+    a lazy pool's slab holds what was registered."""
+    seen = []
+    for lazy in (False, True):
+        a = SlotAllocator(1 << 18, 1, 8, 512, hash_seed=3, handle_seed=4, lazy_metadata=lazy)
+        h, hit = a.open_with_prefix(np.arange(300), [300])
+        slots = a.extend(h, 300)
+        a.close(h, cache=True)
+        h2, hit2 = a.open_with_prefix(np.arange(300), [300])
+        seen.append((hit.tolist(), slots.tolist(), hit2.tolist(), a.slots(h2[0]).tolist(), a.metadata_bytes))
+        a.check()
+    (*eager, eager_bytes), (*lazy, lazy_bytes) = seen
+    assert eager == lazy and lazy[2] == [299]
+    assert eager_bytes - lazy_bytes >= 60 * (1 << 18) - 64 * 300
+
+
 def test_queries_and_page_table():
     a = SlotAllocator(32, page_size=4, max_requests=4, max_context_len=64)
     h = a.open(3)

@@ -266,6 +266,8 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator(max_pinned_pages=-1)", lambda: SlotAllocator(4, max_pinned_pages=-1)),
     ("SlotAllocator(max_pinned_pages=1.0)", lambda: SlotAllocator(4, max_pinned_pages=1.0)),
     ("SlotAllocator(manual_clock=1)", lambda: SlotAllocator(4, manual_clock=1)),
+    ("SlotAllocator(lazy_metadata=1)", lambda: SlotAllocator(4, lazy_metadata=1)),
+    ("SlotAllocator(lazy_metadata='yes')", lambda: SlotAllocator(4, lazy_metadata="yes")),
     ("KVPool(max_pinned_pages=9) of 7", lambda: kvpool.KVPool(1, 1, 4, num_pages=8, max_pinned_pages=9)),
     ("KVPool(num_pages=2.9)", lambda: kvpool.KVPool(1, 1, 4, num_pages=2.9)),
     ("KVPool(num_pages=True)", lambda: kvpool.KVPool(1, 1, 4, num_pages=True)),

@@ -84,7 +84,7 @@ class PoolStats:
 
 @final
 class SlotAllocator:
-    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
+    """SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back", lazy_metadata=False)
 
     Owns which slots each request holds: free pages, per-request page lists,
     shared pages (refcounts, a prefix cache with LRU eviction and retention
@@ -115,6 +115,12 @@ class SlotAllocator:
         host_policy: "write_back" (a cached page goes to the host when device
             eviction would drop it) or "write_through" (when cache()
             registers it).
+        lazy_metadata: map the per-page and per-slot metadata on first use
+            instead of at construction (and let the prefix index grow with its
+            registrations instead of reserving it for every page at the first
+            cache()), and skip priming the heap for result arrays: for a pool
+            sized far beyond what it will hold. Its first requests then pay the
+            page faults that construction otherwise takes (docs/allocator.md).
 
     Raises:
         InvalidArgumentError: a size is zero, negative or too large, a seed
@@ -136,6 +142,7 @@ class SlotAllocator:
         manual_clock: bool = False,
         host_pages: int = 0,
         host_policy: str = "write_back",
+        lazy_metadata: bool = False,
     ) -> SlotAllocator: ...
     @property
     def page_size(self) -> int:

@@ -60,7 +60,7 @@ class _LayerTables(Sequence[torch.Tensor]):
 
 
 _UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1,
-                "max_pinned_pages": None, "manual_clock": False}
+                "max_pinned_pages": None, "manual_clock": False, "lazy_metadata": False}
 
 
 class HybridKVPool(HybridRequestOps):
@@ -110,7 +110,8 @@ class HybridKVPool(HybridRequestOps):
             if value != _UNSUPPORTED[name]:
                 raise InvalidArgumentError(
                     f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
-                    "per-head K/V, is not sharded and keeps no retention priorities)")
+                    "per-head K/V, is not sharded, keeps no retention priorities and maps its metadata "
+                    "at construction)")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_requests", max_requests), ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

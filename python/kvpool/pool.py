@@ -77,6 +77,10 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     retain_s=)``, ``unpin``): ``max_pinned_pages`` bounds the pinned pages (a
     quarter of the pool by default) and ``manual_clock=True`` runs durations
     on a clock only ``set_clock`` moves (see ``SlotAllocator``).
+    ``lazy_metadata=True`` leaves the allocator's metadata to be mapped on
+    first use, for a pool sized far beyond what it will hold (construction is
+    then cheaper and the first requests pay the page faults; see
+    ``SlotAllocator``).
 
     Host tier: ``host_pages`` (reserved host page 0 included; 0 or None: no
     tier, and the pool behaves exactly as without one) or ``host_memory_bytes``
@@ -167,6 +171,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         host_pages: int | None = None,
         host_memory_bytes: int | None = None,
         host_policy: str = "write_back",
+        lazy_metadata: bool = False,
     ) -> None:
         self.num_layers = _positive("num_layers", num_layers)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.
@@ -219,7 +224,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         self.allocator = SlotAllocator(
             pages, self.page_size, self.max_requests, self.max_context_len, hash_seed=hash_seed,
             handle_seed=handle_seed, kv_events=kv_events, max_pinned_pages=max_pinned_pages,
-            manual_clock=manual_clock, host_pages=host, host_policy=host_policy,
+            manual_clock=manual_clock, host_pages=host, host_policy=host_policy, lazy_metadata=lazy_metadata,
         )
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.

@@ -9,14 +9,15 @@ use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
 
 use crate::convert::{
-    counts_of, int_arg, seed_arg, usize_arg, CacheFlag, KvEventsFlag, ManualClockFlag,
+    counts_of, int_arg, seed_arg, usize_arg, CacheFlag, KvEventsFlag, LazyMetadataFlag,
+    ManualClockFlag,
 };
 use crate::errors::Result;
 use crate::output::{filled, new_uninit, Arr};
 use crate::retention_args::Retention;
 use crate::table::Table;
 
-/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back")
+/// SlotAllocator(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy="write_back", lazy_metadata=False)
 ///
 /// Owns which slots each request holds: free pages, per-request page lists,
 /// shared pages (refcounts, a prefix cache with LRU eviction and retention
@@ -47,6 +48,12 @@ use crate::table::Table;
 ///     host_policy: "write_back" (a cached page goes to the host when device
 ///         eviction would drop it) or "write_through" (when cache()
 ///         registers it).
+///     lazy_metadata: map the per-page and per-slot metadata on first use
+///         instead of at construction (and let the prefix index grow with its
+///         registrations instead of reserving it for every page at the first
+///         cache()), and skip priming the heap for result arrays: for a pool
+///         sized far beyond what it will hold. Its first requests then pay the
+///         page faults that construction otherwise takes (docs/allocator.md).
 ///
 /// Raises:
 ///     InvalidArgumentError: a size is zero, negative or too large, a seed
@@ -169,8 +176,8 @@ impl PySlotAllocator {
     // Arguments arrive as objects (None = default) so that a bool, float or
     // huge int is an InvalidArgumentError, not pyo3's TypeError/OverflowError.
     #[pyo3(
-        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), max_pinned_pages=None, manual_clock=ManualClockFlag(false), host_pages=None, host_policy=None),
-        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy=\"write_back\")"
+        signature = (num_pages, page_size=None, max_requests=None, max_context_len=None, *, hash_seed=None, handle_seed=None, kv_events=KvEventsFlag(true), max_pinned_pages=None, manual_clock=ManualClockFlag(false), host_pages=None, host_policy=None, lazy_metadata=LazyMetadataFlag(false)),
+        text_signature = "(num_pages, page_size=1, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, max_pinned_pages=None, manual_clock=False, host_pages=0, host_policy=\"write_back\", lazy_metadata=False)"
     )]
     // One parameter per Python keyword: the signature is the API.
     #[allow(clippy::too_many_arguments)]
@@ -187,6 +194,7 @@ impl PySlotAllocator {
         manual_clock: ManualClockFlag,
         host_pages: Option<&Bound<'_, PyAny>>,
         host_policy: Option<&Bound<'_, PyAny>>,
+        lazy_metadata: LazyMetadataFlag,
     ) -> Result<Self> {
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
@@ -209,6 +217,7 @@ impl PySlotAllocator {
                 .map(|m| usize_arg(py, m, "max_pinned_pages"))
                 .transpose()?,
             manual_clock: manual_clock.0,
+            lazy_metadata: lazy_metadata.0,
             ..kvpool_core::Options::new()
         };
         let core = py.detach(|| {
@@ -219,12 +228,14 @@ impl PySlotAllocator {
                 max_context_len,
                 opts,
             )?;
-            // The largest result one call can return: every slot, or every
-            // request at its longest (8 MiB with the defaults).
-            let most = core
-                .num_slots()
-                .min(max_requests.saturating_mul(max_context_len));
-            crate::heap_prime::prime_result_heap(most);
+            if !lazy_metadata.0 {
+                // The largest result one call can return: every slot, or
+                // every request at its longest (8 MiB with the defaults).
+                let most = core
+                    .num_slots()
+                    .min(max_requests.saturating_mul(max_context_len));
+                crate::heap_prime::prime_result_heap(most);
+            }
             Ok::<_, kvpool_core::PoolError>(core)
         })?;
         Ok(Self {

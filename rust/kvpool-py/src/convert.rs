@@ -304,7 +304,13 @@ macro_rules! flags {
     )*};
 }
 
-flags!(CacheFlag => "cache", CowFlag => "cow", KvEventsFlag => "kv_events", ManualClockFlag => "manual_clock");
+flags!(
+    CacheFlag => "cache",
+    CowFlag => "cow",
+    KvEventsFlag => "kv_events",
+    ManualClockFlag => "manual_clock",
+    LazyMetadataFlag => "lazy_metadata",
+);
 
 pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
     match arg {
