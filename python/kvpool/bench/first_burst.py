@@ -55,7 +55,8 @@ def _load_core():
 
 
 def flush_bytes() -> int:
-    """Twice the largest CPU cache the kernel reports (cloud VMs report L3s of hundreds of MiB), at least 64 MiB."""
+    """Twice the largest CPU cache the kernel reports (cloud VMs report L3s of hundreds of MiB), at least 64 MiB
+    and at most 2 GiB (the run's memory stays bounded on any machine)."""
     base, largest = "/sys/devices/system/cpu/cpu0/cache", 0
     for d in os.listdir(base) if os.path.isdir(base) else []:
         try:
@@ -66,7 +67,7 @@ def flush_bytes() -> int:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         if text.rstrip("KMG").isdigit():
             largest = max(largest, int(text.rstrip("KMG")) * scale)
-    return max(64 << 20, 2 * largest)
+    return min(max(64 << 20, 2 * largest), 2 << 30)
 
 
 def _faults() -> int:

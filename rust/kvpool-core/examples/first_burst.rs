@@ -63,7 +63,7 @@ struct Run {
 }
 
 /// Words to write for a cache flush: twice the largest cache level in
-/// /sys, at least 64 MiB.
+/// /sys, at least 64 MiB and at most 2 GiB.
 fn flush_words() -> usize {
     let largest = (0..8)
         .filter_map(|i| {
@@ -80,7 +80,7 @@ fn flush_words() -> usize {
         })
         .max()
         .unwrap_or(0);
-    (2 * largest).max(64 << 20) / 8
+    (2 * largest).clamp(64 << 20, 2 << 30) / 8
 }
 
 fn flush(buf: &mut [u64]) {
