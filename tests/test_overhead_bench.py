@@ -50,12 +50,24 @@ def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
     pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
     from kvpool.bench.__main__ import main
 
-    assert main(["overhead", "--quick", "--sections", "hf", "--out", str(tmp_path)]) == 0
+    assert main(["overhead", "--quick", "--sections", "hf", "--hf-lengths", "128:64,1024:128",
+                 "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "overhead-hf.json").read_text())
-    assert doc["token_mismatches"] == 0
-    assert [r["batch"] for r in doc["results"]] == [1, 8]
-    for r in doc["results"]:
-        assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
+    runs = [doc, *doc["more_lengths"]]
+    assert [d["settings"]["prompt_len"] for d in runs] == [16, 32]  # --quick shrinks every length
+    for d in runs:
+        assert d["token_mismatches"] == 0
+        assert [r["batch"] for r in d["results"]] == [1, 8]
+        for r in d["results"]:
+            assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
+
+
+def test_hf_lengths_must_be_prompt_colon_new_tokens():
+    from kvpool.bench.__main__ import main
+
+    for bad in ("128", "128:x", "0:64"):
+        with pytest.raises(SystemExit, match="--hf-lengths"):
+            main(["overhead", "--quick", "--sections", "hf", "--hf-lengths", bad, "--json-prefix", ""])
 
 
 def test_first_burst_child_runs_without_importing_torch():

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=15, help="rows: rounds of alternated variants")
     p.add_argument("--calls", type=int, default=200, help="rows: calls per variant per round")
     p.add_argument("--hf-rounds", type=int, default=7, help="hf: alternated rounds of generate")
+    p.add_argument("--hf-lengths", type=list_of(str), default=["128:64"],
+                   help="hf: prompt:new_tokens pairs, each a table (the first is the target's; "
+                        "DynamicCache copies its whole cache each step, so longer ones show the trend)")
     p.add_argument("--burst-reps", type=int, default=5, help="burst: fresh processes per case")
     p.add_argument("--quick", action="store_true", help="a few rounds of each: runs in seconds (tests)")
     add_out_argument(p)
@@ -72,16 +75,36 @@ def hf_section(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": f"needs transformers (pip install 'kvpool[hf]'): {e}"}
     from kvpool.bench.hf_generate import HFSettings, compare
 
-    s = HFSettings(rounds=args.hf_rounds)
+    lengths = [_length(x) for x in args.hf_lengths]
     if args.quick:
-        s = HFSettings(rounds=args.hf_rounds, prompt_len=16, new_tokens=4, hidden=64, layers=2, heads=4,
-                       kv_heads=2, vocab=128)
-    return compare(s)
+        tiny = dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=128)
+        runs = [compare(HFSettings(rounds=args.hf_rounds, prompt_len=16 * (i + 1), new_tokens=4, **tiny))
+                for i in range(len(lengths))]
+    else:
+        runs = [compare(HFSettings(rounds=args.hf_rounds, prompt_len=p, new_tokens=n)) for p, n in lengths]
+    doc = runs[0]
+    if len(runs) > 1:
+        doc["more_lengths"] = runs[1:]
+    return doc
+
+
+def _length(text: str) -> tuple[int, int]:
+    try:
+        prompt, new = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--hf-lengths takes prompt:new_tokens pairs such as 128:64, got {text!r}") from None
+    if prompt < 1 or new < 1:
+        raise SystemExit(f"--hf-lengths needs positive lengths, got {text!r}")
+    return prompt, new
 
 
 def hf_table(doc: dict[str, Any]) -> str:
     if "skipped" in doc:
         return f"KVPoolCache vs DynamicCache: skipped, {doc['skipped']}"
+    return "\n\n".join(_hf_one_table(d) for d in [doc, *doc.get("more_lengths", [])])
+
+
+def _hf_one_table(doc: dict[str, Any]) -> str:
     s = doc["settings"]
     head = ["batch", "DynamicCache tok/s", "KVPoolCache tok/s", "kvpool / dynamic", "(cpu time)"]
     body = [[str(r["batch"]), f"{r['dynamic_tok_s']:.1f}", f"{r['kvpool_tok_s']:.1f}",
