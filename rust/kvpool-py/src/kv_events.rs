@@ -427,7 +427,16 @@ fn finish<'py>(
         batch(a, ts, data_parallel_rank)
     };
     match encoded {
-        Ok((bytes, (st, rm, cl))) => Ok((PyBytes::new(py, &bytes), st, rm, cl)),
+        // Fallibly: PyBytes::new panics when Python cannot allocate.
+        Ok((bytes, (st, rm, cl))) => Ok((
+            PyBytes::new_with(py, bytes.len(), |b| {
+                b.copy_from_slice(&bytes);
+                Ok(())
+            })?,
+            st,
+            rm,
+            cl,
+        )),
         Err(Fail::Bad(m)) => Err(invalid_argument(py, m)),
         Err(Fail::Write(e)) => Err(pyo3::exceptions::PySystemError::new_err(format!(
             "encoding KV events failed writing to memory: {e}"
@@ -453,7 +462,8 @@ impl PySlotAllocator {
         ts: f64,
         data_parallel_rank: Option<i64>,
     ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
-        let e = self.run(py, 0, |core| core.take_events());
+        let mut kept = self.undelivered(py);
+        let e = self.oldest_events(py, &mut kept);
         let a = Arrays {
             kind: &e.kind,
             hash_hi: &e.hash_hi,
@@ -466,6 +476,11 @@ impl PySlotAllocator {
             medium: Some(e.medium.iter().map(|&m| m as i64).collect()),
             group: None,
         };
-        finish(py, &a, ts, data_parallel_rank)
+        let r = finish(py, &a, ts, data_parallel_rank);
+        if r.is_err() {
+            // Kept for the next drain, as take_events keeps them.
+            *kept = Some(e);
+        }
+        r
     }
 }
