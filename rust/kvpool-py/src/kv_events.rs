@@ -367,10 +367,20 @@ fn optional(
 #[pyo3(signature = (events, ts, data_parallel_rank=None))]
 pub fn encode_kv_events<'py>(
     py: Python<'py>,
-    events: &Bound<'py, PyDict>,
-    ts: f64,
-    data_parallel_rank: Option<i64>,
+    events: &Bound<'py, PyAny>,
+    ts: &Bound<'py, PyAny>,
+    data_parallel_rank: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
+    let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
+    let events = events.cast::<PyDict>().map_err(|_| {
+        invalid_argument(
+            py,
+            format!(
+                "events must be the dict take_events returns, got {}",
+                crate::convert::type_name(events)
+            ),
+        )
+    })?;
     let kind = array::<u8>(py, events, "kind", "uint8")?;
     let hash_hi = array::<u64>(py, events, "hash_hi", "uint64")?;
     let hash_lo = array::<u64>(py, events, "hash_lo", "uint64")?;
@@ -408,6 +418,21 @@ pub fn encode_kv_events<'py>(
         group: optional(py, events, "group_idx", n)?,
     };
     finish(py, &a, ts, data_parallel_rank)
+}
+
+/// A batch's `ts` (a number of seconds, not a bool) and optional
+/// `data_parallel_rank` (an int), as InvalidArgumentError when mistyped.
+fn batch_args(
+    py: Python<'_>,
+    ts: &Bound<'_, PyAny>,
+    rank: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(f64, Option<i64>)> {
+    let ts = crate::retention_args::seconds_arg(py, ts, "ts")?;
+    let rank = rank
+        .filter(|r| !r.is_none())
+        .map(|r| crate::convert::int_scalar(py, r, "data_parallel_rank"))
+        .transpose()?;
+    Ok((ts, rank))
 }
 
 /// Encodes `a` (see `encode_kv_events`) into Python bytes with its tally.
@@ -459,9 +484,11 @@ impl PySlotAllocator {
     fn take_events_msgpack<'py>(
         &self,
         py: Python<'py>,
-        ts: f64,
-        data_parallel_rank: Option<i64>,
+        ts: &Bound<'py, PyAny>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
+        // Converted before anything is drained.
+        let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
         let mut kept = self.undelivered(py);
         let e = self.oldest_events(py, &mut kept);
         let a = Arrays {
