@@ -88,6 +88,15 @@ ALLOCATOR_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray], Any
     ("swap_in(h) without a host tier", InvalidArgumentError, lambda a, h: a.swap_in(h)),
     ("swap_out(1.5)", InvalidArgumentError, lambda a, h: a.swap_out(1.5)),
     ("is_swapped('x')", InvalidArgumentError, lambda a, h: a.is_swapped("x")),
+    ("take_events_msgpack('x')", InvalidArgumentError, lambda a, h: a.take_events_msgpack("x")),
+    ("take_events_msgpack(True)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(True)),
+    ("take_events_msgpack(0.0, 2**70)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(0.0, 2**70)),
+    ("take_events_msgpack(0.0, 1.5)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(0.0, 1.5)),
+    ("encode_kv_events(ev, 'x')", InvalidArgumentError,
+     lambda a, h: kvpool._core.encode_kv_events(a.take_events(), "x")),
+    ("encode_kv_events(ev, 0.0, 2**70)", InvalidArgumentError,
+     lambda a, h: kvpool._core.encode_kv_events(a.take_events(), 0.0, 2**70)),
+    ("encode_kv_events([], 0.0)", InvalidArgumentError, lambda a, h: kvpool._core.encode_kv_events([], 0.0)),
 ]
 
 
@@ -100,6 +109,17 @@ def test_allocator_bad_input(alloc, name, exc, call):
     assert type(info.value) is exc, f"{name}: {type(info.value).__name__}: {info.value}"
     assert allocator_state(a, h) == before
     a.check()
+
+
+def test_a_bad_take_events_msgpack_argument_drains_nothing():
+    a = SlotAllocator(9, page_size=2, max_requests=4, max_context_len=8)
+    h, _ = a.open_with_prefix([1, 2, 3, 4], [4])
+    a.extend(h, 4)
+    a.cache(h)
+    for bad in [("x",), (0.0, 2**70)]:
+        with pytest.raises(InvalidArgumentError):
+            a.take_events_msgpack(*bad)
+    assert a.take_events_msgpack(1.0)[1:] == (2, 0, 0)
 
 
 def test_huge_count_in_a_huge_page_pool_is_context_too_long():

@@ -222,3 +222,30 @@ def test_drained_queues_lose_nothing_to_a_memory_error():
         "take_copies": ("MemoryError", 1024 * 1023, 1024 * 1023, 0, True, True),
         "take_events": ("MemoryError", True, True, True, {1024}, True, (0, 0), 0),
     }
+
+
+def test_events_a_failed_take_events_kept_are_what_take_events_msgpack_sends_first():
+    # take_events and take_events_msgpack drain the same events: the ones a
+    # MemoryError kept back are the oldest, so the msgpack drain sends them
+    # (before any newer event), and nothing is sent twice.
+    got = run_cases(
+        """
+        case("take_events_msgpack")
+        ps, n = 1 << 10, 1 << 22
+        a = SlotAllocator((n // ps) + 2, page_size=ps, max_requests=2, max_context_len=n)
+        h = a.open(1)
+        tokens = np.arange(n, dtype=np.int32) % 30000
+        a.extend(h, n, tokens=tokens)
+        a.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
+        r = outcome(a.take_events, 16 * MiB + 4 * MiB)
+        a.clear_cache()  # a newer event: Cleared
+        first = a.take_events_msgpack(1.0)[1:]
+        second = a.take_events_msgpack(2.0)[1:]
+        third = a.take_events_msgpack(3.0)[1:]
+        result((r, first, second, third, a.take_events()["kind"].size))
+        a.check()
+        """
+    )
+    assert got == {
+        "take_events_msgpack": ("MemoryError", (1 << 12, 0, 0), (0, 0, 1), (0, 0, 0), 0),
+    }

@@ -28,6 +28,21 @@ pub(crate) fn events_dict<'py>(
     Ok(d)
 }
 
+impl PySlotAllocator {
+    /// The events to drain next: those a failed drain kept back (the
+    /// oldest), else the core's.
+    pub(crate) fn oldest_events(
+        &self,
+        py: Python<'_>,
+        kept: &mut Option<kvpool_core::Events>,
+    ) -> kvpool_core::Events {
+        match kept.take() {
+            Some(e) => e,
+            None => self.run(py, 0, |core| core.take_events()),
+        }
+    }
+}
+
 #[pymethods]
 impl PySlotAllocator {
     /// take_events() -> dict[str, ndarray]
@@ -46,13 +61,10 @@ impl PySlotAllocator {
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         // Events drained by a call whose arrays could not be allocated come
         // first (they are the oldest); newer ones wait in the core.
-        let stashed = self.undelivered().take();
-        let e = match stashed {
-            Some(e) => e,
-            None => py.detach(|| self.lock().take_events()),
-        };
+        let mut kept = self.undelivered(py);
+        let e = self.oldest_events(py, &mut kept);
         events_dict(py, &e).map_err(|err| {
-            *self.undelivered() = Some(e);
+            *kept = Some(e);
             err.into()
         })
     }

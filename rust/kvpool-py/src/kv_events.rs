@@ -367,10 +367,20 @@ fn optional(
 #[pyo3(signature = (events, ts, data_parallel_rank=None))]
 pub fn encode_kv_events<'py>(
     py: Python<'py>,
-    events: &Bound<'py, PyDict>,
-    ts: f64,
-    data_parallel_rank: Option<i64>,
+    events: &Bound<'py, PyAny>,
+    ts: &Bound<'py, PyAny>,
+    data_parallel_rank: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
+    let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
+    let events = events.cast::<PyDict>().map_err(|_| {
+        invalid_argument(
+            py,
+            format!(
+                "events must be the dict take_events returns, got {}",
+                crate::convert::type_name(events)
+            ),
+        )
+    })?;
     let kind = array::<u8>(py, events, "kind", "uint8")?;
     let hash_hi = array::<u64>(py, events, "hash_hi", "uint64")?;
     let hash_lo = array::<u64>(py, events, "hash_lo", "uint64")?;
@@ -410,6 +420,21 @@ pub fn encode_kv_events<'py>(
     finish(py, &a, ts, data_parallel_rank)
 }
 
+/// A batch's `ts` (a number of seconds, not a bool) and optional
+/// `data_parallel_rank` (an int), as InvalidArgumentError when mistyped.
+fn batch_args(
+    py: Python<'_>,
+    ts: &Bound<'_, PyAny>,
+    rank: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(f64, Option<i64>)> {
+    let ts = crate::retention_args::seconds_arg(py, ts, "ts")?;
+    let rank = rank
+        .filter(|r| !r.is_none())
+        .map(|r| crate::convert::int_scalar(py, r, "data_parallel_rank"))
+        .transpose()?;
+    Ok((ts, rank))
+}
+
 /// Encodes `a` (see `encode_kv_events`) into Python bytes with its tally.
 fn finish<'py>(
     py: Python<'py>,
@@ -427,7 +452,16 @@ fn finish<'py>(
         batch(a, ts, data_parallel_rank)
     };
     match encoded {
-        Ok((bytes, (st, rm, cl))) => Ok((PyBytes::new(py, &bytes), st, rm, cl)),
+        // Fallibly: PyBytes::new panics when Python cannot allocate.
+        Ok((bytes, (st, rm, cl))) => Ok((
+            PyBytes::new_with(py, bytes.len(), |b| {
+                b.copy_from_slice(&bytes);
+                Ok(())
+            })?,
+            st,
+            rm,
+            cl,
+        )),
         Err(Fail::Bad(m)) => Err(invalid_argument(py, m)),
         Err(Fail::Write(e)) => Err(pyo3::exceptions::PySystemError::new_err(format!(
             "encoding KV events failed writing to memory: {e}"
@@ -450,10 +484,13 @@ impl PySlotAllocator {
     fn take_events_msgpack<'py>(
         &self,
         py: Python<'py>,
-        ts: f64,
-        data_parallel_rank: Option<i64>,
+        ts: &Bound<'py, PyAny>,
+        data_parallel_rank: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
-        let e = self.run(py, 0, |core| core.take_events());
+        // Converted before anything is drained.
+        let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
+        let mut kept = self.undelivered(py);
+        let e = self.oldest_events(py, &mut kept);
         let a = Arrays {
             kind: &e.kind,
             hash_hi: &e.hash_hi,
@@ -466,6 +503,11 @@ impl PySlotAllocator {
             medium: Some(e.medium.iter().map(|&m| m as i64).collect()),
             group: None,
         };
-        finish(py, &a, ts, data_parallel_rank)
+        let r = finish(py, &a, ts, data_parallel_rank);
+        if r.is_err() {
+            // Kept for the next drain, as take_events keeps them.
+            *kept = Some(e);
+        }
+        r
     }
 }
