@@ -193,3 +193,19 @@ def test_dtype_and_ndim_are_named_in_messages(busy):
         a.extend(h, np.ones((3, 1), dtype=np.int32))
     with pytest.raises(InvalidArgumentError, match="more than once"):
         a.close([h[0], h[0]])
+
+
+def test_too_long_a_new_request_is_named_as_new_not_by_a_handle():
+    """A call that would open a request past max_context_len names it as new: no handle
+    was issued (not the -1 placeholder, nor the handle the row would have had)."""
+    a = SlotAllocator(64, 1, 4, 16)
+    h = a.open(1)
+    calls = [lambda: a.open_with_prefix(list(range(20)), [20]), lambda: a.admit([3, 20]),
+             lambda: a.admit_packed([20])]
+    for call in calls:
+        with pytest.raises(ContextTooLongError, match=r"^context too long: a new request would reach 20 tokens"):
+            call()
+    with pytest.raises(ContextTooLongError, match=rf"^context too long: request {int(h[0])} would reach 17"):
+        a.extend(h, 17)
+    assert a.open_requests == 1 and a.used_pages == 0
+    a.check()

@@ -49,10 +49,12 @@ pub enum PoolError {
     },
 
     #[error(
-        "context too long: request {handle} would reach {length} tokens, \
-         more than max_context_len={max}"
+        "context too long: {} would reach {length} tokens, \
+         more than max_context_len={max}",
+        request_name(*.handle)
     )]
     ContextTooLong {
+        /// The request's handle, or -1 for a request the call would open.
         handle: i64,
         length: u64,
         max: usize,
@@ -124,6 +126,16 @@ pub struct Rollback {
     pub group: usize,
     pub kind: &'static str,
     pub reason: String,
+}
+
+/// How an error names a request: by handle, or as the new request a
+/// call would have opened (handle -1).
+fn request_name(handle: i64) -> String {
+    if handle < 0 {
+        "a new request".to_string()
+    } else {
+        format!("request {handle}")
+    }
 }
 
 #[cfg(test)]

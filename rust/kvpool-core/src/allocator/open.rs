@@ -12,7 +12,7 @@
 use super::extend::Grown;
 use super::options::Counts;
 use super::SlotAllocator;
-use crate::error::Result;
+use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
 use crate::memory::reserve;
 use crate::requests::row::Row;
@@ -87,7 +87,15 @@ impl SlotAllocator {
             }
             handles.truncate(start);
         }
-        r
+        r.map_err(|e| match e {
+            // The handle was never issued: name the request as new.
+            PoolError::ContextTooLong { length, max, .. } => PoolError::ContextTooLong {
+                handle: -1,
+                length,
+                max,
+            },
+            e => e,
+        })
     }
 
     /// `admit_into` returning the handles and the slots.
