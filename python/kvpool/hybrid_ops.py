@@ -16,6 +16,7 @@ import torch
 
 from kvpool.kernels import write_req_to_token
 from kvpool.tables import PageTable, page_table_tensors
+from kvpool.validate import check_layer
 
 __all__ = ["HybridExtendResult", "HybridRequestOps"]
 
@@ -29,8 +30,12 @@ class HybridExtendResult(NamedTuple):
     group_of_layer: tuple[int, ...]
 
     def for_layer(self, layer: int) -> torch.Tensor:
-        """The new slots of ``layer``'s group, on the pool's device."""
-        return self.out_cache_loc[self.group_of_layer[layer]]
+        """The new slots of ``layer``'s group, on the pool's device.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        return self.out_cache_loc[self.group_of_layer[check_layer(layer, len(self.group_of_layer))]]
 
 
 class HybridRequestOps:

@@ -26,12 +26,35 @@ from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
-__all__ = ["PoolSlots", "RowsMixin"]
+__all__ = ["PoolSlots", "RowsMixin", "index_copy_rows"]
 
 # (slots tensor, numpy array sharing its memory or None, the tensor's version when
 # made, no padding / page-0 / repeated slot among them, any negative among them)
 _Record = tuple[torch.Tensor, Any, int, bool, bool]
 _NO_ARRAY = object()  # a record without an array: never the ``slots`` a caller passes
+
+
+def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor | None) -> None:
+    """``caches[0][idx] = k`` (and ``caches[1][idx] = v``) with ``index_copy_``.
+
+    Rows that are views of the caches themselves (a caller moving rows within a layer)
+    are stored as they were when the call was made: ``index_copy_`` refuses a source
+    whose memory overlaps its destination, before it writes anything, so such a source
+    is copied out first. A K copy that went through did not overlap the K cache, so
+    storing it again from a copy stores the same values.
+    """
+    try:
+        caches[0].index_copy_(0, idx, k)
+        if v is not None:
+            caches[1].index_copy_(0, idx, v)
+    except RuntimeError:
+        bases = {c.untyped_storage().data_ptr() for c in caches}
+        if not any(x is not None and x.untyped_storage().data_ptr() in bases for x in (k, v)):
+            raise
+        caches[0].index_copy_(0, idx, k.clone())
+        if v is not None:
+            caches[1].index_copy_(0, idx, v.clone())
 
 
 class PoolSlots:
@@ -223,7 +246,8 @@ class RowsMixin:
         want = (idx.shape[0],) + self._row_shape
         dtype, dev = self.compute_dtype, self.device
         for name, x in (("kv", k),) if v is None else (("k", k), ("v", v)):
-            if not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.shape == want and x.device == dev):
+            if not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.shape == want and x.device == dev
+                    and x.layout is torch.strided):
                 check_rows(name, x, want[0], want[1], want[2], dtype, dev)  # raises the precise error
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
@@ -286,9 +310,7 @@ class RowsMixin:
         if idx.dtype != torch.int64:
             idx = idx.long()
         try:
-            caches[0].index_copy_(0, idx, k)
-            if v is not None:
-                caches[1].index_copy_(0, idx, v)
+            index_copy_rows(caches, idx, k, v)
         except IndexError:
             # Only a pool-made tensor changed behind torch's back gets here unchecked
             # (PoolSlots); name the bad slot as a caller's tensor would be named.
