@@ -69,8 +69,12 @@ class PoolSlots:
     pools whose rows move through torch keep a record: on CUDA device slots are
     never value-checked (a check would sync), and the Triton kernels would not
     bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``
-    or ``.numpy()``, which share its memory); torch's ``index_copy_`` does, and
-    ``write`` reports it as ``SlotRangeError``.
+    or ``.numpy()``, which share its memory); torch's indexing does, and ``write``
+    and ``read`` then check the slots as a caller's: ``SlotRangeError`` for one out
+    of range, padding for a negative one. Torch checks each index as it copies, so
+    rows before an out-of-range slot may already have been stored when ``write``
+    raises: a caller that edits ``ExtendResult.slots`` in place gives up the
+    nothing-written guarantee for that call.
 
     The last ``SIZE`` records are kept (a step's slots stay alive until a few more
     extends have run). Lookups and updates are single reads and writes of one
@@ -259,8 +263,13 @@ class RowsMixin:
             return
         if self._row_plain:
             self._copy_rows(self._row_caches[layer], idx, negative, k, v)
-        else:
+            return
+        try:
             self._store_checked(layer, idx, k, v)  # the kernels skip negative slots themselves
+        except IndexError:
+            # As in _copy_rows: only a pool-made tensor changed behind torch's back gets here.
+            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
 
     def _store_checked(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """``write`` for callers inside kvpool that have checked ``k``/``v`` themselves and
@@ -313,9 +322,12 @@ class RowsMixin:
             index_copy_rows(caches, idx, k, v)
         except IndexError:
             # Only a pool-made tensor changed behind torch's back gets here unchecked
-            # (PoolSlots); name the bad slot as a caller's tensor would be named.
-            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
-            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+            # (PoolSlots); name the bad slot as a caller's tensor would be named. If every
+            # slot is in range, the change made some padding: skip it as a caller's.
+            _, negative = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            if not negative:
+                raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+            self._copy_rows(caches, idx, True, k, v)
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
@@ -339,21 +351,34 @@ class RowsMixin:
             layer = check_layer(layer, self.num_layers)
         idx, negative = self._slots(slots, False)
         caches = self._row_caches[layer]
-        if self._row_plain and not negative:
-            if idx.dtype != torch.int64:
-                idx = idx.long()
-            out = tuple(c.index_select(0, idx) for c in caches)
-        else:
-            n, (h, d) = idx.shape[0], self._row_shape
-            out = tuple(torch.empty((n, h, d), dtype=self.compute_dtype, device=self.device) for _ in caches)
-            scales = self._row_scales[layer]
-            kg = self._row_geom[0]
-            if n:
-                if len(caches) == 1:
-                    gather_rows(caches[0], None, idx, out[0], None, self.compute_dtype, scales[0], None, kg, kg)
-                else:
-                    gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
-                                scales[1], kg, self._row_geom[1])
+        try:
+            if self._row_plain and not negative:
+                if idx.dtype != torch.int64:
+                    idx = idx.long()
+                out = tuple(c.index_select(0, idx) for c in caches)
+            else:
+                out = self._gather(layer, idx)
+        except IndexError:
+            # Only a pool-made tensor changed behind torch's back gets here unchecked
+            # (PoolSlots): check it as a caller's (SlotRangeError); in range, it holds
+            # padding, which the gather reads as zeros.
+            idx, _ = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            out = self._gather(layer, idx)
         if len(out) == 1:
             return out[0], out[0][..., : self.kv_lora_rank]
         return out[0], out[1]
+
+    def _gather(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``read``'s gather of ``layer``'s rows at ``idx`` into new tensors (padding reads zeros)."""
+        caches = self._row_caches[layer]
+        n, (h, d) = idx.shape[0], self._row_shape
+        out = tuple(torch.empty((n, h, d), dtype=self.compute_dtype, device=self.device) for _ in caches)
+        scales = self._row_scales[layer]
+        kg = self._row_geom[0]
+        if n:
+            if len(caches) == 1:
+                gather_rows(caches[0], None, idx, out[0], None, self.compute_dtype, scales[0], None, kg, kg)
+            else:
+                gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
+                            scales[1], kg, self._row_geom[1])
+        return out
