@@ -65,10 +65,13 @@ class HybridRequestOps:
             return handles
 
     def _result(self, slots: list[np.ndarray]) -> HybridExtendResult:
-        if self.device.type == "cpu":
-            loc = [torch.from_numpy(s) for s in slots]
-        else:
-            loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
+        # Normal tensors even under inference mode, as the plain pool's: an engine may edit
+        # them in place (padding) outside it.
+        with torch.inference_mode(False):
+            if self.device.type == "cpu":
+                loc = [torch.from_numpy(s) for s in slots]
+            else:
+                loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
         return HybridExtendResult(slots, loc, self.group_of_layer)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> HybridExtendResult:
