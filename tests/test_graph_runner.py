@@ -189,6 +189,16 @@ def test_errors_leave_runner_usable():
         (dict(max_batch_size=16, buckets=[1, 8]), "largest bucket 8 < max_batch_size 16"),
         (dict(max_batch_size=4, buckets=[0, 4]), "buckets must be positive"),
         (dict(max_batch_size=4, pad_seq_len=-1), "pad_seq_len"),
+        (dict(max_batch_size=4, buckets=["a", 4]), "buckets must be positive ints"),
+        (dict(max_batch_size=4, buckets=[2.5, 4]), "buckets must be positive ints"),
+        (dict(max_batch_size=4, buckets=[True, 4]), "buckets must be positive ints"),
+        (dict(max_batch_size=4, buckets=4), "buckets must be positive ints"),
+        (dict(max_batch_size=4, pad_seq_len="1"), "pad_seq_len must be an int >= 0"),
+        (dict(max_batch_size=4, pad_seq_len=1.5), "pad_seq_len must be an int >= 0"),
+        (dict(max_batch_size=4, pad_seq_len=None), "pad_seq_len must be an int >= 0"),
+        (dict(max_batch_size=4, warmup_iters="2"), "warmup_iters must be an int >= 1"),
+        (dict(max_batch_size=4, warmup_iters=1.5), "warmup_iters must be an int >= 1"),
+        (dict(max_batch_size=4, warmup_iters=0), "warmup_iters must be an int >= 1"),
     ],
 )
 def test_constructor_errors(kwargs, match):

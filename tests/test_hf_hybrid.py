@@ -204,3 +204,25 @@ def test_crop_without_a_state_checkpoint_is_refused_and_changes_nothing():
         assert cache.requests.length == n == pool.length(int(h[0])) and cache.get_seq_length() == n
         assert torch.equal(pool.state(0, "recurrent")[pool.state_slots(h, 0)], state)
     pool.check()
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_closed_cache_serves_a_new_batch_of_a_linear_attention_model(how):
+    """close() / reset() say the cache can serve a new batch; on a model whose first layer is
+    linear attention the state layer is the first to see it, so it must open the rows again."""
+    model = tiny("qwen3_next")
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=8)
+    first_ids, first_mask = left_padded([6, 9], seed=11)
+    ids, mask = left_padded([8, 5, 7], seed=12)
+    ref = greedy(model, ids, mask, 6, DynamicCache(config=model.config))
+    cache = KVPoolCache(pool)
+    greedy(model, first_ids, first_mask, 4, cache)
+    getattr(cache, how)()
+    assert pool.open_requests == 0
+    out = greedy(model, ids, mask, 6, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    cache.close()
+    assert pool.open_requests == 0
+    pool.check()

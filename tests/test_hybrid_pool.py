@@ -338,3 +338,16 @@ def test_threads_share_one_hybrid_pool():
     assert not errors, errors
     assert pool.open_requests == 0
     pool.check()
+
+
+@pytest.mark.parametrize("call", ["extend", "admit"])
+def test_results_made_under_inference_mode_are_normal_tensors(call):
+    """As the plain pool's ExtendResult: an engine may edit out_cache_loc in place (padding)
+    outside inference mode after extending inside it."""
+    pool = make()
+    with torch.inference_mode():
+        res = pool.extend(pool.open(1), 3) if call == "extend" else pool.admit([3])[1]
+    for layer in (0, 1, 3):
+        loc = res.for_layer(layer)
+        assert not loc.is_inference()
+        loc[0] = -1  # raises on an inference tensor outside inference mode

@@ -154,3 +154,50 @@ def test_runner_slots_skip_the_second_check_but_keep_their_padding(count):
     with pytest.raises(ReservedSlotError):
         strict.run(np.zeros(2, np.int64), np.zeros(2, np.int64), pool.rows(h), loc, np.ones(2, np.int64))
     del res
+
+
+def make_fp8_pool() -> tuple[kvpool.KVPool, np.ndarray]:
+    pool = kvpool.KVPool(2, H, D, dtype=torch.float8_e4m3fn, page_size=4, num_pages=16, max_requests=4,
+                         max_context_len=16)
+    return pool, pool.open(2)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "fp8"])
+@pytest.mark.parametrize("passed", ["slots", "out_cache_loc"])
+def test_reads_of_slots_changed_behind_torchs_back_are_typed_and_read_padding_as_zeros(kind, passed):
+    pool, h = make_pool() if kind == "fp16" else make_fp8_pool()
+    res = pool.extend(h, [3, 2])
+    pool.write(0, res.slots, rows(5, 2.0).to(pool.compute_dtype), rows(5, 3.0).to(pool.compute_dtype))
+    bad = pool.num_slots + 7
+    res.slots[3] = bad
+    with pytest.raises(SlotRangeError, match=f"slots\\[3\\] = {bad}"):
+        pool.read(0, getattr(res, passed))
+    res.slots[3] = -1  # padding: reads zeros
+    k, v = pool.read(0, getattr(res, passed))
+    assert k[3].abs().sum() == 0 and v[3].abs().sum() == 0
+    assert torch.equal(k[[0, 1, 2, 4]].float(), torch.full((4, H, D), 2.0))
+    assert torch.equal(v[[0, 1, 2, 4]].float(), torch.full((4, H, D), 3.0))
+
+
+@pytest.mark.parametrize("passed", ["slots", "out_cache_loc"])
+def test_padding_set_behind_torchs_back_is_skipped_like_any_callers(passed):
+    pool, h = make_pool()
+    res = pool.extend(h, [3, 2])
+    pool.write(0, res.slots, rows(5), rows(5))
+    res.slots[3] = -1
+    pool.write(0, getattr(res, passed), rows(5, 4.0), rows(5, 5.0))
+    k, v = pool.read(0, res.slots)
+    assert torch.equal(k[[0, 1, 2, 4]], rows(4, 4.0)) and torch.equal(v[[0, 1, 2, 4]], rows(4, 5.0))
+    assert k[3].abs().sum() == 0  # padding reads zeros
+    third = int(pool.slots(int(h[1]))[0])  # the slot the padding replaced keeps its old rows
+    assert torch.equal(pool.read(0, [third])[0], rows(1))
+
+
+def test_an_fp8_write_to_a_slot_changed_behind_torchs_back_is_a_typed_error():
+    pool, h = make_fp8_pool()
+    res = pool.extend(h, [3, 2])
+    before = snapshot(pool)
+    res.slots[0] = pool.num_slots + 7
+    with pytest.raises(SlotRangeError, match=str(pool.num_slots + 7)):
+        pool.write(0, res.out_cache_loc, rows(5).bfloat16(), rows(5).bfloat16())
+    assert snapshot(pool) == before  # the bad slot is the first row: nothing was written

@@ -85,6 +85,10 @@ def grad_mode() -> str:
 _I64 = np.iinfo(np.int64)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _too_big(name: str, i: int, value: int, num_slots: Optional[int]) -> InvalidArgumentError:
     if name == "out_cache_loc":
         valid = f"[0, {num_slots})" if num_slots is not None else "the pool's slots"
@@ -170,7 +174,10 @@ class DecodeGraphRunner:
         if buckets is None:
             buckets = default_buckets(max_batch_size)
         else:
-            buckets = sorted({int(b) for b in buckets})
+            given = buckets
+            if not isinstance(given, (list, tuple, range, np.ndarray)) or not all(_is_int(b) for b in given):
+                raise InvalidArgumentError(f"buckets must be positive ints, got {given!r}")
+            buckets = sorted({int(b) for b in given})
             if not buckets or buckets[0] < 1:
                 raise InvalidArgumentError(f"buckets must be positive ints, got {buckets!r}")
             if buckets[-1] < max_batch_size:
@@ -178,8 +185,10 @@ class DecodeGraphRunner:
                     f"largest bucket {buckets[-1]} < max_batch_size {max_batch_size}: "
                     "a full batch would have no graph"
                 )
-        if pad_seq_len < 0 or warmup_iters < 1:
-            raise InvalidArgumentError("pad_seq_len must be >= 0 and warmup_iters >= 1")
+        if not _is_int(pad_seq_len) or pad_seq_len < 0:
+            raise InvalidArgumentError(f"pad_seq_len must be an int >= 0, got {pad_seq_len!r}")
+        if not _is_int(warmup_iters) or warmup_iters < 1:
+            raise InvalidArgumentError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         self.pool, self.step = pool, step
         self.max_batch_size, self.buckets = max_batch_size, list(buckets)
         self.device = as_device(pool.device)

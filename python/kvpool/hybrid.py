@@ -41,6 +41,7 @@ from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.rows import index_copy_rows
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["HybridExtendResult", "HybridKVPool"]
@@ -308,8 +309,7 @@ class HybridKVPool(HybridRequestOps):
         st = self._storage[g.index]
         assert st is not None
         i = self._slot_in_group[layer]
-        st.flat[0][i].index_copy_(0, idx.long(), k)
-        st.flat[1][i].index_copy_(0, idx.long(), v)
+        index_copy_rows((st.flat[0][i], st.flat[1][i]), idx.long(), k, v)
 
     def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""

@@ -16,6 +16,7 @@ import torch
 
 from kvpool.kernels import write_req_to_token
 from kvpool.tables import PageTable, page_table_tensors
+from kvpool.validate import check_layer
 
 __all__ = ["HybridExtendResult", "HybridRequestOps"]
 
@@ -29,8 +30,12 @@ class HybridExtendResult(NamedTuple):
     group_of_layer: tuple[int, ...]
 
     def for_layer(self, layer: int) -> torch.Tensor:
-        """The new slots of ``layer``'s group, on the pool's device."""
-        return self.out_cache_loc[self.group_of_layer[layer]]
+        """The new slots of ``layer``'s group, on the pool's device.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
+        """
+        return self.out_cache_loc[self.group_of_layer[check_layer(layer, len(self.group_of_layer))]]
 
 
 class HybridRequestOps:
@@ -60,10 +65,13 @@ class HybridRequestOps:
             return handles
 
     def _result(self, slots: list[np.ndarray]) -> HybridExtendResult:
-        if self.device.type == "cpu":
-            loc = [torch.from_numpy(s) for s in slots]
-        else:
-            loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
+        # Normal tensors even under inference mode, as the plain pool's: an engine may edit
+        # them in place (padding) outside it.
+        with torch.inference_mode(False):
+            if self.device.type == "cpu":
+                loc = [torch.from_numpy(s) for s in slots]
+            else:
+                loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
         return HybridExtendResult(slots, loc, self.group_of_layer)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> HybridExtendResult:

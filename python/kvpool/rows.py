@@ -26,12 +26,35 @@ from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
-__all__ = ["PoolSlots", "RowsMixin"]
+__all__ = ["PoolSlots", "RowsMixin", "index_copy_rows"]
 
 # (slots tensor, numpy array sharing its memory or None, the tensor's version when
 # made, no padding / page-0 / repeated slot among them, any negative among them)
 _Record = tuple[torch.Tensor, Any, int, bool, bool]
 _NO_ARRAY = object()  # a record without an array: never the ``slots`` a caller passes
+
+
+def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor | None) -> None:
+    """``caches[0][idx] = k`` (and ``caches[1][idx] = v``) with ``index_copy_``.
+
+    Rows that are views of the caches themselves (a caller moving rows within a layer)
+    are stored as they were when the call was made: ``index_copy_`` refuses a source
+    whose memory overlaps its destination, before it writes anything, so such a source
+    is copied out first. A K copy that went through did not overlap the K cache, so
+    storing it again from a copy stores the same values.
+    """
+    try:
+        caches[0].index_copy_(0, idx, k)
+        if v is not None:
+            caches[1].index_copy_(0, idx, v)
+    except RuntimeError:
+        bases = {c.untyped_storage().data_ptr() for c in caches}
+        if not any(x is not None and x.untyped_storage().data_ptr() in bases for x in (k, v)):
+            raise
+        caches[0].index_copy_(0, idx, k.clone())
+        if v is not None:
+            caches[1].index_copy_(0, idx, v.clone())
 
 
 class PoolSlots:
@@ -46,8 +69,12 @@ class PoolSlots:
     pools whose rows move through torch keep a record: on CUDA device slots are
     never value-checked (a check would sync), and the Triton kernels would not
     bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``
-    or ``.numpy()``, which share its memory); torch's ``index_copy_`` does, and
-    ``write`` reports it as ``SlotRangeError``.
+    or ``.numpy()``, which share its memory); torch's indexing does, and ``write``
+    and ``read`` then check the slots as a caller's: ``SlotRangeError`` for one out
+    of range, padding for a negative one. Torch checks each index as it copies, so
+    rows before an out-of-range slot may already have been stored when ``write``
+    raises: a caller that edits ``ExtendResult.slots`` in place gives up the
+    nothing-written guarantee for that call.
 
     The last ``SIZE`` records are kept (a step's slots stay alive until a few more
     extends have run). Lookups and updates are single reads and writes of one
@@ -223,7 +250,8 @@ class RowsMixin:
         want = (idx.shape[0],) + self._row_shape
         dtype, dev = self.compute_dtype, self.device
         for name, x in (("kv", k),) if v is None else (("k", k), ("v", v)):
-            if not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.shape == want and x.device == dev):
+            if not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.shape == want and x.device == dev
+                    and x.layout is torch.strided):
                 check_rows(name, x, want[0], want[1], want[2], dtype, dev)  # raises the precise error
         # detach(): a source that requires grad must not drag the cache into
         # autograd (in grad mode, the store would make the cache require grad).
@@ -235,8 +263,13 @@ class RowsMixin:
             return
         if self._row_plain:
             self._copy_rows(self._row_caches[layer], idx, negative, k, v)
-        else:
+            return
+        try:
             self._store_checked(layer, idx, k, v)  # the kernels skip negative slots themselves
+        except IndexError:
+            # As in _copy_rows: only a pool-made tensor changed behind torch's back gets here.
+            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
 
     def _store_checked(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """``write`` for callers inside kvpool that have checked ``k``/``v`` themselves and
@@ -286,14 +319,15 @@ class RowsMixin:
         if idx.dtype != torch.int64:
             idx = idx.long()
         try:
-            caches[0].index_copy_(0, idx, k)
-            if v is not None:
-                caches[1].index_copy_(0, idx, v)
+            index_copy_rows(caches, idx, k, v)
         except IndexError:
             # Only a pool-made tensor changed behind torch's back gets here unchecked
-            # (PoolSlots); name the bad slot as a caller's tensor would be named.
-            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
-            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+            # (PoolSlots); name the bad slot as a caller's tensor would be named. If every
+            # slot is in range, the change made some padding: skip it as a caller's.
+            _, negative = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            if not negative:
+                raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+            self._copy_rows(caches, idx, True, k, v)
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather rows at ``slots`` as ``compute_dtype`` (fp8 dequantized); negative slots read zeros.
@@ -317,21 +351,34 @@ class RowsMixin:
             layer = check_layer(layer, self.num_layers)
         idx, negative = self._slots(slots, False)
         caches = self._row_caches[layer]
-        if self._row_plain and not negative:
-            if idx.dtype != torch.int64:
-                idx = idx.long()
-            out = tuple(c.index_select(0, idx) for c in caches)
-        else:
-            n, (h, d) = idx.shape[0], self._row_shape
-            out = tuple(torch.empty((n, h, d), dtype=self.compute_dtype, device=self.device) for _ in caches)
-            scales = self._row_scales[layer]
-            kg = self._row_geom[0]
-            if n:
-                if len(caches) == 1:
-                    gather_rows(caches[0], None, idx, out[0], None, self.compute_dtype, scales[0], None, kg, kg)
-                else:
-                    gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
-                                scales[1], kg, self._row_geom[1])
+        try:
+            if self._row_plain and not negative:
+                if idx.dtype != torch.int64:
+                    idx = idx.long()
+                out = tuple(c.index_select(0, idx) for c in caches)
+            else:
+                out = self._gather(layer, idx)
+        except IndexError:
+            # Only a pool-made tensor changed behind torch's back gets here unchecked
+            # (PoolSlots): check it as a caller's (SlotRangeError); in range, it holds
+            # padding, which the gather reads as zeros.
+            idx, _ = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+            out = self._gather(layer, idx)
         if len(out) == 1:
             return out[0], out[0][..., : self.kv_lora_rank]
         return out[0], out[1]
+
+    def _gather(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``read``'s gather of ``layer``'s rows at ``idx`` into new tensors (padding reads zeros)."""
+        caches = self._row_caches[layer]
+        n, (h, d) = idx.shape[0], self._row_shape
+        out = tuple(torch.empty((n, h, d), dtype=self.compute_dtype, device=self.device) for _ in caches)
+        scales = self._row_scales[layer]
+        kg = self._row_geom[0]
+        if n:
+            if len(caches) == 1:
+                gather_rows(caches[0], None, idx, out[0], None, self.compute_dtype, scales[0], None, kg, kg)
+            else:
+                gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
+                            scales[1], kg, self._row_geom[1])
+        return out

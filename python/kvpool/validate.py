@@ -38,9 +38,12 @@ def check_layer(layer: Any, num_layers: int) -> int:
 
 
 def check_rows(name: str, x: Any, n: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """``x`` must be a ``dtype`` tensor of shape ``[n, heads, dim]`` on ``device``."""
+    """``x`` must be a dense ``dtype`` tensor of shape ``[n, heads, dim]`` on ``device``."""
     if not isinstance(x, torch.Tensor):
         raise TensorDtypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TensorShapeError(f"{name} is a {x.layout} tensor; the pool takes dense (torch.strided) rows "
+                               f"(convert with {name}.to_dense())")
     if x.dtype != dtype:
         raise TensorDtypeError(f"{name} has dtype {x.dtype}; this pool takes {dtype} (no silent casts)")
     if tuple(x.shape) != (n, heads, dim):

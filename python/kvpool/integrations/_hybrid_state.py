@@ -198,9 +198,13 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         return self.requests.batch_size
 
     def reset(self) -> None:
+        # Not initialized either: after the cache's rows are closed, the next batch's first
+        # state update must go through lazy_initialization, which opens its rows.
         self.drop()
         for i in range(self.number_of_states):
             self.has_previous_state[i] = False
+            self.is_conv_states_initialized[i] = False
+            self.is_recurrent_states_initialized[i] = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("reorder the whole KVPoolCache (cache.reorder_cache), not one layer")

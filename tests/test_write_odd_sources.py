@@ -1,0 +1,81 @@
+"""KVPool.write (plain and hybrid) with sources an outside caller may hand it: K/V that are
+views of the pool's own caches, and tensors of a non-dense layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.errors import KVPoolError, LayerIndexError, TensorShapeError
+
+H, D = 2, 4
+
+
+def plain() -> tuple[kvpool.KVPool, np.ndarray]:
+    pool = kvpool.KVPool(2, H, D, dtype=torch.float16, num_pages=8, page_size=2, max_requests=3,
+                         max_context_len=8)
+    h = pool.open(1)
+    slots = pool.extend(h, 6).slots
+    torch.manual_seed(0)
+    for layer in range(2):
+        pool.write(layer, slots, torch.randn(6, H, D).half(), torch.randn(6, H, D).half())
+    return pool, slots
+
+
+def hybrid() -> tuple[kvpool.KVPool, np.ndarray]:
+    pool = kvpool.KVPool(2, H, D, layer_types=["full_attention", "sliding_attention"], sliding_window=4,
+                         dtype=torch.float16, num_pages=8, page_size=2, max_requests=3, max_context_len=8)
+    h = pool.open(1)
+    res = pool.extend(h, 6)
+    slots = res.for_layer(0).numpy()
+    torch.manual_seed(0)
+    pool.write(0, slots, torch.randn(6, H, D).half(), torch.randn(6, H, D).half())
+    return pool, slots
+
+
+def snapshot(pool) -> list[bytes]:
+    return [t.contiguous().view(torch.uint8).numpy().tobytes() for _, t in pool.named_tensors()]
+
+
+@pytest.mark.parametrize("make", [plain, hybrid])
+@pytest.mark.parametrize("which", ["k", "v", "both"])
+def test_rows_that_are_views_of_the_caches_are_stored_as_they_were(make, which):
+    """Moving rows within a layer by passing views of its own caches (overlapping the
+    destination rows) stores the values the views held when the call was made."""
+    pool, slots = make()
+    src, dst = slots[1:4], slots[2:5]  # overlapping: dst[i] == src[i + 1]
+    kb, vb = pool.k_buffer(0), pool.v_buffer(0)
+    lo, hi = int(src[0]), int(src[-1]) + 1
+    assert hi - lo == 3  # one request on a fresh pool: consecutive slots
+    k_new, v_new = torch.randn(3, H, D).half(), torch.randn(3, H, D).half()
+    k = kb[lo:hi] if which in ("k", "both") else k_new
+    v = vb[lo:hi] if which in ("v", "both") else v_new
+    want_k, want_v = k.clone(), v.clone()
+    pool.write(0, dst, k, v)
+    got_k, got_v = pool.read(0, dst)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("make", [plain, hybrid])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_sparse_rows_are_a_typed_error_and_change_nothing(make, which):
+    pool, slots = make()
+    dense = torch.ones(2, H, D).half()
+    sparse = torch.ones(2, H, D).to_sparse().half()
+    k, v = (sparse, dense) if which == "k" else (dense, sparse)
+    before = snapshot(pool)
+    with pytest.raises(KVPoolError) as info:
+        pool.write(0, slots[:2], k, v)
+    assert type(info.value) is TensorShapeError
+    assert "strided" in str(info.value) and which in str(info.value)
+    assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("layer", [2, -1, 7])
+def test_hybrid_extend_result_for_a_layer_outside_the_pool_is_a_layer_index_error(layer):
+    pool, _ = hybrid()
+    res = pool.extend(pool.open(1), 2)
+    with pytest.raises(LayerIndexError, match=r"\[0, 2\)"):
+        res.for_layer(layer)
