@@ -60,3 +60,16 @@ def test_kvpool_close_gives_the_same_typed_error():
     assert pool.allocator.open_requests == 1
     pool.close(h, cache=True)
     assert pool.allocator.open_requests == 0
+
+
+def test_kvpool_write_strict_is_a_flag_too():
+    pool = kvpool.KVPool(1, 1, 2, dtype=torch.float32, page_size=2, num_pages=8, max_requests=4, max_context_len=8)
+    _, res = pool.admit([2])
+    rows = torch.ones(2, 1, 2)
+    before = pool.k_buffer(0).clone()
+    for bad in NOT_BOOLS:
+        with pytest.raises(InvalidArgumentError, match="^strict takes True or False, got "):
+            pool.write(0, res.out_cache_loc, rows, rows, strict=bad)
+        assert torch.equal(pool.k_buffer(0), before)
+    pool.write(0, res.out_cache_loc, rows, rows, strict=np.True_)
+    assert torch.equal(pool.read(0, res.out_cache_loc)[0], rows)

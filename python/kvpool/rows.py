@@ -24,7 +24,7 @@ from kvpool.kernels._common import cache_geom, use_triton
 from kvpool.kernels.ops import gather_rows, store_rows
 from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
-from kvpool.validate import check_layer, check_rows, slots_tensor
+from kvpool.validate import check_flag, check_layer, check_rows, slots_tensor
 
 __all__ = ["PoolSlots", "RowsMixin", "index_copy_rows"]
 
@@ -246,6 +246,8 @@ class RowsMixin:
                 raise TensorShapeError("an MLA pool takes one latent tensor: write(layer, slots, kv), without v")
         elif v is None:
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        if strict is not False and strict is not True:
+            strict = check_flag("strict", strict)
         idx, negative = self._slots(slots, strict)
         want = (idx.shape[0],) + self._row_shape
         dtype, dev = self.compute_dtype, self.device

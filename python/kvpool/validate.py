@@ -16,6 +16,7 @@ import torch
 
 from kvpool.errors import (
     DuplicateSlotError,
+    InvalidArgumentError,
     LayerIndexError,
     ReservedSlotError,
     SlotRangeError,
@@ -26,7 +27,14 @@ from kvpool.errors import (
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
-__all__ = ["check_layer", "check_rows", "slots_tensor"]
+__all__ = ["check_flag", "check_layer", "check_rows", "slots_tensor"]
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A keyword flag: True or False (numpy bools included), never a truthiness guess."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{name} takes True or False, got {type(value).__name__} {value!r}")
 
 
 def check_layer(layer: Any, num_layers: int) -> int:
