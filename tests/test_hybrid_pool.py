@@ -261,6 +261,33 @@ def test_bad_configuration_is_a_typed_error(kw, match):
         make(**kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_every_dtype_a_pool_accepts_runs_its_copies_on_write(dtype):
+    """A dtype the copy kernels cannot take must be refused when the pool is built: once
+    the core has queued a copy, failing to run it leaves the pool changed and the copy lost."""
+    try:
+        pool = make(dtype=dtype)
+    except InvalidArgumentError as e:
+        assert dtype == torch.float64 and "float64" in str(e) and "float32" in str(e), str(e)
+        return
+    assert dtype != torch.float64, "a float64 pool was built"
+
+    def put(res):
+        s = res.for_layer(1)
+        x = (s % 64).to(dtype).view(-1, 1, 1).expand(-1, 2, 8).contiguous()  # exact in every dtype
+        pool.write(1, s, x, x)
+
+    h = pool.open(1)
+    put(pool.extend(h, P + 1))
+    kid = pool.fork(int(h[0]), 1)
+    put(pool.extend(kid, 1))  # the shared partial page is copied first
+    parent, child = pool.slots(int(h[0]), 1), pool.slots(int(kid[0]), 1)
+    assert child[P] != parent[P]
+    got = pool.read(1, torch.from_numpy(child[: P + 1]))[0][:, 0, 0]
+    assert torch.equal(got, torch.from_numpy(parent % 64).to(dtype))
+    pool.check()
+
+
 def test_grad_modes_every_tensor_is_normal_and_writes_work_in_every_mode():
     with torch.inference_mode():
         pool = make(max_requests=8)

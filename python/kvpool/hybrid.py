@@ -40,7 +40,7 @@ from kvpool.hybrid_plan import (
 from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
-from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.rows import index_copy_rows
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
@@ -121,8 +121,12 @@ class HybridKVPool(HybridRequestOps):
         self.max_requests, self.max_context_len = int(max_requests), int(max_context_len)
         if layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
-            raise InvalidArgumentError(f"dtype must be a floating, non-fp8 torch.dtype with layer_types, got {dtype!r}")
+        # The copy kernels that run the core's queued copies take only these: a pool they
+        # cannot copy would fail after the core had changed.
+        kv_dtypes = [d for d in CACHE_DTYPES if d not in FP8_DTYPES]
+        if dtype not in kv_dtypes:
+            raise InvalidArgumentError(
+                f"dtype must be one of {kv_dtypes} with layer_types (fp8 is the plain pool's only), got {dtype!r}")
         if compute_dtype is not None and compute_dtype != dtype:
             raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
         self.layout, self.dtype, self.compute_dtype, self.device = layout, dtype, dtype, as_device(device)
