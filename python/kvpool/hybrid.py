@@ -189,6 +189,10 @@ class HybridKVPool(HybridRequestOps):
         # inside extend's one crossing; elsewhere the pool scatters them.
         self._tables_np: list[np.ndarray | None] | None = (
             [None if t is None else t.numpy() for t in self._tables] if self.device.type == "cpu" else None)
+        # Off the CPU, per sliding group: how far each table row already holds the null
+        # page's slots where the window released pages (``_null_released``).
+        self._nulled = {g.index: np.zeros(self.max_requests + 1, dtype=np.int64)
+                        for g in self.groups if g.kind == "sliding"}
         self.null_row = self.max_requests
         self.copied_slots = 0
 
@@ -393,6 +397,7 @@ class HybridKVPool(HybridRequestOps):
 
     def _write_new_rows(self, handles: np.ndarray) -> None:
         """Tables of requests that got slots without an extend (fork, prefix hit)."""
+        self._forget_nulled(handles)
         for g in self.groups:
             if g.kind == "state":
                 continue

@@ -52,6 +52,7 @@ class HybridRequestOps:
     _write_new_rows: Any
     _page_group: Any
     _state_group: Any
+    _nulled: dict[int, np.ndarray]
     group: Any
 
     # ----- request operations -------------------------------------------------
@@ -62,6 +63,7 @@ class HybridRequestOps:
         with self._lock:
             handles = self.allocator.open(n)
             self._run_copies()
+            self._forget_nulled(handles)
             return handles
 
     def _result(self, slots: list[np.ndarray]) -> HybridExtendResult:
@@ -87,6 +89,7 @@ class HybridRequestOps:
                 starts = self.allocator.lengths(h)
                 slots = self.allocator.extend(h, counts, tokens=tokens)
                 self._scatter(h, starts, np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape), slots)
+                self._null_released(h, starts)
             self._run_copies(handles)
             return self._result(slots)
 
@@ -99,6 +102,35 @@ class HybridRequestOps:
             if table is not None:
                 write_req_to_token(table, dev(rows), dev(starts), dev(counts), dev(s))
 
+    def _null_released(self, handles: np.ndarray, starts: np.ndarray) -> None:
+        """Off the CPU: the null page's slots (``position % page_size``) where a sliding
+        window released pages, as the core writes them into CPU tables in the same call.
+        The extend from ``starts`` released every page wholly before ``starts - window + 1``;
+        each row's nulls are written once, from where the last ones ended."""
+        rows = self.allocator.rows(handles)
+        for g in self.groups:
+            done = self._nulled.get(g.index)
+            if done is None or self._tables[g.index] is None:
+                continue
+            ps = g.page_size
+            to = np.maximum(starts - (g.window - 1), 0) // ps * ps
+            todo = to > done[rows]
+            if not todo.any():
+                continue
+            r, end = rows[todo], to[todo]
+            start = done[r]
+            pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(start.tolist(), end.tolist())])
+            dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+            write_req_to_token(self._tables[g.index], dev(r), dev(start), dev(end - start), dev(pos % ps))
+            done[r] = end
+
+    def _forget_nulled(self, handles: np.ndarray) -> None:
+        """Rows (re)opened: their tables are rewritten from position 0 (``_null_released``)."""
+        if self._nulled and len(handles):
+            rows = self.allocator.rows(np.asarray(handles, dtype=np.int64).reshape(-1))
+            for done in self._nulled.values():
+                done[rows] = 0
+
     def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, HybridExtendResult]:
         """Open ``len(counts)`` requests and extend each (``open`` then ``extend``, atomic).
         See ``GroupedAllocator.admit``."""
@@ -108,6 +140,7 @@ class HybridRequestOps:
             else:
                 handles, slots = self.allocator.admit(counts, tokens=tokens)
                 c = np.asarray(counts, dtype=np.int64).reshape(-1)
+                self._forget_nulled(handles)
                 self._scatter(handles, np.zeros_like(c), c, slots)
             self._run_copies(handles)
             return handles, self._result(slots)
