@@ -135,3 +135,17 @@ def test_pinned_pages_and_priority_bands_are_exported():
     samples, _, _ = scrape(KVPoolCollector({"kv": pool}))
     assert v(samples, "kvpool_evictable_pages_by_priority", pool="kv", band="default") == 4
     assert types["kvpool_pinned_pages"] == "gauge"
+
+
+def test_a_second_collector_of_the_same_families_is_refused_at_registration():
+    """Two collectors in one registry would expose every family twice (and two
+    unlabelled pools the same series, pool="0", twice), which a Prometheus scrape
+    rejects: the registry must refuse the second one; one collector of both pools works."""
+    a, b = kvpool.SlotAllocator(8, 1, 2, 8), kvpool.SlotAllocator(8, 1, 2, 8)
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(KVPoolCollector(a))
+    with pytest.raises(ValueError, match="Duplicated"):
+        reg.register(KVPoolCollector(b))
+    samples, _, text = scrape(KVPoolCollector({"a": a, "b": b}))
+    assert text.count("# HELP kvpool_pages ") == 1
+    assert v(samples, "kvpool_pages", pool="a", state="free") == v(samples, "kvpool_pages", pool="b", state="free") == 7

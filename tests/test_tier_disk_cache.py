@@ -368,3 +368,27 @@ def test_two_models_share_a_directory(tmp_path):
         assert DiskCache(dst, tier, model=model).prefetch(TOKENS) == 4
         n, got = hit(dst, TOKENS)
         assert n == 16 and torch.equal(got, want[model][:, :16])
+
+
+@pytest.mark.parametrize("tokens, match", [
+    ([2**32 + 1000 + i for i in range(18)], "token id"),  # int32 would wrap these onto TOKENS
+    ([-1] + list(range(17)), "token id"),
+    ([float(t) + 0.5 for t in TOKENS], "int"),
+    ([list(TOKENS[:9]), list(TOKENS[9:])], "1-D"),
+    ("abc", "int"),
+], ids=["past_int32", "negative", "floats", "2d", "str"])
+def test_prompts_that_are_not_token_ids_are_typed_and_load_nothing(stored, tokens, match):
+    tier, _ = stored
+    dst = make_pool()
+    dc = DiskCache(dst, tier, model="m")
+    with pytest.raises(kvpool.InvalidArgumentError, match=match):
+        dc.prefetch(tokens)
+    assert (dst.cached_pages, dst.open_requests, dc.stats.pages_loaded) == (0, 0, 0)
+
+
+def test_bad_backend_and_scan_interval_are_typed(tmp_path):
+    with pytest.raises(kvpool.InvalidArgumentError, match="TierBackend"):
+        DiskCache(make_pool(), str(tmp_path))
+    for bad in ("1", float("nan"), -1.0, True):
+        with pytest.raises(kvpool.InvalidArgumentError, match="scan_interval_s"):
+            FileTier(tmp_path, 1 << 20, scan_interval_s=bad)

@@ -233,3 +233,29 @@ def test_verify_on_a_real_one_rank_group():
     p.verify()
     p.check_every = 1
     p.extend(p.admit([1])[0], 1)  # the automatic check runs here, through the real all_gather
+
+
+def test_swapping_different_requests_out_changes_the_digest():
+    """Ranks that swap out different requests of the same length diverge with every
+    counter equal (the same number of pages leaves the device either way): only the
+    recorded swap_out call tells them apart. swap_in too."""
+    def tiered() -> TPPool:
+        pool = kvpool.KVPool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=32, max_requests=8,
+                             max_context_len=64, hash_seed=5, handle_seed=9, host_pages=16)
+        return TPPool(pool)
+    a, b = tiered(), tiered()
+    for p in (a, b):
+        hs = p.admit([6, 6])[0]
+    a.swap_out([hs[0]])
+    b.swap_out([hs[1]])
+    assert (a.free_pages, a.used_pages, a.open_requests, a.used_slots) == \
+        (b.free_pages, b.used_pages, b.open_requests, b.used_slots)
+    assert a.digest() != b.digest()
+    c, d = tiered(), tiered()
+    for p in (c, d):
+        hs = p.admit([6])[0]
+        p.swap_out(hs)
+    before = c.digest()
+    c.swap_in(hs)
+    d.inner.swap_in(hs)  # past the wrapper: counters agree, only the recorded call differs
+    assert c.digest() != before and c.calls == d.calls + 1

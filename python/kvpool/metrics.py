@@ -72,9 +72,12 @@ class KVPoolCollector:
             raise InvalidArgumentError(f"publishers for unknown pools {sorted(unknown)}; pools are {sorted(self.pools)}")
 
     def describe(self) -> list[Any]:
-        return []  # families depend on the pools; scraped lazily
+        # Every family this collector can export (empty): the registry checks these
+        # names, so a second collector in one registry, which would expose every family
+        # twice, is refused when it is registered instead of breaking each scrape.
+        return list(self._families())
 
-    def collect(self) -> Iterator[Any]:
+    def _families(self) -> tuple[Any, ...]:
         G, C = _core.GaugeMetricFamily, _core.CounterMetricFamily
         pages = G("kvpool_pages", "Pages by state: free, held by requests, cached (prefix cache, held by none, "
                   "evictable), pinned (cached, never evicted)", labels=["pool", "state"])
@@ -95,6 +98,13 @@ class KVPoolCollector:
         copy = C("kvpool_copy_bytes", "K/V bytes moved by copy-on-write copies", labels=["pool"])
         offload = C("kvpool_offload_bytes", "K/V bytes moved device -> host", labels=["pool"])
         load = C("kvpool_load_bytes", "K/V bytes moved host -> device", labels=["pool"])
+        return (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
+                published, copy, offload, load)
+
+    def collect(self) -> Iterator[Any]:
+        families = self._families()
+        (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
+         published, copy, offload, load) = families
         for name, pool in self.pools.items():
             s = pool.stats()
             alloc = getattr(pool, "allocator", pool)
@@ -128,8 +138,7 @@ class KVPoolCollector:
                 v = getattr(pool, attr, None)
                 if v is not None:
                     fam.add_metric([name], int(v))
-        for fam in (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
-                    published, copy, offload, load):
+        for fam in families:
             if fam.samples:
                 yield fam
 

@@ -39,7 +39,7 @@ __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 #: is recorded through the open / extend / close calls it makes on the proxy.
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
                   "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
-                  "unpin", "set_clock")
+                  "unpin", "set_clock", "swap_out", "swap_in")
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 

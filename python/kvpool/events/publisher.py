@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
-from kvpool._core import SlotAllocator, encode_kv_events
+from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
 
 # vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -33,10 +33,21 @@ def _encoder(pool: Any) -> Callable[[float, Optional[int]], tuple[bytes, int, in
         return alloc.take_events_msgpack  # drains and encodes in one native call
     take = getattr(pool, "take_events", None)
     if not callable(take):
-        raise TypeError(
+        raise InvalidArgumentError(
             f"a KV event publisher needs a pool with take_events() (a KVPool or SlotAllocator), "
             f"got {type(pool).__name__}")
     return lambda ts, rank: encode_kv_events(take(), ts, rank)
+
+
+def _rank(rank: Any) -> Optional[int]:
+    """``data_parallel_rank`` checked here, so that a bad one fails at construction and
+    not at the first ``publish()``."""
+    if rank is None:
+        return None
+    if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= rank.__index__() < 2**63:
+        raise InvalidArgumentError(
+            f"data_parallel_rank must be None or an int in [0, 2**63), got {type(rank).__name__} {rank!r}")
+    return rank.__index__()
 
 
 class EventPublisher:
@@ -52,9 +63,10 @@ class EventPublisher:
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
                  data_parallel_rank: Optional[int] = None) -> None:
         if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or buffer_steps < 0:
-            from kvpool._core import InvalidArgumentError
-
             raise InvalidArgumentError(f"buffer_steps must be an int >= 0 (batches kept for replay), got {buffer_steps!r}")
+        if not isinstance(topic, str):
+            raise InvalidArgumentError(f"topic must be a str (sent UTF-8 encoded), got {type(topic).__name__} {topic!r}")
+        data_parallel_rank = _rank(data_parallel_rank)
         self.pool = pool
         self._encode = _encoder(pool)
         self.topic = topic.encode("utf-8")

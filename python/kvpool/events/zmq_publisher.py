@@ -17,6 +17,7 @@ import queue
 import threading
 from typing import Any, Optional
 
+from kvpool._core import InvalidArgumentError
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
 from kvpool.extras import require
 
@@ -61,6 +62,13 @@ class ZmqEventPublisher(EventPublisher):
     def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "",
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
                  data_parallel_rank: Optional[int] = None, context: Any = None) -> None:
+        if not isinstance(endpoint, str):
+            raise InvalidArgumentError(f"endpoint must be a str such as 'tcp://*:5557', got {endpoint!r}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise InvalidArgumentError(f"replay_endpoint must be None or a str such as 'tcp://*:5558', "
+                                       f"got {replay_endpoint!r}")
+        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
+            raise InvalidArgumentError(f"hwm must be an int >= 0 (0: no limit), got {hwm!r}")
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -70,18 +78,25 @@ class ZmqEventPublisher(EventPublisher):
         self._queued = self._done = 0
         try:
             self._pub.set_hwm(hwm)
-            if binds(endpoint):
-                self._pub.bind(endpoint)
-                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(endpoint)
+            try:
+                if binds(endpoint):
+                    self._pub.bind(endpoint)
+                    endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    self._pub.connect(endpoint)
+            except zmq.ZMQError as e:
+                raise InvalidArgumentError(f"endpoint {endpoint!r} cannot be {'bound' if binds(endpoint) else 'connected'}"
+                                           f": {e}") from None
             self.endpoint = endpoint
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay_sock = self._ctx.socket(zmq.ROUTER)
                 # Room for a whole replay and its end marker, as vLLM sizes it.
                 self._replay_sock.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self._replay_sock.bind(replay_endpoint)
+                try:
+                    self._replay_sock.bind(replay_endpoint)
+                except zmq.ZMQError as e:
+                    raise InvalidArgumentError(f"replay_endpoint {replay_endpoint!r} cannot be bound: {e}") from None
                 self.replay_endpoint = self._replay_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             self._close_sockets()

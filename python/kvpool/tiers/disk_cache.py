@@ -71,6 +71,26 @@ def shape_fingerprint(pool: Any, model: str = "") -> bytes:
     return hashlib.blake2b(";".join(parts).encode(), digest_size=16).digest()
 
 
+def _token_ids(tokens: Any) -> np.ndarray:
+    """A prompt as int32 token ids, checked as ``open_with_prefix`` checks them: an id
+    past int32 must not wrap onto another prompt's pages."""
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as e:  # ragged nesting
+        raise InvalidArgumentError(f"tokens must be a 1-D sequence of int token ids: {e}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"tokens must be int token ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"tokens must be 1-D (one prompt), got shape {arr.shape}")
+    bad = np.flatnonzero((arr < 0) | (arr > np.iinfo(np.int32).max))
+    if bad.size:
+        raise InvalidArgumentError(f"tokens[{int(bad[0])}] = {int(arr[bad[0]])} is not a token id; ids must be in "
+                                   f"[0, {np.iinfo(np.int32).max}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 @dataclass
 class _Entry:
     parent: int
@@ -102,6 +122,9 @@ class DiskCache:
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
+        if not isinstance(backend, TierBackend):
+            raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
+                                       f"got {type(backend).__name__}")
         self.pool, self.backend, self.model = pool, backend, model
         self.stats = DiskStats()
         self._entries: Dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
@@ -280,7 +303,7 @@ class DiskCache:
         Returns:
             Pages loaded.
         """
-        tokens = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype(np.int32)
+        tokens = _token_ids(tokens)
         p = self.pool.page_size
         n_full = max(0, (len(tokens) - 1) // p)
         if n_full == 0:

@@ -61,6 +61,10 @@ class FileTier(TierBackend):
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.path = Path(path)
         self._max = max_bytes
+        if isinstance(scan_interval_s, bool) or not isinstance(scan_interval_s, (int, float)) \
+                or not 0 <= scan_interval_s < float("inf"):
+            raise InvalidArgumentError(f"scan_interval_s must be a finite number of seconds >= 0, "
+                                       f"got {scan_interval_s!r}")
         self.scan_interval_s = float(scan_interval_s)
         try:
             (self.path / ".tmp").mkdir(parents=True, exist_ok=True)

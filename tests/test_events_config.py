@@ -1,0 +1,70 @@
+"""A KV event publisher built with a bad configuration fails at construction with
+InvalidArgumentError that names the argument, not later at publish() (with events
+already drained) and not as a TypeError / ZMQError; no socket is left open."""
+
+import numpy as np
+import pytest
+
+import kvpool
+
+pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+from kvpool.events import LocalEventPublisher, ZmqEventPublisher  # noqa: E402
+
+
+def alloc():
+    a = kvpool.SlotAllocator(16, 4, 4, 64, hash_seed=1)
+    h, _ = a.open_with_prefix(np.arange(9), [9])
+    a.extend(h, 9)
+    a.cache(h)
+    return a  # two full pages registered: two Stored events
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(topic=5), "topic"),
+    (dict(topic=b"kv"), "topic"),
+    (dict(data_parallel_rank="0"), "data_parallel_rank"),
+    (dict(data_parallel_rank=1.0), "data_parallel_rank"),
+    (dict(data_parallel_rank=True), "data_parallel_rank"),
+    (dict(data_parallel_rank=-1), "data_parallel_rank"),
+    (dict(data_parallel_rank=2**63), "data_parallel_rank"),
+], ids=str)
+def test_bad_publisher_arguments_are_typed_and_drain_nothing(kw, match):
+    a = alloc()
+    with pytest.raises(kvpool.InvalidArgumentError, match=match):
+        LocalEventPublisher(a, **kw)
+    assert len(a.take_events()["kind"]) == 2, "the pool's events are still there"
+
+
+def test_a_pool_without_events_is_typed():
+    with pytest.raises(kvpool.InvalidArgumentError, match="take_events"):
+        LocalEventPublisher(object())
+
+
+def test_good_rank_and_topic_are_sent():
+    a = alloc()
+    pub = LocalEventPublisher(a, topic="kv", data_parallel_rank=np.int64(2))
+    assert pub.publish() == 2
+    (topic, _seq, payload), = pub.drain()
+    from kvpool.events import schema
+    assert topic == b"kv" and schema.decoder().decode(payload).data_parallel_rank == 2
+
+
+@pytest.mark.parametrize("endpoint, kw, match", [
+    ("not-an-endpoint", {}, "endpoint"),
+    (5, {}, "endpoint"),
+    ("tcp://127.0.0.1:0", dict(hwm="x"), "hwm"),
+    ("tcp://127.0.0.1:0", dict(hwm=-5), "hwm"),
+    ("tcp://127.0.0.1:0", dict(hwm=True), "hwm"),
+    ("tcp://127.0.0.1:0", dict(replay_endpoint="not-an-endpoint"), "replay_endpoint"),
+    ("tcp://127.0.0.1:0", dict(replay_endpoint=7), "replay_endpoint"),
+], ids=str)
+def test_bad_zmq_publisher_arguments_are_typed(endpoint, kw, match):
+    a = alloc()
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(kvpool.InvalidArgumentError, match=match):
+            ZmqEventPublisher(a, endpoint, context=ctx, **kw).close()  # close: a wrongly built one
+        assert len(a.take_events()["kind"]) == 2
+    finally:
+        ctx.term()  # returns only once every socket made on it is closed
