@@ -154,3 +154,24 @@ def test_a_pool_with_another_seed_or_page_size_is_refused():
     pub.publish()
     with pytest.raises(kvpool.InvalidArgumentError, match="page_size"):
         Router(1, page_size=P, hash_seed=SEED).feed_many(0, pub.drain())
+
+
+def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
+    """A frame that is not a KV event batch (or a seq frame that is not 8 bytes, or a pool
+    that is not an index) is refused before the stream moves: the next good message still
+    applies in order."""
+    import dataclasses
+
+    pools, pubs, r = fleet(n=1)
+    admit(pools[0], np.arange(9))
+    pubs[0].publish()
+    (topic, seq, payload), = pubs[0].drain()
+    bad = [(0, topic, seq, b"\x93not msgpack"), (0, topic, seq, b"\x92\x01\x02"), (0, topic, seq[:4], payload),
+           (0, topic, "x" * 8, payload), ("0", topic, seq, payload), (True, topic, seq, payload),
+           (1.0, topic, seq, payload)]
+    for args in bad:
+        before = dataclasses.replace(r.streams[0], pending=dict(r.streams[0].pending))
+        with pytest.raises(kvpool.InvalidArgumentError):
+            r.feed(*args)
+        assert r.streams[0] == before and r.pages(0) == 0
+    assert r.feed(0, topic, seq, payload) == 1 and r.match(np.arange(9)) == [8]

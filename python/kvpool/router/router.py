@@ -37,7 +37,7 @@ class StreamState:
     """What the router knows of one pool's event stream."""
 
     next_seq: Optional[int] = None  # None until the first batch
-    pending: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    pending: dict[int, Any] = dataclasses.field(default_factory=dict)  # decoded batches by sequence number
     batches: int = 0  # applied
     duplicates: int = 0  # ignored: already applied (replay overlap)
     resets: int = 0  # pool forgotten after an unfillable gap
@@ -75,7 +75,7 @@ class Router:
             raise InvalidArgumentError(
                 f"num_pools and page_size must be >= 1 and max_pending >= 0; got {num_pools}, {page_size}, "
                 f"{max_pending}")
-        from kvpool.events.schema import decoder
+        from kvpool.events.schema import decoder, msgspec
 
         self.num_pools, self.page_size, self.hash_seed = num_pools, page_size, hash_seed
         self.max_pending, self.medium = max_pending, medium
@@ -84,6 +84,7 @@ class Router:
         self.load = [0] * num_pools  # requests routed and not finished
         self._all = (1 << num_pools) - 1
         self._decode = decoder().decode
+        self._not_a_batch = (TypeError, msgspec.DecodeError)  # ValidationError is a DecodeError
 
     # ----- events --------------------------------------------------------
 
@@ -91,18 +92,26 @@ class Router:
         """Take one message of ``pool``'s stream, in any order. Returns the
         batches applied (0 while it waits behind a gap or was a duplicate)."""
         st = self._stream(pool)
+        if not isinstance(seq, (bytes, bytearray, memoryview)) or len(seq) != 8:
+            raise InvalidArgumentError(
+                f"seq must be the 8-byte big-endian sequence frame the publisher sends, got {seq!r:.40}")
         s = int.from_bytes(seq, "big", signed=True)
+        # Decoded before anything changes: a malformed message leaves the stream as it was.
+        try:
+            batch = self._decode(payload)
+        except self._not_a_batch as e:
+            raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
         if st.next_seq is None:
             st.next_seq = s
         if s < st.next_seq:
             st.duplicates += 1
             return 0
         if s > st.next_seq:
-            st.pending[s] = payload
+            st.pending[s] = batch
             if len(st.pending) > self.max_pending:
                 return self.give_up_gap(pool)
             return 0
-        self._apply(pool, payload)
+        self._apply(pool, batch)
         st.next_seq = s + 1
         return 1 + self._apply_ready(pool)
 
@@ -136,9 +145,9 @@ class Router:
             n += 1
         return n
 
-    def _apply(self, pool: int, payload: bytes) -> None:
+    def _apply(self, pool: int, batch: Any) -> None:
         st, ix = self.streams[pool], self.index
-        for ev in self._decode(payload).events:
+        for ev in batch.events:
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":
                 ix.forget(pool)
@@ -168,7 +177,8 @@ class Router:
         self.streams[pool].checked_seed = True
 
     def _stream(self, pool: int) -> StreamState:
-        if not 0 <= pool < self.num_pools:
+        if isinstance(pool, (bool, np.bool_)) or not isinstance(pool, (int, np.integer)) or not (
+                0 <= pool < self.num_pools):
             raise InvalidArgumentError(f"pool must be in [0, {self.num_pools}), got {pool}")
         return self.streams[pool]
 
