@@ -261,6 +261,10 @@ def failures(rank: int, world: int) -> dict[str, Any]:
             kv_transfer.send_request(big, stale, 1)
         except kvpool.InvalidHandleError as e:
             res["stale"] = type(e).__name__
+        try:
+            kv_transfer.send_request(big, h, 1, chunk_bytes="16M")
+        except kvpool.InvalidArgumentError as e:
+            res["bad_args"] = (type(e).__name__, str(e))
         st = kv_transfer.send_request(big, h, 1)       # the group still works after clean refusals
         res["after"] = st.pages
         big.close([h])
@@ -279,6 +283,11 @@ def failures(rank: int, world: int) -> dict[str, Any]:
             kv_transfer.recv_request(big, 0, timeout_s=20)
         except TransferError as e:
             res["stale"] = (type(e).__name__, str(e), time.monotonic() - t0)
+        t0 = time.monotonic()
+        try:
+            kv_transfer.recv_request(big, 0, timeout_s=20)
+        except TransferError as e:
+            res["bad_args"] = (type(e).__name__, str(e), time.monotonic() - t0)
         h = kv_transfer.recv_request(big, 0)
         res["after"] = len(big.pages(h))
         big.close([h])

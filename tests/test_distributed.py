@@ -121,6 +121,8 @@ def test_refusals_leave_both_pools_unchanged(transfer_run):
     assert "head_dim" in dst["incompatible"][2]
     assert src["stale"] == "InvalidHandleError"
     assert dst["stale"][0] == "TransferError" and dst["stale"][2] < 10, "abort must not wait for the timeout"
+    assert src["bad_args"][0] == "InvalidArgumentError" and "chunk_bytes must be a positive int" in src["bad_args"][1]
+    assert dst["bad_args"][0] == "TransferError" and dst["bad_args"][2] < 10, "the receiver is told to abort"
     assert src["after"] == dst["after"] == 9
     assert src["unchanged"][1:3] == dst["unchanged"][1:3] == (0, 0)
 

@@ -36,7 +36,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool._core import ContextTooLongError, KVPoolError, PoolExhaustedError, TooManyRequestsError
+from kvpool._core import (
+    ContextTooLongError,
+    InvalidArgumentError,
+    KVPoolError,
+    PoolExhaustedError,
+    TooManyRequestsError,
+)
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
@@ -200,12 +206,27 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     ``reason="exhausted"``; a different pool shape: ``"incompatible"``);
     ``TransferError`` / ``TransferTimeoutError`` when the peer dies or stays
     silent for ``timeout_s`` seconds; ``InvalidHandleError`` for a stale
-    handle (the destination is told to abort). This pool is never changed.
+    handle and ``InvalidArgumentError`` for a ``timeout_s`` or ``chunk_bytes``
+    that is not a positive number (the destination is told to abort in both
+    cases). This pool is never changed.
     """
+    bad = _bad_send_args(timeout_s, chunk_bytes)
+    if bad is not None:
+        timeout_s = DEFAULT_TIMEOUT_S  # (the abort header still goes out, with the default)
     # The request's pages are read from the first query to the last chunk: no other
     # thread may close it and hand its pages out meanwhile.
     with _pool_lock(pool):
-        return _send_request(pool, handle, dst_rank, group, timeout_s, chunk_bytes)
+        return _send_request(pool, handle, dst_rank, group, timeout_s, chunk_bytes, bad)
+
+
+def _bad_send_args(timeout_s: Any, chunk_bytes: Any) -> str | None:
+    """What is wrong with ``send_request``'s keyword arguments, or None."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) or not (
+            timeout_s > 0):
+        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
+        return f"chunk_bytes must be a positive int, got {chunk_bytes!r}"
+    return None
 
 
 def _pool_lock(pool: Any) -> Any:
@@ -215,12 +236,14 @@ def _pool_lock(pool: Any) -> Any:
 
 
 def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: float,
-                  chunk_bytes: int) -> TransferStats:
+                  chunk_bytes: int, bad: str | None = None) -> TransferStats:
     t0 = time.perf_counter()
     link = _Link(dst_rank, group, comm_device(group, pool.device), timeout_s)
     header = np.zeros(HEADER_LEN, np.int64)
     header[H_MAGIC], header[H_VERSION] = MAGIC, VERSION
     try:
+        if bad is not None:
+            raise InvalidArgumentError(bad)
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
         n_chain, chain = _chain_hashes(pool, handle)
