@@ -392,3 +392,18 @@ def test_bad_backend_and_scan_interval_are_typed(tmp_path):
     for bad in ("1", float("nan"), -1.0, True):
         with pytest.raises(kvpool.InvalidArgumentError, match="scan_interval_s"):
             FileTier(tmp_path, 1 << 20, scan_interval_s=bad)
+
+
+def test_a_pool_with_room_for_part_of_the_prefix_loads_that_part(stored):
+    """Room is the pool's free pages, which count its evictable cached pages already: the
+    prefetch loads the pages that fit (evicting those cached ones), not nothing."""
+    tier, want = stored
+    dst = make_pool(num_pages=6)  # 5 usable pages
+    held, _ = dst.open_with_prefix(np.arange(8, dtype=np.int32), [8])
+    dst.extend(held, [8])  # 2 pages held
+    prefill(dst, np.arange(500, 512, dtype=np.int32), seed=3)  # 3 pages cached, evictable
+    assert (dst.free_pages, dst.evictable_pages) == (3, 3)
+    assert DiskCache(dst, tier, model="m").prefetch(TOKENS) == 3
+    n, got = hit(dst, TOKENS)
+    assert n == 3 * P and torch.equal(got, want[:, : 3 * P])
+    dst.check()

@@ -358,7 +358,8 @@ class DiskCache:
             try:
                 if pool.length(h) != cached * p:
                     return 0  # the cached part shrank meanwhile: a later call retries
-                m = min(len(records), int(pool.free_pages) + int(pool.evictable_pages))
+                # free_pages counts the evictable cached pages already (pinned ones are not free).
+                m = min(len(records), int(pool.free_pages))
                 if m == 0:
                     return 0
                 try:
