@@ -175,3 +175,24 @@ def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
             r.feed(*args)
         assert r.streams[0] == before and r.pages(0) == 0
     assert r.feed(0, topic, seq, payload) == 1 and r.match(np.arange(9)) == [8]
+
+
+@pytest.mark.parametrize("call", [
+    lambda: Router("2", page_size=P, hash_seed=SEED), lambda: Router(2, page_size=4.0, hash_seed=SEED),
+    lambda: Router(2, page_size=P, hash_seed="x"), lambda: Router(2, page_size=P, hash_seed=-1),
+    lambda: Router(2, page_size=P, hash_seed=SEED, max_pending=True), lambda: Router(0, page_size=P, hash_seed=SEED),
+], ids=["num_pools-str", "page_size-float", "seed-str", "seed-negative", "max_pending-bool", "no-pools"])
+def test_router_arguments_are_checked_at_construction(call):
+    with pytest.raises(kvpool.InvalidArgumentError):
+        call()
+
+
+def test_route_takes_one_prompt_and_an_int_pool():
+    _, _, r = fleet(n=2)
+    for bad in ("abc", [[1, 2, 3], [4, 5, 6]]):
+        with pytest.raises(kvpool.InvalidArgumentError, match="1-D"):
+            r.route(bad)
+    assert r.load == [0, 0]
+    for pool in ("0", 1.0, True, 2):
+        with pytest.raises(kvpool.InvalidArgumentError, match=r"pool must be an int in \[0, 2\)"):
+            r.finished(pool)

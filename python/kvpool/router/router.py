@@ -32,6 +32,10 @@ from kvpool._core import InvalidArgumentError, page_hashes
 from kvpool.router.index import PageIndex
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclasses.dataclass
 class StreamState:
     """What the router knows of one pool's event stream."""
@@ -71,10 +75,12 @@ class Router:
 
     def __init__(self, num_pools: int, *, page_size: int, hash_seed: int, max_pending: int = 64,
                  medium: str = "GPU") -> None:
-        if num_pools < 1 or page_size < 1 or max_pending < 0:
-            raise InvalidArgumentError(
-                f"num_pools and page_size must be >= 1 and max_pending >= 0; got {num_pools}, {page_size}, "
-                f"{max_pending}")
+        for name, value, low in (("num_pools", num_pools, 1), ("page_size", page_size, 1),
+                                 ("max_pending", max_pending, 0)):
+            if not _is_int(value) or value < low:
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+        if not _is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
+            raise InvalidArgumentError(f"hash_seed must be the pools' hash_seed, an int in [0, 2**64), got {hash_seed!r}")
         from kvpool.events.schema import decoder, msgspec
 
         self.num_pools, self.page_size, self.hash_seed = num_pools, page_size, hash_seed
@@ -177,9 +183,8 @@ class Router:
         self.streams[pool].checked_seed = True
 
     def _stream(self, pool: int) -> StreamState:
-        if isinstance(pool, (bool, np.bool_)) or not isinstance(pool, (int, np.integer)) or not (
-                0 <= pool < self.num_pools):
-            raise InvalidArgumentError(f"pool must be in [0, {self.num_pools}), got {pool}")
+        if not _is_int(pool) or not 0 <= pool < self.num_pools:
+            raise InvalidArgumentError(f"pool must be an int in [0, {self.num_pools}), got {pool!r}")
         return self.streams[pool]
 
     # ----- routing -------------------------------------------------------
@@ -194,6 +199,8 @@ class Router:
         ``open_with_prefix`` computes them: whole pages, at most
         ``len(tokens) - 1`` (a step computes at least one token)."""
         tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise InvalidArgumentError(f"tokens must be one prompt's token ids (1-D), got shape {tokens.shape}")
         cap = max(len(tokens) - 1, 0) // self.page_size
         if cap == 0:
             return [0] * self.num_pools
