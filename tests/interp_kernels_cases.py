@@ -359,3 +359,57 @@ def test_pool_copy_on_write_through_kernels(page_size):
     assert seqs[id(fast)] == seqs[id(slow)]
     for a, b in zip(fast.named_tensors(), slow.named_tensors()):
         assert torch.equal(a[1], b[1]), a[0]
+
+
+def _strided(xs, dtype=torch.int64):
+    """xs as a 1-D view with stride 2 (each value twice in the base, so a kernel that
+    ignored the stride would read other values of the same batch, never past it)."""
+    return torch.tensor(xs, dtype=dtype).repeat_interleave(2)[::2]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64], ids=str)
+def test_index_tensors_with_a_stride(idx_dtype):
+    """Slot, row, start and count tensors are 1-D views of any stride (a column of a
+    2-D batch tensor, a [::2] slice, an expanded scalar): every kernel reads element i
+    at i * stride, like the torch path, written out here element by element."""
+    gen = torch.Generator().manual_seed(3)
+    kc, vc = make_caches("paged", 15, 3, 3, 80, torch.float16, gen)  # page size 3, 3 heads
+    rows = torch.randn((4, 3, 80), generator=gen).half()
+    slots_l = [13, -1, 2, 7]
+    want = [kc.clone(), vc.clone()]
+    for i, s in enumerate(slots_l):
+        if s >= 0:
+            want[0][s // 3, s % 3], want[1][s // 3, s % 3] = rows[i], -rows[i]
+    K.store_kv(kc, vc, _strided(slots_l, idx_dtype), rows, -rows)
+    assert same(kc, want[0]) and same(vc, want[1])
+
+    probe_l = [7, 13, -1, 2]
+    k, _ = K.gather_kv(kc, None, _strided(probe_l, idx_dtype))
+    assert same(k, torch.stack([kc[s // 3, s % 3] if s >= 0 else torch.zeros_like(kc[0, 0]) for s in probe_l]))
+    k, _ = K.gather_kv(kc, None, torch.tensor([7], dtype=idx_dtype).expand(3))  # stride 0
+    assert same(k, kc[2, 1].expand(3, 3, 80))
+
+    src_l, dst_l = [13, 2, -1, 7], [4, 10, 5, 0]
+    want = [kc.clone(), vc.clone()]
+    for c in want:
+        for s, d in zip(src_l, dst_l):
+            if s >= 0 and d >= 0:
+                c[d // 3, d % 3] = c[s // 3, s % 3]
+    caches = [kc, vc]
+    K.copy_slots(caches, _strided(src_l, idx_dtype), _strided(dst_l, idx_dtype))
+    assert same(caches[0], want[0]) and same(caches[1], want[1])
+
+    table = torch.zeros((4, 10), dtype=torch.int32)
+    t_rows, t_starts, t_counts = [2, -1, 0, 3], [1, 0, 4, 0], [3, 2, 5, 0]
+    new = list(range(100, 110))
+    want = table.clone()
+    pos = 0
+    for r, st0, n in zip(t_rows, t_starts, t_counts):
+        if r >= 0:
+            want[r, st0:st0 + n] = torch.tensor(new[pos:pos + n], dtype=torch.int32)
+        pos += n
+    for offsets in (None, _strided([0, 3, 5, 10], idx_dtype)):
+        t = table.clone()
+        K.write_req_to_token(t, *(_strided(x, idx_dtype) for x in (t_rows, t_starts, t_counts, new)),
+                             offsets=offsets)
+        assert torch.equal(t, want)

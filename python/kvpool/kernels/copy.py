@@ -31,8 +31,8 @@ from kvpool.kernels.copy_tables import TABLES
 def _copy_slots_kernel(
     base_ptr, deltas_ptr, src_ptr, dst_ptr,
     H, D, PAGE, c_sp, c_so, c_sh, c_sd,
-    n, ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
+    n, src_st, dst_st,
+    ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
 ):
     # Tile [ROWS pairs, BLOCK_H heads, BLOCK_D dims]; ROWS > 1 only when one row is
     # too short to give every thread of a warp 16 bytes.
@@ -45,8 +45,9 @@ def _copy_slots_kernel(
     cache_ptr = base_ptr + tl.load(deltas_ptr + tl.program_id(1)) * ALIGN
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
     d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
-    src = tl.load(src_ptr + tl.minimum(t, n - 1)).to(tl.int64)
-    dst = tl.load(dst_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    i = tl.minimum(t, n - 1).to(tl.int64)  # src/dst may be any 1-D views
+    src = tl.load(src_ptr + i * src_st).to(tl.int64)
+    dst = tl.load(dst_ptr + i * dst_st).to(tl.int64)
     # Skipped pairs (and rows past n) shrink the dim limit to 0, arithmetically so that
     # D's divisibility survives (store.py); the interpreter mistypes mixed-rank bool ands.
     lim = (D * ((t < n) & (src >= 0) & (dst >= 0)).to(tl.int32))[:, None, None]
@@ -83,5 +84,6 @@ def launch_copy_slots(
         _copy_slots_kernel[grid](
             group[0], table, src_slots, dst_slots,
             heads, dim, g.page_size, g.stride_page, g.stride_off, sh, g.stride_d, n,
+            src_slots.stride(0), dst_slots.stride(0),
             ALIGN=align, ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
         )

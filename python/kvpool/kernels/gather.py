@@ -33,7 +33,7 @@ def _gather_row(
 def _gather_kv_kernel(
     k_cache, v_cache, slots_ptr, k_out, v_out, k_scale, v_scale,
     n, H, D, PAGE,
-    c_sp, c_so, c_sh, c_sd, vc_sp, vc_so, vc_sh, vc_sd,
+    c_sp, c_so, c_sh, c_sd, vc_sp, vc_so, vc_sh, vc_sd, slots_st,
     HAS_V: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     K_HAS_SCALE: tl.constexpr, V_HAS_SCALE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
@@ -47,7 +47,7 @@ def _gather_kv_kernel(
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
     d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
-    slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    slot = tl.load(slots_ptr + tl.minimum(t, n - 1).to(tl.int64) * slots_st).to(tl.int64)  # any 1-D view
     # Dim limits: D for real rows, 0 past n (store) and for padding slots (load, which
     # then reads zeros). Arithmetic keeps D's divisibility (store.py), and the
     # interpreter mistypes mixed-rank bool ands.
@@ -86,7 +86,7 @@ def launch_gather_kv(
     rows = c.rows_to_fill_warp(block_h * block_d, itemsize)
     _gather_kv_kernel[(triton.cdiv(n, rows), triton.cdiv(heads, block_h))](
         k_cache, vc, slots, k_out, vo, ks, vs,
-        n, heads, dim, kg.page_size, *strides[0], *strides[1],
+        n, heads, dim, kg.page_size, *strides[0], *strides[1], slots.stride(0),
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_scale is not None, V_HAS_SCALE=has_v and v_scale is not None,
         ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,

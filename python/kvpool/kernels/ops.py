@@ -172,6 +172,13 @@ def gather_kv(
     has_v = v_cache is not None
     for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
         c.check_scale(s, nm, dev)
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        # Both backends must refuse alike: torch would cast to an int or complex dtype,
+        # the kernel fails to compile for it with an untyped error.
+        raise c.TensorDtypeError(
+            f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}; "
+            "e.g. torch.bfloat16, torch.float16 or torch.float32"
+        )
     k_dt = out_dtype or k_cache.dtype
     v_dt = out_dtype or vc.dtype
     if out is None:

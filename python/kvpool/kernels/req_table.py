@@ -25,30 +25,32 @@ from kvpool.kernels import _common as c
 @triton.jit
 def _write_req_to_token_kernel(
     table_ptr, rows_ptr, starts_ptr, counts_ptr, offsets_ptr, slots_ptr,
-    B, stride_row,
+    B, stride_row, rows_st, starts_st, counts_st, offsets_st, slots_st,
     HAS_OFFSETS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    # The index tensors may be any 1-D views (columns of a batch tensor): element i
+    # of each is at i * its stride.
+    i = tl.program_id(0).to(tl.int64)
     if HAS_OFFSETS:
-        offset = tl.load(offsets_ptr + i).to(tl.int64)
+        offset = tl.load(offsets_ptr + i * offsets_st).to(tl.int64)
     else:
         acc = tl.zeros([BLOCK_B], dtype=tl.int64)
         for j in range(0, B, BLOCK_B):
             idx = j + tl.arange(0, BLOCK_B)
-            cnt = tl.load(counts_ptr + idx, mask=idx < i, other=0).to(tl.int64)
+            cnt = tl.load(counts_ptr + idx.to(tl.int64) * counts_st, mask=idx < i, other=0).to(tl.int64)
             acc += tl.maximum(cnt, 0)
         offset = tl.sum(acc, axis=0)
-    row = tl.load(rows_ptr + i).to(tl.int64)
-    start = tl.load(starts_ptr + i).to(tl.int64)
+    row = tl.load(rows_ptr + i * rows_st).to(tl.int64)
+    start = tl.load(starts_ptr + i * starts_st).to(tl.int64)
     # int32 loop bound: counts fit, and it keeps the loop induction variable 32-bit.
-    count = tl.load(counts_ptr + i).to(tl.int32)
+    count = tl.load(counts_ptr + i * counts_st).to(tl.int32)
     count = tl.where(row >= 0, count, 0)
     dst = table_ptr + row * stride_row + start
-    src = slots_ptr + offset
+    src = slots_ptr + offset * slots_st
     for k in range(0, count, BLOCK):
         idx = k + tl.arange(0, BLOCK)
         m = idx < count
-        s = tl.load(src + idx, mask=m)
+        s = tl.load(src + idx.to(tl.int64) * slots_st, mask=m)
         tl.store(dst + idx, s.to(table_ptr.dtype.element_ty), mask=m)
 
 
@@ -64,6 +66,7 @@ def launch_write_req_to_token(
     block_b = min(max(triton.next_power_of_2(b), 16), 1024) if offsets is None else 16
     _write_req_to_token_kernel[(b,)](
         req_to_token, rows, starts, counts, offsets if offsets is not None else counts, slots,
-        b, req_to_token.stride(0),
+        b, req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0),
+        (offsets if offsets is not None else counts).stride(0), slots.stride(0),
         HAS_OFFSETS=offsets is not None, BLOCK_B=block_b, BLOCK=1024, num_warps=4,
     )

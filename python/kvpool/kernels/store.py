@@ -50,7 +50,7 @@ def _store_kv_kernel(
     n, H, D, PAGE,
     c_sp, c_so, c_sh, c_sd,          # K cache strides (page, offset-in-page, head, dim)
     vc_sp, vc_so, vc_sh, vc_sd,      # V cache strides
-    k_sn, k_sh, k_sd, v_sn, v_sh, v_sd,
+    k_sn, k_sh, k_sd, v_sn, v_sh, v_sd, slots_st,
     HAS_V: tl.constexpr, K_SCALE_PTR: tl.constexpr, V_SCALE_PTR: tl.constexpr,
     K_HAS_SCALE: tl.constexpr, V_HAS_SCALE: tl.constexpr,
     K_FP8: tl.constexpr, V_FP8: tl.constexpr, K_FP8_MAX: tl.constexpr, V_FP8_MAX: tl.constexpr,
@@ -67,8 +67,9 @@ def _store_kv_kernel(
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                  # [R]
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]  # [1, BH, 1]
     d = tl.arange(0, BLOCK_D)[None, None, :]                          # [1, 1, BD]
-    # int64 so slot * stride cannot overflow on multi-GiB caches.
-    slot = tl.load(slots_ptr + tl.minimum(t, n - 1)).to(tl.int64)
+    # int64 so slot * stride cannot overflow on multi-GiB caches. slots may be any
+    # 1-D view (a column of a batch tensor): element i is at i * slots_st.
+    slot = tl.load(slots_ptr + tl.minimum(t, n - 1).to(tl.int64) * slots_st).to(tl.int64)
     slot = tl.where(t < n, slot, -1)
     # A skipped row shrinks its dim limit to 0. Arithmetic, not tl.where(slot >= 0, D, 0)
     # nor a per-row bool and-ed into the mask: D * {0, 1} keeps D's divisibility, so the
@@ -130,7 +131,7 @@ def launch_store_kv(
     _store_kv_kernel[grid](
         k_cache, vc, slots, k, vv, ks, vs,
         n, heads, dim, kg.page_size,
-        kp, ko, kh, kd, vp, vo, vh, vd, *k_str, *v_str,
+        kp, ko, kh, kd, vp, vo, vh, vd, *k_str, *v_str, slots.stride(0),
         HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
         K_HAS_SCALE=k_fp8 or k_scale is not None, V_HAS_SCALE=has_v and (v_fp8 or v_scale is not None),
         K_FP8=k_fp8, V_FP8=v_fp8,
