@@ -41,6 +41,17 @@ def test_bad_setting_is_a_usage_error(capsys, extra, message):
     assert "Traceback" not in err
 
 
+def test_hf_checkpoint_without_weights_is_a_usage_error(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, "--hf", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvpool demo: error:" in err and "model.safetensors" in err, err
+
+
 def test_usage_error_from_python_dash_m_has_no_traceback():
     res = subprocess.run([sys.executable, "-m", "kvpool", "demo", *TINY, "--device", "foo"],
                          capture_output=True, text=True, timeout=120)

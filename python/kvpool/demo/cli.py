@@ -149,13 +149,14 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _setup_errors() -> Iterator[None]:
-    """Turn what building the model, pool, requests and engine rejects (typed
-    ``ValueError`` / ``KVPoolError`` with a message naming the setting) into ``SetupError``."""
+    """Turn what building the model, pool, requests and engine rejects (a ``ValueError``
+    or ``KVPoolError`` naming the setting; an ``OSError`` for a ``--hf`` checkpoint that
+    cannot be read) into ``SetupError``."""
     from kvpool.errors import KVPoolError
 
     try:
         yield
-    except (ValueError, KVPoolError) as e:
+    except (ValueError, KVPoolError, OSError) as e:
         raise SetupError(str(e)) from e
 
 
