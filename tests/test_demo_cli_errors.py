@@ -27,6 +27,8 @@ BAD = [
     (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),
     (["--pool-tokens", "100000000000"], "2**31"),
     (["--json", "/nonexistent-dir/x.json"], "--json"),
+    (["--json", "/"], "--json"),  # a directory, not a file
+    (["--threads", "100000"], "--threads"),  # torch would crash making that many
     (["--hf", "/nonexistent-dir/model"], "--hf"),
 ]
 

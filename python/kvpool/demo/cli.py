@@ -67,6 +67,15 @@ def _device(text: str) -> str:
     return text
 
 
+def _threads(text: str) -> int:
+    value = _positive(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        # More would only oversubscribe, and torch crashes outright on tens of thousands.
+        raise argparse.ArgumentTypeError(f"expected at most {cores} (this machine's CPU count), got {text!r}")
+    return value
+
+
 class SetupError(Exception):
     """Settings the demo cannot run with, found while building it (model shape, pool
     size): ``main`` reports them as usage errors, as the parser does its own."""
@@ -128,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run decode steps through kvpool.DecodeGraphRunner (captured on CUDA)")
     g.add_argument("--grad-mode", choices=GRAD_MODES, default="inference",
                    help="grad mode the demo runs under (inference)")
-    g.add_argument("--threads", type=_positive, default=1,
+    g.add_argument("--threads", type=_threads, default=1,
                    help="torch CPU threads (1): this model's small matmuls gain little from more, "
                         "and lose badly when the cores are shared with other work")
     g.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
@@ -257,6 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Checked before the run, which may take minutes, rather than failing after it.
+    if args.json and os.path.isdir(args.json):
+        parser.error(f"--json: {args.json!r} is a directory; give a file path")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json: the directory of {args.json!r} does not exist")
     if args.hf and not os.path.isdir(args.hf):
