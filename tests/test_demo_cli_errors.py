@@ -1,5 +1,5 @@
 """Bad ``kvpool demo`` settings end with a one-line usage error and exit status 2,
-never a Python traceback, and before any model or pool is built."""
+never a Python traceback, and before any request is served."""
 
 from __future__ import annotations
 

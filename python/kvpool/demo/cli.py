@@ -8,7 +8,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -74,11 +74,6 @@ def _threads(text: str) -> int:
         # More would only oversubscribe, and torch crashes outright on tens of thousands.
         raise argparse.ArgumentTypeError(f"expected at most {cores} (this machine's CPU count), got {text!r}")
     return value
-
-
-class SetupError(Exception):
-    """Settings the demo cannot run with, found while building it (model shape, pool
-    size): ``main`` reports them as usage errors, as the parser does its own."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,20 +152,25 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _setup_errors() -> Iterator[None]:
-    """Turn what building the model, pool, requests and engine rejects (a ``ValueError``
+def _setup_errors(usage_error: Callable[[str], Any] | None) -> Iterator[None]:
+    """Report what building the model, pool, requests and engine rejects (a ``ValueError``
     or ``KVPoolError`` naming the setting; an ``OSError`` for a ``--hf`` checkpoint that
-    cannot be read) into ``SetupError``."""
+    cannot be read) through ``usage_error`` (the parser's ``error``: a message and exit
+    status 2); without one, let it propagate."""
     from kvpool.errors import KVPoolError
 
     try:
         yield
     except (ValueError, KVPoolError, OSError) as e:
-        raise SetupError(str(e)) from e
+        if usage_error is None:
+            raise
+        usage_error(str(e))
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
-    """Build model, pool and requests under the chosen grad mode, serve them, audit."""
+def run(args: argparse.Namespace,
+        usage_error: Callable[[str], Any] | None = None) -> tuple[dict[str, Any], list[float]]:
+    """Build model, pool and requests under the chosen grad mode, serve them, audit.
+    Settings they cannot be built with go to ``usage_error`` (``main`` passes ``parser.error``)."""
     import kvpool
     from kvpool.demo.engine import Engine
     from kvpool.demo.model import ModelConfig, build_model
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     pool_pages = -(-args.pool_tokens // page)
 
     with grad_mode(args.grad_mode):
-        with _setup_errors():
+        with _setup_errors(usage_error):
             if args.hf:
                 from kvpool.demo.hf import load_hf_model
                 model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
@@ -277,11 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        fig, occupancy = run(args)
+        fig, occupancy = run(args, parser.error)
         # With a host tier: the same run without it, for the comparison.
-        without = run(argparse.Namespace(**{**vars(args), "host_pages": 0}))[0] if args.host_pages else None
-    except SetupError as e:
-        parser.error(str(e))
+        without = None
+        if args.host_pages:
+            without = run(argparse.Namespace(**{**vars(args), "host_pages": 0}), parser.error)[0]
     finally:
         torch.set_num_threads(threads)  # process-wide: give the caller its setting back
     print(render(fig, occupancy))
