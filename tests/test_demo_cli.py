@@ -45,9 +45,11 @@ def test_demo_runs_under_each_grad_mode(tmp_path, capsys, mode):
     assert "12/12 done" in text and "audit" in text
 
 
-def test_demo_rejects_a_pool_too_small_for_one_request():
-    with pytest.raises(ValueError, match="enlarge the pool"):
+def test_demo_rejects_a_pool_too_small_for_one_request(capsys):
+    with pytest.raises(SystemExit) as info:  # a usage error, not a traceback
         main(["demo", *TINY, "--pool-tokens", "16"])
+    assert info.value.code == 2
+    assert "enlarge the pool" in capsys.readouterr().err
 
 
 def test_python_dash_m_kvpool_help():

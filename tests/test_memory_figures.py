@@ -67,13 +67,29 @@ def test_cpu_pool_honours_memory_fraction(monkeypatch, fraction):
     pool = kvpool.KVPool(L, H, D, dtype=torch.float16, memory_fraction=fraction, page_size=4,
                          max_requests=4, max_context_len=64)
     budget = int(4096 * 4096 * fraction)
-    fixed = 5 * 64 * 4
+    fixed = 5 * padded_row_stride(64) * 4  # the table as allocated, row padding included
     page_bytes = 2 * L * H * D * 2 * 4
     assert pool.num_pages == (budget - fixed) // page_bytes
-    assert pool.nbytes + (5 * 64 * 4) <= budget
+    assert pool.nbytes + fixed <= budget
 
 
 def test_memory_bytes_budget_is_exact():
     pool = kvpool.KVPool(L, H, D, dtype=torch.float16, memory_bytes=100_000, page_size=4,
                          max_requests=4, max_context_len=64)
-    assert pool.num_pages == (100_000 - 5 * 64 * 4) // (2 * L * H * D * 2 * 4)
+    assert pool.num_pages == (100_000 - 5 * padded_row_stride(64) * 4) // (2 * L * H * D * 2 * 4)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dtype=torch.float8_e4m3fn),
+                                dict(dtype=torch.float8_e4m3fn, kv_lora_rank=6, qk_rope_head_dim=2)],
+                         ids=["fp16", "fp8", "mla-fp8"])
+def test_memory_bytes_covers_the_table_as_allocated(kw):
+    # req_to_token's rows are padded (layout.padded_row_stride), so the budget
+    # must count the padded table, not max_context_len ints per row.
+    heads, dim = (1, 8) if "kv_lora_rank" in kw else (H, D)
+    for budget in range(20_000, 200_000, 7_919):
+        pool = kvpool.KVPool(2, heads, dim, page_size=4, memory_bytes=budget, max_requests=8,
+                             max_context_len=64, **kw)
+        scales = {id(s): s.nbytes for s in (pool.k_scale, pool.v_scale) if s is not None}
+        used = pool.nbytes + pool.req_to_token.untyped_storage().nbytes() + sum(scales.values())
+        assert used <= budget, (budget, used)
+        assert budget - used < pool.bytes_per_slot * pool.page_size, (budget, used)  # no whole page left over

@@ -66,3 +66,49 @@ def test_failed_table_update_rolls_the_allocator_back(monkeypatch, counts):
 def test_meta_device_is_refused_before_anything_is_made():
     with pytest.raises(kvpool.InvalidArgumentError, match="'cpu' or 'cuda'"):
         kvpool.KVPool(1, 1, 4, num_pages=4, device="meta")
+
+
+def _fail_table_writes(monkeypatch):
+    import kvpool.sharing as sharing_module
+
+    def failing_write(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    monkeypatch.setattr(sharing_module, "write_req_to_token", failing_write)
+
+
+def _counts(pool):
+    return (pool.open_requests, pool.free_pages, pool.cached_pages, pool.evictable_pages, pool.used_pages)
+
+
+def test_failed_fork_table_write_closes_the_new_requests(monkeypatch):
+    pool = device_path_pool()
+    h = pool.open(1)
+    pool.extend(h, 5)
+    before = _counts(pool)
+    _fail_table_writes(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.fork(int(h[0]), 2)
+    assert _counts(pool) == before  # no half-made children holding the parent's pages
+    pool.allocator.check()
+    monkeypatch.undo()
+    kids = pool.fork(int(h[0]), 2)
+    for k in kids:
+        assert pool.req_to_token[pool.rows(k)[0], :5].tolist() == pool.slots(int(h[0])).tolist()
+
+
+def test_failed_prefix_table_write_closes_the_new_requests(monkeypatch):
+    pool = device_path_pool()
+    prompt = np.arange(8)
+    h, _ = pool.admit([8], tokens=prompt)
+    pool.close(h, cache=True)
+    before = _counts(pool)
+    _fail_table_writes(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.open_with_prefix(prompt, [8])
+    assert _counts(pool) == before  # the hit pages are back in the cache, nothing held
+    pool.allocator.check()
+    monkeypatch.undo()
+    hs, cached = pool.open_with_prefix(prompt, [8])
+    assert cached.tolist() == [6]  # the cache still serves the prefix (never the last token)
+    assert pool.req_to_token[pool.rows(hs)[0], :6].tolist() == pool.slots(int(hs[0]))[:6].tolist()

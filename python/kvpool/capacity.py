@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvpool._core import InvalidArgumentError
+from kvpool.layout import padded_row_stride
 
 __all__ = ["MAX_SLOTS", "bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_bytes"]
 
@@ -53,8 +54,9 @@ def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: tor
 
 
 def table_bytes(max_requests: int, max_context_len: int) -> int:
-    """Bytes of ``req_to_token`` (int32, one extra null row)."""
-    return (max_requests + 1) * max_context_len * 4
+    """Bytes of ``req_to_token`` as allocated (int32, one extra null row, each row
+    padded to ``padded_row_stride``): the padding is device memory too."""
+    return (max_requests + 1) * padded_row_stride(max_context_len) * 4
 
 
 def free_device_memory(device: torch.device) -> int:

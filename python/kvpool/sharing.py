@@ -77,6 +77,21 @@ class SharingMixin:
         rows = self.allocator.rows(hs)
         write_rows(self, rows, np.zeros(len(hs), dtype=np.int64), lengths[keep], slots)
 
+    def _write_prefixes_or_close(self, handles: np.ndarray, lengths: np.ndarray) -> None:
+        """``_write_prefixes`` for requests this call just opened; if the table write
+        fails (a CUDA OOM or launch error), close them, last first, so that no request
+        the caller never got a handle for keeps holding pages, then re-raise."""
+        try:
+            self._write_prefixes(handles, lengths)
+        except BaseException:
+            try:  # best effort: host hits' loads go to pages that closing hands back to the cache
+                if self._transfers is not None:
+                    self._run_transfers()
+            except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                pass
+            self.allocator.close(np.asarray(handles, dtype=np.int64)[::-1].copy())
+            raise
+
     def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Open one request per prompt on the longest cached prefix of its prompt.
         See ``SlotAllocator.open_with_prefix``; holds the pool's lock.
@@ -90,6 +105,8 @@ class SharingMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
+            If the device table write fails after the allocator opened the
+            requests (a CUDA OOM or launch error), they are closed again.
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
@@ -98,7 +115,7 @@ class SharingMixin:
                 handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
             else:
                 handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
-                self._write_prefixes(handles, cached)
+                self._write_prefixes_or_close(handles, cached)
             if self._transfers is not None:  # host hits' loads (and the offloads their pages caused)
                 self._run_transfers()
             self._sharing = True
@@ -116,6 +133,8 @@ class SharingMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
+            If the device table write fails after the allocator opened the
+            children (a CUDA OOM or launch error), they are closed again.
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
@@ -128,7 +147,7 @@ class SharingMixin:
             self._sharing = True
             if len(kids):
                 length = self.allocator.length(handle)
-                self._write_prefixes(kids, np.full(len(kids), length, dtype=np.int64))
+                self._write_prefixes_or_close(kids, np.full(len(kids), length, dtype=np.int64))
             return kids
 
     # Prefix-aware transfer between pools (kvpool.distributed.kv_transfer).
@@ -166,5 +185,5 @@ class SharingMixin:
                 self._run_transfers()
             if cached:
                 self._sharing = True
-            self._write_prefixes(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
+            self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
             return int(handle)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -41,6 +43,39 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N] (the devices a KVPool lives on), got {text!r}")
+    return text
+
+
+def _threads(text: str) -> int:
+    value = _positive(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        # More would only oversubscribe, and torch crashes outright on tens of thousands.
+        raise argparse.ArgumentTypeError(f"expected at most {cores} (this machine's CPU count), got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvpool demo",
@@ -53,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length range, uniform (16:256)")
     g.add_argument("--output-len", type=_range, default=(16, 192), metavar="MIN:MAX",
                    help="generated tokens per request, uniform (16:192)")
-    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the requests (0)")
+    g.add_argument("--seed", type=_non_negative, default=0, help="seeds the weights and the requests (0)")
     g.add_argument("--workload", choices=("default", "shared-prefix"), default="default",
                    help="default: independent random prompts; shared-prefix: prompts are one of "
                         "--system-prompts system prompts plus a user turn, a --fork-share of them fork "
@@ -61,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system-prompts", type=_positive, default=4, help="shared-prefix: system prompts (4)")
     g.add_argument("--system-len", type=_range, default=(64, 192), metavar="MIN:MAX",
                    help="shared-prefix: system prompt length range (64:192)")
-    g.add_argument("--fork-share", type=float, default=0.25,
+    g.add_argument("--fork-share", type=_share, default=0.25,
                    help="shared-prefix: share of requests that fork (0.25)")
     g.add_argument("--fork-n", type=_range, default=(2, 4), metavar="MIN:MAX",
                    help="shared-prefix: continuations of a forking request (2:4)")
@@ -69,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-tokens", type=_positive, default=6144,
                    help="KV capacity in tokens, rounded up to whole pages (6144)")
     g.add_argument("--page-size", type=_positive, default=16, help="tokens per page (16)")
-    g.add_argument("--host-pages", type=int, default=0, metavar="N",
+    g.add_argument("--host-pages", type=_non_negative, default=0, metavar="N",
                    help="a host tier of N host pages below the device pool (0: none); the demo then "
                         "runs twice, without and with it, and compares hit rate and tokens/s")
     g.add_argument("--layout", choices=("token", "paged"), default="token",
@@ -90,14 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-heads", type=_positive, default=2)
     g.add_argument("--vocab", type=_positive, default=2048)
     g = p.add_argument_group("runtime")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (cpu)")
+    g.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N] (cpu)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="weights and K/V dtype (float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="run decode steps through kvpool.DecodeGraphRunner (captured on CUDA)")
     g.add_argument("--grad-mode", choices=GRAD_MODES, default="inference",
                    help="grad mode the demo runs under (inference)")
-    g.add_argument("--threads", type=_positive, default=1,
+    g.add_argument("--threads", type=_threads, default=1,
                    help="torch CPU threads (1): this model's small matmuls gain little from more, "
                         "and lose badly when the cores are shared with other work")
     g.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
@@ -116,8 +151,26 @@ def _progress(total: int, enabled: bool) -> Iterator[Any]:
         yield bar
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
-    """Build model, pool and requests under the chosen grad mode, serve them, audit."""
+@contextlib.contextmanager
+def _setup_errors(usage_error: Callable[[str], Any] | None) -> Iterator[None]:
+    """Report what building the model, pool, requests and engine rejects (a ``ValueError``
+    or ``KVPoolError`` naming the setting; an ``OSError`` for a ``--hf`` checkpoint that
+    cannot be read) through ``usage_error`` (the parser's ``error``: a message and exit
+    status 2); without one, let it propagate."""
+    from kvpool.errors import KVPoolError
+
+    try:
+        yield
+    except (ValueError, KVPoolError, OSError) as e:
+        if usage_error is None:
+            raise
+        usage_error(str(e))
+
+
+def run(args: argparse.Namespace,
+        usage_error: Callable[[str], Any] | None = None) -> tuple[dict[str, Any], list[float]]:
+    """Build model, pool and requests under the chosen grad mode, serve them, audit.
+    Settings they cannot be built with go to ``usage_error`` (``main`` passes ``parser.error``)."""
     import kvpool
     from kvpool.demo.engine import Engine
     from kvpool.demo.model import ModelConfig, build_model
@@ -136,35 +189,37 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[float]]:
     pool_pages = -(-args.pool_tokens // page)
 
     with grad_mode(args.grad_mode):
-        if args.hf:
-            from kvpool.demo.hf import load_hf_model
-            model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
-            cfg = model.cfg
-        else:
-            cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
-                              heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
-                              seed=args.seed)
-            model = build_model(cfg, device=device, dtype=dtype)
-        pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
-                             page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
-                             max_requests=args.max_running, max_context_len=max_ctx,
-                             layout=args.layout, kv_events=False,  # no router drains them here
-                             host_pages=args.host_pages)
-        if shared:
-            from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
+        with _setup_errors(usage_error):
+            if args.hf:
+                from kvpool.demo.hf import load_hf_model
+                model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
+                cfg = model.cfg
+            else:
+                cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
+                                  heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
+                                  seed=args.seed)
+                model = build_model(cfg, device=device, dtype=dtype)
+            pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
+                                 page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
+                                 max_requests=args.max_running, max_context_len=max_ctx,
+                                 layout=args.layout, kv_events=False,  # no router drains them here
+                                 host_pages=args.host_pages)
+            if shared:
+                from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
 
-            requests = shared_prefix_requests(
-                args.requests, vocab_size=cfg.vocab_size, system_prompts=args.system_prompts,
-                system_len=args.system_len, user_len=args.prompt_len, output_len=args.output_len,
-                fork_share=args.fork_share, fork_n=args.fork_n, seed=args.seed)
-            engine = PrefixEngine(model, pool, max_running=args.max_running,
-                                  use_cuda_graph=args.cuda_graph, admission=args.admission)
-        else:
-            requests = synthetic_requests(args.requests, vocab_size=cfg.vocab_size,
-                                          prompt_len=args.prompt_len, output_len=args.output_len,
-                                          seed=args.seed)
-            engine = Engine(model, pool, max_running=args.max_running,
-                            use_cuda_graph=args.cuda_graph, admission=args.admission)
+                requests = shared_prefix_requests(
+                    args.requests, vocab_size=cfg.vocab_size, system_prompts=args.system_prompts,
+                    system_len=args.system_len, user_len=args.prompt_len, output_len=args.output_len,
+                    fork_share=args.fork_share, fork_n=args.fork_n, seed=args.seed)
+                engine = PrefixEngine(model, pool, max_running=args.max_running,
+                                      use_cuda_graph=args.cuda_graph, admission=args.admission)
+            else:
+                requests = synthetic_requests(args.requests, vocab_size=cfg.vocab_size,
+                                              prompt_len=args.prompt_len, output_len=args.output_len,
+                                              seed=args.seed)
+                engine = Engine(model, pool, max_running=args.max_running,
+                                use_cuda_graph=args.cuda_graph, admission=args.admission)
+            engine.check_fits(requests)  # here, so that a pool too small is a setup error too
         total = sum(r.max_new_tokens * getattr(r, "n", 1) for r in requests)
         with _progress(total, not args.no_progress) as bar:
             stats = engine.run(requests, progress=bar)
@@ -208,15 +263,25 @@ def _tier_comparison(with_tier: dict[str, Any], without: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Checked before the run, which may take minutes, rather than failing after it.
+    if args.json and os.path.isdir(args.json):
+        parser.error(f"--json: {args.json!r} is a directory; give a file path")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the directory of {args.json!r} does not exist")
+    if args.hf and not os.path.isdir(args.hf):
+        parser.error(f"--hf: {args.hf!r} is not a directory (a save_pretrained checkpoint)")
     from kvpool.demo.report import render
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        fig, occupancy = run(args)
+        fig, occupancy = run(args, parser.error)
         # With a host tier: the same run without it, for the comparison.
-        without = run(argparse.Namespace(**{**vars(args), "host_pages": 0}))[0] if args.host_pages else None
+        without = None
+        if args.host_pages:
+            without = run(argparse.Namespace(**{**vars(args), "host_pages": 0}), parser.error)[0]
     finally:
         torch.set_num_threads(threads)  # process-wide: give the caller its setting back
     print(render(fig, occupancy))

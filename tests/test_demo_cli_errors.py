@@ -1,0 +1,61 @@
+"""Bad ``kvpool demo`` settings end with a one-line usage error and exit status 2,
+never a Python traceback, and before any request is served."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.cli import main
+
+TINY = ["--requests", "4", "--prompt-len", "4:12", "--output-len", "2:4", "--pool-tokens", "128",
+        "--page-size", "16", "--max-running", "4", "--layers", "1", "--hidden", "32", "--heads", "4",
+        "--kv-heads", "2", "--vocab", "64", "--no-progress"]
+
+BAD = [
+    (["--device", "foo"], "--device"),
+    (["--device", "meta"], "cpu or cuda"),
+    (["--heads", "3"], "multiple of heads"),
+    (["--kv-heads", "3"], "multiple of kv_heads"),
+    (["--hidden", "36", "--heads", "4"], "even"),
+    (["--seed", "-1"], "--seed"),
+    (["--host-pages", "-1"], "--host-pages"),
+    (["--workload", "shared-prefix", "--fork-share", "2"], "--fork-share"),
+    (["--workload", "shared-prefix", "--fork-share", "nan"], "--fork-share"),
+    (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),
+    (["--pool-tokens", "100000000000"], "2**31"),
+    (["--json", "/nonexistent-dir/x.json"], "--json"),
+    (["--json", "/"], "--json"),  # a directory, not a file
+    (["--threads", "100000"], "--threads"),  # torch would crash making that many
+    (["--hf", "/nonexistent-dir/model"], "--hf"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_setting_is_a_usage_error(capsys, extra, message):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvpool demo: error:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+def test_hf_checkpoint_without_weights_is_a_usage_error(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, "--hf", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvpool demo: error:" in err and "model.safetensors" in err, err
+
+
+def test_usage_error_from_python_dash_m_has_no_traceback():
+    res = subprocess.run([sys.executable, "-m", "kvpool", "demo", *TINY, "--device", "foo"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr and "kvpool demo: error:" in res.stderr, res.stderr
