@@ -332,9 +332,11 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         The pool adds: one crossing into the core, then on CPU nothing more (the
         core writes the host table in place), on CUDA one host -> device copy and
         one table-kernel launch, with no device sync. When a request writes into
-        a page it shares (after ``fork``, or a ``truncate`` into a shared or
-        cached page), the copy-on-write copy runs here with ``copy_slots`` over
-        every layer, and the table is updated, before this returns.
+        a page another request holds (after ``fork``, or a ``truncate`` into a
+        shared page), the copy-on-write copy runs here with ``copy_slots`` over
+        every layer, and the table is updated, before this returns. A page only
+        the prefix cache shares is written in place instead: its registration
+        is dropped, so later prompts no longer hit it.
 
         Returns:
             ``ExtendResult(slots, out_cache_loc)``: the new slots flattened in
