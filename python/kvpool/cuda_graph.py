@@ -56,6 +56,7 @@ from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
 from kvpool.torch_types import as_device
+from kvpool.validate import is_int
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
@@ -83,10 +84,6 @@ def grad_mode() -> str:
 
 
 _I64 = np.iinfo(np.int64)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _too_big(name: str, i: int, value: int, num_slots: Optional[int]) -> InvalidArgumentError:
@@ -175,7 +172,7 @@ class DecodeGraphRunner:
             buckets = default_buckets(max_batch_size)
         else:
             given = buckets
-            if not isinstance(given, (list, tuple, range, np.ndarray)) or not all(_is_int(b) for b in given):
+            if not isinstance(given, (list, tuple, range, np.ndarray)) or not all(is_int(b) for b in given):
                 raise InvalidArgumentError(f"buckets must be positive ints, got {given!r}")
             buckets = sorted({int(b) for b in given})
             if not buckets or buckets[0] < 1:
@@ -185,9 +182,9 @@ class DecodeGraphRunner:
                     f"largest bucket {buckets[-1]} < max_batch_size {max_batch_size}: "
                     "a full batch would have no graph"
                 )
-        if not _is_int(pad_seq_len) or pad_seq_len < 0:
+        if not is_int(pad_seq_len) or pad_seq_len < 0:
             raise InvalidArgumentError(f"pad_seq_len must be an int >= 0, got {pad_seq_len!r}")
-        if not _is_int(warmup_iters) or warmup_iters < 1:
+        if not is_int(warmup_iters) or warmup_iters < 1:
             raise InvalidArgumentError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         self.pool, self.step = pool, step
         self.max_batch_size, self.buckets = max_batch_size, list(buckets)

@@ -392,7 +392,7 @@ class HybridKVPool(HybridRequestOps):
         parts = [self.allocator.slots(int(h), g.index) for h in handles]
         counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
         rows = self.allocator.rows(handles)
-        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
+        dev = self._index_on_device
         write_req_to_token(table, dev(rows), dev(np.zeros_like(counts)), dev(counts), dev(np.concatenate(parts)))
 
     def _write_new_rows(self, handles: np.ndarray) -> None:

@@ -96,11 +96,15 @@ class HybridRequestOps:
     def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  slots: list[np.ndarray]) -> None:
         rows = self.allocator.rows(handles)
-        dev = lambda a: torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
+        dev = self._index_on_device
         for g, s in zip(self.groups, slots):
             table = self._tables[g.index]
             if table is not None:
                 write_req_to_token(table, dev(rows), dev(starts), dev(counts), dev(s))
+
+    def _index_on_device(self, a: Any) -> torch.Tensor:
+        """An int64 copy of ``a`` on the pool's device, for the table kernel."""
+        return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
 
     def _null_released(self, handles: np.ndarray, starts: np.ndarray) -> None:
         """Off the CPU: the null page's slots (``position % page_size``) where a sliding
@@ -120,7 +124,7 @@ class HybridRequestOps:
             r, end = rows[todo], to[todo]
             start = done[r]
             pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(start.tolist(), end.tolist())])
-            dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+            dev = self._index_on_device
             write_req_to_token(self._tables[g.index], dev(r), dev(start), dev(end - start), dev(pos % ps))
             done[r] = end
 

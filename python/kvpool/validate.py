@@ -27,7 +27,12 @@ from kvpool.errors import (
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
-__all__ = ["check_flag", "check_layer", "check_rows", "slots_tensor"]
+__all__ = ["check_flag", "check_layer", "check_rows", "is_int", "slots_tensor"]
+
+
+def is_int(x: Any) -> bool:
+    """An int or numpy integer, not a bool (True is an int to Python, never a count here)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def check_flag(name: str, value: Any) -> bool:

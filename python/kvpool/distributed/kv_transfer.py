@@ -54,6 +54,7 @@ from kvpool.distributed.protocol import (
 from kvpool.distributed.protocol import scales as scales_of
 from kvpool.torch_types import FP8_DTYPES
 from kvpool.modes import persistent
+from kvpool.validate import is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
@@ -224,7 +225,7 @@ def _bad_send_args(timeout_s: Any, chunk_bytes: Any) -> str | None:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) or not (
             timeout_s > 0):
         return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
+    if not is_int(chunk_bytes) or chunk_bytes < 1:
         return f"chunk_bytes must be a positive int, got {chunk_bytes!r}"
     return None
 

@@ -30,10 +30,7 @@ import numpy as np
 
 from kvpool._core import InvalidArgumentError, page_hashes
 from kvpool.router.index import PageIndex
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+from kvpool.validate import is_int
 
 
 @dataclasses.dataclass
@@ -77,9 +74,9 @@ class Router:
                  medium: str = "GPU") -> None:
         for name, value, low in (("num_pools", num_pools, 1), ("page_size", page_size, 1),
                                  ("max_pending", max_pending, 0)):
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
-        if not _is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
+        if not is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
             raise InvalidArgumentError(f"hash_seed must be the pools' hash_seed, an int in [0, 2**64), got {hash_seed!r}")
         from kvpool.events.schema import decoder, msgspec
 
@@ -183,7 +180,7 @@ class Router:
         self.streams[pool].checked_seed = True
 
     def _stream(self, pool: int) -> StreamState:
-        if not _is_int(pool) or not 0 <= pool < self.num_pools:
+        if not is_int(pool) or not 0 <= pool < self.num_pools:
             raise InvalidArgumentError(f"pool must be an int in [0, {self.num_pools}), got {pool!r}")
         return self.streams[pool]
 
