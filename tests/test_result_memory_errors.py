@@ -165,11 +165,39 @@ def test_calls_that_change_the_pool_allocate_their_result_first():
         a.check()
         result((r, a.lengths(h).tolist(), a.free_pages, a.extend(h, 5).tolist()))
         del a
+
+        # The copy-on-write result: 63 of the 64 holders of a shared page each
+        # move its 4095 filled slots to a copy (the last finds the page its own
+        # and writes in place): 8 MiB of [rows | positions | src | dst], taken off
+        # the queue by the call, so it must be allocated before the change.
+        ps = 1 << 12
+        for name in ["extend_cow", "extend_packed"]:
+            case(name)
+            a = SlotAllocator(200, page_size=ps, max_requests=64, max_context_len=2 * ps)
+            parent = a.open(1)
+            a.extend(parent, ps - 1)
+            kids = a.fork(parent[0], 63)
+            h = np.concatenate([parent, kids])
+            if name == "extend_cow":
+                call = lambda: a.extend(h, 1, cow=True)
+            else:
+                call = lambda: a.extend_packed(h, 1)
+            r = outcome(call, 4 * MiB)
+            state = (a.lengths(h).tolist() == [ps - 1] * 64, a.pending_copies, a.free_pages)
+            a.check()
+            cow = call()[-1]
+            m = cow.size // 4
+            rows, positions, src, dst = cow.reshape(4, m)
+            result((r, state, m, bool((positions == np.tile(np.arange(ps - 1), 63)).all()),
+                    bool((src == np.tile(a.slots(kids[-1])[: ps - 1], 63)).all()), a.pending_copies))
+            del a
         """
     )
     assert got == {
         "extend": ("MemoryError", [0], 1 << 12, [4096, 4097, 4098, 4099, 4100]),
         "open": ("MemoryError", 0, 2),
+        "extend_cow": ("MemoryError", (True, 0, 198), 63 * 4095, True, True, 0),
+        "extend_packed": ("MemoryError", (True, 0, 198), 63 * 4095, True, True, 0),
     }
 
 

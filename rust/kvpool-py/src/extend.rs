@@ -14,32 +14,68 @@ use crate::convert::{int_arg, CowFlag, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
 use crate::output::Arr;
-use crate::output::{extend_total, new_i64, to_numpy, CallerOut, OutBuf};
+use crate::output::{extend_total, new_i64, vec_with_room, Bounded, CallerOut, OutBuf};
 use crate::packed::PackedHead;
 use crate::table::Table;
 
-/// Rows and positions of the positions copy-on-write moved, in queue order.
-#[derive(Default)]
+/// The copy-on-write work one extend queued, one `[row, position, src,
+/// dst]` per moved position, in queue order; returned as `[rows |
+/// positions | src | dst]`.
+///
+/// Everything it fills is allocated before the call (`PySlotAllocator::
+/// moved_room`): the call takes the copies off the queue, so a MemoryError
+/// (or an abort on a failed Rust allocation) after it would lose them.
 struct Moved {
-    rows: Vec<i64>,
-    positions: Vec<i64>,
+    each: Vec<[i64; 4]>,
 }
 
 impl Moved {
     fn note(&mut self, g: &Grown<'_>) {
         for j in 0..g.moved {
-            self.rows.push(g.row as i64);
-            self.positions.push((g.start - g.moved + j) as i64);
+            self.each
+                .push([g.row as i64, (g.start - g.moved + j) as i64, 0, 0]);
         }
     }
 
-    /// `[rows | positions | src | dst]`, or None when nothing moved.
-    fn finish(self, core: &mut SlotAllocator, queued_before: usize) -> Option<Vec<i64>> {
-        if self.rows.is_empty() {
-            return None;
+    /// Takes this call's copies off the queue (`queued_before`: the queue's
+    /// length before the call), the moved positions' in the same order.
+    /// Runs with the GIL released.
+    fn take(&mut self, core: &mut SlotAllocator, queued_before: usize) {
+        if self.each.is_empty() {
+            return;
         }
-        let (src, dst) = core.take_copies_from(queued_before);
-        Some([self.rows, self.positions, src, dst].concat())
+        let mut k = 0;
+        let each = &mut self.each;
+        core.drain_copies_from(queued_before, |s, d| {
+            if let Some(e) = each.get_mut(k) {
+                e[2] = s;
+                e[3] = d;
+            }
+            k += 1;
+        });
+        debug_assert_eq!(k, each.len(), "one copy per moved position");
+    }
+
+    /// The result array, in `room`; None when nothing moved.
+    fn finish<'py>(self, room: Bounded<'py, i64>) -> PyResult<Option<Arr<'py, i64>>> {
+        if self.each.is_empty() {
+            return Ok(None);
+        }
+        room.fill_columns(&self.each).map(Some)
+    }
+}
+
+impl PySlotAllocator {
+    /// Room for the copy-on-write work of an extend of `n` requests. A
+    /// request moves at most the filled part of its last page (`page_size -
+    /// 1` positions), and a call that can succeed names at most
+    /// `max_requests` requests.
+    fn moved_room<'py>(&self, py: Python<'py>, n: usize) -> PyResult<(Bounded<'py, i64>, Moved)> {
+        let most = n.min(self.max_requests) * (self.page_size - 1);
+        let moved = Moved {
+            each: vec_with_room(most)?,
+        };
+        Ok((Bounded::new(py, 4 * most)?, moved))
     }
 }
 
@@ -112,18 +148,17 @@ impl Dest {
 }
 
 /// One extend on the core: the slots into `dst`, the table (if any) filled,
-/// and with `cow` the copy-on-write work this call queued.
+/// and with `moved` the copy-on-write work this call queued taken into it.
 fn extend_call(
     core: &mut SlotAllocator,
     handles: &[i64],
     counts: &IntArg,
     tokens: Option<&[i64]>,
     table: Option<&Table>,
-    cow: bool,
+    mut moved: Option<&mut Moved>,
     dst: &mut [i64],
-) -> kvpool_core::Result<Option<Vec<i64>>> {
+) -> kvpool_core::Result<()> {
     let before = core.pending_copies();
-    let mut moved = Moved::default();
     // SAFETY: validated by `table_arg` (int32, rows contiguous, writeable,
     // at least [max_requests, max_context_len]); the caller's array object
     // is referenced for the whole call, so its buffer stays alive.
@@ -135,16 +170,15 @@ fn extend_call(
         dst,
         view.as_mut(),
         |g| {
-            if cow && g.moved > 0 {
-                moved.note(g);
+            if let Some(m) = moved.as_deref_mut() {
+                m.note(g);
             }
         },
     )?;
-    Ok(if cow {
-        moved.finish(core, before)
-    } else {
-        None
-    })
+    if let Some(m) = moved {
+        m.take(core, before);
+    }
+    Ok(())
 }
 
 #[pymethods]
@@ -218,14 +252,31 @@ impl PySlotAllocator {
         let n = h.len();
         let total = extend_total(n, &c, self.num_slots, self.max_context_len);
         let (fresh, mut dest) = Dest::new(py, out, total, t.as_ref())?;
-        let moved = self.run_on(py, h, n.max(total), |core, h| {
-            dest.apply(|dst| extend_call(core, h, &c, toks.as_deref(), t.as_ref(), cow, dst))
+        let (room, mut moved) = match cow {
+            true => self.moved_room(py, n).map(|(r, m)| (Some(r), Some(m)))?,
+            false => (None, None),
+        };
+        self.run_on(py, h, n.max(total), |core, h| {
+            dest.apply(|dst| {
+                extend_call(
+                    core,
+                    h,
+                    &c,
+                    toks.as_deref(),
+                    t.as_ref(),
+                    moved.as_mut(),
+                    dst,
+                )
+            })
         })??;
         let result = Dest::result(py, fresh, out);
         if !cow {
             return Ok(result.unbind());
         }
-        let cow_arr = moved.map(|v| to_numpy(py, &v)).transpose()?;
+        let cow_arr = match (room, moved) {
+            (Some(room), Some(moved)) => moved.finish(room)?,
+            _ => None,
+        };
         Ok((result, cow_arr).into_pyobject(py)?.into_any().unbind())
     }
 
@@ -288,24 +339,18 @@ impl PySlotAllocator {
         let b = h.len();
         let total = extend_total(b, &c, self.num_slots, self.max_context_len);
         let (arr, mut out) = new_i64(py, PackedHead::len(b) + total)?;
-        let moved = self.run_on(
-            py,
-            h,
-            b.max(total),
-            |core, h| -> kvpool_core::Result<Option<Vec<i64>>> {
-                // SAFETY: `arr` is alive and not yet shared (see OutBuf).
-                let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
-                let before = core.pending_copies();
-                let mut moved = Moved::default();
-                core.extend_into(h, counts_of(&c), toks.as_deref(), dst, |g| {
-                    head.note(g);
-                    if g.moved > 0 {
-                        moved.note(g);
-                    }
-                })?;
-                Ok(moved.finish(core, before))
-            },
-        )??;
-        Ok((arr, b, moved.map(|v| to_numpy(py, &v)).transpose()?))
+        let (room, mut moved) = self.moved_room(py, b)?;
+        self.run_on(py, h, b.max(total), |core, h| -> kvpool_core::Result<()> {
+            // SAFETY: `arr` is alive and not yet shared (see OutBuf).
+            let (mut head, dst) = PackedHead::split(unsafe { out.slice() }, b);
+            let before = core.pending_copies();
+            core.extend_into(h, counts_of(&c), toks.as_deref(), dst, |g| {
+                head.note(g);
+                moved.note(g);
+            })?;
+            moved.take(core, before);
+            Ok(())
+        })??;
+        Ok((arr, b, moved.finish(room)?))
     }
 }

@@ -40,6 +40,18 @@ impl<T> OutBuf<T> {
         std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len)
     }
 
+    /// Sets entry `at` (if the buffer has it). Usable on an uninitialized
+    /// buffer, as `write`.
+    ///
+    /// # Safety
+    /// Only while the array it came from is alive and still unshared.
+    #[inline]
+    pub unsafe fn set(&mut self, at: usize, v: T) {
+        if at < self.len {
+            self.ptr.as_ptr().add(at).write(v);
+        }
+    }
+
     /// Copies `v` to entries `at..` (what fits of it). Usable on an
     /// uninitialized buffer: no reference to its memory is formed.
     ///
@@ -147,6 +159,57 @@ pub(crate) fn filled<'py, T: Element + Copy>(
     // SAFETY: `arr` (the caller's, from new_uninit) is alive and not yet shared.
     unsafe { buf.write(0, v) };
     Ok(arr)
+}
+
+/// A result whose length only the call knows, at most `bound`: allocated
+/// before the call changes the pool (a MemoryError after the change would
+/// lose the result, as with [`filled`]) and shrunk to what the call returned.
+pub(crate) struct Bounded<'py, T: Element> {
+    arr: Arr<'py, T>,
+    buf: OutBuf<T>,
+}
+
+impl<'py, T: Element + Copy> Bounded<'py, T> {
+    pub(crate) fn new(py: Python<'py>, bound: usize) -> PyResult<Self> {
+        let (arr, buf) = new_uninit::<T>(py, bound)?;
+        Ok(Bounded { arr, buf })
+    }
+
+    /// The array holding `rows`' columns one after another (`[column 0 |
+    /// column 1 | ...]`). Shrinking gives memory back, so it does not fail
+    /// for want of it; rows past the bound (a call that returned more than
+    /// its arguments allow) get a fresh array.
+    pub(crate) fn fill_columns<const C: usize>(mut self, rows: &[[T; C]]) -> PyResult<Arr<'py, T>> {
+        let m = rows.len();
+        if C * m > self.buf.len {
+            let flat: Vec<T> = (0..C)
+                .flat_map(|c| rows.iter().map(move |r| r[c]))
+                .collect();
+            return to_numpy(self.arr.py(), &flat);
+        }
+        // SAFETY: `arr` (from new_uninit) is alive and not yet shared, and
+        // nothing refers into its buffer while it is resized.
+        unsafe {
+            for (i, r) in rows.iter().enumerate() {
+                for (c, &v) in r.iter().enumerate() {
+                    self.buf.set(c * m + i, v);
+                }
+            }
+            if C * m != self.buf.len {
+                self.arr.resize(C * m)?;
+            }
+        }
+        Ok(self.arr)
+    }
+}
+
+/// An empty Vec with room for `n` values, or MemoryError: reserved before
+/// a call changes the pool, so that filling it during the call allocates
+/// nothing (a failed Rust allocation aborts the process).
+pub(crate) fn vec_with_room<T>(n: usize) -> PyResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| no_memory::<T>(n))?;
+    Ok(v)
 }
 
 /// The number of slots an extend with these arguments adds if it succeeds,

@@ -44,6 +44,14 @@ impl SlotAllocator {
         self.pages.take_copies_from(from, self.geo.page_size)
     }
 
+    /// [`Self::take_copies_from`], handing each (source, destination) slot
+    /// pair to `each` in queue order instead of collecting them, so that it
+    /// allocates nothing: for a caller that made room for them before the
+    /// call that queued them.
+    pub fn drain_copies_from(&mut self, from: usize, each: impl FnMut(i64, i64)) {
+        self.pages.drain_copies_from(from, self.geo.page_size, each)
+    }
+
     /// Queued copy-on-write copies (slot pairs) not yet taken.
     pub fn pending_copies(&self) -> usize {
         self.pages.pending_copies()

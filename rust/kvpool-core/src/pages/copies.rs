@@ -91,14 +91,30 @@ impl PagePool {
         from: usize,
         page_size: usize,
     ) -> (Vec<i64>, Vec<i64>) {
+        let n = self.copies.slots() - from.min(self.copies.slots());
+        let (mut src, mut dst) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        self.drain_copies_from(from, page_size, |s, d| {
+            src.push(s);
+            dst.push(d);
+        });
+        (src, dst)
+    }
+
+    /// [`Self::take_copies_from`], handing each slot pair to `each` instead
+    /// of collecting them: it allocates nothing, for a caller that has
+    /// made room for them before the call that queued them.
+    pub(crate) fn drain_copies_from(
+        &mut self,
+        from: usize,
+        page_size: usize,
+        mut each: impl FnMut(i64, i64),
+    ) {
         let q = &self.copies;
         let from = from.min(q.slots());
-        let n = q.slots() - from;
-        let (mut src, mut dst) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        if n == 0 {
-            return (src, dst);
+        if q.slots() == from {
+            return;
         }
-        // The newest runs hold the last `n` slots; a run that straddles
+        // The newest runs hold the last slots; a run that straddles
         // `from` keeps its first `head` slots queued (and its hold).
         let runs = q.runs();
         let mut i = runs.len();
@@ -116,8 +132,9 @@ impl PagePool {
                 continue;
             }
             let (s, d) = (r.src as usize * ps, r.dst as usize * ps);
-            src.extend((s + skip..s + r.len as usize).map(|x| x as i64));
-            dst.extend((d + skip..d + r.len as usize).map(|x| x as i64));
+            for j in skip..r.len as usize {
+                each((s + j) as i64, (d + j) as i64);
+            }
             if skip > 0 {
                 self.copies.shorten(k, skip);
             } else {
@@ -130,7 +147,6 @@ impl PagePool {
             }
         }
         self.copies.tidy();
-        (src, dst)
     }
 
     /// Queued copy-on-write copies (slot pairs) not yet taken.
