@@ -201,6 +201,43 @@ def test_calls_that_change_the_pool_allocate_their_result_first():
     }
 
 
+def test_grouped_calls_that_change_the_pool_allocate_their_results_first():
+    # The core builds each group's slots in a Vec of its own (a failure there is its
+    # typed "cannot allocate" refusal); the result arrays the bindings copy them into
+    # must exist before the call, or a MemoryError after it leaves the requests
+    # opened or grown. 64 MiB fits neither 128 MiB array, 160 MiB fits one.
+    got = run_cases(
+        """
+        GroupedAllocator = core.GroupedAllocator
+        n = 1 << 24  # one request taking the whole full group: a 128 MiB result
+        groups = [{"kind": "full", "num_pages": (n >> 12) + 1, "page_size": 1 << 12},
+                  {"kind": "state", "num_slots": 4}]
+        for name in ["admit", "extend"]:
+            for room in [64, 160]:
+                case(f"{name} {room}")
+                a = GroupedAllocator(groups, 2, n)
+                if name == "admit":
+                    call = lambda: a.admit([n])
+                else:
+                    h = a.open(1)
+                    call = lambda: a.extend(h, n)
+                r = outcome(call, room * MiB)
+                refused = r == "MemoryError" or r.startswith("InvalidArgumentError: cannot allocate")
+                a.check()
+                state = (a.open_requests, a.free_pages(0))
+                h = a.open(1) if name == "admit" else h
+                result((refused, state, [s.size for s in a.extend(h, 5)]))
+                del a
+        """
+    )
+    assert got == {
+        "admit 64": (True, (0, 1 << 12), [5, 0]),
+        "admit 160": (True, (0, 1 << 12), [5, 0]),
+        "extend 64": (True, (1, 1 << 12), [5, 0]),
+        "extend 160": (True, (1, 1 << 12), [5, 0]),
+    }
+
+
 def test_drained_queues_lose_nothing_to_a_memory_error():
     got = run_cases(
         """

@@ -14,8 +14,8 @@ use crate::convert::{
 };
 use crate::errors::{invalid_argument, Result};
 use crate::extend::tokens_arg;
-use crate::grouped_args::{group_spec, slot_lists, spec_dict, tables_arg, views};
-use crate::output::{to_numpy, Arr};
+use crate::grouped_args::{filled_lists, group_spec, slot_rooms, spec_dict, tables_arg, views};
+use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 
 /// GroupedAllocator(groups, max_requests=256, max_context_len=4096, *, hash_seed=None, handle_seed=None, kv_events=True, anchor_pages=None)
 ///
@@ -206,8 +206,10 @@ impl PyGroupedAllocator {
             None => 1,
             Some(n) => usize_arg(py, n, "n")?,
         };
+        // Allocated first: a MemoryError once the rows are open would lose them.
+        let (arr, buf) = new_uninit::<i64>(py, n.min(self.max_requests))?;
         let v = self.run(py, |c| c.open(n))?;
-        Ok(to_numpy(py, &v)?)
+        Ok(filled(py, arr, buf, &v)?)
     }
 
     /// admit(counts, tokens=None, tables=None) -> (handles, slots)
@@ -243,12 +245,19 @@ impl PyGroupedAllocator {
             self.max_requests,
             self.max_context_len,
         )?;
+        // The results are allocated first: a MemoryError once the requests
+        // are open would lose them.
+        let ctx = self.max_context_len;
+        let (arr, buf) = new_uninit::<i64>(py, c.len().min(self.max_requests))?;
+        let rooms = slot_rooms(py, &self.specs, |g| {
+            counts_total(&c, self.group_slots(g), ctx)
+        })?;
         let (h, outs) = self.run(py, |core| {
             // SAFETY: see `views`.
             let mut v = unsafe { views(&t) };
             core.admit(&c, toks.as_deref(), &mut v)
         })?;
-        Ok((to_numpy(py, &h)?, slot_lists(py, &outs)?))
+        Ok((filled(py, arr, buf, &h)?, filled_lists(py, rooms, &outs)?))
     }
 
     /// extend(handles, counts, tokens=None, tables=None) -> list[ndarray]
@@ -293,12 +302,18 @@ impl PyGroupedAllocator {
             self.max_context_len,
         )?;
         let h = int_arg(py, handles, "handles")?.into_vec();
+        // The results are allocated first: a MemoryError once the requests
+        // grew would lose their slots.
+        let ctx = self.max_context_len;
+        let rooms = slot_rooms(py, &self.specs, |g| {
+            extend_total(h.len(), &c, self.group_slots(g), ctx)
+        })?;
         let outs = self.run(py, |core| {
             // SAFETY: see `views`.
             let mut v = unsafe { views(&t) };
             core.extend(&h, counts_of(&c), toks.as_deref(), &mut v)
         })?;
-        Ok(slot_lists(py, &outs)?)
+        Ok(filled_lists(py, rooms, &outs)?)
     }
 
     /// truncate(handles, lengths) -> None
@@ -384,8 +399,10 @@ impl PyGroupedAllocator {
             None => 1,
             Some(n) => usize_arg(py, n, "n")?,
         };
+        // Allocated first: a MemoryError once the forks are open would lose them.
+        let (arr, buf) = new_uninit::<i64>(py, n.min(self.max_requests))?;
         let v = self.run(py, |c| c.fork(h, n))?;
-        Ok(to_numpy(py, &v)?)
+        Ok(filled(py, arr, buf, &v)?)
     }
 
     /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)
@@ -423,8 +440,11 @@ impl PyGroupedAllocator {
             None => crate::convert::IntArg::Scalar(0),
             Some(s) => int_arg(py, s, "salt")?,
         };
+        // Allocated first: a MemoryError once the requests are open would lose them.
+        let n = l.len().min(self.max_requests);
+        let ((ha, hb), (ca, cb)) = (new_uninit::<i64>(py, n)?, new_uninit::<i64>(py, n)?);
         let (h, c) = self.run(py, |core| core.open_with_prefix(&t, &l, counts_of(&s)))?;
-        Ok((to_numpy(py, &h)?, to_numpy(py, &c)?))
+        Ok((filled(py, ha, hb, &h)?, filled(py, ca, cb, &c)?))
     }
 
     /// evict(group, n) -> int

@@ -7,7 +7,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::convert::usize_arg;
 use crate::errors::invalid_argument;
-use crate::output::to_numpy;
+use crate::output::{filled, new_uninit, to_numpy, Arr, OutBuf};
 use crate::table::Table;
 
 /// `tables=`: None, or one int32 table (or None) per group, none of them
@@ -140,6 +140,42 @@ pub(crate) fn spec_dict<'py>(py: Python<'py>, s: &GroupSpec) -> PyResult<Bound<'
         }
     }
     Ok(d)
+}
+
+/// Each group's result array of an extend or admission, allocated before
+/// the call changes the pool (see `output::filled`): `total(g)` slots for
+/// an attention group `g`, none for a state group.
+pub(crate) fn slot_rooms<'py>(
+    py: Python<'py>,
+    specs: &[GroupSpec],
+    total: impl Fn(usize) -> usize,
+) -> PyResult<Vec<(Arr<'py, i64>, OutBuf)>> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(g, s)| match s.kind {
+            GroupKind::State { .. } => new_uninit::<i64>(py, 0),
+            _ => new_uninit::<i64>(py, total(g)),
+        })
+        .collect()
+}
+
+/// Per-group slot Vecs as a list of int64 arrays, in the rooms made for
+/// them before the call.
+pub(crate) fn filled_lists<'py>(
+    py: Python<'py>,
+    rooms: Vec<(Arr<'py, i64>, OutBuf)>,
+    outs: &[Vec<i64>],
+) -> PyResult<Bound<'py, PyList>> {
+    if rooms.len() != outs.len() {
+        return slot_lists(py, outs);
+    }
+    let arrs = rooms
+        .into_iter()
+        .zip(outs)
+        .map(|((arr, buf), v)| filled(py, arr, buf, v))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, arrs)
 }
 
 /// Per-group slot Vecs as a list of int64 arrays.
