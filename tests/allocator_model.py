@@ -207,7 +207,7 @@ class Model(PriorityModel, TierMixin):
 
     def extend(self, hs, cs, tokens=None):
         need = 0
-        rows = []
+        rows, shared = [], []
         for i in range(len(hs)):
             r = self.batch_rows(hs[: i + 1])[i]
             rows.append(r)
@@ -221,7 +221,7 @@ class Model(PriorityModel, TierMixin):
                 raise kvpool.ContextTooLongError
             need += -(-(n + cs[i]) // self.ps) - (-(-n // self.ps))
             if cs[i] > 0 and n % self.ps and self.holders(q.pages[-1]) > 1:
-                need += 1
+                shared.append(q.pages[-1])
         if tokens is not None:
             if len(tokens) != sum(cs) or any(not 0 <= t < 2**31 for t in tokens):
                 raise kvpool.InvalidArgumentError
@@ -233,6 +233,9 @@ class Model(PriorityModel, TierMixin):
                     if pos < len(q.prompt) and q.prompt[pos] != tokens[k + j]:
                         raise kvpool.InvalidArgumentError
                 k += c
+        # A shared partly filled last page that m growing requests hold, of h holders, is
+        # copied by all but the last holder to grow (which writes in place): min(m, h - 1).
+        need += sum(min(shared.count(p), self.holders(p) - 1) for p in set(shared))
         if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         out, k = [], 0

@@ -96,7 +96,7 @@ class AnchorModel(Model):
 
     def extend_checks(self, hs, cs, tokens):
         """extend's checks but the room; returns the pages it needs."""
-        need, rows = 0, []
+        need, rows, shared = 0, [], []
         for i in range(len(hs)):
             r = self.batch_rows(hs[: i + 1])[i]
             rows.append(r)
@@ -108,7 +108,7 @@ class AnchorModel(Model):
                 raise kvpool.ContextTooLongError
             need += cdiv(n + cs[i], self.ps) - cdiv(n, self.ps)
             if cs[i] > 0 and n % self.ps and self.holders(q.pages[-1]) > 1:
-                need += 1
+                shared.append(q.pages[-1])
         if tokens is not None:
             if len(tokens) != sum(cs) or any(not 0 <= t < 2**31 for t in tokens):
                 raise kvpool.InvalidArgumentError
@@ -120,4 +120,7 @@ class AnchorModel(Model):
                     if pos < len(q.prompt) and q.prompt[pos] != tokens[k + j]:
                         raise kvpool.InvalidArgumentError
                 k += c
+        # A shared partly filled last page that m growing requests hold, of h holders, is
+        # copied by all but the last holder to grow (which writes in place): min(m, h - 1).
+        need += sum(min(shared.count(p), self.holders(p) - 1) for p in set(shared))
         return need

@@ -71,11 +71,13 @@ class Pages:
                 to = self.window_start(n) // self.ps
                 released += self.lists[r][min(self.first[r], to) : to]
         credited = sum(self.holders(p) == released.count(p) for p in set(released))
-        for r, n, c in batch:
-            if c > 0 and n % self.ps:
-                last = self.lists[r][-1]
-                if self.holders(last) - released.count(last) > 1:
-                    need += 1
+        # A shared partly filled last page that m growing rows hold, of h holders once the
+        # windows released theirs, is copied by all but the last holder to grow: min(m, h - 1).
+        shared = [self.lists[r][-1] for r, n, c in batch if c > 0 and n % self.ps]
+        for p in set(shared):
+            h = self.holders(p) - released.count(p)
+            if h > 1:
+                need += min(shared.count(p), h - 1)
         return need <= len(self.free) + len(self.lru) + credited
 
     def grow_batch(self, batch):

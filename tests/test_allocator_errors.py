@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+import kvpool
+
 from kvpool import (
     ContextTooLongError,
     InvalidArgumentError,
@@ -209,3 +211,37 @@ def test_too_long_a_new_request_is_named_as_new_not_by_a_handle():
         a.extend(h, 17)
     assert a.open_requests == 1 and a.used_pages == 0
     a.check()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_forks_growing_together_copy_their_shared_page_once_fewer(grouped):
+    # A parent and its fork share a partly filled last page. Growing both in one call
+    # copies it once: the second to grow finds the page its own and writes in place.
+    # With one free page the call fits, as the two extends one after another do.
+    if grouped:
+        a = kvpool.GroupedAllocator([{"kind": "full", "num_pages": 4, "page_size": 4},
+                                     {"kind": "sliding", "num_pages": 4, "page_size": 4, "window": 8}], 4, 16)
+        free = lambda: (a.free_pages(0), a.free_pages(1))  # noqa: E731
+    else:
+        a = kvpool.SlotAllocator(4, page_size=4, max_requests=4, max_context_len=16)
+        free = lambda: a.free_pages  # noqa: E731
+    parent = a.open(1)
+    a.extend(parent, 6)  # pages 1 and 2; page 2 half filled
+    kid = a.fork(int(parent[0]), 1)
+    assert free() == ((1, 1) if grouped else 1)
+    both = np.concatenate([parent, kid])
+    a.extend(both, 1)
+    assert free() == ((0, 0) if grouped else 0)
+    assert list(a.lengths(both)) == [7, 7]
+    a.check()
+    # Three holders, two growing: both copy (the third still holds the page).
+    b = kvpool.SlotAllocator(5, page_size=4, max_requests=4, max_context_len=16)
+    p = b.open(1)
+    b.extend(p, 6)
+    kids = b.fork(int(p[0]), 2)
+    assert b.free_pages == 2
+    with pytest.raises(kvpool.PoolExhaustedError, match="needs 3"):
+        b.extend(np.concatenate([p, kids]), [1, 1, 5])  # 2 copies + 1 new page for the 11th token
+    b.extend(kids, 1)
+    assert b.free_pages == 0
+    b.check()

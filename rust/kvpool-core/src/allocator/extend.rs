@@ -193,8 +193,10 @@ impl SlotAllocator {
         let max_len = self.geo.max_context_len as u64;
         let mut slow = self.requests.take_slow_scratch();
         let mut needed_pages = 0usize;
-        // Requests that may copy their last page (`pages/copies.rs` makes room).
+        // Requests that may copy their last page (`pages/copies.rs` makes
+        // room), and those pages (`shared_copies` counts the copies exactly).
         let mut copies = 0usize;
+        let mut shared_last: Vec<u32> = Vec::new();
         // The decode run may already take pages (undone on error): an
         // Exhausted error must still report the batch's need against what
         // was available before the call.
@@ -260,15 +262,25 @@ impl SlotAllocator {
                 fill_run(&mut out[k..k + c], last as usize * ps + off);
             } else {
                 needed_pages += self.geo.pages_for(new_len as usize) - self.geo.pages_for(len);
-                if is_slow && c > 0 {
-                    let cow = self.cow_pages(row);
-                    needed_pages += cow;
-                    copies += cow;
+                if is_slow && c > 0 && self.cow_pages(row) > 0 {
+                    if let Err(e) = reserve(&mut shared_last, 1, "shared pages") {
+                        error = Some(e);
+                        break;
+                    }
+                    shared_last.push(last);
+                    needed_pages += 1;
+                    copies += 1;
                 }
                 slow.push(i as u32);
             }
             k += c;
             done = i + 1;
+        }
+        if error.is_none() && copies > 1 {
+            // Requests of one fork family growing together: fewer copies.
+            let exact = self.shared_copies(&mut shared_last);
+            needed_pages -= copies - exact;
+            copies = exact;
         }
         if error.is_none() {
             error = self

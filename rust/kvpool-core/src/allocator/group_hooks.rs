@@ -41,6 +41,7 @@ impl SlotAllocator {
         self.requests.begin_batch();
         let mut need = 0usize;
         let mut total = 0usize;
+        let mut shared_last = Vec::new();
         for (i, &h) in handles.iter().enumerate() {
             let row = self.requests.resolve_unique(h, i)?;
             let c = counts.get(i);
@@ -60,12 +61,14 @@ impl SlotAllocator {
             }
             let c = c as usize;
             need += self.geo.pages_for(len + c) - self.geo.pages_for(len);
-            if c > 0 {
-                need += self.cow_pages(row);
+            if c > 0 && self.cow_pages(row) > 0 {
+                reserve(&mut shared_last, 1, "shared pages")?;
+                shared_last.push(self.requests.tail(row).1);
             }
             total += c;
             rows.push(BatchRow { row, len, count: c });
         }
+        need += self.shared_copies(&mut shared_last);
         if let Some(t) = tokens {
             let all: Vec<u32> = (0..handles.len() as u32).collect();
             let get = |i: usize| counts.get(i);

@@ -4,6 +4,7 @@
 
 use super::SlotAllocator;
 use crate::geometry::fill_run;
+use crate::pages::copies_of_shared;
 
 impl SlotAllocator {
     /// Pages a request's next extend needs beyond its length's own: 1 when
@@ -15,6 +16,13 @@ impl SlotAllocator {
             return 0;
         }
         self.pages.is_shared(last) as usize
+    }
+
+    /// How many copies one extend makes of the shared last pages
+    /// `shared` (one entry per growing request whose last page is shared
+    /// and partly filled): see `copies_of_shared`.
+    pub(super) fn shared_copies(&self, shared: &mut [u32]) -> usize {
+        copies_of_shared(shared, |p| self.pages.holders(p) as usize)
     }
 
     /// Appends `dst.len()` tokens to `row`, taking pages as needed and

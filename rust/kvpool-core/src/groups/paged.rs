@@ -17,7 +17,7 @@
 use crate::error::Result;
 use crate::geometry::{fill_run, Geometry};
 use crate::memory::{reserve, zeroed_vec};
-use crate::pages::PagePool;
+use crate::pages::{copies_of_shared, PagePool};
 use crate::table::SlotTable;
 
 use super::regmap::RegMap;
@@ -40,6 +40,9 @@ pub(crate) struct PageEngine {
     progress: Vec<u32>,
     /// Pages an extend releases, sorted (a batch's scratch).
     scratch: Vec<u32>,
+    /// Shared partly filled last pages of a batch's growing rows, sorted
+    /// (a batch's scratch).
+    shared_scratch: Vec<u32>,
 }
 
 impl PageEngine {
@@ -67,6 +70,7 @@ impl PageEngine {
             first_held: zeroed_vec(max_requests, "group rows")?,
             progress: zeroed_vec(max_requests, "group rows")?,
             scratch: Vec::new(),
+            shared_scratch: Vec::new(),
         })
     }
 
@@ -193,6 +197,8 @@ impl PageEngine {
             }
             k += n as usize;
         }
+        let mut shared = std::mem::take(&mut self.shared_scratch);
+        shared.clear();
         for &(row, len, c) in batch {
             let off = self.geo.offset_in_page(len);
             if c == 0 || off == 0 {
@@ -200,9 +206,16 @@ impl PageEngine {
             }
             let last = self.entry(row, self.geo.pages_for(len) - 1);
             if self.pages.holders(last) - releases(last) > 1 {
-                need += 1;
+                shared.push(last);
             }
         }
+        // A page that `m` growing rows share, of `h` holders once the
+        // windows released theirs, is copied by all but the last holder to
+        // grow (which finds it its own): min(m, h - 1) times.
+        need += copies_of_shared(&mut shared, |p| {
+            (self.pages.holders(p) - releases(p)) as usize
+        });
+        self.shared_scratch = shared;
         self.scratch = scratch;
         (need, credited)
     }

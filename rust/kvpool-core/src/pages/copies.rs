@@ -19,6 +19,25 @@
 use super::PagePool;
 use crate::error::Result;
 
+/// How many copies one extend makes of shared, partly filled last pages:
+/// `pages` names each growing request's such page (sorted here), and
+/// `holders(p)` is `p`'s holder count when the requests grow. A page with
+/// `h` holders, `m` of them growing, is copied `min(m, h - 1)` times: each
+/// copy drops a holder, and the last holder to grow finds the page its own
+/// and writes in place.
+pub(crate) fn copies_of_shared(pages: &mut [u32], holders: impl Fn(u32) -> usize) -> usize {
+    pages.sort_unstable();
+    let mut copies = 0;
+    let mut i = 0;
+    while i < pages.len() {
+        let p = pages[i];
+        let m = pages[i..].iter().take_while(|&&q| q == p).count();
+        copies += m.min(holders(p).saturating_sub(1));
+        i += m;
+    }
+    copies
+}
+
 impl PagePool {
     /// Makes room for `n` more copies before a batch changes anything.
     pub(crate) fn prepare_copies(&mut self, n: usize) -> Result<()> {

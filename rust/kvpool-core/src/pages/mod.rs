@@ -39,6 +39,7 @@ pub(crate) mod record;
 use crate::error::Result;
 use crate::eviction::Eviction;
 use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
+pub(crate) use copies::copies_of_shared;
 use copy_queue::CopyQueue;
 use record::{PageState, UNHELD};
 

@@ -139,12 +139,23 @@ impl GPages {
             .iter()
             .filter(|&&p| self.holders(p) == count(p))
             .count();
+        // A shared partly filled last page that `m` growing rows hold, of
+        // `h` holders after the windows' releases, is copied by all but the
+        // last holder to grow: min(m, h - 1) times.
+        let mut growing: Vec<usize> = Vec::new();
         for &(row, len, c) in batch {
             if c > 0 && len % self.ps != 0 {
-                let last = *self.lists[&row].last().unwrap();
-                if self.holders(last) - count(last) > 1 {
-                    need += 1;
-                }
+                growing.push(*self.lists[&row].last().unwrap());
+            }
+        }
+        let mut pages = growing.clone();
+        pages.sort();
+        pages.dedup();
+        for p in pages {
+            let m = growing.iter().filter(|&&q| q == p).count();
+            let h = self.holders(p) - count(p);
+            if h > 1 {
+                need += m.min(h - 1);
             }
         }
         need <= self.free.len() + self.lru.len() + credited

@@ -14,6 +14,10 @@ impl Model {
     ) -> Result<usize, Kind> {
         let mut rows = Vec::new();
         let mut need = 0;
+        // Shared partly filled last pages of growing requests, with how many
+        // of them grow: a page of `h` holders is copied by all but the last
+        // holder to grow, min(m, h - 1) times.
+        let mut shared: Vec<(usize, usize)> = Vec::new();
         for (i, &h) in hs.iter().enumerate() {
             let r = self.row(h).ok_or(Kind::Handle)?;
             if rows.contains(&r) {
@@ -32,10 +36,18 @@ impl Model {
                 return Err(Kind::TooLong);
             }
             need += (len + c).div_ceil(self.ps) - len.div_ceil(self.ps);
-            if c > 0 && len % self.ps != 0 && self.holders(*req.pages.last().unwrap()) > 1 {
-                need += 1;
+            let last = *req.pages.last().unwrap_or(&0);
+            if c > 0 && len % self.ps != 0 && self.holders(last) > 1 {
+                match shared.iter_mut().find(|(p, _)| *p == last) {
+                    Some((_, m)) => *m += 1,
+                    None => shared.push((last, 1)),
+                }
             }
         }
+        need += shared
+            .iter()
+            .map(|&(p, m)| m.min(self.holders(p) - 1))
+            .sum::<usize>();
         if let Some(t) = tokens {
             let total: i64 = cs.iter().sum();
             if t.len() as i64 != total || t.iter().any(|&x| x < 0 || x > i32::MAX as i64) {
