@@ -5,6 +5,13 @@ publisher has one, a DEALER on its replay service. ``poll()`` runs on the
 caller's thread: it applies every message that has arrived, then fills each
 gap in the sequence numbers by asking for a replay, or, if the replay cannot
 fill it, lets the router forget that pool (``Router.give_up_gap``).
+
+Every replay starts at the last applied number (``Router.verify_from``): its
+first batch shows whether the publisher still has the router's history. A SUB
+socket's monitor tells when a publisher's connection dropped; a restarted
+engine may resume at the very number the router expects next, so after a
+disconnect the pool's next message is applied only once a replay overlap has
+checked its history (with no replay endpoint, the pool is forgotten at once).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from kvpool.extras import require
 from kvpool.router.router import Router
 
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
+from zmq.utils.monitor import parse_monitor_message  # noqa: E402
 
 _END = (-1).to_bytes(8, "big", signed=True)
 
@@ -34,8 +42,11 @@ class ZmqFeed:
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._subs: dict[Any, int] = {}
+        self._monitors: dict[int, Any] = {}
         self._replay: dict[int, Any] = {}
+        self._suspect: set[int] = set()  # pools whose publisher disconnected since their last check
         self.replays = 0  # replay requests sent
+        self.disconnects = 0  # publisher connections seen dropping
 
     def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "") -> None:
         """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected)."""
@@ -44,6 +55,7 @@ class ZmqFeed:
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
         sub.connect(endpoint)
         self._subs[sub] = pool
+        self._monitors[pool] = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller.register(sub, zmq.POLLIN)
         if replay_endpoint is not None:
             d = self._ctx.socket(zmq.DEALER)
@@ -59,39 +71,91 @@ class ZmqFeed:
             for sock in events:
                 pool = self._subs[sock]
                 while True:
+                    # A disconnect is noticed before the messages that follow the reconnection.
+                    self._watch()
                     try:
                         topic, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if pool in self._suspect:
+                        applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
             events = dict(self._poller.poll(0))
+        self._watch()
         for pool in range(self.router.num_pools):
             start = self.router.needs_replay(pool)
             if start is not None:
                 applied += self._fill(pool, start)
         return applied
 
-    def _fill(self, pool: int, start: int) -> int:
-        d, applied = self._replay.get(pool), 0
-        if d is not None:
-            self.replays += 1
-            d.send_multipart((b"", start.to_bytes(8, "big")))
-            while d.poll(self.replay_timeout_ms):
-                frames = d.recv_multipart()
-                if len(frames) != 4:
+    def _watch(self) -> None:
+        """Mark the pools whose publisher connection dropped."""
+        for pool, mon in self._monitors.items():
+            while mon.poll(0):
+                event = parse_monitor_message(mon.recv_multipart())
+                if event["event"] != zmq.EVENT_DISCONNECTED:
                     continue
-                _, topic, seq, payload = frames
-                if seq == _END:
-                    break
-                applied += self.router.feed(pool, topic, seq, payload)
+                self.disconnects += 1
+                if pool in self._replay:
+                    self._suspect.add(pool)
+                else:
+                    # Nothing can check what the publisher holds when it comes back.
+                    self.router.resync(pool)
+
+    def _verify(self, pool: int) -> int:
+        """A replay from the last applied number, before a suspect pool's next
+        message; a publisher that cannot show that batch cannot vouch for the
+        router's history, so the pool is resynced."""
+        self._suspect.discard(pool)
+        start = self.router.verify_from(pool)
+        if start is None:
+            return 0
+        applied, shown = self._replay_from(pool, start)
+        if not shown:
+            self.router.resync(pool)
+        return applied
+
+    def _fill(self, pool: int, start: int) -> int:
+        applied = 0
+        if pool in self._replay:
+            self._suspect.discard(pool)
+            # One batch of overlap: checked when the publisher still keeps it. A
+            # connection that never dropped is the same publisher, so a fill
+            # without it is trusted (a restart shows as a disconnect first).
+            check = self.router.verify_from(pool)
+            applied = self._replay_from(pool, start if check is None else check)[0]
         if self.router.needs_replay(pool) is not None:
             applied += self.router.give_up_gap(pool)
         return applied
 
+    def _replay_from(self, pool: int, start: int) -> tuple[int, bool]:
+        """Feed ``pool``'s kept batches from ``start`` on. Returns the batches
+        applied and whether the replay began with batch ``start`` (the router
+        tells a duplicate of it from a restart by its payload)."""
+        d, applied, shown, first = self._replay[pool], 0, False, True
+        while d.poll(0):
+            d.recv_multipart()  # the rest of an earlier replay that timed out
+        self.replays += 1
+        d.send_multipart((b"", start.to_bytes(8, "big")))
+        while d.poll(self.replay_timeout_ms):
+            frames = d.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == _END:
+                break
+            if first:
+                shown, first = int.from_bytes(seq, "big", signed=True) == start, False
+            applied += self.router.feed(pool, topic, seq, payload)
+        return applied, shown
+
     def close(self) -> None:
-        for s in [*self._subs, *self._replay.values()]:
+        for sub in self._subs:
+            sub.disable_monitor()
+        for s in [*self._monitors.values(), *self._subs, *self._replay.values()]:
             s.close(linger=0)
         self._subs.clear()
+        self._monitors.clear()
         self._replay.clear()
 
 
