@@ -247,3 +247,37 @@ def test_a_restarted_engine_resuming_at_the_expected_number_is_not_believed(with
     finally:
         feed.close()
         pub.close()
+
+
+def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
+    """The router does not poll while the pool publishes far more batches than
+    the PUB and SUB queues hold: ZMQ drops the excess, the router sees the gaps
+    and fills them from the replay service, and ends up knowing exactly the
+    pages the pool holds."""
+    a = pool()
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, hwm=10)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router, replay_timeout_ms=2000)
+    try:
+        feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        for attempt in range(50):
+            admit(a, [8000 + attempt] * (P + 1))
+            pub.publish()
+            pub.flush(5)
+            if feed.poll(100):
+                break
+        rng = np.random.default_rng(0)
+        for i in range(2500):
+            admit(a, rng.integers(0, 1 << 20, size=2 * P + 1))
+            assert pub.publish()
+        assert pub.flush(5)
+        deadline = time.monotonic() + 8
+        while router.streams[0].next_seq != pub.next_seq and time.monotonic() < deadline:
+            feed.poll(50)
+        assert router.streams[0].next_seq == pub.next_seq, "caught up"
+        assert feed.replays >= 1, "some batches were dropped and replayed"
+        assert router.streams[0].resets == router.streams[0].restarts == 0
+        assert router.pages(0) == a.cached_pages
+    finally:
+        feed.close()
+        pub.close()

@@ -130,3 +130,28 @@ def test_a_bad_root_page_behind_a_gap_is_refused_at_once_and_leaves_the_stream_a
         r.feed(0, *m3)
     assert r.streams[0] == before
     assert r.feed(0, *m2) == 1, "the batch in order still applies, and nothing fails behind it"
+
+
+def _removed_batch(ts, tag):
+    """A batch the router can apply without a seed check: one Removed event."""
+    from kvpool.events import schema
+
+    ev = schema.BlockRemoved(block_hashes=[tag.to_bytes(16, "big")], medium="GPU")
+    return schema.msgspec.msgpack.encode(schema.KVEventBatch(ts=ts, events=[ev]))
+
+
+def test_an_old_number_past_the_remembered_window_is_judged_by_its_timestamp():
+    """A SUB queue drained after a replay caught up can hold batches far older
+    than the payloads the router remembers: no newer than the last applied
+    batch, they are stale copies; newer, they come from a restarted publisher."""
+    from kvpool.router import router as R
+
+    r = router()
+    n = R._REMEMBERED + 10
+    for s in range(n):
+        assert r.feed(0, b"", s.to_bytes(8, "big"), _removed_batch(1000.0 + s, s)) == 1
+    assert 0 not in r.streams[0].applied, "seq 0 is past the window"
+    assert r.feed(0, b"", (0).to_bytes(8, "big"), _removed_batch(1000.0, 0)) == 0
+    assert r.streams[0].duplicates == 1 and r.streams[0].restarts == 0 and r.streams[0].next_seq == n
+    assert r.feed(0, b"", (0).to_bytes(8, "big"), _removed_batch(5000.0, 1)) == 1
+    assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 1

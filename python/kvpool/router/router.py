@@ -11,9 +11,11 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
 - a batch is applied only in sequence order; a newer one waits while the gap
   is filled (``needs_replay``);
 - an older one is ignored only if it is the very batch applied under that
-  number (a replay overlap, a duplicate). Anything else under an old number
-  means the publisher's numbering started again (an engine restart): the
-  router forgets the pool and takes that batch as the stream's new start.
+  number (a replay overlap, a duplicate), or, past the last 1024 applied
+  batches, if it is no newer than the last applied one (its ``ts``). Anything
+  else under an old number means the publisher's numbering started again (an
+  engine restart): the router forgets the pool and takes that batch as the
+  stream's new start.
   ``ZmqFeed`` asks every replay from the last applied number
   (``verify_from``), so a replay also checks that the publisher still has the
   router's history;
@@ -57,12 +59,11 @@ class StreamState:
     # Payload digests of the last applied batches by sequence number: an old
     # number is a duplicate only if its payload is the one applied.
     applied: "OrderedDict[int, int]" = dataclasses.field(default_factory=OrderedDict)
+    last_ts: float = float("-inf")  # ts of the last applied batch
 
 
-# Applied batches remembered per stream for telling a duplicate from a restart.
-# An old number past this window counts as a restart: forgetting a pool costs
-# hits until it is relearned, believing a restarted pool's lost pages costs
-# wrong routes until they are named again, which may be never.
+# Applied batches remembered per stream for telling a duplicate from a restart
+# by payload; older numbers are told apart by their timestamp.
 _REMEMBERED = 1024
 
 
@@ -134,11 +135,15 @@ class Router:
         if st.next_seq is None or s >= st.next_seq:
             waiting = st.pending.get(s)
             restart = waiting is not None and waiting[1] != digest
-        elif st.applied.get(s) == digest:
-            st.duplicates += 1
-            return 0
         else:
-            restart = True
+            known = st.applied.get(s)
+            # Past the remembered window, the batch's timestamp decides: a stale
+            # copy (a SUB queue drained after a replay caught up) is no newer than
+            # the last applied batch; a restarted publisher's batch is.
+            restart = known != digest if known is not None else batch.ts > st.last_ts
+            if not restart:
+                st.duplicates += 1
+                return 0
         root = self._root(batch)
         if root is not None and (restart or not st.checked_seed):
             self._check_seed(pool, root)
@@ -194,6 +199,7 @@ class Router:
         st.pending.clear()
         st.applied.clear()
         st.next_seq = None
+        st.last_ts = float("-inf")
         st.checked_seed = False
         st.restarts += 1
 
@@ -225,6 +231,7 @@ class Router:
                 ix.remove(pool, ev.block_hashes)
         st.batches += 1
         st.next_seq = s + 1
+        st.last_ts = max(st.last_ts, batch.ts)
         st.applied[s] = digest
         if len(st.applied) > _REMEMBERED:
             st.applied.popitem(last=False)

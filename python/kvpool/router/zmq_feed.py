@@ -80,6 +80,12 @@ class ZmqFeed:
                     if pool in self._suspect:
                         applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
+                    start = self.router.needs_replay(pool)
+                    if start is not None and pool in self._replay:
+                        # Filled at once: the messages queued behind a gap (a
+                        # subscriber past its high-water mark has many) would
+                        # otherwise pile up past max_pending and give it up.
+                        applied += self._fill(pool, start)
             events = dict(self._poller.poll(0))
         self._watch()
         for pool in range(self.router.num_pools):
