@@ -281,3 +281,30 @@ def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
     finally:
         feed.close()
         pub.close()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda f: f.subscribe(0, "not an endpoint"), "endpoint"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", replay_endpoint="nope://x"), "replay_endpoint"),
+    (lambda f: f.subscribe(0, 5557), "endpoint"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", topic=b"kv"), "topic"),
+    (lambda f: f.subscribe(2, "tcp://127.0.0.1:1"), "pool"),
+], ids=["bad-endpoint", "bad-replay-endpoint", "endpoint-int", "topic-bytes", "pool-out-of-range"])
+def test_bad_subscriptions_are_typed_and_leave_the_feed_as_it_was(call, match):
+    feed = ZmqFeed(Router(2, page_size=P, hash_seed=SEED))
+    try:
+        with pytest.raises(kvpool.InvalidArgumentError, match=match):
+            call(feed)
+        assert not feed._subs and not feed._replay and not feed._monitors
+        feed.subscribe(0, "tcp://127.0.0.1:1")
+        with pytest.raises(kvpool.InvalidArgumentError, match="already"):
+            feed.subscribe(0, "tcp://127.0.0.1:2")  # two streams into one pool would interleave
+        assert len(feed._subs) == 1
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
+def test_bad_replay_timeouts_are_typed(value):
+    with pytest.raises(kvpool.InvalidArgumentError, match="replay_timeout_ms"):
+        ZmqFeed(Router(1, page_size=P, hash_seed=SEED), replay_timeout_ms=value)

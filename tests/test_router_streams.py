@@ -155,3 +155,21 @@ def test_an_old_number_past_the_remembered_window_is_judged_by_its_timestamp():
     assert r.streams[0].duplicates == 1 and r.streams[0].restarts == 0 and r.streams[0].next_seq == n
     assert r.feed(0, b"", (0).to_bytes(8, "big"), _removed_batch(5000.0, 1)) == 1
     assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 1
+
+
+def test_a_waiting_batch_replaced_by_another_under_its_number_is_a_restart():
+    """Two different batches under one waiting number cannot come from one
+    publisher: the stream restarted while the router waited on a gap."""
+    r, old = router(), publisher()
+    r.feed_many(0, step(old, OLD))
+    _ = step(old, OLD + 1000)  # lost
+    (waiting,) = step(old, OLD + 2000)
+    assert r.feed(0, *waiting) == 0 and r.needs_replay(0) == 1
+    new = publisher()
+    step(new, np.arange(700, 709))
+    step(new, np.arange(800, 809))
+    (other,) = step(new, NEW)  # the new publisher's seq 2, the waiting number
+    assert r.feed(0, *other) == 1
+    st = r.streams[0]
+    assert st.restarts == 1 and not st.pending and st.next_seq == 3
+    assert r.match(OLD) == [0] and r.match(OLD + 2000) == [0] and r.match(NEW) == [8]

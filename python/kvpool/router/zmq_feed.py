@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
 from kvpool.router.router import Router
+from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402
@@ -37,6 +39,8 @@ class ZmqFeed:
     """
 
     def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None) -> None:
+        if not is_int(replay_timeout_ms) or replay_timeout_ms < 0:
+            raise InvalidArgumentError(f"replay_timeout_ms must be an int >= 0 (milliseconds), got {replay_timeout_ms!r}")
         self.router = router
         self.replay_timeout_ms = replay_timeout_ms
         self._ctx = context or zmq.Context.instance()
@@ -49,18 +53,50 @@ class ZmqFeed:
         self.disconnects = 0  # publisher connections seen dropping
 
     def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "") -> None:
-        """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected)."""
+        """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected).
+
+        Raises:
+            InvalidArgumentError: a bad pool index, endpoint or topic, or a pool
+                already subscribed (two streams into one pool would interleave
+                their sequence numbers); the feed is left as it was.
+        """
         self.router._stream(pool)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        sub.connect(endpoint)
+        if pool in self._monitors:
+            raise InvalidArgumentError(f"pool {pool} is subscribed already; a pool has one event stream")
+        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgumentError(f"{name} must be a str such as 'tcp://host:5557', got {value!r}")
+        if not isinstance(topic, str):
+            raise InvalidArgumentError(f"topic must be a str (matched UTF-8 encoded), got {topic!r}")
+        made: list[Any] = []
+        try:
+            sub = self._ctx.socket(zmq.SUB)
+            made.append(sub)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._connect(sub, "endpoint", endpoint)
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            made.append(monitor)
+            dealer = None
+            if replay_endpoint is not None:
+                dealer = self._ctx.socket(zmq.DEALER)
+                made.append(dealer)
+                self._connect(dealer, "replay_endpoint", replay_endpoint)
+        except BaseException:
+            for sock in reversed(made):
+                sock.close(linger=0)
+            raise
         self._subs[sub] = pool
-        self._monitors[pool] = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[pool] = monitor
         self._poller.register(sub, zmq.POLLIN)
-        if replay_endpoint is not None:
-            d = self._ctx.socket(zmq.DEALER)
-            d.connect(replay_endpoint)
-            self._replay[pool] = d
+        if dealer is not None:
+            self._replay[pool] = dealer
+
+    @staticmethod
+    def _connect(sock: Any, name: str, endpoint: str) -> None:
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise InvalidArgumentError(f"{name} {endpoint!r} cannot be connected: {e}") from None
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply the messages that have arrived (waiting up to ``timeout_ms`` for
