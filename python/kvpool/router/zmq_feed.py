@@ -152,10 +152,7 @@ class ZmqFeed:
         start = self.router.verify_from(pool)
         if start is None:
             return 0
-        applied, shown = self._replay_from(pool, start)
-        if not shown:
-            self.router.resync(pool)
-        return applied
+        return self._replay_from(pool, start, verify=True)
 
     def _fill(self, pool: int, start: int) -> int:
         applied = 0
@@ -165,16 +162,18 @@ class ZmqFeed:
             # connection that never dropped is the same publisher, so a fill
             # without it is trusted (a restart shows as a disconnect first).
             check = self.router.verify_from(pool)
-            applied = self._replay_from(pool, start if check is None else check)[0]
+            applied = self._replay_from(pool, start if check is None else check, verify=False)
         if self.router.needs_replay(pool) is not None:
             applied += self.router.give_up_gap(pool)
         return applied
 
-    def _replay_from(self, pool: int, start: int) -> tuple[int, bool]:
-        """Feed ``pool``'s kept batches from ``start`` on. Returns the batches
-        applied and whether the replay began with batch ``start`` (the router
-        tells a duplicate of it from a restart by its payload)."""
-        d, applied, shown, first = self._replay[pool], 0, False, True
+    def _replay_from(self, pool: int, start: int, *, verify: bool) -> int:
+        """Feed ``pool``'s kept batches from ``start`` on; returns the batches
+        applied. The router tells a replayed batch ``start`` that it applied
+        from another under that number by its payload. With ``verify``, a
+        replay that does not begin with batch ``start`` cannot vouch for the
+        router's history: the pool is resynced before the replay is fed."""
+        d, applied, first = self._replay[pool], 0, True
         while d.poll(0):
             d.recv_multipart()  # the rest of an earlier replay that timed out
         self.replays += 1
@@ -186,10 +185,13 @@ class ZmqFeed:
             _, topic, seq, payload = frames
             if seq == _END:
                 break
-            if first:
-                shown, first = int.from_bytes(seq, "big", signed=True) == start, False
+            if first and verify and int.from_bytes(seq, "big", signed=True) != start:
+                self.router.resync(pool)
+            first = False
             applied += self.router.feed(pool, topic, seq, payload)
-        return applied, shown
+        if first and verify:
+            self.router.resync(pool)  # nothing kept, or no answer
+        return applied
 
     def close(self) -> None:
         for sub in self._subs:
