@@ -173,3 +173,24 @@ def test_a_waiting_batch_replaced_by_another_under_its_number_is_a_restart():
     st = r.streams[0]
     assert st.restarts == 1 and not st.pending and st.next_seq == 3
     assert r.match(OLD) == [0] and r.match(OLD + 2000) == [0] and r.match(NEW) == [8]
+
+
+@pytest.mark.parametrize("change", [
+    dict(extra_keys=[None]), dict(token_ids=[1]), dict(block_hashes=[]), dict(extra_keys=[(2**63,)]),
+    dict(extra_keys=[()]),
+], ids=["extra-keys-none", "too-few-tokens", "no-hashes", "salt-too-big", "extra-keys-empty"])
+def test_a_root_page_the_router_cannot_rehash_is_typed_and_changes_nothing(change):
+    """A well-formed batch from a publisher that is not a kvpool pool (or a
+    broken one) whose first root page cannot be rehashed is refused as
+    InvalidArgumentError, not an IndexError or TypeError from inside feed()."""
+    from kvpool.events import schema
+
+    fields = dict(block_hashes=[b"\0" * 16], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=P,
+                  lora_id=None, medium="GPU", lora_name=None)
+    fields.update(change)
+    payload = schema.msgspec.msgpack.encode(schema.KVEventBatch(ts=1.0, events=[schema.BlockStored(**fields)]))
+    r = router()
+    before = dataclasses.replace(r.streams[0], pending={})
+    with pytest.raises(kvpool.InvalidArgumentError, match="root page"):
+        r.feed(0, b"", (0).to_bytes(8, "big"), payload)
+    assert r.streams[0] == before and r.pages(0) == 0

@@ -246,11 +246,18 @@ class Router:
 
     def _check_seed(self, pool: int, ev: Any) -> None:
         """The pool hashes as this router does: its first root page, rehashed."""
-        salt = ev.extra_keys[0][0] if ev.extra_keys else 0
         if ev.block_size != self.page_size:
             raise InvalidArgumentError(
                 f"pool {pool} stores pages of {ev.block_size} tokens; this router was built for page_size "
                 f"{self.page_size}")
+        key = ev.extra_keys[0] if ev.extra_keys else (0,)
+        salt = key[0] if isinstance(key, (tuple, list)) and key else None
+        if (not ev.block_hashes or len(ev.token_ids) < self.page_size or not is_int(salt)
+                or not -(1 << 63) <= salt < 1 << 63):
+            raise InvalidArgumentError(
+                f"pool {pool}'s root page is not one a kvpool pool sends (a hash, {self.page_size} token ids and "
+                f"an int salt in extra_keys, or none): got {len(ev.block_hashes)} hashes, {len(ev.token_ids)} "
+                f"token ids and extra_keys {ev.extra_keys!r:.60}")
         mine = self._keys(page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt))
         if mine[0] != ev.block_hashes[0]:
             raise InvalidArgumentError(

@@ -36,6 +36,9 @@ class ZmqFeed:
         router: the Router to feed.
         replay_timeout_ms: longest wait for a replay's next message.
         context: the zmq.Context (default: the process-wide instance).
+
+    Counters: ``replays`` (replay requests sent) and ``disconnects``
+    (publisher connections seen dropping).
     """
 
     def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None) -> None:
