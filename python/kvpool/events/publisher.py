@@ -159,9 +159,14 @@ class LocalEventPublisher(EventPublisher):
 
     def drain(self) -> list[tuple[bytes, bytes, bytes]]:
         """The messages sent since the last drain, oldest first."""
-        out = list(self.outbox)
-        self.outbox.clear()
-        return out
+        # One popleft at a time (each atomic): a message another thread
+        # publishes meanwhile is taken now or by the next drain, never cleared unseen.
+        out, box = [], self.outbox
+        while True:
+            try:
+                out.append(box.popleft())
+            except IndexError:  # empty (another drain may have taken the last one)
+                return out
 
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "EventPublisher", "LocalEventPublisher"]
