@@ -158,9 +158,9 @@ class KVPoolCollector:
             if slots is not None:
                 copy.add_metric([name], int(slots) * int(pool.bytes_per_slot))
             for fam, attr in ((offload, "offload_bytes"), (load, "load_bytes")):
-                v = getattr(pool, attr, None)
-                if v is not None:
-                    fam.add_metric([name], int(v))
+                moved = getattr(pool, attr, None)
+                if moved is not None:
+                    fam.add_metric([name], int(moved))
         for fam in families:
             if fam.samples:
                 yield fam

@@ -251,7 +251,7 @@ class Router:
                 f"pool {pool} stores pages of {ev.block_size} tokens; this router was built for page_size "
                 f"{self.page_size}")
         key = ev.extra_keys[0] if ev.extra_keys else (0,)
-        salt = key[0] if isinstance(key, (tuple, list)) and key else None
+        salt: Any = key[0] if isinstance(key, (tuple, list)) and key else None
         if (not ev.block_hashes or len(ev.token_ids) < self.page_size or not is_int(salt)
                 or not -(1 << 63) <= salt < 1 << 63):
             raise InvalidArgumentError(
