@@ -1,6 +1,7 @@
 """ZmqEventPublisher on loopback: vLLM's (topic, seq, payload) frames, its ROUTER
 replay protocol, replay after a dropped subscriber, and a router fed over ZMQ
-that fills a gap by replay or forgets the pool when it cannot."""
+that fills a gap by replay or forgets the pool when it cannot, and an engine
+restarted on the same endpoints."""
 
 import time
 
@@ -180,3 +181,130 @@ def test_router_over_zmq_fills_a_gap_by_replay_and_forgets_a_pool_when_it_cannot
         feed.close()
         for pub in pubs:
             pub.close()
+
+
+
+def _restart_fleet(with_replay):
+    """A router subscribed to publisher A, which has published a few batches
+    the router applied; then A goes away (its engine stops). Returns the
+    router, its feed, A's endpoints and the number the router expects next."""
+    a = pool()
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP if with_replay else None)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router, replay_timeout_ms=2000)
+    feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+    for attempt in range(50):
+        admit(a, [8000 + attempt] * (P + 1))
+        pub.publish()
+        pub.flush(5)
+        if feed.poll(100):
+            break
+    admit(a, OLD)
+    pub.publish()
+    pub.flush(5)
+    deadline = time.monotonic() + 5
+    while router.match(OLD)[0] == 0 and time.monotonic() < deadline:
+        feed.poll(50)
+    assert router.match(OLD) == [8]
+    expected = router.streams[0].next_seq
+    endpoints = ("tcp://*:" + pub.endpoint.rsplit(":", 1)[1], pub.replay_endpoint)
+    pub.close()
+    deadline = time.monotonic() + 2
+    while getattr(feed, "disconnects", 0) == 0 and time.monotonic() < deadline:
+        feed.poll(50)
+    return router, feed, endpoints, expected
+
+
+OLD, NEW = np.arange(300, 309), np.arange(700, 709)
+
+
+@pytest.mark.parametrize("with_replay", [True, False], ids=["replay", "no-replay"])
+def test_a_restarted_engine_resuming_at_the_expected_number_is_not_believed(with_replay):
+    """The engine restarts on the same endpoints with an empty cache, and its
+    numbering reaches the router's next number before the SUB socket has
+    reconnected: on the wire its next batch looks like the old stream's next.
+    The router must not keep believing the old engine's pages."""
+    router, feed, (endpoint, replay_endpoint), expected = _restart_fleet(with_replay)
+    b = pool()
+    pub = ZmqEventPublisher(b, endpoint, replay_endpoint=replay_endpoint if with_replay else None)
+    try:
+        for i in range(expected):  # sent before the subscriber is back: lost
+            admit(b, [6000 + i] * (P + 1))
+            assert pub.publish()
+        pub.flush(5)
+        time.sleep(0.5)  # the SUB socket reconnects (every 100 ms) and subscribes
+        admit(b, NEW)
+        assert pub.publish() == 2 and pub.next_seq == expected + 1
+        pub.flush(5)
+        deadline = time.monotonic() + 5
+        while router.streams[0].batches == 0 or router.match(NEW)[0] == 0:
+            feed.poll(50)
+            if time.monotonic() > deadline:
+                break
+        assert router.match(NEW) == [8], "the new engine's stream is followed"
+        assert router.match(OLD) == [0], "the old engine's pages went with it"
+        assert router.streams[0].restarts == 1
+    finally:
+        feed.close()
+        pub.close()
+
+
+def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
+    """The router does not poll while the pool publishes far more batches than
+    the PUB and SUB queues hold: ZMQ drops the excess, the router sees the gaps
+    and fills them from the replay service, and ends up knowing exactly the
+    pages the pool holds."""
+    a = pool()
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, hwm=10)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router, replay_timeout_ms=2000)
+    try:
+        feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        for attempt in range(50):
+            admit(a, [8000 + attempt] * (P + 1))
+            pub.publish()
+            pub.flush(5)
+            if feed.poll(100):
+                break
+        rng = np.random.default_rng(0)
+        for i in range(2500):
+            admit(a, rng.integers(0, 1 << 20, size=2 * P + 1))
+            assert pub.publish()
+        assert pub.flush(5)
+        deadline = time.monotonic() + 8
+        while router.streams[0].next_seq != pub.next_seq and time.monotonic() < deadline:
+            feed.poll(50)
+        assert router.streams[0].next_seq == pub.next_seq, "caught up"
+        assert feed.replays >= 1, "some batches were dropped and replayed"
+        assert router.streams[0].resets == router.streams[0].restarts == 0
+        assert router.pages(0) == a.cached_pages
+    finally:
+        feed.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda f: f.subscribe(0, "not an endpoint"), "endpoint"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", replay_endpoint="nope://x"), "replay_endpoint"),
+    (lambda f: f.subscribe(0, 5557), "endpoint"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", topic=b"kv"), "topic"),
+    (lambda f: f.subscribe(2, "tcp://127.0.0.1:1"), "pool"),
+], ids=["bad-endpoint", "bad-replay-endpoint", "endpoint-int", "topic-bytes", "pool-out-of-range"])
+def test_bad_subscriptions_are_typed_and_leave_the_feed_as_it_was(call, match):
+    feed = ZmqFeed(Router(2, page_size=P, hash_seed=SEED))
+    try:
+        with pytest.raises(kvpool.InvalidArgumentError, match=match):
+            call(feed)
+        assert not feed._subs and not feed._replay and not feed._monitors
+        feed.subscribe(0, "tcp://127.0.0.1:1")
+        with pytest.raises(kvpool.InvalidArgumentError, match="already"):
+            feed.subscribe(0, "tcp://127.0.0.1:2")  # two streams into one pool would interleave
+        assert len(feed._subs) == 1
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
+def test_bad_replay_timeouts_are_typed(value):
+    with pytest.raises(kvpool.InvalidArgumentError, match="replay_timeout_ms"):
+        ZmqFeed(Router(1, page_size=P, hash_seed=SEED), replay_timeout_ms=value)

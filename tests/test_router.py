@@ -196,3 +196,28 @@ def test_route_takes_one_prompt_and_an_int_pool():
     for pool in ("0", 1.0, True, 2):
         with pytest.raises(kvpool.InvalidArgumentError, match=r"pool must be an int in \[0, 2\)"):
             r.finished(pool)
+
+
+def test_for_a_grouped_pool_the_prediction_is_an_upper_bound():
+    """A GroupedAllocator publishes its anchor chain only, so the router knows
+    which full-attention prefixes it holds, not whether a sliding group still
+    holds the window before them: its prediction never falls below the hit the
+    pool serves, and exceeds it once the sliding group has evicted."""
+    g = kvpool.GroupedAllocator([{"kind": "full", "num_pages": 200, "page_size": P},
+                                 {"kind": "sliding", "num_pages": 30, "page_size": P, "window": 2 * P}],
+                                16, 256, hash_seed=SEED)
+    pub, r = LocalEventPublisher(g), Router(1, page_size=g.anchor_page_size, hash_seed=SEED)
+    rng = np.random.default_rng(0)
+    stems = [rng.integers(0, 50, size=10 * P) for _ in range(4)]
+    over = 0
+    for i in range(60):
+        prompt = np.concatenate([stems[i % 4], rng.integers(0, 50, size=5)])
+        predicted = r.match(prompt)[0]
+        h, c = g.open_with_prefix(prompt, [len(prompt)])
+        assert predicted >= int(c[0]), i
+        over += predicted > int(c[0])
+        g.extend(h, len(prompt) - int(c[0]))
+        g.close(h, cache=True)
+        pub.publish()
+        r.feed_many(0, pub.drain())
+    assert over > 0, "the sliding group evicted windows the anchor chain still names"

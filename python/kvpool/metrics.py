@@ -48,11 +48,29 @@ _core = require("prometheus_client.core", "metrics", "kvpool.metrics")
 
 
 def _named(pools: Union[Any, Iterable[Any], Mapping[str, Any]]) -> dict[str, Any]:
+    """Label -> pool, every pool checked here: a scrape that raises fails the
+    whole exposition, every other pool's families included."""
+    from kvpool._core import InvalidArgumentError, SlotAllocator
+
     if isinstance(pools, Mapping):
-        return {str(k): v for k, v in pools.items()}
-    if hasattr(pools, "stats"):
-        return {"0": pools}
-    return {str(i): p for i, p in enumerate(pools)}
+        items = list(pools.items())
+    elif hasattr(pools, "stats") or hasattr(pools, "allocator") or isinstance(pools, SlotAllocator):
+        items = [("0", pools)]
+    elif isinstance(pools, Iterable) and not isinstance(pools, (str, bytes)):
+        items = list(enumerate(pools))
+    else:
+        items = [("0", pools)]
+    named: dict[str, Any] = {}
+    for key, pool in items:
+        label = str(key)
+        if label in named:
+            raise InvalidArgumentError(f"two pools would carry the label pool={label!r} (keys {list(dict(items))!r}); "
+                                       f"give each pool its own label")
+        if not isinstance(getattr(pool, "allocator", pool), SlotAllocator) or not callable(getattr(pool, "stats", None)):
+            raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator (its stats() are what the "
+                                       f"collector exports), got {type(pool).__name__}")
+        named[label] = pool
+    return named
 
 
 class KVPoolCollector:
@@ -63,13 +81,18 @@ class KVPoolCollector:
 
     def __init__(self, pools: Union[Any, Iterable[Any], Mapping[str, Any]], *,
                  publishers: Optional[Mapping[str, Any]] = None) -> None:
+        from kvpool._core import InvalidArgumentError
+        from kvpool.events.publisher import EventPublisher
+
         self.pools = _named(pools)
-        self.publishers = dict(publishers or {})
+        self.publishers = {str(k): p for k, p in (publishers or {}).items()}
         unknown = set(self.publishers) - set(self.pools)
         if unknown:
-            from kvpool._core import InvalidArgumentError
-
             raise InvalidArgumentError(f"publishers for unknown pools {sorted(unknown)}; pools are {sorted(self.pools)}")
+        for label, pub in self.publishers.items():
+            if not isinstance(pub, EventPublisher):
+                raise InvalidArgumentError(f"the publisher of pool {label!r} must be a kvpool.events publisher "
+                                           f"(ZmqEventPublisher, LocalEventPublisher), got {type(pub).__name__}")
 
     def describe(self) -> list[Any]:
         # Every family this collector can export (empty): the registry checks these
@@ -135,9 +158,9 @@ class KVPoolCollector:
             if slots is not None:
                 copy.add_metric([name], int(slots) * int(pool.bytes_per_slot))
             for fam, attr in ((offload, "offload_bytes"), (load, "load_bytes")):
-                v = getattr(pool, attr, None)
-                if v is not None:
-                    fam.add_metric([name], int(v))
+                moved = getattr(pool, attr, None)
+                if moved is not None:
+                    fam.add_metric([name], int(moved))
         for fam in families:
             if fam.samples:
                 yield fam

@@ -7,7 +7,8 @@ the mapping is in docs/events-and-metrics.md). The last ``buffer_steps`` message
 are kept for replay.
 
 ``publish()`` runs on the caller's thread (the scheduler's, once a step): it
-drains the pool, encodes (native code) and hands the message over.
+drains the pool, encodes (native code) and hands the message over; calls from
+several threads are numbered in the order they drained the pool.
 ``ZmqEventPublisher`` sends it from a thread of its own, which also serves
 replays while the engine is idle.
 """
@@ -76,6 +77,10 @@ class EventPublisher:
         # the lock keeps a replay from iterating while publish() appends.
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
+        # Held from the drain to the hand-over: two threads publishing at once
+        # must number (and send) their batches in the order they drained them,
+        # or a consumer applies a Removed before the Stored it undoes.
+        self._publishing = threading.Lock()
         self._closed = False
         self.batches = self.events = self.stored_pages = self.removed_pages = self.cleared = 0
 
@@ -102,21 +107,22 @@ class EventPublisher:
         """
         if self._closed:
             raise RuntimeError("this KV event publisher is closed")
-        payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
-        n = stored + removed + cleared
-        if not n:
-            return 0
-        seq = self._seq
-        self._seq = seq + 1
-        seq_b = seq.to_bytes(8, "big")
-        self._deliver(seq_b, payload)
-        with self._lock:
-            self._buffer.append((seq, seq_b, payload))
-        self.batches += 1
-        self.events += n
-        self.stored_pages += stored
-        self.removed_pages += removed
-        self.cleared += cleared
+        with self._publishing:
+            payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
+            n = stored + removed + cleared
+            if not n:
+                return 0
+            seq = self._seq
+            self._seq = seq + 1
+            seq_b = seq.to_bytes(8, "big")
+            self._deliver(seq_b, payload)
+            with self._lock:
+                self._buffer.append((seq, seq_b, payload))
+            self.batches += 1
+            self.events += n
+            self.stored_pages += stored
+            self.removed_pages += removed
+            self.cleared += cleared
         return n
 
     def replay(self, start_seq: int) -> list[tuple[bytes, bytes, bytes]]:
@@ -153,9 +159,14 @@ class LocalEventPublisher(EventPublisher):
 
     def drain(self) -> list[tuple[bytes, bytes, bytes]]:
         """The messages sent since the last drain, oldest first."""
-        out = list(self.outbox)
-        self.outbox.clear()
-        return out
+        # One popleft at a time (each atomic): a message another thread
+        # publishes meanwhile is taken now or by the next drain, never cleared unseen.
+        out, box = [], self.outbox
+        while True:
+            try:
+                out.append(box.popleft())
+            except IndexError:  # empty (another drain may have taken the last one)
+                return out
 
 
 __all__ = ["DEFAULT_BUFFER_STEPS", "END_SEQ", "EventPublisher", "LocalEventPublisher"]

@@ -8,8 +8,17 @@ equals. It holds no pool.
 
 Trust rules, per pool stream (sequence numbers as the publisher sends them):
 
-- a batch is applied only in sequence order; an older one (a replay overlap)
-  is ignored, a newer one waits while the gap is filled (``needs_replay``);
+- a batch is applied only in sequence order; a newer one waits while the gap
+  is filled (``needs_replay``);
+- an older one is ignored only if it is the very batch applied under that
+  number (a replay overlap, a duplicate), or, past the last 1024 applied
+  batches, if it is no newer than the last applied one (its ``ts``). Anything
+  else under an old number means the publisher's numbering started again (an
+  engine restart): the router forgets the pool and takes that batch as the
+  stream's new start.
+  ``ZmqFeed`` asks every replay from the last applied number
+  (``verify_from``), so a replay also checks that the publisher still has the
+  router's history;
 - a gap that cannot be filled (the publisher no longer keeps it, or more than
   ``max_pending`` batches wait) makes the router forget that pool's pages and
   go on from the waiting batches: the lost batches may have held Removed
@@ -24,6 +33,7 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -38,12 +48,23 @@ class StreamState:
     """What the router knows of one pool's event stream."""
 
     next_seq: Optional[int] = None  # None until the first batch
-    pending: dict[int, Any] = dataclasses.field(default_factory=dict)  # decoded batches by sequence number
+    # (decoded batch, payload digest) by sequence number
+    pending: dict[int, Any] = dataclasses.field(default_factory=dict)
     batches: int = 0  # applied
-    duplicates: int = 0  # ignored: already applied (replay overlap)
+    duplicates: int = 0  # ignored: the batch already applied under that number (replay overlap)
     resets: int = 0  # pool forgotten after an unfillable gap
+    restarts: int = 0  # pool forgotten: the publisher's numbering started again (or resync())
     cleared: int = 0  # AllBlocksCleared applied
     checked_seed: bool = False
+    # Payload digests of the last applied batches by sequence number: an old
+    # number is a duplicate only if its payload is the one applied.
+    applied: "OrderedDict[int, int]" = dataclasses.field(default_factory=OrderedDict)
+    last_ts: float = float("-inf")  # ts of the last applied batch
+
+
+# Applied batches remembered per stream for telling a duplicate from a restart
+# by payload; older numbers are told apart by their timestamp.
+_REMEMBERED = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,29 +114,51 @@ class Router:
 
     def feed(self, pool: int, topic: bytes, seq: bytes, payload: bytes) -> int:
         """Take one message of ``pool``'s stream, in any order. Returns the
-        batches applied (0 while it waits behind a gap or was a duplicate)."""
+        batches applied (0 while it waits behind a gap or was a duplicate).
+
+        Raises:
+            InvalidArgumentError: a malformed message, or a root page that this
+                router would hash otherwise (another hash_seed or page_size);
+                the stream is left as it was.
+        """
         st = self._stream(pool)
         if not isinstance(seq, (bytes, bytearray, memoryview)) or len(seq) != 8:
             raise InvalidArgumentError(
                 f"seq must be the 8-byte big-endian sequence frame the publisher sends, got {seq!r:.40}")
         s = int.from_bytes(seq, "big", signed=True)
-        # Decoded before anything changes: a malformed message leaves the stream as it was.
+        # Decoded and checked before anything changes: a bad message leaves the stream as it was.
         try:
             batch = self._decode(payload)
         except self._not_a_batch as e:
             raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
+        digest = hash(bytes(payload))
+        if st.next_seq is None or s >= st.next_seq:
+            waiting = st.pending.get(s)
+            restart = waiting is not None and waiting[1] != digest
+        else:
+            known = st.applied.get(s)
+            # Past the remembered window, the batch's timestamp decides: a stale
+            # copy (a SUB queue drained after a replay caught up) is no newer than
+            # the last applied batch; a restarted publisher's batch is.
+            restart = known != digest if known is not None else batch.ts > st.last_ts
+            if not restart:
+                st.duplicates += 1
+                return 0
+        root = self._root(batch)
+        if root is not None and (restart or not st.checked_seed):
+            self._check_seed(pool, root)
+        if restart:
+            self.resync(pool)
         if st.next_seq is None:
             st.next_seq = s
-        if s < st.next_seq:
-            st.duplicates += 1
-            return 0
+        if root is not None:
+            st.checked_seed = True
         if s > st.next_seq:
-            st.pending[s] = batch
+            st.pending[s] = (batch, digest)
             if len(st.pending) > self.max_pending:
                 return self.give_up_gap(pool)
             return 0
-        self._apply(pool, batch)
-        st.next_seq = s + 1
+        self._apply(pool, s, batch, digest)
         return 1 + self._apply_ready(pool)
 
     def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
@@ -125,6 +168,16 @@ class Router:
         """The first sequence number missing from ``pool``'s stream, or None."""
         st = self._stream(pool)
         return st.next_seq if st.pending else None
+
+    def verify_from(self, pool: int) -> Optional[int]:
+        """Where a replay of ``pool``'s stream should start so that its first
+        batch checks the publisher's history against the router's: the last
+        applied sequence number (None before any). Replayed back unchanged it
+        is a duplicate; changed, a restart (see the module's trust rules)."""
+        st = self._stream(pool)
+        if st.next_seq is None or st.next_seq - 1 not in st.applied:
+            return None
+        return st.next_seq - 1
 
     def give_up_gap(self, pool: int) -> int:
         """The missing batches will not come: forget the pool and go on from
@@ -136,6 +189,20 @@ class Router:
             st.next_seq = min(st.pending)
         return self._apply_ready(pool)
 
+    def resync(self, pool: int) -> None:
+        """``pool``'s stream cannot be trusted to continue (its publisher
+        restarted, or went away and its history cannot be checked): forget the
+        pool's pages and the waiting batches, and take the next batch that
+        arrives as the stream's start."""
+        st = self._stream(pool)
+        self.forget(pool)
+        st.pending.clear()
+        st.applied.clear()
+        st.next_seq = None
+        st.last_ts = float("-inf")
+        st.checked_seed = False
+        st.restarts += 1
+
     def forget(self, pool: int) -> None:
         """Drop everything known of ``pool``'s pages."""
         self.index.forget(pool)
@@ -143,12 +210,13 @@ class Router:
     def _apply_ready(self, pool: int) -> int:
         st, n = self.streams[pool], 0
         while st.next_seq in st.pending:
-            self._apply(pool, st.pending.pop(st.next_seq))  # type: ignore[arg-type]
-            st.next_seq += 1  # type: ignore[operator]
+            s = st.next_seq
+            batch, digest = st.pending.pop(s)
+            self._apply(pool, s, batch, digest)  # type: ignore[arg-type]
             n += 1
         return n
 
-    def _apply(self, pool: int, batch: Any) -> None:
+    def _apply(self, pool: int, s: int, batch: Any, digest: int) -> None:
         st, ix = self.streams[pool], self.index
         for ev in batch.events:
             kind = type(ev).__name__
@@ -158,26 +226,43 @@ class Router:
             elif ev.medium not in (self.medium, None):
                 continue
             elif kind == "BlockStored":
-                if not st.checked_seed and ev.parent_block_hash is None:
-                    self._check_seed(pool, ev)
                 ix.add(pool, ev.block_hashes)
             else:
                 ix.remove(pool, ev.block_hashes)
         st.batches += 1
+        st.next_seq = s + 1
+        st.last_ts = max(st.last_ts, batch.ts)
+        st.applied[s] = digest
+        if len(st.applied) > _REMEMBERED:
+            st.applied.popitem(last=False)
+
+    @staticmethod
+    def _root(batch: Any) -> Any:
+        """The batch's first BlockStored that starts a chain (None if none)."""
+        for ev in batch.events:
+            if type(ev).__name__ == "BlockStored" and ev.parent_block_hash is None:
+                return ev
+        return None
 
     def _check_seed(self, pool: int, ev: Any) -> None:
         """The pool hashes as this router does: its first root page, rehashed."""
-        salt = ev.extra_keys[0][0] if ev.extra_keys else 0
         if ev.block_size != self.page_size:
             raise InvalidArgumentError(
                 f"pool {pool} stores pages of {ev.block_size} tokens; this router was built for page_size "
                 f"{self.page_size}")
+        key = ev.extra_keys[0] if ev.extra_keys else (0,)
+        salt: Any = key[0] if isinstance(key, (tuple, list)) and key else None
+        if (not ev.block_hashes or len(ev.token_ids) < self.page_size or not is_int(salt)
+                or not -(1 << 63) <= salt < 1 << 63):
+            raise InvalidArgumentError(
+                f"pool {pool}'s root page is not one a kvpool pool sends (a hash, {self.page_size} token ids and "
+                f"an int salt in extra_keys, or none): got {len(ev.block_hashes)} hashes, {len(ev.token_ids)} "
+                f"token ids and extra_keys {ev.extra_keys!r:.60}")
         mine = self._keys(page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt))
         if mine[0] != ev.block_hashes[0]:
             raise InvalidArgumentError(
                 f"pool {pool}'s page hashes are not this router's: build the router with the pools' hash_seed "
                 f"(pool.hash_seed) and page_size")
-        self.streams[pool].checked_seed = True
 
     def _stream(self, pool: int) -> StreamState:
         if not is_int(pool) or not 0 <= pool < self.num_pools:

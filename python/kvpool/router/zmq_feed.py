@@ -5,16 +5,26 @@ publisher has one, a DEALER on its replay service. ``poll()`` runs on the
 caller's thread: it applies every message that has arrived, then fills each
 gap in the sequence numbers by asking for a replay, or, if the replay cannot
 fill it, lets the router forget that pool (``Router.give_up_gap``).
+
+Every replay starts at the last applied number (``Router.verify_from``): its
+first batch shows whether the publisher still has the router's history. A SUB
+socket's monitor tells when a publisher's connection dropped; a restarted
+engine may resume at the very number the router expects next, so after a
+disconnect the pool's next message is applied only once a replay overlap has
+checked its history (with no replay endpoint, the pool is forgotten at once).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
 from kvpool.router.router import Router
+from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
+from zmq.utils.monitor import parse_monitor_message  # noqa: E402
 
 _END = (-1).to_bytes(8, "big", signed=True)
 
@@ -26,29 +36,70 @@ class ZmqFeed:
         router: the Router to feed.
         replay_timeout_ms: longest wait for a replay's next message.
         context: the zmq.Context (default: the process-wide instance).
+
+    Counters: ``replays`` (replay requests sent) and ``disconnects``
+    (publisher connections seen dropping).
     """
 
     def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None) -> None:
+        if not is_int(replay_timeout_ms) or replay_timeout_ms < 0:
+            raise InvalidArgumentError(f"replay_timeout_ms must be an int >= 0 (milliseconds), got {replay_timeout_ms!r}")
         self.router = router
         self.replay_timeout_ms = replay_timeout_ms
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._subs: dict[Any, int] = {}
+        self._monitors: dict[int, Any] = {}
         self._replay: dict[int, Any] = {}
+        self._suspect: set[int] = set()  # pools whose publisher disconnected since their last check
         self.replays = 0  # replay requests sent
+        self.disconnects = 0  # publisher connections seen dropping
 
     def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "") -> None:
-        """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected)."""
+        """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected).
+
+        Raises:
+            InvalidArgumentError: a bad pool index, endpoint or topic, or a pool
+                already subscribed (two streams into one pool would interleave
+                their sequence numbers); the feed is left as it was.
+        """
         self.router._stream(pool)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        sub.connect(endpoint)
+        if pool in self._monitors:
+            raise InvalidArgumentError(f"pool {pool} is subscribed already; a pool has one event stream")
+        for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgumentError(f"{name} must be a str such as 'tcp://host:5557', got {value!r}")
+        if not isinstance(topic, str):
+            raise InvalidArgumentError(f"topic must be a str (matched UTF-8 encoded), got {topic!r}")
+        made: list[Any] = []
+        try:
+            sub = self._ctx.socket(zmq.SUB)
+            made.append(sub)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+            self._connect(sub, "endpoint", endpoint)
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            made.append(monitor)
+            dealer = None
+            if replay_endpoint is not None:
+                dealer = self._ctx.socket(zmq.DEALER)
+                made.append(dealer)
+                self._connect(dealer, "replay_endpoint", replay_endpoint)
+        except BaseException:
+            for sock in reversed(made):
+                sock.close(linger=0)
+            raise
         self._subs[sub] = pool
+        self._monitors[pool] = monitor
         self._poller.register(sub, zmq.POLLIN)
-        if replay_endpoint is not None:
-            d = self._ctx.socket(zmq.DEALER)
-            d.connect(replay_endpoint)
-            self._replay[pool] = d
+        if dealer is not None:
+            self._replay[pool] = dealer
+
+    @staticmethod
+    def _connect(sock: Any, name: str, endpoint: str) -> None:
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise InvalidArgumentError(f"{name} {endpoint!r} cannot be connected: {e}") from None
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply the messages that have arrived (waiting up to ``timeout_ms`` for
@@ -59,39 +110,99 @@ class ZmqFeed:
             for sock in events:
                 pool = self._subs[sock]
                 while True:
+                    # A disconnect is noticed before the messages that follow the reconnection.
+                    self._watch()
                     try:
                         topic, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if pool in self._suspect:
+                        applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
+                    start = self.router.needs_replay(pool)
+                    if start is not None and pool in self._replay:
+                        # Filled at once: the messages queued behind a gap (a
+                        # subscriber past its high-water mark has many) would
+                        # otherwise pile up past max_pending and give it up.
+                        applied += self._fill(pool, start)
             events = dict(self._poller.poll(0))
+        self._watch()
         for pool in range(self.router.num_pools):
             start = self.router.needs_replay(pool)
             if start is not None:
                 applied += self._fill(pool, start)
         return applied
 
-    def _fill(self, pool: int, start: int) -> int:
-        d, applied = self._replay.get(pool), 0
-        if d is not None:
-            self.replays += 1
-            d.send_multipart((b"", start.to_bytes(8, "big")))
-            while d.poll(self.replay_timeout_ms):
-                frames = d.recv_multipart()
-                if len(frames) != 4:
+    def _watch(self) -> None:
+        """Mark the pools whose publisher connection dropped."""
+        for pool, mon in self._monitors.items():
+            while mon.poll(0):
+                event = parse_monitor_message(mon.recv_multipart())
+                if event["event"] != zmq.EVENT_DISCONNECTED:
                     continue
-                _, topic, seq, payload = frames
-                if seq == _END:
-                    break
-                applied += self.router.feed(pool, topic, seq, payload)
+                self.disconnects += 1
+                if pool in self._replay:
+                    self._suspect.add(pool)
+                else:
+                    # Nothing can check what the publisher holds when it comes back.
+                    self.router.resync(pool)
+
+    def _verify(self, pool: int) -> int:
+        """A replay from the last applied number, before a suspect pool's next
+        message; a publisher that cannot show that batch cannot vouch for the
+        router's history, so the pool is resynced."""
+        self._suspect.discard(pool)
+        start = self.router.verify_from(pool)
+        if start is None:
+            return 0
+        return self._replay_from(pool, start, verify=True)
+
+    def _fill(self, pool: int, start: int) -> int:
+        applied = 0
+        if pool in self._replay:
+            self._suspect.discard(pool)
+            # One batch of overlap: checked when the publisher still keeps it. A
+            # connection that never dropped is the same publisher, so a fill
+            # without it is trusted (a restart shows as a disconnect first).
+            check = self.router.verify_from(pool)
+            applied = self._replay_from(pool, start if check is None else check, verify=False)
         if self.router.needs_replay(pool) is not None:
             applied += self.router.give_up_gap(pool)
         return applied
 
+    def _replay_from(self, pool: int, start: int, *, verify: bool) -> int:
+        """Feed ``pool``'s kept batches from ``start`` on; returns the batches
+        applied. The router tells a replayed batch ``start`` that it applied
+        from another under that number by its payload. With ``verify``, a
+        replay that does not begin with batch ``start`` cannot vouch for the
+        router's history: the pool is resynced before the replay is fed."""
+        d, applied, first = self._replay[pool], 0, True
+        while d.poll(0):
+            d.recv_multipart()  # the rest of an earlier replay that timed out
+        self.replays += 1
+        d.send_multipart((b"", start.to_bytes(8, "big")))
+        while d.poll(self.replay_timeout_ms):
+            frames = d.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == _END:
+                break
+            if first and verify and int.from_bytes(seq, "big", signed=True) != start:
+                self.router.resync(pool)
+            first = False
+            applied += self.router.feed(pool, topic, seq, payload)
+        if first and verify:
+            self.router.resync(pool)  # nothing kept, or no answer
+        return applied
+
     def close(self) -> None:
-        for s in [*self._subs, *self._replay.values()]:
+        for sub in self._subs:
+            sub.disable_monitor()
+        for s in [*self._monitors.values(), *self._subs, *self._replay.values()]:
             s.close(linger=0)
         self._subs.clear()
+        self._monitors.clear()
         self._replay.clear()
 
 
