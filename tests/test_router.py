@@ -181,7 +181,9 @@ def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
     lambda: Router("2", page_size=P, hash_seed=SEED), lambda: Router(2, page_size=4.0, hash_seed=SEED),
     lambda: Router(2, page_size=P, hash_seed="x"), lambda: Router(2, page_size=P, hash_seed=-1),
     lambda: Router(2, page_size=P, hash_seed=SEED, max_pending=True), lambda: Router(0, page_size=P, hash_seed=SEED),
-], ids=["num_pools-str", "page_size-float", "seed-str", "seed-negative", "max_pending-bool", "no-pools"])
+    lambda: Router(2, page_size=P, hash_seed=SEED, medium="gpu"), lambda: Router(2, page_size=P, hash_seed=SEED, medium=0),
+], ids=["num_pools-str", "page_size-float", "seed-str", "seed-negative", "max_pending-bool", "no-pools",
+        "medium-lowercase", "medium-int"])
 def test_router_arguments_are_checked_at_construction(call):
     with pytest.raises(kvpool.InvalidArgumentError):
         call()

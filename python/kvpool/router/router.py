@@ -99,7 +99,13 @@ class Router:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         if not is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
             raise InvalidArgumentError(f"hash_seed must be the pools' hash_seed, an int in [0, 2**64), got {hash_seed!r}")
-        from kvpool.events.schema import decoder, msgspec
+        from kvpool.events.schema import MEDIUM_CPU, MEDIUM_GPU, decoder, msgspec
+
+        # Any other name matches no event the pools send, so every page would be ignored.
+        media = (MEDIUM_GPU, MEDIUM_CPU, "STORAGE")
+        if medium not in media:
+            raise InvalidArgumentError(f"medium must be one of {media} (the tier whose pages count as hits), "
+                                       f"got {medium!r}")
 
         self.num_pools, self.page_size, self.hash_seed = num_pools, page_size, hash_seed
         self.max_pending, self.medium = max_pending, medium
