@@ -246,8 +246,12 @@ def test_prefill_rows_per_program():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, FP8], ids=str)
-@pytest.mark.parametrize("layout,page_size,mla", [("token", 1, False), ("paged", 4, False), ("token", 2, True)])
-def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
+@pytest.mark.parametrize("layout,page_size,mla,heads,dim", [
+    ("token", 1, False, 2, 24), ("paged", 4, False, 2, 24), ("token", 2, True, 1, 16),
+    # Odd geometry: 3 heads of 80 (neither a power of two), 5-slot pages.
+    ("paged", 5, False, 3, 80),
+])
+def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla, heads, dim):
     """KVPool moves K/V and table entries only through kvpool.kernels. Under the
     interpreter a CPU pool's writes run the Triton kernels, and with its host-table
     shortcut off its extends take the CUDA path (extend_packed, one copy, the table
@@ -259,7 +263,6 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla):
     from kvpool.kernels import _common
 
     kw = dict(kv_lora_rank=12, qk_rope_head_dim=4) if mla else {}
-    heads, dim = (1, 16) if mla else (2, 24)
 
     def make():
         return kvpool.KVPool(2, heads, dim, dtype=dtype, num_pages=16, page_size=page_size, max_requests=4,

@@ -117,7 +117,11 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     holds the pool's lock for its whole duration, copy-on-write copies
     included, so no thread can free and reuse a page before a copy has read it.
     Queries and counters take only the core's own lock; ``write`` and ``read``
-    take none (a request's owner writes its own slots).
+    take none (a request's owner writes its own slots). The caller orders the
+    rest: until another thread's writes into a request's slots have run, do not
+    ``close``, ``truncate``, ``fork`` or ``cache`` it (``extend`` is fine: its new
+    slots are not the ones being written), and never extend one request from two
+    threads at once (docs/kernels-and-graphs.md, "Threads").
 
     Streams (CUDA): everything a pool call enqueues (H2D copies, the table
     kernel, copy-on-write copies) goes on the caller's current stream. An engine
