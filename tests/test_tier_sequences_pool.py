@@ -280,8 +280,14 @@ def test_random_sequences_keep_every_request_s_kv(page_size, layout, dtype, poli
             kind, was_refused = run.step()
             kinds.append(kind)
             refused += was_refused
-        run.pool.reset()
+        held = list(run.reqs)
+        run.pool.reset()  # swapped-out requests' host pages come back too; the prefix cache stays
         run.pool.check()
+        pool = run.pool
+        assert (pool.used_pages, pool.open_requests) == (0, 0)
+        assert (pool.free_pages, pool.host_free_pages) == (pool.capacity_pages - pool.pinned_pages,
+                                                           pool.host_pages - 1)
+        assert not any(pool.is_open(h) for h in held)
     a = run.pool.allocator
     assert {"swap_out", "swap_in", "bad", "fork"} <= set(kinds) and refused > 0
     assert a.offloaded_pages > 0, "the host tier was never used"
