@@ -291,3 +291,15 @@ def test_random_sequences_keep_every_request_s_kv(page_size, layout, dtype, poli
     a = run.pool.allocator
     assert {"swap_out", "swap_in", "bad", "fork"} <= set(kinds) and refused > 0
     assert a.offloaded_pages > 0, "the host tier was never used"
+
+
+@pytest.mark.parametrize("page_size,layout", [(1, "token"), (16, "paged")])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_random_sequences_on_the_device_table_path(page_size, layout, policy):
+    """The same sequences with req_to_token updated as a device pool updates it (the
+    packed update and the table kernel; copy-on-write rewrites the moved positions)."""
+    for seed in range(2):
+        run = Run(100 + seed, page_size, layout, torch.bfloat16, policy)
+        run.pool._table_np = None
+        for _ in range(110):
+            run.step()
