@@ -3,7 +3,7 @@
 
 use kvpool_core::Counts;
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::convert::{counts_of, int_arg, type_name, IntArg};
 use crate::errors::invalid_argument;
@@ -70,6 +70,9 @@ pub(crate) fn seconds_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) ->
 /// A Python bool, or a numpy or torch bool (a scalar, or a 0-d array or
 /// tensor): each converts to a float, so `extract::<f64>` alone takes them.
 fn is_bool_like(obj: &Bound<'_, PyAny>) -> bool {
+    if obj.is_exact_instance_of::<PyFloat>() || obj.is_exact_instance_of::<PyInt>() {
+        return false; // the common case, without the failed attribute lookup below
+    }
     if obj.is_instance_of::<PyBool>() {
         return true;
     }
