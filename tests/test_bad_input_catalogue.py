@@ -237,6 +237,9 @@ PRIORITY_CASES: list[tuple[str, Callable[[SlotAllocator, np.ndarray], Any]]] = [
     ("cache(retain_s=2e9)", lambda a, h: a.cache(h, priority=5, retain_s=2e9)),
     ("cache(retain_s=True)", lambda a, h: a.cache(h, priority=5, retain_s=True)),
     ("cache(retain_s='1')", lambda a, h: a.cache(h, priority=5, retain_s="1")),
+    ("cache(retain_s=np.True_)", lambda a, h: a.cache(h, priority=5, retain_s=np.True_)),
+    ("cache(retain_s=np.array(True))", lambda a, h: a.cache(h, priority=5, retain_s=np.array(True))),
+    ("cache(retain_s=torch.tensor(True))", lambda a, h: a.cache(h, priority=5, retain_s=torch.tensor(True))),
     ("cache(priority=) twice a handle", lambda a, h: a.cache([h[0], h[0]], priority=5)),
     ("close(priority=) without cache", lambda a, h: a.close(h, priority=5)),
     ("close(cache=True, priority=200)", lambda a, h: a.close(h, cache=True, priority=200)),
@@ -247,6 +250,8 @@ PRIORITY_CASES: list[tuple[str, Callable[[SlotAllocator, np.ndarray], Any]]] = [
     ("set_clock(-1)", lambda a, h: a.set_clock(-1)),
     ("set_clock(nan)", lambda a, h: a.set_clock(float("nan"))),
     ("set_clock('2')", lambda a, h: a.set_clock("2")),
+    ("set_clock(np.True_)", lambda a, h: a.set_clock(np.True_)),
+    ("set_clock(torch.tensor(True))", lambda a, h: a.set_clock(torch.tensor(True))),
 ]
 
 

@@ -252,6 +252,9 @@ def test_refusals_are_typed_and_change_nothing():
     (dict(num_pages=None, memory_fraction=1.5), "memory_fraction"),
     (dict(kv_lora_rank=4), "kv_lora_rank"),
     (dict(max_pinned_pages=4), "max_pinned_pages"),
+    (dict(host_pages=8), "host_pages"),
+    (dict(host_memory_bytes=1 << 20), "host_memory_bytes"),
+    (dict(host_policy="write_through"), "host_policy"),
     (dict(dtype=torch.float8_e4m3fn), "fp8"),
     (dict(num_pages=None), "num_pages"),
     (dict(page_size={"full_attention": 0}), "page_size"),
@@ -259,6 +262,12 @@ def test_refusals_are_typed_and_change_nothing():
 def test_bad_configuration_is_a_typed_error(kw, match):
     with pytest.raises(InvalidArgumentError, match=match):
         make(**kw)
+
+
+def test_no_host_tier_spelled_out_is_the_default():
+    for kw in (dict(host_pages=0), dict(host_pages=None), dict(host_memory_bytes=None),
+               dict(host_policy="write_back")):
+        make(**kw).check()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

@@ -112,3 +112,33 @@ def test_failed_prefix_table_write_closes_the_new_requests(monkeypatch):
     hs, cached = pool.open_with_prefix(prompt, [8])
     assert cached.tolist() == [6]  # the cache still serves the prefix (never the last token)
     assert pool.req_to_token[pool.rows(hs)[0], :6].tolist() == pool.slots(int(hs[0]))[:6].tolist()
+
+
+def test_failed_swap_in_table_write_leaves_the_requests_swapped_out(monkeypatch):
+    """swap_in's rows are rewritten after the core brought the pages back: if that write
+    fails, the requests go back to the host (their K/V with them) rather than stay on the
+    device behind rows that name the pages they had before swap_out."""
+    pool = kvpool.KVPool(1, 1, 4, num_pages=20, page_size=2, max_requests=4, max_context_len=16, host_pages=12)
+    pool._table_np = None
+    h, r = pool.admit([5], tokens=np.arange(5))
+    k = torch.arange(5, dtype=torch.float16).view(5, 1, 1).expand(5, 1, 4) + 1
+    pool.write(0, r.slots, k, -k)
+    pool.swap_out(h)
+    other, _ = pool.admit([12])  # takes the pages h let go
+    pool.write(0, pool.slots(int(other[0])), torch.zeros(12, 1, 4, dtype=torch.float16),
+               torch.zeros(12, 1, 4, dtype=torch.float16))
+    pool.close(other)
+    before = _counts(pool)
+    _fail_table_writes(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.swap_in(h)
+    assert pool.is_swapped(int(h[0])) and _counts(pool) == before
+    a = pool.allocator
+    assert (a.pending_offloads, a.pending_loads) == (0, 0)
+    pool.allocator.check()
+    monkeypatch.undo()
+    pool.swap_in(h)
+    slots = pool.slots(int(h[0]))
+    assert pool.req_to_token[pool.rows(h)[0], :5].tolist() == slots.tolist()
+    got_k, got_v = pool.read(0, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)

@@ -266,6 +266,13 @@ def test_bad_tier_arguments_are_typed(kw):
         kvpool.KVPool(LAYERS, H, D, num_pages=8, page_size=PS, **kw)
 
 
+def test_a_host_budget_past_what_a_tier_addresses_names_host_memory_bytes():
+    page = kvpool.tiers.host_page_bytes(LAYERS, PS, H, D, torch.float16, mla=False)
+    with pytest.raises(kvpool.InvalidArgumentError, match=r"host_memory_bytes=.*at most") as info:
+        kvpool.KVPool(LAYERS, H, D, num_pages=8, page_size=PS, host_memory_bytes=2**31 * page)
+    assert "host_pages" not in str(info.value)
+
+
 def snapshot(pool, handles):
     s = pool.stats()
     fields = [f for f in dir(s) if not f.startswith("_") and not callable(getattr(s, f))]

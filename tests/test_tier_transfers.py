@@ -231,6 +231,11 @@ BAD = [
     (dict(offloads=OFFLOADS, copies=(slots_of(3), np.array([1, 2, 3, 99]))), SlotRangeError),
     (dict(offloads=OFFLOADS, copies=(slots_of(3), slots_of(4)[:2])), TensorShapeError),
     (dict(offloads=(np.array([3]), np.array([9])), loads=LOADS), SlotRangeError),
+    (dict(offloads=[3, 1], loads=LOADS), KernelArgumentError),  # not a pair of arrays
+    (dict(offloads=OFFLOADS, loads=(np.array([2]),)), KernelArgumentError),
+    (dict(offloads=OFFLOADS, copies=slots_of(3)), KernelArgumentError),
+    (dict(offloads=OFFLOADS, loads=LOADS, layered="yes"), KernelArgumentError),
+    (dict(offloads=OFFLOADS, loads=LOADS, layered=1), KernelArgumentError),
 ]
 
 

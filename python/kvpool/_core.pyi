@@ -415,7 +415,11 @@ class SlotAllocator:
             InvariantError: an invariant is broken (a bug in kvpool).
         """
     def reset(self) -> None:
-        """Closes every request and frees every page; all handles become stale."""
+        """Closes every request (a swapped-out one's host pages too) and releases
+        the pages they hold; all handles become stale. The prefix cache stays:
+        registered pages remain cached on both tiers, pinned ones pinned
+        (clear_cache() drops them).
+        """
     def open_with_prefix(
         self,
         tokens: _IntArray,

@@ -115,6 +115,10 @@ class HostTierMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
+            If the table write itself fails after the allocator committed (a CUDA
+            OOM or launch error), the requests are swapped out again, their K/V
+            with them, and the error is raised (should the host have no room
+            for that either, they stay on the device: close them).
         """
         with self._lock:
             if self._to_device is not None:
@@ -122,7 +126,18 @@ class HostTierMixin:
             self.allocator.swap_in(handles)
             self._run_transfers()
             hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
-            self._write_prefixes(hs, np.asarray(self.allocator.lengths(hs), dtype=np.int64))
+            try:
+                self._write_prefixes(hs, np.asarray(self.allocator.lengths(hs), dtype=np.int64))
+            except BaseException:
+                # Left on the device, the requests' rows would name the pages they had
+                # before swap_out. Their offloads follow the loads just run (on CUDA on
+                # the same copy stream), so the host gets back what was loaded.
+                try:
+                    self.allocator.swap_out(hs)
+                    self._run_transfers()
+                except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                    pass
+                raise
 
     def is_swapped(self, handle: Any) -> bool:
         """Whether the request is swapped out. See ``SlotAllocator.is_swapped``."""

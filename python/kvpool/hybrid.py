@@ -60,8 +60,17 @@ class _LayerTables(Sequence[torch.Tensor]):
         return self._pool._tables[self._pool._page_group(layer).index]
 
 
-_UNSUPPORTED = {"kv_lora_rank": None, "qk_rope_head_dim": None, "tp_rank": 0, "tp_size": 1,
-                "max_pinned_pages": None, "manual_clock": False, "lazy_metadata": False}
+# The plain pool's options a hybrid pool lacks, each with the values that mean "not used".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "kv_lora_rank": (None,), "qk_rope_head_dim": (None,), "tp_rank": (0,), "tp_size": (1,),
+    "max_pinned_pages": (None,), "manual_clock": (False,), "lazy_metadata": (False,),
+    "host_pages": (None, 0), "host_memory_bytes": (None,), "host_policy": (None, "write_back"),
+}
+
+
+def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # Same type and value: host_pages=False is no more "no tier" here than on a plain pool.
+    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
 class HybridKVPool(HybridRequestOps):
@@ -75,8 +84,8 @@ class HybridKVPool(HybridRequestOps):
     state group's slots) explicitly; other groups get what their requests can
     need at once (``kvpool.hybrid_plan.plan_groups``); with ``memory_bytes`` /
     ``memory_fraction`` the full group (else the sliding one) gets what the
-    others leave. MLA, fp8, tensor parallelism and retention priorities are the
-    plain pool's only (``InvalidArgumentError``).
+    others leave. MLA, fp8, tensor parallelism, retention priorities and the
+    host tier are the plain pool's only (``InvalidArgumentError``).
     """
 
     def __init__(
@@ -108,11 +117,11 @@ class HybridKVPool(HybridRequestOps):
         for name, value in plain_only.items():
             if name not in _UNSUPPORTED:
                 raise TypeError(f"KVPool() got an unexpected keyword argument {name!r}")
-            if value != _UNSUPPORTED[name]:
+            if not _unused(value, _UNSUPPORTED[name]):
                 raise InvalidArgumentError(
                     f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
-                    "per-head K/V, is not sharded, keeps no retention priorities and maps its metadata "
-                    "at construction)")
+                    "per-head K/V, is not sharded, keeps no retention priorities, maps its metadata "
+                    "at construction and has no host tier)")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_requests", max_requests), ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -151,8 +151,8 @@ class RequestOps:
         return self.allocator.known_tokens(handle)
 
     def reset(self) -> None:
-        """Close every request and free every page. See ``SlotAllocator.reset``; holds
-        the pool's lock.
+        """Close every request and release the pages they hold (the prefix cache stays).
+        See ``SlotAllocator.reset``; holds the pool's lock.
 
         ``req_to_token`` is not cleared: no handle can read it any more, and
         each new request's ``extend`` writes its own entries.

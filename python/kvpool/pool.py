@@ -113,7 +113,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     Threads: one pool may be shared between threads. Every call that changes
     who owns what (``open``, ``admit``, ``extend``, ``truncate``, ``close``,
     ``cache``, ``unpin``, ``set_clock``, ``fork``, the ``open_with_*`` calls,
-    ``evict``, ``clear_cache``, ``reset``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
+    ``evict``, ``clear_cache``, ``reset``, ``swap_out``, ``swap_in``; also ``kvpool.distributed``'s ``send_request`` / ``recv_request``)
     holds the pool's lock for its whole duration, copy-on-write copies
     included, so no thread can free and reuse a page before a copy has read it.
     Queries and counters take only the core's own lock; ``write`` and ``read``

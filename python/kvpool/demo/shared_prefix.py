@@ -13,7 +13,10 @@ them asks for several continuations (parallel sampling), served by ``fork``.
   continuation k starts from the k-th most likely token (greedy afterwards), so
   the continuations diverge the way sampled ones do;
 - decode: ``extend(handles, 1, tokens=fed)`` so output pages are cacheable too;
-- release: ``close(handles, cache=True)``.
+- release: ``close(handles, cache=True)``;
+- preemption (``admission="optimistic"``): a preempted continuation is recomputed
+  as that same continuation (its rank's first token), and a forking request
+  preempted after its fork comes back alone, since its continuations still exist.
 """
 
 from __future__ import annotations
@@ -85,6 +88,14 @@ def shared_prefix_requests(
     return out
 
 
+def _first_token(logits: torch.Tensor, rank: int) -> int:
+    """Continuation ``rank``'s first token: the rank-th most likely (0: the greedy one)."""
+    if rank == 0:
+        return int(logits.argmax())
+    order = torch.argsort(logits, descending=True)
+    return int(order[rank % len(order)])
+
+
 class PrefixEngine(Engine):
     """The demo engine with prefix caching and fork (see the module docstring)."""
 
@@ -110,9 +121,12 @@ class PrefixEngine(Engine):
         while waiting and len(running) < self.max_running:
             req = waiting[0]
             assert isinstance(req, ForkRequest)
-            if len(running) + req.n > self.max_running:
+            # A forking request preempted after its fork comes back alone: its
+            # continuations exist (running, or waiting to be recomputed themselves).
+            opens = 1 if req.forks else req.n
+            if len(running) + opens > self.max_running:
                 break
-            need = req.n * self.pages_for(req.final_length)
+            need = opens * self.pages_for(req.final_length)
             if self.raw_pool.free_pages - self._reserved_pages(running) < need:
                 self.stats.steps_blocked_by_pool += 1
                 break
@@ -128,10 +142,10 @@ class PrefixEngine(Engine):
             req.row = int(self.pool.rows(handle)[0])
             produced += self._prefill_suffix(req, cached_len, ext.out_cache_loc)
             self.pool.cache([handle])
-            self.prefix.prompt_tokens += req.n * len(req.prompt)
+            self.prefix.prompt_tokens += opens * len(req.prompt)
             self.prefix.hit_tokens += cached_len
             running.append(req)
-            if req.n > 1:
+            if opens > 1:
                 produced += self._fork(req, running)
         return produced
 
@@ -144,7 +158,8 @@ class PrefixEngine(Engine):
         logits = self.model.forward_pool(self.pool, ids, positions, rows, out_cache_loc, n,
                                          last_only=not self.record)[0]
         req.last_logits = logits[-1]
-        req.output.append(int(logits[-1].argmax()))
+        # A continuation recomputed after preemption starts where _fork started it.
+        req.output.append(_first_token(logits[-1], req.rank))
         self.stats.prefill_tokens += n - start
         self.stats.generated_tokens += 1
         if self.record:
@@ -154,12 +169,11 @@ class PrefixEngine(Engine):
     def _fork(self, parent: ForkRequest, running: list[Request]) -> int:
         kids = self.pool.fork(parent.handle, parent.n - 1)
         rows = self.pool.rows(kids)
-        order = torch.argsort(parent.last_logits, descending=True).tolist()
         for rank, (h, row) in enumerate(zip(kids.tolist(), rows.tolist()), start=1):
             kid = ForkRequest(rid=parent.rid, prompt=parent.prompt, max_new_tokens=parent.max_new_tokens,
                               n=1, rank=rank)
             kid.handle, kid.row, kid.length, kid.cached_len = int(h), int(row), parent.length, len(parent.prompt)
-            kid.output.append(int(order[rank % len(order)]))
+            kid.output.append(_first_token(parent.last_logits, rank))
             parent.forks.append(kid)
             running.append(kid)
             self.stats.generated_tokens += 1

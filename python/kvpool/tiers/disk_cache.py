@@ -36,6 +36,7 @@ or from a helper thread: the pool's calls are thread-safe).
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -45,6 +46,7 @@ import torch
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, tier_seed
+from kvpool.tiers.events_arg import checked_events
 from kvpool.tiers.host_storage import HostStorage
 
 __all__ = ["DiskCache", "shape_fingerprint"]
@@ -190,11 +192,15 @@ class DiskCache:
 
         Returns:
             Pages written.
+
+        Raises:
+            InvalidArgumentError: ``events`` is not what ``take_events()`` returns, or
+                ``max_pages`` is not None or an int >= 0 (nothing is absorbed or stored).
         """
-        if max_pages is not None and (isinstance(max_pages, bool) or not isinstance(max_pages, int)
-                                      or max_pages < 0):
+        if max_pages is not None and (isinstance(max_pages, (bool, np.bool_))
+                                      or not isinstance(max_pages, numbers.Integral) or max_pages < 0):
             raise InvalidArgumentError(f"max_pages must be None or an int >= 0, got {max_pages!r}")
-        self._absorb(events if events is not None else self.pool.take_events())
+        self._absorb(checked_events(events) if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
         leaves, covered = [], set()
         for key in reversed(list(self._pending)):  # deepest first: one chain covers its ancestors
@@ -208,7 +214,7 @@ class DiskCache:
                 covered.update(chain)
         work: List[Tuple[int, PageRecord]] = []  # (device page, record without payload)
         handles: List[int] = []
-        budget = max_pages if max_pages is not None else len(self._pending)
+        budget = int(max_pages) if max_pages is not None else len(self._pending)
         try:
             for chain in reversed(leaves):
                 if len(work) >= budget:

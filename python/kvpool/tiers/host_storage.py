@@ -36,7 +36,11 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
 from kvpool.torch_types import CACHE_DTYPES
 
-__all__ = ["HostStorage", "host_page_bytes", "host_pages_for_bytes"]
+__all__ = ["MAX_HOST_PAGES", "HostStorage", "host_page_bytes", "host_pages_for_bytes"]
+
+#: Most host pages a tier may have, reserved page 0 included (the allocator's
+#: host page ids are int32).
+MAX_HOST_PAGES = 2**31 - 1
 
 
 def _count(name: str, value: Any, minimum: int) -> int:
@@ -59,7 +63,7 @@ def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
 
     Raises:
         InvalidArgumentError: fewer than two pages fit (page 0 is reserved, so a tier
-            needs at least one more).
+            needs at least one more), or more than ``MAX_HOST_PAGES``.
     """
     memory_bytes = _count("host_memory_bytes", memory_bytes, 0)
     pages = memory_bytes // page_bytes
@@ -67,6 +71,12 @@ def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
         raise InvalidArgumentError(
             f"host_memory_bytes={memory_bytes} holds {pages} host page(s) of {page_bytes} bytes; a host tier "
             f"needs at least 2 (page 0 is reserved): give at least {2 * page_bytes} bytes"
+        )
+    if pages > MAX_HOST_PAGES:
+        # Checked here, not left to the allocator, whose refusal would name host_pages.
+        raise InvalidArgumentError(
+            f"host_memory_bytes={memory_bytes} holds {pages} host pages of {page_bytes} bytes, more than the "
+            f"{MAX_HOST_PAGES} a host tier addresses: give at most {MAX_HOST_PAGES * page_bytes} bytes"
         )
     return pages
 

@@ -129,6 +129,17 @@ def _slots(x: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _pair(name: str, value: Pairs) -> Pairs:
+    """None, or the two id arrays a ``take_*()`` call returns (a tuple or list of two)."""
+    if value is None or (isinstance(value, (tuple, list)) and len(value) == 2
+                         and all(np.ndim(v) >= 1 for v in value)):
+        return value
+    what = {"offloads": "(device_pages, host_pages), as take_offloads()",
+            "loads": "(host_pages, device_pages), as take_loads()",
+            "copies": "(src_slots, dst_slots), as take_copies()"}[name]
+    raise KernelArgumentError(f"{name} must be None or the pair {what} returns, got {type(value).__name__}")
+
+
 def _check_copies(src: np.ndarray, dst: np.ndarray, num_slots: int) -> None:
     """What copy_slots checks on host slots, done before any transfer of the batch runs."""
     if src.shape != dst.shape:
@@ -221,7 +232,13 @@ class TransferRunner:
         Raises:
             Every argument error of ``offload_pages`` / ``load_pages`` / ``copy_slots``,
             checked for all three kinds before any of them runs (nothing moved).
+            KernelArgumentError: a kind that is not a pair of arrays, or ``layered``
+                not a bool.
         """
+        offloads, loads = _pair("offloads", offloads), _pair("loads", loads)
+        copies = _pair("copies", copies)
+        if not isinstance(layered, (bool, np.bool_)):
+            raise KernelArgumentError(f"layered takes True or False, got {type(layered).__name__} {layered!r}")
         off, ld = self._plans(offloads, loads)
         cp: Optional[Tuple[np.ndarray, np.ndarray]] = None
         if copies is not None:

@@ -375,7 +375,10 @@ impl PySlotAllocator {
 
     /// reset() -> None
     ///
-    /// Closes every request and frees every page; all handles become stale.
+    /// Closes every request (a swapped-out one's host pages too) and releases
+    /// the pages they hold; all handles become stale. The prefix cache stays:
+    /// registered pages remain cached on both tiers, pinned ones pinned
+    /// (clear_cache() drops them).
     fn reset(&self, py: Python<'_>) {
         py.detach(|| self.lock().reset())
     }

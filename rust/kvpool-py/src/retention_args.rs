@@ -3,7 +3,7 @@
 
 use kvpool_core::Counts;
 use pyo3::prelude::*;
-use pyo3::types::PyBool;
+use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::convert::{counts_of, int_arg, type_name, IntArg};
 use crate::errors::invalid_argument;
@@ -46,10 +46,13 @@ impl Retention {
 /// A number of seconds: an int or a float (numpy's too), not a bool. Its
 /// range is the core's to check.
 pub(crate) fn seconds_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
-    if obj.is_instance_of::<PyBool>() {
+    if is_bool_like(obj) {
         return Err(invalid_argument(
             py,
-            format!("{what} must be a number of seconds, got bool {obj}"),
+            format!(
+                "{what} must be a number of seconds, got a bool ({}); pass an int or a float",
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            ),
         ));
     }
     obj.extract::<f64>().map_err(|_| {
@@ -62,4 +65,19 @@ pub(crate) fn seconds_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) ->
             ),
         )
     })
+}
+
+/// A Python bool, or a numpy or torch bool (a scalar, or a 0-d array or
+/// tensor): each converts to a float, so `extract::<f64>` alone takes them.
+fn is_bool_like(obj: &Bound<'_, PyAny>) -> bool {
+    if obj.is_exact_instance_of::<PyFloat>() || obj.is_exact_instance_of::<PyInt>() {
+        return false; // the common case, without the failed attribute lookup below
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return true;
+    }
+    // numpy's bool scalar and arrays (dtype "bool"), torch's tensors ("torch.bool").
+    obj.getattr("dtype")
+        .and_then(|d| d.str().map(|s| s.to_string()))
+        .is_ok_and(|d| d == "bool" || d == "torch.bool")
 }

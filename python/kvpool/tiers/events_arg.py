@@ -1,0 +1,61 @@
+"""``DiskCache.store_new(events=)``: checks that what the caller passes is what the
+pool's ``take_events()`` returns, before any of it is absorbed.
+
+An engine that publishes the events too drains them itself and hands them over;
+anything else (another dict, arrays of mismatched lengths, a Stored event whose
+token ids are missing) would otherwise fail halfway through with a ``KeyError``
+or ``IndexError``, or file chains under the wrong tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict
+
+import numpy as np
+
+from kvpool.errors import InvalidArgumentError
+
+__all__ = ["EVENT_FIELDS", "checked_events"]
+
+#: One entry per event, as ``take_events()`` returns them (``medium`` may be absent).
+EVENT_FIELDS = ("kind", "hash_hi", "hash_lo", "parent_hi", "parent_lo", "num_tokens", "salt")
+STORED, KINDS = 0, (0, 1, 2)
+
+
+def _ints(name: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(
+            f"events[{name!r}] must be a 1-D integer array (as take_events() returns), "
+            f"got shape {arr.shape} dtype {arr.dtype}"
+        )
+    return arr
+
+
+def checked_events(ev: Any) -> Dict[str, np.ndarray]:
+    """``ev`` as ``take_events()`` returns it, or ``InvalidArgumentError`` saying what is off."""
+    if not isinstance(ev, Mapping):
+        raise InvalidArgumentError(
+            f"events must be the dict pool.take_events() returns, got {type(ev).__name__}"
+        )
+    missing = [k for k in (*EVENT_FIELDS, "token_ids") if k not in ev]
+    if missing:
+        raise InvalidArgumentError(f"events lacks {missing}: pass the dict pool.take_events() returns")
+    out = {k: _ints(k, ev[k]) for k in (*EVENT_FIELDS, "token_ids")}
+    if "medium" in ev:
+        out["medium"] = _ints("medium", ev["medium"])
+    n = len(out["kind"])
+    wrong = [k for k in out if k != "token_ids" and len(out[k]) != n]
+    if wrong:
+        raise InvalidArgumentError(f"events[{wrong[0]!r}] has {len(out[wrong[0]])} entries, events['kind'] {n}: "
+                                   "every field but token_ids has one entry per event")
+    if n and not np.isin(out["kind"], KINDS).all():
+        raise InvalidArgumentError("events['kind'] must hold 0 (Stored), 1 (Removed) or 2 (Cleared)")
+    if n and (out["num_tokens"] < 0).any():
+        raise InvalidArgumentError("events['num_tokens'] must be >= 0")
+    stored = int(out["num_tokens"][out["kind"] == STORED].sum()) if n else 0
+    if stored != len(out["token_ids"]):
+        raise InvalidArgumentError(f"events['token_ids'] has {len(out['token_ids'])} ids, the Stored events' "
+                                   f"num_tokens add up to {stored}")
+    return out

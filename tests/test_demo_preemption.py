@@ -1,0 +1,86 @@
+"""The shared-prefix demo engine under optimistic admission: preempted requests (a
+continuation, or a forking request after its continuations) are recomputed and give
+exactly the tokens a pool large enough never to preempt gives, with and without a host
+tier; each forking request keeps exactly n - 1 continuations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.demo.model import ModelConfig, build_model
+from kvpool.demo.shared_prefix import ForkRequest, PrefixEngine, shared_prefix_requests
+
+CFG = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=128, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG)
+
+
+class CountingEngine(PrefixEngine):
+    """Records each preempted request as (rid, rank, n)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.preempted = []
+
+    def _preempt(self, waiting, running):
+        victim = super()._preempt(waiting, running)
+        self.preempted.append((victim.rid, victim.rank, victim.n))
+        return victim
+
+
+def serve(model, requests, *, pages, page_size, admission, host_pages=0, max_running=6):
+    pool = kvpool.KVPool(CFG.layers, CFG.kv_heads, CFG.head_dim, dtype=torch.float32, page_size=page_size,
+                         num_pages=pages + 1, max_requests=8, max_context_len=128, host_pages=host_pages)
+    engine = CountingEngine(model, pool, max_running=max_running, admission=admission)
+    with torch.inference_mode():
+        stats = engine.run(requests)
+    pool.check()
+    assert pool.open_requests == 0
+    out = {}
+    for r in requests:
+        assert len(r.forks) == r.n - 1, f"request {r.rid} asked for {r.n} continuations, has {1 + len(r.forks)}"
+        assert sorted(k.rank for k in r.forks) == list(range(1, r.n))
+        for k in [r, *r.forks]:
+            assert len(k.output) == k.max_new_tokens
+            out[(k.rid, k.rank)] = list(k.output)
+    return out, stats, engine
+
+
+def fork_requests(seed):
+    return shared_prefix_requests(12, vocab_size=CFG.vocab_size, system_prompts=2, system_len=(8, 24),
+                                  user_len=(2, 10), output_len=(4, 20), fork_share=0.4, fork_n=(2, 3), seed=seed)
+
+
+@pytest.mark.parametrize("host_pages", [0, 24])
+def test_a_preempted_continuation_is_recomputed_as_that_continuation(model, host_pages):
+    ref, stats, _ = serve(model, fork_requests(0), pages=128, page_size=16, admission="reserve")
+    assert stats.preemptions == 0
+    reqs = fork_requests(0)
+    tight = max(r.n * -(-r.final_length // 16) for r in reqs)  # the least the engine accepts
+    got, stats, engine = serve(model, reqs, pages=tight, page_size=16, admission="optimistic",
+                               host_pages=host_pages)
+    assert any(rank > 0 for _, rank, _ in engine.preempted), "no continuation was preempted"
+    assert got == ref
+
+
+def test_a_preempted_forking_request_does_not_fork_again(model):
+    # Two long requests admitted first (each admitted when its final length fits), then
+    # one asking for two continuations: as all grow, the continuation is preempted first
+    # (the newest), then its forking request.
+    def requests():
+        rng = np.random.default_rng(7)
+        longs = [ForkRequest(rid=i, prompt=rng.integers(0, CFG.vocab_size, 8), max_new_tokens=new)
+                 for i, new in ((0, 57), (1, 49))]
+        return longs + [ForkRequest(rid=2, prompt=rng.integers(0, CFG.vocab_size, 4), max_new_tokens=17, n=2)]
+
+    ref, stats, _ = serve(model, requests(), pages=64, page_size=4, admission="reserve", max_running=4)
+    assert stats.preemptions == 0
+    got, stats, engine = serve(model, requests(), pages=16, page_size=4, admission="optimistic", max_running=4)
+    assert (2, 0, 2) in engine.preempted, engine.preempted
+    assert got == ref
