@@ -222,7 +222,7 @@ def observer(pool: kvpool.KVPool, sched: Scheduler, stop: threading.Event, polls
         try:
             pt = pool.page_table(np.array(hs, dtype=np.int64))
             assert pt.kv_indptr.shape[0] == len(hs) + 1
-        except kvpool.StaleHandleError:
+        except kvpool.InvalidHandleError:
             pass  # the scheduler closed one meanwhile
         polls[0] += 1
         time.sleep(0.0005)
