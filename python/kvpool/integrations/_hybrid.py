@@ -29,9 +29,9 @@ from transformers.cache_utils import (
 )
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import TensorShapeError
+from kvpool.errors import IncompleteForwardError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
-from kvpool.integrations._shared_rows import SharedRowsLayer
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -55,6 +55,7 @@ class HybridRequests:
         self.before = 0  # length when the current step began
         self.epoch = 0  # bumped whenever the rows or their state slots change
         self.state_layers: list[PoolStateLayer] = []
+        self.layers: list[Any] = []  # the attention layers (``KVPoolCache._pool_layers``)
         self._rows: torch.Tensor | None = None
         self._new: list[torch.Tensor] = []
         self._index: dict[int, torch.Tensor] = {}
@@ -99,6 +100,7 @@ class HybridRequests:
     def begin_step(self, tokens: int) -> None:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
+        check_in_step(self.layers, self.length, "a new forward")
         self.publish()
         self.flush()
         ext = self.pool.extend(self.handles, tokens)
@@ -251,7 +253,7 @@ class PoolAttentionLayer(SharedRowsLayer, CacheLayerMixin):
         if self.seen == req.length:
             req.begin_step(tokens)
         elif self.seen + tokens != req.length:
-            raise RuntimeError(
+            raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
         req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states, value_states)

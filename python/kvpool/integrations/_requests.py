@@ -18,6 +18,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._shared_rows import check_in_step
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -88,6 +89,9 @@ class BatchRequests:
         # decode step is overwritten by the next one: whatever must outlive the step copies it.
         self._decode_slots: np.ndarray | None = None
         self._handle_arg: Any = None
+        # The cache's layers (each with ``seen``): a step starts only once every one has stored
+        # the last, so a forward cut short is refused rather than built on (none: not checked).
+        self.layers: Sequence[Any] = ()
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -177,6 +181,7 @@ class BatchRequests:
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``)."""
         assert self.handles is not None
+        check_in_step(self.layers, self.length, "a new forward")
         pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the

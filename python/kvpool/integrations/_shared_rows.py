@@ -3,9 +3,11 @@ cache's requests, shared by every layer, so the batch-wide operations belong to 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from kvpool.errors import IncompleteForwardError
 
 
 class SharedRowsLayer:
@@ -29,3 +31,24 @@ class SharedRowsLayer:
 
     def offload(self) -> None:
         raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
+
+
+def stored_by_all(layers: Sequence[Any]) -> int:
+    """How many tokens every layer has stored (the rows' length unless a forward was cut short)."""
+    return min((layer.seen for layer in layers), default=0)
+
+
+def check_in_step(layers: Sequence[Any], length: int, what: str) -> None:
+    """Raise ``IncompleteForwardError`` when a layer has not stored the rows' ``length`` tokens:
+    the last forward stopped part-way, so building on it would read K/V never stored."""
+    for layer in layers:
+        if layer.seen != length:
+            break
+    else:
+        return
+    done = stored_by_all(layers)
+    behind = [layer.layer_idx for layer in layers if layer.seen != length]
+    raise IncompleteForwardError(
+        f"{what}: the last forward was cut short: layer{'s' if len(behind) > 1 else ''} "
+        f"{', '.join(map(str, behind))} stored {done} tokens, the others {length}. "
+        f"crop(-{length - done}) drops the unfinished step (or reset() the cache)")

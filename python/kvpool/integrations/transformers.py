@@ -41,6 +41,7 @@ the same way.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -58,10 +59,21 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
-from kvpool.integrations._shared_rows import SharedRowsLayer
+from kvpool.errors import IncompleteForwardError, InvalidArgumentError
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all
 from kvpool.pool import KVPool
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
+
+
+def _token_count(n: Any) -> int:
+    """``crop``'s count as an int (a Python or numpy int, or a 0-d integer tensor)."""
+    if isinstance(n, bool) or (isinstance(n, torch.Tensor) and (n.ndim or n.is_floating_point())):
+        raise InvalidArgumentError(f"crop takes an int count of tokens, got {n!r}")
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
 
 
 class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
@@ -92,8 +104,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         ``update`` of any layer).
 
         Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
-        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``) before
-        anything is stored.
+        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``), or
+        ``IncompleteForwardError`` after a forward cut short, before anything is stored.
         """
         req = self.requests
         if not req.kv_ok(key_states, value_states):
@@ -104,7 +116,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         if self.seen == req.length:
             req.begin_step(tokens)
         elif self.seen + tokens != req.length:
-            raise RuntimeError(
+            raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
         if key_states.requires_grad or value_states.requires_grad:
@@ -166,6 +178,7 @@ class KVPoolCache(Cache):
                  layer_buffers: bool = True) -> None:
         self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
+        self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
@@ -238,8 +251,7 @@ class KVPoolCache(Cache):
             layer.seen = n
 
     def _check_between_steps(self, what: str) -> None:
-        if any(layer.seen != self.requests.length for layer in self._pool_layers):
-            raise RuntimeError(f"{what} in the middle of a forward (some layers have not stored this step)")
+        check_in_step(self._pool_layers, self.requests.length, what)
 
     # -- transformers' cache operations ---------------------------------------------------
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -248,16 +260,24 @@ class KVPoolCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (``pool.truncate``).
 
-        Same convention as ``DynamicCache`` in 5.x: a non-positive count.
+        Same convention as ``DynamicCache`` in 5.x: a non-positive count. After a forward
+        cut short (an exception in a layer), the count is from the length that forward
+        extended the rows to (``get_seq_length()``), and it must drop at least the
+        unfinished step, which every layer then forgets; a crop that would keep part of
+        it raises ``IncompleteForwardError`` (nothing changed).
         """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, "
-                             "as DynamicCache.crop does")
-        if tokens_to_remove == 0:
+        n = _token_count(tokens_to_remove)
+        if n > 0:
+            raise InvalidArgumentError(f"crop({n}): pass a negative count of tokens to remove, "
+                                       "as DynamicCache.crop does")
+        if n == 0:
             return
-        self._check_between_steps("crop")
-        self.requests.truncate(max(0, self.requests.length + tokens_to_remove))
-        self._set_seen(self.requests.length)
+        req = self.requests
+        target = max(0, req.length + n)
+        if target > stored_by_all(self._pool_layers):
+            self._check_between_steps(f"crop({n}) would keep part of the unfinished step")
+        req.truncate(target)
+        self._set_seen(req.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
@@ -319,6 +339,7 @@ class HybridKVPoolCache(KVPoolCache):
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))
         self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
+        self.requests.layers = self._pool_layers
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         Cache.__init__(self, layers=layers)
         if prefix_ids is not None:
