@@ -31,7 +31,7 @@ from transformers.cache_utils import (
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import IncompleteForwardError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
-from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -256,9 +256,12 @@ class PoolAttentionLayer(SharedRowsLayer, CacheLayerMixin):
             raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states, value_states)
+        req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states.detach(), value_states.detach())
         self.seen += tokens
-        return req.kv(self.layer_idx)
+        kv = req.kv(self.layer_idx)
+        if key_states.requires_grad or value_states.requires_grad:
+            return with_step_grad(kv, key_states, value_states)
+        return kv
 
     def get_seq_length(self) -> int:
         return self.seen

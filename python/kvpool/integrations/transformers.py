@@ -60,7 +60,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError
-from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
@@ -119,8 +119,11 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
             raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        live = None
         if key_states.requires_grad or value_states.requires_grad:
-            # Stores must not drag the pool's caches into autograd.
+            # Stores must not drag the pool's caches into autograd; what attention gets does
+            # carry the step's own K/V history (``with_step_grad``).
+            live = key_states, value_states
             key_states, value_states = key_states.detach(), value_states.detach()
         dst, store = req.dst, req.store
         if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
@@ -134,9 +137,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
             req.write(self.layer_idx, key_states, value_states)
         self.seen += tokens
         pages = req.pages
-        if pages is not None:
-            return pages.kv(self.layer_idx, key_states, value_states)
-        return req.gather(self.layer_idx)
+        kv = req.gather(self.layer_idx) if pages is None else pages.kv(self.layer_idx, key_states, value_states)
+        return kv if live is None else with_step_grad(kv, *live)
 
     def get_seq_length(self) -> int:
         return self.seen
