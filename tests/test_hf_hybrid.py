@@ -226,3 +226,37 @@ def test_a_closed_cache_serves_a_new_batch_of_a_linear_attention_model(how):
     cache.close()
     assert pool.open_requests == 0
     pool.check()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3"])
+def test_a_first_forward_that_does_not_fit_leaves_the_pool_as_it_was(arch):
+    """The rows opened by the first forward (by its first linear-attention layer, which
+    writes their state before any attention layer extends them) are closed again when
+    the prompt does not fit; the same cache then serves the batch once there is room."""
+    from kvpool import PoolExhaustedError
+
+    model = tiny(arch)
+    ids, mask = left_padded([12, 9], seed=4)
+    pool = pool_for_model(model, max_tokens=32, page_size=P, max_requests=4)
+    blocker = pool.open(1)
+    pool.extend(blocker, 24)  # 2 rows of 12 no longer fit
+    a = pool.allocator
+
+    def counters():
+        return (a.open_requests, [a.used_pages(g) for g in range(a.num_groups)],
+                [a.free_pages(g) for g in range(a.num_groups)], a.admissible_tokens())
+
+    before = counters()
+    cache = KVPoolCache(pool)
+    with pytest.raises(PoolExhaustedError):
+        greedy(model, ids, mask, 3, cache)
+    assert counters() == before
+    assert cache.handles is None
+    pool.check()
+    pool.close(blocker)
+    ref = greedy(model, ids, mask, 3, DynamicCache(config=model.config))
+    out = greedy(model, ids, mask, 3, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    cache.close()
+    assert pool.open_requests == 0
+    pool.check()

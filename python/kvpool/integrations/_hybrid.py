@@ -55,6 +55,9 @@ class HybridRequests:
         self.before = 0  # length when the current step began
         self.epoch = 0  # bumped whenever the rows or their state slots change
         self.state_layers: list[PoolStateLayer] = []
+        # The rows were opened in this forward and hold no token yet (a linear-attention layer
+        # may have written their state): a first step that fails closes them again.
+        self.fresh = False
         self.layers: list[Any] = []  # the attention layers (``KVPoolCache._pool_layers``)
         self._rows: torch.Tensor | None = None
         self._new: list[torch.Tensor] = []
@@ -69,6 +72,7 @@ class HybridRequests:
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
+            self.fresh = True
         elif batch != self.handles.shape[0]:
             raise TensorShapeError(
                 f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
@@ -103,7 +107,15 @@ class HybridRequests:
         check_in_step(self.layers, self.length, "a new forward")
         self.publish()
         self.flush()
-        ext = self.pool.extend(self.handles, tokens)
+        try:
+            ext = self.pool.extend(self.handles, tokens)
+        except BaseException:
+            if self.fresh:
+                self.close()
+                for layer in self.state_layers:
+                    layer.reset()
+            raise
+        self.fresh = False
         self.before, self.length = self.length, self.length + tokens
         self._new = [loc.to(torch.int64) for loc in ext.out_cache_loc]
         self._index = {}
@@ -217,7 +229,7 @@ class HybridRequests:
                 self.flush_discard()
                 self.pool.close(handles)
         self.length = self.before = 0
-        self.prefix_mode, self.cached_lens = False, None
+        self.prefix_mode, self.cached_lens, self.fresh = False, None, False
         self.epoch += 1
 
     def flush_discard(self) -> None:

@@ -82,6 +82,9 @@ class BatchRequests:
         # Whether layers after a step's first may take KVPoolCache.update's short way.
         self.fast = self.pages is not None and self.store is not None
         self.batch = -1  # rows opened (-1: none yet)
+        # The rows were opened by this forward's first update and have held no token yet: a
+        # first step that fails closes them again, leaving the pool as it was.
+        self._fresh = False
         self._shared = False  # some row may share a page (prefix hit, fork)
         # A decode step's extend writes its slots here (the allocator's ``out=``) rather than
         # into a new array, and names one row by its int: the step is the host call the cache
@@ -116,6 +119,7 @@ class BatchRequests:
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
+            self._fresh = True
         elif batch != self.handles.shape[0]:
             raise TensorShapeError(
                 f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
@@ -189,17 +193,23 @@ class BatchRequests:
             pool.cache(self.handles)
         # On a CPU pool the step needs only the host slots (stores go through views of the
         # caches, or the pool's index store with an index tensor StepPages makes).
-        if not self.host_extend:
-            slots = None
-        elif tokens == 1:
-            slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
-        else:
-            slots = pool._extend_host(self.handles, tokens)
-        if slots is None:
-            ext = pool.extend(self.handles, tokens)
-            slots, self.new_slots = ext.slots, ext.out_cache_loc
-        else:
-            self.new_slots = None
+        try:
+            if not self.host_extend:
+                slots = None
+            elif tokens == 1:
+                slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
+            else:
+                slots = pool._extend_host(self.handles, tokens)
+            if slots is None:
+                ext = pool.extend(self.handles, tokens)
+                slots, self.new_slots = ext.slots, ext.out_cache_loc
+            else:
+                self.new_slots = None
+        except BaseException:
+            if self._fresh:
+                self.close()
+            raise
+        self._fresh = False
         self.step_slots = slots
         before = self.before = self.length
         length = self.length = before + tokens
@@ -305,4 +315,4 @@ class BatchRequests:
             else:
                 self.pool.close(handles)
         self.length = 0
-        self.prefix_mode, self.cached_lens, self._shared = False, None, False
+        self.prefix_mode, self.cached_lens, self._shared, self._fresh = False, None, False, False
