@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 )
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import IncompleteForwardError, TensorShapeError
+from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
@@ -203,6 +203,8 @@ class HybridRequests:
         there) every row starts empty."""
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
+            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)

@@ -136,6 +136,8 @@ class BatchRequests:
             raise NotImplementedError(PREFIX_NEEDS_CORE)
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
+            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -59,7 +60,13 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
-from kvpool.errors import IncompleteForwardError, InvalidArgumentError
+from kvpool.errors import (
+    IncompleteForwardError,
+    InvalidArgumentError,
+    LayerIndexError,
+    TensorDtypeError,
+    TensorShapeError,
+)
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
 
@@ -203,7 +210,11 @@ class KVPoolCache(Cache):
         checks it in full and raises the typed error.
         """
         req = self.requests
-        layer = self._pool_layers[layer_idx]
+        try:
+            layer = self._pool_layers[layer_idx]
+        except (IndexError, TypeError):
+            raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self._pool_layers)})") \
+                from None
         if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
             return layer.update(key_states, value_states, *args, **kwargs)  # raises the typed error
         seen, ks = layer.seen, key_states.shape
@@ -285,18 +296,37 @@ class KVPoolCache(Cache):
         """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
         continues more than once; raises ``NotImplementedError`` on a pool without it."""
         self._check_between_steps("reorder_cache")
-        self.requests.reorder([int(i) for i in beam_idx.reshape(-1).tolist()])
+        self.requests.reorder(self._rows_of(beam_idx, "reorder_cache", mask=False))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (an index or boolean tensor); the others are closed."""
         self._check_between_steps("batch_select_indices")
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
+        self.requests.reorder(self._rows_of(indices, "batch_select_indices", mask=True))
+
+    def _rows_of(self, indices: Any, what: str, *, mask: bool) -> list[int]:
+        """Row indices as ints: integer indices (or, with ``mask``, one bool per row). Raises
+        the typed error for float indices or a mask of the wrong length, which would
+        otherwise pick rows silently."""
+        try:
+            idx = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError):
+            raise TensorDtypeError(f"{what} takes a tensor of integer row indices, got {type(indices).__name__}") \
+                from None
+        if idx.dtype == torch.bool and mask:
+            h = self.requests.handles
+            if h is not None and tuple(idx.shape) != (h.shape[0],):
+                raise TensorShapeError(f"{what}: a boolean mask needs one entry per row ({h.shape[0]} rows), "
+                                       f"got shape {list(idx.shape)}")
             idx = idx.nonzero().reshape(-1)
-        self.requests.reorder([int(i) for i in idx.reshape(-1).tolist()])
+        elif idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+            raise TensorDtypeError(f"{what} takes integer row indices{' or a boolean mask' if mask else ''}, "
+                                   f"got {idx.dtype}")
+        return [int(i) for i in idx.reshape(-1).tolist()]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes ``repeats`` consecutive rows (forks when the rows hold tokens)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 0:
+            raise InvalidArgumentError(f"batch_repeat_interleave takes repeats >= 0 (an int), got {repeats!r}")
         self._check_between_steps("batch_repeat_interleave")
         if self.requests.handles is not None:
             b = self.requests.handles.shape[0]
@@ -356,7 +386,11 @@ class HybridKVPoolCache(KVPoolCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's own ``update`` (its group's slots and window)."""
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        try:
+            layer = self.layers[layer_idx]
+        except (IndexError, TypeError):
+            raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def crop(self, tokens_to_remove: int) -> None:
         """As ``KVPoolCache.crop``; the pool refuses (``RollbackUnavailableError``, nothing
