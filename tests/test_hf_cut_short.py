@@ -160,3 +160,33 @@ def test_a_hybrid_cache_with_a_sliding_window_crops_a_forward_cut_short():
             m2 = torch.cat([m2, torch.ones_like(nxt)], 1)
     assert pool.open_requests == 0
     pool.check()
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_prompt_cut_short_is_not_published_to_the_prefix_cache(model, where):
+    """A cache opened with ``prefix_ids=`` publishes its prompt's pages when it closes; pages
+    whose step some layers never stored must not be, or the next request with that
+    prompt would read K/V that were never written."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 90, (1, 40), generator=g)
+    pool = pool_for_model(model, max_tokens=1024, page_size=16, max_context_len=128)
+    from _hf_models import greedy
+
+    ref = greedy(model, prompt, None, 6)
+    hook = cut_at(model, 1) if where == "prefill" else None
+    with pytest.raises(Cut), torch.no_grad(), KVPoolCache(pool, prefix_ids=prompt) as cache:
+        if hook is None:
+            model(input_ids=prompt, **{CACHE_KW: cache})
+            hook = cut_at(model, 1)
+            model(input_ids=prompt[:, -1:], **{CACHE_KW: cache})
+        else:
+            model(input_ids=prompt, **{CACHE_KW: cache})
+    hook.remove()
+    with KVPoolCache(pool, prefix_ids=prompt) as cache:
+        out = greedy(model, prompt, None, 6, cache=cache)
+        # A decode step cut short leaves the prompt's pages, published when it began, valid.
+        assert int(cache.cached_lens[0]) == (32 if where == "decode" else 0)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        assert (a - b).abs().max().item() <= TOL
+    pool.allocator.check()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _hf_models import PAD, VOCAB, greedy, left_padded
+from _hf_models import CACHE_KW, PAD, VOCAB, greedy, left_padded
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 from kvpool.errors import TensorShapeError
@@ -259,4 +259,69 @@ def test_a_first_forward_that_does_not_fit_leaves_the_pool_as_it_was(arch):
     assert torch.equal(out.sequences, ref.sequences)
     cache.close()
     assert pool.open_requests == 0
+    pool.check()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
+def test_a_prompt_cut_short_publishes_neither_pages_nor_state(arch):
+    """A prefill that stops in layer 2 (after the first attention layer extended the rows)
+    must not leave its pages, window or state checkpoint in the prefix cache: a longer
+    prompt that starts with it then gets no hit, and the default cache's outputs."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(21)
+    first = torch.randint(3, VOCAB, (1, 16), generator=g)
+    longer = torch.cat([first, torch.randint(3, VOCAB, (1, 6), generator=g)], 1)
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    ref = greedy(model, longer, None, 5, DynamicCache(config=model.config))
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[2].register_forward_pre_hook(boom, with_kwargs=True)
+    try:
+        with pytest.raises(KeyboardInterrupt), KVPoolCache(pool, prefix_ids=first) as cache:
+            greedy(model, first, None, 5, cache)
+    finally:
+        hook.remove()
+    with KVPoolCache(pool, prefix_ids=longer) as cache:
+        out = greedy(model, longer, None, 5, cache)
+        assert int(cache.cached_lens[0]) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    pool.check()
+
+
+def test_a_retry_after_a_prefill_cut_short_publishes_no_checkpoint():
+    """Qwen3-Next's first layer is linear attention, which publishes the rows' prompt pages
+    and state (a checkpoint) at the start of each forward, before any attention layer runs.
+    After a prefill cut short, the next forward must not publish them: it is refused, and
+    nothing of the prompt reaches the prefix cache."""
+    from kvpool import IncompleteForwardError
+
+    model = tiny("qwen3_next")
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(3, VOCAB, (1, 16), generator=g)
+    longer = torch.cat([prompt, torch.randint(3, VOCAB, (1, 6), generator=g)], 1)
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    ref = greedy(model, longer, None, 4, DynamicCache(config=model.config))
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), KVPoolCache(pool, prefix_ids=prompt) as cache:
+        hook = model.model.layers[2].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=prompt, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        with pytest.raises(IncompleteForwardError):
+            model(input_ids=prompt, **{CACHE_KW: cache})
+    with KVPoolCache(pool, prefix_ids=longer) as cache:
+        out = greedy(model, longer, None, 4, cache)
+        assert int(cache.cached_lens[0]) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     pool.check()

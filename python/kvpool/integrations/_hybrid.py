@@ -125,11 +125,16 @@ class HybridRequests:
         pages, and its state as a checkpoint when the length is on the hit step.
         Called by the step's first attention layer before it extends, and by the
         state layers in front of it before they change their rows."""
-        if self.prefix_mode and self.length > 0 and self.published != self.length:
+        if self.prefix_mode and self.length > 0 and self.published != self.length and self.complete():
             assert self.handles is not None
             self.flush()
             self.pool.cache(self.handles)
             self.published = self.length
+
+    def complete(self) -> bool:
+        """Whether every attention layer stored the rows' tokens (not so after a forward cut
+        short, whose pages and state must then never be published)."""
+        return all(layer.seen == self.length for layer in self.layers)
 
     def new_slots(self, group: int) -> torch.Tensor:
         return self._new[group]
@@ -223,7 +228,7 @@ class HybridRequests:
     def close(self) -> None:
         if self.handles is not None:
             handles, self.handles, self._rows = self.handles, None, None
-            if self.prefix_mode and self.length > 0:
+            if self.prefix_mode and self.length > 0 and self.complete():
                 self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
                 self.flush_discard()
                 self.pool.close(handles, cache=True)

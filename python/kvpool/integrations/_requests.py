@@ -304,15 +304,18 @@ class BatchRequests:
         self._set_handles(out)
 
     def close(self) -> None:
-        """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
+        """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode,
+        unless the last forward was cut short: some layers never stored its tokens, so its
+        pages are not published; those published before it stay cached)."""
         if self.handles is not None:
+            publish = self.prefix_mode and self.length > 0 and all(x.seen == self.length for x in self.layers)
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
             self.later = False
             self.before = -1
             self.batch = -1
             if self.pages is not None:
                 self.pages.release()
-            if self.prefix_mode and self.length > 0:
+            if publish:
                 self.pool.close(handles, cache=True)
             else:
                 self.pool.close(handles)
