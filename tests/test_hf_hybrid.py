@@ -325,3 +325,47 @@ def test_a_retry_after_a_prefill_cut_short_publishes_no_checkpoint():
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     pool.check()
+
+
+@pytest.mark.parametrize("cut", [1, 3], ids=["before-attention", "last-layer"])
+def test_a_linear_attention_state_that_a_cut_short_forward_moved_is_not_used_again(cut):
+    """Qwen3-Next's linear-attention layers update their state in place. A forward cut short
+    before the first attention layer (layer 0's state already took the step) or in the
+    last layer (layer 2's state took it, layer 3 never stored it) leaves states that no
+    longer match the rows' length: the next forward and a reorder are refused
+    (IncompleteForwardError, nothing changed) instead of computing from them, and a crop
+    to a length the pool holds a state checkpoint for puts everything back."""
+    from kvpool import IncompleteForwardError
+
+    model = tiny("qwen3_next")
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    more = torch.tensor([[9]])
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    dyn = DynamicCache(config=model.config)
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), KVPoolCache(pool, prefix_ids=ids) as cache:
+        for c in (dyn, cache):
+            model(input_ids=ids[:, :12], **{CACHE_KW: c})
+        model(input_ids=ids[:, 12:], **{CACHE_KW: cache})  # publishes a checkpoint at 12 on the way
+        hook = model.model.layers[cut].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=more, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        slots = pool.state_slots(cache.handles, 0)
+        state = pool.state(0, "recurrent")[slots].clone()
+        with pytest.raises(IncompleteForwardError, match="linear-attention|cut short"):
+            model(input_ids=more, **{CACHE_KW: cache})
+        assert torch.equal(pool.state(0, "recurrent")[slots], state)
+        with pytest.raises(IncompleteForwardError):
+            cache.reorder_cache(torch.tensor([0]))
+        cache.crop(-(cache.get_seq_length() - 12))  # back to the checkpoint at 12
+        for x in (ids[:, 12:], more, torch.tensor([[4]])):
+            a = model(input_ids=x, **{CACHE_KW: dyn}).logits
+            b = model(input_ids=x, **{CACHE_KW: cache}).logits
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    pool.check()

@@ -53,6 +53,7 @@ class HybridRequests:
         self.published = -1  # the length cache() was last called at
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, in prefix mode
         self.before = 0  # length when the current step began
+        self.steps = 0  # forwards that extended the rows (the state layers stamp their writes with it)
         self.epoch = 0  # bumped whenever the rows or their state slots change
         self.state_layers: list[PoolStateLayer] = []
         # The rows were opened in this forward and hold no token yet (a linear-attention layer
@@ -83,6 +84,8 @@ class HybridRequests:
         self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self._index = {}
         self.epoch += 1
+        for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step
+            layer.sync()
 
     def flush(self) -> None:
         """Write every state layer's working copy back to the pool's rows."""
@@ -105,6 +108,7 @@ class HybridRequests:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
         check_in_step(self.layers, self.length, "a new forward")
+        self.check_states("a new forward", started=True)
         self.publish()
         self.flush()
         try:
@@ -116,6 +120,7 @@ class HybridRequests:
                     layer.reset()
             raise
         self.fresh = False
+        self.steps += 1
         self.before, self.length = self.length, self.length + tokens
         self._new = [loc.to(torch.int64) for loc in ext.out_cache_loc]
         self._index = {}
@@ -130,6 +135,13 @@ class HybridRequests:
             self.flush()
             self.pool.cache(self.handles)
             self.published = self.length
+
+    def check_states(self, what: str, *, started: bool) -> None:
+        """Raise ``IncompleteForwardError`` when a linear-attention layer's state took a forward
+        the attention layers did not, or missed one (``started``: this forward's layers in
+        front of the first attention layer have run)."""
+        for layer in self.state_layers:
+            layer.check(what, started=started)
 
     def complete(self) -> bool:
         """Whether every attention layer stored the rows' tokens (not so after a forward cut

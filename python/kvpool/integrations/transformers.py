@@ -392,6 +392,10 @@ class HybridKVPoolCache(KVPoolCache):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
         return layer.update(key_states, value_states, *args, **kwargs)
 
+    def _check_between_steps(self, what: str) -> None:
+        super()._check_between_steps(what)
+        self.requests.check_states(what, started=False)
+
     def crop(self, tokens_to_remove: int) -> None:
         """As ``KVPoolCache.crop``; the pool refuses (``RollbackUnavailableError``, nothing
         changed) a length whose window it released or that has no state checkpoint."""
