@@ -65,3 +65,48 @@ def test_gradients_equal_the_default_caches_with_the_past_held_fixed(arch, page_
             torch.testing.assert_close(g[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert not any(t.requires_grad for _, t in pool.named_tensors())
     pool.allocator.check()
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_linear_attention_state_under_grad_mode_stays_out_of_autograd(scattered):
+    """Qwen3-Next under grad mode: the model copies its new conv / recurrent states into the
+    cache in place, with their autograd history. The pool's state tensors must not take
+    that history (they would require grad, chain every step's graph and fail audit); the
+    logits still equal the default cache's."""
+    import transformers
+
+    import kvpool
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_num_value_heads=4, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])
+    with torch.inference_mode(False), torch.no_grad():
+        torch.manual_seed(0)
+        model = transformers.Qwen3NextForCausalLM(config).eval()
+    ids, mask = left_padded([9, 6], seed=1)
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_requests=4)
+    other = pool.open(3)
+    if scattered:  # the batch's state slots are then not consecutive
+        pool.close(other[1:2])
+        other = other[[0, 2]]
+    else:
+        pool.close(other)
+    logits = []
+    with torch.enable_grad(), KVPoolCache(pool) as cache:
+        for c in (DynamicCache(config=model.config), cache):
+            m, out = mask, []
+            for x in (ids, torch.tensor([[5], [6]]), torch.tensor([[7], [8]])):
+                m = m if x is ids else torch.cat([m, torch.ones_like(x)], 1)
+                out.append(model(input_ids=x, attention_mask=m, **{CACHE_KW: c}).logits)
+                assert out[-1].requires_grad
+            logits.append(out)
+        assert [n for n, t in pool.named_tensors() if t.requires_grad] == []
+        assert kvpool.audit(pool) == []
+    for a, b in zip(*logits):
+        assert (a - b).abs().max().item() <= 1e-5
+    if scattered:
+        pool.close(other)
+    pool.check()

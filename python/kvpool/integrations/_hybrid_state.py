@@ -121,10 +121,13 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
             self.requests.publish()
         self._refresh()
         t = self._rows.get(name)
-        if t is None:
+        # Under grad mode the model copies states with autograd history into what it gets, in
+        # place: a view would pass that history to the pool's tensor, so it gets a working
+        # copy, written back without the history.
+        if t is None or (name not in self._work and torch.is_grad_enabled()):
             full = self.requests.pool.state(self.layer_idx, name)
             assert self._slots is not None
-            if self._consecutive:
+            if self._consecutive and not torch.is_grad_enabled():
                 t = full[self._s0: self._s0 + self._slots.shape[0]]
             else:
                 t = full.index_select(0, self._slots)
@@ -137,7 +140,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         next access gathers again, so a later change in the pool (a restore) is seen."""
         if self._work and self._slots is not None:
             for name, t in self._work.items():
-                self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t)
+                self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t.detach())
                 del self._rows[name]
         self._work = {}
 
