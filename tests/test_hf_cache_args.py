@@ -86,3 +86,23 @@ def test_float_prefix_ids_are_a_typed_error_and_open_nothing():
     with pytest.raises(TensorDtypeError, match="token ids"):
         KVPoolCache(pool, prefix_ids=torch.tensor([[3.0, 4.5, 5.0, 6.0]]))
     assert pool.allocator.open_requests == 0
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(max_tokens=64, page_size=0), "page_size"),
+    (dict(max_tokens=64, page_size=-16), "page_size"),
+    (dict(max_tokens=64, page_size=4.0), "page_size"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=64, max_context_len=0), "max_context_len"),
+    (dict(max_tokens=64, max_context_len=-8), "max_context_len"),
+])
+def test_pool_for_model_sizes_are_checked_with_typed_errors(kwargs, match):
+    from transformers import LlamaConfig
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    with pytest.raises(InvalidArgumentError, match=match):
+        pool_for_model(config, **kwargs)

@@ -69,6 +69,7 @@ from kvpool.errors import (
 )
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
+from kvpool.validate import is_int
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
 
@@ -432,7 +433,18 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
 
     The pool's tensors are created under ``kvpool.persistent()``, so calling this inside
     ``torch.inference_mode()`` is fine.
+
+    Raises:
+        InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
+            positive int (and what ``KVPool`` raises for its own arguments).
     """
+    # Checked here: the pool's sizes are computed from them before KVPool sees any.
+    for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_context_len", max_context_len)):
+        if value is None and name == "max_context_len":
+            continue
+        if not (is_int(value) and value > 0):
+            hint = " or None (the config's max_position_embeddings)" if name == "max_context_len" else ""
+            raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
     config = getattr(model, "config", model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
@@ -447,7 +459,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             dtype = getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype):
             dtype = torch.float32
-    ctx = max_context_len or getattr(text, "max_position_embeddings", None) or 4096
+    ctx = max_context_len if max_context_len is not None else getattr(text, "max_position_embeddings", None) or 4096
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)
