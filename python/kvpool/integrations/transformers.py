@@ -395,7 +395,7 @@ class HybridKVPoolCache(KVPoolCache):
 
     def _check_between_steps(self, what: str) -> None:
         super()._check_between_steps(what)
-        self.requests.check_states(what, started=False)
+        self.requests.check_states(what, started=False)  # type: ignore[attr-defined]  # (HybridRequests)
 
     def crop(self, tokens_to_remove: int) -> None:
         """As ``KVPoolCache.crop``; the pool refuses (``RollbackUnavailableError``, nothing
@@ -439,6 +439,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             positive int (and what ``KVPool`` raises for its own arguments).
     """
     # Checked here: the pool's sizes are computed from them before KVPool sees any.
+    value: Any
     for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_context_len", max_context_len)):
         if value is None and name == "max_context_len":
             continue
