@@ -206,6 +206,34 @@ def test_errors_are_typed_and_leave_the_pool_unchanged(models):
     small.allocator.check()
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_first_forward_that_does_not_fit_leaves_the_pool_as_it_was(models, page_size):
+    """The first update opens the rows; when the prompt's extend then fails, the rows are
+    closed again, so the pool (open requests included) is exactly as before, and the
+    same cache serves the batch once there is room."""
+    model = models["llama"]
+    ids, mask = left_padded([10, 7, 4], seed=2)
+    pool = pool_for_model(model, max_tokens=48, page_size=page_size, max_requests=4, max_context_len=64)
+    blocker = pool.open(1)
+    pool.extend(blocker, 20)  # 3 rows of 10 no longer fit
+    a = pool.allocator
+
+    def counters():
+        a.check()
+        return a.open_requests, a.used_pages, a.free_pages, a.used_slots, a.admissible_tokens
+
+    before = counters()
+    cache = KVPoolCache(pool)
+    with pytest.raises(PoolExhaustedError):
+        greedy(model, ids, mask, 2, cache=cache)
+    assert counters() == before and cache.handles is None and cache.get_seq_length() == 0
+    pool.close(blocker)  # room now
+    out = greedy(model, ids, mask, 2, cache=cache)
+    assert torch.equal(out.sequences, greedy(model, ids, mask, 2).sequences)
+    cache.close()
+    assert a.open_requests == 0 and a.used_pages == 0
+
+
 @pytest.mark.skipif(not hasattr(KVPool, "open_with_prefix"),
                     reason="prefix reuse needs KVPool.open_with_prefix (the shared-pages core branch)")
 def test_prefix_cache_gives_identical_outputs_and_computes_only_new_tokens(models):

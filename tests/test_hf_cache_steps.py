@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 
-from kvpool import KVPool, TensorDtypeError, TensorShapeError  # noqa: E402
+from kvpool import IncompleteForwardError, KVPool, TensorDtypeError, TensorShapeError  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 H, D, LAYERS, PAGE = 2, 8, 3, 4
@@ -136,29 +136,40 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("before", [[5, 1], [7, 1]], ids=["made-ahead", "page-start"])
-def test_a_forward_cut_short_leaves_the_layers_that_ran_in_the_pool(batch, before):
-    """A buffered decode step is stored once its last layer has added its token; when a
-    forward stops before that (a model that raised half-way), the next step stores what
-    the layers that ran added, as per-layer stores would have. The step cut short is one
-    made ahead at the page's start, or (page-start) the step that starts a page, whose
-    store is made by the step itself, from the slots of its extend."""
+def test_a_forward_cut_short_is_refused_until_crop_drops_it(batch, before):
+    """A buffered decode step is stored once its last layer has added its token. When a
+    forward stops before that (a model that raised half-way), the next forward is refused
+    (nothing changes), crop drops the unfinished step, and the step run again is stored
+    and read back whole. The step cut short is one made ahead at the page's start, or
+    (page-start) the step that starts a page."""
     pool = make_pool()
     scramble(pool)
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode(), KVPoolCache(pool) as cache:
         run(pool, cache, batch, before)  # the next step stays in the buffers
-        ran = [torch.randn(batch, H, 1, D, generator=g) for _ in range(LAYERS - 1)]
-        for layer, k in enumerate(ran):
+        prior = [stored_in_pool(pool, cache.handles, layer) for layer in range(LAYERS)]
+        for layer in range(LAYERS - 1):
+            k = torch.randn(batch, H, 1, D, generator=g)
             cache.update(k, 2 * k, layer)
         assert store_kind(cache) == "buffers", "the test needs a step stored from the buffers"
         if batch > 1:  # scrambled pages: the rows' slots are no strided run, so an index stores them
             assert cache.requests.pages.later[2] is not None, "the test needs a step stored by index"
-        slots = cache.requests.step_slots.copy()
+        lengths, used = pool.allocator.lengths(cache.handles).tolist(), pool.allocator.used_pages
         k = torch.randn(batch, H, 1, D, generator=g)
-        cache.update(k, 2 * k, 0)  # the next forward starts a step
-        for layer, k in enumerate(ran):
-            got_k, got_v = pool.read(layer, slots)
-            assert torch.equal(got_k, k[:, :, 0]) and torch.equal(got_v, 2 * k[:, :, 0]), f"layer {layer}"
+        with pytest.raises(IncompleteForwardError, match=r"crop\(-1\)"):
+            cache.update(k, 2 * k, 0)  # a new forward on the step cut short
+        assert pool.allocator.lengths(cache.handles).tolist() == lengths and pool.allocator.used_pages == used
+        cache.crop(-1)
+        for layer in range(LAYERS):
+            k = torch.randn(batch, H, 1, D, generator=g)
+            want_k = torch.cat([prior[layer][0], k], dim=2)
+            want_v = torch.cat([prior[layer][1], 2 * k], dim=2)
+            got_k, got_v = cache.update(k, 2 * k, layer)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"layer {layer}"
+            prior[layer] = (want_k, want_v)
+        for layer in range(LAYERS):
+            in_pool_k, in_pool_v = stored_in_pool(pool, cache.handles, layer)
+            assert torch.equal(in_pool_k, prior[layer][0]) and torch.equal(in_pool_v, prior[layer][1])
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _hf_models import PAD, VOCAB, greedy, left_padded
+from _hf_models import CACHE_KW, PAD, VOCAB, greedy, left_padded
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 from kvpool.errors import TensorShapeError
@@ -225,4 +225,147 @@ def test_a_closed_cache_serves_a_new_batch_of_a_linear_attention_model(how):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     cache.close()
     assert pool.open_requests == 0
+    pool.check()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3"])
+def test_a_first_forward_that_does_not_fit_leaves_the_pool_as_it_was(arch):
+    """The rows opened by the first forward (by its first linear-attention layer, which
+    writes their state before any attention layer extends them) are closed again when
+    the prompt does not fit; the same cache then serves the batch once there is room."""
+    from kvpool import PoolExhaustedError
+
+    model = tiny(arch)
+    ids, mask = left_padded([12, 9], seed=4)
+    pool = pool_for_model(model, max_tokens=32, page_size=P, max_requests=4)
+    blocker = pool.open(1)
+    pool.extend(blocker, 24)  # 2 rows of 12 no longer fit
+    a = pool.allocator
+
+    def counters():
+        return (a.open_requests, [a.used_pages(g) for g in range(a.num_groups)],
+                [a.free_pages(g) for g in range(a.num_groups)], a.admissible_tokens())
+
+    before = counters()
+    cache = KVPoolCache(pool)
+    with pytest.raises(PoolExhaustedError):
+        greedy(model, ids, mask, 3, cache)
+    assert counters() == before
+    assert cache.handles is None
+    pool.check()
+    pool.close(blocker)
+    ref = greedy(model, ids, mask, 3, DynamicCache(config=model.config))
+    out = greedy(model, ids, mask, 3, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    cache.close()
+    assert pool.open_requests == 0
+    pool.check()
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
+def test_a_prompt_cut_short_publishes_neither_pages_nor_state(arch):
+    """A prefill that stops in layer 2 (after the first attention layer extended the rows)
+    must not leave its pages, window or state checkpoint in the prefix cache: a longer
+    prompt that starts with it then gets no hit, and the default cache's outputs."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(21)
+    first = torch.randint(3, VOCAB, (1, 16), generator=g)
+    longer = torch.cat([first, torch.randint(3, VOCAB, (1, 6), generator=g)], 1)
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    ref = greedy(model, longer, None, 5, DynamicCache(config=model.config))
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[2].register_forward_pre_hook(boom, with_kwargs=True)
+    try:
+        with pytest.raises(KeyboardInterrupt), KVPoolCache(pool, prefix_ids=first) as cache:
+            greedy(model, first, None, 5, cache)
+    finally:
+        hook.remove()
+    with KVPoolCache(pool, prefix_ids=longer) as cache:
+        out = greedy(model, longer, None, 5, cache)
+        assert int(cache.cached_lens[0]) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    pool.check()
+
+
+def test_a_retry_after_a_prefill_cut_short_publishes_no_checkpoint():
+    """Qwen3-Next's first layer is linear attention, which publishes the rows' prompt pages
+    and state (a checkpoint) at the start of each forward, before any attention layer runs.
+    After a prefill cut short, the next forward must not publish them: it is refused, and
+    nothing of the prompt reaches the prefix cache."""
+    from kvpool import IncompleteForwardError
+
+    model = tiny("qwen3_next")
+    g = torch.Generator().manual_seed(23)
+    prompt = torch.randint(3, VOCAB, (1, 16), generator=g)
+    longer = torch.cat([prompt, torch.randint(3, VOCAB, (1, 6), generator=g)], 1)
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    ref = greedy(model, longer, None, 4, DynamicCache(config=model.config))
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), KVPoolCache(pool, prefix_ids=prompt) as cache:
+        hook = model.model.layers[2].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=prompt, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        with pytest.raises(IncompleteForwardError):
+            model(input_ids=prompt, **{CACHE_KW: cache})
+    with KVPoolCache(pool, prefix_ids=longer) as cache:
+        out = greedy(model, longer, None, 4, cache)
+        assert int(cache.cached_lens[0]) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    pool.check()
+
+
+@pytest.mark.parametrize("cut", [1, 3], ids=["before-attention", "last-layer"])
+def test_a_linear_attention_state_that_a_cut_short_forward_moved_is_not_used_again(cut):
+    """Qwen3-Next's linear-attention layers update their state in place. A forward cut short
+    before the first attention layer (layer 0's state already took the step) or in the
+    last layer (layer 2's state took it, layer 3 never stored it) leaves states that no
+    longer match the rows' length: the next forward and a reorder are refused
+    (IncompleteForwardError, nothing changed) instead of computing from them, and a crop
+    to a length the pool holds a state checkpoint for puts everything back."""
+    from kvpool import IncompleteForwardError
+
+    model = tiny("qwen3_next")
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    more = torch.tensor([[9]])
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    dyn = DynamicCache(config=model.config)
+
+    def boom(module, args, kwargs):
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), KVPoolCache(pool, prefix_ids=ids) as cache:
+        for c in (dyn, cache):
+            model(input_ids=ids[:, :12], **{CACHE_KW: c})
+        model(input_ids=ids[:, 12:], **{CACHE_KW: cache})  # publishes a checkpoint at 12 on the way
+        hook = model.model.layers[cut].register_forward_pre_hook(boom, with_kwargs=True)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=more, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        slots = pool.state_slots(cache.handles, 0)
+        state = pool.state(0, "recurrent")[slots].clone()
+        with pytest.raises(IncompleteForwardError, match="linear-attention|cut short"):
+            model(input_ids=more, **{CACHE_KW: cache})
+        assert torch.equal(pool.state(0, "recurrent")[slots], state)
+        with pytest.raises(IncompleteForwardError):
+            cache.reorder_cache(torch.tensor([0]))
+        cache.crop(-(cache.get_seq_length() - 12))  # back to the checkpoint at 12
+        for x in (ids[:, 12:], more, torch.tensor([[4]])):
+            a = model(input_ids=x, **{CACHE_KW: dyn}).logits
+            b = model(input_ids=x, **{CACHE_KW: cache}).logits
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     pool.check()

@@ -15,6 +15,7 @@ from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
     ContextTooLongError,
     DuplicateSlotError,
+    IncompleteForwardError,
     InvalidArgumentError,
     InvalidHandleError,
     InvariantError,
@@ -61,6 +62,7 @@ __all__ = [
     # every exception (kvpool.errors)
     "ContextTooLongError",
     "DuplicateSlotError",
+    "IncompleteForwardError",
     "InvalidArgumentError",
     "InvalidHandleError",
     "InvariantError",

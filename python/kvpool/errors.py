@@ -15,6 +15,8 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
   before anything is written, so a failed call leaves the pool exactly as it was.
+- ``IncompleteForwardError`` (also a ``RuntimeError``): the transformers cache's layers
+  are out of step after a forward that stopped part-way.
 - ``kvpool.distributed``'s (``TransferError`` and its subclasses,
   ``RankDivergenceError``) are defined here too, so catching them never needs
   ``torch.distributed``; ``kvpool.distributed.errors`` re-exports them.
@@ -37,6 +39,7 @@ from kvpool._core import (
 __all__ = [
     "ContextTooLongError",
     "DuplicateSlotError",
+    "IncompleteForwardError",
     "InvalidArgumentError",
     "InvalidHandleError",
     "InvariantError",
@@ -93,6 +96,13 @@ class LayerIndexError(InvalidArgumentError):
 class KernelArgumentError(InvalidArgumentError):
     """A kernel wrapper argument is wrong in a way not covered by the tensor
     shape / dtype / device errors above (all share the base class)."""
+
+
+class IncompleteForwardError(KVPoolError, RuntimeError):
+    """A ``KVPoolCache``'s layers are out of step: a forward stopped part-way (an exception
+    in a layer), a layer was called twice in one forward, or layers got different numbers
+    of tokens. Raised before anything changes; ``crop`` the unfinished step away (the
+    message says by how much) or ``reset()`` the cache."""
 
 
 class TritonUnavailableError(KVPoolError, RuntimeError):

@@ -29,9 +29,9 @@ from transformers.cache_utils import (
 )
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import TensorShapeError
+from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
-from kvpool.integrations._shared_rows import SharedRowsLayer
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -53,8 +53,13 @@ class HybridRequests:
         self.published = -1  # the length cache() was last called at
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, in prefix mode
         self.before = 0  # length when the current step began
+        self.steps = 0  # forwards that extended the rows (the state layers stamp their writes with it)
         self.epoch = 0  # bumped whenever the rows or their state slots change
         self.state_layers: list[PoolStateLayer] = []
+        # The rows were opened in this forward and hold no token yet (a linear-attention layer
+        # may have written their state): a first step that fails closes them again.
+        self.fresh = False
+        self.layers: list[Any] = []  # the attention layers (``KVPoolCache._pool_layers``)
         self._rows: torch.Tensor | None = None
         self._new: list[torch.Tensor] = []
         self._index: dict[int, torch.Tensor] = {}
@@ -68,6 +73,7 @@ class HybridRequests:
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
+            self.fresh = True
         elif batch != self.handles.shape[0]:
             raise TensorShapeError(
                 f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
@@ -78,6 +84,8 @@ class HybridRequests:
         self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
         self._index = {}
         self.epoch += 1
+        for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step
+            layer.sync()
 
     def flush(self) -> None:
         """Write every state layer's working copy back to the pool's rows."""
@@ -99,9 +107,20 @@ class HybridRequests:
     def begin_step(self, tokens: int) -> None:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
+        check_in_step(self.layers, self.length, "a new forward")
+        self.check_states("a new forward", started=True)
         self.publish()
         self.flush()
-        ext = self.pool.extend(self.handles, tokens)
+        try:
+            ext = self.pool.extend(self.handles, tokens)
+        except BaseException:
+            if self.fresh:
+                self.close()
+                for layer in self.state_layers:
+                    layer.reset()
+            raise
+        self.fresh = False
+        self.steps += 1
         self.before, self.length = self.length, self.length + tokens
         self._new = [loc.to(torch.int64) for loc in ext.out_cache_loc]
         self._index = {}
@@ -111,11 +130,23 @@ class HybridRequests:
         pages, and its state as a checkpoint when the length is on the hit step.
         Called by the step's first attention layer before it extends, and by the
         state layers in front of it before they change their rows."""
-        if self.prefix_mode and self.length > 0 and self.published != self.length:
+        if self.prefix_mode and self.length > 0 and self.published != self.length and self.complete():
             assert self.handles is not None
             self.flush()
             self.pool.cache(self.handles)
             self.published = self.length
+
+    def check_states(self, what: str, *, started: bool) -> None:
+        """Raise ``IncompleteForwardError`` when a linear-attention layer's state took a forward
+        the attention layers did not, or missed one (``started``: this forward's layers in
+        front of the first attention layer have run)."""
+        for layer in self.state_layers:
+            layer.check(what, started=started)
+
+    def complete(self) -> bool:
+        """Whether every attention layer stored the rows' tokens (not so after a forward cut
+        short, whose pages and state must then never be published)."""
+        return all(layer.seen == self.length for layer in self.layers)
 
     def new_slots(self, group: int) -> torch.Tensor:
         return self._new[group]
@@ -189,6 +220,8 @@ class HybridRequests:
         there) every row starts empty."""
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
+            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
@@ -207,7 +240,7 @@ class HybridRequests:
     def close(self) -> None:
         if self.handles is not None:
             handles, self.handles, self._rows = self.handles, None, None
-            if self.prefix_mode and self.length > 0:
+            if self.prefix_mode and self.length > 0 and self.complete():
                 self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
                 self.flush_discard()
                 self.pool.close(handles, cache=True)
@@ -215,7 +248,7 @@ class HybridRequests:
                 self.flush_discard()
                 self.pool.close(handles)
         self.length = self.before = 0
-        self.prefix_mode, self.cached_lens = False, None
+        self.prefix_mode, self.cached_lens, self.fresh = False, None, False
         self.epoch += 1
 
     def flush_discard(self) -> None:
@@ -251,12 +284,15 @@ class PoolAttentionLayer(SharedRowsLayer, CacheLayerMixin):
         if self.seen == req.length:
             req.begin_step(tokens)
         elif self.seen + tokens != req.length:
-            raise RuntimeError(
+            raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states, value_states)
+        req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states.detach(), value_states.detach())
         self.seen += tokens
-        return req.kv(self.layer_idx)
+        kv = req.kv(self.layer_idx)
+        if key_states.requires_grad or value_states.requires_grad:
+            return with_step_grad(kv, key_states, value_states)
+        return kv
 
     def get_seq_length(self) -> int:
         return self.seen

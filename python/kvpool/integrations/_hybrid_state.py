@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from kvpool.errors import TensorShapeError
+from kvpool.errors import IncompleteForwardError, TensorShapeError
+from kvpool.integrations._shared_rows import check_in_step
 
 __all__ = ["PoolStateLayer", "state_name"]
 
@@ -31,7 +32,10 @@ class StateRequests(Protocol):
     dtype: torch.dtype
     handles: np.ndarray | None
     state_layers: list[Any]
+    layers: list[Any]
+    length: int
     epoch: int
+    steps: int
 
     @property
     def batch_size(self) -> int: ...
@@ -82,6 +86,13 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self._rows: dict[str, torch.Tensor] = {}
         self._work: dict[str, torch.Tensor] = {}  # working copies to write back
         self._slots: torch.Tensor | None = None
+        # The number of forwards (``requests.steps``) this layer's state has taken, and the states
+        # the model wrote in the last of them (a decode step may update a conv state in place,
+        # writing only the recurrent one here). The model updates a state in place, so a forward
+        # cut short can leave it a step ahead of the rows, or behind: ``stamp`` and ``check``
+        # refuse to build on that.
+        self._stamp: int | None = None
+        self._written: set[str] = set()
         requests.state_layers.append(self)
 
     def initialized(self, kind: str, i: int) -> bool:
@@ -110,10 +121,13 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
             self.requests.publish()
         self._refresh()
         t = self._rows.get(name)
-        if t is None:
+        # Under grad mode the model copies states with autograd history into what it gets, in
+        # place: a view would pass that history to the pool's tensor, so it gets a working
+        # copy, written back without the history.
+        if t is None or (name not in self._work and torch.is_grad_enabled()):
             full = self.requests.pool.state(self.layer_idx, name)
             assert self._slots is not None
-            if self._consecutive:
+            if self._consecutive and not torch.is_grad_enabled():
                 t = full[self._s0: self._s0 + self._slots.shape[0]]
             else:
                 t = full.index_select(0, self._slots)
@@ -126,9 +140,40 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         next access gathers again, so a later change in the pool (a restore) is seen."""
         if self._work and self._slots is not None:
             for name, t in self._work.items():
-                self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t)
+                self.requests.pool.state(self.layer_idx, name).index_copy_(0, self._slots, t.detach())
                 del self._rows[name]
         self._work = {}
+
+    def sync(self) -> None:
+        """The rows' states are in step with their length (opened, restored, reordered)."""
+        self._stamp, self._written = None, set()
+
+    def stamp(self, name: str) -> None:
+        """Before the model writes state ``name``: refuse (``IncompleteForwardError``, nothing
+        written) a write that would take a forward twice or build on a forward cut short."""
+        req = self.requests
+        if self.before_attention:  # runs before this forward's attention layers extend the rows
+            check_in_step(req.layers, req.length, "a new forward")
+            now = req.steps + 1
+        else:
+            now = req.steps
+        if self._stamp == now and name not in self._written:  # another state of this forward
+            self._written.add(name)
+        elif self._stamp is None or self._stamp == now - 1:  # the first write of this forward
+            self._stamp, self._written = now, {name}
+        else:  # written again in this forward (its last one was cut short), or a forward missed
+            raise self._out_of_step("a new forward")
+
+    def check(self, what: str, *, started: bool) -> None:
+        want = self.requests.steps + (1 if started and self.before_attention else 0)
+        if self._stamp is not None and self._stamp != want:
+            raise self._out_of_step(what)
+
+    def _out_of_step(self, what: str) -> IncompleteForwardError:
+        return IncompleteForwardError(
+            f"{what}: the last forward was cut short, and linear-attention layer {self.layer_idx}'s state, "
+            "which the model updates in place, no longer matches the rows' length. crop to a length the "
+            "pool keeps a state checkpoint for (it restores the state there), or reset() the cache")
 
     def drop(self) -> None:
         self._work, self._rows, self._epoch = {}, {}, -1
@@ -159,6 +204,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         """As ``LinearAttentionLayer.update_conv_state``, keeping the last kernel-size columns in the pool."""
         if not self.is_conv_states_initialized[state_idx]:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        self.stamp(state_name("conv", state_idx))
         rows = self.rows(state_name("conv", state_idx))
         k = rows.shape[-1]
         if not self.has_previous_state[state_idx]:
@@ -174,6 +220,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        self.stamp(state_name("recurrent", state_idx))
         rows = self.rows(state_name("recurrent", state_idx))
         rows.copy_(recurrent_states)
         return rows

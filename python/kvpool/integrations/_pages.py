@@ -30,8 +30,9 @@ add their token to the layer buffers (on a CPU pool that keeps every layer's K a
 one allocation) is stored once instead, after its last layer: one copy of every layer's
 K and V token from the buffers into the caches (into a view of them when the slots are
 one strided run, else one ``index_copy_``), where each layer would make two. The pool
-holds the whole step once the step's last layer has run; a step cut short is stored
-when the next one starts.
+holds the whole step once the step's last layer has run. ``KVPoolCache`` starts no step
+after one cut short (an exception in a layer) until ``crop`` drops it; rows driven without
+the cache's layers store a step cut short when the next one starts.
 
 Decode steps between page boundaries are predictable: each row's next slot is the one
 after its last, and the table does not change. So the step that starts a page also

@@ -18,6 +18,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._shared_rows import check_in_step
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -81,6 +82,9 @@ class BatchRequests:
         # Whether layers after a step's first may take KVPoolCache.update's short way.
         self.fast = self.pages is not None and self.store is not None
         self.batch = -1  # rows opened (-1: none yet)
+        # The rows were opened by this forward's first update and have held no token yet: a
+        # first step that fails closes them again, leaving the pool as it was.
+        self._fresh = False
         self._shared = False  # some row may share a page (prefix hit, fork)
         # A decode step's extend writes its slots here (the allocator's ``out=``) rather than
         # into a new array, and names one row by its int: the step is the host call the cache
@@ -88,6 +92,9 @@ class BatchRequests:
         # decode step is overwritten by the next one: whatever must outlive the step copies it.
         self._decode_slots: np.ndarray | None = None
         self._handle_arg: Any = None
+        # The cache's layers (each with ``seen``): a step starts only once every one has stored
+        # the last, so a forward cut short is refused rather than built on (none: not checked).
+        self.layers: Sequence[Any] = ()
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -112,6 +119,7 @@ class BatchRequests:
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
+            self._fresh = True
         elif batch != self.handles.shape[0]:
             raise TensorShapeError(
                 f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
@@ -128,6 +136,8 @@ class BatchRequests:
             raise NotImplementedError(PREFIX_NEEDS_CORE)
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
+            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
@@ -177,6 +187,7 @@ class BatchRequests:
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``)."""
         assert self.handles is not None
+        check_in_step(self.layers, self.length, "a new forward")
         pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
@@ -184,17 +195,23 @@ class BatchRequests:
             pool.cache(self.handles)
         # On a CPU pool the step needs only the host slots (stores go through views of the
         # caches, or the pool's index store with an index tensor StepPages makes).
-        if not self.host_extend:
-            slots = None
-        elif tokens == 1:
-            slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
-        else:
-            slots = pool._extend_host(self.handles, tokens)
-        if slots is None:
-            ext = pool.extend(self.handles, tokens)
-            slots, self.new_slots = ext.slots, ext.out_cache_loc
-        else:
-            self.new_slots = None
+        try:
+            if not self.host_extend:
+                slots = None
+            elif tokens == 1:
+                slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
+            else:
+                slots = pool._extend_host(self.handles, tokens)
+            if slots is None:
+                ext = pool.extend(self.handles, tokens)
+                slots, self.new_slots = ext.slots, ext.out_cache_loc
+            else:
+                self.new_slots = None
+        except BaseException:
+            if self._fresh:
+                self.close()
+            raise
+        self._fresh = False
         self.step_slots = slots
         before = self.before = self.length
         length = self.length = before + tokens
@@ -287,17 +304,20 @@ class BatchRequests:
         self._set_handles(out)
 
     def close(self) -> None:
-        """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode)."""
+        """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode,
+        unless the last forward was cut short: some layers never stored its tokens, so its
+        pages are not published; those published before it stay cached)."""
         if self.handles is not None:
+            publish = self.prefix_mode and self.length > 0 and all(x.seen == self.length for x in self.layers)
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
             self.later = False
             self.before = -1
             self.batch = -1
             if self.pages is not None:
                 self.pages.release()
-            if self.prefix_mode and self.length > 0:
+            if publish:
                 self.pool.close(handles, cache=True)
             else:
                 self.pool.close(handles)
         self.length = 0
-        self.prefix_mode, self.cached_lens, self._shared = False, None, False
+        self.prefix_mode, self.cached_lens, self._shared, self._fresh = False, None, False, False

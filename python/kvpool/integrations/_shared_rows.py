@@ -3,9 +3,11 @@ cache's requests, shared by every layer, so the batch-wide operations belong to 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from kvpool.errors import IncompleteForwardError
 
 
 class SharedRowsLayer:
@@ -29,3 +31,43 @@ class SharedRowsLayer:
 
     def offload(self) -> None:
         raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
+
+
+def stored_by_all(layers: Sequence[Any]) -> int:
+    """How many tokens every layer has stored (the rows' length unless a forward was cut short)."""
+    return min((layer.seen for layer in layers), default=0)
+
+
+def check_in_step(layers: Sequence[Any], length: int, what: str) -> None:
+    """Raise ``IncompleteForwardError`` when a layer has not stored the rows' ``length`` tokens:
+    the last forward stopped part-way, so building on it would read K/V never stored."""
+    for layer in layers:
+        if layer.seen != length:
+            break
+    else:
+        return
+    done = stored_by_all(layers)
+    behind = [layer.layer_idx for layer in layers if layer.seen != length]
+    raise IncompleteForwardError(
+        f"{what}: the last forward was cut short: layer{'s' if len(behind) > 1 else ''} "
+        f"{', '.join(map(str, behind))} stored {done} tokens, the others {length}. "
+        f"crop(-{length - done}) drops the unfinished step (or reset() the cache)")
+
+
+def with_step_grad(kv: tuple[torch.Tensor, torch.Tensor], key_states: torch.Tensor,
+                   value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv`` (the rows' K/V read back from the pool, whose last tokens are this step's) with
+    the step's own tokens carrying ``key_states``/``value_states``' autograd history.
+
+    The pool holds no autograd history, so without this a forward under grad mode would
+    silently get no gradient through its K/V. ``x + (new - new.detach())`` keeps the values
+    read back (an fp8 pool's rounding included, as in every other grad mode) and passes
+    the gradient to ``new`` unchanged; earlier forwards' K/V stay constants.
+    """
+    t = key_states.shape[2]
+    out = []
+    for x, new in zip(kv, (key_states, value_states)):
+        if new.requires_grad:
+            x = torch.cat([x[:, :, :-t], x[:, :, -t:] + (new - new.detach())], dim=2)
+        out.append(x)
+    return out[0], out[1]

@@ -41,8 +41,10 @@ the same way.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import numpy as np
 import torch
 
 try:
@@ -58,10 +60,28 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
-from kvpool.integrations._shared_rows import SharedRowsLayer
+from kvpool.errors import (
+    IncompleteForwardError,
+    InvalidArgumentError,
+    LayerIndexError,
+    TensorDtypeError,
+    TensorShapeError,
+)
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
+from kvpool.validate import is_int
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
+
+
+def _token_count(n: Any) -> int:
+    """``crop``'s count as an int (a Python or numpy int, or a 0-d integer tensor)."""
+    if isinstance(n, bool) or (isinstance(n, torch.Tensor) and (n.ndim or n.is_floating_point())):
+        raise InvalidArgumentError(f"crop takes an int count of tokens, got {n!r}")
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
 
 
 class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
@@ -92,8 +112,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         ``update`` of any layer).
 
         Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
-        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``) before
-        anything is stored.
+        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``), or
+        ``IncompleteForwardError`` after a forward cut short, before anything is stored.
         """
         req = self.requests
         if not req.kv_ok(key_states, value_states):
@@ -104,11 +124,14 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         if self.seen == req.length:
             req.begin_step(tokens)
         elif self.seen + tokens != req.length:
-            raise RuntimeError(
+            raise IncompleteForwardError(
                 f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
                 f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        live = None
         if key_states.requires_grad or value_states.requires_grad:
-            # Stores must not drag the pool's caches into autograd.
+            # Stores must not drag the pool's caches into autograd; what attention gets does
+            # carry the step's own K/V history (``with_step_grad``).
+            live = key_states, value_states
             key_states, value_states = key_states.detach(), value_states.detach()
         dst, store = req.dst, req.store
         if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
@@ -122,9 +145,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
             req.write(self.layer_idx, key_states, value_states)
         self.seen += tokens
         pages = req.pages
-        if pages is not None:
-            return pages.kv(self.layer_idx, key_states, value_states)
-        return req.gather(self.layer_idx)
+        kv = req.gather(self.layer_idx) if pages is None else pages.kv(self.layer_idx, key_states, value_states)
+        return kv if live is None else with_step_grad(kv, *live)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -166,6 +188,7 @@ class KVPoolCache(Cache):
                  layer_buffers: bool = True) -> None:
         self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
+        self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
@@ -188,7 +211,11 @@ class KVPoolCache(Cache):
         checks it in full and raises the typed error.
         """
         req = self.requests
-        layer = self._pool_layers[layer_idx]
+        try:
+            layer = self._pool_layers[layer_idx]
+        except (IndexError, TypeError):
+            raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self._pool_layers)})") \
+                from None
         if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
             return layer.update(key_states, value_states, *args, **kwargs)  # raises the typed error
         seen, ks = layer.seen, key_states.shape
@@ -238,8 +265,7 @@ class KVPoolCache(Cache):
             layer.seen = n
 
     def _check_between_steps(self, what: str) -> None:
-        if any(layer.seen != self.requests.length for layer in self._pool_layers):
-            raise RuntimeError(f"{what} in the middle of a forward (some layers have not stored this step)")
+        check_in_step(self._pool_layers, self.requests.length, what)
 
     # -- transformers' cache operations ---------------------------------------------------
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -248,33 +274,60 @@ class KVPoolCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (``pool.truncate``).
 
-        Same convention as ``DynamicCache`` in 5.x: a non-positive count.
+        Same convention as ``DynamicCache`` in 5.x: a non-positive count. After a forward
+        cut short (an exception in a layer), the count is from the length that forward
+        extended the rows to (``get_seq_length()``), and it must drop at least the
+        unfinished step, which every layer then forgets; a crop that would keep part of
+        it raises ``IncompleteForwardError`` (nothing changed).
         """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove, "
-                             "as DynamicCache.crop does")
-        if tokens_to_remove == 0:
+        n = _token_count(tokens_to_remove)
+        if n > 0:
+            raise InvalidArgumentError(f"crop({n}): pass a negative count of tokens to remove, "
+                                       "as DynamicCache.crop does")
+        if n == 0:
             return
-        self._check_between_steps("crop")
-        self.requests.truncate(max(0, self.requests.length + tokens_to_remove))
-        self._set_seen(self.requests.length)
+        req = self.requests
+        target = max(0, req.length + n)
+        if target > stored_by_all(self._pool_layers):
+            self._check_between_steps(f"crop({n}) would keep part of the unfinished step")
+        req.truncate(target)
+        self._set_seen(req.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row j continues row ``beam_idx[j]`` (beam search). Needs ``pool.fork`` when a row
         continues more than once; raises ``NotImplementedError`` on a pool without it."""
         self._check_between_steps("reorder_cache")
-        self.requests.reorder([int(i) for i in beam_idx.reshape(-1).tolist()])
+        self.requests.reorder(self._rows_of(beam_idx, "reorder_cache", mask=False))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows ``indices`` (an index or boolean tensor); the others are closed."""
         self._check_between_steps("batch_select_indices")
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
+        self.requests.reorder(self._rows_of(indices, "batch_select_indices", mask=True))
+
+    def _rows_of(self, indices: Any, what: str, *, mask: bool) -> list[int]:
+        """Row indices as ints: integer indices (or, with ``mask``, one bool per row). Raises
+        the typed error for float indices or a mask of the wrong length, which would
+        otherwise pick rows silently."""
+        try:
+            idx = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError):
+            raise TensorDtypeError(f"{what} takes a tensor of integer row indices, got {type(indices).__name__}") \
+                from None
+        if idx.dtype == torch.bool and mask:
+            h = self.requests.handles
+            if h is not None and tuple(idx.shape) != (h.shape[0],):
+                raise TensorShapeError(f"{what}: a boolean mask needs one entry per row ({h.shape[0]} rows), "
+                                       f"got shape {list(idx.shape)}")
             idx = idx.nonzero().reshape(-1)
-        self.requests.reorder([int(i) for i in idx.reshape(-1).tolist()])
+        elif idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+            raise TensorDtypeError(f"{what} takes integer row indices{' or a boolean mask' if mask else ''}, "
+                                   f"got {idx.dtype}")
+        return [int(i) for i in idx.reshape(-1).tolist()]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes ``repeats`` consecutive rows (forks when the rows hold tokens)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 0:
+            raise InvalidArgumentError(f"batch_repeat_interleave takes repeats >= 0 (an int), got {repeats!r}")
         self._check_between_steps("batch_repeat_interleave")
         if self.requests.handles is not None:
             b = self.requests.handles.shape[0]
@@ -319,6 +372,7 @@ class HybridKVPoolCache(KVPoolCache):
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))
         self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
+        self.requests.layers = self._pool_layers
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         Cache.__init__(self, layers=layers)
         if prefix_ids is not None:
@@ -333,7 +387,15 @@ class HybridKVPoolCache(KVPoolCache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's own ``update`` (its group's slots and window)."""
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        try:
+            layer = self.layers[layer_idx]
+        except (IndexError, TypeError):
+            raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _check_between_steps(self, what: str) -> None:
+        super()._check_between_steps(what)
+        self.requests.check_states(what, started=False)  # type: ignore[attr-defined]  # (HybridRequests)
 
     def crop(self, tokens_to_remove: int) -> None:
         """As ``KVPoolCache.crop``; the pool refuses (``RollbackUnavailableError``, nothing
@@ -371,7 +433,19 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
 
     The pool's tensors are created under ``kvpool.persistent()``, so calling this inside
     ``torch.inference_mode()`` is fine.
+
+    Raises:
+        InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
+            positive int (and what ``KVPool`` raises for its own arguments).
     """
+    # Checked here: the pool's sizes are computed from them before KVPool sees any.
+    value: Any
+    for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_context_len", max_context_len)):
+        if value is None and name == "max_context_len":
+            continue
+        if not (is_int(value) and value > 0):
+            hint = " or None (the config's max_position_embeddings)" if name == "max_context_len" else ""
+            raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
     config = getattr(model, "config", model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
@@ -386,7 +460,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             dtype = getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype):
             dtype = torch.float32
-    ctx = max_context_len or getattr(text, "max_position_embeddings", None) or 4096
+    ctx = max_context_len if max_context_len is not None else getattr(text, "max_position_embeddings", None) or 4096
     ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)

@@ -1,0 +1,108 @@
+"""Bad arguments to ``KVPoolCache``'s batch-wide calls get typed errors (``KVPoolError``
+subclasses) that say what would be right, and change nothing: no silent truncation of
+float indices, no boolean mask of the wrong length read as a shorter batch, no negative
+repeat count closing every row, no float crop count stored as the cache's length."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from kvpool import InvalidArgumentError, KVPool, LayerIndexError, TensorDtypeError, TensorShapeError  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+H, D, LAYERS, B, T = 2, 8, 2, 3, 5
+
+
+@pytest.fixture
+def filled():
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_requests=8, max_context_len=64)
+    cache = KVPoolCache(pool)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        k = torch.randn(B, H, T, D, generator=g)
+        cache.update(k, -k, layer)
+    yield pool, cache
+    cache.close()
+    assert pool.allocator.open_requests == 0
+    pool.allocator.check()
+
+
+def snapshot(pool, cache) -> tuple:
+    a = pool.allocator
+    a.check()
+    return (a.open_requests, a.used_pages, a.free_pages, cache.handles.tolist(), cache.requests.length,
+            [layer.seen for layer in cache._pool_layers])
+
+
+BAD = {
+    "crop-float": (lambda c: c.crop(-2.5), InvalidArgumentError, "int count"),
+    "crop-vector": (lambda c: c.crop(torch.tensor([-1, -2])), InvalidArgumentError, "int count"),
+    "crop-str": (lambda c: c.crop("-2"), InvalidArgumentError, "int count"),
+    "reorder-float": (lambda c: c.reorder_cache(torch.tensor([0.7, 1.2, 2.9])), TensorDtypeError, "integer"),
+    "reorder-bool": (lambda c: c.reorder_cache(torch.tensor([True, False, True])), TensorDtypeError, "integer"),
+    "reorder-range": (lambda c: c.reorder_cache(torch.tensor([0, 1, 3])), InvalidArgumentError, "outside the batch"),
+    "select-float": (lambda c: c.batch_select_indices(torch.tensor([0.0, 2.0])), TensorDtypeError, "integer"),
+    "select-short-mask": (lambda c: c.batch_select_indices(torch.tensor([True, False])), TensorShapeError,
+                          "one entry per row"),
+    "select-2d-mask": (lambda c: c.batch_select_indices(torch.tensor([[True, False, True]])), TensorShapeError,
+                       "one entry per row"),
+    "repeat-negative": (lambda c: c.batch_repeat_interleave(-1), InvalidArgumentError, "repeats"),
+    "repeat-float": (lambda c: c.batch_repeat_interleave(2.5), InvalidArgumentError, "repeats"),
+    "update-layer": (lambda c: c.update(torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D), LAYERS), LayerIndexError,
+                     "layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments_are_typed_errors_that_change_nothing(filled, case):
+    call, error, match = BAD[case]
+    pool, cache = filled
+    before = snapshot(pool, cache)
+    with pytest.raises(error, match=match):
+        call(cache)
+    assert snapshot(pool, cache) == before
+    # Still usable: the next step of every layer reads back what was stored.
+    for layer in range(LAYERS):
+        k, _ = cache.update(torch.ones(B, H, 1, D), torch.ones(B, H, 1, D), layer)
+        assert k.shape == (B, H, T + 1, D)
+
+
+@pytest.mark.parametrize("count", [np.int64(-2), torch.tensor(-2)], ids=["numpy", "tensor"])
+def test_crop_takes_integer_scalars_and_keeps_an_int_length(filled, count):
+    pool, cache = filled
+    cache.crop(count)
+    assert type(cache.requests.length) is int and cache.requests.length == T - 2
+    assert all(type(layer.seen) is int for layer in cache._pool_layers)
+    assert type(cache.get_seq_length()) is int and cache.get_mask_sizes(1, 0) == (T - 1, 0)
+    assert pool.allocator.lengths(cache.handles).tolist() == [T - 2] * B
+
+
+def test_float_prefix_ids_are_a_typed_error_and_open_nothing():
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_context_len=64)
+    with pytest.raises(TensorDtypeError, match="token ids"):
+        KVPoolCache(pool, prefix_ids=torch.tensor([[3.0, 4.5, 5.0, 6.0]]))
+    assert pool.allocator.open_requests == 0
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(max_tokens=64, page_size=0), "page_size"),
+    (dict(max_tokens=64, page_size=-16), "page_size"),
+    (dict(max_tokens=64, page_size=4.0), "page_size"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=64, max_context_len=0), "max_context_len"),
+    (dict(max_tokens=64, max_context_len=-8), "max_context_len"),
+])
+def test_pool_for_model_sizes_are_checked_with_typed_errors(kwargs, match):
+    from transformers import LlamaConfig
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    with pytest.raises(InvalidArgumentError, match=match):
+        pool_for_model(config, **kwargs)
