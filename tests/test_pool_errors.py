@@ -199,3 +199,39 @@ def test_bad_config_raises_invalid_argument(kw: dict[str, Any], match: str) -> N
 def test_cuda_device_without_cuda_is_a_typed_error() -> None:
     with pytest.raises(InvalidArgumentError, match="is_available"):
         kvpool.KVPool(2, H, D, num_slots=16, device="cuda")
+
+
+# Sizes past any machine's address space, so the allocation fails at once whatever the
+# kernel's overcommit policy, and nothing is ever touched.
+@pytest.mark.parametrize("case", ["kv", "state"])
+def test_a_pool_past_memory_is_a_typed_refusal_naming_what_to_shrink(case):
+    if case == "kv":  # 2**52 bytes of K/V
+        make = lambda: kvpool.KVPool(1024, 128, 256, num_slots=1 << 24, page_size=16,  # noqa: E731
+                                     dtype=torch.float32)
+        what, fix = "K/V caches", "num_pages"
+    else:  # a 2**50-entry state per slot
+        make = lambda: kvpool.KVPool(  # noqa: E731
+            2, 2, 8, layer_types=["full_attention", "linear_attention"], num_pages=16, page_size=4,
+            state_shapes={"conv": ((1 << 25, 1 << 25), torch.float32)})
+        what, fix = "states", "state_shapes"
+    with pytest.raises(kvpool.InvalidArgumentError, match=f"cannot allocate .*{what}.*{fix}") as e:
+        make()
+    assert isinstance(e.value.__cause__, RuntimeError)  # torch's own error, chained
+
+
+def test_a_host_tier_past_memory_is_a_typed_refusal(monkeypatch):
+    # A host tier of that size would need a device pool as large to reach it, so torch's
+    # CPU allocator refusal (its very message) is raised for the host buffer alone.
+    import kvpool.tiers.host_storage as hs
+
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        if args and isinstance(args[0], tuple) and len(args[0]) == 6:  # the host buffer's shape
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 1 bytes. Error code 12")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(hs.torch, "empty", empty)
+    with pytest.raises(kvpool.InvalidArgumentError, match="cannot allocate the host tier's pages.*host_pages"):
+        kvpool.KVPool(2, 2, 8, num_slots=64, page_size=4, host_pages=8)

@@ -21,6 +21,7 @@ parent's state, a checkpoint and a restore. Every tensor is created under
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from kvpool.hybrid_plan import (
 from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
+from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.rows import index_copy_rows
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -182,9 +184,13 @@ class HybridKVPool(HybridRequestOps):
                 if g.kind == "state":
                     self._storage.append(None)
                     self._tables.append(None)
-                    self._states.append({
-                        f"{layer}.{name}": torch.zeros((g.num_pages,) + shape, dtype=dt, device=self.device)
-                        for layer in g.layers for name, (shape, dt) in self.state_shapes.items()})
+                    nbytes = len(g.layers) * sum(g.num_pages * math.prod(shape) * dt.itemsize
+                                                 for shape, dt in self.state_shapes.values())
+                    with refuse_out_of_memory(f"group {g.index}'s states", nbytes, self.device,
+                                              "use fewer state slots (group_pages) or smaller state_shapes"):
+                        self._states.append({
+                            f"{layer}.{name}": torch.zeros((g.num_pages,) + shape, dtype=dt, device=self.device)
+                            for layer in g.layers for name, (shape, dt) in self.state_shapes.items()})
                     continue
                 self._storage.append(KVStorage(
                     num_layers=len(g.layers), num_pages=g.num_pages, page_size=g.page_size,

@@ -10,10 +10,13 @@ an inference tensor whatever mode the pool was built in.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from kvpool.modes import persistent
+from kvpool.out_of_memory import refuse_out_of_memory
 
 __all__ = ["LAYOUTS", "KVStorage", "padded_row_stride", "padded_table"]
 
@@ -72,7 +75,11 @@ class KVStorage:
             # K and V are two halves of one allocation, so every layer's K and V sit evenly
             # spaced in one storage and one strided view can cover all of them
             # (kvpool.integrations._pages builds a step's K/V views that way).
-            both = torch.zeros((1 if mla else 2,) + shape, dtype=dtype, device=device)
+            caches = (1 if mla else 2,) + shape
+            nbytes = math.prod(caches) * dtype.itemsize
+            with refuse_out_of_memory("the pool's K/V caches", nbytes, device,
+                                      "use fewer pages (num_pages, num_slots, memory_bytes or memory_fraction)"):
+                both = torch.zeros(caches, dtype=dtype, device=device)
             self.caches = list(both.unbind(0))
             self.flat = [[c[i] for i in range(num_layers)] for c in self.caches]
             if layout == "paged":

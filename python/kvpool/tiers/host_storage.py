@@ -27,6 +27,7 @@ meaningless until an offload writes a page.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Optional
 
@@ -34,6 +35,7 @@ import torch
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
+from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.torch_types import CACHE_DTYPES
 
 __all__ = ["MAX_HOST_PAGES", "HostStorage", "host_page_bytes", "host_pages_for_bytes"]
@@ -126,7 +128,8 @@ class HostStorage:
                                           mla=self.mla)
         shape = (self.host_pages, self.num_caches, self.num_layers, self.page_size, self.heads, self.head_dim)
         self.pin_method = "none"
-        with persistent():
+        with persistent(), refuse_out_of_memory("the host tier's pages", math.prod(shape) * dtype.itemsize, "cpu",
+                                                "use fewer host pages (host_pages or host_memory_bytes)"):
             buf = torch.empty(shape, dtype=dtype)
             if pin:
                 if _register(buf):
