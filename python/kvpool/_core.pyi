@@ -988,8 +988,11 @@ class GroupedAllocator:
             InvariantError: an invariant is broken (a bug in kvpool).
         """
     def take_events(self) -> Dict[str, npt.NDArray[Any]]:
-        """Drains the anchor chain's KV events (as SlotAllocator.take_events):
-        what a router needs to know which prefixes this pool can serve.
+        """Drains the anchor chain's KV events (as SlotAllocator.take_events).
+        They name the prefixes the anchor group has cached: an upper bound on
+        what this pool can serve, since a hit also needs every other group's
+        pages (a sliding window's, a state checkpoint), which they do not
+        report.
         """
     def free_pages(self, group: int) -> int:
         """Pages (state slots) of the group an extend can take now: FREE + evictable.

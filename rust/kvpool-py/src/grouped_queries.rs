@@ -61,8 +61,11 @@ impl PyGroupedAllocator {
 
     /// take_events() -> dict
     ///
-    /// Drains the anchor chain's KV events (as SlotAllocator.take_events):
-    /// what a router needs to know which prefixes this pool can serve.
+    /// Drains the anchor chain's KV events (as SlotAllocator.take_events).
+    /// They name the prefixes the anchor group has cached: an upper bound on
+    /// what this pool can serve, since a hit also needs every other group's
+    /// pages (a sliding window's, a state checkpoint), which they do not
+    /// report.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let e = self.run(py, |c| c.take_events());
         crate::events::events_dict(py, &e)
