@@ -156,6 +156,21 @@ def test_a_pool_with_another_seed_or_page_size_is_refused():
         Router(1, page_size=P, hash_seed=SEED).feed_many(0, pub.drain())
 
 
+@pytest.mark.parametrize("layer_types", [None, ["full_attention", "sliding_attention"]])
+def test_a_router_built_from_a_pools_own_hash_seed_accepts_its_events(layer_types):
+    """The refusal above tells the caller to pass ``pool.hash_seed``: a ``KVPool``
+    (plain or hybrid) built with a random seed must say what it is."""
+    hybrid = {} if layer_types is None else {"layer_types": layer_types, "sliding_window": 8}
+    pool = kvpool.KVPool(2, 1, 8, page_size=P, num_pages=64, max_requests=8, max_context_len=512, **hybrid)
+    assert pool.hash_seed == pool.allocator.hash_seed
+    pub = LocalEventPublisher(pool)
+    admit(pool, np.arange(13))
+    pub.publish()
+    r = Router(1, page_size=P, hash_seed=pool.hash_seed)
+    r.feed_many(0, pub.drain())
+    assert r.route(np.arange(13)).cached_tokens == 12
+
+
 def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
     """A frame that is not a KV event batch (or a seq frame that is not 8 bytes, or a pool
     that is not an index) is refused before the stream moves: the next good message still

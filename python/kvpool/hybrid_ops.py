@@ -269,6 +269,11 @@ class HybridRequestOps:
     def miss_tokens(self) -> int:
         return self.allocator.miss_tokens
 
+    @property
+    def hash_seed(self) -> int:
+        """The prefix hash seed; see ``GroupedAllocator.hash_seed``."""
+        return self.allocator.hash_seed
+
     def admissible_tokens(self, layer: int | None = None) -> int:
         """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
         return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)

@@ -65,6 +65,7 @@ class RequestOps:
     pinned_pages = _counter("pinned_pages")
     max_pinned_pages = _counter("max_pinned_pages")
     clock = _counter("clock")
+    hash_seed = _counter("hash_seed")
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
