@@ -170,8 +170,6 @@ class CopyForkPool(KVPool):
 
 @pytest.mark.parametrize("pool_kind", ["copy-fork", "core-fork"])
 def test_beam_search_matches_dynamic_cache(models, pool_kind):
-    if pool_kind == "core-fork" and not hasattr(KVPool, "fork"):
-        pytest.skip("KVPool has no fork yet (shared pages land with the core branch)")
     model = models["llama"]
     ids, mask = left_padded([6, 9], seed=1)
     ref = greedy(model, ids, mask, 12, num_beams=3, output_scores=True)
@@ -234,8 +232,6 @@ def test_a_first_forward_that_does_not_fit_leaves_the_pool_as_it_was(models, pag
     assert a.open_requests == 0 and a.used_pages == 0
 
 
-@pytest.mark.skipif(not hasattr(KVPool, "open_with_prefix"),
-                    reason="prefix reuse needs KVPool.open_with_prefix (the shared-pages core branch)")
 def test_prefix_cache_gives_identical_outputs_and_computes_only_new_tokens(models):
     model = models["llama"]
     g = torch.Generator().manual_seed(11)
