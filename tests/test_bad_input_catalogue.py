@@ -280,6 +280,8 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], Any]]] = [
     ("SlotAllocator(4, 1, 2**64)", lambda: SlotAllocator(4, 1, 2**64)),
     ("SlotAllocator(4, 1, 4, '16')", lambda: SlotAllocator(4, 1, 4, "16")),
     ("SlotAllocator(-4)", lambda: SlotAllocator(-4)),
+    # Only the reserved page: nothing to hand out (its docstring: num_pages >= 2).
+    ("SlotAllocator(1)", lambda: SlotAllocator(1)),
     ("SlotAllocator(4, host_pages=1)", lambda: SlotAllocator(4, host_pages=1)),
     ("SlotAllocator(4, host_pages=-1)", lambda: SlotAllocator(4, host_pages=-1)),
     ("SlotAllocator(4, host_pages=True)", lambda: SlotAllocator(4, host_pages=True)),

@@ -50,7 +50,7 @@ const CASES: u32 = if cfg!(miri) { 6 } else { 3000 };
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![1usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
+    fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![2usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
         let policy = if through { HostPolicy::WriteThrough } else { HostPolicy::WriteBack };
         let max_pinned = max_pinned.min(pages - 1);
         let mut a = new_allocator(pages, ps, host, policy, max_pinned);

@@ -129,9 +129,10 @@ impl SlotAllocator {
         if page_size == 0 {
             return bad("page_size must be >= 1".into());
         }
-        if num_pages == 0 || num_pages > i32::MAX as usize {
+        // Page 0 is never handed out: a pool needs one more page to serve anything.
+        if num_pages < 2 || num_pages > i32::MAX as usize {
             return bad(format!(
-                "num_pages must be in [1, {}] (it includes the reserved page 0), got {num_pages}",
+                "num_pages must be in [2, {}] (it includes the reserved page 0), got {num_pages}",
                 i32::MAX
             ));
         }

@@ -7,6 +7,7 @@ use super::*;
 fn bad_configs_are_rejected() {
     for (p, ps, r, c) in [
         (0, 1, 1, 1),
+        (1, 1, 1, 1), // only the reserved page: nothing to hand out
         (2, 0, 1, 1),
         (2, 1, 0, 1),
         (2, 1, 1, 0),
@@ -17,8 +18,7 @@ fn bad_configs_are_rejected() {
             Err(PoolError::InvalidArgument(_))
         ));
     }
-    let a = SlotAllocator::new(1, 1, 1, 1).unwrap(); // only the reserved page
-    assert_eq!(a.capacity_pages(), 0);
+    assert_eq!(SlotAllocator::new(2, 1, 1, 1).unwrap().capacity_pages(), 1);
 }
 
 #[test]
