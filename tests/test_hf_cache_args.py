@@ -106,3 +106,20 @@ def test_pool_for_model_sizes_are_checked_with_typed_errors(kwargs, match):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     with pytest.raises(InvalidArgumentError, match=match):
         pool_for_model(config, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, recorded", [({}, 0), ({"kv_events": True}, 2)])
+def test_pool_for_model_records_kv_events_only_when_asked(kwargs, recorded):
+    """docs/allocator.md: ``pool_for_model`` builds its pool with ``kv_events=False``
+    (``KVPoolCache`` never drains them); ``kv_events=True`` turns them back on."""
+    from transformers import LlamaConfig
+
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    pool = pool_for_model(config, max_tokens=64, page_size=4, max_requests=2, **kwargs)
+    h, _ = pool.open_with_prefix(np.arange(9), [9])
+    pool.extend(h, 9)
+    pool.cache(h)
+    assert len(pool.take_events()["kind"]) == recorded  # two full pages registered

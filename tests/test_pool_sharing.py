@@ -234,3 +234,17 @@ def test_chain_hashes_match_only_verified_pages_across_pools():
     assert dst.cached_pages == 4
     dst.close([d])
     dst.check()
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+def test_kv_events_false_stops_recording_events(kv_events):
+    """docs/allocator.md: ``kv_events=False`` turns the events off; a pool
+    records a Stored event per registered page otherwise."""
+    pool = make(kv_events=kv_events)
+    h, _ = pool.open_with_prefix(np.arange(9), [9])
+    pool.extend(h, 9)
+    pool.cache(h)
+    pool.close(h)
+    pool.clear_cache()
+    kinds = pool.take_events()["kind"]
+    assert len(kinds) == (3 if kv_events else 0)  # two Stored, one Cleared
