@@ -37,7 +37,7 @@ from kvpool import SlotAllocator
 
 
 class AllocatorMachine(ScenarioRules, PriorityRules, RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(1, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
+    @initialize(num_pages=st.integers(2, 40), ps=st.sampled_from([1, 2, 3, 4]), drain_always=st.booleans(),
                 host_pages=st.sampled_from([0, 0, 2, 3, 5, 8, 16]),
                 policy=st.sampled_from(["write_back", "write_through"]),
                 max_pinned=st.sampled_from([0, 1, 1, 2, 3]))
