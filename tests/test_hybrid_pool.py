@@ -239,6 +239,25 @@ def test_refusals_are_typed_and_change_nothing():
     unchanged()
 
 
+@pytest.mark.parametrize("call", [
+    lambda pool, h: pool.cache(h, priority=80),
+    lambda pool, h: pool.cache(h, retain_s=5.0),
+    lambda pool, h: pool.close(h, cache=True, priority=80, retain_s=600),
+], ids=["cache-priority", "cache-retain_s", "close-priority"])
+def test_retention_priorities_are_a_typed_error_that_changes_nothing(call):
+    """A hybrid pool keeps no retention priorities (docs/hybrid.md): an engine written
+    against the plain pool's cache / close gets InvalidArgumentError, not a TypeError,
+    and its request stays open with nothing cached."""
+    pool = make()
+    h, _ = pool.open_with_prefix(np.arange(9), [9])
+    fill(pool, pool.extend(h, 9))
+    with pytest.raises(InvalidArgumentError, match="retention priorities"):
+        call(pool, h)
+    assert pool.open_requests == 1 and pool.lengths(h).tolist() == [9]
+    assert [pool.cached_pages(layer) for layer in (0, 1)] == [0, 0]
+    pool.check()
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(layer_types=["full_attention"] * 3), "num_layers=4"),
     (dict(layer_types=["full_attention", "cross_attention", "full_attention", "full_attention"]), "cross_attention"),

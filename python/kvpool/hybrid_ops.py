@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kvpool._core import InvalidArgumentError
 from kvpool.kernels import write_req_to_token
 from kvpool.tables import PageTable, page_table_tensors
 from kvpool.validate import check_layer
@@ -36,6 +37,15 @@ class HybridExtendResult(NamedTuple):
             LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
         """
         return self.out_cache_loc[self.group_of_layer[check_layer(layer, len(self.group_of_layer))]]
+
+
+def _refuse_priorities(priority: Any, retain_s: Any) -> None:
+    # The plain pool's cache / close take these; an engine moved to a hybrid model
+    # should hear why they do nothing here, not get a TypeError.
+    if priority is not None or retain_s is not None:
+        raise InvalidArgumentError(
+            "retention priorities (priority=, retain_s=) are the plain pool's only: a pool built "
+            "with layer_types evicts least recently used first; pass neither")
 
 
 class HybridRequestOps:
@@ -158,15 +168,23 @@ class HybridRequestOps:
             self.allocator.truncate(handles, lengths)
             self._run_copies(handles)
 
-    def close(self, handles: Any, cache: bool = False) -> None:
-        """Close requests in every group. See ``GroupedAllocator.close``."""
+    def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
+        """Close requests in every group. See ``GroupedAllocator.close``.
+        ``priority`` / ``retain_s`` must be None: see ``cache``."""
+        _refuse_priorities(priority, retain_s)
         with self._lock:
             self.allocator.close(handles, cache=cache)
             self._run_copies()
 
-    def cache(self, handles: Any) -> None:
+    def cache(self, handles: Any, priority: Any = None, retain_s: Any = None) -> None:
         """Publish requests' full pages (and state checkpoints) in every group.
-        See ``GroupedAllocator.cache``; the checkpoint copies run here."""
+        See ``GroupedAllocator.cache``; the checkpoint copies run here.
+
+        Raises:
+            InvalidArgumentError: a ``priority`` or ``retain_s``: a hybrid pool
+                keeps no retention priorities (nothing is published).
+        """
+        _refuse_priorities(priority, retain_s)
         with self._lock:
             self.allocator.cache(handles)
             self._run_copies()
