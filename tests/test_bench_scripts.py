@@ -1,0 +1,65 @@
+"""benchmarks/soak.py and benchmarks/gpu_check.py: a bad flag or an output path that cannot be
+written is a usage error (exit 2) before a run of minutes, not a traceback after it."""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module
+
+
+def _usage_error(main, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--minutes", "0"], "--minutes"),
+    (["--minutes", "nan"], "--minutes"),
+    (["--minutes", "0.01", "--threads", "0"], "--threads"),
+    (["--minutes", "0.01", "--sample-s", "0"], "--sample-s"),
+    (["--minutes", "0.01", "--warmup-frac", "1"], "--warmup-frac"),
+    (["--minutes", "0.01", "--json", "{tmp}"], "is a directory"),
+])
+def test_soak_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    soak = script("soak")
+    line = _usage_error(soak.main, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert says in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--only", "bandwdith"], "bandwdith"),
+    (["--budget-s", "0"], "--budget-s"),
+    (["--peak-gbps", "-1"], "--peak-gbps"),
+    (["--out", "{tmp}"], "is a directory"),
+    (["--out", "{tmp}/file/gpu_check.json"], "cannot write"),
+])
+def test_gpu_check_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    gpu_check = script("gpu_check")
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "gpu_check.json")]
+    line = _usage_error(gpu_check.main, ["--device", "cpu", *argv], capsys)
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_gpu_check_dry_run_of_one_section_writes_strict_json(script, tmp_path):
+    gpu_check = script("gpu_check")
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--only", "shared_pages", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert doc["shared_pages"]["ok"] is True and set(doc["seconds"]) == {"shared_pages"}
