@@ -63,3 +63,23 @@ def test_gpu_check_dry_run_of_one_section_writes_strict_json(script, tmp_path):
     assert gpu_check.main(["--device", "cpu", "--only", "shared_pages", "--out", str(out)]) == 0
     doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert doc["shared_pages"]["ok"] is True and set(doc["seconds"]) == {"shared_pages"}
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--page-sizes", "1,3"], "multiple of page_size 3"),
+    (["--steps", "0"], "--steps"),
+    (["--page-sizes", "x"], "--page-sizes"),
+])
+def test_prefix_split_rejects_bad_flags_before_the_first_run(script, capsys, argv, says):
+    line = _usage_error(script("prefix_split").main, argv, capsys)
+    assert says in line and "page 1:" not in capsys.readouterr().out
+
+
+def test_prefix_split_prints_a_run_that_admits_nothing_in_its_measured_steps(script, capsys):
+    script("prefix_split").main(["--num-slots", "64K", "--steps", "5", "--warmup", "2", "--page-sizes", "16"])
+    out = capsys.readouterr().out
+    assert out.startswith("system page 16: ") and "0 prompt and 0 hit tokens per step" in out
+
+
+def test_hf_split_rejects_zero_rounds(script, capsys):
+    assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
