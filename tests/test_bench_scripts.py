@@ -83,3 +83,17 @@ def test_prefix_split_prints_a_run_that_admits_nothing_in_its_measured_steps(scr
 
 def test_hf_split_rejects_zero_rounds(script, capsys):
     assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--heads", "3"], "--heads 3"),
+    (["--batches", "1,x"], "--batches"),
+    (["--prompt-len", "4000", "--new-tokens", "200"], "4096 positions"),
+    (["--out", "{tmp}"], "is a directory"),
+])
+def test_bench_hf_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "hf.json")]
+    assert says in _usage_error(script("bench_hf").main, argv, capsys)
+    assert list(tmp_path.iterdir()) == []

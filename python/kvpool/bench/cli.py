@@ -109,15 +109,16 @@ def output_files(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(flag, os.path.join(out, name)) for flag, name in names]
 
 
-def check_outputs(args: argparse.Namespace) -> Optional[str]:
+def check_outputs(args: argparse.Namespace, files: Optional[list[tuple[str, str]]] = None) -> Optional[str]:
     """Why the run could not write its files or read --reuse (None: it can), found before a run of
-    minutes ends in a traceback and no figures. Creates --out (the run would)."""
+    minutes ends in a traceback and no figures. ``files``: (flag, path) pairs, by default
+    ``output_files(args)``. Creates the files' folders (the run would)."""
     reuse = getattr(args, "reuse", "")
     if reuse and not os.path.isfile(os.path.join(args.out, reuse)):
         return (f"--reuse {reuse}: no file {os.path.join(args.out, reuse)!r}; give an earlier run's JSON "
                 "(a name under --out, or an absolute path)")
     seen: dict[str, str] = {}
-    for flag, path in output_files(args):
+    for flag, path in output_files(args) if files is None else files:
         real = os.path.realpath(path)
         if real in seen:
             return f"{seen[real]} and {flag} both name {path!r}; give each output its own file"
