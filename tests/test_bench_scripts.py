@@ -97,3 +97,21 @@ def test_bench_hf_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, arg
         argv += ["--out", str(tmp_path / "hf.json")]
     assert says in _usage_error(script("bench_hf").main, argv, capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_allocator_names_its_ratio_by_the_sizes_it_ran(script, tmp_path, capsys):
+    out = tmp_path / "allocator.json"
+    script("bench_allocator").main(["--quick", "--sizes", "64K,256K", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"64K", "256K"} and "256K/64K within 10%" in doc["targets"]
+    printed = capsys.readouterr().out
+    assert "target 256K/64K within 10%" in printed and "16M" not in printed
+    assert set(doc["ratios"]) == {line.split("  ")[0] for line in printed.splitlines()[2:8]}
+
+
+@pytest.mark.parametrize("argv,says", [(["--sizes", "64K,64K"], "twice"), (["--sizes", "64Q"], "--sizes"),
+                                       (["--out", "{tmp}"], "is a directory")])
+def test_bench_allocator_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert says in _usage_error(script("bench_allocator").main, ["--quick", *argv], capsys)
+    assert list(tmp_path.iterdir()) == []
