@@ -115,3 +115,11 @@ def test_bench_allocator_rejects_bad_flags_before_it_runs(script, tmp_path, caps
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert says in _usage_error(script("bench_allocator").main, ["--quick", *argv], capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--rounds", "-1"], "--rounds"),
+                                       (["--out", "{tmp}"], "is a directory")])
+def test_bench_pool_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert says in _usage_error(script("bench_pool").main, argv, capsys)
+    assert list(tmp_path.iterdir()) == []
