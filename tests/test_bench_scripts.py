@@ -123,3 +123,18 @@ def test_bench_pool_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, a
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert says in _usage_error(script("bench_pool").main, argv, capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], ["churn", "--out", "{R}"]),
+    (["--quick"], ["churn", "--out", "{R}", "--quick"]),
+    (["hybrid", "--quick"], ["hybrid", "--out", "{R}", "--quick"]),
+    (["--torch-threads", "2", "route"], ["--torch-threads", "2", "route", "--out", "{R}"]),
+    (["hybrid-memory", "--out", "x"], ["hybrid-memory", "--out", "x"]),
+    (["prefix", "--out=x"], ["prefix", "--out=x"]),
+])
+def test_churn_script_takes_every_bench_command_and_writes_to_the_results_folder(script, argv, expected):
+    """benchmarks/churn.py takes the arguments of python -m kvpool.bench (docs/benchmarks.md), any
+    command, and writes under benchmarks/results unless --out says otherwise."""
+    churn = script("churn")
+    assert churn.bench_argv(argv) == [a.replace("{R}", str(churn.RESULTS)) for a in expected]

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Optional
 
+COMMANDS = ("churn", "ops", "overhead", "prefix", "hybrid", "hybrid-memory", "route", "events")
+
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool.bench", description=__doc__)
@@ -34,6 +36,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("events", "cost of publishing a step's KV events (ZmqEventPublisher.publish)", route.add_events_arguments,
          route.events_main, {}),
     ]
+    assert tuple(c[0] for c in commands) == COMMANDS
     parsers = {}
     for name, help_text, add_arguments, run, quick in commands:
         p = sub.add_parser(name, help=help_text)
