@@ -112,7 +112,7 @@ def output_files(args: argparse.Namespace) -> list[tuple[str, str]]:
 def check_outputs(args: argparse.Namespace, files: Optional[list[tuple[str, str]]] = None) -> Optional[str]:
     """Why the run could not write its files or read --reuse (None: it can), found before a run of
     minutes ends in a traceback and no figures. ``files``: (flag, path) pairs, by default
-    ``output_files(args)``. Creates the files' folders (the run would)."""
+    ``output_files(args)``."""
     reuse = getattr(args, "reuse", "")
     if reuse and not os.path.isfile(os.path.join(args.out, reuse)):
         return (f"--reuse {reuse}: no file {os.path.join(args.out, reuse)!r}; give an earlier run's JSON "
@@ -126,13 +126,24 @@ def check_outputs(args: argparse.Namespace, files: Optional[list[tuple[str, str]
         if os.path.isdir(path) or path.endswith(os.sep):
             return f"{flag}: {path!r} is a directory; give a file name (a bare name goes under --out)"
         folder = os.path.dirname(os.path.abspath(path))
+        made = []  # the folders this check makes, removed again: a check leaves nothing behind
         try:
+            missing = folder
+            while not os.path.exists(missing):
+                made.append(missing)
+                missing = os.path.dirname(missing)
             os.makedirs(folder, exist_ok=True)
             with tempfile.TemporaryFile(dir=folder):
                 pass
         except OSError as e:
             return (f"{flag}: cannot write {path!r}: no new file can be made in {folder!r} ({e.strerror}); give "
                     "--out a writable directory")
+        finally:
+            for d in made:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
     return None
 
 
