@@ -138,3 +138,21 @@ def test_churn_script_takes_every_bench_command_and_writes_to_the_results_folder
     command, and writes under benchmarks/results unless --out says otherwise."""
     churn = script("churn")
     assert churn.bench_argv(argv) == [a.replace("{R}", str(churn.RESULTS)) for a in expected]
+
+
+@pytest.mark.parametrize("argv,says", [(["--only", "env,shapez"], "shapez"), (["--total-s", "0"], "--total-s"),
+                                       (["--out", "{tmp}/file"], "is a file")])
+def test_gpu_session_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "session")]
+    assert says in _usage_error(script("gpu_session").main, ["--device", "cpu", "--list", *argv], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_gpu_session_only_takes_a_section_prefix(script, tmp_path, capsys):
+    assert script("gpu_session").main(["--device", "cpu", "--list", "--only", "cuda_tests",
+                                       "--out", str(tmp_path)]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed and all(name.startswith("cuda_tests:") for name in listed)
