@@ -58,6 +58,11 @@ def test_a_bad_flag_is_a_usage_error_before_anything_runs(tmp_path, capsys, comm
     assert list(tmp_path.iterdir()) == []  # nothing written, no folder made
 
 
+def test_torch_threads_must_be_positive(capsys):
+    line = _usage_error(["--torch-threads", "0", "ops", "--quick", "--ops", "open", "--json", ""], capsys)
+    assert line.startswith("python -m kvpool.bench: error: argument --torch-threads")
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--json", "."], "is a directory"),
     (["--json", "same.out", "--plot", "same.out"], "both name"),

@@ -11,11 +11,13 @@ COMMANDS = ("churn", "ops", "overhead", "prefix", "hybrid", "hybrid-memory", "ro
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool.bench", description=__doc__)
-    parser.add_argument("--torch-threads", type=int, default=1,
+    from kvpool.bench import cli
+
+    parser.add_argument("--torch-threads", type=cli.count(1), default=1,
                         help="torch intra-op threads for the baselines' CPU tensor ops (default 1: on a "
                              "small shared host, more threads make them slower and noisier)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvpool.bench import churn, cli, hybrid, hybrid_memory, ops, overhead, prefix, route
+    from kvpool.bench import churn, hybrid, hybrid_memory, ops, overhead, prefix, route
 
     # (name, help, add_arguments, run, --quick's defaults: flags given on the command line keep their values)
     commands = [
