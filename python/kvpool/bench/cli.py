@@ -11,9 +11,10 @@ from kvpool.bench import drivers
 from kvpool.bench.trace import Dist
 
 
-class UsageError(ValueError):
-    """Flags that parse one by one but cannot run together; ``python -m kvpool.bench`` reports it as
-    a usage error (exit 2) before anything runs."""
+# Flags that parse one by one but cannot run together: raised by a command's checks before it runs,
+# and reported by ``python -m kvpool.bench`` as a usage error (exit 2). argparse's own class, so that
+# it is never mistaken for an error of the pool (every kvpool exception is a KVPoolError).
+UsageError = argparse.ArgumentTypeError
 
 
 def parse_size(text: str) -> int:
