@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 from kvpool import SlotAllocator
+from kvpool.bench.cli import check_outputs, list_of, parse_size
+from kvpool.bench.columns import size
+from kvpool.bench.report import write_json
 
 BG_REQUESTS = 256  # background requests holding half the pool
 MAX_REQUESTS = BG_REQUESTS + 512
@@ -120,14 +121,20 @@ def measure(benches: dict, repeats: int) -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out/allocator.json", help="JSON output path")
     p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    p.add_argument("--sizes", default="1M,16M", help="pool sizes in slots, e.g. 1M,16M")
-    args = p.parse_args()
+    p.add_argument("--sizes", type=list_of(parse_size), default=[1 << 20, 1 << 24],
+                   help="pool sizes in slots, smallest first for the ratio, e.g. 1M,16M (default)")
+    args = p.parse_args(argv)
+    if len(set(args.sizes)) < len(args.sizes):
+        p.error(f"--sizes {','.join(map(size, args.sizes))} names a size twice; give each once")
+    problem = check_outputs(args, [("--out", args.out)])  # before the run, not after it
+    if problem:
+        p.error(problem)
     repeats = 5 if args.quick else 51
-    sizes = {s: int(s[:-1]) << 20 if s.endswith("M") else int(s) for s in args.sizes.split(",")}
+    sizes = {size(n): n for n in args.sizes}
 
     t = time.perf_counter()
     benches = {label: Bench(n) for label, n in sizes.items()}
@@ -145,18 +152,18 @@ def main() -> None:
         lo, hi = labels[0], labels[-1]
         ratios = {op: round(results[hi][op]["ns_per_call"] / results[lo][op]["ns_per_call"], 3) for op in ops}
 
-    head = f"{'operation':<16}" + "".join(f"{l + ' ns/call':>16}{l + ' ns/slot':>14}" for l in labels)
+    head = f"{'operation':<16}" + "".join(f" {l + ' ns/call':>15} {l + ' ns/slot':>13}" for l in labels)
     if ratios:
-        head += f"{labels[-1] + '/' + labels[0]:>10}"
+        head += f" {labels[-1] + '/' + labels[0]:>9}"
     print(head)
     for op in ops:
         line = f"{op:<16}"
         for l in labels:
             r = results[l][op]
             slot = "-" if r["ns_per_slot"] is None else f"{r['ns_per_slot']:.2f}"
-            line += f"{r['ns_per_call']:>16.1f}{slot:>14}"
+            line += f" {r['ns_per_call']:>15.1f} {slot:>13}"
         if ratios:
-            line += f"{ratios[op]:>10.3f}"
+            line += f" {ratios[op]:>9.3f}"
         print(line)
     for l in labels:
         print(f"metadata at {l}: {results[l]['metadata_bytes_per_page']} bytes per page")
@@ -167,7 +174,7 @@ def main() -> None:
         targets[op] = {"target_ns": limit, "worst_ns": worst, "met": worst <= limit}
     if ratios:
         worst_ratio = max(ratios.values())
-        targets["16M/1M within 10%"] = {"worst_ratio": worst_ratio, "met": worst_ratio <= 1.10}
+        targets[f"{labels[-1]}/{labels[0]} within 10%"] = {"worst_ratio": worst_ratio, "met": worst_ratio <= 1.10}
     for name, t in targets.items():
         print(f"target {name}: {'met' if t['met'] else 'NOT met'} ({t})")
 
@@ -182,10 +189,8 @@ def main() -> None:
         "ratios": ratios,
         "targets": targets,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, report)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Usage: python benchmarks/bench_hf.py [--out benchmarks/results/hf_cache.json] [-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -24,26 +23,45 @@ import subprocess
 import torch
 
 import kvpool
+from kvpool.bench.cli import check_outputs, count, list_of
 from kvpool.bench.hf_generate import HFSettings, build_model, compare
+from kvpool.bench.report import write_json
+
+MAX_POSITIONS = 4096  # build_model's max_position_embeddings
 
 
-def main() -> None:
+def _batches(text: str) -> str:
+    """--batches checked as parsed, kept as text (as the JSON records it)."""
+    list_of(count(1))(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results/hf_cache.json")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=count(1), default=5)
+    p.add_argument("--batches", type=_batches, default="1,8")
+    p.add_argument("--prompt-len", type=count(1), default=128)
+    p.add_argument("--new-tokens", type=count(1), default=64)
+    p.add_argument("--page-size", type=count(1), default=16)
+    p.add_argument("--hidden", type=count(1), default=256)
+    p.add_argument("--layers", type=count(1), default=4)
+    p.add_argument("--heads", type=count(1), default=8)
+    p.add_argument("--kv-heads", type=count(1), default=2)
+    p.add_argument("--vocab", type=count(4), default=2048, help="prompt ids are drawn from [3, vocab) (2048)")
+    p.add_argument("--threads", type=count(1), default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-checkpoint", metavar="PATH")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {args.kv_heads}: give a --hidden that "
+                "--heads divides and --heads that --kv-heads divides")
+    if args.prompt_len + args.new_tokens > MAX_POSITIONS:
+        p.error(f"--prompt-len + --new-tokens is {args.prompt_len + args.new_tokens}; the model takes at most "
+                f"{MAX_POSITIONS} positions")
+    problem = check_outputs(args, [("--out", args.out)])  # before the run, not after it
+    if problem:
+        p.error(problem)
     torch.set_num_threads(args.threads)
     s = HFSettings(batches=tuple(int(b) for b in args.batches.split(",")), rounds=args.rounds,
                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, page_size=args.page_size,
@@ -55,8 +73,9 @@ def main() -> None:
         print(f"checkpoint written to {args.save_checkpoint}")
     run = compare(s, model)
     try:
+        # The checkout this script is in, wherever it is run from.
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+                                check=False, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
     import transformers
@@ -75,9 +94,7 @@ def main() -> None:
         print(f"{row['batch']:>5} {row['dynamic_tok_s']:>13.1f} {row['kvpool_tok_s']:>12.1f} "
               f"{row['kvpool_over_dynamic']:>15.3f} {row['kvpool_over_dynamic_cpu']:>11.3f}")
     print(f"token mismatches between the two caches: {run['token_mismatches']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"written to {args.out}")
 
 

@@ -20,7 +20,6 @@ Usage: python benchmarks/bench_pool.py [--out bench_out/pool.json] [--steps 400]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,8 @@ import numpy as np
 import torch
 
 import kvpool
+from kvpool.bench.cli import check_outputs, count
+from kvpool.bench.report import write_json
 from kvpool.capacity import bytes_per_slot
 
 BATCH = 256
@@ -140,13 +141,16 @@ def memory_report() -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out/pool.json")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=count(1), default=400)
+    ap.add_argument("--rounds", type=count(1), default=15)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    problem = check_outputs(args, [("--out", args.out)])  # before the run, not after it
+    if problem:
+        ap.error(problem)
     torch.set_num_threads(1)  # host bookkeeping is single-threaded; keep the figure stable
 
     result: dict[str, Any] = {
@@ -173,9 +177,7 @@ def main() -> None:
           f"<= 1% for any model with >= {m['min_bytes_per_slot_for_1pct']} K/V bytes per slot")
     for name, row in m["by_model"].items():
         print(f"  {name}: K/V {row['kv_bytes'] / 2**30:.3f} GiB, overhead {row['overhead_pct']:.4f}% (target <= 1%)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -4,21 +4,33 @@
     python benchmarks/churn.py --quick         # seconds; tiny pools
     python benchmarks/churn.py ops --quick     # the single-operation benchmarks instead
     python benchmarks/churn.py prefix          # prefix caching: writes benchmarks/results/prefix.{json,png}
+    python benchmarks/churn.py hybrid --quick  # any other command of python -m kvpool.bench, the same way
 """
 
 import sys
 from pathlib import Path
 
-from kvpool.bench.__main__ import main
+from kvpool.bench.__main__ import COMMANDS, main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if not argv or argv[0] not in ("churn", "ops", "prefix"):
-        argv = ["churn", *argv]
+
+def bench_argv(argv: list[str]) -> list[str]:
+    """``argv`` for ``python -m kvpool.bench``: ``churn`` when it names no command, and
+    ``--out`` this checkout's results folder unless it gives one."""
+    argv = list(argv)
+    at = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if at is None:
+        at = 0
+        while at < len(argv) and argv[at].startswith("--torch-threads"):  # the one option before a command
+            at += 1 if "=" in argv[at] else 2
+        argv.insert(at, "churn")
     # This checkout's results folder, unless --out says otherwise (the installed
     # `python -m kvpool.bench` writes under the current directory instead).
-    if "--out" not in argv:
-        argv = [argv[0], "--out", str(RESULTS), *argv[1:]]
-    sys.exit(main(argv))
+    if not any(a == "--out" or a.startswith("--out=") for a in argv[at + 1:]):
+        argv[at + 1:at + 1] = ["--out", str(RESULTS)]
+    return argv
+
+
+if __name__ == "__main__":
+    sys.exit(main(bench_argv(sys.argv[1:])))

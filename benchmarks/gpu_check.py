@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -86,23 +87,58 @@ def _toy_decode():
     return ToyDecode
 
 
-def main() -> int:
+SECTIONS = ["correctness", "runner", "no_sync", "bandwidth", "layer_store", "replay", "copy_capture",
+            "shared_pages", "ptx", "copy_reference", "host_tier", "nccl_transfer"]
+
+
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one > 0") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x:g} must be > 0")
+    return x
+
+
+def _sections(text: str) -> set:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(SECTIONS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {','.join(unknown) or repr(text)}; choose from "
+                                         f"{','.join(SECTIONS)}")
+    return names
+
+
+def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
-    ap.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth, GB/s")
+    ap.add_argument("--peak-gbps", type=_positive, default=None, help="device peak memory bandwidth, GB/s")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu = dry run of the logic with tiny sizes (no timings worth reading)")
-    ap.add_argument("--budget-s", type=float, default=240.0,
+    ap.add_argument("--budget-s", type=_positive, default=240.0,
                     help="start no new section after this many seconds (default 240)")
-    ap.add_argument("--only", default=None, help="comma-separated section names to run")
-    args = ap.parse_args()
+    ap.add_argument("--only", type=_sections, default=None,
+                    help=f"comma-separated section names to run, of {','.join(SECTIONS)}")
+    args = ap.parse_args(argv)
     out_path = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
+    if out_path.is_dir() or (args.out or "").endswith(os.sep):
+        ap.error(f"--out {out_path} is a directory; give the JSON file's path")
+    try:  # the JSON is saved after every section: a path that cannot be written must fail now, not then
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_path.parent):
+            pass
+    except OSError as e:
+        ap.error(f"--out {out_path}: cannot write it ({e.strerror}); give a writable path")
     report: Dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RUN.dev, RUN.dry = args.device, args.device == "cpu"
 
     def save() -> None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(report, indent=2, default=str))
+        # Strict JSON (a figure over nothing is null) written whole: the caller may read it at any time.
+        tmp = out_path.with_name(f".{out_path.name}.tmp")
+        tmp.write_text(json.dumps(_finite(report), indent=2, default=str, allow_nan=False))
+        tmp.replace(out_path)
 
     report["versions"] = pre = _preflight()
     if "error" in pre:
@@ -140,7 +176,8 @@ def main() -> int:
         "host_tier": T.section_host_tier,
         "nccl_transfer": P.section_nccl_transfer,  # needs >= 2 GPUs
     }
-    only = set(args.only.split(",")) if args.only else None
+    assert list(sections) == SECTIONS
+    only = args.only
     t_all = time.perf_counter()
     for key, fn in sections.items():
         if only is not None and key not in only:
@@ -167,6 +204,16 @@ def main() -> int:
     log(f"summary: {json.dumps(report['summary'])}")
     log(f"wrote {out_path} ({report['total_s']} s)")
     return 0
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if x == x and abs(x) != float("inf") else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _summary(report: Dict[str, Any]) -> Dict[str, Any]:

@@ -186,16 +186,33 @@ def run_session(sections: Sequence[Section], out: Path, total_s: float, device: 
     return report
 
 
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give seconds > 0") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x:g} must be > 0 seconds")
+    return x
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./gpu_session_out)")
-    ap.add_argument("--total-s", type=float, default=470.0, help="session budget in seconds (default 470)")
+    ap.add_argument("--total-s", type=_positive, default=470.0, help="session budget in seconds (default 470)")
     ap.add_argument("--only", default=None, help="comma-separated section names (or prefixes)")
     ap.add_argument("--list", action="store_true", help="print the sections and their budgets, run nothing")
     args = ap.parse_args(argv)
     out = Path(args.out or os.environ.get("OUT") or "gpu_session_out").resolve()
-    sections = selected(plan(out, args.device), args.only)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file; give a folder for the session's files")
+    every = plan(out, args.device)
+    sections = selected(every, args.only)
+    names = sorted({s.name.split(":")[0] for s in every})
+    unmatched = [k for k in (args.only or "").split(",") if k.strip() and not selected(every, k)]
+    if unmatched or (args.only is not None and not sections):
+        ap.error(f"--only {','.join(unmatched) or repr(args.only)}: no such section; choose from {','.join(names)}")
     if args.list:
         for s in sections:
             print(f"{s.name:40} {s.budget_s:5.0f} s  {' '.join(s.cmd)}")

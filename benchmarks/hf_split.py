@@ -25,13 +25,15 @@ from typing import Any
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from kvpool.bench.cli import count
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--batch", type=count(1), default=1)
+    ap.add_argument("--rounds", type=count(1), default=10)
     ap.add_argument("--fresh-pool", action="store_true",
                     help="a pool for the measured batch alone, its free pages in order")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     from kvpool.bench.hf_generate import HFSettings, build_model, run_once
     from kvpool.integrations.transformers import KVPoolCache, pool_for_model

@@ -15,6 +15,7 @@ import collections
 import gc
 import time
 
+from kvpool.bench.cli import count, list_of, parse_size
 from kvpool.bench.drivers.kvpool_prefix import KVPoolPrefixDriver
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 
@@ -27,7 +28,7 @@ def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int
     for s in trace.steps[: cfg.warmup]:
         d.run(d.prepare(s))
     ns: dict[str, int] = collections.defaultdict(int)
-    tokens = collections.Counter()
+    tokens = collections.Counter(prompt=0, hit=0)  # a short run may admit nothing
     clock = time.perf_counter_ns
     gc.collect()
 
@@ -61,20 +62,25 @@ def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenario", default="system", choices=SCENARIOS)
-    p.add_argument("--page-sizes", default="1,16")
-    p.add_argument("--num-slots", type=int, default=1 << 20)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=200)
-    args = p.parse_args()
-    for ps in (int(x) for x in args.page_sizes.split(",")):
+    p.add_argument("--page-sizes", type=list_of(count(1)), default=[1, 16], help="default 1,16")
+    p.add_argument("--num-slots", type=parse_size, default=1 << 20, help="pool size in slots (default 1M)")
+    p.add_argument("--steps", type=count(1), default=300)
+    p.add_argument("--warmup", type=count(0), default=200)
+    args = p.parse_args(argv)
+    try:  # every page size's config before the first run: a bad one is a usage error, not a late traceback
+        for ps in args.page_sizes:
+            PrefixTraceConfig(scenario=args.scenario, num_slots=args.num_slots, page_size=ps, steps=args.steps,
+                              warmup=args.warmup)
+    except ValueError as e:
+        p.error(f"{e}: give --page-sizes that divide --num-slots")
+    for ps in args.page_sizes:
         r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup)
         calls = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not k.endswith("tokens") and k != "total")
         print(f"{args.scenario} page {ps}: {r['total']:.1f} µs/step ({calls}); "
               f"{r['prompt tokens']:.0f} prompt and {r['hit tokens']:.0f} hit tokens per step")
-
 
 if __name__ == "__main__":
     main()

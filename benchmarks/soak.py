@@ -32,7 +32,6 @@ Usage: python benchmarks/soak.py --minutes 1 [--threads 4] [--json bench_out/soa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,6 +44,8 @@ import torch
 
 import kvpool
 from kvpool import PoolExhaustedError, TooManyRequestsError
+from kvpool.bench.cli import check_outputs, count
+from kvpool.bench.report import write_json
 
 
 def rss_bytes() -> int:
@@ -221,15 +222,49 @@ class Worker(threading.Thread):
         self.ops += 1
 
 
+def _number(text: str, zero: bool) -> float:
+    bound = ">= 0" if zero else "> 0"
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one {bound}") from None
+    if not (x >= 0 if zero else x > 0) or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{x:g} must be finite and {bound}")
+    return x
+
+
+def _positive(text: str) -> float:
+    return _number(text, zero=False)
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, zero=True)
+
+
+def _warmup_frac(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a share in [0, 1)") from None
+    if not 0 <= x < 1:
+        raise argparse.ArgumentTypeError(f"{x:g} is outside [0, 1): the leak checks need time after warm-up")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, required=True)
-    ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--sample-s", type=float, default=2.0)
-    ap.add_argument("--warmup-frac", type=float, default=0.25)
-    ap.add_argument("--rss-slack-mib", type=float, default=4.0)
+    ap.add_argument("--minutes", type=_positive, required=True)
+    ap.add_argument("--threads", type=count(1), default=4)
+    ap.add_argument("--sample-s", type=_positive, default=2.0)
+    ap.add_argument("--warmup-frac", type=_warmup_frac, default=0.25,
+                    help="share of --minutes before the leak checks start, in [0, 1) (default 0.25)")
+    ap.add_argument("--rss-slack-mib", type=_non_negative, default=4.0,
+                    help="RSS growth allowed after warm-up, MiB, or 2%% of RSS if more (default 4)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
+    problem = check_outputs(args)  # before minutes of churn, not after
+    if problem:
+        ap.error(problem)
 
     torch.set_num_threads(1)
     pool = make_pool(args.threads)
@@ -296,9 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"only {len(warm)} samples after warm-up; run longer or sample more often")
     result["failures"] = failures
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     for msg in failures:
         print("SOAK FAILED:", msg, file=sys.stderr)
     print("soak:", "FAILED" if failures else "ok")

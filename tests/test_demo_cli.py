@@ -64,6 +64,15 @@ def test_unknown_command_is_an_error(capsys):
     assert "unknown command" in capsys.readouterr().err
 
 
+def test_no_command_is_a_usage_error_on_stderr_and_help_is_not(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "kvpool: give a command" in out.err and "usage: kvpool demo" in out.err
+    assert main(["--help"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and "usage: kvpool demo" in out.out
+
+
 def test_demo_shared_prefix_workload_reports_hits_and_saved_prefill(tmp_path, capsys):
     out = tmp_path / "demo.json"
     args = ["demo", *TINY, "--workload", "shared-prefix", "--system-prompts", "2", "--system-len", "24:40",

@@ -62,12 +62,14 @@ def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
             assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
 
 
-def test_hf_lengths_must_be_prompt_colon_new_tokens():
+def test_hf_lengths_must_be_prompt_colon_new_tokens(capsys):
     from kvpool.bench.__main__ import main
 
     for bad in ("128", "128:x", "0:64"):
-        with pytest.raises(SystemExit, match="--hf-lengths"):
+        with pytest.raises(SystemExit) as exc:
             main(["overhead", "--quick", "--sections", "hf", "--hf-lengths", bad, "--json-prefix", ""])
+        assert exc.value.code == 2  # a usage error, before anything runs
+        assert "--hf-lengths" in capsys.readouterr().err
 
 
 def test_first_burst_child_runs_without_importing_torch():

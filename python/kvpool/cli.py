@@ -13,9 +13,12 @@ commands:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a usage error: on stderr, as argparse reports one
+        print(f"kvpool: give a command\n{USAGE}", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else 2
+        return 0
     if args[0] == "demo":
         from kvpool.demo.cli import main as demo_main
 

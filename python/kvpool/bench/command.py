@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 
 
 def main(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any]) -> int:
-    if args.quick:
-        workload.apply_quick(args)
+    workload.check(args)
     classes, skipped = drivers.load(workload.name, args.allocators)
     for line in skipped:
         print(line, file=sys.stderr)

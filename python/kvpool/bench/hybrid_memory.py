@@ -157,23 +157,28 @@ def run(shape: Shape, budgets: list[int], context: int, chunk: int, page_size: i
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=cli.parse_size, default=32 << 10, help="tokens per request (default 32K)")
-    p.add_argument("--window", type=int, default=1024, help="sliding window, the token itself included (1024)")
-    p.add_argument("--layers", type=int, default=62, help="layers (62: Gemma-3 27B)")
-    p.add_argument("--full-every", type=int, default=6, help="every N-th layer is full attention (6: 5 sliding : 1 full)")
-    p.add_argument("--kv-heads", type=int, default=16, help="KV heads (16)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (128)")
-    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (2: bf16)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page, every group (16)")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens (2048)")
+    p.add_argument("--window", type=cli.count(1), default=1024,
+                   help="sliding window, the token itself included (1024)")
+    p.add_argument("--layers", type=cli.count(2), default=62, help="layers (62: Gemma-3 27B)")
+    p.add_argument("--full-every", type=cli.count(2), default=6,
+                   help="every N-th layer is full attention, 2 <= N <= --layers (6: 5 sliding : 1 full)")
+    p.add_argument("--kv-heads", type=cli.count(1), default=16, help="KV heads (16)")
+    p.add_argument("--head-dim", type=cli.count(1), default=128, help="head dim (128)")
+    p.add_argument("--dtype-bytes", type=cli.count(1), default=2, help="bytes per element (2: bf16)")
+    p.add_argument("--page-size", type=cli.count(1), default=16, help="tokens per page, every group (16)")
+    p.add_argument("--chunk", type=cli.count(1), default=2048, help="prefill chunk in tokens (2048)")
     p.add_argument("--budgets", type=cli.list_of(cli.parse_size), default=cli.list_of(cli.parse_size)("20G,80G"),
                    help="device bytes for the KV cache (default 20G,80G: what an 80 GB and a 141 GB GPU keep "
                         "after a 27B model's bf16 weights, roughly)")
-    p.add_argument("--max-requests", type=int, default=4096, help="rows of each pool (4096)")
+    p.add_argument("--max-requests", type=cli.count(1), default=4096, help="rows of each pool (4096)")
     cli.add_out_argument(p)
     p.add_argument("--json", default="hybrid-memory.json", help="JSON output file, under --out ('' for none)")
 
 
 def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
+    if args.full_every > args.layers:
+        raise cli.UsageError(f"--full-every {args.full_every} leaves no full-attention layer among --layers "
+                             f"{args.layers}; give --full-every <= --layers")
     shape = Shape(args.layers, args.full_every, args.kv_heads, args.head_dim, args.dtype_bytes, args.window)
     out = run(shape, args.budgets, args.context, args.chunk, args.page_size, args.max_requests)
     gib = 1 << 30

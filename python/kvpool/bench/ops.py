@@ -14,22 +14,26 @@ from typing import Any, Callable
 import numpy as np
 
 from kvpool.bench import report
-from kvpool.bench.cli import add_out_argument, list_of, parse_size, settings
+from kvpool.bench.cli import UsageError, add_out_argument, count, list_of, one_of, parse_size, settings
 from kvpool.bench.runner import time_loop
 from kvpool.progress import progress
 
 OPS = ["open", "close", "extend-decode", "extend-prefill", "truncate"]
 PREFILL = 512  # tokens per request for extend-prefill
 BASE_LEN = 64  # length requests have before extend-decode / truncate / close
+# The most tokens one request of each op holds (truncate extends by 32, then cuts them off).
+TOKENS_HELD = {"open": 0, "close": BASE_LEN, "extend-decode": BASE_LEN + 1, "extend-prefill": PREFILL,
+               "truncate": BASE_LEN + 32}
+QUICK_DEFAULTS = dict(iters=20)  # --quick: few iterations (explicit --iters wins)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", type=list_of(str), default=list(OPS), help=f"subset of {','.join(OPS)}")
-    p.add_argument("--batch-sizes", type=list_of(int), default=[1, 16, 256, 1024])
-    p.add_argument("--page-sizes", type=list_of(int), default=[1, 16])
+    p.add_argument("--ops", type=list_of(one_of(OPS, "op")), default=list(OPS), help=f"subset of {','.join(OPS)}")
+    p.add_argument("--batch-sizes", type=list_of(count(1)), default=[1, 16, 256, 1024])
+    p.add_argument("--page-sizes", type=list_of(count(1)), default=[1, 16])
     p.add_argument("--pool-size", type=parse_size, default=1 << 20, help="slots (default 1M)")
-    p.add_argument("--iters", type=int, default=1000, help="timed calls per (op, page, batch)")
-    p.add_argument("--quick", action="store_true", help="few iterations: runs in seconds")
+    p.add_argument("--iters", type=count(1), default=1000, help="timed calls per (op, page, batch)")
+    p.add_argument("--quick", action="store_true", help="few iterations: runs in seconds (an explicit --iters wins)")
     add_out_argument(p)
     p.add_argument("--json", default="ops.json", help="JSON output file, under --out ('' for none)")
 
@@ -117,12 +121,22 @@ class _OpBench:
         return prepare, run
 
 
+def check(args: argparse.Namespace) -> None:
+    """Flags that parse but cannot run together: every pool of whole pages, with room for every batch."""
+    for ps in args.page_sizes:
+        pages = args.pool_size // ps
+        if args.pool_size % ps:
+            raise UsageError(f"--pool-size {args.pool_size} is not a whole number of pages of {ps} slots; "
+                             "give a multiple of every --page-sizes value")
+        need = max(args.batch_sizes) * -(-max(TOKENS_HELD[op] for op in args.ops) // ps) + 1  # page 0 reserved
+        if need > pages:
+            raise UsageError(f"--pool-size {args.pool_size} holds {pages} pages of {ps}; batch "
+                             f"{max(args.batch_sizes)} needs {need}: give a larger --pool-size or smaller "
+                             "--batch-sizes")
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.quick:
-        args.iters = 20
-    unknown = [op for op in args.ops if op not in OPS]
-    if unknown:
-        raise SystemExit(f"unknown op(s) {unknown}; choose from {OPS}")
+    check(args)
     plan = [(op, ps, b) for op in args.ops for ps in args.page_sizes for b in args.batch_sizes]
     rows = []
     for op, ps, b in progress(plan, desc="ops", unit="run", file=sys.stderr):

@@ -26,21 +26,25 @@ import sys
 from typing import Any
 
 from kvpool.bench import report
-from kvpool.bench.cli import add_out_argument, list_of, settings
+from kvpool.bench.cli import add_out_argument, count, list_of, one_of, settings
 
 SECTIONS = ["rows", "hf", "burst"]
+# --quick: a few rounds of each (a flag given explicitly keeps its value).
+QUICK_DEFAULTS = dict(rounds=3, calls=20, hf_rounds=1, burst_reps=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sections", type=list_of(str), default=list(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
-    p.add_argument("--rounds", type=int, default=15, help="rows: rounds of alternated variants")
-    p.add_argument("--calls", type=int, default=200, help="rows: calls per variant per round")
-    p.add_argument("--hf-rounds", type=int, default=7, help="hf: alternated rounds of generate")
-    p.add_argument("--hf-lengths", type=list_of(str), default=["128:64"],
+    p.add_argument("--sections", type=list_of(one_of(SECTIONS, "section")), default=list(SECTIONS),
+                   help=f"subset of {','.join(SECTIONS)}")
+    p.add_argument("--rounds", type=count(1), default=15, help="rows: rounds of alternated variants")
+    p.add_argument("--calls", type=count(1), default=200, help="rows: calls per variant per round")
+    p.add_argument("--hf-rounds", type=count(1), default=7, help="hf: alternated rounds of generate")
+    p.add_argument("--hf-lengths", type=list_of(_hf_length), default=["128:64"],
                    help="hf: prompt:new_tokens pairs, each a table (the first is the target's; "
                         "DynamicCache copies its whole cache each step, so longer ones show the trend)")
-    p.add_argument("--burst-reps", type=int, default=5, help="burst: fresh processes per case")
-    p.add_argument("--quick", action="store_true", help="a few rounds of each: runs in seconds (tests)")
+    p.add_argument("--burst-reps", type=count(1), default=5, help="burst: fresh processes per case")
+    p.add_argument("--quick", action="store_true",
+                   help="a few rounds of each: runs in seconds (tests); flags given explicitly keep their values")
     add_out_argument(p)
     p.add_argument("--json-prefix", default="overhead", help="JSON files <prefix>-<section>.json ('' for none)")
 
@@ -89,13 +93,20 @@ def hf_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _length(text: str) -> tuple[int, int]:
-    try:
-        prompt, new = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise SystemExit(f"--hf-lengths takes prompt:new_tokens pairs such as 128:64, got {text!r}") from None
-    if prompt < 1 or new < 1:
-        raise SystemExit(f"--hf-lengths needs positive lengths, got {text!r}")
+    prompt, new = (int(x) for x in text.split(":"))
     return prompt, new
+
+
+def _hf_length(text: str) -> str:
+    """One --hf-lengths pair, checked as the command line is parsed (kept as text, as the JSON records it)."""
+    try:
+        prompt, new = _length(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hf-lengths takes prompt:new_tokens pairs such as 128:64, "
+                                         f"got {text!r}") from None
+    if prompt < 1 or new < 1:
+        raise argparse.ArgumentTypeError(f"--hf-lengths needs positive lengths such as 128:64, got {text!r}")
+    return text.strip()
 
 
 def hf_table(doc: dict[str, Any]) -> str:
@@ -123,7 +134,7 @@ BURST_CASES = [(slots, page, prompts) for prompts in ("mixed", "2048") for slots
 def burst_section(args: argparse.Namespace) -> dict[str, Any]:
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "first_burst.py")
     cases = BURST_CASES[:2] if args.quick else BURST_CASES
-    reps = 1 if args.quick else args.burst_reps
+    reps = args.burst_reps
     out = []
     for slots, page, prompts in cases:
         runs = []
@@ -155,11 +166,6 @@ RUN = {"rows": (rows_section, rows_table), "hf": (hf_section, hf_table), "burst"
 
 
 def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
-    unknown = [s for s in args.sections if s not in SECTIONS]
-    if unknown:
-        raise SystemExit(f"unknown section(s) {unknown}; choose from {SECTIONS}")
-    if args.quick:
-        args.rounds, args.calls, args.hf_rounds = 3, 20, 1
     for name in args.sections:
         section, table = RUN[name]
         doc = section(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -74,11 +75,33 @@ def output_path(out_dir: str, name: str) -> str:
     return path
 
 
+def _finite(x: Any) -> Any:
+    """``x`` with every NaN or infinite float as None: strict JSON has no NaN or Infinity, and a
+    ratio over a zero (no request fit, no hit) is undefined, which null says."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    """Write ``doc`` as strict JSON; the file appears whole or not at all (a run that fails while
+    writing leaves no half file, and an earlier file of that name stays as it was)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(_finite(doc), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def publish(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any], results: list[Result],

@@ -19,46 +19,49 @@ import argparse
 import sys
 from typing import Any
 
-from kvpool.bench import report
+from kvpool.bench import cli, report
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
 
 AGREEMENT_TARGET = 0.999
 # --quick: seconds (tests, CI): short prompts and outputs, so turns come back within the steps.
-QUICK = dict(steps=60, warmup=20, lanes=8, pool_slots=1 << 13)
+QUICK_DEFAULTS = dict(steps=60, warmup=20, lanes=8, pool_slots=1 << 13)
 QUICK_LENGTHS = dict(user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 6), think_steps=Dist(1, 4),
                      system_len=Dist(128, 512), parallel_prompt=Dist(64, 256))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pools", type=int, default=4, help="pools (default 4)")
+    p.add_argument("--pools", type=cli.count(1), default=4, help="pools (default 4)")
     p.add_argument("--scenario", default="chat", choices=SCENARIOS, help="prefix trace scenario (default chat)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pool-slots", type=int, default=1 << 16, help="slots per pool (default 64K)")
-    p.add_argument("--lanes", type=int, default=32, help="running sequences per pool (default 32)")
-    p.add_argument("--fill", type=float, default=0.85,
+    p.add_argument("--page-size", type=cli.count(1), default=16)
+    p.add_argument("--pool-slots", type=cli.parse_size, default=1 << 16, help="slots per pool (default 64K)")
+    p.add_argument("--lanes", type=cli.count(1), default=32, help="running sequences per pool (default 32)")
+    p.add_argument("--fill", type=cli.fraction(), default=0.85,
                    help="the trace admits while the fleet's reservations fit in this share of its pages "
                         "(default 0.85: slack so that each group finds a pool with room)")
-    p.add_argument("--steps", type=int, default=2400, help="measured steps (default 2400)")
-    p.add_argument("--warmup", type=int, default=200, help="steps before the measured ones (default 200)")
+    p.add_argument("--steps", type=cli.count(1), default=2400, help="measured steps (default 2400)")
+    p.add_argument("--warmup", type=cli.count(0), default=200, help="steps before the measured ones (default 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny pools and few steps (seconds)")
+    p.add_argument("--quick", action="store_true", help="tiny pools and few steps (seconds); flags given "
+                                                        "explicitly keep their values")
     p.add_argument("--json", default="route.json", help="JSON output file, under --out ('' for none)")
     report.add_out_argument(p)
 
 
 def config(args: argparse.Namespace) -> tuple[PrefixTraceConfig, int]:
-    """The fleet-wide trace config and the pages of each pool."""
-    lengths: dict[str, Any] = {}
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-        lengths = QUICK_LENGTHS
+    """The fleet-wide trace config and the pages of each pool (``cli.UsageError`` if the flags make none)."""
+    lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}
     ps = args.page_size
+    if args.pool_slots % ps:
+        raise cli.UsageError(f"--pool-slots {args.pool_slots} is not a whole number of pages of {ps} slots; give a "
+                             "multiple of --page-size")
     pool_pages = args.pool_slots // ps
     fleet_pages = int(args.pools * pool_pages * args.fill)
-    cfg = PrefixTraceConfig(args.scenario, num_slots=fleet_pages * ps, concurrency=args.pools * args.lanes,
-                            page_size=ps, steps=args.steps, warmup=args.warmup, seed=args.seed, **lengths)
+    try:
+        cfg = PrefixTraceConfig(args.scenario, num_slots=fleet_pages * ps, concurrency=args.pools * args.lanes,
+                                page_size=ps, steps=args.steps, warmup=args.warmup, seed=args.seed, **lengths)
+    except ValueError as e:
+        raise cli.UsageError(f"{e} (from --pools, --pool-slots, --page-size, --lanes and --fill)") from None
     return cfg, pool_pages
 
 
@@ -80,7 +83,10 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     from kvpool.bench.route_driver import replay
 
     cfg, pool_pages = config(args)
-    trace = generate(cfg)
+    try:
+        trace = generate(cfg)
+    except ValueError as e:  # a request that never fits the pools the flags describe
+        raise cli.UsageError(f"{e}: give larger --pool-slots or a larger --fill") from None
     results = [replay(trace, args.pools, pool_pages, policy) for policy in ("router", "round-robin")]
     routed, rr = results
     print(f"{args.scenario} trace, {args.pools} pools of {pool_pages} pages (page {cfg.page_size}), "
@@ -110,17 +116,24 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
 
 
 def add_events_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="10,100,1000,10000", help="events per publish() (default 10,100,1000,10000)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=200, help="publish() calls timed per size (median reported)")
+    p.add_argument("--sizes", type=_sizes, default="10,100,1000,10000",
+                   help="events per publish() (default 10,100,1000,10000)")
+    p.add_argument("--page-size", type=cli.count(1), default=16)
+    p.add_argument("--repeats", type=cli.count(1), default=200, help="publish() calls timed per size (median reported)")
     p.add_argument("--json", default="events.json", help="JSON output file, under --out ('' for none)")
     report.add_out_argument(p)
+
+
+def _sizes(text: str) -> str:
+    """--sizes checked as the command line is parsed, kept as text (as the JSON records it)."""
+    cli.list_of(cli.count(1))(text)
+    return text
 
 
 def events_main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     from kvpool.bench.events_cost import measure
 
-    rows = measure([int(s) for s in args.sizes.split(",")], args.page_size, args.repeats)
+    rows = measure(cli.list_of(cli.count(1))(args.sizes), args.page_size, args.repeats)
     print("ZmqEventPublisher.publish() of one step's events: what the calling thread pays (drain, encode, "
           "hand over) and until the sender thread has sent it (PUB on loopback, one subscriber); medians")
     print(report.md_table(["events", "Stored : Removed", "µs / publish()", "µs per 100 events", "µs until sent",

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 from typing import Any, ClassVar, Optional
 
+from kvpool.bench.cli import UsageError
 from kvpool.bench.columns import Column
 from kvpool.bench.drivers.base import Driver
 from kvpool.bench.plot import Panel
@@ -48,13 +49,22 @@ class Workload(abc.ABC):
     # Settings that must agree with a stored JSON file's for --reuse to take its rows
     # (the ones the traces depend on); empty: the workload has no --reuse.
     reuse_settings: ClassVar[tuple[str, ...]] = ()
+    # --quick: the defaults it puts in place of the full run's (a flag given explicitly keeps its value).
+    quick_defaults: ClassVar[dict[str, Any]] = {}
 
     @abc.abstractmethod
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         """The command's flags (``cli.add_replay_arguments`` and the workload's own)."""
 
-    def apply_quick(self, args: argparse.Namespace) -> None:
-        """``--quick``: shrink the run in place (the JSON records what ran)."""
+    def check(self, args: argparse.Namespace) -> None:
+        """Raise ``UsageError`` for flags that cannot run together, before anything runs (a bad trace
+        config is one); a workload may first fill in defaults that depend on other flags."""
+        try:
+            self.cases(args)
+        except UsageError:
+            raise
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     @abc.abstractmethod
     def cases(self, args: argparse.Namespace) -> list[Case]:

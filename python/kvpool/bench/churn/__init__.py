@@ -23,6 +23,8 @@ from kvpool.bench.workload import Case, Workload
 
 # --quick: tiny pools, few steps (tests and CI smoke runs; seconds, not minutes).
 QUICK_POOLS, QUICK_CONCURRENCY, QUICK_STEPS, QUICK_WARMUP = [1 << 16, 1 << 18], [16, 64], 40, 8
+# The reference point when --ref-pool / --ref-concurrency are left out: these when the run has them.
+REF_POOL, REF_CONCURRENCY = 1 << 20, 256
 
 
 class ChurnWorkload(Workload):
@@ -33,29 +35,41 @@ class ChurnWorkload(Workload):
     versus_kvpool = [("÷ kvpool", "mean_us"), ("÷ kvpool (cpu)", "cpu_mean_us")]
     plot_title = "Host time per continuous-batching step: allocator + table update"
     plot_inches = (9.0, 3.2)
+    quick_defaults = dict(pool_sizes=QUICK_POOLS, concurrency=QUICK_CONCURRENCY, steps=QUICK_STEPS,
+                          warmup=QUICK_WARMUP, target_repeats=1)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         cli.add_replay_arguments(p, self.name, pools="1M,4M,16M",
                                  steps=(1500, "measured decode steps per run"),
                                  warmup=(32, "untimed steps first (memory is sampled there)"))
-        p.add_argument("--concurrency", type=cli.list_of(int), default=[64, 256, 1024],
+        p.add_argument("--concurrency", type=cli.list_of(cli.count(1)), default=[64, 256, 1024],
                        help="running requests (default 64,256,1024)")
         p.add_argument("--grid", choices=["full", "slices"], default="full",
                        help="full: every pool x concurrency; slices: pools at --ref-concurrency and "
                             "concurrencies at --ref-pool (what the plot shows)")
-        p.add_argument("--ref-pool", type=cli.parse_size, default=1 << 20, help="reference pool for ratios (1M)")
-        p.add_argument("--ref-concurrency", type=int, default=256, help="reference concurrency for ratios (256)")
-        p.add_argument("--target-repeats", type=int, default=3,
+        p.add_argument("--ref-pool", type=cli.parse_size, default=None,
+                       help="reference pool for ratios, one of --pool-sizes (default 1M if run, else the smallest)")
+        p.add_argument("--ref-concurrency", type=cli.count(1), default=None,
+                       help="reference concurrency for ratios, one of --concurrency (default 256 if run, else "
+                            "the largest)")
+        p.add_argument("--target-repeats", type=cli.count(1), default=3,
                        help="replays of the runs the targets read (reference point, and the largest pool at the "
                             "reference concurrency); the one with the median mean is reported (default 3)")
-        p.add_argument("--prompt", type=Dist.parse, default=Dist(64, 4096), help="prompt lengths LO:HI or N")
-        p.add_argument("--output", type=Dist.parse, default=Dist(16, 1024), help="output lengths LO:HI or N")
+        p.add_argument("--prompt", type=cli.dist, default=Dist(64, 4096), help="prompt lengths LO:HI or N")
+        p.add_argument("--output", type=cli.dist, default=Dist(16, 1024), help="output lengths LO:HI or N")
 
-    def apply_quick(self, args: argparse.Namespace) -> None:
-        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
-        args.steps, args.warmup = QUICK_STEPS, QUICK_WARMUP
-        args.ref_pool, args.ref_concurrency = QUICK_POOLS[0], QUICK_CONCURRENCY[-1]
-        args.target_repeats = 1
+    def check(self, args: argparse.Namespace) -> None:
+        if args.ref_pool is None:
+            args.ref_pool = REF_POOL if REF_POOL in args.pool_sizes else min(args.pool_sizes)
+        if args.ref_concurrency is None:
+            args.ref_concurrency = REF_CONCURRENCY if REF_CONCURRENCY in args.concurrency else max(args.concurrency)
+        if args.ref_pool not in args.pool_sizes:
+            raise cli.UsageError(f"--ref-pool {size(args.ref_pool)} is not a run pool size; give one of "
+                                 f"--pool-sizes {','.join(size(p) for p in args.pool_sizes)}")
+        if args.ref_concurrency not in args.concurrency:
+            raise cli.UsageError(f"--ref-concurrency {args.ref_concurrency} is not a run concurrency; give one "
+                                 f"of --concurrency {','.join(map(str, args.concurrency))}")
+        super().check(args)
 
     def cases(self, args: argparse.Namespace) -> list[Case]:
         # The target ratios hang on a few runs; on a shared host one unlucky replay can move them, so

@@ -50,6 +50,7 @@ class HybridWorkload(CachingWorkload):
                ("kvpool pages full + sliding", lambda r: f"{r.full_pages} + {r.sliding_pages}"), ALLOCATOR,
                *STEP_TIMES, ("hit % of prompt", lambda r: f"{100 * r.hit_share:.1f}"), META_MIB]
     plot_title = "Hybrid prefix caching (full + sliding window): host time per step and hit share"
+    quick_defaults = dict(CachingWorkload.quick_defaults, window=QUICK_WINDOW)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--scenarios", type=cli.list_of(cli.one_of(list(SCENARIOS), "scenario")),
@@ -57,21 +58,17 @@ class HybridWorkload(CachingWorkload):
                        help=f"subset of {','.join(SCENARIOS)} (default system,chat,pressure)")
         cli.add_replay_arguments(p, self.name, pools="1M,4M", steps=(300, "measured steps per run (300)"),
                                  warmup=(200, "untimed steps first; the cache fills there (200)"), pages="16")
-        p.add_argument("--concurrency", type=int, default=256, help="running sequences (default 256)")
-        p.add_argument("--window", type=int, default=1024,
+        p.add_argument("--concurrency", type=cli.count(1), default=256, help="running sequences (default 256)")
+        p.add_argument("--window", type=cli.count(1), default=1024,
                        help="the sliding group's window, the token itself included (default 1024: Gemma 3)")
-        p.add_argument("--step-prompt-tokens", type=int, default=8192,
+        p.add_argument("--step-prompt-tokens", type=cli.count(1), default=8192,
                        help="most prompt tokens admitted per step (default 8192)")
-        p.add_argument("--sliding-cache-share", type=float, default=0.35,
+        p.add_argument("--sliding-cache-share", type=cli.fraction(zero=True), default=0.35,
                        help="of the pages left once the sliding group can hold every window and a step's "
                             "prefill, the share it gets (default 0.35; the rest is the full group's, for "
                             "running sequences and cache; benchmarks/results has the hit rates at others)")
-        p.add_argument("--repeats", type=int, default=1,
+        p.add_argument("--repeats", type=cli.count(1), default=1,
                        help="replays of each kvpool run; the one with the median mean is reported")
-
-    def apply_quick(self, args: argparse.Namespace) -> None:
-        super().apply_quick(args)
-        args.window = min(args.window, QUICK_WINDOW)
 
     def cases(self, args: argparse.Namespace) -> list[Case]:
         lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}

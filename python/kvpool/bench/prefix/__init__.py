@@ -35,10 +35,8 @@ class CachingWorkload(Workload):
     hit-rate ratios and plot panels."""
 
     plot_inches = (11.0, 3.4)
-
-    def apply_quick(self, args: argparse.Namespace) -> None:
-        args.pool_sizes, args.concurrency = QUICK_POOLS, QUICK_CONCURRENCY
-        args.steps, args.warmup, args.repeats = QUICK_STEPS, QUICK_WARMUP, 1
+    quick_defaults = dict(pool_sizes=QUICK_POOLS, concurrency=QUICK_CONCURRENCY, steps=QUICK_STEPS,
+                          warmup=QUICK_WARMUP, repeats=1)
 
     @staticmethod
     def case(config: Any, args: argparse.Namespace) -> Case:
@@ -75,8 +73,8 @@ class PrefixWorkload(CachingWorkload):
                        default=list(SCENARIOS), help=f"subset of {','.join(SCENARIOS)}")
         cli.add_replay_arguments(p, self.name, pools="1M,16M", steps=(300, "measured steps per run (300)"),
                                  warmup=(200, "untimed steps first; the cache fills there (200)"))
-        p.add_argument("--concurrency", type=int, default=256, help="running sequences (default 256)")
-        p.add_argument("--repeats", type=int, default=1,
+        p.add_argument("--concurrency", type=cli.count(1), default=256, help="running sequences (default 256)")
+        p.add_argument("--repeats", type=cli.count(1), default=1,
                        help="replays of each kvpool run; the one with the median mean is reported")
         p.add_argument("--reuse", default="",
                        help="a previous prefix JSON: its rows for allocators not run now join the report "

@@ -1,0 +1,158 @@
+"""benchmarks/soak.py and benchmarks/gpu_check.py: a bad flag or an output path that cannot be
+written is a usage error (exit 2) before a run of minutes, not a traceback after it."""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module
+
+
+def _usage_error(main, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--minutes", "0"], "--minutes"),
+    (["--minutes", "nan"], "--minutes"),
+    (["--minutes", "0.01", "--threads", "0"], "--threads"),
+    (["--minutes", "0.01", "--sample-s", "0"], "--sample-s"),
+    (["--minutes", "0.01", "--warmup-frac", "1"], "--warmup-frac"),
+    (["--minutes", "0.01", "--json", "{tmp}"], "is a directory"),
+])
+def test_soak_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    soak = script("soak")
+    line = _usage_error(soak.main, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert says in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--only", "bandwdith"], "bandwdith"),
+    (["--budget-s", "0"], "--budget-s"),
+    (["--peak-gbps", "-1"], "--peak-gbps"),
+    (["--out", "{tmp}"], "is a directory"),
+    (["--out", "{tmp}/file/gpu_check.json"], "cannot write"),
+])
+def test_gpu_check_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    gpu_check = script("gpu_check")
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "gpu_check.json")]
+    line = _usage_error(gpu_check.main, ["--device", "cpu", *argv], capsys)
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_gpu_check_dry_run_of_one_section_writes_strict_json(script, tmp_path):
+    gpu_check = script("gpu_check")
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--only", "shared_pages", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert doc["shared_pages"]["ok"] is True and set(doc["seconds"]) == {"shared_pages"}
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--page-sizes", "1,3"], "multiple of page_size 3"),
+    (["--steps", "0"], "--steps"),
+    (["--page-sizes", "x"], "--page-sizes"),
+])
+def test_prefix_split_rejects_bad_flags_before_the_first_run(script, capsys, argv, says):
+    line = _usage_error(script("prefix_split").main, argv, capsys)
+    assert says in line and "page 1:" not in capsys.readouterr().out
+
+
+def test_prefix_split_prints_a_run_that_admits_nothing_in_its_measured_steps(script, capsys):
+    script("prefix_split").main(["--num-slots", "64K", "--steps", "5", "--warmup", "2", "--page-sizes", "16"])
+    out = capsys.readouterr().out
+    assert out.startswith("system page 16: ") and "0 prompt and 0 hit tokens per step" in out
+
+
+def test_hf_split_rejects_zero_rounds(script, capsys):
+    assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--heads", "3"], "--heads 3"),
+    (["--batches", "1,x"], "--batches"),
+    (["--prompt-len", "4000", "--new-tokens", "200"], "4096 positions"),
+    (["--out", "{tmp}"], "is a directory"),
+])
+def test_bench_hf_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "hf.json")]
+    assert says in _usage_error(script("bench_hf").main, argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_allocator_names_its_ratio_by_the_sizes_it_ran(script, tmp_path, capsys):
+    out = tmp_path / "allocator.json"
+    script("bench_allocator").main(["--quick", "--sizes", "64K,256K", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"64K", "256K"} and "256K/64K within 10%" in doc["targets"]
+    printed = capsys.readouterr().out
+    assert "target 256K/64K within 10%" in printed and "16M" not in printed
+    assert set(doc["ratios"]) == {line.split("  ")[0] for line in printed.splitlines()[2:8]}
+
+
+@pytest.mark.parametrize("argv,says", [(["--sizes", "64K,64K"], "twice"), (["--sizes", "64Q"], "--sizes"),
+                                       (["--out", "{tmp}"], "is a directory")])
+def test_bench_allocator_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert says in _usage_error(script("bench_allocator").main, ["--quick", *argv], capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--rounds", "-1"], "--rounds"),
+                                       (["--out", "{tmp}"], "is a directory")])
+def test_bench_pool_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert says in _usage_error(script("bench_pool").main, argv, capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], ["churn", "--out", "{R}"]),
+    (["--quick"], ["churn", "--out", "{R}", "--quick"]),
+    (["hybrid", "--quick"], ["hybrid", "--out", "{R}", "--quick"]),
+    (["--torch-threads", "2", "route"], ["--torch-threads", "2", "route", "--out", "{R}"]),
+    (["hybrid-memory", "--out", "x"], ["hybrid-memory", "--out", "x"]),
+    (["prefix", "--out=x"], ["prefix", "--out=x"]),
+])
+def test_churn_script_takes_every_bench_command_and_writes_to_the_results_folder(script, argv, expected):
+    """benchmarks/churn.py takes the arguments of python -m kvpool.bench (docs/benchmarks.md), any
+    command, and writes under benchmarks/results unless --out says otherwise."""
+    churn = script("churn")
+    assert churn.bench_argv(argv) == [a.replace("{R}", str(churn.RESULTS)) for a in expected]
+
+
+@pytest.mark.parametrize("argv,says", [(["--only", "env,shapez"], "shapez"), (["--total-s", "0"], "--total-s"),
+                                       (["--out", "{tmp}/file"], "is a file")])
+def test_gpu_session_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "session")]
+    assert says in _usage_error(script("gpu_session").main, ["--device", "cpu", "--list", *argv], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_gpu_session_only_takes_a_section_prefix(script, tmp_path, capsys):
+    assert script("gpu_session").main(["--device", "cpu", "--list", "--only", "cuda_tests",
+                                       "--out", str(tmp_path)]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed and all(name.startswith("cuda_tests:") for name in listed)
