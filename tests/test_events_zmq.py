@@ -53,6 +53,18 @@ def wait_subscribed(pub, sub, a):
     raise AssertionError("the subscriber never connected")
 
 
+def feed_until_live(a, pub, feed):
+    """Publish a page of ``a`` at a time until ``feed``'s subscription gets one (a SUB
+    socket misses what is sent before it has connected)."""
+    for attempt in range(50):
+        admit(a, [8000 + attempt] * (P + 1))
+        pub.publish()
+        pub.flush(5)
+        if feed.poll(100):
+            return
+    raise AssertionError("the subscription never received a batch")
+
+
 def replay(endpoint, start):
     d = zmq.Context.instance().socket(zmq.DEALER)
     d.connect(endpoint)
@@ -193,12 +205,7 @@ def _restart_fleet(with_replay):
     router = Router(1, page_size=P, hash_seed=SEED)
     feed = ZmqFeed(router, replay_timeout_ms=2000)
     feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
-    for attempt in range(50):
-        admit(a, [8000 + attempt] * (P + 1))
-        pub.publish()
-        pub.flush(5)
-        if feed.poll(100):
-            break
+    feed_until_live(a, pub, feed)
     admit(a, OLD)
     pub.publish()
     pub.flush(5)
@@ -260,12 +267,7 @@ def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
     feed = ZmqFeed(router, replay_timeout_ms=2000)
     try:
         feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
-        for attempt in range(50):
-            admit(a, [8000 + attempt] * (P + 1))
-            pub.publish()
-            pub.flush(5)
-            if feed.poll(100):
-                break
+        feed_until_live(a, pub, feed)
         rng = np.random.default_rng(0)
         for i in range(2500):
             admit(a, rng.integers(0, 1 << 20, size=2 * P + 1))

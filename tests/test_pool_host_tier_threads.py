@@ -23,18 +23,20 @@ def kv(tokens, layer):
     return ((t % 251) + layer * 0.5).view(-1, 1, 1).expand(-1, H, D).clone()
 
 
+def check_kv(pool, h, tokens, upto):
+    """Request ``h``'s first ``upto`` positions hold the K/V of ``tokens`` (V = -K)."""
+    slots = pool.slots(h)[:upto]
+    for layer in range(LAYERS):
+        k, v = pool.read(layer, slots)
+        want = kv(tokens[:upto], layer)
+        assert torch.equal(k, want) and torch.equal(v, -want), "wrong K/V"
+
+
 def test_threads_share_a_tiered_pool():
     pool = kvpool.KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PS, num_pages=24, max_requests=16,
                          max_context_len=64, host_pages=64, hash_seed=1)
     seqs = [list(range(1000 * (s + 1), 1000 * (s + 1) + LEN)) for s in range(SEQS)]
     errors: list[BaseException] = []
-
-    def check(h, tokens, upto):
-        slots = pool.slots(h)[:upto]
-        for layer in range(LAYERS):
-            k, v = pool.read(layer, slots)
-            want = kv(tokens[:upto], layer)
-            assert torch.equal(k, want) and torch.equal(v, -want), "wrong K/V"
 
     def worker(seed):
         rng = np.random.default_rng(seed)
@@ -47,7 +49,7 @@ def test_threads_share_a_tiered_pool():
                     continue
                 h, c = int(h[0]), int(cached[0])
                 try:
-                    check(h, tokens, c)
+                    check_kv(pool, h, tokens, c)
                     r = pool.extend([h], len(tokens) - c)
                     for layer in range(LAYERS):
                         k = kv(tokens, layer)[c:]
@@ -55,7 +57,7 @@ def test_threads_share_a_tiered_pool():
                     if rng.random() < 0.5:
                         pool.swap_out([h])
                         pool.swap_in([h])
-                    check(h, tokens, len(tokens))
+                    check_kv(pool, h, tokens, len(tokens))
                 except kvpool.PoolExhaustedError:
                     pass
                 pool.close([h], cache=not pool.is_swapped(h))
@@ -92,13 +94,6 @@ def test_a_disk_cache_thread_beside_serving_threads(tmp_path):
         disk = DiskCache(pool, tier, model="m")
         stop = threading.Event()
 
-        def check(p, h, tokens, upto):
-            slots = p.slots(h)[:upto]
-            for layer in range(LAYERS):
-                k, v = p.read(layer, slots)
-                want = kv(tokens[:upto], layer)
-                assert torch.equal(k, want) and torch.equal(v, -want), "wrong K/V"
-
         def serve(seed):
             rng = np.random.default_rng(seed)
             try:
@@ -110,7 +105,7 @@ def test_a_disk_cache_thread_beside_serving_threads(tmp_path):
                         continue
                     h, c = int(h[0]), int(cached[0])
                     try:
-                        check(pool, h, tokens, c)
+                        check_kv(pool, h, tokens, c)
                         r = pool.extend([h], len(tokens) - c)
                         for layer in range(LAYERS):
                             k = kv(tokens, layer)[c:]
@@ -119,7 +114,7 @@ def test_a_disk_cache_thread_beside_serving_threads(tmp_path):
                             pool.swap_out([h])
                             pool.evict(int(rng.integers(0, 4)))
                             pool.swap_in([h])
-                        check(pool, h, tokens, len(tokens))
+                        check_kv(pool, h, tokens, len(tokens))
                     except kvpool.PoolExhaustedError:
                         pass
                     pool.close([h], cache=not pool.is_swapped(h))
@@ -155,6 +150,6 @@ def test_a_disk_cache_thread_beside_serving_threads(tmp_path):
             again.prefetch(s)
             h, cached = fresh.open_with_prefix(s, [len(s)])
             hits += int(cached[0])
-            check(fresh, int(h[0]), s, int(cached[0]))
+            check_kv(fresh, int(h[0]), s, int(cached[0]))
             fresh.close(h)
         assert hits > 0
