@@ -14,6 +14,7 @@ mod extend;
 mod grouped;
 mod grouped_args;
 mod grouped_queries;
+mod grouped_sharing;
 mod handles_arg;
 mod hashing;
 mod heap_prime;
