@@ -101,7 +101,7 @@ def measure(benches: dict, repeats: int) -> dict:
     names = list(next(iter(benches.values())).ops())
     for name in names:
         per_call = {label: [] for label in benches}
-        for label, b in benches.items():
+        for b in benches.values():
             b.ops()[name][0]()  # warm up
         for _ in range(repeats):
             for label, b in benches.items():
@@ -152,25 +152,25 @@ def main(argv: list[str] | None = None) -> None:
         lo, hi = labels[0], labels[-1]
         ratios = {op: round(results[hi][op]["ns_per_call"] / results[lo][op]["ns_per_call"], 3) for op in ops}
 
-    head = f"{'operation':<16}" + "".join(f" {l + ' ns/call':>15} {l + ' ns/slot':>13}" for l in labels)
+    head = f"{'operation':<16}" + "".join(f" {label + ' ns/call':>15} {label + ' ns/slot':>13}" for label in labels)
     if ratios:
         head += f" {labels[-1] + '/' + labels[0]:>9}"
     print(head)
     for op in ops:
         line = f"{op:<16}"
-        for l in labels:
-            r = results[l][op]
+        for label in labels:
+            r = results[label][op]
             slot = "-" if r["ns_per_slot"] is None else f"{r['ns_per_slot']:.2f}"
             line += f" {r['ns_per_call']:>15.1f} {slot:>13}"
         if ratios:
             line += f" {ratios[op]:>9.3f}"
         print(line)
-    for l in labels:
-        print(f"metadata at {l}: {results[l]['metadata_bytes_per_page']} bytes per page")
+    for label in labels:
+        print(f"metadata at {label}: {results[label]['metadata_bytes_per_page']} bytes per page")
 
     targets = {}
     for op, limit in TARGETS_NS.items():
-        worst = max(results[l][op]["ns_per_call"] for l in labels)
+        worst = max(results[label][op]["ns_per_call"] for label in labels)
         targets[op] = {"target_ns": limit, "worst_ns": worst, "met": worst <= limit}
     if ratios:
         worst_ratio = max(ratios.values())

@@ -47,11 +47,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import torch
-
 from gpu_common import RUN, log, sync
 
 PEAKS_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
@@ -59,9 +59,9 @@ BUILD_HINT = ("build it on a machine with Rust (bash benchmarks/build_core.sh), 
               "python/kvpool/_core.abi3.so here, and run from the checkout root with PYTHONPATH=python")
 
 
-def _preflight() -> Dict[str, Any]:
+def _preflight() -> dict[str, Any]:
     """Versions, and whether kvpool (with its compiled _core) imports at all."""
-    info: Dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
     try:
         import numpy
 
@@ -110,7 +110,7 @@ def _sections(text: str) -> set:
     return names
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_check.json or ./gpu_check.json)")
     ap.add_argument("--peak-gbps", type=_positive, default=None, help="device peak memory bandwidth, GB/s")
@@ -130,7 +130,7 @@ def main(argv: "list[str] | None" = None) -> int:
             pass
     except OSError as e:
         ap.error(f"--out {out_path}: cannot write it ({e.strerror}); give a writable path")
-    report: Dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     RUN.dev, RUN.dry = args.device, args.device == "cpu"
 
     def save() -> None:
@@ -162,7 +162,7 @@ def main(argv: "list[str] | None" = None) -> int:
     import gpu_tiers as T
 
     toy = _toy_decode()
-    sections: Dict[str, Callable[[], Any]] = {
+    sections: dict[str, Callable[[], Any]] = {
         "correctness": C.section_correctness,
         "runner": lambda: C.section_runner(toy),
         "no_sync": lambda: C.section_no_sync(toy),
@@ -216,7 +216,7 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def _summary(report: Dict[str, Any]) -> Dict[str, Any]:
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets and every section's ok flag, in one place."""
     def get(*path):
         cur: Any = report

@@ -6,7 +6,8 @@ import re
 import statistics
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 
 class Run:
@@ -30,7 +31,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def bench(fn: Callable[[int], Any], inner: int = 50, reps: int = 7) -> Dict[str, Any]:
+def bench(fn: Callable[[int], Any], inner: int = 50, reps: int = 7) -> dict[str, Any]:
     """Median microseconds per fn(i) call: `inner` calls captured in one CUDA graph
     (launch overhead as in a captured decode step), falling back to eager launches."""
     import torch
@@ -72,10 +73,10 @@ def bench(fn: Callable[[int], Any], inner: int = 50, reps: int = 7) -> Dict[str,
 _ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.[a-z0-9]+)*)\b")
 
 
-def ptx_accesses(jit_fn: Any) -> List[Dict[str, Any]]:
+def ptx_accesses(jit_fn: Any) -> list[dict[str, Any]]:
     """Global load/store opcodes of every variant of a Triton kernel compiled in this
     process (from the JIT's in-memory cache; compiles nothing)."""
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for caches in getattr(jit_fn, "device_caches", {}).values():
         kernels = caches[0] if isinstance(caches, tuple) else {}
         for kernel in list(kernels.values()):

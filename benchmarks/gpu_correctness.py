@@ -5,11 +5,10 @@ syncs the device", and (once the pool shares pages) copy-on-write and prefix row
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import torch
-
 from gpu_common import RUN, log, sync
 
 FP8 = torch.float8_e4m3fn
@@ -19,7 +18,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
-def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
@@ -50,11 +49,11 @@ STORE_KINDS = [
 ]
 
 
-def section_correctness() -> Dict[str, Any]:
+def section_correctness() -> dict[str, Any]:
     import kvpool.kernels as K
     from kvpool.kernels import _ref
 
-    results: List[Dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     gen = torch.Generator().manual_seed(0)
     cases = [(lay, kind, hd) for lay in ("token", "paged") for kind in STORE_KINDS
              for hd in ((8, 128), (3, 96)) if hd == (8, 128) or kind[0] != torch.float16]
@@ -103,7 +102,7 @@ def section_correctness() -> Dict[str, Any]:
     return {"cases": results, "all_ok": not failed}
 
 
-def section_copy_capture(layers: int = 40) -> Dict[str, Any]:
+def section_copy_capture(layers: int = 40) -> dict[str, Any]:
     """copy_slots per layer over more cache sets than the old 16-entry table cache held,
     captured in one graph, then 300 more eager sets (which would have evicted the
     tables), then replayed: every layer's rows must be copied correctly."""
@@ -154,10 +153,10 @@ def _lengths(pool, handles) -> np.ndarray:
     return np.asarray(pool.lengths(handles))
 
 
-def section_runner(toy_decode) -> Dict[str, Any]:
+def section_runner(toy_decode) -> dict[str, Any]:
     from kvpool.cuda_graph import DecodeGraphRunner
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for mode_name, ctx in (("inference_mode", torch.inference_mode), ("no_grad", torch.no_grad)):
         pool, twin = _runner_pool(1), _runner_pool(1)
         step, twin_step = toy_decode(pool), toy_decode(twin)
@@ -212,13 +211,13 @@ def section_runner(toy_decode) -> Dict[str, Any]:
     return out
 
 
-def _bucket_outputs(toy_decode) -> Dict[str, Any]:
+def _bucket_outputs(toy_decode) -> dict[str, Any]:
     """The documented contract (valid until the next run() of any bucket) and whether
     this device's graphs really reuse a small bucket's output memory; copy_outputs=True
     must keep outputs across runs."""
     from kvpool.cuda_graph import DecodeGraphRunner
 
-    res: Dict[str, Any] = {}
+    res: dict[str, Any] = {}
     for copy in (False, True):
         pool = _runner_pool(2)
         runner = DecodeGraphRunner(pool, toy_decode(pool), 16, buckets=[2, 16], copy_outputs=copy)
@@ -243,7 +242,7 @@ def _bucket_outputs(toy_decode) -> Dict[str, Any]:
     return res
 
 
-def section_no_sync(toy_decode) -> Dict[str, Any]:
+def section_no_sync(toy_decode) -> dict[str, Any]:
     """'No pool call syncs the device': queue ~100 ms of GPU work, then time each call on
     the host. A call that waits for the stream (a sync, or a pageable H2D copy the driver
     stages after the queued work) takes about as long as the queued work."""
@@ -281,7 +280,7 @@ def section_no_sync(toy_decode) -> Dict[str, Any]:
     t[1].record()
     t[1].synchronize()
     sleep_ms = t[0].elapsed_time(t[1])
-    out: Dict[str, Any] = {"queued_gpu_ms": sleep_ms}
+    out: dict[str, Any] = {"queued_gpu_ms": sleep_ms}
     with torch.inference_mode():
         for name, fn in calls.items():
             fn()  # warm
@@ -295,12 +294,12 @@ def section_no_sync(toy_decode) -> Dict[str, Any]:
             sync()
             out[name] = {"host_ms": host_ms, "waited_for_gpu": host_ms > 0.5 * sleep_ms}
     out["ok"] = not any(v["waited_for_gpu"] for v in out.values() if isinstance(v, dict))
-    log("[no_sync] host ms with %.0f ms queued on the GPU: " % sleep_ms
+    log(f"[no_sync] host ms with {sleep_ms:.0f} ms queued on the GPU: "
         + ", ".join(f"{k} {v['host_ms']:.2f}" for k, v in out.items() if isinstance(v, dict)))
     return out
 
 
-def section_shared_pages() -> Dict[str, Any]:
+def section_shared_pages() -> dict[str, Any]:
     """OPTIONAL (runs once KVPool has fork / open_with_prefix): copy-on-write copies and
     prefix-attached req_to_token rows on the device."""
     import kvpool

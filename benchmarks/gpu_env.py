@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "python" / "kvpool" / "_core.abi3.so"
@@ -24,11 +24,11 @@ NVSMI_FIELDS = ("name,driver_version,memory.total,memory.used,clocks.max.sm,cloc
                 "power.limit,temperature.gpu,persistence_mode,compute_mode,mig.mode.current")
 
 
-def _version_key(v: str) -> List[int]:
+def _version_key(v: str) -> list[int]:
     return [int(x) for x in v.split(".") if x.isdigit()]
 
 
-def glibc_needed(so: Path) -> Optional[str]:
+def glibc_needed(so: Path) -> str | None:
     """Highest GLIBC_x.y version the shared object asks for (the names of its version
     requirements are plain strings in the file, so no binutils are needed)."""
     if not so.exists():
@@ -38,7 +38,7 @@ def glibc_needed(so: Path) -> Optional[str]:
     return versions[-1] if versions else None
 
 
-def _run(cmd: List[str], timeout: float = 20.0) -> Dict[str, Any]:
+def _run(cmd: list[str], timeout: float = 20.0) -> dict[str, Any]:
     if shutil.which(cmd[0]) is None:
         return {"error": f"{cmd[0]} not found"}
     try:
@@ -56,8 +56,8 @@ def _module_version(name: str) -> str:
     return str(getattr(mod, "__version__", "?"))
 
 
-def capture(device: str) -> Dict[str, Any]:
-    env: Dict[str, Any] = {
+def capture(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "platform": platform.platform(),

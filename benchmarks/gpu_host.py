@@ -18,18 +18,17 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import numpy as np
 import torch
-
 from gpu_common import RUN, log, sync
 
 
-
 def _time(fn: Callable[[int], Any], iters: int, warm: int = 5,
-          after: Callable[[Any], None] | None = None) -> Dict[str, Any]:
+          after: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Host time of fn(i) per call; after(result), if given, runs untimed after each."""
     for i in range(warm):
         r = fn(i)
@@ -49,7 +48,7 @@ def _time(fn: Callable[[int], Any], iters: int, warm: int = 5,
             "min_us": round(ns[0] / 1e3, 2), "iters": iters}
 
 
-def measure(iters: int, B: int) -> Dict[str, Any]:
+def measure(iters: int, B: int) -> dict[str, Any]:
     import kvpool
     from kvpool.cuda_graph import DecodeGraphRunner
     from kvpool.testing.toy_step import ToyDecode
@@ -58,7 +57,7 @@ def measure(iters: int, B: int) -> Dict[str, Any]:
     steps = iters + 10
     pool = kvpool.KVPool(2, 8, 128, dtype=torch.bfloat16, device=dev, page_size=16,
                          num_pages=B * (steps + 64) // 16 + 512, max_requests=B + 32, max_context_len=steps + 160)
-    out: Dict[str, Any] = {"batch": B, "device": dev}
+    out: dict[str, Any] = {"batch": B, "device": dev}
     handles = pool.open(B)
     pool.extend(handles, np.full(B, 16, dtype=np.int64))
     out[f"extend_B{B}"] = _time(lambda i: pool.extend(handles, 1), iters)

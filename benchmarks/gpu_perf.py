@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
-
 from gpu_common import RUN, bench, log, ptx_accesses, sync
 
 H, D = 8, 128  # Llama-3-8B-like KV heads x head_dim
@@ -18,11 +18,11 @@ H, D = 8, 128  # Llama-3-8B-like KV heads x head_dim
 
 # ----- bandwidth ---------------------------------------------------------------------
 
-def section_bandwidth(peak: float | None) -> Dict[str, Any]:
+def section_bandwidth(peak: float | None) -> dict[str, Any]:
     import kvpool.kernels as K
     from kvpool.kernels import store as store_mod
 
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     dt = torch.bfloat16
     row_bytes = H * D * dt.itemsize
     sizes = (1, 8, 2048) if RUN.dry else (1, 2, 4, 8, 16, 32, 64, 128, 256, 4096, 8192, 16384, 32768)
@@ -46,7 +46,7 @@ def section_bandwidth(peak: float | None) -> Dict[str, Any]:
             "torch_indexed_assign": lambda i: (kc.__setitem__(slots[i % rot], ks[i % rot]),
                                                vc.__setitem__(slots[i % rot], vs[i % rot])),
         }
-        entry: Dict[str, Any] = {"tokens": n, "bytes": moved}
+        entry: dict[str, Any] = {"tokens": n, "bytes": moved}
         for name, fn in ops.items():
             try:
                 r = bench(fn)
@@ -78,7 +78,7 @@ def section_bandwidth(peak: float | None) -> Dict[str, Any]:
             "prefill_min_pct_peak": min(prefill) if prefill and all(p is not None for p in prefill) else None}
 
 
-def section_copy_reference() -> Dict[str, Any]:
+def section_copy_reference() -> dict[str, Any]:
     """Plain device-to-device copy bandwidth: what this GPU actually sustains."""
     src = torch.empty(2**20 if RUN.dry else 2**30, dtype=torch.uint8, device=RUN.dev)
     dst = torch.empty_like(src)
@@ -88,7 +88,7 @@ def section_copy_reference() -> Dict[str, Any]:
     return {"GBps": gbps, "us": r["us"]}
 
 
-def section_layer_store(layers: int = 32, n: int = 256) -> Dict[str, Any]:
+def section_layer_store(layers: int = 32, n: int = 256) -> dict[str, Any]:
     import kvpool.kernels as K
 
     dt = torch.bfloat16
@@ -97,10 +97,10 @@ def section_layer_store(layers: int = 32, n: int = 256) -> Dict[str, Any]:
     ks = [torch.randn((n, H, D), dtype=dt, device=RUN.dev) for _ in range(layers)]
     vs = [torch.randn((n, H, D), dtype=dt, device=RUN.dev) for _ in range(layers)]
     slots = torch.randperm(8192, device=RUN.dev)[:n]
-    out: Dict[str, Any] = {"layers": layers, "tokens": n}
-    for name, one in (("store_kv", lambda l: K.store_kv(kcs[l], vcs[l], slots, ks[l], vs[l])),
-                      ("torch_index_copy_", lambda l: (kcs[l].index_copy_(0, slots, ks[l]),
-                                                       vcs[l].index_copy_(0, slots, vs[l])))):
+    out: dict[str, Any] = {"layers": layers, "tokens": n}
+    for name, one in (("store_kv", lambda layer: K.store_kv(kcs[layer], vcs[layer], slots, ks[layer], vs[layer])),
+                      ("torch_index_copy_", lambda layer: (kcs[layer].index_copy_(0, slots, ks[layer]),
+                                                       vcs[layer].index_copy_(0, slots, vs[layer])))):
         r = bench(one, inner=layers, reps=11)
         out[name] = {"us_per_layer": r["us"], "timing": r["timing"]}
         log(f"[layer store] {name}: {r['us']:.2f} us per layer ({n} tokens, {layers} layers in one graph)")
@@ -109,7 +109,7 @@ def section_layer_store(layers: int = 32, n: int = 256) -> Dict[str, Any]:
     return out
 
 
-def section_replay(toy_decode, bs: int = 32, iters: int = 50) -> Dict[str, Any]:
+def section_replay(toy_decode, bs: int = 32, iters: int = 50) -> dict[str, Any]:
     import kvpool
     from kvpool.cuda_graph import DecodeGraphRunner
 
@@ -123,7 +123,7 @@ def section_replay(toy_decode, bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     host = (np.zeros(bs, dtype=np.int64), ln - 1, pool.rows(h), res.slots, ln)
     dev = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=RUN.dev) for a in host)
     runner = DecodeGraphRunner(pool, step, max_batch_size=bs, buckets=[bs])
-    out: Dict[str, Any] = {"batch": bs, "layers": pool.num_layers}
+    out: dict[str, Any] = {"batch": bs, "layers": pool.num_layers}
     with torch.inference_mode():
         runner.capture()
 
@@ -149,7 +149,7 @@ def section_replay(toy_decode, bs: int = 32, iters: int = 50) -> Dict[str, Any]:
     return out
 
 
-def section_ptx() -> Dict[str, Any]:
+def section_ptx() -> dict[str, Any]:
     """Global access opcodes of every kernel variant this run compiled (16-byte
     ld/st.global.v4.b32 expected for 16-bit K/V rows; see tests/test_kernels_codegen.py)."""
     if RUN.dry:
@@ -160,7 +160,7 @@ def section_ptx() -> Dict[str, Any]:
         ("store_kv", store._store_kv_kernel), ("gather_kv", gather._gather_kv_kernel),
         ("copy_slots", copy._copy_slots_kernel), ("write_req_to_token", req_table._write_req_to_token_kernel))}
     for name, variants in out.items():
-        merged: Dict[str, int] = {}
+        merged: dict[str, int] = {}
         for v in variants:
             for op, k in v["accesses"].items():
                 merged[op] = merged.get(op, 0) + k
@@ -168,7 +168,7 @@ def section_ptx() -> Dict[str, Any]:
     return out
 
 
-def section_nccl_transfer() -> Dict[str, Any]:
+def section_nccl_transfer() -> dict[str, Any]:
     """Request transfer between two pools on two GPUs over NCCL (benchmarks/bench_transfer.py).
     NEEDS >= 2 GPUs: on a one-GPU machine it records why it was skipped."""
     import json

@@ -14,13 +14,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import torch
 
 
-def _pool_check(dev: str, dtype: torch.dtype) -> Dict[str, Any]:
+def _pool_check(dev: str, dtype: torch.dtype) -> dict[str, Any]:
     import kvpool
     from kvpool.kernels import _ref
 
@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
-    out: Dict[str, Any] = {"device": args.device}
+    out: dict[str, Any] = {"device": args.device}
     ok = True
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         try:

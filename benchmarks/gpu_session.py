@@ -40,9 +40,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -56,11 +57,11 @@ _SKIPS_WITHOUT_CUDA = re.compile(r"skipif\(\s*not\s+torch\.cuda\.is_available\(\
 class Section:
     name: str
     budget_s: float
-    cmd: List[str]
-    env: Dict[str, str] = field(default_factory=dict)
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
 
 
-def cuda_test_files(tests: Path = TESTS) -> List[Path]:
+def cuda_test_files(tests: Path = TESTS) -> list[Path]:
     """tests/test_*cuda*.py, then every other test file that skips itself without CUDA."""
     named = sorted(tests.glob("test_*cuda*.py"))
     others = sorted(p for p in tests.glob("test_*.py")
@@ -69,7 +70,7 @@ def cuda_test_files(tests: Path = TESTS) -> List[Path]:
     return named + others
 
 
-def plan(out: Path, device: str, py: str = sys.executable) -> List[Section]:
+def plan(out: Path, device: str, py: str = sys.executable) -> list[Section]:
     dry = device == "cpu"
     dev = ["--device", device]
     pytest = [py, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-o", "addopts="]
@@ -101,7 +102,7 @@ def _tail(path: Path, chars: int = 1500) -> str:
         return ""
 
 
-def run_section(sec: Section, out: Path, budget_s: float, env: Dict[str, str]) -> Dict[str, Any]:
+def run_section(sec: Section, out: Path, budget_s: float, env: dict[str, str]) -> dict[str, Any]:
     """Run one section in its own process group; kill the group when the budget is spent."""
     log = out / "logs" / f"{sec.name.replace(':', '_')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ def run_section(sec: Section, out: Path, budget_s: float, env: Dict[str, str]) -
                                 env={**env, **sec.env}, start_new_session=True)
         timed_out = False
         try:
-            rc: Optional[int] = proc.wait(timeout=budget_s)
+            rc: int | None = proc.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_group(proc)
@@ -145,7 +146,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def selected(sections: Sequence[Section], only: Optional[str]) -> List[Section]:
+def selected(sections: Sequence[Section], only: str | None) -> list[Section]:
     if not only:
         return list(sections)
     keys = [k.strip() for k in only.split(",") if k.strip()]
@@ -153,7 +154,7 @@ def selected(sections: Sequence[Section], only: Optional[str]) -> List[Section]:
 
 
 def run_session(sections: Sequence[Section], out: Path, total_s: float, device: str,
-                min_start_s: float = 5.0) -> Dict[str, Any]:
+                min_start_s: float = 5.0) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # The checkout's package when its compiled _core is there (the carried .so);
@@ -163,7 +164,7 @@ def run_session(sections: Sequence[Section], out: Path, total_s: float, device: 
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["OUT"] = str(out)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    report: Dict[str, Any] = {"device": device, "total_budget_s": total_s,
+    report: dict[str, Any] = {"device": device, "total_budget_s": total_s,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sections": {}}
     path = out / "session.json"
     t_start = time.perf_counter()
@@ -196,7 +197,7 @@ def _positive(text: str) -> float:
     return x
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else ./gpu_session_out)")

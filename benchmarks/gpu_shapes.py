@@ -17,10 +17,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
-
 from gpu_common import RUN, bench, log, ptx_accesses
 
 FP8 = torch.float8_e4m3fn
@@ -38,8 +37,8 @@ SHAPES = {
 PAGE = 16
 
 
-def _one_shape(name: str, heads: int, dim: int, dtype: torch.dtype, with_v: bool, sizes: List[int],
-               peak: float | None) -> Dict[str, Any]:
+def _one_shape(name: str, heads: int, dim: int, dtype: torch.dtype, with_v: bool, sizes: list[int],
+               peak: float | None) -> dict[str, Any]:
     import kvpool.kernels as K
 
     dev = RUN.dev
@@ -50,7 +49,7 @@ def _one_shape(name: str, heads: int, dim: int, dtype: torch.dtype, with_v: bool
     kc, vc = caches[0], (caches[1] if with_v else None)
     scale = torch.ones(1, device=dev) if dtype == FP8 else None
     row = heads * dim
-    out: Dict[str, Any] = {"heads": heads, "head_dim": dim, "dtype": str(dtype), "page": PAGE, "rows": []}
+    out: dict[str, Any] = {"heads": heads, "head_dim": dim, "dtype": str(dtype), "page": PAGE, "rows": []}
     for n in sizes:
         perm = torch.randperm(num_slots, device=dev)
         slots, src, dst = perm[:n].clone(), perm[n:2 * n].clone(), perm[2 * n:3 * n].clone()
@@ -68,7 +67,7 @@ def _one_shape(name: str, heads: int, dim: int, dtype: torch.dtype, with_v: bool
                           n * row * tensors * (c_bytes + o_bytes)),
             "copy_slots": (lambda i: K.copy_slots(caches, src, dst), 2 * n * row * tensors * c_bytes),
         }
-        entry: Dict[str, Any] = {"tokens": n}
+        entry: dict[str, Any] = {"tokens": n}
         for op, (fn, moved) in ops.items():
             try:
                 r = bench(fn, inner=20, reps=5)
@@ -97,7 +96,7 @@ def main() -> int:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAKS_GBPS.items() if k in name), None)
     sizes = [8] if RUN.dry else [256, 8192]
-    report: Dict[str, Any] = {"device": "cpu (dry run)" if RUN.dry else torch.cuda.get_device_name(),
+    report: dict[str, Any] = {"device": "cpu (dry run)" if RUN.dry else torch.cuda.get_device_name(),
                               "peak_GBps": peak, "shapes": {}}
     path = Path(args.out)
     ok = True

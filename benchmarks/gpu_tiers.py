@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
-
 from gpu_common import RUN, log, sync
 
 # name: (layers, kv heads, head_dim, page size, pages per call)
@@ -51,7 +51,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
-def _shape(name: str, layers: int, heads: int, dim: int, page: int, n: int, reps: int) -> Dict[str, Any]:
+def _shape(name: str, layers: int, heads: int, dim: int, page: int, n: int, reps: int) -> dict[str, Any]:
     from kvpool.kernels import PageTransfer
     from kvpool.tiers import HostStorage
 
@@ -70,12 +70,12 @@ def _shape(name: str, layers: int, heads: int, dim: int, page: int, n: int, reps
     # The reference: one copy of the same bytes between contiguous device and pinned memory.
     dev_flat = torch.empty(nbytes, dtype=torch.uint8, device=RUN.dev)
     host_flat = host.buffer.view(-1).view(torch.uint8)[host.page_bytes : host.page_bytes + nbytes]
-    out: Dict[str, Any] = {"page_bytes": host.page_bytes, "pages_per_call": n, "bytes_per_call": nbytes,
+    out: dict[str, Any] = {"page_bytes": host.page_bytes, "pages_per_call": n, "bytes_per_call": nbytes,
                            "layers": layers, "heads": heads, "head_dim": dim, "page_size": page,
                            "pinned": host.pin_method}
     ok = True
     for direction in ("offload", "load"):
-        entry: Dict[str, Any] = {}
+        entry: dict[str, Any] = {}
         if direction == "offload":
             ref = _time_ms(lambda: host_flat.copy_(dev_flat, non_blocking=True), reps)
         else:
@@ -115,7 +115,7 @@ def _shape(name: str, layers: int, heads: int, dim: int, page: int, n: int, reps
     return out
 
 
-def _no_sync() -> Dict[str, Any]:
+def _no_sync() -> dict[str, Any]:
     """TransferRunner.run's host time while 100 ms of work is queued on the caller's stream."""
     from kvpool.tiers import HostStorage, TransferRunner
 
@@ -140,7 +140,7 @@ def _no_sync() -> Dict[str, Any]:
     return {"run_host_ms_with_busy_stream": host_ms, "ok": host_ms < 50.0}
 
 
-def _pool_round_trip(dry: bool) -> Dict[str, Any]:
+def _pool_round_trip(dry: bool) -> dict[str, Any]:
     """The wired pool: KVPool(host_pages=...) on the device. A cached prefix evicted by
     pressure (write_back offload) and hit again from the host (load), and a request
     swapped out and in, both bitwise; then swap_out / swap_in of a large request timed
@@ -182,7 +182,7 @@ def _pool_round_trip(dry: bool) -> Dict[str, Any]:
     fill(int(h3[0]), pages * page)
     before = raw(int(h3[0]), pages * page + 1)
     bytes_moved = pages * pool.host.page_bytes
-    timings: Dict[str, float] = {}
+    timings: dict[str, float] = {}
     for name, call in (("swap_out", pool.swap_out), ("swap_in", pool.swap_in)):
         sync()
         t0 = time.perf_counter()
@@ -205,10 +205,10 @@ def _pool_round_trip(dry: bool) -> Dict[str, Any]:
     return out
 
 
-def section_host_tier() -> Dict[str, Any]:
+def section_host_tier() -> dict[str, Any]:
     shapes = DRY_SHAPES if RUN.dry else SHAPES
     reps = 2 if RUN.dry else 7
-    out: Dict[str, Any] = {"shapes": {}, "target_pct_of_memcpy": TARGET_PCT}
+    out: dict[str, Any] = {"shapes": {}, "target_pct_of_memcpy": TARGET_PCT}
     for name, (layers, heads, dim, page, n) in shapes.items():
         out["shapes"][name] = _shape(name, layers, heads, dim, page, n, reps)
     out["no_sync"] = _no_sync()

@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="a pool for the measured batch alone, its free pages in order")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from kvpool.bench.hf_generate import HFSettings, build_model, run_once
-    from kvpool.integrations.transformers import KVPoolCache, pool_for_model
     from transformers import DynamicCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvpool.bench.hf_generate import HFSettings, build_model, run_once
+    from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
     spent = {"attention": 0.0, "update": 0.0}
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any
 
 import triton  # type: ignore[import-untyped]
 
-Launch = Tuple[Any, Tuple[Any, ...], Dict[str, Any]]  # (grid, args, kwargs)
+Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]  # (grid, args, kwargs)
 
 
-def cuda_target_unavailable(arch: int = 90) -> Optional[str]:
+def cuda_target_unavailable(arch: int = 90) -> str | None:
     """Why this Triton build cannot compile for CUDA sm_<arch>, or None when it can."""
     try:
         from triton.backends import backends
@@ -45,7 +46,7 @@ class _Recorder:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.calls: List[Launch] = []
+        self.calls: list[Launch] = []
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
@@ -70,7 +71,7 @@ def recording(module: Any, kernel_name: str) -> Iterator[_Recorder]:
         _common.use_triton = saved_use
 
 
-def _pack(fn: Any, backend: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+def _pack(fn: Any, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]):
     """(options, signature, constexprs, attrs) for one launch, as JITFunction.run builds them."""
     from triton.runtime.jit import create_function_from_signature
 
@@ -79,7 +80,7 @@ def _pack(fn: Any, backend: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
     return fn._pack_args(backend, kwargs, bound, spec, opts)
 
 
-def compile_launch(fn: Any, launch: Launch, arch: int = 90) -> Tuple[str, List[str]]:
+def compile_launch(fn: Any, launch: Launch, arch: int = 90) -> tuple[str, list[str]]:
     """PTX of `fn` compiled for CUDA sm_<arch> with a recorded launch's arguments,
     and the names of its runtime (non-constexpr) parameters in PTX parameter order."""
     from triton.backends.compiler import GPUTarget
@@ -101,7 +102,7 @@ _REG = re.compile(r"%[a-z]+\d+")
 _REG32 = re.compile(r"%r\d+")  # Triton's PTX: %r = 32-bit, %rd = 64-bit, %rs = 16-bit, %p = predicate
 
 
-def instructions(ptx: str) -> List[Tuple[str, List[str]]]:
+def instructions(ptx: str) -> list[tuple[str, list[str]]]:
     """(opcode, operand strings) of every instruction, in order (directives, labels,
     braces of inline-asm blocks and debug sections are skipped)."""
     out = []
@@ -127,21 +128,21 @@ def access_bytes(op: str) -> int:
     return int(m.group(1) or 1) * int(m.group(2)) // 8
 
 
-def _regs(ops: List[str]) -> List[str]:
+def _regs(ops: list[str]) -> list[str]:
     return [r for o in ops for r in _REG.findall(o)]
 
 
-def _dests(op: str, ops: List[str]) -> List[str]:
+def _dests(op: str, ops: list[str]) -> list[str]:
     if op.startswith(("st.", "bar", "ret", "bra", "red.", "prefetch")) or not ops:
         return []
     return _REG.findall(ops[0])
 
 
-def _srcs(op: str, ops: List[str]) -> List[str]:
+def _srcs(op: str, ops: list[str]) -> list[str]:
     return _regs(ops[1:]) if _dests(op, ops) else _regs(ops)
 
 
-def slot_value_flow(ptx: str, param_index: int) -> List[Tuple[str, List[str], Set[str]]]:
+def slot_value_flow(ptx: str, param_index: int) -> list[tuple[str, list[str], set[str]]]:
     """Follow the values loaded through PTX parameter `param_index` (a slot-id pointer).
 
     Returns every instruction that consumes a slot-derived value, with its operands
@@ -150,8 +151,8 @@ def slot_value_flow(ptx: str, param_index: int) -> List[Tuple[str, List[str], Se
     carries no magnitude) and at loads (what a slot-derived address loads is data)."""
     instrs = instructions(ptx)
     pname = re.compile(rf"_param_{param_index}\]")
-    addr: Set[str] = set()
-    tainted: Set[str] = set()
+    addr: set[str] = set()
+    tainted: set[str] = set()
     for op, ops in instrs:  # the pointer parameter, its address arithmetic, its loads
         srcs = set(_srcs(op, ops))
         if op.startswith("ld.param") and pname.search(" ".join(ops)):
@@ -175,7 +176,7 @@ _NARROW_PRODUCT = re.compile(r"^(mul|mad)\.(lo|hi)\.[su]32$|^shl\.b32$")
 _DIV32 = re.compile(r"^(div|rem)\.[su]32$")
 
 
-def narrowed_slot_uses(ptx: str, param_index: int) -> List[str]:
+def narrowed_slot_uses(ptx: str, param_index: int) -> list[str]:
     """Slot-derived values squeezed into 32 bits on their way to an address: a 32-bit
     product (slot * stride overflows past 2^31 elements) or a 64 -> 32-bit truncation.
     Empty is good.
@@ -184,7 +185,7 @@ def narrowed_slot_uses(ptx: str, param_index: int) -> List[str]:
     truncation LLVM emits to bypass a slow 64-bit division (`cvt.u32.u64` feeding
     only `div.u32`/`rem.u32`, taken at run time only when both operands fit)."""
     uses = slot_value_flow(ptx, param_index)
-    consumers: Dict[str, List[str]] = {}
+    consumers: dict[str, list[str]] = {}
     for op, ops in instructions(ptx):
         for r in _srcs(op, ops):
             consumers.setdefault(r, []).append(op)
@@ -205,7 +206,7 @@ def narrowed_slot_uses(ptx: str, param_index: int) -> List[str]:
     return bad
 
 
-def wide_slot_products(ptx: str, param_index: int) -> List[str]:
+def wide_slot_products(ptx: str, param_index: int) -> list[str]:
     """64-bit multiplies (or shifts) of slot-derived values: the slot * stride terms."""
     wide = re.compile(r"^(mul|mad)\.(lo\.[su]64|wide\.[su]32)$|^shl\.b64$")
     return [f"{op} {', '.join(ops)}" for op, ops, _ in slot_value_flow(ptx, param_index) if wide.match(op)]

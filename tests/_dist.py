@@ -17,7 +17,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GROUP_TIMEOUT_S = 30.0
 
@@ -100,7 +101,7 @@ def run_ranks(target: Callable[..., Any], world: int = 2, timeout_s: float = 120
                     time.sleep(0.5)  # a result may still be in the pipe
                     if q.empty():
                         raise AssertionError(f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) "
-                                             f"without a result; errors so far: {errors}")
+                                             f"without a result; errors so far: {errors}") from None
                 continue
             if status == "ok":
                 results[rank] = _to_torch(pickle.loads(value))

@@ -18,9 +18,9 @@ from kvpool.distributed import (
     RankDivergenceError,
     TransferError,
     TransferRejectedError,
+    kv_transfer,
     tp_pool,
 )
-from kvpool.distributed import kv_transfer
 
 CFG = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=80, seed=3)
 MAX_CTX = 80

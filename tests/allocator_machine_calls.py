@@ -19,7 +19,7 @@ def run_both(real, model):
         except kvpool.KVPoolError as got:
             assert type(got) is type(e), f"allocator raised {got!r}, model {type(e).__name__}"
             return None
-        raise AssertionError(f"model raised {type(e).__name__}, allocator succeeded")
+        raise AssertionError(f"model raised {type(e).__name__}, allocator succeeded") from e
     return real(), expected
 
 

@@ -11,9 +11,9 @@ allocator_model_tier.py). Same policies as the allocator, written the obvious
 way."""
 
 from allocator_model_priorities import PriorityModel
+from allocator_model_tier import HOST, Entry, TierMixin
 
 import kvpool
-from allocator_model_tier import HOST, Entry, TierMixin
 
 MAX_REQ, MAX_CTX = 5, 20
 MAX_GEN = 0x7FFFFFFF

@@ -229,7 +229,7 @@ class TierMixin:
             return [], []
         q, self.tier.offloads = self.tier.offloads, []
         self.tier.offloaded += len(q)
-        for i, (d, h) in enumerate(q):
+        for i, (_d, h) in enumerate(q):
             self.tier.offloads = q[i + 1 :]
             self.host_release(h)
         self.tier.offloads = []
@@ -240,7 +240,7 @@ class TierMixin:
             return [], []
         q, self.tier.loads = self.tier.loads, []
         self.tier.loaded += len(q)
-        for i, (h, d) in enumerate(q):
+        for i, (h, _d) in enumerate(q):
             self.tier.loads = q[i + 1 :]
             self.host_release(h)
         self.tier.loads = []

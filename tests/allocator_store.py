@@ -92,7 +92,7 @@ class Store:
             del w[len(q.tokens):]
             w.extend([None] * (len(q.tokens) - len(w)))
             slots = m.slots(r)
-            for i, t in enumerate(q.tokens):
+            for i, _t in enumerate(q.tokens):
                 if w[i] is None:
                     ctx = q.tokens[: i + 1]
                     w[i] = content(q.salt, ctx) if None not in ctx else junk()

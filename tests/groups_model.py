@@ -13,11 +13,12 @@ allocator's message."""
 
 from math import gcd
 
-import kvpool
 from allocator_model import MAX_CTX
 from groups_model_anchor import AnchorModel, cdiv
 from groups_model_pages import Pages
 from groups_model_state import State
+
+import kvpool
 
 
 class GroupExhausted(kvpool.PoolExhaustedError):
@@ -144,31 +145,31 @@ class GroupsModel:
             r = self.anchor.batch_rows(hs[: i + 1])[i]
             if not 0 <= ls[i] <= self.length(r):
                 raise kvpool.InvalidArgumentError
-        batch = [(h & 0xFFFFFFFF, self.length(h & 0xFFFFFFFF), l) for h, l in zip(hs, ls)]
+        batch = [(h & 0xFFFFFFFF, self.length(h & 0xFFFFFFFF), keep) for h, keep in zip(hs, ls)]
         sources = {}
-        for r, n, l in batch:
-            if l >= n:
+        for r, n, keep in batch:
+            if keep >= n:
                 continue
             for g, e in enumerate(self.groups):
-                if isinstance(e, Pages) and not e.rollback_ok(r, l):
+                if isinstance(e, Pages) and not e.rollback_ok(r, keep):
                     raise Rollback(g)
                 if isinstance(e, State):
-                    s = self.checkpoint_at(e, r, l)
+                    s = self.checkpoint_at(e, r, keep)
                     if s is None:
                         raise Rollback(g)
                     sources.setdefault(g, []).append(s)
         for g, e in enumerate(self.groups):
             if isinstance(e, State):
-                fresh = sum(1 for r, n, l in batch if l < n and e.reading(e.live[r]))
+                fresh = sum(1 for r, n, keep in batch if keep < n and e.reading(e.live[r]))
                 cached = sum(1 for s in set(sources.get(g, [])) if s > 0 and s in e.lru)
                 if fresh > e.available() - cached:
                     raise GroupExhausted(g)
         self.anchor.truncate(hs, ls)
         for g, e in enumerate(self.groups):
             if isinstance(e, Pages):
-                for r, n, l in batch:
+                for r, n, keep in batch:
                     e.progress[r] = min(e.progress[r], len(self.anchor.regs[r]) * self.a // e.ps)
-                    e.shrink(r, n, l)
+                    e.shrink(r, n, keep)
             elif isinstance(e, State):
                 src = sources.get(g, [])
                 for s in src:
@@ -248,7 +249,7 @@ class GroupsModel:
         for p in prompts:
             pages, regs = self.anchor.match(p, salt)
             top = min(max(len(p) - 1, 0), len(regs) * self.a) // self.step * self.step
-            n = next(l for l in range(top, -1, -self.step) if all(self.serves(e, regs, l) for e in self.groups))
+            n = next(k for k in range(top, -1, -self.step) if all(self.serves(e, regs, k) for e in self.groups))
             hits.append((n, pages[: n // self.a], regs[: n // self.a]))
         srcs = {}
         for g, e in enumerate(self.groups):

@@ -2,8 +2,9 @@
 recording the registration id its chain reached at each page, the ids a
 grouped pool files its other groups' pages under."""
 
-import kvpool
 from allocator_model import MAX_CTX, Entry, Model
+
+import kvpool
 
 
 def cdiv(a, b):

@@ -23,7 +23,7 @@ class Pages:
         return next((p for p, r in self.reg.items() if r == reg), None)
 
     def holders(self, p):
-        lists = sum(l.count(p) for l in self.lists.values())
+        lists = sum(held.count(p) for held in self.lists.values())
         return lists + sum(c[0] == p for c in self.queue[: self.holding])
 
     def pending(self):

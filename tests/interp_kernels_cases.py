@@ -20,10 +20,19 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guard agains
 
 import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
-
 from kvpool.testing.kernel_cases import (  # noqa: E402
-    CACHE_DTYPES, FP8, LAYOUTS, bits, build_store, clone_opt, exact_values, make_caches, random_bytes, same,
-    store_cases, untouched_equal,
+    CACHE_DTYPES,
+    FP8,
+    LAYOUTS,
+    bits,
+    build_store,
+    clone_opt,
+    exact_values,
+    make_caches,
+    random_bytes,
+    same,
+    store_cases,
+    untouched_equal,
 )
 
 # The interpreter runs each program in Python: keep examples few and shapes small.
@@ -259,6 +268,7 @@ def test_pool_kernel_path_matches_torch_path(dtype, layout, page_size, mla, head
     import contextlib
 
     import numpy as np
+
     import kvpool
     from kvpool.kernels import _common
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kvpool
-
 from kvpool import (
     ContextTooLongError,
     InvalidArgumentError,

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 import kvpool._core
 
 STUB = Path(__file__).resolve().parents[1] / "python" / "kvpool" / "_core.pyi"

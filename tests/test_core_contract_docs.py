@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from kvpool import GroupedAllocator, SlotAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def core_docs(where: Path = CORE_OPS) -> dict[str, str]:
             j = i
             while j > 0 and lines[j - 1].strip().startswith("///"):
                 j -= 1
-            docs[m.group(1)] = " ".join(l.strip().removeprefix("///").strip() for l in lines[j:i])
+            docs[m.group(1)] = " ".join(line.strip().removeprefix("///").strip() for line in lines[j:i])
     return docs
 
 

@@ -10,9 +10,10 @@ import inspect
 import pkgutil
 from pathlib import Path
 
+import pytest
+
 import kvpool
 import kvpool.errors
-import pytest
 from kvpool import KVPoolError
 
 PKG = Path(kvpool.__file__).resolve().parent

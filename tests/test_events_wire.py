@@ -10,8 +10,7 @@ import kvpool
 from kvpool import _core
 
 msgspec = pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
-from kvpool.events import LocalEventPublisher  # noqa: E402
-from kvpool.events import schema  # noqa: E402
+from kvpool.events import LocalEventPublisher, schema
 
 P = 4
 SEED = 11

@@ -269,7 +269,7 @@ def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
         feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
         feed_until_live(a, pub, feed)
         rng = np.random.default_rng(0)
-        for i in range(2500):
+        for _i in range(2500):
             admit(a, rng.integers(0, 1 << 20, size=2 * P + 1))
             assert pub.publish()
         assert pub.flush(5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_allocator_errors import assert_fails_unchanged
 
 from kvpool import (
     InvalidArgumentError,
@@ -16,7 +17,6 @@ from kvpool import (
     SlotAllocator,
 )
 from kvpool.layout import padded_table
-from test_allocator_errors import assert_fails_unchanged
 
 
 def twin_pools(page_size: int) -> tuple[SlotAllocator, SlotAllocator]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import inspect
 import re
 
-import kvpool
 import pytest
+
+import kvpool
 from kvpool import KVPool, SlotAllocator
 
 ERRORS = {n for n, c in vars(kvpool.errors).items() if inspect.isclass(c) and issubclass(c, BaseException)}

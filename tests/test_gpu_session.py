@@ -50,7 +50,7 @@ def test_dry_run_of_the_whole_session(tmp_path):
     assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
     assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", *cuda, "shapes"]
-    for name, sec in sections.items():
+    for sec in sections.values():
         assert (out / sec["log"]).exists() and sec["seconds"] <= sec["budget_s"]
 
     env = json.loads((out / "env.json").read_text())
@@ -146,8 +146,8 @@ def test_glibc_needed_takes_the_highest_version(tmp_path):
 def test_shared_pages_section_runs_on_cpu():
     """The section forked with a 1-element array (fork takes one handle), so it always
     raised and the only on-device copy-on-write and prefix check never ran."""
-    from gpu_common import RUN
     import gpu_correctness as C
+    from gpu_common import RUN
 
     saved = (RUN.dev, RUN.dry)
     RUN.dev, RUN.dry = "cpu", True

@@ -11,7 +11,6 @@ import torch
 
 import kvpool
 from kvpool.cuda_graph import DecodeGraphRunner, default_buckets, grad_mode
-
 from kvpool.testing.toy_step import ToyDecode
 
 MODES = {

@@ -7,10 +7,10 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
-
-from kvpool.testing.toy_step import ToyDecode  # noqa: E402
 from test_graph_runner import decode_inputs, make_pool, snapshot, start_requests  # noqa: E402
+
+from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
+from kvpool.testing.toy_step import ToyDecode  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])

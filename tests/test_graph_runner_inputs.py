@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_graph_runner import as_tensors, decode_inputs, make_pool, snapshot, start_requests
 
 import kvpool
 from kvpool.cuda_graph import INPUT_NAMES, DecodeGraphRunner
 from kvpool.staging import PinnedRing
 from kvpool.testing.toy_step import ToyDecode
-
-from test_graph_runner import as_tensors, decode_inputs, make_pool, snapshot, start_requests
 
 U64_MAX = 2**64 - 1
 

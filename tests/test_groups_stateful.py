@@ -49,7 +49,7 @@ def run_both(real, model):
             if hasattr(e, "group"):
                 assert re.search(rf"\bgroup {e.group}\b", str(got)), (str(got), e.group)
             return None
-        raise AssertionError(f"model raised {e!r}, allocator succeeded")
+        raise AssertionError(f"model raised {e!r}, allocator succeeded") from e
     return real(), expected
 
 
@@ -191,8 +191,8 @@ class GroupsMachine(RuleBasedStateMachine):
         r = self.m.anchor.row(h)
         regs, a = self.m.anchor.regs[r], self.m.a
         states = [e for e in self.m.groups if hasattr(e, "live")]
-        ls = [l for l in range(1, self.m.length(r)) if l % a == 0 and len(regs) * a >= l
-              and states and states[0].checkpoint(regs[l // a - 1]) is not None]
+        ls = [n for n in range(1, self.m.length(r)) if n % a == 0 and len(regs) * a >= n
+              and states and states[0].checkpoint(regs[n // a - 1]) is not None]
         if ls:
             run_both(lambda: self.a.truncate([h], ls[-1]), lambda: self.m.truncate([h], [ls[-1]]))
 

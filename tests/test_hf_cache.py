@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from _hf_models import CACHE_KW, greedy, left_padded, tiny_model  # noqa: I001  (skips without transformers)
 from transformers import DynamicCache
 

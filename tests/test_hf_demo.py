@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from _hf_models import greedy, tiny_model  # noqa: I001  (skips without transformers)
 
 import kvpool

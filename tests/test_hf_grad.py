@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _hf_models import CACHE_KW, left_padded, tiny_model  # noqa: I001  (skips without transformers)
 from transformers import DynamicCache
 

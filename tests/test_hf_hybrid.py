@@ -12,10 +12,11 @@ import torch
 from _hf_models import CACHE_KW, PAD, VOCAB, greedy, left_padded
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+from transformers import DynamicCache
+
 from kvpool.errors import TensorShapeError
 from kvpool.integrations._hybrid import PoolStateLayer
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
-from transformers import DynamicCache
 
 W, P, NEW = 8, 4, 24
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -45,7 +45,6 @@ def test_batch_requests_reorder_gives_back_its_forks():
 
 def test_kvpool_cache_reorder_failure_leaves_the_cache_usable():
     from _hf_models import CACHE_KW, left_padded, tiny_model  # skips without transformers
-
     from transformers import DynamicCache
 
     from kvpool.integrations.transformers import KVPoolCache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from kvpool import KVPool, audit
 from kvpool._core import (
     InvalidArgumentError,
@@ -80,7 +81,7 @@ def test_groups_with_their_own_page_sizes():
     rows = pool.rows(h)
     for i, x in enumerate(h):
         assert pool.held_tokens(x, 0) <= W + 2 and pool.held_tokens(x, 1) == 24
-        for layer, p in ((0, 2), (1, 8)):
+        for layer, _p in ((0, 2), (1, 8)):
             slots = pool.slots(x, layer)
             np.testing.assert_array_equal(pool.req_to_token[layer][rows[i], :24].numpy(), slots)
             live = torch.from_numpy(slots[-W:])

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 import kvpool
 import kvpool.kernels as K
 from kvpool.kernels import _ref
-
 from kvpool.testing.kernel_cases import FP8, build_store, same, store_cases
 
 

@@ -18,12 +18,11 @@ and head_dim 72 (not a multiple of 16). The PTX must show
 
 from __future__ import annotations
 
+import _codegen as cg
 import pytest
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
-
-import _codegen as cg
 
 REASON = cg.cuda_target_unavailable(90)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

@@ -14,7 +14,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
-
 from kvpool.testing.kernel_cases import build_store, clone_opt, same, store_cases, untouched_equal  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvpool
 import pytest
+
+import kvpool
 
 PKG = Path(__file__).resolve().parents[1] / "python" / "kvpool"
 

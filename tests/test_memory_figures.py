@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kvpool
-from kvpool.layout import padded_row_stride
 import kvpool.capacity as capacity
 from kvpool.capacity import free_device_memory, resolve_num_pages
+from kvpool.layout import padded_row_stride
 
 L, H, D = 3, 2, 8
 MB = 1 << 20

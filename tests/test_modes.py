@@ -124,7 +124,7 @@ def test_audit_keyword_names_nested_containers_and_plain_attributes() -> None:
     model = torch.nn.Linear(2, 2)
     model.rope = inf  # a plain tensor attribute, not a registered buffer
     with torch.inference_mode():
-        setattr(model, "caches", [torch.zeros(1), torch.zeros(1)])  # tensors in a plain list attribute
+        model.caches = [torch.zeros(1), torch.zeros(1)]  # tensors in a plain list attribute
     found = {(f.name, f.kind) for f in kvpool.audit(runner=Runner(), model=model)}
     assert ("runner.static['positions']", "inference tensor") in found
     assert ("runner.graphs[1]", "requires grad") in found

@@ -4,10 +4,11 @@ host -> device path for such parts), on CPU."""
 
 from __future__ import annotations
 
-import kvpool
 import numpy as np
 import pytest
 import torch
+
+import kvpool
 from kvpool.packed import PackedExtend, pack, segment_len, slots_start, unpack
 from kvpool.staging import pool_to_device, to_device
 

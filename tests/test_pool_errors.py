@@ -9,7 +9,8 @@ rejects them with ``ReservedSlotError`` for batches that should have no padding.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -15,7 +15,6 @@ import torch
 import kvpool
 from kvpool import tables
 from kvpool.cuda_graph import DecodeGraphRunner
-
 from kvpool.testing.toy_step import ToyDecode
 
 

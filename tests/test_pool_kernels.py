@@ -16,14 +16,14 @@ import contextlib
 import os
 import subprocess
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import kvpool
-
 from kvpool import kernels
 from kvpool.kernels import _common
 
@@ -74,7 +74,7 @@ def test_kernel_hooks_match_the_torch_path(name: str) -> None:
     handles = [p.open(3) for p in (plain, wired)]
     # Each allocator draws its own generation base: same rows, different handles.
     assert (plain.rows(handles[0]) == wired.rows(handles[1])).all()
-    for step, counts in enumerate(([5, 1, 9], [1, 1, 1], [0, 4, 1])):
+    for _step, counts in enumerate(([5, 1, 9], [1, 1, 1], [0, 4, 1])):
         results = []
         for p, h in zip((plain, wired), handles):
             with backend(p, wired):

@@ -55,7 +55,7 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
         at = 0
         for h, c in zip(handles, counts):
             for i in range(c):
-                seq.setdefault(int(h), []).append([(kvs[l][0][at + i], kvs[l][1][at + i]) for l in range(2)])
+                seq.setdefault(int(h), []).append([(kvs[layer][0][at + i], kvs[layer][1][at + i]) for layer in range(2)])
             at += c
 
     def verify():
@@ -91,9 +91,11 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
     e = torch.zeros((0, heads, dim), dtype=cd)
     for sl in (r.out_cache_loc, [], np.zeros(0, np.int64), torch.zeros(0, dtype=torch.int32)):
         if mla:
-            pool.write(0, sl, e); pool.write(0, sl, e, strict=True)
+            pool.write(0, sl, e)
+            pool.write(0, sl, e, strict=True)
         else:
-            pool.write(0, sl, e, e); pool.write(0, sl, e, e, strict=True)
+            pool.write(0, sl, e, e)
+            pool.write(0, sl, e, e, strict=True)
         k, v = pool.read(0, sl)
         assert k.shape == (0, heads, dim) and k.dtype == cd
     pt = pool.page_table(np.zeros(0, np.int64))
@@ -115,7 +117,8 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
     pool.check()
     # truncate a kid into the shared part, then extend (copy-on-write again)
     t = max(1, page - 1)
-    pool.truncate([allh[2]], [t]); seq[allh[2]] = seq[allh[2]][:t]
+    pool.truncate([allh[2]], [t])
+    seq[allh[2]] = seq[allh[2]][:t]
     r = pool.extend([allh[2]], [page + 1])
     write_res([allh[2]], [page + 1], r)
     verify()
@@ -129,7 +132,8 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
         try:
             h, r = pool.admit([n])
         except kvpool.TooManyRequestsError:
-            pool.close([allh.pop()]); continue
+            pool.close([allh.pop()])
+            continue
         write_res(h, [n], r, strict=True)
         more.append(int(h[0]))
     held = set(int(s) for h in seq if pool.is_open(h) for s in pool.slots(h))
@@ -140,20 +144,27 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
     # page-0 sink and negative padding with strict off leave requests intact
     k = vals(3, heads, dim, gen).to(cd)
     for layer in range(2):
-        if mla: pool.write(layer, torch.tensor([0, -1, page - 1]), k)
-        else: pool.write(layer, torch.tensor([0, -1, page - 1]), k, k)
+        if mla:
+            pool.write(layer, torch.tensor([0, -1, page - 1]), k)
+        else:
+            pool.write(layer, torch.tensor([0, -1, page - 1]), k, k)
     for sl in ([0], [-1], [pool.num_slots - 1, pool.num_slots - 1]):
         try:
-            if mla: pool.write(0, torch.tensor(sl), k[: len(sl)], strict=True)
-            else: pool.write(0, torch.tensor(sl), k[: len(sl)], k[: len(sl)], strict=True)
+            if mla:
+                pool.write(0, torch.tensor(sl), k[: len(sl)], strict=True)
+            else:
+                pool.write(0, torch.tensor(sl), k[: len(sl)], k[: len(sl)], strict=True)
             raise AssertionError(f"strict accepted {sl}")
         except (kvpool.ReservedSlotError, kvpool.DuplicateSlotError):
             pass
     for sl in ([pool.num_slots], [-2**40]):
         try:
-            if mla: pool.write(0, sl, k[:1])
-            else: pool.write(0, sl, k[:1], k[:1])
-            if sl[0] >= 0: raise AssertionError(f"accepted {sl}")
+            if mla:
+                pool.write(0, sl, k[:1])
+            else:
+                pool.write(0, sl, k[:1], k[:1])
+            if sl[0] >= 0:
+                raise AssertionError(f"accepted {sl}")
         except kvpool.SlotRangeError:
             pass
     verify()

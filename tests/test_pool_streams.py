@@ -24,9 +24,9 @@ import torch
 
 import kvpool
 import kvpool.sharing as sharing_module
+from kvpool import streams
 from kvpool.errors import TensorDeviceError
 from kvpool.staging import PinnedRing
-from kvpool import streams
 from kvpool.streams import CopyOrder
 
 CUDA = torch.cuda.is_available()

@@ -115,8 +115,8 @@ def test_extend_packed_layout(counts: list[int]) -> None:
     assert offsets.tolist() == (np.cumsum(counts) - counts).tolist()
     assert not packed[: 4 * s].reshape(4, s)[:, b:].any(), "padding columns are zero"
     slots = packed[4 * s :]
-    for h, st, c, o in zip(handles, starts, cnts, offsets):
-        assert a.slots(h)[st : st + c].tolist() == slots[o : o + c].tolist()
+    for h, first, c, o in zip(handles, starts, cnts, offsets):
+        assert a.slots(h)[first : first + c].tolist() == slots[o : o + c].tolist()
 
 
 def test_extend_packed_scalar_count_and_errors_leave_pool_unchanged() -> None:
@@ -140,8 +140,8 @@ def test_update_req_to_token_writes_exactly_the_given_ranges() -> None:
     host, out = update_req_to_token(table, packed, b)
     s = b + (b & 1)
     rows, starts, counts, offsets = packed[: 4 * s].reshape(4, s)[:, :b]
-    for r, st, c, o in zip(rows, starts, counts, offsets):
-        expected[r, st : st + c] = torch.from_numpy(host[o : o + c]).int()
+    for r, first, c, o in zip(rows, starts, counts, offsets):
+        expected[r, first : first + c] = torch.from_numpy(host[o : o + c]).int()
     assert torch.equal(table, expected)
     assert out.dtype == torch.int64 and out.tolist() == host.tolist() == packed[4 * s :].tolist()
 

@@ -204,11 +204,11 @@ def model(pool: kvpool.KVPool, steps: queue.Queue, done: list[int]) -> None:
         if step is None:
             return
         for layer in range(LAYERS):
-            for h, row, slots, new, want in step.items:
+            for _h, _row, _slots, new, want in step.items:
                 if len(new):
                     k, v = kv_rows(want[len(want) - len(new) :], layer)
                     pool.write(layer, new, k, v, strict=True)
-        for h, row, slots, new, want in step.items:
+        for h, row, slots, _new, want in step.items:
             check_request(pool, h, row, slots, want, f"step {step.serial}")
         done[0] = step.serial
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvpool
-from kvpool.kernels import load_pages, offload_pages
 from kvpool.errors import TensorDeviceError
+from kvpool.kernels import load_pages, offload_pages
 from kvpool.tiers import HostStorage, TransferRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

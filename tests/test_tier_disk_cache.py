@@ -137,8 +137,8 @@ def test_another_model_or_salt_misses(stored):
 
 def _files(tier, tokens, salt=0):
     from kvpool._core import page_hashes
-    from kvpool.tiers.backend import page_key, tier_seed
     from kvpool.tiers import shape_fingerprint
+    from kvpool.tiers.backend import page_key, tier_seed
 
     w = page_hashes(tokens[:16], P, tier_seed(shape_fingerprint(make_pool(), "m")), salt)
     return [tier.file_for(page_key(w[2 * i], w[2 * i + 1])) for i in range(4)], [

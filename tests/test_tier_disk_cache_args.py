@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_tier_disk_cache import TOKENS, make_pool, prefill
 
 import kvpool
 from kvpool.tiers import DiskCache, FileTier
-
-from test_tier_disk_cache import TOKENS, make_pool, prefill
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from test_tier_disk_cache import LAYERS, TOKENS, P, hit, make_pool, prefill
 
 from kvpool.tiers import DiskCache, FileTier
-
-from test_tier_disk_cache import LAYERS, P, TOKENS, hit, make_pool, prefill
 
 
 def tiered(num_pages=8, host_pages=32, policy="write_back", **kw):

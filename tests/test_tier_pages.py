@@ -21,8 +21,14 @@ import torch
 
 import kvpool
 from kvpool.errors import (
-    DuplicateSlotError, KernelArgumentError, LayerIndexError, ReservedSlotError, SlotRangeError, TensorDeviceError,
-    TensorDtypeError, TensorShapeError,
+    DuplicateSlotError,
+    KernelArgumentError,
+    LayerIndexError,
+    ReservedSlotError,
+    SlotRangeError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
 )
 from kvpool.kernels import _common, load_pages, offload_pages
 from kvpool.tiers import HostStorage
@@ -63,7 +69,7 @@ def page_view(pool, cache: int, layer: int, page: int) -> torch.Tensor:
 def device_page(pool, page: int) -> torch.Tensor:
     """[C, L, P, H, D] of one device page, read through the layout views."""
     nc = 1 if pool.mla else 2
-    return torch.stack([torch.stack([page_view(pool, c, l, page) for l in range(LAYERS)]) for c in range(nc)])
+    return torch.stack([torch.stack([page_view(pool, c, layer, page) for layer in range(LAYERS)]) for c in range(nc)])
 
 
 def snapshot(pool, host):

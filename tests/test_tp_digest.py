@@ -12,6 +12,8 @@ words are supplied by a patched ``all_gather``.
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
+from sys import path as _path
 
 import numpy as np
 import pytest
@@ -21,8 +23,6 @@ import torch.distributed as dist
 import kvpool
 import kvpool.distributed.tp as tp_module
 from kvpool.distributed import RankDivergenceError, TPPool
-from sys import path as _path
-from pathlib import Path
 
 _path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402

@@ -1,6 +1,7 @@
 """Type stubs of kvpool._core, the Rust extension (kept true by tests/test_allocator_stubs.py)."""
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
+from collections.abc import Sequence
+from typing import Any, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +31,8 @@ MAX_PRIORITY: int
 
 # Batch arguments: a Python int (broadcast / single handle), a sequence of
 # ints, a 1-D numpy integer array of any int dtype, or a CPU torch tensor.
-_IntArray = Union[int, np.integer[Any], Sequence[int], npt.NDArray[np.integer[Any]], Any]
-_Handle = Union[int, np.integer[Any]]
+_IntArray: TypeAlias = int | np.integer[Any] | Sequence[int] | npt.NDArray[np.integer[Any]] | Any
+_Handle: TypeAlias = int | np.integer[Any]
 
 class KVPoolError(Exception): ...
 class PoolExhaustedError(KVPoolError): ...
@@ -135,10 +136,10 @@ class SlotAllocator:
         max_requests: int = 256,
         max_context_len: int = 4096,
         *,
-        hash_seed: Optional[int] = None,
-        handle_seed: Optional[int] = None,
+        hash_seed: int | None = None,
+        handle_seed: int | None = None,
         kv_events: bool = True,
-        max_pinned_pages: Optional[int] = None,
+        max_pinned_pages: int | None = None,
         manual_clock: bool = False,
         host_pages: int = 0,
         host_policy: str = "write_back",
@@ -163,7 +164,7 @@ class SlotAllocator:
     def host_pages(self) -> int:
         """Host pages of the host tier, the reserved host page 0 included (0: no tier)."""
     @property
-    def host_policy(self) -> Optional[str]:
+    def host_policy(self) -> str | None:
         """The host tier's policy: "write_back" or "write_through" (None without a tier)."""
     @property
     def free_pages(self) -> int:
@@ -216,10 +217,10 @@ class SlotAllocator:
         self,
         handles: _IntArray,
         counts: _IntArray,
-        table: Optional[npt.NDArray[np.int32]] = None,
-        tokens: Optional[_IntArray] = None,
+        table: npt.NDArray[np.int32] | None = None,
+        tokens: _IntArray | None = None,
         cow: bool = False,
-        out: Optional[npt.NDArray[np.int64]] = None,
+        out: npt.NDArray[np.int64] | None = None,
     ) -> Any:
         """Grows each request by counts[i] tokens (or `counts` for all); a new page
         is taken only when a request's last page is full (FREE pages first,
@@ -267,9 +268,9 @@ class SlotAllocator:
     def admit(
         self,
         counts: _IntArray,
-        table: Optional[npt.NDArray[np.int32]] = None,
-        tokens: Optional[_IntArray] = None,
-        out: Optional[npt.NDArray[np.int64]] = None,
+        table: npt.NDArray[np.int32] | None = None,
+        tokens: _IntArray | None = None,
+        out: npt.NDArray[np.int64] | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Opens len(counts) new requests and extends request i by counts[i]
         tokens: open(len(counts)) followed by extend(handles, counts, ...),
@@ -298,7 +299,7 @@ class SlotAllocator:
     def admit_packed(
         self,
         counts: _IntArray,
-        tokens: Optional[_IntArray] = None,
+        tokens: _IntArray | None = None,
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
         """admit, returning the new requests' table update in extend_packed's
         form (packed = [rows | starts | counts | offsets] then the slots), so
@@ -310,15 +311,15 @@ class SlotAllocator:
         """
     def extend_with_starts(
         self, handles: _IntArray, counts: _IntArray
-    ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """extend, also returning each request's length before the call (int64).
 
         Raises:
             the same errors as extend; nothing changes on any error.
         """
     def extend_packed(
-        self, handles: _IntArray, counts: _IntArray, tokens: Optional[_IntArray] = None
-    ) -> Tuple[npt.NDArray[np.int64], int, Optional[npt.NDArray[np.int64]]]:
+        self, handles: _IntArray, counts: _IntArray, tokens: _IntArray | None = None
+    ) -> tuple[npt.NDArray[np.int64], int, npt.NDArray[np.int64] | None]:
         """`extend` plus everything a device copy of the request-to-token table
         needs, in one crossing and one int64 array, so that one host-to-device
         copy ships it: b = the number of requests and s = b rounded up to
@@ -344,8 +345,8 @@ class SlotAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
-    def close(self, handles: _IntArray, cache: bool = False, priority: Optional[_IntArray] = None,
-              retain_s: Optional[float] = None) -> None:
+    def close(self, handles: _IntArray, cache: bool = False, priority: _IntArray | None = None,
+              retain_s: float | None = None) -> None:
         """Closes requests and releases their pages; their handles become stale.
         With cache=True, first registers each request's full pages of known
         tokens in the prefix cache (as cache()), so they stay reusable, with
@@ -386,7 +387,7 @@ class SlotAllocator:
         """
     def page_table(
         self, handles: _IntArray
-    ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """FlashInfer's CSR page table of a batch (int32 arrays): request i's pages
         are indices[indptr[i]:indptr[i+1]]; last_page_len[i] in [1, page_size]
         (0 for an empty request).
@@ -424,9 +425,9 @@ class SlotAllocator:
         self,
         tokens: _IntArray,
         lengths: _IntArray,
-        salt: Optional[_IntArray] = None,
-        table: Optional[npt.NDArray[np.int32]] = None,
-    ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        salt: _IntArray | None = None,
+        table: npt.NDArray[np.int32] | None = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Opens one request per prompt, each starting on the longest cached
         prefix of full pages of its prompt, capped so that at least one token
         is left to compute (cached_len <= length - 1, rounded down to a page).
@@ -458,7 +459,7 @@ class SlotAllocator:
             TooManyRequestsError: not enough free rows.
         """
     def cache(
-        self, handles: _IntArray, priority: Optional[_IntArray] = None, retain_s: Optional[float] = None
+        self, handles: _IntArray, priority: _IntArray | None = None, retain_s: float | None = None
     ) -> None:
         """Registers every full page of each request whose token ids are all
         known and that is not registered yet, so later prompts can hit it.
@@ -491,7 +492,7 @@ class SlotAllocator:
                 given without a priority.
         """
     def fork(
-        self, handle: _Handle, n: Optional[int] = None, table: Optional[npt.NDArray[np.int32]] = None
+        self, handle: _Handle, n: int | None = None, table: npt.NDArray[np.int32] | None = None
     ) -> npt.NDArray[np.int64]:
         """Opens n requests that share all of `handle`'s pages and known tokens
         (same length, prompt and salt). A shared, partly filled last page is
@@ -505,7 +506,7 @@ class SlotAllocator:
             TooManyRequestsError: not enough free rows.
             InvalidArgumentError: n is negative or not an int, a bad table.
         """
-    def take_copies(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def take_copies(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued copy-on-write copies (int64 slot pairs). Copy every
         layer's K and V from src[i] to dst[i], in order, before the next write
         into the destination pages. Each source page stays held until its copy
@@ -530,7 +531,7 @@ class SlotAllocator:
         with their requests (on both tiers). Records one Cleared event.
         Queued copies and transfers stay: they fill open requests' pages.
         """
-    def take_events(self) -> Dict[str, npt.NDArray[Any]]:
+    def take_events(self) -> dict[str, npt.NDArray[Any]]:
         """Drains the KV events (what vLLM's KVEventBatch carries), oldest
         first, one numpy array per field: kind (uint8: 0 Stored, 1 Removed,
         2 Cleared), hash_hi / hash_lo (uint64 halves of the 128-bit page
@@ -544,8 +545,8 @@ class SlotAllocator:
         what went).
         """
     def take_events_msgpack(
-        self, ts: float, data_parallel_rank: Optional[int] = None
-    ) -> Tuple[bytes, int, int, int]:
+        self, ts: float, data_parallel_rank: int | None = None
+    ) -> tuple[bytes, int, int, int]:
         """take_events() and encode_kv_events() in one call, without building
         the arrays: drains the KV events and returns them as one msgpack
         KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends).
@@ -562,7 +563,7 @@ class SlotAllocator:
         """
     def chain_hashes(
         self, handle: _Handle
-    ) -> Tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], int]:
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32], int]:
         """The request's leading full pages of known token ids, for a prefix-aware
         transfer to another pool: their chain hashes (this pool's hash_seed),
         their token ids and the request's salt. The receiver matches them with
@@ -578,7 +579,7 @@ class SlotAllocator:
                 allocated.
         """
     def match_chain_hashes(
-        self, hashes: npt.NDArray[np.integer[Any]], tokens: _IntArray, salt: Optional[int] = None
+        self, hashes: npt.NDArray[np.integer[Any]], tokens: _IntArray, salt: int | None = None
     ) -> int:
         """How many leading pages of a chain (from another pool's chain_hashes)
         this pool caches on the device. A page matches only if the entry under its hash holds
@@ -593,9 +594,9 @@ class SlotAllocator:
         self,
         hashes: npt.NDArray[np.integer[Any]],
         tokens: _IntArray,
-        salt: Optional[int] = None,
-        max_pages: Optional[int] = None,
-    ) -> Tuple[int, int]:
+        salt: int | None = None,
+        max_pages: int | None = None,
+    ) -> tuple[int, int]:
         """Opens one request holding the leading pages of the chain this pool
         caches (at most max_pages; refcount + 1 each). Its length is
         cached_len = pages * page_size; the chain's tokens become its known
@@ -632,7 +633,7 @@ class SlotAllocator:
     @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""
-    def take_offloads(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def take_offloads(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued offloads (int64 page ids, oldest first): copy every
         layer's K and V of device page device_pages[i] to host page
         host_pages[i]. Before a step's K/V writes, run the offloads, then
@@ -642,7 +643,7 @@ class SlotAllocator:
         load's or copy's destination, or to a new holder), which the order
         makes safe. Empty without a host tier.
         """
-    def take_loads(self) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def take_loads(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued loads (int64 page ids, oldest first): copy host page
         host_pages[i] into device page device_pages[i], after the offloads and
         before the copies (see take_offloads). Each host page stays pinned
@@ -784,17 +785,17 @@ class GroupedAllocator:
 
     def __new__(
         cls,
-        groups: Sequence[Dict[str, Any]],
+        groups: Sequence[dict[str, Any]],
         max_requests: int = 256,
         max_context_len: int = 4096,
         *,
-        hash_seed: Optional[int] = None,
-        handle_seed: Optional[int] = None,
+        hash_seed: int | None = None,
+        handle_seed: int | None = None,
         kv_events: bool = True,
-        anchor_pages: Optional[int] = None,
+        anchor_pages: int | None = None,
     ) -> GroupedAllocator: ...
     @property
-    def groups(self) -> List[Dict[str, Any]]:
+    def groups(self) -> list[dict[str, Any]]:
         """Each group's spec, as the dicts the constructor takes (checkpoint_every resolved)."""
     @property
     def num_groups(self) -> int:
@@ -806,7 +807,7 @@ class GroupedAllocator:
     def max_context_len(self) -> int:
         """Most tokens one request may hold."""
     @property
-    def anchor_group(self) -> Optional[int]:
+    def anchor_group(self) -> int | None:
         """The group carrying the anchor chain, or None for a token-only anchor."""
     @property
     def anchor_page_size(self) -> int:
@@ -849,8 +850,8 @@ class GroupedAllocator:
             InvalidArgumentError: n is negative.
         """
     def admit(
-        self, counts: _IntArray, tokens: Optional[_IntArray] = None, tables: Optional[Sequence[Optional[npt.NDArray[np.int32]]]] = None
-    ) -> Tuple[npt.NDArray[np.int64], List[npt.NDArray[np.int64]]]:
+        self, counts: _IntArray, tokens: _IntArray | None = None, tables: Sequence[npt.NDArray[np.int32] | None] | None = None
+    ) -> tuple[npt.NDArray[np.int64], list[npt.NDArray[np.int64]]]:
         """Opens len(counts) requests and extends request i by counts[i] tokens
         in every group, as open then extend, in one call. Atomic.
 
@@ -870,9 +871,9 @@ class GroupedAllocator:
         self,
         handles: _IntArray,
         counts: _IntArray,
-        tokens: Optional[_IntArray] = None,
-        tables: Optional[Sequence[Optional[npt.NDArray[np.int32]]]] = None,
-    ) -> List[npt.NDArray[np.int64]]:
+        tokens: _IntArray | None = None,
+        tables: Sequence[npt.NDArray[np.int32] | None] | None = None,
+    ) -> list[npt.NDArray[np.int64]]:
         """Appends counts[i] tokens (or counts for all) to request handles[i] in
         every group. A sliding group first releases the pages wholly before
         start - window + 1 of each growing request (start: its length before
@@ -945,8 +946,8 @@ class GroupedAllocator:
             InvalidArgumentError: n is negative.
         """
     def open_with_prefix(
-        self, tokens: _IntArray, lengths: _IntArray, salt: Optional[_IntArray] = None
-    ) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        self, tokens: _IntArray, lengths: _IntArray, salt: _IntArray | None = None
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Opens one request per prompt on the longest prefix every group has
         cached (a multiple of hit_step, at most length - 1): full groups'
         pages for [0, L), sliding groups' window before L, state groups'
@@ -987,7 +988,7 @@ class GroupedAllocator:
         Raises:
             InvariantError: an invariant is broken (a bug in kvpool).
         """
-    def take_events(self) -> Dict[str, npt.NDArray[Any]]:
+    def take_events(self) -> dict[str, npt.NDArray[Any]]:
         """Drains the anchor chain's KV events (as SlotAllocator.take_events).
         They name the prefixes the anchor group has cached: an upper bound on
         what this pool can serve, since a hit also needs every other group's
@@ -1024,7 +1025,7 @@ class GroupedAllocator:
         Raises:
             InvalidArgumentError: no such group.
         """
-    def admissible_tokens(self, group: Optional[int] = None) -> int:
+    def admissible_tokens(self, group: int | None = None) -> int:
         """Tokens that can surely still be appended (a lower bound): in one
         group (free_pages * page_size; state slots for a state group), or
         with group=None the least over every page group and the anchor chain,
@@ -1082,7 +1083,7 @@ class GroupedAllocator:
         """
     def page_table(
         self, handles: _IntArray, group: int
-    ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """FlashInfer's CSR page table of a batch in a page group (int32): each
         request's held pages only (a sliding group's window: pass the
         window to the kernel, whose mask counts back from the last position),
@@ -1110,7 +1111,7 @@ class GroupedAllocator:
             InvalidHandleError: a handle is unknown, closed or stale.
             InvalidArgumentError: no such group, or a page group.
         """
-    def take_copies(self, group: int) -> Tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def take_copies(self, group: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the group's queued copies (int64): slot pairs of a page group
         (copy-on-write, every layer's K and V, in order), state slot pairs
         of a state group, where src = -1 means "zero dst" (a new request's
@@ -1128,7 +1129,7 @@ class GroupedAllocator:
         """
 
 def page_hashes(
-    tokens: _IntArray, page_size: int, hash_seed: int, salt: Optional[int] = None
+    tokens: _IntArray, page_size: int, hash_seed: int, salt: int | None = None
 ) -> npt.NDArray[np.uint64]:
     """The chain hashes of the full pages of a prompt, as a pool built with
     this hash_seed files them and names them in its KV events (the trailing
@@ -1150,8 +1151,8 @@ def page_hashes(
     """
 
 def encode_kv_events(
-    events: Dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: Optional[int] = None
-) -> Tuple[bytes, int, int, int]:
+    events: dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: int | None = None
+) -> tuple[bytes, int, int, int]:
     """Encodes drained KV events (the dict take_events returns) as one msgpack
     KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
     payload a ZmqEventPublisher sends. Consecutive Stored events of one

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 USAGE = """usage: kvpool demo [options]   (kvpool demo --help for the options)
 

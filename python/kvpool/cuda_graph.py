@@ -45,7 +45,8 @@ the step runs eagerly, so results are identical to the graph path.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens"
 LOC = INPUT_NAMES.index("out_cache_loc")
 
 
-def default_buckets(max_batch_size: int) -> List[int]:
+def default_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8, up to (and covering) max_batch_size."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
     b = 16
@@ -86,7 +87,7 @@ def grad_mode() -> str:
 _I64 = np.iinfo(np.int64)
 
 
-def _too_big(name: str, i: int, value: int, num_slots: Optional[int]) -> InvalidArgumentError:
+def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArgumentError:
     if name == "out_cache_loc":
         valid = f"[0, {num_slots})" if num_slots is not None else "the pool's slots"
         return SlotRangeError(
@@ -98,7 +99,7 @@ def _too_big(name: str, i: int, value: int, num_slots: Optional[int]) -> Invalid
     )
 
 
-def _host_ints(name: str, a: Any, num_slots: Optional[int]) -> np.ndarray:
+def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
     """A host input as a 1-D int64 array, or a typed error: never a silently wrapped value."""
     if isinstance(a, torch.Tensor):
         if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
@@ -155,7 +156,7 @@ class DecodeGraphRunner:
         pool: Any,
         step: Callable[..., Any],
         max_batch_size: int,
-        buckets: Optional[Sequence[int]] = None,
+        buckets: Sequence[int] | None = None,
         enable_graphs: bool = True,
         debug: bool = False,
         *,
@@ -206,17 +207,17 @@ class DecodeGraphRunner:
         # Host inputs -> device: the pool's pinned ring (a true async DMA, and a buffer
         # is reused only once its copy has run), so run() never waits for the previous
         # step's copy. None on CPU: the inputs are written straight into the buffers.
-        self._to_device: Optional[Callable[[np.ndarray], torch.Tensor]] = None
+        self._to_device: Callable[[np.ndarray], torch.Tensor] | None = None
         if self.device.type == "cuda":
             self._to_device = getattr(pool, "_to_device", None) or PinnedRing(self.device).to_device
         # Per-bucket views of the static buffer, made once (the buffer never moves).
-        self._bucket_views: Dict[int, Tuple[torch.Tensor, ...]] = {}
+        self._bucket_views: dict[int, tuple[torch.Tensor, ...]] = {}
         # The pool's record of slots it may trust while unchanged: after run() loads
         # host-checked values into out_cache_loc, the step's writes skip a second check.
-        self._trust_slots: Optional[Callable[..., None]] = getattr(pool, "_trust_slots", None)
-        self._graphs: Dict[Tuple[str, int], Tuple[Any, Any]] = {}
+        self._trust_slots: Callable[..., None] | None = getattr(pool, "_trust_slots", None)
+        self._graphs: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._mempool: Any = None
-        self._ptrs: Optional[List[int]] = None
+        self._ptrs: list[int] | None = None
 
     # ----- public API ------------------------------------------------------
 
@@ -227,11 +228,11 @@ class DecodeGraphRunner:
         raise InvalidArgumentError(f"batch of {n} exceeds max_batch_size {self.max_batch_size}")
 
     @property
-    def captured(self) -> List[Tuple[str, int]]:
+    def captured(self) -> list[tuple[str, int]]:
         """(grad mode, bucket) pairs that have a graph."""
         return sorted(self._graphs)
 
-    def capture(self, buckets: Optional[Sequence[int]] = None) -> None:
+    def capture(self, buckets: Sequence[int] | None = None) -> None:
         """Capture graphs for `buckets` (default all) in the caller's grad mode,
         largest first so smaller graphs reuse the shared private memory pool.
         No-op on CPU / with graphs disabled."""
@@ -261,7 +262,7 @@ class DecodeGraphRunner:
 
     __call__ = run
 
-    def _run(self, args: List[torch.Tensor], n: int, bucket: int) -> Any:
+    def _run(self, args: list[torch.Tensor], n: int, bucket: int) -> Any:
         self._load_inputs(args, n, bucket)
         if not self.use_graphs:
             return _slice_rows(self.step(*self._views(bucket)), n, self.copy_outputs)
@@ -277,17 +278,17 @@ class DecodeGraphRunner:
 
     # ----- internals -------------------------------------------------------
 
-    def _views(self, bucket: int) -> Tuple[torch.Tensor, ...]:
+    def _views(self, bucket: int) -> tuple[torch.Tensor, ...]:
         views = self._bucket_views.get(bucket)
         if views is None:
             views = tuple(self._static[i, :bucket] for i in range(len(INPUT_NAMES)))
             self._bucket_views[bucket] = views
         return views
 
-    def _check_inputs(self, args: Sequence[Any]) -> Tuple[int, List[Any]]:
+    def _check_inputs(self, args: Sequence[Any]) -> tuple[int, list[Any]]:
         """Validate before touching any buffer: host inputs become int64 numpy arrays
         (values checked), device inputs stay tensors (dtype, shape and device checked)."""
-        out: List[Any] = []
+        out: list[Any] = []
         lens = []
         for name, a in zip(INPUT_NAMES, args):
             if isinstance(a, torch.Tensor) and a.device.type != "cpu":
@@ -374,7 +375,7 @@ class DecodeGraphRunner:
         self._graphs[(mode, bucket)] = (graph, out)
         self._ptrs = self._addresses()
 
-    def _addresses(self) -> List[int]:
+    def _addresses(self) -> list[int]:
         ptrs = [self._static.data_ptr()]
         for name in ("k_buffers", "v_buffers"):
             bufs = getattr(self.pool, name, None)

@@ -42,8 +42,8 @@ from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
-from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.rows import index_copy_rows
+from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
 __all__ = ["HybridExtendResult", "HybridKVPool"]

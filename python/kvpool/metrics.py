@@ -38,7 +38,8 @@ Families (counters are exposed with the ``_total`` suffix; docs/events-and-metri
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from kvpool._core import DEFAULT_PRIORITY
 from kvpool.extras import require
@@ -47,7 +48,7 @@ _pc = require("prometheus_client", "metrics", "kvpool.metrics")
 _core = require("prometheus_client.core", "metrics", "kvpool.metrics")
 
 
-def _named(pools: Union[Any, Iterable[Any], Mapping[str, Any]]) -> dict[str, Any]:
+def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """Label -> pool, every pool checked here: a scrape that raises fails the
     whole exposition, every other pool's families included."""
     from kvpool._core import InvalidArgumentError, SlotAllocator
@@ -79,8 +80,8 @@ class KVPoolCollector:
     ``publishers`` maps the same labels to their ``kvpool.events`` publishers,
     whose counters give the eviction and published-event counts."""
 
-    def __init__(self, pools: Union[Any, Iterable[Any], Mapping[str, Any]], *,
-                 publishers: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, pools: Any | Iterable[Any] | Mapping[str, Any], *,
+                 publishers: Mapping[str, Any] | None = None) -> None:
         from kvpool._core import InvalidArgumentError
         from kvpool.events.publisher import EventPublisher
 

@@ -19,21 +19,21 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool.admission import AdmissionMixin
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
-from kvpool.lifecycle import RequestOps
 from kvpool.heads import shard_kv_heads
 from kvpool.host_tier import HostTierMixin, resolve_host_pages
 from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
+from kvpool.lifecycle import RequestOps
 from kvpool.modes import persistent
 from kvpool.packed import PackedExtend
-from kvpool.staging import PinnedRing
-from kvpool.sharing import SharingMixin, apply_cow
-from kvpool.streams import CopyOrder, refuse_capture
-from kvpool.torch_types import FP8_DTYPES, as_device
-from kvpool.admission import AdmissionMixin
-from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
 from kvpool.rows import RowsMixin
+from kvpool.sharing import SharingMixin, apply_cow
+from kvpool.staging import PinnedRing
+from kvpool.streams import CopyOrder, refuse_capture
+from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
+from kvpool.torch_types import FP8_DTYPES, as_device
 from kvpool.validate import check_layer
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]

@@ -6,7 +6,8 @@ the pool itself never imports it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["progress"]
 
@@ -14,16 +15,16 @@ __all__ = ["progress"]
 class _NoBar:
     """The part of tqdm's interface kvpool uses, doing nothing."""
 
-    def __init__(self, iterable: Optional[Iterable[Any]] = None) -> None:
+    def __init__(self, iterable: Iterable[Any] | None = None) -> None:
         self._iterable = iterable
 
     def __iter__(self) -> Any:
         return iter(self._iterable if self._iterable is not None else ())
 
-    def __enter__(self) -> "_NoBar":
+    def __enter__(self) -> _NoBar:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
     def update(self, n: int = 1) -> None:
@@ -36,7 +37,7 @@ class _NoBar:
         return None
 
 
-def progress(iterable: Optional[Iterable[Any]] = None, **kwargs: Any) -> Any:
+def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
     """``tqdm(iterable, **kwargs)``, or an object with the same methods that shows nothing."""
     try:
         from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]

@@ -20,7 +20,8 @@ host arrays to its device: zero copy on CPU, through the pool's ring on CUDA.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,13 +90,13 @@ class PinnedRing:
         min_bytes: int = 1 << 14,
         max_depth: int = 64,
         alloc: Callable[[int], torch.Tensor] = _pinned,
-        make_event: Optional[Callable[[], Any]] = None,
+        make_event: Callable[[], Any] | None = None,
     ) -> None:
         self.device = device
         self.min_bytes, self.max_depth = int(min_bytes), int(max_depth)
         self._alloc = alloc
         self._make_event = make_event or torch.cuda.Event
-        self._slots: List[_Slot] = []
+        self._slots: list[_Slot] = []
         self._next = 0
         self._lock = threading.Lock()
 

@@ -19,7 +19,8 @@ device. Two rules follow, kept here:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional
 
 COMMANDS = ("churn", "ops", "overhead", "prefix", "hybrid", "hybrid-memory", "route", "events")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool.bench", description=__doc__)
     from kvpool.bench import cli
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from kvpool.bench import drivers
 from kvpool.bench.trace import Dist
-
 
 # Flags that parse one by one but cannot run together: raised by a command's checks before it runs,
 # and reported by ``python -m kvpool.bench`` as a usage error (exit 2). argparse's own class, so that
@@ -110,7 +110,7 @@ def output_files(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [(flag, os.path.join(out, name)) for flag, name in names]
 
 
-def check_outputs(args: argparse.Namespace, files: Optional[list[tuple[str, str]]] = None) -> Optional[str]:
+def check_outputs(args: argparse.Namespace, files: list[tuple[str, str]] | None = None) -> str | None:
     """Why the run could not write its files or read --reuse (None: it can), found before a run of
     minutes ends in a traceback and no figures. ``files``: (flag, path) pairs, by default
     ``output_files(args)``."""

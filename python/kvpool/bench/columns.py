@@ -6,7 +6,8 @@ them without importing one another.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Column = tuple[str, Callable[[Any], str]]  # header, and the cell of a row
 

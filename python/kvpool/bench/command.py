@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvpool.bench.workload import Case, Workload
 
 
-def main(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any]) -> int:
+def main(workload: Workload, args: argparse.Namespace, machine: dict[str, Any]) -> int:
     workload.check(args)
     classes, skipped = drivers.load(workload.name, args.allocators)
     for line in skipped:
@@ -37,7 +37,7 @@ def main(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any]
     return report.publish(workload, args, workload.machine(machine), results, skipped)
 
 
-def run_cases(workload: "Workload", cases: list["Case"], classes: list[type["Driver"]]) -> list[Result]:
+def run_cases(workload: Workload, cases: list[Case], classes: list[type[Driver]]) -> list[Result]:
     """Every case on every driver that supports its page size, in passes; rows in case, then driver order."""
     plan = [(case, [(c, case.repeats_of(c.name)) for c in classes if c.supports(case.config.page_size)])
             for case in cases]
@@ -58,7 +58,7 @@ def run_cases(workload: "Workload", cases: list["Case"], classes: list[type["Dri
     return [median_run(done[key]) for key in sorted(done)]
 
 
-def _replay_case(workload: "Workload", case: "Case", due: list[tuple[int, type["Driver"]]], i: int,
+def _replay_case(workload: Workload, case: Case, due: list[tuple[int, type[Driver]]], i: int,
                  done: dict[tuple[int, int], list[Result]], bar: Any) -> None:
     # The trace is generated again in each pass instead of kept: it is seeded, so it is the same
     # trace, and only one trace's objects are alive for the collector while steps are timed.
@@ -69,7 +69,7 @@ def _replay_case(workload: "Workload", case: "Case", due: list[tuple[int, type["
         bar.update(1)
 
 
-def with_reused(workload: "Workload", args: argparse.Namespace, results: list[Result]) -> list[Result]:
+def with_reused(workload: Workload, args: argparse.Namespace, results: list[Result]) -> list[Result]:
     """``results`` and the rows of an earlier run (``--reuse FILE``, same trace settings) for the
     allocators this run does not replay, sorted by case and then in registry order."""
     with open(report.output_path(args.out, args.reuse)) as f:

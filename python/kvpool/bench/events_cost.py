@@ -23,10 +23,9 @@ CHAIN = 8  # pages per request: one BlockStored each on the wire
 
 
 def measure(sizes: list[int], page_size: int = 16, repeats: int = 200) -> list[dict[str, Any]]:
+    from kvpool.bench.runner import freeze_import_heap
     from kvpool.events import ZmqEventPublisher
     from kvpool.extras import require
-
-    from kvpool.bench.runner import freeze_import_heap
 
     zmq = require("zmq", "events", "python -m kvpool.bench events")
     freeze_import_heap()  # torch's import heap: a full GC pass would land inside a timed call

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Hashable, Union
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from kvpool.bench.columns import size
 
@@ -78,7 +79,7 @@ class Bars:
         ax.grid(True, axis="y", alpha=0.3)
 
 
-Panel = Union[Lines, Bars]
+Panel = Lines | Bars
 
 
 def figure(results: list[Any], path: str, panels: list[Panel], title: str,

@@ -15,10 +15,10 @@ import platform
 import sys
 from collections.abc import Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpool.bench.cli import add_out_argument, settings
-from kvpool.bench.columns import Column, size
+from kvpool.bench.columns import Column
 from kvpool.bench.result import Result
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
         raise
 
 
-def publish(workload: "Workload", args: argparse.Namespace, machine: dict[str, Any], results: list[Result],
+def publish(workload: Workload, args: argparse.Namespace, machine: dict[str, Any], results: list[Result],
             skipped: list[str]) -> int:
     """Print the table, ratios and notes, write the JSON and the plot; 1 if a replay ended inconsistent."""
     ratios = workload.ratios(results, args)
@@ -149,7 +149,7 @@ def _cpu_model() -> str:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    versions: dict[str, Optional[str]] = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("kvpool", "numpy", "torch", "sglang", "vllm"):
         try:
             versions[pkg] = metadata.version(pkg)
@@ -160,7 +160,7 @@ def machine_info() -> dict[str, Any]:
             "git_commit": _git_commit()}
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     """The checkout's commit when run from one (which kvpool the figures belong to)."""
     import subprocess
 

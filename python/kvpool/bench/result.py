@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from typing_extensions import Self
+
 if TYPE_CHECKING:
     from kvpool.bench.runner import Measurement
 
@@ -43,7 +45,7 @@ class Result:
     json_properties: ClassVar[tuple[str, ...]] = ("consistent",)
 
     @classmethod
-    def from_measurement(cls: type[R], m: "Measurement") -> R:
+    def from_measurement(cls, m: Measurement) -> Self:
         """The row for one replay: these fields, and the workload's own (``workload_fields``)."""
         d, trace, s = m.driver, m.trace, m.summary
         cfg = trace.config
@@ -57,11 +59,11 @@ class Result:
         )
 
     @classmethod
-    def workload_fields(cls, m: "Measurement") -> dict[str, Any]:
+    def workload_fields(cls, m: Measurement) -> dict[str, Any]:
         return {}
 
     @classmethod
-    def from_json(cls: type[R], row: dict[str, Any]) -> R:
+    def from_json(cls, row: dict[str, Any]) -> Self:
         """A row from a stored JSON file (its computed properties are dropped, then recomputed)."""
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in fields})
@@ -88,7 +90,7 @@ class Result:
         """What went wrong, for the INCONSISTENT line of a row that is not ``consistent``."""
         return f"wrote {self.handed_slots} slots, expected {self.expected_slots}"
 
-    def with_repeats(self: R, runs: list[R]) -> R:
+    def with_repeats(self, runs: list[Self]) -> Self:
         """This row, chosen among ``runs`` (replays of the same trace), carrying every run's mean."""
         self.repeat_means_us = [r.mean_us for r in runs]
         return self

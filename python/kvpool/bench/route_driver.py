@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class PolicyResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def agreement(self) -> Optional[float]:
+    def agreement(self) -> float | None:
         n = self.agreed + len(self.disagreements)
         return self.agreed / n if n else None
 

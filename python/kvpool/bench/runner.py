@@ -14,7 +14,8 @@ import dataclasses
 import gc
 import time
 import tracemalloc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

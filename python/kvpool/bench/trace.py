@@ -27,7 +27,7 @@ class Dist:
             raise ValueError(f"length distribution needs 1 <= lo <= hi, got lo={self.lo} hi={self.hi}")
 
     @classmethod
-    def parse(cls, text: str) -> "Dist":
+    def parse(cls, text: str) -> Dist:
         """``"64:4096"`` / ``"uniform:64:4096"`` (uniform) or ``"512"`` / ``"fixed:512"``."""
         parts = text.split(":")
         if parts[0] in ("uniform", "fixed"):

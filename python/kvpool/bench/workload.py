@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import argparse
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from kvpool.bench.cli import UsageError
 from kvpool.bench.columns import Column
@@ -32,7 +32,7 @@ class Case:
     config: Any  # the workload's trace config (page_size decides which drivers run it)
     label: str  # progress-bar text
     repeats: int = 1
-    repeated: Optional[frozenset[str]] = None  # the allocators the repeats apply to (None: all)
+    repeated: frozenset[str] | None = None  # the allocators the repeats apply to (None: all)
 
     def repeats_of(self, allocator: str) -> int:
         return self.repeats if self.repeated is None or allocator in self.repeated else 1

@@ -11,8 +11,9 @@ without any cache; the tests compare the two.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from torch import nn

@@ -40,7 +40,7 @@ class ForkRequest(Request):
     n: int = 1
     rank: int = 0
     cached_len: int = 0  # prompt tokens served by the prefix cache at admission
-    forks: list["ForkRequest"] = field(default_factory=list)
+    forks: list[ForkRequest] = field(default_factory=list)
     last_logits: Any = None  # the prefill's last-position logits (a fork's first token comes from them)
 
 

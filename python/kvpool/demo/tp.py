@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvpool.heads import shard_kv_heads
 from kvpool.demo.model import TinyLM
+from kvpool.heads import shard_kv_heads
 from kvpool.modes import persistent
 
 __all__ = ["RowParallelLinear", "shard_model"]
@@ -63,9 +63,9 @@ def shard_model(model: TinyLM, tp_rank: int, tp_size: int, group: Any = None) ->
             block.k_proj = _rows(block.k_proj, kv.start * d, (kv.start + kv.heads) * d)
             block.v_proj = _rows(block.v_proj, kv.start * d, (kv.start + kv.heads) * d)
             o = block.o_proj.weight[:, q0 * d : (q0 + hq) * d].clone()
-            setattr(block, "o_proj", RowParallelLinear(o, group))  # a Linear-compatible module
+            block.o_proj = RowParallelLinear(o, group)  # a Linear-compatible module
             block.gate_proj = _rows(block.gate_proj, f0, f0 + ffn)
             block.up_proj = _rows(block.up_proj, f0, f0 + ffn)
-            setattr(block, "down_proj", RowParallelLinear(block.down_proj.weight[:, f0 : f0 + ffn].clone(), group))
+            block.down_proj = RowParallelLinear(block.down_proj.weight[:, f0:f0 + ffn].clone(), group)
             block.heads, block.kv_heads = hq, kv.heads
     return out

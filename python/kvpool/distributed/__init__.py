@@ -18,10 +18,10 @@ from kvpool.distributed.errors import (
     TransferRejectedError,
     TransferTimeoutError,
 )
-from kvpool.heads import HeadShard, shard_kv_heads
 from kvpool.distributed.kv_transfer import TransferStats, recv_request, recv_request_stats, send_request
 from kvpool.distributed.pages import contiguous_runs, page_descriptors
 from kvpool.distributed.tp import TPPool, agree_seed, tp_pool
+from kvpool.heads import HeadShard, shard_kv_heads
 
 __all__ = [
     "HeadShard",

@@ -47,13 +47,35 @@ from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
 from kvpool.distributed.protocol import (
-    CONTEXT, EXHAUSTED, H_ABORT, H_HASHES, H_LENGTH, H_MAGIC, H_PAGES, H_PER_CHUNK, H_SCALES, H_VERSION,
-    HEADER_LEN, INCOMPATIBLE, MAGIC, MALFORMED, OK, REASONS, REPLY_LEN, TAG, TOO_MANY, VERSION,
-    header_problem, incompatible, meta_words, shape_fields, split_chain,
+    CONTEXT,
+    EXHAUSTED,
+    H_ABORT,
+    H_HASHES,
+    H_LENGTH,
+    H_MAGIC,
+    H_PAGES,
+    H_PER_CHUNK,
+    H_SCALES,
+    H_VERSION,
+    HEADER_LEN,
+    INCOMPATIBLE,
+    MAGIC,
+    MALFORMED,
+    OK,
+    REASONS,
+    REPLY_LEN,
+    TAG,
+    TOO_MANY,
+    VERSION,
+    header_problem,
+    incompatible,
+    meta_words,
+    shape_fields,
+    split_chain,
 )
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.torch_types import FP8_DTYPES
 from kvpool.modes import persistent
+from kvpool.torch_types import FP8_DTYPES
 from kvpool.validate import is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
@@ -112,7 +134,7 @@ class _Link:
         return t.cpu().numpy()
 
 
-_STAGING: "weakref.WeakKeyDictionary[Any, list[torch.Tensor]]" = weakref.WeakKeyDictionary()
+_STAGING: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def _staging(link: _Link, pool: Any, pages: int, chunks: int) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ def _bytes(x: Any) -> bytes:
         return b"-"
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
-    if hasattr(x, "slots") and isinstance(getattr(x, "slots"), np.ndarray):  # ExtendResult
+    if hasattr(x, "slots") and isinstance(x.slots, np.ndarray):  # ExtendResult
         x = x.slots
     if isinstance(x, (tuple, list)) and any(isinstance(v, (np.ndarray, torch.Tensor, tuple, list)) for v in x):
         return b"(" + b",".join(_bytes(v) for v in x) + b")"

@@ -18,7 +18,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
 
@@ -27,7 +28,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 
 
-def _encoder(pool: Any) -> Callable[[float, Optional[int]], tuple[bytes, int, int, int]]:
+def _encoder(pool: Any) -> Callable[[float, int | None], tuple[bytes, int, int, int]]:
     """``(ts, rank) -> (payload, stored, removed, cleared)`` draining ``pool``."""
     alloc = getattr(pool, "allocator", pool)
     if isinstance(alloc, SlotAllocator):
@@ -40,7 +41,7 @@ def _encoder(pool: Any) -> Callable[[float, Optional[int]], tuple[bytes, int, in
     return lambda ts, rank: encode_kv_events(take(), ts, rank)
 
 
-def _rank(rank: Any) -> Optional[int]:
+def _rank(rank: Any) -> int | None:
     """``data_parallel_rank`` checked here, so that a bad one fails at construction and
     not at the first ``publish()``."""
     if rank is None:
@@ -62,7 +63,7 @@ class EventPublisher:
     """
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: Optional[int] = None) -> None:
+                 data_parallel_rank: int | None = None) -> None:
         if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or buffer_steps < 0:
             raise InvalidArgumentError(f"buffer_steps must be an int >= 0 (batches kept for replay), got {buffer_steps!r}")
         if not isinstance(topic, str):
@@ -138,10 +139,10 @@ class EventPublisher:
         """Stop publishing; later ``publish()`` calls raise."""
         self._closed = True
 
-    def __enter__(self) -> "EventPublisher":
+    def __enter__(self) -> EventPublisher:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -150,7 +151,7 @@ class LocalEventPublisher(EventPublisher):
     them to a consumer (a router in the same process, a benchmark, a test)."""
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: Optional[int] = None) -> None:
+                 data_parallel_rank: int | None = None) -> None:
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
         self.outbox: deque[tuple[bytes, bytes, bytes]] = deque()
 

@@ -10,7 +10,7 @@ as ``kvpool.router`` decodes into.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 from kvpool.extras import require
 
@@ -18,7 +18,7 @@ msgspec = require("msgspec", "events", "kvpool.events")
 
 # A block hash on the wire: kvpool sends 16 bytes (the 128-bit chain hash,
 # big-endian); vLLM sends 32-byte SHA-256 digests or 64-bit ints.
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash = bytes | int
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -28,7 +28,7 @@ MEDIUM_STORAGE = "STORAGE"
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
     ts: float
     events: list[Any]
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
@@ -37,28 +37,28 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # t
 
 class BlockStored(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
-    parent_block_hash: Optional[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
-    kv_cache_spec_sliding_window: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
-    session_id: Optional[str] = None
-    lookahead_token_ids: Optional[list[list[int]]] = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -66,7 +66,7 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 def decoder() -> Any:

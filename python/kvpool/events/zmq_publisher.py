@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any
 
 from kvpool._core import InvalidArgumentError
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
@@ -59,9 +59,9 @@ class ZmqEventPublisher(EventPublisher):
     thread and closes the sockets.
     """
 
-    def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "",
+    def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
-                 data_parallel_rank: Optional[int] = None, context: Any = None) -> None:
+                 data_parallel_rank: int | None = None, context: Any = None) -> None:
         if not isinstance(endpoint, str):
             raise InvalidArgumentError(f"endpoint must be a str such as 'tcp://*:5557', got {endpoint!r}")
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
@@ -73,7 +73,7 @@ class ZmqEventPublisher(EventPublisher):
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay_sock = None
-        self._queue: queue.SimpleQueue[Optional[tuple[bytes, bytes]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
         self._sent = threading.Condition()
         self._queued = self._done = 0
         try:
@@ -101,7 +101,7 @@ class ZmqEventPublisher(EventPublisher):
         except BaseException:
             self._close_sockets()
             raise
-        self._thread: Optional[threading.Thread] = threading.Thread(
+        self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
 
@@ -109,7 +109,7 @@ class ZmqEventPublisher(EventPublisher):
         self._queued += 1
         self._queue.put((seq_b, payload))
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published message has been sent; False on timeout."""
         with self._sent:
             return self._sent.wait_for(lambda: self._done >= self._queued, timeout)

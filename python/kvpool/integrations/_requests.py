@@ -9,7 +9,8 @@ sees a batch (left padding included: pad tokens are ordinary, masked positions).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

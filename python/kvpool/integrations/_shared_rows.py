@@ -3,7 +3,8 @@ cache's requests, shared by every layer, so the batch-wide operations belong to 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -58,8 +58,6 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
                       f"found transformers {transformers.__version__}")
 
-from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
-from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.errors import (
     IncompleteForwardError,
     InvalidArgumentError,
@@ -67,6 +65,8 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
+from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
+from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
 from kvpool.validate import is_int
@@ -345,7 +345,7 @@ class KVPoolCache(Cache):
     def __enter__(self) -> KVPoolCache:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

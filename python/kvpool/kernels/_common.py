@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -36,10 +37,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Largest tile (elements per tensor) one program moves; keeps registers bounded.
 MAX_TILE = 4096
 
-Scale = Union[None, float, torch.Tensor]
+Scale = float | torch.Tensor | None
 
 
-_triton_error: Optional[BaseException] = None
+_triton_error: BaseException | None = None
 _triton_checked = False
 
 
@@ -140,7 +141,7 @@ def cache_geom(cache: torch.Tensor, name: str) -> CacheGeom:
     )
 
 
-def check_index(t: torch.Tensor, name: str, device: torch.device, n: Optional[int] = None) -> None:
+def check_index(t: torch.Tensor, name: str, device: torch.device, n: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in INDEX_DTYPES:
@@ -214,7 +215,7 @@ def rows_to_fill_warp(tile_elems: int, itemsize: int) -> int:
     return max(1, min(8, (32 * per_thread) // tile_elems))
 
 
-def contiguous_rows(heads: int, head_dim: int, row_strides: Sequence[Tuple[int, int]]) -> bool:
+def contiguous_rows(heads: int, head_dim: int, row_strides: Sequence[tuple[int, int]]) -> bool:
     """Whether each tensor's [heads, head_dim] row (its (head, dim) strides given) is one
     contiguous run of heads * head_dim elements that fits one tile.
 

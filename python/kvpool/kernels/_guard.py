@@ -10,7 +10,7 @@ the switch happens only when the device differs.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -19,7 +19,7 @@ __all__ = ["on_device"]
 _NULL = contextlib.nullcontext()
 
 
-def on_device(device: torch.device) -> ContextManager:
+def on_device(device: torch.device) -> AbstractContextManager:
     """``torch.cuda.device(device)`` when ``device`` is a CUDA device other than the
     current one; a no-op context otherwise (CPU, or already current)."""
     if device.type != "cuda" or device.index is None:

@@ -5,7 +5,7 @@ format's finite range."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tenso
     return (x.float() * _scale_value(scale)).to(dtype)
 
 
-def _flat(cache: torch.Tensor) -> Optional[torch.Tensor]:
+def _flat(cache: torch.Tensor) -> torch.Tensor | None:
     """[num_slots, H, D] view of a cache, or None when its strides don't allow one."""
     if cache.dim() == 3:
         return cache
@@ -85,7 +85,7 @@ def _read_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache[_index(cache, slots)]
 
 
-def _kept(mask: torch.Tensor) -> Optional[torch.Tensor]:
+def _kept(mask: torch.Tensor) -> torch.Tensor | None:
     """Indices where mask holds, or None when it holds everywhere (the common case).
     nonzero + index_select rather than boolean indexing, which is slow on CPU."""
     if bool(mask.all()):
@@ -95,10 +95,10 @@ def _kept(mask: torch.Tensor) -> Optional[torch.Tensor]:
 
 def store_kv_ref(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
     k: torch.Tensor,
-    v: Optional[torch.Tensor],
+    v: torch.Tensor | None,
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> None:
@@ -112,12 +112,12 @@ def store_kv_ref(
 
 def gather_kv_ref(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
     k_scale: Scale = None,
     v_scale: Scale = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows at `slots` as contiguous [n, H, D]; rows of negative slots are zero."""
     neg = slots < 0
 

@@ -17,7 +17,7 @@ allocate nothing.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -68,7 +68,7 @@ def launch_copy_slots(
     """Launches of the copy kernel, one per group of like caches; arguments validated
     by ``kvpool.kernels.copy_slots``."""
     n = src_slots.shape[0]
-    groups: Dict[Tuple, List[torch.Tensor]] = {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for t, g in zip(caches, geoms):
         groups.setdefault((t.dtype,) + tuple(g), []).append(t)
     for group in groups.values():  # one launch for the usual uniform pool

@@ -25,15 +25,15 @@ far has run.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
 from kvpool.kernels._common import KernelArgumentError
 from kvpool.modes import persistent
 
-Key = Tuple
-Table = Tuple[torch.Tensor, int]  # (device int64 offsets in units of `align` elements, align)
+Key = tuple
+Table = tuple[torch.Tensor, int]  # (device int64 offsets in units of `align` elements, align)
 
 
 def is_capturing(t: torch.Tensor) -> bool:
@@ -41,7 +41,7 @@ def is_capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def current_stream(t: torch.Tensor) -> Optional[Any]:
+def current_stream(t: torch.Tensor) -> Any | None:
     """The stream a launch on t's device goes to now (None on CPU: nothing is queued)."""
     return torch.cuda.current_stream(t.device) if t.is_cuda else None
 
@@ -56,9 +56,9 @@ class _Entry:
 
     def __init__(self, table: Table) -> None:
         self.table = table
-        self.streams: List[Any] = []  # every stream a launch that reads the table went to
+        self.streams: list[Any] = []  # every stream a launch that reads the table went to
 
-    def used_on(self, stream: Optional[Any]) -> None:
+    def used_on(self, stream: Any | None) -> None:
         if stream is not None and stream not in self.streams:
             self.streams.append(stream)
 
@@ -68,8 +68,8 @@ class OffsetTables:
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
-        self._eager: "OrderedDict[Key, _Entry]" = OrderedDict()
-        self._pinned: Dict[Key, Table] = {}
+        self._eager: OrderedDict[Key, _Entry] = OrderedDict()
+        self._pinned: dict[Key, Table] = {}
 
     def __len__(self) -> int:
         return len(self._eager) + len(self._pinned)
@@ -79,7 +79,7 @@ class OffsetTables:
         """How many tables are kept for captured graphs."""
         return len(self._pinned)
 
-    def get(self, group: List[torch.Tensor]) -> Table:
+    def get(self, group: list[torch.Tensor]) -> Table:
         """The table for `group`, to be read by a launch on the current stream (built on
         the first eager call, pinned once used in capture).
 
@@ -116,7 +116,7 @@ class OffsetTables:
         return entry.table
 
 
-def _build(group: List[torch.Tensor]) -> Table:
+def _build(group: list[torch.Tensor]) -> Table:
     esize = group[0].element_size()
     base = group[0].data_ptr()
     diffs = [t.data_ptr() - base for t in group]

@@ -10,13 +10,13 @@ call raises ``TritonUnavailableError`` instead of falling back to torch.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
+from kvpool.errors import DuplicateSlotError
 from kvpool.kernels import _common as c
 from kvpool.kernels import _ref
-from kvpool.errors import DuplicateSlotError
 from kvpool.kernels._guard import on_device
 
 __all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
@@ -24,10 +24,10 @@ __all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
 
 def store_kv(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
     k: torch.Tensor,
-    v: Optional[torch.Tensor] = None,
+    v: torch.Tensor | None = None,
     k_scale: c.Scale = None,
     v_scale: c.Scale = None,
 ) -> None:
@@ -85,10 +85,10 @@ def store_kv(
 
 def store_rows(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
     k: torch.Tensor,
-    v: Optional[torch.Tensor],
+    v: torch.Tensor | None,
     k_scale: c.Scale,
     v_scale: c.Scale,
     kg: c.CacheGeom,
@@ -111,7 +111,7 @@ def store_rows(
             launch_store_kv(k_cache, k_cache, slots, k, k, kg, kg, False, k_scale, None)
 
 
-def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
+def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
     if (
         not isinstance(out, torch.Tensor)
         or tuple(out.shape) != (n, g.heads, g.head_dim)
@@ -127,14 +127,14 @@ def _check_out(out: Optional[torch.Tensor], name: str, n: int, g: c.CacheGeom, d
 
 def gather_kv(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
     *,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
     k_scale: c.Scale = None,
     v_scale: c.Scale = None,
-    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Read the rows at ``slots`` into contiguous [n, H, D] tensors (reference
     attention, export, offload).
 
@@ -197,11 +197,11 @@ def gather_kv(
 
 def gather_rows(
     k_cache: torch.Tensor,
-    v_cache: Optional[torch.Tensor],
+    v_cache: torch.Tensor | None,
     slots: torch.Tensor,
     k_out: torch.Tensor,
-    v_out: Optional[torch.Tensor],
-    out_dtype: Optional[torch.dtype],
+    v_out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
     k_scale: c.Scale,
     v_scale: c.Scale,
     kg: c.CacheGeom,
@@ -297,7 +297,7 @@ def write_req_to_token(
     starts: torch.Tensor,
     counts: torch.Tensor,
     slots: torch.Tensor,
-    offsets: Optional[torch.Tensor] = None,
+    offsets: torch.Tensor | None = None,
 ) -> None:
     """Scatter each request's new slots into its row of the request-to-token table:
     ``req_to_token[rows[i], starts[i] : starts[i] + counts[i]] =

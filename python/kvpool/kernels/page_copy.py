@@ -16,8 +16,6 @@ every cache.
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
@@ -54,7 +52,7 @@ def _pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
-def launch_page_copy(dev_words: List[torch.Tensor], host_words: torch.Tensor, ids: torch.Tensor, to_host: bool,
+def launch_page_copy(dev_words: list[torch.Tensor], host_words: torch.Tensor, ids: torch.Tensor, to_host: bool,
                      layer0: int, num_layers: int) -> None:
     """One launch; arguments validated by ``kvpool.kernels.pages.PageTransfer``.
 

@@ -35,7 +35,8 @@ stream and nothing waits for it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ def _host_tensor(host: Any) -> torch.Tensor:
     return t
 
 
-def _caches(device_caches: Any) -> List[torch.Tensor]:
+def _caches(device_caches: Any) -> list[torch.Tensor]:
     if not isinstance(device_caches, (list, tuple)) or len(device_caches) not in (1, 2):
         raise KernelArgumentError(
             "device_caches must be a list of one (MLA latent) or two (K, V) "
@@ -152,7 +153,7 @@ def _check_distinct(ids: np.ndarray, name: str) -> None:
         )
 
 
-def _layers(layers: Any, num_layers: int) -> Tuple[int, int]:
+def _layers(layers: Any, num_layers: int) -> tuple[int, int]:
     """(first layer, count) of ``layers``: None (all), an int, or a range/slice with step 1."""
     if layers is None:
         return 0, num_layers
@@ -180,7 +181,7 @@ class PageTransfer:
     """
 
     def __init__(self, device_caches: Any, host: Any, src: Any, dst: Any, *, to_host: bool, method: str,
-                 stage: Optional[Stage]) -> None:
+                 stage: Stage | None) -> None:
         if method not in METHODS:
             raise KernelArgumentError(f"method must be one of {METHODS}, got {method!r}")
         caches = _caches(device_caches)
@@ -232,9 +233,9 @@ class PageTransfer:
             host_pages, len(caches), layers_n, self.chunk)
         self._stage = stage
         self._triton = method == "kernel" and c.use_triton(caches[0])
-        self._ids_dev: Optional[torch.Tensor] = None  # [2, n]: device ids, host ids (Triton)
-        self._runs: List[Tuple[int, int, int]] = []
-        self._dev_sorted: Optional[torch.Tensor] = None  # device ids in host-page order (copy)
+        self._ids_dev: torch.Tensor | None = None  # [2, n]: device ids, host ids (Triton)
+        self._runs: list[tuple[int, int, int]] = []
+        self._dev_sorted: torch.Tensor | None = None  # device ids in host-page order (copy)
         self._staged_once = False
         if method == "copy" and self.n:
             # Sorted by host page, so that consecutive host pages form one copy.
@@ -244,13 +245,13 @@ class PageTransfer:
 
     @classmethod
     def offload(cls, device_caches: Any, host: Any, device_pages: Any, host_pages: Any, *, method: str = "kernel",
-                stage: Optional[Stage] = None) -> "PageTransfer":
+                stage: Stage | None = None) -> PageTransfer:
         """Device pages ``device_pages[i]`` -> host pages ``host_pages[i]`` (validated, not run)."""
         return cls(device_caches, host, device_pages, host_pages, to_host=True, method=method, stage=stage)
 
     @classmethod
     def load(cls, host: Any, device_caches: Any, host_pages: Any, device_pages: Any, *, method: str = "kernel",
-             stage: Optional[Stage] = None) -> "PageTransfer":
+             stage: Stage | None = None) -> PageTransfer:
         """Host pages ``host_pages[i]`` -> device pages ``device_pages[i]`` (validated, not run)."""
         return cls(device_caches, host, host_pages, device_pages, to_host=False, method=method, stage=stage)
 
@@ -337,7 +338,7 @@ def _move(host: torch.Tensor, dev: torch.Tensor, to_host: bool) -> None:
         dev.copy_(host, non_blocking=True)
 
 
-def _runs(sorted_ids: np.ndarray) -> List[Tuple[int, int, int]]:
+def _runs(sorted_ids: np.ndarray) -> list[tuple[int, int, int]]:
     """(index, first id, length) of each run of consecutive ids in a sorted array."""
     if sorted_ids.size == 0:
         return []
@@ -348,7 +349,7 @@ def _runs(sorted_ids: np.ndarray) -> List[Tuple[int, int, int]]:
 
 
 def offload_pages(device_caches: Sequence[torch.Tensor], host_storage: Any, device_pages: Any, host_pages: Any,
-                  *, layers: Any = None, method: str = "kernel", stage: Optional[Stage] = None) -> None:
+                  *, layers: Any = None, method: str = "kernel", stage: Stage | None = None) -> None:
     """Copy device pages ``device_pages[i]`` into host pages ``host_pages[i]``: every layer
     of every cache, one launch (``method="kernel"`` on CUDA).
 
@@ -376,7 +377,7 @@ def offload_pages(device_caches: Sequence[torch.Tensor], host_storage: Any, devi
 
 
 def load_pages(host_storage: Any, device_caches: Sequence[torch.Tensor], host_pages: Any, device_pages: Any,
-               *, layers: Any = None, method: str = "kernel", stage: Optional[Stage] = None) -> None:
+               *, layers: Any = None, method: str = "kernel", stage: Stage | None = None) -> None:
     """Copy host pages ``host_pages[i]`` into device pages ``device_pages[i]``: every layer of
     every cache, one launch (``method="kernel"`` on CUDA). Arguments and errors as
     ``offload_pages`` (no device page twice)."""

@@ -13,13 +13,9 @@ needs no host sync. Requests with a negative row or a count <= 0 are skipped
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
-
-from kvpool.kernels import _common as c
 
 
 @triton.jit
@@ -56,7 +52,7 @@ def _write_req_to_token_kernel(
 
 def launch_write_req_to_token(
     req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-    slots: torch.Tensor, offsets: Optional[torch.Tensor],
+    slots: torch.Tensor, offsets: torch.Tensor | None,
 ) -> None:
     """One launch of the table kernel; arguments validated by
     ``kvpool.kernels.write_req_to_token``."""

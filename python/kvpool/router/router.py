@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from kvpool.validate import is_int
 class StreamState:
     """What the router knows of one pool's event stream."""
 
-    next_seq: Optional[int] = None  # None until the first batch
+    next_seq: int | None = None  # None until the first batch
     # (decoded batch, payload digest) by sequence number
     pending: dict[int, Any] = dataclasses.field(default_factory=dict)
     batches: int = 0  # applied
@@ -58,7 +59,7 @@ class StreamState:
     checked_seed: bool = False
     # Payload digests of the last applied batches by sequence number: an old
     # number is a duplicate only if its payload is the one applied.
-    applied: "OrderedDict[int, int]" = dataclasses.field(default_factory=OrderedDict)
+    applied: OrderedDict[int, int] = dataclasses.field(default_factory=OrderedDict)
     last_ts: float = float("-inf")  # ts of the last applied batch
 
 
@@ -170,12 +171,12 @@ class Router:
     def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
         return sum(self.feed(pool, *m) for m in messages)
 
-    def needs_replay(self, pool: int) -> Optional[int]:
+    def needs_replay(self, pool: int) -> int | None:
         """The first sequence number missing from ``pool``'s stream, or None."""
         st = self._stream(pool)
         return st.next_seq if st.pending else None
 
-    def verify_from(self, pool: int) -> Optional[int]:
+    def verify_from(self, pool: int) -> int | None:
         """Where a replay of ``pool``'s stream should start so that its first
         batch checks the publisher's history against the router's: the last
         applied sequence number (None before any). Replayed back unchanged it
@@ -295,8 +296,8 @@ class Router:
         keys = self._keys(page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt))
         return [d * self.page_size for d in self.index.depths(keys, self._all, self.num_pools)]
 
-    def route(self, tokens: Any, salt: int = 0, *, loads: Optional[Sequence[float]] = None,
-              eligible: Optional[Sequence[bool]] = None) -> Route:
+    def route(self, tokens: Any, salt: int = 0, *, loads: Sequence[float] | None = None,
+              eligible: Sequence[bool] | None = None) -> Route:
         """Pick the pool for a request: the longest cached prefix, then the least
         load (``loads``, or the router's count of routed, unfinished requests),
         then the lowest index. Counts the request in ``load`` of that pool.

@@ -16,7 +16,7 @@ checked its history (with no replay endpoint, the pool is forgotten at once).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
@@ -55,7 +55,7 @@ class ZmqFeed:
         self.replays = 0  # replay requests sent
         self.disconnects = 0  # publisher connections seen dropping
 
-    def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: Optional[str] = None, topic: str = "") -> None:
+    def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "") -> None:
         """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected).
 
         Raises:

@@ -10,7 +10,6 @@ write anywhere is visible in a bitwise comparison.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch
 
@@ -84,7 +83,7 @@ class StoreCase:
     dim: int
     cache_dtype: torch.dtype
     in_dtype: torch.dtype
-    slots: List[int]
+    slots: list[int]
     scale_kind: str  # "none" | "float" | "tensor"
     with_v: bool
     slot_dtype: torch.dtype
@@ -145,7 +144,7 @@ def slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(-1, h, d)
 
 
-def untouched_equal(before: torch.Tensor, after: torch.Tensor, targets: List[int]) -> bool:
+def untouched_equal(before: torch.Tensor, after: torch.Tensor, targets: list[int]) -> bool:
     """Every slot not in targets is bitwise unchanged."""
     b, a = slot_rows(before), slot_rows(after)
     keep = torch.ones(b.shape[0], dtype=torch.bool)
@@ -155,5 +154,5 @@ def untouched_equal(before: torch.Tensor, after: torch.Tensor, targets: List[int
     return torch.equal(bits(b[keep]), bits(a[keep]))
 
 
-def clone_opt(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def clone_opt(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()

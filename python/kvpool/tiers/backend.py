@@ -29,7 +29,6 @@ import abc
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -94,7 +93,7 @@ def encode(rec: PageRecord) -> bytes:
     return body + hashlib.blake2b(body, digest_size=_SUM).digest()
 
 
-def decode(blob: bytes) -> Optional[PageRecord]:
+def decode(blob: bytes) -> PageRecord | None:
     """The record in ``blob``, or None if it is not an intact record of this format."""
     try:
         if len(blob) < _HEADER.size + _SUM:
@@ -129,7 +128,7 @@ class TierBackend(abc.ABC):
         """Bound on the bytes stored (evicting least recently used records past it)."""
 
     @abc.abstractmethod
-    def get(self, page_hash: int) -> Optional[PageRecord]:
+    def get(self, page_hash: int) -> PageRecord | None:
         """The intact record stored under ``page_hash`` whose own hash is ``page_hash``, or None."""
 
     @abc.abstractmethod

@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,14 +129,14 @@ class DiskCache:
                                        f"got {type(backend).__name__}")
         self.pool, self.backend, self.model = pool, backend, model
         self.stats = DiskStats()
-        self._entries: Dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
-        self._pending: Dict[int, None] = {}  # pool hashes to store (insertion ordered)
-        self._staging: Optional[HostStorage] = None
+        self._entries: dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
+        self._pending: dict[int, None] = {}  # pool hashes to store (insertion ordered)
+        self._staging: HostStorage | None = None
         self._staging_event: Any = None
 
     # ----- events -> chains ---------------------------------------------
 
-    def _absorb(self, ev: Dict[str, np.ndarray]) -> None:
+    def _absorb(self, ev: dict[str, np.ndarray]) -> None:
         kinds = ev["kind"]
         if len(kinds) == 0:
             return
@@ -168,10 +168,10 @@ class DiskCache:
                         del self._entries[keys[i]]
                         self._pending.pop(keys[i], None)
 
-    def _chain(self, key: int) -> Optional[List[int]]:
+    def _chain(self, key: int) -> list[int] | None:
         """Pool hashes from the chain's first page to ``key``; None if a link is unknown
         (or the links loop, which only malformed events could make)."""
-        chain: List[int] = []
+        chain: list[int] = []
         while key:
             e = self._entries.get(key)
             if e is None or len(chain) > len(self._entries):
@@ -182,7 +182,7 @@ class DiskCache:
 
     # ----- store ----------------------------------------------------------
 
-    def store_new(self, events: Optional[Dict[str, np.ndarray]] = None, *, max_pages: Optional[int] = None) -> int:
+    def store_new(self, events: dict[str, np.ndarray] | None = None, *, max_pages: int | None = None) -> int:
         """Write the pages registered since the last call that the backend lacks.
 
         Args:
@@ -212,8 +212,8 @@ class DiskCache:
                     continue
                 leaves.append(chain)
                 covered.update(chain)
-        work: List[Tuple[int, PageRecord]] = []  # (device page, record without payload)
-        handles: List[int] = []
+        work: list[tuple[int, PageRecord]] = []  # (device page, record without payload)
+        handles: list[int] = []
         budget = int(max_pages) if max_pages is not None else len(self._pending)
         try:
             for chain in reversed(leaves):
@@ -228,8 +228,8 @@ class DiskCache:
                 self.pool.close(np.array(handles, dtype=np.int64))
         return written
 
-    def _take_chain(self, chain: List[int], fp: bytes, handles: List[int], work: List[Tuple[int, PageRecord]],
-                    budget: int) -> Optional[int]:
+    def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord]],
+                    budget: int) -> int | None:
         first = self._entries[chain[0]]
         salt = first.salt
         tokens = np.concatenate([self._entries[k].tokens for k in chain])
@@ -267,7 +267,7 @@ class DiskCache:
             self.stats.chains_skipped += 1
         return len(todo_new)
 
-    def _write(self, work: List[Tuple[int, PageRecord]], fp: bytes) -> int:
+    def _write(self, work: list[tuple[int, PageRecord]], fp: bytes) -> int:
         if not work:
             return 0
         staging = self._stage(len(work))
@@ -298,7 +298,7 @@ class DiskCache:
 
     # ----- load -------------------------------------------------------------
 
-    def prefetch(self, tokens: Any, salt: Optional[int] = None) -> int:
+    def prefetch(self, tokens: Any, salt: int | None = None) -> int:
         """Put the prompt's pages that the pool lacks and the backend has into the pool.
 
         Only full pages that ``open_with_prefix`` could use (never the prompt's last
@@ -324,7 +324,7 @@ class DiskCache:
             return 0
         return self._admit(prefix, pool_words, cached, records, salt)
 
-    def _read(self, prefix: np.ndarray, start: int, stop: int, salt: int) -> List[PageRecord]:
+    def _read(self, prefix: np.ndarray, start: int, stop: int, salt: int) -> list[PageRecord]:
         p = self.pool.page_size
         fp = shape_fingerprint(self.pool, self.model)
         tier = page_hashes(prefix, p, tier_seed(fp), salt)
@@ -351,15 +351,15 @@ class DiskCache:
         return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
             pool.dtype.itemsize
 
-    def _admit(self, prefix: np.ndarray, pool_words: np.ndarray, cached: int, records: List[PageRecord],
-               salt: Optional[int]) -> int:
+    def _admit(self, prefix: np.ndarray, pool_words: np.ndarray, cached: int, records: list[PageRecord],
+               salt: int | None) -> int:
         pool, p = self.pool, self.pool.page_size
         staging = self._stage(len(records))  # filled before the pool's lock is taken
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
         for i, rec in enumerate(records):
             raw[i + 1].numpy()[:] = np.frombuffer(rec.payload, dtype=np.uint8)
         with pool._lock:
-            h: Optional[int] = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
+            h: int | None = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
                                                           cached)
             try:
                 if pool.length(h) != cached * p:

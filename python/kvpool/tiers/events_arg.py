@@ -10,7 +10,7 @@ or ``IndexError``, or file chains under the wrong tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def _ints(name: str, value: Any) -> np.ndarray:
     return arr
 
 
-def checked_events(ev: Any) -> Dict[str, np.ndarray]:
+def checked_events(ev: Any) -> dict[str, np.ndarray]:
     """``ev`` as ``take_events()`` returns it, or ``InvalidArgumentError`` saying what is off."""
     if not isinstance(ev, Mapping):
         raise InvalidArgumentError(

@@ -28,7 +28,6 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
@@ -56,7 +55,7 @@ class FileTier(TierBackend):
     ``stored``, ``evicted``.
     """
 
-    def __init__(self, path: "str | os.PathLike[str]", max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.path = Path(path)
@@ -90,7 +89,7 @@ class FileTier(TierBackend):
         name = f"{int(page_hash):032x}"
         return self.path / name[:2] / (name + SUFFIX)
 
-    def get(self, page_hash: int) -> Optional[PageRecord]:
+    def get(self, page_hash: int) -> PageRecord | None:
         f = self.file_for(page_hash)
         try:
             blob = f.read_bytes()
@@ -148,8 +147,8 @@ class FileTier(TierBackend):
         except OSError:
             pass
 
-    def _files(self) -> List[Tuple[float, int, Path]]:
-        out: List[Tuple[float, int, Path]] = []
+    def _files(self) -> list[tuple[float, int, Path]]:
+        out: list[tuple[float, int, Path]] = []
         now = time.time()
         for sub in self.path.iterdir():
             if sub.name == ".tmp":
@@ -181,8 +180,8 @@ class FileTier(TierBackend):
             self.evicted += evicted
 
 
-def _entries(d: Path) -> List[Tuple[float, int, Path]]:
-    out: List[Tuple[float, int, Path]] = []
+def _entries(d: Path) -> list[tuple[float, int, Path]]:
+    out: list[tuple[float, int, Path]] = []
     try:
         with os.scandir(d) as it:
             for e in it:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -112,7 +112,7 @@ class HostStorage:
     """
 
     def __init__(self, host_pages: int, *, num_layers: int, page_size: int, heads: int, head_dim: int,
-                 dtype: torch.dtype, mla: bool = False, pin: Optional[bool] = None, device: Any = "cpu") -> None:
+                 dtype: torch.dtype, mla: bool = False, pin: bool | None = None, device: Any = "cpu") -> None:
         self.host_pages = _count("host_pages", host_pages, 2)
         self.num_layers = _count("num_layers", num_layers, 1)
         self.page_size = _count("page_size", page_size, 1)
@@ -141,8 +141,8 @@ class HostStorage:
         self.buffer: torch.Tensor = buf
 
     @classmethod
-    def for_pool(cls, pool: Any, *, host_pages: Optional[int] = None,
-                 host_memory_bytes: Optional[int] = None) -> "HostStorage":
+    def for_pool(cls, pool: Any, *, host_pages: int | None = None,
+                 host_memory_bytes: int | None = None) -> HostStorage:
         """The host storage matching ``pool`` (a ``KVPool``), sized by exactly one of
         ``host_pages`` (reserved page 0 included) or ``host_memory_bytes`` (rounded down
         to whole pages of ``host_page_bytes``); pinned when the pool is on CUDA.

@@ -40,8 +40,10 @@ ordering is tested on CPU with fakes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +54,7 @@ from kvpool.kernels.pages import PageTransfer, Stage
 
 __all__ = ["CudaStreams", "TransferBatch", "TransferRunner"]
 
-Pairs = Optional[Tuple[Any, Any]]
+Pairs = tuple[Any, Any] | None
 
 
 class CudaStreams:
@@ -71,7 +73,7 @@ class CudaStreams:
     def new_event(self) -> Any:
         return torch.cuda.Event()
 
-    def use(self, stream: Any) -> ContextManager:
+    def use(self, stream: Any) -> AbstractContextManager:
         return torch.cuda.stream(stream)
 
 
@@ -91,7 +93,7 @@ class TransferBatch:
     offloaded_bytes: int = 0
     loaded_bytes: int = 0
     event: Any = None
-    layer_events: Optional[List[Any]] = None
+    layer_events: list[Any] | None = None
     _streams: Any = field(default=None, repr=False)
 
     def _stream(self, stream: Any) -> Any:
@@ -168,7 +170,7 @@ class TransferRunner:
     """
 
     def __init__(self, caches: Sequence[torch.Tensor], host: Any, device: Any, *, method: str = "kernel",
-                 stage: Optional[Stage] = None, streams: Any = None) -> None:
+                 stage: Stage | None = None, streams: Any = None) -> None:
         self.caches = list(caches)
         self.host = host
         self.device = torch.device(device)
@@ -178,7 +180,7 @@ class TransferRunner:
         self._streams = streams
         self._copy_stream: Any = None
         self._last: Any = None  # event after the last batch's work
-        self._waited: List[Any] = []  # streams already waiting for _last
+        self._waited: list[Any] = []  # streams already waiting for _last
         self.num_layers = self.caches[0].shape[0]
         self.num_slots = self.caches[0].shape[1]
         # Token-major per-layer views: what copy_slots takes (all layers, or one).
@@ -186,7 +188,7 @@ class TransferRunner:
         self._all_caches = [c for layer in self._layer_caches for c in layer]
 
     @classmethod
-    def for_pool(cls, pool: Any, host: Any, **kw: Any) -> "TransferRunner":
+    def for_pool(cls, pool: Any, host: Any, **kw: Any) -> TransferRunner:
         """A runner for a ``KVPool`` (its caches, device and pinned ring) and its host storage."""
         kw.setdefault("stage", getattr(pool, "_to_device", None))
         return cls(pool._storage.caches, host, pool.device, **kw)
@@ -201,7 +203,7 @@ class TransferRunner:
                     c.record_stream(self._copy_stream)
         return self._copy_stream
 
-    def _plans(self, offloads: Pairs, loads: Pairs) -> Tuple[Optional[PageTransfer], Optional[PageTransfer]]:
+    def _plans(self, offloads: Pairs, loads: Pairs) -> tuple[PageTransfer | None, PageTransfer | None]:
         off = ld = None
         if offloads is not None and len(offloads[0]) + len(offloads[1]):
             off = PageTransfer.offload(self.caches, self._host(), offloads[0], offloads[1], method=self.method,
@@ -240,7 +242,7 @@ class TransferRunner:
         if not isinstance(layered, (bool, np.bool_)):
             raise KernelArgumentError(f"layered takes True or False, got {type(layered).__name__} {layered!r}")
         off, ld = self._plans(offloads, loads)
-        cp: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        cp: tuple[np.ndarray, np.ndarray] | None = None
         if copies is not None:
             src, dst = _slots(copies[0], "src_slots"), _slots(copies[1], "dst_slots")
             _check_copies(src, dst, self.num_slots)
@@ -264,8 +266,8 @@ class TransferRunner:
             return batch
         return self._queue(batch, off, ld, cp, layered)
 
-    def _queue(self, batch: TransferBatch, off: Optional[PageTransfer], ld: Optional[PageTransfer],
-               cp: Optional[Tuple[np.ndarray, np.ndarray]], layered: bool) -> TransferBatch:
+    def _queue(self, batch: TransferBatch, off: PageTransfer | None, ld: PageTransfer | None,
+               cp: tuple[np.ndarray, np.ndarray] | None, layered: bool) -> TransferBatch:
         s = self._streams
         caller, copy = s.current(), self.copy_stream
         copy.wait_stream(caller)
@@ -299,7 +301,7 @@ class TransferRunner:
         self._last, self._waited = done, [caller]
         return batch
 
-    def _staged_pair(self, src: np.ndarray, dst: np.ndarray) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _staged_pair(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         both = np.ascontiguousarray(np.stack([src, dst]))
         if self.device.type == "cpu":
             t = torch.from_numpy(both)

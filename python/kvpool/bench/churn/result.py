@@ -36,7 +36,7 @@ class ChurnResult(Result):
     consistent_all: bool = True  # every repeat (not only the one reported) ended consistent
 
     @classmethod
-    def workload_fields(cls, m: "Measurement") -> dict[str, Any]:
+    def workload_fields(cls, m: Measurement) -> dict[str, Any]:
         cfg, driver = m.trace.config, m.driver
         return dict(ns_per_slot=m.summary["ns_per_item"], timed_slots=m.timed_items,
                     end_free_slots=driver.free_slots(), capacity_slots=cfg.usable_pages * cfg.page_size)

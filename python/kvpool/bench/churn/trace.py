@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Optional
 
 import numpy as np
 
@@ -85,7 +84,7 @@ class _Arrivals:
     def __init__(self, cfg: ChurnTraceConfig, rng: np.random.Generator) -> None:
         self.cfg, self.rng = cfg, rng
         self.buf: Iterator[tuple[int, int]] = iter(())
-        self.head: Optional[tuple[int, int]] = None
+        self.head: tuple[int, int] | None = None
 
     def peek(self) -> tuple[int, int]:
         if self.head is None:

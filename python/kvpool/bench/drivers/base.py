@@ -17,7 +17,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from importlib import metadata
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,7 +27,7 @@ class Requirement:
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self.error: Optional[str] = None
+        self.error: str | None = None
 
     @contextlib.contextmanager
     def imports(self) -> Iterator[None]:
@@ -38,7 +38,7 @@ class Requirement:
         except Exception as exc:  # noqa: BLE001
             self.error = f"{type(exc).__name__}: {exc}"
 
-    def skip_reason(self) -> Optional[str]:
+    def skip_reason(self) -> str | None:
         if self.error is None:
             return None
         return f"{self.what} not importable ({self.error}); install: see docs/benchmarks.md 'Installing the baselines'"
@@ -67,7 +67,7 @@ class Driver(abc.ABC):
         return True
 
     @classmethod
-    def skip_reason(cls) -> Optional[str]:
+    def skip_reason(cls) -> str | None:
         """Why this driver cannot run here, in one line (None: it can)."""
         for klass in reversed(cls.__mro__):  # the shared base's imports first
             for requirement in vars(klass).get("requires", ()):

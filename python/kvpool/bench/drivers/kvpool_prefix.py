@@ -20,7 +20,7 @@ Eviction happens inside ``extend`` when no FREE page is left (LRU, tail first).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
     label = "kvpool SlotAllocator (prefix cache)"
 
     @classmethod
-    def skip_reason(cls) -> Optional[str]:
+    def skip_reason(cls) -> str | None:
         # An installed kvpool may predate shared pages; say so instead of failing mid-run.
         missing = [m for m in ("open_with_prefix", "fork", "cache", "take_copies") if not hasattr(kvpool.SlotAllocator, m)]
         if missing:

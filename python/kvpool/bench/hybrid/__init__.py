@@ -16,7 +16,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from kvpool.bench import cli, command
-from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES, size
+from kvpool.bench.columns import ALLOCATOR, META_MIB, PAGE, POOL, STEP_TIMES
 from kvpool.bench.hybrid.trace import HybridTraceConfig, generate_hybrid, split
 from kvpool.bench.prefix import QUICK_LENGTHS, CachingWorkload
 from kvpool.bench.prefix.result import PrefixResult
@@ -37,7 +37,7 @@ class HybridResult(PrefixResult):
     sliding_pages: int
 
     @classmethod
-    def workload_fields(cls, m: "Measurement") -> dict[str, Any]:
+    def workload_fields(cls, m: Measurement) -> dict[str, Any]:
         cfg = m.trace.config
         return dict(super().workload_fields(m), window=cfg.window, full_pages=cfg.full_pages,
                     sliding_pages=cfg.sliding_pages)

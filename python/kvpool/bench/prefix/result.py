@@ -98,7 +98,7 @@ class PrefixResult(Result):
         return d
 
     @classmethod
-    def workload_fields(cls, m: "Measurement") -> dict[str, Any]:
+    def workload_fields(cls, m: Measurement) -> dict[str, Any]:
         d = m.driver
         return dict(backend=d.backend(), scenario=m.trace.config.scenario,
                     prompt_tokens=m.counted["prompt_tokens"], hit_tokens=m.counted["hit_tokens"],

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Optional
 
 import numpy as np
 
@@ -267,7 +266,7 @@ def generate(cfg: PrefixTraceConfig) -> PrefixTrace:
     """Precompute every step (deterministic for a given config)."""
     src = _Source(cfg)
     C, P = cfg.concurrency, cfg.page_size
-    seqs: list[Optional[Seq]] = [None] * C
+    seqs: list[Seq | None] = [None] * C
     length = np.zeros(C, dtype=np.int64)
     decoded = np.zeros(C, dtype=np.int64)
     reserve = np.zeros(C, dtype=np.int64)
