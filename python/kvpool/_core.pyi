@@ -545,11 +545,12 @@ class SlotAllocator:
         what went).
         """
     def take_events_msgpack(
-        self, ts: float, data_parallel_rank: int | None = None
+        self, ts: float, data_parallel_rank: int | None = None, int_block_hashes: bool = False
     ) -> tuple[bytes, int, int, int]:
         """take_events() and encode_kv_events() in one call, without building
         the arrays: drains the KV events and returns them as one msgpack
-        KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends).
+        KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends);
+        int_block_hashes as encode_kv_events.
 
         Returns:
             (payload, stored, removed, cleared), as encode_kv_events; with no
@@ -1151,7 +1152,8 @@ def page_hashes(
     """
 
 def encode_kv_events(
-    events: dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: int | None = None
+    events: dict[str, npt.NDArray[Any]], ts: float, data_parallel_rank: int | None = None,
+    int_block_hashes: bool = False,
 ) -> tuple[bytes, int, int, int]:
     """Encodes drained KV events (the dict take_events returns) as one msgpack
     KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
@@ -1159,7 +1161,10 @@ def encode_kv_events(
     chain become one BlockStored, consecutive Removed events one
     BlockRemoved. Optional per-event arrays "medium" (0 GPU, 1 CPU,
     2 STORAGE; "GPU" without it) and "group_idx" (omitted without it or
-    where negative) are used when present.
+    where negative) are used when present. With int_block_hashes, block
+    hashes are sent as vLLM's int form (the low 64 bits of the 16-byte
+    big-endian hash, unsigned), which vLLM sends by default, instead of
+    the 16 bytes.
 
     Returns:
         (payload, stored, removed, cleared): the msgpack bytes, and how many

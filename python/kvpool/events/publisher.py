@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
 
 # vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
@@ -28,17 +30,18 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_BUFFER_STEPS = 10_000
 
 
-def _encoder(pool: Any) -> Callable[[float, int | None], tuple[bytes, int, int, int]]:
+def _encoder(pool: Any, int_hashes: bool) -> Callable[[float, int | None], tuple[bytes, int, int, int]]:
     """``(ts, rank) -> (payload, stored, removed, cleared)`` draining ``pool``."""
     alloc = getattr(pool, "allocator", pool)
     if isinstance(alloc, SlotAllocator):
-        return alloc.take_events_msgpack  # drains and encodes in one native call
+        take_msgpack = alloc.take_events_msgpack  # drains and encodes in one native call
+        return lambda ts, rank: take_msgpack(ts, rank, int_hashes)
     take = getattr(pool, "take_events", None)
     if not callable(take):
         raise InvalidArgumentError(
             f"a KV event publisher needs a pool with take_events() (a KVPool or SlotAllocator), "
             f"got {type(pool).__name__}")
-    return lambda ts, rank: encode_kv_events(take(), ts, rank)
+    return lambda ts, rank: encode_kv_events(take(), ts, rank, int_hashes)
 
 
 def _rank(rank: Any) -> int | None:
@@ -55,6 +58,12 @@ def _rank(rank: Any) -> int | None:
 class EventPublisher:
     """Drains a pool's events into sequenced vLLM ``KVEventBatch`` messages.
 
+    Block hashes go out as the 16-byte chain hashes, or with
+    ``int_block_hashes=True`` as vLLM's int form (the low 64 bits, unsigned),
+    which vLLM sends by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) and
+    consumers typed against it (SGLang's event classes, routers that key blocks
+    by u64) need.
+
     Subclasses deliver each message (``_deliver``). Counters, all cumulative:
     ``batches`` (messages sent), ``events`` (kvpool events sent, one per page),
     ``stored_pages``, ``removed_pages`` (pages that left the prefix cache:
@@ -63,14 +72,18 @@ class EventPublisher:
     """
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: int | None = None) -> None:
+                 data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:
+        if not isinstance(int_block_hashes, (bool, np.bool_)):
+            raise InvalidArgumentError(f"int_block_hashes takes True or False, got {type(int_block_hashes).__name__} "
+                                       f"{int_block_hashes!r}")
         if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or buffer_steps < 0:
             raise InvalidArgumentError(f"buffer_steps must be an int >= 0 (batches kept for replay), got {buffer_steps!r}")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (sent UTF-8 encoded), got {type(topic).__name__} {topic!r}")
         data_parallel_rank = _rank(data_parallel_rank)
         self.pool = pool
-        self._encode = _encoder(pool)
+        self.int_block_hashes = bool(int_block_hashes)
+        self._encode = _encoder(pool, self.int_block_hashes)
         self.topic = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
         self._seq = 0
@@ -151,8 +164,9 @@ class LocalEventPublisher(EventPublisher):
     them to a consumer (a router in the same process, a benchmark, a test)."""
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: int | None = None) -> None:
-        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
+                 data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:
+        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
+                         int_block_hashes=int_block_hashes)
         self.outbox: deque[tuple[bytes, bytes, bytes]] = deque()
 
     def _deliver(self, seq_b: bytes, payload: bytes) -> None:

@@ -50,6 +50,9 @@ class ZmqEventPublisher(EventPublisher):
             in the sequence numbers and asks for a replay).
         data_parallel_rank: sent in every batch when not None.
         context: the zmq.Context (default: the process-wide instance).
+        int_block_hashes: send block hashes as vLLM's int form (the low 64 bits
+            of the 16-byte hash, unsigned), as vLLM does by default, instead of
+            the 16 bytes; ``Router`` reads either.
 
     ``publish()`` drains and encodes on the calling thread and hands the
     message to a sender thread, which owns both sockets (as vLLM's publisher
@@ -61,7 +64,8 @@ class ZmqEventPublisher(EventPublisher):
 
     def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
-                 data_parallel_rank: int | None = None, context: Any = None) -> None:
+                 data_parallel_rank: int | None = None, context: Any = None,
+                 int_block_hashes: bool = False) -> None:
         if not isinstance(endpoint, str):
             raise InvalidArgumentError(f"endpoint must be a str such as 'tcp://*:5557', got {endpoint!r}")
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
@@ -69,7 +73,8 @@ class ZmqEventPublisher(EventPublisher):
                                        f"got {replay_endpoint!r}")
         if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
             raise InvalidArgumentError(f"hwm must be an int >= 0 (0: no limit), got {hwm!r}")
-        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank)
+        super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
+                         int_block_hashes=int_block_hashes)
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay_sock = None

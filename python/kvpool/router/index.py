@@ -1,6 +1,7 @@
 """Which pool holds which page, as the pools' KV events tell it.
 
-Keys are the 16-byte big-endian chain hashes the events carry. Each hash maps
+Keys are the hashes the events carry (16-byte big-endian chain hashes, or
+vLLM's int form of them, as each pool sends them). Each hash maps
 to a bitmask of the pools that hold it, so a prompt's walk over its pages is
 one dict lookup per page whatever the number of pools; each pool also keeps
 the set of its hashes, so that an AllBlocksCleared (or a lost batch) forgets
@@ -9,22 +10,24 @@ that pool in O(its pages).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PageIndex:
     """Hash -> pools bitmask, plus each pool's own hash set."""
 
     def __init__(self, num_pools: int) -> None:
-        self.where: dict[bytes, int] = {}
-        self.held: list[set[bytes]] = [set() for _ in range(num_pools)]
+        self.where: dict[bytes | int, int] = {}
+        self.held: list[set[bytes | int]] = [set() for _ in range(num_pools)]
 
-    def add(self, pool: int, hashes: list[bytes]) -> None:
+    def add(self, pool: int, hashes: list[Any]) -> None:
         bit, held, where = 1 << pool, self.held[pool], self.where
         for h in hashes:
             if h not in held:
                 held.add(h)
                 where[h] = where.get(h, 0) | bit
 
-    def remove(self, pool: int, hashes: list[bytes]) -> None:
+    def remove(self, pool: int, hashes: list[Any]) -> None:
         clear, held, where = ~(1 << pool), self.held[pool], self.where
         for h in hashes:
             if h in held:
@@ -38,13 +41,17 @@ class PageIndex:
     def forget(self, pool: int) -> None:
         self.remove(pool, list(self.held[pool]))
 
-    def depths(self, keys: list[bytes], alive: int, num_pools: int) -> list[int]:
-        """Leading pages of ``keys`` each pool holds (pools outside ``alive``: 0)."""
+    def depths(self, keys: list[Any], alive: int, num_pools: int, also: list[Any] | None = None) -> list[int]:
+        """Leading pages of ``keys`` each pool holds (pools outside ``alive``: 0); with
+        ``also`` (the same pages' other form), a page held under either key counts."""
         depth = [0] * num_pools
         where = self.where
         j = 0
         for k in keys:
-            m = where.get(k, 0) & alive
+            m = where.get(k, 0)
+            if also is not None:
+                m |= where.get(also[j], 0)
+            m &= alive
             if m != alive:
                 gone = alive & ~m
                 while gone:

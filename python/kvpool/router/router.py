@@ -28,6 +28,10 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
   Stored events that follow;
 - a stream joined mid-way starts at its first batch: pages stored before are
   unknown (fewer predicted hits), never wrongly believed.
+
+Block hashes may come as the 16-byte chain hashes or as vLLM's int form (the
+low 64 bits; ``ZmqEventPublisher(int_block_hashes=True)``): the index keeps
+each as it came, and a prompt is looked up in every form the streams have used.
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ class Router:
         self.streams = [StreamState() for _ in range(num_pools)]
         self.load = [0] * num_pools  # requests routed and not finished
         self._all = (1 << num_pools) - 1
+        # The hash forms the streams have sent (16-byte, int): match() looks a prompt up in each.
+        self._bytes_keys = self._int_keys = False
         self._decode = decoder().decode
         self._not_a_batch = (TypeError, msgspec.DecodeError)  # ValidationError is a DecodeError
 
@@ -233,6 +239,11 @@ class Router:
             elif ev.medium not in (self.medium, None):
                 continue
             elif kind == "BlockStored":
+                if ev.block_hashes:
+                    if type(ev.block_hashes[0]) is int:
+                        self._int_keys = True
+                    else:
+                        self._bytes_keys = True
                 ix.add(pool, ev.block_hashes)
             else:
                 ix.remove(pool, ev.block_hashes)
@@ -265,8 +276,10 @@ class Router:
                 f"pool {pool}'s root page is not one a kvpool pool sends (a hash, {self.page_size} token ids and "
                 f"an int salt in extra_keys, or none): got {len(ev.block_hashes)} hashes, {len(ev.token_ids)} "
                 f"token ids and extra_keys {ev.extra_keys!r:.60}")
-        mine = self._keys(page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt))
-        if mine[0] != ev.block_hashes[0]:
+        words = page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt)
+        theirs = ev.block_hashes[0]
+        mine = self._int_form(words) if type(theirs) is int else self._keys(words)
+        if mine[0] != theirs:
             raise InvalidArgumentError(
                 f"pool {pool}'s page hashes are not this router's: build the router with the pools' hash_seed "
                 f"(pool.hash_seed) and page_size")
@@ -283,6 +296,11 @@ class Router:
         # (hi, lo) uint64 words -> the events' 16-byte big-endian hashes.
         return words.byteswap().view("V16").tolist()  # type: ignore[no-any-return]
 
+    @staticmethod
+    def _int_form(words: np.ndarray) -> list[int]:
+        # vLLM's int form of those: the low 64 bits, unsigned.
+        return words[1::2].tolist()  # type: ignore[no-any-return]
+
     def match(self, tokens: Any, salt: int = 0) -> list[int]:
         """Prompt tokens each pool would serve from its cache, as its
         ``open_with_prefix`` computes them: whole pages, at most
@@ -293,8 +311,13 @@ class Router:
         cap = max(len(tokens) - 1, 0) // self.page_size
         if cap == 0:
             return [0] * self.num_pools
-        keys = self._keys(page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt))
-        return [d * self.page_size for d in self.index.depths(keys, self._all, self.num_pools)]
+        words = page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt)
+        if self._int_keys and self._bytes_keys:  # pools of both kinds: a page held in either form
+            depths = self.index.depths(self._keys(words), self._all, self.num_pools, also=self._int_form(words))
+        else:
+            keys = self._int_form(words) if self._int_keys else self._keys(words)
+            depths = self.index.depths(keys, self._all, self.num_pools)
+        return [d * self.page_size for d in depths]
 
     def route(self, tokens: Any, salt: int = 0, *, loads: Sequence[float] | None = None,
               eligible: Sequence[bool] | None = None) -> Route:

@@ -310,6 +310,7 @@ flags!(
     KvEventsFlag => "kv_events",
     ManualClockFlag => "manual_clock",
     LazyMetadataFlag => "lazy_metadata",
+    IntBlockHashesFlag => "int_block_hashes",
 );
 
 pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {

@@ -19,14 +19,19 @@
 //! - `medium` is "GPU" unless the arrays carry a `medium` code per event
 //!   (0 GPU, 1 CPU, 2 STORAGE; `take_events` carries the core's: 0 device,
 //!   1 host); `group_idx` is omitted unless they carry a `group_idx` per
-//!   event (negative: omitted).
+//!   event (negative: omitted);
+//! - with `int_block_hashes`, every hash (and parent hash) is vLLM's int
+//!   form instead: the low 64 bits of the 16-byte big-endian hash, an
+//!   unsigned int, as vLLM sends by default (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`)
+//!   and as consumers typed against it (SGLang's event classes, routers
+//!   that key blocks by u64) decode.
 
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::allocator::PySlotAllocator;
-use crate::convert::int_arg;
+use crate::convert::{int_arg, IntBlockHashesFlag};
 use crate::errors::invalid_argument;
 use crate::kv_events_wire::{batch, Arrays, Fail};
 
@@ -78,7 +83,7 @@ fn optional(
     Ok(Some(v))
 }
 
-/// encode_kv_events(events, ts, data_parallel_rank=None) -> tuple[bytes, int, int, int]
+/// encode_kv_events(events, ts, data_parallel_rank=None, int_block_hashes=False) -> tuple[bytes, int, int, int]
 ///
 /// Encodes drained KV events (the dict take_events returns) as one msgpack
 /// KVEventBatch in vLLM's schema (vllm/distributed/kv_events.py): the
@@ -86,7 +91,10 @@ fn optional(
 /// chain become one BlockStored, consecutive Removed events one
 /// BlockRemoved. Optional per-event arrays "medium" (0 GPU, 1 CPU,
 /// 2 STORAGE; "GPU" without it) and "group_idx" (omitted without it or
-/// where negative) are used when present.
+/// where negative) are used when present. With int_block_hashes, block
+/// hashes are sent as vLLM's int form (the low 64 bits of the 16-byte
+/// big-endian hash, unsigned), which vLLM sends by default, instead of
+/// the 16 bytes.
 ///
 /// Returns:
 ///     (payload, stored, removed, cleared): the msgpack bytes, and how many
@@ -98,12 +106,16 @@ fn optional(
 ///         different lengths, an unknown kind or medium code, token_ids that
 ///         do not match the Stored events' num_tokens.
 #[pyfunction]
-#[pyo3(signature = (events, ts, data_parallel_rank=None))]
+#[pyo3(
+    signature = (events, ts, data_parallel_rank=None, int_block_hashes=IntBlockHashesFlag(false)),
+    text_signature = "(events, ts, data_parallel_rank=None, int_block_hashes=False)"
+)]
 pub fn encode_kv_events<'py>(
     py: Python<'py>,
     events: &Bound<'py, PyAny>,
     ts: &Bound<'py, PyAny>,
     data_parallel_rank: Option<&Bound<'py, PyAny>>,
+    int_block_hashes: IntBlockHashesFlag,
 ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
     let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
     let events = events.cast::<PyDict>().map_err(|_| {
@@ -150,6 +162,7 @@ pub fn encode_kv_events<'py>(
         token_ids: slice(py, &token_ids, "token_ids")?,
         medium: optional(py, events, "medium", n)?,
         group: optional(py, events, "group_idx", n)?,
+        int_hashes: int_block_hashes.0,
     };
     finish(py, &a, ts, data_parallel_rank)
 }
@@ -205,21 +218,26 @@ fn finish<'py>(
 
 #[pymethods]
 impl PySlotAllocator {
-    /// take_events_msgpack(ts, data_parallel_rank=None) -> tuple[bytes, int, int, int]
+    /// take_events_msgpack(ts, data_parallel_rank=None, int_block_hashes=False) -> tuple[bytes, int, int, int]
     ///
     /// take_events() and encode_kv_events() in one call, without building
     /// the arrays: drains the KV events and returns them as one msgpack
-    /// KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends).
+    /// KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends);
+    /// int_block_hashes as encode_kv_events.
     ///
     /// Returns:
     ///     (payload, stored, removed, cleared), as encode_kv_events; with no
     ///     event, a batch of none and three zeros.
-    #[pyo3(signature = (ts, data_parallel_rank=None))]
+    #[pyo3(
+        signature = (ts, data_parallel_rank=None, int_block_hashes=IntBlockHashesFlag(false)),
+        text_signature = "($self, ts, data_parallel_rank=None, int_block_hashes=False)"
+    )]
     fn take_events_msgpack<'py>(
         &self,
         py: Python<'py>,
         ts: &Bound<'py, PyAny>,
         data_parallel_rank: Option<&Bound<'py, PyAny>>,
+        int_block_hashes: IntBlockHashesFlag,
     ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
         // Converted before anything is drained.
         let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
@@ -236,6 +254,7 @@ impl PySlotAllocator {
             token_ids: &e.token_ids,
             medium: Some(e.medium.iter().map(|&m| m as i64).collect()),
             group: None,
+            int_hashes: int_block_hashes.0,
         };
         let r = finish(py, &a, ts, data_parallel_rank);
         if r.is_err() {

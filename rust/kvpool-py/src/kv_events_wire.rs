@@ -24,6 +24,10 @@ pub(crate) struct Arrays<'a> {
     pub(crate) token_ids: &'a [i32],
     pub(crate) medium: Option<Vec<i64>>,
     pub(crate) group: Option<Vec<i64>>,
+    /// Hashes as vLLM's int form (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on
+    /// by default in vLLM): the low 64 bits of the big-endian 16-byte hash,
+    /// an unsigned int; else the 16 bytes.
+    pub(crate) int_hashes: bool,
 }
 
 pub(crate) enum Fail {
@@ -89,7 +93,11 @@ fn hashes(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize) -> Out<()> {
     w.extend_from_slice(b"\xacblock_hashes"); // fixstr(12)
     mp::write_array_len(w, len32(j - i, "block_hashes")?)?;
     for k in i..j {
-        mp::write_bin(w, &a.hash(k))?;
+        if a.int_hashes {
+            mp::write_uint(w, a.hash_lo[k])?;
+        } else {
+            mp::write_bin(w, &a.hash(k))?;
+        }
     }
     Ok(())
 }
@@ -118,6 +126,9 @@ fn stored(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize, tokens: &[i32]) -
     mp::write_str(w, "parent_block_hash")?;
     match a.parent(i) {
         0 => mp::write_nil(w)?,
+        _ if a.int_hashes => {
+            mp::write_uint(w, a.parent_lo[i])?;
+        }
         p => mp::write_bin(w, &p.to_be_bytes())?,
     }
     mp::write_str(w, "token_ids")?;
