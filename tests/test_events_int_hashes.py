@@ -175,3 +175,18 @@ def test_the_zmq_publisher_takes_the_flag():
         assert pub.int_block_hashes and pub.publish() == 2
         (_, _, payload), = pub.replay(0)
         assert all(type(h) is int for e in batch_of(payload).events for h in e.block_hashes)
+
+
+def test_a_hybrid_pools_events_take_the_int_form_with_their_group():
+    """A KVPool with layer groups drains through take_events and encode_kv_events."""
+    pool_ = kvpool.KVPool(2, 1, 8, page_size=P, num_pages=64, max_requests=8, max_context_len=512,
+                          layer_types=["full_attention", "sliding_attention"], sliding_window=8, hash_seed=SEED)
+    pub = LocalEventPublisher(pool_, int_block_hashes=True)
+    admit(pool_, np.arange(13))
+    assert pub.publish() > 0
+    (_, _, payload), = pub.drain()
+    stored = [e for e in batch_of(payload).events if isinstance(e, schema.BlockStored)]
+    assert stored and all(type(h) is int for e in stored for h in e.block_hashes)
+    r = Router(1, page_size=P, hash_seed=SEED)
+    r.feed(0, b"", (0).to_bytes(8, "big"), payload)
+    assert r.match(np.arange(13))[0] > 0
