@@ -1,0 +1,86 @@
+"""DiskCache.prefetch on a CUDA pool: its load is ordered before later page hand-outs
+made from other streams (kvpool/streams.py's CopyOrder).
+
+``prefetch`` runs on a helper thread, so its ``load_pages`` goes to that thread's
+stream, and the loaded pages are published (``close(cache=True)``) at once. The
+engine's next ``open_with_prefix`` hits them from its own stream and its
+attention reads them: that stream must wait for the load first, or it reads
+pages still being filled. On CPU the device path runs with fake streams and
+events (as in tests/test_pool_streams.py); the K/V itself moves for real.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kvpool
+import kvpool.tiers.disk_cache as disk_cache
+from kvpool.staging import PinnedRing
+from kvpool.streams import CopyOrder
+from kvpool.tiers import DiskCache, FileTier
+from test_tier_disk_cache import TOKENS, hit, make_pool, prefill
+
+
+class FakeEvent:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def record(self, stream=None):
+        self.log.append(("record", self.name, getattr(stream, "name", None)))
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event.name))
+
+
+def device_path_pool(log: list, current: list):
+    """A CPU pool taking a CUDA pool's path: pinned ring and copy order over fakes,
+    ``current[0]`` the calling thread's stream."""
+    pool = make_pool(hash_seed=22)
+    ring = PinnedRing(torch.device("cpu"), alloc=lambda n: torch.empty(n, dtype=torch.uint8),
+                      make_event=lambda: FakeEvent([], "ring"))
+    pool._table_np, pool._to_device = None, ring.to_device
+    pool._order = CopyOrder(pool.device, make_event=lambda: FakeEvent(log, "order"),
+                            current_stream=lambda: current[0])
+    return pool
+
+
+def test_a_prefetched_load_is_waited_for_by_the_next_hit_on_another_stream(tmp_path, monkeypatch):
+    src = make_pool(hash_seed=11)
+    want = prefill(src, TOKENS, seed=1)
+    tier = FileTier(tmp_path, 1 << 20)
+    assert DiskCache(src, tier, model="m").store_new() == 4
+
+    log: list = []
+    helper, engine = FakeStream("helper", log), FakeStream("engine", log)
+    current = [helper]
+    dst = device_path_pool(log, current)
+    real_load = disk_cache.load_pages
+
+    def logged_load(*args, **kw):
+        log.append(("load", current[0].name))
+        return real_load(*args, **kw)
+
+    monkeypatch.setattr(disk_cache, "load_pages", logged_load)
+    assert DiskCache(dst, tier, model="m").prefetch(TOKENS) == 4
+    i = log.index(("load", "helper"))
+    assert ("record", "order", "helper") in log[i:], "the load was never recorded for other streams"
+
+    current[0] = engine
+    log.clear()
+    n, got = hit(dst, TOKENS)
+    assert n == 16 and torch.equal(got, want[:, :16])
+    assert log and log[0] == ("wait", "engine", "order"), "the hit's stream did not wait for the load"
+    dst.check()
+    assert dst.open_requests == 0
