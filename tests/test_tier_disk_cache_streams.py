@@ -11,15 +11,13 @@ events (as in tests/test_pool_streams.py); the K/V itself moves for real.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+from test_tier_disk_cache import TOKENS, hit, make_pool, prefill
 
-import kvpool
 import kvpool.tiers.disk_cache as disk_cache
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.tiers import DiskCache, FileTier
-from test_tier_disk_cache import TOKENS, hit, make_pool, prefill
 
 
 class FakeEvent:
