@@ -103,3 +103,23 @@ def test_queued_copies_are_waited_for_by_a_later_call_on_another_stream():
     pool.open(1)  # b already waits for the last record
     assert ("wait", "b") not in log
     pool.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_capture_is_refused_before_the_core_changes():
+    pool = make(device="cuda", max_requests=8)
+    h = pool.open(2)
+    pool.extend(h, [6, 9])  # warm up every kernel outside the capture
+    pool.fork(int(h[0]), 1)
+    torch.cuda.synchronize()
+    before = (pool.lengths(h).tolist(), pool.open_requests)
+    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    for call in (lambda: pool.extend(h, 1), lambda: pool.admit([2]), lambda: pool.fork(int(h[0]), 1),
+                 lambda: pool.open(1), lambda: pool.page_table(h, 1)):
+        with pytest.raises(TensorDeviceError, match="being captured"):
+            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+                call()
+        assert (pool.lengths(h).tolist(), pool.open_requests) == before
+    pool.extend(h, 1)  # nothing was left half done: the pool still works
+    torch.cuda.synchronize()
+    pool.check()

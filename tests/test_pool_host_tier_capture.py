@@ -89,3 +89,31 @@ def test_write_back_eviction_is_refused_during_capture(capturing):
     capturing["on"] = False
     assert pool.evict(2) == 2 and pool.offload_bytes == 2 * pool.host.page_bytes
     pool.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_cuda_capture_is_refused_and_queues_nothing(policy):
+    pool = make(policy=policy, device="cuda")
+    prompt = list(range(1000, 1009))
+    h, _ = pool.open_with_prefix(prompt, [len(prompt)])
+    pool.extend(h, len(prompt), tokens=prompt)
+    if policy == "write_back":
+        pool.close(h, cache=True)
+        calls = {"evict": lambda: pool.evict(2)}
+    else:
+        calls = {"cache": lambda: pool.cache(h), "close": lambda: pool.close(h, cache=True)}
+    torch.cuda.synchronize()
+    before = (pool.free_pages, pool.cached_pages, pool.open_requests, pool.offload_bytes)
+    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    for name, call in calls.items():
+        with pytest.raises(TensorDeviceError, match=f"{name} was called while a CUDA graph is being captured"):
+            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+                call()
+        assert (pool.free_pages, pool.cached_pages, pool.open_requests, pool.offload_bytes) == before
+        nothing_queued(pool)
+    for call in calls.values():  # outside capture they run, and the ring was never poisoned
+        call()
+    pool.extend(pool.open(1), 4)
+    torch.cuda.synchronize()
+    pool.check()

@@ -11,6 +11,7 @@ events (as in tests/test_pool_streams.py); the K/V itself moves for real.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_tier_disk_cache import TOKENS, hit, make_pool, prefill
 
@@ -82,3 +83,28 @@ def test_a_prefetched_load_is_waited_for_by_the_next_hit_on_another_stream(tmp_p
     assert log and log[0] == ("wait", "engine", "order"), "the hit's stream did not wait for the load"
     dst.check()
     assert dst.open_requests == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_hit_from_another_stream_reads_the_prefetched_pages(tmp_path):
+    """The helper's stream s1 is held back by a long kernel, then prefetches (its load
+    queued behind the kernel); the engine's stream s2 hits the pages and reads them at
+    once. s2 must have been made to wait for the load."""
+    src = make_pool(hash_seed=11)
+    want = prefill(src, TOKENS, seed=1)
+    tier = FileTier(tmp_path, 1 << 20)
+    assert DiskCache(src, tier, model="m").store_new() == 4
+    warm = make_pool(hash_seed=22, device="cuda")
+    assert DiskCache(warm, tier, model="m").prefetch(TOKENS) == 4  # compiles the load kernel
+    dst = make_pool(hash_seed=22, device="cuda")
+    dc = DiskCache(dst, tier, model="m")
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the load
+        assert dc.prefetch(TOKENS) == 4
+    with torch.cuda.stream(s2):
+        n, got = hit(dst, TOKENS)
+        got = got.cpu()
+    assert n == 16 and torch.equal(got, want[:, :16])
+    dst.check()
