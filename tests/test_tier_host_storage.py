@@ -86,3 +86,30 @@ def test_plain_memory_on_a_cpu_pool():
     assert h.pin_method == "none" and not h.pinned
     assert h.buffer.device.type == "cpu"
     assert "host_pages=3" in repr(h) and h.tensors()[0][1] is h.buffer
+
+
+def test_pinned_pages_are_unpinned_only_after_the_device_is_done_with_them(monkeypatch):
+    # Freed with transfers still queued (a pool dropped right after a swap_out), the
+    # buffer must not be unregistered under them: a page-copy kernel reading it through
+    # its mapped address would fault, a DMA would land in memory about to be freed.
+    import gc
+
+    log = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            log.append("register")
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            log.append("unregister")
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"synchronize({device})"))
+    host = HostStorage(3, num_layers=2, page_size=4, heads=2, head_dim=8, dtype=torch.bfloat16,
+                       device=torch.device("cuda", 1))
+    assert host.pin_method == "cudaHostRegister" and log == ["register"]
+    del host
+    gc.collect()
+    assert log == ["register", "synchronize(cuda:1)", "unregister"]

@@ -262,3 +262,15 @@ def test_without_host_storage_only_copies_run():
     assert torch.equal(bits(dev_page(pool, 5)), bits(src))
     with pytest.raises(KernelArgumentError, match="no host storage"):
         runner.run(offloads=OFFLOADS)
+
+
+def test_after_a_layered_run_the_caller_still_waits_for_the_whole_batch(traced):
+    # The caller's stream waited only for the offloads (each layer has its own event):
+    # runner.wait() from it, what the pool's next page hand-out does, must not be a no-op.
+    pool, host = setup()
+    runner = TransferRunner.for_pool(pool, host, streams=traced)
+    runner.run(OFFLOADS, LOADS, COPIES, layered=True)
+    traced.log.clear()
+    runner.wait()
+    runner.wait()  # once is enough
+    assert traced.log == ["compute.wait_event(e4)"]

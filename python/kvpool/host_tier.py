@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.streams import refuse_capture
 from kvpool.tiers.host_storage import HostStorage, host_page_bytes, host_pages_for_bytes
 from kvpool.tiers.transfers import TransferBatch, TransferRunner
 
@@ -54,6 +55,7 @@ class HostTierMixin:
     """Mixin: ``KVPool``'s host tier (storage, transfers, swap, byte counters)."""
 
     allocator: Any
+    device: Any
     _lock: Any
     _to_device: Any
     _enter_device_call: Any
@@ -68,6 +70,14 @@ class HostTierMixin:
             return
         self.host = HostStorage.for_pool(self, host_pages=host_pages)
         self._transfers = TransferRunner.for_pool(self, self.host)
+
+    def _refuse_transfers_in_capture(self, what: str, policy: str) -> None:
+        """Refuse, before the core changes anything, a call that queues transfers under
+        ``policy`` while the caller's stream is capturing (CUDA pools with a tier only):
+        the copy stream would join the capture, the offloads would be recorded into the
+        graph and the pinned ring's event recorded inside it."""
+        if self._transfers is not None and self._to_device is not None and self.allocator.host_policy == policy:
+            refuse_capture(self.device, what)
 
     def _run_transfers(self) -> TransferBatch | None:
         """Run what the last core call queued: offloads, then loads. The caller

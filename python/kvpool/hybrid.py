@@ -43,6 +43,7 @@ from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.rows import index_copy_rows
+from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.validate import check_layer, check_rows, slots_tensor
 
@@ -88,6 +89,12 @@ class HybridKVPool(HybridRequestOps):
     ``memory_fraction`` the full group (else the sliding one) gets what the
     others leave. MLA, fp8, tensor parallelism, retention priorities and the
     host tier are the plain pool's only (``InvalidArgumentError``).
+
+    Streams (CUDA), as the plain pool's: ``open`` (with state groups), ``extend``,
+    ``admit``, ``fork``, ``open_with_prefix`` and ``page_table`` raise
+    ``TensorDeviceError`` while the caller's stream is capturing a CUDA graph, before
+    anything changes; the copies the core queues run on the caller's stream, and a
+    later call that hands out slots from another stream first waits for them.
     """
 
     def __init__(
@@ -210,6 +217,10 @@ class HybridKVPool(HybridRequestOps):
                         for g in self.groups if g.kind == "sliding"}
         self.null_row = self.max_requests
         self.copied_slots = 0
+        # CUDA: orders the core's queued copies before later hand-outs on other streams.
+        self._order: CopyOrder | None = CopyOrder(self.device) if self.device.type == "cuda" else None
+        # open() hands out (and zeroes) slots only in state groups.
+        self._open_copies = any(g.kind == "state" for g in self.groups)
 
     def _budget_pages(self, num_pages: Any, num_slots: Any, memory_bytes: Any, memory_fraction: Any,
                       plan: dict[str, Any]) -> int:
@@ -370,12 +381,14 @@ class HybridKVPool(HybridRequestOps):
         rewritten from the core when a page group moved some of their slots.
         """
         alloc = self.allocator
+        copied = False
         for g in self.groups:
             if not alloc.pending_copies(g.index):
                 continue
             src, dst = alloc.take_copies(g.index)
             if src.shape[0] == 0:
                 continue
+            copied = True
             if g.kind != "state":
                 st = self._storage[g.index]
                 assert st is not None
@@ -397,6 +410,8 @@ class HybridKVPool(HybridRequestOps):
                     t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
                 if z.shape[0]:
                     t.index_fill_(0, z, 0)
+        if copied and self._order is not None:  # later hand-outs on other streams wait for these
+            self._order.copied()
 
     def _sync_rows(self, handles: np.ndarray, g: LayerGroup) -> None:
         """Write each request's slots of page group ``g`` into its table row (device pools)."""

@@ -16,6 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import write_req_to_token
+from kvpool.streams import refuse_capture
 from kvpool.tables import PageTable, page_table_tensors
 from kvpool.validate import check_layer
 
@@ -64,6 +65,17 @@ class HybridRequestOps:
     _state_group: Any
     _nulled: dict[int, np.ndarray]
     group: Any
+    _order: Any  # the CopyOrder of a CUDA pool; None on CPU
+    _open_copies: bool
+
+    def _enter_device_call(self, what: str) -> None:
+        """Start of a call that copies host data to the device and hands out slots (the
+        lock is held; CUDA only): refused during capture, before the core changes anything
+        (its copies would fail there with the core committed), and the caller's stream
+        waits for the copies made earlier on another."""
+        refuse_capture(self.device, what)
+        if self._order is not None:
+            self._order.wait()
 
     # ----- request operations -------------------------------------------------
 
@@ -71,6 +83,8 @@ class HybridRequestOps:
         """Open ``n`` empty requests in every group (a state slot each, zeroed).
         See ``GroupedAllocator.open``."""
         with self._lock:
+            if self._order is not None and self._open_copies:
+                self._enter_device_call("open")
             handles = self.allocator.open(n)
             self._run_copies()
             self._forget_nulled(handles)
@@ -92,6 +106,8 @@ class HybridRequestOps:
         of the window. See ``GroupedAllocator.extend``. Copy-on-write copies run
         here. Atomic as the core's call."""
         with self._lock:
+            if self._order is not None:
+                self._enter_device_call("extend")
             if self._tables_np is not None:
                 slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
             else:
@@ -149,6 +165,8 @@ class HybridRequestOps:
         """Open ``len(counts)`` requests and extend each (``open`` then ``extend``, atomic).
         See ``GroupedAllocator.admit``."""
         with self._lock:
+            if self._order is not None:
+                self._enter_device_call("admit")
             if self._tables_np is not None:
                 handles, slots = self.allocator.admit(counts, tokens=tokens, tables=self._tables_np)
             else:
@@ -193,6 +211,8 @@ class HybridRequestOps:
         """``n`` copies of a request in every group (shared pages; state copied here).
         See ``GroupedAllocator.fork``."""
         with self._lock:
+            if self._order is not None:
+                self._enter_device_call("fork")
             handles = self.allocator.fork(handle, n)
             self._run_copies()
             self._write_new_rows(handles)
@@ -202,6 +222,8 @@ class HybridRequestOps:
         """Open requests on their longest prefix every group has cached (state restored
         from its checkpoint here). See ``GroupedAllocator.open_with_prefix``."""
         with self._lock:
+            if self._order is not None:
+                self._enter_device_call("open_with_prefix")
             handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
             self._run_copies()
             self._write_new_rows(handles)
@@ -264,6 +286,8 @@ class HybridRequestOps:
     def page_table(self, handles: Any, layer: int) -> PageTable:
         """FlashInfer's CSR page table of ``layer``'s group: a sliding group's
         carries only each request's window pages. See ``GroupedAllocator.page_table``."""
+        if self._order is not None:  # CUDA: its host -> device copy cannot be captured
+            refuse_capture(self.device, "page_table")
         indptr, indices, last = self.allocator.page_table(handles, self._page_group(layer).index)
         return page_table_tensors(indptr, indices, last, self.device)
 

@@ -41,6 +41,7 @@ class RequestOps:
     _lock: Any  # the pool's RLock
     _transfers: Any  # the host tier's TransferRunner (None without a tier)
     _run_transfers: Any
+    _refuse_transfers_in_capture: Any
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
@@ -92,8 +93,16 @@ class RequestOps:
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests and release their pages (with ``cache=True``, cached first,
         with a retention ``priority`` for ``retain_s`` seconds if given). See
-        ``SlotAllocator.close``; holds the pool's lock."""
+        ``SlotAllocator.close``; holds the pool's lock.
+
+        Raises:
+            TensorDeviceError: ``cache=True`` on a CUDA pool with a write_through host
+                tier while its stream is capturing a CUDA graph (the offloads cannot be
+                captured); nothing changed.
+        """
         with self._lock:
+            if cache:
+                self._refuse_transfers_in_capture("close", "write_through")
             self.allocator.close(handles, cache=cache, priority=priority, retain_s=retain_s)
             if self._transfers is not None:  # the host tier's offloads
                 self._run_transfers()
@@ -103,8 +112,15 @@ class RequestOps:
         ``priority`` (0-100; 100 with no ``retain_s`` pins) for ``retain_s`` seconds if
         given. See ``SlotAllocator.cache``; holds the pool's lock. Call it once the step
         that wrote those pages has run (every step, or only at close with
-        ``close(cache=True)``)."""
+        ``close(cache=True)``).
+
+        Raises:
+            TensorDeviceError: a CUDA pool with a write_through host tier while its
+                stream is capturing a CUDA graph (the offloads cannot be captured);
+                nothing changed.
+        """
         with self._lock:
+            self._refuse_transfers_in_capture("cache", "write_through")
             self.allocator.cache(handles, priority=priority, retain_s=retain_s)
             if self._transfers is not None:  # the host tier's offloads
                 self._run_transfers()
@@ -129,8 +145,15 @@ class RequestOps:
     def evict(self, n_pages: int) -> int:
         """Evict cached pages nobody holds. See ``SlotAllocator.evict``; holds the pool's
         lock. Extends evict by themselves when free pages run out; this is for
-        engines that keep headroom."""
+        engines that keep headroom.
+
+        Raises:
+            TensorDeviceError: a CUDA pool with a write_back host tier while its stream
+                is capturing a CUDA graph (the offloads cannot be captured); nothing
+                changed.
+        """
         with self._lock:
+            self._refuse_transfers_in_capture("evict", "write_back")
             n = self.allocator.evict(n_pages)
             if self._transfers is not None:  # write_back: the evicted pages' offloads
                 self._run_transfers()

@@ -129,7 +129,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     (``wait_stream`` or an event) before its kernels read the tables or write
     K/V. Calls that stage host data (``extend``, ``admit``, ``page_table``,
     ``fork``, the ``open_with_*`` calls) raise ``TensorDeviceError`` while that
-    stream is capturing a CUDA graph, before anything changes. See
+    stream is capturing a CUDA graph, before anything changes; with a host tier so
+    do the calls that would queue transfers (``swap_out``, ``swap_in``; ``cache``
+    and ``close(cache=True)`` under write_through, ``evict`` under write_back). See
     docs/kernels-and-graphs.md ("Streams and threads").
     """
 

@@ -52,7 +52,8 @@ def refuse_capture(device: torch.device, what: str) -> None:
 
 
 class CopyOrder:
-    """Orders the pool's copy-on-write copies before later work on other streams.
+    """Orders the pool's copy-on-write copies (and ``DiskCache``'s loads into pages it
+    publishes) before later work on other streams.
 
     One event serves every stream: each call that hands out pages first makes
     its stream wait for the last record, and only then may copy and record

@@ -375,6 +375,11 @@ class DiskCache:
                     return 0
                 dev_pages = pool.pages(h)[cached : cached + m].astype(np.int64)
                 load_pages(staging, pool._storage.caches, np.arange(1, m + 1, dtype=np.int64), dev_pages)
+                order = getattr(pool, "_order", None)
+                if order is not None:
+                    # Published below and hit at once, maybe from the engine's stream: the
+                    # pool's next page hand-out on another stream waits for this load first.
+                    order.copied()
                 if pool.device.type == "cuda":  # the staging buffer is reused once this load has run
                     self._staging_event = torch.cuda.Event()
                     self._staging_event.record(torch.cuda.current_stream(pool.device))

@@ -90,7 +90,19 @@ def _register(t: torch.Tensor) -> bool:
     return int(err) == 0 if not hasattr(err, "value") else int(err.value) == 0
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, device: torch.device) -> None:
+    """Unpin once the device is done with the pages: transfers may still be queued on
+    them (a pool dropped right after a swap_out), and unpinning under a page-copy kernel
+    that reaches them through their mapped address faults it, while a DMA would land in
+    memory that is freed right after this."""
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:  # pinned for caches somewhere unknown: every device
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(i)
+    except Exception:  # noqa: BLE001 - interpreter shutdown, or a device already failed
+        pass
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going anyway
@@ -134,7 +146,7 @@ class HostStorage:
             if pin:
                 if _register(buf):
                     self.pin_method = "cudaHostRegister"
-                    weakref.finalize(self, _unregister, buf.data_ptr())
+                    weakref.finalize(self, _unregister, buf.data_ptr(), torch.device(device))
                 else:  # e.g. a memlock limit: torch's pinned allocator (may round up)
                     buf = torch.empty(shape, dtype=dtype, pin_memory=True)
                     self.pin_method = "pin_memory"

@@ -298,7 +298,9 @@ class TransferRunner:
         if not layered:
             caller.wait_event(done)
         batch.event = done
-        self._last, self._waited = done, [caller]
+        # A layered run leaves the caller waiting for the offloads only: a later
+        # wait() from it must still wait for the whole batch.
+        self._last, self._waited = done, [] if layered else [caller]
         return batch
 
     def _staged_pair(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
