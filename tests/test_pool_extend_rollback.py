@@ -63,6 +63,31 @@ def test_failed_table_update_rolls_the_allocator_back(monkeypatch, counts):
     assert torch.equal(pool.req_to_token, twin.req_to_token)
 
 
+def test_failed_extend_of_a_prefix_hit_keeps_its_prompt(monkeypatch):
+    """The roll-back gives back positions that are still the prompt's: a retried extend
+    (without token ids, as after any open_with_prefix) must take the prompt's ids again,
+    so that closing with cache=True registers the pages and the prompt hits later."""
+    pool, twin = device_path_pool(), device_path_pool()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    h, cached = pool.open_with_prefix(prompt, [7])
+    ht, _ = twin.open_with_prefix(prompt, [7])
+    assert cached.tolist() == [0]
+
+    def failing_update(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    monkeypatch.setattr(pool_module, "update_req_to_token", failing_update)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, 7)
+    monkeypatch.undo()
+    for p, hh in ((pool, h), (twin, ht)):
+        p.extend(hh, 7)
+        assert p.known_tokens(int(hh[0])).tolist() == prompt
+        p.close(hh, cache=True)
+        assert p.open_with_prefix(prompt, [7])[1].tolist() == [6]
+    pool.check()
+
+
 def test_meta_device_is_refused_before_anything_is_made():
     with pytest.raises(kvpool.InvalidArgumentError, match="'cpu' or 'cuda'"):
         kvpool.KVPool(1, 1, 4, num_pages=4, device="meta")
