@@ -351,7 +351,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
             Atomic as the allocator's call, the table included. If the device
-            table update itself fails after the allocator committed, the
+            table update or a copy-on-write copy fails after the allocator committed, the
             requests are shortened back to their old lengths, keeping their
             prompts (``SlotAllocator.roll_back_extend``).
         """
@@ -378,12 +378,15 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+                if self._transfers is not None:
+                    self._run_transfers()
+                # Inside the roll-back's reach too: its table write names the moved
+                # positions' new slots, and a failed one would leave rows naming pages
+                # the request no longer holds.
+                apply_cow(self, cow, table_written=False)
             except BaseException:
                 self._roll_back_extend(handles, packed, num_requests, cow)
                 raise
-            if self._transfers is not None:
-                self._run_transfers()
-            apply_cow(self, cow, table_written=False)
             return self._own_result(slots, dev)
         finally:
             lock.release()
