@@ -63,6 +63,70 @@ def test_failed_table_update_rolls_the_allocator_back(monkeypatch, counts):
     assert torch.equal(pool.req_to_token, twin.req_to_token)
 
 
+def test_failed_extend_of_a_prefix_hit_keeps_its_prompt(monkeypatch):
+    """The roll-back gives back positions that are still the prompt's: a retried extend
+    (without token ids, as after any open_with_prefix) must take the prompt's ids again,
+    so that closing with cache=True registers the pages and the prompt hits later."""
+    pool, twin = device_path_pool(), device_path_pool()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    h, cached = pool.open_with_prefix(prompt, [7])
+    ht, _ = twin.open_with_prefix(prompt, [7])
+    assert cached.tolist() == [0]
+
+    def failing_update(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    monkeypatch.setattr(pool_module, "update_req_to_token", failing_update)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, 7)
+    monkeypatch.undo()
+    for p, hh in ((pool, h), (twin, ht)):
+        p.extend(hh, 7)
+        assert p.known_tokens(int(hh[0])).tolist() == prompt
+        p.close(hh, cache=True)
+        assert p.open_with_prefix(prompt, [7])[1].tolist() == [6]
+    pool.check()
+
+
+def test_failed_copy_on_write_table_write_rolls_the_extend_back(monkeypatch):
+    """The table entries a copy-on-write moved are written after the new slots': when
+    that write fails, the extend is rolled back too, and the request's row names the
+    slots the allocator says it holds (here: its private copy, which keeps the K/V)."""
+    pool = kvpool.KVPool(1, 1, 4, num_pages=20, page_size=4, max_requests=4, max_context_len=16,
+                         dtype=torch.float32)
+    pool._table_np = None
+    h, r = pool.admit([2])
+    k = torch.arange(8, dtype=torch.float32).view(2, 1, 4)
+    pool.write(0, r.slots, k, -k)
+    parent = int(h[0])
+    kid = int(pool.fork(parent, 1)[0])
+    free = pool.free_pages
+    import kvpool.sharing as sharing_module
+
+    write = sharing_module.write_req_to_token
+    failures = [RuntimeError("CUDA error: out of memory (injected)")]
+
+    def fails_once(*args, **kwargs):  # a transient error: the roll-back's own writes succeed
+        if failures:
+            raise failures.pop()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(sharing_module, "write_req_to_token", fails_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, 1)  # into the shared, partly filled last page: a copy
+    monkeypatch.undo()
+    pool.check()
+    assert pool.lengths([parent, kid]).tolist() == [2, 2] and pool.free_pages >= free - 1
+    for x in (parent, kid):
+        slots = pool.slots(x)
+        assert pool.req_to_token[pool.rows([x])[0], :2].tolist() == slots.tolist()
+        got_k, got_v = pool.read(0, slots)
+        assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    res = pool.extend(h, 1)
+    slots = pool.slots(parent)
+    assert pool.req_to_token[pool.rows(h)[0], :3].tolist() == slots.tolist() and slots[2] == res.slots[0]
+
+
 def test_meta_device_is_refused_before_anything_is_made():
     with pytest.raises(kvpool.InvalidArgumentError, match="'cpu' or 'cuda'"):
         kvpool.KVPool(1, 1, 4, num_pages=4, device="meta")

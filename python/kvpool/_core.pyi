@@ -345,6 +345,21 @@ class SlotAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
+    def roll_back_extend(self, handles: _IntArray, lengths: _IntArray) -> None:
+        """Shortens requests back to the lengths they had before an extend whose
+        step never ran (a table update that failed after the extend
+        committed), as truncate does, except that each request keeps the
+        prompt it was opened with (open_with_prefix): a retried extend takes
+        the prompt's token ids again and cache() can register them. Pages the
+        extend evicted stay evicted, and a copy-on-write copy it made stays
+        the request's page. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            RequestSwappedOutError: a request is swapped out.
+            InvalidArgumentError: a length is negative or past the request's
+                length, mismatched lengths, duplicate handle.
+        """
     def close(self, handles: _IntArray, cache: bool = False, priority: _IntArray | None = None,
               retain_s: float | None = None) -> None:
         """Closes requests and releases their pages; their handles become stale.

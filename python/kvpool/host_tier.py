@@ -82,7 +82,9 @@ class HostTierMixin:
     def _run_transfers(self) -> TransferBatch | None:
         """Run what the last core call queued: offloads, then loads. The caller
         holds the lock and runs its own copy-on-write copies after this (on
-        CUDA on its current stream, which already waits for these)."""
+        CUDA on its current stream, which already waits for these). If the
+        transfer fails, the prefix cache is cleared (both tiers) before the
+        error is raised."""
         runner = self._transfers
         if runner is None:
             return None
@@ -91,7 +93,15 @@ class HostTierMixin:
         ld = alloc.take_loads()
         if not len(off[0]) and not len(ld[0]):
             return None
-        return runner.run(offloads=off, loads=ld)
+        try:
+            return runner.run(offloads=off, loads=ld)
+        except BaseException:
+            # The core already counts these pages as holding the entries they were to
+            # receive (an offload's host page, a load's device page): drop every entry,
+            # on both tiers, so that a later prompt misses instead of hitting bytes that
+            # never arrived. The requests' own pages are not the index's to drop.
+            alloc.clear_cache()
+            raise
 
     # ----- swap -----------------------------------------------------------------
 

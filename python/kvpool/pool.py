@@ -353,8 +353,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
             Atomic as the allocator's call, the table included. If the device
-            table update itself fails after the allocator committed, the
-            requests are truncated back to their old lengths.
+            table update or a copy-on-write copy fails after the allocator committed, the
+            requests are shortened back to their old lengths, keeping their
+            prompts (``SlotAllocator.roll_back_extend``).
         """
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
@@ -379,12 +380,15 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
+                if self._transfers is not None:
+                    self._run_transfers()
+                # Inside the roll-back's reach too: its table write names the moved
+                # positions' new slots, and a failed one would leave rows naming pages
+                # the request no longer holds.
+                apply_cow(self, cow, table_written=False)
             except BaseException:
                 self._roll_back_extend(handles, packed, num_requests, cow)
                 raise
-            if self._transfers is not None:
-                self._run_transfers()
-            apply_cow(self, cow, table_written=False)
             return self._own_result(slots, dev)
         finally:
             lock.release()
@@ -392,8 +396,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     def _roll_back_extend(self, handles: Any, packed: np.ndarray, num_requests: int, cow: np.ndarray | None) -> None:
         """Undo a committed extend whose table update failed (a CUDA OOM or launch error).
 
-        Truncating to the old lengths (packed's ``starts`` segment), last request
-        first, pushes back exactly the pages taken, restoring the free stack's
+        Shortening to the old lengths (packed's ``starts`` segment) with
+        ``roll_back_extend``, last request first, pushes back exactly the pages taken, restoring the free stack's
         order (extend popped them first request first). A request whose shared
         last page was copied on write keeps its private copy, so that copy is run
         first (best effort: the device has just failed once). Cached pages the
@@ -406,7 +410,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             pass
         starts = PackedExtend.parse(packed, num_requests).starts
         hs = np.asarray(handles, dtype=np.int64).reshape(-1)
-        self.allocator.truncate(hs[::-1].copy(), starts[::-1].copy())
+        # Not truncate: that would make a prefix hit forget the rest of its prompt, and the
+        # retried extend would then leave those positions unknown and uncacheable.
+        self.allocator.roll_back_extend(hs[::-1].copy(), starts[::-1].copy())
 
     def page_table(self, handles: Any) -> PageTable:
         """FlashInfer's CSR page table of a batch as int32 tensors on the pool's device.

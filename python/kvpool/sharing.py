@@ -92,6 +92,16 @@ class SharingMixin:
             self.allocator.close(np.asarray(handles, dtype=np.int64)[::-1].copy())
             raise
 
+    def _run_transfers_or_close(self, handles: np.ndarray) -> None:
+        """``_run_transfers`` for requests this call just opened; if the transfers fail
+        (their hits' pages never got their bytes; the cache is cleared), close them,
+        last first, and re-raise."""
+        try:
+            self._run_transfers()
+        except BaseException:
+            self.allocator.close(np.asarray(handles, dtype=np.int64)[::-1].copy())
+            raise
+
     def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Open one request per prompt on the longest cached prefix of its prompt.
         See ``SlotAllocator.open_with_prefix``; holds the pool's lock.
@@ -105,8 +115,9 @@ class SharingMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
-            If the device table write fails after the allocator opened the
-            requests (a CUDA OOM or launch error), they are closed again.
+            If the device table write or a host hit's load fails after the
+            allocator opened the requests (a CUDA OOM or launch error), they are
+            closed again (a failed load also clears the prefix cache).
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
@@ -117,7 +128,7 @@ class SharingMixin:
                 handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
                 self._write_prefixes_or_close(handles, cached)
             if self._transfers is not None:  # host hits' loads (and the offloads their pages caused)
-                self._run_transfers()
+                self._run_transfers_or_close(handles)
             self._sharing = True
             return handles, cached
 
@@ -182,7 +193,7 @@ class SharingMixin:
                 self._enter_device_call("open_with_chain_hashes")
             handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
             if self._transfers is not None:
-                self._run_transfers()
+                self._run_transfers_or_close(np.array([handle], dtype=np.int64))
             if cached:
                 self._sharing = True
             self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))

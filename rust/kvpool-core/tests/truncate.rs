@@ -103,3 +103,29 @@ fn a_fork_truncated_into_the_prompt_diverges_alone() {
     );
     a.check().unwrap();
 }
+
+#[test]
+fn rolling_back_an_extend_keeps_the_prompt() {
+    // An extend whose step never ran (the caller's table update failed) is
+    // given back: the positions are still the prompt's.
+    let mut a = pool(32, 4);
+    let prompt = seq(10, 100);
+    let (h, _) = a.open_with_prefix(&prompt, &[10], Counts::Each(0)).unwrap();
+    a.extend(&h, Counts::Each(2), None).unwrap();
+    let free = a.free_pages();
+    a.extend(&h, Counts::Each(8), None).unwrap();
+    a.roll_back_extend(&h, Counts::Each(2)).unwrap();
+    assert_eq!((a.length(h[0]), a.free_pages()), (Ok(2), free));
+    assert_eq!(a.known_tokens(h[0]).unwrap(), ids(&prompt[..2]));
+    a.check().unwrap();
+    // The retry takes the prompt's ids again, and disagreeing ones are refused.
+    let e = a.extend(&h, Counts::Each(1), Some(&[7]));
+    assert!(matches!(e, Err(PoolError::InvalidArgument(_))), "{e:?}");
+    a.extend(&h, Counts::Each(8), None).unwrap();
+    assert_eq!(a.known_tokens(h[0]).unwrap(), ids(&prompt));
+    // Its errors are truncate's, and leave the request as it was.
+    let e = a.roll_back_extend(&h, Counts::Each(11));
+    assert!(matches!(e, Err(PoolError::InvalidArgument(_))), "{e:?}");
+    assert_eq!(a.length(h[0]), Ok(10));
+    a.check().unwrap();
+}

@@ -319,6 +319,32 @@ impl PySlotAllocator {
         Ok(py.detach(|| self.lock().truncate(&h, counts_of(&l)))?)
     }
 
+    /// roll_back_extend(handles, lengths) -> None
+    ///
+    /// Shortens requests back to the lengths they had before an extend whose
+    /// step never ran (a table update that failed after the extend
+    /// committed), as truncate does, except that each request keeps the
+    /// prompt it was opened with (open_with_prefix): a retried extend takes
+    /// the prompt's token ids again and cache() can register them. Pages the
+    /// extend evicted stay evicted, and a copy-on-write copy it made stays
+    /// the request's page. Atomic.
+    ///
+    /// Raises:
+    ///     InvalidHandleError: a handle is unknown, closed or stale.
+    ///     RequestSwappedOutError: a request is swapped out.
+    ///     InvalidArgumentError: a length is negative or past the request's
+    ///         length, mismatched lengths, duplicate handle.
+    fn roll_back_extend(
+        &self,
+        py: Python<'_>,
+        handles: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> Result<()> {
+        let h = int_arg(py, handles, "handles")?.into_vec();
+        let l = int_arg(py, lengths, "lengths")?;
+        Ok(py.detach(|| self.lock().roll_back_extend(&h, counts_of(&l)))?)
+    }
+
     /// close(handles, cache=False, priority=None, retain_s=None) -> None
     ///
     /// Closes requests and releases their pages; their handles become stale.

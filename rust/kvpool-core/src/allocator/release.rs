@@ -1,4 +1,4 @@
-//! The freeing side: truncate, close and reset. A request lets go of its
+//! The freeing side: truncate (and an extend's roll-back), close and reset. A request lets go of its
 //! pages last-first: FREE pages then come back off the stack in their old
 //! order, and CACHED tail pages end up older in the LRU than their parents,
 //! so eviction takes a chain's tail first (as vLLM frees in reverse order).
@@ -19,6 +19,20 @@ impl SlotAllocator {
     /// All-or-nothing. Errors: `InvalidHandle`, `InvalidArgument`,
     /// `RequestSwappedOut`.
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, true)
+    }
+
+    /// Shortens requests back to the lengths they had before an extend whose
+    /// step never ran (the caller's table update failed after the extend
+    /// committed), as [`Self::truncate`] does, except that each keeps the
+    /// prompt it was opened with: the positions given back are still that
+    /// prompt's, so a retried extend takes its token ids again and `cache`
+    /// can register them. All-or-nothing; the errors of `truncate`.
+    pub fn roll_back_extend(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, false)
+    }
+
+    fn shorten(&mut self, handles: &[i64], lengths: Counts<'_>, forget_prompt: bool) -> Result<()> {
         lengths.check_len("lengths", handles.len())?;
         self.requests.begin_batch();
         for (i, &h) in handles.iter().enumerate() {
@@ -36,7 +50,7 @@ impl SlotAllocator {
         for (i, &h) in handles.iter().enumerate() {
             let row = handle_row(h) as usize;
             let l = lengths.get(i) as usize;
-            if l < self.requests.len(row) {
+            if forget_prompt && l < self.requests.len(row) {
                 // Rolled back (an edited turn, a retried call, rejected
                 // draft tokens): what follows need not be the prompt.
                 self.requests.truncate_prompt(row, l);
