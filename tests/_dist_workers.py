@@ -14,13 +14,7 @@ import kvpool
 from kvpool.demo.engine import Engine
 from kvpool.demo.model import ModelConfig, build_model
 from kvpool.demo.requests import synthetic_requests
-from kvpool.distributed import (
-    RankDivergenceError,
-    TransferError,
-    TransferRejectedError,
-    kv_transfer,
-    tp_pool,
-)
+from kvpool.distributed import RankDivergenceError, TransferError, TransferRejectedError, kv_transfer, tp_pool
 
 CFG = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=80, seed=3)
 MAX_CTX = 80

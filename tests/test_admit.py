@@ -9,14 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool import (
-    ContextTooLongError,
-    InvalidArgumentError,
-    KVPoolError,
-    PoolExhaustedError,
-    SlotAllocator,
-    TooManyRequestsError,
-)
+from kvpool import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, SlotAllocator, TooManyRequestsError
 from kvpool.layout import padded_table
 
 

@@ -9,13 +9,7 @@ import numpy as np
 import pytest
 from test_allocator_errors import assert_fails_unchanged
 
-from kvpool import (
-    InvalidArgumentError,
-    InvalidHandleError,
-    KVPoolError,
-    PoolExhaustedError,
-    SlotAllocator,
-)
+from kvpool import InvalidArgumentError, InvalidHandleError, KVPoolError, PoolExhaustedError, SlotAllocator
 from kvpool.layout import padded_table
 
 

@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from kvpool import KVPool, audit
-from kvpool._core import (
-    InvalidArgumentError,
-    PoolExhaustedError,
-    RollbackUnavailableError,
-)
+from kvpool._core import InvalidArgumentError, PoolExhaustedError, RollbackUnavailableError
 from kvpool.errors import LayerIndexError, SlotRangeError, TensorDtypeError
 from kvpool.hybrid import HybridKVPool
 

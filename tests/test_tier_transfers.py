@@ -18,13 +18,7 @@ import torch
 
 import kvpool
 import kvpool.tiers.transfers as T
-from kvpool.errors import (
-    DuplicateSlotError,
-    KernelArgumentError,
-    ReservedSlotError,
-    SlotRangeError,
-    TensorShapeError,
-)
+from kvpool.errors import DuplicateSlotError, KernelArgumentError, ReservedSlotError, SlotRangeError, TensorShapeError
 from kvpool.kernels.pages import PageTransfer
 from kvpool.tiers import HostStorage, TransferRunner
 

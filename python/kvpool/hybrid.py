@@ -32,12 +32,7 @@ import torch
 from kvpool._core import GroupedAllocator, InvalidArgumentError
 from kvpool.capacity import free_device_memory
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
-from kvpool.hybrid_plan import (
-    LayerGroup,
-    plan_groups,
-    plan_states,
-    primary_pages_for_budget,
-)
+from kvpool.hybrid_plan import LayerGroup, plan_groups, plan_states, primary_pages_for_budget
 from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent

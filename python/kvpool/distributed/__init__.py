@@ -12,12 +12,7 @@
   or Mooncake. Details and guarantees: docs/distributed.md.
 """
 
-from kvpool.distributed.errors import (
-    RankDivergenceError,
-    TransferError,
-    TransferRejectedError,
-    TransferTimeoutError,
-)
+from kvpool.distributed.errors import RankDivergenceError, TransferError, TransferRejectedError, TransferTimeoutError
 from kvpool.distributed.kv_transfer import TransferStats, recv_request, recv_request_stats, send_request
 from kvpool.distributed.pages import contiguous_runs, page_descriptors
 from kvpool.distributed.tp import TPPool, agree_seed, tp_pool

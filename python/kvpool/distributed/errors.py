@@ -6,11 +6,6 @@ loading ``torch.distributed``); this module re-exports them.
 
 from __future__ import annotations
 
-from kvpool.errors import (
-    RankDivergenceError,
-    TransferError,
-    TransferRejectedError,
-    TransferTimeoutError,
-)
+from kvpool.errors import RankDivergenceError, TransferError, TransferRejectedError, TransferTimeoutError
 
 __all__ = ["RankDivergenceError", "TransferError", "TransferRejectedError", "TransferTimeoutError"]

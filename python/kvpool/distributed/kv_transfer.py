@@ -36,13 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool._core import (
-    ContextTooLongError,
-    InvalidArgumentError,
-    KVPoolError,
-    PoolExhaustedError,
-    TooManyRequestsError,
-)
+from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype

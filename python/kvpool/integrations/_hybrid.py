@@ -23,10 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import (
-    CacheLayerMixin,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError

@@ -53,13 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.integrations._pool_views import (
-    decode_run,
-    index_tensor,
-    pool_views,
-    slot_run,
-    strided_run,
-)
+from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
 

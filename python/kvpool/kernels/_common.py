@@ -16,13 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvpool.errors import (
-    KernelArgumentError,
-    TensorDeviceError,
-    TensorDtypeError,
-    TensorShapeError,
-    TritonUnavailableError,
-)
+from kvpool.errors import KernelArgumentError, TensorDeviceError, TensorDtypeError, TensorShapeError, TritonUnavailableError
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 __all__ = [

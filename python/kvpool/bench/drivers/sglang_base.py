@@ -14,10 +14,7 @@ from kvpool.bench.drivers.base import Driver, Requirement, storage_bytes
 
 SGLANG_ALLOCATORS = Requirement("sglang allocators")
 with SGLANG_ALLOCATORS.imports():
-    from sglang.srt.mem_cache.allocator import (  # type: ignore[import-untyped,unused-ignore]
-        PagedTokenToKVPoolAllocator,
-        TokenToKVPoolAllocator,
-    )
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # type: ignore[import-untyped,unused-ignore]
 
 
 class SGLangBase(Driver):

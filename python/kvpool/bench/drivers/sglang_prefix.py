@@ -50,11 +50,7 @@ from kvpool.bench.prefix.trace import PrefixStep, PrefixTraceConfig
 
 SGLANG_RADIX = Requirement("sglang RadixCache")
 with SGLANG_RADIX.imports():
-    from sglang.srt.mem_cache.allocation import (  # type: ignore[import-untyped,unused-ignore]
-        alloc_paged_token_slots_decode,
-        alloc_paged_token_slots_extend,
-        alloc_token_slots,
-    )
+    from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_decode, alloc_paged_token_slots_extend, alloc_token_slots  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # type: ignore[import-untyped,unused-ignore]
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # type: ignore[import-untyped,unused-ignore]
@@ -66,10 +62,7 @@ def tree_core_backend(page_size: int = 1) -> str:
     try:
         import logging
 
-        from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # type: ignore[import-untyped,unused-ignore]
-            _rust_fallback_reason,
-            select_tree_core_backend,
-        )
+        from sglang.srt.mem_cache.unified_cache.tree_core_registry import _rust_fallback_reason, select_tree_core_backend  # type: ignore[import-untyped,unused-ignore]
 
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None,
                                  page_size=page_size)
@@ -241,9 +234,7 @@ class SGLangUnifiedPrefixDriver(SGLangPrefixDriver):
     _evict_method = "_evict"  # its evict and evict_for_alloc both end in _evict
 
     def _make_tree(self, params: Any) -> Any:
-        from sglang.srt.mem_cache.unified_cache.component_type import (  # type: ignore[import-untyped,unused-ignore]
-            ComponentType,
-        )
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # type: ignore[import-untyped,unused-ignore]
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # type: ignore[import-untyped,unused-ignore]
 
         params.tree_components = (ComponentType.FULL,)
