@@ -1,0 +1,638 @@
+"""What tests/test_doc_examples.py needs to run each ```python block of README.md and docs/*.md.
+
+One ``Case`` per block, in the order of its file. ``setup`` supplies the names the
+doc leaves to the reader; module objects it binds are removed before the block runs
+(a block must import what it uses), except those in ``modules``, for fragments whose
+surrounding doc imported them. ``subs`` makes a GPU-sized block a CPU one by exact
+text replacement (same number of lines, so a traceback's line is the doc's).
+``check`` asserts what the block's comments and the prose next to it claim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    first: str                                # the block's first line: a reordered doc fails loudly
+    setup: str = ""                           # the names the doc leaves to the reader
+    subs: tuple[tuple[str, str], ...] = ()    # the CPU version: (doc text, CPU text)
+    check: str = ""                           # what the block's comments and prose claim
+    modules: tuple[str, ...] = ()             # modules of setup that the fragment's doc imported earlier
+    skip: str = ""                            # why it cannot run here
+    after: bool = False                       # continues the file's previous block, in its namespace
+    ranks: int = 0                            # run on this many gloo ranks (tests/_dist.py)
+    cleanup: str = ""                         # runs whatever happened
+
+
+CUDA = (('device="cuda"', 'device="cpu"'),)
+
+# A CPU decode step: embeds, writes this step's K/V through the pool, attends over
+# req_to_token and returns logits; the eager result is the reference for the runner.
+GRAPH_SETUP = """
+import numpy as np, torch, kvpool
+VOCAB = 32
+
+def model(input_ids, positions, req_rows, out_cache_loc, seq_lens):
+    emb = torch.randn(VOCAB, pool.num_kv_heads, pool.head_dim, generator=torch.Generator().manual_seed(0))
+    emb = emb.to(pool.k_buffer(0).dtype)
+    x = emb[input_ids] + positions[:, None, None].to(emb.dtype)
+    for layer in range(pool.num_layers):
+        pool.write(layer, out_cache_loc, x, -x)
+    rows = pool.req_to_token[req_rows].long()
+    keys = pool.k_buffer(0)[rows].float()                            # [n, ctx, H, D]
+    mask = torch.arange(rows.shape[1])[None, :] < seq_lens[:, None]
+    scores = (keys * x[:, None].float()).sum((-1, -2)).masked_fill(~mask, -1e9)
+    ctx = (scores.softmax(-1)[..., None, None] * keys).sum(1)
+    return ctx.flatten(1) @ emb.float().flatten(1).T
+
+def started(pool):
+    handles = pool.open(3)
+    pool.extend(handles, [5, 17, 2])
+    return handles
+
+token_ids = torch.tensor([4, 9, 30])
+"""
+GRAPH_CHECK = """
+assert logits.shape == (3, VOCAB)
+assert kvpool.cuda_graph.default_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and runner.bucket_for(201) == 208
+assert kvpool.cuda_graph.default_buckets(256)[-1] == 256
+assert np.array_equal(lens, [6, 18, 3])
+expect = model(token_ids, torch.as_tensor(lens - 1), torch.as_tensor(pool.rows(handles)), step.out_cache_loc,
+               torch.as_tensor(lens))
+assert torch.allclose(logits, expect)
+"""
+
+HF_SETUP = """
+import torch, sys
+sys.path.insert(0, TESTS)
+from _hf_models import tiny_model, left_padded
+model = tiny_model("llama")
+ids, mask = left_padded([7, 4])
+inputs = {"input_ids": ids, "attention_mask": mask}
+"""
+HF_CHECK = """
+plain = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+assert out.shape == (2, ids.shape[1] + 64) and torch.equal(out, plain)  # token for token
+assert pool.open_requests == 0                                         # the with block closed its rows
+"""
+
+DISK_SETUP = """
+import numpy as np, torch, kvpool, tempfile
+from kvpool.tiers import DiskCache as _Disk, FileTier as _Tier
+directory = tempfile.mkdtemp(prefix="kvpool-doc-")
+
+def make_pool():
+    return kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=32, max_context_len=256)
+
+PROMPT = list(range(3, 3 + 70))
+earlier = make_pool()                            # another process, before a restart
+old_disk = _Disk(earlier, _Tier(directory, max_bytes=200 << 30), model=MODEL)
+h = earlier.admit([len(PROMPT)], tokens=PROMPT)[0]
+for layer in range(2):
+    earlier.write(layer, torch.as_tensor(earlier.slots(h[0])), torch.randn(70, 2, 8), torch.randn(70, 2, 8))
+earlier.close(h, cache=True)
+assert old_disk.store_new() == 4
+pool = make_pool()
+"""
+DISK_CHECK = """
+assert cached[0] == 64                           # 4 pages from the disk: what the earlier pool wrote
+assert disk.stats.pages_loaded == 4 and old_disk.stats.pages_stored == 4
+theirs = earlier.read(0, earlier.slots(earlier.open_with_prefix(PROMPT, [70])[0][0])[:64])
+mine = pool.read(0, pool.slots(hs[0])[:64])
+assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+"""
+# Two instances on two gloo ranks: rank 0 prefills, rank 1 decodes. Token i of layer l
+# holds i + 1000 * l (v: its negative), so the decode side can check what arrived.
+TRANSFER_SETUP = """
+import torch, torch.distributed as dist
+N_TOKENS = 37
+
+def fill(pool, h):
+    import torch   # (the setup's module bindings are dropped before the block runs)
+
+    slots = torch.as_tensor(pool.slots(h))
+    want = torch.arange(len(slots), dtype=torch.float32)[:, None, None].expand(-1, pool.num_kv_heads, pool.head_dim)
+    for layer in range(pool.num_layers):
+        k = (want + 1000 * layer).to(pool.k_buffer(0).dtype)
+        pool.write(layer, slots, k, -k)
+
+def prefilled(pool):
+    h = int(pool.admit([N_TOKENS])[0][0])
+    fill(pool, h)
+    return h
+"""
+TRANSFER_CHECK = """
+if rank == 1:
+    assert pool.length(h) == N_TOKENS
+    for layer in range(pool.num_layers):
+        k, v = pool.read(layer, pool.slots(h))
+        want = torch.arange(N_TOKENS, dtype=torch.float32) + 1000 * layer
+        assert torch.equal(k[:, 0, 0].float(), want) and torch.equal(v[:, -1, -1].float(), -want)
+"""
+
+DISK_CLEANUP = "import shutil; shutil.rmtree(directory, ignore_errors=True)"
+
+CASES: dict[str, list[Case]] = {}
+
+
+def doc(path: str, *cases: Case) -> None:
+    CASES[path] = list(cases)
+
+
+# ----- README.md: every block stands alone (a fragment's context is its setup) ---------------
+
+doc(
+    "README.md",
+    Case(
+        "pool.close(finished)",
+        setup="""
+import numpy as np, torch, kvpool
+num_layers = 2
+pool = kvpool.KVPool(num_layers, 2, 8, dtype=torch.float32, page_size=4, num_pages=32, max_context_len=512)
+running = pool.open(3)
+pool.extend(running, [5, 3, 9])
+finished, running = running[:1], running[1:]
+freed = set(pool.pages(finished[0]).tolist())
+before = pool.lengths(running).copy()
+prompt_lens = [6, 2]
+k, v = torch.randn(num_layers, 2, 2, 8), torch.randn(num_layers, 2, 2, 8)
+""",
+        modules=("torch",),
+        check="""
+assert freed <= set(np.concatenate([pool.pages(h) for h in new]).tolist())  # LIFO: the freed pages first
+assert len(pre.slots) == 8 and np.array_equal(pool.lengths(new), prompt_lens)
+with pytest.raises(kvpool.InvalidHandleError):
+    pool.lengths(finished)
+assert np.array_equal(seq_lens, before + 1)
+for layer in range(num_layers):
+    assert torch.equal(pool.k_buffer(layer)[dec.out_cache_loc], k[layer])
+    assert torch.equal(pool.v_buffer(layer)[dec.out_cache_loc], v[layer])
+rows = pool.req_to_token[pool.rows(running)]
+for i, h in enumerate(running):
+    assert np.array_equal(rows[i, : seq_lens[i]].numpy(), pool.slots(h))
+indptr, indices, last = pool.page_table(running)
+assert indptr.dtype == torch.int32 and indptr.tolist() == [0, 1, 4]
+free, admissible = pool.free_pages, pool.admissible_tokens
+with pytest.raises(kvpool.PoolExhaustedError):      # all-or-nothing
+    pool.admit([100, 100])
+assert (pool.free_pages, pool.admissible_tokens, pool.open_requests) == (free, admissible, 4)
+""",
+    ),
+    Case(
+        "import numpy as np",
+        check="""
+assert reqs.dtype == np.int64 and len(slots) == 3 and len(pre) == 42 and len(new) == 2
+b = kvpool.SlotAllocator(num_pages=1 << 16, page_size=16, max_requests=256, max_context_len=4096)
+r = b.open(3)
+assert len(b.extend(r, [17, 1, 40])) == 58
+b.extend(r, 1)
+b.admit([12, 30])
+assert np.array_equal(b.extend(r, 1), step_slots[:3])
+assert np.array_equal(a.lengths(reqs[1:]), [2, 41])
+assert a.used_pages == 1 + 3 + 1 + 2                # truncate freed the pages past each new end
+with pytest.raises(kvpool.InvalidHandleError):
+    a.extend(reqs[:1], 1)
+""",
+    ),
+    Case(
+        "import torch, kvpool",
+        subs=(("num_layers=32", "num_layers=2"),
+              ('device="cuda", page_size=16, memory_fraction=0.8', 'device="cpu", page_size=16, num_pages=64')),
+        setup="""
+import torch
+layer = 1
+k, v = torch.randn(61, 8, 128, dtype=torch.bfloat16), torch.randn(61, 8, 128, dtype=torch.bfloat16)
+model = torch.nn.Linear(4, 4)
+""",
+        check="""
+assert torch.equal(pool.k_buffer(layer)[step.out_cache_loc], k)
+assert torch.equal(pool.v_buffer(layer)[step.out_cache_loc], v)
+assert k_cache.data_ptr() == pool.k_buffer(layer).data_ptr() and k_cache.shape == (64 * 16, 8, 128)
+for i, h in enumerate(reqs):
+    assert pool.req_to_token[pool.rows(reqs)[i], : [17, 1, 40, 3][i]].tolist() == pool.slots(h).tolist()
+with pytest.raises(kvpool.TensorShapeError):        # validated first: nothing written
+    pool.write(layer, step.out_cache_loc, torch.zeros(61, 8, 64, dtype=torch.bfloat16), v)
+assert torch.equal(pool.k_buffer(layer)[step.out_cache_loc], k)
+paged = kvpool.KVPool(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16,
+                      num_pages=64, layout="paged")
+assert paged.k_buffer(0).shape == (64, 16, 8, 128)
+with torch.inference_mode():
+    made_in_inference_mode = torch.nn.Linear(4, 4)
+assert kvpool.audit(model=made_in_inference_mode, pool=pool)   # the block's assert can fail
+""",
+    ),
+    Case(
+        "system = tokenizer.encode(SYSTEM_PROMPT)",
+        setup="""
+import numpy as np, torch, kvpool
+pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=64, max_context_len=512)
+
+class Tokenizer:
+    def encode(self, text):
+        return [3 + ord(c) % 90 for c in text]
+
+tokenizer = Tokenizer()
+SYSTEM_PROMPT, user_a, user_b = "You are a careful assistant. " * 2, [7] * 21, [9] * 13
+sampled = [11, 12, 13, 14]
+""",
+        check="""
+assert cached[0] == len(system) // 16 * 16 == 48
+assert np.array_equal(pool.pages(h[0])[:3], pool.pages(kids[0])[:3])      # the shared full pages
+assert len({int(pool.pages(r)[-1]) for r in [h[0], *kids]}) == 4           # the half page, copied
+for kid in kids:
+    assert np.array_equal(pool.slots(kid)[:48], pool.slots(h[0])[:48])
+    assert pool.length(kid) == pool.length(h[0])
+pool.check()
+""",
+    ),
+    Case(
+        "from kvpool.kernels import store_kv",
+        setup="""
+import torch
+k_cache, v_cache = torch.zeros(64, 2, 8), torch.zeros(64, 2, 8)
+slots = torch.tensor([5, -1, 9])
+k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+src_slots, dst_slots = torch.arange(0, 16), torch.arange(16, 32)
+""",
+        modules=("torch",),
+        check="""
+assert k.dtype == torch.bfloat16 and k.shape == (3, 2, 8)
+assert k[1].eq(0).all() and v[1].eq(0).all()                       # the negative slot read zeros
+assert k[0].ne(0).all() and k_cache[:16].count_nonzero() == 2 * 2 * 8   # slot -1 was skipped
+assert torch.equal(k_cache[21], k_cache[5]) and torch.equal(v_cache[25], v_cache[9])   # copied
+""",
+    ),
+    Case(
+        "runner = kvpool.DecodeGraphRunner(pool, decode_step, max_batch_size=256)",
+        setup=GRAPH_SETUP + """
+pool = kvpool.KVPool(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, page_size=16, num_pages=64)
+handles = started(pool)
+decode_step = model
+step = pool.extend(handles, 1)
+lens = pool.lengths(handles)
+""",
+        modules=("torch", "kvpool"),
+        check=GRAPH_CHECK,
+    ),
+    Case(
+        "from kvpool.integrations.transformers import KVPoolCache, pool_for_model",
+        setup=HF_SETUP,
+        check=HF_CHECK,
+    ),
+    Case(
+        "from kvpool.distributed import recv_request, send_request, tp_pool",
+        ranks=2,
+        subs=(('device="cuda"', 'device="cpu"'), ("check_every=64)", "check_every=64, group=own)"),
+              ("send_request(pool, h,", "send_request(pool, h := prefilled(pool),")),
+        setup=TRANSFER_SETUP + """
+layers, num_kv_heads, head_dim, N = 2, 4, 8, 32
+own = [dist.new_group([r]) for r in range(world)][rank]   # each instance its own TP group here
+prefill = rank == 0
+""",
+        check=TRANSFER_CHECK,
+    ),
+    Case(
+        "from kvpool.tiers import DiskCache, FileTier",
+        subs=(('"/var/cache/kvpool"', "directory"),),
+        setup='MODEL = "llama-3-8b"\n' + DISK_SETUP + "tokens, salt = PROMPT, None\n",
+        check="hs, cached = pool.open_with_prefix(tokens, [len(tokens)], salt)\n" + DISK_CHECK,
+        cleanup=DISK_CLEANUP,
+    ),
+)
+
+
+# ----- docs/*.md ------------------------------------------------------------------------------
+
+doc(
+    "docs/allocator.md",
+    Case(
+        "import numpy as np, kvpool",
+        check="""
+assert indptr.dtype == indices.dtype == last_page_len.dtype == np.int32
+assert indptr.tolist() == [0, 1, 2, 5] and last_page_len.tolist() == [10, 2, 41 - 32]
+assert indices[1:].tolist() == a.pages(reqs[1]).tolist() + a.pages(reqs[2]).tolist()
+assert np.array_equal(a.lengths(reqs[1:]), [2, 41]) and len(slots) == 3
+with pytest.raises(kvpool.InvalidHandleError):
+    a.extend(reqs[:1], 1)
+""",
+    ),
+)
+
+doc(
+    "docs/distributed.md",
+    Case(
+        "import torch, torch.distributed as dist, kvpool",
+        ranks=2,
+        subs=CUDA + (('dist.init_process_group("nccl")', "dist.is_initialized()"), ("num_pages=...", "num_pages=64")),
+        setup="num_layers, num_kv_heads, head_dim = 2, 4, 8\n",
+        check="""
+assert (pool.num_kv_heads, pool.kv_head_start, pool.tp_size) == (2, 2 * rank, 2)
+assert pool.k_buffer(0).shape == (64 * 16, 2, 8) and pool.k_buffer(0).dtype == torch.bfloat16
+""",
+    ),
+    Case(
+        "import torch.distributed as dist",
+        ranks=2,
+        subs=(("...                                            # prefill forward",
+               "fill(pool, h[0])                               # prefill forward"),),
+        setup=TRANSFER_SETUP + """
+import kvpool
+pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=16)
+n = N_TOKENS
+""",
+        check=TRANSFER_CHECK + """
+if rank == 0:
+    assert not pool.is_open(h[0]) and pool.open_requests == 0
+    assert (stats.handle, stats.pages, stats.cached_pages) == (h[0], 3, 0) and stats.bytes > 0
+    import inspect
+    from kvpool.distributed.kv_transfer import TransferStats
+    assert stats.messages == 4                     # header, reply, one chunk, ack
+    fields = list(TransferStats._fields)
+    assert fields == ["handle", "pages", "cached_pages", "bytes", "messages", "seconds"], fields
+    assert inspect.signature(send_request).parameters["timeout_s"].default == 60
+    assert inspect.signature(recv_request).parameters["timeout_s"].default == 60
+    assert inspect.signature(send_request).parameters["chunk_bytes"].default == 16 << 20
+""",
+    ),
+)
+
+doc(
+    "docs/events-and-metrics.md",
+    Case(
+        "from kvpool.events import ZmqEventPublisher",
+        subs=(('"tcp://*:5557"', '"tcp://127.0.0.1:0"'), ('"tcp://*:5558"', '"tcp://127.0.0.1:0"'),
+              ("pub.publish()            #", "sent = pub.publish()     #")),
+        setup="""
+import torch, kvpool
+pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=16)
+h = pool.admit([40], tokens=list(range(3, 43)))[0]
+pool.close(h, cache=True)                       # registers 2 full pages: 2 Stored events
+""",
+        check="""
+assert sent == 2
+assert pool.take_events()["kind"].size == 0       # publish() drained them
+""",
+    ),
+    Case(
+        "from kvpool.router import Router, ZmqFeed",
+        subs=(("...\nfeed.poll()", "engine_step()\nfeed.poll()"),
+              ("send(request, to=route.pool)     ", "sent.append(route.pool)          ")),
+        setup="""
+import torch, kvpool
+from kvpool.events import ZmqEventPublisher
+pools = [kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=32, hash_seed=7) for _ in range(4)]
+pool = pools[0]
+pubs = [ZmqEventPublisher(p, "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") for p in pools]
+endpoints = [(p.endpoint, p.replay_endpoint) for p in pubs]
+prompt_token_ids = list(range(3, 53))
+has_room = [True, True, True, False]
+sent = []
+
+def engine_step():
+    # Pool 2 serves the prompt; the others churn. A SUB socket misses what is sent
+    # before it has connected: publish until the feed has heard from pool 2.
+    h = pools[2].admit([50], tokens=prompt_token_ids)[0]
+    pools[2].close(h, cache=True)
+    for attempt in range(100):
+        h = pools[2].admit([17], tokens=[100 + attempt] * 17)[0]
+        pools[2].close(h, cache=True)
+        pubs[2].publish()
+        pubs[2].flush(5)
+        if feed.poll(50) and router.pages(2) >= 3:
+            return
+    raise AssertionError("the router never heard from pool 2")
+""",
+        check="""
+assert sent == [2] and route.cached_tokens == 48 == router.match(prompt_token_ids)[2]
+assert router.load == [0, 0, 0, 0]
+""",
+        cleanup="feed.close()\nfor p in pubs:\n    p.close()",
+    ),
+    Case(
+        "from prometheus_client import REGISTRY",
+        subs=(("REGISTRY.register(KVPoolCollector(", "REGISTRY.register(collector := KVPoolCollector("),),
+        setup="""
+import torch, kvpool
+from kvpool.events import LocalEventPublisher
+pool0, pool1 = (kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=16) for _ in range(2))
+pub0 = LocalEventPublisher(pool0)
+pool1.admit([20])
+""",
+        check="""
+from prometheus_client import generate_latest
+text = generate_latest(REGISTRY).decode()
+assert 'kvpool_pages{pool="gpu1",state="held"} 2.0' in text and 'pool="gpu0"' in text
+""",
+        cleanup="REGISTRY.unregister(collector)",
+    ),
+)
+
+doc(
+    "docs/grad-modes.md",
+    Case(
+        "import torch, kvpool",
+        subs=CUDA + (("num_layers=32", "num_layers=2"),
+                     ("memory_fraction=0.8,      # or", "num_pages=64,             # or")),
+        setup="""
+import torch
+layer = 1
+k, v = torch.randn(61, 8, 128, dtype=torch.bfloat16), torch.randn(61, 8, 128, dtype=torch.bfloat16)
+""",
+        check="""
+import numpy as np
+assert step.slots.dtype == np.int64 and step.out_cache_loc.dtype == torch.int64
+assert torch.equal(pool.k_buffer(layer)[step.out_cache_loc], k) and k_cache.data_ptr() == pool.k_buffer(layer).data_ptr()
+assert table.kv_indptr.dtype == table.kv_indices.dtype == table.kv_last_page_len.dtype == torch.int32
+assert table.kv_indptr.tolist() == [0, 2, 3, 6, 7]
+assert pool.open_requests == 0
+for name, t in pool.named_tensors():                 # built in inference mode, yet normal tensors
+    assert not t.is_inference() and not t.requires_grad, name
+with torch.no_grad():
+    pool.k_buffer(0).add_(1)                          # an in-place write outside inference mode
+""",
+    ),
+    Case(
+        "for finding in kvpool.audit(model=model, pool=pool):",
+        after=True,
+        setup="""
+import torch
+printed = []
+print = lambda *a: printed.append(" ".join(map(str, a)))   # noqa: E731
+
+class Rotary(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_cache", torch.zeros(8192, 64))
+
+with torch.inference_mode():
+    model = torch.nn.Module()
+    model.rotary = Rotary()
+""",
+        check="""
+assert printed and printed[0].startswith("model.rotary.cos_cache [8192, 64] torch.float32: inference tensor; ")
+assert not kvpool.audit(model=model, pool=pool) and not model.rotary.cos_cache.is_inference()
+""",
+    ),
+)
+
+doc(
+    "docs/groups.md",
+    Case(
+        "import kvpool",
+        setup="""
+import numpy as np
+prompt = list(range(3, 3 + 3000))
+full_table, sliding_table = np.zeros((257, 32_768), np.int32), np.zeros((257, 32_768), np.int32)
+""",
+        check="""
+row = int(a.rows(h)[0])
+assert cached[0] == 0 and [len(s) for s in new] == [3000, 3000]
+assert np.array_equal(full_table[row, :3000], new[0])
+in_window = sliding_table[row, 3000 - 1024 : 3000]
+assert np.array_equal(in_window, new[1][-1024:])
+h2, cached2 = a.open_with_prefix(prompt, [len(prompt)])
+assert cached2[0] == (3000 - 1) // 16 * 16                # every group serves the prompt but its last token
+a.check()
+""",
+    ),
+)
+
+doc(
+    "docs/hybrid.md",
+    Case(
+        "pool = kvpool.KVPool(",
+        subs=CUDA + (("num_pages=1 << 16,  ", "num_pages=1 << 8,   "),),
+        setup="import torch, kvpool\n",
+        modules=("torch", "kvpool"),
+        check="""
+from kvpool.hybrid import HybridKVPool
+assert type(pool) is HybridKVPool and [pool.group(i).kind for i in range(6)] == ["sliding"] * 5 + ["full"]
+plain = kvpool.KVPool(num_layers=1, num_kv_heads=1, head_dim=8, page_size=16, num_pages=4)
+assert type(plain) is kvpool.KVPool                   # without layer_types: the plain pool
+with pytest.raises(kvpool.InvalidArgumentError):      # the host tier is the plain pool's only
+    kvpool.KVPool(num_layers=2, num_kv_heads=1, head_dim=8, layer_types=["sliding_attention", "full_attention"],
+                  sliding_window=32, page_size=16, num_pages=8, host_pages=8)
+""",
+    ),
+    Case(
+        "step = pool.extend(running, 1)",
+        after=True,
+        setup="""
+num_layers = 6
+running = pool.admit([1500, 40])[0]
+k, v = torch.randn(2, 8, 128, dtype=torch.bfloat16), torch.randn(2, 8, 128, dtype=torch.bfloat16)
+""",
+        check="""
+assert table.shape == (pool.max_requests + 1, pool.max_context_len) and table.dtype == torch.int32
+assert torch.equal(pool.k_buffer(5)[step.for_layer(5)], k) and torch.equal(pool.k_buffer(0)[step.for_layer(0)], k)
+sliding = pool.page_table(running, 0)
+pages = (sliding.kv_indptr[1:] - sliding.kv_indptr[:-1]).tolist()
+assert pages[0] <= 1024 // 16 + 1 < len(pool.pages(running[0], 5))   # the window's pages, not all 94
+assert pt.kv_indptr.tolist() == [0, 94, 97]          # the full group: every page of 1501 and 41 tokens
+""",
+    ),
+)
+
+doc(
+    "docs/kernels-and-graphs.md",
+    Case(
+        "import torch, kvpool",
+        subs=CUDA + (("num_layers=32", "num_layers=2"), ("page_size=16, memory_fraction=0.8", "page_size=16, num_pages=64"),
+                     ("runner = kvpool.DecodeGraphRunner(pool,", "handles = started(pool); runner = kvpool.DecodeGraphRunner(pool,")),
+        setup=GRAPH_SETUP,
+        check=GRAPH_CHECK,
+    ),
+    Case(
+        "step = pool.extend(handles, 1)",
+        skip="it orders CUDA streams (torch.cuda.current_stream, torch.cuda.stream): there is no CPU counterpart",
+    ),
+)
+
+doc(
+    "docs/tiers.md",
+    Case(
+        "from kvpool.tiers import HostStorage",
+        setup="""
+import torch, kvpool
+pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=32)
+""",
+        check="""
+assert host.buffer.shape == (4096, 2, 2, 16, 2, 8) and host.buffer.dtype == torch.float32
+assert host.pin_method == "none" and not host.buffer.is_inference()   # a CPU pool: plain memory
+""",
+    ),
+    Case(
+        "from kvpool.kernels import offload_pages, load_pages",
+        after=True,
+        setup="""
+device_pages, host_pages = [3, 5], [7, 2]
+for layer in range(2):
+    pool.k_buffer(layer).normal_()
+    pool.v_buffer(layer).normal_()
+before = [t.clone() for t in pool.k_buffers]
+""",
+        check="""
+for layer in range(2):
+    assert torch.equal(host.buffer[7, 0, layer], pool.k_buffer(layer)[3 * 16 : 4 * 16])
+    assert torch.equal(host.buffer[2, 1, layer], pool.v_buffer(layer)[5 * 16 : 6 * 16])
+    assert torch.equal(pool.k_buffer(layer), before[layer])          # loaded back what it offloaded
+""",
+    ),
+    Case(
+        "from kvpool.tiers import TransferRunner",
+        after=True,
+        setup="""
+allocator = pool.allocator                      # drive the core directly: a fork, then a write into the shared page
+parent = allocator.open(1)
+allocator.extend(parent, 20)
+kid = allocator.fork(int(parent[0]), 1)
+allocator.extend(kid, 1)                        # queues the copy of the shared, half-full page
+src_page, dst_page = int(allocator.pages(parent[0])[-1]), int(allocator.pages(kid[0])[-1])
+""",
+        check="""
+assert src_page != dst_page and batch.copies == 4 if hasattr(batch, "copies") else True
+for layer in range(2):
+    assert torch.equal(pool.k_buffer(layer)[dst_page * 16 : dst_page * 16 + 4],
+                       pool.k_buffer(layer)[src_page * 16 : src_page * 16 + 4])
+""",
+    ),
+    Case(
+        "pool = kvpool.KVPool(32, 8, 128,",
+        subs=CUDA + (("kvpool.KVPool(32, 8, 128,", "kvpool.KVPool(2, 8, 128, "),
+                     ("num_pages=20_000, host_pages=100_000)", "num_pages=8, host_pages=64)           ")),
+        setup="import torch, kvpool\n",
+        modules=("torch", "kvpool"),
+        check="""
+assert pool.allocator.host_policy == "write_back"
+prompt = list(range(3, 3 + 5 * 16 + 1))
+h = pool.admit([len(prompt)], tokens=prompt)[0]
+k = torch.randn(len(prompt), 8, 128).to(torch.bfloat16)
+for layer in range(2):
+    pool.write(layer, torch.as_tensor(pool.slots(h[0])), k, -k)
+pool.close(h, cache=True)
+other = pool.admit([6 * 16])[0]                  # pressure: the cached pages are evicted to the host
+pool.close(other)
+h, cached = pool.open_with_prefix(prompt, [len(prompt)])
+assert cached[0] == 80 and pool.host_hit_tokens > 0   # a host hit, loaded back
+assert torch.equal(pool.k_buffer(1)[torch.as_tensor(pool.slots(h[0]))], k[:80])
+""",
+    ),
+    Case(
+        "from kvpool.tiers import DiskCache, FileTier",
+        subs=(('"/var/cache/kvpool"', "directory"),),
+        setup='MODEL = "llama-3-8b@rev"\n' + DISK_SETUP + "prompt_tokens, salt = PROMPT, None\n",
+        check="hs = handles\n" + DISK_CHECK,
+        cleanup=DISK_CLEANUP,
+    ),
+)
+
+doc(
+    "docs/transformers.md",
+    Case(
+        "from kvpool.integrations.transformers import KVPoolCache, pool_for_model",
+        setup=HF_SETUP,
+        check=HF_CHECK,
+    ),
+)
