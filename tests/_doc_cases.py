@@ -371,7 +371,8 @@ h = pool.admit([40], tokens=list(range(3, 43)))[0]
 pool.close(h, cache=True)                       # registers 2 full pages: 2 Stored events
 """,
         check="""
-assert sent == 2
+assert sent == 2                                   # one per page Stored
+assert (pub.batches, pub.events, pub.stored_pages, pub.removed_pages, pub.cleared, pub.dropped_events) == (1, 2, 2, 0, 0, 0)
 assert pool.take_events()["kind"].size == 0       # publish() drained them
 """,
     ),
@@ -494,6 +495,13 @@ in_window = sliding_table[row, 3000 - 1024 : 3000]
 assert np.array_equal(in_window, new[1][-1024:])
 h2, cached2 = a.open_with_prefix(prompt, [len(prompt)])
 assert cached2[0] == (3000 - 1) // 16 * 16                # every group serves the prompt but its last token
+assert a.hit_step == 16
+a.extend(h, 1, tables=[full_table, sliding_table])         # a decode step releases what the window passed
+released = sliding_table[row, : (3000 - 1024 + 1) // 16 * 16]
+assert released.max() < 16 and released.size > 0          # read as the null page (page 0)
+assert len(a.pages(h[0], 1)) == 188 and (a.pages(h[0], 1) == 0).sum() == (3000 - 1024 + 1) // 16
+with pytest.raises(kvpool.PoolExhaustedError, match=r"group 1 \(sliding\)"):   # names the group that is short
+    a.admit([30_000] * 5)
 a.check()
 """,
     ),
@@ -561,6 +569,11 @@ pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=32)
         check="""
 assert host.buffer.shape == (4096, 2, 2, 16, 2, 8) and host.buffer.dtype == torch.float32
 assert host.pin_method == "none" and not host.buffer.is_inference()   # a CPU pool: plain memory
+from kvpool.tiers import host_page_bytes
+assert host.page_bytes == pool.bytes_per_slot * 16                  # a device page across all layers
+assert host_page_bytes(32, 16, 8, 128, torch.bfloat16, mla=False) == 2 << 20   # Llama-3-8B: 2 MiB
+with pytest.raises(kvpool.InvalidArgumentError):                    # host_pages counts page 0: >= 2
+    HostStorage.for_pool(pool, host_pages=1)
 """,
     ),
     Case(
@@ -578,6 +591,12 @@ for layer in range(2):
     assert torch.equal(host.buffer[7, 0, layer], pool.k_buffer(layer)[3 * 16 : 4 * 16])
     assert torch.equal(host.buffer[2, 1, layer], pool.v_buffer(layer)[5 * 16 : 6 * 16])
     assert torch.equal(pool.k_buffer(layer), before[layer])          # loaded back what it offloaded
+host_before = host.buffer.clone()
+for bad, error in ((([0], [1]), kvpool.ReservedSlotError), (([3], [4096]), kvpool.SlotRangeError),
+                   (([3, 4], [2, 2]), kvpool.DuplicateSlotError), (([3, 4], [2, 0]), kvpool.ReservedSlotError)):
+    with pytest.raises(error):
+        offload_pages(pool._storage.caches, host, *bad)
+assert torch.equal(host.buffer, host_before)                        # nothing written when a check fails
 """,
     ),
     Case(
