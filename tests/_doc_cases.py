@@ -62,6 +62,11 @@ assert np.array_equal(lens, [6, 18, 3])
 expect = model(token_ids, torch.as_tensor(lens - 1), torch.as_tensor(pool.rows(handles)), step.out_cache_loc,
                torch.as_tensor(lens))
 assert torch.allclose(logits, expect)
+# Host inputs are checked first: out_cache_loc below num_slots, every value within int64.
+with pytest.raises(kvpool.SlotRangeError):
+    runner.run(token_ids, lens - 1, pool.rows(handles), np.array([16, 17, pool.num_slots]), lens)
+with pytest.raises(kvpool.InvalidArgumentError):
+    runner.run(token_ids, lens - 1, pool.rows(handles), np.array([16, 17, 2**64 - 1], np.uint64), lens)
 """
 
 HF_SETUP = """
@@ -539,6 +544,13 @@ sliding = pool.page_table(running, 0)
 pages = (sliding.kv_indptr[1:] - sliding.kv_indptr[:-1]).tolist()
 assert pages[0] <= 1024 // 16 + 1 < len(pool.pages(running[0], 5))   # the window's pages, not all 94
 assert pt.kv_indptr.tolist() == [0, 94, 97]          # the full group: every page of 1501 and 41 tokens
+assert type(step).__name__ == "HybridExtendResult"
+released = (1500 - 1024 + 1) // 16 * 16               # the pages wholly before start - W + 1
+assert np.array_equal(pool.slots(running[0], 0)[:released], np.arange(released) % 16)   # the null page's slots
+assert (pool.pages(running[0], 0)[: released // 16] == 0).all()
+assert pool.held_tokens(running[0], 0) <= 1024 + 16 < pool.held_tokens(running[0], 5)
+assert pool.used_pages(0) + pool.free_pages(0) <= pool.capacity_pages(0) and pool.cached_pages(5) == 0
+assert pool.admissible_tokens() > 0 and pool.admissible_requests == pool.max_requests - 2
 """,
     ),
 )
