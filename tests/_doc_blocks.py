@@ -30,6 +30,7 @@ def substitute(code: str, subs: tuple[tuple[str, str], ...], where: str) -> str:
     """``code`` with each (doc text, CPU text) replaced; a doc text that does not occur fails."""
     for old, new in subs:
         assert old in code, f"{where}: the CPU version replaces {old!r}, which the block no longer has"
+        assert old.count("\n") == new.count("\n"), f"{where}: {old!r} -> {new!r} would shift the doc's line numbers"
         code = code.replace(old, new)
     return code
 
@@ -74,6 +75,6 @@ def on_ranks(rank: int, world: int, cases: dict[str, list[dict[str, Any]]]) -> d
         try:
             run(steps, {"__name__": "__doc_example__", "rank": rank, "world": world, "pytest": pytest})
             out[key] = None
-        except BaseException:  # noqa: BLE001 - each case reports its own failure
+        except BaseException:  # each case reports its own failure; the next one still runs
             out[key] = traceback.format_exc()
     return out

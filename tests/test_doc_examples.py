@@ -11,7 +11,7 @@ that pool). Every other block stands alone, README.md's included: its fragments
 get their context from their setup. Blocks for two instances (distributed.md,
 README's P/D lines) run on two gloo ranks, all in one spawn.
 
-Blocks that cannot run here are listed in tests/_doc_cases.py with the reason and
+Blocks that cannot run here are listed in tests/_doc_cases_*.py with the reason and
 skipped with it; a block that has no case fails ``test_every_block_has_a_case``.
 """
 
@@ -26,7 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _doc_blocks as D  # noqa: E402
-from _doc_cases import CASES, Case  # noqa: E402
+from _doc_cases import Case  # noqa: E402
+from _doc_cases_docs import CASES as DOCS_CASES  # noqa: E402
+from _doc_cases_readme import CASES as README_CASES  # noqa: E402
+
+CASES: dict[str, list[Case]] = {**README_CASES, **DOCS_CASES}
 
 TESTS = str(Path(__file__).parent)
 
