@@ -113,6 +113,7 @@ sampled = [11, 12, 13, 14]
 """,
         check="""
 assert cached[0] == len(system) // 16 * 16 == 48
+assert pool.req_to_token[int(pool.rows(h)[0]), :48].tolist() == pool.slots(h[0])[:48].tolist()  # already in the table
 assert np.array_equal(pool.pages(h[0])[:3], pool.pages(kids[0])[:3])      # the shared full pages
 assert len({int(pool.pages(r)[-1]) for r in [h[0], *kids]}) == 4           # the half page, copied
 for kid in kids:
