@@ -53,6 +53,7 @@ from kvpool.errors import (
 )
 from kvpool.kernels import _common as c
 from kvpool.kernels._guard import on_device
+from kvpool.validate import host_array
 
 __all__ = ["METHODS", "PageTransfer", "load_pages", "offload_pages"]
 
@@ -116,7 +117,7 @@ def _ids(x: Any, name: str) -> np.ndarray:
                 "tensor), as the core hands them out, so they are checked without a device sync"
             )
         x = x.numpy()
-    arr = np.asarray(x)
+    arr = host_array(name, x)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
