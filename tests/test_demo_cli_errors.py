@@ -26,6 +26,7 @@ BAD = [
     (["--workload", "shared-prefix", "--fork-share", "nan"], "--fork-share"),
     (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),
     (["--pool-tokens", "100000000000"], "2**31"),
+    (["--page-size", str(2**63)], "2**31"),  # the random model's rotary table would fail in torch first
     (["--json", "/nonexistent-dir/x.json"], "--json"),
     (["--json", "/"], "--json"),  # a directory, not a file
     (["--threads", "100000"], "--threads"),  # torch would crash making that many

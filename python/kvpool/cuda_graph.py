@@ -57,7 +57,7 @@ from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
 from kvpool.torch_types import as_device
-from kvpool.validate import is_int
+from kvpool.validate import check_flag, is_int
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
@@ -66,8 +66,17 @@ INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens"
 LOC = INPUT_NAMES.index("out_cache_loc")
 
 
+#: The largest batch ``default_buckets`` plans for (engines capture a few hundred);
+#: past it the list itself (one graph per bucket) would not fit in memory.
+MAX_DEFAULT_BATCH = 1 << 20
+
+
 def default_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 8, up to (and covering) max_batch_size."""
+    if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_DEFAULT_BATCH:
+        raise InvalidArgumentError(f"max_batch_size must be an int in [1, {MAX_DEFAULT_BATCH}], "
+                                   f"got {type(max_batch_size).__name__} {max_batch_size!r}")
+    max_batch_size = int(max_batch_size)
     out = [b for b in (1, 2, 4, 8) if b < max_batch_size]
     b = 16
     while b < max_batch_size:
@@ -166,9 +175,13 @@ class DecodeGraphRunner:
     ) -> None:
         if not callable(step):
             raise InvalidArgumentError(f"step must be callable, got {type(step).__name__}")
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)) or max_batch_size < 1:
-            raise InvalidArgumentError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_DEFAULT_BATCH:
+            raise InvalidArgumentError(f"max_batch_size must be a positive int (at most {MAX_DEFAULT_BATCH}), "
+                                       f"got {type(max_batch_size).__name__} {max_batch_size!r}")
         max_batch_size = int(max_batch_size)
+        enable_graphs = check_flag("enable_graphs", enable_graphs)
+        debug = check_flag("debug", debug)
+        copy_outputs = check_flag("copy_outputs", copy_outputs)
         if buckets is None:
             buckets = default_buckets(max_batch_size)
         else:
@@ -176,15 +189,16 @@ class DecodeGraphRunner:
             if not isinstance(given, (list, tuple, range, np.ndarray)) or not all(is_int(b) for b in given):
                 raise InvalidArgumentError(f"buckets must be positive ints, got {given!r}")
             buckets = sorted({int(b) for b in given})
-            if not buckets or buckets[0] < 1:
-                raise InvalidArgumentError(f"buckets must be positive ints, got {buckets!r}")
+            if not buckets or buckets[0] < 1 or buckets[-1] > MAX_DEFAULT_BATCH:
+                raise InvalidArgumentError(f"buckets must be positive ints (at most {MAX_DEFAULT_BATCH}), got {buckets!r}")
             if buckets[-1] < max_batch_size:
                 raise InvalidArgumentError(
                     f"largest bucket {buckets[-1]} < max_batch_size {max_batch_size}: "
                     "a full batch would have no graph"
                 )
-        if not is_int(pad_seq_len) or pad_seq_len < 0:
-            raise InvalidArgumentError(f"pad_seq_len must be an int >= 0, got {pad_seq_len!r}")
+        if not is_int(pad_seq_len) or not 0 <= pad_seq_len < 1 << 63:
+            raise InvalidArgumentError(f"pad_seq_len must be an int >= 0 (and < 2**63: seq_lens are int64), "
+                                       f"got {pad_seq_len!r}")
         if not is_int(warmup_iters) or warmup_iters < 1:
             raise InvalidArgumentError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         self.pool, self.step = pool, step
@@ -222,6 +236,9 @@ class DecodeGraphRunner:
     # ----- public API ------------------------------------------------------
 
     def bucket_for(self, n: int) -> int:
+        if not is_int(n) or n < 0:
+            raise InvalidArgumentError(f"n must be a batch size, an int in [0, {self.max_batch_size}], "
+                                       f"got {type(n).__name__} {n!r}")
         for b in self.buckets:
             if b >= n:
                 return b

@@ -15,6 +15,7 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
   before anything is written, so a failed call leaves the pool exactly as it was.
+- ``PublisherClosedError`` (also a ``RuntimeError``): a ``kvpool.events`` publisher used after ``close()``.
 - ``IncompleteForwardError`` (also a ``RuntimeError``): the transformers cache's layers
   are out of step after a forward that stopped part-way.
 - ``kvpool.distributed``'s (``TransferError`` and its subclasses,
@@ -47,6 +48,7 @@ __all__ = [
     "KernelArgumentError",
     "LayerIndexError",
     "PoolExhaustedError",
+    "PublisherClosedError",
     "RankDivergenceError",
     "RequestSwappedOutError",
     "ReservedSlotError",
@@ -103,6 +105,10 @@ class IncompleteForwardError(KVPoolError, RuntimeError):
     in a layer), a layer was called twice in one forward, or layers got different numbers
     of tokens. Raised before anything changes; ``crop`` the unfinished step away (the
     message says by how much) or ``reset()`` the cache."""
+
+
+class PublisherClosedError(KVPoolError, RuntimeError):
+    """``publish()`` on a ``kvpool.events`` publisher after its ``close()``."""
 
 
 class TritonUnavailableError(KVPoolError, RuntimeError):

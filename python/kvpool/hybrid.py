@@ -132,15 +132,15 @@ class HybridKVPool(HybridRequestOps):
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
         self.max_requests, self.max_context_len = int(max_requests), int(max_context_len)
-        if layout not in LAYOUTS:
+        if not isinstance(layout, str) or layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         # The copy kernels that run the core's queued copies take only these: a pool they
         # cannot copy would fail after the core had changed.
         kv_dtypes = [d for d in CACHE_DTYPES if d not in FP8_DTYPES]
-        if dtype not in kv_dtypes:
+        if not isinstance(dtype, torch.dtype) or dtype not in kv_dtypes:
             raise InvalidArgumentError(
                 f"dtype must be one of {kv_dtypes} with layer_types (fp8 is the plain pool's only), got {dtype!r}")
-        if compute_dtype is not None and compute_dtype != dtype:
+        if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or compute_dtype != dtype):
             raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
         self.layout, self.dtype, self.compute_dtype, self.device = layout, dtype, dtype, as_device(device)
         if self.device.type not in ("cpu", "cuda"):

@@ -95,12 +95,15 @@ def plan_groups(
     if len(types) != num_layers:
         raise InvalidArgumentError(f"layer_types has {len(types)} entries; the pool has num_layers={num_layers}")
     for i, t in enumerate(types):
-        if t not in LAYER_KINDS:
+        if not isinstance(t, str) or t not in LAYER_KINDS:
             raise InvalidArgumentError(
                 f"layer_types[{i}] = {t!r} is not a supported layer type; use one of {sorted(LAYER_KINDS)}")
     if not any(LAYER_KINDS[t] != "state" for t in types):
         raise InvalidArgumentError("a hybrid pool needs at least one attention layer (full or sliding): "
                                    "the request length is counted in attention pages")
+    if group_pages is not None and not isinstance(group_pages, Mapping):
+        raise InvalidArgumentError(f"group_pages must be a dict {{layer type name: pages}}, "
+                                   f"got {type(group_pages).__name__}")
     explicit = dict(group_pages or {})
     for key in explicit:
         if key not in types:
@@ -149,6 +152,9 @@ def plan_groups(
 def plan_states(state_shapes: Any, dtype: torch.dtype, has_state: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``state_shapes`` as ``{name: (shape per request, dtype)}``: each value a shape
     (the pool's dtype) or a ``(shape, dtype)`` pair."""
+    if state_shapes is not None and not isinstance(state_shapes, Mapping):
+        raise InvalidArgumentError(f"state_shapes must be a dict {{name: shape per request}}, "
+                                   f"got {type(state_shapes).__name__}")
     if not has_state:
         if state_shapes:
             raise InvalidArgumentError("state_shapes is for linear_attention / mamba layers; layer_types has none")

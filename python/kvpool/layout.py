@@ -78,7 +78,8 @@ class KVStorage:
             caches = (1 if mla else 2,) + shape
             nbytes = math.prod(caches) * dtype.itemsize
             with refuse_out_of_memory("the pool's K/V caches", nbytes, device,
-                                      "use fewer pages (num_pages, num_slots, memory_bytes or memory_fraction)"):
+                                      "use fewer pages (num_pages, num_slots, memory_bytes or memory_fraction), "
+                                      "layers, heads or a smaller head_dim"):
                 both = torch.zeros(caches, dtype=dtype, device=device)
             self.caches = list(both.unbind(0))
             self.flat = [[c[i] for i in range(num_layers)] for c in self.caches]

@@ -86,6 +86,9 @@ class KVPoolCollector:
         from kvpool.events.publisher import EventPublisher
 
         self.pools = _named(pools)
+        if publishers is not None and not isinstance(publishers, Mapping):
+            raise InvalidArgumentError(f"publishers must be a dict {{pool label: publisher}}, "
+                                       f"got {type(publishers).__name__}")
         self.publishers = {str(k): p for k, p in (publishers or {}).items()}
         unknown = set(self.publishers) - set(self.pools)
         if unknown:

@@ -33,6 +33,10 @@ def refuse_out_of_memory(what: str, nbytes: int, device: torch.device | str, fix
     """Allocate ``what`` (``nbytes`` on ``device``) here: running out of memory is an
     ``InvalidArgumentError`` naming it and ``fix`` (the sizes to lower), chained to
     torch's error. Any other error passes through unchanged."""
+    if nbytes >= 1 << 63:
+        # torch cannot even express such a size (its sizes are int64): say which sizes to lower.
+        raise InvalidArgumentError(f"cannot allocate {what}: {nbytes} bytes on {device} is past 2**63, "
+                                   f"more than any device holds; {fix}")
     try:
         yield
     except Exception as e:

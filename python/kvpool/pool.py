@@ -190,7 +190,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         self.page_size = _positive("page_size", page_size)
         self.max_requests = _positive("max_requests", max_requests)
         self.max_context_len = _positive("max_context_len", max_context_len)
-        if layout not in LAYOUTS:
+        if not isinstance(layout, str) or layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
@@ -203,6 +203,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         self.fp8 = dtype in FP8_DTYPES
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if self.fp8 else dtype
+        elif not isinstance(compute_dtype, torch.dtype):
+            raise InvalidArgumentError(f"compute_dtype must be a torch.dtype, got {type(compute_dtype).__name__}")
         elif not self.fp8 and compute_dtype != dtype:
             raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
         elif not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point or (

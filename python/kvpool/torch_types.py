@@ -36,7 +36,7 @@ def as_device(device: Any) -> torch.device:
     """
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:  # ValueError: an index past int64
         raise InvalidArgumentError(f"device {device!r} is not a torch device: {e}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgumentError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'cpu'")

@@ -27,12 +27,22 @@ from kvpool.errors import (
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
-__all__ = ["check_flag", "check_layer", "check_rows", "is_int", "slots_tensor"]
+__all__ = ["check_flag", "check_layer", "check_rows", "host_array", "is_int", "slots_tensor"]
 
 
 def is_int(x: Any) -> bool:
     """An int or numpy integer, not a bool (True is an int to Python, never a count here)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def host_array(name: str, x: Any) -> np.ndarray:
+    """``np.asarray(x)``, with a ragged sequence (rows of different lengths, which
+    numpy refuses) reported as a ``TensorShapeError`` naming ``name``."""
+    try:
+        return np.asarray(x)
+    except ValueError as e:
+        raise TensorShapeError(f"{name} must be a flat (1-D) sequence of ints, got a ragged "
+                               f"{type(x).__name__} ({e})") from None
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -78,7 +88,7 @@ def _out_of_range(bad: int, value: int, num_slots: int) -> SlotRangeError:
 def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
     if isinstance(slots, torch.Tensor):
         return slots
-    arr = np.asarray(slots)
+    arr = host_array("slots", slots)
     if arr.dtype.kind in "fO" and isinstance(slots, (list, tuple)):
         # Python ints past int64 make numpy pick float64 / object: name the slot.
         for i, x in enumerate(slots):

@@ -191,6 +191,7 @@ def run(args: argparse.Namespace,
 
     with grad_mode(args.grad_mode):
         with _setup_errors(usage_error):
+            model = None
             if args.hf:
                 from kvpool.demo.hf import load_hf_model
                 model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
@@ -199,12 +200,15 @@ def run(args: argparse.Namespace,
                 cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
                                   heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
                                   seed=args.seed)
-                model = build_model(cfg, device=device, dtype=dtype)
+            # The pool before the random model: it names a page size or layer count it
+            # cannot hold, where building the model would loop over them or fail in torch.
             pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
                                  page_size=page, num_pages=pool_pages + 1,  # + the reserved page 0
                                  max_requests=args.max_running, max_context_len=max_ctx,
                                  layout=args.layout, kv_events=False,  # no router drains them here
                                  host_pages=args.host_pages)
+            if model is None:
+                model = build_model(cfg, device=device, dtype=dtype)
             if shared:
                 from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
 

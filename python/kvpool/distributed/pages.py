@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.kernels.pages import _check_range, _ids
+from kvpool.validate import check_flag
+
 __all__ = ["cache_pages", "contiguous_runs", "page_bytes", "page_descriptors", "word_dtype"]
 
 
@@ -48,7 +51,7 @@ def page_bytes(pool: Any) -> int:
 
 def contiguous_runs(pages: Any) -> tuple[np.ndarray, np.ndarray]:
     """Split page ids into maximal runs of consecutive ids: ``(starts, lengths)`` (int64)."""
-    p = np.asarray(pages, dtype=np.int64).reshape(-1)
+    p = _ids(pages, "pages")
     if p.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     breaks = np.flatnonzero(np.diff(p) != 1) + 1
@@ -67,11 +70,15 @@ def page_descriptors(pool: Any, pages: Any, *, merge: bool = True) -> np.ndarray
     same page list, which is what NIXL's ``initialize_xfer`` and Mooncake's
     ``batch_transfer_sync_write`` need (docs/distributed.md).
     """
+    # Checked here because the rows are raw addresses: a page past the pool would
+    # send a transfer engine outside the allocation.
+    merge = check_flag("merge", merge)
+    ids = _ids(pages, "pages")
+    _check_range(ids, "pages", pool.num_pages, "pool")
     if merge:
-        starts, lengths = contiguous_runs(pages)
+        starts, lengths = contiguous_runs(ids)
     else:
-        starts = np.asarray(pages, dtype=np.int64).reshape(-1)
-        lengths = np.ones_like(starts)
+        starts, lengths = ids, np.ones_like(ids)
     pb = page_bytes(pool)
     dev = pool.device.index if pool.device.type == "cuda" and pool.device.index is not None else 0
     rows = []

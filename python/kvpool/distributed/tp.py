@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from kvpool.distributed.comm import comm_device, group_ranks
 from kvpool.distributed.errors import RankDivergenceError
+from kvpool.errors import InvalidArgumentError
+from kvpool.validate import is_int
 
 __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
@@ -185,6 +187,9 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     params = inspect.signature(KVPool.__init__).parameters
     wanted = [k for k in SEED_KWARGS if k in params and k not in kwargs]
     if wanted:
+        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
+            raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
+                                       f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
         s = agree_seed(group) if seed is None else int(seed)
         kwargs.update({k: s for k in wanted})
     ranks = group_ranks(group)

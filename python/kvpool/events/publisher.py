@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
+from kvpool.errors import PublisherClosedError
+from kvpool.validate import is_int
 
 # vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -49,7 +51,8 @@ def _rank(rank: Any) -> int | None:
     not at the first ``publish()``."""
     if rank is None:
         return None
-    if isinstance(rank, bool) or not hasattr(rank, "__index__") or not 0 <= rank.__index__() < 2**63:
+    # is_int, not __index__: numpy arrays and tensors have __index__ too, and it raises for them.
+    if not is_int(rank) or not 0 <= rank < 2**63:
         raise InvalidArgumentError(
             f"data_parallel_rank must be None or an int in [0, 2**63), got {type(rank).__name__} {rank!r}")
     return rank.__index__()
@@ -76,8 +79,9 @@ class EventPublisher:
         if not isinstance(int_block_hashes, (bool, np.bool_)):
             raise InvalidArgumentError(f"int_block_hashes takes True or False, got {type(int_block_hashes).__name__} "
                                        f"{int_block_hashes!r}")
-        if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or buffer_steps < 0:
-            raise InvalidArgumentError(f"buffer_steps must be an int >= 0 (batches kept for replay), got {buffer_steps!r}")
+        if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or not 0 <= buffer_steps < 2**63:
+            raise InvalidArgumentError(f"buffer_steps must be an int in [0, 2**63) (batches kept for replay), "
+                                       f"got {buffer_steps!r}")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (sent UTF-8 encoded), got {type(topic).__name__} {topic!r}")
         data_parallel_rank = _rank(data_parallel_rank)
@@ -117,10 +121,10 @@ class EventPublisher:
             one per Cleared); 0 sends nothing and uses no sequence number.
 
         Raises:
-            RuntimeError: the publisher is closed.
+            PublisherClosedError: the publisher is closed (a ``RuntimeError`` too).
         """
         if self._closed:
-            raise RuntimeError("this KV event publisher is closed")
+            raise PublisherClosedError("this KV event publisher is closed; build a new one for the pool to publish again")
         with self._publishing:
             payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
             n = stored + removed + cleared

@@ -188,7 +188,8 @@ class KVPoolCache(Cache):
             self.requests.open_with_prefix(prefix_ids, salt)
             self._set_seen(self.requests.length)
         elif salt is not None:
-            raise TypeError("salt= only applies with prefix_ids=")
+            raise InvalidArgumentError("salt= only applies with prefix_ids= (it keys the prefix lookup): "
+                                       "pass prefix_ids= too, or no salt")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,7 +377,8 @@ class HybridKVPoolCache(KVPoolCache):
                 for layer in self._state_layers:
                     layer.resume()
         elif salt is not None:
-            raise TypeError("salt= only applies with prefix_ids=")
+            raise InvalidArgumentError("salt= only applies with prefix_ids= (it keys the prefix lookup): "
+                                       "pass prefix_ids= too, or no salt")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

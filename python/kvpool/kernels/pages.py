@@ -116,7 +116,11 @@ def _ids(x: Any, name: str) -> np.ndarray:
                 "tensor), as the core hands them out, so they are checked without a device sync"
             )
         x = x.numpy()
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except ValueError as e:  # a ragged nesting, which numpy refuses
+        raise TensorShapeError(f"{name} must be a flat (1-D) sequence of ints, got a ragged "
+                               f"{type(x).__name__} ({e})") from None
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:

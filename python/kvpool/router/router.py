@@ -37,6 +37,7 @@ each as it came, and a prompt is looked up in every form the streams have used.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ import numpy as np
 
 from kvpool._core import InvalidArgumentError, page_hashes
 from kvpool.router.index import PageIndex
-from kvpool.validate import is_int
+from kvpool.validate import host_array, is_int
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ class Router:
 
         # Any other name matches no event the pools send, so every page would be ignored.
         media = (MEDIUM_GPU, MEDIUM_CPU, "STORAGE")
-        if medium not in media:
+        if not isinstance(medium, str) or medium not in media:
             raise InvalidArgumentError(f"medium must be one of {media} (the tier whose pages count as hits), "
                                        f"got {medium!r}")
 
@@ -175,7 +176,17 @@ class Router:
         return 1 + self._apply_ready(pool)
 
     def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
-        return sum(self.feed(pool, *m) for m in messages)
+        # Every message is checked for its shape before the first is fed, so a bad
+        # one leaves the router as it was.
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
+            raise InvalidArgumentError(f"messages must be an iterable of (topic, seq, payload) byte triples, "
+                                       f"got {type(messages).__name__}")
+        batch = list(messages)
+        for i, m in enumerate(batch):
+            if not isinstance(m, (tuple, list)) or len(m) != 3:
+                raise InvalidArgumentError(f"messages[{i}] must be a (topic, seq, payload) triple, as a publisher "
+                                           f"sends, got {type(m).__name__} {m!r:.80}")
+        return sum(self.feed(pool, *m) for m in batch)
 
     def needs_replay(self, pool: int) -> int | None:
         """The first sequence number missing from ``pool``'s stream, or None."""
@@ -218,6 +229,7 @@ class Router:
 
     def forget(self, pool: int) -> None:
         """Drop everything known of ``pool``'s pages."""
+        self._stream(pool)
         self.index.forget(pool)
 
     def _apply_ready(self, pool: int) -> int:
@@ -305,7 +317,7 @@ class Router:
         """Prompt tokens each pool would serve from its cache, as its
         ``open_with_prefix`` computes them: whole pages, at most
         ``len(tokens) - 1`` (a step computes at least one token)."""
-        tokens = np.asarray(tokens)
+        tokens = host_array("tokens", tokens)
         if tokens.ndim != 1:
             raise InvalidArgumentError(f"tokens must be one prompt's token ids (1-D), got shape {tokens.shape}")
         cap = max(len(tokens) - 1, 0) // self.page_size
@@ -336,9 +348,9 @@ class Router:
             InvalidArgumentError: no pool is eligible, or arguments of the wrong length.
         """
         cached = self.match(tokens, salt)
-        load = self.load if loads is None else loads
-        if len(load) != self.num_pools or (eligible is not None and len(eligible) != self.num_pools):
-            raise InvalidArgumentError(f"loads and eligible need one entry per pool ({self.num_pools})")
+        load = self.load if loads is None else _per_pool("loads", loads, self.num_pools, "a number")
+        if eligible is not None:
+            eligible = _per_pool("eligible", eligible, self.num_pools, "True or False")
         best = -1
         for p in range(self.num_pools):
             if eligible is not None and not eligible[p]:
@@ -359,6 +371,28 @@ class Router:
         """Pages the router believes ``pool`` holds."""
         self._stream(pool)
         return len(self.index.held[pool])
+
+
+def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
+    """``loads`` / ``eligible``: one real number (or one flag) per pool, checked
+    before any comparison so that a wrong value is named, not a numpy or torch
+    truth-value error."""
+    flags = each == "True or False"
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+        raise InvalidArgumentError(f"{name} must be a sequence of {num_pools} entries ({each} per pool), "
+                                   f"got {type(values).__name__}")
+    if len(values) != num_pools:
+        raise InvalidArgumentError(f"{name} needs one entry per pool ({num_pools}), got {len(values)}")
+    out = values.tolist() if hasattr(values, "tolist") else list(values)
+    for i, v in enumerate(out):
+        if flags:
+            ok = isinstance(v, (bool, np.bool_))
+        else:
+            ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+                and not math.isnan(v)
+        if not ok:
+            raise InvalidArgumentError(f"{name}[{i}] must be {each}, got {type(v).__name__} {v!r}")
+    return out
 
 
 __all__ = ["Route", "Router", "StreamState"]

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.errors import InvalidArgumentError
+from kvpool.validate import is_int
+
 __all__ = ["FORMAT_VERSION", "PageRecord", "TierBackend", "decode", "encode", "page_key", "record_bytes",
            "tier_seed"]
 
@@ -44,12 +47,19 @@ _SUM = 16  # blake2b digest bytes at the end
 
 def page_key(hi: int, lo: int) -> int:
     """One 128-bit int from the core's (hi, lo) uint64 words of a page hash."""
+    for name, word in (("hi", hi), ("lo", lo)):
+        if not is_int(word) or not 0 <= word < 1 << 64:
+            raise InvalidArgumentError(f"{name} must be a uint64 word of a page hash, an int in [0, 2**64), "
+                                       f"got {type(word).__name__} {word!r}")
     return (int(hi) << 64) | int(lo)
 
 
 def tier_seed(fingerprint: bytes) -> int:
     """The hash seed that names the pages of one fingerprint (a 64-bit int, as
     ``page_hashes`` takes)."""
+    if not isinstance(fingerprint, bytes) or len(fingerprint) != 16:
+        raise InvalidArgumentError(f"fingerprint must be the 16 bytes shape_fingerprint(pool) returns, "
+                                   f"got {type(fingerprint).__name__} {fingerprint!r:.60}")
     d = hashlib.blake2b(fingerprint, digest_size=8, person=b"kvpool-tier-v1").digest()
     return int.from_bytes(d, "little")
 
@@ -86,7 +96,8 @@ def record_bytes(num_tokens: int, payload_bytes: int) -> int:
 def encode(rec: PageRecord) -> bytes:
     tokens = np.ascontiguousarray(rec.tokens, dtype="<i4")
     if len(rec.fingerprint) != 16:
-        raise ValueError("a fingerprint is 16 bytes")
+        raise InvalidArgumentError(f"a record's fingerprint is 16 bytes (shape_fingerprint(pool)), "
+                                   f"got {len(rec.fingerprint)}")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, rec.fingerprint, _b16(rec.page_hash), _b16(rec.parent_hash),
                         int(rec.salt), tokens.size, 0, len(rec.payload))
     body = b"".join((head, tokens.tobytes(), bytes(rec.payload)))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
+from kvpool.validate import is_int
 
 __all__ = ["FileTier"]
 
@@ -58,7 +59,12 @@ class FileTier(TierBackend):
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        self.path = Path(path)
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
+        try:
+            self.path = Path(path)
+        except TypeError as e:  # a PathLike that returns bytes
+            raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
         self._max = max_bytes
         if isinstance(scan_interval_s, bool) or not isinstance(scan_interval_s, (int, float)) \
                 or not 0 <= scan_interval_s < float("inf"):
@@ -86,6 +92,9 @@ class FileTier(TierBackend):
 
     def file_for(self, page_hash: int) -> Path:
         """Where the record of ``page_hash`` lives."""
+        if not is_int(page_hash) or not 0 <= page_hash < 1 << 128:
+            raise InvalidArgumentError(f"page_hash must be a 128-bit page hash, an int in [0, 2**128) "
+                                       f"(page_key(hi, lo)), got {type(page_hash).__name__} {page_hash!r}")
         name = f"{int(page_hash):032x}"
         return self.path / name[:2] / (name + SUFFIX)
 
@@ -117,6 +126,8 @@ class FileTier(TierBackend):
         return self.file_for(page_hash).exists()
 
     def put(self, record: PageRecord) -> bool:
+        if not isinstance(record, PageRecord):
+            raise InvalidArgumentError(f"record must be a kvpool.tiers.PageRecord, got {type(record).__name__}")
         blob = encode(record)
         if len(blob) > self._max:
             return False

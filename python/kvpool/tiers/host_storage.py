@@ -36,7 +36,8 @@ import torch
 from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
-from kvpool.torch_types import CACHE_DTYPES
+from kvpool.torch_types import CACHE_DTYPES, as_device
+from kvpool.validate import check_flag, is_int
 
 __all__ = ["MAX_HOST_PAGES", "HostStorage", "host_page_bytes", "host_pages_for_bytes"]
 
@@ -46,7 +47,7 @@ MAX_HOST_PAGES = 2**31 - 1
 
 
 def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+    if not is_int(value):
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     v = int(value)
     if v < minimum:
@@ -57,7 +58,7 @@ def _count(name: str, value: Any, minimum: int) -> int:
 def host_page_bytes(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
                     *, mla: bool) -> int:
     """Bytes of one host page: every layer of K and V (MLA: the latent) for ``page_size`` tokens."""
-    return (1 if mla else 2) * num_layers * page_size * heads * head_dim * dtype.itemsize
+    return (1 if check_flag("mla", mla) else 2) * num_layers * page_size * heads * head_dim * dtype.itemsize
 
 
 def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
@@ -68,6 +69,7 @@ def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
             needs at least one more), or more than ``MAX_HOST_PAGES``.
     """
     memory_bytes = _count("host_memory_bytes", memory_bytes, 0)
+    page_bytes = _count("page_bytes", page_bytes, 1)
     pages = memory_bytes // page_bytes
     if pages < 2:
         raise InvalidArgumentError(
@@ -130,18 +132,21 @@ class HostStorage:
         self.page_size = _count("page_size", page_size, 1)
         self.heads = _count("heads", heads, 1)
         self.head_dim = _count("head_dim", head_dim, 1)
-        if dtype not in CACHE_DTYPES:
+        if not isinstance(dtype, torch.dtype) or dtype not in CACHE_DTYPES:
             raise InvalidArgumentError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
-        self.dtype, self.mla = dtype, bool(mla)
+        self.dtype, self.mla = dtype, check_flag("mla", mla)
         self.num_caches = 1 if self.mla else 2
         if pin is None:
-            pin = torch.device(device).type == "cuda"
+            pin = as_device(device).type == "cuda"
+        elif check_flag("pin", pin) and not torch.cuda.is_available():
+            raise InvalidArgumentError("pin=True pins host pages for CUDA copies, but torch.cuda.is_available() "
+                                       "is False; pass pin=False (or None: pin on a CUDA device only)")
         self.page_bytes = host_page_bytes(self.num_layers, self.page_size, self.heads, self.head_dim, dtype,
                                           mla=self.mla)
         shape = (self.host_pages, self.num_caches, self.num_layers, self.page_size, self.heads, self.head_dim)
         self.pin_method = "none"
         with persistent(), refuse_out_of_memory("the host tier's pages", math.prod(shape) * dtype.itemsize, "cpu",
-                                                "use fewer host pages (host_pages or host_memory_bytes)"):
+                                                "use fewer host pages (host_pages or host_memory_bytes), layers, heads or a smaller head_dim"):
             buf = torch.empty(shape, dtype=dtype)
             if pin:
                 if _register(buf):
