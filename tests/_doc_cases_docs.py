@@ -103,17 +103,26 @@ sent = []
 
 def engine_step():
     # Pool 2 serves the prompt; the others churn. A SUB socket misses what is sent
-    # before it has connected: publish until the feed has heard from pool 2.
-    h = pools[2].admit([50], tokens=prompt_token_ids)[0]
-    pools[2].close(h, cache=True)
+    # before it has connected (and a stream joined mid-way starts at its first
+    # batch): churn until the feed has heard from pool 2, then store the prompt.
     for attempt in range(100):
         h = pools[2].admit([17], tokens=[100 + attempt] * 17)[0]
         pools[2].close(h, cache=True)
         pubs[2].publish()
         pubs[2].flush(5)
-        if feed.poll(50) and router.pages(2) >= 3:
+        if feed.poll(50) and router.pages(2) >= 1:
+            break
+    else:
+        raise AssertionError("the router never heard from pool 2")
+    h = pools[2].admit([50], tokens=prompt_token_ids)[0]
+    pools[2].close(h, cache=True)
+    pubs[2].publish()
+    pubs[2].flush(5)
+    for _ in range(100):
+        feed.poll(50)
+        if router.match(prompt_token_ids)[2] == 48:
             return
-    raise AssertionError("the router never heard from pool 2")
+    raise AssertionError("the router never learned pool 2's prompt pages")
 """,
         check="""
 assert sent == [2] and route.cached_tokens == 48 == router.match(prompt_token_ids)[2]

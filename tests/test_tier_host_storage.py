@@ -107,6 +107,8 @@ def test_pinned_pages_are_unpinned_only_after_the_device_is_done_with_them(monke
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"synchronize({device})"))
+    # A CUDA device as far as HostStorage's checks go: only the pinning and the sync are faked here.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     host = HostStorage(3, num_layers=2, page_size=4, heads=2, head_dim=8, dtype=torch.bfloat16,
                        device=torch.device("cuda", 1))
     assert host.pin_method == "cudaHostRegister" and log == ["register"]
