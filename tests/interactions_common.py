@@ -143,6 +143,14 @@ class EventMirror:
         self.on_tier: list[dict[tuple[int, int], int]] = [{}, {}]
         self.chain: dict[tuple[int, int], tuple[tuple[int, int], list[int], int]] = {}
 
+    def apply_twins(self, a: object, b: object) -> None:
+        """Drain two twin pools (or allocators), which must have recorded the same
+        events, and apply them."""
+        ea, eb = a.take_events(), b.take_events()  # type: ignore[attr-defined]
+        for k in ea:
+            assert np.array_equal(ea[k], eb[k]), f"twin events differ in {k}"
+        self.apply(ea)
+
     def apply(self, ev: dict[str, np.ndarray]) -> None:
         off = 0
         for i in range(len(ev["kind"])):
