@@ -24,6 +24,7 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
+from kvpool.kernels._common import host_array
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
@@ -33,16 +34,6 @@ __all__ = ["check_flag", "check_layer", "check_rows", "host_array", "is_int", "s
 def is_int(x: Any) -> bool:
     """An int or numpy integer, not a bool (True is an int to Python, never a count here)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def host_array(name: str, x: Any) -> np.ndarray:
-    """``np.asarray(x)``, with a ragged sequence (rows of different lengths, which
-    numpy refuses) reported as a ``TensorShapeError`` naming ``name``."""
-    try:
-        return np.asarray(x)
-    except ValueError as e:
-        raise TensorShapeError(f"{name} must be a flat (1-D) sequence of ints, got a ragged "
-                               f"{type(x).__name__} ({e})") from None
 
 
 def check_flag(name: str, value: Any) -> bool:

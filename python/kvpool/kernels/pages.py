@@ -116,11 +116,7 @@ def _ids(x: Any, name: str) -> np.ndarray:
                 "tensor), as the core hands them out, so they are checked without a device sync"
             )
         x = x.numpy()
-    try:
-        arr = np.asarray(x)
-    except ValueError as e:  # a ragged nesting, which numpy refuses
-        raise TensorShapeError(f"{name} must be a flat (1-D) sequence of ints, got a ragged "
-                               f"{type(x).__name__} ({e})") from None
+    arr = c.host_array(name, x)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
