@@ -152,9 +152,13 @@ def test_a_forward_cut_short_is_refused_until_crop_drops_it(batch, before):
             k = torch.randn(batch, H, 1, D, generator=g)
             cache.update(k, 2 * k, layer)
         assert store_kind(cache) == "buffers", "the test needs a step stored from the buffers"
+        # A step made ahead is deferred (the core and the caches do not have it yet); reading
+        # the handles flushes it, and the layer still to come stores it again once it has run.
+        assert cache.requests.deferred == (1 if before == [5, 1] else 0)
+        lengths, used = pool.allocator.lengths(cache.handles).tolist(), pool.allocator.used_pages
+        assert cache.requests.deferred == 0 and lengths == [sum(before) + 1] * batch
         if batch > 1:  # scrambled pages: the rows' slots are no strided run, so an index stores them
             assert cache.requests.pages.later[2] is not None, "the test needs a step stored by index"
-        lengths, used = pool.allocator.lengths(cache.handles).tolist(), pool.allocator.used_pages
         k = torch.randn(batch, H, 1, D, generator=g)
         with pytest.raises(IncompleteForwardError, match=r"crop\(-1\)"):
             cache.update(k, 2 * k, 0)  # a new forward on the step cut short

@@ -41,6 +41,14 @@ only checks its slots against the prediction and takes its views. The views cost
 same to make either way; made together, the code and data that make them stay in
 the CPU's caches, which between two steps the model's weights have evicted.
 
+With layer buffers (on a CPU pool), those steps are also deferred (``take_deferred``):
+the token stays in the buffers, and the core's extend and the store into the caches are
+made for the page's steps at once (``store_tokens``, which the owner's ``flush`` calls at
+the next page and before the rows are read or edited). A deferred step cannot fail: it
+needs no page (the rows own the page it writes into, and share none) and stays within the
+context length. Inside ``generate`` the core call is the costliest host work of such a
+step (between two steps the model's weights evict its code and data): one a page is enough.
+
 What attention gets is valid until the next ``update`` of any layer: the staging
 buffer is shared by the layers, as one layer's attention runs before the next
 layer stores its K/V (a layer buffer is valid until that layer's next ``update``).
@@ -116,13 +124,17 @@ class StepPages(StepViews):
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._plan: list[_Step] = []  # the current page's next decode steps, last step first
         self._spent: list[Any] = []  # the views of this page's past steps
+        # Whether ``_plan`` holds deferred steps (``take_deferred``): their tokens go to the
+        # layer buffers alone, and reach the core and the pool's caches at ``store_tokens``.
+        self.deferring = False
+        self._ctx = int(ctx) if ctx else 1 << 62  # no deferred step may pass the context length
 
     def reset(self, batch: int, *, private: bool) -> None:
         """Rows opened or reordered: the next step reads the table from the allocator."""
         self.table = np.zeros((batch, 0), dtype=np.int64)
         self.npages, self.length, self.private = 0, -1, private
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
-        self._plan, self._spent = [], []
+        self._plan, self._spent, self.deferring = [], [], False
         self.later, self._due = None, 0  # rows closed or edited between steps: nothing is due
         self._app, self._fill, self._filled, self._plain = None, False, -1, False
         if self._buf is not None and self._buf.shape[2] != batch:
@@ -151,6 +163,7 @@ class StepPages(StepViews):
                 return
             plan.clear()
         self._spent.clear()
+        self.deferring = False
         b, p, t = handles.shape[0], self.page, length - before
         npages = -(-length // p)
         if not self.private or self.length != before:
@@ -196,8 +209,9 @@ class StepPages(StepViews):
         if t > 1:
             run = decode_run(last)
         buffered = self._strided is None and self.layer_buffers
-        if buffered and self._all_slots is not None:  # stored from the buffers (``later``)
-            self._plan = self._plan_later(last, run, length, left)
+        if buffered and self._all_slots is not None:  # deferred: stored from the buffers later
+            self._plan = self._plan_deferred(length, min(left, self._ctx - length))
+            self.deferring = bool(self._plan)
             return
         apps = self._buffer_views(length, 1, steps=left) if buffered else None
         stores = None if run is None else self._store_views((last[0] + 1, run[1]), b, 1, steps=left)
@@ -212,22 +226,63 @@ class StepPages(StepViews):
             plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1], None))
         self._plan = plan
 
-    def _plan_later(self, last: list[int], run: tuple[int, int] | None, length: int, left: int) -> list[_Step]:
-        """``_plan_page``'s steps when the layers add their tokens to the layer buffers and each
-        step is stored from there (``later``)."""
-        apps, tokens = self._buffer_views(length, 1, steps=left, whole=True)
-        to: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-        if run is None:  # one index of each step's slots, made at once
-            wants = np.asarray(last, dtype=np.int64) + np.arange(1, left + 1, dtype=np.int64)[:, None]
-            to = [(None, i) for i in index_tensor(wants).unbind(0)]
-        else:
-            to = [(v, None) for v in self._slot_views(last[0] + 1, run[1], len(last), left)]
+    def _plan_deferred(self, length: int, left: int) -> list[_Step]:
+        """``_plan_page``'s steps when the layers add their tokens to the layer buffers: each
+        step's views of the buffers (where each layer adds its token, and what attention
+        reads), and nothing of the pool (see ``take_deferred``)."""
+        if left <= 0:
+            return []
+        apps = self._buffer_views(length, 1, steps=left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
             views, _ = self._attention_views(length + k)
-            dst, idx = to[k - 1]
-            plan.append(([s + k for s in last], None, None, views, None, apps[k - 1], (tokens[k - 1], dst, idx)))
+            plan.append(([], None, None, views, None, apps[k - 1], None))
         return plan
+
+    def take_deferred(self, length: int) -> None:
+        """A decode step to ``length`` tokens from a deferred plan (``deferring``): no extend,
+        no store. Its token stays in the layer buffers until ``store_tokens``, which the
+        rows' owner calls before anything reads the pool: the step needs no new page (it
+        ends before the page the rows last extended into does, and before the context
+        length), so the core has nothing to refuse, and until then only this batch owns
+        the page's slots (the rows share no page)."""
+        if self._due:
+            self._store_later()
+        step = self._plan.pop()
+        self.length = self._filled = length
+        # The tensors this step replaces are freed with the page's others (see the module doc).
+        self._spent.append((self.dst, self.loc, self._views, self._out, self._app, self.later))
+        _, self.dst, self.loc, self._views, self._out, self._app, self.later = step
+        self._fill = self._plain = False
+        self.deferring = bool(self._plan)
+
+    def store_tokens(self, first: int, slots: np.ndarray, unfinished: int) -> None:
+        """Store every layer's tokens ``first`` on, from the layer buffers, at ``slots`` (the
+        extend that caught the core up with the deferred steps: row-major, each row's in
+        turn). ``unfinished``: layers that have not yet added the last token (a step under
+        way); it is stored again once they have (``later``)."""
+        both, all_slots = self._both, self._all_slots
+        assert both is not None and all_slots is not None
+        b = self.table.shape[0]
+        n = slots.shape[0] // b
+        src = both[:, :, :, first : first + n]  # [2 * layers, B, H, n, D]
+        run = slot_run(slots, b, n)
+        hd = self.h * self.d
+        if run is not None:
+            size, stride = (both.shape[0], b, self.h, n, self.d), (all_slots.stride(0), run[1] * hd, self.d, hd, 1)
+            all_slots.as_strided(size, stride, all_slots.storage_offset() + run[0] * hd).copy_(src)
+        else:
+            rows = src.transpose(2, 3).reshape(both.shape[0], b * n, self.h, 1, self.d)
+            all_slots.index_copy_(1, index_tensor(np.ascontiguousarray(slots, dtype=np.int64)), rows)
+        if unfinished:
+            last = np.ascontiguousarray(slots.reshape(b, n)[:, -1])
+            _, token = self._buffer_views(first + n - 1, 1, whole=True)
+            run = decode_run(last.tolist())
+            if run is None:
+                self.later = token, None, index_tensor(last)
+            else:
+                self.later = token, self._slot_views(run[0], run[1], b, 0), None
+            self._due = unfinished
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
         if table is not None:

@@ -96,6 +96,9 @@ class BatchRequests:
         # The cache's layers (each with ``seen``): a step starts only once every one has stored
         # the last, so a forward cut short is refused rather than built on (none: not checked).
         self.layers: Sequence[Any] = ()
+        # Decode steps taken from a deferred plan (StepPages.take_deferred) that the core has
+        # not been extended by yet, nor the pool's caches stored: ``flush`` does both.
+        self.deferred = 0
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -189,6 +192,19 @@ class BatchRequests:
         (``gather``)."""
         assert self.handles is not None
         check_in_step(self.layers, self.length, "a new forward")
+        pages = self.pages
+        if tokens == 1 and pages is not None and pages.deferring:
+            # Inside the page the rows last extended into: the token goes to the layer
+            # buffers, and the core and the pool catch up at ``flush`` (one extend a page).
+            before = self.before = self.length
+            self.length = before + 1
+            self.deferred += 1
+            pages.take_deferred(before + 1)
+            self.dst, self.later = None, True
+            self.step_shape = (self.batch, self.heads, 1, self.head_dim)
+            return
+        if self.deferred:
+            self.flush()
         pool = self.pool
         if self.prefix_mode and self.length > 0:
             # The previous step has run, so its pages hold valid K/V: publish the
@@ -216,7 +232,6 @@ class BatchRequests:
         self.step_slots = slots
         before = self.before = self.length
         length = self.length = before + tokens
-        pages = self.pages
         if pages is None:
             assert self._rows is not None
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
@@ -228,6 +243,23 @@ class BatchRequests:
             loc = pages.loc
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
+
+    def flush(self) -> None:
+        """Bring the core and the pool's caches up to the rows' length: one extend by the
+        deferred decode steps (their slots are in pages the rows already own, so it needs no
+        new page), and one store of their tokens from the layer buffers. Called before
+        anything reads or edits the rows in the pool, and at a step that needs a new page."""
+        n = self.deferred
+        if not n:
+            return
+        assert self.handles is not None and self.pages is not None
+        pool = self.pool
+        slots = pool._extend_host(self.handles, n) if self.host_extend else None
+        if slots is None:
+            slots = pool.extend(self.handles, n).slots
+        self.deferred = 0
+        unfinished = sum(1 for layer in self.layers if layer.seen != self.length)
+        self.pages.store_tokens(self.length - n, np.asarray(slots, dtype=np.int64), unfinished)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``."""
@@ -253,6 +285,7 @@ class BatchRequests:
             return
         if not 0 <= length < self.length:
             raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
+        self.flush()
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
         self.length = length
         self._set_handles(self.handles)  # the page table is read again at the next step
@@ -266,6 +299,7 @@ class BatchRequests:
         """
         if self.handles is None:
             return  # nothing opened yet: the first update opens as many rows as it sees
+        self.flush()  # forks share the rows' pages as the pool holds them
         b = self.handles.shape[0]
         bad = [s for s in sources if not 0 <= s < b]
         if bad:
@@ -310,6 +344,9 @@ class BatchRequests:
         pages are not published; those published before it stay cached)."""
         if self.handles is not None:
             publish = self.prefix_mode and self.length > 0 and all(x.seen == self.length for x in self.layers)
+            # Deferred steps are dropped with the rows: their pages are freed whole, and a
+            # prefix-mode batch (the one that publishes) defers none (its rows share pages).
+            self.deferred = 0
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
             self.later = False
             self.before = -1

@@ -10,6 +10,8 @@ How it maps onto the pool:
 
 - one pool request per batch row, opened at the first ``update`` (the batch size is
   learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
+- with layer buffers on a CPU pool, decode steps inside a page the rows own are deferred:
+  the pool catches up once a page, and before any edit or ``handles`` (``flush``);
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
   (two copies into views of the caches when the slots are one strided run, else the
@@ -246,9 +248,24 @@ class KVPoolCache(Cache):
 
     @property
     def handles(self) -> Any:
-        """Pool handles of the rows (int64 array), or None before the first update."""
+        """Pool handles of the rows (int64 array), or None before the first update.
+
+        The pool then holds every token the cache does (``flush``), so the handles can be
+        read through the pool's own calls."""
+        self.flush()
         h = self.requests.handles
         return None if h is None else h.copy()
+
+    def flush(self) -> None:
+        """Bring the pool up to every token the cache holds.
+
+        A decode step inside a page the rows already own (all rows private, layer buffers on a
+        CPU pool) keeps its token in the layer buffers: the pool's lengths and caches catch
+        up with one extend and one store when the rows need a new page, and before ``crop``,
+        ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave`` and
+        ``handles``. Call this before reading the rows through the pool with handles taken
+        earlier."""
+        self.requests.flush()
 
     @property
     def cached_lens(self) -> Any:

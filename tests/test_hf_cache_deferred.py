@@ -1,0 +1,200 @@
+"""Decode steps that KVPoolCache defers: inside a page its private rows already own, on a CPU
+pool with layer buffers, a step's token goes to the layer buffers alone, and the core and the
+pool's caches catch up with one extend and one store (``flush``) at the next page, before any
+edit of the rows (crop, reorder, select) and when the handles are read. These tests drive the
+cache's layers by hand and read the pool through handles taken before (no flush), so that
+what is deferred, and when it lands, is seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
+
+from kvpool import ContextTooLongError, KVPool  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+
+class Reference:
+    """Every layer's K/V as fed to the cache, per row: what attention and the pool must hold."""
+
+    def __init__(self, batch: int, seed: int = 0) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.batch = batch
+        self.k: list[torch.Tensor] = [torch.empty(batch, H, 0, D) for _ in range(LAYERS)]
+
+    def step(self, cache: KVPoolCache, tokens: int) -> None:
+        for layer in range(LAYERS):
+            k = torch.randn(self.batch, H, tokens, D, generator=self.g)
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+            got_k, got_v = cache.update(k, 2 * k, layer)
+            assert torch.equal(got_k, self.k[layer]) and torch.equal(got_v, 2 * self.k[layer]), f"layer {layer}"
+
+    def crop(self, length: int) -> None:
+        self.k = [k[:, :, :length] for k in self.k]
+
+    def reorder(self, sources: list[int]) -> None:
+        self.k = [k[sources] for k in self.k]
+        self.batch = len(sources)
+
+    def check_pool(self, pool: KVPool, handles: np.ndarray) -> None:
+        for layer in range(LAYERS):
+            k, v = stored_in_pool(pool, handles, layer)
+            assert torch.equal(k, self.k[layer]) and torch.equal(v, 2 * self.k[layer]), f"layer {layer}"
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batch):
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(batch)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        raw = cache.requests.handles  # read without flushing
+        seen_deferred = []
+        for length in range(6, 6 + 3 * PAGE):
+            ref.step(cache, 1)
+            deferred = cache.requests.deferred
+            seen_deferred.append(deferred)
+            core = pool.allocator.lengths(raw).tolist()
+            assert core == [length - deferred] * batch
+            # A step that starts a page extends the core (after catching it up): nothing deferred.
+            assert (deferred == 0) == ((length - 1) % PAGE == 0), (length, deferred)
+        assert max(seen_deferred) == PAGE - 1
+        cache.flush()
+        assert cache.requests.deferred == 0 and pool.allocator.lengths(raw).tolist() == [5 + 3 * PAGE] * batch
+        ref.check_pool(pool, raw)
+        pool.allocator.check()
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_no_step_past_the_context_length_is_deferred():
+    """The context length ends a page early: the step past it is refused when it is taken,
+    with the rows as they were, and the pool holds every token up to the limit."""
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=1024, max_requests=8,
+                  max_context_len=2 * PAGE + 2)
+    h = pool.open(3)  # interleaved pages (``scramble``'s longer rows would pass this context length)
+    for _ in range(2 * PAGE + 1):
+        pool.extend(h, 1)
+    pool.close(h)
+    ref = Reference(2)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        for _ in range(2 * PAGE + 2 - 5):
+            ref.step(cache, 1)
+        k = torch.randn(2, H, 1, D)
+        with pytest.raises(ContextTooLongError):
+            cache.update(k, k, 0)
+        assert cache.get_seq_length() == 2 * PAGE + 2
+        ref.check_pool(pool, cache.handles)
+        assert pool.allocator.lengths(cache.handles).tolist() == [2 * PAGE + 2] * 2
+
+
+@pytest.mark.parametrize("drop", [1, 2, PAGE + 1])
+def test_crop_into_deferred_steps_keeps_the_rest_and_decoding_goes_on(drop):
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(3, seed=1)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        for _ in range(PAGE + 2):  # ends two steps into a page, both deferred
+            ref.step(cache, 1)
+        assert cache.requests.deferred == 2
+        length = cache.get_seq_length()
+        cache.crop(-drop)
+        ref.crop(length - drop)
+        raw = cache.requests.handles
+        assert pool.allocator.lengths(raw).tolist() == [length - drop] * 3
+        ref.check_pool(pool, raw)
+        for _ in range(PAGE + 1):
+            ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_reorder_forks_rows_with_their_deferred_tokens():
+    """Beam search's reorder forks a row that continues twice: the fork shares the row's pages
+    as the pool holds them, so the deferred tokens must be there first."""
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(2, seed=2)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        ref.step(cache, 1)
+        ref.step(cache, 1)
+        assert cache.requests.deferred == 2
+        cache.reorder_cache(torch.tensor([1, 1, 0]))
+        ref.reorder([1, 1, 0])
+        ref.check_pool(pool, cache.handles)
+        for _ in range(PAGE + 1):
+            ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_closing_with_deferred_steps_gives_every_page_back():
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(3, seed=3)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool)
+        ref.step(cache, 5)
+        ref.step(cache, 1)
+        assert cache.requests.deferred == 1
+        cache.close()
+    assert pool.allocator.used_pages == 0 and pool.allocator.open_requests == 0
+    pool.allocator.check()
+
+
+def test_steps_are_not_deferred_without_layer_buffers_or_in_prefix_mode():
+    """Only layer buffers hold a deferred token; rows opened on a cached prefix share pages."""
+    pool = make_pool()
+    scramble(pool)
+    with torch.inference_mode():
+        with KVPoolCache(pool, layer_buffers=False) as cache:
+            ref = Reference(2, seed=4)
+            ref.step(cache, 5)
+            for _ in range(PAGE):
+                ref.step(cache, 1)
+                assert cache.requests.deferred == 0
+        ids = torch.arange(10, 10 + 2 * PAGE + 1).reshape(1, -1)
+        with KVPoolCache(pool, prefix_ids=ids) as cache:
+            ref = Reference(1, seed=5)
+            ref.step(cache, ids.shape[1])
+        with KVPoolCache(pool, prefix_ids=ids) as cache:
+            assert cache.get_seq_length() == 2 * PAGE  # the prompt's full pages were cached
+            for _ in range(PAGE):
+                k = torch.randn(1, H, 1, D)
+                for layer in range(LAYERS):
+                    cache.update(k, k, layer)
+                assert cache.requests.deferred == 0
+    pool.allocator.check()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_handles_read_mid_step_flush_it_and_its_last_layers_store_again(batch):
+    """Reading the handles between two layers of a deferred step flushes it; the layers still
+    to come add their token after that, and it reaches the pool once the last has."""
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(batch, seed=6)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        ref.step(cache, 1)  # deferred
+        ks = [torch.randn(batch, H, 1, D, generator=ref.g) for _ in range(LAYERS)]
+        cache.update(ks[0], 2 * ks[0], 0)  # deferred too, one layer in
+        raw = cache.handles
+        assert cache.requests.deferred == 0 and pool.allocator.lengths(raw).tolist() == [7] * batch
+        for layer in range(1, LAYERS):
+            cache.update(ks[layer], 2 * ks[layer], layer)
+        ref.k = [torch.cat([k, new], dim=2) for k, new in zip(ref.k, ks)]
+        ref.check_pool(pool, raw)
+        ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
