@@ -139,3 +139,34 @@ def test_cpu_tables_record_no_stream(capturing):
     for group in _sets(3):
         tables.get(group)
     assert len(tables) == 1
+
+
+def test_threads_sharing_the_tables_never_see_a_half_made_eviction():
+    """An engine thread and the tiers' transfer threads copy at once: one thread's LRU move of
+    a key another thread is evicting must not fail (a KeyError from ``move_to_end``)."""
+    import sys
+    import threading
+
+    tables = OffsetTables(capacity=2)
+    sets = _sets(6)
+    errors: list[BaseException] = []
+
+    def work(offset: int) -> None:
+        try:
+            for i in range(6000):
+                tables.get(sets[(i + offset) % len(sets)])
+        except BaseException as e:  # noqa: BLE001 - the test reports whatever escaped
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:1]
+    assert len(tables) <= 2

@@ -24,6 +24,7 @@ far has run.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -70,6 +71,10 @@ class OffsetTables:
         self.capacity = capacity
         self._eager: OrderedDict[Key, _Entry] = OrderedDict()
         self._pinned: dict[Key, Table] = {}
+        # Copies run from an engine's thread and from the tiers' transfer threads at once:
+        # an LRU move, an eviction and a pin of one key must not interleave (a KeyError, or
+        # a table evicted while a graph pins it).
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._eager) + len(self._pinned)
@@ -87,6 +92,10 @@ class OffsetTables:
         there would copy from the host, which capture forbids."""
         key = (group[0].device, group[0].dtype) + tuple(t.data_ptr() for t in group)
         capturing = is_capturing(group[0])
+        with self._lock:
+            return self._get(key, group, capturing)
+
+    def _get(self, key: Key, group: list[torch.Tensor], capturing: bool) -> Table:
         hit = self._pinned.get(key)
         if hit is not None:
             return hit
