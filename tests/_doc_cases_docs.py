@@ -316,8 +316,10 @@ host_before = host.buffer.clone()
 for bad, error in ((([0], [1]), kvpool.ReservedSlotError), (([3], [4096]), kvpool.SlotRangeError),
                    (([3, 4], [2, 2]), kvpool.DuplicateSlotError), (([3, 4], [2, 0]), kvpool.ReservedSlotError)):
     with pytest.raises(error):
-        offload_pages(pool._storage.caches, host, *bad)
+        offload_pages(pool.caches, host, *bad)
 assert torch.equal(host.buffer, host_before)                        # nothing written when a check fails
+assert [c.shape for c in pool.caches] == [(2, 512, 2, 8)] * 2       # [layers, slots, H, D]: K, then V
+assert pool.caches[1][1].data_ptr() == pool.v_buffer(1).data_ptr()  # the layers' buffers are views of them
 """,
     ),
     Case(

@@ -469,6 +469,13 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         return self._storage.shaped[0][check_layer(layer, self.num_layers)]
 
     @property
+    def caches(self) -> list[torch.Tensor]:
+        """The pool's caches as whole tensors: ``[K, V]`` (or ``[latent]`` on an MLA pool),
+        each ``[num_layers, num_slots, H, D]``, every layer's buffer a view of one. What the
+        page movers take (``kvpool.kernels.offload_pages`` / ``load_pages``)."""
+        return list(self._storage.caches)
+
+    @property
     def k_buffers(self) -> list[torch.Tensor]:
         """``k_buffer(layer)`` of every layer (SGLang's ``k_buffer`` list)."""
         return list(self._storage.shaped[0])
