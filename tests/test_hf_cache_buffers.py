@@ -41,9 +41,9 @@ class Expect:
             want = self.rows[layer]
             assert torch.equal(got_k, want) and torch.equal(got_v, -want), f"layer {layer} got stale K/V"
             if layer == 0:
-                stage = self.cache.requests.pages._stage
-                self.buffered.append(stage is not None and self.cache.requests.pages._views is not None
-                                     and got_k.untyped_storage().data_ptr() == stage.untyped_storage().data_ptr())
+                buf = self.cache.requests.pages._buf
+                self.buffered.append(buf is not None and self.cache.requests.pages._views is not None
+                                     and got_k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
 
     def edit(self, fn) -> None:
         self.rows = [None if r is None else fn(r) for r in self.rows]
@@ -178,20 +178,69 @@ def test_without_layer_buffers_every_step_gathers_the_same_values():
     pool.allocator.check()
 
 
-def test_layer_buffers_are_freed_with_their_cache_not_kept_by_the_pool():
+def test_a_closed_caches_buffers_serve_the_next_cache_of_its_shape_until_released():
+    """A closed cache leaves its layer buffers (and the views into them) to the pool's next
+    cache of the same rows and capacity, which must still read only its own K/V;
+    ``release_buffers`` frees them."""
+    import gc
     import weakref
+
+    from kvpool.integrations.transformers import release_buffers
 
     pool = make_pool()
     with torch.inference_mode():
         cache = KVPoolCache(pool)
-        e = Expect(cache)
-        interleave(pool, cache, e, 3)
-        storage = weakref.ref(cache.requests.pages._stage)
-        e = None
+        interleave(pool, cache, Expect(cache), 3)
+        first = cache.requests.pages._lb
+        kept = weakref.ref(first)
         cache.close()
-    assert storage() is None, "a closed cache's layer buffers are still alive"
-    with torch.inference_mode(), KVPoolCache(pool) as again:  # and a new cache starts clean
-        interleave(pool, again, Expect(again, seed=2), 3)
+        again = KVPoolCache(pool)
+        interleave(pool, again, Expect(again, seed=2), 3)  # other values: stale ones would fail
+        assert again.requests.pages._lb is first, "the same rows and capacity take the spare"
+        first = None
+        again.close()
+        other = KVPoolCache(pool)  # another batch size does not take it
+        interleave(pool, other, Expect(other, seed=3), 4)
+        assert other.requests.pages._lb is not kept()
+        other.close()
+    assert release_buffers(pool) > 0 and release_buffers(pool) == 0
+    gc.collect()
+    assert kept() is None, "released layer buffers are still alive"
+
+
+def test_the_spares_stay_within_a_quarter_of_the_pool_each_and_half_in_all():
+    from kvpool.integrations._pool_views import pool_views
+
+    pool = make_pool()  # 2048 slots
+    spares = pool_views(pool).spare_buffers
+    pool_bytes = 2 * LAYERS * 2048 * H * D * 4
+    with torch.inference_mode():
+        for batch in (2, 3, 4, 5, 6, 7):
+            with KVPoolCache(pool) as cache:
+                interleave(pool, cache, Expect(cache, seed=batch), batch)
+            assert spares.nbytes <= pool_bytes // 2
+        assert len(spares) >= 1
+        small = spares.nbytes
+        big = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=64, max_requests=16,
+                     max_context_len=128)
+        with KVPoolCache(big) as cache:  # buffers for 3 rows of 16 tokens: more than 64 slots / 4
+            interleave(big, cache, Expect(cache), 3)
+        assert len(pool_views(big).spare_buffers) == 0
+    assert spares.nbytes == small
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "grad"])
+def test_buffers_made_under_inference_mode_serve_a_cache_under_another_grad_mode(mode):
+    pool = make_pool()
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        interleave(pool, cache, Expect(cache), 3)
+    ctx = torch.no_grad() if mode == "no_grad" else torch.enable_grad()
+    with ctx, KVPoolCache(pool) as cache:
+        e = Expect(cache, seed=4)
+        interleave(pool, cache, e, 3)
+        for _ in range(PAGE):
+            e.step(3, 1)
+    pool.allocator.check()
 
 
 @pytest.mark.parametrize("layer_buffers", [True, False])

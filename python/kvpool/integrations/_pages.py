@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.integrations._layer_buffers import LayerBuffers
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
@@ -100,9 +101,11 @@ class StepPages(StepViews):
         # Layer buffers: [2 (K, V), layers, B, H, cap, D] over the staging storage, the
         # tokens each row has room for, and how many of them hold every layer's K/V (-1:
         # none, gather them from the pages at the next step).
-        self._buf: torch.Tensor | None = None
-        self._both: torch.Tensor | None = None  # _buf as [2 * layers, B, H, cap, D]
+        self._lb: LayerBuffers | None = None
+        self._buf: torch.Tensor | None = None  # _lb.buf
+        self._both: torch.Tensor | None = None  # _lb.both: _buf as [2 * layers, B, H, cap, D]
         self._cap = 0
+        self._buffer_spares = g.spare_buffers
         self._filled = -1
         # This step, in the layer buffers: per layer (k, v) views of the step's tokens to copy
         # the new K/V into, or None; and whether each layer gathers its pages into its buffer.
@@ -137,8 +140,8 @@ class StepPages(StepViews):
         self._plan, self._spent, self.deferring = [], [], False
         self.later, self._due = None, 0  # rows closed or edited between steps: nothing is due
         self._app, self._fill, self._filled, self._plain = None, False, -1, False
-        if self._buf is not None and self._buf.shape[2] != batch:
-            self._buf, self._both, self._cap = None, None, 0
+        if self._lb is not None and self._lb.b != batch:
+            self._set_buffers(None)
 
     def advance(self, handles: np.ndarray, before: int, length: int, slots: np.ndarray) -> None:
         """The rows went from ``before`` to ``length`` tokens; ``slots`` are the new ones,
@@ -213,7 +216,7 @@ class StepPages(StepViews):
             self._plan = self._plan_deferred(length, min(left, self._ctx - length))
             self.deferring = bool(self._plan)
             return
-        apps = self._buffer_views(length, 1, steps=left) if buffered else None
+        apps = self._lb.tokens(length, left) if buffered and self._lb is not None else None
         stores = None if run is None else self._store_views((last[0] + 1, run[1]), b, 1, steps=left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
@@ -232,11 +235,12 @@ class StepPages(StepViews):
         reads), and nothing of the pool (see ``take_deferred``)."""
         if left <= 0:
             return []
-        apps = self._buffer_views(length, 1, steps=left)
+        lb = self._lb
+        assert lb is not None
+        apps = lb.tokens(length, left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
-            views, _ = self._attention_views(length + k)
-            plan.append(([], None, None, views, None, apps[k - 1], None))
+            plan.append(([], None, None, lb.attention(length + k), None, apps[k - 1], None))
         return plan
 
     def take_deferred(self, length: int) -> None:
@@ -339,9 +343,8 @@ class StepPages(StepViews):
             # (a prompt's buffers would otherwise grow, and be gathered again, at the first
             # decode step that takes a page); no row ever holds more than the context length.
             cap = max(need, min(2 * (self._cap or need), self._max_tokens))
-            flat = self._storage(2 * layers * b * self.h * cap * self.d)
-            self._buf, self._cap = flat.view(2, layers, b, self.h, cap, self.d), cap
-            self._both = flat.view(2 * layers, b, self.h, cap, self.d)
+            lb = self._buffer_spares.take(b, need)  # a closed cache's, with room enough
+            self._set_buffers(lb if lb is not None else LayerBuffers(self.paged[0][0], layers, b, self.h, cap, self.d))
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
             if length == before + 1 and self.private and self._all_slots is not None:
                 self._app, token = self._buffer_views(before, 1, whole=True)
@@ -356,14 +359,21 @@ class StepPages(StepViews):
             self._fill = True
         self._filled = length
 
+    def _set_buffers(self, lb: LayerBuffers | None) -> None:
+        """Take ``lb`` as the layer buffers; the ones it replaces go to the pool's spares."""
+        old = self._lb
+        if old is not None and old is not lb:
+            self._buffer_spares.give(old)
+        self._lb = lb
+        self._buf, self._both, self._cap = (None, None, 0) if lb is None else (lb.buf, lb.both, lb.cap)
+
     def release(self) -> None:
-        """The rows are closed: the shared staging buffer goes to the pool's next cache,
-        layer buffers are let go (what attention got from either, like views of the
-        freed pages, is no longer valid)."""
+        """The rows are closed: the shared staging buffer and the layer buffers go to the
+        pool's next caches (the layer buffers within the bounds ``_layer_buffers`` gives;
+        what attention got from either, like views of the freed pages, is no longer valid)."""
         self.reset(0, private=True)
-        stage, self._stage, self._buf, self._both, self._cap = self._stage, None, None, None, 0
-        # Layer buffers hold a copy of the batch's K/V: they are freed with the cache, as
-        # DynamicCache's tensors are, rather than kept alive by the pool.
+        self._set_buffers(None)
+        stage, self._stage = self._stage, None
         if stage is not None and not self.layer_buffers and len(self._spares) < 2:
             self._spares.append(stage)
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.integrations._layer_buffers import BufferSpares
 from kvpool.modes import persistent
 
 
@@ -53,6 +54,8 @@ class PoolViews:
         # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
         # are atomic, so caches in several threads never take the same one).
         self.spare_stages: list[torch.Tensor] = []
+        # Layer buffers of closed caches, with the views they made (``_layer_buffers``).
+        self.spare_buffers = BufferSpares(2 * layers * num_pages * self.row * k0.element_size())
 
 
 # Keyed by the pool, which the entries do not reference (their views hold its memory alive,
@@ -71,6 +74,17 @@ def pool_views(pool: Any) -> PoolViews:
         except TypeError:
             pass
         return views
+
+
+def release_buffers(pool: Any) -> int:
+    """Free the layer buffers that closed ``KVPoolCache``s left to ``pool``'s next caches (a
+    copy of a small batch's K/V each, kept so that the next cache of the same batch size
+    reuses them and the views into them; at most half the pool's bytes). Returns the bytes
+    freed. Open caches keep theirs."""
+    spares = pool_views(pool).spare_buffers
+    freed = spares.nbytes
+    spares.clear()
+    return freed
 
 
 def index_tensor(host: np.ndarray) -> torch.Tensor:

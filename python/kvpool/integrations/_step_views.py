@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.integrations._layer_buffers import LayerBuffers
+
 
 class StepViews:
     """Mixed into ``StepPages``, whose state these read."""
@@ -27,6 +29,7 @@ class StepViews:
     _all_slots: torch.Tensor | None
     _buf: torch.Tensor | None
     _both: torch.Tensor | None
+    _lb: LayerBuffers | None
     _stage: torch.Tensor | None
     _rows: int
     _strided: tuple[int, int] | None
@@ -44,24 +47,10 @@ class StepViews:
         return c.as_strided((steps,) + size, (hd,) + stride, at).unbind(0)
 
     def _buffer_views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
-        """Per layer (k, v) ``[B, H, t, D]`` views of the layer buffers from token ``first``;
-        with ``steps``, a list of those for ``steps`` decode steps (``t`` 1) that follow. With
-        ``whole``, (those, the ``[2 * layers, B, H, t, D]`` view (per step) they split)."""
-        both, layers = self._both, self._layers
-        assert both is not None
-        size, stride = both.shape[:-2] + (t, self.d), both.stride()
-        at = both.storage_offset() + first * self.d
-        if not steps:
-            one = both.as_strided(size, stride, at)
-            views = one.unbind(0)
-            pairs = list(zip(views[:layers], views[layers:]))
-            return (pairs, one) if whole else pairs
-        out = []
-        ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
-        for one in ones:
-            views = one.unbind(0)
-            out.append(list(zip(views[:layers], views[layers:])))
-        return (out, ones) if whole else out
+        """``LayerBuffers.views`` of the batch's layer buffers."""
+        lb = self._lb
+        assert lb is not None
+        return lb.views(first, t, steps, whole=whole)
 
     def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
         """Every layer's K and V destinations of a step whose slots are ``run`` (first slot,
@@ -92,7 +81,9 @@ class StepViews:
         (None, the staging buffer's K and V halves seen as [B, H, n, D]) for ``kv`` to fill."""
         b, h, d = self.table.shape[0], self.h, self.d
         if self._strided is None and self.layer_buffers:
-            return self._buffer_views(0, n), None
+            lb = self._lb
+            assert lb is not None
+            return lb.attention(n), None
         if self._strided is None:
             st, rows = self._stage, self._rows
             assert st is not None

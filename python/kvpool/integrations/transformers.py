@@ -62,12 +62,14 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
+from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
 from kvpool.validate import is_int
 
-__all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model"]
+__all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
+           "release_buffers"]
 
 
 def _token_count(n: Any) -> int:

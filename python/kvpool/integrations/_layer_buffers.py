@@ -1,0 +1,139 @@
+"""A batch's layer buffers (``KVPoolCache``'s copy of its rows' K/V, see ``_pages``), the views
+into them, and the spares a pool keeps for its next caches.
+
+A decode step hands attention two views per layer and adds its token through two more.
+Making a tensor and freeing it costs about a microsecond of host time; on a small model
+those views were most of the cache's own host time per token, made anew for every step of
+every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
+and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
+it has made (``attention``, ``tokens``), and a closed cache leaves its set to the pool's
+next cache of the same rows and capacity (``BufferSpares``), as torch's caching allocator
+keeps a freed block for the next request of its size. The views are made under
+``persistent()``, so a set made under one grad mode serves a cache under any other.
+
+The spares are bounded: small batches are where the views' host time shows (a large batch
+spreads it over its rows) and their buffers are small, so a set is kept only while it is at
+most a quarter of the pool's bytes, and the spares together at most half (oldest dropped
+first). ``release_buffers(pool)`` frees them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from kvpool.modes import persistent
+
+# A set keeps the views it made while there are at most this many (a tensor object is a few
+# hundred bytes): every view of a small model's buffers, not those of a long context on many
+# layers, whose per-token model time dwarfs the views' anyway.
+MAX_KEPT_VIEWS = 1 << 14
+
+
+class LayerBuffers:
+    """Per layer, K and V of ``b`` rows with room for ``cap`` tokens: ``buf`` is ``[2 (K, V),
+    layers, B, H, cap, D]``, ``both`` the same as ``[2 * layers, B, H, cap, D]``."""
+
+    def __init__(self, like: torch.Tensor, layers: int, b: int, h: int, cap: int, d: int) -> None:
+        with persistent():  # written under any grad mode, inference mode included
+            flat = torch.empty(2 * layers * b * h * cap * d, dtype=like.dtype, device=like.device)
+        self.layers, self.b, self.h, self.cap, self.d = layers, b, h, cap, d
+        self.buf = flat.view(2, layers, b, h, cap, d)
+        self.both = flat.view(2 * layers, b, h, cap, d)
+        self.nbytes = flat.numel() * flat.element_size()
+        self.keep = 2 * cap * 2 * layers <= MAX_KEPT_VIEWS
+        self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
+        """Per layer (k, v) ``[B, H, t, D]`` views from token ``first``; with ``steps``, a list of
+        those for ``steps`` decode steps (``t`` 1) that follow. With ``whole``, (those, the
+        ``[2 * layers, B, H, t, D]`` view (per step) they split). Made anew at each call."""
+        both, layers = self.both, self.layers
+        size, stride = both.shape[:-2] + (t, self.d), both.stride()
+        at = both.storage_offset() + first * self.d
+        if not steps:
+            one = both.as_strided(size, stride, at)
+            views = one.unbind(0)
+            pairs = list(zip(views[:layers], views[layers:]))
+            return (pairs, one) if whole else pairs
+        out = []
+        ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
+        for one in ones:
+            views = one.unbind(0)
+            out.append(list(zip(views[:layers], views[layers:])))
+        return (out, ones) if whole else out
+
+    def attention(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of the rows' first ``n`` tokens: what attention reads."""
+        got = self._attention.get(n)
+        if got is None:
+            if not self.keep:
+                return self.views(0, n)
+            with persistent():
+                got = self._attention[n] = self.views(0, n)
+        return got
+
+    def tokens(self, first: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per decode step from token ``first`` on (``steps`` of them), per layer (k, v) of that
+        step's one token: where each layer adds it."""
+        if not self.keep:
+            return self.views(first, 1, steps=steps)
+        cached = self._tokens
+        try:
+            return [cached[first + i] for i in range(steps)]
+        except KeyError:
+            with persistent():
+                for i, pairs in enumerate(self.views(first, 1, steps=steps)):
+                    cached.setdefault(first + i, pairs)
+            return [cached[first + i] for i in range(steps)]
+
+
+class BufferSpares:
+    """Layer buffers of closed caches, for the pool's next caches of the same rows and capacity
+    (see the module doc for the bounds)."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.most_one, self.most_all = pool_bytes // 4, pool_bytes // 2
+        self._sets: OrderedDict[tuple[int, int], LayerBuffers] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # caches on several threads share their pool's spares
+
+    def take(self, b: int, need: int) -> LayerBuffers | None:
+        """The spare of ``b`` rows with the least room that holds ``need`` tokens, or None."""
+        with self._lock:
+            fits = [key for key in self._sets if key[0] == b and key[1] >= need]
+            if not fits:
+                return None
+            got = self._sets.pop(min(fits, key=lambda key: key[1]))
+            self._bytes -= got.nbytes
+            return got
+
+    def give(self, buffers: LayerBuffers) -> None:
+        if buffers.nbytes > self.most_one:
+            return
+        with self._lock:
+            old = self._sets.pop((buffers.b, buffers.cap), None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._sets[(buffers.b, buffers.cap)] = buffers
+            self._bytes += buffers.nbytes
+            while self._bytes > self.most_all:
+                _, dropped = self._sets.popitem(last=False)
+                self._bytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sets.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the spares hold."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._sets)
