@@ -1,6 +1,8 @@
 """How KVPoolCache hands attention its K/V: views of the pool's pages when every row's
 pages are consecutive (no copy), a page gather into a reused staging buffer otherwise;
-the same values either way, and the rows' page table kept step by step."""
+the same values either way, and the rows' page table kept step by step. These run without
+layer buffers: with them (the default), a CPU pool's rows are always read from the
+buffers, whose views are kept (tests/test_hf_cache_buffers.py)."""
 
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ def shares_pool_memory(t: torch.Tensor, pool: KVPool) -> bool:
     return t.untyped_storage().data_ptr() == pool.k_buffer(0).untyped_storage().data_ptr()
 
 
-def run_steps(pool: KVPool, batch: int, steps: list[int]) -> list[tuple[bool, bool]]:
+def run_steps(pool: KVPool, batch: int, steps: list[int], *, layer_buffers: bool = False) -> list[tuple[bool, bool]]:
     """Feed ``steps`` tokens per forward to every layer; check every returned K/V against
     what was stored; return, per step, whether layer 0's K and V were views of the pool."""
     g = torch.Generator().manual_seed(batch)
     used = pool.allocator.used_pages
     stored: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(LAYERS)}
     kinds = []
-    with torch.inference_mode(), KVPoolCache(pool) as cache:
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
         for t in steps:
             for layer in range(LAYERS):
                 k = torch.randn(batch, H, t, D, generator=g)
@@ -51,6 +53,12 @@ def test_one_row_on_consecutive_pages_reads_the_pool_in_place(layout):
     pool = make_pool(layout)
     kinds = run_steps(pool, 1, [6] + [1] * 12)  # a prefill, then decode across three page boundaries
     assert kinds == [(True, True)] * 13
+
+
+def test_with_layer_buffers_a_cpu_pool_reads_them_even_on_consecutive_pages():
+    pool = make_pool()
+    kinds = run_steps(pool, 1, [6] + [1] * 12, layer_buffers=True)
+    assert kinds == [(False, False)] * 13
 
 
 def test_rows_on_scattered_pages_are_gathered_with_the_same_values():

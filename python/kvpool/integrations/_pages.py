@@ -7,7 +7,9 @@ batch (``[B, pages]``) and presents K/V in one of two ways:
 
 - **views, no copy**, when every row's pages are consecutive in the pool and the
   rows start equally far apart (one request on a pool whose free pages come in
-  order): a strided view of the layer's cache;
+  order): a strided view of the layer's cache; not on a CPU pool with layer buffers,
+  whose views are kept across steps and caches (``_layer_buffers``), where views of
+  the pages would be made anew at every step;
 - **layer buffers** otherwise (the default): each layer keeps its rows' K/V in a buffer
   of its own, ``[B, H, capacity, D]`` for K and for V as ``DynamicCache`` keeps its
   tensors, and each step copies only its new tokens into it. A buffer is gathered from
@@ -293,7 +295,12 @@ class StepPages(StepViews):
             self.table, npages = table, table.shape[1]
         assert npages is not None
         self.npages = npages
-        if table is not None or self._strided is not None:
+        if self.layer_buffers and self._all_slots is not None:
+            # A CPU pool with layer buffers reads them even when the rows' pages are one strided
+            # run: their views are kept across steps and caches (``_layer_buffers``), and steps
+            # are deferred (``take_deferred``); views of the pages are made anew every time.
+            self._strided = None
+        elif table is not None or self._strided is not None:
             self._strided = strided_run(self.table[:, :npages])
         # else: grown by new pages while private, and rows whose earlier pages are not one
         # strided run never become one

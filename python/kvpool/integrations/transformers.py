@@ -20,7 +20,8 @@ How it maps onto the pool:
   returns the rows' full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape
   attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
-  request on a pool handing out pages in order), else each layer's own buffer of its
+  request on a pool handing out pages in order; not on a CPU pool with layer buffers,
+  which always reads those), else each layer's own buffer of its
   rows' K/V, which each step adds its tokens to and which is gathered from the pages
   only when it grows or the rows change (``_pages.StepPages``; ``layer_buffers=False``:
   one staging buffer gathered at every step). Either is valid until the next ``update``;
