@@ -179,9 +179,9 @@ def test_steps_are_not_deferred_without_layer_buffers_or_in_prefix_mode():
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_handles_read_mid_step_flush_it_and_its_last_layers_store_again(batch):
-    """Reading the handles between two layers of a deferred step flushes it; the layers still
-    to come add their token after that, and it reaches the pool once the last has."""
+def test_handles_read_mid_step_flush_the_steps_done_and_keep_the_one_under_way(batch):
+    """Reading the handles between two layers of a deferred step extends the core by it and
+    stores the steps every layer has run; the step under way is stored by the next flush."""
     pool = make_pool()
     scramble(pool)
     ref = Reference(batch, seed=6)
@@ -192,9 +192,13 @@ def test_handles_read_mid_step_flush_it_and_its_last_layers_store_again(batch):
         cache.update(ks[0], 2 * ks[0], 0)  # deferred too, one layer in
         raw = cache.handles
         assert cache.requests.deferred == 0 and pool.allocator.lengths(raw).tolist() == [7] * batch
+        for layer in range(LAYERS):
+            k, v = stored_in_pool(pool, raw, layer)
+            assert torch.equal(k[:, :, :6], ref.k[layer]) and torch.equal(v[:, :, :6], 2 * ref.k[layer])
         for layer in range(1, LAYERS):
             cache.update(ks[layer], 2 * ks[layer], layer)
         ref.k = [torch.cat([k, new], dim=2) for k, new in zip(ref.k, ks)]
+        cache.flush()
         ref.check_pool(pool, raw)
         ref.step(cache, 1)
         ref.check_pool(pool, cache.handles)

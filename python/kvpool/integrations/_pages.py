@@ -27,14 +27,15 @@ again from the allocator (``page_table``) at every step.
 
 A step's new K/V go into the pool through ``[B, H, T, D]`` views of the caches when
 its slots are one strided run (every decode step at batch 1; a batch whose rows took
-their pages in turn), else through the pool's index store. A decode step whose layers
-add their token to the layer buffers (on a CPU pool that keeps every layer's K and V in
-one allocation) is stored once instead, after its last layer: one copy of every layer's
-K and V token from the buffers into the caches (into a view of them when the slots are
-one strided run, else one ``index_copy_``), where each layer would make two. The pool
-holds the whole step once the step's last layer has run. ``KVPoolCache`` starts no step
-after one cut short (an exception in a layer) until ``crop`` drops it; rows driven without
-the cache's layers store a step cut short when the next one starts.
+their pages in turn), else through the pool's index store, layer by layer. On a CPU pool
+that keeps every layer's K and V in one allocation, the steps of private rows whose
+layers add their tokens to the layer buffers (``later``) are not stored by their layers:
+the owner's ``flush`` stores every such step since the last flush from the buffers at
+once (``store_tokens``: one copy of every layer's K and V tokens into a view of the
+caches when the slots are one strided run, else one ``index_copy_``), at the next step
+that needs a page and before the rows are read or edited. ``KVPoolCache`` starts no step
+after one cut short (an exception in a layer) until ``crop`` drops it, and a flush leaves
+a step under way to the next flush.
 
 Decode steps between page boundaries are predictable: each row's next slot is the one
 after its last, and the table does not change. So the step that starts a page also
@@ -43,13 +44,12 @@ only checks its slots against the prediction and takes its views. The views cost
 same to make either way; made together, the code and data that make them stay in
 the CPU's caches, which between two steps the model's weights have evicted.
 
-With layer buffers (on a CPU pool), those steps are also deferred (``take_deferred``):
-the token stays in the buffers, and the core's extend and the store into the caches are
-made for the page's steps at once (``store_tokens``, which the owner's ``flush`` calls at
-the next page and before the rows are read or edited). A deferred step cannot fail: it
-needs no page (the rows own the page it writes into, and share none) and stays within the
-context length. Inside ``generate`` the core call is the costliest host work of such a
-step (between two steps the model's weights evict its code and data): one a page is enough.
+With layer buffers (on a CPU pool), those steps are deferred too (``take_deferred``): the
+core is not even extended by them until the flush, which catches it up with one extend. A
+deferred step cannot fail: it needs no page (the rows own the page it writes into, and
+share none) and stays within the context length. Inside ``generate`` the core call is the
+costliest host work of such a step (between two steps the model's weights evict its code
+and data): one a page is enough.
 
 What attention gets is valid until the next ``update`` of any layer: the staging
 buffer is shared by the layers, as one layer's attention runs before the next
@@ -69,9 +69,8 @@ from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
-# staging views or None, layer-buffer views of the step's token or None, the step's store from
-# the layer buffers or None)
-_Step = tuple[list[int], Any, Any, Any, Any, Any, Any]
+# staging views or None, layer-buffer views of the step's token or None)
+_Step = tuple[list[int], Any, Any, Any, Any, Any]
 
 
 class StepPages(StepViews):
@@ -114,13 +113,10 @@ class StepPages(StepViews):
         self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._fill = False
         self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
-        # A decode step whose layers add their token to the layer buffers (on a CPU pool whose
-        # caches are one allocation) stores it in the pool once, from the buffers, after the
-        # step's last layer: (the token of every layer's K and V in the buffers, [2 * layers,
-        # B, H, 1, D]; the same in the pool's caches as a view when the rows' slots are one strided
-        # run, else None; else the slots as an index), and how many layers are still to add theirs.
-        self.later: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-        self._due = 0
+        # A step of private rows whose layers add their tokens to the layer buffers, on a CPU
+        # pool whose caches are one allocation, is not stored by its layers: the owner's flush
+        # stores the steps since the last one from the buffers at once (``store_tokens``).
+        self.later = False
         # This step: per layer the K and V store views ((k..., ), (v..., )) or None; per layer
         # (k, v) views of the pool for attention, or None and the staging buffer's (k, v).
         self.dst: tuple[Any, Any] | None = None
@@ -140,7 +136,7 @@ class StepPages(StepViews):
         self.npages, self.length, self.private = 0, -1, private
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
         self._plan, self._spent, self.deferring = [], [], False
-        self.later, self._due = None, 0  # rows closed or edited between steps: nothing is due
+        self.later = False
         self._app, self._fill, self._filled, self._plain = None, False, -1, False
         if self._lb is not None and self._lb.b != batch:
             self._set_buffers(None)
@@ -149,21 +145,17 @@ class StepPages(StepViews):
         """The rows went from ``before`` to ``length`` tokens; ``slots`` are the new ones,
         row-major. Makes this step's store views (``dst``, else ``loc`` on a CPU pool) and
         attention's K/V (``kv``)."""
-        if self._due:  # a layer of the last step did not add its token: store what the others did
-            self._store_later()
         plan = self._plan
         if plan:
             step = plan.pop()
             if length == before + 1 and self.length == before and slots.tolist() == step[0]:
                 self.length = length
                 # The tensors this step replaces are freed with the page's others (see the module doc).
-                self._spent.append((self.dst, self.loc, self._views, self._out, self._app, self.later))
-                _, self.dst, self.loc, self._views, self._out, self._app, self.later = step
+                self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
+                _, self.dst, self.loc, self._views, self._out, self._app = step
                 self._fill = False
                 if self._app is not None:
                     self._filled = length
-                    if self.later is not None:
-                        self._due = self._layers
                 self._plain = self._app is None and self._views is not None
                 return
             plan.clear()
@@ -191,14 +183,14 @@ class StepPages(StepViews):
                 self.table[:, self.npages : npages] = slots.reshape(b, t)[:, (-before) % p :: p] // p
             self._set_table(None, npages)
         self.length = length
-        self.loc = self.later = None
+        self.loc, self.later = None, False
         self._app, self._fill = None, False
         run = slot_run(slots, b, t)
         if self._strided is None and self.layer_buffers:
             self._buffer_step(before, length, slots, run)
         else:
             self._filled = -1  # the buffers miss this step's tokens
-        self.dst = None if run is None or self.later is not None else self._store_views(run, b, t)
+        self.dst = None if run is None or self.later else self._store_views(run, b, t)
         self._views, self._out = self._attention_views(length)
         self._plain = self._app is None and not self._fill and self._views is not None
         if self.private:
@@ -228,7 +220,7 @@ class StepPages(StepViews):
             else:
                 dst, loc = stores[k - 1], None
             views, out = self._attention_views(length + k)
-            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1], None))
+            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1]))
         self._plan = plan
 
     def _plan_deferred(self, length: int, left: int) -> list[_Step]:
@@ -242,7 +234,7 @@ class StepPages(StepViews):
         apps = lb.tokens(length, left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
-            plan.append(([], None, None, lb.attention(length + k), None, apps[k - 1], None))
+            plan.append(([], None, None, lb.attention(length + k), None, apps[k - 1]))
         return plan
 
     def take_deferred(self, length: int) -> None:
@@ -252,21 +244,27 @@ class StepPages(StepViews):
         ends before the page the rows last extended into does, and before the context
         length), so the core has nothing to refuse, and until then only this batch owns
         the page's slots (the rows share no page)."""
-        if self._due:
-            self._store_later()
         step = self._plan.pop()
         self.length = self._filled = length
         # The tensors this step replaces are freed with the page's others (see the module doc).
-        self._spent.append((self.dst, self.loc, self._views, self._out, self._app, self.later))
-        _, self.dst, self.loc, self._views, self._out, self._app, self.later = step
+        self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
+        _, self.dst, self.loc, self._views, self._out, self._app = step
         self._fill = self._plain = False
+        self.later = True
         self.deferring = bool(self._plan)
 
-    def store_tokens(self, first: int, slots: np.ndarray, unfinished: int) -> None:
-        """Store every layer's tokens ``first`` on, from the layer buffers, at ``slots`` (the
-        extend that caught the core up with the deferred steps: row-major, each row's in
-        turn). ``unfinished``: layers that have not yet added the last token (a step under
-        way); it is stored again once they have (``later``)."""
+    def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add the step's K/V ``[B, H, T, D]`` of ``layer`` to its buffer (a ``later`` step driven
+        by ``BatchRequests.write`` rather than ``kv``)."""
+        app = self._app
+        assert app is not None
+        dk, dv = app[layer]
+        dk.copy_(k)
+        dv.copy_(v)
+
+    def store_tokens(self, first: int, slots: np.ndarray) -> None:
+        """Store every layer's tokens ``first`` on, from the layer buffers, at ``slots`` (row-major:
+        each row's in turn, as many per row as the flush stores)."""
         both, all_slots = self._both, self._all_slots
         assert both is not None and all_slots is not None
         b = self.table.shape[0]
@@ -280,15 +278,6 @@ class StepPages(StepViews):
         else:
             rows = src.transpose(2, 3).reshape(both.shape[0], b * n, self.h, 1, self.d)
             all_slots.index_copy_(1, index_tensor(np.ascontiguousarray(slots, dtype=np.int64)), rows)
-        if unfinished:
-            last = np.ascontiguousarray(slots.reshape(b, n)[:, -1])
-            _, token = self._buffer_views(first + n - 1, 1, whole=True)
-            run = decode_run(last.tolist())
-            if run is None:
-                self.later = token, None, index_tensor(last)
-            else:
-                self.later = token, self._slot_views(run[0], run[1], b, 0), None
-            self._due = unfinished
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
         if table is not None:
@@ -341,7 +330,8 @@ class StepPages(StepViews):
         """A gathered step with layer buffers: each layer adds the step's tokens to its buffer
         (``_app``) when the buffer holds the rows' first ``before`` tokens, else gathers its
         pages into it (``_fill``), made big enough for the rows' current pages. A decode step
-        that adds is stored from the buffers (``later``)."""
+        that adds, of private rows on a CPU pool, is stored from the buffers at the owner's flush
+        (``later``)."""
         need = self.npages * self.page
         if self._buf is None or self._cap < need:
             self._filled = -1
@@ -353,15 +343,10 @@ class StepPages(StepViews):
             lb = self._buffer_spares.take(b, need)  # a closed cache's, with room enough
             self._set_buffers(lb if lb is not None else LayerBuffers(self.paged[0][0], layers, b, self.h, cap, self.d))
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
-            if length == before + 1 and self.private and self._all_slots is not None:
-                self._app, token = self._buffer_views(before, 1, whole=True)
-                if run is None:  # (a copy: the next extend writes the next step's slots into ``slots``)
-                    self.later = token, None, index_tensor(slots.copy())
-                else:
-                    self.later = token, self._slot_views(run[0], run[1], len(slots), 0), None
-                self._due = self._layers
-            else:
-                self._app = self._buffer_views(before, length - before)
+            lb = self._lb
+            assert lb is not None
+            self._app = lb.tokens(before, 1)[0] if length == before + 1 else lb.views(before, length - before)
+            self.later = self.private and self._all_slots is not None
         else:
             self._fill = True
         self._filled = length
@@ -399,11 +384,9 @@ class StepPages(StepViews):
                 dk, dv = app[layer]
                 dk.copy_(k)
                 dv.copy_(v)  # type: ignore[arg-type]
-                if self._due:
-                    self._due -= 1
-                    if not self._due:
-                        self._store_later()
-            elif app is not None or self._fill:
+            elif self._fill or (app is not None and not self.later):
+                # (later: the step is added to the buffers, never gathered from the pool, which
+                # gets it from them at the next flush)
                 self._gather_layer(layer)
             return views[layer]
         out = self._out
@@ -417,18 +400,6 @@ class StepPages(StepViews):
             torch.index_select(kp, 0, self._index, out=stage[:rows])
             torch.index_select(vp, 0, self._index, out=stage[rows:])
         return out
-
-    def _store_later(self) -> None:
-        """Store the step's token of every layer from the layer buffers into the pool."""
-        later, all_slots = self.later, self._all_slots
-        assert later is not None and all_slots is not None
-        self._due = 0
-        src, dst, idx = later
-        if dst is not None:
-            dst.copy_(src)
-        else:
-            assert idx is not None
-            all_slots.index_copy_(1, idx, src)
 
     def _gather_layer(self, layer: int) -> None:
         """Gather the rows' pages of ``layer`` into its buffer (the first ``length`` tokens)."""

@@ -97,8 +97,11 @@ class BatchRequests:
         # the last, so a forward cut short is refused rather than built on (none: not checked).
         self.layers: Sequence[Any] = ()
         # Decode steps taken from a deferred plan (StepPages.take_deferred) that the core has
-        # not been extended by yet, nor the pool's caches stored: ``flush`` does both.
+        # not been extended by yet, and (``unstored``) the slots, per row, of the last tokens the
+        # core holds but the pool's caches do not (steps whose store StepPages defers, ``later``):
+        # ``flush`` extends the core and stores them all.
         self.deferred = 0
+        self.unstored: list[np.ndarray] = []  # [B, tokens] slot arrays, oldest first
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -114,6 +117,7 @@ class BatchRequests:
         self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
         self.slot_idx = self.dst = None
         self.later = False
+        self.unstored = []  # flushed by whoever edited the rows (or a step cut short, dropped)
         self.before = -1  # no step under way: every layer takes the full update
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
@@ -203,7 +207,7 @@ class BatchRequests:
             self.dst, self.later = None, True
             self.step_shape = (self.batch, self.heads, 1, self.head_dim)
             return
-        if self.deferred:
+        if self.deferred or self.unstored:
             self.flush()
         pool = self.pool
         if self.prefix_mode and self.length > 0:
@@ -238,31 +242,47 @@ class BatchRequests:
             return
         pages.advance(self.handles, before, length, slots)
         self.dst = pages.dst
-        self.later = pages.later is not None
+        self.later = pages.later
+        if pages.later:  # (a copy: a decode step's extend writes the next step's slots in place)
+            self.unstored.append(slots.reshape(self.batch, tokens).copy())
         if self.dst is None and self.new_slots is None and not self.later:
             loc = pages.loc
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
 
     def flush(self) -> None:
-        """Bring the core and the pool's caches up to the rows' length: one extend by the
-        deferred decode steps (their slots are in pages the rows already own, so it needs no
-        new page), and one store of their tokens from the layer buffers. Called before
-        anything reads or edits the rows in the pool, and at a step that needs a new page."""
+        """Bring the core and the pool's caches up to the rows' tokens: one extend by the deferred
+        decode steps (their slots are in pages the rows already own, so it needs no new page) and
+        one store, from the layer buffers, of every token whose step has run on every layer
+        since the last flush. Called before anything reads or edits the rows in the pool, and
+        at a step that needs a new page. A step under way (some layer has yet to add its
+        tokens) is stored by the next flush."""
         n = self.deferred
-        if not n:
+        if not n and not self.unstored:
             return
         assert self.handles is not None and self.pages is not None
-        pool = self.pool
-        slots = pool._extend_host(self.handles, n) if self.host_extend else None
-        if slots is None:
-            slots = pool.extend(self.handles, n).slots
-        self.deferred = 0
-        unfinished = sum(1 for layer in self.layers if layer.seen != self.length)
-        self.pages.store_tokens(self.length - n, np.asarray(slots, dtype=np.int64), unfinished)
+        parts = self.unstored
+        if n:
+            pool = self.pool
+            slots = pool._extend_host(self.handles, n) if self.host_extend else None
+            if slots is None:
+                slots = pool.extend(self.handles, n).slots
+            self.deferred = 0
+            parts.append(np.asarray(slots, dtype=np.int64).reshape(self.batch, n))
+        held = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        under_way = any(layer.seen != self.length for layer in self.layers)
+        done = held.shape[1] - (self.length - self.before if under_way else 0)
+        if done > 0:
+            self.pages.store_tokens(self.length - held.shape[1], np.ascontiguousarray(held[:, :done]).reshape(-1))
+        self.unstored = [held[:, done:]] if done < held.shape[1] else []
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``."""
+        """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``
+        (or, for a step the pool gets from the layer buffers at the next flush, add it there)."""
+        if self.later:
+            assert self.pages is not None
+            self.pages.add(layer, key_states, value_states)
+            return
         b, h, t, d = key_states.shape
         k = key_states.transpose(1, 2).reshape(b * t, h, d)  # row-major like the extend's slots
         v = value_states.transpose(1, 2).reshape(b * t, h, d)
@@ -344,9 +364,9 @@ class BatchRequests:
         pages are not published; those published before it stay cached)."""
         if self.handles is not None:
             publish = self.prefix_mode and self.length > 0 and all(x.seen == self.length for x in self.layers)
-            # Deferred steps are dropped with the rows: their pages are freed whole, and a
-            # prefix-mode batch (the one that publishes) defers none (its rows share pages).
-            self.deferred = 0
+            # Deferred steps and stores are dropped with the rows: their pages are freed whole, and
+            # a prefix-mode batch (the one that publishes) defers none (its rows share pages).
+            self.deferred, self.unstored = 0, []
             handles, self.handles, self._rows, self.slot_idx, self.dst = self.handles, None, None, None, None
             self.later = False
             self.before = -1

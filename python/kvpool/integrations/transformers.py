@@ -136,7 +136,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
             dst[0][self.layer_idx].copy_(key_states)
             dst[1][self.layer_idx].copy_(value_states)
-        elif req.later:  # stored with every layer's from the layer buffers (pages.kv below)
+        elif req.later:  # stored from the layer buffers (pages.kv adds it) at the next flush
             pass
         elif store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
             store(self.layer_idx, req.new_slots, key_states, value_states)
