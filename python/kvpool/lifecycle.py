@@ -90,6 +90,14 @@ class RequestOps:
         with self._lock:
             self.allocator.truncate(handles, lengths)
 
+    def _truncate_keeping_prompts(self, handles: Any, lengths: Any) -> None:
+        """``truncate`` that leaves each request the prompt it was opened with
+        (``SlotAllocator.roll_back_extend``), under the pool's lock: a request cut back
+        inside its prompt takes the prompt's token ids again as it extends past the cut,
+        so ``cache`` publishes those positions as the prompt's."""
+        with self._lock:
+            self.allocator.roll_back_extend(handles, lengths)
+
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests and release their pages (with ``cache=True``, cached first,
         with a retention ``priority`` for ``retain_s`` seconds if given). See

@@ -137,8 +137,8 @@ class BatchRequests:
         """Open one request per row of ``prefix_ids`` [B, T] on the longest cached prefix.
 
         Rows share one length in a transformers cache, so every row keeps only the
-        shortest hit (the others are truncated to it; truncating into a shared page is
-        copy-on-write in the core).
+        shortest hit (the others are cut back to it, keeping their prompts; cutting into
+        a shared page is copy-on-write in the core).
         """
         if not hasattr(self.pool, "open_with_prefix"):
             raise NotImplementedError(PREFIX_NEEDS_CORE)
@@ -152,7 +152,11 @@ class BatchRequests:
         cached = np.asarray(cached, dtype=np.int64)
         common = int(cached.min())
         if int(cached.max()) > common:
-            self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
+            # Keeping the prompts: a longer row recomputes its hit past ``common`` from the
+            # prompt's token ids, so close(cache=True) publishes those pages again (truncate
+            # would make them unknown positions, and the pages it let go are evictable).
+            shorten = getattr(self.pool, "_truncate_keeping_prompts", self.pool.truncate)
+            shorten(handles, np.full(b, common, dtype=np.int64))
         self._shared = True
         self._set_handles(handles)
         self.length, self.prefix_mode, self.cached_lens = common, True, cached

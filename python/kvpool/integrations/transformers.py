@@ -33,8 +33,9 @@ How it maps onto the pool:
   keeps a row that continues once and ``pool.fork``s one that continues several times
   (shared pages), or raises ``NotImplementedError`` on a pool without ``fork``;
 - ``prefix_ids=`` (with a pool that has ``open_with_prefix``) opens the rows on their
-  longest cached prefix; ``generate`` then computes only the remaining prompt tokens,
-  and ``close()`` publishes the prompt's pages for the next request.
+  longest cached prefix (a batch: the shortest of its rows' hits, since rows share one
+  length); ``generate`` then computes only the remaining prompt tokens, and ``close()``
+  publishes every row's prompt pages for the next request.
 
 Grad modes: the pool's tensors are made outside inference mode by ``KVPool``, so
 ``generate`` (which runs under ``no_grad``) works equally under
