@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 
-from kvpool import ContextTooLongError, KVPool  # noqa: E402
+from kvpool import ContextTooLongError, InvalidArgumentError, KVPool, PoolExhaustedError, TooManyRequestsError  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 
@@ -202,3 +202,112 @@ def test_handles_read_mid_step_flush_the_steps_done_and_keep_the_one_under_way(b
         ref.check_pool(pool, raw)
         ref.step(cache, 1)
         ref.check_pool(pool, cache.handles)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("before", [[5, 3], [8]], ids=["after-a-prompt-step", "page-start"])
+def test_handles_read_mid_step_hold_the_token_of_the_layers_that_ran(batch, before):
+    """A decode step that is not deferred but stored from the layer buffers (the step that
+    starts a page, or the first after a multi-token step): reading the handles between two
+    of its layers brings the pool up to the cache there too, so the layers that ran have
+    their token in the pool, and the next flush stores the step again once all have."""
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(batch, seed=7)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        for t in before:
+            ref.step(cache, t)
+        ks = [torch.randn(batch, H, 1, D, generator=ref.g) for _ in range(LAYERS)]
+        cache.update(ks[0], 2 * ks[0], 0)
+        assert cache.requests.deferred == 0 and cache.requests.later, "the test needs a step stored from the buffers"
+        raw = cache.handles
+        assert pool.allocator.lengths(raw).tolist() == [sum(before) + 1] * batch
+        k, v = stored_in_pool(pool, raw, 0)
+        assert torch.equal(k[:, :, -1:], ks[0]) and torch.equal(v[:, :, -1:], 2 * ks[0])
+        for layer in range(1, LAYERS):
+            cache.update(ks[layer], 2 * ks[layer], layer)
+        ref.k = [torch.cat([k, new], dim=2) for k, new in zip(ref.k, ks)]
+        cache.flush()  # stores the step again, now that every layer has run
+        ref.check_pool(pool, raw)
+
+
+def test_a_refused_reorder_leaves_deferred_steps_deferred():
+    """Bad row indices are refused with the pool exactly as it was: the deferred steps are
+    not flushed by a reorder that does not happen (handles taken before still read the
+    lengths they did)."""
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(2, seed=8)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        ref.step(cache, 1)
+        ref.step(cache, 1)
+        raw = cache.requests.handles
+        lengths = pool.allocator.lengths(raw).tolist()
+        assert cache.requests.deferred == 2 and lengths == [5] * 2
+        for bad in ([0, 2], [-1]):
+            with pytest.raises(InvalidArgumentError, match="outside the batch"):
+                cache.reorder_cache(torch.tensor(bad))
+            with pytest.raises(InvalidArgumentError, match="outside the batch"):
+                cache.batch_select_indices(torch.tensor(bad))
+        assert cache.requests.deferred == 2 and pool.allocator.lengths(raw).tolist() == lengths
+        ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+
+
+def test_a_step_refused_at_the_next_page_leaves_the_deferred_steps_deferred():
+    """The step after a page's deferred ones needs a new page; on a full pool it is refused
+    (PoolExhaustedError) with the pool exactly as it was: the catch-up extend made for it
+    is undone, so handles taken before still read the lengths they did, and once there is
+    room the step goes on with the deferred tokens intact."""
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=PAGE, num_slots=256, max_requests=8,
+                  max_context_len=128)
+    scramble(pool)
+    ref = Reference(2, seed=9)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        for _ in range(3):
+            ref.step(cache, 1)
+        raw = cache.requests.handles
+        assert cache.requests.deferred == 3 and pool.allocator.lengths(raw).tolist() == [5] * 2
+        hogs = []
+        while pool.allocator.free_pages > 1:  # one page left: the step needs one per row
+            h = pool.open(1)
+            pool.extend(h, min((pool.allocator.free_pages - 1) * PAGE, 128))
+            hogs.append(int(h[0]))
+        used, free = pool.allocator.used_pages, pool.allocator.free_pages
+        k = torch.randn(2, H, 1, D)
+        with pytest.raises(PoolExhaustedError):
+            cache.update(k, k, 0)
+        assert cache.get_seq_length() == 8 and cache.requests.deferred == 3
+        assert pool.allocator.lengths(raw).tolist() == [5] * 2
+        assert (pool.allocator.used_pages, pool.allocator.free_pages) == (used, free)
+        pool.close(np.asarray(hogs, dtype=np.int64))
+        for _ in range(PAGE + 1):
+            ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_a_fork_refused_leaves_the_deferred_steps_deferred():
+    """Beam search's reorder catches the pool up before it forks; a fork refused (no request
+    left: TooManyRequestsError) undoes that too, leaving the pool as it was."""
+    pool = make_pool()  # max_requests=8
+    scramble(pool)
+    ref = Reference(2, seed=10)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        ref.step(cache, 1)
+        raw = cache.requests.handles
+        hogs = pool.open(6)
+        with pytest.raises(TooManyRequestsError):
+            cache.reorder_cache(torch.tensor([0, 0, 1]))
+        assert cache.requests.deferred == 1 and pool.allocator.lengths(raw).tolist() == [5] * 2
+        pool.close(hogs)
+        cache.reorder_cache(torch.tensor([0, 0, 1]))
+        ref.reorder([0, 0, 1])
+        ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0

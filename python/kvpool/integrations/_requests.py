@@ -211,7 +211,8 @@ class BatchRequests:
             self.dst, self.later = None, True
             self.step_shape = (self.batch, self.heads, 1, self.head_dim)
             return
-        if self.deferred or self.unstored:
+        caught_up = self.deferred
+        if caught_up or self.unstored:
             self.flush()
         pool = self.pool
         if self.prefix_mode and self.length > 0:
@@ -233,6 +234,8 @@ class BatchRequests:
             else:
                 self.new_slots = None
         except BaseException:
+            if caught_up:  # a refused step leaves the pool as it was, deferred steps included
+                self._undo_flush(caught_up)
             if self._fresh:
                 self.close()
             raise
@@ -273,12 +276,21 @@ class BatchRequests:
                 slots = pool.extend(self.handles, n).slots
             self.deferred = 0
             parts.append(np.asarray(slots, dtype=np.int64).reshape(self.batch, n))
-        held = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        under_way = any(layer.seen != self.length for layer in self.layers)
-        done = held.shape[1] - (self.length - self.before if under_way else 0)
-        if done > 0:
-            self.pages.store_tokens(self.length - held.shape[1], np.ascontiguousarray(held[:, :done]).reshape(-1))
-        self.unstored = [held[:, done:]] if done < held.shape[1] else []
+        held = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
+        # A step under way (between two of its layers) is stored with what the layers that
+        # ran have added, and again by the next flush, once every layer has.
+        under = self.length - self.before if any(x.seen != self.length for x in self.layers) else 0
+        self.pages.store_tokens(self.length - held.shape[1], held.reshape(-1))
+        self.unstored = [held[:, held.shape[1] - under :]] if under else []
+
+    def _undo_flush(self, n: int) -> None:
+        """A step or fork refused after ``flush`` caught the core up with ``n`` deferred steps:
+        shorten the rows back, so that the refusal leaves the pool's lengths as they were (the
+        rows keep the page those steps are in: it holds earlier tokens too), and the steps stay
+        deferred (their tokens, stored meanwhile, are stored again at the next flush)."""
+        assert self.handles is not None
+        self.pool.truncate(self.handles, np.full(self.handles.shape[0], self.length - n, dtype=np.int64))
+        self.deferred = n
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``
@@ -323,7 +335,6 @@ class BatchRequests:
         """
         if self.handles is None:
             return  # nothing opened yet: the first update opens as many rows as it sees
-        self.flush()  # forks share the rows' pages as the pool holds them
         b = self.handles.shape[0]
         bad = [s for s in sources if not 0 <= s < b]
         if bad:
@@ -333,6 +344,10 @@ class BatchRequests:
         fork = getattr(self.pool, "fork", None)
         if extra and self.length > 0 and fork is None:
             raise NotImplementedError(BEAM_NEEDS_FORK)
+        # Forks share the rows' pages as the pool holds them (after the checks: a reorder
+        # refused leaves the pool as it was, deferred steps included).
+        caught_up = self.deferred
+        self.flush()
         made: list[int] = []
         copies: dict[int, list[int]] = {}
         try:
@@ -347,6 +362,8 @@ class BatchRequests:
         except Exception:
             if made:
                 self.pool.close(np.asarray(made, dtype=np.int64))
+            if caught_up:
+                self._undo_flush(caught_up)
             raise
         out = np.empty(len(sources), dtype=np.int64)
         used: set[int] = set()

@@ -263,12 +263,15 @@ class KVPoolCache(Cache):
     def flush(self) -> None:
         """Bring the pool up to every token the cache holds.
 
-        A decode step inside a page the rows already own (all rows private, layer buffers on a
-        CPU pool) keeps its token in the layer buffers: the pool's lengths and caches catch
-        up with one extend and one store when the rows need a new page, and before ``crop``,
+        With layer buffers on a CPU pool, rows that share no page (a cache without
+        ``prefix_ids=`` and no fork yet) are stored into the pool from the buffers rather than
+        by each layer, and a decode step inside a page the rows already own does not even
+        extend their requests: the pool's lengths and caches catch up (one extend, one store)
+        at the next step that needs a page or brings several tokens, and before ``crop``,
         ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave`` and
-        ``handles``. Call this before reading the rows through the pool with handles taken
-        earlier."""
+        ``handles``. A step or fork refused after the catch-up undoes it. Between two layers
+        of a step, this stores what the layers that ran hold, and the next flush the rest.
+        Call this before reading the rows through the pool with handles taken earlier."""
         self.requests.flush()
 
     @property
