@@ -11,10 +11,11 @@ next cache of the same rows and capacity (``BufferSpares``), as torch's caching 
 keeps a freed block for the next request of its size. The views are made under
 ``persistent()``, so a set made under one grad mode serves a cache under any other.
 
-The spares are bounded: small batches are where the views' host time shows (a large batch
-spreads it over its rows) and their buffers are small, so a set is kept only while it is at
-most a quarter of the pool's bytes, and the spares together at most half (oldest dropped
-first). ``release_buffers(pool)`` frees them.
+The spares are bounded: the views' host time shows on small models and short contexts,
+whose buffers are small (a large model spends far more per token in its layers), so a set is
+kept only while it is at most 64 MiB, and a pool keeps at most four (the oldest is dropped
+first): a server alternating a few batch sizes finds each one's. ``release_buffers(pool)``
+frees them.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class BufferSpares:
     """Layer buffers of closed caches, for the pool's next caches of the same rows and capacity
     (see the module doc for the bounds)."""
 
-    def __init__(self, pool_bytes: int) -> None:
-        self.most_one, self.most_all = pool_bytes // 4, pool_bytes // 2
+    def __init__(self, most_bytes: int = 64 << 20, most_sets: int = 4) -> None:
+        self.most_bytes, self.most_sets = most_bytes, most_sets
         self._sets: OrderedDict[tuple[int, int], LayerBuffers] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # caches on several threads share their pool's spares
@@ -113,7 +114,7 @@ class BufferSpares:
             return got
 
     def give(self, buffers: LayerBuffers) -> None:
-        if buffers.nbytes > self.most_one:
+        if buffers.nbytes > self.most_bytes:
             return
         with self._lock:
             old = self._sets.pop((buffers.b, buffers.cap), None)
@@ -121,7 +122,7 @@ class BufferSpares:
                 self._bytes -= old.nbytes
             self._sets[(buffers.b, buffers.cap)] = buffers
             self._bytes += buffers.nbytes
-            while self._bytes > self.most_all:
+            while len(self._sets) > self.most_sets:
                 _, dropped = self._sets.popitem(last=False)
                 self._bytes -= dropped.nbytes
 

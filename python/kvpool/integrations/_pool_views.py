@@ -55,7 +55,7 @@ class PoolViews:
         # are atomic, so caches in several threads never take the same one).
         self.spare_stages: list[torch.Tensor] = []
         # Layer buffers of closed caches, with the views they made (``_layer_buffers``).
-        self.spare_buffers = BufferSpares(2 * layers * num_pages * self.row * k0.element_size())
+        self.spare_buffers = BufferSpares()
 
 
 # Keyed by the pool, which the entries do not reference (their views hold its memory alive,
@@ -79,7 +79,7 @@ def pool_views(pool: Any) -> PoolViews:
 def release_buffers(pool: Any) -> int:
     """Free the layer buffers that closed ``KVPoolCache``s left to ``pool``'s next caches (a
     copy of a small batch's K/V each, kept so that the next cache of the same batch size
-    reuses them and the views into them; at most half the pool's bytes). Returns the bytes
+    reuses them and the views into them; at most four sets of 64 MiB). Returns the bytes
     freed. Open caches keep theirs."""
     spares = pool_views(pool).spare_buffers
     freed = spares.nbytes
