@@ -259,3 +259,37 @@ def test_a_hybrid_pool_takes_the_same_arguments(layer_buffers):
         got, _ = cache.update(k, k, 3)  # the full-attention layer
         assert torch.equal(got, k)
     assert pool.open_requests == 0
+
+
+def test_caches_opened_at_once_on_threads_share_one_set_of_spares(monkeypatch):
+    """A pool's first caches, made on two threads at once, get the same ``PoolViews`` (and so
+    the same spares, which ``release_buffers`` frees): the loser of a race would keep spares
+    of its own that ``release_buffers`` never reaches."""
+    import threading
+
+    from kvpool.integrations import _pool_views
+
+    pool = make_pool()
+    both_inside = threading.Barrier(2)
+    made = _pool_views.PoolViews.__init__
+
+    def slow_init(self, pool):
+        try:  # both threads inside at once, unless one waits for the other (then it times out)
+            both_inside.wait(timeout=1)
+        except threading.BrokenBarrierError:
+            pass
+        made(self, pool)
+
+    monkeypatch.setattr(_pool_views.PoolViews, "__init__", slow_init)
+    got = [None, None]
+
+    def take(i: int) -> None:
+        got[i] = _pool_views.pool_views(pool)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] is not None and got[0] is got[1]
+    assert _pool_views.pool_views(pool) is got[0]

@@ -4,6 +4,7 @@ single view of a cache covers."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -61,6 +62,9 @@ class PoolViews:
 # Keyed by the pool, which the entries do not reference (their views hold its memory alive,
 # not the pool object), so an entry goes with its pool.
 _POOL_VIEWS: weakref.WeakKeyDictionary[Any, PoolViews] = weakref.WeakKeyDictionary()
+# Caches made on several threads at once must get one PoolViews: the spares are in it, and
+# another one's would serve only the caches that took it, out of release_buffers' reach.
+_MAKING = threading.Lock()
 
 
 def pool_views(pool: Any) -> PoolViews:
@@ -68,7 +72,12 @@ def pool_views(pool: Any) -> PoolViews:
     try:
         return _POOL_VIEWS[pool]
     except (KeyError, TypeError):  # TypeError: a pool that takes no weak reference
-        views = PoolViews(pool)
+        pass
+    with _MAKING:
+        try:
+            return _POOL_VIEWS[pool]
+        except (KeyError, TypeError):
+            views = PoolViews(pool)
         try:
             _POOL_VIEWS[pool] = views
         except TypeError:
