@@ -180,7 +180,7 @@ def test_without_layer_buffers_every_step_gathers_the_same_values():
 
 def test_a_closed_caches_buffers_serve_the_next_cache_of_its_shape_until_released():
     """A closed cache leaves its layer buffers (and the views into them) to the pool's next
-    cache of the same rows and capacity, which must still read only its own K/V;
+    cache of the same rows that fits in them, which must still read only its own K/V;
     ``release_buffers`` frees them."""
     import gc
     import weakref
