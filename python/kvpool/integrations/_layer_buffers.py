@@ -50,24 +50,22 @@ class LayerBuffers:
         self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
+    def views(self, first: int, t: int, steps: int = 0) -> Any:
         """Per layer (k, v) ``[B, H, t, D]`` views from token ``first``; with ``steps``, a list of
-        those for ``steps`` decode steps (``t`` 1) that follow. With ``whole``, (those, the
-        ``[2 * layers, B, H, t, D]`` view (per step) they split). Made anew at each call."""
+        those for ``steps`` decode steps (``t`` 1) that follow. Made anew at each call."""
         both, layers = self.both, self.layers
         size, stride = both.shape[:-2] + (t, self.d), both.stride()
         at = both.storage_offset() + first * self.d
         if not steps:
             one = both.as_strided(size, stride, at)
             views = one.unbind(0)
-            pairs = list(zip(views[:layers], views[layers:]))
-            return (pairs, one) if whole else pairs
+            return list(zip(views[:layers], views[layers:]))
         out = []
         ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
         for one in ones:
             views = one.unbind(0)
             out.append(list(zip(views[:layers], views[layers:])))
-        return (out, ones) if whole else out
+        return out
 
     def attention(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of the rows' first ``n`` tokens: what attention reads."""
