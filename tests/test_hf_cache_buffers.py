@@ -293,3 +293,32 @@ def test_caches_opened_at_once_on_threads_share_one_set_of_spares(monkeypatch):
         t.join()
     assert got[0] is not None and got[0] is got[1]
     assert _pool_views.pool_views(pool) is got[0]
+
+
+def test_release_buffers_frees_the_staging_buffers_closed_caches_left_too():
+    """``layer_buffers=False`` caches leave their staging buffer (one layer's K/V of the
+    batch, of any size) to the pool's next such cache; ``release_buffers`` frees those too."""
+    import gc
+    import weakref
+
+    from kvpool.integrations.transformers import release_buffers
+
+    pool = make_pool()
+    h = pool.open(3)  # interleaved free pages: the cache gathers into its staging buffer
+    for _ in range(3 * PAGE + 1):
+        pool.extend(h, 1)
+    pool.close(h)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool, layer_buffers=False)
+        e = Expect(cache)
+        e.step(2, 5)
+        for _ in range(PAGE):
+            e.step(2, 1)
+        stage = cache.requests.pages._stage
+        assert stage is not None, "the test needs a cache that gathered into its staging buffer"
+        kept, size = weakref.ref(stage), stage.numel() * stage.element_size()
+        stage = None
+        cache.close()
+    assert release_buffers(pool) == size and release_buffers(pool) == 0
+    gc.collect()
+    assert kept() is None, "released staging buffers are still alive"
