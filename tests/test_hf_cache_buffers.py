@@ -180,7 +180,7 @@ def test_without_layer_buffers_every_step_gathers_the_same_values():
 
 def test_a_closed_caches_buffers_serve_the_next_cache_of_its_shape_until_released():
     """A closed cache leaves its layer buffers (and the views into them) to the pool's next
-    cache of the same rows and capacity, which must still read only its own K/V;
+    cache of the same rows that fits in them, which must still read only its own K/V;
     ``release_buffers`` frees them."""
     import gc
     import weakref
@@ -259,3 +259,66 @@ def test_a_hybrid_pool_takes_the_same_arguments(layer_buffers):
         got, _ = cache.update(k, k, 3)  # the full-attention layer
         assert torch.equal(got, k)
     assert pool.open_requests == 0
+
+
+def test_caches_opened_at_once_on_threads_share_one_set_of_spares(monkeypatch):
+    """A pool's first caches, made on two threads at once, get the same ``PoolViews`` (and so
+    the same spares, which ``release_buffers`` frees): the loser of a race would keep spares
+    of its own that ``release_buffers`` never reaches."""
+    import threading
+
+    from kvpool.integrations import _pool_views
+
+    pool = make_pool()
+    both_inside = threading.Barrier(2)
+    made = _pool_views.PoolViews.__init__
+
+    def slow_init(self, pool):
+        try:  # both threads inside at once, unless one waits for the other (then it times out)
+            both_inside.wait(timeout=1)
+        except threading.BrokenBarrierError:
+            pass
+        made(self, pool)
+
+    monkeypatch.setattr(_pool_views.PoolViews, "__init__", slow_init)
+    got = [None, None]
+
+    def take(i: int) -> None:
+        got[i] = _pool_views.pool_views(pool)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] is not None and got[0] is got[1]
+    assert _pool_views.pool_views(pool) is got[0]
+
+
+def test_release_buffers_frees_the_staging_buffers_closed_caches_left_too():
+    """``layer_buffers=False`` caches leave their staging buffer (one layer's K/V of the
+    batch, of any size) to the pool's next such cache; ``release_buffers`` frees those too."""
+    import gc
+    import weakref
+
+    from kvpool.integrations.transformers import release_buffers
+
+    pool = make_pool()
+    h = pool.open(3)  # interleaved free pages: the cache gathers into its staging buffer
+    for _ in range(3 * PAGE + 1):
+        pool.extend(h, 1)
+    pool.close(h)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool, layer_buffers=False)
+        e = Expect(cache)
+        e.step(2, 5)
+        for _ in range(PAGE):
+            e.step(2, 1)
+        stage = cache.requests.pages._stage
+        assert stage is not None, "the test needs a cache that gathered into its staging buffer"
+        kept, size = weakref.ref(stage), stage.numel() * stage.element_size()
+        stage = None
+        cache.close()
+    assert release_buffers(pool) == size and release_buffers(pool) == 0
+    gc.collect()
+    assert kept() is None, "released staging buffers are still alive"

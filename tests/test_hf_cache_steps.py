@@ -1,8 +1,8 @@
 """How KVPoolCache stores a step and hands attention its K/V, on pools whose free pages
 are no longer in order (as on a pool that served other batches): the step's stores
 (views of the caches for a strided run of slots, the pool's index store otherwise, or,
-for a decode step whose layers add their token to the layer buffers, one store of every
-layer's token from the buffers after the step's last layer), the decode steps made ahead
+for a step whose layers add their tokens to the layer buffers, one store of every layer's
+tokens from the buffers at the next flush), the decode steps made ahead
 at a page boundary, the staging buffer kept with the pool for its next cache, and the
 short way a step's later layers take."""
 
@@ -46,7 +46,7 @@ def stored_in_pool(pool: KVPool, handles: np.ndarray, layer: int) -> tuple[torch
 
 def store_kind(cache: KVPoolCache) -> str:
     """How the step under way reaches the pool: 'views' (copies into views of the caches),
-    'buffers' (every layer's token from the layer buffers, after the last layer) or 'index'
+    'buffers' (every layer's tokens from the layer buffers, at the next flush) or 'index'
     (the pool's index store, layer by layer)."""
     req = cache.requests
     return "views" if req.dst is not None else "buffers" if req.later else "index"
@@ -138,8 +138,9 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("before", [[5, 1], [7, 1]], ids=["made-ahead", "page-start"])
 def test_a_forward_cut_short_is_refused_until_crop_drops_it(batch, before):
-    """A buffered decode step is stored once its last layer has added its token. When a
-    forward stops before that (a model that raised half-way), the next forward is refused
+    """A buffered decode step is stored (at a flush) only whole: a flush between its layers
+    stores it again at the next one. When a forward stops half-way (a model that raised),
+    the next forward is refused
     (nothing changes), crop drops the unfinished step, and the step run again is stored
     and read back whole. The step cut short is one made ahead at the page's start, or
     (page-start) the step that starts a page."""

@@ -6,9 +6,10 @@ Making a tensor and freeing it costs about a microsecond of host time; on a smal
 those views were most of the cache's own host time per token, made anew for every step of
 every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
 and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
-it has made (``attention``, ``tokens``), and a closed cache leaves its set to the pool's
-next cache of the same rows and capacity (``BufferSpares``), as torch's caching allocator
-keeps a freed block for the next request of its size. The views are made under
+it has made (``attention``, ``tokens``), and a closed cache (or one whose buffers grew or
+changed rows) leaves its set to the pool's next cache of the same rows that fits in it
+(``BufferSpares``: the one with the least room), as torch's caching allocator keeps a freed
+block for the next request it fits. The views are made under
 ``persistent()``, so a set made under one grad mode serves a cache under any other.
 
 The spares are bounded: the views' host time shows on small models and short contexts,
@@ -49,24 +50,22 @@ class LayerBuffers:
         self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
+    def views(self, first: int, t: int, steps: int = 0) -> Any:
         """Per layer (k, v) ``[B, H, t, D]`` views from token ``first``; with ``steps``, a list of
-        those for ``steps`` decode steps (``t`` 1) that follow. With ``whole``, (those, the
-        ``[2 * layers, B, H, t, D]`` view (per step) they split). Made anew at each call."""
+        those for ``steps`` decode steps (``t`` 1) that follow. Made anew at each call."""
         both, layers = self.both, self.layers
         size, stride = both.shape[:-2] + (t, self.d), both.stride()
         at = both.storage_offset() + first * self.d
         if not steps:
             one = both.as_strided(size, stride, at)
             views = one.unbind(0)
-            pairs = list(zip(views[:layers], views[layers:]))
-            return (pairs, one) if whole else pairs
+            return list(zip(views[:layers], views[layers:]))
         out = []
         ones = both.as_strided((steps,) + size, (self.d,) + stride, at).unbind(0)
         for one in ones:
             views = one.unbind(0)
             out.append(list(zip(views[:layers], views[layers:])))
-        return (out, ones) if whole else out
+        return out
 
     def attention(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of the rows' first ``n`` tokens: what attention reads."""
@@ -94,8 +93,8 @@ class LayerBuffers:
 
 
 class BufferSpares:
-    """Layer buffers of closed caches, for the pool's next caches of the same rows and capacity
-    (see the module doc for the bounds)."""
+    """Layer buffers of closed caches, for the pool's next caches of the same rows that fit in
+    them (see the module doc for the bounds)."""
 
     def __init__(self, most_bytes: int = 64 << 20, most_sets: int = 4) -> None:
         self.most_bytes, self.most_sets = most_bytes, most_sets

@@ -4,6 +4,7 @@ single view of a cache covers."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -61,6 +62,9 @@ class PoolViews:
 # Keyed by the pool, which the entries do not reference (their views hold its memory alive,
 # not the pool object), so an entry goes with its pool.
 _POOL_VIEWS: weakref.WeakKeyDictionary[Any, PoolViews] = weakref.WeakKeyDictionary()
+# Caches made on several threads at once must get one PoolViews: the spares are in it, and
+# another one's would serve only the caches that took it, out of release_buffers' reach.
+_MAKING = threading.Lock()
 
 
 def pool_views(pool: Any) -> PoolViews:
@@ -68,7 +72,12 @@ def pool_views(pool: Any) -> PoolViews:
     try:
         return _POOL_VIEWS[pool]
     except (KeyError, TypeError):  # TypeError: a pool that takes no weak reference
-        views = PoolViews(pool)
+        pass
+    with _MAKING:
+        try:
+            return _POOL_VIEWS[pool]
+        except (KeyError, TypeError):
+            views = PoolViews(pool)
         try:
             _POOL_VIEWS[pool] = views
         except TypeError:
@@ -79,12 +88,20 @@ def pool_views(pool: Any) -> PoolViews:
 def release_buffers(pool: Any) -> int:
     """Free the layer buffers that closed ``KVPoolCache``s left to ``pool``'s next caches (a
     copy of a small batch's K/V each, kept so that the next cache of the same batch size
-    reuses them and the views into them; at most four sets of 64 MiB). Returns the bytes
-    freed. Open caches keep theirs."""
-    spares = pool_views(pool).spare_buffers
+    reuses them and the views into them; at most four sets of 64 MiB), and the staging
+    buffers of closed ``layer_buffers=False`` caches (one layer's K/V of a batch each, at
+    most two). Returns the bytes freed. Open caches keep theirs."""
+    views = pool_views(pool)
+    spares = views.spare_buffers
     freed = spares.nbytes
     spares.clear()
-    return freed
+    stages = views.spare_stages
+    while True:
+        try:  # (pop: atomic, as a cache on another thread may take one meanwhile)
+            stage = stages.pop()
+        except IndexError:
+            return freed
+        freed += stage.numel() * stage.element_size()
 
 
 def index_tensor(host: np.ndarray) -> torch.Tensor:

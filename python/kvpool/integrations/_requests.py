@@ -67,8 +67,8 @@ class BatchRequests:
         # Per layer, this step's K and V destinations as [B, H, T, D] views of the caches
         # (StepPages.dst), when the step's slots are one strided run; else None and the
         # layers store through the pool's index store at new_slots, unless ``later``: the
-        # layers add the step's token to their buffers and StepPages stores them in the pool
-        # from there once the last layer has (StepPages.later).
+        # layers add the step's tokens to their buffers, and ``flush`` stores them in the
+        # pool from there (StepPages.later, store_tokens).
         self.dst: tuple[Any, Any] | None = None
         self.later = False
         # fp8 pools read K/V back dequantized through pool.read and a per-token index.

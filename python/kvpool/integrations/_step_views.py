@@ -1,7 +1,8 @@
 """The views ``StepPages`` hands out and stores through: every one is a strided view of the
-pool's caches or of the layer buffers, made with one ``as_strided`` for every layer's K and
-V (and, for the decode steps of a page made ahead, for every step) and split with
-``unbind``: a tensor made costs the same either way, the Python calls that make them do not.
+pool's caches (or of the layer buffers, which ``LayerBuffers`` makes and keeps), made with
+one ``as_strided`` for every layer's K and V (and, for the decode steps of a page made
+ahead, for every step) and split with ``unbind``: a tensor made costs the same either way,
+the Python calls that make them do not.
 """
 
 from __future__ import annotations
@@ -25,32 +26,10 @@ class StepViews:
     table: np.ndarray
     flat: list[tuple[torch.Tensor, torch.Tensor]]
     layer_step: int | None
-    _layers: int
-    _all_slots: torch.Tensor | None
-    _buf: torch.Tensor | None
-    _both: torch.Tensor | None
     _lb: LayerBuffers | None
     _stage: torch.Tensor | None
     _rows: int
     _strided: tuple[int, int] | None
-
-    def _slot_views(self, first: int, apart: int, b: int, steps: int) -> Any:
-        """Every cache's slots ``first + i * apart`` (``b`` rows), ``[2 * layers, b, H, 1, D]`` views
-        of the pool; with ``steps``, a list of those for the ``steps`` slots from ``first``."""
-        c = self._all_slots
-        assert c is not None
-        hd = self.h * self.d
-        size, stride = (c.shape[0], b, self.h, 1, self.d), (c.stride(0), apart * hd, self.d, hd, 1)
-        at = c.storage_offset() + first * hd
-        if not steps:
-            return c.as_strided(size, stride, at)
-        return c.as_strided((steps,) + size, (hd,) + stride, at).unbind(0)
-
-    def _buffer_views(self, first: int, t: int, steps: int = 0, *, whole: bool = False) -> Any:
-        """``LayerBuffers.views`` of the batch's layer buffers."""
-        lb = self._lb
-        assert lb is not None
-        return lb.views(first, t, steps, whole=whole)
 
     def _store_views(self, run: tuple[int, int], b: int, t: int, steps: int = 0) -> Any:
         """Every layer's K and V destinations of a step whose slots are ``run`` (first slot,

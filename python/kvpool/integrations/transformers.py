@@ -15,8 +15,9 @@ How it maps onto the pool:
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
   (two copies into views of the caches when the slots are one strided run, else the
-  pool's store; on a CPU pool, a decode step read through layer buffers is stored from
-  them once, after its last layer; the K/V are checked here, once per update) and
+  pool's store; on a CPU pool, the steps of rows that share no page, read through layer
+  buffers, are not stored by their layers: ``flush`` stores every such step since the
+  last flush from the buffers in one copy; the K/V are checked here, once per update) and
   returns the rows' full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape
   attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
@@ -39,8 +40,9 @@ How it maps onto the pool:
 
 Grad modes: the pool's tensors are made outside inference mode by ``KVPool``, so
 ``generate`` (which runs under ``no_grad``) works equally under
-``torch.inference_mode()``; the cache's own tensors (the staging buffer) are made
-the same way.
+``torch.inference_mode()``; the cache's own tensors (the staging buffer, the layer
+buffers and the views kept with them, which a closed cache leaves to the pool's next
+cache under any grad mode) are made the same way.
 """
 
 from __future__ import annotations
@@ -206,10 +208,11 @@ class KVPoolCache(Cache):
         its device, not requiring grad, for the open rows; the first layer of a forward
         starts the step, every layer then stores into the step's slots (two copies into
         views of the caches when the slots are one strided run, else the pool's index
-        store; or adds its token to its layer buffer, and the step's last layer stores
-        every layer's from there) and gets the rows' K/V. Anything else (the first forward, a new batch, a
-        wrong tensor, a layer out of step) goes through ``KVPoolLayer.update``, which
-        checks it in full and raises the typed error.
+        store; or, on a CPU pool with layer buffers and rows that share no page, adds its
+        tokens to its layer buffer alone, for ``flush`` to store in the pool) and gets the
+        rows' K/V. Anything else (the first forward, a new batch, a wrong tensor, a layer
+        out of step) goes through ``KVPoolLayer.update``, which checks it in full and
+        raises the typed error.
         """
         req = self.requests
         try:
@@ -235,7 +238,7 @@ class KVPoolCache(Cache):
             if dst is not None:
                 dst[0][layer_idx].copy_(key_states)
                 dst[1][layer_idx].copy_(value_states)
-            elif not req.later:  # (later: pages.kv stores every layer's token once the last has)
+            elif not req.later:  # (later: pages.kv adds it to the buffers; flush stores it in the pool)
                 req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
             layer.seen = req.length
             layer.is_initialized = True
