@@ -103,9 +103,6 @@ class StepPages(StepViews):
         # tokens each row has room for, and how many of them hold every layer's K/V (-1:
         # none, gather them from the pages at the next step).
         self._lb: LayerBuffers | None = None
-        self._buf: torch.Tensor | None = None  # _lb.buf
-        self._both: torch.Tensor | None = None  # _lb.both: _buf as [2 * layers, B, H, cap, D]
-        self._cap = 0
         self._buffer_spares = g.spare_buffers
         self._filled = -1
         # This step, in the layer buffers: per layer (k, v) views of the step's tokens to copy
@@ -265,8 +262,9 @@ class StepPages(StepViews):
     def store_tokens(self, first: int, slots: np.ndarray) -> None:
         """Store every layer's tokens ``first`` on, from the layer buffers, at ``slots`` (row-major:
         each row's in turn, as many per row as the flush stores)."""
-        both, all_slots = self._both, self._all_slots
-        assert both is not None and all_slots is not None
+        lb, all_slots = self._lb, self._all_slots
+        assert lb is not None and all_slots is not None
+        both = lb.both
         b = self.table.shape[0]
         n = slots.shape[0] // b
         src = both[:, :, :, first : first + n]  # [2 * layers, B, H, n, D]
@@ -333,7 +331,7 @@ class StepPages(StepViews):
         that adds, of private rows on a CPU pool, is stored from the buffers at the owner's flush
         (``later``)."""
         need = self.npages * self.page
-        if self._buf is None or self._cap < need:
+        if self._lb is None or self._lb.cap < need:
             self._filled = -1
             b, layers = self.table.shape[0], len(self.flat)
             # Doubling keeps the gathers at growth few, and the first buffers get the same room
@@ -357,7 +355,16 @@ class StepPages(StepViews):
         if old is not None and old is not lb:
             self._buffer_spares.give(old)
         self._lb = lb
-        self._buf, self._both, self._cap = (None, None, 0) if lb is None else (lb.buf, lb.both, lb.cap)
+
+    @property
+    def _buf(self) -> torch.Tensor | None:
+        """The layer buffers as ``[2 (K, V), layers, B, H, cap, D]``, or None."""
+        return None if self._lb is None else self._lb.buf
+
+    @property
+    def _cap(self) -> int:
+        """Tokens per row the layer buffers have room for (0: none)."""
+        return 0 if self._lb is None else self._lb.cap
 
     def release(self) -> None:
         """The rows are closed: the shared staging buffer and the layer buffers go to the
