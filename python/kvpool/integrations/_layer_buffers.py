@@ -35,6 +35,27 @@ from kvpool.modes import persistent
 MAX_KEPT_VIEWS = 1 << 14
 
 
+def stream_mark(t: torch.Tensor) -> Any:
+    """An event recorded on the current stream of ``t``'s device after the work queued on it
+    so far, or None on the CPU (or while that stream is captured)."""
+    if not t.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def stream_wait(t: torch.Tensor, event: Any) -> None:
+    """The current stream of ``t``'s device waits for ``event`` (from ``stream_mark``)."""
+    if event is not None:
+        torch.cuda.current_stream(t.device).wait_event(event)
+
+
+def reusable(t: torch.Tensor) -> bool:
+    """Whether a spare on ``t``'s device may be taken now: not into a graph being captured."""
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class LayerBuffers:
     """Per layer, K and V of ``b`` rows with room for ``cap`` tokens: ``buf`` is ``[2 (K, V),
     layers, B, H, cap, D]``, ``both`` the same as ``[2 * layers, B, H, cap, D]``."""
@@ -49,6 +70,7 @@ class LayerBuffers:
         self.keep = 2 * cap * 2 * layers <= MAX_KEPT_VIEWS
         self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:
         """Per layer (k, v) ``[B, H, t, D]`` views from token ``first``; with ``steps``, a list of
@@ -102,19 +124,25 @@ class BufferSpares:
         self._bytes = 0
         self._lock = threading.Lock()  # caches on several threads share their pool's spares
 
-    def take(self, b: int, need: int) -> LayerBuffers | None:
-        """The spare of ``b`` rows with the least room that holds ``need`` tokens, or None."""
+    def take(self, b: int, need: int, like: torch.Tensor) -> LayerBuffers | None:
+        """The spare of ``b`` rows with the least room that holds ``need`` tokens, or None; the
+        current stream of ``like``'s device waits for what its last cache queued."""
+        if not reusable(like):
+            return None
         with self._lock:
             fits = [key for key in self._sets if key[0] == b and key[1] >= need]
             if not fits:
                 return None
             got = self._sets.pop(min(fits, key=lambda key: key[1]))
             self._bytes -= got.nbytes
-            return got
+        stream_wait(got.buf, got.fence)
+        got.fence = None
+        return got
 
     def give(self, buffers: LayerBuffers) -> None:
         if buffers.nbytes > self.most_bytes:
             return
+        buffers.fence = stream_mark(buffers.buf)
         with self._lock:
             old = self._sets.pop((buffers.b, buffers.cap), None)
             if old is not None:

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.integrations._layer_buffers import LayerBuffers
+from kvpool.integrations._layer_buffers import LayerBuffers, reusable, stream_mark, stream_wait
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
@@ -312,11 +312,14 @@ class StepPages(StepViews):
     def _storage(self, numel: int) -> torch.Tensor:
         """The first ``numel`` elements of the staging storage, grown (or taken from a closed
         cache of the pool) to hold them."""
-        if self._stage is None and not self.layer_buffers:
+        if self._stage is None and not self.layer_buffers and reusable(self.paged[0][0]):
             try:
-                self._stage = self._spares.pop()
+                stage, fence = self._spares.pop()
             except IndexError:
                 pass
+            else:
+                stream_wait(stage, fence)  # (a closed cache's, maybe on another stream)
+                self._stage = stage
         if self._stage is None or self._stage.numel() < numel:
             kp = self.paged[0][0]
             grow = max(numel, 2 * (self._stage.numel() if self._stage is not None else 0))
@@ -338,7 +341,7 @@ class StepPages(StepViews):
             # (a prompt's buffers would otherwise grow, and be gathered again, at the first
             # decode step that takes a page); no row ever holds more than the context length.
             cap = max(need, min(2 * (self._cap or need), self._max_tokens))
-            lb = self._buffer_spares.take(b, need)  # a closed cache's, with room enough
+            lb = self._buffer_spares.take(b, need, self.paged[0][0])  # a closed cache's, with room enough
             self._set_buffers(lb if lb is not None else LayerBuffers(self.paged[0][0], layers, b, self.h, cap, self.d))
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
             lb = self._lb
@@ -374,7 +377,7 @@ class StepPages(StepViews):
         self._set_buffers(None)
         stage, self._stage = self._stage, None
         if stage is not None and not self.layer_buffers and len(self._spares) < 2:
-            self._spares.append(stage)
+            self._spares.append((stage, stream_mark(stage)))
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
         return self._to_device(host) if self._to_device is not None else torch.from_numpy(host)

@@ -52,9 +52,10 @@ class PoolViews:
                 self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, 1, self.d),
                                                (self.layer_step, self.h * self.d, self.d, self.d, 1),
                                                k0.storage_offset())
-        # Staging buffers (flat) of closed caches, for the pool's next caches (append and pop
-        # are atomic, so caches in several threads never take the same one).
-        self.spare_stages: list[torch.Tensor] = []
+        # Staging buffers (flat) of closed caches, each with its ``stream_mark``, for the pool's
+        # next caches (append and pop are atomic, so caches in several threads never take the
+        # same one).
+        self.spare_stages: list[tuple[torch.Tensor, Any]] = []
         # Layer buffers of closed caches, with the views they made (``_layer_buffers``).
         self.spare_buffers = BufferSpares()
 
@@ -98,7 +99,7 @@ def release_buffers(pool: Any) -> int:
     stages = views.spare_stages
     while True:
         try:  # (pop: atomic, as a cache on another thread may take one meanwhile)
-            stage = stages.pop()
+            stage, _ = stages.pop()
         except IndexError:
             return freed
         freed += stage.numel() * stage.element_size()

@@ -1,0 +1,139 @@
+"""The spares a pool keeps for its next KVPoolCache (layer buffers, staging buffers) on CUDA: a
+spare given back on one stream and taken on another must make the taker's stream wait for the
+work the closed cache queued, and a stream being captured into a CUDA graph takes none.
+
+No GPU is needed for the ordering: torch.cuda's events and streams are replaced by fakes that
+record what was asked of them, and the spares' tensors by stand-ins that say they are on CUDA.
+The last test runs the real thing on a GPU (it skips without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+
+from kvpool import KVPool  # noqa: E402
+from kvpool.integrations import _layer_buffers  # noqa: E402
+from kvpool.integrations._layer_buffers import BufferSpares, LayerBuffers  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name, self.waited = name, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.on = None
+
+    def record(self, stream) -> None:
+        self.on = stream
+
+
+class OnCuda:
+    """What the fences read of a tensor: that it is on a CUDA device."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    state = {"stream": FakeStream("a"), "capturing": False}
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    return state
+
+
+def cuda_buffers(b: int = 2, cap: int = 8) -> LayerBuffers:
+    lb = LayerBuffers(torch.empty(0), 2, b, 2, cap, 4)
+    lb.buf = OnCuda()  # type: ignore[assignment]  # the fences read only is_cuda and device
+    return lb
+
+
+def test_a_spare_taken_on_another_stream_waits_for_the_givers_work(cuda):
+    spares = BufferSpares()
+    lb = cuda_buffers()
+    spares.give(lb)  # closed on stream a
+    assert isinstance(lb.fence, FakeEvent) and lb.fence.on is cuda["stream"]
+    event = lb.fence
+    cuda["stream"] = taker = FakeStream("b")
+    assert spares.take(2, 8, OnCuda()) is lb
+    assert taker.waited == [event], "the taking stream must wait for the closed cache's work"
+    assert lb.fence is None
+
+
+def test_no_spare_is_taken_into_a_graph_being_captured(cuda):
+    spares = BufferSpares()
+    lb = cuda_buffers()
+    spares.give(lb)
+    cuda["capturing"] = True
+    assert spares.take(2, 8, OnCuda()) is None, "a captured graph would depend on work outside it"
+    assert len(spares) == 1
+    cuda["capturing"] = False
+    assert spares.take(2, 8, OnCuda()) is lb
+
+
+def test_cpu_spares_touch_no_cuda_state(monkeypatch):
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CPU spare asked torch.cuda for an event or a stream")
+
+    monkeypatch.setattr(torch.cuda, "Event", no_cuda)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_cuda)
+    spares = BufferSpares()
+    lb = LayerBuffers(torch.empty(0), 2, 2, 2, 8, 4)
+    spares.give(lb)
+    assert lb.fence is None
+    assert spares.take(2, 8, torch.empty(0)) is lb
+
+
+def test_a_staging_spare_is_kept_with_its_fence_and_taken_after_it(cuda, monkeypatch):
+    """``layer_buffers=False`` caches: the staging buffer goes back with the stream mark of its
+    cache, and the next cache's stream waits on it before using it."""
+    from kvpool.integrations._pool_views import pool_views
+
+    pool = KVPool(2, 2, 4, dtype=torch.float32, page_size=2, num_slots=256, max_requests=8,
+                  max_context_len=64)
+    stage = torch.zeros(4096)  # room for any gather of this pool
+    event = FakeEvent()
+    pool_views(pool).spare_stages.append((stage, event))
+    waited: list[tuple[object, object]] = []
+    monkeypatch.setattr("kvpool.integrations._pages.stream_wait", lambda t, e: waited.append((t, e)))
+    h = pool.open(3)  # interleaved free pages: the cache gathers into a staging buffer
+    for _ in range(5):
+        pool.extend(h, 1)
+    pool.close(h)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=False) as cache:
+        k = torch.randn(2, 2, 3, 4, generator=g)
+        for layer in range(2):
+            got, _ = cache.update(k, -k, layer)
+            assert torch.equal(got, k)
+        assert cache.requests.pages._stage is stage
+    assert waited == [(stage, event)]
+    kept = pool_views(pool).spare_stages
+    assert len(kept) == 1 and kept[0][0] is stage
+    assert _layer_buffers.stream_mark(torch.empty(0)) is None  # a CPU tensor is never marked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_caches_on_two_streams_share_spares_correctly():
+    pool = KVPool(2, 2, 8, dtype=torch.float32, page_size=4, num_slots=1024, max_requests=8,
+                  max_context_len=256, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for stream in (torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream), torch.inference_mode(), KVPoolCache(pool) as cache:
+            rows = [None, None]
+            for t in (9, 1, 1, 1, 1, 1):
+                for layer in range(2):
+                    k = torch.randn(2, 2, t, 8, generator=g, device="cuda")
+                    rows[layer] = k if rows[layer] is None else torch.cat([rows[layer], k], dim=2)
+                    got, _ = cache.update(k, -k, layer)
+                    assert torch.equal(got, rows[layer])
+    torch.cuda.synchronize()
