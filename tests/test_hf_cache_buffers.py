@@ -30,7 +30,8 @@ class Expect:
     def __init__(self, cache: KVPoolCache, seed: int = 0) -> None:
         self.cache, self.g = cache, torch.Generator().manual_seed(seed)
         self.rows: list[torch.Tensor | None] = [None] * LAYERS
-        self.buffered: list[bool] = []  # per step: layer 0's K came from the layer buffers
+        # per step: layer 0's K came from the layer buffers (a copy of them under grad mode)
+        self.buffered: list[bool] = []
 
     def step(self, batch: int, t: int) -> None:
         for layer in range(LAYERS):
@@ -41,9 +42,10 @@ class Expect:
             want = self.rows[layer]
             assert torch.equal(got_k, want) and torch.equal(got_v, -want), f"layer {layer} got stale K/V"
             if layer == 0:
-                buf = self.cache.requests.pages._buf
-                self.buffered.append(buf is not None and self.cache.requests.pages._views is not None
-                                     and got_k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+                pages = self.cache.requests.pages
+                buf, views = pages._buf, pages._views
+                self.buffered.append(buf is not None and views is not None
+                                     and views[0][0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
 
     def edit(self, fn) -> None:
         self.rows = [None if r is None else fn(r) for r in self.rows]

@@ -80,8 +80,11 @@ class BatchRequests:
         self.store = getattr(pool, "_store_bhtd", None)
         # Steps that store through StepPages need only the host slots of their extend.
         self.host_extend = self.pages is not None and hasattr(pool, "_extend_host")
-        # Whether layers after a step's first may take KVPoolCache.update's short way.
-        self.fast = self.pages is not None and self.store is not None
+        # Whether layers after a step's first may take KVPoolCache.update's short way: never in a
+        # step under grad mode (``grad``), whose layers return copies (``_shared_rows.owned``).
+        self.can_fast = self.pages is not None and self.store is not None
+        self.fast = self.can_fast
+        self.grad = False
         self.batch = -1  # rows opened (-1: none yet)
         # The rows were opened by this forward's first update and have held no token yet: a
         # first step that fails closes them again, leaving the pool as it was.
@@ -194,11 +197,13 @@ class BatchRequests:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")
 
-    def begin_step(self, tokens: int) -> None:
+    def begin_step(self, tokens: int, grad: bool | None = None) -> None:
         """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
-        (``gather``)."""
+        (``gather``). ``grad``: whether the step runs under grad mode (None: ask torch)."""
         assert self.handles is not None
+        self.grad = torch.is_grad_enabled() if grad is None else grad
+        self.fast = self.can_fast and not self.grad
         check_in_step(self.layers, self.length, "a new forward")
         pages = self.pages
         if tokens == 1 and pages is not None and pages.deferring:

@@ -72,3 +72,15 @@ def with_step_grad(kv: tuple[torch.Tensor, torch.Tensor], key_states: torch.Tens
             x = torch.cat([x[:, :, :-t], x[:, :, -t:] + (new - new.detach())], dim=2)
         out.append(x)
     return out[0], out[1]
+
+
+def owned(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``kv`` that the cache never writes, for a step under grad mode.
+
+    Attention saves its K/V for the backward whenever its queries require grad, even when
+    the K/V do not (frozen k/v projections). What the cache returns otherwise (views of its
+    layer buffers, staging buffer or pool) is written again by a later layer or step, and
+    autograd refuses a backward through a saved tensor modified in place. Outside grad mode
+    nothing is saved, so nothing is copied (``BatchRequests.grad``).
+    """
+    return kv[0].clone(memory_format=torch.contiguous_format), kv[1].clone(memory_format=torch.contiguous_format)

@@ -38,11 +38,11 @@ How it maps onto the pool:
   length); ``generate`` then computes only the remaining prompt tokens, and ``close()``
   publishes every row's prompt pages for the next request.
 
-Grad modes: the pool's tensors are made outside inference mode by ``KVPool``, so
-``generate`` (which runs under ``no_grad``) works equally under
-``torch.inference_mode()``; the cache's own tensors (the staging buffer, the layer
-buffers and the views kept with them, which a closed cache leaves to the pool's next
-cache under any grad mode) are made the same way.
+Grad modes: the pool's tensors and the cache's own (staging buffer, layer buffers and the
+views kept with them, which a closed cache leaves to the pool's next cache) are made outside
+inference mode, so ``generate`` (under ``no_grad``) works equally under ``inference_mode()``.
+Under grad mode each layer returns copies (``_shared_rows.owned``) that attention may save
+for its backward while the cache goes on storing (docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerInd
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
-from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, stored_by_all, with_step_grad
+from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
 from kvpool.validate import is_int
 
@@ -109,9 +109,8 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V
-        (views of the pool or of the cache's staging buffer, valid until the next
-        ``update`` of any layer).
+        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V (views
+        of the pool or the cache's buffers, valid until the next ``update``; copies under grad mode).
 
         Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
         ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``), or
@@ -148,7 +147,9 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         self.seen += tokens
         pages = req.pages
         kv = req.gather(self.layer_idx) if pages is None else pages.kv(self.layer_idx, key_states, value_states)
-        return kv if live is None else with_step_grad(kv, *live)
+        if live is not None:
+            return with_step_grad(kv, *live)
+        return owned(kv) if req.grad and pages is not None else kv  # (an fp8 pool's gather: new tensors)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -204,15 +205,14 @@ class KVPoolCache(Cache):
         """``KVPoolLayer.update`` of layer ``layer_idx`` (what the model calls, once per layer
         per forward).
 
-        The common case goes the short way: K/V of the pool's dtype, heads and head dim on
-        its device, not requiring grad, for the open rows; the first layer of a forward
-        starts the step, every layer then stores into the step's slots (two copies into
-        views of the caches when the slots are one strided run, else the pool's index
-        store; or, on a CPU pool with layer buffers and rows that share no page, adds its
-        tokens to its layer buffer alone, for ``flush`` to store in the pool) and gets the
-        rows' K/V. Anything else (the first forward, a new batch, a wrong tensor, a layer
-        out of step) goes through ``KVPoolLayer.update``, which checks it in full and
-        raises the typed error.
+        The common case goes the short way: K/V of the pool's dtype, heads and head dim on its
+        device, not requiring grad, for the open rows, outside grad mode; the first layer of a
+        forward starts the step, every layer then stores into the step's slots (two copies into
+        views of the caches when the slots are one strided run, else the pool's index store; or,
+        on a CPU pool with layer buffers and rows that share no page, adds its tokens to its
+        layer buffer alone, for ``flush`` to store in the pool) and gets the rows' K/V. Anything
+        else (the first forward, a new batch, a wrong tensor, a layer out of step, grad mode)
+        goes through ``KVPoolLayer.update``, which checks it in full and raises the typed error.
         """
         req = self.requests
         try:
@@ -223,17 +223,17 @@ class KVPoolCache(Cache):
         if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
             return layer.update(key_states, value_states, *args, **kwargs)  # raises the typed error
         seen, ks = layer.seen, key_states.shape
-        if seen == req.before:  # a later layer of the step under way
+        if seen == req.before:  # a later layer of the step under way (req.fast: not under grad mode)
             ok = ks == req.step_shape
-        else:  # the first layer of a step: any number of new tokens
+        else:  # the first layer of a step: any number of new tokens (grad mode: see owned)
             ok = (seen == req.length and len(ks) == 4 and ks[0] == req.batch and ks[1] == req.heads
-                  and ks[3] == req.head_dim and ks[2] > 0)
+                  and ks[3] == req.head_dim and ks[2] > 0 and not torch.is_grad_enabled())
         if (ok and req.fast and value_states.shape == ks and key_states.dtype == req.dtype
                 and value_states.dtype == req.dtype and not (key_states.requires_grad or value_states.requires_grad)
                 and (key_states.is_cpu and value_states.is_cpu if req.on_cpu
                      else key_states.device == req.device and value_states.device == req.device)):
             if seen != req.before:
-                req.begin_step(ks[2])
+                req.begin_step(ks[2], False)
             dst = req.dst
             if dst is not None:
                 dst[0][layer_idx].copy_(key_states)
