@@ -928,6 +928,25 @@ class GroupedAllocator:
             InvalidArgumentError: a length is negative or past the request's
                 length, mismatched lengths, duplicate handle.
         """
+    def roll_back_extend(self, handles: _IntArray, lengths: _IntArray) -> None:
+        """Shortens requests to lengths[i] tokens (or lengths for all) in every
+        group, as truncate does (the same window and checkpoint rules),
+        except that each request keeps the prompt it was opened with
+        (open_with_prefix): the next extend takes the prompt's token ids
+        again and cache() registers them in every group. For an extend whose
+        step never ran, or for prefix hits cut back to the batch's shortest.
+        A state group's slot is the state at the new length, restored from
+        the checkpoint there. Atomic.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            RollbackUnavailableError: a group cannot restore a request at its
+                new length (the message names the group and why).
+            PoolExhaustedError: a state group needs a fresh slot for a restore
+                (a queued copy still reads the request's own) and has none.
+            InvalidArgumentError: a length is negative or past the request's
+                length, mismatched lengths, duplicate handle.
+        """
     def close(self, handles: _IntArray, cache: bool = False) -> None:
         """Closes requests in every group, releasing their pages and state
         slots; their handles become stale. With cache=True, first registers

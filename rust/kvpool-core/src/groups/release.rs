@@ -1,5 +1,5 @@
-//! Shortening and closing requests in every group: `truncate`, `close`,
-//! `reset`.
+//! Shortening and closing requests in every group: `truncate` (and an
+//! extend's roll-back), `close`, `reset`.
 
 use super::{Group, GroupedAllocator};
 use crate::allocator::group_hooks::BatchRow;
@@ -20,6 +20,26 @@ impl GroupedAllocator {
     /// group needs a fresh slot for a restore, see `state.rs`, and has
     /// none).
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, true)
+    }
+
+    /// Shortens requests back to the lengths they had before an extend whose
+    /// step never ran, or to where a batch of prefix hits must start
+    /// together, as [`Self::truncate`] does in every group (the same window
+    /// and checkpoint rules), except that each request keeps the prompt it
+    /// was opened with, as [`SlotAllocator::roll_back_extend`] does: the
+    /// positions given back are still that prompt's, so the next extend
+    /// takes its token ids again and `cache` registers them in every group.
+    /// A state group's slot is the state at the new length (restored from
+    /// the checkpoint there): the state at a longer length cannot be turned
+    /// back into it. All-or-nothing; the errors of `truncate`.
+    ///
+    /// [`SlotAllocator::roll_back_extend`]: crate::SlotAllocator::roll_back_extend
+    pub fn roll_back_extend(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, false)
+    }
+
+    fn shorten(&mut self, handles: &[i64], lengths: Counts<'_>, forget_prompt: bool) -> Result<()> {
         let batch = self.anchor.group_truncate_checks(handles, lengths)?;
         // Per state group, per request: the restore's source (-1: empty).
         let mut sources: Vec<Vec<i64>> = vec![Vec::new(); self.groups.len()];
@@ -91,7 +111,11 @@ impl GroupedAllocator {
                 e.prepare(batch.len())?;
             }
         }
-        self.anchor.truncate(handles, lengths)?;
+        if forget_prompt {
+            self.anchor.truncate(handles, lengths)?;
+        } else {
+            self.anchor.roll_back_extend(handles, lengths)?;
+        }
         self.sync_rows(&batch);
         for (g, e) in self.groups.iter_mut().enumerate() {
             match e {
