@@ -186,6 +186,17 @@ class HybridRequestOps:
             self.allocator.truncate(handles, lengths)
             self._run_copies(handles)
 
+    def _truncate_keeping_prompts(self, handles: Any, lengths: Any) -> None:
+        """``truncate`` that leaves each request the prompt it was opened with
+        (``GroupedAllocator.roll_back_extend``), under the pool's lock: a request cut back
+        inside its prompt takes the prompt's token ids again as it extends past the cut,
+        so ``cache`` publishes those positions as the prompt's in every group. The same
+        window and checkpoint rules as ``truncate`` (a state group's slot is restored to
+        the state at the cut here)."""
+        with self._lock:
+            self.allocator.roll_back_extend(handles, lengths)
+            self._run_copies(handles)
+
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests in every group. See ``GroupedAllocator.close``.
         ``priority`` / ``retain_s`` must be None: see ``cache``."""
