@@ -914,9 +914,10 @@ class GroupedAllocator:
         """
     def truncate(self, handles: _IntArray, lengths: _IntArray) -> None:
         """Shortens requests to lengths[i] tokens (or lengths for all) in every
-        group. A sliding group needs the new length's window still held; a
-        state group restores the request's slot from a checkpoint at exactly
-        the new length (a queued copy; at 0, a queued zeroing). The current
+        group. A sliding group needs the new length's window still held, or
+        the pages it released still cached (it takes them back); a state
+        group restores the request's slot from a checkpoint at exactly the
+        new length (a queued copy; at 0, a queued zeroing). The current
         length changes nothing. Atomic.
 
         Raises:

@@ -163,10 +163,10 @@ fn a_roll_back_a_group_cannot_serve_is_refused_and_changes_nothing() {
 }
 
 #[test]
-fn a_sliding_window_hit_rolls_back_to_zero_keeping_its_prompt() {
-    // A hit holds only its window in a sliding group: back to a length whose
-    // window it released is refused, back to 0 is not, and the recomputed
-    // prompt is published in every group.
+fn a_sliding_window_takes_back_the_cached_pages_it_released() {
+    // A hit holds only its window in a sliding group; going back to a
+    // length whose window it released takes those pages back from the
+    // cache (filed under the request's own anchor chain).
     let mut a = pool(&[GroupSpec::full(64, 4), GroupSpec::sliding(64, 4, 5)]);
     let prompt = seq(16, 1);
     serve(&mut a, &prompt, 8);
@@ -174,15 +174,53 @@ fn a_sliding_window_hit_rolls_back_to_zero_keeping_its_prompt() {
     probe.push(99);
     let (h, cached) = a.open_with_prefix(&probe, &[17], Counts::Each(0)).unwrap();
     assert_eq!(cached, vec![16]);
+    let held = |a: &GroupedAllocator| {
+        a.pages(SLIDING, h[0])
+            .unwrap()
+            .iter()
+            .filter(|&&p| p != 0)
+            .count()
+    };
+    assert_eq!(held(&a), 1);
+    let evictable = a.evictable_pages(SLIDING).unwrap();
+    // Length 8 attends back to position 4: page 1, released before the hit.
+    a.roll_back_extend(&h, Counts::Each(8)).unwrap();
+    let pages = a.pages(SLIDING, h[0]).unwrap();
+    assert!(pages[0] == 0 && pages[1] != 0, "{pages:?}");
+    // Page 1 is held again, page 3 (past the cut) went back to the cache.
+    assert_eq!(a.evictable_pages(SLIDING).unwrap(), evictable);
+    a.check().unwrap();
+    a.extend(&h, Counts::Each(8), None, &mut []).unwrap();
+    a.cache(&h).unwrap();
+    a.close(&h, true).unwrap();
+    a.check().unwrap();
+    assert_eq!(hit(&mut a, &probe), 16);
+
+    // Once the released page is evicted, the same roll-back is refused with
+    // nothing changed, and back to 0 (no window to hold) still works.
+    let (h, _) = a.open_with_prefix(&probe, &[17], Counts::Each(0)).unwrap();
+    a.evict(SLIDING, 64).unwrap();
+    let before = (
+        a.pages(FULL, h[0]).unwrap(),
+        a.pages(SLIDING, h[0]).unwrap(),
+    );
     let e = a.roll_back_extend(&h, Counts::Each(8)).unwrap_err();
     assert!(
-        matches!(&e, PoolError::RollbackUnavailable(r) if r.group == SLIDING),
+        matches!(&e, PoolError::RollbackUnavailable(r) if r.group == SLIDING && r.length == 8),
         "{e}"
     );
-    a.roll_back_extend(&h, Counts::Each(0)).unwrap();
+    let e = a.truncate(&h, Counts::Each(8)).unwrap_err();
+    assert!(matches!(&e, PoolError::RollbackUnavailable(_)), "{e}");
+    assert_eq!(
+        (
+            a.pages(FULL, h[0]).unwrap(),
+            a.pages(SLIDING, h[0]).unwrap()
+        ),
+        before
+    );
     a.check().unwrap();
+    a.roll_back_extend(&h, Counts::Each(0)).unwrap();
     a.evict(FULL, 64).unwrap();
-    a.evict(SLIDING, 64).unwrap();
     a.extend(&h, Counts::Each(16), None, &mut []).unwrap();
     a.cache(&h).unwrap();
     a.close(&h, true).unwrap();
