@@ -2,8 +2,8 @@
 prefixes.
 
 Rows of a transformers cache share one length, so every row starts at the batch's
-shortest hit, or at 0 when a row cannot go back to it (a sliding window that released
-the pages the shorter window needs, a linear-attention state with no checkpoint there).
+shortest hit (a sliding window takes back the cached pages it released, a linear-attention
+state is restored from the checkpoint there), or at 0 when a row cannot go back to it.
 Either way the rows recompute their own prompts: closing the cache must publish them in
 every group (pages, windows, state checkpoints), as it would for each row alone, so that
 a later request on either prompt hits all of it.
@@ -25,31 +25,43 @@ def _hit(pool, prompt: torch.Tensor) -> int:
         return int(cache.cached_lens[0])
 
 
-@pytest.mark.parametrize(("arch", "served", "hits"), [
-    # Row 0's window at 8 attends to a page its hit at 12 never held: every row starts at 0.
-    ("gemma3", [12], [12, 8]),
+@pytest.mark.parametrize(("arch", "served", "shared", "hits"), [
+    # Row 0's window at 8 attends to a page its hit at 12 released: taken back from the cache.
+    ("gemma3", [("p0", 12)], True, [12, 8]),
     # Checkpoints at 12 only: row 1 hits nothing, and row 0 goes back to the empty state.
-    ("qwen3_next", [12], [12, 0]),
+    ("qwen3_next", [("p0", 12)], True, [12, 0]),
     # Checkpoints at 8 and 12: row 0 goes back to 8, its state restored from there.
-    ("qwen3_next", [8, 12], [12, 8]),
+    ("qwen3_next", [("p0", 8), ("p0", 12)], True, [12, 8]),
+    # Row 1 is another prompt with a checkpoint at 4, which row 0's prompt has not: every
+    # row starts at 0.
+    ("qwen3_next", [("p0", 12), ("p1", 4)], False, [12, 4]),
 ])
-def test_rows_cut_back_to_a_common_start_still_publish_their_prompts(arch, served, hits):
+def test_rows_cut_back_to_a_common_start_still_publish_their_prompts(arch, served, shared, hits):
     model = tiny(arch)
     g = torch.Generator().manual_seed(3)
     p0 = torch.randint(3, VOCAB, (1, 16), generator=g)
-    p1 = torch.cat([p0[:, :8], torch.randint(3, VOCAB, (1, 8), generator=g)], 1)
+    p1 = torch.cat([p0[:, :8] if shared else torch.randint(3, VOCAB, (1, 8), generator=g),
+                    torch.randint(3, VOCAB, (1, 8), generator=g)], 1)
+    prompts = {"p0": p0, "p1": p1}
     probes = [torch.cat([p, torch.randint(3, VOCAB, (1, P), generator=g)], 1) for p in (p0, p1)]
     pool = pool_for_model(model, max_tokens=512, page_size=P, max_requests=4)
-    for n in served:
-        with KVPoolCache(pool, prefix_ids=p0[:, :n]) as cache:
-            greedy(model, p0[:, :n], None, 4, cache)
+    fed: list[int] = []
+    for name, n in served:
+        with KVPoolCache(pool, prefix_ids=prompts[name][:, :n]) as cache:
+            greedy(model, prompts[name][:, :n], None, 4, cache)
     assert _hit(pool, probes[0]) == 12
 
     batch = torch.cat([p0, p1])
     ref = greedy(model, batch, None, 4, DynamicCache(config=model.config))
-    with KVPoolCache(pool, prefix_ids=batch) as cache:
-        assert cache.cached_lens.tolist() == hits
-        out = greedy(model, batch, None, 4, cache)
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(i[0].shape[1]))
+    try:
+        with KVPoolCache(pool, prefix_ids=batch) as cache:
+            assert cache.cached_lens.tolist() == hits
+            out = greedy(model, batch, None, 4, cache)
+    finally:
+        hook.remove()
+    # The batch starts at the shortest hit when every row can go back to it, else at 0.
+    assert fed[0] == 16 - (min(hits) if shared else 0)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
