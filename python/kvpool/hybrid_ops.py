@@ -61,6 +61,7 @@ class HybridRequestOps:
     _tables_np: list[np.ndarray | None] | None
     _run_copies: Any
     _write_new_rows: Any
+    _sync_rows: Any
     _page_group: Any
     _state_group: Any
     _nulled: dict[int, np.ndarray]
@@ -179,12 +180,40 @@ class HybridRequestOps:
 
     def truncate(self, handles: Any, lengths: Any) -> None:
         """Shorten requests in every group. See ``GroupedAllocator.truncate``: a sliding
-        group needs the new length's window still held, a state group a checkpoint
-        at exactly the new length (restored here); otherwise
-        ``RollbackUnavailableError`` and nothing changes."""
+        group needs the new length's window still held or still cached (taken back, and
+        its table rows rewritten here), a state group a checkpoint at exactly the new
+        length (restored here); otherwise ``RollbackUnavailableError`` and nothing changes."""
         with self._lock:
             self.allocator.truncate(handles, lengths)
             self._run_copies(handles)
+            self._rewrite_windows(handles)
+
+    def _truncate_keeping_prompts(self, handles: Any, lengths: Any) -> None:
+        """``truncate`` that leaves each request the prompt it was opened with
+        (``GroupedAllocator.roll_back_extend``), under the pool's lock: a request cut back
+        inside its prompt takes the prompt's token ids again as it extends past the cut,
+        so ``cache`` publishes those positions as the prompt's in every group. The same
+        window and checkpoint rules as ``truncate`` (a state group's slot is restored to
+        the state at the cut here)."""
+        with self._lock:
+            self.allocator.roll_back_extend(handles, lengths)
+            self._run_copies(handles)
+            self._rewrite_windows(handles)
+
+    def _rewrite_windows(self, handles: Any) -> None:
+        """Sliding groups' table rows after a truncate, which may have taken window pages
+        the rows had released back from the cache: their positions read as the null page
+        in the tables until rewritten."""
+        sliding = [g for g in self.groups if g.kind == "sliding"]
+        h = np.asarray(handles, dtype=np.int64).reshape(-1)
+        if not sliding or not h.size:
+            return
+        self._forget_nulled(h)
+        for g in sliding:
+            if self._tables_np is not None:
+                self.allocator.fill_table(h, self._tables_np[g.index], g.index)
+            else:
+                self._sync_rows(h, g)
 
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests in every group. See ``GroupedAllocator.close``.

@@ -213,8 +213,9 @@ class HybridRequests:
     def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
         """Open one request per row of ``prefix_ids`` [B, T] on its longest cached prefix
         (every group's: pages, window, state checkpoint). Rows share one length, so
-        all keep the shortest hit; when a row cannot go back to it (no checkpoint
-        there) every row starts empty."""
+        all keep the shortest hit; when a row cannot go back to it (a sliding window
+        that released the pages the shorter window needs, no state checkpoint there)
+        every row starts empty. Either way the rows keep their prompts."""
         if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
         if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
@@ -225,11 +226,20 @@ class HybridRequests:
         cached = np.asarray(cached, dtype=np.int64)
         common = int(cached.min())
         if int(cached.max()) > common:
+            # Keeping the prompts: the rows recompute their prompts past the cut from the
+            # prompts' token ids, so close(cache=True) publishes them in every group (truncate,
+            # or rows opened again, would make them unknown positions). Back to 0 needs no
+            # window and no checkpoint (the empty state), so only running out of state slots
+            # for a restore can refuse it.
             try:
-                self.pool.truncate(handles, np.full(b, common, dtype=np.int64))
-            except RollbackUnavailableError:
+                try:
+                    self.pool._truncate_keeping_prompts(handles, np.full(b, common, dtype=np.int64))
+                except RollbackUnavailableError:
+                    common = 0
+                    self.pool._truncate_keeping_prompts(handles, np.zeros(b, dtype=np.int64))
+            except BaseException:
                 self.pool.close(handles)
-                handles, common = self.pool.open(b), 0
+                raise
         self._set_handles(handles)
         self.length = self.before = self.published = common
         self.prefix_mode, self.cached_lens = True, cached

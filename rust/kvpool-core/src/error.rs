@@ -84,8 +84,9 @@ pub enum PoolError {
     #[error("{0}")]
     GroupExhausted(Box<GroupShortage>),
 
-    /// `truncate` into the past that a group cannot serve: a sliding group
-    /// released the pages the new length's window needs, or a state group
+    /// `truncate` (or `roll_back_extend`) into the past that a group cannot
+    /// serve: a sliding group released the pages the new length's window
+    /// needs and they are no longer cached, or a state group
     /// has no checkpoint at the new length (its state is overwritten each
     /// step, so only a checkpoint can restore it).
     #[error("{0}")]

@@ -43,7 +43,8 @@ create_exception!(
     RollbackUnavailableError,
     KVPoolError,
     "truncate of a grouped pool to a length a group cannot restore: a sliding window \
-     released the pages it needs, or a state group keeps no checkpoint there."
+     released the pages it needs and they are no longer cached, or a state group keeps no \
+     checkpoint there."
 );
 create_exception!(
     kvpool,

@@ -337,6 +337,17 @@ impl PageEngine {
         self.progress[child] = self.progress[parent];
     }
 
+    /// Gives `row` back `pages`, the pages `first..` it released as its
+    /// window moved (taken from the cache: the caller found each filed
+    /// under the row's anchor chain), after a `shrink` to a length whose
+    /// window starts at page `first`.
+    pub(crate) fn take_back(&mut self, row: usize, first: usize, pages: &[u32]) {
+        let base = row * self.row_pages + first;
+        self.lists[base..base + pages.len()].copy_from_slice(pages);
+        self.pages.hold(pages);
+        self.first_held[row] = first as u32;
+    }
+
     /// Whether `row` still holds what a truncate to `new_len` needs: the
     /// pages from its window's start on (the partly filled last page
     /// included, which the next extend writes into); nothing at 0.

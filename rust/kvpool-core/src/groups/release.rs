@@ -1,6 +1,7 @@
-//! Shortening and closing requests in every group: `truncate`, `close`,
-//! `reset`.
+//! Shortening and closing requests in every group: `truncate` (and an
+//! extend's roll-back), `close`, `reset`.
 
+use super::paged::PageEngine;
 use super::{Group, GroupedAllocator};
 use crate::allocator::group_hooks::BatchRow;
 use crate::allocator::options::Counts;
@@ -8,10 +9,13 @@ use crate::error::{PoolError, Result, Rollback};
 
 impl GroupedAllocator {
     /// Shortens each request to `lengths[i]` tokens in every group. A
-    /// sliding group needs the new length's window still held (pages it
-    /// released are gone); a state group restores the request's slot from
-    /// a checkpoint at exactly the new length (a queued copy), or from the
-    /// empty state at 0. The current length changes nothing. All-or-nothing.
+    /// sliding group needs the new length's window: still held, or, for
+    /// the pages it released as the window moved, still cached under the
+    /// request's anchor chain (they hold exactly that prefix's K/V; the
+    /// request holds them again); a state group restores the request's
+    /// slot from a checkpoint at exactly the new length (a queued copy), or
+    /// from the empty state at 0. The current length changes nothing.
+    /// All-or-nothing.
     ///
     /// Errors (nothing changed, in any group): `InvalidHandle`,
     /// `InvalidArgument` (a length out of [0, current], a handle twice),
@@ -20,9 +24,31 @@ impl GroupedAllocator {
     /// group needs a fresh slot for a restore, see `state.rs`, and has
     /// none).
     pub fn truncate(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, true)
+    }
+
+    /// Shortens requests back to the lengths they had before an extend whose
+    /// step never ran, or to where a batch of prefix hits must start
+    /// together, as [`Self::truncate`] does in every group (the same window
+    /// and checkpoint rules), except that each request keeps the prompt it
+    /// was opened with, as [`SlotAllocator::roll_back_extend`] does: the
+    /// positions given back are still that prompt's, so the next extend
+    /// takes its token ids again and `cache` registers them in every group.
+    /// A state group's slot is the state at the new length (restored from
+    /// the checkpoint there): the state at a longer length cannot be turned
+    /// back into it. All-or-nothing; the errors of `truncate`.
+    ///
+    /// [`SlotAllocator::roll_back_extend`]: crate::SlotAllocator::roll_back_extend
+    pub fn roll_back_extend(&mut self, handles: &[i64], lengths: Counts<'_>) -> Result<()> {
+        self.shorten(handles, lengths, false)
+    }
+
+    fn shorten(&mut self, handles: &[i64], lengths: Counts<'_>, forget_prompt: bool) -> Result<()> {
         let batch = self.anchor.group_truncate_checks(handles, lengths)?;
         // Per state group, per request: the restore's source (-1: empty).
         let mut sources: Vec<Vec<i64>> = vec![Vec::new(); self.groups.len()];
+        // Per sliding group: (row, first page, pages) it takes back.
+        let mut back: Vec<Vec<(usize, usize, Vec<u32>)>> = vec![Vec::new(); self.groups.len()];
         for (i, r) in batch.iter().enumerate() {
             if r.count >= r.len {
                 continue;
@@ -41,13 +67,19 @@ impl GroupedAllocator {
                     Group::Anchor => {}
                     Group::Pages(e) => {
                         if !e.rollback_ok(r.row, r.count) {
-                            return Err(refuse(format!(
-                                "released the pages before position {} as the window moved, and \
-                                 length {} attends back to position {}",
-                                e.first_held(r.row) * e.page_size(),
-                                r.count,
-                                e.window_start(r.count)
-                            )));
+                            match self.cached_window(e, r.row, r.count) {
+                                Some((first, pages)) => back[g].push((r.row, first, pages)),
+                                None => {
+                                    return Err(refuse(format!(
+                                        "released the pages before position {} as the window \
+                                         moved, and length {} attends back to position {}, whose \
+                                         pages are no longer cached",
+                                        e.first_held(r.row) * e.page_size(),
+                                        r.count,
+                                        e.window_start(r.count)
+                                    )))
+                                }
+                            }
                         }
                     }
                     Group::State(e) => {
@@ -91,7 +123,11 @@ impl GroupedAllocator {
                 e.prepare(batch.len())?;
             }
         }
-        self.anchor.truncate(handles, lengths)?;
+        if forget_prompt {
+            self.anchor.truncate(handles, lengths)?;
+        } else {
+            self.anchor.roll_back_extend(handles, lengths)?;
+        }
         self.sync_rows(&batch);
         for (g, e) in self.groups.iter_mut().enumerate() {
             match e {
@@ -99,6 +135,9 @@ impl GroupedAllocator {
                 Group::Pages(e) => {
                     for r in &batch {
                         e.shrink(r.row, r.len, r.count);
+                    }
+                    for (row, first, pages) in &back[g] {
+                        e.take_back(*row, *first, pages);
                     }
                 }
                 Group::State(e) => {
@@ -117,6 +156,28 @@ impl GroupedAllocator {
             }
         }
         Ok(())
+    }
+
+    /// The pages a sliding group gives `row` back for the window of length
+    /// `len`, which the row released as its window moved: the first page
+    /// index and, from there up to the first page it holds (or the new
+    /// last page), the page filed under the row's anchor chain at each
+    /// page's end. None when one is not cached (or the chain is shorter).
+    fn cached_window(&self, e: &PageEngine, row: usize, len: usize) -> Option<(usize, Vec<u32>)> {
+        let ps = e.page_size();
+        let first = e.window_start(len) / ps;
+        let end = e.first_held(row).min(len.div_ceil(ps));
+        let regs = &self.regs[row];
+        let mut pages = Vec::new();
+        pages.try_reserve(end.saturating_sub(first)).ok()?;
+        for k in first..end {
+            let at = (k + 1) * ps;
+            if at > regs.len() * self.a {
+                return None;
+            }
+            pages.push(e.map.get(regs[at / self.a - 1])?);
+        }
+        Some((first, pages))
     }
 
     /// The checkpoint a state group restores `row` from at `len` tokens

@@ -146,6 +146,7 @@ impl GModel {
             })
             .collect();
         let mut sources: BTreeMap<usize, Vec<i64>> = BTreeMap::new();
+        let mut back: BTreeMap<usize, Vec<(usize, usize, Vec<usize>)>> = BTreeMap::new();
         for &(row, len, l) in &batch {
             if l >= len {
                 continue;
@@ -155,7 +156,12 @@ impl GModel {
                     GGroup::Anchor => {}
                     GGroup::Pages(e) => {
                         if !e.rollback_ok(row, l) {
-                            return Err(Kind::Rollback(g));
+                            match e.cached_window(row, l, &self.regs(row), self.a) {
+                                Some((first, pages)) => {
+                                    back.entry(g).or_default().push((row, first, pages))
+                                }
+                                None => return Err(Kind::Rollback(g)),
+                            }
                         }
                     }
                     GGroup::State(e) => match self.checkpoint_at(e, row, l) {
@@ -193,6 +199,9 @@ impl GModel {
                         let chain = self.anchor.reqs[&row].regs.len() * a;
                         e.clamp_progress(row, chain / e.ps);
                         e.shrink(row, len, l);
+                    }
+                    for (row, first, pages) in back.get(&g).into_iter().flatten() {
+                        e.take_back(*row, *first, pages);
                     }
                 }
                 GGroup::State(e) => {

@@ -216,6 +216,38 @@ impl GPages {
         l == 0 || self.first[&row] <= self.window_start(l) / self.ps
     }
 
+    /// The pages a truncate to `l` takes back from the cache for the
+    /// window it released: each page from the window's start up to the
+    /// first held one (or the new last page), filed under the chain `regs`.
+    pub fn cached_window(
+        &self,
+        row: usize,
+        l: usize,
+        regs: &[u64],
+        a: usize,
+    ) -> Option<(usize, Vec<usize>)> {
+        let first = self.window_start(l) / self.ps;
+        let end = self.first[&row].min(l.div_ceil(self.ps));
+        let mut pages = Vec::new();
+        for k in first..end {
+            let at = (k + 1) * self.ps;
+            if at > regs.len() * a {
+                return None;
+            }
+            pages.push(self.find(regs[at / a - 1])?);
+        }
+        Some((first, pages))
+    }
+
+    pub fn take_back(&mut self, row: usize, first: usize, pages: &[usize]) {
+        let list = self.lists.get_mut(&row).unwrap();
+        list[first..first + pages.len()].copy_from_slice(pages);
+        for &p in pages {
+            self.lru.retain(|&q| q != p);
+        }
+        self.first.insert(row, first);
+    }
+
     pub fn clamp_progress(&mut self, row: usize, pages: usize) {
         let p = self.progress.get_mut(&row).unwrap();
         *p = (*p).min(pages);
