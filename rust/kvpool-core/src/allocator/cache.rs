@@ -79,9 +79,9 @@ impl SlotAllocator {
 
     /// Continues `row`'s chain over its registrable pages. A page whose hash
     /// is registered already for a different page with the same content and
-    /// parent is a duplicate: the existing entry stays (see
-    /// `prefix/index.rs`). A mismatch (a collision) stops the row's chain
-    /// for good.
+    /// parent is a duplicate: the existing entry stays, on this page if
+    /// nobody holds its copy (see `prefix/index.rs`). A mismatch (a
+    /// collision) stops the row's chain for good.
     fn register_row(&mut self, row: usize) {
         let upto = self.registrable_pages(row);
         let chain = self.requests.chain(row);
@@ -226,8 +226,9 @@ pub(super) fn register_page(
             Some(tip)
         }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-            // A duplicate: keep the existing copy (its chain hash is the one
-            // this page would get: same tokens, same salt).
+            // A duplicate: keep the existing entry (its chain hash is the one
+            // this page would get: same tokens, same salt), and its copy
+            // where someone holds that.
             if is_host(loc) && own.is_none() {
                 // Its only copy is on the host: this page becomes its
                 // device copy, as if registered now (a later hit needs no
