@@ -309,6 +309,8 @@ impl PagePool {
     /// take the unheld one first, while the holder still has the content.
     /// A duration moves with its priority: room was made for its end
     /// (`reserve_priority_ends`).
+    #[cold]
+    #[inline(never)]
     pub(crate) fn move_registration(&mut self, q: u32, p: u32) -> u32 {
         debug_assert!(self.records[q as usize].is_unheld() && !self.is_registered(p));
         self.eviction.remove_run(&mut self.records, q, q, 1);
