@@ -52,16 +52,17 @@ impl SlotAllocator {
     /// priority.
     pub(super) fn reserve_registrations(&mut self, todo: usize) -> Result<()> {
         self.prefix.reserve(todo)?;
+        let ps = self.geo.page_size;
         if self.writes_through() {
-            // Each page: its Stored and a taken-over copy's Removed event,
-            // its host copy's Stored, and the Removed event of the host
-            // copy its host page may evict.
-            self.events.reserve(4 * todo, self.geo.page_size)?;
+            // Each page: its Stored event and its host copy's, and the
+            // Removed events of a taken-over copy and of the host copy its
+            // host page may evict.
+            self.events.reserve_with_removed(2 * todo, 2 * todo, ps)?;
             if let Some(h) = self.host.as_mut() {
                 h.reserve_transfers(todo)?;
             }
         } else {
-            self.events.reserve(2 * todo, self.geo.page_size)?;
+            self.events.reserve_with_removed(todo, todo, ps)?;
         }
         if self.pages.has_priority_ends() {
             self.pages.reserve_priority_ends(todo)?;
