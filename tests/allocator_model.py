@@ -315,10 +315,14 @@ class Model(PriorityModel, TierMixin):
                 e.parent_reg = chain
                 reg = e.reg
             elif e is not None and e.parent_reg == chain:
-                # A duplicate; one whose only copy is on the host takes this
-                # page as its device copy.
-                if e.dev is None and self.entry_at(p) is None:
-                    e.dev = p
+                # A duplicate; one whose only copy is on the host, or on a
+                # device page nobody holds, takes this page as its device copy
+                # (the unheld page goes FREE, its priority moving along).
+                if self.entry_at(p) is None:
+                    if e.dev is None:
+                        e.dev = p
+                    elif self.holders(e.dev) == 0:
+                        self.take_over(e, p)
                 reg = e.reg
             else:
                 q.broken = True
@@ -328,6 +332,20 @@ class Model(PriorityModel, TierMixin):
         q.hashed, q.chain_reg = k, chain
         if k > start and self.writes_through():
             self.write_through(r, start, k)
+
+    def take_over(self, e, p):
+        """Entry `e`'s device copy moves from its CACHED page to page `p`,
+        which goes FREE; a priority's end counts as given now."""
+        q = e.dev
+        self.lru.remove(q)
+        x = self.prio.pop(q, None)
+        if x is not None:
+            if x[1] is not None:
+                self.ends_given += 1
+                x = [x[0], x[1], self.ends_given]
+            self.prio[p] = x
+        e.dev = p
+        self.free.append(q)
 
     def cache(self, hs):
         rows = self.batch_rows(hs)

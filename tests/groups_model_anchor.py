@@ -62,6 +62,9 @@ class AnchorModel(Model):
                 e.parent_reg = chain
                 reg = e.reg
             elif e is not None and e.parent_reg == chain:
+                # A duplicate; a copy nobody holds gives this page its entry.
+                if e.dev is not None and self.entry_at(p) is None and self.holders(e.dev) == 0:
+                    self.take_over(e, p)
                 reg = e.reg
             else:
                 q.broken = True

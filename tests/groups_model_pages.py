@@ -139,7 +139,15 @@ class Pages:
             if p == 0:
                 continue
             reg = regs[(k + 1) * self.ps // a - 1]
-            if self.find(reg) is None:
+            q = self.find(reg)
+            if q is None:
+                self.reg[p] = reg
+            elif q != p and q in self.lru and p not in self.reg:
+                # A copy nobody holds gives its key to this one, filed nowhere,
+                # and goes FREE.
+                self.lru.remove(q)
+                del self.reg[q]
+                self.free.append(q)
                 self.reg[p] = reg
         self.progress[r] = max(self.progress[r], upto)
 

@@ -70,8 +70,9 @@ class EventPublisher:
     Subclasses deliver each message (``_deliver``). Counters, all cumulative:
     ``batches`` (messages sent), ``events`` (kvpool events sent, one per page),
     ``stored_pages``, ``removed_pages`` (pages that left the prefix cache:
-    evictions, and a cached page rewritten in place) and ``cleared`` (Cleared
-    events, an overflowed backlog's included).
+    evictions, a cached page rewritten in place, and a cached copy whose
+    registration a request's recomputed copy took over, which also counts as
+    stored) and ``cleared`` (Cleared events, an overflowed backlog's included).
     """
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,

@@ -158,6 +158,23 @@ impl EventLog {
         Ok(())
     }
 
+    /// Room for `stored` more Stored events of `page_size` tokens and
+    /// `removed` more Removed events (which carry no token ids), or an
+    /// error; capped as `reserve` is.
+    pub(crate) fn reserve_with_removed(
+        &mut self,
+        stored: usize,
+        removed: usize,
+        page_size: usize,
+    ) -> crate::error::Result<()> {
+        self.reserve(stored, page_size)?;
+        if self.enabled {
+            let n = stored.saturating_add(removed).min(self.cap);
+            crate::memory::reserve(&mut self.raw, n, "events")?;
+        }
+        Ok(())
+    }
+
     /// Events dropped by overflows so far (cumulative).
     pub(crate) fn dropped(&self) -> u64 {
         self.dropped

@@ -11,7 +11,7 @@ mod groups_reference;
 mod model_ops;
 mod reference;
 
-use groups_reference::{GKind, GModel};
+use groups_reference::{GGroup, GKind, GModel};
 use kvpool_core::{Counts, GroupKind, GroupSpec, GroupedAllocator, Options};
 use model_ops::prompt;
 use proptest::prelude::*;
@@ -134,6 +134,7 @@ thread_local! {
     static STATE_HITS: Cell<usize> = const { Cell::new(0) };
     static STATE_RESTORES: Cell<usize> = const { Cell::new(0) };
     static ROLLBACK_REFUSALS: Cell<usize> = const { Cell::new(0) };
+    static TAKEN_OVER: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count<T: Copy + std::ops::Add<Output = T>>(c: &'static std::thread::LocalKey<Cell<T>>, n: T) {
@@ -327,6 +328,11 @@ proptest! {
             }
         }
         count(&OK_CALLS, oks);
+        let groups: usize = m.groups.iter().map(|g| match g {
+            GGroup::Pages(e) => e.taken_over,
+            _ => 0,
+        }).sum();
+        count(&TAKEN_OVER, groups);
     }
 }
 
@@ -362,10 +368,12 @@ fn generated_sequences_exercise_groups() {
         GROUP_REFUSALS.with(Cell::get),
         ROLLBACK_REFUSALS.with(Cell::get),
     );
+    let taken_over = TAKEN_OVER.with(Cell::get);
     eprintln!(
         "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {restores} rollbacks, \
          {released} released positions seen, {refusals} group refusals, {rollbacks} rollback refusals, \
-         {state_hits} hits and {state_restores} rollbacks from a checkpoint"
+         {state_hits} hits and {state_restores} rollbacks from a checkpoint, {taken_over} recomputed \
+         non-anchor pages that took over an unheld copy's key"
     );
     assert!(
         state_hits > CASES as usize / 20,
@@ -390,5 +398,11 @@ fn generated_sequences_exercise_groups() {
     assert!(
         rollbacks > CASES as usize / 20,
         "only {rollbacks} rollback refusals"
+    );
+    // Typically 1300 over random seeds (the anchor's own are guarded in
+    // `model.rs`): the guard is for none.
+    assert!(
+        taken_over > CASES as usize / 10,
+        "only {taken_over} non-anchor pages took over an unheld copy's key"
     );
 }

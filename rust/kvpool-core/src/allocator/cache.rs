@@ -39,19 +39,33 @@ impl SlotAllocator {
         // `todo` counts a page shared by forked requests once per holder;
         // no call registers more pages than the pool has unregistered.
         let todo = todo.min(self.prefix.room());
+        self.reserve_registrations(todo)?;
+        for &h in handles {
+            self.register_row(handle_row(h) as usize);
+        }
+        Ok(())
+    }
+
+    /// Room for `todo` registrations and what they may bring: each page's
+    /// Stored event, or, where it takes over an unheld copy's registration
+    /// (`take_over`), that copy's Removed event too and the end of its
+    /// priority.
+    pub(super) fn reserve_registrations(&mut self, todo: usize) -> Result<()> {
         self.prefix.reserve(todo)?;
+        let ps = self.geo.page_size;
         if self.writes_through() {
-            // Each page: its Stored event, its host copy's, and the Removed
-            // event of the host copy its host page may evict.
-            self.events.reserve(3 * todo, self.geo.page_size)?;
+            // Each page: its Stored event and its host copy's, and the
+            // Removed events of a taken-over copy and of the host copy its
+            // host page may evict.
+            self.events.reserve_with_removed(2 * todo, 2 * todo, ps)?;
             if let Some(h) = self.host.as_mut() {
                 h.reserve_transfers(todo)?;
             }
         } else {
-            self.events.reserve(todo, self.geo.page_size)?;
+            self.events.reserve_with_removed(todo, todo, ps)?;
         }
-        for &h in handles {
-            self.register_row(handle_row(h) as usize);
+        if self.pages.has_priority_ends() {
+            self.pages.reserve_priority_ends(todo)?;
         }
         Ok(())
     }
@@ -66,9 +80,9 @@ impl SlotAllocator {
 
     /// Continues `row`'s chain over its registrable pages. A page whose hash
     /// is registered already for a different page with the same content and
-    /// parent is a duplicate: the existing entry stays (see
-    /// `prefix/index.rs`). A mismatch (a collision) stops the row's chain
-    /// for good.
+    /// parent is a duplicate: the existing entry stays, on this page if
+    /// nobody holds its copy (see `prefix/index.rs`). A mismatch (a
+    /// collision) stops the row's chain for good.
     fn register_row(&mut self, row: usize) {
         let upto = self.registrable_pages(row);
         let chain = self.requests.chain(row);
@@ -213,8 +227,9 @@ pub(super) fn register_page(
             Some(tip)
         }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-            // A duplicate: keep the existing copy (its chain hash is the one
-            // this page would get: same tokens, same salt).
+            // A duplicate: keep the existing entry (its chain hash is the one
+            // this page would get: same tokens, same salt), and its copy
+            // where someone holds that.
             if is_host(loc) && own.is_none() {
                 // Its only copy is on the host: this page becomes its
                 // device copy, as if registered now (a later hit needs no
@@ -226,10 +241,43 @@ pub(super) fn register_page(
                     let parent_hash = if first { 0 } else { parent.hash };
                     events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
                 }
+            } else if own.is_none() && pages.holders(loc) == 0 {
+                take_over(ix, pages, events, i, loc, p, first, parent);
             }
             ix.set_hint(parent, i);
             Some(ix.tip(i))
         }
         _ => None,
     }
+}
+
+/// Page `p`, unregistered, duplicates entry `i`'s device copy `q`, which
+/// nobody holds (CACHED): `p` becomes the entry's copy and `q` goes back
+/// FREE. Kept, `q` would be the first to go under pressure while the
+/// request still holds the same content in `p`: the entry would go with
+/// it, and with it the chain the request continues from. The entry stays
+/// (its registration id, children, host copy and hash), so nothing below
+/// it is lost; the page's priority moves along. Events: Removed for `q`,
+/// Stored for `p`, the same hash, so a router that maps hashes to pages
+/// follows (one that only tracks hashes sees it stay cached).
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn take_over(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    i: u32,
+    q: u32,
+    p: u32,
+    first: bool,
+    parent: &ChainTip,
+) {
+    let entry = pages.move_registration(q, p);
+    debug_assert_eq!(entry, i + 1);
+    ix.set_location(i, p);
+    let (hash, salt) = ix.identity(i);
+    events.removed(hash, q, salt);
+    let parent_hash = if first { 0 } else { parent.hash };
+    events.stored(hash, parent_hash, p, salt, ix.page_tokens(p));
 }

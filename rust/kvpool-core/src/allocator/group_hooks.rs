@@ -283,8 +283,7 @@ impl SlotAllocator {
             todo += more;
         }
         let todo = todo.min(self.prefix.room());
-        self.prefix.reserve(todo)?;
-        self.events.reserve(todo, self.geo.page_size)?;
+        self.reserve_registrations(todo)?;
         for r in rows {
             self.register_row_recording(r.row, &mut regs[r.row]);
         }

@@ -7,8 +7,9 @@
 //!
 //! A request's cached prefix is its leading pages whose chain `cache`
 //! walked: each is the request's own page where that is registered, or,
-//! where it duplicated content cached already (the index kept the first
-//! copy), that copy, found by the same verified lookup a prefix hit makes.
+//! where it duplicated content cached already and the index kept the
+//! existing copy (another holder had it), that copy, found by the same
+//! verified lookup a prefix hit makes.
 
 use super::options::Counts;
 use super::SlotAllocator;

@@ -227,6 +227,15 @@ impl Eviction {
         }
     }
 
+    /// Registered page `q`'s priority moves to page `p`, which took over
+    /// its registration (`q` is on no list, `p` held).
+    #[inline]
+    pub(crate) fn moved(&mut self, q: u32, p: u32) {
+        if let Eviction::Levels(v) = self {
+            v.moved(q, p);
+        }
+    }
+
     /// Heap bytes beyond the page records.
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.levels().map_or(0, Levels::capacity_bytes)

@@ -43,6 +43,22 @@ impl Levels {
         self.until[p as usize] = 0;
     }
 
+    /// `q`'s priority, and its end if it has one, is now `p`'s (`p` took
+    /// over `q`'s registration); the pinned count stays. The end is filed
+    /// anew for `p` as if given now (room was reserved); `q`'s heap entry
+    /// is stale from here on.
+    pub(crate) fn moved(&mut self, q: u32, p: u32) {
+        let (g, u) = (self.given[q as usize], self.until[q as usize]);
+        self.registered(q);
+        self.given[p as usize] = g;
+        self.until[p as usize] = u;
+        if u != 0 {
+            self.given_ends += 1;
+            self.heap
+                .push(Reverse((u - 1, u64::MAX - self.given_ends, p)));
+        }
+    }
+
     /// `p`, registered and held (so on no list), loses its registration.
     pub(crate) fn unregistered_held(&mut self, p: u32) {
         if self.list_of(p) == PINNED {

@@ -368,7 +368,10 @@ impl PageEngine {
     /// the chain's entry at the page's end. A page already filed under
     /// another key moves to this one (its content is this prefix's: both
     /// keys name the same tokens); a key already filed for another page
-    /// keeps it (a duplicate). Room was made with `map.reserve`.
+    /// keeps it (a duplicate), unless nobody holds that page and this one
+    /// is filed nowhere: then this page takes the key over and the other
+    /// goes FREE (kept, the unheld copy would be evicted first while the
+    /// row still holds the content). Room was made with `map.reserve`.
     pub(crate) fn register(&mut self, row: usize, len: usize, regs: &[u64], a: usize) {
         let ps = self.geo.page_size;
         let upto = len.min(regs.len() * a) / ps;
@@ -379,7 +382,13 @@ impl PageEngine {
             }
             let reg = regs[(k + 1) * ps / a - 1];
             match self.map.get(reg) {
-                Some(_) => {}
+                Some(q) => {
+                    if q != p && self.pages.holders(q) == 0 && self.map.reg_of(p) == 0 {
+                        self.map.remove_page(q);
+                        self.map.insert(reg, p);
+                        self.pages.move_registration(q, p);
+                    }
+                }
                 None => {
                     if self.map.reg_of(p) != 0 {
                         self.map.remove_page(p);

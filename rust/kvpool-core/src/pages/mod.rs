@@ -302,6 +302,25 @@ impl PagePool {
         std::mem::replace(&mut self.records[p as usize].entry, 0)
     }
 
+    /// Hands CACHED page `q`'s registration to page `p`, held and
+    /// unregistered, which holds the same content: `p` takes `q`'s entry
+    /// and priority, and `q` leaves its eviction list FREE. Returns the
+    /// entry (index + 1). A held copy is the one to keep: eviction would
+    /// take the unheld one first, while the holder still has the content.
+    /// A duration moves with its priority: room was made for its end
+    /// (`reserve_priority_ends`).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn move_registration(&mut self, q: u32, p: u32) -> u32 {
+        debug_assert!(self.records[q as usize].is_unheld() && !self.is_registered(p));
+        self.eviction.remove_run(&mut self.records, q, q, 1);
+        let entry = self.take_entry(q);
+        self.records[p as usize].entry = entry;
+        self.eviction.moved(q, p);
+        self.free_evicted(q);
+        entry
+    }
+
     /// Clears `p`'s registration if it is `entry`; returns whether it was.
     #[inline]
     pub(crate) fn clear_entry_if(&mut self, p: u32, entry: u32) -> bool {

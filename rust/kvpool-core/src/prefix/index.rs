@@ -31,10 +31,13 @@
 //!
 //! Duplicates: when `cache()` finds the key already registered for another
 //! page with the same content (verified as above), the existing entry is
-//! kept and the new page stays unregistered (freed when its holders leave).
-//! Keeping the first copy keeps its registration id, so the entries already
-//! registered below it (its chain's children) stay reachable; routers have
-//! already seen its Stored event; and requests holding it keep sharing it.
+//! kept: its registration id stays, so the entries already registered below
+//! it (its chain's children) stay reachable. Where some holder has the
+//! existing copy, the new page stays unregistered (freed when its holders
+//! leave) and the holders keep sharing the copy. Where nobody holds it
+//! (CACHED), the new page becomes the entry's copy and the old one goes
+//! FREE (`allocator/cache.rs`): kept, the unheld copy would be evicted
+//! first, taking the entry, while the request still holds the content.
 
 use super::hashing::ChainHasher;
 use super::key_table::KeyTable;

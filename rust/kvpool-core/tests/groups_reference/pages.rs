@@ -19,6 +19,8 @@ pub struct GPages {
     pub queue: Vec<QueuedCopy>,
     /// The first `holding` queued copies hold their source.
     pub holding: usize,
+    /// Keys a recomputed page took over from a copy nobody held.
+    pub taken_over: usize,
 }
 
 impl GPages {
@@ -34,6 +36,7 @@ impl GPages {
             progress: BTreeMap::new(),
             queue: Vec::new(),
             holding: 0,
+            taken_over: 0,
         }
     }
 
@@ -301,8 +304,20 @@ impl GPages {
                 continue;
             }
             let reg = regs[(k + 1) * self.ps / a - 1];
-            if self.find(reg).is_none() {
-                self.reg.insert(p, reg);
+            match self.find(reg) {
+                None => {
+                    self.reg.insert(p, reg);
+                }
+                // A copy nobody holds gives its key to this one, filed
+                // nowhere, and goes FREE.
+                Some(q) if q != p && self.lru.contains(&q) && !self.reg.contains_key(&p) => {
+                    self.lru.retain(|&x| x != q);
+                    self.reg.remove(&q);
+                    self.free.push(q);
+                    self.reg.insert(p, reg);
+                    self.taken_over += 1;
+                }
+                Some(_) => {}
             }
         }
         let pr = self.progress.get_mut(&row).unwrap();

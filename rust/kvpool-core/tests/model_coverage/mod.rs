@@ -23,6 +23,7 @@ thread_local! {
     pub static PRIO_OKS: Cell<usize> = const { Cell::new(0) };
     pub static PINNED_ENDS: Cell<usize> = const { Cell::new(0) };
     pub static ENDED: Cell<usize> = const { Cell::new(0) };
+    pub static TAKEN_OVER: Cell<usize> = const { Cell::new(0) };
 }
 
 pub fn count<T: Copy + std::ops::Add<Output = T>>(
@@ -112,14 +113,16 @@ fn generated_sequences_exercise_sharing() {
         host_stored > CASES as usize / 10,
         "only {host_stored} host Stored events"
     );
-    let (prio, pinned, ended) = (
+    let (prio, pinned, ended, taken_over) = (
         PRIO_OKS.with(Cell::get),
         PINNED_ENDS.with(Cell::get),
         ENDED.with(Cell::get),
+        TAKEN_OVER.with(Cell::get),
     );
     eprintln!(
         "{prio} priority calls succeeded, {pinned} pinned pages summed over op ends, {ended} \
-         durations ended by the clock"
+         durations ended by the clock, {taken_over} recomputed pages took over an unheld copy's \
+         registration"
     );
     assert!(
         prio > CASES as usize / 2,
@@ -134,4 +137,10 @@ fn generated_sequences_exercise_sharing() {
     );
     // Typically 70-150 over random seeds.
     assert!(ended > CASES as usize / 100, "only {ended} durations ended");
+    // A request opened on a shorter prompt than one cached, then extended
+    // over the rest of it (typically 80-115 over random seeds).
+    assert!(
+        taken_over > CASES as usize / 100,
+        "only {taken_over} recomputed pages took over an unheld copy's registration"
+    );
 }

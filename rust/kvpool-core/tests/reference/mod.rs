@@ -136,6 +136,8 @@ pub struct Model {
     pub holding: usize,
     /// Copies dropped because their destination was released.
     pub dropped: usize,
+    /// Duplicates that took over an unheld copy's registration.
+    pub taken_over: usize,
     /// Slots ever queued for copying.
     pub queued: usize,
     pub hit: u64,
@@ -165,6 +167,7 @@ impl Model {
             queue: Vec::new(),
             holding: 0,
             dropped: 0,
+            taken_over: 0,
             queued: 0,
             hit: 0,
             miss: 0,

@@ -55,10 +55,16 @@ impl Model {
                     Some(e.reg)
                 }
                 Some(e) if e.parent_reg == chain_reg => {
-                    // A duplicate; one whose only copy is on the host takes
-                    // this page as its device copy.
-                    if e.dev.is_none() && !self.is_registered(p) {
-                        self.reg.get_mut(&e.reg).unwrap().dev = Some(p);
+                    // A duplicate; one whose only copy is on the host, or
+                    // on a device page nobody holds, takes this page as its
+                    // device copy (the unheld page goes FREE, its priority
+                    // moving along).
+                    if !self.is_registered(p) {
+                        match e.dev {
+                            None => self.reg.get_mut(&e.reg).unwrap().dev = Some(p),
+                            Some(q) if self.holders(q) == 0 => self.take_over(e.reg, q, p),
+                            Some(_) => {}
+                        }
                     }
                     Some(e.reg)
                 }
@@ -85,6 +91,22 @@ impl Model {
         if k > from && self.writes_through() {
             self.write_through(r, from, k);
         }
+    }
+
+    /// Entry `reg`'s device copy moves from CACHED page `q` to page `p`;
+    /// `q` goes FREE. A priority's end counts as given now.
+    fn take_over(&mut self, reg: u64, q: usize, p: usize) {
+        self.lru.retain(|&x| x != q);
+        if let Some(mut x) = self.prio.remove(&q) {
+            if x.until.is_some() {
+                self.ends_given += 1;
+                x.seq = self.ends_given;
+            }
+            self.prio.insert(p, x);
+        }
+        self.reg.get_mut(&reg).unwrap().dev = Some(p);
+        self.free.push(q);
+        self.taken_over += 1;
     }
 
     pub fn evict(&mut self, n: usize) -> usize {
