@@ -146,13 +146,16 @@ class GroupsModel:
             if not 0 <= ls[i] <= self.length(r):
                 raise kvpool.InvalidArgumentError
         batch = [(h & 0xFFFFFFFF, self.length(h & 0xFFFFFFFF), keep) for h, keep in zip(hs, ls)]
-        sources = {}
+        sources, back = {}, {}
         for r, n, keep in batch:
             if keep >= n:
                 continue
             for g, e in enumerate(self.groups):
                 if isinstance(e, Pages) and not e.rollback_ok(r, keep):
-                    raise Rollback(g)
+                    got = e.cached_window(r, keep, self.anchor.regs[r], self.a)
+                    if got is None:
+                        raise Rollback(g)
+                    back.setdefault(g, []).append((r, *got))
                 if isinstance(e, State):
                     s = self.checkpoint_at(e, r, keep)
                     if s is None:
@@ -170,6 +173,8 @@ class GroupsModel:
                 for r, n, keep in batch:
                     e.progress[r] = min(e.progress[r], len(self.anchor.regs[r]) * self.a // e.ps)
                     e.shrink(r, n, keep)
+                for r, first, pages in back.get(g, []):
+                    e.take_back(r, first, pages)
             elif isinstance(e, State):
                 src = sources.get(g, [])
                 for s in src:
