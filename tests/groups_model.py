@@ -140,7 +140,10 @@ class GroupsModel:
             return None
         return e.checkpoint(regs[n // self.a - 1])
 
-    def truncate(self, hs, ls):
+    def roll_back_extend(self, hs, ls):
+        return self.truncate(hs, ls, keep_prompt=True)
+
+    def truncate(self, hs, ls, keep_prompt=False):
         for i in range(len(hs)):
             r = self.anchor.batch_rows(hs[: i + 1])[i]
             if not 0 <= ls[i] <= self.length(r):
@@ -167,7 +170,7 @@ class GroupsModel:
                 cached = sum(1 for s in set(sources.get(g, [])) if s > 0 and s in e.lru)
                 if fresh > e.available() - cached:
                     raise GroupExhausted(g)
-        self.anchor.truncate(hs, ls)
+        self.anchor.truncate(hs, ls, keep_prompt)
         for g, e in enumerate(self.groups):
             if isinstance(e, Pages):
                 for r, n, keep in batch:

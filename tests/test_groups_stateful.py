@@ -184,6 +184,19 @@ class GroupsMachine(RuleBasedStateMachine):
         run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls))
 
     @rule(data=st.data())
+    def roll_back_extend(self, data):
+        """Truncate that keeps the prompts: the next extend takes the prompt's ids again."""
+        if self.a is None:
+            return
+        hs = self.pick(data, 2)
+        ls = []
+        for h in hs:
+            r = self.m.anchor.row(h)
+            n = self.m.length(r) if r is not None else 0
+            ls.append(data.draw(st.integers(0, n)))
+        run_both(lambda: self.a.roll_back_extend(hs, ls), lambda: self.m.roll_back_extend(hs, ls))
+
+    @rule(data=st.data())
     def rewind(self, data):
         """Truncate to the last position a state group checkpointed."""
         if self.a is None or not self.live():
