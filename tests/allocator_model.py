@@ -279,7 +279,8 @@ class Model(PriorityModel, TierMixin):
             e = self.entry_at(q.pages[full - 1]) if full > 0 else None
             q.hashed, q.chain_reg = (full, e.reg) if e else (0, 0)
 
-    def truncate(self, hs, ls):
+    def truncate(self, hs, ls, keep_prompt=False):
+        """``keep_prompt``: ``roll_back_extend``, whose requests keep their prompts."""
         for i in range(len(hs)):
             r = self.batch_rows(hs[: i + 1])[i]
             if self.reqs[r].swapped:
@@ -288,7 +289,7 @@ class Model(PriorityModel, TierMixin):
                 raise kvpool.InvalidArgumentError
         for h, n in zip(hs, ls):
             q = self.reqs[self.row(h)]
-            if n < len(q.tokens):
+            if n < len(q.tokens) and not keep_prompt:
                 del q.prompt[n:]  # rolled back: what follows need not be the prompt
             self.shrink(self.row(h), n)
 

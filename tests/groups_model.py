@@ -140,19 +140,25 @@ class GroupsModel:
             return None
         return e.checkpoint(regs[n // self.a - 1])
 
-    def truncate(self, hs, ls):
+    def roll_back_extend(self, hs, ls):
+        return self.truncate(hs, ls, keep_prompt=True)
+
+    def truncate(self, hs, ls, keep_prompt=False):
         for i in range(len(hs)):
             r = self.anchor.batch_rows(hs[: i + 1])[i]
             if not 0 <= ls[i] <= self.length(r):
                 raise kvpool.InvalidArgumentError
         batch = [(h & 0xFFFFFFFF, self.length(h & 0xFFFFFFFF), keep) for h, keep in zip(hs, ls)]
-        sources = {}
+        sources, back = {}, {}
         for r, n, keep in batch:
             if keep >= n:
                 continue
             for g, e in enumerate(self.groups):
                 if isinstance(e, Pages) and not e.rollback_ok(r, keep):
-                    raise Rollback(g)
+                    got = e.cached_window(r, keep, self.anchor.regs[r], self.a)
+                    if got is None:
+                        raise Rollback(g)
+                    back.setdefault(g, []).append((r, *got))
                 if isinstance(e, State):
                     s = self.checkpoint_at(e, r, keep)
                     if s is None:
@@ -164,12 +170,14 @@ class GroupsModel:
                 cached = sum(1 for s in set(sources.get(g, [])) if s > 0 and s in e.lru)
                 if fresh > e.available() - cached:
                     raise GroupExhausted(g)
-        self.anchor.truncate(hs, ls)
+        self.anchor.truncate(hs, ls, keep_prompt)
         for g, e in enumerate(self.groups):
             if isinstance(e, Pages):
                 for r, n, keep in batch:
                     e.progress[r] = min(e.progress[r], len(self.anchor.regs[r]) * self.a // e.ps)
                     e.shrink(r, n, keep)
+                for r, first, pages in back.get(g, []):
+                    e.take_back(r, first, pages)
             elif isinstance(e, State):
                 src = sources.get(g, [])
                 for s in src:

@@ -110,6 +110,27 @@ class Pages:
     def rollback_ok(self, r, n):
         return n == 0 or self.first[r] <= self.window_start(n) // self.ps
 
+    def cached_window(self, r, n, regs, a):
+        """What a truncate to ``n`` takes back from the cache for the window it released: the
+        first page index and the pages up to the first held one (or the new last page), each
+        filed under ``regs`` at its end; None when one is not cached."""
+        first = self.window_start(n) // self.ps
+        pages = []
+        for k in range(first, min(self.first[r], cdiv(n, self.ps))):
+            at = (k + 1) * self.ps
+            p = self.find(regs[at // a - 1]) if at <= len(regs) * a else None
+            if p is None:
+                return None
+            pages.append(p)
+        return first, pages
+
+    def take_back(self, r, first, pages):
+        self.lists[r][first : first + len(pages)] = pages
+        for p in pages:
+            if p in self.lru:
+                self.lru.remove(p)
+        self.first[r] = first
+
     def shrink(self, r, n, new):
         keep, np_ = cdiv(new, self.ps), cdiv(n, self.ps)
         dropped = self.lists[r][max(keep, self.first[r]) : np_]

@@ -7,6 +7,7 @@ group's refusal in the group it names, leaving both unchanged."""
 
 import re
 
+import pytest
 from allocator_model import MAX_CTX, MAX_REQ
 from groups_model import GroupsModel
 from hypothesis import settings
@@ -183,6 +184,19 @@ class GroupsMachine(RuleBasedStateMachine):
         run_both(lambda: self.a.truncate(hs, ls), lambda: self.m.truncate(hs, ls))
 
     @rule(data=st.data())
+    def roll_back_extend(self, data):
+        """Truncate that keeps the prompts: the next extend takes the prompt's ids again."""
+        if self.a is None:
+            return
+        hs = self.pick(data, 2)
+        ls = []
+        for h in hs:
+            r = self.m.anchor.row(h)
+            n = self.m.length(r) if r is not None else 0
+            ls.append(data.draw(st.integers(0, n)))
+        run_both(lambda: self.a.roll_back_extend(hs, ls), lambda: self.m.roll_back_extend(hs, ls))
+
+    @rule(data=st.data())
     def rewind(self, data):
         """Truncate to the last position a state group checkpointed."""
         if self.a is None or not self.live():
@@ -268,6 +282,36 @@ class GroupsMachine(RuleBasedStateMachine):
                     assert self.a.state_slots([h], g).tolist() == [self.m.groups[g].live[r]]
                 else:
                     assert self.a.slots(h, g).tolist() == self.m.slots(g, r)
+
+
+@pytest.mark.parametrize(("window", "cut"), [(1, 1), (2, 3), (3, 4)])
+def test_a_truncate_that_takes_window_pages_back_from_the_cache_agrees_with_the_model(window, cut):
+    """A request opened on a cached prefix holds only the window before its hit; truncating it
+    further back takes the pages the new window needs from the cache (the serve that cached
+    them checkpointed the state at every length)."""
+    machine = GroupsMachine()
+    machine.setup(specs=[{"kind": "full", "num_pages": 16, "page_size": 1},
+                         {"kind": "sliding", "num_pages": 16, "page_size": 1, "window": window},
+                         {"kind": "state", "num_slots": 16, "checkpoint_every": 0}], anchor_pages=100)
+    a, m = machine.a, machine.m
+    prompt = BASES[0][:9]
+    hs = a.open_with_prefix(prompt, [9], 0)[0].tolist()
+    assert m.open_with_prefix([prompt], 0)[0] == hs
+    for t in prompt:
+        a.extend(hs, [1], [t])
+        m.extend(hs, [1], [t])
+        a.cache(hs)
+        m.cache(hs)
+    a.close(hs, cache=True)
+    m.close(hs, cache=True)
+    longer = prompt + [0]
+    (hs, cached) = a.open_with_prefix(longer, [10], 0)
+    (mhs, mcached) = m.open_with_prefix([longer], 0)
+    assert hs.tolist() == mhs and cached.tolist() == mcached == [9]
+    machine.issued += mhs
+    assert run_both(lambda: a.truncate(mhs, cut), lambda: m.truncate(mhs, [cut]))
+    machine.agrees_with_model()
+    assert a.length(mhs[0]) == cut
 
 
 GroupsMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)

@@ -31,13 +31,14 @@ def detach_past(cache: DynamicCache) -> None:
 def trainable(model, which: str):
     """``q_last``: the last layer's q_proj alone, so no layer's K/V require grad; ``q``: every
     q_proj (k_proj/v_proj frozen: the first layer's K/V do not require grad, later layers'
-    do through their hidden states); ``all``: every weight."""
+    do through their hidden states); ``k``: every k_proj (the first layer's keys require grad,
+    its values do not); ``all``: every weight."""
     model.requires_grad_(which == "all")
     if which == "q_last":
         model.model.layers[-1].self_attn.q_proj.requires_grad_(True)
-    elif which == "q":
+    elif which in ("q", "k"):
         for layer in model.model.layers:
-            layer.self_attn.q_proj.requires_grad_(True)
+            getattr(layer.self_attn, f"{which}_proj").requires_grad_(True)
     return model
 
 
@@ -102,7 +103,7 @@ POOLS = {  # name: (pool_for_model kwargs, KVPoolCache kwargs, prompt lengths)
 }
 
 
-@pytest.mark.parametrize("which", ["q_last", "q", "all"])
+@pytest.mark.parametrize("which", ["q_last", "q", "k", "all"])
 @pytest.mark.parametrize("kind", sorted(POOLS))
 def test_a_prompt_and_decode_steps_backpropagate_as_with_the_default_cache(kind, which):
     model = trainable(tiny_model("llama"), which)

@@ -137,3 +137,36 @@ def test_caches_on_two_streams_share_spares_correctly():
                     got, _ = cache.update(k, -k, layer)
                     assert torch.equal(got, rows[layer])
     torch.cuda.synchronize()
+
+
+def test_a_spare_given_back_while_capturing_is_never_taken_without_a_fence(cuda):
+    """A stream being captured records no event (stream_mark), so a set of buffers given back
+    then (buffers outgrown inside a captured step) would carry no fence: a cache on another
+    stream would write into it while the giver's earlier work may still read it."""
+    spares = BufferSpares()
+    lb = cuda_buffers()
+    cuda["capturing"] = True
+    spares.give(lb)
+    cuda["capturing"] = False
+    cuda["stream"] = taker = FakeStream("b")
+    got = spares.take(2, 8, OnCuda())
+    assert got is None or taker.waited, "a spare was taken on another stream with nothing to wait on"
+
+
+def test_a_staging_buffer_released_while_capturing_is_not_kept_without_a_fence(cuda):
+    from kvpool.integrations._pages import StepPages
+
+    kept: list[tuple[object, object]] = []
+
+    class Released:
+        _stage, layer_buffers, _spares = OnCuda(), False, kept
+
+        def reset(self, *args, **kwargs) -> None:
+            pass
+
+        def _set_buffers(self, lb) -> None:
+            pass
+
+    cuda["capturing"] = True
+    StepPages.release(Released())  # type: ignore[arg-type]
+    assert all(fence is not None for _, fence in kept), kept

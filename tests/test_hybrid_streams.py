@@ -1,7 +1,7 @@
 """The stream contract of a hybrid pool on CUDA (kvpool/streams.py), on CPU with fakes.
 
 As the plain pool's: calls that copy host data to the device (open, extend, admit,
-fork, open_with_prefix, page_table) raise ``TensorDeviceError`` while its device
+fork, open_with_prefix, page_table, truncate) raise ``TensorDeviceError`` while its device
 is capturing a CUDA graph, before the core changes anything (the copies would
 fail inside the capture with the core already committed); and the copies the
 core queued (copy-on-write of a shared page, state zeroing and forks) are
@@ -67,6 +67,8 @@ def test_calls_that_copy_host_data_are_refused_during_capture(monkeypatch):
         "fork": lambda: pool.fork(int(h[0]), 1),
         "open_with_prefix": lambda: pool.open_with_prefix(prompt, [12]),
         "page_table": lambda: pool.page_table(h, 1),
+        # (rewrites sliding table rows, restores state rows: host data to the device as well)
+        "truncate": lambda: pool.truncate(h, 0),
     }
     for name, call in calls.items():
         with pytest.raises(TensorDeviceError, match="being captured") as e:

@@ -86,7 +86,7 @@ class HybridKVPool(HybridRequestOps):
     host tier are the plain pool's only (``InvalidArgumentError``).
 
     Streams (CUDA), as the plain pool's: ``open`` (with state groups), ``extend``,
-    ``admit``, ``fork``, ``open_with_prefix`` and ``page_table`` raise
+    ``admit``, ``fork``, ``open_with_prefix``, ``truncate`` and ``page_table`` raise
     ``TensorDeviceError`` while the caller's stream is capturing a CUDA graph, before
     anything changes; the copies the core queues run on the caller's stream, and a
     later call that hands out slots from another stream first waits for them.

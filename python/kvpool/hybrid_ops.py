@@ -184,6 +184,8 @@ class HybridRequestOps:
         its table rows rewritten here), a state group a checkpoint at exactly the new
         length (restored here); otherwise ``RollbackUnavailableError`` and nothing changes."""
         with self._lock:
+            if self._order is not None:  # the rows rewritten and states restored are device copies
+                self._enter_device_call("truncate")
             self.allocator.truncate(handles, lengths)
             self._run_copies(handles)
             self._rewrite_windows(handles)
@@ -196,6 +198,8 @@ class HybridRequestOps:
         window and checkpoint rules as ``truncate`` (a state group's slot is restored to
         the state at the cut here)."""
         with self._lock:
+            if self._order is not None:
+                self._enter_device_call("truncate")
             self.allocator.roll_back_extend(handles, lengths)
             self._run_copies(handles)
             self._rewrite_windows(handles)

@@ -140,7 +140,9 @@ class BufferSpares:
         return got
 
     def give(self, buffers: LayerBuffers) -> None:
-        if buffers.nbytes > self.most_bytes:
+        # A stream being captured records no fence: a set given back then is dropped, as the
+        # next cache (on any stream) would otherwise take it with nothing to wait on.
+        if buffers.nbytes > self.most_bytes or not reusable(buffers.buf):
             return
         buffers.fence = stream_mark(buffers.buf)
         with self._lock:

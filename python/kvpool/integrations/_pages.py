@@ -376,7 +376,8 @@ class StepPages(StepViews):
         self.reset(0, private=True)
         self._set_buffers(None)
         stage, self._stage = self._stage, None
-        if stage is not None and not self.layer_buffers and len(self._spares) < 2:
+        # (not while capturing: no fence could be recorded for the next cache to wait on)
+        if stage is not None and not self.layer_buffers and len(self._spares) < 2 and reusable(stage):
             self._spares.append((stage, stream_mark(stage)))
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:

@@ -56,20 +56,24 @@ def check_in_step(layers: Sequence[Any], length: int, what: str) -> None:
 
 
 def with_step_grad(kv: tuple[torch.Tensor, torch.Tensor], key_states: torch.Tensor,
-                   value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   value_states: torch.Tensor, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv`` (the rows' K/V read back from the pool, whose last tokens are this step's) with
     the step's own tokens carrying ``key_states``/``value_states``' autograd history.
 
     The pool holds no autograd history, so without this a forward under grad mode would
     silently get no gradient through its K/V. ``x + (new - new.detach())`` keeps the values
     read back (an fp8 pool's rounding included, as in every other grad mode) and passes
-    the gradient to ``new`` unchanged; earlier forwards' K/V stay constants.
+    the gradient to ``new`` unchanged; earlier forwards' K/V stay constants. ``own``: ``kv``
+    is the cache's memory, so the one of K/V whose step does not require grad (a frozen k or
+    v projection) is returned copied, as ``owned`` does: attention saves it all the same.
     """
     t = key_states.shape[2]
     out = []
     for x, new in zip(kv, (key_states, value_states)):
         if new.requires_grad:
             x = torch.cat([x[:, :, :-t], x[:, :, -t:] + (new - new.detach())], dim=2)
+        elif own:
+            x = x.clone(memory_format=torch.contiguous_format)
         out.append(x)
     return out[0], out[1]
 

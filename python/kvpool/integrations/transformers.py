@@ -148,7 +148,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         pages = req.pages
         kv = req.gather(self.layer_idx) if pages is None else pages.kv(self.layer_idx, key_states, value_states)
         if live is not None:
-            return with_step_grad(kv, *live)
+            return with_step_grad(kv, *live, own=pages is not None)
         return owned(kv) if req.grad and pages is not None else kv  # (an fp8 pool's gather: new tensors)
 
     def get_seq_length(self) -> int:
