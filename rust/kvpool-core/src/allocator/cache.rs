@@ -13,6 +13,8 @@ use crate::pages::PagePool;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 
+use super::orphans::drop_orphan;
+
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
     /// known and that is not registered yet, so later prompts can hit it.
@@ -47,22 +49,23 @@ impl SlotAllocator {
     }
 
     /// Room for `todo` registrations and what they may bring: each page's
-    /// Stored event, or, where it takes over an unheld copy's registration
-    /// (`take_over`), that copy's Removed event too and the end of its
-    /// priority.
+    /// Stored event, and either, where it takes over an unheld copy's
+    /// registration (`take_over`), that copy's Removed event and the end of
+    /// its priority, or, where it replaces an orphan (`orphans.rs`), the
+    /// Removed events of the orphan's device and host copies.
     pub(super) fn reserve_registrations(&mut self, todo: usize) -> Result<()> {
         self.prefix.reserve(todo)?;
         let ps = self.geo.page_size;
         if self.writes_through() {
-            // Each page: its Stored event and its host copy's, and the
-            // Removed events of a taken-over copy and of the host copy its
-            // host page may evict.
-            self.events.reserve_with_removed(2 * todo, 2 * todo, ps)?;
+            // Each page: its Stored event and its host copy's, the Removed
+            // events above, and that of the host copy its host page may
+            // evict.
+            self.events.reserve_with_removed(2 * todo, 3 * todo, ps)?;
             if let Some(h) = self.host.as_mut() {
                 h.reserve_transfers(todo)?;
             }
         } else {
-            self.events.reserve_with_removed(todo, todo, ps)?;
+            self.events.reserve_with_removed(todo, 2 * todo, ps)?;
         }
         if self.pages.has_priority_ends() {
             self.pages.reserve_priority_ends(todo)?;
@@ -81,7 +84,8 @@ impl SlotAllocator {
     /// Continues `row`'s chain over its registrable pages. A page whose hash
     /// is registered already for a different page with the same content and
     /// parent is a duplicate: the existing entry stays, on this page if
-    /// nobody holds its copy (see `prefix/index.rs`). A mismatch (a
+    /// nobody holds its copy (see `prefix/index.rs`). An orphan of the same
+    /// content gives way to the page (`orphans.rs`). Any other mismatch (a
     /// collision) stops the row's chain for good.
     fn register_row(&mut self, row: usize) {
         let upto = self.registrable_pages(row);
@@ -174,7 +178,8 @@ impl SlotAllocator {
 }
 
 /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
-/// the child of `parent`; returns the chain's new tip, or None when the
+/// the child of `parent`, in the place of an orphan of the same content
+/// if its key has one; returns the chain's new tip, or None when the
 /// chain must stop there (a collision, or a parent registration that is
 /// gone).
 // Inlined: as a call, the returned tip comes back through memory, and its
@@ -213,41 +218,49 @@ pub(super) fn register_page(
     // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
     // usual case from a chain's second new page on.
     let childless = own.is_none() && ix.childless(parent);
-    let found = if childless {
+    let mut found = if childless {
         None
     } else {
         ix.child_of(parent, h)
     };
-    match found {
-        None if own.is_none() => {
-            let tip = ix.register(p, h, parent, salt, !childless);
-            pages.set_entry(p, tip.entry);
-            let parent_hash = if first { 0 } else { parent.hash };
-            events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-            Some(tip)
-        }
-        Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-            // A duplicate: keep the existing entry (its chain hash is the one
-            // this page would get: same tokens, same salt), and its copy
-            // where someone holds that.
-            if is_host(loc) && own.is_none() {
-                // Its only copy is on the host: this page becomes its
-                // device copy, as if registered now (a later hit needs no
-                // load).
-                if let Some(host) = host.as_mut() {
-                    ix.set_location(i, p);
-                    pages.set_entry(p, i + 1);
-                    host.count_host_only(false);
-                    let parent_hash = if first { 0 } else { parent.hash };
-                    events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-                }
-            } else if own.is_none() && pages.holders(loc) == 0 {
-                take_over(ix, pages, events, i, loc, p, first, parent);
+    loop {
+        match found {
+            None if own.is_none() => {
+                let tip = ix.register(p, h, parent, salt, !childless);
+                pages.set_entry(p, tip.entry);
+                let parent_hash = if first { 0 } else { parent.hash };
+                events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+                return Some(tip);
             }
-            ix.set_hint(parent, i);
-            Some(ix.tip(i))
+            Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
+                // A duplicate: keep the existing entry (its chain hash is the
+                // one this page would get: same tokens, same salt), and its
+                // copy where someone holds that.
+                if is_host(loc) && own.is_none() {
+                    // Its only copy is on the host: this page becomes its
+                    // device copy, as if registered now (a later hit needs
+                    // no load).
+                    if let Some(host) = host.as_mut() {
+                        ix.set_location(i, p);
+                        pages.set_entry(p, i + 1);
+                        host.count_host_only(false);
+                        let parent_hash = if first { 0 } else { parent.hash };
+                        events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+                    }
+                } else if own.is_none() && pages.holders(loc) == 0 {
+                    take_over(ix, pages, events, i, loc, p, first, parent);
+                }
+                ix.set_hint(parent, i);
+                return Some(ix.tip(i));
+            }
+            Some((i, _)) if own.is_none() && ix.is_orphan_of(i, ix.page_tokens(p), salt) => {
+                // The same content, orphaned: it gives way to this page
+                // (`orphans.rs`), then the key is probed again.
+                drop_orphan(ix, pages, events, host, i);
+                found = ix.child_of(parent, h);
+            }
+            _ => return None,
         }
-        _ => None,
     }
 }
 

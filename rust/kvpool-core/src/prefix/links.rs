@@ -100,6 +100,19 @@ impl PrefixIndex {
         (pe.reg == reg && pe.parent_reg != DEAD).then_some(p)
     }
 
+    /// Whether live entry `i` is an orphan (its parent registration is
+    /// gone) of the same content as a page of `tokens` under `salt`: a
+    /// page recomputing that content replaces it (`allocator/orphans.rs`).
+    /// An entry whose parent is live, or that is a chain's first page, is
+    /// not one.
+    pub(crate) fn is_orphan_of(&self, i: u32, tokens: &[i32], salt: i64) -> bool {
+        let e = &self.entries[i as usize];
+        e.parent_reg != 0
+            && self.live_parent(i).is_none()
+            && self.idents[i as usize].salt == salt
+            && (self.skip_verify || self.holds(e, tokens))
+    }
+
     /// Counts live entry `i` as a child of `tip` (its new parent), or as an
     /// orphan when the tip's registration is gone.
     #[inline]

@@ -17,7 +17,7 @@
 //! reachable when its hash is registered and the registration it was
 //! stored under is the parent hash's current one.
 //!
-//! Three ideals, all capped at `(len - 1) / page_size` pages:
+//! Two ideals, both capped at `(len - 1) / page_size` pages:
 //! - `reachable`: the longest prefix whose every page is reachable. kvpool
 //!   must serve at least that (a host page needs a device page to load
 //!   into: with a host tier the bound holds when the batch's hits cannot
@@ -25,11 +25,13 @@
 //! - `registered`: the longest prefix whose every page's hash is
 //!   registered on some tier. kvpool must serve at most that: more is KV
 //!   nobody registered. Between the two lie orphans: resident, registered
-//!   (a router that reads the events believes them cached), never served.
-//! - `held`: also counting pages that open requests hold and have
-//!   published (`cache()` covered them after their step ran) but that are
-//!   not registered: a recomputed duplicate whose registered copy went.
-//!   Their KV is resident and verified, so an ideal cache serves them too.
+//!   (a router that reads the events believes them cached), served only
+//!   once a request recomputes their content, which replaces them.
+//!
+//! A take-over (a recomputed page becomes the copy of a registration
+//! whose page nobody held) is reported as a Removed event and a Stored
+//! event of the same hash, back to back: the registration, and what is
+//! registered under it, stays.
 
 #![allow(dead_code)]
 
@@ -69,8 +71,16 @@ pub struct Registry {
 
 impl Registry {
     pub fn apply(&mut self, e: &Events) {
+        // The registration the event just before dropped, if it dropped
+        // one: a Stored event of the same hash right after it, under the
+        // same parent registration, is a take-over (the page changed, the
+        // registration stayed, and its children with it). A registration
+        // dropped for good and registered again is never reported so: the
+        // eviction and the new registration are different calls.
+        let mut dropped: Option<(u128, u64, u64)> = None;
         for i in 0..e.len() {
             let hash = (e.hash_hi[i] as u128) << 64 | e.hash_lo[i] as u128;
+            let just = dropped.take();
             match e.kind[i] {
                 EVENT_STORED => {
                     let parent = (e.parent_hi[i] as u128) << 64 | e.parent_lo[i] as u128;
@@ -80,9 +90,12 @@ impl Registry {
                         self.live.get(&parent).map_or(u64::MAX, |x| x.0)
                     };
                     let next = &mut self.next;
-                    let r = self.live.entry(hash).or_insert_with(|| {
-                        *next += 1;
-                        (*next, under, 0)
+                    let r = self.live.entry(hash).or_insert_with(|| match just {
+                        Some((h, reg, u)) if h == hash && u == under => (reg, under, 0),
+                        _ => {
+                            *next += 1;
+                            (*next, under, 0)
+                        }
                     });
                     r.2 += 1;
                 }
@@ -90,7 +103,8 @@ impl Registry {
                     let r = self.live.get_mut(&hash).expect("Removed names a live hash");
                     r.2 -= 1;
                     if r.2 == 0 {
-                        self.live.remove(&hash);
+                        let (reg, under, _) = self.live.remove(&hash).unwrap();
+                        dropped = Some((hash, reg, under));
                     }
                 }
                 _ => self.live.clear(),
@@ -118,15 +132,12 @@ impl Registry {
 pub struct Ideal {
     /// Registered hashes: device page, if any, and whether a host copy is.
     pub reg: HashMap<u128, (Option<i32>, bool)>,
-    /// Hashes of pages open requests hold and published.
-    pub held: HashSet<u128>,
 }
 
 impl Ideal {
-    pub fn new(router: &Router, held: HashSet<u128>) -> Self {
+    pub fn new(router: &Router) -> Self {
         Ideal {
             reg: router.registered(),
-            held,
         }
     }
 
@@ -135,14 +146,6 @@ impl Ideal {
         hashes
             .iter()
             .take_while(|h| self.reg.contains_key(h))
-            .count()
-    }
-
-    /// Pages of `hashes` registered or held and published, from the first.
-    pub fn held(&self, hashes: &[u128]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.reg.contains_key(h) || self.held.contains(h))
             .count()
     }
 
