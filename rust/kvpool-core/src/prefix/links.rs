@@ -22,7 +22,8 @@
 //! **Orphans.** A live entry whose parent registration is gone (evicted
 //! while the child stayed, e.g. at a higher retention priority) can only
 //! be found by key, and may still hold the key a new registration of the
-//! same content would need. Each entry counts its live children, so the
+//! same content would need (a registration of that content replaces it,
+//! `allocator/orphans.rs`). Each entry counts its live children, so the
 //! index knows how many orphans exist; while there is one, registrations
 //! probe the table as before.
 //!
