@@ -155,10 +155,23 @@ impl SlotAllocator {
                 let p = list[k];
                 match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
                     Some(next) => tip = next,
-                    None => {
-                        broken = true;
-                        break 'restart;
-                    }
+                    None => match register_past_orphan(
+                        prefix,
+                        pages,
+                        events,
+                        host,
+                        p,
+                        k == 0,
+                        h,
+                        &tip,
+                        salt,
+                    ) {
+                        Some(next) => tip = next,
+                        None => {
+                            broken = true;
+                            break 'restart;
+                        }
+                    },
                 }
                 k += 1;
                 if tip.hash != h {
@@ -178,10 +191,10 @@ impl SlotAllocator {
 }
 
 /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
-/// the child of `parent`, in the place of an orphan of the same content
-/// if its key has one; returns the chain's new tip, or None when the
+/// the child of `parent`; returns the chain's new tip, or None when the
 /// chain must stop there (a collision, or a parent registration that is
-/// gone).
+/// gone) unless the entry in the way is an orphan of the same content
+/// (then `register_past_orphan` registers `p`).
 // Inlined: as a call, the returned tip comes back through memory, and its
 // reload stalls on the stores that wrote it, once per page.
 #[allow(clippy::too_many_arguments)]
@@ -218,48 +231,74 @@ pub(super) fn register_page(
     // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
     // usual case from a chain's second new page on.
     let childless = own.is_none() && ix.childless(parent);
-    let mut found = if childless {
+    let found = if childless {
         None
     } else {
         ix.child_of(parent, h)
     };
-    loop {
-        match found {
-            None if own.is_none() => {
-                let tip = ix.register(p, h, parent, salt, !childless);
-                pages.set_entry(p, tip.entry);
-                let parent_hash = if first { 0 } else { parent.hash };
-                events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-                return Some(tip);
-            }
-            Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-                // A duplicate: keep the existing entry (its chain hash is the
-                // one this page would get: same tokens, same salt), and its
-                // copy where someone holds that.
-                if is_host(loc) && own.is_none() {
-                    // Its only copy is on the host: this page becomes its
-                    // device copy, as if registered now (a later hit needs
-                    // no load).
-                    if let Some(host) = host.as_mut() {
-                        ix.set_location(i, p);
-                        pages.set_entry(p, i + 1);
-                        host.count_host_only(false);
-                        let parent_hash = if first { 0 } else { parent.hash };
-                        events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-                    }
-                } else if own.is_none() && pages.holders(loc) == 0 {
-                    take_over(ix, pages, events, i, loc, p, first, parent);
+    match found {
+        None if own.is_none() => {
+            let tip = ix.register(p, h, parent, salt, !childless);
+            pages.set_entry(p, tip.entry);
+            let parent_hash = if first { 0 } else { parent.hash };
+            events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+            Some(tip)
+        }
+        Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
+            // A duplicate: keep the existing entry (its chain hash is the one
+            // this page would get: same tokens, same salt), and its copy
+            // where someone holds that.
+            if is_host(loc) && own.is_none() {
+                // Its only copy is on the host: this page becomes its
+                // device copy, as if registered now (a later hit needs no
+                // load).
+                if let Some(host) = host.as_mut() {
+                    ix.set_location(i, p);
+                    pages.set_entry(p, i + 1);
+                    host.count_host_only(false);
+                    let parent_hash = if first { 0 } else { parent.hash };
+                    events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
                 }
-                ix.set_hint(parent, i);
-                return Some(ix.tip(i));
+            } else if own.is_none() && pages.holders(loc) == 0 {
+                take_over(ix, pages, events, i, loc, p, first, parent);
             }
-            Some((i, _)) if own.is_none() && ix.is_orphan_of(i, ix.page_tokens(p), salt) => {
-                // The same content, orphaned: it gives way to this page
-                // (`orphans.rs`), then the key is probed again.
-                drop_orphan(ix, pages, events, host, i);
-                found = ix.child_of(parent, h);
-            }
-            _ => return None,
+            ix.set_hint(parent, i);
+            Some(ix.tip(i))
+        }
+        _ => None,
+    }
+}
+
+/// `register_page` returned None for page `p`: if the entry its key
+/// names is an orphan of `p`'s content, it gives way (`orphans.rs`) and
+/// `p` is registered after all; returns the new tip, or None when the
+/// chain stops there. Out of line, called only where a chain would stop:
+/// the registration loop's own path is unchanged.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn register_past_orphan(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    host: &mut Option<HostTier>,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+) -> Option<ChainTip> {
+    if !ix.is_live(parent) || pages.entry(p) != 0 {
+        return None;
+    }
+    loop {
+        let (i, _) = ix.child_of(parent, h)?;
+        if !ix.is_orphan_of(i, ix.page_tokens(p), salt) {
+            return None;
+        }
+        drop_orphan(ix, pages, events, host, i);
+        if let Some(tip) = register_page(ix, pages, events, host, p, first, h, parent, salt) {
+            return Some(tip);
         }
     }
 }

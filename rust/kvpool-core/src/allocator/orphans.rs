@@ -1,20 +1,22 @@
 //! Orphans met by registration. An orphan is a live entry whose parent
-//! registration is gone (its parent was evicted at a lower priority, or
-//! rewritten in place after a truncation, or lost its last host copy,
-//! while the entry stayed). No lookup reaches it: verification wants the
-//! parent's registration. But it keeps its key, so a request that
-//! recomputes the same content under the parent's new registration finds
-//! it there, and it cannot stand for that page (its parent differs).
-//! Keeping it would stop the request's chain at that page for good.
+//! registration is gone while it stayed: its parent was evicted first (a
+//! lower priority, or another page's entry its chain went on from), or
+//! rewritten in place after a truncation, or lost its last host copy. No
+//! lookup reaches it: verification wants the parent's registration. But
+//! it keeps its key, so a request that recomputes the same content under
+//! the parent's new registration finds it there, and it cannot stand for
+//! that page (its parent differs). Kept, it would stop the request's chain
+//! at that page for good.
 //!
-//! So the orphan gives way (`register_page`): it leaves the index as an
-//! eviction would take it, and the recomputed page is registered in its
-//! place, continuing the chain. Its device copy goes FREE if nobody
-//! holds it, else stays with its holders unregistered (as a page written
-//! in place does); its host copy goes too; Removed events report each
-//! copy, and the new page's Stored event follows. Its own children were
-//! orphans already (registered under its registration, which no lookup
-//! reaches); they give way in turn when the chain reaches them.
+//! So the orphan gives way (`register_past_orphan` in `cache.rs`): it
+//! leaves the index as an eviction would take it, and the recomputed page
+//! is registered in its place, continuing the chain. Its device copy goes
+//! FREE if nobody holds it, else stays with its holders unregistered (as
+//! a page written in place does); its host copy goes too; Removed events
+//! report each copy, and the new page's Stored event follows. Its own
+//! children were orphans already (registered under its registration,
+//! which no lookup reaches); they give way in turn when a chain reaches
+//! them.
 //!
 //! An entry of the same content whose parent is live but another one is
 //! not an orphan: the chain still stops there (a collision).
