@@ -307,6 +307,10 @@ class Model(PriorityModel, TierMixin):
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
             e = self.find(key)
+            if e is not None and e.dev != p and self.entry_at(p) is None and not self.parent_live(e):
+                # An orphan of this content gives way to this page.
+                self.drop_orphan(e)
+                e = None
             if e is None and self.entry_at(p) is None:
                 self.prio.pop(p, None)
                 reg = self.next_reg
@@ -333,6 +337,20 @@ class Model(PriorityModel, TierMixin):
         q.hashed, q.chain_reg = k, chain
         if k > start and self.writes_through():
             self.write_through(r, start, k)
+
+    def drop_orphan(self, e):
+        """Orphan `e` leaves the index with its copies: an unheld device copy
+        goes FREE (a held one stays with its holders, unregistered), its
+        priority ends, and its host copy goes FREE once nobody holds it."""
+        del self.reg[e.reg]
+        if e.dev is not None:
+            self.prio.pop(e.dev, None)
+            if not self.holders(e.dev):
+                self.lru.remove(e.dev)
+                self.free.append(e.dev)
+        if e.host is not None and not self.host_holders(e.host):
+            self.tier.lru.remove(e.host)
+            self.tier.free.append(e.host)
 
     def take_over(self, e, p):
         """Entry `e`'s device copy moves from its CACHED page to page `p`,

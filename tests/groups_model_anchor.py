@@ -53,6 +53,10 @@ class AnchorModel(Model):
             p = q.pages[k]
             key = (q.salt, tuple(known[: (k + 1) * self.ps]))
             e = self.find(key)
+            if e is not None and e.dev != p and self.entry_at(p) is None and not self.parent_live(e):
+                # An orphan of this content gives way to this page.
+                self.drop_orphan(e)
+                e = None
             if e is None and self.entry_at(p) is None:
                 self.prio.pop(p, None)
                 reg = self.next_reg

@@ -13,6 +13,8 @@ use crate::pages::PagePool;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 
+use super::orphans::drop_orphan;
+
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
     /// known and that is not registered yet, so later prompts can hit it.
@@ -47,22 +49,23 @@ impl SlotAllocator {
     }
 
     /// Room for `todo` registrations and what they may bring: each page's
-    /// Stored event, or, where it takes over an unheld copy's registration
-    /// (`take_over`), that copy's Removed event too and the end of its
-    /// priority.
+    /// Stored event, and either, where it takes over an unheld copy's
+    /// registration (`take_over`), that copy's Removed event and the end of
+    /// its priority, or, where it replaces an orphan (`orphans.rs`), the
+    /// Removed events of the orphan's device and host copies.
     pub(super) fn reserve_registrations(&mut self, todo: usize) -> Result<()> {
         self.prefix.reserve(todo)?;
         let ps = self.geo.page_size;
         if self.writes_through() {
-            // Each page: its Stored event and its host copy's, and the
-            // Removed events of a taken-over copy and of the host copy its
-            // host page may evict.
-            self.events.reserve_with_removed(2 * todo, 2 * todo, ps)?;
+            // Each page: its Stored event and its host copy's, the Removed
+            // events above, and that of the host copy its host page may
+            // evict.
+            self.events.reserve_with_removed(2 * todo, 3 * todo, ps)?;
             if let Some(h) = self.host.as_mut() {
                 h.reserve_transfers(todo)?;
             }
         } else {
-            self.events.reserve_with_removed(todo, todo, ps)?;
+            self.events.reserve_with_removed(todo, 2 * todo, ps)?;
         }
         if self.pages.has_priority_ends() {
             self.pages.reserve_priority_ends(todo)?;
@@ -81,7 +84,8 @@ impl SlotAllocator {
     /// Continues `row`'s chain over its registrable pages. A page whose hash
     /// is registered already for a different page with the same content and
     /// parent is a duplicate: the existing entry stays, on this page if
-    /// nobody holds its copy (see `prefix/index.rs`). A mismatch (a
+    /// nobody holds its copy (see `prefix/index.rs`). An orphan of the same
+    /// content gives way to the page (`orphans.rs`). Any other mismatch (a
     /// collision) stops the row's chain for good.
     fn register_row(&mut self, row: usize) {
         let upto = self.registrable_pages(row);
@@ -151,10 +155,23 @@ impl SlotAllocator {
                 let p = list[k];
                 match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
                     Some(next) => tip = next,
-                    None => {
-                        broken = true;
-                        break 'restart;
-                    }
+                    None => match register_past_orphan(
+                        prefix,
+                        pages,
+                        events,
+                        host,
+                        p,
+                        k == 0,
+                        h,
+                        &tip,
+                        salt,
+                    ) {
+                        Some(next) => tip = next,
+                        None => {
+                            broken = true;
+                            break 'restart;
+                        }
+                    },
                 }
                 k += 1;
                 if tip.hash != h {
@@ -176,7 +193,8 @@ impl SlotAllocator {
 /// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
 /// the child of `parent`; returns the chain's new tip, or None when the
 /// chain must stop there (a collision, or a parent registration that is
-/// gone).
+/// gone) unless the entry in the way is an orphan of the same content
+/// (then `register_past_orphan` registers `p`).
 // Inlined: as a call, the returned tip comes back through memory, and its
 // reload stalls on the stores that wrote it, once per page.
 #[allow(clippy::too_many_arguments)]
@@ -248,6 +266,40 @@ pub(super) fn register_page(
             Some(ix.tip(i))
         }
         _ => None,
+    }
+}
+
+/// `register_page` returned None for page `p`: if the entry its key
+/// names is an orphan of `p`'s content, it gives way (`orphans.rs`) and
+/// `p` is registered after all; returns the new tip, or None when the
+/// chain stops there. Out of line, called only where a chain would stop:
+/// the registration loop's own path is unchanged.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn register_past_orphan(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    host: &mut Option<HostTier>,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+) -> Option<ChainTip> {
+    if !ix.is_live(parent) || pages.entry(p) != 0 {
+        return None;
+    }
+    loop {
+        let (i, _) = ix.child_of(parent, h)?;
+        if !ix.is_orphan_of(i, ix.page_tokens(p), salt) {
+            return None;
+        }
+        drop_orphan(ix, pages, events, host, i);
+        if let Some(tip) = register_page(ix, pages, events, host, p, first, h, parent, salt) {
+            return Some(tip);
+        }
     }
 }
 

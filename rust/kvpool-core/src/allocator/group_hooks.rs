@@ -311,8 +311,22 @@ impl SlotAllocator {
                 host,
                 ..
             } = self;
-            match super::cache::register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt)
-            {
+            let next =
+                super::cache::register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt)
+                    .or_else(|| {
+                        super::cache::register_past_orphan(
+                            prefix,
+                            pages,
+                            events,
+                            host,
+                            p,
+                            k == 0,
+                            h,
+                            &tip,
+                            salt,
+                        )
+                    });
+            match next {
                 Some(next) => tip = next,
                 None => {
                     broken = true;

@@ -33,6 +33,7 @@ pub(crate) mod group_hooks;
 mod grow;
 mod open;
 pub(crate) mod options;
+mod orphans;
 mod prefix;
 mod prefix_host;
 pub(crate) mod prefix_transfer;

@@ -201,6 +201,18 @@ impl HostTier {
         e
     }
 
+    /// Host page `h` stops holding its entry's copy (the entry leaves the
+    /// index): a CACHED page leaves the eviction list FREE; a held one goes
+    /// FREE when its last holder lets it go (`release`).
+    pub(crate) fn drop_copy(&mut self, h: u32) {
+        self.take_entry(h);
+        if self.records[h as usize].holders == 0 {
+            self.eviction.remove_run(&mut self.records, h, h, 1);
+            self.records[h as usize].links = Default::default();
+            self.free.push(h);
+        }
+    }
+
     /// Clears `h`'s registration if it is `entry`; returns whether it was.
     pub(crate) fn clear_entry_if(&mut self, h: u32, entry: u32) -> bool {
         match self.records.get(h as usize) {

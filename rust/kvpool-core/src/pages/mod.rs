@@ -321,6 +321,20 @@ impl PagePool {
         entry
     }
 
+    /// Evicts CACHED page `q` out of turn: it leaves its eviction list
+    /// (pinned or not) with its priority, and goes FREE. Returns its
+    /// registration (index + 1), which the caller drops from the index.
+    #[cold]
+    pub(crate) fn evict_cached(&mut self, q: u32) -> u32 {
+        debug_assert!(self.records[q as usize].is_unheld() && self.is_registered(q));
+        self.eviction.remove_run(&mut self.records, q, q, 1);
+        // Off its list now, as a held page is: its priority ends the same way.
+        self.unregister_held(q);
+        let entry = self.take_entry(q);
+        self.free_evicted(q);
+        entry
+    }
+
     /// Clears `p`'s registration if it is `entry`; returns whether it was.
     #[inline]
     pub(crate) fn clear_entry_if(&mut self, p: u32, entry: u32) -> bool {

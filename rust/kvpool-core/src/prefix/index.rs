@@ -38,6 +38,13 @@
 //! (CACHED), the new page becomes the entry's copy and the old one goes
 //! FREE (`allocator/cache.rs`): kept, the unheld copy would be evicted
 //! first, taking the entry, while the request still holds the content.
+//!
+//! Orphans: an entry whose parent registration is gone (`links.rs`) can
+//! no longer be hit, but keeps its key. When `cache()` finds one under a
+//! page's key with the page's content and salt, the orphan leaves the
+//! index (as an eviction takes it) and the page is registered in its
+//! place under the current parent (`allocator/orphans.rs`). An entry whose
+//! parent is live but not the page's parent stops the chain (a collision).
 
 use super::hashing::ChainHasher;
 use super::key_table::KeyTable;

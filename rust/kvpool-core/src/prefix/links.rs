@@ -22,7 +22,8 @@
 //! **Orphans.** A live entry whose parent registration is gone (evicted
 //! while the child stayed, e.g. at a higher retention priority) can only
 //! be found by key, and may still hold the key a new registration of the
-//! same content would need. Each entry counts its live children, so the
+//! same content would need (a registration of that content replaces it,
+//! `allocator/orphans.rs`). Each entry counts its live children, so the
 //! index knows how many orphans exist; while there is one, registrations
 //! probe the table as before.
 //!
@@ -98,6 +99,19 @@ impl PrefixIndex {
         let p = self.idents[i as usize].parent.checked_sub(1)?;
         let pe = self.entries.get(p as usize)?;
         (pe.reg == reg && pe.parent_reg != DEAD).then_some(p)
+    }
+
+    /// Whether live entry `i` is an orphan (its parent registration is
+    /// gone) of the same content as a page of `tokens` under `salt`: a
+    /// page recomputing that content replaces it (`allocator/orphans.rs`).
+    /// An entry whose parent is live, or that is a chain's first page, is
+    /// not one.
+    pub(crate) fn is_orphan_of(&self, i: u32, tokens: &[i32], salt: i64) -> bool {
+        let e = &self.entries[i as usize];
+        e.parent_reg != 0
+            && self.live_parent(i).is_none()
+            && self.idents[i as usize].salt == salt
+            && (self.skip_verify || self.holds(e, tokens))
     }
 
     /// Counts live entry `i` as a child of `tip` (its new parent), or as an

@@ -138,6 +138,8 @@ pub struct Model {
     pub dropped: usize,
     /// Duplicates that took over an unheld copy's registration.
     pub taken_over: usize,
+    /// Orphans replaced by a recomputed page of the same content.
+    pub orphans_replaced: usize,
     /// Slots ever queued for copying.
     pub queued: usize,
     pub hit: u64,
@@ -168,6 +170,7 @@ impl Model {
             holding: 0,
             dropped: 0,
             taken_over: 0,
+            orphans_replaced: 0,
             queued: 0,
             hit: 0,
             miss: 0,

@@ -33,7 +33,15 @@ impl Model {
             }
             let p = req.pages[k];
             let key = (req.salt, req.known()[..(k + 1) * self.ps].to_vec());
-            let reg = match self.find(&key) {
+            let mut found = self.find(&key);
+            if let Some(e) = &found {
+                if e.dev != Some(p) && !self.is_registered(p) && !self.parent_live(e.reg) {
+                    // An orphan of this content gives way to this page.
+                    self.drop_orphan(e.reg);
+                    found = None;
+                }
+            }
+            let reg = match found {
                 None if !self.is_registered(p) => {
                     let reg = self.next_reg;
                     self.next_reg += 1;
@@ -91,6 +99,28 @@ impl Model {
         if k > from && self.writes_through() {
             self.write_through(r, from, k);
         }
+    }
+
+    /// Orphan `reg` leaves the index with its copies: an unheld device copy
+    /// goes FREE (a held one stays with its holders, unregistered), its
+    /// priority ends, and its host copy goes FREE once nobody holds it.
+    fn drop_orphan(&mut self, reg: u64) {
+        let e = self.reg.remove(&reg).unwrap();
+        if let Some(q) = e.dev {
+            self.prio.remove(&q);
+            if self.holders(q) == 0 {
+                self.lru.retain(|&x| x != q);
+                self.free.push(q);
+            }
+        }
+        if let Some(h) = e.host {
+            if self.host_holders(h) == 0 {
+                let t = self.tier.as_mut().unwrap();
+                t.lru.retain(|&x| x != h);
+                t.free.push(h);
+            }
+        }
+        self.orphans_replaced += 1;
     }
 
     /// Entry `reg`'s device copy moves from CACHED page `q` to page `p`;

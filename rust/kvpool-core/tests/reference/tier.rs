@@ -104,7 +104,7 @@ impl Model {
         }
     }
 
-    fn parent_live(&self, reg: u64) -> bool {
+    pub(crate) fn parent_live(&self, reg: u64) -> bool {
         let p = self.reg[&reg].parent_reg;
         p == 0 || self.reg.contains_key(&p)
     }

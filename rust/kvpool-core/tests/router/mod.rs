@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use kvpool_core::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED};
+use kvpool_core::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_HOST};
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 pub struct Router {
@@ -20,11 +20,12 @@ pub struct Router {
 }
 
 /// The chain's value before its first page (`hashing::root`).
-fn root(salt: i64) -> u128 {
+pub fn root(salt: i64) -> u128 {
     (0x6b76_706f_6f6c_0001u128 << 64) | salt as u64 as u128
 }
 
-fn chain_hash(seed: u64, parent: u128, ids: &[i32]) -> u128 {
+/// The chain hash of a page of token ids `ids` under `parent`.
+pub fn chain_hash(seed: u64, parent: u128, ids: &[i32]) -> u128 {
     let mut bytes = parent.to_le_bytes().to_vec();
     for t in ids {
         bytes.extend_from_slice(&t.to_le_bytes());
@@ -42,8 +43,25 @@ impl Router {
     }
 
     /// Pages of `medium` the router believes registered.
+    #[allow(dead_code)]
     pub fn len(&self, medium: u8) -> usize {
         self.pages.keys().filter(|k| k.0 == medium).count()
+    }
+
+    /// Every registered hash: its device page, if it has a device copy,
+    /// and whether it has a host copy.
+    #[allow(dead_code)]
+    pub fn registered(&self) -> HashMap<u128, (Option<i32>, bool)> {
+        let mut out: HashMap<u128, (Option<i32>, bool)> = HashMap::new();
+        for (&(medium, page), &h) in &self.pages {
+            let e = out.entry(h).or_default();
+            if medium == MEDIUM_HOST {
+                e.1 = true;
+            } else {
+                e.0 = Some(page);
+            }
+        }
+        out
     }
 
     pub fn apply(&mut self, e: &Events) -> Result<(), String> {
