@@ -56,10 +56,16 @@ impl SlotAllocator {
     /// Gives entry `i` (on device page `p`) a host copy: a host page taken
     /// for it, `p`'s token ids, a queued offload `p -> h` and a Stored
     /// event for the host. None (nothing changed but the host pages an
-    /// attempt evicted) when the entry's parent is gone or no host page
-    /// can be had.
+    /// attempt evicted) when the entry's parent is gone, `p` still has a
+    /// load queued into it, or no host page can be had.
     pub(super) fn new_host_copy(&mut self, i: u32, p: u32) -> Option<u32> {
         self.prefix.parent_hash(i)?;
+        // The queued offloads run before the loads: an offload of `p` now
+        // would copy what `p` held before its load (a request swapped back
+        // in, cached or evicted before the queues are drained).
+        if self.host.as_ref()?.is_load_destination(p) {
+            return None;
+        }
         let h = self.take_host_page()?;
         // Taking the page may have evicted the parent's only copy.
         let Some(parent) = self.prefix.parent_hash(i) else {
