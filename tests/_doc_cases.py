@@ -63,7 +63,9 @@ assert kvpool.cuda_graph.default_buckets(256)[-1] == 256
 assert np.array_equal(lens, [6, 18, 3])
 expect = model(token_ids, torch.as_tensor(lens - 1), torch.as_tensor(pool.rows(handles)), step.out_cache_loc,
                torch.as_tensor(lens))
-assert torch.allclose(logits, expect)
+# Same math, other batch shapes (the runner pads to its bucket): BLAS may sum in another
+# order, so equal up to float32 rounding at the logits' scale, not bit for bit.
+assert torch.allclose(logits, expect, rtol=1e-5, atol=1e-6 * float(expect.abs().max()))
 # Host inputs are checked first: out_cache_loc below num_slots, every value within int64.
 with pytest.raises(kvpool.SlotRangeError):
     runner.run(token_ids, lens - 1, pool.rows(handles), np.array([16, 17, pool.num_slots]), lens)
