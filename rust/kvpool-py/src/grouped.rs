@@ -292,6 +292,9 @@ impl PyGroupedAllocator {
     ) -> Result<Bound<'py, PyList>> {
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
+        // Before the tables: converting handles can run Python code (an
+        // `__index__`), which could make a checked table read-only.
+        let h = int_arg(py, handles, "handles")?.into_vec();
         let t = tables_arg(
             py,
             tables,
@@ -299,7 +302,6 @@ impl PyGroupedAllocator {
             self.max_requests,
             self.max_context_len,
         )?;
-        let h = int_arg(py, handles, "handles")?.into_vec();
         // The results are allocated first: a MemoryError once the requests
         // grew would lose their slots.
         let ctx = self.max_context_len;
