@@ -72,3 +72,63 @@ def test_grouped_extend_checks_tables_after_python_code_ran():
     assert not table.any()
     assert g.length(h) == 0
     g.check()
+
+
+def test_grouped_take_copies_loses_nothing_to_a_memory_error():
+    # GroupedAllocator.take_copies drained the queue, then built its arrays:
+    # a MemoryError there lost every copy (their destination pages would
+    # keep whatever they held), and a failed Vec in the drain aborted the
+    # process. The arrays now exist before the drain.
+    from test_result_memory_errors import run_cases
+
+    got = run_cases(
+        """
+        case("grouped take_copies")
+        ps = 1 << 10
+        g = core.GroupedAllocator([{"kind": "full", "num_pages": 1100, "page_size": ps}], 1100, 2 * ps)
+        parent = g.open(1)
+        g.extend(parent, ps - 1)  # a partly filled page, shared by the forks
+        kids = g.fork(parent[0], 1024)
+        g.extend(kids, 1)  # each kid copies the shared page: 1024 * 1023 copies
+        queued = g.pending_copies(0)
+        r = outcome(lambda: g.take_copies(0), 4 * MiB)  # 8 MiB per array
+        after = g.pending_copies(0)
+        src, dst = g.take_copies(0)
+        want_src = np.tile(g.slots(parent[0], 0), len(kids))
+        want_dst = np.concatenate([g.slots(k, 0)[: ps - 1] for k in kids])
+        g.check()
+        result((r, queued, after, g.pending_copies(0), bool((src == want_src).all()), bool((dst == want_dst).all())))
+        """
+    )
+    assert got == {"grouped take_copies": ("MemoryError", 1024 * 1023, 1024 * 1023, 0, True, True)}
+
+
+def test_grouped_take_events_loses_nothing_to_a_memory_error():
+    # GroupedAllocator.take_events drained the events, then built the dict:
+    # a MemoryError there lost them (a router then never hears of 4096
+    # cached pages). They are kept and returned by the next call.
+    from test_result_memory_errors import run_cases
+
+    got = run_cases(
+        """
+        case("grouped take_events")
+        ps, n = 1 << 10, 1 << 22
+        g = core.GroupedAllocator([{"kind": "full", "num_pages": (n // ps) + 1, "page_size": ps}], 2, n)
+        h = g.open(1)
+        tokens = np.arange(n, dtype=np.int32) % 30000
+        g.extend(h, n, tokens=tokens)
+        pages = g.pages(h[0], 0)
+        g.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
+        r = outcome(g.take_events, 16 * MiB + 4 * MiB)
+        e = g.take_events()
+        result((
+            r,
+            e["kind"].tolist() == [0] * (n // ps),
+            np.array_equal(e["page"], pages),
+            np.array_equal(e["token_ids"], tokens),
+            g.take_events()["kind"].size,
+        ))
+        g.check()
+        """
+    )
+    assert got == {"grouped take_events": ("MemoryError", True, True, True, 0)}

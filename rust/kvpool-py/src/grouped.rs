@@ -49,6 +49,8 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 #[pyclass(name = "GroupedAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct PyGroupedAllocator {
     inner: Mutex<GroupedAllocator>,
+    /// Events take_events drained but could not return (see SlotAllocator's).
+    pub(crate) undelivered: Mutex<Option<kvpool_core::Events>>,
     /// Number of layer groups.
     #[pyo3(get)]
     num_groups: usize,
@@ -174,6 +176,7 @@ impl PyGroupedAllocator {
             hit_step: core.hit_step(),
             specs,
             inner: Mutex::new(core),
+            undelivered: Mutex::new(None),
         })
     }
 
