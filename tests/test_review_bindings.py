@@ -11,9 +11,13 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvpool import GroupedAllocator, InvalidArgumentError
+from kvpool import GroupedAllocator, InvalidArgumentError, SlotAllocator
 
 PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+
+
+def kvpool_allocator() -> SlotAllocator:
+    return SlotAllocator(64, 4, 8, 64, hash_seed=1)
 
 
 def run_child(code: str) -> subprocess.CompletedProcess:
@@ -132,3 +136,30 @@ def test_grouped_take_events_loses_nothing_to_a_memory_error():
         """
     )
     assert got == {"grouped take_events": ("MemoryError", True, True, True, 0)}
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    buf = np.zeros(a.nbytes + 1, np.uint8)
+    m = buf[1:].view(a.dtype)
+    m[:] = a
+    assert not m.flags.aligned
+    return m
+
+
+def test_chain_hashes_read_from_a_misaligned_array():
+    # match/open_with_chain_hashes read `hashes` through numpy's ndarray
+    # view, which forms a reference per item: on a misaligned array (a view
+    # at an odd offset of a received buffer) that is UB in Rust (release
+    # builds happened to read the right words). Such an array is copied.
+    a = kvpool_allocator()
+    h, _ = a.open_with_prefix(list(range(1, 30)), [29])
+    a.extend(h, 29)
+    a.cache(h)
+    hashes, tokens, salt = a.chain_hashes(int(h[0]))
+    for words in (hashes, hashes.view(np.int64)):
+        m = _misaligned(words)
+        assert a.match_chain_hashes(m, tokens, salt) == len(hashes) // 2
+        h2, n = a.open_with_chain_hashes(m, tokens, salt)
+        assert n == 28
+        a.close([h2])
+    a.check()
