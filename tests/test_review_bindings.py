@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 
 from kvpool import GroupedAllocator, InvalidArgumentError, SlotAllocator
+from kvpool._core import encode_kv_events
 
 PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
@@ -163,3 +165,40 @@ def test_chain_hashes_read_from_a_misaligned_array():
         assert n == 28
         a.close([h2])
     a.check()
+
+
+def test_encode_kv_events_of_a_big_batch_reads_arrays_another_thread_rewrites_once():
+    # A batch past 4096 events is encoded with the GIL released; it read the
+    # caller's arrays in place meanwhile, so a thread rewriting them (here
+    # whole-array swaps through a memoryview, each done with the GIL held)
+    # produced payloads mixing old and new hashes. It now encodes a copy
+    # taken with the GIL held: the payload is of one version or the other.
+    n = 1 << 16
+    old = np.arange(n, dtype=np.uint64)
+    new = old[::-1].copy()
+    zeros = np.zeros(n, np.uint64)
+    events = {
+        "kind": np.ones(n, np.uint8),  # Removed: one BlockRemoved of n hashes
+        "hash_hi": zeros, "hash_lo": old.copy(), "parent_hi": zeros, "parent_lo": zeros,
+        "num_tokens": np.zeros(n, np.int32), "salt": np.zeros(n, np.int64),
+        "token_ids": np.zeros(0, np.int32),
+    }
+    versions = {encode_kv_events({**events, "hash_lo": v}, 1.0)[0] for v in (old, new)}
+    view = memoryview(events["hash_lo"]).cast("B")
+    old_bytes, new_bytes = old.tobytes(), new.tobytes()
+    stop = threading.Event()
+
+    def rewrite():
+        while not stop.is_set():
+            view[:] = new_bytes
+            view[:] = old_bytes
+
+    writer = threading.Thread(target=rewrite, daemon=True)
+    writer.start()
+    try:
+        mixed = sum(encode_kv_events(events, 1.0)[0] not in versions for _ in range(200))
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert not writer.is_alive()
+    assert mixed == 0
