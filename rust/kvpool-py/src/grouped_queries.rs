@@ -74,7 +74,10 @@ impl PyGroupedAllocator {
             Some(e) => e,
             None => self.run(py, |c| c.take_events()),
         };
-        crate::events::events_dict(py, &e).inspect_err(|_| *kept = Some(e))
+        crate::events::events_dict(py, &e).map_err(|err| {
+            *kept = Some(e);
+            err
+        })
     }
 
     /// free_pages(group) -> int
