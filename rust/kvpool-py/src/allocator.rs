@@ -100,24 +100,13 @@ impl PySlotAllocator {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The events a failed drain kept back, locked for a whole drain (take
-    /// them or the core's, build the result, keep them again if that
-    /// fails), so that concurrent drains neither reorder nor overwrite what
-    /// is kept. Waited for with the GIL released: the holder needs the GIL
-    /// to build its arrays.
+    /// The events a failed drain kept back, locked for a whole drain
+    /// (`events::lock_kept`).
     pub(crate) fn undelivered(
         &self,
         py: Python<'_>,
     ) -> MutexGuard<'_, Option<kvpool_core::Events>> {
-        loop {
-            match self.undelivered.try_lock() {
-                Ok(guard) => return guard,
-                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
-                Err(TryLockError::WouldBlock) => py.detach(|| {
-                    drop(self.undelivered.lock());
-                }),
-            }
-        }
+        crate::events::lock_kept(py, &self.undelivered)
     }
 
     /// Runs a short query: like [`Self::run`] for small work (uncontended,

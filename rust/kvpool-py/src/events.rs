@@ -2,6 +2,8 @@
 //! carries) as one numpy array per field, and the count of events dropped
 //! from an undrained backlog.
 
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -26,6 +28,25 @@ pub(crate) fn events_dict<'py>(
     d.set_item("token_ids", to_numpy(py, &e.token_ids)?)?;
     d.set_item("medium", to_numpy(py, &e.medium)?)?;
     Ok(d)
+}
+
+/// Events a drain kept back, locked for a whole drain (take them or the
+/// core's, build the result, keep them again if that fails), so that
+/// concurrent drains neither reorder nor overwrite what is kept. Waited
+/// for with the GIL released: the holder needs the GIL to build its arrays.
+pub(crate) fn lock_kept<'a>(
+    py: Python<'_>,
+    kept: &'a Mutex<Option<kvpool_core::Events>>,
+) -> MutexGuard<'a, Option<kvpool_core::Events>> {
+    loop {
+        match kept.try_lock() {
+            Ok(guard) => return guard,
+            Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+            Err(TryLockError::WouldBlock) => py.detach(|| {
+                drop(kept.lock());
+            }),
+        }
+    }
 }
 
 impl PySlotAllocator {

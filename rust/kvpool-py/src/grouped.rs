@@ -49,6 +49,8 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 #[pyclass(name = "GroupedAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct PyGroupedAllocator {
     inner: Mutex<GroupedAllocator>,
+    /// Events take_events drained but could not return (see SlotAllocator's).
+    pub(crate) undelivered: Mutex<Option<kvpool_core::Events>>,
     /// Number of layer groups.
     #[pyo3(get)]
     num_groups: usize,
@@ -174,6 +176,7 @@ impl PyGroupedAllocator {
             hit_step: core.hit_step(),
             specs,
             inner: Mutex::new(core),
+            undelivered: Mutex::new(None),
         })
     }
 
@@ -292,6 +295,9 @@ impl PyGroupedAllocator {
     ) -> Result<Bound<'py, PyList>> {
         let c = int_arg(py, counts, "counts")?;
         let toks = tokens_arg(py, tokens)?;
+        // Before the tables: converting handles can run Python code (an
+        // `__index__`), which could make a checked table read-only.
+        let h = int_arg(py, handles, "handles")?.into_vec();
         let t = tables_arg(
             py,
             tables,
@@ -299,7 +305,6 @@ impl PyGroupedAllocator {
             self.max_requests,
             self.max_context_len,
         )?;
-        let h = int_arg(py, handles, "handles")?.into_vec();
         // The results are allocated first: a MemoryError once the requests
         // grew would lose their slots.
         let ctx = self.max_context_len;

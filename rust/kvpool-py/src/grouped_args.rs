@@ -190,7 +190,7 @@ pub(crate) fn slot_lists<'py>(py: Python<'py>, outs: &[Vec<i64>]) -> PyResult<Bo
 /// The validated tables as the core's views.
 ///
 /// # Safety
-/// As `Table::view`: the arrays stay alive (the call's arguments hold them)
+/// As `Table::view`: the arrays stay alive (each `Table` holds its own)
 /// and do not overlap (`tables_arg` checked).
 pub(crate) unsafe fn views(tables: &[Option<Table>]) -> Vec<Option<SlotTable<'_>>> {
     tables

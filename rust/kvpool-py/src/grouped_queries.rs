@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 use crate::convert::{int_arg, int_scalar};
 use crate::errors::Result;
 use crate::grouped::PyGroupedAllocator;
-use crate::output::{to_numpy, Arr};
+use crate::output::{filled, new_uninit, to_numpy, Arr};
 use crate::table::Table;
 
 type Triple<'py> = (Arr<'py, i32>, Arr<'py, i32>, Arr<'py, i32>);
@@ -67,8 +67,17 @@ impl PyGroupedAllocator {
     /// pages (a sliding window's, a state checkpoint), which they do not
     /// report.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let e = self.run(py, |c| c.take_events());
-        crate::events::events_dict(py, &e)
+        // As SlotAllocator.take_events: events drained by a call whose
+        // arrays could not be allocated are kept and come first.
+        let mut kept = crate::events::lock_kept(py, &self.undelivered);
+        let e = match kept.take() {
+            Some(e) => e,
+            None => self.run(py, |c| c.take_events()),
+        };
+        crate::events::events_dict(py, &e).map_err(|err| {
+            *kept = Some(e);
+            err
+        })
     }
 
     /// free_pages(group) -> int
@@ -346,8 +355,25 @@ impl PyGroupedAllocator {
         group: &Bound<'py, PyAny>,
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         let g = self.group_arg(py, group)?;
-        let (s, d) = self.run(py, |c| c.take_copies(g))?;
-        Ok((to_numpy(py, &s)?, to_numpy(py, &d)?))
+        // The arrays exist before the queue is drained, so a MemoryError
+        // leaves every copy queued (as SlotAllocator.take_copies). Another
+        // thread may queue copies between the count and the drain: then
+        // count again.
+        loop {
+            let n = self.run(py, |c| c.pending_copies(g))?;
+            let (src, src_buf) = new_uninit::<i64>(py, n)?;
+            let (dst, dst_buf) = new_uninit::<i64>(py, n)?;
+            let taken = self.run(py, |c| -> kvpool_core::Result<_> {
+                if c.pending_copies(g)? != n {
+                    return Ok(None);
+                }
+                c.take_copies(g).map(Some)
+            })?;
+            if let Some((s, d)) = taken {
+                // `filled` copies into the arrays made for them (n each).
+                return Ok((filled(py, src, src_buf, &s)?, filled(py, dst, dst_buf, &d)?));
+            }
+        }
     }
 
     /// pending_copies(group) -> int

@@ -151,6 +151,9 @@ pub fn encode_kv_events<'py>(
             ));
         }
     }
+    // Before any slice is taken: converting them can run Python code.
+    let medium = optional(py, events, "medium", n)?;
+    let group = optional(py, events, "group_idx", n)?;
     let a = Arrays {
         kind: slice(py, &kind, "kind")?,
         hash_hi: slice(py, &hash_hi, "hash_hi")?,
@@ -160,11 +163,52 @@ pub fn encode_kv_events<'py>(
         num_tokens: slice(py, &num_tokens, "num_tokens")?,
         salt: slice(py, &salt, "salt")?,
         token_ids: slice(py, &token_ids, "token_ids")?,
-        medium: optional(py, events, "medium", n)?,
-        group: optional(py, events, "group_idx", n)?,
+        medium,
+        group,
         int_hashes: int_block_hashes.0,
     };
+    if n <= DETACH_EVENTS {
+        return finish(py, &a, ts, data_parallel_rank);
+    }
+    // A batch this big is encoded with the GIL released (`finish`): from
+    // copies taken now, since another thread may write the caller's arrays
+    // meanwhile (a payload read from arrays being rewritten mixed old and
+    // new hashes).
+    let copies = (
+        owned(a.kind)?,
+        owned(a.hash_hi)?,
+        owned(a.hash_lo)?,
+        owned(a.parent_hi)?,
+        owned(a.parent_lo)?,
+        owned(a.num_tokens)?,
+        owned(a.salt)?,
+        owned(a.token_ids)?,
+    );
+    let a = Arrays {
+        kind: &copies.0,
+        hash_hi: &copies.1,
+        hash_lo: &copies.2,
+        parent_hi: &copies.3,
+        parent_lo: &copies.4,
+        num_tokens: &copies.5,
+        salt: &copies.6,
+        token_ids: &copies.7,
+        ..a
+    };
     finish(py, &a, ts, data_parallel_rank)
+}
+
+/// A copy of a caller's array, or MemoryError.
+fn owned<T: Copy>(s: &[T]) -> PyResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(s.len()).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {} values to copy an events array into",
+            s.len()
+        ))
+    })?;
+    v.extend_from_slice(s);
+    Ok(v)
 }
 
 /// A batch's `ts` (a number of seconds, not a bool) and optional
@@ -192,7 +236,8 @@ fn finish<'py>(
     // A step's few hundred events encode in microseconds: releasing the GIL
     // for them let a waiting thread (the publisher's sender) take it, and
     // this call then waited for it. Big batches (a backlog that overflowed
-    // is up to 64K events) release it; the arrays stay borrowed meanwhile.
+    // is up to 64K events) release it: `a` must then be the call's own
+    // memory, which no other thread can write (encode_kv_events copies).
     let encoded = if a.kind.len() > DETACH_EVENTS {
         py.detach(|| batch(a, ts, data_parallel_rank))
     } else {

@@ -32,6 +32,17 @@ fn fill(
 /// 128-bit hash, interleaved. An int64 array of the same bits is accepted too
 /// (what a torch.distributed message carries).
 fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+    // A misaligned array (a view at an odd byte offset, e.g. of a received
+    // message's buffer) is read from an aligned copy: `as_array` forms a
+    // reference to every item, and a misaligned one is UB in Rust.
+    let copy;
+    let obj = match obj.cast::<numpy::PyUntypedArray>() {
+        Ok(a) if !numpy::PyUntypedArrayMethods::is_aligned(a) => {
+            copy = a.call_method0("copy")?;
+            &copy
+        }
+        _ => obj,
+    };
     let words = if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, u64>>() {
         collect(a.as_array().iter().copied())?
     } else if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'_, i64>>() {

@@ -12,6 +12,11 @@ use kvpool_core::SlotTable;
 
 /// A validated raw view of the table. Sent into the GIL-free section.
 pub struct Table {
+    /// The array itself, so that its buffer outlives every write: a
+    /// `tables=` list only borrows its tables, and Python code run after
+    /// the check (an argument's `__index__`, a finalizer) can empty it.
+    /// The reference also makes numpy refuse to `resize` the array.
+    _owner: Py<PyAny>,
     ptr: *mut i32,
     /// Elements from one row to the next: the column count, or more for a
     /// view of a wider array (a padded row stride, see `KVPool`).
@@ -20,8 +25,8 @@ pub struct Table {
     len: usize,
 }
 
-// SAFETY: the pointer targets a numpy buffer kept alive by the caller's
-// reference for the whole call; it is only written under the allocator lock,
+// SAFETY: the pointer targets a numpy buffer kept alive by `_owner` for
+// as long as the Table; it is only written under the allocator lock,
 // at rows owned by the requests being extended.
 unsafe impl Send for Table {}
 // SAFETY: as above; the GIL-free closure only reads the pointer value.
@@ -90,6 +95,7 @@ impl Table {
         let data = unsafe { (*_PyArray_GET_ITEM_DATA(a.as_array_ptr())).data } as *mut i32;
         let row_stride = (strides[0] / item) as usize;
         Ok(Self {
+            _owner: a.clone().into_any().unbind(),
             ptr: data,
             row_stride,
             len: shape[0].saturating_sub(1) * row_stride + shape[1],
@@ -107,10 +113,10 @@ impl Table {
     /// given here).
     ///
     /// # Safety
-    /// `self` must come from `validate` on an array still alive (the caller
-    /// holds a reference to it) for as long as the view is used, and
-    /// nothing else may access the buffer meanwhile (it is only written
-    /// under the allocator lock, at rows of the requests being extended).
+    /// `self` must come from `validate` (its `_owner` keeps the array
+    /// alive), and nothing else may access the buffer meanwhile (it is only
+    /// written under the allocator lock, at rows of the requests being
+    /// extended).
     pub unsafe fn view(&self) -> SlotTable<'_> {
         SlotTable::new(
             std::slice::from_raw_parts_mut(self.ptr, self.len),

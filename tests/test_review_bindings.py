@@ -1,0 +1,204 @@
+"""Memory-safety and atomicity findings of a review of the bindings: each
+case is a reproducer that failed (or crashed the interpreter) before its
+fix. Cases that could crash run in a child process, so that a crash fails
+the test instead of killing pytest."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from kvpool import GroupedAllocator, InvalidArgumentError, SlotAllocator
+from kvpool._core import encode_kv_events
+
+PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+
+
+def kvpool_allocator() -> SlotAllocator:
+    return SlotAllocator(64, 4, 8, 64, hash_seed=1)
+
+
+def run_child(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# `tables=` may be any iterable; the tables it yields were kept alive only
+# while the list of them was being checked. A generator's fresh arrays (or
+# those of an exhausted iterator over a temporary list) were freed before
+# extend wrote into them: slots went into freed memory (a segfault here: a
+# 2 MiB table is its own mapping, unmapped when freed).
+GROUPED_TABLES_FREED = """
+    import numpy as np
+    from kvpool import GroupedAllocator
+    R, L = 64, 8192
+    g = GroupedAllocator([{"kind": "full", "num_pages": 4096, "page_size": 1}], R, L)
+    h = int(g.open(1)[0])
+    for tables in [
+        (np.zeros((R, L), np.int32) for _ in range(1)),
+        iter([np.zeros((R, L), np.int32)]),
+    ]:
+        out = g.extend([h], [1000], tables=tables)
+        print("slots:", len(out[0]))
+        g.check()
+"""
+
+
+def test_grouped_extend_keeps_tables_alive_while_it_writes_them():
+    r = run_child(GROUPED_TABLES_FREED)
+    assert r.returncode == 0, f"child died ({r.returncode}): {r.stderr[-2000:]}"
+    assert r.stdout.count("slots: 1000") == 2
+
+
+def test_grouped_extend_checks_tables_after_python_code_ran():
+    # A table made read-only while `handles` is converted is refused, not
+    # written (the check runs after every conversion that can run Python).
+    g = GroupedAllocator([{"kind": "full", "num_pages": 64, "page_size": 1}], 4, 16)
+    h = int(g.open(1)[0])
+    table = np.zeros((4, 16), np.int32)
+
+    class Handle:
+        def __index__(self):
+            table.flags.writeable = False
+            return h
+
+    with pytest.raises(InvalidArgumentError, match="not writable"):
+        g.extend([Handle()], [3], tables=[table])
+    assert not table.any()
+    assert g.length(h) == 0
+    g.check()
+
+
+def test_grouped_take_copies_loses_nothing_to_a_memory_error():
+    # GroupedAllocator.take_copies drained the queue, then built its arrays:
+    # a MemoryError there lost every copy (their destination pages would
+    # keep whatever they held), and a failed Vec in the drain aborted the
+    # process. The arrays now exist before the drain.
+    from test_result_memory_errors import run_cases
+
+    got = run_cases(
+        """
+        case("grouped take_copies")
+        ps = 1 << 10
+        g = core.GroupedAllocator([{"kind": "full", "num_pages": 1100, "page_size": ps}], 1100, 2 * ps)
+        parent = g.open(1)
+        g.extend(parent, ps - 1)  # a partly filled page, shared by the forks
+        kids = g.fork(parent[0], 1024)
+        g.extend(kids, 1)  # each kid copies the shared page: 1024 * 1023 copies
+        queued = g.pending_copies(0)
+        r = outcome(lambda: g.take_copies(0), 4 * MiB)  # 8 MiB per array
+        after = g.pending_copies(0)
+        src, dst = g.take_copies(0)
+        want_src = np.tile(g.slots(parent[0], 0), len(kids))
+        want_dst = np.concatenate([g.slots(k, 0)[: ps - 1] for k in kids])
+        g.check()
+        result((r, queued, after, g.pending_copies(0), bool((src == want_src).all()), bool((dst == want_dst).all())))
+        """
+    )
+    assert got == {"grouped take_copies": ("MemoryError", 1024 * 1023, 1024 * 1023, 0, True, True)}
+
+
+def test_grouped_take_events_loses_nothing_to_a_memory_error():
+    # GroupedAllocator.take_events drained the events, then built the dict:
+    # a MemoryError there lost them (a router then never hears of 4096
+    # cached pages). They are kept and returned by the next call.
+    from test_result_memory_errors import run_cases
+
+    got = run_cases(
+        """
+        case("grouped take_events")
+        ps, n = 1 << 10, 1 << 22
+        g = core.GroupedAllocator([{"kind": "full", "num_pages": (n // ps) + 1, "page_size": ps}], 2, n)
+        h = g.open(1)
+        tokens = np.arange(n, dtype=np.int32) % 30000
+        g.extend(h, n, tokens=tokens)
+        pages = g.pages(h[0], 0)
+        g.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
+        r = outcome(g.take_events, 16 * MiB + 4 * MiB)
+        e = g.take_events()
+        result((
+            r,
+            e["kind"].tolist() == [0] * (n // ps),
+            np.array_equal(e["page"], pages),
+            np.array_equal(e["token_ids"], tokens),
+            g.take_events()["kind"].size,
+        ))
+        g.check()
+        """
+    )
+    assert got == {"grouped take_events": ("MemoryError", True, True, True, 0)}
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    buf = np.zeros(a.nbytes + 1, np.uint8)
+    m = buf[1:].view(a.dtype)
+    m[:] = a
+    assert not m.flags.aligned
+    return m
+
+
+def test_chain_hashes_read_from_a_misaligned_array():
+    # match/open_with_chain_hashes read `hashes` through numpy's ndarray
+    # view, which forms a reference per item: on a misaligned array (a view
+    # at an odd offset of a received buffer) that is UB in Rust (release
+    # builds happened to read the right words). Such an array is copied.
+    a = kvpool_allocator()
+    h, _ = a.open_with_prefix(list(range(1, 30)), [29])
+    a.extend(h, 29)
+    a.cache(h)
+    hashes, tokens, salt = a.chain_hashes(int(h[0]))
+    for words in (hashes, hashes.view(np.int64)):
+        m = _misaligned(words)
+        assert a.match_chain_hashes(m, tokens, salt) == len(hashes) // 2
+        h2, n = a.open_with_chain_hashes(m, tokens, salt)
+        assert n == 28
+        a.close([h2])
+    a.check()
+
+
+def test_encode_kv_events_of_a_big_batch_reads_arrays_another_thread_rewrites_once():
+    # A batch past 4096 events is encoded with the GIL released; it read the
+    # caller's arrays in place meanwhile, so a thread rewriting them (here
+    # whole-array swaps through a memoryview, each done with the GIL held)
+    # produced payloads mixing old and new hashes. It now encodes a copy
+    # taken with the GIL held: the payload is of one version or the other.
+    n = 1 << 16
+    old = np.arange(n, dtype=np.uint64)
+    new = old[::-1].copy()
+    zeros = np.zeros(n, np.uint64)
+    events = {
+        "kind": np.ones(n, np.uint8),  # Removed: one BlockRemoved of n hashes
+        "hash_hi": zeros, "hash_lo": old.copy(), "parent_hi": zeros, "parent_lo": zeros,
+        "num_tokens": np.zeros(n, np.int32), "salt": np.zeros(n, np.int64),
+        "token_ids": np.zeros(0, np.int32),
+    }
+    versions = {encode_kv_events({**events, "hash_lo": v}, 1.0)[0] for v in (old, new)}
+    view = memoryview(events["hash_lo"]).cast("B")
+    old_bytes, new_bytes = old.tobytes(), new.tobytes()
+    stop = threading.Event()
+
+    def rewrite():
+        while not stop.is_set():
+            view[:] = new_bytes
+            view[:] = old_bytes
+
+    writer = threading.Thread(target=rewrite, daemon=True)
+    writer.start()
+    try:
+        mixed = sum(encode_kv_events(events, 1.0)[0] not in versions for _ in range(200))
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert not writer.is_alive()
+    assert mixed == 0
