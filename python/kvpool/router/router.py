@@ -68,6 +68,9 @@ class StreamState:
     last_ts: float = float("-inf")  # ts of the last applied batch
 
 
+#: Most pools one router routes over.
+MAX_POOLS = 1 << 16
+
 # Applied batches remembered per stream for telling a duplicate from a restart
 # by payload; older numbers are told apart by their timestamp.
 _REMEMBERED = 1024
@@ -86,7 +89,7 @@ class Router:
     """Routes requests over ``num_pools`` pools by their cached prefixes.
 
     Args:
-        num_pools: pools, numbered 0 .. num_pools - 1.
+        num_pools: pools, numbered 0 .. num_pools - 1 (at most ``MAX_POOLS``, 65536).
         page_size: the pools' page size (all equal).
         hash_seed: the pools' hash_seed (all equal: a pool built with another
             seed names its pages with other hashes, and the first root page it
@@ -99,8 +102,12 @@ class Router:
 
     def __init__(self, num_pools: int, *, page_size: int, hash_seed: int, max_pending: int = 64,
                  medium: str = "GPU") -> None:
-        for name, value, low in (("num_pools", num_pools, 1), ("page_size", page_size, 1),
-                                 ("max_pending", max_pending, 0)):
+        # Checked before anything is sized by it: the router keeps a stream state and a
+        # load count per pool, so a huge count would exhaust memory instead of failing.
+        if not is_int(num_pools) or not 1 <= num_pools <= MAX_POOLS:
+            raise InvalidArgumentError(f"num_pools must be an int in [1, {MAX_POOLS}] (the pools routed over), "
+                                       f"got {num_pools!r}")
+        for name, value, low in (("page_size", page_size, 1), ("max_pending", max_pending, 0)):
             if not is_int(value) or value < low:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         if not is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
@@ -320,6 +327,10 @@ class Router:
         tokens = host_array("tokens", tokens)
         if tokens.ndim != 1:
             raise InvalidArgumentError(f"tokens must be one prompt's token ids (1-D), got shape {tokens.shape}")
+        if tokens.size and tokens.dtype.kind not in "iu":
+            # Checked at every length: a prompt shorter than a page would otherwise pass
+            # unchecked, and the same prompt a token longer be refused.
+            raise InvalidArgumentError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         cap = max(len(tokens) - 1, 0) // self.page_size
         if cap == 0:
             return [0] * self.num_pools
@@ -395,4 +406,4 @@ def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
     return out
 
 
-__all__ = ["Route", "Router", "StreamState"]
+__all__ = ["MAX_POOLS", "Route", "Router", "StreamState"]

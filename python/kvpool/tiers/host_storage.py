@@ -187,8 +187,10 @@ class HostStorage:
 
     def page(self, host_page: int) -> torch.Tensor:
         """Host page ``host_page`` as a ``[C, num_layers, P, H, D]`` view (no copy)."""
-        if isinstance(host_page, bool) or not 0 <= int(host_page) < self.host_pages:
-            raise InvalidArgumentError(f"host page {host_page!r} is out of range [0, {self.host_pages})")
+        # is_int, not int(): that would parse a str, truncate a float and take a 1-element array.
+        if not is_int(host_page) or not 0 <= host_page < self.host_pages:
+            raise InvalidArgumentError(f"host page {host_page!r} is out of range [0, {self.host_pages}): "
+                                       f"pass an int in it")
         return self.buffer[int(host_page)]
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
