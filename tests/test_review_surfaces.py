@@ -175,3 +175,30 @@ def test_a_publisher_of_a_hybrid_pool_reports_its_dropped_events():
     pool.cache(h)
     assert pub.publish() == 4
     assert pub.dropped_events == pool.allocator.dropped_events == 0
+
+
+# ----- HybridKVPool off the CPU -----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["x", None, [2**64], [[1], [2, 3]], "float"], ids=repr)
+def test_hybrid_extend_off_the_cpu_checks_handles_before_converting_them(bad):
+    """Off the CPU the pool scatters the new slots itself, converting the handles to int64
+    first: that conversion must not see handles the core has not checked (numpy's
+    ValueError / TypeError / OverflowError, or float handles rounded into other ones).
+    The CPU pool runs the same path with its numpy tables switched off."""
+    pool = kvpool.KVPool(4, 2, 8, layer_types=["sliding_attention", "full_attention", "linear_attention",
+                                               "sliding_attention"], sliding_window=8, state_shapes={"conv": (6, 4)},
+                         dtype=torch.float32, page_size=4, num_pages=64, max_requests=4, max_context_len=32)
+    pool._tables_np = None  # the path a CUDA pool takes
+    h = pool.open(2)
+    pool.extend(h, [5, 9])
+    if bad == "float":
+        bad = h.astype(np.float64)
+    before = ([pool.free_pages(layer) for layer in range(4) if layer != 2], pool.lengths(h).tolist(),
+              [t.clone() for t in pool._tables if t is not None])
+    with pytest.raises(InvalidArgumentError) as info:
+        pool.extend(bad, 1)
+    assert "handle" in str(info.value) and "more than once" not in str(info.value), str(info.value)
+    after = ([pool.free_pages(layer) for layer in range(4) if layer != 2], pool.lengths(h).tolist(),
+             [t.clone() for t in pool._tables if t is not None])
+    assert after[:2] == before[:2] and all(torch.equal(x, y) for x, y in zip(after[2], before[2]))
+    pool.check()
