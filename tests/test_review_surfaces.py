@@ -202,3 +202,39 @@ def test_hybrid_extend_off_the_cpu_checks_handles_before_converting_them(bad):
              [t.clone() for t in pool._tables if t is not None])
     assert after[:2] == before[:2] and all(torch.equal(x, y) for x, y in zip(after[2], before[2]))
     pool.check()
+
+
+# ----- ZMQ publisher and feed -----------------------------------------------------------------
+
+def test_zmq_publisher_socket_options_are_checked_before_anything_is_made():
+    pytest.importorskip("zmq")
+    from kvpool.events import ZmqEventPublisher
+
+    pool = kvpool.KVPool(2, 2, 4, num_pages=8, page_size=2)
+    with pytest.raises(InvalidArgumentError, match=r"hwm must be an int in \[0, 2147483647\]"):
+        ZmqEventPublisher(pool, "inproc://review-hwm", hwm=2**40)
+    with pytest.raises(InvalidArgumentError, match="context must be None or a zmq.Context"):
+        ZmqEventPublisher(pool, "inproc://review-ctx", context=object())
+    # Neither refusal kept the endpoint: it binds now.
+    ZmqEventPublisher(pool, "inproc://review-hwm", hwm=2**31 - 1).close()
+
+
+def test_zmq_feed_takes_a_router_and_timeouts_zmq_can_wait():
+    pytest.importorskip("zmq")
+    from kvpool.router import Router, ZmqFeed
+
+    with pytest.raises(InvalidArgumentError, match="router must be a kvpool.router.Router"):
+        ZmqFeed(None)
+    r = Router(2, page_size=2, hash_seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"replay_timeout_ms must be an int in \[0, 2147483647\]"):
+        ZmqFeed(r, replay_timeout_ms=2**40)
+    with pytest.raises(InvalidArgumentError, match=r"context must be None or a zmq.Context"):
+        ZmqFeed(r, context=object())
+    feed = ZmqFeed(r)
+    try:
+        for bad in ("x", 2**40, True, float("nan")):
+            with pytest.raises(InvalidArgumentError, match="timeout_ms"):
+                feed.poll(bad)
+        assert feed.poll(0) == feed.poll(1.5) == 0
+    finally:
+        feed.close()
