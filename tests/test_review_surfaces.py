@@ -238,3 +238,18 @@ def test_zmq_feed_takes_a_router_and_timeouts_zmq_can_wait():
         assert feed.poll(0) == feed.poll(1.5) == 0
     finally:
         feed.close()
+
+
+@pytest.mark.parametrize("kw", [dict(loads=np.array(1.0)), dict(loads=torch.tensor(1.0)), dict(eligible=np.array(True)),
+                                dict(loads={0: 5, 1: 0}), dict(eligible={0: False, 1: True}), dict(loads={5, 0})],
+                         ids=lambda kw: f"{next(iter(kw))}={next(iter(kw.values()))!r}")
+def test_route_per_pool_arguments_are_sequences(kw):
+    """A 0-d array has ``__len__`` but no length (TypeError), and a dict's keys are not its
+    loads (its values are): both are refused before the route is counted."""
+    from kvpool.router import Router
+
+    r = Router(2, page_size=2, hash_seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"sequence of 2 entries"):
+        r.route([1, 2, 3], **kw)
+    assert r.load == [0, 0]
+    assert r.route([1, 2, 3], loads=np.array([5.0, 0.0])).pool == 1

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -389,7 +389,9 @@ def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
     before any comparison so that a wrong value is named, not a numpy or torch
     truth-value error."""
     flags = each == "True or False"
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+    # A mapping iterates its keys, not its values; a 0-d array or tensor has __len__ but no length.
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__") \
+            or not hasattr(values, "__getitem__") or (hasattr(values, "ndim") and values.ndim == 0):
         raise InvalidArgumentError(f"{name} must be a sequence of {num_pools} entries ({each} per pool), "
                                    f"got {type(values).__name__}")
     if len(values) != num_pools:
