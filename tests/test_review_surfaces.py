@@ -253,3 +253,28 @@ def test_route_per_pool_arguments_are_sequences(kw):
         r.route([1, 2, 3], **kw)
     assert r.load == [0, 0]
     assert r.route([1, 2, 3], loads=np.array([5.0, 0.0])).pool == 1
+
+
+# ----- HybridKVPool construction and state -----------------------------------------------------
+
+HYBRID = dict(layer_types=["sliding_attention", "full_attention", "linear_attention", "sliding_attention"],
+              sliding_window=8, state_shapes={"conv": (6, 4)}, dtype=torch.float32, page_size=4, num_pages=64,
+              max_requests=4, max_context_len=32)
+
+
+@pytest.mark.parametrize("page_size", [{"moe": 4}, {"sliding": 2, "full_attention": 4},
+                                       {"full_attention": 4, "sliding_attention ": 2}], ids=repr)
+def test_a_page_size_dict_names_only_the_pools_layer_types(page_size):
+    """As group_pages: a key that is no layer type of the pool (a typo) was ignored, and
+    the group it meant got page size 1."""
+    with pytest.raises(InvalidArgumentError, match=r"page_size names .* not among layer_types"):
+        kvpool.KVPool(4, 2, 8, **(HYBRID | {"page_size": page_size}))
+    pool = kvpool.KVPool(4, 2, 8, **(HYBRID | {"page_size": {"sliding_attention": 2, "full_attention": 4}}))
+    assert pool.page_size_of(0) == 2 and pool.page_size_of(1) == 4
+
+
+@pytest.mark.parametrize("name", [["conv"], {"conv": 1}, None, 1], ids=repr)
+def test_state_takes_a_state_name(name):
+    pool = kvpool.KVPool(4, 2, 8, **HYBRID)
+    with pytest.raises(InvalidArgumentError, match=r"state_shapes has \['conv'\]"):
+        pool.state(2, name)
