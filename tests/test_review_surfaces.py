@@ -278,3 +278,21 @@ def test_state_takes_a_state_name(name):
     pool = kvpool.KVPool(4, 2, 8, **HYBRID)
     with pytest.raises(InvalidArgumentError, match=r"state_shapes has \['conv'\]"):
         pool.state(2, name)
+
+
+@pytest.mark.parametrize("args,name", [
+    (("2", 2, 2, 4, torch.float16), "num_layers"),      # was "2" * 64: a 64-character str
+    ((-2, 2, 2, 4, torch.float16), "num_layers"),       # was -128 bytes
+    ((2, 0, 2, 4, torch.float16), "page_size"),
+    ((2, 2, 2.5, 4, torch.float16), "heads"),
+    ((2, 2, 2, True, torch.float16), "head_dim"),
+    ((2, 2, 2, 4, "float16"), "dtype"),                 # was AttributeError
+    ((2, 2, 2, 4, None), "dtype"),
+    ((2, 2, 2, 4, torch.int64), "dtype"),
+], ids=repr)
+def test_host_page_bytes_checks_its_sizes(args, name):
+    from kvpool.tiers import host_page_bytes
+
+    with pytest.raises(InvalidArgumentError, match=name):
+        host_page_bytes(*args, mla=False)
+    assert host_page_bytes(2, 2, 2, 4, torch.float16, mla=False) == 2 * 2 * 2 * 2 * 4 * 2
