@@ -296,3 +296,38 @@ def test_host_page_bytes_checks_its_sizes(args, name):
     with pytest.raises(InvalidArgumentError, match=name):
         host_page_bytes(*args, mla=False)
     assert host_page_bytes(2, 2, 2, 4, torch.float16, mla=False) == 2 * 2 * 2 * 2 * 4 * 2
+
+
+def _router_messages(hash_seed: int) -> list[tuple[bytes, bytes, bytes]]:
+    from kvpool.events import LocalEventPublisher
+
+    pool = kvpool.KVPool(2, 2, 4, num_pages=16, page_size=2, hash_seed=hash_seed)
+    pub = LocalEventPublisher(pool)
+    for prompt in ([1, 2, 3, 4, 5], [7, 8, 9]):
+        h, _ = pool.open_with_prefix(prompt, [len(prompt)])
+        pool.extend(h, len(prompt))
+        pool.cache(h)
+        pub.publish()
+    return pub.drain()
+
+
+@pytest.mark.parametrize("bad", ["payload", "seq", "seed"])
+def test_feed_many_with_a_bad_message_after_good_ones_applies_none(bad):
+    from kvpool.router import Router
+
+    good = _router_messages(hash_seed=1)
+    # "seed": another pool's first batch under a number already applied (a restart), whose
+    # root is hashed with another seed: refused by the seed check, after good[0] applied.
+    topic, seq, payload = _router_messages(hash_seed=1 if bad != "seed" else 2)[1 if bad != "seed" else 0]
+    if bad == "payload":
+        payload = payload[:-3]
+    elif bad == "seq":
+        seq = seq[:4]
+    r = Router(1, page_size=2, hash_seed=1)
+    with pytest.raises(InvalidArgumentError):
+        r.feed_many(0, [good[0], (topic, seq, payload)])
+    st = r.streams[0]
+    assert (r.pages(0), st.next_seq, st.batches, st.checked_seed, len(r.index)) == (0, None, 0, False, 0)
+    assert r.feed_many(0, good) == 2 and r.pages(0) == 3
+    with pytest.raises(InvalidArgumentError, match="pool must be an int"):
+        r.feed_many(1, [])

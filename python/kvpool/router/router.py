@@ -142,17 +142,23 @@ class Router:
                 router would hash otherwise (another hash_seed or page_size);
                 the stream is left as it was.
         """
-        st = self._stream(pool)
+        self._stream(pool)
+        return self._feed(pool, *self._parse(pool, seq, payload))
+
+    def _parse(self, pool: int, seq: Any, payload: Any) -> tuple[int, Any, int]:
+        """(sequence number, decoded batch, payload digest); typed refusal, nothing changed."""
         if not isinstance(seq, (bytes, bytearray, memoryview)) or len(seq) != 8:
             raise InvalidArgumentError(
                 f"seq must be the 8-byte big-endian sequence frame the publisher sends, got {seq!r:.40}")
         s = int.from_bytes(seq, "big", signed=True)
-        # Decoded and checked before anything changes: a bad message leaves the stream as it was.
         try:
             batch = self._decode(payload)
         except self._not_a_batch as e:
             raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
-        digest = hash(bytes(payload))
+        return s, batch, hash(bytes(payload))
+
+    def _feed(self, pool: int, s: int, batch: Any, digest: int) -> int:
+        st = self.streams[pool]
         if st.next_seq is None or s >= st.next_seq:
             waiting = st.pending.get(s)
             restart = waiting is not None and waiting[1] != digest
@@ -183,8 +189,9 @@ class Router:
         return 1 + self._apply_ready(pool)
 
     def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
-        # Every message is checked for its shape before the first is fed, so a bad
-        # one leaves the router as it was.
+        """``feed`` each message in order, all or none: a refused one (malformed, or a root
+        page hashed otherwise) leaves the router as it was before the first."""
+        st = self._stream(pool)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
             raise InvalidArgumentError(f"messages must be an iterable of (topic, seq, payload) byte triples, "
                                        f"got {type(messages).__name__}")
@@ -193,7 +200,23 @@ class Router:
             if not isinstance(m, (tuple, list)) or len(m) != 3:
                 raise InvalidArgumentError(f"messages[{i}] must be a (topic, seq, payload) triple, as a publisher "
                                            f"sends, got {type(m).__name__} {m!r:.80}")
-        return sum(self.feed(pool, *m) for m in batch)
+        parsed = [self._parse(pool, m[1], m[2]) for m in batch]
+        # A root's seed check depends on the stream's state, so it can refuse a message
+        # after earlier ones applied: those are undone (the stream's state, the index's
+        # changes to this pool, the hash forms seen).
+        saved = (dataclasses.replace(st, pending=dict(st.pending), applied=OrderedDict(st.applied)),
+                 self._int_keys, self._bytes_keys)
+        self.index.journal = []
+        try:
+            return sum(self._feed(pool, *p) for p in parsed)
+        except BaseException:
+            self.index.undo(pool)
+            for f in dataclasses.fields(st):
+                setattr(st, f.name, getattr(saved[0], f.name))
+            self._int_keys, self._bytes_keys = saved[1:]
+            raise
+        finally:
+            self.index.journal = None
 
     def needs_replay(self, pool: int) -> int | None:
         """The first sequence number missing from ``pool``'s stream, or None."""
