@@ -286,7 +286,7 @@ class HybridKVPool(HybridRequestOps):
             LayerIndexError, InvalidArgumentError: not a state layer, or no such name.
         """
         g = self._state_group(layer)
-        if name not in self.state_shapes:
+        if not isinstance(name, str) or name not in self.state_shapes:  # a list is unhashable: TypeError
             raise InvalidArgumentError(f"no state named {name!r}; state_shapes has {sorted(self.state_shapes)}")
         states = self._states[g.index]
         assert states is not None

@@ -112,8 +112,10 @@ class HybridRequestOps:
             if self._tables_np is not None:
                 slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
             else:
+                # The core checks the handles first (typed): converted unchecked, a str or a
+                # ragged list is numpy's error, and float handles round into other ones.
+                starts = self.allocator.lengths(handles)
                 h = np.asarray(handles, dtype=np.int64).reshape(-1)
-                starts = self.allocator.lengths(h)
                 slots = self.allocator.extend(h, counts, tokens=tokens)
                 self._scatter(h, starts, np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape), slots)
                 self._null_released(h, starts)

@@ -105,9 +105,12 @@ def plan_groups(
         raise InvalidArgumentError(f"group_pages must be a dict {{layer type name: pages}}, "
                                    f"got {type(group_pages).__name__}")
     explicit = dict(group_pages or {})
-    for key in explicit:
-        if key not in types:
-            raise InvalidArgumentError(f"group_pages names {key!r}, which is not among layer_types {sorted(set(types))}")
+    # A key no layer has is a typo: ignored, the group it meant would get the default.
+    for what, keys in (("group_pages", explicit), ("page_size", page_size if isinstance(page_size, Mapping) else {})):
+        for key in keys:
+            if key not in types:
+                raise InvalidArgumentError(f"{what} names {key!r}, which is not among layer_types "
+                                           f"{sorted(set(types))}")
     window: int | None = None
     if "sliding_attention" in types:
         if sliding_window is None:

@@ -112,7 +112,8 @@ class EventPublisher:
     def dropped_events(self) -> int:
         """Events the pool dropped because its backlog overflowed (each overflow
         shows in the stream as an AllBlocksCleared)."""
-        return int(self.pool.dropped_events)
+        # The allocator's: a hybrid pool (layer_types) forwards no such counter itself.
+        return int(getattr(self.pool, "allocator", self.pool).dropped_events)
 
     def publish(self) -> int:
         """Drain the pool's events and send them as one ``KVEventBatch``.
@@ -146,7 +147,14 @@ class EventPublisher:
 
     def replay(self, start_seq: int) -> list[tuple[bytes, bytes, bytes]]:
         """The kept messages whose sequence number is >= ``start_seq``, oldest first
-        (what the ROUTER replay service sends, before its end marker)."""
+        (what the ROUTER replay service sends, before its end marker).
+
+        Raises:
+            InvalidArgumentError: ``start_seq`` is not an int.
+        """
+        if not is_int(start_seq):
+            raise InvalidArgumentError(f"start_seq must be an int (a sequence number, as next_seq), "
+                                       f"got {type(start_seq).__name__} {start_seq!r:.40}")
         with self._lock:
             return [(self.topic, b, p) for s, b, p in self._buffer if s >= start_seq]
 

@@ -23,6 +23,16 @@ from kvpool.extras import require
 
 zmq = require("zmq", "events", "kvpool.events.ZmqEventPublisher")
 
+#: Largest value of a ZMQ int option or timeout (a C int).
+ZMQ_INT_MAX = 2**31 - 1
+
+
+def check_context(context: Any) -> None:
+    """``context=``: None (the process-wide instance) or a zmq.Context, checked before
+    any socket is made (anything else fails at its first ``socket()``)."""
+    if context is not None and not isinstance(context, zmq.Context):
+        raise InvalidArgumentError(f"context must be None or a zmq.Context, got {type(context).__name__}")
+
 # How often an idle sender thread looks for replay requests.
 _POLL_MS = 50
 
@@ -71,8 +81,10 @@ class ZmqEventPublisher(EventPublisher):
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
             raise InvalidArgumentError(f"replay_endpoint must be None or a str such as 'tcp://*:5558', "
                                        f"got {replay_endpoint!r}")
-        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 0:
-            raise InvalidArgumentError(f"hwm must be an int >= 0 (0: no limit), got {hwm!r}")
+        if isinstance(hwm, bool) or not isinstance(hwm, int) or not 0 <= hwm <= ZMQ_INT_MAX:
+            raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "
+                                       f"C int), got {hwm!r}")
+        check_context(context)
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
                          int_block_hashes=int_block_hashes)
         self._ctx = context or zmq.Context.instance()

@@ -19,6 +19,8 @@ class PageIndex:
     def __init__(self, num_pools: int) -> None:
         self.where: dict[bytes | int, int] = {}
         self.held: list[set[bytes | int]] = [set() for _ in range(num_pools)]
+        # While a list: every change, (pool, hash, added), for undo() (Router.feed_many).
+        self.journal: list[tuple[int, Any, bool]] | None = None
 
     def add(self, pool: int, hashes: list[Any]) -> None:
         bit, held, where = 1 << pool, self.held[pool], self.where
@@ -26,6 +28,8 @@ class PageIndex:
             if h not in held:
                 held.add(h)
                 where[h] = where.get(h, 0) | bit
+                if self.journal is not None:
+                    self.journal.append((pool, h, True))
 
     def remove(self, pool: int, hashes: list[Any]) -> None:
         clear, held, where = ~(1 << pool), self.held[pool], self.where
@@ -37,6 +41,18 @@ class PageIndex:
                     where[h] = m
                 else:
                     del where[h]
+                if self.journal is not None:
+                    self.journal.append((pool, h, False))
+
+    def undo(self, pool: int) -> None:
+        """Take back the journal's changes (all to ``pool``), newest first, and stop journaling."""
+        log, self.journal = self.journal or [], None
+        for p, h, added in reversed(log):
+            assert p == pool
+            if added:
+                self.remove(p, [h])
+            else:
+                self.add(p, [h])
 
     def forget(self, pool: int) -> None:
         self.remove(pool, list(self.held[pool]))

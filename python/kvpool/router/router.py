@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,9 @@ class StreamState:
     last_ts: float = float("-inf")  # ts of the last applied batch
 
 
+#: Most pools one router routes over.
+MAX_POOLS = 1 << 16
+
 # Applied batches remembered per stream for telling a duplicate from a restart
 # by payload; older numbers are told apart by their timestamp.
 _REMEMBERED = 1024
@@ -86,7 +89,7 @@ class Router:
     """Routes requests over ``num_pools`` pools by their cached prefixes.
 
     Args:
-        num_pools: pools, numbered 0 .. num_pools - 1.
+        num_pools: pools, numbered 0 .. num_pools - 1 (at most ``MAX_POOLS``, 65536).
         page_size: the pools' page size (all equal).
         hash_seed: the pools' hash_seed (all equal: a pool built with another
             seed names its pages with other hashes, and the first root page it
@@ -99,8 +102,12 @@ class Router:
 
     def __init__(self, num_pools: int, *, page_size: int, hash_seed: int, max_pending: int = 64,
                  medium: str = "GPU") -> None:
-        for name, value, low in (("num_pools", num_pools, 1), ("page_size", page_size, 1),
-                                 ("max_pending", max_pending, 0)):
+        # Checked before anything is sized by it: the router keeps a stream state and a
+        # load count per pool, so a huge count would exhaust memory instead of failing.
+        if not is_int(num_pools) or not 1 <= num_pools <= MAX_POOLS:
+            raise InvalidArgumentError(f"num_pools must be an int in [1, {MAX_POOLS}] (the pools routed over), "
+                                       f"got {num_pools!r}")
+        for name, value, low in (("page_size", page_size, 1), ("max_pending", max_pending, 0)):
             if not is_int(value) or value < low:
                 raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
         if not is_int(hash_seed) or not 0 <= hash_seed < 1 << 64:
@@ -135,17 +142,23 @@ class Router:
                 router would hash otherwise (another hash_seed or page_size);
                 the stream is left as it was.
         """
-        st = self._stream(pool)
+        self._stream(pool)
+        return self._feed(pool, *self._parse(pool, seq, payload))
+
+    def _parse(self, pool: int, seq: Any, payload: Any) -> tuple[int, Any, int]:
+        """(sequence number, decoded batch, payload digest); typed refusal, nothing changed."""
         if not isinstance(seq, (bytes, bytearray, memoryview)) or len(seq) != 8:
             raise InvalidArgumentError(
                 f"seq must be the 8-byte big-endian sequence frame the publisher sends, got {seq!r:.40}")
         s = int.from_bytes(seq, "big", signed=True)
-        # Decoded and checked before anything changes: a bad message leaves the stream as it was.
         try:
             batch = self._decode(payload)
         except self._not_a_batch as e:
             raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
-        digest = hash(bytes(payload))
+        return s, batch, hash(bytes(payload))
+
+    def _feed(self, pool: int, s: int, batch: Any, digest: int) -> int:
+        st = self.streams[pool]
         if st.next_seq is None or s >= st.next_seq:
             waiting = st.pending.get(s)
             restart = waiting is not None and waiting[1] != digest
@@ -176,8 +189,9 @@ class Router:
         return 1 + self._apply_ready(pool)
 
     def feed_many(self, pool: int, messages: Iterable[tuple[bytes, bytes, bytes]]) -> int:
-        # Every message is checked for its shape before the first is fed, so a bad
-        # one leaves the router as it was.
+        """``feed`` each message in order, all or none: a refused one (malformed, or a root
+        page hashed otherwise) leaves the router as it was before the first."""
+        st = self._stream(pool)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
             raise InvalidArgumentError(f"messages must be an iterable of (topic, seq, payload) byte triples, "
                                        f"got {type(messages).__name__}")
@@ -186,7 +200,23 @@ class Router:
             if not isinstance(m, (tuple, list)) or len(m) != 3:
                 raise InvalidArgumentError(f"messages[{i}] must be a (topic, seq, payload) triple, as a publisher "
                                            f"sends, got {type(m).__name__} {m!r:.80}")
-        return sum(self.feed(pool, *m) for m in batch)
+        parsed = [self._parse(pool, m[1], m[2]) for m in batch]
+        # A root's seed check depends on the stream's state, so it can refuse a message
+        # after earlier ones applied: those are undone (the stream's state, the index's
+        # changes to this pool, the hash forms seen).
+        saved = (dataclasses.replace(st, pending=dict(st.pending), applied=OrderedDict(st.applied)),
+                 self._int_keys, self._bytes_keys)
+        self.index.journal = []
+        try:
+            return sum(self._feed(pool, *p) for p in parsed)
+        except BaseException:
+            self.index.undo(pool)
+            for f in dataclasses.fields(st):
+                setattr(st, f.name, getattr(saved[0], f.name))
+            self._int_keys, self._bytes_keys = saved[1:]
+            raise
+        finally:
+            self.index.journal = None
 
     def needs_replay(self, pool: int) -> int | None:
         """The first sequence number missing from ``pool``'s stream, or None."""
@@ -320,6 +350,10 @@ class Router:
         tokens = host_array("tokens", tokens)
         if tokens.ndim != 1:
             raise InvalidArgumentError(f"tokens must be one prompt's token ids (1-D), got shape {tokens.shape}")
+        if tokens.size and tokens.dtype.kind not in "iu":
+            # Checked at every length: a prompt shorter than a page would otherwise pass
+            # unchecked, and the same prompt a token longer be refused.
+            raise InvalidArgumentError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         cap = max(len(tokens) - 1, 0) // self.page_size
         if cap == 0:
             return [0] * self.num_pools
@@ -378,7 +412,9 @@ def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
     before any comparison so that a wrong value is named, not a numpy or torch
     truth-value error."""
     flags = each == "True or False"
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+    # A mapping iterates its keys, not its values; a 0-d array or tensor has __len__ but no length.
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__len__") \
+            or not hasattr(values, "__getitem__") or (hasattr(values, "ndim") and values.ndim == 0):
         raise InvalidArgumentError(f"{name} must be a sequence of {num_pools} entries ({each} per pool), "
                                    f"got {type(values).__name__}")
     if len(values) != num_pools:
@@ -395,4 +431,4 @@ def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
     return out
 
 
-__all__ = ["Route", "Router", "StreamState"]
+__all__ = ["MAX_POOLS", "Route", "Router", "StreamState"]

@@ -16,7 +16,10 @@ checked its history (with no replay endpoint, the pool is forgotten at once).
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
@@ -25,6 +28,8 @@ from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402
+
+from kvpool.events.zmq_publisher import ZMQ_INT_MAX, check_context  # noqa: E402
 
 _END = (-1).to_bytes(8, "big", signed=True)
 
@@ -42,8 +47,13 @@ class ZmqFeed:
     """
 
     def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None) -> None:
-        if not is_int(replay_timeout_ms) or replay_timeout_ms < 0:
-            raise InvalidArgumentError(f"replay_timeout_ms must be an int >= 0 (milliseconds), got {replay_timeout_ms!r}")
+        if not isinstance(router, Router):
+            raise InvalidArgumentError(f"router must be a kvpool.router.Router (what the feed applies the batches to), "
+                                       f"got {type(router).__name__}")
+        if not is_int(replay_timeout_ms) or not 0 <= replay_timeout_ms <= ZMQ_INT_MAX:
+            raise InvalidArgumentError(f"replay_timeout_ms must be an int in [0, {ZMQ_INT_MAX}] (milliseconds), "
+                                       f"got {replay_timeout_ms!r}")
+        check_context(context)
         self.router = router
         self.replay_timeout_ms = replay_timeout_ms
         self._ctx = context or zmq.Context.instance()
@@ -103,7 +113,17 @@ class ZmqFeed:
 
     def poll(self, timeout_ms: int = 0) -> int:
         """Apply the messages that have arrived (waiting up to ``timeout_ms`` for
-        the first), then fill or give up the gaps. Returns batches applied."""
+        the first), then fill or give up the gaps. Returns batches applied.
+
+        Raises:
+            InvalidArgumentError: ``timeout_ms`` is not None or a number of
+                milliseconds ZMQ can wait (at most 2**31 - 1); nothing is received.
+        """
+        if timeout_ms is not None and (isinstance(timeout_ms, (bool, np.bool_))
+                                       or not isinstance(timeout_ms, (int, float, np.integer, np.floating))
+                                       or math.isnan(timeout_ms) or timeout_ms > ZMQ_INT_MAX):
+            raise InvalidArgumentError(f"timeout_ms must be None or a number of milliseconds <= {ZMQ_INT_MAX}, "
+                                       f"got {timeout_ms!r}")
         applied = 0
         events = dict(self._poller.poll(timeout_ms))
         while events:

@@ -57,8 +57,20 @@ def _count(name: str, value: Any, minimum: int) -> int:
 
 def host_page_bytes(num_layers: int, page_size: int, heads: int, head_dim: int, dtype: torch.dtype,
                     *, mla: bool) -> int:
-    """Bytes of one host page: every layer of K and V (MLA: the latent) for ``page_size`` tokens."""
-    return (1 if check_flag("mla", mla) else 2) * num_layers * page_size * heads * head_dim * dtype.itemsize
+    """Bytes of one host page: every layer of K and V (MLA: the latent) for ``page_size`` tokens.
+
+    Raises:
+        InvalidArgumentError: a size that is not an int >= 1, or a dtype a pool cannot hold.
+    """
+    sizes = [_count(name, v, 1) for name, v in (("num_layers", num_layers), ("page_size", page_size),
+                                                 ("heads", heads), ("head_dim", head_dim))]
+    _check_dtype(dtype)
+    return (1 if check_flag("mla", mla) else 2) * math.prod(sizes) * dtype.itemsize
+
+
+def _check_dtype(dtype: Any) -> None:
+    if not isinstance(dtype, torch.dtype) or dtype not in CACHE_DTYPES:
+        raise InvalidArgumentError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
 
 
 def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
@@ -132,8 +144,7 @@ class HostStorage:
         self.page_size = _count("page_size", page_size, 1)
         self.heads = _count("heads", heads, 1)
         self.head_dim = _count("head_dim", head_dim, 1)
-        if not isinstance(dtype, torch.dtype) or dtype not in CACHE_DTYPES:
-            raise InvalidArgumentError(f"dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}")
+        _check_dtype(dtype)
         self.dtype, self.mla = dtype, check_flag("mla", mla)
         self.num_caches = 1 if self.mla else 2
         if pin is None:
@@ -187,8 +198,10 @@ class HostStorage:
 
     def page(self, host_page: int) -> torch.Tensor:
         """Host page ``host_page`` as a ``[C, num_layers, P, H, D]`` view (no copy)."""
-        if isinstance(host_page, bool) or not 0 <= int(host_page) < self.host_pages:
-            raise InvalidArgumentError(f"host page {host_page!r} is out of range [0, {self.host_pages})")
+        # is_int, not int(): that would parse a str, truncate a float and take a 1-element array.
+        if not is_int(host_page) or not 0 <= host_page < self.host_pages:
+            raise InvalidArgumentError(f"host page {host_page!r} is out of range [0, {self.host_pages}): "
+                                       f"pass an int in it")
         return self.buffer[int(host_page)]
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -50,7 +50,10 @@ import torch
 
 from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorShapeError
 from kvpool.kernels import copy_slots
+from kvpool.kernels._common import host_array
 from kvpool.kernels.pages import PageTransfer, Stage
+from kvpool.torch_types import as_device
+from kvpool.validate import check_layer
 
 __all__ = ["CudaStreams", "TransferBatch", "TransferRunner"]
 
@@ -95,6 +98,7 @@ class TransferBatch:
     event: Any = None
     layer_events: list[Any] | None = None
     _streams: Any = field(default=None, repr=False)
+    _num_layers: int | None = field(default=None, repr=False)  # set by the runner: what wait_layer checks
 
     def _stream(self, stream: Any) -> Any:
         return stream if stream is not None else self._streams.current()
@@ -106,7 +110,15 @@ class TransferBatch:
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """Make ``stream`` (default: the current one) wait for layer ``layer``'s loads and
-        copies (layered runs; otherwise the whole batch); no host sync."""
+        copies (layered runs; otherwise the whole batch); no host sync.
+
+        Raises:
+            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)`` (nothing waits).
+        """
+        if self.layer_events is not None:
+            layer = check_layer(layer, len(self.layer_events))
+        elif self._num_layers is not None:
+            check_layer(layer, self._num_layers)
         if self.layer_events is None:
             self.wait(stream)
             return
@@ -123,7 +135,7 @@ class TransferBatch:
 
 
 def _slots(x: Any, name: str) -> np.ndarray:
-    arr = np.asarray(x.numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x)
+    arr = host_array(name, x.numpy() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
@@ -131,10 +143,18 @@ def _slots(x: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _sequence(v: Any) -> bool:
+    """Whether ``v`` has at least one dimension. A ragged list (which numpy refuses) is
+    one: its own check names it (``TensorShapeError``), before anything runs."""
+    try:
+        return bool(np.ndim(v) >= 1)
+    except ValueError:
+        return True
+
+
 def _pair(name: str, value: Pairs) -> Pairs:
     """None, or the two id arrays a ``take_*()`` call returns (a tuple or list of two)."""
-    if value is None or (isinstance(value, (tuple, list)) and len(value) == 2
-                         and all(np.ndim(v) >= 1 for v in value)):
+    if value is None or (isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_sequence, value))):
         return value
     what = {"offloads": "(device_pages, host_pages), as take_offloads()",
             "loads": "(host_pages, device_pages), as take_loads()",
@@ -155,6 +175,18 @@ def _check_copies(src: np.ndarray, dst: np.ndarray, num_slots: int) -> None:
                                  "parallel, so the result would depend on scheduling")
 
 
+def _caches(caches: Any) -> list[torch.Tensor]:
+    """The runner's caches, checked when it is built: every later shape it reads comes from them."""
+    if not isinstance(caches, (list, tuple)) or not caches or not all(isinstance(t, torch.Tensor) for t in caches):
+        raise KernelArgumentError(f"caches must be a non-empty list of the pool's cache tensors ([K, V] or "
+                                  f"[latent], as KVStorage.caches), got {type(caches).__name__} {caches!r:.60}")
+    shapes = [tuple(t.shape) for t in caches]
+    if any(len(s) != 4 or s[:2] != shapes[0][:2] for s in shapes):
+        raise TensorShapeError(f"caches must each be [num_layers, num_slots, heads, head_dim], the same "
+                               f"layers and slots, got shapes {shapes}")
+    return list(caches)
+
+
 class TransferRunner:
     """Runs offloads, loads and copy-on-write copies for one pool, in that order.
 
@@ -171,9 +203,9 @@ class TransferRunner:
 
     def __init__(self, caches: Sequence[torch.Tensor], host: Any, device: Any, *, method: str = "kernel",
                  stage: Stage | None = None, streams: Any = None) -> None:
-        self.caches = list(caches)
+        self.caches = _caches(caches)
         self.host = host
-        self.device = torch.device(device)
+        self.device = as_device(device)
         self.method, self._stage = method, stage
         if streams is None and self.device.type == "cuda":
             streams = CudaStreams(self.device)
@@ -252,7 +284,7 @@ class TransferRunner:
             offloaded_pages=off.n if off else 0, loaded_pages=ld.n if ld else 0,
             copied_slots=0 if cp is None else int(cp[0].size),
             offloaded_bytes=off.nbytes if off else 0, loaded_bytes=ld.nbytes if ld else 0,
-            _streams=self._streams,
+            _streams=self._streams, _num_layers=self.num_layers,
         )
         if off is None and ld is None and cp is None:
             return batch  # nothing queued: no stream or event touched

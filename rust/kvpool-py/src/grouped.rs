@@ -107,8 +107,8 @@ impl PyGroupedAllocator {
             return Err(invalid_argument(
                 py,
                 format!(
-                    "group {g} does not exist; this pool has groups 0..{}",
-                    self.num_groups
+                    "group {g} does not exist; this pool has groups 0 to {}",
+                    self.num_groups - 1
                 ),
             ));
         }

@@ -282,8 +282,8 @@ impl GroupedAllocator {
     fn group(&self, g: usize) -> Result<&Group> {
         self.groups.get(g).ok_or_else(|| {
             PoolError::InvalidArgument(format!(
-                "group {g} does not exist; this pool has groups 0..{}",
-                self.groups.len()
+                "group {g} does not exist; this pool has groups 0 to {}",
+                self.groups.len() - 1
             ))
         })
     }

@@ -77,9 +77,16 @@ impl GroupSpec {
     pub(crate) fn validate(&self, g: usize) -> Result<()> {
         let bad = |m: String| Err(PoolError::InvalidArgument(format!("groups[{g}]: {m}")));
         if self.num_pages < 2 || self.num_pages > i32::MAX as usize {
+            // A state group's size is its slots: the message names the key it was given as.
+            let name = if self.has_pages() {
+                "num_pages"
+            } else {
+                "num_slots"
+            };
             return bad(format!(
-                "num_pages must be in [2, {}] (it includes the reserved page 0), got {}",
+                "{name} must be in [2, {}] (it includes the reserved {} 0), got {}",
                 i32::MAX,
+                if self.has_pages() { "page" } else { "slot" },
                 self.num_pages
             ));
         }
