@@ -85,8 +85,10 @@ class PrefixWorkload(CachingWorkload):
 
     def cases(self, args: argparse.Namespace) -> list[Case]:
         lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}
+        # Settings read back from a JSON (--reuse) or built by a caller may predate --no-kv-events.
+        kv_events = getattr(args, "kv_events", True)
         return [self.case(PrefixTraceConfig(sc, pool, args.concurrency, ps, steps=args.steps, warmup=args.warmup,
-                                            seed=args.seed, kv_events=args.kv_events, **lengths), args)
+                                            seed=args.seed, kv_events=kv_events, **lengths), args)
                 for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes]
 
     def generate(self, config: Any) -> PrefixTrace:
