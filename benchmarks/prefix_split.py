@@ -20,9 +20,10 @@ from kvpool.bench.drivers.kvpool_prefix import KVPoolPrefixDriver
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 
 
-def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int) -> dict[str, float]:
+def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int,
+          kv_events: bool = True) -> dict[str, float]:
     cfg = PrefixTraceConfig(scenario=scenario, num_slots=num_slots, page_size=page_size,
-                            steps=steps, warmup=warmup)
+                            steps=steps, warmup=warmup, kv_events=kv_events)
     trace = generate(cfg)
     d = KVPoolPrefixDriver(cfg, 8192)
     for s in trace.steps[: cfg.warmup]:
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-slots", type=parse_size, default=1 << 20, help="pool size in slots (default 1M)")
     p.add_argument("--steps", type=count(1), default=300)
     p.add_argument("--warmup", type=count(0), default=200)
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="pools without KV events (their index keys by the internal chain)")
     args = p.parse_args(argv)
     try:  # every page size's config before the first run: a bad one is a usage error, not a late traceback
         for ps in args.page_sizes:
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         p.error(f"{e}: give --page-sizes that divide --num-slots")
     for ps in args.page_sizes:
-        r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup)
+        r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup, args.kv_events)
         calls = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not k.endswith("tokens") and k != "total")
         print(f"{args.scenario} page {ps}: {r['total']:.1f} µs/step ({calls}); "
               f"{r['prompt tokens']:.0f} prompt and {r['hit tokens']:.0f} hit tokens per step")

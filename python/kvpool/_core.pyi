@@ -101,7 +101,9 @@ class SlotAllocator:
         handle_seed: seed of the handle generations (random when None): pools
             built with the same seed and making the same calls hand out the
             same handles (tensor-parallel ranks).
-        kv_events: record KV events for take_events().
+        kv_events: record KV events for take_events(). Without them the prefix
+            index keys pages by a cheaper internal chain (chain_hashes() still
+            gives the xxh3 chain hashes events and page_hashes() use).
         max_pinned_pages: most cached pages that may be pinned at once (<=
             capacity_pages; None: a quarter of it). A pin past it is given
             priority 99 instead.
@@ -1168,7 +1170,7 @@ def page_hashes(
     tokens: _IntArray, page_size: int, hash_seed: int, salt: int | None = None
 ) -> npt.NDArray[np.uint64]:
     """The chain hashes of the full pages of a prompt, as a pool built with
-    this hash_seed files them and names them in its KV events (the trailing
+    this hash_seed names them in its KV events and chain_hashes (the trailing
     partial page has none). Holds no pool.
 
     Args:

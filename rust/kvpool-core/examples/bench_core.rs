@@ -13,8 +13,9 @@
 //! - cache() of a 4096-token request, with KV events recorded (the
 //!   default) and without; evict(256).
 //! - at page 1 (every token a page): open_with_prefix and cache() of a
-//!   4096-token prompt, and close() of a request holding it, shared with
-//!   another request or the last holder (every page back to CACHED).
+//!   4096-token prompt (cache() also without events: the internal chain),
+//!   and close() of a request holding it, shared with another request or
+//!   the last holder (every page back to CACHED).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -278,6 +279,12 @@ fn main() {
         prefix_hit(1, true, reps),
     );
     report("cache_4096_page1_us", "us", cache_4096(1, true, reps));
+    // Without events the index keys by its internal chain (`prefix/hashing.rs`).
+    report(
+        "cache_4096_page1_no_events_us",
+        "us",
+        cache_4096(1, false, reps),
+    );
     report("close_4096_shared_page1_us", "us", close_hit(1, true, reps));
     report(
         "close_4096_to_cached_page1_us",

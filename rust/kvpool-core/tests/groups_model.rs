@@ -113,10 +113,13 @@ fn spec(s: &(GKind, usize, usize)) -> GroupSpec {
 
 /// Builds both, or None where the allocator refuses the layout (a
 /// checkpoint interval that is not a multiple of the anchor page size).
-fn build(l: &Layout) -> Option<(GroupedAllocator, GModel)> {
+/// Without KV events the anchor's index keys by its internal chain
+/// (`prefix/hashing.rs`): the model holds either way.
+fn build(l: &Layout, events: bool) -> Option<(GroupedAllocator, GModel)> {
     let specs: Vec<GroupSpec> = l.0.iter().map(spec).collect();
     let opts = Options {
         generation_base: Some(1),
+        kv_events: events,
         ..Options::new()
     };
     let a = GroupedAllocator::new(&specs, MAX_REQ, MAX_CTX, opts, Some(l.1)).ok()?;
@@ -152,8 +155,8 @@ fn note_error<T>(r: &Result<T, Kind>) {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
-    fn grouped_allocator_matches_model(l in layout(), ops in prop::collection::vec(op(), 1..60)) {
-        let Some((mut a, mut m)) = build(&l) else { return Ok(()); };
+    fn grouped_allocator_matches_model(l in layout(), events in any::<bool>(), ops in prop::collection::vec(op(), 1..60)) {
+        let Some((mut a, mut m)) = build(&l, events) else { return Ok(()); };
         let n = a.num_groups();
         let has_state = (0..n).any(|g| matches!(a.group_spec(g).unwrap().kind, GroupKind::State { .. }));
         let mut issued: Vec<i64> = vec![-5];

@@ -33,7 +33,9 @@ use crate::table::Table;
 ///     handle_seed: seed of the handle generations (random when None): pools
 ///         built with the same seed and making the same calls hand out the
 ///         same handles (tensor-parallel ranks).
-///     kv_events: record KV events for take_events().
+///     kv_events: record KV events for take_events(). Without them the prefix
+///         index keys pages by a cheaper internal chain (chain_hashes() still
+///         gives the xxh3 chain hashes events and page_hashes() use).
 ///     max_pinned_pages: most cached pages that may be pinned at once (<=
 ///         capacity_pages; None: a quarter of it). A pin past it is given
 ///         priority 99 instead.

@@ -12,7 +12,7 @@ use crate::errors::Result;
 /// page_hashes(tokens, page_size, hash_seed, salt=None) -> ndarray[uint64]
 ///
 /// The chain hashes of the full pages of a prompt, as a pool built with
-/// this hash_seed files them and names them in its KV events (the trailing
+/// this hash_seed names them in its KV events and chain_hashes (the trailing
 /// partial page has none). Holds no pool.
 ///
 /// Args:

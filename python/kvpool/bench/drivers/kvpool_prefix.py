@@ -48,6 +48,11 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
         self._evicted = 0
         self._copies = 0
 
+    def new_allocator(self) -> Any:
+        cfg = self.cfg
+        return kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len,
+                                    kv_events=cfg.kv_events)
+
     def prepare(self, step: PrefixStep) -> Any:
         self._count_events()  # untimed: drain the event queue the timed calls filled
         groups = [(g.prompt, np.array([len(g.prompt)], dtype=np.int64), g.lanes, g.n) for g in step.admit]
@@ -75,6 +80,8 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
         return n
 
     def _count_events(self) -> None:
+        if not self.cfg.kv_events:
+            return
         kinds = self.alloc.take_events()["kind"]
         self._evicted += int(np.count_nonzero(kinds == EVENT_REMOVED))
 
@@ -85,10 +92,14 @@ class KVPoolPrefixDriver(KVPoolBase, PrefixDriver):
         return int(self.alloc.cached_pages)
 
     def evicted_pages(self) -> int:
+        if not self.cfg.kv_events:
+            return -1  # only the Removed events count them
         self._count_events()
         return self._evicted
 
     def backend(self) -> str:
+        if not self.cfg.kv_events:
+            return "Rust core, hashed full pages (no KV events: internal chain keys)"
         return "Rust core, hashed full pages"
 
 
@@ -106,7 +117,7 @@ class KVPoolHostPrefixDriver(HostTierDriver, KVPoolPrefixDriver):
     def new_allocator(self) -> Any:
         cfg = self.cfg
         return kvpool.SlotAllocator(cfg.num_pages, cfg.page_size, cfg.concurrency, cfg.max_context_len,
-                                    host_pages=cfg.host_pages, host_policy=self.policy)
+                                    host_pages=cfg.host_pages, host_policy=self.policy, kv_events=cfg.kv_events)
 
     def _take(self) -> None:
         a = self.alloc

@@ -63,7 +63,7 @@ class PrefixWorkload(CachingWorkload):
     result_type = PrefixResult
     columns = [("scenario", lambda r: r.scenario), PAGE, POOL, ALLOCATOR, ("cache", lambda r: r.backend),
                *STEP_TIMES, ("hit % of prompt", lambda r: f"{100 * r.hit_share:.1f}"),
-               ("pages evicted", lambda r: str(r.evicted_pages)),
+               ("pages evicted", lambda r: str(r.evicted_pages) if r.evicted_pages >= 0 else "n/a"),
                ("pages moved/step", lambda r: f"{r.moved_pages_per_step:.2f}" if r.host_pages else ""), META_MIB]
     plot_title = "Prefix caching: host time per step and hit share, kvpool vs SGLang and vLLM"
     reuse_settings = ("concurrency", "steps", "warmup", "seed", "quick")
@@ -76,14 +76,19 @@ class PrefixWorkload(CachingWorkload):
         p.add_argument("--concurrency", type=cli.count(1), default=256, help="running sequences (default 256)")
         p.add_argument("--repeats", type=cli.count(1), default=1,
                        help="replays of each kvpool run; the one with the median mean is reported")
+        p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                       help="kvpool's pools record no KV events (SlotAllocator(kv_events=False)), as SGLang "
+                            "and vLLM replay here; their index then keys pages by the internal chain")
         p.add_argument("--reuse", default="",
                        help="a previous prefix JSON: its rows for allocators not run now join the report "
                             "(same seeded traces when the trace settings agree, which is checked)")
 
     def cases(self, args: argparse.Namespace) -> list[Case]:
         lengths: dict[str, Any] = QUICK_LENGTHS if args.quick else {}
+        # Settings read back from a JSON (--reuse) or built by a caller may predate --no-kv-events.
+        kv_events = getattr(args, "kv_events", True)
         return [self.case(PrefixTraceConfig(sc, pool, args.concurrency, ps, steps=args.steps, warmup=args.warmup,
-                                            seed=args.seed, **lengths), args)
+                                            seed=args.seed, kv_events=kv_events, **lengths), args)
                 for sc in args.scenarios for ps in args.page_sizes for pool in args.pool_sizes]
 
     def generate(self, config: Any) -> PrefixTrace:

@@ -74,6 +74,9 @@ class PrefixTraceConfig(PoolShape):
     # step's prefill; a group bigger than it is admitted alone. A sliding-window group holds a prompt
     # whole for the step that prefills it, so its pool is sized by this bound.
     step_prompt_tokens: int = 0
+    # kvpool's pools record KV events (its default; the driver drains them untimed). Without them
+    # the index keys pages by its cheaper internal chain. SGLang and vLLM replay without events.
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:

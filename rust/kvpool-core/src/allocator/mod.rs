@@ -54,6 +54,7 @@ use crate::handle::{mix64, random_u64, MAX_GENERATION};
 use crate::host::HostTier;
 use crate::memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 use crate::pages::PagePool;
+use crate::prefix::hashing::ChainKind;
 use crate::prefix::index::PrefixIndex;
 use crate::requests::Requests;
 use options::Options;
@@ -215,6 +216,14 @@ impl SlotAllocator {
             opts.weak_hash_bits,
             opts.skip_hit_verification,
             !opts.lazy_metadata,
+            // Only events take chain hashes out of the pool as pages are
+            // registered; without them the index keys by its own cheaper
+            // chain (`prefix/hashing.rs`).
+            if opts.kv_events {
+                ChainKind::Interop
+            } else {
+                ChainKind::Internal
+            },
         )?;
         let host = match opts.host_pages {
             0 => None,

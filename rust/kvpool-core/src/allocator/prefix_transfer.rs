@@ -51,7 +51,7 @@ impl SlotAllocator {
         reserve(&mut hashes, n, "chain hashes")?;
         let mut chain = root(salt);
         for t in tokens.chunks_exact(ps) {
-            chain = self.prefix.hash_tokens(chain, t);
+            chain = self.prefix.interop_hash(chain, t);
             hashes.push(chain);
         }
         Ok(PrefixChain {
@@ -174,5 +174,63 @@ mod tests {
         );
         assert!(page_hashes(7, 0, 0, &prompt).is_err());
         assert!(page_hashes(7, 0, ps, &[1, -1, 2, 3]).is_err());
+    }
+
+    /// A pool without KV events keys its index by its internal chain, yet
+    /// gives and takes the xxh3 chain hashes: transfers between pools with
+    /// and without events hit as between two alike, at page sizes 1 and 4,
+    /// and a sender with another seed or a forged hash still misses.
+    #[test]
+    fn chains_cross_pools_with_and_without_events() {
+        use crate::{page_hashes, Counts, Options, SlotAllocator};
+        for ps in [1usize, 4] {
+            let prompt: Vec<i64> = (0..19).map(|t| t * 37 + 5).collect();
+            let pool = |events: bool, seed: u64| {
+                let o = Options {
+                    hash_seed: Some(seed),
+                    kv_events: events,
+                    ..Options::new()
+                };
+                let mut a = SlotAllocator::with_options(64, ps, 4, 64, o).expect("valid config");
+                let (h, _) = a.open_with_prefix(&prompt, &[19], Counts::Each(3)).unwrap();
+                a.extend(&h, Counts::Each(19), None).unwrap();
+                a.cache(&h).unwrap();
+                (a, h[0])
+            };
+            let pages = 18 / ps;
+            for (send_events, take_events) in [(false, true), (true, false), (false, false)] {
+                let (mut sender, h) = pool(send_events, 7);
+                let chain = sender.prefix_chain(h).unwrap();
+                assert_eq!(
+                    page_hashes(7, 3, ps, &prompt).unwrap()[..pages],
+                    chain.hashes[..pages]
+                );
+                let toks: Vec<i64> = chain.tokens.iter().map(|&t| t as i64).collect();
+                let (receiver, _) = pool(take_events, 7);
+                assert_eq!(
+                    receiver.match_chain(&chain.hashes, &toks, 3).unwrap(),
+                    chain.hashes.len()
+                );
+                assert_eq!(
+                    receiver.match_chain(&chain.hashes, &toks, 4).unwrap(),
+                    0,
+                    "salt"
+                );
+                let mut forged = chain.hashes.clone();
+                forged[2] ^= 1;
+                assert_eq!(
+                    receiver.match_chain(&forged, &toks, 3).unwrap(),
+                    2,
+                    "forged hash"
+                );
+                let (other_seed, _) = pool(take_events, 8);
+                assert_eq!(
+                    other_seed.match_chain(&chain.hashes, &toks, 3).unwrap(),
+                    0,
+                    "seed"
+                );
+                receiver.check().unwrap();
+            }
+        }
     }
 }

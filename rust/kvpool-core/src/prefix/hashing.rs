@@ -7,6 +7,18 @@
 //! page's stored token ids, its salt and its parent's registration (see
 //! `index.rs`), so a collision, accidental or crafted, costs a cache miss and
 //! never serves KV computed for other tokens.
+//!
+//! **Two kinds of chain.** The xxh3-128 chain is what leaves the pool: KV
+//! events name pages by it, and routers recompute it from token ids
+//! (`page_hashes`). Inside the pool a chain value is only a lookup key, and
+//! a key is never trusted either. So a pool that records no events keys its
+//! index with a cheaper chain ([`ChainKind::Internal`]): one folded 64-bit
+//! multiply per page on the serial path, where xxh3-128 of the parent and
+//! the page is several dependent multiplies. At page size 1 every token is
+//! a page and that serial chain is most of a registration
+//! (`benchmarks/results/history`). Chain hashes that leave such a pool
+//! (`SlotAllocator::prefix_chain`, and the sent chain a receiver checks) are
+//! computed from the token ids when asked for.
 
 use xxhash_rust::xxh3::{xxh3_128_with_seed, Xxh3};
 
@@ -21,44 +33,107 @@ pub(crate) fn root(salt: i64) -> u128 {
 /// Tokens a page may have for its hash input to be built on the stack.
 const STACK_PAGE: usize = 128;
 
+/// Which chain an index keys its pages by (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChainKind {
+    /// The xxh3-128 chain hash, which events and routers read.
+    Interop,
+    /// A 64-bit chain of folded multiplies, seen by nothing outside the
+    /// pool (the high half of each value is 0).
+    Internal,
+}
+
 /// Hashes pages of a chain with a pool's seed.
 #[derive(Debug, Clone)]
 pub(crate) struct ChainHasher {
     seed: u64,
+    kind: ChainKind,
     /// Keep only the low `weak_bits` bits (test-only collision forcing); 0 = all.
     mask: u128,
 }
 
 impl ChainHasher {
-    pub(crate) fn new(seed: u64, weak_bits: u32) -> Self {
+    pub(crate) fn new(seed: u64, weak_bits: u32, kind: ChainKind) -> Self {
         let mask = if weak_bits == 0 || weak_bits >= 128 {
             u128::MAX
         } else {
             (1u128 << weak_bits) - 1
         };
-        ChainHasher { seed, mask }
+        ChainHasher { seed, kind, mask }
     }
 
     pub(crate) fn seed(&self) -> u64 {
         self.seed
     }
 
-    /// Hash of the page with `tokens` whose parent's chain hash is `parent`.
+    pub(crate) fn kind(&self) -> ChainKind {
+        self.kind
+    }
+
+    /// Chain value of the page with `tokens` whose parent's value is `parent`.
     #[inline(always)]
     pub(crate) fn page(&self, parent: u128, tokens: &[i32]) -> u128 {
-        // The chain waits on each page's hash before the next can start, so
-        // the copy into the buffer is on its critical path. At the common
-        // page sizes the buffer is a stack array of known length and the
-        // copies inline.
-        let h = match tokens.len() {
-            1 => one_token(self.seed, parent, tokens[0]),
-            16 => fixed::<16, 80>(self.seed, parent, tokens),
-            32 => fixed::<32, 144>(self.seed, parent, tokens),
-            64 => fixed::<64, 272>(self.seed, parent, tokens),
-            _ => any_size(self.seed, parent, tokens),
+        let h = match self.kind {
+            ChainKind::Interop => interop_page(self.seed, parent, tokens),
+            ChainKind::Internal => internal_page(self.seed, parent, tokens),
         };
         h & self.mask
     }
+
+    /// The xxh3-128 chain hash of the page, whatever this index keys by
+    /// (what `page_hashes` gives; unmasked unless the index keys by it).
+    #[inline]
+    pub(crate) fn interop(&self, parent: u128, tokens: &[i32]) -> u128 {
+        match self.kind {
+            ChainKind::Interop => self.page(parent, tokens),
+            ChainKind::Internal => interop_page(self.seed, parent, tokens),
+        }
+    }
+}
+
+/// `xxh3_128(seed, parent || tokens)`.
+#[inline(always)]
+fn interop_page(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
+    // The chain waits on each page's hash before the next can start, so
+    // the copy into the buffer is on its critical path. At the common
+    // page sizes the buffer is a stack array of known length and the
+    // copies inline.
+    match tokens.len() {
+        1 => one_token(seed, parent, tokens[0]),
+        16 => fixed::<16, 80>(seed, parent, tokens),
+        32 => fixed::<32, 144>(seed, parent, tokens),
+        64 => fixed::<64, 272>(seed, parent, tokens),
+        _ => any_size(seed, parent, tokens),
+    }
+}
+
+/// The internal chain: `fold(parent_folded ^ page(tokens), K)`, where
+/// `fold` is the xor of a 64x64-bit product's halves (foldhash's mixer).
+///
+/// The page's own term does not depend on the parent, so the CPU computes
+/// it ahead; the serial path from one page's value to the next is one xor,
+/// one multiply and one xor. A page of one token contributes the token
+/// spread by a multiply, a longer page its xxh3-64 (well mixed, and off the
+/// serial path). The page term is seeded: keys are untrusted, but a table
+/// whose keys a client could predict could be made to probe long runs.
+#[inline(always)]
+fn internal_page(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    const T: u64 = 0xD6E8_FEB8_6659_FD93;
+    let p = (parent as u64) ^ ((parent >> 64) as u64);
+    let t = match tokens {
+        [t] => fold((*t as u32 as u64) ^ seed, T),
+        #[allow(clippy::needless_borrow)] // a Cow on big-endian targets
+        _ => xxhash_rust::xxh3::xxh3_64_with_seed(&le_bytes(tokens), seed),
+    };
+    fold(p ^ t, K) as u128
+}
+
+/// The xor of the two halves of `a * b`.
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let m = a as u128 * b as u128;
+    (m as u64) ^ ((m >> 64) as u64)
 }
 
 /// `xxh3_128(seed, parent || tokens)` for the other page sizes, out of line
@@ -222,7 +297,7 @@ pub fn page_hashes(
     push_token_ids(&mut ids, &tokens[..n * page_size]);
     let mut out = Vec::new();
     crate::memory::reserve(&mut out, n, "chain hashes")?;
-    let hasher = ChainHasher::new(seed, 0);
+    let hasher = ChainHasher::new(seed, 0, ChainKind::Interop);
     let mut h = root(salt);
     for page in ids.chunks_exact(page_size) {
         h = hasher.page(h, page);
@@ -258,17 +333,45 @@ mod tests {
             for t in &tokens {
                 bytes.extend_from_slice(&t.to_le_bytes());
             }
-            let h = ChainHasher::new(42, 0);
+            let h = ChainHasher::new(42, 0, ChainKind::Interop);
             assert_eq!(
                 h.page(parent, &tokens),
                 xxh3_128_with_seed(&bytes, 42),
                 "ps {ps}"
             );
-            let weak = ChainHasher::new(42, 12);
+            let weak = ChainHasher::new(42, 12, ChainKind::Interop);
             assert_eq!(
                 weak.page(parent, &tokens),
                 xxh3_128_with_seed(&bytes, 42) & 0xfff
             );
         }
+    }
+
+    /// The internal chain is another chain (64-bit values), seeded, and
+    /// distinct per token; `interop` under it is still xxh3's.
+    #[test]
+    fn internal_chain_is_its_own_and_interop_stays_xxh3() {
+        for ps in [1usize, 2, 16, 17] {
+            let tokens: Vec<i32> = (0..ps as i32).map(|i| i * 31 + 1).collect();
+            let parent = root(5);
+            let int = ChainHasher::new(42, 0, ChainKind::Internal);
+            let ext = ChainHasher::new(42, 0, ChainKind::Interop);
+            let h = int.page(parent, &tokens);
+            assert_eq!(h >> 64, 0, "ps {ps}: a 64-bit value");
+            assert_ne!(h, ext.page(parent, &tokens));
+            assert_eq!(int.interop(parent, &tokens), ext.page(parent, &tokens));
+            let other_seed = ChainHasher::new(43, 0, ChainKind::Internal);
+            assert_ne!(h, other_seed.page(parent, &tokens), "ps {ps}: seeded");
+            let mut next = tokens.clone();
+            next[ps - 1] += 1;
+            assert_ne!(h, int.page(parent, &next), "ps {ps}: the last token counts");
+            assert_ne!(h, int.page(root(6), &tokens), "ps {ps}: the parent counts");
+        }
+        // No two of the first 2^16 tokens under one parent share a value.
+        let int = ChainHasher::new(1, 0, ChainKind::Internal);
+        let mut seen: Vec<u128> = (0..1 << 16).map(|t| int.page(root(0), &[t])).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 1 << 16);
     }
 }

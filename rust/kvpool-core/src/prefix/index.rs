@@ -46,7 +46,7 @@
 //! place under the current parent (`allocator/orphans.rs`). An entry whose
 //! parent is live but not the page's parent stops the chain (a collision).
 
-use super::hashing::ChainHasher;
+use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;
 use super::tip::ChainTip;
@@ -171,10 +171,11 @@ impl PrefixIndex {
         weak_bits: u32,
         skip_verify: bool,
         map_now: bool,
+        kind: ChainKind,
     ) -> Result<Self> {
         let mut hash_scratch = Vec::new();
         reserve(&mut hash_scratch, LOOKAHEAD, "chain hashes")?;
-        let hasher = ChainHasher::new(seed, weak_bits);
+        let hasher = ChainHasher::new(seed, weak_bits, kind);
         let mut tokens = zeroed_vec(num_pages * page_size, "slot token ids")?;
         if map_now {
             fault_in(&mut tokens, TOKENS_FAULT_IN_BYTES);
@@ -283,10 +284,18 @@ impl PrefixIndex {
         self.hasher.page(parent, self.page_tokens(page))
     }
 
-    /// The chain hash of a page of `tokens` under a parent of chain hash `parent`.
+    /// The xxh3-128 chain hash (the one events and `page_hashes` give) of a
+    /// page of `tokens` under a parent of that hash `parent`, whichever
+    /// chain the index keys by (`hashing.rs`).
     #[inline]
-    pub(crate) fn hash_tokens(&self, parent: u128, tokens: &[i32]) -> u128 {
-        self.hasher.page(parent, tokens)
+    pub(crate) fn interop_hash(&self, parent: u128, tokens: &[i32]) -> u128 {
+        self.hasher.interop(parent, tokens)
+    }
+
+    /// Which chain the index keys its pages by.
+    #[inline]
+    pub(crate) fn chain_kind(&self) -> ChainKind {
+        self.hasher.kind()
     }
 
     /// The key scratch, lent to a walk that hashes ahead (given back with

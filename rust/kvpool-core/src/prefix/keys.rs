@@ -1,10 +1,12 @@
-//! Lookup keys: the prefix index files a page under its 128-bit chain hash
-//! (`hashing.rs`) folded to 64 bits, `key_of(h_i)`.
+//! Lookup keys: the prefix index files a page under its 128-bit chain value
+//! (`hashing.rs`) folded to 64 bits, `key_of(h_i)`. The chain is the xxh3
+//! chain hash where the pool records KV events, and the internal chain
+//! (64-bit values, folded to themselves) where it does not.
 //!
-//! The chain hash itself, and not a second chain of cheaper hashes, because
+//! One chain a page, never two: with events, the chain hash itself, because
 //! lookups follow child hints (`lookup.rs`) and hash only where a hint
 //! fails, a few pages per prompt, while `cache()` would have to compute
-//! both hashes for every page it registers. With one hash a page, the
+//! both chains for every page it registers. With one chain a page, the
 //! serial chain runs ahead of the inserts instead (`allocator/cache.rs`).
 //!
 //! A key is not trusted: every hit is verified against the entry's tokens,

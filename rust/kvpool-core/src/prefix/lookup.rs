@@ -30,6 +30,7 @@
 //! every entry's salt is its live parent's. The walk then reads the hot
 //! 32-byte entries alone (`index.rs`).
 
+use super::hashing::ChainKind;
 use super::index::{Entry, PrefixIndex, LOOKAHEAD};
 use super::keys::key_of;
 use super::tip::{ChainTip, Match};
@@ -220,17 +221,31 @@ impl PrefixIndex {
         mut out: Option<&mut Vec<u32>>,
     ) -> Match {
         let mut m = Match::root(salt);
+        // The sent chain recomputed from the sent tokens, where the index
+        // keys by its internal chain: the sent hashes are checked against
+        // it instead of against the entries (`hashing.rs`).
+        let mut sent = m.tip.hash;
         for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
-            // Filed under the sent hash's key, and the hash must be the
-            // entry's (a sender with another seed misses); verification
-            // then checks the page's tokens, salt and parent, so the sent
-            // hash is never trusted and this pool need not hash anything.
+            let key = match self.chain_kind() {
+                ChainKind::Interop => h,
+                ChainKind::Internal => {
+                    sent = self.hasher.interop(sent, t);
+                    if sent != h {
+                        break;
+                    }
+                    self.hasher.page(m.tip.hash, t)
+                }
+            };
+            // Filed under the sent hash's key (or this pool's own key for
+            // the page), and the hash must be the entry's (a sender with
+            // another seed misses); verification then checks the page's
+            // tokens, salt and parent, so the sent hash is never trusted.
             // Device copies only: a page whose bytes are on the host would
             // need a load, which a chain transfer does not queue.
-            match self.child_of(&m.tip, h) {
+            match self.child_of(&m.tip, key) {
                 Some((i, page))
                     if !is_host(page)
-                        && self.idents[i as usize].hash == h
+                        && self.idents[i as usize].hash == key
                         && self.verify(i, t, salt, m.tip.reg) =>
                 {
                     if let Some(o) = out.as_deref_mut() {

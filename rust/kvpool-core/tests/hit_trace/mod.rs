@@ -1,13 +1,17 @@
 //! The serving trace of `hit_oracle.rs`: one pool driven by an engine's
-//! calls, each `open_with_prefix` checked against the oracle (`oracle/`).
+//! calls, each `open_with_prefix` checked against the oracle (`oracle/`),
+//! and a twin without KV events given the same calls (`twin.rs`).
+
+mod twin;
 
 use std::collections::{HashMap, HashSet};
 
-use kvpool_core::{Counts, HostPolicy, Options, PoolError, SlotAllocator};
+use kvpool_core::{Counts, HostPolicy, Options, PoolError};
 use proptest::prelude::*;
 
 use crate::oracle::{page_hashes, prompt_hashes, Ideal, Registry};
 use crate::router::Router;
+use twin::Twin;
 
 const MAX_REQ: usize = 8;
 
@@ -49,7 +53,7 @@ pub enum Op {
 const PRIOS: [u8; 4] = [0, 35, 90, 100];
 
 pub struct World {
-    a: SlotAllocator,
+    a: Twin,
     router: Router,
     registry: Registry,
     seed: u64,
@@ -74,7 +78,7 @@ impl World {
             max_pinned_pages: Some(pins.min(pages - 1)),
             ..Options::new()
         };
-        let a = SlotAllocator::with_options(pages, ps, MAX_REQ, max_ctx(ps), opts).unwrap();
+        let a = Twin::new(pages, ps, MAX_REQ, max_ctx(ps), opts);
         let seed = a.hash_seed();
         World {
             a,
