@@ -229,32 +229,48 @@ fn main() {
         println!("{name:<48} {v:>8.2} {unit}");
         json.push(format!("\"{name}\": {v:.3}"));
     };
+    // `--only NAME`: that row's work alone (the others return at once), for
+    // an instruction count of one row under `valgrind --tool=callgrind`.
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
+    let wanted = |name: &str| only.as_deref().map_or(true, |o| o == name);
+    macro_rules! row {
+        ($name:expr, $unit:expr, $v:expr $(,)?) => {{
+            let name: &str = &$name;
+            if wanted(name) {
+                report(name, $unit, $v);
+            }
+        }};
+    }
     let prefix_only = std::env::args().any(|a| a == "--prefix");
     for (label, slots) in [("1M", 1usize << 20), ("16M", 1 << 24)] {
         if prefix_only {
             break;
         }
-        report(
+        row!(
             &format!("decode_extend_ns_per_req_{label}_warm"),
             "ns",
             decode(slots, false, false, false, false, reps),
         );
-        report(
+        row!(
             &format!("decode_extend_ns_per_req_{label}_flushed"),
             "ns",
             decode(slots, true, false, false, false, reps),
         );
-        report(
+        row!(
             &format!("decode_extend_tokens_ns_per_req_{label}_warm"),
             "ns",
             decode(slots, false, true, false, false, reps),
         );
-        report(
+        row!(
             &format!("decode_extend_table_ns_per_req_{label}_warm"),
             "ns",
             decode(slots, false, false, true, false, reps),
         );
-        report(
+        row!(
             &format!("decode_extend_table_staggered_ns_per_req_{label}_warm"),
             "ns",
             decode(slots, false, false, true, true, reps),
@@ -263,34 +279,34 @@ fn main() {
     if decode_only {
         return;
     }
-    report("open_with_prefix_4096_us", "us", prefix_hit(16, true, reps));
-    report(
+    row!("open_with_prefix_4096_us", "us", prefix_hit(16, true, reps));
+    row!(
         "open_with_prefix_4096_unverified_us",
         "us",
         prefix_hit(16, false, reps),
     );
-    report("cache_4096_us", "us", cache_4096(16, true, reps));
-    report("cache_4096_no_events_us", "us", cache_4096(16, false, reps));
+    row!("cache_4096_us", "us", cache_4096(16, true, reps));
+    row!("cache_4096_no_events_us", "us", cache_4096(16, false, reps));
     // Page 1, where SGLang's radix tree is hardest to beat: every token is
     // a page to hash, look up, hold and release.
-    report(
+    row!(
         "open_with_prefix_4096_page1_us",
         "us",
         prefix_hit(1, true, reps),
     );
-    report("cache_4096_page1_us", "us", cache_4096(1, true, reps));
+    row!("cache_4096_page1_us", "us", cache_4096(1, true, reps));
     // Without events the index keys by its internal chain (`prefix/hashing.rs`).
-    report(
+    row!(
         "cache_4096_page1_no_events_us",
         "us",
         cache_4096(1, false, reps),
     );
-    report("close_4096_shared_page1_us", "us", close_hit(1, true, reps));
-    report(
+    row!("close_4096_shared_page1_us", "us", close_hit(1, true, reps));
+    row!(
         "close_4096_to_cached_page1_us",
         "us",
         close_hit(1, false, reps),
     );
-    report("evict_256_us", "us", evict_256(reps));
+    row!("evict_256_us", "us", evict_256(reps));
     println!("{{{}}}", json.join(", "));
 }
