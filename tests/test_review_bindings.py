@@ -12,10 +12,13 @@ import threading
 import numpy as np
 import pytest
 
+import kvpool
 from kvpool import GroupedAllocator, InvalidArgumentError, SlotAllocator
 from kvpool._core import encode_kv_events
 
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+# The folder of the kvpool this process imported (the checkout's python/ in a dev run, the
+# installed package in CI, where python/ has no built extension), for the child to import too.
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(kvpool.__file__)))
 
 
 def kvpool_allocator() -> SlotAllocator:
