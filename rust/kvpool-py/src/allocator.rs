@@ -68,7 +68,7 @@ pub struct PySlotAllocator {
     pub(crate) inner: Mutex<SlotAllocator>,
     /// Events take_events drained but could not return (their arrays did
     /// not fit in memory): the next take_events returns them first.
-    undelivered: Mutex<Option<kvpool_core::Events>>,
+    pub(crate) undelivered: Mutex<Option<kvpool_core::Events>>,
     /// Slots per page (P): slot = page * P + offset.
     #[pyo3(get)]
     pub(crate) page_size: usize,
@@ -100,15 +100,6 @@ impl PySlotAllocator {
         // The core never panics on caller input; if a bug ever poisoned the
         // lock, keep serving so that check() can report what is wrong.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The events a failed drain kept back, locked for a whole drain
-    /// (`events::lock_kept`).
-    pub(crate) fn undelivered(
-        &self,
-        py: Python<'_>,
-    ) -> MutexGuard<'_, Option<kvpool_core::Events>> {
-        crate::events::lock_kept(py, &self.undelivered)
     }
 
     /// Runs a short query: like [`Self::run`] for small work (uncontended,

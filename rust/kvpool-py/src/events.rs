@@ -50,6 +50,15 @@ pub(crate) fn lock_kept<'a>(
 }
 
 impl PySlotAllocator {
+    /// The events a failed drain kept back, locked for a whole drain
+    /// (`lock_kept`).
+    pub(crate) fn undelivered(
+        &self,
+        py: Python<'_>,
+    ) -> MutexGuard<'_, Option<kvpool_core::Events>> {
+        lock_kept(py, &self.undelivered)
+    }
+
     /// The events to drain next: those a failed drain kept back (the
     /// oldest), else the core's.
     pub(crate) fn oldest_events(

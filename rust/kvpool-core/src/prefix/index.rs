@@ -292,11 +292,6 @@ impl PrefixIndex {
         self.hasher.interop(parent, tokens)
     }
 
-    /// Which chain the index keys its pages by.
-    #[inline]
-    pub(crate) fn chain_kind(&self) -> ChainKind {
-        self.hasher.kind()
-    }
 
     /// The key scratch, lent to a walk that hashes ahead (given back with
     /// `put_hash_scratch`).

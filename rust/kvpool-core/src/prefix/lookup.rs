@@ -226,7 +226,7 @@ impl PrefixIndex {
         // it instead of against the entries (`hashing.rs`).
         let mut sent = m.tip.hash;
         for (&h, t) in hashes.iter().zip(tokens.chunks_exact(self.page_size)) {
-            let key = match self.chain_kind() {
+            let key = match self.hasher.kind() {
                 ChainKind::Interop => h,
                 ChainKind::Internal => {
                     sent = self.hasher.interop(sent, t);
