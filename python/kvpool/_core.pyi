@@ -24,6 +24,7 @@ __all__ = [
     "MAX_PRIORITY",
     "encode_kv_events",
     "page_hashes",
+    "scatter_rows",
 ]
 __version__: str
 DEFAULT_PRIORITY: int
@@ -1212,4 +1213,27 @@ def encode_kv_events(
         InvalidArgumentError: a missing or mistyped array, arrays of
             different lengths, an unknown kind or medium code, token_ids that
             do not match the Stored events' num_tokens.
+    """
+
+def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
+    """Stores row ``i`` of each ``src[j]`` at row ``slots[i]`` of ``dst[j]`` with one
+    ``memcpy`` a row: a CPU ``KVPool.write``'s store (``kvpool.rows.scatter_into``).
+    Negative slots are padding and skipped; every slot is checked against every cache
+    before anything is written. A source that shares memory with a cache is stored as it
+    was when the call was made. Does not bump the caches' version counters (the caller
+    does).
+
+    Args:
+        dst: the caches, each exactly a ``torch.Tensor``: plain, C-contiguous (size-1
+            dimensions aside), on the CPU, not overlapping one another.
+        slots: a 1-D CPU integer ``torch.Tensor``, one slot per source row.
+        src: one tensor per cache, of its dtype and row shape, ``len(slots)`` rows.
+
+    Returns:
+        The rows stored per cache (slots that are not padding), or -1 when any
+        argument is not of that kind: then nothing was read or written, and the caller
+        stores with torch (``index_copy_``).
+
+    Raises:
+        IndexError: a slot ``>=`` the caches' rows (nothing written).
     """

@@ -46,6 +46,7 @@ mod memory;
 mod pages;
 mod prefix;
 mod requests;
+mod rows;
 mod table;
 
 pub use allocator::extend::Grown;
@@ -61,6 +62,7 @@ pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use host::HostPolicy;
 pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
 pub use prefix::hashing::page_hashes;
+pub use rows::{scatter_rows, RowCopy};
 pub use table::SlotTable;
 
 #[cfg(test)]

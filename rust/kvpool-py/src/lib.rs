@@ -25,6 +25,7 @@ mod packed;
 mod request_queries;
 mod retention;
 mod retention_args;
+mod rows;
 mod sharing;
 mod stats;
 mod table;
@@ -41,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stats::PoolStats>()?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
+    m.add_function(wrap_pyfunction!(rows::scatter_rows, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The retention priority of pages no caller gave one, and the highest.
     m.add("DEFAULT_PRIORITY", kvpool_core::DEFAULT_PRIORITY)?;

@@ -1,0 +1,151 @@
+//! `scatter_rows`: a CPU pool's `write` as one `memcpy` a row (the core's
+//! `scatter_rows`), for tensors torch describes as plain C-contiguous CPU
+//! memory. Anything else is left to torch's `index_copy_`: the call then
+//! returns -1 and has touched nothing.
+
+use pyo3::exceptions::PyIndexError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use kvpool_core::{scatter_rows as core_scatter_rows, PoolError, RowCopy};
+
+use crate::torch_arg::{dense_view, read_tensor, Dense};
+
+/// Above this many bytes the copy runs with the GIL released, as torch's
+/// own copies do; below it, releasing and taking the GIL back costs more
+/// than other threads gain.
+const DETACH_BYTES: usize = 1 << 20;
+
+/// A row range of memory, for the overlap test.
+fn span(d: &Dense) -> (usize, usize) {
+    let start = d.data as usize;
+    (start, start + d.bytes())
+}
+
+fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+/// The raw parts of one cache's copy, sent across `detach`.
+struct Job {
+    dst: *mut u8,
+    dst_len: usize,
+    src: *const u8,
+    src_len: usize,
+}
+
+/// The copy, moved into `detach`: raw pointers are not Send, but the
+/// memory they name is borrowed for the whole call, and nothing else in
+/// this call touches it while the copy runs.
+struct AssertSend<F>(F);
+// SAFETY: see above; the closure owns its pointers and slots outright.
+unsafe impl<F> Send for AssertSend<F> {}
+
+impl<F: FnOnce() -> R, R> AssertSend<F> {
+    // A method, so that a closure calling it captures the whole wrapper
+    // (capturing the field alone would capture the unsendable closure).
+    fn call(self) -> R {
+        (self.0)()
+    }
+}
+
+/// Stores row `i` of each `src[j]` at row `slots[i]` of `dst[j]` (negative
+/// slots are padding) and returns the rows stored per cache, or -1 when
+/// these tensors are not plain C-contiguous CPU tensors of one row shape
+/// and dtype (then nothing was read or written: use `index_copy_`).
+///
+/// Raises IndexError, before writing anything, for a slot outside the
+/// caches.
+#[pyfunction]
+pub fn scatter_rows(
+    py: Python<'_>,
+    dst: &Bound<'_, PyTuple>,
+    slots: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyTuple>,
+) -> PyResult<i64> {
+    if dst.len() != src.len() || dst.is_empty() {
+        return Ok(-1);
+    }
+    let Some(slots) = read_tensor(py, slots)? else {
+        return Ok(-1);
+    };
+    let mut views = Vec::with_capacity(dst.len() * 2);
+    for t in dst.iter().chain(src.iter()) {
+        match dense_view(py, &t)? {
+            Some(d) => views.push(d),
+            None => return Ok(-1),
+        }
+    }
+    let (dsts, srcs) = views.split_at(dst.len());
+    let first = &dsts[0];
+    let same = |d: &Dense| d.dtype == first.dtype && d.row_shape == first.row_shape;
+    if !dsts.iter().chain(srcs).all(same) || srcs.iter().any(|s| s.rows != slots.len()) {
+        return Ok(-1);
+    }
+    // Two caches sharing memory cannot both be borrowed mutably.
+    for (i, a) in dsts.iter().enumerate() {
+        if dsts[i + 1..].iter().any(|b| overlaps(span(a), span(b))) {
+            return Ok(-1);
+        }
+    }
+    // A source that is a view of a cache (rows moved within a layer) is
+    // stored as it was when the call was made: copied out first.
+    let owned: Vec<Option<Vec<u8>>> = srcs
+        .iter()
+        .map(|s| {
+            dsts.iter().any(|d| overlaps(span(s), span(d))).then(|| {
+                // SAFETY: torch's description of the source's live memory.
+                unsafe { std::slice::from_raw_parts(s.data, s.bytes()) }.to_vec()
+            })
+        })
+        .collect();
+    let jobs: Vec<Job> = dsts
+        .iter()
+        .zip(srcs)
+        .zip(&owned)
+        .map(|((d, s), o)| Job {
+            dst: d.data,
+            dst_len: d.bytes(),
+            src: o.as_ref().map_or(s.data as *const u8, |v| v.as_ptr()),
+            src_len: s.bytes(),
+        })
+        .collect();
+    let row_bytes = first.row_bytes;
+    let total: usize = jobs.iter().map(|j| j.src_len).sum();
+    let run = move || -> Result<usize, PoolError> {
+        // SAFETY: each pointer and length is torch's description of a live
+        // tensor (or a copy owned above), borrowed for this call; the caches
+        // do not overlap each other (checked) nor any source still read in
+        // place (an overlapping one was copied out). Empty tensors may have
+        // a null or dangling pointer: they get an empty slice instead.
+        let mut copies: Vec<RowCopy<'_>> = jobs
+            .iter()
+            .map(|j| unsafe {
+                RowCopy {
+                    dst: if j.dst_len == 0 {
+                        &mut []
+                    } else {
+                        std::slice::from_raw_parts_mut(j.dst, j.dst_len)
+                    },
+                    src: if j.src_len == 0 {
+                        &[]
+                    } else {
+                        std::slice::from_raw_parts(j.src, j.src_len)
+                    },
+                }
+            })
+            .collect();
+        core_scatter_rows(&mut copies, row_bytes, &slots)
+    };
+    let stored = if total >= DETACH_BYTES {
+        let run = AssertSend(run);
+        py.detach(move || run.call())
+    } else {
+        run()
+    };
+    match stored {
+        Ok(n) => Ok(n as i64),
+        Err(PoolError::InvalidArgument(m)) => Err(PyIndexError::new_err(m)),
+        Err(e) => Err(PyIndexError::new_err(e.to_string())),
+    }
+}
