@@ -29,9 +29,10 @@ def test_rows_and_burst_sections_write_their_json(tmp_path, capsys):
     cases = {(r["layout"], r["rows"]) for r in rows["results"]}
     assert cases == {(layout, n) for layout in ("token", "paged") for n in (1, 64)}
     for r in rows["results"]:
-        for key in ("write", "write_caller", "read", "bare_write", "bare_read"):
+        for key in ("write", "write_caller", "read", "bare_write", "bare_read", "bare_scatter"):
             assert r[f"{key}_us"] > 0 and r[f"{key}_cpu_us"] > 0
-        assert {"write_overhead_us", "write_caller_overhead_us", "read_overhead_us"} <= set(r)
+        assert {"write_overhead_us", "write_caller_overhead_us", "read_overhead_us",
+                "write_over_scatter_overhead_us"} <= set(r)
     burst = json.loads((tmp_path / "overhead-burst.json").read_text())["results"]
     assert [(r["slots"], r["page_size"]) for r in burst] == [(1 << 20, 1), (1 << 20, 16)]
     for r in burst:

@@ -9,7 +9,10 @@ call in the same round):
 - ``write``: ``pool.write(layer, res.out_cache_loc, k, v)``, slots the pool made;
 - ``write_caller``: the same slots in a tensor the caller made (checked in full);
 - ``read``: ``pool.read(layer, res.out_cache_loc)``;
-- bare: ``index_copy_`` into the layer's K and V views (``index_select`` for read).
+- bare: ``index_copy_`` into the layer's K and V views (``index_select`` for read);
+- ``bare_scatter`` (CPU): the core's row copy that a CPU ``write`` stores with
+  (``_core.scatter_rows``), called directly: ``write`` over it is the torch
+  layer's own cost, since ``write`` no longer stores through ``index_copy_``.
 
 On CUDA (``benchmarks/gpu_host.py``) the same loop measures host µs per call:
 nothing synchronises inside a timed batch of calls, so a launch that waited for
@@ -57,13 +60,19 @@ def _variants(layout: str, page: int, rows: int, device: torch.device) -> dict[s
         kf.index_copy_(0, loc, k)
         vf.index_copy_(0, loc, v)
 
-    return {
+    fns = {
         "bare_write": bare_write,
         "write": lambda: pool.write(0, loc, k, v),
         "write_caller": lambda: pool.write(0, caller, k, v),
         "bare_read": lambda: (kf.index_select(0, loc), vf.index_select(0, loc)),
         "read": lambda: pool.read(0, loc),
     }
+    if device.type == "cpu":
+        from kvpool._core import scatter_rows
+
+        pair = (kf, vf)
+        fns["bare_scatter"] = lambda: scatter_rows(pair, loc, (k, v))
+    return fns
 
 
 def _time(fn: Callable[[], Any], calls: int, device: torch.device) -> tuple[float, float]:
@@ -99,8 +108,12 @@ def row_overhead(device: Any = "cpu", rounds: int = 15, calls: int = 200) -> lis
             for n in names:
                 row[f"{n}_us"] = statistics.median(x[0] for x in per[n])
                 row[f"{n}_cpu_us"] = statistics.median(x[1] for x in per[n])
-            for n, bare in (("write", "bare_write"), ("write_caller", "bare_write"), ("read", "bare_read")):
-                row[f"{n}_overhead_us"] = statistics.median(a[0] - b[0] for a, b in zip(per[n], per[bare]))
-                row[f"{n}_overhead_cpu_us"] = statistics.median(a[1] - b[1] for a, b in zip(per[n], per[bare]))
+            pairs = [("write", "bare_write"), ("write_caller", "bare_write"), ("read", "bare_read")]
+            if "bare_scatter" in per:
+                pairs.append(("write", "bare_scatter"))
+            for n, bare in pairs:
+                key = n if bare != "bare_scatter" else "write_over_scatter"
+                row[f"{key}_overhead_us"] = statistics.median(a[0] - b[0] for a, b in zip(per[n], per[bare]))
+                row[f"{key}_overhead_cpu_us"] = statistics.median(a[1] - b[1] for a, b in zip(per[n], per[bare]))
             out.append(row)
     return out
