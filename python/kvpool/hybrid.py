@@ -37,7 +37,7 @@ from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
-from kvpool.rows import index_copy_rows
+from kvpool.rows import index_copy_rows, scatter_into
 from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -338,7 +338,9 @@ class HybridKVPool(HybridRequestOps):
         st = self._storage[g.index]
         assert st is not None
         i = self._slot_in_group[layer]
-        index_copy_rows((st.flat[0][i], st.flat[1][i]), idx.long(), k, v)
+        caches = (st.flat[0][i], st.flat[1][i])
+        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
+            index_copy_rows(caches, idx.long(), k, v)
 
     def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""

@@ -292,7 +292,6 @@ impl PrefixIndex {
         self.hasher.interop(parent, tokens)
     }
 
-
     /// The key scratch, lent to a walk that hashes ahead (given back with
     /// `put_hash_scratch`).
     #[inline]
