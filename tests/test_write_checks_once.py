@@ -65,14 +65,19 @@ def test_pool_made_slots_are_not_checked_again(count, layout):
 
 
 def test_caller_made_slots_are_checked_in_full(count):
+    """A list is checked in Python; a caller's CPU tensor by the core's row copy, which
+    checks every value before it writes (so the Python pass is skipped for it)."""
     pool, h = make_pool()
     res = pool.extend(h, [3, 2])
     count.update(aminmax=0, cache_geom=0)
     pool.write(0, res.out_cache_loc.clone(), rows(5), rows(5))
     pool.write(0, res.slots.tolist(), rows(5), rows(5))
-    assert count == {"aminmax": 2, "cache_geom": 0}
-    with pytest.raises(SlotRangeError):
-        pool.write(0, torch.tensor([4, pool.num_slots]), rows(2), rows(2))
+    assert count == {"aminmax": 1, "cache_geom": 0}
+    before = snapshot(pool)
+    for bad in (torch.tensor([4, pool.num_slots]), [4, pool.num_slots], torch.tensor([4, pool.num_slots]).int()):
+        with pytest.raises(SlotRangeError, match=f"slots\\[1\\] = {pool.num_slots}"):
+            pool.write(0, bad, rows(2, 5.0), rows(2, 5.0))
+        assert snapshot(pool) == before  # the bad slot is the last: still nothing written
 
 
 @pytest.mark.parametrize("mode", ["none", "inference_mode"])
@@ -116,7 +121,8 @@ def test_only_the_last_few_results_are_remembered(count):
     for _ in range(kvpool.rows.PoolSlots.SIZE):
         pool.extend(h, 1)
     count.update(aminmax=0)
-    pool.write(0, first.out_cache_loc, rows(2), rows(2))
+    # read: a write checks a caller's tensor in the core's row copy, which aminmax does not see
+    pool.read(0, first.out_cache_loc)
     assert count["aminmax"] == 1  # forgotten: checked like any caller tensor
 
 
