@@ -281,6 +281,17 @@ class RowsMixin:
         if strict is not False and strict is not True:
             strict = check_flag("strict", strict)
         idx, negative = self._slots(slots, strict, store=True)
+        if self._row_plain and strict is False:
+            # The core's row copy checks the rows as the loop below would (exactly a tensor,
+            # the caches' dtype and row shape, one row a slot, dense CPU memory) and declines
+            # anything else, which the loop then names; it copies bytes, so a source that
+            # requires grad needs no detach.
+            try:
+                if scatter_into(self._row_caches[layer], idx, (k,) if v is None else (k, v)):
+                    return
+            except IndexError:  # nothing written; name the slot as a caller's is named
+                slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
+                raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
         want = (idx.shape[0],) + self._row_shape
         dtype, dev = self.compute_dtype, self.device
         for name, x in (("kv", k),) if v is None else (("k", k), ("v", v)):
