@@ -63,21 +63,25 @@ def scatter_into(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, src: tuple
     """``caches[j][idx] = src[j]`` as one ``memcpy`` a row in the core (``_core.scatter_rows``:
     padding skipped, every slot checked before any write, IndexError if one is out of
     range); False, with nothing done, for tensors it does not take (a subclass, a
-    non-contiguous source, another device) and while torch.compile traces (a native
-    call would break the graph): the caller then stores with torch.
+    non-contiguous source, another device), while torch.compile traces (a native
+    call would break the graph) and while a TorchDispatchMode is active (make_fx and
+    export record the store in their graph, FakeTensorMode and profilers see it, rather
+    than a memcpy into the real cache behind their backs): the caller then stores with
+    torch.
 
     ``index_copy_`` walks a bf16 row element by element and costs ~3x this at 64 rows
     of 8 x 128. The caches' version counters are bumped as an in-place torch op would
     bump them, so autograd still refuses a backward through a cache view saved before
     the write.
     """
-    if torch.compiler.is_compiling() or scatter_rows(caches, idx, src) < 0:
+    if torch.compiler.is_compiling() or _dispatch_modes() or scatter_rows(caches, idx, src) < 0:
         return False
     _increment_version(caches)
     return True
 
 
 _increment_version = torch._C._increment_version
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # counts make_fx's and fake-tensor infra modes too
 
 
 class PoolSlots:
