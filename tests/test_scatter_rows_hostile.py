@@ -83,6 +83,16 @@ def test_hybrid_write_under_a_dispatch_mode_goes_through_torch():
 
 # ----- geometry the copy does not take ----------------------------------------
 
+@pytest.mark.parametrize("cache,src", [
+    (torch.zeros(1, 0), torch.zeros(1, 0)),
+    (torch.zeros(4, 0).as_strided((4, 0), (0, 1)), torch.zeros(1, 0)),
+], ids=["one empty row", "four empty rows"])
+def test_rows_of_zero_bytes_are_left_to_torch(cache, src):
+    """torch stores rows of no elements without complaint; the copy declines them rather
+    than raise an IndexError that write would turn into a SlotRangeError."""
+    assert scatter_rows((cache,), torch.tensor([0]), (src,)) == -1
+
+
 def hostile_geometry():
     base = torch.zeros(64)
     yield "cache rows that overlap (stride 1 on dim 0)", (base.as_strided((4, H, D), (1, D, 1)),), \

@@ -1227,7 +1227,8 @@ def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
         dst: the caches, each exactly a ``torch.Tensor``: plain, C-contiguous (size-1
             dimensions aside), on the CPU, not overlapping one another.
         slots: a 1-D CPU integer ``torch.Tensor``, one slot per source row.
-        src: one tensor per cache, of its dtype and row shape, ``len(slots)`` rows.
+        src: one tensor per cache, of its dtype and row shape, ``len(slots)`` rows
+            (of at least one byte).
 
     Returns:
         The rows stored per cache (slots that are not padding), or -1 when any

@@ -82,6 +82,11 @@ pub fn scatter_rows(
     if !dsts.iter().chain(srcs).all(same) || srcs.iter().any(|s| s.rows != slots.len()) {
         return Ok(-1);
     }
+    // Rows of no bytes: torch stores them (as nothing) for any index; the core refuses
+    // them, and that refusal would reach the caller as a bad slot.
+    if first.row_bytes == 0 {
+        return Ok(-1);
+    }
     // Two caches sharing memory cannot both be borrowed mutably.
     for (i, a) in dsts.iter().enumerate() {
         if dsts[i + 1..].iter().any(|b| overlaps(span(a), span(b))) {
