@@ -33,6 +33,16 @@ PREFIX_NEEDS_CORE = (
 )
 
 
+def check_not_empty(key_states: torch.Tensor) -> None:
+    """A step's K/V ``[B, H, T, D]`` hold at least one row and one token: an empty batch would
+    open no request, and an empty step extends nothing (the page table has no slot to read)."""
+    b, _, t, _ = key_states.shape
+    if b < 1:
+        raise TensorShapeError(f"key_states has {b} rows: a step needs at least one row (batch >= 1)")
+    if t < 1:
+        raise TensorShapeError(f"key_states has {t} tokens: a step stores at least one token per row")
+
+
 class BatchRequests:
     """Pool requests of a batch: ``handles[i]`` holds row i's K/V, ``length`` tokens each.
 
@@ -150,6 +160,8 @@ class BatchRequests:
         if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
             raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
+        if b < 1:
+            raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
         cached = np.asarray(cached, dtype=np.int64)
@@ -173,7 +185,7 @@ class BatchRequests:
         ks = key_states.shape
         return (key_states.dtype == self.dtype and value_states.dtype == self.dtype and len(ks) == 4
                 and ks == value_states.shape and ks[0] == self.batch and ks[1] == self.heads
-                and ks[3] == self.head_dim and key_states.device == self.device
+                and ks[2] > 0 and ks[3] == self.head_dim and key_states.device == self.device
                 and value_states.device == self.device)
 
     def check_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -196,6 +208,7 @@ class BatchRequests:
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")
+        check_not_empty(key_states)
 
     def begin_step(self, tokens: int, grad: bool | None = None) -> None:
         """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to

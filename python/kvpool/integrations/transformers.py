@@ -217,6 +217,8 @@ class KVPoolCache(Cache):
         req = self.requests
         try:
             layer = self._pool_layers[layer_idx]
+            if layer_idx < 0:  # (a list counts from the end; no model layer has a negative index)
+                raise IndexError
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self._pool_layers)})") \
                 from None
@@ -412,6 +414,8 @@ class HybridKVPoolCache(KVPoolCache):
         """The layer's own ``update`` (its group's slots and window)."""
         try:
             layer = self.layers[layer_idx]
+            if layer_idx < 0:  # (as KVPoolCache.update)
+                raise IndexError
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
         return layer.update(key_states, value_states, *args, **kwargs)
