@@ -121,6 +121,18 @@ def test_a_first_step_of_no_rows_is_a_shape_error_that_opens_nothing():
     cache.close()
 
 
+def test_a_cache_of_no_rows_refuses_a_step_of_no_rows(filled):
+    """After selecting no rows, a step of no rows took the short way and raised IndexError."""
+    pool, cache = filled
+    cache.batch_select_indices(torch.tensor([], dtype=torch.long))
+    before = _state(pool, cache)
+    for b, match in ((0, "at least one row"), (B, "holds 0 pool requests")):
+        x = torch.ones(b, H, 1, D)
+        with pytest.raises(TensorShapeError, match=match):
+            cache.update(x, x, 0)
+        assert _state(pool, cache) == before
+
+
 def test_prefix_ids_of_no_rows_are_a_shape_error():
     """numpy's ValueError (``min`` of no hits) before."""
     pool = _pool()

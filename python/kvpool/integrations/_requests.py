@@ -128,6 +128,8 @@ class BatchRequests:
         self.batch = self.handles.shape[0]
         self._decode_slots = np.empty(self.batch, dtype=np.int64)
         self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
+        if not self.batch:  # (an empty select): no K/V matches, so check_kv refuses an empty batch
+            self.batch = -1
         self.slot_idx = self.dst = None
         self.later = False
         self.unstored = []  # flushed by whoever edited the rows (or a step cut short, dropped)
