@@ -20,6 +20,7 @@ from test_graph_runner import make_pool  # noqa: E402
 import kvpool  # noqa: E402
 from kvpool import InvalidArgumentError, KVPool, LayerIndexError, TensorShapeError  # noqa: E402
 from kvpool.cuda_graph import DecodeGraphRunner  # noqa: E402
+from kvpool.distributed.tp import TPPool  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 H, D, LAYERS, B, T = 2, 8, 2, 2, 3
@@ -139,6 +140,18 @@ def test_prefix_ids_of_no_rows_are_a_shape_error():
     with pytest.raises(TensorShapeError, match="at least one row"):
         KVPoolCache(pool, prefix_ids=torch.zeros(0, 4, dtype=torch.long))
     assert pool.allocator.open_requests == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda pool: KVPoolCache(pool),
+    lambda pool: DecodeGraphRunner(pool, lambda *a: None, 4),
+    lambda pool: TPPool(pool),
+], ids=["KVPoolCache", "DecodeGraphRunner", "TPPool"])
+@pytest.mark.parametrize("pool", [None, object(), "cpu"], ids=["None", "object", "str"])
+def test_something_that_is_not_a_pool_is_an_invalid_argument(make, pool):
+    """Each raised AttributeError ('NoneType' object has no attribute 'device')."""
+    with pytest.raises(InvalidArgumentError, match="takes a KVPool, got"):
+        make(pool)
 
 
 # ----- DecodeGraphRunner ------------------------------------------------------------------

@@ -58,7 +58,7 @@ from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
 from kvpool.torch_types import as_device
-from kvpool.validate import check_flag, is_int
+from kvpool.validate import check_flag, check_pool, is_int
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
@@ -181,6 +181,7 @@ class DecodeGraphRunner:
         warmup_iters: int = 2,
         copy_outputs: bool = False,
     ) -> None:
+        check_pool(pool, "DecodeGraphRunner", ("device", "null_row"))
         if not callable(step):
             raise InvalidArgumentError(f"step must be callable, got {type(step).__name__}")
         if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_DEFAULT_BATCH:

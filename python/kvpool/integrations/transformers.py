@@ -70,7 +70,7 @@ from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import is_int
+from kvpool.validate import check_pool, is_int
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -189,6 +189,7 @@ class KVPoolCache(Cache):
 
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None,
                  layer_buffers: bool = True) -> None:
+        check_pool(pool, "KVPoolCache")
         self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         self.requests.layers = self._pool_layers
