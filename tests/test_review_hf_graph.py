@@ -154,6 +154,18 @@ def test_something_that_is_not_a_pool_is_an_invalid_argument(make, pool):
         make(pool)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("flag", ["no", 0, None])
+def test_layer_buffers_takes_true_or_false(hybrid, flag):
+    """A truthy ``"no"`` built a cache with layer buffers (and a hybrid cache took anything)."""
+    pool = _pool() if not hybrid else KVPool(
+        LAYERS, H, D, dtype=torch.float32, page_size=4, num_pages=64, max_requests=4, max_context_len=64,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    with pytest.raises(InvalidArgumentError, match="layer_buffers takes True or False"):
+        KVPoolCache(pool, layer_buffers=flag)
+    KVPoolCache(pool, layer_buffers=np.bool_(False)).close()
+
+
 # ----- DecodeGraphRunner ------------------------------------------------------------------
 
 class Out(NamedTuple):

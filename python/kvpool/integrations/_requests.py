@@ -20,6 +20,7 @@ from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.validate import check_flag
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -53,6 +54,7 @@ class BatchRequests:
     """
 
     def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
+        layer_buffers = check_flag("layer_buffers", layer_buffers)
         if getattr(pool, "mla", False):
             raise InvalidArgumentError(
                 "KVPoolCache stores per-head K and V; this pool is an MLA (latent) pool. "

@@ -70,7 +70,7 @@ from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import check_pool, is_int
+from kvpool.validate import check_flag, check_pool, is_int
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -393,6 +393,7 @@ class HybridKVPoolCache(KVPoolCache):
                  layer_buffers: bool = True) -> None:
         # layer_buffers: KVPoolCache's argument, taken so that KVPoolCache(pool, ...) builds this
         # cache with the same arguments; its layers gather through their groups' tables.
+        check_flag("layer_buffers", layer_buffers)
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))
