@@ -54,6 +54,8 @@ def check_peer(peer: Any, group: Any, name: str) -> None:
     outside the group wait forever, whatever the timeout, and to this rank fail."""
     if not is_int(peer):
         raise InvalidArgumentError(f"{name} must be an int (a global rank), got {type(peer).__name__} {peer!r}")
+    if group is None and not dist.is_initialized():
+        return  # (no group to check against: the transfer's first message says so)
     ranks = group_ranks(group)
     if peer not in ranks:
         raise InvalidArgumentError(f"{name}: rank {peer} is not in the group (its ranks are {ranks})")
