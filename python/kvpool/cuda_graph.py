@@ -45,6 +45,7 @@ the step runs eagerly, so results are identical to the graph path.
 
 from __future__ import annotations
 
+import copy as copy_module
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +58,7 @@ from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
 from kvpool.torch_types import as_device
-from kvpool.validate import check_flag, is_int
+from kvpool.validate import check_flag, check_pool, is_int
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
@@ -143,8 +144,15 @@ def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
         return out[:n].clone() if copy else out[:n]
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields one by one
+        return type(out)(*(_slice_rows(o, n, copy) for o in out))
     if isinstance(out, (tuple, list)):
         return type(out)(_slice_rows(o, n, copy) for o in out)
+    if isinstance(out, dict):  # else the bucket's padded rows would come back as requests
+        sliced = copy_module.copy(out)
+        for k, v in out.items():
+            sliced[k] = _slice_rows(v, n, copy)
+        return sliced
     return out
 
 
@@ -173,6 +181,7 @@ class DecodeGraphRunner:
         warmup_iters: int = 2,
         copy_outputs: bool = False,
     ) -> None:
+        check_pool(pool, "DecodeGraphRunner", ("device", "null_row"))
         if not callable(step):
             raise InvalidArgumentError(f"step must be callable, got {type(step).__name__}")
         if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_DEFAULT_BATCH:
@@ -239,10 +248,9 @@ class DecodeGraphRunner:
         if not is_int(n) or n < 0:
             raise InvalidArgumentError(f"n must be a batch size, an int in [0, {self.max_batch_size}], "
                                        f"got {type(n).__name__} {n!r}")
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise InvalidArgumentError(f"batch of {n} exceeds max_batch_size {self.max_batch_size}")
+        if n > self.max_batch_size:  # (as run says: buckets may reach past max_batch_size)
+            raise InvalidArgumentError(f"batch of {n} exceeds max_batch_size {self.max_batch_size}")
+        return next(b for b in self.buckets if b >= n)  # (the largest bucket covers max_batch_size)
 
     @property
     def captured(self) -> list[tuple[str, int]]:
@@ -253,12 +261,17 @@ class DecodeGraphRunner:
         """Capture graphs for `buckets` (default all) in the caller's grad mode,
         largest first so smaller graphs reuse the shared private memory pool.
         No-op on CPU / with graphs disabled."""
+        # Checked on every device, so that a call that works on CPU works on a GPU.
+        if buckets is not None and not isinstance(buckets, (list, tuple, range, np.ndarray)):
+            raise InvalidArgumentError(f"buckets must be a sequence of the runner's buckets {self.buckets}, "
+                                       f"got {type(buckets).__name__} {buckets!r}")
+        todo = list(buckets) if buckets is not None and len(buckets) else list(self.buckets)
+        for b in todo:
+            if not is_int(b) or b not in self.buckets:
+                raise InvalidArgumentError(f"{b!r} is not one of the buckets {self.buckets}")
         if not self.use_graphs:
             return
-        todo = sorted(buckets or self.buckets, reverse=True)
-        for b in todo:
-            if b not in self.buckets:
-                raise InvalidArgumentError(f"{b} is not one of the buckets {self.buckets}")
+        todo = sorted(todo, reverse=True)
         with on_device(self.device):  # capture on the pool's device, whichever is current
             for b in todo:
                 self._capture(grad_mode(), b)

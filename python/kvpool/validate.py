@@ -43,6 +43,12 @@ def check_flag(name: str, value: Any) -> bool:
     raise InvalidArgumentError(f"{name} takes True or False, got {type(value).__name__} {value!r}")
 
 
+def check_pool(pool: Any, what: str, needs: tuple[str, ...] = ("allocator", "device")) -> None:
+    """Refuse what is not a pool up front (else an AttributeError from deep inside ``what``)."""
+    if any(getattr(pool, name, None) is None for name in needs):
+        raise InvalidArgumentError(f"{what} takes a KVPool, got {type(pool).__name__} {pool!r:.80}")
+
+
 def check_layer(layer: Any, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise LayerIndexError(f"layer must be an int in [0, {num_layers}), got {type(layer).__name__}")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from kvpool.distributed.errors import TransferError, TransferTimeoutError
+from kvpool.errors import InvalidArgumentError
+from kvpool.validate import is_int
 
-__all__ = ["DEFAULT_TIMEOUT_S", "comm_device", "wait", "group_ranks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "bad_timeout", "check_peer", "comm_device", "wait", "group_ranks"]
 
 #: Seconds a transfer waits for each message from its peer before giving up.
 DEFAULT_TIMEOUT_S = 60.0
@@ -44,3 +47,25 @@ def group_ranks(group: Any) -> list[int]:
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))
+
+
+def check_peer(peer: Any, group: Any, name: str) -> None:
+    """Refuse a peer that is not another rank of ``group``: gloo's isend / irecv to a rank
+    outside the group wait forever, whatever the timeout, and to this rank fail."""
+    if not is_int(peer):
+        raise InvalidArgumentError(f"{name} must be an int (a global rank), got {type(peer).__name__} {peer!r}")
+    if group is None and not dist.is_initialized():
+        return  # (no group to check against: the transfer's first message says so)
+    ranks = group_ranks(group)
+    if peer not in ranks:
+        raise InvalidArgumentError(f"{name}: rank {peer} is not in the group (its ranks are {ranks})")
+    if peer == dist.get_rank():
+        raise InvalidArgumentError(f"{name}: rank {peer} is this rank; a request moves between two ranks")
+
+
+def bad_timeout(timeout_s: Any) -> str | None:
+    """What is wrong with a transfer's ``timeout_s``, or None."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) or not (
+            timeout_s > 0):
+        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
+    return None

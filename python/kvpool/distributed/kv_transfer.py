@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
-from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, comm_device, wait
+from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, bad_timeout, check_peer, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
 from kvpool.distributed.protocol import (
@@ -225,8 +225,10 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     silent for ``timeout_s`` seconds; ``InvalidHandleError`` for a stale
     handle and ``InvalidArgumentError`` for a ``timeout_s`` or ``chunk_bytes``
     that is not a positive number (the destination is told to abort in both
-    cases). This pool is never changed.
+    cases), or, before any message, for a ``dst_rank`` that is not another
+    rank of ``group``. This pool is never changed.
     """
+    check_peer(dst_rank, group, "dst_rank")  # (no peer to tell: refused before any message)
     bad = _bad_send_args(timeout_s, chunk_bytes)
     if bad is not None:
         timeout_s = DEFAULT_TIMEOUT_S  # (the abort header still goes out, with the default)
@@ -238,12 +240,9 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
 
 def _bad_send_args(timeout_s: Any, chunk_bytes: Any) -> str | None:
     """What is wrong with ``send_request``'s keyword arguments, or None."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) or not (
-            timeout_s > 0):
-        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
     if not is_int(chunk_bytes) or chunk_bytes < 1:
-        return f"chunk_bytes must be a positive int, got {chunk_bytes!r}"
-    return None
+        return bad_timeout(timeout_s) or f"chunk_bytes must be a positive int, got {chunk_bytes!r}"
+    return bad_timeout(timeout_s)
 
 
 def _pool_lock(pool: Any) -> Any:
@@ -368,6 +367,8 @@ def recv_request(pool: Any, src_rank: int, group: Any = None, *, timeout_s: floa
     the sender is refused at once), and ``TransferError`` /
     ``TransferTimeoutError`` when the sender dies, aborts or stays silent for
     ``timeout_s`` (the half-received request is closed again).
+    ``InvalidArgumentError``, before any message, for a ``timeout_s`` that is not
+    a positive number or a ``src_rank`` that is not another rank of ``group``.
     """
     return recv_request_stats(pool, src_rank, group, timeout_s=timeout_s).handle
 
@@ -375,6 +376,9 @@ def recv_request(pool: Any, src_rank: int, group: Any = None, *, timeout_s: floa
 def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> TransferStats:
     """``recv_request`` returning the full ``TransferStats`` (benchmarks)."""
+    if (bad := bad_timeout(timeout_s)) is not None:  # (before any message: the sender times out)
+        raise InvalidArgumentError(bad)
+    check_peer(src_rank, group, "src_rank")
     t0 = time.perf_counter()
     link = _Link(src_rank, group, comm_device(group, pool.device), timeout_s)
     header = link.recv_ints(HEADER_LEN, "header")

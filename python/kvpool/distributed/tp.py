@@ -32,7 +32,7 @@ import torch.distributed as dist
 from kvpool.distributed.comm import comm_device, group_ranks
 from kvpool.distributed.errors import RankDivergenceError
 from kvpool.errors import InvalidArgumentError
-from kvpool.validate import is_int
+from kvpool.validate import check_pool, is_int
 
 __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
@@ -87,6 +87,7 @@ class TPPool:
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             from kvpool._core import InvalidArgumentError
             raise InvalidArgumentError(f"check_every must be an int >= 0, got {check_every!r}")
+        check_pool(pool, "TPPool", ("device",))
         self.inner, self.group, self.check_every = pool, group, check_every
         self._hash = hashlib.blake2b(digest_size=16)
         self.calls = 0

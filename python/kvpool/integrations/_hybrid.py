@@ -28,6 +28,7 @@ from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
+from kvpool.integrations._requests import check_not_empty
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
@@ -100,6 +101,7 @@ class HybridRequests:
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")
+        check_not_empty(key_states)
 
     def begin_step(self, tokens: int) -> None:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
@@ -221,6 +223,8 @@ class HybridRequests:
         if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
             raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
+        if b < 1:
+            raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
         cached = np.asarray(cached, dtype=np.int64)

@@ -20,6 +20,7 @@ from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.validate import check_flag
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -33,6 +34,16 @@ PREFIX_NEEDS_CORE = (
 )
 
 
+def check_not_empty(key_states: torch.Tensor) -> None:
+    """A step's K/V ``[B, H, T, D]`` hold at least one row and one token: an empty batch would
+    open no request, and an empty step extends nothing (the page table has no slot to read)."""
+    b, _, t, _ = key_states.shape
+    if b < 1:
+        raise TensorShapeError(f"key_states has {b} rows: a step needs at least one row (batch >= 1)")
+    if t < 1:
+        raise TensorShapeError(f"key_states has {t} tokens: a step stores at least one token per row")
+
+
 class BatchRequests:
     """Pool requests of a batch: ``handles[i]`` holds row i's K/V, ``length`` tokens each.
 
@@ -43,6 +54,7 @@ class BatchRequests:
     """
 
     def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
+        layer_buffers = check_flag("layer_buffers", layer_buffers)
         if getattr(pool, "mla", False):
             raise InvalidArgumentError(
                 "KVPoolCache stores per-head K and V; this pool is an MLA (latent) pool. "
@@ -118,6 +130,8 @@ class BatchRequests:
         self.batch = self.handles.shape[0]
         self._decode_slots = np.empty(self.batch, dtype=np.int64)
         self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
+        if not self.batch:  # (an empty select): no K/V matches, so check_kv refuses an empty batch
+            self.batch = -1
         self.slot_idx = self.dst = None
         self.later = False
         self.unstored = []  # flushed by whoever edited the rows (or a step cut short, dropped)
@@ -150,6 +164,8 @@ class BatchRequests:
         if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
             raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
         b, t = prefix_ids.shape
+        if b < 1:
+            raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
         tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
         cached = np.asarray(cached, dtype=np.int64)
@@ -173,7 +189,7 @@ class BatchRequests:
         ks = key_states.shape
         return (key_states.dtype == self.dtype and value_states.dtype == self.dtype and len(ks) == 4
                 and ks == value_states.shape and ks[0] == self.batch and ks[1] == self.heads
-                and ks[3] == self.head_dim and key_states.device == self.device
+                and ks[2] > 0 and ks[3] == self.head_dim and key_states.device == self.device
                 and value_states.device == self.device)
 
     def check_kv(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -196,6 +212,7 @@ class BatchRequests:
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")
+        check_not_empty(key_states)
 
     def begin_step(self, tokens: int, grad: bool | None = None) -> None:
         """Extend every row by ``tokens`` slots (all-or-nothing), bring the page table up to

@@ -70,7 +70,7 @@ from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import is_int
+from kvpool.validate import check_flag, check_pool, is_int
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -189,6 +189,7 @@ class KVPoolCache(Cache):
 
     def __init__(self, pool: KVPool, *, prefix_ids: torch.Tensor | None = None, salt: int | None = None,
                  layer_buffers: bool = True) -> None:
+        check_pool(pool, "KVPoolCache")
         self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         self.requests.layers = self._pool_layers
@@ -217,6 +218,8 @@ class KVPoolCache(Cache):
         req = self.requests
         try:
             layer = self._pool_layers[layer_idx]
+            if layer_idx < 0:  # (a list counts from the end; no model layer has a negative index)
+                raise IndexError
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self._pool_layers)})") \
                 from None
@@ -390,6 +393,7 @@ class HybridKVPoolCache(KVPoolCache):
                  layer_buffers: bool = True) -> None:
         # layer_buffers: KVPoolCache's argument, taken so that KVPoolCache(pool, ...) builds this
         # cache with the same arguments; its layers gather through their groups' tables.
+        check_flag("layer_buffers", layer_buffers)
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))
@@ -412,6 +416,8 @@ class HybridKVPoolCache(KVPoolCache):
         """The layer's own ``update`` (its group's slots and window)."""
         try:
             layer = self.layers[layer_idx]
+            if layer_idx < 0:  # (as KVPoolCache.update)
+                raise IndexError
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
         return layer.update(key_states, value_states, *args, **kwargs)
