@@ -61,6 +61,8 @@ def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
         assert [r["batch"] for r in d["results"]] == [1, 8]
         for r in d["results"]:
             assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
+            assert r["kvpool_over_dynamic_paired"] > 0
+            assert r["dynamic_update_us"] > 0 and r["kvpool_update_us"] > 0
 
 
 def test_hf_lengths_must_be_prompt_colon_new_tokens(capsys):

@@ -10,6 +10,14 @@ per run (torch runs on this thread at one intra-op thread): on a loaded host
 the CPU time is the steadier of the two. One pool serves every batch size, as
 a server's does.
 
+Two more figures per batch, because at batch 1 the caches' work is a small share
+of a step (the model's matmuls are the rest) and host drift between the runs of
+a round moves the ratio by more than the caches differ:
+- the paired ratio, the median over rounds of each round's own DynamicCache
+  time over its KVPoolCache time;
+- each cache's own host µs per decode step (``update`` of every layer, one token
+  a row, after a prompt's prefill), the caches alternated within each round.
+
 Used by ``python -m kvpool.bench overhead`` and ``benchmarks/bench_hf.py``.
 """
 
@@ -71,6 +79,36 @@ def run_once(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> tupl
     return time.perf_counter() - t0, time.thread_time() - c0, out
 
 
+def update_us(make: Any, s: HFSettings, batch: int, steps: int) -> float:
+    """Host µs per decode step of ``make()``'s cache alone: ``update`` of every layer with one
+    token a row, after a prefill of ``prompt_len``, under inference mode as ``generate`` runs."""
+    hd = s.hidden // s.heads
+    g = torch.Generator().manual_seed(s.seed)
+    with torch.inference_mode(), make() as cache:
+        kv = torch.randn(batch, s.kv_heads, s.prompt_len, hd, generator=g)
+        for layer in range(s.layers):
+            cache.update(kv, kv, layer)
+        one = torch.randn(batch, s.kv_heads, 1, hd, generator=g)
+        t0 = time.perf_counter_ns()
+        for _ in range(steps):
+            for layer in range(s.layers):
+                cache.update(one, one, layer)
+        return (time.perf_counter_ns() - t0) / steps / 1e3
+
+
+class _Closing:
+    """A DynamicCache in a ``with`` block, as KVPoolCache is used."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __enter__(self) -> Any:
+        return self.cache
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def compare(s: HFSettings, model: Any = None) -> dict[str, Any]:
     """Rounds of alternated runs; per batch the medians and the ratios (KVPoolCache's
     tokens/s over DynamicCache's, wall and CPU), and the token mismatches."""
@@ -101,6 +139,14 @@ def compare(s: HFSettings, model: Any = None) -> dict[str, Any]:
                 if r > 0:
                     times[(b, kind)].append((wall, cpu))
             mismatches += int(not torch.equal(seqs["dynamic"], seqs["kvpool"]))
+    makers = {"dynamic": lambda: _Closing(DynamicCache(config=model.config)), "kvpool": lambda: KVPoolCache(pool)}
+    cache_us: dict[tuple[int, str], list[float]] = {k: [] for k in times}
+    for r in range(s.rounds + 1):
+        for b in s.batches:
+            for kind in (("dynamic", "kvpool") if r % 2 == 0 else ("kvpool", "dynamic")):
+                us = update_us(makers[kind], s, b, steps=s.new_tokens)
+                if r > 0:
+                    cache_us[(b, kind)].append(us)
     pool.allocator.check()
     rows = []
     for b in s.batches:
@@ -110,6 +156,10 @@ def compare(s: HFSettings, model: Any = None) -> dict[str, Any]:
             "batch": b,
             "dynamic_tok_s": tokens / med["dynamic"][0], "kvpool_tok_s": tokens / med["kvpool"][0],
             "kvpool_over_dynamic": med["dynamic"][0] / med["kvpool"][0],
+            "kvpool_over_dynamic_paired": statistics.median(
+                d[0] / k[0] for d, k in zip(times[(b, "dynamic")], times[(b, "kvpool")])),
+            "dynamic_update_us": statistics.median(cache_us[(b, "dynamic")]),
+            "kvpool_update_us": statistics.median(cache_us[(b, "kvpool")]),
             "dynamic_cpu_tok_s": tokens / med["dynamic"][1], "kvpool_cpu_tok_s": tokens / med["kvpool"][1],
             "kvpool_over_dynamic_cpu": med["dynamic"][1] / med["kvpool"][1],
             "dynamic_s": med["dynamic"][0], "kvpool_s": med["kvpool"][0],
