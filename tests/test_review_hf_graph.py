@@ -191,6 +191,23 @@ def test_a_dict_output_is_sliced_to_the_real_batch(copy_outputs):
     assert type(out) is dict and out["logits"].tolist() == [2, 4, 6] and out["extra"][0].tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("rows", [[0, 1, -1], [0, 1, "past"], np.array([0, 1, -2], dtype=np.int32)])
+def test_host_req_rows_outside_req_to_token_are_refused_before_the_step(rows):
+    """A negative row counted from the end of req_to_token (another request's slots), and one
+    past null_row read past the table: the step ran with them."""
+    pool = make_pool()
+    ran = []
+    runner = DecodeGraphRunner(pool, lambda *a: ran.append(1) or a[0], max_batch_size=4)
+    if isinstance(rows, list) and rows[-1] == "past":
+        rows = [0, 1, pool.null_row + 1]
+    with pytest.raises(InvalidArgumentError, match=r"req_rows\[2\] = .* is not a row of the pool's req_to_token"):
+        runner.run([1, 2, 3], [0, 0, 0], rows, [5, 6, 7], [1, 2, 3])
+    assert not ran
+    # null_row itself is a row (padding), and the step runs with it
+    runner.run([1, 2, 3], [0, 0, 0], [0, 1, pool.null_row], [5, 6, 7], [1, 2, 3])
+    assert ran
+
+
 @pytest.mark.parametrize("buckets,match", [([99], "99 is not one of the buckets"),
                                            (5, "buckets must be"),
                                            (["a"], "is not one of the buckets")])

@@ -141,6 +141,17 @@ def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
     return arr
 
 
+def _check_rows(arr: np.ndarray, null_row: int) -> None:
+    """Host ``req_rows`` name rows of ``req_to_token``, ``[0, null_row]``: a step indexing it with
+    another value reads a wrong row (a negative one counts from the end) or past the table."""
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > null_row):
+        bad = int(np.argmax((arr < 0) | (arr > null_row)))
+        raise InvalidArgumentError(
+            f"req_rows[{bad}] = {int(arr[bad])} is not a row of the pool's req_to_token: valid rows "
+            f"are [0, {null_row}] (request rows, and null_row = {null_row} for padding)"
+        )
+
+
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
         return out[:n].clone() if copy else out[:n]
@@ -336,6 +347,8 @@ class DecodeGraphRunner:
                 out.append(a)
             else:
                 out.append(_host_ints(name, a, self._num_slots))
+                if name == "req_rows":
+                    _check_rows(out[-1], self._pad_vals[2])
             lens.append(out[-1].shape[0])
         n = lens[0]
         if any(x != n for x in lens):
