@@ -223,7 +223,7 @@ class RowsMixin:
 
         ``store``: for ``write``; a caller's 1-D integer CPU tensor on a CPU pool that stores
         with the core's row copy is returned as it is, with None for "not checked yet":
-        ``scatter_rows`` checks every value before it writes (``_copy_rows``), which is the
+        ``scatter_rows`` checks every value before it writes (``write``), which is the
         same check without a second pass over the slots (~15 µs at 1 row on the EPYC VM).
         """
         own = self._own_slots
@@ -285,7 +285,7 @@ class RowsMixin:
         if strict is not False and strict is not True:
             strict = check_flag("strict", strict)
         idx, negative = self._slots(slots, strict, store=True)
-        if self._row_plain and strict is False:
+        if self._row_plain:
             # The core's row copy checks the rows as the loop below would (exactly a tensor,
             # the caches' dtype and row shape, one row a slot, dense CPU memory) and declines
             # anything else, which the loop then names; it copies bytes, so a source that
@@ -293,7 +293,9 @@ class RowsMixin:
             try:
                 if scatter_into(self._row_caches[layer], idx, (k,) if v is None else (k, v)):
                     return
-            except IndexError:  # nothing written; name the slot as a caller's is named
+            except IndexError:
+                # Nothing written: the slots are a caller's, or a pool-made tensor changed behind
+                # torch's back (PoolSlots). Name the bad slot as a caller's tensor is named.
                 slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
                 raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
         want = (idx.shape[0],) + self._row_shape
@@ -364,17 +366,9 @@ class RowsMixin:
 
     def _copy_rows(self, caches: tuple[torch.Tensor, ...], idx: torch.Tensor, negative: bool | None,
                    k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """The store of a non-fp8 CPU pool: ``scatter_into``, or one ``index_copy_`` per
-        cache for tensors it does not take. ``negative`` None: a caller's slots, not checked
-        yet (``_slots(store=True)``)."""
-        try:
-            if scatter_into(caches, idx, (k,) if v is None else (k, v)):
-                return
-        except IndexError:
-            # Nothing was written: the slots are a caller's, or a pool-made tensor changed
-            # behind torch's back (PoolSlots). Name the bad slot as a caller's tensor is named.
-            slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
-            raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+        """The torch store of a non-fp8 CPU pool, one ``index_copy_`` per cache: for rows
+        the core's row copy declined (``write`` tries it first). ``negative`` None: a
+        caller's slots, not checked yet (``_slots(store=True)``)."""
         if negative is None:  # the row copy declined them: check them here
             idx, negative = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
         if negative:

@@ -64,6 +64,15 @@ struct Torch {
     plain_keys: u64,
 }
 
+impl Torch {
+    /// Whether `t`'s dispatch keys are a subset of a plain CPU tensor's.
+    fn is_plain(&self, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let keys = self.dispatch_keys.bind(py).call1((t,))?;
+        let raw = self.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
+        Ok(raw & !self.plain_keys == 0)
+    }
+}
+
 /// torch's functions, or None when this torch lacks them (or they are not
 /// torch's own): then every tensor takes the numpy path.
 static TORCH: PyOnceLock<Option<Torch>> = PyOnceLock::new();
@@ -176,9 +185,7 @@ pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Ve
 }
 
 fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
-    let keys = torch.dispatch_keys.bind(py).call1((t,))?;
-    let raw = torch.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
-    if raw & !torch.plain_keys != 0 {
+    if !torch.is_plain(py, t)? {
         return Ok(None);
     }
     match &torch.export {
@@ -297,9 +304,7 @@ pub fn dense_view(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Den
     let Export::View(view) = &torch.export else {
         return Ok(None);
     };
-    let keys = torch.dispatch_keys.bind(py).call1((obj,))?;
-    let raw = torch.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
-    if raw & !torch.plain_keys != 0 {
+    if !torch.is_plain(py, obj)? {
         return Ok(None);
     }
     let mut dl = DLTensor::default();
