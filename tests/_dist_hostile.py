@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import kvpool
-from kvpool.distributed import TransferRejectedError, kv_transfer
+from kvpool.distributed import TransferRejectedError, chunks, kv_transfer
 from kvpool.distributed import protocol as P
 
 PAGE, PAGES, MAX_CTX = 4, 40, 80
@@ -146,7 +146,7 @@ def hostile_receiver(rank: int, world: int) -> dict[str, Any]:
         except kvpool.KVPoolError as e:
             out[name] = {"error": type(e).__name__, "reason": getattr(e, "reason", ""), "message": str(e),
                          "seconds": time.monotonic() - t0, "unchanged": snapshot(target) == before,
-                         "staging": kv_transfer._STAGING.get(target) is not None}
+                         "staging": chunks.STAGING.get(target) is not None}
     before = snapshot(pool)
     dist.barrier()
     try:
@@ -155,14 +155,14 @@ def hostile_receiver(rank: int, world: int) -> dict[str, Any]:
     except TransferRejectedError as e:
         out["real_sender_refused"] = (e.reason, snapshot(pool) == before)
     got, kept = [], []
-    for keep in (kv_transfer.KEEP_STAGING_BYTES, 0):
-        kv_transfer.KEEP_STAGING_BYTES = keep
+    for keep in (chunks.KEEP_STAGING_BYTES, 0):
+        chunks.KEEP_STAGING_BYTES = keep
         dist.barrier()
         h = kv_transfer.recv_request(pool, 0, timeout_s=PEER_TIMEOUT_S)
         got.append([pool.read(layer, pool.slots(h)) for layer in range(pool.num_layers)])
-        kept.append(kv_transfer._STAGING.get(pool) is not None)
+        kept.append(chunks.STAGING.get(pool) is not None)
         pool.close([h])
-        kv_transfer._STAGING.pop(pool, None)
+        chunks.STAGING.pop(pool, None)
     pool.check()
     out["received"], out["staging_kept"] = got, kept
     return out

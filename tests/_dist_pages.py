@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import kvpool
-from kvpool.distributed import kv_transfer
+from kvpool.distributed import chunks, kv_transfer
 
 PAGE, MAX_CTX = 4, 80
 LENGTH = 38
@@ -34,8 +34,8 @@ def fill_lru(pool: kvpool.KVPool, seed: int) -> None:
 
 def descending(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"pages": [], "kv": []}
-    for chunk_bytes, max_runs in ((kv_transfer.DEFAULT_CHUNK_BYTES, 32), (1, 0)):
-        kv_transfer.MAX_RUNS = max_runs  # 0: pack and unpack with index ops instead of page runs
+    for chunk_bytes, max_runs in ((chunks.DEFAULT_CHUNK_BYTES, 32), (1, 0)):
+        chunks.MAX_RUNS = max_runs  # 0: pack and unpack with index ops instead of page runs
         pool = make_pool()
         fill_lru(pool, seed=rank)
         dist.barrier()

@@ -14,7 +14,7 @@ import kvpool
 from kvpool.demo.engine import Engine
 from kvpool.demo.model import ModelConfig, build_model
 from kvpool.demo.requests import synthetic_requests
-from kvpool.distributed import RankDivergenceError, TransferError, TransferRejectedError, kv_transfer, tp_pool
+from kvpool.distributed import RankDivergenceError, TransferError, TransferRejectedError, chunks, kv_transfer, tp_pool
 
 CFG = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=80, seed=3)
 MAX_CTX = 80
@@ -204,7 +204,7 @@ def _raw_cases(rank: int) -> dict[str, Any]:
     }
     for name, kw in cases.items():
         # The MLA case packs with index ops (as for fragmented requests), the others by page runs.
-        kv_transfer.MAX_RUNS = 0 if name == "mla" else 32
+        chunks.MAX_RUNS = 0 if name == "mla" else 32
         pool = make_pool(4, 40, layout="paged", **kw)
         if pool.fp8:
             pool.k_scale.copy_(torch.tensor([2.0, 0.25]))

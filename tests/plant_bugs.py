@@ -139,7 +139,7 @@ MUTANTS = [
     Mutant("fix-transfer-header-unchecked", "python/kvpool/distributed/kv_transfer.py",
            "    problem = header_problem(pool, header, src_scales)", "    problem = None",
            ["tests/test_transfer_hostile.py"], group="fixes"),
-    Mutant("fix-transfer-staging-always-kept", "python/kvpool/distributed/kv_transfer.py",
+    Mutant("fix-transfer-staging-always-kept", "python/kvpool/distributed/chunks.py",
            "    if n * 2 <= KEEP_STAGING_BYTES:", "    if True:",
            ["tests/test_transfer_hostile.py"], group="fixes"),
     Mutant("fix-send-without-the-pool-lock", "python/kvpool/distributed/kv_transfer.py",

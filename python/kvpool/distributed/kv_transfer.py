@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
+from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES, chunk_view, pack, rescale, staging
+from kvpool.distributed.chunks import unpack as _unpack
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, bad_timeout, check_peer, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
-from kvpool.distributed.pages import cache_pages, contiguous_runs, page_bytes, word_dtype
+from kvpool.distributed.pages import cache_pages, page_bytes
 from kvpool.distributed.protocol import (
     CONTEXT,
     EXHAUSTED,
@@ -68,15 +69,11 @@ from kvpool.distributed.protocol import (
     split_chain,
 )
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.modes import persistent
 from kvpool.torch_types import FP8_DTYPES
 from kvpool.validate import is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
-DEFAULT_CHUNK_BYTES = 16 << 20  # staging per buffer; big enough to amortize a message, small enough to pipeline
-#: Staging kept per pool between transfers (both buffers); bigger staging is freed after its transfer.
-KEEP_STAGING_BYTES = 2 * DEFAULT_CHUNK_BYTES
 #: Longest a receiver waits to deliver a refusal to a sender whose header it could
 #: not even read through (the sender may be stuck sending metadata it never takes).
 REFUSAL_WAIT_S = 2.0
@@ -126,74 +123,6 @@ class _Link:
         t = torch.empty(n, dtype=torch.int64, device=self.device)
         self.wait(self.post_recv(t, what), what)
         return t.cpu().numpy()
-
-
-_STAGING: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
-
-
-def _staging(link: _Link, pool: Any, pages: int, chunks: int) -> list[torch.Tensor]:
-    """Buffers for chunks of ``pages`` pages: two when there are several chunks (one
-    being sent or stored while the other is filled), else one. So staging never
-    exceeds the pages actually moved, which the receiver has checked against its
-    free pages. Up to ``KEEP_STAGING_BYTES`` stay with the pool, so repeated
-    transfers do not pay for fresh allocations and page faults; bigger buffers are
-    freed when the transfer returns (the caller holds the only reference)."""
-    n = (1 if pool.mla else 2) * pool.num_layers * pages * page_bytes(pool)
-    count = 2 if chunks > 1 else 1
-    owner = getattr(pool, "inner", pool)
-    kept = _STAGING.get(owner)
-    if kept is not None and len(kept) >= count and kept[0].numel() >= n and kept[0].device == link.device:
-        return kept
-    with persistent():
-        bufs = [torch.empty(n, dtype=torch.uint8, device=link.device) for _ in range(count)]
-    if n * 2 <= KEEP_STAGING_BYTES:
-        if count == 1:  # keep a pair, so a later transfer of several chunks reuses it too
-            with persistent():
-                bufs.append(torch.empty(n, dtype=torch.uint8, device=link.device))
-        _STAGING[owner] = bufs
-    else:
-        _STAGING.pop(owner, None)
-    return bufs
-
-
-#: Above this many contiguous page runs per request, pages are packed with one
-#: index op per cache kind instead of one copy per run.
-MAX_RUNS = 32
-
-
-def _pack(views: list[torch.Tensor], chunk: torch.Tensor, pages: np.ndarray, idx: torch.Tensor) -> None:
-    """Copy pages (all layers) of every cache into ``chunk`` ``[caches, layers, k, words]``."""
-    starts, lengths = contiguous_runs(pages)
-    for c, cache in enumerate(views):
-        if len(starts) <= MAX_RUNS:
-            off = 0
-            for s, n in zip(starts.tolist(), lengths.tolist()):
-                chunk[c, :, off : off + n].copy_(cache[:, s : s + n])
-                off += n
-        elif cache.device == chunk.device:
-            torch.index_select(cache, 1, idx, out=chunk[c])
-        else:
-            chunk[c].copy_(cache.index_select(1, idx))
-
-
-def _unpack(views: list[torch.Tensor], chunk: torch.Tensor, pages: np.ndarray, idx: torch.Tensor) -> None:
-    """The inverse of ``_pack``: store ``chunk``'s pages into the caches."""
-    starts, lengths = contiguous_runs(pages)
-    for c, cache in enumerate(views):
-        if len(starts) <= MAX_RUNS:
-            off = 0
-            for s, n in zip(starts.tolist(), lengths.tolist()):
-                cache[:, s : s + n].copy_(chunk[c, :, off : off + n])
-                off += n
-        else:
-            cache.index_copy_(1, idx, chunk[c].to(cache.device))
-
-
-def _chunk_view(buf: torch.Tensor, pool: Any, k: int) -> torch.Tensor:
-    """``[caches, layers, k, page_words]`` at the start of a staging buffer (contiguous)."""
-    caches = 1 if pool.mla else 2
-    word = word_dtype(page_bytes(pool))
-    return buf[: caches * pool.num_layers * k * page_bytes(pool)].view(word).view(caches, pool.num_layers, k, -1)
 
 
 def _chain_hashes(pool: Any, handle: int) -> tuple[int, np.ndarray]:
@@ -294,7 +223,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
     todo = pages[cached:]
     if not len(todo):
         return _acknowledged(link, dst_rank, handle, pages, cached, 0, t0)
-    bufs = _staging(link, pool, min(per_chunk, len(todo)), -(-len(todo) // per_chunk))
+    bufs = staging(link.device, pool, min(per_chunk, len(todo)), -(-len(todo) // per_chunk))
     idx_all = torch.from_numpy(todo).to(pool.device)
     views = cache_pages(pool)
     in_flight: list[Any] = [None, None]
@@ -303,8 +232,8 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         slot = i % 2
         if in_flight[slot] is not None:
             link.wait(in_flight[slot], "K/V chunk")
-        view = _chunk_view(bufs[slot], pool, k)
-        _pack(views, view, todo[start : start + k], idx_all[start : start + k])
+        view = chunk_view(bufs[slot], pool, k)
+        pack(views, view, todo[start : start + k], idx_all[start : start + k])
         in_flight[slot] = link.send(view.reshape(-1), "K/V chunk")
     for w in in_flight:
         if w is not None:
@@ -461,40 +390,21 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     return TransferStats(handle, n_pages, cached, moved, link.messages, time.perf_counter() - t0)
 
 
-def _rescale(pool: Any, view: torch.Tensor, src_scales: np.ndarray) -> None:
-    """fp8: re-quantize rows stored with the sender's scales to this pool's scales, in place."""
-    if not len(src_scales):
-        return
-    mine = scales_of(pool)
-    if np.array_equal(mine, src_scales):
-        return
-    fmax = torch.finfo(pool.dtype).max
-    L = pool.num_layers
-    for c in range(view.shape[0]):
-        for layer in range(L):
-            ratio = float(src_scales[c * L + layer] / mine[c * L + layer])
-            if ratio == 1.0:
-                continue
-            rows = view[c, layer].view(pool.dtype)
-            q = (rows.float() * ratio).clamp_(-fmax, fmax).to(pool.dtype)
-            view[c, layer].copy_(q.view(view.dtype))
-
-
 def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int, src_scales: np.ndarray) -> None:
     if not len(dst_pages):
         return
     if pool.fp8 and pool.dtype not in FP8_DTYPES:  # pragma: no cover - FP8_DTYPES defines fp8
         raise TransferError(f"unknown fp8 dtype {pool.dtype}")
-    bufs = _staging(link, pool, min(per_chunk, len(dst_pages)), -(-len(dst_pages) // per_chunk))
+    bufs = staging(link.device, pool, min(per_chunk, len(dst_pages)), -(-len(dst_pages) // per_chunk))
     idx_all = torch.from_numpy(dst_pages).to(pool.device)
     views = cache_pages(pool)
     starts = list(range(0, len(dst_pages), per_chunk))
     sizes = [min(per_chunk, len(dst_pages) - s) for s in starts]
-    pending = link.post_recv(_chunk_view(bufs[0], pool, sizes[0]).view(-1), "K/V chunk")
+    pending = link.post_recv(chunk_view(bufs[0], pool, sizes[0]).view(-1), "K/V chunk")
     for i, (start, k) in enumerate(zip(starts, sizes)):
         link.wait(pending, "K/V chunk")
-        view = _chunk_view(bufs[i % 2], pool, k)
+        view = chunk_view(bufs[i % 2], pool, k)
         if i + 1 < len(starts):  # the next chunk lands in the other buffer while this one is stored
-            pending = link.post_recv(_chunk_view(bufs[(i + 1) % 2], pool, sizes[i + 1]).view(-1), "K/V chunk")
-        _rescale(pool, view, src_scales)
+            pending = link.post_recv(chunk_view(bufs[(i + 1) % 2], pool, sizes[i + 1]).view(-1), "K/V chunk")
+        rescale(pool, view, src_scales)
         _unpack(views, view, dst_pages[start : start + k], idx_all[start : start + k])
