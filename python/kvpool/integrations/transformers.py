@@ -65,12 +65,13 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
                       f"found transformers {transformers.__version__}")
 
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, hybrid_pool_kwargs
+from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers
+from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import check_flag, check_pool, is_int
+from kvpool.validate import check_flag, check_pool
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -444,56 +445,3 @@ class HybridKVPoolCache(KVPoolCache):
         h = self.requests.handles
         rows = 0 if h is None else h.shape[0]
         return f"KVPoolCache(hybrid, rows={rows}, length={self.requests.length}, pool={self.pool!r})"
-
-
-def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requests: int = 64,
-                   max_context_len: int | None = None, device: Any = None, dtype: torch.dtype | None = None,
-                   **pool_kwargs: Any) -> KVPool:
-    """A ``KVPool`` shaped for ``model`` (a transformers model or its config).
-
-    Args:
-        model: ``PreTrainedModel`` or ``PretrainedConfig`` (the decoder's text config is used).
-        max_tokens: K/V capacity in tokens (rounded up to whole pages; the reserved page 0 is added).
-        page_size, max_requests, **pool_kwargs: passed to ``KVPool``. KV events are off
-            unless ``kv_events=True`` is passed: ``KVPoolCache`` never drains them, and a
-            router that wants them drains ``pool.take_events()`` itself.
-        max_context_len: longest request; default the config's ``max_position_embeddings``.
-        device, dtype: default the model's (float32 / cpu for a bare config).
-
-    The pool's tensors are created under ``kvpool.persistent()``, so calling this inside
-    ``torch.inference_mode()`` is fine.
-
-    Raises:
-        InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
-            positive int (and what ``KVPool`` raises for its own arguments).
-    """
-    # Checked here: the pool's sizes are computed from them before KVPool sees any.
-    value: Any
-    for name, value in (("max_tokens", max_tokens), ("page_size", page_size), ("max_context_len", max_context_len)):
-        if value is None and name == "max_context_len":
-            continue
-        if not (is_int(value) and value > 0):
-            hint = " or None (the config's max_position_embeddings)" if name == "max_context_len" else ""
-            raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
-    config = getattr(model, "config", model)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    if device is None:
-        device = getattr(model, "device", "cpu")
-    if dtype is None:
-        # A model's dtype; a bare config's ``dtype`` is None (or a name) unless it was set.
-        dtype = getattr(model, "dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.float32
-    ctx = max_context_len if max_context_len is not None else getattr(text, "max_position_embeddings", None) or 4096
-    ctx = -(-int(ctx) // page_size) * page_size
-    pages = -(-int(max_tokens) // page_size) + 1
-    pool_kwargs.setdefault("kv_events", False)
-    for key, value in hybrid_pool_kwargs(text, ctx).items():  # sliding / linear-attention layers
-        pool_kwargs.setdefault(key, value)
-    return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
-                  num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
