@@ -103,6 +103,34 @@ def test_errors_name_the_bad_input():
     assert runner.run(*_args(pool)).shape == (2, 64)  # still usable
 
 
+def _bad_values(ctx):
+    return [("input_ids", [1, -1], "token ids are >= 0"),
+            ("positions", [0, ctx], rf"valid positions are \[0, {ctx - 1}\]"),
+            ("positions", [-1, 1], rf"valid positions are \[0, {ctx - 1}\]"),
+            ("seq_lens", [1, ctx + 1], rf"valid seq_lens are \[0, {ctx}\]"),
+            ("seq_lens", [1, -2], rf"valid seq_lens are \[0, {ctx}\]")]
+
+
+def test_host_values_the_step_would_index_with_are_checked():
+    """A negative token id, or a position or length past the pool's rows, would make the
+    step read outside its tables (on a GPU a device-side assert that ends the CUDA
+    context): refused before any buffer changes, naming the entry and the valid range."""
+    pool, runner = _runner()
+    ctx = pool.max_context_len
+    before, static = snapshot(pool), runner._static.clone()
+    for name, values, valid in _bad_values(ctx):
+        bad = next(i for i, v in enumerate(values) if v < 0 or v >= ctx)
+        for given in (values, np.array(values), torch.tensor(values)):
+            with pytest.raises(kvpool.InvalidArgumentError, match=rf"{name}\[{bad}\] = {values[bad]} is out of range: "
+                                                               rf"{valid}"):
+                runner.run(*_args(pool, **{name: given}))
+    assert torch.equal(runner._static, static)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(pool), before))
+    # The ends of each range pass.
+    out = runner.run(*_args(pool, input_ids=[0, 5], positions=[0, ctx - 1], seq_lens=[0, ctx]))
+    assert out.shape[0] == 2
+
+
 # ----- staging through the pinned ring ----------------------------------------------------
 
 class NeverDone:

@@ -152,6 +152,28 @@ def _check_rows(arr: np.ndarray, null_row: int) -> None:
         )
 
 
+def _check_values(name: str, arr: np.ndarray, max_context_len: int | None) -> None:
+    """Host values the step would use as indices: a negative token id, or a position or
+    sequence length past the pool's rows, makes the step read outside its tables (on a
+    GPU a device-side assert or an illegal access, which ends the process's CUDA
+    context), so they are refused here, where it costs a min and a max."""
+    if not arr.size:
+        return
+    if name == "input_ids":
+        lo, hi, valid = 0, None, "token ids are >= 0"
+    elif name in ("positions", "seq_lens") and max_context_len is not None:
+        top = max_context_len - 1 if name == "positions" else max_context_len
+        lo, hi, valid = 0, top, f"valid {name} are [0, {top}] (the pool's max_context_len is {max_context_len})"
+    else:
+        return
+    bad_mask = arr < lo
+    if hi is not None:
+        bad_mask |= arr > hi
+    if bad_mask.any():
+        bad = int(np.argmax(bad_mask))
+        raise InvalidArgumentError(f"{name}[{bad}] = {int(arr[bad])} is out of range: {valid}")
+
+
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
         return out[:n].clone() if copy else out[:n]
@@ -233,6 +255,8 @@ class DecodeGraphRunner:
         self._pad_vals = (0, 0, int(pool.null_row), 0, int(pad_seq_len))
         num_slots = getattr(pool, "num_slots", None)
         self._num_slots = int(num_slots) if num_slots is not None else None
+        max_context_len = getattr(pool, "max_context_len", None)
+        self._max_context_len = int(max_context_len) if is_int(max_context_len) else None
         with persistent():
             self._pad = torch.tensor(self._pad_vals, dtype=torch.int64)
             self._pad_dev = self._pad.to(self.device)
@@ -349,6 +373,8 @@ class DecodeGraphRunner:
                 out.append(_host_ints(name, a, self._num_slots))
                 if name == "req_rows":
                     _check_rows(out[-1], self._pad_vals[2])
+                else:
+                    _check_values(name, out[-1], self._max_context_len)
             lens.append(out[-1].shape[0])
         n = lens[0]
         if any(x != n for x in lens):
