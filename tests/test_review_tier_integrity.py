@@ -14,7 +14,6 @@ or host page is left used.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -81,6 +80,8 @@ class Model:
     def verify(self, h):
         tokens, salt, _ = self.reqs[h]
         assert self.pool.length(h) == len(tokens)
+        known = self.pool.known_tokens(h).tolist()[: len(tokens)]
+        assert known == tokens[: len(known)], "the pool's token ids are not what was written"
         if h in self.swapped or not tokens:
             return
         pool, n = self.pool, len(tokens)
@@ -104,11 +105,12 @@ class Model:
                 for p in range(at, at + n)]
 
     def extend(self, hs, counts):
-        toks = [t for h, c in zip(hs, counts) for t in self.next_tokens(h, c)]
-        if all(len(self.reqs[h][0]) + c <= len(self.reqs[h][2]) for h, c in zip(hs, counts)) and self.draw(st.booleans()):
-            r = self.pool.extend(hs, counts)  # the prompts say which tokens these are
-        else:
-            r = self.pool.extend(hs, counts, tokens=toks)
+        # Without tokens the prompts say which tokens these are, and past a prompt they are
+        # unknown to the pool (never cached): the model gives them ids no prompt has.
+        known = self.draw(st.booleans())
+        toks = [t if known or p < len(self.reqs[h][2]) else 10_000 + t
+                for h, c in zip(hs, counts) for p, t in zip(range(len(self.reqs[h][0]), CTX), self.next_tokens(h, c))]
+        r = self.pool.extend(hs, counts, tokens=toks) if known else self.pool.extend(hs, counts)
         j = 0
         for h, c in zip(hs, counts):
             start = len(self.reqs[h][0])
@@ -155,7 +157,12 @@ class Model:
 
     def op_cache(self):
         if self.resident():
-            self.pool.cache(self.some(self.resident()))
+            self.pool.cache(self.some(self.resident()), priority=self.draw(st.sampled_from([None, 0, 100])))
+
+    def op_reset(self):
+        self.pool.reset()  # swapped-out requests' host pages come back too
+        self.reqs.clear()
+        self.swapped.clear()
 
     def op_close(self):
         if self.reqs:
@@ -200,7 +207,8 @@ class Model:
             src = self.draw(st.sampled_from(sorted(self.reqs)))  # swapped out too: its pages' ids are on the host
             hashes, tokens, salt = self.pool.chain_hashes(src)
             assert tokens.tolist() == self.reqs[src][0][: len(tokens)] and 2 * (len(tokens) // self.ps) == len(hashes)
-            assert len(tokens) == len(self.reqs[src][0]) // self.ps * self.ps
+            known = len(self.pool.known_tokens(src))
+            assert len(tokens) == min(known, len(self.reqs[src][0])) // self.ps * self.ps
             h = self.pool.open_with_chain_hashes(hashes, tokens, salt)
             n = self.pool.length(h)
             self.reqs[h] = [tokens[:n].tolist(), int(salt), tokens.tolist()]
@@ -228,7 +236,7 @@ class Model:
                                            "swap_in", "fork", "truncate", "chain", "evict", "store", "admit", "restart"]
 
     def step(self):
-        kind = self.draw(st.sampled_from(self.OPS + ["clear"] * (len(self.log) % 16 == 15)))
+        kind = self.draw(st.sampled_from(self.OPS + ["clear", "reset"] * (len(self.log) % 16 == 15)))
         self.log.append(kind)
         try:
             getattr(self, "op_" + kind)()
@@ -239,6 +247,11 @@ class Model:
         assert (a.pending_offloads, a.pending_loads, a.pending_copies) == (0, 0, 0)
         for h in self.reqs:
             self.verify(h)
+        # Host pages are held only by swapped-out requests (queued transfers are drained),
+        # at most one per page of theirs; the rest is FREE or CACHED.
+        held = self.pool.host_pages - 1 - self.pool.host_free_pages
+        assert 0 <= held <= sum(-(-len(self.reqs[h][0]) // self.ps) for h in self.swapped)
+        assert self.pool.host_cached_pages <= self.pool.host_pages - 1
 
     def finish(self):
         pool = self.pool
@@ -251,35 +264,85 @@ class Model:
         assert (pool.host_free_pages, pool.host_cached_pages) == (pool.host_pages - 1, 0)
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def run(data, page_size, policy, tmp=None, **kw):
+@given(data=st.data())
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+def test_tier_sequences_read_back_what_was_written(tmp_path_factory, data):
+    """One example: a geometry, a policy, a layout, the CPU or the device table path,
+    with or without a disk tier, and up to 40 operations."""
+    page_size = data.draw(st.sampled_from([1, 2, 3, 4]), label="page_size")
     num_pages = data.draw(st.integers(4, 40 // page_size + 2), label="num_pages")
     host_pages = data.draw(st.integers(2, 24 // page_size + 3), label="host_pages")
-    m = Model(data, page_size, num_pages, host_pages, policy, tmp, **kw)
-    for _ in range(data.draw(st.integers(1, 60), label="steps")):
+    policy = data.draw(st.sampled_from(["write_back", "write_through"]), label="policy")
+    layout = data.draw(st.sampled_from(["token", "paged"]), label="layout")
+    device_table = data.draw(st.booleans(), label="device_table")
+    tmp = tmp_path_factory.mktemp("disk") if data.draw(st.booleans(), label="disk") else None
+    m = Model(data, page_size, num_pages, host_pages, policy, tmp, layout=layout, device_table=device_table)
+    for _ in range(data.draw(st.integers(1, 40), label="steps")):
         m.step()
     m.finish()
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 4])
-@pytest.mark.parametrize("policy", ["write_back", "write_through"])
-@given(data=st.data())
-@SETTINGS
-def test_host_tier_sequences_read_back_what_was_written(page_size, policy, data):
-    run(data, page_size, policy)
+def _pool(policy, **kw):
+    args = dict(dtype=torch.float16, page_size=4, num_pages=8, max_requests=4, max_context_len=CTX, host_pages=12,
+                host_policy=policy, hash_seed=1)
+    return kvpool.KVPool(LAYERS, H, D, **{**args, **kw})
+
+
+def _fill(pool, tokens, h=None, start=0):
+    if h is None:
+        hs, cached = pool.open_with_prefix(tokens, [len(tokens)])
+        h, start = int(hs[0]), int(cached[0])
+    slots = pool.extend([h], [len(tokens) - start], tokens=tokens[start:]).slots
+    for layer in range(LAYERS):
+        k, v = expected(tokens, 0, layer)
+        pool.write(layer, torch.as_tensor(slots), k[start:].half(), v[start:].half())
+    return h
+
+
+def _reads(pool, h, tokens):
+    slots = pool.slots(h)
+    assert len(slots) == len(tokens)
+    for layer in range(LAYERS):
+        k, v = pool.read(layer, slots)
+        wk, wv = expected(tokens, 0, layer)
+        assert torch.equal(k.float(), wk) and torch.equal(v.float(), wv), f"layer {layer}: wrong K/V"
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
-@given(data=st.data())
-@settings(SETTINGS, max_examples=60)
-def test_disk_tier_over_host_tier_sequences(tmp_path_factory, policy, data):
-    run(data, 2, policy, tmp_path_factory.mktemp("disk"))
+def test_a_cached_page_cut_back_swapped_and_loaded_is_rewritten_not_shared(policy):
+    """Cut back into a registered page, swapped out, the device copy evicted: swap_in
+    makes the loaded page the entry's device copy, so the rewrite must drop it (or copy)
+    rather than change what later prompts of the old tokens hit."""
+    pool = _pool(policy)
+    old = list(range(1, 10))
+    h = _fill(pool, old)
+    pool.cache([h])
+    pool.truncate([h], [6])
+    pool.swap_out([h])
+    pool.evict(100)
+    pool.swap_in([h])
+    new = old[:6] + [50, 51, 52]
+    _fill(pool, new, h, 6)
+    _reads(pool, h, new)
+    hs, cached = pool.open_with_prefix(old, [len(old)])
+    assert int(cached[0]) == 8
+    _reads(pool, int(hs[0]), old[:8])
+    pool.check()
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
-@given(data=st.data())
-@settings(SETTINGS, max_examples=60)
-def test_paged_layout_on_the_device_table_path(policy, data):
-    run(data, 4, policy, layout="paged", device_table=True)
+def test_equal_pages_under_other_parents_come_back_from_the_host_as_their_own(policy):
+    """Pages with equal token ids under different first pages, both only on the host:
+    each prompt hits its own chain's K/V."""
+    pool = _pool(policy)
+    a, c = [5, 6, 7, 8] + BRANCH_A[:8] + [1], [90, 91, 92, 93] + BRANCH_A[:8] + [1]
+    for tokens in (a, c):
+        pool.close([_fill(pool, tokens)], cache=True)
+    pool.evict(100)
+    assert pool.cached_pages == 0 and pool.host_cached_pages == 6
+    for tokens in (c, a):
+        hs, cached = pool.open_with_prefix(tokens, [len(tokens)])
+        assert int(cached[0]) == 12
+        _reads(pool, int(hs[0]), tokens[:12])
+    assert pool.host_hit_tokens == 24
+    pool.check()
