@@ -24,8 +24,8 @@ from kvpool.tiers import DiskCache, FileTier
 
 H, D, LAYERS, CTX = 2, 4, 2, 40
 REFUSED = (kvpool.PoolExhaustedError, kvpool.TooManyRequestsError, kvpool.ContextTooLongError)
-# A common head, then branches; "tail" repeats branch a's later tokens under another head,
-# so whole pages with equal token ids sit under different parents.
+# A common head, then branches; the third and fourth repeat branch A's tokens under another
+# head (or a shorter one), so whole pages with equal token ids sit under different parents.
 HEAD = [5, 6, 7, 8, 9, 10, 11, 12]
 BRANCH_A = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
 BASES = [HEAD + BRANCH_A, HEAD + [40, 41, 42, 43, 44, 45, 46, 47], [90, 91, 92, 93, 94, 95, 96, 97] + BRANCH_A,
@@ -109,7 +109,7 @@ class Model:
         # unknown to the pool (never cached): the model gives them ids no prompt has.
         known = self.draw(st.booleans())
         toks = [t if known or p < len(self.reqs[h][2]) else 10_000 + t
-                for h, c in zip(hs, counts) for p, t in zip(range(len(self.reqs[h][0]), CTX), self.next_tokens(h, c))]
+                for h, c in zip(hs, counts) for p, t in enumerate(self.next_tokens(h, c), len(self.reqs[h][0]))]
         r = self.pool.extend(hs, counts, tokens=toks) if known else self.pool.extend(hs, counts)
         j = 0
         for h, c in zip(hs, counts):
