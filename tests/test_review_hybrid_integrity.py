@@ -34,7 +34,7 @@ TYPES = [
     ("linear_attention", "full_attention"),
     ("sliding_attention", "linear_attention"),
 ]
-H, D, MAX_REQ, MAX_CTX = 2, 3, 4, 40
+H, D, MAX_REQ, MAX_CTX = 2, 3, 4, 48
 BASES = [[1, 2, 1, 1, 2, 2, 1, 2, 1, 1, 2, 1, 1, 1, 2, 2, 1, 2, 2, 1] * 2,
          [1, 2, 1, 1, 2, 1, 2, 1, 2, 2, 1, 1, 2, 2, 1, 1, 1, 2, 1, 1] * 2]
 PATTERN = torch.arange(H * D, dtype=torch.float32).view(H, D) / 8  # per head and dim, exact in fp32
@@ -67,6 +67,7 @@ class Model:
         self.reqs: dict[int, dict] = {}
         self.written: dict[tuple, set] = {}  # (salt, prefix, layer) -> every value written there
         self.counter = 1.0
+        self.published: list[tuple[list, int]] = []  # (tokens, salt) a request cached: prompts that hit
 
     # ---- values ---------------------------------------------------------------------
     def fresh(self) -> float:
@@ -205,6 +206,7 @@ class Model:
             k += c
         if publish:
             self.pool.cache(np.array(hs))
+            self.published += [(list(self.reqs[h]["toks"]), self.reqs[h]["salt"]) for h in hs][-8:]
 
     def admit(self, prompts: list) -> None:
         out = []
@@ -248,7 +250,7 @@ class Model:
 
 
 configs = st.tuples(st.sampled_from(TYPES), st.integers(2, 6), st.integers(1, 3), st.sampled_from([1, 2]),
-                    st.integers(5, 20), st.integers(4, 16), st.integers(3, 8), st.sampled_from(["token", "paged"]), st.booleans())
+                    st.integers(12, 40), st.integers(6, 24), st.integers(3, 8), st.sampled_from(["token", "paged"]), st.booleans())
 
 
 class IntegrityMachine(RuleBasedStateMachine):
@@ -269,7 +271,7 @@ class IntegrityMachine(RuleBasedStateMachine):
             for h in out[0]:
                 self.m.new_req(int(h), [], 0, [])
 
-    @rule(which=st.lists(st.tuples(st.integers(0, 1), st.integers(1, 40), st.integers(0, 1)), min_size=1, max_size=2),
+    @rule(which=st.lists(st.tuples(st.integers(0, 1), st.integers(1, 28), st.sampled_from([0, 0, 0, 1])), min_size=1, max_size=2),
           noise=st.booleans())
     def open_with_prefix(self, which, noise):
         if len(self.m.reqs) + len(which) > MAX_REQ:
@@ -278,6 +280,14 @@ class IntegrityMachine(RuleBasedStateMachine):
         if noise:
             prompts[0][-1] = 3 - prompts[0][-1]
         self.m.open_with_prefix(prompts, [s for _, _, s in which])
+
+    @precondition(lambda self: self.m.published)
+    @rule(i=st.integers(0, 7), more=st.lists(st.sampled_from([1, 2]), max_size=3))
+    def reopen(self, i, more):
+        """A prompt that starts with tokens a request published: a hit, unless evicted."""
+        toks, salt = self.m.published[-1 - i % len(self.m.published)]
+        if len(self.m.reqs) < MAX_REQ and toks + more:
+            self.m.open_with_prefix([toks + more], [salt])
 
     @rule(which=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 12)), min_size=1, max_size=2))
     def admit(self, which):
@@ -299,10 +309,25 @@ class IntegrityMachine(RuleBasedStateMachine):
             self.m.extend(hs, [1] * len(hs), publish, self.rng)
 
     @precondition(lambda self: self.m.reqs)
-    @rule(i=st.integers(0, 7), back=st.integers(0, 12))
-    def truncate(self, i, back):
-        h = self.pick(i)
-        self.m.truncate(h, max(0, len(self.m.reqs[h]["toks"]) - back))
+    @rule(i=st.integers(0, 7), back=st.integers(0, 12), aligned=st.booleans())
+    def truncate(self, i, back, aligned):
+        h, step = self.pick(i), self.m.pool.allocator.hit_step
+        n = max(0, len(self.m.reqs[h]["toks"]) - back)
+        self.m.truncate(h, n // step * step if aligned else n)  # aligned: where state checkpoints are
+
+    @precondition(lambda self: self.m.reqs)
+    @rule(i=st.integers(0, 7), then_close=st.booleans(), chunked=st.booleans())
+    def prefill(self, i, then_close, chunked):
+        """An engine's prompt step (chunked: first up to a hit-step boundary, where a state
+        checkpoint can be taken), published; maybe the request ends."""
+        h, step = self.pick(i), self.m.pool.allocator.hit_step
+        r = self.m.reqs[h]
+        if chunked and len(r["prompt"]) // step * step > len(r["toks"]):
+            self.m.extend([h], [len(r["prompt"]) // step * step - len(r["toks"])], True, self.rng)
+        self.m.extend([h], [max(0, len(r["prompt"]) - len(r["toks"]))], True, self.rng)
+        if then_close:
+            self.m.pool.close([h], cache=True)
+            del self.m.reqs[h]
 
     @precondition(lambda self: self.m.reqs)
     @rule(i=st.integers(0, 7), n=st.integers(1, 2))
@@ -326,6 +351,14 @@ class IntegrityMachine(RuleBasedStateMachine):
     def evict(self, layer, n):
         self.m.pool.evict(layer % len(self.m.types), n)
 
+    @rule(reset=st.booleans())
+    def clear(self, reset):
+        if reset:
+            self.m.pool.reset()
+            self.m.reqs.clear()
+        else:
+            self.m.pool.clear_cache()
+
     @invariant()
     def reads_back_what_was_written(self):
         if hasattr(self, "m"):
@@ -333,7 +366,7 @@ class IntegrityMachine(RuleBasedStateMachine):
 
 
 IntegrityMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck))
 test_hybrid_integrity = IntegrityMachine.TestCase
 
 
