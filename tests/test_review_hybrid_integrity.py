@@ -43,12 +43,12 @@ PATTERN = torch.arange(H * D, dtype=torch.float32).view(H, D) / 8  # per head an
 class Model:
     """The pool and the reference; ``step`` calls return only after checking the pool."""
 
-    def __init__(self, types, w, p, ps_mult, num_pages, sliding_pages, state_slots, layout, device_tables):
+    def __init__(self, types, w, p, mults, num_pages, sliding_pages, state_slots, layout, device_tables):
         self.types, self.w = types, w
         has_full, has_state = "full_attention" in types, "linear_attention" in types
-        page_size = p * ps_mult if not has_full else p
-        if has_full and "sliding_attention" in types:  # nested page sizes: the full group anchors
-            page_size = {"full_attention": p, "sliding_attention": p * ps_mult}
+        page_size = p * mults[1] if not has_full else p * mults[0]
+        if has_full and "sliding_attention" in types:  # nested, or not: a token-only anchor
+            page_size = {"full_attention": p * mults[0], "sliding_attention": p * mults[1]}
         gp = {}
         if "sliding_attention" in types:
             gp["sliding_attention"] = sliding_pages
@@ -249,7 +249,8 @@ class Model:
                                            kv={la: list(v) for la, v in r["kv"].items()}, state=dict(r["state"]))
 
 
-configs = st.tuples(st.sampled_from(TYPES), st.integers(2, 6), st.integers(1, 3), st.sampled_from([1, 2]),
+configs = st.tuples(st.sampled_from(TYPES), st.integers(2, 6), st.integers(1, 2),
+                    st.sampled_from([(1, 1), (1, 2), (1, 3), (2, 1), (2, 3)]),
                     st.integers(12, 40), st.integers(6, 24), st.integers(3, 8), st.sampled_from(["token", "paged"]), st.booleans())
 
 
@@ -384,3 +385,31 @@ def test_an_extend_by_zero_leaves_held_window_rows_alone_on_the_device_path():
         for h in (a, b):
             row = int(pool.rows([h])[0])
             assert pool.req_to_token[1][row, : pool.length(h)].tolist() == pool.slots(h, 1).tolist(), device_tables
+
+
+def test_a_prefix_hit_reads_exactly_what_its_one_writer_wrote():
+    """Full, sliding (decoded far past its window) and state groups: a later request on the
+    same prompt hits at the checkpoint and reads the writer's own K/V and state there."""
+    import random
+    m = Model(TYPES[0], 4, 2, (1, 1), 64, 64, 32, "token", False)
+    rng = random.Random(0)
+    prompt = BASES[0][:20]
+    m.open_with_prefix([prompt], [0])
+    (a,) = m.reqs
+    m.extend([a], [16], True, rng)  # a chunk ending where a state checkpoint is taken
+    at16 = {la: list(m.reqs[a]["kv"][la][:16]) for la in m.att}
+    state16 = dict(m.reqs[a]["state"])
+    m.extend([a], [4], True, rng)
+    for _ in range(10):
+        m.extend([a], [1], True, rng)
+    m.verify()
+    m.pool.close([a], cache=True)
+    del m.reqs[a]
+    m.open_with_prefix([prompt], [0])
+    (b,) = m.reqs
+    assert len(m.reqs[b]["toks"]) == 16  # the longest length with a checkpoint, below 20
+    m.verify()  # adopts the hit's values after checking their prefix
+    for la in m.att:
+        first = 16 - m.w + 1 if m.types[la] == "sliding_attention" else 0
+        assert m.reqs[b]["kv"][la][first:16] == at16[la][first:16], la
+    assert m.reqs[b]["state"] == state16
