@@ -188,14 +188,17 @@ class Model:
             return False
 
     # ---- the engine's calls ---------------------------------------------------------
-    def extend(self, hs: list, counts: list, publish: bool, rng) -> None:
+    def extend(self, hs: list, counts: list, publish: bool, rng, anon: bool = False) -> None:
+        """``anon``: no token ids given; past its prompt a position's id is unknown (a marker no
+        prompt has, so nothing after it may be served to another request)."""
         toks = []
         for h, c in zip(hs, counts):
             r = self.reqs[h]
             n = len(r["toks"])
-            toks.append([r["prompt"][i] if i < len(r["prompt"]) else rng.choice([1, 2]) for i in range(n, n + c)])
+            toks.append([r["prompt"][i] if i < len(r["prompt"]) else -self.fresh() if anon else rng.choice([1, 2])
+                         for i in range(n, n + c)])
         out = []
-        flat = np.array([t for ts in toks for t in ts], dtype=np.int64)
+        flat = None if anon else np.array([t for ts in toks for t in ts], dtype=np.int64)
         if not self.guarded(lambda: out.append(self.pool.extend(np.array(hs), np.array(counts), tokens=flat))):
             return
         res, k = out[0], 0
@@ -206,7 +209,10 @@ class Model:
             k += c
         if publish:
             self.pool.cache(np.array(hs))
-            self.published += [(list(self.reqs[h]["toks"]), self.reqs[h]["salt"]) for h in hs][-8:]
+            for h in hs:
+                toks = self.reqs[h]["toks"]
+                known = next((i for i, t in enumerate(toks) if t < 0), len(toks))
+                self.published = (self.published + [(toks[:known], self.reqs[h]["salt"])])[-8:]
 
     def admit(self, prompts: list) -> None:
         out = []
@@ -297,10 +303,11 @@ class IntegrityMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.m.reqs)
     @rule(picks=st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True),
-          counts=st.lists(st.integers(0, 6), min_size=3, max_size=3), publish=st.booleans())
-    def extend(self, picks, counts, publish):
+          counts=st.lists(st.integers(0, 6), min_size=3, max_size=3), publish=st.booleans(),
+          anon=st.sampled_from([False, False, True]))
+    def extend(self, picks, counts, publish, anon):
         hs = list(dict.fromkeys(self.pick(i) for i in picks))
-        self.m.extend(hs, counts[: len(hs)], publish, self.rng)
+        self.m.extend(hs, counts[: len(hs)], publish, self.rng, anon)
 
     @precondition(lambda self: self.m.reqs)
     @rule(steps=st.integers(1, 8), publish=st.booleans())
