@@ -7,8 +7,11 @@ value, so a copy-on-write that wrote a shared page in place, a fork that shares 
 a page handed to two requests shows even when both wrote the same tokens. A prefix hit, a window
 page taken back from the cache and a restored state checkpoint may serve another request's
 computation of the same (salt, prefix): the reference accepts any value ever written for exactly
-that prefix and adopts it. Pools have several K/V heads and head dims, both layouts, and are
-small, so eviction, LRU reuse and take-back happen.
+that prefix and adopts it. Positions extended without token ids get ids no prompt has, so
+nothing computed after them may serve another request. Pools have several K/V heads and head
+dims, both layouts, page sizes that nest or not, both table paths (the core's, and the scatter
+CUDA pools use, taken on CPU by dropping the numpy views), and are small, so eviction, LRU
+reuse and take-back happen.
 
 After every call: each held position reads its reference through the request's table row (the
 whole row equals ``slots``), a sliding layer holds at least its window, the FlashInfer page
