@@ -117,8 +117,12 @@ class HybridRequestOps:
                 starts = self.allocator.lengths(handles)
                 h = np.asarray(handles, dtype=np.int64).reshape(-1)
                 slots = self.allocator.extend(h, counts, tokens=tokens)
-                self._scatter(h, starts, np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape), slots)
-                self._null_released(h, starts)
+                c = np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape)
+                self._scatter(h, starts, c, slots)
+                # The core releases window pages only of requests that grow: a count-0
+                # request still holds them, and its row must keep their slots.
+                grow = c > 0
+                self._null_released(h[grow], starts[grow])
             self._run_copies(handles)
             return self._result(slots)
 
