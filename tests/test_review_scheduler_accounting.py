@@ -1,0 +1,282 @@
+"""What a scheduler reads from the pool, checked against what the pool then does.
+
+A serving engine's scheduler decides a step from queries (``free_pages``,
+``evictable_pages``, ``admissible_tokens``, a prefix-hit preview through
+``page_hashes`` + ``match_chain_hashes``) and then calls ``admit`` /
+``open_with_prefix`` / ``extend``. Random sequences on small pools (pressure,
+eviction, pins, forks, copy-on-write, truncation into registered pages) check:
+
+1. a batch the queries say fits is granted; one they say cannot fit is refused;
+2. a refusal is ``PoolExhaustedError`` and leaves every query, every request and
+   the event log exactly as they were (and ``check()`` passes);
+3. the preview equals the hit ``open_with_prefix`` then gives;
+4. the counters agree with each other and with the pages requests hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvpool import PoolExhaustedError, SlotAllocator, TooManyRequestsError
+from kvpool._core import page_hashes
+
+COUNTERS = (
+    "free_pages", "used_pages", "free_slots", "used_slots", "open_requests", "admissible_tokens",
+    "metadata_bytes", "cached_pages", "evictable_pages", "hit_tokens", "miss_tokens", "pinned_pages",
+)
+
+
+def pages_for(n: int, p: int) -> int:
+    return -(-n // p)
+
+
+def snapshot(a: SlotAllocator, live: list[int]) -> tuple:
+    """Everything a scheduler can read, for a before/after comparison."""
+    reqs = tuple(
+        (h, a.is_open(h), a.length(h), tuple(a.pages(h).tolist()), tuple(a.known_tokens(h).tolist())) for h in live
+    )
+    counters = tuple(getattr(a, c) for c in COUNTERS)
+    return counters, a.pending_copies, tuple(a.evictable_pages_by_priority().tolist()), reqs
+
+
+def consistent(a: SlotAllocator, live: list[int]) -> None:
+    """The counters agree with each other and with the requests' pages."""
+    a.check()
+    p = a.page_size
+    s = a.stats()
+    for c in COUNTERS:
+        assert getattr(s, c) == getattr(a, c), c
+    assert a.free_slots == a.free_pages * p
+    assert a.admissible_tokens == a.free_slots
+    assert a.used_slots == a.used_pages * p
+    assert a.evictable_pages == int(a.evictable_pages_by_priority().sum())
+    assert a.evictable_pages <= a.free_pages and a.evictable_pages <= a.cached_pages
+    assert a.open_requests == len(live)
+    held = set()
+    for h in live:
+        pg = a.pages(h).tolist()
+        assert len(pg) == pages_for(a.length(h), p)
+        assert 0 not in pg
+        held.update(pg)
+    # A queued copy holds its source page as one more holder, so a page may be
+    # used without any request listing it; never the other way round.
+    assert len(held) <= a.used_pages <= len(held) + a.pending_copies
+    # free + held + pinned-but-unheld = the pool minus page 0.
+    assert a.used_pages + a.free_pages <= a.capacity_pages
+    if a.pinned_pages == 0:
+        assert a.used_pages + a.free_pages == a.capacity_pages
+
+
+def preview(a: SlotAllocator, prompt: list[int], salt: int) -> int:
+    """The hit open_with_prefix would give, from read-only calls."""
+    p = a.page_size
+    full = len(prompt) // p
+    if full == 0:
+        return 0
+    hashes = page_hashes(prompt, p, a.hash_seed, salt)
+    m = int(a.match_chain_hashes(hashes, prompt[: full * p], salt))
+    return min(m, (len(prompt) - 1) // p) * p
+
+
+def refused_unchanged(a: SlotAllocator, live: list[int], before: tuple, call) -> None:
+    a.take_events()
+    event("refused")
+    with pytest.raises(PoolExhaustedError):
+        call()
+    assert snapshot(a, live) == before
+    assert len(a.take_events()["kind"]) == 0
+    a.check()
+
+
+class Run:
+    """One random sequence: the pool, its open requests and the tokens each knows."""
+
+    def __init__(self, data, page_size: int, num_pages: int, kv_events: bool) -> None:
+        self.d = data
+        self.a = SlotAllocator(num_pages, page_size, 6, 24, hash_seed=7, kv_events=kv_events, manual_clock=True)
+        self.p = page_size
+        self.live: list[int] = []
+        self.prompts: dict[int, list[int]] = {}  # open_with_prefix prompts: extend must agree
+        self.bases = [self.draw(st.lists(st.integers(0, 1), min_size=4, max_size=12)) for _ in range(2)]
+
+    def draw(self, strategy):
+        return self.d.draw(strategy)
+
+    def prompt(self, n: int | None = None) -> list[int]:
+        # A few base prompts and a 2-token alphabet: prompts share prefixes, so
+        # hits, duplicates and continued registered pages happen.
+        base = self.draw(st.sampled_from(self.bases))
+        if n is None:
+            n = self.draw(st.integers(1, len(base) + 2))
+        tail = self.draw(st.lists(st.integers(0, 1), min_size=max(0, n - len(base)), max_size=max(0, n - len(base))))
+        return (base + tail)[:n]
+
+    def some_live(self, lo: int = 1) -> list[int]:
+        return self.draw(st.lists(st.sampled_from(self.live), min_size=lo, max_size=3, unique=True))
+
+    def extend_need(self, hs: list[int], counts: list[int]) -> tuple[int, int]:
+        """(fewest, most) pages the extend can take: most adds one copy for each
+        request that writes into a partly filled last page (shared, queued as a
+        copy's source, or a registered page that cached pages continue)."""
+        lo = hi = 0
+        for h, c in zip(hs, counts):
+            n = self.a.length(h)
+            grow = pages_for(n + c, self.p) - pages_for(n, self.p)
+            lo += grow
+            hi += grow + (1 if c > 0 and n % self.p else 0)
+        return lo, hi
+
+    # ----- steps --------------------------------------------------------------
+
+    def admit(self) -> None:
+        a = self.a
+        counts = self.draw(st.lists(st.integers(0, 9), min_size=1, max_size=3))
+        tokens = [t for c in counts for t in self.prompt(c)]
+        if a.open_requests + len(counts) > a.max_requests:
+            with pytest.raises(TooManyRequestsError):
+                a.admit(counts, tokens=tokens)
+            return
+        need = sum(pages_for(c, self.p) for c in counts)
+        before = snapshot(a, self.live)
+        if need > a.free_pages:
+            refused_unchanged(a, self.live, before, lambda: a.admit(counts, tokens=tokens))
+            return
+        free = a.free_pages
+        hs, slots = a.admit(counts, tokens=tokens)
+        assert len(slots) == sum(counts)
+        assert a.free_pages == free - need  # fresh requests share nothing: no copy
+        self.live += [int(h) for h in hs]
+
+    def open_prefix(self) -> None:
+        a = self.a
+        if a.open_requests == a.max_requests:
+            return
+        prompt = self.prompt()
+        salt = self.draw(st.sampled_from([0, 0, 3]))
+        expect = preview(a, prompt, salt)
+        event(f"open_prefix with cached={a.cached_pages>0}")
+        free, held = a.free_pages, {pg for h in self.live for pg in a.pages(h).tolist()}
+        hs, cached = a.open_with_prefix(prompt, [len(prompt)], salt)
+        h = int(hs[0])
+        self.live.append(h)
+        self.prompts[h] = prompt
+        assert int(cached[0]) == expect, (prompt, salt)
+        if expect:
+            event("prefix hit")
+        hit = a.pages(h).tolist()
+        # Hit pages nobody held were evictable (or pinned): they stop being free.
+        taken = len([pg for pg in hit if pg not in held])
+        assert free - taken <= a.free_pages <= free
+        # The rest of the prompt: at most pages_for(len) - hit pages, never a copy
+        # (a hit ends on a page boundary).
+        rest = len(prompt) - int(cached[0])
+        need = pages_for(len(prompt), self.p) - len(hit)
+        before = snapshot(a, self.live)
+        if need > a.free_pages:
+            refused_unchanged(a, self.live, before, lambda: a.extend([h], [rest], tokens=prompt[-rest:]))
+        else:
+            a.extend([h], [rest], tokens=prompt[-rest:])
+
+    def extend(self) -> None:
+        a = self.a
+        if not self.live:
+            return
+        hs = self.some_live()
+        counts = [self.draw(st.integers(0, 6)) for _ in hs]
+        counts = [min(c, a.max_context_len - a.length(h)) for h, c in zip(hs, counts)]
+        known = [len(a.known_tokens(h)) == a.length(h) for h in hs]
+        tokens = None
+        if all(known) and self.draw(st.booleans()):
+            tokens = []
+            for h, c in zip(hs, counts):
+                ahead = self.prompts.get(h, [])[a.length(h):]
+                mine = self.draw(st.lists(st.integers(0, 1), min_size=c, max_size=c))
+                tokens += ahead[:c] + mine[len(ahead[:c]):]
+        lo, hi = self.extend_need(hs, counts)
+        before = snapshot(a, self.live)
+        free = a.free_pages
+        if lo > free:
+            refused_unchanged(a, self.live, before, lambda: a.extend(hs, counts, tokens=tokens))
+            return
+        try:
+            a.extend(hs, counts, tokens=tokens)
+        except PoolExhaustedError:
+            # Only a batch whose copies the queries could not rule out may be refused.
+            assert hi > free, (lo, hi, free)
+            event("extend refused for a copy")
+            assert snapshot(a, self.live) == before
+            return
+        # Pages taken: at least the growth, at most growth plus one copy each.
+        assert free - hi <= a.free_pages <= free - lo
+        if a.free_pages < free - lo:
+            event("extend took a copy page")
+
+    def truncate(self) -> None:
+        if not self.live:
+            return
+        h = self.draw(st.sampled_from(self.live))
+        n = self.draw(st.integers(0, self.a.length(h)))
+        shorter = n < self.a.length(h)
+        self.a.truncate([h], [n])
+        if h in self.prompts and shorter:  # a shortened request forgets its prompt from there
+            self.prompts[h] = self.prompts[h][:n]
+
+    def fork(self) -> None:
+        a = self.a
+        if not self.live or a.open_requests == a.max_requests:
+            return
+        free = a.free_pages
+        parent = self.draw(st.sampled_from(self.live))
+        kids = a.fork(parent, 1)
+        self.live += [int(k) for k in kids]
+        for k in kids:
+            self.prompts[int(k)] = list(self.prompts.get(parent, []))
+        assert a.free_pages == free  # a fork takes no page
+
+    def cache(self) -> None:
+        if not self.live:
+            return
+        hs = self.some_live()
+        pin = self.draw(st.sampled_from([None, None, 100, 10]))
+        self.a.cache(hs, priority=pin)
+
+    def close(self) -> None:
+        if not self.live:
+            return
+        h = self.draw(st.sampled_from(self.live))
+        self.a.close([h], cache=self.draw(st.booleans()))
+        self.live.remove(h)
+
+    def evict(self) -> None:
+        a = self.a
+        n = self.draw(st.integers(0, 3))
+        free, ev = a.free_pages, a.evictable_pages
+        assert a.evict(n) == min(n, ev)
+        assert a.free_pages == free and a.evictable_pages == ev - min(n, ev)
+
+    def take_copies(self) -> None:
+        self.a.take_copies()
+
+    def unpin(self) -> None:
+        if self.live:
+            self.a.unpin(self.some_live())
+
+    STEPS = ("admit", "admit", "open_prefix", "open_prefix", "extend", "extend", "truncate", "fork", "cache",
+             "cache", "close", "close", "evict", "take_copies", "unpin")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    page_size=st.sampled_from([1, 2, 4]),
+    num_pages=st.integers(3, 16),
+    kv_events=st.booleans(),
+)
+def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages, kv_events) -> None:
+    run = Run(data, page_size, num_pages, kv_events)
+    for _ in range(30):
+        getattr(run, data.draw(st.sampled_from(Run.STEPS)))()
+        consistent(run.a, run.live)
