@@ -280,3 +280,99 @@ def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages
     for _ in range(30):
         getattr(run, data.draw(st.sampled_from(Run.STEPS)))()
         consistent(run.a, run.live)
+
+
+# ----- GroupedAllocator: admissible_tokens / admissible_requests ---------------
+
+
+def grouped_snapshot(g, live: list[int]) -> tuple:
+    per_group = tuple(
+        (g.free_pages(i), g.used_pages(i), g.cached_pages(i), g.evictable_pages(i), g.admissible_tokens(i))
+        for i in range(g.num_groups)
+    )
+    reqs = tuple((h, g.length(h), tuple(g.known_tokens(h).tolist())) for h in live)
+    return per_group, g.open_requests, g.admissible_tokens(), g.admissible_requests, reqs
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    full_page=st.sampled_from([1, 2, 4]),
+    full_pages=st.integers(3, 12),
+    sliding=st.none() | st.tuples(st.sampled_from([1, 2, 3]), st.integers(3, 12), st.integers(1, 6)),
+    state=st.none() | st.integers(2, 5),
+)
+def test_grouped_admissible_counts_predict_admit(data, full_page, full_pages, sliding, state) -> None:
+    """GroupedAllocator.admissible_tokens: "a request of n new tokens fits if
+    n <= admissible_tokens()" (with admissible_requests >= 1); a refusal changes nothing."""
+    from kvpool import GroupedAllocator
+
+    groups = [{"kind": "full", "num_pages": full_pages, "page_size": full_page}]
+    if sliding is not None:
+        groups.append({"kind": "sliding", "num_pages": sliding[1], "page_size": sliding[0], "window": sliding[2]})
+    if state is not None:
+        groups.append({"kind": "state", "num_slots": state, "checkpoint_every": 0})
+    g = GroupedAllocator(groups, max_requests=4, max_context_len=24, hash_seed=3)
+    live: list[int] = []
+    prompt = data.draw(st.lists(st.integers(0, 1), min_size=24, max_size=24))
+    for _ in range(20):
+        step = data.draw(st.sampled_from(["admit", "admit", "extend", "close", "cache"]))
+        if step == "admit":
+            fits = g.admissible_tokens()
+            n = min(data.draw(st.integers(0, fits + 2)), 24)
+            before = grouped_snapshot(g, live)
+            try:
+                hs, _ = g.admit([n], tokens=prompt[:n])
+            except TooManyRequestsError:
+                assert g.open_requests == g.max_requests
+                continue
+            except PoolExhaustedError:
+                assert n > fits or g.admissible_requests == 0, (n, fits)
+                assert grouped_snapshot(g, live) == before
+                g.check()
+                continue
+            live += [int(h) for h in hs]
+        elif live and step == "extend":
+            h = data.draw(st.sampled_from(live))
+            c = min(data.draw(st.integers(0, 6)), 24 - g.length(h))
+            before = grouped_snapshot(g, live)
+            try:
+                g.extend([h], [c], tokens=prompt[g.length(h) : g.length(h) + c])
+            except PoolExhaustedError:
+                assert grouped_snapshot(g, live) == before
+        elif live and step == "close":
+            h = data.draw(st.sampled_from(live))
+            g.close([h], cache=data.draw(st.booleans()))
+            live.remove(h)
+        elif live:
+            g.cache([data.draw(st.sampled_from(live))])
+        g.check()
+        assert g.open_requests == len(live)
+
+
+# ----- the demo's scheduler: reserve admission must never preempt ---------------
+
+
+def test_reserve_admission_counts_the_copy_a_fork_family_makes() -> None:
+    """PrefixEngine(admission="reserve") says it never preempts. A fork family
+    sharing a partly filled last page needs one copy page per extra holder on its
+    first decode step; the reservation must count it, or a request admitted in
+    the same step takes that page and the decode step preempts."""
+    import torch
+
+    import kvpool
+    from kvpool.demo.model import ModelConfig, build_model
+    from kvpool.demo.shared_prefix import ForkRequest, PrefixEngine
+
+    cfg = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=64, seed=3)
+    pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=torch.float32, page_size=4,
+                         num_pages=4 + 1, max_requests=8, max_context_len=64)
+    engine = PrefixEngine(build_model(cfg), pool, max_running=4, admission="reserve")
+    # A: prompt of 6 (last page holds 2), 3 new tokens, 2 continuations: 2 pages each at the
+    # end, 4 pages asked at admission; B: 6 + 3, one continuation, 2 pages.
+    reqs = [ForkRequest(rid=0, prompt=np.arange(6), max_new_tokens=3, n=2),
+            ForkRequest(rid=1, prompt=np.arange(40, 46), max_new_tokens=3)]
+    with torch.inference_mode():
+        stats = engine.run(reqs)
+    pool.check()
+    assert stats.preemptions == 0
