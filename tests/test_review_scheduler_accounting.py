@@ -83,7 +83,6 @@ def preview(a: SlotAllocator, prompt: list[int], salt: int) -> int:
 
 def refused_unchanged(a: SlotAllocator, live: list[int], before: tuple, call) -> None:
     a.take_events()
-    event("refused")
     with pytest.raises(PoolExhaustedError):
         call()
     assert snapshot(a, live) == before
@@ -376,3 +375,52 @@ def test_reserve_admission_counts_the_copy_a_fork_family_makes() -> None:
         stats = engine.run(reqs)
     pool.check()
     assert stats.preemptions == 0
+
+
+# ----- admissible_tokens and the copy an extend may take -------------------------
+
+
+def test_admissible_tokens_is_a_page_budget_not_a_batch_guarantee() -> None:
+    """admissible_tokens = free_slots: one new request of that many tokens fits,
+    one more token does not; but several new requests round up to pages each, and
+    a request writing into a shared partly filled page copies it first."""
+    a = SlotAllocator(4, 4, 6, 24, hash_seed=1)
+    h = int(a.admit([2])[0][0])
+    assert (a.free_pages, a.admissible_tokens) == (2, 8)
+    before = snapshot(a, [h])
+    refused_unchanged(a, [h], before, lambda: a.admit([9]))
+    refused_unchanged(a, [h], before, lambda: a.admit([1, 1, 1]))  # 3 tokens, 3 pages
+    kid = int(a.fork(h, 1)[0])
+    before = snapshot(a, [h, kid])
+    # 7 <= admissible_tokens, but the kid's last page (2 tokens, shared) is copied: 3 pages.
+    refused_unchanged(a, [h, kid], before, lambda: a.extend([kid], [7]))
+    a.extend([kid], [6])  # the copy and one page more
+    assert a.free_pages == 0
+    a.check()
+
+
+def test_extend_after_truncating_into_a_continued_registered_page_takes_a_copy() -> None:
+    """A request truncated into a registered page that cached pages continue copies it
+    on its next extend: one page more than its length says, even when the extend stays
+    inside that page. The need is counted (refused with the pool unchanged when one
+    page short) and the copy's page is the only one taken."""
+    p = 4
+    a = SlotAllocator(5, p, 6, 24, hash_seed=1, max_pinned_pages=4)
+    prompt = list(range(12))
+    h = int(a.admit([12], tokens=prompt)[0][0])
+    a.cache([h], priority=100)  # pinned: the continuation stays cached but is not free
+    a.truncate([h], [6])  # into page 2 of 3, which page 3 (cached, pinned) continues
+    assert a.free_pages == 1 and a.evictable_pages == 0
+    filler = int(a.admit([4])[0][0])  # takes the last free page
+    assert a.free_pages == 0
+    before = snapshot(a, [h, filler])
+    # Length 6 -> 7 stays in page 2: no new page by length, but a copy of page 2.
+    refused_unchanged(a, [h, filler], before, lambda: a.extend([h], [1]))
+    a.close([filler])
+    assert a.free_pages == 1
+    old = a.pages(h).tolist()
+    a.extend([h], [1])
+    assert a.free_pages == 0 and a.pages(h).tolist()[0] == old[0] and a.pages(h).tolist()[1] != old[1]
+    src, dst = a.take_copies()  # the two valid slots of page 2
+    assert src.tolist() == [old[1] * p, old[1] * p + 1] and len(dst) == 2
+    a.check()
