@@ -36,10 +36,13 @@ def pages_for(n: int, p: int) -> int:
 def snapshot(a: SlotAllocator, live: list[int]) -> tuple:
     """Everything a scheduler can read, for a before/after comparison."""
     reqs = tuple(
-        (h, a.is_open(h), a.length(h), tuple(a.pages(h).tolist()), tuple(a.known_tokens(h).tolist())) for h in live
+        (h, a.is_open(h), a.length(h), a.is_swapped(h), () if a.is_swapped(h) else tuple(a.pages(h).tolist()),
+         tuple(a.known_tokens(h).tolist()))
+        for h in live
     )
     counters = tuple(getattr(a, c) for c in COUNTERS)
-    return counters, a.pending_copies, tuple(a.evictable_pages_by_priority().tolist()), reqs
+    host = (a.host_free_pages, a.host_cached_pages, a.pending_offloads, a.pending_loads)
+    return counters, host, a.pending_copies, tuple(a.evictable_pages_by_priority().tolist()), reqs
 
 
 def consistent(a: SlotAllocator, live: list[int]) -> None:
@@ -55,15 +58,18 @@ def consistent(a: SlotAllocator, live: list[int]) -> None:
     assert a.evictable_pages == int(a.evictable_pages_by_priority().sum())
     assert a.evictable_pages <= a.free_pages and a.evictable_pages <= a.cached_pages
     assert a.open_requests == len(live)
-    held = set()
+    held, swapped = set(), 0
     for h in live:
+        if a.is_swapped(h):  # may still hold shared pages and pages a queued load fills
+            swapped += pages_for(a.length(h), p)
+            continue
         pg = a.pages(h).tolist()
         assert len(pg) == pages_for(a.length(h), p)
         assert 0 not in pg
         held.update(pg)
     # A queued copy holds its source page as one more holder, so a page may be
     # used without any request listing it; never the other way round.
-    assert len(held) <= a.used_pages <= len(held) + a.pending_copies
+    assert len(held) <= a.used_pages <= len(held) + a.pending_copies + swapped
     # free + held + pinned-but-unheld = the pool minus page 0.
     assert a.used_pages + a.free_pages <= a.capacity_pages
     if a.pinned_pages == 0:
@@ -93,9 +99,10 @@ def refused_unchanged(a: SlotAllocator, live: list[int], before: tuple, call) ->
 class Run:
     """One random sequence: the pool, its open requests and the tokens each knows."""
 
-    def __init__(self, data, page_size: int, num_pages: int, kv_events: bool) -> None:
+    def __init__(self, data, page_size: int, num_pages: int, kv_events: bool, host_pages: int = 0) -> None:
         self.d = data
-        self.a = SlotAllocator(num_pages, page_size, 6, 24, hash_seed=7, kv_events=kv_events, manual_clock=True)
+        self.a = SlotAllocator(num_pages, page_size, 6, 24, hash_seed=7, kv_events=kv_events, manual_clock=True,
+                               host_pages=host_pages)
         self.p = page_size
         self.live: list[int] = []
         self.prompts: dict[int, list[int]] = {}  # open_with_prefix prompts: extend must agree
@@ -114,7 +121,34 @@ class Run:
         return (base + tail)[:n]
 
     def some_live(self, lo: int = 1) -> list[int]:
-        return self.draw(st.lists(st.sampled_from(self.live), min_size=lo, max_size=3, unique=True))
+        resident = [h for h in self.live if not self.a.is_swapped(h)]
+        if not resident:
+            return []
+        return self.draw(st.lists(st.sampled_from(resident), min_size=lo, max_size=3, unique=True))
+
+    def swap(self) -> None:
+        a = self.a
+        if not a.host_pages or not self.live:
+            return
+        out = [h for h in self.live if a.is_swapped(h)]
+        h = self.draw(st.sampled_from(out if out and self.draw(st.booleans()) else self.live))
+        if not a.is_swapped(h):
+            try:
+                a.swap_out([h])
+                event("swapped out")
+            except PoolExhaustedError:  # too few host pages: nothing moved
+                pass
+            return
+        # It needs a device page per host page it holds: at most one per page of its length.
+        before = snapshot(a, self.live)
+        need = pages_for(a.length(h), self.p)
+        try:
+            a.swap_in([h])
+            event("swapped in")
+        except PoolExhaustedError:
+            event("swap_in refused")
+            assert need > before[0][0], (need, before[0][0])
+            assert snapshot(a, self.live) == before
 
     def extend_need(self, hs: list[int], counts: list[int]) -> tuple[int, int]:
         """(fewest, most) pages the extend can take: most adds one copy for each
@@ -155,14 +189,19 @@ class Run:
             return
         prompt = self.prompt()
         salt = self.draw(st.sampled_from([0, 0, 3]))
-        expect = preview(a, prompt, salt)
+        expect = preview(a, prompt, salt)  # device copies only: a host hit adds to it
         event(f"open_prefix with cached={a.cached_pages>0}")
-        free, held = a.free_pages, {pg for h in self.live for pg in a.pages(h).tolist()}
+        free, held = a.free_pages, {pg for h in self.live if not a.is_swapped(h) for pg in a.pages(h).tolist()}
         hs, cached = a.open_with_prefix(prompt, [len(prompt)], salt)
         h = int(hs[0])
         self.live.append(h)
         self.prompts[h] = prompt
-        assert int(cached[0]) == expect, (prompt, salt)
+        if a.host_pages:
+            assert int(cached[0]) >= expect, (prompt, salt)
+            if int(cached[0]) > expect:
+                event("host hit")
+        else:
+            assert int(cached[0]) == expect, (prompt, salt)
         if expect:
             event("prefix hit")
         hit = a.pages(h).tolist()
@@ -181,9 +220,9 @@ class Run:
 
     def extend(self) -> None:
         a = self.a
-        if not self.live:
-            return
         hs = self.some_live()
+        if not hs:
+            return
         counts = [self.draw(st.integers(0, 6)) for _ in hs]
         counts = [min(c, a.max_context_len - a.length(h)) for h, c in zip(hs, counts)]
         known = [len(a.known_tokens(h)) == a.length(h) for h in hs]
@@ -214,9 +253,10 @@ class Run:
             event("extend took a copy page")
 
     def truncate(self) -> None:
-        if not self.live:
+        hs = self.some_live()
+        if not hs:
             return
-        h = self.draw(st.sampled_from(self.live))
+        h = hs[0]
         n = self.draw(st.integers(0, self.a.length(h)))
         shorter = n < self.a.length(h)
         self.a.truncate([h], [n])
@@ -225,10 +265,11 @@ class Run:
 
     def fork(self) -> None:
         a = self.a
-        if not self.live or a.open_requests == a.max_requests:
+        hs = self.some_live()
+        if not hs or a.open_requests == a.max_requests:
             return
         free = a.free_pages
-        parent = self.draw(st.sampled_from(self.live))
+        parent = hs[0]
         kids = a.fork(parent, 1)
         self.live += [int(k) for k in kids]
         for k in kids:
@@ -236,9 +277,9 @@ class Run:
         assert a.free_pages == free  # a fork takes no page
 
     def cache(self) -> None:
-        if not self.live:
-            return
         hs = self.some_live()
+        if not hs:
+            return
         pin = self.draw(st.sampled_from([None, None, 100, 10]))
         self.a.cache(hs, priority=pin)
 
@@ -246,7 +287,7 @@ class Run:
         if not self.live:
             return
         h = self.draw(st.sampled_from(self.live))
-        self.a.close([h], cache=self.draw(st.booleans()))
+        self.a.close([h], cache=self.draw(st.booleans()) and not self.a.is_swapped(h))
         self.live.remove(h)
 
     def evict(self) -> None:
@@ -257,14 +298,18 @@ class Run:
         assert a.free_pages == free and a.evictable_pages == ev - min(n, ev)
 
     def take_copies(self) -> None:
+        # Before a step's writes: the offloads, then the loads, then the copies.
+        self.a.take_offloads()
+        self.a.take_loads()
         self.a.take_copies()
 
     def unpin(self) -> None:
-        if self.live:
-            self.a.unpin(self.some_live())
+        hs = self.some_live()
+        if hs:
+            self.a.unpin(hs)
 
     STEPS = ("admit", "admit", "open_prefix", "open_prefix", "extend", "extend", "truncate", "fork", "cache",
-             "cache", "close", "close", "evict", "take_copies", "unpin")
+             "cache", "close", "close", "evict", "take_copies", "unpin", "swap")
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -273,9 +318,10 @@ class Run:
     page_size=st.sampled_from([1, 2, 4]),
     num_pages=st.integers(3, 16),
     kv_events=st.booleans(),
+    host_pages=st.sampled_from([0, 0, 3, 8]),
 )
-def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages, kv_events) -> None:
-    run = Run(data, page_size, num_pages, kv_events)
+def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages, kv_events, host_pages) -> None:
+    run = Run(data, page_size, num_pages, kv_events, host_pages)
     for _ in range(30):
         getattr(run, data.draw(st.sampled_from(Run.STEPS)))()
         consistent(run.a, run.live)
@@ -424,3 +470,25 @@ def test_extend_after_truncating_into_a_continued_registered_page_takes_a_copy()
     src, dst = a.take_copies()  # the two valid slots of page 2
     assert src.tolist() == [old[1] * p, old[1] * p + 1] and len(dst) == 2
     a.check()
+
+
+def test_kvpool_refusals_leave_the_tables_and_counters_as_they_were() -> None:
+    """KVPool.admit / extend (CPU): the queries say the batch does not fit, the call is
+    PoolExhaustedError, and req_to_token, every counter and every request are unchanged."""
+    import torch
+
+    import kvpool
+
+    pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=4, num_pages=4, max_requests=6, max_context_len=24)
+    h = int(pool.admit([2], tokens=[5, 6])[0][0])
+    kid = int(pool.fork(h, 1)[0])
+    live = [h, kid]
+    table = pool.req_to_token.clone()
+    before = snapshot(pool.allocator, live)
+    assert pool.free_pages == 2
+    for call in (lambda: pool.admit([4, 4, 1]), lambda: pool.extend([kid], [7]), lambda: pool.extend(live, [7, 1])):
+        refused_unchanged(pool.allocator, live, before, call)
+        assert torch.equal(pool.req_to_token, table)
+    ext = pool.extend(live, [2, 2])  # one copy: the family's second writer owns the page
+    assert len(ext.slots) == 4 and pool.free_pages == 1 and pool.allocator.pending_copies == 0
+    pool.check()
