@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvpool import PoolExhaustedError, SlotAllocator, TooManyRequestsError
 from kvpool._core import page_hashes
+from kvpool.layout import padded_table
 
 COUNTERS = (
     "free_pages", "used_pages", "free_slots", "used_slots", "open_requests", "admissible_tokens",
@@ -234,18 +235,31 @@ class Run:
                 mine = self.draw(st.lists(st.integers(0, 1), min_size=c, max_size=c))
                 tokens += ahead[:c] + mine[len(ahead[:c]):]
         lo, hi = self.extend_need(hs, counts)
+        # Every form of extend counts pages the same way; table= and out= stay as they were on a refusal.
+        form = self.draw(st.sampled_from(["plain", "table", "out", "packed", "starts"]))
+        table, out = padded_table(a.max_requests, a.max_context_len), np.full(sum(counts) + 2, -7, np.int64)
+        table[:] = -5
+        calls = {
+            "plain": lambda: a.extend(hs, counts, tokens=tokens),
+            "table": lambda: a.extend(hs, counts, table=table, tokens=tokens),
+            "out": lambda: a.extend(hs, counts, tokens=tokens, out=out),
+            "packed": lambda: a.extend_packed(hs, counts, tokens),
+            "starts": lambda: a.extend_with_starts(hs, counts),
+        }
         before = snapshot(a, self.live)
         free = a.free_pages
         if lo > free:
-            refused_unchanged(a, self.live, before, lambda: a.extend(hs, counts, tokens=tokens))
+            refused_unchanged(a, self.live, before, calls[form])
+            assert (table == -5).all() and (out == -7).all()
             return
         try:
-            a.extend(hs, counts, tokens=tokens)
+            calls[form]()
         except PoolExhaustedError:
             # Only a batch whose copies the queries could not rule out may be refused.
             assert hi > free, (lo, hi, free)
             event("extend refused for a copy")
             assert snapshot(a, self.live) == before
+            assert (table == -5).all() and (out == -7).all()
             return
         # Pages taken: at least the growth, at most growth plus one copy each.
         assert free - hi <= a.free_pages <= free - lo
