@@ -15,22 +15,24 @@ eviction, pins, forks, copy-on-write, truncation into registered pages) check:
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvpool import PoolExhaustedError, SlotAllocator, TooManyRequestsError
+import kvpool
+from kvpool import GroupedAllocator, PoolExhaustedError, SlotAllocator, TooManyRequestsError
 from kvpool._core import page_hashes
 from kvpool.layout import padded_table
 
-COUNTERS = (
-    "free_pages", "used_pages", "free_slots", "used_slots", "open_requests", "admissible_tokens",
-    "metadata_bytes", "cached_pages", "evictable_pages", "hit_tokens", "miss_tokens", "pinned_pages",
-)
+COUNTERS = ("free_pages", "used_pages", "free_slots", "used_slots", "open_requests", "admissible_tokens",
+            "metadata_bytes", "cached_pages", "evictable_pages", "hit_tokens", "miss_tokens", "pinned_pages")
 
 
-def pages_for(n: int, p: int) -> int:
+def pages_for(n: int, p: int) -> int:  # ceil(n / p)
     return -(-n // p)
 
 
@@ -121,11 +123,9 @@ class Run:
         tail = self.draw(st.lists(st.integers(0, 1), min_size=max(0, n - len(base)), max_size=max(0, n - len(base))))
         return (base + tail)[:n]
 
-    def some_live(self, lo: int = 1) -> list[int]:
+    def some_live(self) -> list[int]:
         resident = [h for h in self.live if not self.a.is_swapped(h)]
-        if not resident:
-            return []
-        return self.draw(st.lists(st.sampled_from(resident), min_size=lo, max_size=3, unique=True))
+        return self.draw(st.lists(st.sampled_from(resident), min_size=1, max_size=3, unique=True)) if resident else []
 
     def swap(self) -> None:
         a = self.a
@@ -134,20 +134,15 @@ class Run:
         out = [h for h in self.live if a.is_swapped(h)]
         h = self.draw(st.sampled_from(out if out and self.draw(st.booleans()) else self.live))
         if not a.is_swapped(h):
-            try:
+            with contextlib.suppress(PoolExhaustedError):  # too few host pages: nothing moved
                 a.swap_out([h])
-                event("swapped out")
-            except PoolExhaustedError:  # too few host pages: nothing moved
-                pass
             return
         # It needs a device page per host page it holds: at most one per page of its length.
         before = snapshot(a, self.live)
         need = pages_for(a.length(h), self.p)
         try:
             a.swap_in([h])
-            event("swapped in")
         except PoolExhaustedError:
-            event("swap_in refused")
             assert need > before[0][0], (need, before[0][0])
             assert snapshot(a, self.live) == before
 
@@ -162,8 +157,6 @@ class Run:
             lo += grow
             hi += grow + (1 if c > 0 and n % self.p else 0)
         return lo, hi
-
-    # ----- steps --------------------------------------------------------------
 
     def admit(self) -> None:
         a = self.a
@@ -191,7 +184,6 @@ class Run:
         prompt = self.prompt()
         salt = self.draw(st.sampled_from([0, 0, 3]))
         expect = preview(a, prompt, salt)  # device copies only: a host hit adds to it
-        event(f"open_prefix with cached={a.cached_pages>0}")
         free, held = a.free_pages, {pg for h in self.live if not a.is_swapped(h) for pg in a.pages(h).tolist()}
         hs, cached = a.open_with_prefix(prompt, [len(prompt)], salt)
         h = int(hs[0])
@@ -221,8 +213,7 @@ class Run:
 
     def extend(self) -> None:
         a = self.a
-        hs = self.some_live()
-        if not hs:
+        if not (hs := self.some_live()):
             return
         counts = [self.draw(st.integers(0, 6)) for _ in hs]
         counts = [min(c, a.max_context_len - a.length(h)) for h, c in zip(hs, counts)]
@@ -267,19 +258,14 @@ class Run:
             event("extend took a copy page")
 
     def truncate(self) -> None:
-        hs = self.some_live()
-        if not hs:
-            return
-        h = hs[0]
-        n = self.draw(st.integers(0, self.a.length(h)))
-        shorter = n < self.a.length(h)
-        self.a.truncate([h], [n])
-        if h in self.prompts and shorter:  # a shortened request forgets its prompt from there
-            self.prompts[h] = self.prompts[h][:n]
+        if hs := self.some_live():
+            n, was = self.draw(st.integers(0, self.a.length(hs[0]))), self.a.length(hs[0])
+            self.a.truncate(hs[:1], [n])
+            if n < was and hs[0] in self.prompts:  # a shortened request forgets its prompt from there
+                self.prompts[hs[0]] = self.prompts[hs[0]][:n]
 
     def fork(self) -> None:
-        a = self.a
-        hs = self.some_live()
+        a, hs = self.a, self.some_live()
         if not hs or a.open_requests == a.max_requests:
             return
         free = a.free_pages
@@ -291,11 +277,8 @@ class Run:
         assert a.free_pages == free  # a fork takes no page
 
     def cache(self) -> None:
-        hs = self.some_live()
-        if not hs:
-            return
-        pin = self.draw(st.sampled_from([None, None, 100, 10]))
-        self.a.cache(hs, priority=pin)
+        if hs := self.some_live():
+            self.a.cache(hs, priority=self.draw(st.sampled_from([None, None, 100, 10])))
 
     def close(self) -> None:
         if not self.live:
@@ -305,21 +288,16 @@ class Run:
         self.live.remove(h)
 
     def evict(self) -> None:
-        a = self.a
-        n = self.draw(st.integers(0, 3))
+        a, n = self.a, self.draw(st.integers(0, 3))
         free, ev = a.free_pages, a.evictable_pages
         assert a.evict(n) == min(n, ev)
         assert a.free_pages == free and a.evictable_pages == ev - min(n, ev)
 
-    def take_copies(self) -> None:
-        # Before a step's writes: the offloads, then the loads, then the copies.
-        self.a.take_offloads()
-        self.a.take_loads()
-        self.a.take_copies()
+    def take_copies(self) -> None:  # before a step's writes: offloads, loads, then copies
+        self.a.take_offloads(), self.a.take_loads(), self.a.take_copies()
 
     def unpin(self) -> None:
-        hs = self.some_live()
-        if hs:
+        if hs := self.some_live():
             self.a.unpin(hs)
 
     STEPS = ("admit", "admit", "open_prefix", "open_prefix", "extend", "extend", "truncate", "fork", "cache",
@@ -327,13 +305,8 @@ class Run:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    data=st.data(),
-    page_size=st.sampled_from([1, 2, 4]),
-    num_pages=st.integers(3, 16),
-    kv_events=st.booleans(),
-    host_pages=st.sampled_from([0, 0, 3, 8]),
-)
+@given(data=st.data(), page_size=st.sampled_from([1, 2, 4]), num_pages=st.integers(3, 16), kv_events=st.booleans(),
+       host_pages=st.sampled_from([0, 0, 3, 8]))
 def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages, kv_events, host_pages) -> None:
     run = Run(data, page_size, num_pages, kv_events, host_pages)
     for _ in range(30):
@@ -345,10 +318,8 @@ def test_scheduler_queries_predict_what_the_pool_does(data, page_size, num_pages
 
 
 def grouped_snapshot(g, live: list[int]) -> tuple:
-    per_group = tuple(
-        (g.free_pages(i), g.used_pages(i), g.cached_pages(i), g.evictable_pages(i), g.admissible_tokens(i))
-        for i in range(g.num_groups)
-    )
+    per_group = tuple((g.free_pages(i), g.used_pages(i), g.cached_pages(i), g.evictable_pages(i),
+                       g.admissible_tokens(i)) for i in range(g.num_groups))
     reqs = tuple((h, g.length(h), tuple(g.known_tokens(h).tolist())) for h in live)
     return per_group, g.open_requests, g.admissible_tokens(), g.admissible_requests, reqs
 
@@ -364,8 +335,6 @@ def grouped_snapshot(g, live: list[int]) -> tuple:
 def test_grouped_admissible_counts_predict_admit(data, full_page, full_pages, sliding, state) -> None:
     """GroupedAllocator.admissible_tokens: "a request of n new tokens fits if
     n <= admissible_tokens()" (with admissible_requests >= 1); a refusal changes nothing."""
-    from kvpool import GroupedAllocator
-
     groups = [{"kind": "full", "num_pages": full_pages, "page_size": full_page}]
     if sliding is not None:
         groups.append({"kind": "sliding", "num_pages": sliding[1], "page_size": sliding[0], "window": sliding[2]})
@@ -407,34 +376,6 @@ def test_grouped_admissible_counts_predict_admit(data, full_page, full_pages, sl
             g.cache([data.draw(st.sampled_from(live))])
         g.check()
         assert g.open_requests == len(live)
-
-
-# ----- the demo's scheduler: reserve admission must never preempt ---------------
-
-
-def test_reserve_admission_counts_the_copy_a_fork_family_makes() -> None:
-    """PrefixEngine(admission="reserve") says it never preempts. A fork family
-    sharing a partly filled last page needs one copy page per extra holder on its
-    first decode step; the reservation must count it, or a request admitted in
-    the same step takes that page and the decode step preempts."""
-    import torch
-
-    import kvpool
-    from kvpool.demo.model import ModelConfig, build_model
-    from kvpool.demo.shared_prefix import ForkRequest, PrefixEngine
-
-    cfg = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=64, seed=3)
-    pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=torch.float32, page_size=4,
-                         num_pages=4 + 1, max_requests=8, max_context_len=64)
-    engine = PrefixEngine(build_model(cfg), pool, max_running=4, admission="reserve")
-    # A: prompt of 6 (last page holds 2), 3 new tokens, 2 continuations: 2 pages each at the
-    # end, 4 pages asked at admission; B: 6 + 3, one continuation, 2 pages.
-    reqs = [ForkRequest(rid=0, prompt=np.arange(6), max_new_tokens=3, n=2),
-            ForkRequest(rid=1, prompt=np.arange(40, 46), max_new_tokens=3)]
-    with torch.inference_mode():
-        stats = engine.run(reqs)
-    pool.check()
-    assert stats.preemptions == 0
 
 
 # ----- admissible_tokens and the copy an extend may take -------------------------
@@ -489,10 +430,6 @@ def test_extend_after_truncating_into_a_continued_registered_page_takes_a_copy()
 def test_kvpool_refusals_leave_the_tables_and_counters_as_they_were() -> None:
     """KVPool.admit / extend (CPU): the queries say the batch does not fit, the call is
     PoolExhaustedError, and req_to_token, every counter and every request are unchanged."""
-    import torch
-
-    import kvpool
-
     pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=4, num_pages=4, max_requests=6, max_context_len=24)
     h = int(pool.admit([2], tokens=[5, 6])[0][0])
     kid = int(pool.fork(h, 1)[0])
