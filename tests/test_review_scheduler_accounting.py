@@ -289,8 +289,11 @@ class Run:
 
     def evict(self) -> None:
         a, n = self.a, self.draw(st.integers(0, 3))
-        free, ev = a.free_pages, a.evictable_pages
+        free, ev, by = a.free_pages, a.evictable_pages, a.evictable_pages_by_priority()
         assert a.evict(n) == min(n, ev)
+        gone = by - a.evictable_pages_by_priority()  # lowest priority first: whole bins, then part of one
+        k = int(np.argmax(gone != by)) if (gone != by).any() else len(by)
+        assert (gone[:k] == by[:k]).all() and gone[k + 1 :].sum() == 0
         assert a.free_pages == free and a.evictable_pages == ev - min(n, ev)
 
     def take_copies(self) -> None:  # before a step's writes: offloads, loads, then copies
