@@ -84,3 +84,15 @@ def test_a_preempted_forking_request_does_not_fork_again(model):
     got, stats, engine = serve(model, requests(), pages=16, page_size=4, admission="optimistic", max_running=4)
     assert (2, 0, 2) in engine.preempted, engine.preempted
     assert got == ref
+
+
+def test_reserve_admission_counts_the_copy_a_fork_family_makes(model):
+    # "reserve" never preempts. A: prompt 6 (its last page holds 2 of 4), 2 continuations
+    # of 8 tokens: 4 pages asked; B: 8 tokens, 2 pages. After A's fork, A and its
+    # continuation share that partly filled page, and their first decode step copies it:
+    # one page the reservation must keep, or B (admitted in the same step) takes it and
+    # the decode step preempts.
+    reqs = [ForkRequest(rid=0, prompt=np.arange(6), max_new_tokens=3, n=2),
+            ForkRequest(rid=1, prompt=np.arange(40, 46), max_new_tokens=3)]
+    _, stats, engine = serve(model, reqs, pages=4, page_size=4, admission="reserve", max_running=4)
+    assert stats.preemptions == 0, engine.preempted

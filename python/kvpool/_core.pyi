@@ -194,8 +194,13 @@ class SlotAllocator:
         """Requests opened and not yet closed."""
     @property
     def admissible_tokens(self) -> int:
-        """Tokens that can surely still be appended (a lower bound; pinned cached
-        pages are not counted).
+        """free_slots: tokens that fit in whole free or evictable pages (pinned
+        cached pages are not counted). One new request of this many tokens
+        fits; a batch is a page count, not a token count: each request takes
+        pages_for(length + n) - pages_for(length) (a new one starts a page),
+        plus one copy when it writes into a partly filled last page that is
+        shared (fork, a queued copy's source) or registered with cached pages
+        after it (a truncate into it).
         """
     @property
     def metadata_bytes(self) -> int:

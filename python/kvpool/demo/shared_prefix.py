@@ -42,6 +42,13 @@ class ForkRequest(Request):
     cached_len: int = 0  # prompt tokens served by the prefix cache at admission
     forks: list[ForkRequest] = field(default_factory=list)
     last_logits: Any = None  # the prefill's last-position logits (a fork's first token comes from them)
+    # A continuation forked onto a partly filled last page: its first extend copies
+    # that page (copy-on-write), one page more than its length says it needs.
+    copies_last_page: bool = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.copies_last_page = False  # recomputed alone, on pages of its own
 
 
 @dataclass
@@ -116,6 +123,22 @@ class PrefixEngine(Engine):
                     f"{cap} pages and {self.max_running} requests run at once; enlarge the pool or "
                     "lower --fork-n")
 
+    def _reserved_pages(self, running: list[Request]) -> int:
+        # A fork family of k requests sharing a partly filled last page takes k - 1
+        # copies of it on its first decode step, pages that final_length - length does
+        # not count: without them a request admitted meanwhile takes those pages and
+        # "reserve" admission preempts after all.
+        pages = super()._reserved_pages(running)
+        if self.admission == "reserve":
+            pages += sum(1 for r in running if getattr(r, "copies_last_page", False) and not r.done)
+        return pages
+
+    def _decode(self, waiting: deque[Request], running: list[Request]) -> int:
+        produced = super()._decode(waiting, running)
+        for r in running:  # every unfinished request has extended: its copy is made
+            r.copies_last_page = False  # type: ignore[attr-defined]
+        return produced
+
     def _admit_and_prefill(self, waiting: deque[Request], running: list[Request]) -> int:
         produced = 0
         while waiting and len(running) < self.max_running:
@@ -174,6 +197,7 @@ class PrefixEngine(Engine):
                               n=1, rank=rank)
             kid.handle, kid.row, kid.length, kid.cached_len = int(h), int(row), parent.length, len(parent.prompt)
             kid.output.append(_first_token(parent.last_logits, rank))
+            kid.copies_last_page = parent.length % self.page_size != 0
             parent.forks.append(kid)
             running.append(kid)
             self.stats.generated_tokens += 1

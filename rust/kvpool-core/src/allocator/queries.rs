@@ -79,9 +79,11 @@ impl SlotAllocator {
     pub fn open_requests(&self) -> usize {
         self.requests.open_count()
     }
-    /// Tokens that could still be appended if every new token started a page
-    /// (a lower bound: partly filled last pages take a few more). Counts
-    /// evictable pages, not pinned ones.
+    /// `free_slots`: tokens that fit in whole free or evictable pages (not
+    /// pinned ones). One new request of this many tokens fits; a batch needs
+    /// `pages_for(len + n) - pages_for(len)` pages per request (a new one
+    /// starts a page), plus a copy for each that writes into a partly filled
+    /// last page that is shared or registered with cached pages after it.
     pub fn admissible_tokens(&self) -> usize {
         self.free_slots()
     }
