@@ -217,11 +217,6 @@ class Worker(threading.Thread):
             keep = int(rng.integers(min(self.floor.get(h, 0), len(mine[h])), len(mine[h]) + 1))
             pool.truncate([h], keep)
             del mine[h][keep:]
-            if self.sharing and keep % pool.page_size:
-                # Truncated into a page the cache may keep (cached pages continue it):
-                # the next extend writes into a copy, moving the positions before the
-                # cut in that page, as a fork's shared page does.
-                self.shared.add(h)
         elif r < 0.25 and pool.allocator.slots(h).tolist() != mine[h]:
             raise AssertionError(f"request {h}: the allocator's slots differ from what was handed out")
         self.ops += 1

@@ -79,15 +79,6 @@ class Model(PriorityModel, TierMixin):
     def pending_copies(self):
         return sum(c[2] for c in self.queue)
 
-    def cache_keeps(self, p):
-        """Page p's registration has live children: a truncated request copies it."""
-        e = self.entry_at(p)
-        return e is not None and any(c.parent_reg == e.reg for c in self.reg.values())
-
-    def cow_holders(self, p):
-        """Holders a copy-on-write counts: the cache is one more of a page it keeps."""
-        return self.holders(p) + self.cache_keeps(p)
-
     def slots(self, r):
         q = self.reqs[r]
         return [q.pages[t // self.ps] * self.ps + t % self.ps for t in range(len(q.tokens))]
@@ -229,7 +220,7 @@ class Model(PriorityModel, TierMixin):
             if n + cs[i] > MAX_CTX:
                 raise kvpool.ContextTooLongError
             need += -(-(n + cs[i]) // self.ps) - (-(-n // self.ps))
-            if cs[i] > 0 and n % self.ps and self.cow_holders(q.pages[-1]) > 1:
+            if cs[i] > 0 and n % self.ps and self.holders(q.pages[-1]) > 1:
                 shared.append(q.pages[-1])
         if tokens is not None:
             if len(tokens) != sum(cs) or any(not 0 <= t < 2**31 for t in tokens):
@@ -244,7 +235,7 @@ class Model(PriorityModel, TierMixin):
                 k += c
         # A shared partly filled last page that m growing requests hold, of h holders, is
         # copied by all but the last holder to grow (which writes in place): min(m, h - 1).
-        need += sum(min(shared.count(p), self.cow_holders(p) - 1) for p in set(shared))
+        need += sum(min(shared.count(p), self.holders(p) - 1) for p in set(shared))
         if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         out, k = [], 0
@@ -253,7 +244,7 @@ class Model(PriorityModel, TierMixin):
             n = len(q.tokens)
             if c > 0 and n % self.ps:
                 last = q.pages[-1]
-                if self.cow_holders(last) > 1:
+                if self.holders(last) > 1:
                     new = self.take_page()
                     self.queue.append([last, new, n % self.ps])
                     q.pages[-1] = new

@@ -22,10 +22,6 @@ class Pages:
     def find(self, reg):
         return next((p for p, r in self.reg.items() if r == reg), None)
 
-    def cow_holders(self, p):
-        """Holders a copy-on-write counts: the cache is one more of a registered page."""
-        return self.holders(p) + (p in self.reg)
-
     def holders(self, p):
         lists = sum(held.count(p) for held in self.lists.values())
         return lists + sum(c[0] == p for c in self.queue[: self.holding])
@@ -79,7 +75,7 @@ class Pages:
         # windows released theirs, is copied by all but the last holder to grow: min(m, h - 1).
         shared = [self.lists[r][-1] for r, n, c in batch if c > 0 and n % self.ps]
         for p in set(shared):
-            h = self.cow_holders(p) - released.count(p)
+            h = self.holders(p) - released.count(p)
             if h > 1:
                 need += min(shared.count(p), h - 1)
         return need <= len(self.free) + len(self.lru) + credited
@@ -98,10 +94,12 @@ class Pages:
         for r, n, c in batch:
             if c > 0 and n % self.ps:
                 last = self.lists[r][-1]
-                if self.cow_holders(last) > 1:
+                if self.holders(last) > 1:
                     q = self.take_page()
                     self.queue.append([last, q, n % self.ps])
                     self.lists[r][-1] = q
+                else:
+                    self.reg.pop(last, None)
             for t in range(n, n + c):
                 if t % self.ps == 0:
                     self.lists[r].append(self.take_page())

@@ -53,34 +53,3 @@ def test_rows_cut_back_to_the_shortest_hit_still_publish_their_prompts(model):
     assert _hit(pool, probe) == 16
     pool.allocator.check()
     assert pool.allocator.open_requests == 0
-
-
-def test_a_crop_into_the_cached_prefix_keeps_the_cache_and_the_logits(model):
-    """A cache opened on a cached prompt and cropped back inside it (an edited turn):
-    its next tokens go to a copy of the cut page (the cache keeps the page and the
-    cached pages after it), the logits are DynamicCache's, and the prompt still hits
-    to its end afterwards (it hit only the page before the cut when the page was
-    rewritten in place)."""
-    from transformers import DynamicCache
-
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(3, 90, (1, 17), generator=g)
-    edit = torch.randint(3, 90, (1, 3), generator=g)
-    pool = pool_for_model(model, max_tokens=1024, page_size=PAGE, max_context_len=64)
-    with KVPoolCache(pool, prefix_ids=prompt) as cache:
-        model(prompt, past_key_values=cache)
-
-    def run(cache, hit):
-        model(prompt[:, hit:], past_key_values=cache)
-        cache.crop(-11)  # 6 tokens kept: inside page 1, which cached pages continue
-        return model(edit, past_key_values=cache).logits
-
-    with KVPoolCache(pool, prefix_ids=prompt) as cache:
-        hit = int(cache.cached_lens[0])
-        assert hit == 16
-        got = run(cache, hit)
-    dyn = DynamicCache()
-    model(prompt[:, :hit], past_key_values=dyn)
-    assert torch.equal(got, run(dyn, hit))
-    pool.check()
-    assert _hit(pool, prompt) == 16

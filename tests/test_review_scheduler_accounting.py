@@ -403,11 +403,10 @@ def test_admissible_tokens_is_a_page_budget_not_a_batch_guarantee() -> None:
     a.check()
 
 
-def test_extend_after_truncating_into_a_continued_registered_page_takes_a_copy() -> None:
-    """A request truncated into a registered page that cached pages continue copies it
-    on its next extend: one page more than its length says, even when the extend stays
-    inside that page. The need is counted (refused with the pool unchanged when one
-    page short) and the copy's page is the only one taken."""
+def test_extend_after_truncating_into_a_registered_page_writes_in_place() -> None:
+    """A request truncated into a registered page it alone holds writes on in place: its
+    next extend inside that page takes no page and no copy (so it fits with no free page,
+    as its length says), the page's registration goes, and the request keeps its slots."""
     p = 4
     a = SlotAllocator(5, p, 6, 24, hash_seed=1, max_pinned_pages=4)
     prompt = list(range(12))
@@ -417,16 +416,13 @@ def test_extend_after_truncating_into_a_continued_registered_page_takes_a_copy()
     assert a.free_pages == 1 and a.evictable_pages == 0
     filler = int(a.admit([4])[0][0])  # takes the last free page
     assert a.free_pages == 0
-    before = snapshot(a, [h, filler])
-    # Length 6 -> 7 stays in page 2: no new page by length, but a copy of page 2.
-    refused_unchanged(a, [h, filler], before, lambda: a.extend([h], [1]))
+    cached, slots = a.cached_pages, a.slots(h).tolist()
+    # Length 6 -> 7 stays in page 2: no new page by length, and none for a copy.
+    new = a.extend([h], [1])
+    assert new.tolist() == [slots[5] + 1] and a.slots(h).tolist() == slots + new.tolist()
+    assert a.free_pages == 0 and a.pending_copies == 0 and a.cached_pages == cached - 1
+    a.check()
     a.close([filler])
-    assert a.free_pages == 1
-    old = a.pages(h).tolist()
-    a.extend([h], [1])
-    assert a.free_pages == 0 and a.pages(h).tolist()[0] == old[0] and a.pages(h).tolist()[1] != old[1]
-    src, dst = a.take_copies()  # the two valid slots of page 2
-    assert src.tolist() == [old[1] * p, old[1] * p + 1] and len(dst) == 2
     a.check()
 
 

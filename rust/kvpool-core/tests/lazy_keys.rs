@@ -77,31 +77,35 @@ fn a_branch_keys_the_child_its_parent_stops_hinting() {
 
 #[test]
 fn a_child_outliving_its_parent_is_keyed_and_counted() {
-    // Page size 4: a prefix kept at priority 0 is evicted before the page a
-    // later turn registered under it (default priority), which stays.
+    // Page size 4: truncating into a registered page unregisters it, while
+    // its child (unkeyed, reached by its hint) stays cached.
     let opts = Options {
         hash_seed: Some(3),
         ..Options::new()
     };
     let mut a = SlotAllocator::with_options(32, 4, 8, 64, opts).unwrap();
-    let old = seq(9, 100);
-    assert_eq!(serve(&mut a, &old, 0), 0);
-    assert_eq!(a.index_links_for_tests(), (2, 1, 0));
-    let turn = cat(&old[..8], &seq(5, 300));
-    let (h, cached) = a.open_with_prefix(&turn, &[13], Counts::Each(0)).unwrap();
-    assert_eq!(cached, [8]);
-    a.extend(&h, Counts::Each(5), None).unwrap();
-    a.close(&h, true).unwrap();
-    // The turn's page rides on its parent's hint: unkeyed.
+    let old = seq(12, 100);
+    let (h, _) = a.open_with_prefix(&old, &[12], Counts::Each(0)).unwrap();
+    a.extend(&h, Counts::Each(12), None).unwrap();
+    a.cache(&h).unwrap();
     assert_eq!(a.index_links_for_tests(), (3, 1, 0));
-    assert_eq!(a.evict(2), 2);
+    a.truncate(&h, Counts::Each(6)).unwrap();
     a.check().unwrap();
-    // Its parent gone, the page is an orphan now, and keyed.
-    assert_eq!(a.index_links_for_tests(), (1, 1, 1));
+    let new_tail = seq(6, 200);
+    a.extend(&h, Counts::Each(6), Some(&new_tail)).unwrap();
+    a.check().unwrap();
+    // Writing into page 1 unregistered it; page 2, its child, is an
+    // orphan now, and keyed.
+    assert_eq!(a.index_links_for_tests(), (2, 2, 1));
+    a.cache(&h).unwrap();
+    a.check().unwrap();
     // With an orphan about, registrations are keyed as before.
-    assert_eq!(serve(&mut a, &seq(9, 500), 50), 0);
-    assert_eq!(a.index_links_for_tests(), (3, 3, 1));
-    assert_eq!(probe(&mut a, &cat(&turn, &[1])), 0);
+    assert_eq!(a.index_links_for_tests(), (4, 4, 1));
+    // With an orphan about, registrations are keyed as before.
+    a.close(&h, false).unwrap();
+    let diverged = [old[..6].to_vec(), new_tail].concat();
+    assert_eq!(probe(&mut a, &cat(&diverged, &[1])), 12);
+    assert_eq!(probe(&mut a, &cat(&old, &[1])), 4);
     a.evict(a.evictable_pages());
     a.check().unwrap();
     assert_eq!(a.index_links_for_tests(), (0, 0, 0));

@@ -36,8 +36,8 @@ mod store;
 use contents::Contents;
 use kvpool_core::{make_handle, Counts, HostPolicy, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST};
 use model_coverage::{
-    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, KEPT,
-    MOVED, OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, STORED, SWAPS, TAKEN_OVER,
+    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
+    OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, STORED, SWAPS, TAKEN_OVER,
 };
 use model_harness::{agrees, new_allocator, report, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
@@ -376,7 +376,6 @@ proptest! {
         count(&OK_CALLS, oks);
         count(&DROPPED, m.dropped);
         count(&TAKEN_OVER, m.taken_over);
-        count(&KEPT, m.kept);
         count(&ORPHANS_REPLACED, m.orphans_replaced);
         count(&COPIES, m.queued);
         if let Some(t) = m.tier.as_ref() {

@@ -49,8 +49,7 @@ impl PySlotAllocator {
     /// fits; a batch is a page count, not a token count: each request takes
     /// pages_for(length + n) - pages_for(length) (a new one starts a page),
     /// plus one copy when it writes into a partly filled last page that is
-    /// shared (fork, a queued copy's source) or registered with cached pages
-    /// after it (a truncate into it).
+    /// shared (fork, a queued copy's source).
     #[getter]
     fn admissible_tokens(&self, py: Python<'_>) -> usize {
         self.query(py, SlotAllocator::admissible_tokens)

@@ -8,43 +8,21 @@ use crate::pages::copies_of_shared;
 
 impl SlotAllocator {
     /// Pages a request's next extend needs beyond its length's own: 1 when
-    /// its partly filled last page has other holders, or is a cached
-    /// page's content that cached pages continue (copy-on-write).
-    /// Always inlined: outlined, it changed `extend_into_table`'s decode
-    /// loop around the call (+2% instructions at a plain decode step,
-    /// which never calls it).
-    #[inline(always)]
+    /// its partly filled last page has other holders (copy-on-write).
+    #[inline]
     pub(super) fn cow_pages(&self, row: usize) -> usize {
         let (len, last, _) = self.requests.tail(row);
         if self.geo.offset_in_page(len) == 0 {
             return 0;
         }
-        (self.pages.is_shared(last) || self.cache_keeps(last)) as usize
-    }
-
-    /// Whether the cache keeps registered page `p` from being written in
-    /// place: its entry has live children. A request truncated into such a
-    /// page (an edited turn, a rejected draft) would otherwise unregister
-    /// it to write, and every cached page below it would become an orphan
-    /// no lookup reaches: the next identical prompt would miss the whole
-    /// tail. A page copy is cheaper than recomputing that tail. A
-    /// childless registered page is still unregistered and written in
-    /// place: only its own content is lost, which the writer replaces.
-    #[inline]
-    pub(super) fn cache_keeps(&self, p: u32) -> bool {
-        let e = self.pages.entry(p);
-        e != 0 && self.prefix.children(e - 1) > 0
+        self.pages.is_shared(last) as usize
     }
 
     /// How many copies one extend makes of the shared last pages
     /// `shared` (one entry per growing request whose last page is shared
-    /// or kept by the cache, and partly filled): see `copies_of_shared`.
-    /// The cache counts as one more holder of a page it keeps: every
-    /// growing holder copies it, the last one too.
+    /// and partly filled): see `copies_of_shared`.
     pub(super) fn shared_copies(&self, shared: &mut [u32]) -> usize {
-        copies_of_shared(shared, |p| {
-            self.pages.holders(p) as usize + self.cache_keeps(p) as usize
-        })
+        copies_of_shared(shared, |p| self.pages.holders(p) as usize)
     }
 
     /// Appends `dst.len()` tokens to `row`, taking pages as needed and
@@ -69,19 +47,13 @@ impl SlotAllocator {
         let (_, mut last, _) = self.requests.tail(row);
         let mut moved = 0;
         if off != 0 {
-            let shared = self.pages.is_shared(last);
-            if shared || self.cache_keeps(last) {
-                // Shared, or kept by the cache: the others (or the cache)
-                // keep the page, this request gets a copy.
+            if self.pages.is_shared(last) {
+                // Shared: the others keep the page, this request gets a copy.
                 let q = self.take_page();
                 self.prefix
                     .copy_tokens(last as usize * ps, q as usize * ps, off);
                 self.pages.queue_copy(last, q, off);
-                if shared {
-                    self.pages.drop_shared_holder(last);
-                } else {
-                    self.pages.hand_hold_to_copy(last);
-                }
+                self.pages.drop_shared_holder(last);
                 self.requests.set_page(row, np - 1, q);
                 last = q;
                 moved = off;

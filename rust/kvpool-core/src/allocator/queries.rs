@@ -83,7 +83,7 @@ impl SlotAllocator {
     /// pinned ones). One new request of this many tokens fits; a batch needs
     /// `pages_for(len + n) - pages_for(len)` pages per request (a new one
     /// starts a page), plus a copy for each that writes into a partly filled
-    /// last page that is shared or registered with cached pages after it.
+    /// last page that is shared.
     pub fn admissible_tokens(&self) -> usize {
         self.free_slots()
     }

@@ -207,31 +207,19 @@ impl PageEngine {
                 continue;
             }
             let last = self.entry(row, self.geo.pages_for(len) - 1);
-            if self.cow_holders(last) - releases(last) > 1 {
+            if self.pages.holders(last) - releases(last) > 1 {
                 shared.push(last);
             }
         }
         // A page that `m` growing rows share, of `h` holders once the
-        // windows released theirs (the cache one of them, `cow_holders`), is
-        // copied by all but the last holder to grow (which finds it its
-        // own): min(m, h - 1) times.
+        // windows released theirs, is copied by all but the last holder to
+        // grow (which finds it its own): min(m, h - 1) times.
         need += copies_of_shared(&mut shared, |p| {
-            (self.cow_holders(p) - releases(p)) as usize
+            (self.pages.holders(p) - releases(p)) as usize
         });
         self.shared_scratch = shared;
         self.scratch = scratch;
         (need, credited)
-    }
-
-    /// Holders a copy-on-write decision counts: a registered page has the
-    /// cache as one more. A request truncated into a registered page (an
-    /// edited turn) copies it rather than unregister it: this group cannot
-    /// see whether the anchor chain continues past the page, and where it
-    /// does, a prompt that hits past it needs the page (a full group's pages
-    /// up to the hit, a sliding group's inside the window), so dropping it
-    /// would cut every such hit there.
-    fn cow_holders(&self, p: u32) -> u32 {
-        self.pages.holders(p) + self.pages.is_registered(p) as u32
     }
 
     /// Makes room for the copies `copies` rows may queue.
@@ -257,8 +245,9 @@ impl PageEngine {
     }
 
     /// Appends `dst.len()` tokens to `row` (length `start`), taking pages
-    /// and copying a shared or registered partly filled last page first.
-    /// Returns how many positions moved to the copy.
+    /// and copying a shared partly filled last page first (or dropping its
+    /// registration when only the cache shares it). Returns how many
+    /// positions moved to the copy.
     pub(crate) fn grow(&mut self, row: usize, start: usize, dst: &mut [i64]) -> usize {
         let ps = self.geo.page_size;
         let c = dst.len();
@@ -271,18 +260,15 @@ impl PageEngine {
         let mut head = 0;
         if off != 0 {
             let mut last = self.entry(row, np - 1);
-            let shared = self.pages.is_shared(last);
-            if shared || self.pages.is_registered(last) {
+            if self.pages.is_shared(last) {
                 let q = self.take_page();
                 self.pages.queue_copy(last, q, off);
-                if shared {
-                    self.pages.drop_shared_holder(last);
-                } else {
-                    self.pages.hand_hold_to_copy(last);
-                }
+                self.pages.drop_shared_holder(last);
                 self.set_entry(row, np - 1, q);
                 last = q;
                 moved = off;
+            } else if self.pages.is_registered(last) {
+                self.unregister(last);
             }
             head = (ps - off).min(c);
             fill_run(&mut dst[..head], last as usize * ps + off);

@@ -61,12 +61,9 @@ impl PagePool {
     /// page from now on.
     pub(crate) fn hold_copy_sources(&mut self, from: usize) {
         for r in &self.copies.runs()[from..] {
-            // Still held by a request (a holder leaves a page in this call
-            // only by copying it, while another holds it), or by nobody
-            // and in no eviction list (`hand_hold_to_copy`): UNHELD wraps
-            // to one holder.
-            let s = &mut self.records[r.src as usize];
-            s.extra = s.extra.wrapping_add(1);
+            // Still held by a request: a holder leaves a page in this call
+            // only by copying it, and only while another holds it.
+            self.records[r.src as usize].extra += 1;
         }
     }
 

@@ -159,16 +159,6 @@ impl PagePool {
         self.records[p as usize].extra -= 1;
     }
 
-    /// The last holder of `p` leaves it for the copy it just queued (a
-    /// page the cache keeps, `cache_keeps`). Nobody holds it until the
-    /// call ends and `hold_copy_sources` gives the copy its hold; it is in
-    /// no eviction list meanwhile, so nothing in the call can evict it.
-    #[inline]
-    pub(crate) fn hand_hold_to_copy(&mut self, p: u32) {
-        debug_assert_eq!(self.records[p as usize].extra, 0, "a sole holder");
-        self.records[p as usize].extra = UNHELD;
-    }
-
     /// One more holder of each page, HELD or CACHED, in a request's order.
     ///
     /// A run of CACHED pages that sits in the eviction list oldest-last (as

@@ -50,7 +50,7 @@ impl PrefixIndex {
 
     /// Live entry `i`'s live children.
     #[inline]
-    pub(crate) fn children(&self, i: u32) -> u32 {
+    pub(super) fn children(&self, i: u32) -> u32 {
         self.idents[i as usize].links & CHILDREN
     }
 

@@ -61,12 +61,6 @@ impl GPages {
                 .count()
     }
 
-    /// Holders a copy-on-write counts: the cache is one more of a
-    /// registered page (a truncated request copies it).
-    pub fn cow_holders(&self, p: usize) -> usize {
-        self.holders(p) + self.reg.contains_key(&p) as usize
-    }
-
     pub fn pending_copies(&self) -> usize {
         self.queue.iter().map(|c| c.len).sum()
     }
@@ -162,7 +156,7 @@ impl GPages {
         pages.dedup();
         for p in pages {
             let m = growing.iter().filter(|&&q| q == p).count();
-            let h = self.cow_holders(p) - count(p);
+            let h = self.holders(p) - count(p);
             if h > 1 {
                 need += m.min(h - 1);
             }
@@ -194,7 +188,7 @@ impl GPages {
         for &(row, len, c) in batch {
             if c > 0 && len % self.ps != 0 {
                 let last = *self.lists[&row].last().unwrap();
-                if self.cow_holders(last) > 1 {
+                if self.holders(last) > 1 {
                     let q = self.take_page();
                     self.queue.push(QueuedCopy {
                         src: last,
@@ -202,6 +196,8 @@ impl GPages {
                         len: len % self.ps,
                     });
                     *self.lists.get_mut(&row).unwrap().last_mut().unwrap() = q;
+                } else {
+                    self.reg.remove(&last);
                 }
             }
             for t in len..len + c {

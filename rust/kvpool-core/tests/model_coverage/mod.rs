@@ -25,7 +25,6 @@ thread_local! {
     pub static ENDED: Cell<usize> = const { Cell::new(0) };
     pub static TAKEN_OVER: Cell<usize> = const { Cell::new(0) };
     pub static ORPHANS_REPLACED: Cell<usize> = const { Cell::new(0) };
-    pub static KEPT: Cell<usize> = const { Cell::new(0) };
 }
 
 pub fn count<T: Copy + std::ops::Add<Output = T>>(
@@ -147,14 +146,5 @@ fn generated_sequences_exercise_sharing() {
     );
     // Rare here (0-2 a run): `orphans.rs` and `hit_oracle.rs` build them.
     let replaced = ORPHANS_REPLACED.with(Cell::get);
-    let kept = KEPT.with(Cell::get);
-    eprintln!(
-        "{replaced} orphans replaced by a recomputed page, {kept} truncated requests copied a \
-         page the cache keeps"
-    );
-    // Typically 4-11 over random seeds: the guard is for none.
-    assert!(
-        kept > 0,
-        "no truncated request wrote past a registered page with cached children"
-    );
+    eprintln!("{replaced} orphans replaced by a recomputed page");
 }

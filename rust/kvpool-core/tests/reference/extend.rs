@@ -14,10 +14,9 @@ impl Model {
     ) -> Result<usize, Kind> {
         let mut rows = Vec::new();
         let mut need = 0;
-        // Shared (or cache-kept) partly filled last pages of growing
-        // requests, with how many of them grow: a page of `h` holders is
-        // copied by all but the last holder to grow, min(m, h - 1) times;
-        // the cache is one more holder of a page it keeps.
+        // Shared partly filled last pages of growing requests, with how many
+        // of them grow: a page of `h` holders is copied by all but the last
+        // holder to grow, min(m, h - 1) times.
         let mut shared: Vec<(usize, usize)> = Vec::new();
         for (i, &h) in hs.iter().enumerate() {
             let r = self.row(h).ok_or(Kind::Handle)?;
@@ -38,7 +37,7 @@ impl Model {
             }
             need += (len + c).div_ceil(self.ps) - len.div_ceil(self.ps);
             let last = *req.pages.last().unwrap_or(&0);
-            if c > 0 && len % self.ps != 0 && self.cow_holders(last) > 1 {
+            if c > 0 && len % self.ps != 0 && self.holders(last) > 1 {
                 match shared.iter_mut().find(|(p, _)| *p == last) {
                     Some((_, m)) => *m += 1,
                     None => shared.push((last, 1)),
@@ -47,7 +46,7 @@ impl Model {
         }
         need += shared
             .iter()
-            .map(|&(p, m)| m.min(self.cow_holders(p) - 1))
+            .map(|&(p, m)| m.min(self.holders(p) - 1))
             .sum::<usize>();
         if let Some(t) = tokens {
             let total: i64 = cs.iter().sum();
@@ -88,8 +87,7 @@ impl Model {
             let len = self.reqs[&r].len();
             if c > 0 && len % self.ps != 0 {
                 let last = *self.reqs[&r].pages.last().unwrap();
-                if self.cow_holders(last) > 1 {
-                    self.kept += (self.holders(last) == 1) as usize;
+                if self.holders(last) > 1 {
                     let q = self.take_page();
                     let off = len % self.ps;
                     self.queued += off;

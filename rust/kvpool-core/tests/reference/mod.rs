@@ -138,8 +138,6 @@ pub struct Model {
     pub dropped: usize,
     /// Duplicates that took over an unheld copy's registration.
     pub taken_over: usize,
-    /// Sole holders that copied a page the cache keeps (`cache_keeps`).
-    pub kept: usize,
     /// Orphans replaced by a recomputed page of the same content.
     pub orphans_replaced: usize,
     /// Slots ever queued for copying.
@@ -172,7 +170,6 @@ impl Model {
             holding: 0,
             dropped: 0,
             taken_over: 0,
-            kept: 0,
             orphans_replaced: 0,
             queued: 0,
             hit: 0,
@@ -198,19 +195,6 @@ impl Model {
                 .iter()
                 .filter(|c| c.src == p)
                 .count()
-    }
-
-    /// Whether the cache keeps page `p` from being written in place: its
-    /// registration has live children (a truncated request copies it).
-    pub fn cache_keeps(&self, p: usize) -> bool {
-        self.entry_at(p)
-            .is_some_and(|r| self.reg.values().any(|e| e.parent_reg == r))
-    }
-
-    /// Holders a copy-on-write decision counts: the cache is one more of a
-    /// page it keeps.
-    pub fn cow_holders(&self, p: usize) -> usize {
-        self.holders(p) + self.cache_keeps(p) as usize
     }
 
     pub fn slots(&self, row: usize) -> Vec<i64> {
