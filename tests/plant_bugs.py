@@ -140,7 +140,7 @@ MUTANTS = [
            "    problem = header_problem(pool, header, src_scales)", "    problem = None",
            ["tests/test_transfer_hostile.py"], group="fixes"),
     Mutant("fix-transfer-staging-always-kept", "python/kvpool/distributed/chunks.py",
-           "    if n * 2 <= KEEP_STAGING_BYTES:", "    if True:",
+           "    keep = n * 2 <= KEEP_STAGING_BYTES", "    keep = True",
            ["tests/test_transfer_hostile.py"], group="fixes"),
     Mutant("fix-send-without-the-pool-lock", "python/kvpool/distributed/kv_transfer.py",
            "    with _pool_lock(pool):\n        return _send_request(", "    if True:\n        return _send_request(",

@@ -415,7 +415,7 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
     # One chunk [caches, layers, pages, page floats]: K = 1..8, V = 9..16.
     fake_link.update({"header": header, "K/V chunk": [torch.arange(1.0, 17.0)]})
     storing, b_done = threading.Event(), threading.Event()
-    real_unpack = kv_transfer._unpack
+    real_unpack = kv_transfer.unpack
     got = {}
 
     def paused_unpack(views, chunk, pages, idx):
@@ -424,7 +424,7 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
         real_unpack(views, chunk, pages, idx)
         got["pages"] = pages.tolist()
 
-    monkeypatch.setattr(kv_transfer, "_unpack", paused_unpack)
+    monkeypatch.setattr(kv_transfer, "unpack", paused_unpack)
 
     def thread_a():
         got["h"] = kv_transfer.recv_request(pool, 0)

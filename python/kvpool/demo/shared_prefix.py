@@ -130,13 +130,14 @@ class PrefixEngine(Engine):
         # "reserve" admission preempts after all.
         pages = super()._reserved_pages(running)
         if self.admission == "reserve":
-            pages += sum(1 for r in running if getattr(r, "copies_last_page", False) and not r.done)
+            pages += sum(1 for r in running if isinstance(r, ForkRequest) and r.copies_last_page and not r.done)
         return pages
 
     def _decode(self, waiting: deque[Request], running: list[Request]) -> int:
         produced = super()._decode(waiting, running)
         for r in running:  # every unfinished request has extended: its copy is made
-            r.copies_last_page = False  # type: ignore[attr-defined]
+            if isinstance(r, ForkRequest):
+                r.copies_last_page = False
         return produced
 
     def _admit_and_prefill(self, waiting: deque[Request], running: list[Request]) -> int:

@@ -34,12 +34,11 @@ def staging(device: torch.device, pool: Any, pages: int, chunks: int) -> list[to
     kept = STAGING.get(owner)
     if kept is not None and len(kept) >= count and kept[0].numel() >= n and kept[0].device == device:
         return kept
+    keep = n * 2 <= KEEP_STAGING_BYTES
+    # A kept staging is always a pair, so a later transfer of several chunks reuses it too.
     with persistent():
-        bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(count)]
-    if n * 2 <= KEEP_STAGING_BYTES:
-        if count == 1:  # keep a pair, so a later transfer of several chunks reuses it too
-            with persistent():
-                bufs.append(torch.empty(n, dtype=torch.uint8, device=device))
+        bufs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2 if keep else count)]
+    if keep:
         STAGING[owner] = bufs
     else:
         STAGING.pop(owner, None)

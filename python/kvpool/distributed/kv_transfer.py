@@ -36,8 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
-from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES, chunk_view, pack, rescale, staging
-from kvpool.distributed.chunks import unpack as _unpack
+from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES, chunk_view, pack, rescale, staging, unpack
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, bad_timeout, check_peer, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import cache_pages, page_bytes
@@ -407,4 +406,4 @@ def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int
         if i + 1 < len(starts):  # the next chunk lands in the other buffer while this one is stored
             pending = link.post_recv(chunk_view(bufs[(i + 1) % 2], pool, sizes[i + 1]).view(-1), "K/V chunk")
         rescale(pool, view, src_scales)
-        _unpack(views, view, dst_pages[start : start + k], idx_all[start : start + k])
+        unpack(views, view, dst_pages[start : start + k], idx_all[start : start + k])
