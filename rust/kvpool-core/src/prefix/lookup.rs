@@ -39,6 +39,10 @@ use crate::location::is_host;
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
 
+/// Hops a page-size-1 walk checks at once while the chain is laid out in
+/// slab order (`follow_hints_one`).
+const WALK_BLOCK: usize = 8;
+
 /// The child hinted by entry `cur` (`parent`), with its index, if the hint
 /// names an entry of the slab.
 ///
@@ -132,7 +136,41 @@ impl PrefixIndex {
         };
         let room = &mut out.spare_capacity_mut()[..tokens.len()];
         let mut n = 0;
-        for (&t, slot) in tokens.iter().zip(room) {
+        // Blocks of a chain registered in one go (each child the next slab
+        // slot): the hops' checks are independent of each other there, so
+        // a block checks them all and branches once; the first block that
+        // fails any check is walked hop by hop below, which stops at the
+        // failing hop.
+        while let (Some(ts), Some(blk)) = (
+            tokens.get(n..n + WALK_BLOCK),
+            ents.get(cur as usize + 1..cur as usize + 1 + WALK_BLOCK),
+        ) {
+            let first = cur + 1;
+            let mut ok = (parent.child == first + 1)
+                & (blk[0].parent_reg == parent.reg)
+                & (blk[0].first_token == ts[0]);
+            for j in 1..WALK_BLOCK {
+                ok &= (blk[j - 1].child == first + j as u32 + 1)
+                    & (blk[j].parent_reg == blk[j - 1].reg)
+                    & (blk[j].first_token == ts[j]);
+            }
+            if !ok {
+                break;
+            }
+            for (j, (e, slot)) in blk.iter().zip(&mut room[n..n + WALK_BLOCK]).enumerate() {
+                debug_assert!(self.holds(e, &ts[j..=j]));
+                debug_assert_eq!(
+                    self.idents[first as usize + j].salt,
+                    salt,
+                    "a child has its parent's salt"
+                );
+                slot.write(e.page);
+            }
+            parent = &blk[WALK_BLOCK - 1];
+            cur += WALK_BLOCK as u32;
+            n += WALK_BLOCK;
+        }
+        for (&t, slot) in tokens[n..].iter().zip(&mut room[n..]) {
             let Some((child, e)) = hinted_child(ents, cur, parent) else {
                 break;
             };
