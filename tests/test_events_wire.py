@@ -150,7 +150,7 @@ def test_take_events_msgpack_equals_take_then_encode():
     slow = _core.encode_kv_events(b.take_events(), 5.0, 2)
     assert fast == slow
     empty = a.take_events_msgpack(5.0)
-    assert empty[1:] == (0, 0, 0) and msgspec.msgpack.decode(empty[0]) == [5.0, []]
+    assert empty[1:] == (0, 0, 0) and msgspec.msgpack.decode(empty[0]) == [5.0, [], None]
 
 
 def test_removed_is_sent_only_when_no_copy_is_left():

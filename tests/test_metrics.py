@@ -111,6 +111,39 @@ def test_a_tiered_pool_exports_its_offload_and_load_bytes():
     assert v(samples, "kvpool_offload_bytes_total", pool="0") == pool.offload_bytes
     assert v(samples, "kvpool_load_bytes_total", pool="0") == pool.load_bytes
     assert types["kvpool_offload_bytes"] == "counter"
+
+
+def test_every_family_parses_with_valid_names_and_labels_and_counters_end_in_total():
+    """Both exposition formats, every family present (a tiered KVPool, an allocator
+    with a publisher, a label that needs escaping), read back by prometheus_client's
+    own parsers."""
+    import re
+
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_parse
+
+    pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=8, page_size=P, max_requests=4,
+                         max_context_len=64, host_pages=8)
+    alloc = kvpool.SlotAllocator(16, P, 4, 64, hash_seed=3)
+    pub = LocalEventPublisher(alloc)
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(KVPoolCollector({'kv "0"\\\n': pool, "alloc": alloc}, publishers={"alloc": pub}))
+    name_ok, label_ok = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*"), re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+    text = prometheus_client.generate_latest(reg).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert len(families) == 15 and {f.name for f in openmetrics_parse(openmetrics_latest(reg).decode())} == set(families)
+    for name, fam in families.items():
+        assert name_ok.fullmatch(name) and name.startswith("kvpool_") and not name.endswith("_total")
+        assert fam.type in ("gauge", "counter") and fam.samples
+        for s in fam.samples:
+            assert s.name == (name + "_total" if fam.type == "counter" else name)
+            assert all(label_ok.fullmatch(k) and not k.startswith("__") for k in s.labels)
+            assert s.labels["pool"] in ('kv "0"\\\n', "alloc")
+    assert {n for n, f in families.items() if f.type == "counter"} == {
+        "kvpool_prefix_cache_queries", "kvpool_prefix_cache_hits", "kvpool_events_dropped", "kvpool_evicted_pages",
+        "kvpool_events_published", "kvpool_copy_bytes", "kvpool_offload_bytes", "kvpool_load_bytes"}
+
+
 def test_pinned_pages_and_priority_bands_are_exported():
     """Pinned cached pages are their own state (neither free nor held), the pin
     count and bound are exported, and evictable pages are split around the

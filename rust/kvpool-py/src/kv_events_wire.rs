@@ -270,14 +270,19 @@ fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
 pub(crate) fn batch(a: &Arrays<'_>, ts: f64, dp_rank: Option<i64>) -> Out<(Vec<u8>, Tally)> {
     let (body, count, tally) = events(a)?;
     let mut w = Vec::with_capacity(body.len() + 24);
-    // KVEventBatch is array_like: [ts, events, data_parallel_rank], the
-    // rank left off when None (omit_defaults drops a trailing default).
-    mp::write_array_len(&mut w, 2 + dp_rank.is_some() as u32)?;
+    // KVEventBatch is array_like: [ts, events, data_parallel_rank]. The rank
+    // is always there, nil for None: vLLM's and SGLang's publishers never
+    // leave it off, and consumers that read the batch as a 3-tuple (Rust
+    // routers with serde) refuse a 2-element array.
+    mp::write_array_len(&mut w, 3)?;
     mp::write_f64(&mut w, ts)?;
     mp::write_array_len(&mut w, count)?;
     w.extend_from_slice(&body);
-    if let Some(r) = dp_rank {
-        mp::write_sint(&mut w, r)?;
+    match dp_rank {
+        Some(r) => {
+            mp::write_sint(&mut w, r)?;
+        }
+        None => mp::write_nil(&mut w)?,
     }
     Ok((w, tally))
 }
