@@ -83,6 +83,18 @@ impl PagePool {
         self.eviction.levels().map_or(0, |v| v.pinned_cached())
     }
 
+    /// Of `pages` (distinct), those that count in `available()` now and
+    /// would not once held: CACHED (held by nobody) and not pinned.
+    pub(crate) fn evictable_among(&self, pages: &[u32]) -> usize {
+        let levels = self.eviction.levels();
+        pages
+            .iter()
+            .filter(|&&p| {
+                self.records[p as usize].is_unheld() && levels.is_none_or(|v| v.is_evictable(p))
+            })
+            .count()
+    }
+
     pub(crate) fn max_pinned(&self) -> usize {
         self.max_pinned
     }
