@@ -87,11 +87,10 @@ impl PagePool {
     /// would not once held: CACHED (held by nobody) and not pinned.
     pub(crate) fn evictable_among(&self, pages: &[u32]) -> usize {
         let levels = self.eviction.levels();
+        let evictable = |p: u32| levels.map_or(true, |v| v.is_evictable(p));
         pages
             .iter()
-            .filter(|&&p| {
-                self.records[p as usize].is_unheld() && levels.is_none_or(|v| v.is_evictable(p))
-            })
+            .filter(|&&p| self.records[p as usize].is_unheld() && evictable(p))
             .count()
     }
 
