@@ -193,11 +193,19 @@ class AllocDriver:
         src = self.rng.choice(hs)
         hashes, toks, salt = self.allocs[0].chain_hashes(src)
         mp = self.rng.choice([None, 0, 1, 2])
+        # With a length the open also extends, atomically: a length short of the match,
+        # past max_context_len or beyond the room (counted after holding the match) is
+        # refused with nothing changed.
+        length = self.rng.choice([None, None, self.rng.randrange(0, 8 * self.P + 7)])
         h, cached = self.both("open_with_chain_hashes",
-                              lambda a: a.open_with_chain_hashes(hashes, toks, salt, max_pages=mp))
-        r = Req(int(salt), prompt=toks.tolist())
-        for t in toks.tolist()[:int(cached)]:
+                              lambda a: a.open_with_chain_hashes(hashes, toks, salt, max_pages=mp, length=length))
+        prompt = toks.tolist()
+        r = Req(int(salt), prompt=prompt)
+        for t in prompt[:int(cached)]:
             r.push(t, True)
+        for pos in range(int(cached), int(cached) if length is None else length):
+            r.push(prompt[pos] if pos < len(prompt) else self.rng.randrange(4), pos < len(prompt))
+            self.pending.setdefault(int(h), set()).add(pos)
         self.reqs[int(h)] = r
 
     def op_swap_out(self) -> None:

@@ -619,6 +619,7 @@ class SlotAllocator:
         tokens: _IntArray,
         salt: int | None = None,
         max_pages: int | None = None,
+        length: int | None = None,
     ) -> tuple[int, int]:
         """Opens one request holding the leading pages of the chain this pool
         caches (at most max_pages; refcount + 1 each). Its length is
@@ -626,10 +627,19 @@ class SlotAllocator:
         prompt, so extending it records their ids and cache() can register
         them later. Atomic.
 
+        With length (an int in [cached_len, max_context_len]), the request
+        is also extended to length tokens in the same call, or nothing
+        happens: the room is what is free or evictable once the matched pages
+        are held (a matched cached page stops being room when held), so a
+        receiver that must also take the rest of a request's pages neither
+        over-counts free_pages nor reorders eviction by closing a failed open.
+
         Raises:
-            InvalidArgumentError: as match_chain_hashes; a negative max_pages.
+            InvalidArgumentError: as match_chain_hashes; a negative max_pages;
+                a length below cached_len.
             ContextTooLongError: more tokens than max_context_len.
             TooManyRequestsError: no free row.
+            PoolExhaustedError: not enough room for length (counted as above).
         """
     @property
     def hash_seed(self) -> int:

@@ -175,14 +175,17 @@ class SharingMixin:
         return int(self.allocator.match_chain_hashes(hashes, tokens, salt))
 
     def open_with_chain_hashes(self, hashes: Any, tokens: Any, salt: Any = None,
-                               max_pages: int | None = None) -> int:
-        """Open a request holding the leading pages of a chain that this pool caches.
+                               max_pages: int | None = None, length: int | None = None) -> int:
+        """Open a request holding the leading pages of a chain that this pool caches,
+        and with ``length`` extend it to ``length`` tokens in the same atomic call.
         See ``SlotAllocator.open_with_chain_hashes``; holds the pool's lock.
 
-        The pool adds: the request's ``req_to_token`` row shows the shared pages.
+        The pool adds: the request's ``req_to_token`` row shows the shared pages
+        (and with ``length`` the new ones, and the evictions' offloads run).
 
         Returns:
-            The new handle only (``length(handle)`` says how many tokens it shares).
+            The new handle only (``length(handle)`` says how many tokens it holds;
+            without ``length``, how many it shares).
 
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
@@ -191,10 +194,15 @@ class SharingMixin:
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("open_with_chain_hashes")
-            handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+            if length is None:
+                handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+                filled = cached
+            else:
+                handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages, length)
+                filled = int(self.allocator.length(handle))
             if self._transfers is not None:
                 self._run_transfers_or_close(np.array([handle], dtype=np.int64))
             if cached:
                 self._sharing = True
-            self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([cached], dtype=np.int64))
+            self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([filled], dtype=np.int64))
             return int(handle)

@@ -28,6 +28,7 @@ holds the request's pages.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from typing import Any, NamedTuple
 
@@ -260,13 +261,28 @@ def _prefix_match(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], max_page
     return max(0, min(int(fn(hashes, tokens, salt)), max_pages, len(hashes) // 2))
 
 
+def _takes_length(fn: Any) -> bool:
+    """Whether ``open_with_chain_hashes`` can open and extend in one call (``length=``)."""
+    try:
+        return "length" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: assume the older call
+        return False
+
+
 def _open(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], cached: int, length: int) -> int:
     """Open the destination request: the cached leading pages shared, the rest fresh.
     With a chain, its tokens become the request's known prompt (so ``cache()`` can
     register the received pages later)."""
     hashes, tokens, salt = chain
-    if len(hashes) and hasattr(pool, "open_with_chain_hashes"):
-        handle = int(pool.open_with_chain_hashes(hashes, tokens, salt, max_pages=cached))
+    opener = getattr(pool, "open_with_chain_hashes", None) if len(hashes) else None
+    if opener is not None and _takes_length(opener):
+        # One atomic call: holding the matched pages takes the evictable ones out of
+        # the room, which only the core counts right. An open and extend that failed
+        # would close again, moving the matched pages to the newest end of the
+        # eviction order (a refusal must leave the pool exactly as it was).
+        return int(opener(hashes, tokens, salt, max_pages=cached, length=length))
+    if opener is not None:
+        handle = int(opener(hashes, tokens, salt, max_pages=cached))
         if int(pool.length(handle)) != cached * pool.page_size:  # pragma: no cover - nothing ran in between
             pool.close([handle])
             raise TransferError("the prefix cache changed between the match and the open")

@@ -114,6 +114,7 @@ class TPPool:
             return out
         call.__name__ = name
         call.__doc__ = getattr(fn, "__doc__", None)
+        call.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature shows fn's parameters
         return call
 
     def _fold(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:

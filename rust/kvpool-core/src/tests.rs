@@ -338,7 +338,7 @@ fn chain_transfer_matches_only_verified_pages() {
     assert_eq!(dst.match_chain(&c.hashes, &forged, 7).unwrap(), 1);
     assert!(dst.match_chain(&c.hashes, &toks[..7], 7).is_err());
     let free = dst.free_pages();
-    let (d, len) = dst.open_with_chain(&c.hashes, &toks, 7, 1).unwrap();
+    let (d, len) = dst.open_with_chain(&c.hashes, &toks, 7, 1, None).unwrap();
     assert_eq!((len, dst.length(d).unwrap()), (4, 4));
     assert_eq!(dst.free_pages(), free - 1, "the cached page is held now");
     dst.check().unwrap();

@@ -145,7 +145,7 @@ impl PySlotAllocator {
         Ok(py.detach(|| self.lock().match_chain(&hs, &t, s))?)
     }
 
-    /// open_with_chain_hashes(hashes, tokens, salt=None, max_pages=None) -> (handle, cached_len)
+    /// open_with_chain_hashes(hashes, tokens, salt=None, max_pages=None, length=None) -> (handle, cached_len)
     ///
     /// Opens one request holding the leading pages of the chain this pool
     /// caches (at most max_pages; refcount + 1 each). Its length is
@@ -153,11 +153,20 @@ impl PySlotAllocator {
     /// prompt, so extending it records their ids and cache() can register
     /// them later. Atomic.
     ///
+    /// With length (an int in [cached_len, max_context_len]), the request
+    /// is also extended to length tokens in the same call, or nothing
+    /// happens: the room is what is free or evictable once the matched pages
+    /// are held (a matched cached page stops being room when held), so a
+    /// receiver that must also take the rest of a request's pages neither
+    /// over-counts free_pages nor reorders eviction by closing a failed open.
+    ///
     /// Raises:
-    ///     InvalidArgumentError: as match_chain_hashes; a negative max_pages.
+    ///     InvalidArgumentError: as match_chain_hashes; a negative max_pages;
+    ///         a length below cached_len.
     ///     ContextTooLongError: more tokens than max_context_len.
     ///     TooManyRequestsError: no free row.
-    #[pyo3(signature = (hashes, tokens, salt=None, max_pages=None))]
+    ///     PoolExhaustedError: not enough room for length (counted as above).
+    #[pyo3(signature = (hashes, tokens, salt=None, max_pages=None, length=None))]
     fn open_with_chain_hashes(
         &self,
         py: Python<'_>,
@@ -165,6 +174,7 @@ impl PySlotAllocator {
         tokens: &Bound<'_, PyAny>,
         salt: Option<&Bound<'_, PyAny>>,
         max_pages: Option<&Bound<'_, PyAny>>,
+        length: Option<&Bound<'_, PyAny>>,
     ) -> Result<(i64, usize)> {
         let hs = hashes_arg(py, hashes)?;
         let t = int_arg(py, tokens, "tokens")?.into_vec();
@@ -173,7 +183,11 @@ impl PySlotAllocator {
             None => usize::MAX,
             Some(m) => usize_arg(py, m, "max_pages")?,
         };
-        Ok(py.detach(|| self.lock().open_with_chain(&hs, &t, s, m))?)
+        let l = match length {
+            None => None,
+            Some(l) => Some(int_scalar(py, l, "length")?),
+        };
+        Ok(py.detach(|| self.lock().open_with_chain(&hs, &t, s, m, l))?)
     }
 
     /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)

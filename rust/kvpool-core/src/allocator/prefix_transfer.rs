@@ -14,6 +14,7 @@
 //! never wrong KV. The tokens cost 4 bytes per token on the wire (far below
 //! the K/V) and let the received request be cached at the receiver later.
 
+use super::options::Counts;
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::memory::reserve;
@@ -80,15 +81,27 @@ impl SlotAllocator {
     /// later `cache` can register them. Returns `(handle, cached_len)`.
     /// All-or-nothing.
     ///
-    /// Errors (nothing changed): `InvalidArgument` (see `match_chain`),
-    /// `ContextTooLong` (more tokens than `max_context_len`),
-    /// `TooManyRequests`.
+    /// With `length`, the request is also extended to `length` tokens in the
+    /// same call (as `extend` would, evicting if it must), or nothing
+    /// happens. The room for its new pages is what is FREE or evictable once
+    /// the matched pages are held: a matched CACHED page is room before the
+    /// open and not after it (a pinned one never is), so checking
+    /// `free_pages` before a separate open and extend is not enough, and
+    /// closing such an open again would move its pages to the newest end of
+    /// the eviction order. `length` must be in [`cached_len`,
+    /// `max_context_len`].
+    ///
+    /// Errors (nothing changed): `InvalidArgument` (see `match_chain`; a
+    /// `length` below `cached_len`), `ContextTooLong` (more tokens than
+    /// `max_context_len` in the chain or `length`), `TooManyRequests`,
+    /// `Exhausted` (not enough room for `length`, counted as above).
     pub fn open_with_chain(
         &mut self,
         hashes: &[u128],
         tokens: &[i64],
         salt: i64,
         max_pages: usize,
+        length: Option<i64>,
     ) -> Result<(i64, usize)> {
         let prompt = self.chain_tokens(hashes, tokens)?;
         if prompt.len() > self.geo.max_context_len {
@@ -117,10 +130,63 @@ impl SlotAllocator {
                 _ => Match::root(salt),
             };
         }
-        // Apply: nothing below can fail.
+        let grow = match length {
+            Some(l) => self.chain_growth(l, &pages[..m.pages])?,
+            None => 0,
+        };
+        let mut out = Vec::new();
+        reserve(&mut out, grow, "extend output")?;
+        out.resize(grow, 0);
+        // Apply: nothing below can fail (the extend's checks were made above).
         let row = self.requests.nth_free_row(0);
         self.requests.set_prompt(row, prompt);
-        Ok(self.open_matched(salt, &m, &pages))
+        let (handle, cached) = self.open_matched(salt, &m, &pages);
+        if grow > 0 {
+            let r = self.extend_into(&[handle], Counts::Each(grow as i64), None, &mut out, |_| {});
+            if let Err(e) = r {
+                // Unreachable (a bug): hand nothing out that the caller cannot close.
+                let _ = self.close(&[handle], false);
+                return Err(PoolError::Invariant(format!(
+                    "open_with_chain's extend failed after its checks passed: {e}"
+                )));
+            }
+        }
+        Ok((handle, cached))
+    }
+
+    /// Tokens to add after opening on the matched pages `held` so that the
+    /// request reaches `length`; checked as `extend` will check them once
+    /// the matched pages are held. Read-only.
+    fn chain_growth(&self, length: i64, held: &[u32]) -> Result<usize> {
+        let (ps, max) = (self.geo.page_size, self.geo.max_context_len);
+        let cached = held.len() * ps;
+        if length < cached as i64 {
+            return Err(PoolError::InvalidArgument(format!(
+                "length = {length} is shorter than the {cached} tokens of the chain's pages this \
+                 pool caches (within max_pages); pass the total tokens the request must reach, \
+                 in [{cached}, {max}] (max_context_len = {max})"
+            )));
+        }
+        if length as u64 > max as u64 {
+            return Err(PoolError::ContextTooLong {
+                handle: -1,
+                length: length as u64,
+                max,
+            });
+        }
+        let length = length as usize;
+        let needed = self.geo.pages_for(length) - held.len();
+        // Held, the matched evictable pages are no longer room.
+        let room = self.pages.available() - self.pages.evictable_among(held);
+        if needed > room {
+            return Err(PoolError::Exhausted {
+                needed_pages: needed,
+                free_pages: room,
+                page_size: ps,
+                free_slots: room * ps,
+            });
+        }
+        Ok(length - cached)
     }
 
     /// The tokens of a chain as i32, checked against its hashes.

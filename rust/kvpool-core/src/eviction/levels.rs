@@ -195,6 +195,13 @@ impl Levels {
         recs[p as usize].links().older != 0 || self.ends[l].oldest == p
     }
 
+    /// Whether CACHED page `p` counts as evictable (its list is not the
+    /// pinned one).
+    #[inline]
+    pub(crate) fn is_evictable(&self, p: u32) -> bool {
+        self.list_of(p) < PINNED
+    }
+
     /// Evictable pages (the pinned ones are not).
     #[inline]
     pub(crate) fn len(&self) -> usize {

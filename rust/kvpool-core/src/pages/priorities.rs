@@ -83,6 +83,17 @@ impl PagePool {
         self.eviction.levels().map_or(0, |v| v.pinned_cached())
     }
 
+    /// Of `pages` (distinct), those that count in `available()` now and
+    /// would not once held: CACHED (held by nobody) and not pinned.
+    pub(crate) fn evictable_among(&self, pages: &[u32]) -> usize {
+        let levels = self.eviction.levels();
+        let evictable = |p: u32| levels.map_or(true, |v| v.is_evictable(p));
+        pages
+            .iter()
+            .filter(|&&p| self.records[p as usize].is_unheld() && evictable(p))
+            .count()
+    }
+
     pub(crate) fn max_pinned(&self) -> usize {
         self.max_pinned
     }
