@@ -117,3 +117,44 @@ fn a_hint_to_an_evicted_child_or_its_reused_slot_never_matches() {
     assert!(!pages.contains(&zp[1]));
     assert_eq!(hit(&mut a, &zb), (8, zp[..2].to_vec()));
 }
+
+/// At page size 1 a walk checks a chain laid out in slab order a block of
+/// hops at a time (`follow_hints_one`). A prompt that diverges at any
+/// position, in a block or at its edge, matches exactly the tokens before
+/// it, with the served pages; so does one whose chain branches mid-block,
+/// and one that meets slab slots an eviction reused for another chain.
+#[test]
+fn page1_walk_stops_exactly_where_the_prompt_diverges() {
+    let opts = Options {
+        hash_seed: Some(5),
+        ..Options::new()
+    };
+    let mut a = SlotAllocator::with_options(80, 1, 8, 128, opts).unwrap();
+    let prompt: Vec<i64> = (1000..1041).collect();
+    let served = serve(&mut a, &prompt);
+    for d in 0..40 {
+        let mut other = prompt.clone();
+        other[d] = 7;
+        assert_eq!(
+            hit(&mut a, &other),
+            (d as i64, served[..d].to_vec()),
+            "diverging at {d}"
+        );
+    }
+    assert_eq!(hit(&mut a, &prompt), (40, served[..40].to_vec()));
+    // A branch after 13 tokens, registered in one go: token 13's entry now
+    // hints at the branch, which sits elsewhere in the slab.
+    let branch = [prompt[..13].to_vec(), (5000..5020).collect()].concat();
+    let bp = serve(&mut a, &branch);
+    assert_eq!(bp[..13], served[..13]);
+    assert_eq!(hit(&mut a, &prompt), (40, served[..40].to_vec()));
+    assert_eq!(hit(&mut a, &branch), (32, bp[..32].to_vec()));
+    // Other prompts take the pool over: the old chains are evicted, their
+    // slab slots reused by the new chain, which the old hints may name.
+    let fresh: Vec<i64> = (9000..9079).collect();
+    let fp = serve(&mut a, &fresh);
+    assert_eq!(hit(&mut a, &fresh), (78, fp[..78].to_vec()));
+    let (n, pages) = hit(&mut a, &prompt);
+    assert_eq!(pages, served[..n as usize].to_vec(), "only verified pages");
+    assert!(n < 40, "the pool could not keep both chains");
+}
