@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import kvpool
-from kvpool.distributed import RankDivergenceError, kv_transfer, tp_pool
+from kvpool.distributed import RankDivergenceError, TPPool, kv_transfer, tp_pool
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402
@@ -176,9 +176,17 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     prompt = list(range(300, 300 + 3 * P + 2))
     if rank == 0:
-        pool = shard(num_pages=64)
+        pool = shard(num_pages=64, max_requests=12)
         # 1. A plain request, then one whose first 2 pages the receiver already caches.
         out["plain"] = tuple(catch(lambda: kv_transfer.send_request(pool, sent_request(pool, 13, 1), 1))[1][1:4])
+        # An empty request, and a fork whose first pages its parent shares (only its tail differs).
+        out["empty"] = catch(lambda: kv_transfer.send_request(pool, int(pool.open(1)[0]), 1))[0]
+        parent = sent_request(pool, 10, 6)
+        kid = int(pool.fork(parent, 1)[0])
+        pool.truncate([kid], [7])
+        pool.extend([kid], 5)
+        write(pool, kid, 7, 7, 12)
+        out["fork"] = catch(lambda: kv_transfer.send_request(pool, kid, 1))[0]
         out["prefix"] = tuple(catch(lambda: kv_transfer.send_request(
             pool, sent_request(pool, len(prompt), 2, prompt), 1))[1][1:4])
         big = sent_request(pool, 40, 3)
@@ -218,6 +226,13 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
     # cached pages keep the receiver's own rows.
     h = kv_transfer.recv_request(pool, 0)
     out["plain_ok"] = pool.length(h) == 13 and matches(pool, h, lambda i: 1)
+    pool.close([h])
+    tp = TPPool(pool)  # a TP rank's proxy receives too, recording the calls it makes
+    h = kv_transfer.recv_request(tp, 0)
+    out["empty_ok"] = pool.length(h) == 0 and tp.calls > 0
+    tp.close([h])
+    h = kv_transfer.recv_request(pool, 0)
+    out["fork_ok"] = pool.length(h) == 12 and matches(pool, h, lambda i: 6 if i < 7 else 7)
     pool.close([h])
 
     def cache_prompt(toks: list[int], uid: int) -> None:
@@ -294,6 +309,7 @@ def test_tp_divergence_past_the_wrapper_is_caught_on_every_rank(tp_run):
 def test_shard_rows_arrive_and_prefix_pages_are_not_sent(xfer):
     snd, rcv = xfer
     assert rcv["plain_ok"] and snd["plain"][0] == 4
+    assert snd["empty"] == snd["fork"] == "ok" and rcv["empty_ok"] and rcv["fork_ok"]
     pages, cached, nbytes = rcv["prefix_stats"]
     assert (pages, cached) == (4, 2) and snd["prefix"][:2] == (4, 2)
     assert nbytes == 2 * 2 * 2 * P * 2 * DIM * 4  # 2 kinds x 2 layers x 2 pages x page bytes
