@@ -123,6 +123,7 @@ def tp_random(rank: int, world: int, steps: int = 120) -> dict[str, Any]:
             pool.check()
         assert all(tp.pages(h).tolist() == ref.pages(h).tolist() for h in live)
     intact = all(matches(tp, h, lambda i, h=h: live[h][i]) for h in live)
+    same = torch.equal(tp.req_to_token, ref.req_to_token) and repr(tp.stats()) == repr(ref.stats())
     tp.verify()  # agreement so far
     if rank == 1:  # diverge past the wrapper: same call count, other counters
         h = tp.inner.open(1)
@@ -133,7 +134,15 @@ def tp_random(rank: int, world: int, steps: int = 120) -> dict[str, Any]:
         caught = None
     except RankDivergenceError as e:
         caught = (e.rank, tuple(e.ranks), str(e))
-    return {"intact": intact, "errors": errors, "live": len(live), "caught": caught,
+    # Pools built with other seeds on each rank hand out other handles: caught at the first check.
+    seeded = tp_pool(1, HEADS, DIM, dtype=torch.float32, page_size=P, num_pages=8, check_every=1, seed=rank)
+    h = seeded.open(1)
+    try:
+        seeded.extend(h, 1)  # check_every=1: this extend verifies
+        seeds = None
+    except RankDivergenceError as e:
+        seeds = e.rank
+    return {"intact": intact, "same": same, "seeds": seeds, "errors": errors, "live": len(live), "caught": caught,
             "head_start": tp.kv_head_start, "calls": tp.calls}
 
 
@@ -297,13 +306,14 @@ def xfer():
 
 def test_tp_pool_decides_like_one_rank_and_keeps_every_row(tp_run):
     for res in tp_run:
-        assert res["intact"] and res["live"] > 0 and res["errors"] < 40
+        assert res["intact"] and res["same"] and res["live"] > 0 and res["errors"] < 40
     assert [r["head_start"] for r in tp_run] == [0, 2] and tp_run[0]["calls"] == tp_run[1]["calls"]
 
 
 def test_tp_divergence_past_the_wrapper_is_caught_on_every_rank(tp_run):
     for res in tp_run:
         assert res["caught"] is not None and res["caught"][:2] == (1, (1,)), res["caught"]
+        assert res["seeds"] == 1
 
 
 def test_shard_rows_arrive_and_prefix_pages_are_not_sent(xfer):
