@@ -204,6 +204,7 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
         out["shard"] = catch(lambda: kv_transfer.send_request(pool, big, 1, timeout_s=20))
         out["exhausted"] = catch(lambda: kv_transfer.send_request(pool, big, 1, timeout_s=20))
         out["too_long"] = catch(lambda: kv_transfer.send_request(pool, big, 1, timeout_s=20))
+        out["too_many"] = catch(lambda: kv_transfer.send_request(pool, big, 1, timeout_s=20))
         out["sender_unchanged"] = state(pool) == before
         out["bad_rank"] = [catch(lambda r=r: kv_transfer.send_request(pool, big, r))[0] for r in (0, 5, "1")]
         # 3. Host tier: a swapped-out request is refused with the fix named; after swap_in it moves.
@@ -267,6 +268,12 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
     pool.close(filler)
     small = shard(max_context_len=32)
     out["too_long"] = catch(lambda: kv_transfer.recv_request(small, 0, timeout_s=20))
+    busy = shard(max_requests=1)
+    busy.open(1)
+    busy_before = state(busy)
+    out["too_many"] = catch(lambda: kv_transfer.recv_request(busy, 0, timeout_s=20))
+    out["too_many_unchanged"] = state(busy) == busy_before
+    busy.check()
     out["refusals_unchanged"] = state(pool) == before and state(other) == state(shard(tp_rank=0)) and \
         state(small) == state(shard(max_context_len=32))
     # 3. Host tier.
@@ -334,6 +341,8 @@ def test_refusals_are_typed_and_change_nothing(xfer):
     assert rcv["exhausted"][0] == "PoolExhaustedError" and rcv["exhausted_unchanged"]
     assert snd["too_long"][:2] == ("TransferRejectedError", "context_too_long") and "32" in snd["too_long"][2]
     assert rcv["too_long"][0] == "ContextTooLongError"
+    assert snd["too_many"][:2] == ("TransferRejectedError", "too_many_requests")
+    assert rcv["too_many"][0] == "TooManyRequestsError" and rcv["too_many_unchanged"]
     assert rcv["refusals_unchanged"] and snd["sender_unchanged"]
     assert snd["bad_rank"] == ["InvalidArgumentError"] * 3
 
