@@ -382,7 +382,7 @@ def test_receiver_of_a_sender_that_died_frees_what_it_took(xfer):
                    "'undo open', and pages evicted to make room cannot come back); docs/distributed.md "
                    "states this limit")
 def test_receiver_of_a_sender_that_died_keeps_its_eviction_order_and_counters(xfer):
+    assert xfer[1]["evicted"] == [0, 2 * P]  # prompt A was the oldest: evicted first, as without the transfer
     before, after = map(parsed, xfer[1]["died_stats"])
     for key in ("hit_tokens", "miss_tokens"):
         assert before[key] == after[key], key
-    assert xfer[1]["evicted"] == [0, 2 * P]  # prompt A was the oldest: evicted first, as without the transfer
