@@ -48,6 +48,7 @@ from kvpool.distributed.protocol import (
     H_HASHES,
     H_LENGTH,
     H_MAGIC,
+    H_PAGE,
     H_PAGES,
     H_PER_CHUNK,
     H_SCALES,
@@ -56,17 +57,20 @@ from kvpool.distributed.protocol import (
     INCOMPATIBLE,
     MAGIC,
     MALFORMED,
+    MAX_FOREIGN_META_WORDS,
     OK,
     REASONS,
     REPLY_LEN,
     TAG,
     TOO_MANY,
     VERSION,
+    chain_words,
     header_problem,
     incompatible,
     meta_words,
     shape_fields,
     split_chain,
+    unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
 from kvpool.torch_types import FP8_DTYPES
@@ -158,7 +162,7 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     rank of ``group``. This pool is never changed.
     """
     check_peer(dst_rank, group, "dst_rank")  # (no peer to tell: refused before any message)
-    bad = _bad_send_args(timeout_s, chunk_bytes)
+    bad = _bad_send_args(timeout_s, chunk_bytes) or unsupported(pool)
     if bad is not None:
         timeout_s = DEFAULT_TIMEOUT_S  # (the abort header still goes out, with the default)
     # The request's pages are read from the first query to the last chunk: no other
@@ -192,7 +196,9 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
         n_chain, chain = _chain_hashes(pool, handle)
-    except KVPoolError:
+    except Exception:
+        # Any error before the header (typed or not) still tells the receiver, which would
+        # otherwise wait out its timeout or take this rank's next transfer as this one.
         header[H_ABORT] = 1  # let the receiver fail now instead of at its timeout
         link.send_ints(header, "abort header")
         raise
@@ -330,7 +336,10 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
         raise TransferError(f"rank {src_rank} sent no kvpool transfer header (magic "
                             f"{int(header[H_MAGIC]):#x}); is it running send_request?")
     if int(header[H_ABORT]):
-        raise TransferError(f"rank {src_rank} aborted the transfer before sending (its handle was invalid)")
+        raise TransferError(f"rank {src_rank} aborted the transfer before sending (see its error: an invalid "
+                            f"or swapped-out handle, a bad argument or a pool that cannot send)")
+    if (why := unsupported(pool)) is not None:
+        raise _refuse_unsupported(link, header, why, timeout_s)
 
     def refuse(status: int, error: Exception, need: int = 0, extra: int = 0, patient: bool = True) -> Exception:
         """Tell the sender (so it fails now, not at its timeout), then hand back ``error``."""
@@ -403,6 +412,23 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             raise
     moved = len(dst_pages) * (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
     return TransferStats(handle, n_pages, cached, moved, link.messages, time.perf_counter() - t0)
+
+
+def _refuse_unsupported(link: _Link, header: np.ndarray, why: str, timeout_s: float) -> TransferRejectedError:
+    """Refuse a transfer this pool cannot take at all, as an incompatible pool: the
+    metadata is taken off the channel when a foreign pool would take it (so the
+    group stays usable), and the sender is told at once."""
+    n_meta = chain_words(int(header[H_HASHES]), max(1, int(header[H_PAGE]))) + int(header[H_SCALES])
+    patient = int(header[H_HASHES]) >= 0 and int(header[H_SCALES]) >= 0 and n_meta <= MAX_FOREIGN_META_WORDS
+    try:
+        if patient and n_meta:
+            link.recv_ints(n_meta, "chain hashes and scales")
+        reply = torch.as_tensor(np.array([INCOMPATIBLE, 0, 0, 0, 0, 0], np.int64)).to(link.device)
+        wait(link.send(reply, "refusal"), timeout_s if patient else min(timeout_s, REFUSAL_WAIT_S), "refusal",
+             link.peer)
+    except TransferError:
+        pass  # the error below says what is wrong here
+    return TransferRejectedError(f"cannot receive a request from rank {link.peer}: {why}", reason="incompatible")
 
 
 def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int, src_scales: np.ndarray) -> None:

@@ -119,3 +119,15 @@ def header_problem(pool: Any, header: np.ndarray, src_scales: np.ndarray) -> tup
     if not 1 <= per_chunk <= max(1, n_pages):
         return MALFORMED, f"{per_chunk} pages per chunk (must be in [1, {max(1, n_pages)}] for {n_pages} pages)"
     return None
+
+
+def unsupported(pool: Any) -> str | None:
+    """Why ``pool`` cannot send or receive a request (None when it can)."""
+    inner = getattr(pool, "inner", pool)
+    if getattr(inner, "layer_types", None) is not None and getattr(inner, "groups", None) is not None:
+        # One page list per request is what the protocol describes; a hybrid request has
+        # one per layer group, and sliding/state groups hold other tokens than its length.
+        return ("hybrid pools (layer_types=...) cannot send or receive requests: each layer group has its "
+                "own pages and the transfer moves one page list for every layer; move requests between "
+                "KVPools built without layer_types")
+    return None
