@@ -17,7 +17,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvpool.errors import KernelArgumentError, TensorDeviceError, TensorDtypeError, TensorShapeError, TritonUnavailableError
+from kvpool.errors import (
+    KernelArgumentError,
+    SlotRangeError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TritonUnavailableError,
+)
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 __all__ = [
@@ -147,6 +154,22 @@ def check_index(t: torch.Tensor, name: str, device: torch.device, n: int | None 
         raise TensorDeviceError(f"{name} is on {t.device}, expected {device}")
     if n is not None and t.shape[0] != n:
         raise TensorShapeError(f"{name} has {t.shape[0]} entries, expected {n}")
+
+
+def check_slot_range(t: torch.Tensor, name: str, num_slots: int) -> None:
+    """Host (CPU) slots must be below ``num_slots``; negatives are padding. Device slots
+    are not read (that would sync). On CPU the values are at hand, and without this a
+    bad slot is an untyped IndexError after torch has stored the rows before it, or,
+    under the Triton interpreter, a write past the cache into the process's heap."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    bad = t >= num_slots
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise SlotRangeError(
+            f"{name}[{i}] = {int(t[i])} is out of range: valid slots are [0, {num_slots}) "
+            "(negative slots are padding and are skipped)"
+        )
 
 
 def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device) -> None:

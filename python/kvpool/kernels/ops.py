@@ -38,8 +38,8 @@ def store_kv(
             caches (any strides). ``v_cache=None`` with ``v=None`` writes K only
             (single-cache / MLA latent mode).
         slots: int32/int64 [n] on the caches' device; negative entries are skipped.
-            Values are not range-checked (that would need a device read); the pool
-            hands out only valid slots. A slot repeated within one call is written
+            Device slots are not range-checked (that would need a device read; the
+            pool hands out only valid slots); CPU slots are (``SlotRangeError``). A slot repeated within one call is written
             by several rows in parallel and which one lands is unspecified (it may
             differ between CPU and GPU): repeat only padding sinks (page 0, whose
             content is meaningless). The allocator never repeats a real slot.
@@ -49,8 +49,8 @@ def store_kv(
             other dtypes store x (divided by the scale when one is given).
 
     Raises:
-        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
-            a bad argument (nothing written).
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError,
+        SlotRangeError (CPU slots only): a bad argument (nothing written).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     kg = c.cache_geom(k_cache, "k_cache")
@@ -58,12 +58,14 @@ def store_kv(
     c.check_rows(k, "k", kg, dev)
     n = k.shape[0]
     c.check_index(slots, "slots", dev, n)
+    c.check_slot_range(slots, "slots", kg.num_slots)
     c.check_scale(k_scale, "k_scale", dev)
     if (v_cache is None) != (v is None):
         raise c.KernelArgumentError("v_cache and v must both be given or both be None")
     vg = kg
     if v_cache is not None and v is not None:
         vg = c.cache_geom(v_cache, "v_cache")
+        _check_same_device(v_cache, dev)
         if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
             raise c.KernelArgumentError(
                 f"v_cache has {vg.num_slots} slots / page size {vg.page_size}, "
@@ -99,6 +101,13 @@ def store_rows(
     geometry it cached at construction, so a write checks its arguments once.
     Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False)."""
     if not c.use_triton(k_cache):
+        # In grad mode torch's in-place store of a source that requires grad would make
+        # the cache require grad too (a grad_fn on the caller's cache); the kernel copies
+        # bytes, so both backends leave the cache out of autograd.
+        if k.requires_grad:
+            k = k.detach()
+        if v is not None and v.requires_grad:
+            v = v.detach()
         _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
     from kvpool.kernels.store import launch_store_kv
@@ -109,6 +118,13 @@ def store_rows(
             launch_store_kv(k_cache, v_cache, slots, k, v, kg, vg, True, k_scale, v_scale)
         else:
             launch_store_kv(k_cache, k_cache, slots, k, k, kg, kg, False, k_scale, None)
+
+
+def _check_same_device(v_cache: torch.Tensor, dev: torch.device) -> None:
+    # Checked before anything moves: K would be stored before V's write failed.
+    if v_cache.device != dev:
+        raise c.TensorDeviceError(f"v_cache is on {v_cache.device}, k_cache on {dev}: both caches "
+                                  "must be on one device")
 
 
 def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
@@ -157,10 +173,12 @@ def gather_kv(
     kg = c.cache_geom(k_cache, "k_cache")
     dev = k_cache.device
     c.check_index(slots, "slots", dev)
+    c.check_slot_range(slots, "slots", kg.num_slots)
     n = slots.shape[0]
     vc, vg = k_cache, kg
     if v_cache is not None:
         vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
+        _check_same_device(v_cache, dev)
         # One PAGE for both caches in the kernel: a token-major V next to a paged K
         # (or different page sizes) would be addressed with K's page split.
         if (vg.heads, vg.head_dim, vg.num_slots, vg.page_size) != (
@@ -185,6 +203,11 @@ def gather_kv(
         k_out = torch.empty((n, kg.heads, kg.head_dim), dtype=k_dt, device=dev)
         v_out = torch.empty((n, kg.heads, kg.head_dim), dtype=v_dt, device=dev) if has_v else None
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise c.KernelArgumentError(
+                f"out must be a (k_out, v_out) pair of tensors (v_out None without v_cache), got "
+                f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+            )
         k_out, v_out = out
         _check_out(k_out, "out[0]", n, kg, k_dt, dev)
         if has_v:
@@ -262,6 +285,8 @@ def copy_slots(
     c.check_index(dst_slots, "dst_slots", dev, n)
     if n == 0:
         return
+    c.check_slot_range(src_slots, "src_slots", geoms[0].num_slots)
+    c.check_slot_range(dst_slots, "dst_slots", geoms[0].num_slots)
     if dev.type == "cpu":
         _check_disjoint(src_slots, dst_slots)
     if not c.use_triton(caches[0]):
