@@ -198,6 +198,17 @@ CHILD = textwrap.dedent(r"""
         else:
             raise AssertionError("out-of-range slot accepted")
     assert not kc.any()
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    one = torch.tensor([1])
+    for args in ((torch.tensor([2]), one, one, one), (one, torch.tensor([-1]), one, one),
+                 (one, torch.tensor([3]), torch.tensor([2]), torch.tensor([1, 2]))):
+        try:
+            K.write_req_to_token(table, *args)
+        except kvpool.InvalidArgumentError:
+            pass
+        else:
+            raise AssertionError("req_to_token span past the table accepted")
+    assert not table.any()
     k = torch.ones(1, 1, 4, requires_grad=True)
     K.store_kv(kc, None, torch.tensor([2]), k)
     assert not kc.requires_grad and kc[2].eq(1).all()
@@ -250,3 +261,22 @@ def test_runner_refuses_bad_steps_and_leaves_its_buffers_and_the_pool_unchanged(
     with pytest.raises(kvpool.InvalidArgumentError, match="exceeds max_batch_size 6"):
         runner.run(*([0] * 7 for _ in range(5)))
     assert torch.equal(runner._static, static)
+
+
+@pytest.mark.parametrize("rows,starts,counts,nslots,err,match", [
+    ([4], [0], [1], 1, K.KernelArgumentError, r"rows\[0\] = 4 .*\[0, 4\)"),
+    ([1], [7], [2], 2, K.KernelArgumentError, r"starts\[0\] \+ counts\[0\] = 9 .*8 columns"),
+    ([1], [-1], [1], 1, K.KernelArgumentError, r"starts\[0\] = -1"),
+    ([0, 1], [0, 0], [2, 2], 3, kvpool.TensorShapeError, "slots has 3 entries, the counts need 4"),
+])
+def test_write_req_to_token_host_values_past_the_table_are_refused(rows, starts, counts, nslots, err, match):
+    # Was: IndexError (or a broadcast of too few slots) from index_put_, and past-the-table
+    # writes under the interpreter. Negative rows and counts <= 0 stay skipped.
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    with pytest.raises(err, match=match):
+        K.write_req_to_token(table, t(rows), t(starts), t(counts), torch.arange(5, 5 + nslots))
+    assert not table.any()
+    K.write_req_to_token(table, t([-1, 3, 2]), t([99, 6, 0]), t([1, 2, 0]), t([7, 8, 9]))
+    assert table[3, 6:].tolist() == [8, 9] and table.sum() == 17
+

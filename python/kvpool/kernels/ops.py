@@ -316,6 +316,33 @@ def _check_disjoint(src: torch.Tensor, dst: torch.Tensor) -> None:
         )
 
 
+def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                       counts: torch.Tensor, slots: torch.Tensor) -> None:
+    """Host (CPU) values of write_req_to_token: every written span inside the table and
+    enough slots for the counts. Torch would raise IndexError, wrap a start of -1 to the
+    last column, or broadcast too few slots; the interpreter would write past the table."""
+    r, cols = table.shape
+    bad = rows >= r
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise c.KernelArgumentError(f"rows[{i}] = {int(rows[i])} is not a row of req_to_token: valid rows "
+                                    f"are [0, {r}) (negative rows are skipped)")
+    cnt = counts.long()
+    live = (rows >= 0) & (cnt > 0)
+    st = starts.long()
+    for mask, what in ((live & (st < 0), "starts[{i}] = {s}"),
+                       (live & (st + cnt > cols), "starts[{i}] + counts[{i}] = {e}")):
+        if bool(mask.any()):
+            i = int(mask.nonzero()[0, 0])
+            at = what.format(i=i, s=int(st[i]), e=int(st[i] + cnt[i]))
+            raise c.KernelArgumentError(f"{at} is outside the row: req_to_token has {cols} columns, so "
+                                        f"a span [start, start + count) must lie in [0, {cols}]")
+    need = int(cnt.clamp(min=0).sum())
+    if need > slots.shape[0]:
+        raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
+                                 "all requests back to back, skipped ones included)")
+
+
 def write_req_to_token(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
@@ -338,12 +365,13 @@ def write_req_to_token(
             checked: that would read counts on the host).
         offsets: the exclusive prefix sum of counts, if the caller has it (saves
             the kernel summing counts on device).
-        Values are trusted (start + count <= max_context_len): the pool validates
-        them on the host with the allocator before calling.
+        Device values are trusted (start + count <= max_context_len): the pool
+        validates them on the host with the allocator before calling. CPU values
+        are checked (spans inside the table, enough slots).
 
     Raises:
         TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
-            a bad argument (nothing written).
+            a bad argument, or (CPU) a span past the table (nothing written).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     dev = req_to_token.device
@@ -365,6 +393,8 @@ def write_req_to_token(
         c.check_index(offsets, "offsets", dev, b)
     if b == 0 or slots.shape[0] == 0:
         return
+    if dev.type == "cpu":
+        _check_table_spans(req_to_token, rows, starts, counts, slots)
     if not c.use_triton(req_to_token):
         _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
         return
