@@ -280,3 +280,14 @@ def test_write_req_to_token_host_values_past_the_table_are_refused(rows, starts,
     K.write_req_to_token(table, t([-1, 3, 2]), t([99, 6, 0]), t([1, 2, 0]), t([7, 8, 9]))
     assert table[3, 6:].tolist() == [8, 9] and table.sum() == 17
 
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -0.5])
+def test_non_finite_or_non_positive_float_scales_are_refused(scale):
+    # Was (inf): accepted, every stored row became 0 and every gathered one inf/NaN.
+    kc, vc = _caches()
+    before = kc.clone()
+    with pytest.raises(K.KernelArgumentError, match="k_scale must be > 0 and finite"):
+        K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), k_scale=scale)
+    with pytest.raises(K.KernelArgumentError, match="k_scale must be > 0 and finite"):
+        K.gather_kv(kc, None, torch.tensor([1]), k_scale=scale)
+    assert torch.equal(kc, before)

@@ -188,8 +188,9 @@ def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device
 
 def check_scale(scale: Scale, name: str, device: torch.device) -> None:
     if scale is None or isinstance(scale, (int, float)):
-        if scale is not None and not float(scale) > 0.0:
-            raise KernelArgumentError(f"{name} must be > 0, got {scale}")
+        # inf passes "> 0" but stores every row as 0 (and gathers inf/NaN).
+        if scale is not None and not 0.0 < float(scale) < float("inf"):
+            raise KernelArgumentError(f"{name} must be > 0 and finite, got {scale}")
         return
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise KernelArgumentError(f"{name} must be None, a float or a 1-element tensor")
