@@ -291,3 +291,15 @@ def test_non_finite_or_non_positive_float_scales_are_refused(scale):
     with pytest.raises(K.KernelArgumentError, match="k_scale must be > 0 and finite"):
         K.gather_kv(kc, None, torch.tensor([1]), k_scale=scale)
     assert torch.equal(kc, before)
+
+
+def test_store_kv_of_rows_that_are_views_of_the_caches_on_the_torch_path():
+    # Was: K stored, then RuntimeError from index_copy_ on V (source overlaps the
+    # destination). Now stored as the rows were when the call was made, as KVPool.write does.
+    kc, vc = _caches()
+    k0, v0 = kc.clone(), vc.clone()
+    K.store_kv(kc, vc, torch.tensor([0, 5]), kc[1:3], vc[0:2])
+    assert torch.equal(kc[0], k0[1]) and torch.equal(kc[5], k0[2])
+    assert torch.equal(vc[0], v0[0]) and torch.equal(vc[5], v0[1])
+    K.store_kv(kc, None, torch.tensor([2, 1]), kc[1:3])  # a swap: the old rows, not the new ones
+    assert torch.equal(kc[2], k0[1]) and torch.equal(kc[1], k0[2])
