@@ -303,3 +303,10 @@ def test_store_kv_of_rows_that_are_views_of_the_caches_on_the_torch_path():
     assert torch.equal(vc[0], v0[0]) and torch.equal(vc[5], v0[1])
     K.store_kv(kc, None, torch.tensor([2, 1]), kc[1:3])  # a swap: the old rows, not the new ones
     assert torch.equal(kc[2], k0[1]) and torch.equal(kc[1], k0[2])
+
+
+def test_gather_kv_without_v_cache_takes_no_v_out():
+    # Was: the caller's v_out came back untouched as "v", where the docstring says None.
+    kc, _ = _caches()
+    with pytest.raises(K.KernelArgumentError, match=r"out\[1\] must be None without v_cache"):
+        K.gather_kv(kc, None, torch.tensor([1]), out=(torch.empty(1, 2, 4), torch.full((1, 2, 4), 7.0)))

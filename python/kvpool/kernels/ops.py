@@ -222,6 +222,8 @@ def gather_kv(
         _check_out(k_out, "out[0]", n, kg, k_dt, dev)
         if has_v:
             _check_out(v_out, "out[1]", n, kg, v_dt, dev)
+        elif v_out is not None:
+            raise c.KernelArgumentError("out[1] must be None without v_cache (nothing is gathered into it)")
     if n == 0:
         return k_out, v_out
     gather_rows(k_cache, v_cache, slots, k_out, v_out, out_dtype, k_scale, v_scale, kg, vg)
