@@ -17,7 +17,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvpool.errors import KernelArgumentError, TensorDeviceError, TensorDtypeError, TensorShapeError, TritonUnavailableError
+from kvpool.errors import (
+    KernelArgumentError,
+    SlotRangeError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TritonUnavailableError,
+)
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 __all__ = [
@@ -149,6 +156,22 @@ def check_index(t: torch.Tensor, name: str, device: torch.device, n: int | None 
         raise TensorShapeError(f"{name} has {t.shape[0]} entries, expected {n}")
 
 
+def check_slot_range(t: torch.Tensor, name: str, num_slots: int) -> None:
+    """Host (CPU) slots must be below ``num_slots``; negatives are padding. Device slots
+    are not read (that would sync). On CPU the values are at hand, and without this a
+    bad slot is an untyped IndexError after torch has stored the rows before it, or,
+    under the Triton interpreter, a write past the cache into the process's heap."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    bad = t >= num_slots
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise SlotRangeError(
+            f"{name}[{i}] = {int(t[i])} is out of range: valid slots are [0, {num_slots}) "
+            "(negative slots are padding and are skipped)"
+        )
+
+
 def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device) -> None:
     """x must be [n, H, D] matching the cache's heads and head_dim."""
     if not isinstance(x, torch.Tensor):
@@ -165,8 +188,9 @@ def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device
 
 def check_scale(scale: Scale, name: str, device: torch.device) -> None:
     if scale is None or isinstance(scale, (int, float)):
-        if scale is not None and not float(scale) > 0.0:
-            raise KernelArgumentError(f"{name} must be > 0, got {scale}")
+        # inf passes "> 0" but stores every row as 0 (and gathers inf/NaN).
+        if scale is not None and not 0.0 < float(scale) < float("inf"):
+            raise KernelArgumentError(f"{name} must be > 0 and finite, got {scale}")
         return
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise KernelArgumentError(f"{name} must be None, a float or a 1-element tensor")

@@ -38,19 +38,21 @@ def store_kv(
             caches (any strides). ``v_cache=None`` with ``v=None`` writes K only
             (single-cache / MLA latent mode).
         slots: int32/int64 [n] on the caches' device; negative entries are skipped.
-            Values are not range-checked (that would need a device read); the pool
-            hands out only valid slots. A slot repeated within one call is written
+            Device slots are not range-checked (that would need a device read; the
+            pool hands out only valid slots); CPU slots are (``SlotRangeError``). A slot repeated within one call is written
             by several rows in parallel and which one lands is unspecified (it may
             differ between CPU and GPU): repeat only padding sinks (page 0, whose
             content is meaningless). The allocator never repeats a real slot.
-        k, v: [n, H, D] rows.
+        k, v: [n, H, D] rows. On CPU they may be views of the caches (stored as they
+            were at the call); on CUDA a source row that the same call also writes is
+            read and written in parallel, so which value it gives is unspecified.
         k_scale, v_scale: None, a float or a 1-element tensor (read at launch, so a
             captured graph sees later updates). fp8 caches store clamp(x / scale);
             other dtypes store x (divided by the scale when one is given).
 
     Raises:
-        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
-            a bad argument (nothing written).
+        TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError,
+        SlotRangeError (CPU slots only): a bad argument (nothing written).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     kg = c.cache_geom(k_cache, "k_cache")
@@ -58,12 +60,14 @@ def store_kv(
     c.check_rows(k, "k", kg, dev)
     n = k.shape[0]
     c.check_index(slots, "slots", dev, n)
+    c.check_slot_range(slots, "slots", kg.num_slots)
     c.check_scale(k_scale, "k_scale", dev)
     if (v_cache is None) != (v is None):
         raise c.KernelArgumentError("v_cache and v must both be given or both be None")
     vg = kg
     if v_cache is not None and v is not None:
         vg = c.cache_geom(v_cache, "v_cache")
+        _check_same_device(v_cache, dev)
         if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
             raise c.KernelArgumentError(
                 f"v_cache has {vg.num_slots} slots / page size {vg.page_size}, "
@@ -99,6 +103,21 @@ def store_rows(
     geometry it cached at construction, so a write checks its arguments once.
     Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False)."""
     if not c.use_triton(k_cache):
+        # In grad mode torch's in-place store of a source that requires grad would make
+        # the cache require grad too (a grad_fn on the caller's cache); the kernel copies
+        # bytes, so both backends leave the cache out of autograd.
+        if k.requires_grad:
+            k = k.detach()
+        if v is not None and v.requires_grad:
+            v = v.detach()
+        # Rows that are views of a cache (moving rows within a layer) are stored as they
+        # were at the call, as KVPool.write stores them: index_copy_ refuses a source
+        # overlapping its destination, and would refuse V's after K's store went through.
+        bases = {t.untyped_storage().data_ptr() for t in (k_cache, v_cache) if t is not None}
+        if k.untyped_storage().data_ptr() in bases:
+            k = k.clone()
+        if v is not None and v.untyped_storage().data_ptr() in bases:
+            v = v.clone()
         _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
     from kvpool.kernels.store import launch_store_kv
@@ -109,6 +128,13 @@ def store_rows(
             launch_store_kv(k_cache, v_cache, slots, k, v, kg, vg, True, k_scale, v_scale)
         else:
             launch_store_kv(k_cache, k_cache, slots, k, k, kg, kg, False, k_scale, None)
+
+
+def _check_same_device(v_cache: torch.Tensor, dev: torch.device) -> None:
+    # Checked before anything moves: K would be stored before V's write failed.
+    if v_cache.device != dev:
+        raise c.TensorDeviceError(f"v_cache is on {v_cache.device}, k_cache on {dev}: both caches "
+                                  "must be on one device")
 
 
 def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
@@ -157,10 +183,12 @@ def gather_kv(
     kg = c.cache_geom(k_cache, "k_cache")
     dev = k_cache.device
     c.check_index(slots, "slots", dev)
+    c.check_slot_range(slots, "slots", kg.num_slots)
     n = slots.shape[0]
     vc, vg = k_cache, kg
     if v_cache is not None:
         vc, vg = v_cache, c.cache_geom(v_cache, "v_cache")
+        _check_same_device(v_cache, dev)
         # One PAGE for both caches in the kernel: a token-major V next to a paged K
         # (or different page sizes) would be addressed with K's page split.
         if (vg.heads, vg.head_dim, vg.num_slots, vg.page_size) != (
@@ -185,10 +213,17 @@ def gather_kv(
         k_out = torch.empty((n, kg.heads, kg.head_dim), dtype=k_dt, device=dev)
         v_out = torch.empty((n, kg.heads, kg.head_dim), dtype=v_dt, device=dev) if has_v else None
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise c.KernelArgumentError(
+                f"out must be a (k_out, v_out) pair of tensors (v_out None without v_cache), got "
+                f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+            )
         k_out, v_out = out
         _check_out(k_out, "out[0]", n, kg, k_dt, dev)
         if has_v:
             _check_out(v_out, "out[1]", n, kg, v_dt, dev)
+        elif v_out is not None:
+            raise c.KernelArgumentError("out[1] must be None without v_cache (nothing is gathered into it)")
     if n == 0:
         return k_out, v_out
     gather_rows(k_cache, v_cache, slots, k_out, v_out, out_dtype, k_scale, v_scale, kg, vg)
@@ -262,6 +297,8 @@ def copy_slots(
     c.check_index(dst_slots, "dst_slots", dev, n)
     if n == 0:
         return
+    c.check_slot_range(src_slots, "src_slots", geoms[0].num_slots)
+    c.check_slot_range(dst_slots, "dst_slots", geoms[0].num_slots)
     if dev.type == "cpu":
         _check_disjoint(src_slots, dst_slots)
     if not c.use_triton(caches[0]):
@@ -291,6 +328,33 @@ def _check_disjoint(src: torch.Tensor, dst: torch.Tensor) -> None:
         )
 
 
+def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                       counts: torch.Tensor, slots: torch.Tensor) -> None:
+    """Host (CPU) values of write_req_to_token: every written span inside the table and
+    enough slots for the counts. Torch would raise IndexError, wrap a start of -1 to the
+    last column, or broadcast too few slots; the interpreter would write past the table."""
+    r, cols = table.shape
+    bad = rows >= r
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise c.KernelArgumentError(f"rows[{i}] = {int(rows[i])} is not a row of req_to_token: valid rows "
+                                    f"are [0, {r}) (negative rows are skipped)")
+    cnt = counts.long()
+    live = (rows >= 0) & (cnt > 0)
+    st = starts.long()
+    for mask, what in ((live & (st < 0), "starts[{i}] = {s}"),
+                       (live & (st + cnt > cols), "starts[{i}] + counts[{i}] = {e}")):
+        if bool(mask.any()):
+            i = int(mask.nonzero()[0, 0])
+            at = what.format(i=i, s=int(st[i]), e=int(st[i] + cnt[i]))
+            raise c.KernelArgumentError(f"{at} is outside the row: req_to_token has {cols} columns, so "
+                                        f"a span [start, start + count) must lie in [0, {cols}]")
+    need = int(cnt.clamp(min=0).sum())
+    if need > slots.shape[0]:
+        raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
+                                 "all requests back to back, skipped ones included)")
+
+
 def write_req_to_token(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
@@ -313,12 +377,13 @@ def write_req_to_token(
             checked: that would read counts on the host).
         offsets: the exclusive prefix sum of counts, if the caller has it (saves
             the kernel summing counts on device).
-        Values are trusted (start + count <= max_context_len): the pool validates
-        them on the host with the allocator before calling.
+        Device values are trusted (start + count <= max_context_len): the pool
+        validates them on the host with the allocator before calling. CPU values
+        are checked (spans inside the table, enough slots).
 
     Raises:
         TensorShapeError, TensorDtypeError, TensorDeviceError, KernelArgumentError:
-            a bad argument (nothing written).
+            a bad argument, or (CPU) a span past the table (nothing written).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     dev = req_to_token.device
@@ -340,6 +405,8 @@ def write_req_to_token(
         c.check_index(offsets, "offsets", dev, b)
     if b == 0 or slots.shape[0] == 0:
         return
+    if dev.type == "cpu":
+        _check_table_spans(req_to_token, rows, starts, counts, slots)
     if not c.use_triton(req_to_token):
         _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
         return
