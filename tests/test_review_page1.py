@@ -1,0 +1,288 @@
+"""Outside checker at page size 1 (SGLang's default), page 2 alongside: random
+operation sequences against SlotAllocator, judged by two plain references that
+know nothing of the allocator's policies:
+
+- a content store: what K/V each slot holds, written as the pool hands slots out
+  (and as take_copies moves them), keyed by (salt, every token up to and
+  including the position), or by a fresh id where a token is unknown. Every
+  open request must read back its own positions' keys: a prefix hit, a fork or
+  a copy-on-write that hands out the wrong slot fails this.
+- a router fed only by take_events(): the chain hashes stored on the device,
+  each with the page and the (salt, tokens) the event chain spells. Its pages
+  must hold what it says, its size must be cached_pages, and open_with_prefix
+  must return exactly its longest chain (capped one token short), on its pages.
+"""
+
+import itertools
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvpool
+from kvpool import SlotAllocator
+
+MAX_REQ, MAX_CTX = 6, 16
+_uid = itertools.count()
+
+
+class Router:
+    """A KV-aware router's view: hash -> (page, (salt, token prefix))."""
+
+    def __init__(self, ps):
+        self.ps, self.entries = ps, {}
+
+    def feed(self, ev):
+        off = 0
+        for i, kind in enumerate(ev["kind"]):
+            h = (int(ev["hash_hi"][i]), int(ev["hash_lo"][i]))
+            if kind == 2:
+                self.entries.clear()
+                continue
+            if int(ev["medium"][i]) != 0:
+                continue
+            if kind == 1:
+                assert h in self.entries, "Removed for a hash the router never saw stored"
+                del self.entries[h]
+                continue
+            n = int(ev["num_tokens"][i])
+            toks = tuple(int(t) for t in ev["token_ids"][off:off + n])
+            off += n
+            parent = (int(ev["parent_hi"][i]), int(ev["parent_lo"][i]))
+            salt = int(ev["salt"][i])
+            if parent == (0, 0):
+                prefix = toks
+            else:
+                assert parent in self.entries, "Stored names a parent the router does not hold"
+                psalt, pprefix = self.entries[parent][1]
+                assert psalt == salt
+                prefix = pprefix + toks
+            assert h not in self.entries, "Stored twice without a Removed between"
+            assert n == self.ps
+            self.entries[h] = (int(ev["page"][i]), (salt, prefix))
+
+    def longest(self, salt, prompt):
+        """Pages of the longest stored chain that prefixes the prompt."""
+        by_key = {v[1]: v[0] for v in self.entries.values()}
+        pages = []
+        for end in range(self.ps, len(prompt) + 1, self.ps):
+            p = by_key.get((salt, tuple(prompt[:end])))
+            if p is None:
+                break
+            pages.append(p)
+        return pages
+
+
+class Req:
+    def __init__(self, salt, prompt=()):
+        self.salt, self.prompt, self.keys, self.toks = salt, list(prompt), [], []
+
+    def key_at(self, i, tok):
+        known = tok is not None and all(t is not None for t in self.toks[:i])
+        return (self.salt, tuple(self.toks[:i]) + (tok,)) if known else ("u", next(_uid))
+
+    def copy(self):
+        r = Req(self.salt, self.prompt)
+        r.keys, r.toks = list(self.keys), list(self.toks)
+        return r
+
+
+def snapshot(a, handles):
+    """Everything a refused call must leave as it was."""
+    st_ = a.stats()
+    counters = tuple(getattr(st_, f) for f in ("free_pages", "used_pages", "open_requests",
+                                               "cached_pages", "evictable_pages", "pinned_pages"))
+    per = []
+    for h in handles:
+        pt = a.page_table([h])
+        per.append((a.length(h), a.slots(h).tolist(), a.known_tokens(h).tolist(),
+                     [x.tolist() for x in pt]))
+    return counters, per, a.pending_copies
+
+
+class Page1Machine(RuleBasedStateMachine):
+    @initialize(num_pages=st.integers(4, 24), ps=st.sampled_from([1, 1, 1, 2]))
+    def setup(self, num_pages, ps):
+        self.ps = ps
+        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7)
+        self.router = Router(ps)
+        self.content = {}  # slot -> key
+        self.reqs = {}  # handle -> Req
+
+    # ----- helpers
+    def pick(self, data):
+        return data.draw(st.sampled_from(sorted(self.reqs)))
+
+    def drain(self):
+        src, dst = self.a.take_copies()
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.content[d] = self.content.get(s)
+        self.router.feed(self.a.take_events())
+
+    def write(self, h, slots, start):
+        r = self.reqs[h]
+        others = {s for o, q in self.reqs.items() if o != h for s in self.a.slots(o).tolist()}
+        for j, s in enumerate(slots):
+            assert s not in others, f"slot {s} handed to {h} is held by another request"
+            self.content[s] = r.keys[start + j]
+
+    def refused(self, call, before):
+        with pytest.raises(kvpool.KVPoolError):
+            call()
+        assert snapshot(self.a, sorted(self.reqs)) == before
+        self.a.check()
+
+    # ----- rules
+    @precondition(lambda self: len(self.reqs) < MAX_REQ)
+    @rule(data=st.data(), salt=st.sampled_from([0, 0, 1]),
+          prompt=st.lists(st.integers(1, 3), min_size=1, max_size=8))
+    def open_prompt(self, data, salt, prompt):
+        expect = self.router.longest(salt, prompt[:len(prompt) - 1])
+        hs, cached = self.a.open_with_prefix(prompt, [len(prompt)], salt=salt)
+        h, c = int(hs[0]), int(cached[0])
+        assert c == len(expect) * self.ps, (c, expect)
+        assert self.a.pages(h).tolist() == expect
+        r = Req(salt, prompt)
+        for i in range(c):
+            r.toks.append(prompt[i])
+            r.keys.append(r.key_at(i, prompt[i]))
+        self.reqs[h] = r
+        self.extend_by(h, data.draw(st.integers(0, len(prompt) - c)), data.draw(st.booleans()))
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), n=st.integers(0, 5), with_tokens=st.booleans())
+    def extend(self, data, n, with_tokens):
+        self.extend_by(self.pick(data), n, with_tokens)
+
+    def extend_by(self, h, n, with_tokens):
+        r, start = self.reqs[h], self.a.length(h)
+        toks = []
+        for i in range(start, start + n):
+            if i < len(r.prompt):
+                toks.append(r.prompt[i])
+            else:
+                toks.append((i * 7 + start) % 3 + 1 if with_tokens else None)
+        before = snapshot(self.a, sorted(self.reqs))
+        need = -(-(start + n) // self.ps) - -(-start // self.ps)
+        given = toks if with_tokens else None
+        if start + n > MAX_CTX or need + (1 if self.ps > 1 else 0) > self.a.free_pages:
+            try:
+                slots = self.a.extend([h], [n], tokens=given)
+            except (kvpool.PoolExhaustedError, kvpool.ContextTooLongError):
+                assert snapshot(self.a, sorted(self.reqs)) == before
+                return
+        else:
+            slots = self.a.extend([h], [n], tokens=given)
+        for i, t in enumerate(toks):
+            r.toks.append(t)
+            r.keys.append(r.key_at(start + i, t))
+        self.drain()
+        self.write(h, slots.tolist(), start)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def cache(self, data):
+        h = self.pick(data)
+        self.a.cache([h])
+        self.drain()
+        r = self.reqs[h]
+        known = self.a.known_tokens(h).tolist()
+        assert known == [t for t in itertools.takewhile(lambda t: t is not None, r.toks)]
+        full = len(known) // self.ps
+        stored = {v[1] for v in self.router.entries.values()}
+        for k in range(1, full + 1):
+            assert (r.salt, tuple(known[:k * self.ps])) in stored
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), cache=st.booleans())
+    def close(self, data, cache):
+        h = self.pick(data)
+        self.a.close([h], cache=cache)
+        del self.reqs[h]
+        self.drain()
+        self.refused(lambda: self.a.close([h]), snapshot(self.a, sorted(self.reqs)))
+
+    @precondition(lambda self: self.reqs and len(self.reqs) < MAX_REQ)
+    @rule(data=st.data())
+    def fork(self, data):
+        h = self.pick(data)
+        n = data.draw(st.integers(1, MAX_REQ - len(self.reqs)))
+        kids = self.a.fork(h, n)
+        for k in kids.tolist():
+            self.reqs[int(k)] = self.reqs[h].copy()
+            assert self.a.slots(k).tolist() == self.a.slots(h).tolist()
+        self.drain()
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def truncate(self, data):
+        h = self.pick(data)
+        r = self.reqs[h]
+        n = data.draw(st.integers(0, len(r.keys)))
+        self.a.truncate([h], [n])
+        if n < len(r.keys):  # only a shortening forgets the prompt past the cut
+            del r.prompt[n:]
+        del r.keys[n:], r.toks[n:]
+        self.drain()
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        evictable = self.a.evictable_pages
+        assert self.a.evict(n) == min(n, evictable)
+        self.drain()
+
+    @rule()
+    def clear_cache(self):
+        self.a.clear_cache()
+        self.drain()
+        assert not self.router.entries
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), bad=st.sampled_from(["len", "neg", "tok", "dup", "stale", "trunc", "ctx"]))
+    def bad_input(self, data, bad):
+        h = self.pick(data)
+        a, n = self.a, self.a.length(h)
+        before = snapshot(a, sorted(self.reqs))
+        call = {
+            "len": lambda: a.extend([h], [2], tokens=[1]),
+            "neg": lambda: a.extend([h], [-1]),
+            "tok": lambda: a.extend([h], [1], tokens=[-5]),
+            "dup": lambda: a.extend([h, h], [1, 1]),
+            "stale": lambda: a.extend([h + (1 << 32)], [1]),
+            "trunc": lambda: a.truncate([h], [n + 1]),
+            "ctx": lambda: a.extend([h], [MAX_CTX - n + 1]),
+        }[bad]
+        self.refused(call, before)
+
+    # ----- invariants
+    @invariant()
+    def agrees(self):
+        if not hasattr(self, "a"):
+            return
+        a, ps = self.a, self.ps
+        a.check()
+        self.router.feed(a.take_events())
+        held = set()
+        for h, r in self.reqs.items():
+            slots = a.slots(h).tolist()
+            assert a.length(h) == len(r.keys) == len(slots)
+            assert len(set(slots)) == len(slots) and 0 not in slots
+            got = [self.content.get(s) for s in slots]
+            assert got == r.keys, f"request {h} reads K/V written for other tokens"
+            held |= set(a.pages(h).tolist())
+        assert a.used_pages == len(held)
+        assert a.free_pages + a.used_pages == a.capacity_pages
+        assert a.cached_pages == len(self.router.entries)
+        pages = {p for p, _ in self.router.entries.values()}
+        assert len(pages) == len(self.router.entries), "two stored hashes on one page"
+        assert a.evictable_pages == len(pages - held)
+        for p, (salt, prefix) in self.router.entries.values():
+            start = len(prefix) - ps
+            for j in range(ps):
+                assert self.content.get(p * ps + j) == (salt, prefix[:start + j + 1]), \
+                    f"cached page {p} does not hold the tokens its Stored event named"
+
+
+Page1Machine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPage1Allocator = Page1Machine.TestCase
