@@ -1,0 +1,234 @@
+"""Outside checker for KVPool (torch, CPU) at page size 1, with and without a
+host tier: random prefix hits, forks, truncates, extends, caches, closes,
+evictions, cache clears and swaps, writing K/V through the pool as a model step
+would and reading it back with pool.read. The reference is a dict from
+(salt, token prefix) to the K/V a model would compute there (a fresh value where
+a token is unknown): every open request must read its own positions' values,
+req_to_token must name its slots, and every page the events say is cached on
+the device must hold the values of the tokens its Stored event named."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_review_page1 import Req, Router
+
+import kvpool
+
+MAX_REQ, MAX_CTX, LAYERS = 5, 12, 2
+_vals = itertools.count(1)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(num_pages=st.integers(4, 16), host_pages=st.sampled_from([0, 3, 8]),
+                policy=st.sampled_from(["write_back", "write_through"]))
+    def setup(self, num_pages, host_pages, policy):
+        self.p = kvpool.KVPool(LAYERS, 1, 2, dtype=torch.float32, page_size=1, num_pages=num_pages,
+                               max_requests=MAX_REQ, max_context_len=MAX_CTX, host_pages=host_pages,
+                               host_policy=policy, hash_seed=3)
+        self.host = host_pages > 0
+        self.router = Router(1)
+        self.host_router = set()  # hashes stored on the host
+        self.value = {}  # content key -> float
+        self.reqs, self.swapped = {}, set()
+
+    def val(self, key):
+        if key not in self.value:
+            self.value[key] = float(next(_vals))
+        return self.value[key]
+
+    def events(self):
+        ev = self.p.take_events()
+        for i, kind in enumerate(ev["kind"]):
+            if kind == 2:
+                self.host_router.clear()
+            elif int(ev["medium"][i]) == 1:
+                h = (int(ev["hash_hi"][i]), int(ev["hash_lo"][i]))
+                (self.host_router.add if kind == 0 else self.host_router.discard)(h)
+        self.router.feed(ev)
+
+    def rows_for(self, keys):
+        v = torch.tensor([self.val(k) for k in keys], dtype=torch.float32)
+        return v.view(-1, 1, 1).expand(-1, 1, 2).contiguous()
+
+    def write(self, h, slots, start):
+        keys = self.reqs[h].keys[start:start + len(slots)]
+        k = self.rows_for(keys)
+        for layer in range(LAYERS):
+            self.p.write(layer, slots, k + 1000 * layer, -k - 1000 * layer)
+
+    def on_device(self, data):
+        live = sorted(set(self.reqs) - self.swapped)
+        return data.draw(st.sampled_from(live))
+
+    def extend_by(self, h, n, with_tokens):
+        r, start = self.reqs[h], self.p.length(h)
+        toks = [r.prompt[i] if i < len(r.prompt) else (i % 3 + 1 if with_tokens else None)
+                for i in range(start, start + n)]
+        try:
+            res = self.p.extend([h], [n], tokens=toks if with_tokens else None)
+        except (kvpool.PoolExhaustedError, kvpool.ContextTooLongError):
+            assert start + n > MAX_CTX or n > self.p.stats().free_pages
+            return
+        for i, t in enumerate(toks):
+            r.toks.append(t)
+            r.keys.append(r.key_at(start + i, t))
+        self.write(h, res.slots.tolist(), start)
+
+    # ----- rules
+    @precondition(lambda self: len(self.reqs) < MAX_REQ)
+    @rule(data=st.data(), salt=st.sampled_from([0, 0, 2]), prompt=st.lists(st.integers(1, 3), min_size=1, max_size=7))
+    def open_prompt(self, data, salt, prompt):
+        self.events()
+        dev = len(self.router.longest(salt, prompt[:-1]))
+        hs, cached = self.p.open_with_prefix(prompt, [len(prompt)], salt=salt)
+        h, c = int(hs[0]), int(cached[0])
+        if not self.host:
+            assert c == dev
+        r = Req(salt, prompt)
+        for i in range(c):
+            r.toks.append(prompt[i])
+            r.keys.append(r.key_at(i, prompt[i]))
+        self.reqs[h] = r
+        self.extend_by(h, data.draw(st.integers(0, len(prompt) - c)), data.draw(st.booleans()))
+
+    @precondition(lambda self: set(self.reqs) - self.swapped)
+    @rule(data=st.data(), n=st.integers(1, 4), with_tokens=st.booleans())
+    def extend(self, data, n, with_tokens):
+        self.extend_by(self.on_device(data), n, with_tokens)
+
+    @precondition(lambda self: set(self.reqs) - self.swapped)
+    @rule(data=st.data())
+    def cache(self, data):
+        self.p.cache([self.on_device(data)])
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), cache=st.booleans())
+    def close(self, data, cache):
+        h = data.draw(st.sampled_from(sorted(self.reqs)))
+        cache = cache and h not in self.swapped
+        self.p.close([h], cache=cache)
+        del self.reqs[h]
+        self.swapped.discard(h)
+
+    @precondition(lambda self: (set(self.reqs) - self.swapped) and len(self.reqs) < MAX_REQ)
+    @rule(data=st.data())
+    def fork(self, data):
+        h = self.on_device(data)
+        for k in self.p.fork(h, 1).tolist():
+            self.reqs[int(k)] = self.reqs[h].copy()
+
+    @precondition(lambda self: set(self.reqs) - self.swapped)
+    @rule(data=st.data())
+    def truncate(self, data):
+        h = self.on_device(data)
+        r = self.reqs[h]
+        n = data.draw(st.integers(0, len(r.keys)))
+        self.p.truncate([h], [n])
+        if n < len(r.keys):
+            del r.prompt[n:]
+        del r.keys[n:], r.toks[n:]
+
+    @rule(n=st.integers(0, 5))
+    def evict(self, n):
+        self.p.evict(n)
+
+    @rule()
+    def clear_cache(self):
+        self.p.clear_cache()
+
+    @precondition(lambda self: self.host and set(self.reqs) - self.swapped)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        h = self.on_device(data)
+        try:
+            self.p.swap_out([h])
+        except kvpool.PoolExhaustedError:
+            return
+        self.swapped.add(h)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        h = data.draw(st.sampled_from(sorted(self.swapped)))
+        try:
+            self.p.swap_in([h])
+        except kvpool.PoolExhaustedError:
+            return
+        self.swapped.discard(h)
+
+    # ----- invariants
+    @invariant()
+    def reads_back(self):
+        if not hasattr(self, "p"):
+            return
+        p = self.p
+        p.check()
+        self.events()
+        for h, r in self.reqs.items():
+            assert p.length(h) == len(r.keys)
+            if h in self.swapped:
+                continue
+            slots = p.slots(h)
+            row = int(p.rows([h])[0])
+            assert p.req_to_token[row, :len(slots)].tolist() == slots.tolist()
+            if not len(slots):
+                continue
+            want = self.rows_for(r.keys)
+            for layer in range(LAYERS):
+                k, v = p.read(layer, slots)
+                assert torch.equal(k, want + 1000 * layer), f"request {h} layer {layer} K differs"
+                assert torch.equal(v, -want - 1000 * layer)
+        for page, key in self.router.entries.values():
+            k, _ = p.read(0, np.array([page]))
+            assert float(k[0, 0, 0]) == self.val(key), f"cached page {page} holds other K/V"
+
+
+PoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+TestPage1Pool = PoolMachine.TestCase
+
+
+def test_page1_and_page2_agree_on_hits_when_nothing_is_evicted():
+    """The same trace on roomy pools: page 1 hits every cached token (one short of
+    the prompt), page 2 the same rounded down to its page."""
+    pools = {ps: kvpool.SlotAllocator(64, ps, 8, 32, hash_seed=5) for ps in (1, 2)}
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6, 7], [1, 2], [7]]
+    for prompt in prompts:
+        got = {}
+        for ps, a in pools.items():
+            hs, cached = a.open_with_prefix(prompt, [len(prompt)])
+            got[ps] = int(cached[0])
+            a.extend(hs, [len(prompt) - got[ps]])
+            a.close(hs, cache=True)
+        assert got[2] == got[1] - got[1] % 2, (prompt, got)
+    assert [int(pools[1].open_with_prefix(q, [len(q)])[1][0]) for q in prompts] == [4, 3, 6, 1, 0]
+
+
+@pytest.mark.parametrize("ps", [1, 2])
+def test_refusals_leave_the_pool_as_it_was(ps):
+    from test_review_page1 import snapshot
+    a = kvpool.SlotAllocator(6, ps, 3, 8, hash_seed=1)
+    hs, _ = a.open_with_prefix([1, 2, 3], [3])
+    a.extend(hs, [3])
+    a.cache(hs)
+    kid = int(a.fork(int(hs[0]), 1)[0])
+    live = [int(hs[0]), kid]
+    before = snapshot(a, live), a.take_events()
+    assert len(before[1]["kind"])  # the Stored events; drained so the backlog compares empty
+    before = snapshot(a, live)
+    calls = [lambda: a.extend(live, [1, 1], tokens=[1]), lambda: a.extend(live, [100, 1]),
+             lambda: a.extend(live, [-1, 1]), lambda: a.truncate(live, [4, 0]), lambda: a.fork(kid, 5),
+             lambda: a.open_with_prefix([1, 2], [3]), lambda: a.open_with_prefix([1, -2], [2]),
+             lambda: a.open_with_prefix([1, 2], [2], salt=[1, 2]), lambda: a.cache([kid, kid]),
+             lambda: a.close([kid], priority=5), lambda: a.evict(-1), lambda: a.swap_out(live),
+             lambda: a.extend(live, [ps * 5, ps * 5]), lambda: a.close([kid, int(hs[0]) + (1 << 32)])]
+    for call in calls:
+        with pytest.raises(kvpool.KVPoolError):
+            call()
+        assert snapshot(a, live) == before
+        assert len(a.take_events()["kind"]) == 0
+        a.check()
