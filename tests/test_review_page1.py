@@ -150,12 +150,31 @@ class Page1Machine(RuleBasedStateMachine):
         self.reqs[h] = r
         self.extend_by(h, data.draw(st.integers(0, len(prompt) - c)), data.draw(st.booleans()))
 
-    @precondition(lambda self: self.reqs)
-    @rule(data=st.data(), n=st.integers(0, 5), with_tokens=st.booleans())
-    def extend(self, data, n, with_tokens):
-        self.extend_by(self.pick(data), n, with_tokens)
+    @precondition(lambda self: len(self.reqs) < MAX_REQ)
+    @rule(counts=st.lists(st.integers(0, 4), min_size=1, max_size=2), with_tokens=st.booleans())
+    def admit(self, counts, with_tokens):
+        counts = counts[:MAX_REQ - len(self.reqs)]
+        toks = [(i * 5 + len(counts)) % 3 + 1 for i in range(sum(counts))]
+        if sum(-(-c // self.ps) for c in counts) > self.a.free_pages:
+            return
+        hs, slots = self.a.admit(counts, tokens=toks if with_tokens else None)
+        off = 0
+        for h, c in zip(hs.tolist(), counts):
+            r = self.reqs[h] = Req(0)
+            for i in range(c):
+                t = toks[off + i] if with_tokens else None
+                r.toks.append(t)
+                r.keys.append(r.key_at(i, t))
+            self.drain()
+            self.write(h, slots[off:off + c].tolist(), 0)
+            off += c
 
-    def extend_by(self, h, n, with_tokens):
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), n=st.integers(0, 5), with_tokens=st.booleans(), packed=st.booleans())
+    def extend(self, data, n, with_tokens, packed):
+        self.extend_by(self.pick(data), n, with_tokens, packed)
+
+    def extend_by(self, h, n, with_tokens, packed=False):
         r, start = self.reqs[h], self.a.length(h)
         toks = []
         for i in range(start, start + n):
@@ -172,6 +191,10 @@ class Page1Machine(RuleBasedStateMachine):
             except (kvpool.PoolExhaustedError, kvpool.ContextTooLongError):
                 assert snapshot(self.a, sorted(self.reqs)) == before
                 return
+        elif packed:  # [rows | starts | counts | offsets], each 2 long for one request, then the slots
+            buf, b, _ = self.a.extend_packed([h], [n], tokens=given)
+            assert b == 1 and buf[2] == start and buf[4] == n
+            slots = buf[8:8 + n]
         else:
             slots = self.a.extend([h], [n], tokens=given)
         for i, t in enumerate(toks):
@@ -223,6 +246,16 @@ class Page1Machine(RuleBasedStateMachine):
         self.a.truncate([h], [n])
         if n < len(r.keys):  # only a shortening forgets the prompt past the cut
             del r.prompt[n:]
+        del r.keys[n:], r.toks[n:]
+        self.drain()
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def roll_back(self, data):
+        h = self.pick(data)
+        r = self.reqs[h]
+        n = data.draw(st.integers(0, len(r.keys)))
+        self.a.roll_back_extend([h], [n])  # as truncate, but the prompt stays
         del r.keys[n:], r.toks[n:]
         self.drain()
 
