@@ -28,43 +28,50 @@ _uid = itertools.count()
 
 
 class Router:
-    """A KV-aware router's view: hash -> (page, (salt, token prefix))."""
+    """A KV-aware router's view of one tier (medium): hash -> (page, (salt, token
+    prefix)). A hash names its content forever (one seed), so the prefix a
+    hash spells is remembered across tiers and removals in `spelled`."""
 
-    def __init__(self, ps):
-        self.ps, self.entries = ps, {}
+    def __init__(self, ps, medium=0, spelled=None):
+        self.ps, self.medium, self.entries = ps, medium, {}
+        self.spelled = {} if spelled is None else spelled
 
     def feed(self, ev):
         off = 0
         for i, kind in enumerate(ev["kind"]):
             h = (int(ev["hash_hi"][i]), int(ev["hash_lo"][i]))
+            n = int(ev["num_tokens"][i]) if kind == 0 else 0
+            toks = tuple(int(t) for t in ev["token_ids"][off:off + n])
+            off += n
             if kind == 2:
                 self.entries.clear()
                 continue
-            if int(ev["medium"][i]) != 0:
+            if int(ev["medium"][i]) != self.medium:
                 continue
             if kind == 1:
                 assert h in self.entries, "Removed for a hash the router never saw stored"
                 del self.entries[h]
                 continue
-            n = int(ev["num_tokens"][i])
-            toks = tuple(int(t) for t in ev["token_ids"][off:off + n])
-            off += n
             parent = (int(ev["parent_hi"][i]), int(ev["parent_lo"][i]))
             salt = int(ev["salt"][i])
             if parent == (0, 0):
-                prefix = toks
+                key = (salt, toks)
             else:
-                assert parent in self.entries, "Stored names a parent the router does not hold"
-                psalt, pprefix = self.entries[parent][1]
+                assert parent in self.spelled, "Stored names a parent no event ever spelled"
+                psalt, pprefix = self.spelled[parent]
                 assert psalt == salt
-                prefix = pprefix + toks
+                key = (salt, pprefix + toks)
+            assert self.spelled.setdefault(h, key) == key, "one hash spells two prefixes"
             assert h not in self.entries, "Stored twice without a Removed between"
             assert n == self.ps
-            self.entries[h] = (int(ev["page"][i]), (salt, prefix))
+            self.entries[h] = (int(ev["page"][i]), key)
 
-    def longest(self, salt, prompt):
-        """Pages of the longest stored chain that prefixes the prompt."""
+    def longest(self, salt, prompt, also=None):
+        """Pages of the longest stored chain that prefixes the prompt (on this
+        tier, or where absent here on the `also` router's)."""
         by_key = {v[1]: v[0] for v in self.entries.values()}
+        if also is not None:
+            by_key = {**{v[1]: v[0] for v in also.entries.values()}, **by_key}
         pages = []
         for end in range(self.ps, len(prompt) + 1, self.ps):
             p = by_key.get((salt, tuple(prompt[:end])))
@@ -192,9 +199,13 @@ class Page1Machine(RuleBasedStateMachine):
                 assert snapshot(self.a, sorted(self.reqs)) == before
                 return
         elif packed:  # [rows | starts | counts | offsets], each 2 long for one request, then the slots
-            buf, b, _ = self.a.extend_packed([h], [n], tokens=given)
+            buf, b, cow = self.a.extend_packed([h], [n], tokens=given)
             assert b == 1 and buf[2] == start and buf[4] == n
             slots = buf[8:8 + n]
+            if cow is not None:  # handed back here, not queued: [rows | positions | src | dst]
+                m = len(cow) // 4
+                for s, d in zip(cow[2 * m:3 * m].tolist(), cow[3 * m:].tolist()):
+                    self.content[d] = self.content.get(s)
         else:
             slots = self.a.extend([h], [n], tokens=given)
         for i, t in enumerate(toks):

@@ -32,7 +32,7 @@ class PoolMachine(RuleBasedStateMachine):
                                host_policy=policy, hash_seed=3)
         self.host = host_pages > 0
         self.router = Router(1)
-        self.host_router = set()  # hashes stored on the host
+        self.host_router = Router(1, medium=1, spelled=self.router.spelled)  # what the events say the host holds
         self.value = {}  # content key -> float
         self.reqs, self.swapped = {}, set()
 
@@ -43,13 +43,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def events(self):
         ev = self.p.take_events()
-        for i, kind in enumerate(ev["kind"]):
-            if kind == 2:
-                self.host_router.clear()
-            elif int(ev["medium"][i]) == 1:
-                h = (int(ev["hash_hi"][i]), int(ev["hash_lo"][i]))
-                (self.host_router.add if kind == 0 else self.host_router.discard)(h)
         self.router.feed(ev)
+        self.host_router.feed(ev)
 
     def rows_for(self, keys):
         v = torch.tensor([self.val(k) for k in keys], dtype=torch.float32)
@@ -87,6 +82,7 @@ class PoolMachine(RuleBasedStateMachine):
         dev = len(self.router.longest(salt, prompt[:-1]))
         hs, cached = self.p.open_with_prefix(prompt, [len(prompt)], salt=salt)
         h, c = int(hs[0]), int(cached[0])
+        assert c <= len(self.router.longest(salt, prompt[:-1], also=self.host_router))
         if not self.host:
             assert c == dev
         r = Req(salt, prompt)
@@ -183,6 +179,9 @@ class PoolMachine(RuleBasedStateMachine):
                 k, v = p.read(layer, slots)
                 assert torch.equal(k, want + 1000 * layer), f"request {h} layer {layer} K differs"
                 assert torch.equal(v, -want - 1000 * layer)
+        stats = p.stats()
+        assert stats.cached_pages == len(self.router.entries)
+        assert stats.host_cached_pages == len(self.host_router.entries)
         for page, key in self.router.entries.values():
             k, _ = p.read(0, np.array([page]))
             assert float(k[0, 0, 0]) == self.val(key), f"cached page {page} holds other K/V"
