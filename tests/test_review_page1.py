@@ -229,6 +229,16 @@ class Page1Machine(RuleBasedStateMachine):
             assert (r.salt, tuple(known[:k * self.ps])) in stored
 
     @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), pin=st.booleans())
+    def pin_or_unpin(self, data, pin):
+        h = self.pick(data)
+        if pin:
+            self.a.cache([h], priority=100)
+        else:
+            self.a.unpin([h])
+        self.drain()
+
+    @precondition(lambda self: self.reqs)
     @rule(data=st.data(), cache=st.booleans())
     def close(self, data, cache):
         h = self.pick(data)
@@ -272,15 +282,16 @@ class Page1Machine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 6))
     def evict(self, n):
-        evictable = self.a.evictable_pages
+        evictable, pinned = self.a.evictable_pages, self.a.pinned_pages
         assert self.a.evict(n) == min(n, evictable)
+        assert self.a.pinned_pages == pinned
         self.drain()
 
     @rule()
     def clear_cache(self):
         self.a.clear_cache()
         self.drain()
-        assert not self.router.entries
+        assert not self.router.entries and self.a.pinned_pages == 0
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), bad=st.sampled_from(["len", "neg", "tok", "dup", "stale", "trunc", "ctx"]))
@@ -316,11 +327,12 @@ class Page1Machine(RuleBasedStateMachine):
             assert got == r.keys, f"request {h} reads K/V written for other tokens"
             held |= set(a.pages(h).tolist())
         assert a.used_pages == len(held)
-        assert a.free_pages + a.used_pages == a.capacity_pages
         assert a.cached_pages == len(self.router.entries)
         pages = {p for p, _ in self.router.entries.values()}
         assert len(pages) == len(self.router.entries), "two stored hashes on one page"
-        assert a.evictable_pages == len(pages - held)
+        pinned_idle = len(pages - held) - a.evictable_pages  # cached, held by nobody, pinned
+        assert 0 <= pinned_idle <= a.pinned_pages <= len(pages)
+        assert a.free_pages + a.used_pages + pinned_idle == a.capacity_pages
         for p, (salt, prefix) in self.router.entries.values():
             start = len(prefix) - ps
             for j in range(ps):
