@@ -15,6 +15,7 @@ know nothing of the allocator's policies:
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -108,11 +109,52 @@ def snapshot(a, handles):
     return counters, per, a.pending_copies
 
 
+def _same(x, y):
+    if isinstance(x, tuple | list):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same, x, y))
+    if isinstance(x, np.ndarray):
+        return isinstance(y, np.ndarray) and x.tolist() == y.tolist()
+    if hasattr(x, "free_pages"):  # PoolStats: all but the bookkeeping's size
+        return all(getattr(x, f) == getattr(y, f) for f in dir(x) if not f.startswith("_") and f != "metadata_bytes")
+    return x == y
+
+
+class Twin:
+    """Runs every call on the pool under test and on a twin built with other
+    bookkeeping options (no events: another internal chain keys the index; lazily
+    mapped metadata), which must answer the same and refuse the same way."""
+
+    def __init__(self, a, twin):
+        self._a, self._t = a, twin
+
+    def __getattr__(self, name):
+        x = getattr(self._a, name)
+        if not callable(x):
+            assert _same(x, getattr(self._t, name)), name
+            return x
+        if name in ("take_events", "metadata_bytes"):
+            getattr(self._t, name)()
+            return x
+
+        def both(*args, **kw):
+            try:
+                got = x(*args, **kw)
+            except kvpool.KVPoolError as e:
+                with pytest.raises(type(e)):
+                    getattr(self._t, name)(*args, **kw)
+                raise
+            assert _same(got, getattr(self._t, name)(*args, **kw)), name
+            return got
+        return both
+
+
 class Page1Machine(RuleBasedStateMachine):
-    @initialize(num_pages=st.integers(4, 24), ps=st.sampled_from([1, 1, 1, 2]))
-    def setup(self, num_pages, ps):
+    @initialize(num_pages=st.integers(4, 24), ps=st.sampled_from([1, 1, 1, 2]),
+                twin=st.sampled_from([{"kv_events": False}, {"lazy_metadata": True}]))
+    def setup(self, num_pages, ps, twin):
         self.ps = ps
-        self.a = SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7)
+        self.a = Twin(SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7, handle_seed=3),
+                      SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7, handle_seed=3, **twin))
         self.router = Router(ps)
         self.content = {}  # slot -> key
         self.reqs = {}  # handle -> Req
