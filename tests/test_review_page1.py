@@ -367,7 +367,15 @@ class Page1Machine(RuleBasedStateMachine):
             assert len(set(slots)) == len(slots) and 0 not in slots
             got = [self.content.get(s) for s in slots]
             assert got == r.keys, f"request {h} reads K/V written for other tokens"
-            held |= set(a.pages(h).tolist())
+            pages = a.pages(h).tolist()
+            held |= set(pages)
+            assert pages == sorted(set(s // ps for s in slots), key=[s // ps for s in slots].index)
+            indptr, indices, last = a.page_table([h])
+            assert indptr.tolist() == [0, len(pages)] and indices.tolist() == pages
+            assert last.tolist() == [(len(slots) - 1) % ps + 1 if slots else 0]
+        if self.reqs:
+            rows = a.rows(sorted(self.reqs)).tolist()
+            assert len(set(rows)) == len(rows) and all(0 <= x < MAX_REQ for x in rows)
         assert a.used_pages == len(held)
         assert a.cached_pages == len(self.router.entries)
         pages = {p for p, _ in self.router.entries.values()}
