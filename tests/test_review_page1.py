@@ -150,28 +150,44 @@ class Twin:
 
 class Page1Machine(RuleBasedStateMachine):
     @initialize(num_pages=st.integers(4, 24), ps=st.sampled_from([1, 1, 1, 2]),
-                twin=st.sampled_from([{"kv_events": False}, {"lazy_metadata": True}]))
-    def setup(self, num_pages, ps, twin):
-        self.ps = ps
-        self.a = Twin(SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7, handle_seed=3),
-                      SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=7, handle_seed=3, **twin))
+                twin=st.sampled_from([{"kv_events": False}, {"lazy_metadata": True}]),
+                host=st.sampled_from([0, 0, 3, 8]), policy=st.sampled_from(["write_back", "write_through"]))
+    def setup(self, num_pages, ps, twin, host, policy):
+        self.ps, self.host = ps, host
+        kw = dict(hash_seed=7, handle_seed=3, host_pages=host, host_policy=policy)
+        self.a = Twin(SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, **kw),
+                      SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, **kw, **twin))
         self.router = Router(ps)
+        self.host_router = Router(ps, medium=1, spelled=self.router.spelled)
+        self.host_content, self.swapped = {}, set()
         self.content = {}  # slot -> key
         self.reqs = {}  # handle -> Req
 
     # ----- helpers
     def pick(self, data):
-        return data.draw(st.sampled_from(sorted(self.reqs)))
+        return data.draw(st.sampled_from(sorted(set(self.reqs) - self.swapped)))
+
+    def live(self):
+        return set(self.reqs) - self.swapped
 
     def drain(self):
+        """Runs the queued transfers in the documented order: offloads, loads, copies."""
+        ps = self.ps
+        for src, dst, to_host in ((*self.a.take_offloads(), True), (*self.a.take_loads(), False)):
+            frm, to = (self.content, self.host_content) if to_host else (self.host_content, self.content)
+            for s, d in zip(src.tolist(), dst.tolist()):
+                for j in range(ps):
+                    to[d * ps + j] = frm.get(s * ps + j)
         src, dst = self.a.take_copies()
         for s, d in zip(src.tolist(), dst.tolist()):
             self.content[d] = self.content.get(s)
-        self.router.feed(self.a.take_events())
+        ev = self.a.take_events()
+        self.router.feed(ev)
+        self.host_router.feed(ev)
 
     def write(self, h, slots, start):
         r = self.reqs[h]
-        others = {s for o, q in self.reqs.items() if o != h for s in self.a.slots(o).tolist()}
+        others = {s for o in self.live() if o != h for s in self.a.slots(o).tolist()}
         for j, s in enumerate(slots):
             assert s not in others, f"slot {s} handed to {h} is held by another request"
             self.content[s] = r.keys[start + j]
@@ -179,7 +195,7 @@ class Page1Machine(RuleBasedStateMachine):
     def refused(self, call, before):
         with pytest.raises(kvpool.KVPoolError):
             call()
-        assert snapshot(self.a, sorted(self.reqs)) == before
+        assert snapshot(self.a, sorted(self.live())) == before
         self.a.check()
 
     # ----- rules
@@ -190,8 +206,11 @@ class Page1Machine(RuleBasedStateMachine):
         expect = self.router.longest(salt, prompt[:len(prompt) - 1])
         hs, cached = self.a.open_with_prefix(prompt, [len(prompt)], salt=salt)
         h, c = int(hs[0]), int(cached[0])
-        assert c == len(expect) * self.ps, (c, expect)
-        assert self.a.pages(h).tolist() == expect
+        if self.host:  # a host hit may find no device page: a shorter match
+            assert c <= len(self.router.longest(salt, prompt[:-1], also=self.host_router)) * self.ps
+        else:
+            assert c == len(expect) * self.ps, (c, expect)
+            assert self.a.pages(h).tolist() == expect
         r = Req(salt, prompt)
         for i in range(c):
             r.toks.append(prompt[i])
@@ -218,7 +237,7 @@ class Page1Machine(RuleBasedStateMachine):
             self.write(h, slots[off:off + c].tolist(), 0)
             off += c
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data(), n=st.integers(0, 5), with_tokens=st.booleans(), packed=st.booleans())
     def extend(self, data, n, with_tokens, packed):
         self.extend_by(self.pick(data), n, with_tokens, packed)
@@ -231,14 +250,14 @@ class Page1Machine(RuleBasedStateMachine):
                 toks.append(r.prompt[i])
             else:
                 toks.append((i * 7 + start) % 3 + 1 if with_tokens else None)
-        before = snapshot(self.a, sorted(self.reqs))
+        before = snapshot(self.a, sorted(self.live()))
         need = -(-(start + n) // self.ps) - -(-start // self.ps)
         given = toks if with_tokens else None
         if start + n > MAX_CTX or need + (1 if self.ps > 1 else 0) > self.a.free_pages:
             try:
                 slots = self.a.extend([h], [n], tokens=given)
             except (kvpool.PoolExhaustedError, kvpool.ContextTooLongError):
-                assert snapshot(self.a, sorted(self.reqs)) == before
+                assert snapshot(self.a, sorted(self.live())) == before
                 return
         elif packed:  # [rows | starts | counts | offsets], each 2 long for one request, then the slots
             buf, b, cow = self.a.extend_packed([h], [n], tokens=given)
@@ -256,7 +275,7 @@ class Page1Machine(RuleBasedStateMachine):
         self.drain()
         self.write(h, slots.tolist(), start)
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data())
     def cache(self, data):
         h = self.pick(data)
@@ -270,7 +289,7 @@ class Page1Machine(RuleBasedStateMachine):
         for k in range(1, full + 1):
             assert (r.salt, tuple(known[:k * self.ps])) in stored
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data(), pin=st.booleans())
     def pin_or_unpin(self, data, pin):
         h = self.pick(data)
@@ -280,16 +299,17 @@ class Page1Machine(RuleBasedStateMachine):
             self.a.unpin([h])
         self.drain()
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data(), cache=st.booleans())
     def close(self, data, cache):
-        h = self.pick(data)
-        self.a.close([h], cache=cache)
+        h = data.draw(st.sampled_from(sorted(self.reqs)))
+        self.a.close([h], cache=cache and h not in self.swapped)
         del self.reqs[h]
+        self.swapped.discard(h)
         self.drain()
-        self.refused(lambda: self.a.close([h]), snapshot(self.a, sorted(self.reqs)))
+        self.refused(lambda: self.a.close([h]), snapshot(self.a, sorted(self.live())))
 
-    @precondition(lambda self: self.reqs and len(self.reqs) < MAX_REQ)
+    @precondition(lambda self: self.live() and len(self.reqs) < MAX_REQ)
     @rule(data=st.data())
     def fork(self, data):
         h = self.pick(data)
@@ -300,7 +320,7 @@ class Page1Machine(RuleBasedStateMachine):
             assert self.a.slots(k).tolist() == self.a.slots(h).tolist()
         self.drain()
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data())
     def truncate(self, data):
         h = self.pick(data)
@@ -312,7 +332,7 @@ class Page1Machine(RuleBasedStateMachine):
         del r.keys[n:], r.toks[n:]
         self.drain()
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data())
     def roll_back(self, data):
         h = self.pick(data)
@@ -320,6 +340,28 @@ class Page1Machine(RuleBasedStateMachine):
         n = data.draw(st.integers(0, len(r.keys)))
         self.a.roll_back_extend([h], [n])  # as truncate, but the prompt stays
         del r.keys[n:], r.toks[n:]
+        self.drain()
+
+    @precondition(lambda self: self.host and self.live())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        h = self.pick(data)
+        try:
+            self.a.swap_out([h])
+        except kvpool.PoolExhaustedError:
+            return
+        self.swapped.add(h)
+        self.drain()
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        h = data.draw(st.sampled_from(sorted(self.swapped)))
+        try:
+            self.a.swap_in([h])
+        except kvpool.PoolExhaustedError:
+            return
+        self.swapped.discard(h)
         self.drain()
 
     @rule(n=st.integers(0, 6))
@@ -335,12 +377,12 @@ class Page1Machine(RuleBasedStateMachine):
         self.drain()
         assert not self.router.entries and self.a.pinned_pages == 0
 
-    @precondition(lambda self: self.reqs)
+    @precondition(lambda self: self.live())
     @rule(data=st.data(), bad=st.sampled_from(["len", "neg", "tok", "dup", "stale", "trunc", "ctx"]))
     def bad_input(self, data, bad):
         h = self.pick(data)
         a, n = self.a, self.a.length(h)
-        before = snapshot(a, sorted(self.reqs))
+        before = snapshot(a, sorted(self.live()))
         call = {
             "len": lambda: a.extend([h], [2], tokens=[1]),
             "neg": lambda: a.extend([h], [-1]),
@@ -359,9 +401,12 @@ class Page1Machine(RuleBasedStateMachine):
             return
         a, ps = self.a, self.ps
         a.check()
-        self.router.feed(a.take_events())
+        self.drain()
         held = set()
         for h, r in self.reqs.items():
+            assert a.length(h) == len(r.keys)
+            if h in self.swapped:
+                continue
             slots = a.slots(h).tolist()
             assert a.length(h) == len(r.keys) == len(slots)
             assert len(set(slots)) == len(slots) and 0 not in slots
@@ -376,8 +421,15 @@ class Page1Machine(RuleBasedStateMachine):
         if self.reqs:
             rows = a.rows(sorted(self.reqs)).tolist()
             assert len(set(rows)) == len(rows) and all(0 <= x < MAX_REQ for x in rows)
-        assert a.used_pages == len(held)
         assert a.cached_pages == len(self.router.entries)
+        assert a.host_cached_pages == len(self.host_router.entries)
+        for p, (salt, prefix) in self.host_router.entries.values():
+            for j in range(ps):
+                assert self.host_content.get(p * ps + j) == (salt, prefix[:len(prefix) - ps + j + 1]), \
+                    f"host page {p} does not hold the tokens its Stored event named"
+        if self.swapped:  # their device pages are not listed: the counters below need them
+            return
+        assert a.used_pages == len(held)
         pages = {p for p, _ in self.router.entries.values()}
         assert len(pages) == len(self.router.entries), "two stored hashes on one page"
         pinned_idle = len(pages - held) - a.evictable_pages  # cached, held by nobody, pinned
