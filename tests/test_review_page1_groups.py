@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_review_page1 import Req, prompts
+from review_page1_refs import Req, prompts
 
 import kvpool
 
