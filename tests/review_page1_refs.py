@@ -80,6 +80,15 @@ class Req:
         known = tok is not None and all(t is not None for t in self.toks[:i])
         return (self.salt, tuple(self.toks[:i]) + (tok,)) if known else ("u", next(_uid))
 
+    @classmethod
+    def hit(cls, salt, prompt, cached):
+        """A request opened on ``prompt`` with its first ``cached`` tokens found cached."""
+        r = cls(salt, prompt)
+        for i in range(cached):
+            r.toks.append(prompt[i])
+            r.keys.append(r.key_at(i, prompt[i]))
+        return r
+
     def copy(self):
         r = Req(self.salt, self.prompt)
         r.keys, r.toks = list(self.keys), list(self.toks)

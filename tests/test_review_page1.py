@@ -97,11 +97,7 @@ class Page1Machine(RuleBasedStateMachine):
         elif not self.orphaned(salt, prompt, c, len(expect)):
             assert c == len(expect) * self.ps, (c, expect)
             assert self.a.pages(h).tolist() == expect
-        r = Req(salt, prompt)
-        for i in range(c):
-            r.toks.append(prompt[i])
-            r.keys.append(r.key_at(i, prompt[i]))
-        self.reqs[h] = r
+        self.reqs[h] = Req.hit(salt, prompt, c)
         # Mostly the whole prompt, then published: later prompts have something to hit.
         n = len(prompt) - c if data.draw(st.integers(0, 3)) else data.draw(st.integers(0, len(prompt) - c))
         self.extend_by(h, n, data.draw(st.booleans()))

@@ -86,11 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.host and not (c < dev and any((salt, tuple(prompt[:e])) in self.router.removed
                                                   for e in range(1, dev + 1))):
             assert c == dev  # short only past a removed ancestor (test_orphan_child_advertised_but_never_hit)
-        r = Req(salt, prompt)
-        for i in range(c):
-            r.toks.append(prompt[i])
-            r.keys.append(r.key_at(i, prompt[i]))
-        self.reqs[h] = r
+        self.reqs[h] = Req.hit(salt, prompt, c)
         # Mostly the whole prompt, then published: later prompts have something to hit.
         n = len(prompt) - c if data.draw(st.integers(0, 3)) else data.draw(st.integers(0, len(prompt) - c))
         self.extend_by(h, n, data.draw(st.booleans()))

@@ -9,6 +9,15 @@ use kvpool_core::{page_hashes, Counts, Options, PoolError, SlotAllocator};
 
 mod common;
 
+/// `err` is `Exhausted` for `needed` pages against `room`.
+fn assert_exhausted(err: &PoolError, needed: usize, room: usize) {
+    assert!(
+        matches!(err, PoolError::Exhausted { needed_pages, free_pages, .. }
+            if *needed_pages == needed && *free_pages == room),
+        "{err:?}"
+    );
+}
+
 use common::{seq, serve};
 
 const PS: usize = 4;
@@ -75,17 +84,7 @@ fn refused_when_the_only_room_is_the_matched_pages_own() {
     let err = a
         .open_with_chain(&hs, &toks, 0, usize::MAX, Some(17))
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::Exhausted {
-                needed_pages: 3,
-                free_pages: 2,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_exhausted(&err, 3, 2);
     assert_unchanged(a, before);
 }
 
@@ -113,17 +112,7 @@ fn pinned_matched_pages_were_never_room() {
     let err = a
         .open_with_chain(&hs, &toks, 0, usize::MAX, Some(17))
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::Exhausted {
-                needed_pages: 3,
-                free_pages: 2,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_exhausted(&err, 3, 2);
     assert_unchanged(a.clone(), before);
     // Holding the pinned pages takes nothing from the 2 pages of room.
     let (h, cached) = a
@@ -144,17 +133,7 @@ fn held_matched_pages_take_no_room() {
     let err = a
         .open_with_chain(&hs, &toks, 0, usize::MAX, Some(17))
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            PoolError::Exhausted {
-                needed_pages: 3,
-                free_pages: 2,
-                ..
-            }
-        ),
-        "{err:?}"
-    );
+    assert_exhausted(&err, 3, 2);
     assert_unchanged(a.clone(), before);
     let (h, _) = a
         .open_with_chain(&hs, &toks, 0, usize::MAX, Some(16))
