@@ -293,6 +293,30 @@ class Model(PriorityModel, TierMixin):
                 del q.prompt[n:]  # rolled back: what follows need not be the prompt
             self.shrink(self.row(h), n)
 
+    def restart_dead_chain(self, r):
+        """A chain whose tip registration is gone (its tip was another request's entry, which
+        was evicted) resumes after the longest run of the request's own registered pages from
+        page 0 that still chains. Returns whether it restarted."""
+        q = self.reqs[r]
+        if q.broken or not q.chain_reg or q.chain_reg in self.reg:
+            return False
+        chain = k = 0
+        for p in q.pages[: q.hashed]:
+            e = self.entry_at(p)
+            if e is None or e.parent_reg != chain or e.key[0] != q.salt:
+                break
+            chain, k = e.reg, k + 1
+        q.hashed, q.chain_reg = k, chain
+        return True
+
+    def register_rows(self, rows):
+        """``cache()`` of ``rows``: every dead chain restarts first (as the core does before it
+        registers anything), then each row registers."""
+        for r in rows:
+            self.restart_dead_chain(r)
+        for r in rows:
+            self.register(r)
+
     def register(self, r):
         q = self.reqs[r]
         if q.broken:
@@ -370,8 +394,7 @@ class Model(PriorityModel, TierMixin):
         rows = self.batch_rows(hs)
         if any(self.reqs[r].swapped for r in rows):
             raise kvpool.RequestSwappedOutError
-        for r in rows:
-            self.register(r)
+        self.register_rows(rows)
 
     def retired(self, r):
         g = self.gen[r]
@@ -382,8 +405,7 @@ class Model(PriorityModel, TierMixin):
         if cache:
             if any(self.reqs[r].swapped for r in rows):
                 raise kvpool.RequestSwappedOutError
-            for r in rows:
-                self.register(r)
+            self.register_rows(rows)
         for r in rows:
             self.close_row(r)
             if not self.retired(r):

@@ -124,8 +124,7 @@ class PriorityModel:
         rows, qs = self._retention(hs, priority, retain_s)
         if rows is None:
             return self.cache(hs)
-        for r in rows:
-            self.register(r)
+        self.register_rows(rows)
         self.give(rows, qs, retain_s)
 
     def close_priority(self, hs, cache, priority=None, retain_s=None):
@@ -134,8 +133,7 @@ class PriorityModel:
         rows, qs = self._retention(hs, priority, retain_s)
         if rows is None:
             return self.close(hs, cache)
-        for r in rows:
-            self.register(r)
+        self.register_rows(rows)
         self.give(rows, qs, retain_s)
         self.close(hs, False)
 

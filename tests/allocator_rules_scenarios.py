@@ -84,3 +84,30 @@ class ScenarioRules:
             assert hs.tolist() == mhs and cached.tolist() == mcached
             self.issued += mhs
             self.store.hit(self.m, mhs[0], mcached[0])
+
+    @rule(base=st.integers(0, 1), length=st.integers(2, MAX_CTX - 2), evict=st.integers(0, 3),
+          more=st.integers(1, 2))
+    def twice(self, base, length, evict, more):
+        """A prompt asked for again while its first request still holds it: the second
+        recomputes the last page (a duplicate of the first's), so its chain ends on the
+        first's entry. The first finishes, eviction may take that entry, and the second
+        goes on and caches: its chain restarts where the entry is gone."""
+        first = serve_prompt(self, base, length)
+        if first is None:
+            return
+        self.drain()
+        run_both(lambda: self.a.cache([first]), lambda: self.m.cache([first]))
+        second = serve_prompt(self, base, length)
+        if second is None:
+            return
+        self.drain()
+        run_both(lambda: self.a.cache([second]), lambda: self.m.cache([second]))
+        run_both(lambda: self.a.close([first]), lambda: self.m.close([first]))
+        if evict:
+            self.evict(evict)
+        toks = [(base + 2 * j) % 3 for j in range(more)]
+        if run_both(lambda: self.a.extend([second], [more], tokens=toks),
+                    lambda: self.m.extend([second], [more], toks)):
+            self.write([second])
+            self.drain()
+            run_both(lambda: self.a.cache([second]), lambda: self.m.cache([second]))

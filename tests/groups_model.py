@@ -190,6 +190,11 @@ class GroupsModel:
                         e.unpin(s)
 
     def register(self, rows):
+        for r in rows:  # a restarted anchor chain: the groups file again from there
+            if self.anchor.restart_dead_chain(r):
+                for e in self.groups:
+                    if isinstance(e, Pages):
+                        e.clamp_progress(r, len(self.anchor.regs[r]) * self.a // e.ps)
         for r in rows:
             self.anchor.register(r)
         for e in self.groups:

@@ -38,6 +38,13 @@ class AnchorModel(Model):
         for r in self.regs:
             self.regs[r] = []
 
+    def restart_dead_chain(self, r):
+        """``Model.restart_dead_chain``; the row's ids follow the restarted chain."""
+        if not super().restart_dead_chain(r):
+            return False
+        self.regs[r] = self.regs[r][: self.reqs[r].hashed]
+        return True
+
     def register(self, r):
         q = self.reqs[r]
         if q.broken:

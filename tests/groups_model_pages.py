@@ -153,6 +153,10 @@ class Pages:
                 self.lru.remove(p)
         self.lists[r], self.first[r], self.progress[r] = lst, first, n // self.ps
 
+    def clamp_progress(self, r, pages):
+        """``cache()``'s progress on row ``r`` goes back to ``pages`` at most."""
+        self.progress[r] = min(self.progress[r], pages)
+
     def register(self, r, n, regs, a):
         upto = min(n, len(regs) * a) // self.ps
         for k in range(self.progress[r], upto):

@@ -140,6 +140,36 @@ class GroupsMachine(RuleBasedStateMachine):
         self.a.close(mhs, cache=True)
         self.m.close(mhs, cache=True)
 
+    @rule(data=st.data(), evict=st.integers(0, 3), more=st.integers(1, 3))
+    def twice(self, data, evict, more):
+        """A prompt asked for again while its first request holds it: the second recomputes
+        the last anchor page (a duplicate), so its chain ends on the first's entry; the first
+        finishes, eviction may take that entry, and the second goes on and caches (its chain
+        restarts where the entry is gone, and the groups file from there again)."""
+        if self.a is None:
+            return
+        p = self.prompt(data)
+        hs = []
+        for _ in range(2):
+            r = run_both(lambda: self.a.open_with_prefix(p, [len(p)], 0), lambda: self.m.open_with_prefix([p], 0))
+            if not r:
+                return
+            (h, cached), (mh, _) = r
+            assert h.tolist() == mh
+            self.issued += mh
+            hs.append(mh)
+            if not run_both(lambda: self.a.extend(mh, [len(p) - int(cached[0])]),
+                            lambda: self.m.extend(mh, [len(p) - int(cached[0])])):
+                return
+            run_both(lambda: self.a.cache(mh), lambda: self.m.cache(mh))
+        run_both(lambda: self.a.close(hs[0]), lambda: self.m.close(hs[0]))
+        g = self.a.anchor_group  # (None: a token-only anchor, whose pages no group evicts)
+        if g is not None:
+            assert self.a.evict(g, evict) == self.m.evict(g, evict)
+        toks = self.tokens(data, hs[1], [more])
+        if run_both(lambda: self.a.extend(hs[1], [more], toks), lambda: self.m.extend(hs[1], [more], toks)):
+            run_both(lambda: self.a.cache(hs[1]), lambda: self.m.cache(hs[1]))
+
     @rule(data=st.data(), with_tokens=st.booleans())
     def extend(self, data, with_tokens):
         if self.a is None:

@@ -260,14 +260,10 @@ def test_swap_in_reloads_a_page_still_cached_on_the_device(ps, first, second, hi
     assert (int(again[0]), len(dst)) == (hit, a.pages(h[0]).size - len(first) // ps)
 
 
-@pytest.mark.xfail(strict=True, reason="a request whose chain tip is another request's entry (it computed a "
-                   "duplicate page, e.g. the last token of a fully cached prompt while the first holder still "
-                   "held it) stops publishing for good once that entry is evicted (a chain's tail goes first): "
-                   "cache() and close(cache=True) register none of its later pages. Lost hits, never wrong "
-                   "K/V. Fix sketch: restart the chain from page 0 when its tip is dead (relinking own pages, "
-                   "registering own duplicates); a core prefix-model change, with tests/allocator_model.py.")
 @pytest.mark.parametrize("ps", [1, 2])
-def test_duplicate_tip_evicted_stops_publishing(ps):
+def test_duplicate_tip_evicted_restarts_the_chain(ps):
+    """A chain whose tip was a duplicate's entry restarts when that entry is evicted (it used
+    to stop publishing for good): the request's later pages are registered and hit."""
     a = kvpool.SlotAllocator(16, ps, 4, 32, hash_seed=1)
     prompt = list(range(1, 3 * ps + 1))
     first, _ = a.open_with_prefix(prompt, [len(prompt)])

@@ -30,10 +30,15 @@ impl SlotAllocator {
 
     /// Registers the handles' pages; the handles are resolved already.
     pub(super) fn register_batch(&mut self, handles: &[i64]) -> Result<()> {
+        for &h in handles {
+            self.requests.check_resident(handle_row(h) as usize, h)?;
+        }
+        for &h in handles {
+            self.restart_dead_chain(handle_row(h) as usize);
+        }
         let mut todo = 0usize;
         for &h in handles {
             let row = handle_row(h) as usize;
-            self.requests.check_resident(row, h)?;
             todo += self
                 .registrable_pages(row)
                 .saturating_sub(self.requests.chain(row).pages);
@@ -71,6 +76,39 @@ impl SlotAllocator {
             self.pages.reserve_priority_ends(todo)?;
         }
         Ok(())
+    }
+
+    /// Restarts `row`'s chain where its tip's registration is gone, and
+    /// returns whether it did.
+    ///
+    /// A request's tip is another request's entry where it computed a page
+    /// again that was cached and held elsewhere (its own page is then an
+    /// unregistered duplicate); once eviction takes that entry, pages filed
+    /// under it could never be hit (a lookup verifies each page's parent
+    /// registration), which used to stop the chain for good. The request's
+    /// own registered pages keep their entries (it holds them), so the chain
+    /// resumes after the longest run of them from page 0 that still chains,
+    /// each entry's parent registration the one before and its salt the
+    /// request's, and the pages after it, the duplicate among them, are
+    /// registered again. Only where registration resumes changes: lookups
+    /// find what they found before.
+    pub(super) fn restart_dead_chain(&mut self, row: usize) -> bool {
+        let chain = self.requests.chain(row);
+        if chain.broken || self.prefix.is_live(&chain.tip) {
+            return false;
+        }
+        let salt = self.requests.salt(row);
+        let mut tip = ChainTip::root(salt);
+        let mut k = 0;
+        for &p in self.requests.pages(row, chain.pages) {
+            match self.prefix.continues(self.pages.entry(p), &tip, salt) {
+                Some(next) => tip = next,
+                None => break,
+            }
+            k += 1;
+        }
+        self.requests.resume_chain(row, k, tip);
+        true
     }
 
     /// Full pages of `row` whose every token id is known.
@@ -211,10 +249,11 @@ pub(super) fn register_page(
     salt: i64,
 ) -> Option<ChainTip> {
     if !ix.is_live(parent) {
-        // The chain's tip was evicted (it was another page's entry, which
-        // this request did not hold): nothing registered under it could be
+        // The chain's tip is gone: nothing registered under it could be
         // reached by a lookup, whose verification wants the tip's
-        // registration, so the chain stops.
+        // registration. (`restart_dead_chain` moves a row's chain off a
+        // tip eviction took before the call registers anything, and no
+        // registration evicts, so this is a guard.)
         return None;
     }
     let own = pages.entry(p).checked_sub(1);

@@ -264,6 +264,16 @@ impl SlotAllocator {
         self.open_matched(salt, &m, pages).0
     }
 
+    /// `restart_dead_chain` of each row; returns whether any restarted (the
+    /// groups then follow the anchor chain again, `GroupedAllocator::sync_rows`).
+    pub(crate) fn group_restart_dead_chains(&mut self, rows: &[BatchRow]) -> bool {
+        let mut any = false;
+        for r in rows {
+            any |= self.restart_dead_chain(r.row);
+        }
+        any
+    }
+
     /// Registers the rows' full pages of known tokens (as `cache`), and
     /// appends to `regs[row]` the registration id of the entry each newly
     /// chained page stands for (its own, or the one it duplicates). Each

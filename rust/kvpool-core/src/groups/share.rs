@@ -76,6 +76,12 @@ impl GroupedAllocator {
 
     /// `cache` of resolved rows.
     pub(super) fn register(&mut self, batch: &[BatchRow]) -> Result<()> {
+        // A chain whose tip's registration is gone restarts further back:
+        // the rows' ids and the groups' progress follow it, so the pages
+        // after the restart are filed again under their new ids.
+        if self.anchor.group_restart_dead_chains(batch) {
+            self.sync_rows(batch);
+        }
         // Room first, in every group, then the anchor (which reserves its
         // own before registering anything): nothing can fail after it.
         for g in self.groups.iter_mut() {

@@ -88,6 +88,17 @@ impl PrefixIndex {
         (e.reg == tip.reg && tip.reg != 0 && e.parent_reg != DEAD).then_some(i)
     }
 
+    /// The tip at registered entry `entry` (index + 1, as a page's record
+    /// names it; 0: none) if that entry continues the chain at `parent`:
+    /// its parent registration is `parent`'s, and its salt is `salt`.
+    #[inline]
+    pub(crate) fn continues(&self, entry: u32, parent: &ChainTip, salt: i64) -> Option<ChainTip> {
+        let i = entry.checked_sub(1)?;
+        let e = self.entries.get(i as usize)?;
+        (e.parent_reg == parent.reg && e.parent_reg != DEAD && self.idents[i as usize].salt == salt)
+            .then(|| self.tip(i))
+    }
+
     /// The live parent entry of live entry `i`, if its parent registration
     /// is still live (None at a chain's first page or for an orphan).
     #[inline]

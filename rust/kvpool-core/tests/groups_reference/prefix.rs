@@ -13,10 +13,21 @@ impl GModel {
     }
 
     pub(crate) fn register(&mut self, rows: &[usize]) {
+        let a = self.a;
+        for &r in rows {
+            // A restarted anchor chain: the groups file again from there.
+            if self.anchor.restart_dead_chain(r) {
+                let chain = self.anchor.reqs[&r].regs.len() * a;
+                for g in self.groups.iter_mut() {
+                    if let GGroup::Pages(e) = g {
+                        e.clamp_progress(r, chain / e.ps);
+                    }
+                }
+            }
+        }
         for &r in rows {
             self.anchor.register(r);
         }
-        let a = self.a;
         for g in self.groups.iter_mut() {
             match g {
                 GGroup::Anchor => {}

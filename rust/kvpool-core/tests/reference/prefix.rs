@@ -9,10 +9,19 @@ impl Model {
         if rows.iter().any(|r| self.reqs[r].swapped) {
             return Err(Kind::Swapped);
         }
-        for r in rows {
+        self.register_rows(&rows);
+        Ok(())
+    }
+
+    /// `cache()` of `rows`: every dead chain restarts first (as the core
+    /// does before it registers anything), then each row registers.
+    pub fn register_rows(&mut self, rows: &[usize]) {
+        for &r in rows {
+            self.restart_dead_chain(r);
+        }
+        for &r in rows {
             self.register(r);
         }
-        Ok(())
     }
 
     pub fn register(&mut self, r: usize) {
@@ -99,6 +108,30 @@ impl Model {
         if k > from && self.writes_through() {
             self.write_through(r, from, k);
         }
+    }
+
+    /// A chain whose tip registration is gone (its tip was another
+    /// request's entry, which was evicted) resumes after the longest run of
+    /// the request's own registered pages from page 0 that still chains;
+    /// returns whether it restarted.
+    pub fn restart_dead_chain(&mut self, r: usize) -> bool {
+        let req = &self.reqs[&r];
+        if req.broken || req.chain_reg == 0 || self.reg.contains_key(&req.chain_reg) {
+            return false;
+        }
+        let (mut chain, mut k) = (0, 0);
+        for &p in &req.pages[..req.hashed] {
+            match self.reg.values().find(|e| e.dev == Some(p)) {
+                Some(e) if e.parent_reg == chain && e.key.0 == req.salt => chain = e.reg,
+                _ => break,
+            }
+            k += 1;
+        }
+        let req = self.reqs.get_mut(&r).unwrap();
+        req.hashed = k;
+        req.chain_reg = chain;
+        req.regs.truncate(k);
+        true
     }
 
     /// Orphan `reg` leaves the index with its copies: an unheld device copy

@@ -178,9 +178,7 @@ impl Model {
     ) -> Result<(), Kind> {
         let rows = self.resident_rows(hs)?;
         self.check_priorities(hs.len(), qs, retain)?;
-        for &r in &rows {
-            self.register(r);
-        }
+        self.register_rows(&rows);
         self.give(&rows, qs, retain);
         Ok(())
     }

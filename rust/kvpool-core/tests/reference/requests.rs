@@ -135,9 +135,7 @@ impl Model {
             if rows.iter().any(|r| self.reqs[r].swapped) {
                 return Err(Kind::Swapped);
             }
-            for &r in &rows {
-                self.register(r);
-            }
+            self.register_rows(&rows);
         }
         for r in rows {
             self.close_row(r);
