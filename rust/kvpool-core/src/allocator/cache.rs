@@ -252,8 +252,9 @@ pub(super) fn register_page(
         // The chain's tip is gone: nothing registered under it could be
         // reached by a lookup, whose verification wants the tip's
         // registration. (`restart_dead_chain` moves a row's chain off a
-        // tip eviction took before the call registers anything, and no
-        // registration evicts, so this is a guard.)
+        // tip that was gone before the call; one can still go during it,
+        // when another row's registration replaces it as an orphan, and the
+        // chain then stops here, as the models' does.)
         return None;
     }
     let own = pages.entry(p).checked_sub(1);
