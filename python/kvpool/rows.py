@@ -21,7 +21,7 @@ import torch
 
 from kvpool._core import scatter_rows
 from kvpool.errors import SlotRangeError, TensorShapeError
-from kvpool.kernels._common import cache_geom, use_triton
+from kvpool.kernels._common import cache_geom, use_triton, views_of
 from kvpool.kernels.ops import gather_rows, store_rows
 from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
@@ -51,8 +51,7 @@ def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torc
         if v is not None:
             caches[1].index_copy_(0, idx, v)
     except RuntimeError:
-        bases = {c.untyped_storage().data_ptr() for c in caches}
-        if not any(x is not None and x.untyped_storage().data_ptr() in bases for x in (k, v)):
+        if not (views_of(caches, k) or views_of(caches, v)):
             raise
         caches[0].index_copy_(0, idx, k.clone())
         if v is not None:

@@ -172,6 +172,14 @@ def check_slot_range(t: torch.Tensor, name: str, num_slots: int) -> None:
         )
 
 
+def views_of(caches: Any, x: torch.Tensor | None) -> bool:
+    """Whether ``x`` shares memory with one of ``caches`` (rows a caller moves within a
+    layer): ``index_copy_`` refuses such a source, so it is copied out first."""
+    return x is not None and any(
+        t is not None and x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in caches
+    )
+
+
 def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device) -> None:
     """x must be [n, H, D] matching the cache's heads and head_dim."""
     if not isinstance(x, torch.Tensor):

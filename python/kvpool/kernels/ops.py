@@ -113,10 +113,9 @@ def store_rows(
         # Rows that are views of a cache (moving rows within a layer) are stored as they
         # were at the call, as KVPool.write stores them: index_copy_ refuses a source
         # overlapping its destination, and would refuse V's after K's store went through.
-        bases = {t.untyped_storage().data_ptr() for t in (k_cache, v_cache) if t is not None}
-        if k.untyped_storage().data_ptr() in bases:
+        if c.views_of((k_cache, v_cache), k):
             k = k.clone()
-        if v is not None and v.untyped_storage().data_ptr() in bases:
+        if c.views_of((k_cache, v_cache), v):
             v = v.clone()
         _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
