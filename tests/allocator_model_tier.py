@@ -5,6 +5,7 @@ lists of page pairs. Same policies as the allocator (rust/kvpool-core/src/host/,
 allocator/tier.rs, prefix_host.rs, swap.rs)."""
 
 import kvpool
+from allocator_model_priorities import PINNED
 
 #: Marks a host page in a request's page list (and in a match).
 HOST = 1 << 31
@@ -192,15 +193,36 @@ class TierMixin:
                 self.release(p)
             q.swapped = True
 
+    def device_copy(self, h):
+        """The device page of the entry host page h is a copy of, if it still has one."""
+        e = self.entry_on_host(h)
+        return None if e is None else e.dev
+
     def swap_in(self, hs):
         if self.tier is None:
             raise kvpool.InvalidArgumentError
         rows = self.batch_rows(hs)
         if any(not self.reqs[r].swapped for r in rows):
             raise kvpool.InvalidArgumentError
-        need = sum(1 for r in rows for p in self.reqs[r].pages if p & HOST)
+        need = 0
+        for r in rows:
+            for p in self.reqs[r].pages:
+                if p & HOST:
+                    d = self.device_copy(p & ~HOST)
+                    need += 1 if d is None else (d in self.lru and self.plist(d) != PINNED)
         if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
+        # Device copies still there are re-taken first: no load, and no page
+        # taken for a load evicts them.
+        for r in rows:
+            q = self.reqs[r]
+            for k, loc in enumerate(q.pages):
+                d = self.device_copy(loc & ~HOST) if loc & HOST else None
+                if d is not None:
+                    if d in self.lru:
+                        self.lru.remove(d)
+                    q.pages[k] = d
+                    self.host_release(loc & ~HOST)
         for r in rows:
             q = self.reqs[r]
             for k, loc in enumerate(list(q.pages)):

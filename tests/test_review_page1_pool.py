@@ -234,14 +234,10 @@ def test_refusals_leave_the_pool_as_it_was(ps):
         a.check()
 
 
-@pytest.mark.xfail(strict=True, reason="swap_in always takes a fresh device page and loads the host copy, even "
-                   "for a registered page the request held alone that swap_out left cached on the device: "
-                   "it duplicates that page, or evicts it to make room, and the entry ends host-only while "
-                   "the request's page holds the same bytes; a later prompt then misses when the device is "
-                   "full (a lost hit and needless loads, never wrong K/V). Re-taking the device copy is a "
-                   "core page-model change.")
 @pytest.mark.parametrize("ps, first, second, hit", [(1, [1, 2], [1, 2, 3, 9], 3), (2, [1, 2], [1, 2, 3, 1, 2], 4)])
-def test_swap_in_reloads_a_page_still_cached_on_the_device(ps, first, second, hit):
+def test_swap_in_retakes_a_page_still_cached_on_the_device(ps, first, second, hit):
+    """swap_in re-takes the device copy swap_out left CACHED (it used to load a fresh page and, on a
+    full device, evict that copy for it): no load, and a later prompt still hits."""
     a = kvpool.SlotAllocator(4, ps, 4, 16, hash_seed=1, host_pages=12)
     h, _ = a.open_with_prefix(first, [len(first)])
     a.extend(h, [len(first)])

@@ -700,9 +700,10 @@ class SlotAllocator:
             InvalidArgumentError: a duplicate handle; no host tier.
         """
     def swap_in(self, handles: _IntArray) -> None:
-        """Brings swapped-out requests back: a device page for each of their host
-        pages (evicting cached pages as extend does) and a queued load
-        (take_loads); the host pages are let go once the loads are taken.
+        """Brings swapped-out requests back: for each of their host pages, the
+        entry's device copy where it is still there (re-taken, no load), else a
+        device page (evicting cached pages as extend does) and a queued load
+        (take_loads); a host page is let go when re-taken or its load taken.
         After the loads, every position holds bitwise the K/V it held before
         swap_out. Atomic: all requests come back or none.
 

@@ -18,11 +18,15 @@
 //! fork, cache and the slot queries refuse it (`RequestSwappedOut`), and
 //! `close` releases both tiers' pages.
 //!
-//! `swap_in` takes a device page for each host page and queues its load.
-//! The request's hold on the host page becomes the load's pin, released
-//! when the load is taken: until then no offload of the same call (or a
-//! later one) can be given that host page, which a device page taken by
-//! this very call may need when its eviction writes back.
+//! `swap_in` re-takes the device copy of each host page whose entry still
+//! has one (`swap_out` left it CACHED, or another request hit it): the
+//! bytes are there, so a load would only duplicate the page or, on a full
+//! device, evict it to make room. Every other host page gets a device page
+//! and a queued load. The request's hold on such a host page becomes the
+//! load's pin, released when the load is taken: until then no offload of
+//! the same call (or a later one) can be given that host page, which a
+//! device page taken by this very call may need when its eviction writes
+//! back.
 
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
@@ -175,22 +179,23 @@ impl SlotAllocator {
         h
     }
 
-    /// Brings swapped-out requests back: a device page for each of their
-    /// host pages (evicting, and under `write_back` offloading, CACHED
-    /// pages as needed) and a queued load (`take_loads`); the host pages
-    /// are let go once the loads are taken. After the loads every position
-    /// holds the K/V it held before `swap_out`. All-or-nothing.
+    /// Brings swapped-out requests back: each host page's entry's device
+    /// copy where it still has one, else a device page (evicting, and under
+    /// `write_back` offloading, CACHED pages as needed) and a queued load
+    /// (`take_loads`); the host pages are let go once re-taken, or once the
+    /// loads are taken. After the loads every position holds the K/V it held
+    /// before `swap_out`. All-or-nothing.
     ///
     /// Errors (nothing changed): `InvalidHandle`, `InvalidArgument` (a
     /// handle twice; a request that is not swapped out; no host tier),
-    /// `Exhausted` (fewer FREE + CACHED device pages than host pages to
-    /// bring back).
+    /// `Exhausted` (fewer FREE + CACHED device pages than the pages to take:
+    /// the loads, plus the evictable CACHED copies re-taken).
     pub fn swap_in(&mut self, handles: &[i64]) -> Result<()> {
         if self.host.is_none() {
             return Err(no_tier("swap_in"));
         }
         self.requests.resolve_batch(handles)?;
-        let mut need = 0usize;
+        let (mut need, mut loads) = (0usize, 0usize);
         for &h in handles {
             let row = handle_row(h) as usize;
             if !self.requests.is_swapped(row) {
@@ -198,12 +203,16 @@ impl SlotAllocator {
                     "request {h} is not swapped out; swap_in takes requests swap_out moved"
                 )));
             }
-            need += self
-                .requests
-                .held_pages(row)
-                .iter()
-                .filter(|&&l| is_host(l))
-                .count();
+            for &l in self.requests.held_pages(row) {
+                if !is_host(l) {
+                    continue;
+                }
+                match self.device_copy(host_page(l)) {
+                    // A re-taken copy leaves the eviction list if it was on it.
+                    Some(d) => need += self.pages.evictable_among(std::slice::from_ref(&d)),
+                    None => (need, loads) = (need + 1, loads + 1),
+                }
+            }
         }
         let available = self.pages.available();
         if need > available {
@@ -215,7 +224,24 @@ impl SlotAllocator {
             });
         }
         if let Some(t) = self.host.as_mut() {
-            t.reserve_transfers(need)?;
+            t.reserve_transfers(loads)?;
+        }
+        // The copies first, so that no page taken for a load evicts one.
+        for &h in handles {
+            let row = handle_row(h) as usize;
+            for k in 0..self.requests.held_pages(row).len() {
+                let loc = self.requests.page(row, k);
+                if !is_host(loc) {
+                    continue;
+                }
+                if let Some(d) = self.device_copy(host_page(loc)) {
+                    self.pages.hold(std::slice::from_ref(&d));
+                    if let Some(t) = self.host.as_mut() {
+                        t.release(host_page(loc));
+                    }
+                    self.requests.set_page(row, k, d);
+                }
+            }
         }
         for &h in handles {
             let row = handle_row(h) as usize;
@@ -235,6 +261,14 @@ impl SlotAllocator {
             }
         }
         Ok(())
+    }
+
+    /// The device page holding the entry that host page `h` is a copy of,
+    /// when that entry still has one.
+    fn device_copy(&self, h: u32) -> Option<u32> {
+        let i = self.host.as_ref()?.entry(h).checked_sub(1)?;
+        let loc = self.prefix.location(i);
+        (!is_host(loc)).then_some(loc)
     }
 
     /// A device page for the swapped-out request's host page `h`, its

@@ -18,7 +18,7 @@ pub struct Prio {
 }
 
 /// The list a priority files a page on: 0..=100, 101 for a pin.
-const PINNED: usize = 101;
+pub(crate) const PINNED: usize = 101;
 
 impl Model {
     pub fn list(&self, p: usize) -> usize {

@@ -314,6 +314,12 @@ impl Model {
         Ok(())
     }
 
+    /// The device page of the entry host page `h` is a copy of, if it still
+    /// has one.
+    fn device_copy(&self, h: usize) -> Option<usize> {
+        self.entry_on_host(h).and_then(|reg| self.reg[&reg].dev)
+    }
+
     pub fn swap_in(&mut self, hs: &[i64]) -> Result<(), Kind> {
         if self.tier.is_none() {
             return Err(Kind::Arg);
@@ -322,18 +328,37 @@ impl Model {
         if rows.iter().any(|r| !self.reqs[r].swapped) {
             return Err(Kind::Arg);
         }
-        let need: usize = rows
-            .iter()
-            .map(|r| {
-                self.reqs[r]
-                    .pages
-                    .iter()
-                    .filter(|&&p| p & HOST != 0)
-                    .count()
-            })
-            .sum();
+        let mut need = 0;
+        for r in &rows {
+            for &p in &self.reqs[r].pages {
+                if p & HOST != 0 {
+                    need += match self.device_copy(p & !HOST) {
+                        None => 1,
+                        Some(d) => {
+                            (self.lru.contains(&d) && self.list(d) != super::priorities::PINNED)
+                                as usize
+                        }
+                    };
+                }
+            }
+        }
         if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
+        }
+        // Device copies still there are re-taken first: no load, and no
+        // page taken for a load evicts them.
+        for &r in &rows {
+            for k in 0..self.reqs[&r].pages.len() {
+                let loc = self.reqs[&r].pages[k];
+                if loc & HOST == 0 {
+                    continue;
+                }
+                if let Some(d) = self.device_copy(loc & !HOST) {
+                    self.lru.retain(|&x| x != d);
+                    self.reqs.get_mut(&r).unwrap().pages[k] = d;
+                    self.host_release(loc & !HOST);
+                }
+            }
         }
         for r in rows {
             for k in 0..self.reqs[&r].pages.len() {
