@@ -4,8 +4,9 @@ transfer queues, the host free stack and eviction list plain lists, the queues
 lists of page pairs. Same policies as the allocator (rust/kvpool-core/src/host/,
 allocator/tier.rs, prefix_host.rs, swap.rs)."""
 
-import kvpool
 from allocator_model_priorities import PINNED
+
+import kvpool
 
 #: Marks a host page in a request's page list (and in a match).
 HOST = 1 << 31
