@@ -85,3 +85,47 @@ def test_a_feed_takes_only_its_pools_topic_not_every_topic_it_prefixes():
         pub1.close()
         pub10.close()
         fwd.close()
+
+
+def test_a_message_that_is_not_a_batch_is_typed_and_other_topics_are_skipped():
+    # A SUB socket hands over whatever arrives under a matching prefix. A
+    # message of another shape under the pool's topic raised ValueError (three
+    # frames unpacked) from poll(); one under another topic is not the pool's.
+    from kvpool.events import LocalEventPublisher
+
+    a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)
+    local = LocalEventPublisher(a, topic="kv")
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw.bind(LOOP)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router)
+    try:
+        feed.subscribe(0, raw.getsockopt_string(zmq.LAST_ENDPOINT), topic="kv")
+        for attempt in range(100):  # until the subscription has reached the PUB socket
+            admit(a, [7000 + attempt] * (P + 1))
+            local.publish()
+            for m in local.drain():
+                raw.send_multipart(m)
+            feed.poll(20)
+            if router.pages(0):
+                break
+        else:
+            raise AssertionError("the feed never received a batch")
+        before = router.pages(0)
+        raw.send_multipart((b"kv10", b"another stream's shape"))
+        raw.send_multipart((b"kv", b"not a batch"))
+        admit(a, np.arange(300, 300 + P + 1))
+        assert local.publish() == 1
+        (m,) = local.drain()
+        raw.send_multipart(m)
+        with pytest.raises(kvpool.InvalidArgumentError, match="2 frames"):
+            for _ in range(100):
+                feed.poll(20)
+        assert router.pages(0) == before, "nothing applied from the stray messages"
+        for _ in range(100):  # the batch behind them is applied by the next poll
+            if feed.poll(20):
+                break
+        assert router.pages(0) == before + 1
+    finally:
+        feed.close()
+        raw.close(linger=0)

@@ -125,6 +125,9 @@ class ZmqFeed:
         Raises:
             InvalidArgumentError: ``timeout_ms`` is not None or a number of
                 milliseconds ZMQ can wait (at most 2**31 - 1); nothing is received.
+                Or a message under a pool's topic that is not a KV event batch (not
+                three frames, or as ``Router.feed`` refuses it): it is dropped, and
+                the next ``poll()`` goes on with the messages behind it.
         """
         if timeout_ms is not None and (isinstance(timeout_ms, (bool, np.bool_))
                                        or not isinstance(timeout_ms, (int, float, np.integer, np.floating))
@@ -140,13 +143,18 @@ class ZmqFeed:
                     # A disconnect is noticed before the messages that follow the reconnection.
                     self._watch()
                     try:
-                        topic, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if want[pool] and topic != want[pool]:
+                    if want[pool] and frames[0] != want[pool]:
                         # ZMQ matches subscriptions by prefix: through a forwarder, "pool1"
                         # also receives "pool10"'s batches, which are another stream.
                         continue
+                    if len(frames) != 3:
+                        raise InvalidArgumentError(
+                            f"pool {pool}'s stream sent a message of {len(frames)} frames; a KV event batch is "
+                            f"three (topic, 8-byte sequence number, payload)")
+                    topic, seq, payload = frames
                     if pool in self._suspect:
                         applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
