@@ -129,3 +129,37 @@ def test_a_message_that_is_not_a_batch_is_typed_and_other_topics_are_skipped():
     finally:
         feed.close()
         raw.close(linger=0)
+
+
+def test_close_during_a_publish_sends_that_batch_before_the_publisher_stops():
+    # close() from another thread (an engine's shutdown hook) while publish() was
+    # between draining the pool and handing the batch over: the batch was queued
+    # behind the sender thread's stop sentinel, never sent (its events drained
+    # and lost), and flush() then waited for it forever.
+    import threading
+
+    a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)
+    entered, go = threading.Event(), threading.Event()
+
+    class SlowPool:  # drains the pool, then waits: publish() is inside its drain
+        def take_events(self):
+            ev = a.take_events()
+            entered.set()
+            go.wait()
+            return ev
+
+    pub = ZmqEventPublisher(SlowPool(), LOOP)
+    admit(a, np.arange(40, 40 + P + 1))
+    sent = []
+    publisher = threading.Thread(target=lambda: sent.append(pub.publish()))
+    publisher.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=pub.close)
+    closer.start()
+    closer.join(0.5)  # a fixed close waits for the publish; the old one returned
+    go.set()
+    publisher.join()
+    closer.join()
+    assert sent == [1]
+    assert pub.flush(0), "the batch was sent before the publisher stopped"
+    assert pub.batches == 1
