@@ -1,13 +1,16 @@
 """Outside checks of the KV event surfaces (review 38): driven through the public API
 with their own traces, and decoded with the routers' own definitions."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 import kvpool
+from kvpool import _core
 
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
-pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+msgspec = pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
 from kvpool.events import ZmqEventPublisher  # noqa: E402
 from kvpool.router import Router, ZmqFeed  # noqa: E402
 
@@ -163,3 +166,182 @@ def test_close_during_a_publish_sends_that_batch_before_the_publisher_stops():
     assert sent == [1]
     assert pub.flush(0), "the batch was sent before the publisher stopped"
     assert pub.batches == 1
+
+
+# vLLM 0.33's classes (vllm/distributed/kv_events.py, read from the 0.33.0 wheel),
+# re-declared here with their options and field order; the __hash__ methods left out.
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class Consumer:
+    """A router's view built from the events alone, checking each as it applies it."""
+
+    def __init__(self, page_size, int_hashes):
+        self.P, self.ints = page_size, int_hashes
+        self.held = {"GPU": set(), "CPU": set()}
+        self.chain = {}  # hash -> (parent, tokens, salt), every hash ever stored
+        self.dec = msgspec.msgpack.Decoder(KVEventBatch)
+        self.seen = set()  # (event class, medium)
+
+    def apply(self, payload):
+        for ev in self.dec.decode(payload).events:
+            self.seen.add((type(ev).__name__, getattr(ev, "medium", None)))
+            if isinstance(ev, AllBlocksCleared):
+                for s in self.held.values():
+                    s.clear()
+                continue
+            held = self.held[ev.medium]
+            if isinstance(ev, BlockRemoved):
+                assert set(ev.block_hashes) <= held, "Removed names a page not stored in that tier"
+                held.difference_update(ev.block_hashes)
+                continue
+            assert ev.block_size == self.P and len(ev.token_ids) == self.P * len(ev.block_hashes)
+            assert ev.lora_id is None and ev.lora_name is None
+            salt = ev.extra_keys[0][0] if ev.extra_keys else 0
+            parent = ev.parent_block_hash
+            assert parent is None or parent in self.chain, "a parent hash never stored"
+            for i, h in enumerate(ev.block_hashes):
+                assert h not in held, "Stored twice in one tier without a Removed between"
+                self.chain[h] = (parent, ev.token_ids[i * self.P:(i + 1) * self.P], salt)
+                assert self.rehash(h) == h, "not the chain hash of the tokens and parents sent"
+                held.add(h)
+                parent = h
+
+    def rehash(self, h):
+        toks, salt = [], 0
+        while h is not None:
+            h, t, salt = self.chain[h]
+            toks[:0] = t
+        w = _core.page_hashes(np.array(toks, dtype=np.int64), self.P, SEED, salt)
+        v = (int(w[-2]) << 64) | int(w[-1])
+        return v & (2**64 - 1) if self.ints else v.to_bytes(16, "big")
+
+
+REFUSED = (kvpool.PoolExhaustedError, kvpool.ContextTooLongError, kvpool.TooManyRequestsError,
+           kvpool.RequestSwappedOutError, kvpool.InvalidArgumentError, kvpool.InvalidHandleError)
+
+
+@pytest.mark.parametrize("page_size,host_pages,policy,int_hashes", [
+    (1, 0, "write_back", False), (16, 0, "write_back", True),
+    (1, 40, "write_through", True), (16, 24, "write_back", False)])
+def test_vllm_classes_rebuild_the_pool_over_a_random_trace_and_refused_calls_emit_nothing(
+        page_size, host_pages, policy, int_hashes):
+    from kvpool.events import LocalEventPublisher
+
+    Pg = page_size
+    a = kvpool.SlotAllocator(40 if Pg == 16 else 200, Pg, 12, 48 * Pg, hash_seed=SEED, host_pages=host_pages,
+                             host_policy=policy, max_pinned_pages=4)
+    pub = LocalEventPublisher(a, int_block_hashes=int_hashes)
+    view = Consumer(Pg, int_hashes)
+    rng = np.random.default_rng(Pg + host_pages)
+    stems = [rng.integers(0, 30, size=int(rng.integers(Pg, 5 * Pg))) for _ in range(4)]
+    live, swapped = [], set()
+
+    def call(fn, *args, **kw):
+        """One pool call: its events are its own (drained before); a refused one has none."""
+        for _, _, payload in pub.drain() if pub.publish() else []:
+            view.apply(payload)
+        try:
+            return fn(*args, **kw)
+        except REFUSED as e:
+            assert len(a.take_events()["kind"]) == 0, f"a refused {fn.__name__} recorded events"
+            raise e
+
+    def pick():
+        h = live[int(rng.integers(0, len(live)))]
+        return None if h in swapped else np.array([h])
+
+    for step in range(300):
+        r = rng.random()
+        try:
+            if r < 0.3:
+                prompt = np.concatenate([stems[int(rng.integers(0, 4))], rng.integers(0, 30, size=int(rng.integers(1, 2 * Pg)))])
+                h, c = call(a.open_with_prefix, prompt, [len(prompt)], salt=int(rng.integers(0, 3)))
+                live.append(int(h[0]))
+                call(a.extend, h, len(prompt) - int(c[0]))
+                call(a.cache, h, priority=100 if rng.random() < 0.1 else None)
+            elif r < 0.4 and live and (h := pick()) is not None:
+                n = int(rng.integers(1, 2 * Pg))
+                call(a.extend, h, n, tokens=rng.integers(0, 30, size=n))
+                call(a.cache, h)
+            elif r < 0.47 and live and (h := pick()) is not None:
+                live.extend(int(k) for k in call(a.fork, int(h[0]), 1))
+            elif r < 0.54 and live and (h := pick()) is not None:
+                call(a.truncate, h, int(rng.integers(0, int(a.length(int(h[0]))) + 1)))
+            elif r < 0.72 and live:
+                h = live.pop(int(rng.integers(0, len(live))))
+                if h in swapped:
+                    swapped.discard(h)
+                    call(a.swap_in, np.array([h]))
+                call(a.close, np.array([h]), cache=bool(rng.random() < 0.5))
+            elif r < 0.8:
+                call(a.evict, int(rng.integers(1, 6)))
+            elif r < 0.86 and host_pages and live:
+                h = live[int(rng.integers(0, len(live)))]
+                call(a.swap_in if h in swapped else a.swap_out, np.array([h]))
+                swapped.symmetric_difference_update({h})
+            elif r < 0.9 and live:  # refused calls: an unknown handle, a duplicate, a bad priority
+                for bad in (lambda: a.cache(np.array([live[0], live[0]])), lambda: a.evict(-1),
+                            lambda: a.close(np.array([live[0]]), cache=True, priority=101),
+                            lambda: a.truncate(np.array([live[0]]), 10**6)):
+                    with pytest.raises(REFUSED):
+                        call(bad)
+            elif r < 0.905:
+                call(a.clear_cache)
+            elif r < 0.91:
+                call(a.reset)
+                live.clear()
+                swapped.clear()
+        except REFUSED:
+            pass
+        a.take_offloads()
+        a.take_loads()
+        a.take_copies()
+        call(a.check)
+        assert len(view.held["GPU"]) == a.cached_pages, step
+        assert len(view.held["CPU"]) == a.host_cached_pages, step
+    kinds = {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("AllBlocksCleared", None)}
+    if host_pages:
+        kinds |= {("BlockStored", "CPU"), ("BlockRemoved", "CPU")}
+    assert kinds <= view.seen, view.seen
