@@ -345,3 +345,26 @@ def test_vllm_classes_rebuild_the_pool_over_a_random_trace_and_refused_calls_emi
     if host_pages:
         kinds |= {("BlockStored", "CPU"), ("BlockRemoved", "CPU")}
     assert kinds <= view.seen, view.seen
+
+
+def test_a_closed_feed_polls_nothing_and_can_subscribe_again():
+    # close() closed the SUB sockets but left them registered with the poller:
+    # every later poll() raised KeyError, even after a new subscribe().
+    a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router)
+    with ZmqEventPublisher(a, LOOP) as pub:
+        feed.subscribe(0, pub.endpoint)
+        feed.close()
+        assert feed.poll(0) == 0
+        feed.subscribe(0, pub.endpoint)
+        try:
+            for attempt in range(100):
+                admit(a, [7000 + attempt] * (P + 1))
+                pub.publish()
+                pub.flush(5)
+                if feed.poll(20):
+                    break
+            assert router.pages(0) >= 1
+        finally:
+            feed.close()

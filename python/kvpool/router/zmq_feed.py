@@ -236,14 +236,19 @@ class ZmqFeed:
         return applied
 
     def close(self) -> None:
+        """Close every socket; a later ``poll()`` receives nothing until a pool is
+        subscribed again."""
         for sub in self._subs:
             sub.disable_monitor()
+            # A closed socket left registered made every later poll() fail.
+            self._poller.unregister(sub)
         for s in [*self._monitors.values(), *self._subs, *self._replay.values()]:
             s.close(linger=0)
         self._subs.clear()
         self._topics.clear()
         self._monitors.clear()
         self._replay.clear()
+        self._suspect.clear()
 
 
 __all__ = ["ZmqFeed"]
