@@ -368,3 +368,24 @@ def test_a_closed_feed_polls_nothing_and_can_subscribe_again():
             assert router.pages(0) >= 1
         finally:
             feed.close()
+
+
+def test_a_grouped_pool_hits_whole_hit_steps_while_the_router_counts_anchor_pages():
+    # docs/events-and-metrics.md: full groups of pages 6 and 4 hit in steps of 12,
+    # and the anchor chain the router reads has pages of 2.
+    from kvpool.events import LocalEventPublisher
+
+    a = kvpool.GroupedAllocator([{"kind": "full", "num_pages": 40, "page_size": 6},
+                                 {"kind": "full", "num_pages": 60, "page_size": 4}], 8, 200, hash_seed=SEED)
+    assert (a.hit_step, a.anchor_page_size) == (12, 2)
+    pub = LocalEventPublisher(a)
+    router = Router(1, page_size=2, hash_seed=SEED)
+    prompt = np.arange(30, 41)  # 11 tokens: at most 10 can be hits
+    h, _ = a.open_with_prefix(prompt, [len(prompt)])
+    a.extend(h, len(prompt))
+    a.close(h, cache=True)
+    pub.publish()
+    router.feed_many(0, pub.drain())
+    assert router.match(prompt) == [10]
+    _, cached = a.open_with_prefix(prompt, [len(prompt)])
+    assert int(cached[0]) == 0
