@@ -389,3 +389,15 @@ def test_a_grouped_pool_hits_whole_hit_steps_while_the_router_counts_anchor_page
     assert router.match(prompt) == [10]
     _, cached = a.open_with_prefix(prompt, [len(prompt)])
     assert int(cached[0]) == 0
+
+
+@pytest.mark.parametrize("buffer_steps", [2**30, 2**40])
+def test_a_large_replay_buffer_is_accepted_with_a_replay_endpoint(buffer_steps):
+    # buffer_steps is documented as any int in [0, 2**63); with a replay endpoint,
+    # from 2**30 on it raised a bare OverflowError: the replay socket's send
+    # high-water mark (2 * (buffer_steps + 1)) is a C int.
+    a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)
+    with ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, buffer_steps=buffer_steps) as pub:
+        admit(a, np.arange(P + 1))
+        assert pub.publish() == 1
+        assert [s for _, s, _ in pub.replay(0)] == [(0).to_bytes(8, "big")]
