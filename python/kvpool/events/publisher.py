@@ -125,9 +125,12 @@ class EventPublisher:
         Raises:
             PublisherClosedError: the publisher is closed (a ``RuntimeError`` too).
         """
-        if self._closed:
-            raise PublisherClosedError("this KV event publisher is closed; build a new one for the pool to publish again")
         with self._publishing:
+            # Under the lock: a close() from another thread waits for a publish in
+            # flight, whose batch is then handed over before the sender stops.
+            if self._closed:
+                raise PublisherClosedError("this KV event publisher is closed; build a new one for the pool to "
+                                           "publish again")
             payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
             n = stored + removed + cleared
             if not n:
@@ -162,8 +165,10 @@ class EventPublisher:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop publishing; later ``publish()`` calls raise."""
-        self._closed = True
+        """Stop publishing; later ``publish()`` calls raise. A ``publish()`` running on
+        another thread finishes (its batch is delivered) before this returns."""
+        with self._publishing:
+            self._closed = True
 
     def __enter__(self) -> EventPublisher:
         return self

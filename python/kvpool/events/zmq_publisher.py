@@ -108,8 +108,9 @@ class ZmqEventPublisher(EventPublisher):
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay_sock = self._ctx.socket(zmq.ROUTER)
-                # Room for a whole replay and its end marker, as vLLM sizes it.
-                self._replay_sock.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+                # Room for a whole replay and its end marker, as vLLM sizes it (ZMQ keeps
+                # it in a C int: a larger buffer gets the largest mark ZMQ takes).
+                self._replay_sock.setsockopt(zmq.SNDHWM, min(2 * (buffer_steps + 1), ZMQ_INT_MAX))
                 try:
                     self._replay_sock.bind(replay_endpoint)
                 except zmq.ZMQError as e:

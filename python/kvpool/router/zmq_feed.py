@@ -61,12 +61,18 @@ class ZmqFeed:
         self._subs: dict[Any, int] = {}
         self._monitors: dict[int, Any] = {}
         self._replay: dict[int, Any] = {}
+        self._topics: dict[int, bytes] = {}  # pool -> its topic (b"": every message of its endpoint)
         self._suspect: set[int] = set()  # pools whose publisher disconnected since their last check
         self.replays = 0  # replay requests sent
         self.disconnects = 0  # publisher connections seen dropping
 
     def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "") -> None:
         """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected).
+
+        ``topic`` is the publisher's topic: messages under any other topic are not
+        this pool's (a forwarder carries several pools' streams, and ZMQ's prefix
+        match would also deliver "pool10"'s to "pool1"). The empty topic takes
+        every message of the endpoint (one publisher per endpoint, any topic).
 
         Raises:
             InvalidArgumentError: a bad pool index, endpoint or topic, or a pool
@@ -99,6 +105,7 @@ class ZmqFeed:
                 sock.close(linger=0)
             raise
         self._subs[sub] = pool
+        self._topics[pool] = topic.encode("utf-8")
         self._monitors[pool] = monitor
         self._poller.register(sub, zmq.POLLIN)
         if dealer is not None:
@@ -118,13 +125,16 @@ class ZmqFeed:
         Raises:
             InvalidArgumentError: ``timeout_ms`` is not None or a number of
                 milliseconds ZMQ can wait (at most 2**31 - 1); nothing is received.
+                Or a message under a pool's topic that is not a KV event batch (not
+                three frames, or as ``Router.feed`` refuses it): it is dropped, and
+                the next ``poll()`` goes on with the messages behind it.
         """
         if timeout_ms is not None and (isinstance(timeout_ms, (bool, np.bool_))
                                        or not isinstance(timeout_ms, (int, float, np.integer, np.floating))
                                        or math.isnan(timeout_ms) or timeout_ms > ZMQ_INT_MAX):
             raise InvalidArgumentError(f"timeout_ms must be None or a number of milliseconds <= {ZMQ_INT_MAX}, "
                                        f"got {timeout_ms!r}")
-        applied = 0
+        applied, want = 0, self._topics
         events = dict(self._poller.poll(timeout_ms))
         while events:
             for sock in events:
@@ -133,9 +143,18 @@ class ZmqFeed:
                     # A disconnect is noticed before the messages that follow the reconnection.
                     self._watch()
                     try:
-                        topic, seq, payload = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if want[pool] and frames[0] != want[pool]:
+                        # ZMQ matches subscriptions by prefix: through a forwarder, "pool1"
+                        # also receives "pool10"'s batches, which are another stream.
+                        continue
+                    if len(frames) != 3:
+                        raise InvalidArgumentError(
+                            f"pool {pool}'s stream sent a message of {len(frames)} frames; a KV event batch is "
+                            f"three (topic, 8-byte sequence number, payload)")
+                    topic, seq, payload = frames
                     if pool in self._suspect:
                         applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
@@ -217,13 +236,19 @@ class ZmqFeed:
         return applied
 
     def close(self) -> None:
+        """Close every socket; a later ``poll()`` receives nothing until a pool is
+        subscribed again."""
         for sub in self._subs:
             sub.disable_monitor()
+            # A closed socket left registered made every later poll() fail.
+            self._poller.unregister(sub)
         for s in [*self._monitors.values(), *self._subs, *self._replay.values()]:
             s.close(linger=0)
         self._subs.clear()
+        self._topics.clear()
         self._monitors.clear()
         self._replay.clear()
+        self._suspect.clear()
 
 
 __all__ = ["ZmqFeed"]
