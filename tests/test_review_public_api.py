@@ -34,3 +34,53 @@ def test_audit_refuses_a_max_depth_that_is_not_a_depth(depth):
 def test_audit_still_takes_int_depths(depth):
     findings = kvpool.audit(model=inference_linear(), max_depth=depth)
     assert sorted(f.name for f in findings) == ["model.bias", "model.weight"]
+
+
+# ----- kvpool.integrations.transformers: what it is handed -----------------------------------
+
+def plain_pool() -> kvpool.KVPool:
+    return kvpool.KVPool(2, 2, 4, num_pages=8, page_size=2, max_requests=4, max_context_len=8)
+
+
+def hybrid_pool() -> kvpool.KVPool:
+    return kvpool.KVPool(2, 2, 4, num_pages=8, page_size=2, max_requests=4, max_context_len=8,
+                         layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+
+
+@pytest.mark.parametrize("pool", [None, 3, "pool", "plain"], ids=repr)
+def test_hybrid_cache_refuses_what_is_not_a_hybrid_pool(pool):
+    """It read pool.state_shapes first: an AttributeError, also for a plain KVPool (the
+    likely mistake, which KVPoolCache serves)."""
+    tr = pytest.importorskip("kvpool.integrations.transformers")
+    pool = plain_pool() if pool == "plain" else pool
+    with pytest.raises(InvalidArgumentError, match="HybridKVPoolCache") as info:
+        tr.HybridKVPoolCache(pool)
+    if isinstance(pool, kvpool.KVPool):
+        assert "KVPoolCache(pool)" in str(info.value)
+        assert pool.open_requests == 0
+
+
+def test_release_buffers_of_a_hybrid_pool_has_nothing_to_free():
+    """docs/transformers.md: release_buffers(pool) frees what closed caches left to the pool.
+    On a hybrid pool (whose caches keep no spares) it raised AttributeError: no page_size."""
+    tr = pytest.importorskip("kvpool.integrations.transformers")
+    pool = hybrid_pool()
+    with tr.KVPoolCache(pool) as cache:
+        assert isinstance(cache, tr.HybridKVPoolCache)
+    assert tr.release_buffers(pool) == 0
+    assert tr.release_buffers(plain_pool()) == 0
+
+
+@pytest.mark.parametrize("pool", [None, 3, "pool", kvpool.SlotAllocator(8)], ids=repr)
+def test_release_buffers_refuses_what_is_not_a_pool(pool):
+    tr = pytest.importorskip("kvpool.integrations.transformers")
+    with pytest.raises(InvalidArgumentError, match="release_buffers"):
+        tr.release_buffers(pool)
+
+
+@pytest.mark.parametrize("model", [None, 3, torch.nn.Linear(2, 2), {"num_attention_heads": 2}], ids=repr)
+def test_pool_for_model_refuses_what_is_not_a_model_or_config(model):
+    """It raised AttributeError: no num_attention_heads."""
+    tr = pytest.importorskip("kvpool.integrations.transformers")
+    with pytest.raises(InvalidArgumentError, match="num_attention_heads"):
+        tr.pool_for_model(model, max_tokens=64)

@@ -394,6 +394,10 @@ class HybridKVPoolCache(KVPoolCache):
                  layer_buffers: bool = True) -> None:
         # layer_buffers: KVPoolCache's argument, taken so that KVPoolCache(pool, ...) builds this
         # cache with the same arguments; its layers gather through their groups' tables.
+        check_pool(pool, "HybridKVPoolCache")
+        if getattr(pool, "groups", None) is None:
+            raise InvalidArgumentError("HybridKVPoolCache takes a hybrid pool (KVPool(layer_types=...)); this one "
+                                       "has no layer groups: use KVPoolCache(pool)")
         check_flag("layer_buffers", layer_buffers)
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
