@@ -84,3 +84,54 @@ def test_pool_for_model_refuses_what_is_not_a_model_or_config(model):
     tr = pytest.importorskip("kvpool.integrations.transformers")
     with pytest.raises(InvalidArgumentError, match="num_attention_heads"):
         tr.pool_for_model(model, max_tokens=64)
+
+
+# ----- numpy integers where an int is annotated ----------------------------------------------
+# Every size and count of the pool, the allocator, the graph runner and the tiers takes a
+# numpy integer (a value read from an array or a config), and refuses a bool; these five
+# refused numpy integers alone ("must be an int ..., got np.int64(2)").
+
+def publisher_kwargs(**kw):
+    pytest.importorskip("zmq")
+    from kvpool.events import ZmqEventPublisher
+
+    pub = ZmqEventPublisher(plain_pool(), "inproc://rev40-np-hwm", **kw)
+    pub.close()
+    return pub
+
+
+def tp_check_every(value):
+    """TPPool's check_every, on a pool of this single process (no process group to ask
+    for the collectives' device)."""
+    import kvpool.distributed.tp as tp
+
+    comm_device, tp.comm_device = tp.comm_device, lambda group, device: device
+    try:
+        return tp.TPPool(plain_pool(), check_every=value).check_every
+    finally:
+        tp.comm_device = comm_device
+
+
+NUMPY_INT_CASES = [
+    ("KVPool(tp_rank=, tp_size=)", lambda i: kvpool.KVPool(2, 8, 4, num_pages=8, tp_rank=i(1), tp_size=i(2)).num_kv_heads, 4),
+    ("shard_kv_heads", lambda i: tuple(kvpool.heads.shard_kv_heads(i(8), i(1), i(2))), (4, 4, 8)),
+    ("EventPublisher(buffer_steps=)", lambda i: __import__("kvpool.events", fromlist=["x"]).LocalEventPublisher(
+        plain_pool(), buffer_steps=i(3))._buffer.maxlen, 3),
+    ("ZmqEventPublisher(hwm=)", lambda i: publisher_kwargs(hwm=i(10)) is not None, True),
+    ("TPPool(check_every=)", lambda i: tp_check_every(i(5)), 5),
+    ("FileTier(max_bytes=)", lambda i: __import__("kvpool.tiers", fromlist=["x"]).FileTier(
+        __import__("tempfile").mkdtemp(prefix="rev40"), i(1 << 15)).max_bytes, 1 << 15),
+]
+
+
+@pytest.mark.parametrize("name,call,expected", NUMPY_INT_CASES, ids=[c[0] for c in NUMPY_INT_CASES])
+@pytest.mark.parametrize("np_int", [np.int64, np.int32, np.uint16], ids=lambda t: t.__name__)
+def test_int_arguments_take_numpy_integers(name, call, expected, np_int):
+    got = call(np_int)
+    assert got == expected and type(got) is type(expected), f"{name}: {got!r}"
+
+
+@pytest.mark.parametrize("name,call,expected", NUMPY_INT_CASES, ids=[c[0] for c in NUMPY_INT_CASES])
+def test_int_arguments_still_refuse_bools(name, call, expected):
+    with pytest.raises(InvalidArgumentError):
+        call(lambda v: np.bool_(True))
