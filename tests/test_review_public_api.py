@@ -135,3 +135,30 @@ def test_int_arguments_take_numpy_integers(name, call, expected, np_int):
 def test_int_arguments_still_refuse_bools(name, call, expected):
     with pytest.raises(InvalidArgumentError):
         call(lambda v: np.bool_(True))
+
+
+# ----- the constructors' signatures (help(), inspect, IDEs) ----------------------------------
+
+def test_kvpool_signature_is_its_constructor_not_the_hybrid_dispatch():
+    """KVPool.__new__ (*args, layer_types, **kwargs) routes hybrid pools; help(kvpool.KVPool)
+    and inspect.signature showed that instead of the pool's parameters."""
+    import inspect
+    import pydoc
+
+    params = inspect.signature(kvpool.KVPool).parameters
+    assert list(params)[:3] == ["num_layers", "num_kv_heads", "head_dim"]
+    assert {"dtype", "device", "page_size", "num_pages", "layout", "layer_types", "host_pages"} <= set(params)
+    assert params["page_size"].default == 1 and params["dtype"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "None" != params["layer_types"].annotation
+    inspect.signature(kvpool.KVPool).bind(2, 2, 4, num_pages=8, layer_types=["full_attention"])
+    assert "num_kv_heads" in pydoc.render_doc(kvpool.KVPool, renderer=pydoc.plaintext).splitlines()[3]
+
+
+def test_kvpool_cache_signature_is_its_constructor():
+    import inspect
+
+    tr = pytest.importorskip("kvpool.integrations.transformers")
+    for cls in (tr.KVPoolCache, tr.HybridKVPoolCache):
+        params = inspect.signature(cls).parameters
+        assert list(params) == ["pool", "prefix_ids", "salt", "layer_buffers"]
+        assert params["pool"].default is inspect.Parameter.empty

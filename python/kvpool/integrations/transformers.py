@@ -71,7 +71,7 @@ from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import check_flag, check_pool
+from kvpool.validate import check_flag, check_pool, init_signature
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -383,6 +383,10 @@ class KVPoolCache(Cache):
 # Its layers follow the pool's groups (``_hybrid``): full and sliding attention layers, and
 # linear-attention layers whose state lives in the pool; the batch-wide operations (crop,
 # reorder, select, reset) act on the pool's requests as KVPoolCache's do.
+# help() and inspect: the constructor's parameters, not those of the __new__ that routes hybrid pools.
+KVPoolCache.__signature__ = init_signature(KVPoolCache)  # type: ignore[attr-defined]
+
+
 class HybridKVPoolCache(KVPoolCache):
     """A ``KVPoolCache`` over a hybrid pool (see ``KVPoolCache`` for the arguments).
 
@@ -449,3 +453,6 @@ class HybridKVPoolCache(KVPoolCache):
         h = self.requests.handles
         rows = 0 if h is None else h.shape[0]
         return f"KVPoolCache(hybrid, rows={rows}, length={self.requests.length}, pool={self.pool!r})"
+
+
+HybridKVPoolCache.__signature__ = init_signature(HybridKVPoolCache)  # type: ignore[attr-defined]
