@@ -162,3 +162,28 @@ def test_kvpool_cache_signature_is_its_constructor():
         params = inspect.signature(cls).parameters
         assert list(params) == ["pool", "prefix_ids", "salt", "layer_buffers"]
         assert params["pool"].default is inspect.Parameter.empty
+
+
+# ----- kernel scales: a number, never a flag -------------------------------------------------
+
+def scaled_store(scale):
+    from kvpool.kernels import store_kv
+
+    kc, vc = torch.zeros(8, 2, 4), torch.zeros(8, 2, 4)
+    store_kv(kc, vc, torch.tensor([1, 2]), torch.full((2, 2, 4), 2.0), torch.full((2, 2, 4), 2.0), k_scale=scale)
+    return kc
+
+
+@pytest.mark.parametrize("scale", [True, np.bool_(True), False], ids=repr)
+def test_store_kv_refuses_a_bool_scale(scale):
+    """k_scale=True stored x / 1 (a flag taken for a number) and False said 'must be > 0'."""
+    from kvpool import KernelArgumentError
+
+    with pytest.raises(KernelArgumentError, match="k_scale"):
+        scaled_store(scale)
+
+
+@pytest.mark.parametrize("scale", [2.0, 2, np.float32(2.0), np.float64(2.0), np.int64(2)], ids=repr)
+def test_store_kv_takes_numeric_scales(scale):
+    """np.float32 (a value read from a checkpoint's array) was refused."""
+    assert scaled_store(scale)[1].eq(1.0).all()
