@@ -121,6 +121,8 @@ NUMPY_INT_CASES = [
     ("TPPool(check_every=)", lambda i: tp_check_every(i(5)), 5),
     ("FileTier(max_bytes=)", lambda i: __import__("kvpool.tiers", fromlist=["x"]).FileTier(
         __import__("tempfile").mkdtemp(prefix="rev40"), i(1 << 15)).max_bytes, 1 << 15),
+    ("FileTier(scan_interval_s=)", lambda i: __import__("kvpool.tiers", fromlist=["x"]).FileTier(
+        __import__("tempfile").mkdtemp(prefix="rev40"), 1 << 15, scan_interval_s=i(2)).scan_interval_s, 2.0),
 ]
 
 
@@ -187,3 +189,11 @@ def test_store_kv_refuses_a_bool_scale(scale):
 def test_store_kv_takes_numeric_scales(scale):
     """np.float32 (a value read from a checkpoint's array) was refused."""
     assert scaled_store(scale)[1].eq(1.0).all()
+
+
+def test_file_tier_scan_interval_takes_a_numpy_float():
+    import tempfile
+
+    from kvpool.tiers import FileTier
+
+    assert FileTier(tempfile.mkdtemp(prefix="rev40"), 1 << 15, scan_interval_s=np.float32(0.5)).scan_interval_s == 0.5

@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
 from kvpool.validate import is_int
@@ -66,7 +68,8 @@ class FileTier(TierBackend):
         except TypeError as e:  # a PathLike that returns bytes
             raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
         self._max = int(max_bytes)
-        if isinstance(scan_interval_s, bool) or not isinstance(scan_interval_s, (int, float)) \
+        if isinstance(scan_interval_s, (bool, np.bool_)) \
+                or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
                 or not 0 <= scan_interval_s < float("inf"):
             raise InvalidArgumentError(f"scan_interval_s must be a finite number of seconds >= 0, "
                                        f"got {scan_interval_s!r}")
