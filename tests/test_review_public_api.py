@@ -197,3 +197,20 @@ def test_file_tier_scan_interval_takes_a_numpy_float():
     from kvpool.tiers import FileTier
 
     assert FileTier(tempfile.mkdtemp(prefix="rev40"), 1 << 15, scan_interval_s=np.float32(0.5)).scan_interval_s == 0.5
+
+
+# ----- the counters' annotations (typeguard / beartype check them at runtime) ----------------
+
+def test_every_pool_counter_returns_what_it_is_annotated():
+    """KVPool.clock (seconds, a float) was annotated int, like the page counters."""
+    import typing
+
+    pool = kvpool.KVPool(2, 2, 4, num_pages=8, page_size=2, host_pages=4)
+    checked = 0
+    for name, prop in vars(kvpool.lifecycle.RequestOps).items():
+        if isinstance(prop, property):
+            kind = typing.get_type_hints(prop.fget)["return"]
+            value = getattr(pool, name)
+            assert isinstance(value, kind) and not isinstance(value, bool), f"{name}: {value!r} is not {kind}"
+            checked += 1
+    assert checked >= 20
