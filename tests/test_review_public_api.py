@@ -214,3 +214,12 @@ def test_every_pool_counter_returns_what_it_is_annotated():
             assert isinstance(value, kind) and not isinstance(value, bool), f"{name}: {value!r} is not {kind}"
             checked += 1
     assert checked >= 20
+
+
+def test_a_whole_float_count_gets_one_suggestion():
+    """num_pages=8.0 said 'use 8 or 8'."""
+    with pytest.raises(InvalidArgumentError) as info:
+        kvpool.KVPool(2, 2, 4, num_pages=8.0)
+    assert str(info.value).endswith("got float 8.0; use 8"), str(info.value)
+    with pytest.raises(InvalidArgumentError, match="use 8 or 9$"):
+        kvpool.KVPool(2, 2, 4, num_pages=8.5)
