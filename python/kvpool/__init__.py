@@ -41,6 +41,11 @@ from kvpool.errors import (
 from kvpool.handles import ROW_MASK, handle_row
 from kvpool.modes import Finding, audit, mutable, persistent
 from kvpool.pool import ExtendResult, KVPool, PageTable
+from kvpool.validate import init_signature as _init_signature
+
+# help(kvpool.KVPool) and inspect show the pool's parameters, not the (*args, layer_types,
+# **kwargs) of the __new__ that hands layer_types= calls to HybridKVPool.
+KVPool.__signature__ = _init_signature(KVPool, layer_types="Sequence[str] | None")  # type: ignore[attr-defined]
 
 try:
     __version__ = _metadata.version("kvpool")

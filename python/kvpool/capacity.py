@@ -30,7 +30,7 @@ def _count(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         hint = ""
         if isinstance(value, float) and math.isfinite(value):
-            hint = f"; use {math.floor(value)} or {math.ceil(value)}"
+            hint = f"; use {int(value)}" if value.is_integer() else f"; use {math.floor(value)} or {math.ceil(value)}"
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}{hint}")
     if value < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {value}")

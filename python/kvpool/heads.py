@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvpool._core import InvalidArgumentError
-from kvpool.validate import check_flag
+from kvpool.validate import check_flag, is_int
 
 __all__ = ["HeadShard", "shard_kv_heads"]
 
@@ -30,8 +30,9 @@ def shard_kv_heads(num_kv_heads: int, tp_rank: int, tp_size: int, *, mla: bool =
     rank (``mla=True``). Anything else raises ``InvalidArgumentError``.
     """
     for name, value, low in (("tp_size", tp_size, 1), ("tp_rank", tp_rank, 0), ("num_kv_heads", num_kv_heads, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+    num_kv_heads, tp_rank, tp_size = int(num_kv_heads), int(tp_rank), int(tp_size)
     mla = check_flag("mla", mla)
     if tp_rank >= tp_size:
         raise InvalidArgumentError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")

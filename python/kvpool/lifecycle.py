@@ -24,13 +24,15 @@ from kvpool._core import PoolStats, SlotAllocator
 __all__ = ["RequestOps"]
 
 
-def _counter(name: str) -> property:
-    """``SlotAllocator.<name>``, read under the allocator's lock, with its docstring."""
+def _counter(name: str, kind: type = int) -> property:
+    """``SlotAllocator.<name>``, read under the allocator's lock, with its docstring (and
+    ``kind`` as its return annotation, which runtime type checkers enforce)."""
 
-    def get(self: RequestOps) -> int:
+    def get(self: RequestOps) -> Any:
         return getattr(self.allocator, name)
 
     get.__name__ = name
+    get.__annotations__ = {"self": "RequestOps", "return": kind}
     return property(get, doc=getattr(SlotAllocator, name).__doc__)
 
 
@@ -65,7 +67,7 @@ class RequestOps:
     host_hit_tokens = _counter("host_hit_tokens")
     pinned_pages = _counter("pinned_pages")
     max_pinned_pages = _counter("max_pinned_pages")
-    clock = _counter("clock")
+    clock = _counter("clock", float)
     hash_seed = _counter("hash_seed")
 
     def stats(self) -> PoolStats:

@@ -16,7 +16,10 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
+
+from kvpool._core import InvalidArgumentError
 
 __all__ = [
     "ERR_INPLACE_INFERENCE",
@@ -177,7 +180,15 @@ def audit(*objects: Any, max_depth: int = 4, **named: Any) -> list[Finding]:
     every non-parameter tensor that requires grad, with its qualified name and
     the error it will raise. Positional objects are named by their type
     (``Linear.weight``); keyword objects by their keyword (``model.weight``).
+
+    Raises:
+        InvalidArgumentError: ``max_depth`` is not an int >= 0.
     """
+    # A negative depth would skip every object but a bare tensor and report a
+    # model full of inference tensors as clean; None would fail mid-walk.
+    if isinstance(max_depth, (bool, np.bool_)) or not isinstance(max_depth, (int, np.integer)) or max_depth < 0:
+        raise InvalidArgumentError(f"max_depth must be an int >= 0 (levels of attributes and containers to walk), "
+                                   f"got {type(max_depth).__name__} {max_depth!r}")
     walker = _Walker(max_depth)
     for i, obj in enumerate(objects):
         if isinstance(obj, torch.Tensor):

@@ -183,7 +183,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.
         shard = shard_kv_heads(_positive("num_kv_heads", num_kv_heads), tp_rank, tp_size,
                                mla=kv_lora_rank is not None or qk_rope_head_dim is not None)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
         self.total_kv_heads, self.kv_head_start, num_kv_heads = shard.total, shard.start, shard.heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = _positive("head_dim", head_dim)

@@ -9,6 +9,7 @@ slots from ``KVPool.extend`` are valid by construction).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -28,12 +29,20 @@ from kvpool.kernels._common import host_array
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
-__all__ = ["check_flag", "check_layer", "check_rows", "host_array", "is_int", "slots_tensor"]
+__all__ = ["check_flag", "check_layer", "check_rows", "host_array", "init_signature", "is_int", "slots_tensor"]
 
 
 def is_int(x: Any) -> bool:
     """An int or numpy integer, not a bool (True is an int to Python, never a count here)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def init_signature(cls: type, **annotations: str) -> inspect.Signature:
+    """``cls.__init__``'s parameters without ``self`` (some annotations replaced), as
+    ``cls.__signature__`` of a class whose ``__new__`` takes ``*args, **kwargs`` only to route
+    some calls to another class: else help() and inspect show that ``__new__``'s."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # type: ignore[misc]
+    return inspect.Signature([p.replace(annotation=annotations.get(p.name, p.annotation)) for p in params])
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -84,11 +84,11 @@ class TPPool:
     """
 
     def __init__(self, pool: Any, group: Any = None, check_every: int = 0) -> None:
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+        if not is_int(check_every) or check_every < 0:
             from kvpool._core import InvalidArgumentError
             raise InvalidArgumentError(f"check_every must be an int >= 0, got {check_every!r}")
         check_pool(pool, "TPPool", ("device",))
-        self.inner, self.group, self.check_every = pool, group, check_every
+        self.inner, self.group, self.check_every = pool, group, int(check_every)
         self._hash = hashlib.blake2b(digest_size=16)
         self.calls = 0
         self._steps = 0

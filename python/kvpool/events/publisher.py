@@ -80,9 +80,10 @@ class EventPublisher:
         if not isinstance(int_block_hashes, (bool, np.bool_)):
             raise InvalidArgumentError(f"int_block_hashes takes True or False, got {type(int_block_hashes).__name__} "
                                        f"{int_block_hashes!r}")
-        if not isinstance(buffer_steps, int) or isinstance(buffer_steps, bool) or not 0 <= buffer_steps < 2**63:
+        if not is_int(buffer_steps) or not 0 <= buffer_steps < 2**63:
             raise InvalidArgumentError(f"buffer_steps must be an int in [0, 2**63) (batches kept for replay), "
                                        f"got {buffer_steps!r}")
+        buffer_steps = int(buffer_steps)
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (sent UTF-8 encoded), got {type(topic).__name__} {topic!r}")
         data_parallel_rank = _rank(data_parallel_rank)

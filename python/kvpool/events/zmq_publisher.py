@@ -20,6 +20,7 @@ from typing import Any
 from kvpool._core import InvalidArgumentError
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
 from kvpool.extras import require
+from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.events.ZmqEventPublisher")
 
@@ -81,7 +82,7 @@ class ZmqEventPublisher(EventPublisher):
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
             raise InvalidArgumentError(f"replay_endpoint must be None or a str such as 'tcp://*:5558', "
                                        f"got {replay_endpoint!r}")
-        if isinstance(hwm, bool) or not isinstance(hwm, int) or not 0 <= hwm <= ZMQ_INT_MAX:
+        if not is_int(hwm) or not 0 <= hwm <= ZMQ_INT_MAX:
             raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "
                                        f"C int), got {hwm!r}")
         check_context(context)
@@ -94,7 +95,7 @@ class ZmqEventPublisher(EventPublisher):
         self._sent = threading.Condition()
         self._queued = self._done = 0
         try:
-            self._pub.set_hwm(hwm)
+            self._pub.set_hwm(int(hwm))
             try:
                 if binds(endpoint):
                     self._pub.bind(endpoint)

@@ -34,7 +34,8 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
 
     Raises:
         InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
-            positive int (and what ``KVPool`` raises for its own arguments).
+            positive int; ``model`` has no int ``num_attention_heads`` / ``num_hidden_layers``
+            (not a decoder's model or config); and what ``KVPool`` raises for its own arguments.
     """
     # Checked here: the pool's sizes are computed from them before KVPool sees any.
     value: Any
@@ -46,6 +47,11 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
     config = getattr(model, "config", model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    missing = [a for a in ("num_attention_heads", "num_hidden_layers") if not is_int(getattr(text, a, None))]
+    if missing:
+        raise InvalidArgumentError(f"pool_for_model takes a transformers model or its config (a decoder's, with "
+                                   f"int num_attention_heads and num_hidden_layers); {type(model).__name__} "
+                                   f"{model!r:.60} has no int {' or '.join(missing)}")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

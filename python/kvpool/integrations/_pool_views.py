@@ -13,6 +13,7 @@ import torch
 
 from kvpool.integrations._layer_buffers import BufferSpares
 from kvpool.modes import persistent
+from kvpool.validate import check_pool
 
 
 class PoolViews:
@@ -91,8 +92,20 @@ def release_buffers(pool: Any) -> int:
     copy of a small batch's K/V each, kept so that the next cache of the same batch size
     reuses them and the views into them; at most four sets of 64 MiB), and the staging
     buffers of closed ``layer_buffers=False`` caches (one layer's K/V of a batch each, at
-    most two). Returns the bytes freed. Open caches keep theirs."""
-    views = pool_views(pool)
+    most two). Returns the bytes freed. Open caches keep theirs.
+
+    Raises:
+        InvalidArgumentError: ``pool`` is not a ``KVPool``.
+    """
+    check_pool(pool, "release_buffers")
+    # Only a pool that had a cache has spares; a hybrid pool's caches keep none (and have no
+    # PoolViews, which would need the plain pool's page_size).
+    try:
+        views = _POOL_VIEWS.get(pool)
+    except TypeError:  # a pool that takes no weak reference: its caches kept no spares here
+        views = None
+    if views is None:
+        return 0
     spares = views.spare_buffers
     freed = spares.nbytes
     spares.clear()

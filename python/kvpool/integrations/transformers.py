@@ -71,7 +71,7 @@ from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
 from kvpool.pool import KVPool
-from kvpool.validate import check_flag, check_pool
+from kvpool.validate import check_flag, check_pool, init_signature
 
 __all__ = ["BEAM_NEEDS_FORK", "PREFIX_NEEDS_CORE", "HybridKVPoolCache", "KVPoolCache", "KVPoolLayer", "pool_for_model",
            "release_buffers"]
@@ -383,6 +383,10 @@ class KVPoolCache(Cache):
 # Its layers follow the pool's groups (``_hybrid``): full and sliding attention layers, and
 # linear-attention layers whose state lives in the pool; the batch-wide operations (crop,
 # reorder, select, reset) act on the pool's requests as KVPoolCache's do.
+# help() and inspect: the constructor's parameters, not those of the __new__ that routes hybrid pools.
+KVPoolCache.__signature__ = init_signature(KVPoolCache)  # type: ignore[attr-defined]
+
+
 class HybridKVPoolCache(KVPoolCache):
     """A ``KVPoolCache`` over a hybrid pool (see ``KVPoolCache`` for the arguments).
 
@@ -394,6 +398,10 @@ class HybridKVPoolCache(KVPoolCache):
                  layer_buffers: bool = True) -> None:
         # layer_buffers: KVPoolCache's argument, taken so that KVPoolCache(pool, ...) builds this
         # cache with the same arguments; its layers gather through their groups' tables.
+        check_pool(pool, "HybridKVPoolCache")
+        if getattr(pool, "groups", None) is None:
+            raise InvalidArgumentError("HybridKVPoolCache takes a hybrid pool (KVPool(layer_types=...)); this one "
+                                       "has no layer groups: use KVPoolCache(pool)")
         check_flag("layer_buffers", layer_buffers)
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
@@ -445,3 +453,6 @@ class HybridKVPoolCache(KVPoolCache):
         h = self.requests.handles
         rows = 0 if h is None else h.shape[0]
         return f"KVPoolCache(hybrid, rows={rows}, length={self.requests.length}, pool={self.pool!r})"
+
+
+HybridKVPoolCache.__signature__ = init_signature(HybridKVPoolCache)  # type: ignore[attr-defined]

@@ -195,7 +195,10 @@ def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device
 
 
 def check_scale(scale: Scale, name: str, device: torch.device) -> None:
-    if scale is None or isinstance(scale, (int, float)):
+    # A number of any kind (numpy's too, as read from a checkpoint), never a bool: True
+    # would pass as 1.0, a flag passed where the scale goes.
+    if scale is None or (isinstance(scale, (int, float, np.integer, np.floating))
+                         and not isinstance(scale, (bool, np.bool_))):
         # inf passes "> 0" but stores every row as 0 (and gathers inf/NaN).
         if scale is not None and not 0.0 < float(scale) < float("inf"):
             raise KernelArgumentError(f"{name} must be > 0 and finite, got {scale}")

@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
 from kvpool.validate import is_int
@@ -57,7 +59,7 @@ class FileTier(TierBackend):
     """
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        if not is_int(max_bytes) or max_bytes <= 0:
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
@@ -65,8 +67,9 @@ class FileTier(TierBackend):
             self.path = Path(path)
         except TypeError as e:  # a PathLike that returns bytes
             raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
-        self._max = max_bytes
-        if isinstance(scan_interval_s, bool) or not isinstance(scan_interval_s, (int, float)) \
+        self._max = int(max_bytes)
+        if isinstance(scan_interval_s, (bool, np.bool_)) \
+                or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
                 or not 0 <= scan_interval_s < float("inf"):
             raise InvalidArgumentError(f"scan_interval_s must be a finite number of seconds >= 0, "
                                        f"got {scan_interval_s!r}")
