@@ -60,3 +60,19 @@ def test_usage_error_from_python_dash_m_has_no_traceback():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "kvpool demo: error:" in res.stderr, res.stderr
+
+
+def test_hf_without_transformers_is_a_usage_error_that_says_what_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, "--hf", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvpool demo: error:" in err and "pip install 'kvpool[hf]'" in err, err
+
+
+def test_version_prints_the_package_version(capsys):
+    import kvpool
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvpool {kvpool.__version__}"

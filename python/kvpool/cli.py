@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 USAGE = """usage: kvpool demo [options]   (kvpool demo --help for the options)
+       kvpool --version
 
 commands:
   demo    serve synthetic requests with continuous batching on a KVPool"""
@@ -18,6 +19,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if args[0] == "--version":
+        from kvpool import __version__
+
+        print(f"kvpool {__version__}")
         return 0
     if args[0] == "demo":
         from kvpool.demo.cli import main as demo_main

@@ -194,7 +194,12 @@ def run(args: argparse.Namespace,
             model = None
             if args.hf:
                 from kvpool.demo.hf import load_hf_model
-                model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
+                try:
+                    model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
+                except ImportError as e:  # no transformers: a setting this install cannot run
+                    if usage_error is None:
+                        raise
+                    usage_error(str(e))
                 cfg = model.cfg
             else:
                 cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
