@@ -18,6 +18,7 @@ Hybrid pools, tiers, the page-1 machine and the kernels have their own review fi
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -199,3 +200,24 @@ def test_two_threads_on_one_pool_each_read_back_their_own(page_size):
         raise errors[0]
     p.check()
 
+
+@pytest.mark.parametrize("slots", [[True, 3], (2, False), [np.True_, 3]])
+@pytest.mark.parametrize("call", ["write", "read"])
+def test_a_bool_among_list_slots_is_refused_as_the_allocator_refuses_it(slots, call):
+    """numpy turns ``[True, 3]`` into ints: at page size 1 the bool would name slot 1, a page a
+    request holds, and its row would overwrite that request's K/V. The allocator refuses bools
+    in its int lists; ``write`` / ``read`` refuse them too, before anything is written."""
+    p = make_pool(1, "token")
+    h = int(p.open(1)[0])
+    res = p.extend([h], [3])  # slots 1, 2, 3
+    t = Trace(np.random.default_rng(0), p, defaultdict(set), counter())
+    k, v = t.rows([1, 2, 3], 0)
+    p.write(0, res.slots, k, v)
+    before = p.read(0, res.slots)
+    with pytest.raises(kvpool.TensorDtypeError, match="bool"):
+        if call == "write":
+            p.write(0, slots, *t.rows([7, 8], 0))
+        else:
+            p.read(0, slots)
+    after = p.read(0, res.slots)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
