@@ -50,8 +50,9 @@ class Req:
 class Trace:
     """One driver: its own requests on a pool that may be shared with another driver."""
 
-    def __init__(self, rng, pool, seen, counter, *, salts=(None, 7), cap=MAX_REQ - 1, solo=True):
+    def __init__(self, rng, pool, seen, counter, *, salts=(None, 7), cap=MAX_REQ - 1, solo=True, sharing=True):
         self.rng, self.p, self.seen, self.counter, self.salts = rng, pool, seen, counter, salts
+        self.sharing = sharing  # False: admit with token ids, cache and truncate only (the pool's _sharing stays off)
         self.cap, self.solo = cap, solo  # requests this driver keeps; the only driver of its pool
         self.P, self.mla, self.cdt = pool.page_size, pool.mla, pool.compute_dtype
         self.reqs: dict[int, Req] = {}
@@ -169,6 +170,8 @@ class Trace:
     def step(self):
         p, rng, live = self.p, self.rng, sorted(self.reqs)
         op = int(rng.integers(0, 14))
+        if not self.sharing and op in (0, 1, 2, 7):
+            op = 3 if op < 7 else 8  # no prefix hit, no fork: extend's path without copy-on-write
         if len(live) >= self.cap - 1 and op < 4:
             op = 10  # room for the next opens
         if op <= 2 and len(self.reqs) < self.cap:
@@ -181,14 +184,15 @@ class Trace:
             self.open_prompts(prompts, salt)
         elif op == 3 and len(self.reqs) < self.cap:
             counts = [int(x) for x in rng.integers(0, 2 * self.P + 2, size=int(rng.integers(1, 3)))]
+            toks = [BASE[:n] for n in counts] if rng.integers(0, 2) else None  # admit never hits
             try:
-                hs, res = p.admit(counts)
+                hs, res = p.admit(counts, tokens=None if toks is None else sum(toks, []))
             except (kvpool.PoolExhaustedError, kvpool.TooManyRequestsError):
                 return
             vals = []
-            for h, n in zip(hs.tolist(), counts):
+            for i, (h, n) in enumerate(zip(hs.tolist(), counts)):
                 self.reqs[h] = Req(None, [])
-                self.reqs[h].toks = [None] * n
+                self.reqs[h].toks = [None] * n if toks is None else list(toks[i])
                 vals += self.new_vals(h, 0, n)
             self.write(res.slots, vals)
         elif op in (4, 5, 6) and live:
@@ -306,17 +310,24 @@ def counter(start=1):
     return itertools.count(start)
 
 
-def run_trace(seed, page_size, layout, steps, device_tables=False, pool_mode=None, kind="f32", scales=None):
+def run_trace(seed, page_size, layout, steps, device_tables=False, pool_mode=None, kind="f32", scales=None,
+              sharing=True):
     with pool_mode() if pool_mode else torch.no_grad():
         p = make_pool(page_size, layout, device_tables=device_tables, kind=kind)
     if scales is not None:  # set in place, as the pool's doc says
         p.k_scale.copy_(torch.tensor(scales[0]))
         if not p.mla:
             p.v_scale.copy_(torch.tensor(scales[1]))
-    t = Trace(np.random.default_rng(seed), p, defaultdict(set), counter())
+    t = Trace(np.random.default_rng(seed), p, defaultdict(set), counter(), sharing=sharing)
     for _ in range(steps):
         t.step()
         t.verify()
+    if not sharing:  # what the unshared trace registered (truncated into, rewritten) is hit right
+        assert not p._sharing
+        for n in range(2, 2 * t.P + 3):
+            if len(t.reqs) < t.cap:
+                t.open_prompts([BASE[:n]], None)
+                t.verify()
     return t
 
 

@@ -36,6 +36,13 @@ def test_random_traces_read_back_what_was_written(page_size, seed, layout, devic
     run_trace(seed * 100 + page_size, page_size, layout, 60, device_tables)
 
 
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_traces_without_sharing_rewrite_registered_pages_in_place(page_size):
+    """No prefix hit or fork until the end, so extend takes its path without copy-on-write
+    work; admit with token ids and cache register pages that truncates then cut into."""
+    run_trace(3 + page_size, page_size, "token", 50, sharing=False)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "mla", "fp8-mla"])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_random_traces_of_other_dtypes_and_mla(kind, page_size):
