@@ -166,6 +166,28 @@ class Trace:
         self.extend(hs, [len(self.reqs[h].prompt) - len(self.reqs[h].toks) for h in hs])
         return hs
 
+    def open_chain(self, src):
+        """open_with_chain_hashes of a live request's chain (as a receiving pool would),
+        sometimes extended to a length in the same call."""
+        p, rng, P = self.p, self.rng, self.P
+        hashes, chain, salt = p.chain_hashes(src)
+        chain = chain.tolist()
+        cached = p.match_chain_hashes(hashes, chain, salt) * P
+        length = min(MAX_CTX, cached + int(rng.integers(0, P + 3))) if rng.integers(0, 2) else None
+        try:
+            h = p.open_with_chain_hashes(hashes, chain, salt, None, length)
+        except (kvpool.PoolExhaustedError, kvpool.TooManyRequestsError):
+            return
+        r = self.reqs[h] = Req(self.reqs[src].salt, chain)
+        r.toks = chain[:cached]
+        got = p.read(0, p.slots(h)[:cached])[0].float()
+        for i in range(cached):
+            assert decode(got[i]) in self.seen[r.key(i)], f"a chain hit served K/V of another prefix at {i}"
+            r.vals.append(decode(got[i]))
+        if length is not None and length > cached:
+            r.toks += [chain[i] if i < len(chain) else None for i in range(cached, length)]
+            self.write(p.slots(h)[cached:], self.new_vals(h, cached, length - cached))
+
     # ----- steps -----------------------------------------------------------------
     def step(self):
         p, rng, live = self.p, self.rng, sorted(self.reqs)
@@ -222,6 +244,8 @@ class Trace:
             p.close([h], cache=bool(rng.integers(0, 4)))
             del self.reqs[h]
             self.closed.append(h)
+        elif op == 13 and live and self.sharing and len(self.reqs) < self.cap:
+            self.open_chain(live[int(rng.integers(0, len(live)))])
         elif op == 12:
             if rng.integers(0, 4):
                 p.evict(int(rng.integers(0, 3)))
