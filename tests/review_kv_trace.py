@@ -107,6 +107,20 @@ class Trace:
             else:
                 p.write(layer, s, *args)
 
+    def int_args(self, hs, counts, toks):
+        """extend's handles, counts and tokens as an engine may hold them: lists, numpy arrays,
+        torch tensors (strided, int32 counts and ids), one count for all."""
+        form = int(self.rng.integers(0, 4))
+        if form == 1:
+            return np.array(hs), np.array(counts, dtype=np.int32), None if toks is None else np.array(toks, dtype=np.int64)
+        if form == 2:
+            def t(x, dt):
+                return torch.tensor(x, dtype=dt).repeat_interleave(2)[::2]
+            return t(hs, torch.int64), t(counts, torch.int32), None if toks is None else t(toks, torch.int32)
+        if form == 3 and len(set(counts)) == 1:
+            return hs, counts[0], toks
+        return hs, counts, toks
+
     def new_vals(self, h, start, n):
         r, out = self.reqs[h], []
         for i in range(start, start + n):
@@ -128,7 +142,7 @@ class Trace:
                 toks_all.append(t)
         before = self.snapshot() if self.solo and rng.integers(0, 4) == 0 else None
         try:
-            res = p.extend(hs, counts, tokens=toks_all if with_tokens else None)
+            res = p.extend(*self.int_args(hs, counts, toks_all if with_tokens else None))
         except (kvpool.PoolExhaustedError, kvpool.ContextTooLongError):
             if before is not None:
                 self.same(before, "a refused extend")
@@ -225,7 +239,8 @@ class Trace:
         elif op == 7 and live and len(self.reqs) < self.cap:
             h = live[int(rng.integers(0, len(live)))]
             r = self.reqs[h]
-            kids = p.fork(h, 1).tolist()  # the children take the rest of its prompt too
+            n = int(rng.integers(1, 3)) if len(self.reqs) + 1 < self.cap else 1
+            kids = p.fork(h, n).tolist()  # the children take the rest of its prompt too
             for kid in kids:
                 self.reqs[kid] = r.copy()
             self.extend(kids + [h], [int(rng.integers(0, 3)) for _ in range(len(kids) + 1)])
