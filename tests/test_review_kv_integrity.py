@@ -180,16 +180,19 @@ def test_bad_calls_raise_typed_errors_and_change_nothing(page_size, kind):
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("page_size", [3, 16])
-def test_two_threads_on_one_pool_each_read_back_their_own(page_size):
+@pytest.mark.parametrize(("page_size", "device_tables", "second_shares"), [(3, False, True), (16, True, True),
+                                                                          (1, False, False), (3, True, False)])
+def test_two_threads_on_one_pool_each_read_back_their_own(page_size, device_tables, second_shares):
     """Two drivers, each on its own requests of one pool (one under inference_mode, one under
     no_grad), sharing a salt so that each hits the other's cached pages and copy-on-write
-    copies read pages the other thread frees."""
-    p = make_pool(page_size, "paged", num_pages=2 * PAGES[page_size])
+    copies read pages the other thread frees. Or one driver never shares, so the pool turns
+    on copy-on-write (its first prefix hit or fork) while the other thread extends."""
+    p = make_pool(page_size, "paged", num_pages=2 * PAGES[page_size], device_tables=device_tables)
     seen, vals, errors = Seen(), counter(), []
 
     def drive(seed, mode):
-        t = Trace(np.random.default_rng(seed), p, seen, vals, salts=(None,), cap=MAX_REQ // 2, solo=False)
+        t = Trace(np.random.default_rng(seed), p, seen, vals, salts=(None,), cap=MAX_REQ // 2, solo=False,
+                  sharing=seed == 1 or second_shares)
         try:
             with mode():
                 for _ in range(70):
