@@ -186,12 +186,16 @@ class Trace:
         p, rng, P = self.p, self.rng, self.P
         hashes, chain, salt = p.chain_hashes(src)
         chain = chain.tolist()
-        cached = p.match_chain_hashes(hashes, chain, salt) * P
-        length = min(MAX_CTX, cached + int(rng.integers(0, P + 3))) if rng.integers(0, 2) else None
-        try:
-            h = p.open_with_chain_hashes(hashes, chain, salt, None, length)
-        except (kvpool.PoolExhaustedError, kvpool.TooManyRequestsError):
-            return
+        # Under the pool's (reentrant) lock: another thread's cache or evict between the match
+        # and the open would change how many pages the open shares, and the rows written past
+        # them would land in shared pages.
+        with p._lock:
+            cached = p.match_chain_hashes(hashes, chain, salt) * P
+            length = min(MAX_CTX, cached + int(rng.integers(0, P + 3))) if rng.integers(0, 2) else None
+            try:
+                h = p.open_with_chain_hashes(hashes, chain, salt, None, length)
+            except (kvpool.PoolExhaustedError, kvpool.TooManyRequestsError):
+                return
         r = self.reqs[h] = Req(self.reqs[src].salt, chain)
         r.toks = chain[:cached]
         got = p.read(0, p.slots(h)[:cached])[0].float()
