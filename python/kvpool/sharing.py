@@ -185,7 +185,12 @@ class SharingMixin:
 
         Returns:
             The new handle only (``length(handle)`` says how many tokens it holds;
-            without ``length``, how many it shares).
+            without ``length``, how many it shares). With ``length``, the count it shares
+            is what ``match_chain_hashes`` said just before only if no other call changed
+            the prefix cache in between (another thread's ``cache``, ``evict`` or
+            page-taking call): a threaded engine orders those itself, as
+            ``kvpool.distributed.recv_request`` does by holding the pool's lock across
+            both, or a page it counted as shared may be fresh and never written.
 
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the

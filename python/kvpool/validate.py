@@ -100,6 +100,14 @@ def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
         for i, x in enumerate(slots):
             if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
                 raise _out_of_range(i, x, num_slots)
+    if arr.dtype.kind in "iu" and isinstance(slots, (list, tuple)):
+        # numpy makes [True, 3] ints, and True would name slot 1 (a real page at page size 1).
+        # One C-speed pass over the types, on the list path only.
+        kinds = set(map(type, slots))
+        if bool in kinds or np.bool_ in kinds:
+            bad = next(i for i, x in enumerate(slots) if isinstance(x, (bool, np.bool_)))
+            raise TensorDtypeError(f"slots[{bad}] is the bool {slots[bad]!r}, not a slot: pass ints "
+                                   "(int32/int64); a bool is never a slot id")
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             arr = arr.astype(np.int64)
