@@ -205,12 +205,18 @@ class TierMixin:
         rows = self.batch_rows(hs)
         if any(not self.reqs[r].swapped for r in rows):
             raise kvpool.InvalidArgumentError
-        need = 0
+        # Loads, plus each evictable device copy re-taken (once, however many of
+        # the requests hold its host copy).
+        need, copies = 0, set()
         for r in rows:
             for p in self.reqs[r].pages:
                 if p & HOST:
                     d = self.device_copy(p & ~HOST)
-                    need += 1 if d is None else (d in self.lru and self.plist(d) != PINNED)
+                    if d is None:
+                        need += 1
+                    else:
+                        copies.add(d)
+        need += sum(1 for d in copies if d in self.lru and self.plist(d) != PINNED)
         if need > len(self.free) + self.evictable():
             raise kvpool.PoolExhaustedError
         # Device copies still there are re-taken first: no load, and no page

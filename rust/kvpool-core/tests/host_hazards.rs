@@ -229,3 +229,30 @@ fn two_prompts_of_a_batch_share_one_load() {
     }
     e.verify().unwrap();
 }
+
+/// Requests that hit the same pages before their swap_out hold the same host
+/// copies, and swap_in re-takes the one device copy each names: its room
+/// counts each copy once (it counted one per request, and refused this
+/// swap_in, which fits: 2 copies and 1 load in 3 pages).
+#[test]
+fn swap_in_counts_a_device_copy_several_requests_re_take_once() {
+    let mut e = Engine::new(8, 1, 12, WriteBack);
+    let (a, _) = e.open(&[1, 2], 0);
+    e.prefill(a);
+    e.cache(a);
+    e.swap_out(a);
+    e.drain();
+    let (b, cached) = e.open(&[1, 2, 3], 0);
+    assert_eq!(cached, 2);
+    e.prefill(b);
+    e.swap_out(b); // reuses the host copies `a` holds
+    e.drain();
+    let (c, _) = e.open(&[9, 9, 9, 9], 0);
+    e.prefill(c);
+    assert_eq!(e.a.evictable_pages(), 2);
+    e.a.swap_in(&[a, b]).expect("room for 2 copies and 1 load");
+    e.a.check().unwrap();
+    assert_eq!(e.drain().loads.0.len(), 1);
+    assert_eq!(e.a.pages(a).unwrap(), e.a.pages(b).unwrap()[..2]);
+    e.verify().unwrap();
+}

@@ -195,7 +195,7 @@ impl SlotAllocator {
             return Err(no_tier("swap_in"));
         }
         self.requests.resolve_batch(handles)?;
-        let (mut need, mut loads) = (0usize, 0usize);
+        let mut host_pages = 0usize;
         for &h in handles {
             let row = handle_row(h) as usize;
             if !self.requests.is_swapped(row) {
@@ -203,17 +203,28 @@ impl SlotAllocator {
                     "request {h} is not swapped out; swap_in takes requests swap_out moved"
                 )));
             }
-            for &l in self.requests.held_pages(row) {
-                if !is_host(l) {
-                    continue;
-                }
-                match self.device_copy(host_page(l)) {
-                    // A re-taken copy leaves the eviction list if it was on it.
-                    Some(d) => need += self.pages.evictable_among(std::slice::from_ref(&d)),
-                    None => (need, loads) = (need + 1, loads + 1),
+            let held = self.requests.held_pages(row);
+            host_pages += held.iter().filter(|&&l| is_host(l)).count();
+        }
+        let mut copies = Vec::new();
+        reserve(&mut copies, host_pages, "re-taken device copies")?;
+        let mut loads = 0usize;
+        for &h in handles {
+            for &l in self.requests.held_pages(handle_row(h) as usize) {
+                if is_host(l) {
+                    match self.device_copy(host_page(l)) {
+                        Some(d) => copies.push(d),
+                        None => loads += 1,
+                    }
                 }
             }
         }
+        // A re-taken copy leaves the eviction list if it was on it, once:
+        // requests that hit the same page before their swap_out all hold its
+        // entry's host copy, and re-take the one device copy.
+        copies.sort_unstable();
+        copies.dedup();
+        let need = loads + self.pages.evictable_among(&copies);
         let available = self.pages.available();
         if need > available {
             return Err(PoolError::Exhausted {

@@ -328,20 +328,26 @@ impl Model {
         if rows.iter().any(|r| !self.reqs[r].swapped) {
             return Err(Kind::Arg);
         }
+        // Loads, plus each evictable device copy re-taken (once, however
+        // many of the requests hold its host copy).
         let mut need = 0;
+        let mut copies = std::collections::BTreeSet::new();
         for r in &rows {
             for &p in &self.reqs[r].pages {
                 if p & HOST != 0 {
-                    need += match self.device_copy(p & !HOST) {
-                        None => 1,
+                    match self.device_copy(p & !HOST) {
+                        None => need += 1,
                         Some(d) => {
-                            (self.lru.contains(&d) && self.list(d) != super::priorities::PINNED)
-                                as usize
+                            copies.insert(d);
                         }
-                    };
+                    }
                 }
             }
         }
+        need += copies
+            .iter()
+            .filter(|&&d| self.lru.contains(&d) && self.list(d) != super::priorities::PINNED)
+            .count();
         if need > self.free.len() + self.evictable() {
             return Err(Kind::Exhausted);
         }
