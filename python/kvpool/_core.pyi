@@ -705,7 +705,10 @@ class SlotAllocator:
         device page (evicting cached pages as extend does) and a queued load
         (take_loads); a host page is let go when re-taken or its load taken.
         After the loads, every position holds bitwise the K/V it held before
-        swap_out. Atomic: all requests come back or none.
+        swap_out, except a registered page whose entry's copy a duplicate
+        registration of the same tokens replaced meanwhile: it comes back as
+        that copy, the K/V a prefix hit would give. Atomic: all requests come
+        back or none.
 
         Raises:
             InvalidHandleError: a handle is unknown, closed or stale.

@@ -130,7 +130,9 @@ class HostTierMixin:
         The pool adds: the loads run (CPU) or are queued ahead of the caller's
         stream (CUDA), and each request's ``req_to_token`` row is rewritten
         (its pages changed), so after this every position reads bitwise the
-        K/V it held before ``swap_out``.
+        K/V it held before ``swap_out`` (a registered page whose entry's copy a
+        duplicate registration of the same tokens replaced meanwhile comes back
+        as that copy, as ``SlotAllocator.swap_in`` says).
 
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the

@@ -184,7 +184,9 @@ impl SlotAllocator {
     /// `write_back` offloading, CACHED pages as needed) and a queued load
     /// (`take_loads`); the host pages are let go once re-taken, or once the
     /// loads are taken. After the loads every position holds the K/V it held
-    /// before `swap_out`. All-or-nothing.
+    /// before `swap_out`, but a registered page comes back as its entry's
+    /// copy, which a duplicate registration of the same tokens may have
+    /// replaced meanwhile (the K/V a prefix hit would give). All-or-nothing.
     ///
     /// Errors (nothing changed): `InvalidHandle`, `InvalidArgument` (a
     /// handle twice; a request that is not swapped out; no host tier),
