@@ -53,7 +53,12 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
                                    f"int num_attention_heads and num_hidden_layers); {type(model).__name__} "
                                    f"{model!r:.60} has no int {' or '.join(missing)}")
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "new_decoder_architecture", False):
+        kv_heads = heads  # Falcon-40B style: the model caches K/V already repeated to every query head
+    elif getattr(text, "multi_query", False):
+        kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
+    else:  # (FalconConfig spells it num_kv_heads)
+        kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if device is None:
         device = getattr(model, "device", "cpu")

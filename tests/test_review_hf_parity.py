@@ -1,0 +1,52 @@
+"""Outside-check review of the transformers integration: greedy parity with DynamicCache on
+architectures the other HF tests do not build, or a typed refusal up front (never wrong tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _hf_models import PAD, greedy, left_padded
+
+transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+from transformers import DynamicCache  # noqa: E402
+
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model  # noqa: E402
+
+BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+
+
+def build(model_name: str, config_name: str, **kw: Any) -> Any:
+    with torch.inference_mode(False), torch.no_grad():
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(getattr(transformers, config_name)(**dict(BASE, **kw))).eval()
+
+
+def assert_parity(model: Any, lengths: list[int], new: int = 10, page_size: int = 4) -> Any:
+    ids, mask = left_padded(lengths, seed=1)
+    ref = greedy(model, ids, mask, new, DynamicCache(config=model.config))
+    pool = pool_for_model(model, max_tokens=256, page_size=page_size, max_requests=8)
+    free = pool.allocator.free_pages
+    with KVPoolCache(pool) as cache:
+        out = greedy(model, ids, mask, new, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    pool.check()
+    assert pool.open_requests == 0 and pool.allocator.free_pages == free
+    return pool
+
+
+@pytest.mark.parametrize("falcon, kv_heads", [
+    (dict(), 1),  # Falcon-7B: multi_query=True, the old decoder: one K/V head for every query head
+    (dict(multi_query=False), 4),  # one K/V head per query head
+    (dict(new_decoder_architecture=True, num_kv_heads=2), 4),  # Falcon-40B: K/V cached expanded to every head
+], ids=["multi-query", "multi-head", "new-decoder"])
+def test_falcon_pool_has_the_kv_heads_the_model_caches(falcon, kv_heads):
+    """FalconConfig names its K/V heads ``num_kv_heads`` (no ``num_key_value_heads``), and the
+    model caches 1 head under ``multi_query`` and every head with ``new_decoder_architecture``."""
+    model = build("FalconForCausalLM", "FalconConfig", **falcon)
+    pool = assert_parity(model, [7, 3, 5])
+    assert pool.num_kv_heads == kv_heads
