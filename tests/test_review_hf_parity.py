@@ -50,3 +50,18 @@ def test_falcon_pool_has_the_kv_heads_the_model_caches(falcon, kv_heads):
     model = build("FalconForCausalLM", "FalconConfig", **falcon)
     pool = assert_parity(model, [7, 3, 5])
     assert pool.num_kv_heads == kv_heads
+
+
+@pytest.mark.parametrize("config_name", ["DeepseekV3Config", "DeepseekV2Config"])
+def test_multi_head_latent_attention_is_refused_by_pool_for_model(config_name):
+    """MLA models cache a latent (width kv_lora_rank) as "keys" and the rotary part as
+    "values", one head each: K and V of different widths, which no KVPool holds. Refused
+    up front, not at the first forward with a hint to use pool_for_model."""
+    from kvpool.errors import InvalidArgumentError
+
+    config = getattr(transformers, config_name)(**dict(
+        BASE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1))
+    with pytest.raises(InvalidArgumentError, match="kv_lora_rank"):
+        pool_for_model(config, max_tokens=64, page_size=4)
