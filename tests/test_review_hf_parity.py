@@ -110,3 +110,15 @@ def test_a_decode_cut_between_the_in_place_conv_update_and_the_recurrent_write_i
         assert torch.equal(pool.state(0, "conv")[slots], conv)
     pool.check()
     assert pool.open_requests == 0
+
+
+def test_kv_sharing_layers_are_refused_with_a_reason():
+    """Gemma 3n's last layers reuse an earlier layer's K/V (transformers types them "dummy"
+    and never calls the cache for them); pool_for_model says so rather than that "dummy" is
+    not a layer type."""
+    config = transformers.Gemma3nTextConfig(**dict(
+        BASE, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=6, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, intermediate_size=[128] * 4,
+        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128))
+    with pytest.raises(InvalidArgumentError, match=r"layers \[2, 3\] share"):
+        pool_for_model(config, max_tokens=64, page_size=4)
