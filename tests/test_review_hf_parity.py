@@ -26,6 +26,9 @@ def build(model_name: str, config_name: str, **kw: Any) -> Any:
         return getattr(transformers, model_name)(getattr(transformers, config_name)(**dict(BASE, **kw))).eval()
 
 
+JAMBA_STATES = {"conv": (128, 4), "recurrent": (128, 8)}  # (expand * hidden, d_conv), (expand * hidden, d_state)
+
+
 def free_pages(pool: Any) -> Any:
     """Free pages (per group on a hybrid pool)."""
     a = pool.allocator
@@ -81,8 +84,19 @@ def test_mamba_layers_updated_in_place_at_decode_match_dynamic_cache():
     model = build("JambaForCausalLM", "JambaConfig", intermediate_size=128, num_key_value_heads=2,
                   attn_layer_offset=1, attn_layer_period=2, expert_layer_period=2, num_experts=2,
                   mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2, mamba_d_conv=4, tie_word_embeddings=False)
-    pool = assert_parity(model, [7, 3, 5], state_shapes={"conv": (128, 4), "recurrent": (128, 8)})
+    pool = assert_parity(model, [7, 3, 5], state_shapes=JAMBA_STATES)
     assert {g.kind for g in pool.groups} == {"state", "full"}
+    # A prefix hit resumes the Mamba state from the checkpoint at 16 (prefill reads it, then writes).
+    g = torch.Generator().manual_seed(13)
+    shared = torch.randint(3, 96, (16,), generator=g)
+    for n, want in ((0, 0), (6, 16)):
+        ids = torch.cat([shared, torch.randint(3, 96, (n,), generator=g)])[None]
+        ref = greedy(model, ids, None, 8, DynamicCache(config=model.config))
+        with KVPoolCache(pool, prefix_ids=ids) as cache:
+            out = greedy(model, ids, None, 8, cache)
+            assert cache.cached_lens.tolist() == [want]
+        assert torch.equal(out.sequences, ref.sequences)
+    pool.check()
 
 
 def test_a_decode_cut_between_the_in_place_conv_update_and_the_recurrent_write_is_refused():
