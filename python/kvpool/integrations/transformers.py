@@ -435,15 +435,17 @@ class HybridKVPoolCache(KVPoolCache):
         """``Cache.get_conv_state``; the model may update what it gets in place (a decode step's
         ``causal_conv1d_update``), so the layer counts this forward as touching the state."""
         out = super().get_conv_state(layer_idx, state_idx)
-        if out is not None:
-            self.layers[layer_idx].stamp(state_name("conv", state_idx), read=True)
+        layer = self.layers[layer_idx]
+        if out is not None and isinstance(layer, PoolStateLayer):
+            layer.stamp(state_name("conv", state_idx), read=True)
         return out
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """As ``get_conv_state`` (Mamba's decode updates the recurrent state in place too)."""
         out = super().get_recurrent_state(layer_idx, state_idx)
-        if out is not None:
-            self.layers[layer_idx].stamp(state_name("recurrent", state_idx), read=True)
+        layer = self.layers[layer_idx]
+        if out is not None and isinstance(layer, PoolStateLayer):
+            layer.stamp(state_name("recurrent", state_idx), read=True)
         return out
 
     def _check_between_steps(self, what: str) -> None:
