@@ -339,6 +339,11 @@ def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]
     config fields); for other linear-attention or Mamba layers pass ``state_shapes=``.
     """
     types, per_layer = get_layer_types_and_kwargs(text_config)
+    shared = [i for i, t in enumerate(types) if t == "dummy"]
+    if shared:  # transformers' name for a layer that stores nothing: it reuses another layer's K/V
+        raise InvalidArgumentError(
+            f"layers {shared} share an earlier layer's K/V (KV sharing, as Gemma 3n's num_kv_shared_layers) "
+            "and never store their own; a KVPool has K/V for every layer: use transformers' DynamicCache")
     types = ["full_attention" if t == "sliding_attention" and kw["sliding_window"] >= max_context_len else t
              for t, kw in zip(types, per_layer)]
     if all(t == "full_attention" for t in types):

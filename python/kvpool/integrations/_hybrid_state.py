@@ -93,6 +93,9 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         # refuse to build on that.
         self._stamp: int | None = None
         self._written: set[str] = set()
+        # The states the model read in that forward (``touch``): a model may update a read state
+        # in place without ever calling update_* (Jamba's Mamba decode updates both so).
+        self._read: set[str] = set()
         requests.state_layers.append(self)
 
     def initialized(self, kind: str, i: int) -> bool:
@@ -146,23 +149,26 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def sync(self) -> None:
         """The rows' states are in step with their length (opened, restored, reordered)."""
-        self._stamp, self._written = None, set()
+        self._stamp, self._written, self._read = None, set(), set()
 
-    def stamp(self, name: str) -> None:
-        """Before the model writes state ``name``: refuse (``IncompleteForwardError``, nothing
-        written) a write that would take a forward twice or build on a forward cut short."""
+    def stamp(self, name: str, *, read: bool = False) -> None:
+        """Before the model writes state ``name`` (or, ``read``, gets its previous state, which it
+        may then update in place): refuse (``IncompleteForwardError``, nothing written) a write
+        that would take a forward twice or build on a forward cut short."""
         req = self.requests
         if self.before_attention:  # runs before this forward's attention layers extend the rows
             check_in_step(req.layers, req.length, "a new forward")
             now = req.steps + 1
         else:
             now = req.steps
-        if self._stamp == now and name not in self._written:  # another state of this forward
-            self._written.add(name)
-        elif self._stamp is None or self._stamp == now - 1:  # the first write of this forward
-            self._stamp, self._written = now, {name}
-        else:  # written again in this forward (its last one was cut short), or a forward missed
+        if self._stamp == now:  # another state of this forward, or the one it read now written
+            if name in self._written or (read and name in self._read):
+                raise self._out_of_step("a new forward")  # again: the last forward was cut short
+        elif self._stamp is None or self._stamp == now - 1:  # the first state this forward touches
+            self._stamp, self._written, self._read = now, set(), set()
+        else:  # a forward missed
             raise self._out_of_step("a new forward")
+        (self._read if read else self._written).add(name)
 
     def check(self, what: str, *, started: bool) -> None:
         want = self.requests.steps + (1 if started and self.before_attention else 0)

@@ -35,7 +35,8 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     Raises:
         InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
             positive int; ``model`` has no int ``num_attention_heads`` / ``num_hidden_layers``
-            (not a decoder's model or config); and what ``KVPool`` raises for its own arguments.
+            (not a decoder's model or config); a multi-head latent attention model (``kv_lora_rank``:
+            its cached K and V differ in width); and what ``KVPool`` raises for its own arguments.
     """
     # Checked here: the pool's sizes are computed from them before KVPool sees any.
     value: Any
@@ -52,8 +53,21 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         raise InvalidArgumentError(f"pool_for_model takes a transformers model or its config (a decoder's, with "
                                    f"int num_attention_heads and num_hidden_layers); {type(model).__name__} "
                                    f"{model!r:.60} has no int {' or '.join(missing)}")
+    if is_int(getattr(text, "kv_lora_rank", None)) and text.kv_lora_rank > 0:
+        # Multi-head latent attention (DeepSeek V2/V3 and kin) caches the latent as keys and the
+        # rotary part as values, widths differing; a pool's K and V share one head_dim.
+        raise InvalidArgumentError(
+            f"pool_for_model: {type(config).__name__} uses multi-head latent attention (kv_lora_rank="
+            f"{text.kv_lora_rank}): its cache holds keys {text.kv_lora_rank} wide and values "
+            f"{getattr(text, 'qk_rope_head_dim', '?')} wide, and a KVPool's K and V share one head_dim; "
+            f"use transformers' DynamicCache for this model")
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "new_decoder_architecture", False):
+        kv_heads = heads  # Falcon-40B style: the model caches K/V already repeated to every query head
+    elif getattr(text, "multi_query", False):
+        kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
+    else:  # (FalconConfig spells it num_kv_heads)
+        kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if device is None:
         device = getattr(model, "device", "cpu")

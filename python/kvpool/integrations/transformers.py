@@ -65,7 +65,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
                       f"found transformers {transformers.__version__}")
 
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers
+from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
@@ -430,6 +430,23 @@ class HybridKVPoolCache(KVPoolCache):
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """``Cache.get_conv_state``; the model may update what it gets in place (a decode step's
+        ``causal_conv1d_update``), so the layer counts this forward as touching the state."""
+        out = super().get_conv_state(layer_idx, state_idx)
+        layer = self.layers[layer_idx]
+        if out is not None and isinstance(layer, PoolStateLayer):
+            layer.stamp(state_name("conv", state_idx), read=True)
+        return out
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        """As ``get_conv_state`` (Mamba's decode updates the recurrent state in place too)."""
+        out = super().get_recurrent_state(layer_idx, state_idx)
+        layer = self.layers[layer_idx]
+        if out is not None and isinstance(layer, PoolStateLayer):
+            layer.stamp(state_name("recurrent", state_idx), read=True)
+        return out
 
     def _check_between_steps(self, what: str) -> None:
         super()._check_between_steps(what)
