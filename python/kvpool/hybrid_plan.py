@@ -188,6 +188,11 @@ def primary_pages_for_budget(
     page group has its table. ``token_bytes``: one token's K and V in one layer."""
     draft = plan_groups(num_pages=1 << 40, **plan)  # a cap that never binds: each other group's need
     primary = next((g for g in draft if g.kind == "full"), None) or next(g for g in draft if g.kind == "sliding")
+    if primary.layer_type in (plan.get("group_pages") or {}):
+        # The budget sizes this group; a fixed size for it too would win over the budget.
+        raise InvalidArgumentError(
+            f"group_pages[{primary.layer_type!r}] and memory_bytes / memory_fraction both size the "
+            f"{primary.layer_type} layers' pages: give one (group_pages may size the other groups)")
     row = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in states.values())
     fixed = 0
     for g in draft:

@@ -1,0 +1,45 @@
+"""Review: the memory a pool plans against is the memory it allocates ("fit").
+
+A pool sized by ``memory_bytes`` must not allocate more than the budget: every
+tensor it creates (K/V, states, tables) is summed here and compared with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpool
+from kvpool.errors import InvalidArgumentError
+
+HYBRID = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+
+
+def _hybrid_bytes(pool) -> int:
+    """Every tensor a hybrid pool made: K/V, states and the padded tables."""
+    return pool.nbytes + sum(t.untyped_storage().nbytes() for t in pool._tables if t is not None)
+
+
+def test_hybrid_budget_with_the_primary_group_sized_by_group_pages_is_refused():
+    # group_pages for the primary (full) group used to win silently over
+    # memory_bytes: a 100 kB budget built a ~1.3 MB pool.
+    budget = 100_000
+    with pytest.raises(InvalidArgumentError, match="group_pages.*full_attention.*memory_bytes"):
+        pool = kvpool.KVPool(2, 2, 8, group_pages={"full_attention": 20_000}, memory_bytes=budget,
+                             max_requests=4, max_context_len=64, **HYBRID)
+        assert _hybrid_bytes(pool) <= budget, _hybrid_bytes(pool)
+
+
+@pytest.mark.parametrize("kw", [
+    HYBRID,
+    dict(HYBRID, group_pages={"sliding_attention": 40}),
+    dict(layer_types=["sliding_attention"] * 3, sliding_window=8),
+    dict(HYBRID, page_size={"full_attention": 4, "sliding_attention": 2}),
+    dict(layer_types=["full_attention", "mamba"], state_shapes={"conv": (3, 4), "rec": ((2, 2), torch.float32)}),
+], ids=["full+sliding", "sliding-sized", "sliding-only", "mixed-pages", "mamba"])
+def test_hybrid_budget_covers_every_tensor(kw):
+    for budget in range(40_000, 300_000, 37_111):
+        pool = kvpool.KVPool(len(kw["layer_types"]), 2, 8, memory_bytes=budget, max_requests=4,
+                             max_context_len=64, **kw)
+        used = _hybrid_bytes(pool)
+        assert used <= budget, (budget, used)
