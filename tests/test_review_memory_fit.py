@@ -43,3 +43,32 @@ def test_hybrid_budget_covers_every_tensor(kw):
                              max_context_len=64, **kw)
         used = _hybrid_bytes(pool)
         assert used <= budget, (budget, used)
+
+
+def _tp_budget_rank(rank: int, world: int) -> dict:
+    import kvpool.capacity as capacity
+    from kvpool.distributed import tp_pool
+
+    # Each GPU reports its own free memory: ranks of one group see different figures.
+    capacity.free_device_memory = lambda device: 400_000 + 60_000 * rank
+    tp = tp_pool(2, 4, 8, dtype=torch.float16, memory_fraction=0.5, page_size=4, max_requests=4,
+                 max_context_len=64, check_every=1, seed=3)
+    h = tp.open(4)
+    # Fill the smallest rank's pool and one page more: every rank must decide alike.
+    room = (tp.num_pages - 1) * 4
+    out = {"num_pages": tp.num_pages}
+    try:
+        tp.extend(h, [room // 4 + 1] * 4)
+        out["extend"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the outcome is compared across ranks
+        out["extend"] = type(e).__name__
+    tp.verify()
+    return out
+
+
+def test_tp_pool_ranks_sized_by_a_budget_agree_on_capacity():
+    import _dist
+
+    res = _dist.run_ranks(_tp_budget_rank, world=2, timeout_s=90)
+    assert res[0]["num_pages"] == res[1]["num_pages"], res
+    assert res[0]["extend"] == res[1]["extend"] != "ok", res  # both refuse the same over-full extend
