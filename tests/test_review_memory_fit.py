@@ -72,3 +72,18 @@ def test_tp_pool_ranks_sized_by_a_budget_agree_on_capacity():
     res = _dist.run_ranks(_tp_budget_rank, world=2, timeout_s=90)
     assert res[0]["num_pages"] == res[1]["num_pages"], res
     assert res[0]["extend"] == res[1]["extend"] != "ok", res  # both refuse the same over-full extend
+
+
+# max_requests x max_context_len past any memory while the K/V pages stay tiny: the
+# request-to-token table is what does not fit (~70 TB), and only it.
+HUGE_TABLE = dict(num_pages=2, page_size=1 << 16, max_requests=1 << 16, max_context_len=1 << 28)
+
+
+def test_a_request_table_past_memory_is_a_typed_refusal_naming_it():
+    with pytest.raises(InvalidArgumentError, match="req_to_token.*max_requests.*max_context_len"):
+        kvpool.KVPool(1, 1, 8, lazy_metadata=True, **HUGE_TABLE)
+
+
+def test_a_hybrid_pool_table_past_memory_is_a_typed_refusal_naming_it():
+    with pytest.raises(InvalidArgumentError, match="req_to_token.*max_requests.*max_context_len"):
+        kvpool.KVPool(2, 1, 8, **HYBRID, **HUGE_TABLE)

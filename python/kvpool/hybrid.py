@@ -198,8 +198,11 @@ class HybridKVPool(HybridRequestOps):
                     num_layers=len(g.layers), num_pages=g.num_pages, page_size=g.page_size,
                     heads=self.num_kv_heads, dim=self.head_dim, dtype=dtype, device=self.device, layout=layout,
                     mla=False))
-                self._tables.append(torch.zeros((self.max_requests + 1, padded_row_stride(self.max_context_len)),
-                                                dtype=torch.int32, device=self.device)[:, : self.max_context_len])
+                rows, stride = self.max_requests + 1, padded_row_stride(self.max_context_len)
+                with refuse_out_of_memory(f"group {g.index}'s req_to_token", rows * stride * 4, self.device,
+                                          "use a smaller max_requests or max_context_len"):
+                    self._tables.append(torch.zeros((rows, stride), dtype=torch.int32,
+                                                    device=self.device)[:, : self.max_context_len])
                 self._states.append(None)
         self.req_to_token = _LayerTables(self)
         # CPU: the core writes new slots straight into numpy views of the tables
