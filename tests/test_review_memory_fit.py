@@ -87,3 +87,17 @@ def test_a_request_table_past_memory_is_a_typed_refusal_naming_it():
 def test_a_hybrid_pool_table_past_memory_is_a_typed_refusal_naming_it():
     with pytest.raises(InvalidArgumentError, match="req_to_token.*max_requests.*max_context_len"):
         kvpool.KVPool(2, 1, 8, **HYBRID, **HUGE_TABLE)
+
+
+def test_a_hybrid_group_past_int32_slot_ids_is_refused_before_any_tensor(monkeypatch):
+    # The plain pool refuses more than 2**31 slots at construction (capacity.MAX_SLOTS);
+    # a hybrid group used to be built (K/V allocated) and refused only at its first extend.
+    import kvpool.hybrid
+
+    def allocated(**kw):
+        raise AssertionError(f"K/V allocated for {kw['num_pages']} pages of {kw['page_size']}")
+
+    monkeypatch.setattr(kvpool.hybrid, "KVStorage", allocated)
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*31"):
+        kvpool.KVPool(2, 1, 8, page_size=1 << 16, num_pages=(1 << 15) + 1, max_requests=2, max_context_len=64,
+                      **HYBRID)

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
+from kvpool.capacity import MAX_SLOTS
 
-__all__ = ["LAYER_KINDS", "LayerGroup", "plan_groups", "plan_states", "primary_pages_for_budget"]
+__all__ = ["LAYER_KINDS", "LayerGroup", "check_slot_ids", "plan_groups", "plan_states", "primary_pages_for_budget"]
 
 # Hugging Face layer type -> the core's group kind.
 LAYER_KINDS = {
@@ -210,3 +211,14 @@ def primary_pages_for_budget(
             f"{primary.layer_type} layers after {fixed} bytes of other groups and tables; need >= "
             f"{fixed + 2 * page_bytes} bytes (or size the groups with num_pages and group_pages)")
     return int(pages)
+
+
+def check_slot_ids(groups: list[LayerGroup]) -> None:
+    """Refuse, before anything is allocated, a page group whose slot ids would pass int32
+    (its table's type), as the plain pool does (``capacity.MAX_SLOTS``)."""
+    for g in groups:
+        if g.kind != "state" and g.num_pages * g.page_size > MAX_SLOTS:
+            raise InvalidArgumentError(
+                f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
+                f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
+                f"address; use at most {MAX_SLOTS // g.page_size} pages")
