@@ -32,7 +32,7 @@ import torch
 from kvpool._core import GroupedAllocator, InvalidArgumentError
 from kvpool.capacity import free_device_memory
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
-from kvpool.hybrid_plan import LayerGroup, plan_groups, plan_states, primary_pages_for_budget
+from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
 from kvpool.kernels import copy_slots, require_triton, write_req_to_token
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
@@ -166,6 +166,7 @@ class HybridKVPool(HybridRequestOps):
         if memory_bytes is not None or memory_fraction is not None:
             num_pages = self._budget_pages(num_pages, num_slots, memory_bytes, memory_fraction, plan)
         self.groups: list[LayerGroup] = plan_groups(num_pages=num_pages, **plan)
+        check_slot_ids(self.groups)
         self.sliding_window = next((g.window for g in self.groups if g.window is not None), None)
         # The core checks every size and seed before any tensor exists.
         self.allocator = GroupedAllocator(
@@ -198,8 +199,11 @@ class HybridKVPool(HybridRequestOps):
                     num_layers=len(g.layers), num_pages=g.num_pages, page_size=g.page_size,
                     heads=self.num_kv_heads, dim=self.head_dim, dtype=dtype, device=self.device, layout=layout,
                     mla=False))
-                self._tables.append(torch.zeros((self.max_requests + 1, padded_row_stride(self.max_context_len)),
-                                                dtype=torch.int32, device=self.device)[:, : self.max_context_len])
+                rows, stride = self.max_requests + 1, padded_row_stride(self.max_context_len)
+                with refuse_out_of_memory(f"group {g.index}'s req_to_token", rows * stride * 4, self.device,
+                                          "use a smaller max_requests or max_context_len"):
+                    self._tables.append(torch.zeros((rows, stride), dtype=torch.int32,
+                                                    device=self.device)[:, : self.max_context_len])
                 self._states.append(None)
         self.req_to_token = _LayerTables(self)
         # CPU: the core writes new slots straight into numpy views of the tables

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
+from kvpool.capacity import MAX_SLOTS
 
-__all__ = ["LAYER_KINDS", "LayerGroup", "plan_groups", "plan_states", "primary_pages_for_budget"]
+__all__ = ["LAYER_KINDS", "LayerGroup", "check_slot_ids", "plan_groups", "plan_states", "primary_pages_for_budget"]
 
 # Hugging Face layer type -> the core's group kind.
 LAYER_KINDS = {
@@ -188,6 +189,11 @@ def primary_pages_for_budget(
     page group has its table. ``token_bytes``: one token's K and V in one layer."""
     draft = plan_groups(num_pages=1 << 40, **plan)  # a cap that never binds: each other group's need
     primary = next((g for g in draft if g.kind == "full"), None) or next(g for g in draft if g.kind == "sliding")
+    if primary.layer_type in (plan.get("group_pages") or {}):
+        # The budget sizes this group; a fixed size for it too would win over the budget.
+        raise InvalidArgumentError(
+            f"group_pages[{primary.layer_type!r}] and memory_bytes / memory_fraction both size the "
+            f"{primary.layer_type} layers' pages: give one (group_pages may size the other groups)")
     row = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in states.values())
     fixed = 0
     for g in draft:
@@ -205,3 +211,14 @@ def primary_pages_for_budget(
             f"{primary.layer_type} layers after {fixed} bytes of other groups and tables; need >= "
             f"{fixed + 2 * page_bytes} bytes (or size the groups with num_pages and group_pages)")
     return int(pages)
+
+
+def check_slot_ids(groups: list[LayerGroup]) -> None:
+    """Refuse, before anything is allocated, a page group whose slot ids would pass int32
+    (its table's type), as the plain pool does (``capacity.MAX_SLOTS``)."""
+    for g in groups:
+        if g.kind != "state" and g.num_pages * g.page_size > MAX_SLOTS:
+            raise InvalidArgumentError(
+                f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
+                f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
+                f"address; use at most {MAX_SLOTS // g.page_size} pages")

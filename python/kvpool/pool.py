@@ -27,6 +27,7 @@ from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.lifecycle import RequestOps
 from kvpool.modes import persistent
+from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.packed import PackedExtend
 from kvpool.rows import RowsMixin
 from kvpool.sharing import SharingMixin, apply_cow
@@ -249,10 +250,9 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
             # A column slice of a wider table: rows sit an odd number of cache
             # lines apart (layout.padded_row_stride), not max_context_len * 4
             # bytes, which is a multiple of 4 KiB for power-of-two lengths.
-            self.req_to_token = torch.zeros(
-                (self.max_requests + 1, padded_row_stride(self.max_context_len)),
-                dtype=torch.int32, device=self.device,
-            )[:, : self.max_context_len]
+            with refuse_out_of_memory("req_to_token", self.table_bytes, self.device, "use a smaller max_requests or max_context_len"):
+                self.req_to_token = torch.zeros((self.max_requests + 1, padded_row_stride(self.max_context_len)),
+                                                dtype=torch.int32, device=self.device)[:, : self.max_context_len]
             self.k_scale: torch.Tensor | None = None
             self.v_scale: torch.Tensor | None = None
             if self.fp8:

@@ -20,6 +20,7 @@ scheduler sees it, broadcast, or the step count); ``set_clock`` is recorded.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import inspect
 import secrets
@@ -182,7 +183,9 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     first rank and broadcast (or ``seed=`` given identically on every rank), is
     passed to every seed keyword the installed ``KVPool`` accepts
     (``hash_seed``, ``handle_seed``, ``seed``), so randomized hashes and handle
-    offsets are still identical across ranks.
+    offsets are still identical across ranks. A pool sized by ``memory_bytes`` or
+    ``memory_fraction`` gets the smallest capacity any rank's budget gives (one
+    collective), so every rank has the same ``num_pages``.
     """
     from kvpool.pool import KVPool
 
@@ -197,4 +200,19 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     ranks = group_ranks(group)
     kwargs.setdefault("tp_rank", ranks.index(dist.get_rank()))
     kwargs.setdefault("tp_size", len(ranks))
-    return TPPool(KVPool(*args, **kwargs), group=group, check_every=check_every)
+    pool = KVPool(*args, **kwargs)
+    budget = [k for k in ("memory_bytes", "memory_fraction") if kwargs.get(k) is not None]
+    if budget:
+        # A budget (memory_fraction above all: each device's own free memory) can give
+        # the ranks different capacities, and then they decide differently once the
+        # smallest fills: every rank takes the smallest, rebuilt after freeing its own.
+        t = torch.tensor([pool.num_pages], dtype=torch.int64, device=comm_device(group, pool.device))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        pages = int(t.item())
+        if pages != pool.num_pages:
+            del pool
+            gc.collect()
+            for k in budget:
+                del kwargs[k]
+            pool = KVPool(*args, num_pages=pages, **kwargs)
+    return TPPool(pool, group=group, check_every=check_every)

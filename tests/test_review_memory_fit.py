@@ -1,0 +1,103 @@
+"""Review: the memory a pool plans against is the memory it allocates ("fit").
+
+A pool sized by ``memory_bytes`` must not allocate more than the budget: every
+tensor it creates (K/V, states, tables) is summed here and compared with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpool
+from kvpool.errors import InvalidArgumentError
+
+HYBRID = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+
+
+def _hybrid_bytes(pool) -> int:
+    """Every tensor a hybrid pool made: K/V, states and the padded tables."""
+    return pool.nbytes + sum(t.untyped_storage().nbytes() for t in pool._tables if t is not None)
+
+
+def test_hybrid_budget_with_the_primary_group_sized_by_group_pages_is_refused():
+    # group_pages for the primary (full) group used to win silently over
+    # memory_bytes: a 100 kB budget built a ~1.3 MB pool.
+    budget = 100_000
+    with pytest.raises(InvalidArgumentError, match="group_pages.*full_attention.*memory_bytes"):
+        pool = kvpool.KVPool(2, 2, 8, group_pages={"full_attention": 20_000}, memory_bytes=budget,
+                             max_requests=4, max_context_len=64, **HYBRID)
+        assert _hybrid_bytes(pool) <= budget, _hybrid_bytes(pool)
+
+
+@pytest.mark.parametrize("kw", [
+    HYBRID,
+    dict(HYBRID, group_pages={"sliding_attention": 40}),
+    dict(layer_types=["sliding_attention"] * 3, sliding_window=8),
+    dict(HYBRID, page_size={"full_attention": 4, "sliding_attention": 2}),
+    dict(layer_types=["full_attention", "mamba"], state_shapes={"conv": (3, 4), "rec": ((2, 2), torch.float32)}),
+], ids=["full+sliding", "sliding-sized", "sliding-only", "mixed-pages", "mamba"])
+def test_hybrid_budget_covers_every_tensor(kw):
+    for budget in range(40_000, 300_000, 37_111):
+        pool = kvpool.KVPool(len(kw["layer_types"]), 2, 8, memory_bytes=budget, max_requests=4,
+                             max_context_len=64, **kw)
+        used = _hybrid_bytes(pool)
+        assert used <= budget, (budget, used)
+
+
+def _tp_budget_rank(rank: int, world: int) -> dict:
+    import kvpool.capacity as capacity
+    from kvpool.distributed import tp_pool
+
+    # Each GPU reports its own free memory: ranks of one group see different figures.
+    capacity.free_device_memory = lambda device: 400_000 + 60_000 * rank
+    tp = tp_pool(2, 4, 8, dtype=torch.float16, memory_fraction=0.5, page_size=4, max_requests=4,
+                 max_context_len=64, check_every=1, seed=3)
+    h = tp.open(4)
+    # Fill the smallest rank's pool and one page more: every rank must decide alike.
+    room = (tp.num_pages - 1) * 4
+    out = {"num_pages": tp.num_pages}
+    try:
+        tp.extend(h, [room // 4 + 1] * 4)
+        out["extend"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the outcome is compared across ranks
+        out["extend"] = type(e).__name__
+    tp.verify()
+    return out
+
+
+def test_tp_pool_ranks_sized_by_a_budget_agree_on_capacity():
+    import _dist
+
+    res = _dist.run_ranks(_tp_budget_rank, world=2, timeout_s=90)
+    assert res[0]["num_pages"] == res[1]["num_pages"], res
+    assert res[0]["extend"] == res[1]["extend"] != "ok", res  # both refuse the same over-full extend
+
+
+# max_requests x max_context_len past any memory while the K/V pages stay tiny: the
+# request-to-token table is what does not fit (~70 TB), and only it.
+HUGE_TABLE = dict(num_pages=2, page_size=1 << 16, max_requests=1 << 16, max_context_len=1 << 28)
+
+
+def test_a_request_table_past_memory_is_a_typed_refusal_naming_it():
+    with pytest.raises(InvalidArgumentError, match="req_to_token.*max_requests.*max_context_len"):
+        kvpool.KVPool(1, 1, 8, lazy_metadata=True, **HUGE_TABLE)
+
+
+def test_a_hybrid_pool_table_past_memory_is_a_typed_refusal_naming_it():
+    with pytest.raises(InvalidArgumentError, match="req_to_token.*max_requests.*max_context_len"):
+        kvpool.KVPool(2, 1, 8, **HYBRID, **HUGE_TABLE)
+
+
+def test_a_hybrid_group_past_int32_slot_ids_is_refused_before_any_tensor(monkeypatch):
+    # The plain pool refuses more than 2**31 slots at construction (capacity.MAX_SLOTS);
+    # a hybrid group used to be built (K/V allocated) and refused only at its first extend.
+    import kvpool.hybrid
+
+    def allocated(**kw):
+        raise AssertionError(f"K/V allocated for {kw['num_pages']} pages of {kw['page_size']}")
+
+    monkeypatch.setattr(kvpool.hybrid, "KVStorage", allocated)
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*31"):
+        kvpool.KVPool(2, 1, 8, page_size=1 << 16, num_pages=(1 << 15) + 1, max_requests=2, max_context_len=64,
+                      **HYBRID)
