@@ -355,9 +355,13 @@ class Router:
             # unchecked, and the same prompt a token longer be refused.
             raise InvalidArgumentError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         cap = max(len(tokens) - 1, 0) // self.page_size
+        # The whole prompt is hashed, not just the pages looked up, so that its salt and every
+        # token id are checked as open_with_prefix checks them (route() would otherwise count
+        # a request no pool takes); at most one page more than the cap.
+        words = page_hashes(tokens if tokens.size else tokens.astype(np.int64), self.page_size,
+                            self.hash_seed, salt)[: 2 * cap]
         if cap == 0:
             return [0] * self.num_pools
-        words = page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt)
         if self._int_keys and self._bytes_keys:  # pools of both kinds: a page held in either form
             depths = self.index.depths(self._keys(words), self._all, self.num_pools, also=self._int_form(words))
         else:

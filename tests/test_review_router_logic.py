@@ -1,0 +1,119 @@
+"""Outside-check review of the router's logic: its answers against the pools'
+actual hits (several pools, page sizes 1 and 16, salts, both hash forms),
+stale batches of a restarted publisher, and prompts the pools would refuse."""
+
+import numpy as np
+import pytest
+
+import kvpool
+
+pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+from kvpool.events import LocalEventPublisher  # noqa: E402
+from kvpool.router import Router  # noqa: E402
+
+SEED = 21
+
+
+def admit(a, tokens, salt=0):
+    tokens = np.asarray(tokens, dtype=np.int64)
+    h, c = a.open_with_prefix(tokens, [len(tokens)], salt)
+    try:
+        a.extend(h, len(tokens) - int(c[0]))
+    finally:
+        a.close(h, cache=True)
+
+
+def hit(a, prompt, page_size, salt=0):
+    """What ``a.open_with_prefix`` would return, without opening anything."""
+    hashes = kvpool._core.page_hashes(prompt, page_size, SEED, salt)
+    n = min(len(hashes) // 2, (len(prompt) - 1) // page_size)
+    return page_size * a.match_chain_hashes(hashes[: 2 * n], prompt[: n * page_size], salt)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_match_is_every_pools_hit_after_every_step(page_size):
+    """Three pools (two 16-byte, one int form) of different sizes and contents,
+    salted prompts, evictions, clears and requests left open; every batch is
+    delivered before the next look-up, so the router must be exact."""
+    rng = np.random.default_rng(page_size)
+    pools = [kvpool.SlotAllocator(n * (16 // page_size), page_size, 8, 1024, hash_seed=SEED) for n in (9, 14, 20)]
+    pubs = [LocalEventPublisher(p, int_block_hashes=i == 1) for i, p in enumerate(pools)]
+    r = Router(3, page_size=page_size, hash_seed=SEED)
+    stems = [rng.integers(0, 50, size=int(rng.integers(1, 5 * page_size))) for _ in range(6)]
+    held = [[] for _ in pools]
+    for i in range(250):
+        salt = int(rng.choice([0, 0, 7, -3, 2**63 - 1]))
+        tail = rng.integers(0, 50, size=int(rng.integers(1, 2 * page_size + 2)))
+        prompt = np.concatenate([stems[int(rng.integers(0, 6))], tail]).astype(np.int64)
+        assert r.match(prompt, salt) == [hit(a, prompt, page_size, salt) for a in pools], i
+        k = int(rng.integers(0, 3))
+        a, op = pools[k], rng.random()
+        try:
+            if op < 0.04:
+                a.clear_cache()
+            elif op < 0.12:
+                a.evict(int(rng.integers(1, 4)))
+            elif op < 0.2 and held[k]:
+                a.close(held[k].pop(), cache=bool(rng.random() < 0.5))
+            elif op < 0.3 and len(held[k]) < 3:
+                h, c = a.open_with_prefix(prompt, [len(prompt)], salt)
+                held[k].append(h)
+                a.extend(h, len(prompt) - int(c[0]))
+                a.cache(h)
+            else:
+                admit(a, prompt, salt)
+        except kvpool.PoolExhaustedError:  # a pool full of held pages
+            pass
+        for j, pub in enumerate(pubs):
+            pub.publish()
+            r.feed_many(j, pub.drain())
+
+
+def step(pub, tokens):
+    admit(pub.pool, tokens)
+    pub.publish()
+    return pub.drain()
+
+
+def publisher():
+    return LocalEventPublisher(kvpool.SlotAllocator(64, 4, 8, 512, hash_seed=SEED))
+
+
+def test_a_late_batch_of_the_publisher_before_its_restart_is_not_applied():
+    """The engine restarted and the router took its new stream; a batch the old
+    engine sent before the restart arrives late (a reordered delivery, a queue
+    drained behind the new connection), under a number the new stream has not
+    reached. It is older than every batch applied (its ts), so it cannot be the
+    new stream's: applying it would believe in pages the restarted pool lost."""
+    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
+    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 8)]
+    for m in old_msgs[:3]:
+        r.feed(0, *m)
+    new = publisher()
+    for i in range(5):
+        r.feed_many(0, step(new, np.arange(5000 + 100 * i, 5009 + 100 * i)))
+    assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 5
+    assert r.feed(0, *old_msgs[5]) == 0, "old seq 5: older than the batches applied"
+    assert r.feed(0, *old_msgs[6]) == 0 and not r.streams[0].pending, "nor kept to apply later"
+    assert r.match(np.arange(600, 609)) == [0] and r.match(np.arange(700, 709)) == [0]
+    assert r.feed_many(0, step(new, np.arange(9000, 9009))) == 1, "the new stream goes on"
+    assert r.match(np.arange(9000, 9009)) == [8]
+
+
+@pytest.mark.parametrize("tokens, salt", [
+    ([1, 2, -1], 0), ([5], 2**64), ([], "x"), (list(range(8)) + [-1], 0), (list(range(8)) + [2**31], 0),
+    ([1, 2], 1.5), ([1, 2], True),
+], ids=["short-neg-token", "short-salt-range", "empty-salt-str", "tail-neg-token", "tail-big-token",
+        "short-salt-float", "short-salt-bool"])
+def test_a_prompt_the_pools_refuse_is_refused_at_every_length(tokens, salt):
+    """match/route check the whole prompt and the salt as open_with_prefix does, not
+    only the whole pages they hash: otherwise route() counts a request no pool takes."""
+    a = kvpool.SlotAllocator(64, 4, 8, 512, hash_seed=SEED)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        a.open_with_prefix(np.asarray(tokens, dtype=np.int64), [len(tokens)], salt)
+    r = Router(2, page_size=4, hash_seed=SEED)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        r.match(np.asarray(tokens, dtype=np.int64), salt)
+    with pytest.raises(kvpool.InvalidArgumentError):
+        r.route(np.asarray(tokens, dtype=np.int64), salt)
+    assert r.load == [0, 0]
