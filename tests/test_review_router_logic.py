@@ -100,6 +100,37 @@ def test_a_late_batch_of_the_publisher_before_its_restart_is_not_applied():
     assert r.match(np.arange(9000, 9009)) == [8]
 
 
+def test_a_late_batch_under_a_number_the_new_stream_applied_is_not_a_restart():
+    """The same late batch, under a number the new stream has already applied:
+    it differs from the applied one, but it is the older of the two (its ts),
+    so it is a stale copy, not a second restart to take as the stream's start."""
+    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
+    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 5)]
+    for m in old_msgs[:2]:
+        r.feed(0, *m)
+    new = publisher()
+    for i in range(3):
+        r.feed_many(0, step(new, np.arange(5000 + 100 * i, 5009 + 100 * i)))
+    assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 3
+    assert r.feed(0, *old_msgs[2]) == 0 and r.streams[0].restarts == 1
+    assert r.match(np.arange(300, 309)) == [0], "the restarted pool never held it"
+    assert r.match(np.arange(5200, 5209)) == [8], "what the new stream said still stands"
+
+
+def test_of_two_batches_under_one_waiting_number_the_older_is_the_stale_one():
+    """A new stream's batch waits behind a gap; the old publisher's batch under
+    the same number comes late. The older one must not restart the stream over
+    the newer one."""
+    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
+    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 5)]
+    r.feed(0, *old_msgs[0])
+    new = publisher()
+    new_msgs = [step(new, np.arange(5000 + 100 * i, 5009 + 100 * i))[0] for i in range(3)]
+    assert r.feed(0, *new_msgs[2]) == 0 and r.needs_replay(0) == 1
+    assert r.feed(0, *old_msgs[2]) == 0 and r.streams[0].restarts == 0
+    assert r.match(np.arange(300, 309)) == [0]
+
+
 @pytest.mark.parametrize("tokens, salt", [
     ([1, 2, -1], 0), ([5], 2**64), ([], "x"), (list(range(8)) + [-1], 0), (list(range(8)) + [2**31], 0),
     ([1, 2], 1.5), ([1, 2], True),

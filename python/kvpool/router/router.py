@@ -15,7 +15,9 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
   batches, if it is no newer than the last applied one (its ``ts``). Anything
   else under an old number means the publisher's numbering started again (an
   engine restart): the router forgets the pool and takes that batch as the
-  stream's new start.
+  stream's new start. A batch older (its ``ts``) than one the router took,
+  applied or waiting under its number, is ignored as well, whatever its
+  number: the publisher sent it before a restart the router already took;
   ``ZmqFeed`` asks every replay from the last applied number
   (``verify_from``), so a replay also checks that the publisher still has the
   router's history;
@@ -161,16 +163,24 @@ class Router:
         st = self.streams[pool]
         if st.next_seq is None or s >= st.next_seq:
             waiting = st.pending.get(s)
-            restart = waiting is not None and waiting[1] != digest
+            # One publisher's numbers and ts grow together: a batch older than one the
+            # router took (applied, or waiting under this number) was sent before a
+            # restart the router already saw, and came late. Applying it would believe
+            # in pages the restarted pool lost.
+            stale = batch.ts < (st.last_ts if waiting is None else max(st.last_ts, waiting[0].ts))
+            restart = not stale and waiting is not None and waiting[1] != digest
         else:
             known = st.applied.get(s)
             # Past the remembered window, the batch's timestamp decides: a stale
             # copy (a SUB queue drained after a replay caught up) is no newer than
-            # the last applied batch; a restarted publisher's batch is.
-            restart = known != digest if known is not None else batch.ts > st.last_ts
-            if not restart:
-                st.duplicates += 1
-                return 0
+            # the last applied batch; a restarted publisher's batch is. Under a
+            # remembered number, another payload is a restart unless it is older.
+            stale = batch.ts < st.last_ts
+            restart = not stale and (known != digest if known is not None else batch.ts > st.last_ts)
+            stale = not restart
+        if stale:
+            st.duplicates += 1
+            return 0
         root = self._root(batch)
         if root is not None and (restart or not st.checked_seed):
             self._check_seed(pool, root)
