@@ -17,7 +17,9 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
   engine restart): the router forgets the pool and takes that batch as the
   stream's new start. A batch older (its ``ts``) than one the router took,
   applied or waiting under its number, is ignored as well, whatever its
-  number: the publisher sent it before a restart the router already took;
+  number (the publisher sent it before a restart the router already took),
+  and the pool is forgotten (or the publisher's clock went back, and the
+  batch's Removed events are lost);
   ``ZmqFeed`` asks every replay from the last applied number
   (``verify_from``), so a replay also checks that the publisher still has the
   router's history;
@@ -157,6 +159,10 @@ class Router:
             batch = self._decode(payload)
         except self._not_a_batch as e:
             raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
+        if not math.isfinite(batch.ts):
+            # The stream's order checks compare ts: an infinite one would make every later batch stale.
+            raise InvalidArgumentError(f"pool {pool}'s message {s} has ts {batch.ts}; a publisher sends its "
+                                       f"time.time()")
         return s, batch, hash(bytes(payload))
 
     def _feed(self, pool: int, s: int, batch: Any, digest: int) -> int:
@@ -165,20 +171,25 @@ class Router:
             waiting = st.pending.get(s)
             # One publisher's numbers and ts grow together: a batch older than one the
             # router took (applied, or waiting under this number) was sent before a
-            # restart the router already saw, and came late. Applying it would believe
-            # in pages the restarted pool lost.
-            stale = batch.ts < (st.last_ts if waiting is None else max(st.last_ts, waiting[0].ts))
-            restart = not stale and waiting is not None and waiting[1] != digest
+            # restart the router already saw, and came late.
+            late = batch.ts < (st.last_ts if waiting is None else max(st.last_ts, waiting[0].ts))
+            restart = not late and waiting is not None and waiting[1] != digest
         else:
             known = st.applied.get(s)
             # Past the remembered window, the batch's timestamp decides: a stale
             # copy (a SUB queue drained after a replay caught up) is no newer than
-            # the last applied batch; a restarted publisher's batch is. Under a
-            # remembered number, another payload is a restart unless it is older.
-            stale = batch.ts < st.last_ts
-            restart = not stale and (known != digest if known is not None else batch.ts > st.last_ts)
-            stale = not restart
-        if stale:
+            # the last applied batch; a restarted publisher's batch is. Another
+            # payload under a remembered number is a restart, unless it is older.
+            late = known is not None and known != digest and batch.ts < st.last_ts
+            restart = not late and (known != digest if known is not None else batch.ts > st.last_ts)
+            if not late and not restart:
+                st.duplicates += 1
+                return 0
+        if late:
+            # Applying it would believe in pages the restarted pool lost. The pool is
+            # forgotten too: were it the publisher's clock that went back, what the
+            # ignored batch removed must not stay believed either.
+            self.forget(pool)
             st.duplicates += 1
             return 0
         root = self._root(batch)
