@@ -184,3 +184,18 @@ def test_a_clock_gone_back_never_leaves_a_removed_page_believed():
     assert r.feed_many(0, step(pub, np.arange(20, 29))) == 0, "waits behind the ignored one"
     r.give_up_gap(0)
     assert r.match(np.arange(20, 29)) == [8] and r.match(np.arange(9)) == [0]
+
+
+def test_after_resync_a_late_batch_is_not_taken_as_the_new_start():
+    """resync() (a publisher that went away, its history unchecked) takes the next
+    batch as the stream's start, but not one older than those the router took: a
+    batch queued before the restart would be believed until the new engine speaks."""
+    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
+    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 4)]
+    r.feed(0, *old_msgs[0])
+    r.feed(0, *old_msgs[1])
+    r.resync(0)  # the old engine went away
+    assert r.feed(0, *old_msgs[0]) == 0 and r.match(np.arange(100, 109)) == [0]
+    assert r.streams[0].next_seq is None, "still waiting for the new stream's start"
+    new = publisher()
+    assert r.feed_many(0, step(new, np.arange(5000, 5009))) == 1 and r.match(np.arange(5000, 5009)) == [8]

@@ -268,13 +268,13 @@ class Router:
         """``pool``'s stream cannot be trusted to continue (its publisher
         restarted, or went away and its history cannot be checked): forget the
         pool's pages and the waiting batches, and take the next batch that
-        arrives as the stream's start."""
+        arrives as the stream's start (one no older than those applied: the
+        last ``ts`` is kept, so a batch queued before is not taken)."""
         st = self._stream(pool)
         self.forget(pool)
         st.pending.clear()
         st.applied.clear()
         st.next_seq = None
-        st.last_ts = float("-inf")
         st.checked_seed = False
         st.restarts += 1
 
