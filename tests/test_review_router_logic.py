@@ -282,3 +282,16 @@ def test_lost_duplicated_reordered_and_restarted_streams_never_overstate_a_pool(
             source = [h[st.next_seq - 1] for _, ms, h in incs
                       if len(ms) >= st.next_seq and hash(ms[st.next_seq - 1][2]) == last]
             assert source and r.index.held[0] <= source[0], (trial, i)
+
+
+@pytest.mark.parametrize("num_pools", [4, 100])
+def test_a_numpy_pool_index_is_a_pool_index(num_pools):
+    """feed takes a numpy int as the pool (is_int), and the index used it as is in
+    its bit masks: np.int64 masks broke every later match (OverflowError past 63
+    pools, AttributeError on bit_length below), for all pools."""
+    r, pub = Router(num_pools, page_size=4, hash_seed=SEED), publisher()
+    r.feed_many(np.int64(num_pools - 2), step(pub, np.arange(9)))
+    r.feed_many(0, [])
+    assert r.match(np.arange(9)) == [0] * (num_pools - 2) + [8, 0]
+    r.forget(np.int32(num_pools - 2))
+    assert r.match(np.arange(9)) == [0] * num_pools and len(r.index) == 0
