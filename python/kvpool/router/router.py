@@ -61,7 +61,7 @@ class StreamState:
     # (decoded batch, payload digest) by sequence number
     pending: dict[int, Any] = dataclasses.field(default_factory=dict)
     batches: int = 0  # applied
-    duplicates: int = 0  # ignored: the batch already applied under that number (replay overlap)
+    duplicates: int = 0  # ignored: a replay overlap, a stale copy, or older than a batch taken (late)
     resets: int = 0  # pool forgotten after an unfillable gap
     restarts: int = 0  # pool forgotten: the publisher's numbering started again (or resync())
     cleared: int = 0  # AllBlocksCleared applied
