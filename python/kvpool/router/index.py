@@ -23,7 +23,8 @@ class PageIndex:
         self.journal: list[tuple[int, Any, bool]] | None = None
 
     def add(self, pool: int, hashes: list[Any]) -> None:
-        bit, held, where = 1 << pool, self.held[pool], self.where
+        # int(): a numpy pool index would make every mask it touches a fixed-width numpy int.
+        bit, held, where = 1 << int(pool), self.held[pool], self.where
         for h in hashes:
             if h not in held:
                 held.add(h)
@@ -32,7 +33,7 @@ class PageIndex:
                     self.journal.append((pool, h, True))
 
     def remove(self, pool: int, hashes: list[Any]) -> None:
-        clear, held, where = ~(1 << pool), self.held[pool], self.where
+        clear, held, where = ~(1 << int(pool)), self.held[pool], self.where
         for h in hashes:
             if h in held:
                 held.discard(h)

@@ -15,7 +15,11 @@ Trust rules, per pool stream (sequence numbers as the publisher sends them):
   batches, if it is no newer than the last applied one (its ``ts``). Anything
   else under an old number means the publisher's numbering started again (an
   engine restart): the router forgets the pool and takes that batch as the
-  stream's new start.
+  stream's new start. A batch older (its ``ts``) than one the router took,
+  applied or waiting under its number, is ignored as well, whatever its
+  number (the publisher sent it before a restart the router already took),
+  and the pool is forgotten (or the publisher's clock went back, and the
+  batch's Removed events are lost);
   ``ZmqFeed`` asks every replay from the last applied number
   (``verify_from``), so a replay also checks that the publisher still has the
   router's history;
@@ -57,7 +61,7 @@ class StreamState:
     # (decoded batch, payload digest) by sequence number
     pending: dict[int, Any] = dataclasses.field(default_factory=dict)
     batches: int = 0  # applied
-    duplicates: int = 0  # ignored: the batch already applied under that number (replay overlap)
+    duplicates: int = 0  # ignored: a replay overlap, a stale copy, or older than a batch taken (late)
     resets: int = 0  # pool forgotten after an unfillable gap
     restarts: int = 0  # pool forgotten: the publisher's numbering started again (or resync())
     cleared: int = 0  # AllBlocksCleared applied
@@ -155,22 +159,39 @@ class Router:
             batch = self._decode(payload)
         except self._not_a_batch as e:
             raise InvalidArgumentError(f"pool {pool}'s message {s} is not a KV event batch: {e}") from None
+        if not math.isfinite(batch.ts):
+            # The stream's order checks compare ts: an infinite one would make every later batch stale.
+            raise InvalidArgumentError(f"pool {pool}'s message {s} has ts {batch.ts}; a publisher sends its "
+                                       f"time.time()")
         return s, batch, hash(bytes(payload))
 
     def _feed(self, pool: int, s: int, batch: Any, digest: int) -> int:
         st = self.streams[pool]
         if st.next_seq is None or s >= st.next_seq:
             waiting = st.pending.get(s)
-            restart = waiting is not None and waiting[1] != digest
+            # One publisher's numbers and ts grow together: a batch older than one the
+            # router took (applied, or waiting under this number) was sent before a
+            # restart the router already saw, and came late.
+            late = batch.ts < (st.last_ts if waiting is None else max(st.last_ts, waiting[0].ts))
+            restart = not late and waiting is not None and waiting[1] != digest
         else:
             known = st.applied.get(s)
             # Past the remembered window, the batch's timestamp decides: a stale
             # copy (a SUB queue drained after a replay caught up) is no newer than
-            # the last applied batch; a restarted publisher's batch is.
-            restart = known != digest if known is not None else batch.ts > st.last_ts
-            if not restart:
+            # the last applied batch; a restarted publisher's batch is. Another
+            # payload under a remembered number is a restart, unless it is older.
+            late = known is not None and known != digest and batch.ts < st.last_ts
+            restart = not late and (known != digest if known is not None else batch.ts > st.last_ts)
+            if not late and not restart:
                 st.duplicates += 1
                 return 0
+        if late:
+            # Applying it would believe in pages the restarted pool lost. The pool is
+            # forgotten too: were it the publisher's clock that went back, what the
+            # ignored batch removed must not stay believed either.
+            self.forget(pool)
+            st.duplicates += 1
+            return 0
         root = self._root(batch)
         if root is not None and (restart or not st.checked_seed):
             self._check_seed(pool, root)
@@ -247,13 +268,13 @@ class Router:
         """``pool``'s stream cannot be trusted to continue (its publisher
         restarted, or went away and its history cannot be checked): forget the
         pool's pages and the waiting batches, and take the next batch that
-        arrives as the stream's start."""
+        arrives as the stream's start (one no older than those applied: the
+        last ``ts`` is kept, so a batch queued before is not taken)."""
         st = self._stream(pool)
         self.forget(pool)
         st.pending.clear()
         st.applied.clear()
         st.next_seq = None
-        st.last_ts = float("-inf")
         st.checked_seed = False
         st.restarts += 1
 
@@ -355,9 +376,13 @@ class Router:
             # unchecked, and the same prompt a token longer be refused.
             raise InvalidArgumentError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
         cap = max(len(tokens) - 1, 0) // self.page_size
+        # The whole prompt is hashed, not just the pages looked up, so that its salt and every
+        # token id are checked as open_with_prefix checks them (route() would otherwise count
+        # a request no pool takes); at most one page more than the cap.
+        words = page_hashes(tokens if tokens.size else tokens.astype(np.int64), self.page_size,
+                            self.hash_seed, salt)[: 2 * cap]
         if cap == 0:
             return [0] * self.num_pools
-        words = page_hashes(tokens[: cap * self.page_size], self.page_size, self.hash_seed, salt)
         if self._int_keys and self._bytes_keys:  # pools of both kinds: a page held in either form
             depths = self.index.depths(self._keys(words), self._all, self.num_pools, also=self._int_form(words))
         else:
