@@ -39,10 +39,11 @@ def store_kv(
             (single-cache / MLA latent mode).
         slots: int32/int64 [n] on the caches' device; negative entries are skipped.
             Device slots are not range-checked (that would need a device read; the
-            pool hands out only valid slots); CPU slots are (``SlotRangeError``). A slot repeated within one call is written
-            by several rows in parallel and which one lands is unspecified (it may
-            differ between CPU and GPU): repeat only padding sinks (page 0, whose
-            content is meaningless). The allocator never repeats a real slot.
+            pool hands out only valid slots); CPU slots are (``SlotRangeError``). A
+            slot repeated within one call is written by several rows in parallel and
+            which one lands is unspecified (it may differ between CPU and GPU): repeat
+            only padding sinks (page 0, whose content is meaningless). The allocator
+            never repeats a real slot.
         k, v: [n, H, D] rows. On CPU they may be views of the caches (stored as they
             were at the call); on CUDA a source row that the same call also writes is
             read and written in parallel, so which value it gives is unspecified.
