@@ -75,7 +75,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     is_compileable = False
 
     def __init__(self, requests: StateRequests, layer_idx: int, number_of_states: int = 1) -> None:
-        super().__init__(number_of_states=number_of_states)
+        # transformers >= 5.25 gives the layer a length tensor of its own (never used here:
+        # see get_seq_length); made outside inference mode, as every tensor a cache keeps.
+        with torch.inference_mode(False), torch.no_grad():
+            super().__init__(number_of_states=number_of_states)
         self.requests, self.layer_idx = requests, layer_idx
         self.conv_states = _StateRows(self, "conv", number_of_states)
         self.recurrent_states = _StateRows(self, "recurrent", number_of_states)
@@ -184,6 +187,17 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     def drop(self) -> None:
         self._work, self._rows, self._epoch = {}, {}, -1
 
+    def get_seq_length(self) -> int:
+        # transformers >= 5.25 asks layer 0 for the cache's length even when it is a linear-attention
+        # layer, which it counts in a tensor of its own; before, it asked the first attention
+        # layer. The rows' length is the pool's: answer as that layer does.
+        layers = self.requests.layers
+        return int(layers[0].get_seq_length()) if layers else self.requests.length
+
+    def increase_count(self, state_idx: int) -> None:
+        """(transformers >= 5.25) a decode step's in-place conv update: nothing to count, the
+        attention layers' extends keep the rows' length."""
+
     def lazy_initialization(self, conv_states: torch.Tensor | None = None, recurrent_states: torch.Tensor | None = None,
                             state_idx: int = 0, conv_kernel_size: int | None = None) -> None:
         given = conv_states if conv_states is not None else recurrent_states
@@ -223,7 +237,13 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         rows.copy_(full[..., -k:])
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor], state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        if not isinstance(recurrent_states, torch.Tensor):
+            # transformers >= 5.25, recording the past (activate_past_recording): the states after
+            # each of the forward's last tokens. A crop here restores the pool's checkpoints
+            # instead, so only the last state is kept.
+            recurrent_states = recurrent_states[-1]
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.stamp(state_name("recurrent", state_idx))
