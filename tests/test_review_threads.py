@@ -10,6 +10,8 @@ that request's page (``SlotAllocator.swap_in``), so both hold it.
 A ``DiskCache``'s ``store_new`` and ``prefetch`` stage pages through one host buffer;
 called from two threads (a scheduler prefetching, a helper storing) they run one at a
 time, or a prefetch loads what store_new copied there under its own prompt's hashes.
+
+``ZmqEventPublisher.close()`` is idempotent, also when two threads close at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 import kvpool
@@ -149,3 +152,49 @@ def test_prefetch_on_one_thread_while_store_new_runs_on_another(tmp_path, monkey
     assert int(cached[0]) == 8
     assert _values(pool, hs[0])[:8] == [float(t) for t in x[:8]]
     pool.check()
+
+
+def test_zmq_publisher_closed_from_two_threads_at_once():
+    """close() is idempotent; two threads closing at once (an engine's shutdown path and an
+    atexit hook) both return. The second used to test the sender thread, queue its stop
+    marker, and then call join() on the None the first had left there (AttributeError).
+    A hook holds the second between the two until the first has finished."""
+    pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+    from kvpool.events import ZmqEventPublisher
+
+    pub = ZmqEventPublisher(_pool(host_pages=None), endpoint="inproc://review-threads-close")
+    first_done, second_queued = threading.Event(), threading.Event()
+    queue = pub._queue
+
+    class SlowQueue:
+        def put(self, item):
+            queue.put(item)
+            if threading.current_thread().name == "second":
+                second_queued.set()
+                first_done.wait(JOIN_S)
+
+        def __getattr__(self, name):
+            return getattr(queue, name)
+
+    pub._queue = SlowQueue()
+    errors: list[BaseException] = []
+
+    def close():
+        try:
+            pub.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    second = threading.Thread(target=close, name="second", daemon=True)
+    second.start()
+    second_queued.wait(1.0)  # with the fix the second may hold a lock instead: the first then waits
+    first = threading.Thread(target=close, name="first", daemon=True)
+    first.start()
+    first.join(1.0)
+    first_done.set()
+    for t in (first, second):
+        t.join(JOIN_S)
+        assert not t.is_alive(), "deadlock"
+    assert not errors, errors[0]
+    with pytest.raises(kvpool.PublisherClosedError):
+        pub.publish()
