@@ -60,6 +60,7 @@ class HostTierMixin:
     _to_device: Any
     _enter_device_call: Any
     _write_prefixes: Any
+    _sharing: bool  # read and set under _lock only (kvpool.sharing)
     # Set by _init_host_tier: None without a tier.
     host: HostStorage | None = None
     _transfers: TransferRunner | None = None
@@ -146,6 +147,9 @@ class HostTierMixin:
             if self._to_device is not None:
                 self._enter_device_call("swap_in")
             self.allocator.swap_in(handles)
+            # A page whose entry another request's registration took over meanwhile comes
+            # back as that request's page: both hold it, so extends must copy on write.
+            self._sharing = True
             self._run_transfers()
             hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
             try:

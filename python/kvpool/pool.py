@@ -120,7 +120,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     Queries and counters take only the core's own lock; ``write`` and ``read``
     take none (a request's owner writes its own slots). The caller orders the
     rest: until another thread's writes into a request's slots have run, do not
-    ``close``, ``truncate``, ``fork`` or ``cache`` it (``extend`` is fine: its new
+    ``close``, ``truncate``, ``swap_out``, ``fork`` or ``cache`` it (``extend`` is fine: its new
     slots are not the ones being written), and never extend one request from two
     threads at once (docs/kernels-and-graphs.md, "Threads").
 

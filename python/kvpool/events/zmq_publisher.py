@@ -94,6 +94,8 @@ class ZmqEventPublisher(EventPublisher):
         self._queue: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
         self._sent = threading.Condition()
         self._queued = self._done = 0
+        # close() from two threads at once: one stops the sender thread, the other waits for it.
+        self._closing = threading.Lock()
         try:
             self._pub.set_hwm(int(hwm))
             try:
@@ -168,13 +170,14 @@ class ZmqEventPublisher(EventPublisher):
         """Send what is queued, stop the sender thread and close both sockets
         (idempotent)."""
         super().close()
-        if self._thread is not None:
-            self._queue.put(None)
-            # Bounded: the queue ahead of the sentinel is finite, and sends
-            # never block (PUB and ROUTER drop past their HWM).
-            self._thread.join()
-            self._thread = None
-        self._close_sockets()
+        with self._closing:
+            if self._thread is not None:
+                self._queue.put(None)
+                # Bounded: the queue ahead of the sentinel is finite, and sends
+                # never block (PUB and ROUTER drop past their HWM).
+                self._thread.join()
+                self._thread = None
+            self._close_sockets()
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay_sock):

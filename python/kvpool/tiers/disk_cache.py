@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +121,8 @@ class DiskCache:
         backend: where pages go (e.g. ``FileTier(path, max_bytes)``).
         model: what model (and revision) wrote the K/V: part of the fingerprint.
 
-    One thread at a time per ``DiskCache`` (the pool itself may be shared).
+    Calls from several threads run one at a time (the cache's lock, taken before the
+    pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
@@ -133,6 +135,10 @@ class DiskCache:
         self._pending: dict[int, None] = {}  # pool hashes to store (insertion ordered)
         self._staging: HostStorage | None = None
         self._staging_event: Any = None
+        # Held for the whole of store_new and prefetch: both fill and read the one staging
+        # buffer (and the chain state), so a prefetch interleaved with a store_new on another
+        # thread would load the pages store_new copied there under the prompt's hashes.
+        self._calls = threading.Lock()
 
     # ----- events -> chains ---------------------------------------------
 
@@ -200,6 +206,10 @@ class DiskCache:
         if max_pages is not None and (isinstance(max_pages, (bool, np.bool_))
                                       or not isinstance(max_pages, numbers.Integral) or max_pages < 0):
             raise InvalidArgumentError(f"max_pages must be None or an int >= 0, got {max_pages!r}")
+        with self._calls:
+            return self._store_new(events, max_pages)
+
+    def _store_new(self, events: dict[str, np.ndarray] | None, max_pages: int | None) -> int:
         self._absorb(checked_events(events) if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
         leaves, covered = [], set()
@@ -310,6 +320,10 @@ class DiskCache:
             Pages loaded.
         """
         tokens = _token_ids(tokens)
+        with self._calls:
+            return self._prefetch(tokens, salt)
+
+    def _prefetch(self, tokens: np.ndarray, salt: int | None) -> int:
         p = self.pool.page_size
         n_full = max(0, (len(tokens) - 1) // p)
         if n_full == 0:
