@@ -45,7 +45,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import PageRecord, TierBackend, page_key, tier_seed
+from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
 from kvpool.tiers.host_storage import HostStorage
 
@@ -93,6 +93,12 @@ def _token_ids(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _page_bytes(pool: Any) -> int:
+    """One page's K/V bytes across layers (a host page's, a record's payload)."""
+    return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
+        pool.dtype.itemsize
+
+
 @dataclass
 class _Entry:
     parent: int
@@ -120,13 +126,32 @@ class DiskCache:
         backend: where pages go (e.g. ``FileTier(path, max_bytes)``).
         model: what model (and revision) wrote the K/V: part of the fingerprint.
 
+    Raises:
+        InvalidArgumentError: ``pool`` is not a plain ``KVPool``, ``backend`` not a
+            ``TierBackend`` or too small for one page record, or ``model`` not a str.
+
     One thread at a time per ``DiskCache`` (the pool itself may be shared).
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
+        from kvpool.pool import KVPool  # kvpool.pool imports the tiers package
+
+        if not isinstance(pool, KVPool):
+            # A hybrid pool has no single page geometry (nor a host tier): refused here rather
+            # than failing in store_new after the pool's events were drained.
+            raise InvalidArgumentError(f"pool must be a plain kvpool.KVPool (no layer_types), "
+                                       f"got {type(pool).__name__}")
         if not isinstance(backend, TierBackend):
             raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
                                        f"got {type(backend).__name__}")
+        if not isinstance(model, str):
+            # str(None) == "None": a non-str would share another model's fingerprint.
+            raise InvalidArgumentError(f"model must be a str naming the model and revision, "
+                                       f"got {type(model).__name__} {model!r:.60}")
+        need = record_bytes(pool.page_size, _page_bytes(pool))
+        if backend.max_bytes < need:
+            raise InvalidArgumentError(f"backend.max_bytes = {backend.max_bytes} cannot hold one page record of "
+                                       f"this pool; it must be at least {need} bytes")
         self.pool, self.backend, self.model = pool, backend, model
         self.stats = DiskStats()
         self._entries: dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
@@ -347,9 +372,7 @@ class DiskCache:
         return out
 
     def _page_bytes(self) -> int:
-        pool = self.pool
-        return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
-            pool.dtype.itemsize
+        return _page_bytes(self.pool)
 
     def _admit(self, prefix: np.ndarray, pool_words: np.ndarray, cached: int, records: list[PageRecord],
                salt: int | None) -> int:

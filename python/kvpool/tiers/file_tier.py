@@ -46,7 +46,8 @@ class FileTier(TierBackend):
     """Page records as files under ``path``, at most ``max_bytes`` in all (see the module doc).
 
     Args:
-        path: the directory (created if missing).
+        path: the directory (created if missing; a relative path is resolved against the
+            working directory when the tier is built).
         max_bytes: bound on the records' bytes (> 0).
         scan_interval_s: longest time between directory rescans while writing.
 
@@ -64,9 +65,15 @@ class FileTier(TierBackend):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
         try:
-            self.path = Path(path)
+            # Absolute now: a relative path must not follow a later chdir (writes would
+            # fail, reads miss, and eviction would scan another directory).
+            self.path = Path(path).absolute()
         except TypeError as e:  # a PathLike that returns bytes
             raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
+        if not os.fspath(path):
+            # Path("") is ".": the working directory, whose subdirectories eviction scans.
+            raise InvalidArgumentError("path must name a directory, got an empty path "
+                                       "(give the directory explicitly, '.' for the working directory)")
         self._max = int(max_bytes)
         if isinstance(scan_interval_s, (bool, np.bool_)) \
                 or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \

@@ -1,0 +1,67 @@
+"""Review of the disk tier (FileTier, DiskCache): path handling, arguments that cannot
+work, and eviction that must not leave a chain's unreachable tail behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_tier_disk_cache import LAYERS, P, make_pool
+
+from kvpool.errors import InvalidArgumentError
+from kvpool.tiers import DiskCache, FileTier, PageRecord
+from kvpool.tiers.backend import record_bytes
+
+
+def _record(h: int) -> PageRecord:
+    return PageRecord(h, 0, 0, np.arange(4, dtype=np.int32), bytes(16), bytes(range(64)))
+
+
+def test_a_relative_path_keeps_naming_the_same_directory_after_a_chdir(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    tier = FileTier("rel", 1 << 20)
+    monkeypatch.chdir(tmp_path / "b")  # a server that changes directory after building its tiers
+    assert tier.put(_record(7))
+    assert tier.get(7) is not None
+    assert tier.path.is_absolute()
+    assert list((tmp_path / "a" / "rel").glob("*/*.kvp"))
+    assert not (tmp_path / "b" / "rel").exists()
+
+
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="path"):
+        FileTier("", 1 << 20)
+    assert list(tmp_path.iterdir()) == []  # nothing created in the working directory
+
+
+def test_a_bound_below_one_page_record_is_refused_with_the_size_needed(tmp_path):
+    pool = make_pool()
+    page = 2 * LAYERS * P * pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize
+    need = record_bytes(P, page)
+    with pytest.raises(InvalidArgumentError, match=str(need)):
+        DiskCache(pool, FileTier(tmp_path, need - 1), model="m")
+    DiskCache(pool, FileTier(tmp_path, need), model="m")  # exactly one record fits
+
+
+@pytest.mark.parametrize("pool", [None, object(), "pool"])
+def test_a_pool_that_is_not_a_kvpool_is_refused(tmp_path, pool):
+    with pytest.raises(InvalidArgumentError, match="KVPool"):
+        DiskCache(pool, FileTier(tmp_path, 1 << 20))
+
+
+def test_a_hybrid_pool_is_refused_before_any_event_is_drained(tmp_path):
+    import kvpool
+
+    hp = kvpool.KVPool(2, 2, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                       page_size=4, num_pages=32, max_requests=4, max_context_len=64)
+    with pytest.raises(InvalidArgumentError, match="KVPool"):
+        DiskCache(hp, FileTier(tmp_path, 1 << 20))
+
+
+@pytest.mark.parametrize("model", [None, 5, b"m"])
+def test_a_model_that_is_not_a_str_is_refused(tmp_path, model):
+    # model=None would share the fingerprint of model="None".
+    with pytest.raises(InvalidArgumentError, match="model"):
+        DiskCache(make_pool(), FileTier(tmp_path, 1 << 20), model=model)
