@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_tier_disk_cache import LAYERS, P, make_pool
+from test_tier_disk_cache import LAYERS, P, make_pool, prefill
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers import DiskCache, FileTier, PageRecord
@@ -65,3 +65,32 @@ def test_a_model_that_is_not_a_str_is_refused(tmp_path, model):
     # model=None would share the fingerprint of model="None".
     with pytest.raises(InvalidArgumentError, match="model"):
         DiskCache(make_pool(), FileTier(tmp_path, 1 << 20), model=model)
+
+
+def _chain(start: int) -> np.ndarray:
+    return np.arange(start, start + 8 * P + 1, dtype=np.int32)  # 8 full pages a hit can use
+
+
+def _loadable(tier: FileTier, tokens: np.ndarray) -> int:
+    return DiskCache(make_pool(hash_seed=5, num_pages=64), tier, model="m").prefetch(tokens)
+
+
+def test_eviction_takes_a_chains_tail_first_and_leaves_no_unreachable_records(tmp_path):
+    src = make_pool(hash_seed=1, num_pages=64)
+    page = 2 * LAYERS * P * src.num_kv_heads * src.head_dim * src.dtype.itemsize
+    tier = FileTier(tmp_path, 12 * record_bytes(P, page), scan_interval_s=0.0)
+    dc = DiskCache(src, tier, model="m")
+    a, b, c = _chain(1000), _chain(5000), _chain(9000)
+    prefill(src, a, seed=1)
+    assert dc.store_new() == 8
+    prefill(src, b, seed=2)
+    assert dc.store_new() == 8  # 16 records past a bound of 12: 4 go
+    files = lambda: len(list(tmp_path.glob("*/*.kvp")))  # noqa: E731
+    assert files() == 12
+    # A record whose ancestor is gone can never be hit: the 4 evicted are A's last pages.
+    assert (_loadable(tier, a), _loadable(tier, b)) == (4, 8)
+    # A prefetch of A makes its pages the most recently used, its first page last of all.
+    prefill(src, c, seed=3)
+    assert dc.store_new() == 8
+    counts = [_loadable(tier, t) for t in (a, b, c)]
+    assert sum(counts) == files() and counts[2] == 8, counts

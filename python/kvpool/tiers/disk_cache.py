@@ -239,22 +239,25 @@ class DiskCache:
                 covered.update(chain)
         work: list[tuple[int, PageRecord]] = []  # (device page, record without payload)
         handles: list[int] = []
+        touch: list[int] = []  # the chains' backend keys, each chain deepest page first
         budget = int(max_pages) if max_pages is not None else len(self._pending)
         try:
             for chain in reversed(leaves):
                 if len(work) >= budget:
                     break
-                got = self._take_chain(chain, fp, handles, work, budget)
+                got = self._take_chain(chain, fp, handles, work, budget, touch)
                 if got is None:
                     break  # no free request row: the rest waits for the next call
             written = self._write(work, fp)
+            if written:
+                self.backend.touch(touch)
         finally:
             if handles:
                 self.pool.close(np.array(handles, dtype=np.int64))
         return written
 
     def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord]],
-                    budget: int) -> int | None:
+                    budget: int, touch: list[int]) -> int | None:
         first = self._entries[chain[0]]
         salt = first.salt
         tokens = np.concatenate([self._entries[k].tokens for k in chain])
@@ -276,6 +279,7 @@ class DiskCache:
         except TooManyRequestsError:
             return None
         handles.append(h)
+        touch.extend(reversed(tier_keys))
         held = self.pool.length(h) // p
         pages = self.pool.pages(h)
         for i in todo_new:
@@ -302,7 +306,8 @@ class DiskCache:
             torch.cuda.current_stream(self.pool.device).synchronize()
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
         written = 0
-        for i, (_, rec) in enumerate(work):
+        # Deepest first: eviction during these writes takes a chain's tail before its start.
+        for i, (_, rec) in reversed(list(enumerate(work))):
             full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
                               raw[i + 1].numpy().tobytes())
             if self.backend.put(full):
@@ -369,6 +374,10 @@ class DiskCache:
                 self.stats.pages_rejected += 1
                 break
             out.append(rec)
+        if out:
+            # Every page of the hit is used, its first page most recently: eviction then
+            # takes chains' tails first and never leaves a record whose parent is gone.
+            self.backend.touch(keys[: start + len(out)][::-1])
         return out
 
     def _page_bytes(self) -> int:
