@@ -94,3 +94,13 @@ def test_eviction_takes_a_chains_tail_first_and_leaves_no_unreachable_records(tm
     assert dc.store_new() == 8
     counts = [_loadable(tier, t) for t in (a, b, c)]
     assert sum(counts) == files() and counts[2] == 8, counts
+
+
+def test_a_directory_removed_while_running_is_made_again_on_the_next_write(tmp_path):
+    import shutil
+
+    tier = FileTier(tmp_path / "cache", 1 << 20)
+    shutil.rmtree(tmp_path / "cache")  # an operator clearing the cache under a running server
+    assert tier.put(_record(9))
+    assert tier.get(9) is not None
+    assert list((tmp_path / "cache" / ".tmp").iterdir()) == []

@@ -157,7 +157,14 @@ class FileTier(TierBackend):
         final = self.file_for(record.page_hash)
         tmp = self.path / ".tmp" / f"{final.stem}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            with open(tmp, "wb") as fh:
+            try:
+                fh = open(tmp, "wb")  # closed by the with below
+            except FileNotFoundError:
+                # The directory was removed under a running process (a cache cleared by
+                # hand): make it again, or every later write would fail.
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(tmp, "wb")
+            with fh:
                 fh.write(blob)
             final.parent.mkdir(exist_ok=True)
             os.replace(tmp, final)
