@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from test_tier_disk_cache import LAYERS, P, make_pool, prefill
 
 from kvpool.errors import InvalidArgumentError
@@ -104,3 +105,32 @@ def test_a_directory_removed_while_running_is_made_again_on_the_next_write(tmp_p
     assert tier.put(_record(9))
     assert tier.get(9) is not None
     assert list((tmp_path / "cache" / ".tmp").iterdir()) == []
+
+
+class _FullDisk(FileTier):
+    """A FileTier whose writes fail (a full disk) while ``full`` is set."""
+
+    full = True
+
+    def put(self, record: PageRecord) -> bool:
+        return False if self.full else super().put(record)
+
+
+def test_pages_a_full_disk_refused_are_written_by_the_next_store(tmp_path):
+    from test_tier_disk_cache import TOKENS, hit
+
+    src = make_pool(hash_seed=1)
+    want = prefill(src, TOKENS, seed=4)
+    tier = _FullDisk(tmp_path, 1 << 20)
+    dc = DiskCache(src, tier, model="m")
+    free = src.free_pages
+    assert dc.store_new() == 0
+    assert dc.stats.write_failures == 4
+    assert src.free_pages == free and hit(src, TOKENS)[0] == 16  # the pool as it was
+    assert list((tmp_path / ".tmp").iterdir()) == []
+    tier.full = False  # space freed: the same pages are written now, without new events
+    assert dc.store_new() == 4
+    dst = make_pool(hash_seed=2)
+    assert DiskCache(dst, tier, model="m").prefetch(TOKENS) == 4
+    n, got = hit(dst, TOKENS)
+    assert n == 16 and torch.equal(got, want[:, :16])

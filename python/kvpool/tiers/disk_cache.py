@@ -116,6 +116,7 @@ class DiskStats:
     pages_missed: int = 0  # looked up, no intact record
     pages_rejected: int = 0  # an intact record that is not the expected page
     chains_skipped: int = 0  # no longer registered, or their start unknown
+    write_failures: int = 0  # pages the backend refused to store (kept for the next store_new)
 
 
 class DiskCache:
@@ -216,7 +217,8 @@ class DiskCache:
             max_pages: write at most this many pages now; the rest wait for the next call.
 
         Returns:
-            Pages written.
+            Pages written. A page the backend refuses (a full disk) stays pending while
+            the pool caches it, for a later call (``stats.write_failures``).
 
         Raises:
             InvalidArgumentError: ``events`` is not what ``take_events()`` returns, or
@@ -237,7 +239,7 @@ class DiskCache:
                     continue
                 leaves.append(chain)
                 covered.update(chain)
-        work: list[tuple[int, PageRecord]] = []  # (device page, record without payload)
+        work: list[tuple[int, PageRecord, int]] = []  # (device page, record without payload, pool hash)
         handles: list[int] = []
         touch: list[int] = []  # the chains' backend keys, each chain deepest page first
         budget = int(max_pages) if max_pages is not None else len(self._pending)
@@ -256,7 +258,7 @@ class DiskCache:
                 self.pool.close(np.array(handles, dtype=np.int64))
         return written
 
-    def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord]],
+    def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord, int]],
                     budget: int, touch: list[int]) -> int | None:
         first = self._entries[chain[0]]
         salt = first.salt
@@ -290,13 +292,13 @@ class DiskCache:
                 break
             parent = tier_keys[i - 1] if i else 0
             work.append((int(pages[i]), PageRecord(tier_keys[i], parent, salt, tokens[i * p : (i + 1) * p].copy(),
-                                                   fp, b"")))
+                                                   fp, b""), chain[i]))
             self._pending.pop(chain[i], None)
         if held < len(chain):
             self.stats.chains_skipped += 1
         return len(todo_new)
 
-    def _write(self, work: list[tuple[int, PageRecord]], fp: bytes) -> int:
+    def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes) -> int:
         if not work:
             return 0
         staging = self._stage(len(work))
@@ -307,11 +309,16 @@ class DiskCache:
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
         written = 0
         # Deepest first: eviction during these writes takes a chain's tail before its start.
-        for i, (_, rec) in reversed(list(enumerate(work))):
+        for i, (_, rec, pool_key) in reversed(list(enumerate(work))):
             full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
                               raw[i + 1].numpy().tobytes())
             if self.backend.put(full):
                 written += 1
+            elif pool_key in self._entries:
+                # Refused (a full disk, an I/O error): stays pending, so the next call
+                # writes it once there is room, rather than never while it stays cached.
+                self._pending[pool_key] = None
+                self.stats.write_failures += 1
         self.stats.pages_stored += written
         return written
 
