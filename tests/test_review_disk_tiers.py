@@ -52,13 +52,28 @@ def test_a_pool_that_is_not_a_kvpool_is_refused(tmp_path, pool):
         DiskCache(pool, FileTier(tmp_path, 1 << 20))
 
 
-def test_a_hybrid_pool_is_refused_before_any_event_is_drained(tmp_path):
+def _hybrid():
     import kvpool
 
-    hp = kvpool.KVPool(2, 2, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
-                       page_size=4, num_pages=32, max_requests=4, max_context_len=64)
+    return kvpool.KVPool(2, 2, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                         page_size=4, num_pages=32, max_requests=4, max_context_len=64)
+
+
+def test_a_hybrid_pool_is_refused_before_any_event_is_drained(tmp_path):
     with pytest.raises(InvalidArgumentError, match="KVPool"):
-        DiskCache(hp, FileTier(tmp_path, 1 << 20))
+        DiskCache(_hybrid(), FileTier(tmp_path, 1 << 20))
+
+
+@pytest.mark.parametrize("pool", [None, "hybrid"])
+def test_host_storage_and_runner_for_a_pool_that_is_not_a_kvpool_are_typed(pool):
+    from kvpool.tiers import HostStorage, TransferRunner
+
+    pool = _hybrid() if pool == "hybrid" else pool
+    with pytest.raises(InvalidArgumentError, match="HostStorage.for_pool needs a plain kvpool.KVPool"):
+        HostStorage.for_pool(pool, host_pages=4)
+    host = HostStorage.for_pool(make_pool(), host_pages=4)
+    with pytest.raises(InvalidArgumentError, match="TransferRunner.for_pool needs a plain kvpool.KVPool"):
+        TransferRunner.for_pool(pool, host)
 
 
 @pytest.mark.parametrize("model", [None, 5, b"m"])

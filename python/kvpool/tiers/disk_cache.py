@@ -47,7 +47,7 @@ from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyReques
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
-from kvpool.tiers.host_storage import HostStorage
+from kvpool.tiers.host_storage import HostStorage, require_plain_pool
 
 __all__ = ["DiskCache", "shape_fingerprint"]
 
@@ -135,13 +135,7 @@ class DiskCache:
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
-        from kvpool.pool import KVPool  # kvpool.pool imports the tiers package
-
-        if not isinstance(pool, KVPool):
-            # A hybrid pool has no single page geometry (nor a host tier): refused here rather
-            # than failing in store_new after the pool's events were drained.
-            raise InvalidArgumentError(f"pool must be a plain kvpool.KVPool (no layer_types), "
-                                       f"got {type(pool).__name__}")
+        require_plain_pool(pool, "DiskCache")  # before store_new drains a hybrid pool's events
         if not isinstance(backend, TierBackend):
             raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
                                        f"got {type(backend).__name__}")
