@@ -154,3 +154,10 @@ class TierBackend(abc.ABC):
     @abc.abstractmethod
     def remove(self, page_hash: int) -> None:
         """Drop the record under ``page_hash``, if any."""
+
+    def touch(self, page_hashes: list[int]) -> None:  # noqa: B027 (optional: not abstract)
+        """Mark the records under ``page_hashes`` as used, in that order (the last is the
+        most recently used); absent ones are skipped. ``DiskCache`` passes a chain
+        deepest page first, so that least-recently-used eviction takes a chain's tail
+        before its first page: a record whose parent is gone can never be hit. A backend
+        without recency (or one that orders by ``get`` alone) leaves this as is."""

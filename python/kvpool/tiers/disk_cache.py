@@ -46,9 +46,9 @@ import torch
 
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import PageRecord, TierBackend, page_key, tier_seed
+from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
-from kvpool.tiers.host_storage import HostStorage
+from kvpool.tiers.host_storage import HostStorage, require_plain_pool
 
 __all__ = ["DiskCache", "shape_fingerprint"]
 
@@ -94,6 +94,12 @@ def _token_ids(tokens: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _page_bytes(pool: Any) -> int:
+    """One page's K/V bytes across layers (a host page's, a record's payload)."""
+    return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
+        pool.dtype.itemsize
+
+
 @dataclass
 class _Entry:
     parent: int
@@ -111,6 +117,7 @@ class DiskStats:
     pages_missed: int = 0  # looked up, no intact record
     pages_rejected: int = 0  # an intact record that is not the expected page
     chains_skipped: int = 0  # no longer registered, or their start unknown
+    write_failures: int = 0  # pages the backend refused to store (kept for the next store_new)
 
 
 class DiskCache:
@@ -121,14 +128,27 @@ class DiskCache:
         backend: where pages go (e.g. ``FileTier(path, max_bytes)``).
         model: what model (and revision) wrote the K/V: part of the fingerprint.
 
+    Raises:
+        InvalidArgumentError: ``pool`` is not a plain ``KVPool``, ``backend`` not a
+            ``TierBackend`` or too small for one page record, or ``model`` not a str.
+
     Calls from several threads run one at a time (the cache's lock, taken before the
     pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
     """
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
+        require_plain_pool(pool, "DiskCache")  # before store_new drains a hybrid pool's events
         if not isinstance(backend, TierBackend):
             raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
                                        f"got {type(backend).__name__}")
+        if not isinstance(model, str):
+            # str(None) == "None": a non-str would share another model's fingerprint.
+            raise InvalidArgumentError(f"model must be a str naming the model and revision, "
+                                       f"got {type(model).__name__} {model!r:.60}")
+        need = record_bytes(pool.page_size, _page_bytes(pool))
+        if backend.max_bytes < need:
+            raise InvalidArgumentError(f"backend.max_bytes = {backend.max_bytes} cannot hold one page record of "
+                                       f"this pool; it must be at least {need} bytes")
         self.pool, self.backend, self.model = pool, backend, model
         self.stats = DiskStats()
         self._entries: dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
@@ -197,7 +217,8 @@ class DiskCache:
             max_pages: write at most this many pages now; the rest wait for the next call.
 
         Returns:
-            Pages written.
+            Pages written. A page the backend refuses (a full disk) stays pending while
+            the pool caches it, for a later call (``stats.write_failures``).
 
         Raises:
             InvalidArgumentError: ``events`` is not what ``take_events()`` returns, or
@@ -222,24 +243,27 @@ class DiskCache:
                     continue
                 leaves.append(chain)
                 covered.update(chain)
-        work: list[tuple[int, PageRecord]] = []  # (device page, record without payload)
+        work: list[tuple[int, PageRecord, int]] = []  # (device page, record without payload, pool hash)
         handles: list[int] = []
+        touch: list[int] = []  # the chains' backend keys, each chain deepest page first
         budget = int(max_pages) if max_pages is not None else len(self._pending)
         try:
             for chain in reversed(leaves):
                 if len(work) >= budget:
                     break
-                got = self._take_chain(chain, fp, handles, work, budget)
+                got = self._take_chain(chain, fp, handles, work, budget, touch)
                 if got is None:
                     break  # no free request row: the rest waits for the next call
             written = self._write(work, fp)
+            if written:
+                self.backend.touch(touch)
         finally:
             if handles:
                 self.pool.close(np.array(handles, dtype=np.int64))
         return written
 
-    def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord]],
-                    budget: int) -> int | None:
+    def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord, int]],
+                    budget: int, touch: list[int]) -> int | None:
         first = self._entries[chain[0]]
         salt = first.salt
         tokens = np.concatenate([self._entries[k].tokens for k in chain])
@@ -261,6 +285,7 @@ class DiskCache:
         except TooManyRequestsError:
             return None
         handles.append(h)
+        touch.extend(reversed(tier_keys))
         held = self.pool.length(h) // p
         pages = self.pool.pages(h)
         for i in todo_new:
@@ -271,13 +296,13 @@ class DiskCache:
                 break
             parent = tier_keys[i - 1] if i else 0
             work.append((int(pages[i]), PageRecord(tier_keys[i], parent, salt, tokens[i * p : (i + 1) * p].copy(),
-                                                   fp, b"")))
+                                                   fp, b""), chain[i]))
             self._pending.pop(chain[i], None)
         if held < len(chain):
             self.stats.chains_skipped += 1
         return len(todo_new)
 
-    def _write(self, work: list[tuple[int, PageRecord]], fp: bytes) -> int:
+    def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes) -> int:
         if not work:
             return 0
         staging = self._stage(len(work))
@@ -287,11 +312,17 @@ class DiskCache:
             torch.cuda.current_stream(self.pool.device).synchronize()
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
         written = 0
-        for i, (_, rec) in enumerate(work):
+        # Deepest first: eviction during these writes takes a chain's tail before its start.
+        for i, (_, rec, pool_key) in reversed(list(enumerate(work))):
             full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
                               raw[i + 1].numpy().tobytes())
             if self.backend.put(full):
                 written += 1
+            elif pool_key in self._entries:
+                # Refused (a full disk, an I/O error): stays pending, so the next call
+                # writes it once there is room, rather than never while it stays cached.
+                self._pending[pool_key] = None
+                self.stats.write_failures += 1
         self.stats.pages_stored += written
         return written
 
@@ -358,12 +389,14 @@ class DiskCache:
                 self.stats.pages_rejected += 1
                 break
             out.append(rec)
+        if out:
+            # Every page of the hit is used, its first page most recently: eviction then
+            # takes chains' tails first and never leaves a record whose parent is gone.
+            self.backend.touch(keys[: start + len(out)][::-1])
         return out
 
     def _page_bytes(self) -> int:
-        pool = self.pool
-        return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
-            pool.dtype.itemsize
+        return _page_bytes(self.pool)
 
     def _admit(self, prefix: np.ndarray, pool_words: np.ndarray, cached: int, records: list[PageRecord],
                salt: int | None) -> int:

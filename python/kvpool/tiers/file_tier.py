@@ -8,9 +8,10 @@ writes in progress.
   final name (``os.replace``), so a reader sees either a whole record or none.
   There is no fsync: a file torn by a crash fails its checksum and reads as a
   miss, which is all a cache needs.
-- Bounded size, least recently used out: a read touches the file's mtime, and
-  when the bytes this process knows of pass ``max_bytes`` it rescans the
-  directory and deletes the oldest files until the total fits. Each process
+- Bounded size, least recently used out: a write or read sets the file's mtime
+  (strictly increasing within a process, see ``_stamp``), and when the bytes
+  this process knows of pass ``max_bytes`` it rescans the directory and
+  deletes the oldest files until the total fits. Each process
   rescans at least every ``scan_interval_s`` seconds while it writes, so
   other processes' writes are counted within that time.
 - Shared directories: renames are atomic, a file deleted while another
@@ -46,7 +47,8 @@ class FileTier(TierBackend):
     """Page records as files under ``path``, at most ``max_bytes`` in all (see the module doc).
 
     Args:
-        path: the directory (created if missing).
+        path: the directory (created if missing; a relative path is resolved against the
+            working directory when the tier is built).
         max_bytes: bound on the records' bytes (> 0).
         scan_interval_s: longest time between directory rescans while writing.
 
@@ -64,9 +66,15 @@ class FileTier(TierBackend):
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
         try:
-            self.path = Path(path)
+            # Absolute now: a relative path must not follow a later chdir (writes would
+            # fail, reads miss, and eviction would scan another directory).
+            self.path = Path(path).absolute()
         except TypeError as e:  # a PathLike that returns bytes
             raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
+        if not os.fspath(path):
+            # Path("") is ".": the working directory, whose subdirectories eviction scans.
+            raise InvalidArgumentError("path must name a directory, got an empty path "
+                                       "(give the directory explicitly, '.' for the working directory)")
         self._max = int(max_bytes)
         if isinstance(scan_interval_s, (bool, np.bool_)) \
                 or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
@@ -82,6 +90,7 @@ class FileTier(TierBackend):
         self.hits = self.misses = self.rejected = self.stored = self.evicted = 0
         self._used = 0
         self._last_scan = 0.0
+        self._clock_ns = 0  # the last mtime this process set: see _stamp
         self._scan_and_evict()
 
     @property
@@ -117,13 +126,24 @@ class FileTier(TierBackend):
             with self._lock:
                 self.rejected += 1
             return None
-        try:
-            os.utime(f)  # recently used: evicted last
-        except OSError:
-            pass
+        self._stamp(f)  # recently used: evicted last
         with self._lock:
             self.hits += 1
         return rec
+
+    def touch(self, page_hashes: list[int]) -> None:
+        for h in page_hashes:
+            self._stamp(self.file_for(h))
+
+    def _stamp(self, f: Path) -> None:
+        """Set ``f``'s mtime to now, strictly after every mtime this process set before:
+        file times are coarse (a kernel tick), and eviction must see the order of calls."""
+        with self._lock:
+            t = self._clock_ns = max(time.time_ns(), self._clock_ns + 1000)
+        try:
+            os.utime(f, ns=(t, t))
+        except OSError:
+            pass
 
     def contains(self, page_hash: int) -> bool:
         return self.file_for(page_hash).exists()
@@ -137,10 +157,18 @@ class FileTier(TierBackend):
         final = self.file_for(record.page_hash)
         tmp = self.path / ".tmp" / f"{final.stem}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            with open(tmp, "wb") as fh:
+            try:
+                fh = open(tmp, "wb")  # closed by the with below
+            except FileNotFoundError:
+                # The directory was removed under a running process (a cache cleared by
+                # hand): make it again, or every later write would fail.
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                fh = open(tmp, "wb")
+            with fh:
                 fh.write(blob)
             final.parent.mkdir(exist_ok=True)
             os.replace(tmp, final)
+            self._stamp(final)
         except OSError:
             try:
                 tmp.unlink()
@@ -161,13 +189,13 @@ class FileTier(TierBackend):
         except OSError:
             pass
 
-    def _files(self) -> list[tuple[float, int, Path]]:
-        out: list[tuple[float, int, Path]] = []
+    def _files(self) -> list[tuple[int, int, Path]]:
+        out: list[tuple[int, int, Path]] = []
         now = time.time()
         for sub in self.path.iterdir():
             if sub.name == ".tmp":
                 for t in _entries(sub):
-                    if now - t[0] > STALE_TMP_S:
+                    if now - t[0] / 1e9 > STALE_TMP_S:
                         _unlink(t[2])
                 continue
             if sub.is_dir():
@@ -194,8 +222,10 @@ class FileTier(TierBackend):
             self.evicted += evicted
 
 
-def _entries(d: Path) -> list[tuple[float, int, Path]]:
-    out: list[tuple[float, int, Path]] = []
+def _entries(d: Path) -> list[tuple[int, int, Path]]:
+    """(mtime in ns, size, path) of the files in ``d``: ns, as float seconds would lose
+    the order ``_stamp`` sets."""
+    out: list[tuple[int, int, Path]] = []
     try:
         with os.scandir(d) as it:
             for e in it:
@@ -203,7 +233,7 @@ def _entries(d: Path) -> list[tuple[float, int, Path]]:
                     st = e.stat()
                 except OSError:
                     continue
-                out.append((st.st_mtime, st.st_size, Path(e.path)))
+                out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
     except OSError:
         pass
     return out

@@ -176,8 +176,10 @@ class HostStorage:
         to whole pages of ``host_page_bytes``); pinned when the pool is on CUDA.
 
         Raises:
-            InvalidArgumentError: neither or both sizes, or fewer than 2 pages.
+            InvalidArgumentError: ``pool`` is not a plain ``KVPool``, neither or both sizes,
+                or fewer than 2 pages.
         """
+        require_plain_pool(pool, "HostStorage.for_pool")
         if (host_pages is None) == (host_memory_bytes is None):
             raise InvalidArgumentError("give exactly one of host_pages or host_memory_bytes")
         page = host_page_bytes(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype,
@@ -213,3 +215,13 @@ class HostStorage:
         return (f"HostStorage({kind}, host_pages={self.host_pages}, layers={self.num_layers}, "
                 f"page_size={self.page_size}, heads={self.heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"page_bytes={self.page_bytes}, pinned={self.pin_method})")
+
+
+def require_plain_pool(pool: Any, what: str) -> None:
+    """Refuse anything but a plain ``KVPool`` with a typed error: a hybrid pool has no
+    single page geometry (nor a host tier), and a wrong object would otherwise fail
+    later with an AttributeError, after a caller's state had changed."""
+    from kvpool.pool import KVPool  # kvpool.pool imports this module
+
+    if not isinstance(pool, KVPool):
+        raise InvalidArgumentError(f"{what} needs a plain kvpool.KVPool (no layer_types), got {type(pool).__name__}")

@@ -52,6 +52,7 @@ from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeErro
 from kvpool.kernels import copy_slots
 from kvpool.kernels._common import host_array
 from kvpool.kernels.pages import PageTransfer, Stage
+from kvpool.tiers.host_storage import require_plain_pool
 from kvpool.torch_types import as_device
 from kvpool.validate import check_layer
 
@@ -222,6 +223,7 @@ class TransferRunner:
     @classmethod
     def for_pool(cls, pool: Any, host: Any, **kw: Any) -> TransferRunner:
         """A runner for a ``KVPool`` (its caches, device and pinned ring) and its host storage."""
+        require_plain_pool(pool, "TransferRunner.for_pool")
         kw.setdefault("stage", getattr(pool, "_to_device", None))
         return cls(pool._storage.caches, host, pool.device, **kw)
 
