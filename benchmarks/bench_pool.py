@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench_out/pool.json")
     ap.add_argument("--steps", type=count(1), default=400)
     ap.add_argument("--rounds", type=count(1), default=15)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=count(0), default=0)
     args = ap.parse_args(argv)
     problem = check_outputs(args, [("--out", args.out)])  # before the run, not after it
     if problem:

@@ -159,7 +159,7 @@ def add_replay_arguments(p: argparse.ArgumentParser, workload: str, *, pools: st
                    help=f"subset of {','.join(names)}")
     p.add_argument("--steps", type=count(1), default=steps[0], help=steps[1])
     p.add_argument("--warmup", type=count(0), default=warmup[0], help=warmup[1])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0, help="seeds the traces (default 0)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny pool and few steps: runs in seconds (tests, CI); flags given explicitly keep "
                         "their values")

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 0.85: slack so that each group finds a pool with room)")
     p.add_argument("--steps", type=cli.count(1), default=2400, help="measured steps (default 2400)")
     p.add_argument("--warmup", type=cli.count(0), default=200, help="steps before the measured ones (default 200)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli.count(0), default=0)
     p.add_argument("--quick", action="store_true", help="tiny pools and few steps (seconds); flags given "
                                                         "explicitly keep their values")
     p.add_argument("--json", default="route.json", help="JSON output file, under --out ('' for none)")

@@ -51,6 +51,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    value = _non_negative(text)
+    if value >= 1 << 63:  # torch's generator takes an int64 seed
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}")
+    return value
+
+
 def _share(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
@@ -77,6 +84,41 @@ def _threads(text: str) -> int:
     return value
 
 
+# Lower bounds of the host bytes one synthetic request, and one system prompt, hold besides
+# their token ids (measured: about 630 and 110 bytes with CPython 3.12 and numpy 2).
+REQUEST_BYTES, SYSTEM_PROMPT_BYTES = 512, 96
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory: what no setting may need more of."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def model_bytes(cfg: Any, dtype: torch.dtype) -> int:
+    """Bytes of the random model's weights in ``dtype`` plus its float32 rotary tables."""
+    h, q, kv, ffn = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn
+    per_layer = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * ffn  # two norms, q k v o, the MLP
+    weights = 2 * cfg.vocab_size * h + cfg.layers * per_layer + h  # embedding, LM head, final norm
+    return weights * dtype.itemsize + 2 * cfg.max_positions * (cfg.head_dim // 2) * 4
+
+
+def _check_request_memory(args: argparse.Namespace, usage_error: Callable[[str], Any] | None) -> None:
+    """Refuse, before generating any, requests that cannot fit in this machine's memory (a
+    billion of them would otherwise take hours to generate, then more memory than there is)."""
+    need = args.requests * (REQUEST_BYTES + 8 * args.prompt_len[0])
+    flags = "--requests"
+    if args.workload == "shared-prefix":
+        need += args.system_prompts * (SYSTEM_PROMPT_BYTES + 8 * args.system_len[0])
+        flags = "--requests or --system-prompts"
+    have = host_memory_bytes()
+    if need > have:
+        message = (f"{args.requests} requests need at least {need} bytes of host memory, more than this "
+                   f"machine's {have}; lower {flags}")
+        if usage_error is None:
+            raise ValueError(message)
+        usage_error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvpool demo",
@@ -89,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length range, uniform (16:256)")
     g.add_argument("--output-len", type=_range, default=(16, 192), metavar="MIN:MAX",
                    help="generated tokens per request, uniform (16:192)")
-    g.add_argument("--seed", type=_non_negative, default=0, help="seeds the weights and the requests (0)")
+    g.add_argument("--seed", type=_seed, default=0, help="seeds the weights and the requests (0)")
     g.add_argument("--workload", choices=("default", "shared-prefix"), default="default",
                    help="default: independent random prompts; shared-prefix: prompts are one of "
                         "--system-prompts system prompts plus a user turn, a --fork-share of them fork "
@@ -177,10 +219,15 @@ def run(args: argparse.Namespace,
     from kvpool.demo.model import ModelConfig, build_model
     from kvpool.demo.report import figures
     from kvpool.demo.requests import synthetic_requests
+    from kvpool.out_of_memory import refuse_out_of_memory
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kvpool demo: --device cuda asked for, but torch sees no CUDA device")
+        message = f"--device {args.device} asked for, but torch sees no CUDA device"
+        if usage_error is None:
+            raise SystemExit(f"kvpool demo: {message}")
+        usage_error(message)
+    _check_request_memory(args, usage_error)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     page = args.page_size
     shared = args.workload == "shared-prefix"
@@ -213,7 +260,14 @@ def run(args: argparse.Namespace,
                                  layout=args.layout, kv_events=False,  # no router drains them here
                                  host_pages=args.host_pages)
             if model is None:
-                model = build_model(cfg, device=device, dtype=dtype)
+                # Many small tensors (one set per layer) never fail one allocation: the process
+                # would grow until the kernel kills it, so compare with the memory first.
+                nbytes, fix = model_bytes(cfg, dtype), "lower --layers, --hidden or --vocab"
+                if device.type == "cpu" and nbytes > host_memory_bytes():
+                    raise ValueError(f"cannot allocate the demo model's weights: {nbytes} bytes, more than "
+                                     f"this machine's {host_memory_bytes()} bytes of memory; {fix}")
+                with refuse_out_of_memory("the demo model's weights", nbytes, device, fix):
+                    model = build_model(cfg, device=device, dtype=dtype)
             if shared:
                 from kvpool.demo.shared_prefix import PrefixEngine, shared_prefix_requests
 
@@ -280,6 +334,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--json: {args.json!r} is a directory; give a file path")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         parser.error(f"--json: the directory of {args.json!r} does not exist")
+    if args.json:
+        from kvpool.bench.cli import check_outputs
+
+        problem = check_outputs(args, [("--json", args.json)])
+        if problem:
+            parser.error(problem.replace("give --out a writable directory", "give --json a writable path"))
     if args.hf and not os.path.isdir(args.hf):
         parser.error(f"--hf: {args.hf!r} is not a directory (a save_pretrained checkpoint)")
     from kvpool.demo.report import render

@@ -12,7 +12,8 @@ them asks for several continuations (parallel sampling), served by ``fork``.
   partly filled last page is copied on write by the first extend into it);
   continuation k starts from the k-th most likely token (greedy afterwards), so
   the continuations diverge the way sampled ones do;
-- decode: ``extend(handles, 1, tokens=fed)`` so output pages are cacheable too;
+- decode: ``extend(handles, 1)``, as the default engine (without ``tokens=``: no request resends
+  its output, so only the prompt's pages are worth publishing);
 - release: ``close(handles, cache=True)``;
 - preemption (``admission="optimistic"``): a preempted continuation is recomputed
   as that same continuation (its rank's first token), and a forking request
