@@ -19,7 +19,8 @@ Families (counters are exposed with the ``_total`` suffix; docs/events-and-metri
 - ``kvpool_evictable_pages_by_priority`` (gauge, ``band`` = low / default /
   high): evictable pages below, at and above the default retention priority.
 - ``kvpool_usage_ratio`` (gauge): held pages / capacity pages.
-- ``kvpool_registered_pages`` (gauge): pages in the prefix index, held or not.
+- ``kvpool_registered_pages`` (gauge): device pages in the prefix index, held
+  or not (an entry whose only copy is on the host tier is not counted).
 - ``kvpool_open_requests`` (gauge).
 - ``kvpool_prefix_cache_queries`` (counter, tokens): prompt tokens looked up by
   ``open_with_prefix``.
@@ -113,7 +114,8 @@ class KVPoolCollector:
         bands = G("kvpool_evictable_pages_by_priority",
                   "Evictable pages below, at and above the default retention priority", labels=["pool", "band"])
         usage = G("kvpool_usage_ratio", "Held pages / capacity pages", labels=["pool"])
-        registered = G("kvpool_registered_pages", "Pages in the prefix index, held or not", labels=["pool"])
+        registered = G("kvpool_registered_pages", "Device pages in the prefix index, held or not",
+                       labels=["pool"])
         requests = G("kvpool_open_requests", "Requests opened and not yet closed", labels=["pool"])
         queries = C("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["pool"])
         hits = C("kvpool_prefix_cache_hits", "Prompt tokens served from the prefix cache (not recomputed)",
