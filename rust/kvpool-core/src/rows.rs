@@ -22,28 +22,48 @@ pub struct RowCopy<'a> {
 /// A repeated slot is stored once per occurrence, the last one winning, as
 /// `index_copy_` does on the CPU.
 pub fn scatter_rows(copies: &mut [RowCopy<'_>], row_bytes: usize, slots: &[i64]) -> Result<usize> {
+    let lens: Vec<(usize, usize)> = copies.iter().map(|c| (c.dst.len(), c.src.len())).collect();
+    let stored = check_scatter(&lens, row_bytes, slots)?;
+    for c in copies.iter_mut() {
+        for (row, &slot) in c.src.chunks_exact(row_bytes).zip(slots) {
+            // In range: checked above (slot < rows <= dst.len() / row_bytes).
+            if let Ok(s) = usize::try_from(slot) {
+                let at = s * row_bytes;
+                c.dst[at..at + row_bytes].copy_from_slice(row);
+            }
+        }
+    }
+    Ok(stored)
+}
+
+/// `scatter_rows`' checks alone, for `(dst bytes, src bytes)` of each cache:
+/// the rows it would store per cache, or the error it would raise having
+/// written nothing. After `Ok`, every non-negative slot `s` names a whole row
+/// `[s * row_bytes, (s + 1) * row_bytes)` of every `dst`, and every `src`
+/// holds `slots.len()` rows, so a caller that copies through raw pointers
+/// (the bindings, which must not claim a whole cache that other threads
+/// write at the same time as one `&mut [u8]`) needs no check of its own.
+pub fn check_scatter(lens: &[(usize, usize)], row_bytes: usize, slots: &[i64]) -> Result<usize> {
     if row_bytes == 0 {
         return Err(PoolError::InvalidArgument(
             "scatter_rows: rows of 0 bytes".to_owned(),
         ));
     }
     let mut rows = usize::MAX;
-    for (i, c) in copies.iter().enumerate() {
-        if c.dst.len() % row_bytes != 0 {
+    for (i, &(dst_len, src_len)) in lens.iter().enumerate() {
+        if dst_len % row_bytes != 0 {
             return Err(PoolError::InvalidArgument(format!(
-                "scatter_rows: cache {i} holds {} bytes, not a whole number of {row_bytes}-byte rows",
-                c.dst.len()
+                "scatter_rows: cache {i} holds {dst_len} bytes, not a whole number of {row_bytes}-byte rows"
             )));
         }
-        if Some(c.src.len()) != slots.len().checked_mul(row_bytes) {
+        if Some(src_len) != slots.len().checked_mul(row_bytes) {
             return Err(PoolError::InvalidArgument(format!(
-                "scatter_rows: source {i} holds {} bytes; {} slots of {row_bytes}-byte rows need {}",
-                c.src.len(),
+                "scatter_rows: source {i} holds {src_len} bytes; {} slots of {row_bytes}-byte rows need {}",
                 slots.len(),
                 slots.len().saturating_mul(row_bytes)
             )));
         }
-        rows = rows.min(c.dst.len() / row_bytes);
+        rows = rows.min(dst_len / row_bytes);
     }
     let mut stored = 0;
     for (i, &slot) in slots.iter().enumerate() {
@@ -56,15 +76,6 @@ pub fn scatter_rows(copies: &mut [RowCopy<'_>], row_bytes: usize, slots: &[i64])
             )));
         }
         stored += 1;
-    }
-    for c in copies.iter_mut() {
-        for (row, &slot) in c.src.chunks_exact(row_bytes).zip(slots) {
-            // In range: checked above (slot < rows <= dst.len() / row_bytes).
-            if let Ok(s) = usize::try_from(slot) {
-                let at = s * row_bytes;
-                c.dst[at..at + row_bytes].copy_from_slice(row);
-            }
-        }
     }
     Ok(stored)
 }

@@ -7,7 +7,7 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use kvpool_core::{scatter_rows as core_scatter_rows, PoolError, RowCopy};
+use kvpool_core::{check_scatter, PoolError};
 
 use crate::torch_arg::{dense_view, read_tensor, Dense};
 
@@ -118,29 +118,32 @@ pub fn scatter_rows(
     let row_bytes = first.row_bytes;
     let total: usize = jobs.iter().map(|j| j.src_len).sum();
     let run = move || -> Result<usize, PoolError> {
-        // SAFETY: each pointer and length is torch's description of a live
-        // tensor (or a copy owned above), borrowed for this call; the caches
-        // do not overlap each other (checked) nor any source still read in
-        // place (an overlapping one was copied out). Empty tensors may have
-        // a null or dangling pointer: they get an empty slice instead.
-        let mut copies: Vec<RowCopy<'_>> = jobs
-            .iter()
-            .map(|j| unsafe {
-                RowCopy {
-                    dst: if j.dst_len == 0 {
-                        &mut []
-                    } else {
-                        std::slice::from_raw_parts_mut(j.dst, j.dst_len)
-                    },
-                    src: if j.src_len == 0 {
-                        &[]
-                    } else {
-                        std::slice::from_raw_parts(j.src, j.src_len)
-                    },
+        let lens: Vec<(usize, usize)> = jobs.iter().map(|j| (j.dst_len, j.src_len)).collect();
+        let stored = check_scatter(&lens, row_bytes, &slots)?;
+        // Row by row through raw pointers, never a `&mut [u8]` over a whole cache:
+        // with the GIL released, another thread may be storing other rows of the
+        // same cache (another request's write) at the same time, and two such
+        // slices would alias.
+        for j in &jobs {
+            for (i, &slot) in slots.iter().enumerate() {
+                let Ok(s) = usize::try_from(slot) else {
+                    continue; // padding
+                };
+                // SAFETY: check_scatter proved row `s` lies inside this cache and
+                // row `i` inside its source; each pointer is torch's description
+                // of a live tensor (or a copy owned above) borrowed for this call;
+                // a source overlapping a cache was copied out, so the two rows do
+                // not overlap. Empty tensors have no rows to copy.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        j.src.add(i * row_bytes),
+                        j.dst.add(s * row_bytes),
+                        row_bytes,
+                    );
                 }
-            })
-            .collect();
-        core_scatter_rows(&mut copies, row_bytes, &slots)
+            }
+        }
+        Ok(stored)
     };
     let stored = if total >= DETACH_BYTES {
         let run = AssertSend(run);
