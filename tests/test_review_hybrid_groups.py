@@ -122,13 +122,16 @@ def _snapshot(pool, handles):
                     tuple(pool.state_slots([h], 2))) for h in handles))
 
 
-@pytest.mark.parametrize("seed", [3, 8])
-def test_a_random_trace_keeps_every_groups_rows_and_refusals_change_nothing(seed):
+@pytest.mark.parametrize("seed,device_tables", [(3, False), (8, False), (5, True)])
+def test_a_random_trace_keeps_every_groups_rows_and_refusals_change_nothing(seed, device_tables):
     """admit / extend / cache / close / fork / truncate / prefix hits / evict on a small pool
-    (refusals happen): after every call each request reads its own prefix's values."""
+    (refusals happen): after every call each request reads its own prefix's values, and its
+    table rows are its slots (``device_tables``: the scatter path pools off the CPU take)."""
     rng = np.random.default_rng(seed)
     pool = make(max_requests=6, num_pages=30, group_pages={"sliding_attention": 14, "linear_attention": 9},
                 page_size={"sliding_attention": 2, "full_attention": 4})
+    if device_tables:
+        pool._tables_np = None
     live: dict[int, list[int]] = {}
     prompts: dict[int, list[int]] = {}
     seen: list[list[int]] = []
