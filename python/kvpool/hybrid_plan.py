@@ -112,6 +112,14 @@ def plan_groups(
             if key not in types:
                 raise InvalidArgumentError(f"{what} names {key!r}, which is not among layer_types "
                                            f"{sorted(set(types))}")
+    if isinstance(page_size, Mapping):
+        # A state layer has no pages: its entry would be dropped without a word, as a typo would.
+        for key in page_size:
+            if LAYER_KINDS.get(key) == "state":
+                paged = sorted({t for t in types if LAYER_KINDS[t] != "state"})
+                raise InvalidArgumentError(
+                    f"page_size names {key!r}, a state layer type: its layers keep one state row per "
+                    f"request, not pages; give page sizes for {paged} only (size its rows with group_pages)")
     window: int | None = None
     if "sliding_attention" in types:
         if sliding_window is None:

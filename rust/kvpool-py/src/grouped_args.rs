@@ -5,7 +5,7 @@ use kvpool_core::{GroupKind, GroupSpec, SlotTable};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::convert::usize_arg;
+use crate::convert::int_scalar;
 use crate::errors::invalid_argument;
 use crate::output::{filled, new_uninit, to_numpy, Arr, OutBuf};
 use crate::table::Table;
@@ -70,8 +70,21 @@ pub(crate) fn group_spec(py: Python<'_>, g: usize, d: &Bound<'_, PyAny>) -> PyRe
         .cast::<PyDict>()
         .map_err(|_| invalid_argument(py, format!("groups[{g}] must be a dict, e.g. {{\"kind\": \"full\", \"num_pages\": 1024, \"page_size\": 16}}")))?;
     let get = |k: &str| -> PyResult<Option<usize>> {
+        // A negative value is told the key's own least value, not usize's 0: told ">= 0",
+        // a caller who tries 0 is only refused again.
+        let least = match k {
+            "num_pages" | "num_slots" => 2,
+            "page_size" | "window" => 1,
+            _ => 0,
+        };
         d.get_item(k)?
-            .map(|v| usize_arg(py, &v, &format!("groups[{g}][{k:?}]")))
+            .map(|v| {
+                let what = format!("groups[{g}][{k:?}]");
+                let n = int_scalar(py, &v, &what)?;
+                usize::try_from(n).map_err(|_| {
+                    invalid_argument(py, format!("{what} must be >= {least}, got {n}"))
+                })
+            })
             .transpose()
     };
     let kind: String = match d.get_item("kind")? {
