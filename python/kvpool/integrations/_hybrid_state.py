@@ -19,6 +19,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvpool.errors import IncompleteForwardError, TensorShapeError
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.modes import persistent
 
 __all__ = ["PoolStateLayer", "state_name"]
 
@@ -75,7 +76,11 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     is_compileable = False
 
     def __init__(self, requests: StateRequests, layer_idx: int, number_of_states: int = 1) -> None:
-        super().__init__(number_of_states=number_of_states)
+        # The mixin makes a token counter (``cumulative_length_linear``) that the model bumps in
+        # place every decode step (``increase_count``): made in a caller's inference mode, that
+        # bump raises in the next forward run outside it (``generate`` runs under no_grad).
+        with persistent():
+            super().__init__(number_of_states=number_of_states)
         self.requests, self.layer_idx = requests, layer_idx
         self.conv_states = _StateRows(self, "conv", number_of_states)
         self.recurrent_states = _StateRows(self, "recurrent", number_of_states)
