@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -154,7 +155,7 @@ class _Walker:
                     if not attr.startswith("_") and isinstance(value, (torch.Tensor, Mapping, list, tuple)):
                         self.walk(f"{prefix}.{attr}", value, depth + 1)
         elif callable(named_tensors) and hasattr(obj, "allocator"):
-            for sub, t in named_tensors():  # a KVPool
+            for sub, t in named_tensors() + _kept_for_pool(obj):  # a KVPool
                 self.tensor(f"{name}.{sub}", t)
         elif isinstance(obj, Mapping):
             for key, value in obj.items():
@@ -168,6 +169,35 @@ class _Walker:
             for attr, value in vars(obj).items():
                 if not attr.startswith("__"):
                     self.walk(f"{name}.{attr}", value, depth + 1)
+
+
+def _kept_for_pool(pool: Any) -> list[tuple[str, torch.Tensor]]:
+    """Long-lived tensors kept for a pool outside it, made lazily at first use: the pinned
+    ring that stages its host -> device copies (CUDA), the staging and layer buffers closed
+    ``KVPoolCache``s leave to its next caches, and ``kvpool.distributed``'s transfer staging.
+    Looked up only in modules already loaded (importing them here would load transformers
+    or torch.distributed)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    ring = getattr(getattr(pool, "_to_device", None), "__self__", None)
+    for i, slot in enumerate(getattr(ring, "_slots", ())):
+        out.append((f"pinned_ring[{i}]", slot.buf))
+    for module, registry in (("kvpool.integrations._pool_views", "_POOL_VIEWS"),
+                             ("kvpool.distributed.chunks", "STAGING")):
+        kept = getattr(sys.modules.get(module), registry, None)
+        try:
+            key = getattr(pool, "inner", pool) if registry == "STAGING" else pool  # (chunks.staging's key)
+            entry = kept.get(key) if kept is not None else None
+        except TypeError:  # a pool that takes no weak reference: nothing is kept for it
+            entry = None
+        if entry is None:
+            continue
+        if isinstance(entry, list):  # the transfer staging buffers
+            out += [(f"transfer_staging[{i}]", t) for i, t in enumerate(entry)]
+            continue
+        out += [(f"cache_spares.stage[{i}]", t) for i, (t, _) in enumerate(list(entry.spare_stages))]
+        sets = list(entry.spare_buffers._sets.values())
+        out += [(f"cache_spares.layer_buffers[{i}]", lb.buf) for i, lb in enumerate(sets)]
+    return out
 
 
 def audit(*objects: Any, max_depth: int = 4, **named: Any) -> list[Finding]:

@@ -19,6 +19,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvpool.errors import IncompleteForwardError, TensorShapeError
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.modes import persistent
 
 __all__ = ["PoolStateLayer", "state_name"]
 
@@ -75,9 +76,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     is_compileable = False
 
     def __init__(self, requests: StateRequests, layer_idx: int, number_of_states: int = 1) -> None:
-        # transformers >= 5.25 gives the layer a length tensor of its own (never used here:
-        # see get_seq_length); made outside inference mode, as every tensor a cache keeps.
-        with torch.inference_mode(False), torch.no_grad():
+        # transformers >= 5.25 gives the layer a token counter (``cumulative_length_linear``) of
+        # its own; this layer neither reads nor bumps it (get_seq_length, increase_count), but it
+        # is a tensor the cache keeps, so it is made outside the caller's inference mode.
+        with persistent():
             super().__init__(number_of_states=number_of_states)
         self.requests, self.layer_idx = requests, layer_idx
         self.conv_states = _StateRows(self, "conv", number_of_states)
