@@ -15,6 +15,15 @@ from kvpool.pool import KVPool
 from kvpool.validate import is_int
 
 
+def falcon_caches_kv_groups() -> bool:
+    """Whether transformers' Falcon caches a new-decoder model's K/V groups (5.25 on) rather
+    than K/V broadcast to every query head (before)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 25)
+
+
 def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requests: int = 64,
                    max_context_len: int | None = None, device: Any = None, dtype: torch.dtype | None = None,
                    **pool_kwargs: Any) -> KVPool:
@@ -63,7 +72,9 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             f"use transformers' DynamicCache for this model")
     heads = text.num_attention_heads
     if getattr(text, "new_decoder_architecture", False):
-        kv_heads = heads  # Falcon-40B style: the model caches K/V already repeated to every query head
+        # Falcon-40B style: transformers >= 5.25 caches its num_kv_heads K/V heads; before, the
+        # model cached K/V already repeated to every query head.
+        kv_heads = text.num_kv_heads if falcon_caches_kv_groups() else heads
     elif getattr(text, "multi_query", False):
         kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
     else:  # (FalconConfig spells it num_kv_heads)
