@@ -295,3 +295,19 @@ def test_scrapes_while_another_thread_drives_the_pool():
         thread.join()
     assert problems == [] and scrapes[0] >= 3
     pool.check()
+
+
+@pytest.mark.parametrize("twice", ["same pool", "pool and its allocator"])
+def test_one_pool_under_two_labels_is_refused(twice):
+    """Each of its figures would be exported under both labels and counted twice in any sum
+    over pools (a dashboard's total of held pages, say)."""
+    pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=8, page_size=4, max_requests=2, max_context_len=16)
+    other = pool if twice == "same pool" else pool.allocator
+    with pytest.raises(kvpool.InvalidArgumentError, match="same pool"):
+        KVPoolCollector({"a": pool, "b": other})
+    with pytest.raises(kvpool.InvalidArgumentError, match="same pool"):
+        KVPoolCollector([pool, other])
+    # Two pools, each once: fine.
+    second = kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=8, page_size=4, max_requests=2,
+                           max_context_len=16)
+    assert set(KVPoolCollector({"a": pool, "b": second}).pools) == {"a", "b"}

@@ -71,6 +71,11 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(getattr(pool, "allocator", pool), SlotAllocator) or not callable(getattr(pool, "stats", None)):
             raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator (its stats() are what the "
                                        f"collector exports), got {type(pool).__name__}")
+        core = getattr(pool, "allocator", pool)
+        twin = next((k for k, p in named.items() if getattr(p, "allocator", p) is core), None)
+        if twin is not None:  # (a KVPool and its own allocator are one pool too)
+            raise InvalidArgumentError(f"pools {twin!r} and {label!r} are the same pool: every figure of it would "
+                                       f"be exported twice and counted twice in sums; give each pool once")
         named[label] = pool
     return named
 
