@@ -129,3 +129,90 @@ def test_demo_json_is_strict_and_has_the_documented_figures(tmp_path):
     fig = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert fig["requests_done"] == 4 and fig["audit"]["clean"] is True
     assert fig["generated_tokens"] == fig["decode_tokens"] + 4  # the first token of each comes from prefill
+
+
+# The allocator's bounds (kvpool._core's MAX_PAGES, MAX_REQUESTS, MAX_CONTEXT_LEN) reached from a
+# command line: the core's InvalidArgumentError names its parameter, not the flag, and came out as
+# a traceback. Each is a usage error that names the flag and the bound, before anything runs.
+def _bounds():
+    from kvpool._core import MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS
+
+    return {"pages": MAX_PAGES, "requests": MAX_REQUESTS, "context": MAX_CONTEXT_LEN}
+
+
+def test_core_exports_the_bounds_it_enforces():
+    import kvpool
+
+    b = _bounds()
+    for args, bound in [((b["pages"] + 1, 1, 1, 16), b["pages"]), ((2, 1, b["requests"] + 1, 16), b["requests"]),
+                        ((2, 1, 1, b["context"] + 1), b["context"])]:
+        with pytest.raises(kvpool.InvalidArgumentError, match=str(bound)):
+            kvpool.SlotAllocator(*args)
+
+
+def _bench_usage_error(capsys, tmp_path, argv: list[str]) -> str:
+    from kvpool.bench.__main__ import main as bench_main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        bench_main([*argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert not out.exists() or list(out.iterdir()) == [], "the bench wrote files before refusing"
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"python -m kvpool.bench {argv[0]}: error:"), line
+    return line
+
+
+@pytest.mark.parametrize("argv, flag, bound", [
+    (["churn", "--quick", "--allocators", "kvpool", "--pool-sizes", "1000G"], "--pool-sizes", "pages"),
+    (["prefix", "--quick", "--allocators", "kvpool", "--pool-sizes", "1000G"], "--pool-sizes", "pages"),
+    (["hybrid", "--quick", "--allocators", "kvpool", "--pool-sizes", "1000G"], "--pool-sizes", "pages"),
+    (["ops", "--quick", "--pool-size", "1000G"], "--pool-size", "pages"),
+    (["ops", "--quick", "--pool-size", "1G", "--batch-sizes", "100000000"], "--batch-sizes", "requests"),
+    (["churn", "--quick", "--concurrency", "100000000"], "--concurrency", "requests"),
+    (["prefix", "--quick", "--concurrency", "100000000"], "--concurrency", "requests"),
+    (["churn", "--quick", "--prompt", "1:1000000000"], "--prompt", "context"),
+    (["hybrid-memory", "--budgets", "2000000G", "--page-size", "1"], "--budgets", "pages"),
+    (["hybrid-memory", "--max-requests", "100000000"], "--max-requests", "requests"),
+    (["events", "--sizes", "1000000000000"], "--sizes", "pages"),
+])
+def test_bench_sizes_past_the_allocators_bounds_are_usage_errors(capsys, tmp_path, argv, flag, bound):
+    line = _bench_usage_error(capsys, tmp_path, argv)
+    assert flag in line and str(_bounds()[bound]) in line, line
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["hybrid-memory", "--layers", "100000000"], ["--budgets", "--layers"]),
+    (["hybrid-memory", "--budgets", "1M"], ["--budgets"]),
+    (["hybrid-memory", "--context", "1000000000"], ["--context", "268435455"]),
+    (["events", "--page-size", "100000000"], ["--page-size"]),
+])
+def test_bench_shapes_the_allocator_cannot_build_are_usage_errors(capsys, tmp_path, argv, flags):
+    line = _bench_usage_error(capsys, tmp_path, argv)
+    assert all(f in line for f in flags), line
+
+
+def test_hybrid_memory_pool_this_machine_cannot_hold_is_a_usage_error(capsys, tmp_path, monkeypatch):
+    """Within the bounds, a budget's metadata can still be more than the machine's memory: the
+    core's typed refusal is reported against the flags that size the pools."""
+    import kvpool
+    import kvpool.bench.hybrid_memory as hm
+
+    def refuse(*a, **k):
+        raise kvpool.InvalidArgumentError("cannot allocate slot token ids: 11251206944 entries of 4 bytes")
+
+    monkeypatch.setattr(hm, "run", refuse)
+    line = _bench_usage_error(capsys, tmp_path, ["hybrid-memory", "--budgets", "80G"])
+    assert "--budgets" in line and "cannot allocate" in line, line
+
+
+@pytest.mark.parametrize("extra, flag, bound", [
+    (["--max-running", "100000000"], "--max-running", "requests"),
+    (["--prompt-len", "4:1000000000"], "--prompt-len", "context"),
+    (["--host-pages", "3000000000"], "--host-pages", "pages"),
+    (["--pool-tokens", "100000000000", "--page-size", "1"], "--pool-tokens", "pages"),
+])
+def test_demo_sizes_past_the_allocators_bounds_name_the_flag(capsys, extra, flag, bound):
+    line = _demo_usage_error(capsys, extra)
+    assert flag in line and str(_bounds()[bound]) in line, line

@@ -22,6 +22,9 @@ __all__ = [
     "__version__",
     "DEFAULT_PRIORITY",
     "MAX_PRIORITY",
+    "MAX_PAGES",
+    "MAX_REQUESTS",
+    "MAX_CONTEXT_LEN",
     "encode_kv_events",
     "page_hashes",
     "scatter_rows",
@@ -29,6 +32,10 @@ __all__ = [
 __version__: str
 DEFAULT_PRIORITY: int
 MAX_PRIORITY: int
+# The bounds of a pool's shape: num_pages (reserved page 0 included), max_requests, max_context_len.
+MAX_PAGES: int
+MAX_REQUESTS: int
+MAX_CONTEXT_LEN: int
 
 # Batch arguments: a Python int (broadcast / single handle), a sequence of
 # ints, a 1-D numpy integer array of any int dtype, or a CPU torch tensor.

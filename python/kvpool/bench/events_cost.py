@@ -18,8 +18,39 @@ from typing import Any
 import numpy as np
 
 import kvpool
+from kvpool._core import MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS
 
 CHAIN = 8  # pages per request: one BlockStored each on the wire
+
+
+def pool_shape(n: int, page_size: int) -> tuple[int, int, int]:
+    """(num_pages, max_requests, max_context_len) of the pool that makes ``n`` events a step."""
+    removed = n // 4
+    stored = n - removed
+    return 4 * stored + removed + 64, max(1, -(-stored // CHAIN)), CHAIN * page_size + 1
+
+
+def shape_problem(sizes: list[int], page_size: int) -> str | None:
+    """Why a size's pool is past the allocator's bounds (None: every one fits), naming the flag."""
+    if pool_shape(1, page_size)[2] > MAX_CONTEXT_LEN:
+        top = (MAX_CONTEXT_LEN - 1) // CHAIN
+        return (f"--page-size {page_size} makes requests of {CHAIN} pages longer than kvpool's allocator takes "
+                f"({MAX_CONTEXT_LEN} tokens); give --page-size in [1, {top}]")
+
+    def fits(n: int) -> bool:
+        pages, rows, _ = pool_shape(n, page_size)
+        return pages <= MAX_PAGES and rows <= MAX_REQUESTS
+
+    for n in sizes:
+        if not fits(n):
+            lo, hi = 1, n  # the largest size that fits: the shape grows with n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            pages, rows, _ = pool_shape(n, page_size)
+            return (f"--sizes {n} needs a pool of {pages} pages and {rows} requests; kvpool's allocator takes at "
+                    f"most {MAX_PAGES} pages and {MAX_REQUESTS} requests: give sizes in [1, {lo}]")
+    return None
 
 
 def measure(sizes: list[int], page_size: int = 16, repeats: int = 200) -> list[dict[str, Any]]:
@@ -34,8 +65,8 @@ def measure(sizes: list[int], page_size: int = 16, repeats: int = 200) -> list[d
     for n in sizes:
         removed = n // 4
         stored = n - removed
-        pages = 4 * stored + removed + 64
-        a = kvpool.SlotAllocator(pages, page_size, max(1, -(-stored // CHAIN)), CHAIN * page_size + 1, hash_seed=1)
+        pages, max_requests, context = pool_shape(n, page_size)
+        a = kvpool.SlotAllocator(pages, page_size, max_requests, context, hash_seed=1)
         pub = ZmqEventPublisher(a, "tcp://127.0.0.1:0", buffer_steps=16)
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -72,4 +103,4 @@ def measure(sizes: list[int], page_size: int = 16, repeats: int = 200) -> list[d
     return rows
 
 
-__all__ = ["measure"]
+__all__ = ["measure", "pool_shape", "shape_problem"]

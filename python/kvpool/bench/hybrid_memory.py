@@ -117,9 +117,32 @@ def split(shape: Shape, budget: int, need: dict[str, int], page_size: int) -> tu
     return full, int(sliding)
 
 
+def budget_problem(shape: Shape, budgets: list[int], need: dict[str, int], page_size: int) -> str | None:
+    """Why a budget's pools cannot be built (None: every one can), naming the flags: each pool needs
+    a usable page besides page 0 in every group, and at most the allocator's MAX_PAGES pages."""
+    from kvpool._core import MAX_PAGES
+
+    for budget in budgets:
+        full, sliding = split(shape, budget, need, page_size)
+        pages = {"full": full, "sliding": sliding, "all-full": budget // page_bytes(shape, "all", page_size)}
+        small = [k for k, n in pages.items() if n < 2]
+        if small:
+            kind = small[0]
+            each = page_bytes(shape, "all" if kind == "all-full" else kind, page_size)
+            return (f"--budgets {budget} is too small at this shape (--layers, --kv-heads, --head-dim, "
+                    f"--dtype-bytes, --page-size): the {kind} pool gets {max(pages[kind], 0)} pages of {each} bytes "
+                    "and needs 2 (page 0 is reserved); give a larger --budgets or a smaller shape")
+        big = [k for k, n in pages.items() if n > MAX_PAGES]
+        if big:
+            return (f"--budgets {budget} makes the {big[0]} pool {pages[big[0]]} pages; kvpool's allocator takes "
+                    f"at most {MAX_PAGES}: give a smaller --budgets or a larger --page-size")
+    return None
+
+
 def run(shape: Shape, budgets: list[int], context: int, chunk: int, page_size: int,
-        max_requests: int) -> dict[str, Any]:
-    need = probe(shape, context, chunk, page_size)
+        max_requests: int, need: dict[str, int] | None = None) -> dict[str, Any]:
+    """``need``: ``probe``'s answer, when the caller has it already."""
+    need = need or probe(shape, context, chunk, page_size)
     fb, sb, ab = (page_bytes(shape, k, page_size) for k in ("full", "sliding", "all"))
     rows: list[dict[str, Any]] = []
     for budget in budgets:
@@ -179,8 +202,27 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     if args.full_every > args.layers:
         raise cli.UsageError(f"--full-every {args.full_every} leaves no full-attention layer among --layers "
                              f"{args.layers}; give --full-every <= --layers")
+    from kvpool._core import MAX_CONTEXT_LEN, MAX_REQUESTS, InvalidArgumentError
+
+    # The allocator's bounds, by flag, before any pool is built (each pool holds --context + 1 tokens).
+    if args.context + 1 > MAX_CONTEXT_LEN:
+        raise cli.UsageError(f"--context {args.context} is longer than kvpool's allocator takes; give --context "
+                             f"in [1, {MAX_CONTEXT_LEN - 1}]")
+    if args.max_requests > MAX_REQUESTS:
+        raise cli.UsageError(f"--max-requests {args.max_requests} is more than kvpool's allocator takes; give "
+                             f"--max-requests in [1, {MAX_REQUESTS}]")
     shape = Shape(args.layers, args.full_every, args.kv_heads, args.head_dim, args.dtype_bytes, args.window)
-    out = run(shape, args.budgets, args.context, args.chunk, args.page_size, args.max_requests)
+    need = probe(shape, args.context, args.chunk, args.page_size)
+    problem = budget_problem(shape, args.budgets, need, args.page_size)
+    if problem:
+        raise cli.UsageError(problem)
+    try:
+        out = run(shape, args.budgets, args.context, args.chunk, args.page_size, args.max_requests, need)
+    except InvalidArgumentError as e:
+        # Shapes within the bounds whose metadata this machine cannot hold: the core says so, typed,
+        # and the flags that size the pools are the way out.
+        raise cli.UsageError(f"--budgets {','.join(map(str, args.budgets))} / --max-requests {args.max_requests}: "
+                             f"{e}") from None
     gib = 1 << 30
     pr = out["per_request"]
     print(f"{shape.layers} layers ({shape.full_layers} full, {shape.sliding_layers} sliding, window "
@@ -206,4 +248,4 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
     return 0
 
 
-__all__ = ["Shape", "add_arguments", "fill", "main", "probe", "run", "split"]
+__all__ = ["Shape", "add_arguments", "budget_problem", "fill", "main", "probe", "run", "split"]

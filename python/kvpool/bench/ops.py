@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._core import MAX_PAGES, MAX_REQUESTS
 from kvpool.bench import report
 from kvpool.bench.cli import UsageError, add_out_argument, count, list_of, one_of, parse_size, settings
 from kvpool.bench.runner import time_loop
@@ -123,12 +124,19 @@ class _OpBench:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Flags that parse but cannot run together: every pool of whole pages, with room for every batch."""
+    """Flags that parse but cannot run together: every pool of whole pages, within the allocator's
+    bounds, with room for every batch."""
+    if max(args.batch_sizes) > MAX_REQUESTS:  # each batch is its pool's max_requests
+        raise UsageError(f"--batch-sizes {max(args.batch_sizes)} is more requests than kvpool's allocator takes; "
+                         f"give batch sizes in [1, {MAX_REQUESTS}]")
     for ps in args.page_sizes:
         pages = args.pool_size // ps
         if args.pool_size % ps:
             raise UsageError(f"--pool-size {args.pool_size} is not a whole number of pages of {ps} slots; "
                              "give a multiple of every --page-sizes value")
+        if pages > MAX_PAGES:
+            raise UsageError(f"--pool-size {args.pool_size} is {pages} pages of {ps}; kvpool's allocator takes at "
+                             f"most {MAX_PAGES} pages (page 0 included): give a smaller --pool-size")
         need = max(args.batch_sizes) * -(-max(TOKENS_HELD[op] for op in args.ops) // ps) + 1  # page 0 reserved
         if need > pages:
             raise UsageError(f"--pool-size {args.pool_size} holds {pages} pages of {ps}; batch "

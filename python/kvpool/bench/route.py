@@ -131,9 +131,13 @@ def _sizes(text: str) -> str:
 
 
 def events_main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
-    from kvpool.bench.events_cost import measure
+    from kvpool.bench.events_cost import measure, shape_problem
 
-    rows = measure(cli.list_of(cli.count(1))(args.sizes), args.page_size, args.repeats)
+    sizes = cli.list_of(cli.count(1))(args.sizes)
+    problem = shape_problem(sizes, args.page_size)
+    if problem:
+        raise cli.UsageError(problem)
+    rows = measure(sizes, args.page_size, args.repeats)
     print("ZmqEventPublisher.publish() of one step's events: what the calling thread pays (drain, encode, "
           "hand over) and until the sender thread has sent it (PUB on loopback, one subscriber); medians")
     print(report.md_table(["events", "Stored : Removed", "µs / publish()", "µs per 100 events", "µs until sent",

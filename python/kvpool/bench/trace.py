@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._core import MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS
+
 
 @dataclasses.dataclass(frozen=True)
 class Dist:
@@ -51,16 +53,42 @@ class Dist:
 
 class PoolShape:
     """The pool a trace config is sized for; mixed into each workload's frozen config dataclass,
-    which declares ``num_slots`` and ``page_size`` and calls ``check_pool`` after its own checks."""
+    which declares ``num_slots``, ``page_size``, ``concurrency`` and ``max_context_len`` and calls
+    ``check_pool`` first in its own checks. Its complaints name the bench flags that set the field,
+    because a trace config is what ``python -m kvpool.bench`` builds from them (``Workload.check``
+    reports them as usage errors)."""
 
     num_slots: int  # pool size in slots, reserved page 0 included
     page_size: int
+    concurrency: int  # the pool's max_requests
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest request, prompt and output: each workload's config computes it from its lengths."""
+        raise NotImplementedError
+
+    @property
+    def context_source(self) -> str:
+        """What sets ``max_context_len``, for a complaint about it (a workload with length flags names them)."""
+        return "the workload's request lengths"
 
     def check_pool(self) -> None:
         if self.page_size < 1 or self.num_slots % self.page_size:
             raise ValueError(f"num_slots {self.num_slots} must be a multiple of page_size {self.page_size}")
         if self.num_slots // self.page_size < 2:
             raise ValueError("the pool needs at least one usable page besides the reserved page 0")
+        # The allocator's own bounds (kvpool._core), checked here so that a run stops before its
+        # traces are generated, with the flag to change, instead of in a driver's constructor.
+        if self.num_pages > MAX_PAGES:
+            raise ValueError(f"--pool-sizes {self.num_slots} is {self.num_pages} pages of {self.page_size}; kvpool's "
+                             f"allocator takes at most {MAX_PAGES} pages (page 0 included): give a smaller "
+                             "--pool-sizes or a larger --page-sizes")
+        if self.concurrency > MAX_REQUESTS:
+            raise ValueError(f"--concurrency {self.concurrency} is more running requests than kvpool's allocator "
+                             f"takes; give --concurrency in [1, {MAX_REQUESTS}]")
+        if self.max_context_len > MAX_CONTEXT_LEN:
+            raise ValueError(f"{self.context_source} make requests of up to {self.max_context_len} tokens; kvpool's "
+                             f"allocator takes at most {MAX_CONTEXT_LEN} tokens per request: give shorter lengths")
 
     @property
     def num_pages(self) -> int:

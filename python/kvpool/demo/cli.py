@@ -119,6 +119,32 @@ def _check_request_memory(args: argparse.Namespace, usage_error: Callable[[str],
         usage_error(message)
 
 
+def _check_allocator_bounds(args: argparse.Namespace, max_ctx: int, usage_error: Callable[[str], Any] | None) -> None:
+    """The allocator's bounds (kvpool._core) by the flag that sets each: the core's own complaint
+    names its parameter (max_requests, max_context_len), not the demo's flag."""
+    from kvpool._core import MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS
+
+    lengths = "--system-len, --prompt-len and --output-len" if args.workload == "shared-prefix" else \
+        "--prompt-len and --output-len"
+    message = None
+    if args.max_running > MAX_REQUESTS:
+        message = f"--max-running {args.max_running} is more than kvpool's allocator takes; give it in [1, {MAX_REQUESTS}]"
+    elif max_ctx > MAX_CONTEXT_LEN:
+        message = (f"{lengths} make requests of up to {max_ctx} tokens (whole pages); kvpool's allocator takes at "
+                   f"most {MAX_CONTEXT_LEN}: give shorter lengths")
+    elif -(-args.pool_tokens // args.page_size) + 1 > MAX_PAGES:
+        message = (f"--pool-tokens {args.pool_tokens} is more than {MAX_PAGES} pages of --page-size "
+                   f"{args.page_size} (page 0 included), what kvpool's allocator takes: give fewer")
+    elif args.host_pages > MAX_PAGES:
+        message = (f"--host-pages {args.host_pages} is more than kvpool's allocator takes; give 0 (no host tier) or "
+                   f"a number in [2, {MAX_PAGES}]")
+    if message is None:
+        return
+    if usage_error is None:
+        raise ValueError(message)
+    usage_error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvpool demo",
@@ -235,6 +261,7 @@ def run(args: argparse.Namespace,
     longest_prompt = args.system_len[1] + args.prompt_len[1] if shared else args.prompt_len[1]
     max_ctx = -(-(longest_prompt + args.output_len[1]) // page) * page
     pool_pages = -(-args.pool_tokens // page)
+    _check_allocator_bounds(args, max_ctx, usage_error)
 
     with grad_mode(args.grad_mode):
         with _setup_errors(usage_error):

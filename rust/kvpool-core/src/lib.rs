@@ -60,7 +60,7 @@ pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use host::HostPolicy;
-pub use memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
+pub use memory::{MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS};
 pub use prefix::hashing::page_hashes;
 pub use rows::{check_scatter, scatter_rows, RowCopy};
 pub use table::SlotTable;

@@ -11,6 +11,9 @@ use std::mem::MaybeUninit;
 pub const MAX_REQUESTS: usize = 1 << 20;
 /// Largest `max_context_len`: lengths live in u32 fields with the top bits free.
 pub const MAX_CONTEXT_LEN: usize = 1 << 28;
+/// Largest `num_pages` of a pool (the reserved page 0 included), device or
+/// host tier: page ids are i32 in the tables an engine's kernels read.
+pub const MAX_PAGES: usize = i32::MAX as usize;
 
 /// Types for which an all-zero bit pattern is a valid value.
 ///

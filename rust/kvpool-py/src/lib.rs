@@ -47,5 +47,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The retention priority of pages no caller gave one, and the highest.
     m.add("DEFAULT_PRIORITY", kvpool_core::DEFAULT_PRIORITY)?;
     m.add("MAX_PRIORITY", kvpool_core::MAX_PRIORITY)?;
+    // The bounds of a pool's shape, so that callers (the bench and demo command lines) can refuse
+    // a size by its flag before they build anything.
+    m.add("MAX_PAGES", kvpool_core::MAX_PAGES)?;
+    m.add("MAX_REQUESTS", kvpool_core::MAX_REQUESTS)?;
+    m.add("MAX_CONTEXT_LEN", kvpool_core::MAX_CONTEXT_LEN)?;
     Ok(())
 }

@@ -48,6 +48,10 @@ class ChurnTraceConfig(PoolShape):
     def max_context_len(self) -> int:
         return self.prompt.hi + self.output.hi
 
+    @property
+    def context_source(self) -> str:
+        return f"--prompt {self.prompt} and --output {self.output}"
+
 
 @dataclasses.dataclass(frozen=True)
 class ChurnStep:

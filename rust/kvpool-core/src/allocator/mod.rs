@@ -52,7 +52,7 @@ use crate::events::{EventLog, MIN_BACKLOG};
 use crate::geometry::Geometry;
 use crate::handle::{mix64, random_u64, MAX_GENERATION};
 use crate::host::HostTier;
-use crate::memory::{MAX_CONTEXT_LEN, MAX_REQUESTS};
+use crate::memory::{MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS};
 use crate::pages::PagePool;
 use crate::prefix::hashing::ChainKind;
 use crate::prefix::index::PrefixIndex;
@@ -132,10 +132,9 @@ impl SlotAllocator {
             return bad("page_size must be >= 1".into());
         }
         // Page 0 is never handed out: a pool needs one more page to serve anything.
-        if num_pages < 2 || num_pages > i32::MAX as usize {
+        if !(2..=MAX_PAGES).contains(&num_pages) {
             return bad(format!(
-                "num_pages must be in [2, {}] (it includes the reserved page 0), got {num_pages}",
-                i32::MAX
+                "num_pages must be in [2, {MAX_PAGES}] (it includes the reserved page 0), got {num_pages}"
             ));
         }
         match num_pages.checked_mul(page_size) {
@@ -166,11 +165,10 @@ impl SlotAllocator {
         if opts.weak_hash_bits > 128 {
             return bad("weak_hash_bits must be in [0, 128]".into());
         }
-        if opts.host_pages == 1 || opts.host_pages > i32::MAX as usize {
+        if opts.host_pages == 1 || opts.host_pages > MAX_PAGES {
             return bad(format!(
-                "host_pages must be 0 (no host tier) or in [2, {}] (it includes the reserved \
+                "host_pages must be 0 (no host tier) or in [2, {MAX_PAGES}] (it includes the reserved \
                  host page 0), got {}",
-                i32::MAX,
                 opts.host_pages
             ));
         }
