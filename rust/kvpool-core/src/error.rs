@@ -41,8 +41,16 @@ pub enum PoolError {
     #[error("invalid handle {handle}: {problem}")]
     InvalidHandle { handle: i64, problem: HandleProblem },
 
-    #[error("too many requests: open({requested}) with {open} of max_requests={max} already open")]
+    #[error(
+        "too many requests: {call} asks for {requested} new {} with {open} of \
+         max_requests={max} already open; at most {} more can open now (close requests \
+         first, or ask for fewer)",
+        if *.requested == 1 { "request" } else { "requests" },
+        .max.saturating_sub(*.open)
+    )]
     TooManyRequests {
+        /// The call refused, as the caller wrote it (`open`, `fork`, ...).
+        call: &'static str,
         requested: usize,
         open: usize,
         max: usize,
