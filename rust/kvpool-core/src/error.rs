@@ -109,15 +109,16 @@ pub type Result<T> = std::result::Result<T, PoolError>;
 /// The details of [`PoolError::GroupExhausted`].
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
-    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its pages \
-     ({page_size} slots each) but only {free_pages} are free or evictable; nothing was \
-     allocated in any group"
+    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its {} but only \
+     {free_pages} are free or evictable; nothing was allocated in any group",
+    shortage_unit(.kind, *.page_size)
 )]
 pub struct GroupShortage {
     /// The group (`len(groups)` for a token-only anchor chain).
     pub group: usize,
     /// `"full"`, `"sliding"`, `"state"` or `"anchor"`.
     pub kind: &'static str,
+    /// Pages, or state slots for a state group.
     pub needed_pages: usize,
     pub free_pages: usize,
     pub page_size: usize,
@@ -135,6 +136,16 @@ pub struct Rollback {
     pub group: usize,
     pub kind: &'static str,
     pub reason: String,
+}
+
+/// What a group's shortage counts: a state group holds one state slot per
+/// request, not pages of token slots.
+fn shortage_unit(kind: &str, page_size: usize) -> String {
+    if kind == "state" {
+        "state slots (one per request)".to_string()
+    } else {
+        format!("pages ({page_size} slots each)")
+    }
 }
 
 /// How an error names a request: by handle, or as the new request a
