@@ -671,6 +671,11 @@ class SlotAllocator:
         undrained: each overflow replaces the backlog with one Cleared event
         (cumulative)."""
     @property
+    def kv_events(self) -> bool:
+        """Whether KV events are recorded (the kv_events argument, fixed at
+        construction). Without them take_events() stays empty, and what
+        learns the cache's pages from it (a router, DiskCache) learns nothing."""
+    @property
     def pending_copies(self) -> int:
         """Copy-on-write copies queued and not yet taken."""
     def take_offloads(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -883,6 +888,10 @@ class GroupedAllocator:
     @property
     def dropped_events(self) -> int:
         """Events dropped because too many were left undrained (cumulative)."""
+    @property
+    def kv_events(self) -> bool:
+        """Whether the anchor chain's KV events are recorded (the kv_events
+        argument, fixed at construction)."""
     def open(self, n: int = 1) -> npt.NDArray[np.int64]:
         """Opens n empty requests in every group; a state group gives each a
         slot, queued to be zeroed (take_copies).

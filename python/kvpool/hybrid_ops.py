@@ -355,6 +355,11 @@ class HybridRequestOps:
         """The prefix hash seed; see ``GroupedAllocator.hash_seed``."""
         return self.allocator.hash_seed
 
+    @property
+    def kv_events(self) -> bool:
+        """Whether the pool records KV events; see ``GroupedAllocator.kv_events``."""
+        return self.allocator.kv_events
+
     def admissible_tokens(self, layer: int | None = None) -> int:
         """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
         return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)

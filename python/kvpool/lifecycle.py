@@ -61,6 +61,7 @@ class RequestOps:
     hit_tokens = _counter("hit_tokens")
     miss_tokens = _counter("miss_tokens")
     dropped_events = _counter("dropped_events")
+    kv_events = _counter("kv_events", bool)
     host_pages = _counter("host_pages")
     host_free_pages = _counter("host_free_pages")
     host_cached_pages = _counter("host_cached_pages")

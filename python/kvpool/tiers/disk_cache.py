@@ -129,8 +129,9 @@ class DiskCache:
         model: what model (and revision) wrote the K/V: part of the fingerprint.
 
     Raises:
-        InvalidArgumentError: ``pool`` is not a plain ``KVPool``, ``backend`` not a
-            ``TierBackend`` or too small for one page record, or ``model`` not a str.
+        InvalidArgumentError: ``pool`` is not a plain ``KVPool`` or records no KV events
+            (``kv_events=False``), ``backend`` not a ``TierBackend`` or too small for one
+            page record, or ``model`` not a str.
 
     Calls from several threads run one at a time (the cache's lock, taken before the
     pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
@@ -138,6 +139,11 @@ class DiskCache:
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
         require_plain_pool(pool, "DiskCache")  # before store_new drains a hybrid pool's events
+        if not pool.kv_events:
+            raise InvalidArgumentError(
+                "DiskCache needs a pool built with kv_events=True (the default): it learns which pages "
+                "to store from the pool's Stored events, and this pool records none, so nothing would "
+                "ever be stored")
         if not isinstance(backend, TierBackend):
             raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
                                        f"got {type(backend).__name__}")

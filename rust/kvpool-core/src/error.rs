@@ -41,8 +41,16 @@ pub enum PoolError {
     #[error("invalid handle {handle}: {problem}")]
     InvalidHandle { handle: i64, problem: HandleProblem },
 
-    #[error("too many requests: open({requested}) with {open} of max_requests={max} already open")]
+    #[error(
+        "too many requests: {call} asks for {requested} new {} with {open} of \
+         max_requests={max} already open; at most {} more can open now (close requests \
+         first, or ask for fewer)",
+        if *.requested == 1 { "request" } else { "requests" },
+        .max.saturating_sub(*.open)
+    )]
     TooManyRequests {
+        /// The call refused, as the caller wrote it (`open`, `fork`, ...).
+        call: &'static str,
         requested: usize,
         open: usize,
         max: usize,
@@ -101,15 +109,16 @@ pub type Result<T> = std::result::Result<T, PoolError>;
 /// The details of [`PoolError::GroupExhausted`].
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
-    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its pages \
-     ({page_size} slots each) but only {free_pages} are free or evictable; nothing was \
-     allocated in any group"
+    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its {} but only \
+     {free_pages} are free or evictable; nothing was allocated in any group",
+    shortage_unit(.kind, *.page_size)
 )]
 pub struct GroupShortage {
     /// The group (`len(groups)` for a token-only anchor chain).
     pub group: usize,
     /// `"full"`, `"sliding"`, `"state"` or `"anchor"`.
     pub kind: &'static str,
+    /// Pages, or state slots for a state group.
     pub needed_pages: usize,
     pub free_pages: usize,
     pub page_size: usize,
@@ -127,6 +136,16 @@ pub struct Rollback {
     pub group: usize,
     pub kind: &'static str,
     pub reason: String,
+}
+
+/// What a group's shortage counts: a state group holds one state slot per
+/// request, not pages of token slots.
+fn shortage_unit(kind: &str, page_size: usize) -> String {
+    if kind == "state" {
+        "state slots (one per request)".to_string()
+    } else {
+        format!("pages ({page_size} slots each)")
+    }
 }
 
 /// How an error names a request: by handle, or as the new request a

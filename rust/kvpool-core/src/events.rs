@@ -175,6 +175,11 @@ impl EventLog {
         Ok(())
     }
 
+    /// Whether events are recorded (the pool's `kv_events` option).
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
     /// Events dropped by overflows so far (cumulative).
     pub(crate) fn dropped(&self) -> u64 {
         self.dropped

@@ -226,6 +226,7 @@ fn failed_batches_change_nothing() {
     assert!(matches!(
         a.open(2).unwrap_err(),
         PoolError::TooManyRequests {
+            call: "open",
             requested: 2,
             open: 3,
             max: 4

@@ -106,4 +106,12 @@ impl PySlotAllocator {
     fn dropped_events(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.dropped_events())
     }
+
+    /// Whether KV events are recorded (the kv_events argument, fixed at
+    /// construction). Without them take_events() stays empty, and what
+    /// learns the cache's pages from it (a router, DiskCache) learns nothing.
+    #[getter]
+    fn kv_events(&self, py: Python<'_>) -> bool {
+        self.query(py, |a| a.kv_events())
+    }
 }

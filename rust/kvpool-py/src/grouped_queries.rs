@@ -59,6 +59,13 @@ impl PyGroupedAllocator {
         self.run(py, |c| c.dropped_events())
     }
 
+    /// Whether the anchor chain's KV events are recorded (the kv_events
+    /// argument, fixed at construction).
+    #[getter]
+    fn kv_events(&self, py: Python<'_>) -> bool {
+        self.run(py, |c| c.kv_events())
+    }
+
     /// take_events() -> dict
     ///
     /// Drains the anchor chain's KV events (as SlotAllocator.take_events).

@@ -18,7 +18,7 @@ impl SlotAllocator {
     pub fn fork(&mut self, handle: i64, n: usize) -> Result<Vec<i64>> {
         let parent = self.requests.resolve(handle)?;
         self.requests.check_resident(parent, handle)?;
-        self.requests.check_available(n)?;
+        self.requests.check_available(n, "fork")?;
         let mut out = Vec::new();
         reserve(&mut out, n, "handles")?;
         let mut prompts = Vec::new();

@@ -87,7 +87,7 @@ impl SlotAllocator {
         counts: &[i64],
         tokens: Option<&[i64]>,
     ) -> Result<usize> {
-        self.requests.check_available(counts.len())?;
+        self.requests.check_available(counts.len(), "admit")?;
         let mut need = 0usize;
         let mut total = 0usize;
         for (i, &c) in counts.iter().enumerate() {
@@ -172,8 +172,8 @@ impl SlotAllocator {
     }
 
     /// Rows free for `n` new requests (`TooManyRequests` otherwise).
-    pub(crate) fn group_check_available(&self, n: usize) -> Result<()> {
-        self.requests.check_available(n)
+    pub(crate) fn group_check_available(&self, n: usize, call: &'static str) -> Result<()> {
+        self.requests.check_available(n, call)
     }
 
     /// Rows an open can take now.

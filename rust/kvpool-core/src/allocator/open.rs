@@ -21,7 +21,7 @@ use crate::table::SlotTable;
 impl SlotAllocator {
     /// Opens `n` requests and appends their handles to `out`.
     pub fn open_into(&mut self, n: usize, out: &mut Vec<i64>) -> Result<()> {
-        self.requests.check_available(n)?;
+        self.requests.check_available(n, "open")?;
         reserve(out, n, "handles")?;
         for _ in 0..n {
             out.push(self.requests.take_row().1);
@@ -61,7 +61,7 @@ impl SlotAllocator {
         F: FnMut(&Grown<'_>),
     {
         let n = counts.len();
-        self.requests.check_available(n)?;
+        self.requests.check_available(n, "admit")?;
         let start = handles.len();
         reserve(handles, n, "handles")?;
         // What the rows held before: a refused extend puts them back.

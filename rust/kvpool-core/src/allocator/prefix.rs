@@ -45,7 +45,7 @@ impl SlotAllocator {
                 tokens.len()
             )));
         }
-        self.requests.check_available(n)?;
+        self.requests.check_available(n, "open_with_prefix")?;
         Ok(())
     }
 

@@ -111,7 +111,7 @@ impl SlotAllocator {
                 max: self.geo.max_context_len,
             });
         }
-        self.requests.check_available(1)?;
+        self.requests.check_available(1, "open_with_chain_hashes")?;
         let mut pages = Vec::new();
         reserve(&mut pages, hashes.len(), "matched pages")?;
         let mut m = self

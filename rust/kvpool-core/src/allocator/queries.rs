@@ -104,6 +104,13 @@ impl SlotAllocator {
         self.events.dropped()
     }
 
+    /// Whether KV events are recorded (`Options::kv_events`, fixed at
+    /// construction): tools that learn the cache's contents from
+    /// `take_events` need it on.
+    pub fn kv_events(&self) -> bool {
+        self.events.enabled()
+    }
+
     /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
     /// per page its state record (holder count, registration, LRU links) and
     /// free stack entry (20 bytes),

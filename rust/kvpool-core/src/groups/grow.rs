@@ -23,7 +23,7 @@ impl GroupedAllocator {
     /// Errors (nothing changed): `TooManyRequests`, `GroupExhausted` (a
     /// state group without `n` free or evictable slots).
     pub fn open(&mut self, n: usize) -> Result<Vec<i64>> {
-        self.anchor.group_check_available(n)?;
+        self.anchor.group_check_available(n, "open")?;
         self.state_room(n)?;
         self.prepare_states(n)?;
         let handles = self.anchor.open(n)?;

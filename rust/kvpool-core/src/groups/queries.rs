@@ -105,6 +105,11 @@ impl GroupedAllocator {
         self.anchor.dropped_events()
     }
 
+    /// Whether the anchor chain's KV events are recorded (`Options::kv_events`).
+    pub fn kv_events(&self) -> bool {
+        self.anchor.kv_events()
+    }
+
     // ---- per group ----
 
     /// A page group's engine, or why `g` has no pages.

@@ -18,7 +18,7 @@ impl GroupedAllocator {
     /// slots), `InvalidArgument` (memory for the prompts).
     pub fn fork(&mut self, handle: i64, n: usize) -> Result<Vec<i64>> {
         let parent = self.anchor.group_resolve(handle)?;
-        self.anchor.group_check_available(n)?;
+        self.anchor.group_check_available(n, "fork")?;
         self.state_room_for(n)?;
         let mut regs = Vec::new();
         reserve(&mut regs, n, "anchor registrations")?;

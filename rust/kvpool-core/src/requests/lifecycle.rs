@@ -8,9 +8,12 @@ use crate::handle::{make_handle, next_generation};
 use crate::prefix::tip::ChainTip;
 
 impl Requests {
-    pub(crate) fn check_available(&self, n: usize) -> Result<()> {
+    /// Rows free for `n` new requests, or `TooManyRequests` naming `call`
+    /// (the public call that asked).
+    pub(crate) fn check_available(&self, n: usize, call: &'static str) -> Result<()> {
         if n > self.free_rows.len() {
             return Err(PoolError::TooManyRequests {
+                call,
                 requested: n,
                 open: self.open_count,
                 max: self.rows.len() - self.retired_rows,
