@@ -52,8 +52,9 @@ pub enum PoolError {
         /// The call refused, as the caller wrote it (`open`, `fork`, ...).
         call: &'static str,
         requested: usize,
-        open: usize,
-        max: usize,
+        // u32: at most MAX_REQUESTS, and the variant stays five words with the call's name.
+        open: u32,
+        max: u32,
     },
 
     #[error(

@@ -15,8 +15,9 @@ impl Requests {
             return Err(PoolError::TooManyRequests {
                 call,
                 requested: n,
-                open: self.open_count,
-                max: self.rows.len() - self.retired_rows,
+                // (Both at most MAX_REQUESTS, checked at construction.)
+                open: u32::try_from(self.open_count).unwrap_or(u32::MAX),
+                max: u32::try_from(self.rows.len() - self.retired_rows).unwrap_or(u32::MAX),
             });
         }
         Ok(())
