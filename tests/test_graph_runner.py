@@ -288,3 +288,59 @@ def test_run_and_capture_happen_on_the_pools_device(monkeypatch):
     with torch.no_grad():
         runner.run([1, 2], [0, 0], [pool.null_row] * 2, [0, 0], [1, 1])
     assert entered == [pool.device]
+
+
+def test_capture_records_on_a_stream_of_the_pools_device(monkeypatch):
+    """torch.cuda.graph without stream= captures on one process-wide stream, made on the
+    device current at the process's first capture: a runner for a pool on cuda:1 in a
+    process that captured on cuda:0 first would record its step into a cuda:0 graph. The
+    runner passes a stream of its own device. CUDA is faked: streams remember their device,
+    and the fake graph() keeps torch's process-wide default, made on cuda:0."""
+    import contextlib
+
+    current = []  # the stream a torch.cuda.stream() context made current
+
+    class FakeStream:
+        def __init__(self, device=None, priority=0):
+            self.device = torch.device("cuda", 0) if device is None else torch.device(device)
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def use(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    default = FakeStream()  # torch.cuda.graph.default_capture_stream, made under cuda:0
+    captured = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None):
+        with use(stream if stream is not None else default):
+            yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    pool = make_pool()
+
+    def step(*args):
+        captured.append(current[-1].device if current else None)
+        return args[0].float()
+
+    runner = DecodeGraphRunner(pool, step, 4, warmup_iters=1)
+    runner.use_graphs, runner.device = True, torch.device("cuda", 1)  # as a pool on cuda:1
+    with torch.no_grad():
+        runner._capture(grad_mode(), 2)
+    # Warm-up, then the capture itself: both on a stream of cuda:1.
+    assert captured == [torch.device("cuda", 1)] * 2
+    assert runner.captured == [("no_grad", 2)]

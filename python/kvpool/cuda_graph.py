@@ -439,7 +439,10 @@ class DecodeGraphRunner:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()  # shared by every bucket
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # Captured on this runner's device: without stream=, torch.cuda.graph uses one
+        # process-wide stream made on whichever device was current at the process's first
+        # capture, so a runner on cuda:1 would record into a cuda:0 graph.
+        with torch.cuda.graph(graph, pool=self._mempool, stream=side):
             out = self.step(*views)
         self._graphs[(mode, bucket)] = (graph, out)
         self._ptrs = self._addresses()
