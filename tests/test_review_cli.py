@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvpool
 from kvpool.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,10 @@ TINY = ["--requests", "4", "--prompt-len", "4:12", "--output-len", "2:4", "--poo
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    # The kvpool this test imported (the installed package under CI, python/ with a built
+    # _core in a checkout): python/ of a fresh clone has no _core.
+    here = str(Path(kvpool.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
 
 
 def _demo_usage_error(capsys, extra: list[str]) -> str:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -171,32 +170,33 @@ class _Walker:
                     self.walk(f"{name}.{attr}", value, depth + 1)
 
 
+# Lookups of tensors kept for a pool outside it, registered by the upper layers that keep
+# them (KVPoolCache's pool views, kvpool.distributed's transfer staging) when they are
+# imported: this base module may not reach up to them, and importing them here would load
+# transformers or torch.distributed.
+_KEPT_ELSEWHERE: list[Callable[[Any], list[tuple[str, torch.Tensor]]]] = []
+
+
+def register_kept_for_pool(lookup: Callable[[Any], list[tuple[str, torch.Tensor]]]) -> None:
+    """Have ``audit(pool)`` also walk ``lookup(pool)``: (name, tensor) pairs a module keeps
+    for ``pool`` outside it (empty when it keeps none)."""
+    _KEPT_ELSEWHERE.append(lookup)
+
+
 def _kept_for_pool(pool: Any) -> list[tuple[str, torch.Tensor]]:
     """Long-lived tensors kept for a pool outside it, made lazily at first use: the pinned
-    ring that stages its host -> device copies (CUDA), the staging and layer buffers closed
-    ``KVPoolCache``s leave to its next caches, and ``kvpool.distributed``'s transfer staging.
-    Looked up only in modules already loaded (importing them here would load transformers
-    or torch.distributed)."""
+    ring that stages its host -> device copies (CUDA), and what the modules registered
+    with ``register_kept_for_pool`` keep (the staging and layer buffers closed
+    ``KVPoolCache``s leave to its next caches, ``kvpool.distributed``'s transfer staging)."""
     out: list[tuple[str, torch.Tensor]] = []
     ring = getattr(getattr(pool, "_to_device", None), "__self__", None)
     for i, slot in enumerate(getattr(ring, "_slots", ())):
         out.append((f"pinned_ring[{i}]", slot.buf))
-    for module, registry in (("kvpool.integrations._pool_views", "_POOL_VIEWS"),
-                             ("kvpool.distributed.chunks", "STAGING")):
-        kept = getattr(sys.modules.get(module), registry, None)
+    for lookup in _KEPT_ELSEWHERE:
         try:
-            key = getattr(pool, "inner", pool) if registry == "STAGING" else pool  # (chunks.staging's key)
-            entry = kept.get(key) if kept is not None else None
+            out += lookup(pool)
         except TypeError:  # a pool that takes no weak reference: nothing is kept for it
-            entry = None
-        if entry is None:
-            continue
-        if isinstance(entry, list):  # the transfer staging buffers
-            out += [(f"transfer_staging[{i}]", t) for i, t in enumerate(entry)]
-            continue
-        out += [(f"cache_spares.stage[{i}]", t) for i, (t, _) in enumerate(list(entry.spare_stages))]
-        sets = list(entry.spare_buffers._sets.values())
-        out += [(f"cache_spares.layer_buffers[{i}]", lb.buf) for i, lb in enumerate(sets)]
+            pass
     return out
 
 

@@ -12,13 +12,21 @@ import torch
 
 from kvpool.distributed.pages import contiguous_runs, page_bytes, word_dtype
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.modes import persistent
+from kvpool.modes import persistent, register_kept_for_pool
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # staging per buffer; big enough to amortize a message, small enough to pipeline
 #: Staging kept per pool between transfers (both buffers); bigger staging is freed after its transfer.
 KEEP_STAGING_BYTES = 2 * DEFAULT_CHUNK_BYTES
 
 STAGING: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _kept(pool: Any) -> list[tuple[str, torch.Tensor]]:
+    """audit(pool)'s view of the staging kept for ``pool`` (``staging``'s key)."""
+    return [(f"transfer_staging[{i}]", t) for i, t in enumerate(STAGING.get(getattr(pool, "inner", pool)) or ())]
+
+
+register_kept_for_pool(_kept)
 
 
 def staging(device: torch.device, pool: Any, pages: int, chunks: int) -> list[torch.Tensor]:

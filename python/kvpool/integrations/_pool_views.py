@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kvpool.integrations._layer_buffers import BufferSpares
-from kvpool.modes import persistent
+from kvpool.modes import persistent, register_kept_for_pool
 from kvpool.validate import check_pool
 
 
@@ -64,6 +64,20 @@ class PoolViews:
 # Keyed by the pool, which the entries do not reference (their views hold its memory alive,
 # not the pool object), so an entry goes with its pool.
 _POOL_VIEWS: weakref.WeakKeyDictionary[Any, PoolViews] = weakref.WeakKeyDictionary()
+
+
+def _kept(pool: Any) -> list[tuple[str, torch.Tensor]]:
+    """audit(pool)'s view of what closed caches left to ``pool``'s next caches."""
+    views = _POOL_VIEWS.get(pool)
+    if views is None:
+        return []
+    out = [(f"cache_spares.stage[{i}]", t) for i, (t, _) in enumerate(list(views.spare_stages))]
+    sets = list(views.spare_buffers._sets.values())
+    return out + [(f"cache_spares.layer_buffers[{i}]", lb.buf) for i, lb in enumerate(sets)]
+
+
+register_kept_for_pool(_kept)
+
 # Caches made on several threads at once must get one PoolViews: the spares are in it, and
 # another one's would serve only the caches that took it, out of release_buffers' reach.
 _MAKING = threading.Lock()
