@@ -1,7 +1,7 @@
 """``pool_for_model``: a ``KVPool`` shaped for a transformers model or its config
 (layers, K/V heads, head size, dtype, device, and the sliding-window and
 linear-attention layers of a hybrid model). It reads the config's attributes
-only, so it does not import transformers."""
+(and, for Falcon's new decoder, transformers' version)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             f"use transformers' DynamicCache for this model")
     heads = text.num_attention_heads
     if getattr(text, "new_decoder_architecture", False):
-        kv_heads = heads  # Falcon-40B style: the model caches K/V already repeated to every query head
+        # Falcon-40B style: before 5.25 the model caches K/V repeated to every query head; since,
+        # its num_kv_heads (whatever multi_query says).
+        kv_heads = heads if _falcon_caches_every_head() else getattr(text, "num_kv_heads", None) or heads
     elif getattr(text, "multi_query", False):
         kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
     else:  # (FalconConfig spells it num_kv_heads)
@@ -86,3 +88,13 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         pool_kwargs.setdefault(key, value)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
+
+
+def _falcon_caches_every_head() -> bool:
+    """Whether Falcon's new decoder architecture (Falcon-40B) caches its K/V broadcast to every
+    query head: so up to transformers 5.24; 5.25 caches its ``num_kv_heads`` and repeats them
+    in attention, as Llama does."""
+    import transformers
+
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) < (5, 25)
