@@ -7,7 +7,8 @@ generate crops the rejected draft tokens away. A pool rolls a state back only to
 that ``cache()`` took, so such a crop raised ``RollbackUnavailableError`` after the first
 verification forward. The cache now says it is not croppable, and generate refuses with its
 own ``ValueError`` after the prefill (5.24: the same ``ValueError`` kind, for stateful models).
-Attention-only and sliding-window caches do crop: their assisted decoding matches DynamicCache.
+Attention-only and sliding-window caches do crop: their assisted decoding matches DynamicCache,
+except on rows opened on a prefix hit (any transformers 5.x: refused, it generated wrong tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers.cache_utils import Cache
 # 5.25 sizes the recording (``recurrent_states_to_keep``); 5.24's activate_past_recording takes nothing.
 KEEP = dict(recurrent_states_to_keep=4) if hasattr(Cache, "get_recurrent_states_to_keep") else {}
 
+from kvpool.errors import InvalidArgumentError
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
 
@@ -84,5 +86,29 @@ def test_prompt_lookup_crops_match_dynamic_cache(arch):
         out = greedy(model, ids, mask, 30, cache, **kw)
     assert torch.equal(out.sequences, ref.sequences)
     assert min(crops) <= -2  # draft tokens were rejected and cropped away
+    assert pool.open_requests == 0
+    pool.check()
+
+
+def test_assisted_decoding_on_rows_opened_on_a_prefix_hit_is_refused():
+    """Assisted decoding's first forward takes the whole prompt, whatever the cache holds
+    (DynamicCache gives wrong tokens as well when it starts non-empty). Rows opened on a
+    cached prefix hold it already: the tokens were silently wrong; now refused up front."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (4,), generator=torch.Generator().manual_seed(0)).repeat(5)[None]
+    kw = dict(prompt_lookup_num_tokens=8)
+    ref = greedy(model, ids, None, 12, DynamicCache(config=model.config), **kw)
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    with KVPoolCache(pool, prefix_ids=ids) as cache:  # nothing cached yet: an empty start
+        out = greedy(model, ids, None, 12, cache, **kw)
+        assert cache.cached_lens.tolist() == [0]
+    assert torch.equal(out.sequences, ref.sequences)
+    with KVPoolCache(pool, prefix_ids=ids) as cache:
+        assert cache.cached_lens.tolist() == [16]
+        with pytest.raises(InvalidArgumentError, match="prefix"):
+            greedy(model, ids, None, 12, cache, **kw)
+        assert cache.get_seq_length() == 16  # refused before any forward
+        out = greedy(model, ids, None, 12, cache)  # plain greedy on the hit is fine
+    assert torch.equal(out.sequences, ref.sequences)
     assert pool.open_requests == 0
     pool.check()
