@@ -74,6 +74,12 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
     """A linear-attention layer whose conv / recurrent states live in the pool's state rows."""
 
     is_compileable = False
+    # A crop restores the state only at a length the pool keeps a checkpoint for (cache(), at
+    # page multiples), not at any length: generate must not count on it. transformers >= 5.25
+    # runs assisted decoding (assistant models, prompt lookup) on linear-attention models when
+    # every layer says it crops, and its crops then raised RollbackUnavailableError mid-way;
+    # now generate refuses up front with its own ValueError (5.24 refused stateful models).
+    is_croppable = False
 
     def __init__(self, requests: StateRequests, layer_idx: int, number_of_states: int = 1) -> None:
         # transformers >= 5.25 gives the layer a token counter (``cumulative_length_linear``) of
@@ -195,6 +201,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         # layer. The rows' length is the pool's: answer as that layer does.
         layers = self.requests.layers
         return int(layers[0].get_seq_length()) if layers else self.requests.length
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Declined: recording would have the model compute the states after each of a forward's
+        last tokens (``get_recurrent_states_to_keep``) for crops this layer cannot take."""
 
     def increase_count(self, state_idx: int) -> None:
         """(transformers >= 5.25) a decode step's in-place conv update: nothing to count, the

@@ -1,7 +1,7 @@
 """``pool_for_model``: a ``KVPool`` shaped for a transformers model or its config
 (layers, K/V heads, head size, dtype, device, and the sliding-window and
 linear-attention layers of a hybrid model). It reads the config's attributes
-only, so it does not import transformers."""
+(and, for Falcon's new decoder, transformers' version)."""
 
 from __future__ import annotations
 
@@ -97,3 +97,4 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         pool_kwargs.setdefault(key, value)
     return KVPool(text.num_hidden_layers, kv_heads, head_dim, dtype=dtype, device=device, page_size=page_size,
                   num_pages=pages, max_requests=max_requests, max_context_len=ctx, **pool_kwargs)
+

@@ -195,12 +195,26 @@ class KVPoolCache(Cache):
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
+        self._hit = 0  # the tokens the rows were opened on (a prefix hit)
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
             self._set_seen(self.requests.length)
+            self._hit = self.requests.length
         elif salt is not None:
             raise InvalidArgumentError("salt= only applies with prefix_ids= (it keys the prefix lookup): "
                                        "pass prefix_ids= too, or no salt")
+
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """``Cache.activate_past_recording``, which assisted decoding calls before its first forward;
+        refused (``InvalidArgumentError``) on rows opened on a prefix hit that no forward extended:
+        that forward takes the whole prompt whatever the cache holds, so the hit's tokens would be
+        stored twice and the tokens generated wrong."""
+        if self._hit and self.requests.length == self._hit:
+            raise InvalidArgumentError(
+                f"assisted decoding (an assistant model, prompt lookup) recomputes the whole prompt in its first "
+                f"forward, but these rows were opened on a cached prefix of {self._hit} tokens: open the cache "
+                "without prefix_ids= for assisted decoding, or generate without an assistant")
+        super().activate_past_recording(**kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +377,7 @@ class KVPoolCache(Cache):
         """Close every row's request; the cache can then serve a new batch."""
         self.requests.close()
         self._set_seen(0)
+        self._hit = 0
 
     def close(self) -> None:
         """Give the rows' pages back to the pool (idempotent)."""
@@ -410,9 +425,11 @@ class HybridKVPoolCache(KVPoolCache):
         self.requests.layers = self._pool_layers
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         Cache.__init__(self, layers=layers)
+        self._hit = 0
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
             self._set_seen(self.requests.length)
+            self._hit = self.requests.length
             if self.requests.length > 0:
                 for layer in self._state_layers:
                     layer.resume()
