@@ -58,6 +58,15 @@ def check_pool(pool: Any, what: str, needs: tuple[str, ...] = ("allocator", "dev
         raise InvalidArgumentError(f"{what} takes a KVPool, got {type(pool).__name__} {pool!r:.80}")
 
 
+def require_plain_pool(pool: Any, what: str) -> None:
+    """Refuse anything but a plain ``KVPool`` with a typed error: a hybrid pool (its
+    ``groups``) has no single page geometry (nor a host tier), and a wrong object would
+    otherwise fail later with an AttributeError, after a caller's state had changed."""
+    if getattr(pool, "groups", None) is not None or any(
+            getattr(pool, name, None) is None for name in ("allocator", "device", "page_size")):
+        raise InvalidArgumentError(f"{what} needs a plain kvpool.KVPool (no layer_types), got {type(pool).__name__}")
+
+
 def check_layer(layer: Any, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise LayerIndexError(f"layer must be an int in [0, {num_layers}), got {type(layer).__name__}")

@@ -48,7 +48,8 @@ from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyReques
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
-from kvpool.tiers.host_storage import HostStorage, require_plain_pool
+from kvpool.tiers.host_storage import HostStorage
+from kvpool.validate import require_plain_pool
 
 __all__ = ["DiskCache", "shape_fingerprint"]
 

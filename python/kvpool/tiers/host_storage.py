@@ -37,7 +37,7 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.torch_types import CACHE_DTYPES, as_device
-from kvpool.validate import check_flag, is_int
+from kvpool.validate import check_flag, is_int, require_plain_pool
 
 __all__ = ["MAX_HOST_PAGES", "HostStorage", "host_page_bytes", "host_pages_for_bytes"]
 
@@ -216,12 +216,3 @@ class HostStorage:
                 f"page_size={self.page_size}, heads={self.heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"page_bytes={self.page_bytes}, pinned={self.pin_method})")
 
-
-def require_plain_pool(pool: Any, what: str) -> None:
-    """Refuse anything but a plain ``KVPool`` with a typed error: a hybrid pool has no
-    single page geometry (nor a host tier), and a wrong object would otherwise fail
-    later with an AttributeError, after a caller's state had changed."""
-    from kvpool.pool import KVPool  # kvpool.pool imports this module
-
-    if not isinstance(pool, KVPool):
-        raise InvalidArgumentError(f"{what} needs a plain kvpool.KVPool (no layer_types), got {type(pool).__name__}")

@@ -52,9 +52,8 @@ from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeErro
 from kvpool.kernels import copy_slots
 from kvpool.kernels._common import host_array
 from kvpool.kernels.pages import PageTransfer, Stage
-from kvpool.tiers.host_storage import require_plain_pool
 from kvpool.torch_types import as_device
-from kvpool.validate import check_layer
+from kvpool.validate import check_layer, require_plain_pool
 
 __all__ = ["CudaStreams", "TransferBatch", "TransferRunner"]
 
