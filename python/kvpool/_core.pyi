@@ -17,6 +17,7 @@ __all__ = [
     "RequestSwappedOutError",
     "RollbackUnavailableError",
     "PoolStats",
+    "_pool_stats",
     "SlotAllocator",
     "GroupedAllocator",
     "__version__",
@@ -90,6 +91,10 @@ class PoolStats:
     def offloaded_pages(self) -> int: ...
     @property
     def loaded_pages(self) -> int: ...
+    # Compares every counter; pickles (a snapshot sent to a metrics or scheduler process).
+    def __eq__(self, value: object, /) -> bool: ...
+    __hash__: None  # type: ignore[assignment]
+    def __reduce__(self) -> tuple[Any, tuple[list[int]]]: ...
 
 @final
 class SlotAllocator:
@@ -1239,6 +1244,9 @@ def encode_kv_events(
             different lengths, an unknown kind or medium code, token_ids that
             do not match the Stored events' num_tokens.
     """
+
+# Not public API: PoolStats.__reduce__'s rebuilder.
+def _pool_stats(fields: list[int]) -> PoolStats: ...
 
 def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
     """Stores row ``i`` of each ``src[j]`` at row ``slots[i]`` of ``dst[j]`` with one

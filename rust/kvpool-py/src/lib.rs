@@ -40,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PySlotAllocator>()?;
     m.add_class::<grouped::PyGroupedAllocator>()?;
     m.add_class::<stats::PoolStats>()?;
+    m.add_function(wrap_pyfunction!(stats::_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add_function(wrap_pyfunction!(rows::scatter_rows, m)?)?;
