@@ -18,6 +18,8 @@ __all__ = [
     "RollbackUnavailableError",
     "PoolStats",
     "_pool_stats",
+    "_fork_prepare",
+    "_fork_release",
     "SlotAllocator",
     "GroupedAllocator",
     "__version__",
@@ -1245,8 +1247,11 @@ def encode_kv_events(
             do not match the Stored events' num_tokens.
     """
 
-# Not public API: PoolStats.__reduce__'s rebuilder.
+# Not public API: PoolStats.__reduce__'s rebuilder, and the os.register_at_fork hooks of
+# kvpool._forksafe (hold every allocator's mutexes across a fork, then release them).
 def _pool_stats(fields: list[int]) -> PoolStats: ...
+def _fork_prepare() -> None: ...
+def _fork_release() -> None: ...
 
 def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
     """Stores row ``i`` of each ``src[j]`` at row ``slots[i]`` of ``dst[j]`` with one

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool._forksafe import POOL
+from kvpool._forksafe import track as track_for_fork
 from kvpool.capacity import free_device_memory
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
@@ -173,6 +175,7 @@ class HybridKVPool(HybridRequestOps):
             [g.spec() for g in self.groups], self.max_requests, self.max_context_len, hash_seed=hash_seed,
             handle_seed=handle_seed, kv_events=kv_events)
         self._lock = threading.RLock()
+        track_for_fork(self, "_lock", POOL)
         group_of = [0] * self.num_layers
         for g in self.groups:
             for layer in g.layers:

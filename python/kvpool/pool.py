@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool._forksafe import POOL
+from kvpool._forksafe import track as track_for_fork
 from kvpool.admission import AdmissionMixin
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.heads import shard_kv_heads
@@ -227,6 +229,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         # Held for the whole of every call that changes ownership (see the class doc).
         # Reentrant: send/recv_request hold it around the pool calls they make.
         self._lock = threading.RLock()
+        track_for_fork(self, "_lock", POOL)
         host = resolve_host_pages(self, host_pages, host_memory_bytes)
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
+from kvpool._forksafe import OUTER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
@@ -159,6 +161,7 @@ class DiskCache:
         # buffer (and the chain state), so a prefetch interleaved with a store_new on another
         # thread would load the pages store_new copied there under the prompt's hashes.
         self._calls = threading.Lock()
+        track_for_fork(self, "_calls", OUTER)
 
     # ----- events -> chains ---------------------------------------------
 
