@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
+from kvpool._nopickle import NotPicklable
 from kvpool.errors import PublisherClosedError
 from kvpool.validate import is_int
 
@@ -58,7 +59,7 @@ def _rank(rank: Any) -> int | None:
     return rank.__index__()
 
 
-class EventPublisher:
+class EventPublisher(NotPicklable):
     """Drains a pool's events into sequenced vLLM ``KVEventBatch`` messages.
 
     Block hashes go out as the 16-byte chain hashes, or with
@@ -74,6 +75,8 @@ class EventPublisher:
     registration a request's recomputed copy took over, which also counts as
     stored) and ``cleared`` (Cleared events, an overflowed backlog's included).
     """
+
+    _pickle_refusal = "it drains a pool of this process (build the publisher in the process that owns the pool)"
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
                  data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:

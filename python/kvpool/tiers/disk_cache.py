@@ -47,6 +47,7 @@ import torch
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool._forksafe import OUTER
 from kvpool._forksafe import track as track_for_fork
+from kvpool._nopickle import NotPicklable
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
@@ -122,7 +123,7 @@ class DiskStats:
     write_failures: int = 0  # pages the backend refused to store (kept for the next store_new)
 
 
-class DiskCache:
+class DiskCache(NotPicklable):
     """A pool's prefix cache on a ``TierBackend`` (see the module doc).
 
     Args:
@@ -137,6 +138,8 @@ class DiskCache:
     Calls from several threads run one at a time (the cache's lock, taken before the
     pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
     """
+
+    _pickle_refusal = "it mirrors a pool of this process and holds its staging buffer"
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
         require_plain_pool(pool, "DiskCache")  # before store_new drains a hybrid pool's events
