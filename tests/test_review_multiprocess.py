@@ -226,6 +226,32 @@ def test_fork_while_another_thread_is_inside_a_pool_call():
     _fork_while(busy, lambda: _use(pool))
 
 
+def test_fork_while_another_thread_publishes_events():
+    from kvpool.events import LocalEventPublisher
+
+    class SlowDelivery(LocalEventPublisher):
+        def _deliver(self, seq_b: bytes, payload: bytes) -> None:
+            time.sleep(0.001)  # as a network delivery would: publish() holds its lock, GIL released
+            super()._deliver(seq_b, payload)
+
+    pool = _pool()
+    pub = SlowDelivery(pool)
+    tokens = iter(range(1 << 40))
+
+    def busy() -> None:
+        h = pool.open(1)
+        pool.extend(h, [8], np.fromiter(tokens, np.int64, 8))  # new tokens: new pages to publish
+        pool.close(h, cache=True)
+        pub.publish()
+        pub.drain()
+
+    def child() -> str:
+        busy()
+        return "ok"
+
+    _fork_while(busy, child)
+
+
 def test_zmq_publisher_in_a_forked_child_raises_instead_of_hanging():
     from kvpool.events import ZmqEventPublisher
 

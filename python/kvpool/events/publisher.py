@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
+from kvpool._forksafe import INNER, OUTER
+from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import PublisherClosedError
 from kvpool.validate import is_int
@@ -104,6 +106,8 @@ class EventPublisher(NotPicklable):
         # must number (and send) their batches in the order they drained them,
         # or a consumer applies a Removed before the Stored it undoes.
         self._publishing = threading.Lock()
+        track_for_fork(self, "_publishing", OUTER)
+        track_for_fork(self, "_lock", INNER)
         self._closed = False
         self.batches = self.events = self.stored_pages = self.removed_pages = self.cleared = 0
 
