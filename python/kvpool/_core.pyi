@@ -17,6 +17,9 @@ __all__ = [
     "RequestSwappedOutError",
     "RollbackUnavailableError",
     "PoolStats",
+    "_pool_stats",
+    "_fork_prepare",
+    "_fork_release",
     "SlotAllocator",
     "GroupedAllocator",
     "__version__",
@@ -90,6 +93,10 @@ class PoolStats:
     def offloaded_pages(self) -> int: ...
     @property
     def loaded_pages(self) -> int: ...
+    # Compares every counter; pickles (a snapshot sent to a metrics or scheduler process).
+    def __eq__(self, value: object, /) -> bool: ...
+    __hash__: None  # type: ignore[assignment]
+    def __reduce__(self) -> tuple[Any, tuple[list[int]]]: ...
 
 @final
 class SlotAllocator:
@@ -1248,6 +1255,12 @@ def encode_kv_events(
             different lengths, an unknown kind or medium code, token_ids that
             do not match the Stored events' num_tokens.
     """
+
+# Not public API: PoolStats.__reduce__'s rebuilder, and the os.register_at_fork hooks of
+# kvpool._forksafe (hold every allocator's mutexes across a fork, then release them).
+def _pool_stats(fields: list[int]) -> PoolStats: ...
+def _fork_prepare() -> None: ...
+def _fork_release() -> None: ...
 
 def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
     """Stores row ``i`` of each ``src[j]`` at row ``slots[i]`` of ``dst[j]`` with one

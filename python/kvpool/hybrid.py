@@ -30,6 +30,9 @@ import numpy as np
 import torch
 
 from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool._forksafe import POOL
+from kvpool._forksafe import track as track_for_fork
+from kvpool._nopickle import NotPicklable
 from kvpool.capacity import free_device_memory
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
@@ -71,7 +74,7 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-class HybridKVPool(HybridRequestOps):
+class HybridKVPool(NotPicklable, HybridRequestOps):
     """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
 
     Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
@@ -91,6 +94,8 @@ class HybridKVPool(HybridRequestOps):
     anything changes; the copies the core queues run on the caller's stream, and a
     later call that hands out slots from another stream first waits for them.
     """
+
+    _pickle_refusal = "it owns this process's K/V tensors and allocator state"
 
     def __init__(
         self,
@@ -173,6 +178,7 @@ class HybridKVPool(HybridRequestOps):
             [g.spec() for g in self.groups], self.max_requests, self.max_context_len, hash_seed=hash_seed,
             handle_seed=handle_seed, kv_events=kv_events)
         self._lock = threading.RLock()
+        track_for_fork(self, "_lock", POOL)
         group_of = [0] * self.num_layers
         for g in self.groups:
             for layer in g.layers:

@@ -19,6 +19,9 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool._forksafe import POOL
+from kvpool._forksafe import track as track_for_fork
+from kvpool._nopickle import NotPicklable
 from kvpool.admission import AdmissionMixin
 from kvpool.capacity import bytes_per_slot, resolve_num_pages, table_bytes
 from kvpool.heads import shard_kv_heads
@@ -46,7 +49,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
+class KVPool(NotPicklable, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -135,6 +138,8 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
     and ``close(cache=True)`` under write_through, ``evict`` under write_back). See
     docs/kernels-and-graphs.md ("Streams and threads").
     """
+
+    _pickle_refusal = "it owns this process's K/V tensors and allocator state"
 
     def __new__(cls, *args: Any, layer_types: Any = None, **kwargs: Any) -> Any:
         # Hybrid models (layer_types) get the grouped pool; every other call is
@@ -227,6 +232,7 @@ class KVPool(RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin)
         # Held for the whole of every call that changes ownership (see the class doc).
         # Reentrant: send/recv_request hold it around the pool calls they make.
         self._lock = threading.RLock()
+        track_for_fork(self, "_lock", POOL)
         host = resolve_host_pages(self, host_pages, host_memory_bytes)
         # The allocator validates its own arguments; make it before any tensor
         # so a bad config fails without allocating device memory.

@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
+from kvpool._forksafe import INNER, OUTER
+from kvpool._forksafe import track as track_for_fork
+from kvpool._nopickle import NotPicklable
 from kvpool.errors import PublisherClosedError
 from kvpool.validate import is_int
 
@@ -58,7 +61,7 @@ def _rank(rank: Any) -> int | None:
     return rank.__index__()
 
 
-class EventPublisher:
+class EventPublisher(NotPicklable):
     """Drains a pool's events into sequenced vLLM ``KVEventBatch`` messages.
 
     Block hashes go out as the 16-byte chain hashes, or with
@@ -74,6 +77,8 @@ class EventPublisher:
     registration a request's recomputed copy took over, which also counts as
     stored) and ``cleared`` (Cleared events, an overflowed backlog's included).
     """
+
+    _pickle_refusal = "it drains a pool of this process (build the publisher in the process that owns the pool)"
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
                  data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:
@@ -101,6 +106,8 @@ class EventPublisher:
         # must number (and send) their batches in the order they drained them,
         # or a consumer applies a Removed before the Stored it undoes.
         self._publishing = threading.Lock()
+        track_for_fork(self, "_publishing", OUTER)
+        track_for_fork(self, "_lock", INNER)
         self._closed = False
         self.batches = self.events = self.stored_pages = self.removed_pages = self.cleared = 0
 

@@ -13,11 +13,13 @@ Wire protocol (vLLM 0.33, ``vllm/distributed/kv_events.py``):
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any
 
 from kvpool._core import InvalidArgumentError
+from kvpool.errors import PublisherClosedError
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
 from kvpool.extras import require
 from kvpool.validate import is_int
@@ -71,6 +73,12 @@ class ZmqEventPublisher(EventPublisher):
     more than the encoding. Messages go out in sequence order; ``flush()``
     waits until they have; ``close()`` sends what is queued, then stops the
     thread and closes the sockets.
+
+    One process's: a forked child inherits neither the sender thread nor usable
+    sockets, so there ``publish()`` and ``flush()`` raise ``PublisherClosedError``
+    (rather than queueing for a thread that does not exist, or waiting for it
+    forever) and ``close()`` only marks the child's copy closed. Build a new
+    publisher in the child.
     """
 
     def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
@@ -86,6 +94,7 @@ class ZmqEventPublisher(EventPublisher):
             raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "
                                        f"C int), got {hwm!r}")
         check_context(context)
+        self._pid = os.getpid()
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
                          int_block_hashes=int_block_hashes)
         self._ctx = context or zmq.Context.instance()
@@ -126,12 +135,25 @@ class ZmqEventPublisher(EventPublisher):
             target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
 
+    def _check_process(self, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise PublisherClosedError(
+                f"cannot {what}: this ZmqEventPublisher was created in process {self._pid}, and this is a forked "
+                f"child ({os.getpid()}), which has neither its sender thread nor usable sockets; build a new "
+                f"ZmqEventPublisher in this process (on its own endpoint)")
+
+    def publish(self) -> int:
+        # Before draining: in a forked child the pool's events stay for a publisher that can send them.
+        self._check_process("publish")
+        return super().publish()
+
     def _deliver(self, seq_b: bytes, payload: bytes) -> None:
         self._queued += 1
         self._queue.put((seq_b, payload))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published message has been sent; False on timeout."""
+        self._check_process("flush")
         with self._sent:
             return self._sent.wait_for(lambda: self._done >= self._queued, timeout)
 
@@ -169,6 +191,11 @@ class ZmqEventPublisher(EventPublisher):
     def close(self) -> None:
         """Send what is queued, stop the sender thread and close both sockets
         (idempotent)."""
+        if os.getpid() != self._pid:
+            # A forked child's copy: the locks may be held by parent threads that do not exist
+            # here, and the sockets and the thread are the parent's.
+            self._closed, self._thread = True, None
+            return
         super().close()
         with self._closing:
             if self._thread is not None:

@@ -64,6 +64,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
                       f"found transformers {transformers.__version__}")
 
+from kvpool._nopickle import NotPicklable
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
 from kvpool.integrations._model_pool import pool_for_model
@@ -162,7 +163,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         return int(self.requests.pool.max_context_len)
 
 
-class KVPoolCache(Cache):
+class KVPoolCache(NotPicklable, Cache):
     """A transformers ``Cache`` backed by a ``KVPool``: pass it as ``past_key_values=``.
 
     Args:
@@ -181,6 +182,8 @@ class KVPoolCache(Cache):
     Use each cache for one batch and close it (``with`` block, ``close()``) to give the
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
     """
+
+    _pickle_refusal = "it holds requests of a KVPool of this process"
 
     def __new__(cls, pool: Any = None, **kwargs: Any) -> Any:
         # A hybrid pool (KVPool(layer_types=...)) gets the cache whose layers follow its groups.

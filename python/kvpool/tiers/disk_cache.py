@@ -45,6 +45,9 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
+from kvpool._forksafe import OUTER
+from kvpool._forksafe import track as track_for_fork
+from kvpool._nopickle import NotPicklable
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
 from kvpool.tiers.events_arg import checked_events
@@ -121,7 +124,7 @@ class DiskStats:
     write_failures: int = 0  # pages the backend refused to store (kept for the next store_new)
 
 
-class DiskCache:
+class DiskCache(NotPicklable):
     """A pool's prefix cache on a ``TierBackend`` (see the module doc).
 
     Args:
@@ -137,6 +140,8 @@ class DiskCache:
     Calls from several threads run one at a time (the cache's lock, taken before the
     pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
     """
+
+    _pickle_refusal = "it mirrors a pool of this process and holds its staging buffer"
 
     def __init__(self, pool: Any, backend: TierBackend, *, model: str = "") -> None:
         require_plain_pool(pool, "DiskCache")  # before store_new drains a hybrid pool's events
@@ -166,6 +171,7 @@ class DiskCache:
         # buffer (and the chain state), so a prefetch interleaved with a store_new on another
         # thread would load the pages store_new copied there under the prompt's hashes.
         self._calls = threading.Lock()
+        track_for_fork(self, "_calls", OUTER)
 
     # ----- events -> chains ---------------------------------------------
 

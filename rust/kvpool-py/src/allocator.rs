@@ -3,7 +3,7 @@
 //! Python objects). One Mutex guards the core, so the object can be shared by
 //! threads; code holding the Mutex never needs the GIL, so no deadlock.
 
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
@@ -65,10 +65,11 @@ use crate::table::Table;
 // (extend's checks, and the Python properties of the same names).
 #[pyclass(name = "SlotAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct PySlotAllocator {
-    pub(crate) inner: Mutex<SlotAllocator>,
+    /// In an Arc so that the fork hooks (fork_guard) can hold it across a fork.
+    pub(crate) inner: Arc<Mutex<SlotAllocator>>,
     /// Events take_events drained but could not return (their arrays did
     /// not fit in memory): the next take_events returns them first.
-    pub(crate) undelivered: Mutex<Option<kvpool_core::Events>>,
+    pub(crate) undelivered: Arc<Mutex<Option<kvpool_core::Events>>>,
     /// Slots per page (P): slot = page * P + offset.
     #[pyo3(get)]
     pub(crate) page_size: usize,
@@ -236,7 +237,7 @@ impl PySlotAllocator {
             }
             Ok::<_, kvpool_core::PoolError>(core)
         })?;
-        Ok(Self {
+        let this = Self {
             page_size: core.page_size(),
             num_pages: core.num_pages(),
             num_slots: core.num_slots(),
@@ -245,9 +246,11 @@ impl PySlotAllocator {
             capacity_pages: core.capacity_pages(),
             capacity_slots: core.capacity_slots(),
             host_pages: core.host_pages(),
-            inner: Mutex::new(core),
-            undelivered: Mutex::new(None),
-        })
+            inner: Arc::new(Mutex::new(core)),
+            undelivered: Arc::new(Mutex::new(None)),
+        };
+        crate::fork_guard::track(&this.inner, &this.undelivered);
+        Ok(this)
     }
 
     /// open(n=1) -> ndarray[int64]

@@ -3,7 +3,7 @@
 //! plain Rust values, the work runs under one lock (the GIL released for
 //! batch work), and each group's results come back as numpy arrays.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvpool_core::{GroupSpec, GroupedAllocator};
 use pyo3::prelude::*;
@@ -48,9 +48,10 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 ///         int in [0, 2**64).
 #[pyclass(name = "GroupedAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct PyGroupedAllocator {
-    inner: Mutex<GroupedAllocator>,
+    /// In an Arc so that the fork hooks (fork_guard) can hold it across a fork.
+    inner: Arc<Mutex<GroupedAllocator>>,
     /// Events take_events drained but could not return (see SlotAllocator's).
-    pub(crate) undelivered: Mutex<Option<kvpool_core::Events>>,
+    pub(crate) undelivered: Arc<Mutex<Option<kvpool_core::Events>>>,
     /// Number of layer groups.
     #[pyo3(get)]
     num_groups: usize,
@@ -167,7 +168,7 @@ impl PyGroupedAllocator {
         let specs = (0..core.num_groups())
             .map(|g| core.group_spec(g))
             .collect::<kvpool_core::Result<Vec<_>>>()?;
-        Ok(Self {
+        let this = Self {
             num_groups: core.num_groups(),
             max_requests: core.max_requests(),
             max_context_len: core.max_context_len(),
@@ -175,9 +176,11 @@ impl PyGroupedAllocator {
             anchor_page_size: core.anchor_page_size(),
             hit_step: core.hit_step(),
             specs,
-            inner: Mutex::new(core),
-            undelivered: Mutex::new(None),
-        })
+            inner: Arc::new(Mutex::new(core)),
+            undelivered: Arc::new(Mutex::new(None)),
+        };
+        crate::fork_guard::track(&this.inner, &this.undelivered);
+        Ok(this)
     }
 
     /// Each group's spec, as the dicts the constructor takes (checkpoint_every resolved).

@@ -11,6 +11,7 @@ mod counters;
 mod errors;
 mod events;
 mod extend;
+mod fork_guard;
 mod grouped;
 mod grouped_args;
 mod grouped_queries;
@@ -40,6 +41,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PySlotAllocator>()?;
     m.add_class::<grouped::PyGroupedAllocator>()?;
     m.add_class::<stats::PoolStats>()?;
+    m.add_function(wrap_pyfunction!(stats::_pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(fork_guard::_fork_prepare, m)?)?;
+    m.add_function(wrap_pyfunction!(fork_guard::_fork_release, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::encode_kv_events, m)?)?;
     m.add_function(wrap_pyfunction!(rows::scatter_rows, m)?)?;
