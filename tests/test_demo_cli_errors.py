@@ -25,8 +25,8 @@ BAD = [
     (["--workload", "shared-prefix", "--fork-share", "2"], "--fork-share"),
     (["--workload", "shared-prefix", "--fork-share", "nan"], "--fork-share"),
     (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),
-    (["--pool-tokens", "100000000000"], "2**31"),
-    (["--page-size", str(2**63)], "2**31"),  # the random model's rotary table would fail in torch first
+    (["--pool-tokens", "100000000000"], "2147483647 pages"),  # 2**31 - 1: kvpool._core.MAX_PAGES
+    (["--page-size", str(2**63)], f"--page-size {2**63} is longer"),  # the random model's rotary table would fail in torch first
     (["--json", "/nonexistent-dir/x.json"], "--json"),
     (["--json", "/"], "--json"),  # a directory, not a file
     (["--threads", "100000"], "--threads"),  # torch would crash making that many

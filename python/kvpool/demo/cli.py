@@ -129,9 +129,12 @@ def _check_allocator_bounds(args: argparse.Namespace, max_ctx: int, usage_error:
     message = None
     if args.max_running > MAX_REQUESTS:
         message = f"--max-running {args.max_running} is more than kvpool's allocator takes; give it in [1, {MAX_REQUESTS}]"
+    elif args.page_size > MAX_CONTEXT_LEN:
+        message = (f"--page-size {args.page_size} is longer than the longest request kvpool's allocator takes "
+                   f"({MAX_CONTEXT_LEN} tokens); give a page size in [1, {MAX_CONTEXT_LEN}] (1 to 256 is usual)")
     elif max_ctx > MAX_CONTEXT_LEN:
-        message = (f"{lengths} make requests of up to {max_ctx} tokens (whole pages); kvpool's allocator takes at "
-                   f"most {MAX_CONTEXT_LEN}: give shorter lengths")
+        message = (f"{lengths} make requests of up to {max_ctx} tokens (whole pages of --page-size "
+                   f"{args.page_size}); kvpool's allocator takes at most {MAX_CONTEXT_LEN}: give shorter lengths")
     elif -(-args.pool_tokens // args.page_size) + 1 > MAX_PAGES:
         message = (f"--pool-tokens {args.pool_tokens} is more than {MAX_PAGES} pages of --page-size "
                    f"{args.page_size} (page 0 included), what kvpool's allocator takes: give fewer")
