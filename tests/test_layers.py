@@ -23,7 +23,8 @@ PKG = Path(__file__).resolve().parents[1] / "python" / "kvpool"
 # Lowest first. A module's layer is that of its first name under kvpool/.
 LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
-    ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory"}),
+    ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory",
+              "_forksafe", "_nopickle"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging", "streams",
               "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers",

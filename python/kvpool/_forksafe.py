@@ -21,7 +21,7 @@ import os
 import weakref
 from typing import Any
 
-from kvpool import _core
+import kvpool._core as _core
 
 # Lock owner -> its (rank, attribute naming a lock) pairs; lower ranks are taken first.
 _TRACKED: weakref.WeakKeyDictionary[Any, tuple[tuple[int, str], ...]] = weakref.WeakKeyDictionary()
