@@ -79,19 +79,26 @@ def publisher():
     return LocalEventPublisher(kvpool.SlotAllocator(64, 4, 8, 512, hash_seed=SEED))
 
 
+def _restarted(old_batches: int, fed: int, new_batches: int):
+    """A router fed the first ``fed`` of an old publisher's ``old_batches`` batches, then
+    ``new_batches`` of a new publisher's (a restart): (router, old batches, new publisher)."""
+    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
+    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, old_batches + 1)]
+    for m in old_msgs[:fed]:
+        r.feed(0, *m)
+    new = publisher()
+    for i in range(new_batches):
+        r.feed_many(0, step(new, np.arange(5000 + 100 * i, 5009 + 100 * i)))
+    return r, old_msgs, new
+
+
 def test_a_late_batch_of_the_publisher_before_its_restart_is_not_applied():
     """The engine restarted and the router took its new stream; a batch the old
     engine sent before the restart arrives late (a reordered delivery, a queue
     drained behind the new connection), under a number the new stream has not
     reached. It is older than every batch applied (its ts), so it cannot be the
     new stream's: applying it would believe in pages the restarted pool lost."""
-    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
-    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 8)]
-    for m in old_msgs[:3]:
-        r.feed(0, *m)
-    new = publisher()
-    for i in range(5):
-        r.feed_many(0, step(new, np.arange(5000 + 100 * i, 5009 + 100 * i)))
+    r, old_msgs, new = _restarted(old_batches=7, fed=3, new_batches=5)
     assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 5
     assert r.feed(0, *old_msgs[5]) == 0, "old seq 5: older than the batches applied"
     assert r.feed(0, *old_msgs[6]) == 0 and not r.streams[0].pending, "nor kept to apply later"
@@ -105,13 +112,7 @@ def test_a_late_batch_under_a_number_the_new_stream_applied_is_not_a_restart():
     it differs from the applied one, but it is the older of the two (its ts),
     so it is a stale copy, not a second restart to take as the stream's start
     (the pool is forgotten: fewer predicted hits, none wrongly believed)."""
-    r, old = Router(1, page_size=4, hash_seed=SEED), publisher()
-    old_msgs = [step(old, np.arange(100 * i, 100 * i + 9))[0] for i in range(1, 5)]
-    for m in old_msgs[:2]:
-        r.feed(0, *m)
-    new = publisher()
-    for i in range(3):
-        r.feed_many(0, step(new, np.arange(5000 + 100 * i, 5009 + 100 * i)))
+    r, old_msgs, new = _restarted(old_batches=4, fed=2, new_batches=3)
     assert r.streams[0].restarts == 1 and r.streams[0].next_seq == 3
     assert r.feed(0, *old_msgs[2]) == 0 and r.streams[0].restarts == 1
     assert r.match(np.arange(300, 309)) == [0], "the restarted pool never held it"
