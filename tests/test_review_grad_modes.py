@@ -132,3 +132,30 @@ def test_audit_of_a_pool_sees_its_pinned_ring_buffers():
     ring.to_device(np.arange(4, dtype=np.int64))
     pool._to_device = ring.to_device
     assert [f.name for f in kvpool.audit(pool=pool)] == ["pool.pinned_ring[0]"]
+
+
+@pytest.mark.parametrize("arch,page_size,layer_buffers", [
+    ("llama", 1, False), ("llama", 1, True), ("llama", 16, False), ("gemma3", 4, False),
+    ("qwen3_next", 4, False),
+])
+def test_index_tensors_a_cache_keeps_across_steps_are_normal_after_inference_mode_generate(
+        arch, page_size, layer_buffers):
+    """A cache used under ``inference_mode`` keeps index tensors between steps (the gather
+    index of the rows' pages, the rows of the pool's requests, a state layer's slots). Made
+    in the caller's mode they were inference tensors: a page-1 cache without layer buffers
+    kept its gather index as one, which autograd refuses to save if the next step runs
+    under grad mode."""
+    from _hf_hybrid_models import tiny  # skips without transformers
+    from _hf_models import greedy, left_padded, tiny_model
+
+    from kvpool.integrations.transformers import KVPoolCache, pool_for_model
+
+    model = tiny_model(arch) if arch == "llama" else tiny(arch)
+    pool = pool_for_model(model, max_tokens=256, page_size=page_size, max_requests=4)
+    ids, mask = left_padded([5, 9], seed=2)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool, layer_buffers=layer_buffers)
+        greedy(model, ids, mask, 3, cache)
+    assert kvpool.audit(cache=cache, pool=pool, max_depth=6) == []
+    cache.close()
+    pool.check()

@@ -28,6 +28,7 @@ from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
+from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._requests import check_not_empty
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
@@ -79,7 +80,7 @@ class HybridRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
-        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
+        self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), device=self.device)
         self._index = {}
         self.epoch += 1
         for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step
@@ -162,7 +163,10 @@ class HybridRequests:
         if idx is None:
             assert self._rows is not None
             lo = self.first(g.window)
-            idx = self.pool.req_to_token[layer][self._rows, lo: self.length].to(torch.int64)
+            # Kept for the step's other layers and until the next step, which may run under
+            # another grad mode: a normal tensor, as index_tensor makes them.
+            with torch.inference_mode(False):
+                idx = self.pool.req_to_token[layer][self._rows, lo: self.length].to(torch.int64)
             self._index[g.index] = idx
         b, n = idx.shape
         flat = idx.reshape(-1)

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from kvpool.errors import IncompleteForwardError, TensorShapeError
+from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.modes import persistent
 
@@ -120,7 +121,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self.flush()
         assert req.handles is not None
         slots = req.pool.state_slots(req.handles, self.layer_idx)
-        self._slots = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        self._slots = index_tensor(slots.astype(np.int64), device=self.device)
         s0 = int(slots[0]) if slots.shape[0] else 0
         self._consecutive = bool((slots == np.arange(s0, s0 + slots.shape[0])).all())
         self._s0 = s0

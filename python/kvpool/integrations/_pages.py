@@ -381,7 +381,7 @@ class StepPages(StepViews):
             self._spares.append((stage, stream_mark(stage)))
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
-        return self._to_device(host) if self._to_device is not None else torch.from_numpy(host)
+        return index_tensor(host, self._to_device)
 
     def kv(self, layer: int, k: torch.Tensor | None = None,
            v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

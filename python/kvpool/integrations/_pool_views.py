@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,13 +133,24 @@ def release_buffers(pool: Any) -> int:
         freed += stage.numel() * stage.element_size()
 
 
-def index_tensor(host: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(host)``, a normal tensor under any grad mode (made under inference
-    mode it would be an inference tensor, which autograd refuses to save)."""
+def index_tensor(host: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """``host`` as an index tensor that is a normal tensor under any grad mode: made under
+    inference mode it would be an inference tensor, which autograd refuses to save, and a
+    cache opened under ``inference_mode`` may run its next steps outside it. Uploaded by
+    ``upload`` (a pool's pinned ring) when given, else moved to ``device`` when given."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
-            return torch.from_numpy(host)
-    return torch.from_numpy(host)
+            return _index_tensor(host, upload, device)
+    return _index_tensor(host, upload, device)
+
+
+def _index_tensor(host: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor] | None,
+                  device: torch.device | None) -> torch.Tensor:
+    if upload is not None:
+        return upload(host)
+    t = torch.from_numpy(host)
+    return t if device is None else t.to(device)
 
 
 def decode_run(s: list[int]) -> tuple[int, int] | None:
