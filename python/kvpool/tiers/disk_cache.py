@@ -397,8 +397,9 @@ class DiskCache(NotPicklable):
                     rec.payload) != self._page_bytes():
                 # Under a name derived from this fingerprint, tokens and salt, a record
                 # for anything else is damage (or a collision): it must not block a
-                # correct record from being stored there.
-                self.backend.remove(keys[i])
+                # correct record from being stored there. Only this record: one another
+                # process stored under the name since the read is kept.
+                self.backend.discard(rec)
                 self.stats.pages_rejected += 1
                 break
             out.append(rec)
