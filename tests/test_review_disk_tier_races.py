@@ -7,6 +7,8 @@ is a typed error with nothing written."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import threading
 
 import numpy as np
@@ -224,3 +226,54 @@ def test_a_record_that_cannot_be_encoded_is_a_typed_error_and_nothing_is_written
     with pytest.raises(InvalidArgumentError, match=name):
         tier.put(PageRecord(**fields))
     assert tier.stored == 0 and list(tmp_path.glob("*/*.kvp")) == [] and list((tmp_path / ".tmp").iterdir()) == []
+
+
+# ----- arguments, a full disk, pickling -----------------------------------------------------
+
+@pytest.mark.parametrize("bad", [5, None, [1, "a"], [1, -1]], ids=repr)
+def test_touch_with_bad_hashes_is_typed_and_stamps_nothing(tmp_path, bad):
+    tier = FileTier(tmp_path, 1 << 20)
+    tier.put(rec(1))
+    f = tier.file_for(1)
+    os.utime(f, ns=(10**18, 10**18))
+    with pytest.raises(InvalidArgumentError, match="page_hash"):
+        tier.touch(bad)
+    assert f.stat().st_mtime_ns == 10**18  # all-or-nothing: the good hash before the bad one was not stamped
+
+
+class _FullDiskFile:
+    """A file whose write stores half the bytes, then fails as a full disk does."""
+
+    def __init__(self, path, mode):
+        self.fh = open(path, mode)  # noqa: SIM115 - closed in __exit__
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+    def write(self, blob):
+        self.fh.write(blob[: len(blob) // 2])
+        raise OSError(28, "No space left on device")
+
+
+def test_a_write_that_fails_midway_leaves_the_old_record_and_no_temporary(tmp_path, monkeypatch):
+    tier = FileTier(tmp_path, 1 << 20)
+    old = rec(4, fill=1)
+    assert tier.put(old)
+    used, stored = tier.used_bytes, tier.stored
+    monkeypatch.setattr(file_tier, "open", _FullDiskFile, raising=False)
+    assert tier.put(rec(4, fill=2)) is False and tier.put(rec(5)) is False
+    monkeypatch.undo()
+    assert same(tier.get(4), old) and not tier.contains(5)
+    assert (tier.used_bytes, tier.stored) == (used, stored)
+    assert list((tmp_path / ".tmp").iterdir()) == []
+
+
+def test_a_file_tier_pickles_as_its_directory_and_bound(tmp_path):
+    tier = FileTier(tmp_path, 1 << 20, scan_interval_s=2.5)
+    tier.put(rec(7))
+    back = pickle.loads(pickle.dumps(tier))
+    assert (back.path, back.max_bytes, back.scan_interval_s) == (tier.path, 1 << 20, 2.5)
+    assert same(back.get(7), rec(7)) and back.hits == 1 and tier.hits == 0

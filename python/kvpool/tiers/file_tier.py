@@ -138,8 +138,18 @@ class FileTier(TierBackend):
         return rec
 
     def touch(self, page_hashes: list[int]) -> None:
-        for h in page_hashes:
-            self._stamp(self.file_for(h))
+        try:
+            hashes = list(page_hashes)
+        except TypeError:
+            raise InvalidArgumentError(f"page_hashes must be a list of page hashes, "
+                                       f"got {type(page_hashes).__name__} {page_hashes!r:.60}") from None
+        for f in [self.file_for(h) for h in hashes]:  # all checked before any is stamped
+            self._stamp(f)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Another process (multiprocessing, spawn) gets its own tier on the same directory
+        # and bound, with its own counters, as if it had built it: the lock is per process.
+        return (_rebuild, (str(self.path), self._max, self.scan_interval_s))
 
     def _stamp(self, f: Path) -> None:
         """Set ``f``'s mtime to now, strictly after every mtime this process set before:
@@ -275,6 +285,10 @@ class FileTier(TierBackend):
         with self._lock:
             self._used, self._last_scan = total, time.monotonic()
             self.evicted += evicted
+
+
+def _rebuild(path: str, max_bytes: int, scan_interval_s: float) -> FileTier:
+    return FileTier(path, max_bytes, scan_interval_s=scan_interval_s)
 
 
 def _directory(path: Any) -> Path:
