@@ -18,7 +18,7 @@ from test_tier_disk_cache import make_pool, prefill
 
 import kvpool.tiers.file_tier as file_tier
 from kvpool.errors import InvalidArgumentError
-from kvpool.tiers import DiskCache, FileTier, PageRecord
+from kvpool.tiers import DiskCache, FileTier, PageRecord, shape_fingerprint
 from kvpool.tiers.backend import decode, encode
 
 JOIN_S = 60.0
@@ -277,3 +277,15 @@ def test_a_file_tier_pickles_as_its_directory_and_bound(tmp_path):
     back = pickle.loads(pickle.dumps(tier))
     assert (back.path, back.max_bytes, back.scan_interval_s) == (tier.path, 1 << 20, 2.5)
     assert same(back.get(7), rec(7)) and back.hits == 1 and tier.hits == 0
+
+
+@pytest.mark.parametrize("model", [None, 3, b"m"], ids=repr)
+def test_shape_fingerprint_refuses_a_model_that_is_not_a_str(model):
+    # str(None) == "None": it would have shared the fingerprint (and so the pages) of model "None".
+    with pytest.raises(InvalidArgumentError, match="model must be a str"):
+        shape_fingerprint(make_pool(), model)
+
+
+def test_shape_fingerprint_refuses_what_is_not_a_pool():
+    with pytest.raises(InvalidArgumentError, match="plain kvpool.KVPool"):
+        shape_fingerprint(object())

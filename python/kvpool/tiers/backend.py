@@ -29,14 +29,15 @@ import abc
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.validate import is_int
+from kvpool.validate import is_int, require_plain_pool
 
 __all__ = ["FORMAT_VERSION", "PageRecord", "TierBackend", "decode", "encode", "page_key", "record_bytes",
-           "tier_seed"]
+           "shape_fingerprint", "tier_seed"]
 
 FORMAT_VERSION = 1
 MAGIC = b"KVPOOLPG"
@@ -52,6 +53,33 @@ def page_key(hi: int, lo: int) -> int:
             raise InvalidArgumentError(f"{name} must be a uint64 word of a page hash, an int in [0, 2**64), "
                                        f"got {type(word).__name__} {word!r}")
     return (int(hi) << 64) | int(lo)
+
+
+def shape_fingerprint(pool: Any, model: str = "") -> bytes:
+    """16 bytes naming what a pool's page bytes mean: model shape, dtype, page size,
+    this rank's KV heads, MLA ranks, fp8 scales and ``model`` (not the layout).
+    Reads the fp8 scales (a device sync on a CUDA fp8 pool).
+
+    Raises:
+        InvalidArgumentError: ``pool`` is not a plain ``KVPool``, or ``model`` is not a str.
+    """
+    require_plain_pool(pool, "shape_fingerprint")
+    if not isinstance(model, str):
+        # str(None) == "None": a non-str would share another model's fingerprint.
+        raise InvalidArgumentError(f"model must be a str naming the model and revision, "
+                                   f"got {type(model).__name__} {model!r:.60}")
+    parts = [
+        "kvpool-page-v1", f"layers={pool.num_layers}", f"caches={1 if pool.mla else 2}",
+        f"heads={pool.num_kv_heads}/{getattr(pool, 'total_kv_heads', pool.num_kv_heads)}"
+        f"@{getattr(pool, 'kv_head_start', 0)}",
+        f"head_dim={pool.head_dim}", f"dtype={pool.dtype}", f"page_size={pool.page_size}",
+        f"mla={pool.kv_lora_rank},{pool.qk_rope_head_dim}", f"model={model}",
+    ]
+    for name in ("k_scale", "v_scale"):
+        s = getattr(pool, name, None)
+        if s is not None:
+            parts.append(f"{name}=" + s.detach().float().cpu().numpy().tobytes().hex())
+    return hashlib.blake2b(";".join(parts).encode(), digest_size=16).digest()
 
 
 def tier_seed(fingerprint: bytes) -> int:
