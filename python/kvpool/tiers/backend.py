@@ -29,14 +29,15 @@ import abc
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
-from kvpool.validate import is_int
+from kvpool.validate import is_int, require_plain_pool
 
 __all__ = ["FORMAT_VERSION", "PageRecord", "TierBackend", "decode", "encode", "page_key", "record_bytes",
-           "tier_seed"]
+           "shape_fingerprint", "tier_seed"]
 
 FORMAT_VERSION = 1
 MAGIC = b"KVPOOLPG"
@@ -52,6 +53,33 @@ def page_key(hi: int, lo: int) -> int:
             raise InvalidArgumentError(f"{name} must be a uint64 word of a page hash, an int in [0, 2**64), "
                                        f"got {type(word).__name__} {word!r}")
     return (int(hi) << 64) | int(lo)
+
+
+def shape_fingerprint(pool: Any, model: str = "") -> bytes:
+    """16 bytes naming what a pool's page bytes mean: model shape, dtype, page size,
+    this rank's KV heads, MLA ranks, fp8 scales and ``model`` (not the layout).
+    Reads the fp8 scales (a device sync on a CUDA fp8 pool).
+
+    Raises:
+        InvalidArgumentError: ``pool`` is not a plain ``KVPool``, or ``model`` is not a str.
+    """
+    require_plain_pool(pool, "shape_fingerprint")
+    if not isinstance(model, str):
+        # str(None) == "None": a non-str would share another model's fingerprint.
+        raise InvalidArgumentError(f"model must be a str naming the model and revision, "
+                                   f"got {type(model).__name__} {model!r:.60}")
+    parts = [
+        "kvpool-page-v1", f"layers={pool.num_layers}", f"caches={1 if pool.mla else 2}",
+        f"heads={pool.num_kv_heads}/{getattr(pool, 'total_kv_heads', pool.num_kv_heads)}"
+        f"@{getattr(pool, 'kv_head_start', 0)}",
+        f"head_dim={pool.head_dim}", f"dtype={pool.dtype}", f"page_size={pool.page_size}",
+        f"mla={pool.kv_lora_rank},{pool.qk_rope_head_dim}", f"model={model}",
+    ]
+    for name in ("k_scale", "v_scale"):
+        s = getattr(pool, name, None)
+        if s is not None:
+            parts.append(f"{name}=" + s.detach().float().cpu().numpy().tobytes().hex())
+    return hashlib.blake2b(";".join(parts).encode(), digest_size=16).digest()
 
 
 def tier_seed(fingerprint: bytes) -> int:
@@ -93,11 +121,46 @@ def record_bytes(num_tokens: int, payload_bytes: int) -> int:
     return _HEADER.size + 4 * num_tokens + payload_bytes + _SUM
 
 
+def _checked_tokens(tokens: object) -> np.ndarray:
+    try:
+        arr: np.ndarray | None = np.asarray(tokens)
+    except (TypeError, ValueError):  # ragged
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        what = f"{type(tokens).__name__}" if arr is None else f"shape {arr.shape} dtype {arr.dtype}"
+        raise InvalidArgumentError(f"a record's tokens must be its page's token ids, a 1-D int array, got {what}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise InvalidArgumentError(f"a record's tokens must be token ids in [0, {np.iinfo(np.int32).max}], "
+                                   f"got values in [{arr.min()}, {arr.max()}]")
+    return np.ascontiguousarray(arr, dtype="<i4")
+
+
+def _check_fields(rec: PageRecord) -> None:
+    """Refuses a record whose fields the format cannot hold (before anything is written)."""
+    for name in ("page_hash", "parent_hash"):
+        h = getattr(rec, name)
+        if not is_int(h) or not 0 <= h < 1 << 128:
+            raise InvalidArgumentError(f"a record's {name} must be a 128-bit page hash, an int in [0, 2**128) "
+                                       f"(page_key(hi, lo)), got {type(h).__name__} {h!r:.60}")
+    if not is_int(rec.salt) or not -(1 << 63) <= rec.salt < 1 << 63:
+        raise InvalidArgumentError(f"a record's salt must be an int64, got {type(rec.salt).__name__} "
+                                   f"{rec.salt!r:.60}")
+    if not isinstance(rec.fingerprint, bytes) or len(rec.fingerprint) != 16:
+        raise InvalidArgumentError(f"a record's fingerprint must be the 16 bytes shape_fingerprint(pool) returns, "
+                                   f"got {type(rec.fingerprint).__name__} {rec.fingerprint!r:.60}")
+    if not isinstance(rec.payload, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"a record's payload must be its page's K/V bytes (bytes), "
+                                   f"got {type(rec.payload).__name__}")
+
+
 def encode(rec: PageRecord) -> bytes:
-    tokens = np.ascontiguousarray(rec.tokens, dtype="<i4")
-    if len(rec.fingerprint) != 16:
-        raise InvalidArgumentError(f"a record's fingerprint is 16 bytes (shape_fingerprint(pool)), "
-                                   f"got {len(rec.fingerprint)}")
+    """``rec`` in the stored format. Raises InvalidArgumentError for a field the format
+    cannot hold (a hash past 128 bits, a salt past int64, tokens that are not int32 ids,
+    a fingerprint that is not 16 bytes, a payload that is not bytes)."""
+    if not isinstance(rec, PageRecord):
+        raise InvalidArgumentError(f"record must be a kvpool.tiers.PageRecord, got {type(rec).__name__}")
+    _check_fields(rec)
+    tokens = _checked_tokens(rec.tokens)
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, rec.fingerprint, _b16(rec.page_hash), _b16(rec.parent_hash),
                         int(rec.salt), tokens.size, 0, len(rec.payload))
     body = b"".join((head, tokens.tobytes(), bytes(rec.payload)))
@@ -130,7 +193,7 @@ class TierBackend(abc.ABC):
     Implementations never raise on bad stored data: ``get`` returns None for a
     missing, unreadable or corrupted record, or one filed under another hash.
     Readers that find an intact record that is not the page they expect (other
-    tokens, salt, parent or fingerprint under its hash) ``remove`` it.
+    tokens, salt, parent or fingerprint under its hash) ``discard`` it.
     """
 
     @property
@@ -154,6 +217,13 @@ class TierBackend(abc.ABC):
     @abc.abstractmethod
     def remove(self, page_hash: int) -> None:
         """Drop the record under ``page_hash``, if any."""
+
+    def discard(self, record: PageRecord) -> None:
+        """Drop ``record`` (one ``get`` returned and the reader rejected) if it is still what
+        is stored under its hash; a record another writer stored there since stays.
+        The default calls ``remove(record.page_hash)``, which may drop such a newer
+        record: a backend shared by concurrent writers overrides it."""
+        self.remove(record.page_hash)
 
     def touch(self, page_hashes: list[int]) -> None:  # noqa: B027 (optional: not abstract)
         """Mark the records under ``page_hashes`` as used, in that order (the last is the

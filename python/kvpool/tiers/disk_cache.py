@@ -35,7 +35,6 @@ or from a helper thread: the pool's calls are thread-safe).
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 import threading
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from kvpool._forksafe import OUTER
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, tier_seed
+from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, shape_fingerprint, tier_seed
 from kvpool.tiers.events_arg import checked_events
 from kvpool.tiers.host_storage import HostStorage
 from kvpool.validate import require_plain_pool
@@ -58,24 +57,6 @@ __all__ = ["DiskCache", "shape_fingerprint"]
 
 STORED, REMOVED, CLEARED = 0, 1, 2
 DEVICE_MEDIUM = 0
-
-
-def shape_fingerprint(pool: Any, model: str = "") -> bytes:
-    """16 bytes naming what a pool's page bytes mean: model shape, dtype, page size,
-    this rank's KV heads, MLA ranks, fp8 scales and ``model`` (not the layout).
-    Reads the fp8 scales (a device sync on a CUDA fp8 pool)."""
-    parts = [
-        "kvpool-page-v1", f"layers={pool.num_layers}", f"caches={1 if pool.mla else 2}",
-        f"heads={pool.num_kv_heads}/{getattr(pool, 'total_kv_heads', pool.num_kv_heads)}"
-        f"@{getattr(pool, 'kv_head_start', 0)}",
-        f"head_dim={pool.head_dim}", f"dtype={pool.dtype}", f"page_size={pool.page_size}",
-        f"mla={pool.kv_lora_rank},{pool.qk_rope_head_dim}", f"model={model}",
-    ]
-    for name in ("k_scale", "v_scale"):
-        s = getattr(pool, name, None)
-        if s is not None:
-            parts.append(f"{name}=" + s.detach().float().cpu().numpy().tobytes().hex())
-    return hashlib.blake2b(";".join(parts).encode(), digest_size=16).digest()
 
 
 def _token_ids(tokens: Any) -> np.ndarray:
@@ -397,8 +378,9 @@ class DiskCache(NotPicklable):
                     rec.payload) != self._page_bytes():
                 # Under a name derived from this fingerprint, tokens and salt, a record
                 # for anything else is damage (or a collision): it must not block a
-                # correct record from being stored there.
-                self.backend.remove(keys[i])
+                # correct record from being stored there. Only this record: one another
+                # process stored under the name since the read is kept.
+                self.backend.discard(rec)
                 self.stats.pages_rejected += 1
                 break
             out.append(rec)

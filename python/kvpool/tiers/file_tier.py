@@ -19,7 +19,7 @@ writes in progress.
   a file that vanishes between listing and reading is a miss. Nothing read is
   trusted (``decode`` plus the reader's checks), so a damaged or foreign file
   costs a miss, never a crash; a file that is not the intact record its name
-  promises is deleted when read.
+  promises is deleted when read (only that file: see ``_drop``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,14 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from kvpool._forksafe import INNER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
 from kvpool.validate import is_int
@@ -41,19 +45,23 @@ __all__ = ["FileTier"]
 SUFFIX = ".kvp"
 # A temporary file this old belongs to a writer that died.
 STALE_TMP_S = 600.0
+# In the name of a file _drop renamed into .tmp.
+DROP = ".drop."
 
 
 class FileTier(TierBackend):
     """Page records as files under ``path``, at most ``max_bytes`` in all (see the module doc).
 
     Args:
-        path: the directory (created if missing; a relative path is resolved against the
-            working directory when the tier is built).
+        path: the directory (created if missing; ``~`` is the home directory; a relative
+            path is resolved against the working directory when the tier is built).
         max_bytes: bound on the records' bytes (> 0).
         scan_interval_s: longest time between directory rescans while writing.
 
     Raises:
-        InvalidArgumentError: a bad ``max_bytes``, or ``path`` cannot be used as a directory.
+        InvalidArgumentError: a bad ``max_bytes`` or ``scan_interval_s``, or ``path`` is not a
+            str or os.PathLike, is empty, starts with ``~`` of no known user, or cannot be
+            used as a directory.
 
     Counters: ``hits`` (intact records returned), ``misses`` (no file),
     ``rejected`` (a file that was not an intact record under its name),
@@ -63,18 +71,7 @@ class FileTier(TierBackend):
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
         if not is_int(max_bytes) or max_bytes <= 0:
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        if not isinstance(path, (str, os.PathLike)):
-            raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
-        try:
-            # Absolute now: a relative path must not follow a later chdir (writes would
-            # fail, reads miss, and eviction would scan another directory).
-            self.path = Path(path).absolute()
-        except TypeError as e:  # a PathLike that returns bytes
-            raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
-        if not os.fspath(path):
-            # Path("") is ".": the working directory, whose subdirectories eviction scans.
-            raise InvalidArgumentError("path must name a directory, got an empty path "
-                                       "(give the directory explicitly, '.' for the working directory)")
+        self.path = _directory(path)
         self._max = int(max_bytes)
         if isinstance(scan_interval_s, (bool, np.bool_)) \
                 or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
@@ -87,6 +84,9 @@ class FileTier(TierBackend):
         except OSError as e:
             raise InvalidArgumentError(f"FileTier path {str(self.path)!r} cannot be used as a directory: {e}") from None
         self._lock = threading.Lock()
+        # Taken around counters and mtimes by any thread: held at a fork, it would stay
+        # held in the child, whose first get or put would then wait forever.
+        track_for_fork(self, "_lock", INNER)
         self.hits = self.misses = self.rejected = self.stored = self.evicted = 0
         self._used = 0
         self._last_scan = 0.0
@@ -113,18 +113,24 @@ class FileTier(TierBackend):
     def get(self, page_hash: int) -> PageRecord | None:
         f = self.file_for(page_hash)
         try:
-            blob = f.read_bytes()
-        except OSError:  # absent, removed meanwhile, unreadable
+            with open(f, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                # Never a record past the bound (one would not have been written): a stray
+                # large file is not read into memory.
+                blob = fh.read() if st.st_size <= self._max else b""
+                rec = decode(blob)
+                if rec is None or rec.page_hash != int(page_hash):
+                    # Not the record its name promises (torn, corrupted, renamed): drop it, so
+                    # that the next put under this name is not skipped as already present;
+                    # but only this very file (still open: its inode cannot be reused), not
+                    # one a writer renamed over it since the read.
+                    self._drop(f, lambda q: _same_file(os.stat(q), st))
+                    with self._lock:
+                        self.rejected += 1
+                    return None
+        except OSError:  # absent, removed meanwhile, unreadable, a directory
             with self._lock:
                 self.misses += 1
-            return None
-        rec = decode(blob)
-        if rec is None or rec.page_hash != int(page_hash):
-            # Not the record its name promises (torn, corrupted, renamed): drop it, so
-            # that the next put under this name is not skipped as already present.
-            _unlink(f)
-            with self._lock:
-                self.rejected += 1
             return None
         self._stamp(f)  # recently used: evicted last
         with self._lock:
@@ -132,8 +138,18 @@ class FileTier(TierBackend):
         return rec
 
     def touch(self, page_hashes: list[int]) -> None:
-        for h in page_hashes:
-            self._stamp(self.file_for(h))
+        try:
+            hashes = list(page_hashes)
+        except TypeError:
+            raise InvalidArgumentError(f"page_hashes must be a list of page hashes, "
+                                       f"got {type(page_hashes).__name__} {page_hashes!r:.60}") from None
+        for f in [self.file_for(h) for h in hashes]:  # all checked before any is stamped
+            self._stamp(f)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Another process (multiprocessing, spawn) gets its own tier on the same directory
+        # and bound, with its own counters, as if it had built it: the lock is per process.
+        return (_rebuild, (str(self.path), self._max, self.scan_interval_s))
 
     def _stamp(self, f: Path) -> None:
         """Set ``f``'s mtime to now, strictly after every mtime this process set before:
@@ -189,14 +205,59 @@ class FileTier(TierBackend):
         except OSError:
             pass
 
-    def _files(self) -> list[tuple[int, int, Path]]:
-        out: list[tuple[int, int, Path]] = []
-        now = time.time()
+    def discard(self, record: PageRecord) -> None:
+        if not isinstance(record, PageRecord):
+            raise InvalidArgumentError(f"record must be the kvpool.tiers.PageRecord get() returned, "
+                                       f"got {type(record).__name__}")
+        self._drop(self.file_for(record.page_hash), lambda q: _same_record(decode(q.read_bytes()), record))
+
+    def _drop(self, f: Path, still_it: Callable[[Path], bool]) -> bool:
+        """Delete ``f`` if it is still what the caller judged (``still_it``), else leave what
+        is there. Atomic against writers renaming a new record over ``f``: the file is
+        first renamed away, so the check and the delete see one file; a file that
+        turns out to be a newer record is linked back (unless a still newer one took
+        the name meanwhile). Readers see a miss during that."""
+        q = self.path / ".tmp" / f"{f.stem}{DROP}{os.getpid()}.{secrets.token_hex(4)}"
+        for attempt in range(2):
+            try:
+                os.rename(f, q)
+                break
+            except FileNotFoundError:
+                if attempt or not f.exists():
+                    return False  # gone already
+                try:  # .tmp itself was removed (a cache cleared by hand)
+                    q.parent.mkdir(parents=True, exist_ok=True)
+                except OSError:
+                    return False
+            except OSError:
+                return False
+        try:
+            ours = still_it(q)
+        except OSError:
+            ours = False
+        if not ours:
+            try:
+                os.link(q, f)
+            except FileExistsError:
+                pass  # a newer record has the name: ours is older
+            except OSError:
+                try:  # a file system without hard links
+                    os.rename(q, f)
+                except OSError:
+                    pass
+        _unlink(q)
+        return ours
+
+    def _files(self) -> list[tuple[int, os.stat_result, Path]]:
+        out: list[tuple[int, os.stat_result, Path]] = []
+        now = time.time_ns()
         for sub in self.path.iterdir():
             if sub.name == ".tmp":
-                for t in _entries(sub):
-                    if now - t[0] / 1e9 > STALE_TMP_S:
-                        _unlink(t[2])
+                for mtime, st, f in _entries(sub):
+                    # A file renamed here by _drop keeps its (old) mtime; its ctime is the rename.
+                    age = now - (max(mtime, st.st_ctime_ns) if DROP in f.name else mtime)
+                    if age > STALE_TMP_S * 1e9:
+                        _unlink(f)
                 continue
             if sub.is_dir():
                 out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX))
@@ -208,24 +269,63 @@ class FileTier(TierBackend):
             files = self._files()
         except OSError:
             return
-        total = sum(size for _, size, _ in files)
+        total = sum(st.st_size for _, st, _ in files)
         evicted = 0
         if total > self._max:
-            for _mtime, size, f in sorted(files, key=lambda t: t[0]):
+            for _mtime, st, f in sorted(files, key=lambda t: t[0]):
                 if total <= self._max:
                     break
-                if _unlink(f):
+                # Only the file the scan saw: one written or read since (a new inode or
+                # mtime) is recent, and the next oldest goes instead.
+                if self._drop(f, lambda q, seen=st: _same_file(os.stat(q), seen, mtime=True)):
                     evicted += 1
-                total -= size  # gone either way: another process may have deleted it first
+                    total -= st.st_size
+                elif not f.exists():
+                    total -= st.st_size  # another process deleted it first
         with self._lock:
             self._used, self._last_scan = total, time.monotonic()
             self.evicted += evicted
 
 
-def _entries(d: Path) -> list[tuple[int, int, Path]]:
-    """(mtime in ns, size, path) of the files in ``d``: ns, as float seconds would lose
+def _rebuild(path: str, max_bytes: int, scan_interval_s: float) -> FileTier:
+    return FileTier(path, max_bytes, scan_interval_s=scan_interval_s)
+
+
+def _directory(path: Any) -> Path:
+    """``path`` as an absolute directory path, ``~`` expanded."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
+    raw = os.fspath(path)
+    if not isinstance(raw, str):  # a PathLike that returns bytes
+        raise InvalidArgumentError(f"path must name a directory as str, got {type(raw).__name__} {raw!r:.60}")
+    if not raw:
+        # Path("") is ".": the working directory, whose subdirectories eviction scans.
+        raise InvalidArgumentError("path must name a directory, got an empty path "
+                                   "(give the directory explicitly, '.' for the working directory)")
+    full = os.path.expanduser(raw)
+    if full.startswith("~"):
+        # Else a directory literally named "~user" would be made in the working directory.
+        raise InvalidArgumentError(f"path {raw!r} starts with '~' but names no user's home directory; give a "
+                                   f"path under an existing user's home ('~/...' or '~user/...') or without '~'")
+    # Absolute now: a relative path must not follow a later chdir (writes would fail,
+    # reads miss, and eviction would scan another directory).
+    return Path(full).absolute()
+
+
+def _same_file(now: os.stat_result, seen: os.stat_result, mtime: bool = False) -> bool:
+    return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino) and (
+        not mtime or now.st_mtime_ns == seen.st_mtime_ns)
+
+
+def _same_record(a: PageRecord | None, b: PageRecord) -> bool:
+    return a is not None and (a.page_hash, a.parent_hash, a.salt, a.fingerprint, bytes(a.payload)) == (
+        b.page_hash, b.parent_hash, b.salt, b.fingerprint, bytes(b.payload)) and np.array_equal(a.tokens, b.tokens)
+
+
+def _entries(d: Path) -> list[tuple[int, os.stat_result, Path]]:
+    """(mtime in ns, stat, path) of the files in ``d``: ns, as float seconds would lose
     the order ``_stamp`` sets."""
-    out: list[tuple[int, int, Path]] = []
+    out: list[tuple[int, os.stat_result, Path]] = []
     try:
         with os.scandir(d) as it:
             for e in it:
@@ -233,7 +333,7 @@ def _entries(d: Path) -> list[tuple[int, int, Path]]:
                     st = e.stat()
                 except OSError:
                     continue
-                out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
+                out.append((st.st_mtime_ns, st, Path(e.path)))
     except OSError:
         pass
     return out
