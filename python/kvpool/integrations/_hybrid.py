@@ -30,6 +30,7 @@ from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeE
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._requests import check_not_empty
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
+from kvpool.staging import to_device
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -79,7 +80,9 @@ class HybridRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
-        self._rows = torch.from_numpy(self.pool.rows(self.handles).astype(np.int64)).to(self.device)
+        # Through the pool's pinned ring (CUDA): from pageable memory the copy would sync.
+        self._rows = to_device(self.pool.rows(self.handles).astype(np.int64), self.device,
+                               getattr(self.pool, "_to_device", None))
         self._index = {}
         self.epoch += 1
         for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step

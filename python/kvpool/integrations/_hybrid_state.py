@@ -20,6 +20,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from kvpool.errors import IncompleteForwardError, TensorShapeError
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.modes import persistent
+from kvpool.staging import to_device
 
 __all__ = ["PoolStateLayer", "state_name"]
 
@@ -120,7 +121,8 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self.flush()
         assert req.handles is not None
         slots = req.pool.state_slots(req.handles, self.layer_idx)
-        self._slots = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        # Through the pool's pinned ring (CUDA): from pageable memory the copy would sync.
+        self._slots = to_device(slots.astype(np.int64), self.device, getattr(req.pool, "_to_device", None))
         s0 = int(slots[0]) if slots.shape[0] else 0
         self._consecutive = bool((slots == np.arange(s0, s0 + slots.shape[0])).all())
         self._s0 = s0
