@@ -19,8 +19,8 @@ isolated: an error is recorded and the next section runs):
                  batch sizes incl. padded ones, under inference_mode and no_grad: K/V in
                  exactly the right slots, nothing else touched but page 0; outputs of
                  one bucket vs another bucket's run (copy_outputs)
-  no_sync        host time of extend / write / page_table / runner.run with 100 ms of
-                 work queued on the GPU: none may wait for it
+  no_sync        host time of extend (plain and hybrid pool) / write / page_table /
+                 runner.run with 100 ms of work queued on the GPU: none may wait for it
   bandwidth      store_kv vs torch index_copy_ / indexed assignment, decode 1..256 and
                  prefill 4k..32k tokens, GB/s and % of peak (target: prefill >= 80%)
   layer_store    per-layer store time inside a captured 32-layer graph (target <= 2 us)

@@ -271,6 +271,15 @@ def section_no_sync(toy_decode) -> dict[str, Any]:
         "runner_run_twice": lambda: [runner.run(np.zeros(64, dtype=np.int64), _lengths(pool, h) - 1,
                                                 pool.rows(h), last.slots[:64], _lengths(pool, h)) for _ in range(2)],
     }
+    # A hybrid pool's extend (table writes, window nulls, out_cache_loc) stages its host
+    # data through its own pinned ring, as the plain pool's does.
+    hpool = kvpool.KVPool(4, 8, 128, layer_types=["sliding_attention", "full_attention", "linear_attention",
+                                                  "full_attention"], sliding_window=64,
+                          state_shapes={"conv": (4, 256)}, dtype=torch.bfloat16, device="cuda", page_size=16,
+                          num_pages=2048, max_requests=256, max_context_len=2048)
+    hh = hpool.open(64)
+    hpool.extend(hh, 100)
+    calls["hybrid_extend_decode"] = lambda: hpool.extend(hh, 1)
     last = pool.extend(h, 1)
     # 100 ms of GPU time at ~2 GHz; measured below, not assumed.
     cycles = int(2e8)

@@ -8,6 +8,8 @@ The last test runs the real thing on a GPU (it skips without one)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -44,10 +46,24 @@ class OnCuda:
 
 @pytest.fixture
 def cuda(monkeypatch):
-    state = {"stream": FakeStream("a"), "capturing": False}
+    # "capturing": the current stream of device "capturing_device" is being captured; torch
+    # answers is_current_stream_capturing() for the current device only (torch.cuda.device).
+    state = {"stream": FakeStream("a"), "capturing": False, "capturing_device": 0, "current_device": 0}
+
+    @contextlib.contextmanager
+    def device(d):
+        before, state["current_device"] = state["current_device"], d if isinstance(d, int) else torch.device(d).index
+        try:
+            yield
+        finally:
+            state["current_device"] = before
+
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current_device"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        lambda: state["capturing"] and state["current_device"] == state["capturing_device"])
     return state
 
 
@@ -78,6 +94,26 @@ def test_no_spare_is_taken_into_a_graph_being_captured(cuda):
     assert len(spares) == 1
     cuda["capturing"] = False
     assert spares.take(2, 8, OnCuda()) is lb
+
+
+class OnCuda1(OnCuda):
+    device = torch.device("cuda", 1)
+
+
+def test_a_capture_is_asked_of_the_tensors_device_not_the_current_one(cuda):
+    # Buffers on cuda:1 while cuda:0 is current: only a capture on cuda:1 concerns them.
+    lb = LayerBuffers(torch.empty(0), 2, 2, 2, 8, 4)
+    lb.buf = OnCuda1()  # type: ignore[assignment]
+    spares = BufferSpares()
+    cuda["capturing"], cuda["capturing_device"] = True, 0  # cuda:0 (current) is capturing
+    assert _layer_buffers.reusable(OnCuda1()), "a capture on another device does not concern cuda:1"
+    spares.give(lb)
+    assert isinstance(lb.fence, FakeEvent), "cuda:1's stream is not captured: the fence is recorded"
+    cuda["capturing_device"] = 1  # now cuda:1, not the current device, is capturing
+    assert not _layer_buffers.reusable(OnCuda1())
+    assert _layer_buffers.stream_mark(OnCuda1()) is None
+    assert spares.take(2, 8, OnCuda1()) is None, "a graph captured on cuda:1 would depend on work outside it"
+    assert cuda["current_device"] == 0  # the current device is left as it was
 
 
 def test_cpu_spares_touch_no_cuda_state(monkeypatch):

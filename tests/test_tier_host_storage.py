@@ -3,6 +3,8 @@ memory on CPU pools (pinning is checked in tests/test_tier_cuda.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -115,3 +117,119 @@ def test_pinned_pages_are_unpinned_only_after_the_device_is_done_with_them(monke
     del host
     gc.collect()
     assert log == ["register", "synchronize(cuda:1)", "unregister"]
+
+
+# ----- pinning and release on CUDA, with the CUDA calls faked (a GPU run confirms the real ones) -----
+
+
+class _FakeCuda:
+    """torch.cuda's pinning, sync and capture calls, logged; ``refuse`` makes cudaHostRegister fail."""
+
+    def __init__(self, monkeypatch, *, refuse=False, lib=True):
+        from kvpool.tiers import host_storage as hs
+
+        self.log, self.refuse, self.capturing = [], refuse, False
+        fake = self
+
+        class Cudart:
+            def cudaHostRegister(self, ptr, nbytes, flags):
+                fake.log.append("register")
+                return 2 if fake.refuse else 0  # 2: cudaErrorMemoryAllocation
+
+            def cudaHostUnregister(self, ptr):
+                fake.log.append("unregister")
+                return 0
+
+        class Lib:
+            def cudaGetLastError(self):
+                fake.log.append("clear_last_error")
+                return 0
+
+        def pinned(shape, dtype):
+            fake.log.append("pin_memory")
+            return torch.empty(shape, dtype=dtype)
+
+        def sync(device=None):
+            fake.log.append(f"synchronize({device})" + ("" if fake.watch is None or fake.watch() is not None
+                                                       else " after the buffer was freed"))
+
+        self.watch = None
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+        monkeypatch.setattr(torch.cuda, "synchronize", sync)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
+        monkeypatch.setattr(hs, "_cudart_lib", lambda: Lib() if lib else None)
+        monkeypatch.setattr(hs, "_pinned_empty", pinned)
+        monkeypatch.setattr(hs, "_deferred", [])
+
+    def storage(self):
+        return HostStorage(3, num_layers=2, page_size=4, heads=2, head_dim=8, dtype=torch.bfloat16,
+                           device=torch.device("cuda", 0))
+
+
+def test_a_refused_registration_clears_the_runtime_error_before_falling_back(monkeypatch):
+    # Left set, the refusal's error is what torch's next kernel-launch check reads: an
+    # unrelated launch would raise "out of memory".
+    cuda = _FakeCuda(monkeypatch, refuse=True)
+    host = cuda.storage()
+    assert host.pin_method == "pin_memory"
+    assert cuda.log == ["register", "clear_last_error", "pin_memory"]
+
+
+def test_a_successful_registration_clears_nothing(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
+    assert cuda.storage().pin_method == "cudaHostRegister" and cuda.log == ["register"]
+
+
+def test_without_torch_s_libcudart_nothing_is_registered(monkeypatch):
+    # A refusal could not be cleared: pin_memory straight away, so none is left behind.
+    cuda = _FakeCuda(monkeypatch, lib=False)
+    assert cuda.storage().pin_method == "pin_memory" and cuda.log == ["pin_memory"]
+
+
+def test_a_pin_memory_buffer_outlives_the_device_work_on_it(monkeypatch):
+    # torch's pinned allocator knows nothing of a Triton kernel reading the buffer through
+    # its mapped address: freed at once, the block could go to the next pinned allocation.
+    import weakref
+
+    cuda = _FakeCuda(monkeypatch, refuse=True)
+    host = cuda.storage()
+    cuda.watch = weakref.ref(host.buffer)
+    cuda.log.clear()
+    del host
+    gc.collect()
+    assert cuda.log == ["synchronize(cuda:0)"]  # buffer still alive at the sync, no unregister
+    assert cuda.watch() is None  # and let go right after it
+
+
+def test_a_release_during_graph_capture_waits_for_the_next_safe_point(monkeypatch):
+    # A device sync inside a capture invalidates it: the release is queued, holding the buffer.
+    import weakref
+
+    cuda = _FakeCuda(monkeypatch)
+    host = cuda.storage()
+    cuda.watch = weakref.ref(host.buffer)
+    cuda.capturing = True
+    del host
+    gc.collect()
+    assert cuda.log == ["register"] and cuda.watch() is not None
+    other = cuda.storage()  # made during the capture: still no sync
+    assert cuda.log == ["register", "register"] and cuda.watch() is not None
+    cuda.capturing = False
+    first, cuda.watch = cuda.watch, weakref.ref(other.buffer)
+    del other  # outside the capture: the deferred release runs first, then this one
+    gc.collect()
+    assert cuda.log == ["register", "register", "synchronize(cuda:0)", "unregister",
+                        "synchronize(cuda:0)", "unregister"]
+    assert first() is None and cuda.watch() is None
+
+
+def test_a_new_pinned_storage_runs_the_deferred_releases_first(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
+    host = cuda.storage()
+    cuda.capturing = True
+    del host
+    gc.collect()
+    cuda.capturing = False
+    kept = cuda.storage()
+    assert kept.pinned and cuda.log == ["register", "synchronize(cuda:0)", "unregister", "register"]

@@ -41,6 +41,7 @@ from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.rows import index_copy_rows, scatter_into
+from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 from kvpool.validate import check_layer, check_rows, slots_tensor
@@ -224,6 +225,9 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
         self.copied_slots = 0
         # CUDA: orders the core's queued copies before later hand-outs on other streams.
         self._order: CopyOrder | None = CopyOrder(self.device) if self.device.type == "cuda" else None
+        # CUDA: host -> device copies (new slots, copies' ids, table updates) through pinned
+        # buffers guarded by events, as the plain pool's: from pageable memory each would sync.
+        self._to_device = PinnedRing(self.device).to_device if self.device.type == "cuda" else None
         # open() hands out (and zeroes) slots only in state groups.
         self._open_copies = any(g.kind == "state" for g in self.groups)
 
@@ -399,8 +403,7 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
             if g.kind != "state":
                 st = self._storage[g.index]
                 assert st is not None
-                s = torch.from_numpy(src).to(self.device)
-                d = torch.from_numpy(dst).to(self.device)
+                s, d = self._on_device(src, dst)
                 copy_slots(st.flat[0] + st.flat[1], s, d)
                 self.copied_slots += int(src.shape[0])
                 if self._tables_np is None and handles is not None:
@@ -409,9 +412,7 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
             states = self._states[g.index]
             assert states is not None
             live = src >= 0
-            s = torch.from_numpy(src[live]).to(self.device)
-            d = torch.from_numpy(dst[live]).to(self.device)
-            z = torch.from_numpy(dst[~live]).to(self.device)
+            s, d, z = self._on_device(src[live], dst[live], dst[~live])
             for t in states.values():
                 if s.shape[0]:
                     t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
@@ -429,8 +430,7 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
         parts = [self.allocator.slots(int(h), g.index) for h in handles]
         counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
         rows = self.allocator.rows(handles)
-        dev = self._index_on_device
-        write_req_to_token(table, dev(rows), dev(np.zeros_like(counts)), dev(counts), dev(np.concatenate(parts)))
+        write_req_to_token(table, *self._on_device(rows, np.zeros_like(counts), counts, np.concatenate(parts)))
 
     def _write_new_rows(self, handles: np.ndarray) -> None:
         """Tables of requests that got slots without an extend (fork, prefix hit)."""

@@ -16,6 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import write_req_to_token
+from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
 from kvpool.tables import PageTable, page_table_tensors
 from kvpool.validate import check_layer
@@ -67,6 +68,7 @@ class HybridRequestOps:
     _nulled: dict[int, np.ndarray]
     group: Any
     _order: Any  # the CopyOrder of a CUDA pool; None on CPU
+    _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
     _open_copies: bool
 
     def _enter_device_call(self, what: str) -> None:
@@ -95,10 +97,10 @@ class HybridRequestOps:
         # Normal tensors even under inference mode, as the plain pool's: an engine may edit
         # them in place (padding) outside it.
         with torch.inference_mode(False):
-            if self.device.type == "cpu":
+            if self._to_device is None:
                 loc = [torch.from_numpy(s) for s in slots]
-            else:
-                loc = [torch.from_numpy(s).to(self.device, non_blocking=False) for s in slots]
+            else:  # one copy through the pinned ring, as the plain pool's: nothing waits
+                loc = pool_to_device(self, *slots)
         return HybridExtendResult(slots, loc, self.group_of_layer)
 
     def extend(self, handles: Any, counts: Any, tokens: Any = None) -> HybridExtendResult:
@@ -129,15 +131,16 @@ class HybridRequestOps:
     def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  slots: list[np.ndarray]) -> None:
         rows = self.allocator.rows(handles)
-        dev = self._index_on_device
         for g, s in zip(self.groups, slots):
             table = self._tables[g.index]
             if table is not None:
-                write_req_to_token(table, dev(rows), dev(starts), dev(counts), dev(s))
+                write_req_to_token(table, *self._on_device(rows, starts, counts, s))
 
-    def _index_on_device(self, a: Any) -> torch.Tensor:
-        """An int64 copy of ``a`` on the pool's device, for the table kernel."""
-        return torch.from_numpy(np.array(a, dtype=np.int64)).to(self.device)
+    def _on_device(self, *parts: Any) -> list[torch.Tensor]:
+        """Int64 copies of host arrays on the pool's device, with ONE copy through the pool's
+        pinned ring on CUDA (``kvpool.staging.pool_to_device``): from pageable memory each
+        copy would wait for the device. The ring keeps each buffer until its copy has run."""
+        return pool_to_device(self, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in parts))
 
     def _null_released(self, handles: np.ndarray, starts: np.ndarray) -> None:
         """Off the CPU: the null page's slots (``position % page_size``) where a sliding
@@ -157,8 +160,7 @@ class HybridRequestOps:
             r, end = rows[todo], to[todo]
             start = done[r]
             pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(start.tolist(), end.tolist())])
-            dev = self._index_on_device
-            write_req_to_token(self._tables[g.index], dev(r), dev(start), dev(end - start), dev(pos % ps))
+            write_req_to_token(self._tables[g.index], *self._on_device(r, start, end - start, pos % ps))
             done[r] = end
 
     def _forget_nulled(self, handles: np.ndarray) -> None:

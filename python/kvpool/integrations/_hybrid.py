@@ -80,7 +80,9 @@ class HybridRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
-        self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), device=self.device)
+        # Through the pool's pinned ring (CUDA): from pageable memory the copy would sync.
+        self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), getattr(self.pool, "_to_device", None),
+                                  self.device)
         self._index = {}
         self.epoch += 1
         for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step

@@ -121,7 +121,8 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         self.flush()
         assert req.handles is not None
         slots = req.pool.state_slots(req.handles, self.layer_idx)
-        self._slots = index_tensor(slots.astype(np.int64), device=self.device)
+        # Through the pool's pinned ring (CUDA): from pageable memory the copy would sync.
+        self._slots = index_tensor(slots.astype(np.int64), getattr(req.pool, "_to_device", None), self.device)
         s0 = int(slots[0]) if slots.shape[0] else 0
         self._consecutive = bool((slots == np.arange(s0, s0 + slots.shape[0])).all())
         self._s0 = s0

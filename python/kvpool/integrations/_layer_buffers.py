@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvpool.modes import persistent
+from kvpool.streams import capturing  # of t's device (torch asks the current device's stream)
 
 # A set keeps the views it made while there are at most this many (a tensor object is a few
 # hundred bytes): every view of a small model's buffers, not those of a long context on many
@@ -38,7 +39,7 @@ MAX_KEPT_VIEWS = 1 << 14
 def stream_mark(t: torch.Tensor) -> Any:
     """An event recorded on the current stream of ``t``'s device after the work queued on it
     so far, or None on the CPU (or while that stream is captured)."""
-    if not t.is_cuda or torch.cuda.is_current_stream_capturing():
+    if not t.is_cuda or capturing(t.device):
         return None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
@@ -53,7 +54,7 @@ def stream_wait(t: torch.Tensor, event: Any) -> None:
 
 def reusable(t: torch.Tensor) -> bool:
     """Whether a spare on ``t``'s device may be taken now: not into a graph being captured."""
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (t.is_cuda and capturing(t.device))
 
 
 class LayerBuffers:

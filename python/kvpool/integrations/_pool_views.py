@@ -14,6 +14,7 @@ import torch
 
 from kvpool.integrations._layer_buffers import BufferSpares
 from kvpool.modes import persistent, register_kept_for_pool
+from kvpool.staging import to_device
 from kvpool.validate import check_pool
 
 
@@ -138,7 +139,8 @@ def index_tensor(host: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor] 
     """``host`` as an index tensor that is a normal tensor under any grad mode: made under
     inference mode it would be an inference tensor, which autograd refuses to save, and a
     cache opened under ``inference_mode`` may run its next steps outside it. Uploaded by
-    ``upload`` (a pool's pinned ring) when given, else moved to ``device`` when given."""
+    ``upload`` (a pool's pinned ring) when given; with ``device``, on it (``staging.to_device``:
+    without a ring, a non-blocking copy from pageable memory)."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
             return _index_tensor(host, upload, device)
@@ -147,10 +149,9 @@ def index_tensor(host: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor] 
 
 def _index_tensor(host: np.ndarray, upload: Callable[[np.ndarray], torch.Tensor] | None,
                   device: torch.device | None) -> torch.Tensor:
-    if upload is not None:
-        return upload(host)
-    t = torch.from_numpy(host)
-    return t if device is None else t.to(device)
+    if device is not None:
+        return to_device(host, device, upload)
+    return upload(host) if upload is not None else torch.from_numpy(host)
 
 
 def decode_run(s: list[int]) -> tuple[int, int] | None:

@@ -139,7 +139,8 @@ class BatchRequests:
         if self.pages is not None:
             self.pages.reset(self.handles.shape[0], private=not self._shared)
         else:
-            self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), device=self.device)
+            self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), getattr(self.pool, "_to_device", None),
+                                      self.device)
 
     def ensure_open(self, batch: int) -> None:
         if self.handles is None:

@@ -21,13 +21,21 @@ asynchronous DMA and the transfer kernel can reach it through its
 device-mapped address; on a CPU pool it is plain memory. Large buffers are
 pinned by registering an ordinary allocation with CUDA
 (``cudaHostRegister``): torch's pinned allocator rounds every request up to a
-power of two, which would cost up to twice the memory asked for. Contents are
+power of two, which would cost up to twice the memory asked for; where CUDA
+refuses (e.g. a memlock limit) it falls back to that allocator. Contents are
 meaningless until an offload writes a page.
+
+Dropping a pinned storage waits for the device before its memory goes, however
+it was pinned (``_Release``); dropped while this thread captures a CUDA graph,
+that wait is deferred to the next safe point rather than invalidate the capture.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import threading
 import weakref
 from typing import Any
 
@@ -97,18 +105,55 @@ def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
     return pages
 
 
+def _cudart_lib() -> Any:
+    """The libcudart torch itself loaded, or None. Only that copy shares torch's per-thread
+    "last error" (a second copy would be a second runtime instance), so it is opened with
+    RTLD_NOLOAD: found by soname (torch wheels link libcudart dynamically), else by the path
+    /proc/self/maps gives it; never loaded anew."""
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libcudart.so.{major}"] if major else []
+    try:
+        with open("/proc/self/maps") as maps:
+            names += sorted({line.split()[-1] for line in maps if "/libcudart.so" in line})
+    except OSError:
+        pass
+    for name in names:
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+    return None
+
+
 def _register(t: torch.Tensor) -> bool:
-    """Page-lock ``t``'s memory with cudaHostRegister (portable and mapped); False if refused."""
+    """Page-lock ``t``'s memory with cudaHostRegister (portable and mapped); False if refused.
+
+    A refused registration leaves the runtime's last error set, and torch reads that error
+    after its next kernel launch (``cudaGetLastError``): an unrelated launch would raise it.
+    torch's cudart module has no ``cudaGetLastError``, so it is cleared through torch's own
+    libcudart; where that library cannot be found, nothing is registered (pin_memory
+    instead), so a refusal never outlives this call."""
+    lib = _cudart_lib()
+    if lib is None:
+        return False
     flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
-    return int(err) == 0 if not hasattr(err, "value") else int(err.value) == 0
+    ok = int(getattr(err, "value", err)) == 0
+    if not ok:
+        lib.cudaGetLastError()  # same thread, same runtime instance: resets what the refusal set
+    return ok
 
 
-def _unregister(ptr: int, device: torch.device) -> None:
-    """Unpin once the device is done with the pages: transfers may still be queued on
-    them (a pool dropped right after a swap_out), and unpinning under a page-copy kernel
-    that reaches them through their mapped address faults it, while a DMA would land in
-    memory that is freed right after this."""
+def _capturing() -> bool:
+    """Whether this thread's current stream is being captured into a CUDA graph (a device
+    sync there would invalidate the capture)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - no usable CUDA (or shutdown): nothing can be capturing
+        return False
+
+
+def _synchronize(device: torch.device) -> None:
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -117,10 +162,69 @@ def _unregister(ptr: int, device: torch.device) -> None:
                 torch.cuda.synchronize(i)
     except Exception:  # noqa: BLE001 - interpreter shutdown, or a device already failed
         pass
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going anyway
-        pass
+
+
+#: Releases that came due while a graph was being captured: run at the next safe point.
+_deferred: list[_Release] = []
+_deferred_lock = threading.Lock()
+
+
+class _Release:
+    """What dropping a pinned ``HostStorage`` does, once the device is done with its pages.
+
+    Transfers may still be queued on them (a pool dropped right after a swap_out): unpinned
+    under a page-copy kernel that reaches them through their mapped address, it faults; a
+    DMA would land in memory freed right after. A buffer from torch's pinned allocator is
+    no safer: that allocator knows nothing of a Triton kernel reading it, and would hand the
+    block to the next pinned allocation. So the release holds the buffer, waits for the
+    device, and only then unregisters it (cudaHostRegister) and lets it go.
+
+    The wait is a device sync, which would invalidate a CUDA graph capture in progress on
+    this thread (a garbage collection can drop a pool there): then the release is queued,
+    holding the buffer, and runs at the next safe point (``_drain``: another pinned
+    ``HostStorage`` made or released outside a capture).
+    """
+
+    __slots__ = ("buffer", "device", "registered")
+
+    def __init__(self, buffer: torch.Tensor, device: torch.device, registered: bool) -> None:
+        self.buffer: torch.Tensor | None = buffer
+        self.device, self.registered = device, registered
+
+    def __call__(self) -> None:
+        if _capturing():
+            with _deferred_lock:
+                _deferred.append(self)
+            return
+        _drain()
+        self._run()
+
+    def _run(self) -> None:
+        buf, self.buffer = self.buffer, None
+        if buf is None:
+            return
+        _synchronize(self.device)
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the process is going anyway
+                pass
+        del buf  # the last reference (pin_memory): back to torch's pinned allocator, now idle
+
+
+def _drain() -> None:
+    """Run the releases a capture deferred, unless this thread is capturing now."""
+    if not _deferred or _capturing():
+        return
+    with _deferred_lock:
+        due = _deferred[:]
+        del _deferred[:]
+    for release in due:
+        release._run()
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 class HostStorage:
@@ -160,12 +264,14 @@ class HostStorage:
                                                 "use fewer host pages (host_pages or host_memory_bytes), layers, heads or a smaller head_dim"):
             buf = torch.empty(shape, dtype=dtype)
             if pin:
+                _drain()
                 if _register(buf):
                     self.pin_method = "cudaHostRegister"
-                    weakref.finalize(self, _unregister, buf.data_ptr(), torch.device(device))
                 else:  # e.g. a memlock limit: torch's pinned allocator (may round up)
-                    buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+                    del buf  # before the pinned one: both at once could exceed host memory
+                    buf = _pinned_empty(shape, dtype)
                     self.pin_method = "pin_memory"
+                weakref.finalize(self, _Release(buf, as_device(device), self.pin_method == "cudaHostRegister"))
         self.buffer: torch.Tensor = buf
 
     @classmethod
