@@ -168,3 +168,21 @@ def test_a_publisher_of_another_pool_or_two_publishers_for_one_label_are_refused
     pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=6, page_size=P, max_requests=4, max_context_len=64)
     KVPoolCollector({"p": pool, "a": a}, publishers={"p": LocalEventPublisher(pool.allocator), "a": LocalEventPublisher(a)})
     KVPoolCollector({"p": pool.allocator}, publishers={"p": LocalEventPublisher(pool)})
+
+
+def test_one_collector_in_two_registries_and_twice_in_one_and_a_pool_reset_while_registered():
+    alloc = kvpool.SlotAllocator(8, P, 4, 32, hash_seed=1)
+    collector = KVPoolCollector({"a": alloc})
+    r1, r2 = prometheus_client.CollectorRegistry(), prometheus_client.CollectorRegistry()
+    r1.register(collector)
+    r2.register(collector)  # non-default registries: each scrape reads the pool afresh
+    with pytest.raises(ValueError, match="Duplicated"):
+        r1.register(collector)
+    h = _serve(alloc, np.arange(9))
+    assert v(parse(r1), "kvpool_pages", pool="a", state="held") == v(parse(r2), "kvpool_pages", pool="a",
+                                                                       state="held") == 3
+    alloc.reset()  # every request closed: the handles go stale, the collector does not
+    s = parse(r1)
+    assert v(s, "kvpool_pages", pool="a", state="held") == v(s, "kvpool_open_requests", pool="a") == 0
+    assert sum(v(s, "kvpool_pages", pool="a", state=st) for st in ("free", "held", "cached", "pinned")) == 7
+    assert not alloc.is_open(int(h[0]))
