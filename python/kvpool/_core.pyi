@@ -902,6 +902,14 @@ class GroupedAllocator:
     @property
     def dropped_events(self) -> int:
         """Events dropped because too many were left undrained (cumulative)."""
+    def stats(self) -> dict[str, Any]:
+        """The changing counters read under one lock, so they agree with each
+        other even while other threads work (a metrics scrape reads this):
+        open_requests, hit_tokens, miss_tokens, dropped_events, and groups, a
+        list with one dict per group of capacity_pages, free_pages,
+        used_pages, cached_pages and evictable_pages (as the per-group
+        queries).
+        """
     @property
     def kv_events(self) -> bool:
         """Whether the anchor chain's KV events are recorded (the kv_events
