@@ -186,3 +186,50 @@ def test_one_collector_in_two_registries_and_twice_in_one_and_a_pool_reset_while
     assert v(s, "kvpool_pages", pool="a", state="held") == v(s, "kvpool_open_requests", pool="a") == 0
     assert sum(v(s, "kvpool_pages", pool="a", state=st) for st in ("free", "held", "cached", "pinned")) == 7
     assert not alloc.is_open(int(h[0]))
+
+
+def _hybrid_pool():
+    return kvpool.KVPool(2, 2, 8, dtype=torch.float32, num_pages=40, page_size=P, max_requests=8,
+                         max_context_len=128, layer_types=["full_attention", "sliding_attention"],
+                         sliding_window=8)
+
+
+def test_a_hybrid_pool_exports_each_layer_group_from_one_snapshot():
+    """Hybrid pools used to be refused: their groups' pages were not exported at all."""
+    pool = _hybrid_pool()
+    pub = LocalEventPublisher(pool)
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(KVPoolCollector({"h": pool}, publishers={"h": pub}))
+    prompt = np.arange(100, 100 + 5 * P + 1)
+    pool.close(_serve(pool, prompt), cache=True)
+    held = _serve(pool, prompt)  # a hit
+    pub.publish()
+    samples = parse(reg)
+    g = pool.allocator.stats()
+    assert v(samples, "kvpool_open_requests", pool="h") == g["open_requests"] == 1
+    assert v(samples, "kvpool_prefix_cache_hits_total", pool="h") == g["hit_tokens"] > 0
+    assert v(samples, "kvpool_prefix_cache_queries_total", pool="h") == g["hit_tokens"] + g["miss_tokens"]
+    assert v(samples, "kvpool_events_dropped_total", pool="h") == g["dropped_events"]
+    assert v(samples, "kvpool_events_published_total", pool="h") == pub.events > 0
+    kinds = [grp.kind for grp in pool.groups]
+    assert len(kinds) == 2 and set(kinds) == {"full", "sliding"}
+    for i, kind in enumerate(kinds):
+        c = g["groups"][i]
+        state = {st: v(samples, "kvpool_group_pages", pool="h", group=str(i), kind=kind, state=st)
+                 for st in ("free", "held", "cached")}
+        assert sum(state.values()) == c["capacity_pages"] == pool.allocator.capacity_pages(i)
+        assert state["held"] == c["used_pages"] == pool.allocator.used_pages(i) > 0
+        assert state["cached"] == c["evictable_pages"]
+        assert v(samples, "kvpool_group_registered_pages", pool="h", group=str(i), kind=kind) == c["cached_pages"] > 0
+    assert not any(name in ("kvpool_pages", "kvpool_copy_bytes_total") for name, _ in samples)
+    pool.close(held)
+    # A GroupedAllocator by itself is a pool too, and a hybrid pool and its allocator are one.
+    assert v(parse(_registered(pool.allocator)), "kvpool_open_requests", pool="0") == 0
+    with pytest.raises(kvpool.InvalidArgumentError, match="same pool"):
+        KVPoolCollector([pool, pool.allocator])
+
+
+def _registered(pools):
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(KVPoolCollector(pools))
+    return reg

@@ -52,6 +52,16 @@ SGLang's hicache metrics do for theirs:
 - ``kvpool_host_prefix_cache_hits`` (counter, tokens): the part of
   ``kvpool_prefix_cache_hits`` served from host copies (loaded back).
 
+Hybrid pools (a ``KVPool`` with ``layer_types``, or a ``GroupedAllocator``)
+export ``kvpool_open_requests``, the prefix cache and dropped-event counters,
+the publisher's, and per layer group (``group`` = its index, ``kind`` = full /
+sliding / state):
+
+- ``kvpool_group_pages`` (gauge, ``state`` = free / held / cached): the group's
+  pages (state slots) by state; they add up to the group's ``capacity_pages``.
+- ``kvpool_group_registered_pages`` (gauge): the group's registered pages
+  (checkpoints), held or not.
+
 One scrape reads one ``stats()`` snapshot per pool and nothing else that
 changes (the capacities are fixed at construction; ``kvpool_copy_bytes`` is a
 separate running count), so within a scrape the page states add up to the
@@ -73,7 +83,7 @@ _core = require("prometheus_client.core", "metrics", "kvpool.metrics")
 def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """Label -> pool, every pool checked here: a scrape that raises fails the
     whole exposition, every other pool's families included."""
-    from kvpool._core import InvalidArgumentError, SlotAllocator
+    from kvpool._core import GroupedAllocator, InvalidArgumentError, SlotAllocator
 
     if isinstance(pools, Mapping):
         items = list(pools.items())
@@ -89,10 +99,12 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
         if label in named:
             raise InvalidArgumentError(f"two pools would carry the label pool={label!r} (keys {list(dict(items))!r}); "
                                        f"give each pool its own label")
-        if not isinstance(getattr(pool, "allocator", pool), SlotAllocator) or not callable(getattr(pool, "stats", None)):
-            raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator (its stats() are what the "
-                                       f"collector exports), got {type(pool).__name__}")
         core = getattr(pool, "allocator", pool)
+        plain = isinstance(core, SlotAllocator) and callable(getattr(pool, "stats", None))
+        if not plain and not isinstance(core, GroupedAllocator):
+            raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator, or a hybrid KVPool "
+                                       f"(layer_types) or GroupedAllocator (their stats() are what the collector "
+                                       f"exports), got {type(pool).__name__}")
         twin = next((k for k, p in named.items() if getattr(p, "allocator", p) is core), None)
         if twin is not None:  # (a KVPool and its own allocator are one pool too)
             raise InvalidArgumentError(f"pools {twin!r} and {label!r} are the same pool: every figure of it would "
@@ -109,10 +121,13 @@ class KVPoolCollector:
 
     def __init__(self, pools: Any | Iterable[Any] | Mapping[str, Any], *,
                  publishers: Mapping[str, Any] | None = None) -> None:
-        from kvpool._core import InvalidArgumentError
+        from kvpool._core import GroupedAllocator, InvalidArgumentError
         from kvpool.events.publisher import EventPublisher
 
         self.pools = _named(pools)
+        # Hybrid pools: label -> each group's kind (fixed at construction).
+        self._kinds = {label: [str(g["kind"]) for g in getattr(p, "allocator", p).groups]
+                       for label, p in self.pools.items() if isinstance(getattr(p, "allocator", p), GroupedAllocator)}
         if publishers is not None and not isinstance(publishers, Mapping):
             raise InvalidArgumentError(f"publishers must be a dict {{pool label: publisher}}, "
                                        f"got {type(publishers).__name__}")
@@ -174,15 +189,37 @@ class KVPoolCollector:
                 C("kvpool_loaded_pages", "Pages copied host -> device", labels=["pool"]),
                 C("kvpool_host_prefix_cache_hits", "Prompt tokens served from host copies (loaded back)",
                   labels=["pool"]))
+        groups = (G("kvpool_group_pages", "Pages (state slots) of a hybrid pool's layer group by state: free, held "
+                    "by requests, cached (evictable)", labels=["pool", "group", "kind", "state"]),
+                  G("kvpool_group_registered_pages", "Registered pages (checkpoints) of a layer group, held or not",
+                    labels=["pool", "group", "kind"]))
         return (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
-                published, copy, offload, load, *host)
+                published, copy, offload, load, *host, *groups)
 
     def collect(self) -> Iterator[Any]:
         families = self._families()
         (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
          published, copy, offload, load, host_capacity, host_free, host_used, host_registered, offloaded, loaded,
-         host_hits) = families
+         host_hits, group_pages, group_registered) = families
         for name, pool in self.pools.items():
+            pub = self.publishers.get(name)
+            if pub is not None:
+                evicted.add_metric([name], int(pub.removed_pages))
+                published.add_metric([name], int(pub.events))
+            kinds = self._kinds.get(name)
+            if kinds is not None:  # a hybrid pool: its GroupedAllocator's one-lock snapshot
+                g = getattr(pool, "allocator", pool).stats()
+                requests.add_metric([name], int(g["open_requests"]))
+                queries.add_metric([name], int(g["hit_tokens"]) + int(g["miss_tokens"]))
+                hits.add_metric([name], int(g["hit_tokens"]))
+                dropped.add_metric([name], int(g["dropped_events"]))
+                for i, (kind, c) in enumerate(zip(kinds, g["groups"])):
+                    evictable = int(c["evictable_pages"])
+                    for state, n in (("free", int(c["free_pages"]) - evictable), ("held", int(c["used_pages"])),
+                                     ("cached", evictable)):
+                        group_pages.add_metric([name, str(i), kind, state], n)
+                    group_registered.add_metric([name, str(i), kind], int(c["cached_pages"]))
+                continue
             # Everything that changes comes from this one snapshot: figures read apart
             # (under their own locks) could straddle another thread's call.
             s = pool.stats()
@@ -206,10 +243,6 @@ class KVPoolCollector:
             queries.add_metric([name], int(s.hit_tokens) + int(s.miss_tokens))
             hits.add_metric([name], int(s.hit_tokens))
             dropped.add_metric([name], int(s.dropped_events))
-            pub = self.publishers.get(name)
-            if pub is not None:
-                evicted.add_metric([name], int(pub.removed_pages))
-                published.add_metric([name], int(pub.events))
             slots = getattr(pool, "copied_slots", None)
             if slots is not None:
                 copy.add_metric([name], int(slots) * int(pool.bytes_per_slot))
