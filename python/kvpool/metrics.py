@@ -115,7 +115,8 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 class KVPoolCollector:
     """A prometheus_client collector of ``pools``: one pool, a list (labelled
-    "0", "1", ...) or a mapping label -> pool (``KVPool`` or ``SlotAllocator``).
+    "0", "1", ...) or a mapping label -> pool (``KVPool``, hybrid or not,
+    ``SlotAllocator`` or ``GroupedAllocator``).
     ``publishers`` maps the same labels to their ``kvpool.events`` publishers,
     whose counters give the eviction and published-event counts."""
 
