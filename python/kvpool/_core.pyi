@@ -93,6 +93,12 @@ class PoolStats:
     def offloaded_pages(self) -> int: ...
     @property
     def loaded_pages(self) -> int: ...
+    @property
+    def dropped_events(self) -> int: ...
+    # 101 counts, priority 0..100 (SlotAllocator.evictable_pages_by_priority); they add up
+    # to evictable_pages, being read in the same snapshot.
+    @property
+    def evictable_pages_by_priority(self) -> list[int]: ...
     # Compares every counter; pickles (a snapshot sent to a metrics or scheduler process).
     def __eq__(self, value: object, /) -> bool: ...
     __hash__: None  # type: ignore[assignment]
@@ -221,8 +227,9 @@ class SlotAllocator:
     def stats(self) -> PoolStats:
         """The changing counters (free_pages, used_pages, free_slots, used_slots,
         open_requests, admissible_tokens, metadata_bytes, the cache's and the
-        host tier's) read under one lock, so they agree with each other even
-        while other threads work.
+        host tier's, dropped_events, and evictable_pages_by_priority as a list
+        of 101) read under one lock, so they agree with each other even while
+        other threads work: the priority counts add up to evictable_pages.
         """
     def open(self, n: int = 1) -> npt.NDArray[np.int64]:
         """Opens n empty requests (no pages until they grow).
@@ -895,6 +902,14 @@ class GroupedAllocator:
     @property
     def dropped_events(self) -> int:
         """Events dropped because too many were left undrained (cumulative)."""
+    def stats(self) -> dict[str, Any]:
+        """The changing counters read under one lock, so they agree with each
+        other even while other threads work (a metrics scrape reads this):
+        open_requests, hit_tokens, miss_tokens, dropped_events, and groups, a
+        list with one dict per group of capacity_pages, free_pages,
+        used_pages, cached_pages and evictable_pages (as the per-group
+        queries).
+        """
     @property
     def kv_events(self) -> bool:
         """Whether the anchor chain's KV events are recorded (the kv_events

@@ -33,8 +33,39 @@ Families (counters are exposed with the ``_total`` suffix; docs/events-and-metri
 - ``kvpool_events_published`` (counter; pools with a publisher): events sent.
 - ``kvpool_copy_bytes`` (counter; ``KVPool`` only): K/V bytes moved by
   copy-on-write copies.
-- ``kvpool_offload_bytes`` / ``kvpool_load_bytes`` (counters): device -> host
-  and host -> device K/V bytes, for pools that have those attributes (a host tier).
+- ``kvpool_offload_bytes`` / ``kvpool_load_bytes`` (counters; ``KVPool`` with a
+  host tier): device -> host and host -> device K/V bytes.
+
+Pools with a host tier (``host_pages``) also export, as vLLM's kv_offload and
+SGLang's hicache metrics do for theirs:
+
+- ``kvpool_host_capacity_pages`` (gauge): host pages (the reserved page 0 not counted).
+- ``kvpool_host_free_pages`` (gauge): host pages an offload or a swap can take now:
+  free, or holding a cached copy no request holds (evictable).
+- ``kvpool_host_used_pages`` (gauge): the rest, held by swapped-out requests or
+  queued loads.
+- ``kvpool_host_registered_pages`` (gauge): host pages holding a cached copy,
+  held or not.
+- ``kvpool_offloaded_pages`` / ``kvpool_loaded_pages`` (counters, pages):
+  device -> host and host -> device page copies (evictions written back,
+  swaps, and hits loaded back).
+- ``kvpool_host_prefix_cache_hits`` (counter, tokens): the part of
+  ``kvpool_prefix_cache_hits`` served from host copies (loaded back).
+
+Hybrid pools (a ``KVPool`` with ``layer_types``, or a ``GroupedAllocator``)
+export ``kvpool_open_requests``, the prefix cache and dropped-event counters,
+the publisher's, and per layer group (``group`` = its index, ``kind`` = full /
+sliding / state):
+
+- ``kvpool_group_pages`` (gauge, ``state`` = free / held / cached): the group's
+  pages (state slots) by state; they add up to the group's ``capacity_pages``.
+- ``kvpool_group_registered_pages`` (gauge): the group's registered pages
+  (checkpoints), held or not.
+
+One scrape reads one ``stats()`` snapshot per pool and nothing else that
+changes (the capacities are fixed at construction; ``kvpool_copy_bytes`` is a
+separate running count), so within a scrape the page states add up to the
+capacity and the priority bands to the cached pages.
 """
 
 from __future__ import annotations
@@ -52,7 +83,7 @@ _core = require("prometheus_client.core", "metrics", "kvpool.metrics")
 def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """Label -> pool, every pool checked here: a scrape that raises fails the
     whole exposition, every other pool's families included."""
-    from kvpool._core import InvalidArgumentError, SlotAllocator
+    from kvpool._core import GroupedAllocator, InvalidArgumentError, SlotAllocator
 
     if isinstance(pools, Mapping):
         items = list(pools.items())
@@ -68,10 +99,12 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
         if label in named:
             raise InvalidArgumentError(f"two pools would carry the label pool={label!r} (keys {list(dict(items))!r}); "
                                        f"give each pool its own label")
-        if not isinstance(getattr(pool, "allocator", pool), SlotAllocator) or not callable(getattr(pool, "stats", None)):
-            raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator (its stats() are what the "
-                                       f"collector exports), got {type(pool).__name__}")
         core = getattr(pool, "allocator", pool)
+        plain = isinstance(core, SlotAllocator) and callable(getattr(pool, "stats", None))
+        if not plain and not isinstance(core, GroupedAllocator):
+            raise InvalidArgumentError(f"pool {label!r} must be a KVPool or SlotAllocator, or a hybrid KVPool "
+                                       f"(layer_types) or GroupedAllocator (their stats() are what the collector "
+                                       f"exports), got {type(pool).__name__}")
         twin = next((k for k, p in named.items() if getattr(p, "allocator", p) is core), None)
         if twin is not None:  # (a KVPool and its own allocator are one pool too)
             raise InvalidArgumentError(f"pools {twin!r} and {label!r} are the same pool: every figure of it would "
@@ -82,20 +115,30 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
 
 class KVPoolCollector:
     """A prometheus_client collector of ``pools``: one pool, a list (labelled
-    "0", "1", ...) or a mapping label -> pool (``KVPool`` or ``SlotAllocator``).
+    "0", "1", ...) or a mapping label -> pool (``KVPool``, hybrid or not,
+    ``SlotAllocator`` or ``GroupedAllocator``).
     ``publishers`` maps the same labels to their ``kvpool.events`` publishers,
     whose counters give the eviction and published-event counts."""
 
     def __init__(self, pools: Any | Iterable[Any] | Mapping[str, Any], *,
                  publishers: Mapping[str, Any] | None = None) -> None:
-        from kvpool._core import InvalidArgumentError
+        from kvpool._core import GroupedAllocator, InvalidArgumentError
         from kvpool.events.publisher import EventPublisher
 
         self.pools = _named(pools)
+        # Hybrid pools: label -> each group's kind (fixed at construction).
+        self._kinds = {label: [str(g["kind"]) for g in getattr(p, "allocator", p).groups]
+                       for label, p in self.pools.items() if isinstance(getattr(p, "allocator", p), GroupedAllocator)}
         if publishers is not None and not isinstance(publishers, Mapping):
             raise InvalidArgumentError(f"publishers must be a dict {{pool label: publisher}}, "
                                        f"got {type(publishers).__name__}")
-        self.publishers = {str(k): p for k, p in (publishers or {}).items()}
+        self.publishers: dict[str, Any] = {}
+        for key, pub in (publishers or {}).items():
+            label = str(key)
+            if label in self.publishers:  # (0 and "0": one of them would be dropped unseen)
+                raise InvalidArgumentError(f"two publishers would belong to the pool labelled {label!r} (keys "
+                                           f"{list(publishers or {})!r}); give each pool one publisher")
+            self.publishers[label] = pub
         unknown = set(self.publishers) - set(self.pools)
         if unknown:
             raise InvalidArgumentError(f"publishers for unknown pools {sorted(unknown)}; pools are {sorted(self.pools)}")
@@ -103,6 +146,11 @@ class KVPoolCollector:
             if not isinstance(pub, EventPublisher):
                 raise InvalidArgumentError(f"the publisher of pool {label!r} must be a kvpool.events publisher "
                                            f"(ZmqEventPublisher, LocalEventPublisher), got {type(pub).__name__}")
+            # Another pool's publisher would export that pool's evictions under this label.
+            mine = getattr(self.pools[label], "allocator", self.pools[label])
+            if getattr(pub.pool, "allocator", pub.pool) is not mine:
+                raise InvalidArgumentError(f"the publisher given for pool {label!r} publishes another pool's events; "
+                                           f"give each pool the publisher built on it")
 
     def describe(self) -> list[Any]:
         # Every family this collector can export (empty): the registry checks these
@@ -132,17 +180,52 @@ class KVPoolCollector:
         copy = C("kvpool_copy_bytes", "K/V bytes moved by copy-on-write copies", labels=["pool"])
         offload = C("kvpool_offload_bytes", "K/V bytes moved device -> host", labels=["pool"])
         load = C("kvpool_load_bytes", "K/V bytes moved host -> device", labels=["pool"])
+        host = (G("kvpool_host_capacity_pages", "Host tier pages", labels=["pool"]),
+                G("kvpool_host_free_pages", "Host pages an offload or swap can take now: free or holding an "
+                  "evictable cached copy", labels=["pool"]),
+                G("kvpool_host_used_pages", "Host pages held by swapped-out requests or queued loads",
+                  labels=["pool"]),
+                G("kvpool_host_registered_pages", "Host pages holding a cached copy, held or not", labels=["pool"]),
+                C("kvpool_offloaded_pages", "Pages copied device -> host", labels=["pool"]),
+                C("kvpool_loaded_pages", "Pages copied host -> device", labels=["pool"]),
+                C("kvpool_host_prefix_cache_hits", "Prompt tokens served from host copies (loaded back)",
+                  labels=["pool"]))
+        groups = (G("kvpool_group_pages", "Pages (state slots) of a hybrid pool's layer group by state: free, held "
+                    "by requests, cached (evictable)", labels=["pool", "group", "kind", "state"]),
+                  G("kvpool_group_registered_pages", "Registered pages (checkpoints) of a layer group, held or not",
+                    labels=["pool", "group", "kind"]))
         return (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
-                published, copy, offload, load)
+                published, copy, offload, load, *host, *groups)
 
     def collect(self) -> Iterator[Any]:
         families = self._families()
         (pages, pinned, max_pinned, bands, usage, registered, requests, queries, hits, dropped, evicted,
-         published, copy, offload, load) = families
+         published, copy, offload, load, host_capacity, host_free, host_used, host_registered, offloaded, loaded,
+         host_hits, group_pages, group_registered) = families
         for name, pool in self.pools.items():
+            pub = self.publishers.get(name)
+            if pub is not None:
+                evicted.add_metric([name], int(pub.removed_pages))
+                published.add_metric([name], int(pub.events))
+            kinds = self._kinds.get(name)
+            if kinds is not None:  # a hybrid pool: its GroupedAllocator's one-lock snapshot
+                g = getattr(pool, "allocator", pool).stats()
+                requests.add_metric([name], int(g["open_requests"]))
+                queries.add_metric([name], int(g["hit_tokens"]) + int(g["miss_tokens"]))
+                hits.add_metric([name], int(g["hit_tokens"]))
+                dropped.add_metric([name], int(g["dropped_events"]))
+                for i, (kind, c) in enumerate(zip(kinds, g["groups"])):
+                    evictable = int(c["evictable_pages"])
+                    for state, n in (("free", int(c["free_pages"]) - evictable), ("held", int(c["used_pages"])),
+                                     ("cached", evictable)):
+                        group_pages.add_metric([name, str(i), kind, state], n)
+                    group_registered.add_metric([name, str(i), kind], int(c["cached_pages"]))
+                continue
+            # Everything that changes comes from this one snapshot: figures read apart
+            # (under their own locks) could straddle another thread's call.
             s = pool.stats()
             alloc = getattr(pool, "allocator", pool)
-            capacity = int(alloc.capacity_pages)
+            capacity = int(alloc.capacity_pages)  # fixed at construction, as max_pinned_pages and host_pages
             cached = int(s.evictable_pages)
             free = int(s.free_pages) - cached
             held = int(s.used_pages)
@@ -151,27 +234,31 @@ class KVPoolCollector:
                 pages.add_metric([name, state], v)
             pinned.add_metric([name], int(s.pinned_pages))
             max_pinned.add_metric([name], int(alloc.max_pinned_pages))
-            by = alloc.evictable_pages_by_priority()
+            by = s.evictable_pages_by_priority
             d = DEFAULT_PRIORITY
-            for band, v in (("low", by[:d].sum()), ("default", by[d]), ("high", by[d + 1:].sum())):
+            for band, v in (("low", sum(by[:d])), ("default", by[d]), ("high", sum(by[d + 1:]))):
                 bands.add_metric([name, band], int(v))
             usage.add_metric([name], held / capacity if capacity else 0.0)
             registered.add_metric([name], int(s.cached_pages))
             requests.add_metric([name], int(s.open_requests))
             queries.add_metric([name], int(s.hit_tokens) + int(s.miss_tokens))
             hits.add_metric([name], int(s.hit_tokens))
-            dropped.add_metric([name], int(alloc.dropped_events))
-            pub = self.publishers.get(name)
-            if pub is not None:
-                evicted.add_metric([name], int(pub.removed_pages))
-                published.add_metric([name], int(pub.events))
+            dropped.add_metric([name], int(s.dropped_events))
             slots = getattr(pool, "copied_slots", None)
             if slots is not None:
                 copy.add_metric([name], int(slots) * int(pool.bytes_per_slot))
-            for fam, attr in ((offload, "offload_bytes"), (load, "load_bytes")):
-                moved = getattr(pool, attr, None)
-                if moved is not None:
-                    fam.add_metric([name], int(moved))
+            host_pages = int(alloc.host_pages)
+            if host_pages:
+                cap = host_pages - 1  # page 0 is reserved
+                for fam, v in ((host_capacity, cap), (host_free, s.host_free_pages),
+                               (host_used, cap - int(s.host_free_pages)), (host_registered, s.host_cached_pages),
+                               (offloaded, s.offloaded_pages), (loaded, s.loaded_pages),
+                               (host_hits, s.host_hit_tokens)):
+                    fam.add_metric([name], int(v))
+                storage = getattr(pool, "host", None)  # KVPool's HostStorage: the bytes of one page
+                if storage is not None:
+                    offload.add_metric([name], int(s.offloaded_pages) * int(storage.page_bytes))
+                    load.add_metric([name], int(s.loaded_pages) * int(storage.page_bytes))
         for fam in families:
             if fam.samples:
                 yield fam

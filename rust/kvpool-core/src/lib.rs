@@ -53,6 +53,7 @@ pub use allocator::extend::Grown;
 pub use allocator::options::{Counts, Options};
 pub use allocator::prefix_transfer::PrefixChain;
 pub use allocator::queries::PageTable;
+pub use allocator::stats::Stats;
 pub use allocator::SlotAllocator;
 pub use error::{GroupShortage, HandleProblem, PoolError, Result, Rollback};
 pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE, MEDIUM_HOST};

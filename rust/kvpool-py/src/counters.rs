@@ -13,8 +13,9 @@ impl PySlotAllocator {
     ///
     /// The changing counters (free_pages, used_pages, free_slots, used_slots,
     /// open_requests, admissible_tokens, metadata_bytes, the cache's and the
-    /// host tier's) read under one lock, so they agree with each other even
-    /// while other threads work.
+    /// host tier's, dropped_events, and evictable_pages_by_priority as a list
+    /// of 101) read under one lock, so they agree with each other even while
+    /// other threads work: the priority counts add up to evictable_pages.
     fn stats(&self, py: Python<'_>) -> PoolStats {
         self.query(py, PoolStats::of)
     }

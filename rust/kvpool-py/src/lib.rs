@@ -16,6 +16,7 @@ mod grouped;
 mod grouped_args;
 mod grouped_queries;
 mod grouped_sharing;
+mod grouped_stats;
 mod handles_arg;
 mod hashing;
 mod heap_prime;

@@ -1,10 +1,15 @@
 //! `PoolStats`: the pool's changing counters, read under one lock.
 
-use kvpool_core::SlotAllocator;
+use kvpool_core::{SlotAllocator, Stats, MAX_PRIORITY};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use crate::errors::invalid_argument;
+
+/// Priorities 0..=MAX_PRIORITY: the length of `evictable_pages_by_priority`.
+const PRIORITIES: usize = MAX_PRIORITY as usize + 1;
+/// The scalar fields, in declaration order (the pickled form's first part).
+const SCALARS: usize = 18;
 
 /// The pool's changing counters, read together under one lock (so they agree
 /// with each other, unlike separate property reads while other threads run).
@@ -30,42 +35,75 @@ pub struct PoolStats {
     host_hit_tokens: u64,
     offloaded_pages: u64,
     loaded_pages: u64,
+    dropped_events: u64,
+    // A list of 101: a metrics scrape splits it into bands that must add up to
+    // evictable_pages, which only a read in the same snapshot guarantees.
+    evictable_pages_by_priority: Vec<usize>,
 }
 
 impl PoolStats {
     pub(crate) fn of(a: &SlotAllocator) -> Self {
+        let s: Stats = a.stats();
         Self {
-            free_pages: a.free_pages(),
-            used_pages: a.used_pages(),
-            free_slots: a.free_slots(),
-            used_slots: a.used_slots(),
-            open_requests: a.open_requests(),
-            admissible_tokens: a.admissible_tokens(),
-            metadata_bytes: a.metadata_bytes(),
-            cached_pages: a.cached_pages(),
-            evictable_pages: a.evictable_pages(),
-            hit_tokens: a.hit_tokens(),
-            miss_tokens: a.miss_tokens(),
-            pinned_pages: a.pinned_pages(),
-            host_free_pages: a.host_free_pages(),
-            host_cached_pages: a.host_cached_pages(),
-            host_hit_tokens: a.host_hit_tokens(),
-            offloaded_pages: a.offloaded_pages(),
-            loaded_pages: a.loaded_pages(),
+            free_pages: s.free_pages,
+            used_pages: s.used_pages,
+            free_slots: s.free_slots,
+            used_slots: s.used_slots,
+            open_requests: s.open_requests,
+            admissible_tokens: s.admissible_tokens,
+            metadata_bytes: s.metadata_bytes,
+            cached_pages: s.cached_pages,
+            evictable_pages: s.evictable_pages,
+            hit_tokens: s.hit_tokens,
+            miss_tokens: s.miss_tokens,
+            pinned_pages: s.pinned_pages,
+            host_free_pages: s.host_free_pages,
+            host_cached_pages: s.host_cached_pages,
+            host_hit_tokens: s.host_hit_tokens,
+            offloaded_pages: s.offloaded_pages,
+            loaded_pages: s.loaded_pages,
+            dropped_events: s.dropped_events,
+            evictable_pages_by_priority: s.evictable_pages_by_priority.to_vec(),
         }
+    }
+
+    fn scalars(&self) -> [u64; SCALARS] {
+        [
+            self.free_pages as u64,
+            self.used_pages as u64,
+            self.free_slots as u64,
+            self.used_slots as u64,
+            self.open_requests as u64,
+            self.admissible_tokens as u64,
+            self.metadata_bytes as u64,
+            self.cached_pages as u64,
+            self.evictable_pages as u64,
+            self.hit_tokens,
+            self.miss_tokens,
+            self.pinned_pages as u64,
+            self.host_free_pages as u64,
+            self.host_cached_pages as u64,
+            self.host_hit_tokens,
+            self.offloaded_pages,
+            self.loaded_pages,
+            self.dropped_events,
+        ]
     }
 }
 
-/// Rebuilds a PoolStats from its fields in declaration order (what
-/// `PoolStats.__reduce__` returns; not public API).
+/// Rebuilds a PoolStats from its scalar fields in declaration order, then the
+/// 101 evictable page counts by priority (what `PoolStats.__reduce__`
+/// returns; not public API).
 #[pyfunction]
 pub fn _pool_stats(py: Python<'_>, fields: Vec<u64>) -> PyResult<PoolStats> {
     let v = fields;
-    if v.len() != 17 {
+    if v.len() != SCALARS + PRIORITIES {
         return Err(invalid_argument(
             py,
             format!(
-                "_pool_stats takes the 17 fields of a PoolStats, got {}",
+                "_pool_stats takes the {} fields of a PoolStats ({SCALARS} counters, then \
+                 {PRIORITIES} evictable page counts by priority), got {}",
+                SCALARS + PRIORITIES,
                 v.len()
             ),
         ));
@@ -89,6 +127,8 @@ pub fn _pool_stats(py: Python<'_>, fields: Vec<u64>) -> PyResult<PoolStats> {
         host_hit_tokens: v[14],
         offloaded_pages: v[15],
         loaded_pages: v[16],
+        dropped_events: v[17],
+        evictable_pages_by_priority: v[SCALARS..].iter().map(|&n| n as usize).collect(),
     })
 }
 
@@ -100,35 +140,27 @@ impl PoolStats {
         py: Python<'py>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let rebuild = py.import("kvpool._core")?.getattr("_pool_stats")?;
-        let fields: Vec<u64> = vec![
-            self.free_pages as u64,
-            self.used_pages as u64,
-            self.free_slots as u64,
-            self.used_slots as u64,
-            self.open_requests as u64,
-            self.admissible_tokens as u64,
-            self.metadata_bytes as u64,
-            self.cached_pages as u64,
-            self.evictable_pages as u64,
-            self.hit_tokens,
-            self.miss_tokens,
-            self.pinned_pages as u64,
-            self.host_free_pages as u64,
-            self.host_cached_pages as u64,
-            self.host_hit_tokens,
-            self.offloaded_pages,
-            self.loaded_pages,
-        ];
+        let mut fields = self.scalars().to_vec();
+        fields.extend(self.evictable_pages_by_priority.iter().map(|&n| n as u64));
         Ok((rebuild, PyTuple::new(py, [fields])?))
     }
 
     fn __repr__(&self) -> String {
+        // The priorities that have pages, as {priority:pages,...}: 101 counts,
+        // mostly 0, would drown the rest of a log line.
+        let by: Vec<String> = self
+            .evictable_pages_by_priority
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| n != 0)
+            .map(|(p, n)| format!("{p}:{n}"))
+            .collect();
         format!(
             "PoolStats(free_pages={}, used_pages={}, free_slots={}, used_slots={}, \
              open_requests={}, admissible_tokens={}, metadata_bytes={}, cached_pages={}, \
              evictable_pages={}, hit_tokens={}, miss_tokens={}, pinned_pages={}, \
              host_free_pages={}, host_cached_pages={}, host_hit_tokens={}, offloaded_pages={}, \
-             loaded_pages={})",
+             loaded_pages={}, dropped_events={}, evictable_pages_by_priority={{{}}})",
             self.free_pages,
             self.used_pages,
             self.free_slots,
@@ -145,7 +177,9 @@ impl PoolStats {
             self.host_cached_pages,
             self.host_hit_tokens,
             self.offloaded_pages,
-            self.loaded_pages
+            self.loaded_pages,
+            self.dropped_events,
+            by.join(",")
         )
     }
 }

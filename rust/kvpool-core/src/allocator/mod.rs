@@ -40,6 +40,7 @@ pub(crate) mod prefix_transfer;
 pub(crate) mod queries;
 mod release;
 mod retention;
+pub(crate) mod stats;
 mod swap;
 #[cfg(any(test, feature = "test-hooks"))]
 mod test_hooks;
