@@ -68,13 +68,14 @@ from kvpool.distributed.protocol import (
     header_problem,
     incompatible,
     meta_words,
+    reply_problem,
     shape_fields,
     split_chain,
     unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
 from kvpool.torch_types import FP8_DTYPES
-from kvpool.validate import is_int
+from kvpool.validate import check_pool, is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
@@ -161,7 +162,8 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     cases), or, before any message, for a ``dst_rank`` that is not another
     rank of ``group``. This pool is never changed.
     """
-    check_peer(dst_rank, group, "dst_rank")  # (no peer to tell: refused before any message)
+    check_pool(pool, "send_request", ("device",))  # (no peer to tell: refused before any message)
+    check_peer(dst_rank, group, "dst_rank")
     bad = _bad_send_args(timeout_s, chunk_bytes) or unsupported(pool)
     if bad is not None:
         timeout_s = DEFAULT_TIMEOUT_S  # (the abort header still goes out, with the default)
@@ -214,6 +216,9 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         link.send_ints(np.concatenate([chain, scales.view(np.int64)]), "chain hashes and scales")
     reply = link.recv_ints(REPLY_LEN, "reply")
     status, cached, free, need = (int(x) for x in reply[:4])
+    if (why := reply_problem(status, cached, n_chain)) is not None:  # then sending would go wrong
+        raise TransferError(f"rank {dst_rank} sent a malformed reply: {why}; is it running recv_request of this "
+                            f"kvpool version? Nothing was sent")
     if status != OK:
         reason = REASONS.get(status, f"status {status}")
         detail = {
@@ -328,6 +333,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     """``recv_request`` returning the full ``TransferStats`` (benchmarks)."""
     if (bad := bad_timeout(timeout_s)) is not None:  # (before any message: the sender times out)
         raise InvalidArgumentError(bad)
+    check_pool(pool, "recv_request", ("device",))
     check_peer(src_rank, group, "src_rank")
     t0 = time.perf_counter()
     link = _Link(src_rank, group, comm_device(group, pool.device), timeout_s)

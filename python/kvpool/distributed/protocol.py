@@ -121,6 +121,17 @@ def header_problem(pool: Any, header: np.ndarray, src_scales: np.ndarray) -> tup
     return None
 
 
+def reply_problem(status: int, cached: int, n_chain: int) -> str | None:
+    """What is wrong with a receiver's reply to a header announcing ``n_chain`` chain pages,
+    or None. A cached-page count outside the chain would make the sender send other pages
+    than the receiver takes (``pages[-1:]`` for -1)."""
+    if status != OK and status not in REASONS:
+        return f"status {status}, none of kvpool's ({OK}: ok, {sorted(REASONS)}: refusals)"
+    if status == OK and not 0 <= cached <= n_chain:
+        return f"{cached} leading pages already cached, of a chain of {n_chain} (0 to {n_chain})"
+    return None
+
+
 def unsupported(pool: Any) -> str | None:
     """Why ``pool`` cannot send or receive a request (None when it can)."""
     inner = getattr(pool, "inner", pool)
