@@ -39,7 +39,8 @@ __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
 #: Pool calls that change allocator state (the ones the digest records); a call
 #: the wrapped pool does not have is skipped. ``recv_request(tp_pool, ...)``
-#: is recorded through the open / extend / close calls it makes on the proxy.
+#: is recorded through the calls it makes on the proxy (open_with_chain_hashes, or open and
+#: extend; close when it fails after the open).
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
                   "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
                   "unpin", "set_clock", "swap_out", "swap_in")
