@@ -144,6 +144,16 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
         out["reply_-1"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=5))
         out["reply_past_chain"] = catch(lambda: kv_transfer.send_request(pool, hp, 1, timeout_s=5))
         out["reply_status"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=5))
+        # 4. A header cut short (a peer of another format): the receiver reads the missing
+        # words as zeros and refuses it.
+        link = kv_transfer._Link(1, None, torch.device("cpu"), 20.0)
+        header = np.zeros(protocol.HEADER_LEN, np.int64)
+        header[protocol.H_MAGIC], header[protocol.H_VERSION], header[protocol.H_LENGTH] = protocol.MAGIC, \
+            protocol.VERSION, 10
+        for k, v in protocol.shape_fields(pool).items():
+            header[k] = v
+        link.send_ints(header[:8], "a truncated header")
+        out["truncated"] = catch(lambda: int(link.recv_ints(protocol.REPLY_LEN, "reply")[0]))
         out["after_replies"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=20)[1:4])
         out["unchanged"] = repr(pool.stats()) == mid and before != mid
         pool.check()
@@ -174,6 +184,13 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
     _hostile_reply(pool, protocol.OK, -1)
     _hostile_reply(pool, protocol.OK, 4)  # the chain sent has 3 pages
     _hostile_reply(pool, 77, 0)
+    before = repr(pool.stats())
+    # (What the buffer of the next 16-word receive is likely to reuse: without zeroing, the
+    # header's missing words would read as these 7s, an abort among them.)
+    junk = torch.full((protocol.HEADER_LEN,), 7, dtype=torch.int64)
+    del junk
+    out["truncated"] = catch(lambda: kv_transfer.recv_request(pool, 0, timeout_s=20))
+    out["truncated_unchanged"] = repr(pool.stats()) == before
     got = catch(lambda: kv_transfer.recv_request(pool, 0, timeout_s=20))
     out["after_replies"] = got[0] == "ok" and holds(pool, got[1], 1)
     return out
@@ -219,3 +236,10 @@ def test_a_reply_no_receiver_writes_is_a_typed_error_before_any_page_moves(run, 
     assert snd[key][0] == "TransferError" and "malformed reply" in snd[key][1] and text in snd[key][1], snd[key]
     assert snd["unchanged"]
     assert snd["after_replies"][0] == "ok" and rcv["after_replies"]  # nothing was left on the channel
+
+
+def test_a_truncated_header_reads_as_zeros_and_is_refused_with_the_sender_told(run):
+    snd, rcv = run
+    assert snd["truncated"] == ("ok", protocol.INCOMPATIBLE)
+    assert rcv["truncated"][0] == "TransferRejectedError" and "page bytes 0 vs 128" in rcv["truncated"][1]
+    assert rcv["truncated_unchanged"]

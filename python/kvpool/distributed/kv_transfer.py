@@ -125,7 +125,10 @@ class _Link:
         self.wait(self.send(torch.as_tensor(np.asarray(values, np.int64)).to(self.device), what), what)
 
     def recv_ints(self, n: int, what: str) -> np.ndarray:
-        t = torch.empty(n, dtype=torch.int64, device=self.device)
+        # Zeroed: gloo completes a receive with a shorter message and leaves the rest of the
+        # buffer as it was, so a truncated header or metadata reads as zeros (refused as such),
+        # not as whatever memory the buffer reused.
+        t = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.wait(self.post_recv(t, what), what)
         return t.cpu().numpy()
 
