@@ -110,6 +110,18 @@ def test_without_a_process_group_every_entry_point_says_to_initialize_one():
     assert got["unchanged"] == ("ok", True)
 
 
+def test_page_descriptors_refuse_what_is_not_a_plain_pool_by_name():
+    from kvpool.distributed import page_descriptors
+
+    hybrid = kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=4, num_pages=8, sliding_window=8,
+                           layer_types=["full_attention", "sliding_attention"])
+    for obj, name in ((None, "NoneType"), ("pool", "str"), (hybrid, type(hybrid).__name__)):
+        with pytest.raises(kvpool.InvalidArgumentError, match=f"page_descriptors needs a plain kvpool.KVPool.*{name}"):
+            page_descriptors(obj, [1])
+    pool = make_pool()
+    assert page_descriptors(pool, [1, 2]).shape == (2 * 2, 3)  # K and V of 2 layers, one run each
+
+
 # ----- two ranks --------------------------------------------------------------------------------
 
 def _hostile_reply(pool: Any, status: int, cached: int) -> None:
