@@ -6,7 +6,8 @@ Each test holds the lock in a thread until either the fork has happened (an at-f
 of this module says so) or someone else asks for the lock (the lock is wrapped to say
 so). With kvpool's fork hooks the fork asks for the lock and waits for its release, so the
 child gets it free; without them the fork completes while the lock is held, and the
-child's first use of it waits forever (``forked`` kills it and fails the test).
+child's first use of it waits forever (``forked`` kills it and fails the test). The hook's
+copy of the tracked locks must also survive a thread tracking a new one meanwhile.
 """
 
 from __future__ import annotations
@@ -180,3 +181,31 @@ def test_fork_while_a_thread_holds_a_pools_buffer_spares():
         return "ok"
 
     _fork_while_held(spares, "_lock", child)
+
+
+def test_fork_while_another_thread_tracks_a_new_lock(monkeypatch):
+    # Copying the tracked locks races with a thread that builds a pool meanwhile (the copy
+    # raises "changed size during iteration"); the hook must copy again, not give up.
+    from kvpool import _forksafe
+
+    class Racing(type(_forksafe._TRACKED)):
+        raced = False
+
+        def items(self):  # type: ignore[override]
+            if not Racing.raced:
+                Racing.raced = True
+                raise RuntimeError("dictionary changed size during iteration")
+            return super().items()
+
+    racing = Racing()
+    racing.update(_forksafe._TRACKED)
+    monkeypatch.setattr(_forksafe, "_TRACKED", racing)
+    tables = OffsetTables(capacity=4)
+    caches = torch.zeros(2, 8)
+
+    def child() -> str:
+        tables.get([caches[0], caches[1]])
+        return "ok"
+
+    _fork_while_held(tables, "_lock", child)
+    assert Racing.raced

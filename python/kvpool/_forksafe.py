@@ -41,8 +41,19 @@ def track(owner: Any, attr: str, rank: int) -> None:
     _TRACKED[owner] = (*_TRACKED.get(owner, ()), (rank, attr))
 
 
+def _tracked() -> list[tuple[Any, tuple[tuple[int, str], ...]]]:
+    # Another thread may build a pool (and track its lock) while this one forks: copying the
+    # dict then raises "changed size during iteration", and a before-fork hook that raises
+    # is only reported, the fork going ahead with no lock held. Copy again until it holds.
+    while True:
+        try:
+            return list(_TRACKED.items())
+        except RuntimeError:
+            continue
+
+
 def _before() -> None:
-    locks = sorted(((rank, attr, owner) for owner, pairs in list(_TRACKED.items()) for rank, attr in pairs),
+    locks = sorted(((rank, attr, owner) for owner, pairs in _tracked() for rank, attr in pairs),
                    key=lambda t: t[0])
     for _, attr, owner in locks:
         lock = getattr(owner, attr)
