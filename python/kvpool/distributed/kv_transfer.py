@@ -64,6 +64,7 @@ from kvpool.distributed.protocol import (
     TAG,
     TOO_MANY,
     VERSION,
+    chain_of,
     chain_words,
     header_problem,
     incompatible,
@@ -133,21 +134,6 @@ class _Link:
         return t.cpu().numpy()
 
 
-def _chain_hashes(pool: Any, handle: int) -> tuple[int, np.ndarray]:
-    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
-    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
-    fn = getattr(pool, "chain_hashes", None)
-    if fn is None:
-        return 0, np.zeros(0, np.int64)
-    hashes, tokens, salt = fn(handle)
-    n = len(hashes) // 2
-    if not n:
-        return 0, np.zeros(0, np.int64)
-    words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
-                            np.asarray(tokens, np.int64)])
-    return n, words
-
-
 def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
                  timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TransferStats:
     """Send request ``handle``'s K/V (every layer, fp8 scales) to the pool on ``dst_rank``.
@@ -160,10 +146,12 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     ``reason="exhausted"``; a different pool shape: ``"incompatible"``);
     ``TransferError`` / ``TransferTimeoutError`` when the peer dies or stays
     silent for ``timeout_s`` seconds; ``InvalidHandleError`` for a stale
-    handle and ``InvalidArgumentError`` for a ``timeout_s`` or ``chunk_bytes``
-    that is not a positive number (the destination is told to abort in both
-    cases), or, before any message, for a ``dst_rank`` that is not another
-    rank of ``group``. This pool is never changed.
+    handle and ``InvalidArgumentError`` for a ``timeout_s`` (at most 1e9 s) or
+    ``chunk_bytes`` that is not a positive number (the destination is told to
+    abort in both cases), or, before any message, for a ``pool`` that is not a
+    pool, no process group or a ``dst_rank`` that is not another rank of
+    ``group``; ``TransferError`` for a reply no ``recv_request`` writes. This
+    pool is never changed.
     """
     check_pool(pool, "send_request", ("device",))  # (no peer to tell: refused before any message)
     check_peer(dst_rank, group, "dst_rank")
@@ -200,7 +188,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             raise InvalidArgumentError(bad)
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
-        n_chain, chain = _chain_hashes(pool, handle)
+        n_chain, chain = chain_of(pool, handle)
     except Exception:
         # Any error before the header (typed or not) still tells the receiver, which would
         # otherwise wait out its timeout or take this rank's next transfer as this one.
@@ -326,7 +314,8 @@ def recv_request(pool: Any, src_rank: int, group: Any = None, *, timeout_s: floa
     ``TransferTimeoutError`` when the sender dies, aborts or stays silent for
     ``timeout_s`` (the half-received request is closed again).
     ``InvalidArgumentError``, before any message, for a ``timeout_s`` that is not
-    a positive number or a ``src_rank`` that is not another rank of ``group``.
+    a positive number (at most 1e9 s), a ``pool`` that is not a pool, no process
+    group or a ``src_rank`` that is not another rank of ``group``.
     """
     return recv_request_stats(pool, src_rank, group, timeout_s=timeout_s).handle
 

@@ -64,6 +64,21 @@ def chain_words(n: int, page_size: int) -> int:
     return 0 if n == 0 else 2 * n + 1 + n * page_size
 
 
+def chain_of(pool: Any, handle: int) -> tuple[int, np.ndarray]:
+    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
+    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
+    fn = getattr(pool, "chain_hashes", None)
+    if fn is None:
+        return 0, np.zeros(0, np.int64)
+    hashes, tokens, salt = fn(handle)
+    n = len(hashes) // 2
+    if not n:
+        return 0, np.zeros(0, np.int64)
+    words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
+                            np.asarray(tokens, np.int64)])
+    return n, words
+
+
 def split_chain(words: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``(hash words uint64, tokens, salt)`` of a chain packed as ``chain_words`` says."""
     if n == 0:
