@@ -14,7 +14,6 @@ import concurrent.futures
 import multiprocessing
 import os
 import pickle
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -22,45 +21,15 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from forking import forked as _forked
 
 import kvpool
 import kvpool.errors
 from kvpool import GroupedAllocator, KVPool, SlotAllocator
 
-CHILD_DEADLINE_S = 10.0
-
 
 def _pool() -> KVPool:
     return KVPool(2, 2, 8, page_size=4, num_pages=64, max_requests=8, max_context_len=64, dtype=torch.float32)
-
-
-def _forked(fn: Callable[[], object]) -> tuple[int, str]:
-    """Runs ``fn`` in a forked child: (exit code, its result or error as text).
-    Fails the test if the child has not finished within CHILD_DEADLINE_S."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            msg = str(fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            code, msg = 1, f"{type(e).__name__}: {e}"
-        os.write(w, msg.encode()[:4000])
-        os._exit(code)
-    os.close(w)
-    deadline = time.monotonic() + CHILD_DEADLINE_S
-    try:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status), os.read(r, 8192).decode()
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail(f"the forked child did not finish within {CHILD_DEADLINE_S} s (deadlocked)")
-            time.sleep(0.005)
-    finally:
-        os.close(r)
 
 
 # ----- (1) exceptions ----------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._forksafe import INNER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.modes import persistent
 from kvpool.packed import pack, unpack
 
@@ -99,6 +101,7 @@ class PinnedRing:
         self._slots: list[_Slot] = []
         self._next = 0
         self._lock = threading.Lock()
+        track_for_fork(self, "_lock", INNER)  # a forked child's first copy would wait on it
 
     @property
     def depth(self) -> int:

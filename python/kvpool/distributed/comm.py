@@ -13,14 +13,32 @@ from kvpool.distributed.errors import TransferError, TransferTimeoutError
 from kvpool.errors import InvalidArgumentError
 from kvpool.validate import is_int
 
-__all__ = ["DEFAULT_TIMEOUT_S", "bad_timeout", "check_peer", "comm_device", "wait", "group_ranks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "bad_timeout", "check_peer", "comm_device", "wait", "group_ranks",
+           "require_group"]
 
 #: Seconds a transfer waits for each message from its peer before giving up.
 DEFAULT_TIMEOUT_S = 60.0
+#: The longest wait a transfer takes (about 31 years): past it the deadline overflows
+#: (datetime.timedelta, then the backend's nanosecond clock), so longer is refused.
+MAX_TIMEOUT_S = 1e9
 
 
-def comm_device(group: Any, pool_device: torch.device) -> torch.device:
+def require_group(group: Any, what: str) -> None:
+    """Refuse to run without a process group (torch's own error is an untyped ValueError,
+    and a group this rank is not a member of fails deep inside torch)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgumentError(
+            f"{what} needs torch.distributed: call torch.distributed.init_process_group(...) on every rank "
+            f"first (kvpool has no transport of its own)")
+    if group is not None and group is not dist.group.WORLD and dist.get_rank(group) < 0:
+        raise InvalidArgumentError(
+            f"{what}: this rank ({dist.get_rank()}) is not a member of the process group it was given; pass a "
+            f"group that contains it (dist.new_group returns a placeholder to the ranks it leaves out)")
+
+
+def comm_device(group: Any, pool_device: torch.device, what: str = "kvpool.distributed") -> torch.device:
     """Where tensors for ``group``'s collectives must live: the GPU for NCCL, the host otherwise."""
+    require_group(group, what)
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         if pool_device.type != "cuda":
@@ -42,8 +60,9 @@ def wait(work: Any, timeout_s: float, what: str, peer: int) -> None:
         raise TransferTimeoutError(f"{what}: rank {peer} did not answer within {timeout_s:g} s")
 
 
-def group_ranks(group: Any) -> list[int]:
+def group_ranks(group: Any, what: str = "kvpool.distributed") -> list[int]:
     """Global ranks of ``group`` in group-rank order."""
+    require_group(group, what)
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))
@@ -54,8 +73,7 @@ def check_peer(peer: Any, group: Any, name: str) -> None:
     outside the group wait forever, whatever the timeout, and to this rank fail."""
     if not is_int(peer):
         raise InvalidArgumentError(f"{name} must be an int (a global rank), got {type(peer).__name__} {peer!r}")
-    if group is None and not dist.is_initialized():
-        return  # (no group to check against: the transfer's first message says so)
+    require_group(group, "send_request" if name == "dst_rank" else "recv_request")
     ranks = group_ranks(group)
     if peer not in ranks:
         raise InvalidArgumentError(f"{name}: rank {peer} is not in the group (its ranks are {ranks})")
@@ -66,6 +84,7 @@ def check_peer(peer: Any, group: Any, name: str) -> None:
 def bad_timeout(timeout_s: Any) -> str | None:
     """What is wrong with a transfer's ``timeout_s``, or None."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) or not (
-            timeout_s > 0):
-        return f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
+            0 < timeout_s <= MAX_TIMEOUT_S):
+        return (f"timeout_s must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (to wait practically "
+                f"forever pass {MAX_TIMEOUT_S:g}), got {timeout_s!r}")
     return None

@@ -64,17 +64,19 @@ from kvpool.distributed.protocol import (
     TAG,
     TOO_MANY,
     VERSION,
+    chain_of,
     chain_words,
     header_problem,
     incompatible,
     meta_words,
+    reply_problem,
     shape_fields,
     split_chain,
     unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
 from kvpool.torch_types import FP8_DTYPES
-from kvpool.validate import is_int
+from kvpool.validate import check_pool, is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
 
@@ -124,24 +126,12 @@ class _Link:
         self.wait(self.send(torch.as_tensor(np.asarray(values, np.int64)).to(self.device), what), what)
 
     def recv_ints(self, n: int, what: str) -> np.ndarray:
-        t = torch.empty(n, dtype=torch.int64, device=self.device)
+        # Zeroed: gloo completes a receive with a shorter message and leaves the rest of the
+        # buffer as it was, so a truncated header or metadata reads as zeros (refused as such),
+        # not as whatever memory the buffer reused.
+        t = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.wait(self.post_recv(t, what), what)
         return t.cpu().numpy()
-
-
-def _chain_hashes(pool: Any, handle: int) -> tuple[int, np.ndarray]:
-    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
-    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
-    fn = getattr(pool, "chain_hashes", None)
-    if fn is None:
-        return 0, np.zeros(0, np.int64)
-    hashes, tokens, salt = fn(handle)
-    n = len(hashes) // 2
-    if not n:
-        return 0, np.zeros(0, np.int64)
-    words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
-                            np.asarray(tokens, np.int64)])
-    return n, words
 
 
 def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
@@ -156,12 +146,15 @@ def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
     ``reason="exhausted"``; a different pool shape: ``"incompatible"``);
     ``TransferError`` / ``TransferTimeoutError`` when the peer dies or stays
     silent for ``timeout_s`` seconds; ``InvalidHandleError`` for a stale
-    handle and ``InvalidArgumentError`` for a ``timeout_s`` or ``chunk_bytes``
-    that is not a positive number (the destination is told to abort in both
-    cases), or, before any message, for a ``dst_rank`` that is not another
-    rank of ``group``. This pool is never changed.
+    handle and ``InvalidArgumentError`` for a ``timeout_s`` (at most 1e9 s) or
+    ``chunk_bytes`` that is not a positive number (the destination is told to
+    abort in both cases), or, before any message, for a ``pool`` that is not a
+    pool, no process group or a ``dst_rank`` that is not another rank of
+    ``group``; ``TransferError`` for a reply no ``recv_request`` writes. This
+    pool is never changed.
     """
-    check_peer(dst_rank, group, "dst_rank")  # (no peer to tell: refused before any message)
+    check_pool(pool, "send_request", ("device",))  # (no peer to tell: refused before any message)
+    check_peer(dst_rank, group, "dst_rank")
     bad = _bad_send_args(timeout_s, chunk_bytes) or unsupported(pool)
     if bad is not None:
         timeout_s = DEFAULT_TIMEOUT_S  # (the abort header still goes out, with the default)
@@ -195,7 +188,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             raise InvalidArgumentError(bad)
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
-        n_chain, chain = _chain_hashes(pool, handle)
+        n_chain, chain = chain_of(pool, handle)
     except Exception:
         # Any error before the header (typed or not) still tells the receiver, which would
         # otherwise wait out its timeout or take this rank's next transfer as this one.
@@ -214,6 +207,9 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         link.send_ints(np.concatenate([chain, scales.view(np.int64)]), "chain hashes and scales")
     reply = link.recv_ints(REPLY_LEN, "reply")
     status, cached, free, need = (int(x) for x in reply[:4])
+    if (why := reply_problem(status, cached, n_chain)) is not None:  # then sending would go wrong
+        raise TransferError(f"rank {dst_rank} sent a malformed reply: {why}; is it running recv_request of this "
+                            f"kvpool version? Nothing was sent")
     if status != OK:
         reason = REASONS.get(status, f"status {status}")
         detail = {
@@ -318,7 +314,8 @@ def recv_request(pool: Any, src_rank: int, group: Any = None, *, timeout_s: floa
     ``TransferTimeoutError`` when the sender dies, aborts or stays silent for
     ``timeout_s`` (the half-received request is closed again).
     ``InvalidArgumentError``, before any message, for a ``timeout_s`` that is not
-    a positive number or a ``src_rank`` that is not another rank of ``group``.
+    a positive number (at most 1e9 s), a ``pool`` that is not a pool, no process
+    group or a ``src_rank`` that is not another rank of ``group``.
     """
     return recv_request_stats(pool, src_rank, group, timeout_s=timeout_s).handle
 
@@ -328,6 +325,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     """``recv_request`` returning the full ``TransferStats`` (benchmarks)."""
     if (bad := bad_timeout(timeout_s)) is not None:  # (before any message: the sender times out)
         raise InvalidArgumentError(bad)
+    check_pool(pool, "recv_request", ("device",))
     check_peer(src_rank, group, "src_rank")
     t0 = time.perf_counter()
     link = _Link(src_rank, group, comm_device(group, pool.device), timeout_s)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvpool.kernels.pages import _check_range, _ids
-from kvpool.validate import check_flag
+from kvpool.validate import check_flag, require_plain_pool
 
 __all__ = ["cache_pages", "contiguous_runs", "page_bytes", "page_descriptors", "word_dtype"]
 
@@ -72,6 +72,8 @@ def page_descriptors(pool: Any, pages: Any, *, merge: bool = True) -> np.ndarray
     """
     # Checked here because the rows are raw addresses: a page past the pool would
     # send a transfer engine outside the allocation.
+    # (A hybrid pool's layer groups each have their own pages and storage: no one address rule.)
+    require_plain_pool(pool, "page_descriptors")
     merge = check_flag("merge", merge)
     ids = _ids(pages, "pages")
     _check_range(ids, "pages", pool.num_pages, "pool")

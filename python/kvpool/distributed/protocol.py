@@ -64,6 +64,21 @@ def chain_words(n: int, page_size: int) -> int:
     return 0 if n == 0 else 2 * n + 1 + n * page_size
 
 
+def chain_of(pool: Any, handle: int) -> tuple[int, np.ndarray]:
+    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
+    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
+    fn = getattr(pool, "chain_hashes", None)
+    if fn is None:
+        return 0, np.zeros(0, np.int64)
+    hashes, tokens, salt = fn(handle)
+    n = len(hashes) // 2
+    if not n:
+        return 0, np.zeros(0, np.int64)
+    words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
+                            np.asarray(tokens, np.int64)])
+    return n, words
+
+
 def split_chain(words: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``(hash words uint64, tokens, salt)`` of a chain packed as ``chain_words`` says."""
     if n == 0:
@@ -118,6 +133,17 @@ def header_problem(pool: Any, header: np.ndarray, src_scales: np.ndarray) -> tup
         return MALFORMED, "fp8 scales that are not finite and positive"
     if not 1 <= per_chunk <= max(1, n_pages):
         return MALFORMED, f"{per_chunk} pages per chunk (must be in [1, {max(1, n_pages)}] for {n_pages} pages)"
+    return None
+
+
+def reply_problem(status: int, cached: int, n_chain: int) -> str | None:
+    """What is wrong with a receiver's reply to a header announcing ``n_chain`` chain pages,
+    or None. A cached-page count outside the chain would make the sender send other pages
+    than the receiver takes (``pages[-1:]`` for -1)."""
+    if status != OK and status not in REASONS:
+        return f"status {status}, none of kvpool's ({OK}: ok, {sorted(REASONS)}: refusals)"
+    if status == OK and not 0 <= cached <= n_chain:
+        return f"{cached} leading pages already cached, of a chain of {n_chain} (0 to {n_chain})"
     return None
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool.distributed.comm import comm_device, group_ranks
+from kvpool.distributed.comm import comm_device, group_ranks, require_group
 from kvpool.distributed.errors import RankDivergenceError
 from kvpool.errors import InvalidArgumentError
 from kvpool.validate import check_pool, is_int
@@ -39,7 +39,8 @@ __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 
 #: Pool calls that change allocator state (the ones the digest records); a call
 #: the wrapped pool does not have is skipped. ``recv_request(tp_pool, ...)``
-#: is recorded through the open / extend / close calls it makes on the proxy.
+#: is recorded through the calls it makes on the proxy (open_with_chain_hashes, or open and
+#: extend; close when it fails after the open).
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
                   "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
                   "unpin", "set_clock", "swap_out", "swap_in")
@@ -67,9 +68,9 @@ def _bytes(x: Any) -> bytes:
 
 def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
     """A random 63-bit seed drawn on the group's first rank and broadcast to all (one collective)."""
-    dev = device or comm_device(group, torch.device("cpu"))
+    dev = device or comm_device(group, torch.device("cpu"), "agree_seed")
     t = torch.tensor([secrets.randbits(63)], dtype=torch.int64, device=dev)
-    dist.broadcast(t, src=group_ranks(group)[0], group=group)
+    dist.broadcast(t, src=group_ranks(group, "agree_seed")[0], group=group)
     return int(t.item())
 
 
@@ -93,7 +94,7 @@ class TPPool:
         self._hash = hashlib.blake2b(digest_size=16)
         self.calls = 0
         self._steps = 0
-        self._device = comm_device(group, torch.device(pool.device))
+        self._device = comm_device(group, torch.device(pool.device), "TPPool")
         for name in MUTATING_CALLS:
             fn = getattr(pool, name, None)
             if fn is not None:
@@ -195,9 +196,10 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
         if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
             raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
                                        f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
+        require_group(group, "tp_pool")  # (before the seed is drawn: that is a collective)
         s = agree_seed(group) if seed is None else int(seed)
         kwargs.update({k: s for k in wanted})
-    ranks = group_ranks(group)
+    ranks = group_ranks(group, "tp_pool")
     kwargs.setdefault("tp_rank", ranks.index(dist.get_rank()))
     kwargs.setdefault("tp_size", len(ranks))
     pool = KVPool(*args, **kwargs)

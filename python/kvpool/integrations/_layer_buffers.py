@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from kvpool._forksafe import INNER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.modes import persistent
 from kvpool.streams import capturing  # of t's device (torch asks the current device's stream)
 
@@ -124,6 +126,7 @@ class BufferSpares:
         self._sets: OrderedDict[tuple[int, int], LayerBuffers] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # caches on several threads share their pool's spares
+        track_for_fork(self, "_lock", INNER)  # a forked child's first cache would wait on it
 
     def take(self, b: int, need: int, like: torch.Tensor) -> LayerBuffers | None:
         """The spare of ``b`` rows with the least room that holds ``need`` tokens, or None; the

@@ -4,6 +4,7 @@ single view of a cache covers."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._forksafe import INNER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.integrations._layer_buffers import BufferSpares
 from kvpool.modes import persistent, register_kept_for_pool
 from kvpool.staging import to_device
@@ -83,6 +86,9 @@ register_kept_for_pool(_kept)
 # Caches made on several threads at once must get one PoolViews: the spares are in it, and
 # another one's would serve only the caches that took it, out of release_buffers' reach.
 _MAKING = threading.Lock()
+# Held across a fork (the module lives as long as the process): a forked child's first cache
+# would otherwise wait on it forever.
+track_for_fork(sys.modules[__name__], "_MAKING", INNER)
 
 
 def pool_views(pool: Any) -> PoolViews:

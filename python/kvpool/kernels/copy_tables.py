@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kvpool._forksafe import INNER
+from kvpool._forksafe import track as track_for_fork
 from kvpool.kernels._common import KernelArgumentError
 from kvpool.modes import persistent
 
@@ -75,6 +77,7 @@ class OffsetTables:
         # an LRU move, an eviction and a pin of one key must not interleave (a KeyError, or
         # a table evicted while a graph pins it).
         self._lock = threading.Lock()
+        track_for_fork(self, "_lock", INNER)  # a forked child's first copy would wait on it
 
     def __len__(self) -> int:
         return len(self._eager) + len(self._pinned)
