@@ -170,3 +170,15 @@ def test_no_table_cell_is_split_by_a_pipe_inside_code():
                 split += [f"{path.name}:{n}: {span}" for span in re.findall(r"`[^`]*`", line)
                           if re.search(r"(?<!\\)\|", span)]
     assert not split, split
+
+
+def test_rust_tests_the_docs_name_exist():
+    """A `--skip NAME` or a named core test in the docs is a Rust `fn` that exists: a renamed
+    test would leave the command skipping nothing, or the reader looking for nothing."""
+    fns = {m for path in (ROOT / "rust").rglob("*.rs") for m in re.findall(r"\bfn (\w+)\s*\(", path.read_text())}
+    missing = []
+    for path, text in _doc_texts():
+        names = re.findall(r"--skip (\w+)", text)
+        names += re.findall(r"test\s+`(\w+)`\s+in\s+`rust/", text)
+        missing += [f"{path.name}: {n}" for n in names if n not in fns]
+    assert not missing, missing
