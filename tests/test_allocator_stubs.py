@@ -71,3 +71,8 @@ def test_stub_docstrings_match_runtime_docstrings():
             assert stub_doc.strip() == _runtime_doc(getattr(runtime_cls, fn.name)), fn.name
             checked += 1
     assert checked >= 60
+    # Every other class the stub declares says what help() says of it.
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name not in ("SlotAllocator", "GroupedAllocator")):
+        runtime_cls = getattr(kvpool._core, cls.name)
+        if isinstance(runtime_cls, type) and not issubclass(runtime_cls, BaseException) and runtime_cls.__doc__:
+            assert inspect.cleandoc(ast.get_docstring(cls) or "") == inspect.cleandoc(runtime_cls.__doc__), cls.name

@@ -107,3 +107,20 @@ def test_demo_host_pages_compares_runs_with_and_without_the_tier(tmp_path, capsy
     assert fig["prefill_tokens"] < base["prefill_tokens"]
     text = capsys.readouterr().out
     assert "host tier (128 host pages) vs none" in text and "tokens/s" in text
+
+
+def test_demo_help_states_every_default():
+    """`demo --help` is where docs/demo.md sends readers for the model and pool sizes: each
+    option with a default says it, "(value)", or for a choice, describes its default first."""
+    from kvpool.demo.cli import build_parser
+
+    missing = []
+    for action in build_parser()._actions:
+        default = action.default
+        if action.dest == "help" or default in (None, False) or isinstance(default, bool):
+            continue
+        text = action.help or ""
+        shown = ":".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        if not (f"({shown}" in text or (action.choices and text.startswith(f"{default}:"))):
+            missing.append(f"{action.option_strings[0]} (default {default!r}): {text!r}")
+    assert not missing, missing

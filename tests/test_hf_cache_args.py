@@ -123,3 +123,23 @@ def test_pool_for_model_records_kv_events_only_when_asked(kwargs, recorded):
     pool.extend(h, 9)
     pool.cache(h)
     assert len(pool.take_events()["kind"]) == recorded  # two full pages registered
+
+
+def test_salt_keys_the_prefix_lookup_and_needs_prefix_ids():
+    """docs/transformers.md: ``salt=`` keys the prefix lookup (a tenant's pages serve only that
+    tenant) and is refused without ``prefix_ids=``."""
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_requests=8, max_context_len=64)
+    prompt = list(range(1, 14))
+    h, _ = pool.open_with_prefix(prompt, [len(prompt)], 1)
+    pool.extend(h, len(prompt))
+    pool.close(h, cache=True)  # 3 full pages cached under salt 1
+    with pytest.raises(InvalidArgumentError, match="prefix_ids"):
+        KVPoolCache(pool, salt=1)
+    assert pool.open_requests == 0
+    hits = {}
+    for salt in (1, 2, None):
+        cache = KVPoolCache(pool, prefix_ids=torch.tensor([prompt]), salt=salt)
+        hits[salt] = cache.get_seq_length()
+        cache.close()
+    assert hits == {1: 12, 2: 0, None: 0}
+    pool.allocator.check()

@@ -57,7 +57,8 @@ class RollbackUnavailableError(KVPoolError): ...
 
 @final
 class PoolStats:
-    """The changing counters of a SlotAllocator, read together under one lock (``SlotAllocator.stats()``)."""
+    """The pool's changing counters, read together under one lock (so they agree
+    with each other, unlike separate property reads while other threads run)."""
 
     @property
     def free_pages(self) -> int: ...

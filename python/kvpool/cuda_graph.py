@@ -280,6 +280,11 @@ class DecodeGraphRunner:
     # ----- public API ------------------------------------------------------
 
     def bucket_for(self, n: int) -> int:
+        """The bucket ``run`` pads a batch of ``n`` requests to: the smallest of ``buckets`` >= ``n``.
+
+        Raises:
+            InvalidArgumentError: ``n`` is not an int in [0, max_batch_size].
+        """
         if not is_int(n) or n < 0:
             raise InvalidArgumentError(f"n must be a batch size, an int in [0, {self.max_batch_size}], "
                                        f"got {type(n).__name__} {n!r}")

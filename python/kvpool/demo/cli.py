@@ -191,11 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run a transformers Llama-architecture checkpoint (llama, mistral, qwen2) saved "
                         "with save_pretrained in PATH instead of the random model (needs kvpool[hf]; "
                         "the size options below are then ignored)")
-    g.add_argument("--layers", type=_positive, default=4)
-    g.add_argument("--hidden", type=_positive, default=256)
-    g.add_argument("--heads", type=_positive, default=8)
-    g.add_argument("--kv-heads", type=_positive, default=2)
-    g.add_argument("--vocab", type=_positive, default=2048)
+    g.add_argument("--layers", type=_positive, default=4, help="decoder layers (4)")
+    g.add_argument("--hidden", type=_positive, default=256, help="hidden size (256)")
+    g.add_argument("--heads", type=_positive, default=8, help="attention heads (8)")
+    g.add_argument("--kv-heads", type=_positive, default=2, help="key/value heads (grouped-query attention) (2)")
+    g.add_argument("--vocab", type=_positive, default=2048, help="vocabulary size (2048)")
     g = p.add_argument_group("runtime")
     g.add_argument("--device", type=_device, default="cpu", help="cpu or cuda[:N] (cpu)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None,

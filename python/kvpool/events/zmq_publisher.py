@@ -143,6 +143,16 @@ class ZmqEventPublisher(EventPublisher):
                 f"ZmqEventPublisher in this process (on its own endpoint)")
 
     def publish(self) -> int:
+        """Drain the pool's events and hand them to the sender thread as one ``KVEventBatch``.
+
+        Returns:
+            the number of kvpool events sent (one per page Stored or Removed,
+            one per Cleared); 0 sends nothing and uses no sequence number.
+
+        Raises:
+            PublisherClosedError: the publisher is closed, or was inherited through
+                ``os.fork()`` (a ``RuntimeError`` too).
+        """
         # Before draining: in a forked child the pool's events stay for a publisher that can send them.
         self._check_process("publish")
         return super().publish()

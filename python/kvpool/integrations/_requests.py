@@ -25,12 +25,12 @@ from kvpool.validate import check_flag
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
     "num_return_sequences with a filled cache) needs shared pages: KVPool.fork(handle, n), "
-    "which this KVPool does not have (it lands with the shared-pages core). "
+    "which this pool object does not have (every kvpool.KVPool does). "
     "Greedy and sampling generate, batch_select_indices and permutations work without it."
 )
 PREFIX_NEEDS_CORE = (
-    "prefix reuse (prefix_ids=) needs shared pages: KVPool.open_with_prefix, which this KVPool "
-    "does not have (it lands with the shared-pages core); build the cache without prefix_ids"
+    "prefix reuse (prefix_ids=) needs shared pages: KVPool.open_with_prefix, which this pool "
+    "object does not have (every kvpool.KVPool does); build the cache without prefix_ids"
 )
 
 
