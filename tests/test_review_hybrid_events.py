@@ -338,3 +338,26 @@ def test_hybrid_pool_has_no_host_tier_calls():
     with pytest.raises(kvpool.InvalidArgumentError, match="host_pages=4 is not supported with layer_types"):
         KVPool(2, H, D, layer_types=["full_attention", "sliding_attention"], sliding_window=2,
                page_size=2, num_pages=8, host_pages=4)
+
+
+@pytest.mark.parametrize("kw", [dict(host_pages=np.int64(0)), dict(tp_size=np.int64(1), tp_rank=np.int32(0)),
+                                dict(host_pages=np.uint8(0))])
+def test_numpy_ints_that_mean_no_tier_are_the_default(kw):
+    """The plain pool takes numpy ints for these (a config read through numpy), and its
+    host_pages=np.int64(0) is no host tier; a hybrid pool refused them as unsupported
+    features although they ask for none."""
+    pool = KVPool(2, H, D, layer_types=["full_attention", "sliding_attention"], sliding_window=2,
+                  page_size=2, num_pages=8, **kw)
+    pool.check()
+
+
+@pytest.mark.parametrize("kw", [dict(host_pages=np.int64(4)), dict(tp_size=np.int64(2)), dict(host_pages=True),
+                                dict(host_pages=0.0)])
+def test_a_host_tier_or_sharding_asked_for_is_refused_saying_what_to_pass(kw):
+    (name, value), = kw.items()
+    with pytest.raises(kvpool.InvalidArgumentError) as err:
+        KVPool(2, H, D, layer_types=["full_attention", "sliding_attention"], sliding_window=2,
+               page_size=2, num_pages=8, **kw)
+    msg = str(err.value)
+    assert f"{name}={value!r} is not supported with layer_types" in msg, msg
+    assert "leave it out" in msg, msg
