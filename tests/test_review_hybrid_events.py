@@ -2,8 +2,9 @@
 
 A hybrid pool (``KVPool(layer_types=...)``) publishes its anchor chain's KV events only
 (docs/events-and-metrics.md). hypothesis draws engine-like sequences (prefix opens on
-prompts that repeat cached ones, decode, cache, close, truncate, fork, per-group evict,
-clear_cache, refused calls) over small pools of every group mix, on CPU with real tensors.
+prompts that repeat cached ones, decode, cache, close, truncate and roll_back_extend, fork,
+per-group evict, clear_cache, refused calls) over small pools of every group mix, on CPU with
+real tensors, on both table paths (the core's, and the scatter CUDA pools use).
 K/V at position i is a code of (salt, tokens 0..i, layer), a state row holds the code of
 the request's last position, so content served for another prefix reads back wrong.
 
@@ -63,7 +64,7 @@ def kv_rows(codes: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Driver:
-    def __init__(self, types, w: int, page: dict, sizes: tuple[int, int, int]) -> None:
+    def __init__(self, types, w: int, page: dict, sizes: tuple[int, int, int], device_tables: bool = False) -> None:
         gp: dict = {}
         kw: dict = {}
         if "sliding_attention" in types:
@@ -76,6 +77,8 @@ class Driver:
                            sliding_window=w if "sliding_attention" in types else None,
                            num_pages=sizes[0] if "full_attention" in types else None,
                            group_pages=gp, max_requests=MAX_REQ, max_context_len=MAX_CTX, **kw)
+        if device_tables:  # the CUDA pools' path on CPU: the pool scatters rows, the core does not write them
+            self.pool._tables_np = None
         self.types, self.w = types, w
         self.att = [i for i, t in enumerate(types) if t != "linear_attention"]
         self.lin = [i for i, t in enumerate(types) if t == "linear_attention"]
@@ -148,6 +151,8 @@ class Driver:
             codes = codes_of(salt, toks)
             for layer in self.att:
                 g = p.group(layer)
+                row = p.req_to_token[layer][int(p.rows([h])[0]), :n].numpy()
+                assert np.array_equal(row, p.slots(h, layer)), f"request {h}'s table row of layer {layer}"
                 lo = 0 if g.kind == "full" else max(0, n - self.w + 1)
                 slots = p.slots(h, layer)[lo:n]
                 assert (slots >= g.page_size).all(), f"layer {layer} lost positions of its window: {slots}"
@@ -193,6 +198,27 @@ class Driver:
             return
         self.seen.append((prompt, salt))
 
+    def admit(self, rng: random.Random) -> None:
+        """Two requests opened and prefilled in one call (no prefix lookup); salt 0."""
+        prompts = [make_prompt(rng, SYSTEMS, self.seen, 2)[0][: MAX_CTX // 2] for _ in range(2)]
+        counts, flat = [len(x) for x in prompts], [t for x in prompts for t in x]
+        try:
+            hs, res = self.pool.admit(counts, tokens=flat)
+        except (kvpool.TooManyRequestsError, kvpool.PoolExhaustedError):
+            self.refused(self.pool.admit, counts, flat)
+            return
+        for h, x in zip(hs.tolist(), prompts):
+            self.reqs[int(h)] = (0, list(x))
+        salt_rows = [codes_of(0, x) for x in prompts]
+        for layer in self.att:
+            k = torch.cat([kv_rows(c, layer)[0] for c in salt_rows])
+            v = torch.cat([kv_rows(c, layer)[1] for c in salt_rows])
+            self.pool.write(layer, res.for_layer(layer), k, v)
+        for layer in self.lin:
+            rows = self.pool.state_slots(hs, layer)
+            for r, c in zip(rows.tolist(), salt_rows):
+                self.pool.state(layer, "s")[r] = float(c[-1])
+
     def grow(self, h: int, new: list[int], rng: random.Random) -> bool:
         salt, toks = self.reqs[h]
         prompt = self.prompts.get(h, [])
@@ -211,17 +237,19 @@ class Driver:
         self.write(h, start, res)
         return True
 
-    def truncate(self, h: int, n: int) -> None:
+    def truncate(self, h: int, n: int, keep_prompt: bool = False) -> None:
+        # keep_prompt: roll_back_extend, the path KVPoolCache takes for rows that hit less.
+        call = self.pool._truncate_keeping_prompts if keep_prompt else self.pool.truncate
         try:
-            self.pool.truncate([h], [n])
+            call([h], [n])
         except kvpool.RollbackUnavailableError:
-            err = self.refused(self.pool.truncate, [h], [n])
+            err = self.refused(call, [h], [n])
             assert "group" in str(err), str(err)
             return
         salt, toks = self.reqs[h]
         self.reqs[h] = (salt, toks[:n])
         # As the plain pool: a truncate to the current length changes nothing, the prompt included.
-        if h in self.prompts and n < len(toks) and n < len(self.prompts[h]):
+        if not keep_prompt and h in self.prompts and n < len(toks) and n < len(self.prompts[h]):
             self.prompts[h] = self.prompts[h][:n]
 
     def bad_inputs(self, rng: random.Random) -> None:
@@ -255,8 +283,8 @@ class Driver:
             assert isinstance(err, KVPoolError)
 
     def step(self, rng: random.Random) -> None:
-        op = rng.choices(["open", "decode", "cache", "close", "truncate", "fork", "evict", "clear", "bad"],
-                         [5, 4, 3, 3, 2, 1, 2, 0.3, 1])[0]
+        op = rng.choices(["open", "decode", "cache", "close", "truncate", "fork", "evict", "clear", "bad", "admit"],
+                         [5, 4, 3, 4, 2, 1, 2, 0.3, 1, 1])[0]
         live = sorted(self.reqs)
         if op == "open" or (not live and op in ("decode", "cache", "close", "truncate", "fork")):
             self.open(rng)
@@ -277,7 +305,7 @@ class Driver:
             self.prompts.pop(h, None)
         elif op == "truncate":
             h = rng.choice(live)
-            self.truncate(h, rng.randint(0, len(self.reqs[h][1])))
+            self.truncate(h, rng.randint(0, len(self.reqs[h][1])), rng.random() < 0.4)
         elif op == "fork":
             h = rng.choice(live)
             try:
@@ -291,6 +319,8 @@ class Driver:
                     self.prompts[int(k)] = list(self.prompts[h])
         elif op == "evict":
             self.pool.evict(rng.randrange(len(self.types)), rng.randint(1, 4))
+        elif op == "admit":
+            self.admit(rng)
         elif op == "clear":
             self.pool.clear_cache()
         else:
@@ -302,10 +332,10 @@ class Driver:
 @given(types=st.sampled_from(TYPES), w=st.integers(1, 6), full_ps=st.sampled_from([1, 2, 4]),
        sliding_ps=st.sampled_from([1, 2, 3]), sizes=st.tuples(st.integers(6, 30), st.integers(6, 20),
                                                                 st.integers(5, 12)),
-       seed=st.integers(0, 2**32 - 1))
-def test_hybrid_prefix_events_content(types, w, full_ps, sliding_ps, sizes, seed):
+       device_tables=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_hybrid_prefix_events_content(types, w, full_ps, sliding_ps, sizes, device_tables, seed):
     try:
-        d = Driver(types, w, {"full_attention": full_ps, "sliding_attention": sliding_ps}, sizes)
+        d = Driver(types, w, {"full_attention": full_ps, "sliding_attention": sliding_ps}, sizes, device_tables)
     except kvpool.InvalidArgumentError:
         return  # a group too small for one request's need at these sizes: the planner refuses it
     rng = random.Random(seed)
