@@ -3,7 +3,7 @@
 A hybrid pool (``KVPool(layer_types=...)``) publishes its anchor chain's KV events only
 (docs/events-and-metrics.md). hypothesis draws engine-like sequences (prefix opens on
 prompts that repeat cached ones, decode, cache, close, truncate and roll_back_extend, fork,
-per-group evict, clear_cache, refused calls) over small pools of every group mix, on CPU with
+per-group evict, clear_cache, reset, refused calls) over small pools of every group mix, on CPU with
 real tensors, on both table paths (the core's, and the scatter CUDA pools use).
 K/V at position i is a code of (salt, tokens 0..i, layer), a state row holds the code of
 the request's last position, so content served for another prefix reads back wrong.
@@ -283,8 +283,8 @@ class Driver:
             assert isinstance(err, KVPoolError)
 
     def step(self, rng: random.Random) -> None:
-        op = rng.choices(["open", "decode", "cache", "close", "truncate", "fork", "evict", "clear", "bad", "admit"],
-                         [5, 4, 3, 4, 2, 1, 2, 0.3, 1, 1])[0]
+        op = rng.choices(["open", "decode", "cache", "close", "truncate", "fork", "evict", "clear", "bad", "admit",
+                          "reset"], [5, 4, 3, 4, 2, 1, 2, 0.3, 1, 1, 0.2])[0]
         live = sorted(self.reqs)
         if op == "open" or (not live and op in ("decode", "cache", "close", "truncate", "fork")):
             self.open(rng)
@@ -321,6 +321,10 @@ class Driver:
             self.pool.evict(rng.randrange(len(self.types)), rng.randint(1, 4))
         elif op == "admit":
             self.admit(rng)
+        elif op == "reset":
+            self.pool.reset()  # every request closed, uncached; the cache stays
+            self.reqs.clear()
+            self.prompts.clear()
         elif op == "clear":
             self.pool.clear_cache()
         else:
