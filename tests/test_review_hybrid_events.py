@@ -395,3 +395,27 @@ def test_a_host_tier_or_sharding_asked_for_is_refused_saying_what_to_pass(kw):
     msg = str(err.value)
     assert f"{name}={value!r} is not supported with layer_types" in msg, msg
     assert "leave it out" in msg, msg
+
+
+def test_a_handle_named_twice_is_refused_with_advice_that_fits_the_call():
+    """The duplicate-handle refusal told every call to "pass each request once with its
+    total count", advice that fits extend only (close, cache, truncate, swap_out take no
+    count). Pools of both kinds; nothing changes."""
+    hybrid = KVPool(2, H, D, layer_types=["full_attention", "sliding_attention"], sliding_window=2,
+                    page_size=2, num_pages=8, max_requests=2, max_context_len=16)
+    plain = KVPool(2, H, D, page_size=2, num_pages=8, host_pages=8, max_requests=2, max_context_len=16)
+    for pool in (hybrid, plain):
+        h, _ = pool.admit([3])
+        h2 = [int(h[0]), int(h[0])]
+        calls = [("close", lambda: pool.close(h2)), ("cache", lambda: pool.cache(h2)),
+                 ("truncate", lambda: pool.truncate(h2, [1, 1])), ("extend", lambda: pool.extend(h2, [1, 1]))]
+        if pool is plain:
+            calls.append(("swap_out", lambda: pool.swap_out(h2)))
+        for name, call in calls:
+            with pytest.raises(kvpool.InvalidArgumentError) as err:
+                call()
+            msg = str(err.value)
+            assert "appears more than once" in msg and "name each request once" in msg, (name, msg)
+            assert ("total count" in msg) == (name == "extend") or "extend:" in msg, (name, msg)
+            assert pool.length(int(h[0])) == 3
+            pool.check()
