@@ -72,6 +72,9 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     # Same type and value: host_pages=False is no more "no tier" here than on a plain pool.
+    # A numpy int is an int, as the plain pool takes it (host_pages=np.int64(0) is no tier).
+    if isinstance(value, np.integer):
+        value = int(value)
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
@@ -131,7 +134,7 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
                 raise InvalidArgumentError(
                     f"{name}={value!r} is not supported with layer_types (a hybrid pool holds plain "
                     "per-head K/V, is not sharded, keeps no retention priorities, maps its metadata "
-                    "at construction and has no host tier)")
+                    f"at construction and has no host tier): leave it out, or pass {_UNSUPPORTED[name][0]!r}")
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                             ("max_requests", max_requests), ("max_context_len", max_context_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

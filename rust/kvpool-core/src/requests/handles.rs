@@ -60,7 +60,7 @@ impl Requests {
         if r.stamp == self.epoch {
             return Err(PoolError::InvalidArgument(format!(
                 "handle {handle} appears more than once in the batch (again at index {i}); \
-                 pass each request once with its total count"
+                 name each request once (extend: once, with its total count)"
             )));
         }
         r.stamp = self.epoch;
