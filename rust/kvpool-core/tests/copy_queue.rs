@@ -166,6 +166,28 @@ fn take_copies_from_leaves_the_earlier_copies_and_their_holds() {
 }
 
 #[test]
+fn a_copy_taken_before_the_copy_that_fills_its_source_reads_that_copys_source() {
+    // k copies slots 8, 9 of page 2 to page 3 and writes slot 14; that copy
+    // stays queued. k's fork k2 then copies page 3 (slots 12..15) to page 4,
+    // and the caller takes only that second copy, to run it now: slots 12,
+    // 13 do not hold their K/V until the first copy runs, so they are read
+    // from page 2 (8, 9), and slot 14, written in place, from page 3.
+    let (mut a, _h, k) = forked_and_copied();
+    let before = a.pending_copies();
+    let k2 = a.fork(k, 1).unwrap()[0];
+    a.extend(&[k2], Counts::Each(1), None).unwrap();
+    assert_eq!(a.pages(k2).unwrap(), vec![1, 4]);
+    let (src, dst) = a.take_copies_from(before);
+    assert_eq!((src, dst), (vec![8, 9, 14], vec![16, 17, 18]));
+    a.check().unwrap();
+    // Then k lets go of page 3 (nothing reads it now): its copy goes too.
+    a.truncate(&[k], Counts::Each(4)).unwrap();
+    assert_eq!(a.pending_copies(), 0);
+    assert_eq!(a.take_copies(), (vec![], vec![]));
+    a.check().unwrap();
+}
+
+#[test]
 fn copies_never_drained_stay_bounded() {
     // An engine that never drains: each cycle forks two children of a
     // request with a half-full page, both write (two copies), both close.

@@ -104,7 +104,10 @@ impl PagePool {
 
     /// Drains the queued copies from index `from` on (slot pairs, in
     /// queue order), leaving earlier ones queued, their source pages still
-    /// held; `page_size` expands a run of a page into its slots.
+    /// held; `page_size` expands a run of a page into its slots. A slot
+    /// that an earlier copy left queued has yet to fill is read from that
+    /// copy's source (down a chain of them), so the pairs taken are right
+    /// to run at once, whenever the earlier copies run.
     pub(crate) fn take_copies_from(
         &mut self,
         from: usize,
@@ -150,9 +153,20 @@ impl PagePool {
             if r.len as usize <= skip {
                 continue;
             }
-            let (s, d) = (r.src as usize * ps, r.dst as usize * ps);
-            for j in skip..r.len as usize {
-                each((s + j) as i64, (d + j) as i64);
+            let d = r.dst as usize * ps;
+            if self.copies.run_into(r.src) == 0 {
+                let s = r.src as usize * ps;
+                for j in skip..r.len as usize {
+                    each((s + j) as i64, (d + j) as i64);
+                }
+            } else {
+                // The source is an older copy's destination, and that copy
+                // stays queued: the caller runs this one now, before it, so
+                // the slots it would fill are read where it reads them.
+                for j in skip..r.len as usize {
+                    let s = self.copies.source_of(r.src, j) as usize * ps;
+                    each((s + j) as i64, (d + j) as i64);
+                }
             }
             if skip > 0 {
                 self.copies.shorten(k, skip);

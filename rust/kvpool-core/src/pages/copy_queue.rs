@@ -73,6 +73,19 @@ impl CopyQueue {
         self.into.get(p as usize).map_or(0, |&i| i & !RELEASED)
     }
 
+    /// The page slot `j` of page `p` will be read from once the live runs
+    /// into it have run: `p`, or (while a live run copies slot `j` into it)
+    /// that run's source, and so on down the chain. Runs only ever copy out
+    /// of pages older than their destination, so the chain ends.
+    pub(super) fn source_of(&self, mut p: u32, j: usize) -> u32 {
+        loop {
+            match self.run_into(p).checked_sub(1) {
+                Some(i) if j < self.runs[i as usize].len as usize => p = self.runs[i as usize].src,
+                _ => return p,
+            }
+        }
+    }
+
     /// The live runs, oldest first.
     pub(super) fn live(&self) -> impl Iterator<Item = &Run> + '_ {
         self.runs.iter().filter(|r| r.len > 0)

@@ -33,26 +33,49 @@ impl Model {
     }
 
     /// Takes the copies from slot pair `from` on, as (src slots, dst slots).
+    /// A slot an older copy left queued has yet to fill reads from that
+    /// copy's source (down the chain): the pairs are right to run at once.
     pub fn take_copies_from(&mut self, from: usize) -> (Vec<i64>, Vec<i64>) {
         let slot = |p: usize, j: usize| (p * self.ps + j) as i64;
-        let (mut src, mut dst, mut seen) = (Vec::new(), Vec::new(), 0);
-        let mut taken = Vec::new();
-        for (i, c) in self.queue.iter_mut().enumerate() {
-            let keep = from.saturating_sub(seen).min(c.len);
-            seen += c.len;
-            for j in keep..c.len {
-                src.push(slot(c.src, j));
+        // What stays queued of each copy: its first `keep` slots (a suffix
+        // of the queue is taken whole).
+        let mut seen = 0;
+        let keeps: Vec<usize> = self
+            .queue
+            .iter()
+            .map(|c| {
+                let keep = from.saturating_sub(seen).min(c.len);
+                seen += c.len;
+                keep
+            })
+            .collect();
+        let source = |i: usize, j: usize| {
+            let (mut p, mut upto) = (self.queue[i].src, i);
+            while let Some(o) = (0..upto).rev().find(|&o| self.queue[o].dst == p) {
+                if j >= keeps[o] {
+                    break;
+                }
+                p = self.queue[o].src;
+                upto = o;
+            }
+            p
+        };
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        for (i, c) in self.queue.iter().enumerate() {
+            for j in keeps[i]..c.len {
+                src.push(slot(source(i, j), j));
                 dst.push(slot(c.dst, j));
             }
-            if keep == 0 {
-                taken.push(i);
-            } else {
-                c.len = keep;
-            }
         }
-        // Each taken copy lets its source go, in queue order.
-        for (n, i) in taken.into_iter().enumerate() {
-            let c = self.queue.remove(i - n);
+        let whole = keeps.iter().position(|&k| k == 0).unwrap_or(keeps.len());
+        for (c, &k) in self.queue.iter_mut().zip(&keeps) {
+            c.len = k;
+        }
+        // Each taken copy (the queue's last ones) lets its source go, in
+        // queue order, one at a time: a release may drop older copies whose
+        // destination nobody holds any more, never a taken one.
+        for left in (1..=self.queue.len() - whole).rev() {
+            let c = self.queue.remove(self.queue.len() - left);
             self.holding -= 1;
             if self.release(c.src) {
                 self.drop_copy_into(c.src);
