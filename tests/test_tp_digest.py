@@ -259,3 +259,19 @@ def test_swapping_different_requests_out_changes_the_digest():
     c.swap_in(hs)
     d.inner.swap_in(hs)  # past the wrapper: counters agree, only the recorded call differs
     assert c.digest() != before and c.calls == d.calls + 1
+
+
+@pytest.mark.parametrize("kw", [dict(tp_size=2), dict(tp_rank=1), dict(tp_size=2, tp_rank=1), dict(tp_rank=True),
+                                dict(tp_size=1.0)])
+def test_tp_pool_refuses_a_shard_other_than_the_groups(kw):
+    """tp_pool takes tp_rank / tp_size from the group; given otherwise, this rank would hold
+    heads its peers hold too (or none), found only as wrong attention or a shape error at the
+    first write. One rank of a group of one: rank 0, size 1."""
+    from kvpool.distributed import tp_pool
+
+    key = next(iter(kw))
+    with pytest.raises(kvpool.InvalidArgumentError, match=rf"tp_pool: {key}=.* rank 0 of a group of 1; leave {key} out"):
+        tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=8, max_requests=2, max_context_len=16, **kw)
+    same = tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=8, max_requests=2, max_context_len=16,
+                   tp_rank=0, tp_size=1)
+    assert same.inner.tp_rank == 0 and same.inner.tp_size == 1

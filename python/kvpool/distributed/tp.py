@@ -180,7 +180,8 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     """Build this rank's ``KVPool`` of a tensor-parallel group and wrap it in ``TPPool``.
 
     ``args``/``kwargs`` are ``KVPool``'s, with ``num_kv_heads`` the model's total;
-    ``tp_rank``/``tp_size`` come from ``group``. One seed, drawn on the group's
+    ``tp_rank``/``tp_size`` come from ``group`` (given, they must be the group's:
+    ``InvalidArgumentError`` otherwise, before any collective). One seed, drawn on the group's
     first rank and broadcast (or ``seed=`` given identically on every rank), is
     passed to every seed keyword the installed ``KVPool`` accepts
     (``hash_seed``, ``handle_seed``, ``seed``), so randomized hashes and handle
@@ -192,16 +193,23 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
 
     params = inspect.signature(KVPool.__init__).parameters
     wanted = [k for k in SEED_KWARGS if k in params and k not in kwargs]
+    if wanted and seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
+        raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
+                                   f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
+    ranks = group_ranks(group, "tp_pool")  # (refuses a missing group before any collective)
+    me = ranks.index(dist.get_rank())
+    # The shard is the group's: another rank or size would give this rank heads its peers
+    # also hold (or none), found only as wrong attention or a shape error at the first write.
+    for key, want in (("tp_size", len(ranks)), ("tp_rank", me)):
+        got = kwargs.setdefault(key, want)
+        if not (is_int(got) and int(got) == want):
+            raise InvalidArgumentError(
+                f"tp_pool: {key}={got!r} but this rank is rank {me} of a group of {len(ranks)}; leave "
+                f"{key} out (tp_pool takes it from group), or build KVPool(tp_rank=, tp_size=) yourself "
+                "and wrap it in TPPool")
     if wanted:
-        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
-            raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
-                                       f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
-        require_group(group, "tp_pool")  # (before the seed is drawn: that is a collective)
         s = agree_seed(group) if seed is None else int(seed)
         kwargs.update({k: s for k in wanted})
-    ranks = group_ranks(group, "tp_pool")
-    kwargs.setdefault("tp_rank", ranks.index(dist.get_rank()))
-    kwargs.setdefault("tp_size", len(ranks))
     pool = KVPool(*args, **kwargs)
     budget = [k for k in ("memory_bytes", "memory_fraction") if kwargs.get(k) is not None]
     if budget:
