@@ -92,12 +92,27 @@ impl SlotAllocator {
     /// request's, and the pages after it, the duplicate among them, are
     /// registered again. Only where registration resumes changes: lookups
     /// find what they found before.
+    ///
+    /// The tip is not the only registration that can go: a duplicate page
+    /// inside the chain stands for another request's entry, and pages the
+    /// request registered after it are filed under that entry. A row whose
+    /// chain has such a page (`foreign`) is walked again from page 0 when
+    /// any registration was removed since its last walk; then its own pages
+    /// after a gone one are relinked under the entry now registered for the
+    /// same content, or registered anew (`register_row`).
     pub(super) fn restart_dead_chain(&mut self, row: usize) -> bool {
         let chain = self.requests.chain(row);
-        if chain.broken || self.prefix.is_live(&chain.tip) {
+        if chain.broken {
             return false;
         }
         let salt = self.requests.salt(row);
+        // A live tip: the chain holds unless it passes through another's
+        // entry and some registration went since it was last walked.
+        if self.prefix.is_live(&chain.tip)
+            && (!chain.foreign || chain.checked == self.prefix.removals() || self.chain_holds(row))
+        {
+            return false;
+        }
         let mut tip = ChainTip::root(salt);
         let mut k = 0;
         for &p in self.requests.pages(row, chain.pages) {
@@ -108,6 +123,38 @@ impl SlotAllocator {
             k += 1;
         }
         self.requests.resume_chain(row, k, tip);
+        true
+    }
+
+    /// Whether every page of `row`'s chain still chains from the root to the
+    /// same tip: its own entry under the page before, or, for a duplicate,
+    /// the entry its content is registered under there (an entry registered
+    /// anew for a gone one's content ends the walk elsewhere). Notes the walk
+    /// (`checked`) if so.
+    fn chain_holds(&mut self, row: usize) -> bool {
+        let (chain, salt) = (self.requests.chain(row), self.requests.salt(row));
+        let (prefix, pages) = (&self.prefix, &self.pages);
+        let mut tip = ChainTip::root(salt);
+        for &p in self.requests.pages(row, chain.pages) {
+            let next = prefix.continues(pages.entry(p), &tip, salt).or_else(|| {
+                let h = prefix.page_hash(tip.hash, p);
+                match prefix.child_of(&tip, h) {
+                    Some((i, _)) if prefix.verify(i, prefix.page_tokens(p), salt, tip.reg) => {
+                        Some(prefix.tip(i))
+                    }
+                    _ => None,
+                }
+            });
+            match next {
+                Some(t) => tip = t,
+                None => return false,
+            }
+        }
+        if (tip.entry, tip.reg) != (chain.tip.entry, chain.tip.reg) {
+            return false;
+        }
+        let removals = self.prefix.removals();
+        self.requests.set_checked(row, removals);
         true
     }
 
@@ -147,7 +194,7 @@ impl SlotAllocator {
         // each page's registration starts from the one before.
         let (salt, mut tip) = (requests.salt(row), chain.tip);
         let mut k = chain.pages;
-        let mut broken = false;
+        let (mut broken, mut foreign) = (false, false);
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
             // before), so it runs a chunk of LOOKAHEAD pages ahead of the
@@ -192,7 +239,10 @@ impl SlotAllocator {
                 }
                 let p = list[k];
                 match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
-                    Some(next) => tip = next,
+                    Some(next) => {
+                        tip = next;
+                        foreign |= pages.entry(p) != tip.entry;
+                    }
                     None => match register_past_orphan(
                         prefix,
                         pages,
@@ -204,7 +254,10 @@ impl SlotAllocator {
                         &tip,
                         salt,
                     ) {
-                        Some(next) => tip = next,
+                        Some(next) => {
+                            tip = next;
+                            foreign |= pages.entry(p) != tip.entry;
+                        }
                         None => {
                             broken = true;
                             break 'restart;
@@ -220,8 +273,10 @@ impl SlotAllocator {
                 }
             }
         }
+        let checked = prefix.removals();
         prefix.put_hash_scratch(ring);
-        self.requests.set_chain(row, k, tip, broken);
+        self.requests
+            .set_chain(row, k, tip, broken, foreign, checked);
         if k > chain.pages && self.writes_through() {
             self.write_through(row, chain.pages, k);
         }

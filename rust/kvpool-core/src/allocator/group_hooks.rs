@@ -310,7 +310,7 @@ impl SlotAllocator {
         let salt = self.requests.salt(row);
         let mut tip = chain.tip;
         let mut k = chain.pages;
-        let mut broken = false;
+        let (mut broken, mut foreign) = (false, false);
         while k < upto {
             let p = self.requests.page(row, k);
             let h = self.prefix.page_hash(tip.hash, p);
@@ -337,7 +337,10 @@ impl SlotAllocator {
                         )
                     });
             match next {
-                Some(next) => tip = next,
+                Some(next) => {
+                    tip = next;
+                    foreign |= self.pages.entry(p) != tip.entry;
+                }
                 None => {
                     broken = true;
                     break;
@@ -346,7 +349,9 @@ impl SlotAllocator {
             regs.push(tip.reg);
             k += 1;
         }
-        self.requests.set_chain(row, k, tip, broken);
+        let checked = self.prefix.removals();
+        self.requests
+            .set_chain(row, k, tip, broken, foreign, checked);
     }
 
     /// Discards queued copy-on-write copies (an anchor without device

@@ -147,6 +147,10 @@ pub(crate) struct PrefixIndex {
     pub(super) live: usize,
     /// Live entries whose parent registration is gone (`links.rs`).
     pub(super) orphans: usize,
+    /// Registrations removed so far (evicted, dropped or cleared), wrapping:
+    /// a request whose chain passes through another's entry rechecks it
+    /// when this moved (`SlotAllocator::restart_dead_chain`).
+    pub(super) removals: u32,
     pub(super) page_size: usize,
     /// Entries that can be live at once: one per page of the pool and of
     /// its host tier, page 0 of each aside (`enable_host`).
@@ -192,6 +196,7 @@ impl PrefixIndex {
             next_reg: 1,
             live: 0,
             orphans: 0,
+            removals: 0,
             page_size,
             max_entries: num_pages.saturating_sub(1),
             skip_verify,
@@ -202,6 +207,12 @@ impl PrefixIndex {
     /// The seed every chain hash of this index is keyed with.
     pub(crate) fn hash_seed(&self) -> u64 {
         self.hasher.seed()
+    }
+
+    /// Registrations removed so far, wrapping (see `removals`).
+    #[inline]
+    pub(crate) fn removals(&self) -> u32 {
+        self.removals
     }
 
     /// Number of registered pages (live entries).

@@ -180,6 +180,7 @@ impl PrefixIndex {
         self.idents[i as usize].links = 0;
         self.free_entries.push(i);
         self.live -= 1;
+        self.removals = self.removals.wrapping_add(1);
         e
     }
 
@@ -207,6 +208,7 @@ impl PrefixIndex {
         }
         self.live = 0;
         self.orphans = 0;
+        self.removals = self.removals.wrapping_add(1);
         if !sparse || self.table.len() != 0 {
             // Dense, or keys the slab did not account for (only a corrupted
             // index has those): the whole table.

@@ -27,6 +27,10 @@ pub(crate) struct Chain {
     pub(crate) tip: ChainTip,
     /// Nothing past `pages` can be registered (a collision).
     pub(crate) broken: bool,
+    /// The chain passes through another request's entry (`RowCold::foreign`).
+    pub(crate) foreign: bool,
+    /// The index's `removals` when the chain was last walked.
+    pub(crate) checked: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -262,16 +266,34 @@ impl Requests {
             pages: c.hashed_pages as usize,
             tip: c.tip,
             broken: c.chain_broken,
+            foreign: c.foreign,
+            checked: c.checked,
         }
     }
 
-    /// The chain now reaches `pages` pages ending at `tip`; `broken`
-    /// stops it there for good.
-    pub(crate) fn set_chain(&mut self, row: usize, pages: usize, tip: ChainTip, broken: bool) {
+    /// The chain now reaches `pages` pages ending at `tip`, walked when the
+    /// index had made `checked` removals; `broken` stops it there for good;
+    /// `foreign`: a page just chained is a duplicate of another's entry.
+    pub(crate) fn set_chain(
+        &mut self,
+        row: usize,
+        pages: usize,
+        tip: ChainTip,
+        broken: bool,
+        foreign: bool,
+        checked: u32,
+    ) {
         let c = &mut self.cold[row];
         c.tip = tip;
         c.hashed_pages = pages as u32;
         c.chain_broken |= broken;
+        c.foreign |= foreign;
+        c.checked = checked;
+    }
+
+    /// The chain was walked whole when the index had made `checked` removals.
+    pub(crate) fn set_checked(&mut self, row: usize, checked: u32) {
+        self.cold[row].checked = checked;
     }
 
     /// Resumes the chain at `pages` pages ending at `tip`, a registered
@@ -281,6 +303,8 @@ impl Requests {
         c.hashed_pages = pages as u32;
         c.tip = tip;
         c.chain_broken = false;
+        // (The pages before `pages` are the row's own registrations.)
+        c.foreign = false;
     }
 
     pub(crate) fn restart_chain(&mut self, row: usize) {

@@ -55,6 +55,13 @@ pub(crate) struct RowCold {
     pub(super) chain_broken: bool,
     /// The index entry page `hashed_pages - 1` matched (the root when 0).
     pub(super) tip: ChainTip,
+    /// Some page of the chain is an unregistered duplicate of another
+    /// request's entry: that entry can be evicted while this request holds
+    /// its own copy, and the pages chained under it then cannot be hit.
+    pub(super) foreign: bool,
+    /// The index's `removals` when the chain was last walked: while it is
+    /// the same, no entry of the chain can have gone.
+    pub(super) checked: u32,
     pub(super) salt: i64,
     /// No other request (and no cache entry) can hold any of this request's
     /// pages: it never forked or was forked, hit no cached page and
@@ -89,6 +96,7 @@ impl RowCold {
         self.hashed_pages = 0;
         self.chain_broken = false;
         self.tip = ChainTip::root(self.salt);
+        self.foreign = false;
     }
 
     /// Everything but the prompt (which the caller copies fallibly).
@@ -98,6 +106,8 @@ impl RowCold {
             hashed_pages: self.hashed_pages,
             chain_broken: self.chain_broken,
             tip: self.tip,
+            foreign: self.foreign,
+            checked: self.checked,
             salt: self.salt,
             exclusive: false,
         }

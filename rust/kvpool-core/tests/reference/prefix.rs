@@ -116,7 +116,9 @@ impl Model {
     /// returns whether it restarted.
     pub fn restart_dead_chain(&mut self, r: usize) -> bool {
         let req = &self.reqs[&r];
-        if req.broken || req.chain_reg == 0 || self.reg.contains_key(&req.chain_reg) {
+        // Any registration the chain stands for gone (the tip, or a page
+        // duplicating another request's entry inside it).
+        if req.broken || req.regs.iter().all(|g| self.reg.contains_key(g)) {
             return false;
         }
         let (mut chain, mut k) = (0, 0);
