@@ -1,7 +1,8 @@
 """The stream contract of a hybrid pool on CUDA (kvpool/streams.py), on CPU with fakes.
 
 As the plain pool's: calls that copy host data to the device (open, extend, admit,
-fork, open_with_prefix, page_table, truncate) raise ``TensorDeviceError`` while its device
+fork, open_with_prefix, page_table, truncate; with state groups cache and close(cache=True))
+raise ``TensorDeviceError`` while its device
 is capturing a CUDA graph, before the core changes anything (the copies would
 fail inside the capture with the core already committed); and the copies the
 core queued (copy-on-write of a shared page, state zeroing and forks) are
@@ -124,4 +125,35 @@ def test_cuda_capture_is_refused_before_the_core_changes():
         assert (pool.lengths(h).tolist(), pool.open_requests) == before
     pool.extend(h, 1)  # nothing was left half done: the pool still works
     torch.cuda.synchronize()
+    pool.check()
+
+
+def test_publishing_a_state_checkpoint_is_refused_during_capture(monkeypatch):
+    # cache() and close(cache=True) copy the request's state into a checkpoint slot (indices
+    # through the pinned ring). Inside a capture that copy is only recorded, not run: the core
+    # would register a checkpoint whose slot was never written, and the ring's event would
+    # poison the pool. Refused before the core changes, as open/extend are; a close that
+    # publishes nothing stages nothing and still runs.
+    log: list = []
+    pool = device_path(make(max_requests=8), log, [FakeStream("compute", log)])
+    h = pool.open(2)
+    fill(pool, pool.extend(h, [8, 8], tokens=np.arange(16, dtype=np.int32)))
+    state = pool._state_group(2).index
+
+    def snapshot():
+        return (pool.open_requests, pool.cached_pages(2), pool.allocator.pending_copies(state),
+                [s.clone() for states in pool._states if states for s in states.values()])
+
+    before = snapshot()
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
+    for name, call in (("cache", lambda: pool.cache(h[:1])), ("close", lambda: pool.close(h[:1], cache=True))):
+        with pytest.raises(TensorDeviceError, match="being captured") as e:
+            call()
+        assert name in str(e.value)
+        after = snapshot()
+        assert after[:3] == before[:3] and all(torch.equal(a, b) for a, b in zip(after[3], before[3])), name
+    pool.close(h[1:])  # publishes nothing: no copy, allowed during capture
+    monkeypatch.setattr(streams, "capturing", lambda device: False)
+    pool.cache(h[:1])
+    assert pool.cached_pages(2) > before[1]  # outside capture the checkpoint is published
     pool.check()

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_review_multiprocess import _forked
+from test_fork_leaf_locks import _fork_while_held
 from test_tier_disk_cache import make_pool, prefill
 
 import kvpool.tiers.file_tier as file_tier
@@ -177,28 +177,16 @@ def test_a_tilde_path_of_an_unknown_user_is_refused(tmp_path, monkeypatch):
 # ----- (3) fork while another thread holds the tier's lock ---------------------------------
 
 def test_fork_while_another_thread_holds_the_tiers_lock(tmp_path):
+    # The holder lets go only once the fork asks for the lock (or has happened): no timing
+    # decides whether the fork met the lock held.
     tier = FileTier(tmp_path, 1 << 20)
     tier.put(rec(8))
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with tier._lock:
-            held.set()
-            release.wait(0.3)  # lets go on its own: a fork that waits for it goes on
-
-    t = threading.Thread(target=hold, daemon=True)
-    t.start()
-    assert held.wait(JOIN_S)
 
     def child():
         assert same(tier.get(8), rec(8)) and tier.put(rec(9))
         return "ok"
 
-    try:
-        assert _forked(child) == (0, "ok")
-    finally:
-        release.set()
-        t.join(JOIN_S)
+    _fork_while_held(tier, "_lock", child)
 
 
 # ----- records a backend cannot encode --------------------------------------------------------

@@ -153,9 +153,9 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
         out["other_seed"] = catch(lambda: kv_transfer.send_request(pool, hp, 1)[1:4])
         # 3. Replies no recv_request writes: a typed error, nothing sent, this pool unchanged.
         mid = repr(pool.stats())
-        out["reply_-1"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=5))
-        out["reply_past_chain"] = catch(lambda: kv_transfer.send_request(pool, hp, 1, timeout_s=5))
-        out["reply_status"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=5))
+        out["reply_-1"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=30))
+        out["reply_past_chain"] = catch(lambda: kv_transfer.send_request(pool, hp, 1, timeout_s=30))
+        out["reply_status"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=30))
         # 4. A header cut short (a peer of another format): the receiver reads the missing
         # words as zeros and refuses it.
         link = kv_transfer._Link(1, None, torch.device("cpu"), 20.0)

@@ -233,3 +233,60 @@ def test_a_new_pinned_storage_runs_the_deferred_releases_first(monkeypatch):
     cuda.capturing = False
     kept = cuda.storage()
     assert kept.pinned and cuda.log == ["register", "synchronize(cuda:0)", "unregister", "register"]
+
+
+class _GcOnce(list):
+    """The deferred releases, with a garbage collection at the drain's first look at them (where
+    copying the list allocates, so a real collection can run): it collects a pinned storage
+    caught in a reference cycle, whose release then runs inside the drain."""
+
+    def __init__(self):
+        super().__init__()
+        self.fired = False
+
+    def _gc(self):
+        if not self.fired:
+            self.fired = True
+            gc.collect()
+
+    def __getitem__(self, i):
+        self._gc()
+        return super().__getitem__(i)
+
+    def pop(self, *args):
+        self._gc()
+        return super().pop(*args)
+
+
+def test_a_release_that_comes_due_inside_the_drain_does_not_hang(monkeypatch):
+    import threading
+
+    from kvpool.tiers import host_storage as hs
+
+    cuda = _FakeCuda(monkeypatch)
+    monkeypatch.setattr(hs, "_deferred", _GcOnce())
+    # (a fresh lock where there is one: a hung drain must not hold the module's for later tests)
+    monkeypatch.setattr(hs, "_deferred_lock", threading.Lock(), raising=False)
+    gc.disable()  # the cycle below goes only when the drain's collection runs
+    try:
+        cyc = cuda.storage()
+        cyc.me = cyc
+        del cyc
+        host = cuda.storage()
+        cuda.capturing = True
+        del host  # (no cycle: released, so deferred, at once)
+        cuda.capturing = False
+        assert len(hs._deferred) == 1 and not hs._deferred.fired
+        cuda.log.clear()
+        done = threading.Event()
+
+        def drain():
+            hs._drain()
+            done.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        assert done.wait(20), "the drain hung on its own lock (a release run by a collection inside it)"
+    finally:
+        gc.enable()
+    assert hs._deferred.fired and list(hs._deferred) == []
+    assert cuda.log == ["synchronize(cuda:0)", "unregister"] * 2  # both released, once each

@@ -229,9 +229,12 @@ class HybridRequestOps:
 
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests in every group. See ``GroupedAllocator.close``.
-        ``priority`` / ``retain_s`` must be None: see ``cache``."""
+        ``priority`` / ``retain_s`` must be None, and ``cache=True`` is refused during
+        capture as ``cache`` is: see ``cache``."""
         _refuse_priorities(priority, retain_s)
         with self._lock:
+            if cache and self._order is not None and self._open_copies:
+                self._enter_device_call("close")  # state checkpoints: copies, as cache()'s
             self.allocator.close(handles, cache=cache)
             self._run_copies()
 
@@ -242,9 +245,15 @@ class HybridRequestOps:
         Raises:
             InvalidArgumentError: a ``priority`` or ``retain_s``: a hybrid pool
                 keeps no retention priorities (nothing is published).
+            TensorDeviceError: a CUDA pool with state groups while its device is
+                capturing a CUDA graph (as ``close(cache=True)``); nothing changed.
         """
         _refuse_priorities(priority, retain_s)
         with self._lock:
+            if self._order is not None and self._open_copies:
+                # A state group's checkpoints are device copies: inside a capture they would
+                # only be recorded, and the core would register slots never written.
+                self._enter_device_call("cache")
             self.allocator.cache(handles)
             self._run_copies()
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import threading
 import weakref
 from typing import Any
 
@@ -165,8 +164,9 @@ def _synchronize(device: torch.device) -> None:
 
 
 #: Releases that came due while a graph was being captured: run at the next safe point.
+#: No lock: releases run from garbage collections, which may start inside ``_drain`` on the
+#: same thread (a lock held there would deadlock); append and pop are atomic.
 _deferred: list[_Release] = []
-_deferred_lock = threading.Lock()
 
 
 class _Release:
@@ -193,8 +193,7 @@ class _Release:
 
     def __call__(self) -> None:
         if _capturing():
-            with _deferred_lock:
-                _deferred.append(self)
+            _deferred.append(self)
             return
         _drain()
         self._run()
@@ -216,10 +215,11 @@ def _drain() -> None:
     """Run the releases a capture deferred, unless this thread is capturing now."""
     if not _deferred or _capturing():
         return
-    with _deferred_lock:
-        due = _deferred[:]
-        del _deferred[:]
-    for release in due:
+    while True:
+        try:  # one at a time: a release that comes due meanwhile (a collection) is run too
+            release = _deferred.pop(0)
+        except IndexError:
+            return
         release._run()
 
 
