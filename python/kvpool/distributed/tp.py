@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvpool.distributed.comm import comm_device, group_ranks, require_group
+from kvpool.distributed.comm import comm_device, group_ranks
 from kvpool.distributed.errors import RankDivergenceError
 from kvpool.errors import InvalidArgumentError
 from kvpool.validate import check_pool, is_int

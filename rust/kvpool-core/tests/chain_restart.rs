@@ -58,3 +58,48 @@ fn a_chain_ending_on_an_evicted_duplicate_restarts() {
         a.check().unwrap();
     }
 }
+
+/// A request with a duplicate page inside its chain (not at its tip): its
+/// own later pages are filed under the other request's entry. Once that
+/// entry is evicted, a `cache()` restarts the chain there, registering the
+/// duplicate and relinking the pages after it, so a prompt of the whole
+/// chain hits it again. `truncate` first keeps that duplicate inside the
+/// chain.
+#[test]
+fn a_chain_through_an_evicted_duplicate_restarts_at_the_duplicate() {
+    for (ps, truncate) in [(1usize, false), (1, true), (2, false), (2, true)] {
+        let mut a = pool(ps);
+        let head: Vec<i64> = (1..=ps as i64).collect();
+        let (first, _) = a
+            .open_with_prefix(&head, &[ps as i64], Counts::Each(0))
+            .unwrap();
+        a.extend(&first, Counts::Each(ps as i64), None).unwrap();
+        a.cache(&first).unwrap();
+        // The second request computes the same first page while the first
+        // holds it (an unregistered duplicate), then three pages of its own.
+        let body: Vec<i64> = (1..=4 * ps as i64).collect();
+        let second = a.open(1).unwrap();
+        a.extend(&second, Counts::Each(4 * ps as i64), Some(&body))
+            .unwrap();
+        a.cache(&second).unwrap();
+        if truncate {
+            a.truncate(&second, Counts::Each(3 * ps as i64)).unwrap();
+        }
+        let kept = if truncate { 3 } else { 4 } * ps as i64;
+        a.close(&first, false).unwrap();
+        // The first request's page (after the page truncate let go, cached).
+        let evicted = if truncate { 2 } else { 1 };
+        assert_eq!(a.evict(evicted), evicted);
+        a.check().unwrap();
+        a.cache(&second).unwrap();
+        a.check().unwrap();
+        let prompt = [body[..kept as usize].to_vec(), vec![99]].concat();
+        let (h, cached) = a
+            .open_with_prefix(&prompt, &[prompt.len() as i64], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached[0], kept, "page size {ps}, truncated {truncate}");
+        a.close(&h, false).unwrap();
+        a.close(&second, false).unwrap();
+        a.check().unwrap();
+    }
+}

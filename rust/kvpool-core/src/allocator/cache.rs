@@ -122,7 +122,8 @@ impl SlotAllocator {
             }
             k += 1;
         }
-        self.requests.resume_chain(row, k, tip);
+        // (The pages before `k` are the row's own registrations.)
+        self.requests.resume_chain(row, k, tip, false);
         true
     }
 

@@ -143,7 +143,9 @@ impl SlotAllocator {
                 .flatten();
             match tip {
                 Some((tip, salt)) if salt == self.requests.salt(row) => {
-                    self.requests.resume_chain(row, full, tip)
+                    // (A duplicate among the pages kept still counts.)
+                    let foreign = self.requests.chain(row).foreign;
+                    self.requests.resume_chain(row, full, tip, foreign)
                 }
                 _ => self.requests.restart_chain(row),
             }

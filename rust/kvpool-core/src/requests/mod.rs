@@ -297,14 +297,14 @@ impl Requests {
     }
 
     /// Resumes the chain at `pages` pages ending at `tip`, a registered
-    /// page of the row's own salt.
-    pub(crate) fn resume_chain(&mut self, row: usize, pages: usize, tip: ChainTip) {
+    /// page of the row's own salt; `foreign`: whether those pages may
+    /// include a duplicate of another request's entry.
+    pub(crate) fn resume_chain(&mut self, row: usize, pages: usize, tip: ChainTip, foreign: bool) {
         let c = &mut self.cold[row];
         c.hashed_pages = pages as u32;
         c.tip = tip;
         c.chain_broken = false;
-        // (The pages before `pages` are the row's own registrations.)
-        c.foreign = false;
+        c.foreign = foreign;
     }
 
     pub(crate) fn restart_chain(&mut self, row: usize) {
