@@ -360,6 +360,8 @@ def fake_link(monkeypatch):
     _FakeLink.script = {"log": []}
     monkeypatch.setattr(kv_transfer, "_Link", _FakeLink)
     monkeypatch.setattr(kv_transfer, "comm_device", lambda group, device: torch.device("cpu"))
+    # No process group here: the fake link is the transport, so the peer needs no group.
+    monkeypatch.setattr(kv_transfer, "check_peer", lambda peer, group, name: None)
     return _FakeLink.script
 
 
