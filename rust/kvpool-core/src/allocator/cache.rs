@@ -12,6 +12,7 @@ use crate::location::is_host;
 use crate::pages::PagePool;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
+use crate::requests::Chain;
 
 use super::orphans::drop_orphan;
 
@@ -196,6 +197,7 @@ impl SlotAllocator {
         let (salt, mut tip) = (requests.salt(row), chain.tip);
         let mut k = chain.pages;
         let (mut broken, mut foreign) = (false, false);
+        let checked = walked_at(prefix, &chain);
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
             // before), so it runs a chunk of LOOKAHEAD pages ahead of the
@@ -274,7 +276,6 @@ impl SlotAllocator {
                 }
             }
         }
-        let checked = prefix.removals();
         prefix.put_hash_scratch(ring);
         self.requests
             .set_chain(row, k, tip, broken, foreign, checked);
@@ -362,6 +363,23 @@ pub(super) fn register_page(
             Some(ix.tip(i))
         }
         _ => None,
+    }
+}
+
+/// The removal count to note for a chain that `register_row` (or the
+/// grouped allocator's recording of it) extends, read before it registers
+/// anything. A chain already through another's entry keeps its note: a
+/// removal later in the same batch (another row's write-through evicting a
+/// host-only entry, before this row's turn) may have taken that entry, and
+/// noting the count after it would hide it from the next `cache()`. A chain
+/// of the row's own entries (held by it) is intact now, and the entries it
+/// chains through from here are live when chained, so any later removal
+/// moves the count past this one.
+pub(super) fn walked_at(prefix: &PrefixIndex, chain: &Chain) -> u32 {
+    if chain.foreign {
+        chain.checked
+    } else {
+        prefix.removals()
     }
 }
 

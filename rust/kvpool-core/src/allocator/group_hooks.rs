@@ -311,6 +311,7 @@ impl SlotAllocator {
         let mut tip = chain.tip;
         let mut k = chain.pages;
         let (mut broken, mut foreign) = (false, false);
+        let checked = super::cache::walked_at(&self.prefix, &chain);
         while k < upto {
             let p = self.requests.page(row, k);
             let h = self.prefix.page_hash(tip.hash, p);
@@ -349,7 +350,6 @@ impl SlotAllocator {
             regs.push(tip.reg);
             k += 1;
         }
-        let checked = self.prefix.removals();
         self.requests
             .set_chain(row, k, tip, broken, foreign, checked);
     }
