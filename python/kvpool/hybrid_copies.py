@@ -21,6 +21,17 @@ __all__ = ["HybridCopies"]
 class HybridCopies:
     """The queued-copy half of ``HybridKVPool``."""
 
+    allocator: Any
+    groups: list[LayerGroup]
+    copied_slots: int
+    _storage: Any
+    _states: Any
+    _tables: Any
+    _tables_np: Any
+    _order: Any
+    _on_device: Any
+    _forget_nulled: Any
+
     def _run_copies(self, handles: Any = None) -> None:
         """Run every group's queued copies (before anything writes the group again).
 

@@ -9,6 +9,8 @@ the table-writing calls).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvpool._core import InvalidArgumentError
@@ -19,6 +21,16 @@ __all__ = ["PoolViews"]
 
 class PoolViews:
     """The read-only half of ``KVPool``: memory figures and cache views."""
+
+    num_layers: int
+    mla: bool
+    kv_lora_rank: int | None
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    req_to_token: torch.Tensor
+    allocator: Any
+    host: Any
+    _storage: Any
 
     # ----- memory figures -------------------------------------------------
 
