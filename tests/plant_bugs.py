@@ -69,7 +69,7 @@ MUTANTS = [
     Mutant("check-holds-gil", "rust/kvpool-py/src/allocator.rs",
            "py.detach(|| self.lock().check())", "(|| self.lock().check())()",
            ["tests/test_allocator_threads.py"]),
-    Mutant("overhead-bytes-without-fp8-scales", "python/kvpool/pool.py",
+    Mutant("overhead-bytes-without-fp8-scales", "python/kvpool/pool_views.py",
            "return self.req_to_token.nbytes + scales + int(self.allocator.metadata_bytes)",
            "return self.req_to_token.nbytes + int(self.allocator.metadata_bytes)",
            ["tests/test_memory_figures.py"]),

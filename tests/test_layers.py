@@ -26,9 +26,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory",
               "_forksafe", "_nopickle"}),
     ("kernels", {"kernels"}),
-    ("pool", {"pool", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging", "streams",
-              "validate", "cuda_graph", "layout", "heads", "capacity", "metrics", "events", "testing", "tiers",
-              "hybrid", "hybrid_ops", "hybrid_plan", "host_tier"}),
+    ("pool", {"pool", "pool_views", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging",
+              "streams", "validate", "cuda_graph", "graph_inputs", "layout", "heads", "capacity", "metrics", "events",
+              "testing", "tiers", "hybrid", "hybrid_copies", "hybrid_ops", "hybrid_plan", "host_tier"}),
     ("above the pool", {"__init__", "__main__", "cli", "distributed", "integrations", "router", "bench", "demo"}),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
-from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.graph_inputs import INPUT_NAMES, check_inputs
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
@@ -62,8 +62,6 @@ from kvpool.validate import check_flag, check_pool, is_int
 
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
-# Rows of the static [5, max_bucket] int64 input buffer, in step() argument order.
-INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens")
 LOC = INPUT_NAMES.index("out_cache_loc")
 
 
@@ -92,86 +90,6 @@ def grad_mode() -> str:
     if torch.is_inference_mode_enabled():
         return "inference_mode"
     return "grad" if torch.is_grad_enabled() else "no_grad"
-
-
-_I64 = np.iinfo(np.int64)
-
-
-def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArgumentError:
-    if name == "out_cache_loc":
-        valid = f"[0, {num_slots})" if num_slots is not None else "the pool's slots"
-        return SlotRangeError(
-            f"out_cache_loc[{i}] = {value} is out of range: valid slots are {valid} "
-            "(negative slots are padding: their write is skipped)"
-        )
-    return InvalidArgumentError(
-        f"{name}[{i}] = {value} does not fit in int64, the dtype of the step's inputs"
-    )
-
-
-def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
-    """A host input as a 1-D int64 array, or a typed error: never a silently wrapped value."""
-    if isinstance(a, torch.Tensor):
-        if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
-            raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
-        arr = a.detach().numpy()
-    else:
-        try:
-            arr = np.asarray(a)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TensorDtypeError(f"{name} must be a 1-D sequence of integers: {e}") from None
-        if arr.dtype.kind in "fO" and isinstance(a, (list, tuple)):
-            # Python ints past int64 make numpy pick float64 or object: name the entry.
-            for i, x in enumerate(a):
-                if isinstance(x, int) and not isinstance(x, bool) and not _I64.min <= x <= _I64.max:
-                    raise _too_big(name, i, x, num_slots)
-    if arr.ndim != 1:
-        raise TensorShapeError(f"{name} must be 1-D, got shape {list(arr.shape)}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TensorDtypeError(f"{name} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _I64.max:
-        bad = int(np.argmax(arr > _I64.max))
-        raise _too_big(name, bad, int(arr[bad]), num_slots)
-    arr = arr.astype(np.int64, copy=False)
-    if name == "out_cache_loc" and num_slots is not None and int(arr.max()) >= num_slots:
-        bad = int(np.argmax(arr >= num_slots))
-        raise _too_big(name, bad, int(arr[bad]), num_slots)
-    return arr
-
-
-def _check_rows(arr: np.ndarray, null_row: int) -> None:
-    """Host ``req_rows`` name rows of ``req_to_token``, ``[0, null_row]``: a step indexing it with
-    another value reads a wrong row (a negative one counts from the end) or past the table."""
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > null_row):
-        bad = int(np.argmax((arr < 0) | (arr > null_row)))
-        raise InvalidArgumentError(
-            f"req_rows[{bad}] = {int(arr[bad])} is not a row of the pool's req_to_token: valid rows "
-            f"are [0, {null_row}] (request rows, and null_row = {null_row} for padding)"
-        )
-
-
-def _check_values(name: str, arr: np.ndarray, max_context_len: int | None) -> None:
-    """Host values the step would use as indices: a negative token id, or a position or
-    sequence length past the pool's rows, makes the step read outside its tables (on a
-    GPU a device-side assert or an illegal access, which ends the process's CUDA
-    context), so they are refused here, where it costs a min and a max."""
-    if not arr.size:
-        return
-    if name == "input_ids":
-        lo, hi, valid = 0, None, "token ids are >= 0"
-    elif name in ("positions", "seq_lens") and max_context_len is not None:
-        top = max_context_len - 1 if name == "positions" else max_context_len
-        lo, hi, valid = 0, top, f"valid {name} are [0, {top}] (the pool's max_context_len is {max_context_len})"
-    else:
-        return
-    bad_mask = arr < lo
-    if hi is not None:
-        bad_mask |= arr > hi
-    if bad_mask.any():
-        bad = int(np.argmax(bad_mask))
-        raise InvalidArgumentError(f"{name}[{bad}] = {int(arr[bad])} is out of range: {valid}")
 
 
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
@@ -356,39 +274,9 @@ class DecodeGraphRunner:
         return views
 
     def _check_inputs(self, args: Sequence[Any]) -> tuple[int, list[Any]]:
-        """Validate before touching any buffer: host inputs become int64 numpy arrays
-        (values checked), device inputs stay tensors (dtype, shape and device checked)."""
-        out: list[Any] = []
-        lens = []
-        for name, a in zip(INPUT_NAMES, args):
-            if isinstance(a, torch.Tensor) and a.device.type != "cpu":
-                if a.dim() != 1:
-                    raise TensorShapeError(f"{name} must be 1-D, got shape {list(a.shape)}")
-                if a.numel() and (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool):
-                    raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
-                if a.dtype == torch.uint64:
-                    raise TensorDtypeError(
-                        f"{name} is a uint64 device tensor: values past int64 would wrap (2**64 - 1 "
-                        "becomes -1) and checking them would sync the device; pass int64"
-                    )
-                if a.device != self.device:
-                    raise TensorDeviceError(f"{name} is on {a.device}, the pool on {self.device}")
-                out.append(a)
-            else:
-                out.append(_host_ints(name, a, self._num_slots))
-                if name == "req_rows":
-                    _check_rows(out[-1], self._pad_vals[2])
-                else:
-                    _check_values(name, out[-1], self._max_context_len)
-            lens.append(out[-1].shape[0])
-        n = lens[0]
-        if any(x != n for x in lens):
-            raise TensorShapeError(f"inputs must have equal lengths, got {dict(zip(INPUT_NAMES, lens))}")
-        if n < 1:
-            raise InvalidArgumentError("empty batch: nothing to run")
-        if n > self.max_batch_size:
-            raise InvalidArgumentError(f"batch of {n} exceeds max_batch_size {self.max_batch_size}")
-        return n, out
+        """Validate before touching any buffer (``graph_inputs.check_inputs``)."""
+        return check_inputs(args, self.device, self._num_slots, self._pad_vals[2], self._max_context_len,
+                            self.max_batch_size)
 
     def _load_inputs(self, args: Sequence[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
@@ -408,7 +296,7 @@ class DecodeGraphRunner:
                 static[i, n:bucket].fill_(self._pad_vals[i])
             loc = next((a for i, a in host if i == LOC), None)
             if self._trust_slots is not None and loc is not None and self._num_slots is not None:
-                # Every out_cache_loc value was checked below num_slots (_host_ints), and
+                # Every out_cache_loc value was checked below num_slots (graph_inputs), and
                 # the padding is slot 0: the step's pool.write calls need not check again.
                 self._trust_slots(self._views(bucket)[LOC], negative=bool(loc.size) and int(loc.min()) < 0)
             return

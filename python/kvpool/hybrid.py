@@ -34,9 +34,10 @@ from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.capacity import free_device_memory
+from kvpool.hybrid_copies import HybridCopies
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
-from kvpool.kernels import copy_slots, require_triton, write_req_to_token
+from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
@@ -78,7 +79,7 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-class HybridKVPool(NotPicklable, HybridRequestOps):
+class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps):
     """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
 
     Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
@@ -382,71 +383,6 @@ class HybridKVPool(NotPicklable, HybridRequestOps):
             pad = (idx < 0).view(-1, 1, 1)
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
         return k, v
-
-    # ----- copies the core queued ------------------------------------------
-
-    def _run_copies(self, handles: Any = None) -> None:
-        """Run every group's queued copies (before anything writes the group again).
-
-        Page groups: copy-on-write of every layer's K and V. State groups: each
-        pair copies every state tensor's row ``src`` to ``dst``; ``src = -1``
-        zeroes ``dst`` (a new request starts from the empty state). On a device
-        pool the core cannot write the tables, so the rows of ``handles`` are
-        rewritten from the core when a page group moved some of their slots.
-        """
-        alloc = self.allocator
-        copied = False
-        for g in self.groups:
-            if not alloc.pending_copies(g.index):
-                continue
-            src, dst = alloc.take_copies(g.index)
-            if src.shape[0] == 0:
-                continue
-            copied = True
-            if g.kind != "state":
-                st = self._storage[g.index]
-                assert st is not None
-                s, d = self._on_device(src, dst)
-                copy_slots(st.flat[0] + st.flat[1], s, d)
-                self.copied_slots += int(src.shape[0])
-                if self._tables_np is None and handles is not None:
-                    self._sync_rows(np.asarray(handles, dtype=np.int64).reshape(-1), g)
-                continue
-            states = self._states[g.index]
-            assert states is not None
-            live = src >= 0
-            s, d, z = self._on_device(src[live], dst[live], dst[~live])
-            for t in states.values():
-                if s.shape[0]:
-                    t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
-                if z.shape[0]:
-                    t.index_fill_(0, z, 0)
-        if copied and self._order is not None:  # later hand-outs on other streams wait for these
-            self._order.copied()
-
-    def _sync_rows(self, handles: np.ndarray, g: LayerGroup) -> None:
-        """Write each request's slots of page group ``g`` into its table row (device pools)."""
-        table = self._tables[g.index]
-        assert table is not None
-        if handles.shape[0] == 0:
-            return
-        parts = [self.allocator.slots(int(h), g.index) for h in handles]
-        counts = np.array([p.shape[0] for p in parts], dtype=np.int64)
-        rows = self.allocator.rows(handles)
-        write_req_to_token(table, *self._on_device(rows, np.zeros_like(counts), counts, np.concatenate(parts)))
-
-    def _write_new_rows(self, handles: np.ndarray) -> None:
-        """Tables of requests that got slots without an extend (fork, prefix hit)."""
-        self._forget_nulled(handles)
-        for g in self.groups:
-            if g.kind == "state":
-                continue
-            if self._tables_np is not None:
-                table = self._tables_np[g.index]
-                assert table is not None
-                self.allocator.fill_table(handles, table, g.index)
-            else:
-                self._sync_rows(handles, g)
 
     def __repr__(self) -> str:
         groups = ", ".join(

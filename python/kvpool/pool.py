@@ -32,13 +32,13 @@ from kvpool.lifecycle import RequestOps
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.packed import PackedExtend
+from kvpool.pool_views import PoolViews
 from kvpool.rows import RowsMixin
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.tables import ExtendResult, PageTable, page_table_tensors, update_req_to_token
 from kvpool.torch_types import FP8_DTYPES, as_device
-from kvpool.validate import check_layer
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
 
@@ -49,7 +49,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(NotPicklable, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
+class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -309,31 +309,6 @@ class KVPool(NotPicklable, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, 
             )
         return True
 
-    # ----- memory figures -------------------------------------------------
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the K/V (or latent) caches."""
-        return self._storage.nbytes
-
-    @property
-    def overhead_bytes(self) -> int:
-        """Memory the pool uses beyond the K/V bytes: tables, scales, allocator metadata."""
-        scales = sum(s.nbytes for s in {id(s): s for s in (self.k_scale, self.v_scale) if s is not None}.values())
-        table = self.req_to_token.untyped_storage().nbytes()  # with the row padding
-        return table + scales + int(self.allocator.metadata_bytes)
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every persistent tensor the pool owns (``audit`` walks these)."""
-        out = self._storage.tensors() + [("req_to_token", self.req_to_token)]
-        if self.k_scale is not None:
-            out.append(("k_scale", self.k_scale))
-        if self.v_scale is not None and self.v_scale is not self.k_scale:
-            out.append(("v_scale", self.v_scale))
-        if self.host is not None:
-            out += self.host.tensors()
-        return out
-
     # ----- request operations that touch the tables ------------------------
     # (open, truncate, close, reset and the allocator's queries and counters
     # come from RequestOps)
@@ -437,59 +412,6 @@ class KVPool(NotPicklable, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, 
         if self._to_device is not None:
             refuse_capture(self.device, "page_table")
         return page_table_tensors(*self.allocator.page_table(handles), self.device, self._to_device)
-
-    # ----- views ----------------------------------------------------------
-
-    def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's K cache in the pool's layout (MLA: the latent cache). A view, no copy.
-
-        Returns:
-            ``[num_slots, H, D]`` (layout ``"token"``) or ``[num_pages, P, H, D]`` (``"paged"``).
-
-        Raises:
-            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
-        """
-        return self._storage.shaped[0][check_layer(layer, self.num_layers)]
-
-    def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's V cache in the pool's layout (MLA: the first ``kv_lora_rank`` features
-        of the latent cache). A view, no copy.
-
-        Raises:
-            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
-        """
-        layer = check_layer(layer, self.num_layers)
-        if self.mla:
-            return self._storage.shaped[0][layer][..., : self.kv_lora_rank]
-        return self._storage.shaped[1][layer]
-
-    def kv_buffer(self, layer: int) -> torch.Tensor:
-        """MLA latent cache ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (paged: split pages).
-
-        Raises:
-            InvalidArgumentError: the pool is not MLA.
-            LayerIndexError: ``layer`` is not an int in ``[0, num_layers)``.
-        """
-        if not self.mla:
-            raise InvalidArgumentError("kv_buffer() is for MLA pools; use k_buffer()/v_buffer()")
-        return self._storage.shaped[0][check_layer(layer, self.num_layers)]
-
-    @property
-    def caches(self) -> list[torch.Tensor]:
-        """The pool's caches as whole tensors: ``[K, V]`` (or ``[latent]`` on an MLA pool),
-        each ``[num_layers, num_slots, H, D]``, every layer's buffer a view of one. What the
-        page movers take (``kvpool.kernels.offload_pages`` / ``load_pages``)."""
-        return list(self._storage.caches)
-
-    @property
-    def k_buffers(self) -> list[torch.Tensor]:
-        """``k_buffer(layer)`` of every layer (SGLang's ``k_buffer`` list)."""
-        return list(self._storage.shaped[0])
-
-    @property
-    def v_buffers(self) -> list[torch.Tensor]:
-        """``v_buffer(layer)`` of every layer."""
-        return [self.v_buffer(i) for i in range(self.num_layers)] if self.mla else list(self._storage.shaped[1])
 
     def __repr__(self) -> str:
         kind = f"mla(rank={self.kv_lora_rank}, rope={self.qk_rope_head_dim})" if self.mla else "mha"

@@ -55,7 +55,7 @@ import torch
 
 try:
     import transformers
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401 - part of the version check (KVPoolLayer uses it)
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "kvpool.integrations.transformers needs transformers>=5,<6: pip install 'kvpool[hf]'") from e
@@ -65,12 +65,13 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
                       f"found transformers {transformers.__version__}")
 
 from kvpool._nopickle import NotPicklable
-from kvpool.errors import IncompleteForwardError, InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
+from kvpool.errors import InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
+from kvpool.integrations._cache_layer import KVPoolLayer
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
-from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, owned, stored_by_all, with_step_grad
+from kvpool.integrations._shared_rows import check_in_step, stored_by_all
 from kvpool.pool import KVPool
 from kvpool.validate import check_flag, check_pool, init_signature
 
@@ -86,81 +87,6 @@ def _token_count(n: Any) -> int:
         return operator.index(n)
     except TypeError:
         raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
-
-
-class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
-    """One model layer's view of the shared pool requests.
-
-    ``seen`` counts the tokens this layer has stored. The first layer whose ``seen``
-    equals the batch's length starts a new step (extends every row); the others find
-    the step already started and write into its slots.
-    """
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, requests: BatchRequests, layer_idx: int) -> None:
-        super().__init__()
-        self.requests, self.layer_idx, self.seen = requests, layer_idx, 0
-        self.device = requests.device
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # The storage is the pool's; nothing to allocate. ``keys``/``values`` stay None.
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the step's K/V [B, kv_heads, T, head_dim] and return the rows' full K/V (views
-        of the pool or the cache's buffers, valid until the next ``update``; copies under grad mode).
-
-        Raises the pool's typed errors (``PoolExhaustedError``, ``ContextTooLongError``,
-        ``TooManyRequestsError``, ``TensorShapeError``/``TensorDtypeError``), or
-        ``IncompleteForwardError`` after a forward cut short, before anything is stored.
-        """
-        req = self.requests
-        if not req.kv_ok(key_states, value_states):
-            req.check_kv(key_states, value_states)
-            req.ensure_open(key_states.shape[0])
-        self.is_initialized = True  # the storage is the pool's; ``keys``/``values`` stay None
-        tokens = key_states.shape[2]
-        if self.seen == req.length:
-            req.begin_step(tokens)
-        elif self.seen + tokens != req.length:
-            raise IncompleteForwardError(
-                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
-                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
-        live = None
-        if key_states.requires_grad or value_states.requires_grad:
-            # Stores must not drag the pool's caches into autograd; what attention gets does
-            # carry the step's own K/V history (``with_step_grad``).
-            live = key_states, value_states
-            key_states, value_states = key_states.detach(), value_states.detach()
-        dst, store = req.dst, req.store
-        if dst is not None:  # the step's slots are one strided run: plain copies, K/V checked above
-            dst[0][self.layer_idx].copy_(key_states)
-            dst[1][self.layer_idx].copy_(value_states)
-        elif req.later:  # stored from the layer buffers (pages.kv adds it) at the next flush
-            pass
-        elif store is not None:  # the pool's store alone: kv_ok / check_kv checked the K/V
-            store(self.layer_idx, req.new_slots, key_states, value_states)
-        else:
-            req.write(self.layer_idx, key_states, value_states)
-        self.seen += tokens
-        pages = req.pages
-        kv = req.gather(self.layer_idx) if pages is None else pages.kv(self.layer_idx, key_states, value_states)
-        if live is not None:
-            return with_step_grad(kv, *live, own=pages is not None)
-        return owned(kv) if req.grad and pages is not None else kv  # (an fp8 pool's gather: new tensors)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return int(self.requests.pool.max_context_len)
 
 
 class KVPoolCache(NotPicklable, Cache):

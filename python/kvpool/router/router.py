@@ -50,7 +50,8 @@ import numpy as np
 
 from kvpool._core import InvalidArgumentError, page_hashes
 from kvpool.router.index import PageIndex
-from kvpool.validate import host_array, is_int
+from kvpool.router.matching import PrefixMatching
+from kvpool.validate import is_int
 
 
 @dataclasses.dataclass
@@ -89,7 +90,7 @@ class Route:
     cached_tokens: int
 
 
-class Router:
+class Router(PrefixMatching):
     """Routes requests over ``num_pools`` pools by their cached prefixes.
 
     Args:
@@ -353,42 +354,6 @@ class Router:
         return self.streams[pool]
 
     # ----- routing -------------------------------------------------------
-
-    @staticmethod
-    def _keys(words: np.ndarray) -> list[bytes]:
-        # (hi, lo) uint64 words -> the events' 16-byte big-endian hashes.
-        return words.byteswap().view("V16").tolist()  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _int_form(words: np.ndarray) -> list[int]:
-        # vLLM's int form of those: the low 64 bits, unsigned.
-        return words[1::2].tolist()  # type: ignore[no-any-return]
-
-    def match(self, tokens: Any, salt: int = 0) -> list[int]:
-        """Prompt tokens each pool would serve from its cache, as its
-        ``open_with_prefix`` computes them: whole pages, at most
-        ``len(tokens) - 1`` (a step computes at least one token)."""
-        tokens = host_array("tokens", tokens)
-        if tokens.ndim != 1:
-            raise InvalidArgumentError(f"tokens must be one prompt's token ids (1-D), got shape {tokens.shape}")
-        if tokens.size and tokens.dtype.kind not in "iu":
-            # Checked at every length: a prompt shorter than a page would otherwise pass
-            # unchecked, and the same prompt a token longer be refused.
-            raise InvalidArgumentError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
-        cap = max(len(tokens) - 1, 0) // self.page_size
-        # The whole prompt is hashed, not just the pages looked up, so that its salt and every
-        # token id are checked as open_with_prefix checks them (route() would otherwise count
-        # a request no pool takes); at most one page more than the cap.
-        words = page_hashes(tokens if tokens.size else tokens.astype(np.int64), self.page_size,
-                            self.hash_seed, salt)[: 2 * cap]
-        if cap == 0:
-            return [0] * self.num_pools
-        if self._int_keys and self._bytes_keys:  # pools of both kinds: a page held in either form
-            depths = self.index.depths(self._keys(words), self._all, self.num_pools, also=self._int_form(words))
-        else:
-            keys = self._int_form(words) if self._int_keys else self._keys(words)
-            depths = self.index.depths(keys, self._all, self.num_pools)
-        return [d * self.page_size for d in depths]
 
     def route(self, tokens: Any, salt: int = 0, *, loads: Sequence[float] | None = None,
               eligible: Sequence[bool] | None = None) -> Route:
