@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvpool.errors import IncompleteForwardError
 from kvpool.integrations._requests import BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, owned, with_step_grad
 
@@ -56,12 +55,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
             req.ensure_open(key_states.shape[0])
         self.is_initialized = True  # the storage is the pool's; ``keys``/``values`` stay None
         tokens = key_states.shape[2]
-        if self.seen == req.length:
-            req.begin_step(tokens)
-        elif self.seen + tokens != req.length:
-            raise IncompleteForwardError(
-                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
-                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        self.join_step(tokens)
         live = None
         if key_states.requires_grad or value_states.requires_grad:
             # Stores must not drag the pool's caches into autograd; what attention gets does

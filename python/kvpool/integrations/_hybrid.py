@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import IncompleteForwardError, TensorDtypeError, TensorShapeError
+from kvpool.errors import TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._requests import check_not_empty
@@ -298,12 +298,7 @@ class PoolAttentionLayer(SharedRowsLayer, CacheLayerMixin):
         req.ensure_open(key_states.shape[0])
         self.is_initialized = True
         tokens = key_states.shape[2]
-        if self.seen == req.length:
-            req.begin_step(tokens)
-        elif self.seen + tokens != req.length:
-            raise IncompleteForwardError(
-                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
-                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
+        self.join_step(tokens)
         req.pool._store_bhtd(self.layer_idx, req.new_slots(self.group), key_states.detach(), value_states.detach())
         self.seen += tokens
         kv = req.kv(self.layer_idx)

@@ -16,6 +16,7 @@ class SharedRowsLayer:
 
     requests: Any
     seen: int
+    layer_idx: int
 
     @property
     def batch_size(self) -> int:
@@ -32,6 +33,18 @@ class SharedRowsLayer:
 
     def offload(self) -> None:
         raise NotImplementedError("KVPoolCache does not offload: the pool decides where K/V live")
+
+    def join_step(self, tokens: int) -> None:
+        """Take this layer's ``tokens`` new tokens into the batch's step: the first layer to see
+        them starts the step (extends every row); a later layer must bring the same count, or
+        the forward is not one step (``IncompleteForwardError``, before anything is stored)."""
+        req = self.requests
+        if self.seen == req.length:
+            req.begin_step(tokens)
+        elif self.seen + tokens != req.length:
+            raise IncompleteForwardError(
+                f"layer {self.layer_idx} got {tokens} new tokens after {self.seen}, but this step "
+                f"extends the rows to {req.length}: every layer must see the same tokens per forward")
 
 
 def stored_by_all(layers: Sequence[Any]) -> int:
