@@ -61,6 +61,7 @@ class HostTierMixin:
     _enter_device_call: Any
     _write_prefixes: Any
     _sharing: bool  # read and set under _lock only (kvpool.sharing)
+    _note_remap: Any  # (kvpool.sharing)
     # Set by _init_host_tier: None without a tier.
     host: HostStorage | None = None
     _transfers: TransferRunner | None = None
@@ -150,6 +151,7 @@ class HostTierMixin:
             # A page whose entry another request's registration took over meanwhile comes
             # back as that request's page: both hold it, so extends must copy on write.
             self._sharing = True
+            self._note_remap(handles)  # (their pages moved, whatever follows)
             self._run_transfers()
             hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
             try:

@@ -13,6 +13,7 @@ caller's grad mode.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -244,6 +245,11 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.
         self._sharing = False
+        # Each fork and swap_in counts here, with the handles whose pages it shared or moved
+        # (the last 64 calls): a KVPoolCache keeps its rows' page table across steps while they
+        # share no page, and reads it again when one of these names its rows (``_requests``).
+        self._remaps = 0
+        self._remapped: deque[tuple[int, np.ndarray]] = deque(maxlen=64)
         self.num_pages, self.num_slots = pages, pages * self.page_size
         self.null_row = self.max_requests
 

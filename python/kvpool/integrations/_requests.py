@@ -102,6 +102,7 @@ class BatchRequests:
         # first step that fails closes them again, leaving the pool as it was.
         self._fresh = False
         self._shared = False  # some row may share a page (prefix hit, fork)
+        self._remaps = 0  # the pool's fork / swap_in count when the rows' table was last read
         # A decode step's extend writes its slots here (the allocator's ``out=``) rather than
         # into a new array, and names one row by its int: the step is the host call the cache
         # makes most, and each array it makes or reads is host time. So ``step_slots`` of a
@@ -127,6 +128,7 @@ class BatchRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self._remaps = getattr(self.pool, "_remaps", 0)
         self.batch = self.handles.shape[0]
         self._decode_slots = np.empty(self.batch, dtype=np.int64)
         self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
@@ -270,6 +272,8 @@ class BatchRequests:
             assert self._rows is not None
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
             return
+        if getattr(pool, "_remaps", 0) != self._remaps:
+            self._pages_moved()
         pages.advance(self.handles, before, length, slots)
         self.dst = pages.dst
         self.later = pages.later
@@ -279,6 +283,19 @@ class BatchRequests:
             loc = pages.loc
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
+
+    def _pages_moved(self) -> None:
+        """``pool.fork`` or ``swap_in`` ran since the rows' page table was read. If it named these
+        rows (or is too far back to tell), their pages may have moved or be shared (the row's next
+        extend into a shared page copies it on write): the table is read from the allocator at
+        every step from now on, as for rows opened on a prefix hit, and the buffers gathered again."""
+        pool, handles = self.pool, self.handles
+        assert handles is not None and self.pages is not None
+        now, since = pool._remaps, [h for n, h in list(pool._remapped) if n > self._remaps]
+        if len(since) < now - self._remaps or any(np.isin(handles, h).any() for h in since):
+            self._shared = True
+            self.pages.reset(handles.shape[0], private=False)
+        self._remaps = now
 
     def flush(self) -> None:
         """Bring the core and the pool's caches up to the rows' tokens: one extend by the deferred
