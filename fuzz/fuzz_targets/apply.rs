@@ -3,9 +3,10 @@
 //! promised (a whole request, a fork, a prefix open, the batch queries).
 
 use crate::extend::{extend, extend_need, extend_tokens, record_extend, tok, Toks};
-use crate::model::{Model, Req};
+use crate::model::{queued_copies, Model, Req};
 use crate::{Op, Prompt, Salt, H, N};
 use kvpool_core::{Counts, SlotAllocator};
+use std::collections::HashSet;
 
 /// Replays the events so far into the model (between the steps of one op).
 fn settle(a: &mut SlotAllocator, m: &mut Model) {
@@ -241,11 +242,21 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
         Op::SwapOut(v) => {
             let hs = handles(issued, m, a, v);
             let offloads = a.pending_offloads();
+            let dst: HashSet<i32> = queued_copies(a)
+                .1
+                .iter()
+                .map(|&d| (d / a.page_size() as i64) as i32)
+                .collect();
+            let before: Vec<Vec<i32>> =
+                hs.iter().map(|&h| a.pages(h).unwrap_or_default()).collect();
             if a.swap_out(&hs).is_err() {
                 return false;
             }
-            for &h in &hs {
+            for (&h, pages) in hs.iter().zip(before) {
                 assert_eq!(a.is_swapped(h), Ok(true));
+                if let Some(r) = m.reqs.get_mut(&h) {
+                    r.kept_copy_dst = pages.into_iter().filter(|p| dst.contains(p)).collect();
+                }
             }
             assert!(a.pending_offloads() >= offloads);
             true
@@ -257,6 +268,9 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             }
             for &h in &hs {
                 assert_eq!(a.is_swapped(h), Ok(false));
+                if let Some(r) = m.reqs.get_mut(&h) {
+                    r.kept_copy_dst.clear();
+                }
             }
             true
         }

@@ -54,6 +54,10 @@ pub struct Req {
     pub tokens: Vec<Option<i32>>,
     /// Write id each position's slot must hold.
     pub writes: Vec<u64>,
+    /// While swapped out: its device pages that a queued copy was still to
+    /// fill when it swapped out (`swap_out` keeps those on the device, held
+    /// by the request, so the copy still lands in a held page).
+    pub kept_copy_dst: Vec<i32>,
 }
 
 impl Req {
@@ -267,12 +271,15 @@ impl Model {
         // Page -> (holder, index in its page list).
         let mut seen: HashMap<i32, Vec<(i64, usize)>> = HashMap::new();
         let mut swapped = 0usize;
+        // Pages swapped-out requests still hold on the device for a copy.
+        let mut kept: HashSet<i32> = HashSet::new();
         for (&h, r) in &self.reqs {
             assert_eq!(a.length(h), Ok(r.tokens.len()), "length of {h}");
             if a.is_swapped(h) == Ok(true) {
                 // Its pages are refused (checked again after swap_in).
                 assert!(a.slots(h).is_err() && a.pages(h).is_err());
                 assert_eq!(a.known_tokens(h).expect("open"), r.known());
+                kept.extend(r.kept_copy_dst.iter().copied());
                 swapped += 1;
                 continue;
             }
@@ -319,7 +326,9 @@ impl Model {
         // released page is dropped); its source is held until it is taken.
         for &d in &dst {
             assert!(
-                seen.contains_key(&((d / ps) as i32)) || src.iter().any(|&s| s / ps == d / ps),
+                seen.contains_key(&((d / ps) as i32))
+                    || kept.contains(&((d / ps) as i32))
+                    || src.iter().any(|&s| s / ps == d / ps),
                 "a queued copy writes slot {d} of a page nobody holds"
             );
         }
