@@ -4,7 +4,7 @@
 
 use super::index::{Entry, Identity, PrefixIndex, DEAD, SLAB_MAP_BYTES, TABLE_FLOOR_KEYS};
 use super::keys::key_of;
-use super::links::{CHILDREN, KEYED};
+use super::links::{CHILDREN, GHOST_KIDS, KEYED};
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::location::{is_host, on_host};
@@ -87,6 +87,12 @@ impl PrefixIndex {
         // parent entry to hint it (nor would a gone parent, which
         // `register_page` never registers under).
         let keyed = keyed || self.live_tip(parent).is_none();
+        if !self.ghosts.is_empty() {
+            // (Only while an orphan exists: then `keyed` is true.)
+            if let Some(slot) = self.ghost_for(hash, page, salt, parent) {
+                return self.revive(slot, page, parent);
+            }
+        }
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -159,11 +165,23 @@ impl PrefixIndex {
     }
 
     /// Removes the registration `entry` (index + 1, taken from its page's
-    /// record); returns its hash and salt.
+    /// record); returns its hash and salt. One with children leaves a
+    /// ghost (`ghosts.rs`).
     // Inlined into eviction's loop: as a call, the 32-byte identity comes
     // back through memory, which an eviction run feels.
     #[inline(always)]
     pub(crate) fn unregister(&mut self, entry: u32) -> Identity {
+        self.unregister_as::<true>(entry)
+    }
+
+    /// `unregister` without a ghost: the whole index is about to go
+    /// (`clear_cache`).
+    pub(crate) fn unregister_no_ghost(&mut self, entry: u32) -> Identity {
+        self.unregister_as::<false>(entry)
+    }
+
+    #[inline(always)]
+    fn unregister_as<const GHOST: bool>(&mut self, entry: u32) -> Identity {
         let i = entry - 1;
         let e = self.idents[i as usize];
         let children = e.links & CHILDREN;
@@ -172,13 +190,18 @@ impl PrefixIndex {
             self.key_hinted_child(i, u32::MAX);
             self.orphans += children as usize;
         }
+        // A ghost is kept before `disown`, so a ghost parent's count never
+        // passes through 0 (`ghosts.rs`).
+        let ghost = GHOST && e.links & (CHILDREN | GHOST_KIDS) != 0 && self.ghost_out(i, children);
         self.disown(i);
         if e.links & KEYED != 0 {
             self.table.remove(key_of(e.hash), i);
         }
         self.entries[i as usize].parent_reg = DEAD;
         self.idents[i as usize].links = 0;
-        self.free_entries.push(i);
+        if !ghost {
+            self.free_entries.push(i);
+        }
         self.live -= 1;
         self.removals = self.removals.wrapping_add(1);
         e
@@ -208,6 +231,7 @@ impl PrefixIndex {
         }
         self.live = 0;
         self.orphans = 0;
+        self.ghosts.clear();
         self.removals = self.removals.wrapping_add(1);
         if !sparse || self.table.len() != 0 {
             // Dense, or keys the slab did not account for (only a corrupted
