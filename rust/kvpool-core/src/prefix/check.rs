@@ -214,6 +214,11 @@ impl PrefixIndex {
     pub(crate) fn links_for_tests(&self) -> (usize, usize, usize) {
         (self.len(), self.table.len(), self.orphans())
     }
+
+    /// Ghost registrations kept.
+    pub(crate) fn ghosts_for_tests(&self) -> usize {
+        self.ghosts.len()
+    }
 }
 
 #[cfg(test)]
