@@ -331,7 +331,16 @@ pub(super) fn register_page(
     let found = if childless {
         None
     } else {
-        ix.child_of(parent, h)
+        match ix.child_of(parent, h) {
+            // A ghost exists only while an orphan does, never under a
+            // childless tip: the usual registration reads no more.
+            None if own.is_none() && ix.has_ghosts() => {
+                return Some(register_or_revive(
+                    ix, pages, events, p, first, h, parent, salt,
+                ));
+            }
+            found => found,
+        }
     };
     match found {
         None if own.is_none() => {
@@ -364,6 +373,29 @@ pub(super) fn register_page(
         }
         _ => None,
     }
+}
+
+/// `register_page`'s registration of unregistered page `p` while ghosts
+/// exist: the ghost of its content under `parent` comes back, if there is
+/// one (`prefix/ghosts.rs`), else a new registration as usual.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn register_or_revive(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+) -> ChainTip {
+    let tip = ix.revive_or_register(p, h, parent, salt);
+    pages.set_entry(p, tip.entry);
+    let parent_hash = if first { 0 } else { parent.hash };
+    events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
+    tip
 }
 
 /// The removal count to note for a chain that `register_row` (or the

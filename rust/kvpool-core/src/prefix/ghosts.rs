@@ -173,8 +173,6 @@ impl PrefixIndex {
     /// returns whether it did. Runs before `disown(i)`, so its parent
     /// counts it as a ghost child before it stops counting it as a live
     /// one (and never drops meanwhile).
-    #[cold]
-    #[inline(never)]
     pub(super) fn ghost_out(&mut self, i: u32, children: u32) -> bool {
         let ghost_kids = if self.idents[i as usize].links & GHOST_KIDS != 0 {
             self.idents[i as usize].links &= !GHOST_KIDS;
@@ -261,30 +259,10 @@ impl PrefixIndex {
         }
     }
 
-    /// A live child now names the ghost of registration `tip.reg` as its
-    /// parent (a registration under a gone tip, which the allocator never
-    /// makes but the counts stay right for).
-    #[cold]
-    pub(super) fn kid_under_ghost(&mut self, tip: &ChainTip) {
-        if let Some(p) = tip.entry.checked_sub(1) {
-            if let Some(g) = self.ghost_at(p, tip.reg) {
-                g.live_kids += 1;
-            }
-        }
-    }
-
     /// The ghost a page of `tokens` (chain hash `hash`, salt `salt`)
     /// registered under live tip `parent` revives: same key, token ids and
     /// salt, and its parent registration is the tip's.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn ghost_for(
-        &self,
-        hash: u128,
-        page: u32,
-        salt: i64,
-        parent: &ChainTip,
-    ) -> Option<u32> {
+    fn ghost_for(&self, hash: u128, page: u32, salt: i64, parent: &ChainTip) -> Option<u32> {
         let tokens = self.page_tokens(page);
         self.ghosts.of_key(key_of(hash)).find(|s| {
             let g = &self.ghosts.by_slot[s];
@@ -296,11 +274,31 @@ impl PrefixIndex {
         })
     }
 
+    /// Whether any ghost is kept: only then can a registration revive one
+    /// (and only while an orphan exists, so never under a `childless` tip).
+    #[inline(always)]
+    pub(crate) fn has_ghosts(&self) -> bool {
+        !self.ghosts.is_empty()
+    }
+
+    /// `register` (keyed), or the revival of the ghost the page's content
+    /// under `parent` brings back (`ghost_for`).
+    pub(crate) fn revive_or_register(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent: &ChainTip,
+        salt: i64,
+    ) -> ChainTip {
+        match self.ghost_for(hash, page, salt, parent) {
+            Some(slot) => self.revive(slot, page, parent),
+            None => self.register(page, hash, parent, salt, true),
+        }
+    }
+
     /// Registers `page` as the ghost at `slot` come back under live tip
     /// `parent` (`ghost_for`): its slot, id, hash and children.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn revive(&mut self, slot: u32, page: u32, parent: &ChainTip) -> ChainTip {
+    fn revive(&mut self, slot: u32, page: u32, parent: &ChainTip) -> ChainTip {
         let g = self.ghosts.remove(slot).expect("a ghost to revive");
         let i = slot as usize;
         self.entries[i] = Entry {

@@ -151,7 +151,7 @@ pub(crate) struct PrefixIndex {
     pub(super) orphans: usize,
     /// Removed entries with children, which a recomputation of their
     /// content revives (`ghosts.rs`).
-    pub(super) ghosts: Ghosts,
+    pub(super) ghosts: Box<Ghosts>,
     /// Registrations removed so far (evicted, dropped or cleared), wrapping:
     /// a request whose chain passes through another's entry rechecks it
     /// when this moved (`SlotAllocator::restart_dead_chain`).
@@ -201,7 +201,7 @@ impl PrefixIndex {
             next_reg: 1,
             live: 0,
             orphans: 0,
-            ghosts: Ghosts::default(),
+            ghosts: Box::default(),
             removals: 0,
             page_size,
             max_entries: num_pages.saturating_sub(1),

@@ -134,12 +134,9 @@ impl PrefixIndex {
     pub(super) fn adopt(&mut self, tip: &ChainTip) {
         match self.live_tip(tip) {
             Some(p) => self.idents[p as usize].links += 1,
-            None if tip.reg != 0 => {
-                self.orphans += 1;
-                if !self.ghosts.is_empty() {
-                    self.kid_under_ghost(tip);
-                }
-            }
+            // (Never a ghost's tip: registration stops at a gone tip,
+            // `register_page`, and relinks go under live ones.)
+            None if tip.reg != 0 => self.orphans += 1,
             None => {}
         }
     }

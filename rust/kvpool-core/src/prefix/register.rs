@@ -71,7 +71,8 @@ impl PrefixIndex {
     /// returns its tip, whose `entry` the page's record takes. The caller
     /// reserved room and checked that `page` is unregistered and that the
     /// hash's key is absent, or that `parent` is `childless` (then the
-    /// entry is left unkeyed when `keyed` is false, see `links.rs`).
+    /// entry is left unkeyed when `keyed` is false, see `links.rs`), and
+    /// that no ghost of it is to revive (`revive_or_register`).
     // Inlined into `cache()`'s loop, as `register_page` is: out of line, the
     // returned tip comes back through memory once a page.
     #[inline(always)]
@@ -87,12 +88,6 @@ impl PrefixIndex {
         // parent entry to hint it (nor would a gone parent, which
         // `register_page` never registers under).
         let keyed = keyed || self.live_tip(parent).is_none();
-        if !self.ghosts.is_empty() {
-            // (Only while an orphan exists: then `keyed` is true.)
-            if let Some(slot) = self.ghost_for(hash, page, salt, parent) {
-                return self.revive(slot, page, parent);
-            }
-        }
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -184,27 +179,38 @@ impl PrefixIndex {
     fn unregister_as<const GHOST: bool>(&mut self, entry: u32) -> Identity {
         let i = entry - 1;
         let e = self.idents[i as usize];
-        let children = e.links & CHILDREN;
-        if children > 0 {
-            // Its live children become orphans, which only keys can reach.
-            self.key_hinted_child(i, u32::MAX);
-            self.orphans += children as usize;
+        // Eviction takes a chain's tail first: mostly an entry without
+        // children, for which this is one test.
+        let ghost = e.links & (CHILDREN | GHOST_KIDS) != 0 && self.leave_children::<GHOST>(i);
+        if !ghost {
+            // (A ghost keeps its slot, `ghosts.rs`.)
+            self.free_entries.push(i);
         }
-        // A ghost is kept before `disown`, so a ghost parent's count never
-        // passes through 0 (`ghosts.rs`).
-        let ghost = GHOST && e.links & (CHILDREN | GHOST_KIDS) != 0 && self.ghost_out(i, children);
         self.disown(i);
         if e.links & KEYED != 0 {
             self.table.remove(key_of(e.hash), i);
         }
         self.entries[i as usize].parent_reg = DEAD;
         self.idents[i as usize].links = 0;
-        if !ghost {
-            self.free_entries.push(i);
-        }
         self.live -= 1;
         self.removals = self.removals.wrapping_add(1);
         e
+    }
+
+    /// Live entry `i`, with live or ghost children, is being removed: its
+    /// live children become orphans, which only keys can reach, and it
+    /// leaves a ghost if `GHOST` and room allow (`ghosts.rs`); returns
+    /// whether it did. Before `disown(i)`, so that a ghost parent's count
+    /// never passes through 0.
+    #[cold]
+    #[inline(never)]
+    fn leave_children<const GHOST: bool>(&mut self, i: u32) -> bool {
+        let children = self.idents[i as usize].links & CHILDREN;
+        if children > 0 {
+            self.key_hinted_child(i, u32::MAX);
+            self.orphans += children as usize;
+        }
+        GHOST && self.ghost_out(i, children)
     }
 
     /// Drops every registration; `unlink(location, entry)` clears a page's
