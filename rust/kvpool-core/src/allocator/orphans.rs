@@ -2,11 +2,13 @@
 //! registration is gone while it stayed: its parent was evicted first (a
 //! lower priority, or another page's entry its chain went on from), or
 //! rewritten in place after a truncation, or lost its last host copy. No
-//! lookup reaches it: verification wants the parent's registration. But
-//! it keeps its key, so a request that recomputes the same content under
-//! the parent's new registration finds it there, and it cannot stand for
-//! that page (its parent differs). Kept, it would stop the request's chain
-//! at that page for good.
+//! lookup reaches it: verification wants the parent's registration. The
+//! parent usually left a ghost (`prefix/ghosts.rs`): recomputing its
+//! content on its prefix revives its registration, and the orphan is
+//! reached again. Where no ghost was kept (the bound), a request that
+//! recomputes the same content under the parent's new registration finds
+//! the orphan under its key, and it cannot stand for that page (its parent
+//! differs). Kept, it would stop the request's chain at that page for good.
 //!
 //! So the orphan gives way (`register_past_orphan` in `cache.rs`): it
 //! leaves the index as an eviction would take it, and the recomputed page

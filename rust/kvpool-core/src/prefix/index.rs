@@ -40,11 +40,14 @@
 //! first, taking the entry, while the request still holds the content.
 //!
 //! Orphans: an entry whose parent registration is gone (`links.rs`) can
-//! no longer be hit, but keeps its key. When `cache()` finds one under a
-//! page's key with the page's content and salt, the orphan leaves the
-//! index (as an eviction takes it) and the page is registered in its
-//! place under the current parent (`allocator/orphans.rs`). An entry whose
-//! parent is live but not the page's parent stops the chain (a collision).
+//! no longer be hit, but keeps its key. The gone parent left a ghost
+//! (`ghosts.rs`): a page registered with its content on its prefix takes
+//! its registration back, and the orphans are reached again. Where none
+//! was kept, when `cache()` finds an orphan under a page's key with the
+//! page's content and salt, the orphan leaves the index (as an eviction
+//! takes it) and the page is registered in its place under the current
+//! parent (`allocator/orphans.rs`). An entry whose parent is live but not
+//! the page's parent stops the chain (a collision).
 
 use super::ghosts::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};

@@ -23,7 +23,8 @@
 //! while the child stayed, e.g. at a higher retention priority) can only
 //! be found by key, and may still hold the key a new registration of the
 //! same content would need (a registration of that content replaces it,
-//! `allocator/orphans.rs`). Each entry counts its live children, so the
+//! `allocator/orphans.rs`, unless its parent's ghost was revived first,
+//! `ghosts.rs`, which makes it a live parent's child again). Each entry counts its live children, so the
 //! index knows how many orphans exist; while there is one, registrations
 //! probe the table as before.
 //!
