@@ -53,10 +53,7 @@ class Model(PriorityModel, TierMixin, GhostMixin):
         self.victims = []
         self.reg = {}  # registration id -> Entry
         self.next_reg = 1
-        # Removed registrations with children (live or ghost): id -> (key, parent id). A
-        # registration of the same key under the same parent takes the id back (the core's
-        # prefix/ghosts.rs); at most one per page of the pool and its host tier at once.
-        self.ghosts = {}
+        self.ghosts = {}  # removed ids with children -> (key, parent id): allocator_model_ghosts.py
         self.max_ghosts = num_pages - 1 + max(host_pages - 1, 0)
         self.init_tier(host_pages, policy)
         self.free_rows = list(range(MAX_REQ - 1, -1, -1))
@@ -367,20 +364,6 @@ class Model(PriorityModel, TierMixin, GhostMixin):
         q.hashed, q.chain_reg = k, chain
         if k > start and self.writes_through():
             self.write_through(r, start, k)
-
-    def drop_orphan(self, e):
-        """Orphan `e` leaves the index with its copies: an unheld device copy
-        goes FREE (a held one stays with its holders, unregistered), its
-        priority ends, and its host copy goes FREE once nobody holds it."""
-        self.forget(e.reg)
-        if e.dev is not None:
-            self.prio.pop(e.dev, None)
-            if not self.holders(e.dev):
-                self.lru.remove(e.dev)
-                self.free.append(e.dev)
-        if e.host is not None and not self.host_holders(e.host):
-            self.tier.lru.remove(e.host)
-            self.tier.free.append(e.host)
 
     def take_over(self, e, p):
         """Entry `e`'s device copy moves from its CACHED page to page `p`,

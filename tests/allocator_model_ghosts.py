@@ -1,6 +1,7 @@
 """The reference model's ghost registrations (the core's ``prefix/ghosts.rs``): a registration
 removed while it has children (live entries or ghosts) keeps its id and key; a new registration of
-the same key under the same parent takes that id back, so the chain below it is served again."""
+the same key under the same parent takes that id back, so the chain below it is served again. And
+the orphans (live entries whose parent registration went) that give way where no ghost was kept."""
 
 
 class GhostMixin:
@@ -31,3 +32,17 @@ class GhostMixin:
             if not gone:
                 return
             del self.ghosts[gone[0]]
+
+    def drop_orphan(self, e):
+        """Orphan `e` leaves the index with its copies: an unheld device copy
+        goes FREE (a held one stays with its holders, unregistered), its
+        priority ends, and its host copy goes FREE once nobody holds it."""
+        self.forget(e.reg)
+        if e.dev is not None:
+            self.prio.pop(e.dev, None)
+            if not self.holders(e.dev):
+                self.lru.remove(e.dev)
+                self.free.append(e.dev)
+        if e.host is not None and not self.host_holders(e.host):
+            self.tier.lru.remove(e.host)
+            self.tier.free.append(e.host)
