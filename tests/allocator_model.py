@@ -10,6 +10,7 @@ the offload and load queues lists of page pairs (tier part:
 allocator_model_tier.py). Same policies as the allocator, written the obvious
 way."""
 
+from allocator_model_ghosts import GhostMixin
 from allocator_model_priorities import PriorityModel
 from allocator_model_tier import HOST, Entry, TierMixin
 
@@ -40,7 +41,7 @@ class Req:
         return out
 
 
-class Model(PriorityModel, TierMixin):
+class Model(PriorityModel, TierMixin, GhostMixin):
     def __init__(self, num_pages, ps, gen_base, host_pages=0, policy="write_back", max_pinned=None):
         self.ps = ps
         self.free = list(range(num_pages - 1, 0, -1))  # top = end: 1 first
@@ -52,6 +53,8 @@ class Model(PriorityModel, TierMixin):
         self.victims = []
         self.reg = {}  # registration id -> Entry
         self.next_reg = 1
+        self.ghosts = {}  # removed ids with children -> (key, parent id): allocator_model_ghosts.py
+        self.max_ghosts = num_pages - 1 + max(host_pages - 1, 0)
         self.init_tier(host_pages, policy)
         self.free_rows = list(range(MAX_REQ - 1, -1, -1))
         self.gen = [None] * MAX_REQ
@@ -337,11 +340,11 @@ class Model(PriorityModel, TierMixin):
                 e = None
             if e is None and self.entry_at(p) is None:
                 self.prio.pop(p, None)
-                reg = self.next_reg
-                self.next_reg += 1
+                reg = self.new_reg(key, chain)
                 self.reg[reg] = Entry(key, reg, chain, p)
             elif e is not None and e.dev == p:
                 e.parent_reg = chain
+                self.prune_ghosts()  # its old parent may be a ghost it was the last child of
                 reg = e.reg
             elif e is not None and e.parent_reg == chain:
                 # A duplicate; one whose only copy is on the host, or on a
@@ -361,20 +364,6 @@ class Model(PriorityModel, TierMixin):
         q.hashed, q.chain_reg = k, chain
         if k > start and self.writes_through():
             self.write_through(r, start, k)
-
-    def drop_orphan(self, e):
-        """Orphan `e` leaves the index with its copies: an unheld device copy
-        goes FREE (a held one stays with its holders, unregistered), its
-        priority ends, and its host copy goes FREE once nobody holds it."""
-        del self.reg[e.reg]
-        if e.dev is not None:
-            self.prio.pop(e.dev, None)
-            if not self.holders(e.dev):
-                self.lru.remove(e.dev)
-                self.free.append(e.dev)
-        if e.host is not None and not self.host_holders(e.host):
-            self.tier.lru.remove(e.host)
-            self.tier.free.append(e.host)
 
     def take_over(self, e, p):
         """Entry `e`'s device copy moves from its CACHED page to page `p`,
@@ -452,6 +441,7 @@ class Model(PriorityModel, TierMixin):
             self.tier.free.extend(self.tier.lru)
             self.tier.lru = []
         self.reg = {}
+        self.ghosts = {}
         self.prio = {}
         for q in self.reqs.values():
             q.hashed, q.chain_reg, q.broken = 0, 0, False

@@ -68,7 +68,7 @@ class TierMixin:
             self.new_host_copy(e, p)
         e.dev = None
         if e.host is None:
-            del self.reg[e.reg]
+            self.forget(e.reg)
 
     def new_host_copy(self, e, p):
         if not self.parent_live(e):
@@ -94,7 +94,7 @@ class TierMixin:
         e = self.entry_on_host(h)
         e.host = None
         if e.dev is None:
-            del self.reg[e.reg]
+            self.forget(e.reg)
         return h
 
     def write_through(self, r, start, end):

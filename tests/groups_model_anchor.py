@@ -66,11 +66,11 @@ class AnchorModel(Model):
                 e = None
             if e is None and self.entry_at(p) is None:
                 self.prio.pop(p, None)
-                reg = self.next_reg
-                self.next_reg += 1
+                reg = self.new_reg(key, chain)
                 self.reg[reg] = Entry(key, reg, chain, p)
             elif e is not None and e.dev == p:
                 e.parent_reg = chain
+                self.prune_ghosts()
                 reg = e.reg
             elif e is not None and e.parent_reg == chain:
                 # A duplicate; a copy nobody holds gives this page its entry.

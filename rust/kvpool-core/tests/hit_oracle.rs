@@ -20,9 +20,11 @@
 //! published is served to a prompt of them: an orphan of the same content
 //! (a registration whose parent's went) gives way to the recomputed page.
 //!
-//! What is not served: an orphan nobody recomputes (its Stored event
-//! stands, but no lookup reaches it; a router matching from the root stops
-//! at its gone parent's hash unless that is registered again), and a page
+//! What is not served: an orphan whose gone parent nobody recomputes (its
+//! Stored event stands, but no lookup reaches it; a router matching from
+//! the root stops at its gone parent's hash; recomputed on the same
+//! prefix, the parent's registration is revived, `prefix/ghosts.rs`, and
+//! the orphan served again), and a page
 //! a request holds and published that stayed unregistered because another
 //! copy of its content was registered (a duplicate) and went since.
 

@@ -37,7 +37,7 @@ use contents::Contents;
 use kvpool_core::{make_handle, Counts, HostPolicy, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST};
 use model_coverage::{
     count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
-    OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, STORED, SWAPS, TAKEN_OVER,
+    OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, REVIVED, STORED, SWAPS, TAKEN_OVER,
 };
 use model_harness::{agrees, new_allocator, report, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
@@ -377,6 +377,7 @@ proptest! {
         count(&DROPPED, m.dropped);
         count(&TAKEN_OVER, m.taken_over);
         count(&ORPHANS_REPLACED, m.orphans_replaced);
+        count(&REVIVED, m.revived);
         count(&COPIES, m.queued);
         if let Some(t) = m.tier.as_ref() {
             count(&HOST_HITS, t.hit);

@@ -4,7 +4,10 @@
 //! stand (a router that matches from the root never gets past the gone
 //! parent's hash unless that content is registered again).
 //!
-//! A request that recomputes the same content under the parent's new
+//! Recomputing the gone parent's content under the same prefix revives its
+//! registration (`prefix/ghosts.rs`), and the orphans below are served
+//! again. Where no ghost was kept (or the parent's own prefix differs), a
+//! request that recomputes the same content under the parent's new
 //! registration finds the orphan under its key: the orphan gives way
 //! (Removed events for its copies) and the recomputed page is registered
 //! in its place (a Stored event), so the request's chain goes on past it.
@@ -70,24 +73,27 @@ fn hit_as_registered(a: &mut SlotAllocator, router: &mut Router, prompt: &[i64])
 
 /// A prefix cached at a low priority, its continuation at the default:
 /// eviction takes the prefix (lowest priority first) and leaves the
-/// continuation, an orphan once the prefix is computed again. A turn that
-/// hits the new prefix and recomputes the continuation replaces it.
+/// continuation, an orphan. Its prefix's removed entries stay as ghosts
+/// (`prefix/ghosts.rs`): computing the prefix again revives them, and the
+/// continuation is served again without being recomputed.
 #[test]
-fn a_continuation_outliving_its_low_priority_prefix_is_replaced_when_recomputed() {
+fn a_continuation_outliving_its_low_priority_prefix_is_served_once_the_prefix_is_recomputed() {
     let (mut a, mut router) = pool();
     serve(&mut a, &[0, 1, 2, 3, 9], Some(0));
     // The next turn hits the prefix and registers [4, 5] under it.
     serve(&mut a, &[0, 1, 2, 3, 4, 5, 6], None);
     assert_eq!(a.evict(2), 2);
-    // The prefix is computed again (a new registration of the same pages).
-    serve(&mut a, &[0, 1, 2, 3, 8], None);
-    // The orphan [4, 5] is not served: the hit stops at the new prefix.
+    // The orphan [4, 5] is not served while its prefix is gone.
     let (h, cached) = a
         .open_with_prefix(&[0, 1, 2, 3, 4, 5, 6], &[7], Counts::Each(0))
         .unwrap();
-    assert_eq!(cached, [4]);
+    assert_eq!(cached, [0]);
     a.close(&h, false).unwrap();
-    // Recomputed from that hit, [4, 5] takes the orphan's place.
+    // The prefix is computed again: its registrations come back.
+    serve(&mut a, &[0, 1, 2, 3, 8], None);
+    let n = hit_as_registered(&mut a, &mut router, &[0, 1, 2, 3, 4, 5, 6]);
+    assert_eq!(n, 6);
+    // Recomputed from that hit, nothing changes.
     serve(&mut a, &[0, 1, 2, 3, 4, 5, 6], None);
     let n = hit_as_registered(&mut a, &mut router, &[0, 1, 2, 3, 4, 5, 6]);
     assert_eq!(n, 6);

@@ -14,7 +14,7 @@ use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
-use super::orphans::drop_orphan;
+use super::orphans::{register_or_revive, register_past_orphan};
 
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
@@ -331,7 +331,16 @@ pub(super) fn register_page(
     let found = if childless {
         None
     } else {
-        ix.child_of(parent, h)
+        match ix.child_of(parent, h) {
+            // A ghost exists only while an orphan does, never under a
+            // childless tip: the usual registration reads no more.
+            None if own.is_none() && ix.has_ghosts() => {
+                return Some(register_or_revive(
+                    ix, pages, events, p, first, h, parent, salt,
+                ));
+            }
+            found => found,
+        }
     };
     match found {
         None if own.is_none() => {
@@ -380,40 +389,6 @@ pub(super) fn walked_at(prefix: &PrefixIndex, chain: &Chain) -> u32 {
         chain.checked
     } else {
         prefix.removals()
-    }
-}
-
-/// `register_page` returned None for page `p`: if the entry its key
-/// names is an orphan of `p`'s content, it gives way (`orphans.rs`) and
-/// `p` is registered after all; returns the new tip, or None when the
-/// chain stops there. Out of line, called only where a chain would stop:
-/// the registration loop's own path is unchanged.
-#[cold]
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn register_past_orphan(
-    ix: &mut PrefixIndex,
-    pages: &mut PagePool,
-    events: &mut EventLog,
-    host: &mut Option<HostTier>,
-    p: u32,
-    first: bool,
-    h: u128,
-    parent: &ChainTip,
-    salt: i64,
-) -> Option<ChainTip> {
-    if !ix.is_live(parent) || pages.entry(p) != 0 {
-        return None;
-    }
-    loop {
-        let (i, _) = ix.child_of(parent, h)?;
-        if !ix.is_orphan_of(i, ix.page_tokens(p), salt) {
-            return None;
-        }
-        drop_orphan(ix, pages, events, host, i);
-        if let Some(tip) = register_page(ix, pages, events, host, p, first, h, parent, salt) {
-            return Some(tip);
-        }
     }
 }
 

@@ -158,7 +158,7 @@ impl SlotAllocator {
         while let Some(p) = self.pages.pop_cached() {
             let entry = self.pages.take_entry(p);
             if entry != 0 {
-                self.prefix.unregister(entry);
+                self.prefix.unregister_no_ghost(entry);
             }
             self.pages.free_evicted(p);
         }

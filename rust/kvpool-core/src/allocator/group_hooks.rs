@@ -325,7 +325,7 @@ impl SlotAllocator {
             let next =
                 super::cache::register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt)
                     .or_else(|| {
-                        super::cache::register_past_orphan(
+                        super::orphans::register_past_orphan(
                             prefix,
                             pages,
                             events,

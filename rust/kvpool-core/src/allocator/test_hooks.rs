@@ -54,4 +54,10 @@ impl SlotAllocator {
     pub fn index_links_for_tests(&self) -> (usize, usize, usize) {
         self.prefix.links_for_tests()
     }
+
+    /// Ghost registrations the prefix index keeps (`prefix/ghosts.rs`).
+    #[doc(hidden)]
+    pub fn index_ghosts_for_tests(&self) -> usize {
+        self.prefix.ghosts_for_tests()
+    }
 }

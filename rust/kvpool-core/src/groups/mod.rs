@@ -50,9 +50,10 @@
 //! tokens. The anchor chain proves that page by page (tokens, salt, parent
 //! registration: a collision costs a miss, never wrong K/V), and every
 //! other group files its page ending at e (or its checkpoint at e) under
-//! the registration id of the anchor entry ending at e. Ids are never
-//! reused, so a lookup by the id the anchor walk verified is exact by
-//! construction. A hit of length L then needs:
+//! the registration id of the anchor entry ending at e. Ids are reused
+//! only for the very prefix they stood for (a revived ghost,
+//! `prefix/ghosts.rs`), so a lookup by the id the anchor walk verified is
+//! exact by construction. A hit of length L then needs:
 //!
 //! - the anchor chain's pages for [0, L) (verified walk);
 //! - every other full group's pages for [0, L);

@@ -2,12 +2,16 @@
 //! the page (or state slot) holding this group's content for exactly that
 //! entry's prefix, and back.
 //!
-//! Keys are registration ids, which the anchor's index never reuses, and an
-//! anchor entry at position e stands for one token sequence [0, e) (its
-//! chain is verified page by page: tokens, salt, parent). So a key names
-//! one prefix exactly: nothing to hash, nothing to compare, no collision.
-//! A page whose anchor entry is gone keeps a key no lookup will produce
-//! again and waits for eviction like any cached page.
+//! Keys are registration ids, which the anchor's index reuses only for the
+//! very prefix they stood for (a ghost revived by a verified registration
+//! of the same tokens, salt and parent, `prefix/ghosts.rs`), and an anchor
+//! entry at position e stands for one token sequence [0, e) (its chain is
+//! verified page by page: tokens, salt, parent). So a key names one prefix
+//! exactly: nothing to hash, nothing to compare, no collision. A page whose
+//! anchor entry is gone keeps its key: a lookup produces it again only once
+//! that entry is revived, for the same prefix, whose content the page still
+//! holds (a page written in place leaves the index first); else it waits
+//! for eviction like any cached page.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};

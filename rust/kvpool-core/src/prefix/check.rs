@@ -11,7 +11,10 @@
 //! - every live entry can be found: keyed, or hinted by its live parent
 //!   (`links.rs`), and the table files exactly the keyed ones; each entry
 //!   counts its live children, and the orphans are counted;
-//! - a freed slab slot is marked dead and named by no page.
+//! - a freed slab slot is marked dead and named by no page;
+//! - every ghost (`ghosts.rs`) holds a dead slot no page names, counts
+//!   its live and ghost children right, has some, and its registration is
+//!   no live entry's; live entries count their ghost children.
 
 use super::index::{PrefixIndex, DEAD};
 use super::keys::key_of;
@@ -31,7 +34,8 @@ impl PrefixIndex {
             return Err("index entry slab leaks entries".into());
         }
         let free: std::collections::HashSet<u32> = self.free_entries.iter().copied().collect();
-        let is_live = |i: u32| (i as usize) < self.entries.len() && !free.contains(&i);
+        let is_live =
+            |i: u32| (i as usize) < self.entries.len() && !free.contains(&i) && !self.is_ghost(i);
         let mut listed = 0usize;
         let mut keyed = 0usize;
         let mut copies = 0usize;
@@ -114,12 +118,13 @@ impl PrefixIndex {
                 self.len()
             ));
         }
-        if self.entries.len() != self.len() + self.free_entries.len()
+        if self.entries.len() != self.len() + self.free_entries.len() + self.ghosts.len()
             || free.len() != self.free_entries.len()
         {
             return Err("index entry slab leaks entries".into());
         }
         self.check_links(&is_live)?;
+        self.check_ghosts(&is_live, &free, &entry_of)?;
         // A freed slot must never verify as anybody's child, nor be named.
         for &i in &self.free_entries {
             match self.entries.get(i as usize) {
@@ -208,6 +213,11 @@ impl PrefixIndex {
     /// `(live entries, keyed entries, orphans)`.
     pub(crate) fn links_for_tests(&self) -> (usize, usize, usize) {
         (self.len(), self.table.len(), self.orphans())
+    }
+
+    /// Ghost registrations kept.
+    pub(crate) fn ghosts_for_tests(&self) -> usize {
+        self.ghosts.len()
     }
 }
 

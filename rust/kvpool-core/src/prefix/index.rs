@@ -40,12 +40,16 @@
 //! first, taking the entry, while the request still holds the content.
 //!
 //! Orphans: an entry whose parent registration is gone (`links.rs`) can
-//! no longer be hit, but keeps its key. When `cache()` finds one under a
-//! page's key with the page's content and salt, the orphan leaves the
-//! index (as an eviction takes it) and the page is registered in its
-//! place under the current parent (`allocator/orphans.rs`). An entry whose
-//! parent is live but not the page's parent stops the chain (a collision).
+//! no longer be hit, but keeps its key. The gone parent left a ghost
+//! (`ghosts.rs`): a page registered with its content on its prefix takes
+//! its registration back, and the orphans are reached again. Where none
+//! was kept, when `cache()` finds an orphan under a page's key with the
+//! page's content and salt, the orphan leaves the index (as an eviction
+//! takes it) and the page is registered in its place under the current
+//! parent (`allocator/orphans.rs`). An entry whose parent is live but not
+//! the page's parent stops the chain (a collision).
 
+use super::ghosts::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;
@@ -87,7 +91,8 @@ pub(super) const TABLE_FLOOR_KEYS: usize = 1 << 20;
 /// bytes) it would read twice the memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Entry {
-    /// Unique id of this registration (never reused; 0 means none).
+    /// Unique id of this registration (0 means none): never reused, but
+    /// by a revival of the same verified prefix (`ghosts.rs`).
     pub(super) reg: u64,
     /// `reg` of the parent page's entry when this page was registered.
     pub(super) parent_reg: u64,
@@ -147,6 +152,9 @@ pub(crate) struct PrefixIndex {
     pub(super) live: usize,
     /// Live entries whose parent registration is gone (`links.rs`).
     pub(super) orphans: usize,
+    /// Removed entries with children, which a recomputation of their
+    /// content revives (`ghosts.rs`).
+    pub(super) ghosts: Box<Ghosts>,
     /// Registrations removed so far (evicted, dropped or cleared), wrapping:
     /// a request whose chain passes through another's entry rechecks it
     /// when this moved (`SlotAllocator::restart_dead_chain`).
@@ -196,6 +204,7 @@ impl PrefixIndex {
             next_reg: 1,
             live: 0,
             orphans: 0,
+            ghosts: Box::default(),
             removals: 0,
             page_size,
             max_entries: num_pages.saturating_sub(1),
@@ -421,6 +430,7 @@ impl PrefixIndex {
             + self.table.capacity_bytes()
             + self.hash_scratch.capacity() * 16
             + self.tokens.capacity() * 4
+            + self.ghosts.capacity_bytes(self.page_size)
     }
 }
 

@@ -23,7 +23,8 @@
 //! while the child stayed, e.g. at a higher retention priority) can only
 //! be found by key, and may still hold the key a new registration of the
 //! same content would need (a registration of that content replaces it,
-//! `allocator/orphans.rs`). Each entry counts its live children, so the
+//! `allocator/orphans.rs`, unless its parent's ghost was revived first,
+//! `ghosts.rs`, which makes it a live parent's child again). Each entry counts its live children, so the
 //! index knows how many orphans exist; while there is one, registrations
 //! probe the table as before.
 //!
@@ -38,8 +39,11 @@ use super::tip::ChainTip;
 
 /// `Identity::links`' flag: the entry is filed in the key table.
 pub(super) const KEYED: u32 = 1 << 31;
+/// `Identity::links`' flag: the entry has ghost children (`ghosts.rs`
+/// counts them), so its removal leaves a ghost too.
+pub(super) const GHOST_KIDS: u32 = 1 << 30;
 /// `Identity::links`' live-children count.
-pub(super) const CHILDREN: u32 = KEYED - 1;
+pub(super) const CHILDREN: u32 = GHOST_KIDS - 1;
 
 impl PrefixIndex {
     /// Whether live entry `i` is filed in the key table.
@@ -131,16 +135,26 @@ impl PrefixIndex {
     pub(super) fn adopt(&mut self, tip: &ChainTip) {
         match self.live_tip(tip) {
             Some(p) => self.idents[p as usize].links += 1,
+            // (Never a ghost's tip: registration stops at a gone tip,
+            // `register_page`, and relinks go under live ones.)
             None if tip.reg != 0 => self.orphans += 1,
             None => {}
         }
     }
 
-    /// Stops counting live entry `i` under its parent (or as an orphan).
+    /// Stops counting live entry `i` under its parent (or as an orphan,
+    /// and as its parent's ghost's child, `ghosts.rs`).
     pub(super) fn disown(&mut self, i: u32) {
         match self.live_parent(i) {
             Some(p) => self.idents[p as usize].links -= 1,
-            None if self.entries[i as usize].parent_reg != 0 => self.orphans -= 1,
+            None if self.entries[i as usize].parent_reg != 0 => {
+                self.orphans -= 1;
+                if !self.ghosts.is_empty() {
+                    if let Some(p) = self.idents[i as usize].parent.checked_sub(1) {
+                        self.kid_gone(p, self.entries[i as usize].parent_reg, true);
+                    }
+                }
+            }
             None => {}
         }
     }

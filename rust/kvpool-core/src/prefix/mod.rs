@@ -5,6 +5,8 @@
 //! - `keys.rs`, `key_table.rs`: the lookup key of a hash and its table;
 //! - `index.rs`: the entries and their verification;
 //! - `register.rs`: filing, relinking and removing entries;
+//! - `ghosts.rs`: what a removed entry with children leaves behind, so
+//!   that recomputing its content revives its chain;
 //! - `links.rs`: which entries the key table files (a chain's only
 //!   children are reached through their parents' hints), and the
 //!   parent-child counts behind it;
@@ -16,6 +18,7 @@
 //! entry, and the allocator keeps the two in step.
 
 mod check;
+mod ghosts;
 pub(crate) mod hashing;
 pub(crate) mod index;
 mod key_table;

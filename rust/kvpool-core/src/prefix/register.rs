@@ -4,7 +4,7 @@
 
 use super::index::{Entry, Identity, PrefixIndex, DEAD, SLAB_MAP_BYTES, TABLE_FLOOR_KEYS};
 use super::keys::key_of;
-use super::links::{CHILDREN, KEYED};
+use super::links::{CHILDREN, GHOST_KIDS, KEYED};
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::location::{is_host, on_host};
@@ -71,7 +71,8 @@ impl PrefixIndex {
     /// returns its tip, whose `entry` the page's record takes. The caller
     /// reserved room and checked that `page` is unregistered and that the
     /// hash's key is absent, or that `parent` is `childless` (then the
-    /// entry is left unkeyed when `keyed` is false, see `links.rs`).
+    /// entry is left unkeyed when `keyed` is false, see `links.rs`), and
+    /// that no ghost of it is to revive (`revive_or_register`).
     // Inlined into `cache()`'s loop, as `register_page` is: out of line, the
     // returned tip comes back through memory once a page.
     #[inline(always)]
@@ -159,18 +160,31 @@ impl PrefixIndex {
     }
 
     /// Removes the registration `entry` (index + 1, taken from its page's
-    /// record); returns its hash and salt.
+    /// record); returns its hash and salt. One with children leaves a
+    /// ghost (`ghosts.rs`).
     // Inlined into eviction's loop: as a call, the 32-byte identity comes
     // back through memory, which an eviction run feels.
     #[inline(always)]
     pub(crate) fn unregister(&mut self, entry: u32) -> Identity {
+        self.unregister_as::<true>(entry)
+    }
+
+    /// `unregister` without a ghost: the whole index is about to go
+    /// (`clear_cache`).
+    pub(crate) fn unregister_no_ghost(&mut self, entry: u32) -> Identity {
+        self.unregister_as::<false>(entry)
+    }
+
+    #[inline(always)]
+    fn unregister_as<const GHOST: bool>(&mut self, entry: u32) -> Identity {
         let i = entry - 1;
         let e = self.idents[i as usize];
-        let children = e.links & CHILDREN;
-        if children > 0 {
-            // Its live children become orphans, which only keys can reach.
-            self.key_hinted_child(i, u32::MAX);
-            self.orphans += children as usize;
+        // Eviction takes a chain's tail first: mostly an entry without
+        // children, for which this is one test.
+        let ghost = e.links & (CHILDREN | GHOST_KIDS) != 0 && self.leave_children::<GHOST>(i);
+        if !ghost {
+            // (A ghost keeps its slot, `ghosts.rs`.)
+            self.free_entries.push(i);
         }
         self.disown(i);
         if e.links & KEYED != 0 {
@@ -178,10 +192,25 @@ impl PrefixIndex {
         }
         self.entries[i as usize].parent_reg = DEAD;
         self.idents[i as usize].links = 0;
-        self.free_entries.push(i);
         self.live -= 1;
         self.removals = self.removals.wrapping_add(1);
         e
+    }
+
+    /// Live entry `i`, with live or ghost children, is being removed: its
+    /// live children become orphans, which only keys can reach, and it
+    /// leaves a ghost if `GHOST` and room allow (`ghosts.rs`); returns
+    /// whether it did. Before `disown(i)`, so that a ghost parent's count
+    /// never passes through 0.
+    #[cold]
+    #[inline(never)]
+    fn leave_children<const GHOST: bool>(&mut self, i: u32) -> bool {
+        let children = self.idents[i as usize].links & CHILDREN;
+        if children > 0 {
+            self.key_hinted_child(i, u32::MAX);
+            self.orphans += children as usize;
+        }
+        GHOST && self.ghost_out(i, children)
     }
 
     /// Drops every registration; `unlink(location, entry)` clears a page's
@@ -208,6 +237,7 @@ impl PrefixIndex {
         }
         self.live = 0;
         self.orphans = 0;
+        self.ghosts.clear();
         self.removals = self.removals.wrapping_add(1);
         if !sparse || self.table.len() != 0 {
             // Dense, or keys the slab did not account for (only a corrupted

@@ -25,6 +25,7 @@ thread_local! {
     pub static ENDED: Cell<usize> = const { Cell::new(0) };
     pub static TAKEN_OVER: Cell<usize> = const { Cell::new(0) };
     pub static ORPHANS_REPLACED: Cell<usize> = const { Cell::new(0) };
+    pub static REVIVED: Cell<usize> = const { Cell::new(0) };
 }
 
 pub fn count<T: Copy + std::ops::Add<Output = T>>(
@@ -147,4 +148,7 @@ fn generated_sequences_exercise_sharing() {
     // Rare here (0-2 a run): `orphans.rs` and `hit_oracle.rs` build them.
     let replaced = ORPHANS_REPLACED.with(Cell::get);
     eprintln!("{replaced} orphans replaced by a recomputed page");
+    // A recomputed page taking a ghost's registration back (`ghosts.rs`).
+    let revived = REVIVED.with(Cell::get);
+    eprintln!("{revived} removed registrations revived by a recomputed page");
 }

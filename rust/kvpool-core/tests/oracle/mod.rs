@@ -11,11 +11,12 @@
 //! kvpool links each registration to its parent's registration, not to
 //! its parent's hash: a page registered under a registration that later
 //! went (evicted, or dropped before an in-place write) is an orphan, which
-//! no lookup reaches even once the same parent content is registered
-//! again (trusting the hash alone is what verification avoids). The
-//! oracle follows registrations the same way (`Registry`): a page is
-//! reachable when its hash is registered and the registration it was
-//! stored under is the parent hash's current one.
+//! no lookup reaches (trusting the hash alone is what verification
+//! avoids) until the same parent content is registered again on the same
+//! prefix, which revives the parent's registration (`prefix/ghosts.rs`).
+//! The oracle follows registrations without revival (`Registry`): a page
+//! is reachable when its hash is registered and the registration it was
+//! stored under is the parent hash's current one, a lower bound.
 //!
 //! Two ideals, both capped at `(len - 1) / page_size` pages:
 //! - `reachable`: the longest prefix whose every page is reachable. kvpool
@@ -25,8 +26,10 @@
 //! - `registered`: the longest prefix whose every page's hash is
 //!   registered on some tier. kvpool must serve at most that: more is KV
 //!   nobody registered. Between the two lie orphans: resident, registered
-//!   (a router that reads the events believes them cached), served only
-//!   once a request recomputes their content, which replaces them.
+//!   (a router that reads the events believes them cached), served once
+//!   their gone parent is revived (`ghost_revival.rs` checks the hit is
+//!   then exactly `registered`), or once a request recomputes their
+//!   content, which replaces them.
 //!
 //! A take-over (a recomputed page becomes the copy of a registration
 //! whose page nobody held) is reported as a Removed event and a Stored

@@ -140,6 +140,15 @@ pub struct Model {
     pub taken_over: usize,
     /// Orphans replaced by a recomputed page of the same content.
     pub orphans_replaced: usize,
+    /// Removed registrations with children (live or ghost): id -> (key,
+    /// parent id). A registration of the same key under the same parent
+    /// takes the id back (the core's `prefix/ghosts.rs`).
+    pub ghosts: BTreeMap<u64, ((i64, Vec<i32>), u64)>,
+    /// At most this many ghosts (the core's index entries: one per page of
+    /// the pool and of its host tier, page 0 of each aside).
+    pub max_ghosts: usize,
+    /// Registrations that took a ghost's id back.
+    pub revived: usize,
     /// Slots ever queued for copying.
     pub queued: usize,
     pub hit: u64,
@@ -152,6 +161,7 @@ impl Model {
     }
 
     pub fn with_tier(pages: usize, ps: usize, tier: Option<Tier>) -> Self {
+        let max_ghosts = pages - 1 + tier.as_ref().map_or(0, |t| t.free.len());
         Model {
             ps,
             free: (1..pages).rev().collect(),
@@ -171,6 +181,9 @@ impl Model {
             dropped: 0,
             taken_over: 0,
             orphans_replaced: 0,
+            ghosts: BTreeMap::new(),
+            max_ghosts,
+            revived: 0,
             queued: 0,
             hit: 0,
             miss: 0,
@@ -202,6 +215,27 @@ impl Model {
         (0..r.len())
             .map(|t| (r.pages[t / self.ps] * self.ps + t % self.ps) as i64)
             .collect()
+    }
+
+    /// Registration `reg` leaves the index: it stays a ghost while it has
+    /// children (room allowing), and ghosts left without any go.
+    pub(crate) fn forget(&mut self, reg: u64) {
+        let e = self.reg.remove(&reg).unwrap();
+        if self.has_kids(reg) && self.ghosts.len() < self.max_ghosts {
+            self.ghosts.insert(reg, (e.key, e.parent_reg));
+        }
+        self.prune_ghosts();
+    }
+
+    fn has_kids(&self, reg: u64) -> bool {
+        self.reg.values().any(|e| e.parent_reg == reg) || self.ghosts.values().any(|g| g.1 == reg)
+    }
+
+    /// Drops the ghosts left without children, up their chains.
+    pub(crate) fn prune_ghosts(&mut self) {
+        while let Some(g) = self.ghosts.keys().copied().find(|&g| !self.has_kids(g)) {
+            self.ghosts.remove(&g);
+        }
     }
 
     fn find(&self, key: &(i64, Vec<i32>)) -> Option<Entry> {

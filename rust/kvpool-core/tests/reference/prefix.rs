@@ -52,8 +52,24 @@ impl Model {
             }
             let reg = match found {
                 None if !self.is_registered(p) => {
-                    let reg = self.next_reg;
-                    self.next_reg += 1;
+                    // A ghost of this content under this parent comes back
+                    // with its id (its children chain on it again).
+                    let ghost = self
+                        .ghosts
+                        .iter()
+                        .find(|(_, g)| g.0 == key && g.1 == chain_reg)
+                        .map(|(&g, _)| g);
+                    let reg = match ghost {
+                        Some(g) => {
+                            self.ghosts.remove(&g);
+                            self.revived += 1;
+                            g
+                        }
+                        None => {
+                            self.next_reg += 1;
+                            self.next_reg - 1
+                        }
+                    };
                     self.prio.remove(&p);
                     self.reg.insert(
                         reg,
@@ -69,6 +85,8 @@ impl Model {
                 }
                 Some(e) if e.dev == Some(p) => {
                     self.reg.get_mut(&e.reg).unwrap().parent_reg = chain_reg;
+                    // Its old parent may be a ghost it was the last child of.
+                    self.prune_ghosts();
                     Some(e.reg)
                 }
                 Some(e) if e.parent_reg == chain_reg => {
@@ -140,7 +158,8 @@ impl Model {
     /// goes FREE (a held one stays with its holders, unregistered), its
     /// priority ends, and its host copy goes FREE once nobody holds it.
     fn drop_orphan(&mut self, reg: u64) {
-        let e = self.reg.remove(&reg).unwrap();
+        let e = self.reg[&reg].clone();
+        self.forget(reg);
         if let Some(q) = e.dev {
             self.prio.remove(&q);
             if self.holders(q) == 0 {
@@ -199,6 +218,7 @@ impl Model {
             }
         }
         self.reg.clear();
+        self.ghosts.clear();
         self.prio.clear();
         for r in self.reqs.values_mut() {
             r.hashed = 0;

@@ -120,7 +120,7 @@ impl Model {
         let e = self.reg.get_mut(&reg).unwrap();
         e.dev = None;
         if e.host.is_none() {
-            self.reg.remove(&reg);
+            self.forget(reg);
         }
     }
 
@@ -155,7 +155,7 @@ impl Model {
         let e = self.reg.get_mut(&reg).unwrap();
         e.host = None;
         if e.dev.is_none() {
-            self.reg.remove(&reg);
+            self.forget(reg);
         }
         Some(h)
     }

@@ -1,0 +1,48 @@
+"""The reference model's ghost registrations (the core's ``prefix/ghosts.rs``): a registration
+removed while it has children (live entries or ghosts) keeps its id and key; a new registration of
+the same key under the same parent takes that id back, so the chain below it is served again. And
+the orphans (live entries whose parent registration went) that give way where no ghost was kept."""
+
+
+class GhostMixin:
+    def new_reg(self, key, chain):
+        """The id of a new registration of `key` under `chain`: a ghost's of the same key and
+        parent comes back (its children chain on it again), else a fresh one."""
+        for g, (gkey, parent) in self.ghosts.items():
+            if gkey == key and parent == chain:
+                del self.ghosts[g]
+                return g
+        self.next_reg += 1
+        return self.next_reg - 1
+
+    def forget(self, reg):
+        """Registration `reg` leaves the index: it stays a ghost while it has children (room
+        allowing), and ghosts left without any go."""
+        e = self.reg.pop(reg)
+        if self.has_kids(reg) and len(self.ghosts) < self.max_ghosts:
+            self.ghosts[reg] = (e.key, e.parent_reg)
+        self.prune_ghosts()
+
+    def has_kids(self, reg):
+        return any(e.parent_reg == reg for e in self.reg.values()) or any(g[1] == reg for g in self.ghosts.values())
+
+    def prune_ghosts(self):
+        while True:
+            gone = [g for g in self.ghosts if not self.has_kids(g)]
+            if not gone:
+                return
+            del self.ghosts[gone[0]]
+
+    def drop_orphan(self, e):
+        """Orphan `e` leaves the index with its copies: an unheld device copy
+        goes FREE (a held one stays with its holders, unregistered), its
+        priority ends, and its host copy goes FREE once nobody holds it."""
+        self.forget(e.reg)
+        if e.dev is not None:
+            self.prio.pop(e.dev, None)
+            if not self.holders(e.dev):
+                self.lru.remove(e.dev)
+                self.free.append(e.dev)
+        if e.host is not None and not self.host_holders(e.host):
+            self.tier.lru.remove(e.host)
+            self.tier.free.append(e.host)
