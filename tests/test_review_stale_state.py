@@ -89,7 +89,7 @@ def test_rows_truncated_through_the_pool_are_refused_not_read_stale(models, arch
     pool.check()
     if arch == "llama":  # (DynamicCache's sliding layers do not crop)
         p.cache.crop(7 - p.cache.get_seq_length())
-        p.dyn.crop(7)
+        p.dyn.crop(7 - p.dyn.get_seq_length())
         p.steps(8)
         assert p.worst <= TOL
     p.cache.close()
@@ -139,6 +139,31 @@ def test_hybrid_rows_closed_through_the_pool_are_refused_and_the_cache_still_clo
         p.step()
     p.cache.close()
     assert pool.is_open(int(other[0])) and pool.is_open(int(other[1]))
+    pool.close(other)
+    pool.check()
+
+
+def test_linear_attention_rows_closed_through_the_pool_leave_the_new_holders_state_alone():
+    """Qwen3-Next's linear-attention layer runs before the first attention layer extends: after
+    ``pool.close(cache.handles)`` and a request that took the rows' state slots, the next forward
+    is refused before the model gets (and updates in place) the old rows' states."""
+    model = tiny("qwen3_next")
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_requests=4)
+    p = Pair(model, pool)
+    p.steps(3)
+    h = p.cache.handles
+    state_layers = [i for i in range(pool.num_layers) if pool.group(i).kind == "state"]
+    old = {i: pool.state_slots(h, i).tolist() for i in state_layers}
+    pool.close(h)
+    other = pool.open(2)
+    pool.extend(other, 5)
+    assert any(set(pool.state_slots(other, i).tolist()) & set(old[i]) for i in state_layers)
+    before = {(i, n): pool.state(i, n).clone() for i in state_layers for n in ("conv", "recurrent")}
+    with pytest.raises(InvalidHandleError, match="closed through the pool"):
+        p.step()
+    p.cache.close()
+    for (i, n), t in before.items():
+        assert torch.equal(pool.state(i, n), t), f"layer {i}'s {n} state written after its rows closed"
     pool.close(other)
     pool.check()
 
