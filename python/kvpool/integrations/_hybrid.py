@@ -29,7 +29,8 @@ from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
-from kvpool.integrations._requests import check_not_empty, check_rows, close_rows
+from kvpool.integrations._requests import check_not_empty
+from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]

@@ -16,16 +16,10 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.errors import (
-    InvalidHandleError,
-    RequestSwappedOutError,
-    RowsChangedError,
-    TensorDeviceError,
-    TensorDtypeError,
-    TensorShapeError,
-)
+from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.validate import check_flag
 
@@ -41,34 +35,6 @@ PREFIX_NEEDS_CORE = (
 )
 
 
-def check_rows(pool: Any, handles: np.ndarray, tokens: int | None) -> None:
-    """After a pool call the cache did not make named its rows (``kvpool.row_edits``): raise the
-    typed error of a change it cannot follow: the rows closed (``pool.close``, ``pool.reset``),
-    swapped out, or (``tokens``: the length the pool should hold) truncated. Nothing changes."""
-    if not all(pool.is_open(h) for h in handles.tolist()):
-        raise InvalidHandleError(
-            "this KVPoolCache's rows were closed through the pool (pool.close of its handles, or "
-            "pool.reset) since its last step: it has nothing left to go on from. Close the cache "
-            "(close() gives nothing back twice and leaves requests that reuse the rows alone) and "
-            "open a new one for the batch")
-    swapped = [h for h in handles.tolist() if getattr(pool, "is_swapped", None) and pool.is_swapped(h)]
-    if swapped:
-        raise RequestSwappedOutError(
-            f"{len(swapped)} of this KVPoolCache's rows are swapped out (pool.swap_out of its handles): "
-            "a step needs them on the device; call pool.swap_in(cache.handles) first")
-    if tokens is None:
-        return
-    held = np.asarray(pool.lengths(handles), dtype=np.int64)
-    if (held != tokens).any():
-        how = "truncated" if (held < tokens).all() else "extended or truncated"
-        fix = (f"crop the cache to them (cache.crop({int(held[0]) - tokens})) to go on from there, or close it"
-               if (held == held[0]).all() and held[0] < tokens else "close the cache")
-        raise RowsChangedError(
-            f"this KVPoolCache's rows were {how} through the pool (pool.truncate of its handles) since its "
-            f"last step: they hold {held.tolist()} tokens, the cache {tokens}; {fix}. Steps read the "
-            "rows' K/V by the cache's length, so they are refused rather than read past the rows")
-
-
 def check_not_empty(key_states: torch.Tensor) -> None:
     """A step's K/V ``[B, H, T, D]`` hold at least one row and one token: an empty batch would
     open no request, and an empty step extends nothing (the page table has no slot to read)."""
@@ -77,20 +43,6 @@ def check_not_empty(key_states: torch.Tensor) -> None:
         raise TensorShapeError(f"key_states has {b} rows: a step needs at least one row (batch >= 1)")
     if t < 1:
         raise TensorShapeError(f"key_states has {t} tokens: a step stores at least one token per row")
-
-
-def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
-    """Close a cache's rows (``publish``: with ``cache=True``). Rows already closed through the pool
-    (``pool.close``, ``pool.reset``) are left alone, and so are the requests that reopened them
-    (a stale handle names none); the others are closed."""
-    try:
-        pool.close(handles, cache=True) if publish else pool.close(handles)
-    except InvalidHandleError:
-        alive = np.array([h for h in handles.tolist() if pool.is_open(h)], dtype=np.int64)
-        if alive.shape[0] == handles.shape[0]:
-            raise
-        if alive.shape[0]:
-            pool.close(alive)
 
 
 class BatchRequests:
