@@ -18,6 +18,8 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
 - ``PublisherClosedError`` (also a ``RuntimeError``): a ``kvpool.events`` publisher used after ``close()``.
 - ``IncompleteForwardError`` (also a ``RuntimeError``): the transformers cache's layers
   are out of step after a forward that stopped part-way.
+- ``RowsChangedError`` (also a ``RuntimeError``): the transformers cache's rows were
+  truncated through the pool since its last step.
 - ``kvpool.distributed``'s (``TransferError`` and its subclasses,
   ``RankDivergenceError``) are defined here too, so catching them never needs
   ``torch.distributed``; ``kvpool.distributed.errors`` re-exports them.
@@ -53,6 +55,7 @@ __all__ = [
     "RequestSwappedOutError",
     "ReservedSlotError",
     "RollbackUnavailableError",
+    "RowsChangedError",
     "SlotRangeError",
     "TensorDeviceError",
     "TensorDtypeError",
@@ -105,6 +108,13 @@ class IncompleteForwardError(KVPoolError, RuntimeError):
     in a layer), a layer was called twice in one forward, or layers got different numbers
     of tokens. Raised before anything changes; ``crop`` the unfinished step away (the
     message says by how much) or ``reset()`` the cache."""
+
+
+class RowsChangedError(KVPoolError, RuntimeError):
+    """A ``KVPoolCache``'s rows were truncated through the pool (``pool.truncate`` of its
+    handles) since its last step, so they no longer hold the tokens the cache counts. Raised
+    before anything changes; ``crop`` the cache to the rows' length (the message says by how
+    much) or close it."""
 
 
 class PublisherClosedError(KVPoolError, RuntimeError):

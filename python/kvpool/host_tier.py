@@ -61,7 +61,7 @@ class HostTierMixin:
     _enter_device_call: Any
     _write_prefixes: Any
     _sharing: bool  # read and set under _lock only (kvpool.sharing)
-    _note_remap: Any  # (kvpool.sharing)
+    _note_edit: Any  # (kvpool.row_edits)
     # Set by _init_host_tier: None without a tier.
     host: HostStorage | None = None
     _transfers: TransferRunner | None = None
@@ -123,6 +123,7 @@ class HostTierMixin:
             if self._to_device is not None:
                 self._enter_device_call("swap_out")
             self.allocator.swap_out(handles)
+            self._note_edit(handles)
             self._run_transfers()
 
     def swap_in(self, handles: Any) -> None:
@@ -151,7 +152,7 @@ class HostTierMixin:
             # A page whose entry another request's registration took over meanwhile comes
             # back as that request's page: both hold it, so extends must copy on write.
             self._sharing = True
-            self._note_remap(handles)  # (their pages moved, whatever follows)
+            self._note_edit(handles)  # (their pages moved, whatever follows)
             self._run_transfers()
             hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
             try:

@@ -41,6 +41,7 @@ from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
+from kvpool.row_edits import RowEdits
 from kvpool.rows import index_copy_rows, scatter_into
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
@@ -79,7 +80,7 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps):
+class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, RowEdits):
     """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
 
     Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
@@ -184,6 +185,7 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps):
             handle_seed=handle_seed, kv_events=kv_events)
         self._lock = threading.RLock()
         track_for_fork(self, "_lock", POOL)
+        self._init_row_edits()  # (calls that change requests behind a KVPoolCache: kvpool.row_edits)
         group_of = [0] * self.num_layers
         for g in self.groups:
             for layer in g.layers:

@@ -70,6 +70,7 @@ class HybridRequestOps:
     _order: Any  # the CopyOrder of a CUDA pool; None on CPU
     _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
     _open_copies: bool
+    _note_edit: Any  # (kvpool.row_edits)
 
     def _enter_device_call(self, what: str) -> None:
         """Start of a call that copies host data to the device and hands out slots (the
@@ -195,6 +196,7 @@ class HybridRequestOps:
             if self._order is not None:  # the rows rewritten and states restored are device copies
                 self._enter_device_call("truncate")
             self.allocator.truncate(handles, lengths)
+            self._note_edit(handles)
             self._run_copies(handles)
             self._rewrite_windows(handles)
 
@@ -209,6 +211,7 @@ class HybridRequestOps:
             if self._order is not None:
                 self._enter_device_call("truncate")
             self.allocator.roll_back_extend(handles, lengths)
+            self._note_edit(handles)
             self._run_copies(handles)
             self._rewrite_windows(handles)
 
@@ -236,6 +239,7 @@ class HybridRequestOps:
             if cache and self._order is not None and self._open_copies:
                 self._enter_device_call("close")  # state checkpoints: copies, as cache()'s
             self.allocator.close(handles, cache=cache)
+            self._note_edit(handles)
             self._run_copies()
 
     def cache(self, handles: Any, priority: Any = None, retain_s: Any = None) -> None:
@@ -264,6 +268,7 @@ class HybridRequestOps:
             if self._order is not None:
                 self._enter_device_call("fork")
             handles = self.allocator.fork(handle, n)
+            self._note_edit(handle)
             self._run_copies()
             self._write_new_rows(handles)
             return handles
@@ -293,6 +298,7 @@ class HybridRequestOps:
         """Close every request in every group."""
         with self._lock:
             self.allocator.reset()
+            self._note_edit(None)
             self._run_copies()
 
     # ----- queries -----------------------------------------------------------

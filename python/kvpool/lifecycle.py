@@ -44,6 +44,7 @@ class RequestOps:
     _transfers: Any  # the host tier's TransferRunner (None without a tier)
     _run_transfers: Any
     _refuse_transfers_in_capture: Any
+    _note_edit: Any  # (kvpool.row_edits)
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
@@ -92,6 +93,7 @@ class RequestOps:
         """
         with self._lock:
             self.allocator.truncate(handles, lengths)
+            self._note_edit(handles)
 
     def _truncate_keeping_prompts(self, handles: Any, lengths: Any) -> None:
         """``truncate`` that leaves each request the prompt it was opened with
@@ -100,6 +102,7 @@ class RequestOps:
         so ``cache`` publishes those positions as the prompt's."""
         with self._lock:
             self.allocator.roll_back_extend(handles, lengths)
+            self._note_edit(handles)
 
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests and release their pages (with ``cache=True``, cached first,
@@ -115,6 +118,7 @@ class RequestOps:
             if cache:
                 self._refuse_transfers_in_capture("close", "write_through")
             self.allocator.close(handles, cache=cache, priority=priority, retain_s=retain_s)
+            self._note_edit(handles)
             if self._transfers is not None:  # the host tier's offloads
                 self._run_transfers()
 
@@ -194,6 +198,7 @@ class RequestOps:
         """
         with self._lock:
             self.allocator.reset()
+            self._note_edit(None)
 
     # ----- queries --------------------------------------------------------------
 

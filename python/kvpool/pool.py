@@ -13,7 +13,6 @@ caller's grad mode.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.packed import PackedExtend
 from kvpool.pool_views import PoolViews
+from kvpool.row_edits import RowEdits
 from kvpool.rows import RowsMixin
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.staging import PinnedRing
@@ -50,7 +50,8 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin):
+class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, RowsMixin, HostTierMixin,
+             RowEdits):
     """Per-layer K/V caches (or MLA latent caches) plus ``req_to_token``.
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
@@ -245,11 +246,9 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
         # Set once a page can have two holders (fork, a prefix hit): from then
         # on extend asks the core for copy-on-write work.
         self._sharing = False
-        # Each fork and swap_in counts here, with the handles whose pages it shared or moved
-        # (the last 64 calls): a KVPoolCache keeps its rows' page table across steps while they
-        # share no page, and reads it again when one of these names its rows (``_requests``).
-        self._remaps = 0
-        self._remapped: deque[tuple[int, np.ndarray]] = deque(maxlen=64)
+        # fork, swap_in, truncate, swap_out, close and reset count there, with the handles they
+        # named: a KVPoolCache keeps its rows' page table and length across steps (``row_edits``).
+        self._init_row_edits()
         self.num_pages, self.num_slots = pages, pages * self.page_size
         self.null_row = self.max_requests
 

@@ -59,8 +59,7 @@ class SharingMixin:
     allocator: Any
     req_to_token: torch.Tensor
     _sharing: bool  # read and set under _lock only
-    _remaps: int  # fork and swap_in calls so far (set under _lock; see KVPool)
-    _remapped: Any  # deque of (_remaps after the call, its handles), the last 64
+    _note_edit: Any  # (kvpool.row_edits)
     _table_np: np.ndarray | None  # the CPU req_to_token as numpy; None on a device
     copied_slots: int = 0  # slots copy-on-write copied so far (every layer's K and V), cumulative
     _lock: Any  # the pool's RLock (see KVPool: threads)
@@ -155,20 +154,15 @@ class SharingMixin:
             if self._table_np is not None:  # a CPU table: the core writes the rows
                 kids = self.allocator.fork(handle, n, table=self._table_np)
                 self._sharing = True
-                self._note_remap(handle)
+                self._note_edit(handle)
                 return kids
             kids = self.allocator.fork(handle, n)
             self._sharing = True
             if len(kids):
                 length = self.allocator.length(handle)
                 self._write_prefixes_or_close(kids, np.full(len(kids), length, dtype=np.int64))
-            self._note_remap(handle)
+            self._note_edit(handle)
             return kids
-
-    def _note_remap(self, handles: Any) -> None:
-        """Count a call that shared or moved ``handles``' pages (``KVPool._remaps``); under _lock."""
-        self._remaps += 1
-        self._remapped.append((self._remaps, np.array(handles, dtype=np.int64).reshape(-1)))
 
     # Prefix-aware transfer between pools (kvpool.distributed.kv_transfer).
 

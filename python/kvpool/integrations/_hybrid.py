@@ -26,10 +26,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._requests import check_not_empty
+from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
@@ -62,6 +63,7 @@ class HybridRequests:
         self._rows: torch.Tensor | None = None
         self._new: list[torch.Tensor] = []
         self._index: dict[int, torch.Tensor] = {}
+        self._edits = 0  # the pool's count of calls that change requests, when last checked (``check_edits``)
 
     @property
     def batch_size(self) -> int:
@@ -84,12 +86,30 @@ class HybridRequests:
         self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), getattr(self.pool, "_to_device", None),
                                   self.device)
         self._index = {}
+        self._edits = getattr(self.pool, "_row_edits", 0)  # (the cache's own calls)
         self.epoch += 1
         for layer in self.state_layers:  # opened, truncated (state restored) or reordered: in step
             layer.sync()
 
+    def check_edits(self, *, lengths: bool = True) -> None:
+        """As ``BatchRequests.check_edits``: after a pool call the cache did not make named the
+        rows, refuse a change it cannot follow (closed, or with ``lengths`` truncated) before
+        anything writes their states or K/V (another request may hold their slots now), and
+        read their state slots again (``epoch``). One int compare when nothing changed."""
+        pool, handles = self.pool, self.handles
+        now = getattr(pool, "_row_edits", 0)
+        if now == self._edits:
+            return
+        if handles is not None and handles.shape[0] and pool._edited_since(self._edits, handles):
+            check_rows(pool, handles, self.length if lengths else None)
+            self._index = {}
+            self.epoch += 1
+        self._edits = now
+
     def flush(self) -> None:
-        """Write every state layer's working copy back to the pool's rows."""
+        """Write every state layer's working copy back to the pool's rows (refused, nothing
+        written, when they were closed through the pool: ``check_edits``)."""
+        self.check_edits(lengths=False)
         for layer in self.state_layers:
             layer.flush()
 
@@ -110,6 +130,7 @@ class HybridRequests:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
         check_in_step(self.layers, self.length, "a new forward")
+        self.check_edits()
         self.check_states("a new forward", started=True)
         self.publish()
         self.flush()
@@ -183,6 +204,7 @@ class HybridRequests:
             return
         if not 0 <= length < self.length:
             raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
+        self.check_edits(lengths=False)  # (a crop to rows truncated through the pool goes on from there)
         self.flush()
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
         self.length = self.before = length
@@ -196,6 +218,7 @@ class HybridRequests:
         bad = [s for s in sources if not 0 <= s < b]
         if bad:
             raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+        self.check_edits()
         self.flush()
         out = np.empty(len(sources), dtype=np.int64)
         used: set[int] = set()
@@ -212,6 +235,7 @@ class HybridRequests:
         except Exception:
             if made:
                 self.pool.close(np.asarray(made, dtype=np.int64))
+            self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
             raise
         dropped = [int(self.handles[s]) for s in range(b) if s not in used]
         if dropped:
@@ -256,14 +280,19 @@ class HybridRequests:
 
     def close(self) -> None:
         if self.handles is not None:
+            try:
+                self.check_edits(lengths=False)
+                intact = True
+            except KVPoolError:  # closed through the pool: their state slots may be another's now
+                intact = False
             handles, self.handles, self._rows = self.handles, None, None
-            if self.prefix_mode and self.length > 0 and self.complete():
+            if intact and self.prefix_mode and self.length > 0 and self.complete():
                 self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
                 self.flush_discard()
-                self.pool.close(handles, cache=True)
+                close_rows(self.pool, handles, True)
             else:
                 self.flush_discard()
-                self.pool.close(handles)
+                close_rows(self.pool, handles, False)
         self.length = self.before = 0
         self.prefix_mode, self.cached_lens, self.fresh = False, None, False
         self.epoch += 1

@@ -44,6 +44,8 @@ class StateRequests(Protocol):
 
     def ensure_open(self, batch: int) -> None: ...
 
+    def check_edits(self) -> None: ...
+
     def publish(self) -> None: ...
 
 
@@ -116,6 +118,9 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def _refresh(self) -> None:
         req = self.requests
+        # A call through the pool may have closed the rows and handed their state slots to
+        # another request: refused before the model gets (and writes) them.
+        req.check_edits()
         if self._epoch == req.epoch:
             return
         self.flush()

@@ -19,6 +19,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.validate import check_flag
 
@@ -102,7 +103,9 @@ class BatchRequests:
         # first step that fails closes them again, leaving the pool as it was.
         self._fresh = False
         self._shared = False  # some row may share a page (prefix hit, fork)
-        self._remaps = 0  # the pool's fork / swap_in count when the rows' table was last read
+        # The pool's count of calls that change requests (``kvpool.row_edits``) when the rows were
+        # last checked: a step compares it, and looks further only when another call named the rows.
+        self._edits = 0
         # A decode step's extend writes its slots here (the allocator's ``out=``) rather than
         # into a new array, and names one row by its int: the step is the host call the cache
         # makes most, and each array it makes or reads is host time. So ``step_slots`` of a
@@ -128,7 +131,7 @@ class BatchRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
-        self._remaps = getattr(self.pool, "_remaps", 0)
+        self._edits = getattr(self.pool, "_row_edits", 0)  # (the cache's own calls: the rows are as it left them)
         self.batch = self.handles.shape[0]
         self._decode_slots = np.empty(self.batch, dtype=np.int64)
         self._handle_arg = int(self.handles[0]) if self.batch == 1 else self.handles
@@ -225,6 +228,8 @@ class BatchRequests:
         self.grad = torch.is_grad_enabled() if grad is None else grad
         self.fast = self.can_fast and not self.grad
         check_in_step(self.layers, self.length, "a new forward")
+        if getattr(self.pool, "_row_edits", 0) != self._edits:
+            self.check_edits()  # (before the deferred steps' short way, which makes no pool call)
         pages = self.pages
         if tokens == 1 and pages is not None and pages.deferring:
             # Inside the page the rows last extended into: the token goes to the layer
@@ -272,8 +277,6 @@ class BatchRequests:
             assert self._rows is not None
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
             return
-        if getattr(pool, "_remaps", 0) != self._remaps:
-            self._pages_moved()
         pages.advance(self.handles, before, length, slots)
         self.dst = pages.dst
         self.later = pages.later
@@ -284,18 +287,24 @@ class BatchRequests:
             self.new_slots = index_tensor(slots) if loc is None else loc
         self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
 
-    def _pages_moved(self) -> None:
-        """``pool.fork`` or ``swap_in`` ran since the rows' page table was read. If it named these
-        rows (or is too far back to tell), their pages may have moved or be shared (the row's next
-        extend into a shared page copies it on write): the table is read from the allocator at
-        every step from now on, as for rows opened on a prefix hit, and the buffers gathered again."""
+    def check_edits(self, *, lengths: bool = True) -> None:
+        """A pool call the cache did not make changed some request since the rows were last
+        checked (``kvpool.row_edits``). If it named these rows (or is too far back to tell):
+        refuse what the cache cannot follow (``check_rows``: closed, swapped out, or with
+        ``lengths`` truncated), and follow the rest: a fork shares their pages and a swap_in
+        moves them (the row's next extend into a shared page copies it on write), so the table
+        is read from the allocator at every step from now on, as for rows opened on a prefix
+        hit, and the buffers gathered again. Nothing changes when it refuses."""
         pool, handles = self.pool, self.handles
-        assert handles is not None and self.pages is not None
-        now, since = pool._remaps, [h for n, h in list(pool._remapped) if n > self._remaps]
-        if len(since) < now - self._remaps or any(np.isin(handles, h).any() for h in since):
+        now = getattr(pool, "_row_edits", 0)
+        if now == self._edits:
+            return
+        if handles is not None and handles.shape[0] and pool._edited_since(self._edits, handles):
+            check_rows(pool, handles, self.length - self.deferred if lengths else None)
             self._shared = True
-            self.pages.reset(handles.shape[0], private=False)
-        self._remaps = now
+            if self.pages is not None:
+                self.pages.reset(handles.shape[0], private=False)
+        self._edits = now
 
     def flush(self) -> None:
         """Bring the core and the pool's caches up to the rows' tokens: one extend by the deferred
@@ -330,6 +339,7 @@ class BatchRequests:
         deferred (their tokens, stored meanwhile, are stored again at the next flush)."""
         assert self.handles is not None
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], self.length - n, dtype=np.int64))
+        self._edits = getattr(self.pool, "_row_edits", 0)  # (its own truncate, after check_edits)
         self.deferred = n
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -361,6 +371,8 @@ class BatchRequests:
             return
         if not 0 <= length < self.length:
             raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
+        # (rows truncated through the pool are not refused: a crop to their length goes on from there)
+        self.check_edits(lengths=False)
         self.flush()
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
         self.length = length
@@ -384,6 +396,7 @@ class BatchRequests:
         fork = getattr(self.pool, "fork", None)
         if extra and self.length > 0 and fork is None:
             raise NotImplementedError(BEAM_NEEDS_FORK)
+        self.check_edits()
         # Forks share the rows' pages as the pool holds them (after the checks: a reorder
         # refused leaves the pool as it was, deferred steps included).
         caught_up = self.deferred
@@ -404,6 +417,7 @@ class BatchRequests:
                 self.pool.close(np.asarray(made, dtype=np.int64))
             if caught_up:
                 self._undo_flush(caught_up)
+            self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
             raise
         out = np.empty(len(sources), dtype=np.int64)
         used: set[int] = set()
@@ -434,9 +448,6 @@ class BatchRequests:
             self.batch = -1
             if self.pages is not None:
                 self.pages.release()
-            if publish:
-                self.pool.close(handles, cache=True)
-            else:
-                self.pool.close(handles)
+            close_rows(self.pool, handles, publish)
         self.length = 0
         self.prefix_mode, self.cached_lens, self._shared, self._fresh = False, None, False, False

@@ -1,0 +1,54 @@
+"""What a cache checks of its rows after pool calls it did not make (``kvpool.row_edits``),
+for ``KVPoolCache`` (``_requests``) and its hybrid form (``_hybrid``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import InvalidHandleError, RequestSwappedOutError, RowsChangedError
+
+__all__ = ["check_rows", "close_rows"]
+
+
+def check_rows(pool: Any, handles: np.ndarray, tokens: int | None) -> None:
+    """After a pool call the cache did not make named its rows (``kvpool.row_edits``): raise the
+    typed error of a change it cannot follow: the rows closed (``pool.close``, ``pool.reset``),
+    swapped out, or (``tokens``: the length the pool should hold) truncated. Nothing changes."""
+    if not all(pool.is_open(h) for h in handles.tolist()):
+        raise InvalidHandleError(
+            "this KVPoolCache's rows were closed through the pool (pool.close of its handles, or "
+            "pool.reset) since its last step: it has nothing left to go on from. Close the cache "
+            "(close() gives nothing back twice and leaves requests that reuse the rows alone) and "
+            "open a new one for the batch")
+    swapped = [h for h in handles.tolist() if getattr(pool, "is_swapped", None) and pool.is_swapped(h)]
+    if swapped:
+        raise RequestSwappedOutError(
+            f"{len(swapped)} of this KVPoolCache's rows are swapped out (pool.swap_out of its handles): "
+            "a step needs them on the device; call pool.swap_in(cache.handles) first")
+    if tokens is None:
+        return
+    held = np.asarray(pool.lengths(handles), dtype=np.int64)
+    if (held != tokens).any():
+        how = "truncated" if (held < tokens).all() else "extended or truncated"
+        fix = (f"crop the cache to them (cache.crop({int(held[0]) - tokens})) to go on from there, or close it"
+               if (held == held[0]).all() and held[0] < tokens else "close the cache")
+        raise RowsChangedError(
+            f"this KVPoolCache's rows were {how} through the pool (pool.truncate of its handles) since its "
+            f"last step: they hold {held.tolist()} tokens, the cache {tokens}; {fix}. Steps read the "
+            "rows' K/V by the cache's length, so they are refused rather than read past the rows")
+
+
+def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
+    """Close a cache's rows (``publish``: with ``cache=True``). Rows already closed through the pool
+    (``pool.close``, ``pool.reset``) are left alone, and so are the requests that reopened them
+    (a stale handle names none); the others are closed."""
+    try:
+        pool.close(handles, cache=True) if publish else pool.close(handles)
+    except InvalidHandleError:
+        alive = np.array([h for h in handles.tolist() if pool.is_open(h)], dtype=np.int64)
+        if alive.shape[0] == handles.shape[0]:
+            raise
+        if alive.shape[0]:
+            pool.close(alive)
