@@ -5,16 +5,12 @@
 
 use super::SlotAllocator;
 use crate::error::Result;
-use crate::events::EventLog;
 use crate::handle::handle_row;
-use crate::host::HostTier;
-use crate::location::is_host;
-use crate::pages::PagePool;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
-use super::orphans::{register_or_revive, register_past_orphan};
+use super::register_page::{register_page, register_past_orphan};
 
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
@@ -285,96 +281,6 @@ impl SlotAllocator {
     }
 }
 
-/// Registers page `p` (chain hash `h`; `first`: page 0 of its chain) as
-/// the child of `parent`; returns the chain's new tip, or None when the
-/// chain must stop there (a collision, or a parent registration that is
-/// gone) unless the entry in the way is an orphan of the same content
-/// (then `register_past_orphan` registers `p`).
-// Inlined: as a call, the returned tip comes back through memory, and its
-// reload stalls on the stores that wrote it, once per page.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) fn register_page(
-    ix: &mut PrefixIndex,
-    pages: &mut PagePool,
-    events: &mut EventLog,
-    host: &mut Option<HostTier>,
-    p: u32,
-    first: bool,
-    h: u128,
-    parent: &ChainTip,
-    salt: i64,
-) -> Option<ChainTip> {
-    if !ix.is_live(parent) {
-        // The chain's tip is gone: nothing registered under it could be
-        // reached by a lookup, whose verification wants the tip's
-        // registration. (`restart_dead_chain` moves a row's chain off a
-        // tip that was gone before the call; one can still go during it,
-        // when another row's registration replaces it as an orphan, and the
-        // chain then stops here, as the models' does.)
-        return None;
-    }
-    let own = pages.entry(p).checked_sub(1);
-    if let Some(i) = own {
-        if ix.same_key(i, h) && ix.salt_of(i) == salt {
-            // This very page: its content was computed on this request's
-            // prefix, so (re)link it to the current parent.
-            ix.relink(i, parent);
-            return Some(ix.tip(i));
-        }
-    }
-    // An unregistered page under a parent with no child yet (and no orphan
-    // anywhere) cannot be a duplicate: skip the probe and leave it
-    // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
-    // usual case from a chain's second new page on.
-    let childless = own.is_none() && ix.childless(parent);
-    let found = if childless {
-        None
-    } else {
-        match ix.child_of(parent, h) {
-            // A ghost exists only while an orphan does, never under a
-            // childless tip: the usual registration reads no more.
-            None if own.is_none() && ix.has_ghosts() => {
-                return Some(register_or_revive(
-                    ix, pages, events, p, first, h, parent, salt,
-                ));
-            }
-            found => found,
-        }
-    };
-    match found {
-        None if own.is_none() => {
-            let tip = ix.register(p, h, parent, salt, !childless);
-            pages.set_entry(p, tip.entry);
-            let parent_hash = if first { 0 } else { parent.hash };
-            events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-            Some(tip)
-        }
-        Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
-            // A duplicate: keep the existing entry (its chain hash is the one
-            // this page would get: same tokens, same salt), and its copy
-            // where someone holds that.
-            if is_host(loc) && own.is_none() {
-                // Its only copy is on the host: this page becomes its
-                // device copy, as if registered now (a later hit needs no
-                // load).
-                if let Some(host) = host.as_mut() {
-                    ix.set_location(i, p);
-                    pages.set_entry(p, i + 1);
-                    host.count_host_only(false);
-                    let parent_hash = if first { 0 } else { parent.hash };
-                    events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-                }
-            } else if own.is_none() && pages.holders(loc) == 0 {
-                take_over(ix, pages, events, i, loc, p, first, parent);
-            }
-            ix.set_hint(parent, i);
-            Some(ix.tip(i))
-        }
-        _ => None,
-    }
-}
-
 /// The removal count to note for a chain that `register_row` (or the
 /// grouped allocator's recording of it) extends, read before it registers
 /// anything. A chain already through another's entry keeps its note: a
@@ -390,35 +296,4 @@ pub(super) fn walked_at(prefix: &PrefixIndex, chain: &Chain) -> u32 {
     } else {
         prefix.removals()
     }
-}
-
-/// Page `p`, unregistered, duplicates entry `i`'s device copy `q`, which
-/// nobody holds (CACHED): `p` becomes the entry's copy and `q` goes back
-/// FREE. Kept, `q` would be the first to go under pressure while the
-/// request still holds the same content in `p`: the entry would go with
-/// it, and with it the chain the request continues from. The entry stays
-/// (its registration id, children, host copy and hash), so nothing below
-/// it is lost; the page's priority moves along. Events: Removed for `q`,
-/// Stored for `p`, the same hash, so a router that maps hashes to pages
-/// follows (one that only tracks hashes sees it stay cached).
-#[cold]
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-fn take_over(
-    ix: &mut PrefixIndex,
-    pages: &mut PagePool,
-    events: &mut EventLog,
-    i: u32,
-    q: u32,
-    p: u32,
-    first: bool,
-    parent: &ChainTip,
-) {
-    let entry = pages.move_registration(q, p);
-    debug_assert_eq!(entry, i + 1);
-    ix.set_location(i, p);
-    let (hash, salt) = ix.identity(i);
-    events.removed(hash, q, salt);
-    let parent_hash = if first { 0 } else { parent.hash };
-    events.stored(hash, parent_hash, p, salt, ix.page_tokens(p));
 }

@@ -322,21 +322,30 @@ impl SlotAllocator {
                 host,
                 ..
             } = self;
-            let next =
-                super::cache::register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt)
-                    .or_else(|| {
-                        super::orphans::register_past_orphan(
-                            prefix,
-                            pages,
-                            events,
-                            host,
-                            p,
-                            k == 0,
-                            h,
-                            &tip,
-                            salt,
-                        )
-                    });
+            let next = super::register_page::register_page(
+                prefix,
+                pages,
+                events,
+                host,
+                p,
+                k == 0,
+                h,
+                &tip,
+                salt,
+            )
+            .or_else(|| {
+                super::register_page::register_past_orphan(
+                    prefix,
+                    pages,
+                    events,
+                    host,
+                    p,
+                    k == 0,
+                    h,
+                    &tip,
+                    salt,
+                )
+            });
             match next {
                 Some(next) => {
                     tip = next;

@@ -14,7 +14,8 @@
 //! The operations live here, one file per group: opening (`open.rs`),
 //! growing (`extend.rs`, `extend_checks.rs`, `grow.rs`), freeing
 //! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
-//! (`prefix.rs`, `cache.rs`, `evict.rs`), transfers between pools
+//! (`prefix.rs`, `cache.rs` with `register_page.rs` and `orphans.rs`,
+//! `evict.rs`), transfers between pools
 //! (`prefix_transfer.rs`), retention priorities (`retention.rs`), reading
 //! (`queries.rs`) and `check.rs`; the host tier's: what device eviction
 //! and registration do with it (`tier.rs`), host hits (`prefix_host.rs`),
@@ -38,6 +39,7 @@ mod prefix;
 mod prefix_host;
 pub(crate) mod prefix_transfer;
 pub(crate) mod queries;
+mod register_page;
 mod release;
 mod retention;
 pub(crate) mod stats;

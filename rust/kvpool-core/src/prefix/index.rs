@@ -49,7 +49,7 @@
 //! parent (`allocator/orphans.rs`). An entry whose parent is live but not
 //! the page's parent stops the chain (a collision).
 
-use super::ghosts::Ghosts;
+use super::ghost_table::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;

@@ -6,7 +6,8 @@
 //! - `index.rs`: the entries and their verification;
 //! - `register.rs`: filing, relinking and removing entries;
 //! - `ghosts.rs`: what a removed entry with children leaves behind, so
-//!   that recomputing its content revives its chain;
+//!   that recomputing its content revives its chain (`ghost_table.rs`:
+//!   the maps that keep them);
 //! - `links.rs`: which entries the key table files (a chain's only
 //!   children are reached through their parents' hints), and the
 //!   parent-child counts behind it;
@@ -18,6 +19,7 @@
 //! entry, and the allocator keeps the two in step.
 
 mod check;
+mod ghost_table;
 mod ghosts;
 pub(crate) mod hashing;
 pub(crate) mod index;
