@@ -150,3 +150,51 @@ def test_host_tier_calls_between_steps_leave_a_live_cache_exact(model, policy):
     assert pair.worst < TOL
     pair.cache.close()
     pool.check()
+
+
+# -- 2. tensor-parallel pools -------------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_group():
+    import datetime
+
+    import _dist
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():  # pragma: no cover - another module left one behind
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_dist.free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_cache_on_a_tp_pool_records_its_steps_and_crops(model, one_rank_group):
+    """A ``KVPoolCache`` on a ``TPPool`` changed the allocator through the inner pool's private
+    calls (``_extend_host`` for its steps, ``_truncate_keeping_prompts`` for ``crop``), reached by
+    ``TPPool.__getattr__`` and so never recorded: the digest held none of its steps and the
+    ``check_every`` check never ran. Pool calls through the wrapper (``truncate``) still reach the
+    inner pool's counted calls, so the cache refuses to read past rows truncated that way."""
+    from kvpool.distributed import TPPool
+    from kvpool.errors import RowsChangedError
+
+    inner = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    tp = TPPool(inner, check_every=2)
+    pair = Pair(model, tp, batch=2)
+    calls = tp.calls
+    pair.steps(10)
+    assert tp._steps >= 2 and tp.calls > calls, "the cache's steps went around the digest"
+    calls = tp.calls
+    pair.cache.crop(-2)
+    pair.dyn.crop(-2)
+    assert tp.calls > calls, "crop went around the digest"
+    pair.x = torch.randint(3, 90, (2, 1), generator=torch.Generator().manual_seed(3))
+    pair.steps(4)
+    assert pair.worst < TOL
+    tp.truncate(pair.cache.handles, np.array([5, 5]))
+    with pytest.raises(RowsChangedError, match="truncated through the pool"):
+        forward(model, pair.cache, pair.x)
+    pair.cache.close()
+    inner.check()
