@@ -198,3 +198,31 @@ def test_a_cache_on_a_tp_pool_records_its_steps_and_crops(model, one_rank_group)
         forward(model, pair.cache, pair.x)
     pair.cache.close()
     inner.check()
+
+
+def test_the_disk_tier_between_steps_leaves_a_live_cache_exact(model, tmp_path):
+    """``DiskCache.store_new`` opens a scratch request on the rows' published pages (sharing them
+    while it copies) and ``prefetch`` opens and extends one of its own, evicting under pressure:
+    neither names the rows, and the cache goes on exact; what the disk kept reads back as written."""
+    from kvpool.tiers import DiskCache, FileTier
+
+    pool = pool_for_model(model, max_tokens=64, page_size=4, max_context_len=64, kv_events=True)
+    disk = DiskCache(pool, FileTier(tmp_path, max_bytes=1 << 24), model="tiny")
+    other = np.arange(30, 39, dtype=np.int64)
+    want = published(pool, other, seed=2)
+    pair = Pair(model, pool, batch=2, prefix=True)
+    pair.steps(6)
+    pool.cache(pair.cache.handles)
+    assert disk.store_new() >= 3  # the other prompt's 2 full pages and the rows' published ones
+    pair.steps(3)
+    pool.clear_cache()  # (the other prompt now only on disk)
+    assert disk.prefetch(other) == 2
+    pair.steps(4)
+    got, hs = hit(pool, other)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    pool.close(hs)
+    pair.steps(3)
+    assert pair.worst < TOL
+    pair.cache.close()
+    pool.check()
