@@ -226,3 +226,29 @@ def test_the_disk_tier_between_steps_leaves_a_live_cache_exact(model, tmp_path):
     assert pair.worst < TOL
     pair.cache.close()
     pool.check()
+
+
+@pytest.mark.parametrize("call", ["swap", "fork"])
+def test_counted_calls_with_handles_taken_before_deferred_steps(model, call):
+    """``cache.handles`` taken, then decode steps inside a page the rows own (deferred: the pool's
+    requests lag the cache), then ``swap_out``/``swap_in`` or another request's ``fork`` of the rows
+    with those handles: the next step follows, and its catch-up stores the deferred tokens into the
+    rows' new pages, so the cache goes on exact."""
+    pool = pool_for_model(model, max_tokens=128, page_size=4, max_context_len=64, host_pages=32)
+    pair = Pair(model, pool, batch=2)
+    pair.steps(3)  # 8 tokens: two full pages
+    h = pair.cache.handles
+    pair.steps(3)  # 11 tokens: the last two deferred
+    assert pair.cache.requests.deferred > 0
+    if call == "swap":
+        pool.swap_out(h)
+        pool.swap_in(h)
+    else:
+        kids = pool.fork(int(h[0]), 1)
+    pair.steps(8)
+    assert pair.worst < TOL
+    if call == "fork":
+        pool.close(kids)
+    pair.cache.close()
+    assert pool.used_pages == 0
+    pool.check()
