@@ -9,7 +9,7 @@ import numpy as np
 
 from kvpool.errors import InvalidHandleError, RequestSwappedOutError, RowsChangedError
 
-__all__ = ["check_rows", "close_rows"]
+__all__ = ["check_rows", "close_rows", "row_slots", "rows_hold"]
 
 
 def check_rows(pool: Any, handles: np.ndarray, tokens: int | None) -> None:
@@ -52,3 +52,20 @@ def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
             raise
         if alive.shape[0]:
             pool.close(alive)
+
+
+def rows_hold(pool: Any, handles: np.ndarray, tokens: int) -> bool:
+    """Whether every row is open, on the device and holds ``tokens`` in the pool."""
+    hs = handles.tolist()
+    if not all(pool.is_open(h) for h in hs):
+        return False
+    if getattr(pool, "is_swapped", None) and any(pool.is_swapped(h) for h in hs):
+        return False
+    return bool((np.asarray(pool.lengths(handles), dtype=np.int64) == tokens).all())
+
+
+def row_slots(pool: Any, handles: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """The rows' slots of positions ``[start, stop)`` as the pool holds them now, ``[B, stop - start]``
+    (after a fork or swap_in moved pages, the slots a cache took before name pages that are no
+    longer its rows')."""
+    return np.stack([np.asarray(pool.slots(h), dtype=np.int64)[start:stop] for h in handles.tolist()])
