@@ -252,3 +252,28 @@ def test_counted_calls_with_handles_taken_before_deferred_steps(model, call):
     pair.cache.close()
     assert pool.used_pages == 0
     pool.check()
+
+
+def test_rows_truncated_past_pending_tokens_crop_as_the_error_says(model):
+    """``pool.truncate`` of the rows, with handles taken before deferred steps, to fewer tokens
+    than they held: the next step is refused, and the crop its error names (counting the deferred
+    steps the pool never saw) goes on exact from the rows' length."""
+    from kvpool.errors import RowsChangedError
+
+    pool = pool_for_model(model, max_tokens=128, page_size=4, max_context_len=64)
+    pair = Pair(model, pool, batch=2)
+    pair.steps(3)
+    h = pair.cache.handles
+    pair.steps(3)  # 11 tokens, the pool's rows 9
+    assert pair.cache.requests.deferred == 2
+    pool.truncate(h, np.array([7, 7]))
+    with pytest.raises(RowsChangedError, match=r"cache\.crop\(-4\)"):
+        forward(model, pair.cache, pair.x)
+    pair.cache.crop(-4)
+    pair.dyn.crop(-4)
+    pair.x = torch.randint(3, 90, (2, 1), generator=torch.Generator().manual_seed(5))
+    pair.steps(8)
+    assert pair.worst < TOL
+    pair.cache.close()
+    assert pool.used_pages == 0
+    pool.check()
