@@ -301,7 +301,7 @@ class BatchRequests:
         if now == self._edits:
             return
         if handles is not None and handles.shape[0] and pool._edited_since(self._edits, handles):
-            check_rows(pool, handles, self.length - self.deferred if lengths else None)
+            check_rows(pool, handles, self.length - self.deferred if lengths else None, self.deferred)
             self._shared = True
             self._moved = bool(self.deferred or self.unstored)  # (their slots: re-read at the flush)
             if self.pages is not None:

@@ -12,10 +12,11 @@ from kvpool.errors import InvalidHandleError, RequestSwappedOutError, RowsChange
 __all__ = ["check_rows", "close_rows", "row_slots", "rows_hold"]
 
 
-def check_rows(pool: Any, handles: np.ndarray, tokens: int | None) -> None:
+def check_rows(pool: Any, handles: np.ndarray, tokens: int | None, ahead: int = 0) -> None:
     """After a pool call the cache did not make named its rows (``kvpool.row_edits``): raise the
     typed error of a change it cannot follow: the rows closed (``pool.close``, ``pool.reset``),
-    swapped out, or (``tokens``: the length the pool should hold) truncated. Nothing changes."""
+    swapped out, or (``tokens``: the length the pool should hold) truncated. ``ahead``: tokens the
+    cache holds past ``tokens`` (deferred steps), for the crop the error names. Nothing changes."""
     if not all(pool.is_open(h) for h in handles.tolist()):
         raise InvalidHandleError(
             "this KVPoolCache's rows were closed through the pool (pool.close of its handles, or "
@@ -32,7 +33,7 @@ def check_rows(pool: Any, handles: np.ndarray, tokens: int | None) -> None:
     held = np.asarray(pool.lengths(handles), dtype=np.int64)
     if (held != tokens).any():
         how = "truncated" if (held < tokens).all() else "extended or truncated"
-        fix = (f"crop the cache to them (cache.crop({int(held[0]) - tokens})) to go on from there, or close it"
+        fix = (f"crop the cache to them (cache.crop({int(held[0]) - tokens - ahead})) to go on from there, or close it"
                if (held == held[0]).all() and held[0] < tokens else "close the cache")
         raise RowsChangedError(
             f"this KVPoolCache's rows were {how} through the pool (pool.truncate of its handles) since its "
