@@ -19,7 +19,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
-from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold
+from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold, store_below, undo_flush
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.validate import check_flag
 
@@ -266,7 +266,7 @@ class BatchRequests:
                 self.new_slots = None
         except BaseException:
             if caught_up:  # a refused step leaves the pool as it was, deferred steps included
-                self._undo_flush(caught_up)
+                undo_flush(self, caught_up)
             if self._fresh:
                 self.close()
             raise
@@ -342,25 +342,6 @@ class BatchRequests:
         self.pages.store_tokens(self.length - held.shape[1], held.reshape(-1))
         self.unstored = [held[:, held.shape[1] - under :]] if under else []
 
-    def _store_below(self, length: int) -> None:
-        """After a crop to ``length`` of rows truncated through the pool past their pending tokens:
-        store those below ``length`` at the rows' slots now, and drop the rest."""
-        assert self.handles is not None and self.pages is not None
-        first = self.length - self.deferred - sum(x.shape[1] for x in self.unstored)
-        if length > first:
-            self.pages.store_tokens(first, row_slots(self.pool, self.handles, first, length).reshape(-1))
-        self.deferred, self.unstored, self._moved = 0, [], False
-
-    def _undo_flush(self, n: int) -> None:
-        """A step or fork refused after ``flush`` caught the core up with ``n`` deferred steps:
-        shorten the rows back, so that the refusal leaves the pool's lengths as they were (the
-        rows keep the page those steps are in: it holds earlier tokens too), and the steps stay
-        deferred (their tokens, stored meanwhile, are stored again at the next flush)."""
-        assert self.handles is not None
-        self.pool.truncate(self.handles, np.full(self.handles.shape[0], self.length - n, dtype=np.int64))
-        self._edits = getattr(self.pool, "_row_edits", 0)  # (its own truncate, after check_edits)
-        self.deferred = n
-
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``
         (or, for a step the pool gets from the layer buffers at the next flush, add it there)."""
@@ -395,7 +376,7 @@ class BatchRequests:
         self.flush()
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
         if self.deferred or self.unstored:  # (the flush declined: rows truncated through the pool)
-            self._store_below(length)
+            store_below(self, length)
         self.length = length
         self._set_handles(self.handles)  # the page table is read again at the next step
 
@@ -437,7 +418,7 @@ class BatchRequests:
             if made:
                 self.pool.close(np.asarray(made, dtype=np.int64))
             if caught_up:
-                self._undo_flush(caught_up)
+                undo_flush(self, caught_up)
             self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
             raise
         out = np.empty(len(sources), dtype=np.int64)
