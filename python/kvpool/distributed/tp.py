@@ -47,7 +47,7 @@ MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
 #: Private pool calls that change allocator state, made by kvpool's own consumers of a pool
 #: (``KVPoolCache.crop`` shortens its rows with ``_truncate_keeping_prompts``): recorded too, or
 #: ``__getattr__`` would hand the inner pool's call out and the digest would miss it.
-PRIVATE_MUTATING_CALLS = ("_truncate_keeping_prompts",)
+_PRIVATE_MUTATING_CALLS = ("_truncate_keeping_prompts",)
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 
@@ -99,7 +99,7 @@ class TPPool:
         self.calls = 0
         self._steps = 0
         self._device = comm_device(group, torch.device(pool.device), "TPPool")
-        for name in MUTATING_CALLS + PRIVATE_MUTATING_CALLS:
+        for name in MUTATING_CALLS + _PRIVATE_MUTATING_CALLS:
             fn = getattr(pool, name, None)
             if fn is not None:
                 setattr(self, name, self._recorded(name, fn))
