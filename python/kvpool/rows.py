@@ -146,6 +146,7 @@ class RowsMixin:
     _table_np: Any
     _sharing: bool
     _lock: Any
+    _transfers: Any  # (kvpool.host_tier; None without a host tier)
     allocator: Any
 
     def _init_rows(self) -> None:
@@ -190,15 +191,17 @@ class RowsMixin:
     def _extend_host(self, handles: Any, counts: Any, out: np.ndarray | None = None) -> np.ndarray | None:
         """``extend(handles, counts).slots`` without ``out_cache_loc``, where ``extend`` is the
         allocator's call alone (a CPU pool whose core writes the host table, no shared pages);
-        None elsewhere: then call ``extend``. ``out``: the allocator's ``out=`` (the slots are
-        written there and it is returned), for a caller that makes the same step again and again.
+        None elsewhere (also with a host tier: an extend that evicts queues its offloads, which
+        ``extend`` runs before the step writes the evicted pages): then call ``extend``. ``out``:
+        the allocator's ``out=`` (the slots are written there and it is returned), for a caller
+        that makes the same step again and again.
 
         For kvpool's own callers that store a step through views of the caches and never
         use the tensor (``KVPoolCache``): under inference mode, making it a normal tensor
         (``_own_result``) leaves and re-enters inference mode, and on a small model's
         decode step that round trip is a measurable share of the cache's host time.
         """
-        if self._to_device is not None or self._table_np is None:
+        if self._to_device is not None or self._table_np is None or self._transfers is not None:
             return None
         lock = self._lock
         lock.acquire()

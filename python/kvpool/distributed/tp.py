@@ -44,6 +44,10 @@ __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
 MUTATING_CALLS = ("open", "admit", "extend", "truncate", "close", "reset",
                   "open_with_prefix", "open_with_chain_hashes", "cache", "fork", "evict", "clear_cache",
                   "unpin", "set_clock", "swap_out", "swap_in")
+#: Private pool calls that change allocator state, made by kvpool's own consumers of a pool
+#: (``KVPoolCache.crop`` shortens its rows with ``_truncate_keeping_prompts``): recorded too, or
+#: ``__getattr__`` would hand the inner pool's call out and the digest would miss it.
+_PRIVATE_MUTATING_CALLS = ("_truncate_keeping_prompts",)
 #: Seed keyword names a pool may take; ``tp_pool`` passes the agreed seed to each one it has.
 SEED_KWARGS = ("hash_seed", "handle_seed", "seed")
 
@@ -95,7 +99,7 @@ class TPPool:
         self.calls = 0
         self._steps = 0
         self._device = comm_device(group, torch.device(pool.device), "TPPool")
-        for name in MUTATING_CALLS:
+        for name in MUTATING_CALLS + _PRIVATE_MUTATING_CALLS:
             fn = getattr(pool, name, None)
             if fn is not None:
                 setattr(self, name, self._recorded(name, fn))
@@ -168,6 +172,13 @@ class TPPool:
                 f"arguments in the same order, on pools built with the same shape and seeds.",
                 rank=first, ranks=bad,
             )
+
+    def _extend_host(self, handles: Any, counts: Any, out: Any = None) -> None:
+        """None: ``KVPool._extend_host`` (a CPU pool's extend without the tensor, which
+        ``KVPoolCache`` steps with) is the allocator's call alone, and reached through
+        ``__getattr__`` it would go around the digest; so the cache calls the recorded
+        ``extend`` (on CUDA ``_extend_host`` is None anyway)."""
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -19,7 +19,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
-from kvpool.integrations._row_checks import check_rows, close_rows
+from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold, store_below, undo_flush
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.validate import check_flag
 
@@ -121,6 +121,7 @@ class BatchRequests:
         # ``flush`` extends the core and stores them all.
         self.deferred = 0
         self.unstored: list[np.ndarray] = []  # [B, tokens] slot arrays, oldest first
+        self._moved = False  # a counted call named the rows since ``unstored`` was taken
 
     # -- opening ------------------------------------------------------------------------
     @property
@@ -265,7 +266,7 @@ class BatchRequests:
                 self.new_slots = None
         except BaseException:
             if caught_up:  # a refused step leaves the pool as it was, deferred steps included
-                self._undo_flush(caught_up)
+                undo_flush(self, caught_up)
             if self._fresh:
                 self.close()
             raise
@@ -300,8 +301,9 @@ class BatchRequests:
         if now == self._edits:
             return
         if handles is not None and handles.shape[0] and pool._edited_since(self._edits, handles):
-            check_rows(pool, handles, self.length - self.deferred if lengths else None)
+            check_rows(pool, handles, self.length - self.deferred if lengths else None, self.deferred)
             self._shared = True
+            self._moved = bool(self.deferred or self.unstored)  # (their slots: re-read at the flush)
             if self.pages is not None:
                 self.pages.reset(handles.shape[0], private=False)
         self._edits = now
@@ -317,30 +319,28 @@ class BatchRequests:
         if not n and not self.unstored:
             return
         assert self.handles is not None and self.pages is not None
-        parts = self.unstored
+        parts, pool = self.unstored, self.pool
+        # A counted call named the rows since their pending tokens' slots were taken (a fork, a
+        # swap_in: their pages may have moved, and the extend below may copy one on write).
+        moved = self._moved or (getattr(pool, "_row_edits", 0) != self._edits
+                                and pool._edited_since(self._edits, self.handles))
+        if moved and not rows_hold(pool, self.handles, self.length - n):
+            return  # closed, swapped out or truncated through the pool: the next step refuses
         if n:
-            pool = self.pool
             slots = pool._extend_host(self.handles, n) if self.host_extend else None
             if slots is None:
                 slots = pool.extend(self.handles, n).slots
             self.deferred = 0
             parts.append(np.asarray(slots, dtype=np.int64).reshape(self.batch, n))
+        if moved:
+            cols = sum(x.shape[1] for x in parts)
+            parts, self._moved = [row_slots(pool, self.handles, self.length - cols, self.length)], False
         held = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
         # A step under way (between two of its layers) is stored with what the layers that
         # ran have added, and again by the next flush, once every layer has.
         under = self.length - self.before if any(x.seen != self.length for x in self.layers) else 0
         self.pages.store_tokens(self.length - held.shape[1], held.reshape(-1))
         self.unstored = [held[:, held.shape[1] - under :]] if under else []
-
-    def _undo_flush(self, n: int) -> None:
-        """A step or fork refused after ``flush`` caught the core up with ``n`` deferred steps:
-        shorten the rows back, so that the refusal leaves the pool's lengths as they were (the
-        rows keep the page those steps are in: it holds earlier tokens too), and the steps stay
-        deferred (their tokens, stored meanwhile, are stored again at the next flush)."""
-        assert self.handles is not None
-        self.pool.truncate(self.handles, np.full(self.handles.shape[0], self.length - n, dtype=np.int64))
-        self._edits = getattr(self.pool, "_row_edits", 0)  # (its own truncate, after check_edits)
-        self.deferred = n
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``
@@ -375,6 +375,8 @@ class BatchRequests:
         self.check_edits(lengths=False)
         self.flush()
         self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
+        if self.deferred or self.unstored:  # (the flush declined: rows truncated through the pool)
+            store_below(self, length)
         self.length = length
         self._set_handles(self.handles)  # the page table is read again at the next step
 
@@ -416,7 +418,7 @@ class BatchRequests:
             if made:
                 self.pool.close(np.asarray(made, dtype=np.int64))
             if caught_up:
-                self._undo_flush(caught_up)
+                undo_flush(self, caught_up)
             self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
             raise
         out = np.empty(len(sources), dtype=np.int64)
