@@ -33,6 +33,11 @@ from kvpool.router import Router
 SEED = 7
 MAX_REQ, MAX_CTX = 6, 14
 TOKENS = st.integers(1, 3)
+# (which prompt seen before, where to cut it), or None for the drawn prompt: mostly
+# prompts seen before and their prefixes, since recomputing a prefix is where hits,
+# duplicates and ghost revivals happen.
+OLD = st.one_of(st.none(), st.tuples(st.integers(0, 40), st.integers(1, MAX_CTX)),
+                st.tuples(st.integers(0, 40), st.just(MAX_CTX)))
 PRIORITIES = st.sampled_from([None, 0, 10, 35, 60, 99, 100])
 
 
@@ -40,7 +45,7 @@ class RouterAgreement(RuleBasedStateMachine):
     host_pages = [0]
 
     @initialize(num_pages=st.integers(3, 12), ps=st.sampled_from([1, 1, 2, 3, 4]),
-                max_pinned=st.sampled_from([0, 1, 2]), host=st.sampled_from([0, 1, 2]))
+                max_pinned=st.sampled_from([0, 1, 2, 3]), host=st.sampled_from([0, 1, 2]))
     def setup(self, num_pages, ps, max_pinned, host):
         hp = self.host_pages[host % len(self.host_pages)]
         self.a = kvpool.SlotAllocator(num_pages, ps, MAX_REQ, MAX_CTX, hash_seed=SEED,
@@ -122,11 +127,32 @@ class RouterAgreement(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.reqs) < MAX_REQ)
     @rule(prompt=st.lists(TOKENS, min_size=1, max_size=10), salt=st.sampled_from([0, 0, 1]),
-          fill=st.booleans(), old=st.integers(0, 40))
+          fill=st.booleans(), old=OLD)
     def open(self, prompt, salt, fill, old):
-        if old < len(self.probes):  # mostly a prompt seen before: that is where hits are
-            salt, prompt = list(self.probes)[old]
-            prompt = list(prompt[:MAX_CTX])  # a probe is a request's tokens and one more
+        self._open(prompt, salt, fill, old)
+
+    @precondition(lambda self: len(self.reqs) < MAX_REQ)
+    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=10), salt=st.sampled_from([0, 0, 1]),
+          old=OLD, more=st.integers(0, 3), p=PRIORITIES, pin=st.booleans())
+    def serve(self, prompt, salt, old, more, p, pin):
+        """A whole request: its prompt, a few generated tokens, close(cache=True). Or
+        pinned then unpinned: past max_pinned_pages the tail keeps 99 while the head goes
+        back to the default, so the head is evicted first and the tail is orphaned."""
+        h = self._open(prompt, salt, True, old)
+        self._extend(h, more)
+        self.log.append(("serve-close", h & 0xFFFF, "pin-unpin" if pin else p))
+        if pin:
+            self.a.cache([h], priority=100)
+            self.a.unpin([h])
+            self.a.close([h])
+        else:
+            self.a.close([h], cache=True, **self._priority(p))
+        self._probe(salt, self.reqs.pop(h)[0])
+
+    def _open(self, prompt, salt, fill, old):
+        if old is not None and self.probes:
+            salt, prompt = list(self.probes)[old[0] % len(self.probes)]
+            prompt = list(prompt[: old[1]])  # a probe is a request's tokens and one more
         self._feed()
         predicted = self.router.match(prompt, salt)[0]
         before = self._served(salt, prompt)
@@ -142,6 +168,7 @@ class RouterAgreement(RuleBasedStateMachine):
         self._probe(salt, prompt)
         if fill:
             self._extend(h, len(prompt) - cached)
+        return h
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), n=st.integers(1, 5))
@@ -174,6 +201,7 @@ class RouterAgreement(RuleBasedStateMachine):
         self.log.append(("unpin", h & 0xFFFF))
         self.a.unpin([h])
 
+    @precondition(lambda self: self.a.evictable_pages)
     @rule(n=st.integers(1, 4))
     def evict(self, n):
         self.log.append(("evict", n))
@@ -199,8 +227,11 @@ class RouterAgreement(RuleBasedStateMachine):
         toks, pending, salt = self.reqs[h]
         self.reqs[int(c)] = [list(toks), list(pending), salt]
 
-    @rule()
-    def clear_cache(self):
+    @precondition(lambda self: self.a.cached_pages)
+    @rule(go=st.integers(0, 5))
+    def clear_cache(self, go):
+        if go:  # rare: it makes every run start over
+            return
         self.log.append(("clear_cache",))
         self.a.clear_cache()
 
@@ -272,9 +303,9 @@ def test_past_the_ghost_cap_the_router_over_predicts():
     assert probe([2, 3, 1, 2]) == (4, 3)  # the orphan leaf is advertised, not served
 
 
-_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
+_SETTINGS = settings(max_examples=100, stateful_step_count=30, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestRouterAgreement = RouterAgreement.TestCase
 TestRouterAgreement.settings = _SETTINGS
 TestRouterAgreementHostTier = RouterAgreementHostTier.TestCase
-TestRouterAgreementHostTier.settings = settings(_SETTINGS, max_examples=40)
+TestRouterAgreementHostTier.settings = settings(_SETTINGS, max_examples=50)
