@@ -124,3 +124,10 @@ def test_demo_help_states_every_default():
         if not (f"({shown}" in text or (action.choices and text.startswith(f"{default}:"))):
             missing.append(f"{action.option_strings[0]} (default {default!r}): {text!r}")
     assert not missing, missing
+
+
+def test_demo_expands_a_tilde_in_its_json_path(tmp_path, monkeypatch):
+    # `--json=~/x` reaches the program unexpanded: the shell expands `~` only at a word's start.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["demo", *TINY, "--json=~/figures.json"]) == 0
+    assert json.loads((tmp_path / "figures.json").read_text())

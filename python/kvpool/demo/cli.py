@@ -359,6 +359,10 @@ def _tier_comparison(with_tier: dict[str, Any], without: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A shell leaves `~` alone in `--json=~/x` and in quoted paths.
+    for name in ("json", "hf"):
+        if getattr(args, name):
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     # Checked before the run, which may take minutes, rather than failing after it.
     if args.json and os.path.isdir(args.json):
         parser.error(f"--json: {args.json!r} is a directory; give a file path")
