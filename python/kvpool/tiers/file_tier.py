@@ -28,6 +28,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class FileTier(TierBackend):
         self._used = 0
         self._last_scan = 0.0
         self._clock_ns = 0  # the last mtime this process set: see _stamp
+        self._blocked_warned = False  # a directory at a record's name was reported: see _into_place
         self._scan_and_evict()
 
     @property
@@ -162,7 +164,9 @@ class FileTier(TierBackend):
             pass
 
     def contains(self, page_hash: int) -> bool:
-        return self.file_for(page_hash).exists()
+        # A directory at the name (another tool, a crash) is no record: said present, its
+        # page would never be stored, and every lookup would miss for good.
+        return self.file_for(page_hash).is_file()
 
     def put(self, record: PageRecord) -> bool:
         if not isinstance(record, PageRecord):
@@ -183,7 +187,7 @@ class FileTier(TierBackend):
             with fh:
                 fh.write(blob)
             final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
+            self._into_place(tmp, final)
             self._stamp(final)
         except OSError:
             try:
@@ -198,6 +202,27 @@ class FileTier(TierBackend):
         if due:
             self._scan_and_evict()
         return True
+
+    def _into_place(self, tmp: Path, final: Path) -> None:
+        try:
+            os.replace(tmp, final)
+            return
+        except OSError:
+            if not final.is_dir():
+                raise
+        # A directory holds the record's name. An empty one is debris and goes; one
+        # with contents is someone's data: kept, and said once (the refused write is
+        # counted by the caller, e.g. DiskCache's stats.write_failures).
+        try:
+            final.rmdir()
+        except OSError:
+            if not self._blocked_warned:
+                self._blocked_warned = True
+                warnings.warn(f"FileTier: {str(final)!r} is a directory, not a page record, and is not empty: "
+                              f"the page filed under that name cannot be stored until it is removed "
+                              f"(said once per tier)", RuntimeWarning, stacklevel=4)
+            raise
+        os.replace(tmp, final)
 
     def remove(self, page_hash: int) -> None:
         try:
