@@ -24,6 +24,7 @@ writes in progress.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import threading
@@ -61,8 +62,8 @@ class FileTier(TierBackend):
 
     Raises:
         InvalidArgumentError: a bad ``max_bytes`` or ``scan_interval_s``, or ``path`` is not a
-            str or os.PathLike, is empty, starts with ``~`` of no known user, or cannot be
-            used as a directory.
+            str or os.PathLike, is empty, starts with ``~`` of no known user, cannot be
+            used as a directory, or has its ``.tmp`` on another file system.
 
     Counters: ``hits`` (intact records returned), ``misses`` (no file),
     ``rejected`` (a file that was not an intact record under its name),
@@ -84,6 +85,7 @@ class FileTier(TierBackend):
             (self.path / ".tmp").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InvalidArgumentError(f"FileTier path {str(self.path)!r} cannot be used as a directory: {e}") from None
+        _check_same_file_system(self.path)
         self._lock = threading.Lock()
         # Taken around counters and mtimes by any thread: held at a fork, it would stay
         # held in the child, whose first get or put would then wait forever.
@@ -284,7 +286,9 @@ class FileTier(TierBackend):
                     if age > STALE_TMP_S * 1e9:
                         _unlink(f)
                 continue
-            if sub.is_dir():
+            if sub.name.startswith(".tmp-probe.") and _entries_age(sub, now) > STALE_TMP_S * 1e9:
+                _unlink(sub)  # a construction probe of a process that died right then
+            elif sub.is_dir():
                 out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX))
         return out
 
@@ -337,6 +341,30 @@ def _directory(path: Any) -> Path:
     return Path(full).absolute()
 
 
+def _check_same_file_system(path: Path) -> None:
+    """Refuse a ``.tmp`` that records cannot be renamed out of (a mount or a link to another
+    file system): every write would fail. Probed by a rename, which also sees bind mounts of
+    one file system (same device, still EXDEV). Any other failure (a read-only directory, a
+    reader's) is left to the writes."""
+    name = f"probe.{os.getpid()}.{secrets.token_hex(4)}"
+    tmp, there = path / ".tmp" / name, path / f".tmp-{name}"
+    try:
+        tmp.touch(exist_ok=False)
+    except OSError:
+        return
+    try:
+        os.rename(tmp, there)
+    except OSError as e:
+        _unlink(tmp)
+        if e.errno == errno.EXDEV:
+            raise InvalidArgumentError(
+                f"FileTier path {str(path)!r}: its {str(path / '.tmp')!r} is on another file system, and "
+                f"records are written there and renamed into place, which cannot cross file systems; "
+                f"make .tmp a plain directory of {str(path)!r} (no mount or link to elsewhere)") from None
+        return
+    _unlink(there)
+
+
 def _same_file(now: os.stat_result, seen: os.stat_result, mtime: bool = False) -> bool:
     return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino) and (
         not mtime or now.st_mtime_ns == seen.st_mtime_ns)
@@ -362,6 +390,13 @@ def _entries(d: Path) -> list[tuple[int, os.stat_result, Path]]:
     except OSError:
         pass
     return out
+
+
+def _entries_age(f: Path, now: int) -> int:
+    try:
+        return now - f.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _unlink(f: Path) -> bool:
