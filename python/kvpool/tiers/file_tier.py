@@ -13,7 +13,9 @@ writes in progress.
   this process knows of pass ``max_bytes`` it rescans the directory and
   deletes the oldest files until the total fits. Each process
   rescans at least every ``scan_interval_s`` seconds while it writes, so
-  other processes' writes are counted within that time.
+  other processes' writes are counted within that time. Only writes evict
+  (building a tier only counts), and a record over this process's bound is a
+  miss, kept: a reader with a smaller bound never deletes a writer's records.
 - Shared directories: renames are atomic, a file deleted while another
   process reads it stays readable through the open descriptor (POSIX), and
   a file that vanishes between listing and reading is a miss. Nothing read is
@@ -95,7 +97,9 @@ class FileTier(TierBackend):
         self._last_scan = 0.0
         self._clock_ns = 0  # the last mtime this process set: see _stamp
         self._blocked_warned = False  # a directory at a record's name was reported: see _into_place
-        self._scan_and_evict()
+        # Counted only: a process that reads with a smaller bound than the writers must
+        # not delete their records; its own writes apply its bound.
+        self._scan_and_evict(evict=False)
 
     @property
     def max_bytes(self) -> int:
@@ -119,10 +123,14 @@ class FileTier(TierBackend):
         try:
             with open(f, "rb") as fh:
                 st = os.fstat(fh.fileno())
-                # Never a record past the bound (one would not have been written): a stray
-                # large file is not read into memory.
-                blob = fh.read() if st.st_size <= self._max else b""
-                rec = decode(blob)
+                if st.st_size > self._max:
+                    # Past this process's bound, so not read into memory; but another
+                    # process with a larger bound may have written it: a miss here, kept
+                    # for that one (not judged damaged unread).
+                    with self._lock:
+                        self.misses += 1
+                    return None
+                rec = decode(fh.read())
                 if rec is None or rec.page_hash != int(page_hash):
                     # Not the record its name promises (torn, corrupted, renamed): drop it, so
                     # that the next put under this name is not skipped as already present;
@@ -292,15 +300,16 @@ class FileTier(TierBackend):
                 out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX))
         return out
 
-    def _scan_and_evict(self) -> None:
-        """Recount the directory and delete the least recently used files past ``max_bytes``."""
+    def _scan_and_evict(self, evict: bool = True) -> None:
+        """Recount the directory and delete the least recently used files past ``max_bytes``
+        (only recount without ``evict``)."""
         try:
             files = self._files()
         except OSError:
             return
         total = sum(st.st_size for _, st, _ in files)
         evicted = 0
-        if total > self._max:
+        if evict and total > self._max:
             for _mtime, st, f in sorted(files, key=lambda t: t[0]):
                 if total <= self._max:
                     break
