@@ -276,8 +276,14 @@ class FileTier(TierBackend):
             except FileExistsError:
                 pass  # a newer record has the name: ours is older
             except OSError:
-                try:  # a file system without hard links
-                    os.rename(q, f)
+                # A file system without hard links: a rename, which would replace a record
+                # written meanwhile, so only onto a free name. What is left (a write between
+                # the check and the rename) replaces one record by another of its name: the
+                # same page (the name is the chain hash of its tokens under the fingerprint),
+                # and readers verify what they get, so a hit stays right (see docs/tiers.md).
+                try:
+                    if not os.path.lexists(f):
+                        os.rename(q, f)
                 except OSError:
                     pass
         _unlink(q)
