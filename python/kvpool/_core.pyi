@@ -58,7 +58,13 @@ class RollbackUnavailableError(KVPoolError): ...
 @final
 class PoolStats:
     """The pool's changing counters, read together under one lock (so they agree
-    with each other, unlike separate property reads while other threads run)."""
+    with each other, unlike separate property reads while other threads run).
+
+    Pickles by field name. A snapshot pickled by an older kvpool loads with the
+    fields it lacks at their defaults (that kvpool did not record them):
+    dropped_events 0, evictable_pages_by_priority [] (empty, not 101 zeros,
+    which would contradict evictable_pages). A snapshot pickled by a newer
+    kvpool loads with the fields this one knows; the others are dropped."""
 
     @property
     def free_pages(self) -> int: ...
@@ -94,16 +100,19 @@ class PoolStats:
     def offloaded_pages(self) -> int: ...
     @property
     def loaded_pages(self) -> int: ...
+    # 0 in a snapshot unpickled from a kvpool before it (17 counters).
     @property
     def dropped_events(self) -> int: ...
     # 101 counts, priority 0..100 (SlotAllocator.evictable_pages_by_priority); they add up
-    # to evictable_pages, being read in the same snapshot.
+    # to evictable_pages, being read in the same snapshot. [] in a snapshot unpickled from
+    # a kvpool before it (17 counters): that kvpool did not record them.
     @property
     def evictable_pages_by_priority(self) -> list[int]: ...
     # Compares every counter; pickles (a snapshot sent to a metrics or scheduler process).
     def __eq__(self, value: object, /) -> bool: ...
     __hash__: None  # type: ignore[assignment]
-    def __reduce__(self) -> tuple[Any, tuple[list[int]]]: ...
+    # (_pool_stats, ({field: value, ...},)): by name, so that versions add fields.
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]: ...
 
 @final
 class SlotAllocator:
@@ -1274,7 +1283,8 @@ def encode_kv_events(
 
 # Not public API: PoolStats.__reduce__'s rebuilder, and the os.register_at_fork hooks of
 # kvpool._forksafe (hold every allocator's mutexes across a fork, then release them).
-def _pool_stats(fields: list[int]) -> PoolStats: ...
+# _pool_stats also takes the flat lists older versions pickled (17, then 119 ints).
+def _pool_stats(state: dict[str, Any] | list[int]) -> PoolStats: ...
 def _fork_prepare() -> None: ...
 def _fork_release() -> None: ...
 
