@@ -131,11 +131,13 @@ def test_threads_each_with_a_cache_on_one_pool(model, page_size, layer_buffers, 
     stress(model, page_size, layer_buffers, prefix)
 
 
-def _hook_extend(pool, at_call: int, other) -> list[int]:
-    """Run ``other()`` in another thread at the ``at_call``-th ``_extend_host``/``extend`` call of
-    the calling thread, after the cache's edit check and before its extend (the window the check
-    leaves when another thread edits the rows), and wait for it to finish."""
-    calls = [0]
+def _hook_extend(pool, at_call: int, other) -> list[threading.Thread]:
+    """Start ``other()`` in another thread at the ``at_call``-th ``_extend_host``/``extend`` call of
+    the calling thread (after the cache's edit check, before its extend: the window another
+    thread's edit of the rows would fall in), and give it up to 1 s to finish first. Where the
+    cache holds the pool's lock across that window, ``other`` waits for it instead (and runs
+    when it is released); the caller joins the returned threads."""
+    calls, started = [0], []
     owner = threading.get_ident()
 
     def wrap(real):
@@ -143,13 +145,16 @@ def _hook_extend(pool, at_call: int, other) -> list[int]:
             if threading.get_ident() == owner:
                 calls[0] += 1
                 if calls[0] == at_call:
-                    _run_threads([other])
+                    t = threading.Thread(target=other, daemon=True)
+                    t.start()
+                    started.append(t)
+                    t.join(1.0)  # (not an assertion: either order is a valid interleaving)
             return real(*a, **kw)
         return hooked
 
     pool._extend_host = wrap(pool._extend_host)
     pool.extend = wrap(pool.extend)
-    return calls
+    return started
 
 
 # (call 2: the first decode step's extend, or with layer buffers the flush at the first page boundary.)
@@ -166,8 +171,12 @@ def test_a_fork_by_another_thread_just_before_the_step_extends_is_followed(model
     pool = pool_for_model(model, max_tokens=1024, page_size=page_size, max_context_len=128)
     forks: list = []
     with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
-        _hook_extend(pool, at_call, lambda: forks.append(pool.fork(int(cache.requests.handles[0]))))
+        # (the raw handles, read as another thread holding them from earlier would: cache.handles
+        # flushes the cache, which only the cache's own thread may do)
+        started = _hook_extend(pool, at_call, lambda: forks.append(pool.fork(int(cache.requests.handles[0]))))
         out = greedy(model, p, None, NEW, cache=cache).sequences
+        for t in started:
+            t.join(JOIN_S)
     assert forks, "the hook never ran"
     assert torch.equal(out, ref), (out, ref)
     del pool._extend_host, pool.extend

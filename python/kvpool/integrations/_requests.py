@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -250,26 +251,32 @@ class BatchRequests:
             # The previous step has run, so its pages hold valid K/V: publish the
             # prompt's full pages for the next request that shares them.
             pool.cache(self.handles)
-        # On a CPU pool the step needs only the host slots (stores go through views of the
-        # caches, or the pool's index store with an index tensor StepPages makes).
-        try:
-            if not self.host_extend:
-                slots = None
-            elif tokens == 1:
-                slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
-            else:
-                slots = pool._extend_host(self.handles, tokens)
-            if slots is None:
-                ext = pool.extend(self.handles, tokens)
-                slots, self.new_slots = ext.slots, ext.out_cache_loc
-            else:
-                self.new_slots = None
-        except BaseException:
-            if caught_up:  # a refused step leaves the pool as it was, deferred steps included
-                undo_flush(self, caught_up)
-            if self._fresh:
-                self.close()
-            raise
+        with getattr(pool, "_lock", None) or nullcontext():
+            # Checked again with the extend under the pool's lock: another thread's fork/truncate/close
+            # of the rows since would go unseen (a table from before a copy on write, a stale length).
+            if getattr(pool, "_row_edits", 0) != self._edits:
+                self.check_edits()
+                pages = self.pages
+            # On a CPU pool the step needs only the host slots (stores go through views of the
+            # caches, or the pool's index store with an index tensor StepPages makes).
+            try:
+                if not self.host_extend:
+                    slots = None
+                elif tokens == 1:
+                    slots = pool._extend_host(self._handle_arg, 1, self._decode_slots)
+                else:
+                    slots = pool._extend_host(self.handles, tokens)
+                if slots is None:
+                    ext = pool.extend(self.handles, tokens)
+                    slots, self.new_slots = ext.slots, ext.out_cache_loc
+                else:
+                    self.new_slots = None
+            except BaseException:
+                if caught_up:  # a refused step leaves the pool as it was, deferred steps included
+                    undo_flush(self, caught_up)
+                if self._fresh:
+                    self.close()
+                raise
         self._fresh = False
         self.step_slots = slots
         before = self.before = self.length
@@ -318,6 +325,14 @@ class BatchRequests:
         n = self.deferred
         if not n and not self.unstored:
             return
+        assert self.handles is not None and self.pages is not None
+        pool = self.pool
+        # Locked from the edit check to the store: another thread's fork/truncate/close of the rows
+        # in between would store the tokens at slots the rows no longer own (a copy on write moved).
+        with getattr(pool, "_lock", None) or nullcontext():
+            self._flush_locked(n)
+
+    def _flush_locked(self, n: int) -> None:
         assert self.handles is not None and self.pages is not None
         parts, pool = self.unstored, self.pool
         # A counted call named the rows since their pending tokens' slots were taken (a fork, a
