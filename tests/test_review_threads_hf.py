@@ -134,7 +134,7 @@ def test_threads_each_with_a_cache_on_one_pool(model, page_size, layer_buffers, 
 def _hook_extend(pool, at_call: int, other) -> list[threading.Thread]:
     """Start ``other()`` in another thread at the ``at_call``-th ``_extend_host``/``extend`` call of
     the calling thread (after the cache's edit check, before its extend: the window another
-    thread's edit of the rows would fall in), and give it up to 1 s to finish first. Where the
+    thread's edit of the rows would fall in), and give it up to 0.5 s to finish first. Where the
     cache holds the pool's lock across that window, ``other`` waits for it instead (and runs
     when it is released); the caller joins the returned threads."""
     calls, started = [0], []
@@ -148,7 +148,7 @@ def _hook_extend(pool, at_call: int, other) -> list[threading.Thread]:
                     t = threading.Thread(target=other, daemon=True)
                     t.start()
                     started.append(t)
-                    t.join(1.0)  # (not an assertion: either order is a valid interleaving)
+                    t.join(0.5)  # (not an assertion: either order is a valid interleaving)
             return real(*a, **kw)
         return hooked
 
@@ -181,5 +181,44 @@ def test_a_fork_by_another_thread_just_before_the_step_extends_is_followed(model
     assert torch.equal(out, ref), (out, ref)
     del pool._extend_host, pool.extend
     pool.close(np.concatenate([np.asarray(f, dtype=np.int64).reshape(-1) for f in forks]))
+    pool.allocator.check()
+    assert pool.allocator.open_requests == 0
+
+
+@pytest.mark.parametrize("edit", ["truncate", "close"])
+@pytest.mark.parametrize("layer_buffers, at_call", [(False, 2), (False, NEW), (True, 2), (True, 3), (True, 4)])
+def test_a_truncate_or_close_by_another_thread_mid_generate_is_refused_or_lands_after(model, layer_buffers, edit,
+                                                                                       at_call):
+    """Truncate and close are changes the cache cannot follow: done by another thread around a
+    step's extend, generate either raises the typed error (at the next step) or, where the edit
+    waited for the pool's lock, gives the right tokens; never wrong tokens, and the pool stays
+    consistent with every page back once the cache is closed."""
+    p = _prompts(5, 1, None)[0]
+    with torch.inference_mode():
+        ref = greedy(model, p, None, NEW).sequences
+    pool = pool_for_model(model, max_tokens=1024, page_size=4, max_context_len=128)
+    done: list = []
+
+    def other():
+        h = cache.requests.handles
+        if edit == "truncate":
+            pool.truncate(h, np.maximum(np.asarray(pool.lengths(h), dtype=np.int64) - 3, 1))
+        else:
+            pool.close(h)
+        done.append(edit)
+
+    out = None
+    with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
+        started = _hook_extend(pool, at_call, other)
+        try:
+            out = greedy(model, p, None, NEW, cache=cache).sequences
+        except kvpool.errors.KVPoolError:
+            pass
+        for t in started:
+            t.join(JOIN_S)
+    assert done, "the hook never ran"
+    if out is not None:
+        assert torch.equal(out, ref), (out, ref)
+    del pool._extend_host, pool.extend
     pool.allocator.check()
     assert pool.allocator.open_requests == 0
