@@ -1,0 +1,364 @@
+"""Outside check: an engine loop over a CPU KVPool with a host tier and prefix caching that
+admits (prefix hits, forks), decodes, preempts by swap_out when the pool runs out and swaps
+back in when room returns. Every position's K/V is a function of the tokens up to it, so any
+request computing the same prefix writes the same bytes; after every step each running request
+reads back exactly its expected K/V through its slots and its req_to_token row."""
+
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+from kvpool.errors import PoolExhaustedError, RequestSwappedOutError
+
+L, H, D = 2, 2, 4
+POLICIES = ["write_back", "write_through"]
+
+
+def kv_row(prefix):
+    """K/V of the position whose tokens up to and including it are ``prefix``: [L, 2, H, D]."""
+    h = zlib.crc32(np.asarray(prefix, np.int64).tobytes()) % (1 << 16)
+    return torch.arange(L * 2 * H * D, dtype=torch.float32).view(L, 2, H, D) + float(h) * 64
+
+
+def make_pool(ps, num_pages, policy, host_pages=64):
+    return kvpool.KVPool(L, H, D, dtype=torch.float32, page_size=ps, num_pages=num_pages,
+                         max_requests=24, max_context_len=96, host_pages=host_pages,
+                         host_policy=policy, hash_seed=7)
+
+
+def write(pool, h, toks, start):
+    """Write positions start..len(toks)-1 of request ``h`` (already extended to len(toks))."""
+    slots = pool.slots(h)[start:len(toks)]
+    rows = torch.stack([kv_row(toks[:i + 1]) for i in range(start, len(toks))]) if len(slots) else None
+    for layer in range(L):
+        if rows is not None:
+            pool.write(layer, slots, rows[:, layer, 0].contiguous(), rows[:, layer, 1].contiguous())
+
+
+def verify(pool, h, toks):
+    n = len(toks)
+    assert pool.allocator.length(h) == n
+    slots = np.asarray(pool.slots(h))
+    row = int(pool.allocator.rows([h])[0])
+    assert (pool.req_to_token[row, :n].cpu().numpy() == slots).all(), "req_to_token row != slots"
+    want = torch.stack([kv_row(toks[:i + 1]) for i in range(n)])
+    for layer in range(L):
+        k, v = pool.read(layer, slots)
+        assert torch.equal(k, want[:, layer, 0]), f"request {h} layer {layer}: K differs"
+        assert torch.equal(v, want[:, layer, 1]), f"request {h} layer {layer}: V differs"
+
+
+class Engine:
+    """A scheduler over the pool: ``run`` / ``swapped`` map handle -> tokens; ``age`` is the
+    admission order (the youngest is preempted first)."""
+
+    def __init__(self, pool, rng):
+        self.pool, self.rng = pool, rng
+        self.run, self.swapped, self.age, self.clock = {}, {}, {}, 0
+        self.prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+
+    def _born(self, h, toks):
+        self.run[int(h)] = toks
+        self.age[int(h)] = self.clock
+        self.clock += 1
+
+    def preempt(self, keep=None):
+        """swap_out the youngest one or two running requests other than ``keep`` (in one
+        call); False if none."""
+        cands = sorted((h for h in self.run if h != keep), key=lambda x: -self.age[x])
+        if not cands:
+            return False
+        out = cands[:self.rng.choice((1, 2))]
+        self.pool.swap_out(out)
+        for h in out:
+            assert self.pool.is_swapped(h)
+            self.swapped[h] = self.run.pop(h)
+        return True
+
+    def swap_back(self):
+        """swap_in the oldest swapped requests, one or two a call, while there is room."""
+        while self.swapped:
+            batch = sorted(self.swapped, key=lambda x: self.age[x])[:self.rng.choice((1, 2))]
+            free0 = self.pool.allocator.free_pages
+            try:
+                self.pool.swap_in(batch)
+            except PoolExhaustedError:  # changes nothing
+                assert self.pool.allocator.free_pages == free0
+                assert all(self.pool.is_swapped(h) for h in batch)
+                return
+            for h in batch:
+                self.run[h] = self.swapped.pop(h)
+
+    def admit(self):
+        if len(self.run) + len(self.swapped) >= 20:
+            return
+        r = self.rng
+        toks = list(r.choice(self.prefixes)) + [r.randrange(1, 50) for _ in range(r.randrange(0, 6))]
+        if r.random() < 0.3:  # open + prefill in one call, no prefix lookup
+            while True:
+                try:
+                    hs, _ = self.pool.admit([len(toks)], tokens=toks)
+                    break
+                except PoolExhaustedError:  # changes nothing
+                    if not self.preempt():
+                        return
+            write(self.pool, int(hs[0]), toks, 0)
+            self._born(hs[0], list(toks))
+            return
+        while True:
+            try:
+                hs, hit = self.pool.open_with_prefix(toks, [len(toks)])
+            except PoolExhaustedError:
+                if not self.preempt():
+                    return
+                continue
+            h, hit = int(hs[0]), int(hit[0])
+            try:
+                if len(toks) > hit:
+                    self.pool.extend([h], [len(toks) - hit], tokens=toks[hit:])
+            except PoolExhaustedError:
+                self.pool.close([h])
+                if not self.preempt():
+                    return
+                continue
+            write(self.pool, h, toks, hit)
+            self._born(h, list(toks))
+            return
+
+    def fork(self):
+        if not self.run or len(self.run) + len(self.swapped) >= 20:
+            return
+        parent = self.rng.choice(sorted(self.run))
+        kid = int(self.pool.fork(parent, 1)[0])
+        self._born(kid, list(self.run[parent]))
+
+    def decode(self):
+        """One token for every running request: one batched extend (fork siblings extending
+        into their shared last page in the same call), or one extend a request."""
+        if self.rng.random() < 0.5:
+            self._decode_batch()
+            return
+        for h in sorted(self.run, key=lambda x: self.age[x]):
+            if h not in self.run:  # preempted by an older request's decode this step
+                continue
+            toks = self.run[h]
+            if len(toks) >= 90:
+                continue
+            nxt = self.rng.randrange(1, 50)
+            while True:
+                try:
+                    self.pool.extend([h], [1], tokens=[nxt])
+                    break
+                except PoolExhaustedError:
+                    if not self.preempt(keep=h):
+                        self.preempt()  # itself: the only one left running
+                        break
+            if h in self.run:
+                toks.append(nxt)
+                write(self.pool, h, toks, len(toks) - 1)
+
+    def _decode_batch(self):
+        while True:
+            batch = sorted((h for h in self.run if len(self.run[h]) < 90), key=lambda x: self.age[x])
+            if not batch:
+                return
+            nxt = [self.rng.randrange(1, 50) for _ in batch]
+            try:
+                ext = self.pool.extend(batch, [1] * len(batch), tokens=nxt)
+                break
+            except PoolExhaustedError:  # atomic: nothing extended
+                self.preempt()
+        assert list(ext.slots) == [int(self.pool.slots(h)[-1]) for h in batch]
+        for h, t in zip(batch, nxt):
+            self.run[h].append(t)
+            write(self.pool, h, self.run[h], len(self.run[h]) - 1)
+
+    def finish(self):
+        r = self.rng
+        if self.run and r.random() < 0.3:
+            h = r.choice(sorted(self.run))
+            self.pool.close([h], cache=r.random() < 0.7)
+            del self.run[h]
+        if self.swapped and r.random() < 0.1:
+            h = r.choice(sorted(self.swapped))
+            with pytest.raises(RequestSwappedOutError):
+                self.pool.close([h], cache=True)
+            self.pool.close([h])
+            del self.swapped[h]
+
+    def check(self):
+        a = self.pool.allocator
+        a.check()
+        assert a.pending_offloads == 0 and a.pending_loads == 0 and a.pending_copies == 0
+        for h, toks in self.run.items():
+            verify(self.pool, h, toks)
+        for h in self.swapped:
+            assert self.pool.is_swapped(h) and a.length(h) == len(self.swapped[h])
+
+    def step(self):
+        self.swap_back()
+        if self.rng.random() < 0.6:
+            self.admit()
+        if self.rng.random() < 0.3:
+            self.fork()
+        self.decode()
+        self.finish()
+        self.check()
+
+    def drain(self):
+        """Close everything; then every device and host page comes back."""
+        a = self.pool.allocator
+        self.pool.close(list(self.run) + list(self.swapped))
+        self.run.clear()
+        self.swapped.clear()
+        a.check()
+        # free_pages counts CACHED (evictable) pages too: nothing may stay held.
+        assert a.free_pages == a.num_pages - 1 and a.host_free_pages == a.host_pages - 1
+        a.clear_cache()
+        a.check()
+        assert a.cached_pages == 0 and a.host_cached_pages == 0
+        assert a.free_pages == a.num_pages - 1 and a.host_free_pages == a.host_pages - 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("ps,num_pages", [(1, 128), (4, 40), (16, 12)])
+@pytest.mark.parametrize("seed", range(5))
+def test_engine_loop_keeps_kv_exact(policy, ps, num_pages, seed):
+    pool = make_pool(ps, num_pages, policy, host_pages=256 if ps == 1 else 96)
+    eng = Engine(pool, random.Random(seed * 1000 + ps))
+    for _ in range(40):
+        eng.step()
+    assert pool.allocator.offloaded_pages > 0  # the pool did run out: preemption happened
+    eng.drain()
+
+
+def _open_compute(pool, toks):
+    h = int(pool.open(1)[0])
+    pool.extend([h], [len(toks)], tokens=toks)
+    write(pool, h, toks, 0)
+    return h
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("victim", ["parent", "child"])
+def test_preempt_with_cow_pending_last_page(policy, victim):
+    """A's partly filled last page is shared with its fork B; one of them is swapped out, the
+    other writes into that page (its copy-on-write, or not, as the swap left it), then the
+    first comes back: both read their own tokens."""
+    pool = make_pool(4, 16, policy)
+    ta = list(range(1, 7))  # 6 tokens: the second page is half full
+    A = _open_compute(pool, ta)
+    B = int(pool.fork(A, 1)[0])
+    toks = {A: list(ta), B: list(ta)}
+    out, stay = (A, B) if victim == "parent" else (B, A)
+    pool.swap_out([out])
+    for t in (40, 41, 42):
+        pool.extend([stay], [1], tokens=[t])
+        toks[stay].append(t)
+        write(pool, stay, toks[stay], len(toks[stay]) - 1)
+    pool.allocator.check()
+    verify(pool, stay, toks[stay])
+    pool.swap_in([out])
+    pool.extend([out], [1], tokens=[30])
+    toks[out].append(30)
+    write(pool, out, toks[out], len(toks[out]) - 1)
+    pool.allocator.check()
+    for h in (A, B):
+        verify(pool, h, toks[h])
+    pool.close([A, B])
+    pool.allocator.clear_cache()
+    assert pool.allocator.free_pages == 15 and pool.allocator.host_free_pages == 63
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preempt_right_after_host_hit(policy):
+    """A publishes a prefix and closes; its device copies are evicted (the entry lives on the
+    host); B's prefix hit loads them, B is swapped out at once, later swapped back in when the
+    device is crowded, and reads exactly A's K/V for the shared positions."""
+    pool = make_pool(4, 12, policy)
+    a = pool.allocator
+    pre = list(range(1, 13))  # 3 full pages
+    A = _open_compute(pool, pre + [99])
+    pool.close([A], cache=True)
+    pool.evict(100)
+    assert a.cached_pages == 0 and a.host_cached_pages >= 3
+    tb = pre + [7, 8]
+    hs, hit = pool.open_with_prefix(tb, [len(tb)])
+    B = int(hs[0])
+    assert int(hit[0]) == 12 and a.loaded_pages >= 3
+    pool.extend([B], [2], tokens=[7, 8])
+    write(pool, B, tb, 12)
+    verify(pool, B, tb)
+    pool.swap_out([B])
+    # Crowd the device with published pages of other prompts, all CACHED after close.
+    for base in (200, 300):
+        C = _open_compute(pool, list(range(base, base + 16)))
+        pool.close([C], cache=True)
+    offl = a.offloaded_pages
+    pool.swap_in([B])
+    a.check()
+    verify(pool, B, tb)
+    pool.extend([B], [1], tokens=[9])
+    write(pool, B, tb + [9], len(tb))
+    verify(pool, B, tb + [9])
+    assert a.offloaded_pages >= offl
+    pool.close([B])
+    a.clear_cache()
+    assert a.free_pages == 11 and a.host_free_pages == 63
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swap_in_evicts_cached_pages_and_their_copies_stay_exact(policy):
+    """The device is full of CACHED pages when a swapped request comes back: swap_in evicts
+    them (under write_back offloading them first). A later prompt hits those evicted pages on
+    the host and reads exactly the K/V written before the eviction."""
+    pool = make_pool(4, 10, policy)
+    a = pool.allocator
+    ta = list(range(1, 19))  # 5 pages
+    A = _open_compute(pool, ta)
+    pool.swap_out([A])
+    tc = list(range(100, 128))  # 7 full pages
+    C = _open_compute(pool, tc)
+    pool.close([C], cache=True)
+    assert a.free_pages == 9 and a.cached_pages == 7  # 2 FREE + 7 CACHED; A's 5 on the host
+    offl = a.offloaded_pages
+    pool.swap_in([A])
+    a.check()
+    verify(pool, A, ta)
+    assert a.cached_pages == 4  # swap_in had to evict 3 of C's copies
+    if policy == "write_back":
+        assert a.offloaded_pages == offl + 3  # offloaded as they were evicted
+    pool.close([A])
+    hs, hit = pool.open_with_prefix(tc + [5], [len(tc) + 1])
+    D = int(hs[0])
+    assert int(hit[0]) == 28
+    pool.extend([D], [1], tokens=[5])
+    write(pool, D, tc + [5], 28)
+    verify(pool, D, tc + [5])
+    pool.close([D])
+    a.clear_cache()
+    a.check()
+    assert a.free_pages == 9 and a.host_free_pages == 63
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_close_of_swapped_out_request_returns_host_pages(policy):
+    pool = make_pool(4, 10, policy)
+    a = pool.allocator
+    host0 = a.host_free_pages
+    A = _open_compute(pool, list(range(1, 11)))
+    pool.swap_out([A])
+    assert a.host_free_pages < host0
+    with pytest.raises(RequestSwappedOutError):
+        pool.close([A], cache=True)
+    assert pool.is_swapped(A)
+    pool.close([A])
+    a.check()
+    assert not a.is_open(A)
+    assert a.free_pages == 9 and a.host_free_pages == a.host_pages - 1
+    a.clear_cache()
+    assert a.host_free_pages == host0 and a.free_pages == 9
