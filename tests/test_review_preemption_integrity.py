@@ -32,11 +32,18 @@ def make_pool(ps, num_pages, policy, host_pages=64):
 
 def write(pool, h, toks, start):
     """Write positions start..len(toks)-1 of request ``h`` (already extended to len(toks))."""
-    slots = pool.slots(h)[start:len(toks)]
-    rows = torch.stack([kv_row(toks[:i + 1]) for i in range(start, len(toks))]) if len(slots) else None
+    if start >= len(toks):
+        return
+    rows = torch.stack([kv_row(toks[:i + 1]) for i in range(start, len(toks))])
     for layer in range(L):
-        if rows is not None:
-            pool.write(layer, slots, rows[:, layer, 0].contiguous(), rows[:, layer, 1].contiguous())
+        pool.write(layer, pool.slots(h)[start:], rows[:, layer, 0].contiguous(), rows[:, layer, 1].contiguous())
+
+
+def grow(pool, h, toks, t):
+    """One decode step of request ``h``: extend by token ``t`` and write its K/V."""
+    pool.extend([h], [1], tokens=[t])
+    toks.append(t)
+    write(pool, h, toks, len(toks) - 1)
 
 
 def verify(pool, h, toks):
@@ -53,8 +60,7 @@ def verify(pool, h, toks):
 
 
 class Engine:
-    """A scheduler over the pool: ``run`` / ``swapped`` map handle -> tokens; ``age`` is the
-    admission order (the youngest is preempted first)."""
+    """``run`` / ``swapped``: handle -> tokens; ``age``: admission order (youngest preempted first)."""
 
     def __init__(self, pool, rng):
         self.pool, self.rng = pool, rng
@@ -62,13 +68,10 @@ class Engine:
         self.prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
 
     def _born(self, h, toks):
-        self.run[int(h)] = toks
-        self.age[int(h)] = self.clock
-        self.clock += 1
+        self.run[int(h)], self.age[int(h)], self.clock = toks, self.clock, self.clock + 1
 
     def preempt(self, keep=None):
-        """swap_out the youngest one or two running requests other than ``keep`` (in one
-        call); False if none."""
+        """swap_out (one call) the youngest one or two running requests but ``keep``."""
         cands = sorted((h for h in self.run if h != keep), key=lambda x: -self.age[x])
         if not cands:
             return False
@@ -98,36 +101,25 @@ class Engine:
             return
         r = self.rng
         toks = list(r.choice(self.prefixes)) + [r.randrange(1, 50) for _ in range(r.randrange(0, 6))]
-        if r.random() < 0.3:  # open + prefill in one call, no prefix lookup
-            while True:
-                try:
-                    hs, _ = self.pool.admit([len(toks)], tokens=toks)
-                    break
-                except PoolExhaustedError:  # changes nothing
-                    if not self.preempt():
-                        return
-            write(self.pool, int(hs[0]), toks, 0)
-            self._born(hs[0], list(toks))
-            return
+        by_admit = r.random() < 0.3  # open + prefill in one call, no prefix lookup
         while True:
+            h, hit = None, 0
             try:
-                hs, hit = self.pool.open_with_prefix(toks, [len(toks)])
-            except PoolExhaustedError:
+                if by_admit:
+                    h = int(self.pool.admit([len(toks)], tokens=toks)[0][0])
+                else:
+                    hs, hits = self.pool.open_with_prefix(toks, [len(toks)])
+                    h, hit = int(hs[0]), int(hits[0])
+                    if len(toks) > hit:
+                        self.pool.extend([h], [len(toks) - hit], tokens=toks[hit:])
+                break
+            except PoolExhaustedError:  # admit / extend: nothing changed; close what opened
+                if h is not None:
+                    self.pool.close([h])
                 if not self.preempt():
                     return
-                continue
-            h, hit = int(hs[0]), int(hit[0])
-            try:
-                if len(toks) > hit:
-                    self.pool.extend([h], [len(toks) - hit], tokens=toks[hit:])
-            except PoolExhaustedError:
-                self.pool.close([h])
-                if not self.preempt():
-                    return
-                continue
-            write(self.pool, h, toks, hit)
-            self._born(h, list(toks))
-            return
+        write(self.pool, h, toks, hit)
+        self._born(h, list(toks))
 
     def fork(self):
         if not self.run or len(self.run) + len(self.swapped) >= 20:
@@ -145,21 +137,13 @@ class Engine:
         for h in sorted(self.run, key=lambda x: self.age[x]):
             if h not in self.run:  # preempted by an older request's decode this step
                 continue
-            toks = self.run[h]
-            if len(toks) >= 90:
-                continue
-            nxt = self.rng.randrange(1, 50)
-            while True:
+            while h in self.run and len(self.run[h]) < 90:
                 try:
-                    self.pool.extend([h], [1], tokens=[nxt])
+                    grow(self.pool, h, self.run[h], self.rng.randrange(1, 50))
                     break
-                except PoolExhaustedError:
+                except PoolExhaustedError:  # atomic: nothing extended
                     if not self.preempt(keep=h):
                         self.preempt()  # itself: the only one left running
-                        break
-            if h in self.run:
-                toks.append(nxt)
-                write(self.pool, h, toks, len(toks) - 1)
 
     def _decode_batch(self):
         while True:
@@ -183,6 +167,14 @@ class Engine:
             h = r.choice(sorted(self.run))
             self.pool.close([h], cache=r.random() < 0.7)
             del self.run[h]
+        if self.run and r.random() < 0.2:  # publish mid-flight: later prompts hit, swap_in re-takes
+            self.pool.cache([r.choice(sorted(self.run))])
+        if self.run and r.random() < 0.15:  # speculative rollback, maybe into a shared page
+            h = r.choice(sorted(self.run))
+            self.run[h] = self.run[h][:max(1, len(self.run[h]) - r.randrange(1, 6))]
+            self.pool.truncate([h], [len(self.run[h])])
+        if r.random() < 0.1:
+            self.pool.evict(r.randrange(1, 8))
         if self.swapped and r.random() < 0.1:
             h = r.choice(sorted(self.swapped))
             with pytest.raises(RequestSwappedOutError):
@@ -257,15 +249,11 @@ def test_preempt_with_cow_pending_last_page(policy, victim):
     out, stay = (A, B) if victim == "parent" else (B, A)
     pool.swap_out([out])
     for t in (40, 41, 42):
-        pool.extend([stay], [1], tokens=[t])
-        toks[stay].append(t)
-        write(pool, stay, toks[stay], len(toks[stay]) - 1)
+        grow(pool, stay, toks[stay], t)
     pool.allocator.check()
     verify(pool, stay, toks[stay])
     pool.swap_in([out])
-    pool.extend([out], [1], tokens=[30])
-    toks[out].append(30)
-    write(pool, out, toks[out], len(toks[out]) - 1)
+    grow(pool, out, toks[out], 30)
     pool.allocator.check()
     for h in (A, B):
         verify(pool, h, toks[h])
@@ -302,9 +290,8 @@ def test_preempt_right_after_host_hit(policy):
     pool.swap_in([B])
     a.check()
     verify(pool, B, tb)
-    pool.extend([B], [1], tokens=[9])
-    write(pool, B, tb + [9], len(tb))
-    verify(pool, B, tb + [9])
+    grow(pool, B, tb, 9)
+    verify(pool, B, tb)
     assert a.offloaded_pages >= offl
     pool.close([B])
     a.clear_cache()
@@ -336,9 +323,8 @@ def test_swap_in_evicts_cached_pages_and_their_copies_stay_exact(policy):
     hs, hit = pool.open_with_prefix(tc + [5], [len(tc) + 1])
     D = int(hs[0])
     assert int(hit[0]) == 28
-    pool.extend([D], [1], tokens=[5])
-    write(pool, D, tc + [5], 28)
-    verify(pool, D, tc + [5])
+    grow(pool, D, tc, 5)
+    verify(pool, D, tc)
     pool.close([D])
     a.clear_cache()
     a.check()
@@ -359,6 +345,4 @@ def test_close_of_swapped_out_request_returns_host_pages(policy):
     pool.close([A])
     a.check()
     assert not a.is_open(A)
-    assert a.free_pages == 9 and a.host_free_pages == a.host_pages - 1
-    a.clear_cache()
-    assert a.host_free_pages == host0 and a.free_pages == 9
+    assert a.free_pages == 9 and a.host_free_pages == host0 and a.host_cached_pages == 0
