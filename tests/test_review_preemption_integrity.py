@@ -20,7 +20,7 @@ POLICIES = ["write_back", "write_through"]
 
 def kv_row(prefix):
     """K/V of the position whose tokens up to and including it are ``prefix``: [L, 2, H, D]."""
-    h = zlib.crc32(np.asarray(prefix, np.int64).tobytes()) % (1 << 16)
+    h = zlib.crc32(np.asarray(prefix, np.int64).tobytes()) % (1 << 16)  # exact in float32 (x64)
     return torch.arange(L * 2 * H * D, dtype=torch.float32).view(L, 2, H, D) + float(h) * 64
 
 
@@ -32,7 +32,7 @@ def make_pool(ps, num_pages, policy, host_pages=64):
 
 def write(pool, h, toks, start):
     """Write positions start..len(toks)-1 of request ``h`` (already extended to len(toks))."""
-    if start >= len(toks):
+    if start >= len(toks):  # a prefix hit covered the whole prompt
         return
     rows = torch.stack([kv_row(toks[:i + 1]) for i in range(start, len(toks))])
     for layer in range(L):
@@ -76,7 +76,12 @@ class Engine:
         if not cands:
             return False
         out = cands[:self.rng.choice((1, 2))]
-        self.pool.swap_out(out)
+        try:
+            self.pool.swap_out(out)
+        except PoolExhaustedError:  # no host room (nothing moved): drop them, recompute later
+            self.pool.close(out)
+            self.run = {h: t for h, t in self.run.items() if h not in out}
+            return True
         for h in out:
             assert self.pool.is_swapped(h)
             self.swapped[h] = self.run.pop(h)
@@ -177,8 +182,6 @@ class Engine:
             self.pool.evict(r.randrange(1, 8))
         if self.swapped and r.random() < 0.1:
             h = r.choice(sorted(self.swapped))
-            with pytest.raises(RequestSwappedOutError):
-                self.pool.close([h], cache=True)
             self.pool.close([h])
             del self.swapped[h]
 
@@ -205,8 +208,6 @@ class Engine:
         """Close everything; then every device and host page comes back."""
         a = self.pool.allocator
         self.pool.close(list(self.run) + list(self.swapped))
-        self.run.clear()
-        self.swapped.clear()
         a.check()
         # free_pages counts CACHED (evictable) pages too: nothing may stay held.
         assert a.free_pages == a.num_pages - 1 and a.host_free_pages == a.host_pages - 1
@@ -217,10 +218,10 @@ class Engine:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("ps,num_pages", [(1, 128), (4, 40), (16, 12)])
+@pytest.mark.parametrize("ps,num_pages,host_pages", [(1, 128, 256), (4, 40, 96), (16, 12, 96), (4, 40, 20)])
 @pytest.mark.parametrize("seed", range(5))
-def test_engine_loop_keeps_kv_exact(policy, ps, num_pages, seed):
-    pool = make_pool(ps, num_pages, policy, host_pages=256 if ps == 1 else 96)
+def test_engine_loop_keeps_kv_exact(policy, ps, num_pages, host_pages, seed):
+    pool = make_pool(ps, num_pages, policy, host_pages=host_pages)
     eng = Engine(pool, random.Random(seed * 1000 + ps))
     for _ in range(40):
         eng.step()
