@@ -82,8 +82,7 @@ class Engine:
             self.pool.close(out)
             self.run = {h: t for h, t in self.run.items() if h not in out}
             return True
-        for h in out:
-            assert self.pool.is_swapped(h)
+        for h in out:  # check() asserts is_swapped
             self.swapped[h] = self.run.pop(h)
         return True
 
@@ -164,7 +163,9 @@ class Engine:
         assert list(ext.slots) == [int(self.pool.slots(h)[-1]) for h in batch]
         for h, t in zip(batch, nxt):
             self.run[h].append(t)
-            write(self.pool, h, self.run[h], len(self.run[h]) - 1)
+        rows = torch.stack([kv_row(self.run[h]) for h in batch])  # one write a layer, as a model
+        for layer in range(L):
+            self.pool.write(layer, ext.out_cache_loc, rows[:, layer, 0].contiguous(), rows[:, layer, 1].contiguous())
 
     def finish(self):
         r = self.rng
