@@ -1,4 +1,4 @@
-"""Outside checks of ``KVPoolCache``'s fast paths (issue 32's short ``update``, layer buffers,
+"""Outside checks of ``KVPoolCache``'s fast paths (the short ``update``, layer buffers,
 deferred decode steps, views kept across steps), driven through the public API only and
 compared with transformers' ``DynamicCache`` (or a full forward over the token history).
 
