@@ -61,8 +61,25 @@ def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
         assert [r["batch"] for r in d["results"]] == [1, 8]
         for r in d["results"]:
             assert r["kvpool_tok_s"] > 0 and r["dynamic_tok_s"] > 0 and r["kvpool_over_dynamic_cpu"] > 0
-            assert r["kvpool_over_dynamic_paired"] > 0
+            lo, hi = r["kvpool_over_dynamic_paired_95"]
+            assert 0 < lo <= r["kvpool_over_dynamic_paired"] <= hi
             assert r["dynamic_update_us"] > 0 and r["kvpool_update_us"] > 0
+
+
+def test_median_interval_brackets_the_median_and_narrows_with_more_rounds():
+    import random
+    import statistics
+
+    from kvpool.bench.hf_generate import median_interval
+
+    rng = random.Random(1)
+    few = [1 + rng.gauss(0, 0.05) for _ in range(7)]
+    many = [1 + rng.gauss(0, 0.05) for _ in range(200)]
+    for xs in (few, many):
+        lo, hi = median_interval(xs)
+        assert lo <= statistics.median(xs) <= hi
+    assert median_interval(many)[1] - median_interval(many)[0] < median_interval(few)[1] - median_interval(few)[0]
+    assert median_interval([2.0] * 5) == (2.0, 2.0)
 
 
 def test_hf_lengths_must_be_prompt_colon_new_tokens(capsys):

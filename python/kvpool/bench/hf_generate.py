@@ -14,7 +14,8 @@ Two more figures per batch, because at batch 1 the caches' work is a small share
 of a step (the model's matmuls are the rest) and host drift between the runs of
 a round moves the ratio by more than the caches differ:
 - the paired ratio, the median over rounds of each round's own DynamicCache
-  time over its KVPoolCache time;
+  time over its KVPoolCache time, with a 95% bootstrap interval of that median:
+  an interval that straddles 1.0 says the run cannot tell the caches apart;
 - each cache's own host µs per decode step (``update`` of every layer, one token
   a row, after a prompt's prefill), the caches alternated within each round.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import random
 import statistics
 import time
 from typing import Any
@@ -96,6 +98,17 @@ def update_us(make: Any, s: HFSettings, batch: int, steps: int) -> float:
         return (time.perf_counter_ns() - t0) / steps / 1e3
 
 
+def median_interval(xs: list[float], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of ``median(xs)``: how far the median of this many
+    rounds moves from run to run. Seeded, so a JSON record reproduces from its rounds."""
+    rng = random.Random(seed)
+    n = len(xs)
+    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    lo = int((1 - level) / 2 * resamples)
+    return meds[lo], meds[resamples - 1 - lo]
+
+
 class _Closing:
     """A DynamicCache in a ``with`` block, as KVPoolCache is used."""
 
@@ -151,13 +164,14 @@ def compare(s: HFSettings, model: Any = None) -> dict[str, Any]:
     rows = []
     for b in s.batches:
         med = {k: [statistics.median(x[i] for x in times[(b, k)]) for i in (0, 1)] for k in ("dynamic", "kvpool")}
+        paired = [d[0] / k[0] for d, k in zip(times[(b, "dynamic")], times[(b, "kvpool")])]
         tokens = b * s.new_tokens
         rows.append({
             "batch": b,
             "dynamic_tok_s": tokens / med["dynamic"][0], "kvpool_tok_s": tokens / med["kvpool"][0],
             "kvpool_over_dynamic": med["dynamic"][0] / med["kvpool"][0],
-            "kvpool_over_dynamic_paired": statistics.median(
-                d[0] / k[0] for d, k in zip(times[(b, "dynamic")], times[(b, "kvpool")])),
+            "kvpool_over_dynamic_paired": statistics.median(paired),
+            "kvpool_over_dynamic_paired_95": list(median_interval(paired)),
             "dynamic_update_us": statistics.median(cache_us[(b, "dynamic")]),
             "kvpool_update_us": statistics.median(cache_us[(b, "kvpool")]),
             "dynamic_cpu_tok_s": tokens / med["dynamic"][1], "kvpool_cpu_tok_s": tokens / med["kvpool"][1],
