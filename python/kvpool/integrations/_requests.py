@@ -8,7 +8,6 @@ sees a batch (left padding included: pad tokens are ordinary, masked positions).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -20,16 +19,11 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._reorder import reorder_rows
 from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold, store_below, undo_flush
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.validate import check_flag
 
-BEAM_NEEDS_FORK = (
-    "reordering the cache so that one row continues in several rows (beam search, "
-    "num_return_sequences with a filled cache) needs shared pages: KVPool.fork(handle, n), "
-    "which this pool object does not have (every kvpool.KVPool does). "
-    "Greedy and sampling generate, batch_select_indices and permutations work without it."
-)
 PREFIX_NEEDS_CORE = (
     "prefix reuse (prefix_ids=) needs shared pages: KVPool.open_with_prefix, which this pool "
     "object does not have (every kvpool.KVPool does); build the cache without prefix_ids"
@@ -396,59 +390,9 @@ class BatchRequests:
         self._set_handles(self.handles)  # the page table is read again at the next step
 
     def reorder(self, sources: Sequence[int]) -> None:
-        """Row j continues row ``sources[j]``. Rows nobody continues are closed.
-
-        A row continued once keeps its request; each further copy is a ``pool.fork``
-        (shares every page). All forks are made before anything is closed, so a
-        failing fork leaves the batch as it was.
-        """
-        if self.handles is None:
-            return  # nothing opened yet: the first update opens as many rows as it sees
-        b = self.handles.shape[0]
-        bad = [s for s in sources if not 0 <= s < b]
-        if bad:
-            raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
-        counts = Counter(sources)
-        extra = {s: c - 1 for s, c in counts.items() if c > 1}
-        fork = getattr(self.pool, "fork", None)
-        if extra and self.length > 0 and fork is None:
-            raise NotImplementedError(BEAM_NEEDS_FORK)
-        self.check_edits()
-        # Forks share the rows' pages as the pool holds them (after the checks: a reorder
-        # refused leaves the pool as it was, deferred steps included).
-        caught_up = self.deferred
-        self.flush()
-        made: list[int] = []
-        copies: dict[int, list[int]] = {}
-        try:
-            for s, n in extra.items():
-                if self.length == 0:
-                    new = [int(h) for h in self.pool.open(n)]  # nothing to share yet
-                else:
-                    assert fork is not None  # checked above: extra copies with tokens need fork
-                    new = [int(h) for h in fork(int(self.handles[s]), n)]
-                made.extend(new)
-                copies[s] = new
-        except Exception:
-            if made:
-                self.pool.close(np.asarray(made, dtype=np.int64))
-            if caught_up:
-                undo_flush(self, caught_up)
-            self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
-            raise
-        out = np.empty(len(sources), dtype=np.int64)
-        used: set[int] = set()
-        for j, s in enumerate(sources):
-            if s in used:
-                out[j] = copies[s].pop()
-            else:
-                out[j] = self.handles[s]
-                used.add(s)
-        dropped = [int(self.handles[s]) for s in range(b) if s not in used]
-        if dropped:
-            self.pool.close(np.asarray(dropped, dtype=np.int64))
-        self._shared = self._shared or bool(made and self.length > 0)
-        self._set_handles(out)
+        """Row j continues row ``sources[j]``; rows nobody continues are closed
+        (``_reorder.reorder_rows``)."""
+        reorder_rows(self, sources)
 
     def close(self) -> None:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode,

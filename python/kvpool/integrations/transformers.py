@@ -70,7 +70,8 @@ from kvpool.integrations._cache_layer import KVPoolLayer
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
-from kvpool.integrations._requests import BEAM_NEEDS_FORK, PREFIX_NEEDS_CORE, BatchRequests
+from kvpool.integrations._reorder import BEAM_NEEDS_FORK
+from kvpool.integrations._requests import PREFIX_NEEDS_CORE, BatchRequests
 from kvpool.integrations._shared_rows import check_in_step, stored_by_all
 from kvpool.pool import KVPool
 from kvpool.validate import check_flag, check_pool, init_signature

@@ -1,0 +1,83 @@
+"""Beam-search reordering of a ``KVPoolCache`` batch: rows continued, forked or closed.
+
+Kept apart from ``BatchRequests`` because it is the one whole-batch edit that makes and
+drops pool requests (forks for rows continued more than once, closes for rows nobody
+continues), with its own all-or-nothing rollback.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool._core import InvalidArgumentError
+from kvpool.integrations._row_checks import undo_flush
+
+if TYPE_CHECKING:
+    from kvpool.integrations._requests import BatchRequests
+
+BEAM_NEEDS_FORK = (
+    "reordering the cache so that one row continues in several rows (beam search, "
+    "num_return_sequences with a filled cache) needs shared pages: KVPool.fork(handle, n), "
+    "which this pool object does not have (every kvpool.KVPool does). "
+    "Greedy and sampling generate, batch_select_indices and permutations work without it."
+)
+
+
+def reorder_rows(batch: BatchRequests, sources: Sequence[int]) -> None:
+    """Row j continues row ``sources[j]``. Rows nobody continues are closed.
+
+    A row continued once keeps its request; each further copy is a ``pool.fork``
+    (shares every page). All forks are made before anything is closed, so a
+    failing fork leaves the batch as it was.
+    """
+    if batch.handles is None:
+        return  # nothing opened yet: the first update opens as many rows as it sees
+    b = batch.handles.shape[0]
+    bad = [s for s in sources if not 0 <= s < b]
+    if bad:
+        raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+    counts = Counter(sources)
+    extra = {s: c - 1 for s, c in counts.items() if c > 1}
+    fork = getattr(batch.pool, "fork", None)
+    if extra and batch.length > 0 and fork is None:
+        raise NotImplementedError(BEAM_NEEDS_FORK)
+    batch.check_edits()
+    # Forks share the rows' pages as the pool holds them (after the checks: a reorder
+    # refused leaves the pool as it was, deferred steps included).
+    caught_up = batch.deferred
+    batch.flush()
+    made: list[int] = []
+    copies: dict[int, list[int]] = {}
+    try:
+        for s, n in extra.items():
+            if batch.length == 0:
+                new = [int(h) for h in batch.pool.open(n)]  # nothing to share yet
+            else:
+                assert fork is not None  # checked above: extra copies with tokens need fork
+                new = [int(h) for h in fork(int(batch.handles[s]), n)]
+            made.extend(new)
+            copies[s] = new
+    except Exception:
+        if made:
+            batch.pool.close(np.asarray(made, dtype=np.int64))
+        if caught_up:
+            undo_flush(batch, caught_up)
+        batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
+        raise
+    out = np.empty(len(sources), dtype=np.int64)
+    used: set[int] = set()
+    for j, s in enumerate(sources):
+        if s in used:
+            out[j] = copies[s].pop()
+        else:
+            out[j] = batch.handles[s]
+            used.add(s)
+    dropped = [int(batch.handles[s]) for s in range(b) if s not in used]
+    if dropped:
+        batch.pool.close(np.asarray(dropped, dtype=np.int64))
+    batch._shared = batch._shared or bool(made and batch.length > 0)
+    batch._set_handles(out)
