@@ -271,6 +271,32 @@ def test_state_group_hits_only_at_a_checkpoint(p: int) -> None:
 
 
 @pytest.mark.parametrize("p", PAGE_SIZES)
+def test_a_hit_does_not_count_its_own_checkpoint_as_room(p: int) -> None:
+    """vLLM test_prefill_not_enough_free_blocks_with_computed_blocks, for a state group: the
+    only evictable state slot is the checkpoint the hit restores from, so the hit cannot
+    take it as the request's slot; the refusal changes nothing, and a prompt that misses
+    may still evict the checkpoint for its slot."""
+    groups = [{"kind": "full", "num_pages": 64, "page_size": p},
+              {"kind": "state", "num_slots": 1 + 2, "checkpoint_every": 0}]
+    g = GroupedAllocator(groups, max_requests=8, max_context_len=4096, hash_seed=7)
+    tokens = prompt(p, 2)
+    h, _ = g.open_with_prefix(tokens, [len(tokens)])
+    g.extend(h, len(tokens))
+    g.cache(h)
+    g.take_copies(1)
+    g.close(h)
+    running = g.open(1)
+    assert (g.free_pages(1), g.evictable_pages(1)) == (1, 1)
+    before = (g.stats(), g.state_slots(running, 1).tolist(), g.pages(int(running[0]), 0).tolist())
+    with pytest.raises(PoolExhaustedError, match="group 1"):
+        g.open_with_prefix(tokens + [0], [len(tokens) + 1])
+    assert (g.stats(), g.state_slots(running, 1).tolist(), g.pages(int(running[0]), 0).tolist()) == before
+    _, cached = g.open_with_prefix([99] * (p + 1), [p + 1])
+    assert cached[0] == 0 and g.cached_pages(1) == 0
+    g.check()
+
+
+@pytest.mark.parametrize("p", PAGE_SIZES)
 def test_clear_cache_with_a_hybrid_request_running(p: int) -> None:
     """vLLM reset_prefix_cache refuses while blocks are in use; kvpool's clear_cache drops
     every group's cache and keeps held pages (documented design, asserted as such)."""

@@ -193,3 +193,22 @@ def test_salt_travels_in_stored_events(p: int) -> None:
         assert ev["kind"].tolist() == [0, 0] and ev["salt"].tolist() == [salt or 0] * 2
         want = page_hashes(prompt, p, a.hash_seed, salt).reshape(-1, 2)
         assert np.stack([ev["hash_hi"], ev["hash_lo"]], 1).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("p", PAGE_SIZES)
+def test_rolled_back_pages_are_released_tail_first(p: int) -> None:
+    """vLLM frees a request's blocks in reverse order, so its tail is evicted first; the same
+    must hold for the registered pages a rollback (rejected draft tokens) releases, which
+    stay cached: the longest prefix survives eviction longest."""
+    a = make(p, 1 + 6)
+    tokens = list(range(1, 1 + 6 * p))
+    h, _ = a.open_with_prefix(tokens, [len(tokens)])
+    a.extend(h, len(tokens))
+    a.cache(h)
+    a.truncate(h, 2 * p)
+    assert a.used_pages == 2 and a.evictable_pages == 4
+    seen = [preview(a, tokens)]
+    while a.evict(1):
+        seen.append(preview(a, tokens))
+    assert seen == [6, 5, 4, 3, 2]
+    a.check()
