@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool import SlotAllocator
+from kvpool import ContextTooLongError, GroupedAllocator, InvalidArgumentError, SlotAllocator, TooManyRequestsError
 from kvpool._core import page_hashes
 
 PAGE_SIZES = [1, 4, 16]
@@ -212,3 +212,55 @@ def test_rolled_back_pages_are_released_tail_first(p: int) -> None:
         seen.append(preview(a, tokens))
     assert seen == [6, 5, 4, 3, 2]
     a.check()
+
+
+def _pools(p: int, grouped: bool) -> list:
+    if grouped:
+        groups = [{"kind": "full", "num_pages": 9, "page_size": p},
+                  {"kind": "sliding", "num_pages": 9, "page_size": p, "window": 2 * p}]
+        return [GroupedAllocator(groups, max_requests=2, max_context_len=8 * p, hash_seed=7, handle_seed=7)
+                for _ in range(2)]
+    return [SlotAllocator(9, p, max_requests=2, max_context_len=8 * p, hash_seed=7, handle_seed=7)
+            for _ in range(2)]
+
+
+@pytest.mark.parametrize("p", PAGE_SIZES)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_refused_batch_of_hits_holds_nothing(p: int, grouped: bool) -> None:
+    """vLLM schedules a waiting request only once allocation succeeds, so a request that does
+    not fit never touches the blocks it would hit. kvpool's open_with_prefix batch refused
+    for any reason (rows, context length, salts, token ids) must not hold, touch or count
+    its prompts' hits: a twin pool that never made the calls hits and evicts the same."""
+    x, y = list(range(1, 1 + 4 * p)), list(range(50, 50 + 4 * p))
+    twins = _pools(p, grouped)
+    for a in twins:
+        for t in (x, y):
+            h, _ = a.open_with_prefix(t, [len(t)])
+            a.extend(h, len(t))
+            a.cache(h)
+            a.close(h)
+        a.open(1)  # one row left
+    ref, a = twins
+    calls = [
+        (TooManyRequestsError, lambda: a.open_with_prefix(x + [0] + y + [0], [4 * p + 1] * 2)),
+        (ContextTooLongError, lambda: a.open_with_prefix(y + [0] + [0] * 9 * p, [4 * p + 1, 9 * p])),
+        (InvalidArgumentError, lambda: a.open_with_prefix(x + [0], [4 * p + 1], salt=[1, 2])),
+        (InvalidArgumentError, lambda: a.open_with_prefix(x + [-1], [4 * p + 1])),
+    ]
+    for error, call in calls:
+        with pytest.raises(error):
+            call()
+    assert a.stats() == ref.stats()
+    seen = []
+    for b in twins:
+        hits = []
+        while True:
+            for t in (x, y):
+                hs, cached = b.open_with_prefix(t + [0], [len(t) + 1])
+                hits.append(int(cached[0]))
+                b.close(hs)
+            if not (b.evict(0, 1) if grouped else b.evict(1)):
+                break
+        b.check()
+        seen.append(hits)
+    assert seen[0] == seen[1] and seen[0][:2] == [4 * p, 4 * p]
