@@ -27,10 +27,13 @@ import torch
 
 def main(argv: list[str] | None = None) -> None:
     from kvpool.bench.cli import count
+    from kvpool.bench.hf_generate import HFSettings
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=count(1), default=1)
     ap.add_argument("--rounds", type=count(1), default=10)
+    ap.add_argument("--prompt-len", type=count(1), default=HFSettings.prompt_len)
+    ap.add_argument("--new-tokens", type=count(1), default=HFSettings.new_tokens)
     ap.add_argument("--fresh-pool", action="store_true",
                     help="a pool for the measured batch alone, its free pages in order")
     a = ap.parse_args(argv)
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import DynamicCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from kvpool.bench.hf_generate import HFSettings, build_model, run_once
+    from kvpool.bench.hf_generate import build_model, run_once
     from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
     spent = {"attention": 0.0, "update": 0.0}
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     for cls in (DynamicCache, KVPoolCache):
         cls.update = timed("update", cls.update)  # type: ignore[method-assign]
 
-    s = HFSettings(batches=(a.batch,))
+    s = HFSettings(batches=(a.batch,), prompt_len=a.prompt_len, new_tokens=a.new_tokens)
     model = build_model(s)
     per_row = -(-(s.prompt_len + s.new_tokens) // s.page_size) * s.page_size
     top = a.batch if a.fresh_pool else max(a.batch, 8)
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             with KVPoolCache(pool) as cache:
                 run_once(model, other, cache, 2)
     kind_of_pool = "a fresh pool" if a.fresh_pool else "a pool that also serves batch 8"
-    print(f"batch {a.batch}, {a.rounds} alternated rounds, {kind_of_pool}, thread-CPU µs per new token")
+    print(f"batch {a.batch}, prompt {s.prompt_len}, {s.new_tokens} new, {a.rounds} alternated rounds, {kind_of_pool}, thread-CPU µs per new token")
     print("| cache | total | attention | cache.update | rest |")
     print("|---|---|---|---|---|")
     for kind, v in runs.items():
