@@ -222,6 +222,40 @@ def test_a_shared_prefix_keeps_the_highest_priority_any_request_gave():
     assert probe(a, system + list(range(700, 704)) + [0])[0] == 12
 
 
+
+def test_an_ended_priority_joins_the_default_pages_as_the_newest_tail_first():
+    """SGLang's PriorityStrategy has no durations; kvpool's retain_s (TensorRT-LLM's) ends on the
+    clock, and the page then ranks as a default page used just now, a chain's tail still older."""
+    A, B = list(range(100, 112)), list(range(200, 212))
+    hits = []
+    for k in range(1, 7):
+        a = make(4)
+        serve(a, A, priority=90, retain_s=2.0)
+        serve(a, B)
+        a.set_clock(2.0)
+        assert a.evictable_pages_by_priority()[[DEFAULT, 90]].tolist() == [6, 0]
+        assert a.evict(k) == k
+        hits.append((probe(a, A + [0])[0], probe(a, B + [0])[0]))
+    assert hits == [(12, 8), (12, 4), (12, 0), (8, 0), (4, 0), (0, 0)]
+
+
+def test_a_recomputed_duplicate_takes_over_with_the_entrys_priority():
+    """An unheld cached copy gives way to a recomputed one (docs/allocator.md, Duplicates); the
+    entry keeps its priority, and a pin stays a pin."""
+    for prio in (90, 100):
+        a = make(4)
+        prompt = list(range(100, 113))
+        h, _ = a.open_with_prefix(np.array(prompt), [13])  # a miss: opened before the others cache
+        serve(a, prompt, priority=prio)
+        before = (a.evictable_pages_by_priority().tolist(), a.pinned_pages, a.cached_pages)
+        a.extend(h, 13)
+        a.cache(h)
+        new = a.pages(int(h[0]))[:3].tolist()
+        a.close(h)
+        assert (a.evictable_pages_by_priority().tolist(), a.pinned_pages, a.cached_pages) == before
+        assert probe(a, prompt)[1].tolist() == [p * 4 + o for p in new for o in range(4)]
+        balanced(a)
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_refused_extend_changes_nothing_not_even_the_eviction_order(page_size):
     P = page_size

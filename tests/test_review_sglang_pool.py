@@ -1,0 +1,80 @@
+"""SGLang's radix-cache expectations through KVPool's tensors on CPU: what a hit serves is the K/V
+its prefix wrote, after pressure, priorities and a host round trip (HiCache's load_back), and a
+locked request's K/V survives pressure that evicts everything else."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+
+P = 4
+
+
+def make(**kw) -> kvpool.KVPool:
+    return kvpool.KVPool(1, 1, 4, dtype=torch.float32, num_pages=9, page_size=P, max_requests=4,
+                         max_context_len=64, manual_clock=True, **kw)
+
+
+def kv_of(tokens) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.float32)[:, None, None].expand(-1, 1, 4).contiguous()
+
+
+def run(pool, prompt, close=True, **close_kw):
+    """Prefix hit, then the prefill writes K = the token id (V = -K) at the new slots."""
+    h, c = pool.open_with_prefix(np.array(prompt), [len(prompt)])
+    step = pool.extend(h, len(prompt) - int(c[0]))
+    pool.write(0, step.out_cache_loc, kv_of(prompt[int(c[0]):]), -kv_of(prompt[int(c[0]):]))
+    if close:
+        pool.close(h, **close_kw)
+    pool.check()
+    return h, int(c[0])
+
+
+def served(pool, prompt) -> tuple[int, torch.Tensor]:
+    h, c = pool.open_with_prefix(np.array(prompt), [len(prompt)])
+    slots = torch.as_tensor(pool.slots(int(h[0])))
+    k = pool.k_buffer(0)[slots][:, 0, 0].clone()
+    assert torch.equal(pool.v_buffer(0)[slots][:, 0, 0], -k)
+    pool.close(h)
+    return int(c[0]), k
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_an_evicted_prefix_comes_back_from_the_host_with_its_own_kv(policy):
+    pool = make(host_pages=9, host_policy=policy)
+    A = list(range(100, 112))
+    run(pool, A + [1], cache=True)
+    assert pool.evict(8) == 3
+    run(pool, list(range(500, 532)))  # every device page rewritten with other K/V, not cached
+    hit, k = served(pool, A + [2])
+    assert hit == 12 and pool.host_hit_tokens == 12
+    assert k.tolist() == [float(t) for t in A]
+
+
+def test_a_locked_requests_kv_survives_pressure_that_evicts_the_rest():
+    pool = make()
+    run(pool, list(range(100, 108)) + [1], cache=True)
+    run(pool, list(range(200, 208)) + [1], cache=True)
+    h, _ = run(pool, list(range(100, 108)) + [9, 9, 9], close=False)  # locks the first prompt's 2 pages
+    before = pool.k_buffer(0)[torch.as_tensor(pool.slots(int(h[0])))].clone()
+    run(pool, list(range(700, 700 + pool.free_slots)))  # takes every free and evictable page
+    assert pool.evictable_pages == 0 and served(pool, list(range(200, 208)) + [1])[0] == 0
+    assert torch.equal(pool.k_buffer(0)[torch.as_tensor(pool.slots(int(h[0])))], before)
+    hit, k = served(pool, list(range(100, 108)) + [3])
+    assert hit == 8 and k.tolist() == [float(t) for t in range(100, 108)]
+    pool.close(h)
+    pool.check()
+
+
+def test_a_high_priority_prefix_keeps_serving_its_kv_through_pressure():
+    pool = make()
+    system = list(range(100, 108))
+    run(pool, system + [1], cache=True, priority=80)
+    for i in range(6):  # 6 default-priority prompts of 2 full pages through 8 pages
+        run(pool, list(range(1000 * (i + 1), 1000 * (i + 1) + 8)) + [1], cache=True)
+    hit, k = served(pool, system + [2])
+    assert hit == 8 and k.tolist() == [float(t) for t in system]
+    assert served(pool, list(range(1000, 1008)) + [1])[0] == 0, "the oldest default prompt went"
