@@ -21,12 +21,12 @@ ZERO = ("zero",)
 
 
 class SwaSim:
-    def __init__(self, seed: int, sliding_page: int, window: int):
+    def __init__(self, seed: int, sliding_page: int, window: int, full_page: int = 4, every: int = 0):
         self.rng = np.random.default_rng(seed)
         self.g = kvpool.GroupedAllocator(
-            [{"kind": "full", "num_pages": 25, "page_size": 4},
+            [{"kind": "full", "num_pages": 96 // full_page + 1, "page_size": full_page},
              {"kind": "sliding", "num_pages": 25, "page_size": sliding_page, "window": window},
-             {"kind": "state", "num_slots": 24, "checkpoint_every": 0}],
+             {"kind": "state", "num_slots": 24, "checkpoint_every": every}],
             max_requests=4, max_context_len=64, hash_seed=seed, handle_seed=seed)
         self.window = window
         self.tag: list[dict[int, tuple]] = [{}, {}, {}]
@@ -168,10 +168,13 @@ class SwaSim:
         self.verify()
 
 
-@pytest.mark.parametrize("sliding_page,window", [(2, 6), (4, 8), (1, 3)])
+# (2, 6, 4, 0): no full page size divides the sliding one, so a token-only anchor chain proves
+# hits; (4, 8, 2, 8): the full group is the anchor, and evicting it orphans the other groups' pages.
+@pytest.mark.parametrize("sliding_page,window,full_page,every", [(2, 6, 4, 0), (4, 8, 4, 0), (1, 3, 4, 0),
+                                                                 (4, 8, 2, 8)])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_swa_and_state_traffic(seed, sliding_page, window):
-    sim = SwaSim(seed, sliding_page, window)
+def test_random_swa_and_state_traffic(seed, sliding_page, window, full_page, every):
+    sim = SwaSim(seed, sliding_page, window, full_page, every)
     for _ in range(250):
         sim.step()
     sim.g.reset()
