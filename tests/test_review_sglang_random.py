@@ -12,6 +12,8 @@ RadixCache tests assert of any prefix cache, checked after every call:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -30,13 +32,29 @@ class Sim:
         self.tag: dict[int, tuple] = {}  # slot -> (salt, tokens of the prefix that wrote it)
         self.htag: dict[int, tuple | None] = {}  # host slot -> the same, as the offload copied it
         self.swapped: set[int] = set()
+        self.live: Counter = Counter()  # (medium, hash) -> Stored minus Removed, from the KV events
         self.reqs: dict[int, tuple[int, list[int]]] = {}  # handle -> (salt, known tokens)
         self.now = 0.0
 
     # -- oracle -------------------------------------------------------------------------------
+    def events(self) -> None:
+        """SGLang's test_kv_cache_events: Stored for what is cached, Removed for what goes, so the
+        events' live set is the cache, on each tier."""
+        ev = self.a.take_events()
+        for kind, hi, lo, medium in zip(ev["kind"].tolist(), ev["hash_hi"].tolist(), ev["hash_lo"].tolist(),
+                                        ev["medium"].tolist()):
+            if kind == 2:
+                self.live.clear()
+            else:
+                self.live[(medium, hi, lo)] += 1 if kind == 0 else -1
+        assert set(self.live.values()) <= {0, 1}, "a page stored twice or removed unstored"
+        per_medium = Counter(k[0] for k, v in self.live.items() if v)
+        assert (per_medium[0], per_medium[1]) == (self.a.cached_pages, self.a.host_cached_pages)
+
     def verify(self) -> None:
         a = self.a
         a.check()
+        self.events()
         s = a.stats()
         assert sum(s.evictable_pages_by_priority) == s.evictable_pages <= s.cached_pages
         assert 0 <= a.capacity_pages - s.used_pages - s.free_pages <= s.pinned_pages <= a.max_pinned_pages
@@ -92,9 +110,12 @@ class Sim:
         base = SYSTEMS[rng.integers(len(SYSTEMS))]
         prompt = base[: rng.integers(1, len(base) + 1)] + rng.integers(0, 6, rng.integers(1, 12)).tolist()
         salt = int(rng.integers(0, 2))
+        hits, misses, host_hits = self.a.hit_tokens, self.a.miss_tokens, self.a.host_hit_tokens
         h, c = self.a.open_with_prefix(np.array(prompt), [len(prompt)], salt=salt)
         h, c = int(h[0]), int(c[0])
         assert c <= len(prompt) - 1 and c % self.a.page_size == 0
+        assert (self.a.hit_tokens - hits, self.a.miss_tokens - misses) == (c, len(prompt) - c)
+        assert 0 <= self.a.host_hit_tokens - host_hits <= c
         self.reqs[h] = (salt, prompt)
         self.sync()  # a host hit's loads
         self.verify()  # the hit's slots carry this prompt's prefix, token by token
@@ -175,7 +196,11 @@ class Sim:
             self.now += float(rng.integers(0, 3))
             a.set_clock(self.now)
         elif op == "unpin" and h is not None:
-            a.unpin([h])
+            if rng.random() < 0.1:
+                a.clear_cache()  # SGLang's reset of the tree; open requests keep their pages
+                assert a.cached_pages == a.pinned_pages == a.evictable_pages == 0
+            else:
+                a.unpin([h])
         elif op == "swap_out" and h is not None:
             if not self.refused(lambda: a.swap_out([h])):
                 self.swapped.add(h)
