@@ -25,8 +25,8 @@ DEFAULT = kvpool.DEFAULT_PRIORITY
 
 def make(page_size: int = 4, num_pages: int | None = None, **kw) -> kvpool.SlotAllocator:
     """64 slots by default, so the scenarios below run without pressure unless they make it."""
-    return kvpool.SlotAllocator(num_pages=num_pages or 64 // page_size + 1, page_size=page_size, max_requests=8, max_context_len=128,
-                                hash_seed=7, handle_seed=7, manual_clock=True, **kw)
+    return kvpool.SlotAllocator(num_pages=num_pages or 64 // page_size + 1, page_size=page_size, max_requests=8,
+                                max_context_len=128, hash_seed=7, handle_seed=7, manual_clock=True, **kw)
 
 
 def serve(a, prompt, salt=None, **close_kw) -> tuple[int, np.ndarray]:
@@ -108,11 +108,12 @@ def test_caching_content_already_present_keeps_one_copy():
     assert a.pages(int(a.open_with_prefix(np.array(prompt + [1]), [13])[0][0]))[:3].tolist() == pages_1
     a.reset()
     # The unheld case: the old copy is cached, a request recomputed it.
-    h3, _ = a.open(1), None
+    h3 = a.open(1)
     a.extend(h3, 12, tokens=np.array(prompt))
     a.cache(h3)
     assert a.cached_pages == 3, "one copy of each page"
     new_pages = a.pages(int(h3[0])).tolist()
+    assert not set(new_pages) & set(pages_1), "recomputed in other pages"
     a.close(h3)
     assert a.evictable_pages == 3 and a.used_pages == 0
     h4, c4 = a.open_with_prefix(np.array(prompt + [1]), [13])
