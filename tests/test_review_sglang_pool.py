@@ -78,3 +78,35 @@ def test_a_high_priority_prefix_keeps_serving_its_kv_through_pressure():
     hit, k = served(pool, system + [2])
     assert hit == 8 and k.tolist() == [float(t) for t in system]
     assert served(pool, list(range(1000, 1008)) + [1])[0] == 0, "the oldest default prompt went"
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+@pytest.mark.parametrize("path", ["extend", "admit"])
+def test_pressure_that_evicts_a_prefix_offloads_it_before_overwriting(policy, path):
+    """The eviction happens inside the call that then writes the pages: the host copy must be
+    taken before the step's writes (offloads run first)."""
+    pool = make(host_pages=9, host_policy=policy)
+    A = list(range(100, 112))
+    run(pool, A + [1], cache=True)
+    if path == "extend":
+        run(pool, list(range(500, 532)))
+    else:
+        h, step = pool.admit([32])
+        pool.write(0, step.out_cache_loc, kv_of([7] * 32), -kv_of([7] * 32))
+        pool.close(h)
+    hit, k = served(pool, A + [2])
+    assert hit == 12 and pool.host_hit_tokens == 12
+    assert k.tolist() == [float(t) for t in A]
+
+
+def test_a_host_hit_that_evicts_another_prefix_keeps_both():
+    pool = make(host_pages=9)  # write_back
+    A, B = list(range(100, 116)), list(range(200, 216))
+    run(pool, A + [1], cache=True)
+    assert pool.evict(8) == 4  # A on the host only
+    run(pool, B + [1], cache=True)
+    run(pool, list(range(300, 316)) + [1], cache=True)  # the device is now full of B and this one
+    for prompt in (A, B, A):  # each hit loads its pages back, evicting (offloading) the other's
+        hit, k = served(pool, prompt + [2])
+        assert hit == 16 and k.tolist() == [float(t) for t in prompt], prompt[0]
+    pool.check()

@@ -131,7 +131,7 @@ class SwaSim:
         for h, s0, t in zip(hs, starts, new):
             self.reqs[h] = (old[h][0], old[h][1][:s0] + t)
         res = []
-        if self.refused(lambda: res.append(self.g.extend(hs, counts, tokens=np.array(sum(new, []))))):
+        if self.refused(lambda: res.append(self.g.extend(hs, counts, tokens=np.array(sum(new, []), dtype=np.int64)))):
             self.reqs.update(old)
             return
         self.write(hs, starts, counts, res[0])
