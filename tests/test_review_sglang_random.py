@@ -23,12 +23,13 @@ SYSTEMS = [list(range(1000, 1024)), list(range(2000, 2012)), [3000, 3001, 3002]]
 
 
 class Sim:
-    def __init__(self, page_size: int, seed: int, host_pages: int = 0, host_policy: str = "write_back"):
+    def __init__(self, page_size: int, seed: int, host_pages: int = 0, host_policy: str = "write_back",
+                 kv_events: bool = True):
         self.rng = np.random.default_rng(seed)
         self.a = kvpool.SlotAllocator(num_pages=96 // page_size + 1, page_size=page_size, max_requests=6,
                                       max_context_len=64, hash_seed=seed, handle_seed=seed, manual_clock=True,
                                       max_pinned_pages=24 // page_size, host_pages=host_pages,
-                                      host_policy=host_policy)
+                                      host_policy=host_policy, kv_events=kv_events)
         self.tag: dict[int, tuple] = {}  # slot -> (salt, tokens of the prefix that wrote it)
         self.htag: dict[int, tuple | None] = {}  # host slot -> the same, as the offload copied it
         self.swapped: set[int] = set()
@@ -40,6 +41,8 @@ class Sim:
     def events(self) -> None:
         """SGLang's test_kv_cache_events: Stored for what is cached, Removed for what goes, so the
         events' live set is the cache, on each tier."""
+        if not self.a.kv_events:
+            return
         ev = self.a.take_events()
         for kind, hi, lo, medium in zip(ev["kind"].tolist(), ev["hash_hi"].tolist(), ev["hash_lo"].tolist(),
                                         ev["medium"].tolist()):
@@ -219,7 +222,8 @@ class Sim:
 @pytest.mark.parametrize("page_size", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_radix_traffic_keeps_sglang_invariants(page_size, seed):
-    sim = Sim(page_size, seed)
+    # Without KV events the index keys pages by another chain: the same hits (docs/allocator.md).
+    sim = Sim(page_size, seed, kv_events=seed % 3 != 0)
     for _ in range(250):
         sim.step()
     sim.a.reset()
