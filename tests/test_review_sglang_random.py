@@ -107,27 +107,36 @@ class Sim:
 
     # -- operations ---------------------------------------------------------------------------
     def open(self) -> None:
-        if len(self.reqs) >= self.a.max_requests:
+        """One to three prompts in one open_with_prefix call (a step's new requests), each then
+        prefilled; a batch's hits are held together before any host hit takes a page."""
+        room = self.a.max_requests - len(self.reqs)
+        if room <= 0:
             return
         rng = self.rng
-        base = SYSTEMS[rng.integers(len(SYSTEMS))]
-        prompt = base[: rng.integers(1, len(base) + 1)] + rng.integers(0, 6, rng.integers(1, 12)).tolist()
-        salt = int(rng.integers(0, 2))
+        prompts, salts = [], []
+        for _ in range(int(rng.integers(1, min(3, room) + 1))):
+            base = SYSTEMS[rng.integers(len(SYSTEMS))]
+            prompts.append(base[: rng.integers(1, len(base) + 1)] + rng.integers(0, 6, rng.integers(1, 12)).tolist())
+            salts.append(int(rng.integers(0, 2)))
         hits, misses, host_hits = self.a.hit_tokens, self.a.miss_tokens, self.a.host_hit_tokens
-        h, c = self.a.open_with_prefix(np.array(prompt), [len(prompt)], salt=salt)
-        h, c = int(h[0]), int(c[0])
-        assert c <= len(prompt) - 1 and c % self.a.page_size == 0
-        assert (self.a.hit_tokens - hits, self.a.miss_tokens - misses) == (c, len(prompt) - c)
-        assert 0 <= self.a.host_hit_tokens - host_hits <= c
-        self.reqs[h] = (salt, prompt)
-        self.sync()  # a host hit's loads
-        self.verify()  # the hit's slots carry this prompt's prefix, token by token
-        out = []
-        if self.refused(lambda: out.append(self.a.extend([h], [len(prompt) - c]))):
-            self.a.close([h])
-            del self.reqs[h]
-            return
-        self.write(h, c, out[0])
+        hs, cs = self.a.open_with_prefix(np.array(sum(prompts, [])), [len(p) for p in prompts], salt=salts)
+        hs, cs = hs.tolist(), cs.tolist()
+        for prompt, c in zip(prompts, cs):
+            assert c <= len(prompt) - 1 and c % self.a.page_size == 0
+        total = sum(len(p) for p in prompts)
+        assert (self.a.hit_tokens - hits, self.a.miss_tokens - misses) == (sum(cs), total - sum(cs))
+        assert 0 <= self.a.host_hit_tokens - host_hits <= sum(cs)
+        for h, salt, prompt in zip(hs, salts, prompts):
+            self.reqs[h] = (salt, prompt)
+        self.sync()  # the host hits' loads
+        self.verify()  # each hit's slots carry its own prompt's prefix, token by token
+        for h, prompt, c in zip(hs, prompts, cs):
+            out = []
+            if self.refused(lambda: out.append(self.a.extend([h], [len(prompt) - c]))):
+                self.a.close([h])
+                del self.reqs[h]
+                continue
+            self.write(h, c, out[0])
 
     def decode(self) -> None:
         live = [h for h in self.reqs if h not in self.swapped]
