@@ -110,3 +110,28 @@ def test_a_host_hit_that_evicts_another_prefix_keeps_both():
         hit, k = served(pool, prompt + [2])
         assert hit == 16 and k.tolist() == [float(t) for t in prompt], prompt[0]
     pool.check()
+
+
+def test_swa_pool_hits_serve_their_kv_in_both_layer_kinds_after_eviction():
+    """SGLang's SWARadixCache through HybridKVPool: a hit serves the full layer's K/V for the
+    whole prefix and the sliding layer's for its window, after the sliding group lost a page."""
+    pool = kvpool.KVPool(2, 1, 4, dtype=torch.float32, layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=8, page_size=4, num_pages=17, max_requests=4, max_context_len=64)
+    A = list(range(100, 124))
+    h, _ = pool.open_with_prefix(np.array(A), [24])
+    step = pool.extend(h, 24)
+    for layer in (0, 1):
+        pool.write(layer, step.for_layer(layer), kv_of(A), -kv_of(A))
+    pool.close(h, cache=True)
+    assert pool.evict(0, 1) == 1  # the sliding group's oldest page: the chain's tail, tokens 20..23
+
+    def hit(prompt):
+        g, c = pool.open_with_prefix(np.array(prompt), [len(prompt)])
+        n = int(c[0])
+        full = pool.k_buffer(1)[torch.as_tensor(pool.slots(int(g[0]), 1))][:, 0, 0].tolist()
+        window = pool.k_buffer(0)[torch.as_tensor(pool.slots(int(g[0]), 0))][max(0, n - 7):, 0, 0].tolist()
+        pool.close(g)
+        return n, full, window
+    n, full, window = hit(A + [0])
+    assert n == 20 and full == [float(t) for t in A[:20]] and window == [float(t) for t in A[13:20]]
+    pool.check()
