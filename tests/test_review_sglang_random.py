@@ -93,7 +93,11 @@ class Sim:
         for i, slot in enumerate(slots.tolist()):
             self.tag[slot] = (salt, tuple(toks[: start + i + 1]))
 
-    def refused(self, call) -> bool:
+    def refused(self, call, grow: dict[int, int] | None = None) -> bool:
+        """Runs `call`; on PoolExhaustedError checks that nothing changed and, for an extend
+        (`grow`: handle -> new tokens), that the room was short: SGLang's budget is
+        available + evictable, kvpool's is free_pages (FREE + evictable, docs/allocator.md,
+        Budgeting a step), plus at most one copy per request writing into a partly filled page."""
         before = self.a.stats()
         lengths = {h: self.a.length(h) for h in self.reqs}
         try:
@@ -102,6 +106,11 @@ class Sim:
             after = self.a.stats()
             assert after == before, "a refused call changed the pool"
             assert {h: self.a.length(h) for h in self.reqs} == lengths
+            if grow is not None:
+                P = self.a.page_size
+                need = sum(-(-(lengths[h] + n) // P) - -(-lengths[h] // P) for h, n in grow.items())
+                copies = sum(1 for h, n in grow.items() if n and lengths[h] % P)
+                assert need + copies > before.free_pages, ("refused with room", need, copies, before)
             return True
         return False
 
@@ -132,7 +141,7 @@ class Sim:
         self.verify()  # each hit's slots carry its own prompt's prefix, token by token
         for h, prompt, c in zip(hs, prompts, cs):
             out = []
-            if self.refused(lambda: out.append(self.a.extend([h], [len(prompt) - c]))):
+            if self.refused(lambda: out.append(self.a.extend([h], [len(prompt) - c])), {h: len(prompt) - c}):
                 self.a.close([h])
                 del self.reqs[h]
                 continue
@@ -152,7 +161,7 @@ class Sim:
         for h, t, s0 in zip(hs, new, starts):
             salt, toks = self.reqs[h]
             self.reqs[h] = (salt, toks[:s0] + t)
-        if self.refused(call):
+        if self.refused(call, dict(zip(hs, n))):
             for h, s0 in zip(hs, starts):
                 salt, toks = self.reqs[h]
                 self.reqs[h] = (salt, toks[:s0])
