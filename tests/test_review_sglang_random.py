@@ -223,8 +223,13 @@ class Sim:
             else:
                 a.unpin([h])
         elif op == "swap_out" and h is not None:
+            others = {int(p) for g in self.reqs if g != h and g not in self.swapped for p in a.pages(g)}
+            alone = len(set(a.pages(h).tolist()) - others)
+            host_free = a.host_free_pages
             if not self.refused(lambda: a.swap_out([h])):
                 self.swapped.add(h)
+            else:  # it needs a host page for each page it holds alone (docs/allocator.md, Swap)
+                assert alone > host_free, ("swap_out refused with room", alone, host_free)
         elif op == "swap_in" and self.swapped:
             g = sorted(self.swapped)[rng.integers(len(self.swapped))]
             if not self.refused(lambda: a.swap_in([g])):
