@@ -61,6 +61,7 @@ class Sim:
         s = a.stats()
         assert sum(s.evictable_pages_by_priority) == s.evictable_pages <= s.cached_pages
         assert 0 <= a.capacity_pages - s.used_pages - s.free_pages <= s.pinned_pages <= a.max_pinned_pages
+        assert s.cached_pages - s.evictable_pages <= s.used_pages + s.pinned_pages, "protected = held or pinned"
         for h, (salt, toks) in self.reqs.items():
             assert a.is_swapped(h) == (h in self.swapped)
             if h in self.swapped:

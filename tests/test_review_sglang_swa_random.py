@@ -64,6 +64,7 @@ class SwaSim:
         g.check()
         for gi in range(3):
             assert g.evictable_pages(gi) <= g.cached_pages(gi)
+            assert g.cached_pages(gi) - g.evictable_pages(gi) <= g.used_pages(gi), "protected pages are held"
             assert g.used_pages(gi) + g.free_pages(gi) == g.capacity_pages(gi)
         for h in self.reqs:
             n = g.length(h)
