@@ -1,13 +1,17 @@
-"""Random radix-cache traffic on a SlotAllocator (page sizes 1, 2 and 4) against what SGLang's
-RadixCache tests assert of any prefix cache, checked after every call:
+"""Random radix-cache traffic on a SlotAllocator (page sizes 1, 2 and 4; with and without KV
+events; with a write_back or write_through host tier) against what SGLang's RadixCache and
+HiRadixCache tests assert of any prefix cache, checked after every call:
 
 - a hit serves exactly the K/V its prompt's prefix wrote (each slot is tagged with the token
-  prefix that filled it; copy-on-write copies move the tags), so a held page that was evicted or
-  handed out again shows as a wrong tag in its request;
+  prefix that filled it; copies, offloads and loads move the tags in the documented order), so a
+  held page that was evicted or handed out again shows as a wrong tag in its request;
 - `evict(n)` frees min(n, evictable) pages (kvpool's rule: exactly what it can, up to n);
 - evictable pages by priority add up to evictable pages, held + free + unheld pinned pages are the
-  capacity (SGLang: evictable + protected = total);
-- a refused call (PoolExhaustedError) leaves the stats and every request as they were.
+  capacity, and protected (cached, not evictable) pages are held or pinned (SGLang: evictable +
+  protected = total);
+- the KV events' live set is the cache on each tier; hit + miss tokens are the prompt tokens;
+- a refused call (PoolExhaustedError) leaves the stats and every request as they were, and was
+  short of room (an extend: free_pages; a swap_out: host pages).
 """
 
 from __future__ import annotations
