@@ -75,22 +75,30 @@ class ChunkedEngine:
         self.finished: list[Req] = []
         self.next_seq = 0
         self.next_rid = 1000
-        self.counts = dict(swap_out=0, swap_in=0, forks=0, mixed_steps=0, chunks=0)
+        self.counts = dict(swap_out=0, swap_in=0, recomputed=0, forks=0, mixed_steps=0, chunks=0)
 
     # ----- scheduling ------------------------------------------------------------
 
     def step(self) -> None:
         self.t += 1
         pool = self.pool
-        for r in list(self.swapped):  # oldest first; all or nothing per request
+        if self.swapped:  # all of them in one call if they fit, else the oldest first, one by one
             try:
-                pool.swap_in([r.handle])
+                pool.swap_in([r.handle for r in self.swapped])
+                back = list(self.swapped)
             except PoolExhaustedError:
-                break
-            assert not pool.is_swapped(r.handle)
-            self.swapped.remove(r)
-            self.running.append(r)
-            self.counts["swap_in"] += 1
+                back = []
+                for r in self.swapped:
+                    try:
+                        pool.swap_in([r.handle])
+                    except PoolExhaustedError:
+                        break
+                    back.append(r)
+            for r in back:
+                assert not pool.is_swapped(r.handle)
+                self.swapped.remove(r)
+                self.running.append(r)
+            self.counts["swap_in"] += len(back)
         while not self.swapped and len(self.running) < MAX_RUNNING:
             ready = [r for r in self.waiting if r.arrival <= self.t]
             if not ready:
@@ -114,18 +122,15 @@ class ChunkedEngine:
         while True:
             handles = [r.handle for r, _, _ in plan]
             try:
-                res = pool.extend(handles, [len(ids) for _, _, ids in plan],
-                                  tokens=[t for _, _, ids in plan for t in ids])
+                # A step of prompt chunks only leaves the ids to the prompts open_with_prefix remembered.
+                tokens = None if all(r.prefilling for r, _, _ in plan) else [t for _, _, ids in plan for t in ids]
+                res = pool.extend(handles, [len(ids) for _, _, ids in plan], tokens=tokens)
                 break
             except PoolExhaustedError:
                 assert len(plan) > 1, "one request alone must always fit the pool"
                 victim = max(plan, key=lambda p: p[0].seq)
-                pool.swap_out([victim[0].handle])
-                assert pool.is_swapped(victim[0].handle)
-                self.counts["swap_out"] += 1
                 plan.remove(victim)
-                self.running.remove(victim[0])
-                self.swapped.append(victim[0])
+                self.preempt(victim[0])
         kinds = {r.prefilling for r, _, _ in plan}
         self.counts["mixed_steps"] += len(kinds) == 2
         self.counts["chunks"] += sum(r.prefilling for r, _, _ in plan)
@@ -135,13 +140,17 @@ class ChunkedEngine:
                 r.done += len(ids)
                 if r.prefilling:
                     continue
-                r.out.append(int(logits.argmax()))
+                r.out.append(int(torch.argsort(logits, descending=True)[r.rank]))
                 r.logits.append(logits)
                 if r.n == 2:
                     self.fork(r, logits)
             else:
                 r.out.append(int(logits.argmax()))
                 r.logits.append(logits)
+        # Publish every prompt page a chunk completed, so requests admitted meanwhile hit it.
+        chunked = [r.handle for r, _, _ in plan if r in self.running and r.length <= len(r.prompt)]
+        if chunked:
+            pool.cache(chunked)
         for r in [r for r in self.running if len(r.out) >= r.max_new]:
             pool.close([r.handle], cache=True)
             self.running.remove(r)
@@ -152,11 +161,28 @@ class ChunkedEngine:
                 self.next_rid += 1
         self.check_invariants()
 
+    def preempt(self, r: Req) -> None:
+        """Swap ``r`` to the host; with no host room, close it (publishing what it wrote) and
+        recompute it later from its prompt (a fork child then takes its rank-th token again)."""
+        self.running.remove(r)
+        try:
+            self.pool.swap_out([r.handle])
+        except PoolExhaustedError:
+            self.pool.close([r.handle], cache=True)
+            r.handle, r.done, r.out, r.logits = -1, 0, [], []
+            self.waiting.insert(0, r)
+            self.counts["recomputed"] += 1
+            return
+        assert self.pool.is_swapped(r.handle)
+        self.counts["swap_out"] += 1
+        self.swapped.append(r)
+
     def fork(self, r: Req, logits: torch.Tensor) -> None:
         kid = int(self.pool.fork(r.handle, 1)[0])
         second = int(torch.argsort(logits, descending=True)[1])
         child = Req(self.next_rid, list(r.prompt), r.max_new, r.arrival, rank=1, handle=kid, seq=r.seq,
                     cached=r.cached, done=r.done, out=[second], logits=[logits])
+        r.n = 1  # recomputed after a preemption, it does not fork again
         self.next_rid += 1
         self.running.append(child)
         self.counts["forks"] += 1
@@ -278,17 +304,17 @@ def check_against_full_forward(model, req: Req) -> None:
         assert tok == want, f"request {req.rid} token {k}: engine {tok}, full forward {want}"
 
 
-CONFIGS = [  # arch, page size, layout, read path, host policy, device pages
-    ("llama", 1, "token", "table", "write_back", 96),
-    ("qwen2", 4, "paged", "page_table", "write_through", 26),
-    ("llama", 4, "token", "table", "write_back", 24),
+CONFIGS = [  # arch, page size, layout, read path, host policy, device pages, host pages
+    ("llama", 1, "token", "table", "write_back", 70, 120),
+    ("qwen2", 4, "paged", "page_table", "write_through", 19, 120),
+    ("llama", 4, "token", "table", "write_back", 19, 3),  # the host fills: some preemptions recompute
 ]
 
 
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
-@pytest.mark.parametrize("arch,ps,layout,read,policy,num_pages", CONFIGS,
+@pytest.mark.parametrize("arch,ps,layout,read,policy,num_pages,host_pages", CONFIGS,
                          ids=[f"{c[0]}-p{c[1]}-{c[2]}-{c[3]}-{c[4]}" for c in CONFIGS])
-def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num_pages, grad_mode):
+def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num_pages, host_pages, grad_mode):
     torch.manual_seed(0)
     model = tiny_model(arch, seed=3)
     mode = torch.no_grad() if grad_mode == "no_grad" else torch.inference_mode()
@@ -296,12 +322,13 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
         pool = kvpool.KVPool(model.config.num_hidden_layers, model.config.num_key_value_heads,
                              model.config.hidden_size // model.config.num_attention_heads,
                              dtype=torch.float32, page_size=ps, num_pages=num_pages, layout=layout,
-                             max_requests=16, max_context_len=96, host_pages=120, host_policy=policy,
+                             max_requests=16, max_context_len=96, host_pages=host_pages, host_policy=policy,
                              hash_seed=11)
         engine = ChunkedEngine(model, pool, read, seed=ps)
         reqs = workload(seed=5)
         engine.run(reqs)
         done = engine.finished
+        assert sorted(r.rid for r in done)[:len(reqs)] == list(range(len(reqs)))
         assert len(done) == len(reqs) + 2 + 3  # every request, the two fork children, three follow-ups
         for r in done:
             assert len(r.out) == r.max_new
@@ -310,7 +337,8 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
         c = engine.counts
         assert c["forks"] == 2 and c["mixed_steps"] > 0 and c["chunks"] > len(done)
         assert c["swap_out"] > 0 and c["swap_in"] == c["swap_out"], c
-        assert pool.hit_tokens > 0
+        assert (c["recomputed"] > 0) == (host_pages < 10), c
+        assert pool.hit_tokens > 0 and pool.host_hit_tokens > 0 and pool.stats().loaded_pages > 0
         follow = [r for r in done if r.parent is not None]
         # some follow-up turn hit pages past its first turn's prompt: decode pages a finished request published
         assert any(r.cached > len(r.parent.prompt) for r in follow), [(r.cached, len(r.parent.prompt)) for r in follow]
