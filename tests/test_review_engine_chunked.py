@@ -43,6 +43,7 @@ class Req:
     rank: int = 0  # a fork child's first token is the rank-th most likely
     follow_up: list[int] | None = None  # next turn's user tokens, sent once this one finishes
     parent: Req | None = None  # the turn this one follows
+    salt: int = 0  # prompts under different salts never share pages
     handle: int = -1
     seq: int = -1  # admission order (victims are the newest)
     cached: int = 0  # prompt tokens the prefix cache served at admission
@@ -99,17 +100,17 @@ class ChunkedEngine:
                 self.swapped.remove(r)
                 self.running.append(r)
             self.counts["swap_in"] += len(back)
-        while not self.swapped and len(self.running) < MAX_RUNNING:
-            ready = [r for r in self.waiting if r.arrival <= self.t]
-            if not ready:
-                break
-            r = ready[0]
-            self.waiting.remove(r)
-            h, cached = pool.open_with_prefix(np.asarray(r.prompt, np.int64), [len(r.prompt)])
-            r.handle, r.cached, r.done = int(h[0]), int(cached[0]), int(cached[0])
-            assert 0 <= r.cached <= len(r.prompt) - 1 and r.cached % pool.page_size == 0
-            r.seq, self.next_seq = self.next_seq, self.next_seq + 1
-            self.running.append(r)
+        ready = [] if self.swapped else [r for r in self.waiting if r.arrival <= self.t]
+        ready = ready[:max(0, MAX_RUNNING - len(self.running))]
+        if ready:  # one call for the step's new requests (prompts of a batch may hit each other's pages)
+            handles, cached = pool.open_with_prefix(np.concatenate([r.prompt for r in ready]).astype(np.int64),
+                                                    [len(r.prompt) for r in ready], [r.salt for r in ready])
+            for r, h, c in zip(ready, handles, cached):
+                self.waiting.remove(r)
+                r.handle, r.cached, r.done = int(h), int(c), int(c)
+                assert 0 <= r.cached <= len(r.prompt) - 1 and r.cached % pool.page_size == 0
+                r.seq, self.next_seq = self.next_seq, self.next_seq + 1
+                self.running.append(r)
         if not self.running:
             return
         plan = []  # (request, first position, token ids)
@@ -157,7 +158,7 @@ class ChunkedEngine:
             self.finished.append(r)
             if r.follow_up is not None:
                 self.waiting.append(Req(self.next_rid, r.prompt + r.out + r.follow_up, r.max_new,
-                                        arrival=self.t + 1, parent=r))
+                                        arrival=self.t + 1, parent=r, salt=r.salt))
                 self.next_rid += 1
         self.check_invariants()
 
@@ -180,7 +181,7 @@ class ChunkedEngine:
     def fork(self, r: Req, logits: torch.Tensor) -> None:
         kid = int(self.pool.fork(r.handle, 1)[0])
         second = int(torch.argsort(logits, descending=True)[1])
-        child = Req(self.next_rid, list(r.prompt), r.max_new, r.arrival, rank=1, handle=kid, seq=r.seq,
+        child = Req(self.next_rid, list(r.prompt), r.max_new, r.arrival, rank=1, salt=r.salt, handle=kid, seq=r.seq,
                     cached=r.cached, done=r.done, out=[second], logits=[logits])
         r.n = 1  # recomputed after a preemption, it does not fork again
         self.next_rid += 1
@@ -278,7 +279,7 @@ class ChunkedEngine:
 
 def workload(seed: int) -> list[Req]:
     """Two system prompts, user turns of 2-6 tokens, staggered arrivals; two requests fork,
-    three have a follow-up turn."""
+    three have a follow-up turn, and one repeats another's prompt under its own salt."""
     g = random.Random(seed)
     systems = [[g.randrange(3, VOCAB) for _ in range(g.randint(9, 13))] for _ in range(2)]
     out = []
@@ -287,6 +288,8 @@ def workload(seed: int) -> list[Req]:
         out.append(Req(i, systems[i % 2] + user, max_new=g.randint(5, 9), arrival=i // 2 + 1,
                        n=2 if i in (2, 5) else 1,
                        follow_up=[g.randrange(3, VOCAB) for _ in range(3)] if i in (0, 3, 7) else None))
+    # Request 0's prompt again, arriving later under another salt: it must miss every page.
+    out.append(Req(len(out), list(out[0].prompt), max_new=4, arrival=7, salt=1))
     return out
 
 
@@ -307,7 +310,7 @@ def check_against_full_forward(model, req: Req) -> None:
 CONFIGS = [  # arch, page size, layout, read path, host policy, device pages, host pages
     ("llama", 1, "token", "table", "write_back", 70, 120),
     ("qwen2", 4, "paged", "page_table", "write_through", 19, 120),
-    ("llama", 4, "token", "table", "write_back", 19, 3),  # the host fills: some preemptions recompute
+    ("llama", 4, "token", "table", "write_back", 19, 5),  # the host fills: some preemptions recompute
 ]
 
 
@@ -339,6 +342,7 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
         assert c["swap_out"] > 0 and c["swap_in"] == c["swap_out"], c
         assert (c["recomputed"] > 0) == (host_pages < 10), c
         assert pool.hit_tokens > 0 and pool.host_hit_tokens > 0 and pool.stats().loaded_pages > 0
+        assert [r.cached for r in done if r.salt == 1] == [0]
         follow = [r for r in done if r.parent is not None]
         # some follow-up turn hit pages past its first turn's prompt: decode pages a finished request published
         assert any(r.cached > len(r.parent.prompt) for r in follow), [(r.cached, len(r.parent.prompt)) for r in follow]
