@@ -76,7 +76,7 @@ class ChunkedEngine:
         self.finished: list[Req] = []
         self.next_seq = 0
         self.next_rid = 1000
-        self.counts = dict(swap_out=0, swap_in=0, recomputed=0, forks=0, mixed_steps=0, chunks=0)
+        self.counts = dict(swap_out=0, swap_in=0, recomputed=0, dropped_swapped=0, forks=0, mixed_steps=0, chunks=0)
 
     # ----- scheduling ------------------------------------------------------------
 
@@ -119,7 +119,7 @@ class ChunkedEngine:
                 n = min(self.rng.randint(3, 7), len(r.prompt) - r.done)
                 plan.append((r, r.done, r.prompt[r.done:r.done + n]))
             else:
-                plan.append((r, r.length, [r.out[-1]]))
+                plan.append((r, r.length, [r.out[-1], *self.drafts(r)]))
         while True:
             handles = [r.handle for r, _, _ in plan]
             try:
@@ -128,16 +128,25 @@ class ChunkedEngine:
                 res = pool.extend(handles, [len(ids) for _, _, ids in plan], tokens=tokens)
                 break
             except PoolExhaustedError:
-                assert len(plan) > 1, "one request alone must always fit the pool"
+                if len(plan) == 1:
+                    # Swapped requests keep their shared pages on the device: drop the newest
+                    # (its K/V is lost; it is recomputed) until the one left fits.
+                    assert self.swapped, "one request alone must always fit the pool"
+                    victim = self.swapped.pop()
+                    self.pool.close([victim.handle])
+                    self.recompute(victim)
+                    self.counts["dropped_swapped"] += 1
+                    continue
                 victim = max(plan, key=lambda p: p[0].seq)
                 plan.remove(victim)
                 self.preempt(victim[0])
         kinds = {r.prefilling for r, _, _ in plan}
         self.counts["mixed_steps"] += len(kinds) == 2
         self.counts["chunks"] += sum(r.prefilling for r, _, _ in plan)
-        last = self.forward(plan, res)
-        for (r, _, ids), logits in zip(plan, last):
+        rows = self.forward(plan, res)
+        for (r, _, ids), logits in zip(plan, rows):
             if r.prefilling:
+                logits = logits[-1]
                 r.done += len(ids)
                 if r.prefilling:
                     continue
@@ -146,8 +155,7 @@ class ChunkedEngine:
                 if r.n == 2:
                     self.fork(r, logits)
             else:
-                r.out.append(int(logits.argmax()))
-                r.logits.append(logits)
+                self.accept(r, logits)
         # Publish every prompt page a chunk completed, so requests admitted meanwhile hit it.
         chunked = [r.handle for r, _, _ in plan if r in self.running and r.length <= len(r.prompt)]
         if chunked:
@@ -162,6 +170,15 @@ class ChunkedEngine:
                 self.next_rid += 1
         self.check_invariants()
 
+    def drafts(self, r: Req) -> list[int]:
+        """Tokens a decoding request feeds after its last one (a speculative engine's guesses)."""
+        return []
+
+    def accept(self, r: Req, logits: torch.Tensor) -> None:
+        """A decoding request's step: its next token from the logits of what it fed."""
+        r.out.append(int(logits[-1].argmax()))
+        r.logits.append(logits[-1])
+
     def preempt(self, r: Req) -> None:
         """Swap ``r`` to the host; with no host room, close it (publishing what it wrote) and
         recompute it later from its prompt (a fork child then takes its rank-th token again)."""
@@ -170,13 +187,16 @@ class ChunkedEngine:
             self.pool.swap_out([r.handle])
         except PoolExhaustedError:
             self.pool.close([r.handle], cache=True)
-            r.handle, r.done, r.out, r.logits = -1, 0, [], []
-            self.waiting.insert(0, r)
+            self.recompute(r)
             self.counts["recomputed"] += 1
             return
         assert self.pool.is_swapped(r.handle)
         self.counts["swap_out"] += 1
         self.swapped.append(r)
+
+    def recompute(self, r: Req) -> None:
+        r.handle, r.done, r.out, r.logits = -1, 0, [], []
+        self.waiting.insert(0, r)
 
     def fork(self, r: Req, logits: torch.Tensor) -> None:
         kid = int(self.pool.fork(r.handle, 1)[0])
@@ -222,7 +242,7 @@ class ChunkedEngine:
         return k.view(shape), v.view(shape)
 
     def forward(self, plan, res) -> list[torch.Tensor]:
-        """One pass over every new token of the step; the logits of each request's last one."""
+        """One pass over every new token of the step; each request's logits [its new tokens, vocab]."""
         m = self.model.model
         ids = torch.tensor([[t for _, _, toks in plan for t in toks]])
         pos = torch.tensor([[start + i for _, start, toks in plan for i in range(len(toks))]])
@@ -245,8 +265,7 @@ class ChunkedEngine:
             x = x + attn.o_proj(o.reshape(1, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.model.lm_head(m.norm(x))[0].float()
-        ends = np.cumsum([len(toks) for _, _, toks in plan]) - 1
-        return [logits[e] for e in ends]
+        return list(logits.split([len(toks) for _, _, toks in plan]))
 
     # ----- invariants ---------------------------------------------------------------------
 
@@ -339,7 +358,7 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
 
         c = engine.counts
         assert c["forks"] == 2 and c["mixed_steps"] > 0 and c["chunks"] > len(done)
-        assert c["swap_out"] > 0 and c["swap_in"] == c["swap_out"], c
+        assert c["swap_out"] > 0 and c["swap_in"] + c["dropped_swapped"] == c["swap_out"], c
         assert (c["recomputed"] > 0) == (host_pages < 10), c
         assert pool.hit_tokens > 0 and pool.host_hit_tokens > 0 and pool.stats().loaded_pages > 0
         assert [r.cached for r in done if r.salt == 1] == [0]
