@@ -140,8 +140,7 @@ class ChunkedEngine:
                 victim = max(plan, key=lambda p: p[0].seq)
                 plan.remove(victim)
                 self.preempt(victim[0])
-        kinds = {r.prefilling for r, _, _ in plan}
-        self.counts["mixed_steps"] += len(kinds) == 2
+        self.counts["mixed_steps"] += len({r.prefilling for r, _, _ in plan}) == 2
         self.counts["chunks"] += sum(r.prefilling for r, _, _ in plan)
         rows = self.forward(plan, res)
         for (r, _, ids), logits in zip(plan, rows):
@@ -158,8 +157,7 @@ class ChunkedEngine:
                 self.accept(r, logits)
         # Publish every prompt page a chunk completed, so requests admitted meanwhile hit it.
         chunked = [r.handle for r, _, _ in plan if r in self.running and r.length <= len(r.prompt)]
-        if chunked:
-            pool.cache(chunked)
+        pool.cache(chunked)
         for r in [r for r in self.running if len(r.out) >= r.max_new]:
             pool.close([r.handle], cache=True)
             self.running.remove(r)
@@ -326,6 +324,24 @@ def check_against_full_forward(model, req: Req) -> None:
         assert tok == want, f"request {req.rid} token {k}: engine {tok}, full forward {want}"
 
 
+def make_pool(model, ps, layout, num_pages, host_pages, policy, max_context_len=96) -> kvpool.KVPool:
+    cfg = model.config
+    return kvpool.KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                         dtype=torch.float32, page_size=ps, num_pages=num_pages, layout=layout, max_requests=24,
+                         max_context_len=max_context_len, host_pages=host_pages, host_policy=policy, hash_seed=11)
+
+
+def check_drained(pool: kvpool.KVPool) -> None:
+    """Every request closed: nothing held; with the cache cleared, every page free on both tiers."""
+    s = pool.stats()
+    assert s.open_requests == 0 and s.used_pages == 0 and s.free_pages == pool.capacity_pages
+    pool.clear_cache()
+    pool.check()
+    s = pool.stats()
+    assert s.cached_pages == 0 and s.evictable_pages == 0 and s.free_pages == pool.capacity_pages
+    assert s.host_cached_pages == 0 and s.host_free_pages == pool.host_pages - 1
+
+
 CONFIGS = [  # arch, page size, layout, read path, host policy, device pages, host pages
     ("llama", 1, "token", "table", "write_back", 70, 120),
     ("qwen2", 4, "paged", "page_table", "write_through", 19, 120),
@@ -341,11 +357,7 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
     model = tiny_model(arch, seed=3)
     mode = torch.no_grad() if grad_mode == "no_grad" else torch.inference_mode()
     with mode:
-        pool = kvpool.KVPool(model.config.num_hidden_layers, model.config.num_key_value_heads,
-                             model.config.hidden_size // model.config.num_attention_heads,
-                             dtype=torch.float32, page_size=ps, num_pages=num_pages, layout=layout,
-                             max_requests=16, max_context_len=96, host_pages=host_pages, host_policy=policy,
-                             hash_seed=11)
+        pool = make_pool(model, ps, layout, num_pages, host_pages, policy)
         engine = ChunkedEngine(model, pool, read, seed=ps)
         reqs = workload(seed=5)
         engine.run(reqs)
@@ -366,11 +378,74 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
         # some follow-up turn hit pages past its first turn's prompt: decode pages a finished request published
         assert any(r.cached > len(r.parent.prompt) for r in follow), [(r.cached, len(r.parent.prompt)) for r in follow]
 
-        s = pool.stats()
-        assert s.open_requests == 0 and s.used_pages == 0 and s.free_pages == pool.capacity_pages
-        pool.clear_cache()
-        pool.check()
-        s = pool.stats()
-        assert s.cached_pages == 0 and s.evictable_pages == 0 and s.free_pages == pool.capacity_pages
-        assert s.host_cached_pages == 0 and s.host_free_pages == pool.host_pages - 1
+        check_drained(pool)
         assert kvpool.audit(model=model, pool=pool) == []
+
+
+class SpeculativeEngine(ChunkedEngine):
+    """Decoding requests also feed 1-3 draft tokens (the model's own greedy ones, one of them
+    often corrupted) and keep the prefix the model agrees with. Before cutting the rejected
+    drafts back with ``truncate``, it publishes their pages with ``cache`` (their K/V is right
+    for those tokens); a later request then runs through the rejected drafts (a probe), so a
+    registration left naming a page rewritten after the cut would show as wrong logits."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: dict[int, list[int]] = {}
+        self.counts.update(spec=0, accepted=0, truncated=0, probes=0)
+
+    def drafts(self, r: Req) -> list[int]:
+        d: list[int] = []
+        if self.rng.random() < 0.6 and len(r.out) < r.max_new - 1:
+            for _ in range(self.rng.randint(1, 3)):
+                d.append(int(self.model(torch.tensor([r.prompt + r.out + d])).logits[0, -1].argmax()))
+            if self.rng.random() < 0.6:
+                j = self.rng.randrange(len(d))
+                d[j] = 3 + (d[j] - 3 + self.rng.randrange(1, VOCAB - 3)) % (VOCAB - 3)
+        self.pending[r.rid] = d
+        return d
+
+    def accept(self, r: Req, logits: torch.Tensor) -> None:
+        d = self.pending.pop(r.rid)
+        if not d:
+            return super().accept(r, logits)
+        fed = r.prompt + r.out + d
+        at = len(r.prompt) + len(r.out) - 1  # the position of the last token before the drafts
+        preds = logits.argmax(-1).tolist()
+        a = 0
+        while a < len(d) and preds[a] == d[a]:
+            a += 1
+        r.out += preds[:a + 1]
+        r.logits += list(logits[:a + 1])
+        del r.out[r.max_new:], r.logits[r.max_new:]
+        self.counts["spec"] += 1
+        self.counts["accepted"] += a
+        self.pool.cache([r.handle])
+        keep = len(r.prompt) + len(r.out) - 1
+        if self.pool.length(r.handle) != keep:
+            self.pool.truncate([r.handle], [keep])
+            self.counts["truncated"] += 1
+            if a < len(d) and self.counts["probes"] < 8:
+                probe = Req(self.next_rid, fed + [self.rng.randrange(3, VOCAB)], 3, arrival=self.t + 1, salt=r.salt)
+                probe.probe_at = at
+                self.next_rid += 1
+                self.waiting.append(probe)
+                self.counts["probes"] += 1
+
+
+@pytest.mark.parametrize("ps,layout,read,num_pages", [(1, "paged", "page_table", 90), (4, "token", "table", 24)])
+def test_speculative_chunked_engine_matches_full_forward(ps, layout, read, num_pages):
+    torch.manual_seed(0)
+    model = tiny_model("llama", seed=3)
+    with torch.inference_mode():
+        pool = make_pool(model, ps, layout, num_pages, 120, "write_back", max_context_len=128)
+        engine = SpeculativeEngine(model, pool, read, seed=ps + 1)
+        engine.run(workload(seed=5), max_steps=600)
+        for r in engine.finished:
+            assert len(r.out) == r.max_new
+            check_against_full_forward(model, r)
+        c = engine.counts
+        assert c["spec"] > 0 and c["accepted"] > 0 and c["truncated"] > 0 and c["probes"] > 0, c
+        probes = [r for r in engine.finished if hasattr(r, "probe_at")]
+        assert any(r.cached > r.probe_at for r in probes), [(r.cached, r.probe_at) for r in probes]
+        check_drained(pool)
