@@ -67,6 +67,7 @@ class ChunkedEngine:
         self.rope = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
         self.rng = random.Random(seed)
         self.hit_step = self.pool_hit_step()
+        self.cache_chunks = True
         self.t = 0
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -154,8 +155,8 @@ class ChunkedEngine:
             else:
                 self.accept(r, logits)
         # Publish every prompt page a chunk completed, so requests admitted meanwhile hit it.
-        chunked = [r.handle for r, _, _ in plan if r in self.running and r.length <= len(r.prompt)]
-        pool.cache(chunked)
+        if self.cache_chunks:
+            pool.cache([r.handle for r, _, _ in plan if r in self.running and r.length <= len(r.prompt)])
         for r in [r for r in self.running if len(r.out) >= r.max_new]:
             pool.close([r.handle], cache=True)
             self.running.remove(r)

@@ -21,6 +21,15 @@ from _hf_models import tiny_model  # noqa: I001  (skips without transformers)
 import kvpool
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # One intra-op thread: these matmuls are tiny, and CI's 2 cores are shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_pool(model, ps, layout, num_pages, host_pages, policy, max_context_len=96) -> kvpool.KVPool:
     cfg = model.config
     return kvpool.KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
@@ -68,12 +77,15 @@ def test_chunked_engine_matches_full_forward(arch, ps, layout, read, policy, num
         assert kvpool.audit(model=model, pool=pool) == []
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu_tables", "device_path"])
 @pytest.mark.parametrize("ps,layout,read,num_pages", [(1, "paged", "page_table", 90), (4, "token", "table", 24)])
-def test_speculative_chunked_engine_matches_full_forward(ps, layout, read, num_pages):
+def test_speculative_chunked_engine_matches_full_forward(ps, layout, read, num_pages, device_path):
     torch.manual_seed(0)
     model = tiny_model("llama", seed=3)
     with torch.inference_mode():
         pool = make_pool(model, ps, layout, num_pages, 120, "write_back", max_context_len=128)
+        if device_path:  # the table updates a CUDA pool runs (the core does not write the table itself)
+            pool._table_np = None
         engine = SpeculativeEngine(model, pool, read, seed=ps + 1)
         engine.run(workload(seed=5), max_steps=600)
         for r in engine.finished:

@@ -26,6 +26,15 @@ import kvpool
 MAX_CHUNK = 7  # the engine's longest prompt chunk (a speculative step feeds at most 4 tokens)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # One intra-op thread: these matmuls are tiny, and CI's 2 cores are shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def qwen_sliding(window: int, max_window_layers: int, layers: int = 3):
     """Qwen2 with ``use_sliding_window``: layers from ``max_window_layers`` on attend to the last
     ``window`` tokens (the token itself included). q/k/v biases are made to count."""
@@ -72,6 +81,8 @@ class HybridMixin:
         if self.read == "table":
             rows = torch.as_tensor(pool.rows(handles))
             idx = pool.req_to_token[layer][rows, :max(lens)].long()
+            for b, n in enumerate(lens):  # released positions too: the null page's slots, as slots() says
+                assert (idx[b, :n].numpy() == pool.slots(handles[b], layer)).all(), f"layer {layer}: row != slots"
         else:
             pt = pool.page_table(handles, layer)
             idx = torch.full((len(plan), max(lens)), -1, dtype=torch.long)
@@ -139,7 +150,7 @@ def test_hybrid_chunked_engine_matches_full_forward(window, mwl, ps, layout, rea
                                                     speculative):
     model = qwen_sliding(window, mwl)
     types = model.config.layer_types
-    with torch.inference_mode():
+    with torch.inference_mode() if speculative else torch.no_grad():
         pool = kvpool.KVPool(len(types), 2, 16, dtype=torch.float32, page_size=ps, num_pages=num_pages, layout=layout,
                              max_requests=24, max_context_len=128, layer_types=types, sliding_window=window,
                              hash_seed=11)
