@@ -25,7 +25,7 @@ from _hf_models import VOCAB  # noqa: I001  (skips without transformers)
 
 import kvpool
 from kvpool.demo.attention import attend
-from kvpool.errors import PoolExhaustedError
+from kvpool.errors import PoolExhaustedError, RollbackUnavailableError
 from kvpool.kernels import gather_kv
 
 
@@ -68,6 +68,7 @@ class ChunkedEngine:
         self.rng = random.Random(seed)
         self.hit_step = self.pool_hit_step()
         self.cache_chunks = True
+        self.send_prompt_ids = False
         self.t = 0
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -123,7 +124,8 @@ class ChunkedEngine:
             handles = [r.handle for r, _, _ in plan]
             try:
                 # A step of prompt chunks only leaves the ids to the prompts open_with_prefix remembered.
-                tokens = None if all(r.prefilling for r, _, _ in plan) else [t for _, _, ids in plan for t in ids]
+                tokens = None if all(r.prefilling for r, _, _ in plan) and not self.send_prompt_ids \
+                    else [t for _, _, ids in plan for t in ids]
                 res = pool.extend(handles, [len(ids) for _, _, ids in plan], tokens=tokens)
                 break
             except PoolExhaustedError:
@@ -404,3 +406,37 @@ class SpeculativeEngine(ChunkedEngine):
                 self.counts["probes"] += 1
 
 
+class RewindingEngine(SpeculativeEngine):
+    """Now and then a decoding request is cut back (``truncate``) to a length inside its last
+    few prompt tokens or its output, possibly into pages a fork shares or the prefix cache
+    registered, and continues with a new tail of 1-4 tokens as its prompt (tokens sent with
+    every extend, since the pool forgets the old prompt past the cut). A probe prompt then runs
+    through the old content past the cut: a registration left on a page rewritten in place
+    would show as wrong logits. A hybrid pool may refuse the cut (RollbackUnavailableError,
+    nothing changed)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_prompt_ids = True
+        self.counts.update(rewinds=0, refused=0)
+
+    def step(self) -> None:
+        for r in list(self.running):
+            if r.prefilling or len(r.out) < 2 or self.counts["rewinds"] >= 10 or self.rng.random() > 0.1:
+                continue
+            old = r.prompt + r.out[:-1]  # what the pool holds
+            cut = self.rng.randint(max(1, len(r.prompt) - 8), len(old) - 1)
+            try:
+                self.pool.truncate([r.handle], [cut])
+            except RollbackUnavailableError:
+                assert self.pool.length(r.handle) == len(old)
+                self.counts["refused"] += 1
+                continue
+            tail = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randint(1, 4))]
+            r.prompt, r.done, r.out, r.logits, r.max_new = old[:cut] + tail, cut, [], [], max(2, r.max_new - 2)
+            self.counts["rewinds"] += 1
+            probe = Req(self.next_rid, old[:cut + 6] + [self.rng.randrange(3, VOCAB)], 3, arrival=self.t + 1,
+                        salt=r.salt, probe_at=cut)
+            self.next_rid += 1
+            self.waiting.append(probe)
+        super().step()

@@ -13,9 +13,10 @@ after every step, and nothing is left once all requests close and the cache is c
 
 from __future__ import annotations
 
+import _chunked_engine as engines
 import pytest
 import torch
-from _chunked_engine import ChunkedEngine, SpeculativeEngine, check_against_full_forward, check_drained, workload
+from _chunked_engine import ChunkedEngine, check_against_full_forward, check_drained, workload
 from _hf_models import tiny_model  # noqa: I001  (skips without transformers)
 
 import kvpool
@@ -86,7 +87,7 @@ def test_speculative_chunked_engine_matches_full_forward(ps, layout, read, num_p
         pool = make_pool(model, ps, layout, num_pages, 120, "write_back", max_context_len=128)
         if device_path:  # the table updates a CUDA pool runs (the core does not write the table itself)
             pool._table_np = None
-        engine = SpeculativeEngine(model, pool, read, seed=ps + 1)
+        engine = engines.SpeculativeEngine(model, pool, read, seed=ps + 1)
         engine.run(workload(seed=5), max_steps=600)
         for r in engine.finished:
             assert len(r.out) == r.max_new
@@ -95,4 +96,19 @@ def test_speculative_chunked_engine_matches_full_forward(ps, layout, read, num_p
         assert c["spec"] > 0 and c["accepted"] > 0 and c["truncated"] > 0 and c["probes"] > 0, c
         probes = [r for r in engine.finished if r.probe_at is not None]
         assert any(r.cached > r.probe_at for r in probes), [(r.cached, r.probe_at) for r in probes]
+        check_drained(pool)
+
+
+@pytest.mark.parametrize("ps,num_pages,host_pages", [(4, 24, 120), (3, 30, 4)])
+def test_rewinding_chunked_engine_matches_full_forward(ps, num_pages, host_pages):
+    model = tiny_model("qwen2", seed=3)
+    with torch.inference_mode():
+        pool = make_pool(model, ps, "paged", num_pages, host_pages, "write_through", max_context_len=160)
+        pool._table_np = None  # the device path of the table updates
+        engine = engines.RewindingEngine(model, pool, "table", seed=ps, max_running=6)
+        engine.run(workload(seed=7), max_steps=900)
+        for r in engine.finished:
+            assert len(r.out) == r.max_new
+            check_against_full_forward(model, r)
+        assert engine.counts["rewinds"] > 0 and engine.counts["forks"] == 2, engine.counts
         check_drained(pool)

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _chunked_engine import ChunkedEngine, SpeculativeEngine, check_against_full_forward, workload
+from _chunked_engine import ChunkedEngine, RewindingEngine, SpeculativeEngine, check_against_full_forward, workload
 from _hf_models import VOCAB, transformers  # noqa: I001  (skips without transformers)
 
 import kvpool
@@ -127,6 +127,10 @@ class HybridSpeculativeEngine(HybridMixin, SpeculativeEngine):
     pass
 
 
+class HybridRewindingEngine(HybridMixin, RewindingEngine):
+    pass
+
+
 def check_drained_hybrid(pool, layers: int) -> None:
     assert pool.open_requests == 0
     pool.clear_cache()
@@ -171,4 +175,22 @@ def test_hybrid_chunked_engine_matches_full_forward(window, mwl, ps, layout, rea
         assert (c["recomputed"] > 0) == (window != 5), c
         if speculative:
             assert c["truncated"] > 0 and c["probes"] > 0, c
+        check_drained_hybrid(pool, len(types))
+
+
+@pytest.mark.parametrize("window,mwl,ps", [(6, 1, 2), (4, 0, 1)], ids=["full+sliding", "all-sliding"])
+def test_hybrid_rewinding_engine_matches_full_forward(window, mwl, ps):
+    model = qwen_sliding(window, mwl)
+    types = model.config.layer_types
+    with torch.inference_mode():
+        pool = kvpool.KVPool(len(types), 2, 16, dtype=torch.float32, page_size=ps, num_pages=90 // ps, layout="token",
+                             max_requests=40, max_context_len=160, layer_types=types, sliding_window=window,
+                             hash_seed=11)
+        pool._tables_np = None  # the device path of the table updates (and of the nulls where windows released)
+        engine = HybridRewindingEngine(model, pool, "table", seed=window, max_running=5)
+        engine.run(workload(seed=7), max_steps=900)
+        for r in engine.finished:
+            assert len(r.out) == r.max_new
+            check_against_full_forward(model, r)
+        assert engine.counts["rewinds"] > 0 and engine.counts["forks"] == 2, engine.counts
         check_drained_hybrid(pool, len(types))
