@@ -24,12 +24,14 @@ class Req:
     def __init__(self, salt=0):
         self.pages, self.tokens, self.prompt = [], [], []
         self.salt, self.hashed, self.chain_reg, self.broken = salt, 0, 0, False
+        self.regs = []  # the registration each of its first `hashed` pages chains through
         self.swapped = False  # its pages list names host pages (| HOST)
 
     def copy(self):
         r = Req(self.salt)
         r.pages, r.tokens, r.prompt = list(self.pages), list(self.tokens), list(self.prompt)
         r.hashed, r.chain_reg, r.broken = self.hashed, self.chain_reg, self.broken
+        r.regs = list(self.regs)
         return r
 
     def known(self):
@@ -204,6 +206,7 @@ class Model(PriorityModel, TierMixin, GhostMixin):
         req = self.reqs[r]
         req.pages, req.tokens, req.prompt = list(pages), list(p[:n]), list(p)
         req.hashed, req.chain_reg = len(pages), prev
+        req.regs = [self.entry_at(q).reg for q in pages]
         self.hit += n
         self.miss += len(p) - n
         return h, n
@@ -281,6 +284,7 @@ class Model(PriorityModel, TierMixin, GhostMixin):
             q.broken = False
             e = self.entry_at(q.pages[full - 1]) if full > 0 else None
             q.hashed, q.chain_reg = (full, e.reg) if e else (0, 0)
+            del q.regs[q.hashed :]
 
     def truncate(self, hs, ls, keep_prompt=False):
         """``keep_prompt``: ``roll_back_extend``, whose requests keep their prompts."""
@@ -295,22 +299,6 @@ class Model(PriorityModel, TierMixin, GhostMixin):
             if n < len(q.tokens) and not keep_prompt:
                 del q.prompt[n:]  # rolled back: what follows need not be the prompt
             self.shrink(self.row(h), n)
-
-    def restart_dead_chain(self, r):
-        """A chain whose tip registration is gone (its tip was another request's entry, which
-        was evicted) resumes after the longest run of the request's own registered pages from
-        page 0 that still chains. Returns whether it restarted."""
-        q = self.reqs[r]
-        if q.broken or not q.chain_reg or q.chain_reg in self.reg:
-            return False
-        chain = k = 0
-        for p in q.pages[: q.hashed]:
-            e = self.entry_at(p)
-            if e is None or e.parent_reg != chain or e.key[0] != q.salt:
-                break
-            chain, k = e.reg, k + 1
-        q.hashed, q.chain_reg = k, chain
-        return True
 
     def register_rows(self, rows):
         """``cache()`` of ``rows``: every dead chain restarts first (as the core does before it
@@ -360,6 +348,7 @@ class Model(PriorityModel, TierMixin, GhostMixin):
                 q.broken = True
                 break
             chain, k = reg, k + 1
+            q.regs.append(reg)
         start = q.hashed
         q.hashed, q.chain_reg = k, chain
         if k > start and self.writes_through():
@@ -445,3 +434,4 @@ class Model(PriorityModel, TierMixin, GhostMixin):
         self.prio = {}
         for q in self.reqs.values():
             q.hashed, q.chain_reg, q.broken = 0, 0, False
+            q.regs = []

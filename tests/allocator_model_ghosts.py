@@ -1,7 +1,8 @@
 """The reference model's ghost registrations (the core's ``prefix/ghosts.rs``): a registration
 removed while it has children (live entries or ghosts) keeps its id and key; a new registration of
 the same key under the same parent takes that id back, so the chain below it is served again. And
-the orphans (live entries whose parent registration went) that give way where no ghost was kept."""
+the orphans (live entries whose parent registration went) that give way where no ghost was kept,
+and the requests' chains that restart where a registration they chain through went."""
 
 
 class GhostMixin:
@@ -46,3 +47,23 @@ class GhostMixin:
         if e.host is not None and not self.host_holders(e.host):
             self.tier.lru.remove(e.host)
             self.tier.free.append(e.host)
+
+    def restart_dead_chain(self, r):
+        """A chain any of whose registrations is gone resumes after the longest run of the
+        request's own registered pages from page 0 that still chains. Returns whether it
+        restarted. Not only the tip (another request's entry, evicted): a page inside the chain
+        that duplicated another request's entry stands for that entry, and the pages after it
+        are filed under it; once it goes they could never be hit (docs/allocator.md,
+        duplicates: "the same holds for a duplicate inside the chain")."""
+        q = self.reqs[r]
+        if q.broken or all(g in self.reg for g in q.regs):
+            return False
+        chain = k = 0
+        for p in q.pages[: q.hashed]:
+            e = self.entry_at(p)
+            if e is None or e.parent_reg != chain or e.key[0] != q.salt:
+                break
+            chain, k = e.reg, k + 1
+        q.hashed, q.chain_reg = k, chain
+        del q.regs[k:]
+        return True

@@ -83,6 +83,7 @@ class AnchorModel(Model):
             chain, k = reg, k + 1
             regs.append(reg)
         q.hashed, q.chain_reg = k, chain
+        q.regs = list(regs)  # what Model.restart_dead_chain checks
 
     def match(self, p, salt):
         pages, regs, prev = [], [], 0
@@ -104,7 +105,7 @@ class AnchorModel(Model):
         req = self.reqs[r]
         req.pages, req.tokens, req.prompt = list(pages), list(p[:n]), list(p)
         req.hashed, req.chain_reg = len(pages), (regs[-1] if regs else 0)
-        self.regs[r] = list(regs)
+        self.regs[r], req.regs = list(regs), list(regs)
         self.hit += n
         self.miss += len(p) - n
         return h
