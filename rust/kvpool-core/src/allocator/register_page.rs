@@ -32,7 +32,10 @@ pub(super) fn register_page(
     parent: &ChainTip,
     salt: i64,
 ) -> Option<ChainTip> {
-    if !ix.is_live(parent) {
+    // The parent's live entry, looked up once for every test below: none
+    // of them, nor the registration, changes it (`register_at`).
+    let live = ix.live_tip(parent);
+    if live.is_none() && parent.reg != 0 {
         // The chain's tip is gone: nothing registered under it could be
         // reached by a lookup, whose verification wants the tip's
         // registration. (`restart_dead_chain` moves a row's chain off a
@@ -54,7 +57,7 @@ pub(super) fn register_page(
     // anywhere) cannot be a duplicate: skip the probe and leave it
     // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
     // usual case from a chain's second new page on.
-    let childless = own.is_none() && ix.childless(parent);
+    let childless = own.is_none() && ix.childless_at(live);
     let found = if childless {
         None
     } else {
@@ -71,7 +74,7 @@ pub(super) fn register_page(
     };
     match found {
         None if own.is_none() => {
-            let tip = ix.register(p, h, parent, salt, !childless);
+            let tip = ix.register_at(p, h, parent, live, salt, !childless);
             pages.set_entry(p, tip.entry);
             let parent_hash = if first { 0 } else { parent.hash };
             events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
