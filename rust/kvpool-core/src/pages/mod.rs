@@ -182,14 +182,18 @@ impl PagePool {
             // the compiler take the next page from the link just loaded,
             // chaining every load on the one before.
             let first = k - 1;
+            // `prev` is the page before `q` in `pages` (a register, not a
+            // reload); `q` is read from `pages`, never from the link.
             // (`!extra` is 0 exactly for a page nobody holds.)
-            while k < pages.len()
-                && Eviction::older_xor(st, pages[k - 1], pages[k]) | !st[pages[k] as usize].extra
-                    == 0
-            {
+            let mut prev = p;
+            for &q in &pages[k..] {
+                if Eviction::older_xor(st, prev, q) | !st[q as usize].extra != 0 {
+                    break;
+                }
+                prev = q;
                 k += 1;
             }
-            self.eviction.remove_run(st, p, pages[k - 1], k - first);
+            self.eviction.remove_run(st, p, prev, k - first);
             for &q in &pages[first..k] {
                 st[q as usize].hold_first();
             }
