@@ -10,7 +10,7 @@ use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
-use super::register_page::{register_page, register_past_orphan};
+use super::register_page::{register_page_named, register_past_orphan};
 
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
@@ -237,10 +237,11 @@ impl SlotAllocator {
                     ring[slot] = last;
                 }
                 let p = list[k];
-                match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
-                    Some(next) => {
+                match register_page_named(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
+                    Some((next, named)) => {
+                        debug_assert_eq!(named, pages.entry(p) == next.entry);
                         tip = next;
-                        foreign |= pages.entry(p) != tip.entry;
+                        foreign |= !named;
                     }
                     None => match register_past_orphan(
                         prefix,

@@ -32,6 +32,28 @@ pub(super) fn register_page(
     parent: &ChainTip,
     salt: i64,
 ) -> Option<ChainTip> {
+    register_page_named(ix, pages, events, host, p, first, h, parent, salt).map(|(tip, _)| tip)
+}
+
+/// `register_page`, also returning whether `p`'s record names the new tip
+/// (`pages.entry(p) == tip.entry`; false for a duplicate that leaves the
+/// page unregistered, which the chain then passes through as another's
+/// entry). Each way out knows it: the caller's reload of the record,
+/// after the event pushes that the compiler cannot tell from the records,
+/// would cost a bounds check, a load and a compare per page.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn register_page_named(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    host: &mut Option<HostTier>,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+) -> Option<(ChainTip, bool)> {
     // The parent's live entry, looked up once for every test below: none
     // of them, nor the registration, changes it (`register_at`).
     let live = ix.live_tip(parent);
@@ -50,7 +72,8 @@ pub(super) fn register_page(
             // This very page: its content was computed on this request's
             // prefix, so (re)link it to the current parent.
             ix.relink(i, parent);
-            return Some(ix.tip(i));
+            // (Its record names entry `i`: `own`.)
+            return Some((ix.tip(i), true));
         }
     }
     // An unregistered page under a parent with no child yet (and no orphan
@@ -65,8 +88,10 @@ pub(super) fn register_page(
             // A ghost exists only while an orphan does, never under a
             // childless tip: the usual registration reads no more.
             None if own.is_none() && ix.has_ghosts() => {
-                return Some(register_or_revive(
-                    ix, pages, events, p, first, h, parent, salt,
+                // (`register_or_revive` sets the page's record to the tip.)
+                return Some((
+                    register_or_revive(ix, pages, events, p, first, h, parent, salt),
+                    true,
                 ));
             }
             found => found,
@@ -78,7 +103,7 @@ pub(super) fn register_page(
             pages.set_entry(p, tip.entry);
             let parent_hash = if first { 0 } else { parent.hash };
             events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-            Some(tip)
+            Some((tip, true))
         }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
             // A duplicate: keep the existing entry (its chain hash is the one
@@ -99,7 +124,7 @@ pub(super) fn register_page(
                 take_over(ix, pages, events, i, loc, p, first, parent);
             }
             ix.set_hint(parent, i);
-            Some(ix.tip(i))
+            Some((ix.tip(i), pages.entry(p) == i + 1))
         }
         _ => None,
     }
