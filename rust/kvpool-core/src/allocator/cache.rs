@@ -193,6 +193,9 @@ impl SlotAllocator {
         let (salt, mut tip) = (requests.salt(row), chain.tip);
         let mut k = chain.pages;
         let (mut broken, mut foreign) = (false, false);
+        // Whether the tip is the entry the last page registered anew
+        // (`Registered::fresh`): nothing between two pages removes one.
+        let mut fresh = false;
         let checked = walked_at(prefix, &chain);
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
@@ -237,11 +240,23 @@ impl SlotAllocator {
                     ring[slot] = last;
                 }
                 let p = list[k];
-                match register_page_named(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
-                    Some((next, named)) => {
-                        debug_assert_eq!(named, pages.entry(p) == next.entry);
-                        tip = next;
-                        foreign |= !named;
+                match register_page_named(
+                    prefix,
+                    pages,
+                    events,
+                    host,
+                    p,
+                    k == 0,
+                    h,
+                    &tip,
+                    salt,
+                    fresh,
+                ) {
+                    Some(r) => {
+                        debug_assert_eq!(r.named, pages.entry(p) == r.tip.entry);
+                        tip = r.tip;
+                        foreign |= !r.named;
+                        fresh = r.fresh;
                     }
                     None => match register_past_orphan(
                         prefix,
@@ -257,6 +272,7 @@ impl SlotAllocator {
                         Some(next) => {
                             tip = next;
                             foreign |= pages.entry(p) != tip.entry;
+                            fresh = false;
                         }
                         None => {
                             broken = true;

@@ -32,15 +32,30 @@ pub(super) fn register_page(
     parent: &ChainTip,
     salt: i64,
 ) -> Option<ChainTip> {
-    register_page_named(ix, pages, events, host, p, first, h, parent, salt).map(|(tip, _)| tip)
+    register_page_named(ix, pages, events, host, p, first, h, parent, salt, false).map(|r| r.tip)
 }
 
-/// `register_page`, also returning whether `p`'s record names the new tip
-/// (`pages.entry(p) == tip.entry`; false for a duplicate that leaves the
-/// page unregistered, which the chain then passes through as another's
-/// entry). Each way out knows it: the caller's reload of the record,
-/// after the event pushes that the compiler cannot tell from the records,
-/// would cost a bounds check, a load and a compare per page.
+/// What `register_page_named` did.
+pub(super) struct Registered {
+    /// The chain's new tip.
+    pub(super) tip: ChainTip,
+    /// Whether `p`'s record names the tip (`pages.entry(p) == tip.entry`;
+    /// false for a duplicate that leaves the page unregistered, which the
+    /// chain then passes through as another's entry). Each way out knows
+    /// it: the caller's reload of the record, after the event pushes that
+    /// the compiler cannot tell from the records, would cost a bounds
+    /// check, a load and a compare per page.
+    pub(super) named: bool,
+    /// Whether the tip is the entry just registered anew for `p`: live
+    /// until something removes a registration, which nothing between one
+    /// page of `register_row` and the next does, so that next page's call
+    /// may pass `fresh` and skip looking its parent up.
+    pub(super) fresh: bool,
+}
+
+/// `register_page`, saying more of what it did (`Registered`). `fresh`:
+/// `parent` is the `fresh` tip of the call before, nothing having been
+/// removed since (its live entry is then `parent.entry - 1`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn register_page_named(
@@ -53,10 +68,16 @@ pub(super) fn register_page_named(
     h: u128,
     parent: &ChainTip,
     salt: i64,
-) -> Option<(ChainTip, bool)> {
+    fresh: bool,
+) -> Option<Registered> {
     // The parent's live entry, looked up once for every test below: none
     // of them, nor the registration, changes it (`register_at`).
-    let live = ix.live_tip(parent);
+    let live = if fresh {
+        Some(parent.entry - 1)
+    } else {
+        ix.live_tip(parent)
+    };
+    debug_assert_eq!(live, ix.live_tip(parent));
     if live.is_none() && parent.reg != 0 {
         // The chain's tip is gone: nothing registered under it could be
         // reached by a lookup, whose verification wants the tip's
@@ -73,7 +94,11 @@ pub(super) fn register_page_named(
             // prefix, so (re)link it to the current parent.
             ix.relink(i, parent);
             // (Its record names entry `i`: `own`.)
-            return Some((ix.tip(i), true));
+            return Some(Registered {
+                tip: ix.tip(i),
+                named: true,
+                fresh: false,
+            });
         }
     }
     // An unregistered page under a parent with no child yet (and no orphan
@@ -89,10 +114,11 @@ pub(super) fn register_page_named(
             // childless tip: the usual registration reads no more.
             None if own.is_none() && ix.has_ghosts() => {
                 // (`register_or_revive` sets the page's record to the tip.)
-                return Some((
-                    register_or_revive(ix, pages, events, p, first, h, parent, salt),
-                    true,
-                ));
+                return Some(Registered {
+                    tip: register_or_revive(ix, pages, events, p, first, h, parent, salt),
+                    named: true,
+                    fresh: false,
+                });
             }
             found => found,
         }
@@ -103,7 +129,11 @@ pub(super) fn register_page_named(
             pages.set_entry(p, tip.entry);
             let parent_hash = if first { 0 } else { parent.hash };
             events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-            Some((tip, true))
+            Some(Registered {
+                tip,
+                named: true,
+                fresh: true,
+            })
         }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
             // A duplicate: keep the existing entry (its chain hash is the one
@@ -124,7 +154,11 @@ pub(super) fn register_page_named(
                 take_over(ix, pages, events, i, loc, p, first, parent);
             }
             ix.set_hint(parent, i);
-            Some((ix.tip(i), pages.entry(p) == i + 1))
+            Some(Registered {
+                tip: ix.tip(i),
+                named: pages.entry(p) == i + 1,
+                fresh: false,
+            })
         }
         _ => None,
     }
