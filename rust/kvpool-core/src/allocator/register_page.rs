@@ -105,7 +105,15 @@ pub(super) fn register_page_named(
     // anywhere) cannot be a duplicate: skip the probe and leave it
     // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
     // usual case from a chain's second new page on.
-    let childless = own.is_none() && ix.childless_at(live);
+    // (A fresh parent has no child yet: it was registered with none, and
+    // only a registration under it, this one, would add one.)
+    let childless = own.is_none()
+        && if fresh {
+            debug_assert!(ix.childless_at(live) || ix.orphans() != 0);
+            ix.orphans() == 0
+        } else {
+            ix.childless_at(live)
+        };
     let found = if childless {
         None
     } else {
