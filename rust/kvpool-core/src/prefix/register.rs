@@ -159,11 +159,14 @@ impl PrefixIndex {
     #[inline]
     fn set_hint_at(&mut self, live: Option<u32>, child: u32) {
         if let Some(p) = live {
-            let old = self.entries[p as usize].child;
-            if old != child + 1 {
-                if old != 0 {
-                    self.key_hinted_child(p, child);
-                }
+            let e = &mut self.entries[p as usize];
+            let old = e.child;
+            // No hint yet (a parent's first child, the usual case): written
+            // through the one bounds-checked reference.
+            if old == 0 {
+                e.child = child + 1;
+            } else if old != child + 1 {
+                self.key_hinted_child(p, child);
                 self.entries[p as usize].child = child + 1;
             }
         }
