@@ -232,13 +232,12 @@ impl SlotAllocator {
                 for &p in &list[end..upto.min(end + LOOKAHEAD)] {
                     prefix.prefetch_tokens(p);
                 }
-                for slot in 0..end - k {
+                for (slot, &p) in (0..).zip(&list[k..end]) {
                     let h = ring[slot];
                     if k + LOOKAHEAD < upto {
                         last = prefix.page_hash(last, list[k + LOOKAHEAD]);
                         ring[slot] = last;
                     }
-                    let p = list[k];
                     match register_page_named(
                         prefix,
                         pages,
