@@ -263,37 +263,25 @@ impl EventLog {
     /// log keeps its capacity: a router drains every step, and a log that
     /// restarted empty would regrow (copying) on the hot path each time.
     pub(crate) fn take(&mut self) -> Events {
-        let n = self.raw.len();
         self.overflowed = false;
         let ids_cap = self.token_ids.capacity();
-        let mut e = Events {
+        // One column at a time: each `collect` from the slice knows its
+        // length, so it allocates exactly `n` and fills without a capacity
+        // check per element (a push per column per event had nine).
+        let raw = &self.raw[..];
+        let e = Events {
+            kind: raw.iter().map(|r| r.kind).collect(),
+            hash_hi: raw.iter().map(|r| (r.hash >> 64) as u64).collect(),
+            hash_lo: raw.iter().map(|r| r.hash as u64).collect(),
+            parent_hi: raw.iter().map(|r| (r.parent >> 64) as u64).collect(),
+            parent_lo: raw.iter().map(|r| r.parent as u64).collect(),
+            page: raw.iter().map(|r| r.page as i32).collect(),
+            num_tokens: raw.iter().map(|r| r.num_tokens as i32).collect(),
+            salt: raw.iter().map(|r| r.salt).collect(),
             token_ids: std::mem::replace(&mut self.token_ids, Vec::with_capacity(ids_cap)),
-            ..Default::default()
+            medium: raw.iter().map(|r| r.medium).collect(),
         };
-        e.kind.reserve_exact(n);
-        for v in [
-            &mut e.hash_hi,
-            &mut e.hash_lo,
-            &mut e.parent_hi,
-            &mut e.parent_lo,
-        ] {
-            v.reserve_exact(n);
-        }
-        e.page.reserve_exact(n);
-        e.num_tokens.reserve_exact(n);
-        e.salt.reserve_exact(n);
-        e.medium.reserve_exact(n);
-        for r in self.raw.drain(..) {
-            e.kind.push(r.kind);
-            e.hash_hi.push((r.hash >> 64) as u64);
-            e.hash_lo.push(r.hash as u64);
-            e.parent_hi.push((r.parent >> 64) as u64);
-            e.parent_lo.push(r.parent as u64);
-            e.page.push(r.page as i32);
-            e.num_tokens.push(r.num_tokens as i32);
-            e.salt.push(r.salt);
-            e.medium.push(r.medium);
-        }
+        self.raw.clear();
         e
     }
 }

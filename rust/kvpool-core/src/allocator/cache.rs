@@ -10,7 +10,7 @@ use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
-use super::register_page::{register_page, register_past_orphan};
+use super::register_page::{register_page_named, register_past_orphan};
 
 impl SlotAllocator {
     /// Registers every full page of each request whose token ids are all
@@ -193,6 +193,9 @@ impl SlotAllocator {
         let (salt, mut tip) = (requests.salt(row), chain.tip);
         let mut k = chain.pages;
         let (mut broken, mut foreign) = (false, false);
+        // Whether the tip is the entry the last page registered anew
+        // (`Registered::fresh`): nothing between two pages removes one.
+        let mut fresh = false;
         let checked = walked_at(prefix, &chain);
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
@@ -204,8 +207,10 @@ impl SlotAllocator {
             // misses cache and TLB on each, and those misses overlap only
             // when the prefetches are issued back to back (not one per
             // registration, as each hash comes out). Page k's hash is
-            // `ring[(k - k0) % LOOKAHEAD]`.
-            let k0 = k;
+            // `ring[(k - k0) % LOOKAHEAD]`, k0 being the `k` this pass
+            // starts at: `slot` below, counted from 0 at each chunk's start
+            // (one chunk per pass of the middle loop, so no page tests
+            // whether a chunk starts at it).
             let mut last = tip.hash;
             ring.clear();
             for &p in &list[k..upto.min(k + LOOKAHEAD)] {
@@ -213,36 +218,27 @@ impl SlotAllocator {
                 ring.push(last);
             }
             while k < upto {
-                let j = k - k0;
-                if j % LOOKAHEAD == 0 {
-                    let end = upto.min(k + LOOKAHEAD);
-                    // A chunk starts at slot 0: its pages' hashes are ring[..].
-                    // Under a childless tip the chunk's pages go unkeyed
-                    // (`register_page`): their buckets are not read.
-                    let probes = !prefix.childless(&tip);
-                    for (&h, &p) in ring.iter().zip(&list[k..end]) {
-                        if probes {
-                            prefix.prefetch_bucket(h);
-                        }
-                        pages.prefetch_record(p);
+                let end = upto.min(k + LOOKAHEAD);
+                // A chunk starts at slot 0: its pages' hashes are ring[..].
+                // Under a childless tip the chunk's pages go unkeyed
+                // (`register_page`): their buckets are not read.
+                let probes = !prefix.childless(&tip);
+                for (&h, &p) in ring.iter().zip(&list[k..end]) {
+                    if probes {
+                        prefix.prefetch_bucket(h);
                     }
-                    for &p in &list[end..upto.min(end + LOOKAHEAD)] {
-                        prefix.prefetch_tokens(p);
-                    }
+                    pages.prefetch_record(p);
                 }
-                let slot = j % LOOKAHEAD;
-                let h = ring[slot];
-                if k + LOOKAHEAD < upto {
-                    last = prefix.page_hash(last, list[k + LOOKAHEAD]);
-                    ring[slot] = last;
+                for &p in &list[end..upto.min(end + LOOKAHEAD)] {
+                    prefix.prefetch_tokens(p);
                 }
-                let p = list[k];
-                match register_page(prefix, pages, events, host, p, k == 0, h, &tip, salt) {
-                    Some(next) => {
-                        tip = next;
-                        foreign |= pages.entry(p) != tip.entry;
+                for (slot, &p) in (0..).zip(&list[k..end]) {
+                    let h = ring[slot];
+                    if k + LOOKAHEAD < upto {
+                        last = prefix.page_hash(last, list[k + LOOKAHEAD]);
+                        ring[slot] = last;
                     }
-                    None => match register_past_orphan(
+                    match register_page_named(
                         prefix,
                         pages,
                         events,
@@ -252,23 +248,43 @@ impl SlotAllocator {
                         h,
                         &tip,
                         salt,
+                        fresh,
                     ) {
-                        Some(next) => {
-                            tip = next;
-                            foreign |= pages.entry(p) != tip.entry;
+                        Some(r) => {
+                            debug_assert_eq!(r.named, pages.entry(p) == r.tip.entry);
+                            tip = r.tip;
+                            foreign |= !r.named;
+                            fresh = r.fresh;
                         }
-                        None => {
-                            broken = true;
-                            break 'restart;
-                        }
-                    },
-                }
-                k += 1;
-                if tip.hash != h {
-                    // The tip is an entry found under this hash's key whose
-                    // own hash differs (only a test's weak hash gets here):
-                    // chain the rest on from the entry, as a lookup would.
-                    continue 'restart;
+                        None => match register_past_orphan(
+                            prefix,
+                            pages,
+                            events,
+                            host,
+                            p,
+                            k == 0,
+                            h,
+                            &tip,
+                            salt,
+                        ) {
+                            Some(next) => {
+                                tip = next;
+                                foreign |= pages.entry(p) != tip.entry;
+                                fresh = false;
+                            }
+                            None => {
+                                broken = true;
+                                break 'restart;
+                            }
+                        },
+                    }
+                    k += 1;
+                    if tip.hash != h {
+                        // The tip is an entry found under this hash's key whose
+                        // own hash differs (only a test's weak hash gets here):
+                        // chain the rest on from the entry, as a lookup would.
+                        continue 'restart;
+                    }
                 }
             }
         }

@@ -32,7 +32,53 @@ pub(super) fn register_page(
     parent: &ChainTip,
     salt: i64,
 ) -> Option<ChainTip> {
-    if !ix.is_live(parent) {
+    register_page_named(ix, pages, events, host, p, first, h, parent, salt, false).map(|r| r.tip)
+}
+
+/// What `register_page_named` did.
+pub(super) struct Registered {
+    /// The chain's new tip.
+    pub(super) tip: ChainTip,
+    /// Whether `p`'s record names the tip (`pages.entry(p) == tip.entry`;
+    /// false for a duplicate that leaves the page unregistered, which the
+    /// chain then passes through as another's entry). Each way out knows
+    /// it: the caller's reload of the record, after the event pushes that
+    /// the compiler cannot tell from the records, would cost a bounds
+    /// check, a load and a compare per page.
+    pub(super) named: bool,
+    /// Whether the tip is the entry just registered anew for `p`: live
+    /// until something removes a registration, which nothing between one
+    /// page of `register_row` and the next does, so that next page's call
+    /// may pass `fresh` and skip looking its parent up.
+    pub(super) fresh: bool,
+}
+
+/// `register_page`, saying more of what it did (`Registered`). `fresh`:
+/// `parent` is the `fresh` tip of the call before, nothing having been
+/// removed since (its live entry is then `parent.entry - 1`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn register_page_named(
+    ix: &mut PrefixIndex,
+    pages: &mut PagePool,
+    events: &mut EventLog,
+    host: &mut Option<HostTier>,
+    p: u32,
+    first: bool,
+    h: u128,
+    parent: &ChainTip,
+    salt: i64,
+    fresh: bool,
+) -> Option<Registered> {
+    // The parent's live entry, looked up once for every test below: none
+    // of them, nor the registration, changes it (`register_at`).
+    let live = if fresh {
+        Some(parent.entry - 1)
+    } else {
+        ix.live_tip(parent)
+    };
+    debug_assert_eq!(live, ix.live_tip(parent));
+    if live.is_none() && parent.reg != 0 {
         // The chain's tip is gone: nothing registered under it could be
         // reached by a lookup, whose verification wants the tip's
         // registration. (`restart_dead_chain` moves a row's chain off a
@@ -47,14 +93,27 @@ pub(super) fn register_page(
             // This very page: its content was computed on this request's
             // prefix, so (re)link it to the current parent.
             ix.relink(i, parent);
-            return Some(ix.tip(i));
+            // (Its record names entry `i`: `own`.)
+            return Some(Registered {
+                tip: ix.tip(i),
+                named: true,
+                fresh: false,
+            });
         }
     }
     // An unregistered page under a parent with no child yet (and no orphan
     // anywhere) cannot be a duplicate: skip the probe and leave it
     // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
     // usual case from a chain's second new page on.
-    let childless = own.is_none() && ix.childless(parent);
+    // (A fresh parent has no child yet: it was registered with none, and
+    // only a registration under it, this one, would add one.)
+    let childless = own.is_none()
+        && if fresh {
+            debug_assert!(ix.childless_at(live) || ix.orphans() != 0);
+            ix.orphans() == 0
+        } else {
+            ix.childless_at(live)
+        };
     let found = if childless {
         None
     } else {
@@ -62,20 +121,27 @@ pub(super) fn register_page(
             // A ghost exists only while an orphan does, never under a
             // childless tip: the usual registration reads no more.
             None if own.is_none() && ix.has_ghosts() => {
-                return Some(register_or_revive(
-                    ix, pages, events, p, first, h, parent, salt,
-                ));
+                // (`register_or_revive` sets the page's record to the tip.)
+                return Some(Registered {
+                    tip: register_or_revive(ix, pages, events, p, first, h, parent, salt),
+                    named: true,
+                    fresh: false,
+                });
             }
             found => found,
         }
     };
     match found {
         None if own.is_none() => {
-            let tip = ix.register(p, h, parent, salt, !childless);
+            let tip = ix.register_at(p, h, parent, live, salt, !childless);
             pages.set_entry(p, tip.entry);
             let parent_hash = if first { 0 } else { parent.hash };
             events.stored(h, parent_hash, p, salt, ix.page_tokens(p));
-            Some(tip)
+            Some(Registered {
+                tip,
+                named: true,
+                fresh: true,
+            })
         }
         Some((i, loc)) if ix.verify(i, ix.page_tokens(p), salt, parent.reg) => {
             // A duplicate: keep the existing entry (its chain hash is the one
@@ -96,7 +162,11 @@ pub(super) fn register_page(
                 take_over(ix, pages, events, i, loc, p, first, parent);
             }
             ix.set_hint(parent, i);
-            Some(ix.tip(i))
+            Some(Registered {
+                tip: ix.tip(i),
+                named: pages.entry(p) == i + 1,
+                fresh: false,
+            })
         }
         _ => None,
     }

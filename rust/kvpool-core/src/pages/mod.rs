@@ -182,17 +182,27 @@ impl PagePool {
             // the compiler take the next page from the link just loaded,
             // chaining every load on the one before.
             let first = k - 1;
+            // `prev` is the page before `q` in `pages` (a register, not a
+            // reload); `q` is read from `pages`, never from the link.
             // (`!extra` is 0 exactly for a page nobody holds.)
-            while k < pages.len()
-                && Eviction::older_xor(st, pages[k - 1], pages[k]) | !st[pages[k] as usize].extra
-                    == 0
-            {
+            // The run's inner pages take their holder as the scan leaves
+            // them (their links are read once, by the test of the page after
+            // them); its two ends keep their links for `remove_run`, then
+            // take theirs (one page: the same page twice, which is harmless).
+            let mut prev = p;
+            for &q in &pages[k..] {
+                if Eviction::older_xor(st, prev, q) | !st[q as usize].extra != 0 {
+                    break;
+                }
+                if prev != p {
+                    st[prev as usize].hold_first();
+                }
+                prev = q;
                 k += 1;
             }
-            self.eviction.remove_run(st, p, pages[k - 1], k - first);
-            for &q in &pages[first..k] {
-                st[q as usize].hold_first();
-            }
+            self.eviction.remove_run(st, p, prev, k - first);
+            st[p as usize].hold_first();
+            st[prev as usize].hold_first();
         }
     }
 

@@ -69,7 +69,13 @@ impl PrefixIndex {
     /// exists (see the module docs).
     #[inline]
     pub(crate) fn childless(&self, tip: &ChainTip) -> bool {
-        self.orphans == 0 && self.live_tip(tip).is_some_and(|i| self.children(i) == 0)
+        self.childless_at(self.live_tip(tip))
+    }
+
+    /// `childless` of the tip whose `live_tip` is `live`.
+    #[inline]
+    pub(crate) fn childless_at(&self, live: Option<u32>) -> bool {
+        self.orphans == 0 && live.is_some_and(|i| self.children(i) == 0)
     }
 
     /// Whether `tip` is the root or a live entry's registration.
@@ -86,7 +92,7 @@ impl PrefixIndex {
 
     /// The live entry index of `tip`'s registration, if it is still live.
     #[inline]
-    pub(super) fn live_tip(&self, tip: &ChainTip) -> Option<u32> {
+    pub(crate) fn live_tip(&self, tip: &ChainTip) -> Option<u32> {
         let i = tip.entry.checked_sub(1)?;
         let e = self.entries.get(i as usize)?;
         (e.reg == tip.reg && tip.reg != 0 && e.parent_reg != DEAD).then_some(i)
@@ -133,7 +139,13 @@ impl PrefixIndex {
     /// orphan when the tip's registration is gone.
     #[inline]
     pub(super) fn adopt(&mut self, tip: &ChainTip) {
-        match self.live_tip(tip) {
+        self.adopt_at(tip, self.live_tip(tip));
+    }
+
+    /// `adopt` under the tip whose `live_tip` is `live`.
+    #[inline]
+    pub(super) fn adopt_at(&mut self, tip: &ChainTip, live: Option<u32>) {
+        match live {
             Some(p) => self.idents[p as usize].links += 1,
             // (Never a ghost's tip: registration stops at a gone tip,
             // `register_page`, and relinks go under live ones.)

@@ -85,10 +85,28 @@ impl PrefixIndex {
         salt: i64,
         keyed: bool,
     ) -> ChainTip {
+        self.register_at(page, hash, parent, self.live_tip(parent), salt, keyed)
+    }
+
+    /// `register` with `live`, the parent's `live_tip`, in hand (the
+    /// registration loop has looked it up for its own tests): the new
+    /// entry's slot is free, never the live parent's, so registering
+    /// leaves it as it was, and it serves every test here.
+    #[inline(always)]
+    pub(crate) fn register_at(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent: &ChainTip,
+        live: Option<u32>,
+        salt: i64,
+        keyed: bool,
+    ) -> ChainTip {
+        debug_assert_eq!(live, self.live_tip(parent));
         // Only a hinted child may go unkeyed: a chain's first page has no
         // parent entry to hint it (nor would a gone parent, which
         // `register_page` never registers under).
-        let keyed = keyed || self.live_tip(parent).is_none();
+        let keyed = keyed || live.is_none();
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -121,8 +139,8 @@ impl PrefixIndex {
             self.table.insert(key_of(hash), idx);
         }
         self.live += 1;
-        self.adopt(parent);
-        self.set_hint(parent, idx);
+        self.adopt_at(parent, live);
+        self.set_hint_at(live, idx);
         ChainTip {
             hash,
             reg,
@@ -135,12 +153,21 @@ impl PrefixIndex {
     /// before is keyed first (`links.rs`).
     #[inline]
     pub(crate) fn set_hint(&mut self, tip: &ChainTip, child: u32) {
-        if let Some(p) = self.live_tip(tip) {
-            let old = self.entries[p as usize].child;
-            if old != child + 1 {
-                if old != 0 {
-                    self.key_hinted_child(p, child);
-                }
+        self.set_hint_at(self.live_tip(tip), child);
+    }
+
+    /// `set_hint` for the tip whose `live_tip` is `live`.
+    #[inline]
+    fn set_hint_at(&mut self, live: Option<u32>, child: u32) {
+        if let Some(p) = live {
+            let e = &mut self.entries[p as usize];
+            let old = e.child;
+            // No hint yet (a parent's first child, the usual case): written
+            // through the one bounds-checked reference.
+            if old == 0 {
+                e.child = child + 1;
+            } else if old != child + 1 {
+                self.key_hinted_child(p, child);
                 self.entries[p as usize].child = child + 1;
             }
         }
