@@ -68,19 +68,7 @@ pub(crate) const FAULT_IN_MAX_BYTES: usize = 64 << 20;
 /// or token ids, several times the cost of the same burst on a warm pool.
 pub(crate) fn fault_in<T: Zeroable>(v: &mut [T], bytes: usize) {
     advise_huge(v);
-    touch(v, bytes.min(FAULT_IN_MAX_BYTES));
-}
-
-/// `fault_in` of the whole array, however large: for a thread that maps an
-/// array ahead of the step that will need it (`prefix/table_ahead.rs`).
-pub(crate) fn fault_in_all<T: Zeroable>(v: &mut [T]) {
-    advise_huge(v);
-    touch(v, usize::MAX);
-}
-
-/// One write per 4 KiB of the first `bytes` of a zeroed array.
-fn touch<T: Zeroable>(v: &mut [T], bytes: usize) {
-    let len = std::mem::size_of_val(v).min(bytes);
+    let len = std::mem::size_of_val(v).min(bytes).min(FAULT_IN_MAX_BYTES);
     let base = v.as_mut_ptr() as *mut u8;
     for off in (0..len).step_by(4096) {
         // SAFETY: `off` is inside `v` (len <= its size in bytes); every entry

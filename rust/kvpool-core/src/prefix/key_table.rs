@@ -16,7 +16,6 @@
 //! callers confirm a tag match there, which they read anyway to verify the
 //! hit.
 
-use super::table_ahead::{Ahead, AHEAD_MIN_BUCKETS};
 use crate::error::{PoolError, Result};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -34,11 +33,6 @@ unsafe impl crate::memory::Zeroable for Bucket {}
 pub(crate) struct KeyTable {
     buckets: Vec<Bucket>,
     len: usize,
-    /// The next size, mapped ahead once the load passes 3/8.
-    ahead: Ahead<Bucket>,
-    /// Growths that took the table mapped ahead (tests).
-    #[cfg(test)]
-    grown_ahead: usize,
 }
 
 #[inline]
@@ -68,29 +62,14 @@ impl KeyTable {
     }
 
     pub(crate) fn capacity_bytes(&self) -> usize {
-        (self.buckets.capacity() + self.ahead.buckets()) * std::mem::size_of::<Bucket>()
+        self.buckets.capacity() * std::mem::size_of::<Bucket>()
     }
 
     /// Room for `additional` more keys at load <= 1/2, or a typed error with
     /// nothing changed.
     pub(crate) fn reserve(&mut self, additional: usize) -> Result<()> {
-        self.reserve_upto(additional, usize::MAX)
-    }
-
-    /// `reserve`, for a table that will never hold more than `most` keys:
-    /// no next size is mapped ahead for a table that holds them already.
-    pub(crate) fn reserve_upto(&mut self, additional: usize, most: usize) -> Result<()> {
         let need = self.len.saturating_add(additional).saturating_mul(2);
         if need <= self.buckets.len() {
-            // Past load 3/8, not right after a growth (load 1/4): the next
-            // size is then held only while the keys still to come before
-            // the growth are a quarter of those stored, at the most.
-            if need > self.buckets.len() / 4 * 3
-                && self.buckets.len() >= AHEAD_MIN_BUCKETS
-                && self.buckets.len() / 2 < most
-            {
-                self.ahead.start(self.buckets.len() * 2);
-            }
             return Ok(());
         }
         let cap = need
@@ -103,24 +82,11 @@ impl KeyTable {
                     self.len.saturating_add(additional)
                 ))
             })?;
-        let mapped = self.ahead.take(cap);
-        #[cfg(test)]
-        let grown_ahead = self.grown_ahead + usize::from(mapped.is_some());
-        let buckets = match mapped {
-            Some(mapped) => mapped,
-            None => {
-                let b = crate::memory::zeroed_vec(cap, "prefix index table")?;
-                crate::memory::advise_huge(&b);
-                b
-            }
-        };
         let mut grown = KeyTable {
-            buckets,
+            buckets: crate::memory::zeroed_vec(cap, "prefix index table")?,
             len: 0,
-            ahead: Ahead::default(),
-            #[cfg(test)]
-            grown_ahead,
         };
+        crate::memory::advise_huge(&grown.buckets);
         for &b in self.buckets.iter().filter(|b| b.entry != 0) {
             grown.insert_bucket(b);
         }
@@ -243,87 +209,7 @@ impl KeyTable {
 
 #[cfg(test)]
 mod tests {
-    use super::{KeyTable, AHEAD_MIN_BUCKETS};
-
-    // A table of AHEAD_MIN_BUCKETS buckets maps its next size once its load
-    // passes 3/8; the growth at 1/2 takes that table (counted in
-    // `capacity_bytes` meanwhile) and every key is still found.
-    #[test]
-    #[cfg_attr(miri, ignore)] // 16 MiB tables and a thread: too slow under miri
-    fn a_large_table_grows_into_the_table_mapped_ahead() {
-        let key = |i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | (i << 40);
-        let mut t = KeyTable::default();
-        let (eighth, half) = (AHEAD_MIN_BUCKETS / 8, AHEAD_MIN_BUCKETS / 2);
-        t.reserve(half).unwrap();
-        assert_eq!(t.buckets(), AHEAD_MIN_BUCKETS);
-        let mut n = 0u64;
-        let mut fill = |t: &mut KeyTable, to: usize| {
-            while (n as usize) < to {
-                t.reserve(1).unwrap();
-                t.insert(key(n), n as u32);
-                n += 1;
-            }
-        };
-        fill(&mut t, 3 * eighth); // load 3/8: nothing yet
-        assert_eq!(t.ahead.buckets(), 0);
-        fill(&mut t, 3 * eighth + 1); // room asked past 3/8: the next size is mapped ahead
-        assert_eq!(t.ahead.buckets(), 2 * AHEAD_MIN_BUCKETS);
-        assert_eq!(t.capacity_bytes(), 3 * AHEAD_MIN_BUCKETS * 8);
-        assert!(t.ahead.wait(), "a table mapped ahead");
-        fill(&mut t, half);
-        assert_eq!((t.buckets(), t.grown_ahead), (AHEAD_MIN_BUCKETS, 0));
-        fill(&mut t, half + 1); // past load 1/2: grows
-        assert_eq!(t.buckets(), 2 * AHEAD_MIN_BUCKETS);
-        assert_eq!(t.grown_ahead, 1, "the growth took the mapped table");
-        assert_eq!(
-            t.ahead.buckets(),
-            0,
-            "load 1/4 after the growth: nothing mapped yet"
-        );
-        assert_eq!(t.capacity_bytes(), 2 * AHEAD_MIN_BUCKETS * 8);
-        assert_eq!(t.len(), half + 1);
-        for i in 0..=half as u64 {
-            assert_eq!(t.find(key(i), |e| e == i as u32), Some(i as u32));
-        }
-        assert_eq!(t.find(key(u64::MAX >> 1), |_| true), None);
-    }
-
-    // A table that holds every key the index can ever have maps nothing ahead.
-    #[test]
-    #[cfg_attr(miri, ignore)]
-    fn a_table_that_cannot_grow_maps_nothing_ahead() {
-        let most = AHEAD_MIN_BUCKETS / 2;
-        let mut t = KeyTable::default();
-        t.reserve_upto(most, most).unwrap();
-        for i in 0..(most / 4 * 3) as u64 {
-            t.insert(i << 3, i as u32);
-        }
-        t.reserve_upto(1, most).unwrap();
-        assert_eq!(t.ahead.buckets(), 0);
-        t.reserve_upto(1, most + 1).unwrap();
-        assert_eq!(t.ahead.buckets(), 2 * AHEAD_MIN_BUCKETS);
-    }
-
-    // A growth whose mapped table is not ready, or of another size,
-    // allocates its own and gives the pending one up.
-    #[test]
-    #[cfg_attr(miri, ignore)]
-    fn a_growth_past_the_mapped_size_allocates_its_own() {
-        let mut t = KeyTable::default();
-        t.reserve(AHEAD_MIN_BUCKETS / 2).unwrap();
-        for i in 0..(AHEAD_MIN_BUCKETS / 8 * 3) as u64 {
-            t.insert(i << 3, i as u32);
-        }
-        t.reserve(1).unwrap();
-        assert!(t.ahead.wait(), "a table mapped ahead");
-        t.reserve(AHEAD_MIN_BUCKETS).unwrap(); // needs 4x: the mapped 2x is no use
-        assert_eq!(t.grown_ahead, 0);
-        assert_eq!(t.buckets(), 4 * AHEAD_MIN_BUCKETS);
-        assert_eq!(t.ahead.buckets(), 0);
-        for i in 0..(AHEAD_MIN_BUCKETS / 8 * 3) as u64 {
-            assert_eq!(t.find(i << 3, |e| e == i as u32), Some(i as u32));
-        }
-    }
+    use super::KeyTable;
     use proptest::prelude::*;
     use std::collections::HashMap;
 

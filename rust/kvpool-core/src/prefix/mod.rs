@@ -28,6 +28,5 @@ mod keys;
 mod links;
 mod lookup;
 mod register;
-mod table_ahead;
 pub(crate) mod tiers;
 pub(crate) mod tip;

@@ -50,8 +50,7 @@ impl PrefixIndex {
         if n > 0 && want > need && self.table.reserve(want).is_ok() {
             return Ok(());
         }
-        // Every live entry may be keyed, and no more than one per page.
-        self.table.reserve_upto(need, self.max_entries)
+        self.table.reserve(need)
     }
 
     /// Reserves the entry slab for every page at once and maps its start:
