@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
 from kvpool.integrations._row_checks import undo_flush
-
-if TYPE_CHECKING:
-    from kvpool.integrations._requests import BatchRequests
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -27,8 +24,9 @@ BEAM_NEEDS_FORK = (
 )
 
 
-def reorder_rows(batch: BatchRequests, sources: Sequence[int]) -> None:
-    """Row j continues row ``sources[j]``. Rows nobody continues are closed.
+def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
+    """Row j of ``batch`` (a ``BatchRequests``; not imported here, which imports this)
+    continues row ``sources[j]``. Rows nobody continues are closed.
 
     A row continued once keeps its request; each further copy is a ``pool.fork``
     (shares every page). All forks are made before anything is closed, so a
