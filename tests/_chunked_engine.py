@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import torch
 from _hf_models import VOCAB  # noqa: I001  (skips without transformers)
 
@@ -27,6 +28,17 @@ import kvpool
 from kvpool.demo.attention import attend
 from kvpool.errors import PoolExhaustedError, RollbackUnavailableError
 from kvpool.kernels import gather_kv
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Autouse in the test modules that import it."""
+    # One intra-op thread: these matmuls are tiny, and CI's 2 cores are shared.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 
 @dataclass

@@ -16,19 +16,10 @@ from __future__ import annotations
 import _chunked_engine as engines
 import pytest
 import torch
-from _chunked_engine import ChunkedEngine, check_against_full_forward, check_drained, workload
+from _chunked_engine import ChunkedEngine, check_against_full_forward, check_drained, one_thread, workload  # noqa: F401  (one_thread: an autouse fixture)
 from _hf_models import tiny_model  # noqa: I001  (skips without transformers)
 
 import kvpool
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: these matmuls are tiny, and CI's 2 cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_pool(model, ps, layout, num_pages, host_pages, policy, max_context_len=96) -> kvpool.KVPool:

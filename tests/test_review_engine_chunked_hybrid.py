@@ -18,21 +18,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from _chunked_engine import ChunkedEngine, RewindingEngine, SpeculativeEngine, check_against_full_forward, workload
+from _chunked_engine import ChunkedEngine, RewindingEngine, SpeculativeEngine, check_against_full_forward, one_thread, workload  # noqa: F401  (one_thread: an autouse fixture)
 from _hf_models import VOCAB, transformers  # noqa: I001  (skips without transformers)
 
 import kvpool
 
 MAX_CHUNK = 7  # the engine's longest prompt chunk (a speculative step feeds at most 4 tokens)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: these matmuls are tiny, and CI's 2 cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def qwen_sliding(window: int, max_window_layers: int, layers: int = 3):

@@ -247,12 +247,9 @@ class Sim:
         self.verify()
 
 
-@pytest.mark.parametrize("page_size", [1, 2, 4])
-@pytest.mark.parametrize("seed", range(6))
-def test_random_radix_traffic_keeps_sglang_invariants(page_size, seed):
-    # Without KV events the index keys pages by another chain: the same hits (docs/allocator.md).
-    sim = Sim(page_size, seed, kv_events=seed % 3 != 0)
-    for _ in range(250):
+def run_then_reset(sim, steps: int = 250) -> None:
+    """``steps`` random steps, then a reset: every page comes back and the store still agrees."""
+    for _ in range(steps):
         sim.step()
     sim.a.reset()
     sim.reqs.clear()
@@ -260,6 +257,14 @@ def test_random_radix_traffic_keeps_sglang_invariants(page_size, seed):
     sim.sync()
     sim.verify()
     assert sim.a.used_pages == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_radix_traffic_keeps_sglang_invariants(page_size, seed):
+    # Without KV events the index keys pages by another chain: the same hits (docs/allocator.md).
+    sim = Sim(page_size, seed, kv_events=seed % 3 != 0)
+    run_then_reset(sim)
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
@@ -269,11 +274,4 @@ def test_random_traffic_with_a_host_tier(policy, page_size, seed):
     """HiCache's expectations: evicted prefixes come back from the host with their own K/V, swapped
     requests come back exact, and held pages are never dropped."""
     sim = Sim(page_size, 100 + seed, host_pages=48 // page_size + 1, host_policy=policy)
-    for _ in range(250):
-        sim.step()
-    sim.a.reset()
-    sim.reqs.clear()
-    sim.swapped.clear()
-    sim.sync()
-    sim.verify()
-    assert sim.a.used_pages == 0
+    run_then_reset(sim)
