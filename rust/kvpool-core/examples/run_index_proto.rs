@@ -191,6 +191,30 @@ fn evict_256(ps: usize, leaves: bool, reps: usize) -> f64 {
     median(samples)
 }
 
+/// The randomized self-test (`--check`; also `cargo test`, where the example is
+/// built as a test so the prototype cannot rot while the design waits).
+fn self_test() {
+    // The fast paths (page 1, page 16) hash what the definition does.
+    for ps in [1usize, 2, 15, 16, 17, 300] {
+        let toks: Vec<i32> = (0..ps as i32).map(|i| i * 7919 - 3).collect();
+        let parent = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128 ^ ps as u128;
+        assert_eq!(
+            hash::page(9, parent, &toks),
+            hash::reference(9, parent, &toks)
+        );
+    }
+    for seed in 1..=6u64 {
+        for ps in [1, 2, 4] {
+            check::self_test(seed * 7 + ps as u64, ps, seed % 2 == 1, 1500);
+        }
+    }
+}
+
+#[test]
+fn prototype_passes_its_self_test() {
+    self_test();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let has = |f: &str| args.iter().any(|a| a == f);
@@ -199,20 +223,7 @@ fn main() {
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1).cloned());
     if has("--check") {
-        // The fast paths (page 1, page 16) hash what the definition does.
-        for ps in [1usize, 2, 15, 16, 17, 300] {
-            let toks: Vec<i32> = (0..ps as i32).map(|i| i * 7919 - 3).collect();
-            let parent = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128 ^ ps as u128;
-            assert_eq!(
-                hash::page(9, parent, &toks),
-                hash::reference(9, parent, &toks)
-            );
-        }
-        for seed in 1..=6u64 {
-            for ps in [1, 2, 4] {
-                check::self_test(seed * 7 + ps as u64, ps, seed % 2 == 1, 1500);
-            }
-        }
+        self_test();
     }
     let reps = if has("--quick") { 50 } else { 400 };
     let mut json = Vec::new();
