@@ -288,7 +288,10 @@ def test_a_hit_does_not_count_its_own_checkpoint_as_room(p: int) -> None:
     running = g.open(1)
     assert (g.free_pages(1), g.evictable_pages(1)) == (1, 1)
     before = (g.stats(), g.state_slots(running, 1).tolist(), g.pages(int(running[0]), 0).tolist())
-    with pytest.raises(PoolExhaustedError, match="group 1"):
+    # The message names why the group's one evictable slot did not count.
+    with pytest.raises(PoolExhaustedError, match=r"group 1 \(state\) exhausted: the call needs 1 of its state "
+                       r"slots \(one per request\) but only 0 are free or evictable \(1 more is the checkpoint "
+                       r"a prefix hit of this call restores from, which the call cannot evict\)"):
         g.open_with_prefix(tokens + [0], [len(tokens) + 1])
     assert (g.stats(), g.state_slots(running, 1).tolist(), g.pages(int(running[0]), 0).tolist()) == before
     _, cached = g.open_with_prefix([99] * (p + 1), [p + 1])

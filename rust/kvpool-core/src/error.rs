@@ -111,8 +111,9 @@ pub type Result<T> = std::result::Result<T, PoolError>;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
     "group {group} ({kind}) exhausted: the call needs {needed_pages} of its {} but only \
-     {free_pages} are free or evictable; nothing was allocated in any group",
-    shortage_unit(.kind, *.page_size)
+     {free_pages} are free or evictable{}; nothing was allocated in any group",
+    shortage_unit(.kind, *.page_size),
+    held_back_note(*.held_back)
 )]
 pub struct GroupShortage {
     /// The group (`len(groups)` for a token-only anchor chain).
@@ -123,6 +124,10 @@ pub struct GroupShortage {
     pub needed_pages: usize,
     pub free_pages: usize,
     pub page_size: usize,
+    /// Evictable slots the call may not take, besides `free_pages`: the
+    /// checkpoints its own prefix hits restore from (state groups; 0
+    /// elsewhere). Named in the message, since `free_pages(group)` counts them.
+    pub held_back: usize,
 }
 
 /// The details of [`PoolError::RollbackUnavailable`].
@@ -146,6 +151,20 @@ fn shortage_unit(kind: &str, page_size: usize) -> String {
         "state slots (one per request)".to_string()
     } else {
         format!("pages ({page_size} slots each)")
+    }
+}
+
+/// Why a shortage is larger than the group's free count suggests.
+fn held_back_note(held_back: usize) -> String {
+    match held_back {
+        0 => String::new(),
+        1 => " (1 more is the checkpoint a prefix hit of this call restores from, \
+              which the call cannot evict)"
+            .to_string(),
+        n => format!(
+            " ({n} more are checkpoints prefix hits of this call restore from, \
+             which the call cannot evict)"
+        ),
     }
 }
 

@@ -56,3 +56,30 @@ fn a_state_groups_shortage_counts_state_slots() {
     );
     assert!(!msg.contains("pages"), "{msg}");
 }
+
+#[test]
+fn a_shortage_names_the_checkpoints_the_call_must_keep() {
+    let shortage = |held_back| {
+        PoolError::GroupExhausted(Box::new(kvpool_core::GroupShortage {
+            group: 1,
+            kind: "state",
+            needed_pages: 2,
+            free_pages: 0,
+            page_size: 1,
+            held_back,
+        }))
+        .to_string()
+    };
+    assert!(!shortage(0).contains("checkpoint"), "{}", shortage(0));
+    assert!(
+        shortage(1)
+            .contains("but only 0 are free or evictable (1 more is the checkpoint a prefix hit"),
+        "{}",
+        shortage(1)
+    );
+    assert!(
+        shortage(2).contains("(2 more are checkpoints prefix hits of this call restore from"),
+        "{}",
+        shortage(2)
+    );
+}

@@ -78,7 +78,7 @@ impl GroupedAllocator {
                 .count();
             let free = e.available() - pinned;
             if n > free {
-                return Err(self.exhausted(g, n, free));
+                return Err(self.exhausted_holding_back(g, n, free, pinned));
             }
         }
         let (mut handles, mut cached) = (Vec::new(), Vec::new());

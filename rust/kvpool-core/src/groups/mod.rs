@@ -303,18 +303,32 @@ impl GroupedAllocator {
                 needed_pages: need,
                 free_pages: free,
                 page_size: self.a,
+                held_back: 0,
             })));
         }
         Ok(())
     }
 
     fn exhausted(&self, g: usize, need: usize, free: usize) -> PoolError {
+        self.exhausted_holding_back(g, need, free, 0)
+    }
+
+    /// `exhausted`, where `held_back` evictable slots were not counted free
+    /// because the call itself needs them kept (`GroupShortage::held_back`).
+    fn exhausted_holding_back(
+        &self,
+        g: usize,
+        need: usize,
+        free: usize,
+        held_back: usize,
+    ) -> PoolError {
         PoolError::GroupExhausted(Box::new(GroupShortage {
             group: g,
             kind: self.specs[g].kind.name(),
             needed_pages: need,
             free_pages: free,
             page_size: self.specs[g].page_size,
+            held_back,
         }))
     }
 
