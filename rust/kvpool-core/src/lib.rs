@@ -62,7 +62,7 @@ pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};
 pub use host::HostPolicy;
 pub use memory::{MAX_CONTEXT_LEN, MAX_PAGES, MAX_REQUESTS};
-pub use prefix::hashing::page_hashes;
+pub use prefix::hashing::{chain_page_hash, chain_root, page_hashes};
 pub use rows::{check_scatter, scatter_rows, RowCopy};
 pub use table::SlotTable;
 

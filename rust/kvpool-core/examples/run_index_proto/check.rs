@@ -153,6 +153,29 @@ struct Holder {
 }
 
 /// Applies the tree's new events to the model and checks each against it.
+/// Evicts up to `n` pages; their pages go back to `free` and leave the
+/// model, through the Removed events when the tree records them.
+fn evict_into(
+    t: &mut Tree,
+    n: usize,
+    events: bool,
+    m: &mut Model,
+    free: &mut Vec<u32>,
+    seen: &mut usize,
+) {
+    let mut freed = Vec::new();
+    let got = t.evict(n, &mut freed);
+    assert_eq!(got, freed.len());
+    if !events {
+        free.extend(freed.iter().copied());
+        for p in &freed {
+            let key = m.key_of.remove(p).unwrap();
+            m.page_of.remove(&key);
+        }
+    }
+    drain_events(t, m, free, seen);
+}
+
 fn drain_events(t: &mut Tree, m: &mut Model, free: &mut Vec<u32>, from: &mut usize) {
     let ps = t.ps;
     let mut tok = 0;
@@ -220,16 +243,8 @@ pub fn self_test(seed: u64, ps: usize, events: bool, steps: usize) {
                 hits += pos;
                 let need = tokens.len() / ps - pos / ps;
                 if free.len() < need {
-                    let mut freed = Vec::new();
-                    t.evict(need - free.len(), &mut freed);
-                    if !events {
-                        free.extend(freed.iter().copied());
-                        for p in &freed {
-                            let key = m.key_of.remove(p).unwrap();
-                            m.page_of.remove(&key);
-                        }
-                    }
-                    drain_events(&mut t, &mut m, &mut free, &mut seen);
+                    let n = need - free.len();
+                    evict_into(&mut t, n, events, &mut m, &mut free, &mut seen);
                 }
                 if free.len() < need {
                     t.unlock(last);
@@ -273,17 +288,8 @@ pub fn self_test(seed: u64, ps: usize, events: bool, steps: usize) {
                 t.unlock(h.last);
             }
             _ => {
-                let mut freed = Vec::new();
-                let n = t.evict(rng.below(12), &mut freed);
-                assert_eq!(n, freed.len());
-                if !events {
-                    free.extend(freed.iter().copied());
-                    for p in &freed {
-                        let key = m.key_of.remove(p).unwrap();
-                        m.page_of.remove(&key);
-                    }
-                }
-                drain_events(&mut t, &mut m, &mut free, &mut seen);
+                let n = rng.below(12);
+                evict_into(&mut t, n, events, &mut m, &mut free, &mut seen);
             }
         }
         let last: Vec<u32> = holders.iter().map(|h| h.last).collect();

@@ -91,6 +91,21 @@ impl ChainHasher {
     }
 }
 
+/// One page of the chain `page_hashes` computes: `h_i` from `h_{i-1}`
+/// (`chain_root(salt)` before the first page) and the page's token ids, the
+/// value KV events carry. For code that keeps its own chain page by page
+/// (`examples/run_index_proto.rs`), with the same fast paths as the pool's.
+#[inline]
+pub fn chain_page_hash(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
+    interop_page(seed, parent, tokens)
+}
+
+/// The value a chain of `salt` starts from (the parent of its first page).
+#[inline]
+pub fn chain_root(salt: i64) -> u128 {
+    root(salt)
+}
+
 /// `xxh3_128(seed, parent || tokens)`.
 #[inline(always)]
 fn interop_page(seed: u64, parent: u128, tokens: &[i32]) -> u128 {
@@ -344,6 +359,21 @@ mod tests {
                 weak.page(parent, &tokens),
                 xxh3_128_with_seed(&bytes, 42) & 0xfff
             );
+        }
+    }
+
+    /// The public per-page functions chain to what `page_hashes` returns.
+    #[test]
+    fn chain_page_hash_from_chain_root_is_page_hashes() {
+        for ps in [1usize, 3, 16] {
+            let tokens: Vec<i64> = (0..5 * ps as i64).map(|i| i * 7919 % 32000).collect();
+            let want = page_hashes(9, -4, ps, &tokens).unwrap();
+            let mut h = chain_root(-4);
+            for (k, page) in tokens.chunks_exact(ps).enumerate() {
+                let ids: Vec<i32> = page.iter().map(|&t| t as i32).collect();
+                h = chain_page_hash(9, h, &ids);
+                assert_eq!(h, want[k], "ps {ps}, page {k}");
+            }
         }
     }
 
