@@ -1,0 +1,139 @@
+//! Incremental growth of the key table: the old array drains into the new
+//! one a few buckets per insert, in bucket order.
+//!
+//! Invariants while growing (`old` non-empty, n = its length):
+//! 1. `old[..cursor]` is empty.
+//! 2. Each array is a valid linear-probing table: every key sits in the
+//!    probe run of its home in that array, with no empty bucket between.
+//! 3. So a key whose old home is below the cursor is not in `old` (its home
+//!    bucket there is empty, so no run holding it can start there).
+//!
+//! Why 1 holds. Only three things write `old`. Draining bucket `i` (the
+//! cursor) and `remove` both backward-shift (`shift_out`), which writes
+//! only at the hole and after it, up to the run's next empty bucket. An
+//! insert stores into `old` only at a bucket >= the cursor (below).
+//!
+//! Wrap-around. Before the first drain a run may wrap from bucket n-1 to
+//! bucket 0. Draining bucket 0 re-checks it until empty, which takes every
+//! wrapped key too (a wrapped key's home is not in (0, j], so the shift
+//! pulls it in). Once bucket 0 is empty no run wraps (by 2, a wrapped run
+//! passes through it), and since every insert drains before it stores, the
+//! cursor is >= 1 whenever an insert probes `old`: a probe or shift that
+//! runs off bucket n-1 reaches bucket 0, empty, and stops there. So holes
+//! appear only at the cursor, and runs ahead of it stay intact.
+//!
+//! Where an insert goes. It probes `old` from its home for the first empty
+//! bucket q; if q >= cursor it stores there (a plain insert: 1 and 2 hold),
+//! otherwise (home below the cursor, or the run ran off the end into the
+//! drained part) in the new array. Why not always the new one: on hosts
+//! that back fresh memory slowly the new array's first touch is most of a
+//! growth's cost (`clear_page_erms` at 100-170 MB/s here), and random
+//! inserts would touch every one of its pages within a few hundred keys,
+//! all in one call. This way the new array is written where the drain
+//! writes it: a key from old bucket h < cursor has its new home at h or
+//! h + n (one more tag bit), so the new array is faulted in along two
+//! sequential fronts behind the cursor.
+//!
+//! Lookups, by 3: a key whose old home is below the cursor only in the new
+//! array; any other first in `old`, then (on a miss there) in the new one,
+//! which holds such a key only if its run wrapped, as above.
+//!
+//! Bounds (S = `MIGRATE_STEP`, the new array has cap >= 2n buckets):
+//! - The new array never passes load 1/2: it holds a subset of the keys,
+//!   and `reserve` sized it for all of them.
+//! - `old` always has an empty bucket, so its probes end: before the first
+//!   drain it is as the last reserve left it (load <= 1/2); after, bucket 0
+//!   is empty. (Its load is at most 1/2 + 1/S: one key per insert, over the
+//!   at most n/S inserts a growth lasts.)
+//! - The growth ends before the next one in normal use: it began with at
+//!   most n/2 keys, and each insert drains S buckets, so n/S inserts end
+//!   it. The next growth needs len + additional > cap/2 >= n, so reserves of
+//!   at most n/2 - n/S keys (7/16 of the old array at S = 16) cannot ask
+//!   for it earlier; a larger one finishes the drain at once (`reserve`).
+//! - Each drained bucket moves the keys whose home it is (after bucket 0,
+//!   which also moves the wrapped run), about one at load 1/2.
+
+use super::{free_slot, shift_out, Bucket, KeyTable};
+
+/// Old buckets each insert drains while the table grows: 16 reads two
+/// cache lines of `old` and moves ~8 keys, and ends a growth well before
+/// the next (above). Tests drain slowly so that growths overlap many
+/// operations.
+pub(super) const MIGRATE_STEP: usize = if cfg!(test) { 2 } else { 16 };
+
+impl KeyTable {
+    /// Drains `steps` more old buckets into the new array (all, for
+    /// `usize::MAX`); frees the old array when it is empty.
+    pub(super) fn migrate(&mut self, steps: usize) {
+        let end = self.cursor.saturating_add(steps).min(self.old.len());
+        for i in self.cursor..end {
+            // Re-check: the shift may pull another key of this home in.
+            while self.old[i].entry != 0 {
+                let b = self.old[i];
+                shift_out(&mut self.old, i);
+                let j = free_slot(&self.buckets, b.tag);
+                self.buckets[j] = b;
+            }
+        }
+        self.cursor = end;
+        if end == self.old.len() {
+            self.old = Vec::new();
+            self.cursor = 0;
+        }
+    }
+
+    /// `insert` while growing: drains first, then stores in `old` ahead
+    /// of the cursor or else in the new array (above).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn insert_growing(&mut self, b: Bucket) {
+        self.migrate(MIGRATE_STEP);
+        self.len += 1;
+        if !self.old.is_empty() {
+            let q = free_slot(&self.old, b.tag);
+            if q >= self.cursor {
+                self.old[q] = b;
+                return;
+            }
+        }
+        let j = free_slot(&self.buckets, b.tag);
+        self.buckets[j] = b;
+    }
+
+    /// Old buckets not drained yet (0 when not growing).
+    #[cfg(test)]
+    pub(super) fn old_keys(&self) -> usize {
+        self.old.iter().filter(|b| b.entry != 0).count()
+    }
+
+    /// Invariants 1 and 2 above, and the count.
+    #[cfg(test)]
+    pub(super) fn check(&self) -> std::result::Result<(), String> {
+        let valid = |b: &[Bucket]| {
+            let mask = b.len().wrapping_sub(1);
+            b.iter().enumerate().all(|(p, x)| {
+                x.entry == 0 || {
+                    let h = super::home(b, x.tag);
+                    (0..=(p.wrapping_sub(h) & mask)).all(|d| b[(h + d) & mask].entry != 0)
+                }
+            })
+        };
+        if self.old[..self.cursor.min(self.old.len())]
+            .iter()
+            .any(|b| b.entry != 0)
+        {
+            return Err("a drained old bucket holds a key".into());
+        }
+        if !valid(&self.old) || !valid(&self.buckets) {
+            return Err("a key is off its probe run".into());
+        }
+        if self.entries().count() != self.len {
+            return Err(format!(
+                "{} keys stored, len {}",
+                self.entries().count(),
+                self.len
+            ));
+        }
+        Ok(())
+    }
+}
