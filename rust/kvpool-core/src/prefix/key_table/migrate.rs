@@ -38,18 +38,30 @@
 //! array; any other first in `old`, then (on a miss there) in the new one,
 //! which holds such a key only if its run wrapped, as above.
 //!
-//! Bounds (S = `MIGRATE_STEP`, the new array has cap >= 2n buckets):
+//! Progress. Each insert drains S = `MIGRATE_STEP` buckets, and so does
+//! each key of room a reserve asks for past the most asked since the
+//! growth began (`asked`): the index reserves room for every live entry,
+//! keyed or not (`register.rs`), and at page size 1 most entries are
+//! reached by their parent's hint and never keyed, so inserts alone can be
+//! too few to end a growth before the next (measured: a 16M-slot pool's
+//! 2^21-bucket drain was still under way at the next growth). Both are
+//! bounded by the work of the call: S buckets per key inserted or newly
+//! reserved.
+//!
+//! Bounds (the old array has n buckets, the new one cap >= 2n):
 //! - The new array never passes load 1/2: it holds a subset of the keys,
 //!   and `reserve` sized it for all of them.
 //! - `old` always has an empty bucket, so its probes end: before the first
 //!   drain it is as the last reserve left it (load <= 1/2); after, bucket 0
 //!   is empty. (Its load is at most 1/2 + 1/S: one key per insert, over the
 //!   at most n/S inserts a growth lasts.)
-//! - The growth ends before the next one in normal use: it began with at
-//!   most n/2 keys, and each insert drains S buckets, so n/S inserts end
-//!   it. The next growth needs len + additional > cap/2 >= n, so reserves of
-//!   at most n/2 - n/S keys (7/16 of the old array at S = 16) cannot ask
-//!   for it earlier; a larger one finishes the drain at once (`reserve`).
+//! - The growth ends before the next one: that one needs a reserve asking
+//!   for more than cap/2 >= n keys, while the growing one asked for a0 <=
+//!   cap/2. If no reserve asks for more than d keys past the one before,
+//!   those below cap/2 credit at least S (cap/2 - d - a0) buckets first:
+//!   n or more when a0 + d <= cap/2 - n/S, e.g. for a growth from load 1/2
+//!   (a0 just past n/2) with d <= 7n/16 at S = 16. A larger jump finishes
+//!   the drain at once in the growing reserve, which asked for that much.
 //! - Each drained bucket moves the keys whose home it is (after bucket 0,
 //!   which also moves the wrapped run), about one at load 1/2.
 
@@ -77,8 +89,19 @@ impl KeyTable {
         }
         self.cursor = end;
         if end == self.old.len() {
-            self.old = Vec::new();
+            self.old = Box::default();
             self.cursor = 0;
+        }
+    }
+
+    /// A reserve while growing, for `asked` keys in all: drains
+    /// MIGRATE_STEP buckets per key past the most asked before (above).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn drain_for(&mut self, asked: usize) {
+        if asked > self.asked {
+            self.migrate((asked - self.asked).saturating_mul(MIGRATE_STEP));
+            self.asked = asked;
         }
     }
 
