@@ -1,5 +1,5 @@
 //! Incremental growth of the key table: the old array drains into the new
-//! one a few buckets per insert, in bucket order.
+//! one a few buckets per insert and per registered page, in bucket order.
 //!
 //! Invariants while growing (`old` non-empty, n = its length):
 //! 1. `old[..cursor]` is empty.
@@ -39,14 +39,13 @@
 //! which holds such a key only if its run wrapped, as above.
 //!
 //! Progress. Each insert drains S = `MIGRATE_STEP` buckets, and so does
-//! each key of room a reserve asks for past the most asked since the
-//! growth began (`asked`): the index reserves room for every live entry,
-//! keyed or not (`register.rs`), and at page size 1 most entries are
-//! reached by their parent's hint and never keyed, so inserts alone can be
-//! too few to end a growth before the next (measured: a 16M-slot pool's
-//! 2^21-bucket drain was still under way at the next growth). Both are
-//! bounded by the work of the call: S buckets per key inserted or newly
-//! reserved.
+//! each page a call is about to register (`drain`, from the index's
+//! reservation): the index reserves room for every live entry, keyed or
+//! not (`register.rs`), and at page size 1 most entries are reached by
+//! their parent's hint and never keyed, so inserts alone can be too few to
+//! end a growth before the next (measured: a 16M-slot pool's 2^21-bucket
+//! drain was still under way at the next growth), and none come in a
+//! steady state of evictions. Both are bounded by the call's own work.
 //!
 //! Bounds (the old array has n buckets, the new one cap >= 2n):
 //! - The new array never passes load 1/2: it holds a subset of the keys,
@@ -55,19 +54,21 @@
 //!   drain it is as the last reserve left it (load <= 1/2); after, bucket 0
 //!   is empty. (Its load is at most 1/2 + 1/S: one key per insert, over the
 //!   at most n/S inserts a growth lasts.)
-//! - The growth ends before the next one: that one needs a reserve asking
-//!   for more than cap/2 >= n keys, while the growing one asked for a0 <=
-//!   cap/2. If no reserve asks for more than d keys past the one before,
-//!   those below cap/2 credit at least S (cap/2 - d - a0) buckets first:
-//!   n or more when a0 + d <= cap/2 - n/S, e.g. for a growth from load 1/2
-//!   (a0 just past n/2) with d <= 7n/16 at S = 16. A larger jump finishes
-//!   the drain at once in the growing reserve, which asked for that much.
+//! - The growth ends before the next one: the growing reservation asked
+//!   for a0 <= cap/2 keys (live entries plus the call's pages, p0), the
+//!   next must ask for more than cap/2 >= n. Live entries only grow by
+//!   registrations, each of which drained S buckets in its call, so the
+//!   drain is over by then if S (cap/2 - a0 - p1) >= n, p1 the pages of
+//!   the call that asks: e.g. for a growth from load 1/2 (a0 just past
+//!   n/2) and calls of at most 7n/16 pages at S = 16. A larger call
+//!   finishes the drain at once in its growing reserve.
 //! - Each drained bucket moves the keys whose home it is (after bucket 0,
 //!   which also moves the wrapped run), about one at load 1/2.
 
 use super::{free_slot, shift_out, Bucket, KeyTable};
 
-/// Old buckets each insert drains while the table grows: 16 reads two
+/// Old buckets each insert (and each page a call registers) drains while
+/// the table grows: 16 reads two
 /// cache lines of `old` and moves ~8 keys, and ends a growth well before
 /// the next (above). Tests drain slowly so that growths overlap many
 /// operations.
@@ -89,19 +90,8 @@ impl KeyTable {
         }
         self.cursor = end;
         if end == self.old.len() {
-            self.old = Box::default();
+            self.old = Vec::new();
             self.cursor = 0;
-        }
-    }
-
-    /// A reserve while growing, for `asked` keys in all: drains
-    /// MIGRATE_STEP buckets per key past the most asked before (above).
-    #[cold]
-    #[inline(never)]
-    pub(super) fn drain_for(&mut self, asked: usize) {
-        if asked > self.asked {
-            self.migrate((asked - self.asked).saturating_mul(MIGRATE_STEP));
-            self.asked = asked;
         }
     }
 

@@ -9,8 +9,8 @@ proptest! {
     // probe runs wrap around the table and deletions shift entries,
     // and tables small enough that most operations land mid-growth
     // (tests drain MIGRATE_STEP = 2 buckets per insert): inserts,
-    // removes, finds, large reserves (which finish a growth at once
-    // and start the next) and clears in between.
+    // removes, finds, drains, large reserves (which finish a growth at
+    // once and start the next) and clears in between.
     #[test]
     fn matches_a_hash_map(ops in prop::collection::vec((0u8..16, 0u64..96, 0u64..4), 1..400)) {
         let mut keys: Vec<u64> = Vec::new(); // entry index -> key
@@ -34,6 +34,7 @@ proptest! {
                     t.clear();
                     m.clear();
                 }
+                12 => t.drain(k as usize % 8),
                 15 => {} // a find alone (below)
                 _ => {
                     if let Some(e) = m.remove(&key) {
@@ -57,7 +58,7 @@ proptest! {
             stored.sort_unstable();
             want.sort_unstable();
             prop_assert_eq!(stored, want);
-            let bytes = (t.buckets.capacity() + t.old.len()) * 8;
+            let bytes = (t.buckets.capacity() + t.old.capacity()) * 8;
             prop_assert_eq!(t.capacity_bytes(), bytes);
         }
     }
@@ -104,29 +105,28 @@ fn a_growth_is_spread_over_the_inserts_after_it() {
 }
 
 #[test]
-fn reserves_asking_for_more_than_before_drain_too() {
+fn drain_moves_as_many_buckets_as_that_many_inserts() {
     let keys: Vec<u64> = (0..2048).map(mix).collect();
     let mut t = KeyTable::default();
     t.reserve(1024).unwrap();
+    t.drain(5); // not growing: nothing to do
     (0..1024).for_each(|i| t.insert(keys[i], i as u32));
     t.reserve(1).unwrap();
     assert_eq!((t.old.len(), t.cursor), (2048, 0));
-    // Asking again for what was asked drains nothing; 100 keys more
-    // drain 100 * MIGRATE_STEP buckets.
-    t.reserve(1).unwrap();
+    // Reserves within the new array move nothing; drain(k) moves k *
+    // MIGRATE_STEP buckets, and the last one frees the old array.
+    t.reserve(1000).unwrap();
     assert_eq!(t.cursor, 0);
-    t.reserve(101).unwrap();
+    t.drain(100);
     assert_eq!(t.cursor, 100 * MIGRATE_STEP);
-    t.reserve(50).unwrap();
-    assert_eq!(t.cursor, 100 * MIGRATE_STEP);
-    t.reserve(1024).unwrap();
-    assert_eq!(t.cursor, (100 + 2048 - 1125) * MIGRATE_STEP);
     t.check().unwrap();
-    (1024..1025).for_each(|i| t.insert(keys[i], i as u32));
-    assert!(t.old.is_empty() && t.buckets() == 4096);
+    t.drain(2048 / MIGRATE_STEP - 101);
+    assert_eq!(t.cursor, 2048 - MIGRATE_STEP);
+    t.drain(1);
+    assert!(t.old.is_empty() && t.buckets() == 4096 && t.len() == 1024);
     t.check().unwrap();
     let find = |i: usize| t.find(keys[i], |e| keys[e as usize] == keys[i]);
-    assert!((0..1025).all(|i| find(i) == Some(i as u32)));
+    assert!((0..1024).all(|i| find(i) == Some(i as u32)));
 }
 
 #[test]
