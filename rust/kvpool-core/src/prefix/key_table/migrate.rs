@@ -74,6 +74,9 @@ use super::{free_slot, shift_out, Bucket, KeyTable};
 /// operations.
 pub(super) const MIGRATE_STEP: usize = if cfg!(test) { 2 } else { 16 };
 
+/// Half a 2 MiB page of buckets (see `migrate`).
+const FRONT_LEAD: usize = (1 << 20) / std::mem::size_of::<Bucket>();
+
 impl KeyTable {
     /// Drains `steps` more old buckets into the new array (all, for
     /// `usize::MAX`); frees the old array when it is empty.
@@ -89,9 +92,22 @@ impl KeyTable {
             }
         }
         self.cursor = end;
-        if end == self.old.len() {
+        let n = self.old.len();
+        if end == n {
             self.old = Vec::new();
             self.cursor = 0;
+            return;
+        }
+        // The fronts above the first (new buckets k*n + cursor, k >= 1)
+        // reach a 2 MiB page boundary at the same cursor as the first, so
+        // one call would fault two (or more) fresh huge pages at once.
+        // Each front past the first writes its bucket half a huge page
+        // ahead, so its pages fault in between the first front's.
+        if end + FRONT_LEAD < n {
+            for j in (n + end + FRONT_LEAD..self.buckets.len()).step_by(n) {
+                let b = self.buckets[j];
+                self.buckets[j] = std::hint::black_box(b);
+            }
         }
     }
 
