@@ -81,6 +81,18 @@ def test_prefix_split_prints_a_run_that_admits_nothing_in_its_measured_steps(scr
     assert out.startswith("system page 16: ") and "0 prompt and 0 hit tokens per step" in out
 
 
+@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--slots", "x"], "--slots")])
+def test_prefix_call_times_rejects_bad_flags_before_it_runs(script, capsys, argv, says):
+    line = _usage_error(script("prefix_call_times").main, argv, capsys)
+    assert says in line and "calls" not in capsys.readouterr().out
+
+
+def test_prefix_call_times_times_every_call_of_a_short_replay(script, capsys):
+    script("prefix_call_times").main(["--slots", "64K", "--steps", "40", "--scenario", "chat"])
+    out = capsys.readouterr().out
+    assert out.startswith("chat, 65536 slots, page 1, 40 steps, ") and "  cache(): max " in out
+
+
 def test_hf_split_rejects_zero_rounds(script, capsys):
     assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
 

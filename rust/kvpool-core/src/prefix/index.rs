@@ -79,7 +79,10 @@ pub(super) const SLAB_MAP_BYTES: usize = 32 << 20;
 /// doubling stalls the step that triggers it, and while the index fills
 /// the doublings are a large part of `cache()`'s time. Why a bound: a
 /// 16M-page pool's table sized up front would take 256 MiB, which random
-/// inserts fault in almost at once; past the bound the table doubles.
+/// inserts fault in almost at once; past the bound the table doubles,
+/// incrementally (`key_table/migrate.rs`): the growing call only allocates,
+/// and the inserts after it move the keys and fault the new array in a few
+/// pages at a time.
 pub(super) const TABLE_FLOOR_KEYS: usize = 1 << 20;
 
 /// One registered page: what a hinted walk reads at every hop (32 bytes).

@@ -47,10 +47,13 @@ impl PrefixIndex {
         let need = n + (self.live - self.table.len());
         let floor = (self.len() + self.room()).min(TABLE_FLOOR_KEYS);
         let want = floor.saturating_sub(self.table.len());
-        if n > 0 && want > need && self.table.reserve(want).is_ok() {
-            return Ok(());
+        if !(n > 0 && want > need && self.table.reserve(want).is_ok()) {
+            self.table.reserve(need)?;
         }
-        self.table.reserve(need)
+        // A growth of the table under way moves keys in step with the
+        // registrations (`key_table/migrate.rs`).
+        self.table.drain(n);
+        Ok(())
     }
 
     /// Reserves the entry slab for every page at once and maps its start:
