@@ -4,6 +4,7 @@
 //! inside the storage's bounds (see `torch_arg`'s notes).
 
 use dlpark::ffi::{DLDeviceType, DLTensor};
+use pyo3::exceptions::{PyException, PyMemoryError};
 use pyo3::prelude::*;
 
 use crate::torch_arg::{torch_for, within, Export};
@@ -39,7 +40,14 @@ pub fn plain_span(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<(us
     if !matches!(torch.export, Export::View(_)) || !torch.is_plain(py, obj)? {
         return Ok(None);
     }
-    torch.storage_span(py, obj).map(Some)
+    // A storage torch will not describe (an exception) is torch's to report,
+    // on its own path; MemoryError and interrupts are the caller's.
+    match torch.storage_span(py, obj) {
+        Err(e) if e.is_instance_of::<PyException>(py) && !e.is_instance_of::<PyMemoryError>(py) => {
+            Ok(None)
+        }
+        r => r.map(Some),
+    }
 }
 
 /// `obj`'s memory if it is a plain, C-contiguous (size-1 dimensions aside),
