@@ -95,10 +95,12 @@ def test_the_storage_check_ignores_python_overrides(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("which", ["dst", "src", "slots"])
 def test_scatter_rows_declines_a_tensor_past_its_storage(which: str) -> None:
-    """Before the check a cache shrunk to 64 bytes took a write at row 63 (16 KiB past it)."""
-    dst, src, slots = torch.zeros(64, 64), torch.full((1, 64), 7.0), torch.tensor([63])
+    """Each shrunk to part of its first row or item: before the check a cache shrunk to 64
+    bytes took a write at row 63 (16 KiB past it), and a shrunk source or slot tensor was
+    read past its storage."""
+    dst, src, slots = torch.zeros(64, 64), torch.full((2, 64), 7.0), torch.tensor([62, 63])
     {"dst": dst, "src": src, "slots": slots}[which].untyped_storage().resize_(
-        {"dst": 64, "src": 0, "slots": 0}[which])
+        {"dst": 64, "src": 256, "slots": 8}[which])
     assert scatter_rows((dst,), slots, (src,)) == -1
     # kvpool's store then takes torch's path, which refuses the tensor itself.
     assert scatter_into((dst,), slots, (src,)) is False
