@@ -231,7 +231,7 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
     if let Ok(t) = obj.cast::<PyTuple>() {
         return tuple_ints(py, t, what).map(IntArg::Many);
     }
-    if let Some(v) = crate::torch_arg::read_tensor(py, obj)? {
+    if let Some(v) = crate::torch_arg::read_tensor(py, obj, Some(what))? {
         return Ok(IntArg::Many(v));
     }
     // numpy scalars, other torch tensors, anything with __array__ / the buffer protocol.

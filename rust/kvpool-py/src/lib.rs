@@ -34,6 +34,7 @@ mod table;
 mod tier;
 mod tier_args;
 mod torch_arg;
+mod torch_dense;
 mod widen;
 
 #[pymodule]

@@ -9,7 +9,8 @@ use pyo3::types::PyTuple;
 
 use kvpool_core::{check_scatter, PoolError};
 
-use crate::torch_arg::{dense_view, read_tensor, Dense};
+use crate::torch_arg::read_tensor;
+use crate::torch_dense::{dense_view, plain_span, Dense};
 
 /// Above this many bytes the copy runs with the GIL released, as torch's
 /// own copies do; below it, releasing and taking the GIL back costs more
@@ -66,12 +67,21 @@ pub fn scatter_rows(
     if dst.len() != src.len() || dst.is_empty() {
         return Ok(-1);
     }
-    let Some(slots) = read_tensor(py, slots)? else {
+    let Some(slots) = read_tensor(py, slots, None)? else {
         return Ok(-1);
     };
-    let mut views = Vec::with_capacity(dst.len() * 2);
+    // Every tensor's storage bounds first (Python code, which could change
+    // a storage), then every view (no Python code), each inside its bounds.
+    let mut spans = Vec::with_capacity(dst.len() * 2);
     for t in dst.iter().chain(src.iter()) {
-        match dense_view(py, &t)? {
+        match plain_span(py, &t)? {
+            Some(s) => spans.push(s),
+            None => return Ok(-1),
+        }
+    }
+    let mut views = Vec::with_capacity(spans.len());
+    for (t, s) in dst.iter().chain(src.iter()).zip(spans) {
+        match dense_view(py, &t, s) {
             Some(d) => views.push(d),
             None => return Ok(-1),
         }

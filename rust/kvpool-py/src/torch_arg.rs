@@ -25,6 +25,16 @@
 //! tensor, an extra dispatch key, an export that fails) takes the numpy
 //! path, which reads it or names what is wrong.
 //!
+//! DLPack describes the tensor's shape, not its storage: a storage resized
+//! below the shape (`t.untyped_storage().resize_(n)`) still exports the
+//! old shape, and reading or writing by it would leave the allocation
+//! (torch's own ops refuse such a tensor). So the storage's bounds are read
+//! first (`untyped_storage()`, `data_ptr()`, `nbytes()`: the C method
+//! descriptors of `torch._C.TensorBase` / `StorageBase`, called directly,
+//! so that no override answers), before the view, and
+//! the view must lie inside them; between that read and the copy no Python
+//! code runs.
+//!
 //! As with any buffer lent to native code, another thread must not resize
 //! the tensor's storage during the call.
 
@@ -45,16 +55,16 @@ use crate::widen::widen;
 type ViewFn = unsafe extern "C" fn(*mut c_void, *mut DLTensor) -> c_int;
 
 /// How a tensor's DLPack description is obtained.
-enum Export {
+pub(crate) enum Export {
     /// torch's C exchange API (a borrowed view of the live tensor).
     View(ViewFn),
     /// `torch._C._to_dlpack` (an owning capsule).
     Capsule(Py<PyAny>),
 }
 
-struct Torch {
+pub(crate) struct Torch {
     tensor_type: Py<PyType>,
-    export: Export,
+    pub(crate) export: Export,
     /// `torch._C._dispatch_keys`.
     dispatch_keys: Py<PyAny>,
     /// `torch._C.DispatchKeySet.raw_repr`, called on the key set.
@@ -62,20 +72,64 @@ struct Torch {
     /// The bits of a plain CPU tensor's key set (an inference tensor's
     /// keys are a subset).
     plain_keys: u64,
+    /// `TensorBase.untyped_storage`, `StorageBase.data_ptr` and
+    /// `StorageBase.nbytes` (C method descriptors).
+    storage: [Py<PyAny>; 3],
 }
 
 impl Torch {
     /// Whether `t`'s dispatch keys are a subset of a plain CPU tensor's.
-    fn is_plain(&self, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
+    pub(crate) fn is_plain(&self, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
         let keys = self.dispatch_keys.bind(py).call1((t,))?;
         let raw = self.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
         Ok(raw & !self.plain_keys == 0)
     }
 }
 
+impl Torch {
+    /// The byte range `[start, end)` of `t`'s storage. Calls into torch
+    /// (which allocates, so the GC may run Python code): read before the
+    /// DLPack view, never between it and its use.
+    pub(crate) fn storage_span(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize)> {
+        let [untyped, data_ptr, nbytes] = &self.storage;
+        let s = untyped.bind(py).call1((t,))?;
+        let start = data_ptr.bind(py).call1((&s,))?.extract::<usize>()?;
+        let len = nbytes.bind(py).call1((&s,))?.extract::<usize>()?;
+        Ok((start, start.saturating_add(len)))
+    }
+}
+
+/// Whether the bytes `[lo, hi)` lie inside `span` (nothing is always inside).
+pub(crate) fn within(span: (usize, usize), lo: usize, hi: usize) -> bool {
+    lo == hi || (span.0 <= lo && hi <= span.1)
+}
+
+/// A tensor whose shape reaches past its storage.
+const OUTSIDE: &str = "the tensor's shape and strides reach past its storage (was the \
+                       storage resized?); torch itself refuses to use such a tensor";
+
 /// torch's functions, or None when this torch lacks them (or they are not
 /// torch's own): then every tensor takes the numpy path.
 static TORCH: PyOnceLock<Option<Torch>> = PyOnceLock::new();
+
+/// `class.name` if it is a C method descriptor, else a TypeError.
+fn c_method<'py>(class: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    let m = class.getattr(name)?;
+    // SAFETY: `m` is a live object; the type object is a static of the
+    // interpreter, only its address is taken.
+    let is_descr =
+        unsafe { ffi::Py_TYPE(m.as_ptr()) == std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type) };
+    if !is_descr {
+        return Err(PyTypeError::new_err(format!(
+            "{name} is not torch's C method"
+        )));
+    }
+    Ok(m)
+}
 
 /// `obj` if it is a builtin (C) function, else a TypeError.
 fn builtin<'py>(obj: Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
@@ -109,7 +163,14 @@ fn load(py: Python<'_>) -> PyResult<Torch> {
         Some(view) => Export::View(view),
         None => Export::Capsule(builtin(c.getattr("_to_dlpack")?, "_to_dlpack")?.unbind()),
     };
+    let (tb, sb) = (c.getattr("TensorBase")?, c.getattr("StorageBase")?);
+    let storage = [
+        c_method(&tb, "untyped_storage")?.unbind(),
+        c_method(&sb, "data_ptr")?.unbind(),
+        c_method(&sb, "nbytes")?.unbind(),
+    ];
     Ok(Torch {
+        storage,
         tensor_type,
         export,
         dispatch_keys: dispatch_keys.unbind(),
@@ -144,7 +205,7 @@ fn exchange_view(c: &Bound<'_, PyAny>) -> Option<ViewFn> {
 }
 
 /// torch's functions if `obj` is exactly a torch.Tensor, else None.
-fn torch_for<'a>(py: Python<'a>, obj: &Bound<'_, PyAny>) -> Option<&'a Torch> {
+pub(crate) fn torch_for<'a>(py: Python<'a>, obj: &Bound<'_, PyAny>) -> Option<&'a Torch> {
     let ty = obj.get_type();
     let torch = match TORCH.get(py) {
         Some(t) => t.as_ref()?,
@@ -172,7 +233,15 @@ fn torch_for<'a>(py: Python<'a>, obj: &Bound<'_, PyAny>) -> Option<&'a Torch> {
 /// (which names what is wrong). A tensor's own errors (an export that
 /// raises) fall through to that path too; MemoryError and interrupts
 /// (KeyboardInterrupt is no Exception) are the caller's and propagate.
-pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+///
+/// A tensor whose shape reaches past its storage is an InvalidArgumentError
+/// naming `what` (numpy's path would read past the storage too: torch's
+/// `__array__` does not check), or None without a `what`.
+pub fn read_tensor(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    what: Option<&str>,
+) -> PyResult<Option<Vec<i64>>> {
     let Some(torch) = torch_for(py, obj) else {
         return Ok(None);
     };
@@ -180,14 +249,28 @@ pub fn read_tensor(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Ve
         Err(e) if e.is_instance_of::<PyException>(py) && !e.is_instance_of::<PyMemoryError>(py) => {
             Ok(None)
         }
-        other => other,
+        Ok(Err(Outside)) => match what {
+            Some(w) => Err(crate::errors::invalid_argument(
+                py,
+                format!("{w}: {OUTSIDE}"),
+            )),
+            None => Ok(None),
+        },
+        Ok(Ok(v)) => Ok(v),
+        Err(e) => Err(e),
     }
 }
 
-fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<Option<Vec<i64>>> {
+/// A tensor's view reaches past its storage.
+struct Outside;
+
+type Read = Result<Option<Vec<i64>>, Outside>;
+
+fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<Read> {
     if !torch.is_plain(py, t)? {
-        return Ok(None);
+        return Ok(Ok(None));
     }
+    let span = torch.storage_span(py, t)?;
     match &torch.export {
         Export::View(view) => {
             let mut dl = DLTensor::default();
@@ -197,10 +280,11 @@ fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<O
             if unsafe { view(t.as_ptr().cast(), &mut dl) } != 0 {
                 return Err(PyErr::fetch(py));
             }
-            // SAFETY: the view describes `t`'s own memory, which stays
-            // valid while `t` lives (the caller's argument) and no Python
-            // code runs: none does until the copy is made.
-            unsafe { copy_out(&dl) }
+            // SAFETY: the view describes `t`'s own memory, checked against
+            // its storage's bounds (read just before), which stays valid
+            // while `t` lives (the caller's argument) and no Python code
+            // runs: none does until the copy is made.
+            unsafe { copy_out(&dl, span) }
         }
         Export::Capsule(to_dlpack) => {
             let capsule = to_dlpack.bind(py).call1((t,))?;
@@ -217,35 +301,38 @@ fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<O
             // until the capsule is destroyed (its destructor calls the
             // deleter, since the name is left as it is): `capsule` lives
             // past the copy, and no Python code runs before it.
-            let r = unsafe { copy_out(&(*managed).dl_tensor) };
+            // The capsule's creation ran no Python code after `span` was read.
+            let r = unsafe { copy_out(&(*managed).dl_tensor, span) };
             drop(capsule);
             r
         }
     }
 }
 
-/// The values of a 1-D CPU integer DLPack tensor, or None for any other.
+/// The values of a 1-D CPU integer DLPack tensor, or None for any other;
+/// Outside when they do not lie within `span`, its storage's bytes.
 ///
 /// # Safety
-/// `dl` must describe memory that stays valid and unchanged for the call.
-unsafe fn copy_out(dl: &DLTensor) -> PyResult<Option<Vec<i64>>> {
+/// `dl` must describe memory that stays valid and unchanged for the call,
+/// where it lies within `span`.
+unsafe fn copy_out(dl: &DLTensor, span: (usize, usize)) -> PyResult<Read> {
     if dl.device.device_type != DLDeviceType::CPU || dl.ndim != 1 || dl.dtype.lanes != 1 {
-        return Ok(None);
+        return Ok(Ok(None));
     }
     let kind = match (dl.dtype.code, dl.dtype.bits) {
         (DLDataTypeCode::INT, 8 | 16 | 32 | 64) => b'i',
         (DLDataTypeCode::UINT, 8 | 16 | 32) => b'u',
-        _ => return Ok(None),
+        _ => return Ok(Ok(None)),
     };
     let size = usize::from(dl.dtype.bits / 8);
     if dl.shape.is_null() {
-        return Ok(None);
+        return Ok(Ok(None));
     }
     let Ok(len) = usize::try_from(*dl.shape) else {
-        return Ok(None);
+        return Ok(Ok(None));
     };
     if len == 0 {
-        return Ok(Some(Vec::new()));
+        return Ok(Ok(Some(Vec::new())));
     }
     // Strides may be null before DLPack 1.2: compact.
     let stride = if dl.strides.is_null() { 1 } else { *dl.strides };
@@ -253,117 +340,35 @@ unsafe fn copy_out(dl: &DLTensor) -> PyResult<Option<Vec<i64>>> {
         .ok()
         .and_then(|s| s.checked_mul(size as isize))
     else {
-        return Ok(None);
+        return Ok(Ok(None));
     };
     let extent_ok = (len - 1)
         .checked_mul(step.unsigned_abs())
         .is_some_and(|e| e <= isize::MAX as usize);
     let Ok(offset) = usize::try_from(dl.byte_offset) else {
-        return Ok(None);
+        return Ok(Ok(None));
     };
+    if dl.data.is_null() {
+        // Items but no memory: a storage resized to nothing.
+        return Ok(Err(Outside));
+    }
     let data = (dl.data as *const u8).wrapping_add(offset);
-    if dl.data.is_null() || data as usize % size != 0 || !extent_ok {
-        return Ok(None);
+    if data as usize % size != 0 || !extent_ok {
+        return Ok(Ok(None));
+    }
+    // The bytes the items span (`extent_ok`: no overflow), lowest first.
+    let reach = (len - 1) * step.unsigned_abs();
+    let lo = if step < 0 {
+        (data as usize).wrapping_sub(reach)
+    } else {
+        data as usize
+    };
+    if lo > data as usize || !within(span, lo, lo.saturating_add(reach + size)) {
+        return Ok(Err(Outside));
     }
     // SAFETY: torch's own description of the tensor: `len` items of this
     // integer type, `step` bytes apart from `data`, aligned (checked) and
-    // inside the tensor's storage, valid for the call (the caller's
-    // contract).
-    widen(data, len, step, (kind, size)).map(Some)
-}
-
-/// A C-contiguous CPU tensor's memory, as torch's DLPack view describes it:
-/// the rows of its first dimension, each `row_bytes` long.
-pub struct Dense {
-    pub data: *mut u8,
-    pub rows: usize,
-    pub row_bytes: usize,
-    /// DLPack's (code, bits, lanes) and the shape after the first dimension:
-    /// two tensors whose rows may be copied into each other agree on both.
-    pub dtype: (u8, u8, u16),
-    pub row_shape: Vec<i64>,
-}
-
-impl Dense {
-    pub fn bytes(&self) -> usize {
-        self.rows * self.row_bytes
-    }
-}
-
-/// `obj`'s memory if it is exactly a plain, C-contiguous (size-1 dimensions
-/// aside), at least 1-D CPU torch.Tensor, through torch's borrowed C view;
-/// None for anything else (the caller then takes torch's own path). The
-/// pointer is valid while `obj` lives and its storage is not resized, the
-/// contract of any buffer lent to native code.
-pub fn dense_view(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<Dense>> {
-    let Some(torch) = torch_for(py, obj) else {
-        return Ok(None);
-    };
-    // Only the borrowed view: an owning capsule would have to outlive the
-    // copy, and a torch that lacks the view takes torch's path.
-    let Export::View(view) = &torch.export else {
-        return Ok(None);
-    };
-    if !torch.is_plain(py, obj)? {
-        return Ok(None);
-    }
-    let mut dl = DLTensor::default();
-    // SAFETY: `obj` is exactly a torch.Tensor, the type the exchange API
-    // was taken from; `dl` is a valid place for the view. On failure the
-    // function sets a Python exception.
-    if unsafe { view(obj.as_ptr().cast(), &mut dl) } != 0 {
-        let _ = PyErr::take(py);
-        return Ok(None);
-    }
-    // SAFETY: the view describes `obj`'s live memory and its shape and
-    // strides arrays, read here before any Python code runs.
-    Ok(unsafe { dense_of(&dl) })
-}
-
-/// # Safety
-/// `dl`'s shape and strides arrays must be readable for the call.
-unsafe fn dense_of(dl: &DLTensor) -> Option<Dense> {
-    if dl.device.device_type != DLDeviceType::CPU || dl.ndim < 1 || dl.shape.is_null() {
-        return None;
-    }
-    if dl.dtype.bits % 8 != 0 || dl.dtype.lanes == 0 {
-        return None;
-    }
-    let ndim = usize::try_from(dl.ndim).ok()?;
-    let shape = std::slice::from_raw_parts(dl.shape, ndim);
-    let strides = (!dl.strides.is_null()).then(|| std::slice::from_raw_parts(dl.strides, ndim));
-    // Elements of a C-contiguous tensor: each dimension's stride is the
-    // product of the sizes after it (a size-1 dimension's stride is free).
-    let mut expect: i64 = 1;
-    for d in (0..ndim).rev() {
-        if shape[d] < 0 {
-            return None;
-        }
-        if let Some(st) = strides {
-            if shape[d] != 1 && st[d] != expect {
-                return None;
-            }
-        }
-        expect = expect.checked_mul(shape[d])?;
-    }
-    let item = usize::from(dl.dtype.bits / 8) * usize::from(dl.dtype.lanes);
-    let rows = usize::try_from(shape[0]).ok()?;
-    let row_items = shape[1..]
-        .iter()
-        .try_fold(1usize, |a, &s| a.checked_mul(usize::try_from(s).ok()?))?;
-    let row_bytes = row_items.checked_mul(item)?;
-    if rows.checked_mul(row_bytes)? > isize::MAX as usize {
-        return None;
-    }
-    let offset = usize::try_from(dl.byte_offset).ok()?;
-    if dl.data.is_null() && rows * row_bytes != 0 {
-        return None;
-    }
-    Some(Dense {
-        data: (dl.data as *mut u8).wrapping_add(offset),
-        rows,
-        row_bytes,
-        dtype: (dl.dtype.code.0, dl.dtype.bits, dl.dtype.lanes),
-        row_shape: shape[1..].to_vec(),
-    })
+    // inside the tensor's storage (checked against `span`), valid for the
+    // call (the caller's contract).
+    widen(data, len, step, (kind, size)).map(|v| Ok(Some(v)))
 }
