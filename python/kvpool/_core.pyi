@@ -1298,7 +1298,8 @@ def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
 
     Args:
         dst: the caches, each exactly a ``torch.Tensor``: plain, C-contiguous (size-1
-            dimensions aside), on the CPU, not overlapping one another.
+            dimensions aside), on the CPU, inside its storage (not shrunk below its
+            shape), not overlapping one another.
         slots: a 1-D CPU integer ``torch.Tensor``, one slot per source row.
         src: one tensor per cache, of its dtype and row shape, ``len(slots)`` rows
             (of at least one byte).
