@@ -1,4 +1,4 @@
-"""The bindings' unsafe blocks against hostile Python inputs (rev82's audit).
+"""The bindings' unsafe blocks against hostile Python inputs (an audit of each site).
 
 Every raw pointer the bindings read or write comes from a caller's numpy array
 or torch tensor. These tests pin what each such path assumes about that object

@@ -1,5 +1,6 @@
-//! A standalone per-run (radix-node) prefix index, to bound what issue 34's
-//! per-run bookkeeping could cost at page size 1 (no kvpool internals):
+//! A standalone per-run (radix-node) prefix index, to bound what per-run
+//! bookkeeping could cost at page size 1 (docs/design-per-run-prefix.md;
+//! no kvpool internals):
 //!   cargo build --release -p kvpool-core --example run_index_proto
 //!   target/release/examples/run_index_proto [--quick] [--check] [--only NAME]
 //! `--check` runs the randomized self-test (`run_index_proto/check.rs`)
