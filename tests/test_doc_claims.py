@@ -1,5 +1,5 @@
 """The cheap-to-check claims README.md and docs/*.md make around their examples: the
-README's error table (each class, its base, and the failure it names raises it), the
+docs/errors.md's error table (each class, its base, and the failure it names raises it), the
 files and links they point to, and the flags of the commands they show.
 (tests/test_doc_examples.py runs the ```python blocks themselves.)"""
 
@@ -20,12 +20,12 @@ import kvpool.kernels
 sys.path.insert(0, str(Path(__file__).parent))
 from _doc_blocks import DOCS, ROOT  # noqa: E402
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+ERRORS = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
 
 
 def _error_table() -> dict[str, str]:
-    """README's "Errors" table: exception name -> its row's first cell (with the base it states)."""
-    section = README.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    """docs/errors.md's table: exception name -> its row's first cell (with the base it states)."""
+    section = ERRORS
     rows: dict[str, str] = {}
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -60,7 +60,7 @@ def _pool() -> kvpool.KVPool:
 
 
 def _raises(name: str, fn) -> str:
-    """``fn()`` raises exactly the README's class ``name``; its message."""
+    """``fn()`` raises exactly the error table's class ``name``; its message."""
     assert name in TABLE
     with pytest.raises(getattr(kvpool, name)) as e:
         fn()
