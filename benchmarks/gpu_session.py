@@ -50,7 +50,7 @@ BENCH = ROOT / "benchmarks"
 TESTS = ROOT / "tests"
 KILL_GRACE_S = 5.0
 # A test file needs CUDA when its name says so or it skips itself without CUDA.
-_SKIPS_WITHOUT_CUDA = re.compile(r"skipif\(\s*not\s+torch\.cuda\.is_available\(\)")
+_SKIPS_WITHOUT_CUDA = re.compile(r"skipif\(\s*not\s+(torch\.cuda\.is_available\(\)|CUDA\b)")
 
 
 @dataclass

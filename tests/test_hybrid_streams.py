@@ -116,11 +116,13 @@ def test_cuda_capture_is_refused_before_the_core_changes():
     pool.fork(int(h[0]), 1)
     torch.cuda.synchronize()
     before = (pool.lengths(h).tolist(), pool.open_requests)
-    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     for call in (lambda: pool.extend(h, 1), lambda: pool.admit([2]), lambda: pool.fork(int(h[0]), 1),
                  lambda: pool.open(1), lambda: pool.page_table(h, 1)):
         with pytest.raises(TensorDeviceError, match="being captured"):
-            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+            # A fresh graph each time: torch refuses to capture twice into one instance,
+            # even after a capture that raised.
+            with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
                 call()
         assert (pool.lengths(h).tolist(), pool.open_requests) == before
     pool.extend(h, 1)  # nothing was left half done: the pool still works

@@ -105,10 +105,12 @@ def test_cuda_capture_is_refused_and_queues_nothing(policy):
         calls = {"cache": lambda: pool.cache(h), "close": lambda: pool.close(h, cache=True)}
     torch.cuda.synchronize()
     before = (pool.free_pages, pool.cached_pages, pool.open_requests, pool.offload_bytes)
-    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     for name, call in calls.items():
         with pytest.raises(TensorDeviceError, match=f"{name} was called while a CUDA graph is being captured"):
-            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+            # A fresh graph each time: torch refuses to capture twice into one instance,
+            # even after a capture that raised.
+            with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
                 call()
         assert (pool.free_pages, pool.cached_pages, pool.open_requests, pool.offload_bytes) == before
         nothing_queued(pool)

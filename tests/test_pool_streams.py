@@ -238,12 +238,13 @@ def test_cuda_capture_is_refused_and_does_not_poison_the_pool():
     pool.page_table(hs)
     torch.cuda.synchronize()
     before = (pool.free_pages, pool.open_requests, pool.lengths(hs).tolist())
-    g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     for call in (lambda: pool.extend(hs, 1), lambda: pool.admit([2]), lambda: pool.page_table(hs),
                  lambda: pool.fork(hs[0], 1), lambda: pool.open_with_prefix(PROMPT, [12])):
         with pytest.raises(TensorDeviceError, match="being captured"):
-            with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+            # A fresh graph each time: torch refuses to capture twice into one instance,
+            # even after a capture that raised.
+            with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
                 call()
         assert (pool.free_pages, pool.open_requests, pool.lengths(hs).tolist()) == before
     # The ring's events were never recorded inside a capture: later calls still work.
