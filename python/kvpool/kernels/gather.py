@@ -10,6 +10,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
+from kvpool.kernels.launch import CompiledLaunch
 
 
 @triton.jit
@@ -64,15 +65,44 @@ def _gather_kv_kernel(
         _gather_row(v_cache, v_out, (page * vc_sp + off * vc_so)[:, None, None], out_off,
                     h * vc_sh + d * vc_sd, h * D + d, load_mask, store_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
 
+_LAUNCH = CompiledLaunch(_gather_kv_kernel)
+# Plan key -> (args after the pointers and n, rows per program, grid y, num_warps).
+_PLANS: dict[tuple, tuple[tuple, int, int, int]] = {}
+
+
 def launch_gather_kv(
     k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k_out: torch.Tensor, vo: torch.Tensor,
     kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
 ) -> None:
     """One launch of the gather kernel; arguments validated by ``kvpool.kernels.gather_kv``
-    (without V, ``vc``/``vo``/``vg`` are K's, never touched)."""
+    (without V, ``vc``/``vo``/``vg`` are K's, never touched). As ``launch_store_kv``: the
+    derived arguments are kept per plan key, which also holds what Triton specialises on."""
     n = slots.shape[0]
     ks, ks_ptr = c.scale_args(k_scale, k_out)
     vs, vs_ptr = c.scale_args(v_scale, vo)
+    key = (kg, vg, has_v, k_cache.dtype, vc.dtype, k_out.dtype, vo.dtype, slots.dtype, slots.stride(0),
+           k_scale is None, v_scale is None, ks.dtype if ks_ptr else None, vs.dtype if vs_ptr else None,
+           n == 1, n % 16 == 0, n >= 1 << 31,
+           k_cache.data_ptr() % 16 == 0, vc.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0,
+           k_out.data_ptr() % 16 == 0, vo.data_ptr() % 16 == 0,
+           ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None,
+           k_cache.get_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
+    tail, rows, grid_y, warps = plan
+    args = (k_cache, vc, slots, k_out, vo, ks, vs, n) + tail
+    grid = (-(-n // rows), grid_y)
+    kernel = _gather_kv_kernel  # read at call time: the codegen tests swap in a recorder
+    if kernel is _LAUNCH.fn and _LAUNCH.enabled and k_cache.is_cuda:
+        _LAUNCH.launch(key, grid, args, warps, key[-1])
+    else:
+        kernel[grid](*args, num_warps=warps)
+
+
+def _plan(k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k_out: torch.Tensor, vo: torch.Tensor,
+          kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale,
+          v_scale: c.Scale) -> tuple[tuple, int, int, int]:
     heads, dim = kg.heads, kg.head_dim
     strides = [[kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d],
                [vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d]]
@@ -84,10 +114,8 @@ def launch_gather_kv(
     vec = c.vec_hint(dim, [s for x in strides for s in x[:3]], [x[3] for x in strides], itemsize)
     block_h, block_d, warps = c.tile(heads, dim, itemsize)
     rows = c.rows_to_fill_warp(block_h * block_d, itemsize)
-    _gather_kv_kernel[(triton.cdiv(n, rows), triton.cdiv(heads, block_h))](
-        k_cache, vc, slots, k_out, vo, ks, vs,
-        n, heads, dim, kg.page_size, *strides[0], *strides[1], slots.stride(0),
-        HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        K_HAS_SCALE=k_scale is not None, V_HAS_SCALE=has_v and v_scale is not None,
-        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
-    )
+    tail = (heads, dim, kg.page_size, *strides[0], *strides[1], slots.stride(0),
+            has_v, isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor),  # HAS_V, K/V_SCALE_PTR
+            k_scale is not None, has_v and v_scale is not None,  # K/V_HAS_SCALE
+            rows, block_h, block_d, vec)
+    return tail, rows, triton.cdiv(heads, block_h), warps

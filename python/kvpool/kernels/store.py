@@ -16,6 +16,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
+from kvpool.kernels.launch import CompiledLaunch
 
 
 @triton.jit
@@ -90,15 +91,24 @@ def _store_kv_kernel(
                    v_scale, V_SCALE_PTR, V_HAS_SCALE, V_FP8, V_FP8_MAX)
 
 
+# Batches from this many rows on are prefill-sized: more rows per program.
+_PREFILL_ROWS = 2048
+
+
 def rows_per_program(n: int, tile_elems: int = 1024, itemsize: int = 2) -> int:
     """Tokens per program. Prefill-sized batches: enough rows for a ~4096-element
     tile (more bytes in flight per program, fewer blocks to schedule); decode
     batches: one token per program, so that n programs spread over the SMs, unless
     one row is too short to give a warp 16 bytes a thread (``itemsize``: the
     narrowest element moved): then as many rows as fill one warp."""
-    if n < 2048:
+    if n < _PREFILL_ROWS:
         return c.rows_to_fill_warp(tile_elems, itemsize)
     return max(1, min(8, c.MAX_TILE // tile_elems))
+
+
+_LAUNCH = CompiledLaunch(_store_kv_kernel)
+# Plan key -> (args after the pointers and n, rows per program, grid y, num_warps).
+_PLANS: dict[tuple, tuple[tuple, int, int, int]] = {}
 
 
 def launch_store_kv(
@@ -106,10 +116,39 @@ def launch_store_kv(
     kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
 ) -> None:
     """One launch of the store kernel; arguments validated by ``kvpool.kernels.store_kv``
-    (without V, ``vc``/``vv``/``vg`` are K's, never touched)."""
+    (without V, ``vc``/``vv``/``vg`` are K's, never touched).
+
+    Everything derived from the shapes, strides and dtypes (tile, vector width, rows per
+    program, constexprs) is computed once per plan key and kept; the key also holds
+    what Triton specialises on (see ``kvpool.kernels.launch``), so a plan's compiled
+    kernel is launched directly after its first launch."""
     n = k.shape[0]
     ks, ks_ptr = c.scale_args(k_scale, k)
     vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
+    key = (kg, vg, has_v, k_cache.dtype, vc.dtype, k.dtype, vv.dtype, slots.dtype,
+           k.stride(), vv.stride(), slots.stride(0), k_scale is None, v_scale is None,
+           ks.dtype if ks_ptr else None, vs.dtype if vs_ptr else None,
+           n >= _PREFILL_ROWS, n == 1, n % 16 == 0, n >= 1 << 31,
+           k_cache.data_ptr() % 16 == 0, vc.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0,
+           k.data_ptr() % 16 == 0, vv.data_ptr() % 16 == 0,
+           ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None,
+           k_cache.get_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n)
+    tail, rows, grid_y, warps = plan
+    args = (k_cache, vc, slots, k, vv, ks, vs, n) + tail
+    grid = (-(-n // rows), grid_y)
+    kernel = _store_kv_kernel  # read at call time: the codegen tests swap in a recorder
+    if kernel is _LAUNCH.fn and _LAUNCH.enabled and k_cache.is_cuda:
+        _LAUNCH.launch(key, grid, args, warps, key[-1])
+    else:
+        kernel[grid](*args, num_warps=warps)
+
+
+def _plan(k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, vv: torch.Tensor,
+          kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
+          n: int) -> tuple[tuple, int, int, int]:
     k_fp8 = k_cache.dtype in c.FP8_DTYPES
     v_fp8 = vc.dtype in c.FP8_DTYPES
     heads, dim = kg.heads, kg.head_dim
@@ -126,16 +165,13 @@ def launch_store_kv(
     block_h, block_d, _ = c.tile(heads, dim, itemsize)
     rows = rows_per_program(n, block_h * block_d, itemsize)
     warps = max(1, min(8, rows * block_h * block_d // (32 * per_thread)))  # 16 bytes a thread
-    grid = (triton.cdiv(n, rows), triton.cdiv(heads, block_h))
     (kp, ko, kh, kd), (vp, vo, vh, vd), k_str, v_str = strides
-    _store_kv_kernel[grid](
-        k_cache, vc, slots, k, vv, ks, vs,
-        n, heads, dim, kg.page_size,
-        kp, ko, kh, kd, vp, vo, vh, vd, *k_str, *v_str, slots.stride(0),
-        HAS_V=has_v, K_SCALE_PTR=ks_ptr, V_SCALE_PTR=vs_ptr,
-        K_HAS_SCALE=k_fp8 or k_scale is not None, V_HAS_SCALE=has_v and (v_fp8 or v_scale is not None),
-        K_FP8=k_fp8, V_FP8=v_fp8,
-        K_FP8_MAX=c.fp8_max(k_cache.dtype) if k_fp8 else 0.0,
-        V_FP8_MAX=c.fp8_max(vc.dtype) if v_fp8 else 0.0,
-        ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
-    )
+    tail = (heads, dim, kg.page_size,
+            kp, ko, kh, kd, vp, vo, vh, vd, *k_str, *v_str, slots.stride(0),
+            has_v,  # HAS_V
+            isinstance(k_scale, torch.Tensor), isinstance(v_scale, torch.Tensor) and has_v,  # K/V_SCALE_PTR
+            k_fp8 or k_scale is not None, has_v and (v_fp8 or v_scale is not None),  # K/V_HAS_SCALE
+            k_fp8, v_fp8,
+            c.fp8_max(k_cache.dtype) if k_fp8 else 0.0, c.fp8_max(vc.dtype) if v_fp8 else 0.0,
+            rows, block_h, block_d, vec)
+    return tail, rows, triton.cdiv(heads, block_h), warps

@@ -1,0 +1,131 @@
+"""Launch a compiled Triton kernel through its launcher, once its specialization is known.
+
+``kernel[grid](...)`` re-derives every call's specialization (a type and an alignment
+class per argument), hashes it with the options, looks the compiled kernel up and builds
+launch metadata before it reaches the launcher. Measured on an H200 host (gVisor, Triton
+3.6) for the store kernel's 32 arguments: 22 µs a launch, of which the launcher itself is
+about 6. ``KVPool.write`` is one such launch per layer per step, so an eager engine pays
+that Python in front of every store.
+
+``CompiledLaunch`` pays Triton's path once per *plan key*, keeps the compiled kernel it
+returned, and afterwards calls the launcher itself. The caller builds the key, and it
+must determine everything Triton specialises on: each tensor's dtype and whether its
+address is a multiple of 16, each integer's value class (1, a multiple of 16, the 32-bit
+range), the constexprs and ``num_warps``, and the device. ``KVPOOL_CHECK_LAUNCH=1`` asks
+Triton, at every cached launch, which kernel it would have used, and raises
+``InvariantError`` if that is not the cached one (the GPU checks run with it).
+
+Triton's own path is kept whenever the shortcut cannot be trusted: under the
+interpreter, when a launch hook is installed (profilers such as Proton read launch
+metadata; Triton 3.5+ keeps its hooks in always-present, usually empty chains), when the compiled kernel does not have the launcher interface of Triton
+3.2-3.6 (``run``, ``function``, ``packed_metadata``), or with ``KVPOOL_TRITON_LAUNCH=jit``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from kvpool.errors import InvariantError
+
+__all__ = ["CompiledLaunch", "current_device", "raw_stream"]
+
+_ENABLED = os.environ.get("KVPOOL_TRITON_LAUNCH", "compiled") != "jit"
+_CHECK = os.environ.get("KVPOOL_CHECK_LAUNCH", "") not in ("", "0")
+
+try:  # the raw stream handle Triton's own driver reads (no torch Stream object made)
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    _current_device = torch._C._cuda_getDevice
+except AttributeError:  # pragma: no cover - a torch without CUDA bindings
+    def raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+    def _current_device() -> int:
+        return torch.cuda.current_device()
+
+
+def _runtime_knobs() -> Any:
+    """Triton's ``knobs.runtime`` (launch hooks), or None where Triton has no knobs."""
+    try:
+        from triton import knobs  # type: ignore[import-untyped]
+
+        return knobs.runtime
+    except (ImportError, AttributeError):
+        return None
+
+
+def _no_hook(hook: Any) -> bool:
+    """Whether a launch hook slot is empty: None, or (Triton 3.5 on) a ``HookChain`` with
+    no calls (the launcher would call it, and compute launch metadata, for nothing)."""
+    if hook is None:
+        return True
+    calls = getattr(hook, "calls", None)
+    return isinstance(calls, list) and not calls
+
+
+class CompiledLaunch:
+    """One Triton ``JITFunction`` and the compiled kernels it returned, by plan key.
+
+    ``launch(key, grid, args, num_warps, device)``: ``args`` are every parameter of the
+    kernel in signature order, constexprs included (as Triton's launcher receives
+    them); ``grid`` has two dimensions; ``device`` is the CUDA device index the
+    arguments live on, which must be current.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled: dict[Hashable, tuple[Any, Any, Any, Any]] = {}
+        self._knobs: Any = None
+        # Only a compiled JITFunction returns a kernel with a launcher; the interpreter's
+        # InterpretedFunction (TRITON_INTERPRET=1) launches eagerly and returns nothing usable.
+        self.enabled = _ENABLED and hasattr(fn, "device_caches")
+
+    def launch(self, key: Hashable, grid: tuple[int, int], args: Sequence[Any], num_warps: int,
+               device: int) -> None:
+        hit = self._compiled.get(key)
+        if hit is not None:
+            run, function, metadata, kernel = hit
+            rt = self._knobs
+            if rt is None or (_no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)):
+                if _CHECK:
+                    self._check(kernel, grid, args, num_warps)
+                run(grid[0], grid[1], 1, raw_stream(device), function, metadata, None, None, None, *args)
+                return
+        kernel = self.fn[grid](*args, num_warps=num_warps)
+        if self.enabled and hit is None:
+            self._keep(key, kernel)
+
+    def _keep(self, key: Hashable, kernel: Any) -> None:
+        try:
+            run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
+        except AttributeError:  # another Triton's CompiledKernel: keep Triton's path
+            self.enabled = False
+            return
+        if not callable(run) or function is None:
+            self.enabled = False
+            return
+        if self._knobs is None:
+            self._knobs = _runtime_knobs()
+        self._compiled[key] = (run, function, metadata, kernel)
+
+    def _check(self, kernel: Any, grid: tuple[int, int], args: Sequence[Any], num_warps: int) -> None:
+        would = self.fn.run(*args, grid=grid, warmup=True, num_warps=num_warps)
+        if would is not kernel:
+            raise InvariantError(
+                f"{getattr(self.fn, '__name__', self.fn)}: the cached launch's key does not determine "
+                "Triton's specialization (Triton would compile or pick another kernel for these "
+                "arguments); launch with KVPOOL_TRITON_LAUNCH=jit and report this")
+
+    def clear(self) -> None:
+        self._compiled.clear()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+
+def current_device() -> int:
+    """The current CUDA device's index (the launcher launches on the current device)."""
+    return _current_device()
