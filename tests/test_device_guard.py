@@ -1,6 +1,6 @@
 """Launches run on their tensors' device (kernels/_guard.py). Two CUDA devices are
-mocked: the guard's current-device read and torch.cuda.device are replaced by a fake
-that tracks which device is current."""
+mocked: torch.cuda.current_device / torch.cuda.device are replaced by a fake that
+tracks which device is current."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ class FakeCuda:
 def cuda(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(torch.cuda, "current_device", fake.current_device)
-    monkeypatch.setattr(_guard, "_current_device", fake.current_device)
     monkeypatch.setattr(torch.cuda, "device", fake.device)
     return fake
 

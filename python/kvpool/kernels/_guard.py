@@ -18,12 +18,17 @@ __all__ = ["on_device"]
 
 _NULL = contextlib.nullcontext()
 
-# A tensor on ``device`` exists, so CUDA is initialised: read the current device without
-# torch.cuda.current_device()'s lazy-init wrapper (measured ~1 µs of a launch's host time).
-try:
-    _current_device = torch._C._cuda_getDevice
-except AttributeError:  # pragma: no cover - a torch built without CUDA
-    _current_device = torch.cuda.current_device
+_TORCH_CURRENT_DEVICE = torch.cuda.current_device
+
+
+def _current_device() -> int:
+    """torch.cuda.current_device(), without its lazy-init wrapper once CUDA is initialised
+    (~1 µs of an eager launch's host time); a replaced torch.cuda.current_device (the
+    tests' fake devices) is called as it is."""
+    get = torch.cuda.current_device
+    if get is _TORCH_CURRENT_DEVICE and torch.cuda._initialized:
+        return torch._C._cuda_getDevice()
+    return get()
 
 
 def on_device(device: torch.device) -> AbstractContextManager:
