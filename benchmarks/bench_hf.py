@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=count(4), default=2048, help="prompt ids are drawn from [3, vocab) (2048)")
     p.add_argument("--threads", type=count(1), default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model, prompts and pool live (cpu)")
     p.add_argument("--save-checkpoint", metavar="PATH")
     args = p.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     s = HFSettings(batches=tuple(int(b) for b in args.batches.split(",")), rounds=args.rounds,
                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, page_size=args.page_size,
                    hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                   vocab=args.vocab, seed=args.seed)
+                   vocab=args.vocab, seed=args.seed, device=args.device)
     model = build_model(s)
     if args.save_checkpoint:
         model.save_pretrained(args.save_checkpoint)
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         "token_mismatches": run["token_mismatches"], "results": run["results"],
     }
     print(f"generate tokens/s, Llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, float32 CPU, {args.threads} thread(s), "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, float32 {args.device}, {args.threads} thread(s), "
           f"page {args.page_size}, median of {args.rounds} rounds (wall clock; CPU: this thread's CPU time)")
     print(f"{'batch':>5} {'DynamicCache':>13} {'KVPoolCache':>12} {'kvpool/dynamic':>15} {'(CPU time)':>11}")
     for row in run["results"]:

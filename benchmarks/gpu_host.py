@@ -2,7 +2,9 @@
 scheduler thread pays for `extend(B=256)` (one decode token each), `admit` (16 new
 requests of 128 tokens), an eager `write` of B rows (device and host slots), and
 `DecodeGraphRunner.run` of a 2-layer toy step at batch B (host and device inputs), with the GPU never synchronised
-inside the timed loop (a call that waited for the GPU would show here); and
+inside the timed loop (a call that waited for the GPU would show here; the runner's
+figures are synchronised after each call, untimed, since its replay outlasts its host
+part); and
 `write_overhead`: eager `write` / `read` over the bare copies into the same buffers,
 per layout at 1 and 64 rows (kvpool.bench.rows_cost, target write <= 15 µs).
 
@@ -77,8 +79,12 @@ def measure(iters: int, B: int) -> dict[str, Any]:
     device = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device=dev) for a in host)
     with torch.inference_mode():
         runner.capture()
-        out["runner_run_host_inputs"] = _time(lambda i: runner.run(*host), iters)
-        out["runner_run_device_inputs"] = _time(lambda i: runner.run(*device), iters)
+        # A replay of this step at B=256 is ~3 ms of GPU work, far more than run()'s host
+        # part: back to back, run() would soon wait for the launch queue or the pinned
+        # ring and time the GPU. Synchronised after each call (untimed), it times the host.
+        # (gpu_check's no_sync section shows run() does not wait on queued work.)
+        out["runner_run_host_inputs"] = _time(lambda i: runner.run(*host), iters, after=lambda r: sync())
+        out["runner_run_device_inputs"] = _time(lambda i: runner.run(*device), iters, after=lambda r: sync())
     for name, r in out.items():
         if isinstance(r, dict):
             log(f"[host_us] {name:>26}: median {r['median_us']:8.2f} us, p90 {r['p90_us']:8.2f} us")

@@ -11,8 +11,13 @@ this order, so that a session that is cut short still has the most basic answers
   codegen      tests/test_kernels_codegen.py on the box's Triton        codegen.xml
   gpu_check    benchmarks/gpu_check.py under its own --budget-s          gpu_check.json
   host_us      host us per extend(B=256), admit, eager write, runner.run host_us.json
+  launch       an eager write's host us, part by part, against Triton's
+               own launch path and a bare launcher                      launch.json
+  hf           generate tokens/s, KVPoolCache against DynamicCache, on
+               the GPU (benchmarks/bench_hf.py --device cuda)           hf.json
   cuda_tests:F every test file that needs CUDA (tests/test_*cuda*.py and any file
-               that skips without CUDA), one section per file           cuda_tests/F.xml
+               that skips without CUDA), one section per file, with
+               KVPOOL_CHECK_LAUNCH=1                                    cuda_tests/F.xml
   shapes       store/gather/copy_slots GB/s for fp8, MLA 576, head_dim 64 and 72,
                one KV head, page 16; the PTX access opcodes each got     shapes.json
 
@@ -86,10 +91,17 @@ def plan(out: Path, device: str, py: str = sys.executable) -> list[Section]:
                                    "--budget-s", "100", *dev]
                 + (["--only", "correctness,runner,shared_pages,host_tier"] if dry else [])),
         Section("host_us", 40, [py, str(BENCH / "gpu_host.py"), "--out", str(out / "host_us.json"), *dev]),
+        Section("launch", 40, [py, str(BENCH / "gpu_launch.py"), "--out", str(out / "launch.json"), *dev]),
+        Section("hf", 60, [py, str(BENCH / "bench_hf.py"), "--out", str(out / "hf.json"), *dev]
+                + (["--rounds", "1", "--batches", "1", "--prompt-len", "16", "--new-tokens", "4"] if dry
+                   else ["--rounds", "3"])),
     ]
     for f in cuda_test_files():
+        # Every cached Triton launch in these tests is checked against the kernel Triton
+        # itself would pick (kvpool/kernels/launch.py).
         sections.append(Section(f"cuda_tests:{f.stem}", 90,
-                                [*pytest, str(f), f"--junitxml={out / 'cuda_tests' / (f.stem + '.xml')}"]))
+                                [*pytest, str(f), f"--junitxml={out / 'cuda_tests' / (f.stem + '.xml')}"],
+                                env={"KVPOOL_CHECK_LAUNCH": "1"}))
     # Last: supplementary figures, saved after every shape, so a cut run keeps what ran.
     sections.append(Section("shapes", 60, [py, str(BENCH / "gpu_shapes.py"), "--out", str(out / "shapes.json"), *dev]))
     return sections

@@ -49,7 +49,8 @@ def test_dry_run_of_the_whole_session(tmp_path):
     bad = {k: v for k, v in sections.items() if v["status"] != "ok"}
     assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
-    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", *cuda, "shapes"]
+    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", *cuda,
+                              "shapes"]
     for sec in sections.values():
         assert (out / sec["log"]).exists() and sec["seconds"] <= sec["budget_s"]
 
@@ -76,6 +77,12 @@ def test_dry_run_of_the_whole_session(tmp_path):
     shapes = {(r["layout"], r["rows"]) for r in host["write_overhead"]}
     assert shapes == {(layout, rows) for layout in ("token", "paged") for rows in (1, 64)}
     assert all(r["write_us"] > 0 and r["bare_write_us"] > 0 for r in host["write_overhead"])
+    launch = json.loads((out / "launch.json").read_text())
+    for tag in ("token_x1", "token_x64", "paged_x1", "paged_x64"):
+        for part in ("write", "bare_index_copy_x2", "read", "bare_index_select_x2"):
+            assert launch[f"{tag}:{part}"]["median_us"] > 0, (tag, part, launch.get(f"{tag}:{part}"))
+    hf = json.loads((out / "hf.json").read_text())
+    assert hf["settings"]["device"] == "cpu" and hf["token_mismatches"] == 0 and hf["results"][0]["kvpool_tok_s"] > 0
     shapes = json.loads((out / "shapes.json").read_text())["shapes"]
     assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
     for name, r in shapes.items():

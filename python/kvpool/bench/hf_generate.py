@@ -49,6 +49,7 @@ class HFSettings:
     kv_heads: int = 2
     vocab: int = 2048
     seed: int = 0
+    device: str = "cpu"  # "cuda": model, prompts and pool on the GPU, timed with a sync at each end
 
 
 def cache_kw() -> str:
@@ -69,15 +70,22 @@ def build_model(s: HFSettings) -> Any:
                       tie_word_embeddings=False)
     with torch.inference_mode(False), torch.no_grad():
         torch.manual_seed(s.seed)
-        return LlamaForCausalLM(cfg).eval()
+        return LlamaForCausalLM(cfg).eval().to(s.device)
+
+
+def _sync(device: Any) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_once(model: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> tuple[float, float, torch.Tensor]:
     """(wall s, this thread's CPU s, sequences) of one greedy ``generate``."""
+    _sync(ids.device)
     c0, t0 = time.thread_time(), time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **{cache_kw(): cache},
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    _sync(ids.device)
     return time.perf_counter() - t0, time.thread_time() - c0, out
 
 
@@ -87,14 +95,16 @@ def update_us(make: Any, s: HFSettings, batch: int, steps: int) -> float:
     hd = s.hidden // s.heads
     g = torch.Generator().manual_seed(s.seed)
     with torch.inference_mode(), make() as cache:
-        kv = torch.randn(batch, s.kv_heads, s.prompt_len, hd, generator=g)
+        kv = torch.randn(batch, s.kv_heads, s.prompt_len, hd, generator=g).to(s.device)
         for layer in range(s.layers):
             cache.update(kv, kv, layer)
-        one = torch.randn(batch, s.kv_heads, 1, hd, generator=g)
+        one = torch.randn(batch, s.kv_heads, 1, hd, generator=g).to(s.device)
+        _sync(s.device)
         t0 = time.perf_counter_ns()
         for _ in range(steps):
             for layer in range(s.layers):
                 cache.update(one, one, layer)
+        _sync(s.device)
         return (time.perf_counter_ns() - t0) / steps / 1e3
 
 
@@ -135,7 +145,7 @@ def compare(s: HFSettings, model: Any = None) -> dict[str, Any]:
     pool = pool_for_model(model, max_tokens=top * per_row + 64, page_size=s.page_size,
                           max_requests=top, max_context_len=s.prompt_len + s.new_tokens)
     g = torch.Generator().manual_seed(s.seed)
-    prompts = {b: torch.randint(3, s.vocab, (b, s.prompt_len), generator=g) for b in s.batches}
+    prompts = {b: torch.randint(3, s.vocab, (b, s.prompt_len), generator=g).to(s.device) for b in s.batches}
     times: dict[tuple[int, str], list[tuple[float, float]]] = {(b, c): [] for b in s.batches
                                                                 for c in ("dynamic", "kvpool")}
     mismatches = 0
