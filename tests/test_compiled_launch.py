@@ -228,3 +228,34 @@ def test_gather_plans_give_the_launch_a_fresh_computation_gives():
                 assert (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
             else:
                 assert type(x) is type(y) and x == y
+
+
+def test_the_kept_kernels_start_over_past_max_plans(env, monkeypatch):
+    monkeypatch.setattr(L, "MAX_PLANS", 3)
+    log: list = []
+    cl = L.CompiledLaunch(FakeJit(log))
+    for key in range(7):
+        cl.launch(key, (1, 1), (key,), 1, 0)
+        assert len(cl) <= 3
+    cl.launch(6, (1, 1), (6,), 1, 0)  # kept after the last start-over: the launcher
+    assert log[-1][0] == "launcher"
+
+
+def test_store_plans_start_over_past_max_plans(monkeypatch):
+    import torch
+    from _codegen import recording
+
+    import kvpool.kernels as K
+    from kvpool.kernels import store
+
+    monkeypatch.setattr(store, "MAX_PLANS", 2)
+    store._PLANS.clear()
+    kc = torch.zeros((64, 2, 8))
+    with recording(store, "_store_kv_kernel") as rec:
+        for n in (1, 2, 3, 16, 1):
+            K.store_kv(kc, kc.clone(), torch.arange(n), torch.ones(n, 2, 8), torch.ones(n, 2, 8))
+            assert len(store._PLANS) <= 2
+    first, again = rec.calls[0], rec.calls[4]  # n = 1 before and after a start-over
+    assert len(rec.calls) == 5 and first[0] == again[0] and first[2] == again[2]
+    assert [x for x in first[1] if not isinstance(x, torch.Tensor)] == \
+        [x for x in again[1] if not isinstance(x, torch.Tensor)]

@@ -31,7 +31,12 @@ import torch
 
 from kvpool.errors import InvariantError
 
-__all__ = ["CompiledLaunch", "current_device", "raw_stream"]
+__all__ = ["MAX_PLANS", "CompiledLaunch", "current_device", "raw_stream"]
+
+# Plans and compiled kernels kept per kernel. A pool needs a handful (per dtype, layout
+# and batch-size class); callers whose tensors' strides keep changing would otherwise
+# grow the caches without bound, so they start over past this many.
+MAX_PLANS = 4096
 
 _ENABLED = os.environ.get("KVPOOL_TRITON_LAUNCH", "compiled") != "jit"
 _CHECK = os.environ.get("KVPOOL_CHECK_LAUNCH", "") not in ("", "0")
@@ -109,6 +114,8 @@ class CompiledLaunch:
             return
         if self._knobs is None:
             self._knobs = _runtime_knobs()
+        if len(self._compiled) >= MAX_PLANS:
+            self._compiled.clear()
         self._compiled[key] = (run, function, metadata, kernel)
 
     def _check(self, kernel: Any, grid: tuple[int, int], args: Sequence[Any], num_warps: int) -> None:

@@ -16,7 +16,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels.launch import CompiledLaunch
+from kvpool.kernels.launch import MAX_PLANS, CompiledLaunch
 
 
 @triton.jit
@@ -135,6 +135,8 @@ def launch_store_kv(
            k_cache.get_device())
     plan = _PLANS.get(key)
     if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         plan = _PLANS[key] = _plan(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n)
     tail, rows, grid_y, warps = plan
     args = (k_cache, vc, slots, k, vv, ks, vs, n) + tail
