@@ -248,7 +248,7 @@ def test_store_plans_start_over_past_max_plans(monkeypatch):
     import kvpool.kernels as K
     from kvpool.kernels import store
 
-    monkeypatch.setattr(store, "MAX_PLANS", 2)
+    monkeypatch.setattr(L, "MAX_PLANS", 2)
     store._PLANS.clear()
     kc = torch.zeros((64, 2, 8))
     with recording(store, "_store_kv_kernel") as rec:
@@ -259,3 +259,21 @@ def test_store_plans_start_over_past_max_plans(monkeypatch):
     assert len(rec.calls) == 5 and first[0] == again[0] and first[2] == again[2]
     assert [x for x in first[1] if not isinstance(x, torch.Tensor)] == \
         [x for x in again[1] if not isinstance(x, torch.Tensor)]
+
+
+def test_a_launcher_that_refuses_the_arguments_falls_back_to_triton(env):
+    """Another Triton's launcher convention (say, constexprs left out) raises TypeError
+    before launching: that launch and every later one go through kernel[grid]."""
+    log: list = []
+    fake = FakeJit(log)
+    cl = L.CompiledLaunch(fake)
+    cl.launch("key", (1, 1), ("x",), 1, 0)
+
+    def refuses(*a):
+        raise TypeError("function takes 12 positional arguments but 13 were given")
+
+    fake.kernels["k0"].run = refuses
+    cl._compiled["key"] = (refuses,) + cl._compiled["key"][1:]
+    cl.launch("key", (1, 1), ("x",), 1, 0)
+    cl.launch("key", (1, 1), ("x",), 1, 0)
+    assert [e[0] for e in log] == ["jit", "jit", "jit"] and not cl.enabled and len(cl) == 0

@@ -10,7 +10,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels.launch import MAX_PLANS, CompiledLaunch
+from kvpool.kernels.launch import CompiledLaunch, Plan, launch_planned
 
 
 @triton.jit
@@ -66,8 +66,7 @@ def _gather_kv_kernel(
                     h * vc_sh + d * vc_sd, h * D + d, load_mask, store_mask, v_scale, V_SCALE_PTR, V_HAS_SCALE)
 
 _LAUNCH = CompiledLaunch(_gather_kv_kernel)
-# Plan key -> (args after the pointers and n, rows per program, grid y, num_warps).
-_PLANS: dict[tuple, tuple[tuple, int, int, int]] = {}
+_PLANS: dict[tuple, Plan] = {}  # plan key -> plan (kvpool.kernels.launch)
 
 
 def launch_gather_kv(
@@ -87,24 +86,14 @@ def launch_gather_kv(
            k_out.data_ptr() % 16 == 0, vo.data_ptr() % 16 == 0,
            ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None,
            k_cache.get_device())
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale)
-    tail, rows, grid_y, warps = plan
-    args = (k_cache, vc, slots, k_out, vo, ks, vs, n) + tail
-    grid = (-(-n // rows), grid_y)
-    kernel = _gather_kv_kernel  # read at call time: the codegen tests swap in a recorder
-    if kernel is _LAUNCH.fn and _LAUNCH.enabled and k_cache.is_cuda:
-        _LAUNCH.launch(key, grid, args, warps, key[-1])
-    else:
-        kernel[grid](*args, num_warps=warps)
+    launch_planned(_LAUNCH, _gather_kv_kernel, _PLANS, key,
+                   lambda: _plan(k_cache, vc, slots, k_out, vo, kg, vg, has_v, k_scale, v_scale),
+                   (k_cache, vc, slots, k_out, vo, ks, vs), n, k_cache.is_cuda)
 
 
 def _plan(k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k_out: torch.Tensor, vo: torch.Tensor,
           kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale,
-          v_scale: c.Scale) -> tuple[tuple, int, int, int]:
+          v_scale: c.Scale) -> Plan:
     heads, dim = kg.heads, kg.head_dim
     strides = [[kg.stride_page, kg.stride_off, kg.stride_h, kg.stride_d],
                [vg.stride_page, vg.stride_off, vg.stride_h, vg.stride_d]]

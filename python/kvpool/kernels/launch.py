@@ -16,22 +16,23 @@ Triton, at every cached launch, which kernel it would have used, and raises
 ``InvariantError`` if that is not the cached one (the GPU checks run with it).
 
 Triton's own path is kept whenever the shortcut cannot be trusted: under the
-interpreter, when a launch hook is installed (profilers such as Proton read launch
-metadata; Triton 3.5+ keeps its hooks in always-present, usually empty chains), when the compiled kernel does not have the launcher interface of Triton
-3.2-3.6 (``run``, ``function``, ``packed_metadata``), or with ``KVPOOL_TRITON_LAUNCH=jit``.
+interpreter; when a launch hook is installed (profilers such as Proton read launch
+metadata; Triton 3.5+ keeps its hooks in always-present, usually empty chains); when the
+compiled kernel does not have the launcher interface of Triton 3.2-3.6 (``run``,
+``function``, ``packed_metadata``); or with ``KVPOOL_TRITON_LAUNCH=jit``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from kvpool.errors import InvariantError
 
-__all__ = ["MAX_PLANS", "CompiledLaunch", "current_device", "raw_stream"]
+__all__ = ["MAX_PLANS", "CompiledLaunch", "current_device", "launch_planned", "raw_stream"]
 
 # Plans and compiled kernels kept per kernel. A pool needs a handful (per dtype, layout
 # and batch-size class); callers whose tensors' strides keep changing would otherwise
@@ -97,10 +98,16 @@ class CompiledLaunch:
             if rt is None or (_no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)):
                 if _CHECK:
                     self._check(kernel, grid, args, num_warps)
-                run(grid[0], grid[1], 1, raw_stream(device), function, metadata, None, None, None, *args)
-                return
+                try:
+                    run(grid[0], grid[1], 1, raw_stream(device), function, metadata, None, None, None, *args)
+                    return
+                except TypeError:
+                    # A launcher that takes other arguments (another Triton's convention) refuses
+                    # them before it launches anything: keep Triton's own path from now on.
+                    self.enabled = False
+                    self._compiled.clear()
         kernel = self.fn[grid](*args, num_warps=num_warps)
-        if self.enabled and hit is None:
+        if self.enabled and key not in self._compiled:
             self._keep(key, kernel)
 
     def _keep(self, key: Hashable, kernel: Any) -> None:
@@ -136,3 +143,27 @@ class CompiledLaunch:
 def current_device() -> int:
     """The current CUDA device's index (the launcher launches on the current device)."""
     return _current_device()
+
+
+# A plan: (arguments after the pointers and n, rows per program, grid y, num_warps).
+Plan = tuple[tuple, int, int, int]
+
+
+def launch_planned(launch: CompiledLaunch, kernel: Any, plans: dict[tuple, Plan], key: tuple,
+                   make_plan: Callable[[], Plan], head: tuple, n: int, on_cuda: bool) -> None:
+    """Launch ``kernel`` over ``n`` rows with ``head`` (its pointer arguments), ``n`` and the
+    rest of the arguments from ``key``'s plan (made by ``make_plan`` the first time).
+    ``kernel`` is the module's kernel as read at the call (the codegen tests swap in a
+    recorder); ``key[-1]`` is the device index, current at the call."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = make_plan()
+    tail, rows, grid_y, warps = plan
+    args = head + (n,) + tail
+    grid = (-(-n // rows), grid_y)
+    if kernel is launch.fn and launch.enabled and on_cuda:
+        launch.launch(key, grid, args, warps, key[-1])
+    else:
+        kernel[grid](*args, num_warps=warps)

@@ -16,7 +16,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
-from kvpool.kernels.launch import MAX_PLANS, CompiledLaunch
+from kvpool.kernels.launch import CompiledLaunch, Plan, launch_planned
 
 
 @triton.jit
@@ -107,8 +107,7 @@ def rows_per_program(n: int, tile_elems: int = 1024, itemsize: int = 2) -> int:
 
 
 _LAUNCH = CompiledLaunch(_store_kv_kernel)
-# Plan key -> (args after the pointers and n, rows per program, grid y, num_warps).
-_PLANS: dict[tuple, tuple[tuple, int, int, int]] = {}
+_PLANS: dict[tuple, Plan] = {}  # plan key -> plan (kvpool.kernels.launch)
 
 
 def launch_store_kv(
@@ -133,24 +132,14 @@ def launch_store_kv(
            k.data_ptr() % 16 == 0, vv.data_ptr() % 16 == 0,
            ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None,
            k_cache.get_device())
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n)
-    tail, rows, grid_y, warps = plan
-    args = (k_cache, vc, slots, k, vv, ks, vs, n) + tail
-    grid = (-(-n // rows), grid_y)
-    kernel = _store_kv_kernel  # read at call time: the codegen tests swap in a recorder
-    if kernel is _LAUNCH.fn and _LAUNCH.enabled and k_cache.is_cuda:
-        _LAUNCH.launch(key, grid, args, warps, key[-1])
-    else:
-        kernel[grid](*args, num_warps=warps)
+    launch_planned(_LAUNCH, _store_kv_kernel, _PLANS, key,
+                   lambda: _plan(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n),
+                   (k_cache, vc, slots, k, vv, ks, vs), n, k_cache.is_cuda)
 
 
 def _plan(k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, vv: torch.Tensor,
           kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool, k_scale: c.Scale, v_scale: c.Scale,
-          n: int) -> tuple[tuple, int, int, int]:
+          n: int) -> Plan:
     k_fp8 = k_cache.dtype in c.FP8_DTYPES
     v_fp8 = vc.dtype in c.FP8_DTYPES
     heads, dim = kg.heads, kg.head_dim
