@@ -32,7 +32,7 @@ import torch
 
 from kvpool.errors import InvariantError
 
-__all__ = ["MAX_PLANS", "CompiledLaunch", "current_device", "launch_planned", "raw_stream"]
+__all__ = ["MAX_PLANS", "CompiledLaunch", "Plan", "launch_planned", "raw_stream"]
 
 # Plans and compiled kernels kept per kernel. A pool needs a handful (per dtype, layout
 # and batch-size class); callers whose tensors' strides keep changing would otherwise
@@ -44,13 +44,9 @@ _CHECK = os.environ.get("KVPOOL_CHECK_LAUNCH", "") not in ("", "0")
 
 try:  # the raw stream handle Triton's own driver reads (no torch Stream object made)
     raw_stream = torch._C._cuda_getCurrentRawStream
-    _current_device = torch._C._cuda_getDevice
 except AttributeError:  # pragma: no cover - a torch without CUDA bindings
     def raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
-
-    def _current_device() -> int:
-        return torch.cuda.current_device()
 
 
 def _runtime_knobs() -> Any:
@@ -138,11 +134,6 @@ class CompiledLaunch:
 
     def __len__(self) -> int:
         return len(self._compiled)
-
-
-def current_device() -> int:
-    """The current CUDA device's index (the launcher launches on the current device)."""
-    return _current_device()
 
 
 # A plan: (arguments after the pointers and n, rows per program, grid y, num_warps).
