@@ -60,4 +60,22 @@ impl SlotAllocator {
     pub fn index_ghosts_for_tests(&self) -> usize {
         self.prefix.ghosts_for_tests()
     }
+
+    /// Per page of the request `handle` holds, in order: its registration
+    /// id and its parent's (`prefix/index.rs`), or None for an unregistered
+    /// page. Ids are internal: a test reads them only to pin how a chain's
+    /// consecutive registrations are numbered (docs/design-per-run-prefix.md).
+    #[doc(hidden)]
+    pub fn registrations_for_tests(&self, handle: i64) -> Result<Vec<Option<(u64, u64)>>> {
+        let row = self.requests.resolve(handle)?;
+        Ok(self
+            .requests
+            .held_pages(row)
+            .iter()
+            .map(|&p| match self.pages.entry(p) {
+                0 => None,
+                e => Some(self.prefix.registration_for_tests(e)),
+            })
+            .collect())
+    }
 }

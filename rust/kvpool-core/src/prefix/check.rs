@@ -219,6 +219,13 @@ impl PrefixIndex {
     pub(crate) fn ghosts_for_tests(&self) -> usize {
         self.ghosts.len()
     }
+
+    /// `(registration id, parent's registration id)` of the entry `entry`
+    /// (index + 1, as a page's record names it).
+    pub(crate) fn registration_for_tests(&self, entry: u32) -> (u64, u64) {
+        let e = &self.entries[entry as usize - 1];
+        (e.reg, e.parent_reg)
+    }
 }
 
 #[cfg(test)]
