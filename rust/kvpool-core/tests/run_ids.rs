@@ -50,7 +50,11 @@ fn one_pass_numbers_a_chain_as_one_run() {
     for ps in [1, 16] {
         let mut a = pool(ps);
         let (h, _) = open(&mut a, &seq(96, 5));
-        assert!(a.registrations_for_tests(h).unwrap().iter().all(Option::is_none));
+        assert!(a
+            .registrations_for_tests(h)
+            .unwrap()
+            .iter()
+            .all(Option::is_none));
         a.cache(&[h]).unwrap();
         let r = regs(&a, h, 0);
         assert_eq!(r.len(), 96 / ps);
@@ -69,7 +73,11 @@ fn rows_of_one_call_are_a_run_each() {
     let (rx, ry) = (regs(&a, x, 0), regs(&a, y, 0));
     assert_run(&rx);
     assert_run(&ry);
-    assert_eq!(ry[0], (rx[29].0 + 1, 0), "the next row starts a run of its own");
+    assert_eq!(
+        ry[0],
+        (rx[29].0 + 1, 0),
+        "the next row starts a run of its own"
+    );
 }
 
 #[test]
@@ -80,7 +88,8 @@ fn a_later_pass_continues_the_chain_and_starts_a_run_when_others_registered_betw
         a.cache(&[h]).unwrap();
         let first = regs(&a, h, 0);
         // Nothing registered since: the next pass takes the very next ids.
-        a.extend(&[h], Counts::Each(32), Some(&seq(32, 300))).unwrap();
+        a.extend(&[h], Counts::Each(32), Some(&seq(32, 300)))
+            .unwrap();
         a.cache(&[h]).unwrap();
         let both = regs(&a, h, 0);
         assert_eq!(&both[..first.len()], &first[..]);
@@ -90,13 +99,18 @@ fn a_later_pass_continues_the_chain_and_starts_a_run_when_others_registered_betw
         let (other, _) = open(&mut a, &seq(16, 900));
         a.cache(&[other]).unwrap();
         let between = regs(&a, other, 0);
-        a.extend(&[h], Counts::Each(32), Some(&seq(32, 600))).unwrap();
+        a.extend(&[h], Counts::Each(32), Some(&seq(32, 600)))
+            .unwrap();
         a.cache(&[h]).unwrap();
         let all = regs(&a, h, 0);
         let (old, new) = all.split_at(both.len());
         assert_eq!(old, &both[..]);
         assert_run(new);
-        assert_eq!(new[0].1, both.last().unwrap().0, "the new run hangs under the old tip");
+        assert_eq!(
+            new[0].1,
+            both.last().unwrap().0,
+            "the new run hangs under the old tip"
+        );
         assert_eq!(new[0].0, between.last().unwrap().0 + 1);
         a.check().unwrap();
     }
@@ -115,7 +129,11 @@ fn a_hit_is_the_cached_run_and_the_rest_a_run_under_its_last_page() {
     assert_eq!(hit, 40);
     a.cache(&[g]).unwrap();
     let r = regs(&a, g, 0);
-    assert_eq!(&r[..40], &cached[..], "a hit holds the cached pages, ids and all");
+    assert_eq!(
+        &r[..40],
+        &cached[..],
+        "a hit holds the cached pages, ids and all"
+    );
     assert_run(&r[40..]);
     assert_eq!(r[40].1, cached[39].0);
     a.check().unwrap();
@@ -139,7 +157,11 @@ fn ids_are_never_reused_through_eviction() {
     }
     // 5 prompts of 60 pages each do not fit 256 pages together: eviction
     // ran, and re-registered content got ids no page had before.
-    assert!(seen.len() > 5 * 60, "{} ids for 300 distinct pages", seen.len());
+    assert!(
+        seen.len() > 5 * 60,
+        "{} ids for 300 distinct pages",
+        seen.len()
+    );
     let max = *seen.iter().max().unwrap();
     assert_eq!(seen.len() as u64, max, "ids are 1..=max, each used once");
 }
