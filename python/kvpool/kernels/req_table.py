@@ -17,6 +17,8 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvpool.kernels.launch import CompiledLaunch, Plan, launch_planned
+
 
 @triton.jit
 def _write_req_to_token_kernel(
@@ -50,19 +52,38 @@ def _write_req_to_token_kernel(
         tl.store(dst + idx, s.to(table_ptr.dtype.element_ty), mask=m)
 
 
+_LAUNCH = CompiledLaunch(_write_req_to_token_kernel)
+_PLANS: dict[tuple, Plan] = {}  # plan key -> plan (kvpool.kernels.launch)
+
+
 def launch_write_req_to_token(
     req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
     slots: torch.Tensor, offsets: torch.Tensor | None,
 ) -> None:
     """One launch of the table kernel; arguments validated by
-    ``kvpool.kernels.write_req_to_token``."""
+    ``kvpool.kernels.write_req_to_token``.
+
+    A device pool's ``extend`` makes this launch at every step. Its plan key holds what
+    Triton specialises on (``kvpool.kernels.launch``): dtypes, exact strides, the batch
+    size's value class and BLOCK_B, each pointer's 16-byte alignment and the device, so
+    after a key's first launch its compiled kernel is launched directly."""
     b = rows.shape[0]
+    offs = offsets if offsets is not None else counts  # (read only with HAS_OFFSETS)
     # BLOCK_B only sizes the on-device prefix sum; with host offsets it is unused,
     # so keep it fixed rather than compiling a new variant per power-of-two batch size.
     block_b = min(max(triton.next_power_of_2(b), 16), 1024) if offsets is None else 16
-    _write_req_to_token_kernel[(b,)](
-        req_to_token, rows, starts, counts, offsets if offsets is not None else counts, slots,
-        b, req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0),
-        (offsets if offsets is not None else counts).stride(0), slots.stride(0),
-        HAS_OFFSETS=offsets is not None, BLOCK_B=block_b, BLOCK=1024, num_warps=4,
-    )
+    head = (req_to_token, rows, starts, counts, offs, slots)
+    key = (req_to_token.dtype, rows.dtype, starts.dtype, counts.dtype, offs.dtype, slots.dtype,
+           req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0), offs.stride(0),
+           slots.stride(0), offsets is not None, block_b, b == 1, b % 16 == 0, b >= 1 << 31,
+           *(t.data_ptr() % 16 == 0 for t in head), req_to_token.get_device())
+    launch_planned(_LAUNCH, _write_req_to_token_kernel, _PLANS, key,
+                   lambda: _plan(req_to_token, rows, starts, counts, offs, slots, offsets is not None, block_b),
+                   head, b, req_to_token.is_cuda)
+
+
+def _plan(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+          offs: torch.Tensor, slots: torch.Tensor, has_offsets: bool, block_b: int) -> Plan:
+    tail = (req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0), offs.stride(0),
+            slots.stride(0), has_offsets, block_b, 1024)  # ..., HAS_OFFSETS, BLOCK_B, BLOCK
+    return tail, 1, 1, 4  # one program per request, 4 warps
