@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import _codegen as cg
 import pytest
 import torch
-
-import _codegen as cg
 
 REASON = cg.cuda_target_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
