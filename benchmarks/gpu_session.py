@@ -15,6 +15,9 @@ this order, so that a session that is cut short still has the most basic answers
                own launch path and a bare launcher                      launch.json
   hf           generate tokens/s, KVPoolCache against DynamicCache, on
                the GPU (benchmarks/bench_hf.py --device cuda)           hf.json
+  hf_split     where generate's host time goes on the GPU: the caches'
+               update (and KVPoolCache.update's parts), attention, the
+               rest (benchmarks/hf_split.py --device cuda --parts)       hf_split.json
   cuda_tests:F every test file that needs CUDA (tests/test_*cuda*.py and any file
                that skips without CUDA), one section per file, with
                KVPOOL_CHECK_LAUNCH=1                                    cuda_tests/F.xml
@@ -95,6 +98,8 @@ def plan(out: Path, device: str, py: str = sys.executable) -> list[Section]:
         Section("hf", 60, [py, str(BENCH / "bench_hf.py"), "--out", str(out / "hf.json"), *dev]
                 + (["--rounds", "1", "--batches", "1", "--prompt-len", "16", "--new-tokens", "4"] if dry
                    else ["--rounds", "3"])),
+        Section("hf_split", 60, [py, str(BENCH / "hf_split.py"), "--parts", "--out", str(out / "hf_split.json"), *dev]
+                + (["--rounds", "1", "--prompt-len", "16", "--new-tokens", "4"] if dry else ["--rounds", "3"])),
     ]
     for f in cuda_test_files():
         # Every cached Triton launch in these tests is checked against the kernel Triton

@@ -49,7 +49,7 @@ def test_dry_run_of_the_whole_session(tmp_path):
     bad = {k: v for k, v in sections.items() if v["status"] != "ok"}
     assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
-    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", *cuda,
+    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", "hf_split", *cuda,
                               "shapes"]
     for sec in sections.values():
         assert (out / sec["log"]).exists() and sec["seconds"] <= sec["budget_s"]
@@ -83,6 +83,10 @@ def test_dry_run_of_the_whole_session(tmp_path):
             assert launch[f"{tag}:{part}"]["median_us"] > 0, (tag, part, launch.get(f"{tag}:{part}"))
     hf = json.loads((out / "hf.json").read_text())
     assert hf["settings"]["device"] == "cpu" and hf["token_mismatches"] == 0 and hf["results"][0]["kvpool_tok_s"] > 0
+    split = json.loads((out / "hf_split.json").read_text())
+    assert split["settings"]["device"] == "cpu" and split["settings"]["parts"]
+    assert {"begin_step", "store", "kv", "flush"} <= set(split["results"]["kvpool"])
+    assert all(split["results"][c]["total"] > split["results"][c]["update"] > 0 for c in ("dynamic", "kvpool"))
     shapes = json.loads((out / "shapes.json").read_text())["shapes"]
     assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
     for name, r in shapes.items():
