@@ -2,7 +2,9 @@
 ``launch`` section): the whole call against its parts (``store_rows``,
 ``launch_store_kv``), against two bare ``index_copy_``, a bare torch op and empty Triton
 kernels, and against Triton's own ``kernel[grid]`` path for the same arguments, its
-binder, its cache key and the compiled launcher alone; plus a cProfile of the call.
+binder, its cache key and the compiled launcher alone; plus a cProfile of the call. Also
+``write_req_to_token`` for a decode batch of 256 (the launch a device pool's ``extend``
+makes every step) through its kept compiled kernel and through Triton's own path.
 
 Host µs per call, median and p90, the GPU synchronised (untimed) every few calls so that
 no figure waits on a full launch queue. ``--device cpu`` is a dry run of the logic (a
@@ -161,7 +163,31 @@ def measure(dev: str, calls: int) -> dict[str, Any]:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
                 out["cprofile_write_token_x1"] = s.getvalue()
+    _table_launch(dev, rec)
     return out
+
+
+def _table_launch(dev: str, rec: Callable[[str, Callable[[], Any]], None]) -> None:
+    """``write_req_to_token`` of one slot for each of 256 requests: through the kept compiled
+    kernel (``kvpool.kernels.launch``) and, on a GPU, through Triton's ``kernel[grid]``."""
+    from kvpool.kernels import ops
+
+    b = 256
+    table = torch.zeros((b, 64), dtype=torch.int32, device=dev)
+    rows, slots = torch.arange(b, device=dev), torch.arange(b, device=dev)
+    starts, counts = torch.zeros(b, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.int64, device=dev)
+    rec("table_b256:write_req_to_token", lambda: ops.write_req_to_token(table, rows, starts, counts, slots))
+    if RUN.dry:
+        return
+    from kvpool.kernels import req_table
+
+    kept = req_table._LAUNCH.enabled
+    req_table._LAUNCH.enabled = False  # Triton's own path for the same call
+    try:
+        rec("table_b256:write_req_to_token_triton_path",
+            lambda: ops.write_req_to_token(table, rows, starts, counts, slots))
+    finally:
+        req_table._LAUNCH.enabled = kept
 
 
 def main() -> int:

@@ -81,6 +81,7 @@ def test_dry_run_of_the_whole_session(tmp_path):
     for tag in ("token_x1", "token_x64", "paged_x1", "paged_x64"):
         for part in ("write", "bare_index_copy_x2", "read", "bare_index_select_x2"):
             assert launch[f"{tag}:{part}"]["median_us"] > 0, (tag, part, launch.get(f"{tag}:{part}"))
+    assert launch["table_b256:write_req_to_token"]["median_us"] > 0, launch.get("table_b256:write_req_to_token")
     hf = json.loads((out / "hf.json").read_text())
     assert hf["settings"]["device"] == "cpu" and hf["token_mismatches"] == 0 and hf["results"][0]["kvpool_tok_s"] > 0
     split = json.loads((out / "hf_split.json").read_text())
