@@ -7,10 +7,10 @@ reads the K/V ``update`` returned) and the rest of the model, by wrapping the
 two with ``time.thread_time``. Medians over alternated rounds, µs per new token
 (the prompt step included), one torch thread.
 
-With ``--parts``, inside ``KVPoolCache.update`` it also reports the parts (included in
-its figure, which their own timers then inflate a little): the step's start (``begin_step``: the pool's extend, the page table), the pool stores
-(``store``), the K/V handed to attention (``kv``: layer-buffer copies or gathers) and
-``flush``. With ``--device cuda`` (model, prompts and pool on the GPU) thread-CPU time
+With ``--parts``, inside ``KVPoolCache.update`` it also reports its parts (included in its
+figure, which their own timers then inflate a little): the step's start (``begin_step``:
+the pool's extend, the page table and the flushes it makes), the pool stores (``store``),
+the K/V handed to attention (``kv``: layer-buffer copies or gathers) and ``flush``. With ``--device cuda`` (model, prompts and pool on the GPU) thread-CPU time
 is the host time of the launches, which is what the split is for there; the GPU session
 runs it (``hf_split`` section).
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvpool.integrations.transformers import KVPoolCache, pool_for_model
     from kvpool.pool import KVPool
 
-    parts: tuple[str, ...] = ("begin_step", "store", "kv", "flush")
+    parts = ("begin_step", "store", "kv", "flush") if a.parts else ()
     spent = dict.fromkeys(("attention", "update", *parts), 0.0)
 
     def timed(name: str, f: Any) -> Any:
@@ -73,14 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     for cls in (DynamicCache, KVPoolCache):
         cls.update = timed("update", cls.update)  # type: ignore[method-assign]
     # The parts of KVPoolCache.update (BatchRequests takes the pool's store when it is made).
-    if not a.parts:
-        parts = ()
-    else:
+    if a.parts:
         _requests.BatchRequests.begin_step = timed(  # type: ignore[method-assign]
             "begin_step", _requests.BatchRequests.begin_step)
-        _requests.BatchRequests.flush = timed("flush", _requests.BatchRequests.flush)
-        KVPool._store_bhtd = timed("store", KVPool._store_bhtd)
-        _pages.StepPages.kv = timed("kv", _pages.StepPages.kv)
+        _requests.BatchRequests.flush = timed("flush", _requests.BatchRequests.flush)  # type: ignore[method-assign]
+        KVPool._store_bhtd = timed("store", KVPool._store_bhtd)  # type: ignore[method-assign]
+        _pages.StepPages.kv = timed("kv", _pages.StepPages.kv)  # type: ignore[method-assign]
 
     s = HFSettings(batches=(a.batch,), prompt_len=a.prompt_len, new_tokens=a.new_tokens, device=a.device)
     model = build_model(s)
