@@ -83,7 +83,7 @@ class StepPages(StepViews):
         self.page, self.h, self.d, self.row = g.page, g.h, g.d, g.row
         self.flat, self.paged, self.layer_step, self.all_pages = g.flat, g.paged, g.layer_step, g.all_pages
         self._page_offsets, self._to_device, self.cpu = g.page_offsets, g.to_device, g.cpu
-        self._all_slots = g.all_slots if g.cpu else None
+        self._all_slots = g.all_slots
         self._layers = len(self.flat)
         self._spares = g.spare_stages
         ctx = getattr(pool, "max_context_len", None)
@@ -275,7 +275,7 @@ class StepPages(StepViews):
             all_slots.as_strided(size, stride, all_slots.storage_offset() + run[0] * hd).copy_(src)
         else:
             rows = src.transpose(2, 3).reshape(both.shape[0], b * n, self.h, 1, self.d)
-            all_slots.index_copy_(1, index_tensor(np.ascontiguousarray(slots, dtype=np.int64)), rows)
+            all_slots.index_copy_(1, self._upload(np.ascontiguousarray(slots, dtype=np.int64)), rows)
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
         if table is not None:
