@@ -15,6 +15,7 @@ class Run:
 
     dev = "cuda"
     dry = False
+    profile = 0  # gpu_host --profile: functions to report from a cProfile of the extends
 
 
 RUN = Run()

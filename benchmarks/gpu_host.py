@@ -56,13 +56,18 @@ def measure(iters: int, B: int) -> dict[str, Any]:
     from kvpool.testing.toy_step import ToyDecode
 
     dev = RUN.dev
-    steps = iters + 10
+    steps = (2 if RUN.profile else 1) * iters + 10
     pool = kvpool.KVPool(2, 8, 128, dtype=torch.bfloat16, device=dev, page_size=16,
                          num_pages=B * (steps + 64) // 16 + 512, max_requests=B + 32, max_context_len=steps + 160)
     out: dict[str, Any] = {"batch": B, "device": dev}
     handles = pool.open(B)
     pool.extend(handles, np.full(B, 16, dtype=np.int64))
     out[f"extend_B{B}"] = _time(lambda i: pool.extend(handles, 1), iters)
+    if RUN.profile:  # which functions the extend's host time goes to (call_profile)
+        from call_profile import profile_calls
+
+        out[f"extend_B{B}_profile"] = profile_calls(
+            type(pool), "extend", lambda: [pool.extend(handles, 1) for _ in range(iters)], RUN.profile)
     last = pool.extend(handles, 1)
 
     counts = np.full(16, 128, dtype=np.int64)
@@ -86,7 +91,7 @@ def measure(iters: int, B: int) -> dict[str, Any]:
         out["runner_run_host_inputs"] = _time(lambda i: runner.run(*host), iters, after=lambda r: sync())
         out["runner_run_device_inputs"] = _time(lambda i: runner.run(*device), iters, after=lambda r: sync())
     for name, r in out.items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "median_us" in r:
             log(f"[host_us] {name:>26}: median {r['median_us']:8.2f} us, p90 {r['p90_us']:8.2f} us")
     out["write_overhead"] = write_overhead(dev, dry=RUN.dry)
     return out
@@ -113,8 +118,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None, help="decode batch (default 256; 8 on cpu)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile the extends (cProfile) and report their N costliest functions")
     args = ap.parse_args()
-    RUN.dev, RUN.dry = args.device, args.device == "cpu"
+    RUN.dev, RUN.dry, RUN.profile = args.device, args.device == "cpu", args.profile
     iters = args.iters or (5 if RUN.dry else 200)
     report = measure(iters, args.batch or (8 if RUN.dry else 256))
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))

@@ -34,6 +34,8 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> None:
+    from call_profile import profile_calls
+
     from kvpool.bench.cli import count
     from kvpool.bench.hf_generate import HFSettings
 
@@ -106,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         if not a.fresh_pool:  # the bench's batch-8 runs leave the pool's free pages out of order
             with KVPoolCache(pool) as cache:
                 run_once(model, other, cache, 2)
-    profile = profile_updates(lambda: run_once(model, ids, KVPoolCache(pool), s.new_tokens), KVPoolCache,
-                              a.profile) if a.profile else {}
+    profile = profile_calls(KVPoolCache, "update", lambda: run_once(model, ids, KVPoolCache(pool), s.new_tokens),
+                            a.profile) if a.profile else {}
     kind_of_pool = "a fresh pool" if a.fresh_pool else "a pool that also serves batch 8"
     print(f"batch {a.batch}, prompt {s.prompt_len}, {s.new_tokens} new, {a.rounds} alternated rounds, {kind_of_pool}, "
           f"{a.device}, thread-CPU µs per new token")
@@ -129,40 +131,6 @@ def main(argv: list[str] | None = None) -> None:
                                     "parts": a.parts},
                        "unit": "thread-CPU us per new token", "results": table, "profile": profile}, fh, indent=1)
         print(f"wrote {a.out}")
-
-
-def profile_updates(generate: Any, cache_cls: Any, top: int) -> dict[str, str]:
-    """cProfile of ``cache_cls.update``'s calls (and nothing else) in one ``generate``: the ``top``
-    functions by own time and by time inside, as printed."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    update = cache_cls.update
-
-    def profiled(*args: Any, **kwargs: Any) -> Any:
-        prof.enable()
-        try:
-            return update(*args, **kwargs)
-        finally:
-            prof.disable()
-
-    cache_cls.update = profiled
-    try:
-        generate()
-    finally:
-        cache_cls.update = update
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, inside s, callers)}
-    out = {}
-    for key, col in (("own", 2), ("inside", 3)):
-        rows = sorted(stats.items(), key=lambda kv: -kv[1][col])[:top]
-        lines = [f"by {key} time: calls, own us, inside us, inside us per call, function"]
-        for (file, line, name), (_, calls, own, inside, _) in rows:
-            where = name if file == "~" else f"{'/'.join(file.split('/')[-2:])}:{line}({name})"
-            lines.append(f"{calls:7d} {own * 1e6:10.0f} {inside * 1e6:10.0f} {inside * 1e6 / calls:8.1f}  {where}")
-        out[key] = "\n".join(lines)
-        print(out[key])
-    return out
 
 
 if __name__ == "__main__":
