@@ -100,7 +100,7 @@ class Faults:
     (armed per call; ``at`` None: nothing fails). Installed over the module
     attributes the pool calls through, and removed by ``remove``."""
 
-    TARGETS = (("kvpool.tables", "write_req_to_token"), ("kvpool.sharing", "write_req_to_token"),
+    TARGETS = (("kvpool.tables", "write_packed_table"), ("kvpool.sharing", "write_req_to_token"),
                ("kvpool.sharing", "copy_slots"))
 
     def __init__(self) -> None:

@@ -283,3 +283,30 @@ def test_cuda_copy_on_write_is_ordered_before_a_write_from_another_stream():
     k, v = pool.read(0, pool.slots(kid[0])[:20])
     assert torch.equal(k, x) and torch.equal(v, x)
     pool.check()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_ring_records_each_copy_on_the_stream_current_at_the_copy():
+    """The ring keeps the current stream's object while that stream stays current; a copy made
+    on another stream must record its event there, or the ring could hand its pinned buffer to
+    the next copy while this one has yet to read it."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ring = PinnedRing(dev, max_depth=2)
+    host = np.arange(8, dtype=np.int64)
+    first = ring.to_device(host)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copy
+        held = ring.to_device(host + 1)
+        assert ring._stream == side
+    # Recorded behind the sleep on `side`: that buffer is still busy, so the next copies
+    # take the other one, and a third must wait for `side` rather than overwrite it.
+    busy = [s for s in ring._slots if s.busy and not s.event.query()]
+    assert len(busy) == 1
+    later = ring.to_device(host + 2)
+    assert ring._stream == torch.cuda.current_stream(dev)
+    again = ring.to_device(host + 3)
+    torch.cuda.synchronize()
+    assert first.tolist() == host.tolist() and held.tolist() == (host + 1).tolist()
+    assert later.tolist() == (host + 2).tolist() and again.tolist() == (host + 3).tolist()

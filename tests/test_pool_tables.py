@@ -195,13 +195,13 @@ def test_device_table_update_passes_16_byte_aligned_segments(counts, monkeypatch
     from kvpool import tables
 
     seen = []
-    real = tables.write_req_to_token
+    real = tables.write_packed_table
 
     def spy(table, rows, starts, counts_d, slots, offsets):
         seen.append([x.data_ptr() % 16 for x in (rows, starts, counts_d, slots, offsets)])
-        real(table, rows, starts, counts_d, slots, offsets=offsets)
+        real(table, rows, starts, counts_d, slots, offsets)
 
-    monkeypatch.setattr(tables, "write_req_to_token", spy)
+    monkeypatch.setattr(tables, "write_packed_table", spy)
     _, packed, b, _ = packed_extend(counts)
     table = torch.zeros((9, 64), dtype=torch.int32)
     host, out = update_req_to_token(table, packed, b)

@@ -5,8 +5,9 @@ The allocator (host) is the single source of truth; device tables are
 write-only mirrors. Each update ships one host array with one non-blocking H2D
 copy (``kvpool.staging.to_device``: the pool's pinned ring on CUDA, since a
 copy from pageable memory may make the driver synchronise with the stream to
-stage it). Nothing is ever read back. The table write itself is
-``kvpool.kernels.write_req_to_token``.
+stage it). Nothing is ever read back. The table write itself is the launch of
+``kvpool.kernels.write_req_to_token`` (``write_packed_table``: the core's own values, not
+checked again).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvpool.kernels import write_req_to_token
+from kvpool.kernels.ops import write_packed_table
 from kvpool.packed import PackedExtend, slots_start
 from kvpool.staging import ToDevice, to_device
 
@@ -59,7 +60,7 @@ def update_req_to_token(
         device int64 tensor (a view of the copied buffer) for ``out_cache_loc``.
     """
     dev = PackedExtend.parse(to_device(packed, req_to_token.device, ring), num_requests)
-    write_req_to_token(req_to_token, dev.rows, dev.starts, dev.counts, dev.slots, offsets=dev.offsets)
+    write_packed_table(req_to_token, dev.rows, dev.starts, dev.counts, dev.slots, dev.offsets)
     return packed[slots_start(num_requests) :], dev.slots
 
 

@@ -14,14 +14,14 @@ from contextlib import AbstractContextManager
 
 import torch
 
-__all__ = ["on_device"]
+__all__ = ["current_device", "on_device"]
 
 _NULL = contextlib.nullcontext()
 
 _TORCH_CURRENT_DEVICE = torch.cuda.current_device
 
 
-def _current_device() -> int:
+def current_device() -> int:
     """torch.cuda.current_device(), without its lazy-init wrapper once CUDA is initialised
     (~1 µs of an eager launch's host time); a replaced torch.cuda.current_device (the
     tests' fake devices) is called as it is."""
@@ -36,6 +36,6 @@ def on_device(device: torch.device) -> AbstractContextManager:
     current one; a no-op context otherwise (CPU, or already current)."""
     if device.type != "cuda" or device.index is None:
         return _NULL
-    if device.index == _current_device():
+    if device.index == current_device():
         return _NULL
     return torch.cuda.device(device.index)

@@ -355,6 +355,23 @@ def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Te
                                  "all requests back to back, skipped ones included)")
 
 
+def write_packed_table(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                       counts: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor) -> None:
+    """``write_req_to_token`` of a pool's own ``extend`` / ``admit``: the index tensors are the
+    parts of the packed array its core made for this very table (``tables.update_req_to_token``),
+    one device copy of values the allocator checked, so only the launch is left. A device
+    pool makes it at every step, where the five index checks cost about 5 µs of host time."""
+    if rows.shape[0] == 0 or slots.shape[0] == 0:
+        return
+    if not c.use_triton(req_to_token):
+        _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
+        return
+    from kvpool.kernels.req_table import launch_write_req_to_token
+
+    with on_device(req_to_token.device):
+        launch_write_req_to_token(req_to_token, rows, starts, counts, slots, offsets)
+
+
 def write_req_to_token(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
