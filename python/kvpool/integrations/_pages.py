@@ -7,9 +7,9 @@ batch (``[B, pages]``) and presents K/V in one of two ways:
 
 - **views, no copy**, when every row's pages are consecutive in the pool and the
   rows start equally far apart (one request on a pool whose free pages come in
-  order): a strided view of the layer's cache; not on a CPU pool with layer buffers,
-  whose views are kept across steps and caches (``_layer_buffers``), where views of
-  the pages would be made anew at every step;
+  order): a strided view of the layer's cache; not with layer buffers on a pool whose
+  caches are one allocation, whose buffers' views are kept across steps and caches
+  (``_layer_buffers``), where views of the pages would be made anew at every step;
 - **layer buffers** otherwise (the default): each layer keeps its rows' K/V in a buffer
   of its own, ``[B, H, capacity, D]`` for K and for V as ``DynamicCache`` keeps its
   tensors, and each step copies only its new tokens into it. A buffer is gathered from
@@ -27,7 +27,7 @@ again from the allocator (``page_table``) at every step.
 
 A step's new K/V go into the pool through ``[B, H, T, D]`` views of the caches when
 its slots are one strided run (every decode step at batch 1; a batch whose rows took
-their pages in turn), else through the pool's index store, layer by layer. On a CPU pool
+their pages in turn), else through the pool's index store, layer by layer. On a pool
 that keeps every layer's K and V in one allocation, the steps of private rows whose
 layers add their tokens to the layer buffers (``later``) are not stored by their layers:
 the owner's ``flush`` stores every such step since the last flush from the buffers at
@@ -44,7 +44,7 @@ only checks its slots against the prediction and takes its views. The views cost
 same to make either way; made together, the code and data that make them stay in
 the CPU's caches, which between two steps the model's weights have evicted.
 
-With layer buffers (on a CPU pool), those steps are deferred too (``take_deferred``): the
+With layer buffers (on such a pool, CPU or CUDA), those steps are deferred too (``take_deferred``): the
 core is not even extended by them until the flush, which catches it up with one extend. A
 deferred step cannot fail: it needs no page (the rows own the page it writes into, and
 share none) and stays within the context length. Inside ``generate`` the core call is the
@@ -110,8 +110,8 @@ class StepPages(StepViews):
         self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._fill = False
         self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
-        # A step of private rows whose layers add their tokens to the layer buffers, on a CPU
-        # pool whose caches are one allocation, is not stored by its layers: the owner's flush
+        # A step of private rows whose layers add their tokens to the layer buffers, on a pool
+        # whose caches are one allocation, is not stored by its layers: the owner's flush
         # stores the steps since the last one from the buffers at once (``store_tokens``).
         self.later = False
         # This step: per layer the K and V store views ((k..., ), (v..., )) or None; per layer
@@ -283,9 +283,11 @@ class StepPages(StepViews):
         assert npages is not None
         self.npages = npages
         if self.layer_buffers and self._all_slots is not None:
-            # A CPU pool with layer buffers reads them even when the rows' pages are one strided
-            # run: their views are kept across steps and caches (``_layer_buffers``), and steps
-            # are deferred (``take_deferred``); views of the pages are made anew every time.
+            # With layer buffers, a pool whose caches are one allocation reads them even when the
+            # rows' pages are one strided run: their views are kept across steps and caches
+            # (``_layer_buffers``), and steps are deferred (``take_deferred``; on CUDA that spares
+            # each step the extend's upload and table launch); views of the pages are made anew
+            # every time.
             self._strided = None
         elif table is not None or self._strided is not None:
             self._strided = strided_run(self.table[:, :npages])
@@ -331,7 +333,7 @@ class StepPages(StepViews):
         """A gathered step with layer buffers: each layer adds the step's tokens to its buffer
         (``_app``) when the buffer holds the rows' first ``before`` tokens, else gathers its
         pages into it (``_fill``), made big enough for the rows' current pages. A decode step
-        that adds, of private rows on a CPU pool, is stored from the buffers at the owner's flush
+        that adds, of private rows on a pool whose caches are one allocation, is stored from the buffers at the owner's flush
         (``later``)."""
         need = self.npages * self.page
         if self._lb is None or self._lb.cap < need:

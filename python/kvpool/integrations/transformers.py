@@ -10,18 +10,19 @@ How it maps onto the pool:
 
 - one pool request per batch row, opened at the first ``update`` (the batch size is
   learned there) and closed by ``close()`` / the ``with`` block / ``reset()``;
-- with layer buffers on a CPU pool, decode steps inside a page the rows own are deferred:
+- with layer buffers (on a pool whose caches are one allocation, as ``KVPool``'s are, CPU or
+  CUDA), decode steps inside a page the rows own are deferred:
   the pool catches up once a page, and before any edit or ``handles`` (``flush``);
 - each forward extends every row once (one ``pool.extend`` for the batch, done by the
   first layer that sees the step), every layer stores its new K/V into those slots
   (two copies into views of the caches when the slots are one strided run, else the
-  pool's store; on a CPU pool, the steps of rows that share no page, read through layer
+  pool's store; with layer buffers, the steps of rows that share no page, read through layer
   buffers, are not stored by their layers: ``flush`` stores every such step since the
   last flush from the buffers in one copy; the K/V are checked here, once per update) and
   returns the rows' full K/V as ``[batch, kv_heads, tokens, head_dim]``, the shape
   attention expects:
   strided views of the pool's own memory when every row's pages are consecutive (one
-  request on a pool handing out pages in order; not on a CPU pool with layer buffers,
+  request on a pool handing out pages in order; not with layer buffers on such a pool,
   which always reads those), else each layer's own buffer of its
   rows' K/V, which each step adds its tokens to and which is gathered from the pages
   only when it grows or the rows change (``_pages.StepPages``; ``layer_buffers=False``:
@@ -155,7 +156,7 @@ class KVPoolCache(NotPicklable, Cache):
         device, not requiring grad, for the open rows, outside grad mode; the first layer of a
         forward starts the step, every layer then stores into the step's slots (two copies into
         views of the caches when the slots are one strided run, else the pool's index store; or,
-        on a CPU pool with layer buffers and rows that share no page, adds its tokens to its
+        with layer buffers and rows that share no page, adds its tokens to its
         layer buffer alone, for ``flush`` to store in the pool) and gets the rows' K/V. Anything
         else (the first forward, a new batch, a wrong tensor, a layer out of step, grad mode)
         goes through ``KVPoolLayer.update``, which checks it in full and raises the typed error.
@@ -214,7 +215,7 @@ class KVPoolCache(NotPicklable, Cache):
     def flush(self) -> None:
         """Bring the pool up to every token the cache holds.
 
-        With layer buffers on a CPU pool, rows that share no page (a cache without
+        With layer buffers, rows that share no page (a cache without
         ``prefix_ids=`` and no fork yet) are stored into the pool from the buffers rather than
         by each layer, and a decode step inside a page the rows already own does not even
         extend their requests: the pool's lengths and caches catch up (one extend, one store)
