@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +102,24 @@ def test_uint64_device_inputs_are_refused():
     loc = torch.tensor([2**64 - 1], dtype=torch.uint64, device="cuda")
     with pytest.raises(kvpool.TensorDtypeError, match="uint64"):
         runner.run([1], [0], [pool.null_row], loc, [1])
+
+
+@pytest.mark.parametrize("lens", [[2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7, 8, 9]])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_device_inputs_replay_as_host_inputs_do(lens, dtype):
+    """Device inputs are loaded by one stack and one pad copy (host inputs by one staged copy):
+    the replays, and what they write into the pools, must agree, padded bucket or full."""
+    pools = [make_pool(device="cuda", dtype=torch.float16) for _ in range(2)]
+    runners = [DecodeGraphRunner(p, ToyDecode(p), 8) for p in pools]
+    with torch.inference_mode():
+        for r in runners:
+            r.capture()
+        handles = [start_requests(p, lens) for p in pools]
+        for step in range(3):
+            host = decode_inputs(pools[0], handles[0], seed=step)
+            dev = tuple(torch.as_tensor(np.asarray(a, dtype=np.int64), device="cuda").to(dtype)
+                        for a in decode_inputs(pools[1], handles[1], seed=step))
+            outs = [runners[0].run(*host).clone(), runners[1].run(*dev).clone()]
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+            for a, b in zip(snapshot(pools[0]), snapshot(pools[1])):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

@@ -187,3 +187,24 @@ def test_cpu_pool_writes_inputs_directly():
     assert runner._to_device is None
     runner.run(*_args(pool))
     assert runner._static[:, :2].tolist() == [list(map(int, x)) for x in _args(pool)]
+
+
+@pytest.mark.parametrize("n,bucket", [(3, 4), (4, 4), (1, 8)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_device_inputs_load_as_one_stack_and_one_pad(n, bucket, mixed):
+    """Device inputs (every input a tensor: what check_inputs passes on for a CUDA pool) are
+    loaded by one stack into the static rows and one copy of the padding. Driven here with CPU
+    tensors straight into _load_inputs: the rows hold the inputs, int32 ones too, and the
+    padding each input's own pad value, over whatever the last step left."""
+    pool = make_pool()
+    runner = DecodeGraphRunner(pool, ToyDecode(pool), max_batch_size=8, enable_graphs=False)
+    runner._static.fill_(-7)  # a previous step's leftovers
+    args = [torch.arange(n, dtype=torch.int64) + 10 * (i + 1) for i in range(len(INPUT_NAMES))]
+    if mixed:
+        args[1], args[4] = args[1].int(), args[4].int()
+    runner._load_inputs(args, n, bucket)
+    static = runner._static
+    for i, a in enumerate(args):
+        assert static[i, :n].tolist() == a.tolist()
+        assert static[i, n:bucket].tolist() == [runner._pad_vals[i]] * (bucket - n)
+    assert (static[:, bucket:] == -7).all()  # past the bucket: untouched

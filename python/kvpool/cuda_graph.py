@@ -179,7 +179,9 @@ class DecodeGraphRunner:
             self._pad = torch.tensor(self._pad_vals, dtype=torch.int64)
             self._pad_dev = self._pad.to(self.device)
             self._static = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, device=self.device)
-            self._static.copy_(self._pad_dev.view(-1, 1).expand(-1, width))
+            # Every input's pad value across the widest bucket: a step's padding is one slice of it.
+            self._pad_wide = self._pad_dev.view(-1, 1).expand(-1, width)
+            self._static.copy_(self._pad_wide)
         # Host inputs -> device: the pool's pinned ring (a true async DMA, and a buffer
         # is reused only once its copy has run), so run() never waits for the previous
         # step's copy. None on CPU: the inputs are written straight into the buffers.
@@ -281,6 +283,13 @@ class DecodeGraphRunner:
     def _load_inputs(self, args: Sequence[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
         static = self._static
+        if all(type(a) is torch.Tensor for a in args):  # all on the device (check_inputs)
+            # One stack into the buffer's rows and one copy of the padding: two launches where
+            # a copy and a fill per input took ten, at ~6 µs of host time each on a GPU box.
+            torch.stack(args, out=static[:, :n])
+            if n < bucket:
+                static[:, n:bucket].copy_(self._pad_wide[:, : bucket - n])
+            return
         host = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):  # on the device
