@@ -47,26 +47,35 @@ class Reference:
             assert torch.equal(k, self.k[layer]) and torch.equal(v, 2 * self.k[layer]), f"layer {layer}"
 
 
+def decode_three_pages(pool: KVPool, cache: KVPoolCache, ref: Reference) -> np.ndarray:
+    """A 5-token prompt, then three pages of decode steps, checking after each that the core
+    lags the cache by exactly the deferred steps and that only a page's first step extends it;
+    then a flush. Returns the handles, read before any flush."""
+    batch = ref.batch
+    ref.step(cache, 5)
+    raw = cache.requests.handles  # read without flushing
+    seen_deferred = []
+    for length in range(6, 6 + 3 * PAGE):
+        ref.step(cache, 1)
+        deferred = cache.requests.deferred
+        seen_deferred.append(deferred)
+        core = pool.allocator.lengths(raw).tolist()
+        assert core == [length - deferred] * batch
+        # A step that starts a page extends the core (after catching it up): nothing deferred.
+        assert (deferred == 0) == ((length - 1) % PAGE == 0), (length, deferred)
+    assert max(seen_deferred) == PAGE - 1
+    cache.flush()
+    assert cache.requests.deferred == 0 and pool.allocator.lengths(raw).tolist() == [5 + 3 * PAGE] * batch
+    return raw
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batch):
     pool = make_pool()
     scramble(pool)
     ref = Reference(batch)
     with torch.inference_mode(), KVPoolCache(pool) as cache:
-        ref.step(cache, 5)
-        raw = cache.requests.handles  # read without flushing
-        seen_deferred = []
-        for length in range(6, 6 + 3 * PAGE):
-            ref.step(cache, 1)
-            deferred = cache.requests.deferred
-            seen_deferred.append(deferred)
-            core = pool.allocator.lengths(raw).tolist()
-            assert core == [length - deferred] * batch
-            # A step that starts a page extends the core (after catching it up): nothing deferred.
-            assert (deferred == 0) == ((length - 1) % PAGE == 0), (length, deferred)
-        assert max(seen_deferred) == PAGE - 1
-        cache.flush()
-        assert cache.requests.deferred == 0 and pool.allocator.lengths(raw).tolist() == [5 + 3 * PAGE] * batch
+        raw = decode_three_pages(pool, cache, ref)
         ref.check_pool(pool, raw)
         pool.allocator.check()
     pool.allocator.check()

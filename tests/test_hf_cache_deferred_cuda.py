@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from _hf_models import greedy, left_padded, tiny_model  # noqa: E402
-from test_hf_cache_deferred import Reference  # noqa: E402
+from test_hf_cache_deferred import Reference, decode_three_pages  # noqa: E402
 from test_hf_cache_steps import LAYERS, PAGE, D, H, stored_in_pool  # noqa: E402
 
 from kvpool import KVPool  # noqa: E402
@@ -79,18 +79,7 @@ def test_steps_inside_a_page_are_deferred_and_land_at_the_next_page(batch, scram
     pool = make_cuda_pool(scrambled)
     ref = CudaReference(batch)
     with torch.inference_mode(), KVPoolCache(pool) as cache:
-        ref.step(cache, 5)
-        raw = cache.requests.handles  # read without flushing
-        seen = []
-        for length in range(6, 6 + 3 * PAGE):
-            ref.step(cache, 1)
-            deferred = cache.requests.deferred
-            seen.append(deferred)
-            assert pool.allocator.lengths(raw).tolist() == [length - deferred] * batch
-            assert (deferred == 0) == ((length - 1) % PAGE == 0), (length, deferred)
-        assert max(seen) == PAGE - 1
-        cache.flush()
-        assert cache.requests.deferred == 0
+        raw = decode_three_pages(pool, cache, ref)
         ref.check_pool(pool, raw)
         # The device page table caught up too: it is what a kernel reading the pool uses.
         rows = torch.as_tensor(pool.allocator.rows(raw).astype(np.int64), device=DEV)
