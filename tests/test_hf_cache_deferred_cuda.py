@@ -129,3 +129,49 @@ def test_generate_on_the_gpu_matches_dynamic_cache(lengths):
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert pool.allocator.used_pages == 0
+
+
+def test_handles_read_from_another_stream_wait_for_the_steps():
+    """A decode step on a side stream, held back by a long kernel, adds its token to the layer
+    buffers there; ``cache.handles`` read on the default stream flushes, and its store from the
+    buffers must wait for the side stream (or the pool gets the buffers' old contents)."""
+    pool = make_cuda_pool(scrambled=False)
+    ref = CudaReference(1)
+    side = torch.cuda.Stream(DEV)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)  # the next step is deferred: its token goes to the buffers alone
+        ks = [torch.randn(1, H, 1, D, generator=ref.g).to(DEV) for _ in range(LAYERS)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the step's copies
+            for layer, k in enumerate(ks):
+                cache.update(k, 2 * k, layer)
+        assert cache.requests.deferred == 1
+        raw = cache.handles  # on the default stream
+        torch.cuda.synchronize()
+        ref.k = [torch.cat([old, k], dim=2) for old, k in zip(ref.k, ks)]
+        ref.check_pool(pool, raw)
+
+
+@pytest.mark.parametrize("steps", [1, PAGE - 1])  # the next step deferred / the next one starting a page
+def test_a_step_under_capture_is_refused_and_decoding_goes_on(steps):
+    from kvpool import TensorDeviceError
+
+    pool = make_cuda_pool(scrambled=False)
+    ref = CudaReference(1, seed=3)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, 5)
+        for _ in range(steps):
+            ref.step(cache, 1)
+        req = cache.requests
+        before = (req.length, req.deferred, len(req.unstored), pool.allocator.lengths(req.handles).tolist())
+        k = torch.randn(1, H, 1, D, device=DEV)
+        side = torch.cuda.Stream(DEV)
+        with pytest.raises(TensorDeviceError, match="being captured"):
+            # (a fresh graph: torch refuses a second capture into one, even after one that raised)
+            with torch.cuda.stream(side), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+                cache.update(k, k, 0)
+        assert (req.length, req.deferred, len(req.unstored), pool.allocator.lengths(req.handles).tolist()) == before
+        for _ in range(PAGE + 1):
+            ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)

@@ -29,6 +29,8 @@ import torch
 
 from kvpool._forksafe import INNER
 from kvpool._forksafe import track as track_for_fork
+from kvpool.kernels._guard import current_device
+from kvpool.kernels.launch import raw_stream
 from kvpool.modes import persistent
 from kvpool.streams import capturing  # of t's device (torch asks the current device's stream)
 
@@ -52,6 +54,19 @@ def stream_wait(t: torch.Tensor, event: Any) -> None:
     """The current stream of ``t``'s device waits for ``event`` (from ``stream_mark``)."""
     if event is not None:
         torch.cuda.current_stream(t.device).wait_event(event)
+
+
+def current_raw_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream (CUDA): cheap enough for every step."""
+    return raw_stream(current_device() if device.index is None else device.index)
+
+
+def follow_stream(device: torch.device, raw: int) -> None:
+    """``device``'s current stream waits for the stream whose raw handle is ``raw`` (the one
+    a cache's steps wrote the layer buffers on), unless it is that stream: a flush called from
+    another stream must not read the buffers before those steps' copies have run."""
+    if current_raw_stream(device) != raw:
+        torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(raw, device=device))
 
 
 def reusable(t: torch.Tensor) -> bool:

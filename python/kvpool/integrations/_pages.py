@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.integrations._layer_buffers import LayerBuffers, reusable, stream_mark, stream_wait
+from kvpool.integrations._layer_buffers import LayerBuffers, follow_stream, reusable, stream_mark, stream_wait
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
@@ -126,6 +126,9 @@ class StepPages(StepViews):
         # layer buffers alone, and reach the core and the pool's caches at ``store_tokens``.
         self.deferring = False
         self._ctx = int(ctx) if ctx else 1 << 62  # no deferred step may pass the context length
+        # CUDA: the raw handle of the stream the last step ran on (its layers wrote the buffers
+        # there), which ``store_tokens`` follows when it runs on another (set by the owner).
+        self.steps_on: int | None = None
 
     def reset(self, batch: int, *, private: bool) -> None:
         """Rows opened or reordered: the next step reads the table from the allocator."""
@@ -264,6 +267,8 @@ class StepPages(StepViews):
         each row's in turn, as many per row as the flush stores)."""
         lb, all_slots = self._lb, self._all_slots
         assert lb is not None and all_slots is not None
+        if self.steps_on is not None:
+            follow_stream(all_slots.device, self.steps_on)
         both = lb.both
         b = self.table.shape[0]
         n = slots.shape[0] // b

@@ -17,11 +17,13 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.integrations._layer_buffers import current_raw_stream
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import reorder_rows
 from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold, store_below, undo_flush
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.streams import refuse_capture
 from kvpool.validate import check_flag
 
 PREFIX_NEEDS_CORE = (
@@ -60,6 +62,7 @@ class BatchRequests:
         # On a CPU pool a tensor's ``is_cpu`` says what comparing its ``device`` would, without
         # making a device object (the fast path tests both K/V at every update).
         self.on_cpu = self.device.type == "cpu"
+        self.cuda = self.device.type == "cuda"
         self.dtype, self.heads, self.head_dim = pool.compute_dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None  # int64 [B]
         self.length = 0
@@ -227,6 +230,12 @@ class BatchRequests:
         if getattr(self.pool, "_row_edits", 0) != self._edits:
             self.check_edits()  # (before the deferred steps' short way, which makes no pool call)
         pages = self.pages
+        stream = None
+        if self.cuda:
+            # A deferred step makes no pool call, and a flush would be recorded into the graph
+            # rather than run: refuse a capture before anything changes, as extend does.
+            refuse_capture(self.device, "KVPoolCache.update")
+            stream = current_raw_stream(self.device)
         if tokens == 1 and pages is not None and pages.deferring:
             # Inside the page the rows last extended into: the token goes to the layer
             # buffers, and the core and the pool catch up at ``flush`` (one extend a page).
@@ -234,6 +243,7 @@ class BatchRequests:
             self.length = before + 1
             self.deferred += 1
             pages.take_deferred(before + 1)
+            pages.steps_on = stream
             self.dst, self.later = None, True
             self.step_shape = (self.batch, self.heads, 1, self.head_dim)
             return
@@ -280,6 +290,7 @@ class BatchRequests:
             self.slot_idx = pool.req_to_token[self._rows, :length].long()
             return
         pages.advance(self.handles, before, length, slots)
+        pages.steps_on = stream  # (after the flush above, which followed the earlier steps' stream)
         self.dst = pages.dst
         self.later = pages.later
         if pages.later:  # (a copy: a decode step's extend writes the next step's slots in place)
@@ -321,6 +332,8 @@ class BatchRequests:
             return
         assert self.handles is not None and self.pages is not None
         pool = self.pool
+        if self.cuda:
+            refuse_capture(self.device, "KVPoolCache.flush")  # (its store would be recorded, not run)
         # Locked from the edit check to the store: another thread's fork/truncate/close of the rows
         # in between would store the tokens at slots the rows no longer own (a copy on write moved).
         with getattr(pool, "_lock", None) or nullcontext():
