@@ -63,6 +63,9 @@ from kvpool.validate import check_flag, check_pool, is_int
 __all__ = ["DecodeGraphRunner", "default_buckets", "grad_mode"]
 
 LOC = INPUT_NAMES.index("out_cache_loc")
+# Device inputs of these dtypes load with one torch.stack into the int64 buffer; torch does not
+# promote uint16/uint32 inputs, which keep a copy each.
+_STACKED = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 #: The largest batch ``default_buckets`` plans for (engines capture a few hundred);
@@ -283,7 +286,7 @@ class DecodeGraphRunner:
     def _load_inputs(self, args: Sequence[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
         static = self._static
-        if all(type(a) is torch.Tensor for a in args):  # all on the device (check_inputs)
+        if all(type(a) is torch.Tensor and a.dtype in _STACKED for a in args):  # all on the device
             # One stack into the buffer's rows and one copy of the padding: two launches where
             # a copy and a fill per input took ten, at ~6 µs of host time each on a GPU box.
             torch.stack(args, out=static[:, :n])
