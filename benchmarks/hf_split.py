@@ -108,8 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         if not a.fresh_pool:  # the bench's batch-8 runs leave the pool's free pages out of order
             with KVPoolCache(pool) as cache:
                 run_once(model, other, cache, 2)
-    profile = profile_calls(KVPoolCache, "update", lambda: run_once(model, ids, KVPoolCache(pool), s.new_tokens),
-                            a.profile) if a.profile else {}
+    def generate_once() -> None:
+        with KVPoolCache(pool) as cache:
+            run_once(model, ids, cache, s.new_tokens)
+
+    profile = profile_calls(KVPoolCache, "update", generate_once, a.profile) if a.profile else {}
     kind_of_pool = "a fresh pool" if a.fresh_pool else "a pool that also serves batch 8"
     print(f"batch {a.batch}, prompt {s.prompt_len}, {s.new_tokens} new, {a.rounds} alternated rounds, {kind_of_pool}, "
           f"{a.device}, thread-CPU µs per new token")

@@ -101,11 +101,14 @@ class KVPoolCache(NotPicklable, Cache):
             pool that has ``open_with_prefix``, rows open on their longest cached prefix
             and ``generate`` computes only the rest; raises ``NotImplementedError`` otherwise.
         salt: optional int64 mixed into the prefix hash (tenant, LoRA id), with ``prefix_ids``.
-        layer_buffers: when the rows' pages are not one strided run (batches whose rows grow
-            in turn), each layer keeps its rows' K/V gathered in a buffer of its own and adds
+        layer_buffers: each layer keeps its rows' K/V gathered in a buffer of its own and adds
             each step's tokens to it, as ``DynamicCache`` keeps its tensors (the fastest, and the
-            default; the memory of one more copy of the batch's K/V). ``False``: the layers
-            share one staging buffer and gather every row's pages at every step.
+            default: decode steps inside a page are deferred, see ``flush``; the memory of one
+            more copy of the batch's K/V, up to twice that just after a buffer grew, on the
+            pool's device). On a pool whose caches are not one allocation, only when the rows'
+            pages are not one strided run. ``False``: no such copy; the layers read the pool in
+            place when the rows' pages are one strided run (one request on a pool handing out
+            pages in order), else share one staging buffer gathered at every step.
 
     Use each cache for one batch and close it (``with`` block, ``close()``) to give the
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
