@@ -130,3 +130,20 @@ def test_follow_stream_waits_only_for_another_stream(monkeypatch):
     assert waits == []
     _layer_buffers.follow_stream(dev, 8)
     assert waits == [(5, 8)]
+
+
+def test_a_first_step_under_capture_leaves_no_rows_open(monkeypatch):
+    s = Streams(monkeypatch)
+    pool = make_pool()
+    ref = Reference(2, seed=2)
+    with torch.inference_mode(), cuda_like_cache(pool) as cache:
+        s.capturing = True
+        k = torch.randn(2, 2, 5, 8)
+        with pytest.raises(TensorDeviceError, match="being captured"):
+            cache.update(k, k, 0)
+        assert pool.allocator.open_requests == 0 and pool.allocator.used_pages == 0
+        s.capturing = False
+        ref.step(cache, 5)
+        ref.step(cache, 1)
+        ref.check_pool(pool, cache.handles)
+    assert pool.allocator.open_requests == 0

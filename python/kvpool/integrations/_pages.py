@@ -44,8 +44,9 @@ only checks its slots against the prediction and takes its views. The views cost
 same to make either way; made together, the code and data that make them stay in
 the CPU's caches, which between two steps the model's weights have evicted.
 
-With layer buffers (on such a pool, CPU or CUDA), those steps are deferred too (``take_deferred``): the
-core is not even extended by them until the flush, which catches it up with one extend. A
+With layer buffers (on such a pool, CPU or CUDA), those steps are deferred too
+(``take_deferred``): the core is not even extended by them until the flush, which catches it
+up with one extend. A
 deferred step cannot fail: it needs no page (the rows own the page it writes into, and
 share none) and stays within the context length. Inside ``generate`` the core call is the
 costliest host work of such a step (between two steps the model's weights evict its code
@@ -338,8 +339,8 @@ class StepPages(StepViews):
         """A gathered step with layer buffers: each layer adds the step's tokens to its buffer
         (``_app``) when the buffer holds the rows' first ``before`` tokens, else gathers its
         pages into it (``_fill``), made big enough for the rows' current pages. A decode step
-        that adds, of private rows on a pool whose caches are one allocation, is stored from the buffers at the owner's flush
-        (``later``)."""
+        that adds, of private rows on a pool whose caches are one allocation, is stored from
+        the buffers at the owner's flush (``later``)."""
         need = self.npages * self.page
         if self._lb is None or self._lb.cap < need:
             self._filled = -1

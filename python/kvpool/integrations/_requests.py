@@ -224,18 +224,23 @@ class BatchRequests:
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``). ``grad``: whether the step runs under grad mode (None: ask torch)."""
         assert self.handles is not None
+        stream = None
+        if self.cuda:
+            # A deferred step makes no pool call, and a flush would be recorded into the graph
+            # rather than run: refuse a capture before anything changes, as extend does.
+            try:
+                refuse_capture(self.device, "KVPoolCache.update")
+            except TensorDeviceError:
+                if self._fresh:  # (rows opened for this step: closed, as a refused extend does)
+                    self.close()
+                raise
+            stream = current_raw_stream(self.device)
         self.grad = torch.is_grad_enabled() if grad is None else grad
         self.fast = self.can_fast and not self.grad
         check_in_step(self.layers, self.length, "a new forward")
         if getattr(self.pool, "_row_edits", 0) != self._edits:
             self.check_edits()  # (before the deferred steps' short way, which makes no pool call)
         pages = self.pages
-        stream = None
-        if self.cuda:
-            # A deferred step makes no pool call, and a flush would be recorded into the graph
-            # rather than run: refuse a capture before anything changes, as extend does.
-            refuse_capture(self.device, "KVPoolCache.update")
-            stream = current_raw_stream(self.device)
         if tokens == 1 and pages is not None and pages.deferring:
             # Inside the page the rows last extended into: the token goes to the layer
             # buffers, and the core and the pool catch up at ``flush`` (one extend a page).
