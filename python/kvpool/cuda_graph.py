@@ -283,7 +283,7 @@ class DecodeGraphRunner:
         return check_inputs(args, self.device, self._num_slots, self._pad_vals[2], self._max_context_len,
                             self.max_batch_size)
 
-    def _load_inputs(self, args: Sequence[Any], n: int, bucket: int) -> None:
+    def _load_inputs(self, args: list[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
         static = self._static
         if all(type(a) is torch.Tensor and a.dtype in _STACKED for a in args):  # all on the device

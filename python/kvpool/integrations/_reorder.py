@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
-from kvpool.integrations._row_checks import undo_flush
+from kvpool.integrations._pending import undo_flush
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "

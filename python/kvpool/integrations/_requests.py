@@ -19,9 +19,10 @@ from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._layer_buffers import current_raw_stream
 from kvpool.integrations._pages import StepPages
+from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import reorder_rows
-from kvpool.integrations._row_checks import check_rows, close_rows, row_slots, rows_hold, store_below, undo_flush
+from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.streams import refuse_capture
 from kvpool.validate import check_flag
@@ -342,32 +343,7 @@ class BatchRequests:
         # Locked from the edit check to the store: another thread's fork/truncate/close of the rows
         # in between would store the tokens at slots the rows no longer own (a copy on write moved).
         with getattr(pool, "_lock", None) or nullcontext():
-            self._flush_locked(n)
-
-    def _flush_locked(self, n: int) -> None:
-        assert self.handles is not None and self.pages is not None
-        parts, pool = self.unstored, self.pool
-        # A counted call named the rows since their pending tokens' slots were taken (a fork, a
-        # swap_in: their pages may have moved, and the extend below may copy one on write).
-        moved = self._moved or (getattr(pool, "_row_edits", 0) != self._edits
-                                and pool._edited_since(self._edits, self.handles))
-        if moved and not rows_hold(pool, self.handles, self.length - n):
-            return  # closed, swapped out or truncated through the pool: the next step refuses
-        if n:
-            slots = pool._extend_host(self.handles, n) if self.host_extend else None
-            if slots is None:
-                slots = pool.extend(self.handles, n).slots
-            self.deferred = 0
-            parts.append(np.asarray(slots, dtype=np.int64).reshape(self.batch, n))
-        if moved:
-            cols = sum(x.shape[1] for x in parts)
-            parts, self._moved = [row_slots(pool, self.handles, self.length - cols, self.length)], False
-        held = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))
-        # A step under way (between two of its layers) is stored with what the layers that
-        # ran have added, and again by the next flush, once every layer has.
-        under = self.length - self.before if any(x.seen != self.length for x in self.layers) else 0
-        self.pages.store_tokens(self.length - held.shape[1], held.reshape(-1))
-        self.unstored = [held[:, held.shape[1] - under :]] if under else []
+            flush_locked(self, n)
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store the step's K/V [B, H, T, D] of ``layer`` at the step's slots with ``pool.write``

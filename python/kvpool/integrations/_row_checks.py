@@ -1,6 +1,6 @@
 """What a cache checks of its rows after pool calls it did not make (``kvpool.row_edits``),
-for ``KVPoolCache`` (``_requests``) and its hybrid form (``_hybrid``), and how ``KVPoolCache``'s
-pending tokens (deferred steps, stores not made yet) follow such calls or its own refused ones."""
+for ``KVPoolCache`` (``_requests``) and its hybrid form (``_hybrid``). How its pending tokens
+follow such calls is ``_pending``'s."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpool.errors import InvalidHandleError, RequestSwappedOutError, RowsChangedError
 
-__all__ = ["check_rows", "close_rows", "row_slots", "rows_hold", "store_below", "undo_flush"]
+__all__ = ["check_rows", "close_rows", "row_slots", "rows_hold"]
 
 
 def check_rows(pool: Any, handles: np.ndarray, tokens: int | None, ahead: int = 0) -> None:
@@ -71,24 +71,3 @@ def row_slots(pool: Any, handles: np.ndarray, start: int, stop: int) -> np.ndarr
     (after a fork or swap_in moved pages, the slots a cache took before name pages that are no
     longer its rows')."""
     return np.stack([np.asarray(pool.slots(h), dtype=np.int64)[start:stop] for h in handles.tolist()])
-
-
-def store_below(req: Any, length: int) -> None:
-    """After a crop to ``length`` of rows truncated through the pool past their pending tokens:
-    store those below ``length`` at the rows' slots now, and drop the rest."""
-    assert req.handles is not None and req.pages is not None
-    first = req.length - req.deferred - sum(x.shape[1] for x in req.unstored)
-    if length > first:
-        req.pages.store_tokens(first, row_slots(req.pool, req.handles, first, length).reshape(-1))
-    req.deferred, req.unstored, req._moved = 0, [], False
-
-
-def undo_flush(req: Any, n: int) -> None:
-    """A step or fork refused after ``flush`` caught the core up with ``n`` deferred steps:
-    shorten the rows back, so that the refusal leaves the pool's lengths as they were (the
-    rows keep the page those steps are in: it holds earlier tokens too), and the steps stay
-    deferred (their tokens, stored meanwhile, are stored again at the next flush)."""
-    assert req.handles is not None
-    req.pool.truncate(req.handles, np.full(req.handles.shape[0], req.length - n, dtype=np.int64))
-    req._edits = getattr(req.pool, "_row_edits", 0)  # (its own truncate, after check_edits)
-    req.deferred = n
