@@ -363,6 +363,12 @@ def write_packed_table(req_to_token: torch.Tensor, rows: torch.Tensor, starts: t
     pool makes it at every step, where the five index checks cost about 5 µs of host time."""
     if rows.shape[0] == 0 or slots.shape[0] == 0:
         return
+    _table_write(req_to_token, rows, starts, counts, slots, offsets)
+
+
+def _table_write(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                 slots: torch.Tensor, offsets: torch.Tensor | None) -> None:
+    """The table write itself, its arguments checked (``write_req_to_token``) or the core's own."""
     if not c.use_triton(req_to_token):
         _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
         return
@@ -424,10 +430,4 @@ def write_req_to_token(
         return
     if dev.type == "cpu":
         _check_table_spans(req_to_token, rows, starts, counts, slots)
-    if not c.use_triton(req_to_token):
-        _ref.write_req_to_token_ref(req_to_token, rows, starts, counts, slots)
-        return
-    from kvpool.kernels.req_table import launch_write_req_to_token
-
-    with on_device(dev):
-        launch_write_req_to_token(req_to_token, rows, starts, counts, slots, offsets)
+    _table_write(req_to_token, rows, starts, counts, slots, offsets)
