@@ -122,7 +122,7 @@ def test_follow_stream_waits_only_for_another_stream(monkeypatch):
             waits.append((self.raw, other.raw))
 
     now = {"raw": 5}
-    monkeypatch.setattr(_layer_buffers, "raw_stream", lambda index: now["raw"])
+    monkeypatch.setattr(_layer_buffers, "current_raw_stream", lambda device: now["raw"])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(now["raw"]))
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda raw, device=None: FakeStream(raw))
     dev = torch.device("cuda", 0)

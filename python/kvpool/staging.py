@@ -28,10 +28,9 @@ import torch
 
 from kvpool._forksafe import INNER
 from kvpool._forksafe import track as track_for_fork
-from kvpool.kernels._guard import current_device
-from kvpool.kernels.launch import raw_stream
 from kvpool.modes import persistent
 from kvpool.packed import pack, unpack
+from kvpool.streams import current_raw_stream
 
 __all__ = ["PinnedRing", "ToDevice", "pool_to_device", "to_device"]
 
@@ -142,8 +141,7 @@ class PinnedRing:
 
     def _current_stream(self) -> Any:
         """``torch.cuda.current_stream(self.device)``, the kept object while its handle is current."""
-        index = self.device.index
-        raw = raw_stream(current_device() if index is None else index)
+        raw = current_raw_stream(self.device)
         if raw != self._raw:
             self._stream, self._raw = torch.cuda.current_stream(self.device), raw
         return self._stream

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from kvpool.errors import TensorDeviceError
-from kvpool.kernels._guard import on_device
+from kvpool.kernels._guard import current_device, on_device
+from kvpool.kernels.launch import raw_stream
 
-__all__ = ["CopyOrder", "capturing", "refuse_capture"]
+__all__ = ["CopyOrder", "capturing", "current_raw_stream", "refuse_capture"]
 
 
 def capturing(device: torch.device) -> bool:
@@ -37,6 +38,12 @@ def capturing(device: torch.device) -> bool:
         return False
     with on_device(device):
         return torch.cuda.is_current_stream_capturing()
+
+
+def current_raw_stream(device: torch.device) -> int:
+    """The raw handle of CUDA ``device``'s current stream: what to compare once per step or copy,
+    where ``torch.cuda.current_stream()`` would make a new Stream object each time."""
+    return raw_stream(current_device() if device.index is None else device.index)
 
 
 def refuse_capture(device: torch.device, what: str) -> None:

@@ -29,10 +29,8 @@ import torch
 
 from kvpool._forksafe import INNER
 from kvpool._forksafe import track as track_for_fork
-from kvpool.kernels._guard import current_device
-from kvpool.kernels.launch import raw_stream
 from kvpool.modes import persistent
-from kvpool.streams import capturing  # of t's device (torch asks the current device's stream)
+from kvpool.streams import capturing, current_raw_stream  # (capturing: of t's device)
 
 # A set keeps the views it made while there are at most this many (a tensor object is a few
 # hundred bytes): every view of a small model's buffers, not those of a long context on many
@@ -54,11 +52,6 @@ def stream_wait(t: torch.Tensor, event: Any) -> None:
     """The current stream of ``t``'s device waits for ``event`` (from ``stream_mark``)."""
     if event is not None:
         torch.cuda.current_stream(t.device).wait_event(event)
-
-
-def current_raw_stream(device: torch.device) -> int:
-    """The raw handle of ``device``'s current stream (CUDA): cheap enough for every step."""
-    return raw_stream(current_device() if device.index is None else device.index)
 
 
 def follow_stream(device: torch.device, raw: int) -> None:

@@ -17,14 +17,13 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
-from kvpool.integrations._layer_buffers import current_raw_stream
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import reorder_rows
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
-from kvpool.streams import refuse_capture
+from kvpool.streams import current_raw_stream, refuse_capture
 from kvpool.validate import check_flag
 
 PREFIX_NEEDS_CORE = (
