@@ -238,6 +238,22 @@ impl SlotAllocator {
                         last = prefix.page_hash(last, list[k + LOOKAHEAD]);
                         ring[slot] = last;
                     }
+                    if fresh && prefix.orphans() == 0 && pages.entry(p) == 0 {
+                        // The page before was registered anew, so it has
+                        // no child: this unregistered page is its only one
+                        // (`register_only_child`), without the tests of
+                        // `register_page_named`, which the other cases need.
+                        let parent_hash = tip.hash;
+                        tip = prefix.register_only_child(p, h, &tip, salt);
+                        pages.set_entry(p, tip.entry);
+                        if events.enabled() {
+                            // (Tested here too: the page's token slice, an
+                            // argument, would be cut even with no event.)
+                            events.stored(h, parent_hash, p, salt, prefix.page_tokens(p));
+                        }
+                        k += 1;
+                        continue;
+                    }
                     match register_page_named(
                         prefix,
                         pages,

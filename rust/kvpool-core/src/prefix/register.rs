@@ -109,6 +109,52 @@ impl PrefixIndex {
         // parent entry to hint it (nor would a gone parent, which
         // `register_page` never registers under).
         let keyed = keyed || live.is_none();
+        let tip = self.file(page, hash, parent, salt, if keyed { KEYED } else { 0 });
+        if keyed {
+            self.table.insert(key_of(hash), tip.entry - 1);
+        }
+        self.adopt_at(parent, live);
+        self.set_hint_at(live, tip.entry - 1);
+        tip
+    }
+
+    /// Registers `page` (chain hash `hash`) under `parent`, an entry the
+    /// call before registered anew, nothing having been registered under
+    /// it or removed since, while no orphan exists: the usual page from a
+    /// chain's second new one on (`cache.rs`). What `register_at` does,
+    /// minus its tests: the page cannot be a duplicate and goes unkeyed
+    /// (`links.rs`), and its parent, which has no child and no hint yet,
+    /// counts and hints it with two stores.
+    #[inline(always)]
+    pub(crate) fn register_only_child(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent: &ChainTip,
+        salt: i64,
+    ) -> ChainTip {
+        let p = (parent.entry - 1) as usize;
+        debug_assert_eq!(self.live_tip(parent), Some(p as u32));
+        debug_assert!(self.orphans == 0 && self.children(p as u32) == 0);
+        debug_assert_eq!(self.entries[p].child, 0);
+        let tip = self.file(page, hash, parent, salt, 0);
+        self.idents[p].links += 1;
+        self.entries[p].child = tip.entry;
+        tip
+    }
+
+    /// A new live entry for `page` under `parent`, with `links` (its key
+    /// flag): the caller files its key and has its parent count and hint
+    /// it.
+    #[inline(always)]
+    fn file(
+        &mut self,
+        page: u32,
+        hash: u128,
+        parent: &ChainTip,
+        salt: i64,
+        links: u32,
+    ) -> ChainTip {
         let reg = self.next_reg;
         self.next_reg += 1;
         let e = Entry {
@@ -123,7 +169,7 @@ impl PrefixIndex {
             hash,
             salt,
             parent: parent.entry,
-            links: if keyed { KEYED } else { 0 },
+            links,
         };
         let idx = match self.free_entries.pop() {
             Some(i) => {
@@ -137,12 +183,7 @@ impl PrefixIndex {
                 (self.entries.len() - 1) as u32
             }
         };
-        if keyed {
-            self.table.insert(key_of(hash), idx);
-        }
         self.live += 1;
-        self.adopt_at(parent, live);
-        self.set_hint_at(live, idx);
         ChainTip {
             hash,
             reg,
