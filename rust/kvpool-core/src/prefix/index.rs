@@ -304,6 +304,11 @@ impl PrefixIndex {
     /// The chain hash of `page`'s tokens under a parent of chain hash `parent`.
     #[inline(always)]
     pub(crate) fn page_hash(&self, parent: u128, page: u32) -> u128 {
+        if self.page_size == 1 {
+            // Every token a page, hashed once per token: its id without a
+            // slice of it and a match on the slice's length.
+            return self.hasher.token(parent, self.tokens[page as usize]);
+        }
         self.hasher.page(parent, self.page_tokens(page))
     }
 
