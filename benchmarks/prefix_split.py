@@ -4,7 +4,9 @@
     python benchmarks/prefix_split.py --scenario system --page-sizes 1,16
 
 Prints µs per step for each call (close, open_with_prefix, the prompt's extend, cache, fork,
-the decode extend, take_copies) and the prompt and hit tokens per step. Figures only; the
+the decode extend, take_copies) and the prompt and hit tokens per step. ``--split-close``
+times a finished request's registration (``cache``) apart from its release
+(``close(cache=False)``), the two halves of ``close(cache=True)``. Figures only; the
 comparison with other caches is ``python -m kvpool.bench prefix``.
 """
 
@@ -21,7 +23,7 @@ from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 
 
 def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int,
-          kv_events: bool = True) -> dict[str, float]:
+          kv_events: bool = True, split_close: bool = False) -> dict[str, float]:
     cfg = PrefixTraceConfig(scenario=scenario, num_slots=num_slots, page_size=page_size,
                             steps=steps, warmup=warmup, kv_events=kv_events)
     trace = generate(cfg)
@@ -42,7 +44,10 @@ def split(scenario: str, page_size: int, num_slots: int, steps: int, warmup: int
     for s in trace.measured:
         finished, groups, decoding, fed = d.prepare(s)
         a, table = d.alloc, d.table
-        if len(finished):
+        if len(finished) and split_close:
+            timed("close: cache", a.cache, finished)
+            timed("close: release", a.close, finished, cache=False)
+        elif len(finished):
             timed("close", a.close, finished, cache=True)
         for prompt, length, lanes, k in groups:
             h, cached = timed("open_with_prefix", a.open_with_prefix, prompt, length, table=table)
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=count(0), default=200)
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                    help="pools without KV events (their index keys by the internal chain)")
+    p.add_argument("--split-close", action="store_true",
+                   help="time a closing request's registration and its release apart")
     args = p.parse_args(argv)
     try:  # every page size's config before the first run: a bad one is a usage error, not a late traceback
         for ps in args.page_sizes:
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         p.error(f"{e}: give --page-sizes that divide --num-slots")
     for ps in args.page_sizes:
-        r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup, args.kv_events)
+        r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup, args.kv_events, args.split_close)
         calls = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not k.endswith("tokens") and k != "total")
         print(f"{args.scenario} page {ps}: {r['total']:.1f} µs/step ({calls}); "
               f"{r['prompt tokens']:.0f} prompt and {r['hit tokens']:.0f} hit tokens per step")

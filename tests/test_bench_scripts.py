@@ -81,6 +81,16 @@ def test_prefix_split_prints_a_run_that_admits_nothing_in_its_measured_steps(scr
     assert out.startswith("system page 16: ") and "0 prompt and 0 hit tokens per step" in out
 
 
+def test_prefix_split_times_a_closing_requests_registration_apart_from_its_release(script, capsys):
+    argv = ["--num-slots", "64K", "--steps", "30", "--warmup", "20", "--page-sizes", "1", "--scenario", "chat"]
+    script("prefix_split").main(argv + ["--split-close"])
+    apart = capsys.readouterr().out
+    script("prefix_split").main(argv)
+    whole = capsys.readouterr().out
+    assert "close: cache " in apart and "close: release " in apart and "close " not in apart.replace("close: ", "")
+    assert "close " in whole and "close: " not in whole
+
+
 @pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--slots", "x"], "--slots")])
 def test_prefix_call_times_rejects_bad_flags_before_it_runs(script, capsys, argv, says):
     line = _usage_error(script("prefix_call_times").main, argv, capsys)
