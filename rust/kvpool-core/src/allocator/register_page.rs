@@ -103,8 +103,10 @@ pub(super) fn register_page_named(
     }
     // An unregistered page under a parent with no child yet (and no orphan
     // anywhere) cannot be a duplicate: skip the probe and leave it
-    // unkeyed, for its parent's hint to reach (`prefix/links.rs`). The
-    // usual case from a chain's second new page on.
+    // unkeyed, for its parent's hint to reach (`prefix/links.rs`). (The
+    // usual case, a chain's next new page under a fresh parent while no
+    // orphan exists, is `register_row`'s own, `register_only_child`; other
+    // callers, e.g. the grouped allocator's anchor chain, come here.)
     // (A fresh parent has no child yet: it was registered with none, and
     // only a registration under it, this one, would add one.)
     let childless = own.is_none()
