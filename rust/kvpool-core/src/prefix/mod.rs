@@ -4,6 +4,7 @@
 //! - `hashing.rs`: the chain hash `h_i = H(seed, h_{i-1}, tokens of page i)`;
 //! - `keys.rs`, `key_table.rs`: the lookup key of a hash and its table;
 //! - `index.rs`: the entries and their verification;
+//! - `tokens.rs`: every slot's token ids and the chain hashes of pages;
 //! - `register.rs`: filing, relinking and removing entries;
 //! - `ghosts.rs`: what a removed entry with children leaves behind, so
 //!   that recomputing its content revives its chain (`ghost_table.rs`:
@@ -30,3 +31,4 @@ mod lookup;
 mod register;
 pub(crate) mod tiers;
 pub(crate) mod tip;
+mod tokens;
