@@ -15,7 +15,9 @@
 //! - at page 1 (every token a page): open_with_prefix and cache() of a
 //!   4096-token prompt (cache() also without events: the internal chain),
 //!   and close() of a request holding it, shared with another request or
-//!   the last holder (every page back to CACHED).
+//!   the last holder (every page back to CACHED); cache() of 256 requests'
+//!   output pages, written by 256 interleaved decode steps (scattered and
+//!   cold, as a finished request's are) or appended in one extend.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -204,6 +206,45 @@ fn cache_4096(ps: usize, events: bool, reps: usize) -> f64 {
     median(samples)
 }
 
+/// ns a page of cache() registering 256 requests' last 256 tokens at page
+/// 1: with `decoded`, written one decode step at a time for all 256
+/// requests together (each request's output pages lie ~256 pages apart,
+/// and were written long before, as at `close(cache=True)`), else
+/// appended to each request in one extend just before (a prompt's pages).
+fn cache_outputs_page1(decoded: bool, reps: usize) -> f64 {
+    const N: usize = 256;
+    let mut a = pool(1 << 20, 1, true);
+    let mut samples = Vec::new();
+    for rep in 0..reps.div_ceil(10) {
+        let h = a.open(N).unwrap();
+        // Distinct prompts, so that nothing is shared or hit.
+        let prompts: Vec<i64> = (0..N * 64)
+            .map(|i| ((i + rep * N * 64) * 7919 % 32000) as i64)
+            .collect();
+        a.extend(&h, Counts::Each(64), Some(&prompts)).unwrap();
+        a.cache(&h).unwrap();
+        let out: Vec<i64> = (0..N * N).map(|i| (i * 31 % 32000) as i64).collect();
+        if decoded {
+            for step in out.chunks_exact(N) {
+                a.extend(&h, Counts::Each(1), Some(step)).unwrap();
+            }
+        } else {
+            // Request r's outputs in order: out[r * N..(r + 1) * N].
+            let by_row: Vec<i64> = (0..N * N).map(|i| out[(i % N) * N + i / N]).collect();
+            a.extend(&h, Counts::Each(N as i64), Some(&by_row)).unwrap();
+        }
+        for &r in &h {
+            let t0 = Instant::now();
+            a.cache(&[r]).unwrap();
+            samples.push(t0.elapsed().as_nanos() as f64 / N as f64);
+        }
+        a.close(&h, false).unwrap();
+        a.clear_cache();
+        a.take_events();
+    }
+    median(samples)
+}
+
 /// us of evict(256) with 256 CACHED pages.
 fn evict_256(reps: usize) -> f64 {
     let mut a = pool(1 << 20, 16, true);
@@ -306,6 +347,16 @@ fn main() {
         "close_4096_to_cached_page1_us",
         "us",
         close_hit(1, false, reps),
+    );
+    row!(
+        "cache_decoded_outputs_page1_ns_per_page",
+        "ns",
+        cache_outputs_page1(true, reps),
+    );
+    row!(
+        "cache_appended_outputs_page1_ns_per_page",
+        "ns",
+        cache_outputs_page1(false, reps),
     );
     row!("evict_256_us", "us", evict_256(reps));
     println!("{{{}}}", json.join(", "));
