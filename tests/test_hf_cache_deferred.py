@@ -47,6 +47,18 @@ class Reference:
             assert torch.equal(k, self.k[layer]) and torch.equal(v, 2 * self.k[layer]), f"layer {layer}"
 
 
+def reorder_and_decode_past_a_page(pool: KVPool, cache: KVPoolCache, ref: Reference, order: list[int],
+                                   device: str | None = None) -> None:
+    """Reorders the rows as beam search does (a row kept twice is forked), checks the pool holds
+    every row's tokens, then decodes past the next page start and checks again."""
+    cache.reorder_cache(torch.tensor(order, device=device))
+    ref.reorder(order)
+    ref.check_pool(pool, cache.handles)
+    for _ in range(PAGE + 1):
+        ref.step(cache, 1)
+    ref.check_pool(pool, cache.handles)
+
+
 def decode_three_pages(pool: KVPool, cache: KVPoolCache, ref: Reference) -> np.ndarray:
     """A 5-token prompt, then three pages of decode steps, checking after each that the core
     lags the cache by exactly the deferred steps and that only a page's first step extends it;
@@ -138,12 +150,7 @@ def test_reorder_forks_rows_with_their_deferred_tokens():
         ref.step(cache, 1)
         ref.step(cache, 1)
         assert cache.requests.deferred == 2
-        cache.reorder_cache(torch.tensor([1, 1, 0]))
-        ref.reorder([1, 1, 0])
-        ref.check_pool(pool, cache.handles)
-        for _ in range(PAGE + 1):
-            ref.step(cache, 1)
-        ref.check_pool(pool, cache.handles)
+        reorder_and_decode_past_a_page(pool, cache, ref, [1, 1, 0])
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
 

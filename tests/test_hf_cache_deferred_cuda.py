@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from _hf_models import greedy, left_padded, tiny_model  # noqa: E402
-from test_hf_cache_deferred import Reference, decode_three_pages  # noqa: E402
+from test_hf_cache_deferred import Reference, decode_three_pages, reorder_and_decode_past_a_page  # noqa: E402
 from test_hf_cache_steps import LAYERS, PAGE, D, H, stored_in_pool  # noqa: E402
 
 from kvpool import KVPool  # noqa: E402
@@ -104,12 +104,7 @@ def test_crop_and_reorder_with_deferred_steps():
         ref.crop(length - 1)
         ref.check_pool(pool, cache.requests.handles)
         ref.step(cache, 1)
-        cache.reorder_cache(torch.tensor([1, 1, 0], device=DEV))
-        ref.reorder([1, 1, 0])
-        ref.check_pool(pool, cache.handles)
-        for _ in range(PAGE + 1):
-            ref.step(cache, 1)
-        ref.check_pool(pool, cache.handles)
+        reorder_and_decode_past_a_page(pool, cache, ref, [1, 1, 0], device=DEV)
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
 
