@@ -7,6 +7,7 @@ use super::SlotAllocator;
 use crate::error::Result;
 use crate::handle::handle_row;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
+use crate::prefix::runs::RunBuilder;
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
@@ -196,6 +197,9 @@ impl SlotAllocator {
         // Whether the tip is the entry the last page registered anew
         // (`Registered::fresh`): nothing between two pages removes one.
         let mut fresh = false;
+        // The pages filed anew one after another (`prefix/runs.rs`), ended
+        // before any call that may remove or relink an entry.
+        let mut run = RunBuilder::default();
         let checked = walked_at(prefix, &chain);
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
@@ -243,17 +247,20 @@ impl SlotAllocator {
                         // no child: this unregistered page is its only one
                         // (`register_only_child`), without the tests of
                         // `register_page_named`, which the other cases need.
-                        let parent_hash = tip.hash;
-                        tip = prefix.register_only_child(p, h, &tip, salt);
+                        let parent = tip;
+                        tip = prefix.register_only_child(p, h, &parent, salt);
+                        run.filed(prefix, &parent, &tip);
                         pages.set_entry(p, tip.entry);
                         if events.enabled() {
                             // (Tested here too: the page's token slice, an
                             // argument, would be cut even with no event.)
-                            events.stored(h, parent_hash, p, salt, prefix.page_tokens(p));
+                            events.stored(h, parent.hash, p, salt, prefix.page_tokens(p));
                         }
                         k += 1;
                         continue;
                     }
+                    run.end(prefix, &tip);
+                    let parent = tip;
                     match register_page_named(
                         prefix,
                         pages,
@@ -271,6 +278,9 @@ impl SlotAllocator {
                             tip = r.tip;
                             foreign |= !r.named;
                             fresh = r.fresh;
+                            if fresh {
+                                run.start(&parent, &tip);
+                            }
                         }
                         None => match register_past_orphan(
                             prefix,
@@ -304,6 +314,7 @@ impl SlotAllocator {
                 }
             }
         }
+        run.end(prefix, &tip);
         prefix.put_hash_scratch(ring);
         self.requests
             .set_chain(row, k, tip, broken, foreign, checked);

@@ -55,6 +55,13 @@ impl SlotAllocator {
         self.prefix.links_for_tests()
     }
 
+    /// The prefix index's runs (`prefix/runs.rs`): `(first slab slot,
+    /// length)` of each, in slab order (none unless the page size is 1).
+    #[doc(hidden)]
+    pub fn index_runs_for_tests(&self) -> Vec<(u32, u32)> {
+        self.prefix.runs_for_tests()
+    }
+
     /// Ghost registrations the prefix index keeps (`prefix/ghosts.rs`).
     #[doc(hidden)]
     pub fn index_ghosts_for_tests(&self) -> usize {

@@ -125,6 +125,7 @@ impl PrefixIndex {
         }
         self.check_links(&is_live)?;
         self.check_ghosts(&is_live, &free, &entry_of)?;
+        self.check_runs()?;
         // A freed slot must never verify as anybody's child, nor be named.
         for &i in &self.free_entries {
             match self.entries.get(i as usize) {

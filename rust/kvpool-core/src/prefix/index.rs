@@ -53,6 +53,7 @@ use super::ghost_table::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;
+use super::runs::Runs;
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
@@ -142,6 +143,9 @@ pub(crate) struct PrefixIndex {
     pub(super) entries: Vec<Entry>,
     pub(super) idents: Vec<Identity>,
     pub(super) free_entries: Vec<u32>,
+    /// Stretches of the slab filed one under another, with their tokens and
+    /// locations side by side (page size 1, `runs.rs`).
+    pub(super) runs: Runs,
     /// Token id at every slot (meaningful where a request or entry says so).
     pub(super) tokens: Vec<i32>,
     /// Token id at every host slot (a host tier's pages; empty without one).
@@ -199,6 +203,7 @@ impl PrefixIndex {
             entries: Vec::new(),
             idents: Vec::new(),
             free_entries: Vec::new(),
+            runs: Runs::new(page_size),
             tokens,
             host_tokens: Vec::new(),
             hasher,
@@ -341,6 +346,7 @@ impl PrefixIndex {
             + self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.idents.capacity() * std::mem::size_of::<Identity>()
             + self.free_entries.capacity() * 4
+            + self.runs.capacity_bytes()
             + self.table.capacity_bytes()
             + self.hash_scratch.capacity() * 16
             + self.tokens.capacity() * 4

@@ -38,15 +38,12 @@
 use super::hashing::ChainKind;
 use super::index::{Entry, PrefixIndex, LOOKAHEAD};
 use super::keys::key_of;
+use super::runs::common_prefix;
 use super::tip::{ChainTip, Match};
 use crate::location::is_host;
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
-
-/// Hops a page-size-1 walk checks at once while the chain is laid out in
-/// slab order (`follow_hints_one`).
-const WALK_BLOCK: usize = 8;
 
 /// The child hinted by entry `cur` (`parent`), with its index, if the hint
 /// names an entry of the slab.
@@ -122,12 +119,12 @@ impl PrefixIndex {
     }
 
     /// `follow_hints` at page size 1, from live entry `cur` (the tip's),
-    /// with room in `out` for every token: a page is one token, which its
-    /// entry holds (`first_token`), so a hop reads one 32-byte entry and
-    /// nothing else. The previous hop's entry stays in hand as the parent,
-    /// and the pages go straight into `out`'s spare room, its length set
-    /// once: through `push`, the length is stored and reloaded every hop
-    /// (`out` might alias the entries, as far as the compiler knows).
+    /// with room in `out` for every token. Inside a run (`runs.rs`) the
+    /// prompt's tokens are compared with the run's and its pages copied,
+    /// span by span; between runs, and where a prompt leaves one, a hop
+    /// follows the hint as `follow_hints` does, reading the one 32-byte
+    /// entry (whose `first_token` is the page's token). The pages go
+    /// straight into `out`'s spare room, its length set once.
     #[inline]
     fn follow_hints_one(
         &self,
@@ -138,46 +135,34 @@ impl PrefixIndex {
         out: &mut Vec<u32>,
     ) -> usize {
         let ents = &self.entries[..];
-        let Some(mut parent) = ents.get(cur as usize) else {
-            return 0;
-        };
         let room = &mut out.spare_capacity_mut()[..tokens.len()];
         let mut n = 0;
-        // Blocks of a chain registered in one go (each child the next slab
-        // slot): the hops' checks are independent of each other there, so
-        // a block checks them all and branches once; the first block that
-        // fails any check is walked hop by hop below, which stops at the
-        // failing hop.
-        while let (Some(ts), Some(blk)) = (
-            tokens.get(n..n + WALK_BLOCK),
-            ents.get(cur as usize + 1..cur as usize + 1 + WALK_BLOCK),
-        ) {
-            let first = cur + 1;
-            let mut ok = (parent.child == first + 1)
-                & (blk[0].parent_reg == parent.reg)
-                & (blk[0].first_token == ts[0]);
-            for j in 1..WALK_BLOCK {
-                ok &= (blk[j - 1].child == first + j as u32 + 1)
-                    & (blk[j].parent_reg == blk[j - 1].reg)
-                    & (blk[j].first_token == ts[j]);
+        loop {
+            let run = self.runs.after(cur);
+            if !run.is_empty() {
+                let want = run.len().min(tokens.len() - n);
+                let span = run.start..run.start + want;
+                let m = common_prefix(self.runs.tokens(span.clone()), &tokens[n..n + want]);
+                let pages = self.runs.pages(span.start..span.start + m);
+                for (slot, &p) in room[n..n + m].iter_mut().zip(pages) {
+                    slot.write(p);
+                }
+                for j in 0..m {
+                    let c = span.start + j;
+                    debug_assert!(self.holds(&ents[c], &tokens[n + j..=n + j]));
+                    debug_assert_eq!(ents[c].parent_reg, ents[c - 1].reg);
+                    debug_assert_eq!(self.idents[c].salt, salt, "a child has its parent's salt");
+                }
+                n += m;
+                cur += m as u32;
             }
-            if !ok {
+            // The run is left (or there was none): one hop by the hint.
+            let Some(&t) = tokens.get(n) else {
                 break;
-            }
-            for (j, (e, slot)) in blk.iter().zip(&mut room[n..n + WALK_BLOCK]).enumerate() {
-                debug_assert!(self.holds(e, &ts[j..=j]));
-                debug_assert_eq!(
-                    self.idents[first as usize + j].salt,
-                    salt,
-                    "a child has its parent's salt"
-                );
-                slot.write(e.page);
-            }
-            parent = &blk[WALK_BLOCK - 1];
-            cur += WALK_BLOCK as u32;
-            n += WALK_BLOCK;
-        }
-        for (&t, slot) in tokens[n..].iter().zip(&mut room[n..]) {
+            };
+            let Some(parent) = ents.get(cur as usize) else {
+                break;
+            };
             let Some((child, e)) = hinted_child(ents, cur, parent) else {
                 break;
             };
@@ -197,8 +182,7 @@ impl PrefixIndex {
                     ),
                 "a verified hinted child is filed under the key a lookup probes, if keyed"
             );
-            slot.write(e.page);
-            parent = e;
+            room[n].write(e.page);
             cur = child;
             n += 1;
         }

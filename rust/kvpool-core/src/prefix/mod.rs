@@ -12,6 +12,8 @@
 //! - `links.rs`: which entries the key table files (a chain's only
 //!   children are reached through their parents' hints), and the
 //!   parent-child counts behind it;
+//! - `runs.rs`: stretches of entries filed one under another, whose tokens
+//!   and pages sit side by side for a page-size-1 walk;
 //! - `lookup.rs`: walking a prompt's or a sent chain's pages through it;
 //! - `tip.rs`: where a chain stands (shared with the requests);
 //! - `tiers.rs`: where each entry's bytes are (device page, host copy).
@@ -29,6 +31,7 @@ mod keys;
 mod links;
 mod lookup;
 mod register;
+pub(crate) mod runs;
 pub(crate) mod tiers;
 pub(crate) mod tip;
 mod tokens;

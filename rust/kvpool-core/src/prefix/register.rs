@@ -24,7 +24,8 @@ impl PrefixIndex {
     /// pool's size (and its host tier's) however requests share.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
         let n = n.min(self.room());
-        if n > 0 && self.map_slab_first && self.entries.capacity() == 0 {
+        let first = n > 0 && self.map_slab_first && self.entries.capacity() == 0;
+        if first {
             self.map_slab();
         }
         let spare = self.free_entries.len();
@@ -38,6 +39,14 @@ impl PrefixIndex {
             n.saturating_sub(spare),
             "prefix index entries",
         )?;
+        self.runs.reserve(
+            self.entries.len() + n.saturating_sub(spare),
+            self.max_entries,
+        )?;
+        if first {
+            // Four 4-byte values a slot, to the slab's two 32-byte records.
+            self.runs.map(SLAB_MAP_BYTES / 8);
+        }
         // The table is sized at once for the pool's pages, up to
         // TABLE_FLOOR_KEYS; only past that does it double. That sizing is
         // an optimization: if it cannot be allocated, room for `n` more
@@ -219,6 +228,7 @@ impl PrefixIndex {
     /// Links live entry `i`, the registration of a page whose content was
     /// computed on `parent`'s prefix, under `parent`.
     pub(crate) fn relink(&mut self, i: u32, parent: &ChainTip) {
+        self.runs.cut(i);
         self.disown(i);
         self.entries[i as usize].parent_reg = parent.reg;
         self.idents[i as usize].parent = parent.entry;
@@ -257,6 +267,7 @@ impl PrefixIndex {
             // (A ghost keeps its slot, `ghosts.rs`.)
             self.free_entries.push(i);
         }
+        self.runs.cut(i);
         self.disown(i);
         if e.links & KEYED != 0 {
             self.table.remove(key_of(e.hash), i);
@@ -315,6 +326,7 @@ impl PrefixIndex {
             // index has those): the whole table.
             self.table.clear();
         }
+        self.runs.clear(self.entries.len());
         self.entries.clear();
         self.idents.clear();
         self.free_entries.clear();

@@ -50,6 +50,7 @@ impl PrefixIndex {
         debug_assert!(!is_host(loc) || host_page(loc) == self.entries[i as usize].host);
         debug_assert!(loc != 0);
         self.entries[i as usize].page = loc;
+        self.runs.set_page(i, loc);
     }
 
     /// Entry `i`'s host copy is now host page `h` (0: none).
@@ -110,6 +111,7 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn mark_loading(&mut self, i: u32) {
         self.entries[i as usize].page = LOADING;
+        self.runs.set_page(i, LOADING);
     }
 
     /// Whether the current call decided to load entry `i` already.
