@@ -69,7 +69,10 @@ impl Runs {
         if !self.on || end <= self.tokens.len() {
             return Ok(());
         }
-        let n = end.max(max);
+        // Past `max` (ghosts keep slab slots of their own) the arrays double,
+        // as the slab does: grown to `end` alone, every registration while
+        // ghosts exist would copy them whole.
+        let n = end.max(max).max(2 * self.tokens.len());
         let what = "prefix index runs";
         let mut grown = (
             zeroed_vec::<i32>(n, what)?,
