@@ -249,7 +249,7 @@ impl SlotAllocator {
                         // `register_page_named`, which the other cases need.
                         let parent = tip;
                         tip = prefix.register_only_child(p, h, &parent, salt);
-                        run.filed(prefix, &parent, &tip);
+                        run.filed(prefix, &parent, &tip, list, k);
                         pages.set_entry(p, tip.entry);
                         if events.enabled() {
                             // (Tested here too: the page's token slice, an
@@ -259,7 +259,7 @@ impl SlotAllocator {
                         k += 1;
                         continue;
                     }
-                    run.end(prefix, &tip);
+                    run.end(prefix, &tip, list);
                     let parent = tip;
                     match register_page_named(
                         prefix,
@@ -279,7 +279,7 @@ impl SlotAllocator {
                             foreign |= !r.named;
                             fresh = r.fresh;
                             if fresh {
-                                run.start(&parent, &tip);
+                                run.start(&parent, &tip, k);
                             }
                         }
                         None => match register_past_orphan(
@@ -314,7 +314,7 @@ impl SlotAllocator {
                 }
             }
         }
-        run.end(prefix, &tip);
+        run.end(prefix, &tip, list);
         prefix.put_hash_scratch(ring);
         self.requests
             .set_chain(row, k, tip, broken, foreign, checked);

@@ -31,7 +31,7 @@
 //! only while the slot is inside the run's range, so a cut is one store
 //! and a stale `run_of` costs nothing to leave behind.
 
-use super::index::{Entry, PrefixIndex, DEAD};
+use super::index::{PrefixIndex, DEAD};
 use super::tip::ChainTip;
 use crate::error::Result;
 use crate::memory::{fault_in, zeroed_vec};
@@ -99,22 +99,21 @@ impl Runs {
         fault_in(&mut self.len_at, bytes);
     }
 
-    /// Records slots `first..first + ents.len()` (entries `ents`, filed
-    /// just now one after another, each under the one before) as a run;
-    /// `extends`: the first was filed under the live entry of slot
-    /// `first - 1`, whose run it continues if that slot is its last.
-    fn record(&mut self, first: u32, ents: &[Entry], extends: bool) {
-        let (s, n) = (first as usize, ents.len());
+    /// Records slots `first..first + pages.len()`, filed just now one after
+    /// another (each under the one before) for `pages`, whose token ids
+    /// `slot_tokens` holds (page size 1), as a run; `extends`: the first was
+    /// filed under the live entry of slot `first - 1`, whose run it
+    /// continues if that slot is its last. The pages come from the row's
+    /// list and the tokens from the pages' slots, not from the entries: a
+    /// long pass has long evicted its first entries from cache.
+    fn record(&mut self, first: u32, pages: &[u32], slot_tokens: &[i32], extends: bool) {
+        let (s, n) = (first as usize, pages.len());
         if s + n > self.tokens.len() {
             self.grow_unreserved(s + n);
         }
-        for ((e, t), p) in ents
-            .iter()
-            .zip(&mut self.tokens[s..s + n])
-            .zip(&mut self.pages[s..s + n])
-        {
-            *t = e.first_token;
-            *p = e.page;
+        self.pages[s..s + n].copy_from_slice(pages);
+        for (t, &p) in self.tokens[s..s + n].iter_mut().zip(pages) {
+            *t = slot_tokens[p as usize];
         }
         let head = match self.run_of_slot(first.wrapping_sub(1)) {
             Some(f) if extends && f + self.len_at[f as usize] == first => f,
@@ -232,34 +231,47 @@ pub(super) fn common_prefix(a: &[i32], b: &[i32]) -> usize {
 #[derive(Debug, Default)]
 pub(crate) struct RunBuilder {
     first: u32,
+    /// The index in the row's page list of the run's first page.
+    k: usize,
     parent: ChainTip,
 }
 
 impl RunBuilder {
-    /// Entry `tip` was just filed anew under `parent`, which the page
-    /// before filed anew too (the run goes on).
+    /// Entry `tip` was just filed anew under `parent` for page `k` of the
+    /// row's page list `list`, the page before having been filed anew too
+    /// (the run goes on).
     #[inline(always)]
-    pub(crate) fn filed(&mut self, ix: &mut PrefixIndex, parent: &ChainTip, tip: &ChainTip) {
+    pub(crate) fn filed(
+        &mut self,
+        ix: &mut PrefixIndex,
+        parent: &ChainTip,
+        tip: &ChainTip,
+        list: &[u32],
+        k: usize,
+    ) {
         debug_assert!(self.first != 0, "a fresh parent is in the run");
         if tip.entry != parent.entry + 1 {
-            self.end(ix, parent);
-            self.start(parent, tip);
+            self.end(ix, parent, list);
+            self.start(parent, tip, k);
         }
     }
 
-    /// Entry `tip` was just filed anew under `parent`, with no run going.
+    /// Entry `tip` was just filed anew under `parent` for page `k` of the
+    /// row's page list, with no run going.
     #[inline]
-    pub(crate) fn start(&mut self, parent: &ChainTip, tip: &ChainTip) {
+    pub(crate) fn start(&mut self, parent: &ChainTip, tip: &ChainTip, k: usize) {
         self.first = tip.entry;
+        self.k = k;
         self.parent = *parent;
     }
 
     /// Records the run, whose last entry is `last`'s, if one is going.
     #[inline]
-    pub(crate) fn end(&mut self, ix: &mut PrefixIndex, last: &ChainTip) {
+    pub(crate) fn end(&mut self, ix: &mut PrefixIndex, last: &ChainTip, list: &[u32]) {
         if self.first != 0 {
             if ix.runs.on {
-                ix.record_run(self.first - 1, last.entry + 1 - self.first, &self.parent);
+                let n = (last.entry + 1 - self.first) as usize;
+                ix.record_run(self.first - 1, &list[self.k..self.k + n], &self.parent);
             }
             self.first = 0;
         }
@@ -267,20 +279,21 @@ impl RunBuilder {
 }
 
 impl PrefixIndex {
-    /// Records `n` slots from `first`, filed just now each under the one
-    /// before and the first under `parent`, as a run (`RunBuilder`).
-    /// Out of line: once a pass, not once a page.
+    /// Records the slots from `first`, filed just now for `pages` each
+    /// under the one before and the first under `parent`, as a run
+    /// (`RunBuilder`). Out of line: once a pass, not once a page.
     #[inline(never)]
-    fn record_run(&mut self, first: u32, n: u32, parent: &ChainTip) {
-        let ents = &self.entries[first as usize..(first + n) as usize];
+    fn record_run(&mut self, first: u32, pages: &[u32], parent: &ChainTip) {
+        let ents = &self.entries[first as usize..first as usize + pages.len()];
         debug_assert!(ents.windows(2).all(|w| w[1].parent_reg == w[0].reg));
         debug_assert_eq!(ents[0].parent_reg, parent.reg);
+        debug_assert!(ents.iter().zip(pages).all(|(e, &p)| e.page == p));
         // Under the live entry of the slot before (a root tip's `entry` is
         // 0, and its `reg` 0 is no entry's).
         let extends = parent.reg != 0
             && parent.entry == first
             && self.entries[first as usize - 1].reg == parent.reg;
-        self.runs.record(first, ents, extends);
+        self.runs.record(first, pages, &self.tokens, extends);
     }
 }
 
