@@ -110,7 +110,8 @@ impl SlotAllocator {
     /// to 16, plus 16) (its page list). On top, from the first `cache()`:
     /// the index table (16-32 bytes per page for up to 2^20 pages, doubling
     /// past that) and its entry slab (64 bytes per page, reserved for every
-    /// device and host page); while in use, 4 per prompt token of each open request; and
+    /// device and host page, and at page size 1 16 more for its runs, sized
+    /// for every such page even under `lazy_metadata`); while in use, 4 per prompt token of each open request; and
     /// once a retention priority is given, 9 bytes per page (mapped on first
     /// use) and 24 per entry of the heap of pending priority ends (stale
     /// entries are dropped once they could be half of it).

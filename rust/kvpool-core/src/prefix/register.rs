@@ -42,7 +42,7 @@ impl PrefixIndex {
         self.runs.reserve(
             self.entries.len() + n.saturating_sub(spare),
             self.max_entries,
-        )?;
+        );
         if first {
             // Four 4-byte values a slot, to the slab's two 32-byte records.
             self.runs.map(SLAB_MAP_BYTES / 8);

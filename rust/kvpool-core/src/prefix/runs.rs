@@ -60,33 +60,40 @@ impl Runs {
         }
     }
 
-    /// Room for slab slots `0..end`, or a typed error (nothing changed).
-    /// The arrays are sized at once for `max` slots (every entry the index
-    /// can hold), zero-filled by calloc so that the slots never filed cost
-    /// address space only: a registration then writes its slot's values
-    /// where a push would test and grow four vectors.
-    pub(super) fn reserve(&mut self, end: usize, max: usize) -> Result<()> {
+    /// Room for slab slots `0..end`. The arrays are sized at once for `max`
+    /// slots (every entry the index can hold), zero-filled by calloc so
+    /// that the slots never filed cost address space only: a registration
+    /// then writes its slot's values where a push would test and grow four
+    /// vectors. Runs only speed the walk up, so when their memory is not
+    /// there the index keeps none from then on (the walk hops entry by
+    /// entry, as at larger page sizes), rather than fail the registration.
+    pub(super) fn reserve(&mut self, end: usize, max: usize) {
         if !self.on || end <= self.tokens.len() {
-            return Ok(());
+            return;
         }
         // Past `max` (ghosts keep slab slots of their own) the arrays double,
         // as the slab does: grown to `end` alone, every registration while
         // ghosts exist would copy them whole.
         let n = end.max(max).max(2 * self.tokens.len());
         let what = "prefix index runs";
-        let mut grown = (
-            zeroed_vec::<i32>(n, what)?,
-            zeroed_vec::<u32>(n, what)?,
-            zeroed_vec::<u32>(n, what)?,
-            zeroed_vec::<u32>(n, what)?,
-        );
+        let grown = (|| -> Result<_> {
+            Ok((
+                zeroed_vec::<i32>(n, what)?,
+                zeroed_vec::<u32>(n, what)?,
+                zeroed_vec::<u32>(n, what)?,
+                zeroed_vec::<u32>(n, what)?,
+            ))
+        })();
+        let Ok(mut grown) = grown else {
+            *self = Runs::default();
+            return;
+        };
         let used = self.tokens.len();
         grown.0[..used].copy_from_slice(&self.tokens);
         grown.1[..used].copy_from_slice(&self.pages);
         grown.2[..used].copy_from_slice(&self.run_of);
         grown.3[..used].copy_from_slice(&self.len_at);
         (self.tokens, self.pages, self.run_of, self.len_at) = grown;
-        Ok(())
     }
 
     /// Maps the first `bytes` of each array now (the slab's own
