@@ -133,3 +133,42 @@ fn page_sizes_above_one_keep_no_runs() {
     assert!(a.index_links_for_tests().0 > 0);
     assert!(a.index_runs_for_tests().is_empty());
 }
+
+#[test]
+fn a_grouped_pools_anchor_chain_has_no_runs_and_hits_whole_by_hops() {
+    use kvpool_core::{GroupSpec, GroupedAllocator};
+    // The grouped allocator files its anchor chain page by page, outside
+    // `register_row`'s runs: the walk crosses it in blocks of hops.
+    let opts = Options {
+        hash_seed: Some(5),
+        ..Options::new()
+    };
+    let mut a = GroupedAllocator::new(&[GroupSpec::full(512, 1)], 8, 512, opts, None).unwrap();
+    let prompt: Vec<i64> = (3000..3203).collect();
+    let (h, cached) = a
+        .open_with_prefix(&prompt, &[prompt.len() as i64], Counts::Each(0))
+        .unwrap();
+    assert_eq!(cached[0], 0);
+    a.extend(&h, Counts::Each(203), Some(&prompt), &mut [])
+        .unwrap();
+    a.cache(&h).unwrap();
+    a.close(&h, true).unwrap();
+    a.check().unwrap();
+    for (tail, want) in [(vec![], 202), (vec![1], 203)] {
+        let p = [prompt.clone(), tail].concat();
+        let (h, cached) = a
+            .open_with_prefix(&p, &[p.len() as i64], Counts::Each(0))
+            .unwrap();
+        assert_eq!(cached[0], want);
+        a.close(&h, false).unwrap();
+        a.check().unwrap();
+    }
+    // A prompt that leaves the chain inside a block of hops.
+    let p = [prompt[..100].to_vec(), vec![7; 20]].concat();
+    let (h, cached) = a
+        .open_with_prefix(&p, &[p.len() as i64], Counts::Each(0))
+        .unwrap();
+    assert_eq!(cached[0], 100);
+    a.close(&h, false).unwrap();
+    a.check().unwrap();
+}

@@ -45,6 +45,10 @@ use crate::location::is_host;
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
 
+/// Hops a page-size-1 walk checks at once, outside runs, while the chain is
+/// laid out in slab order (`follow_hints_one`).
+const WALK_BLOCK: usize = 8;
+
 /// The child hinted by entry `cur` (`parent`), with its index, if the hint
 /// names an entry of the slab.
 ///
@@ -121,10 +125,11 @@ impl PrefixIndex {
     /// `follow_hints` at page size 1, from live entry `cur` (the tip's),
     /// with room in `out` for every token. Inside a run (`runs.rs`) the
     /// prompt's tokens are compared with the run's and its pages copied,
-    /// span by span; between runs, and where a prompt leaves one, a hop
-    /// follows the hint as `follow_hints` does, reading the one 32-byte
-    /// entry (whose `first_token` is the page's token). The pages go
-    /// straight into `out`'s spare room, its length set once.
+    /// span by span; between runs, and where a prompt leaves one, hops
+    /// follow the hints as `follow_hints` does, reading one 32-byte entry
+    /// a hop (whose `first_token` is the page's token), eight at a time
+    /// where the chain lies in slab order. The pages go straight into
+    /// `out`'s spare room, its length set once.
     #[inline]
     fn follow_hints_one(
         &self,
@@ -156,7 +161,48 @@ impl PrefixIndex {
                 n += m;
                 cur += m as u32;
             }
-            // The run is left (or there was none): one hop by the hint.
+            // Outside runs (slots after a cut, revived or relinked chains, a
+            // grouped pool's anchor chain), blocks of a chain laid out in slab
+            // order: the hops' checks are independent of each other there, so
+            // a block checks them all and branches once. Where a run goes on,
+            // or a block fails, the loop starts over: the span, or one hop.
+            let mut blocked = false;
+            while let (true, Some(ts), Some(blk), Some(parent)) = (
+                self.runs.after(cur).is_empty(),
+                tokens.get(n..n + WALK_BLOCK),
+                ents.get(cur as usize + 1..cur as usize + 1 + WALK_BLOCK),
+                ents.get(cur as usize),
+            ) {
+                let first = cur + 1;
+                let mut ok = (parent.child == first + 1)
+                    & (blk[0].parent_reg == parent.reg)
+                    & (blk[0].first_token == ts[0]);
+                for j in 1..WALK_BLOCK {
+                    ok &= (blk[j - 1].child == first + j as u32 + 1)
+                        & (blk[j].parent_reg == blk[j - 1].reg)
+                        & (blk[j].first_token == ts[j]);
+                }
+                if !ok {
+                    break;
+                }
+                for (j, (e, slot)) in blk.iter().zip(&mut room[n..n + WALK_BLOCK]).enumerate() {
+                    debug_assert!(self.holds(e, &ts[j..=j]));
+                    debug_assert_eq!(
+                        self.idents[first as usize + j].salt,
+                        salt,
+                        "a child has its parent's salt"
+                    );
+                    slot.write(e.page);
+                }
+                cur += WALK_BLOCK as u32;
+                n += WALK_BLOCK;
+                blocked = true;
+            }
+            if blocked {
+                continue;
+            }
+            // The run is left (or there was none), and no block follows: one
+            // hop by the hint.
             let Some(&t) = tokens.get(n) else {
                 break;
             };
