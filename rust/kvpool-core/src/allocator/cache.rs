@@ -7,7 +7,7 @@ use super::SlotAllocator;
 use crate::error::Result;
 use crate::handle::handle_row;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
-use crate::prefix::runs::RunBuilder;
+use crate::prefix::run_builder::RunBuilder;
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 

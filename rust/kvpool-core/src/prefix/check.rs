@@ -282,3 +282,69 @@ impl PrefixIndex {
         }
     }
 }
+
+impl PrefixIndex {
+    /// The runs' invariants (module docs), for `check()`.
+    pub(super) fn check_runs(&self) -> std::result::Result<(), String> {
+        let r = &self.runs;
+        if !r.on {
+            return Ok(());
+        }
+        let n = self.entries.len();
+        if r.tokens.len() < n || r.len_at[n..].iter().any(|&l| l != 0) {
+            return Err(format!(
+                "the runs record {} slots, or runs past them, but the slab has {n}",
+                r.tokens.len(),
+            ));
+        }
+        for f in 0..self.entries.len() as u32 {
+            let len = r.len_at[f as usize];
+            if len == 0 {
+                continue;
+            }
+            if r.run_of[f as usize] != f + 1 {
+                return Err(format!("slot {f} starts a run of {len} it is not in"));
+            }
+            for s in f..f + len {
+                let Some(e) = self.entries.get(s as usize) else {
+                    return Err(format!("the run at {f} reaches past the slab, to slot {s}"));
+                };
+                let i = s as usize;
+                if e.parent_reg == DEAD || self.is_ghost(s) || r.run_of[i] != f + 1 {
+                    return Err(format!("the run at {f} holds slot {s}, not live in it"));
+                }
+                if s > f && r.len_at[i] != 0 {
+                    return Err(format!("slot {s} starts a run inside the run at {f}"));
+                }
+                if r.tokens[i] != e.first_token || r.pages[i] != e.page {
+                    return Err(format!(
+                        "the run at {f} keeps token {} at {:#x} for slot {s}, whose entry has \
+                         {} at {:#x}",
+                        r.tokens[i], r.pages[i], e.first_token, e.page
+                    ));
+                }
+                if s > f {
+                    let p = &self.entries[i - 1];
+                    if e.parent_reg != p.reg || self.idents[i].parent != s {
+                        return Err(format!(
+                            "slot {s} of the run at {f} was not filed under the slot before it"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(any(test, feature = "test-hooks"))]
+impl PrefixIndex {
+    /// `(first slot, length)` of every run, in slab order.
+    pub(crate) fn runs_for_tests(&self) -> Vec<(u32, u32)> {
+        let r = &self.runs;
+        (0..self.entries.len().min(r.len_at.len()))
+            .filter(|&s| r.len_at[s] != 0)
+            .map(|s| (s as u32, r.len_at[s]))
+            .collect()
+    }
+}

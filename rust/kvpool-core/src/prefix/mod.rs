@@ -13,7 +13,8 @@
 //!   children are reached through their parents' hints), and the
 //!   parent-child counts behind it;
 //! - `runs.rs`: stretches of entries filed one under another, whose tokens
-//!   and pages sit side by side for a page-size-1 walk;
+//!   and pages sit side by side for a page-size-1 walk (`run_builder.rs`:
+//!   how a registration pass records one);
 //! - `lookup.rs`: walking a prompt's or a sent chain's pages through it;
 //! - `tip.rs`: where a chain stands (shared with the requests);
 //! - `tiers.rs`: where each entry's bytes are (device page, host copy).
@@ -31,7 +32,8 @@ mod keys;
 mod links;
 mod lookup;
 mod register;
-pub(crate) mod runs;
+pub(crate) mod run_builder;
+mod runs;
 pub(crate) mod tiers;
 pub(crate) mod tip;
 mod tokens;

@@ -23,7 +23,7 @@
 //! one before, in consecutive slots (the usual case: the slab hands out
 //! consecutive slots, and reuses freed ones last freed first); it records
 //! them as one run when it ends, continuing its parent's run when the
-//! parent is that run's last slot (`RunBuilder`). Other filings (revivals,
+//! parent is that run's last slot (`run_builder.rs`). Other filings (revivals,
 //! the grouped allocator's anchor chain) make no run: they are walked hop
 //! by hop, as are the slots after a cut. A removal (eviction, a page
 //! written again, a duplicate dropped) or a relink cuts the run before the
@@ -31,25 +31,23 @@
 //! only while the slot is inside the run's range, so a cut is one store
 //! and a stale `run_of` costs nothing to leave behind.
 
-use super::index::{PrefixIndex, DEAD};
-use super::tip::ChainTip;
 use crate::error::Result;
 use crate::memory::{fault_in, zeroed_vec};
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct Runs {
     /// Whether runs are kept (page size 1).
-    on: bool,
+    pub(super) on: bool,
     /// Per slab slot: the token and location its entry was filed with (the
     /// location kept in step with `set_location`).
-    tokens: Vec<i32>,
-    pages: Vec<u32>,
+    pub(super) tokens: Vec<i32>,
+    pub(super) pages: Vec<u32>,
     /// Per slab slot: the first slot of the run it was filed into, + 1.
-    run_of: Vec<u32>,
+    pub(super) run_of: Vec<u32>,
     /// Per slab slot: the length of the run that starts there (0: none).
     /// A run is named by its first slot, so runs need no table of their
     /// own: every array here is one value per slot the slab can have.
-    len_at: Vec<u32>,
+    pub(super) len_at: Vec<u32>,
 }
 
 impl Runs {
@@ -113,7 +111,7 @@ impl Runs {
     /// continues if that slot is its last. The pages come from the row's
     /// list and the tokens from the pages' slots, not from the entries: a
     /// long pass has long evicted its first entries from cache.
-    fn record(&mut self, first: u32, pages: &[u32], slot_tokens: &[i32], extends: bool) {
+    pub(super) fn record(&mut self, first: u32, pages: &[u32], slot_tokens: &[i32], extends: bool) {
         let (s, n) = (first as usize, pages.len());
         if s + n > self.tokens.len() {
             self.grow_unreserved(s + n);
@@ -223,151 +221,6 @@ pub(super) fn common_prefix(a: &[i32], b: &[i32]) -> usize {
         .zip(&b[k..])
         .take_while(|(p, q)| p == q)
         .count()
-}
-
-/// The run a registration pass is filing: the slots from entry `first`'s
-/// (index + 1; 0: none) to the pass's tip, each filed anew under the one
-/// before, the first under `parent`. The pass says where a run starts
-/// (`start`), and where a filing does not follow the one before in the
-/// slab (`filed`): a page that does costs the pass one compare of values
-/// it holds, and the run's arrays are written once it ends (`end`), from
-/// entries still in cache.
-///
-/// Nothing may remove, relink or look through runs between `start` and
-/// `end`: the pass ends its run before any call that could.
-#[derive(Debug, Default)]
-pub(crate) struct RunBuilder {
-    first: u32,
-    /// The index in the row's page list of the run's first page.
-    k: usize,
-    parent: ChainTip,
-}
-
-impl RunBuilder {
-    /// Entry `tip` was just filed anew under `parent` for page `k` of the
-    /// row's page list `list`, the page before having been filed anew too
-    /// (the run goes on).
-    #[inline(always)]
-    pub(crate) fn filed(
-        &mut self,
-        ix: &mut PrefixIndex,
-        parent: &ChainTip,
-        tip: &ChainTip,
-        list: &[u32],
-        k: usize,
-    ) {
-        debug_assert!(self.first != 0, "a fresh parent is in the run");
-        if tip.entry != parent.entry + 1 {
-            self.end(ix, parent, list);
-            self.start(parent, tip, k);
-        }
-    }
-
-    /// Entry `tip` was just filed anew under `parent` for page `k` of the
-    /// row's page list, with no run going.
-    #[inline]
-    pub(crate) fn start(&mut self, parent: &ChainTip, tip: &ChainTip, k: usize) {
-        self.first = tip.entry;
-        self.k = k;
-        self.parent = *parent;
-    }
-
-    /// Records the run, whose last entry is `last`'s, if one is going.
-    #[inline]
-    pub(crate) fn end(&mut self, ix: &mut PrefixIndex, last: &ChainTip, list: &[u32]) {
-        if self.first != 0 {
-            if ix.runs.on {
-                let n = (last.entry + 1 - self.first) as usize;
-                ix.record_run(self.first - 1, &list[self.k..self.k + n], &self.parent);
-            }
-            self.first = 0;
-        }
-    }
-}
-
-impl PrefixIndex {
-    /// Records the slots from `first`, filed just now for `pages` each
-    /// under the one before and the first under `parent`, as a run
-    /// (`RunBuilder`). Out of line: once a pass, not once a page.
-    #[inline(never)]
-    fn record_run(&mut self, first: u32, pages: &[u32], parent: &ChainTip) {
-        let ents = &self.entries[first as usize..first as usize + pages.len()];
-        debug_assert!(ents.windows(2).all(|w| w[1].parent_reg == w[0].reg));
-        debug_assert_eq!(ents[0].parent_reg, parent.reg);
-        debug_assert!(ents.iter().zip(pages).all(|(e, &p)| e.page == p));
-        // Under the live entry of the slot before (a root tip's `entry` is
-        // 0, and its `reg` 0 is no entry's).
-        let extends = parent.reg != 0
-            && parent.entry == first
-            && self.entries[first as usize - 1].reg == parent.reg;
-        self.runs.record(first, pages, &self.tokens, extends);
-    }
-}
-
-#[cfg(any(test, feature = "test-hooks"))]
-impl PrefixIndex {
-    /// `(first slot, length)` of every run, in slab order.
-    pub(crate) fn runs_for_tests(&self) -> Vec<(u32, u32)> {
-        let r = &self.runs;
-        (0..self.entries.len().min(r.len_at.len()))
-            .filter(|&s| r.len_at[s] != 0)
-            .map(|s| (s as u32, r.len_at[s]))
-            .collect()
-    }
-}
-
-impl PrefixIndex {
-    /// The runs' invariants (module docs), for `check()`.
-    pub(super) fn check_runs(&self) -> std::result::Result<(), String> {
-        let r = &self.runs;
-        if !r.on {
-            return Ok(());
-        }
-        let n = self.entries.len();
-        if r.tokens.len() < n || r.len_at[n..].iter().any(|&l| l != 0) {
-            return Err(format!(
-                "the runs record {} slots, or runs past them, but the slab has {n}",
-                r.tokens.len(),
-            ));
-        }
-        for f in 0..self.entries.len() as u32 {
-            let len = r.len_at[f as usize];
-            if len == 0 {
-                continue;
-            }
-            if r.run_of[f as usize] != f + 1 {
-                return Err(format!("slot {f} starts a run of {len} it is not in"));
-            }
-            for s in f..f + len {
-                let Some(e) = self.entries.get(s as usize) else {
-                    return Err(format!("the run at {f} reaches past the slab, to slot {s}"));
-                };
-                let i = s as usize;
-                if e.parent_reg == DEAD || self.is_ghost(s) || r.run_of[i] != f + 1 {
-                    return Err(format!("the run at {f} holds slot {s}, not live in it"));
-                }
-                if s > f && r.len_at[i] != 0 {
-                    return Err(format!("slot {s} starts a run inside the run at {f}"));
-                }
-                if r.tokens[i] != e.first_token || r.pages[i] != e.page {
-                    return Err(format!(
-                        "the run at {f} keeps token {} at {:#x} for slot {s}, whose entry has \
-                         {} at {:#x}",
-                        r.tokens[i], r.pages[i], e.first_token, e.page
-                    ));
-                }
-                if s > f {
-                    let p = &self.entries[i - 1];
-                    if e.parent_reg != p.reg || self.idents[i].parent != s {
-                        return Err(format!(
-                            "slot {s} of the run at {f} was not filed under the slot before it"
-                        ));
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]
