@@ -24,8 +24,9 @@
 //! consecutive slots, and reuses freed ones last freed first); it records
 //! them as one run when it ends, continuing its parent's run when the
 //! parent is that run's last slot (`run_builder.rs`). Other filings (revivals,
-//! the grouped allocator's anchor chain) make no run: they are walked hop
-//! by hop, as are the slots after a cut. A removal (eviction, a page
+//! the grouped allocator's anchor chain) make no run: they are walked by
+//! hops, eight at a time where they lie in slab order, as are the slots
+//! after a cut. A removal (eviction, a page
 //! written again, a duplicate dropped) or a relink cuts the run before the
 //! slot. Nothing ever searches runs: `run_of` names a slot's run, trusted
 //! only while the slot is inside the run's range, so a cut is one store
