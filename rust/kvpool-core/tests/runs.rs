@@ -6,38 +6,14 @@
 //! prefix with its own pages, and that `check()` (which verifies the runs
 //! slot by slot) holds after each step.
 
+mod common;
+
+use common::{hit, serve};
 use kvpool_core::{Counts, Options, SlotAllocator};
 
+/// A page-size-1 pool (a page is a slot: slots name pages).
 fn pool(pages: usize) -> SlotAllocator {
-    let opts = Options {
-        hash_seed: Some(5),
-        ..Options::new()
-    };
-    SlotAllocator::with_options(pages, 1, 8, 512, opts).unwrap()
-}
-
-/// Opens `prompt`, prefills it, registers it and closes it; returns its pages.
-fn serve(a: &mut SlotAllocator, prompt: &[i64]) -> Vec<i32> {
-    let (h, cached) = a
-        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(0))
-        .unwrap();
-    a.extend(&h, Counts::Each(prompt.len() as i64 - cached[0]), None)
-        .unwrap();
-    let pages = a.pages(h[0]).unwrap();
-    a.close(&h, true).unwrap();
-    a.check().unwrap();
-    pages
-}
-
-/// Cached length and pages of `prompt` when opened now (then closed).
-fn hit(a: &mut SlotAllocator, prompt: &[i64]) -> (i64, Vec<i32>) {
-    let (h, cached) = a
-        .open_with_prefix(prompt, &[prompt.len() as i64], Counts::Each(0))
-        .unwrap();
-    let pages = a.pages(h[0]).unwrap();
-    a.close(&h, false).unwrap();
-    a.check().unwrap();
-    (cached[0], pages)
+    common::pool_of_context(pages, 1, 512)
 }
 
 /// Slots the runs cover.
@@ -49,7 +25,7 @@ fn in_runs(a: &SlotAllocator) -> u32 {
 fn a_cached_prompt_is_one_run_and_hits_whole() {
     let mut a = pool(512);
     let prompt: Vec<i64> = (1000..1200).collect();
-    let pages = serve(&mut a, &prompt);
+    let pages = serve(&mut a, &prompt, 0);
     let live = a.index_links_for_tests().0;
     assert_eq!(live, 200);
     assert_eq!(a.index_runs_for_tests().len(), 1);
@@ -62,8 +38,8 @@ fn a_branch_inside_a_run_hits_both_ways_and_stops_where_a_prompt_leaves_both() {
     let mut a = pool(512);
     let left: Vec<i64> = (0..100).collect();
     let right = [left[..50].to_vec(), (500..550).collect()].concat();
-    let lp = serve(&mut a, &left);
-    let rp = serve(&mut a, &right); // files under left's 50th entry, mid-run
+    let lp = serve(&mut a, &left, 0);
+    let rp = serve(&mut a, &right, 0); // files under left's 50th entry, mid-run
     assert_eq!(rp[..50], lp[..50]);
     assert_eq!(a.index_runs_for_tests().len(), 2);
     assert_eq!(hit(&mut a, &left), (99, lp[..99].to_vec()));
@@ -80,14 +56,14 @@ fn a_branch_inside_a_run_hits_both_ways_and_stops_where_a_prompt_leaves_both() {
 fn an_eviction_cuts_a_run_from_its_tail_and_a_recomputation_regrows_it() {
     let mut a = pool(512);
     let prompt: Vec<i64> = (0..100).collect();
-    let pages = serve(&mut a, &prompt);
+    let pages = serve(&mut a, &prompt, 0);
     assert_eq!(a.evict(30), 30);
     a.check().unwrap();
     assert_eq!(in_runs(&a), 70);
     assert_eq!(hit(&mut a, &prompt), (70, pages[..70].to_vec()));
     // The tail, cached again under the run's last entry, lands in the slots
     // the eviction freed (last freed, first reused) and continues the run.
-    serve(&mut a, &prompt);
+    serve(&mut a, &prompt, 0);
     assert_eq!(a.index_runs_for_tests().len(), 1);
     assert_eq!(in_runs(&a), 100);
     assert_eq!(hit(&mut a, &prompt).0, 99);
@@ -100,7 +76,7 @@ fn a_truncated_request_branches_inside_its_own_run() {
     let h = a.open(1).unwrap();
     a.extend(&h, Counts::Each(64), Some(&prompt)).unwrap();
     a.cache(&h).unwrap();
-    let pages = a.pages(h[0]).unwrap();
+    let pages = a.slots(h[0]).unwrap();
     // Truncated to 40 tokens, the request lets its last 24 pages go (they
     // stay cached, in the run) and writes other tokens on new pages, which
     // register under the run's 40th entry.
@@ -111,7 +87,7 @@ fn a_truncated_request_branches_inside_its_own_run() {
     a.check().unwrap();
     assert_eq!(a.index_runs_for_tests().len(), 2);
     assert_eq!(in_runs(&a), 88);
-    let now = a.pages(h[0]).unwrap();
+    let now = a.slots(h[0]).unwrap();
     a.close(&h, true).unwrap();
     a.check().unwrap();
     assert_eq!(now[..40], pages[..40]);
@@ -123,13 +99,9 @@ fn a_truncated_request_branches_inside_its_own_run() {
 
 #[test]
 fn page_sizes_above_one_keep_no_runs() {
-    let opts = Options {
-        hash_seed: Some(5),
-        ..Options::new()
-    };
-    let mut a = SlotAllocator::with_options(64, 4, 8, 64, opts).unwrap();
+    let mut a = common::pool(64, 4);
     let prompt: Vec<i64> = (0..33).collect();
-    serve(&mut a, &prompt);
+    serve(&mut a, &prompt, 0);
     assert!(a.index_links_for_tests().0 > 0);
     assert!(a.index_runs_for_tests().is_empty());
 }
