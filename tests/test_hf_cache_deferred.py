@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 
 from kvpool import ContextTooLongError, InvalidArgumentError, KVPool, PoolExhaustedError, TooManyRequestsError  # noqa: E402
+from kvpool.integrations import _layer_buffers  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 
@@ -81,13 +82,19 @@ def decode_three_pages(pool: KVPool, cache: KVPoolCache, ref: Reference) -> np.n
     return raw
 
 
+@pytest.mark.parametrize("keep_views", [True, False], ids=["views-kept", "views-made-per-step"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batch):
+def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batch, keep_views, monkeypatch):
+    # Layer buffers too large to keep their views (a long context on many layers) make each
+    # deferred step's views with its page's plan rather than take them from the buffers' store.
+    if not keep_views:
+        monkeypatch.setattr(_layer_buffers, "MAX_KEPT_VIEWS", 0)
     pool = make_pool()
     scramble(pool)
     ref = Reference(batch)
     with torch.inference_mode(), KVPoolCache(pool) as cache:
         raw = decode_three_pages(pool, cache, ref)
+        assert cache.requests.pages._lb.keep == keep_views
         ref.check_pool(pool, raw)
         pool.allocator.check()
     pool.allocator.check()

@@ -81,6 +81,7 @@ class LayerBuffers:
         self.keep = 2 * cap * 2 * layers <= MAX_KEPT_VIEWS
         self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._decode: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:
@@ -123,6 +124,18 @@ class LayerBuffers:
                 for i, pairs in enumerate(self.views(first, 1, steps=steps)):
                     cached.setdefault(first + i, pairs)
             return [cached[first + i] for i in range(steps)]
+
+
+    def decode(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer, for the decode step that brings the rows to ``n`` tokens: where it adds
+        its token's K and V, and what attention then reads (``tokens`` and ``attention`` in one
+        tuple, so a deferred step's ``update`` takes both with one lookup)."""
+        got = self._decode.get(n)
+        if got is None:
+            got = [(dk, dv, kv) for (dk, dv), kv in zip(self.tokens(n - 1, 1)[0], self.attention(n))]
+            if self.keep:
+                self._decode[n] = got
+        return got
 
 
 class BufferSpares:

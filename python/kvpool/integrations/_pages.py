@@ -111,6 +111,9 @@ class StepPages(StepViews):
         self._app: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._fill = False
         self._plain = False  # attention's K/V are this step's views as they are (kv needs no work)
+        # A deferred step (``take_deferred``): per layer (k dest, v dest, attention's (k, v)), which
+        # ``KVPoolCache.update`` uses directly; None for every other step.
+        self._decode: list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] | None = None
         # A step of private rows whose layers add their tokens to the layer buffers, on a pool
         # whose caches are one allocation, is not stored by its layers: the owner's flush
         # stores the steps since the last one from the buffers at once (``store_tokens``).
@@ -138,7 +141,7 @@ class StepPages(StepViews):
         self._index = self._strided = self._out = self._views = self._stage_rows = self.dst = self.loc = None
         self._plan, self._spent, self.deferring = [], [], False
         self.later = False
-        self._app, self._fill, self._filled, self._plain = None, False, -1, False
+        self._app, self._fill, self._filled, self._plain, self._decode = None, False, -1, False, None
         if self._lb is not None and self._lb.b != batch:
             self._set_buffers(None)
 
@@ -147,6 +150,7 @@ class StepPages(StepViews):
         row-major. Makes this step's store views (``dst``, else ``loc`` on a CPU pool) and
         attention's K/V (``kv``)."""
         plan = self._plan
+        self._decode = None
         if plan:
             step = plan.pop()
             if length == before + 1 and self.length == before and slots.tolist() == step[0]:
@@ -252,6 +256,9 @@ class StepPages(StepViews):
         _, self.dst, self.loc, self._views, self._out, self._app = step
         self._fill = self._plain = False
         self.later = True
+        lb = self._lb
+        assert lb is not None and self._app is not None and self._views is not None
+        self._decode = lb.decode(length) if lb.keep else list(zip(*zip(*self._app), self._views))
         self.deferring = bool(self._plan)
 
     def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

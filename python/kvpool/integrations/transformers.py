@@ -186,6 +186,18 @@ class KVPoolCache(NotPicklable, Cache):
                      else key_states.device == req.device and value_states.device == req.device)):
             if seen != req.before:
                 req.begin_step(ks[2], False)
+            pages = req.pages
+            decode = pages._decode  # type: ignore[union-attr]  # (req.fast)
+            if decode is not None:
+                # A deferred decode step (most steps of a generate): the token goes to the layer
+                # buffers alone. One lookup for both, as the model's forward since this layer's
+                # last call has evicted the cache's objects from the CPU's caches.
+                dk, dv, out = decode[layer_idx]
+                dk.copy_(key_states)
+                dv.copy_(value_states)
+                layer.seen = req.length
+                layer.is_initialized = True
+                return out
             dst = req.dst
             if dst is not None:
                 dst[0][layer_idx].copy_(key_states)
@@ -194,7 +206,6 @@ class KVPoolCache(NotPicklable, Cache):
                 req.store(layer_idx, req.new_slots, key_states, value_states)  # type: ignore[misc]  # (req.fast)
             layer.seen = req.length
             layer.is_initialized = True
-            pages = req.pages
             if pages._plain:  # type: ignore[union-attr]  # (req.fast): views made by the step, nothing to fill
                 return pages._views[layer_idx]  # type: ignore[union-attr, index]
             return pages.kv(layer_idx, key_states, value_states)  # type: ignore[union-attr]
