@@ -16,8 +16,9 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 
 from kvpool import ContextTooLongError, InvalidArgumentError, KVPool, PoolExhaustedError, TooManyRequestsError  # noqa: E402
-from kvpool.integrations import _layer_buffers  # noqa: E402
+from kvpool.integrations import _layer_buffers, _pages  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+from kvpool.rows import scatter_into  # noqa: E402
 
 
 class Reference:
@@ -99,6 +100,29 @@ def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batc
         pool.allocator.check()
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
+
+
+@pytest.mark.parametrize("row_copy", [True, False], ids=["core-row-copy", "index_copy_"])
+def test_a_flush_of_rows_whose_pages_are_out_of_order_stores_every_layer(row_copy, monkeypatch):
+    """Rows whose pages are not one strided run (a pool that served others first): the flush
+    stores every layer's K and V with one call of the core's row copy, or with ``index_copy_``
+    where that call declines (a TorchDispatchMode, torch.compile), the same values either way."""
+    calls = []
+
+    def spy(caches, idx, src):
+        calls.append(idx.shape[0])
+        return scatter_into(caches, idx, src) if row_copy else False
+
+    monkeypatch.setattr(_pages, "scatter_into", spy)
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(3)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        raw = decode_three_pages(pool, cache, ref)
+        ref.check_pool(pool, raw)
+    # Every flush of the deferred steps stored each layer's K and V of every row's tokens.
+    assert calls and all(n % (2 * LAYERS * 3) == 0 for n in calls), calls
+    pool.allocator.check()
 
 
 def test_no_step_past_the_context_length_is_deferred():

@@ -68,6 +68,7 @@ from kvpool.integrations._layer_buffers import LayerBuffers, follow_stream, reus
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
+from kvpool.rows import scatter_into
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
 # staging views or None, layer-buffer views of the step's token or None)
@@ -85,6 +86,7 @@ class StepPages(StepViews):
         self.flat, self.paged, self.layer_step, self.all_pages = g.flat, g.paged, g.layer_step, g.all_pages
         self._page_offsets, self._to_device, self.cpu = g.page_offsets, g.to_device, g.cpu
         self._all_slots = g.all_slots
+        self._all_rows, self._cache_rows = g.all_rows, g.cache_rows
         self._layers = len(self.flat)
         self._spares = g.spare_stages
         ctx = getattr(pool, "max_context_len", None)
@@ -287,8 +289,12 @@ class StepPages(StepViews):
             size, stride = (both.shape[0], b, self.h, n, self.d), (all_slots.stride(0), run[1] * hd, self.d, hd, 1)
             all_slots.as_strided(size, stride, all_slots.storage_offset() + run[0] * hd).copy_(src)
         else:
-            rows = src.transpose(2, 3).reshape(both.shape[0], b * n, self.h, 1, self.d)
-            all_slots.index_copy_(1, self._upload(np.ascontiguousarray(slots, dtype=np.int64)), rows)
+            rows = src.transpose(2, 3).reshape(both.shape[0] * b * n, self.h, self.d)  # (a copy)
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            if self._all_rows is not None and scatter_into(
+                    (self._all_rows,), torch.from_numpy((self._cache_rows + slots).reshape(-1)), (rows,)):
+                return
+            all_slots.index_copy_(1, self._upload(slots), rows.view(both.shape[0], b * n, self.h, 1, self.d))
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:
         if table is not None:

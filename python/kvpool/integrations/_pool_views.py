@@ -58,6 +58,19 @@ class PoolViews:
                 self.all_slots = k0.as_strided((2 * layers, k0.shape[0], self.h, 1, self.d),
                                                (self.layer_step, self.h * self.d, self.d, self.d, 1),
                                                k0.storage_offset())
+        # On a CPU pool, the same memory as one [rows, H, D] view, cache c's slot s at row
+        # ``cache_rows[c] + s``: a flush's store of every layer's tokens is then one call of the
+        # core's row copy (``scatter_into``), where ``index_copy_`` walks each row element by
+        # element (most of the host time of a batch's flush whose rows' pages are not in order).
+        self.all_rows: torch.Tensor | None = None
+        self.cache_rows: np.ndarray | None = None
+        hd = self.h * self.d
+        if self.all_slots is not None and self.cpu and self.layer_step % hd == 0:
+            step = self.layer_step // hd
+            with persistent():
+                self.all_rows = k0.as_strided(((2 * layers - 1) * step + k0.shape[0], self.h, self.d),
+                                              (hd, self.d, 1), k0.storage_offset())
+            self.cache_rows = (np.arange(2 * layers, dtype=np.int64) * step)[:, None]
         # Staging buffers (flat) of closed caches, each with its ``stream_mark``, for the pool's
         # next caches (append and pop are atomic, so caches in several threads never take the
         # same one).
