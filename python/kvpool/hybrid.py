@@ -368,8 +368,15 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, RowEdits):
         assert st is not None
         b, h, t, d = k.shape
         i = self._slot_in_group[layer]
-        st.flat[0][i].index_copy_(0, idx, k.detach().transpose(1, 2).reshape(b * t, h, d))
-        st.flat[1][i].index_copy_(0, idx, v.detach().transpose(1, 2).reshape(b * t, h, d))
+        caches = (st.flat[0][i], st.flat[1][i])
+        # Row-major like the slots (a view for a decode step's one token).
+        k = k.detach().transpose(1, 2).reshape(b * t, h, d)
+        v = v.detach().transpose(1, 2).reshape(b * t, h, d)
+        # As write's store: the core's row copy on the CPU, where index_copy_ walks each row
+        # element by element.
+        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
+            caches[0].index_copy_(0, idx, k)
+            caches[1].index_copy_(0, idx, v)
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
