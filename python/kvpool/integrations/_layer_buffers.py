@@ -6,10 +6,10 @@ Making a tensor and freeing it costs about a microsecond of host time; on a smal
 those views were most of the cache's own host time per token, made anew for every step of
 every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
 and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
-it has made (``attention``, ``tokens``), and a closed cache (or one whose buffers grew or
-changed rows) leaves its set to the pool's next cache of the same rows that fits in it
-(``BufferSpares``: the one with the least room), as torch's caching allocator keeps a freed
-block for the next request it fits. The views are made under
+it has made (``attention``, ``tokens``, and ``decode``: both for a deferred step), and a closed
+cache (or one whose buffers grew or changed rows) leaves its set to the pool's next cache of
+the same rows that fits in it (``BufferSpares``: the one with the least room), as torch's
+caching allocator keeps a freed block for the next request it fits. The views are made under
 ``persistent()``, so a set made under one grad mode serves a cache under any other.
 
 The spares are bounded: the views' host time shows on small models and short contexts,
@@ -124,7 +124,6 @@ class LayerBuffers:
                 for i, pairs in enumerate(self.views(first, 1, steps=steps)):
                     cached.setdefault(first + i, pairs)
             return [cached[first + i] for i in range(steps)]
-
 
     def decode(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
         """Per layer, for the decode step that brings the rows to ``n`` tokens: where it adds
