@@ -260,7 +260,9 @@ class StepPages(StepViews):
         self.later = True
         lb = self._lb
         assert lb is not None and self._app is not None and self._views is not None
-        self._decode = lb.decode(length) if lb.keep else list(zip(*zip(*self._app), self._views))
+        # (Buffers too large to keep their views: this step's own, which its page's plan made.)
+        self._decode = lb.decode(length) if lb.keep else [
+            (dk, dv, kv) for (dk, dv), kv in zip(self._app, self._views)]
         self.deferring = bool(self._plan)
 
     def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
