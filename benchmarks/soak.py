@@ -16,10 +16,14 @@ Warm-up first drives every request row's page list to the largest capacity
 any growth history can give it (see ``saturate_rows``), then churns for the
 first ``--warmup-frac`` of the time. After warm-up:
 
-* ``metadata_bytes`` must end no higher than its peak in the first third after
-  warm-up. The core's buffers keep their capacity (a row's prompt buffer, the
-  event log and the copy queue across drains; the prefix index is bounded by
-  the pool), so after ``saturate_rows`` it holds still; a leak climbs;
+* ``metadata_bytes`` must not climb: the end above the peak of the middle third
+  after warm-up, and that above the peak of the first third. The core's buffers
+  keep their capacity (a row's prompt buffer, the event log and the copy queue
+  across drains; the prefix index is bounded by the pool), so after
+  ``saturate_rows`` it holds still but for one step at most: a hash map of the
+  prefix index's ghosts doubles when more removed entries with children exist
+  at once than ever before, which in a minute's churn can come after warm-up
+  (about one soak in four here). A leak climbs through every window;
 * RSS must not grow by more than ``max(--rss-slack-mib, 2 %)`` (the median of
   the last three samples against the median of the first three after warm-up);
 * ``check()`` must pass every time, and no worker may see a lost or doubled slot.
@@ -51,6 +55,22 @@ from kvpool.bench.report import write_json
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def metadata_climb(values: list[int]) -> str | None:
+    """Why ``metadata_bytes`` sampled after warm-up (at least 6 values) looks like a leak, or None.
+
+    A leak climbs on and on: the middle third's peak above the first's, and the end (the median
+    of the last three) above that. A bounded table may still reach a new high-water mark once
+    after warm-up (the ghost maps are hash maps, whose capacity doubles when more removed
+    entries with children exist at once than ever before), which is one step, not a climb."""
+    third = max(3, len(values) // 3)
+    first = max(values[:third])
+    mid = max(values[third : 2 * third] or values[:third])
+    end = statistics.median(values[-3:])
+    if end > mid > first:
+        return f"metadata_bytes climbed after warm-up: early peak {first}, then {mid}, end {end}"
+    return None
 
 
 def make_pool(threads: int) -> kvpool.KVPool:
@@ -315,15 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(warm) >= 6:
         rss0 = statistics.median(s["rss"] for s in warm[:3])
         rss1 = statistics.median(s["rss"] for s in warm[-3:])
-        # A leak is the end sitting above the early peak.
         md0 = max(s["metadata"] for s in warm[: max(3, len(warm) // 3)])
-        md1 = statistics.median(s["metadata"] for s in warm[-3:])
         slack = max(args.rss_slack_mib * 2**20, 0.02 * rss0)
         result.update(rss_start=rss0, rss_end=rss1, metadata_start=md0, metadata_end=warm[-1]["metadata"])
         if rss1 - rss0 > slack:
             failures.append(f"RSS grew after warm-up: {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
-        if md1 > md0:
-            failures.append(f"metadata_bytes grew after warm-up: early peak {md0} -> end {md1}")
+        climb = metadata_climb([s["metadata"] for s in warm])
+        if climb:
+            failures.append(climb)
         print(f"after warm-up: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, "
               f"metadata_bytes {md0} -> {warm[-1]['metadata']}; "
               f"{result['ops']} ops ({result['ops'] / (samples[-1]['t'] or 1):.0f}/s)")

@@ -103,6 +103,18 @@ def test_prefix_call_times_times_every_call_of_a_short_replay(script, capsys):
     assert out.startswith("chat, 65536 slots, page 1, 40 steps, ") and "  cache(): max " in out
 
 
+@pytest.mark.parametrize("values,leak", [
+    ([100] * 12, False),
+    ([100] * 5 + [200] * 7, False),  # one step to a new high-water mark (a hash map doubling)
+    ([100, 90, 100, 95] + [200] * 8, False),
+    ([100] * 4 + [150] * 4 + [200] * 4, True),  # a climb through every third
+    ([100 + i for i in range(12)], True),
+])
+def test_soak_calls_a_climb_of_metadata_a_leak_and_one_step_not(script, values, leak):
+    got = script("soak").metadata_climb(values)
+    assert (got is not None) == leak, got
+
+
 def test_hf_split_rejects_zero_rounds(script, capsys):
     assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
 
