@@ -12,7 +12,8 @@
 //! A FREE page is on the free stack; a CACHED page is registered with
 //! refcount 0 and listed by the eviction room (`eviction/`); a HELD page
 //! has refcount >= 1. Each page's count, registration and eviction links
-//! share one record (`record.rs`). The pool also keeps the copy-on-write
+//! share one record (`record.rs`); a request's holds and releases move
+//! them in bulk (`holders.rs`). The pool also keeps the copy-on-write
 //! queue (`copy_queue.rs`), whose copies hold their source pages
 //! (`copies.rs`).
 //!
@@ -33,6 +34,7 @@
 mod check;
 mod copies;
 mod copy_queue;
+mod holders;
 mod priorities;
 pub(crate) mod record;
 
@@ -157,133 +159,6 @@ impl PagePool {
     #[inline]
     pub(crate) fn drop_shared_holder(&mut self, p: u32) {
         self.records[p as usize].extra -= 1;
-    }
-
-    /// One more holder of each page, HELD or CACHED, in a request's order.
-    ///
-    /// A run of CACHED pages that sits in the eviction list oldest-last (as
-    /// a request released them, last page first) leaves the list in one
-    /// relink. Unlinking page by page would make each unlink wait on the
-    /// links the one before it just wrote (the run's pages are each other's
-    /// neighbours); here the run's links are only read, independently.
-    pub(crate) fn hold(&mut self, pages: &[u32]) {
-        let st = &mut self.records[..];
-        let mut k = 0;
-        while k < pages.len() {
-            let p = pages[k];
-            k += 1;
-            if !st[p as usize].is_unheld() {
-                st[p as usize].extra += 1;
-                continue;
-            }
-            // CACHED: `p` and the pages after it that are each the older
-            // neighbour of the one before form one segment of the list.
-            // The test folds into one value: a compare-and-branch would let
-            // the compiler take the next page from the link just loaded,
-            // chaining every load on the one before.
-            let first = k - 1;
-            // `prev` is the page before `q` in `pages` (a register, not a
-            // reload); `q` is read from `pages`, never from the link.
-            // (`!extra` is 0 exactly for a page nobody holds.)
-            // The run's inner pages take their holder as the scan leaves
-            // them (their links are read once, by the test of the page after
-            // them); its two ends keep their links for `remove_run`, then
-            // take theirs (one page: the same page twice, which is harmless).
-            let mut prev = p;
-            for &q in &pages[k..] {
-                if Eviction::older_xor(st, prev, q) | !st[q as usize].extra != 0 {
-                    break;
-                }
-                if prev != p {
-                    st[prev as usize].hold_first();
-                }
-                prev = q;
-                k += 1;
-            }
-            self.eviction.remove_run(st, p, prev, k - first);
-            st[p as usize].hold_first();
-            st[prev as usize].hold_first();
-        }
-    }
-
-    /// One holder fewer of each page of `pages` (a request's list), last
-    /// page first: freed pages then come back off the stack in their old
-    /// order, and cached tail pages enter the eviction list before their
-    /// parents, so eviction takes them first.
-    ///
-    /// Returns whether a page let go was a waiting copy's destination (its
-    /// copy is dropped by `drop_released_copies` once the caller is done).
-    pub(crate) fn release(&mut self, pages: &[u32]) -> bool {
-        let st = &mut self.records[..];
-        let mut ins = self.eviction.begin_insert(st);
-        let queued = !self.copies.is_empty();
-        let mut marked = false;
-        for &p in pages.iter().rev() {
-            let s = &mut st[p as usize];
-            if s.extra != 0 {
-                s.extra -= 1;
-                continue;
-            }
-            if queued {
-                marked |= self.copies.mark_released(p);
-            }
-            // The last holder: CACHED (count 0) if registered, else FREE
-            // (count stays 1).
-            if s.is_registered() {
-                s.extra = UNHELD;
-                Eviction::insert_next(st, &mut ins, p);
-            } else {
-                self.free.push(p);
-            }
-        }
-        self.eviction.end_insert(st, ins);
-        marked
-    }
-
-    /// `release` while no page is registered: a last holder frees the page
-    /// outright.
-    pub(crate) fn release_unregistered(&mut self, pages: &[u32]) -> bool {
-        let queued = !self.copies.is_empty();
-        let mut marked = false;
-        for &p in pages.iter().rev() {
-            let s = &mut self.records[p as usize];
-            if s.extra == 0 {
-                self.free.push(p); // FREE keeps its count 1
-                if queued {
-                    marked |= self.copies.mark_released(p);
-                }
-            } else {
-                s.extra -= 1;
-            }
-        }
-        marked
-    }
-
-    /// Frees `pages`, held by one request alone and unregistered: their
-    /// counts are 1, a FREE page's count already, so this writes nothing per
-    /// page but the free stack. (No copy waits on them: a request that
-    /// never shared never copied.)
-    #[inline]
-    pub(crate) fn free_exclusive(&mut self, pages: &[u32]) {
-        self.free.extend(pages.iter().rev());
-    }
-
-    /// One holder fewer of page `p` for a hold no page list names (a
-    /// waiting copy's source); returns whether that was its last holder
-    /// (it is then CACHED if registered, else FREE).
-    pub(crate) fn release_one(&mut self, p: u32) -> bool {
-        let s = &mut self.records[p as usize];
-        if s.extra != 0 {
-            s.extra -= 1;
-            return false;
-        }
-        if s.is_registered() {
-            s.extra = UNHELD;
-            self.eviction.insert(&mut self.records, p);
-        } else {
-            self.free.push(p); // FREE keeps its count 1
-        }
-        true
     }
 
     // ---- registration (filled in by the prefix index) ----
