@@ -113,6 +113,28 @@ impl Lru {
         a.added += 1;
     }
 
+    /// Appends four pages, oldest first, as `append` would one by one: each
+    /// record's two links in one store, none read back.
+    #[inline]
+    pub(crate) fn append4<R: Linked>(recs: &mut [R], a: &mut Append, [p0, p1, p2, p3]: [u32; 4]) {
+        recs[a.newest as usize].links_mut().newer = p0;
+        *recs[p0 as usize].links_mut() = Links {
+            older: a.newest,
+            newer: p1,
+        };
+        *recs[p1 as usize].links_mut() = Links {
+            older: p0,
+            newer: p2,
+        };
+        *recs[p2 as usize].links_mut() = Links {
+            older: p1,
+            newer: p3,
+        };
+        recs[p3 as usize].links_mut().older = p2;
+        a.newest = p3;
+        a.added += 4;
+    }
+
     #[inline]
     pub(crate) fn end_append<R: Linked>(&mut self, recs: &mut [R], a: Append) {
         recs[a.newest as usize].links_mut().newer = 0;

@@ -126,6 +126,12 @@ impl Eviction {
         Lru::append(recs, &mut ins.0, p);
     }
 
+    /// `insert_next` of four pages, in this order.
+    #[inline]
+    pub(crate) fn insert_next4<R: Linked>(recs: &mut [R], ins: &mut Insert, pages: [u32; 4]) {
+        Lru::append4(recs, &mut ins.0, pages);
+    }
+
     #[inline]
     pub(crate) fn end_insert<R: Linked>(&mut self, recs: &mut [R], ins: Insert) {
         match self {
