@@ -323,7 +323,7 @@ mod tests {
             list.retain(|&p| others[p as usize] == 0);
             // Runs of alike pages, so that whole blocks of each kind occur.
             let mut kind = 0;
-            let mut shared = vec![false; N];
+            let mut shared = [false; N];
             for &p in &list {
                 if rng.below(4) == 0 {
                     kind = rng.below(3);
