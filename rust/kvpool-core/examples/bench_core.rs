@@ -139,11 +139,19 @@ fn serve_prompt(a: &mut SlotAllocator, prompt: &[i64]) {
     a.close(&h, true).unwrap();
 }
 
-/// us of open_with_prefix of a fully cached 4096-token prompt at page `ps`.
-fn prefix_hit(ps: usize, verify: bool, reps: usize) -> f64 {
+/// us of open_with_prefix of a fully cached 4096-token prompt at page `ps`;
+/// with `shared`, another open request holds the same pages (the hit adds a
+/// holder to HELD pages, as a shared system prompt's does), else they are
+/// CACHED (the hit takes them off the eviction list).
+fn prefix_hit(ps: usize, verify: bool, shared: bool, reps: usize) -> f64 {
     let mut a = pool(1 << 20, ps, verify);
     let prompt: Vec<i64> = (0..4096).map(|i| (i * 7919) % 32000).collect();
     serve_prompt(&mut a, &prompt);
+    let other = shared.then(|| {
+        a.open_with_prefix(&prompt, &[4096], Counts::Each(0))
+            .unwrap()
+            .0
+    });
     let mut samples = Vec::new();
     for _ in 0..reps {
         let t0 = Instant::now();
@@ -154,6 +162,7 @@ fn prefix_hit(ps: usize, verify: bool, reps: usize) -> f64 {
         assert_eq!(c[0], 4096 - ps as i64);
         a.close(&h, false).unwrap();
     }
+    black_box(other);
     median(samples)
 }
 
@@ -320,11 +329,15 @@ fn main() {
     if decode_only {
         return;
     }
-    row!("open_with_prefix_4096_us", "us", prefix_hit(16, true, reps));
+    row!(
+        "open_with_prefix_4096_us",
+        "us",
+        prefix_hit(16, true, false, reps)
+    );
     row!(
         "open_with_prefix_4096_unverified_us",
         "us",
-        prefix_hit(16, false, reps),
+        prefix_hit(16, false, false, reps),
     );
     row!("cache_4096_us", "us", cache_4096(16, true, reps));
     row!("cache_4096_no_events_us", "us", cache_4096(16, false, reps));
@@ -333,7 +346,12 @@ fn main() {
     row!(
         "open_with_prefix_4096_page1_us",
         "us",
-        prefix_hit(1, true, reps),
+        prefix_hit(1, true, false, reps),
+    );
+    row!(
+        "open_with_prefix_4096_shared_page1_us",
+        "us",
+        prefix_hit(1, true, true, reps),
     );
     row!("cache_4096_page1_us", "us", cache_4096(1, true, reps));
     // Without events the index keys by its internal chain (`prefix/hashing.rs`).
