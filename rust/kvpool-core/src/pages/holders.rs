@@ -8,6 +8,8 @@ use crate::eviction::{Eviction, Insert};
 
 impl PagePool {
     /// One more holder of each page, HELD or CACHED, in a request's order.
+    /// The pages are distinct, as a request's are (a block of four reads
+    /// its counts before writing any).
     ///
     /// A run of CACHED pages that sits in the eviction list oldest-last (as
     /// a request released them, last page first) leaves the list in one
@@ -22,6 +24,7 @@ impl PagePool {
             // take one more holder each, with one test for the four.
             if let Some(&[q0, q1, q2, q3]) = pages.get(k..k + 4) {
                 let q = [q0, q1, q2, q3];
+                debug_assert!(distinct(q));
                 let e = q.map(|p| st[p as usize].extra);
                 if e.iter().all(|&x| x != UNHELD) {
                     for (p, x) in q.into_iter().zip(e) {
@@ -92,8 +95,8 @@ impl PagePool {
         }
     }
 
-    /// One holder fewer of each page of `pages` (a request's list), last
-    /// page first: freed pages then come back off the stack in their old
+    /// One holder fewer of each page of `pages` (a request's list: distinct
+    /// pages), last page first: freed pages then come back off the stack in their old
     /// order, and cached tail pages enter the eviction list before their
     /// parents, so eviction takes them first.
     ///
@@ -114,6 +117,7 @@ impl PagePool {
         // the one-by-one way.
         while let (false, [head @ .., p3, p2, p1, p0]) = (queued, rest) {
             let q = [*p0, *p1, *p2, *p3];
+            debug_assert!(distinct(q));
             let e = q.map(|p| st[p as usize].extra);
             // (`extra` is never UNHELD here: every page listed is held.)
             if e[0] != 0 && e[1] != 0 && e[2] != 0 && e[3] != 0 {
@@ -189,6 +193,11 @@ impl PagePool {
         }
         true
     }
+}
+
+/// No page twice among four.
+fn distinct([a, b, c, d]: [u32; 4]) -> bool {
+    a != b && a != c && a != d && b != c && b != d && c != d
 }
 
 /// One holder fewer of page `p`: its last holder's release makes it CACHED
