@@ -256,16 +256,24 @@ fn cache_outputs_page1(decoded: bool, reps: usize) -> f64 {
 
 /// us of evict(256) with 256 CACHED pages.
 fn evict_256(reps: usize) -> f64 {
-    let mut a = pool(1 << 20, 16, true);
-    let prompt: Vec<i64> = (0..4097).map(|i| (i * 7919) % 32000).collect();
+    evict_pages(16, 256, reps)
+}
+
+/// us of evict(n) of a cached prompt's `n` pages at page size `ps` (each a
+/// Removed event).
+fn evict_pages(ps: usize, n: usize, reps: usize) -> f64 {
+    let mut a = pool(1 << 20, ps, true);
+    let prompt: Vec<i64> = (0..(n * ps + 1) as i64)
+        .map(|i| (i * 7919) % 32000)
+        .collect();
     let mut samples = Vec::new();
     for _ in 0..reps {
         serve_prompt(&mut a, &prompt);
         a.take_events();
         let t0 = Instant::now();
-        let n = a.evict(256);
+        let got = a.evict(n);
         samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
-        assert_eq!(n, 256);
+        assert_eq!(got, n);
     }
     median(samples)
 }
@@ -377,5 +385,6 @@ fn main() {
         cache_outputs_page1(false, reps),
     );
     row!("evict_256_us", "us", evict_256(reps));
+    row!("evict_4096_page1_us", "us", evict_pages(1, 4096, reps));
     println!("{{{}}}", json.join(", "));
 }
