@@ -119,16 +119,19 @@ def test_hf_split_rejects_zero_rounds(script, capsys):
     assert "--rounds" in _usage_error(script("hf_split").main, ["--rounds", "0"], capsys)
 
 
-@pytest.mark.parametrize("argv", [["--batch", "0"], ["--generates", "0"], ["--cache", "static"]])
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--generates", "0"], ["--cache", "static"],
+                                  ["--scope", "prefill"]])
 def test_hf_instructions_rejects_bad_flags_before_it_runs(script, capsys, argv):
     assert argv[0] in _usage_error(script("hf_instructions").main, argv, capsys)
 
 
+@pytest.mark.parametrize("scope", ["update", "generate"])
 @pytest.mark.parametrize("cache", ["kvpool", "dynamic"])
-def test_hf_instructions_counted_calls_run_outside_valgrind(script, cache):
-    # What callgrind counts, run bare (no toggle library): both caches decode a batch.
+def test_hf_instructions_counted_calls_run_outside_valgrind(script, cache, scope):
+    # What callgrind counts, run bare (no toggle library): both caches decode a batch, through
+    # the cache's calls alone or through whole generates.
     pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
-    script("hf_instructions").child(2, cache, 1, "-")
+    script("hf_instructions").child(2, cache, 1, "-", scope)
 
 
 @pytest.mark.parametrize("argv,says", [
