@@ -16,6 +16,7 @@ import kvpool
 H, D, LAYERS, PS = 2, 4, 2, 4
 SEQS = 6  # token sequences; a prompt is a prefix of one, so equal tokens mean equal K/V
 LEN = 24
+MAX_ROUNDS = 400  # a serving thread's bound while it waits for the disk helper's loads
 
 
 def kv(tokens, layer):
@@ -97,7 +98,13 @@ def test_a_disk_cache_thread_beside_serving_threads(tmp_path):
         def serve(seed):
             rng = np.random.default_rng(seed)
             try:
-                for _ in range(30):
+                for i in range(MAX_ROUNDS):
+                    # 30 rounds each, then on until the helper's prefetches have loaded pages
+                    # and a hit has read pages from the host tier: when the helper gets its
+                    # turns is the scheduler's business (on a loaded machine it may get none
+                    # in the first 30 rounds), not the pool's.
+                    if i >= 30 and disk.stats.pages_loaded > 0 and pool.host_hit_tokens > 0:
+                        break
                     tokens = seqs[int(rng.integers(SEQS))][: int(rng.integers(PS + 1, LEN + 1))]
                     try:
                         h, cached = pool.open_with_prefix(tokens, [len(tokens)])
