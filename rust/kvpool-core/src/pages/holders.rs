@@ -96,9 +96,9 @@ impl PagePool {
     }
 
     /// One holder fewer of each page of `pages` (a request's list: distinct
-    /// pages), last page first: freed pages then come back off the stack in their old
-    /// order, and cached tail pages enter the eviction list before their
-    /// parents, so eviction takes them first.
+    /// pages), last page first: freed pages then come back off the stack in
+    /// their old order, and cached tail pages enter the eviction list before
+    /// their parents, so eviction takes them first.
     ///
     /// Returns whether a page let go was a waiting copy's destination (its
     /// copy is dropped by `drop_released_copies` once the caller is done).

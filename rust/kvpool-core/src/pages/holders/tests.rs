@@ -1,17 +1,23 @@
 //! `hold` and `release` in blocks against one-by-one order (`holders.rs`).
 
 use super::PagePool;
+use proptest::prelude::*;
 
-/// A small xorshift: the shapes below must repeat run to run.
-struct Rng(u64);
+/// The shapes below are drawn one choice at a time from a sequence
+/// proptest generates, the way hypothesis draws: a failing shape shrinks
+/// with the sequence, toward fewer and smaller choices, and a sequence
+/// that runs out chooses 0 from then on.
+#[derive(Debug)]
+struct Choices(std::vec::IntoIter<u32>);
 
-impl Rng {
+impl Choices {
     fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
+        self.0.next().map_or(0, |c| c as usize % n)
     }
+}
+
+fn choices() -> impl Strategy<Value = Choices> {
+    prop::collection::vec(any::<u32>(), 256..512).prop_map(|v| Choices(v.into_iter()))
 }
 
 /// A pool of `n` pages (page 0 reserved) with every page taken by one
@@ -39,80 +45,76 @@ fn eviction_order(pool: &PagePool) -> Vec<u32> {
 /// the list's end) and put HELD pages in blocks or alone, and
 /// the result must be what one holder a page gives: the held pages off
 /// the list, every other CACHED page still on it in its old order.
-#[test]
-fn hold_cuts_cached_runs_anywhere_inside_a_block() {
+fn hold_cuts_cached_runs(mut rng: Choices) {
     const N: usize = 48;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for _ in 0..400 {
-        let (mut pool, all) = all_taken(N);
-        for &p in &all {
-            pool.set_entry(p, p);
+    let (mut pool, all) = all_taken(N);
+    for &p in &all {
+        pool.set_entry(p, p);
+    }
+    // Some pages stay HELD by another request; the rest are
+    // released in a few calls, each in its own order.
+    let mut other = Vec::new();
+    let mut released = Vec::new();
+    for &p in &all {
+        if rng.below(6) == 0 {
+            other.push(p);
+        } else {
+            released.push(p);
         }
-        // Some pages stay HELD by another request; the rest are
-        // released in a few calls, each in its own order.
-        let mut other = Vec::new();
-        let mut released = Vec::new();
-        for &p in &all {
-            if rng.below(6) == 0 {
-                other.push(p);
-            } else {
-                released.push(p);
-            }
+    }
+    for i in (1..released.len()).rev() {
+        if rng.below(3) == 0 {
+            released.swap(i, rng.below(i + 1));
         }
-        for i in (1..released.len()).rev() {
-            if rng.below(3) == 0 {
-                released.swap(i, rng.below(i + 1));
-            }
+    }
+    for chunk in released.chunks(1 + rng.below(20)) {
+        pool.release(chunk);
+    }
+    let before = eviction_order(&pool);
+    // The list newest first is one long run; take it in pieces,
+    // some skipped, some moved, with HELD pages between them.
+    let mut newest_first = before.clone();
+    newest_first.reverse();
+    let mut pieces: Vec<Vec<u32>> = Vec::new();
+    let mut at = 0;
+    while at < newest_first.len() {
+        let len = 1 + rng.below(11);
+        let piece = &newest_first[at..(at + len).min(newest_first.len())];
+        at += len;
+        if rng.below(4) != 0 {
+            pieces.push(piece.to_vec());
         }
-        for chunk in released.chunks(1 + rng.below(20)) {
-            pool.release(chunk);
-        }
-        let before = eviction_order(&pool);
-        // The list newest first is one long run; take it in pieces,
-        // some skipped, some moved, with HELD pages between them.
-        let mut newest_first = before.clone();
-        newest_first.reverse();
-        let mut pieces: Vec<Vec<u32>> = Vec::new();
-        let mut at = 0;
-        while at < newest_first.len() {
-            let len = 1 + rng.below(11);
-            let piece = &newest_first[at..(at + len).min(newest_first.len())];
-            at += len;
-            if rng.below(4) != 0 {
-                pieces.push(piece.to_vec());
-            }
-        }
-        if pieces.len() > 1 && rng.below(2) == 0 {
-            let i = rng.below(pieces.len());
-            pieces.swap(0, i);
-        }
-        let mut list = Vec::new();
-        for piece in pieces {
-            list.extend(piece);
-            // Held pages between the pieces, up to a few blocks' worth.
-            if !other.is_empty() && rng.below(3) == 0 {
-                for _ in 0..1 + rng.below(9) {
-                    let h = other[rng.below(other.len())];
-                    if !list.contains(&h) {
-                        list.push(h);
-                    }
+    }
+    if pieces.len() > 1 && rng.below(2) == 0 {
+        let i = rng.below(pieces.len());
+        pieces.swap(0, i);
+    }
+    let mut list = Vec::new();
+    for piece in pieces {
+        list.extend(piece);
+        // Held pages between the pieces, up to a few blocks' worth.
+        if !other.is_empty() && rng.below(3) == 0 {
+            for _ in 0..1 + rng.below(9) {
+                let h = other[rng.below(other.len())];
+                if !list.contains(&h) {
+                    list.push(h);
                 }
             }
         }
-
-        pool.hold(&list);
-
-        let mut holders = vec![0u32; N];
-        for &p in other.iter().chain(&list) {
-            holders[p as usize] += 1;
-        }
-        pool.check(holders.clone(), 1).unwrap();
-        for &p in &list {
-            assert_eq!(pool.holders(p), holders[p as usize], "page {p}");
-        }
-        let kept: Vec<u32> = before.into_iter().filter(|p| !list.contains(p)).collect();
-        assert_eq!(eviction_order(&pool), kept);
     }
+
+    pool.hold(&list);
+
+    let mut holders = vec![0u32; N];
+    for &p in other.iter().chain(&list) {
+        holders[p as usize] += 1;
+    }
+    pool.check(holders.clone(), 1).unwrap();
+    for &p in &list {
+        assert_eq!(pool.holders(p), holders[p as usize], "page {p}");
+    }
+    let kept: Vec<u32> = before.into_iter().filter(|p| !list.contains(p)).collect();
+    assert_eq!(eviction_order(&pool), kept);
 }
 
 /// `release` takes blocks of four alike pages at once and mixed blocks
@@ -120,59 +122,69 @@ fn hold_cuts_cached_runs_anywhere_inside_a_block() {
 /// pages that go CACHED and unregistered ones that go FREE; the result
 /// must be one-by-one release, last page first: the CACHED ones appended
 /// to the list newest last, the FREE ones pushed on the stack.
-#[test]
-fn release_in_blocks_keeps_the_one_by_one_order() {
+fn release_in_blocks(mut rng: Choices) {
     const N: usize = 64;
-    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-    for _ in 0..400 {
-        let (mut pool, mut list) = all_taken(N);
-        for i in (1..list.len()).rev() {
-            list.swap(i, rng.below(i + 1));
+    let (mut pool, mut list) = all_taken(N);
+    for i in (1..list.len()).rev() {
+        list.swap(i, rng.below(i + 1));
+    }
+    // The pages past the list stay with a request of their own.
+    let mut others = vec![0u32; N];
+    for &p in &list[1 + rng.below(N - 1)..] {
+        others[p as usize] = 1;
+    }
+    list.retain(|&p| others[p as usize] == 0);
+    // Runs of alike pages, so that whole blocks of each kind occur.
+    let mut kind = 0;
+    let mut shared = [false; N];
+    for &p in &list {
+        if rng.below(4) == 0 {
+            kind = rng.below(3);
         }
-        // The pages past the list stay with a request of their own.
-        let mut others = vec![0u32; N];
-        for &p in &list[1 + rng.below(N - 1)..] {
-            others[p as usize] = 1;
-        }
-        list.retain(|&p| others[p as usize] == 0);
-        // Runs of alike pages, so that whole blocks of each kind occur.
-        let mut kind = 0;
-        let mut shared = [false; N];
-        for &p in &list {
-            if rng.below(4) == 0 {
-                kind = rng.below(3);
+        match kind {
+            0 => {
+                pool.add_holder(p);
+                others[p as usize] = 1;
+                shared[p as usize] = true;
             }
-            match kind {
-                0 => {
-                    pool.add_holder(p);
-                    others[p as usize] = 1;
-                    shared[p as usize] = true;
-                }
-                1 => pool.set_entry(p, p),
-                _ => {}
-            }
+            1 => pool.set_entry(p, p),
+            _ => {}
         }
-        let mut cached = eviction_order(&pool);
-        let mut freed = Vec::new();
-        for &p in list.iter().rev() {
-            match (shared[p as usize], pool.is_registered(p)) {
-                (true, _) => {}
-                (_, true) => cached.push(p),
-                _ => freed.push(p),
-            }
+    }
+    let mut cached = eviction_order(&pool);
+    let mut freed = Vec::new();
+    for &p in list.iter().rev() {
+        match (shared[p as usize], pool.is_registered(p)) {
+            (true, _) => {}
+            (_, true) => cached.push(p),
+            _ => freed.push(p),
         }
+    }
 
-        assert!(!pool.release(&list));
+    assert!(!pool.release(&list));
 
-        pool.check(others.clone(), 1).unwrap();
-        assert_eq!(eviction_order(&pool), cached);
-        let top: Vec<u32> = (0..freed.len()).map(|_| pool.pop_free().unwrap()).collect();
-        freed.reverse();
-        assert_eq!(top, freed);
-        for (p, &n) in others.iter().enumerate().skip(1) {
-            if n == 1 {
-                assert_eq!(pool.holders(p as u32), 1, "page {p}");
-            }
+    pool.check(others.clone(), 1).unwrap();
+    assert_eq!(eviction_order(&pool), cached);
+    let top: Vec<u32> = (0..freed.len()).map(|_| pool.pop_free().unwrap()).collect();
+    freed.reverse();
+    assert_eq!(top, freed);
+    for (p, &n) in others.iter().enumerate().skip(1) {
+        if n == 1 {
+            assert_eq!(pool.holders(p as u32), 1, "page {p}");
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn hold_cuts_cached_runs_anywhere_inside_a_block(rng in choices()) {
+        hold_cuts_cached_runs(rng);
+    }
+
+    #[test]
+    fn release_in_blocks_keeps_the_one_by_one_order(rng in choices()) {
+        release_in_blocks(rng);
     }
 }
