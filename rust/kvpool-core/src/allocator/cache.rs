@@ -11,6 +11,7 @@ use crate::prefix::run_builder::RunBuilder;
 use crate::prefix::tip::ChainTip;
 use crate::requests::Chain;
 
+use super::fresh_stretch::{file_fresh_stretch, Chunk};
 use super::register_page::{register_page_named, register_past_orphan};
 
 impl SlotAllocator {
@@ -236,28 +237,30 @@ impl SlotAllocator {
                 for &p in &list[end..upto.min(end + LOOKAHEAD)] {
                     prefix.prefetch_tokens(p);
                 }
-                for (slot, &p) in (0..).zip(&list[k..end]) {
-                    let h = ring[slot];
-                    if k + LOOKAHEAD < upto {
-                        last = prefix.page_hash(last, list[k + LOOKAHEAD]);
-                        ring[slot] = last;
-                    }
-                    if fresh && prefix.orphans() == 0 && pages.entry(p) == 0 {
+                let mut chunk = Chunk {
+                    ring: &mut ring[..],
+                    last,
+                    start: k,
+                    end,
+                    refill_end: upto.saturating_sub(LOOKAHEAD),
+                };
+                while k < end {
+                    if fresh && prefix.orphans() == 0 && pages.entry(list[k]) == 0 {
                         // The page before was registered anew, so it has
-                        // no child: this unregistered page is its only one
-                        // (`register_only_child`), without the tests of
+                        // no child: this unregistered page is its only one,
+                        // and so are the unregistered pages after it
+                        // (`file_fresh_stretch`), without the tests of
                         // `register_page_named`, which the other cases need.
-                        let parent = tip;
-                        tip = prefix.register_only_child(p, h, &parent, salt);
-                        run.filed(prefix, &parent, &tip, list, k);
-                        pages.set_entry(p, tip.entry);
-                        if events.enabled() {
-                            // (Tested here too: the page's token slice, an
-                            // argument, would be cut even with no event.)
-                            events.stored(h, parent.hash, p, salt, prefix.page_tokens(p));
-                        }
-                        k += 1;
+                        k = file_fresh_stretch(
+                            prefix, pages, events, &mut chunk, list, k, &mut tip, salt, &mut run,
+                        );
                         continue;
+                    }
+                    let (p, slot) = (list[k], k - chunk.start);
+                    let h = chunk.ring[slot];
+                    if k < chunk.refill_end {
+                        chunk.last = prefix.page_hash(chunk.last, list[k + LOOKAHEAD]);
+                        chunk.ring[slot] = chunk.last;
                     }
                     run.end(prefix, &tip, list);
                     let parent = tip;
@@ -312,6 +315,7 @@ impl SlotAllocator {
                         continue 'restart;
                     }
                 }
+                last = chunk.last;
             }
         }
         run.end(prefix, &tip, list);

@@ -30,6 +30,7 @@ mod evict;
 pub(crate) mod extend;
 mod extend_checks;
 mod fork;
+mod fresh_stretch;
 pub(crate) mod group_hooks;
 mod grow;
 mod open;

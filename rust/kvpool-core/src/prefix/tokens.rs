@@ -30,11 +30,24 @@ impl PrefixIndex {
     #[inline(always)]
     pub(crate) fn page_hash(&self, parent: u128, page: u32) -> u128 {
         if self.page_size == 1 {
-            // Every token a page, hashed once per token: its id without a
-            // slice of it and a match on the slice's length.
-            return self.hasher.token(parent, self.tokens[page as usize]);
+            return self.token_page_hash(parent, page);
         }
         self.hasher.page(parent, self.page_tokens(page))
+    }
+
+    /// `page_hash` at page size 1: every token a page, hashed once per
+    /// token, by its id, without a slice of it and a match on the slice's
+    /// length.
+    #[inline(always)]
+    pub(crate) fn token_page_hash(&self, parent: u128, page: u32) -> u128 {
+        debug_assert_eq!(self.page_size, 1);
+        self.hasher.token(parent, self.tokens[page as usize])
+    }
+
+    /// Whether every page is one token (page size 1).
+    #[inline(always)]
+    pub(crate) fn token_pages(&self) -> bool {
+        self.page_size == 1
     }
 
     /// The xxh3-128 chain hash (the one events and `page_hashes` give) of a
