@@ -278,6 +278,30 @@ fn evict_pages(ps: usize, n: usize, reps: usize) -> f64 {
     median(samples)
 }
 
+/// us of one extend by 4096 tokens at page 1 that takes every page by
+/// eviction: the free stack is empty and 4096 CACHED pages are the victims
+/// (a prompt admitted under memory pressure).
+fn extend_evicting_4096_page1(reps: usize) -> f64 {
+    const N: usize = 4096;
+    // N + 1 pages (page 0 reserved): one served prompt of N tokens fills
+    // the pool with CACHED pages.
+    let mut a = pool(N + 1, 1, true);
+    let mut samples = Vec::new();
+    for rep in 0..reps {
+        let prompt: Vec<i64> = (0..N as i64)
+            .map(|i| (i * 7919 + rep as i64) % 32000)
+            .collect();
+        serve_prompt(&mut a, &prompt);
+        a.take_events();
+        let h = a.open(1).unwrap();
+        let t0 = Instant::now();
+        a.extend(&h, Counts::Each(N as i64), None).unwrap();
+        samples.push(t0.elapsed().as_nanos() as f64 / 1e3);
+        a.close(&h, false).unwrap();
+    }
+    median(samples)
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let decode_only = std::env::args().any(|a| a == "--decode");
@@ -386,5 +410,10 @@ fn main() {
     );
     row!("evict_256_us", "us", evict_256(reps));
     row!("evict_4096_page1_us", "us", evict_pages(1, 4096, reps));
+    row!(
+        "extend_evicting_4096_page1_us",
+        "us",
+        extend_evicting_4096_page1(reps),
+    );
     println!("{{{}}}", json.join(", "));
 }

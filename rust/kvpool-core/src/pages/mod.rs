@@ -274,6 +274,14 @@ impl PagePool {
         self.eviction.pop_cached(&mut self.records)
     }
 
+    /// An evicted, unregistered page's first holder, taken off its list by
+    /// `remove_victims` once its run of victims ends (`hold_evicted` is
+    /// for a page `pop_victim` took off alone).
+    #[inline]
+    pub(crate) fn take_evicted(&mut self, p: u32) {
+        self.records[p as usize].hold_first();
+    }
+
     /// Puts an evicted, unregistered page on the free stack with the
     /// refcount 1 a FREE page keeps.
     #[inline]
