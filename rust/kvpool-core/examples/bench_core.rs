@@ -302,6 +302,43 @@ fn extend_evicting_4096_page1(reps: usize) -> f64 {
     median(samples)
 }
 
+/// ns a request of a page-1 decode step of 256 requests whose every page is
+/// taken by eviction (the free stack is empty, the pool full of cached
+/// pages), over 64 steps.
+fn decode_evicting_page1(reps: usize) -> f64 {
+    const ROWS: usize = 256;
+    const STEPS: usize = 64;
+    let mut a = SlotAllocator::with_options(
+        ROWS * STEPS + 1,
+        1,
+        ROWS,
+        ROWS * STEPS,
+        Options {
+            hash_seed: Some(1),
+            ..Options::new()
+        },
+    )
+    .unwrap();
+    let tokens = vec![7i64; ROWS];
+    let mut samples = Vec::new();
+    for rep in 0..reps.div_ceil(10) {
+        let prompt: Vec<i64> = (0..(ROWS * STEPS) as i64)
+            .map(|i| (i * 7919 + rep as i64) % 32000)
+            .collect();
+        serve_prompt(&mut a, &prompt);
+        a.take_events();
+        let h = a.open(ROWS).unwrap();
+        let t0 = Instant::now();
+        for _ in 0..STEPS {
+            a.extend(&h, Counts::Each(1), Some(&tokens)).unwrap();
+        }
+        samples.push(t0.elapsed().as_nanos() as f64 / (ROWS * STEPS) as f64);
+        a.take_events();
+        a.close(&h, false).unwrap();
+    }
+    median(samples)
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let decode_only = std::env::args().any(|a| a == "--decode");
@@ -410,6 +447,11 @@ fn main() {
     );
     row!("evict_256_us", "us", evict_256(reps));
     row!("evict_4096_page1_us", "us", evict_pages(1, 4096, reps));
+    row!(
+        "decode_evicting_page1_ns_per_req",
+        "ns",
+        decode_evicting_page1(reps),
+    );
     row!(
         "extend_evicting_4096_page1_us",
         "us",

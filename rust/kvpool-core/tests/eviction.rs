@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{pool, seq, serve};
+use common::{pool, pool_of_context, seq, serve};
 use kvpool_core::{Counts, Options, SlotAllocator, EVENT_CLEARED, EVENT_REMOVED};
 
 #[test]
@@ -83,6 +83,44 @@ fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
         assert_eq!(cached[0] as usize, want);
         a.close(&h, false).unwrap();
     }
+    a.check().unwrap();
+}
+
+/// A page-1 decode step short of FREE pages: the rows take the free stack's
+/// pages first, in pop order, then the victims in eviction order (the
+/// oldest chain's last page first), as one eviction a page would give them,
+/// though the victims are evicted in one walk before the rows take them.
+#[test]
+fn a_decode_step_past_the_free_stack_takes_victims_in_order() {
+    let n = 12usize;
+    let mut a = pool_of_context(n + 1, 1, 64); // every page used by one chain
+    let chain = serve(&mut a, &seq(n, 0), 0);
+    assert_eq!(
+        (a.cached_pages(), a.free_pages() - a.evictable_pages()),
+        (n, 0)
+    );
+    assert_eq!(a.evict(2), 2); // the chain's last two pages, pushed in that order
+    a.take_events();
+    let h = a.open(5).unwrap();
+    let slots = a
+        .extend(&h, Counts::Each(1), Some(&[7, 7, 7, 7, 7]))
+        .unwrap();
+    let ev = a.take_events();
+    assert_eq!(ev.kind, vec![EVENT_REMOVED; 3]);
+    let removed: Vec<i64> = ev.page.iter().map(|&p| p as i64).collect();
+    assert_eq!(removed, vec![chain[n - 3], chain[n - 4], chain[n - 5]]);
+    assert_eq!(
+        slots,
+        vec![
+            chain[n - 2],
+            chain[n - 1],
+            chain[n - 3],
+            chain[n - 4],
+            chain[n - 5]
+        ],
+        "the free stack's pages in pop order, then the victims in eviction order"
+    );
+    a.close(&h, false).unwrap();
     a.check().unwrap();
 }
 

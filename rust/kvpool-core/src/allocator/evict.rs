@@ -3,9 +3,6 @@
 //! (`prefix/`), and a Removed event reports it (`events.rs`).
 
 use super::SlotAllocator;
-use crate::events::EventLog;
-use crate::pages::PagePool;
-use crate::prefix::index::PrefixIndex;
 
 /// Below this many registered pages the index's entries (64 bytes each,
 /// in two slabs) fit in a core's L2, so warming victims ahead only costs.
@@ -61,44 +58,41 @@ impl SlotAllocator {
         }
     }
 
-    /// Takes `out.len()` victims for new holders of `row`'s pages: what as
-    /// many `take_page` calls give once the free stack is empty, the victims
-    /// in order, each unregistered and held once, but in one walk of the
-    /// eviction list and one relink, as `evict` takes them. The pool has no
-    /// host tier and no priorities (the caller checked), and at least
-    /// `out.len()` CACHED pages.
-    pub(super) fn take_victims(&mut self, row: usize, from: usize, n: usize) {
-        debug_assert!(self.host.is_none() && !self.pages.has_priorities());
-        debug_assert!(n <= self.pages.cached());
-        let Self {
-            requests,
-            pages,
-            prefix,
-            events,
-            ..
-        } = self;
-        let out = requests.pages_mut(row, from, n);
-        let mut p = pages.victim();
-        for d in out.iter_mut() {
-            let next = pages.next_on_list(p);
-            prefetch_victims(pages, prefix, next);
-            unregister(pages, prefix, events, p);
-            pages.take_evicted(p);
-            *d = p;
-            p = next;
-        }
-        pages.remove_victims(n, p);
-    }
-
-    /// Warms what the next evictions will touch (`prefetch_victims`).
+    /// Warms what the next evictions will touch. Evictions come in runs (an
+    /// extend short of FREE pages, `evict(n)`), and each chases pointers
+    /// that miss cache in a big pool: eviction link -> registration ->
+    /// entry -> table bucket. Each address is requested as soon as the step
+    /// before it can have arrived, so one eviction's misses overlap the next
+    /// three's: the record (links, registration, count) of the victim three
+    /// ahead, the entry of the one two ahead, and the bucket of the next,
+    /// `v1` (0: none).
     #[inline(always)]
     fn prefetch_victims(&self, v1: u32) {
-        prefetch_victims(&self.pages, &self.prefix, v1);
+        if v1 == 0 || self.prefix.len() < WARM_INDEX_ENTRIES {
+            return;
+        }
+        self.warm_victims(v1);
+    }
+
+    /// `prefetch_victims` past its check, a call of its own so that the
+    /// check stays a few instructions inside the eviction loops.
+    #[inline(never)]
+    fn warm_victims(&self, v1: u32) {
+        let v2 = self.pages.next_victim(v1);
+        if v2 != 0 {
+            self.pages.prefetch_record(self.pages.next_victim(v2));
+            self.prefix.prefetch_entry(self.pages.entry(v2));
+        }
+        self.prefix.prefetch_bucket_of(self.pages.entry(v1));
     }
 
     /// Drops `p`'s registration and reports it.
     pub(super) fn unregister_page(&mut self, p: u32) {
-        unregister(&mut self.pages, &mut self.prefix, &mut self.events, p);
+        let entry = self.pages.take_entry(p);
+        if entry != 0 {
+            let id = self.prefix.unregister(entry);
+            self.events.removed(id.hash, p, id.salt);
+        }
     }
 
     /// Evicts up to `n` CACHED pages, the eviction room's victims in order
@@ -124,6 +118,22 @@ impl SlotAllocator {
         } else {
             self.evict_victims::<true>(n)
         }
+    }
+
+    /// Evicts the `n` victims an extend will take once the free stack runs
+    /// out, in one walk of the eviction list and one relink (as `evict`
+    /// takes them), and slides them beneath the free stack in victim order:
+    /// the extend's pages then come off the stack's own pages first and the
+    /// victims after them, in order, exactly as one eviction a page would
+    /// give them, where that unlinked each victim on its own. Only where
+    /// nothing else can happen between two evictions: no host tier (whose
+    /// copies change what an eviction does) and no priorities (whose ends
+    /// can move victims between lists).
+    pub(super) fn evict_beneath_free(&mut self, n: usize) {
+        debug_assert!(self.host.is_none() && !self.pages.has_priorities());
+        let n = n.min(self.pages.cached());
+        self.evict_victims::<true>(n);
+        self.pages.sink_free_top(n);
     }
 
     /// `evict`'s walk over `n` victims (`ONE_LIST`: the pool has no
@@ -174,43 +184,5 @@ impl SlotAllocator {
             .clear(|page, entry| pages.clear_entry_if(page, entry));
         self.requests.restart_chains();
         self.events.cleared();
-    }
-}
-
-/// Warms what the next evictions will touch. Evictions come in runs (an
-/// extend short of FREE pages, `evict(n)`), and each chases pointers
-/// that miss cache in a big pool: eviction link -> registration ->
-/// entry -> table bucket. Each address is requested as soon as the step
-/// before it can have arrived, so one eviction's misses overlap the next
-/// three's: the record (links, registration, count) of the victim three
-/// ahead, the entry of the one two ahead, and the bucket of the next,
-/// `v1` (0: none).
-#[inline(always)]
-fn prefetch_victims(pages: &PagePool, prefix: &PrefixIndex, v1: u32) {
-    if v1 == 0 || prefix.len() < WARM_INDEX_ENTRIES {
-        return;
-    }
-    warm_victims(pages, prefix, v1);
-}
-
-/// `prefetch_victims` past its check, a call of its own so that the
-/// check stays a few instructions inside the eviction loops.
-#[inline(never)]
-fn warm_victims(pages: &PagePool, prefix: &PrefixIndex, v1: u32) {
-    let v2 = pages.next_victim(v1);
-    if v2 != 0 {
-        pages.prefetch_record(pages.next_victim(v2));
-        prefix.prefetch_entry(pages.entry(v2));
-    }
-    prefix.prefetch_bucket_of(pages.entry(v1));
-}
-
-/// Drops `p`'s registration and reports it.
-#[inline]
-fn unregister(pages: &mut PagePool, prefix: &mut PrefixIndex, events: &mut EventLog, p: u32) {
-    let entry = pages.take_entry(p);
-    if entry != 0 {
-        let id = prefix.unregister(entry);
-        events.removed(id.hash, p, id.salt);
     }
 }

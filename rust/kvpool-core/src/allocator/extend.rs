@@ -339,6 +339,15 @@ impl SlotAllocator {
             self.requests.put_slow_scratch(slow);
             return Ok(());
         }
+        // Past the free stack the second pass takes victims. At page size 1
+        // (every new token a page) they are evicted here in one walk, the
+        // batch being valid: nothing after this point is undone. (At larger
+        // sizes a row may also unregister a page it writes into, whose
+        // Removed event must stay in its place among the victims'.)
+        let short = needed_pages.saturating_sub(self.pages.free_len());
+        if short > 1 && ps == 1 && self.host.is_none() && !self.pages.has_priorities() {
+            self.evict_beneath_free(short);
+        }
         // Second pass: grow the listed requests, report everyone in order.
         let runs_before = self.pages.queued_runs();
         let mut s = slow.iter().peekable();

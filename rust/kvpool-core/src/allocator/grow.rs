@@ -87,23 +87,7 @@ impl SlotAllocator {
             }
         }
         self.pages.drop_free_top(from_stack);
-        // Then victims: in one walk of the eviction list where nothing
-        // else can happen between two evictions (no host copies to keep,
-        // no priorities to expire), else one `take_page` each.
-        let short = new_pages - from_stack;
-        let got = if short > 1 && self.host.is_none() && !self.pages.has_priorities() {
-            let n = short.min(self.pages.cached());
-            self.take_victims(row, np + from_stack, n);
-            let list = self.requests.pages(row, np + from_stack + n);
-            let runs = rest.chunks_mut(ps).skip(from_stack);
-            for (run, &p) in runs.zip(&list[np + from_stack..]) {
-                fill_run(run, p as usize * ps);
-            }
-            from_stack + n
-        } else {
-            from_stack
-        };
-        for (j, run) in rest.chunks_mut(ps).enumerate().skip(got) {
+        for (j, run) in rest.chunks_mut(ps).enumerate().skip(from_stack) {
             let p = self.take_page();
             self.requests.set_page(row, np + j, p);
             fill_run(run, p as usize * ps);

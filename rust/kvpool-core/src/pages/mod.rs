@@ -107,6 +107,12 @@ impl PagePool {
         self.free.pop()
     }
 
+    /// Pages on the free stack.
+    #[inline]
+    pub(crate) fn free_len(&self) -> usize {
+        self.free.len()
+    }
+
     /// Gives back a page a failed call took with `pop_free` (it kept its
     /// count 1).
     #[inline]
@@ -274,12 +280,14 @@ impl PagePool {
         self.eviction.pop_cached(&mut self.records)
     }
 
-    /// An evicted, unregistered page's first holder, taken off its list by
-    /// `remove_victims` once its run of victims ends (`hold_evicted` is
-    /// for a page `pop_victim` took off alone).
-    #[inline]
-    pub(crate) fn take_evicted(&mut self, p: u32) {
-        self.records[p as usize].hold_first();
+    /// Moves the top `n` pages of the free stack to its bottom, in reverse:
+    /// pushed there in the order they should be taken, they now come off the
+    /// stack after every other page, in that order.
+    pub(crate) fn sink_free_top(&mut self, n: usize) {
+        let len = self.free.len();
+        let n = n.min(len);
+        self.free[len - n..].reverse();
+        self.free.rotate_right(n);
     }
 
     /// Puts an evicted, unregistered page on the free stack with the
