@@ -34,21 +34,34 @@ fn eviction_takes_least_recent_chains_tail_first() {
     a.check().unwrap();
 }
 
-/// With more than 8192 registered pages evictions warm the victims ahead of
-/// them (`pages.rs`); the order must stay exactly LRU, chain tail first,
-/// whether `evict(n)` or an extend short of FREE pages evicts.
+/// With more than 8192 registered pages evictions at page sizes above 1 warm
+/// the victims ahead of them (`allocator/evict.rs`); the order must stay
+/// exactly LRU, chain tail first, whether `evict(n)` or an extend short of
+/// FREE pages evicts, warmed or not.
 #[test]
 fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
+    for ps in [1usize, 2] {
+        eviction_order_on_a_big_index(ps);
+    }
+}
+
+fn eviction_order_on_a_big_index(ps: usize) {
     let n = 4000usize;
     let opts = Options {
         hash_seed: Some(7),
         ..Options::new()
     };
-    let mut a = SlotAllocator::with_options(3 * n + 1, 1, 4, 2 * n, opts).unwrap();
-    let chains: Vec<Vec<i64>> = (0..3).map(|c| seq(n, 100_000 * c)).collect();
-    // At page 1 a slot is its page; the last token stays uncached only in
-    // a hit, so every page of each chain is registered.
-    let pages: Vec<Vec<i64>> = chains.iter().map(|c| serve(&mut a, c, 0)).collect();
+    let mut a = SlotAllocator::with_options(3 * n + 1, ps, 4, 2 * n * ps, opts).unwrap();
+    let chains: Vec<Vec<i64>> = (0..3).map(|c| seq(n * ps, 100_000 * c)).collect();
+    // Every page of each chain is full, so every one is registered; a
+    // page's id is its first slot over the page size.
+    let pages: Vec<Vec<i64>> = chains
+        .iter()
+        .map(|c| {
+            let slots = serve(&mut a, c, 0);
+            slots.iter().step_by(ps).map(|&s| s / ps as i64).collect()
+        })
+        .collect();
     assert_eq!(
         (a.cached_pages(), a.free_pages() - a.evictable_pages()),
         (3 * n, 0)
@@ -64,23 +77,25 @@ fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
     assert_eq!(
         removed(&mut a),
         tail,
-        "evict(n): the oldest chain, last page first"
+        "evict(n) at page {ps}: the oldest chain, last page first"
     );
     let h = a.open(1).unwrap();
-    a.extend(&h, Counts::Each(2500), None).unwrap(); // 1000 FREE, then 1500 evicted
+    // 1000 FREE pages, then 1500 evicted.
+    a.extend(&h, Counts::Each((2500 * ps) as i64), None)
+        .unwrap();
     let next: Vec<i64> = pages[0][n - 2500..n - 1000].iter().rev().copied().collect();
     assert_eq!(
         removed(&mut a),
         next,
-        "extend: evicts on where evict(n) stopped"
+        "extend at page {ps}: evicts on where evict(n) stopped"
     );
     a.close(&h, false).unwrap();
     a.check().unwrap();
     for (c, want) in [(0usize, n - 2500), (1, n - 1)] {
         let (h, cached) = a
-            .open_with_prefix(&chains[c], &[n as i64], Counts::Each(0))
+            .open_with_prefix(&chains[c], &[(n * ps) as i64], Counts::Each(0))
             .unwrap();
-        assert_eq!(cached[0] as usize, want);
+        assert_eq!(cached[0] as usize, want * ps);
         a.close(&h, false).unwrap();
     }
     a.check().unwrap();

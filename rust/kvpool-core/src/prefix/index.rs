@@ -53,6 +53,7 @@ use super::ghost_table::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;
+use super::links::KEYED;
 use super::runs::Runs;
 use super::tip::ChainTip;
 use crate::error::Result;
@@ -319,12 +320,17 @@ impl PrefixIndex {
         }
     }
 
-    /// Starts loading the table bucket of registration `entry` (index + 1).
+    /// Starts loading the table bucket of registration `entry` (index + 1),
+    /// if it is filed there: removing an unkeyed entry reads no bucket
+    /// (`links.rs`), and at page size 1 most entries are unkeyed, so a
+    /// prefetch of theirs only loads a line, and a TLB entry, nobody reads.
     #[inline]
     pub(crate) fn prefetch_bucket_of(&self, entry: u32) {
         if let Some(e) = entry.checked_sub(1) {
             if let Some(id) = self.idents.get(e as usize) {
-                self.table.prefetch(key_of(id.hash));
+                if id.links & KEYED != 0 {
+                    self.table.prefetch(key_of(id.hash));
+                }
             }
         }
     }
