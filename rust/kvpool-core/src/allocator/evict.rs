@@ -71,10 +71,9 @@ impl SlotAllocator {
     /// victim run is a long chain tail, one victim per token, whose entries
     /// a registration pass filed in consecutive slab slots (the hardware
     /// streams them), and the warming's own dependent loads, one call a
-    /// victim, come on top. Measured with `prefix_split.py` at page 1, 1M
-    /// slots, three alternated runs: the prompts' extend in the pressure
-    /// trace 20.8-21.8 us a step with the warming, 13.7-14.6 without
-    /// (tiered: 181-218 against 130-149).
+    /// victim, come on top: without it the pressure trace's prompt extends
+    /// at page 1 take about a third less time (benchmarks/results/history,
+    /// stop 61).
     #[inline(always)]
     fn prefetch_victims(&self, v1: u32) {
         if v1 == 0 || self.geo.page_size == 1 || self.prefix.len() < WARM_INDEX_ENTRIES {
