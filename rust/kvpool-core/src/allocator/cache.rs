@@ -256,12 +256,8 @@ impl SlotAllocator {
                         );
                         continue;
                     }
-                    let (p, slot) = (list[k], k - chunk.start);
-                    let h = chunk.ring[slot];
-                    if k < chunk.refill_end {
-                        chunk.last = prefix.page_hash(chunk.last, list[k + LOOKAHEAD]);
-                        chunk.ring[slot] = chunk.last;
-                    }
+                    let p = list[k];
+                    let h = chunk.take::<false>(prefix, list, k);
                     run.end(prefix, &tip, list);
                     let parent = tip;
                     match register_page_named(

@@ -133,12 +133,15 @@ impl SlotAllocator {
     /// takes them), and slides them beneath the free stack in victim order:
     /// the extend's pages then come off the stack's own pages first and the
     /// victims after them, in order, exactly as one eviction a page would
-    /// give them, where that unlinked each victim on its own. Only where
-    /// nothing else can happen between two evictions: no host tier (whose
-    /// copies change what an eviction does) and no priorities (whose ends
-    /// can move victims between lists).
+    /// give them, where that unlinked each victim on its own. Does nothing
+    /// where something else can happen between two evictions: with a host
+    /// tier (whose copies change what an eviction does) or priorities
+    /// (whose ends can move victims between lists); the extend then evicts
+    /// page by page as it goes.
     pub(super) fn evict_beneath_free(&mut self, n: usize) {
-        debug_assert!(self.host.is_none() && !self.pages.has_priorities());
+        if self.host.is_some() || self.pages.has_priorities() {
+            return;
+        }
         let n = n.min(self.pages.cached());
         self.evict_victims::<true>(n);
         self.pages.sink_free_top(n);

@@ -345,7 +345,7 @@ impl SlotAllocator {
         // sizes a row may also unregister a page it writes into, whose
         // Removed event must stay in its place among the victims'.)
         let short = needed_pages.saturating_sub(self.pages.free_len());
-        if short > 1 && ps == 1 && self.host.is_none() && !self.pages.has_priorities() {
+        if short > 1 && ps == 1 {
             self.evict_beneath_free(short);
         }
         // Second pass: grow the listed requests, report everyone in order.

@@ -20,6 +20,31 @@ pub(super) struct Chunk<'a> {
     pub(super) refill_end: usize,
 }
 
+impl Chunk<'_> {
+    /// Page `list[k]`'s hash, its ring slot refilled with the hash of the
+    /// page LOOKAHEAD ahead (`ONE`: one token a page, hashed by its id).
+    #[inline(always)]
+    pub(super) fn take<const ONE: bool>(
+        &mut self,
+        prefix: &PrefixIndex,
+        list: &[u32],
+        k: usize,
+    ) -> u128 {
+        let slot = k - self.start;
+        let h = self.ring[slot];
+        if k < self.refill_end {
+            let next = list[k + LOOKAHEAD];
+            self.last = if ONE {
+                prefix.token_page_hash(self.last, next)
+            } else {
+                prefix.page_hash(self.last, next)
+            };
+            self.ring[slot] = self.last;
+        }
+        h
+    }
+}
+
 /// Registers `list[k..]` from page `k` on, up to the chunk's end, while
 /// each page is unregistered: the tip is an entry this pass filed anew (so
 /// it has no child yet) and no orphan exists, so each page is the only
@@ -79,17 +104,7 @@ fn stretch<const EVENTS: bool, const ONE: bool>(args: Args<'_, '_>) -> usize {
         if pages.entry(p) != 0 {
             break;
         }
-        let slot = k - chunk.start;
-        let h = chunk.ring[slot];
-        if k < chunk.refill_end {
-            let next = list[k + LOOKAHEAD];
-            chunk.last = if ONE {
-                prefix.token_page_hash(chunk.last, next)
-            } else {
-                prefix.page_hash(chunk.last, next)
-            };
-            chunk.ring[slot] = chunk.last;
-        }
+        let h = chunk.take::<ONE>(prefix, list, k);
         let parent = t;
         t = prefix.register_only_child(p, h, &parent, salt);
         run.filed(prefix, &parent, &t, list, k);

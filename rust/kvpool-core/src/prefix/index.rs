@@ -53,7 +53,6 @@ use super::ghost_table::Ghosts;
 use super::hashing::{ChainHasher, ChainKind};
 use super::key_table::KeyTable;
 use super::keys::key_of;
-use super::links::KEYED;
 use super::runs::Runs;
 use super::tip::ChainTip;
 use crate::error::Result;
@@ -328,7 +327,7 @@ impl PrefixIndex {
     pub(crate) fn prefetch_bucket_of(&self, entry: u32) {
         if let Some(e) = entry.checked_sub(1) {
             if let Some(id) = self.idents.get(e as usize) {
-                if id.links & KEYED != 0 {
+                if self.is_keyed(e) {
                     self.table.prefetch(key_of(id.hash));
                 }
             }
