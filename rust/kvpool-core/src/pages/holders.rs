@@ -3,6 +3,7 @@
 //! and CACHED (or FREE) in their eviction list's order (see `mod.rs`).
 
 use super::record::{PageState, UNHELD};
+use super::stretches::{self, SPAN};
 use super::PagePool;
 use crate::eviction::{Eviction, Insert};
 
@@ -19,9 +20,25 @@ impl PagePool {
     pub(crate) fn hold(&mut self, pages: &[u32]) {
         let st = &mut self.records[..];
         let mut k = 0;
+        // Whether to try a stretch (`stretches.rs`): from the start, and
+        // again after a block of four consecutive pages that others hold,
+        // so that a list of scattered or CACHED pages does not pay a failed
+        // try every block.
+        let mut stretch = true;
         while k < pages.len() {
-            // Four pages that others hold too (a shared system prompt's)
-            // take one more holder each, with one test for the four.
+            // Eight consecutive pages that others hold too (a shared
+            // system prompt's, at page size 1): one slice of records.
+            if stretch {
+                if let Some(ids) = stretches::block_at(pages, k) {
+                    if stretches::hold_held(st, ids) {
+                        k += SPAN;
+                        continue;
+                    }
+                }
+                stretch = false;
+            }
+            // Four pages that others hold too take one more holder each,
+            // with one test for the four.
             if let Some(&[q0, q1, q2, q3]) = pages.get(k..k + 4) {
                 let q = [q0, q1, q2, q3];
                 debug_assert!(distinct(q));
@@ -31,6 +48,7 @@ impl PagePool {
                         st[p as usize].extra = x + 1;
                     }
                     k += 4;
+                    stretch = stretches::consecutive(q);
                     continue;
                 }
             }
@@ -115,7 +133,24 @@ impl PagePool {
         // output are thousands of pages. A waiting copy may have to hear of
         // a last holder's release, so with copies queued every page goes
         // the one-by-one way.
+        // Whether to try a stretch, as in `hold`: from the end, and again
+        // after a block of four consecutive pages that each keep a holder.
+        let mut stretch = true;
         while let (false, [head @ .., p3, p2, p1, p0]) = (queued, rest) {
+            if stretch {
+                if let Some(ids) = rest
+                    .len()
+                    .checked_sub(SPAN)
+                    .and_then(|at| stretches::block_at(rest, at))
+                {
+                    // Eight consecutive pages that keep a holder each.
+                    if stretches::release_shared(st, ids) {
+                        rest = &rest[..rest.len() - SPAN];
+                        continue;
+                    }
+                }
+                stretch = false;
+            }
             let q = [*p0, *p1, *p2, *p3];
             debug_assert!(distinct(q));
             let e = q.map(|p| st[p as usize].extra);
@@ -124,6 +159,7 @@ impl PagePool {
                 for (p, x) in q.into_iter().zip(e) {
                     st[p as usize].extra = x - 1;
                 }
+                stretch = stretches::consecutive([*p3, *p2, *p1, *p0]);
             } else if e[0] | e[1] | e[2] | e[3] == 0
                 && q.iter().all(|&p| st[p as usize].is_registered())
             {

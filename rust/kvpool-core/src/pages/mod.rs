@@ -37,6 +37,7 @@ mod copy_queue;
 mod holders;
 mod priorities;
 pub(crate) mod record;
+mod stretches;
 
 use crate::error::Result;
 use crate::eviction::Eviction;
