@@ -17,6 +17,7 @@ use crate::output::Arr;
 use crate::output::{extend_total, new_i64, vec_with_room, Bounded, CallerOut, OutBuf};
 use crate::packed::PackedHead;
 use crate::table::Table;
+use crate::token_ids::TokenIds;
 
 /// The copy-on-write work one extend queued, one `[row, position, src,
 /// dst]` per moved position, in queue order; returned as `[rows |
@@ -79,16 +80,15 @@ impl PySlotAllocator {
     }
 }
 
+/// The optional `tokens=` of extend and admit: read in place when it can
+/// be (`TokenIds`).
 pub(crate) fn tokens_arg(
     py: Python<'_>,
     tokens: Option<&Bound<'_, PyAny>>,
-) -> Result<Option<Vec<i64>>> {
+) -> Result<Option<TokenIds>> {
     Ok(match tokens {
         None => None,
-        Some(t) => Some(match int_arg(py, t, "tokens")? {
-            IntArg::Scalar(v) => vec![v],
-            IntArg::Many(v) => v,
-        }),
+        Some(t) => Some(TokenIds::extract(py, t)?),
     })
 }
 

@@ -7,6 +7,7 @@ use crate::convert::{counts_of, int_arg, int_scalar, usize_arg};
 use crate::errors::Result;
 use crate::grouped::PyGroupedAllocator;
 use crate::output::{filled, new_uninit, Arr};
+use crate::token_ids::TokenIds;
 
 #[pymethods]
 impl PyGroupedAllocator {
@@ -70,7 +71,7 @@ impl PyGroupedAllocator {
         lengths: &Bound<'py, PyAny>,
         salt: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
-        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let t = TokenIds::extract(py, tokens)?;
         let l = int_arg(py, lengths, "lengths")?.into_vec();
         let s = match salt {
             None => crate::convert::IntArg::Scalar(0),

@@ -59,7 +59,7 @@ impl<'a, 'py> Handles<'a, 'py> {
 
 /// The length of a 1-D, aligned, contiguous, native int64 array with at
 /// least one element, or None.
-fn int64_len(arr: &Bound<'_, PyUntypedArray>) -> Option<usize> {
+pub(crate) fn int64_len(arr: &Bound<'_, PyUntypedArray>) -> Option<usize> {
     if arr.ndim() != 1 || !arr.is_aligned() || arr.len() == 0 || arr.strides()[0] != 8 {
         return None;
     }

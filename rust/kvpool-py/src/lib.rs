@@ -33,6 +33,7 @@ mod stats;
 mod table;
 mod tier;
 mod tier_args;
+mod token_ids;
 mod torch_arg;
 mod torch_dense;
 mod widen;

@@ -11,6 +11,7 @@ use crate::errors::{invalid_argument, Result};
 use crate::output::{filled, new_array, new_uninit, to_numpy, Arr};
 use crate::retention_args::Retention;
 use crate::table::Table;
+use crate::token_ids::TokenIds;
 
 /// Writes the rows of requests just opened into a validated `table`. It
 /// cannot fail: the handles are fresh and `table_arg` checked the shape.
@@ -230,7 +231,7 @@ impl PySlotAllocator {
         salt: Option<&Bound<'py, PyAny>>,
         table: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
-        let t = int_arg(py, tokens, "tokens")?.into_vec();
+        let t = TokenIds::extract(py, tokens)?;
         let l = int_arg(py, lengths, "lengths")?.into_vec();
         let s = match salt {
             None => IntArg::Scalar(0),
