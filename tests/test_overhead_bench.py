@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvpool.bench import first_burst
@@ -45,6 +46,9 @@ def test_rows_and_burst_sections_write_their_json(tmp_path, capsys):
             # heap for a result array this size (4 MiB, ~1000 pages when fresh).
             assert r["first_faults"] < 64, r
         assert r["runs"][0]["flush_mib"] >= 64
+        # The same run's baseline: the same flow with plain writes instead of a pool.
+        assert r["control"]["first_ns_per_token"] > 0 and r["control"]["warm_ns_per_token"] > 0
+    assert "plain writes" in printed
 
 
 def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
@@ -102,4 +106,23 @@ def test_first_burst_child_runs_without_importing_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["tokens"] == 256 * 64 and doc["slots"] == 65536
+    assert doc["tokens"] == 256 * 64 and doc["slots"] == 65536 and doc["control"] is False
+
+
+def test_first_burst_control_writes_what_an_admission_writes():
+    """The control's admission fills the table rows an admission fills (each row's first
+    count entries) and returns a result of one value a token, without loading the pool."""
+    counts = np.array([3, 0, 5], dtype=np.int64)
+    table = np.full((4, 8), -1, dtype=np.int32)
+    plain = first_burst.PlainWrites(int(counts.sum()))
+    handles, out = plain.admit(counts, table)
+    assert len(handles) == 3 and out.shape == (8,) and (out == 1).all()
+    assert (table[0, :3] == 0).all() and (table[0, 3:] == -1).all()
+    assert (table[1] == -1).all()
+    assert (table[2, :5] == 2).all() and (table[2, 5:] == -1).all()
+    script = Path(first_burst.__file__)
+    r = subprocess.run([sys.executable, str(script), "65536", "16", "64", "control"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["control"] is True and doc["first_ns_per_token"] > 0 and doc["warm_ns_per_token"] > 0

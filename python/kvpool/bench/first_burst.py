@@ -1,4 +1,4 @@
-"""One first burst, run as a script in a fresh process: ``python .../first_burst.py SLOTS PAGE PROMPTS``.
+"""One first burst, run as a script in a fresh process: ``python .../first_burst.py SLOTS PAGE PROMPTS [control]``.
 
 Prints one JSON object: the construction time of a ``SlotAllocator`` of SLOTS
 slots at page size PAGE (256 rows, max_context_len 4096), the first admission
@@ -74,14 +74,44 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def run(slots: int, page: int, kind: str) -> dict:
-    core = _load_core()
+class PlainWrites:
+    """The control: an admission's writes without a pool. Each call fills a fresh result array of
+    8 bytes a token (numpy's zero-filled allocation, as the pool's result is) and each row's entries
+    of the table, as ``admit(counts, table=)`` does; construction primes the C heap for the result
+    as the pool's does (``heap_prime.rs``: one mapping allocated and freed, one heap block touched
+    and freed). Run in the same flow, it tells how much of a first admission's cost over a warm one
+    any first burst of writes of that size pays in this process and machine."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        a = np.empty(n, dtype=np.int64)
+        del a  # a fresh mapping, freed: glibc raises its mmap threshold to its size
+        a = np.empty(n, dtype=np.int64)
+        a[::512] = 0  # one write per 4 KiB: the heap block stays resident after the free
+        del a
+
+    def admit(self, counts: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = np.zeros(self.n, dtype=np.int64)
+        out += 1
+        for row, c in enumerate(counts.tolist()):
+            table[row, :c] = row
+        return np.arange(len(counts)), out
+
+    def close(self, handles: np.ndarray) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+
+def run(slots: int, page: int, kind: str, control: bool = False) -> dict:
     counts = prompts(kind)
     n = int(counts.sum())
     stride = ((CTX + 15) // 16 | 1) * 16  # KVPool's padded row stride
     table = np.full((ROWS + 1, stride), -1, dtype=np.int32)[:, :CTX]  # resident, as an engine's is
+    core = None if control else _load_core()
     t0 = time.perf_counter_ns()
-    alloc = core.SlotAllocator(slots // page, page, ROWS, CTX, kv_events=False)
+    alloc = PlainWrites(n) if core is None else core.SlotAllocator(slots // page, page, ROWS, CTX, kv_events=False)
     t1 = time.perf_counter_ns()
     # After construction: a GiB of fresh memory first would leave it fewer
     # free huge pages to map its records on than a server starting up has.
@@ -102,11 +132,11 @@ def run(slots: int, page: int, kind: str) -> dict:
     alloc.admit(counts, table=table)
     t5, f3 = time.perf_counter_ns(), _faults()
     alloc.check()
-    return {"slots": slots, "page_size": page, "prompts": kind, "tokens": n,
+    return {"slots": slots, "page_size": page, "prompts": kind, "tokens": n, "control": control,
             "construct_ms": (t1 - t0) / 1e6, "first_ns_per_token": (t3 - t2) / n,
             "warm_ns_per_token": (t5 - t4) / n, "first_faults": f1 - f0, "warm_faults": f3 - f2,
             "flush_mib": flush.nbytes >> 20}
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))
+    print(json.dumps(run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], control=sys.argv[4:] == ["control"])))
