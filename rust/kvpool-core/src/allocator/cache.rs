@@ -202,6 +202,8 @@ impl SlotAllocator {
         // before any call that may remove or relink an entry.
         let mut run = RunBuilder::default();
         let checked = walked_at(prefix, &chain);
+        // The end of the pages whose records were prefetched.
+        let mut fetched = 0;
         'restart: while k < upto {
             // The chain hash is serial (each page's waits on the one
             // before), so it runs a chunk of LOOKAHEAD pages ahead of the
@@ -228,15 +230,26 @@ impl SlotAllocator {
                 // Under a childless tip the chunk's pages go unkeyed
                 // (`register_page`): their buckets are not read.
                 let probes = !prefix.childless(&tip);
-                for (&h, &p) in ring.iter().zip(&list[k..end]) {
-                    if probes {
+                if probes {
+                    for &h in &ring[..end - k] {
                         prefix.prefetch_bucket(h);
                     }
+                }
+                // Records a chunk ahead, with the tokens the next chunk
+                // hashes: a closing request's output pages were taken one
+                // decode step at a time, scattered over the pool, and a
+                // prefetch issued as the chunk starts comes too late for
+                // its first pages. (The first chunk of a pass fetches its
+                // own.)
+                let ahead = upto.min(end + LOOKAHEAD);
+                for &p in &list[fetched.clamp(k, end)..end] {
                     pages.prefetch_record(p);
                 }
-                for &p in &list[end..upto.min(end + LOOKAHEAD)] {
+                for &p in &list[end..ahead] {
                     prefix.prefetch_tokens(p);
+                    pages.prefetch_record(p);
                 }
+                fetched = ahead;
                 let mut chunk = Chunk {
                     ring: &mut ring[..],
                     last,
