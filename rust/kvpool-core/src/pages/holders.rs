@@ -126,6 +126,9 @@ impl PagePool {
         let queued = !self.copies.is_empty();
         let mut marked = false;
         let mut rest = pages;
+        // Whether to try a stretch, as in `hold`: from the end, and again
+        // after a block of four consecutive pages that each keep a holder.
+        let mut stretch = true;
         // Blocks of four first (from the end), where all four pages are
         // released alike: each keeps a holder, or each goes CACHED (a
         // registered page's last holder). One test a block rather than two
@@ -133,9 +136,6 @@ impl PagePool {
         // output are thousands of pages. A waiting copy may have to hear of
         // a last holder's release, so with copies queued every page goes
         // the one-by-one way.
-        // Whether to try a stretch, as in `hold`: from the end, and again
-        // after a block of four consecutive pages that each keep a holder.
-        let mut stretch = true;
         while let (false, [head @ .., p3, p2, p1, p0]) = (queued, rest) {
             if stretch {
                 if let Some(ids) = rest
