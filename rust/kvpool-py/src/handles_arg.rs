@@ -70,6 +70,34 @@ pub(crate) fn int64_len(arr: &Bound<'_, PyUntypedArray>) -> Option<usize> {
     int64.then(|| arr.len())
 }
 
+/// Replaces `buf`'s contents with the `len` values of `arr`, an array
+/// `int64_len` just measured (with the GIL held, so nothing has changed it
+/// since), by one memcpy; MemoryError naming `what` if `buf` cannot grow.
+pub(crate) fn copy_int64(
+    arr: &Bound<'_, PyUntypedArray>,
+    len: usize,
+    buf: &mut Vec<i64>,
+    what: &str,
+) -> PyResult<()> {
+    debug_assert_eq!(int64_len(arr), Some(len));
+    buf.clear();
+    buf.try_reserve(len).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {len} int64 values to copy {what} into"
+        ))
+    })?;
+    // SAFETY: a live numpy array (`int64_len`: `len` aligned, contiguous
+    // int64 items at its data pointer), read once with the GIL held; `buf`
+    // has room for `len` values, and the copy initializes them before the
+    // length is set.
+    unsafe {
+        let data = (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).data as *const i64;
+        std::ptr::copy_nonoverlapping(data, buf.as_mut_ptr(), len);
+        buf.set_len(len);
+    }
+    Ok(())
+}
+
 impl PySlotAllocator {
     /// [`Self::run`] with the call's handles as a slice: a snapshot of an
     /// int64 array (see the module docs), or the converted copy.
@@ -92,21 +120,7 @@ impl PySlotAllocator {
         };
         SNAPSHOT.with(|cell| {
             let mut buf = cell.borrow_mut();
-            buf.clear();
-            buf.try_reserve(len).map_err(|_| {
-                pyo3::exceptions::PyMemoryError::new_err(format!(
-                    "cannot allocate {len} int64 values to copy handles into"
-                ))
-            })?;
-            // SAFETY: a live numpy array (checked just now: `len` aligned,
-            // contiguous int64 items at its data pointer), read once with
-            // the GIL held; `buf` has room for `len` values, and the copy
-            // initializes them before the length is set.
-            unsafe {
-                let data = (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).data as *const i64;
-                std::ptr::copy_nonoverlapping(data, buf.as_mut_ptr(), len);
-                buf.set_len(len);
-            }
+            copy_int64(arr, len, &mut buf, "handles")?;
             let h: &[i64] = &buf;
             let r = self.run(py, work, |core| f(core, h));
             if buf.capacity() > SNAPSHOT_KEEP {

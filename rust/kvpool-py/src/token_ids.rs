@@ -13,12 +13,11 @@
 use std::cell::Cell;
 use std::ops::Deref;
 
-use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
-use numpy::{PyUntypedArray, PyUntypedArrayMethods};
+use numpy::PyUntypedArray;
 use pyo3::prelude::*;
 
 use crate::convert::int_arg;
-use crate::handles_arg::int64_len;
+use crate::handles_arg::{copy_int64, int64_len};
 
 /// Most ids the per-thread buffer keeps between calls (1 MiB); a larger
 /// call's buffer is freed after it.
@@ -41,21 +40,7 @@ impl TokenIds {
         if let Ok(arr) = obj.cast::<PyUntypedArray>() {
             if let Some(len) = int64_len(arr) {
                 let mut v = SPARE.take();
-                v.clear();
-                v.try_reserve(len).map_err(|_| {
-                    pyo3::exceptions::PyMemoryError::new_err(format!(
-                        "cannot allocate {len} int64 values to copy tokens into"
-                    ))
-                })?;
-                // SAFETY: a live numpy array (checked just now: `len`
-                // aligned, contiguous int64 items at its data pointer), read
-                // once with the GIL held; `v` has room for `len` values, and
-                // the copy initializes them before the length is set.
-                unsafe {
-                    let data = (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).data as *const i64;
-                    std::ptr::copy_nonoverlapping(data, v.as_mut_ptr(), len);
-                    v.set_len(len);
-                }
+                copy_int64(arr, len, &mut v, "tokens")?;
                 return Ok(TokenIds(v));
             }
         }

@@ -48,7 +48,7 @@ impl PagePool {
                         st[p as usize].extra = x + 1;
                     }
                     k += 4;
-                    stretch = stretches::consecutive(q);
+                    stretch = stretches::consecutive(&q);
                     continue;
                 }
             }
@@ -159,7 +159,7 @@ impl PagePool {
                 for (p, x) in q.into_iter().zip(e) {
                     st[p as usize].extra = x - 1;
                 }
-                stretch = stretches::consecutive([*p3, *p2, *p1, *p0]);
+                stretch = stretches::consecutive(&[*p3, *p2, *p1, *p0]);
             } else if e[0] | e[1] | e[2] | e[3] == 0
                 && q.iter().all(|&p| st[p as usize].is_registered())
             {

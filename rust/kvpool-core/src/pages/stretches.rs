@@ -26,26 +26,26 @@ pub(super) fn block_at(list: &[u32], at: usize) -> Option<&[u32; SPAN]> {
     list.get(at..at + SPAN)?.try_into().ok()
 }
 
-/// Whether four pages are consecutive: the list may go on as a stretch.
+/// Whether the pages are `q[0]`, `q[0] + 1`, ...: one fold of xors, not a
+/// search, so it compiles to a vector compare. Four of them after a shared
+/// block tell `holders.rs` the list may go on as a stretch.
 #[inline(always)]
-pub(super) fn consecutive(q: [u32; 4]) -> bool {
-    let d = |j: u32| q[j as usize] ^ q[0].wrapping_add(j);
-    d(1) | d(2) | d(3) == 0
-}
-
-/// The records of `ids` if the ids are `ids[0]`, `ids[0] + 1`, ... and in
-/// range: one contiguous slice, in list order.
-#[inline(always)]
-fn records_of<'a>(st: &'a mut [PageState], ids: &[u32; SPAN]) -> Option<&'a mut [PageState]> {
-    // One fold of xors, not a search: it compiles to a vector compare.
-    let off = ids
+pub(super) fn consecutive<const N: usize>(q: &[u32; N]) -> bool {
+    let off = q
         .iter()
         .enumerate()
-        .fold(0, |d, (j, &p)| d | (p ^ ids[0].wrapping_add(j as u32)));
+        .fold(0, |d, (j, &p)| d | (p ^ q[0].wrapping_add(j as u32)));
+    off == 0
+}
+
+/// The records of `ids` if the ids are consecutive and in range: one
+/// contiguous slice, in list order.
+#[inline(always)]
+fn records_of<'a>(st: &'a mut [PageState], ids: &[u32; SPAN]) -> Option<&'a mut [PageState]> {
     let first = ids[0] as usize;
-    match off {
-        0 => st.get_mut(first..first + SPAN),
-        _ => None,
+    match consecutive(ids) {
+        true => st.get_mut(first..first + SPAN),
+        false => None,
     }
 }
 
