@@ -149,11 +149,11 @@ def test_an_undrained_event_backlog_is_bounded_and_restarts_with_a_cleared_event
 
 @pytest.mark.parametrize(("pages", "page_size", "rows", "ctx"), [(4096, 16, 64, 3000), (1000, 1, 8, 100), (65536, 16, 256, 4096)])
 def test_metadata_bytes_of_a_new_allocator_is_the_documented_sum(pages, page_size, rows, ctx):
-    """docs/allocator.md, *Memory*: 20 bytes a page (page 0 has no free-stack entry), 4 a slot,
-    per row 16 + 80 + 4 + 4 + 4 x (page list: ceil(ctx / page_size) rounded up to 16, plus 16),
-    and 512 bytes once."""
+    """docs/allocator.md, *Memory*: 20 bytes a page (page 0 has no free-stack entry) and 4 per
+    block of eight pages (rounded up), 4 a slot, per row 16 + 80 + 4 + 4 + 4 x (page list:
+    ceil(ctx / page_size) rounded up to 16, plus 16), and 512 bytes once."""
     a = SlotAllocator(pages, page_size=page_size, max_requests=rows, max_context_len=ctx)
     page_list = -(-ctx // page_size)
     page_list = -(-page_list // 16) * 16 + 16
-    want = pages * 20 - 4 + pages * page_size * 4 + rows * (16 + 80 + 4 + 4 + 4 * page_list) + 512
+    want = pages * 20 - 4 + -(-pages // 8) * 4 + pages * page_size * 4 + rows * (16 + 80 + 4 + 4 + 4 * page_list) + 512
     assert a.metadata_bytes == want

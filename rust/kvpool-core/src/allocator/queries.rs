@@ -112,8 +112,8 @@ impl SlotAllocator {
     }
 
     /// Heap bytes of all bookkeeping (capacities, so the reserved worst case):
-    /// per page its state record (holder count, registration, LRU links) and
-    /// free stack entry (20 bytes),
+    /// per page its state record (holder count, registration, LRU links),
+    /// free stack entry and an eighth of a block holder count (20.5 bytes),
     /// 4 per slot of token ids, per row the hot and cold structs, the page
     /// list and the prompt, and the prefix index entries.
     pub fn metadata_bytes(&self) -> usize {

@@ -10,6 +10,7 @@
 //!   counts and page map agree with its runs;
 //! - the eviction lists are well linked and are exactly the CACHED set.
 
+use super::blocks::BLOCK;
 use super::PagePool;
 
 impl PagePool {
@@ -47,14 +48,18 @@ impl PagePool {
         for p in 1..n {
             // A FREE page stores refcount 1, the count its taker needs; it
             // has no holder.
-            if listed[p] == 1 && st[p].holders() != 1 {
+            if listed[p] == 1 && self.holders(p as u32) != 1 {
                 return Err(format!(
                     "FREE page {p} stores refcount {} instead of 1 (taking it would \
                      leave that count)",
-                    st[p].holders()
+                    self.holders(p as u32)
                 ));
             }
-            let rc = if listed[p] == 1 { 0 } else { st[p].holders() };
+            let rc = if listed[p] == 1 {
+                0
+            } else {
+                self.holders(p as u32)
+            };
             let reg = st[p].is_registered();
             if rc != holders[p] {
                 return Err(format!(
@@ -84,6 +89,7 @@ impl PagePool {
                 ));
             }
         }
+        self.check_blocks(&listed)?;
         if st[0].holders() != 0 || st[0].is_registered() || holders[0] != 0 {
             return Err("page 0 is held or registered".into());
         }
@@ -91,6 +97,33 @@ impl PagePool {
             return Err(format!(
                 "FREE {free} + HELD {held} + CACHED {cached} != capacity {}",
                 n - 1
+            ));
+        }
+        Ok(())
+    }
+
+    /// A block with holders has every page held twice or more by its
+    /// record too (`blocks.rs`), and `live` counts the blocks with holders.
+    fn check_blocks(&self, listed: &[u8]) -> std::result::Result<(), String> {
+        let mut live = 0;
+        for (b, c) in self.blocks.held() {
+            live += 1;
+            let pages = b * BLOCK..((b + 1) * BLOCK).min(self.records.len());
+            if pages.len() < BLOCK
+                || pages
+                    .clone()
+                    .any(|p| listed[p] != 0 || !self.records[p].is_shared())
+            {
+                return Err(format!(
+                    "block {b} (pages {pages:?}) has {c} block holders but not every page's \
+                     record holds it twice"
+                ));
+            }
+        }
+        if live != self.blocks.live() {
+            return Err(format!(
+                "{} blocks are counted as held, {live} have holders",
+                self.blocks.live()
             ));
         }
         Ok(())

@@ -2,8 +2,9 @@
 //! holder a page, and the pages whose count crosses zero move between HELD
 //! and CACHED (or FREE) in their eviction list's order (see `mod.rs`).
 
+use super::blocks::BlockHolds;
 use super::record::{PageState, UNHELD};
-use super::stretches::{self, SPAN};
+use super::stretches;
 use super::PagePool;
 use crate::eviction::{Eviction, Insert};
 
@@ -19,6 +20,7 @@ impl PagePool {
     /// neighbours); here the run's links are only read, independently.
     pub(crate) fn hold(&mut self, pages: &[u32]) {
         let st = &mut self.records[..];
+        let blocks = &mut self.blocks;
         let mut k = 0;
         // Whether to try a stretch (`stretches.rs`): from the start, and
         // again after a block of four consecutive pages that others hold,
@@ -26,14 +28,14 @@ impl PagePool {
         // try every block.
         let mut stretch = true;
         while k < pages.len() {
-            // Eight consecutive pages that others hold too (a shared
-            // system prompt's, at page size 1): one slice of records.
+            // Consecutive pages that others hold too (a shared system
+            // prompt's, at page size 1): an aligned block's count, or one
+            // slice of records (up to the next block).
             if stretch {
-                if let Some(ids) = stretches::block_at(pages, k) {
-                    if stretches::hold_held(st, ids) {
-                        k += SPAN;
-                        continue;
-                    }
+                let n = stretches::hold_held(st, blocks, &pages[k..]);
+                if n > 0 {
+                    k += n;
+                    continue;
                 }
                 stretch = false;
             }
@@ -121,7 +123,20 @@ impl PagePool {
     /// Returns whether a page let go was a waiting copy's destination (its
     /// copy is dropped by `drop_released_copies` once the caller is done).
     pub(crate) fn release(&mut self, pages: &[u32]) -> bool {
+        // Two copies of the loop: while no block has holders (`blocks.rs`;
+        // the pool's state unless three requests at once hold a prompt)
+        // none gains one during a release, and its loop has no block tests.
+        match self.blocks.live() {
+            0 => self.release_in::<false>(pages),
+            _ => self.release_in::<true>(pages),
+        }
+    }
+
+    /// `release`; `BLOCKS`: some block has holders.
+    #[inline(always)]
+    fn release_in<const BLOCKS: bool>(&mut self, pages: &[u32]) -> bool {
         let st = &mut self.records[..];
+        let blocks = &mut self.blocks;
         let mut ins = self.eviction.begin_insert(st);
         let queued = !self.copies.is_empty();
         let mut marked = false;
@@ -138,24 +153,22 @@ impl PagePool {
         // the one-by-one way.
         while let (false, [head @ .., p3, p2, p1, p0]) = (queued, rest) {
             if stretch {
-                if let Some(ids) = rest
-                    .len()
-                    .checked_sub(SPAN)
-                    .and_then(|at| stretches::block_at(rest, at))
-                {
-                    // Eight consecutive pages that keep a holder each.
-                    if stretches::release_shared(st, ids) {
-                        rest = &rest[..rest.len() - SPAN];
-                        continue;
-                    }
+                // Consecutive pages that keep a holder each.
+                let n = stretches::release_shared::<BLOCKS>(st, blocks, rest);
+                if n > 0 {
+                    rest = &rest[..rest.len() - n];
+                    continue;
                 }
                 stretch = false;
             }
             let q = [*p0, *p1, *p2, *p3];
             debug_assert!(distinct(q));
             let e = q.map(|p| st[p as usize].extra);
-            // (`extra` is never UNHELD here: every page listed is held.)
-            if e[0] != 0 && e[1] != 0 && e[2] != 0 && e[3] != 0 {
+            // (`extra` is never UNHELD here: every page listed is held. A
+            // record left holding its page once must have no block holders
+            // beside it: `blocks.single` sends such pages one by one.)
+            if e[0] != 0 && e[1] != 0 && e[2] != 0 && e[3] != 0 && !(BLOCKS && blocks.single(q, e))
+            {
                 for (p, x) in q.into_iter().zip(e) {
                     st[p as usize].extra = x - 1;
                 }
@@ -169,7 +182,7 @@ impl PagePool {
                 Eviction::insert_next4(st, &mut ins, q);
             } else {
                 for p in q {
-                    release_page(st, &mut ins, &mut self.free, p);
+                    release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p);
                 }
             }
             rest = head;
@@ -178,7 +191,7 @@ impl PagePool {
             if queued && st[p as usize].extra == 0 {
                 marked |= self.copies.mark_released(p);
             }
-            release_page(st, &mut ins, &mut self.free, p);
+            release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p);
         }
         self.eviction.end_insert(st, ins);
         marked
@@ -190,14 +203,13 @@ impl PagePool {
         let queued = !self.copies.is_empty();
         let mut marked = false;
         for &p in pages.iter().rev() {
-            let s = &mut self.records[p as usize];
-            if s.extra == 0 {
+            if self.records[p as usize].extra == 0 {
                 self.free.push(p); // FREE keeps its count 1
                 if queued {
                     marked |= self.copies.mark_released(p);
                 }
             } else {
-                s.extra -= 1;
+                self.drop_shared_holder(p);
             }
         }
         marked
@@ -216,13 +228,12 @@ impl PagePool {
     /// waiting copy's source); returns whether that was its last holder
     /// (it is then CACHED if registered, else FREE).
     pub(crate) fn release_one(&mut self, p: u32) -> bool {
-        let s = &mut self.records[p as usize];
-        if s.extra != 0 {
-            s.extra -= 1;
+        if self.records[p as usize].extra != 0 {
+            self.drop_shared_holder(p);
             return false;
         }
-        if s.is_registered() {
-            s.extra = UNHELD;
+        if self.records[p as usize].is_registered() {
+            self.records[p as usize].extra = UNHELD;
             self.eviction.insert(&mut self.records, p);
         } else {
             self.free.push(p); // FREE keeps its count 1
@@ -238,9 +249,20 @@ fn distinct([a, b, c, d]: [u32; 4]) -> bool {
 
 /// One holder fewer of page `p`: its last holder's release makes it CACHED
 /// (count 0, the newest of the insertion `ins`) if registered, else FREE
-/// (its count stays 1).
+/// (its count stays 1). A record about to hold its page once first takes
+/// in its block's count, if it has one (`blocks.rs`); a record's last
+/// holder never has block holders beside it.
 #[inline(always)]
-fn release_page(st: &mut [PageState], ins: &mut Insert, free: &mut Vec<u32>, p: u32) {
+fn release_page<const BLOCKS: bool>(
+    st: &mut [PageState],
+    blocks: &mut BlockHolds,
+    ins: &mut Insert,
+    free: &mut Vec<u32>,
+    p: u32,
+) {
+    if BLOCKS && st[p as usize].extra == 1 {
+        blocks.flatten(st, p);
+    }
     let s = &mut st[p as usize];
     if s.extra != 0 {
         s.extra -= 1;

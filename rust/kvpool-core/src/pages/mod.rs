@@ -31,6 +31,7 @@
 //! in a record's registration through `set_entry` / `take_entry`, and the
 //! allocator unregisters a page it evicts.
 
+mod blocks;
 mod check;
 mod copies;
 mod copy_queue;
@@ -42,6 +43,7 @@ mod stretches;
 use crate::error::Result;
 use crate::eviction::Eviction;
 use crate::memory::{fault_in, prefetch, reserve, zeroed_vec};
+use blocks::BlockHolds;
 pub(crate) use copies::copies_of_shared;
 use copy_queue::CopyQueue;
 use record::{PageState, UNHELD};
@@ -54,6 +56,9 @@ pub(crate) struct PagePool {
     /// prefix index, 0 when unregistered) and eviction links, one record a
     /// page. Page 0 (never handed out) is the eviction list's sentinel.
     records: Vec<PageState>,
+    /// Holders of whole aligned blocks of HELD pages, beside the records'
+    /// counts (`blocks.rs`).
+    blocks: BlockHolds,
     /// Which CACHED page goes next.
     eviction: Eviction,
     /// Queued copy-on-write copies and the pages they hold.
@@ -76,6 +81,7 @@ impl PagePool {
         Ok(PagePool {
             free,
             records: page_states(num_pages, map_now)?,
+            blocks: BlockHolds::new(num_pages)?,
             eviction: Eviction::default(),
             copies: CopyQueue::default(),
             max_pinned: (num_pages - 1) / 4,
@@ -137,22 +143,23 @@ impl PagePool {
 
     // ---- holders ----
 
+    /// `p`'s holders: its record's and its block's (`blocks.rs`).
     #[inline]
     pub(crate) fn holders(&self, p: u32) -> u32 {
-        self.records[p as usize].holders()
+        self.records[p as usize].holders() + self.blocks.of(p)
     }
 
-    /// More than one holder: writing into `p` must copy it first.
+    /// More than one holder: writing into `p` must copy it first. (A page
+    /// with a block holder is HELD by its record too: two at least.)
     #[inline]
     pub(crate) fn is_shared(&self, p: u32) -> bool {
-        self.records[p as usize].is_shared()
+        self.records[p as usize].is_shared() || self.blocks.of(p) != 0
     }
 
     /// Shared or registered: writing into `p` must copy or unregister it.
     #[inline]
     pub(crate) fn is_shared_or_registered(&self, p: u32) -> bool {
-        let s = self.records[p as usize];
-        s.is_shared() || s.is_registered()
+        self.is_shared(p) || self.records[p as usize].is_registered()
     }
 
     /// One more holder of a HELD page.
@@ -162,9 +169,13 @@ impl PagePool {
     }
 
     /// One holder fewer of a page others still hold (a copy-on-write
-    /// writer moving to its copy).
+    /// writer moving to its copy). A record about to hold its page once
+    /// first takes in its block's holders (`blocks.rs`).
     #[inline]
     pub(crate) fn drop_shared_holder(&mut self, p: u32) {
+        if self.records[p as usize].extra == 1 {
+            self.blocks.flatten(&mut self.records, p);
+        }
         self.records[p as usize].extra -= 1;
     }
 
@@ -313,11 +324,12 @@ impl PagePool {
         prefetch(&self.records, p as usize);
     }
 
-    /// Heap bytes: the records, the free stack, the copy queue and the
-    /// eviction room's own arrays.
+    /// Heap bytes: the records, the block counts, the free stack, the copy
+    /// queue and the eviction room's own arrays.
     pub(crate) fn capacity_bytes(&self) -> usize {
         self.free.capacity() * 4
             + self.records.capacity() * std::mem::size_of::<PageState>()
+            + self.blocks.capacity_bytes()
             + self.copies.capacity_bytes()
             + self.eviction.capacity_bytes()
     }

@@ -13,12 +13,17 @@
 //!
 //! Only pages that keep their state qualify (HELD before and after), so
 //! nothing here touches an eviction list and the order of pages does not
-//! matter.
+//! matter. Where a stretch covers whole aligned blocks of pages that three
+//! or more requests hold, a block's count takes the holder instead of its
+//! eight records (`blocks.rs`): these functions move a stretch onto a
+//! block boundary, and `BlockHolds::hold_run` / `release_run` then take
+//! the blocks one count each.
 
-use super::record::{PageState, UNHELD};
+use super::blocks::{BlockHolds, BLOCK};
+use super::record::PageState;
 
-/// Pages per block: two cache lines of records.
-pub(super) const SPAN: usize = 8;
+/// Pages per try: two cache lines of records, one aligned block.
+pub(super) const SPAN: usize = BLOCK;
 
 /// The `SPAN` pages of `list` from `at`, if there are as many.
 #[inline(always)]
@@ -38,48 +43,135 @@ pub(super) fn consecutive<const N: usize>(q: &[u32; N]) -> bool {
     off == 0
 }
 
-/// The records of `ids` if the ids are consecutive and in range: one
-/// contiguous slice, in list order.
+/// One more holder for each page of a stretch starting with `ids`, if the
+/// ids are consecutive and each page already has holders (HELD stays
+/// HELD); returns how many pages took one (0: none, nothing changed, and
+/// the caller takes them its own way). An aligned block whose records each
+/// hold their page twice or more takes it in its block count
+/// (`blocks.rs`); other pages take it in their records, eight at a time,
+/// or, for such a stretch starting inside a block, up to the next block's
+/// start, so that the next call finds it aligned.
 #[inline(always)]
-fn records_of<'a>(st: &'a mut [PageState], ids: &[u32; SPAN]) -> Option<&'a mut [PageState]> {
+pub(super) fn hold_held(st: &mut [PageState], blocks: &mut BlockHolds, list: &[u32]) -> usize {
+    let Some(ids) = block_at(list, 0) else {
+        return 0;
+    };
     let first = ids[0] as usize;
-    match consecutive(ids) {
-        true => st.get_mut(first..first + SPAN),
-        false => None,
+    let recs = match st.get_mut(first..first + SPAN) {
+        Some(recs) if consecutive(ids) => recs,
+        _ => return 0,
+    };
+    // Blocks with holders have their records shared already: one count
+    // each, for as many whole blocks as the list goes on with, and no
+    // record read.
+    if first % BLOCK == 0 {
+        let n = blocks.hold_run(list);
+        if n > 0 {
+            return n;
+        }
+    }
+    // The fewest holders of the eight, in one pass: 0 (a CACHED page), the
+    // caller's way; 2 or more, a block may take the holder.
+    let least = recs
+        .iter()
+        .fold(u32::MAX, |m, r| m.min(r.extra.wrapping_add(1)));
+    match (least, first % BLOCK) {
+        (0, _) => 0,
+        (1, _) => {
+            for r in recs {
+                r.extra += 1;
+            }
+            SPAN
+        }
+        (_, 0) => {
+            blocks.add(ids[0]);
+            SPAN
+        }
+        (_, lead) => align(&mut recs[..SPAN - lead]),
     }
 }
 
-/// One more holder for each of `ids` if they are consecutive and each
-/// already has holders (HELD stays HELD); otherwise nothing changes and
-/// the caller takes them its own way.
-#[inline(always)]
-pub(super) fn hold_held(st: &mut [PageState], ids: &[u32; SPAN]) -> bool {
-    let Some(recs) = records_of(st, ids) else {
-        return false;
-    };
-    if !recs.iter().fold(true, |a, r| a & (r.extra != UNHELD)) {
-        return false;
-    }
-    for r in recs {
+/// `hold_held` of the pages `recs`, up to the next block's start, of a
+/// stretch that a block could hold from there on.
+#[cold]
+#[inline(never)]
+fn align(recs: &mut [PageState]) -> usize {
+    for r in recs.iter_mut() {
         r.extra += 1;
     }
-    true
+    recs.len()
 }
 
-/// One holder fewer for each of `ids` if they are consecutive and none of
-/// them is losing its last holder (HELD stays HELD); otherwise nothing
-/// changes and the caller takes them its own way.
+/// One holder fewer for each page of a stretch ending with `ids` (list
+/// order: `release` goes from the end), if the ids are consecutive and no
+/// page loses its last holder (HELD stays HELD); returns how many pages,
+/// from the end, let one go (0: none, nothing changed). An aligned block
+/// with a block count lets go of one of those; otherwise the records count
+/// down, none of a block with holders to one (`blocks.rs`), and the pages
+/// of such a block only, where the stretch ends inside it, so that the
+/// next call finds the block aligned. `BLOCKS`: some block has holders.
 #[inline(always)]
-pub(super) fn release_shared(st: &mut [PageState], ids: &[u32; SPAN]) -> bool {
-    let Some(recs) = records_of(st, ids) else {
-        return false;
+pub(super) fn release_shared<const BLOCKS: bool>(
+    st: &mut [PageState],
+    blocks: &mut BlockHolds,
+    list: &[u32],
+) -> usize {
+    let Some(ids) = list
+        .len()
+        .checked_sub(SPAN)
+        .and_then(|at| block_at(list, at))
+    else {
+        return 0;
     };
+    if !consecutive(ids) {
+        return 0;
+    }
+    let end = ids[SPAN - 1] as usize + 1;
+    let tail = end % BLOCK;
+    // Records that must keep two holders: those of a block with holders.
+    let mut keep_two = false;
+    if BLOCKS {
+        if tail == 0 {
+            // Whole blocks with holders: one count each, no record.
+            let n = blocks.release_run(list);
+            if n > 0 {
+                return n;
+            }
+        } else if blocks.of(ids[SPAN - 1]) != 0 {
+            return release_tail(st, end - tail..end);
+        } else {
+            keep_two = blocks.of(ids[0]) != 0;
+        }
+    }
     // (`extra` is never UNHELD here: every page listed is held.)
-    if !recs.iter().fold(true, |a, r| a & (r.extra != 0)) {
-        return false;
+    let Some(recs) = st.get_mut(end - SPAN..end) else {
+        return 0;
+    };
+    let ok = match keep_two {
+        false => recs.iter().fold(true, |a, r| a & (r.extra != 0)),
+        true => recs.iter().fold(true, |a, r| a & (r.extra >= 2)),
+    };
+    if !ok {
+        return 0;
     }
     for r in recs {
         r.extra -= 1;
     }
-    true
+    SPAN
+}
+
+/// `release_shared` of the pages `range`, where a stretch ends inside a
+/// block with holders: in their records, none left holding its page once.
+#[cold]
+#[inline(never)]
+fn release_tail(st: &mut [PageState], range: std::ops::Range<usize>) -> usize {
+    match st.get_mut(range) {
+        Some(recs) if recs.iter().all(|r| r.extra >= 2) => {
+            for r in recs.iter_mut() {
+                r.extra -= 1;
+            }
+            recs.len()
+        }
+        _ => 0,
+    }
 }

@@ -38,6 +38,7 @@ fn metadata_is_the_documented_worst_case_and_does_not_grow() {
     assert_eq!(a.metadata_bytes(), before, "metadata grew with use");
     let per_page = 16 + 4; // state record (refcount, registration, LRU links), free stack
     let want = pages * per_page - 4 // the free stack has no entry for page 0
+        + pages.div_ceil(8) * 4 // a block holder count per eight pages (`pages/blocks.rs`)
         + pages * ps * 4 // token id per slot
         + rows * 4 * 2 // free row stack, known token counts
         + rows * (192 + 16) * 4 // page lists: 188 rounded to a cache line, plus one

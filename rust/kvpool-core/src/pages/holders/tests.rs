@@ -250,6 +250,124 @@ fn stretches_match_one_by_one(mut rng: Choices) {
     );
 }
 
+/// A few prompts (stretches of consecutive ids) held by several requests
+/// at once, so that their aligned blocks take holders in block counts from
+/// the third holder on (`blocks.rs`), then let go in any order: whole
+/// lists, a list's tail, a hold no list names (a copy's source,
+/// `release_one` and `drop_shared_holder`). Every step must leave what one
+/// page a call leaves (that path never uses blocks), and `check` must hold.
+fn block_holds_match_one_by_one(mut rng: Choices) {
+    const N: usize = 80;
+    let (mut pool, mut ids) = all_taken(N);
+    ids.sort_unstable();
+    for &p in &ids {
+        pool.set_entry(p, p);
+    }
+    pool.release(&ids);
+    let mut one = pool.clone();
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|_| {
+            let mut list = Vec::new();
+            for _ in 0..1 + rng.below(3) {
+                let start = 1 + rng.below(N - 1);
+                let end = (start + 1 + rng.below(40)).min(N);
+                for p in start as u32..end as u32 {
+                    if !list.contains(&p) {
+                        list.push(p);
+                    }
+                }
+            }
+            list
+        })
+        .collect();
+    let mut lists: Vec<Vec<u32>> = Vec::new();
+    let mut extra_holds: Vec<u32> = Vec::new();
+    for _ in 0..48 {
+        match rng.below(6) {
+            0..=2 => {
+                let list = prompts[rng.below(prompts.len())].clone();
+                pool.hold(&list);
+                for &p in &list {
+                    one.hold(&[p]);
+                }
+                lists.push(list);
+            }
+            3 if !lists.is_empty() => {
+                let list = lists.swap_remove(rng.below(lists.len()));
+                pool.release(&list);
+                for &p in list.iter().rev() {
+                    one.release(&[p]);
+                }
+            }
+            4 if !lists.is_empty() => {
+                let i = rng.below(lists.len());
+                let keep = rng.below(lists[i].len() + 1);
+                let tail = lists[i].split_off(keep);
+                pool.release(&tail);
+                for &p in tail.iter().rev() {
+                    one.release(&[p]);
+                }
+            }
+            5 if !extra_holds.is_empty() && rng.below(2) == 0 => {
+                let p = extra_holds.swap_remove(rng.below(extra_holds.len()));
+                // A page a list still names keeps a holder: both ways apply.
+                if lists.iter().any(|l| l.contains(&p)) && rng.below(2) == 0 {
+                    pool.drop_shared_holder(p);
+                    one.drop_shared_holder(p);
+                } else {
+                    assert_eq!(pool.release_one(p), one.release_one(p));
+                }
+            }
+            5 => {
+                let held: Vec<u32> = lists.iter().flatten().copied().collect();
+                if let Some(&p) = held.get(rng.below(held.len().max(1))) {
+                    pool.add_holder(p);
+                    one.add_holder(p);
+                    extra_holds.push(p);
+                }
+            }
+            _ => {}
+        }
+        assert_eq!(
+            observed(&mut pool, N),
+            observed(&mut one, N),
+            "lists {lists:?}"
+        );
+        let mut named = vec![0u32; N];
+        for &p in lists.iter().flatten().chain(&extra_holds) {
+            named[p as usize] += 1;
+        }
+        pool.check(named, 1).unwrap();
+    }
+}
+
+/// The third holder of an aligned block of HELD pages holds it in the
+/// block's count, and the counts come back to the records as holders go.
+#[test]
+fn a_third_holder_of_a_block_counts_once() {
+    let (mut pool, _) = all_taken(40);
+    let list: Vec<u32> = (8..24).collect(); // two aligned blocks
+    pool.hold(&list);
+    assert_eq!(pool.blocks.live(), 0, "two holders stay in the records");
+    pool.hold(&list);
+    assert_eq!(pool.blocks.live(), 2, "the third goes to both blocks");
+    assert!(list.iter().all(|&p| pool.holders(p) == 3));
+    assert_eq!(pool.records[8].holders(), 2);
+    // Its first page let go alone: the record would hold it once, so the
+    // block's count comes back to its records first.
+    pool.release(&list[..1]);
+    assert_eq!(pool.blocks.live(), 1);
+    assert_eq!(pool.holders(8), 2);
+    assert!(list[1..].iter().all(|&p| pool.holders(p) == 3));
+    pool.release(&list[1..]);
+    pool.release(&list);
+    assert!(list.iter().all(|&p| pool.holders(p) == 1));
+    assert_eq!(pool.blocks.live(), 0);
+    let mut named = vec![1u32; 40];
+    named[0] = 0;
+    pool.check(named, 1).unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
@@ -266,5 +384,10 @@ proptest! {
     #[test]
     fn stretches_of_consecutive_pages_match_one_by_one(rng in choices()) {
         stretches_match_one_by_one(rng);
+    }
+
+    #[test]
+    fn block_holds_of_many_holders_match_one_by_one(rng in choices()) {
+        block_holds_match_one_by_one(rng);
     }
 }
