@@ -20,7 +20,7 @@
 //! the blocks one count each.
 
 use super::blocks::{BlockHolds, BLOCK};
-use super::record::PageState;
+use super::record::{PageState, UNHELD};
 
 /// Pages per try: two cache lines of records, one aligned block.
 pub(super) const SPAN: usize = BLOCK;
@@ -70,24 +70,24 @@ pub(super) fn hold_held(st: &mut [PageState], blocks: &mut BlockHolds, list: &[u
             return n;
         }
     }
-    // The fewest holders of the eight, in one pass: 0 (a CACHED page), the
-    // caller's way; 2 or more, a block may take the holder.
-    let least = recs
-        .iter()
-        .fold(u32::MAX, |m, r| m.min(r.extra.wrapping_add(1)));
-    match (least, first % BLOCK) {
-        (0, _) => 0,
-        (1, _) => {
+    // (A CACHED page: the caller's way.)
+    if !recs.iter().fold(true, |a, r| a & (r.extra != UNHELD)) {
+        return 0;
+    }
+    // Each held twice by its record or more: a block may take the holder.
+    let shared = recs.iter().fold(true, |a, r| a & (r.extra != 0));
+    match (shared, first % BLOCK) {
+        (false, _) => {
             for r in recs {
                 r.extra += 1;
             }
             SPAN
         }
-        (_, 0) => {
+        (true, 0) => {
             blocks.add(ids[0]);
             SPAN
         }
-        (_, lead) => align(&mut recs[..SPAN - lead]),
+        (true, lead) => align(&mut recs[..SPAN - lead]),
     }
 }
 
