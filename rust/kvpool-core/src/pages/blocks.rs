@@ -24,6 +24,7 @@
 //! holders in its records; from the third at once on, they go to blocks.
 
 use super::record::PageState;
+use super::stretches::ids_from;
 use crate::error::Result;
 use crate::memory::{advise_huge, zeroed_vec};
 
@@ -170,14 +171,4 @@ impl BlockHolds {
     pub(super) fn capacity_bytes(&self) -> usize {
         self.counts.capacity() * 4
     }
-}
-
-/// Whether `ids` are `base`, `base + 1`, ...: one fold of xors (a vector
-/// compare), as `stretches::consecutive`.
-#[inline(always)]
-fn ids_from(ids: &[u32], base: u32) -> bool {
-    ids.iter()
-        .enumerate()
-        .fold(0, |d, (j, &p)| d | (p ^ base.wrapping_add(j as u32)))
-        == 0
 }

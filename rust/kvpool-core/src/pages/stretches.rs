@@ -36,10 +36,16 @@ pub(super) fn block_at(list: &[u32], at: usize) -> Option<&[u32; SPAN]> {
 /// block tell `holders.rs` the list may go on as a stretch.
 #[inline(always)]
 pub(super) fn consecutive<const N: usize>(q: &[u32; N]) -> bool {
-    let off = q
+    ids_from(q, q[0])
+}
+
+/// Whether the pages are `base`, `base + 1`, ... (`consecutive`).
+#[inline(always)]
+pub(super) fn ids_from(ids: &[u32], base: u32) -> bool {
+    let off = ids
         .iter()
         .enumerate()
-        .fold(0, |d, (j, &p)| d | (p ^ q[0].wrapping_add(j as u32)));
+        .fold(0, |d, (j, &p)| d | (p ^ base.wrapping_add(j as u32)));
     off == 0
 }
 
