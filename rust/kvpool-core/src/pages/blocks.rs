@@ -24,7 +24,6 @@
 //! holders in its records; from the third at once on, they go to blocks.
 
 use super::record::PageState;
-use super::stretches::ids_from;
 use crate::error::Result;
 use crate::memory::{advise_huge, zeroed_vec};
 
@@ -154,13 +153,13 @@ impl BlockHolds {
         }
     }
 
-    /// Blocks with a count, and their counts.
+    /// Blocks with a count, and their counts (every block read, whatever
+    /// `live` says: `check` compares the two).
     pub(super) fn held(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
-        let live = self.live;
         self.counts
             .iter()
             .enumerate()
-            .filter(move |&(_, &c)| live > 0 && c > 0)
+            .filter(|&(_, &c)| c > 0)
             .map(|(b, &c)| (b, c))
     }
 
@@ -171,4 +170,15 @@ impl BlockHolds {
     pub(super) fn capacity_bytes(&self) -> usize {
         self.counts.capacity() * 4
     }
+}
+
+/// Whether the pages are `base`, `base + 1`, ...: one fold of xors, not a
+/// search, so it compiles to a vector compare (`stretches::consecutive` too).
+#[inline(always)]
+pub(super) fn ids_from(ids: &[u32], base: u32) -> bool {
+    let off = ids
+        .iter()
+        .enumerate()
+        .fold(0, |d, (j, &p)| d | (p ^ base.wrapping_add(j as u32)));
+    off == 0
 }

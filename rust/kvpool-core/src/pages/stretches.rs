@@ -19,7 +19,7 @@
 //! block boundary, and `BlockHolds::hold_run` / `release_run` then take
 //! the blocks one count each.
 
-use super::blocks::{BlockHolds, BLOCK};
+use super::blocks::{ids_from, BlockHolds, BLOCK};
 use super::record::{PageState, UNHELD};
 
 /// Pages per try: two cache lines of records, one aligned block.
@@ -39,18 +39,8 @@ pub(super) fn consecutive<const N: usize>(q: &[u32; N]) -> bool {
     ids_from(q, q[0])
 }
 
-/// Whether the pages are `base`, `base + 1`, ... (`consecutive`).
-#[inline(always)]
-pub(super) fn ids_from(ids: &[u32], base: u32) -> bool {
-    let off = ids
-        .iter()
-        .enumerate()
-        .fold(0, |d, (j, &p)| d | (p ^ base.wrapping_add(j as u32)));
-    off == 0
-}
-
-/// One more holder for each page of a stretch starting with `ids`, if the
-/// ids are consecutive and each page already has holders (HELD stays
+/// One more holder for each page of the stretch `list` starts with, if its
+/// first eight ids are consecutive and each page already has holders (HELD stays
 /// HELD); returns how many pages took one (0: none, nothing changed, and
 /// the caller takes them its own way). An aligned block whose records each
 /// hold their page twice or more takes it in its block count
@@ -108,8 +98,8 @@ fn align(recs: &mut [PageState]) -> usize {
     recs.len()
 }
 
-/// One holder fewer for each page of a stretch ending with `ids` (list
-/// order: `release` goes from the end), if the ids are consecutive and no
+/// One holder fewer for each page of the stretch `list` ends with
+/// (`release` goes from the end), if its last eight ids are consecutive and no
 /// page loses its last holder (HELD stays HELD); returns how many pages,
 /// from the end, let one go (0: none, nothing changed). An aligned block
 /// with a block count lets go of one of those; otherwise the records count
