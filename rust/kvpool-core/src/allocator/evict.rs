@@ -8,6 +8,10 @@ use super::SlotAllocator;
 /// in two slabs) fit in a core's L2, so warming victims ahead only costs.
 const WARM_INDEX_ENTRIES: usize = 8192;
 
+/// How far a walk over eviction victims runs ahead of their removal
+/// (`evict_victims`): enough removals in flight to cover a miss.
+const VICTIMS_AHEAD: usize = 8;
+
 impl SlotAllocator {
     /// Takes a page for a new holder: FREE first (its refcount is 1
     /// already), else the next eviction victim. The caller checked
@@ -89,7 +93,7 @@ impl SlotAllocator {
         let v2 = self.pages.next_victim(v1);
         if v2 != 0 {
             self.pages.prefetch_record(self.pages.next_victim(v2));
-            self.prefix.prefetch_entry(self.pages.entry(v2));
+            self.prefix.prefetch_removal(self.pages.entry(v2));
         }
         self.prefix.prefetch_bucket_of(self.pages.entry(v1));
     }
@@ -149,22 +153,54 @@ impl SlotAllocator {
 
     /// `evict`'s walk over `n` victims (`ONE_LIST`: the pool has no
     /// priorities).
+    ///
+    /// The walk runs VICTIMS_AHEAD victims ahead of the evictions, and warms
+    /// what removing each victim reads (its entry, identity and run slot) as
+    /// it passes. Only the walk itself is serial, one record a victim (its
+    /// link); a removal's own misses, where victims' entries lie scattered
+    /// (a closing request's output, filed one decode step at a time), then
+    /// overlap the next removals' instead of following each other. The
+    /// record the warming reads is the one the walk reads for the link, so
+    /// unlike `prefetch_victims` it adds no dependent load, and it pays at
+    /// page size 1 too. Victims stay on their lists until the one relink at
+    /// the end, and a removal changes no other victim's record, so walking
+    /// ahead finds the victims a walk one at a time would.
     #[inline(always)]
     fn evict_victims<const ONE_LIST: bool>(&mut self, n: usize) -> usize {
+        let mut ahead = [0u32; VICTIMS_AHEAD];
         let mut p = self.pages.victim();
-        for _ in 0..n {
-            let next = if ONE_LIST {
-                self.pages.next_on_list(p)
-            } else {
-                self.pages.next_victim(p)
-            };
-            self.prefetch_victims(next);
-            self.unregister_page(p);
-            self.pages.free_evicted(p);
-            p = next;
+        for slot in ahead.iter_mut().take(n) {
+            *slot = p;
+            p = self.walk_victim::<ONE_LIST>(p);
+        }
+        for j in 0..n {
+            let v = ahead[j % VICTIMS_AHEAD];
+            if j + VICTIMS_AHEAD < n {
+                ahead[j % VICTIMS_AHEAD] = p;
+                p = self.walk_victim::<ONE_LIST>(p);
+            }
+            if j + 1 < n {
+                // Its entry was warmed a few victims ago: a keyed one's
+                // bucket can be asked for now.
+                let next = ahead[(j + 1) % VICTIMS_AHEAD];
+                self.prefix.prefetch_bucket_of(self.pages.entry(next));
+            }
+            self.unregister_page(v);
+            self.pages.free_evicted(v);
         }
         self.pages.remove_victims(n, p);
         n
+    }
+
+    /// The victim after `p`, once what removing `p` reads is on its way.
+    #[inline(always)]
+    fn walk_victim<const ONE_LIST: bool>(&self, p: u32) -> u32 {
+        self.prefix.prefetch_removal(self.pages.entry(p));
+        if ONE_LIST {
+            self.pages.next_on_list(p)
+        } else {
+            self.pages.next_victim(p)
+        }
     }
 
     /// Drops every index entry: CACHED pages become FREE, pinned ones too,

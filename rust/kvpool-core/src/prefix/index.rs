@@ -310,12 +310,14 @@ impl PrefixIndex {
 
     // ---- prefetching ahead of an eviction run ----
 
-    /// Starts loading registration `entry`'s (index + 1) records.
+    /// Starts loading what removing registration `entry` (index + 1) reads
+    /// first: its entry, identity and run slot.
     #[inline]
-    pub(crate) fn prefetch_entry(&self, entry: u32) {
+    pub(crate) fn prefetch_removal(&self, entry: u32) {
         if let Some(e) = entry.checked_sub(1) {
             prefetch(&self.idents, e as usize);
             prefetch(&self.entries, e as usize);
+            self.runs.prefetch(e);
         }
     }
 

@@ -41,6 +41,7 @@ use super::keys::key_of;
 use super::runs::common_prefix;
 use super::tip::{ChainTip, Match};
 use crate::location::is_host;
+use crate::memory::prefetch;
 
 /// Pages hashed ahead the first time a walk falls back on keys.
 const FIRST_AHEAD: usize = 4;
@@ -147,6 +148,9 @@ impl PrefixIndex {
             if !run.is_empty() {
                 let want = run.len().min(tokens.len() - n);
                 let span = run.start..run.start + want;
+                // The entry the walk hops from if the span matches whole
+                // (its child hint), asked for before the compare.
+                prefetch(ents, span.end - 1);
                 let m = common_prefix(self.runs.tokens(span.clone()), &tokens[n..n + want]);
                 let pages = self.runs.pages(span.start..span.start + m);
                 for (slot, &p) in room[n..n + m].iter_mut().zip(pages) {
@@ -212,6 +216,7 @@ impl PrefixIndex {
             let Some((child, e)) = hinted_child(ents, cur, parent) else {
                 break;
             };
+            self.runs.prefetch_from(child);
             if e.parent_reg != parent.reg || e.first_token != t {
                 break;
             }

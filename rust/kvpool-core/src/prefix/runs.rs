@@ -33,7 +33,7 @@
 //! and a stale `run_of` costs nothing to leave behind.
 
 use crate::error::Result;
-use crate::memory::{fault_in, zeroed_vec};
+use crate::memory::{fault_in, prefetch, zeroed_vec};
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct Runs {
@@ -150,6 +150,12 @@ impl Runs {
         (slot.wrapping_sub(f) < self.len_at[f as usize]).then_some(f)
     }
 
+    /// Starts loading slot `slot`'s run (what `cut` reads first).
+    #[inline(always)]
+    pub(super) fn prefetch(&self, slot: u32) {
+        prefetch(&self.run_of, slot as usize);
+    }
+
     /// Slot `slot` leaves its run, and the slots after it with it.
     #[inline(always)]
     pub(super) fn cut(&mut self, slot: u32) {
@@ -164,6 +170,20 @@ impl Runs {
         if let Some(p) = self.pages.get_mut(slot as usize) {
             *p = loc;
         }
+    }
+
+    /// Starts loading what a walk reads next when it reaches slot `slot` by
+    /// a hop: the slot's run, the length there (a run that starts at the
+    /// slot), and the first of the tokens and locations after it. Loaded
+    /// one after another they are four misses in a row a hop, a prompt's
+    /// return after eviction cut its chain into many runs.
+    #[inline(always)]
+    pub(super) fn prefetch_from(&self, slot: u32) {
+        let (s, t) = (slot as usize, slot as usize + 1);
+        prefetch(&self.run_of, s);
+        prefetch(&self.len_at, s);
+        prefetch(&self.tokens, t);
+        prefetch(&self.pages, t);
     }
 
     /// The slots after `slot` in its run (empty if it is in none, or last).
