@@ -205,3 +205,39 @@ def test_gpu_session_only_takes_a_section_prefix(script, tmp_path, capsys):
                                        "--out", str(tmp_path)]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed and all(name.startswith("cuda_tests:") for name in listed)
+
+
+def test_prefix_replay_makes_the_recorded_calls_and_times_them_per_step(script, tmp_path):
+    replay = script("prefix_replay")
+    rec = replay.record("chat", 1, 30, 10, 1 << 16, True)
+    per = replay.replay(rec)
+    # Each measured call name is timed, and the total is their sum.
+    assert {"open_with_prefix", "extend", "cache", "close", "decode extend"} <= set(per)
+    assert per["total"] == pytest.approx(sum(v for k, v in per.items() if k != "total"))
+    # A second replay on a fresh allocator sees the same handles (it would stop otherwise).
+    assert set(replay.replay(rec)) == set(per)
+
+
+def test_prefix_replay_stops_where_a_build_hands_out_other_rows(script):
+    replay = script("prefix_replay")
+    rec = replay.record("system", 16, 5, 2, 1 << 16, False)
+    i = next(i for i, c in enumerate(rec["calls"]) if c[0] == "open_with_prefix")
+    name, args, kw, measured, handles = rec["calls"][i]
+    rec["calls"][i] = (name, args, kw, measured, handles + 1)
+    with pytest.raises(SystemExit, match="other handles"):
+        replay.replay(rec)
+
+
+def test_prefix_replay_ab_alternates_two_builds_and_writes_ratios(script, tmp_path, capsys):
+    replay = script("prefix_replay")
+    calls, out = tmp_path / "calls.pkl", tmp_path / "ab.json"
+    replay.main(["record", str(calls), "--scenario", "pressure", "--steps", "8", "--warmup", "2",
+                 "--num-slots", "64K"])
+    import kvpool
+
+    build = str(Path(kvpool.__file__).resolve().parent.parent)  # where this run imports it from
+    replay.main(["ab", str(calls), build, build, "--rounds", "1", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["rounds"] == 1 and res["median_us"]["a"]["total"] > 0
+    assert set(res["ratio_b_over_a"]) == set(res["median_us"]["b"])
+    assert "B/A" in capsys.readouterr().out
