@@ -34,10 +34,12 @@ fn eviction_takes_least_recent_chains_tail_first() {
     a.check().unwrap();
 }
 
-/// With more than 8192 registered pages evictions at page sizes above 1 warm
-/// the victims ahead of them (`allocator/evict.rs`); the order must stay
-/// exactly LRU, chain tail first, whether `evict(n)` or an extend short of
-/// FREE pages evicts, warmed or not.
+/// With more than 8192 registered pages evictions warm the victims ahead of
+/// them (`allocator/evict.rs`: a walk running eight victims ahead of the
+/// removals, and at page sizes above 1 one eviction at a time); the order
+/// must stay exactly LRU, chain tail first, whether `evict(n)` or an extend
+/// short of FREE pages evicts, warmed or not, and however many victims a
+/// walk takes.
 #[test]
 fn eviction_order_holds_on_an_index_big_enough_to_warm_victims() {
     for ps in [1usize, 2] {
@@ -91,7 +93,16 @@ fn eviction_order_on_a_big_index(ps: usize) {
     );
     a.close(&h, false).unwrap();
     a.check().unwrap();
-    for (c, want) in [(0usize, n - 2500), (1, n - 1)] {
+    // Fewer victims than the walk runs ahead (8), as many, and one more.
+    let mut end = n - 2500;
+    for k in [1usize, 7, 8, 9] {
+        assert_eq!(a.evict(k), k);
+        let want: Vec<i64> = pages[0][end - k..end].iter().rev().copied().collect();
+        assert_eq!(removed(&mut a), want, "evict({k}) at page {ps}");
+        end -= k;
+    }
+    a.check().unwrap();
+    for (c, want) in [(0usize, end), (1, n - 1)] {
         let (h, cached) = a
             .open_with_prefix(&chains[c], &[(n * ps) as i64], Counts::Each(0))
             .unwrap();

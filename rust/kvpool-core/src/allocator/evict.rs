@@ -152,7 +152,29 @@ impl SlotAllocator {
     }
 
     /// `evict`'s walk over `n` victims (`ONE_LIST`: the pool has no
-    /// priorities).
+    /// priorities). Victims stay on their lists until the one relink at the
+    /// end, and a removal changes no other victim's record, so walking ahead
+    /// of the removals (`evict_warmed`) finds the victims a walk one at a
+    /// time would.
+    #[inline(always)]
+    fn evict_victims<const ONE_LIST: bool>(&mut self, n: usize) -> usize {
+        let mut p = self.pages.victim();
+        if self.prefix.len() >= WARM_INDEX_ENTRIES {
+            p = self.evict_warmed::<ONE_LIST>(p, n);
+        } else {
+            for _ in 0..n {
+                let next = self.walk_victim::<ONE_LIST>(p);
+                self.unregister_page(p);
+                self.pages.free_evicted(p);
+                p = next;
+            }
+        }
+        self.pages.remove_victims(n, p);
+        n
+    }
+
+    /// `evict_victims` in a big index: evicts the `n` victims from `p` on
+    /// and returns the one after them.
     ///
     /// The walk runs VICTIMS_AHEAD victims ahead of the evictions, and warms
     /// what removing each victim reads (its entry, identity and run slot) as
@@ -162,22 +184,19 @@ impl SlotAllocator {
     /// overlap the next removals' instead of following each other. The
     /// record the warming reads is the one the walk reads for the link, so
     /// unlike `prefetch_victims` it adds no dependent load, and it pays at
-    /// page size 1 too. Victims stay on their lists until the one relink at
-    /// the end, and a removal changes no other victim's record, so walking
-    /// ahead finds the victims a walk one at a time would.
-    #[inline(always)]
-    fn evict_victims<const ONE_LIST: bool>(&mut self, n: usize) -> usize {
+    /// page size 1 too.
+    #[inline(never)]
+    fn evict_warmed<const ONE_LIST: bool>(&mut self, mut p: u32, n: usize) -> u32 {
         let mut ahead = [0u32; VICTIMS_AHEAD];
-        let mut p = self.pages.victim();
         for slot in ahead.iter_mut().take(n) {
             *slot = p;
-            p = self.walk_victim::<ONE_LIST>(p);
+            p = self.walk_warmed::<ONE_LIST>(p);
         }
         for j in 0..n {
             let v = ahead[j % VICTIMS_AHEAD];
             if j + VICTIMS_AHEAD < n {
                 ahead[j % VICTIMS_AHEAD] = p;
-                p = self.walk_victim::<ONE_LIST>(p);
+                p = self.walk_warmed::<ONE_LIST>(p);
             }
             if j + 1 < n {
                 // Its entry was warmed a few victims ago: a keyed one's
@@ -188,19 +207,24 @@ impl SlotAllocator {
             self.unregister_page(v);
             self.pages.free_evicted(v);
         }
-        self.pages.remove_victims(n, p);
-        n
+        p
     }
 
-    /// The victim after `p`, once what removing `p` reads is on its way.
+    /// The victim after `p`.
     #[inline(always)]
     fn walk_victim<const ONE_LIST: bool>(&self, p: u32) -> u32 {
-        self.prefix.prefetch_removal(self.pages.entry(p));
         if ONE_LIST {
             self.pages.next_on_list(p)
         } else {
             self.pages.next_victim(p)
         }
+    }
+
+    /// The victim after `p`, once what removing `p` reads is on its way.
+    #[inline(always)]
+    fn walk_warmed<const ONE_LIST: bool>(&self, p: u32) -> u32 {
+        self.prefix.prefetch_removal(self.pages.entry(p));
+        self.walk_victim::<ONE_LIST>(p)
     }
 
     /// Drops every index entry: CACHED pages become FREE, pinned ones too,

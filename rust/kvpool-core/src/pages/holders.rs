@@ -13,17 +13,25 @@ use crate::memory::prefetch;
 /// (at least 4: the block asked for lies wholly before the current one).
 const AHEAD: usize = 16;
 
-/// Starts loading the records of `pages` (four pages a few blocks ahead of
-/// `release`). A closing request's output took one page a decode step, so
-/// its records lie apart: asked for ahead, their misses overlap rather than
-/// follow each other, where a block's loads come only once its test is
-/// reached. Consecutive pages stream without it, for four prefetches a
-/// block. (`hold` measured no gain from the same: its hit pages are mostly
-/// consecutive.)
+/// A block whose first page's id is this near the current block's lies on
+/// with the list's run of consecutive pages (`AHEAD` + 4 pages on, give or
+/// take), whose records the hardware streams.
+const NEAR: u32 = AHEAD as u32 + 8;
+
+/// Starts loading the records of `pages`, four pages a few blocks ahead of
+/// `release`'s current block (whose first page is `now`), where they lie
+/// apart from it. A closing request's output took one page a decode step,
+/// so its records are spread over the pool: asked for ahead, their misses
+/// overlap rather than follow each other, where a block's loads come only
+/// once its test is reached. Consecutive pages (a prompt's) stream without
+/// it, and skip its four prefetches. (`hold` measured no gain from the
+/// same: its hit pages are mostly consecutive.)
 #[inline(always)]
-fn warm_records(st: &[PageState], pages: Option<&[u32]>) {
-    for &p in pages.unwrap_or_default() {
-        prefetch(st, p as usize);
+fn warm_records(st: &[PageState], pages: &[u32], now: u32) {
+    if pages[0].abs_diff(now) > NEAR {
+        for &p in pages {
+            prefetch(st, p as usize);
+        }
     }
 }
 
@@ -180,7 +188,9 @@ impl PagePool {
                 }
                 stretch = false;
             }
-            warm_records(st, head.len().checked_sub(AHEAD).map(|i| &head[i..i + 4]));
+            if let Some(i) = head.len().checked_sub(AHEAD) {
+                warm_records(st, &head[i..i + 4], *p0);
+            }
             let q = [*p0, *p1, *p2, *p3];
             debug_assert!(distinct(q));
             let e = q.map(|p| st[p as usize].extra);
