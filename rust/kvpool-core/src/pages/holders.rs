@@ -13,9 +13,9 @@ use crate::memory::prefetch;
 /// (at least 4: the block asked for lies wholly before the current one).
 const AHEAD: usize = 16;
 
-/// A block whose first page's id is this near the current block's lies on
-/// with the list's run of consecutive pages (`AHEAD` + 4 pages on, give or
-/// take), whose records the hardware streams.
+/// Within this many ids of the current block's first page, the block
+/// asked for goes on with the list's run of consecutive pages (it lies
+/// `AHEAD` + 4 ids on in such a run), whose records the hardware streams.
 const NEAR: u32 = AHEAD as u32 + 8;
 
 /// Starts loading the records of `pages`, four pages a few blocks ahead of
