@@ -265,30 +265,100 @@ impl EventLog {
     pub(crate) fn take(&mut self) -> Events {
         self.overflowed = false;
         let ids_cap = self.token_ids.capacity();
-        // One column at a time: each `collect` from the slice knows its
-        // length, so it allocates exactly `n` and fills without a capacity
-        // check per element (a push per column per event had nine).
-        let raw = &self.raw[..];
-        let e = Events {
-            kind: raw.iter().map(|r| r.kind).collect(),
-            hash_hi: raw.iter().map(|r| (r.hash >> 64) as u64).collect(),
-            hash_lo: raw.iter().map(|r| r.hash as u64).collect(),
-            parent_hi: raw.iter().map(|r| (r.parent >> 64) as u64).collect(),
-            parent_lo: raw.iter().map(|r| r.parent as u64).collect(),
-            page: raw.iter().map(|r| r.page as i32).collect(),
-            num_tokens: raw.iter().map(|r| r.num_tokens as i32).collect(),
-            salt: raw.iter().map(|r| r.salt).collect(),
-            token_ids: std::mem::replace(&mut self.token_ids, Vec::with_capacity(ids_cap)),
-            medium: raw.iter().map(|r| r.medium).collect(),
-        };
+        let token_ids = std::mem::replace(&mut self.token_ids, Vec::with_capacity(ids_cap));
+        let e = columns(&self.raw, token_ids);
         self.raw.clear();
         e
     }
 }
 
+/// The records as one array per field, filled in one pass. A router drains
+/// every step, thousands of events at page size 1: a pass per column read
+/// the records nine times and took 4 ns an event (13,000 events in 54 µs),
+/// one pass 1.5 (20 µs).
+fn columns(raw: &[Raw], token_ids: Vec<i32>) -> Events {
+    let n = raw.len();
+    let mut e = Events {
+        kind: Vec::with_capacity(n),
+        hash_hi: Vec::with_capacity(n),
+        hash_lo: Vec::with_capacity(n),
+        parent_hi: Vec::with_capacity(n),
+        parent_lo: Vec::with_capacity(n),
+        page: Vec::with_capacity(n),
+        num_tokens: Vec::with_capacity(n),
+        salt: Vec::with_capacity(n),
+        token_ids,
+        medium: Vec::with_capacity(n),
+    };
+    {
+        // Each column's first n slots, as slices of exactly n: the loop
+        // below indexes them without bounds checks.
+        let kind = &mut e.kind.spare_capacity_mut()[..n];
+        let hash_hi = &mut e.hash_hi.spare_capacity_mut()[..n];
+        let hash_lo = &mut e.hash_lo.spare_capacity_mut()[..n];
+        let parent_hi = &mut e.parent_hi.spare_capacity_mut()[..n];
+        let parent_lo = &mut e.parent_lo.spare_capacity_mut()[..n];
+        let page = &mut e.page.spare_capacity_mut()[..n];
+        let num_tokens = &mut e.num_tokens.spare_capacity_mut()[..n];
+        let salt = &mut e.salt.spare_capacity_mut()[..n];
+        let medium = &mut e.medium.spare_capacity_mut()[..n];
+        for (i, r) in raw.iter().enumerate() {
+            kind[i].write(r.kind);
+            hash_hi[i].write((r.hash >> 64) as u64);
+            hash_lo[i].write(r.hash as u64);
+            parent_hi[i].write((r.parent >> 64) as u64);
+            parent_lo[i].write(r.parent as u64);
+            page[i].write(r.page as i32);
+            num_tokens[i].write(r.num_tokens as i32);
+            salt[i].write(r.salt);
+            medium[i].write(r.medium);
+        }
+    }
+    // SAFETY: the loop wrote slots 0..n of each column (every record, and
+    // each column has capacity n).
+    unsafe {
+        e.kind.set_len(n);
+        e.hash_hi.set_len(n);
+        e.hash_lo.set_len(n);
+        e.parent_hi.set_len(n);
+        e.parent_lo.set_len(n);
+        e.page.set_len(n);
+        e.num_tokens.set_len(n);
+        e.salt.set_len(n);
+        e.medium.set_len(n);
+    }
+    e
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_field_of_every_event_reaches_its_column_in_order() {
+        let mut log = EventLog::new(true, 64);
+        log.reserve(4, 4).unwrap();
+        let h = |x: u64| ((x as u128) << 64) | (x as u128 + 1);
+        log.stored(h(10), h(20), 3, -5, &[1, 2]);
+        log.removed_on(MEDIUM_HOST, h(30), 7, 9);
+        log.cleared();
+        log.stored_on(MEDIUM_HOST, h(40), 0, 8, 11, &[4, 5]);
+        let e = log.take();
+        assert_eq!(
+            e.kind,
+            [EVENT_STORED, EVENT_REMOVED, EVENT_CLEARED, EVENT_STORED]
+        );
+        assert_eq!(e.hash_hi, [10, 30, 0, 40]);
+        assert_eq!(e.hash_lo, [11, 31, 0, 41]);
+        assert_eq!(e.parent_hi, [20, 0, 0, 0]);
+        assert_eq!(e.parent_lo, [21, 0, 0, 0]);
+        assert_eq!(e.page, [3, 7, 0, 8]);
+        assert_eq!(e.num_tokens, [2, 0, 0, 2]);
+        assert_eq!(e.salt, [-5, 9, 0, 11]);
+        assert_eq!(e.medium, [MEDIUM_DEVICE, MEDIUM_HOST, 0, MEDIUM_HOST]);
+        assert_eq!(e.token_ids, [1, 2, 4, 5]);
+        assert!(log.take().is_empty(), "the log is empty after a take");
+    }
 
     #[test]
     fn an_undrained_backlog_stays_bounded_and_becomes_one_cleared_event() {
