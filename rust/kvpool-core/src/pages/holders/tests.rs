@@ -217,18 +217,7 @@ fn stretches_match_one_by_one(mut rng: Choices) {
         }
     }
     pool.release(&cached);
-    // The list: consecutive stretches of random length at random places,
-    // each page at most once.
-    let mut list: Vec<u32> = Vec::new();
-    for _ in 0..1 + rng.below(8) {
-        let start = 1 + rng.below(N - 1);
-        let end = (start + 1 + rng.below(24)).min(N);
-        for p in start as u32..end as u32 {
-            if !list.contains(&p) {
-                list.push(p);
-            }
-        }
-    }
+    let list = random_stretches(&mut rng, N, 8, 24);
     let mut one = pool.clone();
     pool.hold(&list);
     for &p in &list {
@@ -266,19 +255,7 @@ fn block_holds_match_one_by_one(mut rng: Choices) {
     pool.release(&ids);
     let mut one = pool.clone();
     let prompts: Vec<Vec<u32>> = (0..3)
-        .map(|_| {
-            let mut list = Vec::new();
-            for _ in 0..1 + rng.below(3) {
-                let start = 1 + rng.below(N - 1);
-                let end = (start + 1 + rng.below(40)).min(N);
-                for p in start as u32..end as u32 {
-                    if !list.contains(&p) {
-                        list.push(p);
-                    }
-                }
-            }
-            list
-        })
+        .map(|_| random_stretches(&mut rng, N, 3, 40))
         .collect();
     let mut lists: Vec<Vec<u32>> = Vec::new();
     let mut extra_holds: Vec<u32> = Vec::new();
@@ -390,4 +367,21 @@ proptest! {
     fn block_holds_of_many_holders_match_one_by_one(rng in choices()) {
         block_holds_match_one_by_one(rng);
     }
+}
+
+/// A page list of 1..=`most` stretches of consecutive ids (each under
+/// `longest` pages) at random places in pages 1..`n`, each page at most
+/// once.
+fn random_stretches(rng: &mut Choices, n: usize, most: usize, longest: usize) -> Vec<u32> {
+    let mut list = Vec::new();
+    for _ in 0..1 + rng.below(most) {
+        let start = 1 + rng.below(n - 1);
+        let end = (start + 1 + rng.below(longest)).min(n);
+        for p in start as u32..end as u32 {
+            if !list.contains(&p) {
+                list.push(p);
+            }
+        }
+    }
+    list
 }
