@@ -29,3 +29,13 @@ def test_events_bench_reports_every_size(tmp_path):
     assert main(["events", "--sizes", "10,100", "--repeats", "5", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "events.json").read_text())["results"]
     assert [r["events"] for r in rows] == [10, 100] and all(r["payload_bytes"] > 0 for r in rows)
+
+
+def test_events_bench_at_page_size_1_publishes_every_event(tmp_path):
+    """At page size 1 a request's first token is its first page: requests must not share one."""
+    pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+    from kvpool.bench.__main__ import main
+
+    assert main(["events", "--sizes", "1000", "--page-size", "1", "--repeats", "20", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "events.json").read_text())["results"]
+    assert [r["events"] for r in rows] == [1000]
