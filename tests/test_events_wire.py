@@ -140,6 +140,38 @@ def test_bad_event_arrays_are_typed_errors(change, match):
         _core.encode_kv_events(ev, 0.0)
 
 
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_every_wire_event_fits_the_room_the_encoder_makes_for_it(int_hashes):
+    """The encoder reserves, fallibly, the most each wire event can write before writing it
+    (kv_events_wire.rs: 177 + 28 a page + 9 a token id for BlockStored, 71 + 18 a page for
+    BlockRemoved, 23 for AllBlocksCleared; 24 for the batch around them), so that its writes
+    never grow the buffer (a growth that cannot be made aborts the process). Every event
+    here is its own wire event with every optional field at its longest."""
+    n, per = 300, 3
+    kind = np.tile(np.array([0, 1, 2], dtype=np.uint8), n // 3)
+    rng = np.random.default_rng(5)
+    stored = int((kind == 0).sum())
+    ev = {
+        "kind": kind,
+        "hash_hi": rng.integers(0, 2**63, n, dtype=np.uint64) | np.uint64(2**63),
+        "hash_lo": rng.integers(0, 2**63, n, dtype=np.uint64) | np.uint64(2**63),
+        "parent_hi": rng.integers(1, 2**63, n, dtype=np.uint64),  # no event continues the one before
+        "parent_lo": rng.integers(1, 2**63, n, dtype=np.uint64),
+        "page": np.arange(n, dtype=np.int32),
+        "num_tokens": np.where(kind == 0, per, 0).astype(np.int32),
+        "salt": np.full(n, -(2**63), dtype=np.int64),
+        "token_ids": np.full(stored * per, -1, dtype=np.int32),  # a negative id: 9 bytes
+        "medium": np.full(n, 2, dtype=np.uint8),  # "STORAGE", the longest name
+        "group_idx": np.full(n, 2**62, dtype=np.int64),
+    }
+    payload, st, rm, cl = _core.encode_kv_events(ev, 1.5, -(2**62), int_block_hashes=int_hashes)
+    assert (st, rm, cl) == (n // 3, n // 3, n // 3)
+    events = msgspec.msgpack.decode(payload)[1]
+    assert len(events) == n, "each event is its own wire event"
+    room = 24 + (n // 3) * ((177 + 28 + 9 * per) + (71 + 18) + 23)
+    assert len(payload) <= room, (len(payload), room)
+
+
 def test_take_events_msgpack_equals_take_then_encode():
     a, b = pool(), pool()
     for x in (a, b):

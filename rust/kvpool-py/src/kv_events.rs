@@ -255,6 +255,9 @@ fn finish<'py>(
             cl,
         )),
         Err(Fail::Bad(m)) => Err(invalid_argument(py, m)),
+        Err(Fail::NoMemory(n)) => Err(pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate the KV events' msgpack payload ({n} bytes)"
+        ))),
         Err(Fail::Write(e)) => Err(pyo3::exceptions::PySystemError::new_err(format!(
             "encoding KV events failed writing to memory: {e}"
         ))),

@@ -33,6 +33,31 @@ pub(crate) struct Arrays<'a> {
 pub(crate) enum Fail {
     Bad(String),
     Write(io::Error),
+    /// The payload could not grow to this many bytes.
+    NoMemory(usize),
+}
+
+/// Most bytes one wire event writes, by what it holds, counted from the
+/// writers below with every optional field present and every int at its
+/// longest: a `BlockStored`'s fields and keys (177), per page its hash
+/// (18) and salt key (10), per token id 9 (the room `token_ids` makes before
+/// it trims); a `BlockRemoved`'s (71) and 18 per page; an
+/// `AllBlocksCleared` (23).
+const STORED_FIXED: usize = 177;
+const STORED_PAGE: usize = 28;
+const TOKEN_MAX: usize = 9;
+const REMOVED_FIXED: usize = 71;
+const REMOVED_PAGE: usize = 18;
+const CLEARED_MAX: usize = 23;
+
+/// Room for `n` more bytes, made fallibly. `events` makes it before each
+/// wire event, for the most that event can write, so the writes themselves
+/// (rmp into a Vec, infallible and inlined) never grow the buffer: a
+/// backlog of 64K events at page size 1024 is a payload of hundreds of MiB,
+/// and a Vec that cannot grow aborts the process.
+fn room(w: &mut Vec<u8>, n: usize) -> Out<()> {
+    w.try_reserve(n)
+        .map_err(|_| Fail::NoMemory(w.len().saturating_add(n)))
 }
 
 impl From<mp::ValueWriteError<io::Error>> for Fail {
@@ -205,7 +230,8 @@ pub(crate) type Tally = (usize, usize, usize);
 /// The events array's wire events, how many there are, and the tally.
 fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
     let n = a.kind.len();
-    let mut w = Vec::with_capacity(64 * n + 5 * a.token_ids.len() + 16);
+    let mut w = Vec::new();
+    room(&mut w, 64 * n + 5 * a.token_ids.len() + 16)?;
     let (mut count, mut tok, mut i) = (0u32, 0usize, 0usize);
     let mut tally: Tally = (0, 0, 0);
     while i < n {
@@ -231,7 +257,13 @@ fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
                         a.token_ids.len()
                     ))
                 })?;
+                room(
+                    &mut w,
+                    STORED_FIXED + STORED_PAGE * (j - i) + TOKEN_MAX * tokens.len(),
+                )?;
+                let cap = w.capacity();
                 stored(&mut w, a, i, j, tokens)?;
+                debug_assert_eq!(w.capacity(), cap, "a BlockStored outgrew its room");
                 tok = end;
                 tally.0 += j - i;
             }
@@ -239,10 +271,14 @@ fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
                 while j < n && a.kind[j] == REMOVED && a.same_place(i, j) {
                     j += 1;
                 }
+                room(&mut w, REMOVED_FIXED + REMOVED_PAGE * (j - i))?;
+                let cap = w.capacity();
                 removed(&mut w, a, i, j)?;
+                debug_assert_eq!(w.capacity(), cap, "a BlockRemoved outgrew its room");
                 tally.1 += j - i;
             }
             CLEARED => {
+                room(&mut w, CLEARED_MAX)?;
                 mp::write_map_len(&mut w, 1)?;
                 mp::write_str(&mut w, "type")?;
                 mp::write_str(&mut w, "AllBlocksCleared")?;
@@ -269,7 +305,10 @@ fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
 /// The batch's bytes and its tally.
 pub(crate) fn batch(a: &Arrays<'_>, ts: f64, dp_rank: Option<i64>) -> Out<(Vec<u8>, Tally)> {
     let (body, count, tally) = events(a)?;
-    let mut w = Vec::with_capacity(body.len() + 24);
+    // The array header (1), ts (9), the events' array header (5) and the
+    // rank (9).
+    let mut w = Vec::new();
+    room(&mut w, body.len() + 24)?;
     // KVEventBatch is array_like: [ts, events, data_parallel_rank]. The rank
     // is always there, nil for None: vLLM's and SGLang's publishers never
     // leave it off, and consumers that read the batch as a 3-tuple (Rust
