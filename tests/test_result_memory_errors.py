@@ -271,8 +271,8 @@ def test_drained_queues_lose_nothing_to_a_memory_error():
         a.extend(h, n, tokens=tokens)
         pages = a.pages(h[0])
         a.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
-        # Room for the core's drained copy (16 MiB of ids), not for ours.
-        r = outcome(a.take_events, 16 * MiB + 4 * MiB)
+        # Room for the small arrays, not for the 16 MiB of token ids.
+        r = outcome(a.take_events, 8 * MiB)
         e = a.take_events()
         chained = bool((e["parent_hi"][1:] == e["hash_hi"][:-1]).all() and (e["parent_lo"][1:] == e["hash_lo"][:-1]).all())
         result((
@@ -294,28 +294,46 @@ def test_drained_queues_lose_nothing_to_a_memory_error():
     }
 
 
-def test_events_a_failed_take_events_kept_are_what_take_events_msgpack_sends_first():
-    # take_events and take_events_msgpack drain the same events: the ones a
-    # MemoryError kept back are the oldest, so the msgpack drain sends them
-    # (before any newer event), and nothing is sent twice.
+def test_events_a_failed_drain_loses_none_and_newer_events_come_after():
+    # take_events and take_events_msgpack drain the same events. take_events
+    # allocates its arrays before draining, so its MemoryError leaves every
+    # event in the pool; take_events_msgpack drains first and keeps what it
+    # could not encode, for the next drain of either kind to return first.
+    # Either way a newer event (Cleared) comes after them, and nothing twice.
     got = run_cases(
         """
-        case("take_events_msgpack")
         ps, n = 1 << 10, 1 << 22
-        a = SlotAllocator((n // ps) + 2, page_size=ps, max_requests=2, max_context_len=n)
-        h = a.open(1)
         tokens = np.arange(n, dtype=np.int32) % 30000
-        a.extend(h, n, tokens=tokens)
-        a.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
-        r = outcome(a.take_events, 16 * MiB + 4 * MiB)
-        a.clear_cache()  # a newer event: Cleared
+
+        def pool():
+            a = SlotAllocator((n // ps) + 2, page_size=ps, max_requests=2, max_context_len=n)
+            h = a.open(1)
+            a.extend(h, n, tokens=tokens)
+            a.close(h, cache=True)  # 4096 Stored events, 16 MiB of token ids
+            return a
+
+        case("take_events, then take_events_msgpack")
+        a = pool()
+        r = outcome(a.take_events, 8 * MiB)  # no room for the token ids' array
+        a.clear_cache()
         first = a.take_events_msgpack(1.0)[1:]
         second = a.take_events_msgpack(2.0)[1:]
-        third = a.take_events_msgpack(3.0)[1:]
-        result((r, first, second, third, a.take_events()["kind"].size))
+        result((r, first, second, a.take_events()["kind"].size))
+        a.check()
+        del a
+
+        case("take_events_msgpack, then take_events")
+        a = pool()
+        # Room for the drained events (16 MiB of ids), not for a 20 MiB payload.
+        r = outcome(lambda: a.take_events_msgpack(1.0), 16 * MiB + 4 * MiB)
+        a.clear_cache()
+        e = a.take_events()
+        kept = (e["kind"].tolist() == [0] * (n // ps), bool((e["token_ids"] == tokens).all()))
+        result((r, kept, a.take_events()["kind"].tolist(), a.take_events()["kind"].size))
         a.check()
         """
     )
     assert got == {
-        "take_events_msgpack": ("MemoryError", (1 << 12, 0, 0), (0, 0, 1), (0, 0, 0), 0),
+        "take_events, then take_events_msgpack": ("MemoryError", (1 << 12, 0, 1), (0, 0, 0), 0),
+        "take_events_msgpack, then take_events": ("MemoryError", (True, True), [2], 0),
     }

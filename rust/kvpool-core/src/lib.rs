@@ -56,7 +56,10 @@ pub use allocator::queries::PageTable;
 pub use allocator::stats::Stats;
 pub use allocator::SlotAllocator;
 pub use error::{GroupShortage, HandleProblem, PoolError, Result, Rollback};
-pub use events::{Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE, MEDIUM_HOST};
+pub use events::{
+    Drained, EventSink, Events, EVENT_CLEARED, EVENT_REMOVED, EVENT_STORED, MEDIUM_DEVICE,
+    MEDIUM_HOST,
+};
 pub use eviction::{DEFAULT_PRIORITY, MAX_PRIORITY};
 pub use groups::{GroupKind, GroupSpec, GroupedAllocator, MAX_GROUPS};
 pub use handle::{handle_generation, handle_row, make_handle, MAX_GENERATION};

@@ -4,12 +4,13 @@
 
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
+use kvpool_core::{Drained, EventSink};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PySlice};
 
 use crate::allocator::PySlotAllocator;
 use crate::errors::Result;
-use crate::output::to_numpy;
+use crate::output::{new_uninit, to_numpy};
 
 /// take_events' dict: one array per field.
 pub(crate) fn events_dict<'py>(
@@ -28,6 +29,69 @@ pub(crate) fn events_dict<'py>(
     d.set_item("token_ids", to_numpy(py, &e.token_ids)?)?;
     d.set_item("medium", to_numpy(py, &e.medium)?)?;
     Ok(d)
+}
+
+/// take_events' dict, its arrays filled by the core in place: `pending`
+/// (events, token ids) sizes them, `drain` takes the oldest events that fit
+/// (`SlotAllocator::take_events_into`) and says how many it wrote. The
+/// arrays are allocated before anything is drained, so a MemoryError leaves
+/// every event in the pool. Should fewer fit than `pending` promised (an
+/// overflow replaced the backlog meanwhile), the arrays are cut to what
+/// was written.
+pub(crate) fn drained_dict<'py>(
+    py: Python<'py>,
+    pending: (usize, usize),
+    drain: impl for<'s> FnOnce(EventSink<'s>) -> Drained,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (n, t) = pending;
+    let (kind, mut kind_b) = new_uninit::<u8>(py, n)?;
+    let (hash_hi, mut hash_hi_b) = new_uninit::<u64>(py, n)?;
+    let (hash_lo, mut hash_lo_b) = new_uninit::<u64>(py, n)?;
+    let (parent_hi, mut parent_hi_b) = new_uninit::<u64>(py, n)?;
+    let (parent_lo, mut parent_lo_b) = new_uninit::<u64>(py, n)?;
+    let (page, mut page_b) = new_uninit::<i32>(py, n)?;
+    let (num_tokens, mut num_tokens_b) = new_uninit::<i32>(py, n)?;
+    let (salt, mut salt_b) = new_uninit::<i64>(py, n)?;
+    let (token_ids, mut token_ids_b) = new_uninit::<i32>(py, t)?;
+    let (medium, mut medium_b) = new_uninit::<u8>(py, n)?;
+    // SAFETY: each buffer belongs to an array made just above, alive until
+    // this function returns and not yet handed to Python; one slice each.
+    let d = drain(unsafe {
+        EventSink {
+            kind: kind_b.uninit(),
+            hash_hi: hash_hi_b.uninit(),
+            hash_lo: hash_lo_b.uninit(),
+            parent_hi: parent_hi_b.uninit(),
+            parent_lo: parent_lo_b.uninit(),
+            page: page_b.uninit(),
+            num_tokens: num_tokens_b.uninit(),
+            salt: salt_b.uninit(),
+            medium: medium_b.uninit(),
+            token_ids: token_ids_b.uninit(),
+        }
+    });
+    let dict = PyDict::new(py);
+    let rows = |a: Bound<'py, PyAny>| cut(a, d.events, n);
+    dict.set_item("kind", rows(kind.into_any())?)?;
+    dict.set_item("hash_hi", rows(hash_hi.into_any())?)?;
+    dict.set_item("hash_lo", rows(hash_lo.into_any())?)?;
+    dict.set_item("parent_hi", rows(parent_hi.into_any())?)?;
+    dict.set_item("parent_lo", rows(parent_lo.into_any())?)?;
+    dict.set_item("page", rows(page.into_any())?)?;
+    dict.set_item("num_tokens", rows(num_tokens.into_any())?)?;
+    dict.set_item("salt", rows(salt.into_any())?)?;
+    dict.set_item("token_ids", cut(token_ids.into_any(), d.tokens, t)?)?;
+    dict.set_item("medium", rows(medium.into_any())?)?;
+    Ok(dict)
+}
+
+/// `a[:m]` of an array of `n` (itself when all of it was written).
+fn cut<'py>(a: Bound<'py, PyAny>, m: usize, n: usize) -> PyResult<Bound<'py, PyAny>> {
+    if m == n {
+        return Ok(a);
+    }
+    let py = a.py();
+    a.get_item(PySlice::new(py, 0, m as isize, 1))
 }
 
 /// Events a drain kept back, locked for a whole drain (take them or the
@@ -92,6 +156,13 @@ impl PySlotAllocator {
         // Events drained by a call whose arrays could not be allocated come
         // first (they are the oldest); newer ones wait in the core.
         let mut kept = self.undelivered(py);
+        if kept.is_none() {
+            let pending = self.query(py, |a| a.pending_events());
+            let work = pending.0;
+            return Ok(drained_dict(py, pending, |sink| {
+                self.run(py, work, |core| core.take_events_into(sink))
+            })?);
+        }
         let e = self.oldest_events(py, &mut kept);
         events_dict(py, &e).map_err(|err| {
             *kept = Some(e);

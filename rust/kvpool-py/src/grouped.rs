@@ -50,7 +50,9 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 pub struct PyGroupedAllocator {
     /// In an Arc so that the fork hooks (fork_guard) can hold it across a fork.
     inner: Arc<Mutex<GroupedAllocator>>,
-    /// Events take_events drained but could not return (see SlotAllocator's).
+    /// Held for a whole take_events, so that concurrent drains stay in order.
+    /// It never keeps events: take_events allocates its arrays before it
+    /// drains (SlotAllocator's keeps what take_events_msgpack could not send).
     pub(crate) undelivered: Arc<Mutex<Option<kvpool_core::Events>>>,
     /// Number of layer groups.
     #[pyo3(get)]

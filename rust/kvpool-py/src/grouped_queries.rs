@@ -74,16 +74,13 @@ impl PyGroupedAllocator {
     /// pages (a sliding window's, a state checkpoint), which they do not
     /// report.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        // As SlotAllocator.take_events: events drained by a call whose
-        // arrays could not be allocated are kept and come first.
-        let mut kept = crate::events::lock_kept(py, &self.undelivered);
-        let e = match kept.take() {
-            Some(e) => e,
-            None => self.run(py, |c| c.take_events()),
-        };
-        crate::events::events_dict(py, &e).map_err(|err| {
-            *kept = Some(e);
-            err
+        // The arrays are allocated before anything is drained (a MemoryError
+        // leaves every event in the pool); the lock keeps concurrent drains
+        // in order, as SlotAllocator.take_events'.
+        let _drain = crate::events::lock_kept(py, &self.undelivered);
+        let pending = self.run(py, |c| c.pending_events());
+        crate::events::drained_dict(py, pending, |sink| {
+            self.run(py, |c| c.take_events_into(sink))
         })
     }
 

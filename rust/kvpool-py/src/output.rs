@@ -40,6 +40,16 @@ impl<T> OutBuf<T> {
         std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len)
     }
 
+    /// The buffer as a slice of possibly uninitialized values, for the core
+    /// to fill ([`new_uninit`]'s buffers included).
+    ///
+    /// # Safety
+    /// Only while the array it came from is alive and still unshared, and
+    /// only once per OutBuf (the slice is exclusive).
+    pub unsafe fn uninit(&mut self) -> &mut [std::mem::MaybeUninit<T>] {
+        std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len)
+    }
+
     /// Sets entry `at` (if the buffer has it). Usable on an uninitialized
     /// buffer, as `write`.
     ///

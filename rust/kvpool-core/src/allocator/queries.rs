@@ -4,7 +4,7 @@
 
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
-use crate::events::Events;
+use crate::events::{Drained, EventSink, Events};
 use crate::handle::handle_row;
 use crate::memory::reserve;
 use crate::table::SlotTable;
@@ -95,6 +95,20 @@ impl SlotAllocator {
     /// Drains the KV events recorded since the last call (see [`Events`]).
     pub fn take_events(&mut self) -> Events {
         self.events.take()
+    }
+
+    /// Undrained events and the token ids of their Stored events: the
+    /// sizes of an [`EventSink`] that takes them all.
+    pub fn pending_events(&self) -> (usize, usize) {
+        self.events.pending()
+    }
+
+    /// [`Self::take_events`] into the caller's arrays (a binding's result
+    /// buffers): drains the oldest events that fit `out` (all of them when
+    /// it was sized by [`Self::pending_events`] and nothing was recorded
+    /// since) and keeps the rest, in order. Returns how much it wrote.
+    pub fn take_events_into(&mut self, out: EventSink<'_>) -> Drained {
+        self.events.take_into(out)
     }
 
     /// Events dropped because more than max(num_pages, 65536) were left

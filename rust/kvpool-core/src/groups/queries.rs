@@ -5,7 +5,7 @@
 use super::{Group, GroupSpec, GroupedAllocator};
 use crate::allocator::queries::PageTable;
 use crate::error::{PoolError, Result};
-use crate::events::Events;
+use crate::events::{Drained, EventSink, Events};
 use crate::handle::handle_row;
 use crate::memory::reserve;
 use crate::table::SlotTable;
@@ -99,6 +99,16 @@ impl GroupedAllocator {
     /// what a router needs to know which prefixes this pool can serve.
     pub fn take_events(&mut self) -> Events {
         self.anchor.take_events()
+    }
+
+    /// The anchor chain's [`crate::SlotAllocator::pending_events`].
+    pub fn pending_events(&self) -> (usize, usize) {
+        self.anchor.pending_events()
+    }
+
+    /// The anchor chain's [`crate::SlotAllocator::take_events_into`].
+    pub fn take_events_into(&mut self, out: EventSink<'_>) -> Drained {
+        self.anchor.take_events_into(out)
     }
 
     pub fn dropped_events(&self) -> u64 {
