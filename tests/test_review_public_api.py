@@ -7,6 +7,8 @@ worse, a plausible wrong answer; the test pins the typed refusal instead.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -91,11 +93,16 @@ def test_pool_for_model_refuses_what_is_not_a_model_or_config(model):
 # numpy integer (a value read from an array or a config), and refuses a bool; these five
 # refused numpy integers alone ("must be an int ..., got np.int64(2)").
 
+_ENDPOINTS = itertools.count()
+
+
 def publisher_kwargs(**kw):
     pytest.importorskip("zmq")
     from kvpool.events import ZmqEventPublisher
 
-    pub = ZmqEventPublisher(plain_pool(), "inproc://rev40-np-hwm", **kw)
+    # An endpoint of its own each time: a closed socket's inproc name is released by ZMQ's
+    # I/O thread, so the next case binding the same name could find it still in use.
+    pub = ZmqEventPublisher(plain_pool(), f"inproc://rev40-np-hwm-{next(_ENDPOINTS)}", **kw)
     pub.close()
     return pub
 
