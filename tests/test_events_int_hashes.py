@@ -73,6 +73,23 @@ def test_the_int_form_is_the_low_64_bits_of_each_hash_and_parent():
     assert parents, "a chain that branches off a cached page names its parent"
 
 
+def test_int_hashes_take_msgpacks_shortest_form_at_every_width():
+    """The int form is written by index (no rmp call a page): each value in the shortest
+    msgpack uint, the bytes msgspec writes for the same list."""
+    values = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+    n = len(values)
+    ev = {"kind": np.ones(n, np.uint8), "hash_hi": np.full(n, 7, np.uint64),
+          "hash_lo": np.array(values, np.uint64), "parent_hi": np.zeros(n, np.uint64),
+          "parent_lo": np.zeros(n, np.uint64), "page": np.arange(n, dtype=np.int32),
+          "num_tokens": np.zeros(n, np.int32), "salt": np.zeros(n, np.int64),
+          "token_ids": np.zeros(0, np.int32)}
+    payload, stored, removed, cleared = _core.encode_kv_events(ev, 0.0, int_block_hashes=True)
+    assert (stored, removed, cleared) == (0, n, 0)
+    (event,) = msgspec.msgpack.decode(payload)[1]
+    assert event["block_hashes"] == values
+    assert msgspec.msgpack.encode(values) in payload
+
+
 def test_take_events_msgpack_and_the_publishers_send_the_same_int_form():
     a, b = pool(), pool()
     traffic(a)

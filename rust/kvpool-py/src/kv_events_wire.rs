@@ -121,9 +121,15 @@ fn hashes(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize) -> Out<()> {
     w.extend_from_slice(b"\xacblock_hashes"); // fixstr(12)
     mp::write_array_len(w, len32(j - i, "block_hashes")?)?;
     if a.int_hashes {
-        for k in i..j {
-            mp::write_uint(w, a.hash_lo[k])?;
+        // As rmp's write_uint (the shortest form), by index into room made first.
+        let start = w.len();
+        w.resize(start + 9 * (j - i), 0);
+        let buf = &mut w[start..];
+        let mut at = 0;
+        for &v in &a.hash_lo[i..j] {
+            at += uint_at(&mut buf[at..], v);
         }
+        w.truncate(start + at);
     } else {
         // Each page's bin8 of 16 bytes written by index into room made first
         // (rmp's write_bin makes three writes, the last a memcpy call: the
@@ -138,6 +144,32 @@ fn hashes(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize) -> Out<()> {
         }
     }
     Ok(())
+}
+
+/// Writes `v` as msgpack's shortest uint (the form rmp's `write_uint`
+/// chooses) at the start of `out` (9 bytes or more); returns the bytes
+/// written.
+#[inline]
+fn uint_at(out: &mut [u8], v: u64) -> usize {
+    let b = v.to_be_bytes();
+    if v < 0x80 {
+        out[0] = v as u8;
+        1
+    } else if v < 0x100 {
+        out[..2].copy_from_slice(&[0xcc, b[7]]);
+        2
+    } else if v < 0x1_0000 {
+        out[..3].copy_from_slice(&[0xcd, b[6], b[7]]);
+        3
+    } else if v < 0x1_0000_0000 {
+        out[0] = 0xce;
+        out[1..5].copy_from_slice(&b[4..]);
+        5
+    } else {
+        out[0] = 0xcf;
+        out[1..9].copy_from_slice(&b);
+        9
+    }
 }
 
 fn place(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize) -> Out<()> {
