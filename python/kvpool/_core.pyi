@@ -595,7 +595,8 @@ class SlotAllocator:
         `page` is, 0 device, 1 host; 0 for Cleared; encode_kv_events sends
         them as "GPU" and "CPU"). Past max(num_pages, 65536) undrained events
         the backlog is replaced by one Cleared event (dropped_events counts
-        what went).
+        what went). The arrays are allocated before anything is drained: a
+        MemoryError leaves every event in the pool for the next drain.
         """
     def take_events_msgpack(
         self, ts: float, data_parallel_rank: int | None = None, int_block_hashes: bool = False
@@ -603,7 +604,9 @@ class SlotAllocator:
         """take_events() and encode_kv_events() in one call, without building
         the arrays: drains the KV events and returns them as one msgpack
         KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends);
-        int_block_hashes as encode_kv_events.
+        int_block_hashes as encode_kv_events. A payload that cannot be
+        allocated raises MemoryError and keeps the drained events, which the
+        next drain (of either kind) returns first.
 
         Returns:
             (payload, stored, removed, cleared), as encode_kv_events; with no

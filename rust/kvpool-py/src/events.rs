@@ -151,7 +151,8 @@ impl PySlotAllocator {
     /// `page` is, 0 device, 1 host; 0 for Cleared; encode_kv_events sends
     /// them as "GPU" and "CPU"). Past max(num_pages, 65536) undrained events
     /// the backlog is replaced by one Cleared event (dropped_events counts
-    /// what went).
+    /// what went). The arrays are allocated before anything is drained: a
+    /// MemoryError leaves every event in the pool for the next drain.
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         // Events drained by a call whose arrays could not be allocated come
         // first (they are the oldest); newer ones wait in the core.

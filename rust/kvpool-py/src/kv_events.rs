@@ -271,7 +271,9 @@ impl PySlotAllocator {
     /// take_events() and encode_kv_events() in one call, without building
     /// the arrays: drains the KV events and returns them as one msgpack
     /// KVEventBatch in vLLM's schema (what ZmqEventPublisher.publish sends);
-    /// int_block_hashes as encode_kv_events.
+    /// int_block_hashes as encode_kv_events. A payload that cannot be
+    /// allocated raises MemoryError and keeps the drained events, which the
+    /// next drain (of either kind) returns first.
     ///
     /// Returns:
     ///     (payload, stored, removed, cleared), as encode_kv_events; with no
