@@ -154,8 +154,9 @@ impl PySlotAllocator {
     /// what went). The arrays are allocated before anything is drained: a
     /// MemoryError leaves every event in the pool for the next drain.
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
-        // Events drained by a call whose arrays could not be allocated come
-        // first (they are the oldest); newer ones wait in the core.
+        // Events a take_events_msgpack drained but could not send come first
+        // (they are the oldest; newer ones wait in the core). Otherwise the
+        // core drains straight into arrays allocated beforehand.
         let mut kept = self.undelivered(py);
         if kept.is_none() {
             let pending = self.query(py, |a| a.pending_events());
