@@ -310,3 +310,24 @@ def test_bad_subscriptions_are_typed_and_leave_the_feed_as_it_was(call, match):
 def test_bad_replay_timeouts_are_typed(value):
     with pytest.raises(kvpool.InvalidArgumentError, match="replay_timeout_ms"):
         ZmqFeed(Router(1, page_size=P, hash_seed=SEED), replay_timeout_ms=value)
+
+
+@pytest.mark.parametrize("kind", ["inproc", "ipc", "tcp"])
+def test_close_frees_its_addresses_for_a_publisher_made_again_at_once(kind, tmp_path):
+    """An engine that rebuilds its publisher on the same addresses (a restart, a reconfigure)
+    must be able to bind them right after close(): ZMQ closes sockets in its I/O thread, and
+    before close() unbound and waited, one rebind in a few failed with EADDRINUSE."""
+    if kind == "inproc":
+        pub_ep, rep_ep = "inproc://kvpool-rebind-pub", "inproc://kvpool-rebind-rep"
+    elif kind == "ipc":
+        pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
+    else:
+        probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+        pub_ep, rep_ep = probe.endpoint, probe.replay_endpoint  # two ports free a moment ago
+        probe.close()
+    a = pool()
+    for _ in range(100):
+        pub = ZmqEventPublisher(a, pub_ep, replay_endpoint=rep_ep)
+        admit(a, np.arange(8))
+        pub.publish()
+        pub.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from kvpool._core import InvalidArgumentError
@@ -25,6 +26,10 @@ from kvpool.extras import require
 from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.events.ZmqEventPublisher")
+from zmq.utils.monitor import recv_monitor_message  # noqa: E402  (after the extra's check)
+
+# Longest close() waits for ZMQ to close a TCP or IPC listener.
+_UNBIND_WAIT_S = 1.0
 
 #: Largest value of a ZMQ int option or timeout (a C int).
 ZMQ_INT_MAX = 2**31 - 1
@@ -100,6 +105,10 @@ class ZmqEventPublisher(EventPublisher):
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay_sock = None
+        # (socket, endpoint) of each bind, unbound before the socket closes: ZMQ closes a
+        # socket in its I/O thread, and until then the address stays taken, so a publisher
+        # made again on the same address right after close() could fail to bind it.
+        self._binds: list[tuple[Any, str]] = []
         self._queue: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
         self._sent = threading.Condition()
         self._queued = self._done = 0
@@ -111,6 +120,7 @@ class ZmqEventPublisher(EventPublisher):
                 if binds(endpoint):
                     self._pub.bind(endpoint)
                     endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                    self._binds.append((self._pub, endpoint))
                 else:
                     self._pub.connect(endpoint)
             except zmq.ZMQError as e:
@@ -128,6 +138,7 @@ class ZmqEventPublisher(EventPublisher):
                 except zmq.ZMQError as e:
                     raise InvalidArgumentError(f"replay_endpoint {replay_endpoint!r} cannot be bound: {e}") from None
                 self.replay_endpoint = self._replay_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._binds.append((self._replay_sock, self.replay_endpoint))
         except BaseException:
             self._close_sockets()
             raise
@@ -200,7 +211,8 @@ class ZmqEventPublisher(EventPublisher):
 
     def close(self) -> None:
         """Send what is queued, stop the sender thread and close both sockets
-        (idempotent)."""
+        (idempotent). The addresses it bound are free when it returns: a publisher
+        made again on them binds at once."""
         if os.getpid() != self._pid:
             # A forked child's copy: the locks may be held by parent threads that do not exist
             # here, and the sockets and the thread are the parent's.
@@ -217,9 +229,43 @@ class ZmqEventPublisher(EventPublisher):
             self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for s, endpoint in self._binds:
+            if not s.closed:
+                _unbind(s, endpoint)
         for s in (self._pub, self._replay_sock):
             if s is not None and not s.closed:
                 s.close(linger=0)
+
+
+def _unbind(sock: Any, endpoint: str, timeout: float = _UNBIND_WAIT_S) -> None:
+    """Unbinds ``endpoint`` and waits (at most ``timeout``) until ZMQ's I/O thread has closed its
+    listener, so that the address is free when ``close()`` returns. An inproc name is released at
+    once; a TCP or IPC listener closes a moment later, reported on a monitor socket."""
+    if endpoint.startswith("inproc://"):
+        try:
+            sock.unbind(endpoint)
+        except zmq.ZMQError:
+            pass  # already gone
+        return
+    try:
+        monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED | zmq.EVENT_CLOSE_FAILED)
+    except zmq.ZMQError:
+        monitor = None  # no monitor: unbind without waiting
+    try:
+        sock.unbind(endpoint)
+        if monitor is None:
+            return
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and monitor.poll(int(left * 1000) + 1):
+            event = recv_monitor_message(monitor)
+            if event.get("endpoint") in (endpoint, endpoint.encode()):
+                return
+    except zmq.ZMQError:
+        pass  # already gone: the close that follows is all that is left
+    finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
 
 
 __all__ = ["ZmqEventPublisher", "binds"]
