@@ -295,10 +295,10 @@ def test_drained_queues_lose_nothing_to_a_memory_error():
 
 
 def test_events_a_failed_drain_loses_none_and_newer_events_come_after():
-    # take_events and take_events_msgpack drain the same events. take_events
-    # allocates its arrays before draining, so its MemoryError leaves every
-    # event in the pool; take_events_msgpack drains first and keeps what it
-    # could not encode, for the next drain of either kind to return first.
+    # take_events and take_events_msgpack drain the same events, into arrays
+    # or vectors allocated first: a MemoryError there leaves every event in
+    # the pool. take_events_msgpack keeps what it drained but could not
+    # encode, for the next drain of either kind to return first.
     # Either way a newer event (Cleared) comes after them, and nothing twice.
     got = run_cases(
         """
@@ -322,6 +322,15 @@ def test_events_a_failed_drain_loses_none_and_newer_events_come_after():
         a.check()
         del a
 
+        case("take_events_msgpack without room to drain")
+        a = pool()
+        # No room for the 16 MiB of token ids it drains into: nothing is drained.
+        r = outcome(lambda: a.take_events_msgpack(1.0), 8 * MiB)
+        e = a.take_events()
+        result((r, e["kind"].tolist() == [0] * (n // ps), bool((e["token_ids"] == tokens).all())))
+        a.check()
+        del a
+
         case("take_events_msgpack, then take_events")
         a = pool()
         # Room for the drained events (16 MiB of ids), not for a 20 MiB payload.
@@ -335,5 +344,6 @@ def test_events_a_failed_drain_loses_none_and_newer_events_come_after():
     )
     assert got == {
         "take_events, then take_events_msgpack": ("MemoryError", (1 << 12, 0, 1), (0, 0, 0), 0),
+        "take_events_msgpack without room to drain": ("MemoryError", True, True),
         "take_events_msgpack, then take_events": ("MemoryError", (True, True), [2], 0),
     }

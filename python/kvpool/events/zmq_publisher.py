@@ -264,7 +264,10 @@ def _unbind(sock: Any, endpoint: str, timeout: float = _UNBIND_WAIT_S) -> None:
         pass  # already gone: the close that follows is all that is left
     finally:
         if monitor is not None:
-            sock.disable_monitor()
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass  # the socket is closed next either way
             monitor.close(linger=0)
 
 

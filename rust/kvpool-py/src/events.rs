@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{Drained, EventSink};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySlice};
+use pyo3::types::PyDict;
 
 use crate::allocator::PySlotAllocator;
 use crate::errors::Result;
@@ -31,18 +31,26 @@ pub(crate) fn events_dict<'py>(
     Ok(d)
 }
 
+/// What a drain into numpy arrays gave: the dict, or, when fewer events fit
+/// than were pending (an overflow replaced the backlog between the count and
+/// the drain), the drained events themselves, for the caller to build the
+/// dict from and to keep if that fails.
+pub(crate) enum Drain<'py> {
+    Whole(Bound<'py, PyDict>),
+    Short(Box<kvpool_core::Events>),
+}
+
 /// take_events' dict, its arrays filled by the core in place: `pending`
 /// (events, token ids) sizes them, `drain` takes the oldest events that fit
 /// (`SlotAllocator::take_events_into`) and says how many it wrote. The
-/// arrays are allocated before anything is drained, so a MemoryError leaves
-/// every event in the pool. Should fewer fit than `pending` promised (an
-/// overflow replaced the backlog meanwhile), the arrays are cut to what
-/// was written.
+/// arrays and the dict are made before anything is drained, so a
+/// MemoryError leaves every event in the pool, and nothing that can fail
+/// comes after the drain.
 pub(crate) fn drained_dict<'py>(
     py: Python<'py>,
     pending: (usize, usize),
     drain: impl for<'s> FnOnce(EventSink<'s>) -> Drained,
-) -> PyResult<Bound<'py, PyDict>> {
+) -> PyResult<Drain<'py>> {
     let (n, t) = pending;
     let (kind, mut kind_b) = new_uninit::<u8>(py, n)?;
     let (hash_hi, mut hash_hi_b) = new_uninit::<u64>(py, n)?;
@@ -54,8 +62,20 @@ pub(crate) fn drained_dict<'py>(
     let (salt, mut salt_b) = new_uninit::<i64>(py, n)?;
     let (token_ids, mut token_ids_b) = new_uninit::<i32>(py, t)?;
     let (medium, mut medium_b) = new_uninit::<u8>(py, n)?;
+    let dict = PyDict::new(py);
+    dict.set_item("kind", &kind)?;
+    dict.set_item("hash_hi", &hash_hi)?;
+    dict.set_item("hash_lo", &hash_lo)?;
+    dict.set_item("parent_hi", &parent_hi)?;
+    dict.set_item("parent_lo", &parent_lo)?;
+    dict.set_item("page", &page)?;
+    dict.set_item("num_tokens", &num_tokens)?;
+    dict.set_item("salt", &salt)?;
+    dict.set_item("token_ids", &token_ids)?;
+    dict.set_item("medium", &medium)?;
     // SAFETY: each buffer belongs to an array made just above, alive until
-    // this function returns and not yet handed to Python; one slice each.
+    // this function returns and reachable only through `dict`, which nothing
+    // else has yet; one slice each.
     let d = drain(unsafe {
         EventSink {
             kind: kind_b.uninit(),
@@ -70,28 +90,86 @@ pub(crate) fn drained_dict<'py>(
             token_ids: token_ids_b.uninit(),
         }
     });
-    let dict = PyDict::new(py);
-    let rows = |a: Bound<'py, PyAny>| cut(a, d.events, n);
-    dict.set_item("kind", rows(kind.into_any())?)?;
-    dict.set_item("hash_hi", rows(hash_hi.into_any())?)?;
-    dict.set_item("hash_lo", rows(hash_lo.into_any())?)?;
-    dict.set_item("parent_hi", rows(parent_hi.into_any())?)?;
-    dict.set_item("parent_lo", rows(parent_lo.into_any())?)?;
-    dict.set_item("page", rows(page.into_any())?)?;
-    dict.set_item("num_tokens", rows(num_tokens.into_any())?)?;
-    dict.set_item("salt", rows(salt.into_any())?)?;
-    dict.set_item("token_ids", cut(token_ids.into_any(), d.tokens, t)?)?;
-    dict.set_item("medium", rows(medium.into_any())?)?;
-    Ok(dict)
+    if d.events == n && d.tokens == t {
+        return Ok(Drain::Whole(dict));
+    }
+    let m = d.events;
+    // SAFETY: the drain wrote rows 0..m and token ids 0..d.tokens; the
+    // arrays are alive and still unshared.
+    Ok(Drain::Short(Box::new(unsafe {
+        kvpool_core::Events {
+            kind: kind_b.written(m).to_vec(),
+            hash_hi: hash_hi_b.written(m).to_vec(),
+            hash_lo: hash_lo_b.written(m).to_vec(),
+            parent_hi: parent_hi_b.written(m).to_vec(),
+            parent_lo: parent_lo_b.written(m).to_vec(),
+            page: page_b.written(m).to_vec(),
+            num_tokens: num_tokens_b.written(m).to_vec(),
+            salt: salt_b.written(m).to_vec(),
+            token_ids: token_ids_b.written(d.tokens).to_vec(),
+            medium: medium_b.written(m).to_vec(),
+        }
+    })))
 }
 
-/// `a[:m]` of an array of `n` (itself when all of it was written).
-fn cut<'py>(a: Bound<'py, PyAny>, m: usize, n: usize) -> PyResult<Bound<'py, PyAny>> {
-    if m == n {
-        return Ok(a);
+/// `Events` drained straight into vectors reserved (fallibly) before the
+/// drain for `pending` (events, token ids), as `drained_dict` does for
+/// arrays: a MemoryError leaves every event in the pool. Vectors take any
+/// count, so a drain that finds more or fewer events than pending is whole.
+pub(crate) fn drained_events(
+    pending: (usize, usize),
+    drain: impl for<'s> FnOnce(EventSink<'s>) -> Drained,
+) -> PyResult<kvpool_core::Events> {
+    let (n, t) = pending;
+    let mut e = kvpool_core::Events::default();
+    room(&mut e.kind, n)?;
+    room(&mut e.hash_hi, n)?;
+    room(&mut e.hash_lo, n)?;
+    room(&mut e.parent_hi, n)?;
+    room(&mut e.parent_lo, n)?;
+    room(&mut e.page, n)?;
+    room(&mut e.num_tokens, n)?;
+    room(&mut e.salt, n)?;
+    room(&mut e.token_ids, t)?;
+    room(&mut e.medium, n)?;
+    let d = drain(EventSink {
+        kind: e.kind.spare_capacity_mut(),
+        hash_hi: e.hash_hi.spare_capacity_mut(),
+        hash_lo: e.hash_lo.spare_capacity_mut(),
+        parent_hi: e.parent_hi.spare_capacity_mut(),
+        parent_lo: e.parent_lo.spare_capacity_mut(),
+        page: e.page.spare_capacity_mut(),
+        num_tokens: e.num_tokens.spare_capacity_mut(),
+        salt: e.salt.spare_capacity_mut(),
+        medium: e.medium.spare_capacity_mut(),
+        token_ids: e.token_ids.spare_capacity_mut(),
+    });
+    // SAFETY: the drain wrote rows 0..d.events of each per-event vector's
+    // spare capacity and token ids 0..d.tokens (`Drained`'s contract); all
+    // were empty before.
+    unsafe {
+        e.kind.set_len(d.events);
+        e.hash_hi.set_len(d.events);
+        e.hash_lo.set_len(d.events);
+        e.parent_hi.set_len(d.events);
+        e.parent_lo.set_len(d.events);
+        e.page.set_len(d.events);
+        e.num_tokens.set_len(d.events);
+        e.salt.set_len(d.events);
+        e.token_ids.set_len(d.tokens);
+        e.medium.set_len(d.events);
     }
-    let py = a.py();
-    a.get_item(PySlice::new(py, 0, m as isize, 1))
+    Ok(e)
+}
+
+/// Room for `n` values in an empty vector, or MemoryError.
+pub(crate) fn room<T>(v: &mut Vec<T>, n: usize) -> PyResult<()> {
+    v.try_reserve_exact(n).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!(
+            "cannot allocate {n} drained KV events' {}-byte values",
+            std::mem::size_of::<T>()
+        ))
+    })
 }
 
 /// Events a drain kept back, locked for a whole drain (take them or the
@@ -122,19 +200,6 @@ impl PySlotAllocator {
     ) -> MutexGuard<'_, Option<kvpool_core::Events>> {
         lock_kept(py, &self.undelivered)
     }
-
-    /// The events to drain next: those a failed drain kept back (the
-    /// oldest), else the core's.
-    pub(crate) fn oldest_events(
-        &self,
-        py: Python<'_>,
-        kept: &mut Option<kvpool_core::Events>,
-    ) -> kvpool_core::Events {
-        match kept.take() {
-            Some(e) => e,
-            None => self.run(py, 0, |core| core.take_events()),
-        }
-    }
 }
 
 #[pymethods]
@@ -158,14 +223,19 @@ impl PySlotAllocator {
         // (they are the oldest; newer ones wait in the core). Otherwise the
         // core drains straight into arrays allocated beforehand.
         let mut kept = self.undelivered(py);
-        if kept.is_none() {
-            let pending = self.query(py, |a| a.pending_events());
-            let work = pending.0;
-            return Ok(drained_dict(py, pending, |sink| {
-                self.run(py, work, |core| core.take_events_into(sink))
-            })?);
-        }
-        let e = self.oldest_events(py, &mut kept);
+        let e = match kept.take() {
+            Some(e) => e,
+            None => {
+                let pending = self.query(py, |a| a.pending_events());
+                let work = pending.0;
+                match drained_dict(py, pending, |sink| {
+                    self.run(py, work, |core| core.take_events_into(sink))
+                })? {
+                    Drain::Whole(dict) => return Ok(dict),
+                    Drain::Short(e) => *e,
+                }
+            }
+        };
         events_dict(py, &e).map_err(|err| {
             *kept = Some(e);
             err.into()

@@ -50,9 +50,9 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 pub struct PyGroupedAllocator {
     /// In an Arc so that the fork hooks (fork_guard) can hold it across a fork.
     inner: Arc<Mutex<GroupedAllocator>>,
-    /// Held for a whole take_events, so that concurrent drains stay in order.
-    /// It never keeps events: take_events allocates its arrays before it
-    /// drains (SlotAllocator's keeps what take_events_msgpack could not send).
+    /// Events a take_events drained but could not return (a short drain's
+    /// dict that could not be built; see SlotAllocator's), locked for a whole
+    /// drain so that concurrent drains stay in order.
     pub(crate) undelivered: Arc<Mutex<Option<kvpool_core::Events>>>,
     /// Number of layer groups.
     #[pyo3(get)]

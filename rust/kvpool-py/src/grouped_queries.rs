@@ -74,13 +74,26 @@ impl PyGroupedAllocator {
     /// pages (a sliding window's, a state checkpoint), which they do not
     /// report.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        // The arrays are allocated before anything is drained (a MemoryError
-        // leaves every event in the pool); the lock keeps concurrent drains
-        // in order, as SlotAllocator.take_events'.
-        let _drain = crate::events::lock_kept(py, &self.undelivered);
-        let pending = self.run(py, |c| c.pending_events());
-        crate::events::drained_dict(py, pending, |sink| {
-            self.run(py, |c| c.take_events_into(sink))
+        // As SlotAllocator.take_events: the core drains straight into arrays
+        // made beforehand (a MemoryError leaves every event in the pool); the
+        // lock keeps concurrent drains in order, and keeps the events of a
+        // short drain (an overflow raced it) whose dict could not be built.
+        let mut kept = crate::events::lock_kept(py, &self.undelivered);
+        let e = match kept.take() {
+            Some(e) => e,
+            None => {
+                let pending = self.run(py, |c| c.pending_events());
+                match crate::events::drained_dict(py, pending, |sink| {
+                    self.run(py, |c| c.take_events_into(sink))
+                })? {
+                    crate::events::Drain::Whole(dict) => return Ok(dict),
+                    crate::events::Drain::Short(e) => *e,
+                }
+            }
+        };
+        crate::events::events_dict(py, &e).map_err(|err| {
+            *kept = Some(e);
+            err
         })
     }
 

@@ -292,7 +292,24 @@ impl PySlotAllocator {
         // Converted before anything is drained.
         let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
         let mut kept = self.undelivered(py);
-        let e = self.oldest_events(py, &mut kept);
+        let e = match kept.take() {
+            Some(e) => e,
+            None => {
+                // Drained into vectors reserved first: a MemoryError there
+                // leaves every event in the pool.
+                let pending = self.query(py, |a| a.pending_events());
+                let work = pending.0;
+                crate::events::drained_events(pending, |sink| {
+                    self.run(py, work, |core| core.take_events_into(sink))
+                })?
+            }
+        };
+        let mut medium = Vec::new();
+        if let Err(err) = crate::events::room(&mut medium, e.medium.len()) {
+            *kept = Some(e);
+            return Err(err);
+        }
+        medium.extend(e.medium.iter().map(|&m| m as i64));
         let a = Arrays {
             kind: &e.kind,
             hash_hi: &e.hash_hi,
@@ -302,7 +319,7 @@ impl PySlotAllocator {
             num_tokens: &e.num_tokens,
             salt: &e.salt,
             token_ids: &e.token_ids,
-            medium: Some(e.medium.iter().map(|&m| m as i64).collect()),
+            medium: Some(medium),
             group: None,
             int_hashes: int_block_hashes.0,
         };

@@ -50,6 +50,15 @@ impl<T> OutBuf<T> {
         std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), self.len)
     }
 
+    /// Entries `0..n` (at most the buffer's length), once written.
+    ///
+    /// # Safety
+    /// Only on entries the caller wrote, while the array it came from is
+    /// alive.
+    pub unsafe fn written(&self, n: usize) -> &[T] {
+        std::slice::from_raw_parts(self.ptr.as_ptr(), n.min(self.len))
+    }
+
     /// Sets entry `at` (if the buffer has it). Usable on an uninitialized
     /// buffer, as `write`.
     ///
