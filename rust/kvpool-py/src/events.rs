@@ -132,33 +132,9 @@ pub(crate) fn drained_events(
     room(&mut e.salt, n)?;
     room(&mut e.token_ids, t)?;
     room(&mut e.medium, n)?;
-    let d = drain(EventSink {
-        kind: e.kind.spare_capacity_mut(),
-        hash_hi: e.hash_hi.spare_capacity_mut(),
-        hash_lo: e.hash_lo.spare_capacity_mut(),
-        parent_hi: e.parent_hi.spare_capacity_mut(),
-        parent_lo: e.parent_lo.spare_capacity_mut(),
-        page: e.page.spare_capacity_mut(),
-        num_tokens: e.num_tokens.spare_capacity_mut(),
-        salt: e.salt.spare_capacity_mut(),
-        medium: e.medium.spare_capacity_mut(),
-        token_ids: e.token_ids.spare_capacity_mut(),
-    });
-    // SAFETY: the drain wrote rows 0..d.events of each per-event vector's
-    // spare capacity and token ids 0..d.tokens (`Drained`'s contract); all
-    // were empty before.
-    unsafe {
-        e.kind.set_len(d.events);
-        e.hash_hi.set_len(d.events);
-        e.hash_lo.set_len(d.events);
-        e.parent_hi.set_len(d.events);
-        e.parent_lo.set_len(d.events);
-        e.page.set_len(d.events);
-        e.num_tokens.set_len(d.events);
-        e.salt.set_len(d.events);
-        e.token_ids.set_len(d.tokens);
-        e.medium.set_len(d.events);
-    }
+    let d = drain(e.spare_sink());
+    // SAFETY: `d` is what the drain into `spare_sink` returned.
+    unsafe { e.commit_drained(d) };
     Ok(e)
 }
 

@@ -291,34 +291,15 @@ fn columns(raw: &[Raw], token_ids: Vec<i32>) -> Events {
         token_ids,
         medium: Vec::with_capacity(n),
     };
-    sink::fill(
-        raw,
-        &mut EventSink {
-            kind: e.kind.spare_capacity_mut(),
-            hash_hi: e.hash_hi.spare_capacity_mut(),
-            hash_lo: e.hash_lo.spare_capacity_mut(),
-            parent_hi: e.parent_hi.spare_capacity_mut(),
-            parent_lo: e.parent_lo.spare_capacity_mut(),
-            page: e.page.spare_capacity_mut(),
-            num_tokens: e.num_tokens.spare_capacity_mut(),
-            salt: e.salt.spare_capacity_mut(),
-            medium: e.medium.spare_capacity_mut(),
-            token_ids: &mut [],
-        },
-    );
-    // SAFETY: `fill` wrote slots 0..n of each column (every record, and
-    // each column has capacity n).
+    sink::fill(raw, &mut e.spare_sink());
+    // SAFETY: `fill` wrote slots 0..n of each per-event column (each has
+    // capacity n); the token ids came whole.
     unsafe {
-        e.kind.set_len(n);
-        e.hash_hi.set_len(n);
-        e.hash_lo.set_len(n);
-        e.parent_hi.set_len(n);
-        e.parent_lo.set_len(n);
-        e.page.set_len(n);
-        e.num_tokens.set_len(n);
-        e.salt.set_len(n);
-        e.medium.set_len(n);
-    }
+        e.commit_drained(Drained {
+            events: n,
+            tokens: 0,
+        })
+    };
     e
 }
 

@@ -7,7 +7,7 @@
 
 use std::mem::MaybeUninit;
 
-use super::{EventLog, Raw};
+use super::{EventLog, Events, Raw};
 
 /// Where a drain writes: one slice per field of [`super::Events`] (the same
 /// meaning and order), uninitialized memory allowed. Event `i` goes to row
@@ -53,6 +53,46 @@ impl EventSink<'_> {
 pub struct Drained {
     pub events: usize,
     pub tokens: usize,
+}
+
+impl Events {
+    /// A sink over each column's spare capacity: a drain into it appends
+    /// rows (and token ids) to these events, once [`Self::commit_drained`]
+    /// counts them.
+    pub fn spare_sink(&mut self) -> EventSink<'_> {
+        EventSink {
+            kind: self.kind.spare_capacity_mut(),
+            hash_hi: self.hash_hi.spare_capacity_mut(),
+            hash_lo: self.hash_lo.spare_capacity_mut(),
+            parent_hi: self.parent_hi.spare_capacity_mut(),
+            parent_lo: self.parent_lo.spare_capacity_mut(),
+            page: self.page.spare_capacity_mut(),
+            num_tokens: self.num_tokens.spare_capacity_mut(),
+            salt: self.salt.spare_capacity_mut(),
+            medium: self.medium.spare_capacity_mut(),
+            token_ids: self.token_ids.spare_capacity_mut(),
+        }
+    }
+
+    /// Counts the rows and token ids a drain into [`Self::spare_sink`] wrote.
+    ///
+    /// # Safety
+    /// `d` must be what that drain returned (it wrote the first `d.events`
+    /// slots of each per-event column's spare capacity and the first
+    /// `d.tokens` of `token_ids`'), with no change to the columns since.
+    pub unsafe fn commit_drained(&mut self, d: Drained) {
+        let rows = self.kind.len() + d.events;
+        self.kind.set_len(rows);
+        self.hash_hi.set_len(rows);
+        self.hash_lo.set_len(rows);
+        self.parent_hi.set_len(rows);
+        self.parent_lo.set_len(rows);
+        self.page.set_len(rows);
+        self.num_tokens.set_len(rows);
+        self.salt.set_len(rows);
+        self.medium.set_len(rows);
+        self.token_ids.set_len(self.token_ids.len() + d.tokens);
+    }
 }
 
 impl EventLog {

@@ -200,3 +200,35 @@ fn draining_past_an_overflow_counts_later_drops_as_take_does() {
     );
     assert_eq!(log.take().kind.len(), 2);
 }
+
+#[test]
+fn a_drain_into_spare_capacity_appends_to_events_it_is_committed_to() {
+    // What a binding does with vectors it reserved (fallibly) first: the
+    // drained rows follow those already there.
+    let whole = concat(log_of(7).take(), log_of(12).take());
+    let mut got = log_of(7).take();
+    let mut log = log_of(12);
+    let (rows, ids) = log.pending();
+    got.kind.reserve_exact(rows);
+    got.medium.reserve_exact(rows);
+    got.hash_hi.reserve_exact(rows);
+    got.hash_lo.reserve_exact(rows);
+    got.parent_hi.reserve_exact(rows);
+    got.parent_lo.reserve_exact(rows);
+    got.page.reserve_exact(rows);
+    got.num_tokens.reserve_exact(rows);
+    got.salt.reserve_exact(rows);
+    got.token_ids.reserve_exact(ids);
+    let d = log.take_into(got.spare_sink());
+    assert_eq!(
+        d,
+        Drained {
+            events: rows,
+            tokens: ids
+        }
+    );
+    // SAFETY: `d` is what the drain into `spare_sink` returned.
+    unsafe { got.commit_drained(d) };
+    assert_eq!(got, whole);
+    assert_eq!(log.pending(), (0, 0));
+}
