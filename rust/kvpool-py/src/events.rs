@@ -13,10 +13,7 @@ use crate::errors::Result;
 use crate::output::{new_uninit, to_numpy};
 
 /// take_events' dict: one array per field.
-pub(crate) fn events_dict<'py>(
-    py: Python<'py>,
-    e: &kvpool_core::Events,
-) -> PyResult<Bound<'py, PyDict>> {
+fn events_dict<'py>(py: Python<'py>, e: &kvpool_core::Events) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("kind", to_numpy(py, &e.kind)?)?;
     d.set_item("hash_hi", to_numpy(py, &e.hash_hi)?)?;
@@ -31,11 +28,35 @@ pub(crate) fn events_dict<'py>(
     Ok(d)
 }
 
+/// take_events' dict, for a pool whose undrained events `pending` counts
+/// and `drain` drains (`take_events_into`): the events `kept` holds come
+/// first (the oldest, kept back by a drain that could not deliver them);
+/// else the pool's, drained straight into arrays made beforehand. Events
+/// drained whose dict cannot be built are kept for the next drain.
+pub(crate) fn take_dict<'py>(
+    py: Python<'py>,
+    kept: &mut Option<kvpool_core::Events>,
+    pending: (usize, usize),
+    drain: impl for<'s> FnOnce(EventSink<'s>) -> Drained,
+) -> PyResult<Bound<'py, PyDict>> {
+    let e = match kept.take() {
+        Some(e) => e,
+        None => match drained_dict(py, pending, drain)? {
+            Drain::Whole(dict) => return Ok(dict),
+            Drain::Short(e) => *e,
+        },
+    };
+    events_dict(py, &e).map_err(|err| {
+        *kept = Some(e);
+        err
+    })
+}
+
 /// What a drain into numpy arrays gave: the dict, or, when fewer events fit
 /// than were pending (an overflow replaced the backlog between the count and
 /// the drain), the drained events themselves, for the caller to build the
 /// dict from and to keep if that fails.
-pub(crate) enum Drain<'py> {
+enum Drain<'py> {
     Whole(Bound<'py, PyDict>),
     Short(Box<kvpool_core::Events>),
 }
@@ -46,7 +67,7 @@ pub(crate) enum Drain<'py> {
 /// arrays and the dict are made before anything is drained, so a
 /// MemoryError leaves every event in the pool, and nothing that can fail
 /// comes after the drain.
-pub(crate) fn drained_dict<'py>(
+fn drained_dict<'py>(
     py: Python<'py>,
     pending: (usize, usize),
     drain: impl for<'s> FnOnce(EventSink<'s>) -> Drained,
@@ -195,27 +216,13 @@ impl PySlotAllocator {
     /// what went). The arrays are allocated before anything is drained: a
     /// MemoryError leaves every event in the pool for the next drain.
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
-        // Events a take_events_msgpack drained but could not send come first
-        // (they are the oldest; newer ones wait in the core). Otherwise the
-        // core drains straight into arrays allocated beforehand.
+        // Kept events come from a take_events_msgpack that could not send
+        // them, or a short drain whose dict could not be built.
         let mut kept = self.undelivered(py);
-        let e = match kept.take() {
-            Some(e) => e,
-            None => {
-                let pending = self.query(py, |a| a.pending_events());
-                let work = pending.0;
-                match drained_dict(py, pending, |sink| {
-                    self.run(py, work, |core| core.take_events_into(sink))
-                })? {
-                    Drain::Whole(dict) => return Ok(dict),
-                    Drain::Short(e) => *e,
-                }
-            }
-        };
-        events_dict(py, &e).map_err(|err| {
-            *kept = Some(e);
-            err.into()
-        })
+        let pending = self.query(py, |a| a.pending_events());
+        Ok(take_dict(py, &mut kept, pending, |sink| {
+            self.run(py, pending.0, |core| core.take_events_into(sink))
+        })?)
     }
 
     /// Events dropped because more than max(num_pages, 65536) were left

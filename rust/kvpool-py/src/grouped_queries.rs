@@ -74,26 +74,12 @@ impl PyGroupedAllocator {
     /// pages (a sliding window's, a state checkpoint), which they do not
     /// report.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        // As SlotAllocator.take_events: the core drains straight into arrays
-        // made beforehand (a MemoryError leaves every event in the pool); the
-        // lock keeps concurrent drains in order, and keeps the events of a
-        // short drain (an overflow raced it) whose dict could not be built.
+        // As SlotAllocator.take_events; the lock also keeps concurrent
+        // drains in order.
         let mut kept = crate::events::lock_kept(py, &self.undelivered);
-        let e = match kept.take() {
-            Some(e) => e,
-            None => {
-                let pending = self.run(py, |c| c.pending_events());
-                match crate::events::drained_dict(py, pending, |sink| {
-                    self.run(py, |c| c.take_events_into(sink))
-                })? {
-                    crate::events::Drain::Whole(dict) => return Ok(dict),
-                    crate::events::Drain::Short(e) => *e,
-                }
-            }
-        };
-        crate::events::events_dict(py, &e).map_err(|err| {
-            *kept = Some(e);
-            err
+        let pending = self.run(py, |c| c.pending_events());
+        crate::events::take_dict(py, &mut kept, pending, |sink| {
+            self.run(py, |c| c.take_events_into(sink))
         })
     }
 

@@ -298,9 +298,8 @@ impl PySlotAllocator {
                 // Drained into vectors reserved first: a MemoryError there
                 // leaves every event in the pool.
                 let pending = self.query(py, |a| a.pending_events());
-                let work = pending.0;
                 crate::events::drained_events(pending, |sink| {
-                    self.run(py, work, |core| core.take_events_into(sink))
+                    self.run(py, pending.0, |core| core.take_events_into(sink))
                 })?
             }
         };
