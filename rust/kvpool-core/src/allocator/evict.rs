@@ -43,6 +43,7 @@ impl SlotAllocator {
     /// may live on in a host copy (`tier.rs`).
     fn evict_one(&mut self) -> Option<u32> {
         let p = self.pages.pop_victim()?;
+        self.pages.warm_hinted(p);
         if self.host.is_some() {
             self.drop_device_copy(p, true);
             return Some(p);
@@ -223,6 +224,7 @@ impl SlotAllocator {
     /// The victim after `p`, once what removing `p` reads is on its way.
     #[inline(always)]
     fn walk_warmed<const ONE_LIST: bool>(&self, p: u32) -> u32 {
+        self.pages.warm_hinted(p);
         self.prefix.prefetch_removal(self.pages.entry(p));
         self.walk_victim::<ONE_LIST>(p)
     }

@@ -128,6 +128,7 @@ impl SlotAllocator {
             let Some(p) = self.pages.pop_victim() else {
                 break;
             };
+            self.pages.warm_hinted(p);
             self.drop_device_copy(p, true);
             self.pages.free_evicted(p);
             done += 1;

@@ -3,7 +3,7 @@
 //! and CACHED (or FREE) in their eviction list's order (see `mod.rs`).
 
 use super::blocks::BlockHolds;
-use super::record::{PageState, UNHELD};
+use super::record::{PageState, HINT_AHEAD, UNHELD};
 use super::stretches;
 use super::PagePool;
 use crate::eviction::{Eviction, Insert};
@@ -72,7 +72,7 @@ impl PagePool {
                 let q = [q0, q1, q2, q3];
                 debug_assert!(distinct(q));
                 let e = q.map(|p| st[p as usize].extra);
-                if e.iter().all(|&x| x != UNHELD) {
+                if e.iter().all(|&x| x < UNHELD) {
                     for (p, x) in q.into_iter().zip(e) {
                         st[p as usize].extra = x + 1;
                     }
@@ -194,7 +194,7 @@ impl PagePool {
             let q = [*p0, *p1, *p2, *p3];
             debug_assert!(distinct(q));
             let e = q.map(|p| st[p as usize].extra);
-            // (`extra` is never UNHELD here: every page listed is held. A
+            // (`extra` is never unheld here: every page listed is held. A
             // record left holding its page once must have no block holders
             // beside it: `blocks.single` sends such pages one by one.)
             if e[0] != 0 && e[1] != 0 && e[2] != 0 && e[3] != 0 && !(BLOCKS && blocks.single(q, e))
@@ -206,22 +206,24 @@ impl PagePool {
             } else if e[0] | e[1] | e[2] | e[3] == 0
                 && q.iter().all(|&p| st[p as usize].is_registered())
             {
-                for p in q {
-                    st[p as usize].extra = UNHELD;
+                let h = hints4(head);
+                for (p, h) in q.into_iter().zip(h) {
+                    st[p as usize].cache_with_hint(h);
                 }
                 Eviction::insert_next4(st, &mut ins, q);
             } else {
-                for p in q {
-                    release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p);
+                let h = hints4(head);
+                for (p, h) in q.into_iter().zip(h) {
+                    release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p, h);
                 }
             }
             rest = head;
         }
-        for &p in rest.iter().rev() {
+        for (i, &p) in rest.iter().enumerate().rev() {
             if queued && st[p as usize].extra == 0 {
                 marked |= self.copies.mark_released(p);
             }
-            release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p);
+            release_page::<BLOCKS>(st, blocks, &mut ins, &mut self.free, p, hint(pages, i));
         }
         self.eviction.end_insert(st, ins);
         marked
@@ -263,12 +265,39 @@ impl PagePool {
             return false;
         }
         if self.records[p as usize].is_registered() {
-            self.records[p as usize].extra = UNHELD;
+            self.records[p as usize].cache_with_hint(0);
             self.eviction.insert(&mut self.records, p);
         } else {
             self.free.push(p); // FREE keeps its count 1
         }
         true
+    }
+}
+
+/// The victim hint of the page at `pages[i]` in a release, which goes from
+/// the last page to the first: the page released `HINT_AHEAD` after it, if
+/// it goes CACHED too (0 past the list's first page). Pages that stay HELD
+/// in between put the named one further on, or off the list: a hint only
+/// warms a record.
+#[inline(always)]
+fn hint(pages: &[u32], i: usize) -> u32 {
+    match i.checked_sub(HINT_AHEAD) {
+        Some(j) => pages[j],
+        None => 0,
+    }
+}
+
+/// `hint` of the block of four pages that follows `head` in a release's
+/// list, last page first (as `release` takes them): four ids read from
+/// `head`'s end (none where it is shorter than `HINT_AHEAD`).
+#[inline(always)]
+fn hints4(head: &[u32]) -> [u32; 4] {
+    match head.len().checked_sub(HINT_AHEAD) {
+        Some(j) => {
+            let h = &head[j..j + 4];
+            [h[3], h[2], h[1], h[0]]
+        }
+        None => [3, 2, 1, 0].map(|k| hint(head, head.len() + k)),
     }
 }
 
@@ -289,6 +318,7 @@ fn release_page<const BLOCKS: bool>(
     ins: &mut Insert,
     free: &mut Vec<u32>,
     p: u32,
+    hint: u32,
 ) {
     if BLOCKS && st[p as usize].extra == 1 {
         blocks.flatten(st, p);
@@ -297,7 +327,7 @@ fn release_page<const BLOCKS: bool>(
     if s.extra != 0 {
         s.extra -= 1;
     } else if s.is_registered() {
-        s.extra = UNHELD;
+        s.cache_with_hint(hint);
         Eviction::insert_next(st, ins, p);
     } else {
         free.push(p);

@@ -324,6 +324,19 @@ impl PagePool {
         prefetch(&self.records, p as usize);
     }
 
+    /// Starts loading the record of the victim that CACHED page `p`'s hint
+    /// names, about `HINT_AHEAD` victims on (`record.rs`): an eviction walk
+    /// that reads each victim's record for its link would otherwise wait
+    /// for each one in turn where victims lie apart (a closing request's
+    /// output pages, taken one a decode step).
+    #[inline(always)]
+    pub(crate) fn warm_hinted(&self, p: u32) {
+        prefetch(
+            &self.records,
+            self.records[p as usize].victim_hint() as usize,
+        );
+    }
+
     /// Heap bytes: the records, the block counts, the free stack, the copy
     /// queue and the eviction room's own arrays.
     pub(crate) fn capacity_bytes(&self) -> usize {

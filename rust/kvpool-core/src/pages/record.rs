@@ -16,14 +16,22 @@
 use crate::eviction::lru::{Linked, Links};
 use crate::memory::Zeroable;
 
-/// `PageState::extra` of a page nobody holds (a CACHED page, page 0).
-pub(super) const UNHELD: u32 = u32::MAX;
+/// `PageState::extra` of a page nobody holds (a CACHED page, page 0), its
+/// low bits aside: `extra >= UNHELD` says unheld, and a CACHED page keeps
+/// there the page evicted `HINT_AHEAD` victims after it (`victim_hint`).
+/// Holder counts stay far below it (requests and copies hold a page once
+/// each).
+pub(super) const UNHELD: u32 = 1 << 31;
+
+/// How many victims after a CACHED page the page its hint names comes
+/// (`holders.rs` writes the hints, the eviction walk warms them).
+pub(crate) const HINT_AHEAD: usize = 8;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C, align(16))]
 pub(crate) struct PageState {
-    /// Holders beyond the first: `holders - 1`, wrapping, so `UNHELD` when
-    /// nobody holds the page. A FREE page stores 0, the count its next
+    /// Holders beyond the first: `holders - 1`; `UNHELD` or above (with a
+    /// victim hint) when nobody holds the page. A FREE page stores 0, the count its next
     /// taker needs: taking a page writes nothing, and a fresh pool's
     /// records are all zeros (as `calloc` gives them).
     pub(super) extra: u32,
@@ -56,13 +64,17 @@ impl PageState {
     /// that read it (1 for a FREE page: its next taker).
     #[inline]
     pub(crate) fn holders(&self) -> u32 {
-        self.extra.wrapping_add(1)
+        if self.is_unheld() {
+            0
+        } else {
+            self.extra + 1
+        }
     }
 
     /// More than one holder: writing into the page must copy it first.
     #[inline]
     pub(crate) fn is_shared(&self) -> bool {
-        self.extra != 0 && self.extra != UNHELD
+        self.extra != 0 && self.extra < UNHELD
     }
 
     #[inline]
@@ -73,7 +85,23 @@ impl PageState {
     /// Held by nobody: CACHED (or page 0).
     #[inline]
     pub(super) fn is_unheld(&self) -> bool {
-        self.extra == UNHELD
+        self.extra >= UNHELD
+    }
+
+    /// Its last holder let go of it and it joins an eviction list: unheld,
+    /// with the page released `HINT_AHEAD` pages after it in the same
+    /// release (0: none), which the eviction walk then takes about as many
+    /// victims later. Only a hint: holds and evictions in between can make
+    /// it name any page (ids past `UNHELD` lose their top bit).
+    #[inline(always)]
+    pub(super) fn cache_with_hint(&mut self, hint: u32) {
+        self.extra = UNHELD | hint;
+    }
+
+    /// A CACHED page's victim hint (see `cache_with_hint`).
+    #[inline(always)]
+    pub(super) fn victim_hint(&self) -> u32 {
+        self.extra & !UNHELD
     }
 
     /// Its first holder takes it off an eviction list: one holder, unlinked.

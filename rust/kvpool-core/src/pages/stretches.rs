@@ -67,7 +67,7 @@ pub(super) fn hold_held(st: &mut [PageState], blocks: &mut BlockHolds, list: &[u
         }
     }
     // (A CACHED page: the caller's way.)
-    if !recs.iter().fold(true, |a, r| a & (r.extra != UNHELD)) {
+    if !recs.iter().fold(true, |a, r| a & (r.extra < UNHELD)) {
         return 0;
     }
     // Each held twice by its record or more: a block may take the holder.
@@ -139,7 +139,7 @@ pub(super) fn release_shared<const BLOCKS: bool>(
             keep_two = blocks.of(ids[0]) != 0;
         }
     }
-    // (`extra` is never UNHELD here: every page listed is held.)
+    // (`extra` is never unheld here: every page listed is held.)
     let Some(recs) = st.get_mut(end - SPAN..end) else {
         return 0;
     };

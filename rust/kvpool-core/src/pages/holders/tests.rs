@@ -1,6 +1,7 @@
 //! `hold` and `release` in blocks against one-by-one order (`holders.rs`).
 
 use super::PagePool;
+use crate::pages::record::HINT_AHEAD;
 use proptest::prelude::*;
 
 /// The shapes below are drawn one choice at a time from a sequence
@@ -165,6 +166,23 @@ fn release_in_blocks(mut rng: Choices) {
 
     pool.check(others.clone(), 1).unwrap();
     assert_eq!(eviction_order(&pool), cached);
+    // Each page that went CACHED names the page released HINT_AHEAD after
+    // it, whatever that page became, for the eviction walk to warm.
+    for (i, &p) in list.iter().enumerate() {
+        if pool.records[p as usize].is_unheld() {
+            let want = if i >= HINT_AHEAD {
+                list[i - HINT_AHEAD]
+            } else {
+                0
+            };
+            assert_eq!(
+                pool.records[p as usize].victim_hint(),
+                want,
+                "page {p} at {i}"
+            );
+            assert_eq!(pool.holders(p), 0, "page {p}");
+        }
+    }
     let top: Vec<u32> = (0..freed.len()).map(|_| pool.pop_free().unwrap()).collect();
     freed.reverse();
     assert_eq!(top, freed);
