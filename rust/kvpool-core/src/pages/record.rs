@@ -19,8 +19,8 @@ use crate::memory::Zeroable;
 /// `PageState::extra` of a page nobody holds (a CACHED page, page 0), its
 /// low bits aside: `extra >= UNHELD` says unheld, and a CACHED page keeps
 /// there the page evicted `HINT_AHEAD` victims after it (`victim_hint`).
-/// Holder counts stay far below it (requests and copies hold a page once
-/// each).
+/// Holder counts stay far below it: a page's holders are open requests
+/// (at most `MAX_REQUESTS`, 2^20) and the copies they wait on.
 pub(super) const UNHELD: u32 = 1 << 31;
 
 /// How many victims after a CACHED page the page its hint names comes
