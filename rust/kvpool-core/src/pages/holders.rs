@@ -281,10 +281,10 @@ impl PagePool {
 }
 
 /// The victim hint of the page at `pages[i]` in a release, which goes from
-/// the last page to the first: the page released `HINT_AHEAD` after it, if
-/// it goes CACHED too (0 past the list's first page). Pages that stay HELD
-/// or go one by one in between put the named one further on, or off the
-/// list: a hint only warms a record.
+/// the last page to the first: the page released `HINT_AHEAD` after it,
+/// whatever becomes of that page (0 past the list's first page). Pages
+/// that stay HELD in between put the victim it names further on, and one
+/// that stays HELD itself is no victim: a hint only warms a record.
 #[inline(always)]
 fn hint(pages: &[u32], i: usize) -> u32 {
     match i.checked_sub(HINT_AHEAD) {

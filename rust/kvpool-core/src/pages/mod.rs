@@ -165,6 +165,7 @@ impl PagePool {
     /// One more holder of a HELD page.
     #[inline]
     pub(crate) fn add_holder(&mut self, p: u32) {
+        debug_assert!(self.records[p as usize].extra + 1 < UNHELD);
         self.records[p as usize].extra += 1;
     }
 

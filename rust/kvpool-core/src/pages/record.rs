@@ -30,10 +30,10 @@ pub(crate) const HINT_AHEAD: usize = 8;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[repr(C, align(16))]
 pub(crate) struct PageState {
-    /// Holders beyond the first: `holders - 1`; `UNHELD` or above (with a
-    /// victim hint) when nobody holds the page. A FREE page stores 0, the count its next
-    /// taker needs: taking a page writes nothing, and a fresh pool's
-    /// records are all zeros (as `calloc` gives them).
+    /// Holders beyond the first: `holders - 1`; `UNHELD` or above (the
+    /// rest a victim hint) when nobody holds the page. A FREE page stores
+    /// 0, the count its next taker needs: taking a page writes nothing, and
+    /// a fresh pool's records are all zeros (as `calloc` gives them).
     pub(super) extra: u32,
     /// Index + 1 of the page's registration in the prefix index's entry
     /// slab, 0 when unregistered.
