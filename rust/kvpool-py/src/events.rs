@@ -225,6 +225,25 @@ impl PySlotAllocator {
         })?)
     }
 
+    /// Test only (not public API): `take_events` with its arrays sized for
+    /// at most `events` events and `tokens` token ids, as when an overflow
+    /// replaced the backlog between the count and the drain: the oldest
+    /// events that fit come back, the rest stay in the pool in order.
+    #[cfg(feature = "test-hooks")]
+    fn _take_events_sized_for_tests<'py>(
+        &self,
+        py: Python<'py>,
+        events: usize,
+        tokens: usize,
+    ) -> Result<Bound<'py, PyDict>> {
+        let mut kept = self.undelivered(py);
+        let (n, t) = self.query(py, |a| a.pending_events());
+        let pending = (n.min(events), t.min(tokens));
+        Ok(take_dict(py, &mut kept, pending, |sink| {
+            self.run(py, pending.0, |core| core.take_events_into(sink))
+        })?)
+    }
+
     /// Events dropped because more than max(num_pages, 65536) were left
     /// undrained: each overflow replaces the backlog with one Cleared event
     /// (cumulative).
