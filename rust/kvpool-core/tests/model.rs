@@ -36,8 +36,9 @@ mod store;
 use contents::Contents;
 use kvpool_core::{make_handle, Counts, HostPolicy, SlotTable, MEDIUM_DEVICE, MEDIUM_HOST};
 use model_coverage::{
-    count, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS, HOST_STORED, MOVED,
-    OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, REVIVED, STORED, SWAPS, TAKEN_OVER,
+    count, count_runs, BOUNCED, COPIES, DIVERGED, DROPPED, ENDED, HIT_TOKENS, HOST_HITS,
+    HOST_STORED, MOVED, OK_CALLS, ORPHANS_REPLACED, PINNED_ENDS, PRIO_OKS, REVIVED, STORED, SWAPS,
+    TAKEN_OVER,
 };
 use model_harness::{agrees, new_allocator, report, table_after, STRIDE};
 use model_ops::{batch_tokens, op, prompt, Op, OPEN_PICKS};
@@ -97,6 +98,7 @@ proptest! {
                 }
                 op => op,
             };
+            let runs_before = if ps == 1 { a.index_runs_for_tests() } else { vec![] };
             match op {
                 Op::Open(n) => {
                     let (r, mr) = (a.open(n), m.open(n));
@@ -351,6 +353,9 @@ proptest! {
                 }
             }
             count(&PINNED_ENDS, m.pinned());
+            if ps == 1 {
+                count_runs(&runs_before, &a.index_runs_for_tests());
+            }
             a.check().unwrap();
             if step % 3 == 2 {
                 let events = a.take_events();

@@ -56,9 +56,11 @@ impl SlotAllocator {
     }
 
     /// The prefix index's runs (`prefix/runs.rs`): `(first slab slot,
-    /// length)` of each, in slab order (none unless the page size is 1).
+    /// length, parent)` of each, in slab order (none unless the page size
+    /// is 1); `parent` is the slab slot + 1 of the entry the run's first
+    /// entry was filed under (0: a chain's first page).
     #[doc(hidden)]
-    pub fn index_runs_for_tests(&self) -> Vec<(u32, u32)> {
+    pub fn index_runs_for_tests(&self) -> Vec<(u32, u32, u32)> {
         self.prefix.runs_for_tests()
     }
 

@@ -339,12 +339,12 @@ impl PrefixIndex {
 
 #[cfg(any(test, feature = "test-hooks"))]
 impl PrefixIndex {
-    /// `(first slot, length)` of every run, in slab order.
-    pub(crate) fn runs_for_tests(&self) -> Vec<(u32, u32)> {
+    /// `(first slot, length, parent slot + 1)` of every run, in slab order.
+    pub(crate) fn runs_for_tests(&self) -> Vec<(u32, u32, u32)> {
         let r = &self.runs;
         (0..self.entries.len().min(r.len_at.len()))
             .filter(|&s| r.len_at[s] != 0)
-            .map(|s| (s as u32, r.len_at[s]))
+            .map(|s| (s as u32, r.len_at[s], self.idents[s].parent))
             .collect()
     }
 }

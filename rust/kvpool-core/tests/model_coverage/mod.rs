@@ -26,6 +26,42 @@ thread_local! {
     pub static TAKEN_OVER: Cell<usize> = const { Cell::new(0) };
     pub static ORPHANS_REPLACED: Cell<usize> = const { Cell::new(0) };
     pub static REVIVED: Cell<usize> = const { Cell::new(0) };
+    /// Page-size-1 runs (`prefix/runs.rs`), by what an op did to them:
+    /// [started, grown by a later pass (merged), cut short, ended, started
+    /// under an entry inside another run (a branch from its middle)].
+    pub static RUNS: Cell<[usize; 5]> = const { Cell::new([0; 5]) };
+}
+
+/// Counts what one op did to the index's runs, from `(first slot, length,
+/// parent slot + 1)` before and after it (`index_runs_for_tests`).
+pub fn count_runs(before: &[(u32, u32, u32)], after: &[(u32, u32, u32)]) {
+    let len_in = |runs: &[(u32, u32, u32)], first: u32| {
+        runs.binary_search_by_key(&first, |r| r.0)
+            .ok()
+            .map(|i| runs[i].1)
+    };
+    // Whether slot `s` lies in a run of `after` and is not its last slot.
+    let inside = |s: u32| {
+        let i = after.partition_point(|r| r.0 <= s);
+        i > 0 && s + 1 < after[i - 1].0 + after[i - 1].1
+    };
+    let mut n = RUNS.with(Cell::get);
+    for &(first, len, parent) in after {
+        match len_in(before, first) {
+            None => {
+                n[0] += 1;
+                n[4] += (parent != 0 && inside(parent - 1)) as usize;
+            }
+            Some(old) if len > old => n[1] += 1,
+            Some(old) if len < old => n[2] += 1,
+            Some(_) => {}
+        }
+    }
+    n[3] += before
+        .iter()
+        .filter(|r| len_in(after, r.0).is_none())
+        .count();
+    RUNS.with(|c| c.set(n));
 }
 
 pub fn count<T: Copy + std::ops::Add<Output = T>>(
@@ -151,4 +187,22 @@ fn generated_sequences_exercise_sharing() {
     // A recomputed page taking a ghost's registration back (`ghosts.rs`).
     let revived = REVIVED.with(Cell::get);
     eprintln!("{revived} removed registrations revived by a recomputed page");
+    // Runs split and merge under the same random ops (a third of the cases
+    // run at page size 1); `tests/runs.rs` shapes each case on purpose.
+    let [started, grown, cut, ended, branched] = RUNS.with(Cell::get);
+    eprintln!(
+        "page-1 runs: {started} started, {grown} grown by a later pass, {cut} cut short, \
+         {ended} ended, {branched} branched from inside another run"
+    );
+    // Typically (over random seeds) 560-640 started, 240-300 ended, 30-45
+    // grown, 40-60 cut and 8-17 branched: the guards are for none.
+    for (what, n, floor) in [
+        ("started", started, CASES / 30),
+        ("ended", ended, CASES / 30),
+        ("grown by a later pass", grown, CASES / 300),
+        ("cut short", cut, CASES / 300),
+        ("branched from inside another run", branched, CASES / 1000),
+    ] {
+        assert!(n > floor as usize, "only {n} runs {what}");
+    }
 }
