@@ -150,6 +150,68 @@ fn a_decode_step_past_the_free_stack_takes_victims_in_order() {
     a.check().unwrap();
 }
 
+/// A page-1 decode step on a pool with no FREE page at all, a row in the
+/// middle still reading its prompt (it grows the general way): the rows
+/// take the same victims, in the same order, and the Removed events come
+/// in the same order, as when each request extends on its own.
+#[test]
+fn a_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
+    let n = 40usize;
+    let mut a = pool_of_context(n + 1, 1, 64);
+    serve(&mut a, &seq(n, 0), 0);
+    assert_eq!(a.free_pages() - a.evictable_pages(), 0);
+    let plain = a.open(2).unwrap();
+    let prompt = [500i64, 501, 502];
+    let (slow, cached) = a.open_with_prefix(&prompt, &[3], Counts::Each(0)).unwrap();
+    assert_eq!(cached[0], 0);
+    let last = a.open(1).unwrap();
+    let batch = [plain[0], plain[1], slow[0], last[0]];
+    a.take_events();
+    let mut b = a.clone();
+    let slots = a.extend(&batch, Counts::Each(1), None).unwrap();
+    let mut one_by_one = Vec::new();
+    for h in batch {
+        one_by_one.extend(b.extend(&[h], Counts::Each(1), None).unwrap());
+    }
+    assert_eq!(slots, one_by_one);
+    let (ea, eb) = (a.take_events(), b.take_events());
+    assert_eq!(ea.kind, vec![EVENT_REMOVED; 4]);
+    assert_eq!((ea.kind, ea.page), (eb.kind, eb.page));
+    a.check().unwrap();
+    // With token ids: the fast rows store them (a hit on them proves it).
+    let h = a.open(2).unwrap();
+    let out = a.extend(&h, Counts::Each(1), Some(&[900, 901])).unwrap();
+    a.check().unwrap();
+    a.cache(&h).unwrap();
+    a.close(&h, false).unwrap();
+    let (h2, cached) = a
+        .open_with_prefix(&[901, 3], &[2], Counts::Each(0))
+        .unwrap();
+    assert_eq!(cached[0], 1);
+    assert_eq!(a.slots(h2[0]).unwrap()[0], out[1]);
+    a.check().unwrap();
+}
+
+/// A decode step that fails validation on a pool with no FREE page evicts
+/// nothing: the error leaves the cache, the events and the rows as they
+/// were.
+#[test]
+fn a_failing_decode_step_on_a_full_pool_evicts_nothing() {
+    let n = 40usize;
+    let mut a = pool_of_context(n + 1, 1, 64);
+    serve(&mut a, &seq(n, 0), 0);
+    let h = a.open(2).unwrap();
+    a.take_events();
+    let cached = a.cached_pages();
+    for bad in [vec![h[0], h[1], -3], vec![h[0], h[1], h[0]]] {
+        assert!(a.extend(&bad, Counts::Each(1), Some(&[1, 2, 3])).is_err());
+        assert_eq!(a.cached_pages(), cached);
+        assert!(a.take_events().kind.is_empty());
+        assert_eq!(a.lengths(&h).unwrap(), vec![0, 0]);
+        a.check().unwrap();
+    }
+}
+
 #[test]
 fn extend_under_pressure_evicts_instead_of_failing() {
     let mut a = pool(5, 2); // 4 usable pages

@@ -205,10 +205,10 @@ impl SlotAllocator {
             let (rq, pages, prefix) = (&mut self.requests, &mut self.pages, &mut self.prefix);
             let take = || pages.pop_free();
             let n = match tokens {
-                Some(x) => {
-                    rq.decode_one::<true>(handles, x, out, take, |s, t| prefix.set_token(s, t))
-                }
-                None => rq.decode_one::<false>(handles, &[], out, take, |_, _| {}),
+                Some(x) => rq.decode_one::<true, false>(handles, x, out, take, |s, t| {
+                    prefix.set_token(s, t)
+                }),
+                None => rq.decode_one::<false, false>(handles, &[], out, take, |_, _| {}),
             };
             (n, n)
         } else {
@@ -217,7 +217,7 @@ impl SlotAllocator {
                 .decode_run(handles, &get, out, || pages.pop_free())
         };
         // The one-token loop stores the token ids of the requests it applied.
-        let recorded = if ONE_EACH && tokens.is_some() {
+        let mut recorded = if ONE_EACH && tokens.is_some() {
             first
         } else {
             0
@@ -306,9 +306,18 @@ impl SlotAllocator {
             self.requests.put_slow_scratch(slow);
             return Err(e);
         }
+        if ONE_EACH && ps == 1 && !slow.is_empty() {
+            let m = self.decode_past_free(handles, tokens, out, &slow, needed_pages);
+            slow.drain(..m);
+            needed_pages -= m;
+            if tokens.is_some() {
+                recorded += m;
+            }
+        }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
-            // Every request was applied in the first pass: only fill the
-            // table and report. Two loops: with a no-op callback the report
+            // Every request was applied in the first pass (or, on a page-1
+            // pool out of FREE pages, by the fast loop once the victims were
+            // evicted): only fill the table and report. Two loops: with a no-op callback the report
             // loop compiles away, as it must for a plain decode step.
             if ONE_EACH && has_table {
                 self.requests.write_decode(table, handles, out);

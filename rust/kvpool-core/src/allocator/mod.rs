@@ -26,6 +26,7 @@
 pub(crate) mod cache;
 mod check;
 mod copies;
+mod decode_past_free;
 mod evict;
 pub(crate) mod extend;
 mod extend_checks;

@@ -87,11 +87,17 @@ impl Requests {
     /// the loop keeps live stay in registers. A page boundary takes a page
     /// with `take_free` (None: stop there). The slot table is written after
     /// the batch (`SlotTable::write_decode`). Returns the requests applied.
+    ///
+    /// `STAMPED`: the requests were validated and stamped for this batch by
+    /// extend's general pass already (which applied none of them: each
+    /// needed a page, and the free stack ran out first), so a row counts
+    /// only if it carries this batch's stamp, rather than only if it does
+    /// not.
     // Not inlined: each form is its own small function, whose loop keeps
     // its few live values in registers; inlined into extend's fused pass it
     // would share them with the rest of the pass.
     #[inline(never)]
-    pub(crate) fn decode_one<const TOKENS: bool>(
+    pub(crate) fn decode_one<const TOKENS: bool, const STAMPED: bool>(
         &mut self,
         handles: &[i64],
         tokens: &[i64],
@@ -116,7 +122,7 @@ impl Requests {
             let len = r.len as usize;
             if (h < 0)
                 | (r.generation != handle_generation(h) | OPEN)
-                | (r.stamp == epoch)
+                | ((r.stamp == epoch) != STAMPED)
                 | (r.last & SLOW != 0)
                 | (len >= max_len)
                 | (TOKENS && !(0..=i32::MAX as i64).contains(&tokens[i]))
