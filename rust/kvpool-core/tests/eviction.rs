@@ -150,16 +150,23 @@ fn a_decode_step_past_the_free_stack_takes_victims_in_order() {
     a.check().unwrap();
 }
 
+/// A page-1 pool whose every page is CACHED (one chain of 40 pages): no
+/// FREE page left.
+fn full_page1_pool() -> SlotAllocator {
+    let n = 40usize;
+    let mut a = pool_of_context(n + 1, 1, 64);
+    serve(&mut a, &seq(n, 0), 0);
+    assert_eq!(a.free_pages() - a.evictable_pages(), 0);
+    a
+}
+
 /// A page-1 decode step on a pool with no FREE page at all, a row in the
 /// middle still reading its prompt (it grows the general way): the rows
 /// take the same victims, in the same order, and the Removed events come
 /// in the same order, as when each request extends on its own.
 #[test]
 fn a_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
-    let n = 40usize;
-    let mut a = pool_of_context(n + 1, 1, 64);
-    serve(&mut a, &seq(n, 0), 0);
-    assert_eq!(a.free_pages() - a.evictable_pages(), 0);
+    let mut a = full_page1_pool();
     let plain = a.open(2).unwrap();
     let prompt = [500i64, 501, 502];
     let (slow, cached) = a.open_with_prefix(&prompt, &[3], Counts::Each(0)).unwrap();
@@ -197,9 +204,7 @@ fn a_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
 /// were.
 #[test]
 fn a_failing_decode_step_on_a_full_pool_evicts_nothing() {
-    let n = 40usize;
-    let mut a = pool_of_context(n + 1, 1, 64);
-    serve(&mut a, &seq(n, 0), 0);
+    let mut a = full_page1_pool();
     let h = a.open(2).unwrap();
     a.take_events();
     let cached = a.cached_pages();
