@@ -150,12 +150,12 @@ fn a_decode_step_past_the_free_stack_takes_victims_in_order() {
     a.check().unwrap();
 }
 
-/// A page-1 pool whose every page is CACHED (one chain of 40 pages): no
-/// FREE page left.
-fn full_page1_pool() -> SlotAllocator {
+/// A pool of 40 pages of `ps` slots whose every page is CACHED (one
+/// chain): no FREE page left.
+fn full_pool(ps: usize) -> SlotAllocator {
     let n = 40usize;
-    let mut a = pool_of_context(n + 1, 1, 64);
-    serve(&mut a, &seq(n, 0), 0);
+    let mut a = pool_of_context(n + 1, ps, ps * n);
+    serve(&mut a, &seq(ps * n, 0), 0);
     assert_eq!(a.free_pages() - a.evictable_pages(), 0);
     a
 }
@@ -166,7 +166,7 @@ fn full_page1_pool() -> SlotAllocator {
 /// in the same order, as when each request extends on its own.
 #[test]
 fn a_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
-    let mut a = full_page1_pool();
+    let mut a = full_pool(1);
     let plain = a.open(2).unwrap();
     let prompt = [500i64, 501, 502];
     let (slow, cached) = a.open_with_prefix(&prompt, &[3], Counts::Each(0)).unwrap();
@@ -199,21 +199,91 @@ fn a_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
     a.check().unwrap();
 }
 
+/// The same at page size 4, lengths staggered so that some rows start a
+/// page (they take victims) and the others write into their own (applied
+/// by the general pass): with token ids, and with a row still reading its
+/// prompt at a page boundary (then the one-walk eviction stands aside and
+/// the rows grow one by one).
+#[test]
+fn a_page4_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
+    for with_slow in [false, true] {
+        let mut a = full_pool(4);
+        let h = a.open(6).unwrap();
+        // Lengths 0, 1, 2, 3, 4, 5: rows 0 and 4 start a page next. Known
+        // token ids (row i's are 100 * i + j), so full pages register.
+        let known: Vec<i64> = (0..6i64)
+            .flat_map(|i| (0..i).map(move |j| 100 * i + j))
+            .collect();
+        a.extend(&h, Counts::PerRequest(&[0, 1, 2, 3, 4, 5]), Some(&known))
+            .unwrap();
+        let mut batch = h.clone();
+        if with_slow {
+            let (s, _) = a
+                .open_with_prefix(&[600, 601, 602, 603, 604, 605], &[6], Counts::Each(0))
+                .unwrap();
+            a.extend(&s, Counts::Each(4), None).unwrap();
+            batch.insert(2, s[0]); // at its page boundary, its prompt ahead
+        }
+        a.take_events();
+        let mut b = a.clone();
+        let tokens: Vec<i64> = (0..batch.len() as i64).map(|i| 900 + i).collect();
+        let tokens = if with_slow {
+            let mut t = tokens;
+            t[2] = 604; // the prompt's token at that position
+            t
+        } else {
+            tokens
+        };
+        let slots = a.extend(&batch, Counts::Each(1), Some(&tokens)).unwrap();
+        let mut one_by_one = Vec::new();
+        for (i, &x) in batch.iter().enumerate() {
+            one_by_one.extend(
+                b.extend(&[x], Counts::Each(1), Some(&tokens[i..=i]))
+                    .unwrap(),
+            );
+        }
+        assert_eq!(slots, one_by_one, "with a slow row: {with_slow}");
+        let (ea, eb) = (a.take_events(), b.take_events());
+        assert_eq!((ea.kind, ea.page), (eb.kind, eb.page));
+        for &x in &batch {
+            assert_eq!(a.slots(x).unwrap(), b.slots(x).unwrap());
+        }
+        a.check().unwrap();
+        // The tokens were stored and the known counts advanced: row 3,
+        // which the general pass applied (it stayed in its page), filled
+        // its page with the step's token, and that page registers and hits.
+        let t3 = tokens[if with_slow { 4 } else { 3 }];
+        a.cache(&h[3..4]).unwrap();
+        let prompt = [300, 301, 302, t3, 7];
+        let (o, cached) = a.open_with_prefix(&prompt, &[5], Counts::Each(0)).unwrap();
+        assert_eq!(cached[0], 4);
+        assert_eq!(a.slots(o[0]).unwrap()[..4], a.slots(h[3]).unwrap()[..4]);
+        a.check().unwrap();
+    }
+}
+
 /// A decode step that fails validation on a pool with no FREE page evicts
 /// nothing: the error leaves the cache, the events and the rows as they
 /// were.
 #[test]
 fn a_failing_decode_step_on_a_full_pool_evicts_nothing() {
-    let mut a = full_page1_pool();
-    let h = a.open(2).unwrap();
-    a.take_events();
-    let cached = a.cached_pages();
-    for bad in [vec![h[0], h[1], -3], vec![h[0], h[1], h[0]]] {
-        assert!(a.extend(&bad, Counts::Each(1), Some(&[1, 2, 3])).is_err());
-        assert_eq!(a.cached_pages(), cached);
-        assert!(a.take_events().kind.is_empty());
-        assert_eq!(a.lengths(&h).unwrap(), vec![0, 0]);
-        a.check().unwrap();
+    for ps in [1, 4] {
+        let mut a = full_pool(ps);
+        let h = a.open(3).unwrap();
+        // At page 4 the third row stays in its page (the general pass
+        // applies it before the bad handle turns up).
+        a.extend(&h[2..], Counts::Each(1), None).unwrap();
+        a.take_events();
+        let cached = a.cached_pages();
+        for bad in [vec![h[0], h[2], h[1], -3], vec![h[0], h[2], h[1], h[0]]] {
+            assert!(a
+                .extend(&bad, Counts::Each(1), Some(&[1, 2, 3, 4]))
+                .is_err());
+            assert_eq!(a.cached_pages(), cached);
+            assert!(a.take_events().kind.is_empty());
+            assert_eq!(a.lengths(&h).unwrap(), vec![0, 0, 1]);
+            a.check().unwrap();
+        }
     }
 }
 

@@ -1,14 +1,60 @@
-//! A page-1 decode step on a pool out of FREE pages: extend's fast loop
-//! (`requests/decode.rs`) stops at the first request, since each one needs
-//! a page and the free stack has none, and the general pass validates the
-//! rest without applying any. Once the batch is known to be valid, the
-//! victims are evicted in one walk, and the fast loop applies the requests
-//! after all: the second pass's per-request growth (a `grow_row` call and
-//! the table and token writes for each) was most of such a step.
+//! A decode step on a pool out of FREE pages: extend's fast loop
+//! (`requests/decode.rs`) stops at the first request that starts a page,
+//! since the free stack has none, and the general pass validates the rest.
+//! Once the batch is known to be valid, the victims are evicted in one walk,
+//! and the requests are applied the fast loop's way after all: the second
+//! pass's per-request work (a `grow_row` call and the table and token
+//! writes for each) was most of such a step. At page size 1 every request
+//! takes a page; at larger sizes one in a page's worth of steps does, and
+//! the general pass has applied the others already.
 
 use super::SlotAllocator;
+use crate::handle::handle_row;
+
+/// Where extend's general pass left a one-token batch: `first` requests
+/// applied by the fast loop, the indices of those it listed (`slow`), the
+/// pages they need, and how many requests' token ids are stored.
+pub(super) struct PastFree<'a> {
+    pub(super) first: usize,
+    pub(super) slow: &'a mut Vec<u32>,
+    pub(super) needed_pages: &'a mut usize,
+    pub(super) recorded: &'a mut usize,
+}
 
 impl SlotAllocator {
+    /// Applies what it can of a validated one-token batch whose fast loop
+    /// stopped for want of a FREE page, and updates `past` to say what is
+    /// left for the second pass.
+    pub(super) fn apply_past_free(
+        &mut self,
+        handles: &[i64],
+        tokens: Option<&[i64]>,
+        out: &mut [i64],
+        past: PastFree<'_>,
+    ) {
+        if self.geo.page_size == 1 {
+            let m = self.decode_past_free(handles, tokens, out, past.slow, *past.needed_pages);
+            past.slow.drain(..m);
+            *past.needed_pages -= m;
+            if tokens.is_some() {
+                *past.recorded += m;
+            }
+        } else if self.finish_decode_past_free(
+            handles,
+            past.first,
+            tokens,
+            out,
+            past.slow,
+            *past.needed_pages,
+        ) {
+            past.slow.clear();
+            *past.needed_pages = 0;
+            if tokens.is_some() {
+                *past.recorded = handles.len();
+            }
+        }
+    }
+
     /// Applies the leading requests of `slow` (the batch's indices from the
     /// first the fast loop did not apply: all of them, consecutive, at page
     /// size 1) with the fast loop, after evicting the victims the batch
@@ -17,7 +63,7 @@ impl SlotAllocator {
     /// that must grow the general way) are left to the second pass, which
     /// takes the next pages off the same stack, so every request gets the
     /// page it would have got one by one.
-    pub(super) fn decode_past_free(
+    fn decode_past_free(
         &mut self,
         handles: &[i64],
         tokens: Option<&[i64]>,
@@ -43,5 +89,58 @@ impl SlotAllocator {
                 .decode_one::<true, true>(hs, &x[from..], dst, take, |s, t| prefix.set_token(s, t)),
             None => rq.decode_one::<false, true>(hs, &[], dst, take, |_, _| {}),
         }
+    }
+
+    /// At page sizes above 1: completes the batch from request `from` on
+    /// (the general pass applied those that stay in their page and listed
+    /// in `slow` those that start one) if no listed request is marked slow,
+    /// after evicting the victims the batch needs past the free stack
+    /// (`needed_pages` in all) beneath it. Returns whether it did; if not,
+    /// nothing changed and the second pass grows the listed requests.
+    ///
+    /// A slow request may copy its shared last page or unregister a cached
+    /// one, whose victims and Removed event come in their turn among the
+    /// others' one request at a time: then the victims cannot be evicted
+    /// in one walk ahead of it. The listed ones here take only new pages, in
+    /// request order off the stack the victims were slid beneath, as one
+    /// eviction a request would give them.
+    fn finish_decode_past_free(
+        &mut self,
+        handles: &[i64],
+        from: usize,
+        tokens: Option<&[i64]>,
+        out: &mut [i64],
+        slow: &[u32],
+        needed_pages: usize,
+    ) -> bool {
+        if self.geo.page_shift.is_none()
+            || needed_pages != slow.len()
+            || slow.iter().any(|&i| {
+                self.requests
+                    .tail(handle_row(handles[i as usize]) as usize)
+                    .2
+            })
+        {
+            return false;
+        }
+        let short = needed_pages.saturating_sub(self.pages.free_len());
+        if short > 0 {
+            // Does nothing with a host tier or priorities (see there).
+            self.evict_beneath_free(short);
+        }
+        let n = slow.len();
+        if self.pages.free_len() < n {
+            return false;
+        }
+        let (rq, pages, prefix) = (&mut self.requests, &mut self.pages, &mut self.prefix);
+        let taken = pages.free_top(n);
+        match tokens {
+            Some(x) => rq.finish_decode::<true>(handles, from, slow, x, out, taken, |s, t| {
+                prefix.set_token(s, t)
+            }),
+            None => rq.finish_decode::<false>(handles, from, slow, &[], out, taken, |_, _| {}),
+        }
+        pages.drop_free_top(n);
+        true
     }
 }

@@ -11,6 +11,7 @@
 //! With a [`SlotTable`] the new slots also go into the caller's
 //! request-to-token table in the same pass (`table.rs`).
 
+use super::decode_past_free::PastFree;
 use super::options::Counts;
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
@@ -306,13 +307,15 @@ impl SlotAllocator {
             self.requests.put_slow_scratch(slow);
             return Err(e);
         }
-        if ONE_EACH && ps == 1 && !slow.is_empty() {
-            let m = self.decode_past_free(handles, tokens, out, &slow, needed_pages);
-            slow.drain(..m);
-            needed_pages -= m;
-            if tokens.is_some() {
-                recorded += m;
-            }
+        if ONE_EACH && !slow.is_empty() {
+            // A decode step on a pool out of FREE pages (`decode_past_free.rs`).
+            let past = PastFree {
+                first,
+                slow: &mut slow,
+                needed_pages: &mut needed_pages,
+                recorded: &mut recorded,
+            };
+            self.apply_past_free(handles, tokens, out, past);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
             // Every request was applied in the first pass (or, on a page-1

@@ -157,6 +157,58 @@ impl Requests {
         n
     }
 
+    /// Completes a one-token batch that extend's general pass validated
+    /// from request `from` on: it applied the requests that stay in their
+    /// own page, and listed in `listed` (ascending) those that start a page,
+    /// none of them marked slow. Each listed request takes the next of
+    /// `pages` (the free stack's top, taken in pop order: last first), and with
+    /// `TOKENS` every request from `from` on stores its token and advances
+    /// its known count, as the fast loop does. Power-of-two page sizes
+    /// only; `pages` holds a page for every listed request.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish_decode<const TOKENS: bool>(
+        &mut self,
+        handles: &[i64],
+        from: usize,
+        listed: &[u32],
+        tokens: &[i64],
+        out: &mut [i64],
+        pages: &[u32],
+        mut store_token: impl FnMut(usize, i32),
+    ) {
+        let Some(shift) = self.geo.page_shift else {
+            return;
+        };
+        debug_assert_eq!(pages.len(), listed.len());
+        let stride = self.row_pages;
+        let mut next = listed.iter().zip(pages.iter().rev()).peekable();
+        for i in from..handles.len().min(out.len()) {
+            let row = handle_row(handles[i]) as usize;
+            let len = match next.peek() {
+                Some(&(&j, &p)) if j as usize == i => {
+                    next.next();
+                    let r = &mut self.rows[row];
+                    debug_assert!(r.last & SLOW == 0 && r.len as usize & ((1 << shift) - 1) == 0);
+                    let len = r.len as usize;
+                    self.page_lists[row * stride + (len >> shift)] = p;
+                    r.last = p;
+                    r.len = len as u32 + 1;
+                    out[i] = ((p as usize) << shift) as i64;
+                    len
+                }
+                // Applied by the general pass, which wrote its slot.
+                _ => self.rows[row].len as usize - 1,
+            };
+            if TOKENS {
+                store_token(out[i] as usize, tokens[i] as i32);
+                let known = &mut self.known_len[row];
+                if *known as usize == len {
+                    *known += 1;
+                }
+            }
+        }
+    }
+
     /// Undoes the requests a failing batch applied in its first pass (those
     /// before `done` not listed slow), last first, so that pages taken come
     /// back (through `give_back`) onto the free stack in their old order.
