@@ -302,21 +302,23 @@ fn extend_evicting_4096_page1(reps: usize) -> f64 {
     median(samples)
 }
 
-/// ns a request of a page-16 decode step of 256 requests on a pool with no
-/// FREE page (every page not held is CACHED), over 64 steps: the requests'
-/// lengths are staggered, so each step about 16 of them cross a page
-/// boundary and take a page by eviction, as in a long-running page-16
-/// server whose cache has filled the pool.
-fn decode_evicting_page16(reps: usize) -> f64 {
+/// ns a request of a decode step of 256 requests at page `ps` on a pool
+/// with no FREE page (every page not held is CACHED), over 64 steps. At
+/// page 1 every request takes a page by eviction each step. Above it the
+/// requests' lengths are staggered, so each step about 256 / `ps` of them
+/// cross a page boundary and take one, as in a long-running server whose
+/// cache has filled the pool.
+fn decode_evicting(ps: usize, reps: usize) -> f64 {
     const ROWS: usize = 256;
     const STEPS: usize = 64;
-    const PS: usize = 16;
-    let pages = ROWS * 8;
+    // Page 1: exactly the pages the steps take; above: room for the
+    // staggered start and the steps' new pages.
+    let pages = if ps == 1 { ROWS * STEPS } else { ROWS * 8 };
     let mut a = SlotAllocator::with_options(
         pages + 1,
-        PS,
+        ps,
         ROWS,
-        pages * PS,
+        pages * ps,
         Options {
             hash_seed: Some(1),
             ..Options::new()
@@ -326,51 +328,16 @@ fn decode_evicting_page16(reps: usize) -> f64 {
     let tokens = vec![7i64; ROWS];
     let mut samples = Vec::new();
     for rep in 0..reps.div_ceil(10) {
-        let prompt: Vec<i64> = (0..(pages * PS) as i64)
+        let prompt: Vec<i64> = (0..(pages * ps) as i64)
             .map(|i| (i * 7919 + rep as i64) % 32000)
             .collect();
         serve_prompt(&mut a, &prompt);
         a.take_events();
         let h = a.open(ROWS).unwrap();
-        let stagger: Vec<i64> = (0..ROWS as i64).map(|i| 1 + i % PS as i64).collect();
-        a.extend(&h, Counts::PerRequest(&stagger), None).unwrap();
-        let t0 = Instant::now();
-        for _ in 0..STEPS {
-            a.extend(&h, Counts::Each(1), Some(&tokens)).unwrap();
+        if ps > 1 {
+            let stagger: Vec<i64> = (0..ROWS as i64).map(|i| 1 + i % ps as i64).collect();
+            a.extend(&h, Counts::PerRequest(&stagger), None).unwrap();
         }
-        samples.push(t0.elapsed().as_nanos() as f64 / (ROWS * STEPS) as f64);
-        a.take_events();
-        a.close(&h, false).unwrap();
-    }
-    median(samples)
-}
-
-/// ns a request of a page-1 decode step of 256 requests whose every page is
-/// taken by eviction (the free stack is empty, the pool full of cached
-/// pages), over 64 steps.
-fn decode_evicting_page1(reps: usize) -> f64 {
-    const ROWS: usize = 256;
-    const STEPS: usize = 64;
-    let mut a = SlotAllocator::with_options(
-        ROWS * STEPS + 1,
-        1,
-        ROWS,
-        ROWS * STEPS,
-        Options {
-            hash_seed: Some(1),
-            ..Options::new()
-        },
-    )
-    .unwrap();
-    let tokens = vec![7i64; ROWS];
-    let mut samples = Vec::new();
-    for rep in 0..reps.div_ceil(10) {
-        let prompt: Vec<i64> = (0..(ROWS * STEPS) as i64)
-            .map(|i| (i * 7919 + rep as i64) % 32000)
-            .collect();
-        serve_prompt(&mut a, &prompt);
-        a.take_events();
-        let h = a.open(ROWS).unwrap();
         let t0 = Instant::now();
         for _ in 0..STEPS {
             a.extend(&h, Counts::Each(1), Some(&tokens)).unwrap();
@@ -493,12 +460,12 @@ fn main() {
     row!(
         "decode_evicting_page1_ns_per_req",
         "ns",
-        decode_evicting_page1(reps),
+        decode_evicting(1, reps),
     );
     row!(
         "decode_evicting_page16_ns_per_req",
         "ns",
-        decode_evicting_page16(reps),
+        decode_evicting(16, reps),
     );
     row!(
         "extend_evicting_4096_page1_us",
