@@ -318,10 +318,11 @@ impl SlotAllocator {
             self.apply_past_free(handles, tokens, out, past);
         }
         if slow.is_empty() && (tokens.is_none() || recorded == handles.len()) {
-            // Every request was applied in the first pass (or, on a page-1
-            // pool out of FREE pages, by the fast loop once the victims were
-            // evicted): only fill the table and report. Two loops: with a no-op callback the report
-            // loop compiles away, as it must for a plain decode step.
+            // Every request was applied in the first pass (or, on a pool out
+            // of FREE pages, the fast loop's way once the victims were
+            // evicted): only fill the table and report. Two loops: with a
+            // no-op callback the report loop compiles away, as it must for a
+            // plain decode step.
             if ONE_EACH && has_table {
                 self.requests.write_decode(table, handles, out);
             } else if has_table {
