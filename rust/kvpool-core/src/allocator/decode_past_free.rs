@@ -1,19 +1,21 @@
-//! A decode step on a pool out of FREE pages: extend's fast loop
-//! (`requests/decode.rs`) stops at the first request that starts a page,
-//! since the free stack has none, and the general pass validates the rest.
-//! Once the batch is known to be valid, the victims are evicted in one walk,
-//! and the requests are applied the fast loop's way after all: the second
-//! pass's per-request work (a `grow_row` call and the table and token
-//! writes for each) was most of such a step. At page size 1 every request
-//! takes a page; at larger sizes one in a page's worth of steps does, and
-//! the general pass has applied the others already.
+//! A decode step on a pool out of FREE pages. extend's fast loop
+//! (`requests/decode.rs`) validates and stamps a request that starts a page
+//! when the free stack is empty, and lists it rather than applying it; the
+//! general pass validates whatever the loop stopped at. Once the whole
+//! batch is known to be valid, the victims are evicted in one walk, and the
+//! listed requests are applied the fast loop's way: the second pass's
+//! per-request work (a `grow_row` call and the table and token writes for
+//! each) was most of such a step. At page size 1 every request takes a
+//! page; at larger sizes one in a page's worth of steps does, and the
+//! others were applied already.
 
 use super::SlotAllocator;
 use crate::handle::handle_row;
 
-/// Where extend's general pass left a one-token batch: `first` requests
-/// applied by the fast loop, the indices of those it listed (`slow`), the
-/// pages they need, and how many requests' token ids are stored.
+/// Where extend's passes left a one-token batch: the fast loop went through
+/// the first `first` requests (applying each, or listing it), `slow` lists
+/// (ascending) those still to grow, with the pages they need, and the
+/// first `recorded` requests have their token ids stored.
 pub(super) struct PastFree<'a> {
     pub(super) first: usize,
     pub(super) slow: &'a mut Vec<u32>,
@@ -33,15 +35,19 @@ impl SlotAllocator {
         past: PastFree<'_>,
     ) {
         if self.geo.page_size == 1 {
+            // Every request before `from` was applied by the fast loop, with
+            // its token (at page size 1, once the stack is empty every later
+            // request is listed).
+            let from = past.slow[0] as usize;
             let m = self.decode_past_free(handles, tokens, out, past.slow, *past.needed_pages);
             past.slow.drain(..m);
             *past.needed_pages -= m;
             if tokens.is_some() {
-                *past.recorded += m;
+                *past.recorded = from + m;
             }
         } else if self.finish_decode_past_free(
             handles,
-            past.first,
+            past.first.min(past.slow[0] as usize),
             tokens,
             out,
             past.slow,
@@ -57,7 +63,7 @@ impl SlotAllocator {
 
     /// Applies the leading requests of `slow` (the batch's indices from the
     /// first the fast loop did not apply: all of them, consecutive, at page
-    /// size 1) with the fast loop, after evicting the victims the batch
+    /// size 1, where every request takes a page) with the fast loop, after evicting the victims the batch
     /// needs past the free stack (`needed_pages` in all) beneath it, as the
     /// second pass would; returns how many it applied. The rest (from a row
     /// that must grow the general way) are left to the second pass, which
@@ -85,15 +91,21 @@ impl SlotAllocator {
         let (hs, dst) = (&handles[from..], &mut out[from..]);
         // STAMPED: the general pass stamped these rows for this batch.
         match tokens {
-            Some(x) => rq
-                .decode_one::<true, true>(hs, &x[from..], dst, take, |s, t| prefix.set_token(s, t)),
-            None => rq.decode_one::<false, true>(hs, &[], dst, take, |_, _| {}),
+            Some(x) => rq.decode_one::<true, true>(
+                hs,
+                &x[from..],
+                dst,
+                take,
+                |s, t| prefix.set_token(s, t),
+                None,
+            ),
+            None => rq.decode_one::<false, true>(hs, &[], dst, take, |_, _| {}, None),
         }
     }
 
     /// At page sizes above 1: completes the batch from request `from` on
-    /// (the general pass applied those that stay in their page and listed
-    /// in `slow` those that start one) if no listed request is marked slow,
+    /// (those that stay in their page are applied; `slow` lists those that
+    /// start one) if no listed request is marked slow,
     /// after evicting the victims the batch needs past the free stack
     /// (`needed_pages` in all) beneath it. Returns whether it did; if not,
     /// nothing changed and the second pass grows the listed requests.

@@ -205,12 +205,20 @@ impl SlotAllocator {
         let (first, mut k) = if ONE_EACH {
             let (rq, pages, prefix) = (&mut self.requests, &mut self.pages, &mut self.prefix);
             let take = || pages.pop_free();
+            // Rows past the free stack are listed, not applied (`slow`).
+            let defer = Some(&mut slow);
             let n = match tokens {
-                Some(x) => rq.decode_one::<true, false>(handles, x, out, take, |s, t| {
-                    prefix.set_token(s, t)
-                }),
-                None => rq.decode_one::<false, false>(handles, &[], out, take, |_, _| {}),
+                Some(x) => rq.decode_one::<true, false>(
+                    handles,
+                    x,
+                    out,
+                    take,
+                    |s, t| prefix.set_token(s, t),
+                    defer,
+                ),
+                None => rq.decode_one::<false, false>(handles, &[], out, take, |_, _| {}, defer),
             };
+            needed_pages = slow.len();
             (n, n)
         } else {
             let pages = &mut self.pages;

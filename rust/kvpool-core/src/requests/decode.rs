@@ -88,11 +88,16 @@ impl Requests {
     /// with `take_free` (None: stop there). The slot table is written after
     /// the batch (`SlotTable::write_decode`). Returns the requests applied.
     ///
-    /// `STAMPED`: the requests were validated and stamped for this batch by
-    /// extend's general pass already (which applied none of them: each
-    /// needed a page, and the free stack ran out first), so a row counts
-    /// only if it carries this batch's stamp, rather than only if it does
-    /// not.
+    /// With `deferred`, a request that starts a page when the free stack is
+    /// empty is validated and stamped but not applied, and its index goes
+    /// on the list (ascending) for extend, which gives it a page once the
+    /// whole batch is known to be valid (`allocator/decode_past_free.rs`);
+    /// without, the loop stops there.
+    ///
+    /// `STAMPED`: the requests were validated and stamped for this batch
+    /// already, and none of them applied (each needed a page, and the free
+    /// stack ran out first), so a row counts only if it carries this
+    /// batch's stamp, rather than only if it does not.
     // Not inlined: each form is its own small function, whose loop keeps
     // its few live values in registers; inlined into extend's fused pass it
     // would share them with the rest of the pass.
@@ -104,6 +109,7 @@ impl Requests {
         out: &mut [i64],
         mut take_free: impl FnMut() -> Option<u32>,
         mut store_token: impl FnMut(usize, i32),
+        mut deferred: Option<&mut Vec<u32>>,
     ) -> usize {
         let Some(shift) = self.geo.page_shift else {
             return 0;
@@ -134,7 +140,16 @@ impl Requests {
                 // `undo_applied` if the batch fails later). Its refcount is
                 // 1 already (see `pages/`).
                 let Some(p) = take_free() else {
-                    return i;
+                    match deferred.as_deref_mut() {
+                        // Out of FREE pages: stamped, not applied, listed
+                        // for extend to give a page once the batch is valid.
+                        Some(list) => {
+                            self.rows[row].stamp = epoch;
+                            list.push(i as u32);
+                            continue;
+                        }
+                        None => return i,
+                    }
                 };
                 self.page_lists[row * self.row_pages + (len >> shift)] = p;
                 self.rows[row].last = p;
@@ -157,10 +172,10 @@ impl Requests {
         n
     }
 
-    /// Completes a one-token batch that extend's general pass validated
-    /// from request `from` on: it applied the requests that stay in their
-    /// own page, and listed in `listed` (ascending) those that start a page,
-    /// none of them marked slow. Each listed request takes the next of
+    /// Completes a one-token batch that extend's passes validated: from
+    /// request `from` on, those that stay in their own page are applied,
+    /// and `listed` (ascending) holds those that start a page, none of them
+    /// marked slow. Each listed request takes the next of
     /// `pages` (the free stack's top, taken in pop order: last first), and with
     /// `TOKENS` every request from `from` on stores its token and advances
     /// its known count, as the fast loop does. Power-of-two page sizes
@@ -196,7 +211,8 @@ impl Requests {
                     out[i] = ((p as usize) << shift) as i64;
                     len
                 }
-                // Applied by the general pass, which wrote its slot.
+                // Applied already (by the fast loop or the general pass),
+                // its slot written.
                 _ => self.rows[row].len as usize - 1,
             };
             if TOKENS {
