@@ -85,8 +85,9 @@ impl Requests {
     /// request `i` writes `out[i]` (with `tokens`, `store_token` stores
     /// `tokens[i]` at its slot while the row is in hand), and the few values
     /// the loop keeps live stay in registers. A page boundary takes a page
-    /// with `take_free` (None: stop there). The slot table is written after
-    /// the batch (`SlotTable::write_decode`). Returns the requests applied.
+    /// with `take_free` (None: see `deferred`). The slot table is written
+    /// after the batch (`SlotTable::write_decode`). Returns how many leading
+    /// requests it went through: applied, or listed in `deferred`.
     ///
     /// With `deferred`, a request that starts a page when the free stack is
     /// empty is validated and stamped but not applied, and its index goes
@@ -175,10 +176,10 @@ impl Requests {
     /// Completes a one-token batch that extend's passes validated: from
     /// request `from` on, those that stay in their own page are applied,
     /// and `listed` (ascending) holds those that start a page, none of them
-    /// marked slow. Each listed request takes the next of
-    /// `pages` (the free stack's top, taken in pop order: last first), and with
-    /// `TOKENS` every request from `from` on stores its token and advances
-    /// its known count, as the fast loop does. Power-of-two page sizes
+    /// marked slow. Each listed request takes the next of `pages` (the free
+    /// stack's top, taken in pop order: last first), and with `TOKENS`
+    /// every request from `from` on stores its token and advances its known
+    /// count, as the fast loop does. Power-of-two page sizes
     /// only; `pages` holds a page for every listed request.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn finish_decode<const TOKENS: bool>(
