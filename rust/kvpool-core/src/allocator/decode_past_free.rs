@@ -47,7 +47,7 @@ impl SlotAllocator {
             }
         } else if self.finish_decode_past_free(
             handles,
-            past.first.min(past.slow[0] as usize),
+            past.first,
             tokens,
             out,
             past.slow,
@@ -103,12 +103,14 @@ impl SlotAllocator {
         }
     }
 
-    /// At page sizes above 1: completes the batch from request `from` on
-    /// (those that stay in their page are applied; `slow` lists those that
-    /// start one) if no listed request is marked slow,
-    /// after evicting the victims the batch needs past the free stack
-    /// (`needed_pages` in all) beneath it. Returns whether it did; if not,
-    /// nothing changed and the second pass grows the listed requests.
+    /// At page sizes above 1: completes a batch that the fast loop went
+    /// through whole (`first`: as far as it went), applying all but the
+    /// requests it listed in `slow` (those that start a page), if none of
+    /// those is marked slow, after evicting the victims they need past the
+    /// free stack (`needed_pages` in all) beneath it. Returns whether it did;
+    /// if not, nothing changed and the second pass grows the listed
+    /// requests. (The fast loop stops short only at a request that is
+    /// invalid, which fails the batch, or marked slow, which is listed.)
     ///
     /// A slow request may copy its shared last page or unregister a cached
     /// one, whose victims and Removed event come in their turn among the
@@ -119,13 +121,14 @@ impl SlotAllocator {
     fn finish_decode_past_free(
         &mut self,
         handles: &[i64],
-        from: usize,
+        first: usize,
         tokens: Option<&[i64]>,
         out: &mut [i64],
         slow: &[u32],
         needed_pages: usize,
     ) -> bool {
         if self.geo.page_shift.is_none()
+            || first != handles.len()
             || needed_pages != slow.len()
             || slow.iter().any(|&i| {
                 self.requests
@@ -147,10 +150,9 @@ impl SlotAllocator {
         let (rq, pages, prefix) = (&mut self.requests, &mut self.pages, &mut self.prefix);
         let taken = pages.free_top(n);
         match tokens {
-            Some(x) => rq.finish_decode::<true>(handles, from, slow, x, out, taken, |s, t| {
-                prefix.set_token(s, t)
-            }),
-            None => rq.finish_decode::<false>(handles, from, slow, &[], out, taken, |_, _| {}),
+            Some(x) => rq
+                .finish_decode::<true>(handles, slow, x, out, taken, |s, t| prefix.set_token(s, t)),
+            None => rq.finish_decode::<false>(handles, slow, &[], out, taken, |_, _| {}),
         }
         pages.drop_free_top(n);
         true

@@ -173,19 +173,16 @@ impl Requests {
         n
     }
 
-    /// Completes a one-token batch that extend's passes validated: from
-    /// request `from` on, those that stay in their own page are applied,
-    /// and `listed` (ascending) holds those that start a page, none of them
-    /// marked slow. Each listed request takes the next of `pages` (the free
-    /// stack's top, taken in pop order: last first), and with `TOKENS`
-    /// every request from `from` on stores its token and advances its known
-    /// count, as the fast loop does. Power-of-two page sizes
-    /// only; `pages` holds a page for every listed request.
-    #[allow(clippy::too_many_arguments)]
+    /// Completes a one-token batch that the fast loop went through whole:
+    /// it applied each request (with its token) but those it listed in
+    /// `listed` (ascending), which start a page and are not marked slow.
+    /// Each listed request takes the next of `pages` (the free stack's top,
+    /// taken in pop order: last first) and, with `TOKENS`, stores its token
+    /// and advances its known count, as the fast loop does. Power-of-two
+    /// page sizes only; `pages` holds a page for every listed request.
     pub(crate) fn finish_decode<const TOKENS: bool>(
         &mut self,
         handles: &[i64],
-        from: usize,
         listed: &[u32],
         tokens: &[i64],
         out: &mut [i64],
@@ -197,25 +194,16 @@ impl Requests {
         };
         debug_assert_eq!(pages.len(), listed.len());
         let stride = self.row_pages;
-        let mut next = listed.iter().zip(pages.iter().rev()).peekable();
-        for i in from..handles.len().min(out.len()) {
+        for (&j, &p) in listed.iter().zip(pages.iter().rev()) {
+            let i = j as usize;
             let row = handle_row(handles[i]) as usize;
-            let len = match next.peek() {
-                Some(&(&j, &p)) if j as usize == i => {
-                    next.next();
-                    let r = &mut self.rows[row];
-                    debug_assert!(r.last & SLOW == 0 && r.len as usize & ((1 << shift) - 1) == 0);
-                    let len = r.len as usize;
-                    self.page_lists[row * stride + (len >> shift)] = p;
-                    r.last = p;
-                    r.len = len as u32 + 1;
-                    out[i] = ((p as usize) << shift) as i64;
-                    len
-                }
-                // Applied already (by the fast loop or the general pass),
-                // its slot written.
-                _ => self.rows[row].len as usize - 1,
-            };
+            let r = &mut self.rows[row];
+            debug_assert!(r.last & SLOW == 0 && r.len as usize & ((1 << shift) - 1) == 0);
+            let len = r.len as usize;
+            self.page_lists[row * stride + (len >> shift)] = p;
+            r.last = p;
+            r.len = len as u32 + 1;
+            out[i] = ((p as usize) << shift) as i64;
             if TOKENS {
                 store_token(out[i] as usize, tokens[i] as i32);
                 let known = &mut self.known_len[row];
