@@ -258,6 +258,16 @@ fn a_page4_decode_step_on_a_full_pool_matches_one_request_at_a_time() {
         let (o, cached) = a.open_with_prefix(&prompt, &[5], Counts::Each(0)).unwrap();
         assert_eq!(cached[0], 4);
         assert_eq!(a.slots(o[0]).unwrap()[..4], a.slots(h[3]).unwrap()[..4]);
+        a.close(&o, false).unwrap();
+        // Row 0 started a page past the free stack (listed, then given a
+        // victim): its token is there too once the page is full.
+        a.extend(&h[..1], Counts::Each(3), Some(&[41, 42, 43]))
+            .unwrap();
+        a.cache(&h[..1]).unwrap();
+        let prompt = [tokens[0], 41, 42, 43, 7];
+        let (o, cached) = a.open_with_prefix(&prompt, &[5], Counts::Each(0)).unwrap();
+        assert_eq!(cached[0], 4);
+        assert_eq!(a.slots(o[0]).unwrap()[..4], a.slots(h[0]).unwrap()[..4]);
         a.check().unwrap();
     }
 }
