@@ -216,13 +216,7 @@ impl PySlotAllocator {
     /// what went). The arrays are allocated before anything is drained: a
     /// MemoryError leaves every event in the pool for the next drain.
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
-        // Kept events come from a take_events_msgpack that could not send
-        // them, or a short drain whose dict could not be built.
-        let mut kept = self.undelivered(py);
-        let pending = self.query(py, |a| a.pending_events());
-        Ok(take_dict(py, &mut kept, pending, |sink| {
-            self.run(py, pending.0, |core| core.take_events_into(sink))
-        })?)
+        self.drain_dict(py, usize::MAX, usize::MAX)
     }
 
     /// Test only (not public API): `take_events` with its arrays sized for
@@ -236,12 +230,7 @@ impl PySlotAllocator {
         events: usize,
         tokens: usize,
     ) -> Result<Bound<'py, PyDict>> {
-        let mut kept = self.undelivered(py);
-        let (n, t) = self.query(py, |a| a.pending_events());
-        let pending = (n.min(events), t.min(tokens));
-        Ok(take_dict(py, &mut kept, pending, |sink| {
-            self.run(py, pending.0, |core| core.take_events_into(sink))
-        })?)
+        self.drain_dict(py, events, tokens)
     }
 
     /// Events dropped because more than max(num_pages, 65536) were left
@@ -258,5 +247,25 @@ impl PySlotAllocator {
     #[getter]
     fn kv_events(&self, py: Python<'_>) -> bool {
         self.query(py, |a| a.kv_events())
+    }
+}
+
+impl PySlotAllocator {
+    /// `take_events`' dict, its arrays sized for the pending events and
+    /// token ids, at most `events` and `tokens` of them.
+    fn drain_dict<'py>(
+        &self,
+        py: Python<'py>,
+        events: usize,
+        tokens: usize,
+    ) -> Result<Bound<'py, PyDict>> {
+        // Kept events come from a take_events_msgpack that could not send
+        // them, or a short drain whose dict could not be built.
+        let mut kept = self.undelivered(py);
+        let (n, t) = self.query(py, |a| a.pending_events());
+        let pending = (n.min(events), t.min(tokens));
+        Ok(take_dict(py, &mut kept, pending, |sink| {
+            self.run(py, pending.0, |core| core.take_events_into(sink))
+        })?)
     }
 }
