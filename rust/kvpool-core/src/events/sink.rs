@@ -80,17 +80,19 @@ impl Events {
     /// `d` must be what that drain returned (it wrote the first `d.events`
     /// slots of each per-event column's spare capacity and the first
     /// `d.tokens` of `token_ids`'), with no change to the columns since.
+    /// Each column grows from its own length: the fields are public, and a
+    /// caller's columns of unequal lengths still get only what the drain
+    /// wrote into each (a drain writes at most the smallest spare capacity).
     pub unsafe fn commit_drained(&mut self, d: Drained) {
-        let rows = self.kind.len() + d.events;
-        self.kind.set_len(rows);
-        self.hash_hi.set_len(rows);
-        self.hash_lo.set_len(rows);
-        self.parent_hi.set_len(rows);
-        self.parent_lo.set_len(rows);
-        self.page.set_len(rows);
-        self.num_tokens.set_len(rows);
-        self.salt.set_len(rows);
-        self.medium.set_len(rows);
+        self.kind.set_len(self.kind.len() + d.events);
+        self.hash_hi.set_len(self.hash_hi.len() + d.events);
+        self.hash_lo.set_len(self.hash_lo.len() + d.events);
+        self.parent_hi.set_len(self.parent_hi.len() + d.events);
+        self.parent_lo.set_len(self.parent_lo.len() + d.events);
+        self.page.set_len(self.page.len() + d.events);
+        self.num_tokens.set_len(self.num_tokens.len() + d.events);
+        self.salt.set_len(self.salt.len() + d.events);
+        self.medium.set_len(self.medium.len() + d.events);
         self.token_ids.set_len(self.token_ids.len() + d.tokens);
     }
 }

@@ -232,3 +232,25 @@ fn a_drain_into_spare_capacity_appends_to_events_it_is_committed_to() {
     assert_eq!(got, whole);
     assert_eq!(log.pending(), (0, 0));
 }
+
+#[test]
+fn a_commit_grows_each_column_from_its_own_length() {
+    // `Events`' fields are public: columns of unequal lengths are a caller's
+    // to make. A drain writes at most the smallest spare capacity of them
+    // (none here: every column but `kind` has no room), and the commit must
+    // count into each column only what the drain wrote there.
+    let mut got = Events {
+        kind: vec![0; 4],
+        ..Default::default()
+    };
+    let mut log = log_of(3);
+    let d = log.take_into(got.spare_sink());
+    assert_eq!(d, Drained::default());
+    // SAFETY: `d` is what the drain into `spare_sink` returned.
+    unsafe { got.commit_drained(d) };
+    assert_eq!(
+        (got.kind.len(), got.hash_hi.len(), got.token_ids.len()),
+        (4, 0, 0)
+    );
+    assert_eq!(log.pending().0, log_of(3).pending().0);
+}
