@@ -2,9 +2,12 @@
 //! carries) as one numpy array per field, and the count of events dropped
 //! from an undrained backlog.
 
+use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use kvpool_core::{Drained, EventSink};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -173,28 +176,73 @@ pub(crate) fn room<T>(v: &mut Vec<T>, n: usize) -> PyResult<()> {
 /// core's, build the result, keep them again if that fails), so that
 /// concurrent drains neither reorder nor overwrite what is kept. Waited
 /// for with the GIL released: the holder needs the GIL to build its arrays.
+///
+/// A drain builds Python objects while it holds the lock, and that can run
+/// a finalizer (a garbage collection) on the same thread; a finalizer that
+/// drains the same pool would wait for itself forever. It gets a
+/// RuntimeError instead, as Python's own buffered files do on a reentrant
+/// call.
 pub(crate) fn lock_kept<'a>(
     py: Python<'_>,
     kept: &'a Mutex<Option<kvpool_core::Events>>,
-) -> MutexGuard<'a, Option<kvpool_core::Events>> {
-    loop {
+) -> PyResult<KeptGuard<'a>> {
+    let id = kept as *const _ as usize;
+    if DRAINING.with_borrow(|held| held.contains(&id)) {
+        return Err(PyRuntimeError::new_err(
+            "reentrant take_events: this thread is already draining this pool's KV events \
+             (a finalizer that ran during the drain called it); drain from outside __del__",
+        ));
+    }
+    let guard = loop {
         match kept.try_lock() {
-            Ok(guard) => return guard,
-            Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+            Ok(guard) => break guard,
+            Err(TryLockError::Poisoned(e)) => break e.into_inner(),
             Err(TryLockError::WouldBlock) => py.detach(|| {
                 drop(kept.lock());
             }),
         }
+    };
+    DRAINING.with_borrow_mut(|held| held.push(id));
+    Ok(KeptGuard { guard, id })
+}
+
+thread_local! {
+    /// The kept-event locks this thread holds (their addresses): one, or a
+    /// few where a finalizer drains another pool during a drain.
+    static DRAINING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `lock_kept`'s lock: the kept events, and this thread's note that it
+/// holds them, dropped together.
+pub(crate) struct KeptGuard<'a> {
+    guard: MutexGuard<'a, Option<kvpool_core::Events>>,
+    id: usize,
+}
+
+impl Drop for KeptGuard<'_> {
+    fn drop(&mut self) {
+        let id = self.id;
+        DRAINING.with_borrow_mut(|held| held.retain(|&h| h != id));
+    }
+}
+
+impl Deref for KeptGuard<'_> {
+    type Target = Option<kvpool_core::Events>;
+    fn deref(&self) -> &Self::Target {
+        &self.guard
+    }
+}
+
+impl DerefMut for KeptGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.guard
     }
 }
 
 impl PySlotAllocator {
     /// The events a failed drain kept back, locked for a whole drain
     /// (`lock_kept`).
-    pub(crate) fn undelivered(
-        &self,
-        py: Python<'_>,
-    ) -> MutexGuard<'_, Option<kvpool_core::Events>> {
+    pub(crate) fn undelivered(&self, py: Python<'_>) -> PyResult<KeptGuard<'_>> {
         lock_kept(py, &self.undelivered)
     }
 }
@@ -233,6 +281,19 @@ impl PySlotAllocator {
         self.drain_dict(py, events, tokens)
     }
 
+    /// Test only (not public API): calls `callback()` holding the lock a
+    /// drain holds while it builds its arrays, as a finalizer that a
+    /// garbage collection runs during a drain would be called.
+    #[cfg(feature = "test-hooks")]
+    fn _while_draining_for_tests<'py>(
+        &self,
+        py: Python<'py>,
+        callback: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _kept = self.undelivered(py)?;
+        callback.call0()
+    }
+
     /// Events dropped because more than max(num_pages, 65536) were left
     /// undrained: each overflow replaces the backlog with one Cleared event
     /// (cumulative).
@@ -261,7 +322,7 @@ impl PySlotAllocator {
     ) -> Result<Bound<'py, PyDict>> {
         // Kept events come from a take_events_msgpack that could not send
         // them, or a short drain whose dict could not be built.
-        let mut kept = self.undelivered(py);
+        let mut kept = self.undelivered(py)?;
         let (n, t) = self.query(py, |a| a.pending_events());
         let pending = (n.min(events), t.min(tokens));
         Ok(take_dict(py, &mut kept, pending, |sink| {

@@ -76,7 +76,7 @@ impl PyGroupedAllocator {
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // As SlotAllocator.take_events; the lock also keeps concurrent
         // drains in order.
-        let mut kept = crate::events::lock_kept(py, &self.undelivered);
+        let mut kept = crate::events::lock_kept(py, &self.undelivered)?;
         let pending = self.run(py, |c| c.pending_events());
         crate::events::take_dict(py, &mut kept, pending, |sink| {
             self.run(py, |c| c.take_events_into(sink))

@@ -291,7 +291,7 @@ impl PySlotAllocator {
     ) -> PyResult<(Bound<'py, PyBytes>, usize, usize, usize)> {
         // Converted before anything is drained.
         let (ts, data_parallel_rank) = batch_args(py, ts, data_parallel_rank)?;
-        let mut kept = self.undelivered(py);
+        let mut kept = self.undelivered(py)?;
         let e = match kept.take() {
             Some(e) => e,
             None => {
