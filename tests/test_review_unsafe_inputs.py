@@ -246,6 +246,44 @@ def test_admit_and_open_with_prefix_validate_the_table_last(call: str) -> None:
     assert a.open_requests == 0 and a.used_pages == 0
 
 
+@pytest.mark.parametrize("call", ["extend", "extend_packed"])
+@pytest.mark.parametrize("size", [1, 3], ids=["shrunk", "grown"])
+def test_handles_resized_by_an_index_call_are_refused(call: str, size: int) -> None:
+    """The handles array is measured when the call begins and the results sized by it
+    (extend_packed's header says how many requests it describes); a count's __index__
+    that resizes the array is seen when the handles are read, and the call refuses it
+    with nothing changed, rather than extending a batch its results do not describe."""
+    a = alloc()
+    h, _ = a.admit([3, 4, 5])
+    handles = h[:2].copy()
+
+    def resize() -> None:
+        handles.resize(size, refcheck=False)
+        handles[:] = h[:size]
+
+    before = state(a, h)
+    with pytest.raises(InvalidArgumentError, match="handles had 2 entries"):
+        getattr(a, call)(handles, [Mutates(resize), 1])
+    assert state(a, h) == before
+
+
+@pytest.mark.parametrize("size", [1, 3], ids=["shrunk", "grown"])
+def test_extend_with_starts_extends_the_handles_it_was_given(size: int) -> None:
+    """extend_with_starts copies the handles before it converts the counts: a resize
+    then changes nothing it reads, and it extends the two requests it was given."""
+    a = alloc()
+    h, _ = a.admit([3, 4, 5])
+    handles = h[:2].copy()
+
+    def resize() -> None:
+        handles.resize(size, refcheck=False)
+        handles[:] = h[:size]
+
+    slots, starts = a.extend_with_starts(handles, [Mutates(resize), 1])
+    assert starts.tolist() == [3, 4] and len(slots) == 2
+    assert a.lengths(h).tolist() == [4, 5, 5]
+
+
 def test_grouped_tables_emptied_by_an_index_call_is_refused() -> None:
     g = grouped()
     tables = [np.zeros((4, 16), np.int32), np.zeros((4, 16), np.int32)]

@@ -108,16 +108,20 @@ impl PySlotAllocator {
         work: usize,
         f: impl FnOnce(&mut SlotAllocator, &[i64]) -> R + Send,
     ) -> PyResult<R> {
-        let arr = match handles {
+        let (arr, measured) = match handles {
             Handles::Copied(v) => return Ok(self.run(py, work, |core| f(core, &v))),
-            Handles::Array(arr, _) => arr,
+            Handles::Array(arr, n) => (arr, n),
         };
         // Re-checked here: converting the other arguments can have run
-        // Python code that changed the array (its shape or dtype).
+        // Python code that changed the array (its shape or dtype). A caller
+        // sized its results by the first length (`extend_packed`'s header),
+        // so a batch that changed size is refused, before anything changes.
         let Some(len) = int64_len(arr) else {
             let v = int_arg(py, arr.as_any(), "handles")?.into_vec();
+            same_length(py, measured, v.len())?;
             return Ok(self.run(py, work, |core| f(core, &v)));
         };
+        same_length(py, measured, len)?;
         SNAPSHOT.with(|cell| {
             let mut buf = cell.borrow_mut();
             copy_int64(arr, len, &mut buf, "handles")?;
@@ -129,4 +133,20 @@ impl PySlotAllocator {
             Ok(r)
         })
     }
+}
+
+/// InvalidArgumentError unless the handles array still has the length it
+/// had when the call began.
+fn same_length(py: Python<'_>, before: usize, now: usize) -> PyResult<()> {
+    if before == now {
+        return Ok(());
+    }
+    Err(crate::errors::invalid_argument(
+        py,
+        format!(
+            "handles had {before} entries when the call began and {now} after its other \
+             arguments were converted (an argument's __index__ or __int__ resized it); pass \
+             an array nothing changes during the call"
+        ),
+    ))
 }
