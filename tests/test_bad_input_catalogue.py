@@ -98,6 +98,13 @@ ALLOCATOR_CASES: list[tuple[str, type, Callable[[SlotAllocator, np.ndarray], Any
     ("encode_kv_events(ev, 0.0, 2**70)", InvalidArgumentError,
      lambda a, h: kvpool._core.encode_kv_events(a.take_events(), 0.0, 2**70)),
     ("encode_kv_events([], 0.0)", InvalidArgumentError, lambda a, h: kvpool._core.encode_kv_events([], 0.0)),
+    ("take_events_msgpack(nan)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(float("nan"))),
+    ("take_events_msgpack(inf)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(float("inf"))),
+    ("take_events_msgpack(0.0, -1)", InvalidArgumentError, lambda a, h: a.take_events_msgpack(0.0, -1)),
+    ("encode_kv_events(ev, nan)", InvalidArgumentError,
+     lambda a, h: kvpool._core.encode_kv_events(a.take_events(), float("nan"))),
+    ("encode_kv_events(ev, 0.0, -1)", InvalidArgumentError,
+     lambda a, h: kvpool._core.encode_kv_events(a.take_events(), 0.0, -1)),
 ]
 
 
@@ -117,7 +124,7 @@ def test_a_bad_take_events_msgpack_argument_drains_nothing():
     h, _ = a.open_with_prefix([1, 2, 3, 4], [4])
     a.extend(h, 4)
     a.cache(h)
-    for bad in [("x",), (0.0, 2**70)]:
+    for bad in [("x",), (0.0, 2**70), (float("nan"),), (0.0, -1)]:
         with pytest.raises(InvalidArgumentError):
             a.take_events_msgpack(*bad)
     assert a.take_events_msgpack(1.0)[1:] == (2, 0, 0)

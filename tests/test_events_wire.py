@@ -164,7 +164,7 @@ def test_every_wire_event_fits_the_room_the_encoder_makes_for_it(int_hashes):
         "medium": np.full(n, 2, dtype=np.uint8),  # "STORAGE", the longest name
         "group_idx": np.full(n, 2**62, dtype=np.int64),
     }
-    payload, st, rm, cl = _core.encode_kv_events(ev, 1.5, -(2**62), int_block_hashes=int_hashes)
+    payload, st, rm, cl = _core.encode_kv_events(ev, 1.5, 2**63 - 1, int_block_hashes=int_hashes)
     assert (st, rm, cl) == (n // 3, n // 3, n // 3)
     events = msgspec.msgpack.decode(payload)[1]
     assert len(events) == n, "each event is its own wire event"

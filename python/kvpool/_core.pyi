@@ -597,6 +597,10 @@ class SlotAllocator:
         the backlog is replaced by one Cleared event (dropped_events counts
         what went). The arrays are allocated before anything is drained: a
         MemoryError leaves every event in the pool for the next drain.
+
+        Raises:
+            RuntimeError: called during a drain of the same pool on the same
+                thread (a finalizer that a garbage collection ran inside it).
         """
     def take_events_msgpack(
         self, ts: float, data_parallel_rank: int | None = None, int_block_hashes: bool = False
@@ -611,6 +615,12 @@ class SlotAllocator:
         Returns:
             (payload, stored, removed, cleared), as encode_kv_events; with no
             event, a batch of none and three zeros.
+
+        Raises:
+            InvalidArgumentError: ts not a finite number, a data_parallel_rank
+                not an int >= 0 (nothing is drained).
+            RuntimeError: called during a drain of the same pool on the same
+                thread (a finalizer that a garbage collection ran inside it).
         """
     def known_tokens(self, handle: _Handle) -> npt.NDArray[np.int32]:
         """The request's token ids of its leading known positions.
@@ -1281,7 +1291,8 @@ def encode_kv_events(
     Raises:
         InvalidArgumentError: a missing or mistyped array, arrays of
             different lengths, an unknown kind or medium code, token_ids that
-            do not match the Stored events' num_tokens.
+            do not match the Stored events' num_tokens; ts not a finite
+            number, a data_parallel_rank not an int >= 0.
     """
 
 # Not public API: PoolStats.__reduce__'s rebuilder, and the os.register_at_fork hooks of

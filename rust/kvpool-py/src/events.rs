@@ -263,6 +263,10 @@ impl PySlotAllocator {
     /// the backlog is replaced by one Cleared event (dropped_events counts
     /// what went). The arrays are allocated before anything is drained: a
     /// MemoryError leaves every event in the pool for the next drain.
+    ///
+    /// Raises:
+    ///     RuntimeError: called during a drain of the same pool on the same
+    ///         thread (a finalizer that a garbage collection ran inside it).
     fn take_events<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         self.drain_dict(py, usize::MAX, usize::MAX)
     }

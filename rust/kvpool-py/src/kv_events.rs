@@ -104,7 +104,8 @@ fn optional(
 /// Raises:
 ///     InvalidArgumentError: a missing or mistyped array, arrays of
 ///         different lengths, an unknown kind or medium code, token_ids that
-///         do not match the Stored events' num_tokens.
+///         do not match the Stored events' num_tokens; ts not a finite
+///         number, a data_parallel_rank not an int >= 0.
 #[pyfunction]
 #[pyo3(
     signature = (events, ts, data_parallel_rank=None, int_block_hashes=IntBlockHashesFlag(false)),
@@ -211,18 +212,34 @@ fn owned<T: Copy>(s: &[T]) -> PyResult<Vec<T>> {
     Ok(v)
 }
 
-/// A batch's `ts` (a number of seconds, not a bool) and optional
-/// `data_parallel_rank` (an int), as InvalidArgumentError when mistyped.
+/// A batch's `ts` (a finite number of seconds, not a bool) and optional
+/// `data_parallel_rank` (an int >= 0), as InvalidArgumentError otherwise:
+/// a NaN or infinite timestamp, or a negative rank, would reach every
+/// router that reads the batch (msgpack carries them as they are).
 fn batch_args(
     py: Python<'_>,
     ts: &Bound<'_, PyAny>,
     rank: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(f64, Option<i64>)> {
     let ts = crate::retention_args::seconds_arg(py, ts, "ts")?;
+    if !ts.is_finite() {
+        return Err(crate::errors::invalid_argument(
+            py,
+            format!(
+                "ts must be a finite number of seconds (a timestamp such as time.time()), got {ts}"
+            ),
+        ));
+    }
     let rank = rank
         .filter(|r| !r.is_none())
         .map(|r| crate::convert::int_scalar(py, r, "data_parallel_rank"))
         .transpose()?;
+    if let Some(r) = rank.filter(|&r| r < 0) {
+        return Err(crate::errors::invalid_argument(
+            py,
+            format!("data_parallel_rank must be >= 0 (the engine's data-parallel rank) or None, got {r}"),
+        ));
+    }
     Ok((ts, rank))
 }
 
@@ -278,6 +295,12 @@ impl PySlotAllocator {
     /// Returns:
     ///     (payload, stored, removed, cleared), as encode_kv_events; with no
     ///     event, a batch of none and three zeros.
+    ///
+    /// Raises:
+    ///     InvalidArgumentError: ts not a finite number, a data_parallel_rank
+    ///         not an int >= 0 (nothing is drained).
+    ///     RuntimeError: called during a drain of the same pool on the same
+    ///         thread (a finalizer that a garbage collection ran inside it).
     #[pyo3(
         signature = (ts, data_parallel_rank=None, int_block_hashes=IntBlockHashesFlag(false)),
         text_signature = "($self, ts, data_parallel_rank=None, int_block_hashes=False)"
