@@ -96,6 +96,74 @@ def test_store_kv_of_rows_that_require_grad_leaves_the_cache_out_of_autograd(mod
     assert torch.equal(kc[1:3], k.detach()) and not kc.is_inference()
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.clone().requires_grad_(True)
+
+
+# Each kernel with one destination that torch would refuse to change in place, after the
+# destinations before it were written (store_kv: K before V; copy_slots: cache by cache).
+UNWRITABLE = {
+    "store_kv": lambda kc, vc: K.store_kv(kc, vc, torch.tensor([1, 2]), torch.ones(2, 2, 4), torch.ones(2, 2, 4)),
+    "copy_slots": lambda kc, vc: K.copy_slots([kc, vc], torch.tensor([1]), torch.tensor([2])),
+    "gather_kv out": lambda kc, vc: K.gather_kv(_caches()[0], _caches()[1], torch.tensor([1, 2]),
+                                                out=(kc[:2], vc[:2])),
+}
+
+
+@pytest.mark.parametrize("make", [_inference, _grad_leaf], ids=["inference", "leaf-requiring-grad"])
+@pytest.mark.parametrize("call", list(UNWRITABLE))
+def test_a_destination_torch_cannot_write_is_refused_before_anything_is_written(call, make):
+    # Was: K (or the first cache) written, then torch's untyped "Inplace update to inference
+    # tensor outside InferenceMode" / "a leaf Variable that requires grad" on the next one.
+    kc, vc = _caches()
+    vc = make(vc)
+    before = (kc.clone(), vc.detach().clone())
+    with torch.enable_grad(), pytest.raises(K.KernelArgumentError, match="v_cache|caches\\[1\\]|out\\[1\\]"):
+        UNWRITABLE[call](kc, vc)
+    assert _unchanged(before, kc, vc.detach())
+
+
+def test_the_same_destinations_are_written_where_torch_allows_it():
+    kc, vc = _caches()
+    with torch.inference_mode():
+        inf = vc.clone()
+        K.store_kv(kc, inf, torch.tensor([1]), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+    leaf = _grad_leaf(vc)
+    with torch.no_grad():
+        K.store_kv(kc, leaf, torch.tensor([1]), torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0))
+    assert bool((inf[1] == 1).all()) and bool((leaf[1] == 2).all())
+
+
+def test_a_req_to_token_torch_cannot_write_is_refused():
+    table = _inference(torch.zeros(4, 8, dtype=torch.int32))
+    one = torch.tensor([1])
+    with pytest.raises(K.KernelArgumentError, match="req_to_token is an inference tensor"):
+        K.write_req_to_token(table, one, one, one, one)
+    with pytest.raises(K.KernelArgumentError, match="req_to_token must be a dense 2-D"):
+        K.write_req_to_token([[0] * 8] * 4, one, one, one, one)
+    assert not table.any()
+
+
+@pytest.mark.parametrize("where, layout", [
+    ("cache", "sparse"), ("cache", "mkldnn"), ("rows", "sparse"), ("rows", "mkldnn"),
+    ("slots", "sparse"),  # (mkldnn tensors are floating point only)
+])
+def test_tensors_of_another_layout_are_tensor_shape_errors(where, layout):
+    kc, vc = _caches()
+    args = {"cache": kc, "rows": torch.ones(1, 2, 4), "slots": torch.tensor([1])}
+    args[where] = args[where].to_sparse() if layout == "sparse" else args[where].to_mkldnn()
+    with pytest.raises(kvpool.TensorShapeError, match="dense"):
+        K.store_kv(args["cache"], None, args["slots"], args["rows"])
+    with pytest.raises(kvpool.TensorShapeError, match="dense"):
+        K.gather_kv(args["cache"], None, args["slots"]) if where != "rows" else K.copy_slots(
+            [kc, args["rows"]], args["slots"], args["slots"])
+
+
 @pytest.mark.parametrize("out", [5, (torch.empty(1, 2, 4),), [torch.empty(1, 2, 4)] * 3, "ab"])
 def test_gather_kv_out_that_is_not_a_pair_is_a_kernel_argument_error(out):
     kc, vc = _caches()
@@ -250,6 +318,7 @@ def test_runner_refuses_bad_steps_and_leaves_its_buffers_and_the_pool_unchanged(
         (0, [1, -2, 1], kvpool.InvalidArgumentError, r"input_ids\[1\] = -2"),
         (3, torch.tensor([1.0, 2.0, 3.0]), kvpool.TensorDtypeError, "must be integers"),
         (3, [[1], [2], [3]], kvpool.TensorShapeError, "1-D"),
+        (0, torch.tensor([1, 2, 3]).to_sparse(), kvpool.TensorShapeError, "input_ids is a torch.sparse_coo"),
     ]
     for i, value, err, match in bad:
         args = list(good)

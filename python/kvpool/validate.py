@@ -25,7 +25,7 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
-from kvpool.kernels._common import host_array
+from kvpool.kernels._common import check_dense, host_array
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
@@ -79,9 +79,7 @@ def check_rows(name: str, x: Any, n: int, heads: int, dim: int, dtype: torch.dty
     """``x`` must be a dense ``dtype`` tensor of shape ``[n, heads, dim]`` on ``device``."""
     if not isinstance(x, torch.Tensor):
         raise TensorDtypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.layout != torch.strided:
-        raise TensorShapeError(f"{name} is a {x.layout} tensor; the pool takes dense (torch.strided) rows "
-                               f"(convert with {name}.to_dense())")
+    check_dense(x, name)
     if x.dtype != dtype:
         raise TensorDtypeError(f"{name} has dtype {x.dtype}; this pool takes {dtype} (no silent casts)")
     if tuple(x.shape) != (n, heads, dim):

@@ -29,7 +29,7 @@ from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, INDEX_DTYPES
 
 __all__ = [
     "CACHE_DTYPES", "FP8_DTYPES", "INDEX_DTYPES", "INTERPRET", "KernelArgumentError", "Scale",
-    "TritonUnavailableError", "require_triton", "use_triton",
+    "TritonUnavailableError", "check_dense", "check_writable", "require_triton", "use_triton",
 ]
 
 # TRITON_INTERPRET is read by @triton.jit when the kernel modules are imported,
@@ -121,10 +121,39 @@ class CacheGeom(NamedTuple):
     stride_d: int
 
 
+def check_dense(x: torch.Tensor, name: str) -> None:
+    """``x`` must be a dense (``torch.strided``) tensor: a sparse or mkldnn one has no
+    strides to address rows by, and torch's copies into a dense tensor either refuse it
+    untyped or (``index_copy_`` of mkldnn rows) crash the process."""
+    if x.layout is not torch.strided:
+        raise TensorShapeError(f"{name} is a {x.layout} tensor; kvpool takes dense (torch.strided) tensors "
+                               f"(convert with {name}.to_dense())")
+
+
+def check_writable(t: torch.Tensor, name: str) -> None:
+    """``t`` must take an in-place write in the caller's mode, checked before anything is
+    written: torch refuses the write only as it happens, after the calls before it (another
+    cache, another layer) went through, and the Triton kernels, which write bytes, would
+    not refuse it at all."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise KernelArgumentError(
+            f"{name} is an inference tensor (made under torch.inference_mode()), which torch lets no "
+            "in-place write change outside inference mode: create it outside inference mode "
+            "(under kvpool.persistent()), or call this inside torch.inference_mode()")
+    if t.requires_grad and torch.is_grad_enabled():
+        # A leaf (or a view of one) torch refuses to change; any other the Triton kernels would
+        # change behind autograd's back.
+        raise KernelArgumentError(
+            f"{name} requires grad: in grad mode torch lets no in-place write change a leaf or a "
+            "view of one, and the kernels' writes would bypass autograd: create it with "
+            "requires_grad=False (kvpool.persistent()), or call this under torch.no_grad()")
+
+
 def cache_geom(cache: torch.Tensor, name: str) -> CacheGeom:
     """Geometry of a token-major [num_slots, H, D] or paged [num_pages, P, H, D] cache."""
     if not isinstance(cache, torch.Tensor):
         raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    check_dense(cache, name)
     if cache.dtype not in CACHE_DTYPES:
         raise TensorDtypeError(
             f"{name} has dtype {cache.dtype}; expected one of {list(CACHE_DTYPES)}"
@@ -146,6 +175,7 @@ def cache_geom(cache: torch.Tensor, name: str) -> CacheGeom:
 def check_index(t: torch.Tensor, name: str, device: torch.device, n: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(t, name)
     if t.dtype not in INDEX_DTYPES:
         raise TensorDtypeError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.dim() != 1:
@@ -184,6 +214,7 @@ def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device
     """x must be [n, H, D] matching the cache's heads and head_dim."""
     if not isinstance(x, torch.Tensor):
         raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_dense(x, name)
     if x.dim() != 3 or tuple(x.shape[1:]) != (geom.heads, geom.head_dim):
         raise TensorShapeError(
             f"{name} must have shape [n, {geom.heads}, {geom.head_dim}], got {tuple(x.shape)}"

@@ -57,6 +57,7 @@ def store_kv(
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
     kg = c.cache_geom(k_cache, "k_cache")
+    c.check_writable(k_cache, "k_cache")
     dev = k_cache.device
     c.check_rows(k, "k", kg, dev)
     n = k.shape[0]
@@ -68,6 +69,7 @@ def store_kv(
     vg = kg
     if v_cache is not None and v is not None:
         vg = c.cache_geom(v_cache, "v_cache")
+        c.check_writable(v_cache, "v_cache")
         _check_same_device(v_cache, dev)
         if (vg.num_slots, vg.page_size) != (kg.num_slots, kg.page_size):
             raise c.KernelArgumentError(
@@ -140,6 +142,7 @@ def _check_same_device(v_cache: torch.Tensor, dev: torch.device) -> None:
 def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtype, dev) -> None:
     if (
         not isinstance(out, torch.Tensor)
+        or out.layout is not torch.strided
         or tuple(out.shape) != (n, g.heads, g.head_dim)
         or out.dtype != dtype
         or out.device != dev
@@ -149,6 +152,7 @@ def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtyp
             f"{name} must be a contiguous {dtype} tensor of shape [{n}, {g.heads}, {g.head_dim}] "
             f"on {dev}"
         )
+    c.check_writable(out, name)
 
 
 def gather_kv(
@@ -283,9 +287,10 @@ def copy_slots(
     """
     if not isinstance(caches, (list, tuple)) or len(caches) == 0:
         raise c.KernelArgumentError("caches must be a non-empty list of cache tensors")
-    dev = caches[0].device
     geoms = [c.cache_geom(t, f"caches[{i}]") for i, t in enumerate(caches)]
+    dev = caches[0].device
     for i, t in enumerate(caches):
+        c.check_writable(t, f"caches[{i}]")
         if t.device != dev:
             raise c.TensorDeviceError(f"caches[{i}] is on {t.device}, caches[0] on {dev}")
         if geoms[i].num_slots != geoms[0].num_slots:
@@ -409,16 +414,18 @@ def write_req_to_token(
             a bad argument, or (CPU) a span past the table (nothing written).
         TritonUnavailableError: CUDA tensors and no usable Triton.
     """
-    dev = req_to_token.device
     if (
         not isinstance(req_to_token, torch.Tensor)
+        or req_to_token.layout is not torch.strided
         or req_to_token.dim() != 2
         or req_to_token.dtype not in c.INDEX_DTYPES
         or req_to_token.stride(1) != 1
     ):
         raise c.KernelArgumentError(
-            "req_to_token must be a 2-D int32/int64 tensor with contiguous rows"
+            "req_to_token must be a dense 2-D int32/int64 tensor with contiguous rows"
         )
+    c.check_writable(req_to_token, "req_to_token")
+    dev = req_to_token.device
     c.check_index(rows, "rows", dev)
     b = rows.shape[0]
     c.check_index(starts, "starts", dev, b)
