@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 
-from kvpool import InvalidArgumentError, KVPool, LayerIndexError, TensorDtypeError, TensorShapeError  # noqa: E402
+from kvpool import InvalidArgumentError, KVPool, LayerIndexError, TensorDeviceError, TensorDtypeError, TensorShapeError  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 H, D, LAYERS, B, T = 2, 8, 2, 3, 5
@@ -69,6 +69,48 @@ def test_bad_arguments_are_typed_errors_that_change_nothing(filled, case):
     for layer in range(LAYERS):
         k, _ = cache.update(torch.ones(B, H, 1, D), torch.ones(B, H, 1, D), layer)
         assert k.shape == (B, H, T + 1, D)
+
+
+LAYOUTS = {"sparse": lambda t: t.to_sparse(), "mkldnn": lambda t: t.to_mkldnn()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_k_v_of_another_layout_are_refused_mid_generation(filled, layout):
+    """Sparse or mkldnn K/V passed the short way's test (dtype, shape, device): the step
+    began (the rows extended), then torch's copy refused it untyped, or, on a hybrid pool,
+    ``index_copy_`` of mkldnn rows crashed the process. Refused first now."""
+    pool, cache = filled
+    before = snapshot(pool, cache)
+    k = LAYOUTS[layout](torch.ones(B, H, 1, D))
+    with torch.no_grad(), pytest.raises(TensorShapeError, match="dense"):
+        cache.update(k, k, 0)
+    assert snapshot(pool, cache) == before
+    for layer in range(LAYERS):
+        assert cache.update(torch.ones(B, H, 1, D), torch.ones(B, H, 1, D), layer)[0].shape == (B, H, T + 1, D)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_k_v_of_another_layout_open_nothing_on_the_first_forward(layout, hybrid):
+    kw = dict(layer_types=["full_attention"] * LAYERS) if hybrid else {}
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_requests=8,
+                  max_context_len=64, **kw)
+    cache = KVPoolCache(pool)
+    k = LAYOUTS[layout](torch.ones(1, H, 2, D))
+    with torch.no_grad(), pytest.raises(TensorShapeError, match="dense"):
+        cache.update(k, k, 0)
+    assert pool.allocator.open_requests == 0
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda ids: ids.to("meta"), TensorDeviceError),
+    (lambda ids: ids.to_sparse(), TensorShapeError),
+], ids=["meta", "sparse"])
+def test_prefix_ids_without_values_are_typed_errors(bad, error):
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_context_len=64)
+    with pytest.raises(error, match="prefix_ids"):
+        KVPoolCache(pool, prefix_ids=bad(torch.tensor([[3, 4, 5, 6]])))
+    assert pool.allocator.open_requests == 0
 
 
 @pytest.mark.parametrize("count", [np.int64(-2), torch.tensor(-2)], ids=["numpy", "tensor"])

@@ -16,6 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.kernels._common import check_dense
 
 __all__ = ["INPUT_NAMES", "check_inputs"]
 
@@ -109,6 +110,8 @@ def check_inputs(args: Sequence[Any], device: torch.device, num_slots: int | Non
     out: list[Any] = []
     lens = []
     for name, a in zip(INPUT_NAMES, args):
+        if isinstance(a, torch.Tensor):
+            check_dense(a, name)
         if isinstance(a, torch.Tensor) and a.device.type != "cpu":
             if a.dim() != 1:
                 raise TensorShapeError(f"{name} must be 1-D, got shape {list(a.shape)}")

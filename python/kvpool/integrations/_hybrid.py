@@ -32,6 +32,7 @@ from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._requests import check_not_empty
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
+from kvpool.kernels._common import check_dense
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
 
@@ -121,6 +122,7 @@ class HybridRequests:
                 raise TensorShapeError(
                     f"{name} must be [batch, {self.heads}, tokens, {self.head_dim}] {self.dtype} on {self.device} "
                     f"(the pool's geometry; pool_for_model(model) sizes it), got {got}")
+            check_dense(x, name)
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")

@@ -23,9 +23,11 @@ from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import reorder_rows
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
+from kvpool.kernels._common import check_dense
 from kvpool.streams import current_raw_stream, refuse_capture
 from kvpool.validate import check_flag
 
+STRIDED = torch.strided  # (a module global: the per-layer test reads it as one lookup)
 PREFIX_NEEDS_CORE = (
     "prefix reuse (prefix_ids=) needs shared pages: KVPool.open_with_prefix, which this pool "
     "object does not have (every kvpool.KVPool does); build the cache without prefix_ids"
@@ -168,6 +170,9 @@ class BatchRequests:
             raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
         if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
             raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
+        check_dense(prefix_ids, "prefix_ids")
+        if prefix_ids.device.type == "meta":
+            raise TensorDeviceError("prefix_ids is a meta tensor (shapes only, no token ids); pass the prompt's ids")
         b, t = prefix_ids.shape
         if b < 1:
             raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
@@ -192,7 +197,8 @@ class BatchRequests:
         if not (isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor)):
             return False
         ks = key_states.shape
-        return (key_states.dtype == self.dtype and value_states.dtype == self.dtype and len(ks) == 4
+        return (key_states.layout is STRIDED and value_states.layout is STRIDED
+                and key_states.dtype == self.dtype and value_states.dtype == self.dtype and len(ks) == 4
                 and ks == value_states.shape and ks[0] == self.batch and ks[1] == self.heads
                 and ks[2] > 0 and ks[3] == self.head_dim and key_states.device == self.device
                 and value_states.device == self.device)
@@ -203,6 +209,7 @@ class BatchRequests:
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.ndim != 4:
                 raise TensorShapeError(f"{name} must be a [batch, kv_heads, tokens, head_dim] tensor")
+            check_dense(x, name)
             if x.shape[1] != pool.num_kv_heads or x.shape[3] != pool.head_dim:
                 raise TensorShapeError(
                     f"{name} has {x.shape[1]} kv heads of dim {x.shape[3]}; the pool was built for "

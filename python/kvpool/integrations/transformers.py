@@ -72,7 +72,7 @@ from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, Pool
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._reorder import BEAM_NEEDS_FORK
-from kvpool.integrations._requests import PREFIX_NEEDS_CORE, BatchRequests
+from kvpool.integrations._requests import PREFIX_NEEDS_CORE, STRIDED, BatchRequests
 from kvpool.integrations._shared_rows import check_in_step, stored_by_all
 from kvpool.pool import KVPool
 from kvpool.validate import check_flag, check_pool, init_signature
@@ -180,7 +180,8 @@ class KVPoolCache(NotPicklable, Cache):
         else:  # the first layer of a step: any number of new tokens (grad mode: see owned)
             ok = (seen == req.length and len(ks) == 4 and ks[0] == req.batch and ks[1] == req.heads
                   and ks[3] == req.head_dim and ks[2] > 0 and not torch.is_grad_enabled())
-        if (ok and req.fast and value_states.shape == ks and key_states.dtype == req.dtype
+        if (ok and req.fast and value_states.shape == ks and key_states.layout is STRIDED
+                and value_states.layout is STRIDED and key_states.dtype == req.dtype
                 and value_states.dtype == req.dtype and not (key_states.requires_grad or value_states.requires_grad)
                 and (key_states.is_cpu and value_states.is_cpu if req.on_cpu
                      else key_states.device == req.device and value_states.device == req.device)):
