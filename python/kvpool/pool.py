@@ -127,7 +127,9 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
     rest: until another thread's writes into a request's slots have run, do not
     ``close``, ``truncate``, ``swap_out``, ``fork`` or ``cache`` it (``extend`` is fine: its new
     slots are not the ones being written), and never extend one request from two
-    threads at once (docs/kernels-and-graphs.md, "Threads").
+    threads at once (docs/kernels-and-graphs.md, "Threads"). Under
+    ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, a test mode) run K/V calls from
+    one thread: the interpreter is not thread-safe.
 
     Streams (CUDA): everything a pool call enqueues (H2D copies, the table
     kernel, copy-on-write copies) goes on the caller's current stream. An engine
