@@ -246,6 +246,20 @@ def test_admit_and_open_with_prefix_validate_the_table_last(call: str) -> None:
     assert a.open_requests == 0 and a.used_pages == 0
 
 
+def handles_resized_to(size: int) -> tuple[SlotAllocator, np.ndarray, np.ndarray, Mutates]:
+    """A pool with three requests, an int64 array of the first two of their handles, and
+    a count whose __index__ resizes that array to the first ``size`` handles."""
+    a = alloc()
+    h, _ = a.admit([3, 4, 5])
+    handles = h[:2].copy()
+
+    def resize() -> None:
+        handles.resize(size, refcheck=False)
+        handles[:] = h[:size]
+
+    return a, h, handles, Mutates(resize)
+
+
 @pytest.mark.parametrize("call", ["extend", "extend_packed"])
 @pytest.mark.parametrize("size", [1, 3], ids=["shrunk", "grown"])
 def test_handles_resized_by_an_index_call_are_refused(call: str, size: int) -> None:
@@ -253,17 +267,10 @@ def test_handles_resized_by_an_index_call_are_refused(call: str, size: int) -> N
     (extend_packed's header says how many requests it describes); a count's __index__
     that resizes the array is seen when the handles are read, and the call refuses it
     with nothing changed, rather than extending a batch its results do not describe."""
-    a = alloc()
-    h, _ = a.admit([3, 4, 5])
-    handles = h[:2].copy()
-
-    def resize() -> None:
-        handles.resize(size, refcheck=False)
-        handles[:] = h[:size]
-
+    a, h, handles, count = handles_resized_to(size)
     before = state(a, h)
     with pytest.raises(InvalidArgumentError, match="handles had 2 entries"):
-        getattr(a, call)(handles, [Mutates(resize), 1])
+        getattr(a, call)(handles, [count, 1])
     assert state(a, h) == before
 
 
@@ -271,15 +278,8 @@ def test_handles_resized_by_an_index_call_are_refused(call: str, size: int) -> N
 def test_extend_with_starts_extends_the_handles_it_was_given(size: int) -> None:
     """extend_with_starts copies the handles before it converts the counts: a resize
     then changes nothing it reads, and it extends the two requests it was given."""
-    a = alloc()
-    h, _ = a.admit([3, 4, 5])
-    handles = h[:2].copy()
-
-    def resize() -> None:
-        handles.resize(size, refcheck=False)
-        handles[:] = h[:size]
-
-    slots, starts = a.extend_with_starts(handles, [Mutates(resize), 1])
+    a, h, handles, count = handles_resized_to(size)
+    slots, starts = a.extend_with_starts(handles, [count, 1])
     assert starts.tolist() == [3, 4] and len(slots) == 2
     assert a.lengths(h).tolist() == [4, 5, 5]
 
