@@ -110,6 +110,25 @@ def test_without_a_process_group_every_entry_point_says_to_initialize_one():
     assert got["unchanged"] == ("ok", True)
 
 
+@pytest.mark.parametrize("timeout_s, ms", [(0.0005, 1), (1e-9, 1), (0.0011, 2), (0.5, 500), (2, 2000)])
+def test_a_wait_asks_for_at_least_one_whole_millisecond(timeout_s, ms):
+    """torch truncates a wait's timeout to milliseconds and takes zero as "no timeout":
+    timeout_s=0.0005 against a silent peer waited until the peer exited. The wait asks for
+    the timeout rounded up to whole milliseconds, at least one."""
+    from kvpool.distributed.comm import wait
+
+    asked = []
+
+    class Work:
+        def wait(self, timeout):
+            asked.append(timeout)
+            return False  # (what a timed-out gloo wait gives back)
+
+    with pytest.raises(kvpool.TransferTimeoutError, match="did not answer"):
+        wait(Work(), timeout_s, "recv", 1)
+    assert asked[0].total_seconds() * 1000 == pytest.approx(ms)
+
+
 def test_page_descriptors_refuse_what_is_not_a_plain_pool_by_name():
     from kvpool.distributed import page_descriptors
 

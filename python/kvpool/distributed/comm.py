@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any
 
 import numpy as np
@@ -49,8 +50,11 @@ def comm_device(group: Any, pool_device: torch.device, what: str = "kvpool.distr
 
 def wait(work: Any, timeout_s: float, what: str, peer: int) -> None:
     """Wait for a point-to-point op; a dead or silent peer becomes a typed error, never a hang."""
+    # Whole milliseconds, at least one: torch truncates the timeout to milliseconds, and a
+    # zero one means "no timeout", so timeout_s=0.0005 waited on a silent peer forever.
+    ms = max(1, math.ceil(float(timeout_s) * 1000))
     try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        ok = work.wait(timeout=datetime.timedelta(milliseconds=ms))
     except RuntimeError as e:
         text = str(e)
         low = text.lower()
