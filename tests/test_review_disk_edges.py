@@ -1,6 +1,7 @@
-"""Review of four edge cases of the disk tier: a directory where a record belongs, a
-``.tmp/`` on another file system, a record over a reader's own ``max_bytes``, and the
-rename that puts a record back where there are no hard links."""
+"""Review of edge cases of the disk tier: a directory where a record belongs, a
+``.tmp/`` on another file system, a record over a reader's own ``max_bytes``, the
+rename that puts a record back where there are no hard links, and a FIFO or a link to a
+device at a record's name."""
 
 from __future__ import annotations
 
@@ -23,6 +24,31 @@ def _record(h: int, payload: int = 64, fill: int = 1) -> PageRecord:
 
 def _tmp_files(tier: FileTier) -> list[str]:
     return sorted(p.name for p in (tier.path / ".tmp").iterdir())
+
+
+# ----- 0. a file that is not a regular file at a record's name -----------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="os.mkfifo is POSIX only")
+def test_a_fifo_at_a_records_name_is_a_miss_not_a_hang(tmp_path):
+    """Was: open() of the FIFO waited for a writer forever (DiskCache.prefetch then held
+    its lock and every other store and prefetch waited too)."""
+    tier = FileTier(tmp_path, 1 << 20)
+    f = tier.file_for(9)
+    f.parent.mkdir(parents=True)
+    os.mkfifo(f)
+    assert tier.get(9) is None and tier.misses == 1
+    assert f.exists()  # foreign: left where it is
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_a_link_to_an_endless_device_at_a_records_name_is_a_miss(tmp_path):
+    """Was: the link's size (0) passed the bound test and read() never ended."""
+    tier = FileTier(tmp_path, 1 << 20)
+    f = tier.file_for(10)
+    f.parent.mkdir(parents=True)
+    os.symlink("/dev/zero", f)
+    assert tier.get(10) is None and tier.misses == 1
 
 
 # ----- 1. a directory at a record's name ------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import threading
 import time
 import warnings
@@ -43,6 +44,9 @@ from kvpool._forksafe import track as track_for_fork
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
 from kvpool.validate import is_int
+
+# How a record is opened to be read (see FileTier.get).
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 
 __all__ = ["FileTier"]
 
@@ -121,16 +125,25 @@ class FileTier(TierBackend):
     def get(self, page_hash: int) -> PageRecord | None:
         f = self.file_for(page_hash)
         try:
-            with open(f, "rb") as fh:
+            # Not blocking, not through a symlink, and then only a regular file: a FIFO at a
+            # record's name made open() wait forever (holding DiskCache's lock), and a link
+            # to /dev/zero passed the size test (0) and read without end. Foreign, so a
+            # miss, and left where it is.
+            with open(os.open(f, READ_FLAGS), "rb") as fh:
                 st = os.fstat(fh.fileno())
-                if st.st_size > self._max:
+                if not stat.S_ISREG(st.st_mode) or st.st_size > self._max:
                     # Past this process's bound, so not read into memory; but another
                     # process with a larger bound may have written it: a miss here, kept
                     # for that one (not judged damaged unread).
                     with self._lock:
                         self.misses += 1
                     return None
-                rec = decode(fh.read())
+                data = fh.read(self._max + 1)  # (bounded: the file may have grown since fstat)
+                if len(data) > self._max:
+                    with self._lock:
+                        self.misses += 1
+                    return None
+                rec = decode(data)
                 if rec is None or rec.page_hash != int(page_hash):
                     # Not the record its name promises (torn, corrupted, renamed): drop it, so
                     # that the next put under this name is not skipped as already present;
