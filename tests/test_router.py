@@ -172,9 +172,9 @@ def test_a_router_built_from_a_pools_own_hash_seed_accepts_its_events(layer_type
 
 
 def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
-    """A frame that is not a KV event batch (or a seq frame that is not 8 bytes, or a pool
-    that is not an index) is refused before the stream moves: the next good message still
-    applies in order."""
+    """A frame that is not a KV event batch (or a seq frame that is not 8 bytes or not in
+    [0, 2**63), or a pool that is not an index) is refused before the stream moves: the next
+    good message still applies in order."""
     import dataclasses
 
     pools, pubs, r = fleet(n=1)
@@ -183,7 +183,10 @@ def test_a_malformed_message_is_typed_and_leaves_the_stream_as_it_was():
     (topic, seq, payload), = pubs[0].drain()
     bad = [(0, topic, seq, b"\x93not msgpack"), (0, topic, seq, b"\x92\x01\x02"), (0, topic, seq[:4], payload),
            (0, topic, "x" * 8, payload), ("0", topic, seq, payload), (True, topic, seq, payload),
-           (1.0, topic, seq, payload)]
+           (1.0, topic, seq, payload),
+           # Past int64 (read as negative): a gap up to it asked for a replay no int64 names,
+           # and ZmqFeed.poll raised OverflowError on every later call.
+           (0, topic, (2**64 - 3).to_bytes(8, "big"), payload), (0, topic, (2**63).to_bytes(8, "big"), payload)]
     for args in bad:
         before = dataclasses.replace(r.streams[0], pending=dict(r.streams[0].pending))
         with pytest.raises(kvpool.InvalidArgumentError):

@@ -156,6 +156,13 @@ class Router(PrefixMatching):
             raise InvalidArgumentError(
                 f"seq must be the 8-byte big-endian sequence frame the publisher sends, got {seq!r:.40}")
         s = int.from_bytes(seq, "big", signed=True)
+        if s < 0:
+            # Publishers number batches from 0 up as int64 (vLLM's ZmqEventPublisher, and
+            # -1 marks a replay's end): a negative number, or one past 2**63 - 1, is garbage,
+            # and a gap up to it would ask the publisher for a replay no int64 can name.
+            raise InvalidArgumentError(
+                f"pool {pool}'s message has sequence number {int.from_bytes(seq, 'big')} (as unsigned); "
+                f"publishers number their batches in [0, 2**63)")
         try:
             batch = self._decode(payload)
         except self._not_a_batch as e:
