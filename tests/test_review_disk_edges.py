@@ -79,6 +79,20 @@ def test_a_full_directory_at_a_records_name_is_reported_once_and_kept(tmp_path):
     assert tier.stored == 0 and _tmp_files(tier) == []
 
 
+def test_eviction_leaves_a_full_directory_at_a_records_name_where_it_is(tmp_path):
+    """Was: the oldest "record" by mtime was the directory, and eviction renamed it (and what
+    it held) into .tmp, counted it as evicted and took its size off the tier's bytes."""
+    tier = FileTier(tmp_path, 6000, scan_interval_s=0)
+    f = tier.file_for(5)
+    f.mkdir(parents=True)
+    (f / "precious.txt").write_text("x")
+    os.utime(f, (1, 1))  # older than every record
+    for h in range(10, 20):
+        tier.put(_record(h, payload=1000))
+    assert (f / "precious.txt").read_text() == "x"
+    assert tier.evicted > 0 and tier.used_bytes <= 6000
+
+
 def test_disk_cache_stores_a_page_whose_name_was_blocked_by_an_empty_directory(tmp_path):
     tokens = np.arange(100, 100 + 2 * P + 1, dtype=np.int32)
     src = make_pool(hash_seed=1, num_pages=16)

@@ -316,7 +316,10 @@ class FileTier(TierBackend):
             if sub.name.startswith(".tmp-probe.") and _entries_age(sub, now) > STALE_TMP_S * 1e9:
                 _unlink(sub)  # a construction probe of a process that died right then
             elif sub.is_dir():
-                out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX))
+                # Regular files only: a directory, FIFO or link at a record's name is not one
+                # of the tier's records, so neither counted nor evicted (eviction renamed a
+                # full directory into .tmp, where it stayed).
+                out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX) and stat.S_ISREG(t[1].st_mode))
         return out
 
     def _scan_and_evict(self, evict: bool = True) -> None:
@@ -411,7 +414,7 @@ def _entries(d: Path) -> list[tuple[int, os.stat_result, Path]]:
         with os.scandir(d) as it:
             for e in it:
                 try:
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
                 out.append((st.st_mtime_ns, st, Path(e.path)))
