@@ -28,6 +28,7 @@ def alloc():
     (dict(data_parallel_rank=True), "data_parallel_rank"),
     (dict(data_parallel_rank=-1), "data_parallel_rank"),
     (dict(data_parallel_rank=2**63), "data_parallel_rank"),
+    (dict(topic="\ud800"), "topic"),
 ], ids=str)
 def test_bad_publisher_arguments_are_typed_and_drain_nothing(kw, match):
     a = alloc()
@@ -39,6 +40,18 @@ def test_bad_publisher_arguments_are_typed_and_drain_nothing(kw, match):
 def test_a_pool_without_events_is_typed():
     with pytest.raises(kvpool.InvalidArgumentError, match="take_events"):
         LocalEventPublisher(object())
+
+
+@pytest.mark.parametrize("torch_pool", [False, True], ids=["SlotAllocator", "KVPool"])
+def test_a_pool_built_without_kv_events_is_refused(torch_pool):
+    """Was accepted, and every publish() sent an empty batch for good (DiskCache, which
+    also learns the cache from the events, refused the same pool)."""
+    import torch
+
+    pool = (kvpool.KVPool(1, 1, 8, dtype=torch.float32, num_pages=16, kv_events=False) if torch_pool
+            else kvpool.SlotAllocator(16, 4, 4, 64, kv_events=False))
+    with pytest.raises(kvpool.InvalidArgumentError, match="kv_events=False"):
+        LocalEventPublisher(pool)
 
 
 def test_good_rank_and_topic_are_sent():

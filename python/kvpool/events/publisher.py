@@ -91,11 +91,19 @@ class EventPublisher(NotPicklable):
         buffer_steps = int(buffer_steps)
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (sent UTF-8 encoded), got {type(topic).__name__} {topic!r}")
+        try:
+            topic_bytes = topic.encode("utf-8")
+        except UnicodeEncodeError as e:  # (a lone surrogate)
+            raise InvalidArgumentError(f"topic {topic!r} cannot be sent UTF-8 encoded: {e.reason}") from None
         data_parallel_rank = _rank(data_parallel_rank)
+        self._encode = _encoder(pool, bool(int_block_hashes))
+        if getattr(getattr(pool, "allocator", pool), "kv_events", True) is False:
+            # Every batch would be empty, for good: a router behind it would learn nothing.
+            raise InvalidArgumentError("this pool records no KV events (built with kv_events=False): a publisher "
+                                       "needs one built with kv_events=True, the default")
         self.pool = pool
         self.int_block_hashes = bool(int_block_hashes)
-        self._encode = _encoder(pool, self.int_block_hashes)
-        self.topic = topic.encode("utf-8")
+        self.topic = topic_bytes
         self.data_parallel_rank = data_parallel_rank
         self._seq = 0
         # (seq, seq bytes, payload), appended by publish() and read by replay;
