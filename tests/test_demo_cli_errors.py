@@ -3,6 +3,7 @@ never a Python traceback, and before any request is served."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,6 +26,9 @@ BAD = [
     (["--workload", "shared-prefix", "--fork-share", "2"], "--fork-share"),
     (["--workload", "shared-prefix", "--fork-share", "nan"], "--fork-share"),
     (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),
+    # Was: the request table and 1e8-token prompts each passed the memory check alone, and
+    # together the kernel killed the process (the engine refused them only after).
+    (["--prompt-len", "1:100000000"], "enlarge the pool or shorten the requests"),
     (["--pool-tokens", "100000000000"], "2147483647 pages"),  # 2**31 - 1: kvpool._core.MAX_PAGES
     (["--page-size", str(2**63)], f"--page-size {2**63} is longer"),  # the random model's rotary table would fail in torch first
     (["--json", "/nonexistent-dir/x.json"], "--json"),
@@ -53,6 +57,41 @@ def test_hf_checkpoint_without_weights_is_a_usage_error(tmp_path, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "kvpool demo: error:" in err and "model.safetensors" in err, err
+
+
+@pytest.mark.parametrize("config, weights, message", [
+    ('{"model_type": "llama", "hidden_size": "x"}', None, "cannot load this checkpoint"),
+    ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 3}', None, "cannot load this checkpoint"),
+    (None, b"\xff" * 64, "cannot load this checkpoint"),
+], ids=["field-type", "heads", "junk-weights"])
+def test_an_hf_checkpoint_the_loaders_refuse_is_a_usage_error(tmp_path, capsys, config, weights, message):
+    """transformers and safetensors refuse a bad checkpoint with their own exception types
+    (not ValueError): those were tracebacks."""
+    transformers = pytest.importorskip("transformers")
+    if config is None:
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    else:
+        (tmp_path / "config.json").write_text(config)
+    if weights is not None:
+        (tmp_path / "model.safetensors").write_bytes(weights)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, "--hf", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvpool demo: error:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_json_target_that_cannot_be_written_at_the_end_is_an_error_not_a_traceback(capsys):
+    """/dev/full takes the open and refuses the write: the run's figures cannot be saved,
+    which is said in one line with exit status 1."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *TINY, "--json", "/dev/full"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "cannot write --json" in err and "Traceback" not in err, err
 
 
 def test_usage_error_from_python_dash_m_has_no_traceback():

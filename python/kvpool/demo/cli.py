@@ -141,6 +141,12 @@ def _check_allocator_bounds(args: argparse.Namespace, max_ctx: int, usage_error:
     elif args.host_pages > MAX_PAGES:
         message = (f"--host-pages {args.host_pages} is more than kvpool's allocator takes; give 0 (no host tier) or "
                    f"a number in [2, {MAX_PAGES}]")
+    elif max_ctx > -(-args.pool_tokens // args.page_size) * args.page_size:
+        # Checked before anything is built: the request table and the prompts of such lengths
+        # (a 1e8-token --prompt-len) each passed the memory check alone and together filled
+        # the machine, and the engine would refuse the requests only after all that.
+        message = (f"{lengths} make requests of up to {max_ctx} tokens, more than the pool's --pool-tokens "
+                   f"{args.pool_tokens} holds: enlarge the pool or shorten the requests")
     if message is None:
         return
     if usage_error is None:
@@ -248,6 +254,7 @@ def run(args: argparse.Namespace,
     from kvpool.demo.model import ModelConfig, build_model
     from kvpool.demo.report import figures
     from kvpool.demo.requests import synthetic_requests
+    from kvpool.errors import KVPoolError
     from kvpool.out_of_memory import refuse_out_of_memory
 
     device = torch.device(args.device)
@@ -277,6 +284,14 @@ def run(args: argparse.Namespace,
                     if usage_error is None:
                         raise
                     usage_error(str(e))
+                except (ValueError, KVPoolError, OSError):
+                    raise  # (_setup_errors words them)
+                except Exception as e:  # noqa: BLE001 - a checkpoint the loaders refuse in their own types
+                    if usage_error is None:
+                        raise
+                    text = " ".join(str(e).split())  # (one line: the usage error is one)
+                    usage_error(f"--hf {args.hf!r}: cannot load this checkpoint ({type(e).__name__}: "
+                                f"{text[:300] or 'no message'})")
                 cfg = model.cfg
             else:
                 cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
@@ -372,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpool.bench.cli import check_outputs
 
         problem = check_outputs(args, [("--json", args.json)])
+        if not problem and os.path.exists(args.json) and not os.access(args.json, os.W_OK):
+            problem = f"--json: {args.json!r} exists and is not writable; give a writable path"
         if problem:
             parser.error(problem.replace("give --out a writable directory", "give --json a writable path"))
     if args.hf and not os.path.isdir(args.hf):
@@ -395,8 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             fig["without_host_tier"]["prefix"] = without["prefix"]
         print(_tier_comparison(fig, without))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(fig, f, indent=2)
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(fig, f, indent=2)
+        except OSError as e:  # (made unwritable during the run, or a device that is full)
+            parser.exit(1, f"kvpool demo: error: cannot write --json {args.json!r}: {e}\n")
         print(f"  figures written to {args.json}")
     return 0
 
