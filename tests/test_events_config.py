@@ -66,6 +66,9 @@ def test_good_rank_and_topic_are_sent():
 @pytest.mark.parametrize("endpoint, kw, match", [
     ("not-an-endpoint", {}, "endpoint"),
     (5, {}, "endpoint"),
+    ("tcp://127.0.0.1:99999", {}, "port 99999"),  # (ZMQ bound port 99999 - 65536)
+    ("tcp://127.0.0.1:-1", {}, "port -1"),
+    ("tcp://127.0.0.1:0", dict(replay_endpoint="tcp://127.0.0.1:70000"), "port 70000"),
     ("tcp://127.0.0.1:0", dict(hwm="x"), "hwm"),
     ("tcp://127.0.0.1:0", dict(hwm=-5), "hwm"),
     ("tcp://127.0.0.1:0", dict(hwm=True), "hwm"),

@@ -45,6 +45,17 @@ def check_context(context: Any) -> None:
 _POLL_MS = 50
 
 
+def bad_tcp_port(endpoint: str | None) -> str | None:
+    """The port of a ``tcp://host:port`` endpoint when it is outside [0, 65535] (or a sign
+    ZMQ would read), else None."""
+    if endpoint is None or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return None
+    port = endpoint.rsplit(":", 1)[1]
+    if port == "*" or (port.isdigit() and int(port) <= 65535):
+        return None
+    return port
+
+
 def binds(endpoint: str) -> bool:
     """Whether the publisher binds ``endpoint`` (else it connects, to a forwarder):
     a wildcard host, ipc:// or inproc://, as vLLM decides, and port 0 (an
@@ -95,6 +106,10 @@ class ZmqEventPublisher(EventPublisher):
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
             raise InvalidArgumentError(f"replay_endpoint must be None or a str such as 'tcp://*:5558', "
                                        f"got {replay_endpoint!r}")
+        for name, e in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
+            if (bad := bad_tcp_port(e)) is not None:
+                raise InvalidArgumentError(f"{name} {e!r} names port {bad}; a TCP port is in [0, 65535] "
+                                           "(ZMQ would take it modulo 65536 and bind another one)")
         if not is_int(hwm) or not 0 <= hwm <= ZMQ_INT_MAX:
             raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "
                                        f"C int), got {hwm!r}")
