@@ -54,6 +54,14 @@ def test_a_pool_built_without_kv_events_is_refused(torch_pool):
         LocalEventPublisher(pool)
 
 
+def test_a_terminated_context_is_typed():
+    """Was: a raw zmq.ZMQError from its first socket() (the router's feed checks the same)."""
+    ctx = zmq.Context()
+    ctx.term()
+    with pytest.raises(kvpool.InvalidArgumentError, match="terminated"):
+        ZmqEventPublisher(alloc(), "tcp://127.0.0.1:0", context=ctx)
+
+
 def test_good_rank_and_topic_are_sent():
     a = alloc()
     pub = LocalEventPublisher(a, topic="kv", data_parallel_rank=np.int64(2))

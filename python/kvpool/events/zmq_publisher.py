@@ -40,6 +40,9 @@ def check_context(context: Any) -> None:
     any socket is made (anything else fails at its first ``socket()``)."""
     if context is not None and not isinstance(context, zmq.Context):
         raise InvalidArgumentError(f"context must be None or a zmq.Context, got {type(context).__name__}")
+    if context is not None and context.closed:
+        raise InvalidArgumentError("context is a terminated zmq.Context (term() was called): pass a live one, "
+                                   "or None for the process-wide instance")
 
 # How often an idle sender thread looks for replay requests.
 _POLL_MS = 50
