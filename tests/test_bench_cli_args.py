@@ -35,6 +35,7 @@ BAD = [
     ("route", ["--fill", "0"], "--fill"),
     ("route", ["--pool-slots", "100"], "--pool-slots"),
     ("route", ["--lanes", "0"], "--lanes"),
+    ("route", ["--pools", "100000"], "--pools"),  # past the router's 65536 (was: minutes of building pools)
     ("events", ["--sizes", "10,x"], "--sizes"),
     ("hybrid-memory", ["--full-every", "0"], "--full-every"),
     ("hybrid-memory", ["--full-every", "99"], "--full-every 99"),

@@ -30,8 +30,9 @@ def parse_size(text: str) -> int:
     return n
 
 
-def count(minimum: int = 1) -> Callable[[str], int]:
-    """A whole number >= ``minimum``; anything else is a usage error that names the bound."""
+def count(minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    """A whole number >= ``minimum`` (and <= ``maximum``, if given); anything else is a usage
+    error that names the bound."""
 
     def conv(text: str) -> int:
         try:
@@ -40,6 +41,8 @@ def count(minimum: int = 1) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= {minimum}") from None
         if n < minimum:
             raise argparse.ArgumentTypeError(f"{n} is too small; give a whole number >= {minimum}")
+        if maximum is not None and n > maximum:
+            raise argparse.ArgumentTypeError(f"{n} is too large; give a whole number <= {maximum}")
         return n
 
     return conv

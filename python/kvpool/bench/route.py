@@ -22,6 +22,7 @@ from typing import Any
 from kvpool.bench import cli, report
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTraceConfig, generate
 from kvpool.bench.trace import Dist
+from kvpool.router.router import MAX_POOLS
 
 AGREEMENT_TARGET = 0.999
 # --quick: seconds (tests, CI): short prompts and outputs, so turns come back within the steps.
@@ -31,7 +32,7 @@ QUICK_LENGTHS = dict(user_len=Dist(16, 64), output=Dist(4, 24), turns=Dist(2, 6)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pools", type=cli.count(1), default=4, help="pools (default 4)")
+    p.add_argument("--pools", type=cli.count(1, MAX_POOLS), default=4, help=f"pools (default 4, at most {MAX_POOLS})")
     p.add_argument("--scenario", default="chat", choices=SCENARIOS, help="prefix trace scenario (default chat)")
     p.add_argument("--page-size", type=cli.count(1), default=16)
     p.add_argument("--pool-slots", type=cli.parse_size, default=1 << 16, help="slots per pool (default 64K)")
