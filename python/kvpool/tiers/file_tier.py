@@ -138,8 +138,11 @@ class FileTier(TierBackend):
                     with self._lock:
                         self.misses += 1
                     return None
-                data = fh.read(self._max + 1)  # (bounded: the file may have grown since fstat)
-                if len(data) > self._max:
+                # Its size and one byte more: a file growing under the read is not a record
+                # (records are renamed into place whole). Not max_bytes + 1, which read()
+                # would allocate up front.
+                data = fh.read(st.st_size + 1)
+                if len(data) > st.st_size:
                     with self._lock:
                         self.misses += 1
                     return None
