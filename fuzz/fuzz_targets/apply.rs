@@ -3,7 +3,7 @@
 //! promised (a whole request, a fork, a prefix open, the batch queries).
 
 use crate::extend::{extend, extend_need, extend_tokens, record_extend, tok, Toks};
-use crate::model::{queued_copies, Model, Req};
+use crate::model::{Model, Req};
 use crate::{Op, Prompt, Salt, H, N};
 use kvpool_core::{Counts, SlotAllocator};
 use std::collections::HashSet;
@@ -242,11 +242,19 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
         Op::SwapOut(v) => {
             let hs = handles(issued, m, a, v);
             let offloads = a.pending_offloads();
-            let dst: HashSet<i32> = queued_copies(a)
+            // What swap_out keeps on the device (`allocator/swap.rs`): pages
+            // a queued copy (slots) or load (pages) has yet to fill, and
+            // shared ones.
+            let q = crate::model::queued(a);
+            let ps = a.page_size() as i64;
+            let to_fill: HashSet<i32> = q
+                .copies
                 .1
                 .iter()
-                .map(|&d| (d / a.page_size() as i64) as i32)
+                .map(|&d| (d / ps) as i32)
+                .chain(q.loads.1.iter().map(|&p| p as i32))
                 .collect();
+            let holders = m.holders(a);
             let before: Vec<Vec<i32>> =
                 hs.iter().map(|&h| a.pages(h).unwrap_or_default()).collect();
             if a.swap_out(&hs).is_err() {
@@ -255,7 +263,10 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             for (&h, pages) in hs.iter().zip(before) {
                 assert_eq!(a.is_swapped(h), Ok(true));
                 if let Some(r) = m.reqs.get_mut(&h) {
-                    r.kept_copy_dst = pages.into_iter().filter(|p| dst.contains(p)).collect();
+                    r.kept_on_device = pages
+                        .into_iter()
+                        .filter(|p| to_fill.contains(p) || holders.get(p).is_some_and(|&n| n > 1))
+                        .collect();
                 }
             }
             assert!(a.pending_offloads() >= offloads);
@@ -269,7 +280,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             for &h in &hs {
                 assert_eq!(a.is_swapped(h), Ok(false));
                 if let Some(r) = m.reqs.get_mut(&h) {
-                    r.kept_copy_dst.clear();
+                    r.kept_on_device.clear();
                 }
             }
             true

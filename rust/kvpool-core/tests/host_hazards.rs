@@ -179,6 +179,31 @@ fn a_page_a_queued_copy_must_fill_is_not_offloaded() {
     assert_eq!(e.a.known_tokens(r).unwrap(), [1, 1, 1, 2]);
 }
 
+/// (d'') A shared, partly filled page a swapped-out request keeps. Its
+/// fork parent grows into the page while the child is out: writing in
+/// place would put the parent's token where the child's next one goes
+/// once it swaps back in. Guard: the swapped-out child still holds the
+/// page it shares (`swap_out` leaves it on the device), so the parent's
+/// extend copies it and takes one page, as with a resident child.
+#[test]
+fn a_shared_page_a_swapped_out_request_keeps_is_copied_before_a_write() {
+    let mut e = Engine::new(6, 2, 4, WriteBack);
+    let (r, _) = e.open(&[1, 1, 1], 0);
+    e.prefill(r);
+    let kid = e.a.fork(r, 1).unwrap()[0];
+    e.reqs.insert(kid, e.reqs[&r].clone());
+    e.swap_out(kid);
+    let free = e.a.free_pages();
+    e.extend(r, &[2], true);
+    assert_eq!(e.a.pending_copies(), 0, "the step ran the copy");
+    assert_eq!(e.a.free_pages(), free - 1, "the shared last page was copied");
+    e.swap_in(kid);
+    e.extend(kid, &[3], true);
+    e.verify().unwrap();
+    assert_eq!(e.a.known_tokens(r).unwrap(), [1, 1, 1, 2]);
+    assert_eq!(e.a.known_tokens(kid).unwrap(), [1, 1, 1, 3]);
+}
+
 /// (e) One batch: prompt A hits a host-only page, prompt B a CACHED device
 /// page, the only page left to take. Guard: every hit of the batch is held
 /// or pinned before any page is taken; A's load then cannot evict the page
