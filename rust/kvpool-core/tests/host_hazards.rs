@@ -196,7 +196,11 @@ fn a_shared_page_a_swapped_out_request_keeps_is_copied_before_a_write() {
     let free = e.a.free_pages();
     e.extend(r, &[2], true);
     assert_eq!(e.a.pending_copies(), 0, "the step ran the copy");
-    assert_eq!(e.a.free_pages(), free - 1, "the shared last page was copied");
+    assert_eq!(
+        e.a.free_pages(),
+        free - 1,
+        "the shared last page was copied"
+    );
     e.swap_in(kid);
     e.extend(kid, &[3], true);
     e.verify().unwrap();
