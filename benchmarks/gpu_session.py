@@ -18,6 +18,9 @@ this order, so that a session that is cut short still has the most basic answers
   hf_split     where generate's host time goes on the GPU: the caches'
                update (and KVPoolCache.update's parts), attention, the
                rest (benchmarks/hf_split.py --device cuda --parts)       hf_split.json
+  hf_diff      the functions whose own time differs most between generate
+               with KVPoolCache and with DynamicCache, batch 8, cProfile of
+               the whole calls (benchmarks/hf_profile_diff.py)          hf_diff.json
   cuda_tests:F every test file that needs CUDA (tests/test_*cuda*.py and any file
                that skips without CUDA), one section per file, with
                KVPOOL_CHECK_LAUNCH=1                                    cuda_tests/F.xml
@@ -100,6 +103,8 @@ def plan(out: Path, device: str, py: str = sys.executable) -> list[Section]:
                    else ["--rounds", "3"])),
         Section("hf_split", 60, [py, str(BENCH / "hf_split.py"), "--parts", "--out", str(out / "hf_split.json"), *dev]
                 + (["--rounds", "1", "--prompt-len", "16", "--new-tokens", "4"] if dry else ["--rounds", "3"])),
+        Section("hf_diff", 60, [py, str(BENCH / "hf_profile_diff.py"), "--out", str(out / "hf_diff.json"), *dev]
+                + (["--rounds", "1", "--batch", "1", "--new-tokens", "4"] if dry else ["--rounds", "3"])),
     ]
     for f in cuda_test_files():
         # Every cached Triton launch in these tests is checked against the kernel Triton

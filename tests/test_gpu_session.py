@@ -49,7 +49,7 @@ def test_dry_run_of_the_whole_session(tmp_path):
     bad = {k: v for k, v in sections.items() if v["status"] != "ok"}
     assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
-    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", "hf_split", *cuda,
+    assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", "hf_split", "hf_diff", *cuda,
                               "shapes"]
     for sec in sections.values():
         assert (out / sec["log"]).exists() and sec["seconds"] <= sec["budget_s"]
@@ -88,6 +88,10 @@ def test_dry_run_of_the_whole_session(tmp_path):
     assert split["settings"]["device"] == "cpu" and split["settings"]["parts"]
     assert {"begin_step", "store", "kv", "flush"} <= set(split["results"]["kvpool"])
     assert all(split["results"][c]["total"] > split["results"][c]["update"] > 0 for c in ("dynamic", "kvpool"))
+    diff = json.loads((out / "hf_diff.json").read_text())
+    assert diff["settings"]["device"] == "cpu" and all(diff["totals"][c] > 0 for c in ("dynamic", "kvpool"))
+    # KVPoolCache's own step code shows up, in its column only.
+    assert any("_requests.py" in r["function"] and r["dynamic_us"] == 0 < r["kvpool_us"] for r in diff["rows"])
     shapes = json.loads((out / "shapes.json").read_text())["shapes"]
     assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
     for name, r in shapes.items():
