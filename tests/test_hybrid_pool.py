@@ -10,6 +10,7 @@ from kvpool import KVPool, audit
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, RollbackUnavailableError
 from kvpool.errors import LayerIndexError, SlotRangeError, TensorDtypeError
 from kvpool.hybrid import HybridKVPool
+from kvpool.hybrid_plan import STATE_DTYPES
 
 W, P = 8, 4
 TYPES = ["sliding_attention", "full_attention", "linear_attention", "sliding_attention"]
@@ -272,12 +273,30 @@ def test_retention_priorities_are_a_typed_error_that_changes_nothing(call):
     (dict(host_memory_bytes=1 << 20), "host_memory_bytes"),
     (dict(host_policy="write_through"), "host_policy"),
     (dict(dtype=torch.float8_e4m3fn), "fp8"),
+    (dict(state_shapes={"conv": ((6, 4), torch.float8_e4m3fn)}), "cannot zero and copy"),
+    (dict(state_shapes={"conv": ((6, 4), torch.uint16)}), "cannot zero and copy"),
     (dict(num_pages=None), "num_pages"),
     (dict(page_size={"full_attention": 0}), "page_size"),
 ])
 def test_bad_configuration_is_a_typed_error(kw, match):
     with pytest.raises(InvalidArgumentError, match=match):
         make(**kw)
+
+
+@pytest.mark.parametrize("dtype", STATE_DTYPES, ids=str)
+def test_every_state_dtype_a_pool_accepts_is_zeroed_and_copied(dtype):
+    """A state dtype refused at construction (fp8, uint16) failed at the first open, after the
+    core had opened the request; each one accepted runs open's zeroing and fork's copy."""
+    pool = make(state_shapes={"s": ((3,), dtype)})
+    h = pool.open(1)
+    st, s = pool.state(2, "s"), pool.state_slots(h, 2)
+    st[s] = torch.ones((), dtype=dtype)
+    (f,) = pool.fork(int(h[0]), 1)
+    assert (st[pool.state_slots([f], 2)] == 1).all()
+    pool.close([f])
+    g = pool.open(3)
+    assert pool.open_requests == 4 and not st[pool.state_slots(g, 2)].to(torch.bool).any()
+    pool.check()
 
 
 def test_no_host_tier_spelled_out_is_the_default():

@@ -161,6 +161,14 @@ def plan_groups(
     return groups
 
 
+# A state row is zeroed for a new request and copied for a fork or checkpoint with
+# index_fill_ / index_select / index_copy_ (hybrid_copies.py), after the core has changed:
+# torch implements those for these dtypes only (not fp8, not uint16-64), so any other is
+# refused when the pool is built rather than at the first open.
+STATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
+
+
 def plan_states(state_shapes: Any, dtype: torch.dtype, has_state: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``state_shapes`` as ``{name: (shape per request, dtype)}``: each value a shape
     (the pool's dtype) or a ``(shape, dtype)`` pair."""
@@ -184,6 +192,10 @@ def plan_states(state_shapes: Any, dtype: torch.dtype, has_state: bool) -> dict[
                 isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in shape):
             raise InvalidArgumentError(
                 f"state_shapes[{name!r}] must be a shape of positive ints (or (shape, dtype)), got {value!r}")
+        if dt not in STATE_DTYPES:
+            raise InvalidArgumentError(
+                f"state_shapes[{name!r}] has dtype {dt}, which torch cannot zero and copy by rows "
+                f"(index_fill_ / index_copy_); give a state dtype among {[str(d) for d in STATE_DTYPES]}")
         out[name] = (tuple(int(s) for s in shape), dt)
     return out
 
