@@ -110,6 +110,28 @@ fn a_low_priority_with_a_duration_rises_to_the_default_at_its_end() {
 }
 
 #[test]
+fn the_default_priority_given_with_a_duration_keeps_its_place_at_its_end() {
+    // 34 and 36 leave the default list's order when given, and rejoin it as
+    // its newest when they end; a page given 35 never left it, so giving it
+    // and its end both leave it where it is (the Python reference in
+    // tests/test_review_monitoring.py keeps the same rule).
+    let rev = |p: &[i32]| p.iter().rev().copied().collect::<Vec<_>>();
+    for q in [DEFAULT_PRIORITY as i64 - 1, DEFAULT_PRIORITY as i64, DEFAULT_PRIORITY as i64 + 1] {
+        let mut a = pool(None);
+        let timed = serve(&mut a, &seq(4, 0), Some((q, Some(1.0))));
+        let d1 = serve(&mut a, &seq(4, 100), None);
+        a.set_clock(2.0).unwrap();
+        a.check().unwrap();
+        let want = if q == DEFAULT_PRIORITY as i64 {
+            [rev(&timed), rev(&d1)].concat()
+        } else {
+            [rev(&d1), rev(&timed)].concat()
+        };
+        assert_eq!(evicted(&mut a, 4), want, "priority {q}");
+    }
+}
+
+#[test]
 fn priority_100_with_no_duration_pins_until_unpin() {
     let mut a = pool(None);
     let prompt = seq(8, 0);
