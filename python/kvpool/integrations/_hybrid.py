@@ -29,6 +29,7 @@ from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
+from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
 from kvpool.integrations._requests import check_not_empty
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
@@ -49,6 +50,7 @@ class HybridRequests:
         self.device = torch.device(pool.device)
         self.dtype, self.heads, self.head_dim = pool.dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None
+        self.prefix_unstarted = False  # rows opened on prefix_ids, no forward since
         self.length = 0
         self.prefix_mode = False
         self.published = -1  # the length cache() was last called at
@@ -76,13 +78,12 @@ class HybridRequests:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
             self.fresh = True
-        elif batch != self.handles.shape[0]:
-            raise TensorShapeError(
-                f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
-                "use one KVPoolCache per batch (or reorder/select it first)")
+        elif batch != self.handles.shape[0] and not repeat_prefix_rows(self, batch):
+            raise TensorShapeError(batch_mismatch(batch, self.handles.shape[0]))
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self.prefix_unstarted = False  # (open_with_prefix sets it once the rows are in place)
         # Through the pool's pinned ring (CUDA): from pageable memory the copy would sync.
         self._rows = index_tensor(self.pool.rows(self.handles).astype(np.int64), getattr(self.pool, "_to_device", None),
                                   self.device)
@@ -131,6 +132,7 @@ class HybridRequests:
     def begin_step(self, tokens: int) -> None:
         """Extend every row by ``tokens`` in every group (all-or-nothing)."""
         assert self.handles is not None
+        self.prefix_unstarted = False
         check_in_step(self.layers, self.length, "a new forward")
         self.check_edits()
         self.check_states("a new forward", started=True)
@@ -279,6 +281,7 @@ class HybridRequests:
         self._set_handles(handles)
         self.length = self.before = self.published = common
         self.prefix_mode, self.cached_lens = True, cached
+        self.prefix_unstarted = True  # until a forward: generate may still expand the batch
 
     def close(self) -> None:
         if self.handles is not None:

@@ -79,3 +79,24 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
         batch.pool.close(np.asarray(dropped, dtype=np.int64))
     batch._shared = batch._shared or bool(made and batch.length > 0)
     batch._set_handles(out)
+
+
+def repeat_prefix_rows(batch: Any, rows: int) -> bool:
+    """Whether ``batch`` (rows opened on ``prefix_ids``, no forward since) took a first forward
+    of ``rows`` = k x its rows as ``generate``'s expansion for beam search or
+    ``num_return_sequences`` (``repeat_interleave`` of the input ids, made after the cache
+    was built): then each row becomes k consecutive rows (forks sharing the hit's pages, as
+    ``batch_repeat_interleave(k)``), and the forward goes on. Any other batch is not."""
+    n = batch.handles.shape[0]
+    if not batch.prefix_unstarted or rows <= n or rows % n:
+        return False
+    batch.reorder([i for i in range(n) for _ in range(rows // n)])
+    return True
+
+
+def batch_mismatch(rows: int, held: int) -> str:
+    """The refusal of a forward whose batch is not the cache's rows."""
+    return (f"the batch has {rows} rows but this cache holds {held} pool requests; use one KVPoolCache "
+            "per batch (or reorder/select it first; a cache opened on prefix_ids= also takes a first "
+            "forward of k times its rows, as generate's beam search and num_return_sequences make)")
+

@@ -20,7 +20,7 @@ from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
-from kvpool.integrations._reorder import reorder_rows
+from kvpool.integrations._reorder import batch_mismatch, reorder_rows, repeat_prefix_rows
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.kernels._common import check_dense
@@ -67,6 +67,7 @@ class BatchRequests:
         self.cuda = self.device.type == "cuda"
         self.dtype, self.heads, self.head_dim = pool.compute_dtype, pool.num_kv_heads, pool.head_dim
         self.handles: np.ndarray | None = None  # int64 [B]
+        self.prefix_unstarted = False  # rows opened on prefix_ids, no forward since
         self.length = 0
         self.prefix_mode = False
         self.cached_lens: np.ndarray | None = None  # prefix hits per row, when prefix_mode
@@ -132,6 +133,7 @@ class BatchRequests:
 
     def _set_handles(self, handles: np.ndarray) -> None:
         self.handles = np.ascontiguousarray(handles, dtype=np.int64)
+        self.prefix_unstarted = False  # (open_with_prefix sets it once the rows are in place)
         self._edits = getattr(self.pool, "_row_edits", 0)  # (the cache's own calls: the rows are as it left them)
         self.batch = self.handles.shape[0]
         self._decode_slots = np.empty(self.batch, dtype=np.int64)
@@ -152,10 +154,8 @@ class BatchRequests:
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
             self._fresh = True
-        elif batch != self.handles.shape[0]:
-            raise TensorShapeError(
-                f"the batch has {batch} rows but this cache holds {self.handles.shape[0]} pool requests; "
-                "use one KVPoolCache per batch (or reorder/select it first)")
+        elif batch != self.handles.shape[0] and not repeat_prefix_rows(self, batch):
+            raise TensorShapeError(batch_mismatch(batch, self.handles.shape[0]))
 
     def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
         """Open one request per row of ``prefix_ids`` [B, T] on the longest cached prefix.
@@ -189,6 +189,7 @@ class BatchRequests:
         self._shared = True
         self._set_handles(handles)
         self.length, self.prefix_mode, self.cached_lens = common, True, cached
+        self.prefix_unstarted = True  # until a forward: generate may still expand the batch
 
     # -- a step -------------------------------------------------------------------------
     def kv_ok(self, key_states: Any, value_states: Any) -> bool:
@@ -231,6 +232,7 @@ class BatchRequests:
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``). ``grad``: whether the step runs under grad mode (None: ask torch)."""
         assert self.handles is not None
+        self.prefix_unstarted = False
         stream = None
         if self.cuda:
             # A deferred step makes no pool call, and a flush would be recorded into the graph
