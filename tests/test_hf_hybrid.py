@@ -15,7 +15,7 @@ from _hf_models import CACHE_KW, VOCAB, greedy, left_padded
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 from transformers import DynamicCache
 
-from kvpool.errors import TensorShapeError
+from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid import PoolStateLayer
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
@@ -104,6 +104,22 @@ def test_kv_of_the_wrong_geometry_is_a_typed_error():
         with pytest.raises(TensorShapeError, match="kv_heads|\\[batch, 2"):
             cache.update(k, k, 0)
         assert pool.open_requests == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_kv_of_the_wrong_dtype_or_device_gets_the_plain_caches_error_class(arch):
+    """An engine's `except TensorDtypeError` (a model/pool dtype mismatch) must catch it on a
+    sliding-window model too: the hybrid cache raised TensorShapeError for both."""
+    model = tiny(arch)
+    pool = pool_for_model(model, max_tokens=64, page_size=P, max_requests=2)
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    with KVPoolCache(pool) as cache:
+        for k, err, match in ((torch.zeros(1, heads, 2, dim, dtype=torch.float64), TensorDtypeError, "float64"),
+                              (torch.zeros(1, heads, 2, dim, device="meta"), TensorDeviceError, "meta")):
+            with pytest.raises(err, match=match):
+                cache.update(k, k, 0)
+            assert pool.open_requests == 0
+        pool.check()
 
 
 def test_pool_for_model_builds_the_plain_pool_when_no_window_slides():

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
@@ -118,11 +118,17 @@ class HybridRequests:
     def check_kv(self, key_states: Any, value_states: Any) -> None:
         for name, x in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[1] != self.heads or \
-                    x.shape[3] != self.head_dim or x.dtype != self.dtype or x.device != self.device:
-                got = (list(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x).__name__
+                    x.shape[3] != self.head_dim:
+                got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise TensorShapeError(
-                    f"{name} must be [batch, {self.heads}, tokens, {self.head_dim}] {self.dtype} on {self.device} "
+                    f"{name} must be [batch, {self.heads}, tokens, {self.head_dim}] "
                     f"(the pool's geometry; pool_for_model(model) sizes it), got {got}")
+            # The plain cache's error classes, so that one except clause serves both pools.
+            if x.dtype != self.dtype:
+                raise TensorDtypeError(f"{name} is {x.dtype}; the pool stores {self.dtype} rows "
+                                       "(build the pool with the model's dtype)")
+            if x.device != self.device:
+                raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {self.device}")
             check_dense(x, name)
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
