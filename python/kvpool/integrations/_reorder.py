@@ -99,4 +99,3 @@ def batch_mismatch(rows: int, held: int) -> str:
     return (f"the batch has {rows} rows but this cache holds {held} pool requests; use one KVPoolCache "
             "per batch (or reorder/select it first; a cache opened on prefix_ids= also takes a first "
             "forward of k times its rows, as generate's beam search and num_return_sequences make)")
-
