@@ -116,7 +116,11 @@ fn the_default_priority_given_with_a_duration_keeps_its_place_at_its_end() {
     // and its end both leave it where it is (the Python reference in
     // tests/test_review_monitoring.py keeps the same rule).
     let rev = |p: &[i32]| p.iter().rev().copied().collect::<Vec<_>>();
-    for q in [DEFAULT_PRIORITY as i64 - 1, DEFAULT_PRIORITY as i64, DEFAULT_PRIORITY as i64 + 1] {
+    for q in [
+        DEFAULT_PRIORITY as i64 - 1,
+        DEFAULT_PRIORITY as i64,
+        DEFAULT_PRIORITY as i64 + 1,
+    ] {
         let mut a = pool(None);
         let timed = serve(&mut a, &seq(4, 0), Some((q, Some(1.0))));
         let d1 = serve(&mut a, &seq(4, 100), None);
