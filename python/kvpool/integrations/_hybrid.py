@@ -26,11 +26,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import KVPoolError, TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
-from kvpool.integrations._requests import check_not_empty
+from kvpool.integrations._requests import check_kv_type, check_not_empty
 from kvpool.integrations._row_checks import check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 from kvpool.kernels._common import check_dense
@@ -123,12 +123,7 @@ class HybridRequests:
                 raise TensorShapeError(
                     f"{name} must be [batch, {self.heads}, tokens, {self.head_dim}] "
                     f"(the pool's geometry; pool_for_model(model) sizes it), got {got}")
-            # The plain cache's error classes, so that one except clause serves both pools.
-            if x.dtype != self.dtype:
-                raise TensorDtypeError(f"{name} is {x.dtype}; the pool stores {self.dtype} rows "
-                                       "(build the pool with the model's dtype)")
-            if x.device != self.device:
-                raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {self.device}")
+            check_kv_type(name, x, self.dtype, self.device)  # (the plain cache's error classes)
             check_dense(x, name)
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "

@@ -34,6 +34,15 @@ PREFIX_NEEDS_CORE = (
 )
 
 
+def check_kv_type(name: str, x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """A step's K or V is of the pool's dtype and on its device (one error class each, for the
+    plain and the hybrid cache alike)."""
+    if x.dtype != dtype:
+        raise TensorDtypeError(f"{name} is {x.dtype}; the pool stores {dtype} rows (build the pool with the model's dtype)")
+    if x.device != device:
+        raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {device}")
+
+
 def check_not_empty(key_states: torch.Tensor) -> None:
     """A step's K/V ``[B, H, T, D]`` hold at least one row and one token: an empty batch would
     open no request, and an empty step extends nothing (the page table has no slot to read)."""
@@ -216,12 +225,7 @@ class BatchRequests:
                     f"{name} has {x.shape[1]} kv heads of dim {x.shape[3]}; the pool was built for "
                     f"num_kv_heads={pool.num_kv_heads}, head_dim={pool.head_dim} "
                     "(use pool_for_model(model) to size it from the model's config)")
-            if x.dtype != pool.compute_dtype:
-                raise TensorDtypeError(
-                    f"{name} is {x.dtype}; the pool stores {pool.compute_dtype} rows "
-                    "(build the pool with the model's dtype)")
-            if x.device != self.device:
-                raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {self.device}")
+            check_kv_type(name, x, pool.compute_dtype, self.device)
         if key_states.shape != value_states.shape:
             raise TensorShapeError(f"key_states {list(key_states.shape)} and value_states "
                                    f"{list(value_states.shape)} differ")
