@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpool import KVPool, audit
-from kvpool._core import InvalidArgumentError, PoolExhaustedError, RollbackUnavailableError
+from kvpool._core import InvalidArgumentError, InvalidHandleError, PoolExhaustedError, RollbackUnavailableError
 from kvpool.errors import LayerIndexError, SlotRangeError, TensorDtypeError
 from kvpool.hybrid import HybridKVPool
 from kvpool.hybrid_plan import STATE_DTYPES
@@ -253,6 +253,29 @@ def test_retention_priorities_are_a_typed_error_that_changes_nothing(call):
         call(pool, h)
     assert pool.open_requests == 1 and pool.lengths(h).tolist() == [9]
     assert [pool.cached_pages(layer) for layer in (0, 1)] == [0, 0]
+    pool.check()
+
+
+def test_unpin_and_set_clock_answer_as_on_a_plain_pool_without_priorities():
+    """Engine code shared with the plain pool calls unpin and set_clock: unpin checks the
+    handles as the plain pool does and unpins nothing (nothing can be pinned here),
+    set_clock is the typed refusal of a plain pool without manual_clock; nothing changes."""
+    pool = make()
+    h, _ = pool.open_with_prefix(np.arange(9), [9])
+    fill(pool, pool.extend(h, 9))
+    pool.cache(h)
+    before = [pool.cached_pages(layer) for layer in (0, 1)]
+    assert pool.unpin(h) == 0 and pool.unpin(torch.as_tensor(h.astype(np.int64))) == 0
+    with pytest.raises(InvalidArgumentError, match="more than once"):
+        pool.unpin([h[0], h[0]])
+    with pytest.raises(InvalidHandleError):
+        pool.unpin([h[0] ^ 1])
+    with pytest.raises(InvalidArgumentError, match="set_clock"):
+        pool.set_clock(5.0)
+    assert pool.lengths(h).tolist() == [9] and [pool.cached_pages(layer) for layer in (0, 1)] == before
+    pool.close(h)
+    with pytest.raises(InvalidHandleError):
+        pool.unpin(h)
     pool.check()
 
 

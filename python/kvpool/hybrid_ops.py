@@ -50,6 +50,15 @@ def _refuse_priorities(priority: Any, retain_s: Any) -> None:
             "with layer_types evicts least recently used first; pass neither")
 
 
+def _refuse_duplicates(handles: np.ndarray) -> None:
+    _, first, counts = np.unique(handles, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        dup = handles[first[counts > 1].min()]
+        again = int(np.flatnonzero(handles == dup)[1])
+        raise InvalidArgumentError(f"handle {int(dup)} appears more than once in the batch (again at index "
+                                   f"{again}); name each request once")
+
+
 class HybridRequestOps:
     """Mixin: ``HybridKVPool``'s request operations, queries and counters."""
 
@@ -260,6 +269,27 @@ class HybridRequestOps:
                 self._enter_device_call("cache")
             self.allocator.cache(handles)
             self._run_copies()
+
+    def unpin(self, handles: Any) -> int:
+        """The plain pool's ``unpin``, for engine code shared by both pools: a hybrid pool
+        pins nothing (``cache`` refuses ``priority=``), so once the handles are checked as
+        the plain pool checks them this unpins no page and returns 0.
+
+        Raises:
+            InvalidHandleError: a handle is unknown, closed or stale.
+            InvalidArgumentError: a duplicate handle.
+        """
+        with self._lock:
+            self.allocator.lengths(handles)  # the handles' own typed errors
+            _refuse_duplicates(np.asarray(handles).reshape(-1))
+        return 0
+
+    def set_clock(self, now: float) -> None:
+        """Refused (``InvalidArgumentError``), as on a plain pool without ``manual_clock=True``:
+        a hybrid pool keeps no retention priorities, so it has no clock to set."""
+        raise InvalidArgumentError(
+            f"set_clock({now!r}): a pool built with layer_types keeps no retention priorities and "
+            "runs on no clock of its own; manual_clock=True and set_clock are the plain pool's only")
 
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
         """``n`` copies of a request in every group (shared pages; state copied here).
