@@ -14,13 +14,13 @@ fn settle(a: &mut SlotAllocator, m: &mut Model) {
     m.apply_events(&e, a);
 }
 
-fn resolve(issued: &[i64], m: &Model, a: &SlotAllocator, h: H) -> i64 {
+fn resolve(issued: &[i64], m: &Model, h: H) -> i64 {
     match h {
         H::Open(i) => {
             let mut open: Vec<i64> = m.reqs.keys().copied().collect();
             open.sort_unstable();
             match open.len() {
-                0 => resolve(issued, m, a, H::Issued(i)),
+                0 => resolve(issued, m, H::Issued(i)),
                 n => open[i as usize % n],
             }
         }
@@ -30,17 +30,14 @@ fn resolve(issued: &[i64], m: &Model, a: &SlotAllocator, h: H) -> i64 {
     }
 }
 
-fn handles(issued: &[i64], m: &Model, a: &SlotAllocator, v: &[H]) -> Vec<i64> {
-    v.iter()
-        .take(8)
-        .map(|&h| resolve(issued, m, a, h))
-        .collect()
+fn handles(issued: &[i64], m: &Model, v: &[H]) -> Vec<i64> {
+    v.iter().take(8).map(|&h| resolve(issued, m, h)).collect()
 }
 
-fn split(issued: &[i64], m: &Model, a: &SlotAllocator, v: &[(H, N)]) -> (Vec<i64>, Vec<i64>) {
+fn split(issued: &[i64], m: &Model, v: &[(H, N)]) -> (Vec<i64>, Vec<i64>) {
     v.iter()
         .take(8)
-        .map(|&(h, c)| (resolve(issued, m, a, h), c.get()))
+        .map(|&(h, c)| (resolve(issued, m, h), c.get()))
         .unzip()
 }
 
@@ -60,17 +57,17 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
         }
         Op::OpenWithPrefix(prompts, salt) => open_with_prefix(a, m, issued, prompts, salt),
         Op::Extend(v, toks) => {
-            let (hs, cs) = split(issued, m, a, v);
+            let (hs, cs) = split(issued, m, v);
             let t = extend_tokens(m, &hs, &cs, toks);
             extend(a, m, &hs, &cs, t.as_deref(), false)
         }
         Op::ExtendEach(v, c) => {
-            let hs = handles(issued, m, a, v);
+            let hs = handles(issued, m, v);
             let cs = vec![c.get(); hs.len()];
             extend(a, m, &hs, &cs, None, true)
         }
         Op::ExtendWithStarts(v) => {
-            let (hs, cs) = split(issued, m, a, v);
+            let (hs, cs) = split(issued, m, v);
             let old: Vec<i64> = hs
                 .iter()
                 .map(|&h| a.length(h).unwrap_or(0) as i64)
@@ -98,7 +95,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             extend(a, m, &hs, &cs, t.as_deref(), false)
         }
         Op::Prefill(h, cache) => {
-            let h = resolve(issued, m, a, *h);
+            let h = resolve(issued, m, *h);
             let Some(r) = m.reqs.get(&h) else {
                 return false;
             };
@@ -147,7 +144,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
         }
         Op::Sample(h, n, toks) => {
             let before = issued.len();
-            let parent = resolve(issued, m, a, *h);
+            let parent = resolve(issued, m, *h);
             if !apply(a, m, issued, &Op::Fork(H::Raw(parent), *n)) {
                 return false;
             }
@@ -159,7 +156,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             true
         }
         Op::Truncate(v) => {
-            let (hs, cut) = split(issued, m, a, v);
+            let (hs, cut) = split(issued, m, v);
             let ls: Vec<i64> = hs
                 .iter()
                 .zip(&cut)
@@ -183,7 +180,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             true
         }
         Op::Close(v, cache) => {
-            let hs = handles(issued, m, a, v);
+            let hs = handles(issued, m, v);
             if a.close(&hs, *cache).is_err() {
                 return false;
             }
@@ -193,9 +190,9 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             }
             true
         }
-        Op::Cache(v) => a.cache(&handles(issued, m, a, v)).is_ok(),
+        Op::Cache(v) => a.cache(&handles(issued, m, v)).is_ok(),
         Op::Fork(h, n) => {
-            let h = resolve(issued, m, a, *h);
+            let h = resolve(issued, m, *h);
             let Ok(kids) = a.fork(h, *n as usize % 4) else {
                 return false;
             };
@@ -234,13 +231,13 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             assert_eq!(a.open_requests(), 0);
             true
         }
-        Op::Queries(v) => queries(a, &handles(issued, m, a, v)),
+        Op::Queries(v) => queries(a, &handles(issued, m, v)),
         Op::Drain => {
             m.drain(a);
             true
         }
         Op::SwapOut(v) => {
-            let hs = handles(issued, m, a, v);
+            let hs = handles(issued, m, v);
             let offloads = a.pending_offloads();
             // What swap_out keeps on the device (`allocator/swap.rs`): pages
             // a queued copy (slots) or load (pages) has yet to fill, and
@@ -273,7 +270,7 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             true
         }
         Op::SwapIn(v) => {
-            let hs = handles(issued, m, a, v);
+            let hs = handles(issued, m, v);
             if a.swap_in(&hs).is_err() {
                 return false;
             }
@@ -286,12 +283,12 @@ pub fn apply(a: &mut SlotAllocator, m: &mut Model, issued: &mut Vec<i64>, op: &O
             true
         }
         Op::CachePriority(v, q, secs) => {
-            let hs = handles(issued, m, a, v);
+            let hs = handles(issued, m, v);
             let r = a.cache_with_priority(&hs, Counts::Each(*q as i64), secs.map(f64::from));
             assert!(a.pinned_pages() <= a.max_pinned_pages());
             r.is_ok()
         }
-        Op::Unpin(v) => a.unpin(&handles(issued, m, a, v)).is_ok(),
+        Op::Unpin(v) => a.unpin(&handles(issued, m, v)).is_ok(),
         Op::Tick(s) => {
             let t = a.clock() + *s as f64;
             a.set_clock(t).is_ok()

@@ -380,13 +380,17 @@ impl Model {
     }
 }
 
+/// An open request's slots, pages and known tokens (swapped out: its length,
+/// no pages, and known tokens).
+type OpenRequest = (Vec<i64>, Vec<i32>, Vec<i32>);
+
 /// Everything a caller can observe, for the all-or-nothing check.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Snapshot {
     counters: [u64; 16],
     /// Per handle: open (with slots, pages and known tokens, or, swapped
     /// out, its length and known tokens) or not.
-    requests: Vec<(i64, Option<(Vec<i64>, Vec<i32>, Vec<i32>)>)>,
+    requests: Vec<(i64, Option<OpenRequest>)>,
     queued: (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>),
     /// What a fixed probe sees on a clone (free-stack and LRU order).
     probe: Vec<i64>,
