@@ -179,7 +179,7 @@ class DecodeGraphRunner:
         max_context_len = getattr(pool, "max_context_len", None)
         self._max_context_len = int(max_context_len) if is_int(max_context_len) else None
         with persistent():
-            self._pad = torch.tensor(self._pad_vals, dtype=torch.int64)
+            self._pad = torch.tensor(self._pad_vals, dtype=torch.int64, device="cpu")
             self._pad_dev = self._pad.to(self.device)
             self._static = torch.empty((len(INPUT_NAMES), width), dtype=torch.int64, device=self.device)
             # Every input's pad value across the widest bucket: a step's padding is one slice of it.

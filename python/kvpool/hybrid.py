@@ -251,7 +251,7 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, RowEdits):
             if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 0:
                 raise InvalidArgumentError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
             budget = int(memory_bytes)
-        token = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        token = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         return primary_pages_for_budget(budget, token_bytes=token, states=self.state_shapes,
                                         table_bytes=(self.max_requests + 1) * padded_row_stride(self.max_context_len) * 4,
                                         **plan)

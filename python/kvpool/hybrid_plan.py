@@ -214,7 +214,7 @@ def primary_pages_for_budget(
         raise InvalidArgumentError(
             f"group_pages[{primary.layer_type!r}] and memory_bytes / memory_fraction both size the "
             f"{primary.layer_type} layers' pages: give one (group_pages may size the other groups)")
-    row = sum(int(np.prod(shape)) * torch.empty((), dtype=dt).element_size() for shape, dt in states.values())
+    row = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in states.values())
     fixed = 0
     for g in draft:
         if g.kind == "state":

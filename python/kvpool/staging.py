@@ -66,7 +66,7 @@ def pool_to_device(pool: Any, *parts: np.ndarray) -> list[torch.Tensor]:
 
 def _pinned(nbytes: int) -> torch.Tensor:
     with persistent():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 class _Slot:

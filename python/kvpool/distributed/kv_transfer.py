@@ -123,7 +123,7 @@ class _Link:
         wait(work, self.timeout_s, what, self.peer)
 
     def send_ints(self, values: Any, what: str) -> None:
-        self.wait(self.send(torch.as_tensor(np.asarray(values, np.int64)).to(self.device), what), what)
+        self.wait(self.send(torch.from_numpy(np.asarray(values, np.int64)).to(self.device), what), what)
 
     def recv_ints(self, n: int, what: str) -> np.ndarray:
         # Zeroed: gloo completes a receive with a shorter message and leaves the rest of the
@@ -342,7 +342,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     def refuse(status: int, error: Exception, need: int = 0, extra: int = 0, patient: bool = True) -> Exception:
         """Tell the sender (so it fails now, not at its timeout), then hand back ``error``."""
         try:
-            reply = torch.as_tensor(np.array([status, 0, int(pool.free_pages), need, extra, 0], np.int64))
+            reply = torch.from_numpy(np.array([status, 0, int(pool.free_pages), need, extra, 0], np.int64))
             wait(link.send(reply.to(link.device), "refusal"), timeout_s if patient else min(timeout_s, REFUSAL_WAIT_S),
                  "refusal", src_rank)
         except TransferError:
@@ -421,7 +421,7 @@ def _refuse_unsupported(link: _Link, header: np.ndarray, why: str, timeout_s: fl
     try:
         if patient and n_meta:
             link.recv_ints(n_meta, "chain hashes and scales")
-        reply = torch.as_tensor(np.array([INCOMPATIBLE, 0, 0, 0, 0, 0], np.int64)).to(link.device)
+        reply = torch.from_numpy(np.array([INCOMPATIBLE, 0, 0, 0, 0, 0], np.int64)).to(link.device)
         wait(link.send(reply, "refusal"), timeout_s if patient else min(timeout_s, REFUSAL_WAIT_S), "refusal",
              link.peer)
     except TransferError:

@@ -295,7 +295,7 @@ class KVPoolCache(NotPicklable, Cache):
         the typed error for float indices or a mask of the wrong length, which would
         otherwise pick rows silently."""
         try:
-            idx = torch.as_tensor(indices)
+            idx = torch.as_tensor(indices, device=indices.device if isinstance(indices, torch.Tensor) else "cpu")
         except (TypeError, ValueError, RuntimeError):
             raise TensorDtypeError(f"{what} takes a tensor of integer row indices, got {type(indices).__name__}") \
                 from None

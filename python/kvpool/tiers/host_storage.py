@@ -224,7 +224,7 @@ def _drain() -> None:
 
 
 def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
 class HostStorage:
@@ -262,7 +262,9 @@ class HostStorage:
         self.pin_method = "none"
         with persistent(), refuse_out_of_memory("the host tier's pages", math.prod(shape) * dtype.itemsize, "cpu",
                                                 "use fewer host pages (host_pages or host_memory_bytes), layers, heads or a smaller head_dim"):
-            buf = torch.empty(shape, dtype=dtype)
+            # device= named: under torch.set_default_device / `with torch.device("cuda")` (model
+            # loading) a bare empty would put the host tier in device memory.
+            buf = torch.empty(shape, dtype=dtype, device="cpu")
             if pin:
                 _drain()
                 if _register(buf):
