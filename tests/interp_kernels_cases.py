@@ -231,6 +231,19 @@ def test_write_req_to_token_matches_reference(data, table_dtype, idx_dtype, pass
     assert torch.equal(table, ref)
 
 
+def test_write_req_to_token_refuses_offsets_that_are_not_the_prefix_sum():
+    """The kernel reads slots at offsets as given (the torch path sums the counts): offsets
+    past the slots read the heap into the table before this was checked."""
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    args = (torch.tensor([0, 2]), torch.tensor([1, 6]), torch.tensor([3, 2]), torch.arange(100, 105))
+    for bad in ([1000, 100000], [-50, 0], [2, 0]):
+        with pytest.raises(K.KernelArgumentError, match="exclusive prefix sum"):
+            K.write_req_to_token(table, *args, offsets=torch.tensor(bad))
+        assert not table.any()
+    K.write_req_to_token(table, *args, offsets=torch.tensor([0, 3]))
+    assert table[0, 1:4].tolist() == [100, 101, 102] and table[2, 6:8].tolist() == [103, 104]
+
+
 def test_write_req_to_token_long_request_loops():
     table = torch.zeros((2, 3000), dtype=torch.int32)
     slots = torch.arange(1, 2501, dtype=torch.int64)

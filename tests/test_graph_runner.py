@@ -198,6 +198,8 @@ def test_errors_leave_runner_usable():
         (dict(max_batch_size=4, warmup_iters="2"), "warmup_iters must be an int >= 1"),
         (dict(max_batch_size=4, warmup_iters=1.5), "warmup_iters must be an int >= 1"),
         (dict(max_batch_size=4, warmup_iters=0), "warmup_iters must be an int >= 1"),
+        # make_pool's max_context_len is 16: a padded row of length 17 would read past its row
+        (dict(max_batch_size=4, pad_seq_len=17), "past the pool's max_context_len 16"),
     ],
 )
 def test_constructor_errors(kwargs, match):
@@ -344,3 +346,34 @@ def test_capture_records_on_a_stream_of_the_pools_device(monkeypatch):
     # Warm-up, then the capture itself: both on a stream of cuda:1.
     assert captured == [torch.device("cuda", 1)] * 2
     assert runner.captured == [("no_grad", 2)]
+
+
+def test_pad_seq_len_up_to_max_context_len_is_what_padded_rows_carry():
+    seen = []
+    runner = DecodeGraphRunner(make_pool(), lambda *a: seen.append(a[4].tolist()) or a[0].clone(),
+                               max_batch_size=4, pad_seq_len=16)
+    runner.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [4, 5, 6], [1, 1, 1])
+    assert seen[-1] == [1, 1, 1, 16]
+
+
+def test_a_dataclass_output_is_cut_to_the_real_batch_as_a_dict_is():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        hidden: tuple
+        note: str = "kept"
+
+    step = lambda ids, *a: Out(ids.float()[:, None], (ids.float(),))  # noqa: E731
+    for copy in (False, True):
+        out = DecodeGraphRunner(make_pool(), step, max_batch_size=8, copy_outputs=copy).run(
+            [1, 2, 3], [0, 0, 0], [0, 1, 2], [4, 5, 6], [1, 1, 1])
+        assert type(out) is Out and out.logits.flatten().tolist() == [1.0, 2.0, 3.0]
+        assert out.hidden[0].tolist() == [1.0, 2.0, 3.0] and out.note == "kept"
+
+
+def test_a_0d_output_is_a_typed_error_naming_the_padded_rows():
+    runner = DecodeGraphRunner(make_pool(), lambda ids, *a: (ids.float(), ids.float().sum()), max_batch_size=8)
+    with pytest.raises(kvpool.InvalidArgumentError, match="0-d tensor"):
+        runner.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [4, 5, 6], [1, 1, 1])

@@ -208,3 +208,18 @@ def test_device_inputs_load_as_one_stack_and_one_pad(n, bucket, mixed):
         assert static[i, :n].tolist() == a.tolist()
         assert static[i, n:bucket].tolist() == [runner._pad_vals[i]] * (bucket - n)
     assert (static[:, bucket:] == -7).all()  # past the bucket: untouched
+
+
+@pytest.mark.parametrize("name", INPUT_NAMES)
+@pytest.mark.parametrize("flag", [True, np.bool_(True)], ids=["bool", "numpy-bool"])
+def test_a_bool_inside_a_list_input_is_refused_as_write_refuses_it(name, flag):
+    """numpy makes [0, True] an int array, and True would name row (or slot) 1: the step then
+    writes another request's K/V. KVPool.write refuses such a slot list; so does run()."""
+    pool, runner = _runner()
+    before = snapshot(pool)
+    args = _args(pool)
+    i = INPUT_NAMES.index(name)
+    args[i] = [args[i][0], flag]
+    with pytest.raises(kvpool.TensorDtypeError, match=rf"{name}\[1\] is the bool"):
+        runner.run(*args)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))

@@ -116,6 +116,18 @@ def _cache():
         (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([0, 1]),
                                              torch.tensor([0]), torch.tensor([1, 1]), torch.tensor([5, 6])),
          kvpool.TensorShapeError, "starts has 1 entries, expected 2"),
+        # offsets other than the counts' prefix sum: the interpreter read past slots with them
+        (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([0, 2]),
+                                             torch.tensor([1, 6]), torch.tensor([3, 2]), torch.arange(100, 105),
+                                             offsets=torch.tensor([2, 0])),
+         K.KernelArgumentError, r"offsets\[0\] = 2, but offsets must be the exclusive prefix sum"),
+        (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([0, 2]),
+                                             torch.tensor([1, 6]), torch.tensor([-1, 2]), torch.arange(100, 105),
+                                             offsets=torch.tensor([0, 1000])),
+         K.KernelArgumentError, r"offsets\[1\] = 1000, .*: 0 there"),
+        *[(lambda kc, vc, t=t: K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), None, k_scale=t),
+           K.KernelArgumentError, f"k_scale is a tensor of {t.dtype}")
+          for t in (torch.tensor([True]), torch.tensor([2]), torch.tensor([2 + 0j]))],
     ],
 )
 def test_bad_arguments_raise_typed_errors_and_write_nothing(call, err, match):

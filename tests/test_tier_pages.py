@@ -9,6 +9,7 @@ kvpool is imported, so the "kernel" method goes through the Triton kernel itself
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -248,3 +249,29 @@ def test_through_the_triton_interpreter(tmp_path):
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     assert counts["tests"] >= 100 and counts["failures"] == counts["errors"] == counts["skipped"] == 0, counts
+
+
+@pytest.mark.parametrize("direction", ["offload", "load"])
+@pytest.mark.parametrize("kind", ["inference", "requires_grad"])
+def test_a_destination_torch_cannot_write_is_refused_before_anything_moves(direction, kind):
+    """As store_kv and copy_slots refuse it: the moves write raw words, so torch would not."""
+    pool, host = make(torch.float32)
+    caches = list(pool._storage.caches)
+    if direction == "offload":
+        with torch.inference_mode() if kind == "inference" else contextlib.nullcontext():
+            dst = host.buffer.clone()
+        if kind == "requires_grad":
+            dst.requires_grad_(True)
+        args, name = (caches, dst, [2], [3]), "host"
+    else:
+        with torch.inference_mode() if kind == "inference" else contextlib.nullcontext():
+            caches[1] = caches[1].clone()
+        if kind == "requires_grad":
+            caches[1].requires_grad_(True)
+        dst = caches[1]
+        args, name = (host.buffer, caches, [3], [2]), r"device_caches\[1\]"
+    before = [bits(t.detach()).clone() for t in caches + [host.buffer, dst]]
+    call = offload_pages if direction == "offload" else load_pages
+    with torch.enable_grad(), pytest.raises(KernelArgumentError, match=name):
+        call(*args)
+    assert all(torch.equal(b, bits(t.detach())) for b, t in zip(before, caches + [host.buffer, dst]))

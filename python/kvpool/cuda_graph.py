@@ -46,6 +46,7 @@ the step runs eagerly, so results are identical to the graph path.
 from __future__ import annotations
 
 import copy as copy_module
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,6 +98,10 @@ def grad_mode() -> str:
 
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     if isinstance(out, torch.Tensor):
+        if out.dim() == 0:  # no rows: a value over the whole bucket, padded rows included
+            raise InvalidArgumentError("the step returned a 0-d tensor, which has no rows to cut to the real "
+                                       "batch (it would count the bucket's padded rows): return per-row tensors, "
+                                       "dim 0 the batch, and reduce over the first n rows after run()")
         return out[:n].clone() if copy else out[:n]
     if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields one by one
         return type(out)(*(_slice_rows(o, n, copy) for o in out))
@@ -107,6 +112,9 @@ def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
         for k, v in out.items():
             sliced[k] = _slice_rows(v, n, copy)
         return sliced
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):  # the same, field by field
+        return dataclasses.replace(out, **{f.name: _slice_rows(getattr(out, f.name), n, copy)
+                                           for f in dataclasses.fields(out) if f.init})
     return out
 
 
@@ -162,6 +170,10 @@ class DecodeGraphRunner:
         if not is_int(pad_seq_len) or not 0 <= pad_seq_len < 1 << 63:
             raise InvalidArgumentError(f"pad_seq_len must be an int >= 0 (and < 2**63: seq_lens are int64), "
                                        f"got {pad_seq_len!r}")
+        ctx = getattr(pool, "max_context_len", None)
+        if is_int(ctx) and pad_seq_len > ctx:  # padded rows would read past their table row
+            raise InvalidArgumentError(f"pad_seq_len {pad_seq_len} is past the pool's max_context_len {int(ctx)}: "
+                                       f"padded rows must carry a length a real row may have, [0, {int(ctx)}]")
         if not is_int(warmup_iters) or warmup_iters < 1:
             raise InvalidArgumentError(f"warmup_iters must be an int >= 1, got {warmup_iters!r}")
         self.pool, self.step = pool, step

@@ -54,6 +54,13 @@ def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
             for i, x in enumerate(a):
                 if isinstance(x, int) and not isinstance(x, bool) and not _I64.min <= x <= _I64.max:
                     raise _too_big(name, i, x, num_slots)
+        if arr.dtype.kind in "iu" and isinstance(a, (list, tuple)):
+            # numpy makes [0, True] ints, and True would name row or slot 1 (KVPool.write's rule).
+            kinds = set(map(type, a))
+            if bool in kinds or np.bool_ in kinds:
+                bad = next(i for i, x in enumerate(a) if isinstance(x, (bool, np.bool_)))
+                raise TensorDtypeError(f"{name}[{bad}] is the bool {a[bad]!r}: pass ints; a bool is never a "
+                                       "step input")
     if arr.ndim != 1:
         raise TensorShapeError(f"{name} must be 1-D, got shape {list(arr.shape)}")
     if arr.size == 0:

@@ -225,6 +225,9 @@ def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device
         raise TensorDtypeError(f"{name} has dtype {x.dtype}; expected one of {list(CACHE_DTYPES)}")
 
 
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def check_scale(scale: Scale, name: str, device: torch.device) -> None:
     # A number of any kind (numpy's too, as read from a checkpoint), never a bool: True
     # would pass as 1.0, a flag passed where the scale goes.
@@ -236,6 +239,9 @@ def check_scale(scale: Scale, name: str, device: torch.device) -> None:
         return
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         raise KernelArgumentError(f"{name} must be None, a float or a 1-element tensor")
+    if scale.dtype not in SCALE_DTYPES:  # metadata only: its value stays on the device
+        raise KernelArgumentError(f"{name} is a tensor of {scale.dtype}; a scale tensor is float32, float16, "
+                                  "bfloat16 or float64 (a bool or integer one is a flag or count passed by mistake)")
     if scale.device != device:
         raise TensorDeviceError(f"{name} is on {scale.device}, expected {device}")
 

@@ -334,9 +334,9 @@ def _check_disjoint(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                       counts: torch.Tensor, slots: torch.Tensor) -> None:
-    """Host (CPU) values of write_req_to_token: every written span inside the table and
-    enough slots for the counts. Torch would raise IndexError, wrap a start of -1 to the
+                       counts: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+    """Host (CPU) values of write_req_to_token: every written span inside the table,
+    enough slots for the counts, and offsets (if given) their exclusive prefix sum. Torch would raise IndexError, wrap a start of -1 to the
     last column, or broadcast too few slots; the interpreter would write past the table."""
     r, cols = table.shape
     bad = rows >= r
@@ -354,10 +354,20 @@ def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Te
             at = what.format(i=i, s=int(st[i]), e=int(st[i] + cnt[i]))
             raise c.KernelArgumentError(f"{at} is outside the row: req_to_token has {cols} columns, so "
                                         f"a span [start, start + count) must lie in [0, {cols}]")
-    need = int(cnt.clamp(min=0).sum())
+    cnt = cnt.clamp(min=0)
+    need = int(cnt.sum())
     if need > slots.shape[0]:
         raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
                                  "all requests back to back, skipped ones included)")
+    if offsets is not None:
+        # The kernel reads slots at offsets[i] as given; the torch path sums the counts
+        # itself. Only the prefix sum makes both read the same slots, inside `slots`.
+        want = torch.cumsum(cnt, 0) - cnt
+        bad = offsets.long() != want
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise c.KernelArgumentError(f"offsets[{i}] = {int(offsets[i])}, but offsets must be the exclusive "
+                                        f"prefix sum of counts (negative counts as 0): {int(want[i])} there")
 
 
 def write_packed_table(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
@@ -403,8 +413,9 @@ def write_req_to_token(
         slots: int32/int64, the new slots of all requests back to back in request
             order (what ``SlotAllocator.extend`` returns), sum(counts) entries (not
             checked: that would read counts on the host).
-        offsets: the exclusive prefix sum of counts, if the caller has it (saves
-            the kernel summing counts on device).
+        offsets: the exclusive prefix sum of counts (negative ones as 0), if the
+            caller has it (saves the kernel summing counts on device); on the CPU
+            anything else is a KernelArgumentError.
         Device values are trusted (start + count <= max_context_len): the pool
         validates them on the host with the allocator before calling. CPU values
         are checked (spans inside the table, enough slots).
@@ -436,5 +447,5 @@ def write_req_to_token(
     if b == 0 or slots.shape[0] == 0:
         return
     if dev.type == "cpu":
-        _check_table_spans(req_to_token, rows, starts, counts, slots)
+        _check_table_spans(req_to_token, rows, starts, counts, slots, offsets)
     _table_write(req_to_token, rows, starts, counts, slots, offsets)

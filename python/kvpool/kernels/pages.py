@@ -209,6 +209,10 @@ class PageTransfer:
                 "host is pageable memory: transfers with a CUDA pool need pinned host memory "
                 "(HostStorage pins it), or the copies could not be asynchronous"
             )
+        # As store_kv and copy_slots: the moves write raw words, so nothing else would refuse
+        # a destination torch forbids changing in this mode.
+        for i, t in enumerate([h] if to_host else caches):
+            c.check_writable(t, "host" if to_host else f"device_caches[{i}]")
         num_pages = num_slots // page
         src_ids, dst_ids = _ids(src, "device_pages" if to_host else "host_pages"), _ids(
             dst, "host_pages" if to_host else "device_pages")
