@@ -35,6 +35,8 @@ BAD = [
     (["--json", "/"], "--json"),  # a directory, not a file
     (["--threads", "100000"], "--threads"),  # torch would crash making that many
     (["--hf", "/nonexistent-dir/model"], "--hf"),
+    (["--json", ""], "--json: expected a path"),  # was: quietly "not given"
+    (["--hf", ""], "--hf: expected a path"),  # was: the random model ran instead
 ]
 
 

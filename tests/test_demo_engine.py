@@ -155,3 +155,24 @@ def test_synthetic_requests_are_seeded_and_in_range():
     assert all(int(np.max(r.prompt)) < 50 for r in a)
     with pytest.raises(ValueError, match="prompt_len"):
         synthetic_requests(1, vocab_size=50, prompt_len=(5, 2), output_len=(1, 1), seed=0)
+
+
+@pytest.mark.parametrize("budget", [1, 200, 4000])
+def test_attention_in_query_blocks_matches_one_block(model, monkeypatch, budget):
+    """A long prefill's scores ([B, Hq, T, T]) are built a block of queries at a time: a
+    60K-token prompt asked for 115 GB at once. Blocks of 1, a few and many queries give
+    the same logits as the whole step in one block, on the pool path and the oracle."""
+    from kvpool.demo import attention
+
+    pool = make_pool(1, pool_tokens=64)
+    reqs, _ = serve(model, pool, n=4, max_running=2, prompt_len=(12, 30), output_len=(2, 4))
+    monkeypatch.setattr(attention, "MAX_SCORE_ELEMENTS", budget)
+    pool = make_pool(1, pool_tokens=64)
+    blocked, _ = serve(model, pool, n=4, max_running=2, prompt_len=(12, 30), output_len=(2, 4))
+    for a, b in zip(reqs, blocked):
+        assert a.output == b.output
+        torch.testing.assert_close(torch.cat(b.logits), torch.cat(a.logits), atol=ATOL, rtol=RTOL)
+    assert_matches_reference(model, blocked)
+    pos = torch.arange(30)[None]
+    one_block = max(1, budget // (CFG.heads * 30)) >= 30
+    assert (attention.step_mask(pos, CFG.heads, 30) is None) != one_block  # else blocks build their own

@@ -64,3 +64,35 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     out = scores.softmax(-1) @ vt.unsqueeze(2)                          # [B, Hkv, G, Tq, D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d).to(q.dtype)
+
+
+# Float32 score elements one block of queries may take. A long prompt's prefill would
+# otherwise build [B, Hq, T, T] scores and a [B, T, T] mask at once: 115 GB at 60K tokens.
+MAX_SCORE_ELEMENTS = 1 << 25
+
+
+def _block(b: int, tq: int, heads: int, tk: int) -> int:
+    return max(1, MAX_SCORE_ELEMENTS // max(1, b * heads * tk))
+
+
+def step_mask(positions: torch.Tensor, heads: int, width: int) -> torch.Tensor | None:
+    """``pool_mask(positions, width)`` when the step's queries take one block of
+    ``attend_causal`` (built once, shared by every layer), else None (each block builds its own:
+    the whole mask of a long prefill is as large as its scores)."""
+    b, tq = positions.shape
+    return pool_mask(positions, width) if _block(b, tq, heads, width) >= tq else None
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``attend`` with ``pool_mask(positions, Tk)`` (or ``mask``, ``step_mask``'s), over blocks of
+    queries whose scores stay under ``MAX_SCORE_ELEMENTS``: a decode step, or any short prefill,
+    is one block, the same ops as one ``attend``. Shapes fixed by (B, T, Tk), so a captured
+    graph may run it."""
+    b, tq, hq, _ = q.shape
+    tk = k.shape[1]
+    block = _block(b, tq, hq, tk)
+    if block >= tq:
+        return attend(q, k, v, pool_mask(positions, tk) if mask is None else mask)
+    return torch.cat([attend(q[:, s:s + block], k, v, pool_mask(positions[:, s:s + block], tk))
+                      for s in range(0, tq, block)], 1)

@@ -37,6 +37,12 @@ def _range(text: str) -> tuple[int, int]:
     return pair
 
 
+def _path(text: str) -> str:
+    if not text.strip():  # else "--json ''" would quietly mean "not given"
+        raise argparse.ArgumentTypeError("expected a path, got an empty one")
+    return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -193,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reserve: admit only if the request's final length fits (never preempts); "
                         "optimistic: admit if the prompt fits, preempt when the pool runs out")
     g = p.add_argument_group("model")
-    g.add_argument("--hf", metavar="PATH",
+    g.add_argument("--hf", type=_path, metavar="PATH",
                    help="run a transformers Llama-architecture checkpoint (llama, mistral, qwen2) saved "
                         "with save_pretrained in PATH instead of the random model (needs kvpool[hf]; "
                         "the size options below are then ignored)")
@@ -213,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_threads, default=1,
                    help="torch CPU threads (1): this model's small matmuls gain little from more, "
                         "and lose badly when the cores are shared with other work")
-    g.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    g.add_argument("--json", type=_path, metavar="PATH", help="also write the figures to PATH as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpool.demo.attention import attend, gather_kv, pool_mask
+from kvpool.demo.attention import attend_causal, gather_kv, step_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -89,7 +89,7 @@ class HFPoolModel(nn.Module):
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary_emb(x, positions)
         slot_idx = pool.req_to_token[req_rows, :width].long()
-        mask = pool_mask(positions, width)
+        mask = step_mask(positions, info.heads, width)
         b, t = input_ids.shape
         for i, layer in enumerate(m.layers[: info.layers]):
             attn = layer.self_attn
@@ -101,7 +101,7 @@ class HFPoolModel(nn.Module):
             pool.write(i, out_cache_loc, k.reshape(-1, info.kv_heads, info.head_dim),
                        v.reshape(-1, info.kv_heads, info.head_dim))
             keys, values = gather_kv(pool, i, slot_idx)
-            x = x + attn.o_proj(attend(q, keys, values, mask).flatten(-2))
+            x = x + attn.o_proj(attend_causal(q, keys, values, positions, mask).flatten(-2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if last_only:
             x = x[:, -1:]

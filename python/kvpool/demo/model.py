@@ -18,7 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvpool.demo.attention import attend, causal_mask, gather_kv, pool_mask
+from kvpool.demo.attention import attend_causal, gather_kv, step_mask
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,9 @@ class TinyLM(nn.Module):
         """Logits [T, vocab] for a 1-D token sequence, recomputing everything (the oracle)."""
         positions = torch.arange(tokens.shape[0], device=tokens.device)
         x = self.embed(tokens)
-        mask = causal_mask(positions, positions)
         for block in self.layers():
             q, k, v = block.qkv(x, positions, self.rotary)
-            x = block.finish(x, attend(q[None], k[None], v[None], mask[None])[0])
+            x = block.finish(x, attend_causal(q[None], k[None], v[None], positions[None])[0])
         return self.lm_head(self.norm(x)).float()
 
     # -- pool path ----------------------------------------------------------------------
@@ -178,13 +177,13 @@ class TinyLM(nn.Module):
         # Built once per call, shared by every layer (the gather indices and mask
         # depend on the batch, not on the layer).
         slot_idx = pool.req_to_token[req_rows, :width].long()
-        mask = pool_mask(positions, width)
+        mask = step_mask(positions, self.cfg.heads, width)
         for block in self.layers():
             q, k, v = block.qkv(x, positions, self.rotary)
             pool.write(block.layer, out_cache_loc, k.reshape(-1, *k.shape[-2:]),
                        v.reshape(-1, *v.shape[-2:]))
             keys, values = gather_kv(pool, block.layer, slot_idx)
-            x = block.finish(x, attend(q, keys, values, mask))
+            x = block.finish(x, attend_causal(q, keys, values, positions, mask))
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
