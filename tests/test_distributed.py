@@ -161,6 +161,27 @@ def test_shard_kv_heads():
     assert gqa.k_buffer(0).shape == (4, 2, 16)
 
 
+def test_the_whole_pool_recipe_gives_each_page_its_documented_index():
+    """docs/distributed.md: prepare a whole pool once with pages = range(1, num_pages); the
+    row of (kind c, layer l, page p) is then (c * num_layers + l) * (num_pages - 1) + p - 1."""
+    import ctypes
+
+    pool = kvpool.KVPool(3, 2, 8, dtype=torch.float16, page_size=4, num_pages=12, max_requests=4,
+                         max_context_len=64, layout="paged")
+    for layer in range(3):
+        pool.k_buffer(layer).copy_(torch.randn(pool.k_buffer(layer).shape))
+        pool.v_buffer(layer).copy_(torch.randn(pool.v_buffer(layer).shape))
+    n, layers = pool.num_pages, pool.num_layers
+    desc = page_descriptors(pool, range(1, n), merge=False)
+    assert desc.shape == (2 * layers * (n - 1), 3)
+    for c, buf in enumerate((pool.k_buffer, pool.v_buffer)):
+        for layer in range(layers):
+            for p in (1, 5, n - 1):
+                addr, nbytes, _ = desc[(c * layers + layer) * (n - 1) + p - 1]
+                assert ctypes.string_at(int(addr), int(nbytes)) == buf(layer)[p].contiguous().view(
+                    torch.uint8).numpy().tobytes()
+
+
 def test_page_descriptors_address_the_pages():
     import ctypes
 
