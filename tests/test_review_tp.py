@@ -146,6 +146,39 @@ def tp_random(rank: int, world: int, steps: int = 120) -> dict[str, Any]:
             "head_start": tp.kv_head_start, "calls": tp.calls}
 
 
+def tp_edges(rank: int, world: int) -> dict[str, Any]:
+    """Mistakes and divergences that hung a rank or raised untyped: each must end as a typed
+    error on every rank, with no rank left waiting in a collective alone."""
+    out: dict[str, Any] = {}
+    for name, call in {
+        "group str": lambda: tp_pool(1, HEADS, DIM, group="tp", num_pages=8, seed=1),
+        "group list": lambda: TPPool(kvpool.KVPool(1, HEADS, DIM, num_pages=8), group=[0]),
+        "hybrid TPPool": lambda: TPPool(kvpool.KVPool(2, HEADS, DIM, num_pages=16, page_size=P, layer_types=[
+            "full_attention", "sliding_attention"], sliding_window=8)),
+        "hybrid tp_pool": lambda: tp_pool(2, HEADS, DIM, num_pages=16, page_size=P, seed=1, layer_types=[
+            "full_attention", "sliding_attention"], sliding_window=8),
+    }.items():
+        out[name] = str(catch(call))
+    # A per-rank budget (each device's own free memory) too small on rank 1 only: rank 0
+    # waited in the capacity collective alone until the group's timeout.
+    budget = 300_000 if rank == 0 else 64
+    out["budget"] = str(catch(lambda: tp_pool(1, HEADS, DIM, dtype=torch.float32, page_size=P, seed=1,
+                                              max_requests=2, max_context_len=16, memory_bytes=budget)))
+    # The same extend refused on rank 1 only (it diverged past the wrapper): counted as a step
+    # there too, so both ranks meet in the same verify and both raise the divergence.
+    tp = tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=5, max_requests=4, max_context_len=16,
+                 seed=3, check_every=1)
+    h = tp.open(1)
+    if rank == 1:
+        tp.inner.extend(tp.inner.open(1), 8)
+    try:
+        tp.extend(h, 12)
+        out["refused extend"] = None
+    except RankDivergenceError as e:
+        out["refused extend"] = (e.rank, type(e.__cause__).__name__)
+    return out
+
+
 # ----- transfers: rank 0 sends, rank 1 receives -----------------------------------------------------
 
 def shard(tp_rank: int = 1, **kw: Any) -> kvpool.KVPool:
@@ -307,6 +340,11 @@ def tp_run():
 
 
 @pytest.fixture(scope="module")
+def edges():
+    return _dist.run_ranks(tp_edges, world=2, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
 def xfer():
     return _dist.run_ranks(transfers, world=2, timeout_s=120)
 
@@ -321,6 +359,18 @@ def test_tp_divergence_past_the_wrapper_is_caught_on_every_rank(tp_run):
     for res in tp_run:
         assert res["caught"] is not None and res["caught"][:2] == (1, (1,)), res["caught"]
         assert res["seeds"] == 1
+
+
+def test_tp_mistakes_are_typed_errors_on_every_rank_and_none_waits_alone(edges):
+    for rank, res in enumerate(edges):
+        assert "InvalidArgumentError" in res["group str"] and "process group" in res["group str"]
+        assert "InvalidArgumentError" in res["group list"] and "process group" in res["group list"]
+        assert "InvalidArgumentError" in res["hybrid TPPool"] and "layer_types" in res["hybrid TPPool"]
+        assert "InvalidArgumentError" in res["hybrid tp_pool"] and "without tp_pool" in res["hybrid tp_pool"]
+        assert "InvalidArgumentError" in res["budget"], res["budget"]
+        assert ("rank 1 could not build its pool" in res["budget"]) == (rank == 0), res["budget"]
+        # rank 0's extend succeeded, rank 1's was refused: both raise the divergence at once
+        assert res["refused extend"] == (1, "PoolExhaustedError" if rank == 1 else "NoneType"), res
 
 
 def test_shard_rows_arrive_and_prefix_pages_are_not_sent(xfer):

@@ -31,6 +31,11 @@ def require_group(group: Any, what: str) -> None:
         raise InvalidArgumentError(
             f"{what} needs torch.distributed: call torch.distributed.init_process_group(...) on every rank "
             f"first (kvpool has no transport of its own)")
+    if group is not None and group is not dist.group.WORLD and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        raise InvalidArgumentError(
+            f"{what}: group must be a torch.distributed process group (what dist.new_group returns) or None for "
+            f"the world, got {type(group).__name__} {group!r:.60}")
     if group is not None and group is not dist.group.WORLD and dist.get_rank(group) < 0:
         raise InvalidArgumentError(
             f"{what}: this rank ({dist.get_rank()}) is not a member of the process group it was given; pass a "

@@ -91,9 +91,12 @@ class TPPool:
 
     def __init__(self, pool: Any, group: Any = None, check_every: int = 0) -> None:
         if not is_int(check_every) or check_every < 0:
-            from kvpool._core import InvalidArgumentError
             raise InvalidArgumentError(f"check_every must be an int >= 0, got {check_every!r}")
         check_pool(pool, "TPPool", ("device",))
+        if getattr(pool, "groups", None) is not None:
+            raise InvalidArgumentError("TPPool wraps a plain KVPool: a pool built with layer_types (a hybrid "
+                                       "model) has no tensor-parallel form (tp_size > 1 is refused there); run "
+                                       "it without TPPool")
         self.inner, self.group, self.check_every = pool, group, int(check_every)
         self._hash = hashlib.blake2b(digest_size=16)
         self.calls = 0
@@ -109,19 +112,29 @@ class TPPool:
             try:
                 out = fn(*args, **kwargs)
             except Exception as e:
-                # A failure is a decision too: every rank must fail the same way.
+                # A failure is a decision too: every rank must fail the same way. A refused
+                # extend counts as a step, so a rank whose extend succeeded where this one's
+                # failed still meets it in the same verify (else one all_gather would meet the
+                # model's next collective and both ranks would hang until the group timeout).
                 self._fold(name, args, kwargs, type(e).__name__)
+                if name == "extend" and self._step_due():
+                    try:
+                        self.verify()
+                    except RankDivergenceError as d:
+                        raise d from e
                 raise
             self._fold(name, args, kwargs, out)
-            if name == "extend":
-                self._steps += 1
-                if self.check_every and self._steps % self.check_every == 0:
-                    self.verify()
+            if name == "extend" and self._step_due():
+                self.verify()
             return out
         call.__name__ = name
         call.__doc__ = getattr(fn, "__doc__", None)
         call.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature shows fn's parameters
         return call
+
+    def _step_due(self) -> bool:
+        self._steps += 1
+        return bool(self.check_every) and self._steps % self.check_every == 0
 
     def _fold(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         h = self._hash
@@ -208,6 +221,10 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
         raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
                                    f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
     ranks = group_ranks(group, "tp_pool")  # (refuses a missing group before any collective)
+    if kwargs.get("layer_types") is not None:  # (every rank passes the same: all refuse here)
+        raise InvalidArgumentError("tp_pool: a pool built with layer_types (a hybrid model) has no "
+                                   "tensor-parallel form yet; build KVPool(layer_types=...) on each process "
+                                   "without tp_pool or TPPool")
     me = ranks.index(dist.get_rank())
     # The shard is the group's: another rank or size would give this rank heads its peers
     # also hold (or none), found only as wrong attention or a shape error at the first write.
@@ -221,19 +238,37 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     if wanted:
         s = agree_seed(group) if seed is None else int(seed)
         kwargs.update({k: s for k in wanted})
-    pool = KVPool(*args, **kwargs)
     budget = [k for k in ("memory_bytes", "memory_fraction") if kwargs.get(k) is not None]
-    if budget:
-        # A budget (memory_fraction above all: each device's own free memory) can give
-        # the ranks different capacities, and then they decide differently once the
-        # smallest fills: every rank takes the smallest, rebuilt after freeing its own.
-        t = torch.tensor([pool.num_pages], dtype=torch.int64, device=comm_device(group, pool.device))
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        pages = int(t.item())
-        if pages != pool.num_pages:
-            del pool
-            gc.collect()
-            for k in budget:
-                del kwargs[k]
-            pool = KVPool(*args, num_pages=pages, **kwargs)
+    if not budget:
+        return TPPool(KVPool(*args, **kwargs), group=group, check_every=check_every)
+    # A budget (memory_fraction above all: each device's own free memory) can give the
+    # ranks different capacities, and then they decide differently once the smallest
+    # fills: every rank takes the smallest, rebuilt after freeing its own. A rank whose
+    # budget builds no pool still joins that collective (with -1), so its peers fail too
+    # rather than wait in it alone until the group's timeout.
+    pool, failed = None, None
+    try:
+        pool = KVPool(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the collective
+        failed = e
+    # (the failed rank's own device argument may be what failed: the group's default then)
+    where = comm_device(group, torch.device("cpu") if pool is None else torch.device(pool.device))
+    mine = torch.tensor([-1 if pool is None else pool.num_pages], dtype=torch.int64, device=where)
+    pages_of = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(pages_of, mine, group=group)
+    counts = [int(t.item()) for t in pages_of]
+    if failed is not None or pool is None:
+        raise failed or InvalidArgumentError("tp_pool: no pool was built")
+    if min(counts) < 0:
+        raise InvalidArgumentError(
+            f"tp_pool: rank {ranks[counts.index(-1)]} could not build its pool from its budget "
+            f"({', '.join(f'{k}={kwargs[k]!r}' for k in budget)} here; that rank raised why), so no rank "
+            "builds one: give every rank a budget that holds the pool")
+    pages = min(counts)
+    if pages != pool.num_pages:
+        del pool
+        gc.collect()
+        for k in budget:
+            del kwargs[k]
+        pool = KVPool(*args, num_pages=pages, **kwargs)
     return TPPool(pool, group=group, check_every=check_every)
