@@ -223,7 +223,8 @@ class TierMixin:
         # taken for a load evicts them.
         for r in rows:
             q = self.reqs[r]
-            for k, loc in enumerate(q.pages):
+            for k in reversed(range(len(q.pages))):  # last first: a chain's tail goes older on the host
+                loc = q.pages[k]
                 d = self.device_copy(loc & ~HOST) if loc & HOST else None
                 if d is not None:
                     if d in self.lru:
@@ -258,8 +259,11 @@ class TierMixin:
             return [], []
         q, self.tier.offloads = self.tier.offloads, []
         self.tier.offloaded += len(q)
-        for i, (_d, h) in enumerate(q):
-            self.tier.offloads = q[i + 1 :]
+        # A chain's tail goes older on the host than its parents: write_back queued device
+        # victims tail first, write_through cache()'s pages head first.
+        order = q[::-1] if self.writes_through() else q
+        for i, (_d, h) in enumerate(order):
+            self.tier.offloads = order[i + 1 :]
             self.host_release(h)
         self.tier.offloads = []
         return [d for d, _ in q], [h for _, h in q]
@@ -269,9 +273,9 @@ class TierMixin:
             return [], []
         q, self.tier.loads = self.tier.loads, []
         self.tier.loaded += len(q)
-        for i, (h, _d) in enumerate(q):
-            self.tier.loads = q[i + 1 :]
-            self.host_release(h)
+        for i in reversed(range(len(q))):  # last first: loads are queued in chain order
+            self.tier.loads = q[:i]
+            self.host_release(q[i][0])
         self.tier.loads = []
         return [h for h, _ in q], [d for _, d in q]
 

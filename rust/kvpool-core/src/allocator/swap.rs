@@ -239,10 +239,11 @@ impl SlotAllocator {
         if let Some(t) = self.host.as_mut() {
             t.reserve_transfers(loads)?;
         }
-        // The copies first, so that no page taken for a load evicts one.
+        // The copies first, so that no page taken for a load evicts one; last
+        // first, so that a chain's tail is the older of the host copies let go.
         for &h in handles {
             let row = handle_row(h) as usize;
-            for k in 0..self.requests.held_pages(row).len() {
+            for k in (0..self.requests.held_pages(row).len()).rev() {
                 let loc = self.requests.page(row, k);
                 if !is_host(loc) {
                     continue;

@@ -18,7 +18,7 @@
 //! the documented order. The queues keep their capacity across drains, as
 //! the copy-on-write queue does.
 
-use super::HostTier;
+use super::{HostPolicy, HostTier};
 use crate::error::Result;
 use crate::memory::reserve;
 
@@ -69,7 +69,11 @@ impl HostTier {
     }
 
     /// Drains the offloads: `(device_pages, host_pages)`, oldest first;
-    /// each host page's pin is released.
+    /// each host page's pin is released, so that a chain's tail is older
+    /// on the host's eviction list than its parents, as on the device:
+    /// write_back queues device victims (tail first) and releases them in
+    /// that order; write_through queues `cache()`'s pages (head first) and
+    /// releases them last first.
     pub(crate) fn take_offloads(&mut self) -> (Vec<i64>, Vec<i64>) {
         let n = self.offloads.len();
         let (mut dev, mut host) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -77,7 +81,11 @@ impl HostTier {
         for t in &q {
             dev.push(t.device as i64);
             host.push(t.host as i64);
-            self.release(t.host);
+        }
+        if self.policy == HostPolicy::WriteThrough {
+            q.iter().rev().for_each(|t| self.release(t.host));
+        } else {
+            q.iter().for_each(|t| self.release(t.host));
         }
         self.offloads = q;
         self.offloads.clear();
@@ -86,7 +94,9 @@ impl HostTier {
     }
 
     /// Drains the loads: `(host_pages, device_pages)`, oldest first; each
-    /// host page's pin is released.
+    /// host page's pin is released last first (loads are queued in chain
+    /// order), so that a chain's tail is the older on the host's eviction
+    /// list and goes before the pages a hit needs first.
     pub(crate) fn take_loads(&mut self) -> (Vec<i64>, Vec<i64>) {
         let n = self.loads.len();
         let (mut host, mut dev) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -95,8 +105,8 @@ impl HostTier {
             host.push(t.host as i64);
             dev.push(t.device as i64);
             self.load_into[t.device as usize] -= 1;
-            self.release(t.host);
         }
+        q.iter().rev().for_each(|t| self.release(t.host));
         self.loads = q;
         self.loads.clear();
         self.loaded += n as u64;

@@ -354,7 +354,7 @@ impl Model {
         // Device copies still there are re-taken first: no load, and no
         // page taken for a load evicts them.
         for &r in &rows {
-            for k in 0..self.reqs[&r].pages.len() {
+            for k in (0..self.reqs[&r].pages.len()).rev() {
                 let loc = self.reqs[&r].pages[k];
                 if loc & HOST == 0 {
                     continue;
@@ -403,12 +403,17 @@ impl Model {
         };
         let q = std::mem::take(&mut t.offloads);
         t.offloaded += q.len() as u64;
-        let (mut d, mut h) = (Vec::new(), Vec::new());
-        for (i, &(dp, hp)) in q.iter().enumerate() {
-            d.push(dp as i64);
-            h.push(hp as i64);
-            self.t().offloads = q[i + 1..].to_vec();
-            self.host_release(hp);
+        let d = q.iter().map(|&(dp, _)| dp as i64).collect();
+        let h = q.iter().map(|&(_, hp)| hp as i64).collect();
+        // A chain's tail goes older on the host than its parents: write_back
+        // queued device victims tail first, write_through cache()'s pages head first.
+        let mut order: Vec<usize> = (0..q.len()).collect();
+        if self.writes_through() {
+            order.reverse();
+        }
+        for (n, &i) in order.iter().enumerate() {
+            self.t().offloads = order[n + 1..].iter().map(|&j| q[j]).collect();
+            self.host_release(q[i].1);
         }
         self.t().offloads.clear();
         (d, h)
@@ -420,12 +425,12 @@ impl Model {
         };
         let q = std::mem::take(&mut t.loads);
         t.loaded += q.len() as u64;
-        let (mut h, mut d) = (Vec::new(), Vec::new());
-        for (i, &(hp, dp)) in q.iter().enumerate() {
-            h.push(hp as i64);
-            d.push(dp as i64);
-            self.t().loads = q[i + 1..].to_vec();
-            self.host_release(hp);
+        let h = q.iter().map(|&(hp, _)| hp as i64).collect();
+        let d = q.iter().map(|&(_, dp)| dp as i64).collect();
+        // Last first: loads are queued in chain order, and a chain's tail goes older.
+        for i in (0..q.len()).rev() {
+            self.t().loads = q[..i].to_vec();
+            self.host_release(q[i].0);
         }
         self.t().loads.clear();
         (h, d)
