@@ -164,6 +164,11 @@ def tp_edges(rank: int, world: int) -> dict[str, Any]:
     budget = 300_000 if rank == 0 else 64
     out["budget"] = str(catch(lambda: tp_pool(1, HEADS, DIM, dtype=torch.float32, page_size=P, seed=1,
                                               max_requests=2, max_context_len=16, memory_bytes=budget)))
+    # Host budgets from each machine's free memory: the host tiers must agree too, or a swap
+    # fits on one rank and not on the other.
+    host = tp_pool(1, HEADS, DIM, dtype=torch.float32, page_size=P, num_pages=16, seed=1,
+                   host_memory_bytes=64_000 if rank == 0 else 8_000)
+    out["host pages"] = host.allocator.host_pages
     # The same extend refused on rank 1 only (it diverged past the wrapper): counted as a step
     # there too, so both ranks meet in the same verify and both raise the divergence.
     tp = tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=5, max_requests=4, max_context_len=16,
@@ -369,6 +374,7 @@ def test_tp_mistakes_are_typed_errors_on_every_rank_and_none_waits_alone(edges):
         assert "InvalidArgumentError" in res["hybrid tp_pool"] and "without tp_pool" in res["hybrid tp_pool"]
         assert "InvalidArgumentError" in res["budget"], res["budget"]
         assert ("rank 1 could not build its pool" in res["budget"]) == (rank == 0), res["budget"]
+        assert 2 <= res["host pages"] == edges[1]["host pages"] < 64
         # rank 0's extend succeeded, rank 1's was refused: both raise the divergence at once
         assert res["refused extend"] == (1, "PoolExhaustedError" if rank == 1 else "NoneType"), res
 

@@ -210,8 +210,10 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     passed to every seed keyword the installed ``KVPool`` accepts
     (``hash_seed``, ``handle_seed``, ``seed``), so randomized hashes and handle
     offsets are still identical across ranks. A pool sized by ``memory_bytes`` or
-    ``memory_fraction`` gets the smallest capacity any rank's budget gives (one
-    collective), so every rank has the same ``num_pages``.
+    ``memory_fraction`` (or its host tier by ``host_memory_bytes``) gets the smallest
+    capacity any rank's budget gives (one collective), so every rank has the same
+    ``num_pages`` (and host pages); a rank whose budget builds no pool raises its own
+    error, and the others an ``InvalidArgumentError`` naming it.
     """
     from kvpool.pool import KVPool
 
@@ -238,7 +240,7 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     if wanted:
         s = agree_seed(group) if seed is None else int(seed)
         kwargs.update({k: s for k in wanted})
-    budget = [k for k in ("memory_bytes", "memory_fraction") if kwargs.get(k) is not None]
+    budget = [k for k in ("memory_bytes", "memory_fraction", "host_memory_bytes") if kwargs.get(k) is not None]
     if not budget:
         return TPPool(KVPool(*args, **kwargs), group=group, check_every=check_every)
     # A budget (memory_fraction above all: each device's own free memory) can give the
@@ -253,10 +255,12 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
         failed = e
     # (the failed rank's own device argument may be what failed: the group's default then)
     where = comm_device(group, torch.device("cpu") if pool is None else torch.device(pool.device))
-    mine = torch.tensor([-1 if pool is None else pool.num_pages], dtype=torch.int64, device=where)
-    pages_of = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(pages_of, mine, group=group)
-    counts = [int(t.item()) for t in pages_of]
+    # (host pages too: a host_memory_bytes from each machine's free memory differs as well)
+    mine = torch.tensor([-1, -1] if pool is None else [pool.num_pages, pool.allocator.host_pages],
+                        dtype=torch.int64, device=where)
+    sizes_of = [torch.empty_like(mine) for _ in ranks]
+    dist.all_gather(sizes_of, mine, group=group)
+    counts = [int(t[0].item()) for t in sizes_of]
     if failed is not None or pool is None:
         raise failed or InvalidArgumentError("tp_pool: no pool was built")
     if min(counts) < 0:
@@ -264,11 +268,15 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
             f"tp_pool: rank {ranks[counts.index(-1)]} could not build its pool from its budget "
             f"({', '.join(f'{k}={kwargs[k]!r}' for k in budget)} here; that rank raised why), so no rank "
             "builds one: give every rank a budget that holds the pool")
-    pages = min(counts)
-    if pages != pool.num_pages:
+    pages, host = min(counts), min(int(t[1].item()) for t in sizes_of)
+    if (pages, host) != (pool.num_pages, pool.allocator.host_pages):
         del pool
         gc.collect()
         for k in budget:
             del kwargs[k]
-        pool = KVPool(*args, num_pages=pages, **kwargs)
+        if "host_memory_bytes" in budget:
+            kwargs["host_pages"] = host
+        if "memory_bytes" in budget or "memory_fraction" in budget:
+            kwargs["num_pages"] = pages
+        pool = KVPool(*args, **kwargs)
     return TPPool(pool, group=group, check_every=check_every)
