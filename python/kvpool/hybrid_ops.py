@@ -18,7 +18,6 @@ from kvpool._core import InvalidArgumentError
 from kvpool.kernels import write_req_to_token
 from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
-from kvpool.tables import PageTable, page_table_tensors
 from kvpool.validate import check_layer
 
 __all__ = ["HybridExtendResult", "HybridRequestOps"]
@@ -117,26 +116,57 @@ class HybridRequestOps:
         """Grow requests by ``counts`` tokens in every group and write the new slots
         into each group's table; sliding groups release the pages that fell out
         of the window. See ``GroupedAllocator.extend``. Copy-on-write copies run
-        here. Atomic as the core's call."""
+        here. Atomic as the core's call; if the device table write or a copy fails
+        after the core committed (a CUDA OOM or launch error), the requests are
+        rolled back where every group can (``_roll_back_extend``)."""
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("extend")
             if self._tables_np is not None:
                 slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
-            else:
-                # The core checks the handles first (typed): converted unchecked, a str or a
-                # ragged list is numpy's error, and float handles round into other ones.
-                starts = self.allocator.lengths(handles)
-                h = np.asarray(handles, dtype=np.int64).reshape(-1)
-                slots = self.allocator.extend(h, counts, tokens=tokens)
+                self._run_copies(handles)
+                return self._result(slots)
+            # The core checks the handles first (typed): converted unchecked, a str or a
+            # ragged list is numpy's error, and float handles round into other ones.
+            starts = self.allocator.lengths(handles)
+            h = np.asarray(handles, dtype=np.int64).reshape(-1)
+            slots = self.allocator.extend(h, counts, tokens=tokens)
+            try:
                 c = np.broadcast_to(np.asarray(counts, dtype=np.int64), h.shape)
                 self._scatter(h, starts, c, slots)
                 # The core releases window pages only of requests that grow: a count-0
                 # request still holds them, and its row must keep their slots.
                 grow = c > 0
                 self._null_released(h[grow], starts[grow])
-            self._run_copies(handles)
+                self._run_copies(handles)
+            except BaseException:
+                self._roll_back_extend(h, starts)
+                raise
             return self._result(slots)
+
+    def _roll_back_extend(self, handles: np.ndarray, starts: np.ndarray) -> None:
+        """Undo a committed extend whose device table write or copy failed (a CUDA OOM or
+        launch error), as the plain pool does, where every group can: a sliding group takes
+        back the window pages it released, a state group needs a checkpoint at the old
+        length. Best effort, the original error being the one to raise: where a group
+        cannot, the requests keep their new length and their rows past the failure read as
+        the null page (docs/hybrid.md: close them)."""
+        try:
+            self.allocator.roll_back_extend(handles, starts)
+            self._note_edit(handles)
+            self._run_copies(handles)
+            self._rewrite_windows(handles)
+        except BaseException:  # noqa: BLE001 - the extend's error is the one to raise
+            pass
+
+    def _close_unreturned(self, handles: np.ndarray) -> None:
+        """Close requests the core opened for a call whose table write or copy then failed:
+        the caller never gets their handles, so nothing else would (best effort)."""
+        try:
+            self.allocator.close(handles)
+            self._note_edit(handles)
+        except BaseException:  # noqa: BLE001 - the call's error is the one to raise
+            pass
 
     def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  slots: list[np.ndarray]) -> None:
@@ -188,12 +218,17 @@ class HybridRequestOps:
                 self._enter_device_call("admit")
             if self._tables_np is not None:
                 handles, slots = self.allocator.admit(counts, tokens=tokens, tables=self._tables_np)
-            else:
-                handles, slots = self.allocator.admit(counts, tokens=tokens)
+                self._run_copies(handles)
+                return handles, self._result(slots)
+            handles, slots = self.allocator.admit(counts, tokens=tokens)
+            try:
                 c = np.asarray(counts, dtype=np.int64).reshape(-1)
                 self._forget_nulled(handles)
                 self._scatter(handles, np.zeros_like(c), c, slots)
-            self._run_copies(handles)
+                self._run_copies(handles)
+            except BaseException:
+                self._close_unreturned(handles)
+                raise
             return handles, self._result(slots)
 
     def truncate(self, handles: Any, lengths: Any) -> None:
@@ -299,8 +334,12 @@ class HybridRequestOps:
                 self._enter_device_call("fork")
             handles = self.allocator.fork(handle, n)
             self._note_edit(handle)
-            self._run_copies()
-            self._write_new_rows(handles)
+            try:
+                self._run_copies()
+                self._write_new_rows(handles)
+            except BaseException:
+                self._close_unreturned(handles)
+                raise
             return handles
 
     def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -310,8 +349,12 @@ class HybridRequestOps:
             if self._order is not None:
                 self._enter_device_call("open_with_prefix")
             handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
-            self._run_copies()
-            self._write_new_rows(handles)
+            try:
+                self._run_copies()
+                self._write_new_rows(handles)
+            except BaseException:
+                self._close_unreturned(handles)
+                raise
             return handles, cached
 
     def evict(self, layer: int, n: int) -> int:
@@ -330,95 +373,3 @@ class HybridRequestOps:
             self.allocator.reset()
             self._note_edit(None)
             self._run_copies()
-
-    # ----- queries -----------------------------------------------------------
-
-    def check(self) -> None:
-        """Verify every invariant of every group. See ``GroupedAllocator.check``."""
-        self.allocator.check()
-
-    def is_open(self, handle: Any) -> bool:
-        return self.allocator.is_open(handle)
-
-    def length(self, handle: Any) -> int:
-        return self.allocator.length(handle)
-
-    def lengths(self, handles: Any) -> np.ndarray:
-        return self.allocator.lengths(handles)
-
-    def rows(self, handles: Any) -> np.ndarray:
-        return self.allocator.rows(handles)
-
-    def known_tokens(self, handle: Any) -> np.ndarray:
-        return self.allocator.known_tokens(handle)
-
-    def take_events(self) -> dict[str, np.ndarray]:
-        return self.allocator.take_events()
-
-    def slots(self, handle: Any, layer: int) -> np.ndarray:
-        """Every slot of the request in ``layer``'s group, in token order (released
-        window positions read as the null page's slots)."""
-        return self.allocator.slots(handle, self._page_group(layer).index)
-
-    def pages(self, handle: Any, layer: int) -> np.ndarray:
-        """The request's page list in ``layer``'s group (0 where the window released it)."""
-        return self.allocator.pages(handle, self._page_group(layer).index)
-
-    def held_tokens(self, handle: Any, layer: int) -> int:
-        """Tokens' worth of pages the request holds in ``layer``'s group (held pages x page size)."""
-        g = self._page_group(layer)
-        return int(np.count_nonzero(self.allocator.pages(handle, g.index))) * g.page_size
-
-    def page_table(self, handles: Any, layer: int) -> PageTable:
-        """FlashInfer's CSR page table of ``layer``'s group: a sliding group's
-        carries only each request's window pages. See ``GroupedAllocator.page_table``."""
-        if self._order is not None:  # CUDA: its host -> device copy cannot be captured
-            refuse_capture(self.device, "page_table")
-        indptr, indices, last = self.allocator.page_table(handles, self._page_group(layer).index)
-        return page_table_tensors(indptr, indices, last, self.device)
-
-    def state_slots(self, handles: Any, layer: int) -> np.ndarray:
-        """Each request's state slot in ``layer``'s group (read it again after truncate)."""
-        return self.allocator.state_slots(handles, self._state_group(layer).index)
-
-    @property
-    def open_requests(self) -> int:
-        return self.allocator.open_requests
-
-    @property
-    def admissible_requests(self) -> int:
-        return self.allocator.admissible_requests
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.allocator.hit_tokens
-
-    @property
-    def miss_tokens(self) -> int:
-        return self.allocator.miss_tokens
-
-    @property
-    def hash_seed(self) -> int:
-        """The prefix hash seed; see ``GroupedAllocator.hash_seed``."""
-        return self.allocator.hash_seed
-
-    @property
-    def kv_events(self) -> bool:
-        """Whether the pool records KV events; see ``GroupedAllocator.kv_events``."""
-        return self.allocator.kv_events
-
-    def admissible_tokens(self, layer: int | None = None) -> int:
-        """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
-        return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)
-
-    def free_pages(self, layer: int) -> int:
-        return self.allocator.free_pages(self.group(layer).index)
-
-    def used_pages(self, layer: int) -> int:
-        return self.allocator.used_pages(self.group(layer).index)
-
-    def cached_pages(self, layer: int) -> int:
-        return self.allocator.cached_pages(self.group(layer).index)
-
-    def capacity_pages(self, layer: int) -> int:
-        return self.allocator.capacity_pages(self.group(layer).index)
