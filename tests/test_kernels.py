@@ -125,6 +125,9 @@ def _cache():
                                              torch.tensor([1, 6]), torch.tensor([-1, 2]), torch.arange(100, 105),
                                              offsets=torch.tensor([0, 1000])),
          K.KernelArgumentError, r"offsets\[1\] = 1000, .*: 0 there"),
+        (lambda kc, vc: K.write_req_to_token(torch.zeros(4, 8, dtype=torch.int32), torch.tensor([0]),
+                                             torch.tensor([1]), torch.tensor([2]), torch.tensor([5, 2**31])),
+         K.KernelArgumentError, r"slots\[1\] = 2147483648 does not fit the int32 req_to_token"),
         *[(lambda kc, vc, t=t: K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), None, k_scale=t),
            K.KernelArgumentError, f"k_scale is a tensor of {t.dtype}")
           for t in (torch.tensor([True]), torch.tensor([2]), torch.tensor([2 + 0j]))],
