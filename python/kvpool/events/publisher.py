@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
-from kvpool._forksafe import INNER, OUTER
+from kvpool._forksafe import INNER, OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import PublisherClosedError
@@ -113,7 +113,7 @@ class EventPublisher(NotPicklable):
         # Held from the drain to the hand-over: two threads publishing at once
         # must number (and send) their batches in the order they drained them,
         # or a consumer applies a Removed before the Stored it undoes.
-        self._publishing = threading.Lock()
+        self._publishing = OwnedLock()  # (held around user code, which may fork: see _forksafe)
         track_for_fork(self, "_publishing", OUTER)
         track_for_fork(self, "_lock", INNER)
         self._closed = False

@@ -36,7 +36,6 @@ or from a helper thread: the pool's calls are thread-safe).
 from __future__ import annotations
 
 import numbers
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
-from kvpool._forksafe import OUTER
+from kvpool._forksafe import OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.kernels.pages import load_pages, offload_pages
@@ -151,7 +150,7 @@ class DiskCache(NotPicklable):
         # Held for the whole of store_new and prefetch: both fill and read the one staging
         # buffer (and the chain state), so a prefetch interleaved with a store_new on another
         # thread would load the pages store_new copied there under the prompt's hashes.
-        self._calls = threading.Lock()
+        self._calls = OwnedLock()  # (held around user code, which may fork: see _forksafe)
         track_for_fork(self, "_calls", OUTER)
 
     # ----- events -> chains ---------------------------------------------
