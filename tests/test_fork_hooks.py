@@ -87,6 +87,50 @@ def test_a_pool_built_while_a_fork_waits_is_held_across_it():
     assert "child 0" in out and "parent ok" in out, out
 
 
+def test_an_allocator_built_while_a_fork_waits_is_held_across_it():
+    """The same for a bare SlotAllocator (no Python lock of its own), built while the Rust hook
+    waits for another allocator's mutex: its mutexes, taken by calls that run with the GIL
+    released, are held by the hook's later snapshot. The wait is made with the test-only
+    hook that holds an allocator's event lock around a callback (the test-hooks build)."""
+    from kvpool import SlotAllocator
+
+    if not hasattr(SlotAllocator(8, 1, 1, 8), "_while_draining_for_tests"):
+        pytest.skip("needs the bindings' test-hooks feature (SlotAllocator._while_draining_for_tests)")
+    out = run("""
+        import os, signal, threading, time
+        import numpy as np
+        from kvpool import SlotAllocator
+    """ + CHILD + """
+        a1 = SlotAllocator(64, page_size=1, max_requests=4, max_context_len=8)
+
+        def builder(box, stop):
+            time.sleep(0.1)  # the fork's Rust hook is waiting for a1 by now
+            a = box["a"] = SlotAllocator(1 << 16, page_size=1, max_requests=4200, max_context_len=8)
+            while not stop.is_set():
+                hh = a.open(4096); a.extend(hh, np.full(4096, 8)); a.close(hh)
+
+        codes = []
+        for _ in range(3):  # a fork finds the builder inside a call most times, not every time
+            box, stop = {}, threading.Event()
+            threading.Thread(target=a1._while_draining_for_tests, args=(lambda: time.sleep(0.4),)).start()
+            time.sleep(0.05)
+            tb = threading.Thread(target=builder, args=(box, stop)); tb.start()
+            pid = os.fork()
+            if pid == 0:
+                a = box.get("a")
+                if a is not None:
+                    for _ in range(3):
+                        a.close(a.open(1))
+                os._exit(0)
+            codes.append(wait_child(pid))
+            stop.set(); tb.join()
+            box["a"].check()
+        print("child", max(codes, key=str))
+        print("parent ok")
+    """)
+    assert "child 0" in out and "parent ok" in out, out
+
+
 def test_two_threads_forking_at_once_leave_every_lock_free():
     out = run("""
         import os, sys, threading, time, torch

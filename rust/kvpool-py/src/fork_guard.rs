@@ -95,10 +95,27 @@ pub(crate) fn track<T: Send + 'static>(core: &Arc<Mutex<T>>, kept: &Arc<Kept>) {
 /// Before os.fork(): hold every live allocator's mutexes (not public API).
 #[pyfunction]
 pub fn _fork_prepare(py: Python<'_>) {
-    // A snapshot: LIVE is not held while waiting, so a constructor on another
-    // thread (which holds the GIL to push) never waits on this one.
-    let entries: Vec<Arc<dyn Guarded>> = live().clone();
-    let held: Vec<Box<dyn Any>> = entries.iter().filter_map(|e| e.hold(py)).collect();
+    // Snapshots: LIVE is not held while waiting, so a constructor on another
+    // thread (which holds the GIL to push) never waits on this one. An
+    // allocator built meanwhile (and maybe in a call by now) is in the next
+    // snapshot: held too, until a snapshot brings none.
+    // (`done` keeps the entries it names alive, so no new one takes an address in it)
+    let mut done: Vec<Arc<dyn Guarded>> = Vec::new();
+    let mut held: Vec<Box<dyn Any>> = Vec::new();
+    loop {
+        let new: Vec<Arc<dyn Guarded>> = live()
+            .iter()
+            .filter(|e| !done.iter().any(|d| Arc::ptr_eq(d, e)))
+            .cloned()
+            .collect();
+        if new.is_empty() {
+            break;
+        }
+        for e in new {
+            held.extend(e.hold(py));
+            done.push(e);
+        }
+    }
     HELD.with(|h| h.borrow_mut().extend(held));
 }
 
