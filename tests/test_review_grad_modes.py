@@ -159,3 +159,23 @@ def test_index_tensors_a_cache_keeps_across_steps_are_normal_after_inference_mod
     assert kvpool.audit(cache=cache, pool=pool, max_depth=6) == []
     cache.close()
     pool.check()
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_an_fp8_scale_set_from_a_parameter_in_grad_mode_serves_every_mode(mode):
+    """``pool.v_scale[layer] = s`` (the documented way) from a calibrated scale that requires
+    grad, in grad mode, makes the scale tensor require grad: a write in grad mode then raised
+    torch's error halfway (K stored, V not), and reads raised too."""
+    pool = kvpool.KVPool(2, 2, 8, dtype=torch.float8_e4m3fn, page_size=4, num_pages=10)
+    h = pool.open(1)
+    step = pool.extend(h, [3])
+    pool.v_scale[0] = torch.nn.Parameter(torch.tensor(0.5))  # grad mode: recorded by autograd
+    k = torch.full((3, 2, 8), 1.5, dtype=torch.bfloat16)
+    v = torch.full((3, 2, 8), 3.0, dtype=torch.bfloat16)
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        pool.write(0, step.out_cache_loc, k, v)
+        got_k, got_v = pool.read(0, step.out_cache_loc)
+    assert torch.equal(got_k.float(), k.float()) and torch.equal(got_v.float(), v.float())
+    raw_v = pool.v_buffer(0)[step.out_cache_loc].float()
+    assert torch.equal(raw_v, torch.full_like(raw_v, 6.0))  # stored as v / 0.5

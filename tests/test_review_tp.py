@@ -169,6 +169,20 @@ def tp_edges(rank: int, world: int) -> dict[str, Any]:
     host = tp_pool(1, HEADS, DIM, dtype=torch.float32, page_size=P, num_pages=16, seed=1,
                    host_memory_bytes=64_000 if rank == 0 else 8_000)
     out["host pages"] = host.allocator.host_pages
+    # An fp8 receiver whose own scale is 0 would re-quantize the rows it gets by 0: refused.
+    fp8 = kvpool.KVPool(2, 2, 8, dtype=torch.float8_e4m3fn, page_size=4, num_pages=8, max_requests=4,
+                        max_context_len=64)
+    if rank == 0:
+        h = fp8.open(1)
+        step = fp8.extend(h, [5])
+        x = torch.ones(5, 2, 8, dtype=torch.bfloat16)
+        for layer in range(2):
+            fp8.write(layer, step.out_cache_loc, x, x)
+        out["fp8 scale"] = str(catch(lambda: kv_transfer.send_request(fp8, int(h[0]), 1, timeout_s=20)))
+    else:
+        fp8.k_scale[0] = 0.0
+        out["fp8 scale"] = str(catch(lambda: kv_transfer.recv_request(fp8, 0, timeout_s=20)))
+        out["fp8 opened"] = fp8.open_requests
     # The same extend refused on rank 1 only (it diverged past the wrapper): counted as a step
     # there too, so both ranks meet in the same verify and both raise the divergence.
     tp = tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=5, max_requests=4, max_context_len=16,
@@ -375,6 +389,9 @@ def test_tp_mistakes_are_typed_errors_on_every_rank_and_none_waits_alone(edges):
         assert "InvalidArgumentError" in res["budget"], res["budget"]
         assert ("rank 1 could not build its pool" in res["budget"]) == (rank == 0), res["budget"]
         assert 2 <= res["host pages"] == edges[1]["host pages"] < 64
+        assert "TransferRejectedError" in res["fp8 scale"], res["fp8 scale"]
+        assert ("own fp8 scales are not all finite and positive" in res["fp8 scale"]) == (rank == 1)
+        assert res.get("fp8 opened", 0) == 0
         # rank 0's extend succeeded, rank 1's was refused: both raise the divergence at once
         assert res["refused extend"] == (1, "PoolExhaustedError" if rank == 1 else "NoneType"), res
 

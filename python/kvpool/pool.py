@@ -272,8 +272,13 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
                 self.k_scale = torch.ones(self.num_layers, dtype=torch.float32, device=self.device)
                 # MLA has one latent cache, hence one scale (v_scale is the same tensor).
                 self.v_scale = self.k_scale if self.mla else torch.ones_like(self.k_scale)
+            # Views of detached aliases: the same storage, so a scale set in place later is
+            # what the kernels read, but never autograd's (a scale assigned from a Parameter
+            # in grad mode makes k_scale require grad, and a no_grad view of it then raises
+            # in grad mode, halfway through a write).
             self._scales = [
-                [s[i : i + 1] for i in range(self.num_layers)] for s in (self.k_scale, self.v_scale) if s is not None
+                [s.detach()[i : i + 1] for i in range(self.num_layers)]
+                for s in (self.k_scale, self.v_scale) if s is not None
             ]
         # On CPU the table is host memory: the core writes new slots straight into
         # this numpy view of it inside extend's one crossing (zero copy, no torch

@@ -216,7 +216,8 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             EXHAUSTED: f"it needs {need} free pages for {length} tokens but has {free}",
             TOO_MANY: "every request row of its pool is open",
             CONTEXT: f"{length} tokens exceed its max_context_len {int(reply[4])}",
-            INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard (see its error)",
+            INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard, or fp8 scales it cannot "
+                          "receive with (see its error)",
             MALFORMED: "it found this transfer's header or metadata malformed (see its error)",
         }.get(status, "")
         raise TransferRejectedError(
@@ -368,6 +369,11 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             f"same page size, layers, head shard, head_dim and dtype", reason="incompatible"))
     n_hashes, n_scales = int(header[H_HASHES]), int(header[H_SCALES])
     src_scales = meta[n_meta - n_scales :].view(np.float64)
+    if n_scales and not (np.isfinite(own := scales_of(pool)).all() and (own > 0).all()):
+        # The rows are re-quantized to this pool's scales: by 0 they would read as 0 or inf.
+        raise refuse(INCOMPATIBLE, TransferRejectedError(
+            f"request from rank {src_rank}: this pool's own fp8 scales are not all finite and positive; set its "
+            "k_scale / v_scale in place before it receives", reason="incompatible"))
     problem = header_problem(pool, header, src_scales)
     if problem is not None:
         status, why = problem
