@@ -17,6 +17,7 @@ import torch
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.kernels._common import check_dense
+from kvpool.validate import refuse_bools_in
 
 __all__ = ["INPUT_NAMES", "check_inputs"]
 
@@ -56,11 +57,7 @@ def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
                     raise _too_big(name, i, x, num_slots)
         if arr.dtype.kind in "iu" and isinstance(a, (list, tuple)):
             # numpy makes [0, True] ints, and True would name row or slot 1 (KVPool.write's rule).
-            kinds = set(map(type, a))
-            if bool in kinds or np.bool_ in kinds:
-                bad = next(i for i, x in enumerate(a) if isinstance(x, (bool, np.bool_)))
-                raise TensorDtypeError(f"{name}[{bad}] is the bool {a[bad]!r}: pass ints; a bool is never a "
-                                       "step input")
+            refuse_bools_in(name, a, "not an int: pass ints; a bool is never a step input")
     if arr.ndim != 1:
         raise TensorShapeError(f"{name} must be 1-D, got shape {list(arr.shape)}")
     if arr.size == 0:

@@ -334,12 +334,7 @@ class HybridRequestOps:
                 self._enter_device_call("fork")
             handles = self.allocator.fork(handle, n)
             self._note_edit(handle)
-            try:
-                self._run_copies()
-                self._write_new_rows(handles)
-            except BaseException:
-                self._close_unreturned(handles)
-                raise
+            self._fill_new_rows(handles)
             return handles
 
     def open_with_prefix(self, tokens: Any, lengths: Any, salt: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -349,13 +344,18 @@ class HybridRequestOps:
             if self._order is not None:
                 self._enter_device_call("open_with_prefix")
             handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
-            try:
-                self._run_copies()
-                self._write_new_rows(handles)
-            except BaseException:
-                self._close_unreturned(handles)
-                raise
+            self._fill_new_rows(handles)
             return handles, cached
+
+    def _fill_new_rows(self, handles: np.ndarray) -> None:
+        """The copies and table rows of requests a fork or a prefix hit just opened; if they
+        fail (a CUDA OOM or launch error), the requests are closed again and it raises."""
+        try:
+            self._run_copies()
+            self._write_new_rows(handles)
+        except BaseException:
+            self._close_unreturned(handles)
+            raise
 
     def evict(self, layer: int, n: int) -> int:
         """Evict up to ``n`` cached pages (checkpoints) of ``layer``'s group, LRU first."""

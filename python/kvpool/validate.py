@@ -98,6 +98,15 @@ def _out_of_range(bad: int, value: int, num_slots: int) -> SlotRangeError:
     )
 
 
+def refuse_bools_in(name: str, values: list[Any] | tuple[Any, ...], why: str) -> None:
+    """``TensorDtypeError`` naming the first bool of a list of ints (which numpy would take as
+    0 or 1); one C-speed pass over the types."""
+    kinds = set(map(type, values))
+    if bool in kinds or np.bool_ in kinds:
+        bad = next(i for i, x in enumerate(values) if isinstance(x, (bool, np.bool_)))
+        raise TensorDtypeError(f"{name}[{bad}] is the bool {values[bad]!r}, {why}")
+
+
 def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
     if isinstance(slots, torch.Tensor):
         return slots
@@ -109,12 +118,7 @@ def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
                 raise _out_of_range(i, x, num_slots)
     if arr.dtype.kind in "iu" and isinstance(slots, (list, tuple)):
         # numpy makes [True, 3] ints, and True would name slot 1 (a real page at page size 1).
-        # One C-speed pass over the types, on the list path only.
-        kinds = set(map(type, slots))
-        if bool in kinds or np.bool_ in kinds:
-            bad = next(i for i, x in enumerate(slots) if isinstance(x, (bool, np.bool_)))
-            raise TensorDtypeError(f"slots[{bad}] is the bool {slots[bad]!r}, not a slot: pass ints "
-                                   "(int32/int64); a bool is never a slot id")
+        refuse_bools_in("slots", slots, "not a slot: pass ints (int32/int64); a bool is never a slot id")
     if arr.dtype.kind not in "iu":
         if arr.size == 0:
             arr = arr.astype(np.int64)
