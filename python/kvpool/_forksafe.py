@@ -105,13 +105,18 @@ def _take_tracked() -> list[Any]:
     me = threading.get_ident()
     locks = sorted(((rank, attr, owner) for owner, pairs in _tracked() for rank, attr in pairs),
                    key=lambda t: t[0])
-    held = []
-    for _, attr, owner in locks:
-        lock = getattr(owner, attr)
-        if getattr(lock, "owner", None) == me:  # forked from inside the call holding it
-            continue
-        lock.acquire()  # waits with the GIL released, so the holder can finish
-        held.append(lock)
+    held: list[Any] = []
+    try:
+        for _, attr, owner in locks:
+            lock = getattr(owner, attr)
+            if getattr(lock, "owner", None) == me:  # forked from inside the call holding it
+                continue
+            lock.acquire()  # waits with the GIL released, so the holder can finish
+            held.append(lock)
+    except BaseException:  # (a hook's error is only reported: leave no lock held by it)
+        for lock in reversed(held):
+            lock.release()
+        raise
     return held
 
 
