@@ -140,6 +140,12 @@ def check_writable(t: torch.Tensor, name: str) -> None:
             f"{name} is an inference tensor (made under torch.inference_mode()), which torch lets no "
             "in-place write change outside inference mode: create it outside inference mode "
             "(under kvpool.persistent()), or call this inside torch.inference_mode()")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        # (torch refuses such a write untyped, after the ones before it; the kernels do it)
+        raise KernelArgumentError(
+            f"{name} has overlapping elements (a stride of 0, as expand makes): several slots would be one "
+            f"memory, and a write to one would change the others; pass a tensor with memory of its own "
+            f"({name}.contiguous())")
     if t.requires_grad and torch.is_grad_enabled():
         # A leaf (or a view of one) torch refuses to change; any other the Triton kernels would
         # change behind autograd's back.
