@@ -117,6 +117,9 @@ FUNCTION_CASES: list[tuple[str, type, str, Callable[[], Any]]] = [
      lambda: shard_kv_heads(4, 0, 2, mla=np.array([True, False]))),
     ("tp_pool(seed='x')", InvalidArgumentError, "seed", lambda: tp_pool(2, 2, 4, num_pages=8, seed="x")),
     ("tp_pool(seed=2**64)", InvalidArgumentError, "seed", lambda: tp_pool(2, 2, 4, num_pages=8, seed=2**64)),
+    # every seed keyword given, so seed= is not used: a typo is still refused, not ignored
+    ("tp_pool(seed='x', every seed given)", InvalidArgumentError, "seed",
+     lambda: tp_pool(2, 2, 4, num_pages=8, hash_seed=1, handle_seed=2, seed="x")),
 ]
 
 

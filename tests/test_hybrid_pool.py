@@ -256,6 +256,15 @@ def test_retention_priorities_are_a_typed_error_that_changes_nothing(call):
     pool.check()
 
 
+def test_req_to_token_iterates_over_the_layers_of_an_attention_only_pool():
+    """It is a Sequence of len num_layers: list() gave a LayerIndexError at its end."""
+    pool = make(layer_types=["sliding_attention", "full_attention"] * 2, state_shapes=None)
+    tables = list(pool.req_to_token)
+    assert len(tables) == 4 and all(t is pool.req_to_token[i] for i, t in enumerate(tables))
+    with pytest.raises(InvalidArgumentError, match="linear_attention"):
+        list(make().req_to_token)  # a state layer has no table: the typed error, as [layer] gives
+
+
 def test_unpin_and_set_clock_answer_as_on_a_plain_pool_without_priorities():
     """Engine code shared with the plain pool calls unpin and set_clock: unpin checks the
     handles as the plain pool does and unpins nothing (nothing can be pinned here),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import kvpool
-from kvpool.distributed import RankDivergenceError, TPPool, kv_transfer, tp_pool
+from kvpool.distributed import RankDivergenceError, TPPool, agree_seed, kv_transfer, tp_pool
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402
@@ -159,6 +159,7 @@ def tp_edges(rank: int, world: int) -> dict[str, Any]:
             "full_attention", "sliding_attention"], sliding_window=8),
     }.items():
         out[name] = str(catch(call))
+    out["agree_seed meta"] = str(catch(lambda: agree_seed(device="meta")))  # refused before its collective
     # A per-rank budget (each device's own free memory) too small on rank 1 only: rank 0
     # waited in the capacity collective alone until the group's timeout.
     budget = 300_000 if rank == 0 else 64
@@ -387,6 +388,7 @@ def test_tp_mistakes_are_typed_errors_on_every_rank_and_none_waits_alone(edges):
         assert "InvalidArgumentError" in res["hybrid TPPool"] and "layer_types" in res["hybrid TPPool"]
         assert "InvalidArgumentError" in res["hybrid tp_pool"] and "without tp_pool" in res["hybrid tp_pool"]
         assert "InvalidArgumentError" in res["budget"], res["budget"]
+        assert "InvalidArgumentError" in res["agree_seed meta"] and "cannot carry" in res["agree_seed meta"]
         assert ("rank 1 could not build its pool" in res["budget"]) == (rank == 0), res["budget"]
         assert 2 <= res["host pages"] == edges[1]["host pages"] < 64
         assert "TransferRejectedError" in res["fp8 scale"], res["fp8 scale"]

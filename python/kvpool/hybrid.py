@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,11 @@ class _LayerTables(Sequence[torch.Tensor]):
 
     def __getitem__(self, layer: Any) -> Any:
         return self._pool._tables[self._pool._page_group(layer).index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        # Sequence's own iteration stops at an IndexError, and a layer past the end raises
+        # LayerIndexError (a ValueError): list(pool.req_to_token) raised at its end.
+        return (self[layer] for layer in range(len(self)))
 
 
 # The plain pool's options a hybrid pool lacks, each with the values that mean "not used".

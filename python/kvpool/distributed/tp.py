@@ -33,6 +33,7 @@ import torch.distributed as dist
 from kvpool.distributed.comm import comm_device, group_ranks
 from kvpool.distributed.errors import RankDivergenceError
 from kvpool.errors import InvalidArgumentError
+from kvpool.torch_types import as_device
 from kvpool.validate import check_pool, is_int
 
 __all__ = ["TPPool", "agree_seed", "tp_pool", "MUTATING_CALLS"]
@@ -72,7 +73,12 @@ def _bytes(x: Any) -> bytes:
 
 def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
     """A random 63-bit seed drawn on the group's first rank and broadcast to all (one collective)."""
-    dev = device or comm_device(group, torch.device("cpu"), "agree_seed")
+    dev = comm_device(group, torch.device("cpu"), "agree_seed")
+    if device is not None:  # (checked before the collective, the same way on every rank)
+        dev = as_device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"agree_seed: device {device!r} cannot carry a collective; pass 'cpu' "
+                                       "(gloo), a CUDA device (nccl), or None for the group's")
     t = torch.tensor([secrets.randbits(63)], dtype=torch.int64, device=dev)
     dist.broadcast(t, src=group_ranks(group, "agree_seed")[0], group=group)
     return int(t.item())
@@ -219,7 +225,7 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
 
     params = inspect.signature(KVPool.__init__).parameters
     wanted = [k for k in SEED_KWARGS if k in params and k not in kwargs]
-    if wanted and seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):  # (used or not: a typo is a typo)
         raise InvalidArgumentError(f"seed must be None (drawn on the group's first rank) or an int in "
                                    f"[0, 2**63), the same on every rank; got {type(seed).__name__} {seed!r}")
     ranks = group_ranks(group, "tp_pool")  # (refuses a missing group before any collective)
