@@ -50,12 +50,12 @@ def _refuse_priorities(priority: Any, retain_s: Any) -> None:
 
 
 def _refuse_duplicates(handles: np.ndarray) -> None:
-    _, first, counts = np.unique(handles, return_index=True, return_counts=True)
-    if (counts > 1).any():
-        dup = handles[first[counts > 1].min()]
-        again = int(np.flatnonzero(handles == dup)[1])
-        raise InvalidArgumentError(f"handle {int(dup)} appears more than once in the batch (again at index "
-                                   f"{again}); name each request once")
+    seen: set[int] = set()
+    for i, h in enumerate(handles.tolist()):
+        if h in seen:
+            raise InvalidArgumentError(f"handle {h} appears more than once in the batch (again at index {i}); "
+                                       "name each request once")
+        seen.add(h)
 
 
 class HybridRequestOps:

@@ -71,7 +71,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 MAX_SCORE_ELEMENTS = 1 << 25
 
 
-def _block(b: int, tq: int, heads: int, tk: int) -> int:
+def _block(b: int, heads: int, tk: int) -> int:
     return max(1, MAX_SCORE_ELEMENTS // max(1, b * heads * tk))
 
 
@@ -80,7 +80,7 @@ def step_mask(positions: torch.Tensor, heads: int, width: int) -> torch.Tensor |
     ``attend_causal`` (built once, shared by every layer), else None (each block builds its own:
     the whole mask of a long prefill is as large as its scores)."""
     b, tq = positions.shape
-    return pool_mask(positions, width) if _block(b, tq, heads, width) >= tq else None
+    return pool_mask(positions, width) if _block(b, heads, width) >= tq else None
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -91,7 +91,7 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     graph may run it."""
     b, tq, hq, _ = q.shape
     tk = k.shape[1]
-    block = _block(b, tq, hq, tk)
+    block = _block(b, hq, tk)
     if block >= tq:
         return attend(q, k, v, pool_mask(positions, tk) if mask is None else mask)
     return torch.cat([attend(q[:, s:s + block], k, v, pool_mask(positions[:, s:s + block], tk))

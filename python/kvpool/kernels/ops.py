@@ -360,9 +360,9 @@ def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Te
         raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
                                  "all requests back to back, skipped ones included)")
     if table.dtype == torch.int32 and slots.dtype == torch.int64 and need:
-        lo, hi = torch.aminmax(slots[:need])
-        if int(hi) > 2**31 - 1 or int(lo) < -(2**31):
-            bad = int(((slots[:need] > 2**31 - 1) | (slots[:need] < -(2**31))).nonzero()[0, 0])
+        wide = (slots[:need] > 2**31 - 1) | (slots[:need] < -(2**31))
+        if bool(wide.any()):
+            bad = int(wide.nonzero()[0, 0])
             raise c.KernelArgumentError(f"slots[{bad}] = {int(slots[bad])} does not fit the int32 req_to_token "
                                         "(it would wrap to another slot): use an int64 table, or slots below 2**31")
     if offsets is not None:
