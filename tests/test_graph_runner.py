@@ -377,3 +377,12 @@ def test_a_0d_output_is_a_typed_error_naming_the_padded_rows():
     runner = DecodeGraphRunner(make_pool(), lambda ids, *a: (ids.float(), ids.float().sum()), max_batch_size=8)
     with pytest.raises(kvpool.InvalidArgumentError, match="0-d tensor"):
         runner.run([1, 2, 3], [0, 0, 0], [0, 1, 2], [4, 5, 6], [1, 1, 1])
+
+
+def test_a_hybrid_pool_is_refused_before_anything_is_built():
+    # A hybrid pool's step has one out_cache_loc per layer group; the runner stages and checks one,
+    # so it would range-check nothing (no num_slots) and hand the step one group's slots.
+    hybrid = kvpool.KVPool(2, 2, 8, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                           dtype=torch.float32, page_size=4, num_pages=16, max_requests=4, max_context_len=32)
+    with pytest.raises(kvpool.InvalidArgumentError, match="one out_cache_loc per layer group"):
+        DecodeGraphRunner(hybrid, lambda *a: None, max_batch_size=4)

@@ -144,6 +144,10 @@ class DecodeGraphRunner:
         copy_outputs: bool = False,
     ) -> None:
         check_pool(pool, "DecodeGraphRunner", ("device", "null_row"))
+        if getattr(pool, "groups", None) is not None:  # a hybrid pool: one out_cache_loc per group, not one
+            raise InvalidArgumentError("DecodeGraphRunner takes a plain kvpool.KVPool: a hybrid pool's step has one "
+                                       "out_cache_loc per layer group (ExtendResult.out_cache_loc is a list), and "
+                                       "the runner stages and range-checks one; run a hybrid pool's decode eagerly")
         if not callable(step):
             raise InvalidArgumentError(f"step must be callable, got {type(step).__name__}")
         if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_DEFAULT_BATCH:
