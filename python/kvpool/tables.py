@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvpool.kernels.ops import write_packed_table
+from kvpool.kernels.table_ops import write_packed_table
 from kvpool.packed import PackedExtend, slots_start
 from kvpool.staging import ToDevice, to_device
 
