@@ -479,3 +479,17 @@ def test_results_made_under_inference_mode_are_normal_tensors(call):
         loc = res.for_layer(layer)
         assert not loc.is_inference()
         loc[0] = -1  # raises on an inference tensor outside inference mode
+
+
+@pytest.mark.parametrize("single", [3, np.int64(3), np.array(3)], ids=["int", "np.int64", "0-d"])
+def test_admit_refuses_a_single_int_as_the_plain_pool_does(single):
+    # admit(3) could mean one request of 3 tokens or 3 requests: every pool kind refuses it the same way,
+    # so engine code shared by plain and hybrid pools cannot open the wrong number of requests.
+    plain = KVPool(2, 2, 8, dtype=torch.float32, num_pages=16, page_size=4, max_requests=4, max_context_len=32)
+    hybrid = make()
+    for target in (plain, plain.allocator, hybrid, hybrid.allocator):
+        with pytest.raises(InvalidArgumentError, match=r"got the single int 3: pass \[3\] to admit one request"):
+            target.admit(single)
+        assert target.open_requests == 0
+    handles, _ = hybrid.admit([3])
+    assert list(hybrid.lengths(handles)) == [3]

@@ -951,7 +951,8 @@ class GroupedAllocator:
         self, counts: _IntArray, tokens: _IntArray | None = None, tables: Sequence[npt.NDArray[np.int32] | None] | None = None
     ) -> tuple[npt.NDArray[np.int64], list[npt.NDArray[np.int64]]]:
         """Opens len(counts) requests and extends request i by counts[i] tokens
-        in every group, as open then extend, in one call. Atomic.
+        in every group, as open then extend, in one call. Atomic. A single int
+        is refused, as SlotAllocator.admit refuses it: pass [n] for one request.
 
         Returns:
             (handles int64, a list with each group's new slots (int64,
@@ -962,8 +963,8 @@ class GroupedAllocator:
             PoolExhaustedError: a group is short of pages or state slots (the
                 message names the first such group).
             ContextTooLongError: a count past max_context_len.
-            InvalidArgumentError: a negative count, tokens of the wrong length
-                or range, bad tables.
+            InvalidArgumentError: a negative count, a single int, tokens of the
+                wrong length or range, bad tables.
         """
     def extend(
         self,

@@ -113,7 +113,7 @@ impl PySlotAllocator {
 
 /// admit's counts: one int per new request. A single int is refused: it
 /// could mean one request or a count for each of some number of them.
-fn counts_arg(py: Python<'_>, counts: &Bound<'_, PyAny>) -> Result<Vec<i64>> {
+pub(crate) fn counts_arg(py: Python<'_>, counts: &Bound<'_, PyAny>) -> Result<Vec<i64>> {
     match int_arg(py, counts, "counts")? {
         IntArg::Many(v) => Ok(v),
         IntArg::Scalar(v) => Err(invalid_argument(

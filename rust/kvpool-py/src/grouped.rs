@@ -221,7 +221,8 @@ impl PyGroupedAllocator {
     /// admit(counts, tokens=None, tables=None) -> (handles, slots)
     ///
     /// Opens len(counts) requests and extends request i by counts[i] tokens
-    /// in every group, as open then extend, in one call. Atomic.
+    /// in every group, as open then extend, in one call. Atomic. A single int
+    /// is refused, as SlotAllocator.admit refuses it: pass [n] for one request.
     ///
     /// Returns:
     ///     (handles int64, a list with each group's new slots (int64,
@@ -232,8 +233,8 @@ impl PyGroupedAllocator {
     ///     PoolExhaustedError: a group is short of pages or state slots (the
     ///         message names the first such group).
     ///     ContextTooLongError: a count past max_context_len.
-    ///     InvalidArgumentError: a negative count, tokens of the wrong length
-    ///         or range, bad tables.
+    ///     InvalidArgumentError: a negative count, a single int, tokens of the
+    ///         wrong length or range, bad tables.
     #[pyo3(signature = (counts, tokens=None, tables=None))]
     fn admit<'py>(
         &self,
@@ -242,7 +243,7 @@ impl PyGroupedAllocator {
         tokens: Option<&Bound<'py, PyAny>>,
         tables: Option<&Bound<'py, PyAny>>,
     ) -> Result<(Arr<'py, i64>, Bound<'py, PyList>)> {
-        let c = int_arg(py, counts, "counts")?.into_vec();
+        let c = crate::admit::counts_arg(py, counts)?;
         let toks = tokens_arg(py, tokens)?;
         let t = tables_arg(
             py,
