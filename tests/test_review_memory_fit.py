@@ -6,6 +6,7 @@ tensor it creates (K/V, states, tables) is summed here and compared with it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -101,3 +102,51 @@ def test_a_hybrid_group_past_int32_slot_ids_is_refused_before_any_tensor(monkeyp
     with pytest.raises(InvalidArgumentError, match="2\\*\\*31"):
         kvpool.KVPool(2, 1, 8, page_size=1 << 16, num_pages=(1 << 15) + 1, max_requests=2, max_context_len=64,
                       **HYBRID)
+
+
+def test_a_budget_past_2_53_bytes_is_divided_exactly_and_the_pages_fit_it():
+    # Through float() 2**60 + 191 rounded up to 2**60, one page more than the budget holds.
+    from kvpool.capacity import resolve_num_pages
+    budget, page, fixed = 2**60 + 191, 2**57, 192
+    pages = resolve_num_pages(page_size=1, slot_bytes=page, fixed_bytes=fixed, num_pages=None, num_slots=None,
+                              memory_bytes=budget, memory_fraction=None, device=torch.device("cpu"))
+    assert pages == (budget - fixed) // page == 7
+    assert pages * page + fixed <= budget
+
+
+@pytest.mark.parametrize("kw, hint", [
+    (dict(num_pages=2**31 + 1), "use at most num_pages=2147483647"),  # the allocator takes 2**31 - 1 pages
+    (dict(num_slots=2**31 + 2), "use at most num_slots=2147483647"),
+    (dict(num_pages=2, page_size=2**31), "use page_size <= 1073741824"),  # no num_pages would do
+    (dict(memory_bytes=2**70), "use at most memory_bytes="),  # the caller gave no num_pages
+])
+def test_the_slot_limit_refusal_names_a_value_that_is_taken(kw, hint):
+    args = dict(max_requests=1, max_context_len=1, lazy_metadata=True) | kw
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*31") as err:
+        kvpool.KVPool(1, 1, 1, **args)
+    assert hint in str(err.value)
+    if "num_pages=" in hint:  # the value named is in the allocator's range [2, 2**31 - 1] (its page ids are int32)
+        assert 2 <= int(hint.rsplit("=", 1)[1]) <= 2**31 - 1
+
+
+@pytest.mark.parametrize("kw", [dict(memory_bytes=150000.0), dict(memory_bytes=np.int64(150000)),
+                                dict(memory_fraction=np.float32(1e-6))])
+def test_plain_and_hybrid_pools_take_the_same_budgets(kw):
+    plain = kvpool.KVPool(2, 2, 8, max_requests=4, max_context_len=64, **kw)
+    hybrid = kvpool.KVPool(2, 2, 8, max_requests=4, max_context_len=64, **HYBRID, **kw)
+    assert plain.allocator.num_pages >= 2 and hybrid.num_layers == 2
+    for bad, what in (("1e5", "must be a number of bytes"), (True, "must be a number of bytes"),
+                      (-1, "must be >= 0"), (float("inf"), "must be finite")):
+        for extra in ({}, HYBRID):
+            with pytest.raises(InvalidArgumentError, match=what):
+                kvpool.KVPool(2, 2, 8, max_requests=4, max_context_len=64, memory_bytes=bad, **extra)
+
+
+def test_host_memory_bytes_takes_the_device_budgets_rule():
+    from kvpool.tiers.host_storage import host_page_bytes
+    page = host_page_bytes(2, 1, 2, 8, torch.float16, mla=False)
+    pool = kvpool.KVPool(2, 2, 8, num_pages=8, max_requests=4, max_context_len=64,
+                         host_memory_bytes=4 * page + 0.5)  # a float, rounded down, as memory_bytes is
+    assert pool.host_pages == 4
+    with pytest.raises(InvalidArgumentError, match="host_memory_bytes must be a number of bytes"):
+        kvpool.KVPool(2, 2, 8, num_pages=8, max_requests=4, max_context_len=64, host_memory_bytes="4096")

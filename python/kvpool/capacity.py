@@ -17,12 +17,16 @@ import torch
 from kvpool._core import InvalidArgumentError
 from kvpool.layout import padded_row_stride
 
-__all__ = ["MAX_SLOTS", "bytes_per_slot", "free_device_memory", "resolve_num_pages", "table_bytes"]
+__all__ = ["MAX_PAGES", "MAX_SLOTS", "budget_bytes", "bytes_per_slot", "fraction_of_memory", "free_device_memory",
+           "resolve_num_pages", "slot_limit_hint", "table_bytes"]
 
 #: Most slots a pool may have: ``req_to_token`` and the page tables are int32,
 #: so every slot id must be below 2**31 (a bigger pool would wrap to negative
 #: ids, which kernels treat as padding).
 MAX_SLOTS = 2**31
+
+#: Most pages an allocator takes, reserved page 0 included (its page ids are int32).
+MAX_PAGES = 2**31 - 1
 
 
 def _count(name: str, value: Any) -> int:
@@ -45,6 +49,32 @@ def _real(name: str, value: Any) -> float:
     if not math.isfinite(v):
         raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
     return v
+
+
+def budget_bytes(name: str, value: Any) -> int:
+    """A byte budget (``memory_bytes``, ``host_memory_bytes``) as an exact int: ints as given
+    (through ``float`` a budget past 2**53 could round up and size a pool past it), finite
+    floats rounded down (engines compute budgets as ``0.9 * total``). No bools or strings."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{name} must be a number of bytes, got {type(value).__name__} {value!r}")
+    if isinstance(value, numbers.Integral):
+        budget = int(value)
+    else:
+        v = float(value)
+        if not math.isfinite(v):
+            raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+        budget = math.floor(v)
+    if budget < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value!r}")
+    return budget
+
+
+def fraction_of_memory(value: Any) -> float:
+    """``memory_fraction``: a real number in (0, 1] (numpy floats too; no bools or strings)."""
+    fraction = _real("memory_fraction", value)
+    if not 0.0 < fraction <= 1.0:
+        raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {value!r}")
+    return fraction
 
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *, mla: bool) -> int:
@@ -114,14 +144,9 @@ def resolve_num_pages(
         pages = int(num_slots) // page_size
     else:
         if memory_fraction is not None:
-            fraction = _real("memory_fraction", memory_fraction)
-            if not 0.0 < fraction <= 1.0:
-                raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            budget = int(free_device_memory(device) * fraction)
+            budget = int(free_device_memory(device) * fraction_of_memory(memory_fraction))
         else:
-            budget = int(_real("memory_bytes", memory_bytes))
-            if budget < 0:
-                raise InvalidArgumentError(f"memory_bytes must be >= 0, got {memory_bytes}")
+            budget = budget_bytes("memory_bytes", memory_bytes)
         page_bytes = slot_bytes * page_size
         pages = (budget - fixed_bytes) // page_bytes if budget > fixed_bytes else 0
         if pages < 2:
@@ -136,6 +161,20 @@ def resolve_num_pages(
         raise InvalidArgumentError(
             f"{pages} pages of {page_size} slots = {pages * page_size} slots, more than the "
             f"{MAX_SLOTS} (2**31) that int32 req_to_token and page tables can address; "
-            f"use at most num_pages={MAX_SLOTS // page_size}"
+            + slot_limit_hint(page_size, next(iter(given)), slot_bytes * page_size, fixed_bytes)
         )
     return pages
+
+
+def slot_limit_hint(page_size: int, given: str, page_bytes: int = 0, fixed_bytes: int = 0) -> str:
+    """What to pass instead of a size past ``MAX_SLOTS``, in the argument the caller gave: a
+    ``num_pages`` the allocator takes (it also caps pages at 2**31 - 1, and needs two), else a
+    smaller ``page_size``."""
+    most = min(MAX_SLOTS // page_size, MAX_PAGES)
+    if most < 2:
+        return f"page_size={page_size} leaves room for fewer than 2 pages: use page_size <= {MAX_SLOTS // 2}"
+    if given == "num_slots":
+        return f"use at most num_slots={most * page_size}"
+    if given in ("memory_bytes", "memory_fraction") and page_bytes:
+        return f"use at most memory_bytes={fixed_bytes + most * page_bytes} (num_pages={most})"
+    return f"use at most num_pages={most}"

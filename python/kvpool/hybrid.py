@@ -33,7 +33,7 @@ from kvpool._core import GroupedAllocator, InvalidArgumentError
 from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
-from kvpool.capacity import free_device_memory
+from kvpool.capacity import budget_bytes, fraction_of_memory, free_device_memory
 from kvpool.hybrid_copies import HybridCopies
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
@@ -248,15 +248,11 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, 
         """Pages of the primary group from a memory budget (the other groups get their need)."""
         if sum(x is not None for x in (num_pages, num_slots, memory_bytes, memory_fraction)) != 1:
             raise InvalidArgumentError("give one of num_pages, num_slots, memory_bytes, memory_fraction")
+        # One rule for budgets with the plain pool (capacity.py): engine code passes either the same values.
         if memory_fraction is not None:
-            if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) or \
-                    not 0.0 < memory_fraction <= 1.0:
-                raise InvalidArgumentError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
-            budget = int(free_device_memory(self.device) * memory_fraction)
+            budget = int(free_device_memory(self.device) * fraction_of_memory(memory_fraction))
         else:
-            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, np.integer)) or memory_bytes < 0:
-                raise InvalidArgumentError(f"memory_bytes must be an int >= 0, got {memory_bytes!r}")
-            budget = int(memory_bytes)
+            budget = budget_bytes("memory_bytes", memory_bytes)
         token = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         return primary_pages_for_budget(budget, token_bytes=token, states=self.state_shapes,
                                         table_bytes=(self.max_requests + 1) * padded_row_stride(self.max_context_len) * 4,

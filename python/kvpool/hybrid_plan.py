@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.capacity import MAX_SLOTS
+from kvpool.capacity import MAX_SLOTS, slot_limit_hint
 
 __all__ = ["LAYER_KINDS", "LayerGroup", "check_slot_ids", "plan_groups", "plan_states", "primary_pages_for_budget"]
 
@@ -241,4 +241,4 @@ def check_slot_ids(groups: list[LayerGroup]) -> None:
             raise InvalidArgumentError(
                 f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
                 f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
-                f"address; use at most {MAX_SLOTS // g.page_size} pages")
+                f"address; {slot_limit_hint(g.page_size, 'num_pages')} for this group")

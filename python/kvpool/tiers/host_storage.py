@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvpool.capacity import budget_bytes
 from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
@@ -87,7 +88,7 @@ def host_pages_for_bytes(memory_bytes: int, page_bytes: int) -> int:
         InvalidArgumentError: fewer than two pages fit (page 0 is reserved, so a tier
             needs at least one more), or more than ``MAX_HOST_PAGES``.
     """
-    memory_bytes = _count("host_memory_bytes", memory_bytes, 0)
+    memory_bytes = budget_bytes("host_memory_bytes", memory_bytes)  # the device budget's rule
     page_bytes = _count("page_bytes", page_bytes, 1)
     pages = memory_bytes // page_bytes
     if pages < 2:
