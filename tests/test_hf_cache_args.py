@@ -150,6 +150,25 @@ def test_pool_for_model_sizes_are_checked_with_typed_errors(kwargs, match):
         pool_for_model(config, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, ctx", [(dict(page_size=16), 100), (dict(page_size=4, max_context_len=15), 15),
+                                         (dict(page_size=3), 100)])
+def test_pool_for_model_keeps_the_context_limit_it_was_given(kwargs, ctx):
+    # Rounded up to a page multiple, a request past the model's position table (or the caller's
+    # limit) was admitted; the pool takes any max_context_len.
+    from transformers import LlamaConfig
+
+    from kvpool import ContextTooLongError
+    from kvpool.integrations.transformers import pool_for_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=100)
+    pool = pool_for_model(config, max_tokens=256, **kwargs)
+    assert pool.max_context_len == ctx
+    with pytest.raises(ContextTooLongError):
+        pool.admit([ctx + 1])
+    assert pool.allocator.open_requests == 0
+
+
 @pytest.mark.parametrize("kwargs, recorded", [({}, 0), ({"kv_events": True}, 2)])
 def test_pool_for_model_records_kv_events_only_when_asked(kwargs, recorded):
     """docs/allocator.md: ``pool_for_model`` builds its pool with ``kv_events=False``

@@ -90,7 +90,6 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         if not isinstance(dtype, torch.dtype):
             dtype = torch.float32
     ctx = max_context_len if max_context_len is not None else getattr(text, "max_position_embeddings", None) or 4096
-    ctx = -(-int(ctx) // page_size) * page_size
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)
     for key, value in hybrid_pool_kwargs(text, ctx).items():  # sliding / linear-attention layers
