@@ -26,9 +26,15 @@ unsafe impl Zeroable for i32 {}
 unsafe impl Zeroable for u64 {}
 
 fn too_big(what: &str, n: usize, size: usize) -> PoolError {
+    // The host tier's own arrays are sized by host_pages alone: naming the device sizes would
+    // send the caller after the wrong argument.
+    let hint = if what.starts_with("host page") || what.starts_with("host slot") {
+        "use fewer host_pages (or a smaller host_memory_bytes)"
+    } else {
+        "use a smaller pool, max_requests or max_context_len"
+    };
     PoolError::InvalidArgument(format!(
-        "cannot allocate {what}: {n} entries of {size} bytes ({} bytes); use a smaller pool, \
-         max_requests or max_context_len",
+        "cannot allocate {what}: {n} entries of {size} bytes ({} bytes); {hint}",
         n.saturating_mul(size)
     ))
 }
@@ -181,4 +187,25 @@ pub(crate) fn prefetch<T>(v: &[T], i: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (v, i);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(what: &str) -> String {
+        // More entries than any layout can hold: refused before the allocator is asked.
+        match zeroed_vec::<u64>(usize::MAX / 4, what) {
+            Err(PoolError::InvalidArgument(msg)) => msg,
+            other => panic!("expected a typed refusal, got {:?}", other.map(|v| v.len())),
+        }
+    }
+
+    #[test]
+    fn a_host_array_too_big_names_host_pages_and_a_device_one_the_pool_sizes() {
+        let host = refusal("host page states");
+        assert!(host.contains("host_pages") && !host.contains("max_context_len"), "{host}");
+        let device = refusal("slot token ids");
+        assert!(device.contains("max_context_len") && !device.contains("host_pages"), "{device}");
+    }
 }
