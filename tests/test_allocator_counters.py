@@ -147,7 +147,8 @@ def test_an_undrained_event_backlog_is_bounded_and_restarts_with_a_cleared_event
     assert lazy.dropped_events == total - (n - 1)
 
 
-@pytest.mark.parametrize(("pages", "page_size", "rows", "ctx"), [(4096, 16, 64, 3000), (1000, 1, 8, 100), (65536, 16, 256, 4096)])
+@pytest.mark.parametrize(("pages", "page_size", "rows", "ctx"), [(4096, 16, 64, 3000), (1000, 1, 8, 100), (65536, 16, 256, 4096),
+                                                              (5, 16, 4, 64)])  # the smallest the docs' sum is exact for
 def test_metadata_bytes_of_a_new_allocator_is_the_documented_sum(pages, page_size, rows, ctx):
     """docs/allocator.md, *Memory*: 20 bytes a page (page 0 has no free-stack entry) and 4 per
     block of eight pages (rounded up), 4 a slot, per row 16 + 80 + 4 + 4 + 4 x (page list:
@@ -157,3 +158,11 @@ def test_metadata_bytes_of_a_new_allocator_is_the_documented_sum(pages, page_siz
     page_list = -(-page_list // 16) * 16 + 16
     want = pages * 20 - 4 + -(-pages // 8) * 4 + pages * page_size * 4 + rows * (16 + 80 + 4 + 4 + 4 * page_list) + 512
     assert a.metadata_bytes == want
+
+
+@pytest.mark.parametrize(("pages", "rows"), [(2, 1), (4, 3), (5, 1), (2, 8)])
+def test_a_tiny_allocator_counts_at_most_24_bytes_past_the_documented_sum(pages, rows):
+    """docs/allocator.md: below four rows or five pages a reserved array still holds four entries."""
+    a = SlotAllocator(pages, page_size=1, max_requests=rows, max_context_len=1)
+    want = pages * 20 - 4 + -(-pages // 8) * 4 + pages * 4 + rows * (16 + 80 + 4 + 4 + 4 * 32) + 512
+    assert want < a.metadata_bytes <= want + 24
