@@ -97,7 +97,9 @@ class KVPoolCache(NotPicklable, Cache):
     Args:
         pool: a ``KVPool`` with one layer per model layer, the model's ``num_key_value_heads``
             and ``head_dim``, and the model's dtype (``pool_for_model`` builds one).
-        prefix_ids: optional ``[batch, prompt_len]`` prompt token ids (no padding). With a
+        prefix_ids: optional ``[batch, prompt_len]`` prompt token ids, without padding (not a
+            left-padded batch's ``input_ids``: the cache never sees the mask, and would publish the
+            pads' K/V under their token ids; see docs/transformers.md). With a
             pool that has ``open_with_prefix``, rows open on their longest cached prefix
             and ``generate`` computes only the rest; raises ``NotImplementedError`` otherwise.
         salt: optional int64 mixed into the prefix hash (tenant, LoRA id), with ``prefix_ids``.
