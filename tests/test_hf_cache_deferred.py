@@ -140,7 +140,7 @@ def test_no_step_past_the_context_length_is_deferred():
         for _ in range(2 * PAGE + 2 - 5):
             ref.step(cache, 1)
         k = torch.randn(2, H, 1, D)
-        with pytest.raises(ContextTooLongError):
+        with pytest.raises(ContextTooLongError, match=f"batch's rows to {2 * PAGE + 3} tokens"):
             cache.update(k, k, 0)
         assert cache.get_seq_length() == 2 * PAGE + 2
         ref.check_pool(pool, cache.handles)

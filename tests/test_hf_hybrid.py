@@ -363,3 +363,19 @@ def test_a_linear_attention_state_that_a_cut_short_forward_moved_is_not_used_aga
             b = model(input_ids=x, **{CACHE_KW: cache}).logits
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     pool.check()
+
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]], ids=["plain", "hybrid"])
+def test_a_step_past_the_context_length_names_the_batch_and_leaves_no_request_open(layer_types):
+    # The pool's own refusal names an internal request handle, which a transformers user never saw.
+    from kvpool import ContextTooLongError, KVPool
+    kw = dict(layer_types=layer_types, sliding_window=8) if layer_types else {}
+    pool = KVPool(2, 2, 8, dtype=torch.float32, page_size=4, num_pages=32, max_requests=4, max_context_len=12, **kw)
+    k = torch.randn(2, 2, 13, 8)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        with pytest.raises(ContextTooLongError, match=r"rows to 13 tokens \(0 cached \+ 13 new\), more than the "
+                                                      r"pool's max_context_len=12"):
+            cache.update(k, k, 0)
+        assert pool.allocator.open_requests == 0 and cache.get_seq_length() == 0
+        cache.update(k[:, :, :12], k[:, :, :12], 0)  # up to the limit is taken
+        assert cache.get_seq_length() == 12

@@ -31,7 +31,7 @@ from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
 from kvpool.integrations._requests import check_kv_type, check_not_empty
-from kvpool.integrations._row_checks import check_rows, close_rows
+from kvpool.integrations._row_checks import check_context, check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 from kvpool.kernels._common import check_dense
 
@@ -140,6 +140,7 @@ class HybridRequests:
         self.publish()
         self.flush()
         try:
+            check_context(self.pool, self.length, tokens)
             ext = self.pool.extend(self.handles, tokens)
         except BaseException:
             if self.fresh:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import ContextTooLongError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_rows, repeat_prefix_rows
-from kvpool.integrations._row_checks import check_rows, close_rows
+from kvpool.integrations._row_checks import check_context, check_rows, close_rows
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.kernels._common import check_dense
 from kvpool.streams import current_raw_stream, refuse_capture
@@ -253,6 +253,12 @@ class BatchRequests:
         check_in_step(self.layers, self.length, "a new forward")
         if getattr(self.pool, "_row_edits", 0) != self._edits:
             self.check_edits()  # (before the deferred steps' short way, which makes no pool call)
+        try:
+            check_context(self.pool, self.length, tokens)
+        except ContextTooLongError:
+            if self._fresh:  # (rows opened for this step: closed, as a refused extend does)
+                self.close()
+            raise
         pages = self.pages
         if tokens == 1 and pages is not None and pages.deferring:
             # Inside the page the rows last extended into: the token goes to the layer

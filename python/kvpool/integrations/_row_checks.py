@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import InvalidHandleError, RequestSwappedOutError, RowsChangedError
+from kvpool.errors import ContextTooLongError, InvalidHandleError, RequestSwappedOutError, RowsChangedError
 
 __all__ = ["check_rows", "close_rows", "row_slots", "rows_hold"]
 
@@ -71,3 +71,14 @@ def row_slots(pool: Any, handles: np.ndarray, start: int, stop: int) -> np.ndarr
     (after a fork or swap_in moved pages, the slots a cache took before name pages that are no
     longer its rows')."""
     return np.stack([np.asarray(pool.slots(h), dtype=np.int64)[start:stop] for h in handles.tolist()])
+
+
+def check_context(pool: Any, length: int, tokens: int) -> None:
+    """Refuse a step that would take the batch past the pool's ``max_context_len``, naming the
+    batch (the pool's own refusal names an internal request handle a transformers user never saw)."""
+    ctx = pool.max_context_len
+    if length + tokens > ctx:
+        raise ContextTooLongError(
+            f"KVPoolCache: this step would take the batch's rows to {length + tokens} tokens ({length} cached "
+            f"+ {tokens} new), more than the pool's max_context_len={ctx}: build the pool with a larger "
+            "max_context_len (pool_for_model(..., max_context_len=)) or generate fewer tokens")
