@@ -120,6 +120,7 @@ FUNCTION_CASES: list[tuple[str, type, str, Callable[[], Any]]] = [
     # every seed keyword given, so seed= is not used: a typo is still refused, not ignored
     ("tp_pool(seed='x', every seed given)", InvalidArgumentError, "seed",
      lambda: tp_pool(2, 2, 4, num_pages=8, hash_seed=1, handle_seed=2, seed="x")),
+    ("mutable(5)", InvalidArgumentError, "torch.Tensor or nn.Module", lambda: kvpool.mutable(5)),
 ]
 
 

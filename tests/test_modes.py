@@ -172,7 +172,8 @@ def test_mutable_copies_tensor_and_parameter(outer: str) -> None:
 
 
 def test_mutable_rejects_other_types() -> None:
-    with pytest.raises(TypeError, match="torch.Tensor or nn.Module"):
+    # docs/errors.md: every kvpool refusal is a KVPoolError (this was a bare TypeError)
+    with pytest.raises(kvpool.InvalidArgumentError, match="torch.Tensor or nn.Module"):
         kvpool.mutable([1, 2])
 
 

@@ -250,6 +250,9 @@ def mutable(obj: Any) -> Any:
     ``requires_grad``). Given an ``nn.Module``, replaces every inference
     parameter and buffer of it (and its submodules) in place with such a copy
     and returns the module. Safe to call from any grad mode.
+
+    Raises:
+        InvalidArgumentError: ``obj`` is neither a tensor nor a module.
     """
     if isinstance(obj, torch.Tensor):
         return _normal_copy(obj)
@@ -262,4 +265,4 @@ def mutable(obj: Any) -> Any:
                 if b is not None and b.is_inference():
                     mod._buffers[bname] = _normal_copy(b)
         return obj
-    raise TypeError(f"mutable() takes a torch.Tensor or nn.Module, got {type(obj).__name__}")
+    raise InvalidArgumentError(f"mutable() takes a torch.Tensor or nn.Module, got {type(obj).__name__}")
