@@ -204,8 +204,14 @@ mod tests {
     #[test]
     fn a_host_array_too_big_names_host_pages_and_a_device_one_the_pool_sizes() {
         let host = refusal("host page states");
-        assert!(host.contains("host_pages") && !host.contains("max_context_len"), "{host}");
+        assert!(
+            host.contains("host_pages") && !host.contains("max_context_len"),
+            "{host}"
+        );
         let device = refusal("slot token ids");
-        assert!(device.contains("max_context_len") && !device.contains("host_pages"), "{device}");
+        assert!(
+            device.contains("max_context_len") && !device.contains("host_pages"),
+            "{device}"
+        );
     }
 }
