@@ -493,3 +493,22 @@ def test_admit_refuses_a_single_int_as_the_plain_pool_does(single):
         assert target.open_requests == 0
     handles, _ = hybrid.admit([3])
     assert list(hybrid.lengths(handles)) == [3]
+
+
+def test_counters_an_engine_logs_read_as_the_grouped_allocator_reports_them():
+    # Engine code shared with the plain pool reads stats(), metadata_bytes, dropped_events and
+    # evictable pages; on a hybrid pool they were AttributeErrors.
+    pool = make()
+    h, _ = pool.admit([10], tokens=list(range(10)))
+    pool.close(h, cache=True)
+    s = pool.stats()
+    assert s == pool.allocator.stats() and s["open_requests"] == 0
+    assert len(s["groups"]) == len(pool.groups)
+    for layer in (0, 1, 3):  # attention layers: their group's evictable pages
+        g = pool.group(layer).index
+        assert pool.evictable_pages(layer) == s["groups"][g]["evictable_pages"]
+    assert sum(x["evictable_pages"] for x in s["groups"]) > 0
+    assert pool.metadata_bytes == pool.allocator.metadata_bytes > 0
+    assert pool.dropped_events == 0
+    with pytest.raises(LayerIndexError):
+        pool.evictable_pages(4)

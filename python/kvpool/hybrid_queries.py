@@ -99,6 +99,27 @@ class HybridQueries:
         """Whether the pool records KV events; see ``GroupedAllocator.kv_events``."""
         return self.allocator.kv_events
 
+    @property
+    def metadata_bytes(self) -> int:
+        """Heap bytes of every group's bookkeeping and the request table (the plain pool's counter)."""
+        return self.allocator.metadata_bytes
+
+    @property
+    def dropped_events(self) -> int:
+        """KV events dropped because too many were left undrained (cumulative)."""
+        return self.allocator.dropped_events
+
+    def stats(self) -> dict[str, Any]:
+        """The changing counters read under one lock (a metrics scrape or an engine's log line):
+        ``open_requests``, ``hit_tokens``, ``miss_tokens``, ``dropped_events``, and ``groups``, one
+        dict per group (``groups[i]`` is ``self.groups[i]``) of ``capacity_pages``, ``free_pages``,
+        ``used_pages``, ``cached_pages`` and ``evictable_pages``. A dict, not the plain pool's
+        ``PoolStats``: each group counts its own pages. See ``GroupedAllocator.stats``."""
+        return self.allocator.stats()
+
+    def evictable_pages(self, layer: int) -> int:
+        return self.allocator.evictable_pages(self.group(layer).index)
+
     def admissible_tokens(self, layer: int | None = None) -> int:
         """Tokens that can surely still be appended, pool-wide (``layer=None``) or in a layer's group."""
         return self.allocator.admissible_tokens(None if layer is None else self.group(layer).index)
