@@ -206,3 +206,79 @@ def test_failed_swap_in_table_write_leaves_the_requests_swapped_out(monkeypatch)
     assert pool.req_to_token[pool.rows(h)[0], :5].tolist() == slots.tolist()
     got_k, got_v = pool.read(0, slots)
     assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+
+
+def _fail_once(monkeypatch, owner, name):
+    """Make ``owner.name`` raise on its first call only (a roll-back's retry then succeeds)."""
+    real, calls = getattr(owner, name), []
+
+    def once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, once)
+    return calls
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_failed_copy_on_write_copy_rolls_the_extend_back_on_either_path(monkeypatch, device_path):
+    # The CPU path ran its copy outside any roll-back: the request stayed extended, and its
+    # shared half page named a private copy that was never filled (K/V read back as zeros).
+    import kvpool.sharing as sharing
+    pool = kvpool.KVPool(1, 1, 4, num_pages=16, page_size=4, max_requests=4, max_context_len=32,
+                         dtype=torch.float32)
+    if device_path:
+        pool._table_np = None
+    h, r = pool.admit([6])
+    k = torch.arange(24, dtype=torch.float32).view(6, 1, 4) + 1
+    pool.write(0, r.slots, k, -k)
+    pool.fork(int(h[0]), 1)
+    free = pool.free_pages
+    calls = _fail_once(monkeypatch, sharing, "copy_slots")
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, 1)
+    assert len(calls) == 2  # the roll-back made the private copy it keeps
+    pool.check()
+    assert pool.length(int(h[0])) == 6 and pool.free_pages == free - 1
+    got, _ = pool.read(0, pool.slots(int(h[0])))
+    assert torch.equal(got, k)
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_failed_offload_of_an_extends_evictions_rolls_it_back_on_either_path(monkeypatch, device_path):
+    from kvpool.tiers.transfers import TransferRunner
+    pool = kvpool.KVPool(1, 1, 4, num_pages=8, page_size=4, max_requests=4, max_context_len=32,
+                         dtype=torch.float32, host_pages=10)
+    if device_path:
+        pool._table_np = None
+    h, _ = pool.admit([8], tokens=np.arange(8))
+    pool.close(h, cache=True)  # two cached pages
+    o, _ = pool.admit([9])
+    before = (pool.length(int(o[0])), pool.free_pages, pool.used_pages, pool.open_requests)
+    _fail_once(monkeypatch, TransferRunner, "run")
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(o, 12)  # needs a cached page evicted, whose offload fails
+    pool.check()
+    assert (pool.length(int(o[0])), pool.free_pages, pool.used_pages, pool.open_requests) == before
+    pool.extend(o, 12)  # and the pool goes on
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_failed_offload_of_an_admits_evictions_closes_its_requests(monkeypatch, device_path):
+    # The caller never got the handles: left open, they held every page until reset().
+    from kvpool.tiers.transfers import TransferRunner
+    pool = kvpool.KVPool(1, 1, 4, num_pages=8, page_size=4, max_requests=4, max_context_len=32,
+                         dtype=torch.float32, host_pages=10)
+    if device_path:
+        pool._table_np = None
+    h, _ = pool.admit([8], tokens=np.arange(8))
+    pool.close(h, cache=True)
+    _fail_once(monkeypatch, TransferRunner, "run")
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.admit([28])  # seven pages: evicts both cached ones, whose offload fails
+    pool.check()
+    assert pool.open_requests == 0 and pool.used_pages == 0
+    handles, _ = pool.admit([28])
+    assert pool.length(int(handles[0])) == 28

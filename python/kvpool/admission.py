@@ -37,28 +37,43 @@ class AdmissionMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on
                 the pool's device (its host -> device copy cannot be captured).
-            Atomic as the allocator's call. If the device table update itself
-            fails after the allocator committed (a CUDA OOM or launch error), the
-            new requests are emptied, last first, so their pages go back on the
-            free stack in their old order, and closed.
+            Atomic as the allocator's call. If the device table update or a host
+            tier's transfer fails after the allocator committed (a CUDA OOM or launch
+            error), the new requests are emptied, last first, so their pages go back
+            on the free stack in their old order, and closed.
         """
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("admit")
             if self._table_np is not None:  # a CPU table: the core writes the rows
                 handles, slots = self.allocator.admit(counts, table=self._table_np, tokens=tokens)
-                if self._transfers is not None:  # the evictions' offloads
-                    self._run_transfers()
-                return handles, self._own_result(slots)
+                try:
+                    if self._transfers is not None:  # the evictions' offloads
+                        self._run_transfers()
+                    return handles, self._own_result(slots)
+                except BaseException:
+                    self._close_admitted(handles)
+                    raise
             handles, packed, num_requests = self.allocator.admit_packed(counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
-            except BaseException:
-                back = handles[::-1].copy()
-                self.allocator.truncate(back, 0)
-                self.allocator.close(back)
-                raise
-            finally:
-                if self._transfers is not None:  # the evictions' offloads, whatever happened
+                if self._transfers is not None:  # the evictions' offloads
                     self._run_transfers()
-            return handles, self._own_result(slots, dev)
+                return handles, self._own_result(slots, dev)
+            except BaseException:
+                self._close_admitted(handles)
+                raise
+
+    def _close_admitted(self, handles: np.ndarray) -> None:
+        """Undo a committed admit whose table write, transfer or result failed: the caller
+        never got the handles, so the requests are emptied, last first (their pages go back
+        on the free stack in their old order), and closed. The evictions' offloads run
+        first, whatever happened (best effort: one may just have failed, which clears the
+        prefix cache), so no host page claims bytes it never got."""
+        try:
+            self._run_transfers()
+        except BaseException:  # noqa: BLE001 - the original error is the one to raise
+            pass
+        back = np.asarray(handles, dtype=np.int64)[::-1].copy()
+        self.allocator.truncate(back, 0)
+        self.allocator.close(back)

@@ -348,9 +348,9 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (its host -> device copy cannot be captured).
             Atomic as the allocator's call, the table included. If the device
-            table update or a copy-on-write copy fails after the allocator committed, the
-            requests are shortened back to their old lengths, keeping their
-            prompts (``SlotAllocator.roll_back_extend``).
+            table update, a copy-on-write copy or a host tier's transfer fails after
+            the allocator committed (CPU or device), the requests are shortened back to
+            their old lengths, keeping their prompts (``SlotAllocator.roll_back_extend``).
         """
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
@@ -359,19 +359,24 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
         try:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("extend")
-            if self._table_np is not None:
+            if self._table_np is not None:  # CPU: the core wrote the table rows
                 if tokens is None and not self._sharing:
-                    slots = self.allocator.extend(handles, counts, table=self._table_np)
+                    slots, cow = self.allocator.extend(handles, counts, table=self._table_np), None
                 else:
                     slots, cow = self.allocator.extend(handles, counts, table=self._table_np, tokens=tokens,
                                                        cow=True)
+                try:  # (free on CPython 3.11+ when nothing raises: this is the per-step path)
                     if self._transfers is not None:
                         self._run_transfers()
-                    apply_cow(self, cow, table_written=True)
+                    if cow is not None:
+                        apply_cow(self, cow, table_written=True)
+                        cow = None  # copied: a roll-back has nothing left to copy
                     return self._own_result(slots)
-                if self._transfers is not None:
-                    self._run_transfers()
-                return self._own_result(slots)
+                except BaseException:
+                    # As on a device: the rows named pages whose bytes never came (a copy on
+                    # write, an eviction's offload), and the caller never got the slots.
+                    self._roll_back_extend(handles, self._lengths_before(handles, counts), cow, table_written=True)
+                    raise
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
                 slots, dev = update_req_to_token(self.req_to_token, packed, num_requests, self._to_device)
@@ -382,17 +387,27 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
                 # the request no longer holds.
                 apply_cow(self, cow, table_written=False)
             except BaseException:
-                self._roll_back_extend(handles, packed, num_requests, cow)
+                self._roll_back_extend(handles, PackedExtend.parse(packed, num_requests).starts, cow,
+                                       table_written=False)
                 raise
             return self._own_result(slots, dev)
         finally:
             lock.release()
 
-    def _roll_back_extend(self, handles: Any, packed: np.ndarray, num_requests: int, cow: np.ndarray | None) -> None:
-        """Undo a committed extend whose table update failed (a CUDA OOM or launch error).
+    def _lengths_before(self, handles: Any, counts: Any) -> np.ndarray:
+        """The lengths a committed extend started from (its lengths now less its counts: a
+        count for each request, or one for all), for a roll-back of the CPU path, which
+        keeps no packed ``starts``."""
+        hs = np.asarray(handles, dtype=np.int64).reshape(-1)
+        c = np.asarray(counts, dtype=np.int64).reshape(-1)
+        return self.allocator.lengths(hs) - np.broadcast_to(c, hs.shape)
 
-        Shortening to the old lengths (packed's ``starts`` segment) with
-        ``roll_back_extend``, last request first, pushes back exactly the pages taken, restoring the free stack's
+    def _roll_back_extend(self, handles: Any, starts: np.ndarray, cow: np.ndarray | None, table_written: bool) -> None:
+        """Undo a committed extend whose table update, copy or transfer failed (a CUDA OOM
+        or launch error, a host tier's copy).
+
+        Shortening to the old lengths ``starts`` with ``roll_back_extend``, last request
+        first, pushes back exactly the pages taken, restoring the free stack's
         order (extend popped them first request first). A request whose shared
         last page was copied on write keeps its private copy, so that copy is run
         first (best effort: the device has just failed once). Cached pages the
@@ -400,14 +415,13 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
         """
         try:
             self._run_transfers()  # the evictions' offloads: their host pages now hold those entries
-            apply_cow(self, cow, table_written=False)
+            apply_cow(self, cow, table_written=table_written)
         except BaseException:  # noqa: BLE001 - the original error is the one to raise
             pass
-        starts = PackedExtend.parse(packed, num_requests).starts
         hs = np.asarray(handles, dtype=np.int64).reshape(-1)
         # Not truncate: that would make a prefix hit forget the rest of its prompt, and the
         # retried extend would then leave those positions unknown and uncacheable.
-        self.allocator.roll_back_extend(hs[::-1].copy(), starts[::-1].copy())
+        self.allocator.roll_back_extend(hs[::-1].copy(), np.asarray(starts, dtype=np.int64)[::-1].copy())
 
     def page_table(self, handles: Any) -> PageTable:
         """FlashInfer's CSR page table of a batch as int32 tensors on the pool's device.
