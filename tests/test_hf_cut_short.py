@@ -189,3 +189,43 @@ def test_a_prompt_cut_short_is_not_published_to_the_prefix_cache(model, where):
     for a, b in zip(out.logits, ref.logits):
         assert (a - b).abs().max().item() <= TOL
     pool.allocator.check()
+
+
+@pytest.mark.parametrize("prior", [[], [5, 1, 1, 1]], ids=["first-forward", "decoding"])
+def test_a_step_that_fails_half_made_refuses_all_but_reset(monkeypatch, prior):
+    # A failure after the step's extend and before any layer stored it (an OOM growing a layer
+    # buffer) left layer 0 looking like a later layer of that step: the retried forward took the
+    # half-made step for its own and returned (and stored) other K/V, or raised AttributeError.
+    from kvpool import KVPool
+    from kvpool.integrations import _pages
+
+    layers, heads, dim = 3, 1, 4
+    pool = KVPool(layers, heads, dim, dtype=torch.float32, num_pages=40, page_size=4, max_requests=4,
+                  max_context_len=32)
+    gen = torch.Generator().manual_seed(0)
+    cache = KVPoolCache(pool)
+    for t in prior:
+        for layer in range(layers):
+            k = torch.randn(2, heads, t, dim, generator=gen)
+            cache.update(k, -k, layer)
+    real = _pages.StepPages.advance
+
+    def oom(self, *a, **kw):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(_pages.StepPages, "advance", oom)
+    k = torch.randn(2, heads, 3, dim, generator=gen)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.update(k, -k, 0)
+    monkeypatch.setattr(_pages.StepPages, "advance", real)
+    for call in (lambda: cache.update(k, -k, 0), lambda: cache.update(k, -k, 1), lambda: cache.crop(-3),
+                 lambda: cache.handles):
+        with pytest.raises(IncompleteForwardError, match=r"reset\(\) \(or close\(\)\) it"):
+            call()
+    cache.reset()  # gives the rows back, published nothing
+    pool.allocator.check()
+    assert pool.allocator.open_requests == 0 and pool.allocator.used_pages == 0
+    for layer in range(layers):  # and serves a new batch
+        kv = cache.update(k, -k, layer)
+        assert torch.equal(kv[0], k) and torch.equal(kv[1], -k)
+    cache.close()

@@ -50,6 +50,7 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
         ``IncompleteForwardError`` after a forward cut short, before anything is stored.
         """
         req = self.requests
+        req.check_broken("KVPoolCache.update")
         if not req.kv_ok(key_states, value_states):
             req.check_kv(key_states, value_states)
             req.ensure_open(key_states.shape[0])

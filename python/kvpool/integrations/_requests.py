@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.errors import ContextTooLongError, TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import ContextTooLongError, IncompleteForwardError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
@@ -61,6 +61,8 @@ class BatchRequests:
     table up to date (``StepPages``); every layer then stores its new K/V into the
     step's slots and reads every row's K/V back through that table.
     """
+
+    broken: str | None = None  # why a half-made step refuses all but close (``check_broken``)
 
     def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
         layer_buffers = check_flag("layer_buffers", layer_buffers)
@@ -309,20 +311,35 @@ class BatchRequests:
         self.step_slots = slots
         before = self.before = self.length
         length = self.length = before + tokens
-        if pages is None:
-            assert self._rows is not None
-            self.slot_idx = pool.req_to_token[self._rows, :length].long()
-            return
-        pages.advance(self.handles, before, length, slots)
-        pages.steps_on = stream  # (after the flush above, which followed the earlier steps' stream)
-        self.dst = pages.dst
-        self.later = pages.later
-        if pages.later:  # (a copy: a decode step's extend writes the next step's slots in place)
-            self.unstored.append(slots.reshape(self.batch, tokens).copy())
-        if self.dst is None and self.new_slots is None and not self.later:
-            loc = pages.loc
-            self.new_slots = index_tensor(slots) if loc is None else loc
-        self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
+        try:  # (free on CPython 3.11+ when nothing raises)
+            if pages is None:
+                assert self._rows is not None
+                self.slot_idx = pool.req_to_token[self._rows, :length].long()
+                return
+            pages.advance(self.handles, before, length, slots)
+            pages.steps_on = stream  # (after the flush above, which followed the earlier steps' stream)
+            self.dst = pages.dst
+            self.later = pages.later
+            if pages.later:  # (a copy: a decode step's extend writes the next step's slots in place)
+                self.unstored.append(slots.reshape(self.batch, tokens).copy())
+            if self.dst is None and self.new_slots is None and not self.later:
+                loc = pages.loc
+                self.new_slots = index_tensor(slots) if loc is None else loc
+            self.step_shape = (self.batch, self.heads, tokens, self.head_dim)
+        except BaseException as err:
+            # The rows are extended and the step's views half made (an OOM growing a layer
+            # buffer, say): no layer stored it, so no crop counted from get_seq_length() can
+            # drop it, and the next forward would take the half-made step for its own.
+            self.broken = (f"a step failed after the pool extended the rows, before any layer stored it "
+                           f"({type(err).__name__}: {err})")
+            self.fast = False  # (every layer's next call then goes the checked way, which refuses)
+            raise
+
+    def check_broken(self, what: str) -> None:
+        """Refuse everything but ``reset``/``close`` after a step failed half-made (``begin_step``)."""
+        if self.broken is not None:
+            raise IncompleteForwardError(f"{what}: {self.broken}; the cache can no longer tell what its rows "
+                                         "hold: reset() (or close()) it and run the batch again")
 
     def check_edits(self, *, lengths: bool = True) -> None:
         """A pool call the cache did not make changed some request since the rows were last
@@ -351,6 +368,7 @@ class BatchRequests:
         since the last flush. Called before anything reads or edits the rows in the pool, and
         at a step that needs a new page. A step under way (some layer has yet to add its
         tokens) is stored by the next flush."""
+        self.check_broken("KVPoolCache")
         n = self.deferred
         if not n and not self.unstored:
             return
@@ -410,6 +428,7 @@ class BatchRequests:
         """Give every row's pages back (prompt pages stay in the prefix cache in prefix mode,
         unless the last forward was cut short: some layers never stored its tokens, so its
         pages are not published; those published before it stay cached)."""
+        self.broken = None  # (its rows go with the rest)
         if self.handles is not None:
             publish = self.prefix_mode and self.length > 0 and all(x.seen == self.length for x in self.layers)
             # Deferred steps and stores are dropped with the rows: their pages are freed whole, and
