@@ -79,3 +79,39 @@ def test_hybrid_extend_result_for_a_layer_outside_the_pool_is_a_layer_index_erro
     res = pool.extend(pool.open(1), 2)
     with pytest.raises(LayerIndexError, match=r"\[0, 2\)"):
         res.for_layer(layer)
+
+
+@pytest.mark.parametrize("make", [plain, hybrid])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_rows_that_are_views_of_the_caches_are_stored_as_they_were_under_torch_compile(make, which):
+    # Dynamo traced the refused index_copy_ into its graph, where the clone-and-retry never ran
+    # ("some elements ... refer to a single memory location"); with only V a view, K was stored.
+    pool, slots = make()
+    src, dst = slots[1:4], slots[2:5]
+    lo, hi = int(src[0]), int(src[-1]) + 1
+    kb, vb = pool.k_buffer(0), pool.v_buffer(0)
+    k = kb[lo:hi] if which == "k" else torch.randn(3, H, D).half()
+    v = vb[lo:hi] if which == "v" else torch.randn(3, H, D).half()
+    want_k, want_v = k.clone(), v.clone()
+    dst_t = torch.as_tensor(np.ascontiguousarray(dst))
+    torch._dynamo.reset()
+    torch.compile(lambda kk, vv: pool.write(0, dst_t, kk, vv), backend="eager")(k, v)
+    got_k, got_v = pool.read(0, dst)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("make", [plain, hybrid])
+def test_rows_without_storage_are_a_typed_error_before_k_is_stored(make):
+    # V batched by vmap (K plain): torch refused V's copy after K's went through, and the
+    # retry path raised its own untyped error reading V's storage.
+    pool, slots = make()
+    before = snapshot(pool)
+    k = torch.randn(2, H, D).half()
+
+    def write(v):
+        pool.write(0, slots[:2], k, v)
+        return v
+
+    with pytest.raises(kvpool.TensorDeviceError, match="no storage kvpool can copy from"):
+        torch.func.vmap(write, in_dims=0)(torch.randn(1, 2, H, D).half())
+    assert snapshot(pool) == before

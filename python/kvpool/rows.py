@@ -42,20 +42,23 @@ def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torc
 
     Rows that are views of the caches themselves (a caller moving rows within a layer)
     are stored as they were when the call was made: ``index_copy_`` refuses a source
-    whose memory overlaps its destination, before it writes anything, so such a source
-    is copied out first. A K copy that went through did not overlap the K cache, so
-    storing it again from a copy stores the same values.
+    whose memory overlaps its destination, so such a source is copied out first. That
+    is decided before anything is written (catching the refusal and retrying stored K
+    and then failed on a V it could not read, and under torch.compile the refused copy
+    was traced into the graph, where no except runs): while compiling, both are copied
+    out (a step's new rows only); else ``views_of`` asks their storage.
     """
-    try:
-        caches[0].index_copy_(0, idx, k)
-        if v is not None:
-            caches[1].index_copy_(0, idx, v)
-    except RuntimeError:
-        if not (views_of(caches, k) or views_of(caches, v)):
-            raise
-        caches[0].index_copy_(0, idx, k.clone())
-        if v is not None:
-            caches[1].index_copy_(0, idx, v.clone())
+    if torch.compiler.is_compiling():
+        k = k.clone()
+        v = None if v is None else v.clone()
+    else:
+        if views_of(caches, k):
+            k = k.clone()
+        if views_of(caches, v):
+            v = v.clone()
+    caches[0].index_copy_(0, idx, k)
+    if v is not None:
+        caches[1].index_copy_(0, idx, v)
 
 
 def scatter_into(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, src: tuple[torch.Tensor, ...]) -> bool:

@@ -210,10 +210,19 @@ def check_slot_range(t: torch.Tensor, name: str, num_slots: int) -> None:
 
 def views_of(caches: Any, x: torch.Tensor | None) -> bool:
     """Whether ``x`` shares memory with one of ``caches`` (rows a caller moves within a
-    layer): ``index_copy_`` refuses such a source, so it is copied out first."""
-    return x is not None and any(
-        t is not None and x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in caches
-    )
+    layer): ``index_copy_`` refuses such a source, so it is copied out first. Asked before
+    anything is written, so a source without readable storage (a DTensor, a tensor batched
+    by ``torch.func.vmap``, a fake tensor) is a typed refusal here, not torch's error after
+    K was stored and V was not."""
+    if x is None:
+        return False
+    try:
+        ptr = x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError) as err:
+        raise TensorDeviceError(
+            f"K/V rows of type {type(x).__name__} have no storage kvpool can copy from ({err}): pass plain "
+            "tensors (a DTensor's to_local(); store outside torch.func.vmap)") from None
+    return any(t is not None and ptr == t.untyped_storage().data_ptr() for t in caches)
 
 
 def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device) -> None:
