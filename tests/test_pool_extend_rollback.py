@@ -246,15 +246,21 @@ def test_failed_copy_on_write_copy_rolls_the_extend_back_on_either_path(monkeypa
     assert torch.equal(got, k)
 
 
-@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
-def test_failed_offload_of_an_extends_evictions_rolls_it_back_on_either_path(monkeypatch, device_path):
-    from kvpool.tiers.transfers import TransferRunner
+def _host_tier_pool_with_two_cached_pages(device_path: bool) -> kvpool.KVPool:
+    """Seven usable pages, two of them cached (write_back: evicting one offloads it)."""
     pool = kvpool.KVPool(1, 1, 4, num_pages=8, page_size=4, max_requests=4, max_context_len=32,
                          dtype=torch.float32, host_pages=10)
     if device_path:
         pool._table_np = None
     h, _ = pool.admit([8], tokens=np.arange(8))
-    pool.close(h, cache=True)  # two cached pages
+    pool.close(h, cache=True)
+    return pool
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_failed_offload_of_an_extends_evictions_rolls_it_back_on_either_path(monkeypatch, device_path):
+    from kvpool.tiers.transfers import TransferRunner
+    pool = _host_tier_pool_with_two_cached_pages(device_path)
     o, _ = pool.admit([9])
     before = (pool.length(int(o[0])), pool.free_pages, pool.used_pages, pool.open_requests)
     _fail_once(monkeypatch, TransferRunner, "run")
@@ -269,12 +275,7 @@ def test_failed_offload_of_an_extends_evictions_rolls_it_back_on_either_path(mon
 def test_failed_offload_of_an_admits_evictions_closes_its_requests(monkeypatch, device_path):
     # The caller never got the handles: left open, they held every page until reset().
     from kvpool.tiers.transfers import TransferRunner
-    pool = kvpool.KVPool(1, 1, 4, num_pages=8, page_size=4, max_requests=4, max_context_len=32,
-                         dtype=torch.float32, host_pages=10)
-    if device_path:
-        pool._table_np = None
-    h, _ = pool.admit([8], tokens=np.arange(8))
-    pool.close(h, cache=True)
+    pool = _host_tier_pool_with_two_cached_pages(device_path)
     _fail_once(monkeypatch, TransferRunner, "run")
     with pytest.raises(RuntimeError, match="injected"):
         pool.admit([28])  # seven pages: evicts both cached ones, whose offload fails
