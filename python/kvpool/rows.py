@@ -21,7 +21,7 @@ import torch
 
 from kvpool._core import scatter_rows
 from kvpool.errors import SlotRangeError, TensorShapeError
-from kvpool.kernels._common import cache_geom, use_triton, views_of
+from kvpool.kernels._common import cache_geom, readable, use_triton, views_of
 from kvpool.kernels.ops import gather_rows, store_rows
 from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
@@ -42,20 +42,36 @@ def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torc
 
     Rows that are views of the caches themselves (a caller moving rows within a layer)
     are stored as they were when the call was made: ``index_copy_`` refuses a source
-    whose memory overlaps its destination, so such a source is copied out first. That
-    is decided before anything is written (catching the refusal and retrying stored K
-    and then failed on a V it could not read, and under torch.compile the refused copy
-    was traced into the graph, where no except runs): while compiling, both are copied
-    out (a step's new rows only); else ``views_of`` asks their storage.
+    whose memory overlaps its destination, before it writes, so such a source is copied
+    out and the store run again (a K copy that went through did not overlap the K cache,
+    so storing it again stores the same values). Rows with no storage to read (a DTensor,
+    a tensor batched by ``torch.func.vmap``) are refused before K is stored, else V's copy
+    would fail after it. While torch.compile traces, the refused copy would be traced into
+    the graph, where no except runs, and under a dispatch mode ``make_fx`` would record
+    it: there the overlap is asked first (compiling: both copied out, a step's new rows).
     """
     if torch.compiler.is_compiling():
         k = k.clone()
         v = None if v is None else v.clone()
-    else:
+    elif _dispatch_modes():
         if views_of(caches, k):
             k = k.clone()
         if views_of(caches, v):
             v = v.clone()
+    else:
+        readable(k)
+        if v is not None:
+            readable(v)
+        try:
+            caches[0].index_copy_(0, idx, k)
+            if v is not None:
+                caches[1].index_copy_(0, idx, v)
+            return
+        except RuntimeError:
+            if not (views_of(caches, k) or views_of(caches, v)):
+                raise
+            k = k.clone()
+            v = None if v is None else v.clone()
     caches[0].index_copy_(0, idx, k)
     if v is not None:
         caches[1].index_copy_(0, idx, v)

@@ -210,19 +210,26 @@ def check_slot_range(t: torch.Tensor, name: str, num_slots: int) -> None:
 
 def views_of(caches: Any, x: torch.Tensor | None) -> bool:
     """Whether ``x`` shares memory with one of ``caches`` (rows a caller moves within a
-    layer): ``index_copy_`` refuses such a source, so it is copied out first. Asked before
-    anything is written, so a source without readable storage (a DTensor, a tensor batched
-    by ``torch.func.vmap``, a fake tensor) is a typed refusal here, not torch's error after
-    K was stored and V was not."""
+    layer): ``index_copy_`` refuses such a source, so it is copied out first. A source
+    without readable storage is a typed refusal (``readable``)."""
     if x is None:
         return False
+    readable(x)
+    ptr = x.untyped_storage().data_ptr()
+    return any(t is not None and ptr == t.untyped_storage().data_ptr() for t in caches)
+
+
+def readable(x: torch.Tensor) -> None:
+    """Refuse, before anything is written, rows without storage to copy from (a DTensor, a
+    tensor batched by ``torch.func.vmap``): torch would refuse the copy of V after K's store
+    went through. One storage read, under a microsecond (a DTensor's own ``data_ptr`` answers,
+    its storage's does not)."""
     try:
-        ptr = x.untyped_storage().data_ptr()
+        x.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError) as err:
         raise TensorDeviceError(
             f"K/V rows of type {type(x).__name__} have no storage kvpool can copy from ({err}): pass plain "
             "tensors (a DTensor's to_local(); store outside torch.func.vmap)") from None
-    return any(t is not None and ptr == t.untyped_storage().data_ptr() for t in caches)
 
 
 def check_rows(x: torch.Tensor, name: str, geom: CacheGeom, device: torch.device) -> None:
