@@ -219,7 +219,8 @@ def test_a_step_that_fails_half_made_refuses_all_but_reset(monkeypatch, prior):
         cache.update(k, -k, 0)
     monkeypatch.setattr(_pages.StepPages, "advance", real)
     for call in (lambda: cache.update(k, -k, 0), lambda: cache.update(k, -k, 1), lambda: cache.crop(-3),
-                 lambda: cache.handles):
+                 lambda: cache.crop(-1), lambda: cache.handles, lambda: cache.reorder_cache(torch.tensor([1, 0])),
+                 lambda: cache.batch_select_indices(torch.tensor([0])), lambda: cache.batch_repeat_interleave(2)):
         with pytest.raises(IncompleteForwardError, match=r"reset\(\) \(or close\(\)\) it"):
             call()
     cache.reset()  # gives the rows back, published nothing

@@ -253,7 +253,14 @@ class KVPoolCache(NotPicklable, Cache):
             layer.seen = n
 
     def _check_between_steps(self, what: str) -> None:
+        self._check_not_broken(what)
         check_in_step(self._pool_layers, self.requests.length, what)
+
+    def _check_not_broken(self, what: str) -> None:
+        """A step that failed half-made (``BatchRequests.begin_step``) refuses all but reset/close,
+        before any check that would advise a crop no count can make."""
+        if getattr(self.requests, "broken", None) is not None:
+            self.requests.check_broken(what)
 
     # -- transformers' cache operations ---------------------------------------------------
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -269,6 +276,7 @@ class KVPoolCache(NotPicklable, Cache):
         it raises ``IncompleteForwardError`` (nothing changed).
         """
         n = _token_count(tokens_to_remove)
+        self._check_not_broken(f"crop({n})")
         if n > 0:
             raise InvalidArgumentError(f"crop({n}): pass a negative count of tokens to remove, "
                                        "as DynamicCache.crop does")
