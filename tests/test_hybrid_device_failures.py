@@ -96,3 +96,61 @@ def test_page_table_goes_through_the_pools_ring():
     indptr, indices, last = pool.allocator.page_table(h, pool.group(1).index)
     assert ring.copies[0].tolist() == np.concatenate([indptr, indices, last]).tolist()
     assert table.kv_indptr.shape == indptr.shape and table.kv_indices.shape == indices.shape
+
+
+def _plain_path_or_device(device_path: bool):
+    pool = KVPool(2, 1, 4, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                  dtype=torch.float32, num_pages=16, page_size=4, max_requests=4, max_context_len=32)
+    return on_device_path(pool, Ring()) if device_path else pool
+
+
+def _fail_first_copy(monkeypatch):
+    real, calls = kvpool.hybrid_copies.copy_slots, []
+
+    def once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(*a, **kw)
+    monkeypatch.setattr(kvpool.hybrid_copies, "copy_slots", once)
+    return calls
+
+
+@pytest.mark.parametrize("device_path", [False, True], ids=["cpu", "device"])
+def test_a_failed_copy_on_write_is_rolled_back_with_the_copy_made(monkeypatch, device_path):
+    # CPU: the request stayed extended. Device: it was rolled back, but the copy taken from the
+    # core's queue was lost, so the private page it keeps read as zeros.
+    pool = _plain_path_or_device(device_path)
+    h, r = pool.admit([6])
+    k = torch.arange(24, dtype=torch.float32).view(6, 1, 4) + 1
+    for layer in range(2):
+        pool.write(layer, r.for_layer(layer).numpy(), k, -k)
+    pool.fork(int(h[0]), 1)
+    calls = _fail_first_copy(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.extend(h, 1)  # into the shared, partly filled last page
+    assert len(calls) >= 2 and pool.length(int(h[0])) == 6
+    for layer in range(2):
+        got, _ = pool.read(layer, pool.slots(int(h[0]), layer))
+        assert torch.equal(got, k), layer
+    pool.check()
+
+
+def test_an_admit_whose_state_zeroing_fails_on_cpu_closes_its_requests(monkeypatch):
+    pool = KVPool(2, 1, 4, layer_types=["linear_attention", "full_attention"], state_shapes={"s": (3,)},
+                  dtype=torch.float32, num_pages=16, page_size=4, max_requests=4, max_context_len=32)
+    real = kvpool.hybrid_copies.HybridCopies._copy
+
+    def boom(self, g, *a, **kw):
+        if g.kind == "state":
+            raise RuntimeError("out of memory (injected)")
+        return real(self, g, *a, **kw)
+    monkeypatch.setattr(kvpool.hybrid_copies.HybridCopies, "_copy", boom)
+    free = pool.free_pages(1)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.admit([5, 6])
+    assert pool.open_requests == 0 and pool.free_pages(1) == free
+    monkeypatch.setattr(kvpool.hybrid_copies.HybridCopies, "_copy", real)
+    h, _ = pool.admit([5, 6])
+    assert pool.lengths(h).tolist() == [5, 6]
+    pool.check()

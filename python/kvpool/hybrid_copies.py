@@ -24,6 +24,7 @@ class HybridCopies:
     allocator: Any
     groups: list[LayerGroup]
     copied_slots: int
+    _unrun: tuple[tuple[LayerGroup, np.ndarray, np.ndarray], ...] = ()  # copies taken whose run failed
     _storage: Any
     _states: Any
     _tables: Any
@@ -42,34 +43,42 @@ class HybridCopies:
         rewritten from the core when a page group moved some of their slots.
         """
         alloc = self.allocator
-        copied = False
+        # Copies taken from the core whose run failed go first: the core's queue no longer
+        # has them, and a roll-back that keeps a private copy needs its bytes.
+        work, self._unrun = list(self._unrun), ()
         for g in self.groups:
-            if not alloc.pending_copies(g.index):
-                continue
-            src, dst = alloc.take_copies(g.index)
-            if src.shape[0] == 0:
-                continue
-            copied = True
-            if g.kind != "state":
-                st = self._storage[g.index]
-                assert st is not None
-                s, d = self._on_device(src, dst)
-                copy_slots(st.flat[0] + st.flat[1], s, d)
-                self.copied_slots += int(src.shape[0])
-                if self._tables_np is None and handles is not None:
-                    self._sync_rows(np.asarray(handles, dtype=np.int64).reshape(-1), g)
-                continue
-            states = self._states[g.index]
-            assert states is not None
-            live = src >= 0
-            s, d, z = self._on_device(src[live], dst[live], dst[~live])
-            for t in states.values():
-                if s.shape[0]:
-                    t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
-                if z.shape[0]:
-                    t.index_fill_(0, z, 0)
-        if copied and self._order is not None:  # later hand-outs on other streams wait for these
+            if alloc.pending_copies(g.index):
+                src, dst = alloc.take_copies(g.index)
+                if src.shape[0]:
+                    work.append((g, src, dst))
+        for i, (g, src, dst) in enumerate(work):
+            try:
+                self._copy(g, src, dst, handles)
+            except BaseException:
+                self._unrun = tuple(work[i:])
+                raise
+        if work and self._order is not None:  # later hand-outs on other streams wait for these
             self._order.copied()
+
+    def _copy(self, g: LayerGroup, src: np.ndarray, dst: np.ndarray, handles: Any) -> None:
+        if g.kind != "state":
+            st = self._storage[g.index]
+            assert st is not None
+            s, d = self._on_device(src, dst)
+            copy_slots(st.flat[0] + st.flat[1], s, d)
+            self.copied_slots += int(src.shape[0])
+            if self._tables_np is None and handles is not None:
+                self._sync_rows(np.asarray(handles, dtype=np.int64).reshape(-1), g)
+            return
+        states = self._states[g.index]
+        assert states is not None
+        live = src >= 0
+        s, d, z = self._on_device(src[live], dst[live], dst[~live])
+        for t in states.values():
+            if s.shape[0]:
+                t.index_copy_(0, d, t.index_select(0, s))  # the core never reads a slot it writes
+            if z.shape[0]:
+                t.index_fill_(0, z, 0)
 
     def _sync_rows(self, handles: np.ndarray, g: LayerGroup) -> None:
         """Write each request's slots of page group ``g`` into its table row (device pools)."""

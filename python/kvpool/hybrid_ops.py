@@ -122,10 +122,16 @@ class HybridRequestOps:
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("extend")
-            if self._tables_np is not None:
+            if self._tables_np is not None:  # CPU: the core wrote the table rows
                 slots = self.allocator.extend(handles, counts, tokens=tokens, tables=self._tables_np)
-                self._run_copies(handles)
-                return self._result(slots)
+                try:
+                    self._run_copies(handles)
+                    return self._result(slots)
+                except BaseException:  # as on a device (a copy on write whose bytes never came)
+                    h = np.asarray(handles, dtype=np.int64).reshape(-1)
+                    grown = np.broadcast_to(np.asarray(counts, dtype=np.int64).reshape(-1), h.shape)
+                    self._roll_back_extend(h, self.allocator.lengths(h) - grown)
+                    raise
             # The core checks the handles first (typed): converted unchecked, a str or a
             # ragged list is numpy's error, and float handles round into other ones.
             starts = self.allocator.lengths(handles)
@@ -161,12 +167,21 @@ class HybridRequestOps:
 
     def _close_unreturned(self, handles: np.ndarray) -> None:
         """Close requests the core opened for a call whose table write or copy then failed:
-        the caller never gets their handles, so nothing else would (best effort)."""
+        the caller never gets their handles, so nothing else would (best effort). Emptied
+        first, last request first, so their pages go back on the free stacks in their old
+        order, as the plain pool's; their copies not run yet are moot."""
+        self._unrun = ()
         try:
-            self.allocator.close(handles)
-            self._note_edit(handles)
+            back = np.asarray(handles, dtype=np.int64).reshape(-1)[::-1].copy()
+            self.allocator.truncate(back, np.zeros(back.shape[0], dtype=np.int64))
+            self.allocator.close(back)
+            self._note_edit(back)
         except BaseException:  # noqa: BLE001 - the call's error is the one to raise
-            pass
+            try:  # (an emptying the core refused: close them as they are)
+                self.allocator.close(handles)
+                self._note_edit(handles)
+            except BaseException:  # noqa: BLE001
+                pass
 
     def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                  slots: list[np.ndarray]) -> None:
@@ -218,8 +233,12 @@ class HybridRequestOps:
                 self._enter_device_call("admit")
             if self._tables_np is not None:
                 handles, slots = self.allocator.admit(counts, tokens=tokens, tables=self._tables_np)
-                self._run_copies(handles)
-                return handles, self._result(slots)
+                try:
+                    self._run_copies(handles)
+                    return handles, self._result(slots)
+                except BaseException:  # the caller never gets the handles
+                    self._close_unreturned(handles)
+                    raise
             handles, slots = self.allocator.admit(counts, tokens=tokens)
             try:
                 c = np.asarray(counts, dtype=np.int64).reshape(-1)
