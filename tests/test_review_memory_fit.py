@@ -150,3 +150,14 @@ def test_host_memory_bytes_takes_the_device_budgets_rule():
     assert pool.host_pages == 4
     with pytest.raises(InvalidArgumentError, match="host_memory_bytes must be a number of bytes"):
         kvpool.KVPool(2, 2, 8, num_pages=8, max_requests=4, max_context_len=64, host_memory_bytes="4096")
+
+
+@pytest.mark.parametrize("kw", [dict(num_pages=2**31), dict(memory_bytes=2 * 2**31 + 4096)])
+def test_page_size_one_past_the_allocators_page_ids_is_refused_by_the_pool(kw):
+    # 2**31 pages of one slot fit the int32 slot ids but not the allocator's page ids: the pool
+    # sized them and the allocator refused, naming num_pages for a budget the caller gave.
+    from kvpool.capacity import resolve_num_pages
+    given = dict(num_pages=None, num_slots=None, memory_bytes=None, memory_fraction=None) | kw
+    with pytest.raises(InvalidArgumentError, match="more than the 2147483647 an allocator addresses") as err:
+        resolve_num_pages(page_size=1, slot_bytes=2, fixed_bytes=0, device=torch.device("cpu"), **given)
+    assert ("memory_bytes=" if "memory_bytes" in kw else "num_pages=2147483647") in str(err.value)

@@ -157,6 +157,11 @@ def resolve_num_pages(
             )
     if pages < 2:
         raise InvalidArgumentError(f"a pool needs >= 2 pages (page 0 is reserved), got {pages}")
+    if pages > MAX_PAGES and pages * page_size <= MAX_SLOTS:  # (page size 1: 2**31 pages fit the slots)
+        raise InvalidArgumentError(
+            f"{pages} pages, more than the {MAX_PAGES} an allocator addresses (page ids are int32); "
+            + slot_limit_hint(page_size, next(iter(given)), slot_bytes * page_size, fixed_bytes)
+        )
     if pages * page_size > MAX_SLOTS:
         raise InvalidArgumentError(
             f"{pages} pages of {page_size} slots = {pages * page_size} slots, more than the "

@@ -241,4 +241,5 @@ def check_slot_ids(groups: list[LayerGroup]) -> None:
             raise InvalidArgumentError(
                 f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
                 f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
-                f"address; {slot_limit_hint(g.page_size, 'num_pages')} for this group")
+                f"address; {slot_limit_hint(g.page_size, 'num_pages')} for this group (num_pages=, or "
+                f"group_pages={{{g.layer_type!r}: N}} where its pages are set apart)")
