@@ -152,7 +152,7 @@ def test_host_memory_bytes_takes_the_device_budgets_rule():
         kvpool.KVPool(2, 2, 8, num_pages=8, max_requests=4, max_context_len=64, host_memory_bytes="4096")
 
 
-@pytest.mark.parametrize("kw", [dict(num_pages=2**31), dict(memory_bytes=2 * 2**31 + 4096)])
+@pytest.mark.parametrize("kw", [dict(num_pages=2**31), dict(memory_bytes=2 * 2**31 + 1)])
 def test_page_size_one_past_the_allocators_page_ids_is_refused_by_the_pool(kw):
     # 2**31 pages of one slot fit the int32 slot ids but not the allocator's page ids: the pool
     # sized them and the allocator refused, naming num_pages for a budget the caller gave.
