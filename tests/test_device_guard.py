@@ -58,7 +58,7 @@ def test_every_kernel_launch_runs_inside_the_guard_of_its_tensors_device(monkeyp
     import contextlib
 
     import kvpool.kernels as K
-    from kvpool.kernels import _common, copy, gather, ops, req_table, store
+    from kvpool.kernels import _common, copy, gather, ops, req_table, store, table_ops
 
     stack, launched = [], []
 
@@ -76,6 +76,7 @@ def test_every_kernel_launch_runs_inside_the_guard_of_its_tensors_device(monkeyp
         return launch
 
     monkeypatch.setattr(ops, "on_device", guard)
+    monkeypatch.setattr(table_ops, "on_device", guard)  # (the table write lives there)
     monkeypatch.setattr(_common, "use_triton", lambda t: True)
     for mod, fn in ((store, "launch_store_kv"), (gather, "launch_gather_kv"),
                     (copy, "launch_copy_slots"), (req_table, "launch_write_req_to_token")):
