@@ -221,3 +221,24 @@ def test_a_record_overwritten_by_one_of_the_same_name_still_reads_as_a_verified_
     assert DiskCache(make_pool(hash_seed=2, num_pages=16), tier, model="m").prefetch(tokens) == 0
     a.write_bytes(blob_a)  # the same page's record over its name: a hit
     assert DiskCache(make_pool(hash_seed=3, num_pages=16), tier, model="m").prefetch(tokens) == 1
+
+
+@pytest.mark.parametrize("where", ["offload_pages", "put"])
+def test_pages_a_failed_store_took_stay_pending_for_the_next_call(tmp_path, monkeypatch, where):
+    # Taken off the pending list before the write, they were lost on any error but a refused
+    # put (a device copy, the staging buffer, the backend): a retry wrote nothing and the
+    # disk never got pages the pool still cached.
+    import kvpool.tiers.disk_cache as dcm
+    pool = make_pool()
+    prefill(pool, list(range(3 * P + 1)))
+    disk = DiskCache(pool, FileTier(str(tmp_path), 1 << 24))
+    target = (dcm, "offload_pages") if where == "offload_pages" else (FileTier, "put")
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of memory (injected)")
+    with monkeypatch.context() as m:
+        m.setattr(*target, boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            disk.store_new()
+    assert disk.store_new() == 3
+    assert DiskCache(make_pool(), FileTier(str(tmp_path), 1 << 24)).prefetch(list(range(3 * P + 1))) == 3  # pages

@@ -250,6 +250,14 @@ class DiskCache(NotPicklable):
             written = self._write(work, fp)
             if written:
                 self.backend.touch(touch)
+        except BaseException:
+            # Taken from pending, maybe not written (an error other than a refused put: a
+            # device copy, the staging buffer, the backend): pending again while the pool
+            # caches them, as a refused put leaves them; the next call skips what got stored.
+            for _, _, key in work:
+                if key in self._entries:
+                    self._pending[key] = None
+            raise
         finally:
             if handles:
                 self.pool.close(np.array(handles, dtype=np.int64))
