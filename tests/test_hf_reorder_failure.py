@@ -70,3 +70,29 @@ def test_kvpool_cache_reorder_failure_leaves_the_cache_usable():
         got = model(input_ids=nxt, attention_mask=m2, **{CACHE_KW: cache}).logits
         assert (got - want).abs().max().item() <= 1e-4
     assert snapshot(pool)[:2] == (0, 0)
+
+
+def test_a_reorder_whose_close_of_dropped_rows_fails_gives_back_its_forks(monkeypatch):
+    # The forks were made, then closing the rows nobody continues failed (a host tier's copy,
+    # say) outside the clean-up: a fork no row owned stayed open past reset().
+    pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, page_size=2, num_pages=30, max_requests=10,
+                         max_context_len=16)
+    br = BatchRequests(pool)
+    br.ensure_open(3)
+    br.begin_step(3)
+    handles, before = br.handles.copy(), snapshot(pool)
+    real, calls = kvpool.KVPool.close, []
+
+    def once(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(kvpool.KVPool, "close", once)
+    with pytest.raises(RuntimeError, match="injected"):
+        br.reorder([2, 2, 0])  # row 2 forked once, row 1 dropped
+    assert snapshot(pool) == before and br.handles.tolist() == handles.tolist()
+    br.reorder([2, 2, 0])
+    assert pool.open_requests == 3
+    br.close()
+    assert pool.open_requests == 0

@@ -59,6 +59,17 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
                 new = [int(h) for h in fork(int(batch.handles[s]), n)]
             made.extend(new)
             copies[s] = new
+        out = np.empty(len(sources), dtype=np.int64)
+        used: set[int] = set()
+        for j, s in enumerate(sources):
+            if s in used:
+                out[j] = copies[s].pop()
+            else:
+                out[j] = batch.handles[s]
+                used.add(s)
+        dropped = [int(batch.handles[s]) for s in range(b) if s not in used]
+        if dropped:  # (inside: a close that fails, a host tier's copy, would leave the forks unowned)
+            batch.pool.close(np.asarray(dropped, dtype=np.int64))
     except Exception:
         if made:
             batch.pool.close(np.asarray(made, dtype=np.int64))
@@ -66,17 +77,6 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
             undo_flush(batch, caught_up)
         batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
         raise
-    out = np.empty(len(sources), dtype=np.int64)
-    used: set[int] = set()
-    for j, s in enumerate(sources):
-        if s in used:
-            out[j] = copies[s].pop()
-        else:
-            out[j] = batch.handles[s]
-            used.add(s)
-    dropped = [int(batch.handles[s]) for s in range(b) if s not in used]
-    if dropped:
-        batch.pool.close(np.asarray(dropped, dtype=np.int64))
     batch._shared = batch._shared or bool(made and batch.length > 0)
     batch._set_handles(out)
 
