@@ -1305,7 +1305,7 @@ def _fork_release() -> None: ...
 
 def scatter_rows(dst: tuple[Any, ...], slots: Any, src: tuple[Any, ...]) -> int:
     """Stores row ``i`` of each ``src[j]`` at row ``slots[i]`` of ``dst[j]`` with one
-    ``memcpy`` a row: a CPU ``KVPool.write``'s store (``kvpool.rows.scatter_into``).
+    ``memcpy`` a row: a CPU ``KVPool.write``'s store (``kvpool.row_stores.scatter_into``).
     Negative slots are padding and skipped; every slot is checked against every cache
     before anything is written. A source that shares memory with a cache is stored as it
     was when the call was made. Does not bump the caches' version counters (the caller

@@ -43,7 +43,7 @@ from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.row_edits import RowEdits
-from kvpool.rows import index_copy_rows, scatter_into
+from kvpool.row_stores import index_copy_rows, scatter_into
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device

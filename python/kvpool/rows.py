@@ -19,132 +19,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool._core import scatter_rows
 from kvpool.errors import SlotRangeError, TensorShapeError
-from kvpool.kernels._common import cache_geom, readable, use_triton, views_of
+from kvpool.kernels._common import cache_geom, use_triton
 from kvpool.kernels.ops import gather_rows, store_rows
+from kvpool.pool_slots import PoolSlots
+from kvpool.row_stores import index_copy_rows, scatter_into
 from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
 from kvpool.torch_types import INDEX_DTYPES
 from kvpool.validate import check_flag, check_layer, check_rows, slots_tensor
 
 __all__ = ["PoolSlots", "RowsMixin", "index_copy_rows", "scatter_into"]
-
-# (slots tensor, numpy array sharing its memory or None, the tensor's version when
-# made, no padding / page-0 / repeated slot among them, any negative among them)
-_Record = tuple[torch.Tensor, Any, int, bool, bool]
-_NO_ARRAY = object()  # a record without an array: never the ``slots`` a caller passes
-
-
-def index_copy_rows(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor | None) -> None:
-    """``caches[0][idx] = k`` (and ``caches[1][idx] = v``) with ``index_copy_``.
-
-    Rows that are views of the caches themselves (a caller moving rows within a layer)
-    are stored as they were when the call was made: ``index_copy_`` refuses a source
-    whose memory overlaps its destination, before it writes, so such a source is copied
-    out and the store run again (a K copy that went through did not overlap the K cache,
-    so storing it again stores the same values). Rows with no storage to read (a DTensor,
-    a tensor batched by ``torch.func.vmap``) are refused before K is stored, else V's copy
-    would fail after it. While torch.compile traces, the refused copy would be traced into
-    the graph, where no except runs, and under a dispatch mode ``make_fx`` would record
-    it: there the overlap is asked first (compiling: both copied out, a step's new rows).
-    """
-    if torch.compiler.is_compiling():
-        k = k.clone()
-        v = None if v is None else v.clone()
-    elif _dispatch_modes():
-        if views_of(caches, k):
-            k = k.clone()
-        if views_of(caches, v):
-            v = v.clone()
-    else:
-        readable(k)
-        if v is not None:
-            readable(v)
-        try:
-            caches[0].index_copy_(0, idx, k)
-            if v is not None:
-                caches[1].index_copy_(0, idx, v)
-            return
-        except RuntimeError:
-            if not (views_of(caches, k) or views_of(caches, v)):
-                raise
-            k = k.clone()
-            v = None if v is None else v.clone()
-    caches[0].index_copy_(0, idx, k)
-    if v is not None:
-        caches[1].index_copy_(0, idx, v)
-
-
-def scatter_into(caches: tuple[torch.Tensor, ...], idx: torch.Tensor, src: tuple[torch.Tensor, ...]) -> bool:
-    """``caches[j][idx] = src[j]`` as one ``memcpy`` a row in the core (``_core.scatter_rows``:
-    padding skipped, every slot checked before any write, IndexError if one is out of
-    range); False, with nothing done, for tensors it does not take (a subclass, a
-    non-contiguous source, another device), while torch.compile traces (a native
-    call would break the graph) and while a TorchDispatchMode is active (make_fx and
-    export record the store in their graph, FakeTensorMode and profilers see it, rather
-    than a memcpy into the real cache behind their backs): the caller then stores with
-    torch.
-
-    ``index_copy_`` walks a bf16 row element by element and costs ~3x this at 64 rows
-    of 8 x 128. The caches' version counters are bumped as an in-place torch op would
-    bump them, so autograd still refuses a backward through a cache view saved before
-    the write.
-    """
-    if torch.compiler.is_compiling() or _dispatch_modes() or scatter_rows(caches, idx, src) < 0:
-        return False
-    _increment_version(caches)
-    return True
-
-
-_increment_version = torch._C._increment_version
-_dispatch_modes = torch._C._len_torch_dispatch_stack  # counts make_fx's and fake-tensor infra modes too
-
-
-class PoolSlots:
-    """The last few slot arrays a pool made, recognised by identity while unchanged.
-
-    Their values are in range by construction (a pool's own extend results are
-    also distinct, never in page 0 and never negative), so ``write`` / ``read``
-    skip the value checks for them; any other tensor, list or array is checked in
-    full. "Unchanged" is torch's version counter: an in-place torch op on the
-    tensor, or on any view of it, makes it an ordinary caller tensor again (the
-    pool makes these tensors outside inference mode, so they have one). Only CPU
-    pools whose rows move through torch keep a record: on CUDA device slots are
-    never value-checked (a check would sync), and the Triton kernels would not
-    bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``
-    or ``.numpy()``, which share its memory); torch's indexing does, and ``write``
-    and ``read`` then check the slots as a caller's: ``SlotRangeError`` for one out
-    of range, padding for a negative one. Torch checks each index as it copies, so
-    rows before an out-of-range slot may already have been stored when ``write``
-    raises: a caller that edits ``ExtendResult.slots`` in place gives up the
-    nothing-written guarantee for that call.
-
-    The last ``SIZE`` records are kept (a step's slots stay alive until a few more
-    extends have run). Lookups and updates are single reads and writes of one
-    tuple, safe from several threads (a lost update only means one more full check).
-    """
-
-    SIZE = 4
-
-    def __init__(self) -> None:
-        self._ring: tuple[_Record, ...] = ()
-
-    def add(self, tensor: torch.Tensor, array: np.ndarray | None = None, *, clean: bool,
-            negative: bool) -> None:
-        if tensor.is_inference():  # no version counter to tell a later in-place change
-            return
-        rec = (tensor, _NO_ARRAY if array is None else array, tensor._version, clean, negative)
-        self._ring = (rec,) + self._ring[: self.SIZE - 1]
-
-    def get(self, obj: Any) -> _Record | None:
-        """The record of ``obj`` if the pool made it and torch saw no change since, else None."""
-        for rec in self._ring:
-            if rec[0] is obj or rec[1] is obj:
-                return rec if rec[0]._version == rec[2] else None
-        return None
-
 
 class RowsMixin:
     """Mixin: ``KVPool``'s K/V row writes and reads (``_init_rows`` runs at construction)."""

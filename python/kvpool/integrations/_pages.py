@@ -68,7 +68,7 @@ from kvpool.integrations._layer_buffers import LayerBuffers, follow_stream, reus
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
-from kvpool.rows import scatter_into
+from kvpool.row_stores import scatter_into
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
 # staging views or None, layer-buffer views of the step's token or None)
