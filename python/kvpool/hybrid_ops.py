@@ -16,6 +16,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 from kvpool.kernels import write_req_to_token
+from kvpool.row_edits import lengths_before
 from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
 from kvpool.validate import check_layer
@@ -129,8 +130,7 @@ class HybridRequestOps:
                     return self._result(slots)
                 except BaseException:  # as on a device (a copy on write whose bytes never came)
                     h = np.asarray(handles, dtype=np.int64).reshape(-1)
-                    grown = np.broadcast_to(np.asarray(counts, dtype=np.int64).reshape(-1), h.shape)
-                    self._roll_back_extend(h, self.allocator.lengths(h) - grown)
+                    self._roll_back_extend(h, lengths_before(self.allocator, h, counts))
                     raise
             # The core checks the handles first (typed): converted unchecked, a str or a
             # ragged list is numpy's error, and float handles round into other ones.

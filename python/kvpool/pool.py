@@ -33,7 +33,7 @@ from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.packed import PackedExtend
 from kvpool.pool_views import PoolViews
-from kvpool.row_edits import RowEdits
+from kvpool.row_edits import RowEdits, lengths_before
 from kvpool.rows import RowsMixin
 from kvpool.sharing import SharingMixin, apply_cow
 from kvpool.staging import PinnedRing
@@ -375,7 +375,8 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
                 except BaseException:
                     # As on a device: the rows named pages whose bytes never came (a copy on
                     # write, an eviction's offload), and the caller never got the slots.
-                    self._roll_back_extend(handles, self._lengths_before(handles, counts), cow, table_written=True)
+                    self._roll_back_extend(handles, lengths_before(self.allocator, handles, counts), cow,
+                                           table_written=True)
                     raise
             packed, num_requests, cow = self.allocator.extend_packed(handles, counts, tokens=tokens)
             try:
@@ -393,14 +394,6 @@ class KVPool(NotPicklable, PoolViews, RequestOps, SharingMixin, AdmissionMixin, 
             return self._own_result(slots, dev)
         finally:
             lock.release()
-
-    def _lengths_before(self, handles: Any, counts: Any) -> np.ndarray:
-        """The lengths a committed extend started from (its lengths now less its counts: a
-        count for each request, or one for all), for a roll-back of the CPU path, which
-        keeps no packed ``starts``."""
-        hs = np.asarray(handles, dtype=np.int64).reshape(-1)
-        c = np.asarray(counts, dtype=np.int64).reshape(-1)
-        return self.allocator.lengths(hs) - np.broadcast_to(c, hs.shape)
 
     def _roll_back_extend(self, handles: Any, starts: np.ndarray, cow: np.ndarray | None, table_written: bool) -> None:
         """Undo a committed extend whose table update, copy or transfer failed (a CUDA OOM

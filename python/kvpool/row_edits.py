@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RowEdits"]
+__all__ = ["RowEdits", "lengths_before"]
 
 KEEP = 64
 
@@ -48,3 +48,12 @@ class RowEdits:
         if len(since) < now - seen:
             return True
         return any(h is None or np.isin(handles, h).any() for h in since)
+
+
+def lengths_before(allocator: Any, handles: Any, counts: Any) -> np.ndarray:
+    """The lengths a committed extend started from (its lengths now less its counts: a count
+    for each request, or one for all), for a roll-back of a CPU path, which keeps no packed
+    ``starts`` (plain and hybrid pools alike)."""
+    hs = np.asarray(handles, dtype=np.int64).reshape(-1)
+    c = np.asarray(counts, dtype=np.int64).reshape(-1)
+    return allocator.lengths(hs) - np.broadcast_to(c, hs.shape)
