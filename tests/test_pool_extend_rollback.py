@@ -142,7 +142,9 @@ def _fail_table_writes(monkeypatch):
 
 
 def _counts(pool):
-    return (pool.open_requests, pool.free_pages, pool.cached_pages, pool.evictable_pages, pool.used_pages)
+    stats = pool.stats()  # an undone open served no prompt: the hit rate does not count it
+    return (pool.open_requests, pool.free_pages, pool.cached_pages, pool.evictable_pages, pool.used_pages,
+            stats.hit_tokens, stats.miss_tokens, stats.host_hit_tokens)
 
 
 def test_failed_fork_table_write_closes_the_new_requests(monkeypatch):
@@ -176,6 +178,27 @@ def test_failed_prefix_table_write_closes_the_new_requests(monkeypatch):
     hs, cached = pool.open_with_prefix(prompt, [8])
     assert cached.tolist() == [6]  # the cache still serves the prefix (never the last token)
     assert pool.req_to_token[pool.rows(hs)[0], :6].tolist() == pool.slots(int(hs[0]))[:6].tolist()
+
+
+def test_failed_chain_hash_open_closes_its_request_and_counts_no_hit(monkeypatch):
+    """A transfer's receiver (``open_with_chain_hashes``) whose table write fails."""
+    pool = device_path_pool()
+    sender = kvpool.KVPool(1, 1, 4, num_pages=20, page_size=2, max_requests=4, max_context_len=16,
+                           hash_seed=pool.hash_seed)
+    prompt = np.arange(8)
+    h, _ = pool.admit([8], tokens=prompt)
+    pool.close(h, cache=True)
+    hs, _ = sender.admit([8], tokens=prompt)
+    chain = sender.chain_hashes(int(hs[0]))
+    before = _counts(pool)
+    _fail_table_writes(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected"):
+        pool.open_with_chain_hashes(*chain)
+    assert _counts(pool) == before
+    pool.allocator.check()
+    monkeypatch.undo()
+    assert pool.length(pool.open_with_chain_hashes(*chain)) == 8
+    assert _counts(pool)[5] == before[5] + 8  # the retried open counts its hit
 
 
 def test_failed_swap_in_table_write_leaves_the_requests_swapped_out(monkeypatch):

@@ -57,12 +57,19 @@ def test_failed_host_hit_loads_close_the_requests_they_opened(monkeypatch):
     pool, k = cached_pool()
     pool.evict(2)  # both pages now live on the host only
     assert pool.host_cached_pages == 2
-    opened = pool.open_requests
+    opened, counted = pool.open_requests, hit_counters(pool)
     fail_transfers(monkeypatch)
     with pytest.raises(RuntimeError, match="injected"):
         pool.open_with_prefix(PROMPT, [5])  # host hits: their loads fail
     monkeypatch.undo()
     pool.check()
     assert pool.open_requests == opened  # no request the caller never got a handle for
+    assert hit_counters(pool) == counted  # and no prompt served: the hit rate does not count it
     assert pool.cached_pages == 0 and pool.host_cached_pages == 0
     assert_hits_are_true(pool, k)
+
+
+def hit_counters(pool: kvpool.KVPool) -> tuple[int, int, int]:
+    stats = pool.stats()
+    return stats.hit_tokens, stats.miss_tokens, stats.host_hit_tokens
+

@@ -702,6 +702,10 @@ class SlotAllocator:
     @property
     def miss_tokens(self) -> int:
         """Prompt tokens open_with_prefix found no cached page for (cumulative)."""
+    def _uncount_opens(self, hit: int, miss: int, host_hit: int) -> None:
+        """Internal (kvpool.KVPool): takes back the hit_tokens, miss_tokens and
+        host_hit_tokens that opens counted when the pool undid them (closed
+        the requests unreturned after its table write or a host load failed)."""
     @property
     def dropped_events(self) -> int:
         """Events dropped because more than max(num_pages, 65536) were left
@@ -916,6 +920,10 @@ class GroupedAllocator:
     @property
     def miss_tokens(self) -> int:
         """Prompt tokens open_with_prefix found no cached prefix for, cumulative."""
+    def _uncount_opens(self, hit: int, miss: int) -> None:
+        """Internal (kvpool.KVPool with layer_types): takes back the hit_tokens
+        and miss_tokens that opens counted when the pool undid them (closed
+        the requests unreturned after a state copy or table write failed)."""
     @property
     def metadata_bytes(self) -> int:
         """Heap bytes of the bookkeeping of every group and of the request table."""

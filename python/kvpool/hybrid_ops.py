@@ -362,8 +362,14 @@ class HybridRequestOps:
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("open_with_prefix")
-            handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt=salt)
-            self._fill_new_rows(handles)
+            a = self.allocator
+            counted = a.hit_tokens, a.miss_tokens
+            handles, cached = a.open_with_prefix(tokens, lengths, salt=salt)
+            try:
+                self._fill_new_rows(handles)
+            except BaseException:  # closed again: the hit rate must not count their prompts
+                a._uncount_opens(a.hit_tokens - counted[0], a.miss_tokens - counted[1])
+                raise
             return handles, cached
 
     def _fill_new_rows(self, handles: np.ndarray) -> None:

@@ -123,15 +123,34 @@ class SharingMixin:
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("open_with_prefix")
-            if self._table_np is not None:  # a CPU table: the core writes the rows
+            if self._table_np is not None and self._transfers is None:  # nothing after the core can fail
                 handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
-            else:
-                handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
-                self._write_prefixes_or_close(handles, cached)
-            if self._transfers is not None:  # host hits' loads (and the offloads their pages caused)
-                self._run_transfers_or_close(handles)
+                self._sharing = True
+                return handles, cached
+            counted = self._counted_hits()
+            try:
+                if self._table_np is not None:
+                    handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt, table=self._table_np)
+                else:
+                    handles, cached = self.allocator.open_with_prefix(tokens, lengths, salt)
+                    self._write_prefixes_or_close(handles, cached)
+                if self._transfers is not None:  # host hits' loads (and the offloads their pages caused)
+                    self._run_transfers_or_close(handles)
+            except BaseException:
+                self._uncount_since(counted)
+                raise
             self._sharing = True
             return handles, cached
+
+    def _counted_hits(self) -> tuple[int, int, int]:
+        a = self.allocator
+        return a.hit_tokens, a.miss_tokens, a.host_hit_tokens
+
+    def _uncount_since(self, counted: tuple[int, int, int]) -> None:
+        """Take back what an open counted before it was undone: its requests were closed
+        unreturned, so the hit rate an engine logs must not count their prompts."""
+        now = self._counted_hits()
+        self.allocator._uncount_opens(*(n - c for n, c in zip(now, counted)))
 
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
         """Open ``n`` requests sharing all of ``handle``'s pages and known tokens
@@ -202,15 +221,20 @@ class SharingMixin:
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("open_with_chain_hashes")
-            if length is None:
-                handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
-                filled = cached
-            else:
-                handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages, length)
-                filled = int(self.allocator.length(handle))
-            if self._transfers is not None:
-                self._run_transfers_or_close(np.array([handle], dtype=np.int64))
-            if cached:
-                self._sharing = True
-            self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([filled], dtype=np.int64))
+            counted = self._counted_hits()
+            try:
+                if length is None:
+                    handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages)
+                    filled = cached
+                else:
+                    handle, cached = self.allocator.open_with_chain_hashes(hashes, tokens, salt, max_pages, length)
+                    filled = int(self.allocator.length(handle))
+                if self._transfers is not None:
+                    self._run_transfers_or_close(np.array([handle], dtype=np.int64))
+                if cached:
+                    self._sharing = True
+                self._write_prefixes_or_close(np.array([handle], dtype=np.int64), np.array([filled], dtype=np.int64))
+            except BaseException:
+                self._uncount_since(counted)
+                raise
             return int(handle)

@@ -41,6 +41,15 @@ impl PyGroupedAllocator {
         self.run(py, |c| c.miss_tokens())
     }
 
+    /// _uncount_opens(hit, miss) -> None
+    ///
+    /// Internal (kvpool.KVPool with layer_types): takes back the hit_tokens
+    /// and miss_tokens that opens counted when the pool undid them (closed
+    /// the requests unreturned after a state copy or table write failed).
+    fn _uncount_opens(&self, py: Python<'_>, hit: u64, miss: u64) {
+        self.run(py, |c| c.uncount_opens(hit, miss));
+    }
+
     /// Heap bytes of the bookkeeping of every group and of the request table.
     #[getter]
     fn metadata_bytes(&self, py: Python<'_>) -> usize {

@@ -443,6 +443,14 @@ impl PySlotAllocator {
     fn miss_tokens(&self, py: Python<'_>) -> u64 {
         self.query(py, |a| a.miss_tokens())
     }
+    /// _uncount_opens(hit, miss, host_hit) -> None
+    ///
+    /// Internal (kvpool.KVPool): takes back the hit_tokens, miss_tokens and
+    /// host_hit_tokens that opens counted when the pool undid them (closed
+    /// the requests unreturned after its table write or a host load failed).
+    fn _uncount_opens(&self, py: Python<'_>, hit: u64, miss: u64, host_hit: u64) {
+        py.detach(|| self.lock().uncount_opens(hit, miss, host_hit));
+    }
     /// Copy-on-write copies queued and not yet taken.
     #[getter]
     fn pending_copies(&self, py: Python<'_>) -> usize {

@@ -167,6 +167,19 @@ impl SlotAllocator {
         self.open_on(salt, m.tip, &hit_pages[..m.pages], true)
     }
 
+    /// Takes back what opens counted in `hit_tokens`, `miss_tokens` and
+    /// `host_hit_tokens` (`hit`, `miss`, `host_hit` tokens) when their caller
+    /// undid them: closed the requests unreturned because its own table write
+    /// or a host hit's load failed after this allocator opened them. The
+    /// counters feed hit rates, and an undone open served no prompt.
+    pub fn uncount_opens(&mut self, hit: u64, miss: u64, host_hit: u64) {
+        self.hit_tokens = self.hit_tokens.saturating_sub(hit);
+        self.miss_tokens = self.miss_tokens.saturating_sub(miss);
+        if let Some(host) = self.host.as_mut() {
+            host.uncount_hit_tokens(host_hit);
+        }
+    }
+
     /// Opens one request on the device pages `hits` of a match ending at
     /// `tip` (see `open_matched`), taking a hold on each when `hold` (else
     /// the caller took them).

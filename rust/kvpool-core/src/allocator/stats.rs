@@ -108,4 +108,28 @@ mod tests {
             "a second read with nothing in between is equal"
         );
     }
+
+    #[test]
+    fn an_undone_open_takes_back_its_counts_and_never_below_zero() {
+        let o = Options {
+            hash_seed: Some(5),
+            ..Options::new()
+        };
+        let mut a = SlotAllocator::with_options(10, 2, 4, 16, o).unwrap();
+        let p = [1i64, 2, 3, 4, 5];
+        let (h, _) = a.open_with_prefix(&p, &[5], Counts::Each(0)).unwrap();
+        a.extend(&h, Counts::Each(5), None).unwrap();
+        a.close(&h, true).unwrap();
+        let before = (a.hit_tokens(), a.miss_tokens());
+        let (h, cached) = a.open_with_prefix(&p, &[5], Counts::Each(0)).unwrap();
+        assert_eq!(cached, vec![4]);
+        a.close(&h, false).unwrap();
+        a.uncount_opens(4, 1, 0);
+        assert_eq!((a.hit_tokens(), a.miss_tokens()), before);
+        a.uncount_opens(u64::MAX, u64::MAX, u64::MAX);
+        assert_eq!(
+            (a.hit_tokens(), a.miss_tokens(), a.host_hit_tokens()),
+            (0, 0, 0)
+        );
+    }
 }

@@ -95,6 +95,12 @@ impl GroupedAllocator {
         self.anchor.miss_tokens()
     }
 
+    /// Takes back the hit and miss tokens of opens the caller undid (see
+    /// `SlotAllocator::uncount_opens`).
+    pub fn uncount_opens(&mut self, hit: u64, miss: u64) {
+        self.anchor.uncount_opens(hit, miss, 0);
+    }
+
     /// The anchor chain's KV events (Stored/Removed/Cleared of its pages):
     /// what a router needs to know which prefixes this pool can serve.
     pub fn take_events(&mut self) -> Events {

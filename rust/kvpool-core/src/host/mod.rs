@@ -264,6 +264,11 @@ impl HostTier {
     }
 
     #[inline]
+    pub(crate) fn uncount_hit_tokens(&mut self, n: u64) {
+        self.hit_tokens = self.hit_tokens.saturating_sub(n);
+    }
+
+    #[inline]
     pub(crate) fn offloaded(&self) -> u64 {
         self.offloaded
     }
