@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvpool
-import kvpool.pool as pool_module
+import kvpool.extending as pool_module
 
 
 def device_path_pool(**kw) -> kvpool.KVPool:
