@@ -398,7 +398,9 @@ def test_send_request_keeps_the_pages_until_the_ack(fake_link):
     order = [what for what, _ in fake_link["log"] if what in ("got ack", "closed")]
     assert order == ["got ack", "closed"], "the request was closed while its pages were being sent"
     chunks = [t for what, t in fake_link["log"] if what == "K/V chunk"]
-    assert len(chunks) == 1 and torch.equal(chunks[0].view(torch.float32).view(want.shape), want)
+    # The chunk's pages, then its closing word: chunk number 1 (kvpool.distributed.stream).
+    assert len(chunks) == 1 and torch.equal(chunks[0][:-8].view(torch.float32).view(want.shape), want)
+    assert chunks[0][-8:].view(torch.int64).item() == 1
     pool.check()
 
 
@@ -406,6 +408,7 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
     """A reset from another thread while recv_request stores the chunks waits for it:
     the pages stay the received request's until the ack is sent."""
     from kvpool.distributed import kv_transfer
+    from kvpool.distributed import stream as kv_transfer_stream
     from kvpool.distributed import protocol as P
 
     pool = small_pool(num_pages=16)
@@ -415,9 +418,10 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
         header[k] = v
     header[P.H_LENGTH], header[P.H_PAGES], header[P.H_PER_CHUNK] = 6, 2, 2
     # One chunk [caches, layers, pages, page floats]: K = 1..8, V = 9..16.
-    fake_link.update({"header": header, "K/V chunk": [torch.arange(1.0, 17.0)]})
+    chunk = torch.cat([torch.arange(1.0, 17.0).view(torch.uint8), torch.tensor([1]).view(torch.uint8)])
+    fake_link.update({"header": header, "K/V chunk": [chunk]})  # its pages, then its closing word
     storing, b_done = threading.Event(), threading.Event()
-    real_unpack = kv_transfer.unpack
+    real_unpack = kv_transfer_stream.unpack
     got = {}
 
     def paused_unpack(views, chunk, pages, idx):
@@ -426,7 +430,7 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
         real_unpack(views, chunk, pages, idx)
         got["pages"] = pages.tolist()
 
-    monkeypatch.setattr(kv_transfer, "unpack", paused_unpack)
+    monkeypatch.setattr(kv_transfer_stream, "unpack", paused_unpack)
 
     def thread_a():
         got["h"] = kv_transfer.recv_request(pool, 0)

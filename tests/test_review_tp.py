@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import kvpool
-from kvpool.distributed import RankDivergenceError, TPPool, agree_seed, kv_transfer, tp_pool
+from kvpool.distributed import RankDivergenceError, TPPool, agree_seed, kv_transfer, stream, tp_pool
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402
@@ -231,7 +231,7 @@ def catch(fn: Any) -> Any:
         r = fn()
         return ("ok", tuple(r) if isinstance(r, tuple) else r)
     except Exception as e:  # noqa: BLE001 - an untyped error is a finding, reported by its class
-        return (type(e).__name__, getattr(e, "reason", None), str(e))
+        return (type(e).__name__, getattr(e, "reason", None), " ".join([str(e), *getattr(e, "__notes__", ())]))
 
 
 def transfers(rank: int, world: int) -> dict[str, Any]:
@@ -274,14 +274,18 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
         out["hybrid_send"] = catch(lambda: kv_transfer.send_request(hyb, hb, 1, timeout_s=5))
         out["hybrid_recv"] = catch(lambda: kv_transfer.send_request(pool, big, 1, timeout_s=5))
         out["after_hybrid"] = catch(lambda: kv_transfer.send_request(pool, sent_request(pool, 5, 5), 1))[0]
-        # 5. Last (the channel is in an unknown state afterwards): the sender fails after the
-        # reply, before any chunk; the receiver times out and must be left as it was.
+        # 5. The sender fails after the reply, packing its first chunk: it sends that chunk
+        # as an abort, so the receiver fails at once and must be left as it was; then the
+        # channel is still in step.
         h = sent_request(pool, len(prompt), 2, prompt)
+        real_pack = stream.pack
 
         def boom(*a: Any) -> None:
             raise RuntimeError("sender died while packing")
-        kv_transfer.pack = boom
+        stream.pack = boom
         out["died"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=20))
+        stream.pack = real_pack
+        out["after_died"] = catch(lambda: kv_transfer.send_request(pool, h, 1, timeout_s=20))[0]
         return out
 
     pool = shard()
@@ -343,12 +347,14 @@ def transfers(rank: int, world: int) -> dict[str, Any]:
     other_prompt = list(range(500, 500 + 2 * P))
     cache_prompt(other_prompt, 10)
     before = state(pool)
-    out["died"] = catch(lambda: kv_transfer.recv_request(pool, 0, timeout_s=2))[:2]
+    out["died"] = catch(lambda: kv_transfer.recv_request(pool, 0, timeout_s=2))
     out["died_stats"] = (before, state(pool))
     pool.check()
     pool.evict(2)
     # (one more token: a prefix hit never covers a prompt's last token)
     out["evicted"] = [int(pool.open_with_prefix(t + [1], [len(t) + 1])[1][0]) for t in (prompt[: 2 * P], other_prompt)]
+    h = kv_transfer.recv_request(pool, 0)  # the channel is still in step
+    out["after_died"] = pool.length(h)
     return out
 
 
@@ -445,7 +451,11 @@ def parsed(stats: str) -> dict[str, str]:
 def test_receiver_of_a_sender_that_died_frees_what_it_took(xfer):
     snd, rcv = xfer
     assert snd["died"][0] == "RuntimeError" and "sender died" in snd["died"][2]
-    assert rcv["died"][0] in ("TransferError", "TransferTimeoutError")  # reset, or silence past timeout_s
+    if sys.version_info >= (3, 11):  # (add_note)
+        assert "the receiver was told to abort" in snd["died"][2]
+    # Told by the aborted chunk, not by its timeout: the next transfer goes through.
+    assert rcv["died"][0] == "TransferError" and "aborted the transfer" in rcv["died"][2], rcv["died"]
+    assert snd["after_died"] == "ok" and rcv["after_died"] == len(range(300, 300 + 3 * P + 2))
     before, after = map(parsed, rcv["died_stats"])
     for key in ("free_pages", "used_pages", "used_slots", "open_requests", "cached_pages", "evictable_pages"):
         assert before[key] == after[key], key

@@ -29,6 +29,37 @@ def _kept(pool: Any) -> list[tuple[str, torch.Tensor]]:
 register_kept_for_pool(_kept)
 
 
+#: A chunk message ends with one int64 word after its pages (at the next 8-byte boundary):
+#: the chunk's number counted from 1, or ``ABORTED`` when the sender failed while packing
+#: it. The receiver zeroes that word before each receive, so a shorter message (gloo
+#: completes a receive with one: another transfer's header, after a sender gave up without
+#: a word) or a chunk out of order is refused rather than stored as K/V.
+ABORTED = -1
+TRAILER_BYTES = 8
+
+
+def _trailer_at(pool: Any, pages: int) -> int:
+    body = (1 if pool.mla else 2) * pool.num_layers * pages * page_bytes(pool)
+    return (body + 7) & ~7
+
+
+def message(buf: torch.Tensor, pool: Any, pages: int) -> torch.Tensor:
+    """The bytes sent (or received) for a chunk of ``pages`` pages: its pages, then its word."""
+    return buf[: _trailer_at(pool, pages) + TRAILER_BYTES]
+
+
+def seal(buf: torch.Tensor, pool: Any, pages: int, word: int) -> None:
+    """Set the word after a chunk of ``pages`` pages (a staging buffer starts 8-byte aligned)."""
+    at = _trailer_at(pool, pages)
+    buf[at : at + TRAILER_BYTES].view(torch.int64).fill_(word)
+
+
+def trailer(buf: torch.Tensor, pool: Any, pages: int) -> int:
+    """The word after a received chunk of ``pages`` pages."""
+    at = _trailer_at(pool, pages)
+    return int(buf[at : at + TRAILER_BYTES].view(torch.int64).item())
+
+
 def staging(device: torch.device, pool: Any, pages: int, chunks: int) -> list[torch.Tensor]:
     """Buffers for chunks of ``pages`` pages: two when there are several chunks (one
     being sent or stored while the other is filled), else one. So staging never
@@ -36,7 +67,7 @@ def staging(device: torch.device, pool: Any, pages: int, chunks: int) -> list[to
     free pages. Up to ``KEEP_STAGING_BYTES`` stay with the pool, so repeated
     transfers do not pay for fresh allocations and page faults; bigger buffers are
     freed when the transfer returns (the caller holds the only reference)."""
-    n = (1 if pool.mla else 2) * pool.num_layers * pages * page_bytes(pool)
+    n = _trailer_at(pool, pages) + TRAILER_BYTES
     count = 2 if chunks > 1 else 1
     owner = getattr(pool, "inner", pool)
     kept = STAGING.get(owner)

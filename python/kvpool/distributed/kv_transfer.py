@@ -2,7 +2,7 @@
 
 Protocol (src = the pool that has the request, dst = the pool that takes it):
 
-  1. src -> dst  header   int64[16]: shape of the pool, request length and page
+  1. src -> dst  header   int64[17]: shape of the pool, request length and page
                           count, how many chain hashes and fp8 scales follow
   2. src -> dst  meta     int64 (only if non-empty): for n chain pages, 2n hash
                           words (hi, lo), the salt and n * page_size token ids;
@@ -12,7 +12,10 @@ Protocol (src = the pool that has the request, dst = the pool that takes it):
                           request and taken its pages only if status is OK
   4. src -> dst  data     ceil(pages_to_send / pages_per_chunk) chunks, each
                           ``[caches, layers, pages, page_bytes]`` uint8 (K/V of
-                          every layer, packed page by page)
+                          every layer, packed page by page), then one int64 word
+                          at the next 8-byte boundary: the chunk's number from 1,
+                          or -1 when src failed packing it (dst then closes the
+                          request; ``kvpool.distributed.stream``)
   5. dst -> src  ack      int64[2]
 
 So a request costs 4 + chunks messages whatever its length or layer count, and
@@ -21,7 +24,9 @@ silent peer surfaces as ``TransferError`` / ``TransferTimeoutError``. Failure
 leaves both pools as they were: src only reads; dst rejects before opening
 anything when it has no room or the header is malformed (checked field by field
 against its own pool, see ``kvpool.distributed.protocol``), and closes the
-half-received request otherwise. Each side holds its pool's lock while it
+half-received request otherwise. Each side allocates its staging before dst
+replies, so that after the reply only packing (sent as an abort) and the link
+itself can fail. Each side holds its pool's lock while it
 holds the request's pages.
 """
 
@@ -37,13 +42,14 @@ import torch
 import torch.distributed as dist
 
 from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
-from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES, chunk_view, pack, rescale, staging, unpack
+from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, bad_timeout, check_peer, comm_device, wait
 from kvpool.distributed.errors import TransferError, TransferRejectedError
-from kvpool.distributed.pages import cache_pages, page_bytes
+from kvpool.distributed.pages import page_bytes
 from kvpool.distributed.protocol import (
     CONTEXT,
     EXHAUSTED,
+    FAILED,
     H_ABORT,
     H_HASHES,
     H_LENGTH,
@@ -75,7 +81,7 @@ from kvpool.distributed.protocol import (
     unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.torch_types import FP8_DTYPES
+from kvpool.distributed.stream import chunk_buffers, receive_pages, send_pages
 from kvpool.validate import check_pool, is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
@@ -189,17 +195,20 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
         n_chain, chain = chain_of(pool, handle)
+        scales = scales_of(pool)
+        per_row = (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
+        per_chunk = max(1, min(len(pages), chunk_bytes // per_row)) if len(pages) else 1
+        for k, v in shape_fields(pool).items():
+            header[k] = v
+        # Staging for every page (the receiver may cache none): after its reply only
+        # packing and the link can fail, and a failed pack is sent as an abort.
+        buffers = chunk_buffers(link.device, pool, pages, per_chunk)
     except Exception:
         # Any error before the header (typed or not) still tells the receiver, which would
         # otherwise wait out its timeout or take this rank's next transfer as this one.
         header[H_ABORT] = 1  # let the receiver fail now instead of at its timeout
         link.send_ints(header, "abort header")
         raise
-    scales = scales_of(pool)
-    per_row = (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
-    per_chunk = max(1, min(len(pages), chunk_bytes // per_row)) if len(pages) else 1
-    for k, v in shape_fields(pool).items():
-        header[k] = v
     header[H_LENGTH], header[H_PAGES], header[H_HASHES] = length, len(pages), n_chain
     header[H_SCALES], header[H_PER_CHUNK] = len(scales), per_chunk
     link.send_ints(header, "header")
@@ -219,6 +228,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard, or fp8 scales it cannot "
                           "receive with (see its error)",
             MALFORMED: "it found this transfer's header or metadata malformed (see its error)",
+            FAILED: "it failed making room for the transfer (see its error: a device out of memory for staging)",
         }.get(status, "")
         raise TransferRejectedError(
             f"rank {dst_rank} refused request {handle:#x} ({reason}): {detail}; nothing was sent and "
@@ -226,21 +236,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
     todo = pages[cached:]
     if not len(todo):
         return _acknowledged(link, dst_rank, handle, pages, cached, 0, t0)
-    bufs = staging(link.device, pool, min(per_chunk, len(todo)), -(-len(todo) // per_chunk))
-    idx_all = torch.from_numpy(todo).to(pool.device)
-    views = cache_pages(pool)
-    in_flight: list[Any] = [None, None]
-    for i, start in enumerate(range(0, len(todo), per_chunk)):
-        k = min(per_chunk, len(todo) - start)
-        slot = i % 2
-        if in_flight[slot] is not None:
-            link.wait(in_flight[slot], "K/V chunk")
-        view = chunk_view(bufs[slot], pool, k)
-        pack(views, view, todo[start : start + k], idx_all[start : start + k])
-        in_flight[slot] = link.send(view.reshape(-1), "K/V chunk")
-    for w in in_flight:
-        if w is not None:
-            link.wait(w, "K/V chunk")
+    send_pages(link, pool, buffers, todo, buffers[1][cached:], per_chunk)
     return _acknowledged(link, dst_rank, handle, pages, cached, len(todo) * per_row, t0)
 
 
@@ -366,7 +362,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     if diff:
         raise refuse(INCOMPATIBLE, TransferRejectedError(
             f"request from rank {src_rank} does not fit this pool's shape ({diff}); both pools need the "
-            f"same page size, layers, head shard, head_dim and dtype", reason="incompatible"))
+            f"same page size, layers, head shard, total KV heads, head_dim and dtype", reason="incompatible"))
     n_hashes, n_scales = int(header[H_HASHES]), int(header[H_SCALES])
     src_scales = meta[n_meta - n_scales :].view(np.float64)
     if n_scales and not (np.isfinite(own := scales_of(pool)).all() and (own > 0).all()):
@@ -408,8 +404,13 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             raise refuse(MALFORMED, malformed(str(e))) from None
         try:
             dst_pages = np.asarray(pool.pages(handle), dtype=np.int64)[cached:]
+            buffers = chunk_buffers(link.device, pool, dst_pages, per_chunk)
+        except BaseException as e:  # (a torch OOM): the sender is told before it sends a byte
+            pool.close([handle])
+            raise refuse(FAILED, e) from None
+        try:
             link.send_ints([OK, cached, int(pool.free_pages), need, 0, 0], "reply")
-            _receive_pages(link, pool, dst_pages, per_chunk, src_scales)
+            receive_pages(link, pool, buffers, dst_pages, buffers[1], per_chunk, src_scales)
             link.send_ints([OK, len(dst_pages)], "ack")
         except BaseException:
             pool.close([handle])
@@ -433,23 +434,3 @@ def _refuse_unsupported(link: _Link, header: np.ndarray, why: str, timeout_s: fl
     except TransferError:
         pass  # the error below says what is wrong here
     return TransferRejectedError(f"cannot receive a request from rank {link.peer}: {why}", reason="incompatible")
-
-
-def _receive_pages(link: _Link, pool: Any, dst_pages: np.ndarray, per_chunk: int, src_scales: np.ndarray) -> None:
-    if not len(dst_pages):
-        return
-    if pool.fp8 and pool.dtype not in FP8_DTYPES:  # pragma: no cover - FP8_DTYPES defines fp8
-        raise TransferError(f"unknown fp8 dtype {pool.dtype}")
-    bufs = staging(link.device, pool, min(per_chunk, len(dst_pages)), -(-len(dst_pages) // per_chunk))
-    idx_all = torch.from_numpy(dst_pages).to(pool.device)
-    views = cache_pages(pool)
-    starts = list(range(0, len(dst_pages), per_chunk))
-    sizes = [min(per_chunk, len(dst_pages) - s) for s in starts]
-    pending = link.post_recv(chunk_view(bufs[0], pool, sizes[0]).view(-1), "K/V chunk")
-    for i, (start, k) in enumerate(zip(starts, sizes)):
-        link.wait(pending, "K/V chunk")
-        view = chunk_view(bufs[i % 2], pool, k)
-        if i + 1 < len(starts):  # the next chunk lands in the other buffer while this one is stored
-            pending = link.post_recv(chunk_view(bufs[(i + 1) % 2], pool, sizes[i + 1]).view(-1), "K/V chunk")
-        rescale(pool, view, src_scales)
-        unpack(views, view, dst_pages[start : start + k], idx_all[start : start + k])

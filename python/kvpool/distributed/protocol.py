@@ -1,6 +1,6 @@
 """The wire format of ``kv_transfer`` and the receiver's checks of what a peer claims.
 
-A header is 16 int64 words (``H_*`` below). The receiver trusts none of them: a
+A header is 17 int64 words (``H_*`` below). The receiver trusts none of them: a
 broken or hostile peer may send any value. ``meta_words`` says whether the
 metadata the header announces is small enough to receive at all, and
 ``header_problem`` checks every field against the receiving pool's own
@@ -18,16 +18,18 @@ import torch
 
 from kvpool.distributed.pages import page_bytes
 
-MAGIC, VERSION = 0x6B76706F6F6C, 2
+# Version 3: the model's total KV heads in the header, a closing word on every K/V chunk
+# (kvpool.distributed.stream), and the FAILED refusal.
+MAGIC, VERSION = 0x6B76706F6F6C, 3
 TAG = 0x4B56
-HEADER_LEN, REPLY_LEN = 16, 6
-OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE, MALFORMED = range(6)
+HEADER_LEN, REPLY_LEN = 17, 6
+OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE, MALFORMED, FAILED = range(7)
 REASONS = {EXHAUSTED: "exhausted", TOO_MANY: "too_many_requests", CONTEXT: "context_too_long",
-           INCOMPATIBLE: "incompatible", MALFORMED: "malformed"}
+           INCOMPATIBLE: "incompatible", MALFORMED: "malformed", FAILED: "failed"}
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 # Header fields, by index.
 (H_MAGIC, H_VERSION, H_LENGTH, H_PAGE, H_LAYERS, H_HEADS, H_DIM, H_DTYPE, H_CACHES, H_PAGES,
- H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT) = range(HEADER_LEN)
+ H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT, H_TOTAL_HEADS) = range(HEADER_LEN)
 
 #: Metadata words a receiver accepts from a header that does not fit its pool (so
 #: that a sender of another shape still gets its refusal): beyond this, and beyond
@@ -44,7 +46,10 @@ def shape_fields(pool: Any) -> dict[int, int]:
     """The header fields two pools must agree on, as this pool has them."""
     return {H_PAGE: pool.page_size, H_LAYERS: pool.num_layers, H_HEADS: pool.num_kv_heads,
             H_DIM: pool.head_dim, H_DTYPE: dtype_code(pool.dtype), H_CACHES: 1 if pool.mla else 2,
-            H_PAGE_BYTES: page_bytes(pool), H_HEAD_START: int(getattr(pool, "kv_head_start", 0))}
+            H_PAGE_BYTES: page_bytes(pool), H_HEAD_START: int(getattr(pool, "kv_head_start", 0)),
+            # The model's heads, not only this rank's shard: two models whose shards look
+            # alike (heads 0-1 of 4 and of 2) hold other K/V.
+            H_TOTAL_HEADS: int(getattr(pool, "total_kv_heads", pool.num_kv_heads))}
 
 
 def scales(pool: Any) -> np.ndarray:
@@ -90,7 +95,7 @@ def incompatible(pool: Any, header: np.ndarray) -> str:
     """The shape fields where the sender's pool differs from this one ("" if none)."""
     names = {H_PAGE: "page_size", H_LAYERS: "num_layers", H_HEADS: "num_kv_heads (this rank's shard)",
              H_DIM: "head_dim", H_DTYPE: "dtype", H_CACHES: "MLA-ness", H_PAGE_BYTES: "page bytes",
-             H_HEAD_START: "first KV head of the shard"}
+             H_HEAD_START: "first KV head of the shard", H_TOTAL_HEADS: "total_kv_heads"}
     diffs = [f"{names[k]} {int(header[k])} vs {v}" for k, v in shape_fields(pool).items() if int(header[k]) != v]
     return "; ".join(diffs)
 
