@@ -44,3 +44,29 @@ def test_counters_an_engine_logs_read_as_the_grouped_allocator_reports_them():
     assert pool.dropped_events == 0
     with pytest.raises(LayerIndexError):
         pool.evictable_pages(4)
+
+
+def test_write_takes_the_plain_pools_arguments_and_errors():
+    # write(..., strict=True) was a TypeError on a hybrid pool, and write(layer, slots, k) without v
+    # a TypeError rather than the TensorShapeError engine code catches as an InvalidArgumentError.
+    from kvpool.errors import DuplicateSlotError, ReservedSlotError, TensorShapeError
+
+    kw = dict(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=4, num_pages=10)
+    plain, hybrid = KVPool(**kw), KVPool(layer_types=["full_attention", "sliding_attention"], sliding_window=8, **kw)
+    k = torch.ones(2, 1, 2)
+    for pool in (plain, hybrid):
+        _, res = pool.admit([2])
+        loc = res.out_cache_loc if pool is plain else res.for_layer(1)
+        before = [pool.read(layer, loc) for layer in (0, 1)]
+        for bad, err in (([4, 4], DuplicateSlotError), ([1, 4], ReservedSlotError), ([-1, 4], ReservedSlotError)):
+            with pytest.raises(err):
+                pool.write(1, bad, k, k, strict=True)
+        with pytest.raises(TensorShapeError, match="needs both k and v"):
+            pool.write(1, loc, k)
+        with pytest.raises(InvalidArgumentError, match="strict"):
+            pool.write(1, loc, k, k, strict="yes")
+        for layer in (0, 1):  # nothing written by any refusal
+            assert all(torch.equal(a, b) for a, b in zip(pool.read(layer, loc), before[layer]))
+        pool.write(1, loc, k, 2 * k, strict=True)
+        got_k, got_v = pool.read(1, loc)
+        assert torch.equal(got_k, k) and torch.equal(got_v, 2 * k)

@@ -34,6 +34,7 @@ from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.capacity import budget_bytes, fraction_of_memory, free_device_memory
+from kvpool.errors import TensorShapeError
 from kvpool.hybrid_copies import HybridCopies
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
@@ -47,7 +48,7 @@ from kvpool.row_stores import index_copy_rows, scatter_into
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
-from kvpool.validate import check_layer, check_rows, slots_tensor
+from kvpool.validate import check_flag, check_layer, check_rows, slots_tensor
 
 __all__ = ["HybridExtendResult", "HybridKVPool"]
 
@@ -341,16 +342,23 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, 
 
     # ----- writes and reads ------------------------------------------------
 
-    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
+              strict: bool = False) -> None:
         """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer`` (slots of its group).
-        Negative slots are padding and skipped; everything is checked first.
+        Negative slots are padding and skipped; everything is checked first. ``strict=True``
+        rejects padding, the group's page-0 slots and repeated slots, as on a plain pool.
 
         Raises:
             LayerIndexError, InvalidArgumentError (a state layer), SlotRangeError,
-            TensorShapeError, TensorDtypeError, TensorDeviceError: nothing written.
+            ReservedSlotError, DuplicateSlotError, TensorShapeError, TensorDtypeError,
+            TensorDeviceError: nothing written.
         """
         g = self._page_group(layer)
-        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        if v is None:  # (the plain pool's signature: v is optional there for MLA, which has no groups)
+            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        if strict is not False and strict is not True:
+            strict = check_flag("strict", strict)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=strict)
         for name, x in (("k", k), ("v", v)):
             check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
         k, v = k.detach(), v.detach()
