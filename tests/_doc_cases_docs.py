@@ -87,6 +87,27 @@ assert pool.take_events()["kind"].size == 0       # publish() drained them
 """,
     ),
     Case(
+        "events = pool.take_events()",
+        setup="""
+import tempfile, torch, kvpool
+from kvpool.events import LocalEventPublisher
+from kvpool.tiers import DiskCache, FileTier
+directory = tempfile.mkdtemp(prefix="kvpool-doc-")
+pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=16)
+pub = LocalEventPublisher(pool)
+disk = DiskCache(pool, FileTier(directory, max_bytes=1 << 24), model="m")
+h = pool.admit([40], tokens=list(range(3, 43)))[0]
+pool.close(h, cache=True)                       # registers 2 full pages: 2 Stored events
+""",
+        check="""
+assert disk.stats.pages_stored == 2 and pub.stored_pages == 2   # both got the same events
+assert pool.take_events()["kind"].size == 0
+with pytest.raises(kvpool.InvalidArgumentError, match="publishes"):
+    disk.store_new()                               # refused while the publisher drains the pool
+""",
+        cleanup="import shutil; shutil.rmtree(directory, ignore_errors=True)",
+    ),
+    Case(
         "from kvpool.router import Router, ZmqFeed",
         subs=(("...\nfeed.poll()", "engine_step()\nfeed.poll()"),
               ("send(request, to=route.pool)     ", "sent.append(route.pool)          ")),

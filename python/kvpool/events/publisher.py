@@ -28,6 +28,8 @@ from kvpool._forksafe import INNER, OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import PublisherClosedError
+from kvpool.events.drained import checked_events
+from kvpool.events.drainers import claim, release
 from kvpool.validate import is_int
 
 # vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
@@ -46,7 +48,25 @@ def _encoder(pool: Any, int_hashes: bool) -> Callable[[float, int | None], tuple
         raise InvalidArgumentError(
             f"a KV event publisher needs a pool with take_events() (a KVPool or SlotAllocator), "
             f"got {type(pool).__name__}")
-    return lambda ts, rank: encode_kv_events(take(), ts, rank, int_hashes)
+    return _DrainThenEncode(take, int_hashes)
+
+
+class _DrainThenEncode:
+    """Drain, then encode, in two calls (a hybrid pool's ``GroupedAllocator``): events
+    whose encoding failed (a MemoryError) are kept and sent by the next call, as
+    ``take_events_msgpack`` keeps them in its one call; else they would be lost with
+    nothing in the stream to say so."""
+
+    def __init__(self, take: Callable[[], Any], int_hashes: bool) -> None:
+        self.take, self.int_hashes = take, int_hashes
+        self.kept: Any = None  # (read and written under the publisher's _publishing lock)
+
+    def __call__(self, ts: float, rank: int | None) -> tuple[bytes, int, int, int]:
+        if self.kept is None:
+            self.kept = self.take()
+        out = encode_kv_events(self.kept, ts, rank, self.int_hashes)
+        self.kept = None
+        return out
 
 
 def _rank(rank: Any) -> int | None:
@@ -101,6 +121,13 @@ class EventPublisher(NotPicklable):
             # Every batch would be empty, for good: a router behind it would learn nothing.
             raise InvalidArgumentError("this pool records no KV events (built with kv_events=False): a publisher "
                                        "needs one built with kv_events=True, the default")
+        other = claim(pool, self)
+        if other is not None:
+            raise InvalidArgumentError(
+                f"this pool's events are published already (by a {type(other).__name__}, topic {other.topic!r}): a "
+                f"pool records one event stream, and each drain takes its events from every other reader, so two "
+                f"publishers would each miss what the other sent. Close that one first, or hand its messages on "
+                f"(LocalEventPublisher.drain, replay)")
         self.pool = pool
         self.int_block_hashes = bool(int_block_hashes)
         self.topic = topic_bytes
@@ -131,8 +158,19 @@ class EventPublisher(NotPicklable):
         # The allocator's: a hybrid pool (layer_types) forwards no such counter itself.
         return int(getattr(self.pool, "allocator", self.pool).dropped_events)
 
-    def publish(self) -> int:
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (``publish()`` then raises)."""
+        return self._closed
+
+    def publish(self, events: Any = None) -> int:
         """Drain the pool's events and send them as one ``KVEventBatch``.
+
+        Args:
+            events: events the engine drained itself (what ``pool.take_events()``
+                returns), to send instead of draining: an engine that also hands
+                them to ``DiskCache.store_new(events=)`` drains once and gives both
+                the same events (each drain takes them from every other reader).
 
         Returns:
             the number of kvpool events sent (one per page Stored or Removed,
@@ -140,14 +178,22 @@ class EventPublisher(NotPicklable):
 
         Raises:
             PublisherClosedError: the publisher is closed (a ``RuntimeError`` too).
+            InvalidArgumentError: ``events`` is not what ``take_events()`` returns
+                (nothing sent).
         """
+        if events is not None:
+            events = checked_events(events)
         with self._publishing:
             # Under the lock: a close() from another thread waits for a publish in
             # flight, whose batch is then handed over before the sender stops.
             if self._closed:
                 raise PublisherClosedError("this KV event publisher is closed; build a new one for the pool to "
                                            "publish again")
-            payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
+            if events is None:
+                payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
+            else:
+                payload, stored, removed, cleared = encode_kv_events(events, time.time(), self.data_parallel_rank,
+                                                                     self.int_block_hashes)
             n = stored + removed + cleared
             if not n:
                 return 0
@@ -185,6 +231,7 @@ class EventPublisher(NotPicklable):
         another thread finishes (its batch is delivered) before this returns."""
         with self._publishing:
             self._closed = True
+            release(self.pool, self)  # the pool may get another publisher now
 
     def __enter__(self) -> EventPublisher:
         return self

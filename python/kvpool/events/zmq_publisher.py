@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import PublisherClosedError
+from kvpool.events.drainers import release
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
 from kvpool.extras import require
 from kvpool.validate import is_int
@@ -159,6 +160,7 @@ class ZmqEventPublisher(EventPublisher):
                 self._binds.append((self._replay_sock, self.replay_endpoint))
         except BaseException:
             self._close_sockets()
+            release(pool, self)  # (a traceback holding this half-made publisher must not hold the pool)
             raise
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="kvpool-kv-events", daemon=True)
@@ -171,8 +173,9 @@ class ZmqEventPublisher(EventPublisher):
                 f"child ({os.getpid()}), which has neither its sender thread nor usable sockets; build a new "
                 f"ZmqEventPublisher in this process (on its own endpoint)")
 
-    def publish(self) -> int:
+    def publish(self, events: Any = None) -> int:
         """Drain the pool's events and hand them to the sender thread as one ``KVEventBatch``.
+        ``events``: what the engine drained itself (see ``EventPublisher.publish``).
 
         Returns:
             the number of kvpool events sent (one per page Stored or Removed,
@@ -184,7 +187,7 @@ class ZmqEventPublisher(EventPublisher):
         """
         # Before draining: in a forked child the pool's events stay for a publisher that can send them.
         self._check_process("publish")
-        return super().publish()
+        return super().publish(events)
 
     def _deliver(self, seq_b: bytes, payload: bytes) -> None:
         self._queued += 1

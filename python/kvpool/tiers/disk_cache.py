@@ -46,9 +46,10 @@ from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyReques
 from kvpool._forksafe import OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
+from kvpool.events.drained import checked_events
+from kvpool.events.drainers import publisher_of
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, shape_fingerprint, tier_seed
-from kvpool.tiers.events_arg import checked_events
 from kvpool.tiers.host_storage import HostStorage
 from kvpool.validate import require_plain_pool
 
@@ -214,8 +215,10 @@ class DiskCache(NotPicklable):
             the pool caches it, for a later call (``stats.write_failures``).
 
         Raises:
-            InvalidArgumentError: ``events`` is not what ``take_events()`` returns, or
-                ``max_pages`` is not None or an int >= 0 (nothing is absorbed or stored).
+            InvalidArgumentError: ``events`` is not what ``take_events()`` returns,
+                ``events`` is None while an event publisher drains the pool (it would
+                miss what this drained), or ``max_pages`` is not None or an int >= 0
+                (nothing is absorbed or stored).
         """
         if max_pages is not None and (isinstance(max_pages, (bool, np.bool_))
                                       or not isinstance(max_pages, numbers.Integral) or max_pages < 0):
@@ -224,6 +227,12 @@ class DiskCache(NotPicklable):
             return self._store_new(events, max_pages)
 
     def _store_new(self, events: dict[str, np.ndarray] | None, max_pages: int | None) -> int:
+        if events is None and (pub := publisher_of(self.pool)) is not None:
+            raise InvalidArgumentError(
+                f"store_new() would drain this pool's events, which a {type(pub).__name__} publishes: each drain "
+                f"takes them from every other reader, and the router behind it would miss them. Drain once and "
+                f"hand the same events to both: events = pool.take_events(); disk.store_new(events); "
+                f"publisher.publish(events)")
         self._absorb(checked_events(events) if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
         leaves, covered = [], set()

@@ -1,10 +1,12 @@
-"""``DiskCache.store_new(events=)``: checks that what the caller passes is what the
-pool's ``take_events()`` returns, before any of it is absorbed.
+"""Events a caller drained itself (``pool.take_events()``) and hands to
+``DiskCache.store_new(events=)`` and ``EventPublisher.publish(events=)``: checked to be
+what ``take_events()`` returns before any of it is used.
 
-An engine that publishes the events too drains them itself and hands them over;
-anything else (another dict, arrays of mismatched lengths, a Stored event whose
-token ids are missing) would otherwise fail halfway through with a ``KeyError``
-or ``IndexError``, or file chains under the wrong tokens.
+An engine that both stores pages to disk and publishes events drains once and hands the
+same events to both (each drain takes the events from every other reader). Anything else
+(another dict, arrays of mismatched lengths, a Stored event whose token ids are missing)
+would otherwise fail halfway through with a ``KeyError`` or ``IndexError``, or file
+chains under the wrong tokens.
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""A pool's events form one stream, and each drain takes them from every other reader.
+
+Outside checks found three ways a router behind a publisher silently kept prefixes the
+pool had evicted: a second publisher on the pool, a ``DiskCache.store_new()`` draining by
+itself (docs told the engine to hand it the events it drained, but ``publish()`` could not
+send events drained elsewhere), and a hybrid pool's publish whose encoding failed after
+the drain (the events were gone, nothing in the stream said so)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvpool
+import kvpool.events.publisher as publisher_module
+from kvpool.events import LocalEventPublisher
+from kvpool.router import Router
+from kvpool.tiers import DiskCache, FileTier
+
+P = 4
+
+
+def plain_pool() -> kvpool.KVPool:
+    return kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=P, num_pages=16, max_requests=4,
+                         max_context_len=64, hash_seed=7)
+
+
+def cache_prompt(pool, tokens) -> None:
+    h, r = pool.admit([len(tokens)], tokens=tokens)
+    for layer in range(pool.num_layers):
+        x = torch.ones(len(tokens), 1, 8)
+        pool.write(layer, r.slots if not hasattr(r, "for_layer") else r.for_layer(layer), x, x)
+    pool.close(h, cache=True)
+
+
+def routed(pool, pub) -> Router:
+    router = Router(1, page_size=P, hash_seed=pool.hash_seed)
+    router.feed_many(0, pub.drain())
+    return router
+
+
+def test_a_second_publisher_on_a_pool_is_refused_until_the_first_closes():
+    pool = plain_pool()
+    first = LocalEventPublisher(pool)
+    for target in (pool, pool.allocator):  # the pool and its allocator are one stream
+        with pytest.raises(kvpool.InvalidArgumentError, match="published already"):
+            LocalEventPublisher(target)
+    cache_prompt(pool, list(range(9)))
+    assert first.publish() == 2  # nothing was taken from it
+    first.close()
+    second = LocalEventPublisher(pool.allocator)
+    pool.evict(2)
+    assert second.publish() == 2
+    other = LocalEventPublisher(plain_pool())  # another pool's stream is its own
+    other.close()
+
+
+def test_disk_store_new_refuses_to_drain_what_a_publisher_sends(tmp_path):
+    pool = plain_pool()
+    pub = LocalEventPublisher(pool)
+    disk = DiskCache(pool, FileTier(tmp_path, 1 << 20), model="m")
+    tokens = list(range(100, 109))
+    cache_prompt(pool, tokens)
+    with pytest.raises(kvpool.InvalidArgumentError, match=r"events = pool.take_events\(\)"):
+        disk.store_new()
+    # Drained once, handed to both: the disk writes the pages and the router learns them.
+    events = pool.take_events()
+    assert disk.store_new(events) == 2
+    assert pub.publish(events) == 2
+    router = routed(pool, pub)
+    assert router.match(tokens)[0] == 8
+    pool.evict(2)
+    events = pool.take_events()
+    disk.store_new(events)
+    pub.publish(events)
+    router.feed_many(0, pub.drain())
+    assert router.match(tokens)[0] == 0  # the eviction reached the router too
+    pub.close()
+    cache_prompt(pool, list(range(200, 209)))
+    assert disk.store_new() == 2  # with no publisher, store_new drains by itself again
+
+
+@pytest.mark.parametrize("bad", [{"kind": [0]}, [1, 2], {"kind": np.zeros((2, 2), np.int64)}])
+def test_publish_of_events_that_are_not_take_events_sends_nothing(bad):
+    pool = plain_pool()
+    pub = LocalEventPublisher(pool)
+    cache_prompt(pool, list(range(9)))
+    with pytest.raises(kvpool.InvalidArgumentError, match="events"):
+        pub.publish(bad)
+    assert pub.next_seq == 0 and pub.drain() == []
+    assert pub.publish() == 2  # the pool still holds its events
+
+
+def test_a_hybrid_pools_failed_encode_keeps_its_events_for_the_next_publish(monkeypatch):
+    pool = kvpool.KVPool(2, 1, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                         dtype=torch.float32, page_size=P, num_pages=16, max_requests=4, max_context_len=64,
+                         hash_seed=7)
+    pub = LocalEventPublisher(pool)
+    cache_prompt(pool, list(range(9)))
+    real = publisher_module.encode_kv_events
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "encode_kv_events", failing_once)
+    with pytest.raises(MemoryError):
+        pub.publish()
+    assert pub.next_seq == 0
+    assert pub.publish() == 2  # the two Stored events drained by the failed call
+    router = Router(1, page_size=P, hash_seed=pool.hash_seed)
+    router.feed_many(0, pub.drain())
+    assert router.match(list(range(9)))[0] == 8
