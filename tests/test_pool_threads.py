@@ -408,8 +408,8 @@ def test_recv_request_keeps_its_pages_until_the_ack(fake_link, monkeypatch):
     """A reset from another thread while recv_request stores the chunks waits for it:
     the pages stay the received request's until the ack is sent."""
     from kvpool.distributed import kv_transfer
-    from kvpool.distributed import stream as kv_transfer_stream
     from kvpool.distributed import protocol as P
+    from kvpool.distributed import stream as kv_transfer_stream
 
     pool = small_pool(num_pages=16)
     header = np.zeros(P.HEADER_LEN, np.int64)
