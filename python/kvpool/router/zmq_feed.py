@@ -23,6 +23,7 @@ import numpy as np
 
 from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
+from kvpool.router.idle_probes import IdleProbes
 from kvpool.router.router import Router
 from kvpool.validate import is_int
 
@@ -41,21 +42,33 @@ class ZmqFeed:
         router: the Router to feed.
         replay_timeout_ms: longest wait for a replay's next message.
         context: the zmq.Context (default: the process-wide instance).
+        idle_probe_ms: a pool with a replay endpoint that sent nothing for this long
+            is asked, without waiting, for what its publisher kept past the last
+            batch applied (None: never). A gap shows only when a later batch
+            arrives, so batches dropped at the end of a burst (a subscriber past its
+            high-water mark) would otherwise stay missing while the engine is idle.
 
-    Counters: ``replays`` (replay requests sent) and ``disconnects``
-    (publisher connections seen dropping).
+    Counters: ``replays`` (replay requests sent to fill a gap or check a
+    reconnection), ``probes`` (idle probes sent) and ``disconnects`` (publisher
+    connections seen dropping).
     """
 
-    def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None) -> None:
+    def __init__(self, router: Router, *, replay_timeout_ms: int = 1000, context: Any = None,
+                 idle_probe_ms: int | None = 1000) -> None:
         if not isinstance(router, Router):
             raise InvalidArgumentError(f"router must be a kvpool.router.Router (what the feed applies the batches to), "
                                        f"got {type(router).__name__}")
         if not is_int(replay_timeout_ms) or not 0 <= replay_timeout_ms <= ZMQ_INT_MAX:
             raise InvalidArgumentError(f"replay_timeout_ms must be an int in [0, {ZMQ_INT_MAX}] (milliseconds), "
                                        f"got {replay_timeout_ms!r}")
+        if idle_probe_ms is not None and (not is_int(idle_probe_ms) or not 0 < idle_probe_ms <= ZMQ_INT_MAX):
+            raise InvalidArgumentError(f"idle_probe_ms must be None (no probes) or an int in [1, {ZMQ_INT_MAX}] "
+                                       f"(milliseconds), got {idle_probe_ms!r}")
         check_context(context)
         self.router = router
         self.replay_timeout_ms = replay_timeout_ms
+        self.idle_probe_ms = idle_probe_ms
+        self._probes = IdleProbes(self)
         self._ctx = context or zmq.Context.instance()
         self._poller = zmq.Poller()
         self._subs: dict[Any, int] = {}
@@ -110,6 +123,7 @@ class ZmqFeed:
         self._poller.register(sub, zmq.POLLIN)
         if dealer is not None:
             self._replay[pool] = dealer
+            self._probes.heard(pool)
 
     @staticmethod
     def _connect(sock: Any, name: str, endpoint: str) -> None:
@@ -155,6 +169,7 @@ class ZmqFeed:
                             f"pool {pool}'s stream sent a message of {len(frames)} frames; a KV event batch is "
                             f"three (topic, 8-byte sequence number, payload)")
                     topic, seq, payload = frames
+                    self._probes.heard(pool)
                     if pool in self._suspect:
                         applied += self._verify(pool)
                     applied += self.router.feed(pool, topic, seq, payload)
@@ -166,11 +181,17 @@ class ZmqFeed:
                         applied += self._fill(pool, start)
             events = dict(self._poller.poll(0))
         self._watch()
+        applied += self._probes.run()
         for pool in range(self.router.num_pools):
             start = self.router.needs_replay(pool)
             if start is not None:
                 applied += self._fill(pool, start)
         return applied
+
+    @property
+    def probes(self) -> int:
+        """Idle probes sent (see ``idle_probe_ms``)."""
+        return self._probes.sent
 
     def _watch(self) -> None:
         """Mark the pools whose publisher connection dropped."""
@@ -216,6 +237,7 @@ class ZmqFeed:
         replay that does not begin with batch ``start`` cannot vouch for the
         router's history: the pool is resynced before the replay is fed."""
         d, applied, first = self._replay[pool], 0, True
+        applied += self._probes.finish(pool)  # its answer comes first on this socket
         while d.poll(0):
             d.recv_multipart()  # the rest of an earlier replay that timed out
         self.replays += 1
@@ -249,6 +271,7 @@ class ZmqFeed:
         self._monitors.clear()
         self._replay.clear()
         self._suspect.clear()
+        self._probes.clear()
 
 
 __all__ = ["ZmqFeed"]

@@ -1,0 +1,94 @@
+"""``ZmqFeed``'s idle probes: ask a quiet pool's publisher what it kept past the last
+batch applied, without waiting for the answer.
+
+A gap in a stream shows only when a later batch arrives. Batches dropped at the end
+of a burst (ZMQ drops them for a subscriber past its high-water mark) would stay
+missing for as long as the engine is idle, and the router would keep predicting pages
+the pool has since evicted. So once a pool with a replay endpoint has sent nothing for
+``idle_probe_ms``, ``poll()`` sends one replay request from the last applied number
+(an overlap the router takes as a duplicate) and later polls feed whatever comes back,
+up to the end marker; a publisher that does not answer within ``replay_timeout_ms``
+is left until the next probe. A live pool whose stream is complete costs one request
+and its end marker a second.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvpool.events.publisher import END_SEQ
+
+__all__ = ["IdleProbes"]
+
+
+class IdleProbes:
+    """The probes of one ``ZmqFeed`` (its replay sockets, router and settings)."""
+
+    def __init__(self, feed: Any) -> None:
+        self.feed = feed
+        self.last_heard: dict[int, float] = {}  # pool -> when its stream last spoke (or was probed)
+        self.asked: dict[int, float] = {}  # pool -> when its unanswered probe went out
+        self.sent = 0
+
+    def heard(self, pool: int) -> None:
+        self.last_heard[pool] = time.monotonic()
+
+    def run(self) -> int:
+        """Feed what probes brought back, send the probes now due; the batches applied."""
+        feed, applied = self.feed, 0
+        if feed.idle_probe_ms is None:
+            return 0
+        now = time.monotonic()
+        for pool in list(feed._replay):
+            if pool in self.asked:
+                applied += self._take(pool, now)
+            elif (pool not in feed._suspect and feed.router.needs_replay(pool) is None
+                  and (now - self.last_heard.get(pool, now)) * 1000 >= feed.idle_probe_ms):
+                start = feed.router.verify_from(pool)
+                feed._replay[pool].send_multipart((b"", (0 if start is None else start).to_bytes(8, "big")))
+                self.asked[pool] = now
+                self.sent += 1
+        return applied
+
+    def _take(self, pool: int, now: float) -> int:
+        feed, applied = self.feed, 0
+        d = feed._replay[pool]
+        while d.poll(0):
+            frames = d.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == END_SEQ:
+                self._done(pool, now)
+                return applied
+            applied += feed.router.feed(pool, topic, seq, payload)
+        if (now - self.asked[pool]) * 1000 > feed.replay_timeout_ms:
+            self._done(pool, now)  # no answer: ask again after the next quiet spell
+        return applied
+
+    def finish(self, pool: int) -> int:
+        """Take the rest of ``pool``'s unanswered probe before another replay is asked on
+        its socket (answers come in order, so the probe's end marker would end it)."""
+        if pool not in self.asked:
+            return 0
+        feed, applied = self.feed, 0
+        d = feed._replay[pool]
+        while d.poll(feed.replay_timeout_ms):
+            frames = d.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == END_SEQ:
+                break
+            applied += feed.router.feed(pool, topic, seq, payload)
+        self._done(pool, time.monotonic())
+        return applied
+
+    def _done(self, pool: int, now: float) -> None:
+        self.asked.pop(pool, None)
+        self.last_heard[pool] = now
+
+    def clear(self) -> None:
+        self.last_heard.clear()
+        self.asked.clear()
