@@ -392,6 +392,7 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
                 f"cannot receive a request of {length} tokens from rank {src_rank}: needs {need} pages "
                 f"({need * P} slots) but only {pool.free_pages} pages ({pool.free_slots} slots) are free"),
                 need=need)
+        counted = _counted_hits(pool)
         try:
             handle = _open(pool, chain, cached, length)
         except PoolExhaustedError as e:
@@ -406,17 +407,31 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             dst_pages = np.asarray(pool.pages(handle), dtype=np.int64)[cached:]
             buffers = chunk_buffers(link.device, pool, dst_pages, per_chunk)
         except BaseException as e:  # (a torch OOM): the sender is told before it sends a byte
-            pool.close([handle])
+            _close_unreceived(pool, handle, counted)
             raise refuse(FAILED, e) from None
         try:
             link.send_ints([OK, cached, int(pool.free_pages), need, 0, 0], "reply")
             receive_pages(link, pool, buffers, dst_pages, buffers[1], per_chunk, src_scales)
             link.send_ints([OK, len(dst_pages)], "ack")
         except BaseException:
-            pool.close([handle])
+            _close_unreceived(pool, handle, counted)
             raise
     moved = len(dst_pages) * (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
     return TransferStats(handle, n_pages, cached, moved, link.messages, time.perf_counter() - t0)
+
+
+def _counted_hits(pool: Any) -> Any:
+    """The pool's hit counters before an open this call may undo (None: a pool without them)."""
+    fn = getattr(getattr(pool, "inner", pool), "_counted_hits", None)
+    return fn() if fn is not None else None
+
+
+def _close_unreceived(pool: Any, handle: int, counted: Any) -> None:
+    """Close the request opened for a transfer that failed: it served no prompt, so the
+    hit counters take back what its open counted (as KVPool's own undone opens do)."""
+    pool.close([handle])
+    if counted is not None:
+        getattr(pool, "inner", pool)._uncount_since(counted)
 
 
 def _refuse_unsupported(link: _Link, header: np.ndarray, why: str, timeout_s: float) -> TransferRejectedError:
