@@ -197,7 +197,8 @@ def test_a_fork_from_inside_user_code_a_kvpool_lock_is_held_around():
         pub = ForkingDelivery(pool)
         h = pool.open(1); pool.extend(h, [8], np.arange(8)); pool.close(h, cache=True)
         box = {}
-        t = threading.Thread(target=lambda: box.update(stored=disk.store_new()), daemon=True)
+        # (the publisher drains the pool: the disk gets the events drained for it)
+        t = threading.Thread(target=lambda: box.update(stored=disk.store_new(pool.take_events())), daemon=True)
         t.start(); t.join(30)
         print("stored", box.get("stored"), "hung", t.is_alive())
         h = pool.open(1); pool.extend(h, [8], np.arange(100, 108)); pool.close(h, cache=True)
