@@ -183,6 +183,30 @@ def test_prefix_hits_across_groups_give_identical_outputs_and_compute_only_new_t
     pool.check()
 
 
+@pytest.mark.parametrize("kw", [dict(num_beams=2, num_return_sequences=2, early_stopping=False),
+                                dict(do_sample=True, num_return_sequences=2)], ids=["beams", "samples"])
+def test_a_prefix_hit_expanded_by_generate_on_a_model_whose_first_layer_keeps_state(kw):
+    """generate expands rows opened on prefix_ids (repeat_interleave) for beam search and
+    num_return_sequences. Qwen3-Next's first layer is linear attention: its state update came
+    before any attention layer could take the expansion, and torch raised a size mismatch."""
+    model = tiny("qwen3_next")
+    g = torch.Generator().manual_seed(17)
+    shared = torch.randint(3, VOCAB, (16,), generator=g)
+    first, longer = shared[None], torch.cat([shared, torch.randint(3, VOCAB, (5,), generator=g)])[None]
+    pool = pool_for_model(model, max_tokens=512, page_size=P, max_requests=8)
+    with KVPoolCache(pool, prefix_ids=first) as cache:
+        greedy(model, first, None, 2, cache)
+    torch.manual_seed(0)
+    ref = greedy(model, longer, None, 8, DynamicCache(config=model.config), **kw)
+    with KVPoolCache(pool, prefix_ids=longer) as cache:
+        assert int(cache.cached_lens[0]) == 16
+        torch.manual_seed(0)
+        out = greedy(model, longer, None, 8, cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    pool.check()
+    assert pool.open_requests == 0
+
+
 def test_crop_without_a_state_checkpoint_is_refused_and_changes_nothing():
     from kvpool._core import RollbackUnavailableError
 

@@ -243,6 +243,8 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         """As ``LinearAttentionLayer.update_conv_state``, keeping the last kernel-size columns in the pool."""
         if not self.is_conv_states_initialized[state_idx]:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        elif self.requests.prefix_unstarted:
+            self.requests.ensure_open(conv_states.shape[0])  # (as in update_recurrent_state)
         self.stamp(state_name("conv", state_idx))
         rows = self.rows(state_name("conv", state_idx))
         k = rows.shape[-1]
@@ -265,6 +267,12 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
             recurrent_states = recurrent_states[-1]
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+        elif self.requests.prefix_unstarted:
+            # Rows opened on prefix_ids are resumed (initialized) without a forward, and a
+            # model whose first layer is a state layer reaches here before any attention
+            # layer: generate's expansion of the batch (beam search, num_return_sequences)
+            # is taken as it is on an attention layer (repeat_prefix_rows), not refused.
+            self.requests.ensure_open(recurrent_states.shape[0])
         self.stamp(state_name("recurrent", state_idx))
         rows = self.rows(state_name("recurrent", state_idx))
         rows.copy_(recurrent_states)
