@@ -96,6 +96,8 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
         stream.staging = real_staging
         # 3. The receiver's staging runs out of memory: it refuses before any K/V moves.
         out["receiver_staging"] = outcome(lambda: send(h1))
+        # 3b. The receiver fails storing chunk 2 of 4: it takes the rest off the channel, acks a failure.
+        out["receiver_store"] = outcome(lambda: send(h1))
         # 4. And the group is in step: the engine's next requests arrive whole.
         out["next"] = [outcome(lambda h=h: send(h)) for h in (h2, h1)]
         out["sent"] = [kv(pool, h2), kv(pool, h1)]
@@ -123,6 +125,12 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
     out["receiver_staging"] = outcome(recv)
     out["receiver_staging_counts"] = (before, counts(pool))
     stream.staging = real_staging
+    real_unpack = stream.unpack
+    stream.unpack = _failing_nth(2, torch.OutOfMemoryError("out of memory (injected)"))(real_unpack)
+    before = counts(pool)
+    out["receiver_store"] = outcome(recv)
+    out["receiver_store_counts"] = (before, counts(pool))
+    stream.unpack = real_unpack
     hs = [recv(), recv()]
     out["got"] = [kv(pool, h) for h in hs]
     pool.check()
@@ -159,6 +167,14 @@ def test_a_receiver_out_of_memory_for_staging_refuses_before_any_kv_moves(result
     assert snd["receiver_staging"][0] == "TransferRejectedError" and "reason=failed" in snd["receiver_staging"][1]
     assert rcv["receiver_staging"][0] == "OutOfMemoryError"
     before, after = rcv["receiver_staging_counts"]
+    assert before == after
+
+
+def test_a_receiver_that_fails_storing_a_chunk_tells_the_sender_by_its_ack(result):
+    snd, rcv = result
+    assert snd["receiver_store"][0] == "TransferError" and "failed storing the K/V" in snd["receiver_store"][1]
+    assert rcv["receiver_store"][0] == "OutOfMemoryError"
+    before, after = rcv["receiver_store_counts"]
     assert before == after
 
 

@@ -81,7 +81,7 @@ from kvpool.distributed.protocol import (
     unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.distributed.stream import chunk_buffers, receive_pages, send_pages
+from kvpool.distributed.stream import StoreFailed, chunk_buffers, receive_pages, send_pages
 from kvpool.validate import check_pool, is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
@@ -245,6 +245,9 @@ def _acknowledged(link: _Link, dst_rank: int, handle: int, pages: np.ndarray, ca
     """Wait for the receiver's ack of the ``len(pages) - cached`` pages sent."""
     sent = len(pages) - cached
     ack = link.recv_ints(2, "ack")
+    if int(ack[0]) == FAILED:
+        raise TransferError(f"rank {dst_rank} failed storing the K/V of request {handle:#x} (see its error: a device "
+                            f"out of memory) and closed the request it opened; this pool is unchanged")
     if int(ack[0]) != OK or int(ack[1]) != sent:
         raise TransferError(f"rank {dst_rank} acknowledged {int(ack[1])} of {sent} pages (status {int(ack[0])})")
     return TransferStats(int(handle), len(pages), cached, moved, link.messages, time.perf_counter() - t0)
@@ -413,6 +416,11 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             link.send_ints([OK, cached, int(pool.free_pages), need, 0, 0], "reply")
             receive_pages(link, pool, buffers, dst_pages, buffers[1], per_chunk, src_scales)
             link.send_ints([OK, len(dst_pages)], "ack")
+        except StoreFailed as e:  # every chunk came: the sender waits for the ack, told at once
+            _close_unreceived(pool, handle, counted)
+            with contextlib.suppress(TransferError):
+                link.send_ints([FAILED, 0], "ack")
+            raise e.error from None
         except BaseException:
             _close_unreceived(pool, handle, counted)
             raise
