@@ -82,3 +82,25 @@ def test_without_probes_the_router_would_not_know():
 def test_idle_probe_ms_is_checked(bad):
     with pytest.raises(kvpool.InvalidArgumentError, match="idle_probe_ms"):
         ZmqFeed(Router(1, page_size=P, hash_seed=SEED), idle_probe_ms=bad)
+
+
+def test_probes_to_a_publisher_that_is_not_up_never_queue_or_block():
+    # An engine not started yet (nothing on either port): probes are not queued to be sent
+    # later (ZMQ would pile them up to its high-water mark, then block poll() for good).
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    feed = ZmqFeed(Router(1, page_size=P, hash_seed=SEED), idle_probe_ms=1, replay_timeout_ms=0)
+    try:
+        feed.subscribe(0, f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=f"tcp://127.0.0.1:{ports[1]}")
+        t0 = time.monotonic()
+        for _ in range(300):
+            feed.poll(0)
+            time.sleep(0.001)
+        assert feed.probes == 0 and time.monotonic() - t0 < 30
+    finally:
+        feed.close()

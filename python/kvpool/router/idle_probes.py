@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from zmq import NOBLOCK, Again
+
 from kvpool.events.publisher import END_SEQ
 
 __all__ = ["IdleProbes"]
@@ -46,7 +48,12 @@ class IdleProbes:
             elif (pool not in feed._suspect and feed.router.needs_replay(pool) is None
                   and (now - self.last_heard.get(pool, now)) * 1000 >= feed.idle_probe_ms):
                 start = feed.router.verify_from(pool)
-                feed._replay[pool].send_multipart((b"", (0 if start is None else start).to_bytes(8, "big")))
+                try:
+                    feed._replay[pool].send_multipart((b"", (0 if start is None else start).to_bytes(8, "big")),
+                                                      flags=NOBLOCK)
+                except Again:  # no publisher connected (IMMEDIATE): ask after the next quiet spell
+                    self.last_heard[pool] = now
+                    continue
                 self.asked[pool] = now
                 self.sent += 1
         return applied
@@ -64,7 +71,10 @@ class IdleProbes:
                 return applied
             applied += feed.router.feed(pool, topic, seq, payload)
         if (now - self.asked[pool]) * 1000 > feed.replay_timeout_ms:
-            self._done(pool, now)  # no answer: ask again after the next quiet spell
+            # No answer: ask again after the next quiet spell, on a fresh socket, so that a
+            # late answer cannot end a later replay early with its end marker.
+            feed._renew_replay(pool)
+            self._done(pool, now)
         return applied
 
     def finish(self, pool: int) -> int:
@@ -80,8 +90,10 @@ class IdleProbes:
                 continue
             _, topic, seq, payload = frames
             if seq == END_SEQ:
-                break
+                self._done(pool, time.monotonic())
+                return applied
             applied += feed.router.feed(pool, topic, seq, payload)
+        feed._renew_replay(pool)  # (as in _take: no late answer on the socket the replay uses)
         self._done(pool, time.monotonic())
         return applied
 

@@ -23,7 +23,6 @@ import numpy as np
 
 from kvpool._core import InvalidArgumentError
 from kvpool.extras import require
-from kvpool.router.idle_probes import IdleProbes
 from kvpool.router.router import Router
 from kvpool.validate import is_int
 
@@ -31,6 +30,7 @@ zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402
 
 from kvpool.events.zmq_publisher import ZMQ_INT_MAX, check_context  # noqa: E402
+from kvpool.router.idle_probes import IdleProbes  # noqa: E402  (imports zmq)
 
 _END = (-1).to_bytes(8, "big", signed=True)
 
@@ -74,6 +74,7 @@ class ZmqFeed:
         self._subs: dict[Any, int] = {}
         self._monitors: dict[int, Any] = {}
         self._replay: dict[int, Any] = {}
+        self._replay_endpoints: dict[int, str] = {}
         self._topics: dict[int, bytes] = {}  # pool -> its topic (b"": every message of its endpoint)
         self._suspect: set[int] = set()  # pools whose publisher disconnected since their last check
         self.replays = 0  # replay requests sent
@@ -110,9 +111,8 @@ class ZmqFeed:
             made.append(monitor)
             dealer = None
             if replay_endpoint is not None:
-                dealer = self._ctx.socket(zmq.DEALER)
+                dealer = self._replay_socket(replay_endpoint)
                 made.append(dealer)
-                self._connect(dealer, "replay_endpoint", replay_endpoint)
         except BaseException:
             for sock in reversed(made):
                 sock.close(linger=0)
@@ -123,7 +123,27 @@ class ZmqFeed:
         self._poller.register(sub, zmq.POLLIN)
         if dealer is not None:
             self._replay[pool] = dealer
+            self._replay_endpoints[pool] = replay_endpoint
             self._probes.heard(pool)
+
+    def _replay_socket(self, endpoint: str) -> Any:
+        """A DEALER on a replay service. IMMEDIATE: a request is queued only to a connected
+        publisher, so idle probes to one that is not up (yet) are not piled up to send later."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
+            self._connect(dealer, "replay_endpoint", endpoint)
+        except BaseException:
+            dealer.close(linger=0)
+            raise
+        return dealer
+
+    def _renew_replay(self, pool: int) -> None:
+        """A fresh DEALER for ``pool``'s replay service: an answer still on its way to the old
+        one (a probe that timed out) is dropped by the publisher, never read as another's."""
+        old = self._replay[pool]
+        self._replay[pool] = self._replay_socket(self._replay_endpoints[pool])
+        old.close(linger=0)
 
     @staticmethod
     def _connect(sock: Any, name: str, endpoint: str) -> None:
@@ -236,12 +256,18 @@ class ZmqFeed:
         from another under that number by its payload. With ``verify``, a
         replay that does not begin with batch ``start`` cannot vouch for the
         router's history: the pool is resynced before the replay is fed."""
-        d, applied, first = self._replay[pool], 0, True
-        applied += self._probes.finish(pool)  # its answer comes first on this socket
+        applied = self._probes.finish(pool)  # its answer comes first on this socket
+        d, first = self._replay[pool], True  # (after finish, which may have renewed it)
         while d.poll(0):
             d.recv_multipart()  # the rest of an earlier replay that timed out
         self.replays += 1
-        d.send_multipart((b"", start.to_bytes(8, "big")))
+        try:
+            # Without waiting: with no publisher connected (IMMEDIATE) the send would block.
+            d.send_multipart((b"", start.to_bytes(8, "big")), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if verify:
+                self.router.resync(pool)  # nobody to vouch for the router's history
+            return applied
         while d.poll(self.replay_timeout_ms):
             frames = d.recv_multipart()
             if len(frames) != 4:
@@ -270,6 +296,7 @@ class ZmqFeed:
         self._topics.clear()
         self._monitors.clear()
         self._replay.clear()
+        self._replay_endpoints.clear()
         self._suspect.clear()
         self._probes.clear()
 
