@@ -115,3 +115,72 @@ def test_a_hybrid_pools_failed_encode_keeps_its_events_for_the_next_publish(monk
     router = Router(1, page_size=P, hash_seed=pool.hash_seed)
     router.feed_many(0, pub.drain())
     assert router.match(list(range(9)))[0] == 8
+
+
+def test_a_failed_publish_then_publish_of_drained_events_sends_the_kept_ones_first(monkeypatch):
+    # A hybrid pool's publish() that failed encoding keeps what it drained; a later
+    # publish(events) must not send newer events (a Removed) before those older ones (the Stored).
+    pool = kvpool.KVPool(2, 1, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                         dtype=torch.float32, page_size=P, num_pages=16, max_requests=4, max_context_len=64,
+                         hash_seed=7)
+    pub = LocalEventPublisher(pool)
+    prompt = list(range(9))
+    cache_prompt(pool, prompt)
+    real = publisher_module.encode_kv_events
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(publisher_module, "encode_kv_events", failing_once)
+    with pytest.raises(MemoryError):
+        pub.publish()  # the two Stored events are kept
+    pool.clear_cache()
+    assert pub.publish(pool.take_events()) == 3  # the kept Stored, then the Cleared
+    router = Router(1, page_size=P, hash_seed=pool.hash_seed)
+    router.feed_many(0, pub.drain())
+    assert router.match(prompt)[0] == 0 and pub.next_seq == 2
+
+
+def test_a_zmq_publisher_whose_construction_fails_leaves_the_pool_free():
+    zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+    from kvpool.events import ZmqEventPublisher
+
+    pool = plain_pool()
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1)
+    try:
+        held = ctx.socket(zmq.PUB)  # the only socket the context allows
+        kept_error = None
+        try:
+            ZmqEventPublisher(pool, "tcp://127.0.0.1:0", context=ctx)
+        except zmq.ZMQError as e:
+            kept_error = e  # a caller (a logger) keeping the error and its traceback
+        assert kept_error is not None
+        second = LocalEventPublisher(pool)  # the half-made publisher does not hold the pool
+        second.close()
+        held.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)  # (closes any socket left open, rather than wait for it)
+
+
+def test_a_forked_child_keeps_the_inherited_local_publisher_as_the_pools_drainer():
+    import os
+
+    pool = plain_pool()
+    pub = LocalEventPublisher(pool)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child can still publish through the inherited one: no second drainer
+        try:
+            LocalEventPublisher(pool)
+            os.write(w, b"allowed")
+        except kvpool.InvalidArgumentError:
+            os.write(w, b"refused")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 16) == b"refused"
+    pub.close()

@@ -17,12 +17,21 @@ from typing import Any
 
 __all__ = ["claim", "publisher_of", "release"]
 
-# id(allocator) -> (its open publisher, the process that made it). A publisher holds its
-# pool (and so the allocator) while it lives, so an id here cannot be reused by another
-# allocator meanwhile. One inherited through os.fork() cannot send (ZmqEventPublisher
-# refuses it), so a forked child may give its copy of the pool a publisher of its own.
-_PUBLISHERS: dict[int, tuple[weakref.ref, int]] = {}
+# id(allocator) -> its open publisher. A publisher holds its pool (and so the allocator)
+# while it lives, so an id here cannot be reused by another allocator meanwhile. One
+# inherited through os.fork() drains there only if it still can (``_drains_here``: a
+# ZmqEventPublisher cannot, so a forked child may give its copy of the pool its own).
+_PUBLISHERS: dict[int, weakref.ref] = {}
 _LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock would leave the child's copy held forever.
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def _allocator(pool: Any) -> Any:
@@ -31,9 +40,9 @@ def _allocator(pool: Any) -> Any:
 
 def publisher_of(pool: Any) -> Any | None:
     """The open publisher draining ``pool``'s events, or None."""
-    entry = _PUBLISHERS.get(id(_allocator(pool)))
-    pub = entry[0]() if entry is not None and entry[1] == os.getpid() else None
-    return None if pub is None or pub.closed else pub
+    ref = _PUBLISHERS.get(id(_allocator(pool)))
+    pub = ref() if ref is not None else None
+    return None if pub is None or pub.closed or not pub._drains_here() else pub
 
 
 def claim(pool: Any, publisher: Any) -> Any | None:
@@ -43,7 +52,7 @@ def claim(pool: Any, publisher: Any) -> Any | None:
         other = publisher_of(pool)
         if other is not None:
             return other
-        _PUBLISHERS[id(_allocator(pool))] = (weakref.ref(publisher), os.getpid())
+        _PUBLISHERS[id(_allocator(pool))] = weakref.ref(publisher)
         return None
 
 
@@ -51,6 +60,6 @@ def release(pool: Any, publisher: Any) -> None:
     """``publisher`` no longer drains ``pool`` (closed)."""
     with _LOCK:
         key = id(_allocator(pool))
-        entry = _PUBLISHERS.get(key)
-        if entry is not None and entry[0]() in (publisher, None):
+        ref = _PUBLISHERS.get(key)
+        if ref is not None and ref() in (publisher, None):
             del _PUBLISHERS[key]

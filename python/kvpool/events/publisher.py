@@ -121,13 +121,6 @@ class EventPublisher(NotPicklable):
             # Every batch would be empty, for good: a router behind it would learn nothing.
             raise InvalidArgumentError("this pool records no KV events (built with kv_events=False): a publisher "
                                        "needs one built with kv_events=True, the default")
-        other = claim(pool, self)
-        if other is not None:
-            raise InvalidArgumentError(
-                f"this pool's events are published already (by a {type(other).__name__}, topic {other.topic!r}): a "
-                f"pool records one event stream, and each drain takes its events from every other reader, so two "
-                f"publishers would each miss what the other sent. Close that one first, or hand its messages on "
-                f"(LocalEventPublisher.drain, replay)")
         self.pool = pool
         self.int_block_hashes = bool(int_block_hashes)
         self.topic = topic_bytes
@@ -145,6 +138,19 @@ class EventPublisher(NotPicklable):
         track_for_fork(self, "_lock", INNER)
         self._closed = False
         self.batches = self.events = self.stored_pages = self.removed_pages = self.cleared = 0
+        # Last, once every field is set: from here other threads may find it in the registry.
+        other = claim(pool, self)
+        if other is not None:
+            raise InvalidArgumentError(
+                f"this pool's events are published already (by a {type(other).__name__}, topic {other.topic!r}): a "
+                f"pool records one event stream, and each drain takes its events from every other reader, so two "
+                f"publishers would each miss what the other sent. Close that one first, or hand its messages on "
+                f"(LocalEventPublisher.drain, replay)")
+
+    def _drains_here(self) -> bool:
+        """Whether this publisher still drains its pool in this process (one inherited
+        through ``os.fork()`` may not: see ``ZmqEventPublisher``)."""
+        return True
 
     @property
     def next_seq(self) -> int:
@@ -189,25 +195,31 @@ class EventPublisher(NotPicklable):
             if self._closed:
                 raise PublisherClosedError("this KV event publisher is closed; build a new one for the pool to "
                                            "publish again")
-            if events is None:
-                payload, stored, removed, cleared = self._encode(time.time(), self.data_parallel_rank)
-            else:
-                payload, stored, removed, cleared = encode_kv_events(events, time.time(), self.data_parallel_rank,
-                                                                     self.int_block_hashes)
-            n = stored + removed + cleared
-            if not n:
-                return 0
-            seq = self._seq
-            self._seq = seq + 1
-            seq_b = seq.to_bytes(8, "big")
-            self._deliver(seq_b, payload)
-            with self._lock:
-                self._buffer.append((seq, seq_b, payload))
-            self.batches += 1
-            self.events += n
-            self.stored_pages += stored
-            self.removed_pages += removed
-            self.cleared += cleared
+            ts, rank = time.time(), self.data_parallel_rank
+            sent = 0
+            if events is None or getattr(self._encode, "kept", None) is not None:
+                # (with events: the ones a failed publish() drained and kept go first, in order)
+                sent += self._send(*self._encode(ts, rank))
+            if events is not None:
+                sent += self._send(*encode_kv_events(events, ts, rank, self.int_block_hashes))
+        return sent
+
+    def _send(self, payload: bytes, stored: int, removed: int, cleared: int) -> int:
+        """Number and hand over one encoded batch (nothing for an empty one); under _publishing."""
+        n = stored + removed + cleared
+        if not n:
+            return 0
+        seq = self._seq
+        self._seq = seq + 1
+        seq_b = seq.to_bytes(8, "big")
+        self._deliver(seq_b, payload)
+        with self._lock:
+            self._buffer.append((seq, seq_b, payload))
+        self.batches += 1
+        self.events += n
+        self.stored_pages += stored
+        self.removed_pages += removed
+        self.cleared += cleared
         return n
 
     def replay(self, start_seq: int) -> list[tuple[bytes, bytes, bytes]]:

@@ -121,6 +121,17 @@ class ZmqEventPublisher(EventPublisher):
         self._pid = os.getpid()
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
                          int_block_hashes=int_block_hashes)
+        try:
+            self._start(context, endpoint, replay_endpoint, buffer_steps, hwm)
+        except BaseException:
+            # The pool was claimed: a traceback holding this half-made publisher (a logger,
+            # sys.last_exc) must not keep the next one from publishing it.
+            self._closed = True
+            release(pool, self)
+            raise
+
+    def _start(self, context: Any, endpoint: str, replay_endpoint: str | None, buffer_steps: int, hwm: int) -> None:
+        """Sockets and the sender thread (after the base class claimed the pool)."""
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay_sock = None
@@ -160,11 +171,13 @@ class ZmqEventPublisher(EventPublisher):
                 self._binds.append((self._replay_sock, self.replay_endpoint))
         except BaseException:
             self._close_sockets()
-            release(pool, self)  # (a traceback holding this half-made publisher must not hold the pool)
             raise
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
+
+    def _drains_here(self) -> bool:
+        return os.getpid() == self._pid  # (a forked child's copy refuses to publish)
 
     def _check_process(self, what: str) -> None:
         if os.getpid() != self._pid:
