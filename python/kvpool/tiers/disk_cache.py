@@ -321,20 +321,43 @@ class DiskCache(NotPicklable):
         if self.pool.device.type == "cuda":
             torch.cuda.current_stream(self.pool.device).synchronize()
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
-        written = 0
+        done: list[tuple[int, int]] = []  # (tier hash, pool key) of the records written
+        refused: set[int] = set()
         # Deepest first: eviction during these writes takes a chain's tail before its start.
         for i, (_, rec, pool_key) in reversed(list(enumerate(work))):
             full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
                               raw[i + 1].numpy().tobytes())
             if self.backend.put(full):
-                written += 1
-            elif pool_key in self._entries:
+                done.append((rec.page_hash, pool_key))
+                continue
+            refused.add(rec.page_hash)
+            if pool_key in self._entries:
                 # Refused (a full disk, an I/O error): stays pending, so the next call
                 # writes it once there is room, rather than never while it stays cached.
                 self._pending[pool_key] = None
                 self.stats.write_failures += 1
-        self.stats.pages_stored += written
-        return written
+        if refused:
+            done = self._drop_orphans(done, refused, {rec.page_hash: rec.parent_hash for _, rec, _ in work})
+        self.stats.pages_stored += len(done)
+        return len(done)
+
+    def _drop_orphans(self, done: list[tuple[int, int]], refused: set[int],
+                      parent: dict[int, int]) -> list[tuple[int, int]]:
+        """Remove the records just written below a page the backend refused: a lookup walks
+        a chain from its first page, so they could never be hit, and would hold the space
+        (a disk full before ``max_bytes``) that the refused page needs. They stay pending."""
+        kept = []
+        for page_hash, pool_key in done:
+            up = parent.get(page_hash)
+            while up in parent and up not in refused:
+                up = parent[up]
+            if up not in refused:
+                kept.append((page_hash, pool_key))
+                continue
+            self.backend.remove(page_hash)
+            if pool_key in self._entries:
+                self._pending[pool_key] = None
+        return kept
 
     def _stage(self, n: int) -> HostStorage:
         """A host buffer of at least n + 1 pages, reused (grown in powers of two); waits

@@ -190,9 +190,13 @@ class FileTier(TierBackend):
             pass
 
     def contains(self, page_hash: int) -> bool:
-        # A directory at the name (another tool, a crash) is no record: said present, its
-        # page would never be stored, and every lookup would miss for good.
-        return self.file_for(page_hash).is_file()
+        # Only a regular file at the name, as get() reads it: a directory or a symlink there
+        # (another tool, a crash) is no record, and said present its page would never be
+        # stored again while every lookup missed for good. (A put replaces a symlink itself.)
+        try:
+            return stat.S_ISREG(os.lstat(self.file_for(page_hash)).st_mode)
+        except OSError:
+            return False
 
     def put(self, record: PageRecord) -> bool:
         if not isinstance(record, PageRecord):
@@ -201,6 +205,35 @@ class FileTier(TierBackend):
         if len(blob) > self._max:
             return False
         final = self.file_for(record.page_hash)
+        if not self._write(final, blob):
+            return False
+        with self._lock:
+            self.stored += 1
+            self._used += len(blob)
+            due = self._used > self._max or time.monotonic() - self._last_scan > self.scan_interval_s
+        if due:
+            self._scan_and_evict()
+        return True
+
+    def _write(self, final: Path, blob: bytes) -> bool:
+        """Write ``blob`` to ``final`` through a temporary file. A disk that fills before
+        ``max_bytes`` (ENOSPC, a quota) has the least recently used records evicted to make
+        room for this one, then one more try: else the writes that fail would stay failing,
+        while records of chains whose first pages never fit kept the disk full."""
+        for attempt in range(2):
+            try:
+                self._write_once(final, blob)
+                return True
+            except OSError as e:
+                if attempt or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    return False
+                short = len(blob) - (_free_bytes(self.path) if e.errno == errno.ENOSPC else 0)
+                if short <= 0:
+                    return False  # the disk has room now: not this tier's records to give up
+                self._scan_and_evict(free=short, keep=final)
+        return False
+
+    def _write_once(self, final: Path, blob: bytes) -> None:
         tmp = self.path / ".tmp" / f"{final.stem}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             try:
@@ -220,14 +253,7 @@ class FileTier(TierBackend):
                 tmp.unlink()
             except OSError:
                 pass
-            return False
-        with self._lock:
-            self.stored += 1
-            self._used += len(blob)
-            due = self._used > self._max or time.monotonic() - self._last_scan > self.scan_interval_s
-        if due:
-            self._scan_and_evict()
-        return True
+            raise
 
     def _into_place(self, tmp: Path, final: Path) -> None:
         try:
@@ -325,19 +351,23 @@ class FileTier(TierBackend):
                 out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX) and stat.S_ISREG(t[1].st_mode))
         return out
 
-    def _scan_and_evict(self, evict: bool = True) -> None:
+    def _scan_and_evict(self, evict: bool = True, free: int = 0, keep: Path | None = None) -> None:
         """Recount the directory and delete the least recently used files past ``max_bytes``
-        (only recount without ``evict``)."""
+        (only recount without ``evict``), and with ``free`` until that many bytes more are
+        free (a disk that filled first), never ``keep`` (the record a write replaces)."""
         try:
             files = self._files()
         except OSError:
             return
         total = sum(st.st_size for _, st, _ in files)
+        limit = min(self._max, total - free) if free else self._max
         evicted = 0
-        if evict and total > self._max:
+        if evict and total > limit:
             for _mtime, st, f in sorted(files, key=lambda t: t[0]):
-                if total <= self._max:
+                if total <= limit:
                     break
+                if f == keep:
+                    continue
                 # Only the file the scan saw: one written or read since (a new inode or
                 # mtime) is recent, and the next oldest goes instead.
                 if self._drop(f, lambda q, seen=st: _same_file(os.stat(q), seen, mtime=True)):
@@ -348,6 +378,15 @@ class FileTier(TierBackend):
         with self._lock:
             self._used, self._last_scan = total, time.monotonic()
             self.evicted += evicted
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged write can still take on ``path``'s file system (0 if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except (OSError, AttributeError):  # (no statvfs on Windows)
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _rebuild(path: str, max_bytes: int, scan_interval_s: float) -> FileTier:
