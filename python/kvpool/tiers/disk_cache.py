@@ -36,7 +36,7 @@ or from a helper thread: the pool's calls are thread-safe).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,14 +50,11 @@ from kvpool.events.drained import checked_events
 from kvpool.events.drainers import publisher_of
 from kvpool.kernels.pages import load_pages, offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, shape_fingerprint, tier_seed
+from kvpool.tiers.disk_chains import RegisteredChains
 from kvpool.tiers.host_storage import HostStorage
 from kvpool.validate import require_plain_pool
 
 __all__ = ["DiskCache", "shape_fingerprint"]
-
-STORED, REMOVED, CLEARED = 0, 1, 2
-DEVICE_MEDIUM = 0
-
 
 def _token_ids(tokens: Any) -> np.ndarray:
     """A prompt as int32 token ids, checked as ``open_with_prefix`` checks them: an id
@@ -83,14 +80,6 @@ def _page_bytes(pool: Any) -> int:
     """One page's K/V bytes across layers (a host page's, a record's payload)."""
     return (1 if pool.mla else 2) * pool.num_layers * pool.page_size * pool.num_kv_heads * pool.head_dim * \
         pool.dtype.itemsize
-
-
-@dataclass
-class _Entry:
-    parent: int
-    tokens: np.ndarray
-    salt: int
-    media: set = field(default_factory=set)
 
 
 @dataclass
@@ -144,8 +133,9 @@ class DiskCache(NotPicklable):
                                        f"this pool; it must be at least {need} bytes")
         self.pool, self.backend, self.model = pool, backend, model
         self.stats = DiskStats()
-        self._entries: dict[int, _Entry] = {}  # pool hash -> chain link, for registered pages
-        self._pending: dict[int, None] = {}  # pool hashes to store (insertion ordered)
+        self._chains = RegisteredChains()
+        self._entries = self._chains.entries  # pool hash -> chain link, for registered pages
+        self._pending = self._chains.pending  # pool hashes to store (insertion ordered)
         self._staging: HostStorage | None = None
         self._staging_event: Any = None
         # Held for the whole of store_new and prefetch: both fill and read the one staging
@@ -154,51 +144,13 @@ class DiskCache(NotPicklable):
         self._calls = OwnedLock()  # (held around user code, which may fork: see _forksafe)
         track_for_fork(self, "_calls", OUTER)
 
-    # ----- events -> chains ---------------------------------------------
+    # ----- events -> chains (disk_chains.py) -----------------------------
 
     def _absorb(self, ev: dict[str, np.ndarray]) -> None:
-        kinds = ev["kind"]
-        if len(kinds) == 0:
-            return
-        keys = [page_key(hi, lo) for hi, lo in zip(ev["hash_hi"], ev["hash_lo"])]
-        parents = [page_key(hi, lo) for hi, lo in zip(ev["parent_hi"], ev["parent_lo"])]
-        media = ev.get("medium", np.zeros(len(kinds), dtype=np.int64))
-        ntok = ev["num_tokens"]
-        toks = ev["token_ids"]
-        off = 0
-        for i, kind in enumerate(kinds):
-            if kind == CLEARED:
-                self._entries.clear()
-                self._pending.clear()
-            elif kind == STORED:
-                n = int(ntok[i])
-                e = self._entries.get(keys[i])
-                if e is None:
-                    e = self._entries[keys[i]] = _Entry(parents[i], np.array(toks[off : off + n], dtype=np.int32),
-                                                        int(ev["salt"][i]))
-                e.media.add(int(media[i]))
-                if int(media[i]) == DEVICE_MEDIUM:
-                    self._pending[keys[i]] = None
-                off += n
-            elif kind == REMOVED:
-                e = self._entries.get(keys[i])
-                if e is not None:
-                    e.media.discard(int(media[i]))
-                    if not e.media:
-                        del self._entries[keys[i]]
-                        self._pending.pop(keys[i], None)
+        self._chains.absorb(ev)
 
     def _chain(self, key: int) -> list[int] | None:
-        """Pool hashes from the chain's first page to ``key``; None if a link is unknown
-        (or the links loop, which only malformed events could make)."""
-        chain: list[int] = []
-        while key:
-            e = self._entries.get(key)
-            if e is None or len(chain) > len(self._entries):
-                return None
-            chain.append(key)
-            key = e.parent
-        return chain[::-1]
+        return self._chains.chain(key)
 
     # ----- store ----------------------------------------------------------
 
