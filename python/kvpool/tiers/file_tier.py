@@ -11,11 +11,14 @@ writes in progress.
 - Bounded size, least recently used out: a write or read sets the file's mtime
   (strictly increasing within a process, see ``_stamp``), and when the bytes
   this process knows of pass ``max_bytes`` it rescans the directory and
-  deletes the oldest files until the total fits. Each process
-  rescans at least every ``scan_interval_s`` seconds while it writes, so
-  other processes' writes are counted within that time. Only writes evict
-  (building a tier only counts), and a record over this process's bound is a
-  miss, kept: a reader with a smaller bound never deletes a writer's records.
+  deletes the oldest files until the total fits. A process rescans at its
+  first write once ``scan_interval_s`` seconds have passed since its last scan,
+  so other processes' writes are counted by its next write after that (writers
+  that then go idle can leave the directory past the bound until one writes
+  again). Only writes evict (building a tier only counts), and a record over
+  this process's bound is a miss, kept: a reader with a smaller bound never
+  deletes a writer's records. A disk that fills first (ENOSPC, a quota) has
+  the oldest records evicted to make room for a write (``_write``).
 - Shared directories: renames are atomic, a file deleted while another
   process reads it stays readable through the open descriptor (POSIX), and
   a file that vanishes between listing and reading is a miss. Nothing read is
@@ -43,6 +46,16 @@ from kvpool._forksafe import INNER
 from kvpool._forksafe import track as track_for_fork
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
+from kvpool.tiers.file_paths import (
+    check_same_file_system,
+    directory,
+    entries,
+    entries_age,
+    free_bytes,
+    same_file,
+    same_record,
+    unlink,
+)
 from kvpool.validate import is_int
 
 # How a record is opened to be read (see FileTier.get).
@@ -79,7 +92,7 @@ class FileTier(TierBackend):
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, *, scan_interval_s: float = 1.0) -> None:
         if not is_int(max_bytes) or max_bytes <= 0:
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
-        self.path = _directory(path)
+        self.path = directory(path)
         self._max = int(max_bytes)
         if isinstance(scan_interval_s, (bool, np.bool_)) \
                 or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
@@ -91,7 +104,7 @@ class FileTier(TierBackend):
             (self.path / ".tmp").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise InvalidArgumentError(f"FileTier path {str(self.path)!r} cannot be used as a directory: {e}") from None
-        _check_same_file_system(self.path)
+        check_same_file_system(self.path)
         self._lock = threading.Lock()
         # Taken around counters and mtimes by any thread: held at a fork, it would stay
         # held in the child, whose first get or put would then wait forever.
@@ -152,7 +165,7 @@ class FileTier(TierBackend):
                     # that the next put under this name is not skipped as already present;
                     # but only this very file (still open: its inode cannot be reused), not
                     # one a writer renamed over it since the read.
-                    self._drop(f, lambda q: _same_file(os.stat(q), st))
+                    self._drop(f, lambda q: same_file(os.stat(q), st))
                     with self._lock:
                         self.rejected += 1
                     return None
@@ -227,7 +240,7 @@ class FileTier(TierBackend):
             except OSError as e:
                 if attempt or e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     return False
-                short = len(blob) - (_free_bytes(self.path) if e.errno == errno.ENOSPC else 0)
+                short = len(blob) - (free_bytes(self.path) if e.errno == errno.ENOSPC else 0)
                 if short <= 0:
                     return False  # the disk has room now: not this tier's records to give up
                 self._scan_and_evict(free=short, keep=final)
@@ -286,7 +299,7 @@ class FileTier(TierBackend):
         if not isinstance(record, PageRecord):
             raise InvalidArgumentError(f"record must be the kvpool.tiers.PageRecord get() returned, "
                                        f"got {type(record).__name__}")
-        self._drop(self.file_for(record.page_hash), lambda q: _same_record(decode(q.read_bytes()), record))
+        self._drop(self.file_for(record.page_hash), lambda q: same_record(decode(q.read_bytes()), record))
 
     def _drop(self, f: Path, still_it: Callable[[Path], bool]) -> bool:
         """Delete ``f`` if it is still what the caller judged (``still_it``), else leave what
@@ -328,7 +341,7 @@ class FileTier(TierBackend):
                         os.rename(q, f)
                 except OSError:
                     pass
-        _unlink(q)
+        unlink(q)
         return ours
 
     def _files(self) -> list[tuple[int, os.stat_result, Path]]:
@@ -336,19 +349,19 @@ class FileTier(TierBackend):
         now = time.time_ns()
         for sub in self.path.iterdir():
             if sub.name == ".tmp":
-                for mtime, st, f in _entries(sub):
+                for mtime, st, f in entries(sub):
                     # A file renamed here by _drop keeps its (old) mtime; its ctime is the rename.
                     age = now - (max(mtime, st.st_ctime_ns) if DROP in f.name else mtime)
                     if age > STALE_TMP_S * 1e9:
-                        _unlink(f)
+                        unlink(f)
                 continue
-            if sub.name.startswith(".tmp-probe.") and _entries_age(sub, now) > STALE_TMP_S * 1e9:
-                _unlink(sub)  # a construction probe of a process that died right then
+            if sub.name.startswith(".tmp-probe.") and entries_age(sub, now) > STALE_TMP_S * 1e9:
+                unlink(sub)  # a construction probe of a process that died right then
             elif sub.is_dir():
                 # Regular files only: a directory, FIFO or link at a record's name is not one
                 # of the tier's records, so neither counted nor evicted (eviction renamed a
                 # full directory into .tmp, where it stayed).
-                out.extend(t for t in _entries(sub) if t[2].name.endswith(SUFFIX) and stat.S_ISREG(t[1].st_mode))
+                out.extend(t for t in entries(sub) if t[2].name.endswith(SUFFIX) and stat.S_ISREG(t[1].st_mode))
         return out
 
     def _scan_and_evict(self, evict: bool = True, free: int = 0, keep: Path | None = None) -> None:
@@ -370,7 +383,7 @@ class FileTier(TierBackend):
                     continue
                 # Only the file the scan saw: one written or read since (a new inode or
                 # mtime) is recent, and the next oldest goes instead.
-                if self._drop(f, lambda q, seen=st: _same_file(os.stat(q), seen, mtime=True)):
+                if self._drop(f, lambda q, seen=st: same_file(os.stat(q), seen, mtime=True)):
                     evicted += 1
                     total -= st.st_size
                 elif not f.exists():
@@ -380,101 +393,5 @@ class FileTier(TierBackend):
             self.evicted += evicted
 
 
-def _free_bytes(path: Path) -> int:
-    """Bytes an unprivileged write can still take on ``path``'s file system (0 if unknown)."""
-    try:
-        st = os.statvfs(path)
-    except (OSError, AttributeError):  # (no statvfs on Windows)
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
 def _rebuild(path: str, max_bytes: int, scan_interval_s: float) -> FileTier:
     return FileTier(path, max_bytes, scan_interval_s=scan_interval_s)
-
-
-def _directory(path: Any) -> Path:
-    """``path`` as an absolute directory path, ``~`` expanded."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
-    raw = os.fspath(path)
-    if not isinstance(raw, str):  # a PathLike that returns bytes
-        raise InvalidArgumentError(f"path must name a directory as str, got {type(raw).__name__} {raw!r:.60}")
-    if not raw:
-        # Path("") is ".": the working directory, whose subdirectories eviction scans.
-        raise InvalidArgumentError("path must name a directory, got an empty path "
-                                   "(give the directory explicitly, '.' for the working directory)")
-    full = os.path.expanduser(raw)
-    if full.startswith("~"):
-        # Else a directory literally named "~user" would be made in the working directory.
-        raise InvalidArgumentError(f"path {raw!r} starts with '~' but names no user's home directory; give a "
-                                   f"path under an existing user's home ('~/...' or '~user/...') or without '~'")
-    # Absolute now: a relative path must not follow a later chdir (writes would fail,
-    # reads miss, and eviction would scan another directory).
-    return Path(full).absolute()
-
-
-def _check_same_file_system(path: Path) -> None:
-    """Refuse a ``.tmp`` that records cannot be renamed out of (a mount or a link to another
-    file system): every write would fail. Probed by a rename, which also sees bind mounts of
-    one file system (same device, still EXDEV). Any other failure (a read-only directory, a
-    reader's) is left to the writes."""
-    name = f"probe.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp, there = path / ".tmp" / name, path / f".tmp-{name}"
-    try:
-        tmp.touch(exist_ok=False)
-    except OSError:
-        return
-    try:
-        os.rename(tmp, there)
-    except OSError as e:
-        _unlink(tmp)
-        if e.errno == errno.EXDEV:
-            raise InvalidArgumentError(
-                f"FileTier path {str(path)!r}: its {str(path / '.tmp')!r} is on another file system, and "
-                f"records are written there and renamed into place, which cannot cross file systems; "
-                f"make .tmp a plain directory of {str(path)!r} (no mount or link to elsewhere)") from None
-        return
-    _unlink(there)
-
-
-def _same_file(now: os.stat_result, seen: os.stat_result, mtime: bool = False) -> bool:
-    return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino) and (
-        not mtime or now.st_mtime_ns == seen.st_mtime_ns)
-
-
-def _same_record(a: PageRecord | None, b: PageRecord) -> bool:
-    return a is not None and (a.page_hash, a.parent_hash, a.salt, a.fingerprint, bytes(a.payload)) == (
-        b.page_hash, b.parent_hash, b.salt, b.fingerprint, bytes(b.payload)) and np.array_equal(a.tokens, b.tokens)
-
-
-def _entries(d: Path) -> list[tuple[int, os.stat_result, Path]]:
-    """(mtime in ns, stat, path) of the files in ``d``: ns, as float seconds would lose
-    the order ``_stamp`` sets."""
-    out: list[tuple[int, os.stat_result, Path]] = []
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                out.append((st.st_mtime_ns, st, Path(e.path)))
-    except OSError:
-        pass
-    return out
-
-
-def _entries_age(f: Path, now: int) -> int:
-    try:
-        return now - f.stat().st_mtime_ns
-    except OSError:
-        return 0
-
-
-def _unlink(f: Path) -> bool:
-    try:
-        f.unlink()
-        return True
-    except OSError:
-        return False
