@@ -1,4 +1,5 @@
-"""Small torch.distributed helpers shared by the TP check and the request transfer."""
+"""Small torch.distributed helpers shared by the TP check and the request transfer, and the
+request transfer's point-to-point link to one peer (``Link``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from kvpool.distributed.errors import TransferError, TransferTimeoutError
+from kvpool.distributed.protocol import TAG
 from kvpool.errors import InvalidArgumentError
 from kvpool.validate import is_int
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "bad_timeout", "check_peer", "comm_device", "wait", "group_ranks",
-           "require_group"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "Link", "bad_timeout", "check_peer", "comm_device", "wait",
+           "group_ranks", "require_group"]
 
 #: Seconds a transfer waits for each message from its peer before giving up.
 DEFAULT_TIMEOUT_S = 60.0
@@ -97,3 +99,39 @@ def bad_timeout(timeout_s: Any) -> str | None:
         return (f"timeout_s must be a positive number of seconds, at most {MAX_TIMEOUT_S:g} (to wait practically "
                 f"forever pass {MAX_TIMEOUT_S:g}), got {timeout_s!r}")
     return None
+
+
+class Link:
+    """Point-to-point messages with one peer, each bounded by the timeout."""
+
+    def __init__(self, peer: int, group: Any, device: torch.device, timeout_s: float) -> None:
+        self.peer, self.group, self.device, self.timeout_s = peer, group, device, timeout_s
+        self.messages = 0
+
+    def send(self, t: torch.Tensor, what: str) -> Any:
+        self.messages += 1
+        try:
+            return dist.isend(t, self.peer, group=self.group, tag=TAG)
+        except RuntimeError as e:
+            raise TransferError(f"sending {what} to rank {self.peer} failed: {str(e)[:300]}") from e
+
+    def post_recv(self, t: torch.Tensor, what: str) -> Any:
+        self.messages += 1
+        try:
+            return dist.irecv(t, self.peer, group=self.group, tag=TAG)
+        except RuntimeError as e:
+            raise TransferError(f"receiving {what} from rank {self.peer} failed: {str(e)[:300]}") from e
+
+    def wait(self, work: Any, what: str) -> None:
+        wait(work, self.timeout_s, what, self.peer)
+
+    def send_ints(self, values: Any, what: str) -> None:
+        self.wait(self.send(torch.from_numpy(np.asarray(values, np.int64)).to(self.device), what), what)
+
+    def recv_ints(self, n: int, what: str) -> np.ndarray:
+        # Zeroed: gloo completes a receive with a shorter message and leaves the rest of the
+        # buffer as it was, so a truncated header or metadata reads as zeros (refused as such),
+        # not as whatever memory the buffer reused.
+        t = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.wait(self.post_recv(t, what), what)
+        return t.cpu().numpy()

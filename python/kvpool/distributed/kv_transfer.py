@@ -39,11 +39,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from kvpool._core import ContextTooLongError, InvalidArgumentError, KVPoolError, PoolExhaustedError, TooManyRequestsError
 from kvpool.distributed.chunks import DEFAULT_CHUNK_BYTES
 from kvpool.distributed.comm import DEFAULT_TIMEOUT_S, bad_timeout, check_peer, comm_device, wait
+from kvpool.distributed.comm import Link as _Link  # (tests replace kv_transfer._Link)
 from kvpool.distributed.errors import TransferError, TransferRejectedError
 from kvpool.distributed.pages import page_bytes
 from kvpool.distributed.protocol import (
@@ -67,7 +67,6 @@ from kvpool.distributed.protocol import (
     OK,
     REASONS,
     REPLY_LEN,
-    TAG,
     TOO_MANY,
     VERSION,
     chain_of,
@@ -102,42 +101,6 @@ class TransferStats(NamedTuple):
     bytes: int
     messages: int
     seconds: float
-
-
-class _Link:
-    """Point-to-point messages with one peer, each bounded by the timeout."""
-
-    def __init__(self, peer: int, group: Any, device: torch.device, timeout_s: float) -> None:
-        self.peer, self.group, self.device, self.timeout_s = peer, group, device, timeout_s
-        self.messages = 0
-
-    def send(self, t: torch.Tensor, what: str) -> Any:
-        self.messages += 1
-        try:
-            return dist.isend(t, self.peer, group=self.group, tag=TAG)
-        except RuntimeError as e:
-            raise TransferError(f"sending {what} to rank {self.peer} failed: {str(e)[:300]}") from e
-
-    def post_recv(self, t: torch.Tensor, what: str) -> Any:
-        self.messages += 1
-        try:
-            return dist.irecv(t, self.peer, group=self.group, tag=TAG)
-        except RuntimeError as e:
-            raise TransferError(f"receiving {what} from rank {self.peer} failed: {str(e)[:300]}") from e
-
-    def wait(self, work: Any, what: str) -> None:
-        wait(work, self.timeout_s, what, self.peer)
-
-    def send_ints(self, values: Any, what: str) -> None:
-        self.wait(self.send(torch.from_numpy(np.asarray(values, np.int64)).to(self.device), what), what)
-
-    def recv_ints(self, n: int, what: str) -> np.ndarray:
-        # Zeroed: gloo completes a receive with a shorter message and leaves the rest of the
-        # buffer as it was, so a truncated header or metadata reads as zeros (refused as such),
-        # not as whatever memory the buffer reused.
-        t = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.wait(self.post_recv(t, what), what)
-        return t.cpu().numpy()
 
 
 def send_request(pool: Any, handle: int, dst_rank: int, group: Any = None, *,
