@@ -92,39 +92,13 @@ def test_publish_of_events_that_are_not_take_events_sends_nothing(bad):
     assert pub.publish() == 2  # the pool still holds its events
 
 
-def test_a_hybrid_pools_failed_encode_keeps_its_events_for_the_next_publish(monkeypatch):
+def hybrid_publish_failed_once(monkeypatch, prompt):
+    """A hybrid pool that cached ``prompt`` (two Stored events) and a publisher whose first
+    ``publish()`` failed encoding them (a MemoryError, injected)."""
     pool = kvpool.KVPool(2, 1, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
                          dtype=torch.float32, page_size=P, num_pages=16, max_requests=4, max_context_len=64,
                          hash_seed=7)
     pub = LocalEventPublisher(pool)
-    cache_prompt(pool, list(range(9)))
-    real = publisher_module.encode_kv_events
-    calls = []
-
-    def failing_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise MemoryError("injected")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(publisher_module, "encode_kv_events", failing_once)
-    with pytest.raises(MemoryError):
-        pub.publish()
-    assert pub.next_seq == 0
-    assert pub.publish() == 2  # the two Stored events drained by the failed call
-    router = Router(1, page_size=P, hash_seed=pool.hash_seed)
-    router.feed_many(0, pub.drain())
-    assert router.match(list(range(9)))[0] == 8
-
-
-def test_a_failed_publish_then_publish_of_drained_events_sends_the_kept_ones_first(monkeypatch):
-    # A hybrid pool's publish() that failed encoding keeps what it drained; a later
-    # publish(events) must not send newer events (a Removed) before those older ones (the Stored).
-    pool = kvpool.KVPool(2, 1, 8, layer_types=["full_attention", "sliding_attention"], sliding_window=8,
-                         dtype=torch.float32, page_size=P, num_pages=16, max_requests=4, max_context_len=64,
-                         hash_seed=7)
-    pub = LocalEventPublisher(pool)
-    prompt = list(range(9))
     cache_prompt(pool, prompt)
     real = publisher_module.encode_kv_events
     calls = []
@@ -137,7 +111,24 @@ def test_a_failed_publish_then_publish_of_drained_events_sends_the_kept_ones_fir
 
     monkeypatch.setattr(publisher_module, "encode_kv_events", failing_once)
     with pytest.raises(MemoryError):
-        pub.publish()  # the two Stored events are kept
+        pub.publish()
+    return pool, pub
+
+
+def test_a_hybrid_pools_failed_encode_keeps_its_events_for_the_next_publish(monkeypatch):
+    pool, pub = hybrid_publish_failed_once(monkeypatch, list(range(9)))
+    assert pub.next_seq == 0
+    assert pub.publish() == 2  # the two Stored events drained by the failed call
+    router = Router(1, page_size=P, hash_seed=pool.hash_seed)
+    router.feed_many(0, pub.drain())
+    assert router.match(list(range(9)))[0] == 8
+
+
+def test_a_failed_publish_then_publish_of_drained_events_sends_the_kept_ones_first(monkeypatch):
+    # A hybrid pool's publish() that failed encoding keeps what it drained; a later
+    # publish(events) must not send newer events (a Removed) before those older ones (the Stored).
+    prompt = list(range(9))
+    pool, pub = hybrid_publish_failed_once(monkeypatch, prompt)  # the two Stored events are kept
     pool.clear_cache()
     assert pub.publish(pool.take_events()) == 3  # the kept Stored, then the Cleared
     router = Router(1, page_size=P, hash_seed=pool.hash_seed)
