@@ -80,7 +80,7 @@ from kvpool.distributed.protocol import (
     unsupported,
 )
 from kvpool.distributed.protocol import scales as scales_of
-from kvpool.distributed.stream import StoreFailed, chunk_buffers, receive_pages, send_pages
+from kvpool.distributed.stream import chunk_buffers, receive_pages, send_pages
 from kvpool.validate import check_pool, is_int
 
 __all__ = ["TransferStats", "send_request", "recv_request", "DEFAULT_CHUNK_BYTES"]
@@ -377,16 +377,17 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             raise refuse(FAILED, e) from None
         try:
             link.send_ints([OK, cached, int(pool.free_pages), need, 0, 0], "reply")
-            receive_pages(link, pool, buffers, dst_pages, buffers[1], per_chunk, src_scales)
-            link.send_ints([OK, len(dst_pages)], "ack")
-        except StoreFailed as e:  # every chunk came: the sender waits for the ack, told at once
-            _close_unreceived(pool, handle, counted)
-            with contextlib.suppress(TransferError):
-                link.send_ints([FAILED, 0], "ack")
-            raise e.error from None
+            failed = receive_pages(link, pool, buffers, dst_pages, buffers[1], per_chunk, src_scales)
+            if failed is None:
+                link.send_ints([OK, len(dst_pages)], "ack")
         except BaseException:
             _close_unreceived(pool, handle, counted)
             raise
+        if failed is not None:  # every chunk came: the sender, waiting for the ack, is told at once
+            _close_unreceived(pool, handle, counted)
+            with contextlib.suppress(TransferError):
+                link.send_ints([FAILED, 0], "ack")
+            raise failed
     moved = len(dst_pages) * (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
     return TransferStats(handle, n_pages, cached, moved, link.messages, time.perf_counter() - t0)
 

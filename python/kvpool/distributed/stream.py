@@ -20,7 +20,7 @@ from kvpool.distributed.chunks import ABORTED, chunk_view, message, pack, rescal
 from kvpool.distributed.errors import TransferError
 from kvpool.distributed.pages import cache_pages
 
-__all__ = ["ChunkBuffers", "StoreFailed", "chunk_buffers", "receive_pages", "send_pages"]
+__all__ = ["ChunkBuffers", "chunk_buffers", "receive_pages", "send_pages"]
 
 ChunkBuffers = tuple[list[torch.Tensor], Any, list[torch.Tensor]]
 
@@ -82,22 +82,14 @@ def _abort(link: Any, pool: Any, buf: torch.Tensor, k: int, in_flight: list[Any]
                        f"the request; {note}. This pool is unchanged")
 
 
-class StoreFailed(Exception):
-    """Storing a received chunk failed on this side (a device out of memory rescaling or
-    unpacking it); ``error`` is that failure. The remaining chunks were received and
-    dropped, so the channel is in step and the sender can be told (a FAILED ack)."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def receive_pages(link: Any, pool: Any, buffers: ChunkBuffers, pages: np.ndarray, idx: Any, per_chunk: int,
-                  src_scales: np.ndarray) -> None:
+                  src_scales: np.ndarray) -> Exception | None:
     """Store the chunks ``send_pages`` sends into ``pages`` (``idx``: on the pool's device),
     the next one landing in the other buffer while one is stored. Raises ``TransferError``
-    for a chunk the sender aborted or one that is not the next (nothing of it stored), and
-    ``StoreFailed`` once every chunk has arrived when storing one failed here."""
+    for a chunk the sender aborted or one that is not the next (nothing of it stored).
+    Returns the error of a chunk this side failed to store (a device out of memory
+    rescaling or unpacking it), once the remaining chunks have been taken off the channel
+    unstored, so that the caller can tell the sender (a FAILED ack); else None."""
     bufs, _, views = buffers
     parts = _chunks(len(pages), per_chunk)
 
@@ -106,7 +98,7 @@ def receive_pages(link: Any, pool: Any, buffers: ChunkBuffers, pages: np.ndarray
         seal(buf, pool, k, 0)  # no chunk is numbered 0: a receive that leaves the word unwritten is caught
         return link.post_recv(message(buf, pool, k), "K/V chunk")
 
-    failed: BaseException | None = None
+    failed: Exception | None = None
     pending = post(0) if parts else None
     for i, (start, k) in enumerate(parts):
         link.wait(pending, "K/V chunk")
@@ -124,8 +116,7 @@ def receive_pages(link: Any, pool: Any, buffers: ChunkBuffers, pages: np.ndarray
             unpack(views, view, pages[start : start + k], idx[start : start + k])
         except Exception as e:  # noqa: BLE001 - raised once the sender has sent everything
             failed = e
-    if failed is not None:
-        raise StoreFailed(failed)
+    return failed
 
 
 def _refused_chunk(peer: int, i: int, n: int, word: int) -> TransferError:
