@@ -38,6 +38,7 @@ class StateRequests(Protocol):
     length: int
     epoch: int
     steps: int
+    prefix_unstarted: bool  # rows opened on prefix_ids, no forward since (generate may expand them)
 
     @property
     def batch_size(self) -> int: ...
