@@ -11,7 +11,9 @@ refused as incompatible."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,17 +65,21 @@ def counts(pool: Any) -> tuple[int, ...]:
     return (pool.open_requests, pool.free_pages, pool.used_pages, pool.cached_pages)
 
 
-def _failing_nth(n: int, error: BaseException) -> Any:
-    calls = {"n": 0}
+@contextlib.contextmanager
+def failing_nth(module: Any, name: str, n: int, error: BaseException) -> Iterator[None]:
+    """``module.name`` raises ``error`` on its ``n``-th call while the block runs."""
+    real, calls = getattr(module, name), {"n": 0}
 
-    def fn(real: Any) -> Any:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == n:
-                raise error
-            return real(*a, **k)
-        return wrapped
-    return fn
+    def wrapped(*a: Any, **k: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise error
+        return real(*a, **k)
+    setattr(module, name, wrapped)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def ranks(rank: int, world: int) -> dict[str, Any]:
@@ -83,17 +89,15 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
     pool = make_pool()
     send = lambda h, **kw: kv_transfer.send_request(pool, h, 1, timeout_s=TIMEOUT_S, chunk_bytes=1024, **kw)  # noqa: E731
     recv = lambda: kv_transfer.recv_request(pool, 0, timeout_s=TIMEOUT_S)  # noqa: E731
-    real_pack, real_staging = stream.pack, stream.staging
+    oom = torch.OutOfMemoryError("out of memory (injected)")
     if rank == 0:
         h1, h2 = filled(pool, 13, 1), filled(pool, 13, 2)  # 4 pages: 4 chunks of one page each
         # 1. Packing the third chunk fails: two chunks went out, the third goes as an abort.
-        stream.pack = _failing_nth(3, RuntimeError("a device copy failed (injected)"))(real_pack)
-        out["pack"] = outcome(lambda: send(h1))
-        stream.pack = real_pack
+        with failing_nth(stream, "pack", 3, RuntimeError("a device copy failed (injected)")):
+            out["pack"] = outcome(lambda: send(h1))
         # 2. The sender's staging runs out of memory: before the header, so an abort header.
-        stream.staging = _failing_nth(1, torch.OutOfMemoryError("out of memory (injected)"))(real_staging)
-        out["staging"] = outcome(lambda: send(h1))
-        stream.staging = real_staging
+        with failing_nth(stream, "staging", 1, oom):
+            out["staging"] = outcome(lambda: send(h1))
         # 3. The receiver's staging runs out of memory: it refuses before any K/V moves.
         out["receiver_staging"] = outcome(lambda: send(h1))
         # 3b. The receiver fails storing chunk 2 of 4: it takes the rest off the channel, acks a failure.
@@ -117,27 +121,22 @@ def ranks(rank: int, world: int) -> dict[str, Any]:
         out["short_reply"] = int(link.recv_ints(P.REPLY_LEN, "reply")[0])
         link.send_ints([7], "a short chunk")
         return out
-    before = counts(pool)
-    out["pack"] = outcome(recv)
-    out["pack_counts"] = (before, counts(pool))
+
+    def received(key: str, fault: Any = None) -> None:
+        with fault or contextlib.nullcontext():
+            before = counts(pool)
+            out[key] = outcome(recv)
+            out[key + "_counts"] = (before, counts(pool))
+
+    received("pack")
     out["staging"] = outcome(recv)
-    stream.staging = _failing_nth(1, torch.OutOfMemoryError("out of memory (injected)"))(real_staging)
-    out["receiver_staging"] = outcome(recv)
-    out["receiver_staging_counts"] = (before, counts(pool))
-    stream.staging = real_staging
-    real_unpack = stream.unpack
-    stream.unpack = _failing_nth(2, torch.OutOfMemoryError("out of memory (injected)"))(real_unpack)
-    before = counts(pool)
-    out["receiver_store"] = outcome(recv)
-    out["receiver_store_counts"] = (before, counts(pool))
-    stream.unpack = real_unpack
+    received("receiver_staging", failing_nth(stream, "staging", 1, oom))
+    received("receiver_store", failing_nth(stream, "unpack", 2, oom))
     hs = [recv(), recv()]
     out["got"] = [kv(pool, h) for h in hs]
     pool.check()
     out["heads"] = outcome(recv)
-    before = counts(pool)
-    out["short"] = outcome(recv)
-    out["short_counts"] = (before, counts(pool))
+    received("short")
     return out
 
 

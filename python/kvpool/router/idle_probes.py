@@ -15,13 +15,35 @@ and its end marker a second.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from zmq import NOBLOCK, Again
 
 from kvpool.events.publisher import END_SEQ
 
-__all__ = ["IdleProbes"]
+__all__ = ["IdleProbes", "ReplayAnswer"]
+
+
+class ReplayAnswer:
+    """The batches of one replay answer on a DEALER socket, as ``(topic, seq, payload)``,
+    each waited for up to ``wait_ms``; iteration stops at the end marker (``ended``
+    then says so) or at the first wait that times out. Messages that are not a batch
+    (not four frames) are skipped."""
+
+    def __init__(self, sock: Any, wait_ms: int) -> None:
+        self.sock, self.wait_ms, self.ended = sock, wait_ms, False
+
+    def __iter__(self) -> Iterator[tuple[bytes, bytes, bytes]]:
+        while self.sock.poll(self.wait_ms):
+            frames = self.sock.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq, payload = frames
+            if seq == END_SEQ:
+                self.ended = True
+                return
+            yield topic, seq, payload
 
 
 class IdleProbes:
@@ -59,18 +81,12 @@ class IdleProbes:
         return applied
 
     def _take(self, pool: int, now: float) -> int:
-        feed, applied = self.feed, 0
-        d = feed._replay[pool]
-        while d.poll(0):
-            frames = d.recv_multipart()
-            if len(frames) != 4:
-                continue
-            _, topic, seq, payload = frames
-            if seq == END_SEQ:
-                self._done(pool, now)
-                return applied
-            applied += feed.router.feed(pool, topic, seq, payload)
-        if (now - self.asked[pool]) * 1000 > feed.replay_timeout_ms:
+        feed = self.feed
+        answer = ReplayAnswer(feed._replay[pool], 0)
+        applied = sum(feed.router.feed(pool, *batch) for batch in answer)
+        if answer.ended:
+            self._done(pool, now)
+        elif (now - self.asked[pool]) * 1000 > feed.replay_timeout_ms:
             # No answer: ask again after the next quiet spell, on a fresh socket, so that a
             # late answer cannot end a later replay early with its end marker.
             feed._renew_replay(pool)
@@ -82,18 +98,11 @@ class IdleProbes:
         its socket (answers come in order, so the probe's end marker would end it)."""
         if pool not in self.asked:
             return 0
-        feed, applied = self.feed, 0
-        d = feed._replay[pool]
-        while d.poll(feed.replay_timeout_ms):
-            frames = d.recv_multipart()
-            if len(frames) != 4:
-                continue
-            _, topic, seq, payload = frames
-            if seq == END_SEQ:
-                self._done(pool, time.monotonic())
-                return applied
-            applied += feed.router.feed(pool, topic, seq, payload)
-        feed._renew_replay(pool)  # (as in _take: no late answer on the socket the replay uses)
+        feed = self.feed
+        answer = ReplayAnswer(feed._replay[pool], feed.replay_timeout_ms)
+        applied = sum(feed.router.feed(pool, *batch) for batch in answer)
+        if not answer.ended:
+            feed._renew_replay(pool)  # (as in _take: no late answer on the socket the replay uses)
         self._done(pool, time.monotonic())
         return applied
 

@@ -30,9 +30,7 @@ zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402
 
 from kvpool.events.zmq_publisher import ZMQ_INT_MAX, check_context  # noqa: E402
-from kvpool.router.idle_probes import IdleProbes  # noqa: E402  (imports zmq)
-
-_END = (-1).to_bytes(8, "big", signed=True)
+from kvpool.router.idle_probes import IdleProbes, ReplayAnswer  # noqa: E402  (imports zmq)
 
 
 class ZmqFeed:
@@ -268,13 +266,7 @@ class ZmqFeed:
             if verify:
                 self.router.resync(pool)  # nobody to vouch for the router's history
             return applied
-        while d.poll(self.replay_timeout_ms):
-            frames = d.recv_multipart()
-            if len(frames) != 4:
-                continue
-            _, topic, seq, payload = frames
-            if seq == _END:
-                break
+        for topic, seq, payload in ReplayAnswer(d, self.replay_timeout_ms):
             if first and verify and int.from_bytes(seq, "big", signed=True) != start:
                 self.router.resync(pool)
             first = False
