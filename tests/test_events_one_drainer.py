@@ -158,6 +158,32 @@ def test_a_zmq_publisher_whose_construction_fails_leaves_the_pool_free():
         ctx.destroy(linger=0)  # (closes any socket left open, rather than wait for it)
 
 
+def test_a_zmq_publisher_dropped_without_close_frees_its_pool_thread_and_address():
+    """The sender thread held the publisher (its bound method), so one dropped without
+    ``close()`` lived on: the pool refused every later publisher, and the address stayed bound."""
+    pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+    import gc
+    import threading
+    import weakref
+
+    from kvpool.events import ZmqEventPublisher
+
+    pool = plain_pool()
+    pub = ZmqEventPublisher(pool, "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    endpoint, thread, gone = pub.endpoint, pub._thread, weakref.ref(pub)
+    cache_prompt(pool, list(range(8)))
+    assert pub.publish() > 0 and pub.flush(5.0)
+    del pub
+    gc.collect()
+    assert gone() is None, "something still holds the dropped publisher"
+    thread.join(5.0)
+    assert not thread.is_alive(), "the dropped publisher's sender thread still runs"
+    assert not any(t is thread for t in threading.enumerate())
+    with ZmqEventPublisher(pool, endpoint) as again:  # the pool and the address are free
+        cache_prompt(pool, list(range(100, 108)))
+        assert again.publish() > 0 and again.flush(5.0)
+
+
 def test_a_forked_child_keeps_the_inherited_local_publisher_as_the_pools_drainer():
     import os
 

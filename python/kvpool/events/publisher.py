@@ -81,6 +81,14 @@ def _rank(rank: Any) -> int | None:
     return rank.__index__()
 
 
+def kept_since(buffer: deque[tuple[int, bytes, bytes]], lock: Any, topic: bytes,
+               start_seq: int) -> list[tuple[bytes, bytes, bytes]]:
+    """``(topic, seq, payload)`` of the kept batches numbered ``start_seq`` on, oldest first;
+    under ``lock``, which ``publish()`` holds to append."""
+    with lock:
+        return [(topic, b, p) for s, b, p in buffer if s >= start_seq]
+
+
 class EventPublisher(NotPicklable):
     """Drains a pool's events into sequenced vLLM ``KVEventBatch`` messages.
 
@@ -232,8 +240,7 @@ class EventPublisher(NotPicklable):
         if not is_int(start_seq):
             raise InvalidArgumentError(f"start_seq must be an int (a sequence number, as next_seq), "
                                        f"got {type(start_seq).__name__} {start_seq!r:.40}")
-        with self._lock:
-            return [(self.topic, b, p) for s, b, p in self._buffer if s >= start_seq]
+        return kept_since(self._buffer, self._lock, self.topic, start_seq)
 
     def _deliver(self, seq_b: bytes, payload: bytes) -> None:
         raise NotImplementedError

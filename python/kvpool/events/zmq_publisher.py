@@ -17,12 +17,13 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import PublisherClosedError
 from kvpool.events.drainers import release
-from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher
+from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher, kept_since
 from kvpool.extras import require
 from kvpool.validate import is_int
 
@@ -132,49 +133,48 @@ class ZmqEventPublisher(EventPublisher):
 
     def _start(self, context: Any, endpoint: str, replay_endpoint: str | None, buffer_steps: int, hwm: int) -> None:
         """Sockets and the sender thread (after the base class claimed the pool)."""
-        self._ctx = context or zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._replay_sock = None
-        # (socket, endpoint) of each bind, unbound before the socket closes: ZMQ closes a
-        # socket in its I/O thread, and until then the address stays taken, so a publisher
-        # made again on the same address right after close() could fail to bind it.
-        self._binds: list[tuple[Any, str]] = []
+        ctx = context or zmq.Context.instance()
         self._queue: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
-        self._sent = threading.Condition()
-        self._queued = self._done = 0
+        sender = _Sender(ctx.socket(zmq.PUB), self.topic, self._buffer, self._lock, self._queue)
+        self._queued = 0
         # close() from two threads at once: one stops the sender thread, the other waits for it.
         self._closing = threading.Lock()
         try:
-            self._pub.set_hwm(int(hwm))
+            sender.pub.set_hwm(int(hwm))
             try:
                 if binds(endpoint):
-                    self._pub.bind(endpoint)
-                    endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-                    self._binds.append((self._pub, endpoint))
+                    sender.pub.bind(endpoint)
+                    endpoint = sender.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                    sender.binds.append((sender.pub, endpoint))
                 else:
-                    self._pub.connect(endpoint)
+                    sender.pub.connect(endpoint)
             except zmq.ZMQError as e:
                 raise InvalidArgumentError(f"endpoint {endpoint!r} cannot be {'bound' if binds(endpoint) else 'connected'}"
                                            f": {e}") from None
             self.endpoint = endpoint
             self.replay_endpoint = None
             if replay_endpoint is not None:
-                self._replay_sock = self._ctx.socket(zmq.ROUTER)
+                sender.replay = ctx.socket(zmq.ROUTER)
                 # Room for a whole replay and its end marker, as vLLM sizes it (ZMQ keeps
                 # it in a C int: a larger buffer gets the largest mark ZMQ takes).
-                self._replay_sock.setsockopt(zmq.SNDHWM, min(2 * (buffer_steps + 1), ZMQ_INT_MAX))
+                sender.replay.setsockopt(zmq.SNDHWM, min(2 * (buffer_steps + 1), ZMQ_INT_MAX))
                 try:
-                    self._replay_sock.bind(replay_endpoint)
+                    sender.replay.bind(replay_endpoint)
                 except zmq.ZMQError as e:
                     raise InvalidArgumentError(f"replay_endpoint {replay_endpoint!r} cannot be bound: {e}") from None
-                self.replay_endpoint = self._replay_sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                self._binds.append((self._replay_sock, self.replay_endpoint))
+                self.replay_endpoint = sender.replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                sender.binds.append((sender.replay, self.replay_endpoint))
         except BaseException:
-            self._close_sockets()
+            sender.close_sockets()
             raise
+        self._sender = sender
         self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, name="kvpool-kv-events", daemon=True)
+            target=sender.run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
+        # The thread holds the sender, not the publisher: a publisher dropped without close()
+        # is collected, and then stops its thread (which closes the sockets, freeing the
+        # addresses) and, being gone, no longer holds its pool against another publisher.
+        self._stop = weakref.finalize(self, self._queue.put, None)
 
     def _drains_here(self) -> bool:
         return os.getpid() == self._pid  # (a forked child's copy refuses to publish)
@@ -209,39 +209,9 @@ class ZmqEventPublisher(EventPublisher):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every published message has been sent; False on timeout."""
         self._check_process("flush")
-        with self._sent:
-            return self._sent.wait_for(lambda: self._done >= self._queued, timeout)
-
-    def _run(self) -> None:
-        # Both sockets are used by this thread only (ZMQ sockets are not
-        # thread-safe).
-        send, more, topic = self._pub.send, zmq.SNDMORE, self.topic
-        replay = self._replay_sock
-        while True:
-            if replay is not None and replay.poll(0):
-                self._serve_replay(replay)
-            try:
-                item = self._queue.get(timeout=_POLL_MS / 1000)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            # Three plain sends cost less than send_multipart's generic loop.
-            send(topic, more)
-            send(item[0], more)
-            send(item[1])
-            with self._sent:
-                self._done += 1
-                self._sent.notify_all()
-
-    def _serve_replay(self, sock: Any) -> None:
-        frames = sock.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            return  # not a replay request (vLLM ignores these too)
-        client, _, start = frames
-        for topic, seq_b, payload in self.replay(int.from_bytes(start, "big")):
-            sock.send_multipart((client, b"", topic, seq_b, payload))
-        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        sender, queued = self._sender, self._queued
+        with sender.sent:
+            return sender.sent.wait_for(lambda: sender.done >= queued, timeout)
 
     def close(self) -> None:
         """Send what is queued, stop the sender thread and close both sockets
@@ -256,17 +226,67 @@ class ZmqEventPublisher(EventPublisher):
         with self._closing:
             if self._thread is not None:
                 self._queue.put(None)
+                self._stop.detach()  # (the stop marker is queued)
                 # Bounded: the queue ahead of the sentinel is finite, and sends
-                # never block (PUB and ROUTER drop past their HWM).
+                # never block (PUB and ROUTER drop past their HWM). The thread closes
+                # the sockets (it alone uses them) before it ends.
                 self._thread.join()
                 self._thread = None
-            self._close_sockets()
 
-    def _close_sockets(self) -> None:
-        for s, endpoint in self._binds:
+
+class _Sender:
+    """What the sender thread uses: the sockets, the queue ``publish()`` fills, and the
+    publisher's replay buffer and its lock, but not the publisher itself (see ``_stop``)."""
+
+    def __init__(self, pub: Any, topic: bytes, buffer: Any, lock: Any, items: Any) -> None:
+        self.pub, self.replay, self.topic = pub, None, topic
+        self.buffer, self.lock, self.items = buffer, lock, items
+        # (socket, endpoint) of each bind, unbound before the socket closes: ZMQ closes a
+        # socket in its I/O thread, and until then the address stays taken, so a publisher
+        # made again on the same address right after close() could fail to bind it.
+        self.binds: list[tuple[Any, str]] = []
+        self.sent = threading.Condition()
+        self.done = 0
+
+    def run(self) -> None:
+        # Both sockets are used by this thread only (ZMQ sockets are not
+        # thread-safe).
+        send, more, topic = self.pub.send, zmq.SNDMORE, self.topic
+        replay = self.replay
+        try:
+            while True:
+                if replay is not None and replay.poll(0):
+                    self._serve_replay(replay)
+                try:
+                    item = self.items.get(timeout=_POLL_MS / 1000)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                # Three plain sends cost less than send_multipart's generic loop.
+                send(topic, more)
+                send(item[0], more)
+                send(item[1])
+                with self.sent:
+                    self.done += 1
+                    self.sent.notify_all()
+        finally:
+            self.close_sockets()
+
+    def _serve_replay(self, sock: Any) -> None:
+        frames = sock.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request (vLLM ignores these too)
+        client, _, start = frames
+        for topic, seq_b, payload in kept_since(self.buffer, self.lock, self.topic, int.from_bytes(start, "big")):
+            sock.send_multipart((client, b"", topic, seq_b, payload))
+        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close_sockets(self) -> None:
+        for s, endpoint in self.binds:
             if not s.closed:
                 _unbind(s, endpoint)
-        for s in (self._pub, self._replay_sock):
+        for s in (self.pub, self.replay):
             if s is not None and not s.closed:
                 s.close(linger=0)
 
