@@ -82,6 +82,8 @@ def test_good_rank_and_topic_are_sent():
     ("tcp://127.0.0.1:0", dict(hwm=True), "hwm"),
     ("tcp://127.0.0.1:0", dict(replay_endpoint="not-an-endpoint"), "replay_endpoint"),
     ("tcp://127.0.0.1:0", dict(replay_endpoint=7), "replay_endpoint"),
+    ("tcp://127.0.0.1:0", dict(replay_topic_frame="no"), "replay_topic_frame"),
+    ("tcp://127.0.0.1:0", dict(replay_topic_frame=0), "replay_topic_frame"),
 ], ids=str)
 def test_bad_zmq_publisher_arguments_are_typed(endpoint, kw, match):
     a = alloc()

@@ -124,6 +124,27 @@ def test_replay_after_a_dropped_subscriber():
         pub.close()
 
 
+def test_replay_without_the_topic_frame_answers_as_sglang_does():
+    """SGLang's replay service (and vLLM's before its answers carried the topic) sends
+    ``(b"", seq, payload)`` and ends with ``(b"", seq -1, b"")``; subscribers built on it
+    unpack those frames."""
+    a = pool()
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, topic="kv", replay_topic_frame=False)
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        admit(a, np.arange(200, 209))
+        assert pub.publish() == 2 and pub.flush(5)
+        d.connect(pub.replay_endpoint)
+        d.send_multipart((b"", (0).to_bytes(8, "big")))
+        first, end = recv(d), recv(d)
+        assert len(first) == 3 and first[0] == b"" and int.from_bytes(first[1], "big") == 0
+        assert schema.decoder().decode(first[2]).events[0].token_ids[:1] == [200]
+        assert end == [b"", END, b""]
+    finally:
+        d.close(linger=0)
+        pub.close()
+
+
 def test_router_over_zmq_fills_a_gap_by_replay_and_forgets_a_pool_when_it_cannot():
     pools = [pool(), pool()]
     pubs = [ZmqEventPublisher(p, LOOP, replay_endpoint=LOOP, buffer_steps=2) for p in pools]

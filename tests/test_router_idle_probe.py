@@ -25,12 +25,12 @@ def admit(a, tokens):
     a.close(h, cache=True)
 
 
-def lose_the_last_batch(idle_probe_ms):
+def lose_the_last_batch(idle_probe_ms, **publisher_kw):
     """Pool 0 caches a prompt (the router learns it), then evicts it in a batch the feed's
     SUB socket loses; the engine publishes nothing after. What the router predicts of the
     prompt after `poll()` for up to 3 s, and the feed."""
     a = kvpool.SlotAllocator(256, P, 8, 256, hash_seed=SEED)
-    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP)
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP, **publisher_kw)
     router = Router(1, page_size=P, hash_seed=SEED)
     feed = ZmqFeed(router, idle_probe_ms=idle_probe_ms)
     prompt = np.arange(300, 313)
@@ -71,6 +71,13 @@ def test_an_idle_probe_brings_back_batches_lost_at_the_end_of_a_burst():
     predicted, feed = lose_the_last_batch(idle_probe_ms=200)
     assert predicted == 0  # the eviction reached the router without another engine step
     assert feed.probes >= 1 and feed.replays == 0
+
+
+def test_an_idle_probe_reads_replay_answers_without_the_topic_frame():
+    """SGLang's publishers (and vLLM's before the topic frame) answer ``(b"", seq, payload)``:
+    the feed skipped every such answer and its end marker, so it filled no gap from them."""
+    predicted, feed = lose_the_last_batch(idle_probe_ms=200, replay_topic_frame=False)
+    assert predicted == 0 and feed.probes >= 1
 
 
 def test_without_probes_the_router_would_not_know():

@@ -8,7 +8,10 @@ Wire protocol (vLLM 0.33, ``vllm/distributed/kv_events.py``):
   ``(b"", start_seq)`` with ``start_seq`` as 8 bytes big-endian; the service
   answers every kept message whose sequence number is >= ``start_seq`` as
   ``(b"", topic, seq, payload)``, then the end marker
-  ``(b"", b"", seq -1 as 8 signed bytes, b"")``.
+  ``(b"", b"", seq -1 as 8 signed bytes, b"")``. With ``replay_topic_frame=False``
+  it answers without the topic frame, ``(b"", seq, payload)`` and
+  ``(b"", seq -1, b"")``, as SGLang's publisher (and vLLM's before its replay
+  carried the topic) does, for subscribers that read that framing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import threading
 import time
 import weakref
 from typing import Any
+
+import numpy as np
 
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import PublisherClosedError
@@ -87,6 +92,8 @@ class ZmqEventPublisher(EventPublisher):
         int_block_hashes: send block hashes as vLLM's int form (the low 64 bits
             of the 16-byte hash, unsigned), as vLLM does by default, instead of
             the 16 bytes; ``Router`` reads either.
+        replay_topic_frame: replay answers carry the topic frame, as vLLM's do
+            (True), or not, as SGLang's (False); ``ZmqFeed`` reads either.
 
     ``publish()`` drains and encodes on the calling thread and hands the
     message to a sender thread, which owns both sockets (as vLLM's publisher
@@ -105,7 +112,7 @@ class ZmqEventPublisher(EventPublisher):
     def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
                  data_parallel_rank: int | None = None, context: Any = None,
-                 int_block_hashes: bool = False) -> None:
+                 int_block_hashes: bool = False, replay_topic_frame: bool = True) -> None:
         if not isinstance(endpoint, str):
             raise InvalidArgumentError(f"endpoint must be a str such as 'tcp://*:5557', got {endpoint!r}")
         if replay_endpoint is not None and not isinstance(replay_endpoint, str):
@@ -118,8 +125,13 @@ class ZmqEventPublisher(EventPublisher):
         if not is_int(hwm) or not 0 <= hwm <= ZMQ_INT_MAX:
             raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "
                                        f"C int), got {hwm!r}")
+        if not isinstance(replay_topic_frame, (bool, np.bool_)):
+            raise InvalidArgumentError(f"replay_topic_frame takes True (answers carry the topic, as vLLM's) or False "
+                                       f"(no topic frame, as SGLang's), got {type(replay_topic_frame).__name__} "
+                                       f"{replay_topic_frame!r}")
         check_context(context)
         self._pid = os.getpid()
+        self.replay_topic_frame = bool(replay_topic_frame)
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
                          int_block_hashes=int_block_hashes)
         try:
@@ -135,7 +147,8 @@ class ZmqEventPublisher(EventPublisher):
         """Sockets and the sender thread (after the base class claimed the pool)."""
         ctx = context or zmq.Context.instance()
         self._queue: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
-        sender = _Sender(ctx.socket(zmq.PUB), self.topic, self._buffer, self._lock, self._queue)
+        sender = _Sender(ctx.socket(zmq.PUB), self.topic, self._buffer, self._lock, self._queue,
+                         self.replay_topic_frame)
         self._queued = 0
         # close() from two threads at once: one stops the sender thread, the other waits for it.
         self._closing = threading.Lock()
@@ -238,8 +251,8 @@ class _Sender:
     """What the sender thread uses: the sockets, the queue ``publish()`` fills, and the
     publisher's replay buffer and its lock, but not the publisher itself (see ``_stop``)."""
 
-    def __init__(self, pub: Any, topic: bytes, buffer: Any, lock: Any, items: Any) -> None:
-        self.pub, self.replay, self.topic = pub, None, topic
+    def __init__(self, pub: Any, topic: bytes, buffer: Any, lock: Any, items: Any, topic_frame: bool) -> None:
+        self.pub, self.replay, self.topic, self.topic_frame = pub, None, topic, topic_frame
         self.buffer, self.lock, self.items = buffer, lock, items
         # (socket, endpoint) of each bind, unbound before the socket closes: ZMQ closes a
         # socket in its I/O thread, and until then the address stays taken, so a publisher
@@ -278,9 +291,15 @@ class _Sender:
         if len(frames) != 3 or len(frames[2]) != 8:
             return  # not a replay request (vLLM ignores these too)
         client, _, start = frames
-        for topic, seq_b, payload in kept_since(self.buffer, self.lock, self.topic, int.from_bytes(start, "big")):
-            sock.send_multipart((client, b"", topic, seq_b, payload))
-        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        kept = kept_since(self.buffer, self.lock, self.topic, int.from_bytes(start, "big"))
+        if self.topic_frame:
+            for topic, seq_b, payload in kept:
+                sock.send_multipart((client, b"", topic, seq_b, payload))
+            sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        else:
+            for _, seq_b, payload in kept:
+                sock.send_multipart((client, b"", seq_b, payload))
+            sock.send_multipart((client, b"", END_SEQ, b""))
 
     def close_sockets(self) -> None:
         for s, endpoint in self.binds:

@@ -28,8 +28,11 @@ __all__ = ["IdleProbes", "ReplayAnswer"]
 class ReplayAnswer:
     """The batches of one replay answer on a DEALER socket, as ``(topic, seq, payload)``,
     each waited for up to ``wait_ms``; iteration stops at the end marker (``ended``
-    then says so) or at the first wait that times out. Messages that are not a batch
-    (not four frames) are skipped."""
+    then says so) or at the first wait that times out.
+
+    Both framings publishers use are read: ``(b"", topic, seq, payload)`` (vLLM since its
+    replay answers carry the topic, and kvpool by default) and ``(b"", seq, payload)``
+    (SGLang, and vLLM before that; the topic is then ``b""``). Other messages are skipped."""
 
     def __init__(self, sock: Any, wait_ms: int) -> None:
         self.sock, self.wait_ms, self.ended = sock, wait_ms, False
@@ -37,9 +40,12 @@ class ReplayAnswer:
     def __iter__(self) -> Iterator[tuple[bytes, bytes, bytes]]:
         while self.sock.poll(self.wait_ms):
             frames = self.sock.recv_multipart()
-            if len(frames) != 4:
+            if len(frames) == 4:
+                _, topic, seq, payload = frames
+            elif len(frames) == 3:
+                (_, seq, payload), topic = frames, b""
+            else:
                 continue
-            _, topic, seq, payload = frames
             if seq == END_SEQ:
                 self.ended = True
                 return
