@@ -188,6 +188,7 @@ class ZmqEventPublisher(EventPublisher):
         # is collected, and then stops its thread (which closes the sockets, freeing the
         # addresses) and, being gone, no longer holds its pool against another publisher.
         self._stop = weakref.finalize(self, self._queue.put, None)
+        self._stop.atexit = False  # (at exit the daemon thread just ends, as it did before)
 
     def _drains_here(self) -> bool:
         return os.getpid() == self._pid  # (a forked child's copy refuses to publish)
