@@ -51,15 +51,19 @@ def test_numpy_bools_are_flags():
     a.check()
 
 
-def test_kvpool_close_gives_the_same_typed_error():
-    pool = kvpool.KVPool(1, 1, 2, dtype=torch.float32, page_size=2, num_pages=8, max_requests=4, max_context_len=8)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_kvpool_close_gives_the_same_typed_error(hybrid):
+    kw = dict(layer_types=["full_attention"]) if hybrid else {}
+    pool = kvpool.KVPool(1, 1, 2, dtype=torch.float32, page_size=2, num_pages=8, max_requests=4, max_context_len=8,
+                         **kw)
     h, _ = pool.admit([3])
-    for bad in (1, None):
+    # (arrays: the pool's own `if cache:` raised numpy's / torch's untyped truth-value error)
+    for bad in (1, None, np.array([True, False]), torch.tensor([1, 1]), np.ones(2)):
         with pytest.raises(InvalidArgumentError, match="^cache takes True or False"):
             pool.close(h, cache=bad)
-    assert pool.allocator.open_requests == 1
+    assert pool.open_requests == 1
     pool.close(h, cache=True)
-    assert pool.allocator.open_requests == 0
+    assert pool.open_requests == 0
 
 
 def test_kvpool_write_strict_is_a_flag_too():

@@ -19,7 +19,7 @@ from kvpool.kernels import write_req_to_token
 from kvpool.row_edits import lengths_before
 from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
-from kvpool.validate import check_layer
+from kvpool.validate import check_flag, check_layer
 
 __all__ = ["HybridExtendResult", "HybridRequestOps"]
 
@@ -298,6 +298,7 @@ class HybridRequestOps:
         ``priority`` / ``retain_s`` must be None, and ``cache=True`` is refused during
         capture as ``cache`` is: see ``cache``."""
         _refuse_priorities(priority, retain_s)
+        cache = check_flag("cache", cache)  # (an array's truth value raised untyped)
         with self._lock:
             if cache and self._order is not None and self._open_copies:
                 self._enter_device_call("close")  # state checkpoints: copies, as cache()'s

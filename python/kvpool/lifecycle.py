@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import PoolStats, SlotAllocator
+from kvpool.validate import check_flag
 
 __all__ = ["RequestOps"]
 
@@ -114,6 +115,7 @@ class RequestOps:
                 tier while its stream is capturing a CUDA graph (the offloads cannot be
                 captured); nothing changed.
         """
+        cache = check_flag("cache", cache)  # (an array's truth value raised untyped)
         with self._lock:
             if cache:
                 self._refuse_transfers_in_capture("close", "write_through")
