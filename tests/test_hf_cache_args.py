@@ -11,7 +11,15 @@ import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 
-from kvpool import InvalidArgumentError, KVPool, LayerIndexError, TensorDeviceError, TensorDtypeError, TensorShapeError  # noqa: E402
+from kvpool import (  # noqa: E402
+    InvalidArgumentError,
+    KVPool,
+    LayerIndexError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TooManyRequestsError,
+)
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 H, D, LAYERS, B, T = 2, 8, 2, 3, 5
@@ -54,6 +62,12 @@ BAD = {
     "repeat-float": (lambda c: c.batch_repeat_interleave(2.5), InvalidArgumentError, "repeats"),
     "update-layer": (lambda c: c.update(torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D), LAYERS), LayerIndexError,
                      "layers"),
+    # (a list of B x repeats rows was built first: 2**63 ran out of memory after a minute, untyped)
+    "repeat-huge": (lambda c: c.batch_repeat_interleave(2**63), TooManyRequestsError, r"max_requests=8"),
+    "repeat-past-max": (lambda c: c.batch_repeat_interleave(1000), TooManyRequestsError, r"makes 3 x 1000 = 3000 rows"),
+    # (.tolist() of a meta tensor raised NotImplementedError)
+    "reorder-meta": (lambda c: c.reorder_cache(torch.tensor([2, 1, 0], device="meta")), TensorDeviceError, "meta"),
+    "select-meta": (lambda c: c.batch_select_indices(torch.tensor([0, 2], device="meta")), TensorDeviceError, "meta"),
 }
 
 
@@ -204,3 +218,24 @@ def test_salt_keys_the_prefix_lookup_and_needs_prefix_ids():
         cache.close()
     assert hits == {1: 12, 2: 0, None: 0}
     pool.allocator.check()
+
+
+def test_a_hybrid_reorder_past_max_requests_is_refused_before_any_fork():
+    """The hybrid cache forked row by row, then closed the forks when one was refused: the
+    closed forks' table rows were rewritten, and the message named one fork of a full pool."""
+    pool = KVPool(LAYERS, H, D, dtype=torch.float32, page_size=4, num_slots=256, max_requests=4, max_context_len=64,
+                  layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    cache = KVPoolCache(pool)
+    for layer in range(LAYERS):
+        k = torch.randn(B, H, T, D)
+        cache.update(k, -k, layer)
+    cache.flush()
+    before = {n: t.clone() for n, t in pool.named_tensors()}
+    handles = cache.handles
+    with pytest.raises(TooManyRequestsError, match="fork asks for 2 new requests .* 3 of max_requests=4"):
+        cache.reorder_cache(torch.tensor([0, 0, 0]))
+    assert pool.open_requests == B and np.array_equal(cache.handles, handles)
+    changed = [n for n, t in pool.named_tensors() if not torch.equal(before[n], t)]
+    assert not changed, changed
+    pool.check()
+    cache.close()

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError, TooManyRequestsError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
@@ -224,6 +224,13 @@ class HybridRequests:
         bad = [s for s in sources if not 0 <= s < b]
         if bad:
             raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+        extra, most = len(sources) - len(set(sources)), int(self.pool.max_requests)
+        if extra and int(self.pool.open_requests) + extra > most:
+            # Up front, as the plain pool's one fork call refuses: forking row by row first
+            # rewrote the table rows of the forks it then closed, and named one fork only.
+            raise TooManyRequestsError(
+                f"fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) with "
+                f"{int(self.pool.open_requests)} of max_requests={most} already open")
         self.check_edits()
         self.flush()
         out = np.empty(len(sources), dtype=np.int64)

@@ -66,7 +66,14 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
                       f"found transformers {transformers.__version__}")
 
 from kvpool._nopickle import NotPicklable
-from kvpool.errors import InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
+from kvpool.errors import (
+    InvalidArgumentError,
+    LayerIndexError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TooManyRequestsError,
+)
 from kvpool.integrations._cache_layer import KVPoolLayer
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
 from kvpool.integrations._model_pool import pool_for_model
@@ -309,6 +316,8 @@ class KVPoolCache(NotPicklable, Cache):
         except (TypeError, ValueError, RuntimeError):
             raise TensorDtypeError(f"{what} takes a tensor of integer row indices, got {type(indices).__name__}") \
                 from None
+        if idx.device.type == "meta":  # (no values to read: .tolist() raised NotImplementedError)
+            raise TensorDeviceError(f"{what} takes row indices with values, got a tensor on the meta device")
         if idx.dtype == torch.bool and mask:
             h = self.requests.handles
             if h is not None and tuple(idx.shape) != (h.shape[0],):
@@ -326,7 +335,11 @@ class KVPoolCache(NotPicklable, Cache):
             raise InvalidArgumentError(f"batch_repeat_interleave takes repeats >= 0 (an int), got {repeats!r}")
         self._check_between_steps("batch_repeat_interleave")
         if self.requests.handles is not None:
-            b = self.requests.handles.shape[0]
+            b, most = self.requests.handles.shape[0], int(self.pool.max_requests)
+            if b * repeats > most:  # (refused before a list of b * repeats rows is built: 2**63 never returned)
+                raise TooManyRequestsError(
+                    f"batch_repeat_interleave({repeats}) makes {b} x {repeats} = {b * repeats} rows, more than the "
+                    f"pool's max_requests={most}: build the pool with max_requests >= batch x beams (x return sequences)")
             self.requests.reorder([i for i in range(b) for _ in range(repeats)])
 
     def reset(self) -> None:
