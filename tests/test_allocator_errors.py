@@ -244,3 +244,28 @@ def test_forks_growing_together_copy_their_shared_page_once_fewer(grouped):
     b.extend(kids, 1)
     assert b.free_pages == 0
     b.check()
+
+
+@pytest.mark.parametrize("call, message", [
+    # (a nested list was reported as an element outside the int64 range)
+    (lambda a, h: a.open_with_prefix([1, 2], [[2]]), r"^lengths must be a flat sequence of ints \(1-D\), got a nested"),
+    (lambda a, h: a.extend(h, [[1], [1]]), r"^counts must be a flat sequence of ints \(1-D\), got a nested list"),
+    (lambda a, h: kvpool._core.page_hashes([[1, 2]], 2, 1), r"^tokens must be a flat sequence of ints"),
+    # (">= 0" sent the caller to 0, refused next with ">= 1")
+    (lambda a, h: kvpool._core.page_hashes([1, 2], -1, 1), r"^page_size must be >= 1, got -1$"),
+    (lambda a, h: kvpool._core.page_hashes([1, 2], 0, 1), r"^page_size must be >= 1, got 0$"),
+    # (the advice was "pass [-1] to admit one request", refused next as negative)
+    (lambda a, h: a.admit(-1), r"^admit takes one count \(>= 0\) per new request, got the single int -1$"),
+    # (None was "got dtype object": numpy's reading of it)
+    (lambda a, h: a.extend(h, None), r"^counts must be an int or ints, got NoneType None$"),
+    (lambda a, h: a.close(None), r"^handles must be an int or ints, got NoneType None$"),
+], ids=["nested-lengths", "nested-counts", "nested-tokens", "page-size-negative", "page-size-zero", "admit-negative",
+        "counts-none", "handles-none"])
+def test_messages_name_the_actual_mistake(call, message):
+    a = SlotAllocator(16, page_size=2, max_requests=4, max_context_len=8)
+    h = a.open(2)
+    before = (a.free_pages, a.open_requests, a.lengths(h).tolist())
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(a, h)
+    assert (a.free_pages, a.open_requests, a.lengths(h).tolist()) == before
+    a.check()

@@ -116,6 +116,11 @@ impl PySlotAllocator {
 pub(crate) fn counts_arg(py: Python<'_>, counts: &Bound<'_, PyAny>) -> Result<Vec<i64>> {
     match int_arg(py, counts, "counts")? {
         IntArg::Many(v) => Ok(v),
+        IntArg::Scalar(v) if v < 0 => Err(invalid_argument(
+            py,
+            format!("admit takes one count (>= 0) per new request, got the single int {v}"),
+        )
+        .into()),
         IntArg::Scalar(v) => Err(invalid_argument(
             py,
             format!(

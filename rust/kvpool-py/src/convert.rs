@@ -43,6 +43,16 @@ fn scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
             format!("{what} must be an int or ints, got bool {obj}: pass 0 or 1 if that is meant"),
         ));
     }
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        // An element that is itself a sequence: the int64 range is not the problem.
+        return Err(invalid_argument(
+            py,
+            format!(
+                "{what} must be a flat sequence of ints (1-D), got a nested {} {obj} inside it",
+                type_name(obj)
+            ),
+        ));
+    }
     obj.extract::<i64>().map_err(|_| {
         invalid_argument(
             py,
@@ -208,8 +218,9 @@ fn from_ndarray(py: Python<'_>, arr: &Bound<'_, PyUntypedArray>, what: &str) -> 
 
 /// Converts an int / sequence / array argument. `what` names it in errors.
 pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<IntArg> {
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        // numpy would read "12" as a 0-D string array; name the real problem.
+    if obj.is_none() || obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        // numpy would read "12" as a 0-D string array (and None as dtype object); name the
+        // real problem.
         return Err(invalid_argument(
             py,
             format!(

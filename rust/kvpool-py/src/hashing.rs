@@ -6,7 +6,8 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use crate::convert::int_arg;
-use crate::convert::{seed_arg, usize_arg};
+use crate::convert::seed_arg;
+use crate::errors::invalid_argument;
 use crate::errors::Result;
 
 /// page_hashes(tokens, page_size, hash_seed, salt=None) -> ndarray[uint64]
@@ -38,7 +39,11 @@ pub fn page_hashes<'py>(
     salt: Option<&Bound<'py, PyAny>>,
 ) -> Result<Bound<'py, PyArray1<u64>>> {
     let tokens = int_arg(py, tokens, "tokens")?.into_vec();
-    let page_size = usize_arg(py, page_size, "page_size")?;
+    let page_size = match crate::convert::int_scalar(py, page_size, "page_size")? {
+        p if p >= 1 => p as usize,
+        // (usize_arg's ">= 0" would send a caller to 0, which the core refuses next)
+        p => return Err(invalid_argument(py, format!("page_size must be >= 1, got {p}")).into()),
+    };
     let seed = seed_arg(py, hash_seed, "hash_seed")?;
     let salt = match salt {
         Some(s) => crate::convert::int_scalar(py, s, "salt")?,
