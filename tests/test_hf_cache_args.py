@@ -65,6 +65,8 @@ BAD = {
     # (a list of B x repeats rows was built first: 2**63 ran out of memory after a minute, untyped)
     "repeat-huge": (lambda c: c.batch_repeat_interleave(2**63), TooManyRequestsError, r"max_requests=8"),
     "repeat-past-max": (lambda c: c.batch_repeat_interleave(1000), TooManyRequestsError, r"makes 3 x 1000 = 3000 rows"),
+    # (3 x 2**62 wraps to -2**62 in int64: the check must not multiply numpy ints)
+    "repeat-numpy-wrap": (lambda c: c.batch_repeat_interleave(np.int64(2**62)), TooManyRequestsError, "max_requests"),
     # (.tolist() of a meta tensor raised NotImplementedError)
     "reorder-meta": (lambda c: c.reorder_cache(torch.tensor([2, 1, 0], device="meta")), TensorDeviceError, "meta"),
     "select-meta": (lambda c: c.batch_select_indices(torch.tensor([0, 2], device="meta")), TensorDeviceError, "meta"),
@@ -232,7 +234,7 @@ def test_a_hybrid_reorder_past_max_requests_is_refused_before_any_fork():
     cache.flush()
     before = {n: t.clone() for n, t in pool.named_tensors()}
     handles = cache.handles
-    with pytest.raises(TooManyRequestsError, match="fork asks for 2 new requests .* 3 of max_requests=4"):
+    with pytest.raises(TooManyRequestsError, match="fork asks for 2 new requests .* 3 of max_requests=4 .* at most 1"):
         cache.reorder_cache(torch.tensor([0, 0, 0]))
     assert pool.open_requests == B and np.array_equal(cache.handles, handles)
     changed = [n for n, t in pool.named_tensors() if not torch.equal(before[n], t)]

@@ -224,13 +224,14 @@ class HybridRequests:
         bad = [s for s in sources if not 0 <= s < b]
         if bad:
             raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
-        extra, most = len(sources) - len(set(sources)), int(self.pool.max_requests)
-        if extra and int(self.pool.open_requests) + extra > most:
+        extra, most, now = len(sources) - len(set(sources)), int(self.pool.max_requests), int(self.pool.open_requests)
+        if extra and now + extra > most:
             # Up front, as the plain pool's one fork call refuses: forking row by row first
             # rewrote the table rows of the forks it then closed, and named one fork only.
             raise TooManyRequestsError(
-                f"fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) with "
-                f"{int(self.pool.open_requests)} of max_requests={most} already open")
+                f"too many requests: fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) "
+                f"with {now} of max_requests={most} already open; at most {max(most - now, 0)} more can open now "
+                f"(close requests first, or ask for fewer)")
         self.check_edits()
         self.flush()
         out = np.empty(len(sources), dtype=np.int64)

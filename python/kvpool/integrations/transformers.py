@@ -335,11 +335,14 @@ class KVPoolCache(NotPicklable, Cache):
             raise InvalidArgumentError(f"batch_repeat_interleave takes repeats >= 0 (an int), got {repeats!r}")
         self._check_between_steps("batch_repeat_interleave")
         if self.requests.handles is not None:
-            b, most = self.requests.handles.shape[0], int(self.pool.max_requests)
-            if b * repeats > most:  # (refused before a list of b * repeats rows is built: 2**63 never returned)
+            # (refused before a list of b * repeats rows is built: 2**63 never returned; Python ints,
+            # as a numpy int's product wraps)
+            b, n, most = int(self.requests.handles.shape[0]), int(repeats), int(self.pool.max_requests)
+            if b * n > most:
                 raise TooManyRequestsError(
-                    f"batch_repeat_interleave({repeats}) makes {b} x {repeats} = {b * repeats} rows, more than the "
-                    f"pool's max_requests={most}: build the pool with max_requests >= batch x beams (x return sequences)")
+                    f"too many requests: batch_repeat_interleave({n}) makes {b} x {n} = {b * n} rows, more than the "
+                    f"pool's max_requests={most}; beam search also needs room for the copies a reorder forks "
+                    f"before it closes the rows it drops")
             self.requests.reorder([i for i in range(b) for _ in range(repeats)])
 
     def reset(self) -> None:
