@@ -81,6 +81,20 @@ def test_disk_store_new_refuses_to_drain_what_a_publisher_sends(tmp_path):
     assert disk.store_new() == 2  # with no publisher, store_new drains by itself again
 
 
+def test_disk_store_new_refuses_events_of_a_pool_of_another_page_size(tmp_path):
+    """They were taken in, then failed with an IndexError, in that call and every later one."""
+    pool = plain_pool()
+    other = kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=2, num_pages=16, max_requests=4,
+                          max_context_len=64, hash_seed=7)
+    disk = DiskCache(pool, FileTier(tmp_path, 1 << 20), model="m")
+    tokens = list(range(100, 109))
+    cache_prompt(pool, tokens)
+    cache_prompt(other, tokens)
+    with pytest.raises(kvpool.InvalidArgumentError, match="Stored pages of 2 tokens, and this pool's pages hold 4"):
+        disk.store_new(other.take_events())
+    assert disk.store_new() == 2  # the pool's own pages, as if the foreign events never came
+
+
 @pytest.mark.parametrize("bad", [{"kind": [0]}, [1, 2], {"kind": np.zeros((2, 2), np.int64)}])
 def test_publish_of_events_that_are_not_take_events_sends_nothing(bad):
     pool = plain_pool()

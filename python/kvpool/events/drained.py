@@ -35,8 +35,9 @@ def _ints(name: str, value: Any) -> np.ndarray:
     return arr
 
 
-def checked_events(ev: Any) -> dict[str, np.ndarray]:
-    """``ev`` as ``take_events()`` returns it, or ``InvalidArgumentError`` saying what is off."""
+def checked_events(ev: Any, page_size: int | None = None) -> dict[str, np.ndarray]:
+    """``ev`` as ``take_events()`` returns it, or ``InvalidArgumentError`` saying what is off;
+    with ``page_size``, as a pool of that page size returns it (one page per Stored event)."""
     if not isinstance(ev, Mapping):
         raise InvalidArgumentError(
             f"events must be the dict pool.take_events() returns, got {type(ev).__name__}"
@@ -56,6 +57,13 @@ def checked_events(ev: Any) -> dict[str, np.ndarray]:
         raise InvalidArgumentError("events['kind'] must hold 0 (Stored), 1 (Removed) or 2 (Cleared)")
     if n and (out["num_tokens"] < 0).any():
         raise InvalidArgumentError("events['num_tokens'] must be >= 0")
+    if n and page_size is not None:
+        sizes = out["num_tokens"][out["kind"] == STORED]
+        if (sizes != page_size).any():
+            other = int(sizes[sizes != page_size][0])
+            raise InvalidArgumentError(
+                f"events hold Stored pages of {other} tokens, and this pool's pages hold {page_size}: pass the "
+                f"events of this pool's own take_events()")
     stored = int(out["num_tokens"][out["kind"] == STORED].sum()) if n else 0
     if stored != len(out["token_ids"]):
         raise InvalidArgumentError(f"events['token_ids'] has {len(out['token_ids'])} ids, the Stored events' "

@@ -167,7 +167,7 @@ class DiskCache(NotPicklable):
             the pool caches it, for a later call (``stats.write_failures``).
 
         Raises:
-            InvalidArgumentError: ``events`` is not what ``take_events()`` returns,
+            InvalidArgumentError: ``events`` is not what this pool's ``take_events()`` returns,
                 ``events`` is None while an event publisher drains the pool (it would
                 miss what this drained), or ``max_pages`` is not None or an int >= 0
                 (nothing is absorbed or stored).
@@ -185,7 +185,8 @@ class DiskCache(NotPicklable):
                 f"takes them from every other reader, and the router behind it would miss them. Drain once and "
                 f"hand the same events to both: events = pool.take_events(); disk.store_new(events); "
                 f"publisher.publish(events)")
-        self._absorb(checked_events(events) if events is not None else self.pool.take_events())
+        # (events of a pool of another page size were taken in, then failed every later call)
+        self._absorb(checked_events(events, self.pool.page_size) if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
         leaves, covered = [], set()
         for key in reversed(list(self._pending)):  # deepest first: one chain covers its ancestors
