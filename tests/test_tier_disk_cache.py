@@ -115,6 +115,29 @@ def test_only_the_missing_pages_are_loaded(stored):
     assert n == 16 and torch.equal(got[:, 8:], want[:, 8:16])
 
 
+def test_with_no_free_request_row_prefetch_loads_nothing(stored, monkeypatch):
+    """As documented (it raised TooManyRequestsError, after reading the backend); also when
+    another thread takes the last row between the check and the open."""
+    tier, _ = stored
+    dst = make_pool()
+    busy = dst.open(8)  # every row, with free pages to spare
+    dc = DiskCache(dst, tier, model="m")
+    read = []
+    monkeypatch.setattr(dc, "_read", lambda *a: read.append(a) or DiskCache._read(dc, *a))
+    assert dc.prefetch(TOKENS) == 0 and not read  # the backend was not read
+    dst.close(busy[:1])
+    real = dst.open_with_chain_hashes
+
+    def lose_the_row(*a, **k):
+        dst.open(1)  # another thread takes it first
+        return real(*a, **k)
+
+    monkeypatch.setattr(dst, "open_with_chain_hashes", lose_the_row)
+    assert dc.prefetch(TOKENS) == 0
+    assert dst.open_requests == 8 and dst.cached_pages == 0
+    dst.check()
+
+
 @pytest.mark.parametrize("other", [dict(dtype=torch.float16), dict(heads=1), dict(mla=True)],
                          ids=["dtype", "heads", "mla"])
 def test_a_pool_of_another_shape_misses(stored, other):

@@ -348,8 +348,8 @@ class DiskCache(NotPicklable):
         prefix = tokens[: n_full * p]
         pool_words = page_hashes(prefix, p, self.pool.allocator.hash_seed, salt)
         cached = self.pool.match_chain_hashes(pool_words, prefix, salt)
-        if cached >= n_full:
-            return 0
+        if cached >= n_full or self.pool.open_requests >= self.pool.max_requests:
+            return 0  # (no free row: give up before the backend is read and its records touched)
         records = self._read(prefix, cached, n_full, 0 if salt is None else int(salt))
         if not records:
             return 0
@@ -393,8 +393,11 @@ class DiskCache(NotPicklable):
         for i, rec in enumerate(records):
             raw[i + 1].numpy()[:] = np.frombuffer(rec.payload, dtype=np.uint8)
         with pool._lock:
-            h: int | None = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
-                                                          cached)
+            try:
+                h: int | None = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
+                                                              cached)
+            except TooManyRequestsError:
+                return 0  # another thread took the last free row since the check in _prefetch
             try:
                 if pool.length(h) != cached * p:
                     return 0  # the cached part shrank meanwhile: a later call retries
