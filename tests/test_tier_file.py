@@ -167,6 +167,21 @@ def test_unusable_path(tmp_path):
         FileTier(f, 1 << 20)
 
 
+class IntPath:
+    def __fspath__(self):
+        return 5
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda tmp: str(tmp / "a\0b"), "NUL"),  # (the file system raised ValueError: embedded null byte)
+    (lambda tmp: tmp / "a\0b", "NUL"),
+    (lambda tmp: IntPath(), "as str"),  # (os.fspath raised TypeError)
+], ids=["str-nul", "path-nul", "fspath-int"])
+def test_paths_no_file_system_can_take_are_typed(tmp_path, bad, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        FileTier(bad(tmp_path), 1 << 20)
+
+
 WRITER = textwrap.dedent("""
     import sys
     import numpy as np

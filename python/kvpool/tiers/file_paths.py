@@ -32,9 +32,14 @@ def directory(path: Any) -> Path:
     """``path`` as an absolute directory path, ``~`` expanded."""
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentError(f"path must be a str or os.PathLike directory, got {type(path).__name__}")
-    raw = os.fspath(path)
+    try:
+        raw = os.fspath(path)
+    except TypeError as e:  # a PathLike whose __fspath__ returns neither str nor bytes
+        raise InvalidArgumentError(f"path must name a directory as str: {e}") from None
     if not isinstance(raw, str):  # a PathLike that returns bytes
         raise InvalidArgumentError(f"path must name a directory as str, got {type(raw).__name__} {raw!r:.60}")
+    if "\0" in raw:  # (the file system calls would raise ValueError: embedded null byte)
+        raise InvalidArgumentError(f"path {raw!r:.80} holds a NUL character, which no directory name can")
     if not raw:
         # Path("") is ".": the working directory, whose subdirectories eviction scans.
         raise InvalidArgumentError("path must name a directory, got an empty path "
