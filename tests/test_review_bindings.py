@@ -171,6 +171,22 @@ def test_chain_hashes_read_from_a_misaligned_array():
     a.check()
 
 
+def test_chain_hashes_read_from_a_big_endian_array():
+    # (refused as "must be a 1-D uint64 (or int64) numpy array", which it was; tokens of
+    # '>i8' were taken)
+    a = kvpool_allocator()
+    h, _ = a.open_with_prefix(list(range(1, 30)), [29])
+    a.extend(h, 29)
+    a.cache(h)
+    hashes, tokens, salt = a.chain_hashes(int(h[0]))
+    for words in (hashes.astype(">u8"), hashes.view(np.int64).astype(">i8")):
+        assert a.match_chain_hashes(words, tokens, salt) == len(hashes) // 2
+        h2, n = a.open_with_chain_hashes(words, tokens.astype(">i8"), salt)
+        assert n == 28
+        a.close([h2])
+    a.check()
+
+
 def test_encode_kv_events_of_a_big_batch_reads_arrays_another_thread_rewrites_once():
     # A batch past 4096 events is encoded with the GIL released; it read the
     # caller's arrays in place meanwhile, so a thread rewriting them (here

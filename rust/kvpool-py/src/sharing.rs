@@ -36,8 +36,20 @@ fn hashes_arg(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
     // A misaligned array (a view at an odd byte offset, e.g. of a received
     // message's buffer) is read from an aligned copy: `as_array` forms a
     // reference to every item, and a misaligned one is UB in Rust.
+    // A big-endian array (equal values, as tokens of '>i8' are taken) is read from a copy in
+    // native order: the typed extracts below see only native uint64 / int64.
     let copy;
     let obj = match obj.cast::<numpy::PyUntypedArray>() {
+        Ok(a)
+            if numpy::PyArrayDescrMethods::is_native_byteorder(
+                &numpy::PyUntypedArrayMethods::dtype(a),
+            ) == Some(false) =>
+        {
+            let native =
+                numpy::PyUntypedArrayMethods::dtype(a).call_method1("newbyteorder", ("=",))?;
+            copy = a.call_method1("astype", (native,))?;
+            &copy
+        }
         Ok(a) if !numpy::PyUntypedArrayMethods::is_aligned(a) => {
             copy = a.call_method0("copy")?;
             &copy
