@@ -152,38 +152,29 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return m
 
 
-def test_chain_hashes_read_from_a_misaligned_array():
-    # match/open_with_chain_hashes read `hashes` through numpy's ndarray
-    # view, which forms a reference per item: on a misaligned array (a view
-    # at an odd offset of a received buffer) that is UB in Rust (release
-    # builds happened to read the right words). Such an array is copied.
-    a = kvpool_allocator()
-    h, _ = a.open_with_prefix(list(range(1, 30)), [29])
-    a.extend(h, 29)
-    a.cache(h)
-    hashes, tokens, salt = a.chain_hashes(int(h[0]))
-    for words in (hashes, hashes.view(np.int64)):
-        m = _misaligned(words)
-        assert a.match_chain_hashes(m, tokens, salt) == len(hashes) // 2
-        h2, n = a.open_with_chain_hashes(m, tokens, salt)
-        assert n == 28
-        a.close([h2])
-    a.check()
-
-
-def test_chain_hashes_read_from_a_big_endian_array():
+@pytest.mark.parametrize("form", [
+    # match/open_with_chain_hashes read `hashes` through numpy's ndarray view, which forms a
+    # reference per item: on a misaligned array (a view at an odd offset of a received
+    # buffer) that is UB in Rust (release builds happened to read the right words). Such
+    # an array is copied.
+    lambda w: _misaligned(w),
+    lambda w: _misaligned(w.view(np.int64)),
     # (refused as "must be a 1-D uint64 (or int64) numpy array", which it was; tokens of
     # '>i8' were taken)
+    lambda w: w.astype(">u8"),
+    lambda w: w.view(np.int64).astype(">i8"),
+], ids=["misaligned-u64", "misaligned-i64", "big-endian-u64", "big-endian-i64"])
+def test_chain_hashes_read_from_arrays_of_any_alignment_and_byte_order(form):
     a = kvpool_allocator()
     h, _ = a.open_with_prefix(list(range(1, 30)), [29])
     a.extend(h, 29)
     a.cache(h)
     hashes, tokens, salt = a.chain_hashes(int(h[0]))
-    for words in (hashes.astype(">u8"), hashes.view(np.int64).astype(">i8")):
-        assert a.match_chain_hashes(words, tokens, salt) == len(hashes) // 2
-        h2, n = a.open_with_chain_hashes(words, tokens.astype(">i8"), salt)
-        assert n == 28
-        a.close([h2])
+    words = form(hashes)
+    assert a.match_chain_hashes(words, tokens, salt) == len(hashes) // 2
+    h2, n = a.open_with_chain_hashes(words, tokens.astype(">i8"), salt)
+    assert n == 28
+    a.close([h2])
     a.check()
 
 
