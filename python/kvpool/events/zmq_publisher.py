@@ -221,7 +221,8 @@ class ZmqEventPublisher(EventPublisher):
         self._queue.put((seq_b, payload))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every published message has been sent; False on timeout."""
+        """Wait until every message published before this call has been sent (not those
+        other threads publish meanwhile, which could keep it waiting); False on timeout."""
         self._check_process("flush")
         sender, queued = self._sender, self._queued
         with sender.sent:
