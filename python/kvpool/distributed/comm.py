@@ -109,18 +109,17 @@ class Link:
         self.messages = 0
 
     def send(self, t: torch.Tensor, what: str) -> Any:
-        self.messages += 1
-        try:
-            return dist.isend(t, self.peer, group=self.group, tag=TAG)
-        except RuntimeError as e:
-            raise TransferError(f"sending {what} to rank {self.peer} failed: {str(e)[:300]}") from e
+        return self._post(dist.isend, t, f"sending {what} to")
 
     def post_recv(self, t: torch.Tensor, what: str) -> Any:
+        return self._post(dist.irecv, t, f"receiving {what} from")
+
+    def _post(self, op: Any, t: torch.Tensor, doing: str) -> Any:
         self.messages += 1
         try:
-            return dist.irecv(t, self.peer, group=self.group, tag=TAG)
+            return op(t, self.peer, group=self.group, tag=TAG)
         except RuntimeError as e:
-            raise TransferError(f"receiving {what} from rank {self.peer} failed: {str(e)[:300]}") from e
+            raise TransferError(f"{doing} rank {self.peer} failed: {str(e)[:300]}") from e
 
     def wait(self, work: Any, what: str) -> None:
         wait(work, self.timeout_s, what, self.peer)
