@@ -198,6 +198,23 @@ def test_a_zmq_publisher_dropped_without_close_frees_its_pool_thread_and_address
         assert again.publish() > 0 and again.flush(5.0)
 
 
+def test_publishers_dropped_without_close_leave_no_entries_behind():
+    """Each publisher collected without ``close()`` left its pool's entry in the drainer
+    registry (a dead reference that release never removed): a process making pools and
+    dropping their publishers grew the registry without end."""
+    import gc
+
+    from kvpool.events import drainers
+
+    for _ in range(20):
+        LocalEventPublisher(plain_pool())  # dropped at once, never closed
+    gc.collect()
+    pool = plain_pool()
+    with LocalEventPublisher(pool):
+        dead = [k for k, r in drainers._PUBLISHERS.items() if r() is None]
+        assert dead == [], f"{len(dead)} entries of collected publishers are still registered"
+
+
 def test_a_forked_child_keeps_the_inherited_local_publisher_as_the_pools_drainer():
     import os
 

@@ -52,6 +52,11 @@ def claim(pool: Any, publisher: Any) -> Any | None:
         other = publisher_of(pool)
         if other is not None:
             return other
+        # Publishers collected without close() leave dead entries (release never ran for them);
+        # drop them here, under the lock, rather than in a weakref callback, which a collection
+        # could run on a thread that holds the lock already.
+        for key in [k for k, r in _PUBLISHERS.items() if r() is None]:
+            del _PUBLISHERS[key]
         _PUBLISHERS[id(_allocator(pool))] = weakref.ref(publisher)
         return None
 
