@@ -50,6 +50,12 @@ def test_routes_to_the_longest_cached_prefix_then_the_least_loaded():
     assert r.route(other).pool == 0
     assert r.route(other).pool == 2
     assert r.route(other, loads=[5, 1, 3]).pool == 1
+    # Loads are any real numbers (relative ones may be negative); inf: only on a longer prefix.
+    assert r.route(other, loads=[-2.5, 1, 3]).pool == 0
+    assert r.route(other, loads=[float("inf"), 7, float("inf")]).pool == 1
+    assert r.route(base, loads=[0, float("inf"), 0]).pool == 1, "the longest prefix still wins"
+    for pool in (0, 1, 1):  # (the three routes above, finished)
+        r.finished(pool)
     assert r.route(base, eligible=[True, False, True]).pool == 0, "only pools with room"
     r.finished(1)
     assert r.load == [2, 2, 1]

@@ -371,12 +371,16 @@ class Router(PrefixMatching):
         Args:
             tokens: the prompt's token ids.
             salt: the request's salt (as given to the pool's open_with_prefix).
-            loads: per-pool load to break ties with (default ``self.load``).
+            loads: per-pool load to break ties with (default ``self.load``): any real
+                numbers, the lowest preferred; ``inf`` marks a pool taken only when no
+                other eligible pool caches as long a prefix. NaN, which orders with
+                nothing, is refused.
             eligible: per-pool flags; only pools flagged True are considered
                 (e.g. those with room for the request).
 
         Raises:
-            InvalidArgumentError: no pool is eligible, or arguments of the wrong length.
+            InvalidArgumentError: no pool is eligible, arguments of the wrong length, or a
+                ``loads`` entry that is not a real number.
         """
         cached = self.match(tokens, salt)
         load = self.load if loads is None else _per_pool("loads", loads, self.num_pools, "a number")
