@@ -144,3 +144,19 @@ def test_cuda_extend_and_write_do_not_wait_for_queued_gpu_work():
         call()
         assert not marker.query(), "the call waited for the GPU"
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_copies_are_normal_tensors_in_every_grad_mode(ring_parts, mode):
+    """A device pool's out_cache_loc and page tables come through the ring: made under
+    inference mode they were inference tensors (a CPU pool's never were), which refuse an
+    engine's in-place update outside inference mode. The meta device stands in for CUDA
+    (the copy makes a new tensor there, as on a GPU)."""
+    _, _, _, make_event, alloc = ring_parts
+    ring = PinnedRing(torch.device("meta"), alloc=alloc, make_event=make_event)
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
+    with ctx():
+        got = ring.to_device(np.arange(6, dtype=np.int64))
+    assert got.device.type == "meta" and got.shape == (6,)
+    assert not got.is_inference() and not got.requires_grad
+    got.add_(1)  # outside inference mode, as an engine padding its copy would

@@ -158,7 +158,14 @@ class PinnedRing:
             if src.dim() != 1:  # (an extend's packed array is 1-D: one view less on its path)
                 staged = staged.view(src.shape)
             staged.copy_(src)
-            dev = staged.to(self.device, non_blocking=True)
+            if torch.is_inference_mode_enabled():
+                # What the caller gets (an extend's out_cache_loc, a page table) is a normal tensor
+                # under inference mode too, as a CPU pool's: an engine may write into it later,
+                # outside inference mode, where an inference tensor refuses in-place updates.
+                with torch._C._InferenceMode(False):
+                    dev = staged.to(self.device, non_blocking=True)
+            else:
+                dev = staged.to(self.device, non_blocking=True)
             if self.device.type == "cuda":
                 s.event.record(self._current_stream())
             else:
