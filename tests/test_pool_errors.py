@@ -183,6 +183,10 @@ def test_fp8_and_mla_pools_reject_bad_writes_unchanged() -> None:
         (dict(memory_fraction=1.5), r"\(0, 1\]"),
         (dict(num_slots=16, layout="nhd"), "layout"),
         (dict(num_slots=16, dtype=torch.int8), "floating"),
+        # Refused before any allocation (they passed a floating-point test, then were refused
+        # as "cache has dtype" once the caches existed; at 2**40 slots, an out-of-memory error).
+        (dict(num_slots=16, dtype=torch.float64), "dtype must be .* the pool stores"),
+        (dict(num_slots=1 << 40, dtype=torch.float8_e4m3fnuz), "dtype must be .* the pool stores"),
         (dict(num_slots=16, kv_lora_rank=4), "both"),
         (dict(num_slots=16, kv_lora_rank=2, qk_rope_head_dim=2), "num_kv_heads=1"),
         (dict(num_slots=16, compute_dtype=torch.float32), "only fp8"),

@@ -39,7 +39,7 @@ from kvpool.sharing import SharingMixin
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.tables import ExtendResult, PageTable, page_table_tensors
-from kvpool.torch_types import FP8_DTYPES, as_device
+from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
 
@@ -202,8 +202,11 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
         self.max_context_len = _positive("max_context_len", max_context_len)
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or dtype not in CACHE_DTYPES:
+            # Before any allocation: float64 or an fnuz fp8 passed a floating-point test and was
+            # refused only once the caches, the table and the allocator existed.
+            raise InvalidArgumentError(f"dtype must be a floating torch.dtype the pool stores, one of "
+                                       f"{[str(d) for d in CACHE_DTYPES]}, got {dtype!r}")
         self.layout, self.dtype, self.device = layout, dtype, as_device(device)
         if self.device.type not in ("cpu", "cuda"):
             # e.g. "meta" holds no data: every table update would fail after
