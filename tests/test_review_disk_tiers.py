@@ -10,7 +10,7 @@ from test_tier_disk_cache import LAYERS, P, make_pool, prefill
 
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers import DiskCache, FileTier, PageRecord
-from kvpool.tiers.backend import record_bytes
+from kvpool.tiers.backend import record_bytes, shape_fingerprint
 
 
 def _record(h: int) -> PageRecord:
@@ -76,11 +76,15 @@ def test_host_storage_and_runner_for_a_pool_that_is_not_a_kvpool_are_typed(pool)
         TransferRunner.for_pool(pool, host)
 
 
-@pytest.mark.parametrize("model", [None, 5, b"m"])
-def test_a_model_that_is_not_a_str_is_refused(tmp_path, model):
-    # model=None would share the fingerprint of model="None".
+@pytest.mark.parametrize("model", [None, 5, b"m", "llama-\ud800"])
+def test_a_model_that_is_not_a_str_of_text_is_refused(tmp_path, model):
+    # model=None would share the fingerprint of model="None". A lone surrogate was taken, and
+    # every store_new then raised UnicodeEncodeError, after draining the pool's events.
+    pool = make_pool()
     with pytest.raises(InvalidArgumentError, match="model"):
-        DiskCache(make_pool(), FileTier(tmp_path, 1 << 20), model=model)
+        DiskCache(pool, FileTier(tmp_path, 1 << 20), model=model)
+    with pytest.raises(InvalidArgumentError, match="model"):
+        shape_fingerprint(pool, model)
 
 
 def _chain(start: int) -> np.ndarray:

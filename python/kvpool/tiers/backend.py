@@ -55,6 +55,21 @@ def page_key(hi: int, lo: int) -> int:
     return (int(hi) << 64) | int(lo)
 
 
+def check_model_name(model: Any) -> None:
+    """``InvalidArgumentError`` unless ``model`` is a str the fingerprint can encode."""
+    if not isinstance(model, str):
+        # str(None) == "None": a non-str would share another model's fingerprint.
+        raise InvalidArgumentError(f"model must be a str naming the model and revision, "
+                                   f"got {type(model).__name__} {model!r:.60}")
+    try:
+        model.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # A lone surrogate (os.fsdecode of a non-UTF-8 name, a JSON "\\ud800" escape): every
+        # store_new and prefetch would fail on it, store_new after draining the events.
+        raise InvalidArgumentError(f"model must be a str of UTF-8 text; {model!r:.60} has "
+                                   f"{model[e.start:e.end]!r} at {e.start}, which UTF-8 cannot encode") from None
+
+
 def shape_fingerprint(pool: Any, model: str = "") -> bytes:
     """16 bytes naming what a pool's page bytes mean: model shape, dtype, page size,
     this rank's KV heads, MLA ranks, fp8 scales and ``model`` (not the layout).
@@ -64,10 +79,7 @@ def shape_fingerprint(pool: Any, model: str = "") -> bytes:
         InvalidArgumentError: ``pool`` is not a plain ``KVPool``, or ``model`` is not a str.
     """
     require_plain_pool(pool, "shape_fingerprint")
-    if not isinstance(model, str):
-        # str(None) == "None": a non-str would share another model's fingerprint.
-        raise InvalidArgumentError(f"model must be a str naming the model and revision, "
-                                   f"got {type(model).__name__} {model!r:.60}")
+    check_model_name(model)
     parts = [
         "kvpool-page-v1", f"layers={pool.num_layers}", f"caches={1 if pool.mla else 2}",
         f"heads={pool.num_kv_heads}/{getattr(pool, 'total_kv_heads', pool.num_kv_heads)}"

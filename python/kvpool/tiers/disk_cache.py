@@ -49,7 +49,15 @@ from kvpool._nopickle import NotPicklable
 from kvpool.events.drained import checked_events
 from kvpool.events.drainers import publisher_of
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import PageRecord, TierBackend, page_key, record_bytes, shape_fingerprint, tier_seed
+from kvpool.tiers.backend import (
+    PageRecord,
+    TierBackend,
+    check_model_name,
+    page_key,
+    record_bytes,
+    shape_fingerprint,
+    tier_seed,
+)
 from kvpool.tiers.disk_chains import RegisteredChains
 from kvpool.tiers.host_storage import HostStorage
 from kvpool.validate import require_plain_pool
@@ -105,7 +113,7 @@ class DiskCache(NotPicklable):
     Raises:
         InvalidArgumentError: ``pool`` is not a plain ``KVPool`` or records no KV events
             (``kv_events=False``), ``backend`` not a ``TierBackend`` or too small for one
-            page record, or ``model`` not a str.
+            page record, or ``model`` not a str of UTF-8 text.
 
     Calls from several threads run one at a time (the cache's lock, taken before the
     pool's): ``store_new`` and ``prefetch`` stage pages through one host buffer.
@@ -123,10 +131,7 @@ class DiskCache(NotPicklable):
         if not isinstance(backend, TierBackend):
             raise InvalidArgumentError(f"backend must be a TierBackend (e.g. FileTier(path, max_bytes)), "
                                        f"got {type(backend).__name__}")
-        if not isinstance(model, str):
-            # str(None) == "None": a non-str would share another model's fingerprint.
-            raise InvalidArgumentError(f"model must be a str naming the model and revision, "
-                                       f"got {type(model).__name__} {model!r:.60}")
+        check_model_name(model)
         need = record_bytes(pool.page_size, _page_bytes(pool))
         if backend.max_bytes < need:
             raise InvalidArgumentError(f"backend.max_bytes = {backend.max_bytes} cannot hold one page record of "
