@@ -321,6 +321,36 @@ def test_no_room_gives_up_and_leaves_the_pool_as_it_was(stored):
     dst.check()
 
 
+def test_the_caches_own_requests_are_not_counted_as_prompts_served(tmp_path):
+    """store_new's and prefetch's scratch requests (opened on a chain's cached pages) were
+    counted in hit_tokens / miss_tokens, so the pool's hit rate and its exported metrics grew
+    with every chain copied: a conversation of five turns reported 800 hit tokens for 320."""
+    src = make_pool(num_pages=64)
+    dc = DiskCache(src, FileTier(tmp_path / "a", 1 << 22), model="m")
+    served = 0
+    for turn in range(1, 6):  # one conversation, one page longer each turn
+        tokens = np.arange(1000, 1000 + 2 * P * turn + 1, dtype=np.int32)
+        h, cached = src.open_with_prefix(tokens, [len(tokens)])
+        served += int(cached[0])
+        src.extend(h, [len(tokens) - int(cached[0])])
+        src.close(h, cache=True)
+        assert dc.store_new() > 0
+        assert src.stats().hit_tokens == served
+    queries = sum(2 * P * t + 1 for t in range(1, 6))
+    assert src.stats().hit_tokens + src.stats().miss_tokens == queries
+    # A prefetch into a pool that caches the prompt's first page but has no room for more.
+    dst = make_pool(num_pages=8)
+    prefill(dst, tokens[: P + 1])
+    busy = dst.open(1)
+    dst.extend(busy, [(int(dst.free_pages) - 1) * P])
+    before = dst.stats()
+    disk = DiskCache(dst, FileTier(tmp_path / "a", 1 << 22), model="m")
+    assert disk.prefetch(tokens) == 0
+    after = dst.stats()
+    assert (after.hit_tokens, after.miss_tokens, after.free_pages, after.cached_pages) == \
+        (before.hit_tokens, before.miss_tokens, before.free_pages, before.cached_pages)
+
+
 def test_store_and_prefetch_bounded_by_the_tier(tmp_path):
     pool = make_pool()
     tier = FileTier(tmp_path, 2 * 1024)  # room for a few pages only (each ~ 600 bytes here)

@@ -249,7 +249,7 @@ class DiskCache(NotPicklable):
             return 0
         pool_words = np.array([w for k in chain for w in (k >> 64, k & (2**64 - 1))], dtype=np.uint64)
         try:
-            h = self.pool.open_with_chain_hashes(pool_words, tokens, salt)
+            h = self._scratch_open(pool_words, tokens, salt)
         except TooManyRequestsError:
             return None
         handles.append(h)
@@ -269,6 +269,16 @@ class DiskCache(NotPicklable):
         if held < len(chain):
             self.stats.chains_skipped += 1
         return len(todo_new)
+
+    def _scratch_open(self, words: np.ndarray, tokens: np.ndarray, salt: int | None,
+                      max_pages: int | None = None) -> int:
+        """A request holding the pages of a chain the pool caches, for this cache's own copy:
+        not a prompt served, so the pool's hit and miss counts (its hit rate, the exported
+        metrics) take back what the open counted."""
+        h = self.pool.open_with_chain_hashes(words, tokens, salt, max_pages)
+        held = int(self.pool.length(h))
+        self.pool.allocator._uncount_opens(held, len(tokens) - held, 0)
+        return h
 
     def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes) -> int:
         if not work:
@@ -399,8 +409,7 @@ class DiskCache(NotPicklable):
             raw[i + 1].numpy()[:] = np.frombuffer(rec.payload, dtype=np.uint8)
         with pool._lock:
             try:
-                h: int | None = pool.open_with_chain_hashes(pool_words[: 2 * cached], prefix[: cached * p], salt,
-                                                              cached)
+                h: int | None = self._scratch_open(pool_words[: 2 * cached], prefix[: cached * p], salt, cached)
             except TooManyRequestsError:
                 return 0  # another thread took the last free row since the check in _prefetch
             try:
