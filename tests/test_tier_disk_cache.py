@@ -242,6 +242,38 @@ def test_a_damaged_or_foreign_file_ends_the_hit_there(stored, damage):
     dst.check()
 
 
+@pytest.mark.parametrize("damage", ["empty", "short", "header", "reserved"])
+def test_a_file_a_crash_left_at_a_pages_name_does_not_stop_it_being_stored(tmp_path, damage):
+    """Writes are not fsynced, so a crash can leave a record's file empty or short. store_new
+    took any regular file at the name for the page's record and never wrote it while the pool
+    cached it: the pages below it were stored unreachable, and a later prefetch stopped there."""
+    import struct
+
+    src = make_pool(hash_seed=11)
+    want = prefill(src, TOKENS, seed=1)
+    tier = FileTier(tmp_path, 1 << 20)
+    files, _ = _files(tier, TOKENS)
+    files[1].parent.mkdir(parents=True, exist_ok=True)
+    if damage == "empty":
+        files[1].write_bytes(b"")
+    else:
+        blob = bytearray(encode(PageRecord(0, 0, 0, np.zeros(P, np.int32), bytes(16), bytes(64))))
+        if damage == "short":
+            blob = blob[:100]
+        elif damage == "header":
+            blob[:8] = b"NOTAPAGE"
+        else:  # a field this format keeps at 0 (a later format would change the version)
+            struct.pack_into("<I", blob, 8 + 4 + 16 * 3 + 8 + 4, 1)
+        files[1].write_bytes(bytes(blob))
+    assert not tier.contains(int(files[1].stem, 16))
+    assert DiskCache(src, tier, model="m").store_new() == 4
+    assert DiskCache(make_pool(), tier, model="m").prefetch(TOKENS) == 4
+    dst = make_pool()
+    DiskCache(dst, tier, model="m").prefetch(TOKENS)
+    n, got = hit(dst, TOKENS)
+    assert n == 4 * P and torch.equal(got, want[:, : 4 * P])
+
+
 def test_fp8_scales_are_part_of_the_fingerprint(tmp_path):
     src = make_pool(dtype=torch.float8_e4m3fn)
     src.k_scale.fill_(0.5)

@@ -179,14 +179,31 @@ def encode(rec: PageRecord) -> bytes:
     return body + hashlib.blake2b(body, digest_size=_SUM).digest()
 
 
+HEADER_BYTES = _HEADER.size
+
+
+def header_promises(head: bytes, size: int, page_hash: int | None = None) -> bool:
+    """Whether ``head``, a file's first ``HEADER_BYTES``, starts a record of this format
+    (magic, version, the reserved field 0) that is ``size`` bytes long in all, and, given
+    ``page_hash``, is filed under it: what can be told without reading the rest (a torn or
+    truncated file fails it; a flipped byte past the header needs ``decode``'s checksum).
+    A later format that uses the reserved field changes the version."""
+    try:
+        magic, version, _fp, h, _parent, _salt, ntok, res, npay = _HEADER.unpack_from(head, 0)
+    except struct.error:  # shorter than a header
+        return False
+    return (magic == MAGIC and version == FORMAT_VERSION and res == 0 and size == record_bytes(ntok, npay)
+            and (page_hash is None or int.from_bytes(h, "little") == page_hash))
+
+
 def decode(blob: bytes) -> PageRecord | None:
     """The record in ``blob``, or None if it is not an intact record of this format."""
     try:
         if len(blob) < _HEADER.size + _SUM:
             return None
-        magic, version, fp, h, parent, salt, ntok, _res, npay = _HEADER.unpack_from(blob, 0)
-        if magic != MAGIC or version != FORMAT_VERSION or len(blob) != record_bytes(ntok, npay):
+        if not header_promises(blob[: _HEADER.size], len(blob)):
             return None
+        _magic, _version, fp, h, parent, salt, ntok, _res, npay = _HEADER.unpack_from(blob, 0)
         view = memoryview(blob)
         if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != bytes(view[-_SUM:]):
             return None
@@ -224,7 +241,9 @@ class TierBackend(abc.ABC):
 
     @abc.abstractmethod
     def contains(self, page_hash: int) -> bool:
-        """Whether a record is stored under ``page_hash`` (not verified: ``get`` may still miss)."""
+        """Whether a record is stored under ``page_hash`` (not fully verified: ``get`` may still
+        miss). ``DiskCache.store_new`` skips a page this says is stored, so say False for what
+        can be told damaged cheaply (``FileTier``: an empty or short file, a wrong header)."""
 
     @abc.abstractmethod
     def remove(self, page_hash: int) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 from kvpool._forksafe import INNER
 from kvpool._forksafe import track as track_for_fork
 from kvpool.errors import InvalidArgumentError
-from kvpool.tiers.backend import PageRecord, TierBackend, decode, encode
+from kvpool.tiers.backend import HEADER_BYTES, PageRecord, TierBackend, decode, encode, header_promises
 from kvpool.tiers.file_paths import (
     check_same_file_system,
     directory,
@@ -203,11 +203,16 @@ class FileTier(TierBackend):
             pass
 
     def contains(self, page_hash: int) -> bool:
-        # Only a regular file at the name, as get() reads it: a directory or a symlink there
-        # (another tool, a crash) is no record, and said present its page would never be
-        # stored again while every lookup missed for good. (A put replaces a symlink itself.)
+        # Only a regular file at the name whose header promises the record filed there, as
+        # get() reads it: a directory or a symlink (another tool), or a file a crash left empty
+        # or short (no fsync), is no record, and said present its page would never be stored
+        # again while every lookup missed for good. (A put replaces any of them.) The header
+        # alone: a flipped byte past it is get()'s checksum to find, and get() then drops it.
+        f = self.file_for(page_hash)
         try:
-            return stat.S_ISREG(os.lstat(self.file_for(page_hash)).st_mode)
+            with open(os.open(f, READ_FLAGS), "rb") as fh:
+                st = os.fstat(fh.fileno())
+                return stat.S_ISREG(st.st_mode) and header_promises(fh.read(HEADER_BYTES), st.st_size, page_hash)
         except OSError:
             return False
 
