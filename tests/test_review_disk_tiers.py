@@ -153,3 +153,30 @@ def test_pages_a_full_disk_refused_are_written_by_the_next_store(tmp_path):
     assert DiskCache(dst, tier, model="m").prefetch(TOKENS) == 4
     n, got = hit(dst, TOKENS)
     assert n == 16 and torch.equal(got, want[:, :16])
+
+
+@pytest.mark.parametrize("room", [3, 5])
+def test_a_chain_extended_on_disk_keeps_its_start_when_the_tier_is_full(tmp_path, room):
+    """A store that extends a chain already on disk evicted that chain's first pages (written
+    a turn before, so older than the pages written now) and kept the new deeper ones, whose
+    parent was then gone: records that could never be hit, holding the room. With room for
+    three records, a four-page chain now keeps pages 0-2 (the one past the tier's room is not
+    written); with room for five, a chain stored after its first turn goes first."""
+    src = make_pool(hash_seed=1, num_pages=64)
+    page = 2 * LAYERS * P * src.num_kv_heads * src.head_dim * src.dtype.itemsize
+    tier = FileTier(tmp_path, room * record_bytes(P, page), scan_interval_s=0.0)
+    dc = DiskCache(src, tier, model="m")
+    other = np.arange(5000, 5000 + 2 * P + 1, dtype=np.int32)
+    chain = np.arange(1000, 1000 + 4 * P + 1, dtype=np.int32)
+    prefill(src, chain[: 2 * P + 1], seed=1)
+    assert dc.store_new() == 2  # pages 0 and 1
+    if room == 5:  # newer than the chain's first turn
+        prefill(src, other, seed=3)
+        assert dc.store_new() == 2
+    prefill(src, chain, seed=2)
+    assert dc.store_new() == (1 if room == 3 else 2)  # pages 2 (and 3)
+    files = len(list(tmp_path.glob("*/*.kvp")))
+    assert files == room
+    assert _loadable(tier, chain) == min(4, room)  # every record left is reachable
+    if room == 5:
+        assert _loadable(tier, other) == 1, "the older chain lost its tail first"

@@ -137,6 +137,7 @@ class DiskCache(NotPicklable):
             raise InvalidArgumentError(f"backend.max_bytes = {backend.max_bytes} cannot hold one page record of "
                                        f"this pool; it must be at least {need} bytes")
         self.pool, self.backend, self.model = pool, backend, model
+        self._fit = backend.max_bytes // need  # page records the backend holds at most
         self.stats = DiskStats()
         self._chains = RegisteredChains()
         self._entries = self._chains.entries  # pool hash -> chain link, for registered pages
@@ -205,18 +206,16 @@ class DiskCache(NotPicklable):
                 covered.update(chain)
         work: list[tuple[int, PageRecord, int]] = []  # (device page, record without payload, pool hash)
         handles: list[int] = []
-        touch: list[int] = []  # the chains' backend keys, each chain deepest page first
+        chains: list[tuple[int, int, list[int]]] = []  # per chain: its work items [start, stop), backend keys
         budget = int(max_pages) if max_pages is not None else len(self._pending)
         try:
             for chain in reversed(leaves):
                 if len(work) >= budget:
                     break
-                got = self._take_chain(chain, fp, handles, work, budget, touch)
+                got = self._take_chain(chain, fp, handles, work, budget, chains)
                 if got is None:
                     break  # no free request row: the rest waits for the next call
-            written = self._write(work, fp)
-            if written:
-                self.backend.touch(touch)
+            written = self._write(work, fp, chains)
         except BaseException:
             # Taken from pending, maybe not written (an error other than a refused put: a
             # device copy, the staging buffer, the backend): pending again while the pool
@@ -231,7 +230,7 @@ class DiskCache(NotPicklable):
         return written
 
     def _take_chain(self, chain: list[int], fp: bytes, handles: list[int], work: list[tuple[int, PageRecord, int]],
-                    budget: int, touch: list[int]) -> int | None:
+                    budget: int, chains: list[tuple[int, int, list[int]]]) -> int | None:
         first = self._entries[chain[0]]
         salt = first.salt
         tokens = np.concatenate([self._entries[k].tokens for k in chain])
@@ -253,11 +252,13 @@ class DiskCache(NotPicklable):
         except TooManyRequestsError:
             return None
         handles.append(h)
-        touch.extend(reversed(tier_keys))
         held = self.pool.length(h) // p
         pages = self.pool.pages(h)
+        start = len(work)
         for i in todo_new:
-            if i >= held:  # evicted since its event: nothing left to store
+            if i >= held or i >= self._fit:
+                # Evicted since its event: nothing left to store. Or past the pages the backend
+                # holds at all: written, it would evict its own chain's start and never be hit.
                 self._pending.pop(chain[i], None)
                 continue
             if len(work) >= budget:
@@ -266,6 +267,8 @@ class DiskCache(NotPicklable):
             work.append((int(pages[i]), PageRecord(tier_keys[i], parent, salt, tokens[i * p : (i + 1) * p].copy(),
                                                    fp, b""), chain[i]))
             self._pending.pop(chain[i], None)
+        if len(work) > start:
+            chains.append((start, len(work), tier_keys))
         if held < len(chain):
             self.stats.chains_skipped += 1
         return len(todo_new)
@@ -280,7 +283,8 @@ class DiskCache(NotPicklable):
         self.pool.allocator._uncount_opens(held, len(tokens) - held, 0)
         return h
 
-    def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes) -> int:
+    def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes,
+               chains: list[tuple[int, int, list[int]]]) -> int:
         if not work:
             return 0
         staging = self._stage(len(work))
@@ -291,19 +295,27 @@ class DiskCache(NotPicklable):
         raw = staging.buffer.view(staging.host_pages, -1).view(torch.uint8)
         done: list[tuple[int, int]] = []  # (tier hash, pool key) of the records written
         refused: set[int] = set()
-        # Deepest first: eviction during these writes takes a chain's tail before its start.
-        for i, (_, rec, pool_key) in reversed(list(enumerate(work))):
-            full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
-                              raw[i + 1].numpy().tobytes())
-            if self.backend.put(full):
-                done.append((rec.page_hash, pool_key))
-                continue
-            refused.add(rec.page_hash)
-            if pool_key in self._entries:
-                # Refused (a full disk, an I/O error): stays pending, so the next call
-                # writes it once there is room, rather than never while it stays cached.
-                self._pending[pool_key] = None
-                self.stats.write_failures += 1
+        for start, stop, keys in chains:
+            # The chain's pages stored before (an earlier turn's) become the most recently used,
+            # its first page last: these writes then evict other chains before this one's start,
+            # which, older than the pages written now, went first (leaving them unreachable).
+            now = {rec.page_hash for _, rec, _ in work[start:stop]}
+            self.backend.touch([k for k in reversed(keys) if k not in now])
+            # Deepest first: eviction during these writes takes a chain's tail before its start.
+            for i in range(stop - 1, start - 1, -1):
+                _, rec, pool_key = work[i]
+                full = PageRecord(rec.page_hash, rec.parent_hash, rec.salt, rec.tokens, fp,
+                                  raw[i + 1].numpy().tobytes())
+                if self.backend.put(full):
+                    done.append((rec.page_hash, pool_key))
+                    continue
+                refused.add(rec.page_hash)
+                if pool_key in self._entries:
+                    # Refused (a full disk, an I/O error): stays pending, so the next call
+                    # writes it once there is room, rather than never while it stays cached.
+                    self._pending[pool_key] = None
+                    self.stats.write_failures += 1
+            self.backend.touch(keys[::-1])  # the whole chain again, deepest first
         if refused:
             done = self._drop_orphans(done, refused, {rec.page_hash: rec.parent_hash for _, rec, _ in work})
         self.stats.pages_stored += len(done)
