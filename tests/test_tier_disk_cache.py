@@ -471,6 +471,23 @@ def test_prompts_that_are_not_token_ids_are_typed_and_load_nothing(stored, token
     assert (dst.cached_pages, dst.open_requests, dc.stats.pages_loaded) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("pool_caches", [0, 1])
+def test_a_prompt_past_max_context_len_is_refused_before_anything_is_read(stored, pool_caches):
+    """It returned 0 when the pool cached none of it, and raised from its own extend when the
+    pool cached its first page (after reading and touching the records)."""
+    tier, _ = stored
+    dst = make_pool()  # max_context_len 128
+    if pool_caches:
+        prefill(dst, TOKENS[: P + 1])
+    long = np.concatenate([TOKENS, np.arange(200, 200 + 128, dtype=np.int32)])
+    dc = DiskCache(dst, tier, model="m")
+    before = (dst.cached_pages, dst.open_requests, dst.stats().hit_tokens, tier.hits, tier.misses)
+    with pytest.raises(kvpool.ContextTooLongError, match="max_context_len=128"):
+        dc.prefetch(long)
+    assert (dst.cached_pages, dst.open_requests, dst.stats().hit_tokens, tier.hits, tier.misses) == before
+    dst.check()
+
+
 def test_bad_backend_and_scan_interval_are_typed(tmp_path):
     with pytest.raises(kvpool.InvalidArgumentError, match="TierBackend"):
         DiskCache(make_pool(), str(tmp_path))

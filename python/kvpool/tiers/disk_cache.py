@@ -42,7 +42,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool._core import InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
+from kvpool._core import (
+    ContextTooLongError,
+    InvalidArgumentError,
+    PoolExhaustedError,
+    TooManyRequestsError,
+    page_hashes,
+)
 from kvpool._forksafe import OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
@@ -362,8 +368,17 @@ class DiskCache(NotPicklable):
 
         Returns:
             Pages loaded.
+
+        Raises:
+            InvalidArgumentError: ``tokens`` not a 1-D sequence of token ids in int32 range.
+            ContextTooLongError: a prompt longer than the pool's ``max_context_len``, which
+                ``open_with_prefix`` refuses too (nothing is read or loaded).
         """
         tokens = _token_ids(tokens)
+        if len(tokens) > self.pool.max_context_len:
+            # Up front: it returned 0 or raised from its own extend, by what the pool cached.
+            raise ContextTooLongError(f"the prompt has {len(tokens)} tokens, more than the pool's max_context_len="
+                                      f"{self.pool.max_context_len}; open_with_prefix refuses it too")
         with self._calls:
             return self._prefetch(tokens, salt)
 
