@@ -42,28 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool._core import (
-    ContextTooLongError,
-    InvalidArgumentError,
-    PoolExhaustedError,
-    TooManyRequestsError,
-    page_hashes,
-)
+from kvpool._core import ContextTooLongError, InvalidArgumentError, PoolExhaustedError, TooManyRequestsError, page_hashes
 from kvpool._forksafe import OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.events.drained import checked_events
 from kvpool.events.drainers import publisher_of
 from kvpool.kernels.pages import load_pages, offload_pages
-from kvpool.tiers.backend import (
-    PageRecord,
-    TierBackend,
-    check_model_name,
-    page_key,
-    record_bytes,
-    shape_fingerprint,
-    tier_seed,
-)
+from kvpool.tiers.backend import PageRecord, TierBackend, check_model_name, page_key, record_bytes, shape_fingerprint, tier_seed
 from kvpool.tiers.disk_chains import RegisteredChains
 from kvpool.tiers.host_storage import HostStorage
 from kvpool.validate import require_plain_pool
