@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_tier_disk_cache import TOKENS, hit, make_pool, prefill
 
-import kvpool.tiers.disk_cache as disk_cache
+import kvpool.tiers.disk_load as disk_load
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.tiers import DiskCache, FileTier
@@ -65,13 +65,13 @@ def test_a_prefetched_load_is_waited_for_by_the_next_hit_on_another_stream(tmp_p
     helper, engine = FakeStream("helper", log), FakeStream("engine", log)
     current = [helper]
     dst = device_path_pool(log, current)
-    real_load = disk_cache.load_pages
+    real_load = disk_load.load_pages
 
     def logged_load(*args, **kw):
         log.append(("load", current[0].name))
         return real_load(*args, **kw)
 
-    monkeypatch.setattr(disk_cache, "load_pages", logged_load)
+    monkeypatch.setattr(disk_load, "load_pages", logged_load)
     assert DiskCache(dst, tier, model="m").prefetch(TOKENS) == 4
     i = log.index(("load", "helper"))
     assert ("record", "order", "helper") in log[i:], "the load was never recorded for other streams"
