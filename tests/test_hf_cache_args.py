@@ -234,8 +234,9 @@ def test_a_hybrid_reorder_past_max_requests_is_refused_before_any_fork():
     cache.flush()
     before = {n: t.clone() for n, t in pool.named_tensors()}
     handles = cache.handles
-    with pytest.raises(TooManyRequestsError, match="fork asks for 2 new requests .* 3 of max_requests=4 .* at most 1"):
-        cache.reorder_cache(torch.tensor([0, 0, 0]))
+    # (six rows from three: closing the two dropped rows first would still leave too few)
+    with pytest.raises(TooManyRequestsError, match="fork asks for 5 new requests .* 3 of max_requests=4 .* at most 1"):
+        cache.reorder_cache(torch.tensor([0, 0, 0, 0, 0, 0]))
     assert pool.open_requests == B and np.array_equal(cache.handles, handles)
     changed = [n for n, t in pool.named_tensors() if not torch.equal(before[n], t)]
     assert not changed, changed

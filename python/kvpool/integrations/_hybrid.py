@@ -26,10 +26,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError, TooManyRequestsError
+from kvpool.errors import IncompleteForwardError, KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
-from kvpool.integrations._reorder import batch_mismatch, repeat_prefix_rows
+from kvpool.integrations._reorder import batch_mismatch, reorder_hybrid_rows, repeat_prefix_rows
 from kvpool.integrations._requests import check_kv_type, check_not_empty
 from kvpool.integrations._row_checks import check_context, check_rows, close_rows
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
@@ -67,6 +67,7 @@ class HybridRequests:
         self._new: list[torch.Tensor] = []
         self._index: dict[int, torch.Tensor] = {}
         self._edits = 0  # the pool's count of calls that change requests, when last checked (``check_edits``)
+        self.broken: str | None = None  # why the rows refuse all but close (``check_broken``)
 
     @property
     def batch_size(self) -> int:
@@ -74,7 +75,14 @@ class HybridRequests:
             raise AttributeError("no rows yet: the batch size is learned at the first update")
         return int(self.handles.shape[0])
 
+    def check_broken(self, what: str) -> None:
+        """Refuse everything but ``reset``/``close`` after a reorder lost rows (``reorder``)."""
+        if self.broken is not None:
+            raise IncompleteForwardError(f"{what}: {self.broken}; the cache can no longer tell what its rows "
+                                         "hold: reset() (or close()) it and run the batch again")
+
     def ensure_open(self, batch: int) -> None:
+        self.check_broken("KVPoolCache.update")  # (every layer's update, attention or state, comes here)
         if self.handles is None:
             self._set_handles(self.pool.open(batch))
             self.fresh = True
@@ -218,43 +226,7 @@ class HybridRequests:
 
     def reorder(self, sources: list[int]) -> None:
         """Row j continues row ``sources[j]`` (a fork per extra copy, state included)."""
-        if self.handles is None:
-            return
-        b = self.handles.shape[0]
-        bad = [s for s in sources if not 0 <= s < b]
-        if bad:
-            raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
-        extra, most, now = len(sources) - len(set(sources)), int(self.pool.max_requests), int(self.pool.open_requests)
-        if extra and now + extra > most:
-            # Up front, as the plain pool's one fork call refuses: forking row by row first
-            # rewrote the table rows of the forks it then closed, and named one fork only.
-            raise TooManyRequestsError(
-                f"too many requests: fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) "
-                f"with {now} of max_requests={most} already open; at most {max(most - now, 0)} more can open now "
-                f"(close requests first, or ask for fewer)")
-        self.check_edits()
-        self.flush()
-        out = np.empty(len(sources), dtype=np.int64)
-        used: set[int] = set()
-        made: list[int] = []
-        try:
-            for j, s in enumerate(sources):
-                if s in used:
-                    h = int(self.pool.fork(int(self.handles[s]), 1)[0])
-                    made.append(h)
-                    out[j] = h
-                else:
-                    out[j] = self.handles[s]
-                    used.add(s)
-        except Exception:
-            if made:
-                self.pool.close(np.asarray(made, dtype=np.int64))
-            self._edits = getattr(self.pool, "_row_edits", 0)  # (its own forks and closes)
-            raise
-        dropped = [int(self.handles[s]) for s in range(b) if s not in used]
-        if dropped:
-            self.pool.close(np.asarray(dropped, dtype=np.int64))
-        self._set_handles(out)
+        reorder_hybrid_rows(self, sources)
 
     def open_with_prefix(self, prefix_ids: torch.Tensor, salt: int | None) -> None:
         """Open one request per row of ``prefix_ids`` [B, T] on its longest cached prefix
@@ -294,6 +266,7 @@ class HybridRequests:
         self.prefix_unstarted = True  # until a forward: generate may still expand the batch
 
     def close(self) -> None:
+        self.broken = None  # (its rows go with the rest)
         if self.handles is not None:
             try:
                 self.check_edits(lengths=False)

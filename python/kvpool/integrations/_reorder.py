@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
+from kvpool.errors import TooManyRequestsError
 from kvpool.integrations._pending import undo_flush
 
 BEAM_NEEDS_FORK = (
@@ -30,7 +32,8 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
 
     A row continued once keeps its request; each further copy is a ``pool.fork``
     (shares every page). All forks are made before anything is closed, so a
-    failing fork leaves the batch as it was.
+    failing fork leaves the batch as it was; unless the pool has too few free rows
+    for the copies and closing the dropped rows first makes room (``close_first``).
     """
     if batch.handles is None:
         return  # nothing opened yet: the first update opens as many rows as it sees
@@ -44,41 +47,125 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
     if extra and batch.length > 0 and fork is None:
         raise NotImplementedError(BEAM_NEEDS_FORK)
     batch.check_edits()
+    first = close_first(batch.pool, sum(extra.values()), b - len(counts))
     # Forks share the rows' pages as the pool holds them (after the checks: a reorder
     # refused leaves the pool as it was, deferred steps included).
     caught_up = batch.deferred
     batch.flush()
     made: list[int] = []
     copies: dict[int, list[int]] = {}
-    try:
-        for s, n in extra.items():
-            if batch.length == 0:
-                new = [int(h) for h in batch.pool.open(n)]  # nothing to share yet
-            else:
-                assert fork is not None  # checked above: extra copies with tokens need fork
-                new = [int(h) for h in fork(int(batch.handles[s]), n)]
-            made.extend(new)
-            copies[s] = new
-        out = np.empty(len(sources), dtype=np.int64)
-        used: set[int] = set()
-        for j, s in enumerate(sources):
-            if s in used:
-                out[j] = copies[s].pop()
-            else:
-                out[j] = batch.handles[s]
-                used.add(s)
-        dropped = [int(batch.handles[s]) for s in range(b) if s not in used]
-        if dropped:  # (inside: a close that fails, a host tier's copy, would leave the forks unowned)
-            batch.pool.close(np.asarray(dropped, dtype=np.int64))
-    except Exception:
-        if made:
-            batch.pool.close(np.asarray(made, dtype=np.int64))
-        if caught_up:
-            undo_flush(batch, caught_up)
-        batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
-        raise
+    closed = False
+    dropped = [int(batch.handles[s]) for s in range(b) if s not in counts]
+    with pool_lock(batch.pool):  # (the rows closed first stay free for these forks)
+        try:
+            if first:
+                batch.pool.close(np.asarray(dropped, dtype=np.int64))
+                closed = True
+            for s, n in extra.items():
+                if batch.length == 0:
+                    new = [int(h) for h in batch.pool.open(n)]  # nothing to share yet
+                else:
+                    assert fork is not None  # checked above: extra copies with tokens need fork
+                    new = [int(h) for h in fork(int(batch.handles[s]), n)]
+                made.extend(new)
+                copies[s] = new
+            out = np.empty(len(sources), dtype=np.int64)
+            used: set[int] = set()
+            for j, s in enumerate(sources):
+                if s in used:
+                    out[j] = copies[s].pop()
+                else:
+                    out[j] = batch.handles[s]
+                    used.add(s)
+            if dropped and not first:  # (inside: a close that fails, a host tier's copy, would leave the forks unowned)
+                batch.pool.close(np.asarray(dropped, dtype=np.int64))
+        except Exception as err:
+            if made:
+                batch.pool.close(np.asarray(made, dtype=np.int64))
+            batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
+            if closed:
+                # The dropped rows' requests are gone: the batch cannot be put back.
+                batch.broken = (f"a reorder closed the rows it dropped to make room for its copies, then "
+                                f"failed ({type(err).__name__}: {err})")
+            elif caught_up:
+                undo_flush(batch, caught_up)
+            raise
     batch._shared = batch._shared or bool(made and batch.length > 0)
     batch._set_handles(out)
+
+
+def reorder_hybrid_rows(batch: Any, sources: Sequence[int]) -> None:
+    """``reorder_rows`` for a ``HybridRequests`` batch: a fork per extra copy (state included), row
+    by row, refused up front when the rows cannot hold the copies; the dropped rows close first
+    only when the copies need their rows (``close_first``)."""
+    if batch.handles is None:
+        return
+    b = batch.handles.shape[0]
+    bad = [s for s in sources if not 0 <= s < b]
+    if bad:
+        raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
+    kept = set(sources)
+    extra, most, now = len(sources) - len(kept), int(batch.pool.max_requests), int(batch.pool.open_requests)
+    dropped = [int(batch.handles[s]) for s in range(b) if s not in kept]
+    first = close_first(batch.pool, extra, len(dropped))
+    if extra and now + extra > most and not first:
+        # Up front, as the plain pool's one fork call refuses: forking row by row first
+        # rewrote the table rows of the forks it then closed, and named one fork only.
+        raise TooManyRequestsError(
+            f"too many requests: fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) "
+            f"with {now} of max_requests={most} already open; at most {max(most - now, 0)} more can open now "
+            f"(close requests first, or ask for fewer)")
+    batch.check_edits()
+    batch.flush()
+    out = np.empty(len(sources), dtype=np.int64)
+    used: set[int] = set()
+    made: list[int] = []
+    closed = False
+    with pool_lock(batch.pool):
+        try:
+            if first:
+                batch.pool.close(np.asarray(dropped, dtype=np.int64))
+                closed = True
+            for j, s in enumerate(sources):
+                if s in used:
+                    h = int(batch.pool.fork(int(batch.handles[s]), 1)[0])
+                    made.append(h)
+                    out[j] = h
+                else:
+                    out[j] = batch.handles[s]
+                    used.add(s)
+        except Exception as err:
+            if made:
+                batch.pool.close(np.asarray(made, dtype=np.int64))
+            batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
+            if closed:
+                batch.broken = (f"a reorder closed the rows it dropped to make room for its copies, then "
+                                f"failed ({type(err).__name__}: {err})")
+            raise
+        if dropped and not first:
+            batch.pool.close(np.asarray(dropped, dtype=np.int64))
+    batch._set_handles(out)
+
+
+def close_first(pool: Any, copies: int, dropped: int) -> bool:
+    """Whether a reorder making ``copies`` new requests must close its ``dropped`` rows before
+    it forks: only when the pool has too few free rows for the copies and the dropped rows
+    make up for it. Beam search's reorders keep the batch size, so their copies number the
+    rows they drop, and forking first needed twice the batch's rows at its peak (a pool
+    sized for the beams refused the first reorder that continued a beam twice). Forking
+    first keeps a failed fork harmless, so it stays the rule where the rows allow it."""
+    most, now = getattr(pool, "max_requests", None), getattr(pool, "open_requests", None)
+    if not copies or not dropped or most is None or now is None:
+        return False
+    free = int(most) - int(now)
+    return free < copies <= free + dropped
+
+
+def pool_lock(pool: Any) -> Any:
+    """The pool's own (reentrant) lock, so that no other thread takes the rows a reorder
+    frees for its forks; a pool object without one gets no lock."""
+    lock = getattr(pool, "_lock", None)
+    return lock if lock is not None and hasattr(lock, "__enter__") else nullcontext()
 
 
 def repeat_prefix_rows(batch: Any, rows: int) -> bool:

@@ -341,8 +341,7 @@ class KVPoolCache(NotPicklable, Cache):
             if b * n > most:
                 raise TooManyRequestsError(
                     f"too many requests: batch_repeat_interleave({n}) makes {b} x {n} = {b * n} rows, more than the "
-                    f"pool's max_requests={most}; beam search also needs room for the copies a reorder forks "
-                    f"before it closes the rows it drops")
+                    f"pool's max_requests={most}: give the pool rows for every beam (max_requests)")
             self.requests.reorder([i for i in range(b) for _ in range(repeats)])
 
     def reset(self) -> None:
