@@ -86,6 +86,22 @@ def test_groups_with_their_own_page_sizes():
     pool.check()
 
 
+def test_a_default_sliding_group_with_larger_pages_holds_every_requests_window():
+    """Capped at the full group's tokens counted in sliding pages, the default sliding group
+    ignored that each request's window starts and ends inside a page: with full pages of 1
+    token and sliding pages of 16, the fourth of five requests decoding well within
+    max_context_len ran the sliding group dry while the full group had 55 pages free."""
+    pool = KVPool(2, 1, 4, layer_types=["full_attention", "sliding_attention"], sliding_window=40,
+                  page_size={"full_attention": 1, "sliding_attention": 16}, num_pages=251, max_requests=5,
+                  max_context_len=50)
+    # Five windows of 40 at a page each side of them, and one longest prompt (docs/hybrid.md).
+    assert pool.groups[1].num_pages == 5 * (3 + 1) + 4 + 1
+    for _ in range(5):
+        h, _ = pool.admit([48])
+        pool.extend(h, 1)
+    pool.check()
+
+
 def test_window_release_keeps_w_plus_one_page_and_tables_show_only_the_window():
     pool = make()
     h = pool.open(2)
