@@ -143,6 +143,19 @@ def test_refusals_name_the_group_and_change_nothing():
     assert issubclass(kvpool.RollbackUnavailableError, kvpool.KVPoolError)
 
 
+def test_an_anchor_chain_short_of_pages_is_named_with_what_sizes_it():
+    """It was "group 2 (anchor)" in a pool of groups 0 and 1, an index every per-group call
+    refuses, and said nothing of anchor_pages=."""
+    a = GroupedAllocator([{"kind": "sliding", "num_pages": 20, "page_size": 2, "window": 3},
+                          {"kind": "sliding", "num_pages": 20, "page_size": 3, "window": 5}],
+                         max_requests=4, max_context_len=64, anchor_pages=4)
+    with pytest.raises(kvpool.PoolExhaustedError, match=r"the token-only anchor chain \(group 2, past the layer "
+                       r"groups\) exhausted: .* \(size the anchor with anchor_pages="):
+        a.admit([4])
+    assert a.open_requests == 0
+    a.check()
+
+
 def test_admission_figures():
     a = hybrid(state_slots=3, sliding_pages=5)
     assert a.admissible_requests == 2

@@ -912,7 +912,8 @@ class GroupedAllocator:
     def admissible_requests(self) -> int:
         """How many more requests can open now: free rows, and a free or
         evictable slot in every state group (the pool-wide figure for
-        admission, with admissible_tokens()).
+        admission, with admissible_tokens()). A prefix hit's open may need
+        one more: the checkpoint it restores from is not room for its own slot.
         """
     @property
     def hit_tokens(self) -> int:
@@ -1153,10 +1154,14 @@ class GroupedAllocator:
             InvalidArgumentError: no such group.
         """
     def admissible_tokens(self, group: int | None = None) -> int:
-        """Tokens that can surely still be appended (a lower bound): in one
-        group (free_pages * page_size; state slots for a state group), or
-        with group=None the least over every page group and the anchor chain,
-        the pool-wide figure for admission with admissible_requests.
+        """Tokens that fit in whole free or evictable pages: in one group
+        (free_pages * page_size; state slots for a state group), or with
+        group=None the least over every page group and the anchor chain, the
+        pool-wide figure for admission with admissible_requests. One new
+        request of this many tokens fits; a batch is a page count, not a
+        token count (each request starts a page in every page group), and a
+        request writing into a partly filled page it shares (a fork's) takes
+        one more page for the copy.
 
         Raises:
             InvalidArgumentError: no such group.

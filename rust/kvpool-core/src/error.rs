@@ -110,10 +110,12 @@ pub type Result<T> = std::result::Result<T, PoolError>;
 /// The details of [`PoolError::GroupExhausted`].
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error(
-    "group {group} ({kind}) exhausted: the call needs {needed_pages} of its {} but only \
-     {free_pages} are free or evictable{}; nothing was allocated in any group",
+    "{} exhausted: the call needs {needed_pages} of its {} but only \
+     {free_pages} are free or evictable{}; nothing was allocated in any group{}",
+    group_name(*.group, .kind),
     shortage_unit(.kind, *.page_size),
-    held_back_note(*.held_back)
+    held_back_note(*.held_back),
+    anchor_hint(.kind)
 )]
 pub struct GroupShortage {
     /// The group (`len(groups)` for a token-only anchor chain).
@@ -142,6 +144,26 @@ pub struct Rollback {
     pub group: usize,
     pub kind: &'static str,
     pub reason: String,
+}
+
+/// How a shortage names its group: the token-only anchor chain has an index
+/// past the groups that no per-group call takes, so it is named by what it is.
+fn group_name(group: usize, kind: &str) -> String {
+    if kind == "anchor" {
+        format!("the token-only anchor chain (group {group}, past the layer groups)")
+    } else {
+        format!("group {group} ({kind})")
+    }
+}
+
+/// What to change when the anchor chain runs short: its own size.
+fn anchor_hint(kind: &str) -> &'static str {
+    if kind == "anchor" {
+        " (size the anchor with anchor_pages=, by default room for every request's longest \
+         context twice)"
+    } else {
+        ""
+    }
 }
 
 /// What a group's shortage counts: a state group holds one state slot per

@@ -23,7 +23,8 @@ impl PyGroupedAllocator {
 
     /// How many more requests can open now: free rows, and a free or
     /// evictable slot in every state group (the pool-wide figure for
-    /// admission, with admissible_tokens()).
+    /// admission, with admissible_tokens()). A prefix hit's open may need
+    /// one more: the checkpoint it restores from is not room for its own slot.
     #[getter]
     fn admissible_requests(&self, py: Python<'_>) -> usize {
         self.run(py, |c| c.admissible_requests())
@@ -149,10 +150,14 @@ impl PyGroupedAllocator {
 
     /// admissible_tokens(group=None) -> int
     ///
-    /// Tokens that can surely still be appended (a lower bound): in one
-    /// group (free_pages * page_size; state slots for a state group), or
-    /// with group=None the least over every page group and the anchor chain,
-    /// the pool-wide figure for admission with admissible_requests.
+    /// Tokens that fit in whole free or evictable pages: in one group
+    /// (free_pages * page_size; state slots for a state group), or with
+    /// group=None the least over every page group and the anchor chain, the
+    /// pool-wide figure for admission with admissible_requests. One new
+    /// request of this many tokens fits; a batch is a page count, not a
+    /// token count (each request starts a page in every page group), and a
+    /// request writing into a partly filled page it shares (a fork's) takes
+    /// one more page for the copy.
     ///
     /// Raises:
     ///     InvalidArgumentError: no such group.
