@@ -29,8 +29,9 @@ class ExtendResult(NamedTuple):
 
     ``slots`` is the host int64 array; ``out_cache_loc`` the same values as an
     int64 tensor on the pool's device (zero copy on CPU), ready to be a step's
-    ``out_cache_loc`` / ``slot_mapping``. It is a per-step value made in the
-    caller's grad mode, not pool state.
+    ``out_cache_loc`` / ``slot_mapping``. It is a per-step value, not pool state:
+    a normal tensor (never an inference tensor, even made under inference mode),
+    so an engine may edit it in place in any grad mode.
     """
 
     slots: np.ndarray
