@@ -151,14 +151,15 @@ def plan_groups(
             need = max_requests * (_cdiv(window - 1, p) + 1) + _cdiv(max_context_len, p) + 1
             # Never more than the full group's tokens can fill (a window is part of the context), in
             # this group's pages: each request's window may start and end inside a page, so two more
-            # a request (the tokens alone undercounted, and requests well within their context ran
-            # this group dry while the full group had room).
+            # a request that holds any (the tokens alone undercounted, and requests well within their
+            # context ran this group dry while the full group had room); such a request holds a page
+            # of the full group too, so there are no more of them than its pages.
             cap = need
             if has_full and explicit.get("full_attention", num_pages) is not None:
                 full_pages = explicit.get("full_attention", num_pages)
                 full_p = _per_type("page_size", page_size, "full_attention", 1)
                 if isinstance(full_pages, int) and isinstance(full_p, int) and full_p >= 1:
-                    cap = full_pages * full_p // p + 2 * max_requests + 1
+                    cap = full_pages * full_p // p + 2 * min(max_requests, full_pages) + 1
             pages = min(need, cap)
         groups.append(LayerGroup(index, t, kind, layers, p, window if kind == "sliding" else None, pages))
     return groups
