@@ -103,6 +103,23 @@ def test_a_damaged_file_is_a_miss(tmp_path, damage):
         assert tier.put(r) and same(tier.get(r.page_hash), r)
 
 
+def test_a_directory_at_a_records_name_costs_no_file_descriptor(tmp_path):
+    """open() of the descriptor os.open gave for a directory raised without closing it: every
+    contains() (each store_new, for a page kept pending behind such a directory) and every
+    get() leaked one, until the process ran out of descriptors."""
+    import os
+
+    tier = FileTier(tmp_path, 1 << 20)
+    f = tier.file_for(rec(3).page_hash)
+    f.mkdir(parents=True)
+    (f / "someone's data").write_text("kept")
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    for _ in range(50):
+        assert not tier.contains(rec(3).page_hash) and tier.get(rec(3).page_hash) is None
+    assert fds() == before
+
+
 def test_swapped_names_are_misses(tmp_path):
     tier = FileTier(tmp_path, 1 << 20)
     a, b = rec(4), rec(5)

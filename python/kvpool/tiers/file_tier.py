@@ -70,6 +70,18 @@ STALE_TMP_S = 600.0
 DROP = ".drop."
 
 
+def _open_record(f: Path) -> Any:
+    """``f`` opened to be read, with ``READ_FLAGS``. A directory there opens too, and
+    ``open(fd)`` then raises without closing the descriptor it was given (one leaked on every
+    look at a page whose name a directory holds): such an fd is closed here before the error."""
+    fd = os.open(f, READ_FLAGS)
+    try:
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class FileTier(TierBackend):
     """Page records as files under ``path``, at most ``max_bytes`` in all (see the module doc).
 
@@ -142,7 +154,7 @@ class FileTier(TierBackend):
             # record's name made open() wait forever (holding DiskCache's lock), and a link
             # to /dev/zero passed the size test (0) and read without end. Foreign, so a
             # miss, and left where it is.
-            with open(os.open(f, READ_FLAGS), "rb") as fh:
+            with _open_record(f) as fh:
                 st = os.fstat(fh.fileno())
                 if not stat.S_ISREG(st.st_mode) or st.st_size > self._max:
                     # Past this process's bound, so not read into memory; but another
@@ -210,7 +222,7 @@ class FileTier(TierBackend):
         # alone: a flipped byte past it is get()'s checksum to find, and get() then drops it.
         f = self.file_for(page_hash)
         try:
-            with open(os.open(f, READ_FLAGS), "rb") as fh:
+            with _open_record(f) as fh:
                 st = os.fstat(fh.fileno())
                 return stat.S_ISREG(st.st_mode) and header_promises(fh.read(HEADER_BYTES), st.st_size, page_hash)
         except OSError:
