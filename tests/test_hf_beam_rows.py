@@ -126,3 +126,60 @@ def test_a_hybrid_fork_failing_after_the_dropped_rows_closed_leaves_a_cache_that
     cache.close()
     assert pool.open_requests == 0
     pool.check()
+
+
+def _boom(*a, **kw):
+    raise RuntimeError("out of memory (injected)")
+
+
+def test_a_broken_plain_cache_refuses_a_decode_step_inside_its_pages(monkeypatch):
+    """The short way of update (a step inside pages the rows own, deferred: no pool call)
+    took decode steps on the rows left after a reorder lost one (reviewer's find)."""
+    from kvpool.errors import IncompleteForwardError
+
+    pool = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=256, max_requests=3, max_context_len=64)
+    cache = KVPoolCache(pool)
+    with torch.no_grad():
+        for t in (5, 1):
+            for layer in range(2):
+                k = torch.randn(3, 2, t, 4)
+                cache.update(k, -k, layer)
+    with monkeypatch.context() as m:
+        m.setattr(kvpool.KVPool, "fork", _boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.reorder_cache(torch.tensor([0, 0, 1]))
+    with torch.no_grad(), pytest.raises(IncompleteForwardError, match="closed the rows it dropped"):
+        k = torch.randn(3, 2, 1, 4)
+        cache.update(k, -k, 0)
+    cache.close()
+    assert pool.open_requests == 0
+    pool.check()
+
+
+def test_a_broken_hybrid_cache_lets_no_state_layer_write_a_slot_it_lost(monkeypatch):
+    """A linear-attention layer in front of the first attention layer wrote the rows' states
+    through its view, the lost row's slot included, which another request held by then."""
+    from kvpool.errors import IncompleteForwardError
+
+    pool = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=256, max_requests=3, max_context_len=64,
+                         layer_types=["linear_attention", "full_attention"], state_shapes={"recurrent": (2, 4, 4)})
+    cache = KVPoolCache(pool)
+    state = cache.layers[0]
+    with torch.no_grad():
+        state.update_recurrent_state(torch.zeros(3, 2, 4, 4))
+        k = torch.randn(3, 2, 5, 4)
+        cache.update(k, -k, 1)
+    with monkeypatch.context() as m:
+        m.setattr(pool, "fork", _boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.reorder_cache(torch.tensor([0, 0, 1]))
+    other = pool.open(1)
+    slot = int(pool.state_slots(other, 0)[0])
+    pool.state(0, "recurrent")[slot] = 42.0
+    with torch.no_grad(), pytest.raises(IncompleteForwardError, match="closed the rows it dropped"):
+        state.update_recurrent_state(torch.full((3, 2, 4, 4), 7.0))
+    assert bool((pool.state(0, "recurrent")[slot] == 42.0).all())
+    cache.close()
+    pool.close(other)
+    assert pool.open_requests == 0
+    pool.check()

@@ -266,11 +266,11 @@ class HybridRequests:
         self.prefix_unstarted = True  # until a forward: generate may still expand the batch
 
     def close(self) -> None:
-        self.broken = None  # (its rows go with the rest)
+        broken, self.broken = self.broken, None  # (its rows go with the rest)
         if self.handles is not None:
             try:
                 self.check_edits(lengths=False)
-                intact = True
+                intact = broken is None  # (a reorder that lost rows: nothing of them to publish)
             except KVPoolError:  # closed through the pool: their state slots may be another's now
                 intact = False
             handles, self.handles, self._rows = self.handles, None, None

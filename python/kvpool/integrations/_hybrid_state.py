@@ -45,6 +45,8 @@ class StateRequests(Protocol):
 
     def ensure_open(self, batch: int) -> None: ...
 
+    def check_broken(self, what: str) -> None: ...
+
     def check_edits(self) -> None: ...
 
     def publish(self) -> None: ...
@@ -119,8 +121,10 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def _refresh(self) -> None:
         req = self.requests
-        # A call through the pool may have closed the rows and handed their state slots to
-        # another request: refused before the model gets (and writes) them.
+        # A reorder that lost rows (``_reorder.lost_rows``), or a call through the pool, may have
+        # closed the rows and handed their state slots to another request: refused before the
+        # model gets (and writes) them.
+        req.check_broken("KVPoolCache.update")
         req.check_edits()
         if self._epoch == req.epoch:
             return

@@ -47,20 +47,22 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
     if extra and batch.length > 0 and fork is None:
         raise NotImplementedError(BEAM_NEEDS_FORK)
     batch.check_edits()
-    first = close_first(batch.pool, sum(extra.values()), b - len(counts))
-    # Forks share the rows' pages as the pool holds them (after the checks: a reorder
-    # refused leaves the pool as it was, deferred steps included).
-    caught_up = batch.deferred
-    batch.flush()
     made: list[int] = []
     copies: dict[int, list[int]] = {}
     closed = False
     dropped = [int(batch.handles[s]) for s in range(b) if s not in counts]
-    with pool_lock(batch.pool):  # (the rows closed first stay free for these forks)
+    # Under the pool's lock from the decision on: another thread taking the rows counted free
+    # would fail a fork after the dropped rows closed, and the rows closed first stay free.
+    with pool_lock(batch.pool):
+        # Forks share the rows' pages as the pool holds them (after the checks: a reorder
+        # refused leaves the pool as it was, deferred steps included).
+        caught_up = batch.deferred
+        batch.flush()
+        first = close_first(batch.pool, sum(extra.values()), len(dropped))
         try:
             if first:
+                closed = True  # (from the call on: one that fails part-way may have closed some)
                 batch.pool.close(np.asarray(dropped, dtype=np.int64))
-                closed = True
             for s, n in extra.items():
                 if batch.length == 0:
                     new = [int(h) for h in batch.pool.open(n)]  # nothing to share yet
@@ -79,14 +81,12 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
                     used.add(s)
             if dropped and not first:  # (inside: a close that fails, a host tier's copy, would leave the forks unowned)
                 batch.pool.close(np.asarray(dropped, dtype=np.int64))
-        except Exception as err:
+        except BaseException as err:
             if made:
                 batch.pool.close(np.asarray(made, dtype=np.int64))
             batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
             if closed:
-                # The dropped rows' requests are gone: the batch cannot be put back.
-                batch.broken = (f"a reorder closed the rows it dropped to make room for its copies, then "
-                                f"failed ({type(err).__name__}: {err})")
+                lost_rows(batch, err)
             elif caught_up:
                 undo_flush(batch, caught_up)
             raise
@@ -105,27 +105,28 @@ def reorder_hybrid_rows(batch: Any, sources: Sequence[int]) -> None:
     if bad:
         raise InvalidArgumentError(f"row indices {bad[:4]} outside the batch of {b}")
     kept = set(sources)
-    extra, most, now = len(sources) - len(kept), int(batch.pool.max_requests), int(batch.pool.open_requests)
+    extra = len(sources) - len(kept)
     dropped = [int(batch.handles[s]) for s in range(b) if s not in kept]
-    first = close_first(batch.pool, extra, len(dropped))
-    if extra and now + extra > most and not first:
-        # Up front, as the plain pool's one fork call refuses: forking row by row first
-        # rewrote the table rows of the forks it then closed, and named one fork only.
-        raise TooManyRequestsError(
-            f"too many requests: fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) "
-            f"with {now} of max_requests={most} already open; at most {max(most - now, 0)} more can open now "
-            f"(close requests first, or ask for fewer)")
-    batch.check_edits()
-    batch.flush()
-    out = np.empty(len(sources), dtype=np.int64)
-    used: set[int] = set()
-    made: list[int] = []
-    closed = False
-    with pool_lock(batch.pool):
+    with pool_lock(batch.pool):  # (as reorder_rows: decided and done under the pool's lock)
+        most, now = int(batch.pool.max_requests), int(batch.pool.open_requests)
+        first = close_first(batch.pool, extra, len(dropped))
+        if extra and now + extra > most and not first:
+            # Up front, as the plain pool's one fork call refuses: forking row by row first
+            # rewrote the table rows of the forks it then closed, and named one fork only.
+            raise TooManyRequestsError(
+                f"too many requests: fork asks for {extra} new request{'s' if extra != 1 else ''} (copies of rows) "
+                f"with {now} of max_requests={most} already open; at most {max(most - now, 0)} more can open now "
+                f"(close requests first, or ask for fewer)")
+        batch.check_edits()
+        batch.flush()
+        out = np.empty(len(sources), dtype=np.int64)
+        used: set[int] = set()
+        made: list[int] = []
+        closed = False
         try:
             if first:
+                closed = True  # (from the call on: one that fails part-way may have closed some)
                 batch.pool.close(np.asarray(dropped, dtype=np.int64))
-                closed = True
             for j, s in enumerate(sources):
                 if s in used:
                     h = int(batch.pool.fork(int(batch.handles[s]), 1)[0])
@@ -134,17 +135,25 @@ def reorder_hybrid_rows(batch: Any, sources: Sequence[int]) -> None:
                 else:
                     out[j] = batch.handles[s]
                     used.add(s)
-        except Exception as err:
+        except BaseException as err:
             if made:
                 batch.pool.close(np.asarray(made, dtype=np.int64))
             batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
             if closed:
-                batch.broken = (f"a reorder closed the rows it dropped to make room for its copies, then "
-                                f"failed ({type(err).__name__}: {err})")
+                lost_rows(batch, err)
             raise
         if dropped and not first:
             batch.pool.close(np.asarray(dropped, dtype=np.int64))
     batch._set_handles(out)
+
+
+def lost_rows(batch: Any, err: BaseException) -> None:
+    """A reorder closed the rows it dropped, then failed: the batch cannot be put back, so it
+    refuses all but reset/close (``check_broken``), on every path (the plain cache's fast
+    decode path and a hybrid cache's state layers check it too)."""
+    batch.broken = (f"a reorder closed the rows it dropped to make room for its copies, then failed "
+                    f"({type(err).__name__}: {err})")
+    batch.fast = False  # (the plain cache's short way: its next update goes the checked way)
 
 
 def close_first(pool: Any, copies: int, dropped: int) -> bool:

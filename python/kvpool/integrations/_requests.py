@@ -238,6 +238,8 @@ class BatchRequests:
         date and make the step's stores (``dst`` or ``new_slots``) and attention's K/V
         (``gather``). ``grad``: whether the step runs under grad mode (None: ask torch)."""
         assert self.handles is not None
+        if self.broken is not None:  # (a reorder that lost rows: no step on what is left of them)
+            self.check_broken("KVPoolCache.update")
         self.prefix_unstarted = False
         stream = None
         if self.cuda:
