@@ -53,17 +53,30 @@ from kvpool.validate import check_flag, check_layer, check_rows, slots_tensor
 __all__ = ["HybridExtendResult", "HybridKVPool"]
 
 
+def _page_group(groups: list[LayerGroup], group_of_layer: Any, num_layers: int, layer: Any) -> LayerGroup:
+    """The page group of ``layer`` (``HybridKVPool._page_group``)."""
+    g = groups[group_of_layer[check_layer(layer, num_layers)]]
+    if g.kind == "state":
+        raise InvalidArgumentError(
+            f"layer {layer} is a {g.layer_type} layer: it has state slots (state(layer, name), "
+            "state_slots(handles, layer)), not K/V pages")
+    return g
+
+
 class _LayerTables(Sequence[torch.Tensor]):
-    """``req_to_token[layer]``: the request-to-token table of the layer's group."""
+    """``req_to_token[layer]``: the request-to-token table of the layer's group. It keeps the
+    tables and the layer map, not the pool: a pool it named was in a reference cycle with it,
+    and a dropped pool's memory (GPU memory, on a device) waited for the cyclic collector."""
 
     def __init__(self, pool: HybridKVPool) -> None:
-        self._pool = pool
+        self._tables, self._groups = pool._tables, pool.groups
+        self._group_of_layer, self._num_layers = pool.group_of_layer, pool.num_layers
 
     def __len__(self) -> int:
-        return self._pool.num_layers
+        return self._num_layers
 
     def __getitem__(self, layer: Any) -> Any:
-        return self._pool._tables[self._pool._page_group(layer).index]
+        return self._tables[_page_group(self._groups, self._group_of_layer, self._num_layers, layer).index]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         # Sequence's own iteration stops at an IndexError, and a layer past the end raises
@@ -270,12 +283,7 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, 
         return self.groups[self.group_of_layer[check_layer(layer, self.num_layers)]]
 
     def _page_group(self, layer: Any) -> LayerGroup:
-        g = self.group(layer)
-        if g.kind == "state":
-            raise InvalidArgumentError(
-                f"layer {layer} is a {g.layer_type} layer: it has state slots (state(layer, name), "
-                "state_slots(handles, layer)), not K/V pages")
-        return g
+        return _page_group(self.groups, self.group_of_layer, self.num_layers, layer)
 
     def _state_group(self, layer: Any) -> LayerGroup:
         g = self.group(layer)

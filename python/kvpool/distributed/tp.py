@@ -24,6 +24,7 @@ import gc
 import hashlib
 import inspect
 import secrets
+import weakref
 from typing import Any
 
 import numpy as np
@@ -114,7 +115,14 @@ class TPPool:
                 setattr(self, name, self._recorded(name, fn))
 
     def _recorded(self, name: str, fn: Any) -> Any:
+        # A weak reference: the call is an attribute of this TPPool, and a closure over it made a
+        # cycle that kept a dropped TPPool and its pool's memory until the cyclic collector ran.
+        me = weakref.ref(self)
+
         def call(*args: Any, **kwargs: Any) -> Any:
+            tp = me()
+            if tp is None:  # (a call kept past its TPPool: nothing is left to record it)
+                return fn(*args, **kwargs)
             try:
                 out = fn(*args, **kwargs)
             except Exception as e:
@@ -122,16 +130,16 @@ class TPPool:
                 # extend counts as a step, so a rank whose extend succeeded where this one's
                 # failed still meets it in the same verify (else one all_gather would meet the
                 # model's next collective and both ranks would hang until the group timeout).
-                self._fold(name, args, kwargs, type(e).__name__)
-                if name == "extend" and self._step_due():
+                tp._fold(name, args, kwargs, type(e).__name__)
+                if name == "extend" and tp._step_due():
                     try:
-                        self.verify()
+                        tp.verify()
                     except RankDivergenceError as d:
                         raise d from e
                 raise
-            self._fold(name, args, kwargs, out)
-            if name == "extend" and self._step_due():
-                self.verify()
+            tp._fold(name, args, kwargs, out)
+            if name == "extend" and tp._step_due():
+                tp.verify()
             return out
         call.__name__ = name
         call.__doc__ = getattr(fn, "__doc__", None)

@@ -15,6 +15,7 @@ and its end marker a second.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +57,9 @@ class IdleProbes:
     """The probes of one ``ZmqFeed`` (its replay sockets, router and settings)."""
 
     def __init__(self, feed: Any) -> None:
-        self.feed = feed
+        # A proxy: the feed holds these probes, and a strong reference back made a cycle that
+        # kept a feed dropped without close(), and its sockets, until the cyclic collector ran.
+        self.feed = weakref.proxy(feed)
         self.last_heard: dict[int, float] = {}  # pool -> when its stream last spoke (or was probed)
         self.asked: dict[int, float] = {}  # pool -> when its unanswered probe went out
         self.sent = 0

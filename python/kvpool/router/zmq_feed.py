@@ -17,6 +17,7 @@ checked its history (with no replay endpoint, the pool is forgotten at once).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,12 @@ class ZmqFeed:
         self._suspect: set[int] = set()  # pools whose publisher disconnected since their last check
         self.replays = 0  # replay requests sent
         self.disconnects = 0  # publisher connections seen dropping
+        # A feed dropped without close(): its sockets close once it is collected, monitors first.
+        # pyzmq's own collection of a SUB socket leaves its monitor's inproc endpoint (named by the
+        # socket's fd) bound, and a later subscribe() whose socket got that fd failed with
+        # "Address already in use". (No atexit: the context may be gone by then.)
+        self._finalizer = weakref.finalize(self, _close_sockets, self._subs, self._monitors, self._replay)
+        self._finalizer.atexit = False
 
     def subscribe(self, pool: int, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "") -> None:
         """Receive ``pool``'s batches from the publisher at ``endpoint`` (connected).
@@ -279,18 +286,25 @@ class ZmqFeed:
         """Close every socket; a later ``poll()`` receives nothing until a pool is
         subscribed again."""
         for sub in self._subs:
-            sub.disable_monitor()
             # A closed socket left registered made every later poll() fail.
             self._poller.unregister(sub)
-        for s in [*self._monitors.values(), *self._subs, *self._replay.values()]:
-            s.close(linger=0)
-        self._subs.clear()
+        _close_sockets(self._subs, self._monitors, self._replay)
         self._topics.clear()
-        self._monitors.clear()
-        self._replay.clear()
         self._replay_endpoints.clear()
         self._suspect.clear()
         self._probes.clear()
+
+
+def _close_sockets(subs: dict[Any, int], monitors: dict[int, Any], replay: dict[int, Any]) -> None:
+    """Close a feed's sockets, each SUB's monitor disabled first, and forget them (``close``, or
+    the finalizer of a feed collected without it: this holds no reference to the feed)."""
+    for sub in subs:
+        sub.disable_monitor()
+    for s in [*monitors.values(), *subs, *replay.values()]:
+        s.close(linger=0)
+    subs.clear()
+    monitors.clear()
+    replay.clear()
 
 
 __all__ = ["ZmqFeed"]
