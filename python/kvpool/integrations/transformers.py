@@ -49,6 +49,8 @@ for its backward while the cache goes on storing (docs/transformers.md).
 from __future__ import annotations
 
 import operator
+import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -98,6 +100,22 @@ def _token_count(n: Any) -> int:
         raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
 
 
+def _warn_if_dropped_open(cache: Any) -> None:
+    """A ``ResourceWarning`` when ``cache`` is collected with rows still open (as Python warns of
+    an unclosed file): their requests stay open in the pool for good, and a shared pool then
+    refuses new requests after ``max_requests`` / batch such caches. Not closed here: a
+    collection may run inside another pool call on this thread, in the middle of its work."""
+    weakref.finalize(cache, _dropped_open, cache.requests, cache.pool)
+
+
+def _dropped_open(requests: Any, pool: Any) -> None:
+    # (No pool call: the rows' handles say enough, and this may run inside one.)
+    if requests.handles is not None:
+        warnings.warn(f"a KVPoolCache holding {requests.handles.shape[0]} rows was dropped without close(): their "
+                      f"requests stay open in {pool!r}; close() the cache, or use it in a with block",
+                      ResourceWarning, stacklevel=1)
+
+
 class KVPoolCache(NotPicklable, Cache):
     """A transformers ``Cache`` backed by a ``KVPool``: pass it as ``past_key_values=``.
 
@@ -138,6 +156,7 @@ class KVPoolCache(NotPicklable, Cache):
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
+        _warn_if_dropped_open(self)
         self._hit = 0  # the tokens the rows were opened on (a prefix hit)
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)
@@ -396,6 +415,7 @@ class HybridKVPoolCache(KVPoolCache):
         self.requests.layers = self._pool_layers
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         Cache.__init__(self, layers=layers)
+        _warn_if_dropped_open(self)
         self._hit = 0
         if prefix_ids is not None:
             self.requests.open_with_prefix(prefix_ids, salt)

@@ -1,0 +1,45 @@
+"""A KVPoolCache collected with rows open warns (ResourceWarning, as an unclosed file does):
+nothing closes its requests, and a shared pool refuses new ones after max_requests / batch
+such caches. A closed cache, or one that never opened rows, says nothing."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
+import kvpool  # noqa: E402
+from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
+
+
+def _pool(**kw):
+    return kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=256, max_requests=4,
+                         max_context_len=64, **kw)
+
+
+def _dropped(pool, close: bool, update: bool = True) -> list:
+    cache = KVPoolCache(pool)
+    if update:
+        for layer in range(2):
+            k = torch.randn(2, 2, 3, 4)
+            cache.update(k, -k, layer)
+    if close:
+        cache.close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del cache
+        gc.collect()
+    return [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_cache_dropped_with_rows_open_warns(hybrid):
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4) if hybrid else {}
+    pool = _pool(**kw)
+    seen = _dropped(pool, close=False)
+    assert len(seen) == 1 and "holding 2 rows was dropped without close()" in str(seen[0].message)
+    assert pool.open_requests == 2  # (not closed behind the engine's back)
+    assert _dropped(pool, close=True) == [] and _dropped(pool, close=False, update=False) == []
