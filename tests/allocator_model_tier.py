@@ -121,7 +121,8 @@ class TierMixin:
                         pending.append(e)
                 else:
                     if loc in self.lru:
-                        if not spare:
+                        # A pinned page was never available: holding it uses up no page.
+                        if not spare and self.plist(loc) != PINNED:
                             break
                         self.lru.remove(loc)
                 k += 1

@@ -176,3 +176,34 @@ def test_events_say_which_tier_and_encode_as_gpu_and_cpu():
     assert (stored, removed, cleared) == (4, 2, 0)
     assert {(ev["type"], ev["medium"]) for ev in events} == {
         ("BlockStored", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "GPU")}
+
+
+def test_a_prompt_whose_device_pages_are_all_pinned_hits_them_on_a_full_pool():
+    """With a host tier, a match reaching a host-only page counted holding any unheld device
+    page as using up a page a load could take: on a pool whose every page was pinned (none
+    free, none evictable) a prompt cached on the device up to a host page hit nothing, though
+    match_chain_hashes said 4 tokens (found by tests/test_review_router_agreement.py's
+    host-tier machine; this is its sequence)."""
+    from kvpool._core import page_hashes
+
+    a = kvpool.SlotAllocator(4, 2, 6, 14, hash_seed=7, max_pinned_pages=3, host_pages=2)
+
+    def serve(tokens, priority=None):
+        (h,), (c,) = a.open_with_prefix(tokens, [len(tokens)])
+        a.extend([h], [len(tokens) - int(c)], tokens=tokens[int(c):])
+        a.close([h], cache=True, **({} if priority is None else {"priority": priority}))
+
+    serve([1, 1, 1, 1, 1, 3])  # pages [1, 1] [1, 1] [1, 3]
+    for _ in range(3):
+        a.evict(1)
+    serve([1, 2])
+    a.evict(1)  # [1, 3]'s only copy is on the host now
+    serve([1, 1, 1, 1, 1, 1], priority=100)  # three device pages, all pinned
+    assert (a.free_pages, a.pinned_pages) == (0, 3)
+    longer = [1, 1, 1, 1, 1, 3, 1]
+    words = page_hashes(np.asarray(longer, dtype=np.int64), 2, 7, 0)[:6]
+    assert a.match_chain_hashes(words, longer[:6], 0) == 2  # (on the device)
+    (h,), (cached,) = a.open_with_prefix(longer, [7])
+    assert int(cached) == 4  # the two pinned pages; [1, 3]'s load finds no page: the match ends there
+    a.close([h])
+    a.check()

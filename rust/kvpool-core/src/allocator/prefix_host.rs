@@ -6,8 +6,9 @@
 //! of the pool's available pages (FREE + CACHED when the call starts). A
 //! hit uses one up if it loads (a host-only entry not already loaded by an
 //! earlier prompt of the batch) or holds an evictable page (which then can
-//! no longer be evicted for a load). A hit that needs a page when none is
-//! left ends its prompt's match there: a miss, not an error.
+//! no longer be evicted for a load); a pinned or held page uses none. A hit
+//! that needs a page when none is left ends its prompt's match there: a
+//! miss, not an error.
 //!
 //! The order of the phases is what keeps the call's transfers safe:
 //!
@@ -76,10 +77,15 @@ impl SlotAllocator {
                         pending.push(i);
                     }
                 } else {
-                    if self.pages.holders(loc) == 0 && !spare {
+                    // Only holding an evictable page uses up one a load could take: a
+                    // pinned cached page was never available, and a held one is not.
+                    // (Any unheld page counted: a prompt whose device pages were all
+                    // pinned hit nothing once no page was free.)
+                    let page = std::slice::from_ref(&loc);
+                    if !spare && self.pages.evictable_among(page) == 1 {
                         break;
                     }
-                    self.pages.hold(std::slice::from_ref(&loc));
+                    self.pages.hold(page);
                 }
                 k += 1;
             }

@@ -197,7 +197,11 @@ impl Model {
                         pending.push(reg);
                     }
                 } else {
-                    if self.lru.contains(&loc) && !spare {
+                    // A pinned page was never available: holding it uses up no page.
+                    if self.lru.contains(&loc)
+                        && !spare
+                        && self.list(loc) != super::priorities::PINNED
+                    {
                         break;
                     }
                     self.hold(loc);
