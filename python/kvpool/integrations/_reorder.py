@@ -82,12 +82,7 @@ def reorder_rows(batch: Any, sources: Sequence[int]) -> None:
             if dropped and not first:  # (inside: a close that fails, a host tier's copy, would leave the forks unowned)
                 batch.pool.close(np.asarray(dropped, dtype=np.int64))
         except BaseException as err:
-            if made:
-                batch.pool.close(np.asarray(made, dtype=np.int64))
-            batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
-            if closed:
-                lost_rows(batch, err)
-            elif caught_up:
+            if not gave_back(batch, made, closed, err) and caught_up:
                 undo_flush(batch, caught_up)
             raise
     batch._shared = batch._shared or bool(made and batch.length > 0)
@@ -136,15 +131,22 @@ def reorder_hybrid_rows(batch: Any, sources: Sequence[int]) -> None:
                     out[j] = batch.handles[s]
                     used.add(s)
         except BaseException as err:
-            if made:
-                batch.pool.close(np.asarray(made, dtype=np.int64))
-            batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
-            if closed:
-                lost_rows(batch, err)
+            gave_back(batch, made, closed, err)
             raise
         if dropped and not first:
             batch.pool.close(np.asarray(dropped, dtype=np.int64))
     batch._set_handles(out)
+
+
+def gave_back(batch: Any, made: list[int], closed: bool, err: BaseException) -> bool:
+    """A failed reorder closes the copies it made; returns whether it had closed the dropped
+    rows first, which leaves the batch refusing all but reset/close (``lost_rows``)."""
+    if made:
+        batch.pool.close(np.asarray(made, dtype=np.int64))
+    batch._edits = getattr(batch.pool, "_row_edits", 0)  # (its own forks and closes)
+    if closed:
+        lost_rows(batch, err)
+    return closed
 
 
 def lost_rows(batch: Any, err: BaseException) -> None:
