@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import kvpool
-from kvpool.integrations._requests import BatchRequests
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5)")
 from _hf_models import greedy, left_padded, tiny_model  # noqa: E402
+from test_hf_reorder_failure import open_rows  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model  # noqa: E402
@@ -49,14 +49,7 @@ def test_a_hybrid_beam_search_needs_no_rows_past_the_beams():
 
 
 def _three_rows(max_requests):
-    pool = kvpool.KVPool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=32, max_requests=max_requests,
-                         max_context_len=64)
-    br = BatchRequests(pool)
-    br.ensure_open(3)
-    br.begin_step(6)
-    k = torch.arange(3 * 6 * 2 * 4, dtype=torch.float32).view(3, 2, 6, 4)
-    br.write(0, k, -k)
-    return pool, br, k
+    return open_rows(3, max_requests)
 
 
 def test_the_dropped_rows_close_first_only_when_the_copies_need_them(monkeypatch):

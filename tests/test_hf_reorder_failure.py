@@ -18,16 +18,23 @@ def snapshot(pool) -> tuple:
     return (pool.open_requests, pool.used_pages, pool.free_pages, pool.used_slots)
 
 
+def open_rows(rows: int, max_requests: int):
+    """A one-layer pool and a ``BatchRequests`` of ``rows`` rows holding 6 tokens each: the pool,
+    the batch and the K written (V is -K)."""
+    pool = kvpool.KVPool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=32, max_requests=max_requests,
+                         max_context_len=64)
+    br = BatchRequests(pool)
+    br.ensure_open(rows)
+    br.begin_step(6)
+    k = torch.arange(rows * 6 * 2 * 4, dtype=torch.float32).view(rows, 2, 6, 4)
+    br.write(0, k, -k)
+    return pool, br, k
+
+
 def test_batch_requests_reorder_gives_back_its_forks():
     # 2 rows open; the first row's two copies take 2 more rows; the second row's two
     # copies need 2 of the 1 left.
-    pool = kvpool.KVPool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=32, max_requests=5,
-                         max_context_len=64)
-    br = BatchRequests(pool)
-    br.ensure_open(2)
-    br.begin_step(6)
-    k = torch.arange(2 * 6 * 2 * 4, dtype=torch.float32).view(2, 2, 6, 4)
-    br.write(0, k, -k)
+    pool, br, k = open_rows(2, max_requests=5)
     handles, before = br.handles.copy(), snapshot(pool)
     with pytest.raises(kvpool.TooManyRequestsError):
         br.reorder([0, 0, 0, 1, 1, 1])
