@@ -26,12 +26,12 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import IncompleteForwardError, KVPoolError, TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_hybrid_rows, repeat_prefix_rows
 from kvpool.integrations._requests import check_kv_type, check_not_empty
-from kvpool.integrations._row_checks import check_context, check_rows, close_rows
+from kvpool.integrations._row_checks import check_context, check_rows, close_rows, refuse_broken
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 from kvpool.kernels._common import check_dense
 
@@ -77,9 +77,7 @@ class HybridRequests:
 
     def check_broken(self, what: str) -> None:
         """Refuse everything but ``reset``/``close`` after a reorder lost rows (``reorder``)."""
-        if self.broken is not None:
-            raise IncompleteForwardError(f"{what}: {self.broken}; the cache can no longer tell what its rows "
-                                         "hold: reset() (or close()) it and run the batch again")
+        refuse_broken(self.broken, what)
 
     def ensure_open(self, batch: int) -> None:
         self.check_broken("KVPoolCache.update")  # (every layer's update, attention or state, comes here)

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.errors import ContextTooLongError, IncompleteForwardError, TensorDeviceError, TensorDtypeError, TensorShapeError
+from kvpool.errors import ContextTooLongError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import flush_locked, store_below, undo_flush
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_rows, repeat_prefix_rows
-from kvpool.integrations._row_checks import check_context, check_rows, close_rows
+from kvpool.integrations._row_checks import check_context, check_rows, close_rows, refuse_broken
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.kernels._common import check_dense
 from kvpool.streams import current_raw_stream, refuse_capture
@@ -339,9 +339,7 @@ class BatchRequests:
 
     def check_broken(self, what: str) -> None:
         """Refuse everything but ``reset``/``close`` after a step failed half-made (``begin_step``)."""
-        if self.broken is not None:
-            raise IncompleteForwardError(f"{what}: {self.broken}; the cache can no longer tell what its rows "
-                                         "hold: reset() (or close()) it and run the batch again")
+        refuse_broken(self.broken, what)
 
     def check_edits(self, *, lengths: bool = True) -> None:
         """A pool call the cache did not make changed some request since the rows were last

@@ -8,9 +8,23 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import ContextTooLongError, InvalidHandleError, RequestSwappedOutError, RowsChangedError
+from kvpool.errors import (
+    ContextTooLongError,
+    IncompleteForwardError,
+    InvalidHandleError,
+    RequestSwappedOutError,
+    RowsChangedError,
+)
 
-__all__ = ["check_rows", "close_rows", "row_slots", "rows_hold"]
+__all__ = ["check_rows", "close_rows", "refuse_broken", "row_slots", "rows_hold"]
+
+
+def refuse_broken(broken: str | None, what: str) -> None:
+    """``IncompleteForwardError`` for ``what`` when the cache's rows are ``broken`` (a step that
+    failed half-made, a reorder that lost rows): everything but reset/close is refused."""
+    if broken is not None:
+        raise IncompleteForwardError(f"{what}: {broken}; the cache can no longer tell what its rows "
+                                     "hold: reset() (or close()) it and run the batch again")
 
 
 def check_rows(pool: Any, handles: np.ndarray, tokens: int | None, ahead: int = 0) -> None:

@@ -1,6 +1,6 @@
 """File-system helpers of ``FileTier``: the directory argument, the probe that ``.tmp``
-can rename into the records' directory, directory listings with their mtimes, free space
-and identity tests of files and records."""
+can rename into the records' directory, directory listings with their mtimes, free space,
+identity tests of files and records, and opening a record to read it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,24 @@ import numpy as np
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord
 
-__all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "same_file", "same_record",
-           "unlink"]
+__all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "open_record", "same_file",
+           "same_record", "unlink"]
+
+# How a record is opened to be read (see FileTier.get): not blocking (a FIFO), not through a link.
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+
+
+def open_record(f: Path) -> Any:
+    """``f`` opened to be read, with ``READ_FLAGS``. A directory there opens too, and
+    ``open(fd)`` then raises without closing the descriptor it was given (one leaked on every
+    look at a page whose name a directory holds): such an fd is closed here before the error."""
+    fd = os.open(f, READ_FLAGS)
+    try:
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
 
 
 def free_bytes(path: Path) -> int:

@@ -52,14 +52,12 @@ from kvpool.tiers.file_paths import (
     entries,
     entries_age,
     free_bytes,
+    open_record,
     same_file,
     same_record,
     unlink,
 )
 from kvpool.validate import is_int
-
-# How a record is opened to be read (see FileTier.get).
-READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 
 __all__ = ["FileTier"]
 
@@ -70,18 +68,6 @@ STALE_TMP_S = 600.0
 DROP = ".drop."
 # From this many files on, eviction leaves room for a sixteenth of the bound (_scan_and_evict).
 HYSTERESIS_FILES = 256
-
-
-def _open_record(f: Path) -> Any:
-    """``f`` opened to be read, with ``READ_FLAGS``. A directory there opens too, and
-    ``open(fd)`` then raises without closing the descriptor it was given (one leaked on every
-    look at a page whose name a directory holds): such an fd is closed here before the error."""
-    fd = os.open(f, READ_FLAGS)
-    try:
-        return open(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class FileTier(TierBackend):
@@ -156,7 +142,7 @@ class FileTier(TierBackend):
             # record's name made open() wait forever (holding DiskCache's lock), and a link
             # to /dev/zero passed the size test (0) and read without end. Foreign, so a
             # miss, and left where it is.
-            with _open_record(f) as fh:
+            with open_record(f) as fh:
                 st = os.fstat(fh.fileno())
                 if not stat.S_ISREG(st.st_mode) or st.st_size > self._max:
                     # Past this process's bound, so not read into memory; but another
@@ -224,7 +210,7 @@ class FileTier(TierBackend):
         # alone: a flipped byte past it is get()'s checksum to find, and get() then drops it.
         f = self.file_for(page_hash)
         try:
-            with _open_record(f) as fh:
+            with open_record(f) as fh:
                 st = os.fstat(fh.fileno())
                 return stat.S_ISREG(st.st_mode) and header_promises(fh.read(HEADER_BYTES), st.st_size, page_hash)
         except OSError:
