@@ -338,7 +338,9 @@ for bad, error in ((([0], [1]), kvpool.ReservedSlotError), (([3], [4096]), kvpoo
                    (([3, 4], [2, 2]), kvpool.DuplicateSlotError), (([3, 4], [2, 0]), kvpool.ReservedSlotError)):
     with pytest.raises(error):
         offload_pages(pool.caches, host, *bad)
-assert torch.equal(host.buffer, host_before)                        # nothing written when a check fails
+# (bitwise: pages no offload wrote hold whatever the memory held, NaN patterns included, and
+# torch.equal finds a NaN unequal to itself: the block failed now and then on a loaded machine)
+assert torch.equal(host.buffer.view(torch.int32), host_before.view(torch.int32))  # nothing written on a refusal
 assert [c.shape for c in pool.caches] == [(2, 512, 2, 8)] * 2       # [layers, slots, H, D]: K, then V
 assert pool.caches[1][1].data_ptr() == pool.v_buffer(1).data_ptr()  # the layers' buffers are views of them
 """,
