@@ -325,64 +325,6 @@ impl PyGroupedAllocator {
         Ok(filled_lists(py, rooms, &outs)?)
     }
 
-    /// truncate(handles, lengths) -> None
-    ///
-    /// Shortens requests to lengths[i] tokens (or lengths for all) in every
-    /// group. A sliding group needs the new length's window still held, or
-    /// the pages it released still cached (it takes them back); a state
-    /// group restores the request's slot from a checkpoint at exactly the
-    /// new length (a queued copy; at 0, a queued zeroing). The current
-    /// length changes nothing. Atomic.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    ///     RollbackUnavailableError: a group cannot restore a request at its
-    ///         new length (the message names the group and why).
-    ///     PoolExhaustedError: a state group needs a fresh slot for a restore
-    ///         (a queued copy still reads the request's own) and has none.
-    ///     InvalidArgumentError: a length is negative or past the request's
-    ///         length, mismatched lengths, duplicate handle.
-    fn truncate(
-        &self,
-        py: Python<'_>,
-        handles: &Bound<'_, PyAny>,
-        lengths: &Bound<'_, PyAny>,
-    ) -> Result<()> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let l = int_arg(py, lengths, "lengths")?;
-        Ok(self.run(py, |c| c.truncate(&h, counts_of(&l)))?)
-    }
-
-    /// roll_back_extend(handles, lengths) -> None
-    ///
-    /// Shortens requests to lengths[i] tokens (or lengths for all) in every
-    /// group, as truncate does (the same window and checkpoint rules),
-    /// except that each request keeps the prompt it was opened with
-    /// (open_with_prefix): the next extend takes the prompt's token ids
-    /// again and cache() registers them in every group. For an extend whose
-    /// step never ran, or for prefix hits cut back to the batch's shortest.
-    /// A state group's slot is the state at the new length, restored from
-    /// the checkpoint there. Atomic.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    ///     RollbackUnavailableError: a group cannot restore a request at its
-    ///         new length (the message names the group and why).
-    ///     PoolExhaustedError: a state group needs a fresh slot for a restore
-    ///         (a queued copy still reads the request's own) and has none.
-    ///     InvalidArgumentError: a length is negative or past the request's
-    ///         length, mismatched lengths, duplicate handle.
-    fn roll_back_extend(
-        &self,
-        py: Python<'_>,
-        handles: &Bound<'_, PyAny>,
-        lengths: &Bound<'_, PyAny>,
-    ) -> Result<()> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        let l = int_arg(py, lengths, "lengths")?;
-        Ok(self.run(py, |c| c.roll_back_extend(&h, counts_of(&l)))?)
-    }
-
     /// close(handles, cache=False) -> None
     ///
     /// Closes requests in every group, releasing their pages and state
@@ -396,48 +338,6 @@ impl PyGroupedAllocator {
     fn close(&self, py: Python<'_>, handles: &Bound<'_, PyAny>, cache: CacheFlag) -> Result<()> {
         let h = int_arg(py, handles, "handles")?.into_vec();
         Ok(self.run(py, |c| c.close(&h, cache.0))?)
-    }
-
-    /// cache(handles) -> None
-    ///
-    /// Registers each request's full pages of known tokens in every group:
-    /// the anchor chain, each group's pages under it, and a state group's
-    /// checkpoint of the request's slot when its length is a multiple of
-    /// the group's checkpoint_every (a queued copy). Call it once the step
-    /// that wrote those pages and that state has run. Atomic.
-    ///
-    /// Raises:
-    ///     InvalidHandleError: a handle is unknown, closed or stale.
-    ///     InvalidArgumentError: a duplicate handle.
-    fn cache(&self, py: Python<'_>, handles: &Bound<'_, PyAny>) -> Result<()> {
-        let h = int_arg(py, handles, "handles")?.into_vec();
-        Ok(self.run(py, |c| c.cache(&h))?)
-    }
-
-    /// evict(group, n) -> int
-    ///
-    /// Evicts up to n cached pages (checkpoints of a state group) of one
-    /// group, least recently used first; returns how many.
-    ///
-    /// Raises:
-    ///     InvalidArgumentError: no such group, n negative.
-    fn evict(
-        &self,
-        py: Python<'_>,
-        group: &Bound<'_, PyAny>,
-        n: &Bound<'_, PyAny>,
-    ) -> Result<usize> {
-        let g = self.group_arg(py, group)?;
-        let n = usize_arg(py, n, "n")?;
-        Ok(self.run(py, |c| c.evict(g, n))?)
-    }
-
-    /// clear_cache() -> None
-    ///
-    /// Drops every cached page and checkpoint of every group (held ones stay
-    /// with their requests).
-    fn clear_cache(&self, py: Python<'_>) {
-        self.run(py, |c| c.clear_cache())
     }
 
     /// reset() -> None
