@@ -7,7 +7,7 @@ import pytest
 
 import kvpool
 
-pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+msgspec = pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 from kvpool.events import LocalEventPublisher, ZmqEventPublisher  # noqa: E402
 
@@ -69,6 +69,17 @@ def test_good_rank_and_topic_are_sent():
     (topic, _seq, payload), = pub.drain()
     from kvpool.events import schema
     assert topic == b"kv" and schema.decoder().decode(payload).data_parallel_rank == 2
+
+
+def test_the_rank_is_0_unless_given_and_nil_when_none():
+    # vLLM's publisher fills every batch's rank with its engine's (0 without data parallelism):
+    # a router reading the batch as [ts, events, int] sees kvpool's batches the same way.
+    from kvpool.events import schema
+    for kw, want in (({}, 0), ({"data_parallel_rank": None}, None), ({"data_parallel_rank": 3}, 3)):
+        pub = LocalEventPublisher(alloc(), **kw)
+        assert pub.publish() == 2
+        (_topic, _seq, payload), = pub.drain()
+        assert msgspec.msgpack.decode(payload)[2] == want and schema.decoder().decode(payload).data_parallel_rank == want
 
 
 @pytest.mark.parametrize("endpoint, kw, match", [

@@ -98,6 +98,9 @@ class EventPublisher(NotPicklable):
     consumers typed against it (SGLang's event classes, routers that key blocks
     by u64) need.
 
+    ``data_parallel_rank`` is every batch's third element: 0 unless given, as vLLM's
+    publisher sends its engine's rank (0 without data parallelism); None sends nil.
+
     Subclasses deliver each message (``_deliver``). Counters, all cumulative:
     ``batches`` (messages sent), ``events`` (kvpool events sent, one per page),
     ``stored_pages``, ``removed_pages`` (pages that left the prefix cache:
@@ -109,7 +112,7 @@ class EventPublisher(NotPicklable):
     _pickle_refusal = "it drains a pool of this process (build the publisher in the process that owns the pool)"
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:
+                 data_parallel_rank: int | None = 0, int_block_hashes: bool = False) -> None:
         if not isinstance(int_block_hashes, (bool, np.bool_)):
             raise InvalidArgumentError(f"int_block_hashes takes True or False, got {type(int_block_hashes).__name__} "
                                        f"{int_block_hashes!r}")
@@ -264,7 +267,7 @@ class LocalEventPublisher(EventPublisher):
     them to a consumer (a router in the same process, a benchmark, a test)."""
 
     def __init__(self, pool: Any, *, topic: str = "", buffer_steps: int = DEFAULT_BUFFER_STEPS,
-                 data_parallel_rank: int | None = None, int_block_hashes: bool = False) -> None:
+                 data_parallel_rank: int | None = 0, int_block_hashes: bool = False) -> None:
         super().__init__(pool, topic=topic, buffer_steps=buffer_steps, data_parallel_rank=data_parallel_rank,
                          int_block_hashes=int_block_hashes)
         self.outbox: deque[tuple[bytes, bytes, bytes]] = deque()

@@ -4,7 +4,8 @@ ROUTER replay service.
 Wire protocol (vLLM 0.33, ``vllm/distributed/kv_events.py``):
 
 - PUB: multipart ``(topic, seq, payload)``; ``seq`` is 8 bytes big-endian.
-- ROUTER (``replay_endpoint``): a client (a DEALER, or REQ) sends
+- ROUTER (``replay_endpoint``): a client (a DEALER: a REQ socket takes only the
+  first answer, as vLLM's tests found) sends
   ``(b"", start_seq)`` with ``start_seq`` as 8 bytes big-endian; the service
   answers every kept message whose sequence number is >= ``start_seq`` as
   ``(b"", topic, seq, payload)``, then the end marker
@@ -87,7 +88,11 @@ class ZmqEventPublisher(EventPublisher):
         hwm: send high-water mark of the PUB socket (messages a slow subscriber
             may fall behind before ZMQ drops its messages; it then sees a gap
             in the sequence numbers and asks for a replay).
-        data_parallel_rank: sent in every batch when not None.
+        data_parallel_rank: sent in every batch (0 unless given, as vLLM's publisher
+            sends; None: nil). Unlike vLLM's publisher, the endpoints are bound as
+            given: vLLM adds the rank to each endpoint's TCP port (``inproc``/``ipc``:
+            a ``_dp{rank}`` suffix), so one engine per rank shares a base address;
+            pass each rank its own endpoint.
         context: the zmq.Context (default: the process-wide instance).
         int_block_hashes: send block hashes as vLLM's int form (the low 64 bits
             of the 16-byte hash, unsigned), as vLLM does by default, instead of
@@ -111,7 +116,7 @@ class ZmqEventPublisher(EventPublisher):
 
     def __init__(self, pool: Any, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = 100_000,
-                 data_parallel_rank: int | None = None, context: Any = None,
+                 data_parallel_rank: int | None = 0, context: Any = None,
                  int_block_hashes: bool = False, replay_topic_frame: bool = True) -> None:
         if not isinstance(endpoint, str):
             raise InvalidArgumentError(f"endpoint must be a str such as 'tcp://*:5557', got {endpoint!r}")
