@@ -439,3 +439,54 @@ def test_index_tensors_with_a_stride(idx_dtype):
         K.write_req_to_token(t, *(_strided(x, idx_dtype) for x in (t_rows, t_starts, t_counts, new)),
                              offsets=offsets)
         assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, FP8])
+@pytest.mark.parametrize("layout", ["token", "paged"])
+def test_rows_that_view_the_cache_are_stored_as_at_the_call(dtype, layout):
+    """On the CPU, rows may be views of the caches (moving rows within a layer): they are
+    stored as they were at the call. Through the kernel they were read after the store had
+    overwritten them (rows shifted by one slot copied the first row over and over)."""
+    # One row a program (a row of 256 fills a tile): a program reads its row after earlier
+    # programs stored theirs.
+    flat = torch.arange(8 * 256, dtype=torch.float32).reshape(8, 1, 256).to(dtype)
+    kc = flat.view(4, 2, 1, 256) if layout == "paged" else flat
+    vc = (-flat.float()).to(dtype).view(kc.shape)
+    rows_k, rows_v = flat[0:3], vc.view(8, 1, 256)[0:3]  # K's rows a view of K's cache, V's of V's
+    want_k, want_v = flat.clone(), vc.view(8, 1, 256).clone()
+    want_k[1:4], want_v[1:4] = flat[0:3].clone(), vc.view(8, 1, 256)[0:3].clone()
+    K.store_kv(kc, vc, torch.tensor([1, 2, 3]), rows_k, rows_v)
+    assert same(flat, want_k) and same(vc.view(8, 1, 256), want_v)
+
+
+def test_pool_write_of_rows_that_view_its_cache():
+    """KVPool.write on a CPU pool goes through the kernel here: rows moved one slot up
+    within a layer are stored as they were at the call."""
+    import numpy as np
+
+    from kvpool import KVPool
+    pool = KVPool(1, 1, 256, dtype=torch.float16, num_pages=16, page_size=1, max_requests=2, max_context_len=16)
+    slots = torch.as_tensor(pool.extend(pool.open(1), np.asarray([6])).slots).long()
+    assert bool((slots[1:] == slots[:-1] + 1).all()), "consecutive slots, so rows [a:a+3] are one view"
+    kb, vb = pool.k_buffers[0], pool.v_buffers[0]
+    for i, s in enumerate(slots.tolist()):
+        kb[s].fill_(i + 1)
+        vb[s].fill_(-(i + 1))
+    a = int(slots[0])
+    want_k, want_v = kb.clone(), vb.clone()
+    want_k[a + 1:a + 4], want_v[a + 1:a + 4] = kb[a:a + 3].clone(), vb[a:a + 3].clone()
+    pool.write(0, slots[1:4], kb[a:a + 3], vb[a:a + 3])
+    assert same(kb, want_k) and same(vb, want_v)
+
+
+@pytest.mark.parametrize("cache_dt, out_dt", [(torch.float8_e4m3fn, torch.float8_e5m2),
+                                              (torch.float8_e5m2, torch.float8_e4m3fn),
+                                              (torch.float8_e4m3fn, torch.float64),
+                                              (torch.bfloat16, torch.float64)])
+def test_gather_converts_between_fp8_formats_and_to_float64(cache_dt, out_dt):
+    """Triton has no direct cast from one fp8 format to the other, nor from fp8 to float64:
+    the kernel raised an untyped InterpreterError where torch's path converted."""
+    kc = torch.tensor([[[1.0, -0.5, 2.0, 0.0, 448.0 if cache_dt == torch.float8_e4m3fn else 3.5]]] * 4).to(cache_dt)
+    k, _ = K.gather_kv(kc, None, torch.tensor([1, 3, -1]), out_dtype=out_dt)
+    want = torch.cat([kc[[1, 3]].to(out_dt), torch.zeros((1, 1, 5), dtype=out_dt)])
+    assert same(k, want)

@@ -160,6 +160,9 @@ def cache_geom(cache: torch.Tensor, name: str) -> CacheGeom:
     if not isinstance(cache, torch.Tensor):
         raise KernelArgumentError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
     check_dense(cache, name)
+    if cache.device.type not in ("cpu", "cuda"):
+        # (a meta tensor passes every other check, then fails untyped where a backend reads it)
+        raise TensorDeviceError(f"{name} is on {cache.device}; the kernels run on CPU or CUDA tensors")
     if cache.dtype not in CACHE_DTYPES:
         raise TensorDtypeError(
             f"{name} has dtype {cache.dtype}; expected one of {list(CACHE_DTYPES)}"

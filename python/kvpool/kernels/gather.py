@@ -27,7 +27,9 @@ def _gather_row(
         tl.store(out_ptr + out_off + hd_out, (x.to(tl.float32) * s).to(out_ptr.dtype.element_ty),
                  mask=store_mask)
     else:
-        tl.store(out_ptr + out_off + hd_out, x.to(out_ptr.dtype.element_ty), mask=store_mask)
+        # Through float32, exact for every cache dtype: Triton has no direct cast from one fp8
+        # format to the other, nor from fp8 to float64.
+        tl.store(out_ptr + out_off + hd_out, x.to(tl.float32).to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

@@ -20,6 +20,10 @@ from kvpool.kernels import _common as c
 from kvpool.kernels import _ref
 from kvpool.kernels._guard import on_device
 from kvpool.kernels.table_ops import write_req_to_token
+from kvpool.torch_types import CACHE_DTYPES
+
+# What gather_kv converts to: any cache dtype, and float64 for a reference computed in it.
+GATHER_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + (torch.float64,)
 
 __all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
 
@@ -107,6 +111,15 @@ def store_rows(
     caches' geometry (``vg`` is ``kg`` without V). ``KVPool.write`` calls this with the
     geometry it cached at construction, so a write checks its arguments once.
     Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False)."""
+    if not k_cache.is_cuda:
+        # Rows that are views of a cache (moving rows within a layer) are stored as they
+        # were at the call, as KVPool.write stores them: index_copy_ refuses a source
+        # overlapping its destination, and would refuse V's after K's store went through;
+        # the kernel (Triton's interpreter, on the CPU) would read rows it already wrote.
+        if c.views_of((k_cache, v_cache), k):
+            k = k.clone()
+        if c.views_of((k_cache, v_cache), v):
+            v = v.clone()
     if not c.use_triton(k_cache):
         # In grad mode torch's in-place store of a source that requires grad would make
         # the cache require grad too (a grad_fn on the caller's cache); the kernel copies
@@ -115,13 +128,6 @@ def store_rows(
             k = k.detach()
         if v is not None and v.requires_grad:
             v = v.detach()
-        # Rows that are views of a cache (moving rows within a layer) are stored as they
-        # were at the call, as KVPool.write stores them: index_copy_ refuses a source
-        # overlapping its destination, and would refuse V's after K's store went through.
-        if c.views_of((k_cache, v_cache), k):
-            k = k.clone()
-        if c.views_of((k_cache, v_cache), v):
-            v = v.clone()
         _ref.store_kv_ref(k_cache, v_cache, slots, k, v, k_scale, v_scale)
         return
     from kvpool.kernels.store import launch_store_kv
@@ -173,7 +179,8 @@ def gather_kv(
     Args:
         k_cache, v_cache: caches as for ``store_kv`` (``v_cache`` may be None).
         slots: int32/int64 [n]; rows of negative slots come back zero.
-        out_dtype: dtype of the result (default: the cache dtype).
+        out_dtype: dtype of the result (default: the cache dtype): a cache dtype, or
+            torch.float64 (``GATHER_DTYPES``).
         k_scale, v_scale: with a scale, rows are dequantized as x * scale.
         out: ``(k_out, v_out)`` to write into instead of allocating (e.g. in a
             captured graph).
@@ -206,12 +213,13 @@ def gather_kv(
     has_v = v_cache is not None
     for s, nm in ((k_scale, "k_scale"), (v_scale, "v_scale")):
         c.check_scale(s, nm, dev)
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        # Both backends must refuse alike: torch would cast to an int or complex dtype,
-        # the kernel fails to compile for it with an untyped error.
+    if out_dtype is not None and out_dtype not in GATHER_DTYPES:
+        # Both backends must refuse alike: torch would cast to an int or complex dtype, the
+        # kernel fails to compile for it with an untyped error, and its casts to the fnuz fp8
+        # formats round wrong (Triton's interpreter) where torch's are exact.
         raise c.TensorDtypeError(
-            f"out_dtype must be a floating-point torch.dtype, got {out_dtype!r}; "
-            "e.g. torch.bfloat16, torch.float16 or torch.float32"
+            f"out_dtype must be a cache dtype or torch.float64 ({', '.join(map(str, GATHER_DTYPES))}), "
+            f"got {out_dtype!r}"
         )
     k_dt = out_dtype or k_cache.dtype
     v_dt = out_dtype or vc.dtype
