@@ -108,6 +108,17 @@ def test_gather_kv_codegen(shape, dtype):
     _check_64bit(ptx, params, "slots_ptr")
 
 
+@pytest.mark.parametrize("out_dt", [torch.float8_e5m2, torch.float64], ids=["e5m2", "f64"])
+def test_gather_kv_codegen_converts_fp8_through_float32(out_dt):
+    """An e4m3 cache gathered into the other fp8 format or float64 (through float32: Triton
+    has no direct cast) compiles for Hopper."""
+    kc, vc = _caches("paged", SHAPES[next(iter(SHAPES))], FP8)
+    fn, launch = _record(gather_mod, "_gather_kv_kernel",
+                         lambda: K.gather_kv(kc, vc, torch.arange(5), out_dtype=out_dt))
+    ptx, _params = cg.compile_launch(fn, launch)
+    assert "cvt" in ptx
+
+
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 def test_copy_slots_codegen(shape, dtype):
