@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 
 from kvpool import ContextTooLongError, InvalidArgumentError, KVPool, PoolExhaustedError, TooManyRequestsError  # noqa: E402
-from kvpool.integrations import _layer_buffers, _pages  # noqa: E402
+from kvpool.integrations import _buffer_steps, _layer_buffers  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 from kvpool.rows import scatter_into  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_a_flush_of_rows_whose_pages_are_out_of_order_stores_every_layer(row_cop
         calls.append(idx.shape[0])
         return scatter_into(caches, idx, src) if row_copy else False
 
-    monkeypatch.setattr(_pages, "scatter_into", spy)
+    monkeypatch.setattr(_buffer_steps, "scatter_into", spy)
     pool = make_pool()
     scramble(pool)
     ref = Reference(3)
