@@ -223,3 +223,55 @@ def test_a_bool_inside_a_list_input_is_refused_as_write_refuses_it(name, flag):
     with pytest.raises(kvpool.TensorDtypeError, match=rf"{name}\[1\] is the bool"):
         runner.run(*args)
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+
+
+@pytest.mark.parametrize("name", INPUT_NAMES)
+def test_a_reversed_numpy_input_is_taken_as_write_takes_it(name):
+    """A valid int64 array with a negative stride (``a[::-1]``): torch.from_numpy refused it with
+    an untyped ValueError after the earlier inputs were loaded. KVPool.write takes such slots."""
+    pool, runner = _runner()
+    args = _args(pool)
+    i = INPUT_NAMES.index(name)
+    args[i] = np.ascontiguousarray(np.asarray(args[i], dtype=np.int64)[::-1])[::-1]
+    assert args[i].strides[0] < 0
+    runner.run(*args)
+    assert runner._static[:, :2].tolist() == [list(map(int, x)) for x in _args(pool)]
+
+
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.quint8, torch.qint32, torch.bits8, torch.uint1, torch.int4])
+@pytest.mark.parametrize("name", ["out_cache_loc", "positions"])
+def test_a_tensor_of_a_non_integer_dtype_is_a_dtype_error(dtype, name):
+    """Quantized and bits dtypes are not integers: Tensor.numpy() refused them with an untyped
+    TypeError; KVPool.write refuses them with TensorDtypeError, and so does run(), first."""
+    pool, runner = _runner()
+    before, static = snapshot(pool), runner._static.clone()
+    args = _args(pool)
+    i = INPUT_NAMES.index(name)
+    if dtype in (torch.qint8, torch.quint8, torch.qint32):
+        args[i] = torch._make_per_tensor_quantized_tensor(torch.tensor(args[i], dtype=torch.int8).to(
+            {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}[dtype]), 1.0, 0)
+    else:
+        args[i] = torch.empty(2, dtype=dtype)
+    with pytest.raises(kvpool.TensorDtypeError, match=f"{name} must be integers, got {dtype}"):
+        runner.run(*args)
+    assert torch.equal(runner._static, static) and all(torch.equal(a, b) for a, b in zip(before, snapshot(pool)))
+
+
+@pytest.mark.parametrize("device_load", [False, True], ids=["host-rows", "device-stack"])
+def test_inputs_that_are_the_runners_own_buffers_load_as_they_were(device_load):
+    """An engine passing back, as another input, a view the step was handed (positions given
+    as last step's input_ids view): the load wrote the rows in turn and read that input after
+    its row was overwritten, so the step ran on wrong values without an error."""
+    pool = make_pool()
+    handed = []
+    runner = DecodeGraphRunner(pool, lambda *a: handed.append(a) or a[0].clone(), max_batch_size=4,
+                               enable_graphs=False)
+    runner.run(*_args(pool))
+    ids = handed[-1][0][:2]
+    args = [torch.tensor([7, 7]), ids, *[torch.as_tensor(a) for a in _args(pool)[2:]]]
+    want = [a.tolist() for a in args]
+    if device_load:  # (the one-stack load device inputs take, driven with CPU tensors)
+        runner._load_inputs(args, 2, 4)
+    else:
+        runner.run(*args)
+    assert runner._static[:, :2].tolist() == want

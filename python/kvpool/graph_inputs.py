@@ -25,6 +25,10 @@ __all__ = ["INPUT_NAMES", "check_inputs"]
 INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens")
 
 _I64 = np.iinfo(np.int64)
+# What a step input may be as a tensor: integers (the quantized and bits dtypes are not, and
+# Tensor.numpy() refuses them with an untyped TypeError).
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.uint8, torch.uint16, torch.uint32, torch.uint64})
 
 
 def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArgumentError:
@@ -42,7 +46,7 @@ def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArg
 def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
     """A host input as a 1-D int64 array, or a typed error: never a silently wrapped value."""
     if isinstance(a, torch.Tensor):
-        if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
+        if a.dtype not in _INT_DTYPES:
             raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
         arr = a.detach().numpy()
     else:
@@ -67,7 +71,7 @@ def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _I64.max:
         bad = int(np.argmax(arr > _I64.max))
         raise _too_big(name, bad, int(arr[bad]), num_slots)
-    arr = arr.astype(np.int64, copy=False)
+    arr = np.ascontiguousarray(arr, dtype=np.int64)  # (a reversed view: torch.from_numpy refuses negative strides)
     if name == "out_cache_loc" and num_slots is not None and int(arr.max()) >= num_slots:
         bad = int(np.argmax(arr >= num_slots))
         raise _too_big(name, bad, int(arr[bad]), num_slots)
@@ -119,7 +123,7 @@ def check_inputs(args: Sequence[Any], device: torch.device, num_slots: int | Non
         if isinstance(a, torch.Tensor) and a.device.type != "cpu":
             if a.dim() != 1:
                 raise TensorShapeError(f"{name} must be 1-D, got shape {list(a.shape)}")
-            if a.numel() and (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool):
+            if a.numel() and a.dtype not in _INT_DTYPES:
                 raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
             if a.dtype == torch.uint64:
                 raise TensorDtypeError(
