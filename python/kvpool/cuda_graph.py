@@ -99,12 +99,16 @@ def grad_mode() -> str:
 def _apart_from(static: torch.Tensor, args: list[Any]) -> list[Any]:
     """``args`` with copies of those that share memory with ``static`` (the views a step was
     handed, passed back as another input): the load writes the buffer's rows in turn, and would
-    read such an input after its row was overwritten. A pointer test, about 0.1 µs an input."""
+    read such an input after its row was overwritten. A pointer test, about 0.1 µs a tensor
+    (host arrays are looked at only for a CPU pool: they cannot alias device memory, and
+    reading a numpy array's address costs a microsecond)."""
     lo = static.data_ptr()
     hi = lo + static.numel() * static.element_size()
+    host = not static.is_cuda
     out = args
     for i, a in enumerate(args):
-        p = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data if isinstance(a, np.ndarray) else None
+        p = (a.data_ptr() if isinstance(a, torch.Tensor)
+             else a.ctypes.data if host and isinstance(a, np.ndarray) else None)
         if p is not None and lo <= p < hi:
             if out is args:
                 out = list(args)
