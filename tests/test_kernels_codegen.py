@@ -18,6 +18,8 @@ and head_dim 72 (not a multiple of 16). The PTX must show
 
 from __future__ import annotations
 
+import re
+
 import _codegen as cg
 import pytest
 import torch
@@ -117,6 +119,16 @@ def test_gather_kv_codegen_converts_fp8_through_float32(out_dt):
                          lambda: K.gather_kv(kc, vc, torch.arange(5), out_dtype=out_dt))
     ptx, _params = cg.compile_launch(fn, launch)
     assert "cvt" in ptx
+
+
+@pytest.mark.parametrize("cache_dt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_gather_kv_codegen_copies_fp8_in_its_own_dtype(cache_dt):
+    """An fp8 gather without a scale or out_dtype copies bits: no conversion (through float32 the
+    way back saturates, turning e5m2 infinities into 57344 and NaN payloads into one NaN)."""
+    kc, vc = _caches("paged", SHAPES[next(iter(SHAPES))], cache_dt)
+    fn, launch = _record(gather_mod, "_gather_kv_kernel", lambda: K.gather_kv(kc, vc, torch.arange(5)))
+    ptx, _params = cg.compile_launch(fn, launch)
+    assert not re.findall(r"cvt\.[a-z0-9.]*(?:e4m3|e5m2)", ptx)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))

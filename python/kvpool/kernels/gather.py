@@ -26,10 +26,12 @@ def _gather_row(
             s = scale
         tl.store(out_ptr + out_off + hd_out, (x.to(tl.float32) * s).to(out_ptr.dtype.element_ty),
                  mask=store_mask)
-    elif x.dtype.is_fp8() and (out_ptr.dtype.element_ty.is_fp8() or out_ptr.dtype.element_ty.is_fp64()):
+    elif x.dtype != out_ptr.dtype.element_ty and x.dtype.is_fp8() and (
+            out_ptr.dtype.element_ty.is_fp8() or out_ptr.dtype.element_ty.is_fp64()):
         # Through float32, which holds every fp8 value exactly: Triton has no direct cast from
         # one fp8 format to the other, nor from fp8 to float64. (Not for other pairs: a gather
-        # in the cache's own dtype copies bits, NaN payloads and subnormals included.)
+        # in the cache's own dtype copies bits, NaN payloads, infinities and subnormals included;
+        # on a GPU the way back from float32 saturates.)
         tl.store(out_ptr + out_off + hd_out, x.to(tl.float32).to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         tl.store(out_ptr + out_off + hd_out, x.to(out_ptr.dtype.element_ty), mask=store_mask)
