@@ -190,7 +190,12 @@ def test_fp8_and_mla_pools_reject_bad_writes_unchanged() -> None:
         (dict(num_slots=16, kv_lora_rank=4), "both"),
         (dict(num_slots=16, kv_lora_rank=2, qk_rope_head_dim=2), "num_kv_heads=1"),
         (dict(num_slots=16, compute_dtype=torch.float32), "only fp8"),
-        (dict(num_slots=16, dtype=torch.float8_e4m3fn, compute_dtype=torch.float8_e4m3fn), "non-fp8"),
+        (dict(num_slots=16, dtype=torch.float8_e4m3fn, compute_dtype=torch.float8_e4m3fn),
+         "compute_dtype must be one of .*, got torch.float8_e4m3fn"),
+        # floating, not fp8 a cache stores, and no dtype a read converts to: reads came back
+        # wrong (fnuz) or raised an untyped KeyError (e8m0) through the kernels
+        *[(dict(num_slots=16, dtype=torch.float8_e4m3fn, compute_dtype=dt), f"compute_dtype must be one of .*, got {dt}")
+          for dt in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu)],
         (dict(num_slots=16, max_requests=0), "max_requests"),
         (dict(num_slots=16, device="gpu0"), "not a torch device"),
     ],

@@ -39,7 +39,7 @@ from kvpool.sharing import SharingMixin
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder, refuse_capture
 from kvpool.tables import ExtendResult, PageTable, page_table_tensors
-from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
+from kvpool.torch_types import CACHE_DTYPES, COMPUTE_DTYPES, FP8_DTYPES, as_device
 
 __all__ = ["ExtendResult", "KVPool", "PageTable"]
 
@@ -220,10 +220,10 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
             raise InvalidArgumentError(f"compute_dtype must be a torch.dtype, got {type(compute_dtype).__name__}")
         elif not self.fp8 and compute_dtype != dtype:
             raise InvalidArgumentError(f"compute_dtype {compute_dtype} differs from dtype {dtype}: only fp8 pools convert")
-        elif not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point or (
-            compute_dtype in FP8_DTYPES
-        ):
-            raise InvalidArgumentError(f"compute_dtype must be a non-fp8 floating dtype, got {compute_dtype!r}")
+        elif compute_dtype not in COMPUTE_DTYPES:
+            # (the fnuz/e8m0 fp8 formats are floating too: reads converted to them came back wrong)
+            raise InvalidArgumentError(f"compute_dtype must be one of {', '.join(map(str, COMPUTE_DTYPES))} "
+                                       f"(what an fp8 pool's reads convert to), got {compute_dtype!r}")
         self.compute_dtype = compute_dtype
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.mla = self._check_mla(kv_lora_rank, qk_rope_head_dim)

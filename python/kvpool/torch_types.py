@@ -12,7 +12,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 
-__all__ = ["CACHE_DTYPES", "FP8_DTYPES", "INDEX_DTYPES", "as_device"]
+__all__ = ["CACHE_DTYPES", "COMPUTE_DTYPES", "FP8_DTYPES", "GATHER_DTYPES", "INDEX_DTYPES", "as_device"]
 
 #: FP8 formats a cache may be stored in (those this torch build has).
 FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -20,6 +20,10 @@ FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
 )
 #: Dtypes a K/V cache (and the rows written into it) may have.
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16) + FP8_DTYPES
+#: Dtypes an fp8 pool's reads convert to (its ``compute_dtype``).
+COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: Dtypes ``kernels.gather_kv`` converts to: any cache dtype, and float64 for a reference computed in it.
+GATHER_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + (torch.float64,)
 #: Dtypes of slot ids, table rows and the request-to-token table.
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 

@@ -20,10 +20,7 @@ from kvpool.kernels import _common as c
 from kvpool.kernels import _ref
 from kvpool.kernels._guard import on_device
 from kvpool.kernels.table_ops import write_req_to_token
-from kvpool.torch_types import CACHE_DTYPES
-
-# What gather_kv converts to: any cache dtype, and float64 for a reference computed in it.
-GATHER_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + (torch.float64,)
+from kvpool.torch_types import GATHER_DTYPES
 
 __all__ = ["copy_slots", "gather_kv", "store_kv", "write_req_to_token"]
 
@@ -180,7 +177,7 @@ def gather_kv(
         k_cache, v_cache: caches as for ``store_kv`` (``v_cache`` may be None).
         slots: int32/int64 [n]; rows of negative slots come back zero.
         out_dtype: dtype of the result (default: the cache dtype): a cache dtype, or
-            torch.float64 (``GATHER_DTYPES``).
+            torch.float64 (``kvpool.torch_types.GATHER_DTYPES``).
         k_scale, v_scale: with a scale, rows are dequantized as x * scale.
         out: ``(k_out, v_out)`` to write into instead of allocating (e.g. in a
             captured graph).
