@@ -4,6 +4,7 @@ pool (``store_tokens``). A mixin over ``StepPages``' state (``_pages`` has the w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,31 @@ __all__ = ["BufferSteps"]
 class BufferSteps:
     """The layer-buffer half of ``StepPages``."""
 
+    # StepPages' state this half reads (made by StepPages and StepViews).
     _lb: LayerBuffers | None
     _buffer_spares: Any
+    h: int
+    d: int
+    page: int
+    npages: int
+    length: int
+    private: bool
+    later: bool
+    table: np.ndarray
+    flat: Any
+    paged: Any
+    all_pages: torch.Tensor | None
+    steps_on: int | None
+    _index: Any
+    _filled: int
+    _fill: bool
+    _app: Any
+    _all_slots: torch.Tensor | None
+    _all_rows: torch.Tensor | None
+    _cache_rows: Any
+    _max_tokens: int
+    _upload: Callable[[np.ndarray], torch.Tensor]
+    _make_index: Callable[[], None]
 
     def _buffer_step(self, before: int, length: int, slots: np.ndarray, run: tuple[int, int] | None) -> None:
         """A gathered step with layer buffers: each layer adds the step's tokens to its buffer

@@ -96,7 +96,8 @@ def require_triton(device: torch.device) -> None:
 def use_triton(t: torch.Tensor) -> bool:
     """Which backend moves ``t``'s data: Triton on CUDA (required: raises
     ``TritonUnavailableError`` without it) and on CPU under TRITON_INTERPRET=1;
-    the torch implementations in ``_ref`` everywhere else."""
+    the torch implementations in ``_ref`` on CPU otherwise (``cache_geom`` refuses
+    tensors on any other device)."""
     if t.is_cuda:
         require_triton(t.device)
         return True
