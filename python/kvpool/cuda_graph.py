@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
-from kvpool.graph_inputs import INPUT_NAMES, check_inputs
+from kvpool.graph_inputs import INPUT_NAMES, apart_from, check_inputs
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
@@ -94,26 +94,6 @@ def grad_mode() -> str:
     if torch.is_inference_mode_enabled():
         return "inference_mode"
     return "grad" if torch.is_grad_enabled() else "no_grad"
-
-
-def _apart_from(static: torch.Tensor, args: list[Any]) -> list[Any]:
-    """``args`` with copies of those that share memory with ``static`` (the views a step was
-    handed, passed back as another input): the load writes the buffer's rows in turn, and would
-    read such an input after its row was overwritten. A pointer test, about 0.1 µs a tensor
-    (host arrays are looked at only for a CPU pool: they cannot alias device memory, and
-    reading a numpy array's address costs a microsecond)."""
-    lo = static.data_ptr()
-    hi = lo + static.numel() * static.element_size()
-    host = not static.is_cuda
-    out = args
-    for i, a in enumerate(args):
-        p = (a.data_ptr() if isinstance(a, torch.Tensor)
-             else a.ctypes.data if host and isinstance(a, np.ndarray) else None)
-        if p is not None and lo <= p < hi:
-            if out is args:
-                out = list(args)
-            out[i] = a.clone() if isinstance(a, torch.Tensor) else a.copy()
-    return out
 
 
 def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
@@ -323,7 +303,7 @@ class DecodeGraphRunner:
     def _load_inputs(self, args: list[Any], n: int, bucket: int) -> None:
         """Copy the real rows into the static buffers and pad [n, bucket)."""
         static = self._static
-        args = _apart_from(static, args)
+        args = apart_from(static, args)
         if all(type(a) is torch.Tensor and a.dtype in _STACKED for a in args):  # all on the device
             # One stack into the buffer's rows and one copy of the padding: two launches where
             # a copy and a fill per input took ten, at ~6 µs of host time each on a GPU box.
