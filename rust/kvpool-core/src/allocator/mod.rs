@@ -12,7 +12,7 @@
 //! - `clock.rs`: the time retention priorities end by.
 //!
 //! The operations live here, one file per group: opening (`open.rs`),
-//! growing (`extend.rs`, `extend_checks.rs`, `grow.rs`), freeing
+//! growing (`extend.rs`, `extend_passes.rs`, `extend_checks.rs`, `grow.rs`), freeing
 //! (`release.rs`), sharing (`fork.rs`, `copies.rs`), the cache
 //! (`prefix.rs`, `cache.rs` with `register_page.rs` and `orphans.rs`,
 //! `evict.rs`), transfers between pools
@@ -30,6 +30,7 @@ mod decode_past_free;
 mod evict;
 pub(crate) mod extend;
 mod extend_checks;
+mod extend_passes;
 mod fork;
 mod fresh_stretch;
 pub(crate) mod group_hooks;

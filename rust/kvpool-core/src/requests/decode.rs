@@ -2,7 +2,7 @@
 //! requests of a batch which stay in (or just start) their own last page,
 //! touching only each request's 16-byte hot row, and the undo that puts
 //! them back when the rest of the batch turns out invalid.
-//! `allocator/extend.rs` validates and grows everything else.
+//! `allocator/extend_passes.rs` validates and grows everything else.
 //!
 //! A request that starts a page takes it from the pool's free stack, and
 //! one with token ids stores them in the prefix index's slot array: both
