@@ -7,7 +7,8 @@
 //! 128-bit mask of the non-empty lists: O(1) whatever the pool's size.
 //!
 //! What each page's priority is, how callers change it and when a duration
-//! ends is `retention.rs`; this file keeps the lists.
+//! ends is `retention.rs`; this file keeps the lists (their `check()` is
+//! `levels/check.rs`).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -15,6 +16,8 @@ use std::collections::BinaryHeap;
 use super::lru::{Append, Linked, Links};
 use crate::error::Result;
 use crate::memory::zeroed_vec;
+
+mod check;
 
 /// The highest priority; given with no duration, it pins the page.
 pub const MAX_PRIORITY: u8 = 100;
@@ -368,63 +371,6 @@ impl Levels {
         debug_assert_eq!(self.lens.iter().sum::<usize>(), 0);
         self.pinned = 0;
         self.heap.clear();
-    }
-
-    /// Walks every list from its oldest page: links both ways, each page on
-    /// the list its priority names, the counts and the mask. `visit` as in
-    /// `Lru::check`. Returns the pages walked.
-    pub(crate) fn check<R: Linked>(
-        &self,
-        recs: &[R],
-        mut visit: impl FnMut(u32) -> bool,
-    ) -> std::result::Result<usize, String> {
-        if *recs[0].links() != Links::UNLINKED {
-            return Err("record 0 is linked while the pool keeps priority lists".into());
-        }
-        let mut total = 0usize;
-        let (mut mask, mut evictable) = (0u128, 0usize);
-        for l in 0..LISTS {
-            let (mut walked, mut prev) = (0usize, 0u32);
-            let mut p = self.ends[l].oldest;
-            while p != 0 {
-                if p as usize >= recs.len() || walked >= recs.len() || !visit(p) {
-                    return Err(format!(
-                        "priority list {l}: entry {p} is out of range, repeated or on the free stack"
-                    ));
-                }
-                if recs[p as usize].links().older != prev {
-                    return Err(format!(
-                        "priority list {l}: back link of page {p} is broken"
-                    ));
-                }
-                if self.list_of(p) != l {
-                    return Err(format!(
-                        "page {p} is on priority list {l} but its priority files it on {}",
-                        self.list_of(p)
-                    ));
-                }
-                walked += 1;
-                prev = p;
-                p = recs[p as usize].links().newer;
-            }
-            if self.ends[l].newest != prev || walked != self.lens[l] {
-                return Err(format!(
-                    "priority list {l} walks {walked} pages but counts {}",
-                    self.lens[l]
-                ));
-            }
-            if l < PINNED {
-                evictable += walked;
-                if walked > 0 {
-                    mask |= 1 << l;
-                }
-            }
-            total += walked;
-        }
-        if mask != self.nonempty || evictable != self.evictable {
-            return Err("the non-empty priority mask or the evictable count is wrong".into());
-        }
-        Ok(total)
     }
 
     pub(crate) fn capacity_bytes(&self) -> usize {
