@@ -9,12 +9,13 @@ use kvpool_core::{Grown, SlotAllocator};
 use pyo3::prelude::*;
 
 use crate::allocator::PySlotAllocator;
+use crate::caller_out::CallerOut;
 use crate::convert::counts_of;
 use crate::convert::{int_arg, CowFlag, IntArg};
 use crate::errors::Result;
 use crate::handles_arg::Handles;
 use crate::output::Arr;
-use crate::output::{extend_total, new_i64, vec_with_room, Bounded, CallerOut, OutBuf};
+use crate::output::{extend_total, new_i64, vec_with_room, Bounded, OutBuf};
 use crate::packed::PackedHead;
 use crate::table::Table;
 use crate::token_ids::TokenIds;

@@ -6,6 +6,8 @@ use pyo3::prelude::*;
 
 mod admit;
 mod allocator;
+mod allocator_release;
+mod caller_out;
 mod chain_hashes;
 mod convert;
 mod counters;
@@ -17,6 +19,7 @@ mod grouped;
 mod grouped_args;
 mod grouped_cache;
 mod grouped_queries;
+mod grouped_request_queries;
 mod grouped_sharing;
 mod grouped_stats;
 mod grouped_truncate;
