@@ -22,7 +22,7 @@ from test_hf_cache_deferred import Reference  # noqa: E402
 from test_hf_cache_steps import PAGE, make_pool, scramble  # noqa: E402
 
 from kvpool import TensorDeviceError  # noqa: E402
-from kvpool.integrations import _buffer_steps, _layer_buffers, _requests  # noqa: E402
+from kvpool.integrations import _batch_steps, _buffer_steps, _layer_buffers  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 
 
@@ -31,14 +31,14 @@ class Streams:
 
     def __init__(self, monkeypatch) -> None:
         self.now, self.capturing, self.followed = 100, False, []
-        monkeypatch.setattr(_requests, "current_raw_stream", lambda device: self.now)
+        monkeypatch.setattr(_batch_steps, "current_raw_stream", lambda device: self.now)
         monkeypatch.setattr(_buffer_steps, "follow_stream", lambda device, raw: self.followed.append((raw, self.now)))
 
         def refuse(device, what):
             if self.capturing:  # (kvpool.streams.refuse_capture's error)
                 raise TensorDeviceError(f"{what} was called while a CUDA graph is being captured")
 
-        monkeypatch.setattr(_requests, "refuse_capture", refuse)
+        monkeypatch.setattr(_batch_steps, "refuse_capture", refuse)
 
 
 def cuda_like_cache(pool) -> KVPoolCache:
