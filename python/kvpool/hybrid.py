@@ -34,21 +34,21 @@ from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.capacity import budget_bytes, fraction_of_memory, free_device_memory
-from kvpool.errors import TensorShapeError
 from kvpool.hybrid_copies import HybridCopies
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
 from kvpool.hybrid_queries import HybridQueries
+from kvpool.hybrid_rows import HybridRows
+from kvpool.hybrid_views import HybridViews
 from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
 from kvpool.row_edits import RowEdits
-from kvpool.row_stores import index_copy_rows, scatter_into
 from kvpool.staging import PinnedRing
 from kvpool.streams import CopyOrder
 from kvpool.torch_types import CACHE_DTYPES, FP8_DTYPES, as_device
-from kvpool.validate import check_flag, check_layer, check_rows, slots_tensor
+from kvpool.validate import check_layer
 
 __all__ = ["HybridExtendResult", "HybridKVPool"]
 
@@ -100,7 +100,7 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, RowEdits):
+class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, HybridViews, HybridRows, RowEdits):
     """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
 
     Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],
@@ -294,122 +294,6 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, 
     def page_size_of(self, layer: int) -> int:
         """Tokens per page of ``layer``'s group."""
         return self._page_group(layer).page_size
-
-    def k_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's K cache in the pool's layout (its group's slots). A view, no copy."""
-        g = self._page_group(layer)
-        st = self._storage[g.index]
-        assert st is not None
-        return st.shaped[0][self._slot_in_group[layer]]
-
-    def v_buffer(self, layer: int) -> torch.Tensor:
-        """Layer's V cache in the pool's layout. A view, no copy."""
-        g = self._page_group(layer)
-        st = self._storage[g.index]
-        assert st is not None
-        return st.shaped[1][self._slot_in_group[layer]]
-
-    def state(self, layer: int, name: str) -> torch.Tensor:
-        """Layer's state tensor ``name``: ``[num_slots, *state_shapes[name]]``; a request's
-        row is its ``state_slots``.
-
-        Raises:
-            LayerIndexError, InvalidArgumentError: not a state layer, or no such name.
-        """
-        g = self._state_group(layer)
-        if not isinstance(name, str) or name not in self.state_shapes:  # a list is unhashable: TypeError
-            raise InvalidArgumentError(f"no state named {name!r}; state_shapes has {sorted(self.state_shapes)}")
-        states = self._states[g.index]
-        assert states is not None
-        return states[f"{layer}.{name}"]
-
-    # ----- memory figures -----------------------------------------------------
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the K/V caches and state tensors of every group."""
-        kv = sum(s.nbytes for s in self._storage if s is not None)
-        return kv + sum(t.numel() * t.element_size() for st in self._states if st for t in st.values())
-
-    @property
-    def overhead_bytes(self) -> int:
-        """Tables and allocator metadata."""
-        tables = sum(t.untyped_storage().nbytes() for t in self._tables if t is not None)
-        return tables + int(self.allocator.metadata_bytes)
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every persistent tensor the pool owns (``audit`` walks these)."""
-        out: list[tuple[str, torch.Tensor]] = []
-        for g, st, table, states in zip(self.groups, self._storage, self._tables, self._states):
-            if st is not None and table is not None:
-                out += [(f"{g.layer_type}.{name}", t) for name, t in st.tensors()]
-                out.append((f"{g.layer_type}.req_to_token", table))
-            if states:
-                out += [(f"{g.layer_type}.state.{k}", t) for k, t in states.items()]
-        return out
-
-    # ----- writes and reads ------------------------------------------------
-
-    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
-              strict: bool = False) -> None:
-        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer`` (slots of its group).
-        Negative slots are padding and skipped; everything is checked first. ``strict=True``
-        rejects padding, the group's page-0 slots and repeated slots, as on a plain pool.
-
-        Raises:
-            LayerIndexError, InvalidArgumentError (a state layer), SlotRangeError,
-            ReservedSlotError, DuplicateSlotError, TensorShapeError, TensorDtypeError,
-            TensorDeviceError: nothing written.
-        """
-        g = self._page_group(layer)
-        if v is None:  # (the plain pool's signature: v is optional there for MLA, which has no groups)
-            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
-        if strict is not False and strict is not True:
-            strict = check_flag("strict", strict)
-        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=strict)
-        for name, x in (("k", k), ("v", v)):
-            check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        k, v = k.detach(), v.detach()
-        if negative:
-            keep = (idx >= 0).nonzero().squeeze(1)
-            idx, k, v = idx.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
-        st = self._storage[g.index]
-        assert st is not None
-        i = self._slot_in_group[layer]
-        caches = (st.flat[0][i], st.flat[1][i])
-        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
-            index_copy_rows(caches, idx.long(), k, v)
-
-    def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""
-        st = self._storage[self.group_of_layer[layer]]
-        assert st is not None
-        b, h, t, d = k.shape
-        i = self._slot_in_group[layer]
-        caches = (st.flat[0][i], st.flat[1][i])
-        # Row-major like the slots (a view for a decode step's one token).
-        k = k.detach().transpose(1, 2).reshape(b * t, h, d)
-        v = v.detach().transpose(1, 2).reshape(b * t, h, d)
-        # As write's store: the core's row copy on the CPU, where index_copy_ walks each row
-        # element by element.
-        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
-            caches[0].index_copy_(0, idx, k)
-            caches[1].index_copy_(0, idx, v)
-
-    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
-        g = self._page_group(layer)
-        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
-        st = self._storage[g.index]
-        assert st is not None
-        i = self._slot_in_group[layer]
-        idx = idx.long()
-        safe = idx.clamp(min=0) if negative else idx
-        k, v = st.flat[0][i].index_select(0, safe), st.flat[1][i].index_select(0, safe)
-        if negative:
-            pad = (idx < 0).view(-1, 1, 1)
-            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-        return k, v
 
     def __repr__(self) -> str:
         groups = ", ".join(

@@ -3,7 +3,7 @@
 Copy-on-write of shared pages (every layer's K and V), a state group's zeroing,
 fork and checkpoint copies, and on a device pool the table rows the core cannot
 write itself. A mixin of ``HybridKVPool`` (kept apart so hybrid.py holds
-construction, geometry and the per-layer reads and writes).
+construction and geometry).
 """
 
 from __future__ import annotations

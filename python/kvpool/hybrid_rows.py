@@ -1,0 +1,93 @@
+"""HybridRows: ``write`` and ``read`` of a hybrid ``KVPool``'s K/V rows, each in the caches of
+the layer's group, and ``_store_bhtd``, ``KVPoolCache``'s store of checked K/V. A mixin of
+``HybridKVPool`` (kept apart so hybrid.py holds construction and geometry), as ``RowsMixin``
+(``kvpool.rows``) is of the plain pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvpool.errors import TensorShapeError
+from kvpool.layout import KVStorage
+from kvpool.row_stores import index_copy_rows, scatter_into
+from kvpool.validate import check_flag, check_rows, slots_tensor
+
+__all__ = ["HybridRows"]
+
+
+class HybridRows:
+    """The per-layer writes and reads of ``HybridKVPool``."""
+
+    # HybridKVPool's state these read (made by its __init__).
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    group_of_layer: tuple[int, ...]
+    _storage: list[KVStorage | None]
+    _slot_in_group: dict[int, int]
+    _page_group: Any  # (HybridKVPool's: the group of a layer with pages)
+
+    def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
+              strict: bool = False) -> None:
+        """Store rows ``k[i]`` / ``v[i]`` at ``slots[i]`` of ``layer`` (slots of its group).
+        Negative slots are padding and skipped; everything is checked first. ``strict=True``
+        rejects padding, the group's page-0 slots and repeated slots, as on a plain pool.
+
+        Raises:
+            LayerIndexError, InvalidArgumentError (a state layer), SlotRangeError,
+            ReservedSlotError, DuplicateSlotError, TensorShapeError, TensorDtypeError,
+            TensorDeviceError: nothing written.
+        """
+        g = self._page_group(layer)
+        if v is None:  # (the plain pool's signature: v is optional there for MLA, which has no groups)
+            raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
+        if strict is not False and strict is not True:
+            strict = check_flag("strict", strict)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=strict)
+        for name, x in (("k", k), ("v", v)):
+            check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        k, v = k.detach(), v.detach()
+        if negative:
+            keep = (idx >= 0).nonzero().squeeze(1)
+            idx, k, v = idx.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        caches = (st.flat[0][i], st.flat[1][i])
+        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
+            index_copy_rows(caches, idx.long(), k, v)
+
+    def _store_bhtd(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` of checked K/V in attention's ``[B, H, T, D]`` layout at pool-made slots."""
+        st = self._storage[self.group_of_layer[layer]]
+        assert st is not None
+        b, h, t, d = k.shape
+        i = self._slot_in_group[layer]
+        caches = (st.flat[0][i], st.flat[1][i])
+        # Row-major like the slots (a view for a decode step's one token).
+        k = k.detach().transpose(1, 2).reshape(b * t, h, d)
+        v = v.detach().transpose(1, 2).reshape(b * t, h, d)
+        # As write's store: the core's row copy on the CPU, where index_copy_ walks each row
+        # element by element.
+        if self.device.type != "cpu" or not scatter_into(caches, idx, (k, v)):
+            caches[0].index_copy_(0, idx, k)
+            caches[1].index_copy_(0, idx, v)
+
+    def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
+        g = self._page_group(layer)
+        idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        st = self._storage[g.index]
+        assert st is not None
+        i = self._slot_in_group[layer]
+        idx = idx.long()
+        safe = idx.clamp(min=0) if negative else idx
+        k, v = st.flat[0][i].index_select(0, safe), st.flat[1][i].index_select(0, safe)
+        if negative:
+            pad = (idx < 0).view(-1, 1, 1)
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+        return k, v
