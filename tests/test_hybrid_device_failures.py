@@ -12,7 +12,7 @@ import torch
 from test_hybrid_staging import Ring, on_device_path
 
 import kvpool.hybrid_copies
-import kvpool.hybrid_ops
+import kvpool.hybrid_tables
 from kvpool import KVPool
 
 SLIDING_FULL = ["sliding_attention", "full_attention"]
@@ -57,7 +57,7 @@ def test_a_failed_extend_is_rolled_back_and_the_tables_agree(fail_next_table_wri
     h = pool.open(2)
     pool.extend(h, [3, 6])
     before = (pool.lengths(h).tolist(), [pool.free_pages(layer) for layer in (0, 1)])
-    fail_next_table_write(kvpool.hybrid_ops)
+    fail_next_table_write(kvpool.hybrid_tables)
     with pytest.raises(RuntimeError, match="injected"):
         pool.extend(h, [2, 3])  # the second request's window releases a page as it grows
     assert (pool.lengths(h).tolist(), [pool.free_pages(layer) for layer in (0, 1)]) == before
@@ -74,7 +74,7 @@ def test_requests_opened_by_a_failed_call_are_closed_again(fail_next_table_write
     pool.extend(h, 9, tokens=np.arange(9))
     pool.cache(h)
     before = (pool.open_requests, [pool.free_pages(layer) for layer in (0, 1)], hits_and_misses(pool))
-    fail_next_table_write(kvpool.hybrid_copies if call != "admit" else kvpool.hybrid_ops)
+    fail_next_table_write(kvpool.hybrid_copies if call != "admit" else kvpool.hybrid_tables)
     with pytest.raises(RuntimeError, match="injected"):
         if call == "fork":
             pool.fork(int(h[0]), 2)

@@ -39,6 +39,7 @@ from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
 from kvpool.hybrid_queries import HybridQueries
 from kvpool.hybrid_rows import HybridRows
+from kvpool.hybrid_tables import HybridTables
 from kvpool.hybrid_views import HybridViews
 from kvpool.kernels import require_triton
 from kvpool.layout import LAYOUTS, KVStorage, padded_row_stride
@@ -100,7 +101,8 @@ def _unused(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridQueries, HybridViews, HybridRows, RowEdits):
+class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, HybridQueries, HybridViews, HybridRows,
+                  RowEdits):
     """A ``KVPool`` over layer groups (see the module doc and docs/hybrid.md).
 
     Built as ``KVPool(num_layers, num_kv_heads, head_dim, layer_types=[...],

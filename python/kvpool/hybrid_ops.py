@@ -4,7 +4,9 @@ Each is one call into the core's ``GroupedAllocator`` (all groups at once,
 atomic, typed errors with nothing changed), holding the pool's lock for calls
 that change ownership, followed by what the torch side owes the core: the new
 slots into each group's table, and the copies the core queued (copy-on-write,
-state zeroing, forks, checkpoints, restores), run before the call returns.
+state zeroing, forks, checkpoints, restores), run before the call returns. The
+table rows are written by ``HybridTables`` (``kvpool.hybrid_tables``), the copies
+run by ``HybridCopies`` (``kvpool.hybrid_copies``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.kernels import write_req_to_token
 from kvpool.row_edits import lengths_before
 from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
@@ -63,19 +64,19 @@ class HybridRequestOps:
     """Mixin: ``HybridKVPool``'s request operations, queries and counters."""
 
     allocator: Any
-    groups: list[Any]
     group_of_layer: tuple[int, ...]
     device: torch.device
     _lock: Any
-    _tables: list[Any]
     _tables_np: list[np.ndarray | None] | None
     _run_copies: Any
     _write_new_rows: Any
-    _sync_rows: Any
     _page_group: Any
     _state_group: Any
-    _nulled: dict[int, np.ndarray]
     group: Any
+    _scatter: Any  # (the table rows: kvpool.hybrid_tables)
+    _null_released: Any
+    _forget_nulled: Any
+    _rewrite_windows: Any
     _order: Any  # the CopyOrder of a CUDA pool; None on CPU
     _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
     _open_copies: bool
@@ -183,48 +184,6 @@ class HybridRequestOps:
             except BaseException:  # noqa: BLE001
                 pass
 
-    def _scatter(self, handles: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                 slots: list[np.ndarray]) -> None:
-        rows = self.allocator.rows(handles)
-        for g, s in zip(self.groups, slots):
-            table = self._tables[g.index]
-            if table is not None:
-                write_req_to_token(table, *self._on_device(rows, starts, counts, s))
-
-    def _on_device(self, *parts: Any) -> list[torch.Tensor]:
-        """Int64 copies of host arrays on the pool's device, with ONE copy through the pool's
-        pinned ring on CUDA (``kvpool.staging.pool_to_device``): from pageable memory each
-        copy would wait for the device. The ring keeps each buffer until its copy has run."""
-        return pool_to_device(self, *(np.asarray(a, dtype=np.int64).reshape(-1) for a in parts))
-
-    def _null_released(self, handles: np.ndarray, starts: np.ndarray) -> None:
-        """Off the CPU: the null page's slots (``position % page_size``) where a sliding
-        window released pages, as the core writes them into CPU tables in the same call.
-        The extend from ``starts`` released every page wholly before ``starts - window + 1``;
-        each row's nulls are written once, from where the last ones ended."""
-        rows = self.allocator.rows(handles)
-        for g in self.groups:
-            done = self._nulled.get(g.index)
-            if done is None or self._tables[g.index] is None:
-                continue
-            ps = g.page_size
-            to = np.maximum(starts - (g.window - 1), 0) // ps * ps
-            todo = to > done[rows]
-            if not todo.any():
-                continue
-            r, end = rows[todo], to[todo]
-            start = done[r]
-            pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(start.tolist(), end.tolist())])
-            write_req_to_token(self._tables[g.index], *self._on_device(r, start, end - start, pos % ps))
-            done[r] = end
-
-    def _forget_nulled(self, handles: np.ndarray) -> None:
-        """Rows (re)opened: their tables are rewritten from position 0 (``_null_released``)."""
-        if self._nulled and len(handles):
-            rows = self.allocator.rows(np.asarray(handles, dtype=np.int64).reshape(-1))
-            for done in self._nulled.values():
-                done[rows] = 0
-
     def admit(self, counts: Any, tokens: Any = None) -> tuple[np.ndarray, HybridExtendResult]:
         """Open ``len(counts)`` requests and extend each (``open`` then ``extend``, atomic).
         See ``GroupedAllocator.admit``."""
@@ -277,21 +236,6 @@ class HybridRequestOps:
             self._note_edit(handles)
             self._run_copies(handles)
             self._rewrite_windows(handles)
-
-    def _rewrite_windows(self, handles: Any) -> None:
-        """Sliding groups' table rows after a truncate, which may have taken window pages
-        the rows had released back from the cache: their positions read as the null page
-        in the tables until rewritten."""
-        sliding = [g for g in self.groups if g.kind == "sliding"]
-        h = np.asarray(handles, dtype=np.int64).reshape(-1)
-        if not sliding or not h.size:
-            return
-        self._forget_nulled(h)
-        for g in sliding:
-            if self._tables_np is not None:
-                self.allocator.fill_table(h, self._tables_np[g.index], g.index)
-            else:
-                self._sync_rows(h, g)
 
     def close(self, handles: Any, cache: bool = False, priority: Any = None, retain_s: Any = None) -> None:
         """Close requests in every group. See ``GroupedAllocator.close``.
