@@ -1,4 +1,5 @@
-"""Request operations and queries of a hybrid ``KVPool`` (``kvpool.hybrid``).
+"""Request operations of a hybrid ``KVPool`` (``kvpool.hybrid``); its queries are
+``HybridQueries`` (``kvpool.hybrid_queries``).
 
 Each is one call into the core's ``GroupedAllocator`` (all groups at once,
 atomic, typed errors with nothing changed), holding the pool's lock for calls
@@ -61,7 +62,7 @@ def _refuse_duplicates(handles: np.ndarray) -> None:
 
 
 class HybridRequestOps:
-    """Mixin: ``HybridKVPool``'s request operations, queries and counters."""
+    """Mixin: ``HybridKVPool``'s request operations (open, extend, admit, truncate, close, cache, ...)."""
 
     allocator: Any
     group_of_layer: tuple[int, ...]
@@ -70,8 +71,6 @@ class HybridRequestOps:
     _tables_np: list[np.ndarray | None] | None
     _run_copies: Any
     _write_new_rows: Any
-    _page_group: Any
-    _state_group: Any
     group: Any
     _scatter: Any  # (the table rows: kvpool.hybrid_tables)
     _null_released: Any
