@@ -144,7 +144,7 @@ def test_an_old_number_past_the_remembered_window_is_judged_by_its_timestamp():
     """A SUB queue drained after a replay caught up can hold batches far older
     than the payloads the router remembers: no newer than the last applied
     batch, they are stale copies; newer, they come from a restarted publisher."""
-    from kvpool.router import router as R
+    from kvpool.router import event_streams as R
 
     r = router()
     n = R._REMEMBERED + 10

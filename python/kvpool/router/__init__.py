@@ -16,7 +16,7 @@ from typing import Any
 _LAZY = {
     "Router": "kvpool.router.router",
     "Route": "kvpool.router.router",
-    "StreamState": "kvpool.router.router",
+    "StreamState": "kvpool.router.event_streams",
     "PageIndex": "kvpool.router.index",
     "ZmqFeed": "kvpool.router.zmq_feed",
 }

@@ -4,7 +4,7 @@ The prompt is hashed as the pools hash it (``page_hashes`` with the router's pag
 size, hash seed and the request's salt), and the router's ``PageIndex`` gives each
 pool's depth of consecutive held pages, in whichever key form (16-byte hashes or
 vLLM's int form) the pools' events used. A mixin of ``Router`` (kept apart so
-router.py holds the event streams and the routing decision).
+router.py holds the routing decision, and event_streams.py the pools' event streams).
 """
 
 from __future__ import annotations
