@@ -136,7 +136,7 @@ MUTANTS = [
     Mutant("fix-no-cross-stream-wait", "python/kvpool/streams.py",
            "        stream.wait_event(self._event)", "        pass",
            ["tests/test_pool_streams.py"], group="fixes"),
-    Mutant("fix-transfer-header-unchecked", "python/kvpool/distributed/kv_transfer.py",
+    Mutant("fix-transfer-header-unchecked", "python/kvpool/distributed/kv_receive.py",
            "    problem = header_problem(pool, header, src_scales)", "    problem = None",
            ["tests/test_transfer_hostile.py"], group="fixes"),
     Mutant("fix-transfer-staging-always-kept", "python/kvpool/distributed/chunks.py",

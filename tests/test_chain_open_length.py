@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kvpool
-from kvpool.distributed import kv_transfer
+from kvpool.distributed import kv_receive
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist  # noqa: E402
@@ -38,10 +38,10 @@ def test_transfer_open_is_refused_and_keeps_eviction_order():
     """kv_transfer's receiver: a free_pages check passes, the atomic open refuses."""
     pool = receiver()
     ch = chain()
-    cached = kv_transfer._prefix_match(pool, ch, 5)
+    cached = kv_receive._prefix_match(pool, ch, 5)
     assert cached == 2 and 5 - cached <= pool.free_pages
     with pytest.raises(kvpool.PoolExhaustedError):
-        kv_transfer._open(pool, ch, cached, 20)
+        kv_receive._open(pool, ch, cached, 20)
     assert_as_never_called(pool)
 
 
@@ -49,7 +49,7 @@ def test_fits_exactly_in_what_is_left_after_the_hold():
     pool = receiver()
     hashes, tokens, salt = chain()
     a_slots = np.arange(4, 12)  # A's pages 1 and 2
-    h = kv_transfer._open(pool, (hashes, tokens, salt), 2, 16)
+    h = kv_receive._open(pool, (hashes, tokens, salt), 2, 16)
     assert pool.length(h) == 16 and pool.free_pages == 0
     slots = pool.slots(h)
     np.testing.assert_array_equal(slots[:8], a_slots)
@@ -100,7 +100,7 @@ def test_the_tp_proxy_shows_the_length_parameter():
 
     proxy = TPPool.__new__(TPPool)
     call = proxy._recorded("open_with_chain_hashes", make_pool().open_with_chain_hashes)
-    assert kv_transfer._takes_length(call)
+    assert kv_receive._takes_length(call)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

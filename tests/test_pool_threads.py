@@ -355,13 +355,14 @@ class _FakeLink:
 
 @pytest.fixture
 def fake_link(monkeypatch):
-    from kvpool.distributed import kv_transfer
+    from kvpool.distributed import kv_receive, kv_transfer
 
     _FakeLink.script = {"log": []}
-    monkeypatch.setattr(kv_transfer, "_Link", _FakeLink)
-    monkeypatch.setattr(kv_transfer, "comm_device", lambda group, device: torch.device("cpu"))
-    # No process group here: the fake link is the transport, so the peer needs no group.
-    monkeypatch.setattr(kv_transfer, "check_peer", lambda peer, group, name: None)
+    for side in (kv_transfer, kv_receive):  # the send side, the receive side
+        monkeypatch.setattr(side, "_Link", _FakeLink)
+        monkeypatch.setattr(side, "comm_device", lambda group, device: torch.device("cpu"))
+        # No process group here: the fake link is the transport, so the peer needs no group.
+        monkeypatch.setattr(side, "check_peer", lambda peer, group, name: None)
     return _FakeLink.script
 
 
