@@ -1,6 +1,7 @@
-"""File-system helpers of ``FileTier``: the directory argument, the probe that ``.tmp``
-can rename into the records' directory, directory listings with their mtimes, free space,
-identity tests of files and records, and opening a record to read it."""
+"""File-system helpers of ``FileTier``: the records' file suffix, the directory argument,
+the probe that ``.tmp`` can rename into the records' directory, directory listings with
+their mtimes, free space, identity tests of files and records, and opening a record to
+read it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from kvpool.tiers.backend import PageRecord
 
 __all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "open_record", "same_file",
            "same_record", "unlink"]
+
+# The end of a record's file name (FileTier.file_for): the eviction scan counts only such files.
+SUFFIX = ".kvp"
 
 # How a record is opened to be read (see FileTier.get): not blocking (a FIFO), not through a link.
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
