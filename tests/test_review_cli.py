@@ -66,10 +66,11 @@ def test_demo_model_bytes_are_what_the_built_model_holds():
 def test_demo_model_past_this_machines_memory_is_refused_before_it_is_built(capsys, monkeypatch):
     """Many small tensors (--layers) never fail one allocation: the process grows until the
     kernel kills it. The demo compares the model's bytes with the machine's memory first."""
-    import kvpool.demo.cli as demo_cli
+    import kvpool.demo._args as demo_args
     import kvpool.demo.model as demo_model
 
-    monkeypatch.setattr(demo_cli, "host_memory_bytes", lambda: 1 << 20)
+    # (where both the model's and the requests' memory checks look it up)
+    monkeypatch.setattr(demo_args, "host_memory_bytes", lambda: 1 << 20)
     monkeypatch.setattr(demo_model, "build_model", lambda *a, **k: pytest.fail("built the model anyway"))
     line = _demo_usage_error(capsys, ["--layers", "64"])
     assert "the demo model's weights" in line and "--layers" in line

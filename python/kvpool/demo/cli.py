@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvpool.demo import _args
 from kvpool.demo._args import (
     _check_allocator_bounds,
     _check_request_memory,
@@ -23,7 +24,6 @@ from kvpool.demo._args import (
     _seed,
     _share,
     _threads,
-    host_memory_bytes,
     model_bytes,
 )
 
@@ -194,9 +194,9 @@ def run(args: argparse.Namespace,
                 # Many small tensors (one set per layer) never fail one allocation: the process
                 # would grow until the kernel kills it, so compare with the memory first.
                 nbytes, fix = model_bytes(cfg, dtype), "lower --layers, --hidden or --vocab"
-                if device.type == "cpu" and nbytes > host_memory_bytes():
+                if device.type == "cpu" and nbytes > _args.host_memory_bytes():
                     raise ValueError(f"cannot allocate the demo model's weights: {nbytes} bytes, more than "
-                                     f"this machine's {host_memory_bytes()} bytes of memory; {fix}")
+                                     f"this machine's {_args.host_memory_bytes()} bytes of memory; {fix}")
                 with refuse_out_of_memory("the demo model's weights", nbytes, device, fix):
                     model = build_model(cfg, device=device, dtype=dtype)
             if shared:
