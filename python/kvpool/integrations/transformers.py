@@ -3,7 +3,7 @@
 ```python
 pool = pool_for_model(model, max_tokens=8192, page_size=16)       # built outside inference mode
 with KVPoolCache(pool) as cache:
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values=cache before 5.24
 ```
 
 How it maps onto the pool:
@@ -98,7 +98,8 @@ def _dropped_open(requests: Any, pool: Any) -> None:
 
 
 class KVPoolCache(NotPicklable, BatchEdits, Cache):
-    """A transformers ``Cache`` backed by a ``KVPool``: pass it as ``past_key_values=``.
+    """A transformers ``Cache`` backed by a ``KVPool``: pass it to ``generate`` (or a
+    model's forward) as ``cache=`` (``past_key_values=`` before transformers 5.24).
 
     Args:
         pool: a ``KVPool`` with one layer per model layer, the model's ``num_key_value_heads``
