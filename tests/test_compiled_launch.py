@@ -30,7 +30,7 @@ class Compiled:
 
 
 class FakeJit:
-    """``fn[grid](*args, num_warps=w)`` logs and returns the kernel for ``pick(args)``."""
+    """``fn[grid](*args, num_warps=w, **OPTIONS)`` logs and returns the kernel for ``pick(args)``."""
 
     def __init__(self, log, pick=lambda args: "k0"):
         self.device_caches = {}
@@ -41,13 +41,14 @@ class FakeJit:
         return self.kernels.setdefault(name, Compiled(self.log, name))
 
     def __getitem__(self, grid):
-        def go(*args, num_warps):
+        def go(*args, num_warps, **options):
+            assert options == L.OPTIONS  # (the compile options every kernel here is built with)
             self.log.append(("jit", grid, args, num_warps))
             return self._kernel(args)
         return go
 
-    def run(self, *args, grid, warmup, num_warps):
-        assert warmup
+    def run(self, *args, grid, warmup, num_warps, **options):
+        assert warmup and options == L.OPTIONS
         return self._kernel(args)
 
 

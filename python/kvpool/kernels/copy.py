@@ -25,6 +25,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvpool.kernels import _common as c
 from kvpool.kernels.copy_tables import TABLES
+from kvpool.kernels.launch import OPTIONS
 
 
 @triton.jit
@@ -85,5 +86,5 @@ def launch_copy_slots(
             group[0], table, src_slots, dst_slots,
             heads, dim, g.page_size, g.stride_page, g.stride_off, sh, g.stride_d, n,
             src_slots.stride(0), dst_slots.stride(0),
-            ALIGN=align, ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps,
+            ALIGN=align, ROWS=rows, BLOCK_H=block_h, BLOCK_D=block_d, VEC=vec, num_warps=warps, **OPTIONS,
         )

@@ -59,6 +59,13 @@ def _runtime_knobs() -> Any:
         return None
 
 
+#: Compile options of every kernel here. Triton 3.9 warns at a process's first compile that
+#: its FP-fusion default turns off in 3.10: these kernels copy, convert and scale (no
+#: multiply-add to fuse), so their code is the same either way, and asking explicitly keeps
+#: that warning out of an engine's log.
+OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
+
+
 def _no_hook(hook: Any) -> bool:
     """Whether a launch hook slot is empty: None, or (Triton 3.5 on) a ``HookChain`` with
     no calls (the launcher would call it, and compute launch metadata, for nothing)."""
@@ -102,7 +109,7 @@ class CompiledLaunch:
                     # them before it launches anything: keep Triton's own path from now on.
                     self.enabled = False
                     self._compiled.clear()
-        kernel = self.fn[grid](*args, num_warps=num_warps)
+        kernel = self.fn[grid](*args, num_warps=num_warps, **OPTIONS)
         if self.enabled and key not in self._compiled:
             self._keep(key, kernel)
 
@@ -122,7 +129,7 @@ class CompiledLaunch:
         self._compiled[key] = (run, function, metadata, kernel)
 
     def _check(self, kernel: Any, grid: tuple[int, int], args: Sequence[Any], num_warps: int) -> None:
-        would = self.fn.run(*args, grid=grid, warmup=True, num_warps=num_warps)
+        would = self.fn.run(*args, grid=grid, warmup=True, num_warps=num_warps, **OPTIONS)
         if would is not kernel:
             raise InvariantError(
                 f"{getattr(self.fn, '__name__', self.fn)}: the cached launch's key does not determine "
@@ -157,4 +164,4 @@ def launch_planned(launch: CompiledLaunch, kernel: Any, plans: dict[tuple, Plan]
     if kernel is launch.fn and launch.enabled and on_cuda:
         launch.launch(key, grid, args, warps, key[-1])
     else:
-        kernel[grid](*args, num_warps=warps)
+        kernel[grid](*args, num_warps=warps, **OPTIONS)

@@ -20,6 +20,8 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvpool.kernels.launch import OPTIONS
+
 # Bytes one program moves per cache: with 8 warps, 64 bytes (four 16-byte
 # accesses) a thread, enough in flight to cover host-memory latency.
 BLOCK_BYTES = 16384
@@ -68,5 +70,5 @@ def launch_page_copy(dev_words: list[torch.Tensor], host_words: torch.Tensor, id
     _page_copy_kernel[grid](
         dev_words[0], dev_words[1] if two else dev_words[0], host_words, ids, n, chunk,
         num_pages * chunk, host_words.shape[1] * layers_total * chunk, layers_total * chunk, layer0,
-        TO_HOST=to_host, TWO=two, BLOCK=block, num_warps=warps,
+        TO_HOST=to_host, TWO=two, BLOCK=block, num_warps=warps, **OPTIONS,
     )
