@@ -147,6 +147,29 @@ def test_huge_count_in_a_huge_page_pool_is_context_too_long():
     assert allocator_state(a, h) == before
 
 
+def test_a_count_past_max_context_len_sizes_no_result_array():
+    """The same guard where the count fits the pool: a count past max_context_len, but not
+    past num_slots, is refused before a result array of that many slots is allocated
+    (tracemalloc sees numpy's allocations: the control extend shows it does)."""
+    import tracemalloc
+
+    count = 2**19  # 4 MiB of int64 slots
+    a = SlotAllocator(2, page_size=2**20, max_requests=2, max_context_len=16)
+    room = SlotAllocator(2, page_size=2**20, max_requests=2, max_context_len=2**20)
+    h, hr = a.open(1), room.open(1)
+    tracemalloc.start()
+    try:
+        room.extend(hr, count)  # (the control: a result of `count` slots is seen)
+        assert tracemalloc.get_traced_memory()[1] >= 8 * count
+        for call in (lambda: a.extend(h, count), lambda: a.extend_with_starts(h, [count])):
+            tracemalloc.reset_peak()
+            with pytest.raises(ContextTooLongError, match="max_context_len=16"):
+                call()
+            assert tracemalloc.get_traced_memory()[1] < 8 * count // 16
+    finally:
+        tracemalloc.stop()
+
+
 def tier_state(a: SlotAllocator, resident: np.ndarray, swapped: np.ndarray) -> tuple:
     """allocator_state, plus the host tier's counters and queues, and what a
     swapped-out request still answers (its slots and pages are refused)."""
