@@ -1,7 +1,8 @@
 """What both sides of a request transfer share besides the wire format (``protocol``):
 the ``TransferStats`` each returns, and the pool lock each holds while it holds the
 request's pages. Apart from ``kv_transfer`` (the send side, and the public entry points)
-and ``kv_receive`` (the receive side) so that neither imports the other."""
+and ``kv_receive`` (the receive side) so that the receive side need not import
+``kv_transfer``, which re-exports it."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ compiled kernel does not have the launcher interface of Triton 3.2-3.6 (``run``,
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -63,7 +64,7 @@ def _runtime_knobs() -> Any:
 #: its FP-fusion default turns off in 3.10: these kernels copy, convert and scale (no
 #: multiply-add to fuse), so their code is the same either way, and asking explicitly keeps
 #: that warning out of an engine's log.
-OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
+OPTIONS = types.MappingProxyType({"enable_fp_fusion": False})  # (read-only: copy.py and page_copy.py import it)
 
 
 def _no_hook(hook: Any) -> bool:
