@@ -6,11 +6,13 @@ plants its bug in silently turns that mutant into a no-op. This cheap check
 (no build, no mutation run) fails instead: each mutant's file exists, its ``old``
 text occurs exactly once there, the Python it leaves still compiles (a mutant
 that leaves an indented line behind is "caught" by the import error, whatever
-the tests check), and every test file it runs exists.
+the tests check; so is one that names something undefined, which ruff's F821
+finds), and every test file it runs exists.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,7 +46,22 @@ def test_mutant_target_is_present(m):
         except SyntaxError as e:
             pytest.fail(f"mutant {m.name!r}: the mutated {m.path} does not compile ({e}), so any test "
                         f"would 'catch' it; make its new text plant the bug in valid Python")
+        if _ruff_module():
+            undefined = subprocess.run(
+                [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821", "--output-format",
+                 "concise", "--stdin-filename", m.path, "-"],
+                input=text.replace(m.old, m.new), capture_output=True, text=True, timeout=60)
+            assert undefined.returncode == 0, (
+                f"mutant {m.name!r}: the mutated {m.path} names something undefined, so a NameError would "
+                f"'catch' it whatever the tests check:\n{undefined.stdout}")
     assert m.tests, f"mutant {m.name!r} names no test files; name the tests that catch its bug"
     for t in m.tests:
         assert (ROOT / t).is_file(), (f"mutant {m.name!r}: its test file {t} does not exist; point the "
                                       "mutant at the tests that now cover its bug (grep tests/)")
+
+
+def _ruff_module() -> bool:
+    """Whether ``python -m ruff`` runs here (the test extra installs it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ruff") is not None
