@@ -355,11 +355,20 @@ def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]
     config fields); for other linear-attention or Mamba layers pass ``state_shapes=``.
     """
     types, per_layer = get_layer_types_and_kwargs(text_config)
-    shared = [i for i, t in enumerate(types) if t == "dummy"]
-    if shared:  # transformers' name for a layer that stores nothing: it reuses another layer's K/V
+    # "dummy" is transformers' name for a layer that stores nothing: one that reuses an earlier
+    # layer's K/V, or one without attention (layer types "moe" / "mlp", as Nemotron-H's).
+    dummy = [i for i, t in enumerate(types) if t == "dummy"]
+    given = list(getattr(text_config, "layer_types", None) or [])
+    no_attention = [i for i in dummy if i < len(given) and given[i] in ("moe", "mlp")]
+    shared = [i for i in dummy if i not in no_attention]
+    if shared:
         raise InvalidArgumentError(
             f"layers {shared} share an earlier layer's K/V (KV sharing, as Gemma 3n's num_kv_shared_layers) "
             "and never store their own; a KVPool has K/V for every layer: use transformers' DynamicCache")
+    if no_attention:
+        raise InvalidArgumentError(
+            f"layers {no_attention} have no attention (layer types 'moe' / 'mlp', as Nemotron-H's) and keep "
+            "no cache; a KVPool gives every layer K/V or a state: use transformers' DynamicCache")
     types = ["full_attention" if t == "sliding_attention" and kw["sliding_window"] >= max_context_len else t
              for t, kw in zip(types, per_layer)]
     if all(t == "full_attention" for t in types):
