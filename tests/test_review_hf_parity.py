@@ -139,3 +139,40 @@ def test_kv_sharing_layers_are_refused_with_a_reason():
         activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16, vocab_size_per_layer_input=128))
     with pytest.raises(InvalidArgumentError, match=r"layers \[2, 3\] share"):
         pool_for_model(config, max_tokens=64, page_size=4)
+
+
+def test_layers_without_attention_are_refused_with_their_reason():
+    """Nemotron-H's "moe" / "mlp" layers have no attention (transformers types them "dummy" too);
+    the refusal says that, not that they share another layer's K/V."""
+    config = transformers.NemotronHConfig(
+        vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["linear_attention", "moe", "full_attention", "mlp"])
+    with pytest.raises(InvalidArgumentError, match=r"layers \[1, 3\] have no attention") as err:
+        pool_for_model(config, max_tokens=64, page_size=4)
+    assert "share" not in str(err.value)
+
+
+
+GEMMA4 = dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"] * 2)
+needs_gemma4 = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
+                                  reason="this transformers has no Gemma 4 (5.x releases before it)")
+
+
+@needs_gemma4
+def test_layers_of_different_head_sizes_are_refused_typed():
+    """Gemma 4's full-attention layers have their own head_dim (global_head_dim, 512 by default):
+    its config refuses a global read of head_dim with transformers' own RuntimeError, which
+    pool_for_model let through untyped. A pool has one head size: a typed refusal naming it."""
+    config = transformers.Gemma4TextConfig(**dict(BASE, **GEMMA4))
+    with pytest.raises(InvalidArgumentError, match=r"differ in head_dim \(\[16, 512, 16, 512\]"):
+        pool_for_model(config, max_tokens=64, page_size=4)
+
+
+@needs_gemma4
+def test_gemma4_with_one_head_size_matches_dynamic_cache():
+    """With global_head_dim equal to head_dim every layer reads the same, and the hybrid pool
+    (sliding + full groups) gives DynamicCache's tokens and logits."""
+    model = build("Gemma4ForCausalLM", "Gemma4TextConfig", **GEMMA4, global_head_dim=16)
+    pool = assert_parity(model, [9, 4, 7], new=12)
+    assert [g.layer_type for g in pool.groups] == ["sliding_attention", "full_attention"]

@@ -15,6 +15,24 @@ from kvpool.pool import KVPool
 from kvpool.validate import is_int
 
 
+def config_value(text: Any, name: str, default: Any = None) -> Any:
+    """``text.<name>`` (``default`` if absent). A heterogeneous config (transformers'
+    ``per_layer_config``, as Gemma 4's, whose full-attention layers have their own head_dim)
+    refuses a global read of a per-layer attribute with its own RuntimeError: then the value
+    every layer has, or a typed refusal naming how they differ (a pool has one K/V shape)."""
+    try:
+        return getattr(text, name, default)
+    except RuntimeError as e:
+        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+    values = [getattr(layer, name, default) for layer in text.per_layer_config]
+    if len(set(values)) == 1:
+        return values[0]
+    raise InvalidArgumentError(
+        f"pool_for_model: the model's layers differ in {name} ({values}, layer by layer); a KVPool has one "
+        f"{name} for every layer: use transformers' DynamicCache for this model")
+
+
 def falcon_caches_kv_groups() -> bool:
     """Whether transformers' Falcon caches a new-decoder model's K/V groups (5.25 on) rather
     than K/V broadcast to every query head (before)."""
@@ -45,7 +63,8 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         InvalidArgumentError: ``max_tokens``, ``page_size`` or ``max_context_len`` is not a
             positive int; ``model`` has no int ``num_attention_heads`` / ``num_hidden_layers``
             (not a decoder's model or config); a multi-head latent attention model (``kv_lora_rank``:
-            its cached K and V differ in width); and what ``KVPool`` raises for its own arguments.
+            its cached K and V differ in width); layers that differ in K/V heads or head size (a
+            heterogeneous config, as Gemma 4's); and what ``KVPool`` raises for its own arguments.
     """
     # Checked here: the pool's sizes are computed from them before KVPool sees any.
     value: Any
@@ -57,7 +76,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
     config = getattr(model, "config", model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    missing = [a for a in ("num_attention_heads", "num_hidden_layers") if not is_int(getattr(text, a, None))]
+    missing = [a for a in ("num_attention_heads", "num_hidden_layers") if not is_int(config_value(text, a))]
     if missing:
         raise InvalidArgumentError(f"pool_for_model takes a transformers model or its config (a decoder's, with "
                                    f"int num_attention_heads and num_hidden_layers); {type(model).__name__} "
@@ -70,7 +89,7 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             f"{text.kv_lora_rank}): its cache holds keys {text.kv_lora_rank} wide and values "
             f"{getattr(text, 'qk_rope_head_dim', '?')} wide, and a KVPool's K and V share one head_dim; "
             f"use transformers' DynamicCache for this model")
-    heads = text.num_attention_heads
+    heads = config_value(text, "num_attention_heads")
     if getattr(text, "new_decoder_architecture", False):
         # Falcon-40B style: transformers >= 5.25 caches its num_kv_heads K/V heads; before, the
         # model cached K/V already repeated to every query head.
@@ -78,8 +97,8 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     elif getattr(text, "multi_query", False):
         kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
     else:  # (FalconConfig spells it num_kv_heads)
-        kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = config_value(text, "num_key_value_heads") or config_value(text, "num_kv_heads") or heads
+    head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // heads
     if device is None:
         device = getattr(model, "device", "cpu")
     if dtype is None:
