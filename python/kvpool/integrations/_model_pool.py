@@ -15,18 +15,25 @@ from kvpool.pool import KVPool
 from kvpool.validate import is_int
 
 
-def config_value(text: Any, name: str, default: Any = None) -> Any:
-    """``text.<name>`` (``default`` if absent). A heterogeneous config (transformers'
-    ``per_layer_config``, as Gemma 4's, whose full-attention layers have their own head_dim)
-    refuses a global read of a per-layer attribute with its own RuntimeError: then the value
-    every layer has, or a typed refusal naming how they differ (a pool has one K/V shape)."""
+def layer_values(text: Any, name: str, default: Any = None) -> list[Any]:
+    """``[text.<name>]``, or each layer's where transformers refuses a global read of a
+    per-layer attribute (a heterogeneous config: ``per_layer_config``)."""
     try:
-        return getattr(text, name, default)
+        return [getattr(text, name, default)]
     except RuntimeError as e:
         if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
             raise
-    values = [getattr(layer, name, default) for layer in text.per_layer_config]
-    if len(set(values)) == 1:
+    return [getattr(layer, name, default) for layer in text.per_layer_config]
+
+
+def config_value(text: Any, name: str, default: Any = None, *, uniform: bool = True) -> Any:
+    """``text.<name>`` (``default`` if absent). A heterogeneous config (transformers'
+    ``per_layer_config``, as Gemma 4's, whose full-attention layers have their own head_dim)
+    refuses a global read of a per-layer attribute with its own RuntimeError: then the value
+    every layer has, or a typed refusal naming how they differ (a pool has one K/V shape);
+    with ``uniform=False`` (an attribute the pool's shape does not hang on), the first layer's."""
+    values = layer_values(text, name, default)
+    if len(set(values)) == 1 or not uniform:
         return values[0]
     raise InvalidArgumentError(
         f"pool_for_model: the model's layers differ in {name} ({values}, layer by layer); a KVPool has one "
@@ -76,20 +83,24 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             raise InvalidArgumentError(f"pool_for_model: {name} must be a positive int{hint}, got {value!r}")
     config = getattr(model, "config", model)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    missing = [a for a in ("num_attention_heads", "num_hidden_layers") if not is_int(config_value(text, a))]
+    missing = [a for a in ("num_attention_heads", "num_hidden_layers") if not is_int(config_value(text, a, uniform=False))]
     if missing:
         raise InvalidArgumentError(f"pool_for_model takes a transformers model or its config (a decoder's, with "
                                    f"int num_attention_heads and num_hidden_layers); {type(model).__name__} "
                                    f"{model!r:.60} has no int {' or '.join(missing)}")
-    if is_int(getattr(text, "kv_lora_rank", None)) and text.kv_lora_rank > 0:
-        # Multi-head latent attention (DeepSeek V2/V3 and kin) caches the latent as keys and the
-        # rotary part as values, widths differing; a pool's K and V share one head_dim.
+    ranks = [r for r in layer_values(text, "kv_lora_rank") if is_int(r) and r > 0]
+    if ranks:
+        # Multi-head latent attention (DeepSeek V2/V3 and kin; in some layers of others) caches the
+        # latent as keys and the rotary part as values, widths differing; a pool's K and V share
+        # one head_dim.
         raise InvalidArgumentError(
             f"pool_for_model: {type(config).__name__} uses multi-head latent attention (kv_lora_rank="
-            f"{text.kv_lora_rank}): its cache holds keys {text.kv_lora_rank} wide and values "
-            f"{getattr(text, 'qk_rope_head_dim', '?')} wide, and a KVPool's K and V share one head_dim; "
-            f"use transformers' DynamicCache for this model")
-    heads = config_value(text, "num_attention_heads")
+            f"{ranks[0]}): its cache holds keys {ranks[0]} wide and values "
+            f"{config_value(text, 'qk_rope_head_dim', '?', uniform=False)} wide, and a KVPool's K and V share "
+            f"one head_dim; use transformers' DynamicCache for this model")
+    # Query heads may differ layer by layer (the pool holds K/V only): read them where K/V
+    # shapes are derived from them.
+    heads = config_value(text, "num_attention_heads", uniform=False)
     if getattr(text, "new_decoder_architecture", False):
         # Falcon-40B style: transformers >= 5.25 caches its num_kv_heads K/V heads; before, the
         # model cached K/V already repeated to every query head.
@@ -97,8 +108,10 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
     elif getattr(text, "multi_query", False):
         kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
     else:  # (FalconConfig spells it num_kv_heads)
-        kv_heads = config_value(text, "num_key_value_heads") or config_value(text, "num_kv_heads") or heads
-    head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // heads
+        kv_heads = (config_value(text, "num_key_value_heads") or config_value(text, "num_kv_heads")
+                    or config_value(text, "num_attention_heads"))
+    head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // config_value(
+        text, "num_attention_heads")
     if device is None:
         device = getattr(model, "device", "cpu")
     if dtype is None:
