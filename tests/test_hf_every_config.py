@@ -42,3 +42,6 @@ def test_every_causal_lm_config_gets_a_pool_or_a_typed_refusal():
     assert len(built) > 100, built
     assert {"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gpt_oss", "qwen3_next"} <= set(built), built
     assert "multi-head latent attention" in refused["deepseek_v3"]
+    if "llama4_text" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # (transformers with Llama 4: its chunked layers)
+        assert "'chunked_attention': layers [0, 1, 2, 4" in refused["llama4_text"]
+        assert "DynamicCache" in refused["llama4_text"]

@@ -27,6 +27,7 @@ from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
 from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
+from kvpool.hybrid_plan import LAYER_KINDS
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_hybrid_rows, repeat_prefix_rows
@@ -369,6 +370,12 @@ def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]
         raise InvalidArgumentError(
             f"layers {no_attention} have no attention (layer types 'moe' / 'mlp', as Nemotron-H's) and keep "
             "no cache; a KVPool gives every layer K/V or a state: use transformers' DynamicCache")
+    unknown = {t: [i for i, u in enumerate(types) if u == t] for t in types if t not in LAYER_KINDS}
+    if unknown:  # (as Llama 4's chunked_attention, Zamba's hybrid, LFM's conv layers)
+        raise InvalidArgumentError(
+            "the model has layers of types a KVPool cannot hold ("
+            + "; ".join(f"{t!r}: layers {at}" for t, at in unknown.items())
+            + f"; it holds {sorted(LAYER_KINDS)}): use transformers' DynamicCache for this model")
     types = ["full_attention" if t == "sliding_attention" and kw["sliding_window"] >= max_context_len else t
              for t, kw in zip(types, per_layer)]
     if all(t == "full_attention" for t in types):
