@@ -98,13 +98,12 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             f"{ranks[0]}): its cache holds keys {ranks[0]} wide and values "
             f"{config_value(text, 'qk_rope_head_dim', '?', uniform=False)} wide, and a KVPool's K and V share "
             f"one head_dim; use transformers' DynamicCache for this model")
-    # Query heads may differ layer by layer (the pool holds K/V only): read them where K/V
-    # shapes are derived from them.
-    heads = config_value(text, "num_attention_heads", uniform=False)
+    # Query heads may differ layer by layer (the pool holds K/V only): they must agree only
+    # where the K/V shape is derived from them.
     if getattr(text, "new_decoder_architecture", False):
         # Falcon-40B style: transformers >= 5.25 caches its num_kv_heads K/V heads; before, the
         # model cached K/V already repeated to every query head.
-        kv_heads = text.num_kv_heads if falcon_caches_kv_groups() else heads
+        kv_heads = text.num_kv_heads if falcon_caches_kv_groups() else config_value(text, "num_attention_heads")
     elif getattr(text, "multi_query", False):
         kv_heads = 1  # Falcon-7B / GPTBigCode multi-query: one K/V head, whatever num_kv_heads says
     else:  # (FalconConfig spells it num_kv_heads)
