@@ -113,8 +113,9 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
     state group's slots) explicitly; other groups get what their requests can
     need at once (``kvpool.hybrid_plan.plan_groups``); with ``memory_bytes`` /
     ``memory_fraction`` the full group (else the sliding one) gets what the
-    others leave. MLA, fp8, tensor parallelism, retention priorities and the
-    host tier are the plain pool's only (``InvalidArgumentError``).
+    others leave. MLA, fp8, tensor parallelism, retention priorities
+    (``manual_clock`` too), ``lazy_metadata`` and the host tier are the plain
+    pool's only (``InvalidArgumentError``, except at values that ask for none).
 
     Streams (CUDA), as the plain pool's: ``open`` (with state groups), ``extend``,
     ``admit``, ``fork``, ``open_with_prefix``, ``truncate`` and ``page_table`` raise
