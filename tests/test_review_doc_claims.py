@@ -6,6 +6,7 @@ unit pending_copies counts in."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,18 @@ def test_a_prefix_hit_rolls_back_to_checkpoints_on_the_prefix_it_hit(p):
     a.extend(h, 1)
     a.truncate(h, [2 * p])
     assert a.length(h[0]) == 2 * p
+
+
+@pytest.mark.parametrize("valid", [1, 3, 15])
+def test_pending_copies_counts_the_slot_pairs_take_copies_hands_out(valid):
+    a = kvpool.SlotAllocator(num_pages=16, page_size=16, max_requests=4, max_context_len=64)
+    h = a.open(1)
+    a.extend(h, valid)
+    child = a.fork(h[0])
+    a.extend(child, 1)  # copy-on-write of the shared, partly filled page
+    assert a.pending_copies == valid
+    src, dst = a.take_copies()
+    assert len(src) == len(dst) == valid
+    assert list(src) == list(a.slots(h[0]))
+    assert a.pending_copies == 0
+    assert np.array_equal(dst, a.slots(child[0])[:valid])

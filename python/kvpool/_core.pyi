@@ -565,8 +565,9 @@ class SlotAllocator:
         into the destination pages. Each source page stays held until its copy
         is taken here, so no later call frees or rewrites it meanwhile; a copy
         whose destination page its requests released (close, truncate, reset)
-        is dropped, so the queue holds at most one copy per held page however
-        long it is left. KVPool does this inside extend.
+        is dropped, so the queue holds at most one page's copy (fewer than
+        page_size slot pairs) per held page however long it is left. KVPool
+        does this inside extend.
         """
     def evict(self, n_pages: int) -> int:
         """Evicts up to n_pages cached pages nobody holds, the lowest retention
@@ -718,7 +719,8 @@ class SlotAllocator:
         learns the cache's pages from it (a router, DiskCache) learns nothing."""
     @property
     def pending_copies(self) -> int:
-        """Copy-on-write copies queued and not yet taken."""
+        """Copy-on-write slot copies queued and not yet taken (slot pairs, as
+        take_copies hands them out: a page's copy counts its valid slots)."""
     def take_offloads(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Drains the queued offloads (int64 page ids, oldest first): copy every
         layer's K and V of device page device_pages[i] to host page

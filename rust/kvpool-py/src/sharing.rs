@@ -186,8 +186,9 @@ impl PySlotAllocator {
     /// into the destination pages. Each source page stays held until its copy
     /// is taken here, so no later call frees or rewrites it meanwhile; a copy
     /// whose destination page its requests released (close, truncate, reset)
-    /// is dropped, so the queue holds at most one copy per held page however
-    /// long it is left. KVPool does this inside extend.
+    /// is dropped, so the queue holds at most one page's copy (fewer than
+    /// page_size slot pairs) per held page however long it is left. KVPool
+    /// does this inside extend.
     fn take_copies<'py>(&self, py: Python<'py>) -> Result<(Arr<'py, i64>, Arr<'py, i64>)> {
         // The arrays exist before the queue is drained, so a MemoryError
         // leaves every copy queued. Another thread may queue copies between
@@ -292,7 +293,8 @@ impl PySlotAllocator {
     fn _uncount_opens(&self, py: Python<'_>, hit: u64, miss: u64, host_hit: u64) {
         py.detach(|| self.lock().uncount_opens(hit, miss, host_hit));
     }
-    /// Copy-on-write copies queued and not yet taken.
+    /// Copy-on-write slot copies queued and not yet taken (slot pairs, as
+    /// take_copies hands them out: a page's copy counts its valid slots).
     #[getter]
     fn pending_copies(&self, py: Python<'_>) -> usize {
         self.query(py, |a| a.pending_copies())
