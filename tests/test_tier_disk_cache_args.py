@@ -1,6 +1,7 @@
 """DiskCache.store_new's arguments: ``events`` that are not what ``take_events()``
 returns, and a ``max_pages`` that is not a count, are typed errors that say what is
-expected and leave the cache and the pool as they were; numpy integers are counts."""
+expected and leave the cache and the pool as they were; numpy integers are counts.
+``prefetch``'s salt is checked at every prompt length."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def test_max_pages_takes_numpy_ints_and_refuses_what_is_not_a_count(pending):
             dc.store_new(events=ev, max_pages=bad)
     assert dc.store_new(events=ev, max_pages=np.int64(3)) == 3
     assert dc.store_new(max_pages=np.uint8(5)) == 1
+
+
+@pytest.mark.parametrize("length", [0, 3, 18])
+@pytest.mark.parametrize("salt", ["s", 1.5, True, 2**64, [7]])
+def test_prefetch_refuses_a_salt_that_is_not_one_int_at_any_prompt_length(tmp_path, length, salt):
+    """A prompt too short to hold a full page hashes nothing; its bad salt was let through
+    (prefetch returned 0) where ``open_with_prefix`` of the same prompt refuses it."""
+    pool = make_pool(hash_seed=11)
+    prefill(pool, TOKENS, seed=1)
+    dc = DiskCache(pool, FileTier(tmp_path, 1 << 20), model="m")
+    assert dc.store_new() == 4
+    pool.clear_cache()
+    pool.take_events()
+    before = repr((pool.stats(), dc.stats))
+    with pytest.raises(kvpool.InvalidArgumentError, match="salt"):
+        dc.prefetch(TOKENS[:length], salt=salt)
+    assert repr((pool.stats(), dc.stats)) == before
+    assert len(pool.take_events()["kind"]) == 0
+    pool.check()
+    assert dc.prefetch(TOKENS, salt=None) == 4, "a good call still loads"

@@ -61,11 +61,16 @@ class DiskLoads:
             Pages loaded.
 
         Raises:
-            InvalidArgumentError: ``tokens`` not a 1-D sequence of token ids in int32 range.
+            InvalidArgumentError: ``tokens`` not a 1-D sequence of token ids in int32 range,
+                or a ``salt`` that is not one int in the int64 range (whatever the prompt's
+                length, as ``open_with_prefix`` refuses it).
             ContextTooLongError: a prompt longer than the pool's ``max_context_len``, which
                 ``open_with_prefix`` refuses too (nothing is read or loaded).
         """
         tokens = _token_ids(tokens)
+        # The salt is checked as the prompt's hashes check it, before anything else: a prompt
+        # too short to hold a full page hashes nothing, and must not let a bad salt through.
+        page_hashes(tokens[:0], self.pool.page_size, 0, salt)
         if len(tokens) > self.pool.max_context_len:
             # Up front: it returned 0 or raised from its own extend, by what the pool cached.
             raise ContextTooLongError(f"the prompt has {len(tokens)} tokens, more than the pool's max_context_len="
