@@ -268,3 +268,26 @@ def test_after_a_layered_run_the_caller_still_waits_for_the_whole_batch(traced):
     runner.wait()
     runner.wait()  # once is enough
     assert traced.log == ["compute.wait_event(e4)"]
+
+
+@pytest.mark.parametrize("other", [dict(page_size=2), dict(page_size=8), dict(dtype=torch.float16),
+                                   dict(num_kv_heads=1), dict(num_layers=1), dict(mla=True)],
+                         ids=["page2", "page8", "dtype", "heads", "layers", "mla"])
+def test_for_pool_refuses_host_storage_of_another_geometry(other):
+    """The device caches carry no page size, so host storage built for a pool with another
+    page size passed every check and moved the wrong slots (the core's page ids name
+    pages of this pool's size). for_pool knows both geometries and refuses, as a buffer."""
+    pool, host = setup()
+    geo = dict(num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=P)
+    if other.pop("mla", False):
+        geo.update(num_kv_heads=1, kv_lora_rank=6, qk_rope_head_dim=2)
+    geo.update(other)
+    src = kvpool.KVPool(geo.pop("num_layers"), geo.pop("num_kv_heads"), geo.pop("head_dim"), num_pages=8,
+                        max_requests=4, max_context_len=64, **geo)
+    wrong = HostStorage.for_pool(src, host_pages=4)
+    err = kvpool.TensorDtypeError if "dtype" in other else TensorShapeError
+    for given in (wrong, wrong.buffer):
+        with pytest.raises(err, match="build the host storage for this pool"):
+            TransferRunner.for_pool(pool, given)
+    TransferRunner.for_pool(pool, host).run(offloads=OFFLOADS)  # its own storage still works
+    assert torch.equal(bits(host.buffer[1]), bits(dev_page(pool, 3)))
