@@ -21,6 +21,7 @@ class HybridQueries:
     device: Any
     _order: Any
     _to_device: Any
+    _lock: Any  # the pool's RLock
     _page_group: Any  # (HybridKVPool's: the group of a layer with pages / with state)
     _state_group: Any
     group: Any
@@ -114,8 +115,11 @@ class HybridQueries:
         ``open_requests``, ``hit_tokens``, ``miss_tokens``, ``dropped_events``, and ``groups``, one
         dict per group (``groups[i]`` is ``self.groups[i]``) of ``capacity_pages``, ``free_pages``,
         ``used_pages``, ``cached_pages`` and ``evictable_pages``. A dict, not the plain pool's
-        ``PoolStats``: each group counts its own pages. See ``GroupedAllocator.stats``."""
-        return self.allocator.stats()
+        ``PoolStats``: each group counts its own pages. See ``GroupedAllocator.stats``; holds the
+        pool's lock, so it never sees a call half-done (an open the pool undoes after the core
+        counted its prompt)."""
+        with self._lock:
+            return self.allocator.stats()
 
     def evictable_pages(self, layer: int) -> int:
         return self.allocator.evictable_pages(self.group(layer).index)

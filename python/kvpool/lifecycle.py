@@ -75,8 +75,10 @@ class RequestOps:
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
-        See ``SlotAllocator.stats``."""
-        return self.allocator.stats()
+        See ``SlotAllocator.stats``; holds the pool's lock, so it never sees a call
+        half-done (an open the pool undoes after the core counted its prompt)."""
+        with self._lock:
+            return self.allocator.stats()
 
     # ----- request lifecycle --------------------------------------------------
 

@@ -209,7 +209,7 @@ class KVPoolCollector:
                 published.add_metric([name], int(pub.events))
             kinds = self._kinds.get(name)
             if kinds is not None:  # a hybrid pool: its GroupedAllocator's one-lock snapshot
-                g = getattr(pool, "allocator", pool).stats()
+                g = pool.stats()  # (a hybrid KVPool's holds its lock too: no open half-undone)
                 requests.add_metric([name], int(g["open_requests"]))
                 queries.add_metric([name], int(g["hit_tokens"]) + int(g["miss_tokens"]))
                 hits.add_metric([name], int(g["hit_tokens"]))

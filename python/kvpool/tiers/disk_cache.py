@@ -251,9 +251,10 @@ class DiskCache(DiskLoads, NotPicklable):
         """A request holding the pages of a chain the pool caches, for this cache's own copy:
         not a prompt served, so the pool's hit and miss counts (its hit rate, the exported
         metrics) take back what the open counted."""
-        h = self.pool.open_with_chain_hashes(words, tokens, salt, max_pages)
-        held = int(self.pool.length(h))
-        self.pool.allocator._uncount_opens(held, len(tokens) - held, 0)
+        with self.pool._lock:  # a scrape (KVPool.stats holds the lock) sees neither count
+            h = self.pool.open_with_chain_hashes(words, tokens, salt, max_pages)
+            held = int(self.pool.length(h))
+            self.pool.allocator._uncount_opens(held, len(tokens) - held, 0)
         return h
 
     def _write(self, work: list[tuple[int, PageRecord, int]], fp: bytes,
