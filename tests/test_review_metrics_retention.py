@@ -119,3 +119,39 @@ def test_a_scrape_during_a_disk_cache_store_never_counts_its_scratch_requests(tm
     assert box, "store_new opened a scratch request"
     assert_never_went_back(reg, before, seen, box[0])
     pool.check()
+
+
+# ----- retention: a truncation keeps the cached prefix -----
+
+
+def duplicated_pinned_prefix():
+    """Request A caches a 3-page prompt and pins it; B computed the same prompt apart,
+    so its cache() kept A's copies: B's cached prefix is A's pages."""
+    a = kvpool.SlotAllocator(20, 1, 8, 64, hash_seed=1, manual_clock=True, max_pinned_pages=10)
+    A, _ = a.admit([3], tokens=[2000, 2001, 2002])
+    a.cache(A)
+    B, _ = a.admit([3], tokens=[2000, 2001, 2002])
+    a.cache(B)
+    a.cache(A, priority=100)
+    assert a.pinned_pages == 3
+    return a, A, B
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_unpin_after_a_truncation_still_reaches_the_kept_copies(keep):
+    """Was: truncating B (a rollback, rejected draft tokens) restarted its chain whenever
+    the last page it kept duplicated content, so its cached prefix was empty until its
+    next cache(): unpin(B) returned 0 and A's pages stayed pinned. Now the chain resumes
+    at the kept copy, and unpin reaches the pages B keeps."""
+    a, A, B = duplicated_pinned_prefix()
+    a.truncate(B, [keep])
+    assert a.unpin(B) == keep
+    assert a.pinned_pages == 3 - keep
+    a.check()
+    # B's chain goes on from the kept copy: what it computes next registers under it.
+    a.extend(B, [2], tokens=[7, 8])
+    a.cache(B)
+    a.close(A)
+    h, c = a.open_with_prefix([2000, 2001, 2002][:keep] + [7, 8, 9], [keep + 3])
+    assert int(c[0]) == keep + 2
+    a.check()
