@@ -285,12 +285,6 @@ class Model(PriorityModel, TierMixin, GhostMixin):
             e = self.entry_at(q.pages[full - 1]) if full > 0 else None
             q.hashed, q.chain_reg = (full, e.reg) if e else (0, 0)
             del q.regs[q.hashed :]
-            if e is None and full > 0:
-                # The last page kept duplicated content: the chain resumes at the
-                # copy the index kept, where a cached prefix's walk still reaches it.
-                regs = self.walk_kept(q, full)
-                if len(regs) == full:
-                    q.hashed, q.chain_reg, q.regs = full, regs[-1], regs
 
     def truncate(self, hs, ls, keep_prompt=False):
         """``keep_prompt``: ``roll_back_extend``, whose requests keep their prompts."""

@@ -83,14 +83,9 @@ class PriorityModel:
         else the registered copy of the same content under the same parent
         (on the device)."""
         q = self.reqs[r]
-        return [p for p, _ in self.walk(q, q.hashed)]
-
-    def walk(self, q, n):
-        """(page, registration) of each of request q's first n pages a cached
-        prefix's walk reaches, in order."""
         known = q.known()
         out, prev = [], 0
-        for k in range(n):
+        for k in range(q.hashed):
             p = q.pages[k]
             e = self.entry_at(p)
             if e is None:
@@ -100,14 +95,9 @@ class PriorityModel:
                 if e is None or e.parent_reg != prev or e.dev is None:
                     break
             p, reg = e.dev, e.reg
-            out.append((p, reg))
+            out.append(p)
             prev = reg
         return out
-
-    def walk_kept(self, q, n):
-        """The registrations a truncation to n full pages resumes q's chain
-        through (all n, or fewer where the walk stops short)."""
-        return [reg for _, reg in self.walk(q, n)]
 
     def _retention(self, hs, priority, retain_s):
         """The binding's and the core's checks, in their order; the end in ns."""

@@ -132,13 +132,22 @@ impl SlotAllocator {
         self.requests.truncate_known(row, new_len);
         let full = new_len / self.geo.page_size;
         if self.requests.chain(row).pages > full {
-            // Resume the chain at the last full page kept: its own entry, or
-            // where it duplicated content, the copy the index kept (so the
-            // request's cached prefix, which unpin takes, still names it);
+            // Resume the chain at the last full page kept when its entry is
+            // at hand (a registered page's hash is its chain hash here);
             // otherwise recompute it from page 0 at the next cache().
-            match (full > 0).then(|| self.kept_tip(row, full)).flatten() {
-                Some((tip, foreign)) => self.requests.resume_chain(row, full, tip, foreign),
-                None => self.requests.restart_chain(row),
+            let tip = (full > 0)
+                .then(|| {
+                    let p = self.requests.page(row, full - 1);
+                    self.prefix.tip_at(self.pages.entry(p))
+                })
+                .flatten();
+            match tip {
+                Some((tip, salt)) if salt == self.requests.salt(row) => {
+                    // (A duplicate among the pages kept still counts.)
+                    let foreign = self.requests.chain(row).foreign;
+                    self.requests.resume_chain(row, full, tip, foreign)
+                }
+                _ => self.requests.restart_chain(row),
             }
         }
     }

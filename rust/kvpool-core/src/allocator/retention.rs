@@ -227,36 +227,8 @@ impl SlotAllocator {
     /// from the device.
     fn cached_prefix(&self, row: usize, q: u8, out: &mut Targets) {
         let n = self.requests.chain(row).pages;
-        self.walk_prefix(row, n, |p| out.push((p, q)));
-    }
-
-    /// The chain tip of `row`'s first `full` pages, all inside the chain
-    /// `cache` walked (a truncation keeps them), and whether the chain may
-    /// include a duplicate: the last page's own entry where it is registered
-    /// (of the row's salt), else the copy the index kept of the content it
-    /// duplicated, found by the walk a cached prefix takes. None where that
-    /// walk stops short (an entry it passed went): the chain restarts at the
-    /// next `cache()`. (A duplicate's kept copy is what the request's cached
-    /// prefix names, so `unpin` still reaches it after a truncation.)
-    pub(super) fn kept_tip(&self, row: usize, full: usize) -> Option<(ChainTip, bool)> {
-        let p = self.requests.page(row, full - 1);
-        if let Some((tip, salt)) = self.prefix.tip_at(self.pages.entry(p)) {
-            let foreign = self.requests.chain(row).foreign;
-            return (salt == self.requests.salt(row)).then_some((tip, foreign));
-        }
-        let (tip, walked) = self.walk_prefix(row, full, |_| {});
-        (walked == full).then_some((tip, true))
-    }
-
-    /// Walks `row`'s first `n` pages as a verified prefix lookup does: each
-    /// is the row's own page where that is registered, else the device copy
-    /// the index kept of its content under the previous page's entry.
-    /// Calls `each` with every page walked; returns the tip after the last
-    /// one and how many were walked (fewer than `n` where one is missing).
-    fn walk_prefix(&self, row: usize, n: usize, mut each: impl FnMut(u32)) -> (ChainTip, usize) {
         let salt = self.requests.salt(row);
         let mut at = ChainTip::root(salt);
-        let mut walked = 0;
         for &p in self.requests.pages(row, n) {
             let (page, tip) = match self.prefix.tip_at(self.pages.entry(p)) {
                 Some((tip, _)) => (p, tip),
@@ -280,10 +252,8 @@ impl SlotAllocator {
                     }
                 }
             };
-            each(page);
+            out.push((page, q));
             at = tip;
-            walked += 1;
         }
-        (at, walked)
     }
 }
