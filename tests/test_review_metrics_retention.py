@@ -156,8 +156,9 @@ def duplicated_pinned_prefix():
 @pytest.mark.xfail(strict=True, reason=(
     "known limit (docs/allocator.md, retention): truncating B restarts its chain where the last "
     "page kept duplicated content, so unpin(B) returns 0 until B's next cache(). Resuming at the "
-    "kept copy (tried at stop 77) broke the grouped allocator's anchor registrations "
-    "(rust/kvpool-core/tests/groups_model.rs); a strict xfail so that a fix shows here"))
+    "kept copy (tried at stop 77) failed the grouped allocator's property test "
+    "(rust/kvpool-core/tests/groups_model.rs): the copy is another request's page, which B does not "
+    "hold, so it can go before B's next cache(). A strict xfail, so that a fix shows here"))
 @pytest.mark.parametrize("keep", [1, 2])
 def test_unpin_after_a_truncation_still_reaches_the_kept_copies(keep):
     """Truncating B (a rollback, rejected draft tokens) where the last page it keeps
