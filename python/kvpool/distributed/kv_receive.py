@@ -145,10 +145,12 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
     if (why := unsupported(pool)) is not None:
         raise _refuse_unsupported(link, header, why, timeout_s)
 
-    def refuse(status: int, error: Exception, need: int = 0, extra: int = 0, patient: bool = True) -> Exception:
-        """Tell the sender (so it fails now, not at its timeout), then hand back ``error``."""
+    def refuse(status: int, error: Exception, need: int = 0, extra: int = 0, patient: bool = True,
+               cached: int = 0) -> Exception:
+        """Tell the sender (so it fails now, not at its timeout), then hand back ``error``.
+        ``cached``: for EXHAUSTED, the leading pages this pool caches (``need`` is beyond them)."""
         try:
-            reply = torch.from_numpy(np.array([status, 0, int(pool.free_pages), need, extra, 0], np.int64))
+            reply = torch.from_numpy(np.array([status, cached, int(pool.free_pages), need, extra, 0], np.int64))
             wait(link.send(reply.to(link.device), "refusal"), timeout_s if patient else min(timeout_s, REFUSAL_WAIT_S),
                  "refusal", src_rank)
         except TransferError:
@@ -200,12 +202,12 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             raise refuse(EXHAUSTED, PoolExhaustedError(
                 f"cannot receive a request of {length} tokens from rank {src_rank}: needs {need} pages "
                 f"({need * P} slots) but only {pool.free_pages} pages ({pool.free_slots} slots) are free"),
-                need=need)
+                need=need, cached=cached)
         counted = _counted_hits(pool)
         try:
             handle = _open(pool, chain, cached, length)
-        except PoolExhaustedError as e:
-            raise refuse(EXHAUSTED, e, need=need) from None
+        except PoolExhaustedError as e:  # (free_pages counted the matched pages no request held)
+            raise refuse(EXHAUSTED, e, need=need, cached=cached) from None
         except TooManyRequestsError as e:
             raise refuse(TOO_MANY, e) from None
         except ContextTooLongError as e:

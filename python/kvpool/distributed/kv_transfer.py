@@ -157,7 +157,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
     if status != OK:
         reason = REASONS.get(status, f"status {status}")
         detail = {
-            EXHAUSTED: f"it needs {need} free pages for {length} tokens but has {free}",
+            EXHAUSTED: _no_room(need, length, free, cached),
             TOO_MANY: "every request row of its pool is open",
             CONTEXT: f"{length} tokens exceed its max_context_len {int(reply[4])}",
             INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard, or fp8 scales it cannot "
@@ -173,6 +173,16 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         return _acknowledged(link, dst_rank, handle, pages, cached, 0, t0)
     send_pages(link, pool, buffers, todo, buffers[1][cached:], per_chunk)
     return _acknowledged(link, dst_rank, handle, pages, cached, len(todo) * per_row, t0)
+
+
+def _no_room(need: int, length: int, free: int, cached: int) -> str:
+    """Why a receiver had no room: its count, and when it already caches leading pages,
+    that ``need`` is beyond them and that holding them takes them out of ``free``."""
+    beyond = f" beyond the {cached} leading pages it already caches" if cached > 0 else ""
+    if cached > 0 and need <= free:  # refused once holding the cached pages, which its free count had in it
+        return (f"it needs {need} free pages for {length} tokens{beyond}, and has fewer once it holds "
+                f"those: its {free} free pages counted the cached ones no request held")
+    return f"it needs {need} free pages for {length} tokens{beyond} but has {free}"
 
 
 def _acknowledged(link: _Link, dst_rank: int, handle: int, pages: np.ndarray, cached: int, moved: int,
