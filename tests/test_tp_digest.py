@@ -275,3 +275,12 @@ def test_tp_pool_refuses_a_shard_other_than_the_groups(kw):
     same = tp_pool(1, 2, 4, dtype=torch.float32, page_size=4, num_pages=8, max_requests=2, max_context_len=16,
                    tp_rank=0, tp_size=1)
     assert same.inner.tp_rank == 0 and same.inner.tp_size == 1
+
+
+def test_the_docs_name_every_call_tppool_records():
+    """docs/distributed.md's list of the calls TPPool wraps omitted unpin, set_clock,
+    swap_out and swap_in (and the private call KVPoolCache.crop makes), all recorded."""
+    text = " ".join((Path(__file__).parent.parent / "docs" / "distributed.md").read_text().split())
+    para = text[text.index("**Divergence check.**"):][:700]
+    missing = [n for n in tp_module.MUTATING_CALLS + tp_module._PRIVATE_MUTATING_CALLS if f"`{n}`" not in para]
+    assert not missing, f"docs/distributed.md's divergence check does not name {missing}"
