@@ -5,7 +5,8 @@ the receiver caches holds those, and then they are no longer room. The receiver'
 refuses that case (nothing changes), but the sender's ``TransferRejectedError`` used to
 say "it needs 3 free pages for 20 tokens but has 4": a refusal that contradicts itself.
 It now says the pages needed are beyond the ones cached, and that holding those leaves
-fewer than needed.
+fewer than needed. Also: an incompatible receiver names the dtypes and cache kinds that
+differ instead of their wire codes.
 
 Both sides run in this process, on two threads joined by an in-memory link in place of
 torch.distributed (``kv_transfer._Link`` / ``kv_receive._Link`` are the seams), so the
@@ -144,3 +145,30 @@ def test_a_refusal_with_too_few_free_pages_still_says_how_many(monkeypatch: pyte
     assert isinstance(got, kvpool.PoolExhaustedError), got
     assert isinstance(sent, kvpool.TransferRejectedError) and "it needs 5 free pages for 20 tokens but has 3" in str(sent)
     assert np.asarray(dst.pages(int(dst.open(1)[0]))).size == 0  # (the pool still works)
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(dtype=torch.bfloat16), "dtype float32 vs bfloat16"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype float32 vs float8_e4m3fn"),
+    (dict(kv_lora_rank=4, qk_rope_head_dim=4, num_kv_heads=1),
+     "cache kinds 2 (K and V caches) vs 1 (an MLA latent cache)"),
+])
+def test_an_incompatible_receiver_names_the_dtypes_and_caches_that_differ(monkeypatch: pytest.MonkeyPatch,
+                                                                            kw: dict, text: str) -> None:
+    """The receiver's refusal showed the wire codes ("dtype 0 vs 2", "MLA-ness 2 vs 1"),
+    which say nothing to a reader; it names them now."""
+    _links(monkeypatch)
+    src = _pool(16)
+    h = int(src.open(1)[0])
+    src.extend([h], 6)
+    heads = kw.pop("num_kv_heads", 2)
+    dst = kvpool.KVPool(2, heads, 8, page_size=P, num_pages=16, max_requests=4, max_context_len=64,
+                        **{"dtype": torch.float32, **kw})
+    before = repr(dst.stats())
+    sent, got = _both(lambda: kv_transfer.send_request(src, h, 1, timeout_s=10),
+                      lambda: kv_receive.recv_request(dst, 0, timeout_s=10))
+    assert isinstance(sent, kvpool.TransferRejectedError) and sent.reason == "incompatible", sent
+    assert isinstance(got, kvpool.TransferRejectedError) and got.reason == "incompatible", got
+    assert text in str(got), str(got)
+    assert repr(dst.stats()) == before
+    dst.check()

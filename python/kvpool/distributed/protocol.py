@@ -94,10 +94,20 @@ def split_chain(words: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, int]
 def incompatible(pool: Any, header: np.ndarray) -> str:
     """The shape fields where the sender's pool differs from this one ("" if none)."""
     names = {H_PAGE: "page_size", H_LAYERS: "num_layers", H_HEADS: "num_kv_heads (this rank's shard)",
-             H_DIM: "head_dim", H_DTYPE: "dtype", H_CACHES: "MLA-ness", H_PAGE_BYTES: "page bytes",
+             H_DIM: "head_dim", H_DTYPE: "dtype", H_CACHES: "cache kinds", H_PAGE_BYTES: "page bytes",
              H_HEAD_START: "first KV head of the shard", H_TOTAL_HEADS: "total_kv_heads"}
-    diffs = [f"{names[k]} {int(header[k])} vs {v}" for k, v in shape_fields(pool).items() if int(header[k]) != v]
+    diffs = [f"{names[k]} {_shown(k, int(header[k]))} vs {_shown(k, v)}"
+             for k, v in shape_fields(pool).items() if int(header[k]) != v]
     return "; ".join(diffs)
+
+
+def _shown(field: int, value: int) -> str:
+    """A shape field as a reader knows it: a dtype by name, the cache kinds as what they hold."""
+    if field == H_DTYPE:
+        return DTYPE_NAMES[value] if 0 <= value < len(DTYPE_NAMES) else f"an unknown dtype (code {value})"
+    if field == H_CACHES:
+        return {1: "1 (an MLA latent cache)", 2: "2 (K and V caches)"}.get(value, str(value))
+    return str(value)
 
 
 def meta_words(pool: Any, header: np.ndarray) -> tuple[int, str]:
