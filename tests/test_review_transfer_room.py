@@ -172,3 +172,17 @@ def test_an_incompatible_receiver_names_the_dtypes_and_caches_that_differ(monkey
     assert text in str(got), str(got)
     assert repr(dst.stats()) == before
     dst.check()
+
+
+def test_every_refusal_reason_is_documented() -> None:
+    """TransferRejectedError's docstring listed four of the six reasons a sender can get
+    (not "malformed" or "failed"), and docs/distributed.md gave "exhausted" for every
+    no-room refusal, though a full row table gives "too_many_requests"."""
+    from pathlib import Path
+
+    from kvpool.distributed import protocol
+
+    doc = " ".join((Path(__file__).parent.parent / "docs" / "distributed.md").read_text().split())
+    for reason in protocol.REASONS.values():
+        assert f'"{reason}"' in kvpool.TransferRejectedError.__doc__, reason
+        assert f'"{reason}"' in doc, reason

@@ -152,10 +152,11 @@ class TransferTimeoutError(TransferError):
 
 
 class TransferRejectedError(TransferError):
-    """The destination refused the request before any K/V moved (no room, or an
-    incompatible pool); both pools are unchanged. ``reason`` is the
-    destination's status code name (``"exhausted"``, ``"too_many_requests"``,
-    ``"context_too_long"``, ``"incompatible"``)."""
+    """The destination refused the request before any K/V moved (no room, an
+    incompatible pool, a malformed header); both pools are unchanged. ``reason`` is
+    the destination's status code name (``"exhausted"``, ``"too_many_requests"``,
+    ``"context_too_long"``, ``"incompatible"``, ``"malformed"``, or ``"failed"``
+    when it could not allocate its staging)."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
