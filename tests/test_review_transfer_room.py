@@ -186,3 +186,33 @@ def test_every_refusal_reason_is_documented() -> None:
     for reason in protocol.REASONS.values():
         assert f'"{reason}"' in kvpool.TransferRejectedError.__doc__, reason
         assert f'"{reason}"' in doc, reason
+
+
+def test_a_receiver_whose_open_fails_tells_the_sender_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver whose open raised something other than a KVPoolError (a device out of
+    memory writing the request's table row; injected) raised it without a reply, so the
+    sender waited out its whole timeout (60 s by default). Now it is refused at once
+    (reason "failed"), and the receiver's pool is as it was."""
+    _links(monkeypatch)
+    src = _pool(32)
+    hs, _ = src.open_with_prefix(PROMPT, [len(PROMPT)])
+    src.extend(hs, len(PROMPT), tokens=PROMPT)
+    dst = _pool(32)
+
+    def oom(*a: Any, **k: Any) -> None:
+        raise RuntimeError("CUDA out of memory (injected)")
+    monkeypatch.setattr(dst, "_write_prefixes", oom)
+    before = (dst.free_pages, dst.used_pages, dst.open_requests, dst.cached_pages, dst.hit_tokens, dst.miss_tokens)
+    # The loop link's receive waits 10 s for a message that never comes: the sender's timeout here.
+    sent, got = _both(lambda: kv_transfer.send_request(src, int(hs[0]), 1, timeout_s=10),
+                      lambda: kv_receive.recv_request(dst, 0, timeout_s=10))
+    assert isinstance(got, RuntimeError) and "injected" in str(got), got
+    assert isinstance(sent, kvpool.TransferRejectedError) and sent.reason == "failed", repr(sent)
+    assert (dst.free_pages, dst.used_pages, dst.open_requests, dst.cached_pages, dst.hit_tokens,
+            dst.miss_tokens) == before
+    dst.check()
+    monkeypatch.undo()
+    _links(monkeypatch)
+    sent, got = _both(lambda: kv_transfer.send_request(src, int(hs[0]), 1, timeout_s=10),
+                      lambda: kv_receive.recv_request(dst, 0, timeout_s=10))
+    assert dst.length(got) == len(PROMPT), (sent, got)

@@ -214,6 +214,8 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
             raise refuse(CONTEXT, e, extra=int(pool.max_context_len)) from None
         except KVPoolError as e:
             raise refuse(MALFORMED, malformed(str(e))) from None
+        except Exception as e:  # (a device OOM writing the table: the open closed itself) tell the sender now
+            raise refuse(FAILED, e) from None
         try:
             dst_pages = np.asarray(pool.pages(handle), dtype=np.int64)[cached:]
             buffers = chunk_buffers(link.device, pool, dst_pages, per_chunk)

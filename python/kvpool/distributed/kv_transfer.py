@@ -163,7 +163,8 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard, or fp8 scales it cannot "
                           "receive with (see its error)",
             MALFORMED: "it found this transfer's header or metadata malformed (see its error)",
-            FAILED: "it failed making room for the transfer (see its error: a device out of memory for staging)",
+            FAILED: "it failed opening the request or allocating its staging (see its error: a device out of "
+                    "memory)",
         }.get(status, "")
         raise TransferRejectedError(
             f"rank {dst_rank} refused request {handle:#x} ({reason}): {detail}; nothing was sent and "
