@@ -1,4 +1,5 @@
-"""A transfer refused for want of room that the receiver's ``free_pages`` seemed to have.
+"""Transfer refusals that say what happened. First: a transfer refused for want of room
+that the receiver's ``free_pages`` seemed to have.
 
 ``free_pages`` counts the CACHED pages no request holds; a request whose leading pages
 the receiver caches holds those, and then they are no longer room. The receiver's core
@@ -6,7 +7,8 @@ refuses that case (nothing changes), but the sender's ``TransferRejectedError`` 
 say "it needs 3 free pages for 20 tokens but has 4": a refusal that contradicts itself.
 It now says the pages needed are beyond the ones cached, and that holding those leaves
 fewer than needed. Also: an incompatible receiver names the dtypes and cache kinds that
-differ instead of their wire codes.
+differ instead of their wire codes; a receiver whose open fails on the device refuses the
+sender at once instead of leaving it to its timeout; every refusal reason is documented.
 
 Both sides run in this process, on two threads joined by an in-memory link in place of
 torch.distributed (``kv_transfer._Link`` / ``kv_receive._Link`` are the seams), so the
