@@ -156,7 +156,8 @@ class TransferRejectedError(TransferError):
     incompatible pool, a malformed header); both pools are unchanged. ``reason`` is
     the destination's status code name (``"exhausted"``, ``"too_many_requests"``,
     ``"context_too_long"``, ``"incompatible"``, ``"malformed"``, or ``"failed"``
-    when it could not allocate its staging)."""
+    when opening the request or allocating its staging failed there, a device out of
+    memory)."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
