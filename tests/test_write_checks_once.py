@@ -207,3 +207,48 @@ def test_an_fp8_write_to_a_slot_changed_behind_torchs_back_is_a_typed_error():
     with pytest.raises(SlotRangeError, match=str(pool.num_slots + 7)):
         pool.write(0, res.out_cache_loc, rows(5).bfloat16(), rows(5).bfloat16())
     assert snapshot(pool) == before  # the bad slot is the first row: nothing was written
+
+
+def _strided(n: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows the core's row copy declines (every other row of a wider tensor): stored by torch."""
+    return torch.full((2 * n, H, D), value, dtype=dtype)[::2]
+
+
+@pytest.mark.parametrize("kind", ["fp16", "fp8"])
+@pytest.mark.parametrize("source", ["contiguous", "strided"])
+@pytest.mark.parametrize("edit", ["slots", "numpy", "data"])
+def test_a_late_slot_changed_behind_torchs_back_writes_nothing(kind, source, edit):
+    """The bad slot is the last: a store by torch (fp8's quantizing store, or index_copy_ for
+    rows the core's row copy declines) used to store rows 0-3 of K before refusing it."""
+    pool, h = make_pool() if kind == "fp16" else make_fp8_pool()
+    res = pool.extend(h, [3, 2])
+    before = snapshot(pool)
+    bad = pool.num_slots + 7
+    if edit == "slots":
+        res.slots[4] = bad
+    elif edit == "numpy":
+        res.out_cache_loc.numpy()[4] = bad
+    else:
+        res.out_cache_loc.data[4] = bad  # .data has a version counter of its own
+    dt = pool.compute_dtype
+    k = rows(5, 2.0).to(dt) if source == "contiguous" else _strided(5, 2.0, dt)
+    v = rows(5, 3.0).to(dt) if source == "contiguous" else _strided(5, 3.0, dt)
+    for passed in ("slots", "out_cache_loc"):
+        with pytest.raises(SlotRangeError, match=f"slots\\[4\\] = {bad}"):
+            pool.write(1, getattr(res, passed), k, v)
+        assert snapshot(pool) == before
+
+
+@pytest.mark.parametrize("kind", ["fp16", "fp8"])
+def test_padding_set_behind_torchs_back_is_skipped_by_the_torch_stores(kind):
+    pool, h = make_pool() if kind == "fp16" else make_fp8_pool()
+    res = pool.extend(h, [3, 2])
+    dt = pool.compute_dtype
+    pool.write(0, res.slots, rows(5).to(dt), rows(5).to(dt))
+    res.slots[3] = -1
+    pool.write(0, res.out_cache_loc, _strided(5, 4.0, dt), _strided(5, 5.0, dt))
+    k, v = pool.read(0, res.slots)
+    assert torch.equal(k[[0, 1, 2, 4]].float(), torch.full((4, H, D), 4.0))
+    assert torch.equal(v[[0, 1, 2, 4]].float(), torch.full((4, H, D), 5.0))
+    third = int(pool.slots(int(h[1]))[0])  # the slot the padding replaced keeps its old rows
+    assert torch.equal(pool.read(0, [third])[0].float(), torch.ones(1, H, D))

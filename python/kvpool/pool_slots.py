@@ -27,13 +27,19 @@ class PoolSlots:
     pool makes these tensors outside inference mode, so they have one). Only CPU
     pools whose rows move through torch keep a record: on CUDA device slots are
     never value-checked (a check would sync), and the Triton kernels would not
-    bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``
-    or ``.numpy()``, which share its memory); torch's indexing does, and ``write``
-    and ``read`` then check the slots as a caller's: ``SlotRangeError`` for one out
-    of range, padding for a negative one. Torch checks each index as it copies, so
-    rows before an out-of-range slot may already have been stored when ``write``
-    raises: a caller that edits ``ExtendResult.slots`` in place gives up the
-    nothing-written guarantee for that call.
+    bounds-check a slot changed behind torch's back (through ``ExtendResult.slots``,
+    ``.numpy()`` or ``torch.from_numpy`` of either, which share its memory, or
+    ``.data``, which has a version counter of its own). On a CPU pool such a change
+    is still refused with nothing written: ``write`` stores a recorded tensor with
+    the core's row copy, which checks every slot before it copies a row, and checks
+    it in full first where it stores with torch instead (fp8, a source the row copy
+    declines), where torch would refuse a bad slot only after storing the rows
+    before it; ``read`` lets torch's indexing refuse it and then checks it as a
+    caller's. Either way a slot out of range is a ``SlotRangeError`` and a negative
+    one padding. What such a change escapes is ``strict=True``: a repeated slot, a
+    page-0 slot or padding written into a recorded tensor behind torch's back is
+    stored (or skipped) as ``strict=False`` would, since the record says the tensor
+    holds none.
 
     The last ``SIZE`` records are kept (a step's slots stay alive until a few more
     extends have run). Lookups and updates are single reads and writes of one

@@ -23,7 +23,7 @@ from kvpool.errors import SlotRangeError, TensorShapeError
 from kvpool.kernels._common import cache_geom, use_triton
 from kvpool.kernels.ops import gather_rows, store_rows
 from kvpool.pool_slots import PoolSlots
-from kvpool.row_stores import index_copy_rows, scatter_into
+from kvpool.row_stores import _dispatch_modes, index_copy_rows, scatter_into
 from kvpool.staging import to_device
 from kvpool.tables import ExtendResult
 from kvpool.torch_types import INDEX_DTYPES
@@ -178,7 +178,13 @@ class RowsMixin:
                 rejected while a CUDA graph is being captured (their copy cannot
                 be captured): pass device slots there. Slots this pool returned
                 (``ExtendResult.out_cache_loc`` / ``.slots`` of its last few
-                extends) skip the range check while torch sees them unchanged.
+                extends) skip the range check while torch sees them unchanged
+                (``PoolSlots``: one changed behind torch's back is still refused
+                with nothing written, but escapes ``strict``). ``write`` does not
+                know which request holds a slot: slots kept after ``close``,
+                ``truncate``, ``reset`` or ``swap_out`` gave them back are in
+                range and are written, into whichever request holds them now;
+                not reusing them is the caller's part.
             k, v: ``[n, num_kv_heads, head_dim]`` rows of ``compute_dtype`` on the
                 pool's device. MLA pools: ``write(layer, slots, kv)`` without ``v``.
             strict: reject padding, page-0 and repeated slots.
@@ -227,6 +233,8 @@ class RowsMixin:
             v = v.detach()
         if want[0] == 0:
             return
+        if self._own_slots is not None:  # a CPU pool storing with torch: off the row copy's path
+            idx, negative = self._recheck(slots, idx, negative)
         if self._row_plain:
             self._copy_rows(self._row_caches[layer], idx, negative, k, v)
             return
@@ -237,6 +245,19 @@ class RowsMixin:
             # As in _copy_rows: only a pool-made tensor changed behind torch's back gets here.
             slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
             raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
+
+    def _recheck(self, slots: Any, idx: torch.Tensor, negative: bool | None) -> tuple[torch.Tensor, bool | None]:
+        """``idx`` checked in full if it is a pool-made tensor (``PoolSlots``) about to be stored
+        by torch (fp8's quantizing store, or rows the core's row copy declined): a value changed
+        behind torch's back (``.numpy()``, ``.data``) would be refused by torch only after the rows
+        before it were stored. Those stores cost far more than this pass over the slots; the
+        row copy, which checks every slot before it copies, skips it. Not while torch.compile or
+        a dispatch mode (make_fx) traces: the check would be data-dependent there."""
+        own = self._own_slots
+        if (negative is None or own is None or own.get(slots) is None or torch.compiler.is_compiling()
+                or _dispatch_modes()):
+            return idx, negative
+        return slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
 
     def _store_checked(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """``write`` for callers inside kvpool that have checked ``k``/``v`` themselves and
@@ -294,9 +315,10 @@ class RowsMixin:
         try:
             index_copy_rows(caches, idx, k, v)
         except IndexError:
-            # Only a pool-made tensor changed behind torch's back gets here unchecked
-            # (PoolSlots); name the bad slot as a caller's tensor would be named. If every
-            # slot is in range, the change made some padding: skip it as a caller's.
+            # Only a pool-made tensor changed behind torch's back gets here unchecked (while
+            # tracing, or changed by another thread after ``_recheck``); name the bad slot as a
+            # caller's tensor would be named. If every slot is in range, the change made some
+            # padding: skip it as a caller's.
             _, negative = slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
             if not negative:
                 raise SlotRangeError(f"a slot is out of range: valid slots are [0, {self.num_slots})") from None
