@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.lifecycle import read_consistent
 from kvpool.streams import refuse_capture
 from kvpool.tables import PageTable, page_table_tensors
 
@@ -84,11 +85,11 @@ class HybridQueries:
 
     @property
     def hit_tokens(self) -> int:
-        return self.allocator.hit_tokens
+        return read_consistent(self._lock, lambda: self.allocator.hit_tokens)
 
     @property
     def miss_tokens(self) -> int:
-        return self.allocator.miss_tokens
+        return read_consistent(self._lock, lambda: self.allocator.miss_tokens)
 
     @property
     def hash_seed(self) -> int:
@@ -115,11 +116,9 @@ class HybridQueries:
         ``open_requests``, ``hit_tokens``, ``miss_tokens``, ``dropped_events``, and ``groups``, one
         dict per group (``groups[i]`` is ``self.groups[i]``) of ``capacity_pages``, ``free_pages``,
         ``used_pages``, ``cached_pages`` and ``evictable_pages``. A dict, not the plain pool's
-        ``PoolStats``: each group counts its own pages. See ``GroupedAllocator.stats``; holds the
-        pool's lock, so it never sees a call half-done (an open the pool undoes after the core
-        counted its prompt)."""
-        with self._lock:
-            return self.allocator.stats()
+        ``PoolStats``: each group counts its own pages. See ``GroupedAllocator.stats``; read as
+        the plain pool's ``stats`` is (``kvpool.lifecycle.read_consistent``)."""
+        return read_consistent(self._lock, self.allocator.stats)
 
     def evictable_pages(self, layer: int) -> int:
         return self.allocator.evictable_pages(self.group(layer).index)

@@ -22,14 +22,35 @@ import numpy as np
 from kvpool._core import PoolStats, SlotAllocator
 from kvpool.validate import check_flag
 
-__all__ = ["RequestOps"]
+__all__ = ["RequestOps", "read_consistent"]
+
+# How long a snapshot waits for a pool call in flight on another thread. Pool calls hold the
+# pool's lock for micro- to milliseconds; a request transfer holds it for its whole length (up
+# to its timeout_s), and a Prometheus scrape must not stall that long (its own timeout is 10 s).
+SNAPSHOT_WAIT_S = 1.0
 
 
-def _counter(name: str, kind: type = int) -> property:
+def read_consistent(lock: Any, read: Any) -> Any:
+    """``read()`` under the pool's ``lock``, so that it never sees a call half done (an open
+    the pool undoes after the core counted its prompt); past ``SNAPSHOT_WAIT_S`` of another
+    thread holding it, ``read()`` without it (the core's own lock still makes it one
+    snapshot)."""
+    if lock.acquire(timeout=SNAPSHOT_WAIT_S):
+        try:
+            return read()
+        finally:
+            lock.release()
+    return read()
+
+
+def _counter(name: str, kind: type = int, consistent: bool = False) -> property:
     """``SlotAllocator.<name>``, read under the allocator's lock, with its docstring (and
-    ``kind`` as its return annotation, which runtime type checkers enforce)."""
+    ``kind`` as its return annotation, which runtime type checkers enforce). ``consistent``:
+    a counter a pool call may take back when it undoes itself, read as ``stats()`` is."""
 
     def get(self: RequestOps) -> Any:
+        if consistent:
+            return read_consistent(self._lock, lambda: getattr(self.allocator, name))
         return getattr(self.allocator, name)
 
     get.__name__ = name
@@ -60,14 +81,14 @@ class RequestOps:
     metadata_bytes = _counter("metadata_bytes")
     cached_pages = _counter("cached_pages")
     evictable_pages = _counter("evictable_pages")
-    hit_tokens = _counter("hit_tokens")
-    miss_tokens = _counter("miss_tokens")
+    hit_tokens = _counter("hit_tokens", consistent=True)
+    miss_tokens = _counter("miss_tokens", consistent=True)
     dropped_events = _counter("dropped_events")
     kv_events = _counter("kv_events", bool)
     host_pages = _counter("host_pages")
     host_free_pages = _counter("host_free_pages")
     host_cached_pages = _counter("host_cached_pages")
-    host_hit_tokens = _counter("host_hit_tokens")
+    host_hit_tokens = _counter("host_hit_tokens", consistent=True)
     pinned_pages = _counter("pinned_pages")
     max_pinned_pages = _counter("max_pinned_pages")
     clock = _counter("clock", float)
@@ -76,9 +97,10 @@ class RequestOps:
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
         See ``SlotAllocator.stats``; holds the pool's lock, so it never sees a call
-        half-done (an open the pool undoes after the core counted its prompt)."""
-        with self._lock:
-            return self.allocator.stats()
+        half done (an open the pool undoes after the core counted its prompt), waiting
+        at most ``SNAPSHOT_WAIT_S`` for another thread's call (a request transfer holds
+        the lock for its whole length)."""
+        return read_consistent(self._lock, self.allocator.stats)
 
     # ----- request lifecycle --------------------------------------------------
 

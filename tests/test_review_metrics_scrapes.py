@@ -1,8 +1,6 @@
-"""An outside sweep of the monitoring and retention surfaces: the prefix-cache
-counters a scrape reads while another thread's call is half done (an open the
-pool undoes after the core counted its prompt), and the retention eviction order
-at page sizes 1 and 16 with multi-page chains, prefix sharing, forks and
-truncates, against a reference model written apart from the pool's."""
+"""An outside sweep of the monitoring surface: the prefix-cache counters a scrape
+reads while another thread's call is half done (an open the pool undoes after the
+core counted its prompt). The retention half is test_review_retention_order.py."""
 
 from __future__ import annotations
 
@@ -121,58 +119,34 @@ def test_a_scrape_during_a_disk_cache_store_never_counts_its_scratch_requests(tm
     pool.check()
 
 
-# ----- retention: eviction order, priorities and pins against an outside model -----
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_stats_waits_for_a_call_in_flight_only_so_long(monkeypatch, hybrid):
+    """A request transfer holds the pool's lock for its whole length (up to its timeout_s):
+    stats() and the prefix counters wait for it at most SNAPSHOT_WAIT_S, then read without
+    the lock, so a scrape never stalls behind it. (The holder here keeps the lock until the
+    reads are done: reads that waited for it would never return, and the join would time out.)"""
+    import kvpool.lifecycle
 
-from review_retention_model import run as run_retention  # noqa: E402
+    monkeypatch.setattr(kvpool.lifecycle, "SNAPSHOT_WAIT_S", 0.05)
+    kw = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4} if hybrid else {}
+    pool = kvpool.KVPool(2, 1, 2, dtype=torch.float32, page_size=2, num_pages=16, max_requests=4,
+                         max_context_len=32, **kw)
+    held, done, got = threading.Event(), threading.Event(), []
 
+    def transfer_like():
+        with pool._lock:
+            held.set()
+            done.wait(30)
 
-@pytest.mark.parametrize(("page_size", "num_pages", "max_pinned"),
-                         [(1, 14, 3), (1, 24, 6), (1, 40, 3), (16, 6, 2), (16, 9, 1), (16, 14, 3)])
-def test_eviction_follows_priorities_then_lru_with_chains_forks_and_truncates(page_size, num_pages, max_pinned):
-    """Every eviction (evict(n), and pages an open or extend takes under pressure) is the
-    next page of the model's order: lowest priority, then least recently used; the counts
-    by priority, the pins and unpin's answers agree after every call. (Seeds 8 and 23 of
-    the first two rows found the truncation below.)"""
-    evicted = pressure = 0
-    for seed in range(30):
-        m = run_retention(seed, page_size, num_pages, max_pinned)
-        evicted, pressure = evicted + m.evicted, pressure + m.pressure
-    assert evicted > 100 and pressure > 10, "the traces reached eviction, under pressure too"
-
-
-def duplicated_pinned_prefix():
-    """Request A caches a 3-page prompt and pins it; B computed the same prompt apart,
-    so its cache() kept A's copies: B's cached prefix is A's pages."""
-    a = kvpool.SlotAllocator(20, 1, 8, 64, hash_seed=1, manual_clock=True, max_pinned_pages=10)
-    A, _ = a.admit([3], tokens=[2000, 2001, 2002])
-    a.cache(A)
-    B, _ = a.admit([3], tokens=[2000, 2001, 2002])
-    a.cache(B)
-    a.cache(A, priority=100)
-    assert a.pinned_pages == 3
-    return a, A, B
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "known limit (docs/allocator.md, retention): truncating B restarts its chain where the last "
-    "page kept duplicated content, so unpin(B) returns 0 until B's next cache(). Resuming at the "
-    "kept copy (tried at stop 77) failed the grouped allocator's property test "
-    "(rust/kvpool-core/tests/groups_model.rs): the copy is another request's page, which B does not "
-    "hold, so it can go before B's next cache(). A strict xfail, so that a fix shows here"))
-@pytest.mark.parametrize("keep", [1, 2])
-def test_unpin_after_a_truncation_still_reaches_the_kept_copies(keep):
-    """Truncating B (a rollback, rejected draft tokens) where the last page it keeps
-    duplicated content A cached should keep B's cached prefix (A's copies), so that
-    unpin(B) reaches them and B's next pages register under them."""
-    a, A, B = duplicated_pinned_prefix()
-    a.truncate(B, [keep])
-    assert a.unpin(B) == keep
-    assert a.pinned_pages == 3 - keep
-    a.check()
-    # B's chain goes on from the kept copy: what it computes next registers under it.
-    a.extend(B, [2], tokens=[7, 8])
-    a.cache(B)
-    a.close(A)
-    h, c = a.open_with_prefix([2000, 2001, 2002][:keep] + [7, 8, 9], [keep + 3])
-    assert int(c[0]) == keep + 2
-    a.check()
+    holder = threading.Thread(target=transfer_like, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    reader = threading.Thread(target=lambda: got.append((pool.stats(), pool.hit_tokens, pool.miss_tokens)),
+                              daemon=True)
+    reader.start()
+    reader.join(20)
+    done.set()
+    holder.join(10)
+    assert got, "stats() waited for the lock's holder past SNAPSHOT_WAIT_S"
+    stats = got[0][0]
+    assert (stats["open_requests"] if hybrid else stats.open_requests) == 0
