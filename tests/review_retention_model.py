@@ -4,7 +4,7 @@ models: it reads registrations from the KV events and holders from ``pages()``,
 and keeps per device page only its priority, end and LRU stamp. Eviction takes
 the lowest priority first, then the least recently used page (a request releases
 its pages last first, so a chain's tail is older). Used by
-test_review_metrics_retention.py at page sizes 1 and 16 with multi-page chains,
+test_review_retention_order.py at page sizes 1 and 16 with multi-page chains,
 prefix sharing, forks and truncates."""
 
 from __future__ import annotations
