@@ -153,7 +153,8 @@ class TransferTimeoutError(TransferError):
 
 class TransferRejectedError(TransferError):
     """The destination refused the request before any K/V moved (no room, an
-    incompatible pool, a malformed header); both pools are unchanged. ``reason`` is
+    incompatible pool, a malformed header); both pools are unchanged (after a
+    ``"failed"`` refusal, the destination's matched cached pages count as just used). ``reason`` is
     the destination's status code name (``"exhausted"``, ``"too_many_requests"``,
     ``"context_too_long"``, ``"incompatible"``, ``"malformed"``, or ``"failed"``
     when opening the request or allocating its staging failed there, a device out of

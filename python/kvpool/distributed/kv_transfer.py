@@ -163,12 +163,16 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             INCOMPATIBLE: "its pool has another shape, page size, dtype or head shard, or fp8 scales it cannot "
                           "receive with (see its error)",
             MALFORMED: "it found this transfer's header or metadata malformed (see its error)",
-            FAILED: "it failed opening the request or allocating its staging (see its error: a device out of "
-                    "memory)",
+            FAILED: "it failed opening the request or allocating its staging (see its error, e.g. a device out "
+                    "of memory)",
         }.get(status, "")
+        # A receiver that failed after its open closed the request again: its matched cached pages
+        # are back as they were but count as just used (their place in the eviction order).
+        after = ("no request is open on either side (the receiver's matched cached pages count as just used)"
+                 if status == FAILED else "both pools are unchanged")
         raise TransferRejectedError(
-            f"rank {dst_rank} refused request {handle:#x} ({reason}): {detail}; nothing was sent and "
-            f"both pools are unchanged", reason=reason)
+            f"rank {dst_rank} refused request {handle:#x} ({reason}): {detail}; nothing was sent and {after}",
+            reason=reason)
     todo = pages[cached:]
     if not len(todo):
         return _acknowledged(link, dst_rank, handle, pages, cached, 0, t0)
