@@ -106,6 +106,16 @@ def test_twins_agree_and_the_wrapped_results_are_the_pools():
     assert hs.tolist() == hs2.tolist() and res.slots.tolist() == res2.slots.tolist()
 
 
+def test_a_tppool_of_a_tppool_is_refused():
+    """It was accepted and recorded every call twice; the wrapped one is left as it was."""
+    q = twin()
+    calls, digest = q.calls, q.digest()
+    with pytest.raises(kvpool.InvalidArgumentError, match="already a TPPool"):
+        TPPool(q)
+    q.admit([2], tokens=[1, 2])
+    assert q.calls == calls + 1 and q.digest() != digest
+
+
 def _diverge(change) -> tuple[bytes, bytes]:
     a, b = twin(), twin()
     for p in (a, b):

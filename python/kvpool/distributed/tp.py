@@ -99,6 +99,8 @@ class TPPool:
     def __init__(self, pool: Any, group: Any = None, check_every: int = 0) -> None:
         if not is_int(check_every) or check_every < 0:
             raise InvalidArgumentError(f"check_every must be an int >= 0, got {check_every!r}")
+        if isinstance(pool, TPPool):  # (it recorded every call twice, each digest step apart)
+            raise InvalidArgumentError("pool is already a TPPool: wrap the KVPool once (TPPool(pool.inner, group))")
         check_pool(pool, "TPPool", ("device",))
         if getattr(pool, "groups", None) is not None:
             raise InvalidArgumentError("TPPool wraps a plain KVPool: a pool built with layer_types (a hybrid "
