@@ -153,8 +153,10 @@ def _per_pool(name: str, values: Any, num_pools: int, each: str) -> list[Any]:
         if flags:
             ok = isinstance(v, (bool, np.bool_))
         else:
+            # isnan only on floats: an int has no NaN, and one past float's range (10**400)
+            # made math.isnan raise OverflowError; ints compare with floats exactly.
             ok = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
-                and not math.isnan(v)
+                and not (isinstance(v, (float, np.floating)) and math.isnan(v))
         if not ok:
             raise InvalidArgumentError(f"{name}[{i}] must be {each}, got {type(v).__name__} {v!r}")
     return out
