@@ -296,7 +296,11 @@ class EventStreams:
                 f"pool {pool}'s root page is not one a kvpool pool sends (a hash, {self.page_size} token ids and "
                 f"an int salt in extra_keys, or none): got {len(ev.block_hashes)} hashes, {len(ev.token_ids)} "
                 f"token ids and extra_keys {ev.extra_keys!r:.60}")
-        words = page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt)
+        try:
+            words = page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt)
+        except InvalidArgumentError as e:
+            # Named as the message's: page_hashes alone says "tokens[0] = ...", no pool or event.
+            raise InvalidArgumentError(f"pool {pool}'s root page has token ids no pool stores: {e}") from None
         theirs = ev.block_hashes[0]
         mine = self._int_form(words) if type(theirs) is int else self._keys(words)
         if mine[0] != theirs:
