@@ -39,3 +39,27 @@ def test_a_root_page_with_bad_token_ids_is_refused_as_that_messages_fault():
         with pytest.raises(KVPoolError, match=r"pool 1's root page has token ids no pool stores: tokens\[0\]"):
             r.feed(1, b"", (0).to_bytes(8, "big"), _root_batch(toks))
     assert r.streams[1].next_seq is None and r.pages(1) == 0, "the stream is left as it was"
+
+
+def test_numpy_int_settings_route_like_python_ints():
+    # Router(np.int64(n), ...) passed the checks but kept the numpy int: the pool
+    # bitmask became a numpy int64, match() raised AttributeError (no bit_length),
+    # and past 63 pools the mask would wrap.
+    np = pytest.importorskip("numpy")
+    import kvpool
+    from kvpool.events import LocalEventPublisher
+
+    for n in (3, 70):
+        r = Router(np.int64(n), page_size=np.int64(2), hash_seed=np.uint64(5), max_pending=np.int32(4))
+        a = kvpool.SlotAllocator(16, 2, 4, 64, hash_seed=5)
+        pub = LocalEventPublisher(a)
+        t = np.arange(1, 8)
+        h, c = a.open_with_prefix(t, [7])
+        a.extend(h, 7)
+        a.close(h, cache=True)
+        pub.publish()
+        r.feed_many(np.int64(n - 1), pub.drain())
+        assert r.match(t) == [0] * (n - 1) + [6]
+        route = r.route(t)
+        assert (route.pool, route.cached_tokens) == (n - 1, 6)
+        assert type(route.cached_tokens) is int

@@ -77,12 +77,14 @@ class Router(EventStreams, PrefixMatching):
             raise InvalidArgumentError(f"medium must be one of {media} (the tier whose pages count as hits), "
                                        f"got {medium!r}")
 
-        self.num_pools, self.page_size, self.hash_seed = num_pools, page_size, hash_seed
-        self.max_pending, self.medium = max_pending, medium
-        self.index = PageIndex(num_pools)
-        self.streams = [StreamState() for _ in range(num_pools)]
-        self.load = [0] * num_pools  # requests routed and not finished
-        self._all = (1 << num_pools) - 1
+        # int(): numpy ints pass the checks, and a numpy num_pools made the pool bitmask a
+        # fixed-width numpy int (no bit_length in match(), and wrapped past 63 pools).
+        self.num_pools, self.page_size, self.hash_seed = int(num_pools), int(page_size), int(hash_seed)
+        self.max_pending, self.medium = int(max_pending), medium
+        self.index = PageIndex(self.num_pools)
+        self.streams = [StreamState() for _ in range(self.num_pools)]
+        self.load = [0] * self.num_pools  # requests routed and not finished
+        self._all = (1 << self.num_pools) - 1
         # The hash forms the streams have sent (16-byte, int): match() looks a prompt up in each.
         self._bytes_keys = self._int_keys = False
         self._decode = decoder().decode
