@@ -111,3 +111,38 @@ def test_probes_to_a_publisher_that_is_not_up_never_queue_or_block():
         assert feed.probes == 0 and time.monotonic() - t0 < 30
     finally:
         feed.close()
+
+
+def test_an_idle_pool_whose_publisher_restarted_is_checked_without_its_next_message():
+    """A pool's publisher disconnected and came back as a restarted engine (an empty cache)
+    that published nothing since (or whose first batch the reconnecting SUB lost): the pool
+    was suspect, so probes skipped it, and only its next message was checked, so the router
+    kept predicting the old engine's pages while the engine stayed idle. An idle suspect pool
+    is now checked by a replay overlap, which the restarted publisher cannot show."""
+    a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)
+    pub = ZmqEventPublisher(a, LOOP, replay_endpoint=LOOP)
+    router = Router(1, page_size=P, hash_seed=SEED)
+    feed = ZmqFeed(router, idle_probe_ms=50, replay_timeout_ms=300)
+    prompt = np.arange(300, 313)
+    try:
+        feed.subscribe(0, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+        deadline = time.monotonic() + 5
+        while router.match(prompt)[0] == 0 and time.monotonic() < deadline:
+            if not a.evictable_pages:
+                admit(a, prompt)
+            pub.publish()  # (again until the slow-joining SUB gets one; a replay fills the rest)
+            pub.flush(5)
+            feed.poll(50)
+        assert router.match(prompt)[0] == 12
+        ep, rep = pub.endpoint, pub.replay_endpoint
+        pub.close()
+        a = kvpool.SlotAllocator(64, P, 8, 256, hash_seed=SEED)  # the restarted engine: nothing cached
+        pub = ZmqEventPublisher(a, ep, replay_endpoint=rep)
+        deadline = time.monotonic() + 5
+        while (feed.disconnects == 0 or router.match(prompt)[0] != 0) and time.monotonic() < deadline:
+            feed.poll(50)
+        assert feed.disconnects >= 1
+        assert router.match(prompt)[0] == 0, "the restarted engine holds none of the old pages"
+    finally:
+        feed.close()
+        pub.close()

@@ -9,7 +9,9 @@ the pool has since evicted. So once a pool with a replay endpoint has sent nothi
 (an overlap the router takes as a duplicate) and later polls feed whatever comes back,
 up to the end marker; a publisher that does not answer within ``replay_timeout_ms``
 is left until the next probe. A live pool whose stream is complete costs one request
-and its end marker a second.
+and its end marker a second. A quiet pool whose publisher disconnected since its last
+check gets that check (``ZmqFeed._verify``, a replay overlap that waits for its answer)
+instead of a probe.
 """
 
 from __future__ import annotations
@@ -76,8 +78,16 @@ class IdleProbes:
         for pool in list(feed._replay):
             if pool in self.asked:
                 applied += self._take(pool, now)
-            elif (pool not in feed._suspect and feed.router.needs_replay(pool) is None
-                  and (now - self.last_heard.get(pool, now)) * 1000 >= feed.idle_probe_ms):
+            elif feed.router.needs_replay(pool) is not None \
+                    or (now - self.last_heard.get(pool, now)) * 1000 < feed.idle_probe_ms:
+                continue
+            elif pool in feed._suspect:
+                # Its publisher disconnected and nothing came since (a restarted engine's first
+                # batch lost to the reconnecting SUB, or none sent yet): check its history now,
+                # as its next message would be; the router otherwise kept the old pages.
+                applied += feed._verify(pool)
+                self.last_heard[pool] = time.monotonic()
+            else:
                 start = feed.router.verify_from(pool)
                 try:
                     feed._replay[pool].send_multipart((b"", (0 if start is None else start).to_bytes(8, "big")),
