@@ -63,3 +63,30 @@ def test_numpy_int_settings_route_like_python_ints():
         route = r.route(t)
         assert (route.pool, route.cached_tokens) == (n - 1, 6)
         assert type(route.cached_tokens) is int
+
+
+def test_a_signed_int64_root_hash_is_refused_as_signed_not_as_another_seed():
+    # The same 64 bits sent signed (SGLang's own producer form) were refused with "build the
+    # router with the pools' hash_seed", sending the operator after the wrong setting.
+    import msgspec
+    import numpy as np
+
+    from kvpool._core import page_hashes
+    from kvpool.events.schema import BlockStored, KVEventBatch
+
+    seed = 5  # the first seed from 5 whose root hash is negative when read as int64
+    while int(page_hashes(np.array([7, 7]), 2, seed, 0)[1]) < 1 << 63:
+        seed += 1
+    u = int(page_hashes(np.array([7, 7]), 2, seed, 0)[1])
+    r = Router(1, page_size=2, hash_seed=seed)
+    for h, ok in ((u - (1 << 64), False), (u, True)):
+        ev = BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[7, 7], block_size=2,
+                         lora_id=None, medium="GPU", lora_name=None, extra_keys=[(0,)])
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[ev], data_parallel_rank=0))
+        if ok:
+            r.feed(0, b"", (0).to_bytes(8, "big"), payload)
+            assert r.match([7, 7, 7]) == [2]
+        else:
+            with pytest.raises(KVPoolError, match="signed int64"):
+                r.feed(0, b"", (0).to_bytes(8, "big"), payload)
+            assert r.pages(0) == 0 and r.streams[0].next_seq is None

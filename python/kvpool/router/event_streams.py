@@ -304,6 +304,11 @@ class EventStreams:
         theirs = ev.block_hashes[0]
         mine = self._int_form(words) if type(theirs) is int else self._keys(words)
         if mine[0] != theirs:
+            if type(theirs) is int and theirs < 0 and theirs + (1 << 64) == mine[0]:
+                raise InvalidArgumentError(
+                    f"pool {pool} sends int block hashes as signed int64 (SGLang's hash_str_to_int64 form); this "
+                    f"router takes vLLM's unsigned form (ZmqEventPublisher(int_block_hashes=True)): convert "
+                    f"h + 2**64 if h < 0 before feeding")
             raise InvalidArgumentError(
                 f"pool {pool}'s page hashes are not this router's: build the router with the pools' hash_seed "
                 f"(pool.hash_seed) and page_size")
