@@ -11,8 +11,8 @@ first batch shows whether the publisher still has the router's history. A SUB
 socket's monitor tells when a publisher's connection dropped; a restarted
 engine may resume at the very number the router expects next, so after a
 disconnect the pool's next message is applied only once a replay overlap has
-checked its history (with no replay endpoint, the pool is forgotten at once), and a
-pool that stays quiet for ``idle_probe_ms`` after it is checked so then.
+checked its history (with no replay endpoint, the pool is forgotten at once); a pool
+that stays quiet for ``idle_probe_ms`` after the disconnect gets that check then.
 """
 
 from __future__ import annotations
