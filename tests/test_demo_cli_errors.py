@@ -37,6 +37,13 @@ BAD = [
     (["--hf", "/nonexistent-dir/model"], "--hf"),
     (["--json", ""], "--json: expected a path"),  # was: quietly "not given"
     (["--hf", ""], "--hf: expected a path"),  # was: the random model ran instead
+    # Were "invalid _positive value: 'abc'" (argparse names the type function):
+    (["--requests", "abc"], "argument --requests: expected a positive integer, got 'abc'"),
+    (["--requests", "1.5"], "argument --requests: expected a positive integer, got '1.5'"),
+    (["--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
+    (["--host-pages", "x"], "argument --host-pages: expected an integer >= 0, got 'x'"),
+    (["--workload", "shared-prefix", "--fork-share", "x"], "argument --fork-share: expected a number in [0, 1]"),
+    (["--threads", "two"], "argument --threads: expected a positive integer, got 'two'"),
 ]
 
 

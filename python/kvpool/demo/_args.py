@@ -30,15 +30,24 @@ def _path(text: str) -> str:
     return text
 
 
+def _int(text: str, expected: str) -> int:
+    """``int(text)``, or argparse's error saying what was expected (argparse's own message
+    would name this module's function: "invalid _positive value: 'abc'")."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _int(text, "an integer >= 0")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
@@ -52,7 +61,10 @@ def _seed(text: str) -> int:
 
 
 def _share(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
     return value
