@@ -70,10 +70,24 @@ def test_demo_model_past_this_machines_memory_is_refused_before_it_is_built(caps
     import kvpool.demo.model as demo_model
 
     # (where both the model's and the requests' memory checks look it up)
-    monkeypatch.setattr(demo_args, "host_memory_bytes", lambda: 1 << 20)
+    # 2 MiB: the pool's K/V (1.2 MB at 64 layers) fit, the model's 4 MB do not
+    monkeypatch.setattr(demo_args, "host_memory_bytes", lambda: 2 << 20)
     monkeypatch.setattr(demo_model, "build_model", lambda *a, **k: pytest.fail("built the model anyway"))
     line = _demo_usage_error(capsys, ["--layers", "64"])
     assert "the demo model's weights" in line and "--layers" in line
+
+
+@pytest.mark.parametrize("extra", [["--layers", "64"], ["--pool-tokens", "100000"]])
+def test_demo_pool_past_this_machines_memory_is_refused_by_the_demos_flags(capsys, monkeypatch, extra):
+    """The pool's own refusal named its parameters (num_pages, num_slots, memory_bytes or
+    memory_fraction), none of them a flag of the demo: the demo checks the K/V bytes first."""
+    import kvpool.demo._args as demo_args
+
+    monkeypatch.setattr(demo_args, "host_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(kvpool, "KVPool", lambda *a, **k: pytest.fail("built the pool anyway"))
+    line = _demo_usage_error(capsys, extra)
+    assert "the pool's K/V caches" in line and "lower --pool-tokens, --layers" in line, line
+    assert "num_pages" not in line
 
 
 @pytest.mark.parametrize("extra, flag", [

@@ -183,6 +183,12 @@ def run(args: argparse.Namespace,
                 cfg = ModelConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers,
                                   heads=args.heads, kv_heads=args.kv_heads, max_positions=max_ctx,
                                   seed=args.seed)
+            # The pool's own refusal names its parameters (num_pages, ...), not the demo's flags.
+            kv_bytes = 2 * cfg.layers * (pool_pages + 1) * page * cfg.kv_heads * cfg.head_dim * dtype.itemsize
+            if device.type == "cpu" and kv_bytes > _args.host_memory_bytes():
+                sizes = "" if args.hf else ", --layers, --kv-heads or --hidden"
+                raise ValueError(f"cannot allocate the pool's K/V caches: {kv_bytes} bytes, more than this "
+                                 f"machine's {_args.host_memory_bytes()} bytes of memory; lower --pool-tokens{sizes}")
             # The pool before the random model: it names a page size or layer count it
             # cannot hold, where building the model would loop over them or fail in torch.
             pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
