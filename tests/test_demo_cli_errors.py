@@ -23,6 +23,7 @@ BAD = [
     (["--hidden", "36", "--heads", "4"], "even"),
     (["--seed", "-1"], "--seed"),
     (["--host-pages", "-1"], "--host-pages"),
+    (["--host-pages", "1"], "--host-pages 1 is a host tier of only its reserved page 0"),  # was: "host_pages must be"
     (["--workload", "shared-prefix", "--fork-share", "2"], "--fork-share"),
     (["--workload", "shared-prefix", "--fork-share", "nan"], "--fork-share"),
     (["--pool-tokens", "16", "--prompt-len", "20:24"], "enlarge the pool"),

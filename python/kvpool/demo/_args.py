@@ -143,6 +143,9 @@ def _check_allocator_bounds(args: argparse.Namespace, max_ctx: int, usage_error:
     elif -(-args.pool_tokens // args.page_size) + 1 > MAX_PAGES:
         message = (f"--pool-tokens {args.pool_tokens} is more than {MAX_PAGES} pages of --page-size "
                    f"{args.page_size} (page 0 included), what kvpool's allocator takes: give fewer")
+    elif args.host_pages == 1:  # (the pool's own refusal names its parameter, host_pages)
+        message = (f"--host-pages 1 is a host tier of only its reserved page 0; give 0 (no host tier) or "
+                   f"a number in [2, {MAX_PAGES}]")
     elif args.host_pages > MAX_PAGES:
         message = (f"--host-pages {args.host_pages} is more than kvpool's allocator takes; give 0 (no host tier) or "
                    f"a number in [2, {MAX_PAGES}]")
