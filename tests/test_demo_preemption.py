@@ -67,6 +67,24 @@ def test_a_preempted_continuation_is_recomputed_as_that_continuation(model, host
                                host_pages=host_pages)
     assert any(rank > 0 for _, rank, _ in engine.preempted), "no continuation was preempted"
     assert got == ref
+    # Generated tokens are the ones kept: a preempted request's thrown-away outputs count
+    # once, as recomputed (they counted twice as generated, inflating tokens/s).
+    assert stats.generated_tokens == sum(len(o) for o in got.values())
+    assert stats.recomputed_tokens > 0
+
+
+def test_generated_tokens_are_those_kept_under_preemption_in_the_default_engine(model):
+    from kvpool.demo.engine import Engine
+    from kvpool.demo.requests import synthetic_requests
+
+    reqs = synthetic_requests(12, vocab_size=CFG.vocab_size, prompt_len=(4, 8), output_len=(8, 16), seed=0)
+    pool = kvpool.KVPool(CFG.layers, CFG.kv_heads, CFG.head_dim, dtype=torch.float32, page_size=4,
+                         num_pages=9, max_requests=8, max_context_len=32)
+    with torch.inference_mode():
+        stats = Engine(model, pool, max_running=6, admission="optimistic").run(reqs)
+    assert stats.preemptions > 0 and stats.recomputed_tokens > 0
+    assert stats.generated_tokens == sum(r.max_new_tokens for r in reqs) == sum(len(r.output) for r in reqs)
+    assert stats.generated_tokens + stats.recomputed_tokens == stats.decode_tokens + stats.preemptions + len(reqs)
 
 
 def test_a_preempted_forking_request_does_not_fork_again(model):

@@ -55,7 +55,8 @@ class RunStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0          # tokens produced by decode steps
-    generated_tokens: int = 0       # all output tokens (first one comes from prefill)
+    generated_tokens: int = 0       # output tokens the requests keep (first one comes from prefill)
+    recomputed_tokens: int = 0      # output tokens a preemption threw away (generated again later)
     requests_done: int = 0
     preemptions: int = 0
     steps_blocked_by_pool: int = 0  # steps where the next request waited for pool room
@@ -228,6 +229,9 @@ class Engine:
         victim = next(r for r in reversed(running) if not r.done)
         running.remove(victim)
         self.pool.close([victim.handle])
+        # Its outputs so far are thrown away and generated again: not counted twice.
+        self.stats.generated_tokens -= len(victim.output)
+        self.stats.recomputed_tokens += len(victim.output)
         victim.reset()
         waiting.appendleft(victim)
         self.stats.preemptions += 1

@@ -82,6 +82,7 @@ def figures(stats: RunStats, *, settings: dict[str, Any], audit: Any) -> dict[st
         "total_tokens_per_s": ((stats.generated_tokens + stats.prefill_tokens) / stats.elapsed_s
                                if stats.elapsed_s else 0.0),
         "preemptions": stats.preemptions,
+        "recomputed_tokens": stats.recomputed_tokens,
         "steps_blocked_by_pool": stats.steps_blocked_by_pool,
         "batch_size": _summary([float(b) for b in stats.batch_sizes]),
         "occupancy": {**_summary(stats.occupancy), "samples": _samples(stats.occupancy)},
@@ -130,7 +131,9 @@ def render(fig: dict[str, Any], occupancy: list[float]) -> str:
         f"  batch    decode batch min/mean/max {fig['batch_size']['min']:.0f}/"
         f"{fig['batch_size']['mean']:.1f}/{fig['batch_size']['max']:.0f}; "
         f"admission waited for pool room in {fig['steps_blocked_by_pool']} steps, "
-        f"{fig['preemptions']} preemptions",
+        f"{fig['preemptions']} preemptions"
+        + (f" ({fig['recomputed_tokens']} generated tokens thrown away and recomputed)"
+           if fig.get("recomputed_tokens") else ""),
         f"  occupancy pages used min/mean/max {occ['min']:.0%}/{occ['mean']:.0%}/{occ['max']:.0%}"
         f"  |{sparkline(occupancy)}|",
         (f"           tokens stored mean {fig['token_occupancy']['mean']:.0%} of capacity "
