@@ -68,8 +68,15 @@ def test_cli_demo_hf_runs_and_reports_the_checkpoint(checkpoints, tmp_path, caps
     out = tmp_path / "fig.json"
     assert main(["demo", "--hf", str(path), "--requests", "10", "--prompt-len", "4:24", "--output-len", "2:12",
                  "--pool-tokens", "160", "--max-running", "4", "--no-progress", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert f"llama checkpoint {path}" in text and "audit" in text and "clean" in text
+    # --no-progress hides transformers' weight-loading bar too (it was drawn), and gives
+    # back transformers' process-wide setting.
+    assert "Loading weights" not in captured.err, captured.err
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
     fig = json.loads(out.read_text())
     assert fig["requests_done"] == 10 and fig["settings"]["model"]["hf_path"] == str(path)
     assert fig["settings"]["open_requests_at_end"] == 0 and fig["settings"]["pages_in_use_at_end"] == 0

@@ -165,7 +165,8 @@ def run(args: argparse.Namespace,
             if args.hf:
                 from kvpool.demo.hf import load_hf_model
                 try:
-                    model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx)
+                    model = load_hf_model(args.hf, device=device, dtype=dtype, max_context=max_ctx,
+                                          progress=not args.no_progress)
                 except ImportError as e:  # no transformers: a setting this install cannot run
                     if usage_error is None:
                         raise

@@ -109,9 +109,10 @@ class HFPoolModel(nn.Module):
 
 
 def load_hf_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                  max_context: int = 0) -> HFPoolModel:
+                  max_context: int = 0, progress: bool = True) -> HFPoolModel:
     """Load a local ``save_pretrained`` directory (no network) as an engine model.
 
+    ``progress=False`` hides transformers' weight-loading bar (``kvpool demo --no-progress``).
     Built under ``inference_mode(False)`` then ``no_grad()`` so the weights are normal
     tensors whatever mode the caller is in; parameters are frozen.
 
@@ -127,8 +128,18 @@ def load_hf_model(path: str, *, device: torch.device | str = "cpu", dtype: torch
         raise ImportError("kvpool demo --hf needs transformers>=5,<6: pip install 'kvpool[hf]'") from e
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_supported(config, max_context)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    finally:
+        if shown:  # (a process-wide setting: give the caller theirs back)
+            hf_logging.enable_progress_bar()
     with torch.inference_mode(False), torch.no_grad():
-        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         hf.requires_grad_(False)
         hf.to(device)  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
         hf.eval()
