@@ -30,27 +30,25 @@ def _path(text: str) -> str:
     return text
 
 
-def _int(text: str, expected: str) -> int:
-    """``int(text)``, or argparse's error saying what was expected (argparse's own message
-    would name this module's function: "invalid _positive value: 'abc'")."""
+def _int_at_least(text: str, low: int, expected: str) -> int:
+    """``int(text)`` if it is at least ``low``, else argparse's error saying what was expected
+    (for a non-number, argparse's own message would name this module's function: "invalid
+    _positive value: 'abc'")."""
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
-    value = _int(text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def _non_negative(text: str) -> int:
-    value = _int(text, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def _seed(text: str) -> int:

@@ -131,6 +131,16 @@ def _setup_errors(usage_error: Callable[[str], Any] | None) -> Iterator[None]:
         usage_error(str(e))
 
 
+def _refuse_past_memory(what: str, nbytes: int, device: torch.device, fix: str) -> None:
+    """Refuse ``nbytes`` of ``what`` past this machine's memory on a CPU run, naming the flags
+    that size it (``fix``): kvpool's or torch's own refusal would name their parameters, and
+    many small allocations would grow the process until the kernel kills it."""
+    have = _args.host_memory_bytes()
+    if device.type == "cpu" and nbytes > have:
+        raise ValueError(f"cannot allocate {what}: {nbytes} bytes, more than this machine's {have} bytes of "
+                         f"memory; {fix}")
+
+
 def run(args: argparse.Namespace,
         usage_error: Callable[[str], Any] | None = None) -> tuple[dict[str, Any], list[float]]:
     """Build model, pool and requests under the chosen grad mode, serve them, audit.
@@ -186,10 +196,8 @@ def run(args: argparse.Namespace,
                                   seed=args.seed)
             # The pool's own refusal names its parameters (num_pages, ...), not the demo's flags.
             kv_bytes = 2 * cfg.layers * (pool_pages + 1) * page * cfg.kv_heads * cfg.head_dim * dtype.itemsize
-            if device.type == "cpu" and kv_bytes > _args.host_memory_bytes():
-                sizes = "" if args.hf else ", --layers, --kv-heads or --hidden"
-                raise ValueError(f"cannot allocate the pool's K/V caches: {kv_bytes} bytes, more than this "
-                                 f"machine's {_args.host_memory_bytes()} bytes of memory; lower --pool-tokens{sizes}")
+            _refuse_past_memory("the pool's K/V caches", kv_bytes, device,
+                                "lower --pool-tokens" + ("" if args.hf else ", --layers, --kv-heads or --hidden"))
             # The pool before the random model: it names a page size or layer count it
             # cannot hold, where building the model would loop over them or fail in torch.
             pool = kvpool.KVPool(cfg.layers, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device,
@@ -201,9 +209,7 @@ def run(args: argparse.Namespace,
                 # Many small tensors (one set per layer) never fail one allocation: the process
                 # would grow until the kernel kills it, so compare with the memory first.
                 nbytes, fix = model_bytes(cfg, dtype), "lower --layers, --hidden or --vocab"
-                if device.type == "cpu" and nbytes > _args.host_memory_bytes():
-                    raise ValueError(f"cannot allocate the demo model's weights: {nbytes} bytes, more than "
-                                     f"this machine's {_args.host_memory_bytes()} bytes of memory; {fix}")
+                _refuse_past_memory("the demo model's weights", nbytes, device, fix)
                 with refuse_out_of_memory("the demo model's weights", nbytes, device, fix):
                     model = build_model(cfg, device=device, dtype=dtype)
             if shared:

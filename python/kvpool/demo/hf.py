@@ -131,15 +131,14 @@ def load_hf_model(path: str, *, device: torch.device | str = "cpu", dtype: torch
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        with torch.inference_mode(False), torch.no_grad():
-            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    finally:
-        if shown:  # (a process-wide setting: give the caller theirs back)
-            hf_logging.enable_progress_bar()
     with torch.inference_mode(False), torch.no_grad():
+        if not progress:
+            hf_logging.disable_progress_bar()
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        finally:
+            if shown:  # (a process-wide setting: give the caller theirs back)
+                hf_logging.enable_progress_bar()
         hf.requires_grad_(False)
         hf.to(device)  # type: ignore[arg-type]  # transformers' decorated .to() confuses mypy
         hf.eval()

@@ -127,6 +127,25 @@ def _ids(x: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def check_host_geometry(caches: list[torch.Tensor], h: torch.Tensor, page_size: int | None = None) -> None:
+    """Host pages ``h`` ([host_pages, C, L, P, H, D]) of the device caches' geometry and dtype,
+    and of ``page_size`` where the caller knows it: the caches carry none, so storage built
+    for another page size would pass the rest and move the wrong slots."""
+    layers_n, _, heads, dim = caches[0].shape
+    if h.dim() != 6:
+        raise TensorShapeError(f"host must be [host_pages, C, L, P, H, D], got shape {tuple(h.shape)}")
+    _, nc, hl, page, hh, hd = h.shape
+    if (nc, hl, hh, hd) != (len(caches), layers_n, heads, dim) or page_size not in (None, page):
+        pool_page = "" if page_size is None else f", P={page_size}"
+        raise TensorShapeError(
+            f"host pages are [C={nc}, L={hl}, P={page}, H={hh}, D={hd}], the device caches are "
+            f"C={len(caches)}, L={layers_n}{pool_page}, H={heads}, D={dim}: build the host storage for this pool"
+            + ("" if page_size is None else " (HostStorage.for_pool(pool, ...))"))
+    if h.dtype != caches[0].dtype:
+        raise TensorDtypeError(f"host has dtype {h.dtype}, the device caches {caches[0].dtype}: bytes move as "
+                               "they are, so both must match: build the host storage for this pool")
+
+
 def _check_range(ids: np.ndarray, name: str, num_pages: int, side: str) -> None:
     if ids.size == 0:
         return
@@ -186,20 +205,11 @@ class PageTransfer:
             raise KernelArgumentError(f"method must be one of {METHODS}, got {method!r}")
         caches = _caches(device_caches)
         h = _host_tensor(host)
+        check_host_geometry(caches, h)
         layers_n, num_slots, heads, dim = caches[0].shape
-        if h.dim() != 6:
-            raise TensorShapeError(f"host must be [host_pages, C, L, P, H, D], got shape {tuple(h.shape)}")
-        host_pages, nc, hl, page, hh, hd = h.shape
-        if (nc, hl, hh, hd) != (len(caches), layers_n, heads, dim):
-            raise TensorShapeError(
-                f"host pages are [C={nc}, L={hl}, P={page}, H={hh}, D={hd}], the device caches are "
-                f"C={len(caches)}, L={layers_n}, H={heads}, D={dim}: build the host storage for this pool"
-            )
+        host_pages, page = h.shape[0], h.shape[3]
         if page < 1 or num_slots % page:
             raise TensorShapeError(f"the device caches' {num_slots} slots are not whole pages of {page}")
-        if h.dtype != caches[0].dtype:
-            raise TensorDtypeError(f"host has dtype {h.dtype}, the device caches {caches[0].dtype}: bytes "
-                                   "move as they are, so both must match")
         if h.device.type != "cpu" or not h.is_contiguous():
             raise TensorDeviceError(f"host must be a contiguous CPU tensor, got one on {h.device}"
                                     + ("" if h.is_contiguous() else " (not contiguous)"))

@@ -48,10 +48,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorDtypeError, TensorShapeError
+from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorShapeError
 from kvpool.kernels import copy_slots
 from kvpool.kernels._common import host_array
-from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor
+from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor, check_host_geometry
 from kvpool.torch_types import as_device
 from kvpool.validate import check_layer, require_plain_pool
 
@@ -187,23 +187,6 @@ def _caches(caches: Any) -> list[torch.Tensor]:
     return list(caches)
 
 
-def _check_host_for(pool: Any, host: Any) -> None:
-    """Refuse host storage of another geometry than ``pool``'s. The page size above all:
-    the device caches carry none, so a host built for another page size passes every later
-    check and moves the wrong slots (the core's page ids are ``pool``'s pages)."""
-    t = _host_tensor(host)
-    caches = pool._storage.caches
-    want = (len(caches), pool.num_layers, pool.page_size, *caches[0].shape[2:])
-    got = tuple(t.shape[1:])
-    if t.dim() != 6 or got != want:
-        raise TensorShapeError(
-            f"host pages are {got} [C, L, P, H, D], this pool's are {want} (page_size={pool.page_size}): "
-            "build the host storage for this pool (HostStorage.for_pool(pool, ...))")
-    if t.dtype != caches[0].dtype:
-        raise TensorDtypeError(f"host has dtype {t.dtype}, this pool {caches[0].dtype}: build the host storage "
-                               "for this pool (HostStorage.for_pool(pool, ...))")
-
-
 class TransferRunner:
     """Runs offloads, loads and copy-on-write copies for one pool, in that order.
 
@@ -246,8 +229,8 @@ class TransferRunner:
                 (page size, layers, heads, head_dim, MLA) or dtype than ``pool``'s.
         """
         require_plain_pool(pool, "TransferRunner.for_pool")
-        if host is not None:
-            _check_host_for(pool, host)
+        if host is not None:  # (with the page size, which the caches cannot tell PageTransfer)
+            check_host_geometry(pool._storage.caches, _host_tensor(host), pool.page_size)
         kw.setdefault("stage", getattr(pool, "_to_device", None))
         return cls(pool._storage.caches, host, pool.device, **kw)
 
