@@ -281,9 +281,17 @@ class Model(PriorityModel, TierMixin, GhostMixin):
             self.drop_copy_into(p)
         full = n // self.ps
         if q.hashed > full:
+            # Where the last page kept duplicated another request's entry, the chain
+            # resumes at that entry while every registration it stands for is live.
+            intact = not q.broken and all(g in self.reg for g in q.regs)
             q.broken = False
             e = self.entry_at(q.pages[full - 1]) if full > 0 else None
-            q.hashed, q.chain_reg = (full, e.reg) if e else (0, 0)
+            if e is not None:
+                q.hashed, q.chain_reg = full, e.reg
+            elif full > 0 and intact:
+                q.hashed, q.chain_reg = full, q.regs[full - 1]
+            else:
+                q.hashed, q.chain_reg = 0, 0
             del q.regs[q.hashed :]
 
     def truncate(self, hs, ls, keep_prompt=False):

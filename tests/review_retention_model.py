@@ -213,11 +213,14 @@ def run(seed: int, P: int, num_pages: int, max_pinned: int, steps: int = 300) ->
                 n = int(rng.integers(0, a.length(h) + 1))
                 a.truncate([h], [n])
                 released = old[len(a.pages(h)):][::-1]
-                refs, full = m.refs.get(h, []), n // P
-                # A truncation into the chain resumes it only where the last page kept is
-                # registered itself; where it duplicated content, the chain restarts (its
-                # cached prefix is empty until the next cache(): docs/allocator.md).
-                m.refs[h] = refs[:full] if len(refs) <= full or (full and old[full - 1] in m.rid) else []
+                refs, full, live = m.refs.get(h, []), n // P, set(m.rid.values())
+                # A truncation into the chain resumes it at the last page kept: its own
+                # registration, or where it duplicated content, the kept copy while every
+                # registration the chain went through is still live; otherwise the chain
+                # restarts (its cached prefix is empty until the next cache():
+                # docs/allocator.md).
+                kept = full and (old[full - 1] in m.rid or all(x in live for x in refs))
+                m.refs[h] = refs[:full] if len(refs) <= full or kept else []
             elif r < 0.56 and m.handles:
                 op, h = "extend", m.handles[int(rng.integers(len(m.handles)))]
                 n = int(rng.integers(1, 2 * P + 1))

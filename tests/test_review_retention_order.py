@@ -12,8 +12,8 @@ import kvpool
 
 
 class UnpinMissedKeptCopies(AssertionError):
-    """The known limit's own failure, so that the strict xfail below cannot pass on a
-    broken setup."""
+    """unpin after a truncation into a duplicate missed the kept copies (the chain
+    restarted, as it did before the truncation kept it)."""
 
 
 @pytest.mark.parametrize(("page_size", "num_pages", "max_pinned"),
@@ -43,17 +43,13 @@ def duplicated_pinned_prefix():
     return a, A, B
 
 
-@pytest.mark.xfail(strict=True, raises=UnpinMissedKeptCopies, reason=(
-    "known limit (docs/allocator.md, retention): truncating B restarts its chain where the last "
-    "page kept duplicated content, so unpin(B) returns 0 until B's next cache(). Resuming at the "
-    "kept copy (tried at stop 77) failed the grouped allocator's property test "
-    "(rust/kvpool-core/tests/groups_model.rs): the copy is another request's page, which B does not "
-    "hold, so it can go before B's next cache(). A strict xfail, so that a fix shows here"))
 @pytest.mark.parametrize("keep", [1, 2])
 def test_unpin_after_a_truncation_still_reaches_the_kept_copies(keep):
-    """Truncating B (a rollback, rejected draft tokens) where the last page it keeps
-    duplicated content A cached should keep B's cached prefix (A's copies), so that
-    unpin(B) reaches them and B's next pages register under them."""
+    """Was: truncating B (a rollback, rejected draft tokens) where the last page it kept
+    duplicated content A cached restarted B's chain, so unpin(B) returned 0 and A's pins
+    stayed until B's next cache(). Now the chain resumes at the kept copy while every
+    registration it went through is live: unpin(B) reaches the copies and B's next pages
+    register under them."""
     a, A, B = duplicated_pinned_prefix()
     a.truncate(B, [keep])
     if a.unpin(B) != keep:
@@ -64,6 +60,41 @@ def test_unpin_after_a_truncation_still_reaches_the_kept_copies(keep):
     a.extend(B, [2], tokens=[7, 8])
     a.cache(B)
     a.close(A)
+    h, c = a.open_with_prefix([2000, 2001, 2002][:keep] + [7, 8, 9], [keep + 3])
+    assert int(c[0]) == keep + 2
+    a.check()
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+@pytest.mark.parametrize("again", [False, True])
+def test_a_kept_copy_evicted_after_the_truncation_is_not_used(keep, again):
+    """The kept copy is A's page, which B does not hold: A unpins and closes, eviction
+    takes it, and another prompt takes the freed registrations (``again``: C computes the
+    same prompt, a new registration of the same content). B's cached prefix is then what
+    the index keeps now (nothing, or C's copies), never A's gone registration, and B's
+    next cache() restarts its chain there: its pages register under what is live."""
+    a, A, B = duplicated_pinned_prefix()
+    a.truncate(B, [keep])
+    a.unpin(A)
+    a.close(A)
+    assert a.evict(20) == 3
+    C, _ = a.admit([3], tokens=[2000, 2001, 2002] if again else [50, 51, 52])
+    a.cache(C, priority=100)
+    a.check()
+    assert a.pinned_pages == 3
+    unpinned = a.unpin(B)
+    if again and unpinned != keep:
+        raise UnpinMissedKeptCopies(f"unpin(B) after truncating to {keep} missed C's copies")
+    assert unpinned == (keep if again else 0)
+    assert a.pinned_pages == 3 - unpinned
+    a.extend(B, [2], tokens=[7, 8])
+    a.cache(B, priority=100)
+    a.check()
+    # B's cached prefix: its own keep + 2 pages, or C's keep copies (pinned again) and
+    # its own 2 after them.
+    assert a.pinned_pages == (3 + 2 if again else 3 + keep + 2)
+    a.close(B)
+    a.close(C)
     h, c = a.open_with_prefix([2000, 2001, 2002][:keep] + [7, 8, 9], [keep + 3])
     assert int(c[0]) == keep + 2
     a.check()

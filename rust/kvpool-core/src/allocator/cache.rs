@@ -127,16 +127,29 @@ impl SlotAllocator {
     }
 
     /// Whether every page of `row`'s chain still chains from the root to the
-    /// same tip: its own entry under the page before, or, for a duplicate,
-    /// the entry its content is registered under there (an entry registered
-    /// anew for a gone one's content ends the walk elsewhere). Notes the walk
-    /// (`checked`) if so.
-    fn chain_holds(&mut self, row: usize) -> bool {
-        let (chain, salt) = (self.requests.chain(row), self.requests.salt(row));
+    /// same tip (`walk_chain`; an entry registered anew for a gone one's
+    /// content ends the walk elsewhere). Notes the walk (`checked`) if so.
+    pub(super) fn chain_holds(&mut self, row: usize) -> bool {
+        let chain = self.requests.chain(row);
+        match self.walk_chain(row, chain.pages) {
+            Some(tip) if (tip.entry, tip.reg) == (chain.tip.entry, chain.tip.reg) => {
+                let removals = self.prefix.removals();
+                self.requests.set_checked(row, removals);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The tip after `row`'s first `n` pages walked as its chain: each page
+    /// its own entry under the page before, or, for a duplicate, the entry
+    /// its content is registered under there. None where one is missing.
+    pub(super) fn walk_chain(&self, row: usize, n: usize) -> Option<ChainTip> {
+        let salt = self.requests.salt(row);
         let (prefix, pages) = (&self.prefix, &self.pages);
         let mut tip = ChainTip::root(salt);
-        for &p in self.requests.pages(row, chain.pages) {
-            let next = prefix.continues(pages.entry(p), &tip, salt).or_else(|| {
+        for &p in self.requests.pages(row, n) {
+            tip = prefix.continues(pages.entry(p), &tip, salt).or_else(|| {
                 let h = prefix.page_hash(tip.hash, p);
                 match prefix.child_of(&tip, h) {
                     Some((i, _)) if prefix.verify(i, prefix.page_tokens(p), salt, tip.reg) => {
@@ -144,18 +157,9 @@ impl SlotAllocator {
                     }
                     _ => None,
                 }
-            });
-            match next {
-                Some(t) => tip = t,
-                None => return false,
-            }
+            })?;
         }
-        if (tip.entry, tip.reg) != (chain.tip.entry, chain.tip.reg) {
-            return false;
-        }
-        let removals = self.prefix.removals();
-        self.requests.set_checked(row, removals);
-        true
+        Some(tip)
     }
 
     /// Full pages of `row` whose every token id is known.

@@ -7,6 +7,7 @@ use super::options::Counts;
 use super::SlotAllocator;
 use crate::error::{PoolError, Result};
 use crate::handle::handle_row;
+use crate::prefix::tip::ChainTip;
 
 impl SlotAllocator {
     /// Shortens each request to `lengths[i]` tokens (<= its current length),
@@ -132,23 +133,47 @@ impl SlotAllocator {
         self.requests.truncate_known(row, new_len);
         let full = new_len / self.geo.page_size;
         if self.requests.chain(row).pages > full {
-            // Resume the chain at the last full page kept when its entry is
-            // at hand (a registered page's hash is its chain hash here);
-            // otherwise recompute it from page 0 at the next cache().
-            let tip = (full > 0)
-                .then(|| {
-                    let p = self.requests.page(row, full - 1);
-                    self.prefix.tip_at(self.pages.entry(p))
-                })
-                .flatten();
-            match tip {
-                Some((tip, salt)) if salt == self.requests.salt(row) => {
-                    // (A duplicate among the pages kept still counts.)
-                    let foreign = self.requests.chain(row).foreign;
-                    self.requests.resume_chain(row, full, tip, foreign)
-                }
-                _ => self.requests.restart_chain(row),
+            // Resume the chain at the last full page kept where its
+            // registration is known (`kept_tip`); otherwise recompute it
+            // from page 0 at the next cache().
+            match (full > 0).then(|| self.kept_tip(row, full)).flatten() {
+                Some((tip, foreign)) => self.requests.resume_chain(row, full, tip, foreign),
+                None => self.requests.restart_chain(row),
             }
         }
+    }
+
+    /// Where a truncation to `full` full pages resumes `row`'s chain (the
+    /// walked chain is longer), and whether the pages kept may include a
+    /// duplicate of another request's entry: the last page's own entry
+    /// where it is registered (of the row's salt; a registered page's hash
+    /// is its chain hash here); where it duplicated content (the index kept
+    /// another request's copy, which this row does not hold), the entry of
+    /// that copy, found by the walk `cache` checks chains with, but only
+    /// while the whole chain still holds: every registration it passes is
+    /// the one `cache` chained through (none went since it was last walked,
+    /// or a walk now reaches the same tip), so the registrations already
+    /// recorded for the pages kept (the grouped allocator's) stay right.
+    /// If the copy goes later, the next `cache()` restarts the chain as for
+    /// any chain through another's entry (`restart_dead_chain`, which
+    /// compares the removals with those of the last walk that found the
+    /// chain whole), and a cached prefix's walk (`unpin`, priorities) stops
+    /// where it went. None: restart the chain.
+    fn kept_tip(&mut self, row: usize, full: usize) -> Option<(ChainTip, bool)> {
+        let p = self.requests.page(row, full - 1);
+        if let Some((tip, salt)) = self.prefix.tip_at(self.pages.entry(p)) {
+            // (A duplicate among the pages kept still counts.)
+            let foreign = self.requests.chain(row).foreign;
+            return (salt == self.requests.salt(row)).then_some((tip, foreign));
+        }
+        let chain = self.requests.chain(row);
+        let intact = !chain.broken
+            && self.prefix.is_live(&chain.tip)
+            && ((chain.foreign && chain.checked == self.prefix.removals())
+                || self.chain_holds(row));
+        intact
+            .then(|| self.walk_chain(row, full))
+            .flatten()
+            .map(|tip| (tip, true))
     }
 }

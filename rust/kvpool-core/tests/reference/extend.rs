@@ -166,17 +166,22 @@ impl Model {
         let req = &self.reqs[&r];
         if req.hashed > full {
             let entry = (full > 0)
-                .then(|| {
-                    self.entry_at(req.pages[full - 1])
-                        .map(|g| self.reg[&g].clone())
-                })
+                .then(|| self.entry_at(req.pages[full - 1]).map(|g| self.reg[&g].reg))
                 .flatten();
+            // The last page kept duplicated another request's entry: the
+            // chain resumes at that entry while every registration the
+            // chain stands for is live (as restart_dead_chain would keep it).
+            let kept = (entry.is_none()
+                && full > 0
+                && !req.broken
+                && req.regs.iter().all(|g| self.reg.contains_key(g)))
+            .then(|| req.regs[full - 1]);
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
-            match entry {
-                Some(e) => {
+            match entry.or(kept) {
+                Some(reg) => {
                     req.hashed = full;
-                    req.chain_reg = e.reg;
+                    req.chain_reg = reg;
                 }
                 None => {
                     req.hashed = 0;
