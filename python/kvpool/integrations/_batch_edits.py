@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.errors import InvalidArgumentError, TensorDeviceError, TensorDtypeError, TensorShapeError, TooManyRequestsError
+from kvpool.errors import (
+    InvalidArgumentError,
+    LayerIndexError,
+    TensorDeviceError,
+    TensorDtypeError,
+    TensorShapeError,
+    TooManyRequestsError,
+)
 from kvpool.integrations._shared_rows import check_in_step, stored_by_all
 
 __all__ = ["BatchEdits"]
@@ -28,6 +35,18 @@ def _token_count(n: Any) -> int:
         raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
 
 
+def _layer_index(layer_idx: Any) -> int:
+    """A query's layer index as an int (a numpy int or a 0-d integer tensor too); anything else
+    (a bool, float, str, None) is a ``LayerIndexError`` rather than transformers' ``TypeError``."""
+    if not isinstance(layer_idx, bool) and not (isinstance(layer_idx, torch.Tensor) and (
+            layer_idx.ndim or layer_idx.is_floating_point() or layer_idx.dtype == torch.bool)):
+        try:
+            return operator.index(layer_idx)
+        except TypeError:
+            pass
+    raise LayerIndexError(f"layer_idx takes an int layer index, got {type(layer_idx).__name__} {layer_idx!r}")
+
+
 class BatchEdits:
     """The row edits of ``KVPoolCache``, and the checks that its state allows one (a mixin over
     the cache's ``requests`` and ``_pool_layers``)."""
@@ -35,6 +54,18 @@ class BatchEdits:
     requests: Any
     _pool_layers: list[Any]
     pool: Any
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """``Cache.get_seq_length``: the tokens layer ``layer_idx`` holds (0 past the last layer)."""
+        if type(layer_idx) is not int:
+            layer_idx = _layer_index(layer_idx)
+        return super().get_seq_length(layer_idx)  # type: ignore[misc]
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple[int, int]:
+        """``Cache.get_mask_sizes``, with ``layer_idx`` checked as ``get_seq_length`` checks it."""
+        if type(layer_idx) is not int:
+            layer_idx = _layer_index(layer_idx)
+        return super().get_mask_sizes(query_length, layer_idx)  # type: ignore[misc]
 
     def _set_seen(self, n: int) -> None:
         for layer in self._pool_layers:

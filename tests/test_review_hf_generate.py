@@ -1,0 +1,114 @@
+"""Outside-style checks of ``KVPoolCache`` driven as a transformers user drives it: the layer
+index of ``get_seq_length`` / ``get_mask_sizes`` (typed refusals, not transformers' TypeError),
+and ``generate`` combinations the other HF tests leave out (an assistant model, eos
+stopping one row early with a repetition penalty, and a returned cache passed back with a
+longer input), each against transformers' ``DynamicCache``.
+
+Bounded: 2-layer, hidden-64 models (float32, CPU), a few tokens per case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _hf_hybrid_models import MODELS as HYBRID  # noqa: I001  (skips without transformers)
+from _hf_models import CACHE_KW, PAD, left_padded, tiny_model, transformers
+from transformers import DynamicCache
+
+from kvpool import LayerIndexError
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model("llama")
+    torch.set_num_threads(threads)
+
+
+def _gemma3(layers: int):
+    config_name, model_name, extra = HYBRID["gemma3"]
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, **dict(extra, layer_types=["sliding_attention", "full_attention"][-layers:]
+                                                 if layers <= 2 else ["sliding_attention"] * (layers - 1)
+                                                 + ["full_attention"]))
+    config = getattr(transformers, config_name)(**kw)
+    with torch.inference_mode(False), torch.no_grad():
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(config).eval(), config
+
+
+def _generate(model, ids, mask=None, cache=None, **kw):
+    kw = dict(dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD), **kw)
+    if mask is not None:
+        kw["attention_mask"] = mask
+    if cache is not None:
+        kw[CACHE_KW] = cache
+    torch.manual_seed(7)
+    return model.generate(ids, **kw)
+
+
+# -- layer indices of the length queries -------------------------------------------------------
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("bad", ["0", None, 1.0, True, torch.tensor([0]), torch.tensor(0.0)],
+                         ids=["str", "None", "float", "bool", "vector", "float-tensor"])
+def test_length_queries_refuse_a_layer_index_that_is_not_an_int(llama, hybrid, bad):
+    """``get_seq_length("0")`` and ``get_mask_sizes(q, None)`` raised transformers' TypeError
+    ("'>=' not supported ..."); ``True`` read layer 1. Integer scalars of any kind still answer."""
+    model = _gemma3(2)[0] if hybrid else llama
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    with KVPoolCache(pool) as cache:
+        _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, max_new_tokens=2)
+        n = cache.get_seq_length()
+        with pytest.raises(LayerIndexError, match="takes an int layer index"):
+            cache.get_seq_length(bad)
+        with pytest.raises(LayerIndexError, match="takes an int layer index"):
+            cache.get_mask_sizes(torch.arange(1), bad)
+        for good in (1, np.int64(1), torch.tensor(1)):
+            assert cache.get_seq_length(good) == n == 5
+        assert cache.get_seq_length(99) == 0  # (transformers: a layer past the last holds nothing)
+        # Unchanged and usable: the next generate continues from the cache.
+        assert _generate(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, max_new_tokens=2).shape[1] == 8
+
+
+# -- generate combinations --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_an_assistant_model_gives_dynamic_caches_tokens_and_rolls_back(llama, page_size):
+    """Assisted decoding crops the rejected draft tokens at every step (``crop`` into deferred
+    steps, across page boundaries with page_size 1)."""
+    assistant = tiny_model("llama", seed=1)
+    ids = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(2))
+    pool = pool_for_model(llama, max_tokens=512, page_size=page_size, max_context_len=64)
+    with KVPoolCache(pool) as cache:
+        got = _generate(llama, ids, cache=cache, assistant_model=assistant, max_new_tokens=10)
+        pool.allocator.check()
+    assert torch.equal(got, _generate(llama, ids, assistant_model=assistant, max_new_tokens=10))
+    assert pool.allocator.open_requests == 0 and pool.allocator.used_pages == 0
+
+
+def test_eos_in_one_row_with_a_repetition_penalty_then_the_cache_passed_back(llama):
+    """A left-padded batch whose first row meets eos early (the others go on), with a repetition
+    penalty; then the returned cache is passed back with the answers and a new user turn, twice."""
+    ids, mask = left_padded([7, 12, 3], seed=3)
+    first = _generate(llama, ids, mask, max_new_tokens=10)
+    eos = int(first[0, ids.shape[1] + 2])  # row 0's third new token
+    kw = dict(eos_token_id=eos, repetition_penalty=1.3, max_new_tokens=8, return_dict_in_generate=True)
+    pool = pool_for_model(llama, max_tokens=1024, page_size=4, max_context_len=96)
+    dyn = DynamicCache(config=llama.config)
+    with KVPoolCache(pool) as cache:
+        a = b = ids
+        for turn in range(3):
+            ra, rb = _generate(llama, a, mask, cache=cache, **kw), _generate(llama, b, mask, cache=dyn, **kw)
+            assert ra.past_key_values is cache
+            assert torch.equal(ra.sequences, rb.sequences)
+            assert cache.get_seq_length() == dyn.get_seq_length()
+            user = torch.randint(3, 90, (3, 2), generator=torch.Generator().manual_seed(turn))
+            a, b = torch.cat([ra.sequences, user], 1), torch.cat([rb.sequences, user], 1)
+            mask = torch.cat([mask, torch.ones(3, a.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        assert (a[0] == eos).any()  # (row 0 did stop early in the first turn)
+        pool.allocator.check()
+    assert pool.allocator.open_requests == 0
