@@ -1,6 +1,7 @@
 """Outside-style checks of ``KVPoolCache`` driven as a transformers user drives it: the layer
 index of ``get_seq_length`` / ``get_mask_sizes`` (typed refusals, not transformers' TypeError),
-and ``generate`` combinations the other HF tests leave out (an assistant model, eos
+a pool built with more layers than the model (the refusal names that, not only a forward cut
+short), and ``generate`` combinations the other HF tests leave out (an assistant model, eos
 stopping one row early with a repetition penalty, and a returned cache passed back with a
 longer input), each against transformers' ``DynamicCache``.
 
@@ -15,7 +16,7 @@ from _hf_hybrid_models import MODELS as HYBRID  # noqa: I001  (skips without tra
 from _hf_models import CACHE_KW, PAD, left_padded, tiny_model, transformers
 from transformers import DynamicCache
 
-from kvpool import LayerIndexError
+from kvpool import IncompleteForwardError, LayerIndexError
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
 
@@ -72,6 +73,39 @@ def test_length_queries_refuse_a_layer_index_that_is_not_an_int(llama, hybrid, b
         assert cache.get_seq_length(99) == 0  # (transformers: a layer past the last holds nothing)
         # Unchanged and usable: the next generate continues from the cache.
         assert _generate(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, max_new_tokens=2).shape[1] == 8
+
+
+# -- a pool with more layers than the model ---------------------------------------------------------
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_a_pool_with_more_layers_than_the_model_says_so(llama, hybrid):
+    """The model's forward updates layers 0-1 of a 3-layer pool: the next forward was refused as
+    "the last forward was cut short ... crop(-5) drops the unfinished step", advice that fails
+    again at every forward. The refusal now also names the layer counts and what to build."""
+    if hybrid:
+        model, _ = _gemma3(2)
+        pool = pool_for_model(_gemma3(3)[1], max_tokens=256, page_size=4, max_context_len=64)
+    else:
+        model = llama
+        pool = pool_for_model(tiny_model("llama", num_hidden_layers=3).config, max_tokens=256, page_size=4,
+                              max_context_len=64)
+    with KVPoolCache(pool) as cache:
+        with pytest.raises(IncompleteForwardError, match=r"fewer layers than the pool: the pool's layers 2 and up were "
+                                                         r"never updated; build the pool for this model"):
+            _generate(model, torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+    assert pool.allocator.open_requests == 0
+
+
+def test_a_forward_cut_short_in_a_middle_layer_is_not_taken_for_missing_layers(llama):
+    """Only the pool's last layers left behind by one count read as a model with fewer layers."""
+    pool = pool_for_model(llama, max_tokens=256, page_size=4, max_context_len=64)
+    with KVPoolCache(pool) as cache:
+        for layer in range(2):
+            cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), layer)
+        cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 1)  # (layer 0 never saw this step)
+        with pytest.raises(IncompleteForwardError) as e:
+            cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 1)
+        assert "fewer layers" not in str(e.value)
 
 
 # -- generate combinations --------------------------------------------------------------------------

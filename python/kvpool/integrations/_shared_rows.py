@@ -62,10 +62,17 @@ def check_in_step(layers: Sequence[Any], length: int, what: str) -> None:
         return
     done = stored_by_all(layers)
     behind = [layer.layer_idx for layer in layers if layer.seen != length]
+    # The last layers alone behind, by the same count: also what a model with fewer layers than the
+    # pool leaves after every forward (they are never updated), where no crop helps.
+    tail = [layer.layer_idx for layer in layers[len(layers) - len(behind):]]
+    fewer = "" if behind != tail or len(behind) == len(layers) or any(
+        layer.seen != done for layer in layers if layer.seen != length) else (
+        f". If no forward raised, the model has fewer layers than the pool: the pool's layers {behind[0]} and up were "
+        f"never updated; build the pool for this model (pool_for_model(model))")
     raise IncompleteForwardError(
         f"{what}: the last forward was cut short: layer{'s' if len(behind) > 1 else ''} "
         f"{', '.join(map(str, behind))} stored {done} tokens, the others {length}. "
-        f"crop(-{length - done}) drops the unfinished step (or reset() the cache)")
+        f"crop(-{length - done}) drops the unfinished step (or reset() the cache){fewer}")
 
 
 def with_step_grad(kv: tuple[torch.Tensor, torch.Tensor], key_states: torch.Tensor,
