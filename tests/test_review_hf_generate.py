@@ -146,3 +146,47 @@ def test_eos_in_one_row_with_a_repetition_penalty_then_the_cache_passed_back(lla
         assert (a[0] == eos).any()  # (row 0 did stop early in the first turn)
         pool.allocator.check()
     assert pool.allocator.open_requests == 0
+
+
+# -- reset / close between two layers of a forward --------------------------------------------------
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("call", ["reset", "close"])
+def test_a_reset_between_two_layers_refuses_the_rest_of_that_forward(llama, hybrid, call):
+    """A hook before layer 1 resets the cache: layer 1 then opened new rows and attended to its own
+    token alone (silently wrong logits on Llama; on Gemma 3 transformers' mask shape error). Now
+    layer 1's update is refused (typed, nothing opened) and the next forward serves a new batch."""
+    model = _gemma3(2)[0] if hybrid else llama
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    with KVPoolCache(pool) as cache:
+        _generate(model, ids, cache=cache, max_new_tokens=3)
+        fired = []
+
+        def pre(module, args, kwargs):
+            if not fired:
+                fired.append(getattr(cache, call)())
+        hook = model.model.layers[1].register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            with pytest.raises(IncompleteForwardError, match=r"reset \(or closed\) during this forward.*layer 1"):
+                with torch.no_grad():
+                    model(input_ids=torch.full((2, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        assert fired and pool.allocator.open_requests == 0 and cache.get_seq_length() == 0
+        assert torch.equal(_generate(model, ids, cache=cache, max_new_tokens=3), _generate(model, ids, max_new_tokens=3))
+    assert pool.allocator.open_requests == 0
+
+
+def test_a_reset_after_a_forward_cut_short_then_a_new_forward_is_not_refused(llama):
+    """The documented way out of a forward cut short (reset) leaves the next forward alone."""
+    pool = pool_for_model(llama, max_tokens=256, page_size=4, max_context_len=64)
+    ids = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(2))
+    with KVPoolCache(pool) as cache:
+        _generate(llama, ids, cache=cache, max_new_tokens=2)
+        hook = llama.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(KeyError("cut")))
+        with pytest.raises(KeyError), torch.no_grad():
+            llama(input_ids=torch.full((1, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        hook.remove()
+        cache.reset()
+        assert torch.equal(_generate(llama, ids, cache=cache, max_new_tokens=3), _generate(llama, ids, max_new_tokens=3))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvpool.errors import (
+    IncompleteForwardError,
     InvalidArgumentError,
     LayerIndexError,
     TensorDeviceError,
@@ -54,6 +55,31 @@ class BatchEdits:
     requests: Any
     _pool_layers: list[Any]
     pool: Any
+    # The layers a reset() (or close()) between two layers of a forward left without the step
+    # the others stored: this forward's updates from them are refused (``_check_reset_mid_step``).
+    _reset_mid: frozenset[int] | None = None
+
+    def _mark_reset_mid_step(self) -> None:
+        """Before ``reset``: when some layers stored the last step and others not (a forward
+        under way, or one cut short), remember the others. Should the forward go on, their
+        updates would otherwise open new rows and attend to their own tokens alone."""
+        n, layers = self.requests.length, self._pool_layers
+        behind = [layer.layer_idx for layer in layers if layer.seen != n]
+        # (the layers after the ones that ran: a forward goes through its layers in order)
+        tail = [layer.layer_idx for layer in layers[len(layers) - len(behind):]]
+        self._reset_mid = frozenset(behind) if 0 < len(behind) < len(layers) and behind == tail else None
+
+    def _check_reset_mid_step(self, layer_idx: int) -> None:
+        """An update after a reset between two layers of a forward: from a layer left behind, the
+        rest of that forward, refused (``IncompleteForwardError``, nothing opened); from any
+        other, a new forward, which goes on."""
+        behind, self._reset_mid = self._reset_mid, None
+        if behind is not None and layer_idx in behind:
+            raise IncompleteForwardError(
+                f"layer {layer_idx}: the cache was reset (or closed) during this forward, after the layers before "
+                f"layer {min(behind)} had stored its step; the forward's other layers have no rows to attend to. Run "
+                "the forward again from its first layer (the cache starts a new batch), or reset the cache between "
+                "forwards")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """``Cache.get_seq_length``: the tokens layer ``layer_idx`` holds (0 past the last layer)."""

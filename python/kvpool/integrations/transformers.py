@@ -220,6 +220,8 @@ class KVPoolCache(NotPicklable, BatchEdits, Cache):
             if pages._plain:  # type: ignore[union-attr]  # (req.fast): views made by the step, nothing to fill
                 return pages._views[layer_idx]  # type: ignore[union-attr, index]
             return pages.kv(layer_idx, key_states, value_states)  # type: ignore[union-attr]
+        if self._reset_mid is not None:
+            self._check_reset_mid_step(layer_idx)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     # -- what the pool holds ------------------------------------------------------------
@@ -262,6 +264,7 @@ class KVPoolCache(NotPicklable, BatchEdits, Cache):
 
     def reset(self) -> None:
         """Close every row's request; the cache can then serve a new batch."""
+        self._mark_reset_mid_step()
         self.requests.close()
         self._set_seen(0)
         self._hit = 0
@@ -334,6 +337,8 @@ class HybridKVPoolCache(KVPoolCache):
                 raise IndexError
         except (IndexError, TypeError):
             raise LayerIndexError(f"layer_idx {layer_idx!r}: the pool has layers [0, {len(self.layers)})") from None
+        if self._reset_mid is not None:
+            self._check_reset_mid_step(layer_idx)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
