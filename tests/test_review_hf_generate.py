@@ -190,3 +190,18 @@ def test_a_reset_after_a_forward_cut_short_then_a_new_forward_is_not_refused(lla
         hook.remove()
         cache.reset()
         assert torch.equal(_generate(llama, ids, cache=cache, max_new_tokens=3), _generate(llama, ids, max_new_tokens=3))
+
+
+def test_salt_may_be_one_per_row(llama):
+    """docs/transformers.md: ``salt=`` is an int64 or one per row; each row's prompt is published
+    and found under its own salt."""
+    pool = pool_for_model(llama, max_tokens=512, page_size=4, max_context_len=64)
+    prompt = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(3)).repeat(2, 1)
+    with KVPoolCache(pool, prefix_ids=prompt, salt=torch.tensor([1, 2])) as cache:
+        _generate(llama, prompt, cache=cache, max_new_tokens=1)
+    # (each cache publishes its rows under their salts on close: every case asks with salts new but one)
+    for salt, hits in [(torch.tensor([1, 3]), [8, 0]), (np.array([4, 2]), [0, 8]), (2, [8, 8]), (5, [0, 0])]:
+        with KVPoolCache(pool, prefix_ids=prompt, salt=salt) as cache:
+            assert cache.cached_lens.tolist() == hits
+            assert torch.equal(_generate(llama, prompt, cache=cache, max_new_tokens=3),
+                               _generate(llama, prompt, max_new_tokens=3))

@@ -109,7 +109,7 @@ class KVPoolCache(NotPicklable, BatchEdits, Cache):
             pads' K/V under their token ids; see docs/transformers.md). With a
             pool that has ``open_with_prefix``, rows open on their longest cached prefix
             and ``generate`` computes only the rest; raises ``NotImplementedError`` otherwise.
-        salt: optional int64 mixed into the prefix hash (tenant, LoRA id), with ``prefix_ids``.
+        salt: optional int64 mixed into the prefix hash (tenant, LoRA id; or one per row), with ``prefix_ids``.
         layer_buffers: each layer keeps its rows' K/V gathered in a buffer of its own and adds
             each step's tokens to it, as ``DynamicCache`` keeps its tensors (the fastest, and the
             default: decode steps inside a page are deferred, see ``flush``; the memory of one
