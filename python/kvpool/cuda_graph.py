@@ -273,11 +273,16 @@ class DecodeGraphRunner:
     __call__ = run
 
     def _run(self, args: list[torch.Tensor], n: int, bucket: int) -> Any:
+        key = (grad_mode(), bucket)
+        capture = self.use_graphs and key not in self._graphs
+        if capture:
+            # The capture below resets the static buffers: an input that is a view of them (one
+            # a step was handed) must be copied now, or the second load would read pad values.
+            args = apart_from(self._static, args)
         self._load_inputs(args, n, bucket)
         if not self.use_graphs:
             return _slice_rows(self.step(*self._views(bucket)), n, self.copy_outputs)
-        key = (grad_mode(), bucket)
-        if key not in self._graphs:
+        if capture:
             self._capture(*key)  # lazily; call capture() up front to keep this off the serving path
             self._load_inputs(args, n, bucket)  # warm-up/capture left pad values in the buffers
         if self.debug:
