@@ -90,3 +90,19 @@ def test_a_buffer_view_passed_to_a_bucket_not_captured_yet_is_loaded_as_it_was(f
     assert runner.captured == [("no_grad", 2), ("no_grad", 4)]
     assert calls[-1][0] == want
 
+
+def test_debug_check_still_sees_a_moved_buffer_after_a_later_capture(fake_cuda):
+    """debug=True checks the captured addresses before each replay; a later capture (a lazy one
+    for another bucket) recorded the addresses of that moment, so a buffer that moved between
+    the captures went unnoticed by the replays of every earlier graph."""
+    step, _ = fake_cuda
+    pool, runner = _runner(step, debug=True)
+    inputs = ([1], [0], [0], [3], [1])
+    with torch.no_grad():
+        runner.run(*inputs)  # bucket 2 captured
+        pool.req_to_token = pool.req_to_token.clone()  # what the check exists for: a moved table
+        with pytest.raises(kvpool.InvariantError, match="moved"):
+            runner.run(*(x * 3 for x in inputs))  # bucket 4: would capture on the new address
+        with pytest.raises(kvpool.InvariantError, match="moved"):
+            runner.run(*inputs)  # bucket 2's graph still reads the old table
+    assert runner.captured == [("no_grad", 2)]

@@ -352,6 +352,9 @@ class DecodeGraphRunner:
     def _capture(self, mode: str, bucket: int) -> None:
         if mode != grad_mode():  # pragma: no cover - internal misuse
             raise InvariantError(f"capture for {mode} requested while the thread is in {grad_mode()}")
+        if self.debug and self._ptrs is not None:
+            # (else this capture would record moved addresses, hiding the move from older graphs)
+            self._check_addresses()
         # Warm up (and capture) on pad values: every write goes to slot 0 / the null row.
         self._reset_static()
         views = self._views(bucket)
