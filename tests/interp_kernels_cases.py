@@ -244,6 +244,16 @@ def test_write_req_to_token_refuses_offsets_that_are_not_the_prefix_sum():
     assert table[0, 1:4].tolist() == [100, 101, 102] and table[2, 6:8].tolist() == [103, 104]
 
 
+def test_write_req_to_token_refuses_spans_whose_int64_end_wraps():
+    """start + count past 2**63 wrapped negative and passed the span check: the kernel then read
+    past the slots and wrote what it found into the table."""
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(K.KernelArgumentError, match="is outside the row"):
+        K.write_req_to_token(table, torch.tensor([0, 0, 1]), torch.tensor([1, 1, 0]),
+                             torch.tensor([2**63 - 1, 2**63 - 1, 3]), torch.tensor([5, 6, 7]))
+    assert not table.any()
+
+
 def test_write_req_to_token_long_request_loops():
     table = torch.zeros((2, 3000), dtype=torch.int32)
     slots = torch.arange(1, 2501, dtype=torch.int64)

@@ -337,6 +337,12 @@ def test_runner_refuses_bad_steps_and_leaves_its_buffers_and_the_pool_unchanged(
     ([1], [7], [2], 2, K.KernelArgumentError, r"starts\[0\] \+ counts\[0\] = 9 .*8 columns"),
     ([1], [-1], [1], 1, K.KernelArgumentError, r"starts\[0\] = -1"),
     ([0, 1], [0, 0], [2, 2], 3, kvpool.TensorShapeError, "slots has 3 entries, the counts need 4"),
+    # int64 spans whose start + count wraps negative (and counts whose sum wraps to 0 or 1)
+    # passed: an untyped RuntimeError from repeat_interleave, or nothing written for [2**62] * 4.
+    ([0] * 4, [2**62] * 4, [2**62] * 4, 1, K.KernelArgumentError, r"starts\[0\] \+ counts\[0\] = 9223372036854775808"),
+    ([0, 0, 1], [1, 1, 0], [2**63 - 1, 2**63 - 1, 3], 3, K.KernelArgumentError, "= 9223372036854775808 is outside"),
+    ([-1, -1, 0], [0, 0, 0], [2**63 - 1, 2**63 - 1, 3], 3, kvpool.TensorShapeError,
+     "slots has 3 entries, the counts need 9223372036854775807"),
 ])
 def test_write_req_to_token_host_values_past_the_table_are_refused(rows, starts, counts, nslots, err, match):
     # Was: IndexError (or a broadcast of too few slots) from index_put_, and past-the-table

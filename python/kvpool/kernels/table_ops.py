@@ -30,15 +30,19 @@ def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Te
     cnt = counts.long()
     live = (rows >= 0) & (cnt > 0)
     st = starts.long()
+    # cnt > cols - st, not st + cnt > cols: int64 starts and counts near 2**62 would wrap the sum
+    # negative and pass (the torch path then raised untyped, the interpreter wrote past the table).
     for mask, what in ((live & (st < 0), "starts[{i}] = {s}"),
-                       (live & (st + cnt > cols), "starts[{i}] + counts[{i}] = {e}")):
+                       (live & (st >= 0) & (cnt > cols - st), "starts[{i}] + counts[{i}] = {e}")):
         if bool(mask.any()):
             i = int(mask.nonzero()[0, 0])
-            at = what.format(i=i, s=int(st[i]), e=int(st[i] + cnt[i]))
+            at = what.format(i=i, s=int(st[i]), e=int(st[i]) + int(cnt[i]))
             raise c.KernelArgumentError(f"{at} is outside the row: req_to_token has {cols} columns, so "
                                         f"a span [start, start + count) must lie in [0, {cols}]")
     cnt = cnt.clamp(min=0)
-    need = int(cnt.sum())
+    # (a skipped request's count is not bounded by the row: past len(slots) alone, or summed, it
+    # could wrap the int64 sum below to a small need)
+    need = int(cnt.max()) if int(cnt.max()) > slots.shape[0] else int(cnt.sum())
     if need > slots.shape[0]:
         raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
                                  "all requests back to back, skipped ones included)")
