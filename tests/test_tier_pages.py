@@ -188,6 +188,28 @@ def test_bad_page_ids_are_refused_and_nothing_is_written(dev, hst, err, method):
     assert unchanged(pool, host, snap)
 
 
+@pytest.mark.parametrize("ids", [
+    torch.tensor([1.0, 2.0], dtype=torch.bfloat16),  # Tensor.numpy(): untyped TypeError
+    torch.tensor([1.0, 2.0], requires_grad=True),  # untyped RuntimeError
+    torch.empty(2, dtype=torch.bits8),
+    [2, True],  # numpy made it [2, 1]: True moved page 1
+    [np.int64(2), np.bool_(True)],
+], ids=["bf16", "requires-grad", "bits8", "bool-in-list", "numpy-bool-in-list"])
+def test_page_ids_that_are_not_integers_are_dtype_errors_on_both_sides(ids):
+    pool, host = make(torch.bfloat16)
+    snap = snapshot(pool, host)
+    with pytest.raises(TensorDtypeError):
+        offload_pages(pool._storage.caches, host, ids, [3, 4])
+    with pytest.raises(TensorDtypeError):
+        offload_pages(pool._storage.caches, host, [3, 4], ids)
+    with pytest.raises(TensorDtypeError):
+        load_pages(host, pool._storage.caches, ids, [3, 4])
+    assert unchanged(pool, host, snap)
+    with pytest.raises(TensorShapeError, match="dense"):
+        offload_pages(pool._storage.caches, host, torch.tensor([1, 2]).to_sparse(), [3, 4])
+    assert unchanged(pool, host, snap)
+
+
 def test_duplicate_device_destination_is_refused():
     pool, host = make(torch.bfloat16)
     snap = snapshot(pool, host)

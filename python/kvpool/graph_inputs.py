@@ -17,6 +17,7 @@ import torch
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import SlotRangeError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.kernels._common import check_dense
+from kvpool.torch_types import INT_DTYPES
 from kvpool.validate import refuse_bools_in
 
 __all__ = ["INPUT_NAMES", "apart_from", "check_inputs"]
@@ -25,10 +26,8 @@ __all__ = ["INPUT_NAMES", "apart_from", "check_inputs"]
 INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens")
 
 _I64 = np.iinfo(np.int64)
-# What a step input may be as a tensor: integers (the quantized and bits dtypes are not, and
-# Tensor.numpy() refuses them with an untyped TypeError).
-_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
-                         torch.uint8, torch.uint16, torch.uint32, torch.uint64})
+# What a step input may be as a tensor: integers (Tensor.numpy() refuses the others untyped).
+_INT_DTYPES = INT_DTYPES
 
 
 def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArgumentError:

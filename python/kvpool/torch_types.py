@@ -12,7 +12,7 @@ import torch
 
 from kvpool._core import InvalidArgumentError
 
-__all__ = ["CACHE_DTYPES", "COMPUTE_DTYPES", "FP8_DTYPES", "GATHER_DTYPES", "INDEX_DTYPES", "as_device"]
+__all__ = ["CACHE_DTYPES", "COMPUTE_DTYPES", "FP8_DTYPES", "GATHER_DTYPES", "INDEX_DTYPES", "INT_DTYPES", "as_device"]
 
 #: FP8 formats a cache may be stored in (those this torch build has).
 FP8_DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -26,6 +26,10 @@ COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.b
 GATHER_DTYPES: tuple[torch.dtype, ...] = CACHE_DTYPES + (torch.float64,)
 #: Dtypes of slot ids, table rows and the request-to-token table.
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: Integer dtypes a host id array may come as (not the quantized or bits dtypes, which
+#: ``Tensor.numpy()`` refuses untyped).
+INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64,
+                        torch.uint8, torch.uint16, torch.uint32, torch.uint64})
 
 
 def as_device(device: Any) -> torch.device:

@@ -53,6 +53,7 @@ from kvpool.errors import (
 )
 from kvpool.kernels import _common as c
 from kvpool.kernels._guard import on_device
+from kvpool.torch_types import INT_DTYPES
 
 __all__ = ["METHODS", "PageTransfer", "load_pages", "offload_pages"]
 
@@ -115,8 +116,13 @@ def _ids(x: Any, name: str) -> np.ndarray:
                 f"{name} is on {x.device}: page ids must be host integers (numpy, list or a CPU "
                 "tensor), as the core hands them out, so they are checked without a device sync"
             )
+        c.check_dense(x, name)
+        if x.dtype not in INT_DTYPES:  # (.numpy() refused bf16, quantized, bits and grad tensors untyped)
+            raise TensorDtypeError(f"{name} must be a 1-D array of integer page ids, got a {x.dtype} tensor")
         x = x.numpy()
     arr = c.host_array(name, x)
+    if arr.dtype.kind in "iu" and isinstance(x, (list, tuple)) and {bool, np.bool_} & set(map(type, x)):
+        raise TensorDtypeError(f"{name} holds a bool: pass int page ids (numpy takes True as page 1)")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
