@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guard against mis-collection
     pytest.skip("run by tests/test_kernels_interp.py with TRITON_INTERPRET=1", allow_module_level=True)
 
+import kvpool  # noqa: E402
 import kvpool.kernels as K  # noqa: E402
 from kvpool.kernels import _ref  # noqa: E402
 from kvpool.testing.kernel_cases import (  # noqa: E402
@@ -500,3 +501,17 @@ def test_gather_converts_between_fp8_formats_and_to_float64(cache_dt, out_dt):
     k, _ = K.gather_kv(kc, None, torch.tensor([1, 3, -1]), out_dtype=out_dt)
     want = torch.cat([kc[[1, 3]].to(out_dt), torch.zeros((1, 1, 5), dtype=out_dt)])
     assert same(k, want)
+
+
+def test_rows_that_are_negative_bit_views_are_stored_with_their_sign():
+    """``z.conj().imag`` is a float view whose memory holds -imag (torch's negative bit): the
+    kernel read the memory as it was, so the K/V stored had the wrong sign (on CUDA as here)."""
+    z = torch.complex(torch.zeros(2, 1, 6), torch.arange(1.0, 13.0).view(2, 1, 6))
+    k = z.conj().imag
+    assert k.is_neg()
+    kc, vc = torch.zeros(8, 1, 6), torch.zeros(8, 1, 6)
+    K.store_kv(kc, vc, torch.tensor([3, 5]), k, -k.resolve_neg())
+    assert torch.equal(kc[[3, 5]], k.resolve_neg()) and torch.equal(vc[[3, 5]], -k.resolve_neg())
+    pool = kvpool.KVPool(1, 1, 6, dtype=torch.float32, num_slots=8, page_size=2)
+    pool.write(0, [3, 5], k, k)
+    assert torch.equal(pool.read(0, [3, 5])[0], k.resolve_neg())

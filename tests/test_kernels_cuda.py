@@ -128,3 +128,12 @@ def test_evicted_copy_table_outlives_a_copy_queued_on_another_stream(monkeypatch
     junk = [torch.zeros(64, dtype=torch.int64, device="cuda") for _ in range(32)]  # noqa: F841
     torch.cuda.synchronize()
     assert [float(c[40].float().mean()) for c in caches] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_rows_that_are_negative_bit_views_are_stored_with_their_sign():
+    """``z.conj().imag`` holds -imag in memory (torch's negative bit): the kernel stored that."""
+    z = torch.complex(torch.zeros(2, 1, 8, device="cuda"), torch.arange(1.0, 17.0, device="cuda").view(2, 1, 8))
+    k = z.conj().imag
+    kc = torch.zeros(8, 1, 8, device="cuda")
+    K.store_kv(kc, None, torch.tensor([3, 5], device="cuda"), k)
+    assert torch.equal(kc[[3, 5]].cpu(), k.resolve_neg().cpu())

@@ -385,3 +385,22 @@ def test_gather_kv_without_v_cache_takes_no_v_out():
     kc, _ = _caches()
     with pytest.raises(K.KernelArgumentError, match=r"out\[1\] must be None without v_cache"):
         K.gather_kv(kc, None, torch.tensor([1]), out=(torch.empty(1, 2, 4), torch.full((1, 2, 4), 7.0)))
+
+
+def test_negative_bit_caches_and_outputs_are_refused_on_both_backends():
+    """A cache or gather output that is a negative-bit view (``z.conj().imag``): torch's ops
+    negate through the bit, the kernels' raw writes and reads do not, so the two backends
+    disagreed; both refuse it now, before anything is written."""
+    neg = torch.complex(torch.zeros(8, 1, 4), torch.ones(8, 1, 4)).conj().imag
+    assert neg.is_neg()
+    before = neg.resolve_neg()
+    with pytest.raises(K.KernelArgumentError, match="negative-bit"):
+        K.store_kv(neg, None, torch.tensor([1]), torch.ones(1, 1, 4))
+    with pytest.raises(K.KernelArgumentError, match="negative-bit"):
+        K.gather_kv(neg, None, torch.tensor([1]))
+    with pytest.raises(K.KernelArgumentError, match="negative-bit"):
+        K.copy_slots([neg], torch.tensor([1]), torch.tensor([2]))
+    assert torch.equal(neg.resolve_neg(), before)
+    out = torch.complex(torch.zeros(1, 1, 4), torch.ones(1, 1, 4)).conj().imag
+    with pytest.raises(K.KernelArgumentError, match="out\\[0\\] must be"):
+        K.gather_kv(torch.zeros(8, 1, 4), None, torch.tensor([1]), out=(out, None))

@@ -168,6 +168,9 @@ def cache_geom(cache: torch.Tensor, name: str) -> CacheGeom:
         raise TensorDtypeError(
             f"{name} has dtype {cache.dtype}; expected one of {list(CACHE_DTYPES)}"
         )
+    if cache.is_neg():  # torch's ops negate through the bit; the kernels' raw reads and writes do not
+        raise KernelArgumentError(f"{name} is a negative-bit view (as x.conj().imag makes): pass a cache "
+                                  f"with its values in memory ({name}.resolve_neg() is a copy)")
     if cache.dim() == 3:
         s, h, d = cache.shape
         return CacheGeom(s, h, d, 1, cache.stride(0), 0, cache.stride(1), cache.stride(2))

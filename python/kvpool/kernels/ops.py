@@ -129,6 +129,12 @@ def store_rows(
         return
     from kvpool.kernels.store import launch_store_kv
 
+    # A negative-bit view (``x.conj().imag``) holds -x in memory, which the kernel would read
+    # as it is: torch's stores resolve the bit, so resolve it here too (a copy, only then).
+    if k.is_neg():
+        k = k.resolve_neg()
+    if v is not None and v.is_neg():
+        v = v.resolve_neg()
     has_v = v_cache is not None and v is not None
     with on_device(k_cache.device):
         if has_v:
@@ -152,6 +158,7 @@ def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtyp
         or out.dtype != dtype
         or out.device != dev
         or not out.is_contiguous()
+        or out.is_neg()  # (a negative-bit view: the kernel's raw writes would read back negated)
     ):
         raise c.KernelArgumentError(
             f"{name} must be a contiguous {dtype} tensor of shape [{n}, {g.heads}, {g.head_dim}] "
