@@ -106,3 +106,16 @@ def test_debug_check_still_sees_a_moved_buffer_after_a_later_capture(fake_cuda):
         with pytest.raises(kvpool.InvariantError, match="moved"):
             runner.run(*inputs)  # bucket 2's graph still reads the old table
     assert runner.captured == [("no_grad", 2)]
+
+
+@pytest.mark.parametrize("empty", [[], (), range(0)])
+def test_capture_of_an_empty_bucket_list_captures_nothing(fake_cuda, empty):
+    """capture(None) captures every bucket; an empty list (an engine's filtered list) asked for
+    none, and used to capture them all (their graphs and memory)."""
+    step, _ = fake_cuda
+    _, runner = _runner(step)
+    with torch.no_grad():
+        runner.capture(empty)
+        assert runner.captured == []
+        runner.capture()
+    assert runner.captured == [("no_grad", 2), ("no_grad", 4)]

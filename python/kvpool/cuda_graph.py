@@ -238,14 +238,15 @@ class DecodeGraphRunner:
         return sorted(self._graphs)
 
     def capture(self, buckets: Sequence[int] | None = None) -> None:
-        """Capture graphs for `buckets` (default all) in the caller's grad mode,
-        largest first so smaller graphs reuse the shared private memory pool.
-        No-op on CPU / with graphs disabled."""
+        """Capture graphs for `buckets` (None: all of them; an empty sequence: none) in
+        the caller's grad mode, largest first so smaller graphs reuse the shared private
+        memory pool. No-op on CPU / with graphs disabled."""
         # Checked on every device, so that a call that works on CPU works on a GPU.
         if buckets is not None and not isinstance(buckets, (list, tuple, range, np.ndarray)):
             raise InvalidArgumentError(f"buckets must be a sequence of the runner's buckets {self.buckets}, "
                                        f"got {type(buckets).__name__} {buckets!r}")
-        todo = list(buckets) if buckets is not None and len(buckets) else list(self.buckets)
+        # (an engine that filtered its list down to nothing asks for no graphs, not all of them)
+        todo = list(self.buckets) if buckets is None else list(buckets)
         for b in todo:
             if not is_int(b) or b not in self.buckets:
                 raise InvalidArgumentError(f"{b!r} is not one of the buckets {self.buckets}")
