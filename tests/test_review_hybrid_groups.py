@@ -212,3 +212,15 @@ def test_a_negative_group_size_is_told_its_least_value(key, value, least):
     groups[i][key] = least
     if least > 0:  # the least value itself is accepted
         GroupedAllocator(groups, 2, 64)
+
+
+@pytest.mark.parametrize("page_size", [np.int64(2), {"full_attention": np.int32(2), "sliding_attention": 2}])
+def test_num_slots_takes_a_numpy_int_page_size_as_the_plain_pool_does(page_size):
+    """A numpy int page_size beside num_slots was refused as "num_slots must be a multiple of
+    page_size" (40 is one), though num_pages= and the plain pool take it."""
+    pool = make(page_size=page_size, num_pages=None, num_slots=np.int64(40))
+    assert pool.capacity_pages(1) + 1 == 20 and type(pool.group(1).num_pages) is int
+    plain = KVPool(2, 2, 8, dtype=torch.float32, page_size=np.int64(2), num_slots=40)
+    assert plain.num_pages == 20
+    with pytest.raises(InvalidArgumentError, match="num_slots must be a multiple of page_size"):
+        make(page_size=True, num_pages=None, num_slots=40)

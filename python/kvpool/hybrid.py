@@ -186,10 +186,11 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
         if num_slots is not None:
             p = page_size.get("full_attention", page_size.get("sliding_attention", 1)) \
                 if isinstance(page_size, Mapping) else page_size
-            if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or \
-                    not isinstance(p, int) or p < 1 or num_slots < 2 * p or num_slots % p:
+            # (a numpy int page size is an int here too, as plan_groups and the plain pool take it)
+            if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or isinstance(p, bool) or \
+                    not isinstance(p, (int, np.integer)) or p < 1 or num_slots < 2 * p or num_slots % p:
                 raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r}")
-            num_pages = num_slots // p
+            num_pages = int(num_slots) // int(p)
         self.layer_types = tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
         plan: dict[str, Any] = dict(
             layer_types=layer_types, num_layers=self.num_layers, sliding_window=sliding_window,
