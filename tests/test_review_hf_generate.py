@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _hf_hybrid_models import MODELS as HYBRID  # noqa: I001  (skips without transformers)
+from _hf_hybrid_models import tiny
 from _hf_models import CACHE_KW, PAD, left_padded, tiny_model, transformers
 from transformers import DynamicCache
 
@@ -205,3 +206,35 @@ def test_salt_may_be_one_per_row(llama):
             assert cache.cached_lens.tolist() == hits
             assert torch.equal(_generate(llama, prompt, cache=cache, max_new_tokens=3),
                                _generate(llama, prompt, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("before", [1, 2], ids=["after-a-state-layer-alone", "before-a-state-layer"])
+@pytest.mark.parametrize("call", ["reset", "close"])
+def test_a_reset_between_two_layers_of_a_linear_attention_model_refuses_the_rest(call, before):
+    """Qwen3-Next (layers: linear, full, linear, full). A reset from a hook before layer 1, when only
+    the state layer 0 had run, went unnoticed: layer 1 opened new rows and the forward returned
+    silently wrong logits. Before layer 2 (a state layer), layer 2 opened new rows and wrote their
+    state before layer 3 was refused: the rows stayed open and the next generate gave wrong tokens.
+    Now the first layer left behind is refused, nothing is opened, and the next generate is right."""
+    model = tiny("qwen3_next")
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_requests=8)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    ref = _generate(model, ids, max_new_tokens=3)
+    with KVPoolCache(pool) as cache:
+        _generate(model, ids, cache=cache, max_new_tokens=3)
+        fired = []
+
+        def pre(module, args, kwargs):
+            if not fired:
+                fired.append(getattr(cache, call)())
+        hook = model.model.layers[before].register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            with pytest.raises(IncompleteForwardError, match=rf"layer {before}: the cache was reset \(or closed\)"):
+                with torch.no_grad():
+                    model(input_ids=torch.full((2, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        assert fired and pool.allocator.open_requests == 0 and cache.get_seq_length() == 0
+        assert torch.equal(_generate(model, ids, cache=cache, max_new_tokens=3), ref)
+    assert pool.allocator.open_requests == 0
+    pool.check()

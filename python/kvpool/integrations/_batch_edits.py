@@ -63,11 +63,24 @@ class BatchEdits:
         """Before ``reset``: when some layers stored the last step and others not (a forward
         under way, or one cut short), remember the others. Should the forward go on, their
         updates would otherwise open new rows and attend to their own tokens alone."""
-        n, layers = self.requests.length, self._pool_layers
-        behind = [layer.layer_idx for layer in layers if layer.seen != n]
+        req = self.requests
+        n, states = req.length, getattr(self, "_state_layers", None)
+        # Whether each layer stored the forward under way (or the last one, when none is).
+        done = {layer.layer_idx: layer.seen == n for layer in self._pool_layers}
+        if states:  # (a hybrid cache: its linear-attention layers count as well, by their stamps)
+            steps = req.steps
+            # Before the step's first attention layer extends the rows, the state layers in front
+            # of it that ran stamped the step to come; none of the attention layers has run yet.
+            if any(s.before_attention and s._stamp == steps + 1 for s in states):
+                done = dict.fromkeys(done, False)
+                done.update((s.layer_idx, s.before_attention and s._stamp == steps + 1) for s in states)
+            else:
+                done.update((s.layer_idx, s._stamp == steps) for s in states)
+        order = sorted(done)
+        behind = [i for i in order if not done[i]]
         # (the layers after the ones that ran: a forward goes through its layers in order)
-        tail = [layer.layer_idx for layer in layers[len(layers) - len(behind):]]
-        self._reset_mid = frozenset(behind) if 0 < len(behind) < len(layers) and behind == tail else None
+        tail = order[len(order) - len(behind):]
+        self._reset_mid = frozenset(behind) if 0 < len(behind) < len(order) and behind == tail else None
 
     def _check_reset_mid_step(self, layer_idx: int) -> None:
         """An update after a reset between two layers of a forward: from a layer left behind, the

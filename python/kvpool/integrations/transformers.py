@@ -341,6 +341,18 @@ class HybridKVPoolCache(KVPoolCache):
             self._check_reset_mid_step(layer_idx)
         return layer.update(key_states, value_states, *args, **kwargs)
 
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        """``Cache.update_conv_state``; refused for a layer a reset during this forward left behind."""
+        if self._reset_mid is not None:
+            self._check_reset_mid_step(layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
+        """As ``update_conv_state``."""
+        if self._reset_mid is not None:
+            self._check_reset_mid_step(layer_idx)
+        return super().update_recurrent_state(states, layer_idx, state_idx, **kwargs)
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         """``Cache.get_conv_state``; the model may update what it gets in place (a decode step's
         ``causal_conv1d_update``), so the layer counts this forward as touching the state."""
