@@ -392,8 +392,9 @@ def hybrid_pool_kwargs(text_config: Any, max_context_len: int) -> dict[str, Any]
                                        "linear_value_head_dim", "linear_conv_kernel_dim")):
             key_dim = c.linear_num_key_heads * c.linear_key_head_dim
             value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+            # A float32 recurrent state, as the gated delta rule's kernels return it and DynamicCache keeps it.
             out["state_shapes"] = {
                 "conv": (2 * key_dim + value_dim, c.linear_conv_kernel_dim),
-                "recurrent": (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                "recurrent": ((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim), torch.float32),
             }
     return out
