@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from kvpool.errors import IncompleteForwardError, TensorShapeError
+from kvpool.errors import IncompleteForwardError, InvalidArgumentError, KVPoolError, TensorDtypeError, TensorShapeError
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._shared_rows import check_in_step
 from kvpool.modes import persistent
@@ -113,6 +113,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         # The states the model read in that forward (``touch``): a model may update a read state
         # in place without ever calling update_* (Jamba's Mamba decode updates both so).
         self._read: set[str] = set()
+        self._last: tuple[Any, ...] = (None, set(), set())  # (the three as the last forward left them)
         requests.state_layers.append(self)
 
     def initialized(self, kind: str, i: int) -> bool:
@@ -188,6 +189,7 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
             if name in self._written or (read and name in self._read):
                 raise self._out_of_step("a new forward")  # again: the last forward was cut short
         elif self._stamp is None or self._stamp == now - 1:  # the first state this forward touches
+            self._last = (self._stamp, self._written, self._read)
             self._stamp, self._written, self._read = now, set(), set()
         else:  # a forward missed
             raise self._out_of_step("a new forward")
@@ -243,13 +245,49 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
             else:
                 self.is_recurrent_states_initialized[state_idx] = True
 
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+        """An attention layer's update on this layer: the model is not the pool's."""
+        raise InvalidArgumentError(
+            f"KVPoolCache.update: layer {self.layer_idx} of the pool is a linear-attention (state) layer (its "
+            f"layer_types are {list(self.requests.pool.layer_types)}), but the model stores attention K/V there: the "
+            "pool was built for another model; build it for this one (pool_for_model(model))")
+
+    def _check_new(self, kind: str, x: Any, state_idx: int) -> None:
+        """The model's new ``kind`` state: a floating tensor of the pool's per-row shape (a conv state:
+        any number of columns) for the rows, else the typed error before anything changes. Rows
+        opened on ``prefix_ids`` may take generate's expansion of the batch (``ensure_open``)."""
+        try:
+            self._check_state(kind, x, state_idx)
+        except KVPoolError:
+            # Refused before anything changed: a get_conv_state / get_recurrent_state of this forward (the
+            # model's first call here) counted it as touching the state, which would refuse the next one.
+            if not self._written and self._stamp == self.requests.steps + (1 if self.before_attention else 0):
+                self._stamp, self._written, self._read = self._last
+            raise
+
+    def _check_state(self, kind: str, x: Any, state_idx: int) -> None:
+        name = state_name(kind, state_idx)
+        full = self.requests.pool.state(self.layer_idx, name)
+        want = tuple(full.shape[1:-1] if kind == "conv" else full.shape[1:])
+        got = tuple(x.shape[1:-1] if kind == "conv" else x.shape[1:]) if isinstance(x, torch.Tensor) else None
+        if got != want or x.ndim != full.ndim:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TensorShapeError(
+                f"layer {self.layer_idx}'s new {kind} state must be [batch, {', '.join(map(str, want))}"
+                f"{', columns' if kind == 'conv' else ''}] (state_shapes[{name!r}]), got {shape}")
+        if x.is_floating_point() != full.is_floating_point() or x.is_complex() != full.is_complex():
+            raise TensorDtypeError(f"layer {self.layer_idx}'s new {kind} state is {x.dtype}; the pool keeps it as "
+                                   f"{full.dtype} (state_shapes[{name!r}]): give the state its dtype there")
+        handles = self.requests.handles
+        if self.requests.prefix_unstarted or (handles is not None and x.shape[0] != handles.shape[0]):
+            self.requests.ensure_open(x.shape[0])  # (the batch's size checked, or generate's expansion taken)
+
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
                           **kwargs: Any) -> torch.Tensor:
         """As ``LinearAttentionLayer.update_conv_state``, keeping the last kernel-size columns in the pool."""
+        self._check_new("conv", conv_states, state_idx)
         if not self.is_conv_states_initialized[state_idx]:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
-        elif self.requests.prefix_unstarted:
-            self.requests.ensure_open(conv_states.shape[0])  # (as in update_recurrent_state)
         self.stamp(state_name("conv", state_idx))
         rows = self.rows(state_name("conv", state_idx))
         k = rows.shape[-1]
@@ -265,19 +303,18 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor], state_idx: int = 0,
                                **kwargs: Any) -> torch.Tensor:
-        if not isinstance(recurrent_states, torch.Tensor):
+        if isinstance(recurrent_states, (list, tuple)) and recurrent_states:
             # transformers >= 5.25, recording the past (activate_past_recording): the states after
             # each of the forward's last tokens. A crop here restores the pool's checkpoints
             # instead, so only the last state is kept.
             recurrent_states = recurrent_states[-1]
+        # Rows opened on prefix_ids are resumed (initialized) without a forward, and a model whose first
+        # layer is a state layer reaches here before any attention layer: generate's expansion of the
+        # batch (beam search, num_return_sequences) is taken as on an attention layer (repeat_prefix_rows).
+        self._check_new("recurrent", recurrent_states, state_idx)
+        assert isinstance(recurrent_states, torch.Tensor)  # (checked there)
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
-        elif self.requests.prefix_unstarted:
-            # Rows opened on prefix_ids are resumed (initialized) without a forward, and a
-            # model whose first layer is a state layer reaches here before any attention
-            # layer: generate's expansion of the batch (beam search, num_return_sequences)
-            # is taken as it is on an attention layer (repeat_prefix_rows), not refused.
-            self.requests.ensure_open(recurrent_states.shape[0])
         self.stamp(state_name("recurrent", state_idx))
         rows = self.rows(state_name("recurrent", state_idx))
         rows.copy_(recurrent_states)

@@ -69,11 +69,12 @@ from kvpool._nopickle import NotPicklable
 from kvpool.errors import InvalidArgumentError, LayerIndexError
 from kvpool.integrations._batch_edits import BatchEdits
 from kvpool.integrations._cache_layer import KVPoolLayer
-from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers, state_name
+from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._reorder import BEAM_NEEDS_FORK
 from kvpool.integrations._requests import PREFIX_NEEDS_CORE, STRIDED, BatchRequests
+from kvpool.integrations._state_calls import StateCalls
 from kvpool.pool import KVPool
 from kvpool.validate import check_flag, check_pool, init_signature
 
@@ -292,7 +293,7 @@ class KVPoolCache(NotPicklable, BatchEdits, Cache):
 KVPoolCache.__signature__ = init_signature(KVPoolCache)  # type: ignore[attr-defined]
 
 
-class HybridKVPoolCache(KVPoolCache):
+class HybridKVPoolCache(StateCalls, KVPoolCache):
     """A ``KVPoolCache`` over a hybrid pool (see ``KVPoolCache`` for the arguments).
 
     ``prefix_ids=`` opens the rows on the longest prefix every group has cached
@@ -340,35 +341,6 @@ class HybridKVPoolCache(KVPoolCache):
         if self._reset_mid is not None:
             self._check_reset_mid_step(layer_idx)
         return layer.update(key_states, value_states, *args, **kwargs)
-
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        """``Cache.update_conv_state``; refused for a layer a reset during this forward left behind."""
-        if self._reset_mid is not None:
-            self._check_reset_mid_step(layer_idx)
-        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
-
-    def update_recurrent_state(self, states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any) -> Any:
-        """As ``update_conv_state``."""
-        if self._reset_mid is not None:
-            self._check_reset_mid_step(layer_idx)
-        return super().update_recurrent_state(states, layer_idx, state_idx, **kwargs)
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """``Cache.get_conv_state``; the model may update what it gets in place (a decode step's
-        ``causal_conv1d_update``), so the layer counts this forward as touching the state."""
-        out = super().get_conv_state(layer_idx, state_idx)
-        layer = self.layers[layer_idx]
-        if out is not None and isinstance(layer, PoolStateLayer):
-            layer.stamp(state_name("conv", state_idx), read=True)
-        return out
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        """As ``get_conv_state`` (Mamba's decode updates the recurrent state in place too)."""
-        out = super().get_recurrent_state(layer_idx, state_idx)
-        layer = self.layers[layer_idx]
-        if out is not None and isinstance(layer, PoolStateLayer):
-            layer.stamp(state_name("recurrent", state_idx), read=True)
-        return out
 
     def _check_between_steps(self, what: str) -> None:
         super()._check_between_steps(what)
