@@ -12,7 +12,7 @@ from _hf_hybrid_models import P, tiny  # noqa: I001  (skips without transformers
 from _hf_models import greedy, left_padded
 from transformers import DynamicCache
 
-from kvpool.errors import InvalidArgumentError, LayerIndexError, TensorDtypeError, TensorShapeError
+from kvpool.errors import InvalidArgumentError, LayerIndexError, TensorDeviceError, TensorDtypeError, TensorShapeError
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 
 
@@ -168,3 +168,17 @@ def test_nothing_the_cache_makes_under_inference_mode_is_an_inference_tensor(qwe
         cache.close()
     with KVPoolCache(pool) as again:  # (and outside it, the pool serves a new cache)
         greedy(qwen, ids, mask, 3, again)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3"])
+@pytest.mark.parametrize(("ids", "error", "match"), [
+    (torch.ones(1, 5, dtype=torch.long, device="meta"), TensorDeviceError, "meta tensor"),
+    (torch.ones(1, 5, dtype=torch.long).to_sparse(), TensorShapeError, None),
+], ids=["meta", "sparse"])
+def test_prefix_ids_without_values_are_refused_as_on_a_plain_pool(arch, ids, error, match):
+    """The hybrid cache skipped the plain cache's checks: meta prefix_ids raised torch's
+    NotImplementedError ('Cannot copy out of meta tensor')."""
+    pool = pool_for_model(tiny(arch), max_tokens=64, page_size=P, max_requests=2)
+    with pytest.raises(error, match=match):
+        KVPoolCache(pool, prefix_ids=ids)
+    assert pool.open_requests == 0

@@ -26,12 +26,12 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 from kvpool._core import InvalidArgumentError, RollbackUnavailableError
-from kvpool.errors import KVPoolError, TensorDtypeError, TensorShapeError
+from kvpool.errors import KVPoolError, TensorShapeError
 from kvpool.hybrid_plan import LAYER_KINDS
 from kvpool.integrations._hybrid_state import PoolStateLayer, state_name
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_hybrid_rows, repeat_prefix_rows
-from kvpool.integrations._requests import check_kv_type, check_not_empty
+from kvpool.integrations._requests import check_kv_type, check_not_empty, prefix_tokens
 from kvpool.integrations._row_checks import check_context, check_rows, close_rows, refuse_broken
 from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
 from kvpool.kernels._common import check_dense
@@ -233,14 +233,7 @@ class HybridRequests:
         all keep the shortest hit; when a row cannot go back to it (a sliding window
         that released the pages the shorter window needs, no state checkpoint there)
         every row starts empty. Either way the rows keep their prompts."""
-        if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
-            raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
-        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
-            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
-        b, t = prefix_ids.shape
-        if b < 1:
-            raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
-        tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        b, t, tokens = prefix_tokens(prefix_ids)  # (checked as on a plain pool)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
         cached = np.asarray(cached, dtype=np.int64)
         common = int(cached.min())

@@ -52,6 +52,22 @@ def check_not_empty(key_states: torch.Tensor) -> None:
         raise TensorShapeError(f"key_states has {t} tokens: a step stores at least one token per row")
 
 
+def prefix_tokens(prefix_ids: Any) -> tuple[int, int, np.ndarray]:
+    """``prefix_ids`` checked (a dense ``[batch, prompt_len]`` tensor of integer ids with values, at
+    least one of each), as ``(batch, prompt_len, the ids flat as int64)``."""
+    if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
+        raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
+    if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
+        raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
+    check_dense(prefix_ids, "prefix_ids")
+    if prefix_ids.device.type == "meta":
+        raise TensorDeviceError("prefix_ids is a meta tensor (shapes only, no token ids); pass the prompt's ids")
+    b, t = prefix_ids.shape
+    if b < 1:
+        raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
+    return b, t, prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+
+
 class BatchRequests(BatchSteps):
     """Pool requests of a batch: ``handles[i]`` holds row i's K/V, ``length`` tokens each.
 
@@ -176,17 +192,7 @@ class BatchRequests(BatchSteps):
         """
         if not hasattr(self.pool, "open_with_prefix"):
             raise NotImplementedError(PREFIX_NEEDS_CORE)
-        if not isinstance(prefix_ids, torch.Tensor) or prefix_ids.ndim != 2 or prefix_ids.shape[1] < 1:
-            raise TensorShapeError("prefix_ids must be a [batch, prompt_len] tensor of token ids (no padding)")
-        if prefix_ids.is_floating_point() or prefix_ids.is_complex() or prefix_ids.dtype == torch.bool:
-            raise TensorDtypeError(f"prefix_ids must hold integer token ids, got {prefix_ids.dtype}")
-        check_dense(prefix_ids, "prefix_ids")
-        if prefix_ids.device.type == "meta":
-            raise TensorDeviceError("prefix_ids is a meta tensor (shapes only, no token ids); pass the prompt's ids")
-        b, t = prefix_ids.shape
-        if b < 1:
-            raise TensorShapeError("prefix_ids has no rows: pass at least one row of prompt token ids")
-        tokens = prefix_ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        b, t, tokens = prefix_tokens(prefix_ids)
         handles, cached = self.pool.open_with_prefix(tokens, np.full(b, t, dtype=np.int64), salt=salt)
         cached = np.asarray(cached, dtype=np.int64)
         common = int(cached.min())
