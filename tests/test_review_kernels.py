@@ -404,3 +404,22 @@ def test_negative_bit_caches_and_outputs_are_refused_on_both_backends():
     out = torch.complex(torch.zeros(1, 1, 4), torch.ones(1, 1, 4)).conj().imag
     with pytest.raises(K.KernelArgumentError, match="out\\[0\\] must be"):
         K.gather_kv(torch.zeros(8, 1, 4), None, torch.tensor([1]), out=(out, None))
+
+
+def test_a_negative_bit_scale_tensor_is_refused_on_both_backends():
+    """A 1-element scale tensor that is a negative-bit view (its memory holds -2 for a scale
+    of 2): the kernels read the scale from memory at launch, so store_kv stored x / -2 and
+    gather_kv multiplied by -2 (under the interpreter and on CUDA), where torch's path used 2."""
+    scale = torch.complex(torch.zeros(1), torch.full((1,), -2.0)).conj().imag
+    assert scale.is_neg() and float(scale) == 2.0
+    kc, vc = _caches()
+    before = kc.clone()
+    with pytest.raises(K.KernelArgumentError, match="k_scale is a negative-bit view"):
+        K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), k_scale=scale)
+    with pytest.raises(K.KernelArgumentError, match="v_scale is a negative-bit view"):
+        K.store_kv(kc, vc, torch.tensor([1]), torch.ones(1, 2, 4), torch.ones(1, 2, 4), v_scale=scale)
+    assert torch.equal(kc, before)
+    with pytest.raises(K.KernelArgumentError, match="k_scale is a negative-bit view"):
+        K.gather_kv(kc, None, torch.tensor([1]), k_scale=scale)
+    K.store_kv(kc, None, torch.tensor([1]), torch.ones(1, 2, 4), k_scale=scale.resolve_neg())
+    assert torch.equal(kc[1], torch.full((2, 4), 0.5))

@@ -271,6 +271,9 @@ def check_scale(scale: Scale, name: str, device: torch.device) -> None:
     if scale.dtype not in SCALE_DTYPES:  # metadata only: its value stays on the device
         raise KernelArgumentError(f"{name} is a tensor of {scale.dtype}; a scale tensor is float32, float16, "
                                   "bfloat16 or float64 (a bool or integer one is a flag or count passed by mistake)")
+    if scale.is_neg():  # (read at launch from memory, which holds -scale: torch's path negates through the bit)
+        raise KernelArgumentError(f"{name} is a negative-bit view (as x.conj().imag makes): pass a scale with its "
+                                  f"value in memory ({name}.resolve_neg() is a copy)")
     if scale.device != device:
         raise TensorDeviceError(f"{name} is on {scale.device}, expected {device}")
 
