@@ -76,6 +76,26 @@ def test_length_queries_refuse_a_layer_index_that_is_not_an_int(llama, hybrid, b
         assert _generate(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, max_new_tokens=2).shape[1] == 8
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_length_queries_refuse_a_negative_index_before_the_first_layer(llama, hybrid):
+    """A negative index counts from the end (as transformers'), but one before the first layer
+    reached transformers' list indexing: an untyped IndexError ("list index out of range")."""
+    model = _gemma3(2)[0] if hybrid else llama
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    with KVPoolCache(pool) as cache:
+        _generate(model, torch.tensor([[5, 6, 7, 8]]), cache=cache, max_new_tokens=2)
+        layers = len(cache.layers)
+        for i in range(1, layers + 1):
+            assert cache.get_seq_length(-i) == 5
+            assert cache.get_mask_sizes(1, -i) == cache.get_mask_sizes(1, layers - i)
+        for bad in (-layers - 1, -100, np.int64(-layers - 1), torch.tensor(-layers - 1)):
+            with pytest.raises(LayerIndexError, match=rf"layer_idx {int(bad)}: the cache has layers \[0, {layers}\)"):
+                cache.get_seq_length(bad)
+            with pytest.raises(LayerIndexError, match="down to"):
+                cache.get_mask_sizes(1, bad)
+        assert _generate(model, torch.tensor([[5, 6, 7, 8, 9, 10]]), cache=cache, max_new_tokens=2).shape[1] == 8
+
+
 # -- a pool with more layers than the model ---------------------------------------------------------
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])

@@ -36,15 +36,21 @@ def _token_count(n: Any) -> int:
         raise InvalidArgumentError(f"crop takes an int count of tokens, got {type(n).__name__} {n!r}") from None
 
 
-def _layer_index(layer_idx: Any) -> int:
+def _layer_index(layer_idx: Any, layers: int) -> int:
     """A query's layer index as an int (a numpy int or a 0-d integer tensor too); anything else
-    (a bool, float, str, None) is a ``LayerIndexError`` rather than transformers' ``TypeError``."""
+    (a bool, float, str, None), or a negative index before the first of ``layers`` (transformers'
+    ``IndexError``), is a ``LayerIndexError`` rather than transformers' ``TypeError``."""
     if not isinstance(layer_idx, bool) and not (isinstance(layer_idx, torch.Tensor) and (
             layer_idx.ndim or layer_idx.is_floating_point() or layer_idx.dtype == torch.bool)):
         try:
-            return operator.index(layer_idx)
+            i = operator.index(layer_idx)
         except TypeError:
             pass
+        else:
+            if i >= -layers:
+                return i
+            raise LayerIndexError(f"layer_idx {i}: the cache has layers [0, {layers}) (a negative index counts "
+                                  f"from the end, down to -{layers})")
     raise LayerIndexError(f"layer_idx takes an int layer index, got {type(layer_idx).__name__} {layer_idx!r}")
 
 
@@ -95,15 +101,16 @@ class BatchEdits:
                 "forwards")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """``Cache.get_seq_length``: the tokens layer ``layer_idx`` holds (0 past the last layer)."""
-        if type(layer_idx) is not int:
-            layer_idx = _layer_index(layer_idx)
+        """``Cache.get_seq_length``: the tokens layer ``layer_idx`` holds (0 past the last layer; a
+        negative index counts from the end)."""
+        if type(layer_idx) is not int or layer_idx < 0:
+            layer_idx = _layer_index(layer_idx, len(self.layers))  # type: ignore[attr-defined]
         return super().get_seq_length(layer_idx)  # type: ignore[misc]
 
     def get_mask_sizes(self, query_length: Any, layer_idx: int) -> tuple[int, int]:
         """``Cache.get_mask_sizes``, with ``layer_idx`` checked as ``get_seq_length`` checks it."""
-        if type(layer_idx) is not int:
-            layer_idx = _layer_index(layer_idx)
+        if type(layer_idx) is not int or layer_idx < 0:
+            layer_idx = _layer_index(layer_idx, len(self.layers))  # type: ignore[attr-defined]
         return super().get_mask_sizes(query_length, layer_idx)  # type: ignore[misc]
 
     def _set_seen(self, n: int) -> None:
