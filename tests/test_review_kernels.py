@@ -343,6 +343,9 @@ def test_runner_refuses_bad_steps_and_leaves_its_buffers_and_the_pool_unchanged(
     ([0, 0, 1], [1, 1, 0], [2**63 - 1, 2**63 - 1, 3], 3, K.KernelArgumentError, "= 9223372036854775808 is outside"),
     ([-1, -1, 0], [0, 0, 0], [2**63 - 1, 2**63 - 1, 3], 3, kvpool.TensorShapeError,
      "slots has 3 entries, the counts need 9223372036854775807"),
+    # No slots at all for positive counts: returned before the check, writing nothing silently.
+    ([0], [0], [3], 0, kvpool.TensorShapeError, "slots has 0 entries, the counts need 3"),
+    ([-1, 2], [0, 0], [2, 0], 0, kvpool.TensorShapeError, "slots has 0 entries, the counts need 2"),
 ])
 def test_write_req_to_token_host_values_past_the_table_are_refused(rows, starts, counts, nslots, err, match):
     # Was: IndexError (or a broadcast of too few slots) from index_put_, and past-the-table

@@ -137,8 +137,10 @@ def write_req_to_token(
     c.check_index(slots, "slots", dev)
     if offsets is not None:
         c.check_index(offsets, "offsets", dev, b)
-    if b == 0 or slots.shape[0] == 0:
+    if b == 0:
         return
-    if dev.type == "cpu":
+    if dev.type == "cpu":  # (before the empty-slots return: positive counts need slots)
         _check_table_spans(req_to_token, rows, starts, counts, slots, offsets)
+    if slots.shape[0] == 0:
+        return
     _table_write(req_to_token, rows, starts, counts, slots, offsets)
