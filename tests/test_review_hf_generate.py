@@ -199,6 +199,81 @@ def test_a_reset_between_two_layers_refuses_the_rest_of_that_forward(llama, hybr
     assert pool.allocator.open_requests == 0
 
 
+@pytest.mark.parametrize("calls", [("reset", "reset"), ("close", "close"), ("reset", "close")])
+def test_a_second_reset_between_two_layers_keeps_the_refusal(llama, calls):
+    """close() is idempotent, so a hook (or the engine) may call it twice: the second call found
+    an empty cache and cleared what the first had noted, and layer 1 opened new rows again."""
+    pool = pool_for_model(llama, max_tokens=256, page_size=4, max_context_len=64)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    with KVPoolCache(pool) as cache:
+        _generate(llama, ids, cache=cache, max_new_tokens=3)
+        fired = []
+
+        def pre(module, args, kwargs):
+            if not fired:
+                fired.extend(getattr(cache, c)() for c in calls)
+        hook = llama.model.layers[1].register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            with pytest.raises(IncompleteForwardError, match=r"reset \(or closed\) during this forward"):
+                with torch.no_grad():
+                    llama(input_ids=torch.full((2, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        assert fired and pool.allocator.open_requests == 0
+        assert torch.equal(_generate(llama, ids, cache=cache, max_new_tokens=3), _generate(llama, ids, max_new_tokens=3))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    from _hf_hybrid_models import tiny
+    return tiny("qwen3_next")  # layers: linear, full, linear, full attention
+
+
+@pytest.mark.parametrize("before", [1, 2, 3])
+def test_a_reset_between_two_layers_of_a_linear_attention_model_refuses_the_rest(qwen3_next, before):
+    """Qwen3-Next (linear-attention layers 0 and 2): a reset before layer 1 (only the linear layer 0
+    had taken the step) was not refused at all, and one before layer 2 let that linear layer open
+    new rows before layer 3 was refused; either way rows were left open and the next generate gave
+    other tokens than DynamicCache's. Now the first layer after the reset is refused, nothing open."""
+    model = qwen3_next
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    with KVPoolCache(pool) as cache:
+        _generate(model, ids, cache=cache, max_new_tokens=3)
+        fired = []
+
+        def pre(module, args, kwargs):
+            if not fired:
+                fired.append(cache.reset())
+        hook = model.model.layers[before].register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            with pytest.raises(IncompleteForwardError, match=rf"during this forward, after layer {before - 1} "):
+                with torch.no_grad():
+                    model(input_ids=torch.full((2, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        finally:
+            hook.remove()
+        assert fired and pool.allocator.open_requests == 0
+        assert torch.equal(_generate(model, ids, cache=cache, max_new_tokens=3), _generate(model, ids, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 3])
+def test_a_linear_attention_forward_cut_short_then_reset_then_generate(qwen3_next, at):
+    """The documented way out (reset after a forward cut short) on a linear-attention model, cut in
+    each layer: the note the reset leaves never refuses the next forward."""
+    model = qwen3_next
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_context_len=64)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+    with KVPoolCache(pool) as cache:
+        _generate(model, ids, cache=cache, max_new_tokens=2)
+        hook = model.model.layers[at].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(KeyError("cut")))
+        with pytest.raises(KeyError), torch.no_grad():
+            model(input_ids=torch.full((2, 1), 9), use_cache=True, **{CACHE_KW: cache})
+        hook.remove()
+        cache.reset()
+        cache.reset()
+        assert torch.equal(_generate(model, ids, cache=cache, max_new_tokens=3), _generate(model, ids, max_new_tokens=3))
+
+
 def test_a_reset_after_a_forward_cut_short_then_a_new_forward_is_not_refused(llama):
     """The documented way out of a forward cut short (reset) leaves the next forward alone."""
     pool = pool_for_model(llama, max_tokens=256, page_size=4, max_context_len=64)

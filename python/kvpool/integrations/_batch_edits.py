@@ -71,6 +71,8 @@ class BatchEdits:
         updates would otherwise open new rows and attend to their own tokens alone."""
         req = self.requests
         n, states = req.length, getattr(self, "_state_layers", None)
+        if n == 0 and self._reset_mid is not None:
+            return  # (a second reset()/close() of the emptied cache keeps what the first noted)
         # Whether each layer stored the forward under way (or the last one, when none is).
         done = {layer.layer_idx: layer.seen == n for layer in self._pool_layers}
         if states:  # (a hybrid cache: its linear-attention layers count as well, by their stamps)

@@ -35,7 +35,7 @@ class StateCalls:
                      any_state: bool = False) -> tuple[int, int, PoolStateLayer]:
         """The checked ``(layer_idx, state_idx, layer)`` of a state call (``any_state``: None is all states)."""
         if type(layer_idx) is not int:
-            layer_idx = _layer_index(layer_idx)
+            layer_idx = _layer_index(layer_idx, len(self.layers))
         layers = self.layers
         if not 0 <= layer_idx < len(layers):
             raise LayerIndexError(f"{what}: layer_idx {layer_idx}: the pool has layers [0, {len(layers)})")
@@ -95,7 +95,7 @@ class StateCalls:
         """``Cache.has_previous_state`` (False past the last layer, as there), with its indices checked."""
         if layer_idx is not None:
             if type(layer_idx) is not int:
-                layer_idx = _layer_index(layer_idx)
+                layer_idx = _layer_index(layer_idx, len(self.layers))
             if layer_idx >= len(self.layers):
                 return False
             layer_idx, state_idx, _ = self._state_layer(layer_idx, state_idx, "has_previous_state", any_state=True)
