@@ -1,55 +1,12 @@
-//! A truncation whose last page kept duplicated content another request
-//! cached: request B computed A's prompt apart, so B's `cache()` kept A's
-//! copies and B's chain (and cached prefix) runs through A's entries.
-//! Truncating B keeps that chain in the pages kept, so `unpin(B)` still
-//! reaches the kept copies and B's next pages register under them; and
-//! where the kept copy goes before B's next call (A closes, eviction takes
-//! it, another request may take its entry or register the same content
-//! anew), nothing uses its stale registration: the walk stops or finds the
-//! copy the index keeps now, and the next `cache()` restarts the chain.
+//! The kept copy reached, evicted, or registered anew by another request.
 
-use kvpool_core::{Counts, GroupSpec, GroupedAllocator, Options, SlotAllocator};
-
-const PROMPT: [i64; 3] = [2000, 2001, 2002];
-
-/// Page size 1, 20 pages, a manual clock, at most 10 pins.
-fn pool() -> SlotAllocator {
-    let opts = Options {
-        hash_seed: Some(1),
-        manual_clock: true,
-        max_pinned_pages: Some(10),
-        ..Options::new()
-    };
-    SlotAllocator::with_options(20, 1, 8, 64, opts).unwrap()
-}
-
-/// A caches PROMPT; B computes it apart and caches it (the index keeps A's
-/// copies); A's pages get `prio` (100 pins). Returns (A, B).
-fn duplicated_prefix(a: &mut SlotAllocator, prio: i64) -> (i64, i64) {
-    let (ha, _) = a.admit(&[3], Some(&PROMPT)).unwrap();
-    a.cache(&ha).unwrap();
-    let (hb, _) = a.admit(&[3], Some(&PROMPT)).unwrap();
-    a.cache(&hb).unwrap();
-    a.cache_with_priority(&ha, Counts::Each(prio), None)
-        .unwrap();
-    a.check().unwrap();
-    (ha[0], hb[0])
-}
-
-/// The tokens a prompt of `tokens` hits (a request opened and closed).
-fn hit(a: &mut SlotAllocator, tokens: &[i64]) -> i64 {
-    let (h, c) = a
-        .open_with_prefix(tokens, &[tokens.len() as i64], Counts::Each(0))
-        .unwrap();
-    a.close(&h, false).unwrap();
-    a.check().unwrap();
-    c[0]
-}
+use super::{duplicated_prefix, hit, pool, PROMPT};
+use kvpool_core::{Counts, GroupSpec, GroupedAllocator, Options};
 
 #[test]
 fn unpin_after_truncating_into_a_duplicate_reaches_the_kept_copies() {
     for keep in [1usize, 2] {
-        let mut a = pool();
+        let mut a = pool(false);
         let (ha, hb) = duplicated_prefix(&mut a, 100);
         assert_eq!(a.pinned_pages(), 3);
         a.truncate(&[hb], Counts::Each(keep as i64)).unwrap();
@@ -70,7 +27,7 @@ fn unpin_after_truncating_into_a_duplicate_reaches_the_kept_copies() {
 #[test]
 fn kept_copy_evicted_before_the_next_calls_is_not_used() {
     for keep in [1usize, 2] {
-        let mut a = pool();
+        let mut a = pool(false);
         let (ha, hb) = duplicated_prefix(&mut a, 80);
         a.truncate(&[hb], Counts::Each(keep as i64)).unwrap();
         // A goes and eviction takes its copies (B holds only its own,
@@ -110,7 +67,7 @@ fn kept_copy_evicted_before_the_next_calls_is_not_used() {
 #[test]
 fn kept_copy_replaced_by_a_new_registration_of_the_same_content() {
     for keep in [1usize, 2] {
-        let mut a = pool();
+        let mut a = pool(false);
         let (ha, hb) = duplicated_prefix(&mut a, 80);
         a.truncate(&[hb], Counts::Each(keep as i64)).unwrap();
         a.close(&[ha], false).unwrap();

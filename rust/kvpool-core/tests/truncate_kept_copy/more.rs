@@ -1,55 +1,20 @@
 //! More cases of a truncation whose last page kept duplicated another
-//! request's cached content (see truncate_kept_copy.rs): the chain resumed
+//! request's cached content (see basic.rs): the chain resumed
 //! at the kept copy after a walk (a removal elsewhere since the last one),
 //! a fork truncated into it, part of the copy's chain evicted, truncating
 //! twice and computing the content again, a host tier taking the copy, and
 //! the grouped allocator with a fork and a walk. Each ends in `check()` and,
 //! where it applies, the hits the pages registered afterwards give.
 
-use kvpool_core::{Counts, GroupSpec, GroupedAllocator, HostPolicy, Options, SlotAllocator};
-
-const PROMPT: [i64; 3] = [2000, 2001, 2002];
-
-fn pool(host: bool) -> SlotAllocator {
-    let mut opts = Options {
-        hash_seed: Some(1),
-        manual_clock: true,
-        max_pinned_pages: Some(10),
-        ..Options::new()
-    };
-    if host {
-        opts.host_pages = 64;
-        opts.host_policy = HostPolicy::WriteBack;
-    }
-    SlotAllocator::with_options(20, 1, 8, 64, opts).unwrap()
-}
-
-fn dup(a: &mut SlotAllocator, prio: i64) -> (i64, i64) {
-    let (ha, _) = a.admit(&[3], Some(&PROMPT)).unwrap();
-    a.cache(&ha).unwrap();
-    let (hb, _) = a.admit(&[3], Some(&PROMPT)).unwrap();
-    a.cache(&hb).unwrap();
-    a.cache_with_priority(&ha, Counts::Each(prio), None)
-        .unwrap();
-    a.check().unwrap();
-    (ha[0], hb[0])
-}
-
-fn hit(a: &mut SlotAllocator, tokens: &[i64]) -> i64 {
-    let (h, c) = a
-        .open_with_prefix(tokens, &[tokens.len() as i64], Counts::Each(0))
-        .unwrap();
-    a.close(&h, false).unwrap();
-    a.check().unwrap();
-    c[0]
-}
+use super::{duplicated_prefix, hit, pool, PROMPT};
+use kvpool_core::{Counts, GroupSpec, GroupedAllocator, Options};
 
 /// An unrelated removal since B's last walk: kept_tip walks (chain_holds).
 #[test]
 fn walk_path_after_unrelated_removal() {
     for keep in [1usize, 2] {
         let mut a = pool(false);
-        let (ha, hb) = dup(&mut a, 100);
+        let (ha, hb) = duplicated_prefix(&mut a, 100);
         let (hd, _) = a.admit(&[2], Some(&[9, 10])).unwrap();
         a.close(&hd, true).unwrap();
         assert_eq!(a.evict(1), 1);
@@ -73,7 +38,7 @@ fn walk_path_after_unrelated_removal() {
 fn fork_truncated() {
     for keep in [1usize, 2] {
         let mut a = pool(false);
-        let (ha, hb) = dup(&mut a, 100);
+        let (ha, hb) = duplicated_prefix(&mut a, 100);
         let hc = a.fork(hb, 1).unwrap()[0];
         a.check().unwrap();
         a.truncate(&[hc], Counts::Each(keep as i64)).unwrap();
@@ -100,7 +65,7 @@ fn fork_truncated() {
 #[test]
 fn partial_eviction_then_cache() {
     let mut a = pool(false);
-    let (ha, hb) = dup(&mut a, 0);
+    let (ha, hb) = duplicated_prefix(&mut a, 0);
     a.truncate(&[hb], Counts::Each(2)).unwrap();
     a.close(&[ha], false).unwrap();
     assert_eq!(a.evict(1), 1); // A's third page (the leaf)
@@ -117,7 +82,7 @@ fn partial_eviction_then_cache() {
 #[test]
 fn truncate_twice_and_recompute() {
     let mut a = pool(false);
-    let (ha, hb) = dup(&mut a, 0);
+    let (ha, hb) = duplicated_prefix(&mut a, 0);
     a.truncate(&[hb], Counts::Each(2)).unwrap();
     a.truncate(&[hb], Counts::Each(1)).unwrap();
     a.check().unwrap();
@@ -141,7 +106,7 @@ fn truncate_twice_and_recompute() {
 fn host_tier_kept_copy_offloaded() {
     for keep in [1usize, 2] {
         let mut a = pool(true);
-        let (ha, hb) = dup(&mut a, 0);
+        let (ha, hb) = duplicated_prefix(&mut a, 0);
         a.truncate(&[hb], Counts::Each(keep as i64)).unwrap();
         a.close(&[ha], false).unwrap();
         let n = a.evict(20);
