@@ -211,7 +211,7 @@ def test_two_threads_on_one_pool_each_read_back_their_own(page_size, device_tabl
     p.check()
 
 
-@pytest.mark.parametrize("slots", [[True, 3], (2, False), [np.True_, 3]])
+@pytest.mark.parametrize("slots", [[True, 3], (2, False), [np.True_, 3], [torch.tensor(True), 3], [np.array(True), 3]])
 @pytest.mark.parametrize("call", ["write", "read"])
 def test_a_bool_among_list_slots_is_refused_as_the_allocator_refuses_it(slots, call):
     """numpy turns ``[True, 3]`` into ints: at page size 1 the bool would name slot 1, a page a

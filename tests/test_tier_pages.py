@@ -194,7 +194,10 @@ def test_bad_page_ids_are_refused_and_nothing_is_written(dev, hst, err, method):
     torch.empty(2, dtype=torch.bits8),
     [2, True],  # numpy made it [2, 1]: True moved page 1
     [np.int64(2), np.bool_(True)],
-], ids=["bf16", "requires-grad", "bits8", "bool-in-list", "numpy-bool-in-list"])
+    [2, torch.tensor(True)],  # a 0-d bool tensor in a list: numpy took it as page 1 too
+    [2, np.array(True)],
+], ids=["bf16", "requires-grad", "bits8", "bool-in-list", "numpy-bool-in-list", "bool-tensor-in-list",
+        "bool-array-in-list"])
 def test_page_ids_that_are_not_integers_are_dtype_errors_on_both_sides(ids):
     pool, host = make(torch.bfloat16)
     snap = snapshot(pool, host)

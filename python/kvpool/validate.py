@@ -105,6 +105,10 @@ def refuse_bools_in(name: str, values: list[Any] | tuple[Any, ...], why: str) ->
     if bool in kinds or np.bool_ in kinds:
         bad = next(i for i, x in enumerate(values) if isinstance(x, (bool, np.bool_)))
         raise TensorDtypeError(f"{name}[{bad}] is the bool {values[bad]!r}, {why}")
+    if torch.Tensor in kinds or np.ndarray in kinds:  # (a 0-d bool tensor or array: numpy takes it as 0 or 1 too)
+        for i, x in enumerate(values):
+            if isinstance(x, (torch.Tensor, np.ndarray)) and x.dtype in (torch.bool, np.bool_):
+                raise TensorDtypeError(f"{name}[{i}] is a bool {type(x).__name__} ({x!r}), {why}")
 
 
 def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:

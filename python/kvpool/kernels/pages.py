@@ -121,7 +121,9 @@ def _ids(x: Any, name: str) -> np.ndarray:
             raise TensorDtypeError(f"{name} must be a 1-D array of integer page ids, got a {x.dtype} tensor")
         x = x.numpy()
     arr = c.host_array(name, x)
-    if arr.dtype.kind in "iu" and isinstance(x, (list, tuple)) and {bool, np.bool_} & set(map(type, x)):
+    kinds = set(map(type, x)) if arr.dtype.kind in "iu" and isinstance(x, (list, tuple)) else set()
+    if {bool, np.bool_} & kinds or {torch.Tensor, np.ndarray} & kinds and any(  # (0-d bool tensors too)
+            getattr(v, "dtype", None) in (torch.bool, np.bool_) for v in x):
         raise TensorDtypeError(f"{name} holds a bool: pass int page ids (numpy takes True as page 1)")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
