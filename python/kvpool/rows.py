@@ -254,8 +254,9 @@ class RowsMixin:
         row copy, which checks every slot before it copies, skips it. Not while torch.compile or
         a dispatch mode (make_fx) traces: the check would be data-dependent there."""
         own = self._own_slots
-        if (negative is None or own is None or own.get(slots) is None or torch.compiler.is_compiling()
-                or _dispatch_modes()):
+        # (compiling first: Dynamo would trace the ring's lookup and guard on its numpy arrays)
+        if (negative is None or own is None or torch.compiler.is_compiling() or _dispatch_modes()
+                or own.get(slots) is None):
             return idx, negative
         return slots_tensor(idx, self.device, self.num_slots, self.page_size, strict=False)
 

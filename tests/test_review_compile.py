@@ -1,0 +1,48 @@
+"""An engine's model step compiled with torch.compile, writing and reading through a CPU
+KVPool: the K/V it stores equal an eager run's, in every grad mode (outside-style sweep)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvpool
+
+torch_dynamo = pytest.importorskip("torch._dynamo")
+
+H, D = 2, 4
+
+
+def small_pool() -> kvpool.KVPool:
+    return kvpool.KVPool(2, H, D, dtype=torch.float32, page_size=1, num_pages=32, max_requests=2,
+                         max_context_len=16)
+
+
+def step(pool: kvpool.KVPool, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    for layer in range(pool.num_layers):
+        pool.write(layer, loc, k * (layer + 1), v - layer)
+    got_k, got_v = pool.read(1, loc)
+    return got_k.sum() + got_v.sum()
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "enable_grad"])
+def test_compiled_step_writes_pool_made_slots_as_eager_does_in_every_grad_mode(mode):
+    # Under inference_mode, Dynamo traced write's PoolSlots lookup (its ring of the pool's
+    # numpy slot arrays) and failed its own guard on them: "AssertionError: Guard failed on
+    # the same frame it was created" from the first compiled write of out_cache_loc.
+    ctx = getattr(torch, mode)
+    eager, compiled = small_pool(), small_pool()
+    torch_dynamo.reset()
+    fn = torch.compile(step, backend="eager")
+    he, hc = eager.open(1), compiled.open(1)
+    for n in (3, 1, 2):
+        k, v = torch.randn(n, H, D), torch.randn(n, H, D)
+        le, lc = eager.extend(he, n).out_cache_loc, compiled.extend(hc, n).out_cache_loc
+        with ctx():
+            want, got = step(eager, le, k, v), fn(compiled, lc, k, v)
+        assert torch.equal(want, got)
+    for layer in range(2):
+        assert torch.equal(eager.k_buffer(layer), compiled.k_buffer(layer))
+        assert torch.equal(eager.v_buffer(layer), compiled.v_buffer(layer))
+        assert not compiled.k_buffer(layer).is_inference()
+    torch_dynamo.reset()
