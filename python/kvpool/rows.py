@@ -194,6 +194,10 @@ class RowsMixin:
             TensorShapeError, TensorDtypeError, TensorDeviceError: a bad argument
             (nothing written).
         """
+        if torch.compiler.is_compiling() and not self._device_slots_fast:
+            # A host pool's checks read slot values: the call runs eagerly, one graph break,
+            # rather than Dynamo compiling the rest of it once per layer and batch size.
+            return _write_eager(self, layer, slots, k, v, strict=strict)
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = check_layer(layer, self.num_layers)
         if self.mla:
@@ -343,6 +347,8 @@ class RowsMixin:
             LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
             TensorDeviceError: a bad argument.
         """
+        if torch.compiler.is_compiling() and not self._device_slots_fast:
+            return _read_eager(self, layer, slots)  # as in write
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = check_layer(layer, self.num_layers)
         idx, negative = self._slots(slots, False)
@@ -378,3 +384,8 @@ class RowsMixin:
                 gather_rows(caches[0], caches[1], idx, out[0], out[1], self.compute_dtype, scales[0],
                             scales[1], kg, self._row_geom[1])
         return out
+
+
+# write / read of a host pool while torch.compile traces: run eagerly (see write).
+_write_eager = torch.compiler.disable(RowsMixin.write)
+_read_eager = torch.compiler.disable(RowsMixin.read)
