@@ -48,21 +48,28 @@ def test_compiled_step_writes_pool_made_slots_as_eager_does_in_every_grad_mode(m
     torch_dynamo.reset()
 
 
-def test_a_compiled_step_over_many_layers_does_not_recompile_write_per_layer():
+def _many_layers(hybrid: bool) -> kvpool.KVPool:
+    if hybrid:
+        return kvpool.KVPool(8, H, D, layer_types=["full_attention", "sliding_attention"] * 4, sliding_window=4,
+                             dtype=torch.float32, page_size=4, num_pages=32, max_requests=2, max_context_len=32)
+    return kvpool.KVPool(8, H, D, dtype=torch.float32, page_size=1, num_pages=64, max_requests=2,
+                         max_context_len=32)
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_a_compiled_step_over_many_layers_does_not_recompile_write_per_layer(hybrid):
     # Dynamo traced write/read past their slot check, specialising the rest on the layer
     # index and batch size: an 8-layer step compiled 30+ frames and hit Dynamo's
     # recompile_limit (8) warning for write and read. They now run as one disabled call.
     from torch._dynamo.utils import counters
 
     layers = 8
-    pool = kvpool.KVPool(layers, H, D, dtype=torch.float32, page_size=1, num_pages=64, max_requests=2,
-                         max_context_len=32)
-    ref = kvpool.KVPool(layers, H, D, dtype=torch.float32, page_size=1, num_pages=64, max_requests=2,
-                        max_context_len=32)
+    pool, ref = _many_layers(hybrid), _many_layers(hybrid)
 
-    def many(p, loc, k, v):
+    def many(p, res, k, v):
         out = k.new_zeros(())
         for layer in range(p.num_layers):
+            loc = res.for_layer(layer) if hybrid else res.out_cache_loc
             p.write(layer, loc, k + layer, v)
             got_k, _ = p.read(layer, loc)
             out = out + got_k.sum()
@@ -74,8 +81,7 @@ def test_a_compiled_step_over_many_layers_does_not_recompile_write_per_layer():
     h, hr = pool.open(1), ref.open(1)
     for n in (3, 1, 2, 4):
         k, v = torch.randn(n, H, D), torch.randn(n, H, D)
-        assert torch.equal(fn(pool, pool.extend(h, n).out_cache_loc, k, v),
-                           many(ref, ref.extend(hr, n).out_cache_loc, k, v))
+        assert torch.equal(fn(pool, pool.extend(h, n), k, v), many(ref, ref.extend(hr, n), k, v))
     assert counters["frames"]["total"] <= 2 * layers, dict(counters["frames"])
     for layer in range(layers):
         assert torch.equal(pool.k_buffer(layer), ref.k_buffer(layer))

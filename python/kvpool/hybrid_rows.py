@@ -42,6 +42,10 @@ class HybridRows:
             ReservedSlotError, DuplicateSlotError, TensorShapeError, TensorDtypeError,
             TensorDeviceError: nothing written.
         """
+        if torch.compiler.is_compiling() and self.device.type == "cpu":
+            # As the plain pool's write: one eager call (its slot check reads slot values), not
+            # the rest of the call compiled once per layer and batch size.
+            return _write_eager(self, layer, slots, k, v, strict=strict)
         g = self._page_group(layer)
         if v is None:  # (the plain pool's signature: v is optional there for MLA, which has no groups)
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
@@ -79,6 +83,8 @@ class HybridRows:
 
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
+        if torch.compiler.is_compiling() and self.device.type == "cpu":
+            return _read_eager(self, layer, slots)  # as in write
         g = self._page_group(layer)
         idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
         st = self._storage[g.index]
@@ -91,3 +97,8 @@ class HybridRows:
             pad = (idx < 0).view(-1, 1, 1)
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
         return k, v
+
+
+# write / read of a host pool while torch.compile traces: run eagerly (see write).
+_write_eager = torch.compiler.disable(HybridRows.write)
+_read_eager = torch.compiler.disable(HybridRows.read)
