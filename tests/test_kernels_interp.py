@@ -4,7 +4,7 @@
 TRITON_INTERPRET must be set before kvpool.kernels is imported (it is read when
 @triton.jit runs), and this session may already have imported it without the
 variable (the pool imports the kernels). So the cases in interp_kernels_cases.py
-run once in a child pytest with the variable set, writing a JUnit report; each
+(the kernels) and interp_pool_cases.py (KVPool's paths through them) run once in a child pytest with the variable set, writing a JUnit report; each
 test below stands for one test function there and passes only if that function
 ran (at least one case) and every case passed — nothing skipped. A crash in the
 child (e.g. an out-of-bounds write) fails every test with the child's output.
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CASES = HERE / "interp_kernels_cases.py"
+CASES = [HERE / "interp_kernels_cases.py", HERE / "interp_pool_cases.py"]
 CHILD_TIMEOUT_S = int(os.environ.get("KVPOOL_INTERP_TIMEOUT", "1200"))
 
 
 def _case_names() -> list[str]:
-    tree = ast.parse(CASES.read_text())
-    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+    trees = [ast.parse(path.read_text()) for path in CASES]
+    return [n.name for tree in trees for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,7 @@ def interp_report(tmp_path_factory):
     # The child must import the same kvpool as this session.
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           f"--junitxml={out}", str(CASES)]
+           f"--junitxml={out}", *map(str, CASES)]
     try:
         proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True,
                               timeout=CHILD_TIMEOUT_S)

@@ -10,7 +10,7 @@ to its last slot, padding and page-0 writes with ``strict`` off, refusals with i
 on. After each phase every request's K and V are compared bitwise with a plain
 per-position reference through ``read``, the layer views (``k_buffer`` indexed by
 slot, in the pool's layout), ``gather_kv`` and its ``req_to_token`` row.
-(``tests/interp_kernels_cases.py`` runs the same kernels through Triton.)
+(``tests/interp_pool_cases.py`` runs the same kernels through Triton.)
 """
 
 from __future__ import annotations

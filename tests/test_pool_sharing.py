@@ -1,6 +1,6 @@
 """KVPool with shared pages: prefix hits and forks show in req_to_token and the
 page table, copy-on-write copies run on the device (CPU here; the Triton
-interpreter in interp_kernels_cases.py), a forked request that diverges reads
+interpreter in interp_pool_cases.py), a forked request that diverges reads
 back exactly its own K/V, typed errors change nothing, and grad modes hold."""
 
 import numpy as np
