@@ -42,7 +42,8 @@ def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Te
     cnt = cnt.clamp(min=0)
     # (a skipped request's count is not bounded by the row: past len(slots) alone, or summed, it
     # could wrap the int64 sum below to a small need)
-    need = int(cnt.max()) if int(cnt.max()) > slots.shape[0] else int(cnt.sum())
+    most = int(cnt.max()) if cnt.numel() else 0
+    need = most if most > slots.shape[0] else int(cnt.sum())
     if need > slots.shape[0]:
         raise c.TensorShapeError(f"slots has {slots.shape[0]} entries, the counts need {need} (the spans of "
                                  "all requests back to back, skipped ones included)")
