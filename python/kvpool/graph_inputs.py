@@ -26,8 +26,6 @@ __all__ = ["INPUT_NAMES", "apart_from", "check_inputs"]
 INPUT_NAMES = ("input_ids", "positions", "req_rows", "out_cache_loc", "seq_lens")
 
 _I64 = np.iinfo(np.int64)
-# What a step input may be as a tensor: integers (Tensor.numpy() refuses the others untyped).
-_INT_DTYPES = INT_DTYPES
 
 
 def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArgumentError:
@@ -45,7 +43,7 @@ def _too_big(name: str, i: int, value: int, num_slots: int | None) -> InvalidArg
 def _host_ints(name: str, a: Any, num_slots: int | None) -> np.ndarray:
     """A host input as a 1-D int64 array, or a typed error: never a silently wrapped value."""
     if isinstance(a, torch.Tensor):
-        if a.dtype not in _INT_DTYPES:
+        if a.dtype not in INT_DTYPES:
             raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
         arr = a.detach().numpy()
     else:
@@ -122,7 +120,7 @@ def check_inputs(args: Sequence[Any], device: torch.device, num_slots: int | Non
         if isinstance(a, torch.Tensor) and a.device.type != "cpu":
             if a.dim() != 1:
                 raise TensorShapeError(f"{name} must be 1-D, got shape {list(a.shape)}")
-            if a.numel() and a.dtype not in _INT_DTYPES:
+            if a.numel() and a.dtype not in INT_DTYPES:
                 raise TensorDtypeError(f"{name} must be integers, got {a.dtype}")
             if a.dtype == torch.uint64:
                 raise TensorDtypeError(
