@@ -9,6 +9,8 @@
 //! - a request on the fast path needs none of the slow path's work (a
 //!   pending prompt, a shared or registered last page);
 //! - a request marked as never sharing shares nothing;
+//! - a request's chain that `cache()` would trust without walking it
+//!   spells the request's pages (`check_chains`);
 //! - with a host tier (`tier_check.rs`): host pages are held by exactly the
 //!   swapped-out requests that name them and the transfers that pin them,
 //!   and the index's locations and the host records agree both ways;
@@ -91,6 +93,42 @@ impl SlotAllocator {
             {
                 return Err(format!("row {row} is marked exclusive but shares a page"));
             }
+        }
+        self.check_chains()
+    }
+
+    /// Each open row's chain that `restart_dead_chain` trusts without a
+    /// walk (not broken, its tip live, and through another's entry only if
+    /// no removal went since it was last walked) spells the row's first
+    /// pages from the root. A stale chain trusted there would file the
+    /// row's next pages under another's content: hits on them would answer
+    /// for tokens they were not computed on.
+    fn check_chains(&self) -> std::result::Result<(), String> {
+        for row in 0..self.requests.capacity() {
+            if !self.requests.is_open(row) || self.requests.is_swapped(row) {
+                continue;
+            }
+            let chain = self.requests.chain(row);
+            let trusted = !chain.broken
+                && self.prefix.is_live(&chain.tip)
+                && (!chain.foreign || chain.checked == self.prefix.removals());
+            if !trusted {
+                continue;
+            }
+            let pages = self.row_pages_of(row);
+            if chain.pages > pages.len() {
+                return Err(format!(
+                    "row {row}'s chain covers {} pages but the row holds {}",
+                    chain.pages,
+                    pages.len()
+                ));
+            }
+            let salt = self.requests.salt(row);
+            self.prefix
+                .check_chain_spells(&chain.tip, chain.pages, salt, |k| {
+                    self.prefix.page_tokens(pages[k])
+                })
+                .map_err(|e| format!("row {row}'s chain of {} pages: {e}", chain.pages))?;
         }
         Ok(())
     }

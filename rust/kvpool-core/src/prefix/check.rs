@@ -18,6 +18,7 @@
 
 use super::index::{PrefixIndex, DEAD};
 use super::keys::key_of;
+use super::tip::ChainTip;
 use crate::location::{host_page, is_host, on_host};
 
 impl PrefixIndex {
@@ -332,6 +333,48 @@ impl PrefixIndex {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl PrefixIndex {
+    /// Whether the chain ending at `tip` spells `n` pages from the root,
+    /// page `k` holding `tokens(k)` under `salt`: read back from the tip
+    /// by parent links, each entry live, verified (`verify`), and filed
+    /// under the registration before it. By links, not by keys, so a
+    /// hash collision that hides an entry from lookups does not count.
+    pub(crate) fn check_chain_spells<'t>(
+        &self,
+        tip: &ChainTip,
+        n: usize,
+        salt: i64,
+        tokens: impl Fn(usize) -> &'t [i32],
+    ) -> std::result::Result<(), String> {
+        let (mut at, mut reg) = (self.live_tip(tip), tip.reg);
+        for k in (0..n).rev() {
+            let Some(i) = at else {
+                return Err(format!("page {k}'s registration {reg} is gone"));
+            };
+            let e = &self.entries[i as usize];
+            if !self.verify(i, tokens(k), salt, e.parent_reg) {
+                return Err(format!(
+                    "page {k}'s entry {i} holds other tokens or another salt"
+                ));
+            }
+            let parent = self.idents[i as usize].parent;
+            reg = e.parent_reg;
+            at = parent
+                .checked_sub(1)
+                .filter(|&p| self.entries.get(p as usize).is_some_and(|pe| pe.reg == reg));
+            if k == 0 && (parent != 0 || reg != 0) {
+                return Err(format!(
+                    "page 0's entry {i} is filed under registration {reg}, not the root"
+                ));
+            }
+        }
+        if n == 0 && tip.reg != 0 {
+            return Err(format!("no page leads to registration {}", tip.reg));
         }
         Ok(())
     }

@@ -106,3 +106,43 @@ fn check_detects_copy_queue_corruption() {
         ],
     );
 }
+
+#[test]
+fn check_detects_stale_chains() {
+    // Two requests of three pages each (page size 1), their chains
+    // registered: rows 0 and 1.
+    let mut a = alloc(16, 1);
+    let h = a.open(2).unwrap();
+    a.extend(&h, Counts::Each(3), Some(&[1, 2, 3, 4, 5, 6]))
+        .unwrap();
+    a.cache(&h).unwrap();
+    let chain = |a: &mut SlotAllocator, row: usize| a.requests_for_tests().chain(row);
+    let (mine, theirs) = (chain(&mut a, 0), chain(&mut a, 1));
+    assert_eq!((mine.pages, theirs.pages), (3, 3));
+    let resume = |pages: usize, tip: crate::prefix::tip::ChainTip| -> Corrupt {
+        Box::new(move |a: &mut SlotAllocator| {
+            a.requests_for_tests().resume_chain(0, pages, tip, false)
+        })
+    };
+    // Row 0 truncated to two pages: its chain's tip is its second page's.
+    let mut short = a.clone();
+    short.truncate(&h[..1], Counts::Each(2)).unwrap();
+    short.check().unwrap();
+    let second = short.requests_for_tests().chain(0).tip;
+    assert_eq!(short.requests_for_tests().chain(0).pages, 2);
+    assert_check_finds(
+        &a,
+        vec![
+            ("another row's chain", resume(3, theirs.tip)),
+            ("chain longer than the pages it spells", resume(2, mine.tip)),
+            ("chain past the row's pages", resume(4, mine.tip)),
+        ],
+    );
+    assert_check_finds(
+        &short,
+        vec![
+            ("tip of another row", resume(2, theirs.tip)),
+            ("chain shorter than its pages", resume(1, second)),
+        ],
+    );
+}
