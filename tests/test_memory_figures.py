@@ -37,7 +37,32 @@ def test_overhead_bytes_is_table_plus_scales_plus_metadata(dtype, mla):
         assert pool.k_scale.nbytes == 4 * L
 
 
-def test_free_device_memory_cpu_reads_available_pages(monkeypatch):
+def _meminfo(monkeypatch, text):
+    import builtins
+    import io
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/meminfo":
+            if text is None:
+                raise FileNotFoundError(path)
+            return io.StringIO(text)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", fake_open)
+
+
+def test_free_device_memory_cpu_reads_mem_available(monkeypatch):
+    # MemAvailable counts the page cache the kernel can reclaim; MemFree does not.
+    _meminfo(monkeypatch, "MemTotal:       24683772 kB\nMemFree:         9793952 kB\n"
+                          "MemAvailable:   19085064 kB\nCached:          9022300 kB\n")
+    monkeypatch.setattr(os, "sysconf", lambda name: pytest.fail("sysconf read though MemAvailable is there"))
+    assert free_device_memory(torch.device("cpu")) == 19085064 * 1024
+
+
+@pytest.mark.parametrize("text", [None, "MemTotal: 100 kB\nMemFree: 50 kB\n", "MemAvailable: lots\n"])
+def test_free_device_memory_cpu_falls_back_to_free_pages(monkeypatch, text):
+    # No /proc/meminfo (not Linux), an old kernel without MemAvailable, or a line it cannot read.
+    _meminfo(monkeypatch, text)
     values = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(os, "sysconf", lambda name: values[name])
     assert free_device_memory(torch.device("cpu")) == 1000 * 4096
@@ -63,7 +88,7 @@ def test_memory_fraction_sizes_from_the_free_memory_query(monkeypatch, device, f
 
 @pytest.mark.parametrize("fraction", [0.125, 0.5])
 def test_cpu_pool_honours_memory_fraction(monkeypatch, fraction):
-    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 4096, "SC_PAGE_SIZE": 4096}[name])
+    monkeypatch.setattr(capacity, "_available_host_memory", lambda: 4096 * 4096)
     pool = kvpool.KVPool(L, H, D, dtype=torch.float16, memory_fraction=fraction, page_size=4,
                          max_requests=4, max_context_len=64)
     budget = int(4096 * 4096 * fraction)

@@ -129,9 +129,18 @@ def test_the_slot_limit_refusal_names_a_value_that_is_taken(kw, hint):
         assert 2 <= int(hint.rsplit("=", 1)[1]) <= 2**31 - 1
 
 
+def _fraction_of_free(nbytes: int) -> np.float32:
+    """The fraction of the host's free memory that is about ``nbytes`` now: a fixed fraction
+    would size the pools by whatever else the machine is running."""
+    from kvpool.capacity import free_device_memory
+    return np.float32(min(1.0, nbytes / free_device_memory(torch.device("cpu"))))
+
+
 @pytest.mark.parametrize("kw", [dict(memory_bytes=150000.0), dict(memory_bytes=np.int64(150000)),
-                                dict(memory_fraction=np.float32(1e-6))])
+                                "memory_fraction"])
 def test_plain_and_hybrid_pools_take_the_same_budgets(kw):
+    if kw == "memory_fraction":
+        kw = dict(memory_fraction=_fraction_of_free(150000))
     plain = kvpool.KVPool(2, 2, 8, max_requests=4, max_context_len=64, **kw)
     hybrid = kvpool.KVPool(2, 2, 8, max_requests=4, max_context_len=64, **HYBRID, **kw)
     assert plain.allocator.num_pages >= 2 and hybrid.num_layers == 2

@@ -95,10 +95,24 @@ def free_device_memory(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     if device.type == "cpu":
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return _available_host_memory()
     raise InvalidArgumentError(
         f"memory_fraction needs a cuda or cpu device to measure free memory, got {device}; pass memory_bytes"
     )
+
+
+def _available_host_memory() -> int:
+    """The kernel's MemAvailable (free RAM plus the page cache it can reclaim) where
+    /proc/meminfo has it: free RAM alone (``SC_AVPHYS_PAGES``) leaves out the page
+    cache, often half the machine, and moves with whatever was read last."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def resolve_num_pages(
