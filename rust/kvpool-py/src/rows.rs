@@ -36,8 +36,9 @@ struct Job {
 }
 
 /// The copy, moved into `detach`: raw pointers are not Send, but the
-/// memory they name is borrowed for the whole call, and nothing else in
-/// this call touches it while the copy runs.
+/// memory they name stays allocated for the whole call (scatter_rows holds
+/// each tensor's storage), and nothing else in this call touches it while
+/// the copy runs.
 struct AssertSend<F>(F);
 // SAFETY: see above; the closure owns its pointers and slots outright.
 unsafe impl<F> Send for AssertSend<F> {}
@@ -72,10 +73,17 @@ pub fn scatter_rows(
     };
     // Every tensor's storage bounds first (Python code, which could change
     // a storage), then every view (no Python code), each inside its bounds.
+    // The storages are held until the copy is done: with the GIL released,
+    // another thread can point a tensor at other memory (`src.set_(...)`),
+    // which freed the storage the copy was reading (a use-after-free).
     let mut spans = Vec::with_capacity(dst.len() * 2);
+    let mut pins = Vec::with_capacity(dst.len() * 2);
     for t in dst.iter().chain(src.iter()) {
         match plain_span(py, &t)? {
-            Some(s) => spans.push(s),
+            Some((storage, s)) => {
+                pins.push(storage);
+                spans.push(s);
+            }
             None => return Ok(-1),
         }
     }
@@ -141,7 +149,7 @@ pub fn scatter_rows(
                 };
                 // SAFETY: check_scatter proved row `s` lies inside this cache and
                 // row `i` inside its source; each pointer is torch's description
-                // of a live tensor (or a copy owned above) borrowed for this call;
+                // of a live tensor whose storage `pins` holds (or a copy owned above);
                 // a source overlapping a cache was copied out, so the two rows do
                 // not overlap. Empty tensors have no rows to copy.
                 unsafe {
@@ -161,6 +169,7 @@ pub fn scatter_rows(
     } else {
         run()
     };
+    drop(pins);
     match stored {
         Ok(n) => Ok(n as i64),
         Err(PoolError::InvalidArgument(m)) => Err(PyIndexError::new_err(m)),

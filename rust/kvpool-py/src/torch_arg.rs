@@ -95,11 +95,23 @@ impl Torch {
         py: Python<'_>,
         t: &Bound<'_, PyAny>,
     ) -> PyResult<(usize, usize)> {
+        self.storage_of(py, t).map(|(_, span)| span)
+    }
+
+    /// [`Self::storage_span`] with the storage object itself: a reference
+    /// to the tensor's storage, which keeps its memory allocated while it
+    /// is held even if the tensor is pointed elsewhere meanwhile (`set_`,
+    /// `.data =`, the tensor dropped).
+    pub(crate) fn storage_of<'py>(
+        &self,
+        py: Python<'py>,
+        t: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, (usize, usize))> {
         let [untyped, data_ptr, nbytes] = &self.storage;
         let s = untyped.bind(py).call1((t,))?;
         let start = data_ptr.bind(py).call1((&s,))?.extract::<usize>()?;
         let len = nbytes.bind(py).call1((&s,))?.extract::<usize>()?;
-        Ok((start, start.saturating_add(len)))
+        Ok((s, (start, start.saturating_add(len))))
     }
 }
 

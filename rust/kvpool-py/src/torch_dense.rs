@@ -27,11 +27,17 @@ impl Dense {
     }
 }
 
-/// The storage bounds of `obj` if it is exactly a plain torch.Tensor that
-/// torch can lend a borrowed C view of, for [`dense_view`]; None for
-/// anything else (the caller then takes torch's own path). Runs Python code:
-/// every tensor of a call is checked before any view is taken.
-pub fn plain_span(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<(usize, usize)>> {
+/// The storage of `obj` and its bounds if it is exactly a plain
+/// torch.Tensor that torch can lend a borrowed C view of, for
+/// [`dense_view`]; None for anything else (the caller then takes torch's
+/// own path). Runs Python code: every tensor of a call is checked before any
+/// view is taken. The caller holds the storage for as long as it uses the
+/// view: another thread that points the tensor elsewhere (`set_`) while the
+/// GIL is released then cannot free the memory under the copy.
+pub fn plain_span<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<Option<(Bound<'py, PyAny>, (usize, usize))>> {
     let Some(torch) = torch_for(py, obj) else {
         return Ok(None);
     };
@@ -42,7 +48,7 @@ pub fn plain_span(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<(us
     }
     // A storage torch will not describe (an exception) is torch's to report,
     // on its own path; MemoryError and interrupts are the caller's.
-    match torch.storage_span(py, obj) {
+    match torch.storage_of(py, obj) {
         Err(e) if e.is_instance_of::<PyException>(py) && !e.is_instance_of::<PyMemoryError>(py) => {
             Ok(None)
         }
@@ -55,8 +61,9 @@ pub fn plain_span(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<(us
 /// `obj`, with no Python code run since), through torch's borrowed C view;
 /// None for anything else (a storage resized below the shape included:
 /// torch's own path then refuses it). Runs no Python code. The pointer is
-/// valid while `obj` lives and its storage is not resized, the contract of
-/// any buffer lent to native code.
+/// valid while the storage from [`plain_span`] is held and not resized (the
+/// contract of any buffer lent to native code: a resize reallocates the
+/// storage's memory in place, which no reference prevents).
 pub fn dense_view(py: Python<'_>, obj: &Bound<'_, PyAny>, span: (usize, usize)) -> Option<Dense> {
     let torch = torch_for(py, obj)?;
     let Export::View(view) = &torch.export else {
