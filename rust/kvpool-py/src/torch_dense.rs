@@ -27,6 +27,9 @@ impl Dense {
     }
 }
 
+/// A tensor's storage object and its bytes `[start, end)`.
+pub type Pinned<'py> = (Bound<'py, PyAny>, (usize, usize));
+
 /// The storage of `obj` and its bounds if it is exactly a plain
 /// torch.Tensor that torch can lend a borrowed C view of, for
 /// [`dense_view`]; None for anything else (the caller then takes torch's
@@ -34,10 +37,7 @@ impl Dense {
 /// view is taken. The caller holds the storage for as long as it uses the
 /// view: another thread that points the tensor elsewhere (`set_`) while the
 /// GIL is released then cannot free the memory under the copy.
-pub fn plain_span<'py>(
-    py: Python<'py>,
-    obj: &Bound<'py, PyAny>,
-) -> PyResult<Option<(Bound<'py, PyAny>, (usize, usize))>> {
+pub fn plain_span<'py>(py: Python<'py>, obj: &Bound<'py, PyAny>) -> PyResult<Option<Pinned<'py>>> {
     let Some(torch) = torch_for(py, obj) else {
         return Ok(None);
     };
