@@ -213,3 +213,41 @@ def test_encode_kv_events_of_a_big_batch_reads_arrays_another_thread_rewrites_on
         writer.join(timeout=30)
     assert not writer.is_alive()
     assert mixed == 0
+
+
+@pytest.mark.parametrize("key,size", [("kind", 1), ("kind", 5000), ("hash_hi", 1)])
+def test_encode_kv_events_arrays_resized_by_a_medium_items_index(key, size):
+    # encode_kv_events borrowed the event arrays, then converted "medium" (whose
+    # items' __index__ runs Python code), then sliced the arrays: a callback that
+    # resized one (numpy's unchecked resize, which reallocates) gave slices of other
+    # lengths than the checks saw, an index past one panicked, and numpy's borrow
+    # tracker, not finding the moved array, aborted the process. Now the arrays are
+    # borrowed only after the conversion and re-measured: a typed error.
+    code = f"""
+        import numpy as np
+        from kvpool import InvalidArgumentError
+        from kvpool._core import SlotAllocator, encode_kv_events
+        a = SlotAllocator(64, page_size=4, max_requests=4, max_context_len=16)
+        h = a.open(1)
+        a.extend(h, 8, tokens=list(range(8)))
+        a.close(h, cache=True)
+        e = {{k: v.copy() for k, v in a.take_events().items()}}
+        assert len(e["kind"]) == 2
+        ok = encode_kv_events(dict(e), 1.0)
+
+        class Resizes:
+            def __index__(self):
+                e[{key!r}].resize({size}, refcheck=False)
+                return 0
+
+        e["medium"] = [Resizes(), 0]
+        try:
+            encode_kv_events(e, 1.0)
+        except InvalidArgumentError as err:
+            print("refused:", err)
+        else:
+            raise SystemExit("accepted")
+    """
+    r = run_child(code)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert "refused: events[" in r.stdout

@@ -26,62 +26,18 @@
 //!   and as consumers typed against it (SGLang's event classes, routers
 //!   that key blocks by u64) decode.
 
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::PyUntypedArrayMethods;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::allocator::PySlotAllocator;
-use crate::convert::{int_arg, IntBlockHashesFlag};
+use crate::convert::IntBlockHashesFlag;
 use crate::errors::invalid_argument;
+use crate::kv_events_args::{item, optional, owned, slice, Borrowed, KEYS};
 use crate::kv_events_wire::{batch, Arrays, Fail};
 
 /// Batches of more events than this are encoded with the GIL released.
 const DETACH_EVENTS: usize = 4096;
-
-fn array<'py, T: numpy::Element>(
-    py: Python<'py>,
-    d: &Bound<'py, PyDict>,
-    key: &str,
-    dtype: &str,
-) -> PyResult<PyReadonlyArray1<'py, T>> {
-    let v = d
-        .get_item(key)?
-        .ok_or_else(|| invalid_argument(py, format!("events has no {key:?} array")))?;
-    v.extract::<PyReadonlyArray1<'py, T>>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!("events[{key:?}] must be a 1-D {dtype} numpy array (what take_events returns)"),
-        )
-    })
-}
-
-fn slice<'a, T: numpy::Element>(
-    py: Python<'_>,
-    a: &'a PyReadonlyArray1<'_, T>,
-    key: &str,
-) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| invalid_argument(py, format!("events[{key:?}] must be contiguous")))
-}
-
-fn optional(
-    py: Python<'_>,
-    d: &Bound<'_, PyDict>,
-    key: &str,
-    n: usize,
-) -> PyResult<Option<Vec<i64>>> {
-    let Some(v) = d.get_item(key)? else {
-        return Ok(None);
-    };
-    let v = int_arg(py, &v, key)?.into_vec();
-    if v.len() != n {
-        return Err(invalid_argument(
-            py,
-            format!("events[{key:?}] has {} entries for {n} events", v.len()),
-        ));
-    }
-    Ok(Some(v))
-}
 
 /// encode_kv_events(events, ts, data_parallel_rank=None, int_block_hashes=False) -> tuple[bytes, int, int, int]
 ///
@@ -128,15 +84,44 @@ pub fn encode_kv_events<'py>(
             ),
         )
     })?;
-    let kind = array::<u8>(py, events, "kind", "uint8")?;
-    let hash_hi = array::<u64>(py, events, "hash_hi", "uint64")?;
-    let hash_lo = array::<u64>(py, events, "hash_lo", "uint64")?;
-    let parent_hi = array::<u64>(py, events, "parent_hi", "uint64")?;
-    let parent_lo = array::<u64>(py, events, "parent_lo", "uint64")?;
-    let num_tokens = array::<i32>(py, events, "num_tokens", "int32")?;
-    let salt = array::<i64>(py, events, "salt", "int64")?;
-    let token_ids = array::<i32>(py, events, "token_ids", "int32")?;
-    let n = kind.len();
+    // Every value first (lookups can run Python code), then the optional
+    // arrays converted (their items' __index__ runs Python code, which can
+    // resize or reallocate a caller's array), and only then the arrays
+    // borrowed and sliced, with no Python code until the slices are done: an
+    // array resized under a borrow gave slices of other lengths than the
+    // checks saw (an index past one of them panicked) and then aborted the
+    // process (numpy's borrow tracker could not find the moved array).
+    let objs = KEYS
+        .iter()
+        .map(|key| item(py, events, key))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (medium, group) = (events.get_item("medium")?, events.get_item("group_idx")?);
+    // The types checked (and the length read) before any conversion, so a
+    // mistyped array is named first; these borrows end here.
+    let n = Borrowed::of(py, &objs)?.kind.len();
+    let medium = optional(py, medium, "medium", n)?;
+    let group = optional(py, group, "group_idx", n)?;
+    let Borrowed {
+        kind,
+        hash_hi,
+        hash_lo,
+        parent_hi,
+        parent_lo,
+        num_tokens,
+        salt,
+        token_ids,
+    } = Borrowed::of(py, &objs)?;
+    if kind.len() != n {
+        return Err(invalid_argument(
+            py,
+            format!(
+                "events[\"kind\"] had {n} entries before medium / group_idx were converted \
+                 and {} after (an item's __index__ resized it); pass arrays nothing changes \
+                 during the call",
+                kind.len()
+            ),
+        ));
+    }
     for (key, len) in [
         ("hash_hi", hash_hi.len()),
         ("hash_lo", hash_lo.len()),
@@ -152,9 +137,6 @@ pub fn encode_kv_events<'py>(
             ));
         }
     }
-    // Before any slice is taken: converting them can run Python code.
-    let medium = optional(py, events, "medium", n)?;
-    let group = optional(py, events, "group_idx", n)?;
     let a = Arrays {
         kind: slice(py, &kind, "kind")?,
         hash_hi: slice(py, &hash_hi, "hash_hi")?,
@@ -197,19 +179,6 @@ pub fn encode_kv_events<'py>(
         ..a
     };
     finish(py, &a, ts, data_parallel_rank)
-}
-
-/// A copy of a caller's array, or MemoryError.
-fn owned<T: Copy>(s: &[T]) -> PyResult<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(s.len()).map_err(|_| {
-        pyo3::exceptions::PyMemoryError::new_err(format!(
-            "cannot allocate {} values to copy an events array into",
-            s.len()
-        ))
-    })?;
-    v.extend_from_slice(s);
-    Ok(v)
 }
 
 /// A batch's `ts` (a finite number of seconds, not a bool) and optional

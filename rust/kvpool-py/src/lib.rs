@@ -27,6 +27,7 @@ mod handles_arg;
 mod hashing;
 mod heap_prime;
 mod kv_events;
+mod kv_events_args;
 mod kv_events_wire;
 mod output;
 mod packed;
