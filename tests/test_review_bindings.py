@@ -251,3 +251,22 @@ def test_encode_kv_events_arrays_resized_by_a_medium_items_index(key, size):
     r = run_child(code)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert "refused: events[" in r.stdout
+
+
+def test_encode_kv_events_names_a_misaligned_array_as_misaligned():
+    # A contiguous array at an odd byte offset (np.frombuffer(buf, offset=1)) was
+    # refused as "must be contiguous", which it was: the message now says what is wrong.
+    a = SlotAllocator(64, page_size=4, max_requests=4, max_context_len=16)
+    h = a.open(1)
+    a.extend(h, 8, tokens=list(range(8)))
+    a.close(h, cache=True)
+    events = a.take_events()
+    good = events["hash_hi"]
+    odd = np.frombuffer(bytearray(good.nbytes + 1), np.uint64, count=len(good), offset=1)
+    odd[:] = good
+    assert odd.flags.c_contiguous and not odd.flags.aligned
+    with pytest.raises(InvalidArgumentError, match=r'"hash_hi"\] .* not aligned'):
+        encode_kv_events({**events, "hash_hi": odd}, 1.0)
+    with pytest.raises(InvalidArgumentError, match=r'"hash_hi"\] .* not contiguous'):
+        encode_kv_events({**events, "hash_hi": np.repeat(good, 2)[::2]}, 1.0)
+    assert encode_kv_events({**events, "hash_hi": odd.copy()}, 1.0) == encode_kv_events(events, 1.0)

@@ -2,7 +2,7 @@
 //! dict `take_events` returns), looked up, converted and borrowed in an order
 //! that runs no Python code between a borrow and its last use.
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -79,8 +79,19 @@ pub(crate) fn slice<'a, T: numpy::Element>(
     a: &'a PyReadonlyArray1<'_, T>,
     key: &str,
 ) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| invalid_argument(py, format!("events[{key:?}] must be contiguous")))
+    a.as_slice().map_err(|_| {
+        // numpy's view refuses a misaligned array too (one at an odd byte
+        // offset of its buffer, contiguous or not): name which it is.
+        let why = if a.is_aligned() {
+            "is not contiguous"
+        } else {
+            "is not aligned to its dtype (a view at an odd byte offset)"
+        };
+        invalid_argument(
+            py,
+            format!("events[{key:?}] must be contiguous and aligned, but it {why}; pass a copy (arr.copy())"),
+        )
+    })
 }
 
 pub(crate) fn optional(
