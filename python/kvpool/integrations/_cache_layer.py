@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpool.integrations._requests import BatchRequests
 from kvpool.integrations._shared_rows import SharedRowsLayer, owned, with_step_grad
 
-__all__ = ["KVPoolLayer"]
+__all__ = ["FixedLayerKinds", "KVPoolLayer"]
 
 
 class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
@@ -88,3 +88,45 @@ class KVPoolLayer(SharedRowsLayer, CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return int(self.requests.pool.max_context_len)
+
+
+class FixedLayerKinds:
+    """``Cache``'s ``is_compileable``, ``is_sliding``, ``is_linear`` and ``is_dummy``, taken once.
+
+    transformers reads them at every forward (``generate``'s inputs read ``is_compileable``, the
+    masks all four), and ``Cache`` computes each by walking the layers: about 10 µs a decode step
+    for a 4-layer model, some 0.4% of a batch-1 step of the bench's small Llama. A ``KVPoolCache``'s
+    layers are made with it and never change kind, so the cache takes the answers from ``Cache``'s
+    own properties once, at the end of its ``__init__`` (``_fix_layer_kinds``); each read of a list
+    returns a new list, as ``Cache``'s do. Before that (and on a cache whose ``layers`` no longer
+    hold the same layer objects) the reads are ``Cache``'s own."""
+
+    layers: list[Any]
+    _kinds: tuple[Any, bool, tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]] | None = None
+
+    def _fix_layer_kinds(self) -> None:
+        self._kinds = (list(self.layers), Cache.is_compileable.fget(self),  # type: ignore[attr-defined]
+                       tuple(Cache.is_sliding.fget(self)), tuple(Cache.is_linear.fget(self)),  # type: ignore[attr-defined]
+                       tuple(Cache.is_dummy.fget(self)))  # type: ignore[attr-defined]
+
+    def _kind(self, i: int, name: str) -> Any:
+        k = self._kinds
+        if k is None or k[0] != self.layers:  # (the same layer objects: list == compares by identity first)
+            return getattr(Cache, name).fget(self)
+        return k[i] if i == 1 else list(k[i])
+
+    @property
+    def is_compileable(self) -> bool:
+        return self._kind(1, "is_compileable")  # type: ignore[no-any-return]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return self._kind(2, "is_sliding")  # type: ignore[no-any-return]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return self._kind(3, "is_linear")  # type: ignore[no-any-return]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return self._kind(4, "is_dummy")  # type: ignore[no-any-return]

@@ -68,7 +68,7 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import InvalidArgumentError, LayerIndexError
 from kvpool.integrations._batch_edits import BatchEdits
-from kvpool.integrations._cache_layer import KVPoolLayer
+from kvpool.integrations._cache_layer import FixedLayerKinds, KVPoolLayer
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers
 from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
@@ -98,7 +98,7 @@ def _dropped_open(requests: Any, pool: Any) -> None:
                       ResourceWarning, stacklevel=1)
 
 
-class KVPoolCache(NotPicklable, BatchEdits, Cache):
+class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
     """A transformers ``Cache`` backed by a ``KVPool``: pass it to ``generate`` (or a
     model's forward) as ``cache=`` (``past_key_values=`` before transformers 5.24).
 
@@ -139,6 +139,7 @@ class KVPoolCache(NotPicklable, BatchEdits, Cache):
         self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
         self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
+        self._fix_layer_kinds()  # (transformers reads them at every step)
         _warn_if_dropped_open(self)
         self._hit = 0  # the tokens the rows were opened on (a prefix hit)
         if prefix_ids is not None:
@@ -316,6 +317,7 @@ class HybridKVPoolCache(StateCalls, KVPoolCache):
         self.requests.layers = self._pool_layers
         self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
         Cache.__init__(self, layers=layers)
+        self._fix_layer_kinds()
         _warn_if_dropped_open(self)
         self._hit = 0
         if prefix_ids is not None:
