@@ -102,31 +102,30 @@ class FixedLayerKinds:
     hold the same layer objects) the reads are ``Cache``'s own."""
 
     layers: list[Any]
-    _kinds: tuple[Any, bool, tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]] | None = None
+    _kinds: tuple[list[Any], bool, tuple[tuple[bool, ...], ...]] | None = None
 
     def _fix_layer_kinds(self) -> None:
-        self._kinds = (list(self.layers), Cache.is_compileable.fget(self),  # type: ignore[attr-defined]
-                       tuple(Cache.is_sliding.fget(self)), tuple(Cache.is_linear.fget(self)),  # type: ignore[attr-defined]
-                       tuple(Cache.is_dummy.fget(self)))  # type: ignore[attr-defined]
+        own = [getattr(Cache, name).fget(self) for name in ("is_compileable", "is_sliding", "is_linear", "is_dummy")]
+        self._kinds = (list(self.layers), own[0], tuple(tuple(x) for x in own[1:]))
 
     def _kind(self, i: int, name: str) -> Any:
         k = self._kinds
         if k is None or k[0] != self.layers:  # (the same layer objects: list == compares by identity first)
             return getattr(Cache, name).fget(self)
-        return k[i] if i == 1 else list(k[i])
+        return k[1] if i < 0 else list(k[2][i])
 
     @property
     def is_compileable(self) -> bool:
-        return self._kind(1, "is_compileable")  # type: ignore[no-any-return]
+        return self._kind(-1, "is_compileable")  # type: ignore[no-any-return]
 
     @property
     def is_sliding(self) -> list[bool]:
-        return self._kind(2, "is_sliding")  # type: ignore[no-any-return]
+        return self._kind(0, "is_sliding")  # type: ignore[no-any-return]
 
     @property
     def is_linear(self) -> list[bool]:
-        return self._kind(3, "is_linear")  # type: ignore[no-any-return]
+        return self._kind(1, "is_linear")  # type: ignore[no-any-return]
 
     @property
     def is_dummy(self) -> list[bool]:
-        return self._kind(4, "is_dummy")  # type: ignore[no-any-return]
+        return self._kind(2, "is_dummy")  # type: ignore[no-any-return]
