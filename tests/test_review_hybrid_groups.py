@@ -224,3 +224,33 @@ def test_num_slots_takes_a_numpy_int_page_size_as_the_plain_pool_does(page_size)
     assert plain.num_pages == 20
     with pytest.raises(InvalidArgumentError, match="num_slots must be a multiple of page_size"):
         make(page_size=True, num_pages=None, num_slots=40)
+
+
+def test_max_pinned_pages_zero_asks_for_no_pins_on_a_hybrid_pool_as_on_a_plain_one():
+    """A plain pool takes max_pinned_pages=0 as "no pinning"; a hybrid pool (which keeps no
+    priorities) refused it and took only None."""
+    assert KVPool(1, 1, 4, num_pages=8, max_pinned_pages=0).max_pinned_pages == 0
+    for zero in (0, np.int64(0)):
+        make(max_pinned_pages=zero).check()
+    for bad in (1, False):
+        with pytest.raises(InvalidArgumentError, match="max_pinned_pages"):
+            make(max_pinned_pages=bad)
+
+
+@pytest.mark.parametrize("num_pages", [4, 64])
+def test_a_numpy_num_pages_plans_the_groups_a_python_int_does(num_pages):
+    """num_pages=np.int64(N) stayed a numpy int in LayerGroup.num_pages, and the sliding group's
+    cap (what the full group's tokens can fill) checked isinstance(int), so a small numpy
+    num_pages sized the sliding group as if there were no full group."""
+    want = make(num_pages=num_pages).groups
+    for n in (np.int64(num_pages), np.int32(num_pages)):
+        got = make(num_pages=n).groups
+        assert got == want
+        assert all(type(g.num_pages) is int for g in got)
+
+
+@pytest.mark.parametrize("num_pages", ["64", 64.0, True])
+def test_a_hybrid_num_pages_that_is_no_int_is_a_typed_error(num_pages):
+    """A str reached check_slot_ids' arithmetic as a TypeError."""
+    with pytest.raises(InvalidArgumentError, match=r"^num_pages must be an int, got "):
+        make(num_pages=num_pages)

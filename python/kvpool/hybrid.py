@@ -88,7 +88,7 @@ class _LayerTables(Sequence[torch.Tensor]):
 # The plain pool's options a hybrid pool lacks, each with the values that mean "not used".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "kv_lora_rank": (None,), "qk_rope_head_dim": (None,), "tp_rank": (0,), "tp_size": (1,),
-    "max_pinned_pages": (None,), "manual_clock": (False,), "lazy_metadata": (False,),
+    "max_pinned_pages": (None, 0), "manual_clock": (False,), "lazy_metadata": (False,),
     "host_pages": (None, 0), "host_memory_bytes": (None,), "host_policy": (None, "write_back"),
 }
 

@@ -120,6 +120,13 @@ def plan_groups(
                 raise InvalidArgumentError(
                     f"page_size names {key!r}, a state layer type: its layers keep one state row per "
                     f"request, not pages; give page sizes for {paged} only (size its rows with group_pages)")
+    # A Python int: a numpy one stayed in LayerGroup.num_pages (and its spec), skipped the
+    # sliding group's cap below (sized as without a full group), and a str reached
+    # check_slot_ids' arithmetic as a TypeError. The core checks the range.
+    if num_pages is not None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+            raise InvalidArgumentError(f"num_pages must be an int, got {type(num_pages).__name__} {num_pages!r}")
+        num_pages = int(num_pages)
     window: int | None = None
     if "sliding_attention" in types:
         if sliding_window is None:
@@ -158,7 +165,9 @@ def plan_groups(
             if has_full and explicit.get("full_attention", num_pages) is not None:
                 full_pages = explicit.get("full_attention", num_pages)
                 full_p = _per_type("page_size", page_size, "full_attention", 1)
-                if isinstance(full_pages, int) and isinstance(full_p, int) and full_p >= 1:
+                if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (full_pages, full_p)) \
+                        and full_p >= 1:
+                    full_pages, full_p = int(full_pages), int(full_p)
                     cap = full_pages * full_p // p + 2 * min(max_requests, full_pages) + 1
             pages = min(need, cap)
         groups.append(LayerGroup(index, t, kind, layers, p, window if kind == "sliding" else None, pages))
