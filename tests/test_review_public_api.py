@@ -163,6 +163,26 @@ def test_kvpool_signature_is_its_constructor_not_the_hybrid_dispatch():
     assert "num_kv_heads" in pydoc.render_doc(kvpool.KVPool, renderer=pydoc.plaintext).splitlines()[3]
 
 
+
+def test_kvpool_annotations_take_the_documented_hybrid_call():
+    """KVPool.__init__ annotated layer_types as None and had no sliding_window / state_shapes /
+    group_pages, so mypy --strict rejected docs/hybrid.md's KVPool(..., layer_types=[...],
+    sliding_window=W) ("Unexpected keyword argument"), and help() did not list them."""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(kvpool.KVPool.__init__)
+    assert hints["layer_types"] is not type(None) and type(None) in typing.get_args(hints["layer_types"])
+    for name in ("sliding_window", "state_shapes", "group_pages"):
+        assert name in hints and inspect.signature(kvpool.KVPool).parameters[name].default is None
+    inspect.signature(kvpool.KVPool).bind(4, 2, 8, layer_types=["full_attention"] * 4, sliding_window=4,
+                                          state_shapes={"s": (3,)}, group_pages={"full_attention": 8})
+    # The plain pool still refuses them without layer_types, and builds a hybrid one with it.
+    with pytest.raises(InvalidArgumentError, match="sliding_window applies to hybrid pools"):
+        kvpool.KVPool(2, 1, 4, num_pages=8, sliding_window=4)
+    from kvpool.hybrid import HybridKVPool
+    assert isinstance(kvpool.KVPool(2, 1, 4, num_pages=8, layer_types=["full_attention"] * 2), HybridKVPool)
+
 def test_kvpool_cache_signature_is_its_constructor():
     import inspect
 

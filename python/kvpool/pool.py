@@ -13,6 +13,7 @@ caller's grad mode.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -173,7 +174,12 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
         max_requests: int = 256,
         max_context_len: int = 4096,
         layout: str = "token",
-        layer_types: None = None,  # not None: KVPool.__new__ built a HybridKVPool instead
+        # Not None: KVPool.__new__ built a HybridKVPool instead, which takes these four (they
+        # are here so that help(), inspect and type checkers take the documented hybrid call).
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
+        state_shapes: Mapping[str, Any] | None = None,
+        group_pages: Mapping[str, int] | None = None,
         kv_lora_rank: int | None = None,
         qk_rope_head_dim: int | None = None,
         compute_dtype: torch.dtype | None = None,
