@@ -156,6 +156,22 @@ def test_an_anchor_chain_short_of_pages_is_named_with_what_sizes_it():
     a.check()
 
 
+
+@pytest.mark.parametrize("anchor_pages", [0, 1, 2**31, 2**40])
+def test_anchor_pages_out_of_range_is_refused_whichever_group_holds_the_anchor(anchor_pages):
+    """anchor_pages=0 or 1 was accepted beside a full group (the value goes unused there)
+    and refused on an all-sliding pool, where 2**31 was reported as num_pages: both
+    pools now refuse the same values, naming anchor_pages and its range."""
+    full_anchor = [{"kind": "full", "num_pages": 16, "page_size": 4},
+                   {"kind": "sliding", "num_pages": 16, "page_size": 4, "window": 8}]
+    all_sliding = [{"kind": "sliding", "num_pages": 16, "page_size": 4, "window": 8}]
+    for groups in (full_anchor, all_sliding):
+        with pytest.raises(kvpool.InvalidArgumentError,
+                           match=rf"^anchor_pages must be in \[2, 2147483647\] .*got {anchor_pages}$"):
+            GroupedAllocator(groups, 4, 64, anchor_pages=anchor_pages)
+        # In range, both take it (beside a full group it goes unused).
+        GroupedAllocator(groups, 4, 64, anchor_pages=2).check()
+
 def test_admission_figures():
     a = hybrid(state_slots=3, sliding_pages=5)
     assert a.admissible_requests == 2

@@ -40,12 +40,13 @@ use crate::output::{counts_total, extend_total, filled, new_uninit, Arr};
 ///     kv_events: record the anchor chain's KV events for take_events().
 ///     anchor_pages: pages of the token-only anchor chain, used when no full
 ///         group's page size divides every other (default: room for every
-///         request's longest context twice).
+///         request's longest context twice); 2 to 2**31 - 1, checked even
+///         where a full group holds the anchor and the value goes unused.
 ///
 /// Raises:
 ///     InvalidArgumentError: no groups, a bad group dict, a size, page size,
-///         window or checkpoint_every out of range, or a seed that is not an
-///         int in [0, 2**64).
+///         window, checkpoint_every or anchor_pages out of range, or a seed
+///         that is not an int in [0, 2**64).
 #[pyclass(name = "GroupedAllocator", module = "kvpool._core", frozen, weakref)]
 pub struct PyGroupedAllocator {
     /// In an Arc so that the fork hooks (fork_guard) can hold it across a fork.

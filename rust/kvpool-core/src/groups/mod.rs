@@ -145,14 +145,15 @@ pub struct GroupedAllocator {
 impl GroupedAllocator {
     /// A pool of `groups` (at least one, at most [`MAX_GROUPS`]) for
     /// `max_requests` requests of up to `max_context_len` tokens.
-    /// `anchor_pages` sizes a token-only anchor (ignored when a full group
-    /// is the anchor): default `2 * max_requests * ceil(max_context_len /
-    /// anchor page size) + 1`.
+    /// `anchor_pages` sizes a token-only anchor (unused when a full group
+    /// is the anchor, but checked to be in [2, 2**31 - 1] either way):
+    /// default `2 * max_requests * ceil(max_context_len / anchor page size) + 1`.
     ///
     /// Errors: `InvalidArgument` for no or too many groups, a group's size,
     /// page size or window out of range, a `checkpoint_every` that is not a
     /// multiple of the anchor's page size, a state-only pool without
-    /// `checkpoint_every`, sizes whose least common multiple overflows, or
+    /// `checkpoint_every`, an `anchor_pages` out of range, sizes whose least
+    /// common multiple overflows, or
     /// what [`SlotAllocator::with_options`] refuses.
     pub fn new(
         groups: &[GroupSpec],
@@ -195,6 +196,17 @@ impl GroupedAllocator {
                 Some(s) => s,
                 None => return bad("the groups' page sizes have no representable lcm".into()),
             };
+        }
+        // Checked whether or not a full group holds the anchor (and the value goes
+        // unused): anchor_pages=1 was accepted beside a full group and refused on an
+        // all-sliding pool, and an out-of-range one was reported as num_pages.
+        if let Some(n) = anchor_pages {
+            if !(2..=i32::MAX as usize).contains(&n) {
+                return bad(format!(
+                    "anchor_pages must be in [2, {}] (it includes the reserved page 0), got {n}",
+                    i32::MAX
+                ));
+            }
         }
         let anchor_group = groups
             .iter()
