@@ -107,3 +107,20 @@ def test_pending_copies_counts_the_slot_pairs_take_copies_hands_out(valid):
     assert list(src) == list(a.slots(h[0]))
     assert a.pending_copies == 0
     assert np.array_equal(dst, a.slots(child[0])[:valid])
+
+
+def test_the_docs_name_evicts_parameter_as_the_code_does():
+    """docs/allocator.md and docs/reliability.md wrote `evict(n)` for the plain pool and
+    SlotAllocator, whose parameter is n_pages: evict(n=4), as written, is a TypeError.
+    (GroupedAllocator.evict(group, n) and the hybrid pool's evict(layer, n) do take n.)"""
+    import inspect
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    named = {m for name in ("allocator.md", "reliability.md")
+             for m in re.findall(r"`evict\((\w+)\)`", (docs / name).read_text())}
+    assert named, "the docs no longer show evict's argument"
+    for cls in (kvpool.SlotAllocator, kvpool.KVPool):
+        assert named <= set(inspect.signature(cls.evict).parameters), (cls, named)
+    assert kvpool.KVPool(1, 1, 4, num_pages=8).evict(n_pages=1) == 0
