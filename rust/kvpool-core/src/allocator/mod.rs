@@ -209,10 +209,6 @@ impl SlotAllocator {
             opts.epoch_start,
             !opts.lazy_metadata,
         )?;
-        let mut pages = PagePool::new(num_pages, !opts.lazy_metadata)?;
-        if let Some(m) = opts.max_pinned_pages {
-            pages.set_max_pinned(m);
-        }
         let seed = opts.hash_seed.unwrap_or_else(random_u64);
         let mut prefix = PrefixIndex::new(
             num_pages,
@@ -237,6 +233,12 @@ impl SlotAllocator {
                 Some(HostTier::new(n, num_pages, opts.host_policy)?)
             }
         };
+        // The page pool last: it writes its free stack (4 bytes a page), which
+        // an allocation refused after it would have cost for nothing.
+        let mut pages = PagePool::new(num_pages, !opts.lazy_metadata)?;
+        if let Some(m) = opts.max_pinned_pages {
+            pages.set_max_pinned(m);
+        }
         Ok(Self {
             geo,
             requests,

@@ -82,18 +82,22 @@ impl HostTier {
     pub(crate) fn new(host_pages: usize, num_pages: usize, policy: HostPolicy) -> Result<Self> {
         let mut free = Vec::new();
         reserve(&mut free, host_pages - 1, "host free stack")?;
+        // Allocated before the stack is written (4 bytes a host page), so a
+        // refusal costs no resident memory (as in PagePool::new).
+        let records = zeroed_vec(host_pages, "host page states")?;
+        let load_into = zeroed_vec(num_pages, "host load map")?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh tier.
         free.extend((1..host_pages as u32).rev());
         Ok(HostTier {
             policy,
-            records: zeroed_vec(host_pages, "host page states")?,
+            records,
             free,
             eviction: Eviction::default(),
             registered: 0,
             host_only: 0,
             offloads: Vec::new(),
             loads: Vec::new(),
-            load_into: zeroed_vec(num_pages, "host load map")?,
+            load_into,
             offloaded: 0,
             loaded: 0,
             hit_tokens: 0,

@@ -76,12 +76,17 @@ impl PagePool {
     pub(crate) fn new(num_pages: usize, map_now: bool) -> Result<Self> {
         let mut free = Vec::new();
         reserve(&mut free, num_pages - 1, "free page stack")?;
+        // Everything allocated before the stack is written: filling it
+        // touches 4 bytes a page (8 GiB at MAX_PAGES), which a refusal of
+        // the records after it would have paid for nothing.
+        let records = page_states(num_pages, map_now)?;
+        let blocks = BlockHolds::new(num_pages)?;
         // Reversed so that pop() hands out 1, 2, 3, ... on a fresh pool.
         free.extend((1..num_pages as u32).rev());
         Ok(PagePool {
             free,
-            records: page_states(num_pages, map_now)?,
-            blocks: BlockHolds::new(num_pages)?,
+            records,
+            blocks,
             eviction: Eviction::default(),
             copies: CopyQueue::default(),
             max_pinned: (num_pages - 1) / 4,

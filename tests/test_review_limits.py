@@ -1,0 +1,54 @@
+"""Review: pools sized at the numeric limits (pages near 2**31, budgets, grouped anchors).
+
+A size that cannot be allocated is an ``InvalidArgumentError`` that names the argument
+and costs nothing: no resident memory written before the refusal.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kvpool
+
+# Runs in a child whose address space is capped at 8 GiB above what it has mapped:
+# 2**30 pages (2**29 host pages) would reserve a free stack of 4 (2) GiB and page records
+# of 16 (8) GiB, which do not fit, so construction is refused. Filling the free stack
+# (4 bytes a page) before that refusal wrote GiBs for nothing (8 GiB at MAX_PAGES): an
+# OOM kill instead of the error on a smaller machine.
+_CHILD = textwrap.dedent("""
+    import importlib.util
+    import resource
+
+    # The extension alone (no torch import: seconds per child saved).
+    spec = importlib.util.spec_from_file_location("_core", {core!r})
+    core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core)
+
+    vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 30), resource.RLIM_INFINITY))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        core.SlotAllocator({args})
+    except core.InvalidArgumentError as e:
+        print("refused:", e)
+    else:
+        print("built")
+    print("grew_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and caps RLIMIT_AS")
+@pytest.mark.parametrize("args", ["2**30", "16, host_pages=2**29, max_requests=4, max_context_len=64"],
+                         ids=["device-pages", "host-pages"])
+def test_a_pool_too_big_to_allocate_is_refused_before_its_free_stack_is_written(args):
+    child = _CHILD.format(args=args, core=kvpool._core.__file__)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused: cannot allocate"), out.stdout
+    grew_mib = int(lines[-1].split()[1]) // 1024
+    assert grew_mib < 512, f"a refused construction wrote {grew_mib} MiB first"
