@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 import kvpool
+from kvpool import GroupedAllocator, InvalidArgumentError
 
 # Runs in a child whose address space is capped at 8 GiB above what it has mapped:
 # 2**30 pages (2**29 host pages) would reserve a free stack of 4 (2) GiB and page records
@@ -52,3 +53,12 @@ def test_a_pool_too_big_to_allocate_is_refused_before_its_free_stack_is_written(
     assert lines[0].startswith("refused: cannot allocate"), out.stdout
     grew_mib = int(lines[-1].split()[1]) // 1024
     assert grew_mib < 512, f"a refused construction wrote {grew_mib} MiB first"
+
+
+@pytest.mark.parametrize("anchor_pages", [2**31, 2**32 + 1])
+def test_anchor_pages_past_the_page_limit_is_named_as_anchor_pages(anchor_pages):
+    # No full group's page size divides the other's, so a token-only anchor chain is built:
+    # the refusal named "num_pages", which the caller never passed.
+    groups = [dict(kind="full", num_pages=8, page_size=3), dict(kind="full", num_pages=8, page_size=7)]
+    with pytest.raises(InvalidArgumentError, match=rf"^anchor_pages must be in \[2, 2147483647\].*got {anchor_pages}$"):
+        GroupedAllocator(groups, 4, 64, anchor_pages=anchor_pages)

@@ -108,7 +108,7 @@ use crate::allocator::group_hooks::BatchRow;
 use crate::allocator::options::Options;
 use crate::allocator::SlotAllocator;
 use crate::error::{GroupShortage, PoolError, Result};
-use crate::memory::filled_vec;
+use crate::memory::{filled_vec, MAX_PAGES};
 use paged::PageEngine;
 use spec::{gcd, lcm};
 use state::StateEngine;
@@ -236,8 +236,11 @@ impl GroupedAllocator {
                         .saturating_add(1)
                         .min(i32::MAX as usize),
                 };
-                if pages < 2 {
-                    return bad(format!("anchor_pages must be >= 2, got {pages}"));
+                // (Named here: the anchor's own refusal would name num_pages.)
+                if !(2..=MAX_PAGES).contains(&pages) {
+                    return bad(format!(
+                        "anchor_pages must be in [2, {MAX_PAGES}] (it includes the reserved page 0), got {pages}"
+                    ));
                 }
                 SlotAllocator::with_options(pages, a, max_requests, max_context_len, opts)?
             }
