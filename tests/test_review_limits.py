@@ -62,3 +62,20 @@ def test_anchor_pages_past_the_page_limit_is_named_as_anchor_pages(anchor_pages)
     groups = [dict(kind="full", num_pages=8, page_size=3), dict(kind="full", num_pages=8, page_size=7)]
     with pytest.raises(InvalidArgumentError, match=rf"^anchor_pages must be in \[2, 2147483647\].*got {anchor_pages}$"):
         GroupedAllocator(groups, 4, 64, anchor_pages=anchor_pages)
+
+
+def test_admissible_tokens_past_max_context_len_is_not_one_request():
+    # The docs said one new request of admissible_tokens tokens fits; it does up to
+    # max_context_len only (admissible_tokens is the pool's free slots).
+    from kvpool import ContextTooLongError, SlotAllocator
+
+    a = SlotAllocator(100, 1, 4, 16)
+    assert a.admissible_tokens == 99
+    before = a.stats()
+    with pytest.raises(ContextTooLongError, match="max_context_len=16"):
+        a.admit([a.admissible_tokens])
+    assert a.stats() == before
+    h, slots = a.admit([min(a.admissible_tokens, a.max_context_len)])
+    assert len(slots) == 16
+    assert "max_context_len" in SlotAllocator.admissible_tokens.__doc__
+    assert "max_context_len" in GroupedAllocator.admissible_tokens.__doc__

@@ -226,7 +226,8 @@ class SlotAllocator:
     def admissible_tokens(self) -> int:
         """free_slots: tokens that fit in whole free or evictable pages (pinned
         cached pages are not counted). One new request of this many tokens
-        fits; a batch is a page count, not a token count: each request takes
+        fits (of at most max_context_len: a longer one is refused as too
+        long, whatever is free); a batch is a page count, not a token count: each request takes
         pages_for(length + n) - pages_for(length) (a new one starts a page),
         plus one copy when it writes into a partly filled last page that is
         shared (fork, a queued copy's source).
@@ -1161,7 +1162,7 @@ class GroupedAllocator:
         (free_pages * page_size; state slots for a state group), or with
         group=None the least over every page group and the anchor chain, the
         pool-wide figure for admission with admissible_requests. One new
-        request of this many tokens fits; a batch is a page count, not a
+        request of this many tokens fits (of at most max_context_len); a batch is a page count, not a
         token count (each request starts a page in every page group), and a
         request writing into a partly filled page it shares (a fork's) takes
         one more page for the copy.

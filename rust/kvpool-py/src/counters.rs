@@ -47,7 +47,8 @@ impl PySlotAllocator {
     }
     /// free_slots: tokens that fit in whole free or evictable pages (pinned
     /// cached pages are not counted). One new request of this many tokens
-    /// fits; a batch is a page count, not a token count: each request takes
+    /// fits (of at most max_context_len: a longer one is refused as too
+    /// long, whatever is free); a batch is a page count, not a token count: each request takes
     /// pages_for(length + n) - pages_for(length) (a new one starts a page),
     /// plus one copy when it writes into a partly filled last page that is
     /// shared (fork, a queued copy's source).

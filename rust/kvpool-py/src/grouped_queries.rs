@@ -150,7 +150,7 @@ impl PyGroupedAllocator {
     /// (free_pages * page_size; state slots for a state group), or with
     /// group=None the least over every page group and the anchor chain, the
     /// pool-wide figure for admission with admissible_requests. One new
-    /// request of this many tokens fits; a batch is a page count, not a
+    /// request of this many tokens fits (of at most max_context_len); a batch is a page count, not a
     /// token count (each request starts a page in every page group), and a
     /// request writing into a partly filled page it shares (a fork's) takes
     /// one more page for the copy.
