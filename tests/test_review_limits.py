@@ -79,3 +79,23 @@ def test_admissible_tokens_past_max_context_len_is_not_one_request():
     assert len(slots) == 16
     assert "max_context_len" in SlotAllocator.admissible_tokens.__doc__
     assert "max_context_len" in GroupedAllocator.admissible_tokens.__doc__
+
+
+@pytest.mark.parametrize(("num_slots", "page_size", "fix"), [
+    (1, 3, r"use 6 \(two pages"),  # was "use 0 or 3": a pool needs two pages
+    (4, 3, "use 6$"),  # was "use 3 or 6"
+    (7, 3, "use 6 or 9$"),
+    (2**31 + 1, 2, "use 2147483648$"),  # was "or 2147483650", past the 2**31 slots
+    (2**31 - 1, 2, "use 2147483646 or 2147483648$"),
+])
+def test_num_slots_off_the_page_size_suggests_sizes_a_pool_takes(num_slots, page_size, fix):
+    from kvpool.capacity import resolve_num_pages
+
+    with pytest.raises(InvalidArgumentError, match=f"not a multiple of page_size={page_size}; {fix}"):
+        kvpool.KVPool(1, 1, 1, num_slots=num_slots, page_size=page_size)
+    # Each size suggested is one that resolves.
+    for word in fix.split():
+        if word.strip("$").isdigit() and fix.startswith("use"):
+            n = int(word.strip("$"))
+            assert resolve_num_pages(page_size=page_size, slot_bytes=2, fixed_bytes=0, num_pages=None, num_slots=n,
+                                     memory_bytes=None, memory_fraction=None, device=None) == n // page_size

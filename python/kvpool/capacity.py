@@ -151,9 +151,14 @@ def resolve_num_pages(
     elif num_slots is not None:
         num_slots = _count("num_slots", num_slots)
         if num_slots % page_size:
+            # Only sizes a pool takes: two pages at least (page 0 is reserved), within the limits.
+            near = (num_slots // page_size, -(-num_slots // page_size))
+            ok = [n * page_size for n in near if 2 <= n <= MAX_PAGES and n * page_size <= MAX_SLOTS]
+            fix = (f"use {' or '.join(map(str, ok))}" if ok else
+                   f"use {2 * page_size} (two pages: page 0 is reserved)" if 2 * page_size <= MAX_SLOTS else
+                   slot_limit_hint(page_size, "num_slots"))
             raise InvalidArgumentError(
-                f"num_slots={num_slots} is not a multiple of page_size={page_size}; "
-                f"use {num_slots // page_size * page_size} or {-(-num_slots // page_size) * page_size}"
+                f"num_slots={num_slots} is not a multiple of page_size={page_size}; {fix}"
             )
         pages = int(num_slots) // page_size
     else:
