@@ -52,6 +52,8 @@ use crate::table::Table;
 ///         cache()), and skip priming the heap for result arrays: for a pool
 ///         sized far beyond what it will hold. Its first requests then pay the
 ///         page faults that construction otherwise takes (docs/allocator.md).
+///         The free page stack (4 bytes a page) is written at construction
+///         either way: 4 GiB and seconds at 2**30 pages.
 ///
 /// Raises:
 ///     InvalidArgumentError: a size is zero, negative or too large, a seed
