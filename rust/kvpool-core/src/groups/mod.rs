@@ -201,10 +201,9 @@ impl GroupedAllocator {
         // unused): anchor_pages=1 was accepted beside a full group and refused on an
         // all-sliding pool, and an out-of-range one was reported as num_pages.
         if let Some(n) = anchor_pages {
-            if !(2..=i32::MAX as usize).contains(&n) {
+            if !(2..=MAX_PAGES).contains(&n) {
                 return bad(format!(
-                    "anchor_pages must be in [2, {}] (it includes the reserved page 0), got {n}",
-                    i32::MAX
+                    "anchor_pages must be in [2, {MAX_PAGES}] (it includes the reserved page 0), got {n}"
                 ));
             }
         }
@@ -236,7 +235,8 @@ impl GroupedAllocator {
                         .saturating_add(1)
                         .min(i32::MAX as usize),
                 };
-                // (Named here: the anchor's own refusal would name num_pages.)
+                // (A given one is checked above; the default can be 1 with no
+                // requests, and the anchor's own refusal would name num_pages.)
                 if !(2..=MAX_PAGES).contains(&pages) {
                     return bad(format!(
                         "anchor_pages must be in [2, {MAX_PAGES}] (it includes the reserved page 0), got {pages}"
