@@ -6,6 +6,7 @@
 use super::SlotAllocator;
 use crate::error::Result;
 use crate::handle::handle_row;
+use crate::location::is_host;
 use crate::prefix::index::{PrefixIndex, LOOKAHEAD};
 use crate::prefix::run_builder::RunBuilder;
 use crate::prefix::tip::ChainTip;
@@ -143,7 +144,12 @@ impl SlotAllocator {
 
     /// The tip after `row`'s first `n` pages walked as its chain: each page
     /// its own entry under the page before, or, for a duplicate, the entry
-    /// its content is registered under there. None where one is missing.
+    /// its content is registered under there. None where one is missing,
+    /// or where that entry's only copy is on the host: the chain restarts
+    /// then, and its registration makes the row's page the entry's device
+    /// copy (`register_page`), as when `cache()` first met the duplicate;
+    /// kept unregistered, the page's content would be hit only through a
+    /// load, and not at all while no device page is free.
     pub(super) fn walk_chain(&self, row: usize, n: usize) -> Option<ChainTip> {
         let salt = self.requests.salt(row);
         let (prefix, pages) = (&self.prefix, &self.pages);
@@ -152,7 +158,10 @@ impl SlotAllocator {
             tip = prefix.continues(pages.entry(p), &tip, salt).or_else(|| {
                 let h = prefix.page_hash(tip.hash, p);
                 match prefix.child_of(&tip, h) {
-                    Some((i, _)) if prefix.verify(i, prefix.page_tokens(p), salt, tip.reg) => {
+                    Some((i, loc))
+                        if !is_host(loc)
+                            && prefix.verify(i, prefix.page_tokens(p), salt, tip.reg) =>
+                    {
                         Some(prefix.tip(i))
                     }
                     _ => None,

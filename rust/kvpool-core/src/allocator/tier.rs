@@ -44,6 +44,7 @@ impl SlotAllocator {
         }
         if copy != 0 {
             self.prefix.set_location(i, on_host(copy));
+            self.prefix.note_device_copy_lost();
             if let Some(h) = self.host.as_mut() {
                 h.count_host_only(true);
             }

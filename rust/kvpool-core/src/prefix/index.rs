@@ -161,7 +161,8 @@ pub(crate) struct PrefixIndex {
     /// Removed entries with children, which a recomputation of their
     /// content revives (`ghosts.rs`).
     pub(super) ghosts: Box<Ghosts>,
-    /// Registrations removed so far (evicted, dropped or cleared), wrapping:
+    /// Registrations removed so far (evicted, dropped or cleared), and
+    /// device copies an entry lost while keeping its host copy, wrapping:
     /// a request whose chain passes through another's entry rechecks it
     /// when this moved (`SlotAllocator::restart_dead_chain`).
     pub(super) removals: u32,
@@ -229,6 +230,14 @@ impl PrefixIndex {
     #[inline]
     pub(crate) fn removals(&self) -> u32 {
         self.removals
+    }
+
+    /// An entry's device copy went and its host copy stayed: chains through
+    /// it are walked again at their next `cache()`, where a request's own
+    /// duplicate of its content becomes its device copy (see `walk_chain`).
+    #[inline]
+    pub(crate) fn note_device_copy_lost(&mut self) {
+        self.removals = self.removals.wrapping_add(1);
     }
 
     /// Number of registered pages (live entries).
