@@ -56,7 +56,14 @@ class GhostMixin:
         are filed under it; once it goes they could never be hit (docs/allocator.md,
         duplicates: "the same holds for a duplicate inside the chain")."""
         q = self.reqs[r]
-        if q.broken or all(g in self.reg for g in q.regs):
+        if q.broken:
+            return False
+        gone = any(g not in self.reg for g in q.regs)
+        # Also where such a duplicate's entry kept only its host copy: the restart makes the
+        # request's own page its device copy (the core's ``walk_chain``).
+        host_only = any(g in self.reg and self.reg[g].dev is None and self.entry_at(p) is None
+                        for p, g in zip(q.pages, q.regs))
+        if not gone and not host_only:
             return False
         chain = k = 0
         for p in q.pages[: q.hashed]:
