@@ -171,11 +171,8 @@ impl Model {
             // The last page kept duplicated another request's entry: the
             // chain resumes at that entry while every registration the
             // chain stands for is live (as restart_dead_chain would keep it).
-            let kept = (entry.is_none()
-                && full > 0
-                && !req.broken
-                && req.regs.iter().all(|g| self.reg.contains_key(g)))
-            .then(|| req.regs[full - 1]);
+            let kept = (entry.is_none() && full > 0 && !req.broken && self.chain_stands(r))
+                .then(|| req.regs[full - 1]);
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
             match entry.or(kept) {

@@ -128,6 +128,21 @@ impl Model {
         }
     }
 
+    /// Whether every registration `r`'s chain stands for is live, and none
+    /// of them is a duplicate's entry whose only copy is on the host (the
+    /// core then restarts the chain, so its registration makes the row's
+    /// page that entry's device copy).
+    pub fn chain_stands(&self, r: usize) -> bool {
+        let req = &self.reqs[&r];
+        req.regs
+            .iter()
+            .zip(&req.pages)
+            .all(|(g, &p)| match self.reg.get(g) {
+                None => false,
+                Some(e) => e.dev.is_some() || self.entry_at(p).is_some(),
+            })
+    }
+
     /// A chain whose tip registration is gone (its tip was another
     /// request's entry, which was evicted) resumes after the longest run of
     /// the request's own registered pages from page 0 that still chains;
@@ -136,7 +151,7 @@ impl Model {
         let req = &self.reqs[&r];
         // Any registration the chain stands for gone (the tip, or a page
         // duplicating another request's entry inside it).
-        if req.broken || req.regs.iter().all(|g| self.reg.contains_key(g)) {
+        if req.broken || self.chain_stands(r) {
             return false;
         }
         let (mut chain, mut k) = (0, 0);
