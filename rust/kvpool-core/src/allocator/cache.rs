@@ -153,13 +153,15 @@ impl SlotAllocator {
     pub(super) fn walk_chain(&self, row: usize, n: usize) -> Option<ChainTip> {
         let salt = self.requests.salt(row);
         let (prefix, pages) = (&self.prefix, &self.pages);
+        // (Only a host tier's entries are host-only; without one the bit means nothing here.)
+        let tiered = self.host.is_some();
         let mut tip = ChainTip::root(salt);
         for &p in self.requests.pages(row, n) {
             tip = prefix.continues(pages.entry(p), &tip, salt).or_else(|| {
                 let h = prefix.page_hash(tip.hash, p);
                 match prefix.child_of(&tip, h) {
                     Some((i, loc))
-                        if !is_host(loc)
+                        if !(tiered && is_host(loc))
                             && prefix.verify(i, prefix.page_tokens(p), salt, tip.reg) =>
                     {
                         Some(prefix.tip(i))
