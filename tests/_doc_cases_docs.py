@@ -53,7 +53,8 @@ import kvpool
 pool = kvpool.KVPool(2, 2, 8, dtype=torch.float32, page_size=16, num_pages=16)
 n = N_TOKENS
 """,
-        check=TRANSFER_CHECK + """
+        # (The decode branch names recv_request's handle `handle`; the README's example `h`.)
+        check=TRANSFER_CHECK.replace("(h)", "(handle)") + """
 if rank == 0:
     assert not pool.is_open(h[0]) and pool.open_requests == 0
     assert (stats.handle, stats.pages, stats.cached_pages) == (h[0], 3, 0) and stats.bytes > 0

@@ -38,7 +38,11 @@ CHILD = textwrap.dedent(
         n = scatter_rows((dst,), torch.arange(rows), (src,))
         t.join()
         assert src.numel() == 0
-        assert n == rows and bool((dst == 1).all()), (n, float(dst.sum()))
+        # The other thread may take the GIL before the call starts (under load it does):
+        # the source is then empty, which scatter_rows declines (-1) having touched nothing.
+        stored = n == rows and bool((dst == 1).all())
+        declined = n == -1 and not bool(dst.any())
+        assert stored or declined, (n, float(dst.sum()))
         dst.zero_()
     print("done")
     """
