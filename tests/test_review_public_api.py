@@ -252,3 +252,16 @@ def test_a_whole_float_count_gets_one_suggestion():
     assert str(info.value).endswith("got float 8.0; use 8"), str(info.value)
     with pytest.raises(InvalidArgumentError, match="use 8 or 9$"):
         kvpool.KVPool(2, 2, 4, num_pages=8.5)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "state_shapes", "group_pages"])
+def test_plain_pool_takes_the_hybrid_keywords_default_none(name):
+    """KVPool's signature gives sliding_window / state_shapes / group_pages the default None, but
+    passing that None explicitly without layer_types (a wrapper forwarding a plain model's
+    config.sliding_window) was refused as 'applies to hybrid pools'. None now asks for nothing, as
+    leaving it out does; a value still needs layer_types."""
+    pool = kvpool.KVPool(2, 1, 4, num_pages=8, layer_types=None, **{name: None})
+    assert type(pool) is kvpool.KVPool and pool.allocator.num_pages == 8
+    value = {"sliding_window": 4, "state_shapes": {"s": (3,)}, "group_pages": {"full_attention": 8}}[name]
+    with pytest.raises(InvalidArgumentError, match=f"{name} applies to hybrid pools"):
+        kvpool.KVPool(2, 1, 4, num_pages=8, **{name: value})

@@ -150,7 +150,10 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
         # Hybrid models (layer_types) get the grouped pool; every other call is
         # today's pool, built by __init__ as before.
         if layer_types is None:
-            stray = sorted(k for k in ("sliding_window", "state_shapes", "group_pages") if k in kwargs)
+            # None is each one's documented default (__init__'s signature): passed explicitly, it
+            # asks for nothing, as when it is left out.
+            stray = sorted(k for k in ("sliding_window", "state_shapes", "group_pages")
+                           if kwargs.get(k) is not None)
             if stray:
                 raise InvalidArgumentError(f"{', '.join(stray)} applies to hybrid pools: pass layer_types=[...] too")
             return super().__new__(cls)
