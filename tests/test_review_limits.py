@@ -123,3 +123,21 @@ def test_lazy_metadata_still_writes_the_free_page_stack_as_documented():
     assert int(out.stdout) >= 48 * 1024  # KiB: most of the 64 MiB stack is resident
     assert "free page stack (4 bytes a page) is written at construction" in \
         " ".join(kvpool.SlotAllocator.__doc__.split())
+
+
+@pytest.mark.parametrize(("num_slots", "page_size", "message"), [
+    (7, 3, "num_slots=7 is not a multiple of page_size=3; use 6 or 9$"),  # was "... >= 2 pages, got 7"
+    (1, 3, r"num_slots=1 is not a multiple of page_size=3; use 6 \(two pages"),
+    (2**31 + 1, 2, "use 2147483648$"),
+    (3, 3, r"num_slots=3 is under two pages of page_size=3; use 6 \(two pages"),
+])
+def test_a_hybrid_pool_names_the_sizes_it_takes_as_the_plain_pool_does(num_slots, page_size, message):
+    """98b26d0 made the plain pool's num_slots refusal name page_size and the nearest sizes a pool
+    takes; the hybrid pool (layer_types) still said only "num_slots must be a multiple of
+    page_size >= 2 pages, got 7". Both now share the check (capacity.pages_of_slots)."""
+    hybrid = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                  max_requests=4, max_context_len=64)
+    with pytest.raises(InvalidArgumentError, match=message):
+        kvpool.KVPool(2, 2, 8, num_slots=num_slots, page_size=page_size, **hybrid)
+    pool = kvpool.KVPool(2, 2, 8, num_slots=6 * page_size, page_size=page_size, **hybrid)
+    assert pool.groups[0].num_pages == 6

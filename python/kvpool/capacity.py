@@ -18,7 +18,7 @@ from kvpool._core import InvalidArgumentError
 from kvpool.layout import padded_row_stride
 
 __all__ = ["MAX_PAGES", "MAX_SLOTS", "budget_bytes", "bytes_per_slot", "fraction_of_memory", "free_device_memory",
-           "resolve_num_pages", "slot_limit_hint", "table_bytes"]
+           "pages_of_slots", "resolve_num_pages", "slot_limit_hint", "table_bytes"]
 
 #: Most slots a pool may have: ``req_to_token`` and the page tables are int32,
 #: so every slot id must be below 2**31 (a bigger pool would wrap to negative
@@ -115,6 +115,21 @@ def _available_host_memory() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def pages_of_slots(num_slots: Any, page_size: int) -> int:
+    """``num_slots`` as pages of ``page_size`` (an int, numpy ints too), or an
+    ``InvalidArgumentError`` that suggests the nearest sizes a pool takes: two pages at
+    least (page 0 is reserved), within the limits. The plain and the hybrid pool's check."""
+    num_slots = _count("num_slots", num_slots)
+    if num_slots % page_size:
+        near = (num_slots // page_size, -(-num_slots // page_size))
+        ok = [n * page_size for n in near if 2 <= n <= MAX_PAGES and n * page_size <= MAX_SLOTS]
+        fix = (f"use {' or '.join(map(str, ok))}" if ok else
+               f"use {2 * page_size} (two pages: page 0 is reserved)" if 2 * page_size <= MAX_SLOTS else
+               slot_limit_hint(page_size, "num_slots"))
+        raise InvalidArgumentError(f"num_slots={num_slots} is not a multiple of page_size={page_size}; {fix}")
+    return num_slots // page_size
+
+
 def resolve_num_pages(
     *,
     page_size: int,
@@ -149,18 +164,7 @@ def resolve_num_pages(
     if num_pages is not None:
         pages = _count("num_pages", num_pages)
     elif num_slots is not None:
-        num_slots = _count("num_slots", num_slots)
-        if num_slots % page_size:
-            # Only sizes a pool takes: two pages at least (page 0 is reserved), within the limits.
-            near = (num_slots // page_size, -(-num_slots // page_size))
-            ok = [n * page_size for n in near if 2 <= n <= MAX_PAGES and n * page_size <= MAX_SLOTS]
-            fix = (f"use {' or '.join(map(str, ok))}" if ok else
-                   f"use {2 * page_size} (two pages: page 0 is reserved)" if 2 * page_size <= MAX_SLOTS else
-                   slot_limit_hint(page_size, "num_slots"))
-            raise InvalidArgumentError(
-                f"num_slots={num_slots} is not a multiple of page_size={page_size}; {fix}"
-            )
-        pages = int(num_slots) // page_size
+        pages = pages_of_slots(num_slots, page_size)
     else:
         if memory_fraction is not None:
             budget = int(free_device_memory(device) * fraction_of_memory(memory_fraction))

@@ -33,7 +33,7 @@ from kvpool._core import GroupedAllocator, InvalidArgumentError
 from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
-from kvpool.capacity import budget_bytes, fraction_of_memory, free_device_memory
+from kvpool.capacity import budget_bytes, fraction_of_memory, free_device_memory, pages_of_slots
 from kvpool.hybrid_copies import HybridCopies
 from kvpool.hybrid_ops import HybridExtendResult, HybridRequestOps
 from kvpool.hybrid_plan import LayerGroup, check_slot_ids, plan_groups, plan_states, primary_pages_for_budget
@@ -187,10 +187,14 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
             p = page_size.get("full_attention", page_size.get("sliding_attention", 1)) \
                 if isinstance(page_size, Mapping) else page_size
             # (a numpy int page size is an int here too, as plan_groups and the plain pool take it)
-            if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or isinstance(p, bool) or \
-                    not isinstance(p, (int, np.integer)) or p < 1 or num_slots < 2 * p or num_slots % p:
-                raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r}")
-            num_pages = int(num_slots) // int(p)
+            if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
+                raise InvalidArgumentError(f"num_slots must be a multiple of page_size >= 2 pages, got {num_slots!r} "
+                                           f"with page_size {p!r}")
+            # (the plain pool's check and hints: a size off the page size names the sizes it takes)
+            num_pages = pages_of_slots(num_slots, int(p))
+            if num_pages < 2:
+                raise InvalidArgumentError(f"num_slots={num_slots} is under two pages of page_size={p}; use {2 * p} "
+                                           "(two pages: page 0 is reserved)")
         self.layer_types = tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types
         plan: dict[str, Any] = dict(
             layer_types=layer_types, num_layers=self.num_layers, sliding_window=sliding_window,
