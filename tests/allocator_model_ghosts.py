@@ -65,15 +65,12 @@ class GhostMixin:
                         for p, g in zip(q.pages, q.regs))
         if not gone and not host_only:
             return False
-        chain, regs = 0, []
+        chain = k = 0
         for p in q.pages[: q.hashed]:
             e = self.entry_at(p)
             if e is None or e.parent_reg != chain or e.key[0] != q.salt:
                 break
-            chain = e.reg
-            regs.append(chain)
-        # The registrations the walk reached, not the old ones: a page whose content was
-        # registered anew under another id keeps the new one, or the next cache() would find
-        # the old id gone and restart again where the core's chain stands.
-        q.hashed, q.chain_reg, q.regs = len(regs), chain, regs
+            chain, k = e.reg, k + 1
+        q.hashed, q.chain_reg = k, chain
+        del q.regs[k:]
         return True

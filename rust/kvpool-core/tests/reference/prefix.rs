@@ -154,23 +154,18 @@ impl Model {
         if req.broken || self.chain_stands(r) {
             return false;
         }
-        let (mut chain, mut regs) = (0, Vec::new());
+        let (mut chain, mut k) = (0, 0);
         for &p in &req.pages[..req.hashed] {
             match self.reg.values().find(|e| e.dev == Some(p)) {
                 Some(e) if e.parent_reg == chain && e.key.0 == req.salt => chain = e.reg,
                 _ => break,
             }
-            regs.push(chain);
+            k += 1;
         }
-        // The registrations the walk reached, not the ones the chain had
-        // before: a page re-registered since (a gone entry's content
-        // registered anew under another id) keeps its new id, or the next
-        // cache() would find the old one gone and restart again where the
-        // core's chain stands.
         let req = self.reqs.get_mut(&r).unwrap();
-        req.hashed = regs.len();
+        req.hashed = k;
         req.chain_reg = chain;
-        req.regs = regs;
+        req.regs.truncate(k);
         true
     }
 
