@@ -172,7 +172,7 @@ impl Model {
             // chain resumes at that entry while every registration the
             // chain stands for is live (as restart_dead_chain would keep it).
             let kept = (entry.is_none() && full > 0 && !req.broken && self.chain_stands(r))
-                .then(|| req.regs[full - 1]);
+                .then(|| req.through[full - 1]);
             let req = self.reqs.get_mut(&r).unwrap();
             req.broken = false;
             match entry.or(kept) {
@@ -186,6 +186,7 @@ impl Model {
                 }
             }
             req.regs.truncate(req.hashed);
+            req.through.truncate(req.hashed);
         }
     }
 }

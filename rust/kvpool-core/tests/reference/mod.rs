@@ -89,6 +89,11 @@ pub struct Req {
     /// The registration id the chain reached at each of its pages (what a
     /// grouped pool files its other groups' pages under).
     pub regs: Vec<u64>,
+    /// The registration ids the chain passes through as the core's chain
+    /// sees them: `regs`, except that a restart rewrites the pages it
+    /// walked with the ids it reached (`regs` keeps the ones the groups'
+    /// pages were filed under). Whether the chain stands is read here.
+    pub through: Vec<u64>,
 }
 
 impl Req {

@@ -34,6 +34,7 @@ impl Model {
         let mut k = req.hashed;
         let mut broken = false;
         let mut regs = req.regs.clone();
+        let mut through = req.through.clone();
         while k < known / self.ps {
             if chain_reg != 0 && !self.reg.contains_key(&chain_reg) {
                 // The chain's tip registration is gone: the chain stops.
@@ -109,6 +110,7 @@ impl Model {
                 Some(reg) => {
                     chain_reg = reg;
                     regs.push(reg);
+                    through.push(reg);
                     k += 1;
                 }
                 None => {
@@ -123,6 +125,7 @@ impl Model {
         req.chain_reg = chain_reg;
         req.broken = broken;
         req.regs = regs;
+        req.through = through;
         if k > from && self.writes_through() {
             self.write_through(r, from, k);
         }
@@ -134,7 +137,7 @@ impl Model {
     /// page that entry's device copy).
     pub fn chain_stands(&self, r: usize) -> bool {
         let req = &self.reqs[&r];
-        req.regs
+        req.through
             .iter()
             .zip(&req.pages)
             .all(|(g, &p)| match self.reg.get(g) {
@@ -154,18 +157,24 @@ impl Model {
         if req.broken || self.chain_stands(r) {
             return false;
         }
-        let (mut chain, mut k) = (0, 0);
+        let (mut chain, mut walked) = (0, Vec::new());
         for &p in &req.pages[..req.hashed] {
             match self.reg.values().find(|e| e.dev == Some(p)) {
                 Some(e) if e.parent_reg == chain && e.key.0 == req.salt => chain = e.reg,
                 _ => break,
             }
-            k += 1;
+            walked.push(chain);
         }
+        let k = walked.len();
         let req = self.reqs.get_mut(&r).unwrap();
         req.hashed = k;
         req.chain_reg = chain;
+        // The groups' pages stay filed under the ids they were registered
+        // with (`regs`); the chain stands on the ids the walk reached, or
+        // the next cache() would find an old one gone and restart again
+        // where the core's chain, walked and live, goes on.
         req.regs.truncate(k);
+        req.through = walked;
         true
     }
 
@@ -240,6 +249,7 @@ impl Model {
             r.chain_reg = 0;
             r.broken = false;
             r.regs.clear();
+            r.through.clear();
         }
     }
 }

@@ -124,6 +124,7 @@ impl Model {
         r.hashed = pages.len();
         r.chain_reg = regs.last().copied().unwrap_or(0);
         r.regs = regs.to_vec();
+        r.through = regs.to_vec();
         self.hit += len as u64;
         self.miss += (p.len() - len) as u64;
         (h, len)
