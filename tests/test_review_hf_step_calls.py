@@ -1,4 +1,4 @@
-"""What transformers asks a ``KVPoolCache`` at every step, beyond ``update`` (issue 32): the
+"""What transformers asks a ``KVPoolCache`` at every step, beyond ``update``: the
 layer-kind properties (``is_compileable``, ``is_sliding``, ``is_linear``, ``is_dummy``) that
 ``generate``'s inputs and the masks read at every forward. The cache takes them once from
 ``Cache``'s own properties (its layers never change kind), so a ``generate`` no longer walks the
