@@ -65,12 +65,16 @@ class GhostMixin:
                         for p, g in zip(q.pages, q.regs))
         if not gone and not host_only:
             return False
-        chain = k = 0
+        chain, walked = 0, []
         for p in q.pages[: q.hashed]:
             e = self.entry_at(p)
             if e is None or e.parent_reg != chain or e.key[0] != q.salt:
                 break
-            chain, k = e.reg, k + 1
-        q.hashed, q.chain_reg = k, chain
-        del q.regs[k:]
+            chain = e.reg
+            walked.append(chain)
+        q.hashed, q.chain_reg = len(walked), chain
+        # The chain now stands on the ids the walk reached: a page that duplicated an entry
+        # gone since is filed under its own page's entry. Keeping the old ids would restart
+        # the chain again at the next cache() where the core's chain, walked and live, goes on.
+        q.regs = walked
         return True
