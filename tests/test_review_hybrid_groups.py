@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvpool import KVPool
-from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool._core import GroupedAllocator, InvalidArgumentError, SlotAllocator
 from kvpool.errors import KVPoolError
 
 W, P = 8, 4
@@ -254,3 +254,24 @@ def test_a_hybrid_num_pages_that_is_no_int_is_a_typed_error(num_pages):
     """A str reached check_slot_ids' arithmetic as a TypeError."""
     with pytest.raises(InvalidArgumentError, match=r"^num_pages must be an int, got "):
         make(num_pages=num_pages)
+
+
+@pytest.mark.parametrize("make,key,least", [
+    (lambda v: SlotAllocator(v), "num_pages", 2),
+    (lambda v: SlotAllocator(8, page_size=v), "page_size", 1),
+    (lambda v: SlotAllocator(8, max_requests=v), "max_requests", 1),
+    (lambda v: SlotAllocator(8, max_context_len=v), "max_context_len", 1),
+    (lambda v: SlotAllocator(8, host_pages=v), "host_pages", 0),
+    (lambda v: GroupedAllocator([{"kind": "full", "num_pages": 8}], v), "max_requests", 1),
+    (lambda v: GroupedAllocator([{"kind": "full", "num_pages": 8}], 2, v), "max_context_len", 1),
+    (lambda v: GroupedAllocator([{"kind": "sliding", "num_pages": 8, "window": 4}], anchor_pages=v),
+     "anchor_pages", 2),
+])
+def test_a_negative_pool_size_is_told_its_least_value(make, key, least):
+    """The allocators' own sizes, as the groups' above: told ">= 0" for num_pages=-1, a caller
+    who tried 0 was only refused again."""
+    with pytest.raises(InvalidArgumentError, match=rf"^{key} must be >= {least}, got -3$"):
+        make(-3)
+    if least:
+        with pytest.raises(InvalidArgumentError, match=key):
+            make(least - 1)

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use kvpool_core::SlotAllocator;
 use pyo3::prelude::*;
 
-use crate::convert::{seed_arg, usize_arg, KvEventsFlag, LazyMetadataFlag, ManualClockFlag};
+use crate::convert::{
+    seed_arg, size_arg, usize_arg, KvEventsFlag, LazyMetadataFlag, ManualClockFlag,
+};
 use crate::errors::Result;
 use crate::output::{filled, new_uninit, Arr};
 use crate::table::Table;
@@ -193,14 +195,17 @@ impl PySlotAllocator {
         host_policy: Option<&Bound<'_, PyAny>>,
         lazy_metadata: LazyMetadataFlag,
     ) -> Result<Self> {
-        let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
-            None => Ok(default),
-            Some(v) => usize_arg(py, v, what),
+        // (default, least valid value)
+        let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, (default, least): (usize, usize)| {
+            match arg {
+                None => Ok(default),
+                Some(v) => size_arg(py, v, what, least),
+            }
         };
-        let num_pages = usize_arg(py, num_pages, "num_pages")?;
-        let page_size = or(page_size, "page_size", 1)?;
-        let max_requests = or(max_requests, "max_requests", 256)?;
-        let max_context_len = or(max_context_len, "max_context_len", 4096)?;
+        let num_pages = size_arg(py, num_pages, "num_pages", 2)?;
+        let page_size = or(page_size, "page_size", (1, 1))?;
+        let max_requests = or(max_requests, "max_requests", (256, 1))?;
+        let max_context_len = or(max_context_len, "max_context_len", (4096, 1))?;
         let seed = |arg: Option<&Bound<'_, PyAny>>, what: &str| {
             arg.map(|s| seed_arg(py, s, what)).transpose()
         };
@@ -208,7 +213,7 @@ impl PySlotAllocator {
             hash_seed: seed(hash_seed, "hash_seed")?,
             handle_seed: seed(handle_seed, "handle_seed")?,
             kv_events: kv_events.0,
-            host_pages: or(host_pages, "host_pages", 0)?,
+            host_pages: or(host_pages, "host_pages", (0, 0))?,
             host_policy: crate::tier_args::policy_arg(py, host_policy)?,
             max_pinned_pages: max_pinned_pages
                 .map(|m| usize_arg(py, m, "max_pinned_pages"))

@@ -334,8 +334,22 @@ pub(crate) fn counts_of(arg: &IntArg) -> Counts<'_> {
 /// A non-negative int argument: bools, floats, strings and ints outside
 /// int64 are InvalidArgumentError (not TypeError / OverflowError).
 pub(crate) fn usize_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    size_arg(py, obj, what, 0)
+}
+
+/// `usize_arg` for a size whose least valid value is `least`: a negative
+/// one is told that value, not usize's 0 (">= 0" for a `num_pages` of -1
+/// suggested 0, which the range check then refuses too). Values from 0 to
+/// `least - 1` are left to the range check that states the whole range.
+pub(crate) fn size_arg(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    least: usize,
+) -> PyResult<usize> {
     let v = int_scalar(py, obj, what)?;
-    usize::try_from(v).map_err(|_| invalid_argument(py, format!("{what} must be >= 0, got {v}")))
+    usize::try_from(v)
+        .map_err(|_| invalid_argument(py, format!("{what} must be >= {least}, got {v}")))
 }
 
 /// A seed (`what`: hash_seed, handle_seed): a Python int in [0, 2^64).

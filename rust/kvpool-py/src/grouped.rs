@@ -9,7 +9,7 @@ use kvpool_core::{GroupSpec, GroupedAllocator};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::convert::{counts_of, int_arg, seed_arg, usize_arg, CacheFlag, KvEventsFlag};
+use crate::convert::{counts_of, int_arg, seed_arg, size_arg, usize_arg, CacheFlag, KvEventsFlag};
 use crate::errors::{invalid_argument, Result};
 use crate::extend::tokens_arg;
 use crate::grouped_args::{filled_lists, group_spec, slot_rooms, spec_dict, tables_arg, views};
@@ -149,12 +149,12 @@ impl PyGroupedAllocator {
             .collect::<PyResult<Vec<_>>>()?;
         let or = |arg: Option<&Bound<'_, PyAny>>, what: &str, default: usize| match arg {
             None => Ok(default),
-            Some(v) => usize_arg(py, v, what),
+            Some(v) => size_arg(py, v, what, 1),
         };
         let max_requests = or(max_requests, "max_requests", 256)?;
         let max_context_len = or(max_context_len, "max_context_len", 4096)?;
         let anchor_pages = anchor_pages
-            .map(|v| usize_arg(py, v, "anchor_pages"))
+            .map(|v| size_arg(py, v, "anchor_pages", 2))
             .transpose()?;
         let seed = |arg: Option<&Bound<'_, PyAny>>, what: &str| {
             arg.map(|s| seed_arg(py, s, what)).transpose()
