@@ -28,7 +28,11 @@ unsafe impl Zeroable for u64 {}
 fn too_big(what: &str, n: usize, size: usize) -> PoolError {
     // The host tier's own arrays are sized by host_pages alone: naming the device sizes would
     // send the caller after the wrong argument.
-    let hint = if what.starts_with("host page") || what.starts_with("host slot") {
+    // (The host load map is the exception: one entry per device page.)
+    let hint = if what == "host free stack"
+        || what.starts_with("host page")
+        || what.starts_with("host slot")
+    {
         "use fewer host_pages (or a smaller host_memory_bytes)"
     } else {
         "use a smaller pool, max_requests or max_context_len"
@@ -203,11 +207,15 @@ mod tests {
 
     #[test]
     fn a_host_array_too_big_names_host_pages_and_a_device_one_the_pool_sizes() {
-        let host = refusal("host page states");
-        assert!(
-            host.contains("host_pages") && !host.contains("max_context_len"),
-            "{host}"
-        );
+        for what in ["host page states", "host free stack"] {
+            let host = refusal(what);
+            assert!(
+                host.contains("host_pages") && !host.contains("max_context_len"),
+                "{host}"
+            );
+        }
+        let load_map = refusal("host load map");
+        assert!(load_map.contains("smaller pool"), "{load_map}");
         let device = refusal("slot token ids");
         assert!(
             device.contains("max_context_len") && !device.contains("host_pages"),
