@@ -275,3 +275,14 @@ def test_a_negative_pool_size_is_told_its_least_value(make, key, least):
     if least:
         with pytest.raises(InvalidArgumentError, match=key):
             make(least - 1)
+
+
+def test_a_budget_past_the_slot_ids_is_told_to_lower_the_budget():
+    """A hybrid pool sized by memory_bytes past 2**31 slots was told a num_pages to use, an
+    argument the caller did not give (the plain pool names memory_bytes)."""
+    kw = dict(dtype=torch.float16, layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    with pytest.raises(InvalidArgumentError, match=r"^memory_bytes gives the full_attention layers \d+ pages.*"
+                       r"use a smaller memory_bytes, one that gives these layers at most 2147483647 pages$"):
+        KVPool(2, 1, 2, memory_bytes=2**31 * 8 + 10**9, **kw)
+    with pytest.raises(InvalidArgumentError, match=r"use at most num_pages=2147483647 for this group"):
+        KVPool(2, 1, 2, num_pages=2**31 + 5, **kw)

@@ -205,7 +205,8 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
         if memory_bytes is not None or memory_fraction is not None:
             num_pages = self._budget_pages(num_pages, num_slots, memory_bytes, memory_fraction, plan)
         self.groups: list[LayerGroup] = plan_groups(num_pages=num_pages, **plan)
-        check_slot_ids(self.groups)
+        check_slot_ids(self.groups, budget=("memory_fraction" if memory_fraction is not None else "memory_bytes"
+                                            if memory_bytes is not None else None))
         self.sliding_window = next((g.window for g in self.groups if g.window is not None), None)
         # The core checks every size and seed before any tensor exists.
         self.allocator = GroupedAllocator(

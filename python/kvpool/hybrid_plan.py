@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
-from kvpool.capacity import MAX_SLOTS, slot_limit_hint
+from kvpool.capacity import MAX_PAGES, MAX_SLOTS, slot_limit_hint
 
 __all__ = ["LAYER_KINDS", "LayerGroup", "check_slot_ids", "plan_groups", "plan_states", "primary_pages_for_budget"]
 
@@ -246,13 +246,24 @@ def primary_pages_for_budget(
     return int(pages)
 
 
-def check_slot_ids(groups: list[LayerGroup]) -> None:
+def check_slot_ids(groups: list[LayerGroup], budget: str | None = None) -> None:
     """Refuse, before anything is allocated, a page group whose slot ids would pass int32
-    (its table's type), as the plain pool does (``capacity.MAX_SLOTS``)."""
+    (its table's type), as the plain pool does (``capacity.MAX_SLOTS``). ``budget``: the
+    argument (``memory_bytes`` or ``memory_fraction``) that sized the primary group, which is
+    then what the caller should lower."""
+    primary = next((g for g in groups if g.kind == "full"), None) or next(
+        (g for g in groups if g.kind == "sliding"), None)
     for g in groups:
-        if g.kind != "state" and g.num_pages * g.page_size > MAX_SLOTS:
+        if g.kind == "state" or g.num_pages * g.page_size <= MAX_SLOTS:
+            continue
+        if budget is not None and g is primary:
             raise InvalidArgumentError(
-                f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
+                f"{budget} gives the {g.layer_type} layers {g.num_pages} pages of {g.page_size} slots, "
                 f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
-                f"address; {slot_limit_hint(g.page_size, 'num_pages')} for this group (num_pages=, or "
-                f"group_pages={{{g.layer_type!r}: N}} where its pages are set apart)")
+                f"address: use a smaller {budget}, one that gives these layers at most "
+                f"{min(MAX_SLOTS // g.page_size, MAX_PAGES)} pages")
+        raise InvalidArgumentError(
+            f"the {g.layer_type} layers' {g.num_pages} pages of {g.page_size} slots are "
+            f"{g.num_pages * g.page_size} slots, more than the {MAX_SLOTS} (2**31) that int32 tables "
+            f"address; {slot_limit_hint(g.page_size, 'num_pages')} for this group (num_pages=, or "
+            f"group_pages={{{g.layer_type!r}: N}} where its pages are set apart)")
