@@ -105,3 +105,36 @@ def test_bad_zmq_publisher_arguments_are_typed(endpoint, kw, match):
         assert len(a.take_events()["kind"]) == 2
     finally:
         ctx.term()  # returns only once every socket made on it is closed
+
+
+@pytest.mark.parametrize("timeout", ["5", float("nan"), -1, True, [5]], ids=repr)
+def test_a_bad_flush_timeout_is_typed(timeout):
+    # Was: accepted while nothing was queued (True), and with a batch queued a
+    # TypeError from threading, or for NaN a wait that no timeout ended.
+    a = alloc()
+    with ZmqEventPublisher(a, "inproc://flush-timeout") as pub:
+        with pytest.raises(kvpool.InvalidArgumentError, match="timeout must be None"):
+            pub.flush(timeout)
+        assert pub.publish() == 2 and pub.flush(5)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 10**400, 1e300])
+def test_an_endless_flush_timeout_waits_as_none(timeout):
+    # Was: OverflowError (threading's clock cannot hold the deadline) once a message was queued.
+    import threading
+
+    with ZmqEventPublisher(alloc(), "inproc://flush-endless") as pub:
+        sender = pub._sender
+        pub._queued += 1  # a message that the sender has not sent yet: flush must wait for it
+
+        def sent():
+            with sender.sent:
+                sender.done += 1
+                sender.sent.notify_all()
+
+        timer = threading.Timer(0.05, sent)
+        timer.start()
+        try:
+            assert pub.flush(timeout) is True
+        finally:
+            timer.join()

@@ -52,6 +52,18 @@ def check_context(context: Any) -> None:
         raise InvalidArgumentError("context is a terminated zmq.Context (term() was called): pass a live one, "
                                    "or None for the process-wide instance")
 
+def _seconds(timeout: Any) -> float | None:
+    """``flush(timeout=)`` checked: threading takes a str or a NaN until it must wait, and
+    then raises TypeError or waits for ever, and an infinite one overflows its clock."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.integer, np.floating))
+            or not timeout >= 0):
+        raise InvalidArgumentError(f"timeout must be None (no limit) or a number of seconds >= 0, "
+                                   f"got {type(timeout).__name__} {timeout!r:.40}")
+    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
+
+
 # How often an idle sender thread looks for replay requests.
 _POLL_MS = 50
 
@@ -227,7 +239,17 @@ class ZmqEventPublisher(EventPublisher):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message published before this call has been sent (not those
-        other threads publish meanwhile, which could keep it waiting); False on timeout."""
+        other threads publish meanwhile, which could keep it waiting); False on timeout.
+
+        Args:
+            timeout: None (no limit) or seconds >= 0; ``inf``, or more than
+                ``threading.TIMEOUT_MAX``, waits as None does.
+
+        Raises:
+            InvalidArgumentError: ``timeout`` is not None or a number >= 0 (nothing waited).
+            PublisherClosedError: a copy inherited through ``os.fork()``.
+        """
+        timeout = _seconds(timeout)
         self._check_process("flush")
         sender, queued = self._sender, self._queued
         with sender.sent:
