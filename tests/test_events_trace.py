@@ -46,8 +46,9 @@ class Mirror:
             assert isinstance(ev, kv_events.BlockStored)
             assert ev.block_size == self.P and len(ev.token_ids) == self.P * len(ev.block_hashes)
             assert ev.lora_id is None and ev.lora_name is None
-            salt = ev.extra_keys[0][0] if ev.extra_keys else 0
-            assert ev.extra_keys is None or ev.extra_keys == [(salt,)] * len(ev.block_hashes)
+            key = ev.extra_keys[0][0] if ev.extra_keys else "0"
+            assert ev.extra_keys is None or ev.extra_keys == [(key,)] * len(ev.block_hashes)
+            salt = int(key)
             parent = ev.parent_block_hash
             for i, h in enumerate(ev.block_hashes):
                 assert isinstance(h, bytes) and len(h) == 16

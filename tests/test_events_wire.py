@@ -57,7 +57,7 @@ def test_payload_is_the_events_mapped_as_documented():
                         "medium", "lora_name", "extra_keys"]
     assert s0["block_hashes"] == h[0:3] and s0["parent_block_hash"] is None
     assert s0["token_ids"] == list(range(100, 112)) and s0["block_size"] == P
-    assert s0["extra_keys"] == [[7], [7], [7]], "the salt, once per block"
+    assert s0["extra_keys"] == [["7"], ["7"], ["7"]], "the salt, once per block, as a str (as vLLM's keys are)"
     assert (s0["lora_id"], s0["lora_name"], s0["medium"]) == (None, None, "GPU")
     assert "extra_keys" not in s1 and s1["block_hashes"] == h[3:5] and s1["token_ids"] == list(range(200, 208))
     assert r == {"type": "BlockRemoved", "block_hashes": h[5:7], "medium": "GPU"}
@@ -76,7 +76,7 @@ def test_schema_mirror_decodes_like_vllms_definition():
     assert b.data_parallel_rank is None
     stored, removed = b.events
     assert isinstance(stored, schema.BlockStored) and isinstance(removed, schema.BlockRemoved)
-    assert stored.extra_keys == [(-3,)] * 3 and stored.parent_block_hash is None
+    assert stored.extra_keys == [("-3",)] * 3 and stored.parent_block_hash is None
     assert removed.block_hashes == [stored.block_hashes[2]], "the chain's tail is evicted first"
 
 
@@ -100,7 +100,7 @@ def test_vllm_decodes_the_payload_with_its_own_classes():
     assert s0.block_hashes + s1.block_hashes == hashes[:8]
     assert s0.token_ids == list(range(100, 112)) and s1.token_ids == list(range(100, 120))
     assert (s0.block_size, s0.medium, s0.lora_id, s0.group_idx) == (P, kv.MEDIUM_GPU, None, None)
-    assert s0.extra_keys == [(7,)] * 3 and s1.extra_keys is None
+    assert s0.extra_keys == [("7",)] * 3 and s1.extra_keys is None
     assert len(r.block_hashes) == 3 and removed == 3 and stored == 8 and cleared == 1
     # The same bytes through kvpool's own mirror give equal values.
     mine = schema.decoder().decode(payload)

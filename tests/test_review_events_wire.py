@@ -241,7 +241,7 @@ class Consumer:
                 continue
             assert ev.block_size == self.P and len(ev.token_ids) == self.P * len(ev.block_hashes)
             assert ev.lora_id is None and ev.lora_name is None
-            salt = ev.extra_keys[0][0] if ev.extra_keys else 0
+            salt = int(ev.extra_keys[0][0]) if ev.extra_keys else 0
             parent = ev.parent_block_hash
             assert parent is None or parent in self.chain, "a parent hash never stored"
             for i, h in enumerate(ev.block_hashes):

@@ -177,8 +177,9 @@ def test_a_waiting_batch_replaced_by_another_under_its_number_is_a_restart():
 
 @pytest.mark.parametrize("change", [
     dict(extra_keys=[None]), dict(token_ids=[1]), dict(block_hashes=[]), dict(extra_keys=[(2**63,)]),
-    dict(extra_keys=[()]),
-], ids=["extra-keys-none", "too-few-tokens", "no-hashes", "salt-too-big", "extra-keys-empty"])
+    dict(extra_keys=[()]), dict(extra_keys=[(str(2**63),)]), dict(extra_keys=[("7x",)]), dict(extra_keys=[("",)]),
+], ids=["extra-keys-none", "too-few-tokens", "no-hashes", "salt-too-big", "extra-keys-empty", "str-salt-too-big",
+      "str-salt-not-a-number", "str-salt-empty"])
 def test_a_root_page_the_router_cannot_rehash_is_typed_and_changes_nothing(change):
     """A well-formed batch from a publisher that is not a kvpool pool (or a
     broken one) whose first root page cannot be rehashed is refused as

@@ -69,6 +69,14 @@ class StreamState:
 _REMEMBERED = 1024
 
 
+def _salt(key: Any) -> Any:
+    """The salt of a root page's extra key: kvpool sends it as a decimal str (older
+    kvpool versions as an int); anything else is returned as it is, to be refused."""
+    if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii() and len(key) <= 20:
+        return int(key)
+    return key
+
+
 class EventStreams:
     """The event half of ``Router``: ``feed`` and the stream bookkeeping behind it (a mixin
     over the router's ``streams``, ``index`` and the settings its ``__init__`` checked)."""
@@ -289,13 +297,13 @@ class EventStreams:
                 f"pool {pool} stores pages of {ev.block_size} tokens; this router was built for page_size "
                 f"{self.page_size}")
         key = ev.extra_keys[0] if ev.extra_keys else (0,)
-        salt: Any = key[0] if isinstance(key, (tuple, list)) and key else None
+        salt: Any = _salt(key[0]) if isinstance(key, (tuple, list)) and key else None
         if (not ev.block_hashes or len(ev.token_ids) < self.page_size or not is_int(salt)
                 or not -(1 << 63) <= salt < 1 << 63):
             raise InvalidArgumentError(
                 f"pool {pool}'s root page is not one a kvpool pool sends (a hash, {self.page_size} token ids and "
-                f"an int salt in extra_keys, or none): got {len(ev.block_hashes)} hashes, {len(ev.token_ids)} "
-                f"token ids and extra_keys {ev.extra_keys!r:.60}")
+                f"the salt in extra_keys, as a decimal str or an int, or none): got {len(ev.block_hashes)} hashes, "
+                f"{len(ev.token_ids)} token ids and extra_keys {ev.extra_keys!r:.60}")
         try:
             words = page_hashes(ev.token_ids[: self.page_size], self.page_size, self.hash_seed, salt)
         except InvalidArgumentError as e:

@@ -13,7 +13,7 @@
 //!   `block_hashes` are the pages' 16-byte big-endian hashes, whose
 //!   `parent_block_hash` is the first page's parent (nil at a chain's root)
 //!   and whose `token_ids` are the pages' tokens; `block_size` is the page's
-//!   token count; a non-zero salt becomes `extra_keys = [[salt]] * pages`;
+//!   token count; a non-zero salt becomes `extra_keys = [[str(salt)]] * pages`;
 //! - consecutive Removed events of one medium and group become one
 //!   `BlockRemoved`; a Cleared event is an `AllBlocksCleared`;
 //! - `medium` is "GPU" unless the arrays carry a `medium` code per event

@@ -40,11 +40,11 @@ pub(crate) enum Fail {
 /// Most bytes one wire event writes, by what it holds, counted from the
 /// writers below with every optional field present and every int at its
 /// longest: a `BlockStored`'s fields and keys (177), per page its hash
-/// (18) and salt key (10), per token id 9 (the room `token_ids` makes before
+/// (18) and salt key (22: a 20-character decimal str), per token id 9 (the room `token_ids` makes before
 /// it trims); a `BlockRemoved`'s (71) and 18 per page; an
 /// `AllBlocksCleared` (23).
 const STORED_FIXED: usize = 177;
-const STORED_PAGE: usize = 28;
+const STORED_PAGE: usize = 40;
 const TOKEN_MAX: usize = 9;
 const REMOVED_FIXED: usize = 71;
 const REMOVED_PAGE: usize = 18;
@@ -212,11 +212,15 @@ fn stored(w: &mut Vec<u8>, a: &Arrays<'_>, i: usize, j: usize, tokens: &[i32]) -
     mp::write_str(w, "lora_name")?;
     mp::write_nil(w)?;
     if salt != 0 {
+        // As a str, as vLLM's own extra keys are (a cache_salt, a LoRA name, an MM
+        // digest): consumers typed against those (Dynamo's router reads each key as a
+        // string) refuse the whole batch on an int.
+        let key = salt.to_string();
         mp::write_str(w, "extra_keys")?;
         mp::write_array_len(w, len32(j - i, "extra_keys")?)?;
         for _ in i..j {
             mp::write_array_len(w, 1)?;
-            mp::write_sint(w, salt)?;
+            mp::write_str(w, &key)?;
         }
     }
     Ok(())
