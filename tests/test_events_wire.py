@@ -267,3 +267,31 @@ def test_module_function_stubs_carry_the_runtime_docstrings():
     for name in ("page_hashes", "encode_kv_events"):
         runtime = inspect.getdoc(getattr(_core, name)).split("\n\n", 1)[1].strip()
         assert ast.get_docstring(fns[name]).strip() == runtime, name
+
+
+def test_after_an_overflow_removed_events_may_name_pages_the_consumer_forgot():
+    """The docs' promise after an overflowed backlog: Removed events that follow the
+    AllBlocksCleared may name pages stored before it (registered all along); a consumer
+    that skips those ends holding only pages the pool caches, and every page stored since."""
+    a = kvpool.SlotAllocator((1 << 16) + 1, 1, 2, 1 << 16, hash_seed=SEED)
+    pub = LocalEventPublisher(a)
+    admit(a, np.arange((1 << 16) - 8))  # a backlog just below the cap of 65536 events
+    a.evict(100)  # its Removed events overflow it
+    admit(a, np.arange(1 << 20, (1 << 20) + 51))
+    assert pub.dropped_events > 0
+    pub.publish()
+    held, unknown = set(), 0
+    for _, _, payload in pub.drain():
+        for e in schema.decoder().decode(payload).events:
+            if isinstance(e, schema.AllBlocksCleared):
+                held.clear()
+            elif isinstance(e, schema.BlockRemoved):
+                unknown += sum(h not in held for h in e.block_hashes)
+                held.difference_update(e.block_hashes)
+            else:
+                held.update(e.block_hashes)
+    assert unknown > 0, "the Removed events after the overflow name pages stored before it"
+    toks = np.arange(1 << 20, (1 << 20) + 51)
+    words = _core.page_hashes(toks, 1, SEED)
+    assert held == {wire_hash(hi, lo) for hi, lo in zip(words[0::2], words[1::2])}
+    assert a.match_chain_hashes(words, toks) == 51, "and the pool caches each page the consumer holds"
