@@ -106,6 +106,25 @@ def test_publish_of_events_that_are_not_take_events_sends_nothing(bad):
     assert pub.publish() == 2  # the pool still holds its events
 
 
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_publish_refuses_events_of_a_pool_of_another_page_size(hybrid):
+    """Was: sent, so the stream carried pages of another size (a router behind it then
+    refused the pool's stream, far from the cause); DiskCache.store_new refused them already."""
+    extra = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8) if hybrid else {}
+    pool = kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=P, num_pages=16, max_requests=4,
+                         max_context_len=64, hash_seed=7, **extra)
+    other = kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=2, num_pages=16, max_requests=4,
+                          max_context_len=64, hash_seed=7)
+    pub = LocalEventPublisher(pool)
+    tokens = list(range(100, 109))
+    cache_prompt(pool, tokens)
+    cache_prompt(other, tokens)
+    with pytest.raises(kvpool.InvalidArgumentError, match=f"Stored pages of 2 tokens, and this pool's pages hold {P}"):
+        pub.publish(other.take_events())
+    assert pub.next_seq == 0 and pub.drain() == []
+    assert pub.publish(pool.take_events()) == 2  # the pool's own, as if the foreign events never came
+
 def hybrid_publish_failed_once(monkeypatch, prompt):
     """A hybrid pool that cached ``prompt`` (two Stored events) and a publisher whose first
     ``publish()`` failed encoding them (a MemoryError, injected)."""

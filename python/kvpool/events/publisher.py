@@ -133,6 +133,10 @@ class EventPublisher(NotPicklable):
             raise InvalidArgumentError("this pool records no KV events (built with kv_events=False): a publisher "
                                        "needs one built with kv_events=True, the default")
         self.pool = pool
+        # The tokens of a page this pool's Stored events carry (a hybrid pool's anchor chain's):
+        # publish(events=) refuses another pool's events by it, as DiskCache.store_new does.
+        alloc = getattr(pool, "allocator", pool)
+        self._page_size = getattr(alloc, "page_size", None) or getattr(alloc, "anchor_page_size", None)
         self.int_block_hashes = bool(int_block_hashes)
         self.topic = topic_bytes
         self.data_parallel_rank = data_parallel_rank
@@ -195,11 +199,11 @@ class EventPublisher(NotPicklable):
 
         Raises:
             PublisherClosedError: the publisher is closed (a ``RuntimeError`` too).
-            InvalidArgumentError: ``events`` is not what ``take_events()`` returns
-                (nothing sent).
+            InvalidArgumentError: ``events`` is not what ``take_events()`` returns,
+                or holds Stored pages of another page size than this pool's (nothing sent).
         """
         if events is not None:
-            events = checked_events(events)
+            events = checked_events(events, self._page_size)
         with self._publishing:
             # Under the lock: a close() from another thread waits for a publish in
             # flight, whose batch is then handed over before the sender stops.
