@@ -312,7 +312,13 @@ def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
     (lambda f: f.subscribe(0, 5557), "endpoint"),
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", topic=b"kv"), "topic"),
     (lambda f: f.subscribe(2, "tcp://127.0.0.1:1"), "pool"),
-], ids=["bad-endpoint", "bad-replay-endpoint", "endpoint-int", "topic-bytes", "pool-out-of-range"])
+    # Were: connected to the port modulo 65536 (the publisher refuses such a port), and
+    # a UnicodeEncodeError with a socket left open.
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:99999"), "port 99999"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:70000"), "port 70000"),
+    (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", topic="\ud800"), "topic"),
+], ids=["bad-endpoint", "bad-replay-endpoint", "endpoint-int", "topic-bytes", "pool-out-of-range", "port-too-big",
+        "replay-port-too-big", "topic-lone-surrogate"])
 def test_bad_subscriptions_are_typed_and_leave_the_feed_as_it_was(call, match):
     feed = ZmqFeed(Router(2, page_size=P, hash_seed=SEED))
     try:

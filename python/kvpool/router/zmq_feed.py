@@ -31,7 +31,7 @@ from kvpool.validate import is_int
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402
 
-from kvpool.events.zmq_publisher import ZMQ_INT_MAX, check_context  # noqa: E402
+from kvpool.events.zmq_publisher import ZMQ_INT_MAX, bad_tcp_port, check_context  # noqa: E402
 from kvpool.router.idle_probes import IdleProbes, ReplayAnswer  # noqa: E402  (imports zmq)
 
 
@@ -105,8 +105,15 @@ class ZmqFeed:
         for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
             if value is not None and not isinstance(value, str):
                 raise InvalidArgumentError(f"{name} must be a str such as 'tcp://host:5557', got {value!r}")
+            if (bad := bad_tcp_port(value)) is not None:
+                # (ZMQ would connect to the port modulo 65536: another publisher's, or none)
+                raise InvalidArgumentError(f"{name} {value!r} names port {bad}; a TCP port is in [0, 65535]")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (matched UTF-8 encoded), got {topic!r}")
+        try:
+            topic.encode("utf-8")
+        except UnicodeEncodeError as e:  # (a lone surrogate)
+            raise InvalidArgumentError(f"topic {topic!r} cannot be matched UTF-8 encoded: {e.reason}") from None
         made: list[Any] = []
         try:
             sub = self._ctx.socket(zmq.SUB)
