@@ -17,7 +17,6 @@ that stays quiet for ``idle_probe_ms`` after the disconnect gets that check then
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -169,18 +168,23 @@ class ZmqFeed:
         """Apply the messages that have arrived (waiting up to ``timeout_ms`` for
         the first), then fill or give up the gaps. Returns batches applied.
 
+        Args:
+            timeout_ms: milliseconds to wait, 0 to 2**31 - 1, or None to wait without
+                limit (a negative number, which ZMQ too would wait on for ever, is refused).
+
         Raises:
             InvalidArgumentError: ``timeout_ms`` is not None or a number of
-                milliseconds ZMQ can wait (at most 2**31 - 1); nothing is received.
+                milliseconds in [0, 2**31 - 1]; nothing is received.
                 Or a message under a pool's topic that is not a KV event batch (not
                 three frames, or as ``Router.feed`` refuses it): it is dropped, and
                 the next ``poll()`` goes on with the messages behind it.
         """
         if timeout_ms is not None and (isinstance(timeout_ms, (bool, np.bool_))
                                        or not isinstance(timeout_ms, (int, float, np.integer, np.floating))
-                                       or math.isnan(timeout_ms) or timeout_ms > ZMQ_INT_MAX):
-            raise InvalidArgumentError(f"timeout_ms must be None or a number of milliseconds <= {ZMQ_INT_MAX}, "
-                                       f"got {timeout_ms!r}")
+                                       or not 0 <= timeout_ms <= ZMQ_INT_MAX):
+            # (NaN fails the range too; a negative one ZMQ would wait on for ever)
+            raise InvalidArgumentError(f"timeout_ms must be None (no limit) or a number of milliseconds in "
+                                       f"[0, {ZMQ_INT_MAX}], got {timeout_ms!r}")
         applied, want = 0, self._topics
         events = dict(self._poller.poll(timeout_ms))
         while events:
