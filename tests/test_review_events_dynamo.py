@@ -12,6 +12,7 @@ import pytest
 
 import kvpool
 from kvpool import _core
+from kvpool.errors import InvalidArgumentError
 
 msgspec = pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
 from kvpool.events import LocalEventPublisher  # noqa: E402
@@ -104,3 +105,11 @@ def test_the_router_reads_the_str_salt_and_the_int_of_older_publishers():
     r2 = Router(1, page_size=P, hash_seed=SEED)
     assert r2.feed(0, topic, seq, older) == 1
     assert r2.route(np.arange(100, 113), salt=5).cached_tokens == 12
+    for bad in ("--5", "5-", "٣", " 5", "99999999999999999999", "0x5"):
+        # Not a decimal int64: a typed refusal, the router unchanged ("--5" raised int()'s ValueError).
+        bent = schema.msgspec.msgpack.encode(schema.KVEventBatch(
+            ts=old.ts, events=[msgspec.structs.replace(ev, extra_keys=[(bad,)] * 3)]))
+        r3 = Router(1, page_size=P, hash_seed=SEED)
+        with pytest.raises(InvalidArgumentError):
+            r3.feed(0, topic, seq, bent)
+        assert r3.route(np.arange(100, 113), salt=5).cached_tokens == 0

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -69,10 +70,13 @@ class StreamState:
 _REMEMBERED = 1024
 
 
+_DECIMAL = re.compile(r"-?[0-9]{1,19}")  # (an int64's digits; "--5" or "٣" are not kvpool's)
+
+
 def _salt(key: Any) -> Any:
     """The salt of a root page's extra key: kvpool sends it as a decimal str (older
     kvpool versions as an int); anything else is returned as it is, to be refused."""
-    if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii() and len(key) <= 20:
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
         return int(key)
     return key
 
