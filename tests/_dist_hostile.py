@@ -75,6 +75,8 @@ CASES: dict[str, tuple[dict[int, int], Any, int, str]] = {
     "page_bytes": ({P.H_PAGE_BYTES: 7}, None, P.INCOMPATIBLE, "page bytes"),
     "page_size_8": ({P.H_PAGE: 8}, None, P.INCOMPATIBLE, "page_size"),
     "bad_chain_token": ({P.H_HASHES: 1}, _chain_meta(bad_token=True), P.MALFORMED, "not a token id"),
+    "salt_unlike_the_chain_s": ({P.H_HASHES: 1, P.H_SALT: 9}, _chain_meta(bad_token=False), P.MALFORMED,
+                                "salt 9 in the header but 0 in the chain"),
 }
 
 

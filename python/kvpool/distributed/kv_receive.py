@@ -31,6 +31,7 @@ from kvpool.distributed.protocol import (
     H_PAGE,
     H_PAGES,
     H_PER_CHUNK,
+    H_SALT,
     H_SCALES,
     H_VERSION,
     HEADER_LEN,
@@ -82,7 +83,10 @@ def _open(pool: Any, chain: tuple[np.ndarray, np.ndarray, int], cached: int, len
     With a chain, its tokens become the request's known prompt (so ``cache()`` can
     register the received pages later)."""
     hashes, tokens, salt = chain
-    opener = getattr(pool, "open_with_chain_hashes", None) if len(hashes) else None
+    # With no chain pages, a salted request is still opened through the chain call, which
+    # takes an empty chain and gives the request the sender's salt (a plain open gives it 0:
+    # its later registrations would serve another tenant).
+    opener = getattr(pool, "open_with_chain_hashes", None) if len(hashes) or salt else None
     if opener is not None and _takes_length(opener):
         # One atomic call: holding the matched pages takes the evictable ones out of
         # the room, which only the core counts right. An open and extend that failed
@@ -187,7 +191,9 @@ def recv_request_stats(pool: Any, src_rank: int, group: Any = None, *,
         if status == CONTEXT:
             raise refuse(CONTEXT, ContextTooLongError(f"received request: {why}"), extra=int(pool.max_context_len))
         raise refuse(status, malformed(why))
-    chain = split_chain(meta[: n_meta - n_scales], n_hashes)
+    chain = split_chain(meta[: n_meta - n_scales], n_hashes, int(header[H_SALT]))
+    if n_hashes and chain[2] != int(header[H_SALT]):
+        raise refuse(MALFORMED, malformed(f"salt {int(header[H_SALT])} in the header but {chain[2]} in the chain"))
     length, n_pages, per_chunk = int(header[H_LENGTH]), int(header[H_PAGES]), int(header[H_PER_CHUNK])
     P = pool.page_size
     # From here pages are taken and filled: no other thread's reset or eviction may

@@ -2,7 +2,7 @@
 
 Protocol (src = the pool that has the request, dst = the pool that takes it):
 
-  1. src -> dst  header   int64[17]: shape of the pool, request length and page
+  1. src -> dst  header   int64[18]: shape of the pool, request length and page
                           count, how many chain hashes and fp8 scales follow
   2. src -> dst  meta     int64 (only if non-empty): for n chain pages, 2n hash
                           words (hi, lo), the salt and n * page_size token ids;
@@ -58,6 +58,7 @@ from kvpool.distributed.protocol import (
     H_MAGIC,
     H_PAGES,
     H_PER_CHUNK,
+    H_SALT,
     H_SCALES,
     H_VERSION,
     HEADER_LEN,
@@ -129,7 +130,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
             raise InvalidArgumentError(bad)
         length = int(pool.length(handle))
         pages = np.asarray(pool.pages(handle), dtype=np.int64)
-        n_chain, chain = chain_of(pool, handle)
+        n_chain, chain, salt = chain_of(pool, handle)
         scales = scales_of(pool)
         per_row = (1 if pool.mla else 2) * pool.num_layers * page_bytes(pool)
         per_chunk = max(1, min(len(pages), chunk_bytes // per_row)) if len(pages) else 1
@@ -146,6 +147,7 @@ def _send_request(pool: Any, handle: int, dst_rank: int, group: Any, timeout_s: 
         raise
     header[H_LENGTH], header[H_PAGES], header[H_HASHES] = length, len(pages), n_chain
     header[H_SCALES], header[H_PER_CHUNK] = len(scales), per_chunk
+    header[H_SALT] = salt
     link.send_ints(header, "header")
     if len(chain) + len(scales):
         link.send_ints(np.concatenate([chain, scales.view(np.int64)]), "chain hashes and scales")

@@ -1,6 +1,6 @@
 """The wire format of ``kv_transfer`` and the receiver's checks of what a peer claims.
 
-A header is 17 int64 words (``H_*`` below). The receiver trusts none of them: a
+A header is 18 int64 words (``H_*`` below). The receiver trusts none of them: a
 broken or hostile peer may send any value. ``meta_words`` says whether the
 metadata the header announces is small enough to receive at all, and
 ``header_problem`` checks every field against the receiving pool's own
@@ -19,17 +19,19 @@ import torch
 from kvpool.distributed.pages import page_bytes
 
 # Version 3: the model's total KV heads in the header, a closing word on every K/V chunk
-# (kvpool.distributed.stream), and the FAILED refusal.
-MAGIC, VERSION = 0x6B76706F6F6C, 3
+# (kvpool.distributed.stream), and the FAILED refusal. Version 4: the request's salt in the
+# header (before, only a chain carried it, so a request with no full page of known tokens
+# arrived with salt 0 and later registered its tenant's K/V where salt 0 hits it).
+MAGIC, VERSION = 0x6B76706F6F6C, 4
 TAG = 0x4B56
-HEADER_LEN, REPLY_LEN = 17, 6
+HEADER_LEN, REPLY_LEN = 18, 6
 OK, EXHAUSTED, TOO_MANY, CONTEXT, INCOMPATIBLE, MALFORMED, FAILED = range(7)
 REASONS = {EXHAUSTED: "exhausted", TOO_MANY: "too_many_requests", CONTEXT: "context_too_long",
            INCOMPATIBLE: "incompatible", MALFORMED: "malformed", FAILED: "failed"}
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2")
 # Header fields, by index.
 (H_MAGIC, H_VERSION, H_LENGTH, H_PAGE, H_LAYERS, H_HEADS, H_DIM, H_DTYPE, H_CACHES, H_PAGES,
- H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT, H_TOTAL_HEADS) = range(HEADER_LEN)
+ H_HASHES, H_SCALES, H_PER_CHUNK, H_PAGE_BYTES, H_HEAD_START, H_ABORT, H_TOTAL_HEADS, H_SALT) = range(HEADER_LEN)
 
 #: Metadata words a receiver accepts from a header that does not fit its pool (so
 #: that a sender of another shape still gets its refusal): beyond this, and beyond
@@ -69,25 +71,27 @@ def chain_words(n: int, page_size: int) -> int:
     return 0 if n == 0 else 2 * n + 1 + n * page_size
 
 
-def chain_of(pool: Any, handle: int) -> tuple[int, np.ndarray]:
-    """Prefix hook: ``(n, words)``, the request's n leading full pages of known tokens
-    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``."""
+def chain_of(pool: Any, handle: int) -> tuple[int, np.ndarray, int]:
+    """Prefix hook: ``(n, words, salt)``, the request's n leading full pages of known tokens
+    as int64 words ``[2n hash words (hi, lo) | salt | n * page_size token ids]``, and its
+    salt (sent in the header too: a request with no such page still has one)."""
     fn = getattr(pool, "chain_hashes", None)
     if fn is None:
-        return 0, np.zeros(0, np.int64)
+        return 0, np.zeros(0, np.int64), 0
     hashes, tokens, salt = fn(handle)
     n = len(hashes) // 2
     if not n:
-        return 0, np.zeros(0, np.int64)
+        return 0, np.zeros(0, np.int64), int(salt)
     words = np.concatenate([np.asarray(hashes, np.uint64).view(np.int64), np.array([salt], np.int64),
                             np.asarray(tokens, np.int64)])
-    return n, words
+    return n, words, int(salt)
 
 
-def split_chain(words: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(hash words uint64, tokens, salt)`` of a chain packed as ``chain_words`` says."""
+def split_chain(words: np.ndarray, n: int, salt: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(hash words uint64, tokens, salt)`` of a chain packed as ``chain_words`` says;
+    with no pages, ``salt`` (the header's)."""
     if n == 0:
-        return np.zeros(0, np.uint64), np.zeros(0, np.int64), 0
+        return np.zeros(0, np.uint64), np.zeros(0, np.int64), int(salt)
     return words[: 2 * n].view(np.uint64), words[2 * n + 1 :], int(words[2 * n])
 
 
