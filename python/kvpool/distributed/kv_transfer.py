@@ -3,7 +3,8 @@
 Protocol (src = the pool that has the request, dst = the pool that takes it):
 
   1. src -> dst  header   int64[18]: shape of the pool, request length and page
-                          count, how many chain hashes and fp8 scales follow
+                          count, how many chain hashes and fp8 scales follow,
+                          the request's salt (kept with no chain too)
   2. src -> dst  meta     int64 (only if non-empty): for n chain pages, 2n hash
                           words (hi, lo), the salt and n * page_size token ids;
                           then the fp8 scales
