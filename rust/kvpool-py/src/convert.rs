@@ -4,7 +4,7 @@
 //! without the GIL. Floats, bools and arrays that are not 1-D are rejected
 //! with InvalidArgumentError naming what was wrong.
 
-use crate::errors::invalid_argument;
+use crate::errors::{invalid_argument, refuse_unless_interrupt};
 use crate::widen::{try_vec, widen};
 use kvpool_core::Counts;
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
@@ -53,15 +53,17 @@ fn scalar(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
             ),
         ));
     }
-    obj.extract::<i64>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!(
-                "{what} must be ints in the int64 range [-2**63, 2**63), got {} {}",
-                type_name(obj),
-                obj
-            ),
-        )
+    obj.extract::<i64>().map_err(|e| {
+        refuse_unless_interrupt(py, e, || {
+            invalid_argument(
+                py,
+                format!(
+                    "{what} must be ints in the int64 range [-2**63, 2**63), got {} {}",
+                    type_name(obj),
+                    obj
+                ),
+            )
+        })
     })
 }
 
@@ -250,14 +252,12 @@ pub fn int_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<I
         Ok(py.import("numpy")?.getattr("asarray")?.unbind())
     })?;
     let converted = asarray.bind(py).call1((obj,)).map_err(|e| {
-        invalid_argument(
-            py,
-            format!(
-                "{what} must be an int, a sequence of ints or an integer array (CPU tensor); \
-                 got {} that numpy cannot read: {e}",
-                type_name(obj)
-            ),
-        )
+        let msg = format!(
+            "{what} must be an int, a sequence of ints or an integer array (CPU tensor); \
+             got {} that numpy cannot read: {e}",
+            type_name(obj)
+        );
+        refuse_unless_interrupt(py, e, || invalid_argument(py, msg))
     })?;
     match converted.cast::<PyUntypedArray>() {
         Ok(arr) => from_ndarray(py, arr, what),
@@ -360,10 +360,12 @@ pub(crate) fn seed_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> Py
             format!("{what} must be an int in [0, 2**64), got bool"),
         ));
     }
-    obj.extract::<u64>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!("{what} must be an int in [0, 2**64), got {obj}"),
-        )
+    obj.extract::<u64>().map_err(|e| {
+        refuse_unless_interrupt(py, e, || {
+            invalid_argument(
+                py,
+                format!("{what} must be an int in [0, 2**64), got {obj}"),
+            )
+        })
     })
 }

@@ -3,7 +3,7 @@
 
 use kvpool_core::PoolError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PySystemError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PySystemError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -120,6 +120,22 @@ pub fn invalid_argument(py: Python<'_>, msg: impl Into<String>) -> PyErr {
              the InvalidArgumentError was: {msg}"
         )),
     }
+}
+
+/// `err` unless it is an interrupt, not a conversion failure: a conversion that
+/// runs Python code (an `__index__`, `__float__`, `__array__`) and fails with a
+/// `KeyboardInterrupt` (Ctrl-C, a signal handler), `SystemExit` or `MemoryError`
+/// returns that exception, which must reach the caller as it is; anything else
+/// it may raise is the argument's fault, and `refuse` names it (a typed error).
+pub fn refuse_unless_interrupt(
+    py: Python<'_>,
+    err: PyErr,
+    refuse: impl FnOnce() -> PyErr,
+) -> PyErr {
+    if !err.is_instance_of::<PyException>(py) || err.is_instance_of::<PyMemoryError>(py) {
+        return err;
+    }
+    refuse()
 }
 
 /// What a binding method can fail with: a core error, mapped to its own

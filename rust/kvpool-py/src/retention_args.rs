@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt};
 
 use crate::convert::{counts_of, int_arg, type_name, IntArg};
-use crate::errors::invalid_argument;
+use crate::errors::{invalid_argument, refuse_unless_interrupt};
 
 /// The priority (one, or one per request) and duration a cache or close
 /// call gives.
@@ -55,15 +55,17 @@ pub(crate) fn seconds_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) ->
             ),
         ));
     }
-    obj.extract::<f64>().map_err(|_| {
-        invalid_argument(
-            py,
-            format!(
-                "{what} must be a number of seconds, got {} {}",
-                type_name(obj),
-                obj.repr().map(|r| r.to_string()).unwrap_or_default()
-            ),
-        )
+    obj.extract::<f64>().map_err(|e| {
+        refuse_unless_interrupt(py, e, || {
+            invalid_argument(
+                py,
+                format!(
+                    "{what} must be a number of seconds, got {} {}",
+                    type_name(obj),
+                    obj.repr().map(|r| r.to_string()).unwrap_or_default()
+                ),
+            )
+        })
     })
 }
 
