@@ -130,8 +130,8 @@ MUTANTS = [
            ["tests/test_allocator.py"], group="fixes"),
     # Python-side guards (threads, capture, hostile peers, TP), undone one at a time.
     Mutant("fix-extend-copies-outside-the-pool-lock", "python/kvpool/extending.py",
-           "        lock = self._lock\n        lock.acquire()",
-           "        lock = __import__('threading').RLock()\n        lock.acquire()",
+           "        lock = self._lock\n        try:\n            lock.acquire()",
+           "        lock = __import__('threading').RLock()\n        try:\n            lock.acquire()",
            ["tests/test_pool_threads.py"], group="fixes"),
     Mutant("fix-reset-without-the-pool-lock", "python/kvpool/lifecycle.py",
            "        with self._lock:\n            self.allocator.reset()\n            self._note_edit(None)",

@@ -111,3 +111,91 @@ def test_other_errors_in_a_conversion_stay_typed(call: str, exc: type[BaseExcept
         a.extend(RaisingArray(exc), 1)
     assert state(a, h) == before
     a.check()
+
+
+# ----- a signal landing just as extend takes the pool's lock -----------------
+# extend (and the transformers cache's host-only extend) take the pool's RLock with
+# acquire() rather than `with` (cheaper per step). A signal handler runs after a call
+# returns, so Ctrl-C landing right after acquire() raised outside the try that releases
+# the lock: the main thread kept it for good, and every other thread's pool call (a
+# publisher, a DiskCache, a fork from another thread) then waited forever.
+
+
+class InterruptedLock:
+    """The pool's RLock, whose next ``acquire`` raises KeyboardInterrupt: after taking
+    the lock (``taken=True``: the signal landed as the call returned) or without it
+    (``taken=False``: the signal interrupted the wait)."""
+
+    def __init__(self, lock: object, taken: bool) -> None:
+        self._inner, self.taken, self.armed = lock, taken, True
+
+    def acquire(self, *args: object, **kwargs: object) -> bool:
+        if self.armed:
+            self.armed = False
+            if self.taken:
+                self._inner.acquire()
+            raise KeyboardInterrupt("signal")
+        return self._inner.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self._inner.release()
+
+    def _is_owned(self) -> bool:
+        return self._inner._is_owned()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def free_for_another_thread(lock: object) -> bool:
+    import threading
+
+    got: list[bool] = []
+
+    def take() -> None:
+        ok = lock.acquire(timeout=5)
+        if ok:
+            lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got == [True]
+
+
+@pytest.mark.parametrize("taken", [True, False])
+@pytest.mark.parametrize("call", ["extend", "extend tokens", "_extend_host"])
+def test_an_interrupt_as_extend_takes_the_lock_leaves_it_free(call: str, taken: bool) -> None:
+    from kvpool import KVPool
+
+    pool = KVPool(1, 1, 2, num_slots=32, max_requests=4, max_context_len=16)
+    h = pool.open(2)
+    pool.extend(h, [2, 3])
+    before = (pool.stats(), pool.lengths(h).tolist(), pool.req_to_token.clone())
+    real = pool._lock
+    pool._lock = InterruptedLock(real, taken)
+    with pytest.raises(KeyboardInterrupt, match="signal"):
+        if call == "extend":
+            pool.extend(h, [1, 1])
+        elif call == "extend tokens":
+            pool.extend(h, [1, 1], tokens=[5, 6])
+        else:
+            pool._extend_host(h, [1, 1])
+    pool._lock = real
+    assert not real._is_owned()
+    assert free_for_another_thread(real)
+    assert (pool.stats(), pool.lengths(h).tolist()) == before[:2]
+    assert torch_equal(pool.req_to_token, before[2])
+    pool.check()
+    pool.extend(h, [1, 1])  # and the pool goes on
+    assert pool.lengths(h).tolist() == [3, 4]
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

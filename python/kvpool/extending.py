@@ -61,7 +61,14 @@ class ExtendOps:
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
         lock = self._lock
-        lock.acquire()
+        try:
+            lock.acquire()
+        except BaseException:
+            # A signal handler's exception (Ctrl-C) that landed once the lock was taken:
+            # a lock left held would stop every other thread's pool call for good.
+            if lock._is_owned():
+                lock.release()
+            raise
         try:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("extend")

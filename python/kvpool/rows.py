@@ -109,7 +109,14 @@ class RowsMixin:
         if self._to_device is not None or self._table_np is None or self._transfers is not None:
             return None
         lock = self._lock
-        lock.acquire()
+        try:
+            lock.acquire()
+        except BaseException:
+            # A signal handler's exception (Ctrl-C) that landed once the lock was taken:
+            # a lock left held would stop every other thread's pool call for good.
+            if lock._is_owned():
+                lock.release()
+            raise
         try:
             if self._sharing:
                 return None
