@@ -199,3 +199,50 @@ def torch_equal(a: object, b: object) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+# ----- swap_in interrupted in its loads ----------------------------------------
+# swap_in ran the host tier's loads after the core had moved the requests onto new
+# device pages and before its roll-back's try: an interrupt (or a failed load) there
+# left them on the device with req_to_token rows naming the pages they had before
+# swap_out, while check() passed, so the next step read other requests' K/V.
+
+
+def rows_agree(pool: object, handles: np.ndarray) -> bool:
+    for h in handles:
+        if pool.is_swapped(h):
+            continue
+        n, row = pool.length(h), int(pool.rows([h])[0])
+        if pool.req_to_token[row, :n].tolist() != pool.slots(h).tolist():
+            return False
+    return True
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_swap_in_interrupted_in_its_loads_leaves_no_stale_rows(exc: type[BaseException]) -> None:
+    import torch
+
+    from kvpool import KVPool
+
+    pool = KVPool(1, 1, 2, page_size=2, num_pages=16, max_requests=4, max_context_len=16, host_pages=16)
+    h = pool.open(2)
+    res = pool.extend(h, [3, 4])
+    pool.write(0, res.slots, *[torch.arange(14.0).reshape(7, 1, 2).half()] * 2)
+    pool.swap_out(h[:1])
+    pool.extend(h[1:], [3])  # takes device pages: the swapped request comes back elsewhere
+    runner = pool._transfers
+    real_run = runner.run
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        runner.run = real_run
+        raise exc("interrupted in the loads")
+
+    runner.run = interrupted
+    with pytest.raises(exc, match="interrupted in the loads"):
+        pool.swap_in(h[:1])
+    assert rows_agree(pool, h)
+    assert pool.is_swapped(h[0])  # swapped out again, as a failed table write is
+    pool.check()
+    pool.swap_in(h[:1])
+    assert rows_agree(pool, h)
+    pool.check()

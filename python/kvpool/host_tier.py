@@ -91,11 +91,11 @@ class HostTierMixin:
         if runner is None:
             return None
         alloc = self.allocator
-        off = alloc.take_offloads()
-        ld = alloc.take_loads()
-        if not len(off[0]) and not len(ld[0]):
-            return None
-        try:
+        try:  # (the takes inside: an interrupt landing after one must not lose its transfers unseen)
+            off = alloc.take_offloads()
+            ld = alloc.take_loads()
+            if not len(off[0]) and not len(ld[0]):
+                return None
             return runner.run(offloads=off, loads=ld)
         except BaseException:
             # The core already counts these pages as holding the entries they were to
@@ -140,24 +140,26 @@ class HostTierMixin:
         Raises:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
-            If the table write itself fails after the allocator committed (a CUDA
-            OOM or launch error), the requests are swapped out again, their K/V
-            with them, and the error is raised (should the host have no room
-            for that either, they stay on the device: close them).
+            If the loads or the table write fail after the allocator committed (a
+            CUDA OOM or launch error, a KeyboardInterrupt), the requests are swapped
+            out again, their K/V with them (what a failed load brought), and the error
+            is raised (should the host have no room for that either, they stay on the
+            device: close them).
         """
         with self._lock:
             if self._to_device is not None:
                 self._enter_device_call("swap_in")
             self.allocator.swap_in(handles)
-            # A page whose entry another request's registration took over meanwhile comes
-            # back as that request's page: both hold it, so extends must copy on write.
-            self._sharing = True
-            self._note_edit(handles)  # (their pages moved, whatever follows)
-            self._run_transfers()
-            hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
-            try:
+            try:  # (from the core's commit on: an interrupt there must not leave rows naming old pages)
+                # A page whose entry another request's registration took over meanwhile comes
+                # back as that request's page: both hold it, so extends must copy on write.
+                self._sharing = True
+                self._note_edit(handles)  # (their pages moved, whatever follows)
+                self._run_transfers()
+                hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
                 self._write_prefixes(hs, np.asarray(self.allocator.lengths(hs), dtype=np.int64))
             except BaseException:
+                hs = np.asarray(handles, dtype=np.int64).reshape(-1)
                 # Left on the device, the requests' rows would name the pages they had
                 # before swap_out. Their offloads follow the loads just run (on CUDA on
                 # the same copy stream), so the host gets back what was loaded.
