@@ -246,3 +246,4 @@ def test_swap_in_interrupted_in_its_loads_leaves_no_stale_rows(exc: type[BaseExc
     pool.swap_in(h[:1])
     assert rows_agree(pool, h)
     pool.check()
+

@@ -115,3 +115,41 @@ def test_rows_without_storage_are_a_typed_error_before_k_is_stored(make):
     with pytest.raises(kvpool.TensorDeviceError, match="no storage kvpool can copy from"):
         torch.func.vmap(write, in_dims=0)(torch.randn(1, 2, H, D).half())
     assert snapshot(pool) == before
+
+
+# ----- engine-made slot arrays: read-only ones --------------------------------
+# Slots received as bytes (np.frombuffer) or through shared memory are read-only numpy
+# arrays. write/read handed them to torch.from_numpy, which printed a UserWarning about
+# non-writable arrays (once per process), though the pool never writes the slots.
+
+
+def test_read_only_slot_arrays_write_and_read_without_a_warning() -> None:
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent("""
+        import numpy as np, torch
+        from kvpool import KVPool
+        pool = KVPool(1, 1, 2, num_slots=32, max_requests=4, max_context_len=16)
+        h = pool.open(1)
+        got = pool.extend(h, 3).slots
+        for slots in (np.frombuffer(got.astype(np.int64).tobytes(), dtype=np.int64),
+                      np.frombuffer(got.astype(np.int32).tobytes(), dtype=np.int32)):
+            assert not slots.flags.writeable
+            k = torch.randn(3, 1, 2).half()
+            pool.write(0, slots, k, -k)
+            rk, rv = pool.read(0, slots)
+            assert torch.equal(rk, k) and torch.equal(rv, -k)
+        pool.check()
+        print("done")
+    """)
+    src = str(Path(__file__).resolve().parents[1] / "python")
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p))
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "done"

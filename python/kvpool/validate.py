@@ -134,6 +134,10 @@ def _as_tensor(slots: Any, num_slots: int) -> torch.Tensor:
         raise _out_of_range(bad, int(arr.reshape(-1)[bad]), num_slots)
     if arr.dtype not in (np.int32, np.int64):
         arr = arr.astype(np.int64)
+    elif not arr.flags.writeable:
+        # (np.frombuffer of received bytes, a shared-memory view): torch.from_numpy warns
+        # about every such array, though the pool only reads the slots; a copy is silent.
+        arr = arr.copy()
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
