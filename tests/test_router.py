@@ -247,3 +247,29 @@ def test_for_a_grouped_pool_the_prediction_is_an_upper_bound():
         pub.publish()
         r.feed_many(0, pub.drain())
     assert over > 0, "the sliding group evicted windows the anchor chain still names"
+
+
+def test_a_router_copies_and_pickles_as_a_whole_independent_router():
+    # (outside-style sweep) pickle failed with "cannot pickle 'msgspec.msgpack.Decoder'
+    # object", naming neither the router nor a fix, and copy.copy shared the index, the
+    # streams and the loads: feeding the copy changed what the original routed.
+    import copy
+    import pickle
+
+    pools, pubs, r = fleet()
+    base = np.arange(1000, 1013)
+    admit(pools[1], base)
+    deliver(pubs, r)
+    want = r.route(base)
+    assert want.pool == 1 and want.cached_tokens == 12
+    for clone in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r))):
+        assert clone.load == r.load == [0, 1, 0]
+        assert clone.route(base) == want
+        assert clone.load == [0, 2, 0] and r.load == [0, 1, 0]  # (route counts in its own router)
+    shallow = copy.copy(r)
+    pools[1].clear_cache()
+    pubs[1].publish()
+    shallow.feed_many(1, pubs[1].drain())
+    assert shallow.route(base).cached_tokens == 0
+    assert r.route(base) == want  # the original still holds pool 1's pages
+    assert r.load == [0, 2, 0] and shallow.load[1] == 1  # (each counts its own routes)

@@ -16,6 +16,7 @@ each as it came, and a prompt is looked up in every form the streams have used.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -89,6 +90,25 @@ class Router(EventStreams, PrefixMatching):
         self._bytes_keys = self._int_keys = False
         self._decode = decoder().decode
         self._not_a_batch = (TypeError, msgspec.DecodeError)  # ValidationError is a DecodeError
+
+    # ----- copies and pickles ----------------------------------------------
+    # A router is plain Python state plus a msgspec decoder, which neither pickles nor
+    # needs to: rebuilt on load. A copy is a whole, independent router (copy.copy's default
+    # shared the index, streams and loads, so feeding one silently changed the other).
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_decode"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from kvpool.events.schema import decoder  # (msgspec: imported on use, as in __init__)
+
+        self.__dict__.update(state)
+        self._decode = decoder().decode
+
+    def __copy__(self) -> Router:
+        return copy.deepcopy(self)
 
     # ----- routing -------------------------------------------------------
 
