@@ -23,3 +23,35 @@ def test_reliability_md_counts_the_committed_fuzz_seeds():
     assert groups == len(files["groups"])
     total = sum(f.stat().st_size for fs in files.values() for f in fs)
     assert abs(total / 1000 - kb) <= 0.15 * kb, (total, kb)
+
+
+def test_every_drain_carries_medium_and_a_host_copy_goes_out_as_cpu():
+    """docs/events-and-metrics.md said the event arrays had no `medium` "today" (so every
+    wire event read "GPU"), but take_events() has carried it since the host tier: 0 for a
+    device page, 1 for a host copy, which the encoder sends as "CPU"."""
+    import numpy as np
+
+    import kvpool
+    from kvpool import _core
+
+    schema = __import__("pytest").importorskip("kvpool.events.schema", reason="needs the 'events' extra (msgspec)")
+    plain = kvpool.SlotAllocator(num_pages=16, page_size=2, max_requests=4, max_context_len=64)
+    grouped = kvpool.GroupedAllocator([{"kind": "full", "num_pages": 16, "page_size": 2}],
+                                      max_requests=4, max_context_len=64)
+    for a in (plain, grouped):
+        h = a.open(1)
+        a.extend(h, 4, tokens=np.arange(4))
+        a.cache(h)
+        ev = a.take_events()
+        assert ev["medium"].dtype == np.uint8 and list(ev["medium"]) == [0, 0], type(a)
+        assert "group_idx" not in ev  # the doc's "no group_idx yet"
+    tiered = kvpool.SlotAllocator(num_pages=4, page_size=2, max_requests=4, max_context_len=64, host_pages=8)
+    h = tiered.open(1)
+    tiered.extend(h, 6, tokens=np.arange(6))
+    tiered.close(h, cache=True)
+    tiered.extend(tiered.open(1), 6, tokens=np.arange(10, 16))  # evicts: write_back offloads
+    ev = tiered.take_events()
+    assert 1 in set(ev["medium"].tolist())
+    payload, *_ = _core.encode_kv_events(ev, 0.0)
+    media = {e.medium for e in schema.decoder().decode(payload).events if hasattr(e, "medium")}
+    assert media == {"GPU", "CPU"}
