@@ -76,3 +76,26 @@ def test_stub_docstrings_match_runtime_docstrings():
         runtime_cls = getattr(kvpool._core, cls.name)
         if isinstance(runtime_cls, type) and not issubclass(runtime_cls, BaseException) and runtime_cls.__doc__:
             assert inspect.cleandoc(ast.get_docstring(cls) or "") == inspect.cleandoc(runtime_cls.__doc__), cls.name
+
+
+def test_help_headers_name_every_parameter():
+    """help() shows a method's first doc line as its call form; SlotAllocator.fork's read
+    ``fork(handle, n=1)`` and open_with_prefix's ``open_with_prefix(tokens, lengths,
+    salt=None)``, leaving out the ``table=`` both take. Each header names the parameters
+    of the method's signature, in order."""
+    import re
+
+    checked = 0
+    for cls in (kvpool._core.SlotAllocator, kvpool._core.GroupedAllocator):
+        for name in (n for n in dir(cls) if not n.startswith("_")):
+            method = getattr(cls, name)
+            sig = getattr(method, "__text_signature__", None)
+            m = re.match(rf"^{name}\(([^)]*)\)", (method.__doc__ or "").split("\n", 1)[0])
+            if sig is None or m is None:
+                continue
+            def names(args: str) -> list[str]:
+                return [a.split("=")[0].strip() for a in args.split(",")
+                        if a.strip() and a.strip() not in ("$self", "/", "*")]
+            assert names(m.group(1)) == names(sig.strip("()")), (cls.__name__, name, m.group(0), sig)
+            checked += 1
+    assert checked >= 40

@@ -32,7 +32,7 @@ fn fill(
 
 #[pymethods]
 impl PySlotAllocator {
-    /// open_with_prefix(tokens, lengths, salt=None) -> (handles, cached_lens)
+    /// open_with_prefix(tokens, lengths, salt=None, table=None) -> (handles, cached_lens)
     ///
     /// Opens one request per prompt, each starting on the longest cached
     /// prefix of full pages of its prompt, capped so that at least one token
@@ -139,7 +139,7 @@ impl PySlotAllocator {
         }
     }
 
-    /// fork(handle, n=1) -> ndarray[int64]
+    /// fork(handle, n=1, table=None) -> ndarray[int64]
     ///
     /// Opens n requests that share all of `handle`'s pages and known tokens
     /// (same length, prompt and salt). A shared, partly filled last page is
