@@ -55,3 +55,32 @@ def test_every_drain_carries_medium_and_a_host_copy_goes_out_as_cpu():
     payload, *_ = _core.encode_kv_events(ev, 0.0)
     media = {e.medium for e in schema.decoder().decode(payload).events if hasattr(e, "medium")}
     assert media == {"GPU", "CPU"}
+
+
+def test_a_sliding_layer_holds_at_most_the_pages_docs_hybrid_md_states():
+    """docs/hybrid.md said held_tokens of a sliding layer stays at most W + one page; with a
+    window that is not a multiple of the page size a request holds more (W = 6, pages of 4:
+    3 pages, 12 tokens, while the window starts and ends inside a page). The bound is
+    ceil(W / page_size) + 1 pages (docs/groups.md's), W + one page when the page divides W."""
+    import math
+
+    import torch
+
+    import kvpool
+
+    beyond = False
+    for window, page in [(5, 4), (6, 4), (8, 4), (1, 4), (7, 16), (17, 16), (3, 2), (16, 16)]:
+        pool = kvpool.KVPool(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu",
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=window,
+                             page_size=page, num_pages=80, max_requests=2, max_context_len=128)
+        h = pool.open(1)
+        most = 0
+        for _ in range(100):
+            pool.extend(h, 1)
+            most = max(most, pool.held_tokens(int(h[0]), 0))
+        assert most <= (math.ceil(window / page) + 1) * page, (window, page, most)
+        if window % page == 0:
+            assert most <= window + page, (window, page, most)
+        beyond |= most > window + page
+        pool.check()
+    assert beyond  # so the doc must not promise W + one page for every window
