@@ -84,3 +84,60 @@ def test_a_sliding_layer_holds_at_most_the_pages_docs_hybrid_md_states():
         beyond |= most > window + page
         pool.check()
     assert beyond  # so the doc must not promise W + one page for every window
+
+
+class _CountingLock:
+    """The pool's RLock, counting how often a call enters it."""
+
+    def __init__(self, lock):
+        self.lock, self.entered = lock, 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+    def acquire(self, *a, **k):
+        self.entered += 1
+        return self.lock.acquire(*a, **k)
+
+    def release(self):
+        return self.lock.release()
+
+
+def test_every_call_the_threads_paragraph_names_holds_the_pool_lock():
+    """docs/kernels-and-graphs.md's "Threads" listed the calls that hold the pool's lock but
+    left out unpin, set_clock, swap_out and swap_in, which hold it too (KVPool's docstring
+    names them). Each call the paragraph names is made here and must enter the lock."""
+    import numpy as np
+    import torch
+
+    import kvpool
+
+    text = " ".join((ROOT / "docs" / "kernels-and-graphs.md").read_text(encoding="utf-8").split())
+    para = text[text.index("**Threads.**"):]
+    para = para[:para.index("holds the pool's lock")]
+    named = set(re.findall(r"`(\w+)`", para)) - {"KVPool", "send_request", "recv_request"}
+    assert {"unpin", "set_clock", "swap_out", "swap_in"} <= named
+    pool = kvpool.KVPool(1, 1, 4, dtype=torch.float32, page_size=2, num_pages=32, max_requests=8,
+                         max_context_len=32, host_pages=8, manual_clock=True)
+    lock = pool._lock = _CountingLock(pool._lock)
+    h = pool.open(2)
+    pool.extend(h, 5, tokens=np.arange(10))
+    calls = {
+        "open": lambda: pool.open(1), "admit": lambda: pool.admit([2]), "extend": lambda: pool.extend(h, 1),
+        "truncate": lambda: pool.truncate(h, [5, 5]), "cache": lambda: pool.cache(h, priority=100),
+        "unpin": lambda: pool.unpin(h), "set_clock": lambda: pool.set_clock(1.0),
+        "fork": lambda: pool.fork(int(h[0]), 1), "evict": lambda: pool.evict(1),
+        "swap_out": lambda: pool.swap_out(h[1:]), "swap_in": lambda: pool.swap_in(h[1:]),
+        "close": lambda: pool.close(h[:1], cache=True), "clear_cache": pool.clear_cache,
+        "open_with_prefix": lambda: pool.open_with_prefix(np.arange(6), [6]), "reset": pool.reset,
+    }
+    assert named - {"open_with_"} <= set(calls), named - set(calls)
+    for name in [n for n in calls if n in named or n.startswith("open_with")]:
+        before = lock.entered
+        calls[name]()
+        assert lock.entered > before, name
+    pool.check()
