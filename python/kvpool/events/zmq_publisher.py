@@ -74,7 +74,9 @@ def bad_tcp_port(endpoint: str | None) -> str | None:
     if endpoint is None or not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         return None
     port = endpoint.rsplit(":", 1)[1]
-    if port == "*" or (port.isdigit() and int(port) <= 65535):
+    # ASCII digits only: str.isdigit() also takes '²' (int() then raised an untyped
+    # ValueError) and '٣', which int() reads but ZMQ does not.
+    if port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535):
         return None
     return port
 
