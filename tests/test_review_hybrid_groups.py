@@ -277,6 +277,25 @@ def test_a_negative_pool_size_is_told_its_least_value(make, key, least):
             make(least - 1)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_pages=-3), r"^num_pages must be >= 2 \(page 0 is reserved\), got -3$"),
+    (dict(num_slots=-3), r"^num_slots must be >= 8 \(two pages of page_size=4: page 0 is reserved\), got -3$"),
+])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_a_negative_kvpool_size_is_told_its_least_value(kw, match, hybrid):
+    """(outside-style sweep) KVPool's own check of the same sizes still said "num_pages must be
+    >= 0, got -3" (0 is refused next), and a hybrid pool named the core's groups[0]["num_pages"],
+    not the argument the caller gave."""
+    args = dict(dtype=torch.float32, page_size=4, max_requests=2, max_context_len=16, **kw)
+    if hybrid:
+        args.update(layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    with pytest.raises(InvalidArgumentError, match=match):
+        KVPool(2, 1, 2, **args)
+    if hybrid and "num_pages" in kw:
+        with pytest.raises(InvalidArgumentError, match=r"^num_pages must be >= 2 \(page 0 is reserved\), got 1$"):
+            KVPool(2, 1, 2, **dict(args, num_pages=1))
+
+
 def test_a_budget_past_the_slot_ids_is_told_to_lower_the_budget():
     """A hybrid pool sized by memory_bytes past 2**31 slots was told a num_pages to use, an
     argument the caller did not give (the plain pool names memory_bytes)."""

@@ -29,15 +29,16 @@ MAX_SLOTS = 2**31
 MAX_PAGES = 2**31 - 1
 
 
-def _count(name: str, value: Any) -> int:
-    """A non-negative int capacity argument (numpy ints too; no bools, floats or strings)."""
+def _count(name: str, value: Any, least: str = "0") -> int:
+    """A non-negative int capacity argument (numpy ints too; no bools, floats or strings).
+    A negative one is told ``least``, the argument's least valid value (with its reason)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         hint = ""
         if isinstance(value, float) and math.isfinite(value):
             hint = f"; use {int(value)}" if value.is_integer() else f"; use {math.floor(value)} or {math.ceil(value)}"
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}{hint}")
     if value < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= {least}, got {value}")
     return int(value)
 
 
@@ -119,7 +120,8 @@ def pages_of_slots(num_slots: Any, page_size: int) -> int:
     """``num_slots`` as pages of ``page_size`` (an int, numpy ints too), or an
     ``InvalidArgumentError`` that suggests the nearest sizes a pool takes: two pages at
     least (page 0 is reserved), within the limits. The plain and the hybrid pool's check."""
-    num_slots = _count("num_slots", num_slots)
+    num_slots = _count("num_slots", num_slots, f"{2 * page_size} (two pages of page_size={page_size}: page 0 is "
+                       "reserved)")
     if num_slots % page_size:
         near = (num_slots // page_size, -(-num_slots // page_size))
         ok = [n * page_size for n in near if 2 <= n <= MAX_PAGES and n * page_size <= MAX_SLOTS]
@@ -162,7 +164,7 @@ def resolve_num_pages(
             f"got {sorted(given) or 'none'}"
         )
     if num_pages is not None:
-        pages = _count("num_pages", num_pages)
+        pages = _count("num_pages", num_pages, "2 (page 0 is reserved)")
     elif num_slots is not None:
         pages = pages_of_slots(num_slots, page_size)
     else:

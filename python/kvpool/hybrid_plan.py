@@ -152,6 +152,8 @@ def plan_groups(
             if num_pages is None:
                 raise InvalidArgumentError(
                     f"size the {t} layers' pages: pass num_pages or num_slots (or group_pages={{{t!r}: N}})")
+            if num_pages < 2:  # (the core's check names its groups[i]["num_pages"], not this argument)
+                raise InvalidArgumentError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
             pages = num_pages
         else:
             assert window is not None
