@@ -5,11 +5,14 @@ a number's ``__float__``, an object's ``__array__``. When that code is interrupt
 (Ctrl-C's ``KeyboardInterrupt``, raised at whatever Python code runs when the signal
 lands) or runs out of memory, the interrupt must reach the caller as it is and the
 pool must be as before: turning it into an ``InvalidArgumentError`` made an engine that
-refuses a bad request and carries on swallow the Ctrl-C. Any other exception such code
-raises is still the argument's fault, an ``InvalidArgumentError``.
+refuses a bad request and carries on swallow the Ctrl-C (the same holds for any exception
+that is not an ``Exception``, such as a task's cancellation). Any other ``Exception`` such
+code raises is still the argument's fault, an ``InvalidArgumentError``.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
@@ -98,6 +101,26 @@ def test_an_interrupt_in_dunder_array_reaches_the_caller(call: str, exc: type[Ba
     assert x.calls >= 1
     assert state(a, h) == before
     a.check()
+
+
+class Stop(BaseException):
+    """A caller's own control-flow exception (not an ``Exception``), as trio's or gevent's."""
+
+
+@pytest.mark.parametrize("exc", [asyncio.CancelledError, GeneratorExit, Stop])
+def test_any_exception_that_is_not_an_exception_reaches_the_caller(exc: type[BaseException]) -> None:
+    # (outside-style sweep) docs/errors.md said everything but KeyboardInterrupt, SystemExit and
+    # MemoryError became InvalidArgumentError; the bindings pass every non-Exception through
+    # (a task's cancellation must not become a refusal), and the docs now say so.
+    for call in sorted(CALLS):
+        a, h = alloc()
+        before = state(a, h)
+        with pytest.raises(exc, match="raised while converting"):
+            CALLS[call](a, h, Raising(exc))
+        with pytest.raises(exc, match="raised while converting"):
+            a.extend(RaisingArray(exc), 1)
+        assert state(a, h) == before, call
+        a.check()
 
 
 @pytest.mark.parametrize("exc", [TypeError, ValueError, RuntimeError])
