@@ -21,17 +21,32 @@ pytestmark = pytest.mark.skipif(
 SALT = 7
 
 
-def _moved_then_cached(rank: int, world: int, page: int, sent: int, cut_to_zero: bool) -> dict:
+def _pool_class(old_receiver: bool):
+    import kvpool
+
+    if not old_receiver:
+        return kvpool.KVPool
+
+    class OldReceiver(kvpool.KVPool):
+        """A receiver whose open_with_chain_hashes has no length= (opened, then extended)."""
+
+        def open_with_chain_hashes(self, hashes, tokens, salt=None, max_pages=None):
+            return super().open_with_chain_hashes(hashes, tokens, salt, max_pages)
+
+    return OldReceiver
+
+
+def _moved_then_cached(rank: int, world: int, page: int, sent: int, cut_to_zero: bool,
+                       old_receiver: bool = False) -> dict:
     """Rank 0 sends a salted request of ``sent`` tokens (no chain: fewer than a page, or
     none); rank 1 fills it to a prompt for the same tenant, caches it, and says which salt
     the prompt hits under."""
     import numpy as np
 
-    import kvpool
     from kvpool.distributed import recv_request, send_request
 
-    pool = kvpool.KVPool(1, 1, 2, dtype=torch.float32, page_size=page, num_pages=16, max_requests=4,
-                         max_context_len=64, hash_seed=1)
+    pool = _pool_class(old_receiver and rank == 1)(1, 1, 2, dtype=torch.float32, page_size=page, num_pages=16,
+                                                   max_requests=4, max_context_len=64, hash_seed=1)
     prompt = list(range(1, 2 * page + 2))
     if rank == 0:
         hs, cached = pool.open_with_prefix(prompt, [len(prompt)], [SALT])  # nothing cached: length 0
@@ -64,3 +79,12 @@ def test_a_request_sent_without_a_chain_keeps_its_salt(page, sent, cut):
     full = (2 * page + 1) // page * page  # the cached prompt's full pages
     assert hits[0] == 0, f"a salt-0 prompt hit {hits[0]} tokens of tenant {SALT}'s K/V"
     assert hits[SALT] == full, f"the tenant's own prompt hit {hits[SALT]} tokens, not {full}"
+
+
+@pytest.mark.parametrize("sent", [0, 5], ids=["empty", "short"])
+def test_a_receiver_without_the_atomic_open_keeps_the_salt_too(sent):
+    """(outside-style sweep) The receiver's other path: an open_with_chain_hashes with no
+    length= opens the salted request with the empty chain, then extends it."""
+    _, hits = _dist.run_ranks(_moved_then_cached, world=2, timeout_s=120, page=16, sent=sent, cut_to_zero=True,
+                              old_receiver=True)
+    assert hits == {0: 0, SALT: 32}, hits
