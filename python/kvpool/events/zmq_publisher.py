@@ -139,7 +139,7 @@ class ZmqEventPublisher(EventPublisher):
                                        f"got {replay_endpoint!r}")
         for name, e in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
             if (bad := bad_tcp_port(e)) is not None:
-                raise InvalidArgumentError(f"{name} {e!r} names port {bad}; a TCP port is in [0, 65535] "
+                raise InvalidArgumentError(f"{name} {e!r} names port {bad!r}; a TCP port is in [0, 65535] "
                                            "(ZMQ would take it modulo 65536 and bind another one)")
         if not is_int(hwm) or not 0 <= hwm <= ZMQ_INT_MAX:
             raise InvalidArgumentError(f"hwm must be an int in [0, {ZMQ_INT_MAX}] (0: no limit; ZMQ keeps it in a "

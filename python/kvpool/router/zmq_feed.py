@@ -106,7 +106,7 @@ class ZmqFeed:
                 raise InvalidArgumentError(f"{name} must be a str such as 'tcp://host:5557', got {value!r}")
             if (bad := bad_tcp_port(value)) is not None:
                 # (ZMQ would connect to the port modulo 65536: another publisher's, or none)
-                raise InvalidArgumentError(f"{name} {value!r} names port {bad}; a TCP port is in [0, 65535]")
+                raise InvalidArgumentError(f"{name} {value!r} names port {bad!r}; a TCP port is in [0, 65535]")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str (matched UTF-8 encoded), got {topic!r}")
         try:
