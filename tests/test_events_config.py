@@ -88,7 +88,7 @@ def test_the_rank_is_0_unless_given_and_nil_when_none():
     ("tcp://127.0.0.1:99999", {}, "port '99999'"),  # (ZMQ bound port 99999 - 65536)
     ("tcp://127.0.0.1:-1", {}, "port '-1'"),
     ("tcp://127.0.0.1:", {}, "port ''"),  # (no port: was told "names port ;")
-    # (outside-style sweep) '²' raised int()'s untyped ValueError; '٣' reached ZMQ as a port.
+    # '²' raised int()'s untyped ValueError; '٣' reached ZMQ as a port.
     ("tcp://127.0.0.1:\u00b2", {}, "port '\u00b2'"),
     ("tcp://127.0.0.1:0", dict(replay_endpoint="tcp://127.0.0.1:\u0663"), "port '\u0663'"),
     ("tcp://127.0.0.1:0", dict(replay_endpoint="tcp://127.0.0.1:70000"), "port '70000'"),

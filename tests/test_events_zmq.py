@@ -317,7 +317,7 @@ def test_a_subscriber_past_the_high_water_mark_catches_up_by_replay():
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:99999"), "port '99999'"),
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:70000"), "port '70000'"),
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", topic="\ud800"), "topic"),
-    # (outside-style sweep) a port of non-ASCII digits: '²' raised int()'s untyped ValueError.
+    # a port of non-ASCII digits: '²' raised int()'s untyped ValueError.
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:\u00b2"), "port '\u00b2'"),
     (lambda f: f.subscribe(0, "tcp://127.0.0.1:1", replay_endpoint="tcp://127.0.0.1:\u0663"), "port '\u0663'"),
 ], ids=["bad-endpoint", "bad-replay-endpoint", "endpoint-int", "topic-bytes", "pool-out-of-range", "port-too-big",

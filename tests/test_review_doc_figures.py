@@ -1,6 +1,6 @@
 """Figures the docs state about this repository's own files and code, each checked against
 what they count, so that a change to the counted thing fails here rather than leaving the
-doc behind (an outside-style docs sweep found these stale)."""
+doc behind."""
 
 from __future__ import annotations
 

@@ -283,7 +283,7 @@ def test_a_negative_pool_size_is_told_its_least_value(make, key, least):
 ])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
 def test_a_negative_kvpool_size_is_told_its_least_value(kw, match, hybrid):
-    """(outside-style sweep) KVPool's own check of the same sizes still said "num_pages must be
+    """KVPool's own check of the same sizes still said "num_pages must be
     >= 0, got -3" (0 is refused next), and a hybrid pool named the core's groups[0]["num_pages"],
     not the argument the caller gave."""
     args = dict(dtype=torch.float32, page_size=4, max_requests=2, max_context_len=16, **kw)

@@ -1,4 +1,4 @@
-"""Interrupts raised from inside an argument's conversion (outside-style sweep).
+"""Interrupts raised from inside an argument's conversion.
 
 Converting an argument may run the caller's Python code: an element's ``__index__``,
 a number's ``__float__``, an object's ``__array__``. When that code is interrupted
@@ -109,7 +109,7 @@ class Stop(BaseException):
 
 @pytest.mark.parametrize("exc", [asyncio.CancelledError, GeneratorExit, Stop])
 def test_any_exception_that_is_not_an_exception_reaches_the_caller(exc: type[BaseException]) -> None:
-    # (outside-style sweep) docs/errors.md said everything but KeyboardInterrupt, SystemExit and
+    # docs/errors.md said everything but KeyboardInterrupt, SystemExit and
     # MemoryError became InvalidArgumentError; the bindings pass every non-Exception through
     # (a task's cancellation must not become a refusal), and the docs now say so.
     for call in sorted(CALLS):

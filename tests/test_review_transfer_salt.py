@@ -83,7 +83,7 @@ def test_a_request_sent_without_a_chain_keeps_its_salt(page, sent, cut):
 
 @pytest.mark.parametrize("sent", [0, 5], ids=["empty", "short"])
 def test_a_receiver_without_the_atomic_open_keeps_the_salt_too(sent):
-    """(outside-style sweep) The receiver's other path: an open_with_chain_hashes with no
+    """The receiver's other path: an open_with_chain_hashes with no
     length= opens the salted request with the empty chain, then extends it."""
     _, hits = _dist.run_ranks(_moved_then_cached, world=2, timeout_s=120, page=16, sent=sent, cut_to_zero=True,
                               old_receiver=True)

@@ -250,7 +250,7 @@ def test_for_a_grouped_pool_the_prediction_is_an_upper_bound():
 
 
 def test_a_router_copies_and_pickles_as_a_whole_independent_router():
-    # (outside-style sweep) pickle failed with "cannot pickle 'msgspec.msgpack.Decoder'
+    # pickle failed with "cannot pickle 'msgspec.msgpack.Decoder'
     # object", naming neither the router nor a fix, and copy.copy shared the index, the
     # streams and the loads: feeding the copy changed what the original routed.
     import copy
