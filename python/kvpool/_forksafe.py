@@ -81,6 +81,20 @@ class OwnedLock:
         self.release()
 
 
+def acquire_interruptible(lock: Any) -> None:
+    """``lock.acquire()`` (a ``threading.RLock``) for the per-step calls that take it
+    without ``with`` (cheaper on CPython). A signal handler's exception (Ctrl-C) can land
+    just after ``acquire()`` returned, before the caller's ``try``: the lock would stay
+    held and every other thread's pool call, and a fork's hooks, would wait for ever. So
+    the lock is given back if this thread took it, and the exception goes on."""
+    try:
+        lock.acquire()
+    except BaseException:
+        if lock._is_owned():
+            lock.release()
+        raise
+
+
 def track(owner: Any, attr: str, rank: int) -> None:
     """Hold ``getattr(owner, attr)`` (a threading lock) across every fork while ``owner`` lives."""
     global _generation

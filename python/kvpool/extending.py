@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool._forksafe import acquire_interruptible
 from kvpool.packed import PackedExtend
 from kvpool.row_edits import lengths_before
 from kvpool.sharing import apply_cow
@@ -61,14 +62,7 @@ class ExtendOps:
         # acquire/release rather than `with`: this is the per-step call, and on CPython
         # the context-manager protocol costs more than the lock itself.
         lock = self._lock
-        try:
-            lock.acquire()
-        except BaseException:
-            # A signal handler's exception (Ctrl-C) that landed once the lock was taken:
-            # a lock left held would stop every other thread's pool call for good.
-            if lock._is_owned():
-                lock.release()
-            raise
+        acquire_interruptible(lock)
         try:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("extend")

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._forksafe import acquire_interruptible
 from kvpool.errors import SlotRangeError, TensorShapeError
 from kvpool.kernels._common import cache_geom, use_triton
 from kvpool.kernels.ops import gather_rows, store_rows
@@ -109,14 +110,7 @@ class RowsMixin:
         if self._to_device is not None or self._table_np is None or self._transfers is not None:
             return None
         lock = self._lock
-        try:
-            lock.acquire()
-        except BaseException:
-            # A signal handler's exception (Ctrl-C) that landed once the lock was taken:
-            # a lock left held would stop every other thread's pool call for good.
-            if lock._is_owned():
-                lock.release()
-            raise
+        acquire_interruptible(lock)
         try:
             if self._sharing:
                 return None
