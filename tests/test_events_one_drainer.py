@@ -125,6 +125,25 @@ def test_publish_refuses_events_of_a_pool_of_another_page_size(hybrid):
     assert pub.next_seq == 0 and pub.drain() == []
     assert pub.publish(pool.take_events()) == 2  # the pool's own, as if the foreign events never came
 
+def test_publish_sends_the_group_idx_of_events_it_is_given():
+    """``publish(events=)`` kept ``medium`` but dropped a ``group_idx`` array, which
+    ``encode_kv_events`` sends: a caller's per-event groups never reached the wire."""
+    from kvpool.events import schema
+
+    pool = kvpool.KVPool(2, 1, 8, dtype=torch.float32, page_size=P, num_pages=16, max_requests=4,
+                         max_context_len=64, hash_seed=7)
+    pub = LocalEventPublisher(pool)
+    cache_prompt(pool, list(range(100, 109)))
+    ev = dict(pool.take_events())
+    ev["group_idx"] = np.full(len(ev["kind"]), 3, np.int64)
+    assert pub.publish(ev) == 2
+    ((_, _, payload),) = pub.drain()
+    assert [e.group_idx for e in schema.decoder().decode(payload).events] == [3]
+    ev["group_idx"] = ev["group_idx"][:1]
+    with pytest.raises(kvpool.InvalidArgumentError, match="group_idx"):
+        pub.publish(ev)
+
+
 def hybrid_publish_failed_once(monkeypatch, prompt):
     """A hybrid pool that cached ``prompt`` (two Stored events) and a publisher whose first
     ``publish()`` failed encoding them (a MemoryError, injected)."""

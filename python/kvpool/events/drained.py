@@ -46,8 +46,9 @@ def checked_events(ev: Any, page_size: int | None = None) -> dict[str, np.ndarra
     if missing:
         raise InvalidArgumentError(f"events lacks {missing}: pass the dict pool.take_events() returns")
     out = {k: _ints(k, ev[k]) for k in (*EVENT_FIELDS, "token_ids")}
-    if "medium" in ev:
-        out["medium"] = _ints("medium", ev["medium"])
+    for k in ("medium", "group_idx"):  # (optional: the encoder sends them when present)
+        if k in ev:
+            out[k] = _ints(k, ev[k])
     n = len(out["kind"])
     wrong = [k for k in out if k != "token_ids" and len(out[k]) != n]
     if wrong:
