@@ -145,8 +145,13 @@ def test_read_only_slot_arrays_write_and_read_without_a_warning() -> None:
         pool.check()
         print("done")
     """)
-    src = str(Path(__file__).resolve().parents[1] / "python")
     import os
+
+    import kvpool
+
+    # The package this run imports (the installed one in CI, where the checkout's python/
+    # has no built _core).
+    src = str(Path(kvpool.__file__).resolve().parents[1])
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), src) if p))
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
