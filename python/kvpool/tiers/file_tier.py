@@ -76,12 +76,17 @@ class FileTier(FileEviction, TierBackend):
             raise InvalidArgumentError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.path = directory(path)
         self._max = int(max_bytes)
-        if isinstance(scan_interval_s, (bool, np.bool_)) \
-                or not isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
-                or not 0 <= scan_interval_s < float("inf"):
+        interval = float("nan")
+        if isinstance(scan_interval_s, (int, float, np.integer, np.floating)) \
+                and not isinstance(scan_interval_s, (bool, np.bool_)):
+            try:
+                interval = float(scan_interval_s)
+            except OverflowError:  # an int past float's range (10**400): OverflowError, untyped
+                pass
+        if not 0 <= interval < float("inf"):
             raise InvalidArgumentError(f"scan_interval_s must be a finite number of seconds >= 0, "
-                                       f"got {scan_interval_s!r}")
-        self.scan_interval_s = float(scan_interval_s)
+                                       f"got {scan_interval_s!r:.60}")
+        self.scan_interval_s = interval
         try:
             (self.path / ".tmp").mkdir(parents=True, exist_ok=True)
         except OSError as e:
