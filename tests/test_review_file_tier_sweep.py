@@ -1,12 +1,46 @@
-"""FileTier driven as an engine that keeps KV across restarts drives it, with arguments it
-did not expect: a scan interval past float's range is refused with its typed error."""
+"""FileTier driven as an engine that keeps KV across restarts drives it, with files and
+arguments it did not make: it counts and evicts only the files it names as records, and
+refuses a scan interval past float's range with its typed error."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
 import kvpool
-from kvpool.tiers import FileTier
+from kvpool.tiers import FileTier, PageRecord
+from kvpool.tiers.backend import record_bytes
+
+FP = bytes(range(16))
+
+
+def rec(i: int, payload_bytes: int = 200) -> PageRecord:
+    return PageRecord(page_hash=(i << 72) | 0x5A, parent_hash=0, salt=0, tokens=np.arange(4, dtype=np.int32),
+                      fingerprint=FP, payload=bytes([i % 256]) * payload_bytes)
+
+
+def test_files_the_tier_did_not_name_are_neither_counted_nor_evicted(tmp_path):
+    """A user's "backup/x.kvp", a "notes.kvp" in a two-hex directory, an upper-case or
+    misplaced record name: not where file_for puts a record. They were counted against the
+    bound and deleted as the least recently used "records" at the next write."""
+    foreign = [tmp_path / "backup" / "mine.kvp", tmp_path / "ab" / "notes.kvp",
+               tmp_path / "AB" / ("AB" + "0" * 30 + ".kvp"), tmp_path / "cd" / ("ef" + "0" * 30 + ".kvp")]
+    for f in foreign:
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"x" * 5000)
+        os.utime(f, (1, 1))  # older than any record: the first to go, were they counted
+    size = record_bytes(4, 200)
+    tier = FileTier(tmp_path, 3 * size, scan_interval_s=0)
+    assert tier.used_bytes == 0
+    for i in range(5):  # past the bound: the tier's own oldest records go
+        assert tier.put(rec(i))
+    assert all(f.read_bytes() == b"x" * 5000 for f in foreign)
+    mine = sorted(tmp_path.glob("[0-9a-f][0-9a-f]/*.kvp"))
+    assert [f for f in mine if f not in foreign] and tier.evicted == 2
+    assert tier.used_bytes == 3 * size
+    assert tier.get(rec(0).page_hash) is None and tier.get(rec(4).page_hash).payload == rec(4).payload
 
 
 @pytest.mark.parametrize("bad", [10 ** 400, -(10 ** 400)], ids=["10**400", "-10**400"])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.tiers.file_paths import SUFFIX, entries, entries_age, same_file, unlink
+from kvpool.tiers.file_paths import entries, entries_age, is_record_name, same_file, unlink
 
 __all__ = ["FileEviction"]
 
@@ -92,11 +92,13 @@ class FileEviction:
                 continue
             if sub.name.startswith(".tmp-probe.") and entries_age(sub, now) > STALE_TMP_S * 1e9:
                 unlink(sub)  # a construction probe of a process that died right then
-            elif sub.is_dir():
-                # Regular files only: a directory, FIFO or link at a record's name is not one
-                # of the tier's records, so neither counted nor evicted (eviction renamed a
-                # full directory into .tmp, where it stayed).
-                out.extend(t for t in entries(sub) if t[2].name.endswith(SUFFIX) and stat.S_ISREG(t[1].st_mode))
+            elif is_record_name(sub.name) and sub.is_dir():
+                # Regular files named as records only: a directory, FIFO or link at a record's
+                # name is not one of the tier's records, so neither counted nor evicted (eviction
+                # renamed a full directory into .tmp, where it stayed); nor is any other file
+                # (a "backup/x.kvp" of the user's was counted against the bound and deleted).
+                out.extend(t for t in entries(sub)
+                           if is_record_name(sub.name, t[2].name) and stat.S_ISREG(t[1].st_mode))
         return out
 
     def _scan_and_evict(self, evict: bool = True, free: int = 0, keep: Path | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,22 @@ import numpy as np
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord
 
-__all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "open_record", "same_file",
-           "same_record", "unlink"]
+__all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "is_record_name",
+           "open_record", "same_file", "same_record", "unlink"]
 
 # The end of a record's file name (FileTier.file_for): the eviction scan counts only such files.
 SUFFIX = ".kvp"
+# A record's subdirectory and file name, as FileTier.file_for makes them: the scan counts and
+# evicts only files named so (another tool's "x.kvp", or one in "backup/", is not the tier's).
+_SUBDIR = re.compile(r"[0-9a-f]{2}\Z")
+_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\Z")
+
+
+def is_record_name(subdir: str, name: str | None = None) -> bool:
+    """Whether ``subdir`` (and ``name`` in it) is where ``FileTier.file_for`` files a record."""
+    if not _SUBDIR.match(subdir):
+        return False
+    return name is None or (_NAME.match(name) is not None and name.startswith(subdir))
 
 # How a record is opened to be read (see FileTier.get): not blocking (a FIFO), not through a link.
 READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
