@@ -51,3 +51,15 @@ def test_a_scan_interval_past_float_range_is_a_typed_refusal(tmp_path, bad):
     with pytest.raises(kvpool.InvalidArgumentError, match="scan_interval_s"):
         FileTier(where, 1 << 20, scan_interval_s=bad)
     assert not where.exists()
+
+
+def test_a_refused_path_leaves_no_directories_behind(tmp_path):
+    """A last component too long for the file system failed after mkdir(parents=True) had made
+    its parents: the refusal left new1/new2 on disk. The directories it made are removed."""
+    with pytest.raises(kvpool.InvalidArgumentError, match="cannot be used as a directory"):
+        FileTier(tmp_path / "new1" / "new2" / ("x" * 300), 1 << 20)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()  # one that was there before stays
+    with pytest.raises(kvpool.InvalidArgumentError, match="cannot be used as a directory"):
+        FileTier(tmp_path / "kept" / "new" / ("x" * 300), 1 << 20)
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []

@@ -18,7 +18,7 @@ from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import PageRecord
 
 __all__ = ["check_same_file_system", "directory", "entries", "entries_age", "free_bytes", "is_record_name",
-           "open_record", "same_file", "same_record", "unlink"]
+           "make_directory", "open_record", "same_file", "same_record", "unlink"]
 
 # The end of a record's file name (FileTier.file_for): the eviction scan counts only such files.
 SUFFIX = ".kvp"
@@ -84,6 +84,28 @@ def directory(path: Any) -> Path:
     # Absolute now: a relative path must not follow a later chdir (writes would fail,
     # reads miss, and eviction would scan another directory).
     return Path(full).absolute()
+
+
+def make_directory(path: Path) -> None:
+    """Create ``path`` and its ``.tmp`` (and missing parents); ``InvalidArgumentError`` if that
+    fails, after removing the directories this call created: a refused tier leaves nothing
+    on disk (a name too long for the file system failed after its parents were made)."""
+    created = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:  # deepest first
+        created.append(p)
+        p = p.parent
+    try:
+        (path / ".tmp").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        for d in created:
+            if not os.path.isdir(d):  # (Path.is_dir raises on a name too long)
+                continue  # not made (the name the mkdir failed on)
+            try:
+                d.rmdir()
+            except OSError:
+                break  # not made here, or someone else's since: kept, and so are its parents
+        raise InvalidArgumentError(f"FileTier path {str(path)!r} cannot be used as a directory: {e}") from None
 
 
 def check_same_file_system(path: Path) -> None:

@@ -46,7 +46,16 @@ from kvpool._forksafe import track as track_for_fork
 from kvpool.errors import InvalidArgumentError
 from kvpool.tiers.backend import HEADER_BYTES, PageRecord, TierBackend, decode, encode, header_promises
 from kvpool.tiers.file_eviction import FileEviction
-from kvpool.tiers.file_paths import SUFFIX, check_same_file_system, directory, free_bytes, open_record, same_file, same_record
+from kvpool.tiers.file_paths import (
+    SUFFIX,
+    check_same_file_system,
+    directory,
+    free_bytes,
+    make_directory,
+    open_record,
+    same_file,
+    same_record,
+)
 from kvpool.validate import is_int
 
 __all__ = ["FileTier"]
@@ -87,10 +96,7 @@ class FileTier(FileEviction, TierBackend):
             raise InvalidArgumentError(f"scan_interval_s must be a finite number of seconds >= 0, "
                                        f"got {scan_interval_s!r:.60}")
         self.scan_interval_s = interval
-        try:
-            (self.path / ".tmp").mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InvalidArgumentError(f"FileTier path {str(self.path)!r} cannot be used as a directory: {e}") from None
+        make_directory(self.path)
         check_same_file_system(self.path)
         self._lock = threading.Lock()
         # Taken around counters and mtimes by any thread: held at a fork, it would stay
