@@ -63,3 +63,18 @@ def test_a_refused_path_leaves_no_directories_behind(tmp_path):
     with pytest.raises(kvpool.InvalidArgumentError, match="cannot be used as a directory"):
         FileTier(tmp_path / "kept" / "new" / ("x" * 300), 1 << 20)
     assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", ["abc", b"\x01", {1, 2}, {1: 2}], ids=["str", "bytes", "set", "dict"])
+def test_touch_takes_an_ordered_list_of_hashes(tmp_path, bad):
+    """A str was refused naming its first character as the bad page hash ('a'), and a set or a
+    dict was taken in its arbitrary order (touch's order is the use order): each is refused as
+    what it is, and no record's time changes."""
+    tier = FileTier(tmp_path, 1 << 20)
+    assert tier.put(rec(1))
+    before = tier.file_for(rec(1).page_hash).stat().st_mtime_ns
+    with pytest.raises(kvpool.InvalidArgumentError, match=f"page_hashes must be a list.*got {type(bad).__name__}"):
+        tier.touch(bad)
+    assert tier.file_for(rec(1).page_hash).stat().st_mtime_ns == before
+    tier.touch([rec(1).page_hash])  # a list still does
+    assert tier.file_for(rec(1).page_hash).stat().st_mtime_ns > before

@@ -173,10 +173,13 @@ class FileTier(FileEviction, TierBackend):
 
     def touch(self, page_hashes: list[int]) -> None:
         try:
+            if isinstance(page_hashes, (str, bytes, bytearray, set, frozenset, dict)):
+                # A str's characters, a set's or dict's arbitrary order: no use order to apply.
+                raise TypeError
             hashes = list(page_hashes)
         except TypeError:
-            raise InvalidArgumentError(f"page_hashes must be a list of page hashes, "
-                                       f"got {type(page_hashes).__name__} {page_hashes!r:.60}") from None
+            raise InvalidArgumentError(f"page_hashes must be a list of page hashes, in use order (the last most "
+                                       f"recently used), got {type(page_hashes).__name__} {page_hashes!r:.60}") from None
         for f in [self.file_for(h) for h in hashes]:  # all checked before any is stamped
             self._stamp(f)
 
