@@ -78,3 +78,42 @@ def test_touch_takes_an_ordered_list_of_hashes(tmp_path, bad):
     assert tier.file_for(rec(1).page_hash).stat().st_mtime_ns == before
     tier.touch([rec(1).page_hash])  # a list still does
     assert tier.file_for(rec(1).page_hash).stat().st_mtime_ns > before
+
+
+def _filled_pool(tokens):
+    import torch
+
+    pool = kvpool.KVPool(2, 2, 8, dtype=torch.float16, page_size=4, num_pages=32, max_requests=4, max_context_len=64)
+    h, _ = pool.open_with_prefix(tokens, [len(tokens)])
+    slots = pool.extend(h, [len(tokens)]).slots
+    for layer in range(2):
+        pool.write(layer, slots, torch.ones(len(slots), 2, 8, dtype=torch.float16),
+                   torch.ones(len(slots), 2, 8, dtype=torch.float16))
+    pool.close(h, cache=True)
+    return pool
+
+
+def test_a_second_disk_cache_that_drains_by_itself_is_refused(tmp_path):
+    """Two DiskCaches on one pool (a local and a shared tier), each store_new() draining the
+    pool's events: the first stored 4 pages and the second 0, each only its share of what the
+    pool cached, silently. The second is refused (nothing drained); the same events handed to
+    each store their pages on both; once the first is gone the second may drain by itself."""
+    from kvpool.tiers import DiskCache
+
+    pool = _filled_pool(np.arange(17, dtype=np.int32))
+    a = DiskCache(pool, FileTier(tmp_path / "a", 1 << 20), model="m")
+    b = DiskCache(pool, FileTier(tmp_path / "b", 1 << 20), model="m")
+    assert a.store_new() == 4
+    h, _ = pool.open_with_prefix(np.arange(100, 117, dtype=np.int32), [17])
+    pool.extend(h, [17])
+    pool.close(h, cache=True)
+    with pytest.raises(kvpool.InvalidArgumentError, match="another DiskCache .* drains by itself"):
+        b.store_new()
+    events = pool.take_events()  # still there: the refusal drained nothing
+    assert int((events["kind"] == 0).sum()) == 4
+    assert (a.store_new(events), b.store_new(events)) == (4, 4)  # each stores the second prompt's pages
+    del a
+    import gc
+
+    gc.collect()
+    assert b.store_new() == 0  # the only one now

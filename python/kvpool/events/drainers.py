@@ -1,8 +1,9 @@
 """Which publisher drains a pool's events.
 
 A pool records one event stream, and each drain (``take_events``) takes what it returns
-away from every other reader. A second publisher on the pool, or a ``DiskCache`` that
-drains by itself while a publisher does, would each miss what the other took, silently:
+away from every other reader. A second publisher on the pool, a ``DiskCache`` that
+drains by itself while a publisher does, or a second ``DiskCache`` that drains by itself
+(``claim_self_drain``), would each miss what the other took, silently:
 a router behind the publisher would go on predicting prefixes the pool has evicted. So a
 pool has at most one open publisher, and other readers take the events the engine
 drained once (``events=``).
@@ -15,13 +16,16 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["claim", "publisher_of", "release"]
+__all__ = ["claim", "claim_self_drain", "publisher_of", "release"]
 
 # id(allocator) -> its open publisher. A publisher holds its pool (and so the allocator)
 # while it lives, so an id here cannot be reused by another allocator meanwhile. One
 # inherited through os.fork() drains there only if it still can (``_drains_here``: a
 # ZmqEventPublisher cannot, so a forked child may give its copy of the pool its own).
 _PUBLISHERS: dict[int, weakref.ref] = {}
+# id(allocator) -> the DiskCache that drains it by itself (store_new() without events): a second
+# one doing so would split the pool's Stored pages between the two, each storing only its share.
+_SELF_DRAINERS: dict[int, weakref.ref] = {}
 _LOCK = threading.Lock()
 
 
@@ -68,3 +72,18 @@ def release(pool: Any, publisher: Any) -> None:
         ref = _PUBLISHERS.get(key)
         if ref is not None and ref() in (publisher, None):
             del _PUBLISHERS[key]
+
+
+def claim_self_drain(pool: Any, reader: Any) -> Any | None:
+    """Make ``reader`` (a ``DiskCache``) the one that drains ``pool`` by itself; returns the live
+    other reader that already does instead (then nothing changes)."""
+    with _LOCK:
+        key = id(_allocator(pool))
+        ref = _SELF_DRAINERS.get(key)
+        other = ref() if ref is not None else None
+        if other is not None and other is not reader and _allocator(other.pool) is _allocator(pool):
+            return other
+        for k in [k for k, r in _SELF_DRAINERS.items() if r() is None]:
+            del _SELF_DRAINERS[k]
+        _SELF_DRAINERS[key] = weakref.ref(reader)
+        return None

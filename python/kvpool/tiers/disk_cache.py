@@ -47,7 +47,7 @@ from kvpool._forksafe import OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
 from kvpool.events.drained import checked_events
-from kvpool.events.drainers import publisher_of
+from kvpool.events.drainers import claim_self_drain, publisher_of
 from kvpool.kernels.pages import offload_pages
 from kvpool.tiers.backend import PageRecord, TierBackend, check_model_name, page_key, record_bytes, shape_fingerprint, tier_seed
 from kvpool.tiers.disk_chains import RegisteredChains
@@ -147,8 +147,9 @@ class DiskCache(DiskLoads, NotPicklable):
 
         Raises:
             InvalidArgumentError: ``events`` is not what this pool's ``take_events()`` returns,
-                ``events`` is None while an event publisher drains the pool (it would
-                miss what this drained), or ``max_pages`` is not None or an int >= 0
+                ``events`` is None while an event publisher, or another live ``DiskCache``
+                that drained by itself, drains the pool (it would miss what this drained),
+                or ``max_pages`` is not None or an int >= 0
                 (nothing is absorbed or stored).
         """
         if max_pages is not None and (isinstance(max_pages, (bool, np.bool_))
@@ -164,6 +165,13 @@ class DiskCache(DiskLoads, NotPicklable):
                 f"takes them from every other reader, and the router behind it would miss them. Drain once and "
                 f"hand the same events to both: events = pool.take_events(); disk.store_new(events); "
                 f"publisher.publish(events)")
+        if events is None and (other := claim_self_drain(self.pool, self)) is not None:
+            raise InvalidArgumentError(
+                f"store_new() would drain this pool's events, which another DiskCache (on "
+                f"{str(getattr(other.backend, 'path', type(other.backend).__name__))!r:.80}) "
+                f"drains by itself: each drain takes them from the other, and each would store only its share "
+                f"of the pages. Drain once and hand the same events to each: events = pool.take_events(); "
+                f"disk_a.store_new(events); disk_b.store_new(events)")
         # (events of a pool of another page size were taken in, then failed every later call)
         self._absorb(checked_events(events, self.pool.page_size) if events is not None else self.pool.take_events())
         fp = shape_fingerprint(self.pool, self.model)
