@@ -159,12 +159,11 @@ class HostTierMixin:
                 hs = np.asarray(handles, dtype=np.int64).reshape(-1)  # valid: the core took them
                 self._write_prefixes(hs, np.asarray(self.allocator.lengths(hs), dtype=np.int64))
             except BaseException:
-                hs = np.asarray(handles, dtype=np.int64).reshape(-1)
                 # Left on the device, the requests' rows would name the pages they had
                 # before swap_out. Their offloads follow the loads just run (on CUDA on
                 # the same copy stream), so the host gets back what was loaded.
                 try:
-                    self.allocator.swap_out(hs)
+                    self.allocator.swap_out(handles)  # (in the form swap_in just took)
                     self._run_transfers()
                 except BaseException:  # noqa: BLE001 - the original error is the one to raise
                     pass

@@ -123,8 +123,9 @@ pub fn invalid_argument(py: Python<'_>, msg: impl Into<String>) -> PyErr {
 }
 
 /// `err` unless it is an interrupt, not a conversion failure: a conversion that
-/// runs Python code (an `__index__`, `__float__`, `__array__`) and fails with a
-/// `KeyboardInterrupt` (Ctrl-C, a signal handler), `SystemExit` or `MemoryError`
+/// runs Python code (an `__index__`, `__float__`, `__array__`) and fails with an
+/// exception that is not an `Exception` (`KeyboardInterrupt` from Ctrl-C or a
+/// signal handler, `SystemExit`, a task's cancellation) or with a `MemoryError`
 /// returns that exception, which must reach the caller as it is; anything else
 /// it may raise is the argument's fault, and `refuse` names it (a typed error).
 pub fn refuse_unless_interrupt(
