@@ -85,7 +85,8 @@ def plan_groups(
     Sizes: ``num_pages`` (reserved page included) sizes each full group, or each
     sliding group of a pool without one; ``group_pages[layer_type]`` sets any
     group explicitly; the rest get what their requests can need at once: a
-    sliding group room for every request's window plus one page, and one
+    sliding group ``ceil((W - 1) / P) + 1`` pages a request (its window of W tokens
+    from the newest token's page), and one
     longest prompt; a state group one slot per request and as many for
     checkpoints (plus the reserved slot).
     """
