@@ -79,6 +79,21 @@ def test_a_full_directory_at_a_records_name_is_reported_once_and_kept(tmp_path):
     assert tier.stored == 0 and _tmp_files(tier) == []
 
 
+def test_a_file_at_a_records_directory_name_is_reported_once_and_kept(tmp_path):
+    """Was: every record filed under the two-hex directory was refused for good, counted
+    as a failed write, with no word of why (mkdir raised FileExistsError)."""
+    tier = FileTier(tmp_path, 1 << 20)
+    sub = tier.file_for(7).parent
+    sub.write_text("someone else's file")
+    with pytest.warns(RuntimeWarning, match="is a file, not the directory") as got:
+        assert not tier.put(_record(7))
+        assert not tier.put(_record(7))  # refused again, but reported only once
+    assert len(got) == 1 and str(sub) in str(got[0].message)
+    assert sub.read_text() == "someone else's file" and tier.stored == 0 and _tmp_files(tier) == []
+    sub.unlink()  # moved away: the next put stores
+    assert tier.put(_record(7)) and tier.get(7) is not None
+
+
 def test_eviction_leaves_a_full_directory_at_a_records_name_where_it_is(tmp_path):
     """Was: the oldest "record" by mtime was the directory, and eviction renamed it (and what
     it held) into .tmp, counted it as evicted and took its size off the tier's bytes."""

@@ -259,7 +259,7 @@ class FileTier(FileEviction, TierBackend):
                 fh = open(tmp, "wb")
             with fh:
                 fh.write(blob)
-            final.parent.mkdir(exist_ok=True)
+            self._subdirectory(final.parent)
             self._into_place(tmp, final)
             self._stamp(final)
         except OSError:
@@ -268,6 +268,22 @@ class FileTier(FileEviction, TierBackend):
             except OSError:
                 pass
             raise
+
+    def _subdirectory(self, sub: Path) -> None:
+        try:
+            sub.mkdir(exist_ok=True)
+        except FileExistsError:
+            # A file (or a link to one) holds the two-hex directory's name: someone's data,
+            # kept, and said once, as a directory at a record's name is (_into_place); every
+            # record filed under it is refused until it is moved.
+            self._say_blocked(sub, "is a file, not the directory of page records filed under it")
+            raise
+
+    def _say_blocked(self, where: Path, what: str) -> None:
+        if not self._blocked_warned:
+            self._blocked_warned = True
+            warnings.warn(f"FileTier: {str(where)!r} {what}: the pages filed under that name cannot be "
+                          f"stored until it is removed (said once per tier)", RuntimeWarning, stacklevel=5)
 
     def _into_place(self, tmp: Path, final: Path) -> None:
         try:
@@ -282,11 +298,7 @@ class FileTier(FileEviction, TierBackend):
         try:
             final.rmdir()
         except OSError:
-            if not self._blocked_warned:
-                self._blocked_warned = True
-                warnings.warn(f"FileTier: {str(final)!r} is a directory, not a page record, and is not empty: "
-                              f"the page filed under that name cannot be stored until it is removed "
-                              f"(said once per tier)", RuntimeWarning, stacklevel=4)
+            self._say_blocked(final, "is a directory, not a page record, and is not empty")
             raise
         os.replace(tmp, final)
 
