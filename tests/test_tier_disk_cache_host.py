@@ -7,6 +7,7 @@ disk's prefixes bitwise."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from test_tier_disk_cache import LAYERS, TOKENS, P, hit, make_pool, prefill
 
@@ -84,3 +85,30 @@ def test_prefetch_into_a_pool_that_has_the_prefix_on_its_host_tier(tmp_path):
     n, got = hit(src, TOKENS)
     assert n == 16 and torch.equal(got, want[:, :16])
     src.check()
+
+
+def test_a_failed_write_through_offload_in_prefetch_raises_that_failure(tmp_path, monkeypatch):
+    """prefetch publishes its loaded pages with close(cache=True); under write_through that
+    queues offloads, and if running them fails, the close has already closed the scratch
+    request (and the pool cleared its cache, as for any failed transfer). Its cleanup
+    closed the request a second time, so the caller got an InvalidHandleError about a
+    handle it never had instead of the device error."""
+    src = tiered(hash_seed=11, policy="write_through")
+    tier = FileTier(tmp_path, 1 << 20)
+    dc = DiskCache(src, tier, model="m")
+    prefill(src, TOKENS, seed=1)
+    assert dc.store_new() == 4
+    dst = tiered(hash_seed=22, policy="write_through")
+    dd = DiskCache(dst, tier, model="m")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("device copy failed")
+
+    monkeypatch.setattr(dst._transfers, "run", fail)
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        dd.prefetch(TOKENS)
+    assert dst.open_requests == 0, "the scratch request is closed"
+    ev = dst.take_events()
+    assert ev["kind"].tolist()[-1] == 2, "the failed transfer cleared the cache (Cleared is the last event)"
+    assert dst.cached_pages == 0 and dst.host_cached_pages == 0
+    dst.check()

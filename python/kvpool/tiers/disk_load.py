@@ -159,5 +159,8 @@ class DiskLoads:
                 self.stats.pages_loaded += m
                 return m
             finally:
-                if h is not None:
+                # (A close(cache=True) whose write-through offloads then failed has closed the
+                # request before raising; closing it again would replace that error. The pool's
+                # lock is held: no other request can have taken its row meanwhile.)
+                if h is not None and pool.is_open(h):
                     pool.close(np.array([h], dtype=np.int64))
