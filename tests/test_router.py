@@ -249,6 +249,26 @@ def test_for_a_grouped_pool_the_prediction_is_an_upper_bound():
     assert over > 0, "the sliding group evicted windows the anchor chain still names"
 
 
+def test_a_second_full_group_that_evicted_a_prefix_lowers_the_hit_below_the_prediction():
+    """Not only sliding and state groups: a second full group of the anchor's page size
+    evicts from its own LRU, and its evictions send no event (docs/events-and-metrics.md
+    named only the sliding and state causes, so an all-full pool read as exact)."""
+    g = kvpool.GroupedAllocator([{"kind": "full", "num_pages": 12, "page_size": 2},
+                                 {"kind": "full", "num_pages": 4, "page_size": 2}], 4, 32, hash_seed=SEED)
+    pub, r = LocalEventPublisher(g), Router(1, page_size=2, hash_seed=SEED)
+    for t in ([1, 2, 3, 4], [5, 6, 7, 8, 9, 10]):  # the second takes the small group's every page
+        h, c = g.open_with_prefix(np.array(t), [len(t)])
+        g.extend(h, len(t) - int(c[0]), tokens=t[int(c[0]):])
+        g.close(h, cache=True)
+    pub.publish()
+    r.feed_many(0, pub.drain())
+    prompt = np.array([1, 2, 3, 4, 9])
+    assert r.match(prompt)[0] == 4, "the anchor group still holds [1, 2, 3, 4]: no Removed event"
+    assert [x["cached_pages"] for x in g.stats()["groups"]] == [5, 3], "the small group evicted a page of it"
+    h, c = g.open_with_prefix(prompt, [len(prompt)])
+    assert int(c[0]) == 0
+
+
 def test_a_router_copies_and_pickles_as_a_whole_independent_router():
     # pickle failed with "cannot pickle 'msgspec.msgpack.Decoder'
     # object", naming neither the router nor a fix, and copy.copy shared the index, the
