@@ -5,13 +5,16 @@ Layers, each calling only the one below it: ``kvpool.distributed``,
 tensors, tables, grad-mode safety) and ``DecodeGraphRunner`` ->
 ``kvpool.kernels`` (Triton) -> ``kvpool._core`` (the Rust ``SlotAllocator``:
 ownership and free lists; ``GroupedAllocator`` for pools of layer groups). ``import kvpool`` loads none of the first layer.
+
+Without torch (``pip install --no-deps kvpool``) the Rust allocator, the handles'
+helpers and every exception still import; a name of the torch layer then raises an
+ImportError that says to install torch.
 """
 
 from importlib import metadata as _metadata
 from typing import Any
 
 from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, GroupedAllocator, PoolStats, SlotAllocator
-from kvpool.cuda_graph import DecodeGraphRunner
 from kvpool.errors import (
     ContextTooLongError,
     DuplicateSlotError,
@@ -40,13 +43,28 @@ from kvpool.errors import (
     TritonUnavailableError,
 )
 from kvpool.handles import ROW_MASK, handle_row
-from kvpool.modes import Finding, audit, mutable, persistent
-from kvpool.pool import ExtendResult, KVPool, PageTable
-from kvpool.validate import init_signature as _init_signature
 
-# help(kvpool.KVPool) and inspect show the pool's parameters, not the (*args, layer_types,
-# **kwargs) of the __new__ that hands layer_types= calls to HybridKVPool.
-KVPool.__signature__ = _init_signature(KVPool, layer_types="Sequence[str] | None")  # type: ignore[attr-defined]
+# The names below need torch. A router or scheduler that only uses the allocator may run
+# where torch is not installed: those names then raise an ImportError saying what to install
+# (see __getattr__) instead of `import kvpool` failing deep inside the torch layer.
+_TORCH_NAMES = frozenset({"DecodeGraphRunner", "ExtendResult", "Finding", "KVPool", "PageTable", "audit",
+                          "mutable", "persistent", "send_request", "recv_request"})
+_no_torch: ModuleNotFoundError | None = None
+try:
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError as _e:  # torch itself absent; a broken torch install still raises its own error
+    if _e.name != "torch":
+        raise
+    _no_torch = _e
+else:
+    from kvpool.cuda_graph import DecodeGraphRunner
+    from kvpool.modes import Finding, audit, mutable, persistent
+    from kvpool.pool import ExtendResult, KVPool, PageTable
+    from kvpool.validate import init_signature as _init_signature
+
+    # help(kvpool.KVPool) and inspect show the pool's parameters, not the (*args, layer_types,
+    # **kwargs) of the __new__ that hands layer_types= calls to HybridKVPool.
+    KVPool.__signature__ = _init_signature(KVPool, layer_types="Sequence[str] | None")  # type: ignore[attr-defined]
 
 try:
     __version__ = _metadata.version("kvpool")
@@ -101,9 +119,17 @@ __all__ = [
     "DecodeGraphRunner",
     "__version__",
 ]
+if _no_torch is not None:  # `from kvpool import *` takes what works without torch
+    __all__ = [name for name in __all__ if name not in _TORCH_NAMES]
 
 
 def __getattr__(name: str) -> Any:
+    if _no_torch is not None and name in _TORCH_NAMES:
+        raise ImportError(
+            f"kvpool.{name} needs torch, which is not installed: pip install 'torch>=2.4' (a CPU-only "
+            "build is enough for pools on 'cpu'). Without torch only the Rust allocator "
+            "(kvpool.SlotAllocator, GroupedAllocator), handle_row and the exceptions work."
+        ) from _no_torch
     # send_request / recv_request need torch.distributed: load kvpool.distributed
     # on first use only (and not for ``from kvpool import *``, hence not in
     # __all__), so ``import kvpool`` stays single-process.

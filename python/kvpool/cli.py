@@ -26,8 +26,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpool {__version__}")
         return 0
     if args[0] == "demo":
-        from kvpool.demo.cli import main as demo_main
-
+        try:
+            from kvpool.demo.cli import main as demo_main
+        except ModuleNotFoundError as e:  # kvpool installed without its torch dependency
+            if e.name != "torch":
+                raise
+            print("kvpool demo: needs torch, which is not installed: pip install 'torch>=2.4'", file=sys.stderr)
+            return 1
         return demo_main(args[1:])
     print(f"kvpool: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
     return 2

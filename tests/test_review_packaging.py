@@ -1,0 +1,78 @@
+"""How kvpool meets a machine unlike ours: a dependency missing from the environment.
+
+Each case runs in a subprocess that hides a package (``sys.modules[name] = None``
+makes ``import name`` raise ModuleNotFoundError, as on a machine without it).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+
+
+def run(code, *args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+NO_TORCH = """
+import sys
+sys.modules['torch'] = None          # installed with `pip install --no-deps kvpool`, no torch
+import kvpool
+assert 'torch' not in [m for m, v in sys.modules.items() if v is not None], 'torch got imported'
+a = kvpool.SlotAllocator(num_pages=64, page_size=4, max_requests=8, max_context_len=64)
+reqs = a.open(2)
+assert list(a.extend(reqs, [3, 5])) == [4, 5, 6, 8, 9, 10, 11, 12]
+assert kvpool.handle_row(reqs[1]) >= 0
+try:
+    a.extend(reqs, [1000, 1])
+except kvpool.ContextTooLongError:
+    pass
+a.check()
+msgs = []
+for stmt in ('kvpool.KVPool', 'from kvpool import DecodeGraphRunner', 'kvpool.audit', 'kvpool.send_request'):
+    try:
+        exec(stmt)
+    except ImportError as e:
+        msgs.append(str(e))
+print('|'.join(msgs))
+ns = {}
+exec('from kvpool import *', ns)
+assert 'SlotAllocator' in ns and 'KVPoolError' in ns and 'KVPool' not in ns, sorted(ns)
+try:
+    kvpool.no_such_name
+except AttributeError:
+    pass
+from kvpool.cli import main
+assert main(['--version']) == 0
+assert main(['demo']) == 1
+"""
+
+
+def test_allocator_imports_without_torch_and_the_torch_layer_says_what_to_install():
+    r = run(NO_TORCH)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    msgs = lines[0].split("|")
+    assert len(msgs) == 4, r.stdout
+    for name, msg in zip(("KVPool", "DecodeGraphRunner", "audit", "send_request"), msgs):
+        assert f"kvpool.{name} needs torch" in msg and "pip install 'torch>=2.4'" in msg, msg
+    assert lines[1].startswith("kvpool "), r.stdout  # --version
+    assert "kvpool demo: needs torch" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_broken_torch_still_raises_its_own_error():
+    """Only an absent torch is deferred: an install that fails inside torch says why at import."""
+    r = run("import sys, types\n"
+            "class Finder:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch':\n"
+            "            raise ImportError('libtorch_cuda.so: cannot open shared object file')\n"
+            "sys.meta_path.insert(0, Finder())\n"
+            "import kvpool\n")
+    assert r.returncode != 0
+    assert "libtorch_cuda.so" in r.stderr
+
