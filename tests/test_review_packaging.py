@@ -76,3 +76,13 @@ def test_a_broken_torch_still_raises_its_own_error():
     assert r.returncode != 0
     assert "libtorch_cuda.so" in r.stderr
 
+
+def test_bench_plot_without_matplotlib_names_the_extra(tmp_path):
+    r = run("import runpy, sys\n"
+            "sys.modules['matplotlib'] = None\n"
+            "sys.argv = ['kvpool.bench'] + sys.argv[1:]\n"
+            "runpy.run_module('kvpool.bench', run_name='__main__')\n",
+            "churn", "--quick", "--allocators", "kvpool", "--out", str(tmp_path), "--plot", "c.png", "--json", "c.json")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "c.json").exists() and not (tmp_path / "c.png").exists()
+    assert "no plot:" in r.stderr and "pip install 'kvpool[bench]'" in r.stderr, r.stderr

@@ -131,7 +131,7 @@ def publish(workload: Workload, args: argparse.Namespace, machine: dict[str, Any
             plot.figure(results, path, workload.panels(args), workload.plot_title, workload.plot_inches)
             print(f"wrote {path}")
         except ImportError as exc:
-            print(f"no plot: {exc} (pip install matplotlib)", file=sys.stderr)
+            print(f"no plot: {exc} (plots need matplotlib: pip install 'kvpool[bench]')", file=sys.stderr)
     return 1 if bad else 0
 
 
