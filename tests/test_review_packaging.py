@@ -86,3 +86,31 @@ def test_bench_plot_without_matplotlib_names_the_extra(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.json").exists() and not (tmp_path / "c.png").exists()
     assert "no plot:" in r.stderr and "pip install 'kvpool[bench]'" in r.stderr, r.stderr
+
+
+def test_sdist_holds_what_a_build_needs_and_nothing_else(tmp_path):
+    """`pip install kvpool` on a platform without a wheel builds from the sdist: it must carry
+    both crates, Cargo.lock, the Python package with its stub, and the repository's cargo
+    flags (.cargo/config.toml), and leave out the tests, benchmarks and build outputs."""
+    import shutil
+    import tarfile
+
+    import pytest
+
+    maturin = shutil.which("maturin")
+    if maturin is None:
+        pytest.skip("maturin is not on PATH (pip builds kvpool in an isolated environment)")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([maturin, "sdist", "-o", str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sdist,) = tmp_path.glob("kvpool-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for needed in (".cargo/config.toml", "Cargo.toml", "Cargo.lock", "pyproject.toml", "README.md",
+                   "rust/kvpool-core/Cargo.toml", "rust/kvpool-py/Cargo.toml", "rust/kvpool-py/src/lib.rs",
+                   "python/kvpool/__init__.py", "python/kvpool/_core.pyi", "python/kvpool/py.typed"):
+        assert needed in names, needed
+    junk = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "fuzz/", "target/", "docs/"))
+                  or n.endswith((".so", ".pyc")) or "__pycache__" in n or ".hypothesis" in n)
+    assert not junk, junk
