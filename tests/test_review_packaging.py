@@ -114,3 +114,20 @@ def test_sdist_holds_what_a_build_needs_and_nothing_else(tmp_path):
     junk = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "fuzz/", "target/", "docs/"))
                   or n.endswith((".so", ".pyc")) or "__pycache__" in n or ".hypothesis" in n)
     assert not junk, junk
+
+
+def test_transformers_of_another_major_version_says_what_to_install():
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (the hf extra)")
+    r = run("import transformers\n"
+            "transformers.__version__ = '4.57.1'   # what an older environment has\n"
+            "try:\n"
+            "    import kvpool.integrations.transformers\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    assert r.returncode == 0, r.stderr
+    assert "found transformers 4.57.1" in r.stdout and "pip install 'kvpool[hf]'" in r.stdout, r.stdout

@@ -63,7 +63,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
-                      f"found transformers {transformers.__version__}")
+                      f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5,<6)")
 
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import InvalidArgumentError, LayerIndexError
