@@ -131,3 +131,21 @@ def test_transformers_of_another_major_version_says_what_to_install():
             "    print(e)\n")
     assert r.returncode == 0, r.stderr
     assert "found transformers 4.57.1" in r.stdout and "pip install 'kvpool[hf]'" in r.stdout, r.stdout
+
+
+def test_every_extra_the_docs_name_exists_and_every_extra_is_documented():
+    import re
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    extras = set(tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "python").rglob("*.py"))]
+    named: dict[str, str] = {}
+    for path in texts:
+        for m in re.finditer(r"(?:kvpool|\.)\[([a-z_-]+)\]", path.read_text()):
+            named.setdefault(m.group(1), str(path.relative_to(root)))
+    unknown = {name: where for name, where in named.items() if name not in extras}
+    assert not unknown, f"extras named in the docs or messages but not in pyproject.toml: {unknown}"
+    assert extras <= set(named), f"extras no doc names: {sorted(extras - set(named))}"
