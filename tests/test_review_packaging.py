@@ -149,3 +149,15 @@ def test_every_extra_the_docs_name_exists_and_every_extra_is_documented():
     unknown = {name: where for name, where in named.items() if name not in extras}
     assert not unknown, f"extras named in the docs or messages but not in pyproject.toml: {unknown}"
     assert extras <= set(named), f"extras no doc names: {sorted(extras - set(named))}"
+
+
+def test_the_wheel_version_is_the_crates_version():
+    """maturin takes the wheel's version from pyproject.toml; the crates (and the SBOM in the
+    wheel) carry Cargo.toml's: the two must not drift apart."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    py = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    cargo = tomllib.loads((root / "Cargo.toml").read_text())["workspace"]["package"]["version"]
+    assert py == cargo
