@@ -49,6 +49,8 @@ except AttributeError:
 from kvpool.cli import main
 assert main(['--version']) == 0
 assert main(['demo']) == 1
+from kvpool.bench.__main__ import main as bench_main
+assert bench_main(['churn', '--quick']) == 1
 """
 
 
@@ -62,6 +64,7 @@ def test_allocator_imports_without_torch_and_the_torch_layer_says_what_to_instal
         assert f"kvpool.{name} needs torch" in msg and "pip install 'torch>=2.4'" in msg, msg
     assert lines[1].startswith("kvpool "), r.stdout  # --version
     assert "kvpool demo: needs torch" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "python -m kvpool.bench: needs torch" in r.stderr, r.stderr
 
 
 def test_a_broken_torch_still_raises_its_own_error():

@@ -9,6 +9,13 @@ COMMANDS = ("churn", "ops", "overhead", "prefix", "hybrid", "hybrid-memory", "ro
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        import torch  # noqa: F401  (every benchmark needs it; kvpool itself imports without it)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        print("python -m kvpool.bench: needs torch, which is not installed: pip install 'torch>=2.4'", file=sys.stderr)
+        return 1
     parser = argparse.ArgumentParser(prog="python -m kvpool.bench", description=__doc__)
     from kvpool.bench import cli
 
