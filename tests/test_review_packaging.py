@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+import kvpool
+
+# The kvpool these tests import (the installed one in CI, where the checkout's python/ has no
+# built _core), not necessarily the checkout's.
+PYTHON_DIR = str(Path(kvpool.__file__).resolve().parents[1])
 
 
 def run(code, *args, timeout=300):
