@@ -18,6 +18,7 @@ import pytest
 from kvpool.bench import command, drivers
 from kvpool.bench.churn import ChurnWorkload
 from kvpool.bench.churn.result import ChurnDriver, ChurnResult
+from kvpool.bench.cli import UsageError
 from kvpool.bench.drivers.base import Driver, Requirement
 from kvpool.bench.hybrid import HybridResult
 from kvpool.bench.prefix import PREFIX
@@ -134,8 +135,41 @@ def test_reuse_takes_the_rows_of_other_allocators_and_refuses_other_traces():
     again = command.with_reused(PREFIX, args, ours)
     assert [r for r in again if r.allocator == "vllm"] == ours  # rows of a running allocator are not taken
     args.steps += 1
-    with pytest.raises(SystemExit, match="traces differ"):
+    with pytest.raises(UsageError, match="traces differ"):
         command.with_reused(PREFIX, args, [])
+
+
+def _bad_reuse_files(tmp_path):
+    """(name, contents) of files --reuse must refuse, each with the words its refusal says."""
+    good = json.loads((RESULTS / "prefix.json").read_text())
+    quick = dict(good["settings"], concurrency=16, steps=24, warmup=16, seed=0, quick=True)
+    other = dict(good, benchmark="hybrid", settings=dict(quick, command="hybrid"))
+    bad_row = dict(good, settings=quick, results=[dict(good["results"][0], scenario="no-such-scenario")])
+    alien = dict(good, settings=quick, results=[dict(good["results"][0], allocator="sglang-token")])
+    return [("corrupt.json", '{"settings": ', "cannot read"), ("list.json", "[1, 2]", "not a results file"),
+            ("other.json", json.dumps(other), "a 'hybrid' run's file"),
+            ("steps.json", json.dumps(dict(good, settings=dict(quick, steps=25))), "steps: 25 there, 24 here"),
+            ("row.json", json.dumps(bad_row), "results[0] is not a prefix row"),
+            ("alien.json", json.dumps(alien), "allocator 'sglang-token'")]
+
+
+def test_reuse_refuses_a_file_it_cannot_take_before_anything_runs(tmp_path, capsys):
+    """A corrupt file, another command's file, other trace settings or a row of another workload:
+    a usage error naming --reuse (exit 2) before any replay, and nothing written; it was a
+    JSONDecodeError traceback or a SystemExit after the whole run, and another workload's file
+    with equal settings joined its rows to the table."""
+    from kvpool.bench.__main__ import main
+
+    for name, text, words in _bad_reuse_files(tmp_path):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            main(["prefix", "--quick", "--scenarios", "system", "--page-sizes", "16", "--out", str(tmp_path),
+                  "--plot", "", "--reuse", name])
+        assert e.value.code == 2, name
+        err = capsys.readouterr().err
+        assert f"--reuse {name}" in err and words in err, (name, err)
+        assert "prefix:   0%" not in err  # refused before the first replay started
+        assert not (tmp_path / "prefix.json").exists()
 
 
 @pytest.mark.parametrize("benchmark,reference,argv,printed", [
