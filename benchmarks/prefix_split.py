@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             PrefixTraceConfig(scenario=args.scenario, num_slots=args.num_slots, page_size=ps, steps=args.steps,
                               warmup=args.warmup)
     except ValueError as e:
-        p.error(f"{e}: give --page-sizes that divide --num-slots")
+        p.error(str(e).replace("--pool-sizes", "--num-slots"))  # the trace names python -m kvpool.bench's flag
     for ps in args.page_sizes:
         r = split(args.scenario, ps, args.num_slots, args.steps, args.warmup, args.kv_events, args.split_close)
         calls = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if not k.endswith("tokens") and k != "total")

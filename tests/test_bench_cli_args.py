@@ -13,7 +13,12 @@ BAD = [
     ("churn", ["--warmup", "-1"], "--warmup"),
     ("churn", ["--pool-sizes", "-1"], "--pool-sizes"),
     ("churn", ["--page-sizes", "0"], "--page-sizes"),
-    ("churn", ["--page-sizes", "3"], "multiple of page_size 3"),
+    # A pool the page size does not divide, or of one page: the message names the flag (it said
+    # "num_slots ... page_size ...", fields of an internal config).
+    ("churn", ["--page-sizes", "3"], "--pool-sizes 65536 is not a whole number of pages of 3"),
+    ("churn", ["--pool-sizes", "16", "--page-sizes", "16"], "--pool-sizes 16 holds 1 page(s) of 16"),
+    ("prefix", ["--pool-sizes", "1000", "--page-sizes", "16"], "--pool-sizes 1000 is not a whole number"),
+    ("hybrid", ["--pool-sizes", "1000"], "--pool-sizes 1000 is not a whole number"),
     ("churn", ["--concurrency", "0"], "--concurrency"),
     ("churn", ["--allocators", ""], "--allocators"),
     ("churn", ["--prompt", "5:1"], "lo <= hi"),

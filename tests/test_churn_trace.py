@@ -107,5 +107,5 @@ def test_dist_parse_and_errors():
     for bad in ("", "a:b", "1:2:3", "0:5", "9:3"):
         with pytest.raises(ValueError):
             Dist.parse(bad)
-    with pytest.raises(ValueError, match="multiple of page_size"):
+    with pytest.raises(ValueError, match="not a whole number of pages of 16"):
         ChurnTraceConfig(num_slots=100, concurrency=1, page_size=16)

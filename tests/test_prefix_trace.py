@@ -125,7 +125,7 @@ def test_pressure_prefix_set_is_sized_from_the_pool():
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown scenario"):
         PrefixTraceConfig("beam", 1 << 16)
-    with pytest.raises(ValueError, match="multiple of page_size"):
+    with pytest.raises(ValueError, match="not a whole number of pages of 16"):
         PrefixTraceConfig("system", 100, page_size=16)
     with pytest.raises(ValueError, match="cache_fraction"):
         PrefixTraceConfig("pressure", 1 << 16, cache_fraction=0)

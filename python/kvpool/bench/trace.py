@@ -74,9 +74,12 @@ class PoolShape:
 
     def check_pool(self) -> None:
         if self.page_size < 1 or self.num_slots % self.page_size:
-            raise ValueError(f"num_slots {self.num_slots} must be a multiple of page_size {self.page_size}")
+            raise ValueError(f"--pool-sizes {self.num_slots} is not a whole number of pages of {self.page_size} "
+                             "slots; give pool sizes that are multiples of every --page-sizes value")
         if self.num_slots // self.page_size < 2:
-            raise ValueError("the pool needs at least one usable page besides the reserved page 0")
+            raise ValueError(f"--pool-sizes {self.num_slots} holds {self.num_slots // self.page_size} page(s) of "
+                             f"{self.page_size}; the pool needs a usable page besides the reserved page 0: give "
+                             f"--pool-sizes >= {2 * self.page_size}")
         # The allocator's own bounds (kvpool._core), checked here so that a run stops before its
         # traces are generated, with the flag to change, instead of in a driver's constructor.
         if self.num_pages > MAX_PAGES:
