@@ -141,9 +141,40 @@ def replay(recording: dict[str, Any]) -> dict[str, float]:
 
 def _replay_in(build: str, path: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(build))
-    out = subprocess.run([sys.executable, __file__, "replay", path], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, __file__, "replay", path], env=env, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"the replay with build {build} failed (exit {done.returncode}): {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def build_problem(build: str) -> str | None:
+    """Why ``build`` cannot be one side of ``ab`` (None: it can): a directory whose ``kvpool``
+    package a fresh process imports from it. A directory without one let the process import
+    another kvpool (an installed one) and the table named the directory for that build's figures."""
+    pkg = os.path.join(os.path.abspath(build), "kvpool")
+    if not os.path.isfile(os.path.join(pkg, "__init__.py")):
+        return f"{build!r} holds no kvpool package ({pkg}/__init__.py); give a directory as PYTHONPATH takes it"
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(build))
+    done = subprocess.run([sys.executable, "-c", "import kvpool; print(kvpool.__file__)"], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"{build!r}: its kvpool does not import ({tail})"
+    got = os.path.realpath(done.stdout.strip().splitlines()[-1])
+    if os.path.dirname(got) != os.path.realpath(pkg):
+        return f"{build!r}: a process with it as PYTHONPATH imports kvpool from {got}, not from it"
+    return None
+
+
+def _file_problem(path: str, what: str) -> str | None:
+    """Why ``path`` cannot be written (None: it can), checked before a recording or the rounds run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{what} {path!r} is a directory; give a file name"
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"{what} {path!r}: {folder!r} is not a writable directory; give a path in one"
+    return None
 
 
 def ab(path: str, build_a: str, build_b: str, rounds: int) -> dict[str, Any]:
@@ -181,6 +212,25 @@ def main(argv: list[str] | None = None) -> None:
     one = sub.add_parser("replay", help="replay a recording once with the kvpool on sys.path (prints JSON)")
     one.add_argument("calls")
     args = p.parse_args(argv)
+    # Every flag checked before a recording or a round runs: a usage error (exit 2), not a traceback.
+    if args.cmd == "record":
+        from kvpool.bench.prefix.trace import PrefixTraceConfig
+
+        try:
+            PrefixTraceConfig(scenario=args.scenario, num_slots=args.num_slots, page_size=args.page_size,
+                              steps=args.steps, warmup=args.warmup)
+        except ValueError as e:  # the trace's complaint names python -m kvpool.bench's flags
+            r.error(str(e).replace("--pool-sizes", "--num-slots").replace("--page-sizes", "--page-size"))
+        problem = _file_problem(args.out, "OUT")
+        if problem:
+            r.error(problem)
+    elif args.cmd == "ab":
+        if not os.path.isfile(args.calls):
+            a.error(f"CALLS {args.calls!r} is no file; give a recording made by 'record'")
+        problem = next(filter(None, [build_problem(args.build_a), build_problem(args.build_b)]), None)
+        problem = problem or (_file_problem(args.json, "--json") if args.json else None)
+        if problem:
+            a.error(problem)
 
     if args.cmd == "record":
         rec = record(args.scenario, args.page_size, args.steps, args.warmup, args.num_slots, args.kv_events)

@@ -66,7 +66,7 @@ def test_gpu_check_dry_run_of_one_section_writes_strict_json(script, tmp_path):
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["--page-sizes", "1,3"], "multiple of page_size 3"),
+    (["--page-sizes", "1,3"], "--num-slots 1048576 is not a whole number of pages of 3 slots"),
     (["--steps", "0"], "--steps"),
     (["--page-sizes", "x"], "--page-sizes"),
 ])
@@ -250,3 +250,36 @@ def test_prefix_replay_ab_alternates_two_builds_and_writes_ratios(script, tmp_pa
     assert res["rounds"] == 1 and res["median_us"]["a"]["total"] > 0
     assert set(res["ratio_b_over_a"]) == set(res["median_us"]["b"])
     assert "B/A" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,says", [
+    # a traceback (ValueError) before: the trace config's complaint, now naming this script's flags
+    (["record", "{tmp}/c.pkl", "--num-slots", "1000", "--page-size", "16"], "--num-slots 1000 is not a whole"),
+    # a FileNotFoundError after the whole recording before
+    (["record", "{tmp}/no/c.pkl", "--num-slots", "64K"], "is not a writable directory"),
+    (["record", "{tmp}", "--num-slots", "64K"], "is a directory"),
+    # a CalledProcessError traceback from the first round before
+    (["ab", "{tmp}/none.pkl", "{build}", "{build}"], "is no file"),
+    # ran, and timed whatever kvpool the child process found (an installed one) as this build
+    (["ab", "{tmp}/c.pkl", "{tmp}", "{build}"], "holds no kvpool package"),
+    (["ab", "{tmp}/c.pkl", "{build}", "{build}", "--json", "{tmp}/no/ab.json"], "not a writable directory"),
+])
+def test_prefix_replay_rejects_bad_arguments_before_it_records_or_replays(script, tmp_path, capsys, argv, says):
+    import kvpool
+
+    build = str(Path(kvpool.__file__).resolve().parent.parent)
+    (tmp_path / "c.pkl").write_bytes(b"")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{build}", build) for a in argv]
+    line = _usage_error(script("prefix_replay").main, argv, capsys)
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pkl"]
+
+
+def test_prefix_replay_ab_names_the_build_whose_replay_failed(script, tmp_path):
+    """A build whose replay fails is a one-line exit naming it, not a CalledProcessError traceback."""
+    import kvpool
+
+    build = str(Path(kvpool.__file__).resolve().parent.parent)
+    (tmp_path / "c.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(SystemExit, match=f"the replay with build {build} failed"):
+        script("prefix_replay").main(["ab", str(tmp_path / "c.pkl"), build, build, "--rounds", "1"])
