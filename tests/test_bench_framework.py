@@ -220,3 +220,24 @@ def test_a_misspelt_name_is_a_usage_error_that_lists_the_choices(benchmark, flag
     err = capsys.readouterr().err
     assert "unknown" in err and "choose from" in err and value.split(",")[1] in err
 
+
+
+def test_machine_records_whether_the_checkout_differs_from_its_commit(tmp_path):
+    """git_commit alone named HEAD for a run with uncommitted edits, as if the commit had run."""
+    import subprocess
+
+    from kvpool.bench import report
+
+    def git(*argv):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert report._git_commit(str(tmp_path)) is None and report._git_dirty(str(tmp_path)) is None
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-q", "-m", "x")
+    assert report._git_commit(str(tmp_path)) and report._git_dirty(str(tmp_path)) is False
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert report._git_dirty(str(tmp_path)) is True
+    assert set(report.machine_info()) >= {"git_commit", "git_dirty", "versions", "torch_threads"}

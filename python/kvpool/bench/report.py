@@ -157,19 +157,32 @@ def machine_info() -> dict[str, Any]:
             versions[pkg] = None
     return {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "os": platform.platform(), "torch_threads": torch.get_num_threads(), "versions": versions,
-            "git_commit": _git_commit()}
+            "git_commit": _git_commit(), "git_dirty": _git_dirty()}
 
 
-def _git_commit() -> str | None:
-    """The checkout's commit when run from one (which kvpool the figures belong to)."""
+def _git_commit(cwd: str | None = None) -> str | None:
+    """The checkout's commit when run from one (which kvpool the figures belong to); ``cwd``: a
+    folder in the checkout (default: this package's)."""
+    out = _git(["rev-parse", "--short", "HEAD"], cwd)
+    return out.strip() or None if out is not None else None
+
+
+def _git_dirty(cwd: str | None = None) -> bool | None:
+    """Whether tracked files of the checkout differ from its commit (None outside one): the
+    figures of such a run are not the commit's, though ``git_commit`` names it."""
+    out = _git(["status", "--porcelain", "--untracked-files=no"], cwd)
+    return None if out is None else bool(out.strip())
+
+
+def _git(argv: list[str], cwd: str | None) -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", *argv], capture_output=True, text=True, timeout=5,
+                             cwd=cwd or os.path.dirname(os.path.abspath(__file__)))
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout if out.returncode == 0 else None
 
 
 __all__ = ["add_out_argument", "against_kvpool", "machine_info", "md_table", "output_path", "publish", "ratio_line",
