@@ -61,6 +61,15 @@ def time_ratios(num: Result, den: Result, digits: int) -> dict[str, float]:
             "cpu_mean": round(num.cpu_mean_us / den.cpu_mean_us, digits)}
 
 
+NO_BASELINE = "  (none: no baseline ran on these traces; see the 'skipping' lines and --allocators)"
+
+
+def or_none(lines: list[str]) -> list[str]:
+    """A ratio block's lines, or one line saying why it has none: a header over nothing read as if the
+    figures had been cut off."""
+    return lines or [NO_BASELINE]
+
+
 def ratio_line(name: str, v: dict[str, Any], spec: str, unit: str = "x", extra: str = "") -> str:
     """One line of a ratio block: the three time ratios of ``v`` and whether it meets its target."""
     ok = "meets" if v["meets_target"] else "MISSES"
@@ -185,5 +194,5 @@ def _git(argv: list[str], cwd: str | None) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-__all__ = ["add_out_argument", "against_kvpool", "machine_info", "md_table", "output_path", "publish", "ratio_line",
+__all__ = ["NO_BASELINE", "add_out_argument", "against_kvpool", "machine_info", "md_table", "or_none", "output_path", "publish", "ratio_line",
            "table", "time_ratios", "write_json"]

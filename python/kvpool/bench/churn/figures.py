@@ -6,7 +6,7 @@ from typing import Any
 
 from kvpool.bench.churn.result import ChurnResult
 from kvpool.bench.columns import size
-from kvpool.bench.report import against_kvpool, ratio_line, time_ratios
+from kvpool.bench.report import against_kvpool, or_none, ratio_line, time_ratios
 
 SCALING_TARGET = 1.10  # kvpool per-step time, largest pool / smallest pool
 SPEEDUP_TARGET = 10.0  # baseline per-step time / kvpool's at the reference point
@@ -36,7 +36,7 @@ def ratio_lines(ratios: dict[str, Any]) -> str:
         return ""
     at = f"pool {size(ratios['ref_pool'])}, concurrency {ratios['ref_concurrency']}"
     lines = [f"\nBaseline µs/step ÷ kvpool µs/step at {at} (target >= {SPEEDUP_TARGET:g}x):"]
-    lines += [ratio_line(name, v, "7.1f") for name, v in ratios["baseline_over_kvpool"].items()]
+    lines += or_none([ratio_line(name, v, "7.1f") for name, v in ratios["baseline_over_kvpool"].items()])
     lines.append(f"kvpool µs/step, largest pool ÷ smallest (target <= {SCALING_TARGET:g}):")
     lines += [ratio_line(name, v, "7.3f", unit=" ") for name, v in ratios["kvpool_scaling"].items()]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from kvpool.bench.hybrid.trace import HybridTraceConfig, generate_hybrid, split
 from kvpool.bench.prefix import QUICK_LENGTHS, CachingWorkload
 from kvpool.bench.prefix.result import PrefixResult
 from kvpool.bench.prefix.trace import SCENARIOS, PrefixTrace
-from kvpool.bench.report import ratio_line
+from kvpool.bench.report import NO_BASELINE, or_none, ratio_line
 from kvpool.bench.workload import Case
 
 if TYPE_CHECKING:
@@ -87,8 +87,10 @@ class HybridWorkload(CachingWorkload):
             ratio = f"{v['ratio']:.3f}" if v["ratio"] is not None else "n/a"
             lines.append(f"  {name:34s} kvpool {100 * v['kvpool_hit_share']:5.1f}%  vLLM "
                          f"{100 * v['baseline_hit_share']:5.1f}%  ratio {ratio}  {ok} target")
+        if not ratios["parity"]:
+            lines.append(NO_BASELINE)
         lines.append(f"vLLM µs/step ÷ kvpool µs/step (target >= {ratios['speedup_target']:g}x):")
-        lines += [ratio_line(name, v, "8.1f") for name, v in ratios["baseline_over_kvpool"].items()]
+        lines += or_none([ratio_line(name, v, "8.1f") for name, v in ratios["baseline_over_kvpool"].items()])
         return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from kvpool.bench.columns import size
 from kvpool.bench.prefix.result import PrefixResult
-from kvpool.bench.report import against_kvpool, ratio_line, time_ratios
+from kvpool.bench.report import NO_BASELINE, against_kvpool, or_none, ratio_line, time_ratios
 
 SPEEDUP_TARGET = 10.0  # baseline µs/step ÷ kvpool µs/step, every scenario
 # Rows with a host tier, held against kvpool-host rather than the device-only kvpool row.
@@ -117,10 +117,13 @@ def parity_lines(ratios: dict[str, Any]) -> str:
         ratio = f"{v['ratio']:.3f}" if v["ratio"] is not None else "n/a"
         lines.append(f"  {name:34s} kvpool {100 * v['kvpool_hit_share']:5.1f}%  baseline "
                      f"{100 * v['baseline_hit_share']:5.1f}%  ratio {ratio}  {ok} target")
+    if not ratios["parity"]:
+        lines.append(NO_BASELINE)
     lines.append(f"Baseline µs/step ÷ kvpool µs/step (target >= {SPEEDUP_TARGET:g}x; "
                  "'=hits' where kvpool hits at least as many tokens):")
-    lines += [ratio_line(name, v, "8.1f", extra=f"{'=hits' if v['kvpool_hits_at_least_as_many'] else 'fewer hits':10s} ")
-              for name, v in ratios["baseline_over_kvpool"].items()]
+    lines += or_none([ratio_line(name, v, "8.1f",
+                                 extra=f"{'=hits' if v['kvpool_hits_at_least_as_many'] else 'fewer hits':10s} ")
+                      for name, v in ratios["baseline_over_kvpool"].items()])
     return "\n".join(lines) + tier_lines(ratios)
 
 
