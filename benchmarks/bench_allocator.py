@@ -25,7 +25,7 @@ import numpy as np
 from kvpool import SlotAllocator
 from kvpool.bench.cli import check_outputs, list_of, parse_size
 from kvpool.bench.columns import size
-from kvpool.bench.report import write_json
+from kvpool.bench.report import machine_info, write_json
 
 BG_REQUESTS = 256  # background requests holding half the pool
 MAX_REQUESTS = BG_REQUESTS + 512
@@ -126,10 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="bench_out/allocator.json", help="JSON output path")
     p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     p.add_argument("--sizes", type=list_of(parse_size), default=[1 << 20, 1 << 24],
-                   help="pool sizes in slots, smallest first for the ratio, e.g. 1M,16M (default)")
+                   help="pool sizes in slots, e.g. 1M,16M (default); run and reported smallest first, the ratio "
+                        "largest / smallest")
     args = p.parse_args(argv)
     if len(set(args.sizes)) < len(args.sizes):
         p.error(f"--sizes {','.join(map(size, args.sizes))} names a size twice; give each once")
+    # Smallest first: the ratio is largest / smallest whatever order they were given in (16M,1M gave
+    # 1M / 16M, a figure under 1 that met the scaling target however slow the large pool was).
+    args.sizes = sorted(args.sizes)
     problem = check_outputs(args, [("--out", args.out)])  # before the run, not after it
     if problem:
         p.error(problem)
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        # what ran: kvpool's version and commit (and whether the checkout had edits), torch threads
+        "host": machine_info(),
+        "settings": {"sizes": args.sizes, "quick": args.quick, "out": args.out},
         "results": results,
         "ratios": ratios,
         "targets": targets,

@@ -32,7 +32,7 @@ import torch
 
 import kvpool
 from kvpool.bench.cli import check_outputs, count
-from kvpool.bench.report import write_json
+from kvpool.bench.report import machine_info, write_json
 from kvpool.capacity import bytes_per_slot
 
 BATCH = 256
@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
 
     result: dict[str, Any] = {
         "bench": "pool",
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        # what ran: kvpool's version and commit (and whether the checkout had edits), torch threads
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    **machine_info()},
+        "settings": {"steps": args.steps, "rounds": args.rounds, "seed": args.seed, "out": args.out},
         "decode_step": [decode_bench(p, args.steps, args.rounds, args.seed) for p in (1, 16)],
         "write": write_bench(args.steps),
         "memory": memory_report(),

@@ -165,12 +165,34 @@ def test_bench_allocator_names_its_ratio_by_the_sizes_it_ran(script, tmp_path, c
     assert set(doc["ratios"]) == {line.split("  ")[0] for line in printed.splitlines()[2:8]}
 
 
+def test_bench_allocator_ratio_is_largest_over_smallest_in_any_order_and_the_json_says_what_ran(script, tmp_path,
+                                                                                                 capsys):
+    """--sizes 256K,64K gave a 64K/256K ratio (under 1: the scaling target met however slow the large
+    pool), and the JSON recorded neither the flags nor kvpool's commit."""
+    out = tmp_path / "allocator.json"
+    script("bench_allocator").main(["--quick", "--sizes", "256K,64K", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert list(doc["results"]) == ["64K", "256K"] and "256K/64K within 10%" in doc["targets"]
+    assert "target 256K/64K within 10%" in capsys.readouterr().out
+    assert doc["settings"] == {"sizes": [64 << 10, 256 << 10], "quick": True, "out": str(out)}
+    assert {"git_commit", "git_dirty", "versions"} <= set(doc["host"])
+
+
 @pytest.mark.parametrize("argv,says", [(["--sizes", "64K,64K"], "twice"), (["--sizes", "64Q"], "--sizes"),
                                        (["--out", "{tmp}"], "is a directory")])
 def test_bench_allocator_rejects_bad_flags_before_it_runs(script, tmp_path, capsys, argv, says):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert says in _usage_error(script("bench_allocator").main, ["--quick", *argv], capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_pool_json_records_its_flags_and_the_commit_that_ran(script, tmp_path):
+    """The JSON held torch's version and the CPU count only: not --steps / --rounds / --seed, nor kvpool's commit."""
+    out = tmp_path / "pool.json"
+    script("bench_pool").main(["--steps", "3", "--rounds", "2", "--seed", "5", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["settings"] == {"steps": 3, "rounds": 2, "seed": 5, "out": str(out)}
+    assert doc["machine"]["torch_threads"] == 1 and {"git_commit", "git_dirty", "versions"} <= set(doc["machine"])
 
 
 @pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--rounds", "-1"], "--rounds"),
