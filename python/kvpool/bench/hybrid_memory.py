@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from typing import Any
 
 from kvpool.bench import cli
@@ -156,8 +155,10 @@ def run(shape: Shape, budgets: list[int], context: int, chunk: int, page_size: i
                                 max_requests, context + 1), context, chunk, max_requests)
         g_bytes = grouped["held"][0] * fb + grouped["held"][1] * sb
         a_bytes = everything["held"][0] * ab
-        g_per = g_bytes / grouped["requests"] if grouped["requests"] else math.nan
-        a_per = a_bytes / everything["requests"] if everything["requests"] else math.nan
+        # None where no request fits the budget: bytes per request is undefined there (not NaN, which
+        # printed as 'nan' and failed the target by comparison alone).
+        g_per = g_bytes / grouped["requests"] if grouped["requests"] else None
+        a_per = a_bytes / everything["requests"] if everything["requests"] else None
         rows.append({
             "budget_bytes": budget, "full_pages": full_pages, "sliding_pages": sliding_pages,
             "all_full_pages": all_pages,
@@ -165,7 +166,7 @@ def run(shape: Shape, budgets: list[int], context: int, chunk: int, page_size: i
                         "held_pages": grouped["held"], "peak_pages": grouped["peak"]},
             "all_full": {"requests": everything["requests"], "bytes_per_request": a_per,
                          "held_pages": everything["held"]},
-            "bytes_ratio": g_per / a_per, "requests_ratio": (grouped["requests"] / everything["requests"]
+            "bytes_ratio": g_per / a_per if g_per is not None and a_per is not None else None, "requests_ratio": (grouped["requests"] / everything["requests"]
                                                               if everything["requests"] else None),
         })
     per_request: dict[str, Any] = {"full_pages": need["full"], "sliding_pages": need["sliding"],
@@ -175,7 +176,7 @@ def run(shape: Shape, budgets: list[int], context: int, chunk: int, page_size: i
     per_request["ratio"] = per_request["grouped_bytes"] / per_request["all_full_bytes"]
     return {"per_request": per_request, "budgets": rows, "target_ratio": TARGET_RATIO,
             "meets_target": per_request["ratio"] <= TARGET_RATIO
-            and all(r["bytes_ratio"] <= TARGET_RATIO for r in rows)}
+            and all(r["bytes_ratio"] <= TARGET_RATIO for r in rows if r["bytes_ratio"] is not None)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,14 +233,22 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
           f"(peak {pr['sliding_peak_pages']} during a prefill chunk)")
     rows = [["one request", "", f"{pr['grouped_bytes'] / gib:.3f}", f"{pr['all_full_bytes'] / gib:.3f}",
              f"{pr['ratio']:.3f}", "", ""]]
+    def per(x: float | None, spec: str = ".3f") -> str:
+        return "none fits" if x is None else f"{x:{spec}}"
+
     for r in out["budgets"]:
         rows.append([f"{r['budget_bytes'] / gib:g} GiB pool", f"{r['full_pages']} + {r['sliding_pages']}",
-                     f"{r['grouped']['bytes_per_request'] / gib:.3f}", f"{r['all_full']['bytes_per_request'] / gib:.3f}",
-                     f"{r['bytes_ratio']:.3f}", str(r["grouped"]["requests"]), str(r["all_full"]["requests"])])
+                     per(r["grouped"]["bytes_per_request"] and r["grouped"]["bytes_per_request"] / gib),
+                     per(r["all_full"]["bytes_per_request"] and r["all_full"]["bytes_per_request"] / gib),
+                     "n/a" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.3f}", str(r["grouped"]["requests"]),
+                     str(r["all_full"]["requests"])])
     print(md_table(["", "grouped pages (full + sliding)", "grouped GiB/request", "all-full GiB/request",
                     "ratio", "grouped requests", "all-full requests"], rows))
     ok = "meets" if out["meets_target"] else "MISSES"
-    print(f"bytes per request, grouped / all full: target <= {TARGET_RATIO}: {ok} target")
+    unmeasured = [f"{r['budget_bytes'] / gib:g} GiB" for r in out["budgets"] if r["bytes_ratio"] is None]
+    skipped = (f" (over one request and the budgets where both pools hold one; at {', '.join(unmeasured)} "
+               "a 'none fits' pool leaves the ratio n/a)") if unmeasured else ""
+    print(f"bytes per request, grouped / all full: target <= {TARGET_RATIO}: {ok} target{skipped}")
     if args.json:
         path = output_path(args.out, args.json)
         write_json(path, {"benchmark": "hybrid-memory", "settings": cli.settings(args), "machine": machine,
