@@ -244,3 +244,15 @@ def test_machine_records_whether_the_checkout_differs_from_its_commit(tmp_path):
     (tmp_path / "f.py").write_text("a = 2\n")
     assert report._git_dirty(str(tmp_path)) is True
     assert set(report.machine_info()) >= {"git_commit", "git_dirty", "versions", "torch_threads"}
+
+
+def test_table_ratio_under_one_keeps_two_significant_digits():
+    """A row 50x faster than kvpool's on the same trace printed '0.0x' in the '÷ kvpool' column."""
+    from kvpool.bench import report
+
+    doc = json.loads((RESULTS / "prefix.json").read_text())
+    kv = PrefixResult.from_json(next(r for r in doc["results"] if r["allocator"] == "kvpool"))
+    other = PrefixResult.from_json(dict(kv.to_json(), allocator="kvpool-host", mean_us=kv.mean_us / 50))
+    slow = PrefixResult.from_json(dict(kv.to_json(), allocator="vllm", mean_us=kv.mean_us * 6.25))
+    text = report.table([kv, other, slow], PREFIX.columns, PREFIX.versus_kvpool)
+    assert "| 0.02x |" in text and "| 6.2x |" in text and "0.0x" not in text
