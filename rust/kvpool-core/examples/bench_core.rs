@@ -350,6 +350,20 @@ fn decode_evicting(ps: usize, reps: usize) -> f64 {
 }
 
 fn main() {
+    // An unknown flag (a misspelt --quick) ran the whole full-length run as if it were absent.
+    let given: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < given.len() {
+        match given[i].as_str() {
+            "--quick" | "--decode" | "--prefix" => {}
+            "--only" if i + 1 < given.len() => i += 1,
+            bad => {
+                eprintln!("bench_core: unknown argument {bad:?}; takes --quick, --decode, --prefix and --only NAME");
+                std::process::exit(2);
+            }
+        }
+        i += 1;
+    }
     let quick = std::env::args().any(|a| a == "--quick");
     let decode_only = std::env::args().any(|a| a == "--decode");
     let reps = if quick { 50 } else { 400 };

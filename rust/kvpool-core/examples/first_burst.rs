@@ -184,6 +184,14 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--one") {
         return one(&args[i + 1..]);
     }
+    // An unknown flag (a misspelt --lazy) ran the whole default run as if it were absent.
+    if let Some(bad) = args[1..]
+        .iter()
+        .find(|a| !matches!(a.as_str(), "--quick" | "--lazy"))
+    {
+        eprintln!("first_burst: unknown argument {bad:?}; takes --quick and --lazy");
+        std::process::exit(2);
+    }
     let quick = args.iter().any(|a| a == "--quick");
     // --lazy: Options::lazy_metadata (the page lists mapped on first use).
     let lazy = if args.iter().any(|a| a == "--lazy") {
