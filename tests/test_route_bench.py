@@ -22,6 +22,19 @@ def test_route_quick_beats_round_robin_and_agrees(tmp_path, capsys):
     assert "agreement" in capsys.readouterr().out
 
 
+def test_route_without_round_robin_hits_says_n_a_not_inf(tmp_path, capsys):
+    """Parallel traces share nothing across groups: neither policy hits, and the line read 'hit rate
+    xinf' (0 / 0), the JSON null, with no word of why."""
+    from kvpool.bench.__main__ import main
+
+    assert main(["route", "--quick", "--scenario", "parallel", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "route.json").read_text())
+    assert doc["results"][1]["hit_rate"] == 0 and doc["hit_rate_factor"] is None
+    out = capsys.readouterr().out
+    assert "inf" not in out.replace("info", "") and "nan" not in out
+    assert "hit rate n/a (round-robin hit nothing; the router 0.0%)" in out
+
+
 def test_events_bench_reports_every_size(tmp_path):
     pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
     from kvpool.bench.__main__ import main

@@ -94,15 +94,21 @@ def main(args: argparse.Namespace, machine: dict[str, Any]) -> int:
           f"{args.lanes} lanes each, {args.warmup} + {args.steps} steps; hit rate and tokens over the measured "
           "steps, agreement over every request")
     print(table(results))
-    factor = routed.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
-    prefill = rr.prefill_tokens / routed.prefill_tokens if routed.prefill_tokens else float("inf")
-    print(f"router / round-robin: hit rate x{factor:.2f}, prefill tokens / {prefill:.2f}")
+    # None (the JSON's null) where the divisor is 0: round-robin hit nothing, or the router prefilled
+    # nothing. They printed 'xinf' (and the JSON null) with no word of why.
+    factor = routed.hit_rate / rr.hit_rate if rr.hit_rate else None
+    prefill = rr.prefill_tokens / routed.prefill_tokens if routed.prefill_tokens else None
+    hits = (f"x{factor:.2f}" if factor is not None else
+            f"n/a (round-robin hit nothing; the router {routed.hit_rate:.1%})")
+    saved = f"/ {prefill:.2f}" if prefill is not None else "n/a (the router prefilled nothing)"
+    print(f"router / round-robin: hit rate {hits}, prefill tokens {saved}")
     for d in routed.disagreements:
         print("disagreement:", d.line())
     bugs = [d for d in routed.disagreements if d.cause.startswith("bug")]
     ok = routed.agreement is None or routed.agreement >= AGREEMENT_TARGET
-    print(f"agreement {routed.agreement if routed.agreement is not None else float('nan'):.4%} "
-          f"(target >= {AGREEMENT_TARGET:.1%}): {'met' if ok else 'MISSED'}; {len(bugs)} unexplained")
+    agreed = f"{routed.agreement:.4%}" if routed.agreement is not None else "n/a (no request routed)"
+    print(f"agreement {agreed} (target >= {AGREEMENT_TARGET:.1%}): {'met' if ok else 'MISSED'}; "
+          f"{len(bugs)} unexplained")
     if args.quick:
         print("(quick run: tiny pools and few steps, a smoke test; the figures are for the full run)")
     settings = {k: v for k, v in vars(args).items() if k != "func"}
