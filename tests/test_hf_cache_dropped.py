@@ -43,3 +43,39 @@ def test_a_cache_dropped_with_rows_open_warns(hybrid):
     assert len(seen) == 1 and "holding 2 rows was dropped without close()" in str(seen[0].message)
     assert pool.open_requests == 2  # (not closed behind the engine's back)
     assert _dropped(pool, close=True) == [] and _dropped(pool, close=False, update=False) == []
+
+
+_KINDS = {
+    "plain": {},
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    "linear": dict(layer_types=["full_attention", "linear_attention"], state_shapes={"conv": (6, 4)}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_KINDS))
+@pytest.mark.parametrize("close", [True, False])
+def test_a_dropped_cache_and_pool_are_freed_by_reference_counting(kind, close):
+    # The cache's requests held its layers and each layer the requests: a cycle that kept the
+    # requests, their layer buffers and the pool (its K/V) alive until the cyclic collector ran
+    # (on a server, a rare full collection; unclosed, it took two).
+    import weakref
+
+    pool = _pool(**_KINDS[kind])
+    cache = KVPoolCache(pool)
+    for layer in cache._pool_layers:
+        k = torch.randn(2, 2, 3, 4)
+        cache.update(k, -k, layer.layer_idx)
+    if close:
+        cache.close()
+    refs = [weakref.ref(x) for x in (pool, cache, cache.requests, *cache._pool_layers)]
+    storage = weakref.ref(pool.k_buffer(cache._pool_layers[0].layer_idx).untyped_storage())
+    gc.collect()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del cache, pool, layer
+        assert [r() is None for r in refs] == [True] * len(refs)
+        assert storage() is None
+    finally:
+        gc.enable()

@@ -33,7 +33,7 @@ from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_hybrid_rows, repeat_prefix_rows
 from kvpool.integrations._requests import check_kv_type, check_not_empty, prefix_tokens
 from kvpool.integrations._row_checks import check_context, check_rows, close_rows, refuse_broken
-from kvpool.integrations._shared_rows import SharedRowsLayer, check_in_step, with_step_grad
+from kvpool.integrations._shared_rows import SharedRowsLayer, WeakLayers, check_in_step, with_step_grad
 from kvpool.kernels._common import check_dense
 
 __all__ = ["HybridRequests", "PoolAttentionLayer", "PoolStateLayer", "hybrid_layers", "hybrid_pool_kwargs", "state_name"]
@@ -45,6 +45,11 @@ class HybridRequests:
     The first attention layer of a forward extends every row once (all groups);
     each attention group's K/V index for the step is built once, lazily.
     """
+
+    # The cache's attention layers (``KVPoolCache._pool_layers``) and linear-attention layers
+    # (``_state_layers``), held weakly: each layer holds these requests (``WeakLayers``).
+    layers = WeakLayers()
+    state_layers = WeakLayers()
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -59,11 +64,9 @@ class HybridRequests:
         self.before = 0  # length when the current step began
         self.steps = 0  # forwards that extended the rows (the state layers stamp their writes with it)
         self.epoch = 0  # bumped whenever the rows or their state slots change
-        self.state_layers: list[PoolStateLayer] = []
         # The rows were opened in this forward and hold no token yet (a linear-attention layer
         # may have written their state): a first step that fails closes them again.
         self.fresh = False
-        self.layers: list[Any] = []  # the attention layers (``KVPoolCache._pool_layers``)
         self._rows: torch.Tensor | None = None
         self._new: list[torch.Tensor] = []
         self._index: dict[int, torch.Tensor] = {}

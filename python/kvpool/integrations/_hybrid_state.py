@@ -11,6 +11,7 @@ truncate.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol
 
 import numpy as np
@@ -59,11 +60,22 @@ def state_name(kind: str, state_idx: int) -> str:
 
 class _StateRows(dict):
     """``conv_states`` / ``recurrent_states`` of a ``PoolStateLayer``: entry i is the batch's
-    rows of the pool's state tensor (a view, or a working copy written back later)."""
+    rows of the pool's state tensor (a view, or a working copy written back later).
+
+    Holds its layer weakly: the layer holds it, and a cycle kept a dropped cache's requests and
+    pool (its K/V and states) alive until the cyclic collector ran."""
 
     def __init__(self, layer: PoolStateLayer, kind: str, n: int) -> None:
         super().__init__({i: None for i in range(n)})
-        self._layer, self._kind = layer, kind
+        self._ref, self._kind = weakref.ref(layer), kind
+
+    @property
+    def _layer(self) -> PoolStateLayer:
+        layer = self._ref()
+        if layer is None:
+            raise InvalidArgumentError(f"these {self._kind} states belong to a cache layer that is gone (its "
+                                       f"KVPoolCache was dropped): read them from a live cache")
+        return layer
 
     def __getitem__(self, i: int) -> Any:
         if self._layer.requests.handles is None or not self._layer.initialized(self._kind, i):
@@ -71,7 +83,7 @@ class _StateRows(dict):
         return self._layer.rows(state_name(self._kind, i))
 
     def __setitem__(self, i: int, value: Any) -> None:
-        if value is None or not hasattr(self, "_layer"):
+        if value is None or not hasattr(self, "_ref"):
             return super().__setitem__(i, value)
         self._layer.rows(state_name(self._kind, i)).copy_(value)
 
@@ -114,7 +126,6 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         # in place without ever calling update_* (Jamba's Mamba decode updates both so).
         self._read: set[str] = set()
         self._last: tuple[Any, ...] = (None, set(), set())  # (the three as the last forward left them)
-        requests.state_layers.append(self)
 
     def initialized(self, kind: str, i: int) -> bool:
         flags = self.is_conv_states_initialized if kind == "conv" else self.is_recurrent_states_initialized

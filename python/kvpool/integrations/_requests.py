@@ -23,6 +23,7 @@ from kvpool.integrations._pending import store_below
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_rows, repeat_prefix_rows
 from kvpool.integrations._row_checks import close_rows
+from kvpool.integrations._shared_rows import WeakLayers
 from kvpool.kernels._common import check_dense
 from kvpool.validate import check_flag
 
@@ -78,6 +79,10 @@ class BatchRequests(BatchSteps):
     """
 
     broken: str | None = None  # why a half-made step refuses all but close (``check_broken``)
+    # The cache's layers (each with ``seen``), held weakly (each layer holds these requests): a
+    # step starts only once every one has stored the last, so a forward cut short is refused
+    # rather than built on (none: not checked).
+    layers = WeakLayers()
 
     def __init__(self, pool: Any, *, layer_buffers: bool = True) -> None:
         layer_buffers = check_flag("layer_buffers", layer_buffers)
@@ -139,9 +144,6 @@ class BatchRequests(BatchSteps):
         # decode step is overwritten by the next one: whatever must outlive the step copies it.
         self._decode_slots: np.ndarray | None = None
         self._handle_arg: Any = None
-        # The cache's layers (each with ``seen``): a step starts only once every one has stored
-        # the last, so a forward cut short is refused rather than built on (none: not checked).
-        self.layers: Sequence[Any] = ()
         # Decode steps taken from a deferred plan (StepPages.take_deferred) that the core has
         # not been extended by yet, and (``unstored``) the slots, per row, of the last tokens the
         # core holds but the pool's caches do not (steps whose store StepPages defers, ``later``):

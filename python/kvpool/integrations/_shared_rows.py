@@ -3,12 +3,44 @@ cache's requests, shared by every layer, so the batch-wide operations belong to 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvpool.errors import IncompleteForwardError
+
+
+class LayerList(list):  # type: ignore[type-arg]
+    """A cache's list of its layers, which the cache's requests hold weakly (``WeakLayers``)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _no_layers() -> None:
+    return None
+
+
+class WeakLayers:
+    """The ``layers`` attribute of a cache's requests: the cache's ``LayerList``, held weakly.
+
+    Every layer holds the requests, so holding the layers back strongly made a reference cycle
+    (requests <-> layers) that kept a dropped cache's requests, their layer buffers and the pool
+    they name (its K/V) alive until the cyclic collector ran, which on a long-running server is
+    a rare full collection. The cache holds its layers; once it is gone this reads ``()``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name + "_ref"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        got = getattr(obj, self.attr, _no_layers)()
+        return () if got is None else got
+
+    def __set__(self, obj: Any, layers: LayerList) -> None:
+        setattr(obj, self.attr, weakref.ref(layers) if layers else _no_layers)
 
 
 class SharedRowsLayer:

@@ -74,6 +74,7 @@ from kvpool.integrations._model_pool import pool_for_model
 from kvpool.integrations._pool_views import release_buffers
 from kvpool.integrations._reorder import BEAM_NEEDS_FORK
 from kvpool.integrations._requests import PREFIX_NEEDS_CORE, STRIDED, BatchRequests
+from kvpool.integrations._shared_rows import LayerList
 from kvpool.integrations._state_calls import StateCalls
 from kvpool.pool import KVPool
 from kvpool.validate import check_flag, check_pool, init_signature
@@ -136,7 +137,7 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
                  layer_buffers: bool = True) -> None:
         check_pool(pool, "KVPoolCache")
         self.requests = BatchRequests(pool, layer_buffers=layer_buffers)
-        self._pool_layers = [KVPoolLayer(self.requests, i) for i in range(pool.num_layers)]
+        self._pool_layers = LayerList(KVPoolLayer(self.requests, i) for i in range(pool.num_layers))
         self.requests.layers = self._pool_layers
         super().__init__(layers=list(self._pool_layers))
         self._fix_layer_kinds()  # (transformers reads them at every step)
@@ -313,9 +314,10 @@ class HybridKVPoolCache(StateCalls, KVPoolCache):
         convs = [n for n in pool.state_shapes if n.startswith("conv")]
         self.requests = HybridRequests(pool)  # type: ignore[assignment]
         layers = hybrid_layers(self.requests, max(1, len(convs)))
-        self._pool_layers = [x for x in layers if isinstance(x, PoolAttentionLayer)]  # type: ignore[misc]
+        self._pool_layers = LayerList(x for x in layers if isinstance(x, PoolAttentionLayer))  # type: ignore[misc]
         self.requests.layers = self._pool_layers
-        self._state_layers = [x for x in layers if isinstance(x, PoolStateLayer)]
+        self._state_layers = LayerList(x for x in layers if isinstance(x, PoolStateLayer))
+        self.requests.state_layers = self._state_layers
         Cache.__init__(self, layers=layers)
         self._fix_layer_kinds()
         _warn_if_dropped_open(self)
