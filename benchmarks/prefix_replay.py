@@ -156,8 +156,11 @@ def build_problem(build: str) -> str | None:
     if not os.path.isfile(os.path.join(pkg, "__init__.py")):
         return f"{build!r} holds no kvpool package ({pkg}/__init__.py); give a directory as PYTHONPATH takes it"
     env = dict(os.environ, PYTHONPATH=os.path.abspath(build))
+    # Run from this script's folder: ``-c`` puts the working directory first on sys.path, where a
+    # replay (``python prefix_replay.py``) has this folder, so a kvpool package in the working
+    # directory (a checkout's python/) would be found here and not by the replay.
     done = subprocess.run([sys.executable, "-c", "import kvpool; print(kvpool.__file__)"], env=env,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"{build!r}: its kvpool does not import ({tail})"

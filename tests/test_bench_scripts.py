@@ -305,3 +305,16 @@ def test_prefix_replay_ab_names_the_build_whose_replay_failed(script, tmp_path):
     (tmp_path / "c.pkl").write_bytes(b"not a pickle")
     with pytest.raises(SystemExit, match=f"the replay with build {build} failed"):
         script("prefix_replay").main(["ab", str(tmp_path / "c.pkl"), build, build, "--rounds", "1"])
+
+
+def test_prefix_replay_build_check_ignores_a_kvpool_in_the_working_directory(script, tmp_path, monkeypatch):
+    """The build check ran ``python -c`` in the caller's working directory, which comes first on its
+    sys.path: run from a folder holding a kvpool package (a checkout's python/), it found that one
+    and refused every other build, though the replay itself (a script) never looks there."""
+    import kvpool
+
+    build = str(Path(kvpool.__file__).resolve().parent.parent)
+    (tmp_path / "kvpool").mkdir()
+    (tmp_path / "kvpool" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert script("prefix_replay").build_problem(build) is None
