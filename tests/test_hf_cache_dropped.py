@@ -79,3 +79,23 @@ def test_a_dropped_cache_and_pool_are_freed_by_reference_counting(kind, close):
         assert storage() is None
     finally:
         gc.enable()
+
+
+def test_a_linear_layers_states_read_after_its_cache_was_dropped_raise_a_typed_error():
+    # conv_states / recurrent_states hold their layer weakly (the layer holds them): kept past the
+    # cache, they say so with a kvpool error, not an AttributeError on None; while it lives they read.
+    pool = _pool(**_KINDS["linear"])
+    cache = KVPoolCache(pool)
+    k = torch.randn(2, 2, 3, 4)
+    cache.update(k, -k, 0)
+    cache.update_conv_state(torch.ones(2, 6, 4), 1)
+    states = cache.layers[1].conv_states
+    assert torch.equal(states[0], torch.ones(2, 6, 4)) and cache.layers[1].recurrent_states[0] is None
+    cache.close()
+    del cache
+    gc.collect()
+    with pytest.raises(kvpool.InvalidArgumentError, match="cache layer that is gone"):
+        states[0]  # noqa: B018
+    with pytest.raises(kvpool.InvalidArgumentError, match="cache layer that is gone"):
+        states[0] = torch.zeros(2, 6, 4)
+    assert pool.open_requests == 0

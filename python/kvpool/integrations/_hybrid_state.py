@@ -78,9 +78,10 @@ class _StateRows(dict):
         return layer
 
     def __getitem__(self, i: int) -> Any:
-        if self._layer.requests.handles is None or not self._layer.initialized(self._kind, i):
+        layer = self._layer  # (once: each read of the weak reference costs a property call)
+        if layer.requests.handles is None or not layer.initialized(self._kind, i):
             return None
-        return self._layer.rows(state_name(self._kind, i))
+        return layer.rows(state_name(self._kind, i))
 
     def __setitem__(self, i: int, value: Any) -> None:
         if value is None or not hasattr(self, "_ref"):
