@@ -41,6 +41,9 @@ BAD = [
     ("route", ["--pool-slots", "100"], "--pool-slots"),
     ("route", ["--lanes", "0"], "--lanes"),
     ("route", ["--pools", "100000"], "--pools"),  # past the router's 65536 (was: minutes of building pools)
+    # a fleet of under two pages: was the trace config's "--pool-sizes 0 holds 0 page(s)", a flag route lacks
+    ("route", ["--pools", "1", "--pool-slots", "16", "--page-size", "16", "--fill", "0.5"],
+     "--pools 1 x --pool-slots 16 x --fill 0.5 fill 0 page(s) of 16 slots"),
     ("events", ["--sizes", "10,x"], "--sizes"),
     ("hybrid-memory", ["--full-every", "0"], "--full-every"),
     ("hybrid-memory", ["--full-every", "99"], "--full-every 99"),

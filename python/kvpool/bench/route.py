@@ -58,6 +58,11 @@ def config(args: argparse.Namespace) -> tuple[PrefixTraceConfig, int]:
                              "multiple of --page-size")
     pool_pages = args.pool_slots // ps
     fleet_pages = int(args.pools * pool_pages * args.fill)
+    if fleet_pages < 2:
+        # Said here: the trace config's complaint names python -m kvpool.bench prefix's --pool-sizes.
+        raise cli.UsageError(f"--pools {args.pools} x --pool-slots {args.pool_slots} x --fill {args.fill} fill "
+                             f"{fleet_pages} page(s) of {ps} slots; the traces need at least 2 (one besides the "
+                             "reserved page 0): give a larger --pool-slots, --pools or --fill")
     try:
         cfg = PrefixTraceConfig(args.scenario, num_slots=fleet_pages * ps, concurrency=args.pools * args.lanes,
                                 page_size=ps, steps=args.steps, warmup=args.warmup, seed=args.seed, **lengths)
