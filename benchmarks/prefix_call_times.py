@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-size", type=count(1), default=1)
     p.add_argument("--steps", type=count(1), default=300)
     a = p.parse_args(argv)
-    cfg = PrefixTraceConfig(scenario=a.scenario, num_slots=a.slots, page_size=a.page_size,
-                            steps=a.steps, warmup=0)
+    try:
+        cfg = PrefixTraceConfig(scenario=a.scenario, num_slots=a.slots, page_size=a.page_size,
+                                steps=a.steps, warmup=0)
+    except ValueError as e:
+        # (the trace names python -m kvpool.bench's flags)
+        p.error(str(e).replace("--pool-sizes", "--slots").replace("--page-sizes", "--page-size"))
     trace = generate(cfg)
     d = KVPoolPrefixDriver(cfg)
     calls: list[tuple[float, int, str, int]] = []

@@ -91,7 +91,8 @@ def test_prefix_split_times_a_closing_requests_registration_apart_from_its_relea
     assert "close " in whole and "close: " not in whole
 
 
-@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--slots", "x"], "--slots")])
+@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--slots", "x"], "--slots"),
+                                       (["--slots", "1000", "--page-size", "16"], "--slots 1000")])
 def test_prefix_call_times_rejects_bad_flags_before_it_runs(script, capsys, argv, says):
     line = _usage_error(script("prefix_call_times").main, argv, capsys)
     assert says in line and "calls" not in capsys.readouterr().out
