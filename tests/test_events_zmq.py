@@ -361,3 +361,34 @@ def test_close_frees_its_addresses_for_a_publisher_made_again_at_once(kind, tmp_
         admit(a, np.arange(8))
         pub.publish()
         pub.close()
+
+
+@pytest.mark.parametrize("kind", ["inproc", "ipc", "tcp"])
+def test_a_dropped_publisher_frees_its_addresses_for_one_made_again_at_once(kind, tmp_path):
+    """A publisher dropped without close() only queued its thread's stop marker, and the thread
+    unbound later: an engine that rebuilt its publisher on the same addresses right after the
+    drop failed every other time with 'Address already in use' (inproc and tcp)."""
+    import gc
+    import threading
+    if kind == "inproc":
+        pub_ep, rep_ep = "inproc://kvpool-drop-pub", "inproc://kvpool-drop-rep"
+    elif kind == "ipc":
+        pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
+    else:
+        probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+        pub_ep, rep_ep = probe.endpoint, probe.replay_endpoint
+        probe.close()
+    senders = sum(t.name == "kvpool-kv-events" for t in threading.enumerate())
+    a = pool()
+    for i in range(60):
+        pub = ZmqEventPublisher(a, pub_ep, replay_endpoint=rep_ep)
+        admit(a, np.arange(8) + 100 * i)
+        assert pub.publish() > 0
+        if i % 2:
+            pub.cycle = pub  # collected by the cyclic collector rather than by refcount
+            del pub
+            gc.collect()
+        else:
+            del pub
+        # The drop has stopped the sender thread before it returned.
+        assert sum(t.name == "kvpool-kv-events" for t in threading.enumerate()) == senders

@@ -206,7 +206,10 @@ class ZmqEventPublisher(EventPublisher):
         # The thread holds the sender, not the publisher: a publisher dropped without close()
         # is collected, and then stops its thread (which closes the sockets, freeing the
         # addresses) and, being gone, no longer holds its pool against another publisher.
-        self._stop = weakref.finalize(self, self._queue.put, None)
+        # The finalizer waits for the thread, as close() does: had it only queued the stop
+        # marker, a publisher made again on the same address right after the drop would find
+        # it still bound (every other rebuild failed so, on inproc:// and tcp://).
+        self._stop = weakref.finalize(self, _stop_sender, self._queue, self._thread, self._pid)
         self._stop.atexit = False  # (at exit the daemon thread just ends, as it did before)
 
     def _drains_here(self) -> bool:
@@ -276,6 +279,16 @@ class ZmqEventPublisher(EventPublisher):
                 # the sockets (it alone uses them) before it ends.
                 self._thread.join()
                 self._thread = None
+
+
+def _stop_sender(items: Any, thread: threading.Thread, pid: int) -> None:
+    """A dropped publisher's finalizer: queue the stop marker and wait until the sender thread
+    has sent what was queued and closed the sockets, so the addresses are free when the
+    collection that dropped the publisher returns. Not on the sender thread itself (a garbage
+    collection that ran there): it cannot wait for itself, and ends once it returns to its loop."""
+    items.put(None)
+    if os.getpid() == pid and threading.current_thread() is not thread:
+        thread.join()
 
 
 class _Sender:
