@@ -38,6 +38,9 @@ from zmq.utils.monitor import recv_monitor_message  # noqa: E402  (after the ext
 
 # Longest close() waits for ZMQ to close a TCP or IPC listener.
 _UNBIND_WAIT_S = 1.0
+# Longest a dropped publisher's finalizer waits for its sender thread (two unbinds and the
+# queued sends, which never block, take far less).
+_DROP_WAIT_S = 5.0
 
 #: Largest value of a ZMQ int option or timeout (a C int).
 ZMQ_INT_MAX = 2**31 - 1
@@ -285,10 +288,13 @@ def _stop_sender(items: Any, thread: threading.Thread, pid: int) -> None:
     """A dropped publisher's finalizer: queue the stop marker and wait until the sender thread
     has sent what was queued and closed the sockets, so the addresses are free when the
     collection that dropped the publisher returns. Not on the sender thread itself (a garbage
-    collection that ran there): it cannot wait for itself, and ends once it returns to its loop."""
+    collection that ran there): it cannot wait for itself, and ends once it returns to its loop.
+    Bounded: a collection run by a thread holding the publisher's buffer lock (a fork's hooks
+    hold it) while the thread serves a replay would otherwise wait for ever; past the bound the
+    thread frees the addresses as it ends."""
     items.put(None)
     if os.getpid() == pid and threading.current_thread() is not thread:
-        thread.join()
+        thread.join(_DROP_WAIT_S)
 
 
 class _Sender:
