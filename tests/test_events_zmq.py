@@ -353,7 +353,9 @@ def test_close_frees_its_addresses_for_a_publisher_made_again_at_once(kind, tmp_
         pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
     else:
         probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
-        pub_ep, rep_ep = probe.endpoint, probe.replay_endpoint  # two ports free a moment ago
+        # Two ports free a moment ago; the PUB one with a wildcard host, which binds (a named
+        # host's endpoint is connected to, and would not test the rebind).
+        pub_ep, rep_ep = "tcp://*:" + probe.endpoint.rsplit(":", 1)[1], probe.replay_endpoint
         probe.close()
     a = pool()
     for _ in range(100):
@@ -376,7 +378,8 @@ def test_a_dropped_publisher_frees_its_addresses_for_one_made_again_at_once(kind
         pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
     else:
         probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
-        pub_ep, rep_ep = probe.endpoint, probe.replay_endpoint
+        # A wildcard host: the PUB socket binds (a named host's endpoint is connected to).
+        pub_ep, rep_ep = "tcp://*:" + probe.endpoint.rsplit(":", 1)[1], probe.replay_endpoint
         probe.close()
     senders = sum(t.name == "kvpool-kv-events" for t in threading.enumerate())
     a = pool()
