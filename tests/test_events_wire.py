@@ -129,6 +129,7 @@ def test_medium_and_group_come_from_the_arrays_when_present():
     (lambda ev: ev.__setitem__("token_ids", ev["token_ids"][:-1]), "token_ids has 7 ids"),
     (lambda ev: ev.__setitem__("salt", ev["salt"][:2]), '"salt".* has 2 entries but kind has 3'),
     (lambda ev: ev.__setitem__("medium", np.array([0, 3, 0])), "medium\\[1\\] = 3"),
+    (lambda ev: ev["token_ids"].__setitem__(5, -3), "token_ids\\[5\\] = -3 is negative"),
 ])
 def test_bad_event_arrays_are_typed_errors(change, match):
     a = pool()
@@ -160,7 +161,7 @@ def test_every_wire_event_fits_the_room_the_encoder_makes_for_it(int_hashes):
         "page": np.arange(n, dtype=np.int32),
         "num_tokens": np.where(kind == 0, per, 0).astype(np.int32),
         "salt": np.full(n, -(2**63), dtype=np.int64),
-        "token_ids": np.full(stored * per, -1, dtype=np.int32),  # a negative id: 9 bytes
+        "token_ids": np.full(stored * per, 2**31 - 1, dtype=np.int32),  # the largest id: 5 bytes
         "medium": np.full(n, 2, dtype=np.uint8),  # "STORAGE", the longest name
         "group_idx": np.full(n, 2**62, dtype=np.int64),
     }

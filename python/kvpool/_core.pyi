@@ -1311,8 +1311,8 @@ def encode_kv_events(
     Raises:
         InvalidArgumentError: a missing or mistyped array, arrays of
             different lengths, an unknown kind or medium code, token_ids that
-            do not match the Stored events' num_tokens; ts not a finite
-            number, a data_parallel_rank not an int >= 0.
+            do not match the Stored events' num_tokens or hold a negative id;
+            ts not a finite number, a data_parallel_rank not an int >= 0.
     """
 
 # Not public API: PoolStats.__reduce__'s rebuilder, and the os.register_at_fork hooks of

@@ -60,8 +60,8 @@ const DETACH_EVENTS: usize = 4096;
 /// Raises:
 ///     InvalidArgumentError: a missing or mistyped array, arrays of
 ///         different lengths, an unknown kind or medium code, token_ids that
-///         do not match the Stored events' num_tokens; ts not a finite
-///         number, a data_parallel_rank not an int >= 0.
+///         do not match the Stored events' num_tokens or hold a negative id;
+///         ts not a finite number, a data_parallel_rank not an int >= 0.
 #[pyfunction]
 #[pyo3(
     signature = (events, ts, data_parallel_rank=None, int_block_hashes=IntBlockHashesFlag(false)),

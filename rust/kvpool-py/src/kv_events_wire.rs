@@ -238,8 +238,8 @@ fn token_ids(w: &mut Vec<u8>, tokens: &[i32]) {
     let buf = &mut w[start..];
     let mut k = 0;
     for &t in tokens {
-        // Ids are in [0, 2^31) (the core checks them); a negative one is
-        // written as the int64 it is.
+        // Ids are in [0, 2^31): the core checks a pool's, and `events`
+        // refuses a negative one in a caller's batch before this runs.
         if (0..0x80).contains(&t) {
             buf[k] = t as u8;
             k += 1;
@@ -306,6 +306,16 @@ fn events(a: &Arrays<'_>) -> Out<(Vec<u8>, u32, Tally)> {
                         a.token_ids.len()
                     ))
                 })?;
+                // A pool never records a negative id (it takes ids in [0, 2^31)); one in a
+                // hand-built batch would reach routers that read ids as unsigned (NVIDIA
+                // Dynamo), which refuse the whole batch.
+                if let Some(k) = tokens.iter().position(|&t| t < 0) {
+                    return Err(Fail::Bad(format!(
+                        "token_ids[{}] = {} is negative; token ids are in [0, 2**31), as a pool takes them",
+                        tok + k,
+                        tokens[k]
+                    )));
+                }
                 room(
                     &mut w,
                     STORED_FIXED + STORED_PAGE * (j - i) + TOKEN_MAX * tokens.len(),
