@@ -11,24 +11,11 @@ import weakref
 import numpy as np
 import pytest
 
-import kvpool
-
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
+from test_events_zmq import admit, pool  # noqa: E402
+
 from kvpool.events import ZmqEventPublisher, zmq_publisher  # noqa: E402
-
-P, SEED = 4, 5
-
-
-def pool():
-    return kvpool.SlotAllocator(256, P, 8, 256, hash_seed=SEED)
-
-
-def admit(a, tokens):
-    tokens = np.asarray(tokens, dtype=np.int64)
-    h, c = a.open_with_prefix(tokens, [len(tokens)])
-    a.extend(h, len(tokens) - int(c[0]))
-    a.close(h, cache=True)
 
 
 @pytest.mark.parametrize("kind", ["inproc", "ipc", "tcp"])
