@@ -139,12 +139,20 @@ def replay(recording: dict[str, Any]) -> dict[str, float]:
     return per
 
 
-def _replay_in(build: str, path: str) -> dict[str, float]:
+def _with_build(build: str, argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    """``python argv`` in a fresh process whose PYTHONPATH is ``build``."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(build))
-    done = subprocess.run([sys.executable, __file__, "replay", path], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, **kw)
+
+
+def _last_error_line(done: subprocess.CompletedProcess[str]) -> str:
+    return (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+
+
+def _replay_in(build: str, path: str) -> dict[str, float]:
+    done = _with_build(build, [__file__, "replay", path])
     if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"the replay with build {build} failed (exit {done.returncode}): {tail}")
+        raise SystemExit(f"the replay with build {build} failed (exit {done.returncode}): {_last_error_line(done)}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -155,15 +163,13 @@ def build_problem(build: str) -> str | None:
     pkg = os.path.join(os.path.abspath(build), "kvpool")
     if not os.path.isfile(os.path.join(pkg, "__init__.py")):
         return f"{build!r} holds no kvpool package ({pkg}/__init__.py); give a directory as PYTHONPATH takes it"
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(build))
     # Run from this script's folder: ``-c`` puts the working directory first on sys.path, where a
     # replay (``python prefix_replay.py``) has this folder, so a kvpool package in the working
     # directory (a checkout's python/) would be found here and not by the replay.
-    done = subprocess.run([sys.executable, "-c", "import kvpool; print(kvpool.__file__)"], env=env,
-                          capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    done = _with_build(build, ["-c", "import kvpool; print(kvpool.__file__)"],
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
     if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return f"{build!r}: its kvpool does not import ({tail})"
+        return f"{build!r}: its kvpool does not import ({_last_error_line(done)})"
     got = os.path.realpath(done.stdout.strip().splitlines()[-1])
     if os.path.dirname(got) != os.path.realpath(pkg):
         return f"{build!r}: a process with it as PYTHONPATH imports kvpool from {got}, not from it"
