@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "python" / "kvpool"
 LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory",
-              "_forksafe", "_nopickle"}),
+              "_forksafe", "_nopickle", "_values"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "pool_views", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging",
               "streams", "validate", "cuda_graph", "graph_inputs", "layout", "heads", "capacity", "metrics", "events",

@@ -71,6 +71,41 @@ def test_allocator_imports_without_torch_and_the_torch_layer_says_what_to_instal
     assert "python -m kvpool.bench: needs torch" in r.stderr, r.stderr
 
 
+ROUTER_NO_TORCH = """
+import sys
+sys.modules['torch'] = None          # a router or monitoring process: no torch installed
+import numpy as np
+import kvpool
+from kvpool.events import LocalEventPublisher
+from kvpool.router import Router
+pools = [kvpool.SlotAllocator(64, 4, 8, 512, hash_seed=21) for _ in range(2)]
+pubs = [LocalEventPublisher(p) for p in pools]
+router = Router(2, page_size=4, hash_seed=21)
+tokens = np.arange(1000, 1013, dtype=np.int64)
+h, _ = pools[1].open_with_prefix(tokens, [13])
+pools[1].extend(h, 13)
+pools[1].cache(h)
+for i, pub in enumerate(pubs):
+    pub.publish()
+    router.feed_many(i, pub.drain())
+assert router.match(tokens) == [0, 12], router.match(tokens)
+assert router.route(tokens).pool == 1
+from kvpool.router import ZmqFeed  # noqa: F401  (pyzmq, msgspec: the test extra)
+from kvpool.metrics import KVPoolCollector
+assert any(f.name == 'kvpool_pages' for f in KVPoolCollector(pools).collect())
+assert 'torch' not in [m for m, v in sys.modules.items() if v is not None], 'torch got imported'
+print('routed')
+"""
+
+
+def test_a_router_reads_events_and_routes_without_torch():
+    """The events and the router are what a router process imports, often on a machine with no
+    torch: both work from the allocator alone."""
+    r = run(ROUTER_NO_TORCH)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "routed", r.stdout
+
+
 def test_a_broken_torch_still_raises_its_own_error():
     """Only an absent torch is deferred: an install that fails inside torch says why at import."""
     r = run("import sys, types\n"

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._values import host_array, is_int
 from kvpool.errors import (
     DuplicateSlotError,
     InvalidArgumentError,
@@ -25,16 +26,11 @@ from kvpool.errors import (
     TensorDtypeError,
     TensorShapeError,
 )
-from kvpool.kernels._common import check_dense, host_array
+from kvpool.kernels._common import check_dense
 from kvpool.kernels._guard import on_device
 from kvpool.torch_types import INDEX_DTYPES
 
 __all__ = ["check_flag", "check_layer", "check_rows", "host_array", "init_signature", "is_int", "slots_tensor"]
-
-
-def is_int(x: Any) -> bool:
-    """An int or numpy integer, not a bool (True is an int to Python, never a count here)."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def init_signature(cls: type, **annotations: str) -> inspect.Signature:

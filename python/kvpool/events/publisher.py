@@ -27,10 +27,10 @@ from kvpool._core import InvalidArgumentError, SlotAllocator, encode_kv_events
 from kvpool._forksafe import INNER, OUTER, OwnedLock
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
+from kvpool._values import is_int
 from kvpool.errors import PublisherClosedError
 from kvpool.events.drained import checked_events
 from kvpool.events.drainers import claim, release
-from kvpool.validate import is_int
 
 # vLLM's end-of-replay marker: sequence number -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

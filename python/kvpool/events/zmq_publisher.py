@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
+from kvpool._values import is_int
 from kvpool.errors import PublisherClosedError
 from kvpool.events.drainers import release
 from kvpool.events.publisher import DEFAULT_BUFFER_STEPS, END_SEQ, EventPublisher, kept_since
 from kvpool.extras import require
-from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.events.ZmqEventPublisher")
 from zmq.utils.monitor import recv_monitor_message  # noqa: E402  (after the extra's check)

@@ -346,14 +346,3 @@ def vec_hint(head_dim: int, strides: Sequence[int], dim_strides: Sequence[int], 
 
 def triton_next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-# Here rather than in kvpool.validate, a layer above the kernels, which re-exports it.
-def host_array(name: str, x: Any) -> np.ndarray:
-    """``np.asarray(x)``, with a ragged sequence (rows of different lengths, which
-    numpy refuses) reported as a ``TensorShapeError`` naming ``name``."""
-    try:
-        return np.asarray(x)
-    except ValueError as e:
-        raise TensorShapeError(f"{name} must be a flat (1-D) sequence of ints, got a ragged "
-                               f"{type(x).__name__} ({e})") from None

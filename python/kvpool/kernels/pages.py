@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._values import host_array
 from kvpool.errors import (
     DuplicateSlotError,
     KernelArgumentError,
@@ -120,7 +121,7 @@ def _ids(x: Any, name: str) -> np.ndarray:
         if x.dtype not in INT_DTYPES:  # (.numpy() refused bf16, quantized, bits and grad tensors untyped)
             raise TensorDtypeError(f"{name} must be a 1-D array of integer page ids, got a {x.dtype} tensor")
         x = x.numpy()
-    arr = c.host_array(name, x)
+    arr = host_array(name, x)
     kinds = set(map(type, x)) if arr.dtype.kind in "iu" and isinstance(x, (list, tuple)) else set()
     if {bool, np.bool_} & kinds or {torch.Tensor, np.ndarray} & kinds and any(  # (0-d bool tensors too)
             getattr(v, "dtype", None) in (torch.bool, np.bool_) for v in x):

@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvpool._core import InvalidArgumentError, page_hashes
-from kvpool.validate import is_int
+from kvpool._values import is_int
 
 __all__ = ["EventStreams", "StreamState"]
 

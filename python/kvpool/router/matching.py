@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError, page_hashes
-from kvpool.validate import host_array
+from kvpool._values import host_array
 
 __all__ = ["PrefixMatching"]
 

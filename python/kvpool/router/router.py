@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
+from kvpool._values import is_int
 from kvpool.router.event_streams import EventStreams, StreamState
 from kvpool.router.index import PageIndex
 from kvpool.router.matching import PrefixMatching
-from kvpool.validate import is_int
 
 #: Most pools one router routes over.
 MAX_POOLS = 1 << 16

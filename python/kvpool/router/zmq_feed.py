@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from kvpool._core import InvalidArgumentError
+from kvpool._values import is_int
 from kvpool.extras import require
 from kvpool.router.router import Router
-from kvpool.validate import is_int
 
 zmq = require("zmq", "events", "kvpool.router.ZmqFeed")
 from zmq.utils.monitor import parse_monitor_message  # noqa: E402

@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._values import host_array
 from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorShapeError
 from kvpool.kernels import copy_slots
-from kvpool.kernels._common import host_array
 from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor, check_host_geometry
 from kvpool.torch_types import as_device
 from kvpool.validate import check_layer, require_plain_pool
