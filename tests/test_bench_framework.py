@@ -151,7 +151,9 @@ def _bad_reuse_files(tmp_path):
             ("other.json", json.dumps(other), "a 'hybrid' run's file"),
             ("steps.json", json.dumps(dict(good, settings=dict(quick, steps=25))), "steps: 25 there, 24 here"),
             ("row.json", json.dumps(bad_row), "results[0] is not a prefix row"),
-            ("alien.json", json.dumps(alien), "allocator 'sglang-token'")]
+            ("alien.json", json.dumps(alien), "allocator 'sglang-token'"),
+            ("nan.json", json.dumps(dict(good, settings=quick)).replace('"allocator"', '"x": NaN, "allocator"', 1),
+             "NaN is not JSON")]
 
 
 def test_reuse_refuses_a_file_it_cannot_take_before_anything_runs(tmp_path, capsys):

@@ -74,6 +74,12 @@ def _replay_case(workload: Workload, case: Case, due: list[tuple[int, type[Drive
         bar.update(1)
 
 
+def _not_strict(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which no JSON writer of this package emits (figures
+    # are finite or null) and which would come out as null in the merged file.
+    raise ValueError(f"{name} is not JSON (a figure is a finite number or null)")
+
+
 def read_reuse(workload: Workload, args: argparse.Namespace) -> list[Result]:
     """The rows of ``--reuse FILE``, or ``UsageError`` saying why the file cannot join this run: not
     strict JSON, not a results file of this workload, other trace settings, or a row this workload's
@@ -82,7 +88,7 @@ def read_reuse(workload: Workload, args: argparse.Namespace) -> list[Result]:
     where = f"--reuse {args.reuse}"
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = json.load(f, parse_constant=_not_strict)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"{where}: cannot read {path!r} as JSON ({e}); give a {workload.name} run's JSON "
                          "file") from None
