@@ -222,3 +222,46 @@ def test_a_truncate_or_close_by_another_thread_mid_generate_is_refused_or_lands_
     del pool._extend_host, pool.extend
     pool.allocator.check()
     assert pool.allocator.open_requests == 0
+
+
+def test_a_row_closed_by_another_thread_while_the_cache_closes_leaves_no_request_open(model, monkeypatch):
+    """Sweep s82: the cache's close() closes its rows; when one was closed through the pool already
+    it closes those still open. Another thread closing a second row between that check and that
+    close made the close raise InvalidHandleError, and the third row, which the cache no longer
+    named, stayed open in the pool for good. The check and the close now hold the pool's lock: the
+    other thread's close waits, then finds its row closed (typed), and every request is closed."""
+    p = _prompts(9, 1, None)[0].expand(3, -1)
+    pool = pool_for_model(model, max_tokens=1024, page_size=4, max_context_len=128)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool)
+        greedy(model, p, None, 3, cache=cache)
+    h = cache.requests.handles.copy()
+    pool.close(h[:1])  # row 0 closed through the pool: close() must look at which are open
+    is_open, calls, outcome = pool.is_open, [], []
+
+    def other():
+        try:
+            pool.close(h[1:2])
+            outcome.append("closed")
+        except kvpool.errors.KVPoolError as e:
+            outcome.append(type(e).__name__)
+
+    def hooked(handle):
+        calls.append(handle)
+        if len(calls) == h.shape[0]:  # the cache has looked at every row: another thread closes row 1
+            t = threading.Thread(target=other, daemon=True)
+            t.start()
+            t.join(0.5)  # (with the fix it waits for the pool's lock, so the join times out)
+            threads.append(t)
+        return is_open(handle)
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(pool, "is_open", hooked)
+    cache.close()
+    monkeypatch.undo()
+    for t in threads:
+        t.join(JOIN_S)
+    assert threads and not threads[0].is_alive()
+    assert outcome == ["InvalidHandleError"], outcome
+    assert pool.allocator.open_requests == 0
+    pool.allocator.check()

@@ -4,6 +4,7 @@ follow such calls is ``_pending``'s."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -59,15 +60,21 @@ def check_rows(pool: Any, handles: np.ndarray, tokens: int | None, ahead: int = 
 def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
     """Close a cache's rows (``publish``: with ``cache=True``). Rows already closed through the pool
     (``pool.close``, ``pool.reset``) are left alone, and so are the requests that reopened them
-    (a stale handle names none); the others are closed."""
-    try:
-        pool.close(handles, cache=True) if publish else pool.close(handles)
-    except InvalidHandleError:
-        alive = np.array([h for h in handles.tolist() if pool.is_open(h)], dtype=np.int64)
-        if alive.shape[0] == handles.shape[0]:
-            raise
-        if alive.shape[0]:
-            pool.close(alive)
+    (a stale handle names none); the others are closed.
+
+    Under the pool's lock (reentrant; the pool's own calls take it too): another thread closing
+    one of the rows between the check of which are open and the close of those would otherwise
+    make that close raise, and the rest, which the cache no longer names, stay open for good."""
+    lock = getattr(pool, "_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        try:
+            pool.close(handles, cache=True) if publish else pool.close(handles)
+        except InvalidHandleError:
+            alive = np.array([h for h in handles.tolist() if pool.is_open(h)], dtype=np.int64)
+            if alive.shape[0] == handles.shape[0]:
+                raise
+            if alive.shape[0]:
+                pool.close(alive)
 
 
 def rows_hold(pool: Any, handles: np.ndarray, tokens: int) -> bool:
