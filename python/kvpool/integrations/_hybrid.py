@@ -120,10 +120,12 @@ class HybridRequests:
 
     def flush(self) -> None:
         """Write every state layer's working copy back to the pool's rows (refused, nothing
-        written, when they were closed through the pool: ``check_edits``)."""
-        self.check_edits(lengths=False)
-        for layer in self.state_layers:
-            layer.flush()
+        written, when they were closed through the pool: ``check_edits``). Locked from the check to
+        the writes: a close by another thread in between could give their state slots to another."""
+        with self.pool._lock:
+            self.check_edits(lengths=False)
+            for layer in self.state_layers:
+                layer.flush()
 
     def check_kv(self, key_states: Any, value_states: Any) -> None:
         for name, x in (("key_states", key_states), ("value_states", value_states)):
@@ -263,19 +265,20 @@ class HybridRequests:
     def close(self) -> None:
         broken, self.broken = self.broken, None  # (its rows go with the rest)
         if self.handles is not None:
-            try:
-                self.check_edits(lengths=False)
-                intact = broken is None  # (a reorder that lost rows: nothing of them to publish)
-            except KVPoolError:  # closed through the pool: their state slots may be another's now
-                intact = False
-            handles, self.handles, self._rows = self.handles, None, None
-            if intact and self.prefix_mode and self.length > 0 and self.complete():
-                self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
-                self.flush_discard()
-                close_rows(self.pool, handles, True)
-            else:
-                self.flush_discard()
-                close_rows(self.pool, handles, False)
+            with self.pool._lock:  # (from the check to the close: as flush, which then checks nothing)
+                try:
+                    self.check_edits(lengths=False)
+                    intact = broken is None  # (a reorder that lost rows: nothing of them to publish)
+                except KVPoolError:  # closed through the pool: their state slots may be another's now
+                    intact = False
+                handles, self.handles, self._rows = self.handles, None, None
+                if intact and self.prefix_mode and self.length > 0 and self.complete():
+                    self.flush()  # the checkpoint close(cache=True) takes reads the pool's rows
+                    self.flush_discard()
+                    close_rows(self.pool, handles, True)
+                else:
+                    self.flush_discard()
+                    close_rows(self.pool, handles, False)
         self.length = self.before = 0
         self.prefix_mode, self.cached_lens, self.fresh = False, None, False
         self.epoch += 1
