@@ -138,10 +138,11 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         # closed the rows and handed their state slots to another request: refused before the
         # model gets (and writes) them.
         req.check_broken("KVPoolCache.update")
-        with req.pool._lock:  # (from the check to the write-back: as HybridRequests.flush)
+        req.check_edits()
+        if self._epoch == req.epoch:  # (the common case: no write-back, so no lock)
+            return
+        with req.pool._lock:  # from the check to the write-back, as HybridRequests.flush
             req.check_edits()
-            if self._epoch == req.epoch:
-                return
             self.flush()
         assert req.handles is not None
         slots = req.pool.state_slots(req.handles, self.layer_idx)
