@@ -12,6 +12,7 @@ import torch
 from kvpool.errors import InvalidArgumentError
 from kvpool.integrations._hybrid import hybrid_pool_kwargs
 from kvpool.pool import KVPool
+from kvpool.torch_types import COMPUTE_DTYPES, FP8_DTYPES
 from kvpool.validate import is_int
 
 
@@ -61,7 +62,10 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
             unless ``kv_events=True`` is passed: ``KVPoolCache`` never drains them, and a
             router that wants them drains ``pool.take_events()`` itself.
         max_context_len: longest request; default the config's ``max_position_embeddings``.
-        device, dtype: default the model's (float32 / cpu for a bare config).
+        device, dtype: default the model's (float32 / cpu for a bare config). An fp8
+            ``dtype`` gets the model's dtype as ``compute_dtype`` (the rows its layers
+            write and read) unless ``compute_dtype`` is passed or the model's dtype is
+            unknown (a bare config without one: then KVPool's default, bfloat16).
 
     The pool's tensors are created under ``kvpool.persistent()``, so calling this inside
     ``torch.inference_mode()`` is fine.
@@ -113,13 +117,16 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         text, "num_attention_heads")
     if device is None:
         device = getattr(model, "device", "cpu")
+    # A model's dtype; a bare config's ``dtype`` is None (or a name) unless it was set.
+    model_dtype = getattr(model, "dtype", None)
+    if isinstance(model_dtype, str):
+        model_dtype = getattr(torch, model_dtype, None)
     if dtype is None:
-        # A model's dtype; a bare config's ``dtype`` is None (or a name) unless it was set.
-        dtype = getattr(model, "dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.float32
+        dtype = model_dtype if isinstance(model_dtype, torch.dtype) else torch.float32
+    elif dtype in FP8_DTYPES and "compute_dtype" not in pool_kwargs and model_dtype in COMPUTE_DTYPES:
+        # An fp8 pool takes and returns compute_dtype rows: the model's, which KVPoolCache
+        # hands it (KVPool's own default, bfloat16, would refuse every forward of another).
+        pool_kwargs["compute_dtype"] = model_dtype
     ctx = max_context_len if max_context_len is not None else getattr(text, "max_position_embeddings", None) or 4096
     pages = -(-int(max_tokens) // page_size) + 1
     pool_kwargs.setdefault("kv_events", False)

@@ -38,7 +38,8 @@ def check_kv_type(name: str, x: torch.Tensor, dtype: torch.dtype, device: torch.
     """A step's K or V is of the pool's dtype and on its device (one error class each, for the
     plain and the hybrid cache alike)."""
     if x.dtype != dtype:
-        raise TensorDtypeError(f"{name} is {x.dtype}; the pool stores {dtype} rows (build the pool with the model's dtype)")
+        raise TensorDtypeError(f"{name} is {x.dtype}; the pool takes {dtype} rows (build the pool with the model's "
+                               f"dtype; an fp8 pool with compute_dtype={x.dtype})")
     if x.device != device:
         raise TensorDeviceError(f"{name} is on {x.device}; the pool is on {device}")
 
