@@ -172,8 +172,9 @@ class RowsMixin:
 
         Args:
             layer: layer index.
-            slots: ``[n]`` int32/int64 slots (tensor on the host or the pool's
-                device, numpy array or list), e.g. ``ExtendResult.out_cache_loc``.
+            slots: ``[n]`` slots: an int32/int64 tensor on the host or the pool's
+                device (other tensor dtypes are refused), or a numpy array of any integer
+                dtype or a list of ints (taken by value), e.g. ``ExtendResult.out_cache_loc``.
                 Host slots are range-checked; device slots are not (no sync).
                 On a CUDA pool host slots are staged through pinned memory, and
                 rejected while a CUDA graph is being captured (their copy cannot

@@ -47,8 +47,10 @@ def store_kv(
             which one lands is unspecified (it may differ between CPU and GPU): repeat
             only padding sinks (page 0, whose content is meaningless). The allocator
             never repeats a real slot.
-        k, v: [n, H, D] rows. On CPU they may be views of the caches (stored as they
-            were at the call); on CUDA a source row that the same call also writes is
+        k, v: [n, H, D] rows of any cache dtype (``CACHE_DTYPES``), converted to the
+            cache's dtype as they are stored (a cast; fp8 caches clamp first, see below):
+            ``KVPool.write`` is the call that refuses rows of another dtype. On CPU they may
+            be views of the caches (stored as they were at the call); on CUDA a source row that the same call also writes is
             read and written in parallel, so which value it gives is unspecified.
         k_scale, v_scale: None, a float or a 1-element tensor (read at launch, so a
             captured graph sees later updates). fp8 caches store clamp(x / scale);
