@@ -169,6 +169,31 @@ def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtyp
     c.check_writable(out, name)
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage pointer, first byte, one past the last byte) that ``t``'s elements occupy."""
+    start = t.storage_offset() * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
+    return t.untyped_storage().data_ptr(), start, start + last + t.element_size()
+
+
+def _check_out_apart(outs: tuple[tuple[torch.Tensor | None, str], ...],
+                     caches: tuple[tuple[torch.Tensor | None, str], ...]) -> None:
+    """``gather_kv``'s outputs share no memory with the caches it reads or with each other
+    (metadata only: capture-safe). Gathering into the memory it gathers from, or K and V
+    into one tensor, gives what the backend's order of reads and writes makes of it: torch
+    reads every row first, the kernel reads and writes row by row (in parallel on a GPU)."""
+    spans = [(name, _byte_span(t)) for t, name in outs if t is not None and t.numel()]
+    read = [(name, _byte_span(t)) for t, name in caches if t is not None and t.numel()]
+    for i, (name, (ptr, lo, hi)) in enumerate(spans):
+        for other, (p2, lo2, hi2) in read + spans[i + 1:]:
+            if ptr == p2 and lo < hi2 and lo2 < hi:
+                raise c.KernelArgumentError(
+                    f"{name} overlaps {other} in memory: the gather would write memory it reads or "
+                    "writes again, and which value a row gets would depend on the backend (torch "
+                    "reads every row first, the kernel row by row, in parallel on a GPU); gather "
+                    "into tensors of their own")
+
+
 def gather_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
@@ -189,7 +214,8 @@ def gather_kv(
             torch.float64 (``kvpool.torch_types.GATHER_DTYPES``).
         k_scale, v_scale: with a scale, rows are dequantized as x * scale.
         out: ``(k_out, v_out)`` to write into instead of allocating (e.g. in a
-            captured graph).
+            captured graph); they may not overlap each other or the caches in memory
+            (``KernelArgumentError``, nothing written).
 
     Returns:
         ``(k, v)``; ``v`` is None when ``v_cache`` is None.
@@ -244,6 +270,7 @@ def gather_kv(
             _check_out(v_out, "out[1]", n, kg, v_dt, dev)
         elif v_out is not None:
             raise c.KernelArgumentError("out[1] must be None without v_cache (nothing is gathered into it)")
+        _check_out_apart(((k_out, "out[0]"), (v_out, "out[1]")), ((k_cache, "k_cache"), (v_cache, "v_cache")))
     if n == 0:
         return k_out, v_out
     gather_rows(k_cache, v_cache, slots, k_out, v_out, out_dtype, k_scale, v_scale, kg, vg)
