@@ -41,6 +41,13 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tensor:
 
 
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: Scale) -> torch.Tensor:
+    """What the gather kernel writes for cache rows x read as `dtype` (x * scale with one).
+    Into fp8, clamped to the format's finite range (NaN stays NaN) as the GPU's conversion
+    saturates (cvt.rn.satfinite): torch's own cast takes float8_e5m2 past its range to inf."""
+    if dtype in FP8_DTYPES:
+        m = fp8_max(dtype)
+        y = x.float() if scale is None else x.float() * _scale_value(scale)
+        return y.clamp(-m, m).to(dtype)
     if scale is None:
         return x.to(dtype)
     return (x.float() * _scale_value(scale)).to(dtype)

@@ -211,7 +211,8 @@ def gather_kv(
         k_cache, v_cache: caches as for ``store_kv`` (``v_cache`` may be None).
         slots: int32/int64 [n]; rows of negative slots come back zero.
         out_dtype: dtype of the result (default: the cache dtype): a cache dtype, or
-            torch.float64 (``kvpool.torch_types.GATHER_DTYPES``).
+            torch.float64 (``kvpool.torch_types.GATHER_DTYPES``). Into fp8, values past
+            the format's finite range saturate to its largest value (NaN stays NaN).
         k_scale, v_scale: with a scale, rows are dequantized as x * scale.
         out: ``(k_out, v_out)`` to write into instead of allocating (e.g. in a
             captured graph); they may not overlap each other or the caches in memory
