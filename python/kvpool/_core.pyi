@@ -1,7 +1,7 @@
 """Type stubs of kvpool._core, the Rust extension (kept true by tests/test_allocator_stubs.py)."""
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -254,15 +254,18 @@ class SlotAllocator:
             TooManyRequestsError: more than max_requests would be open.
             InvalidArgumentError: n is negative.
         """
+    # The return depends on cow=: the slots (a new array, or out itself), or with
+    # cow=True the pair (slots, cow work or None).
+    @overload
     def extend(
         self,
         handles: _IntArray,
         counts: _IntArray,
         table: npt.NDArray[np.int32] | None = None,
         tokens: _IntArray | None = None,
-        cow: bool = False,
+        cow: Literal[False] = False,
         out: npt.NDArray[np.int64] | None = None,
-    ) -> Any:
+    ) -> npt.NDArray[np.int64]:
         """Grows each request by counts[i] tokens (or `counts` for all); a new page
         is taken only when a request's last page is full (FREE pages first,
         then the least recently used cached page). Atomic.
@@ -306,6 +309,37 @@ class SlotAllocator:
                 not contiguous int64, read-only or overlapping the table.
                 Nothing changes on any error.
         """
+    @overload
+    def extend(
+        self,
+        handles: _IntArray,
+        counts: _IntArray,
+        table: npt.NDArray[np.int32] | None,
+        tokens: _IntArray | None,
+        cow: Literal[True],
+        out: npt.NDArray[np.int64] | None = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]: ...
+    @overload
+    def extend(
+        self,
+        handles: _IntArray,
+        counts: _IntArray,
+        table: npt.NDArray[np.int32] | None = None,
+        tokens: _IntArray | None = None,
+        *,
+        cow: Literal[True],
+        out: npt.NDArray[np.int64] | None = None,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]: ...
+    @overload
+    def extend(
+        self,
+        handles: _IntArray,
+        counts: _IntArray,
+        table: npt.NDArray[np.int32] | None = None,
+        tokens: _IntArray | None = None,
+        cow: bool = False,
+        out: npt.NDArray[np.int64] | None = None,
+    ) -> npt.NDArray[np.int64] | tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None]: ...
     def admit(
         self,
         counts: _IntArray,

@@ -1,0 +1,33 @@
+"""An engine's calls into kvpool, type-checked by tests/test_review_typing.py (mypy --strict).
+
+Never run (nor collected by pytest): it is only read by mypy. Each ``assert_type`` pins
+what a call returns as mypy sees it; ``reveal_type`` lines must not reveal ``Any``.
+Calls are written as README.md and docs/*.md write them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import assert_type, reveal_type
+
+from kvpool import SlotAllocator
+
+I64 = npt.NDArray[np.int64]
+
+
+def allocator_step() -> int:
+    """README.md / docs/allocator.md: the Rust allocator on its own."""
+    a = SlotAllocator(num_pages=1 << 16, page_size=16, max_requests=256, max_context_len=4096)
+    reqs = a.open(3)
+    slots = a.extend(reqs, [17, 1, 40])
+    assert_type(slots, I64)
+    out = np.empty(8192, np.int64)
+    assert_type(a.extend(reqs, 1, out=out), I64)
+    assert_type(a.extend(reqs, 1, cow=False), I64)
+    assert_type(a.extend(reqs, 1, cow=True), tuple[I64, "I64 | None"])
+    assert_type(a.extend(reqs, 1, None, None, True, out), tuple[I64, "I64 | None"])
+    new_slots, cow = a.extend(reqs, 1, cow=True, out=out)
+    if cow is not None:
+        reveal_type(cow)
+    return int(slots[0]) + int(new_slots[0])
