@@ -11,7 +11,10 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import assert_type, reveal_type
 
-from kvpool import SlotAllocator
+import kvpool
+from kvpool import KVPool, SlotAllocator
+from kvpool.events import KVEventBatch, LocalEventPublisher, ZmqEventPublisher
+from kvpool.router import Route, Router, ZmqFeed
 
 I64 = npt.NDArray[np.int64]
 
@@ -31,3 +34,22 @@ def allocator_step() -> int:
     if cow is not None:
         reveal_type(cow)
     return int(slots[0]) + int(new_slots[0])
+
+
+def route_and_publish(pool: KVPool, prompt: list[int]) -> int:
+    """docs/events-and-metrics.md: names kvpool.router and kvpool.events load on first use."""
+    pub = LocalEventPublisher(pool)
+    r = Router(2, page_size=16, hash_seed=0)
+    for msg in pub.drain():
+        r.feed(0, *msg)
+    route = r.route(prompt)
+    assert_type(route, Route)
+    assert_type(route.pool, int)
+    feed = ZmqFeed(r)
+    assert_type(feed.poll(10), int)
+    zpub = ZmqEventPublisher(pool, "tcp://*:5557", replay_endpoint="tcp://*:5558")
+    assert_type(zpub.publish(), int)
+    reveal_type(zpub)
+    reveal_type(KVEventBatch)
+    reveal_type(kvpool.send_request)
+    return route.pool

@@ -12,7 +12,7 @@ ImportError that says to install torch.
 """
 
 from importlib import metadata as _metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, GroupedAllocator, PoolStats, SlotAllocator
 from kvpool.errors import (
@@ -43,6 +43,10 @@ from kvpool.errors import (
     TritonUnavailableError,
 )
 from kvpool.handles import ROW_MASK, handle_row
+
+if TYPE_CHECKING:  # loaded on first use by __getattr__ (they need torch.distributed)
+    from kvpool.distributed.kv_transfer import recv_request as recv_request
+    from kvpool.distributed.kv_transfer import send_request as send_request
 
 # The names below need torch. A router or scheduler that only uses the allocator may run
 # where torch is not installed: those names then raise an ImportError saying what to install

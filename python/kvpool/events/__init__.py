@@ -15,9 +15,17 @@ dependency raises an ImportError naming the extra to install.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.events.publisher import END_SEQ, EventPublisher, LocalEventPublisher
+
+if TYPE_CHECKING:  # what mypy and IDEs see; at runtime __getattr__ imports on first use
+    from kvpool.events import schema as schema
+    from kvpool.events.schema import AllBlocksCleared as AllBlocksCleared
+    from kvpool.events.schema import BlockRemoved as BlockRemoved
+    from kvpool.events.schema import BlockStored as BlockStored
+    from kvpool.events.schema import KVEventBatch as KVEventBatch
+    from kvpool.events.zmq_publisher import ZmqEventPublisher as ZmqEventPublisher
 
 _LAZY = {
     "ZmqEventPublisher": "kvpool.events.zmq_publisher",

@@ -11,7 +11,14 @@ docs/events-and-metrics.md.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what mypy and IDEs see; at runtime __getattr__ imports on first use
+    from kvpool.router.event_streams import StreamState as StreamState
+    from kvpool.router.index import PageIndex as PageIndex
+    from kvpool.router.router import Route as Route
+    from kvpool.router.router import Router as Router
+    from kvpool.router.zmq_feed import ZmqFeed as ZmqFeed
 
 _LAZY = {
     "Router": "kvpool.router.router",
