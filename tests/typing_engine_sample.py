@@ -53,3 +53,17 @@ def route_and_publish(pool: KVPool, prompt: list[int]) -> int:
     reveal_type(KVEventBatch)
     reveal_type(kvpool.send_request)
     return route.pool
+
+
+def pool_step(pool: KVPool, running: I64, finished: I64, prompt_lens: list[int]) -> int:
+    """README.md: a scheduler step on the torch pool; its counters are forwarded from the allocator."""
+    pool.close(finished)
+    new, prefill = pool.admit(prompt_lens)
+    decode = pool.extend(running, 1)
+    assert_type(pool.free_pages, int)
+    assert_type(pool.admissible_tokens, int)
+    assert_type(pool.hit_tokens, int)
+    assert_type(pool.clock, float)
+    assert_type(pool.kv_events, bool)
+    reveal_type(decode.out_cache_loc)
+    return pool.free_pages + len(new) + len(prefill.slots)

@@ -15,7 +15,7 @@ the core's own lock) and the tables. ``tests/test_forwarding_docs.py`` keeps it 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -43,10 +43,27 @@ def read_consistent(lock: Any, read: Any) -> Any:
     return read()
 
 
-def _counter(name: str, kind: type = int, consistent: bool = False) -> property:
+_T = TypeVar("_T")
+
+
+class _Counter(property, Generic[_T]):
+    """A ``property`` whose value type static checkers know (``_counter``'s ``kind``: mypy
+    reads a plain ``property`` object assigned in a class body as ``Any``). The typed
+    ``__get__`` exists for them only, so a read runs ``property``'s own C ``__get__``."""
+
+    if TYPE_CHECKING:
+        @overload
+        def __get__(self, instance: None, owner: type | None = None, /) -> _Counter[_T]: ...
+        @overload
+        def __get__(self, instance: object, owner: type | None = None, /) -> _T: ...
+        def __get__(self, instance: object, owner: type | None = None, /) -> Any: ...
+
+
+def _counter(name: str, kind: type[_T], consistent: bool = False) -> _Counter[_T]:
     """``SlotAllocator.<name>``, read under the allocator's lock, with its docstring (and
-    ``kind`` as its return annotation, which runtime type checkers enforce). ``consistent``:
-    a counter a pool call may take back when it undoes itself, read as ``stats()`` is."""
+    ``kind`` as its return annotation, which runtime type checkers enforce, and as its type
+    for static checkers). ``consistent``: a counter a pool call may take back when it undoes
+    itself, read as ``stats()`` is."""
 
     def get(self: RequestOps) -> Any:
         if consistent:
@@ -55,7 +72,10 @@ def _counter(name: str, kind: type = int, consistent: bool = False) -> property:
 
     get.__name__ = name
     get.__annotations__ = {"self": "RequestOps", "return": kind}
-    return property(get, doc=getattr(SlotAllocator, name).__doc__)
+    prop: _Counter[_T] = _Counter(get)
+    # Set, not passed as doc=: CPython 3.11 drops a property subclass's doc= for the class's own.
+    prop.__doc__ = getattr(SlotAllocator, name).__doc__
+    return prop
 
 
 class RequestOps:
@@ -70,29 +90,29 @@ class RequestOps:
 
     # ----- counters (each one read under the allocator's lock) ----------------
 
-    free_pages = _counter("free_pages")
-    used_pages = _counter("used_pages")
-    free_slots = _counter("free_slots")
-    used_slots = _counter("used_slots")
-    capacity_pages = _counter("capacity_pages")
-    capacity_slots = _counter("capacity_slots")
-    open_requests = _counter("open_requests")
-    admissible_tokens = _counter("admissible_tokens")
-    metadata_bytes = _counter("metadata_bytes")
-    cached_pages = _counter("cached_pages")
-    evictable_pages = _counter("evictable_pages")
-    hit_tokens = _counter("hit_tokens", consistent=True)
-    miss_tokens = _counter("miss_tokens", consistent=True)
-    dropped_events = _counter("dropped_events")
+    free_pages = _counter("free_pages", int)
+    used_pages = _counter("used_pages", int)
+    free_slots = _counter("free_slots", int)
+    used_slots = _counter("used_slots", int)
+    capacity_pages = _counter("capacity_pages", int)
+    capacity_slots = _counter("capacity_slots", int)
+    open_requests = _counter("open_requests", int)
+    admissible_tokens = _counter("admissible_tokens", int)
+    metadata_bytes = _counter("metadata_bytes", int)
+    cached_pages = _counter("cached_pages", int)
+    evictable_pages = _counter("evictable_pages", int)
+    hit_tokens = _counter("hit_tokens", int, consistent=True)
+    miss_tokens = _counter("miss_tokens", int, consistent=True)
+    dropped_events = _counter("dropped_events", int)
     kv_events = _counter("kv_events", bool)
-    host_pages = _counter("host_pages")
-    host_free_pages = _counter("host_free_pages")
-    host_cached_pages = _counter("host_cached_pages")
-    host_hit_tokens = _counter("host_hit_tokens", consistent=True)
-    pinned_pages = _counter("pinned_pages")
-    max_pinned_pages = _counter("max_pinned_pages")
+    host_pages = _counter("host_pages", int)
+    host_free_pages = _counter("host_free_pages", int)
+    host_cached_pages = _counter("host_cached_pages", int)
+    host_hit_tokens = _counter("host_hit_tokens", int, consistent=True)
+    pinned_pages = _counter("pinned_pages", int)
+    max_pinned_pages = _counter("max_pinned_pages", int)
     clock = _counter("clock", float)
-    hash_seed = _counter("hash_seed")
+    hash_seed = _counter("hash_seed", int)
 
     def stats(self) -> PoolStats:
         """All the changing counters as one consistent snapshot, for logs and metrics.
