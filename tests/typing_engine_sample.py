@@ -12,7 +12,7 @@ import numpy.typing as npt
 from typing_extensions import assert_type, reveal_type
 
 import kvpool
-from kvpool import KVPool, SlotAllocator
+from kvpool import KVPool, PoolStats, SlotAllocator
 from kvpool.events import KVEventBatch, LocalEventPublisher, ZmqEventPublisher
 from kvpool.router import Route, Router, ZmqFeed
 
@@ -67,3 +67,11 @@ def pool_step(pool: KVPool, running: I64, finished: I64, prompt_lens: list[int])
     assert_type(pool.kv_events, bool)
     reveal_type(decode.out_cache_loc)
     return pool.free_pages + len(new) + len(prefill.slots)
+
+
+def pool_parts(pool: KVPool) -> int:
+    """pool.allocator (README: reachable for tests and tools) and the host tier (docs/tiers.md)."""
+    assert_type(pool.allocator, SlotAllocator)
+    assert_type(pool.allocator.stats(), PoolStats)
+    reveal_type(pool.host)
+    return pool.allocator.free_pages

@@ -9,12 +9,15 @@ the table-writing calls).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpool._core import InvalidArgumentError
+from kvpool._core import InvalidArgumentError, SlotAllocator
 from kvpool.validate import check_layer
+
+if TYPE_CHECKING:
+    from kvpool.tiers.host_storage import HostStorage
 
 __all__ = ["PoolViews"]
 
@@ -28,8 +31,8 @@ class PoolViews:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     req_to_token: torch.Tensor
-    allocator: Any
-    host: Any
+    allocator: SlotAllocator  # (first in KVPool's MRO: this is what type checkers read)
+    host: HostStorage | None
     _storage: Any
 
     # ----- memory figures -------------------------------------------------
