@@ -13,7 +13,7 @@ from typing_extensions import assert_type, reveal_type
 
 import kvpool
 from kvpool import KVPool, PoolStats, SlotAllocator
-from kvpool.events import KVEventBatch, LocalEventPublisher, ZmqEventPublisher
+from kvpool.events import BlockStored, KVEventBatch, LocalEventPublisher, ZmqEventPublisher, schema
 from kvpool.router import Route, Router, ZmqFeed
 
 I64 = npt.NDArray[np.int64]
@@ -75,3 +75,15 @@ def pool_parts(pool: KVPool) -> int:
     assert_type(pool.allocator.stats(), PoolStats)
     reveal_type(pool.host)
     return pool.allocator.free_pages
+
+
+def read_events(payload: bytes) -> int:
+    """docs/events-and-metrics.md: a consumer decodes a publisher's payload with kvpool.events.schema."""
+    batch = schema.decoder().decode(payload)
+    assert_type(batch, KVEventBatch)
+    stored = 0
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            assert_type(ev.block_hashes, "list[bytes | int]")
+            stored += len(ev.block_hashes)
+    return stored + len(KVEventBatch(ts=0.0, events=[]).events)

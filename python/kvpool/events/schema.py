@@ -10,11 +10,14 @@ as ``kvpool.router`` decodes into.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.extras import require
 
-msgspec = require("msgspec", "events", "kvpool.events")
+if TYPE_CHECKING:  # the structs are msgspec.Structs to type checkers (require() returns Any)
+    import msgspec
+else:
+    msgspec = require("msgspec", "events", "kvpool.events")
 
 # A block hash on the wire: kvpool sends 16 bytes (the 128-bit chain hash,
 # big-endian); vLLM sends 32-byte SHA-256 digests or 64-bit ints.
@@ -25,13 +28,13 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base class of the events (tagged by class name under ``type``)."""
 
 
@@ -69,7 +72,7 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def decoder() -> Any:
+def decoder() -> msgspec.msgpack.Decoder[KVEventBatch]:
     """A msgpack decoder of KVEventBatch payloads (reuse it: building one costs)."""
     return msgspec.msgpack.Decoder(KVEventBatch)
 
