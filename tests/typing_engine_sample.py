@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from typing_extensions import assert_type, reveal_type
 
 import kvpool
 from kvpool import KVPool, PoolStats, SlotAllocator
 from kvpool.events import BlockStored, KVEventBatch, LocalEventPublisher, ZmqEventPublisher, schema
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 from kvpool.router import Route, Router, ZmqFeed
 
 I64 = npt.NDArray[np.int64]
@@ -87,3 +89,17 @@ def read_events(payload: bytes) -> int:
             assert_type(ev.block_hashes, "list[bytes | int]")
             stored += len(ev.block_hashes)
     return stored + len(KVEventBatch(ts=0.0, events=[]).events)
+
+
+def hf_cache(model: torch.nn.Module) -> int:
+    """docs/transformers.md: a transformers model on a pool, through KVPoolCache."""
+    pool = pool_for_model(model, max_tokens=16384, page_size=16)
+    assert_type(pool, KVPool)
+    with KVPoolCache(pool) as cache:
+        assert_type(cache, KVPoolCache)
+        handles = cache.handles
+        reveal_type(handles)
+        reveal_type(cache.cached_lens)
+        if handles is not None:
+            return int(pool.lengths(handles).sum())
+    return 0

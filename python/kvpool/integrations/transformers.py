@@ -52,6 +52,7 @@ import warnings
 import weakref
 from typing import Any
 
+import numpy as np  # (annotations: KVPoolCache.handles / cached_lens)
 import torch
 
 try:
@@ -233,7 +234,7 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
         return self.requests.pool
 
     @property
-    def handles(self) -> Any:
+    def handles(self) -> np.ndarray | None:
         """Pool handles of the rows (int64 array), or None before the first update.
 
         The pool then holds every token the cache does (``flush``), so the handles can be
@@ -257,7 +258,7 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
         self.requests.flush()
 
     @property
-    def cached_lens(self) -> Any:
+    def cached_lens(self) -> np.ndarray | None:
         """Per row, how many prompt tokens came from the prefix cache (prefix mode), else None."""
         return self.requests.cached_lens
 
