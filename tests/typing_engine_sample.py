@@ -103,3 +103,13 @@ def hf_cache(model: torch.nn.Module) -> int:
         if handles is not None:
             return int(pool.lengths(handles).sum())
     return 0
+
+
+def grad_modes(model: torch.nn.Linear, t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """docs/grad-modes.md: audit a model, and make inference tensors normal again."""
+    for finding in kvpool.audit(model):
+        reveal_type(finding)
+    assert_type(kvpool.mutable(model), torch.nn.Linear)
+    assert_type(kvpool.mutable(p), torch.nn.Parameter)
+    with kvpool.persistent():
+        return kvpool.mutable(t)

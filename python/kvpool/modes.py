@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -243,6 +243,16 @@ def _normal_copy(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+_Module = TypeVar("_Module", bound=torch.nn.Module)
+
+
+# For type checkers: a Parameter gives a Parameter, a tensor a tensor, a module itself.
+@overload
+def mutable(obj: torch.nn.Parameter) -> torch.nn.Parameter: ...
+@overload
+def mutable(obj: torch.Tensor) -> torch.Tensor: ...
+@overload
+def mutable(obj: _Module) -> _Module: ...
 def mutable(obj: Any) -> Any:
     """A normal, grad-free copy of an inference tensor, made outside inference mode.
 
