@@ -113,3 +113,17 @@ def grad_modes(model: torch.nn.Linear, t: torch.Tensor, p: torch.nn.Parameter) -
     assert_type(kvpool.mutable(p), torch.nn.Parameter)
     with kvpool.persistent():
         return kvpool.mutable(t)
+
+
+def decode_with_graphs(pool: KVPool) -> torch.Tensor:
+    """docs/kernels-and-graphs.md: run() returns what the step returns (cut to the real batch)."""
+
+    def decode_step(input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor,
+                    out_cache_loc: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return input_ids.float()
+
+    runner = kvpool.DecodeGraphRunner(pool, decode_step, max_batch_size=256)
+    runner.capture()
+    logits = runner.run([1, 2], [5, 7], [0, 1], [33, 65], [6, 8])
+    assert_type(logits, torch.Tensor)
+    return logits

@@ -48,7 +48,7 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -118,7 +118,10 @@ def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
     return out
 
 
-class DecodeGraphRunner:
+_Out = TypeVar("_Out")  # what the step returns, and run() with it
+
+
+class DecodeGraphRunner(Generic[_Out]):
     """Run ``step(input_ids, positions, req_rows, out_cache_loc, seq_lens) -> logits``
     through per-bucket CUDA graphs (or eagerly on CPU / with enable_graphs=False).
 
@@ -134,7 +137,7 @@ class DecodeGraphRunner:
     def __init__(
         self,
         pool: Any,
-        step: Callable[..., Any],
+        step: Callable[..., _Out],
         max_batch_size: int,
         buckets: Sequence[int] | None = None,
         enable_graphs: bool = True,
@@ -257,7 +260,7 @@ class DecodeGraphRunner:
             for b in todo:
                 self._capture(grad_mode(), b)
 
-    def run(self, input_ids: Any, positions: Any, req_rows: Any, out_cache_loc: Any, seq_lens: Any) -> Any:
+    def run(self, input_ids: Any, positions: Any, req_rows: Any, out_cache_loc: Any, seq_lens: Any) -> _Out:
         """Run one decode step for a real batch of n = len(input_ids) requests.
 
         Inputs: 1-D integer tensors (any device), numpy arrays or lists of length n.
