@@ -8,7 +8,7 @@ runtime), which --strict then reported in the user's code as ``no-any-return`` a
 hid real mistakes. The ``reveal_type`` lines list more results that must not be Any.
 
 The mypy cache is kept in the temp directory between runs: a cold run analyses torch
-(about 30 s of CPU), a warm one takes seconds.
+(about 20 s of CPU), a warm one takes seconds.
 """
 
 from __future__ import annotations
@@ -25,19 +25,26 @@ pytest.importorskip("torch")
 SAMPLE = Path(__file__).resolve().parent / "typing_engine_sample.py"
 
 
-def run_mypy(path: Path) -> tuple[str, int]:
+# transformers is not analysed (half of a cold run): its classes are Any to this check,
+# kvpool's own (KVPoolCache and the rest) are not.
+CONFIG = "[mypy]\n[mypy-transformers.*]\nfollow_imports = skip\n"
+
+
+def run_mypy(path: Path, scratch: Path) -> tuple[str, int]:
     cache = Path(tempfile.gettempdir()) / "kvpool-typing-mypy-cache"
+    config = scratch / "mypy.ini"
+    config.write_text(CONFIG)
     stdout, stderr, status = api.run([
         "--strict", "--follow-imports=silent", "--no-error-summary", "--show-error-codes",
-        f"--cache-dir={cache}", "--config-file=", str(path),
+        f"--cache-dir={cache}", f"--config-file={config}", str(path),
     ])
     return stdout + stderr, status
 
 
 @pytest.fixture(scope="module")
-def sample_report() -> str:
+def sample_report(tmp_path_factory) -> str:
     # mypy finds kvpool on the interpreter's path, as the tests import it (PYTHONPATH or an install).
-    out, status = run_mypy(SAMPLE)
+    out, status = run_mypy(SAMPLE, tmp_path_factory.mktemp("mypy"))
     assert status in (0, 1), out
     return out
 
@@ -50,7 +57,7 @@ def test_the_engine_sample_type_checks_strictly(sample_report):
 def test_revealed_types_are_not_any(sample_report):
     revealed = re.findall(r":(\d+): note: Revealed type is \"(.*)\"", sample_report)
     wanted = SAMPLE.read_text().count("reveal_type(")
-    assert len(revealed) == wanted >= 1, sample_report
+    assert len(revealed) == wanted >= 5, sample_report
     lines = SAMPLE.read_text().splitlines()
     anys = [f"{lines[int(n) - 1].strip()}: {t}" for n, t in revealed if t == "Any" or t.startswith("Any ")]
     assert anys == [], "\n".join(anys)
@@ -61,5 +68,5 @@ def test_the_check_catches_an_any(tmp_path):
     bad = tmp_path / "bad_sample.py"
     bad.write_text("from typing import Any\nfrom typing_extensions import assert_type\n\n"
                    "def f(x: Any) -> None:\n    assert_type(x.free_pages, int)\n")
-    out, status = run_mypy(bad)
-    assert status == 1 and "assert_type" in out.replace("Expression is of type", "assert_type"), out
+    out, status = run_mypy(bad, tmp_path)
+    assert status == 1 and 'Expression is of type "Any", not "int"  [assert-type]' in out, out
