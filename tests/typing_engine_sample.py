@@ -13,8 +13,9 @@ import torch
 from typing_extensions import assert_type, reveal_type
 
 import kvpool
-from kvpool import KVPool, PoolStats, SlotAllocator
+from kvpool import GroupedAllocator, KVPool, PoolStats, SlotAllocator
 from kvpool.events import BlockStored, KVEventBatch, LocalEventPublisher, ZmqEventPublisher, schema
+from kvpool.hybrid import HybridKVPool
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 from kvpool.router import Route, Router, ZmqFeed
 
@@ -127,3 +128,10 @@ def decode_with_graphs(pool: KVPool) -> torch.Tensor:
     logits = runner.run([1, 2], [5, 7], [0, 1], [33, 65], [6, 8])
     assert_type(logits, torch.Tensor)
     return logits
+
+
+def hybrid_pool(pool: HybridKVPool) -> int:
+    """docs/hybrid.md (built as HybridKVPool for type checkers) and docs/groups.md: its GroupedAllocator."""
+    assert_type(pool.allocator, GroupedAllocator)
+    assert_type(pool.allocator.free_pages(0), int)
+    return pool.free_pages(0)

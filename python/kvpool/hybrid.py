@@ -125,6 +125,7 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
     """
 
     _pickle_refusal = "it owns this process's K/V tensors and allocator state"
+    allocator: GroupedAllocator  # (the mixins declare Any; type checkers take this one)
 
     def __init__(
         self,
