@@ -14,6 +14,7 @@ from typing_extensions import assert_type, reveal_type
 
 import kvpool
 from kvpool import GroupedAllocator, KVPool, PoolStats, SlotAllocator
+from kvpool.distributed import tp_pool
 from kvpool.events import BlockStored, KVEventBatch, LocalEventPublisher, ZmqEventPublisher, schema
 from kvpool.hybrid import HybridKVPool
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
@@ -135,3 +136,15 @@ def hybrid_pool(pool: HybridKVPool) -> int:
     assert_type(pool.allocator, GroupedAllocator)
     assert_type(pool.allocator.free_pages(0), int)
     return pool.free_pages(0)
+
+
+def tensor_parallel(tokens: list[int]) -> int:
+    """docs/distributed.md: tp_pool's TPPool is used exactly like the pool (calls pass through)."""
+    pool = tp_pool(32, 8, 128, dtype=torch.bfloat16, device="cuda", page_size=16, num_pages=1 << 14)
+    assert_type(pool.num_kv_heads, int)
+    assert_type(pool.free_pages, int)
+    reqs = pool.open(1)
+    step = pool.extend(reqs, len(tokens))
+    reveal_type(step)
+    pool.verify()
+    return pool.num_kv_heads

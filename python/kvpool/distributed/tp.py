@@ -25,7 +25,7 @@ import hashlib
 import inspect
 import secrets
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -85,7 +85,13 @@ def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
     return int(t.item())
 
 
-class TPPool:
+if TYPE_CHECKING:  # the pool's attributes and calls pass through (__getattr__): type checkers see them
+    from kvpool.pool import KVPool as _PoolSurface
+else:
+    _PoolSurface = object
+
+
+class TPPool(_PoolSurface):
     """A KVPool proxy for one tensor-parallel rank that records and checks agreement.
 
     Use it exactly like the pool (attributes and non-mutating calls pass
