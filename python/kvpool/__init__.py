@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool._core import DEFAULT_PRIORITY, MAX_PRIORITY, GroupedAllocator, PoolStats, SlotAllocator
 from kvpool.errors import (
     ContextTooLongError,
+    CopyRefusedError,
     DuplicateSlotError,
     IncompleteForwardError,
     InvalidArgumentError,
@@ -90,6 +91,7 @@ __all__ = [
     "PageTable",
     # every exception (kvpool.errors)
     "ContextTooLongError",
+    "CopyRefusedError",
     "DuplicateSlotError",
     "IncompleteForwardError",
     "InvalidArgumentError",

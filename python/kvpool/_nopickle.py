@@ -1,7 +1,9 @@
 """``NotPicklable``: objects that own one process's pool state refuse ``pickle`` with a
 ``TypeError`` that names them and says what to send instead. Without it, pickling
 one fails deep inside on "cannot pickle '_thread.RLock' object", which names neither
-the object nor the fix (multiprocessing pickles whatever crosses a process boundary)."""
+the object nor the fix (multiprocessing pickles whatever crosses a process boundary).
+``NotCopyable``: objects whose copy would share that state refuse ``copy.copy`` and
+``copy.deepcopy`` with a ``CopyRefusedError`` that names them and says what to do instead."""
 
 from __future__ import annotations
 
@@ -17,3 +19,21 @@ class NotPicklable:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(f"cannot pickle a {type(self).__name__}: {self._pickle_refusal}; {SEND_INSTEAD}")
+
+
+class NotCopyable:
+    """``copy.copy`` and ``copy.deepcopy`` refused with ``CopyRefusedError`` (a ``TypeError``) that
+    names the object and says what to do instead. Without it ``copy.copy`` made a second object
+    sharing the first one's state (its pools, graphs, static buffers), and ``copy.deepcopy`` failed
+    on whatever inside it refuses pickling, naming that instead."""
+
+    #: Why a copy is refused and what to do instead (completes "cannot copy a X: ...").
+    _copy_refusal: ClassVar[str] = "it holds this process's pool state; build another"
+
+    def __copy__(self) -> Any:
+        from kvpool.errors import CopyRefusedError
+
+        raise CopyRefusedError(f"cannot copy a {type(self).__name__}: {self._copy_refusal}")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__copy__()

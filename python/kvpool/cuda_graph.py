@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, InvariantError
+from kvpool._nopickle import NotCopyable
 from kvpool.graph_inputs import INPUT_NAMES, apart_from, check_inputs
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
@@ -121,7 +122,7 @@ def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
 _Out = TypeVar("_Out")  # what the step returns, and run() with it
 
 
-class DecodeGraphRunner(Generic[_Out]):
+class DecodeGraphRunner(NotCopyable, Generic[_Out]):
     """Run ``step(input_ids, positions, req_rows, out_cache_loc, seq_lens) -> logits``
     through per-bucket CUDA graphs (or eagerly on CPU / with enable_graphs=False).
 
@@ -133,6 +134,8 @@ class DecodeGraphRunner(Generic[_Out]):
     tuple/list of tensors) is sliced to the real batch along dim 0; it stays valid
     until the next ``run()`` of any bucket unless ``copy_outputs=True``.
     """
+
+    _copy_refusal = "its graphs run on its own static buffers, which a copy would share; build another runner"
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
   ``InvalidArgumentError``; ``TritonUnavailableError`` (an install problem, not
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
   before anything is written, so a failed call leaves the pool exactly as it was.
+- ``CopyRefusedError`` (also a ``TypeError``): ``copy.copy`` / ``copy.deepcopy`` of an object
+  whose copy would share (and double-close) its pool state; the message says what to do instead.
 - ``PublisherClosedError`` (also a ``RuntimeError``): a ``kvpool.events`` publisher used after ``close()``.
 - ``IncompleteForwardError`` (also a ``RuntimeError``): the transformers cache's layers
   are out of step after a forward that stopped part-way.
@@ -41,6 +43,7 @@ from kvpool._core import (
 
 __all__ = [
     "ContextTooLongError",
+    "CopyRefusedError",
     "DuplicateSlotError",
     "IncompleteForwardError",
     "InvalidArgumentError",
@@ -115,6 +118,13 @@ class RowsChangedError(KVPoolError, RuntimeError):
     handles) since its last step, so they no longer hold the tokens the cache counts. Raised
     before anything changes; ``crop`` the cache to the rows' length (the message says by how
     much) or close it."""
+
+
+class CopyRefusedError(KVPoolError, TypeError):
+    """``copy.copy`` or ``copy.deepcopy`` of an object whose copy would share its pool state (a
+    ``KVPoolCache``'s shallow copy would close its rows twice; a ``DecodeGraphRunner``'s graphs and
+    static buffers, a ``KVPoolCollector``'s pools). Raised before anything changes; the message says
+    what to do instead (``copy.deepcopy`` of the cache, or build another object)."""
 
 
 class PublisherClosedError(KVPoolError, RuntimeError):

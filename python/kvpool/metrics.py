@@ -74,6 +74,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from kvpool._core import DEFAULT_PRIORITY
+from kvpool._nopickle import NotCopyable
 from kvpool.extras import require
 
 _pc = require("prometheus_client", "metrics", "kvpool.metrics")
@@ -113,12 +114,14 @@ def _named(pools: Any | Iterable[Any] | Mapping[str, Any]) -> dict[str, Any]:
     return named
 
 
-class KVPoolCollector:
+class KVPoolCollector(NotCopyable):
     """A prometheus_client collector of ``pools``: one pool, a list (labelled
     "0", "1", ...) or a mapping label -> pool (``KVPool``, hybrid or not,
     ``SlotAllocator`` or ``GroupedAllocator``).
     ``publishers`` maps the same labels to their ``kvpool.events`` publishers,
     whose counters give the eviction and published-event counts."""
+
+    _copy_refusal = "a copy would export the same pools again; build another KVPoolCollector (one per registry)"
 
     def __init__(self, pools: Any | Iterable[Any] | Mapping[str, Any], *,
                  publishers: Mapping[str, Any] | None = None) -> None:
