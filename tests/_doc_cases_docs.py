@@ -400,4 +400,20 @@ CASES["docs/transformers.md"] = [
         setup=HF_SETUP,
         check=HF_CHECK,
     ),
+    Case(
+        "import copy",
+        setup=HF_SETUP + """
+from kvpool.integrations.transformers import KVPoolCache, pool_for_model
+pool = pool_for_model(model, max_tokens=1024, page_size=4)
+INITIAL_PROMPT, prompts = [5, 17, 33, 8, 41, 12, 9], [[60, 3], [22, 70, 71, 4, 6]]
+def tokenizer(token_ids, return_tensors):
+    return {"input_ids": torch.tensor([token_ids])}
+inputs = tokenizer(INITIAL_PROMPT, return_tensors="pt")
+""",
+        check="""
+plain = model.generate(**new_inputs, max_new_tokens=20, do_sample=False)
+assert torch.equal(out, plain)                      # the last prompt's tokens, token for token
+assert pool.open_requests == 0                      # each copy and the prompt cache closed their rows
+""",
+    ),
 ]

@@ -67,8 +67,9 @@ if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
                       f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5,<6)")
 
 from kvpool._nopickle import NotPicklable
-from kvpool.errors import InvalidArgumentError, LayerIndexError
+from kvpool.errors import CopyRefusedError, InvalidArgumentError, LayerIndexError
 from kvpool.integrations._batch_edits import BatchEdits
+from kvpool.integrations._cache_copy import SHALLOW_COPY, deep_copy
 from kvpool.integrations._cache_layer import FixedLayerKinds, KVPoolLayer
 from kvpool.integrations._hybrid import HybridRequests, PoolAttentionLayer, PoolStateLayer, hybrid_layers
 from kvpool.integrations._model_pool import pool_for_model
@@ -124,6 +125,14 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
 
     Use each cache for one batch and close it (``with`` block, ``close()``) to give the
     pages back. Errors are the pool's typed ``KVPoolError`` subclasses.
+
+    ``copy.deepcopy(cache)`` (transformers' prompt reuse: one prefilled cache, a copy per
+    ``generate``) returns a new cache of the same class on the same pool (never copied) whose
+    rows are ``pool.fork``s of these (shared pages, copy-on-write), with the same length and
+    options: each copy and the original go on, and close, independently. Refused, nothing
+    changed, after a forward cut short or while one is under way, or when the pool has no rows
+    left for the forks. ``copy.copy`` raises ``CopyRefusedError`` (a shallow copy would share,
+    and close twice, the rows); ``pickle`` is refused.
     """
 
     _pickle_refusal = "it holds requests of a KVPool of this process"
@@ -151,6 +160,13 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
         elif salt is not None:
             raise InvalidArgumentError("salt= only applies with prefix_ids= (it keys the prefix lookup): "
                                        "pass prefix_ids= too, or no salt")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KVPoolCache:
+        """A new cache on the same pool holding forks of these rows (see the class docstring)."""
+        return deep_copy(self, memo)  # type: ignore[no-any-return]
+
+    def __copy__(self) -> KVPoolCache:
+        raise CopyRefusedError(f"cannot copy a {type(self).__name__} shallowly: {SHALLOW_COPY}")
 
     def activate_past_recording(self, **kwargs: Any) -> None:
         """``Cache.activate_past_recording``, which assisted decoding calls before its first forward;
