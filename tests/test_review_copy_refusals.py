@@ -1,11 +1,15 @@
 """``copy.copy`` / ``copy.deepcopy`` of objects whose copy would share their state refuse with
 ``CopyRefusedError`` (a ``KVPoolError`` and a ``TypeError``) that names the object and says what
 to do: a ``DecodeGraphRunner``'s copy shared its graphs' static buffers (and ``deepcopy`` failed on
-the pool's pickling refusal, naming pickling), a ``KVPoolCollector``'s exported its pools twice."""
+the pool's pickling refusal, naming pickling), a ``KVPoolCollector``'s exported its pools twice;
+a pool's, a publisher's and a ``DiskCache``'s refused with the pickling message. ``pickle`` keeps
+that message."""
 
 from __future__ import annotations
 
 import copy
+import pickle
+import tempfile
 
 import pytest
 import torch
@@ -31,3 +35,25 @@ def test_graph_runner_and_collector_refuse_copies():
             with pytest.raises(CopyRefusedError, match=f"cannot copy a {type(obj).__name__}: .*build another") as e:
                 how(obj)
             assert isinstance(e.value, KVPoolError) and isinstance(e.value, TypeError)
+
+
+def test_pools_publishers_and_disk_caches_refuse_copies_and_keep_the_pickling_message():
+    from kvpool.events import LocalEventPublisher
+    from kvpool.tiers import DiskCache, FileTier
+
+    pool = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=64, max_requests=2, max_context_len=32)
+    hybrid = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=256, max_requests=3,
+                           max_context_len=64, layer_types=["linear_attention", "full_attention"],
+                           state_shapes={"recurrent": (2, 4, 4)})
+    h = pool.open(1)
+    with tempfile.TemporaryDirectory() as d:
+        disk = DiskCache(pool, FileTier(d, max_bytes=1 << 20), model="m")
+        for obj in (pool, hybrid, LocalEventPublisher(pool), disk):
+            name = type(obj).__name__
+            for how in (copy.copy, copy.deepcopy):
+                with pytest.raises(CopyRefusedError, match=f"cannot copy a {name}: .*or build another"):
+                    how(obj)
+            with pytest.raises(TypeError, match=f"cannot pickle a {name}") as e:
+                pickle.dumps(obj)
+            assert not isinstance(e.value, CopyRefusedError)
+    assert pool.open_requests == 1 and pool.is_open(int(h[0]))
