@@ -278,3 +278,36 @@ def test_hybrid_copy_without_rows_for_it_is_refused_unchanged():
     assert greedy(model, full, None, 3, cache=cache).sequences.tolist() == greedy(model, full, None, 3).sequences.tolist()
     cache.close()
     assert pool.open_requests == 0
+
+
+def test_a_change_through_the_pool_just_before_the_forks_is_refused_not_hidden(model, monkeypatch):
+    # Another thread's pool.truncate of the rows after deepcopy's first check but before it takes
+    # the pool's lock (simulated by the lock itself): the copy is refused, and the original still
+    # sees the change at its next step, instead of both caches taking the truncated rows as whole.
+    import contextlib
+
+    import kvpool.integrations._cache_copy as cache_copy
+
+    pool = pool_for_model(model, max_tokens=256, page_size=4, max_requests=4)
+    cache = KVPoolCache(pool)
+    with torch.no_grad():
+        model(ids(6, 12), **{CACHE_KW: cache})
+    real = cache_copy.pool_lock
+
+    @contextlib.contextmanager
+    def truncated_first(p):
+        pool.truncate(cache.handles, [3])
+        with real(p):
+            yield
+
+    monkeypatch.setattr(cache_copy, "pool_lock", truncated_first)
+    open_before = pool.open_requests
+    with pytest.raises(RowsChangedError, match="truncated through the pool"):
+        copy.deepcopy(cache)
+    monkeypatch.setattr(cache_copy, "pool_lock", real)
+    assert pool.open_requests == open_before
+    with pytest.raises(RowsChangedError, match="truncated through the pool"):
+        copy.deepcopy(cache)
+    cache.close()
+    assert pool.open_requests == 0
+    pool.check()

@@ -68,6 +68,9 @@ def _fork_rows(req: Any) -> np.ndarray:
                                "object has no fork (every kvpool.KVPool does); build a new cache and run the prompt again")
     b = int(req.handles.shape[0])
     with pool_lock(pool):
+        # Again under the lock: a change by another thread since deep_copy's check would be hidden
+        # by the edit count taken after the forks (and the forks would copy the changed rows).
+        req.check_edits()
         most, now = int(pool.max_requests), int(pool.open_requests)
         if now + b > most:
             raise TooManyRequestsError(
