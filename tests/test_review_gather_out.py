@@ -54,3 +54,15 @@ def test_gather_kv_into_other_rows_of_one_buffer_still_works():
     # MLA-style, one cache: no v_out.
     k, _ = K.gather_kv(kc, None, torch.tensor([7]), out=(scratch[8:9], None))
     assert k[0, 0, 0].item() == 7.0
+
+
+def test_gather_kv_refuses_outputs_in_cache_memory_held_by_another_storage():
+    """``torch.from_numpy`` of a cache's memory is a second storage over the same bytes: the
+    overlap is one of addresses, refused as for a view of the cache."""
+    kc, vc = caches(torch.float32)
+    alias = torch.from_numpy(kc.numpy()[4:7])
+    assert alias.untyped_storage().data_ptr() != kc.untyped_storage().data_ptr()
+    before = kc.clone()
+    with pytest.raises(K.KernelArgumentError, match="out\\[0\\] overlaps k_cache"):
+        K.gather_kv(kc, vc, torch.tensor([3, 4, 5]), out=(alias, torch.zeros(3, 2, 4)))
+    assert torch.equal(kc, before)

@@ -169,11 +169,11 @@ def _check_out(out: torch.Tensor | None, name: str, n: int, g: c.CacheGeom, dtyp
     c.check_writable(out, name)
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int, int]:
-    """(storage pointer, first byte, one past the last byte) that ``t``'s elements occupy."""
-    start = t.storage_offset() * t.element_size()
+def _byte_span(t: torch.Tensor) -> tuple[torch.device, int, int]:
+    """(device, first address, one past the last) of the bytes ``t``'s elements occupy: addresses,
+    not storages, as two storages can hold one memory (``torch.from_numpy``, DLPack)."""
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) * t.element_size()
-    return t.untyped_storage().data_ptr(), start, start + last + t.element_size()
+    return t.device, t.data_ptr(), t.data_ptr() + last + t.element_size()
 
 
 def _check_out_apart(outs: tuple[tuple[torch.Tensor | None, str], ...],
@@ -184,9 +184,9 @@ def _check_out_apart(outs: tuple[tuple[torch.Tensor | None, str], ...],
     reads every row first, the kernel reads and writes row by row (in parallel on a GPU)."""
     spans = [(name, _byte_span(t)) for t, name in outs if t is not None and t.numel()]
     read = [(name, _byte_span(t)) for t, name in caches if t is not None and t.numel()]
-    for i, (name, (ptr, lo, hi)) in enumerate(spans):
-        for other, (p2, lo2, hi2) in read + spans[i + 1:]:
-            if ptr == p2 and lo < hi2 and lo2 < hi:
+    for i, (name, (dev, lo, hi)) in enumerate(spans):
+        for other, (dev2, lo2, hi2) in read + spans[i + 1:]:
+            if dev == dev2 and lo < hi2 and lo2 < hi:
                 raise c.KernelArgumentError(
                     f"{name} overlaps {other} in memory: the gather would write memory it reads or "
                     "writes again, and which value a row gets would depend on the backend (torch "
