@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from _hf_models import greedy, left_padded  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from kvpool.bench.hf_generate import HFSettings, build_model  # noqa: E402
-from kvpool.errors import TensorDtypeError  # noqa: E402
+from kvpool.errors import InvalidArgumentError, TensorDtypeError  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model  # noqa: E402
 
 TINY = HFSettings(hidden=64, layers=2, heads=4, kv_heads=2, vocab=128)
@@ -75,3 +76,12 @@ def test_fp8_pool_of_another_compute_dtype_names_the_fix(llama):
             greedy(model, ids % TINY.vocab, mask, 2, cache)
     pool.check()
     assert pool.open_requests == 0 and pool.free_pages == free
+
+
+@pytest.mark.parametrize("bad", [np.array([1, 2]), torch.tensor([1.0, 2.0])], ids=["ndarray", "tensor"])
+def test_pool_for_model_dtype_not_a_dtype_is_refused_typed(llama, bad):
+    """The fp8 compute_dtype check compared ``dtype in FP8_DTYPES`` before KVPool checked the
+    dtype: an array's elementwise == made that raise numpy's untyped ValueError ("truth value of
+    an array ... is ambiguous") instead of KVPool's InvalidArgumentError naming the dtypes."""
+    with pytest.raises(InvalidArgumentError, match="dtype must be a floating torch.dtype"):
+        pool_for_model(llama, max_tokens=64, dtype=bad)

@@ -123,7 +123,8 @@ def pool_for_model(model: Any, *, max_tokens: int, page_size: int = 16, max_requ
         model_dtype = getattr(torch, model_dtype, None)
     if dtype is None:
         dtype = model_dtype if isinstance(model_dtype, torch.dtype) else torch.float32
-    elif dtype in FP8_DTYPES and "compute_dtype" not in pool_kwargs and model_dtype in COMPUTE_DTYPES:
+    elif isinstance(dtype, torch.dtype) and dtype in FP8_DTYPES and "compute_dtype" not in pool_kwargs and model_dtype in COMPUTE_DTYPES:
+        # (isinstance first: `in` compares with ==, which an array answers elementwise, untyped.)
         # An fp8 pool takes and returns compute_dtype rows: the model's, which KVPoolCache
         # hands it (KVPool's own default, bfloat16, would refuse every forward of another).
         pool_kwargs["compute_dtype"] = model_dtype
