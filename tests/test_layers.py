@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
               "_forksafe", "_nopickle", "_values"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "pool_views", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging",
-              "streams", "validate", "cuda_graph", "graph_inputs", "layout", "heads", "capacity", "metrics", "events",
+              "streams", "validate", "cuda_graph", "graph_inputs", "graph_outputs", "layout", "heads", "capacity", "metrics", "events",
               "testing", "tiers", "hybrid", "hybrid_copies", "hybrid_ops", "hybrid_plan", "hybrid_queries", "hybrid_rows", "hybrid_tables",
               "hybrid_views", "host_tier", "row_stores", "pool_slots", "row_edits", "extending"}),
     ("above the pool", {"__init__", "__main__", "cli", "distributed", "integrations", "router", "bench", "demo"}),

@@ -45,10 +45,8 @@ the step runs eagerly, so results are identical to the graph path.
 
 from __future__ import annotations
 
-import copy as copy_module
-import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +54,7 @@ import torch
 from kvpool._core import InvalidArgumentError, InvariantError
 from kvpool._nopickle import NotCopyable
 from kvpool.graph_inputs import INPUT_NAMES, apart_from, check_inputs
+from kvpool.graph_outputs import slice_rows as _slice_rows
 from kvpool.kernels._guard import on_device
 from kvpool.modes import persistent
 from kvpool.staging import PinnedRing, to_device
@@ -97,29 +96,13 @@ def grad_mode() -> str:
     return "grad" if torch.is_grad_enabled() else "no_grad"
 
 
-def _slice_rows(out: Any, n: int, copy: bool = False) -> Any:
-    if isinstance(out, torch.Tensor):
-        if out.dim() == 0:  # no rows: a value over the whole bucket, padded rows included
-            raise InvalidArgumentError("the step returned a 0-d tensor, which has no rows to cut to the real "
-                                       "batch (it would count the bucket's padded rows): return per-row tensors, "
-                                       "dim 0 the batch, and reduce over the first n rows after run()")
-        return out[:n].clone() if copy else out[:n]
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields one by one
-        return type(out)(*(_slice_rows(o, n, copy) for o in out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_slice_rows(o, n, copy) for o in out)
-    if isinstance(out, dict):  # else the bucket's padded rows would come back as requests
-        sliced = copy_module.copy(out)
-        for k, v in out.items():
-            sliced[k] = _slice_rows(v, n, copy)
-        return sliced
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):  # the same, field by field
-        return dataclasses.replace(out, **{f.name: _slice_rows(getattr(out, f.name), n, copy)
-                                           for f in dataclasses.fields(out) if f.init})
-    return out
-
-
-_Out = TypeVar("_Out")  # what the step returns, and run() with it
+# What the step returns, and run() with it; Any where unnamed (a bare `DecodeGraphRunner`
+# annotation, which --strict would refuse without the default; typing's needs Python 3.13).
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as _TypeVar
+    _Out = _TypeVar("_Out", default=Any)
+else:
+    _Out = TypeVar("_Out")
 
 
 class DecodeGraphRunner(NotCopyable, Generic[_Out]):
