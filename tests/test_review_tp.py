@@ -10,6 +10,8 @@ twin pool that made the same calls except the refused transfer.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -191,6 +193,9 @@ def tp_edges(rank: int, world: int) -> dict[str, Any]:
     h = tp.open(1)
     if rank == 1:
         tp.inner.extend(tp.inner.open(1), 8)
+    for how in ("copy", "deepcopy"):  # refused as the TPPool's own, not forwarded to the pool's
+        out[how] = str(catch(lambda: getattr(copy, how)(tp)))
+    out["pickle"] = str(catch(lambda: pickle.dumps(tp)))
     try:
         tp.extend(h, 12)
         out["refused extend"] = None
@@ -398,6 +403,9 @@ def test_tp_mistakes_are_typed_errors_on_every_rank_and_none_waits_alone(edges):
         assert ("rank 1 could not build its pool" in res["budget"]) == (rank == 0), res["budget"]
         assert 2 <= res["host pages"] == edges[1]["host pages"] < 64
         assert "TransferRejectedError" in res["fp8 scale"], res["fp8 scale"]
+        for how in ("copy", "deepcopy"):
+            assert "CopyRefusedError" in res[how] and "cannot copy a TPPool" in res[how], res[how]
+        assert "TypeError" in res["pickle"] and "cannot pickle a TPPool" in res["pickle"], res["pickle"]
         assert ("own fp8 scales are not all finite and positive" in res["fp8 scale"]) == (rank == 1)
         assert res.get("fp8 opened", 0) == 0
         # rank 0's extend succeeded, rank 1's was refused: both raise the divergence at once

@@ -87,8 +87,8 @@ def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
 
 if TYPE_CHECKING:  # the pool's attributes and calls pass through (__getattr__): type checkers see them
     from kvpool.pool import KVPool as _PoolSurface
-else:
-    _PoolSurface = object
+else:  # (and its own copy and pickle refusals: through __getattr__ they were the pool's, naming a KVPool)
+    from kvpool._nopickle import NotPicklable as _PoolSurface
 
 
 class TPPool(_PoolSurface):
@@ -101,6 +101,9 @@ class TPPool(_PoolSurface):
     rank must make the same calls, so the automatic check runs at the same
     point on every rank.
     """
+
+    _pickle_refusal = "it wraps this rank's KVPool and process group"
+    _copy_refusal = "a copy would record and check the same pool's calls twice; wrap the pool once per rank"
 
     def __init__(self, pool: Any, group: Any = None, check_every: int = 0) -> None:
         if not is_int(check_every) or check_every < 0:
