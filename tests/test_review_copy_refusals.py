@@ -41,17 +41,18 @@ def test_pools_publishers_and_disk_caches_refuse_copies_and_keep_the_pickling_me
     from kvpool.events import LocalEventPublisher
     from kvpool.tiers import DiskCache, FileTier
 
-    pool = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=64, max_requests=2, max_context_len=32)
+    pool = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=64, max_requests=2, max_context_len=32,
+                         host_pages=8)
     hybrid = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=4, num_slots=256, max_requests=3,
                            max_context_len=64, layer_types=["linear_attention", "full_attention"],
                            state_shapes={"recurrent": (2, 4, 4)})
     h = pool.open(1)
     with tempfile.TemporaryDirectory() as d:
         disk = DiskCache(pool, FileTier(d, max_bytes=1 << 20), model="m")
-        for obj in (pool, hybrid, LocalEventPublisher(pool), disk):
+        for obj in (pool, hybrid, LocalEventPublisher(pool), disk, pool.host):
             name = type(obj).__name__
             for how in (copy.copy, copy.deepcopy):
-                with pytest.raises(CopyRefusedError, match=f"cannot copy a {name}: .*or build another"):
+                with pytest.raises(CopyRefusedError, match=f"cannot copy a {name}: .*(or build another|pool.host)"):
                     how(obj)
             with pytest.raises(TypeError, match=f"cannot pickle a {name}") as e:
                 pickle.dumps(obj)

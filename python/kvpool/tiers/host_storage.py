@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kvpool._nopickle import NotPicklable
 from kvpool.capacity import budget_bytes
 from kvpool.errors import InvalidArgumentError
 from kvpool.modes import persistent
@@ -228,7 +229,7 @@ def _pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
-class HostStorage:
+class HostStorage(NotPicklable):
     """Page-major host K/V of one pool (see the module doc).
 
     Args:
@@ -241,6 +242,11 @@ class HostStorage:
     Raises:
         InvalidArgumentError: a bad size or dtype (nothing is allocated).
     """
+
+    # A copy duplicated the pool's (often pinned, gigabytes of) host memory for a second object no
+    # pool uses; a pickle would send all of it.
+    _pickle_refusal = "it is one pool's host K/V (often pinned memory)"
+    _copy_refusal = "a copy would duplicate the pool's host memory for an object no pool uses; use pool.host itself"
 
     def __init__(self, host_pages: int, *, num_layers: int, page_size: int, heads: int, head_dim: int,
                  dtype: torch.dtype, mla: bool = False, pin: bool | None = None, device: Any = "cpu") -> None:
