@@ -342,21 +342,26 @@ def test_bad_replay_timeouts_are_typed(value):
         ZmqFeed(Router(1, page_size=P, hash_seed=SEED), replay_timeout_ms=value)
 
 
+def rebind_endpoints(kind: str, tmp_path, name: str) -> tuple[str, str]:
+    """(publish, replay) addresses of one transport that a publisher can bind again and again."""
+    if kind == "inproc":
+        return f"inproc://kvpool-{name}-pub", f"inproc://kvpool-{name}-rep"
+    if kind == "ipc":
+        return f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
+    probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    # Two ports free a moment ago; the PUB one with a wildcard host, which binds (a named
+    # host's endpoint is connected to, and would not test the rebind).
+    pub_ep, rep_ep = "tcp://*:" + probe.endpoint.rsplit(":", 1)[1], probe.replay_endpoint
+    probe.close()
+    return pub_ep, rep_ep
+
+
 @pytest.mark.parametrize("kind", ["inproc", "ipc", "tcp"])
 def test_close_frees_its_addresses_for_a_publisher_made_again_at_once(kind, tmp_path):
     """An engine that rebuilds its publisher on the same addresses (a restart, a reconfigure)
     must be able to bind them right after close(): ZMQ closes sockets in its I/O thread, and
     before close() unbound and waited, one rebind in a few failed with EADDRINUSE."""
-    if kind == "inproc":
-        pub_ep, rep_ep = "inproc://kvpool-rebind-pub", "inproc://kvpool-rebind-rep"
-    elif kind == "ipc":
-        pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
-    else:
-        probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
-        # Two ports free a moment ago; the PUB one with a wildcard host, which binds (a named
-        # host's endpoint is connected to, and would not test the rebind).
-        pub_ep, rep_ep = "tcp://*:" + probe.endpoint.rsplit(":", 1)[1], probe.replay_endpoint
-        probe.close()
+    pub_ep, rep_ep = rebind_endpoints(kind, tmp_path, "rebind")
     a = pool()
     for _ in range(100):
         pub = ZmqEventPublisher(a, pub_ep, replay_endpoint=rep_ep)

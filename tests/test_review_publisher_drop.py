@@ -13,7 +13,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 pytest.importorskip("msgspec", reason="the events extra (msgspec) is not installed")
-from test_events_zmq import admit, pool  # noqa: E402
+from test_events_zmq import admit, pool, rebind_endpoints  # noqa: E402
 
 from kvpool.events import ZmqEventPublisher, zmq_publisher  # noqa: E402
 
@@ -23,15 +23,7 @@ def test_a_dropped_publisher_frees_its_addresses_for_one_made_again_at_once(kind
     """A publisher dropped without close() only queued its thread's stop marker, and the thread
     unbound later: an engine that rebuilt its publisher on the same addresses right after the
     drop failed every other time with 'Address already in use' (inproc and tcp)."""
-    if kind == "inproc":
-        pub_ep, rep_ep = "inproc://kvpool-drop-pub", "inproc://kvpool-drop-rep"
-    elif kind == "ipc":
-        pub_ep, rep_ep = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/rep.ipc"
-    else:
-        probe = ZmqEventPublisher(pool(), "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
-        # A wildcard host: the PUB socket binds (a named host's endpoint is connected to).
-        pub_ep, rep_ep = "tcp://*:" + probe.endpoint.rsplit(":", 1)[1], probe.replay_endpoint
-        probe.close()
+    pub_ep, rep_ep = rebind_endpoints(kind, tmp_path, "drop")
     senders = sum(t.name == "kvpool-kv-events" for t in threading.enumerate())
     a = pool()
     for i in range(60):

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvpool.errors import CopyRefusedError, TooManyRequestsError
 from kvpool.integrations._pending import undo_flush
-from kvpool.integrations._reorder import pool_lock
+from kvpool.integrations._row_checks import pool_lock
 from kvpool.modes import persistent
 
 __all__ = ["SHALLOW_COPY", "deep_copy"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from kvpool._core import InvalidArgumentError
 from kvpool.errors import TooManyRequestsError
 from kvpool.integrations._pending import undo_flush
+from kvpool.integrations._row_checks import pool_lock
 
 BEAM_NEEDS_FORK = (
     "reordering the cache so that one row continues in several rows (beam search, "
@@ -170,13 +170,6 @@ def close_first(pool: Any, copies: int, dropped: int) -> bool:
         return False
     free = int(most) - int(now)
     return free < copies <= free + dropped
-
-
-def pool_lock(pool: Any) -> Any:
-    """The pool's own (reentrant) lock, so that no other thread takes the rows a reorder
-    frees for its forks; a pool object without one gets no lock."""
-    lock = getattr(pool, "_lock", None)
-    return lock if lock is not None and hasattr(lock, "__enter__") else nullcontext()
 
 
 def repeat_prefix_rows(batch: Any, rows: int) -> bool:

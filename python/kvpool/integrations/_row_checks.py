@@ -4,7 +4,7 @@ follow such calls is ``_pending``'s."""
 
 from __future__ import annotations
 
-import contextlib
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,14 @@ def check_rows(pool: Any, handles: np.ndarray, tokens: int | None, ahead: int = 
             "rows' K/V by the cache's length, so they are refused rather than read past the rows")
 
 
+def pool_lock(pool: Any) -> Any:
+    """The pool's own (reentrant) lock, for a cache's check-then-act on its rows (a reorder's or a
+    copy's forks, a close): no other thread changes the rows in between. A pool object without
+    one gets no lock."""
+    lock = getattr(pool, "_lock", None)
+    return lock if lock is not None and hasattr(lock, "__enter__") else nullcontext()
+
+
 def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
     """Close a cache's rows (``publish``: with ``cache=True``). Rows already closed through the pool
     (``pool.close``, ``pool.reset``) are left alone, and so are the requests that reopened them
@@ -65,8 +73,7 @@ def close_rows(pool: Any, handles: np.ndarray, publish: bool) -> None:
     Under the pool's lock (reentrant; the pool's own calls take it too): another thread closing
     one of the rows between the check of which are open and the close of those would otherwise
     make that close raise, and the rest, which the cache no longer names, stay open for good."""
-    lock = getattr(pool, "_lock", None)
-    with lock if lock is not None else contextlib.nullcontext():
+    with pool_lock(pool):
         try:
             pool.close(handles, cache=True) if publish else pool.close(handles)
         except InvalidHandleError:
