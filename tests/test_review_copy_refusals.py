@@ -58,3 +58,30 @@ def test_pools_publishers_and_disk_caches_refuse_copies_and_keep_the_pickling_me
                 pickle.dumps(obj)
             assert not isinstance(e.value, CopyRefusedError)
     assert pool.open_requests == 1 and pool.is_open(int(h[0]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kvpool.SlotAllocator(64, page_size=16, max_requests=4, max_context_len=64),
+    lambda: kvpool.GroupedAllocator([{"kind": "full", "num_pages": 4, "page_size": 4}], 4, 16),
+], ids=["SlotAllocator", "GroupedAllocator"])
+def test_allocators_refuse_copies_typed_and_pickling_by_name(make):
+    # Both fell through to copyreg's "cannot pickle 'kvpool._core.SlotAllocator' object": a
+    # pickling message for a copy, untyped, naming neither what to do nor the class plainly.
+    a = make()
+    name = type(a).__name__
+    h = a.open(1)
+    before = a.stats()
+    for how in (copy.copy, copy.deepcopy):
+        with pytest.raises(CopyRefusedError, match=f"cannot copy a {name}: .*fork\\(\\) a request") as e:
+            how(a)
+        assert isinstance(e.value, KVPoolError) and isinstance(e.value, TypeError)
+    # A memo holding the allocator (a deepcopy of a structure that names it twice) refuses alike.
+    with pytest.raises(CopyRefusedError):
+        copy.deepcopy({"a": a, "b": [a]})
+    for protocol in (0, 2, pickle.HIGHEST_PROTOCOL):
+        with pytest.raises(TypeError, match=f"cannot pickle a {name}: .*stats\\(\\)") as p:
+            pickle.dumps(a, protocol=protocol)
+        assert not isinstance(p.value, CopyRefusedError)
+    assert a.stats() == before and a.is_open(int(h[0]))
+    # stats() is what the message says to send: it still pickles.
+    assert pickle.loads(pickle.dumps(a.stats())) == before

@@ -1,7 +1,7 @@
 """Type stubs of kvpool._core, the Rust extension (kept true by tests/test_allocator_stubs.py)."""
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias, final, overload
+from typing import Any, Literal, NoReturn, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -163,6 +163,11 @@ class SlotAllocator:
             is not an int in [0, 2**64), host_pages is 1, or host_policy is
             neither policy.
     """
+
+    def __copy__(self) -> NoReturn:
+        """Raises CopyRefusedError: a copy would hand out the same pages (fork a request instead)."""
+    def __deepcopy__(self, _memo: Any, /) -> NoReturn:
+        """Raises CopyRefusedError, as ``__copy__``."""
 
     def __new__(
         cls,
@@ -912,6 +917,11 @@ class GroupedAllocator:
             window, checkpoint_every or anchor_pages out of range, or a seed
             that is not an int in [0, 2**64).
     """
+
+    def __copy__(self) -> NoReturn:
+        """Raises CopyRefusedError: a copy would hand out the same pages (fork a request instead)."""
+    def __deepcopy__(self, _memo: Any, /) -> NoReturn:
+        """Raises CopyRefusedError, as ``__copy__``."""
 
     def __new__(
         cls,

@@ -10,6 +10,7 @@ mod allocator_release;
 mod caller_out;
 mod chain_hashes;
 mod convert;
+mod copy_refusal;
 mod counters;
 mod errors;
 mod events;
