@@ -265,3 +265,42 @@ def test_a_row_closed_by_another_thread_while_the_cache_closes_leaves_no_request
     assert outcome == ["InvalidHandleError"], outcome
     assert pool.allocator.open_requests == 0
     pool.allocator.check()
+
+
+def test_a_close_by_another_thread_inside_a_crop_waits_for_it(model, monkeypatch):
+    """A crop of rows another caller truncated through the pool, while decode steps were still
+    deferred in the layer buffers, truncates the rows and then stores the pending tokens below the
+    new length at the rows' slots (``store_below``). Another thread closing the rows in between
+    (its close, or a new request taking their freed slots) made the crop fail on rows it had just
+    truncated; the truncate and the stores now hold the pool's lock, so the close waits for them."""
+    p = _prompts(11, 1, None)[0]
+    pool = pool_for_model(model, max_tokens=1024, page_size=16, max_context_len=128)
+    with torch.inference_mode():
+        cache = KVPoolCache(pool, layer_buffers=True)
+        greedy(model, p, None, 6, cache=cache)
+    req = cache.requests
+    assert req.deferred, "the steps inside the page should still be deferred"
+    h = req.handles.copy()
+    n = cache.get_seq_length()
+    pool.truncate(h, np.full(h.shape[0], n - req.deferred - 1, dtype=np.int64))  # through the pool
+    real, threads, outcome = pool.truncate, [], []
+
+    def other():
+        pool.close(h)
+        outcome.append("closed")
+
+    def hooked(handles, lengths):
+        real(handles, lengths)
+        t = threading.Thread(target=other, daemon=True)
+        t.start()
+        t.join(0.5)  # (with the fix it waits for the pool's lock, so the join times out)
+        threads.append(t)
+
+    monkeypatch.setattr(pool, "truncate", hooked)
+    cache.crop(-(req.deferred + 3))
+    monkeypatch.undo()
+    for t in threads:
+        t.join(JOIN_S)
+    assert threads and not threads[0].is_alive() and outcome == ["closed"], outcome
+    assert pool.allocator.open_requests == 0
+    pool.allocator.check()

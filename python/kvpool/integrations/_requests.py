@@ -22,7 +22,7 @@ from kvpool.integrations._pages import StepPages
 from kvpool.integrations._pending import store_below
 from kvpool.integrations._pool_views import index_tensor
 from kvpool.integrations._reorder import batch_mismatch, reorder_rows, repeat_prefix_rows
-from kvpool.integrations._row_checks import close_rows
+from kvpool.integrations._row_checks import close_rows, pool_lock
 from kvpool.integrations._shared_rows import WeakLayers
 from kvpool.kernels._common import check_dense
 from kvpool.validate import check_flag
@@ -271,11 +271,14 @@ class BatchRequests(BatchSteps):
         if not 0 <= length < self.length:
             raise InvalidArgumentError(f"cannot crop to {length} tokens: the cache holds {self.length}")
         # (rows truncated through the pool are not refused: a crop to their length goes on from there)
-        self.check_edits(lengths=False)
-        self.flush()
-        self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
-        if self.deferred or self.unstored:  # (the flush declined: rows truncated through the pool)
-            store_below(self, length)
+        # Under the pool's lock from the check to the stores: another thread's close of these rows
+        # between the truncate and store_below would let a new request take their slots first.
+        with pool_lock(self.pool):
+            self.check_edits(lengths=False)
+            self.flush()
+            self.pool.truncate(self.handles, np.full(self.handles.shape[0], length, dtype=np.int64))
+            if self.deferred or self.unstored:  # (the flush declined: rows truncated through the pool)
+                store_below(self, length)
         self.length = length
         self._set_handles(self.handles)  # the page table is read again at the next step
 
