@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "python" / "kvpool"
 LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
     ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory",
-              "_forksafe", "_nopickle", "_values"}),
+              "_forksafe", "_nopickle", "_values", "_eager"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "pool_views", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging",
               "streams", "validate", "cuda_graph", "graph_inputs", "graph_outputs", "layout", "heads", "capacity", "metrics", "events",

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvpool._core import GroupedAllocator, InvalidArgumentError
+from kvpool._eager import prepare as prepare_eager
 from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
@@ -153,6 +154,7 @@ class HybridKVPool(NotPicklable, HybridCopies, HybridRequestOps, HybridTables, H
         kv_events: bool = True,
         **plain_only: Any,
     ) -> None:
+        prepare_eager()  # (as KVPool: see kvpool._eager)
         for name, value in plain_only.items():
             if name not in _UNSUPPORTED:
                 raise TypeError(f"KVPool() got an unexpected keyword argument {name!r}")

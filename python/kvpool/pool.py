@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError, SlotAllocator
+from kvpool._eager import prepare as prepare_eager
 from kvpool._forksafe import POOL
 from kvpool._forksafe import track as track_for_fork
 from kvpool._nopickle import NotPicklable
@@ -198,6 +199,7 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
         host_policy: str = "write_back",
         lazy_metadata: bool = False,
     ) -> None:
+        prepare_eager()  # (torch.compile's eager wrappers, if Dynamo is loaded: see kvpool._eager)
         self.num_layers = _positive("num_layers", num_layers)
         # Tensor parallelism: num_kv_heads is the model's total; this rank keeps its shard.
         shard = shard_kv_heads(_positive("num_kv_heads", num_kv_heads), tp_rank, tp_size,

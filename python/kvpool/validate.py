@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool._eager import EagerOnly
 from kvpool._values import host_array, is_int
 from kvpool.errors import (
     DuplicateSlotError,
@@ -152,7 +153,8 @@ def slots_tensor(
     if torch.compiler.is_compiling():
         # Under torch.compile the value checks run eagerly (one clean graph
         # break) instead of tracing data-dependent branches. Eager callers skip
-        # the disable() wrapper, which costs ~2 us a call.
+        # the disable() wrapper, which costs ~2 us a call (and is made on first
+        # use: kvpool._eager).
         return _slots_tensor_eager(slots, device, num_slots, page_size, strict=strict)
     return _slots_tensor(slots, device, num_slots, page_size, strict=strict)
 
@@ -206,4 +208,4 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-_slots_tensor_eager = torch.compiler.disable(_slots_tensor)
+_slots_tensor_eager: Any = EagerOnly(globals(), "_slots_tensor_eager", _slots_tensor)
