@@ -15,8 +15,16 @@ pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=
 
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 
-from kvpool import ContextTooLongError, InvalidArgumentError, KVPool, PoolExhaustedError, TooManyRequestsError  # noqa: E402
+from kvpool import (  # noqa: E402
+    ContextTooLongError,
+    IncompleteForwardError,
+    InvalidArgumentError,
+    KVPool,
+    PoolExhaustedError,
+    TooManyRequestsError,
+)
 from kvpool.integrations import _buffer_steps, _layer_buffers  # noqa: E402
+from kvpool.integrations._requests import BatchRequests  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402
 from kvpool.rows import scatter_into  # noqa: E402
 
@@ -98,6 +106,59 @@ def test_steps_inside_a_page_reach_the_core_and_the_caches_at_the_next_page(batc
         assert cache.requests.pages._lb.keep == keep_views
         ref.check_pool(pool, raw)
         pool.allocator.check()
+    pool.allocator.check()
+    assert pool.allocator.used_pages == 0
+
+
+def test_a_later_cache_on_the_kept_buffers_takes_their_plans_and_holds_its_own_tokens():
+    """Layer buffers that keep their views keep the deferred plans made of them: the next cache
+    that takes them (the same pool, rows and room) takes each page's plan as it was made, and
+    attention and the pool get that cache's own tokens."""
+    pool = make_pool()
+    scramble(pool)
+    kept = []
+    for seed in (0, 1):
+        ref = Reference(2, seed)
+        with torch.inference_mode(), KVPoolCache(pool) as cache:
+            raw = decode_three_pages(pool, cache, ref)
+            ref.check_pool(pool, raw)
+            lb = cache.requests.pages._lb
+            kept.append((lb, dict(lb.plans)))
+        pool.allocator.check()
+    (first, plans), (second, again) = kept
+    assert second is first and plans and again.keys() == plans.keys()
+    assert all(again[key] is plans[key] for key in plans)
+    assert pool.allocator.used_pages == 0
+
+
+def test_a_deferred_step_takes_the_short_way_and_leaves_every_refusal_to_begin_step(monkeypatch):
+    """``KVPoolCache.update`` starts a deferred decode step without ``begin_step`` (its checks
+    inline); a step those checks would not pass, here after a forward cut short, goes
+    ``begin_step``'s way, which refuses it with the rows as they were."""
+    calls = []
+    real = BatchRequests.begin_step
+
+    def counted(self, tokens, grad=None):
+        calls.append(tokens)
+        return real(self, tokens, grad)
+
+    monkeypatch.setattr(BatchRequests, "begin_step", counted)
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(1)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        ref.step(cache, PAGE + 1)  # the prompt ends one token into its last page
+        for _ in range(PAGE - 1):  # that page's other steps, deferred
+            ref.step(cache, 1)
+        assert calls == [PAGE + 1] and cache.requests.deferred == PAGE - 1
+        ref.step(cache, 1)  # the next page's first step extends the core
+        assert calls == [PAGE + 1, 1] and cache.requests.deferred == 0
+        k = torch.ones(1, H, 1, D)
+        cache.update(k, k, 0)  # a deferred step cut short after its first layer
+        length, deferred = cache.requests.length, cache.requests.deferred
+        with pytest.raises(IncompleteForwardError, match="cut short"):
+            cache.update(k, k, 0)
+        assert calls[2:] == [1] and (cache.requests.length, cache.requests.deferred) == (length, deferred)
     pool.allocator.check()
     assert pool.allocator.used_pages == 0
 

@@ -124,9 +124,9 @@ def test_a_planned_step_whose_slots_differ_is_made_again():
     def corrupt(step: int) -> None:
         plan = cache.requests.pages._plan
         if step == 1 and len(plan) > 1:
-            want, _, _, views, out, app = plan[-1]
+            want, _, _, views, out, app, decode = plan[-1]
             elsewhere = plan[0]  # a later step's stores: other slots of the same rows
-            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out, app)
+            plan[-1] = ([s + 1 for s in want], elsewhere[1], elsewhere[2], views, out, app, decode)
         assert step != 1 or len(plan) > 1, "the test needs a plan of several steps here"
 
     # Without layer buffers: with them, a planned step's slots come from the core at the flush.

@@ -167,6 +167,31 @@ class BatchSteps:
             self.fast = False  # (every layer's next call then goes the checked way, which refuses)
             raise
 
+    def begin_deferred(self, pages: StepPages, layers: Sequence[Any]) -> bool:
+        """``begin_step(1, grad=False)`` of a deferred decode step (``pages.deferring``) on a CPU
+        pool, the short way (``KVPoolCache.update``, outside grad mode; most steps of a
+        ``generate``): its checks inline (``layers``: the cache's, which ``self.layers`` holds
+        weakly) and the step; or False, nothing changed, when a check would do more than pass:
+        then ``begin_step`` goes its whole way, and refuses or follows. Between two steps the
+        model's weights evict the cache's code and data, so each call and lookup costs."""
+        pool, length = self.pool, self.length
+        if (self.broken is not None or self.cuda or getattr(pool, "_row_edits", 0) != self._edits
+                or length >= pool.max_context_len):  # (check_broken, check_edits, check_context)
+            return False
+        for layer in layers:  # (check_in_step)
+            if layer.seen != length:
+                return False
+        self.prefix_unstarted = False
+        self.grad, self.fast = False, self.can_fast
+        self.before = length
+        self.length = length + 1
+        self.deferred += 1
+        pages.take_deferred(length + 1)
+        pages.steps_on = None
+        self.dst, self.later = None, True
+        self.step_shape = (self.batch, self.heads, 1, self.head_dim)
+        return True
+
     def check_broken(self, what: str) -> None:
         """Refuse everything but ``reset``/``close`` after a step failed half-made (``begin_step``)."""
         refuse_broken(self.broken, what)

@@ -6,7 +6,8 @@ Making a tensor and freeing it costs about a microsecond of host time; on a smal
 those views were most of the cache's own host time per token, made anew for every step of
 every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
 and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
-it has made (``attention``, ``tokens``, and ``decode``: both for a deferred step), and a closed
+it has made (``attention``, ``tokens``, and ``decode``: both for a deferred step; and ``plans``,
+``StepPages``' plans of a page's deferred steps, which are made of those), and a closed
 cache (or one whose buffers grew or changed rows) leaves its set to the pool's next cache of
 the same rows that fits in it (``BufferSpares``: the one with the least room), as torch's
 caching allocator keeps a freed block for the next request it fits. The views are made under
@@ -82,6 +83,8 @@ class LayerBuffers:
         self._attention: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tokens: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._decode: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # ``StepPages``' deferred plans made of these views, by (tokens, steps), kept with them (``keep``).
+        self.plans: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:

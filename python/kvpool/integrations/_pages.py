@@ -42,7 +42,9 @@ after its last, and the table does not change. So the step that starts a page al
 makes the views of the page's remaining steps, in one loop, and each of those steps
 only checks its slots against the prediction and takes its views. The views cost the
 same to make either way; made together, the code and data that make them stay in
-the CPU's caches, which between two steps the model's weights have evicted.
+the CPU's caches, which between two steps the model's weights have evicted. (Deferred
+steps on layer buffers that keep their views: the page's plan itself is kept with them,
+``LayerBuffers.plans``, and taken whole by the next page of its kind.)
 
 With layer buffers (on such a pool, CPU or CUDA), those steps are deferred too
 (``take_deferred``): the core is not even extended by them until the flush, which catches it
@@ -71,8 +73,9 @@ from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
 
 # (expected slots as a list, store views or None, index tensor or None, attention views or None,
-# staging views or None, layer-buffer views of the step's token or None)
-_Step = tuple[list[int], Any, Any, Any, Any, Any]
+# staging views or None, layer-buffer views of the step's token or None, and for a deferred step
+# its ``_decode`` when the layer buffers keep their views, else None)
+_Step = tuple[list[int], Any, Any, Any, Any, Any, Any]
 
 
 class StepPages(BufferSteps, StepViews):
@@ -159,7 +162,7 @@ class StepPages(BufferSteps, StepViews):
                 self.length = length
                 # The tensors this step replaces are freed with the page's others (see the module doc).
                 self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
-                _, self.dst, self.loc, self._views, self._out, self._app = step
+                _, self.dst, self.loc, self._views, self._out, self._app, _ = step
                 self._fill = False
                 if self._app is not None:
                     self._filled = length
@@ -227,7 +230,7 @@ class StepPages(BufferSteps, StepViews):
             else:
                 dst, loc = stores[k - 1], None
             views, out = self._attention_views(length + k)
-            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1]))
+            plan.append((want, dst, loc, views, out, None if apps is None else apps[k - 1], None))
         self._plan = plan
 
     def _plan_deferred(self, length: int, left: int) -> list[_Step]:
@@ -238,10 +241,21 @@ class StepPages(BufferSteps, StepViews):
             return []
         lb = self._lb
         assert lb is not None
+        if lb.keep:
+            # Buffers that keep their views keep the plans made of them too (``LayerBuffers.plans``):
+            # a page's plan is then one lookup and a list copy, from the second page of its kind on
+            # (the next generate's, on the buffers a closed cache left to the pool).
+            kept = lb.plans.get((length, left))
+            if kept is None:
+                apps = lb.tokens(length, left)
+                kept = lb.plans[length, left] = tuple(
+                    ([], None, None, lb.attention(length + k), None, apps[k - 1], lb.decode(length + k))
+                    for k in range(left, 0, -1))
+            return list(kept)
         apps = lb.tokens(length, left)
         plan: list[_Step] = []
         for k in range(left, 0, -1):
-            plan.append(([], None, None, lb.attention(length + k), None, apps[k - 1]))
+            plan.append(([], None, None, lb.attention(length + k), None, apps[k - 1], None))
         return plan
 
     def take_deferred(self, length: int) -> None:
@@ -255,14 +269,13 @@ class StepPages(BufferSteps, StepViews):
         self.length = self._filled = length
         # The tensors this step replaces are freed with the page's others (see the module doc).
         self._spent.append((self.dst, self.loc, self._views, self._out, self._app))
-        _, self.dst, self.loc, self._views, self._out, self._app = step
+        _, self.dst, self.loc, self._views, self._out, self._app, decode = step
         self._fill = self._plain = False
         self.later = True
-        lb = self._lb
-        assert lb is not None and self._app is not None and self._views is not None
-        # (Buffers too large to keep their views: this step's own, which its page's plan made.)
-        self._decode = lb.decode(length) if lb.keep else [
-            (dk, dv, kv) for (dk, dv), kv in zip(self._app, self._views)]
+        if decode is None:  # (buffers too large to keep their views: this step's own, which its page's plan made)
+            assert self._app is not None and self._views is not None
+            decode = [(dk, dv, kv) for (dk, dv), kv in zip(self._app, self._views)]
+        self._decode = decode
         self.deferring = bool(self._plan)
 
     def _set_table(self, table: np.ndarray | None, npages: int | None = None) -> None:

@@ -215,9 +215,11 @@ class KVPoolCache(NotPicklable, BatchEdits, FixedLayerKinds, Cache):
                 and value_states.dtype == req.dtype and not (key_states.requires_grad or value_states.requires_grad)
                 and (key_states.is_cpu and value_states.is_cpu if req.on_cpu
                      else key_states.device == req.device and value_states.device == req.device)):
-            if seen != req.before:
-                req.begin_step(ks[2], False)
             pages = req.pages
+            # (a deferred decode step: begin_step's checks and the step, the short way, when they pass)
+            if seen != req.before and not (ks[2] == 1 and pages.deferring  # type: ignore[union-attr]  # (req.fast)
+                                           and req.begin_deferred(pages, self._pool_layers)):
+                req.begin_step(ks[2], False)
             decode = pages._decode  # type: ignore[union-attr]  # (req.fast)
             if decode is not None:
                 # A deferred decode step (most steps of a generate): the token goes to the layer
