@@ -163,6 +163,29 @@ def test_a_deferred_step_takes_the_short_way_and_leaves_every_refusal_to_begin_s
     assert pool.allocator.used_pages == 0
 
 
+def test_a_one_row_flush_at_a_page_end_stores_its_run_without_numpy_checks(monkeypatch):
+    """One row's flush at a page's end (a batch-1 generate's): the page's first token and the
+    deferred steps' are one run of slots, checked as Python ints and stored with one copy
+    (``store_run``), never through ``slot_run``; the pool then holds every token."""
+    runs, checked = [], []
+    real_run, real_check = _buffer_steps.BufferSteps.store_run, _buffer_steps.slot_run
+    monkeypatch.setattr(_buffer_steps.BufferSteps, "store_run",
+                        lambda self, first, n, run: (runs.append(n), real_run(self, first, n, run))[1])
+    monkeypatch.setattr(_buffer_steps, "slot_run", lambda *a: (checked.append(a[2]), real_check(*a))[1])
+    pool = make_pool()
+    scramble(pool)
+    ref = Reference(1)
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        raw = decode_three_pages(pool, cache, ref)
+        ref.check_pool(pool, raw)
+    # The first page end also stores the prompt, checked by slot_run (more than one token before
+    # the deferred steps; scrambled pages, so stored through an index); the next two store PAGE
+    # tokens each without it. (The fourth page's first step grows the buffers, so its layers
+    # store it, and decode_three_pages' last flush has nothing to store.)
+    assert runs == [PAGE, PAGE] and checked == [5 + PAGE - 1], (runs, checked)
+    pool.allocator.check()
+
+
 @pytest.mark.parametrize("row_copy", [True, False], ids=["core-row-copy", "index_copy_"])
 def test_a_flush_of_rows_whose_pages_are_out_of_order_stores_every_layer(row_copy, monkeypatch):
     """Rows whose pages are not one strided run (a pool that served others first): the flush

@@ -100,26 +100,35 @@ class BufferSteps:
     def store_tokens(self, first: int, slots: np.ndarray) -> None:
         """Store every layer's tokens ``first`` on, from the layer buffers, at ``slots`` (row-major:
         each row's in turn, as many per row as the flush stores)."""
+        b = self.table.shape[0]
+        n = slots.shape[0] // b
+        run = slot_run(slots, b, n)
+        if run is not None:
+            self.store_run(first, n, run)
+            return
         lb, all_slots = self._lb, self._all_slots
         assert lb is not None and all_slots is not None
         if self.steps_on is not None:
             follow_stream(all_slots.device, self.steps_on)
         both = lb.both
-        b = self.table.shape[0]
-        n = slots.shape[0] // b
         src = both[:, :, :, first : first + n]  # [2 * layers, B, H, n, D]
-        run = slot_run(slots, b, n)
-        hd = self.h * self.d
-        if run is not None:
-            size, stride = (both.shape[0], b, self.h, n, self.d), (all_slots.stride(0), run[1] * hd, self.d, hd, 1)
-            all_slots.as_strided(size, stride, all_slots.storage_offset() + run[0] * hd).copy_(src)
-        else:
-            rows = src.transpose(2, 3).reshape(both.shape[0] * b * n, self.h, self.d)  # (a copy)
-            slots = np.ascontiguousarray(slots, dtype=np.int64)
-            if self._all_rows is not None and scatter_into(
-                    (self._all_rows,), torch.from_numpy((self._cache_rows + slots).reshape(-1)), (rows,)):
-                return
-            all_slots.index_copy_(1, self._upload(slots), rows.view(both.shape[0], b * n, self.h, 1, self.d))
+        rows = src.transpose(2, 3).reshape(both.shape[0] * b * n, self.h, self.d)  # (a copy)
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        if self._all_rows is not None and scatter_into(
+                (self._all_rows,), torch.from_numpy((self._cache_rows + slots).reshape(-1)), (rows,)):
+            return
+        all_slots.index_copy_(1, self._upload(slots), rows.view(both.shape[0], b * n, self.h, 1, self.d))
+
+    def store_run(self, first: int, n: int, run: tuple[int, int]) -> None:
+        """``store_tokens`` of ``n`` tokens a row whose slots are one strided run (``slot_run``):
+        one copy of every layer's K and V, from the layer buffers into a view of the caches."""
+        lb, all_slots = self._lb, self._all_slots
+        assert lb is not None and all_slots is not None
+        if self.steps_on is not None:
+            follow_stream(all_slots.device, self.steps_on)
+        both, b, hd = lb.both, lb.b, self.h * self.d
+        size, stride = (both.shape[0], b, self.h, n, self.d), (all_slots.stride(0), run[1] * hd, self.d, hd, 1)
+        all_slots.as_strided(size, stride, all_slots.storage_offset() + run[0] * hd).copy_(lb.span(first, n))
 
     def _gather_layer(self, layer: int) -> None:
         """Gather the rows' pages of ``layer`` into its buffer (the first ``length`` tokens)."""

@@ -7,7 +7,8 @@ those views were most of the cache's own host time per token, made anew for ever
 every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
 and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
 it has made (``attention``, ``tokens``, and ``decode``: both for a deferred step; and ``plans``,
-``StepPages``' plans of a page's deferred steps, which are made of those), and a closed
+``StepPages``' plans of a page's deferred steps, which are made of those; and ``span``, the
+tokens a flush stores), and a closed
 cache (or one whose buffers grew or changed rows) leaves its set to the pool's next cache of
 the same rows that fits in it (``BufferSpares``: the one with the least room), as torch's
 caching allocator keeps a freed block for the next request it fits. The views are made under
@@ -85,6 +86,7 @@ class LayerBuffers:
         self._decode: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]] = {}
         # ``StepPages``' deferred plans made of these views, by (tokens, steps), kept with them (``keep``).
         self.plans: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._spans: dict[tuple[int, int], torch.Tensor] = {}
         self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:
@@ -103,6 +105,17 @@ class LayerBuffers:
             views = one.unbind(0)
             out.append(list(zip(views[:layers], views[layers:])))
         return out
+
+    def span(self, first: int, n: int) -> torch.Tensor:
+        """Every layer's K and V of tokens ``first`` to ``first + n``, ``[2 * layers, B, H, n, D]``:
+        what a flush stores (kept, with ``keep``, for the flushes of the next caches)."""
+        got = self._spans.get((first, n))
+        if got is None:
+            if not (self.keep and len(self._spans) < self.cap):
+                return self.both[:, :, :, first : first + n]
+            with persistent():
+                got = self._spans[first, n] = self.both[:, :, :, first : first + n]
+        return got
 
     def attention(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of the rows' first ``n`` tokens: what attention reads."""

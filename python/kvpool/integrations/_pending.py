@@ -31,6 +31,16 @@ def flush_locked(req: Any, n: int) -> None:
         if slots is None:
             slots = pool.extend(req.handles, n).slots
         req.deferred = 0
+        if not moved and req.batch == 1 and len(parts) == 1 and parts[0].shape == (1, 1) and all(
+                x.seen == req.length for x in req.layers):
+            # One row at a page's end (every flush of a batch-1 generate): its page's first token, then
+            # the deferred steps', usually one run of slots, checked and stored as Python ints. Each
+            # numpy call after the model's forward costs microseconds of host time (see _pages).
+            first = parts[0].item()
+            if slots.tolist() == list(range(first + 1, first + 1 + n)):
+                req.pages.store_run(req.length - n - 1, n + 1, (first, 0))
+                req.unstored = []
+                return
         parts.append(np.asarray(slots, dtype=np.int64).reshape(req.batch, n))
     if moved:
         cols = sum(x.shape[1] for x in parts)
