@@ -131,6 +131,31 @@ def test_a_later_cache_on_the_kept_buffers_takes_their_plans_and_holds_its_own_t
     assert pool.allocator.used_pages == 0
 
 
+@pytest.mark.parametrize("keep_views", [True, False], ids=["views-kept", "views-made-per-step"])
+def test_a_later_cache_of_the_same_prompt_length_takes_its_kept_views(keep_views, monkeypatch):
+    """Layer buffers that keep their views keep those of a prompt step too (a few lengths): the
+    next cache's prompt of that length, on the same buffers, adds its tokens through them, and
+    attention and the pool get that cache's own tokens; buffers too large to keep views make them."""
+    if not keep_views:
+        monkeypatch.setattr(_layer_buffers, "MAX_KEPT_VIEWS", 0)
+    pool = make_pool()
+    scramble(pool)
+    seen = []
+    for seed in (0, 1):
+        ref = Reference(2, seed)
+        with torch.inference_mode(), KVPoolCache(pool) as cache:
+            ref.step(cache, 5)
+            ref.step(cache, 1)
+            ref.check_pool(pool, cache.handles)
+            lb = cache.requests.pages._lb
+            seen.append((lb, lb._prompts.get((0, 5))))
+        pool.allocator.check()
+    (first, views), (second, again) = seen
+    assert second is first
+    assert (again is views and views is not None) if keep_views else (views is None and again is None)
+    assert pool.allocator.used_pages == 0
+
+
 def test_a_deferred_step_takes_the_short_way_and_leaves_every_refusal_to_begin_step(monkeypatch):
     """``KVPoolCache.update`` starts a deferred decode step without ``begin_step`` (its checks
     inline); a step those checks would not pass, here after a forward cut short, goes

@@ -65,7 +65,7 @@ class BufferSteps:
         if self._filled == before or before == 0:  # (a prompt step: the buffers get its tokens whole)
             lb = self._lb
             assert lb is not None
-            self._app = lb.tokens(before, 1)[0] if length == before + 1 else lb.views(before, length - before)
+            self._app = lb.tokens(before, 1)[0] if length == before + 1 else lb.prompt(before, length - before)
             self.later = self.private and self._all_slots is not None
         else:
             self._fill = True

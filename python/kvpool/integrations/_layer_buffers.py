@@ -7,8 +7,8 @@ those views were most of the cache's own host time per token, made anew for ever
 every ``generate``. A view of the buffers depends only on their geometry (rows, capacity)
 and on the tokens it covers, never on the pool's pages, so a set of buffers keeps the views
 it has made (``attention``, ``tokens``, and ``decode``: both for a deferred step; and ``plans``,
-``StepPages``' plans of a page's deferred steps, which are made of those; and ``span``, the
-tokens a flush stores), and a closed
+``StepPages``' plans of a page's deferred steps, which are made of those; ``span``, the
+tokens a flush stores; and ``prompt``, a prompt step's, for a few lengths), and a closed
 cache (or one whose buffers grew or changed rows) leaves its set to the pool's next cache of
 the same rows that fits in it (``BufferSpares``: the one with the least room), as torch's
 caching allocator keeps a freed block for the next request it fits. The views are made under
@@ -38,6 +38,8 @@ from kvpool.streams import capturing, current_raw_stream  # (capturing: of t's d
 # hundred bytes): every view of a small model's buffers, not those of a long context on many
 # layers, whose per-token model time dwarfs the views' anyway.
 MAX_KEPT_VIEWS = 1 << 14
+# The multi-token steps (prompts) whose views a set keeps: a server's few common prompt lengths.
+MAX_KEPT_PROMPTS = 16
 
 
 def stream_mark(t: torch.Tensor) -> Any:
@@ -87,6 +89,7 @@ class LayerBuffers:
         # ``StepPages``' deferred plans made of these views, by (tokens, steps), kept with them (``keep``).
         self.plans: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._spans: dict[tuple[int, int], torch.Tensor] = {}
+        self._prompts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:
@@ -105,6 +108,18 @@ class LayerBuffers:
             views = one.unbind(0)
             out.append(list(zip(views[:layers], views[layers:])))
         return out
+
+    def prompt(self, first: int, t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``views(first, t)``: per layer (k, v) of a step's ``t`` tokens from token ``first``
+        (a prompt's), kept with ``keep`` for up to ``MAX_KEPT_PROMPTS`` such steps, which the
+        next caches' prompts of those lengths take."""
+        got = self._prompts.get((first, t))
+        if got is None:
+            if not (self.keep and len(self._prompts) < MAX_KEPT_PROMPTS):
+                return self.views(first, t)  # type: ignore[no-any-return]
+            with persistent():
+                got = self._prompts[first, t] = self.views(first, t)
+        return got
 
     def span(self, first: int, n: int) -> torch.Tensor:
         """Every layer's K and V of tokens ``first`` to ``first + n``, ``[2 * layers, B, H, n, D]``:
