@@ -15,7 +15,9 @@ never freed), so steady-state calls (and graph capture after a warm-up call)
 allocate nothing.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Triton 3.0's interpreter (TRITON_INTERPRET=1)
+# treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
+# (tests/test_review_dependency_floors.py).
 
 from collections.abc import Sequence
 

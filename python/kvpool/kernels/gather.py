@@ -3,7 +3,9 @@ contiguous [n, H, D] tensors. Rows of negative slots come back zero. Optionally
 dequantizes (x * scale, cast to out_dtype) in the same launch. Imported on the
 first launch only."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Triton 3.0's interpreter (TRITON_INTERPRET=1)
+# treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
+# (tests/test_review_dependency_floors.py).
 
 import torch
 import triton  # type: ignore[import-untyped]

@@ -14,7 +14,9 @@ Program (i, l, b) moves block b of page pair i's layer ``layer0 + l`` for
 every cache.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Triton 3.0's interpreter (TRITON_INTERPRET=1)
+# treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
+# (tests/test_review_dependency_floors.py).
 
 import torch
 import triton  # type: ignore[import-untyped]

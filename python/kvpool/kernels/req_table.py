@@ -11,7 +11,9 @@ needs no host sync. Requests with a negative row or a count <= 0 are skipped
 (their count, if positive, still occupies its span of `slots`).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Triton 3.0's interpreter (TRITON_INTERPRET=1)
+# treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
+# (tests/test_review_dependency_floors.py).
 
 import torch
 import triton  # type: ignore[import-untyped]

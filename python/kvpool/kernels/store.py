@@ -9,7 +9,9 @@ are read on device; a negative slot masks the whole row (vLLM's -1 padding),
 slot 0 is an ordinary slot (page 0 is the pool's padding sink).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Triton 3.0's interpreter (TRITON_INTERPRET=1)
+# treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
+# (tests/test_review_dependency_floors.py).
 
 import torch
 import triton  # type: ignore[import-untyped]

@@ -1,0 +1,36 @@
+"""What kvpool needs to run on the dependency floors pyproject.toml declares (torch 2.4 with
+Triton 3.0, numpy 1.24), checked on whatever versions are installed.
+
+Run on the floor itself (a venv with torch==2.4.1, triton==3.0.0, numpy==1.24.4), these cases
+failed before their fixes; on today's versions the Triton one still fails if a kernel module
+goes back to string annotations, the fp8 one only checks the pool's contents.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+KERNEL_MODULES = ["copy", "gather", "page_copy", "req_table", "store"]
+
+
+@pytest.mark.parametrize("name", KERNEL_MODULES)
+def test_kernel_constexpr_parameters_are_annotated_with_the_class(name: str) -> None:
+    """Triton 3.0's interpreter (TRITON_INTERPRET=1, how the CPU tests run the kernels) treats a
+    parameter as constexpr only when ``__annotations__`` holds the ``tl.constexpr`` class: under
+    ``from __future__ import annotations`` it holds the string "tl.constexpr", the interpreter
+    passed ROWS / BLOCK_D as tensors and every launch failed ("arange's arguments must be of
+    type tl.constexpr"). Triton 3.1+ accepts either, so only this check fails on them."""
+    triton = pytest.importorskip("triton", reason="the kernels need Triton")
+    tl = importlib.import_module("triton.language")
+    module = importlib.import_module(f"kvpool.kernels.{name}")
+    kernels = [v for v in vars(module).values() if isinstance(v, triton.runtime.JITFunction)]
+    assert kernels, f"kvpool.kernels.{name} defines no @triton.jit function"
+    for kernel in kernels:
+        annotations = inspect.getfullargspec(kernel.fn).annotations
+        named_constexpr = {p: a for p, a in annotations.items() if "constexpr" in str(a)}
+        strings = {p: a for p, a in named_constexpr.items() if a is not tl.constexpr}
+        assert not strings, f"{name}.{kernel.fn.__name__}: constexpr parameters annotated {strings}, not tl.constexpr"
+
