@@ -12,6 +12,10 @@ import importlib
 import inspect
 
 import pytest
+import torch
+
+import kvpool
+from kvpool.torch_types import FP8_DTYPES
 
 KERNEL_MODULES = ["copy", "gather", "page_copy", "req_table", "store"]
 
@@ -33,4 +37,21 @@ def test_kernel_constexpr_parameters_are_annotated_with_the_class(name: str) -> 
         named_constexpr = {p: a for p, a in annotations.items() if "constexpr" in str(a)}
         strings = {p: a for p, a in named_constexpr.items() if a is not tl.constexpr}
         assert not strings, f"{name}.{kernel.fn.__name__}: constexpr parameters annotated {strings}, not tl.constexpr"
+
+
+@pytest.mark.parametrize("layout", ["paged", "token"])
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_an_fp8_pool_on_cpu_starts_zeroed_and_round_trips(layout: str, dtype: torch.dtype) -> None:
+    """torch 2.4 has no CPU fill for fp8: ``torch.zeros`` of the caches raised an untyped
+    RuntimeError ("fill_cpu" not implemented for 'Float8_e4m3fn') from ``KVPool(dtype=fp8)``.
+    The caches are made as zeroed bytes: +0.0 everywhere, as before."""
+    pool = kvpool.KVPool(2, 2, 4, dtype=dtype, num_pages=64, page_size=4, max_requests=2,
+                         max_context_len=32, layout=layout)
+    assert all(c.dtype == dtype and not c.view(torch.uint8).any() for c in pool._storage.caches)
+    handles = pool.open(1)
+    slots = pool.extend(handles, [6]).slots
+    k = torch.linspace(-4, 4, 6 * 2 * 4).reshape(6, 2, 4).to(pool.compute_dtype)
+    pool.write(1, slots, k, -k)
+    gk, gv = pool.read(1, slots)
+    assert torch.equal(gk, k.to(dtype).to(pool.compute_dtype)) and torch.equal(gv, (-k).to(dtype).to(pool.compute_dtype))
 

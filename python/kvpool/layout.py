@@ -17,6 +17,7 @@ import torch
 
 from kvpool.modes import persistent
 from kvpool.out_of_memory import refuse_out_of_memory
+from kvpool.torch_types import FP8_DTYPES
 
 __all__ = ["LAYOUTS", "KVStorage", "padded_row_stride", "padded_table"]
 
@@ -80,7 +81,10 @@ class KVStorage:
             with refuse_out_of_memory("the pool's K/V caches", nbytes, device,
                                       "use fewer pages (num_pages, num_slots, memory_bytes or memory_fraction), "
                                       "layers, heads or a smaller head_dim"):
-                both = torch.zeros(caches, dtype=dtype, device=device)
+                # fp8 as zeroed bytes: torch < 2.5 has no CPU fill for fp8 (torch.zeros raised an
+                # untyped RuntimeError); all-zero bits are +0.0 in every fp8 format.
+                both = (torch.zeros(caches, dtype=torch.uint8, device=device).view(dtype) if dtype in FP8_DTYPES
+                        else torch.zeros(caches, dtype=dtype, device=device))
             self.caches = list(both.unbind(0))
             self.flat = [[c[i] for i in range(num_layers)] for c in self.caches]
             if layout == "paged":
