@@ -54,6 +54,19 @@ use crate::widen::widen;
 
 type ViewFn = unsafe extern "C" fn(*mut c_void, *mut DLTensor) -> c_int;
 
+/// A plain CPU tensor's dispatch keys (an inference tensor's keys are a
+/// subset), and how a tensor's key set is compared with them.
+enum PlainKeys {
+    /// `torch._C.DispatchKeySet.raw_repr` (called on the key set) and the
+    /// bits of the plain key set.
+    Raw(Py<PyAny>, u64),
+    /// A torch without `raw_repr` (2.4): `DispatchKeySet.__or__` and
+    /// `__repr__` (C functions, like `raw_repr`), the plain key set and its
+    /// repr: the keys are a subset when `keys | plain` reprs as `plain`
+    /// (the set has no `==`, and `-` drops backend bits such as Meta's).
+    Sets([Py<PyAny>; 2], Py<PyAny>, String),
+}
+
 /// How a tensor's DLPack description is obtained.
 pub(crate) enum Export {
     /// torch's C exchange API (a borrowed view of the live tensor).
@@ -67,11 +80,8 @@ pub(crate) struct Torch {
     pub(crate) export: Export,
     /// `torch._C._dispatch_keys`.
     dispatch_keys: Py<PyAny>,
-    /// `torch._C.DispatchKeySet.raw_repr`, called on the key set.
-    raw_repr: Py<PyAny>,
-    /// The bits of a plain CPU tensor's key set (an inference tensor's
-    /// keys are a subset).
-    plain_keys: u64,
+    /// How a key set is compared with a plain CPU tensor's.
+    keys: PlainKeys,
     /// `TensorBase.untyped_storage`, `StorageBase.data_ptr` and
     /// `StorageBase.nbytes` (C method descriptors).
     storage: [Py<PyAny>; 3],
@@ -81,8 +91,16 @@ impl Torch {
     /// Whether `t`'s dispatch keys are a subset of a plain CPU tensor's.
     pub(crate) fn is_plain(&self, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
         let keys = self.dispatch_keys.bind(py).call1((t,))?;
-        let raw = self.raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
-        Ok(raw & !self.plain_keys == 0)
+        match &self.keys {
+            PlainKeys::Raw(raw_repr, plain) => {
+                let raw = raw_repr.bind(py).call1((keys,))?.extract::<u64>()?;
+                Ok(raw & !plain == 0)
+            }
+            PlainKeys::Sets([or, repr], plain, plain_repr) => {
+                let union = or.bind(py).call1((keys, plain.bind(py)))?;
+                Ok(repr.bind(py).call1((union,))?.extract::<String>()? == *plain_repr)
+            }
+        }
     }
 }
 
@@ -161,16 +179,30 @@ fn load(py: Python<'_>) -> PyResult<Torch> {
     let dispatch_keys = builtin(c.getattr("_dispatch_keys")?, "_dispatch_keys")?;
     let key_set = c.getattr("DispatchKeySet")?;
     // A pybind11 method: an instancemethod around the C function.
-    let raw_repr = builtin(
-        key_set.getattr("raw_repr")?.getattr("__func__")?,
-        "raw_repr",
-    )?;
+    let method = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+        builtin(key_set.getattr(name)?.getattr("__func__")?, name)
+    };
     let key = c.getattr("DispatchKey")?;
-    let mut plain_keys = 0u64;
-    for name in ["CPU", "ADInplaceOrView", "AutogradCPU", "AutocastCPU"] {
-        let set = key_set.call1((key.getattr(name)?,))?;
-        plain_keys |= raw_repr.call1((set,))?.extract::<u64>()?;
-    }
+    let sets = ["CPU", "ADInplaceOrView", "AutogradCPU", "AutocastCPU"]
+        .map(|name| key_set.call1((key.getattr(name)?,)));
+    let keys = if key_set.hasattr("raw_repr")? {
+        let raw_repr = method("raw_repr")?;
+        let mut plain_keys = 0u64;
+        for set in sets {
+            plain_keys |= raw_repr.call1((set?,))?.extract::<u64>()?;
+        }
+        PlainKeys::Raw(raw_repr.unbind(), plain_keys)
+    } else {
+        let or = method("__or__")?;
+        let [first, rest @ ..] = sets;
+        let mut plain = first?;
+        for set in rest {
+            plain = or.call1((plain, set?))?;
+        }
+        let repr = method("__repr__")?;
+        let plain_repr = repr.call1((&plain,))?.extract::<String>()?;
+        PlainKeys::Sets([or.unbind(), repr.unbind()], plain.unbind(), plain_repr)
+    };
     let export = match exchange_view(&c) {
         Some(view) => Export::View(view),
         None => Export::Capsule(builtin(c.getattr("_to_dlpack")?, "_to_dlpack")?.unbind()),
@@ -186,8 +218,7 @@ fn load(py: Python<'_>) -> PyResult<Torch> {
         tensor_type,
         export,
         dispatch_keys: dispatch_keys.unbind(),
-        raw_repr: raw_repr.unbind(),
-        plain_keys,
+        keys,
     })
 }
 
@@ -299,7 +330,15 @@ fn read_plain(py: Python<'_>, torch: &Torch, t: &Bound<'_, PyAny>) -> PyResult<R
             unsafe { copy_out(&dl, span) }
         }
         Export::Capsule(to_dlpack) => {
-            let capsule = to_dlpack.bind(py).call1((t,))?;
+            // torch < 2.5 (no exchange API) checks the storage in the export
+            // itself: a tensor past its storage raises there, and falling back
+            // to the numpy path would read past it (`__array__` does not check).
+            let capsule = match to_dlpack.bind(py).call1((t,)) {
+                Err(e) if e.to_string().contains("out of bounds for storage") => {
+                    return Ok(Err(Outside))
+                }
+                r => r?,
+            };
             // SAFETY: `capsule` is a live object; a wrong name gives null
             // with an exception set.
             let managed =
