@@ -125,7 +125,7 @@ def load_hf_model(path: str, *, device: torch.device | str = "cpu", dtype: torch
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
-        raise ImportError("kvpool demo --hf needs transformers>=5,<6: pip install 'kvpool[hf]'") from e
+        raise ImportError("kvpool demo --hf needs transformers>=5.23,<6: pip install 'kvpool[hf]'") from e
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     _check_supported(config, max_context)
     from transformers.utils import logging as hf_logging

@@ -58,13 +58,20 @@ import torch
 try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401 - part of the version check (KVPoolLayer uses it)
+    from transformers.utils import is_torch_available
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "kvpool.integrations.transformers needs transformers>=5,<6: pip install 'kvpool[hf]'") from e
+        "kvpool.integrations.transformers needs transformers>=5.23,<6: pip install 'kvpool[hf]'") from e
 
-if int(transformers.__version__.split(".")[0]) != 5:  # pragma: no cover
-    raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API; "
-                      f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5,<6)")
+# 5.23: the cache-layer API this module implements (Cache.is_dummy, 5.23; get_layer_types_and_kwargs,
+# 5.15); before, KVPoolCache failed with AttributeErrors on its first use.
+if not (5, 23) <= tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit()) < (6,):
+    raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API of 5.23 on; "
+                      f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5.23,<6)")
+# transformers >= 5.20 turns its torch support off below torch 2.6 (its models become placeholders).
+if not is_torch_available():
+    raise ImportError(f"transformers {transformers.__version__} does not run on torch {torch.__version__} (it disabled "
+                      f"its PyTorch support; 5.23 needs torch>=2.6): pip install 'kvpool[hf]' (torch>=2.6)")
 
 from kvpool._nopickle import NotPicklable
 from kvpool.errors import CopyRefusedError, InvalidArgumentError, LayerIndexError
