@@ -34,6 +34,14 @@ def cuda_target_unavailable(arch: int = 90) -> str | None:
         return f"triton {triton.__version__} has no pluggable backends: {e}"
     if "nvidia" not in backends:
         return f"triton {triton.__version__} was built without the NVIDIA backend ({sorted(backends)})"
+    import inspect
+
+    from triton.runtime import jit
+    if "backend" not in inspect.signature(jit.create_function_from_signature).parameters \
+            or not hasattr(jit.JITFunction, "_pack_args"):
+        # Triton 3.0 (torch 2.4's): _pack below calls the binder and _pack_args of later Tritons.
+        return f"triton {triton.__version__} predates the JIT binder these tests drive (create_function_from_signature " \
+               "with a backend, JITFunction._pack_args)"
     try:
         make_backend(GPUTarget("cuda", arch, 32))
     except Exception as e:  # noqa: BLE001 - any failure means "cannot target CUDA"

@@ -75,7 +75,9 @@ def run(dtype, layout, heads, dim, page, table_np, mla=False):
                 # through the public buffer views and the public gather
                 kb = pool.k_buffer(layer)
                 st = torch.from_numpy(slots)
-                direct = kb[st] if layout == "token" else kb[st // page, st % page]
+                # indexed as bytes: torch < 2.5 has no CPU indexing of fp8 tensors
+                kb8 = kb.view(torch.uint8)
+                direct = (kb8[st] if layout == "token" else kb8[st // page, st % page]).view(kb.dtype)
                 sc = None if pool.k_scale is None else pool.k_scale[layer:layer+1]
                 assert torch.equal(direct.to(cd) if sc is None else (direct.float() * sc).to(cd), wk)
                 g, _ = gather_kv(kb, None, st, out_dtype=cd, k_scale=sc)

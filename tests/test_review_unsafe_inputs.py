@@ -19,6 +19,11 @@ from kvpool import GroupedAllocator, InvalidArgumentError, KVPoolError, SlotAllo
 from kvpool._core import scatter_rows
 from kvpool.rows import scatter_into
 
+# scatter_rows stores in place only through torch's DLPack C exchange API; a torch without it
+# (2.4) declines every call to torch's own path, so these cases of the in-place path skip there.
+NEEDS_EXCHANGE_API = pytest.mark.skipif(not hasattr(torch._C, "_dlpack_exchange_api"),
+                                        reason="this torch has no DLPack C exchange API: scatter_rows declines every call")
+
 
 def alloc() -> SlotAllocator:
     return SlotAllocator(64, page_size=4, max_requests=4, max_context_len=16)
@@ -106,6 +111,7 @@ def test_scatter_rows_declines_a_tensor_past_its_storage(which: str) -> None:
     assert scatter_into((dst,), slots, (src,)) is False
 
 
+@NEEDS_EXCHANGE_API
 def test_scatter_rows_still_takes_views_inside_their_storage() -> None:
     base = torch.zeros(10, 4)
     assert scatter_rows((base[2:],), torch.tensor([7]), (torch.ones(1, 4),)) == 1

@@ -13,6 +13,11 @@ from kvpool import SlotRangeError
 from kvpool._core import scatter_rows
 from kvpool.rows import scatter_into
 
+# scatter_rows stores in place only through torch's DLPack C exchange API; a torch without it
+# (2.4) declines every call to torch's own path, so these cases of the in-place path skip there.
+NEEDS_EXCHANGE_API = pytest.mark.skipif(not hasattr(torch._C, "_dlpack_exchange_api"),
+                                        reason="this torch has no DLPack C exchange API: scatter_rows declines every call")
+
 H, D = 2, 8
 
 
@@ -145,6 +150,7 @@ def test_scatter_rows_leaves_what_it_does_not_take_to_torch(name, cs, idx, src):
     assert untouched(cs)
 
 
+@NEEDS_EXCHANGE_API
 def test_scatter_rows_refuses_an_out_of_range_slot_before_writing():
     c = caches()
     with pytest.raises(IndexError, match=r"slot 6 \(index 2\) is out of range: valid slots are \[0, 6\)"):
@@ -152,6 +158,7 @@ def test_scatter_rows_refuses_an_out_of_range_slot_before_writing():
     assert untouched(c)
 
 
+@NEEDS_EXCHANGE_API
 def test_a_source_that_is_a_view_of_the_cache_is_stored_as_it_was():
     cache = torch.arange(6 * H * D, dtype=torch.float32).reshape(6, H, D)
     want = cache.clone()
@@ -160,6 +167,7 @@ def test_a_source_that_is_a_view_of_the_cache_is_stored_as_it_was():
     assert torch.equal(cache, want)
 
 
+@NEEDS_EXCHANGE_API
 def test_scatter_into_counts_padding_out_and_takes_int32_numpy_made_slots():
     c = caches()
     slots = torch.from_numpy(np.array([5, -3, 0], dtype=np.int32))

@@ -13,6 +13,11 @@ import kvpool
 from kvpool._core import scatter_rows
 from kvpool.rows import scatter_into
 
+# scatter_rows stores in place only through torch's DLPack C exchange API; a torch without it
+# (2.4) declines every call to torch's own path, so these cases of the in-place path skip there.
+NEEDS_EXCHANGE_API = pytest.mark.skipif(not hasattr(torch._C, "_dlpack_exchange_api"),
+                                        reason="this torch has no DLPack C exchange API: scatter_rows declines every call")
+
 H, D = 2, 8
 
 
@@ -129,6 +134,7 @@ def test_hostile_geometry_is_declined_untouched(name, cs, idx, src):
 
 # ----- aliasing the copy takes, with torch's meaning ------------------------------
 
+@NEEDS_EXCHANGE_API
 def test_slots_that_are_a_view_of_the_cache_are_read_before_any_row_is_stored():
     cache = torch.zeros(8, 2, dtype=torch.int64)
     cache[0] = torch.tensor([3, 5])
@@ -137,6 +143,7 @@ def test_slots_that_are_a_view_of_the_cache_are_read_before_any_row_is_stored():
     assert cache[3].tolist() == [7, 7] and cache[5].tolist() == [9, 9]
 
 
+@NEEDS_EXCHANGE_API
 def test_a_one_row_cache_with_odd_strides_gets_exactly_its_row():
     base = torch.zeros(200)
     cache = base.as_strided((1, 1, D), (7, 999, 1), 24)

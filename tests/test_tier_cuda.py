@@ -25,7 +25,8 @@ def bits(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def setup(dtype=torch.bfloat16, mla=False, seed=0):
+# Not named setup: pytest 7 calls a module-level setup() as a nose-style fixture, with the module.
+def pool_and_host(dtype=torch.bfloat16, mla=False, seed=0):
     if mla:
         pool = kvpool.KVPool(LAYERS, 1, 576, kv_lora_rank=512, qk_rope_head_dim=64, dtype=dtype, page_size=P,
                              num_pages=16, device="cuda", max_requests=4, max_context_len=256)
@@ -46,7 +47,7 @@ def dev_page(pool, page):
 
 def test_host_storage_is_pinned_and_normal():
     with torch.inference_mode():
-        pool, host = setup()
+        pool, host = pool_and_host()
     assert host.pinned and host.buffer.is_pinned() and not host.buffer.is_inference()
 
 
@@ -54,7 +55,7 @@ def test_host_storage_is_pinned_and_normal():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("mla", [False, True], ids=["kv", "mla"])
 def test_round_trip_is_bitwise(method, dtype, mla):
-    pool, host = setup(dtype, mla)
+    pool, host = pool_and_host(dtype, mla)
     before = {p: dev_page(pool, p) for p in range(pool.num_pages)}
     offload_pages(pool._storage.caches, host, [2, 9, 5], [3, 1, 7], method=method)
     torch.cuda.synchronize()
@@ -68,7 +69,7 @@ def test_round_trip_is_bitwise(method, dtype, mla):
 
 
 def test_pageable_host_memory_is_refused():
-    pool, host = setup()
+    pool, host = pool_and_host()
     pageable = host.buffer.clone()
     assert not pageable.is_pinned()
     with pytest.raises(TensorDeviceError, match="pinned"):
@@ -79,7 +80,7 @@ def test_pageable_host_memory_is_refused():
 
 def test_the_copy_stream_waits_for_the_callers_writes():
     """K/V written on the caller's stream behind a long kernel must be what the offload reads."""
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host)
     k = torch.randn(P, 8, 128, device="cuda").bfloat16()
     torch.cuda._sleep(50_000_000)  # keeps the caller's stream busy
@@ -92,7 +93,7 @@ def test_the_copy_stream_waits_for_the_callers_writes():
 def test_the_callers_stream_waits_for_the_loads():
     """A read queued on the caller's stream right after run() sees the loaded page even when
     the copy stream is held back."""
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host)
     with torch.cuda.stream(runner.copy_stream):
         torch.cuda._sleep(50_000_000)
@@ -103,7 +104,7 @@ def test_the_callers_stream_waits_for_the_loads():
 
 @pytest.mark.parametrize("method", ["kernel", "copy"])
 def test_layered_loads_with_per_layer_waits(method):
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host, method=method)
     old = dev_page(pool, 2)
     batch = runner.run(offloads=(np.array([2]), np.array([1])), loads=(np.array([4]), np.array([2])),

@@ -30,7 +30,8 @@ def bits(t):
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def setup(seed=0):
+# Not named setup: pytest 7 calls a module-level setup() as a nose-style fixture, with the module.
+def pool_and_host(seed=0):
     pool = kvpool.KVPool(LAYERS, 2, 8, dtype=torch.bfloat16, page_size=P, num_pages=8, max_requests=4,
                          max_context_len=64)
     host = HostStorage.for_pool(pool, host_pages=4)
@@ -138,7 +139,7 @@ def traced(monkeypatch):
 
 
 def test_cpu_runs_offloads_then_loads_then_copies():
-    pool, host = setup()
+    pool, host = pool_and_host()
     old_dev3, old_host2 = dev_page(pool, 3).clone(), host.buffer[2].clone()
     batch = TransferRunner.for_pool(pool, host).run(OFFLOADS, LOADS, COPIES)
     expect_ordered(pool, host, old_dev3, old_host2)
@@ -148,7 +149,7 @@ def test_cpu_runs_offloads_then_loads_then_copies():
 
 
 def test_queued_on_the_copy_stream_between_two_waits(traced):
-    pool, host = setup()
+    pool, host = pool_and_host()
     old_dev3, old_host2 = dev_page(pool, 3).clone(), host.buffer[2].clone()
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     batch = runner.run(OFFLOADS, LOADS, COPIES)
@@ -167,7 +168,7 @@ def test_queued_on_the_copy_stream_between_two_waits(traced):
 
 
 def test_layered_runs_give_one_event_per_layer(traced):
-    pool, host = setup()
+    pool, host = pool_and_host()
     old_dev3, old_host2 = dev_page(pool, 3).clone(), host.buffer[2].clone()
     batch = TransferRunner.for_pool(pool, host, streams=traced).run(OFFLOADS, LOADS, COPIES, layered=True)
     expect_ordered(pool, host, old_dev3, old_host2)
@@ -186,7 +187,7 @@ def test_layered_runs_give_one_event_per_layer(traced):
 
 
 def test_nothing_queued_touches_no_stream(traced):
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     batch = runner.run(empty, empty, empty)
@@ -199,7 +200,7 @@ def test_nothing_queued_touches_no_stream(traced):
 
 
 def test_the_copy_stream_is_made_once(traced):
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     runner.run(offloads=OFFLOADS)
     runner.run(loads=LOADS)
@@ -209,7 +210,7 @@ def test_the_copy_stream_is_made_once(traced):
 
 
 def test_other_streams_wait_once_for_the_last_batch(traced):
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     runner.wait()  # nothing queued yet
     runner.run(offloads=OFFLOADS)
@@ -239,7 +240,7 @@ BAD = [
 
 @pytest.mark.parametrize("kw,err", BAD)
 def test_a_bad_part_refuses_the_whole_batch_before_anything_runs(traced, kw, err):
-    pool, host = setup()
+    pool, host = pool_and_host()
     before = [bits(t).clone() for t in pool._storage.caches + [host.buffer]]
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     with pytest.raises(err):
@@ -249,7 +250,7 @@ def test_a_bad_part_refuses_the_whole_batch_before_anything_runs(traced, kw, err
 
 
 def test_without_host_storage_only_copies_run():
-    pool, _ = setup()
+    pool, _ = pool_and_host()
     runner = TransferRunner.for_pool(pool, None)
     src = dev_page(pool, 2).clone()
     runner.run(copies=(slots_of(2), slots_of(5)))
@@ -261,7 +262,7 @@ def test_without_host_storage_only_copies_run():
 def test_after_a_layered_run_the_caller_still_waits_for_the_whole_batch(traced):
     # The caller's stream waited only for the offloads (each layer has its own event):
     # runner.wait() from it, what the pool's next page hand-out does, must not be a no-op.
-    pool, host = setup()
+    pool, host = pool_and_host()
     runner = TransferRunner.for_pool(pool, host, streams=traced)
     runner.run(OFFLOADS, LOADS, COPIES, layered=True)
     traced.log.clear()
@@ -277,7 +278,7 @@ def test_for_pool_refuses_host_storage_of_another_geometry(other):
     """The device caches carry no page size, so host storage built for a pool with another
     page size passed every check and moved the wrong slots (the core's page ids name
     pages of this pool's size). for_pool knows both geometries and refuses, as a buffer."""
-    pool, host = setup()
+    pool, host = pool_and_host()
     geo = dict(num_layers=LAYERS, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=P)
     if other.pop("mla", False):
         geo.update(num_kv_heads=1, kv_lora_rank=6, qk_rope_head_dim=2)

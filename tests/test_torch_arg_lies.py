@@ -71,11 +71,11 @@ PRELUDE = textwrap.dedent(
 # How the bindings get a tensor's layout from torch: its DLPack C exchange
 # API, or (a torch without one) the `_to_dlpack` capsule, or neither (then
 # numpy). Taking the functions away before the first tensor arrives picks
-# the path, as an older torch would.
+# the path, as an older torch would (torch 2.4 has no exchange API: popped if there).
 EXPORTS = {
     "view": "",
-    "capsule": "del torch._C._dlpack_exchange_api\n",
-    "numpy": "del torch._C._dlpack_exchange_api\ndel torch._C._to_dlpack\n",
+    "capsule": "vars(torch._C).pop('_dlpack_exchange_api', None)\n",
+    "numpy": "vars(torch._C).pop('_dlpack_exchange_api', None)\ndel torch._C._to_dlpack\n",
 }
 
 
@@ -292,7 +292,7 @@ def test_torch_functions_replaced_by_python_code_are_not_used():
         """
         other = torch.tensor([9, 9, 9, 9])
         real = torch._C._to_dlpack
-        del torch._C._dlpack_exchange_api
+        vars(torch._C).pop("_dlpack_exchange_api", None)
         torch._C._to_dlpack = lambda t: real(other)
 
         case("a replaced _to_dlpack")

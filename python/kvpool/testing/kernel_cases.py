@@ -151,7 +151,8 @@ def untouched_equal(before: torch.Tensor, after: torch.Tensor, targets: list[int
     for s in targets:
         if s >= 0:
             keep[s] = False
-    return torch.equal(bits(b[keep]), bits(a[keep]))
+    # Indexed as bytes: torch < 2.5 has no CPU indexing of fp8 tensors.
+    return torch.equal(b.contiguous().view(torch.uint8)[keep], a.contiguous().view(torch.uint8)[keep])
 
 
 def clone_opt(t: torch.Tensor | None) -> torch.Tensor | None:
