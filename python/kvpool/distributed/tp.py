@@ -34,6 +34,7 @@ import torch.distributed as dist
 from kvpool.distributed.comm import comm_device, group_ranks
 from kvpool.distributed.errors import RankDivergenceError
 from kvpool.errors import InvalidArgumentError
+from kvpool.modes import persistent
 from kvpool.torch_types import as_device
 from kvpool.validate import check_pool, is_int
 
@@ -80,8 +81,9 @@ def agree_seed(group: Any = None, device: torch.device | None = None) -> int:
         if dev.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(f"agree_seed: device {device!r} cannot carry a collective; pass 'cpu' "
                                        "(gloo), a CUDA device (nccl), or None for the group's")
-    t = torch.tensor([secrets.randbits(63)], dtype=torch.int64, device=dev)
-    dist.broadcast(t, src=group_ranks(group, "agree_seed")[0], group=group)
+    with persistent():  # (collectives write their tensors outside inference mode: see verify)
+        t = torch.tensor([secrets.randbits(63)], dtype=torch.int64, device=dev)
+        dist.broadcast(t, src=group_ranks(group, "agree_seed")[0], group=group)
     return int(t.item())
 
 
@@ -195,10 +197,13 @@ class TPPool(_PoolSurface):
         every rank of the group must call it at the same point.
         """
         d = np.frombuffer(self.digest(), dtype=np.int64)
-        mine = torch.tensor([d[0], d[1], self.calls], dtype=torch.int64, device=self._device)
         ranks = group_ranks(self.group)
-        out = [torch.empty_like(mine) for _ in ranks]
-        dist.all_gather(out, mine, group=self.group)
+        # Outside inference mode: verify runs inside the engine's extend, and torch 2.4's gloo
+        # writes a collective's outputs from a thread outside it, which refuses inference tensors.
+        with persistent():
+            mine = torch.tensor([d[0], d[1], self.calls], dtype=torch.int64, device=self._device)
+            out = [torch.empty_like(mine) for _ in ranks]
+            dist.all_gather(out, mine, group=self.group)
         rows = [tuple(int(v) for v in t.cpu()) for t in out]
         bad = tuple(r for r, row in zip(ranks, rows) if row != rows[0])
         if bad:
@@ -281,10 +286,11 @@ def tp_pool(*args: Any, group: Any = None, check_every: int = 64, seed: int | No
     # (the failed rank's own device argument may be what failed: the group's default then)
     where = comm_device(group, torch.device("cpu") if pool is None else torch.device(pool.device))
     # (host pages too: a host_memory_bytes from each machine's free memory differs as well)
-    mine = torch.tensor([-1, -1] if pool is None else [pool.num_pages, pool.allocator.host_pages],
-                        dtype=torch.int64, device=where)
-    sizes_of = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(sizes_of, mine, group=group)
+    with persistent():  # (outside inference mode: see verify)
+        mine = torch.tensor([-1, -1] if pool is None else [pool.num_pages, pool.allocator.host_pages],
+                            dtype=torch.int64, device=where)
+        sizes_of = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(sizes_of, mine, group=group)
     counts = [int(t[0].item()) for t in sizes_of]
     if failed is not None or pool is None:
         raise failed or InvalidArgumentError("tp_pool: no pool was built")
