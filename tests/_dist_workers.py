@@ -225,7 +225,8 @@ def _raw_cases(rank: int) -> dict[str, Any]:
             h = kv_transfer.recv_request(pool, 0)
             slots = pool.slots(h)
         out[name] = {"read": [pool.read(layer, slots) for layer in range(pool.num_layers)],
-                     "raw": [c[:, torch.from_numpy(slots).long()].contiguous().view(torch.uint8)
+                     # (bytes indexed: torch 2.4 has no CPU indexing of fp8)
+                     "raw": [c.view(torch.uint8)[:, torch.from_numpy(slots).long()].contiguous()
                              for _, c in pool._storage.tensors()] if name != "fp8_rescaled" else None}
         pool.close([h])
         pool.check()
