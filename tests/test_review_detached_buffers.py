@@ -16,6 +16,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
 CHILD = textwrap.dedent(
     """
     import threading
@@ -54,6 +57,10 @@ CHILD = textwrap.dedent(
 )
 
 
+# scatter_rows copies in place only through torch's DLPack exchange API (torch 2.4 has none: it
+# declines every call, and there is no copy to race).
+@pytest.mark.skipif(not hasattr(torch._C, "_dlpack_exchange_api"),
+                    reason="this torch has no DLPack C exchange API: scatter_rows declines every call")
 def test_scatter_rows_source_repointed_by_another_thread_keeps_its_storage() -> None:
     """The copy reads the storage the source had when the call began, whatever the
     other thread does to the tensor meanwhile; every row lands, nothing crashes."""
