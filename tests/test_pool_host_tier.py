@@ -62,7 +62,8 @@ def write(pool, slots, tokens, start):
 def raw(pool, slots):
     """Every layer's stored bytes at ``slots`` (fp8 and MLA alike), as one uint8 tensor."""
     idx = torch.as_tensor(np.asarray(slots, dtype=np.int64))
-    return torch.cat([c[:, idx].contiguous().reshape(-1).view(torch.uint8) for c in pool._storage.caches])
+    # (the uint8 view indexed: torch 2.4 has no CPU indexing of fp8)
+    return torch.cat([c.view(torch.uint8)[:, idx].contiguous().reshape(-1) for c in pool._storage.caches])
 
 
 def serve(pool, prompt):
