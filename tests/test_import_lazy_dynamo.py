@@ -58,3 +58,31 @@ def test_a_pool_built_before_dynamo_loads_writes_under_compile_as_eagerly():
                "import kvpool._eager\nfrom kvpool import rows\n"
                "print(loaded, not isinstance(rows._write_eager, kvpool._eager.EagerOnly))")
     assert out.split()[1] == "True", out
+
+
+def test_pools_built_on_two_threads_at_once_both_build(monkeypatch):
+    # Before: prepare() checked `while _PENDING` and then popped, so a pool built on another thread
+    # that popped the last placeholder in between made this constructor raise an untyped IndexError
+    # ("pop from empty list"). The interleaving is forced: the check sees one placeholder, which
+    # the other thread's prepare() takes before the pop.
+    import torch._dynamo  # noqa: F401 - prepare() makes the wrappers only once Dynamo is loaded
+
+    import kvpool
+    from kvpool import _eager
+
+    made = []
+
+    class OtherThreadPopsFirst(list):
+        def __bool__(self) -> bool:
+            nonempty = len(self) > 0
+            if nonempty:
+                made.append(self.pop())  # (the other thread's prepare)
+            return nonempty
+
+    space: dict = {}
+    pending = OtherThreadPopsFirst()
+    monkeypatch.setattr(_eager, "_PENDING", pending)
+    _eager.EagerOnly(space, "f", len)
+    kvpool.KVPool(2, 2, 4, dtype=torch.float32, num_pages=16, max_requests=2, max_context_len=8)
+    assert not pending
+    assert made or "f" in space  # (made by one of the two prepares)

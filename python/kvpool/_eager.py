@@ -49,5 +49,11 @@ class EagerOnly:
 def prepare() -> None:
     """Make every wrapper now if Dynamo is loaded (nothing can trace a caller before it is)."""
     if "torch._dynamo" in sys.modules:
-        while _PENDING:
-            _PENDING.pop().make()
+        while True:
+            # One atomic pop, no check before it: pools built on two threads at once both run
+            # this, and a check-then-pop raised IndexError out of the constructor that lost.
+            try:
+                pending = _PENDING.pop()
+            except IndexError:
+                return
+            pending.make()
