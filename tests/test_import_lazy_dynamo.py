@@ -86,3 +86,30 @@ def test_pools_built_on_two_threads_at_once_both_build(monkeypatch):
     kvpool.KVPool(2, 2, 4, dtype=torch.float32, num_pages=16, max_requests=2, max_context_len=8)
     assert not pending
     assert made or "f" in space  # (made by one of the two prepares)
+
+
+def test_a_pool_built_before_torch_compile_loads_dynamo_is_compiled_once():
+    # The usual order: build the pool, then torch.compile (which loads Dynamo). Before: the
+    # placeholders were replaced by their wrappers inside the first trace, whose guard named the
+    # placeholder, so the next call recompiled `write` and `read` (an error under
+    # error_on_recompile or the "fail_on_recompile" stance, where wrappers made at import never
+    # recompiled). The steady calls after a warm-up must not recompile.
+    out = _run("import sys, torch, kvpool\n"
+               "p = kvpool.KVPool(2, 2, 4, dtype=torch.float32, page_size=1, num_pages=32, max_requests=2,"
+               " max_context_len=16)\n"
+               "loaded = 'torch._dynamo' in sys.modules\n"
+               "def step(pool, loc, k, v):\n"
+               "    pool.write(0, loc, k, v)\n"
+               "    a, b = pool.read(0, loc)\n"
+               "    return a.sum() + b.sum()\n"
+               "fn = torch.compile(step, backend='eager')\n"
+               "h = p.open(1)\n"
+               "k, v = torch.randn(1, 2, 4), torch.randn(1, 2, 4)\n"
+               "with torch.inference_mode():\n"
+               "    fn(p, p.extend(h, 1).out_cache_loc, k, v)\n"
+               "    torch._dynamo.config.error_on_recompile = True\n"
+               "    for _ in range(3):\n"
+               "        got = fn(p, p.extend(h, 1).out_cache_loc, k, v)\n"
+               "        assert torch.equal(got, k.sum() + v.sum()), got\n"
+               "print(loaded, 'ok')")
+    assert out.split()[-1] == "ok", out

@@ -1,4 +1,4 @@
-"""``EagerOnly``: a module's function that runs eagerly while ``torch.compile`` traces its
+"""``eager_only``: a module's function that runs eagerly while ``torch.compile`` traces its
 caller (``torch.compiler.disable``), the wrapper made on first use.
 
 ``torch.compiler.disable`` imports ``torch._dynamo``, which takes about as long as importing
@@ -7,11 +7,18 @@ though they only ever run while Dynamo traces (their callers test
 ``torch.compiler.is_compiling()`` first), when Dynamo is loaded anyway; a router, a metrics
 process or a pool without ``torch.compile`` never needs it.
 
-Once made, the wrapper replaces the placeholder in its module's namespace, so a trace calls
-the disabled function itself, exactly as a wrapper made at import (a placeholder Dynamo has to
-step through costs that trace one more frame). A pool's construction makes them all when Dynamo
-is already loaded (``prepare``); one made inside a trace (a pool built before anything loaded
-Dynamo) costs that first trace the extra frame and gives the same result.
+``eager_only`` gives torch's own lazy form of it, ``torch._disable_dynamo`` (what torch uses
+inside itself to the same end; torch 2.4 on): a function Dynamo never steps into, whatever it
+traces (a graph break, as for ``torch.compiler.disable``), which makes the disabled function at
+its first call. It is the same object for good, so a trace's guards on it hold: a pool built
+before ``torch.compile`` loaded Dynamo compiles its callers once, as with a wrapper made at
+import.
+
+``EagerOnly`` is the fallback for a torch without that function: a placeholder whose wrapper,
+once made, replaces it in its module's namespace, so a trace calls the disabled function itself.
+A pool's construction makes them all when Dynamo is already loaded (``prepare``); one made
+inside a trace (a pool built before anything loaded Dynamo) changes what the trace's guards saw,
+so its caller compiles once more at the next call.
 """
 
 from __future__ import annotations
@@ -22,9 +29,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["EagerOnly", "prepare"]
+__all__ = ["EagerOnly", "eager_only", "prepare"]
 
 _PENDING: list[EagerOnly] = []
+
+
+def eager_only(namespace: dict[str, Any], name: str, fn: Callable[..., Any]) -> Any:
+    """What ``namespace[name]`` holds: ``fn`` run eagerly under ``torch.compile`` (module doc)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else EagerOnly(namespace, name, fn)
 
 
 class EagerOnly:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvpool._eager import EagerOnly
+from kvpool._eager import eager_only
 from kvpool.errors import TensorShapeError
 from kvpool.layout import KVStorage
 from kvpool.row_stores import index_copy_rows, scatter_into
@@ -101,5 +101,5 @@ class HybridRows:
 
 
 # write / read of a host pool while torch.compile traces: run eagerly (see write).
-_write_eager: Any = EagerOnly(globals(), "_write_eager", HybridRows.write)
-_read_eager: Any = EagerOnly(globals(), "_read_eager", HybridRows.read)
+_write_eager: Any = eager_only(globals(), "_write_eager", HybridRows.write)
+_read_eager: Any = eager_only(globals(), "_read_eager", HybridRows.read)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool._eager import EagerOnly
+from kvpool._eager import eager_only
 from kvpool._forksafe import acquire_interruptible
 from kvpool.errors import SlotRangeError, TensorShapeError
 from kvpool.kernels._common import cache_geom, use_triton
@@ -390,5 +390,5 @@ class RowsMixin:
 
 
 # write / read of a host pool while torch.compile traces: run eagerly (see write).
-_write_eager: Any = EagerOnly(globals(), "_write_eager", RowsMixin.write)
-_read_eager: Any = EagerOnly(globals(), "_read_eager", RowsMixin.read)
+_write_eager: Any = eager_only(globals(), "_write_eager", RowsMixin.write)
+_read_eager: Any = eager_only(globals(), "_read_eager", RowsMixin.read)

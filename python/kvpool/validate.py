@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool._eager import EagerOnly
+from kvpool._eager import eager_only
 from kvpool._values import host_array, is_int
 from kvpool.errors import (
     DuplicateSlotError,
@@ -208,4 +208,4 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-_slots_tensor_eager: Any = EagerOnly(globals(), "_slots_tensor_eager", _slots_tensor)
+_slots_tensor_eager: Any = eager_only(globals(), "_slots_tensor_eager", _slots_tensor)
