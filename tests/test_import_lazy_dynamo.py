@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+import kvpool
+
+# Where this process imported kvpool from (the source tree with a built _core, or site-packages
+# where CI installs it): the child imports the same one.
+PYTHON_DIR = str(Path(kvpool.__file__).resolve().parents[1])
 
 
 def _run(code: str) -> str:
