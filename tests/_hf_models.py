@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 transformers = __import__("pytest").importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-__import__("pytest").importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from transformers import (  # noqa: E402
     GenerationMixin,
     LlamaConfig,

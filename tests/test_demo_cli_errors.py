@@ -60,7 +60,7 @@ def test_bad_setting_is_a_usage_error(capsys, extra, message):
 
 def test_hf_checkpoint_without_weights_is_a_usage_error(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+    __import__("_hf_skip").require_hf()  # transformers may refuse this torch
     transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as info:
@@ -79,7 +79,7 @@ def test_an_hf_checkpoint_the_loaders_refuse_is_a_usage_error(tmp_path, capsys, 
     """transformers and safetensors refuse a bad checkpoint with their own exception types
     (not ValueError): those were tracebacks."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+    __import__("_hf_skip").require_hf()  # transformers may refuse this torch
     if config is None:
         transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)

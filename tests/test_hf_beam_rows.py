@@ -13,7 +13,7 @@ import torch
 import kvpool
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from _hf_models import greedy, left_padded, tiny_model  # noqa: E402
 from test_hf_reorder_failure import open_rows  # noqa: E402
 from transformers import DynamicCache  # noqa: E402

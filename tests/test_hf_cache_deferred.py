@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 
 from test_hf_cache_steps import LAYERS, PAGE, D, H, make_pool, scramble, stored_in_pool  # noqa: E402
 

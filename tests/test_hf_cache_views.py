@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 
 from kvpool import KVPool  # noqa: E402
 from kvpool.integrations.transformers import KVPoolCache  # noqa: E402

@@ -13,7 +13,7 @@ from _hf_hybrid_models import MODELS, P, W, tiny
 from _hf_models import CACHE_KW, VOCAB, greedy, left_padded
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from transformers import DynamicCache
 
 from kvpool.errors import TensorDeviceError, TensorDtypeError, TensorShapeError

@@ -53,7 +53,7 @@ def test_rows_and_burst_sections_write_their_json(tmp_path, capsys):
 
 def test_hf_section_compares_both_caches_and_checks_their_tokens(tmp_path):
     pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-    pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+    __import__("_hf_skip").require_hf()  # transformers may refuse this torch
     from kvpool.bench.__main__ import main
 
     assert main(["overhead", "--quick", "--sections", "hf", "--hf-lengths", "128:64,1024:128",

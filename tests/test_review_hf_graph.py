@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 
 import _dist  # noqa: E402
 from test_graph_runner import make_pool  # noqa: E402

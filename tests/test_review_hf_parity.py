@@ -11,7 +11,7 @@ from _hf_hybrid_models import P, tiny
 from _hf_models import CACHE_KW, PAD, greedy, left_padded
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from transformers import DynamicCache  # noqa: E402
 
 from kvpool.errors import IncompleteForwardError, InvalidArgumentError  # noqa: E402

@@ -12,6 +12,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from _hf_skip import require_hf
 
 import kvpool
 from kvpool import InvalidArgumentError
@@ -53,7 +54,7 @@ def hybrid_pool() -> kvpool.KVPool:
 def test_hybrid_cache_refuses_what_is_not_a_hybrid_pool(pool):
     """It read pool.state_shapes first: an AttributeError, also for a plain KVPool (the
     likely mistake, which KVPoolCache serves)."""
-    tr = pytest.importorskip("kvpool.integrations.transformers")
+    tr = require_hf()
     pool = plain_pool() if pool == "plain" else pool
     with pytest.raises(InvalidArgumentError, match="HybridKVPoolCache") as info:
         tr.HybridKVPoolCache(pool)
@@ -65,7 +66,7 @@ def test_hybrid_cache_refuses_what_is_not_a_hybrid_pool(pool):
 def test_release_buffers_of_a_hybrid_pool_has_nothing_to_free():
     """docs/transformers.md: release_buffers(pool) frees what closed caches left to the pool.
     On a hybrid pool (whose caches keep no spares) it raised AttributeError: no page_size."""
-    tr = pytest.importorskip("kvpool.integrations.transformers")
+    tr = require_hf()
     pool = hybrid_pool()
     with tr.KVPoolCache(pool) as cache:
         assert isinstance(cache, tr.HybridKVPoolCache)
@@ -75,7 +76,7 @@ def test_release_buffers_of_a_hybrid_pool_has_nothing_to_free():
 
 @pytest.mark.parametrize("pool", [None, 3, "pool", kvpool.SlotAllocator(8)], ids=repr)
 def test_release_buffers_refuses_what_is_not_a_pool(pool):
-    tr = pytest.importorskip("kvpool.integrations.transformers")
+    tr = require_hf()
     with pytest.raises(InvalidArgumentError, match="release_buffers"):
         tr.release_buffers(pool)
 
@@ -83,7 +84,7 @@ def test_release_buffers_refuses_what_is_not_a_pool(pool):
 @pytest.mark.parametrize("model", [None, 3, torch.nn.Linear(2, 2), {"num_attention_heads": 2}], ids=repr)
 def test_pool_for_model_refuses_what_is_not_a_model_or_config(model):
     """It raised AttributeError: no num_attention_heads."""
-    tr = pytest.importorskip("kvpool.integrations.transformers")
+    tr = require_hf()
     with pytest.raises(InvalidArgumentError, match="num_attention_heads"):
         tr.pool_for_model(model, max_tokens=64)
 
@@ -186,7 +187,7 @@ def test_kvpool_annotations_take_the_documented_hybrid_call():
 def test_kvpool_cache_signature_is_its_constructor():
     import inspect
 
-    tr = pytest.importorskip("kvpool.integrations.transformers")
+    tr = require_hf()
     for cls in (tr.KVPoolCache, tr.HybridKVPoolCache):
         params = inspect.signature(cls).parameters
         assert list(params) == ["pool", "prefix_ids", "salt", "layer_buffers"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from _hf_models import greedy, left_padded  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 

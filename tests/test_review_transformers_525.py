@@ -19,7 +19,7 @@ from _hf_hybrid_models import P, tiny
 from _hf_models import greedy, left_padded, tiny_model
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-pytest.importorskip("kvpool.integrations.transformers")  # transformers may refuse this torch
+__import__("_hf_skip").require_hf()  # transformers may refuse this torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
