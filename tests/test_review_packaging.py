@@ -203,3 +203,20 @@ def test_the_wheel_version_is_the_crates_version():
     py = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     cargo = tomllib.loads((root / "Cargo.toml").read_text())["workspace"]["package"]["version"]
     assert py == cargo
+
+
+def test_the_test_extra_installs_on_the_declared_python_floor():
+    """requires-python says 3.10, but transformers 5.21+ need Python 3.11: the test extra's
+    transformers>=5.23, unmarked, made `pip install '.[test]'` unresolvable on 3.10 (the HF tests
+    skip there). The marker must leave it out on the floor and keep it from 3.11 on."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    floor = project["requires-python"].removeprefix(">=")
+    assert floor == "3.10", project["requires-python"]
+    (hf,) = [r for r in map(requirements.Requirement, project["optional-dependencies"]["test"]) if r.name == "transformers"]
+    assert hf.marker is not None, f"{hf}: transformers 5.21+ do not install on Python {floor}"
+    assert not hf.marker.evaluate({"python_version": floor}) and hf.marker.evaluate({"python_version": "3.11"}), str(hf)
