@@ -63,14 +63,19 @@ def test_an_fp8_pool_on_cpu_starts_zeroed_and_round_trips(layout: str, dtype: to
     ("transformers.__version__ = '5.22.2'", r"API of 5\.23 on; found transformers 5\.22\.2: .*transformers>=5\.23,<6"),
     ("transformers.__version__ = '6.0.0'", r"found transformers 6\.0\.0"),
     ("import transformers.utils as u; u.is_torch_available = lambda: False", r"does not run on torch .*torch>=2\.6"),
-], ids=["5.22", "6.0", "torch-disabled"])
+    # Python 3.10 gets transformers 5.20 at most (5.21+ need 3.11): 'pip install kvpool[hf]' cannot
+    # help there, and the message says why. (version_info is set after the imports that might read it.)
+    ("import transformers.cache_utils, transformers.utils, torch, kvpool\n"
+     "sys.version_info = (3, 10, 13, 'final', 0); transformers.__version__ = '5.20.2'",
+     r"found transformers 5\.20\.2: .*transformers 5\.21\+ need Python 3\.11\+; this is Python 3\.10"),
+], ids=["5.22", "6.0", "torch-disabled", "python-3.10"])
 def test_the_transformers_integration_refuses_what_it_cannot_run_on(patch: str, message: str) -> None:
     """transformers 5.0-5.22 lack the cache-layer API KVPoolCache implements (an ImportError from
     _hybrid before 5.15, an AttributeError on Cache.is_dummy at the first cache before 5.23), and
     5.20+ switch their torch support off below torch 2.6 (models become placeholders): the
     import says so, with what to install. A fresh interpreter, as the check runs at import."""
     pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers>=5.23)")
-    code = f"import transformers\n{patch}\nimport kvpool.integrations.transformers\n"
+    code = f"import sys, transformers\n{patch}\nimport kvpool.integrations.transformers\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "ImportError" in r.stderr, r.stderr[-2000:]
     assert re.search(message, r.stderr.strip().splitlines()[-1]), r.stderr[-2000:]

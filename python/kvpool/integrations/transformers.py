@@ -48,6 +48,7 @@ for its backward while the cache goes on storing (docs/transformers.md).
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -55,19 +56,26 @@ from typing import Any
 import numpy as np  # (annotations: KVPoolCache.handles / cached_lens)
 import torch
 
+# transformers 5.21+ need Python 3.11: on 3.10 pip stops at 5.20, so 'kvpool[hf]' cannot install there.
+if sys.version_info >= (3, 11):
+    _PYTHON_HINT = ""
+else:
+    _PYTHON_HINT = f" (transformers 5.21+ need Python 3.11+; this is Python {sys.version_info[0]}.{sys.version_info[1]})"
+
 try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: F401 - part of the version check (KVPoolLayer uses it)
     from transformers.utils import is_torch_available
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "kvpool.integrations.transformers needs transformers>=5.23,<6: pip install 'kvpool[hf]'") from e
+        f"kvpool.integrations.transformers needs transformers>=5.23,<6: pip install 'kvpool[hf]'{_PYTHON_HINT}") from e
 
 # 5.23: the cache-layer API this module implements (Cache.is_dummy, 5.23; get_layer_types_and_kwargs,
 # 5.15); before, KVPoolCache failed with AttributeErrors on its first use.
 if not (5, 23) <= tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit()) < (6,):
     raise ImportError(f"kvpool.integrations.transformers targets the transformers 5.x cache-layer API of 5.23 on; "
-                      f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5.23,<6)")
+                      f"found transformers {transformers.__version__}: pip install 'kvpool[hf]' (transformers>=5.23,<6)"
+                      f"{_PYTHON_HINT}")
 # transformers >= 5.20 turns its torch support off below torch 2.6 (its models become placeholders).
 if not is_torch_available():
     raise ImportError(f"transformers {transformers.__version__} does not run on torch {torch.__version__} (it disabled "
