@@ -14,6 +14,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 import kvpool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +42,19 @@ def _junit(path: Path) -> dict:
     return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 
 
+def _hf_missing() -> str | None:
+    """Why the session's HF sections cannot run here (None when they can)."""
+    try:
+        import kvpool.integrations.transformers  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def _is_hf_section(name: str) -> bool:
+    return name in ("hf", "hf_split", "hf_diff") or name.startswith("cuda_tests:test_hf_")
+
+
 def test_dry_run_of_the_whole_session(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--device", "cpu", "--out", str(out)],
@@ -47,7 +62,15 @@ def test_dry_run_of_the_whole_session(tmp_path):
     report = json.loads((out / "session.json").read_text())
     sections = report["sections"]
     bad = {k: v for k, v in sections.items() if v["status"] != "ok"}
-    assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    # Without the hf extra (Python 3.10 cannot install transformers 5.23; torch < 2.6 disables it) the
+    # HF sections fail, as the session should report them; every other section is still checked below.
+    hf_missing = _hf_missing()
+    if hf_missing is not None:
+        assert all(v["status"] != "ok" for k, v in sections.items() if _is_hf_section(k))
+        bad = {k: v for k, v in bad.items() if not _is_hf_section(k)}
+        assert not bad, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    else:
+        assert not bad and proc.returncode == 0, f"{json.dumps(bad, indent=1)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     cuda = [f"cuda_tests:{p.stem}" for p in S.cuda_test_files()]
     assert list(sections) == ["env", "preflight", "codegen", "gpu_check", "host_us", "launch", "hf", "hf_split", "hf_diff", *cuda,
                               "shapes"]
@@ -82,6 +105,16 @@ def test_dry_run_of_the_whole_session(tmp_path):
         for part in ("write", "bare_index_copy_x2", "read", "bare_index_select_x2"):
             assert launch[f"{tag}:{part}"]["median_us"] > 0, (tag, part, launch.get(f"{tag}:{part}"))
     assert launch["table_b256:write_req_to_token"]["median_us"] > 0, launch.get("table_b256:write_req_to_token")
+    shapes = json.loads((out / "shapes.json").read_text())["shapes"]
+    assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
+    for name, r in shapes.items():
+        assert "error" not in r, (name, r)
+        for op in ("store_kv", "gather_kv", "copy_slots"):
+            assert r["rows"][0][op]["GBps"] >= 0, (name, op, r["rows"][0][op])
+    for p in S.cuda_test_files():
+        assert (out / "cuda_tests" / f"{p.stem}.xml").exists()
+    if hf_missing is not None:
+        pytest.skip(f"the rest passed; the HF sections' outputs are unchecked: {hf_missing}")
     hf = json.loads((out / "hf.json").read_text())
     assert hf["settings"]["device"] == "cpu" and hf["token_mismatches"] == 0 and hf["results"][0]["kvpool_tok_s"] > 0
     split = json.loads((out / "hf_split.json").read_text())
@@ -93,14 +126,6 @@ def test_dry_run_of_the_whole_session(tmp_path):
     # KVPoolCache's own step code shows up, in its column only.
     ours = ("_requests.py", "_batch_steps.py")
     assert any(any(f in r["function"] for f in ours) and r["dynamic_us"] == 0 < r["kvpool_us"] for r in diff["rows"])
-    shapes = json.loads((out / "shapes.json").read_text())["shapes"]
-    assert set(shapes) == set(__import__("gpu_shapes").SHAPES)
-    for name, r in shapes.items():
-        assert "error" not in r, (name, r)
-        for op in ("store_kv", "gather_kv", "copy_slots"):
-            assert r["rows"][0][op]["GBps"] >= 0, (name, op, r["rows"][0][op])
-    for p in S.cuda_test_files():
-        assert (out / "cuda_tests" / f"{p.stem}.xml").exists()
 
 
 def _sections(tmp_path, *specs):
