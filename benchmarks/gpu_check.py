@@ -9,7 +9,8 @@ serves every CPython >= 3.9). Needs torch >= 2.4 with Triton and numpy on the bo
 
 (carry python/kvpool/_core.abi3.so to the box: *.so is git-ignored). Under five
 minutes with a cold Triton cache on an H200; a --budget-s guard skips whatever
-sections would start after the budget. Writes JSON to --out, else
+sections would start after the budget; exits 1 when a section raised (named in the
+summary's "errors"). Writes JSON to --out, else
 $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json (rewritten after every
 section, so a crash keeps what ran), and prints every figure. Sections (each
 isolated: an error is recorded and the next section runs):
@@ -200,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         save()  # partial results survive a crash
     report["total_s"] = round(time.perf_counter() - t_all, 1)
     report["summary"] = _summary(report)
+    # A section that raised has no ok flag, so the summary's flags alone would not show it; and a
+    # session (gpu_session.py) reads this exit code as the section's status.
+    errors = [k for k in sections if isinstance(report.get(k), dict) and "error" in report[k]]
+    report["summary"]["errors"] = errors
     save()
     log(f"summary: {json.dumps(report['summary'])}")
     log(f"wrote {out_path} ({report['total_s']} s)")
+    if errors:
+        log(f"sections that raised: {', '.join(errors)} (their tracebacks are in the JSON)")
+        return 1
     return 0
 
 

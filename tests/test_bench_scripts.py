@@ -63,6 +63,23 @@ def test_gpu_check_dry_run_of_one_section_writes_strict_json(script, tmp_path):
     assert gpu_check.main(["--device", "cpu", "--only", "shared_pages", "--out", str(out)]) == 0
     doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert doc["shared_pages"]["ok"] is True and set(doc["seconds"]) == {"shared_pages"}
+    assert doc["summary"]["errors"] == []
+
+
+def test_gpu_check_exits_1_and_names_a_section_that_raised(script, tmp_path, monkeypatch):
+    # A raised section has no ok flag: without this, a GPU session read the run as ok.
+    gpu_check = script("gpu_check")
+    import gpu_correctness
+
+    def broken():
+        raise RuntimeError("index_cpu not implemented for Float8_e4m3fn")
+
+    monkeypatch.setattr(gpu_correctness, "section_shared_pages", broken)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--only", "shared_pages", "--out", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["errors"] == ["shared_pages"]
+    assert "index_cpu not implemented" in doc["shared_pages"]["error"]
 
 
 @pytest.mark.parametrize("argv,says", [
