@@ -90,3 +90,75 @@ def test_rows_closed_by_another_thread_during_the_state_write_back_leave_new_row
     pool.close(pre[[0, 2]])
     pool.check()
     assert pool.open_requests == 0
+
+
+def _hook_extend(pool, at_call: int, other) -> list[tuple[threading.Thread, bool]]:
+    """Start ``other()`` in another thread at the ``at_call``-th ``pool.extend`` of the calling
+    thread (after the step's edit check, before its extend) and give it 0.5 s to finish first.
+    Returns each thread with whether it was still waiting then: where the step holds the pool's
+    lock from its check to its extend, the other thread's edit (which takes that lock) must wait
+    for the step, whatever the timing."""
+    calls, started = [0], []
+    owner = threading.get_ident()
+    real = pool.extend
+
+    def hooked(*a, **kw):
+        if threading.get_ident() == owner:
+            calls[0] += 1
+            if calls[0] == at_call:
+                t = threading.Thread(target=other, daemon=True)
+                t.start()
+                t.join(0.5)
+                started.append((t, t.is_alive()))
+        return real(*a, **kw)
+
+    pool.extend = hooked
+    return started
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
+@pytest.mark.parametrize("edit", ["truncate", "close"])
+@pytest.mark.parametrize("at_call", [2, 5, 8])  # (8: the last step's extend)
+def test_a_truncate_or_close_by_another_thread_before_the_step_extends_is_refused_or_lands_after(arch, edit, at_call):
+    """As the plain cache's step (tests/test_review_threads_hf.py): a truncate or close of the rows
+    by another thread between the hybrid step's edit check and its extend is refused typed at the
+    next step, or waits for the step; the step never extends rows whose length it no longer knows."""
+    model = tiny(arch)
+    g = torch.Generator().manual_seed(9)
+    p = torch.randint(3, VOCAB, (1, 2 * P + 3), generator=g)
+    with torch.inference_mode():
+        ref = greedy(model, p, None, 8).sequences
+    pool = pool_for_model(model, max_tokens=256, page_size=P, max_requests=4)
+    done: list = []
+
+    def other():
+        h = cache.requests.handles
+        try:
+            if edit == "truncate":  # (to a page start: a linear-attention model's checkpoints are there)
+                pool.truncate(h, [max(P, (int(pool.lengths(h)[0]) - 1) // P * P)])
+            else:
+                pool.close(h)
+        except kvpool.errors.KVPoolError as e:  # refused by the pool, nothing changed (no checkpoint there)
+            done.append(e)
+        else:
+            done.append(edit)
+
+    out = None
+    with torch.inference_mode(), KVPoolCache(pool) as cache:
+        started = _hook_extend(pool, at_call, other)
+        try:
+            out = greedy(model, p, None, 8, cache=cache).sequences
+        except kvpool.errors.KVPoolError:
+            pass
+        for t, _ in started:
+            t.join(JOIN_S)
+            assert not t.is_alive()
+    assert done, "the hook never ran"
+    # Before the fix the edit landed in the window and the step extended rows whose length it no
+    # longer knew (its attention then read a context the pool no longer had: silently wrong logits).
+    assert all(waited for _, waited in started), "another thread's edit landed between the step's check and extend"
+    if out is not None:
+        assert torch.equal(out, ref), (out, ref)
+    del pool.extend
+    pool.check()
+    assert pool.open_requests == 0

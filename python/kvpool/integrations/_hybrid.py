@@ -152,8 +152,13 @@ class HybridRequests:
         self.publish()
         self.flush()
         try:
-            check_context(self.pool, self.length, tokens)
-            ext = self.pool.extend(self.handles, tokens)
+            with self.pool._lock:
+                # Checked again with the extend under the pool's lock, as the plain cache's step: another
+                # thread's truncate or close of the rows since the check above would go unseen, and the
+                # step would extend rows whose length it no longer knows.
+                self.check_edits()
+                check_context(self.pool, self.length, tokens)
+                ext = self.pool.extend(self.handles, tokens)
         except BaseException:
             if self.fresh:
                 self.close()
