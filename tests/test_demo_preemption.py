@@ -11,6 +11,7 @@ import torch
 
 import kvpool
 from kvpool.demo.model import ModelConfig, build_model
+from kvpool.demo.requests import Request
 from kvpool.demo.shared_prefix import ForkRequest, PrefixEngine, shared_prefix_requests
 
 CFG = ModelConfig(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, max_positions=128, seed=3)
@@ -114,3 +115,17 @@ def test_reserve_admission_counts_the_copy_a_fork_family_makes(model):
             ForkRequest(rid=1, prompt=np.arange(40, 46), max_new_tokens=3)]
     _, stats, engine = serve(model, reqs, pages=4, page_size=4, admission="reserve", max_running=4)
     assert stats.preemptions == 0, engine.preempted
+
+
+@pytest.mark.parametrize("cls", [Request, ForkRequest])
+def test_requests_are_compared_by_identity(cls):
+    # The engine finds a victim in its running list with list.remove. Dataclass equality compared
+    # the numpy prompts and raised ValueError ("truth value of an array ... is ambiguous") for two
+    # forks of one request (same rid, same prompt) on Python 3.13, for equal rids with distinct
+    # prompts on every Python.
+    prompt = np.arange(4)
+    shared, fork, other = cls(2, prompt, 3), cls(2, prompt, 3, output=[5]), cls(2, np.arange(4), 3)
+    running = [other, fork, shared]
+    running.remove(shared)
+    assert running == [other, fork] and shared not in running and shared == shared
+    assert len({shared, fork, other}) == 3

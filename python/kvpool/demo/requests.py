@@ -8,7 +8,11 @@ import numpy as np
 import torch
 
 
-@dataclass
+# eq=False: a request is itself, not its field values. The engine finds its requests in lists
+# (running.remove(victim)); dataclass equality compared the numpy prompts, which has no truth
+# value, and raised for forks that share a rid (on every Python; from 3.13 whenever the rids
+# matched, as 3.13's dataclass __eq__ no longer takes the shared prompt as equal by identity).
+@dataclass(eq=False)
 class Request:
     rid: int
     prompt: np.ndarray          # int64 token ids

@@ -34,7 +34,7 @@ from kvpool.demo.engine import Engine
 from kvpool.demo.requests import Request
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity, as Request)
 class ForkRequest(Request):
     """A request that may ask for several continuations (``n``); ``rank`` picks a fork's first token."""
 
