@@ -108,6 +108,20 @@ def test_prefix_split_times_a_closing_requests_registration_apart_from_its_relea
     assert "close " in whole and "close: " not in whole
 
 
+def test_prefix_split_can_register_each_decode_steps_pages_at_decode(script, capsys):
+    argv = ["--num-slots", "64K", "--steps", "30", "--warmup", "20", "--page-sizes", "1", "--scenario", "chat",
+            "--split-close"]
+    def calls(extra: list[str]) -> dict[str, float]:
+        script("prefix_split").main(argv + extra)
+        out = capsys.readouterr().out
+        return {k: float(v) for k, v in (c.rsplit(" ", 1) for c in out[out.index("(") + 1:out.index(")")].split(", "))}
+
+    at_decode, at_close = calls(["--cache-at-decode"]), calls([])
+    assert "decode cache" not in at_close and at_decode["decode cache"] > 0
+    # Every output page was registered at its decode step, so a closing request has none left.
+    assert at_decode.get("close: cache", 0.0) < at_decode["decode cache"]
+
+
 @pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps"), (["--slots", "x"], "--slots"),
                                        (["--slots", "1000", "--page-size", "16"], "--slots 1000")])
 def test_prefix_call_times_rejects_bad_flags_before_it_runs(script, capsys, argv, says):
