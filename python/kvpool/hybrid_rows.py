@@ -45,8 +45,9 @@ class HybridRows:
         """
         if torch.compiler.is_compiling() and self.device.type == "cpu":
             # As the plain pool's write: one eager call (its slot check reads slot values), not
-            # the rest of the call compiled once per layer and batch size.
-            return _write_eager(self, layer, slots, k, v, strict=strict)
+            # the rest of the call compiled once per layer and batch size (and, as there, the
+            # arguments in one tuple, which torch 2.4 does not guard at the break).
+            return _write_eager(self, *(layer, slots, k, v), strict=strict)
         g = self._page_group(layer)
         if v is None:  # (the plain pool's signature: v is optional there for MLA, which has no groups)
             raise TensorShapeError("write(layer, slots, k, v) needs both k and v")
@@ -85,7 +86,7 @@ class HybridRows:
     def read(self, layer: int, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``layer``'s rows at ``slots`` (new tensors); negative slots read zeros."""
         if torch.compiler.is_compiling() and self.device.type == "cpu":
-            return _read_eager(self, layer, slots)  # as in write
+            return _read_eager(self, *(layer, slots))  # as in write (the tuple too)
         g = self._page_group(layer)
         idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
         st = self._storage[g.index]

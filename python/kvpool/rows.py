@@ -199,8 +199,11 @@ class RowsMixin:
         """
         if torch.compiler.is_compiling() and not self._device_slots_fast:
             # A host pool's checks read slot values: the call runs eagerly, one graph break,
-            # rather than Dynamo compiling the rest of it once per layer and batch size.
-            return _write_eager(self, layer, slots, k, v, strict=strict)
+            # rather than Dynamo compiling the rest of it once per layer and batch size. The
+            # arguments go in one tuple: at a graph break torch 2.4 guards every value on the
+            # stack (layer == 0, k.shape[0] == 3), so this frame compiled once per layer and
+            # batch size; values inside a tuple are passed on unguarded (kvpool._eager).
+            return _write_eager(self, *(layer, slots, k, v), strict=strict)
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = check_layer(layer, self.num_layers)
         if self.mla:
@@ -351,7 +354,7 @@ class RowsMixin:
             TensorDeviceError: a bad argument.
         """
         if torch.compiler.is_compiling() and not self._device_slots_fast:
-            return _read_eager(self, layer, slots)  # as in write
+            return _read_eager(self, *(layer, slots))  # as in write (the tuple too)
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = check_layer(layer, self.num_layers)
         idx, negative = self._slots(slots, False)
