@@ -87,3 +87,36 @@ def test_a_compiled_step_over_many_layers_does_not_recompile_write_per_layer(hyb
         assert torch.equal(pool.k_buffer(layer), ref.k_buffer(layer))
         assert torch.equal(pool.v_buffer(layer), ref.v_buffer(layer))
     torch_dynamo.reset()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
+def test_write_and_read_frames_compile_once_for_every_layer_of_a_batch_size(hybrid):
+    # The step's layer loop breaks the graph, so Dynamo compiles write and read as frames of
+    # their own. Their break to the eager call guarded the layer index: torch 2.4 kept one
+    # entry per layer for 0, 1 and 2 (it always specialises 0 and 1), torch 2.15 one for layer
+    # 0 and one for the rest. One batch size, two steps: one entry each for all 8 layers.
+    entries = getattr(torch_dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        pytest.skip("this torch has no torch._dynamo.eval_frame._debug_get_cache_entry_list")
+    from kvpool.hybrid_rows import HybridRows
+    from kvpool.rows import RowsMixin
+
+    pool = _many_layers(hybrid)
+
+    def many(p, res, k, v):
+        out = k.new_zeros(())
+        for layer in range(p.num_layers):
+            loc = res.for_layer(layer) if hybrid else res.out_cache_loc
+            p.write(layer, loc, k + layer, v)
+            out = out + p.read(layer, loc)[0].sum()
+        return out
+
+    torch_dynamo.reset()
+    fn = torch.compile(many, backend="eager")
+    h = pool.open(1)
+    for _ in range(2):
+        fn(pool, pool.extend(h, 3), torch.randn(3, H, D), torch.randn(3, H, D))
+    cls = HybridRows if hybrid else RowsMixin
+    got = {name: len(entries(getattr(cls, name).__code__)) for name in ("write", "read")}
+    torch_dynamo.reset()
+    assert got == {"write": 1, "read": 1}, got
