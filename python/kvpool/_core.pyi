@@ -168,6 +168,8 @@ class SlotAllocator:
         """Raises CopyRefusedError: a copy would hand out the same pages (fork a request instead)."""
     def __deepcopy__(self, _memo: Any, /) -> NoReturn:
         """Raises CopyRefusedError, as ``__copy__``."""
+    def __replace__(self, **_changes: Any) -> NoReturn:
+        """Raises CopyRefusedError, as ``__copy__`` (Python 3.13's ``copy.replace``)."""
 
     def __new__(
         cls,
@@ -922,6 +924,8 @@ class GroupedAllocator:
         """Raises CopyRefusedError: a copy would hand out the same pages (fork a request instead)."""
     def __deepcopy__(self, _memo: Any, /) -> NoReturn:
         """Raises CopyRefusedError, as ``__copy__``."""
+    def __replace__(self, **_changes: Any) -> NoReturn:
+        """Raises CopyRefusedError, as ``__copy__`` (Python 3.13's ``copy.replace``)."""
 
     def __new__(
         cls,

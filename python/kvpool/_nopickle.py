@@ -33,6 +33,11 @@ class NotCopyable:
     def __deepcopy__(self, memo: Any) -> Any:
         return self.__copy__()
 
+    def __replace__(self, **changes: Any) -> Any:
+        # Python 3.13's copy.replace() builds a modified copy: refused for the same reason, with the
+        # same typed error (without it, copy.replace says only that it "does not support" the type).
+        return self.__copy__()
+
 
 class NotPicklable(NotCopyable):
     #: Why this class cannot cross a process boundary (completes "cannot pickle a X: ...").

@@ -51,6 +51,16 @@ impl PySlotAllocator {
         Err(copy_refused(py, "SlotAllocator"))
     }
 
+    /// Python 3.13's `copy.replace()`: a modified copy, refused as a copy is.
+    #[pyo3(signature = (**_changes))]
+    fn __replace__(
+        &self,
+        py: Python<'_>,
+        _changes: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> PyResult<()> {
+        Err(copy_refused(py, "SlotAllocator"))
+    }
+
     fn __reduce_ex__(&self, _protocol: &Bound<'_, PyAny>) -> PyResult<()> {
         Err(pickle_refused("SlotAllocator"))
     }
@@ -63,6 +73,16 @@ impl PyGroupedAllocator {
     }
 
     fn __deepcopy__(&self, py: Python<'_>, _memo: &Bound<'_, PyAny>) -> PyResult<()> {
+        Err(copy_refused(py, "GroupedAllocator"))
+    }
+
+    /// Python 3.13's `copy.replace()`: a modified copy, refused as a copy is.
+    #[pyo3(signature = (**_changes))]
+    fn __replace__(
+        &self,
+        py: Python<'_>,
+        _changes: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> PyResult<()> {
         Err(copy_refused(py, "GroupedAllocator"))
     }
 
