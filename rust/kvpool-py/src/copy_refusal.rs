@@ -41,52 +41,35 @@ fn pickle_refused(name: &str) -> PyErr {
     PyTypeError::new_err(format!("cannot pickle a {name}: {SEND_INSTEAD}"))
 }
 
-#[pymethods]
-impl PySlotAllocator {
-    fn __copy__(&self, py: Python<'_>) -> PyResult<()> {
-        Err(copy_refused(py, "SlotAllocator"))
-    }
+/// `__copy__`, `__deepcopy__`, `__replace__` (Python 3.13's `copy.replace()`:
+/// a modified copy, refused as a copy is) and `__reduce_ex__` for one class.
+macro_rules! refuse_copies {
+    ($class:ty, $name:literal) => {
+        #[pymethods]
+        impl $class {
+            fn __copy__(&self, py: Python<'_>) -> PyResult<()> {
+                Err(copy_refused(py, $name))
+            }
 
-    fn __deepcopy__(&self, py: Python<'_>, _memo: &Bound<'_, PyAny>) -> PyResult<()> {
-        Err(copy_refused(py, "SlotAllocator"))
-    }
+            fn __deepcopy__(&self, py: Python<'_>, _memo: &Bound<'_, PyAny>) -> PyResult<()> {
+                Err(copy_refused(py, $name))
+            }
 
-    /// Python 3.13's `copy.replace()`: a modified copy, refused as a copy is.
-    #[pyo3(signature = (**_changes))]
-    fn __replace__(
-        &self,
-        py: Python<'_>,
-        _changes: Option<&Bound<'_, pyo3::types::PyDict>>,
-    ) -> PyResult<()> {
-        Err(copy_refused(py, "SlotAllocator"))
-    }
+            #[pyo3(signature = (**_changes))]
+            fn __replace__(
+                &self,
+                py: Python<'_>,
+                _changes: Option<&Bound<'_, pyo3::types::PyDict>>,
+            ) -> PyResult<()> {
+                Err(copy_refused(py, $name))
+            }
 
-    fn __reduce_ex__(&self, _protocol: &Bound<'_, PyAny>) -> PyResult<()> {
-        Err(pickle_refused("SlotAllocator"))
-    }
+            fn __reduce_ex__(&self, _protocol: &Bound<'_, PyAny>) -> PyResult<()> {
+                Err(pickle_refused($name))
+            }
+        }
+    };
 }
 
-#[pymethods]
-impl PyGroupedAllocator {
-    fn __copy__(&self, py: Python<'_>) -> PyResult<()> {
-        Err(copy_refused(py, "GroupedAllocator"))
-    }
-
-    fn __deepcopy__(&self, py: Python<'_>, _memo: &Bound<'_, PyAny>) -> PyResult<()> {
-        Err(copy_refused(py, "GroupedAllocator"))
-    }
-
-    /// Python 3.13's `copy.replace()`: a modified copy, refused as a copy is.
-    #[pyo3(signature = (**_changes))]
-    fn __replace__(
-        &self,
-        py: Python<'_>,
-        _changes: Option<&Bound<'_, pyo3::types::PyDict>>,
-    ) -> PyResult<()> {
-        Err(copy_refused(py, "GroupedAllocator"))
-    }
-
-    fn __reduce_ex__(&self, _protocol: &Bound<'_, PyAny>) -> PyResult<()> {
-        Err(pickle_refused("GroupedAllocator"))
-    }
-}
+refuse_copies!(PySlotAllocator, "SlotAllocator");
+refuse_copies!(PyGroupedAllocator, "GroupedAllocator");
