@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from _hf_models import greedy, tiny_model  # noqa: I001  (skips without transformers)
+from _thread_window import start_at_call
 
 import kvpool
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
@@ -26,6 +27,8 @@ from kvpool.integrations.transformers import KVPoolCache, pool_for_model
 NEW = 12
 JOIN_S = 60.0
 N_WORKERS = 3
+# The plain cache's step extends through either (layer buffers or not): the window ends at both.
+HOST_AND_DEVICE_EXTEND = ("_extend_host", "extend")
 
 
 @pytest.fixture(scope="module")
@@ -131,32 +134,6 @@ def test_threads_each_with_a_cache_on_one_pool(model, page_size, layer_buffers, 
     stress(model, page_size, layer_buffers, prefix)
 
 
-def _hook_extend(pool, at_call: int, other) -> list[threading.Thread]:
-    """Start ``other()`` in another thread at the ``at_call``-th ``_extend_host``/``extend`` call of
-    the calling thread (after the cache's edit check, before its extend: the window another
-    thread's edit of the rows would fall in), and give it up to 0.5 s to finish first. Where the
-    cache holds the pool's lock across that window, ``other`` waits for it instead (and runs
-    when it is released); the caller joins the returned threads."""
-    calls, started = [0], []
-    owner = threading.get_ident()
-
-    def wrap(real):
-        def hooked(*a, **kw):
-            if threading.get_ident() == owner:
-                calls[0] += 1
-                if calls[0] == at_call:
-                    t = threading.Thread(target=other, daemon=True)
-                    t.start()
-                    started.append(t)
-                    t.join(0.5)  # (not an assertion: either order is a valid interleaving)
-            return real(*a, **kw)
-        return hooked
-
-    pool._extend_host = wrap(pool._extend_host)
-    pool.extend = wrap(pool.extend)
-    return started
-
-
 # (call 2: the first decode step's extend, or with layer buffers the flush at the first page boundary.)
 @pytest.mark.parametrize("layer_buffers, page_size, at_call",
                          [(False, 16, 2), (False, 4, 2), (False, 4, 3), (True, 4, 2), (True, 4, 3), (True, 4, 4)])
@@ -173,9 +150,10 @@ def test_a_fork_by_another_thread_just_before_the_step_extends_is_followed(model
     with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
         # (the raw handles, read as another thread holding them from earlier would: cache.handles
         # flushes the cache, which only the cache's own thread may do)
-        started = _hook_extend(pool, at_call, lambda: forks.append(pool.fork(int(cache.requests.handles[0]))))
+        started = start_at_call(pool, at_call, lambda: forks.append(pool.fork(int(cache.requests.handles[0]))),
+                                HOST_AND_DEVICE_EXTEND)
         out = greedy(model, p, None, NEW, cache=cache).sequences
-        for t in started:
+        for t, _ in started:
             t.join(JOIN_S)
     assert forks, "the hook never ran"
     assert torch.equal(out, ref), (out, ref)
@@ -209,12 +187,12 @@ def test_a_truncate_or_close_by_another_thread_mid_generate_is_refused_or_lands_
 
     out = None
     with torch.inference_mode(), KVPoolCache(pool, layer_buffers=layer_buffers) as cache:
-        started = _hook_extend(pool, at_call, other)
+        started = start_at_call(pool, at_call, other, HOST_AND_DEVICE_EXTEND)
         try:
             out = greedy(model, p, None, NEW, cache=cache).sequences
         except kvpool.errors.KVPoolError:
             pass
-        for t in started:
+        for t, _ in started:
             t.join(JOIN_S)
     assert done, "the hook never ran"
     if out is not None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _hf_hybrid_models import P, tiny
 from _hf_models import VOCAB, greedy  # noqa: I001  (skips without transformers)
+from _thread_window import start_at_call
 
 import kvpool
 from kvpool.integrations.transformers import KVPoolCache, pool_for_model
@@ -92,30 +93,6 @@ def test_rows_closed_by_another_thread_during_the_state_write_back_leave_new_row
     assert pool.open_requests == 0
 
 
-def _hook_extend(pool, at_call: int, other) -> list[tuple[threading.Thread, bool]]:
-    """Start ``other()`` in another thread at the ``at_call``-th ``pool.extend`` of the calling
-    thread (after the step's edit check, before its extend) and give it 0.5 s to finish first.
-    Returns each thread with whether it was still waiting then: where the step holds the pool's
-    lock from its check to its extend, the other thread's edit (which takes that lock) must wait
-    for the step, whatever the timing."""
-    calls, started = [0], []
-    owner = threading.get_ident()
-    real = pool.extend
-
-    def hooked(*a, **kw):
-        if threading.get_ident() == owner:
-            calls[0] += 1
-            if calls[0] == at_call:
-                t = threading.Thread(target=other, daemon=True)
-                t.start()
-                t.join(0.5)
-                started.append((t, t.is_alive()))
-        return real(*a, **kw)
-
-    pool.extend = hooked
-    return started
-
-
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_next"])
 @pytest.mark.parametrize("edit", ["truncate", "close"])
 @pytest.mark.parametrize("at_call", [2, 5, 8])  # (8: the last step's extend)
@@ -145,7 +122,7 @@ def test_a_truncate_or_close_by_another_thread_before_the_step_extends_is_refuse
 
     out = None
     with torch.inference_mode(), KVPoolCache(pool) as cache:
-        started = _hook_extend(pool, at_call, other)
+        started = start_at_call(pool, at_call, other)
         try:
             out = greedy(model, p, None, 8, cache=cache).sequences
         except kvpool.errors.KVPoolError:
