@@ -14,6 +14,7 @@ from kvpool._eager import eager_only
 from kvpool.errors import TensorShapeError
 from kvpool.layout import KVStorage
 from kvpool.row_stores import index_copy_rows, scatter_into
+from kvpool.staging import to_device
 from kvpool.validate import check_flag, check_rows, slots_tensor
 
 __all__ = ["HybridRows"]
@@ -31,6 +32,20 @@ class HybridRows:
     _storage: list[KVStorage | None]
     _slot_in_group: dict[int, int]
     _page_group: Any  # (HybridKVPool's: the group of a layer with pages)
+    _to_device: Any  # the pinned ring's copy (CUDA); None on CPU
+
+    def _device_slots(self, idx: torch.Tensor, negative: bool) -> tuple[torch.Tensor, bool]:
+        """Checked slots as a CUDA pool indexes with them: host slots staged through the
+        pool's ring (as the plain pool's ``write``: index_copy_ / index_select refuse an index
+        on another device), and padding sent to the group's reserved page 0, its sink, rather
+        than dropped with ``nonzero``, which waits for the device at every layer's write (device
+        slots are always reported as maybe negative) and cannot be captured. A CPU pool's slots
+        are returned as they are."""
+        if self._to_device is None:
+            return idx, negative
+        if idx.device.type == "cpu":
+            idx = to_device(idx.numpy(), self.device, self._to_device)
+        return (idx.clamp(min=0), False) if negative else (idx, False)
 
     def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
               strict: bool = False) -> None:
@@ -56,6 +71,7 @@ class HybridRows:
         idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=strict)
         for name, x in (("k", k), ("v", v)):
             check_rows(name, x, idx.shape[0], self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        idx, negative = self._device_slots(idx, negative)
         k, v = k.detach(), v.detach()
         if negative:
             keep = (idx >= 0).nonzero().squeeze(1)
@@ -89,6 +105,8 @@ class HybridRows:
             return _read_eager(self, *(layer, slots))  # as in write (the tuple too)
         g = self._page_group(layer)
         idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
+        if self._to_device is not None and idx.device.type == "cpu":  # (padding is masked below: no sync)
+            idx = to_device(idx.numpy(), self.device, self._to_device)
         st = self._storage[g.index]
         assert st is not None
         i = self._slot_in_group[layer]
