@@ -110,11 +110,13 @@ def store_rows(
     caches' geometry (``vg`` is ``kg`` without V). ``KVPool.write`` calls this with the
     geometry it cached at construction, so a write checks its arguments once.
     Without V the kernel gets K's tensors in V's place (never touched: HAS_V=False)."""
-    if not k_cache.is_cuda:
+    if not (k_cache.is_cuda and torch.compiler.is_compiling()):
         # Rows that are views of a cache (moving rows within a layer) are stored as they
-        # were at the call, as KVPool.write stores them: index_copy_ refuses a source
-        # overlapping its destination, and would refuse V's after K's store went through;
-        # the kernel (Triton's interpreter, on the CPU) would read rows it already wrote.
+        # were at the call, as KVPool.write stores them, on every device: index_copy_ refuses
+        # a source overlapping its destination, and would refuse V's after K's store went
+        # through; the kernel (Triton's interpreter on the CPU, and on a GPU its programs in
+        # parallel) would read rows that other programs had already overwritten. (Not while
+        # Dynamo traces a CUDA write: the storage lookups would break its graph.)
         if c.views_of((k_cache, v_cache), k):
             k = k.clone()
         if c.views_of((k_cache, v_cache), v):
