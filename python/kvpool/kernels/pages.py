@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool import streams
 from kvpool._values import host_array
 from kvpool.errors import (
     DuplicateSlotError,
@@ -288,6 +289,7 @@ class PageTransfer:
         (so a transfer built on one stream and run on a copy stream stages there)."""
         if self._staged_once:
             return
+        refuse_staging_in_capture(self.device, "offload_pages / load_pages (PageTransfer.run)")
         self._staged_once = True
         if self._triton:
             self._ids_dev = self._staged(np.stack([self.dev_ids, self.host_ids]))
@@ -351,6 +353,19 @@ class PageTransfer:
         if not self.to_host:
             for ci, cw in enumerate(self.dev_words):
                 cw[l0 : l0 + nl].index_copy_(1, self._dev_sorted, staging[:, ci].transpose(0, 1))
+
+
+def refuse_staging_in_capture(device: torch.device, what: str) -> None:
+    """Raise ``TensorDeviceError`` if ``device``'s current stream is capturing a CUDA graph:
+    a transfer's first run copies its host page ids to the device, from a pinned buffer that
+    is freed (or a ring slot refilled) once the copy has run, so a replay would read stale or
+    freed memory, and a ring's event recorded inside the capture poisons every later query."""
+    if streams.capturing(device):
+        raise TensorDeviceError(
+            f"{what} was called while a CUDA graph is being captured on {device}: a transfer "
+            "copies its host page ids to the device, which cannot be captured. Run transfers "
+            "between steps (before capture or between replays). Nothing was queued"
+        )
 
 
 def _move(host: torch.Tensor, dev: torch.Tensor, to_host: bool) -> None:

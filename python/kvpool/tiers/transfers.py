@@ -51,7 +51,7 @@ import torch
 from kvpool._values import host_array
 from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorShapeError
 from kvpool.kernels import copy_slots
-from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor, check_host_geometry
+from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor, check_host_geometry, refuse_staging_in_capture
 from kvpool.torch_types import as_device
 from kvpool.validate import check_layer, require_plain_pool
 
@@ -305,6 +305,8 @@ class TransferRunner:
             if cp is not None:
                 copy_slots(self._all_caches, torch.from_numpy(cp[0]), torch.from_numpy(cp[1]))
             return batch
+        # Before the copy stream joins the caller's: a capture would record the id copies.
+        refuse_staging_in_capture(self.device, "TransferRunner.run")
         return self._queue(batch, off, ld, cp, layered)
 
     def _queue(self, batch: TransferBatch, off: PageTransfer | None, ld: PageTransfer | None,
