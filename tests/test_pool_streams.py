@@ -310,3 +310,32 @@ def test_cuda_ring_records_each_copy_on_the_stream_current_at_the_copy():
     torch.cuda.synchronize()
     assert first.tolist() == host.tolist() and held.tolist() == (host + 1).tolist()
     assert later.tolist() == (host + 2).tolist() and again.tolist() == (host + 3).tolist()
+
+
+def test_copy_order_makes_a_stream_object_only_for_a_stream_that_must_wait(monkeypatch):
+    """CopyOrder.wait runs at every extend once a copy was made: streams are told apart by
+    their raw handles, and ``torch.cuda.current_stream`` (a new Stream object at every call,
+    ~4 µs of host time) is asked only to record and for a stream that must wait. It was asked
+    at every wait."""
+    import kvpool.streams as streams_module
+
+    log: list = []
+    st = Streams(log)
+    made: list = []
+
+    def current_stream(device):
+        made.append(st.current.name)
+        return st.current
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(streams_module, "current_raw_stream", lambda device: hash(st.current.name))
+    order = CopyOrder(torch.device("cuda", 0), make_event=lambda: FakeEvent(log, "cow"))
+    order.wait()
+    order.copied()
+    for _ in range(5):
+        order.wait()  # the recording stream: nothing to wait for
+    st.current = st.s2
+    for _ in range(5):
+        order.wait()  # waits once
+    assert made == ["s1", "s2"]
+    assert log == [("record", "cow", "s1"), ("wait", "s2", "cow")]

@@ -67,18 +67,25 @@ class CopyOrder:
     again, so the latest record also covers every earlier copy. Callers hold
     the pool's lock around both methods.
 
+    ``wait`` runs at the start of every extend once a copy was made: it tells streams
+    apart by their raw handles, and makes a torch Stream object (``current_stream()``,
+    ~4 µs of host time on a GPU box, a new object at every call) only when that stream
+    must wait.
+
     Args:
         device: the pool's CUDA device.
-        make_event, current_stream: event and stream factories (tests inject fakes).
+        make_event, current_stream: event and stream factories (tests inject fakes); an
+            injected ``current_stream``'s objects are also what streams are told apart by.
     """
 
     def __init__(self, device: torch.device, *, make_event: Callable[[], Any] | None = None,
                  current_stream: Callable[[], Any] | None = None) -> None:
         self._make_event = make_event or torch.cuda.Event
         self._current = current_stream or (lambda: torch.cuda.current_stream(device))
+        self._key: Callable[[], Any] = current_stream or (lambda: current_raw_stream(device))
         self._event: Any = None
-        self._stream: Any = None
-        self._waited: list[Any] = []  # streams already waiting for the current record
+        self._stream: Any = None  # the key of the stream the event was last recorded on
+        self._waited: list[Any] = []  # keys of the streams already waiting for the current record
 
     def copied(self) -> None:
         """Record, on the caller's current stream, that the copies enqueued so far are done."""
@@ -86,15 +93,15 @@ class CopyOrder:
         if self._event is None:
             self._event = self._make_event()
         self._event.record(stream)
-        self._stream = stream
+        self._stream = self._key()
         self._waited.clear()
 
     def wait(self) -> None:
         """Make the caller's current stream wait for the last recorded copies (if another stream's)."""
         if self._event is None:
             return
-        stream = self._current()
-        if stream == self._stream or stream in self._waited:
+        key = self._key()
+        if key == self._stream or key in self._waited:
             return
-        stream.wait_event(self._event)
-        self._waited.append(stream)
+        self._current().wait_event(self._event)
+        self._waited.append(key)
