@@ -129,3 +129,72 @@ def test_cuda_transfers_are_refused_inside_a_real_capture():
             offload_pages(pool._storage.caches, host, [3], [2])
     runner.run(offloads=(np.array([4]), np.array([2])))  # the ring was not poisoned
     torch.cuda.synchronize()
+
+
+class Named:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name}.wait_stream")
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name}.wait_event")
+
+    def record(self, stream=None):
+        self.log.append("record")
+
+
+class KeyedStreams:
+    """Fake streams that tell the current stream apart without making its object, as
+    ``CudaStreams.key`` does with the raw handle; records the stream objects made."""
+
+    def __init__(self):
+        self.log, self.now, self.made = [], "compute", []
+
+    def current(self):
+        self.made.append(self.now)
+        return Named(self.log, self.now)
+
+    def key(self, stream=None):
+        return self.now if stream is None else stream.name
+
+    def new_stream(self):
+        return Named(self.log, "copy")
+
+    def new_event(self):
+        return Named(self.log, "event")
+
+    def use(self, stream):
+        return contextlib.nullcontext()
+
+
+def test_runner_wait_makes_a_stream_object_only_for_a_stream_that_must_wait():
+    """``TransferRunner.wait`` runs at every extend of a pool with a host tier once a transfer was
+    queued; it asked ``current()`` (on CUDA a new Stream object, ~4 µs) at every call."""
+    pool, host = pool_and_host()
+    fake = KeyedStreams()
+    runner = TransferRunner.for_pool(pool, host, streams=fake)
+    runner.run(offloads=(np.array([3]), np.array([1])))
+    fake.made.clear()
+    for _ in range(5):
+        runner.wait()  # the caller's stream already waits for the batch
+    assert fake.made == []
+    fake.now = "other"
+    for _ in range(5):
+        runner.wait()
+    assert fake.made == ["other"] and fake.log.count("other.wait_event") == 1
+
+
+def test_cuda_streams_key_is_the_raw_handle(monkeypatch):
+    import kvpool.tiers.transfers as T
+
+    monkeypatch.setattr(T, "current_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: pytest.fail("made a Stream object"))
+    streams = T.CudaStreams(torch.device("cuda", 0))
+    assert streams.key() == 1234
+
+    class Raw:
+        cuda_stream = 99
+
+    assert streams.key(Raw()) == 99

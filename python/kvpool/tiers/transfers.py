@@ -52,6 +52,7 @@ from kvpool._values import host_array
 from kvpool.errors import DuplicateSlotError, KernelArgumentError, SlotRangeError, TensorShapeError
 from kvpool.kernels import copy_slots
 from kvpool.kernels.pages import PageTransfer, Stage, _host_tensor, check_host_geometry, refuse_staging_in_capture
+from kvpool.streams import current_raw_stream
 from kvpool.torch_types import as_device
 from kvpool.validate import check_layer, require_plain_pool
 
@@ -78,6 +79,11 @@ class CudaStreams:
 
     def use(self, stream: Any) -> AbstractContextManager:
         return torch.cuda.stream(stream)
+
+    def key(self, stream: Any = None) -> int:
+        """What tells ``stream`` (default: the current one) apart: its raw handle, read without
+        making a Stream object (``current()`` makes one at every call, ~4 µs of host time)."""
+        return current_raw_stream(self.device) if stream is None else int(stream.cuda_stream)
 
 
 @dataclass
@@ -212,7 +218,7 @@ class TransferRunner:
         self._streams = streams
         self._copy_stream: Any = None
         self._last: Any = None  # event after the last batch's work
-        self._waited: list[Any] = []  # streams already waiting for _last
+        self._waited: list[Any] = []  # streams already waiting for _last (their ``_key``)
         self.num_layers = self.caches[0].shape[0]
         self.num_slots = self.caches[0].shape[1]
         # Token-major per-layer views: what copy_slots takes (all layers, or one).
@@ -343,7 +349,7 @@ class TransferRunner:
         batch.event = done
         # A layered run leaves the caller waiting for the offloads only: a later
         # wait() from it must still wait for the whole batch.
-        self._last, self._waited = done, [] if layered else [caller]
+        self._last, self._waited = done, [] if layered else [self._key(caller)]
         return batch
 
     def _staged_pair(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,11 +367,21 @@ class TransferRunner:
         (what a later call on another stream does before it hands out pages); no host sync."""
         if self._last is None or self._streams is None:
             return
-        stream = stream if stream is not None else self._streams.current()
-        if stream in self._waited:
+        # This runs at every extend once a transfer was queued: on CUDA the current stream is
+        # told apart by its raw handle, and its Stream object made only when it must wait.
+        key = self._key(stream)
+        if key in self._waited:
             return
-        stream.wait_event(self._last)
-        self._waited.append(stream)
+        (stream if stream is not None else self._streams.current()).wait_event(self._last)
+        self._waited.append(key)
+
+    def _key(self, stream: Any = None) -> Any:
+        """What tells ``stream`` (None: the current one) apart: the streams' ``key`` where
+        they have one (``CudaStreams``), else the stream object itself (fakes)."""
+        key = getattr(self._streams, "key", None)
+        if key is not None:
+            return key(stream)
+        return stream if stream is not None else self._streams.current()
 
     def synchronize(self) -> None:
         """Block the host until every queued transfer has run (shutdown, tests, the disk tier)."""
