@@ -141,7 +141,7 @@ MUTANTS = [
            "    if capturing(device):\n        raise TensorDeviceError(", "    if False:\n        raise TensorDeviceError(",
            ["tests/test_pool_streams.py"], group="fixes"),
     Mutant("fix-no-cross-stream-wait", "python/kvpool/streams.py",
-           "        stream.wait_event(self._event)", "        pass",
+           "        self._current().wait_event(self._event)", "        pass",
            ["tests/test_pool_streams.py"], group="fixes"),
     Mutant("fix-transfer-header-unchecked", "python/kvpool/distributed/kv_receive.py",
            "    problem = header_problem(pool, header, src_scales)", "    problem = None",

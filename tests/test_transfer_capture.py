@@ -5,8 +5,8 @@ The pool's own calls already refused (kvpool/streams.py), but the public transfe
 CUDA the copy stream joined the capture, the host page ids' copy from a pinned buffer (freed, or a
 ring slot refilled, once it has run) was recorded into the graph, and a ring's event recorded
 inside the capture poisons every later query. On CPU nothing is captured, so the refusal is
-checked with ``kvpool.streams.capturing`` patched (as tests/test_pool_streams.py does) and, for
-the runner, fake streams that record every call (nothing may be called).
+checked with ``kvpool.kernels.pages._capturing`` patched (as tests/test_pool_streams.py patches
+``kvpool.streams.capturing``) and, for the runner, fake streams that record every call (nothing may be called).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvpool
-import kvpool.streams
+import kvpool.kernels.pages as pages_module
 from kvpool.errors import TensorDeviceError
 from kvpool.kernels import load_pages, offload_pages
 from kvpool.tiers import HostStorage, TransferRunner
@@ -69,7 +69,7 @@ class Streams:
 
 @pytest.fixture
 def capturing(monkeypatch):
-    monkeypatch.setattr(kvpool.streams, "capturing", lambda device: True)
+    monkeypatch.setattr(pages_module, "_capturing", lambda device: True)
 
 
 def snapshot(pool, host):
