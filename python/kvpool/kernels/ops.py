@@ -117,9 +117,10 @@ def store_rows(
         # through; the kernel (Triton's interpreter on the CPU, and on a GPU its programs in
         # parallel) would read rows that other programs had already overwritten. (Not while
         # Dynamo traces a CUDA write: the storage lookups would break its graph.)
-        if c.views_of((k_cache, v_cache), k):
+        k_views, v_views = c.rows_viewing((k_cache, v_cache), k, v)
+        if k_views:
             k = k.clone()
-        if c.views_of((k_cache, v_cache), v):
+        if v_views:
             v = v.clone()
     if not c.use_triton(k_cache):
         # In grad mode torch's in-place store of a source that requires grad would make
