@@ -8,6 +8,7 @@
 //! `check()` (which verifies every ghost's counts) must pass after every
 //! operation. The general model test (`model.rs`) revives rarely.
 
+mod cases;
 mod reference;
 
 use kvpool_core::{Counts, HostPolicy, Options, SlotAllocator};
@@ -142,7 +143,7 @@ fn run(ps: usize, pages: usize, host: usize, ops: &[Op]) -> Result<usize, TestCa
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 1500 }))]
+    #![proptest_config(ProptestConfig::with_cases(cases::from_env(if cfg!(miri) { 4 } else { 1500 })))]
     #[test]
     fn ghosts_match_the_model(ps in 1usize..4, pages in 4usize..16, host in prop_oneof![3 => Just(0usize), 1 => 2usize..8], ops in prop::collection::vec(op(), 1..60)) {
         run(ps, pages, host, &ops)?;

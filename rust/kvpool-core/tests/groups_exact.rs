@@ -7,6 +7,8 @@
 //! each open request must read exactly its own prefix in every slot it
 //! holds, and in its state slot.
 
+mod cases;
+
 use std::collections::HashMap;
 
 use kvpool_core::{Counts, GroupKind, GroupSpec, GroupedAllocator, Options};
@@ -163,7 +165,7 @@ fn pools() -> impl Strategy<Value = (Vec<GroupSpec>, u32)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 600 }))]
+    #![proptest_config(ProptestConfig::with_cases(cases::from_env(if cfg!(miri) { 4 } else { 600 })))]
     #[test]
     fn hits_serve_only_their_own_prefix((specs, bits) in pools(), ops in prop::collection::vec(op(), 1..50)) {
         let opts = Options { weak_hash_bits: bits, hash_seed: Some(1), ..Options::new() };

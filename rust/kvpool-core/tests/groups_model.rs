@@ -5,6 +5,7 @@
 //! every group's slots, state slots, counters and queued copies must agree,
 //! and check() must pass after every operation.
 
+mod cases;
 mod groups_reference;
 // Only its prompts are used here.
 #[allow(dead_code)]
@@ -126,7 +127,9 @@ fn build(l: &Layout, events: bool) -> Option<(GroupedAllocator, GModel)> {
     Some((a, GModel::new(&l.0, l.1)))
 }
 
-const CASES: u32 = if cfg!(miri) { 4 } else { 3000 };
+fn case_count() -> u32 {
+    cases::from_env(if cfg!(miri) { 4 } else { 3000 })
+}
 
 thread_local! {
     static OK_CALLS: Cell<usize> = const { Cell::new(0) };
@@ -153,7 +156,7 @@ fn note_error<T>(r: &Result<T, Kind>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(CASES))]
+    #![proptest_config(ProptestConfig::with_cases(case_count()))]
     #[test]
     fn grouped_allocator_matches_model(l in layout(), events in any::<bool>(), ops in prop::collection::vec(op(), 1..60)) {
         let Some((mut a, mut m)) = build(&l, events) else { return Ok(()); };
@@ -362,6 +365,7 @@ fn tokens_for(m: &GModel, hs: &[i64], cs: &[i64], seed: u8) -> Vec<i64> {
 #[test]
 fn generated_sequences_exercise_groups() {
     grouped_allocator_matches_model();
+    let cases = case_count();
     let (state_hits, state_restores) = (STATE_HITS.with(Cell::get), STATE_RESTORES.with(Cell::get));
     let (oks, hits, restores, released, refusals, rollbacks) = (
         OK_CALLS.with(Cell::get),
@@ -373,39 +377,39 @@ fn generated_sequences_exercise_groups() {
     );
     let taken_over = TAKEN_OVER.with(Cell::get);
     eprintln!(
-        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens, {restores} rollbacks, \
+        "{cases} sequences: {oks} successful calls, {hits} prefix-hit tokens, {restores} rollbacks, \
          {released} released positions seen, {refusals} group refusals, {rollbacks} rollback refusals, \
          {state_hits} hits and {state_restores} rollbacks from a checkpoint, {taken_over} recomputed \
          non-anchor pages that took over an unheld copy's key"
     );
     assert!(
-        state_hits > CASES as usize / 20,
+        state_hits > cases as usize / 20,
         "only {state_hits} hits with a state group"
     );
     // Typically 69-105 over random seeds: the guard is for none.
     assert!(
-        state_restores > CASES as usize / 150,
+        state_restores > cases as usize / 150,
         "only {state_restores} restores from a checkpoint"
     );
-    assert!(oks > CASES as usize * 8, "only {oks} successful calls");
-    assert!(hits > CASES as u64 / 4, "only {hits} prefix-hit tokens");
-    assert!(restores > CASES as usize / 10, "only {restores} rollbacks");
+    assert!(oks > cases as usize * 8, "only {oks} successful calls");
+    assert!(hits > cases as u64 / 4, "only {hits} prefix-hit tokens");
+    assert!(restores > cases as usize / 10, "only {restores} rollbacks");
     assert!(
-        released > CASES as usize,
+        released > cases as usize,
         "only {released} released positions"
     );
     assert!(
-        refusals > CASES as usize / 10,
+        refusals > cases as usize / 10,
         "only {refusals} group refusals"
     );
     assert!(
-        rollbacks > CASES as usize / 20,
+        rollbacks > cases as usize / 20,
         "only {rollbacks} rollback refusals"
     );
     // Typically 1300 over random seeds (the anchor's own are guarded in
     // `model.rs`): the guard is for none.
     assert!(
-        taken_over > CASES as usize / 10,
+        taken_over > cases as usize / 10,
         "only {taken_over} non-anchor pages took over an unheld copy's key"
     );
 }

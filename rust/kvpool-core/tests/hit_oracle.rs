@@ -28,6 +28,7 @@
 //! a request holds and published that stayed unregistered because another
 //! copy of its content was registered (a duplicate) and went since.
 
+mod cases;
 mod hit_trace;
 mod oracle;
 mod router;
@@ -77,7 +78,7 @@ fn config() -> impl Strategy<Value = (usize, usize, usize, bool, usize)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 2000 }))]
+    #![proptest_config(ProptestConfig::with_cases(cases::from_env(if cfg!(miri) { 4 } else { 2000 })))]
     #[test]
     fn hits_are_the_longest_reachable_prefix(cfg in config(), ops in prop::collection::vec(op(), 1..120)) {
         run(cfg, ops)?;

@@ -25,6 +25,7 @@
 //! a host tier (eviction by priority picks the device victim; the tier
 //! then keeps or offloads its entry).
 
+mod cases;
 mod contents;
 mod model_coverage;
 mod model_harness;
@@ -46,10 +47,12 @@ use proptest::prelude::*;
 use reference::{same, Model, Tier, MAX_REQ};
 
 // Miri interprets every step (~1000x slower): a handful of cases there.
-const CASES: u32 = if cfg!(miri) { 6 } else { 3000 };
+fn case_count() -> u32 {
+    cases::from_env(if cfg!(miri) { 6 } else { 3000 })
+}
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(CASES))]
+    #![proptest_config(ProptestConfig::with_cases(case_count()))]
     #[test]
     fn allocator_matches_model(ps in 1usize..4, pages in prop_oneof![2usize..8, 8usize..24], host in prop_oneof![2 => Just(0usize), 3 => 2usize..20], through in any::<bool>(), drain_every in prop_oneof![1 => Just(1usize), 1 => Just(3), 2 => Just(usize::MAX)], max_pinned in prop_oneof![1 => Just(0usize), 3 => 1usize..5], ops in prop::collection::vec(op(), 1..95)) {
         let policy = if through { HostPolicy::WriteThrough } else { HostPolicy::WriteBack };

@@ -1,7 +1,7 @@
 //! What the property test's sequences exercised, counted per test thread,
 //! and the test that guards the generator with those counts.
 
-use crate::{allocator_matches_model, CASES};
+use crate::{allocator_matches_model, case_count};
 use std::cell::Cell;
 
 // What the sequences exercised, per test thread: proptest runs a test's
@@ -77,6 +77,7 @@ pub fn count<T: Copy + std::ops::Add<Output = T>>(
 #[test]
 fn generated_sequences_exercise_sharing() {
     allocator_matches_model();
+    let cases = case_count();
     let (oks, hits, copies, stored) = (
         OK_CALLS.with(Cell::get),
         HIT_TOKENS.with(Cell::get),
@@ -96,7 +97,7 @@ fn generated_sequences_exercise_sharing() {
     );
     let bounced = BOUNCED.with(Cell::get);
     eprintln!(
-        "{CASES} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
+        "{cases} sequences: {oks} successful calls, {hits} prefix-hit tokens ({host_hits} from \
          the host), {copies} copy-on-write slots queued, {dropped} copies dropped with their \
          destination, {alone} op ends with a source held by its copy alone, {diverged} \
          truncations into a prompt; queued: {} offloads, {} loads; run: {} copied slots; {swaps} \
@@ -106,49 +107,49 @@ fn generated_sequences_exercise_sharing() {
         moved[0], moved[1], moved[2]
     );
     assert!(
-        oks > CASES as usize * 10,
-        "only {oks} successful calls in {CASES} sequences"
+        oks > cases as usize * 10,
+        "only {oks} successful calls in {cases} sequences"
     );
-    assert!(hits > CASES as u64 / 6, "only {hits} prefix-hit tokens");
+    assert!(hits > cases as u64 / 6, "only {hits} prefix-hit tokens");
     assert!(
-        copies > CASES as usize / 20,
+        copies > cases as usize / 20,
         "only {copies} copy-on-write slots"
     );
     // Typically 3700-4400 (chains stop at an evicted tip, so the
     // eviction-heavy sequences register fewer pages than they write).
     assert!(
-        stored > CASES as usize / 2,
+        stored > cases as usize / 2,
         "only {stored} Stored events drained mid-sequence"
     );
     // Typically 28-56 over random seeds: the guard is for none, not for a
     // count this rare path happens to reach.
     assert!(
-        dropped > CASES as usize / 300,
+        dropped > cases as usize / 300,
         "only {dropped} queued copies dropped"
     );
     assert!(
-        alone > CASES as usize / 100,
+        alone > cases as usize / 100,
         "only {alone} sources held by their copy alone"
     );
     assert!(
-        diverged > CASES as usize / 10,
+        diverged > cases as usize / 10,
         "only {diverged} truncations into a prompt"
     );
     assert!(
         // Random seeds give about 100 to 200 here; the guard is for none.
-        host_hits > CASES as u64 / 60,
+        host_hits > cases as u64 / 60,
         "only {host_hits} host-hit tokens"
     );
     assert!(
-        moved[0] > CASES as usize / 5 && moved[1] > CASES as usize / 30,
+        moved[0] > cases as usize / 5 && moved[1] > cases as usize / 30,
         "only {} offloads and {} loads queued",
         moved[0],
         moved[1]
     );
-    assert!(swaps > CASES as usize / 10, "only {swaps} swap-outs");
-    assert!(bounced > CASES as usize / 30, "only {bounced} bounces");
+    assert!(swaps > cases as usize / 10, "only {swaps} swap-outs");
+    assert!(bounced > cases as usize / 30, "only {bounced} bounces");
     assert!(
-        host_stored > CASES as usize / 10,
+        host_stored > cases as usize / 10,
         "only {host_stored} host Stored events"
     );
     let (prio, pinned, ended, taken_over) = (
@@ -163,22 +164,22 @@ fn generated_sequences_exercise_sharing() {
          registration"
     );
     assert!(
-        prio > CASES as usize / 2,
+        prio > cases as usize / 2,
         "only {prio} priority calls succeeded"
     );
     // Typically 1500-2500: a request stops registering once its tip's
     // registration is evicted, so under these eviction-heavy sequences fewer
     // chains reach a priority call than pages are written.
     assert!(
-        pinned > CASES as usize / 4,
+        pinned > cases as usize / 4,
         "only {pinned} pinned pages at op ends"
     );
     // Typically 70-150 over random seeds.
-    assert!(ended > CASES as usize / 100, "only {ended} durations ended");
+    assert!(ended > cases as usize / 100, "only {ended} durations ended");
     // A request opened on a shorter prompt than one cached, then extended
     // over the rest of it (typically 80-115 over random seeds).
     assert!(
-        taken_over > CASES as usize / 100,
+        taken_over > cases as usize / 100,
         "only {taken_over} recomputed pages took over an unheld copy's registration"
     );
     // Rare here (0-2 a run): `orphans.rs` and `hit_oracle.rs` build them.
@@ -197,11 +198,11 @@ fn generated_sequences_exercise_sharing() {
     // Typically (over random seeds) 560-640 started, 240-300 ended, 30-45
     // grown, 40-60 cut and 8-17 branched: the guards are for none.
     for (what, n, floor) in [
-        ("started", started, CASES / 30),
-        ("ended", ended, CASES / 30),
-        ("grown by a later pass", grown, CASES / 300),
-        ("cut short", cut, CASES / 300),
-        ("branched from inside another run", branched, CASES / 1000),
+        ("started", started, cases / 30),
+        ("ended", ended, cases / 30),
+        ("grown by a later pass", grown, cases / 300),
+        ("cut short", cut, cases / 300),
+        ("branched from inside another run", branched, cases / 1000),
     ] {
         assert!(n > floor as usize, "only {n} runs {what}");
     }
