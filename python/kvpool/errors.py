@@ -16,7 +16,8 @@ All derive from ``KVPoolError``, so an engine can catch one base class.
   a bad argument) is a ``KVPoolError`` and a ``RuntimeError``. All are raised
   before anything is written, so a failed call leaves the pool exactly as it was.
 - ``CopyRefusedError`` (also a ``TypeError``): ``copy.copy`` / ``copy.deepcopy`` (and Python
-  3.13's ``copy.replace``) of an object whose copy would share (and double-close) its pool state; the message says what to do instead.
+  3.13's ``copy.replace``) of an object whose copy would share (and double-close) its pool
+  state; the message says what to do instead.
 - ``PublisherClosedError`` (also a ``RuntimeError``): a ``kvpool.events`` publisher used after ``close()``.
 - ``IncompleteForwardError`` (also a ``RuntimeError``): the transformers cache's layers
   are out of step after a forward that stopped part-way.
