@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import kvpool
+import kvpool.kernels._guard as guard
 import kvpool.sharing as sharing_module
 from kvpool import streams
 from kvpool.errors import TensorDeviceError
@@ -86,7 +87,8 @@ def test_capturing_asks_torch_about_the_pools_cuda_device_only(monkeypatch):
         return True
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", is_capturing)
-    monkeypatch.setattr(streams, "on_device", lambda device: contextlib.nullcontext())
+    # (on_device asks for the current CUDA device; capturing lives in the kernels layer, kernels._guard)
+    monkeypatch.setattr(guard, "on_device", lambda device: contextlib.nullcontext())
     assert streams.capturing(torch.device("cuda", 0)) and len(asked) == 1
     assert not streams.capturing(torch.device("cpu")) and len(asked) == 1
     with pytest.raises(TensorDeviceError, match="extend was called while a CUDA graph is being captured"):

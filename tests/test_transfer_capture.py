@@ -5,7 +5,7 @@ The pool's own calls already refused (kvpool/streams.py), but the public transfe
 CUDA the copy stream joined the capture, the host page ids' copy from a pinned buffer (freed, or a
 ring slot refilled, once it has run) was recorded into the graph, and a ring's event recorded
 inside the capture poisons every later query. On CPU nothing is captured, so the refusal is
-checked with ``kvpool.kernels.pages._capturing`` patched (as tests/test_pool_streams.py patches
+checked with ``kvpool.kernels.pages.capturing`` patched (as tests/test_pool_streams.py patches
 ``kvpool.streams.capturing``) and, for the runner, fake streams that record every call (nothing may be called).
 """
 
@@ -69,7 +69,7 @@ class Streams:
 
 @pytest.fixture
 def capturing(monkeypatch):
-    monkeypatch.setattr(pages_module, "_capturing", lambda device: True)
+    monkeypatch.setattr(pages_module, "capturing", lambda device: True)
 
 
 def snapshot(pool, host):

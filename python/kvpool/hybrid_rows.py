@@ -43,9 +43,15 @@ class HybridRows:
         are returned as they are."""
         if self._to_device is None:
             return idx, negative
-        if idx.device.type == "cpu":
-            idx = to_device(idx.numpy(), self.device, self._to_device)
+        idx = self._staged(idx)
         return (idx.clamp(min=0), False) if negative else (idx, False)
+
+    def _staged(self, idx: torch.Tensor) -> torch.Tensor:
+        """Host slots on a CUDA pool, copied to the device through the pool's ring (the plain
+        pool's ``_slots`` does the same); anything else as it is."""
+        if self._to_device is not None and idx.device.type == "cpu":
+            return to_device(idx.numpy(), self.device, self._to_device)
+        return idx
 
     def write(self, layer: int, slots: Any, k: torch.Tensor, v: torch.Tensor | None = None, *,
               strict: bool = False) -> None:
@@ -105,8 +111,7 @@ class HybridRows:
             return _read_eager(self, *(layer, slots))  # as in write (the tuple too)
         g = self._page_group(layer)
         idx, negative = slots_tensor(slots, self.device, g.num_pages * g.page_size, g.page_size, strict=False)
-        if self._to_device is not None and idx.device.type == "cpu":  # (padding is masked below: no sync)
-            idx = to_device(idx.numpy(), self.device, self._to_device)
+        idx = self._staged(idx)  # (padding stays negative: it is masked below, without a sync)
         st = self._storage[g.index]
         assert st is not None
         i = self._slot_in_group[layer]

@@ -25,19 +25,10 @@ from typing import Any
 import torch
 
 from kvpool.errors import TensorDeviceError
-from kvpool.kernels._guard import current_device, on_device
+from kvpool.kernels._guard import capturing, current_device
 from kvpool.kernels.launch import raw_stream
 
 __all__ = ["CopyOrder", "capturing", "current_raw_stream", "refuse_capture"]
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph (never for a
-    non-CUDA device, where torch may have no CUDA runtime to ask)."""
-    if device.type != "cuda":
-        return False
-    with on_device(device):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def current_raw_stream(device: torch.device) -> int:

@@ -39,3 +39,13 @@ def on_device(device: torch.device) -> AbstractContextManager:
     if device.index == current_device():
         return _NULL
     return torch.cuda.device(device.index)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (never for a
+    non-CUDA device, where torch may have no CUDA runtime to ask). Here, below the pool,
+    so that the kernels' own transfers ask it too (``kvpool.streams`` re-exports it)."""
+    if device.type != "cuda":
+        return False
+    with on_device(device):
+        return torch.cuda.is_current_stream_capturing()

@@ -53,7 +53,7 @@ from kvpool.errors import (
     TensorShapeError,
 )
 from kvpool.kernels import _common as c
-from kvpool.kernels._guard import on_device
+from kvpool.kernels._guard import capturing, on_device
 from kvpool.torch_types import INT_DTYPES
 
 __all__ = ["METHODS", "PageTransfer", "load_pages", "offload_pages"]
@@ -354,21 +354,12 @@ class PageTransfer:
                 cw[l0 : l0 + nl].index_copy_(1, self._dev_sorted, staging[:, ci].transpose(0, 1))
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph (asked of that device,
-    whichever is current; never of a CPU one)."""
-    if device.type != "cuda":
-        return False
-    with on_device(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
 def refuse_staging_in_capture(device: torch.device, what: str) -> None:
     """Raise ``TensorDeviceError`` if ``device``'s current stream is capturing a CUDA graph:
     a transfer's first run copies its host page ids to the device, from a pinned buffer that
     is freed (or a ring slot refilled) once the copy has run, so a replay would read stale or
     freed memory, and a ring's event recorded inside the capture poisons every later query."""
-    if _capturing(device):
+    if capturing(device):
         raise TensorDeviceError(
             f"{what} was called while a CUDA graph is being captured on {device}: a transfer "
             "copies its host page ids to the device, which cannot be captured. Run transfers "
