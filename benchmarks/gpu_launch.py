@@ -1,6 +1,6 @@
 """Where an eager ``KVPool.write`` spends its host time on a GPU (the GPU session's
-``launch`` section): the whole call against its parts (``store_rows``,
-``launch_store_kv``), against two bare ``index_copy_``, a bare torch op and empty Triton
+``launch`` section): the whole call against its parts (``layer_stores``, the pool's own
+store; ``store_rows``, the generic one; ``launch_store_kv``), against two bare ``index_copy_``, a bare torch op and empty Triton
 kernels, and against Triton's own ``kernel[grid]`` path for the same arguments, its
 binder, its cache key and the compiled launcher alone; plus a cProfile of the call. Also
 ``write_req_to_token`` for a decode batch of 256 (the launch a device pool's ``extend``
@@ -145,6 +145,7 @@ def measure(dev: str, calls: int) -> dict[str, Any]:
             caches, scales, geom = pool._row_caches[0], pool._row_scales[0], pool._row_geom
             rec(f"{tag}:store_rows", lambda: ops.store_rows(caches[0], caches[1], loc, k, v, scales[0], scales[1],
                                                              geom[0], geom[1]))
+            rec(f"{tag}:layer_stores", lambda: pool._row_stores.store(0, loc, k, v))  # write's own store
             rec(f"{tag}:launch_store_kv", lambda: st.launch_store_kv(caches[0], caches[1], loc, k, v, geom[0],
                                                                      geom[1], True, scales[0], scales[1]))
             try:

@@ -136,3 +136,29 @@ def test_pool_copy_on_write_through_kernels(page_size):
     assert seqs[id(fast)] == seqs[id(slow)]
     for a, b in zip(fast.named_tensors(), slow.named_tensors()):
         assert torch.equal(a[1], b[1]), a[0]
+
+
+def test_pool_write_takes_its_layer_stores_not_the_generic_path(monkeypatch):
+    """A Triton pool's eager write stores through ``kernels.layer_stores`` (what never changes
+    for the pool read once), not ``kernels.ops.store_rows``: the same rows land either way, and
+    a write that fell back to the generic path (its host time ~1.5x) fails here."""
+    import numpy as np
+
+    from kvpool.kernels import ops
+    from kvpool.testing.kernel_cases import same
+
+    pool = kvpool.KVPool(2, 2, 24, dtype=torch.float16, num_pages=16, page_size=4, max_requests=2,
+                         max_context_len=16, layout="paged")
+    slots = torch.as_tensor(pool.extend(pool.open(1), np.asarray([5])).slots)
+    k = torch.randn((5, 2, 24), generator=torch.Generator().manual_seed(1)).half()
+
+    def refused(*_a, **_k):
+        raise AssertionError("the pool's eager write took the generic store_rows")
+
+    monkeypatch.setattr(ops, "store_rows", refused)
+    import kvpool.rows as rows_module
+    monkeypatch.setattr(rows_module, "store_rows", refused)
+    pool.write(1, slots, k, -k)
+    got_k, got_v = pool.read(1, slots)
+    assert same(got_k, k) and same(got_v, -k)
+    assert bool((pool.k_buffers[0] == 0).all()), "layer 0 untouched"

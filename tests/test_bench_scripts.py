@@ -3,6 +3,9 @@ written is a usage error (exit 2) before a run of minutes, not a traceback after
 
 import importlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -351,3 +354,28 @@ def test_prefix_replay_build_check_ignores_a_kvpool_in_the_working_directory(scr
     (tmp_path / "kvpool" / "__init__.py").write_text("")
     monkeypatch.chdir(tmp_path)
     assert script("prefix_replay").build_problem(build) is None
+
+
+def _write_host_path(*argv: str) -> subprocess.CompletedProcess:
+    """benchmarks/write_host_path.py in a child: TRITON_INTERPRET must be set before kvpool's
+    kernels are imported, which this session has done."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(BENCH / "write_host_path.py"), *argv], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_write_host_path_times_the_pools_store_against_the_generic_path(tmp_path):
+    """Every layout row holds the three figures and their ratio."""
+    out = tmp_path / "w.json"
+    proc = _write_host_path("--rows", "1", "--rounds", "1", "--number", "20", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"token x1", "paged x1"}
+    for fig in rows.values():
+        assert all(fig[k] > 0 for k in ("pool_us", "generic_us", "bare_us", "pool_over_generic")), fig
+
+
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", "1,x"], ["--rounds", "0"], ["--number", "-3"]])
+def test_write_host_path_rejects_bad_flags_before_it_runs(argv):
+    proc = _write_host_path(*argv)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -22,6 +22,7 @@ import torch
 from kvpool._eager import eager_only
 from kvpool._forksafe import acquire_interruptible
 from kvpool.errors import SlotRangeError, TensorShapeError
+from kvpool.kernels import _common
 from kvpool.kernels._common import cache_geom, use_triton
 from kvpool.kernels.ops import gather_rows, store_rows
 from kvpool.pool_slots import PoolSlots
@@ -67,6 +68,12 @@ class RowsMixin:
         self._row_geom = tuple(cache_geom(c[0], "cache") for c in flat)
         self._row_shape = (self.num_kv_heads, self.head_dim)
         self._row_kernel = use_triton(flat[0][0])  # Triton on CUDA (and CPU under TRITON_INTERPRET)
+        self._row_stores: Any = None
+        if self._row_kernel:  # (imports Triton: only a Triton pool)
+            from kvpool.kernels.layer_stores import LayerStores
+
+            self._row_stores = LayerStores(self._row_caches, self._row_scales, self._row_geom[0],
+                                           self._row_geom[-1])
         # The common CPU case: a store is one index_copy_ per cache (fp8 goes through
         # the torch reference, which quantizes).
         self._row_plain = not self._row_kernel and not self.fp8
@@ -197,7 +204,7 @@ class RowsMixin:
             TensorShapeError, TensorDtypeError, TensorDeviceError: a bad argument
             (nothing written).
         """
-        if torch.compiler.is_compiling() and not self._device_slots_fast:
+        if not self._device_slots_fast and torch.compiler.is_compiling():
             # A host pool's checks read slot values: the call runs eagerly, one graph break,
             # rather than Dynamo compiling the rest of it once per layer and batch size. The
             # arguments go in one tuple: at a graph break torch 2.4 guards every value on the
@@ -280,6 +287,14 @@ class RowsMixin:
                 if v is not None:
                     caches[1].index_copy_(0, idx, v)
             return
+        stores = self._row_stores
+        # A Triton pool's eager store, with what never changes read once. (The generic path
+        # asks for the backend at each call, and the tests' torch twins turn the interpreter
+        # off for a CPU pool made under it: that pool must take the generic path then.)
+        if (stores is not None and (self._device_slots_fast or _common.INTERPRET)
+                and not torch.compiler.is_compiling()):
+            stores.store(layer, idx, k, v)
+            return
         scales, kg = self._row_scales[layer], self._row_geom[0]
         if v is None:
             store_rows(caches[0], None, idx, k, None, scales[0], None, kg, kg)
@@ -353,7 +368,7 @@ class RowsMixin:
             LayerIndexError, SlotRangeError, TensorShapeError, TensorDtypeError,
             TensorDeviceError: a bad argument.
         """
-        if torch.compiler.is_compiling() and not self._device_slots_fast:
+        if not self._device_slots_fast and torch.compiler.is_compiling():
             return _read_eager(self, *(layer, slots))  # as in write (the tuple too)
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             layer = check_layer(layer, self.num_layers)
