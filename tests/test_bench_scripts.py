@@ -356,26 +356,30 @@ def test_prefix_replay_build_check_ignores_a_kvpool_in_the_working_directory(scr
     assert script("prefix_replay").build_problem(build) is None
 
 
-def _write_host_path(*argv: str) -> subprocess.CompletedProcess:
-    """benchmarks/write_host_path.py in a child: TRITON_INTERPRET must be set before kvpool's
+def _cuda_host_paths(*argv: str) -> subprocess.CompletedProcess:
+    """benchmarks/cuda_host_paths.py in a child: TRITON_INTERPRET must be set before kvpool's
     kernels are imported, which this session has done."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent / "python"), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, str(BENCH / "write_host_path.py"), *argv], env=env,
+    return subprocess.run([sys.executable, str(BENCH / "cuda_host_paths.py"), *argv], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
-def test_write_host_path_times_the_pools_store_against_the_generic_path(tmp_path):
-    """Every layout row holds the three figures and their ratio."""
+def test_cuda_host_paths_times_the_pools_own_paths_against_the_generic_ones(tmp_path):
+    """Every write row holds the three figures and their ratio; every table row its two."""
     out = tmp_path / "w.json"
-    proc = _write_host_path("--rows", "1", "--rounds", "1", "--number", "20", "--json", str(out))
+    proc = _cuda_host_paths("--rows", "1,3", "--rounds", "1", "--number", "20", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"token x1", "paged x1"}
-    for fig in rows.values():
+    got = json.loads(out.read_text())
+    assert set(got["write"]) == {"token x1", "token x3", "paged x1", "paged x3"}
+    for fig in got["write"].values():
         assert all(fig[k] > 0 for k in ("pool_us", "generic_us", "bare_us", "pool_over_generic")), fig
+    assert set(got["table"]) == {"extend x1", "extend x3"}
+    for fig in got["table"].values():
+        assert all(fig[k] > 0 for k in ("kept_us", "views_us", "kept_over_views")), fig
 
 
-@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", "1,x"], ["--rounds", "0"], ["--number", "-3"]])
-def test_write_host_path_rejects_bad_flags_before_it_runs(argv):
-    proc = _write_host_path(*argv)
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", "1,x"], ["--rounds", "0"], ["--number", "-3"],
+                                  ["--sections", "write,read"]])
+def test_cuda_host_paths_rejects_bad_flags_before_it_runs(argv):
+    proc = _cuda_host_paths(*argv)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

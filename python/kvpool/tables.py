@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvpool.kernels.table_ops import write_packed_table
-from kvpool.packed import PackedExtend, slots_start
+from kvpool.kernels.table_ops import write_packed_kept, write_packed_table
+from kvpool.packed import PackedExtend, segment_len, slots_start
 from kvpool.staging import ToDevice, to_device
 
 __all__ = ["ExtendResult", "PageTable", "page_table_tensors", "update_req_to_token"]
@@ -60,9 +60,13 @@ def update_req_to_token(
         The new slots as a host int64 array (a view of ``packed``) and as a
         device int64 tensor (a view of the copied buffer) for ``out_cache_loc``.
     """
-    dev = PackedExtend.parse(to_device(packed, req_to_token.device, ring), num_requests)
+    staged = to_device(packed, req_to_token.device, ring)
+    start = slots_start(num_requests)
+    if write_packed_kept(req_to_token, staged, num_requests, segment_len(num_requests)):
+        return packed[start:], staged[start:]  # (one view: the step's out_cache_loc)
+    dev = PackedExtend.parse(staged, num_requests)
     write_packed_table(req_to_token, dev.rows, dev.starts, dev.counts, dev.slots, dev.offsets)
-    return packed[slots_start(num_requests) :], dev.slots
+    return packed[start:], dev.slots
 
 
 def page_table_tensors(

@@ -92,6 +92,7 @@ class CompiledLaunch:
         # Only a compiled JITFunction returns a kernel with a launcher; the interpreter's
         # InterpretedFunction (TRITON_INTERPRET=1) launches eagerly and returns nothing usable.
         self.enabled = _ENABLED and hasattr(fn, "device_caches")
+        self.raw_pointers = True  # (launch_kept: the launcher takes ints as addresses)
 
     def launch(self, key: Hashable, grid: tuple[int, int], args: Sequence[Any], num_warps: int,
                device: int) -> None:
@@ -113,6 +114,28 @@ class CompiledLaunch:
         kernel = self.fn[grid](*args, num_warps=num_warps, **OPTIONS)
         if self.enabled and key not in self._compiled:
             self._keep(key, kernel)
+
+    def launch_kept(self, key: Hashable, grid: tuple[int, int], args: Sequence[Any], device: int) -> bool:
+        """Launch the kernel kept for ``key`` with ``args`` through its launcher, and True; or
+        False with nothing launched wherever ``launch`` would take Triton's path (nothing kept for
+        ``key`` yet, a launch hook installed, ``KVPOOL_CHECK_LAUNCH``, a launcher that refused raw
+        addresses once). Only the launcher takes an int as a pointer argument (the address itself),
+        so a caller may pass ints here, and tensors to ``launch`` when this returns False.
+        ``num_warps`` is in the kept kernel's metadata."""
+        hit = self._compiled.get(key) if self.enabled and self.raw_pointers else None
+        if hit is None or _CHECK:
+            return False
+        rt = self._knobs
+        if not (rt is None or (_no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook))):
+            return False
+        run, function, metadata, _ = hit
+        try:
+            run(grid[0], grid[1], 1, raw_stream(device), function, metadata, None, None, None, *args)
+        except TypeError:
+            # (a launcher that wants objects with data_ptr() refuses before it launches anything)
+            self.raw_pointers = False
+            return False
+        return True
 
     def _keep(self, key: Hashable, kernel: Any) -> None:
         try:

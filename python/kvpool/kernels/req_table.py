@@ -89,3 +89,33 @@ def _plan(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, 
     tail = (req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0), offs.stride(0),
             slots.stride(0), has_offsets, block_b, 1024)  # ..., HAS_OFFSETS, BLOCK_B, BLOCK
     return tail, 1, 1, 4  # one program per request, 4 warps
+
+
+def launch_packed_kept(req_to_token: torch.Tensor, packed: torch.Tensor, b: int, seg: int) -> bool:
+    """The table write of a pool's own ``extend_packed`` array on the device (``packed``: int64,
+    contiguous, parts ``[rows | starts | counts | offsets]`` of ``b`` entries each ``seg`` apart,
+    then the slots), through the kernel kept for it, with the parts' addresses: no view of
+    ``packed`` is made. False, with nothing launched, where the caller must take
+    ``launch_write_req_to_token`` with the parts as tensors (the first launch of a key, the
+    codegen tests' recorder, anything ``CompiledLaunch.launch_kept`` declines).
+
+    Five views of a device tensor cost a CUDA pool's ``extend`` ~9 µs of host time a step on a
+    2-core Xeon VM, more than the rest of the launch. The key is the one
+    ``launch_write_req_to_token`` builds for those views (int64, unit stride, offsets given,
+    BLOCK_B 16; every part as aligned as ``packed``, since ``seg`` is even), so the kernel kept
+    under it is the one that call compiled for them."""
+    if _write_req_to_token_kernel is not _LAUNCH.fn or packed.dtype != torch.int64 or packed.stride(0) != 1:
+        return False
+    base = packed.data_ptr()
+    aligned = base % 16 == 0
+    i64 = torch.int64
+    key = (req_to_token.dtype, i64, i64, i64, i64, i64,
+           req_to_token.stride(0), 1, 1, 1, 1, 1, True, 16, b == 1, b % 16 == 0, b >= 1 << 31,
+           req_to_token.data_ptr() % 16 == 0, aligned, aligned, aligned, aligned, aligned, req_to_token.get_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        return False
+    tail, rows, grid_y, _ = plan
+    step = 8 * seg
+    args = (req_to_token, base, base + step, base + 2 * step, base + 3 * step, base + 4 * step, b) + tail
+    return _LAUNCH.launch_kept(key, (-(-b // rows), grid_y), args, key[-1])

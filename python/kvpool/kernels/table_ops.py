@@ -13,7 +13,7 @@ from kvpool.kernels import _common as c
 from kvpool.kernels import _ref
 from kvpool.kernels._guard import on_device
 
-__all__ = ["write_packed_table", "write_req_to_token"]
+__all__ = ["write_packed_kept", "write_packed_table", "write_req_to_token"]
 
 
 def _check_table_spans(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
@@ -73,6 +73,18 @@ def write_packed_table(req_to_token: torch.Tensor, rows: torch.Tensor, starts: t
     if rows.shape[0] == 0 or slots.shape[0] == 0:
         return
     _table_write(req_to_token, rows, starts, counts, slots, offsets)
+
+
+def write_packed_kept(req_to_token: torch.Tensor, packed: torch.Tensor, b: int, seg: int) -> bool:
+    """``write_packed_table`` of a whole ``extend_packed`` array on a CUDA device, without
+    views of it, through the kernel kept for its shape (``req_table.launch_packed_kept``);
+    False, with nothing launched, where the caller must pass the parts as views."""
+    if not req_to_token.is_cuda or b == 0 or packed.shape[0] == 4 * seg:
+        return False
+    from kvpool.kernels.req_table import launch_packed_kept
+
+    with on_device(req_to_token.device):
+        return launch_packed_kept(req_to_token, packed, b, seg)
 
 
 def _table_write(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
