@@ -39,10 +39,17 @@ class FakeEvent:
 
 
 class OnCuda:
-    """What the fences read of a tensor: that it is on a CUDA device."""
+    """What the fences read of a tensor: that it is on a CUDA device; and the streams it was
+    marked as used on (``record_stream``)."""
 
     is_cuda = True
     device = torch.device("cuda", 0)
+
+    def __init__(self) -> None:
+        self.recorded: list[object] = []
+
+    def record_stream(self, stream) -> None:
+        self.recorded.append(stream)
 
 
 @pytest.fixture
@@ -139,9 +146,9 @@ def test_a_staging_spare_is_kept_with_its_fence_and_taken_after_it(cuda, monkeyp
                   max_context_len=64)
     stage = torch.zeros(4096)  # room for any gather of this pool
     event = FakeEvent()
-    pool_views(pool).spare_stages.append((stage, event))
+    pool_views(pool).spare_stages.append((stage, event, set()))
     waited: list[tuple[object, object]] = []
-    monkeypatch.setattr("kvpool.integrations._pages.stream_wait", lambda t, e: waited.append((t, e)))
+    monkeypatch.setattr("kvpool.integrations._pages.stream_wait", lambda t, e, s=None: waited.append((t, e)))
     h = pool.open(3)  # interleaved free pages: the cache gathers into a staging buffer
     for _ in range(5):
         pool.extend(h, 1)
@@ -206,4 +213,111 @@ def test_a_staging_buffer_released_while_capturing_is_not_kept_without_a_fence(c
 
     cuda["capturing"] = True
     StepPages.release(Released())  # type: ignore[arg-type]
-    assert all(fence is not None for _, fence in kept), kept
+    assert all(fence is not None for _, fence, _ in kept), kept
+
+
+def made_on_current_stream(lb: LayerBuffers) -> LayerBuffers:
+    """``lb`` as if its buffers had been allocated on the current (fake) stream."""
+    lb.streams = {torch.cuda.current_stream()}
+    return lb
+
+
+def test_a_spare_used_on_another_stream_is_marked_as_used_there(cuda):
+    """torch's caching allocator reuses a freed block at once for the next tensor of the stream
+    it was allocated on. A spare taken by a cache on another stream and freed later (dropped
+    from the spares, outgrown, release_buffers) while that stream still has work queued on it
+    would be written by that work after its memory went to another tensor: the taker's stream
+    must be recorded on it (``record_stream``), once, and never on the one-stream path."""
+    a = cuda["stream"]
+    spares = BufferSpares()
+    lb = made_on_current_stream(cuda_buffers())
+    for _ in range(3):  # one stream: caches give and take it with no marking at all
+        spares.give(lb)
+        assert spares.take(2, 8, OnCuda()) is lb
+    assert lb.buf.recorded == [], "the one-stream path marked a spare"
+    spares.give(lb)
+    cuda["stream"] = b = FakeStream("b")
+    assert spares.take(2, 8, OnCuda()) is lb
+    assert lb.buf.recorded == [b], "a spare taken on another stream was not marked as used there"
+    spares.give(lb)  # given back on b, taken on a (where it was made), then on b again
+    cuda["stream"] = a
+    assert spares.take(2, 8, OnCuda()) is lb
+    spares.give(lb)
+    cuda["stream"] = b
+    assert spares.take(2, 8, OnCuda()) is lb
+    assert lb.buf.recorded == [b], "each stream is marked once (record_stream is sticky)"
+
+
+def test_buffers_given_back_on_another_stream_than_their_own_are_marked(cuda):
+    """A cache whose buffers were made on one stream and that closes on another: kept as a
+    spare, they may be dropped (a fifth set, release_buffers) before the closing stream ran."""
+    lb = made_on_current_stream(cuda_buffers())
+    cuda["stream"] = b = FakeStream("b")
+    BufferSpares().give(lb)
+    assert lb.buf.recorded == [b]
+
+
+class Stage(OnCuda):
+    """A staging buffer with room for any gather."""
+
+    def numel(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, key) -> Stage:
+        return self
+
+
+def test_a_staging_spare_used_on_another_stream_is_marked_as_used_there(cuda):
+    from kvpool.integrations._pages import StepPages
+
+    a = cuda["stream"]
+    stage, kept = Stage(), []
+
+    class Cache:
+        """What ``_storage`` and ``release`` use of a ``layer_buffers=False`` cache."""
+
+        _stage, _stage_streams, layer_buffers, _spares = None, set(), False, kept
+        paged = [(OnCuda(), OnCuda())]
+
+        def reset(self, *args, **kwargs) -> None:
+            pass
+
+        def _set_buffers(self, lb) -> None:
+            pass
+
+    kept.append((stage, FakeEvent(), {a}))  # made and given back on a
+    cuda["stream"] = b = FakeStream("b")
+    cache = Cache()
+    assert StepPages._storage(cache, 64) is stage  # type: ignore[arg-type]
+    assert len(b.waited) == 1
+    assert stage.recorded == [b], "a staging spare taken on another stream was not marked as used there"
+    StepPages.release(cache)  # type: ignore[arg-type]
+    (entry,) = kept
+    assert entry[0] is stage and entry[2] == {a, b}
+    cuda["stream"] = a
+    StepPages._storage(Cache(), 64)  # type: ignore[arg-type]
+    assert stage.recorded == [b], "a stream already marked was marked again"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_spare_freed_while_its_takers_stream_is_busy_keeps_its_memory_until_then():
+    """Real streams: a spare made on the default stream, taken on a side stream that queues a
+    slow write into it, then dropped. A tensor made on the default stream right after must
+    not get its memory while that write is still queued (it would overwrite it)."""
+    like = torch.empty(0, device="cuda")
+    spares = BufferSpares()
+    lb = LayerBuffers(like, 2, 2, 2, 64, 64)
+    numel, ptr = lb.buf.numel(), lb.buf.data_ptr()
+    spares.give(lb)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = spares.take(2, 64, like)
+        assert got is lb
+        torch.cuda._sleep(200_000_000)  # (GPU cycles: a busy side stream, ~0.1 s)
+        got.buf.fill_(1.0)
+    del got, lb
+    spares.clear()  # the spare's last reference: freed while the side stream still sleeps
+    fresh = torch.zeros(numel, device="cuda")
+    torch.cuda.synchronize()
+    assert fresh.data_ptr() != ptr or not bool(fresh.any()), "the side stream wrote into a new tensor"
+    assert not bool(fresh.any())

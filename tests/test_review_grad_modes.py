@@ -92,7 +92,7 @@ def test_audit_of_a_pool_sees_what_closed_caches_left_for_its_next_caches(layer_
             logits = model(input_ids=ids, **{CACHE_KW: cache}).logits
             model(input_ids=logits[:, -1:].argmax(-1), **{CACHE_KW: cache})
     views = pool_views(pool)
-    kept = [t for t, _ in views.spare_stages] + [lb.buf for lb in views.spare_buffers._sets.values()]
+    kept = [t for t, *_ in views.spare_stages] + [lb.buf for lb in views.spare_buffers._sets.values()]
     assert kept and all(not t.is_inference() and not t.requires_grad for t in kept)
     assert kvpool.audit(pool) == []
     with torch.inference_mode():  # break one on purpose: audit must name it
@@ -101,7 +101,7 @@ def test_audit_of_a_pool_sees_what_closed_caches_left_for_its_next_caches(layer_
             lb.buf = torch.empty_like(lb.buf)
             want = "pool.cache_spares.layer_buffers[0]"
         else:
-            views.spare_stages[0] = (torch.empty_like(views.spare_stages[0][0]), None)
+            views.spare_stages[0] = (torch.empty_like(views.spare_stages[0][0]), None, set())
             want = "pool.cache_spares.stage[0]"
     assert [f.name for f in kvpool.audit(pool=pool)] == [want]
 

@@ -42,20 +42,45 @@ MAX_KEPT_VIEWS = 1 << 14
 MAX_KEPT_PROMPTS = 16
 
 
-def stream_mark(t: torch.Tensor) -> Any:
+def allocated_on(t: torch.Tensor) -> set[Any]:
+    """The streams torch's caching allocator knows ``t`` (just made) is used on: the current
+    stream of its device, which it was allocated on; none on the CPU."""
+    return {torch.cuda.current_stream(t.device)} if t.is_cuda else set()
+
+
+def _used_on(t: torch.Tensor, stream: Any, streams: set[Any] | None) -> None:
+    # A spare moves between caches, so it may be used on a stream other than the one it was
+    # allocated on. Freed later (dropped from the spares, outgrown, release_buffers), torch's
+    # caching allocator would hand its memory at once to the next tensor made on the
+    # allocating stream, while work queued on the other stream may still read or write it.
+    # record_stream (what torch asks of a tensor used on a side stream) makes the allocator
+    # wait for that stream's work at the free; it is sticky, so each stream is marked once
+    # per spare, and never on the common path of caches that all run on one stream.
+    if streams is not None and stream not in streams:
+        t.record_stream(stream)
+        streams.add(stream)
+
+
+def stream_mark(t: torch.Tensor, streams: set[Any] | None = None) -> Any:
     """An event recorded on the current stream of ``t``'s device after the work queued on it
-    so far, or None on the CPU (or while that stream is captured)."""
+    so far, or None on the CPU (or while that stream is captured). With ``streams`` (those
+    ``t`` is marked as used on, ``allocated_on``), that stream is marked too when new."""
     if not t.is_cuda or capturing(t.device):
         return None
+    stream = torch.cuda.current_stream(t.device)
+    _used_on(t, stream, streams)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
+    event.record(stream)
     return event
 
 
-def stream_wait(t: torch.Tensor, event: Any) -> None:
-    """The current stream of ``t``'s device waits for ``event`` (from ``stream_mark``)."""
+def stream_wait(t: torch.Tensor, event: Any, streams: set[Any] | None = None) -> None:
+    """The current stream of ``t``'s device waits for ``event`` (from ``stream_mark``); with
+    ``streams``, that stream is marked as used on ``t`` when new (see ``stream_mark``)."""
     if event is not None:
-        torch.cuda.current_stream(t.device).wait_event(event)
+        stream = torch.cuda.current_stream(t.device)
+        stream.wait_event(event)
+        _used_on(t, stream, streams)
 
 
 def follow_stream(device: torch.device, raw: int) -> None:
@@ -91,6 +116,7 @@ class LayerBuffers:
         self._spans: dict[tuple[int, int], torch.Tensor] = {}
         self._prompts: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.fence: Any = None  # set while a spare: what its last cache queued (``stream_mark``)
+        self.streams = allocated_on(flat)  # the streams the allocator knows it is used on
 
     def views(self, first: int, t: int, steps: int = 0) -> Any:
         """Per layer (k, v) ``[B, H, t, D]`` views from token ``first``; with ``steps``, a list of
@@ -190,7 +216,7 @@ class BufferSpares:
                 return None
             got = self._sets.pop(min(fits, key=lambda key: key[1]))
             self._bytes -= got.nbytes
-        stream_wait(got.buf, got.fence)
+        stream_wait(got.buf, got.fence, got.streams)
         got.fence = None
         return got
 
@@ -199,7 +225,7 @@ class BufferSpares:
         # next cache (on any stream) would otherwise take it with nothing to wait on.
         if buffers.nbytes > self.most_bytes or not reusable(buffers.buf):
             return
-        buffers.fence = stream_mark(buffers.buf)
+        buffers.fence = stream_mark(buffers.buf, buffers.streams)
         with self._lock:
             old = self._sets.pop((buffers.b, buffers.cap), None)
             if old is not None:

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from kvpool.integrations._buffer_steps import BufferSteps
-from kvpool.integrations._layer_buffers import LayerBuffers, reusable, stream_mark, stream_wait
+from kvpool.integrations._layer_buffers import LayerBuffers, allocated_on, reusable, stream_mark, stream_wait
 from kvpool.integrations._pool_views import decode_run, index_tensor, pool_views, slot_run, strided_run
 from kvpool.integrations._step_views import StepViews
 from kvpool.modes import persistent
@@ -104,6 +104,7 @@ class StepPages(BufferSteps, StepViews):
         self._rows = 0  # pages gathered per cache
         self._strided: tuple[int, int] | None = None  # (first page, pages between rows) for views
         self._stage: torch.Tensor | None = None  # flat storage of the staging or layer buffers
+        self._stage_streams: set[Any] = set()  # the streams it is marked as used on (``stream_mark``)
         self._stage_rows: torch.Tensor | None = None  # the staging rows the gather fills
         # Layer buffers: [2 (K, V), layers, B, H, cap, D] over the staging storage, the
         # tokens each row has room for, and how many of them hold every layer's K/V (-1:
@@ -317,17 +318,18 @@ class StepPages(BufferSteps, StepViews):
         cache of the pool) to hold them."""
         if self._stage is None and not self.layer_buffers and reusable(self.paged[0][0]):
             try:
-                stage, fence = self._spares.pop()
+                stage, fence, streams = self._spares.pop()
             except IndexError:
                 pass
             else:
-                stream_wait(stage, fence)  # (a closed cache's, maybe on another stream)
-                self._stage = stage
+                stream_wait(stage, fence, streams)  # (a closed cache's, maybe on another stream)
+                self._stage, self._stage_streams = stage, streams
         if self._stage is None or self._stage.numel() < numel:
             kp = self.paged[0][0]
             grow = max(numel, 2 * (self._stage.numel() if self._stage is not None else 0))
             with persistent():  # written under any grad mode, inference mode included
                 self._stage = torch.empty(grow, dtype=kp.dtype, device=kp.device)
+            self._stage_streams = allocated_on(self._stage)
         return self._stage[:numel]
 
     def release(self) -> None:
@@ -339,7 +341,7 @@ class StepPages(BufferSteps, StepViews):
         stage, self._stage = self._stage, None
         # (not while capturing: no fence could be recorded for the next cache to wait on)
         if stage is not None and not self.layer_buffers and len(self._spares) < 2 and reusable(stage):
-            self._spares.append((stage, stream_mark(stage)))
+            self._spares.append((stage, stream_mark(stage, self._stage_streams), self._stage_streams))
 
     def _upload(self, host: np.ndarray) -> torch.Tensor:
         return index_tensor(host, self._to_device)

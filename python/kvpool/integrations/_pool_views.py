@@ -71,10 +71,10 @@ class PoolViews:
                 self.all_rows = k0.as_strided(((2 * layers - 1) * step + k0.shape[0], self.h, self.d),
                                               (hd, self.d, 1), k0.storage_offset())
             self.cache_rows = (np.arange(2 * layers, dtype=np.int64) * step)[:, None]
-        # Staging buffers (flat) of closed caches, each with its ``stream_mark``, for the pool's
-        # next caches (append and pop are atomic, so caches in several threads never take the
-        # same one).
-        self.spare_stages: list[tuple[torch.Tensor, Any]] = []
+        # Staging buffers (flat) of closed caches, each with its ``stream_mark`` and the streams
+        # it is marked as used on, for the pool's next caches (append and pop are atomic, so
+        # caches in several threads never take the same one).
+        self.spare_stages: list[tuple[torch.Tensor, Any, set[Any]]] = []
         # Layer buffers of closed caches, with the views they made (``_layer_buffers``).
         self.spare_buffers = BufferSpares()
 
@@ -89,7 +89,7 @@ def _kept(pool: Any) -> list[tuple[str, torch.Tensor]]:
     views = _POOL_VIEWS.get(pool)
     if views is None:
         return []
-    out = [(f"cache_spares.stage[{i}]", t) for i, (t, _) in enumerate(list(views.spare_stages))]
+    out = [(f"cache_spares.stage[{i}]", t) for i, (t, *_) in enumerate(list(views.spare_stages))]
     sets = list(views.spare_buffers._sets.values())
     return out + [(f"cache_spares.layer_buffers[{i}]", lb.buf) for i, lb in enumerate(sets)]
 
@@ -147,7 +147,7 @@ def release_buffers(pool: Any) -> int:
     stages = views.spare_stages
     while True:
         try:  # (pop: atomic, as a cache on another thread may take one meanwhile)
-            stage, _ = stages.pop()
+            stage, *_ = stages.pop()
         except IndexError:
             return freed
         freed += stage.numel() * stage.element_size()
