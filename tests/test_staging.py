@@ -54,6 +54,24 @@ def test_values_arrive_intact(ring_parts):
         assert np.array_equal(got.numpy(), a)
 
 
+def test_one_buffer_carries_each_dtype_and_grows_intact(ring_parts):
+    """A buffer keeps a typed view per dtype (``_Slot.fill``): int64, int32, bool and 2-D
+    arrays through the same buffer, then one larger than it (the buffer is replaced, and
+    its views with it), each arriving as it was."""
+    _, events, allocs, make_event, alloc = ring_parts
+    ring = PinnedRing(torch.device("cpu"), alloc=alloc, make_event=make_event, min_bytes=64, max_depth=1)
+    arrays = [np.arange(8, dtype=np.int64), np.arange(16, dtype=np.int32)[::-1], np.array([True, False] * 4),
+              np.arange(6, dtype=np.int64).reshape(2, 3), np.arange(40, dtype=np.int64), np.arange(3, dtype=np.int32)]
+    for a in arrays:
+        for e in events:
+            e.done = True  # the previous copy has run: the one buffer may be refilled
+        got = ring.to_device(a)
+        assert ring.depth == 1
+        assert got.dtype == torch.from_numpy(np.ascontiguousarray(a)).dtype and got.shape == a.shape
+        assert np.array_equal(got.numpy(), a)
+    assert allocs == [64, 512], "one buffer, replaced once for the 320-byte array"
+
+
 def test_busy_buffers_are_never_refilled_ring_grows_instead(ring_parts):
     log, events, allocs, make_event, alloc = ring_parts
     ring = PinnedRing(torch.device("cpu"), alloc=alloc, make_event=make_event, min_bytes=64)
