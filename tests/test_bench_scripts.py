@@ -358,8 +358,9 @@ def test_prefix_replay_build_check_ignores_a_kvpool_in_the_working_directory(scr
 
 def _cuda_host_paths(*argv: str) -> subprocess.CompletedProcess:
     """benchmarks/cuda_host_paths.py in a child: TRITON_INTERPRET must be set before kvpool's
-    kernels are imported, which this session has done."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    kernels are imported, which this session has done. The child imports the kvpool this session
+    did (an installed one in CI, where the checkout's python/ has no built extension)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, str(BENCH / "cuda_host_paths.py"), *argv], env=env,
                           capture_output=True, text=True, timeout=300)
 
