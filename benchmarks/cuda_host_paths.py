@@ -133,8 +133,6 @@ def _write(args: argparse.Namespace) -> dict:
 
 
 def _table(args: argparse.Namespace) -> dict:
-    import numpy as np
-
     # Both stop where the launcher would be called: the generic path at launch_planned, the kept
     # one at CompiledLaunch.launch_kept (which then finds the kernel kept, as in steady state).
     req_table.launch_planned = lambda *a, **k: None
