@@ -63,10 +63,7 @@ class LayerStores:
                 v = v.resolve_neg()
             vv = v
         n = k.shape[0]
-        # What ``launch_store_kv``'s key holds, its per-layer part folded into ``constant``.
-        key = (constant, k.dtype, vv.dtype, slots.dtype, k.stride(), vv.stride(), slots.stride(0),
-               n >= store._PREFILL_ROWS, n == 1, n % 16 == 0, n >= 1 << 31,
-               slots.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, vv.data_ptr() % 16 == 0, index)
+        key = store.store_key(constant, slots, k, vv, index)  # (the per-layer part as its number)
         with on_device(device):
             launch_planned(store._LAUNCH, store._store_kv_kernel, store._PLANS, key,
                            lambda: store._plan(kc, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n),
@@ -81,14 +78,10 @@ def _layer(cs: tuple[torch.Tensor, ...], sc: tuple[Any, ...], kg: c.CacheGeom, v
     v_scale = sc[1] if has_v else None
     if not has_v:
         vg = kg
-    ks, ks_ptr = c.scale_args(k_scale, kc)
-    vs, vs_ptr = c.scale_args(v_scale, vc)
-    constant = (kg, vg, has_v, kc.dtype, vc.dtype, k_scale is None, v_scale is None,
-                ks.dtype if ks_ptr else None, vs.dtype if vs_ptr else None,
-                kc.data_ptr() % 16 == 0, vc.data_ptr() % 16 == 0,
-                ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None)
+    ks, _ = c.scale_args(k_scale, kc)
+    vs, _ = c.scale_args(v_scale, vc)
+    constant = store.store_key_constant(kc, vc, kg, vg, has_v, k_scale, v_scale)
     with _CONSTANT_IDS_LOCK:
         ident = _CONSTANT_IDS.setdefault(constant, len(_CONSTANT_IDS))
     storages = tuple({t.untyped_storage().data_ptr() for t in cs})
-    # (the device index last: launch_planned launches on key[-1])
     return kc, vc, has_v, k_scale, v_scale, ks, vs, ident, storages, kg, vg, kc.device, kc.get_device()

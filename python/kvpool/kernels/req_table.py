@@ -75,13 +75,19 @@ def launch_write_req_to_token(
     # so keep it fixed rather than compiling a new variant per power-of-two batch size.
     block_b = min(max(triton.next_power_of_2(b), 16), 1024) if offsets is None else 16
     head = (req_to_token, rows, starts, counts, offs, slots)
-    key = (req_to_token.dtype, rows.dtype, starts.dtype, counts.dtype, offs.dtype, slots.dtype,
-           req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0), offs.stride(0),
-           slots.stride(0), offsets is not None, block_b, b == 1, b % 16 == 0, b >= 1 << 31,
-           *(t.data_ptr() % 16 == 0 for t in head), req_to_token.get_device())
+    key = _table_key(req_to_token, tuple((t.dtype, t.stride(0), t.data_ptr() % 16 == 0) for t in head[1:]),
+                     offsets is not None, block_b, b)
     launch_planned(_LAUNCH, _write_req_to_token_kernel, _PLANS, key,
                    lambda: _plan(req_to_token, rows, starts, counts, offs, slots, offsets is not None, block_b),
                    head, b, req_to_token.is_cuda)
+
+
+def _table_key(req_to_token: torch.Tensor, parts: tuple, has_offsets: bool, block_b: int, b: int) -> tuple:
+    """A table launch's plan key, the one definition of it (``launch_write_req_to_token`` and
+    ``launch_packed_kept``): ``parts`` is (dtype, stride, 16-byte aligned) of rows, starts,
+    counts, offsets and slots; the device index last (``launch_planned`` launches on ``key[-1]``)."""
+    return (req_to_token.dtype, req_to_token.stride(0), req_to_token.data_ptr() % 16 == 0, parts,
+            has_offsets, block_b, b == 1, b % 16 == 0, b >= 1 << 31, req_to_token.get_device())
 
 
 def _plan(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
@@ -89,6 +95,11 @@ def _plan(req_to_token: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, 
     tail = (req_to_token.stride(0), rows.stride(0), starts.stride(0), counts.stride(0), offs.stride(0),
             slots.stride(0), has_offsets, block_b, 1024)  # ..., HAS_OFFSETS, BLOCK_B, BLOCK
     return tail, 1, 1, 4  # one program per request, 4 warps
+
+
+# The parts of a packed array as the views' key names them (int64, unit stride, as aligned as
+# the array), by the array's alignment.
+_PACKED_PARTS = {aligned: ((torch.int64, 1, aligned),) * 5 for aligned in (False, True)}
 
 
 def launch_packed_kept(req_to_token: torch.Tensor, packed: torch.Tensor, b: int, seg: int) -> bool:
@@ -107,11 +118,7 @@ def launch_packed_kept(req_to_token: torch.Tensor, packed: torch.Tensor, b: int,
     if _write_req_to_token_kernel is not _LAUNCH.fn or packed.dtype != torch.int64 or packed.stride(0) != 1:
         return False
     base = packed.data_ptr()
-    aligned = base % 16 == 0
-    i64 = torch.int64
-    key = (req_to_token.dtype, i64, i64, i64, i64, i64,
-           req_to_token.stride(0), 1, 1, 1, 1, 1, True, 16, b == 1, b % 16 == 0, b >= 1 << 31,
-           req_to_token.data_ptr() % 16 == 0, aligned, aligned, aligned, aligned, aligned, req_to_token.get_device())
+    key = _table_key(req_to_token, _PACKED_PARTS[base % 16 == 0], True, 16, b)
     plan = _PLANS.get(key)
     if plan is None:
         return False

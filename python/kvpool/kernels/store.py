@@ -13,6 +13,8 @@ slot 0 is an ordinary slot (page 0 is the pool's padding sink).
 # treats a parameter as constexpr only if its annotation is the tl.constexpr class, not a string
 # (tests/test_review_dependency_floors.py).
 
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
@@ -124,19 +126,36 @@ def launch_store_kv(
     what Triton specialises on (see ``kvpool.kernels.launch``), so a plan's compiled
     kernel is launched directly after its first launch."""
     n = k.shape[0]
-    ks, ks_ptr = c.scale_args(k_scale, k)
-    vs, vs_ptr = c.scale_args(v_scale if has_v else None, vv)
-    key = (kg, vg, has_v, k_cache.dtype, vc.dtype, k.dtype, vv.dtype, slots.dtype,
-           k.stride(), vv.stride(), slots.stride(0), k_scale is None, v_scale is None,
-           ks.dtype if ks_ptr else None, vs.dtype if vs_ptr else None,
-           n >= _PREFILL_ROWS, n == 1, n % 16 == 0, n >= 1 << 31,
-           k_cache.data_ptr() % 16 == 0, vc.data_ptr() % 16 == 0, slots.data_ptr() % 16 == 0,
-           k.data_ptr() % 16 == 0, vv.data_ptr() % 16 == 0,
-           ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None,
-           k_cache.get_device())
+    ks, _ = c.scale_args(k_scale, k)
+    vs, _ = c.scale_args(v_scale if has_v else None, vv)
+    key = store_key(store_key_constant(k_cache, vc, kg, vg, has_v, k_scale, v_scale), slots, k, vv,
+                    k_cache.get_device())
     launch_planned(_LAUNCH, _store_kv_kernel, _PLANS, key,
                    lambda: _plan(k_cache, vc, slots, k, vv, kg, vg, has_v, k_scale, v_scale, n),
                    (k_cache, vc, slots, k, vv, ks, vs), n, k_cache.is_cuda)
+
+
+def store_key_constant(k_cache: torch.Tensor, vc: torch.Tensor, kg: c.CacheGeom, vg: c.CacheGeom, has_v: bool,
+                       k_scale: c.Scale, v_scale: c.Scale) -> tuple:
+    """The part of a store launch's plan key that its caches and scales fix (a pool's never
+    change: ``kernels.layer_stores`` computes it once per layer)."""
+    ks, ks_ptr = c.scale_args(k_scale, k_cache)
+    vs, vs_ptr = c.scale_args(v_scale if has_v else None, vc)
+    return (kg, vg, has_v, k_cache.dtype, vc.dtype, k_scale is None, v_scale is None,
+            ks.dtype if ks_ptr else None, vs.dtype if vs_ptr else None,
+            k_cache.data_ptr() % 16 == 0, vc.data_ptr() % 16 == 0,
+            ks.data_ptr() % 16 == 0 if ks_ptr else None, vs.data_ptr() % 16 == 0 if vs_ptr else None)
+
+
+def store_key(constant: Any, slots: torch.Tensor, k: torch.Tensor, vv: torch.Tensor, device: int) -> tuple:
+    """A store launch's plan key: ``constant`` (``store_key_constant``'s tuple, or a stand-in
+    that names one), then what the call's slots and rows add, the device index last
+    (``launch_planned`` launches on ``key[-1]``). The one definition of the key, so that the
+    pool's own stores and ``launch_store_kv`` specialise alike."""
+    n = k.shape[0]
+    return (constant, k.dtype, vv.dtype, slots.dtype, k.stride(), vv.stride(), slots.stride(0),
+            n >= _PREFILL_ROWS, n == 1, n % 16 == 0, n >= 1 << 31,
+            slots.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, vv.data_ptr() % 16 == 0, device)
 
 
 def _plan(k_cache: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, vv: torch.Tensor,
