@@ -71,8 +71,18 @@ def test_free_device_memory_cpu_falls_back_to_free_pages(monkeypatch, text):
 def test_free_device_memory_cuda_uses_mem_get_info(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: seen.append(dev) or (7 * MB, 80 * MB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 0)
     assert free_device_memory(torch.device("cuda", 0)) == 7 * MB
     assert seen == [torch.device("cuda", 0)]
+
+
+def test_free_device_memory_cuda_counts_what_torchs_cache_holds_unused(monkeypatch):
+    # The driver reports reserved-but-unused blocks as used; the pool's tensors can reuse them.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (7 * MB, 80 * MB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 30 * MB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 18 * MB)
+    assert free_device_memory(torch.device("cuda", 0)) == 19 * MB
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -91,10 +91,17 @@ def table_bytes(max_requests: int, max_context_len: int) -> int:
 
 
 def free_device_memory(device: torch.device) -> int:
-    """Free bytes on ``device``: CUDA's free memory, or the host's available RAM."""
+    """Free bytes on ``device``: on CUDA the driver's free memory plus what torch's caching
+    allocator holds unused, or the host's available RAM."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        # The driver counts memory torch reserved as used even where no tensor lives in it
+        # (a model's load, a warm-up's activations): the pool's tensors are allocated through
+        # that same allocator, which reuses those blocks, or releases them and retries the
+        # driver when one is too small. Left out, a pool made after a warm-up came out smaller
+        # by whatever the warm-up left cached.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(int(cached), 0)
     if device.type == "cpu":
         return _available_host_memory()
     raise InvalidArgumentError(

@@ -58,8 +58,8 @@ class KVPool(NotPicklable, PoolViews, RequestOps, ExtendOps, SharingMixin, Admis
 
     Capacity: exactly one of ``num_pages`` / ``num_slots`` (totals, reserved
     page 0 included, as in ``SlotAllocator``), ``memory_bytes`` or
-    ``memory_fraction`` (of the device's free memory, or on the CPU of the host's
-    available memory, MemAvailable; budgets cover the K/V pages plus the tables). ``layout`` picks what ``k_buffer(layer)`` returns:
+    ``memory_fraction`` (of the device's free memory, counting what torch's caching
+    allocator holds unused, or on the CPU of the host's available memory, MemAvailable; budgets cover the K/V pages plus the tables). ``layout`` picks what ``k_buffer(layer)`` returns:
     ``"token"`` ``[num_slots, H, D]`` or ``"paged"`` ``[num_pages, P, H, D]``
     (same memory either way). MLA: give ``kv_lora_rank`` and
     ``qk_rope_head_dim``, ``num_kv_heads=1`` and ``head_dim`` = their sum.
