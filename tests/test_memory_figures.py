@@ -71,8 +71,7 @@ def test_free_device_memory_cpu_falls_back_to_free_pages(monkeypatch, text):
 def test_free_device_memory_cuda_uses_mem_get_info(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: seen.append(dev) or (7 * MB, 80 * MB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev: {})
     assert free_device_memory(torch.device("cuda", 0)) == 7 * MB
     assert seen == [torch.device("cuda", 0)]
 
@@ -80,9 +79,13 @@ def test_free_device_memory_cuda_uses_mem_get_info(monkeypatch):
 def test_free_device_memory_cuda_counts_what_torchs_cache_holds_unused(monkeypatch):
     # The driver reports reserved-but-unused blocks as used; the pool's tensors can reuse them.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (7 * MB, 80 * MB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 30 * MB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 18 * MB)
+    stats = {"reserved_bytes.all.current": 30 * MB, "allocated_bytes.all.current": 18 * MB,
+             "inactive_split_bytes.all.current": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev: stats)
     assert free_device_memory(torch.device("cuda", 0)) == 19 * MB
+    # Free pieces of segments that also hold live tensors cannot be released: not counted.
+    stats["inactive_split_bytes.all.current"] = 5 * MB
+    assert free_device_memory(torch.device("cuda", 0)) == 14 * MB
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

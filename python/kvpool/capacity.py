@@ -99,8 +99,11 @@ def free_device_memory(device: torch.device) -> int:
         # (a model's load, a warm-up's activations): the pool's tensors are allocated through
         # that same allocator, which reuses those blocks, or releases them and retries the
         # driver when one is too small. Left out, a pool made after a warm-up came out smaller
-        # by whatever the warm-up left cached.
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # by whatever the warm-up left cached. Not counted: free pieces of segments that also
+        # hold live tensors ("inactive split"), which cannot be released and may be too small.
+        stats = torch.cuda.memory_stats(device)
+        cached = (stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+                  - stats.get("inactive_split_bytes.all.current", 0))
         return int(free) + max(int(cached), 0)
     if device.type == "cpu":
         return _available_host_memory()
