@@ -137,3 +137,24 @@ def test_rows_that_are_negative_bit_views_are_stored_with_their_sign():
     kc = torch.zeros(8, 1, 8, device="cuda")
     K.store_kv(kc, None, torch.tensor([3, 5], device="cuda"), k)
     assert torch.equal(kc[[3, 5]].cpu(), k.resolve_neg().cpu())
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_store_keeps_nan_and_saturates_the_rest(fp8):
+    """Into fp8 a store clamps to the finite range: past it and +-inf saturate, NaN stays NaN,
+    as torch's clamp does (the kernel asks min/max to propagate NaN; by default they return
+    the non-NaN operand, -max). GPU only: the interpreter's own float -> fp8 conversion maps
+    NaN to 384 and 500 to 256 (Triton 3.2 and 3.9), so it cannot check this."""
+    m = 448.0 if fp8 == torch.float8_e4m3fn else 57344.0
+    row = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e6, -1e6, 1.5, -0.0, m])
+    rows = row.repeat(32).reshape(1, 1, 256).cuda()
+    kc = torch.zeros(4, 1, 256, dtype=torch.uint8, device="cuda").view(fp8)
+    vc = torch.zeros_like(kc)
+    K.store_kv(kc, vc, torch.tensor([2], device="cuda"), rows, -rows)
+    got, gotv = kc[2, 0, :8].float().cpu(), vc[2, 0, :8].float().cpu()
+    assert torch.isnan(got[0]) and torch.isnan(gotv[0]), "NaN stays NaN"
+    assert got[1:].tolist() == [m, -m, m, -m, 1.5, -0.0, m]
+    assert gotv[1:].tolist() == [-m, m, -m, m, -1.5, 0.0, -m]
+    want = _ref.quantize(rows, fp8, 1.0).float().cpu()
+    assert torch.equal(torch.isnan(kc[2:3].float().cpu()), torch.isnan(want))
+    assert torch.equal(kc[2:3].float().cpu().nan_to_num(7.0), want.nan_to_num(7.0))
