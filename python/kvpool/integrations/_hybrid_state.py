@@ -330,7 +330,15 @@ class PoolStateLayer(LinearAttentionCacheLayerMixin):
         if not self.is_recurrent_states_initialized[state_idx]:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         self.stamp(state_name("recurrent", state_idx))
-        rows = self.rows(state_name("recurrent", state_idx))
+        name = state_name("recurrent", state_idx)
+        rows = self.rows(name)
+        if torch.is_grad_enabled() and name in self._work:
+            # The model saved the state it read this forward (this working copy) for its backward:
+            # the decay multiplies it. Written over in place, that backward raised ("modified by an
+            # inplace operation"); the new state replaces the copy instead: a copy in the pool's dtype
+            # without autograd history (the pool stays out of autograd; the model's tensor stays its own).
+            self._work[name] = self._rows[name] = recurrent_states.detach().to(rows.dtype, copy=True)
+            return recurrent_states.to(rows.dtype)
         rows.copy_(recurrent_states)
         return rows
 
