@@ -95,6 +95,8 @@ class Run:
             at += n
 
     def op_again(self):
+        if self.draw(st.booleans()):  # (push the cached pages out first: the hit, if any, is the host's)
+            self.pool.evict(self.pool.num_pages)
         self.op_new(again=True)
 
     def op_cache(self):
