@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _outside_host_tier import LAYERS, D, H, assert_holds, assert_refused_cleanly, state, write_positions
+from _outside_host_tier import LAYERS, D, H, assert_holds, assert_refused_cleanly, no_events, state, write_positions
 
 import kvpool
 
@@ -187,3 +187,56 @@ def test_numpy_ints_and_0_d_tensors_are_handles_and_counts(form):
     other.swap_in([conv(a), conv(s)])
     for h, prompt in ((a, P_A), (b, P_B), (s, P_S)):
         assert_holds(other, h, prompt, 0)
+
+
+class OnceIndex:
+    """A handle-like object whose ``__index__`` (its own Python code) works ``ok`` times,
+    then raises ``exc``: what docs/errors.md calls an argument's own conversion code."""
+
+    def __init__(self, value, ok, exc):
+        self.value, self.ok, self.exc, self.calls = value, ok, exc, 0
+
+    def __index__(self):
+        self.calls += 1
+        if self.calls > self.ok:
+            raise self.exc
+        return self.value
+
+
+HANDLE_CALLS = {
+    "swap_out": (lambda p, a, s, c: p.swap_out([c(a)])),
+    "swap_in": (lambda p, a, s, c: p.swap_in([c(s)])),
+    "close a swapped request": (lambda p, a, s, c: p.close([c(s)])),
+    "close(cache=True)": (lambda p, a, s, c: p.close([c(a)], cache=True)),
+    "truncate": (lambda p, a, s, c: p.truncate([c(a)], [5])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(HANDLE_CALLS))
+def test_a_handle_s_own_conversion_code_runs_once(call):
+    """An element whose ``__index__`` answers once and then raises: the call does what the
+    int does (the pool converts each handle once, before anything changes), never commits
+    and then raises from a second conversion; one that raises at once is refused typed
+    (an ``Exception``) or passed through (a ``KeyboardInterrupt``), the pool unchanged."""
+    run = HANDLE_CALLS[call]
+    plain, other = make(), make()
+    hs = scene(plain)
+    assert scene(other) == hs
+    a, b, s, _ = hs
+    run(plain, a, s, int)
+    for exc in (ValueError("flaky"), KeyboardInterrupt()):
+        run(other, a, s, lambda h, exc=exc: OnceIndex(h, 1, exc))
+        plain.take_events()
+        other.take_events()
+        assert state(plain, [a, b, s])[:-1] == state(other, [a, b, s])[:-1]
+        other.check()
+        other = make()
+        assert scene(other) == hs
+    for exc, err in ((ValueError("flaky"), kvpool.InvalidArgumentError), (KeyboardInterrupt(), KeyboardInterrupt)):
+        other.take_events()
+        before = state(other, [a, b, s])
+        with pytest.raises(err):
+            run(other, a, s, lambda h, exc=exc: OnceIndex(h, 0, exc))
+        assert state(other, [a, b, s]) == before
+        assert no_events(other.take_events())
+        other.check()

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import InvalidArgumentError
+from kvpool.handle_args import frozen_handles
 from kvpool.streams import refuse_capture
 from kvpool.tiers.host_storage import HostStorage, host_page_bytes, host_pages_for_bytes
 from kvpool.tiers.transfers import TransferBatch, TransferRunner
@@ -119,6 +120,7 @@ class HostTierMixin:
             TensorDeviceError: called while a CUDA graph is being captured on the
                 pool's device (before anything changes).
         """
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if self._to_device is not None:
                 self._enter_device_call("swap_out")
@@ -146,6 +148,7 @@ class HostTierMixin:
             is raised (should the host have no room for that either, they stay on the
             device: close them).
         """
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if self._to_device is not None:
                 self._enter_device_call("swap_in")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import numpy as np
 
 from kvpool._core import PoolStats, SlotAllocator
+from kvpool.handle_args import frozen_handles
 from kvpool.validate import check_flag
 
 __all__ = ["RequestOps", "read_consistent"]
@@ -136,6 +137,7 @@ class RequestOps:
         ``req_to_token`` entries past the new length are left stale: readers stop
         at the sequence length and the next ``extend`` overwrites them.
         """
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             self.allocator.truncate(handles, lengths)
             self._note_edit(handles)
@@ -145,6 +147,7 @@ class RequestOps:
         (``SlotAllocator.roll_back_extend``), under the pool's lock: a request cut back
         inside its prompt takes the prompt's token ids again as it extends past the cut,
         so ``cache`` publishes those positions as the prompt's."""
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             self.allocator.roll_back_extend(handles, lengths)
             self._note_edit(handles)
@@ -160,6 +163,7 @@ class RequestOps:
                 captured); nothing changed.
         """
         cache = check_flag("cache", cache)  # (an array's truth value raised untyped)
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if cache:
                 self._refuse_transfers_in_capture("close", "write_through")
