@@ -209,6 +209,7 @@ HANDLE_CALLS = {
     "close a swapped request": (lambda p, a, s, c: p.close([c(s)])),
     "close(cache=True)": (lambda p, a, s, c: p.close([c(a)], cache=True)),
     "truncate": (lambda p, a, s, c: p.truncate([c(a)], [5])),
+    "fork": (lambda p, a, s, c: p.fork(c(a), 1)),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvpool.handle_args import frozen_handles
 from kvpool.kernels import copy_slots, write_req_to_token
 from kvpool.staging import pool_to_device
 
@@ -167,6 +168,7 @@ class SharingMixin:
             If the device table write fails after the allocator opened the
             children (a CUDA OOM or launch error), they are closed again.
         """
+        handle = frozen_handles(handle)  # (read again after the core commits: convert once)
         with self._lock:
             if self._to_device is not None:  # CUDA (staged through the pinned ring)
                 self._enter_device_call("fork")
