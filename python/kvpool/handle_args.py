@@ -45,20 +45,30 @@ def _index(x: Any) -> Any:
 
 
 def frozen_handles(handles: Any) -> Any:
-    """``handles`` with the caller's conversion code run once: a list or tuple's int-like
-    elements become ints, an object with ``__array__`` its array, an int-like object its
-    int. Plain ints, numpy arrays, tensors and other sequences come back as they are.
+    """``handles`` with the caller's conversion code run once: a list or tuple of ints as
+    one int64 array (which the pool's reads after the core then copy cheaply), int-like
+    elements as ints, an object with ``__array__`` as its array, an int-like object as its
+    int. Plain ints, numpy arrays, tensors and other sequences come back as they are, and
+    so does what the core refuses anyway (floats, bools, a ragged list), for its own error.
 
     Raises:
         InvalidArgumentError: that code raised an ``Exception`` (a ``MemoryError`` or a
             ``BaseException`` that is not an ``Exception`` is raised as it is).
     """
+    if isinstance(handles, (list, tuple)):
+        try:
+            arr = np.asarray(handles)
+        except MemoryError:
+            raise
+        except Exception:  # (ragged: the core refuses it, before anything changes)
+            return handles
+        if arr.dtype.kind in "iu":
+            return arr
+        if arr.dtype == object:  # elements numpy would not read: int-likes, ints past int64
+            return [_index(h) for h in handles]
+        return handles
     if _plain(handles):
         return handles
-    if isinstance(handles, (list, tuple)):
-        if all(_plain(h) for h in handles):  # (the per-call path: no copy)
-            return handles
-        return [_index(h) for h in handles]
     if hasattr(type(handles), "__array__"):
         try:
             return np.asarray(handles)
