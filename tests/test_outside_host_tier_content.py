@@ -1,6 +1,6 @@
 """Outside-style check of a KVPool with a host tier: random (hypothesis) sequences of
-open / open_with_prefix / extend / write / cache / close(cache=True) / fork / swap_out /
-swap_in / evict at page size 1 and 16, under write_back and write_through.
+open_with_prefix (fresh prompts and re-hits of published ones) / extend / write / cache /
+close(cache=True) / fork / truncate / swap_out / swap_in / evict at page size 1 and 16, under write_back and write_through.
 
 Every write stores K/V that depend on the request's whole prefix and salt
 (``_outside_host_tier.prefix_values``), so after every step every live request reads
