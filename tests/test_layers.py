@@ -23,7 +23,7 @@ PKG = Path(__file__).resolve().parents[1] / "python" / "kvpool"
 # Lowest first. A module's layer is that of its first name under kvpool/.
 LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"_core"}),
-    ("base", {"errors", "modes", "torch_types", "extras", "handles", "progress", "out_of_memory",
+    ("base", {"errors", "modes", "torch_types", "extras", "handles", "handle_args", "progress", "out_of_memory",
               "_forksafe", "_nopickle", "_values", "_eager"}),
     ("kernels", {"kernels"}),
     ("pool", {"pool", "pool_views", "admission", "sharing", "lifecycle", "rows", "tables", "packed", "staging",
