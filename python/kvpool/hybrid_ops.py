@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvpool._core import InvalidArgumentError
+from kvpool.handle_args import frozen_handles
 from kvpool.row_edits import lengths_before
 from kvpool.staging import pool_to_device
 from kvpool.streams import refuse_capture
@@ -120,6 +121,7 @@ class HybridRequestOps:
         here. Atomic as the core's call; if the device table write or a copy fails
         after the core committed (a CUDA OOM or launch error), the requests are
         rolled back where every group can (``_roll_back_extend``)."""
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("extend")
@@ -213,6 +215,7 @@ class HybridRequestOps:
         group needs the new length's window still held or still cached (taken back, and
         its table rows rewritten here), a state group a checkpoint at exactly the new
         length (restored here); otherwise ``RollbackUnavailableError`` and nothing changes."""
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if self._order is not None:  # the rows rewritten and states restored are device copies
                 self._enter_device_call("truncate")
@@ -228,6 +231,7 @@ class HybridRequestOps:
         so ``cache`` publishes those positions as the prompt's in every group. The same
         window and checkpoint rules as ``truncate`` (a state group's slot is restored to
         the state at the cut here)."""
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("truncate")
@@ -242,6 +246,7 @@ class HybridRequestOps:
         capture as ``cache`` is: see ``cache``."""
         _refuse_priorities(priority, retain_s)
         cache = check_flag("cache", cache)  # (an array's truth value raised untyped)
+        handles = frozen_handles(handles)  # (read again after the core commits: convert once)
         with self._lock:
             if cache and self._order is not None and self._open_copies:
                 self._enter_device_call("close")  # state checkpoints: copies, as cache()'s
@@ -292,6 +297,7 @@ class HybridRequestOps:
     def fork(self, handle: Any, n: int = 1) -> np.ndarray:
         """``n`` copies of a request in every group (shared pages; state copied here).
         See ``GroupedAllocator.fork``."""
+        handle = frozen_handles(handle)  # (read again after the core commits: convert once)
         with self._lock:
             if self._order is not None:
                 self._enter_device_call("fork")
