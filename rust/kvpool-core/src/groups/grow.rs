@@ -147,7 +147,10 @@ impl GroupedAllocator {
         let (batch, anchor_need) = self.anchor.group_extend_checks(handles, counts, tokens)?;
         let rows: Vec<(usize, usize, usize)> =
             batch.iter().map(|r| (r.row, r.len, r.count)).collect();
-        self.page_room(&rows, anchor_need)?;
+        if let Err(e) = self.page_room(&rows, anchor_need) {
+            self.restore_scratch();
+            return Err(e);
+        }
         let total: usize = rows.iter().map(|r| r.2).sum();
         let mut outs = self.outputs(total)?;
         let copies = rows.iter().filter(|r| r.2 > 0 && r.1 > 0).count();
@@ -184,6 +187,11 @@ impl GroupedAllocator {
     /// Every group's room for a batch `(row, len, count)`, in group order;
     /// the anchor needs `anchor_need` pages.
     fn page_room(&mut self, rows: &[(usize, usize, usize)], anchor_need: usize) -> Result<()> {
+        for g in self.groups.iter_mut() {
+            if let Group::Pages(e) = g {
+                e.mark_scratch();
+            }
+        }
         for g in 0..self.groups.len() {
             match &mut self.groups[g] {
                 Group::Anchor => self.anchor_room(anchor_need)?,
@@ -201,6 +209,15 @@ impl GroupedAllocator {
             self.anchor_room(anchor_need)?;
         }
         Ok(())
+    }
+
+    /// Every page group's scratch back to where `page_room` marked it.
+    fn restore_scratch(&mut self) {
+        for g in self.groups.iter_mut() {
+            if let Group::Pages(e) = g {
+                e.restore_scratch();
+            }
+        }
     }
 
     /// Opens `counts.len()` requests and extends request `i` by `counts[i]`

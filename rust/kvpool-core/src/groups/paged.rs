@@ -46,6 +46,9 @@ pub(crate) struct PageEngine {
     /// Shared partly filled last pages of a batch's growing rows, sorted
     /// (a batch's scratch).
     shared_scratch: Vec<u32>,
+    /// The scratch capacities when a batch's checks began: metadata_bytes
+    /// counts the scratch, so a refused batch gives back what it grew.
+    scratch_mark: (usize, usize),
 }
 
 impl PageEngine {
@@ -74,6 +77,7 @@ impl PageEngine {
             progress: zeroed_vec(max_requests, "group rows")?,
             scratch: Vec::new(),
             shared_scratch: Vec::new(),
+            scratch_mark: (0, 0),
         })
     }
 
@@ -161,6 +165,24 @@ impl PageEngine {
     /// Pages the batch `(row, len, count)` needs here, and the pages its
     /// window releases that then have no holder left (FREE or CACHED, so
     /// available again before the new ones are taken).
+    /// Remembers the scratch capacities before a batch's checks.
+    pub(crate) fn mark_scratch(&mut self) {
+        self.scratch_mark = (self.scratch.capacity(), self.shared_scratch.capacity());
+    }
+
+    /// After a refused batch: the scratch back to its marked capacities, so
+    /// that the refusal leaves metadata_bytes as it was. (The scratch holds
+    /// nothing between batches; shrinking reallocates to exactly the mark.)
+    pub(crate) fn restore_scratch(&mut self) {
+        let (a, b) = self.scratch_mark;
+        for (v, cap) in [(&mut self.scratch, a), (&mut self.shared_scratch, b)] {
+            if v.capacity() > cap {
+                v.clear();
+                v.shrink_to(cap);
+            }
+        }
+    }
+
     pub(crate) fn extend_need(&mut self, batch: &[(usize, usize, usize)]) -> (usize, usize) {
         let ps = self.geo.page_size;
         let mut scratch = std::mem::take(&mut self.scratch);
