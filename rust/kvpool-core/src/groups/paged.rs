@@ -162,9 +162,6 @@ impl PageEngine {
 
     // ---- extend ----
 
-    /// Pages the batch `(row, len, count)` needs here, and the pages its
-    /// window releases that then have no holder left (FREE or CACHED, so
-    /// available again before the new ones are taken).
     /// Remembers the scratch capacities before a batch's checks.
     pub(crate) fn mark_scratch(&mut self) {
         self.scratch_mark = (self.scratch.capacity(), self.shared_scratch.capacity());
@@ -183,6 +180,9 @@ impl PageEngine {
         }
     }
 
+    /// Pages the batch `(row, len, count)` needs here, and the pages its
+    /// window releases that then have no holder left (FREE or CACHED, so
+    /// available again before the new ones are taken).
     pub(crate) fn extend_need(&mut self, batch: &[(usize, usize, usize)]) -> (usize, usize) {
         let ps = self.geo.page_size;
         let mut scratch = std::mem::take(&mut self.scratch);
