@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _once_index import OnceIndex
 
 from kvpool import KVPool
 from kvpool._core import InvalidArgumentError
@@ -18,19 +19,6 @@ TYPES = ["sliding_attention", "full_attention", "linear_attention"]
 def make():
     return KVPool(3, 2, 8, layer_types=TYPES, sliding_window=8, state_shapes={"rec": (2, 3)},
                   dtype=torch.float32, page_size=4, num_pages=64, max_requests=8, max_context_len=64)
-
-
-class OnceIndex:
-    """``__index__`` works ``ok`` times, then raises ``exc``."""
-
-    def __init__(self, value, ok, exc):
-        self.value, self.ok, self.exc, self.calls = value, ok, exc, 0
-
-    def __index__(self):
-        self.calls += 1
-        if self.calls > self.ok:
-            raise self.exc
-        return self.value
 
 
 CALLS = {

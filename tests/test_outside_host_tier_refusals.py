@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _once_index import OnceIndex
 from _outside_host_tier import LAYERS, D, H, assert_holds, assert_refused_cleanly, no_events, state, write_positions
 
 import kvpool
@@ -187,20 +188,6 @@ def test_numpy_ints_and_0_d_tensors_are_handles_and_counts(form):
     other.swap_in([conv(a), conv(s)])
     for h, prompt in ((a, P_A), (b, P_B), (s, P_S)):
         assert_holds(other, h, prompt, 0)
-
-
-class OnceIndex:
-    """A handle-like object whose ``__index__`` (its own Python code) works ``ok`` times,
-    then raises ``exc``: what docs/errors.md calls an argument's own conversion code."""
-
-    def __init__(self, value, ok, exc):
-        self.value, self.ok, self.exc, self.calls = value, ok, exc, 0
-
-    def __index__(self):
-        self.calls += 1
-        if self.calls > self.ok:
-            raise self.exc
-        return self.value
 
 
 HANDLE_CALLS = {
