@@ -1,0 +1,453 @@
+"""Every refusal of the torch pool leaves it exactly as it was: a hypothesis state
+machine over ``kvpool.KVPool`` on the CPU (token and paged layouts, page size 1
+and 16, float32 and float8_e4m3fn, prefix caching on, pools small enough to evict),
+against a twin.
+
+Two pools built alike (same seeds, a manual clock) take every valid call (open,
+admit, extend with K/V written for every new slot, open_with_prefix, fork,
+truncate, cache, close with and without caching, evict, reads, gather_kv, page
+tables) and their answers must agree. K/V values are derived from (request,
+position, layer), so a row stored in the wrong slot shows. Between valid calls
+the subject alone takes a bad call from tests/pool_refusal_catalogue.py, under a
+drawn grad mode; it must raise a kvpool error (never a PanicException or a bare
+TypeError / RuntimeError / IndexError), and afterwards subject and twin must
+agree on: stats(), check(), every live request's length, slots, pages, known
+tokens and row, the CSR page table, the queued copies, every tensor the pool owns
+byte for byte (K/V caches, req_to_token, fp8 scales; compared as uint8 with
+torch.equal), and the pending KV events.
+
+A third kind of call writes rows of an unusual form (non-contiguous, overlapping,
+requiring grad, an inference tensor) to the subject: it must either be refused as
+above or store what the plain rows store in the twin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from pool_refusal_catalogue import ALLOCATOR_LEVEL, ODD, TORCH_LEVEL, PoolCtx
+from test_refusals_stateful import norm
+
+import kvpool
+from kvpool import KVPoolError
+from kvpool.kernels import gather_kv
+
+MAX_REQ = 6
+HASH_SEED = 7
+BASES = [[(i * 5 + 1) % 7 for i in range(96)], [(i * 3 + 2) % 7 for i in range(96)]]
+GRAD_MODES = {
+    "grad": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "inference": torch.inference_mode,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layout: str
+    ps: int
+    dtype: torch.dtype
+
+    @property
+    def max_ctx(self) -> int:
+        return 24 if self.ps == 1 else 48
+
+    @property
+    def pages(self) -> int:
+        return 30 if self.ps == 1 else 6  # 29 or 5 usable pages: eviction happens
+
+    def build(self, seed: int, pages: int | None = None) -> kvpool.KVPool:
+        return kvpool.KVPool(2, 2, 4, dtype=self.dtype, page_size=self.ps, num_pages=pages or self.pages,
+                             max_requests=MAX_REQ, max_context_len=self.max_ctx, layout=self.layout,
+                             hash_seed=HASH_SEED, handle_seed=seed, manual_clock=True)
+
+
+CONFIGS = [Config(lay, ps, dt) for lay in ("token", "paged") for ps in (1, 16)
+           for dt in (torch.float32, torch.float8_e4m3fn)]
+
+
+def kv_rows(tags: list[int], positions: list[int], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Rows for (request tag, position) pairs, distinct per pair and layer (also in fp8)."""
+    t = torch.tensor(tags, dtype=torch.float32).view(-1, 1, 1)
+    p = torch.tensor(positions, dtype=torch.float32).view(-1, 1, 1)
+    hd = torch.arange(8, dtype=torch.float32).view(1, 2, 4)
+    k = ((t * 37 + p * 11 + layer * 5 + hd * 3) % 53 - 26) / 4
+    return k.to(dtype), (-k - 0.25).to(dtype)
+
+
+def outcome(f):
+    try:
+        return f(), None
+    except KVPoolError as e:
+        return None, type(e)
+
+
+def comparable(x):
+    if isinstance(x, torch.Tensor):
+        return ("t", str(x.dtype), tuple(x.shape), _Bytes(x))
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return tuple(comparable(v) for v in x)
+    if isinstance(x, (list, tuple)):
+        return tuple(comparable(v) for v in x)
+    return norm(x)
+
+
+class PoolRefusalMachine(RuleBasedStateMachine):
+    BAD = ALLOCATOR_LEVEL + TORCH_LEVEL
+
+    @initialize(cfg=st.sampled_from(CONFIGS))
+    def setup(self, cfg):
+        self.cfg = cfg
+        self.ps, self.max_ctx = cfg.ps, cfg.max_ctx
+        self.a, self.t = cfg.build(11), cfg.build(11)
+        foreign_pool = cfg.build(12, pages=cfg.pages * 3)
+        self.foreign = int(foreign_pool.open(1)[0])
+        # A result of the foreign pool that names slots past this pool's num_slots.
+        while True:
+            loc = foreign_pool.admit([self.max_ctx])[1].out_cache_loc
+            if int(loc.max()) >= self.a.num_slots:
+                self.foreign_loc = loc
+                break
+        self.keep = foreign_pool
+        self.live, self.closed, self.prompts, self.tags = [], [], {}, {}
+        self.next_tag = 1
+        self.own = None  # the subject's last ExtendResult
+        self.bad_calls = 0
+        self.odd_calls = 0
+        self.now = 0.0
+
+    # --- plumbing ------------------------------------------------------------------
+
+    def both(self, f):
+        ra, ea = outcome(lambda: f(self.a))
+        rt, et = outcome(lambda: f(self.t))
+        assert ea is et, f"subject {ea!r} vs twin {et!r}"
+        if ea is None:
+            assert comparable(ra) == comparable(rt)
+        self.ok = ea is None
+        return ra, rt
+
+    def lengths(self):
+        return {h: int(n) for h, n in zip(self.live, self.t.lengths(self.live))} if self.live else {}
+
+    def pick(self, data, n):
+        if not self.live:
+            return []
+        return data.draw(st.lists(st.sampled_from(self.live), unique=True, min_size=1, max_size=n))
+
+    def opened(self, handles, prompts=None, tag_from=None):
+        for i, h in enumerate(np.asarray(handles).tolist()):
+            self.live.append(h)
+            self.tags[h] = self.next_tag
+            self.next_tag += 1
+            if prompts is not None:
+                self.prompts[h] = list(prompts[i])
+            elif tag_from is not None and tag_from in self.prompts:
+                self.prompts[h] = list(self.prompts[tag_from])
+
+    def closed_now(self, hs):
+        for h in hs:
+            self.live.remove(h)
+            self.prompts.pop(h, None)
+            self.closed.append(h)
+
+    def write_new(self, hs, before, res_a, res_t, how):
+        """K/V for every slot an extend (or admit) just handed out, in both pools."""
+        tags, pos = [], []
+        for h in hs:
+            n = int(self.t.length(h))
+            tags += [self.tags[h]] * (n - before.get(h, 0))
+            pos += list(range(before.get(h, 0), n))
+        assert len(tags) == len(res_t.slots)
+        for layer in range(2):
+            k, v = kv_rows(tags, pos, layer, self.a.compute_dtype)
+            for p, res in ((self.a, res_a), (self.t, res_t)):
+                p.write(layer, res.out_cache_loc if how == "loc" else res.slots, k, v)
+        self.own = res_a
+
+    # --- valid calls ----------------------------------------------------------------
+
+    @rule(n=st.integers(1, 2))
+    def open(self, n):
+        r, _ = self.both(lambda p: p.open(n))
+        if self.ok:
+            self.opened(r)
+
+    @rule(counts=st.lists(st.integers(0, 20), min_size=1, max_size=2), how=st.sampled_from(["loc", "slots"]))
+    def admit(self, counts, how):
+        ra, rt = self.both(lambda p: p.admit(counts))
+        if self.ok:
+            self.opened(ra[0])
+            self.write_new(ra[0].tolist(), {}, ra[1], rt[1], how)
+
+    @rule(data=st.data(), how=st.sampled_from(["loc", "slots"]))
+    def extend(self, data, how):
+        hs = self.pick(data, 3)
+        before = self.lengths()
+        counts = [data.draw(st.integers(0, min(2 * self.ps + 2, self.max_ctx - before[h]))) for h in hs]
+        ra, rt = self.both(lambda p: p.extend(hs, counts))
+        if self.ok:
+            self.write_new(hs, before, ra, rt, how)
+
+    @rule(data=st.data(), salt=st.integers(0, 1))
+    def open_with_prefix(self, data, salt):
+        prompts = [BASES[data.draw(st.integers(0, 1))][: data.draw(st.integers(1, self.max_ctx))]
+                   for _ in range(data.draw(st.integers(1, 2)))]
+        flat = [t for p in prompts for t in p]
+        r, _ = self.both(lambda p: p.open_with_prefix(flat, [len(p) for p in prompts], salt))
+        if self.ok:
+            self.opened(r[0], prompts=prompts)
+            hs = r[0].tolist()
+            before = self.lengths()
+            toks = [t for h, p in zip(hs, prompts) for t in p[before[h]:]]
+            ra, rt = self.both(lambda p: p.extend(hs, [len(q) - before[h] for h, q in zip(hs, prompts)], tokens=toks))
+            if self.ok:
+                self.write_new(hs, before, ra, rt, "loc")
+
+    @rule(data=st.data())
+    def cache(self, data):
+        hs = self.pick(data, 2)
+        self.both(lambda p: p.cache(hs))
+
+    @rule(data=st.data(), cache=st.booleans())
+    def close(self, data, cache):
+        hs = self.pick(data, 2)
+        self.both(lambda p: p.close(hs, cache=cache))
+        if self.ok:
+            self.closed_now(hs)
+
+    @rule(data=st.data(), n=st.integers(1, 2))
+    def fork(self, data, n):
+        hs = self.pick(data, 1)
+        if hs:
+            r, _ = self.both(lambda p: p.fork(hs[0], n))
+            if self.ok:
+                self.opened(r, tag_from=hs[0])
+
+    @rule(data=st.data())
+    def truncate(self, data):
+        hs = self.pick(data, 2)
+        lens = self.lengths()
+        to = [data.draw(st.integers(0, lens[h])) for h in hs]
+        self.both(lambda p: p.truncate(hs, to))
+        if self.ok:
+            for h, n in zip(hs, to):
+                if h in self.prompts:
+                    self.prompts[h] = self.prompts[h][:n]
+
+    @rule(n=st.integers(0, 3))
+    def evict(self, n):
+        self.both(lambda p: p.evict(n))
+
+    @rule()
+    def take_events(self):
+        self.both(lambda p: p.take_events())
+
+    @rule(data=st.data(), layer=st.integers(0, 1))
+    def read(self, data, layer):
+        for h in self.pick(data, 2):
+            s = self.t.slots(h)
+            self.both(lambda p: p.read(layer, s))
+            scales = (None, None) if self.a.k_scale is None else (self.a.k_scale[layer:layer + 1],
+                                                                   self.a.v_scale[layer:layer + 1])
+            self.both(lambda p: gather_kv(p.k_buffer(layer), p.v_buffer(layer), torch.from_numpy(s),
+                                          k_scale=None if scales[0] is None else p.k_scale[layer:layer + 1],
+                                          v_scale=None if scales[1] is None else p.v_scale[layer:layer + 1]))
+
+    @rule(data=st.data())
+    def tables(self, data):
+        hs = self.pick(data, 3)
+        if hs:
+            self.both(lambda p: p.page_table(hs))
+            self.both(lambda p: p.req_to_token[torch.from_numpy(p.rows(hs))])
+
+    @rule(dt=st.sampled_from([0.5, 2.0]))
+    def set_clock(self, dt):
+        self.now += dt
+        self.both(lambda p: p.set_clock(self.now))
+
+    # --- rows of an unusual form ----------------------------------------------------
+
+    @rule(data=st.data(), mode=st.sampled_from(sorted(GRAD_MODES)), layer=st.integers(0, 1))
+    def odd_rows(self, data, mode, layer):
+        hs = self.pick(data, 1)
+        if not hs:
+            return
+        s = self.t.slots(hs[0])
+        if not len(s):
+            return
+        name, odd, plain = data.draw(st.sampled_from(ODD), label="odd")
+        k, v = kv_rows([self.next_tag] * len(s), list(range(len(s))), layer, self.a.compute_dtype)
+        self.next_tag += 1
+        before = self.fingerprint(self.a)
+        with GRAD_MODES[mode]():
+            ok, err = outcome(lambda: self.a.write(layer, s, odd(k), odd(v)))
+        if err is not None:
+            assert self.fingerprint(self.a) == before, f"{name} ({mode}): refused, and the pool changed"
+            return
+        self.t.write(layer, s, plain(k), plain(v))
+        self.odd_calls += 1
+        assert not any(t.requires_grad or t.is_inference() for _, t in self.a.named_tensors()), name
+
+    # --- bad calls ------------------------------------------------------------------
+
+    def ctx(self, pick):
+        return PoolCtx(live=list(self.live), lengths=self.lengths(), prompts=self.prompts, stale=list(self.closed),
+                       foreign=self.foreign, max_ctx=self.max_ctx, page_size=self.ps, grouped=False, pick=pick,
+                       num_layers=2, num_slots=self.a.num_slots, heads=2, dim=4, dtype=self.a.compute_dtype,
+                       foreign_loc=self.foreign_loc, own=self.own)
+
+    def bad_call(self, data):
+        name, make = data.draw(st.sampled_from(self.BAD), label="bad")
+        mode = data.draw(st.sampled_from(sorted(GRAD_MODES)), label="mode")
+        self.refuse(name, make, lambda xs: data.draw(st.sampled_from(xs)), mode)
+
+    def refuse(self, name, make, pick, mode="grad"):
+        """Makes one bad call on the subject: a typed refusal that changes nothing."""
+        thunk = make(self.a, self.ctx(pick))
+        if thunk is None:
+            return False
+        before = self.fingerprint(self.a)
+        try:
+            with GRAD_MODES[mode]():
+                got = thunk()
+        except KVPoolError:
+            pass
+        except BaseException as e:  # PanicException is a BaseException
+            raise AssertionError(f"{name} ({mode}): {type(e).__module__}.{type(e).__name__} is not a kvpool "
+                                 f"error: {e}") from e
+        else:
+            raise AssertionError(f"{name} ({mode}): accepted, returned {got!r}")
+        self.bad_calls += 1
+        after = self.fingerprint(self.a)
+        diff = [i for i, (x, y) in enumerate(zip(after, before)) if x != y]
+        assert not diff, f"{name} ({mode}): the refusal changed the subject: {self.what(diff, after, before)}"
+        twin = self.fingerprint(self.t)
+        diff = [i for i, (x, y) in enumerate(zip(after, twin)) if x != y]
+        assert not diff, f"{name} ({mode}): the subject no longer matches its twin: {self.what(diff, after, twin)}"
+        assert norm(self.a.take_events()) == norm(self.t.take_events()), f"{name} ({mode}): pending events changed"
+        return True
+
+    bad_1 = rule(data=st.data())(bad_call)
+    bad_2 = rule(data=st.data())(bad_call)
+    bad_3 = rule(data=st.data())(bad_call)
+
+    # --- what must agree ------------------------------------------------------------
+
+    FIELDS = ("stats", "requests", "page_table", "pending_copies", "clock", "closed", "tensors", "grad", "row_edits")
+
+    def what(self, diff, x, y):
+        out = []
+        for i in diff:
+            if self.FIELDS[i] == "tensors":
+                out += [f"tensor {n} differs" for (n, a), (_, b) in zip(x[i], y[i]) if a != b]
+            else:
+                out.append(f"{self.FIELDS[i]}: {x[i]!r} vs {y[i]!r}"[:400])
+        return "; ".join(out)
+
+    def fingerprint(self, p):
+        p.check()
+        per = tuple((h, p.length(h), p.slots(h).tolist(), p.pages(h).tolist(), p.known_tokens(h).tolist(),
+                     p.rows([h]).tolist()) for h in self.live)
+        table = tuple(x.numpy().tobytes() for x in p.page_table(self.live)) if self.live else ()
+        tensors = tuple((n, _Bytes(t)) for n, t in p.named_tensors())
+        grad = tuple((n, t.requires_grad, t.is_inference()) for n, t in p.named_tensors())
+        # what a KVPoolCache learns of calls it did not make (kvpool.row_edits), and whether
+        # extend asks the core for copy-on-write work
+        edits = (p._row_edits, tuple((n, None if h is None else h.tolist()) for n, h in p._edited_rows), p._sharing)
+        return (norm(p.stats()), per, table, p.allocator.pending_copies, p.clock,
+                tuple(p.is_open(h) for h in self.closed[-4:]), tensors, grad, edits)
+
+    @invariant()
+    def twins_agree(self):
+        if hasattr(self, "a"):
+            x, y = self.fingerprint(self.a), self.fingerprint(self.t)
+            diff = [i for i, (u, w) in enumerate(zip(x, y)) if u != w]
+            assert not diff, self.what(diff, x, y)
+
+    def teardown(self):
+        if hasattr(self, "a"):
+            STATS["bad"] += self.bad_calls
+            STATS["odd"] += self.odd_calls
+
+
+class _Bytes:
+    """A tensor's bytes, compared with torch.equal on a uint8 view."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        # (an empty tensor may have a stride of 0, which view() refuses: no bytes to compare)
+        self.b = t.detach().contiguous().view(torch.uint8).clone() if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Bytes) and self.b.shape == other.b.shape and torch.equal(self.b, other.b)
+
+    def __repr__(self) -> str:
+        return f"<{self.b.numel()} bytes>"
+
+
+STATS = {"bad": 0, "odd": 0}
+
+SETTINGS = settings(max_examples=500, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_pool_refusals_leave_the_pool_as_it_was():
+    STATS.update(bad=0, odd=0)
+    PoolRefusalMachine.TestCase.settings = SETTINGS
+    PoolRefusalMachine.TestCase().runTest()
+    assert STATS["bad"] > 200, f"only {STATS['bad']} bad calls ran: the machine is not reaching them"
+    assert STATS["odd"] > 5, f"only {STATS['odd']} unusual rows were stored"
+
+
+def prepared(cfg: Config) -> PoolRefusalMachine:
+    """A machine in a state every catalogue entry can use: live requests with and
+    without prompts, a cached chain, a shared (forked) page, written K/V, a closed
+    handle whose row was reopened, and a recent ExtendResult of the pool's own."""
+    m = PoolRefusalMachine()
+    m.setup.__wrapped__(m, cfg) if hasattr(m.setup, "__wrapped__") else m.setup(cfg=cfg)
+    prompt = BASES[0][: m.max_ctx - 2]
+    r, _ = m.both(lambda p: p.open_with_prefix(prompt, [len(prompt)]))
+    m.opened(r[0], prompts=[prompt])
+    h = int(r[0][0])
+    ra, rt = m.both(lambda p: p.extend([h], len(prompt)))
+    m.write_new([h], {}, ra, rt, "loc")
+    m.both(lambda p: p.close([h], cache=True))
+    m.closed_now([h])
+    m.opened(m.both(lambda p: p.open(1))[0])  # takes the closed row back: the closed handle is now stale
+    q = prompt[:-2] + [0, 1, 2]
+    r, _ = m.both(lambda p: p.open_with_prefix(q, [len(q)]))
+    m.opened(r[0], prompts=[q])
+    before = m.lengths()
+    ra, rt = m.both(lambda p: p.extend(m.live, [3, 1]))
+    m.write_new(list(m.live), before, ra, rt, "loc")
+    f, _ = m.both(lambda p: p.fork(m.live[1], 1))
+    m.opened(f, tag_from=m.live[1])
+    m.twins_agree()
+    return m
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.layout}-p{c.ps}-{str(c.dtype).split('.')[-1]}")
+def test_every_pool_catalogue_entry_is_refused_and_changes_nothing(cfg):
+    """Each entry once, from a state where it applies, against the first and then the
+    last live handle, each time under another grad mode."""
+    failures = []
+    for which, mode in ((0, "grad"), (-1, "no_grad"), (0, "inference")):
+        m, ran = prepared(cfg), []
+        for name, make in m.BAD:
+            try:
+                if m.refuse(name, make, lambda xs, w=which: xs[w], mode):
+                    ran.append(name)
+            except AssertionError as e:  # every failing entry named at once; a fresh state after one
+                failures.append(str(e).splitlines()[0][:300])
+                ran.append(name)
+                m = prepared(cfg)
+        skipped = sorted({name for name, _ in m.BAD} - set(ran))
+        assert not skipped, f"entries that found no state to run in: {skipped}"
+    assert not failures, "\n".join(failures)
