@@ -35,6 +35,13 @@ class PoolCtx(Ctx):
     dtype: torch.dtype = torch.float32  # the rows a write takes (compute_dtype)
     foreign_loc: Any = None  # an ExtendResult.out_cache_loc of another, larger pool, past this one
     own: Any = field(default=None, repr=False)  # a recent ExtendResult of this pool (may be stale)
+    room: int = 0  # slots the tightest page group can still hand out (free, or cached and evictable)
+    hybrid: bool = False  # a HybridKVPool: per-layer slots and page tables (layer 0: full attention)
+
+
+def _q(c: PoolCtx) -> tuple[int, ...]:
+    """The layer argument a hybrid pool's per-layer queries take (slots, page_table)."""
+    return (0,) if c.hybrid else ()
 
 
 def _kw_free(name: str) -> bool:
@@ -60,7 +67,7 @@ def _live_slots(f: Callable[[Any, PoolCtx, np.ndarray], Any]) -> Callable[[Any, 
 
     def call(p: Any, c: PoolCtx) -> Any:
         for h in ([c.pick(c.live)] if c.live else []) + c.live:
-            s = p.slots(h)
+            s = p.slots(h, *_q(c))
             if len(s):
                 return lambda: f(p, c, s)
         return None
@@ -205,16 +212,17 @@ TORCH_LEVEL: list[tuple[str, Callable[[Any, PoolCtx], Any]]] = [
                                             torch.tensor([int(s[0]), c.num_slots - 1]),
                                             torch.tensor([c.num_slots - 1, c.num_slots - 2])))),
     # page tables and the other queries
-    ("page_table(None)", _always(lambda p, c: p.page_table(None))),
-    ("page_table(float handles)", _always(lambda p, c: p.page_table(np.array(c.live or [0], np.float64)))),
-    ("page_table([live, stale])", lambda p, c: (lambda: p.page_table([*c.live[:1], c.pick(c.stale)])) if c.stale else None),
-    ("slots(stale)", lambda p, c: (lambda: p.slots(c.pick(c.stale))) if c.stale else None),
+    ("page_table(None)", _always(lambda p, c: p.page_table(None, *_q(c)))),
+    ("page_table(float handles)", _always(lambda p, c: p.page_table(np.array(c.live or [0], np.float64), *_q(c)))),
+    ("page_table([live, stale])",
+     lambda p, c: (lambda: p.page_table([*c.live[:1], c.pick(c.stale)], *_q(c))) if c.stale else None),
+    ("slots(stale)", lambda p, c: (lambda: p.slots(c.pick(c.stale), *_q(c))) if c.stale else None),
     ("rows([live, foreign])", lambda p, c: (lambda: p.rows([*c.live[:1], c.foreign]))),
     # counts no pool can hold: refused whole (all-or-nothing, tables too)
     ("admit(more than fits)", _always(lambda p, c: p.admit([c.max_ctx] * 5))),
     ("extend(every live request, past the free pages)",
      lambda p, c: (lambda: p.extend(c.live, [c.max_ctx - c.lengths[h] for h in c.live]))
-     if c.live and sum(c.max_ctx - c.lengths[h] for h in c.live) > p.free_slots + p.evictable_pages * c.page_size
+     if c.live and sum(c.max_ctx - c.lengths[h] for h in c.live) > c.room
      else None),
     ("open_with_prefix(more requests than max_requests)",
      _always(lambda p, c: p.open_with_prefix(list(range(1, 5)) * 7, [4] * 7))),
@@ -223,7 +231,7 @@ TORCH_LEVEL: list[tuple[str, Callable[[Any, PoolCtx], Any]]] = [
 
 
 def _scale(p: Any, which: str, layer: int = 0) -> Any:
-    s = p.k_scale if which == "k" else p.v_scale
+    s = getattr(p, "k_scale" if which == "k" else "v_scale", None)
     return None if s is None else s[layer : layer + 1]
 
 

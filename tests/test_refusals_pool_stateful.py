@@ -54,6 +54,7 @@ class Config:
     layout: str
     ps: int
     dtype: torch.dtype
+    host_pages: int | None = None  # a host tier below the device pages: evictions offload, hits load
 
     @property
     def max_ctx(self) -> int:
@@ -66,11 +67,12 @@ class Config:
     def build(self, seed: int, pages: int | None = None) -> kvpool.KVPool:
         return kvpool.KVPool(2, 2, 4, dtype=self.dtype, page_size=self.ps, num_pages=pages or self.pages,
                              max_requests=MAX_REQ, max_context_len=self.max_ctx, layout=self.layout,
-                             hash_seed=HASH_SEED, handle_seed=seed, manual_clock=True)
+                             hash_seed=HASH_SEED, handle_seed=seed, manual_clock=True, host_pages=self.host_pages)
 
 
 CONFIGS = [Config(lay, ps, dt) for lay in ("token", "paged") for ps in (1, 16)
            for dt in (torch.float32, torch.float8_e4m3fn)]
+CONFIGS += [Config("paged", 16, torch.float32, host_pages=4), Config("token", 1, torch.float8_e4m3fn, host_pages=12)]
 
 
 def kv_rows(tags: list[int], positions: list[int], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -104,17 +106,32 @@ class PoolRefusalMachine(RuleBasedStateMachine):
 
     @initialize(cfg=st.sampled_from(CONFIGS))
     def setup(self, cfg):
+        self._setup(cfg)
+
+    def slot_limit(self, p):
+        """One past the largest slot any layer of ``p`` has."""
+        return p.num_slots
+
+    def _setup(self, cfg):
         self.cfg = cfg
         self.ps, self.max_ctx = cfg.ps, cfg.max_ctx
         self.a, self.t = cfg.build(11), cfg.build(11)
+        for p in (self.a, self.t):  # host storage starts as torch.empty: the same bytes in both twins
+            for name, x in p.named_tensors():
+                if name.startswith("host"):
+                    x.zero_()
         foreign_pool = cfg.build(12, pages=cfg.pages * 3)
         self.foreign = int(foreign_pool.open(1)[0])
         # A result of the foreign pool that names slots past this pool's num_slots.
-        while True:
-            loc = foreign_pool.admit([self.max_ctx])[1].out_cache_loc
-            if int(loc.max()) >= self.a.num_slots:
-                self.foreign_loc = loc
-                break
+        # (a page at a time, so that a hybrid pool's sliding window gives pages back meanwhile)
+        self.foreign_loc = None
+        while self.foreign_loc is None:
+            fh = foreign_pool.open(1)
+            while self.foreign_loc is None and foreign_pool.length(fh[0]) < self.max_ctx:
+                res = foreign_pool.extend(fh, self.ps)
+                loc = res.out_cache_loc if isinstance(res.out_cache_loc, torch.Tensor) else res.out_cache_loc[0]
+                if int(loc.max()) >= self.slot_limit(self.a):
+                    self.foreign_loc = loc
         self.keep = foreign_pool
         self.live, self.closed, self.prompts, self.tags = [], [], {}, {}
         self.next_tag = 1
@@ -283,6 +300,9 @@ class PoolRefusalMachine(RuleBasedStateMachine):
         s = self.t.slots(hs[0])
         if not len(s):
             return
+        self._odd(data, mode, layer, s)
+
+    def _odd(self, data, mode, layer, s):
         name, odd, plain = data.draw(st.sampled_from(ODD), label="odd")
         k, v = kv_rows([self.next_tag] * len(s), list(range(len(s))), layer, self.a.compute_dtype)
         self.next_tag += 1
@@ -301,8 +321,11 @@ class PoolRefusalMachine(RuleBasedStateMachine):
     def ctx(self, pick):
         return PoolCtx(live=list(self.live), lengths=self.lengths(), prompts=self.prompts, stale=list(self.closed),
                        foreign=self.foreign, max_ctx=self.max_ctx, page_size=self.ps, grouped=False, pick=pick,
-                       num_layers=2, num_slots=self.a.num_slots, heads=2, dim=4, dtype=self.a.compute_dtype,
-                       foreign_loc=self.foreign_loc, own=self.own)
+                       num_layers=2, num_slots=self.slot_limit(self.a), heads=2, dim=4, dtype=self.a.compute_dtype,
+                       foreign_loc=self.foreign_loc, own=self.own, room=self.room(), hybrid=False)
+
+    def room(self):
+        return self.a.free_slots + self.a.evictable_pages * self.ps
 
     def bad_call(self, data):
         name, make = data.draw(st.sampled_from(self.BAD), label="bad")
@@ -411,7 +434,7 @@ def prepared(cfg: Config) -> PoolRefusalMachine:
     without prompts, a cached chain, a shared (forked) page, written K/V, a closed
     handle whose row was reopened, and a recent ExtendResult of the pool's own."""
     m = PoolRefusalMachine()
-    m.setup.__wrapped__(m, cfg) if hasattr(m.setup, "__wrapped__") else m.setup(cfg=cfg)
+    m._setup(cfg)
     prompt = BASES[0][: m.max_ctx - 2]
     r, _ = m.both(lambda p: p.open_with_prefix(prompt, [len(prompt)]))
     m.opened(r[0], prompts=[prompt])
@@ -433,7 +456,8 @@ def prepared(cfg: Config) -> PoolRefusalMachine:
     return m
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.layout}-p{c.ps}-{str(c.dtype).split('.')[-1]}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.layout}-p{c.ps}-{str(c.dtype).split('.')[-1]}"
+                                                 + ("-host" if c.host_pages else ""))
 def test_every_pool_catalogue_entry_is_refused_and_changes_nothing(cfg):
     """Each entry once, from a state where it applies, against the first and then the
     last live handle, each time under another grad mode."""
