@@ -88,23 +88,30 @@ def _bad_rows(make: Callable[[PoolCtx, int], tuple[Any, Any]]) -> Callable[[Any,
     return _live_slots(lambda p, c, s: p.write(0, s, *make(c, len(s))))
 
 
-def _changed_behind(p: Any, c: PoolCtx) -> Any:
+def _changed_behind(at: int, which: str, op: str = "write") -> Callable[[Any, PoolCtx], Any]:
     """A pool-made result whose host array was changed after extend returned (the tensor
-    shares its memory, so torch sees no change): documented as still refused."""
-    if c.own is None or len(c.own.slots) == 0:
-        return None
+    shares its memory, so torch sees no change), then passed as the slots (``which``: the
+    tensor or the array): documented as still refused, with nothing written."""
 
-    def call() -> Any:
-        res = c.own
-        keep = res.slots.copy()
-        res.slots[-1] = c.num_slots + 3
-        try:
-            k, v = rows(c, len(keep))
-            return p.write(1, res.out_cache_loc, k, v)
-        finally:
-            res.slots[:] = keep
+    def make(p: Any, c: PoolCtx) -> Any:
+        if c.own is None or len(c.own.slots) <= max(at, -at - 1):
+            return None
 
-    return call
+        def call() -> Any:
+            res = c.own
+            keep = res.slots.copy()
+            res.slots[at] = c.num_slots + 3
+            try:
+                slots = res.out_cache_loc if which == "loc" else res.slots
+                if op == "read":
+                    return p.read(1, slots)
+                return p.write(1, slots, *rows(c, len(keep)))
+            finally:
+                res.slots[:] = keep
+
+        return call
+
+    return make
 
 
 def _wrong_other_dtype(c: PoolCtx) -> torch.dtype:
@@ -184,7 +191,10 @@ TORCH_LEVEL: list[tuple[str, Callable[[Any, PoolCtx], Any]]] = [
     ("write(slots one more than rows)", _live_slots(lambda p, c, s: _w(p, [*s.tolist(), int(s[0])], len(s), c))),
     ("write(another pool's out_cache_loc)",
      _always(lambda p, c: _w(p, c.foreign_loc, int(c.foreign_loc.shape[0]), c))),
-    ("write(own out_cache_loc changed behind torch's back)", _changed_behind),
+    ("write(own out_cache_loc changed behind torch's back)", _changed_behind(-1, "loc")),
+    ("write(own out_cache_loc changed behind torch's back, 2nd slot)", _changed_behind(1, "loc")),
+    ("write(own .slots array changed in place, 2nd slot)", _changed_behind(1, "slots")),
+    ("read(own out_cache_loc changed behind torch's back)", _changed_behind(-1, "loc", "read")),
     # reads and the kernels on the pool's own caches
     ("read([ok.., num_slots])", _live_slots(lambda p, c, s: p.read(0, [*s.tolist(), c.num_slots]))),
     ("read(float slots)", _live_slots(lambda p, c, s: p.read(0, s.astype(np.float32)))),

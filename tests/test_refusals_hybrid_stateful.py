@@ -62,7 +62,7 @@ HYBRID_ONLY = [(f"evict{args}", _hybrid_evict(args)) for args in ((99, 1), (-1, 
 class HybridRefusalMachine(PoolRefusalMachine):
     BAD = [e for e in ALLOCATOR_LEVEL if _takes(e[0])] + TORCH_LEVEL + HYBRID_ONLY
     # The hybrid pool's ExtendResult holds one array per group: the changed-behind case is the plain pool's.
-    NOT_HERE = {"write(own out_cache_loc changed behind torch's back)"}
+    NOT_HERE = {name for name, _ in TORCH_LEVEL if "changed" in name}
 
     @initialize(cfg=st.sampled_from([HybridConfig(1), HybridConfig(4)]))
     def setup(self, cfg):
