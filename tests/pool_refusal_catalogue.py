@@ -240,6 +240,47 @@ TORCH_LEVEL: list[tuple[str, Callable[[Any, PoolCtx], Any]]] = [
 ]
 
 
+class OnceIndex:
+    """An argument element whose own ``__index__`` answers ``ok`` times, then raises: the pool
+    must read it once (a second read after the core committed left work half done)."""
+
+    def __init__(self, value: int, ok: int) -> None:
+        self.value, self.ok, self.calls = value, ok, 0
+
+    def __index__(self) -> int:
+        self.calls += 1
+        if self.calls > self.ok:
+            raise RuntimeError("this element's __index__ fails now")
+        return self.value
+
+
+def _flaky(call: Callable[[Any, PoolCtx, int, Callable[[int], Any]], Any]) -> Callable[[Any, PoolCtx], Any]:
+    def make(p: Any, c: PoolCtx) -> Any:
+        h = c.one()
+        return None if h is None else (lambda: call(p, c, h, lambda x: OnceIndex(x, 0)))
+
+    return make
+
+
+FLAKY: list[tuple[str, Callable[[Any, PoolCtx, int, Callable[[int], Any]], Any]]] = [
+    ("close", lambda p, c, h, f: p.close([f(h)])),
+    ("close(cache=True)", lambda p, c, h, f: p.close([f(h)], cache=True)),
+    ("truncate", lambda p, c, h, f: p.truncate([f(h)], [0])),
+    ("extend", lambda p, c, h, f: p.extend([f(h)], [1])),
+    ("extend(count)", lambda p, c, h, f: p.extend([h], [f(1)])),
+    ("fork", lambda p, c, h, f: p.fork(f(h), 1)),
+    ("fork(n)", lambda p, c, h, f: p.fork(h, f(1))),
+    ("cache", lambda p, c, h, f: p.cache([f(h)])),
+    ("admit", lambda p, c, h, f: p.admit([f(2)])),
+    ("open", lambda p, c, h, f: p.open(f(1))),
+    ("write(slots)", lambda p, c, h, f: (lambda s: p.write(0, [*s[:-1].tolist(), f(int(s[-1]))], *rows(c, len(s))))(
+        p.slots(h, *_q(c))) if len(p.slots(h, *_q(c))) else p.write(0, [f(c.num_slots - 1)], *rows(c, 1))),
+]
+# An element that raises at once: a bad call. One that answers once or twice first is a valid call
+# if the pool reads it once, so the machines give it to the subject and the plain int to the twin.
+FLAKY_LEVEL = [(f"{name} with an element whose __index__ raises", _flaky(call)) for name, call in FLAKY]
+
+
 def _scale(p: Any, which: str, layer: int = 0) -> Any:
     s = getattr(p, "k_scale" if which == "k" else "v_scale", None)
     return None if s is None else s[layer : layer + 1]

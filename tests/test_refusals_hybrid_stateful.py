@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from pool_refusal_catalogue import ALLOCATOR_LEVEL, TORCH_LEVEL
+from pool_refusal_catalogue import ALLOCATOR_LEVEL, FLAKY, FLAKY_LEVEL, TORCH_LEVEL
 from test_refusals_pool_stateful import BASES, GRAD_MODES, SETTINGS, STATS, PoolRefusalMachine, _Bytes, kv_rows
 
 import kvpool
@@ -60,7 +60,7 @@ HYBRID_ONLY = [(f"evict{args}", _hybrid_evict(args)) for args in ((99, 1), (-1, 
 
 
 class HybridRefusalMachine(PoolRefusalMachine):
-    BAD = [e for e in ALLOCATOR_LEVEL if _takes(e[0])] + TORCH_LEVEL + HYBRID_ONLY
+    BAD = [e for e in ALLOCATOR_LEVEL if _takes(e[0])] + TORCH_LEVEL + FLAKY_LEVEL + HYBRID_ONLY
     # The hybrid pool's ExtendResult holds one array per group: the changed-behind case is the plain pool's.
     NOT_HERE = {name for name, _ in TORCH_LEVEL if "changed" in name}
 
@@ -190,5 +190,12 @@ def test_every_catalogue_entry_is_refused_by_the_hybrid_pool_and_changes_nothing
                 m = prepared(HybridConfig(ps))
         skipped = sorted({name for name, _ in m.BAD} - set(ran) - m.NOT_HERE)
         assert not skipped, f"entries that found no state to run in: {skipped}"
+    for ok in (1, 2):
+        for name, call in FLAKY:
+            m = prepared(HybridConfig(ps))
+            try:
+                m.same_or_refused(name, call, m.live[-1], ok, "grad")
+            except AssertionError as e:
+                failures.append(str(e).splitlines()[0][:300])
     assert not failures, "\n".join(failures)
 

@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from pool_refusal_catalogue import ALLOCATOR_LEVEL, ODD, TORCH_LEVEL, PoolCtx
+from pool_refusal_catalogue import ALLOCATOR_LEVEL, FLAKY, FLAKY_LEVEL, ODD, TORCH_LEVEL, OnceIndex, PoolCtx
 from test_refusals_stateful import norm
 
 import kvpool
@@ -102,7 +102,7 @@ def comparable(x):
 
 
 class PoolRefusalMachine(RuleBasedStateMachine):
-    BAD = ALLOCATOR_LEVEL + TORCH_LEVEL
+    BAD = ALLOCATOR_LEVEL + TORCH_LEVEL + FLAKY_LEVEL
 
     @initialize(cfg=st.sampled_from(CONFIGS))
     def setup(self, cfg):
@@ -316,6 +316,47 @@ class PoolRefusalMachine(RuleBasedStateMachine):
         self.odd_calls += 1
         assert not any(t.requires_grad or t.is_inference() for _, t in self.a.named_tensors()), name
 
+    # --- an element that answers its __index__ once or twice, then raises ----------------
+
+    @rule(data=st.data(), ok=st.integers(1, 2), mode=st.sampled_from(sorted(GRAD_MODES)))
+    def flaky_element(self, data, ok, mode):
+        name, call = data.draw(st.sampled_from(FLAKY), label="flaky")
+        if self.live:
+            self.same_or_refused(name, call, data.draw(st.sampled_from(self.live)), ok, mode)
+
+    def same_or_refused(self, name, call, h, ok, mode):
+        """``call`` with an element that answers ``ok`` times then raises, to the subject, and
+        with the plain int to the twin: read once it is the twin's call; read again after the
+        core committed, it must still be a typed refusal that changed nothing."""
+        c = self.ctx(lambda xs: xs[0])
+        lens = self.lengths()
+        before = self.fingerprint(self.a)
+        try:
+            with GRAD_MODES[mode]():
+                got = call(self.a, c, h, lambda x: OnceIndex(x, ok))
+        except KVPoolError:
+            after = self.fingerprint(self.a)
+            diff = [i for i, (x, y) in enumerate(zip(after, before)) if x != y]
+            assert not diff, f"{name} ({ok}, {mode}): refused, and the pool changed: {self.what(diff, after, before)}"
+            return False
+        except BaseException as e:
+            raise AssertionError(f"{name} ({ok}, {mode}): {type(e).__name__} is not a kvpool error: {e}") from e
+        ra, ea = got, None
+        rt, et = outcome(lambda: call(self.t, c, h, lambda x: x))
+        assert et is ea and comparable(ra) == comparable(rt), f"{name} ({ok}, {mode}): not what the twin got"
+        for x in [x for x in self.live if not self.t.is_open(x)]:
+            self.closed_now([x])
+        new = ra[0] if isinstance(ra, tuple) and isinstance(ra[0], np.ndarray) else ra
+        if isinstance(new, np.ndarray) and new.dtype == np.int64 and name in ("open", "admit", "fork", "fork(n)"):
+            self.opened(new, tag_from=h if name.startswith("fork") else None)
+        if isinstance(ra, tuple) and isinstance(ra[1], tuple) and hasattr(ra[1], "_fields"):
+            self.write_new(new.tolist(), {}, ra[1], rt[1], "loc")  # admit's prefill
+        elif name.startswith("extend"):
+            self.write_new([h], lens, ra, rt, "loc")
+        self.odd_calls += 1
+        self.twins_agree()
+        return True
+
     # --- bad calls ------------------------------------------------------------------
 
     def ctx(self, pick):
@@ -474,4 +515,11 @@ def test_every_pool_catalogue_entry_is_refused_and_changes_nothing(cfg):
                 m = prepared(cfg)
         skipped = sorted({name for name, _ in m.BAD} - set(ran))
         assert not skipped, f"entries that found no state to run in: {skipped}"
+    for ok in (1, 2):
+        for name, call in FLAKY:
+            m = prepared(cfg)
+            try:
+                m.same_or_refused(name, call, m.live[-1], ok, "grad")
+            except AssertionError as e:
+                failures.append(str(e).splitlines()[0][:300])
     assert not failures, "\n".join(failures)
