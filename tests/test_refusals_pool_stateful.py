@@ -1,7 +1,7 @@
 """Every refusal of the torch pool leaves it exactly as it was: a hypothesis state
 machine over ``kvpool.KVPool`` on the CPU (token and paged layouts, page size 1
-and 16, float32 and float8_e4m3fn, prefix caching on, pools small enough to evict),
-against a twin.
+and 16, float32 and float8_e4m3fn, two of them with a host tier, prefix caching on,
+pools small enough to evict), against a twin.
 
 Two pools built alike (same seeds, a manual clock) take every valid call (open,
 admit, extend with K/V written for every new slot, open_with_prefix, fork,
@@ -16,9 +16,11 @@ tokens and row, the CSR page table, the queued copies, every tensor the pool own
 byte for byte (K/V caches, req_to_token, fp8 scales; compared as uint8 with
 torch.equal), and the pending KV events.
 
-A third kind of call writes rows of an unusual form (non-contiguous, overlapping,
-requiring grad, an inference tensor) to the subject: it must either be refused as
-above or store what the plain rows store in the twin.
+Two more kinds of call give the subject an unusual but possibly valid form, and the
+twin the plain one: rows that are non-contiguous, overlapping, require grad or are
+inference tensors; a handle, count or slot whose ``__index__`` answers once or twice
+and then raises (read once, it is the plain call). The subject must either refuse
+as above, changing nothing, or end up exactly as the twin.
 """
 
 from __future__ import annotations
@@ -466,8 +468,8 @@ def test_pool_refusals_leave_the_pool_as_it_was():
     STATS.update(bad=0, odd=0)
     PoolRefusalMachine.TestCase.settings = SETTINGS
     PoolRefusalMachine.TestCase().runTest()
-    assert STATS["bad"] > 200, f"only {STATS['bad']} bad calls ran: the machine is not reaching them"
-    assert STATS["odd"] > 5, f"only {STATS['odd']} unusual rows were stored"
+    assert STATS["bad"] > 500, f"only {STATS['bad']} bad calls ran: the machine is not reaching them"
+    assert STATS["odd"] > 100, f"only {STATS['odd']} unusual forms were accepted"
 
 
 def prepared(cfg: Config) -> PoolRefusalMachine:
