@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _once_index import OnceIndex
 from refusal_catalogue import COMMON, LATE, SLOT_LATE, SLOT_ONLY, Ctx
 
 from kvpool.kernels import copy_slots, gather_kv, store_kv
@@ -240,24 +241,16 @@ TORCH_LEVEL: list[tuple[str, Callable[[Any, PoolCtx], Any]]] = [
 ]
 
 
-class OnceIndex:
+def once_index(value: int, ok: int) -> OnceIndex:
     """An argument element whose own ``__index__`` answers ``ok`` times, then raises: the pool
     must read it once (a second read after the core committed left work half done)."""
-
-    def __init__(self, value: int, ok: int) -> None:
-        self.value, self.ok, self.calls = value, ok, 0
-
-    def __index__(self) -> int:
-        self.calls += 1
-        if self.calls > self.ok:
-            raise RuntimeError("this element's __index__ fails now")
-        return self.value
+    return OnceIndex(value, ok, RuntimeError("this element's __index__ fails now"))
 
 
 def _flaky(call: Callable[[Any, PoolCtx, int, Callable[[int], Any]], Any]) -> Callable[[Any, PoolCtx], Any]:
     def make(p: Any, c: PoolCtx) -> Any:
         h = c.one()
-        return None if h is None else (lambda: call(p, c, h, lambda x: OnceIndex(x, 0)))
+        return None if h is None else (lambda: call(p, c, h, lambda x: once_index(x, 0)))
 
     return make
 

@@ -34,7 +34,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from pool_refusal_catalogue import ALLOCATOR_LEVEL, FLAKY, FLAKY_LEVEL, ODD, TORCH_LEVEL, OnceIndex, PoolCtx
+from pool_refusal_catalogue import ALLOCATOR_LEVEL, FLAKY, FLAKY_LEVEL, ODD, TORCH_LEVEL, PoolCtx, once_index
 from test_refusals_stateful import norm
 
 import kvpool
@@ -335,7 +335,7 @@ class PoolRefusalMachine(RuleBasedStateMachine):
         before = self.fingerprint(self.a)
         try:
             with GRAD_MODES[mode]():
-                got = call(self.a, c, h, lambda x: OnceIndex(x, ok))
+                got = call(self.a, c, h, lambda x: once_index(x, ok))
         except KVPoolError:
             after = self.fingerprint(self.a)
             diff = [i for i, (x, y) in enumerate(zip(after, before)) if x != y]
