@@ -17,7 +17,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 from pool_refusal_catalogue import ALLOCATOR_LEVEL, FLAKY, FLAKY_LEVEL, TORCH_LEVEL
-from test_refusals_pool_stateful import BASES, GRAD_MODES, SETTINGS, STATS, PoolRefusalMachine, _Bytes, kv_rows
+from test_refusals_pool_stateful import BASES, GRAD_MODES, SETTINGS, STATS, PoolRefusalMachine, _Bytes, finish_prepared, kv_rows
 
 import kvpool
 from kvpool.hybrid import HybridKVPool
@@ -160,19 +160,7 @@ def prepared(cfg: HybridConfig) -> HybridRefusalMachine:
         ra, rt = m.both(lambda p: p.extend([h], min(4, len(prompt) - p.length(h))))
         m.write_new([h], before, ra, rt, "loc")
         m.both(lambda p: p.cache([h]))
-    m.both(lambda p: p.close([h], cache=True))
-    m.closed_now([h])
-    m.opened(m.both(lambda p: p.open(1))[0])
-    q = prompt[:-2] + [0, 1, 2]
-    r, _ = m.both(lambda p: p.open_with_prefix(q, [len(q)]))
-    m.opened(r[0], prompts=[q])
-    before = m.lengths()
-    ra, rt = m.both(lambda p: p.extend(m.live, [3, 1]))
-    m.write_new(list(m.live), before, ra, rt, "loc")
-    f, _ = m.both(lambda p: p.fork(m.live[1], 1))
-    m.opened(f, tag_from=m.live[1])
-    m.twins_agree()
-    return m
+    return finish_prepared(m, h, prompt)
 
 
 @pytest.mark.parametrize("ps", [1, 4])

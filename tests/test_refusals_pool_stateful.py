@@ -484,6 +484,13 @@ def prepared(cfg: Config) -> PoolRefusalMachine:
     h = int(r[0][0])
     ra, rt = m.both(lambda p: p.extend([h], len(prompt)))
     m.write_new([h], {}, ra, rt, "loc")
+    return finish_prepared(m, h, prompt)
+
+
+def finish_prepared(m: PoolRefusalMachine, h: int, prompt: list[int]) -> PoolRefusalMachine:
+    """The rest of a prepared state (the hybrid machine's too), after request ``h`` of
+    ``prompt`` was written: ``h`` closed to the cache and its row taken back (a stale
+    handle), a prefix hit on ``prompt``, both live requests extended, one forked."""
     m.both(lambda p: p.close([h], cache=True))
     m.closed_now([h])
     m.opened(m.both(lambda p: p.open(1))[0])  # takes the closed row back: the closed handle is now stale
