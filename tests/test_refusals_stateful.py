@@ -396,6 +396,10 @@ class GroupedRefusalMachine(RefusalMachine):
 
 
 SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                    # The same examples every run: a random draw reached as few as 343 bad calls in
+                    # 40 runs (the floor is 300), and CI must not fail by chance. Longer random runs
+                    # are for hunting, not for the suite.
+                    derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
